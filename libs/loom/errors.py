@@ -1,0 +1,29 @@
+"""The base of every Loom error, and whether a retry can help.
+
+Each package defines its own subclasses for the cases a caller can act on. The consumer loop
+decides between nak (retry later) and dead-letter from :attr:`LoomError.non_retryable`, never
+from message text.
+"""
+
+
+class LoomError(Exception):
+    """Base of Loom's errors. ``non_retryable`` is True when repeating the same call cannot succeed."""
+
+    non_retryable: bool = False
+
+    def __init__(self, message: str, *, non_retryable: bool | None = None) -> None:
+        super().__init__(message)
+        if non_retryable is not None:
+            self.non_retryable = non_retryable
+
+
+class InvalidInputError(LoomError):
+    """Input that breaks a contract: bad JSON, unknown fields, impossible values. Never retryable."""
+
+    non_retryable = True
+
+
+class TransientError(LoomError):
+    """A dependency was briefly unavailable (server restarting, timeout); a retry may succeed."""
+
+    non_retryable = False

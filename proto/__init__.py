@@ -1,0 +1,79 @@
+"""Loom's wire contracts: every event as a msgspec Struct, subject builders and stream definitions.
+
+This package imports nothing else of Loom, so clients in any language can rely on the generated
+AsyncAPI document and JSON Schemas beside it (``asyncapi.json``, ``schemas/``), and Python clients
+can depend on it alone.
+"""
+
+from loom_proto.alerts import Alert, Severity
+from loom_proto.clusters import (
+    ClusterCommand,
+    ClusterHeartbeat,
+    ClusterStatus,
+    DrainCluster,
+    NodeAllocation,
+    NodeState,
+    StartJob,
+    StopJob,
+    CheckpointJob,
+)
+from loom_proto.codec import DecodeError, decode, encode
+from loom_proto.ids import ID_PATTERN, Id, InvalidIdError, validate_id
+from loom_proto.jobs import (
+    JobCancelled,
+    JobCheckpointed,
+    JobCompleted,
+    JobEvent,
+    JobFailed,
+    JobPlaced,
+    JobProgress,
+    JobRejected,
+    JobSpec,
+    JobStarted,
+    JobSubmitted,
+    Resources,
+    TaskType,
+    Work,
+)
+from loom_proto.net import LinkState, ProbeKind, ProbeSample
+from loom_proto.view import NodeView, ViewDelta
+
+__all__ = [
+    "ID_PATTERN",
+    "Alert",
+    "CheckpointJob",
+    "ClusterCommand",
+    "ClusterHeartbeat",
+    "ClusterStatus",
+    "DecodeError",
+    "DrainCluster",
+    "Id",
+    "InvalidIdError",
+    "JobCancelled",
+    "JobCheckpointed",
+    "JobCompleted",
+    "JobEvent",
+    "JobFailed",
+    "JobPlaced",
+    "JobProgress",
+    "JobRejected",
+    "JobSpec",
+    "JobStarted",
+    "JobSubmitted",
+    "LinkState",
+    "NodeView",
+    "ViewDelta",
+    "NodeAllocation",
+    "NodeState",
+    "ProbeKind",
+    "ProbeSample",
+    "Resources",
+    "Severity",
+    "StartJob",
+    "StopJob",
+    "TaskType",
+    "Work",
+    "decode",
+    "encode",
+    "validate_id",
+]

@@ -1,0 +1,146 @@
+"""Generate the checked-in AsyncAPI document and JSON Schemas from the Structs.
+
+``python -m loom_proto.asyncapi --write`` regenerates them; ``--check`` exits 1 when the files in
+the package differ from what the Structs say (a test runs the same check).
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from loom_proto.alerts import Alert
+from loom_proto.clusters import CheckpointJob, ClusterHeartbeat, ClusterStatus, DrainCluster, StartJob, StopJob
+from loom_proto.jobs import (
+    JobCancelled,
+    JobCheckpointed,
+    JobCompleted,
+    JobFailed,
+    JobPlaced,
+    JobProgress,
+    JobRejected,
+    JobStarted,
+    JobSubmitted,
+)
+from loom_proto.net import LinkState, ProbeSample
+from loom_proto.view import ViewDelta
+
+HERE = Path(__file__).parent
+
+# channel address -> (parameters, message type, description)
+CHANNELS: dict[str, tuple[tuple[str, ...], type[msgspec.Struct], str]] = {
+    "loom.jobs.submitted.{tenant}": (("tenant",), JobSubmitted, "Submit a job; set Nats-Msg-Id to job_id."),
+    "loom.jobs.placed.{cluster}": (("cluster",), JobPlaced, "Placement reserved capacity on a cluster."),
+    "loom.jobs.started.{tenant}": (("tenant",), JobStarted, "A job's run started."),
+    "loom.jobs.progress.{tenant}": (("tenant",), JobProgress, "Steps done so far."),
+    "loom.jobs.checkpointed.{tenant}": (("tenant",), JobCheckpointed, "A checkpoint was written."),
+    "loom.jobs.completed.{tenant}": (("tenant",), JobCompleted, "A job finished."),
+    "loom.jobs.failed.{tenant}": (("tenant",), JobFailed, "A job's run failed."),
+    "loom.jobs.rejected.{tenant}": (("tenant",), JobRejected, "Loom will not run the job, and why."),
+    "loom.jobs.cancelled.{tenant}": (("tenant",), JobCancelled, "A job was cancelled."),
+    "loom.clusters.{cluster}.heartbeat": (("cluster",), ClusterHeartbeat, "An agent's heartbeat."),
+    "loom.clusters.{cluster}.cmd.start": (("cluster",), StartJob, "Start a job on given nodes."),
+    "loom.clusters.{cluster}.cmd.stop": (("cluster",), StopJob, "Stop a job's run."),
+    "loom.clusters.{cluster}.cmd.checkpoint": (("cluster",), CheckpointJob, "Checkpoint a job now."),
+    "loom.clusters.{cluster}.cmd.drain": (("cluster",), DrainCluster, "Stop accepting work."),
+    "loom.clusters.{cluster}.status": (("cluster",), ClusterStatus, "An agent's state changes."),
+    "loom.view.delta.{region}": (("region",), ViewDelta, "Ledger changes of one cluster."),
+    "loom.net.probe.{src}.{dst}": (("src", "dst"), ProbeSample, "A raw probe sample."),
+    "loom.net.link.{src}.{dst}": (("src", "dst"), LinkState, "A link's current state."),
+    "loom.alerts.{source}": (("source",), Alert, "An alert from a monitoring source."),
+}
+
+
+def schemas() -> dict[str, dict[str, Any]]:
+    """JSON Schema (2020-12) of every message, by message name."""
+    out: dict[str, dict[str, Any]] = {}
+    for _, message_type, _ in CHANNELS.values():
+        schema = msgspec.json.schema(message_type)
+        schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+        schema["$id"] = f"loom/{message_type.__name__}.json"
+        out[message_type.__name__] = schema
+    return out
+
+
+def document() -> dict[str, Any]:
+    """The AsyncAPI 3.0 document for every channel."""
+    types = sorted({t for _, t, _ in CHANNELS.values()}, key=lambda t: t.__name__)
+    _, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
+    channels: dict[str, Any] = {}
+    operations: dict[str, Any] = {}
+    messages: dict[str, Any] = {}
+    for address, (params, message_type, description) in CHANNELS.items():
+        name = message_type.__name__
+        channel_id = address.replace(".{", "_").replace("}", "").replace(".", "_")
+        messages[name] = {
+            "name": name,
+            "contentType": "application/json",
+            "payload": {"$ref": f"#/components/schemas/{name}"},
+            "headers": {
+                "type": "object",
+                "properties": {
+                    "Nats-Msg-Id": {"type": "string", "description": "deterministic id for deduplication"},
+                    "traceparent": {"type": "string", "description": "W3C trace context"},
+                },
+            },
+        }
+        channels[channel_id] = {
+            "address": address,
+            "description": description,
+            "parameters": {p: {"description": "[A-Za-z0-9_-]{1,64}"} for p in params},
+            "messages": {name: {"$ref": f"#/components/messages/{name}"}},
+        }
+        operations[f"publish_{channel_id}"] = {
+            "action": "send",
+            "channel": {"$ref": f"#/channels/{channel_id}"},
+        }
+    return {
+        "asyncapi": "3.0.0",
+        "info": {
+            "title": "Loom events",
+            "version": "0.1.0",
+            "description": "Every event Loom's services exchange over NATS JetStream, JSON-encoded.",
+        },
+        "defaultContentType": "application/json",
+        "channels": channels,
+        "operations": operations,
+        "components": {"schemas": components, "messages": messages},
+    }
+
+
+def rendered() -> dict[Path, str]:
+    """Every generated file and its content."""
+    files = {HERE / "asyncapi.json": json.dumps(document(), indent=2, sort_keys=True) + "\n"}
+    for name, schema in schemas().items():
+        files[HERE / "schemas" / f"{name}.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
+    return files
+
+
+def stale_files() -> list[Path]:
+    """Generated files that are missing or differ from what the Structs produce."""
+    return [p for p, text in rendered().items() if not p.exists() or p.read_text() != text]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write or check the generated files."""
+    parser = argparse.ArgumentParser(prog="python -m loom_proto.asyncapi")
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--write", action="store_true")
+    group.add_argument("--check", action="store_true")
+    args = parser.parse_args(argv)
+    if args.write:
+        (HERE / "schemas").mkdir(exist_ok=True)
+        for path, text in rendered().items():
+            path.write_text(text)
+        return 0
+    stale = stale_files()
+    for path in stale:
+        print(f"stale: {path} (run python -m loom_proto.asyncapi --write)", file=sys.stderr)
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""What cluster agents report and what they are told to do.
+
+Heartbeats carry a per-agent sequence number; ``full`` snapshots list every node, deltas list only
+nodes that changed (``removed`` names nodes gone since the last heartbeat). Commands are durable on
+the CLUSTERS stream, so an agent that reconnects misses none.
+"""
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from loom_proto.ids import Id
+from loom_proto.jobs import GpuModel, JobSpec, NodeAllocation, UnixSeconds
+
+
+class NodeState(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One node as its agent sees it."""
+
+    node: Id
+    zone: Id
+    gpu_model: GpuModel | None = None
+    gpus_total: Annotated[int, Meta(ge=0, le=64)] = 0
+    gpus_used: Annotated[int, Meta(ge=0, le=64)] = 0
+    cpu_milli: Annotated[int, Meta(ge=0, le=1_024_000)] = 0
+    memory_mib: Annotated[int, Meta(ge=0, le=16 * 1024 * 1024)] = 0
+    healthy: bool = True
+
+
+class ClusterHeartbeat(msgspec.Struct, tag_field="kind", tag="heartbeat", forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """A cluster's periodic report; ``seq`` increases by one per heartbeat of one agent run."""
+
+    cluster: Id
+    region: Id
+    agent_epoch: Annotated[int, Meta(ge=0)] = 0
+    """Changes when the agent restarts, so a restarted agent's ``seq`` may start again at 1."""
+    seq: Annotated[int, Meta(ge=1)]
+    sent_at: UnixSeconds
+    full: bool = False
+    nodes: Annotated[list[NodeState], Meta(max_length=20_000)] = []
+    removed: Annotated[list[Id], Meta(max_length=20_000)] = []
+    running_jobs: Annotated[list[Id], Meta(max_length=100_000)] = []
+    interval_s: Annotated[float, Meta(gt=0, le=3600)] = 5.0
+
+
+class StartJob(msgspec.Struct, tag_field="kind", tag="start", forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Start ``spec`` on the given nodes; ``attempt`` distinguishes re-placements of one job."""
+
+    job_id: Id
+    spec: JobSpec
+    gpu_model: GpuModel
+    allocations: list[NodeAllocation]
+    attempt: Annotated[int, Meta(ge=1)] = 1
+    resume_from_step: Annotated[int, Meta(ge=0)] = 0
+
+
+class StopJob(msgspec.Struct, tag_field="kind", tag="stop", forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Stop a job's run (attempt) on this cluster."""
+
+    job_id: Id
+    attempt: Annotated[int, Meta(ge=1)] = 1
+    reason: Annotated[str, Meta(max_length=1024)] = ""
+
+
+class CheckpointJob(msgspec.Struct, tag_field="kind", tag="checkpoint", forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Write a checkpoint of a running job now."""
+
+    job_id: Id
+    attempt: Annotated[int, Meta(ge=1)] = 1
+
+
+class DrainCluster(msgspec.Struct, tag_field="kind", tag="drain", forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Accept no new work on these nodes (all nodes when empty)."""
+
+    nodes: list[Id] = []
+    reason: Annotated[str, Meta(max_length=1024)] = ""
+
+
+ClusterCommand = StartJob | StopJob | CheckpointJob | DrainCluster
+"""Any command to an agent, discriminated by ``kind``."""
+
+
+class ClusterStatus(msgspec.Struct, tag_field="kind", tag="status", forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """An agent's answer to a command it could not carry out, or a change of its own state."""
+
+    cluster: Id
+    state: Literal["ready", "draining", "degraded", "stopping"]
+    detail: Annotated[str, Meta(max_length=2048)] = ""
+    job_id: Id | None = None
+    at: UnixSeconds

@@ -1,0 +1,30 @@
+"""Identifiers that travel inside NATS subjects.
+
+A subject token must never contain ``.``, ``*``, ``>`` or whitespace, or a tenant could publish
+into another tenant's subject space. Every id that becomes a subject token matches
+:data:`ID_PATTERN`; the pattern is also part of every Struct field typed :data:`Id`, so decoding
+rejects a bad id before any handler sees it.
+"""
+
+import re
+from typing import Annotated
+
+from msgspec import Meta
+
+ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+_ID_RE = re.compile(ID_PATTERN)
+
+Id = Annotated[str, Meta(pattern=ID_PATTERN, description="[A-Za-z0-9_-]{1,64}; safe as a subject token")]
+
+
+class InvalidIdError(ValueError):
+    """An identifier that cannot be used as a subject token."""
+
+
+def validate_id(value: str, what: str = "id") -> str:
+    """Return ``value`` unchanged if it is a valid identifier, else raise :class:`InvalidIdError`."""
+    if not isinstance(value, str) or _ID_RE.fullmatch(value) is None:
+        raise InvalidIdError(
+            f"invalid {what} {value!r}: must be 1-64 characters of letters, digits, '_' or '-'"
+        )
+    return value

@@ -1,0 +1,47 @@
+"""Network measurements: raw probe samples and the link state derived from them."""
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from loom_proto.ids import Id
+from loom_proto.jobs import UnixSeconds
+
+ProbeKind = Literal["udp_echo", "tcp_echo", "tcp_bulk"]
+
+NonNegative = Annotated[float, Meta(ge=0)]
+
+
+class ProbeSample(msgspec.Struct, tag_field="kind", tag="probe", forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One probe round from ``src`` to ``dst``; a lost probe has ``rtt_ms`` None."""
+
+    src: Id
+    dst: Id
+    probe: ProbeKind
+    seq: Annotated[int, Meta(ge=0)]
+    sent_at: UnixSeconds
+    rtt_ms: Annotated[float, Meta(ge=0, le=60_000)] | None = None
+    sent: Annotated[int, Meta(ge=1)] = 1
+    lost: Annotated[int, Meta(ge=0)] = 0
+    jitter_ms: Annotated[float, Meta(ge=0, le=60_000)] | None = None
+    bandwidth_gbps: Annotated[float, Meta(ge=0, le=10_000)] | None = None
+    bytes_sent: Annotated[int, Meta(ge=0)] = 0
+
+
+class LinkState(msgspec.Struct, tag_field="kind", tag="link", forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """The network-perception service's current view of one directed link."""
+
+    src: Id
+    dst: Id
+    rtt_ms_p50: NonNegative
+    rtt_ms_p95: NonNegative
+    rtt_ms_p99: NonNegative
+    jitter_ms: NonNegative
+    loss_rate: Annotated[float, Meta(ge=0, le=1)]
+    bandwidth_gbps: NonNegative | None = None
+    rtt_ms_forecast: NonNegative | None = None
+    cost: NonNegative
+    stale: bool = False
+    degraded: bool = False
+    updated_at: UnixSeconds

@@ -1,0 +1,167 @@
+"""Subject names, their builders, and the JetStream streams that hold them (ARCHITECTURE.md §4).
+
+Every builder validates the identifiers it puts into a subject, so no caller can build a subject
+with a wildcard or an extra token in it.
+"""
+
+from typing import Literal
+
+import msgspec
+
+from loom_proto.ids import validate_id
+
+PREFIX = "loom"
+
+JobEventKind = Literal[
+    "submitted", "placed", "started", "progress", "checkpointed", "completed", "failed", "rejected", "cancelled"
+]
+ClusterCommandKind = Literal["start", "stop", "checkpoint", "drain"]
+
+JOB_EVENT_KINDS: tuple[JobEventKind, ...] = (
+    "submitted", "placed", "started", "progress", "checkpointed", "completed", "failed", "rejected", "cancelled",
+)
+CLUSTER_COMMAND_KINDS: tuple[ClusterCommandKind, ...] = ("start", "stop", "checkpoint", "drain")
+
+
+def job_submitted(tenant: str) -> str:
+    """``loom.jobs.submitted.<tenant>``: where clients submit jobs."""
+    return f"{PREFIX}.jobs.submitted.{validate_id(tenant, 'tenant')}"
+
+
+def job_placed(cluster: str) -> str:
+    """``loom.jobs.placed.<cluster>``: placement decisions, keyed by the chosen cluster."""
+    return f"{PREFIX}.jobs.placed.{validate_id(cluster, 'cluster')}"
+
+
+def job_event(kind: JobEventKind, tenant: str) -> str:
+    """``loom.jobs.<kind>.<tenant>`` for every lifecycle event but ``placed``."""
+    if kind == "placed":
+        raise ValueError("placed events are keyed by cluster: use job_placed(cluster)")
+    if kind not in JOB_EVENT_KINDS:
+        raise ValueError(f"unknown job event kind {kind!r}")
+    return f"{PREFIX}.jobs.{kind}.{validate_id(tenant, 'tenant')}"
+
+
+def cluster_heartbeat(cluster: str) -> str:
+    """``loom.clusters.<cluster>.heartbeat``."""
+    return f"{PREFIX}.clusters.{validate_id(cluster, 'cluster')}.heartbeat"
+
+
+def cluster_command(cluster: str, kind: ClusterCommandKind) -> str:
+    """``loom.clusters.<cluster>.cmd.<kind>``."""
+    if kind not in CLUSTER_COMMAND_KINDS:
+        raise ValueError(f"unknown cluster command {kind!r}")
+    return f"{PREFIX}.clusters.{validate_id(cluster, 'cluster')}.cmd.{kind}"
+
+
+def cluster_commands(cluster: str) -> str:
+    """``loom.clusters.<cluster>.cmd.*``: every command for one cluster (an agent's filter)."""
+    return f"{PREFIX}.clusters.{validate_id(cluster, 'cluster')}.cmd.*"
+
+
+def cluster_status(cluster: str) -> str:
+    """``loom.clusters.<cluster>.status``."""
+    return f"{PREFIX}.clusters.{validate_id(cluster, 'cluster')}.status"
+
+
+def view_delta(region: str) -> str:
+    """``loom.view.delta.<region>``: ledger changes for one region."""
+    return f"{PREFIX}.view.delta.{validate_id(region, 'region')}"
+
+
+def view_summary(region: str) -> str:
+    """``loom.view.summary.<region>``: capacity summary of one region."""
+    return f"{PREFIX}.view.summary.{validate_id(region, 'region')}"
+
+
+def probe_sample(src: str, dst: str) -> str:
+    """``loom.net.probe.<src>.<dst>``."""
+    return f"{PREFIX}.net.probe.{validate_id(src, 'source')}.{validate_id(dst, 'destination')}"
+
+
+def link_state(src: str, dst: str) -> str:
+    """``loom.net.link.<src>.<dst>``."""
+    return f"{PREFIX}.net.link.{validate_id(src, 'source')}.{validate_id(dst, 'destination')}"
+
+
+def alert(source: str) -> str:
+    """``loom.alerts.<source>``."""
+    return f"{PREFIX}.alerts.{validate_id(source, 'source')}"
+
+
+def dead_letter(original_subject: str) -> str:
+    """``loom.dlq.<original subject>``: where a poison message goes, with its error in headers."""
+    if original_subject.startswith(f"{PREFIX}.dlq."):
+        return original_subject
+    return f"{PREFIX}.dlq.{original_subject}"
+
+
+JOBS_SUBMITTED_ALL = f"{PREFIX}.jobs.submitted.*"
+JOBS_LIFECYCLE_ALL = f"{PREFIX}.jobs.*.*"
+HEARTBEATS_ALL = f"{PREFIX}.clusters.*.heartbeat"
+VIEW_DELTAS_ALL = f"{PREFIX}.view.delta.*"
+
+# Request-reply subjects (core NATS, no stream).
+VIEW_QUERY = f"{PREFIX}.view.query"
+JOBS_QUERY = f"{PREFIX}.jobs.query"
+NET_QUERY_PATH = f"{PREFIX}.net.query.path"
+NET_QUERY_POINT = f"{PREFIX}.net.query.point"
+
+
+class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A JetStream stream Loom creates; ``bus`` turns it into a server config."""
+
+    name: str
+    subjects: list[str]
+    description: str
+    max_age_s: float = 0.0
+    """0 keeps messages until the size limit."""
+    max_bytes: int = 1 << 30
+    duplicate_window_s: float = 120.0
+    max_msg_bytes: int = 1 << 20
+
+
+STREAMS: tuple[StreamSpec, ...] = (
+    StreamSpec(
+        name="JOBS",
+        subjects=[f"{PREFIX}.jobs.>"],
+        description="job submissions (placement's work queue) and the whole job lifecycle log",
+        max_age_s=7 * 86_400,
+    ),
+    StreamSpec(
+        name="CLUSTERS",
+        subjects=[f"{PREFIX}.clusters.>"],
+        description="agent heartbeats, durable commands to agents, agent status",
+        max_age_s=86_400,
+    ),
+    StreamSpec(
+        name="VIEW",
+        subjects=[f"{PREFIX}.view.delta.*", f"{PREFIX}.view.summary.*"],
+        description="incremental ledger changes and per-region summaries",
+        max_age_s=86_400,
+    ),
+    StreamSpec(
+        name="NET",
+        subjects=[f"{PREFIX}.net.probe.*.*", f"{PREFIX}.net.link.*.*", f"{PREFIX}.net.event.*"],
+        description="raw probe samples (short-lived), link state and degraded/recovered events",
+        max_age_s=3_600,
+    ),
+    StreamSpec(
+        name="MIGRATIONS",
+        subjects=[f"{PREFIX}.migrations.*"],
+        description="migrations planned, started, completed, failed",
+        max_age_s=7 * 86_400,
+    ),
+    StreamSpec(
+        name="ALERTS",
+        subjects=[f"{PREFIX}.alerts.*", f"{PREFIX}.incidents.*"],
+        description="raw alerts and the incidents correlated from them",
+        max_age_s=7 * 86_400,
+    ),
+    StreamSpec(
+        name="DLQ",
+        subjects=[f"{PREFIX}.dlq.>"],
+        description="poison messages with the error that stopped them, in headers",
+        max_age_s=30 * 86_400,
+    ),
+)

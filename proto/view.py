@@ -1,0 +1,38 @@
+"""The resource view the metrics service publishes: ledger changes per cluster."""
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from loom_proto.ids import Id
+from loom_proto.jobs import GpuModel, UnixSeconds
+
+
+class NodeView(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One node in the ledger: where it is, what it has, how much is in use, and how fresh that is."""
+
+    node: Id
+    zone: Id
+    gpu_model: GpuModel | None = None
+    gpus_total: Annotated[int, Meta(ge=0)] = 0
+    gpus_used: Annotated[int, Meta(ge=0)] = 0
+    cpu_milli: Annotated[int, Meta(ge=0)] = 0
+    memory_mib: Annotated[int, Meta(ge=0)] = 0
+    healthy: bool = True
+    updated_at: UnixSeconds
+
+
+class ViewDelta(msgspec.Struct, tag_field="kind", tag="view_delta", forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """What changed in one cluster's part of the ledger; ``version`` grows with every change."""
+
+    region: Id
+    cluster: Id
+    version: Annotated[int, Meta(ge=1)]
+    full: bool = False
+    """True when ``nodes`` is the cluster's complete node list (readers replace, not merge)."""
+    nodes: list[NodeView] = []
+    removed: list[Id] = []
+    stale: bool = False
+    """True when the cluster stopped heartbeating within its TTL: offer none of its capacity."""
+    at: UnixSeconds

@@ -1,0 +1,1 @@
+"""Loom's deployable services: thin shells around the pure core in ``loom``."""

@@ -1,0 +1,1 @@
+"""The cluster_agent service."""
