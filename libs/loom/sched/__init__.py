@@ -1,0 +1,1 @@
+"""Scheduling: pure decision code (no I/O) that placement, the simulator and benchmarks share."""

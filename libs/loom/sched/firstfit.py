@@ -1,0 +1,110 @@
+"""First-fit placement: the first cluster (in a stable order) that can hold every worker of a job.
+
+This is the foundation's placement policy; the plugin framework replaces the choice of cluster
+but keeps the contract: a :class:`Placement`, or an :class:`Unschedulable` that says whether
+waiting can help and what the submitter could change.
+"""
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from loom_proto.jobs import JobSpec
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCapacity:
+    """What placement knows about one node: where it is, its GPUs, and how many are promised."""
+
+    node: str
+    cluster: str
+    region: str
+    zone: str
+    gpu_model: str | None
+    gpus_total: int
+    gpus_reserved: int = 0
+    schedulable: bool = True
+
+    @property
+    def gpus_free(self) -> int:
+        """GPUs not yet promised; 0 when the node takes no new work."""
+        return max(self.gpus_total - self.gpus_reserved, 0) if self.schedulable else 0
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where each worker goes: ``allocations`` is (node, gpus) with one entry per node used."""
+
+    cluster: str
+    region: str
+    gpu_model: str
+    allocations: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Unschedulable:
+    """No placement now. ``impossible`` means waiting cannot help: reject with ``reason``."""
+
+    reason: str
+    impossible: bool
+
+
+def _workers_that_fit(free_gpus: Iterable[tuple[str, int]], gpus_per_worker: int, workers: int) -> list[tuple[str, int]] | None:
+    """Pack workers onto nodes (most free first, to keep gangs on few nodes); None if they don't fit."""
+    allocations: list[tuple[str, int]] = []
+    left = workers
+    for node, free in sorted(free_gpus, key=lambda nf: (-nf[1], nf[0])):
+        fit = min(free // gpus_per_worker, left)
+        if fit > 0:
+            allocations.append((node, fit * gpus_per_worker))
+            left -= fit
+            if left == 0:
+                return allocations
+    return None
+
+
+def place(job: JobSpec, nodes: Mapping[str, NodeCapacity]) -> Placement | Unschedulable:
+    """Choose the first cluster (by id) and GPU model that can hold all ``job.workers`` now."""
+    allowed = set(job.resources.gpu_models)
+    per_worker = job.resources.gpus
+    by_cluster_model: dict[tuple[str, str], list[NodeCapacity]] = {}
+    for cap in nodes.values():
+        if cap.gpu_model is None or (allowed and cap.gpu_model not in allowed):
+            continue
+        by_cluster_model.setdefault((cap.cluster, cap.gpu_model), []).append(cap)
+    for (cluster, model), caps in sorted(by_cluster_model.items()):
+        allocations = _workers_that_fit(((c.node, c.gpus_free) for c in caps), per_worker, job.workers)
+        if allocations is not None:
+            return Placement(cluster=cluster, region=caps[0].region, gpu_model=model, allocations=tuple(allocations))
+    return explain_unschedulable(job, by_cluster_model, any_nodes=bool(nodes))
+
+
+def explain_unschedulable(
+    job: JobSpec, by_cluster_model: Mapping[tuple[str, str], list[NodeCapacity]], *, any_nodes: bool
+) -> Unschedulable:
+    """Say why nothing fits, and whether it ever could on the clusters known now."""
+    per_worker = job.resources.gpus
+    need = f"{job.workers} worker(s) x {per_worker} GPU(s)"
+    models = ", ".join(sorted(job.resources.gpu_models)) or "any model"
+    if not any_nodes:
+        return Unschedulable(reason="no cluster has joined yet; the job waits for capacity", impossible=False)
+    if not by_cluster_model:
+        return Unschedulable(
+            reason=f"no cluster has GPUs of the allowed models ({models}); allow other models", impossible=True
+        )
+    best: tuple[int, str, str] | None = None
+    for (cluster, model), caps in by_cluster_model.items():
+        capacity_workers = sum(c.gpus_total // per_worker for c in caps)
+        if _workers_that_fit(((c.node, c.gpus_total) for c in caps), per_worker, job.workers) is not None:
+            return Unschedulable(
+                reason=f"{need} of {models} fit on {cluster} ({model}) but its GPUs are taken; waiting for capacity",
+                impossible=False,
+            )
+        if best is None or capacity_workers > best[0]:
+            best = (capacity_workers, cluster, model)
+    assert best is not None
+    largest_node = max(c.gpus_total for caps in by_cluster_model.values() for c in caps)
+    if per_worker > largest_node:
+        hint = f"the largest node has {largest_node} GPUs of an allowed model: ask for at most {largest_node} per worker"
+    else:
+        hint = f"the most any cluster can hold is {best[0]} worker(s) on {best[1]} ({best[2]}): ask for fewer workers"
+    return Unschedulable(reason=f"{need} of {models} can never fit on one cluster; {hint}", impossible=True)

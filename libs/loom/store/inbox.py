@@ -1,0 +1,31 @@
+"""Idempotent handling: a message id is claimed in the same transaction as the state change.
+
+If the transaction commits, the claim commits with it and a redelivery finds it; if it rolls back,
+the claim goes too and the redelivery is handled afresh.
+"""
+
+from collections.abc import Sequence
+
+import asyncpg
+
+
+async def claim(conn: asyncpg.Connection, consumer: str, msg_id: str) -> bool:
+    """True when ``msg_id`` was not yet processed by ``consumer`` (and is now claimed)."""
+    row = await conn.fetchrow(
+        "INSERT INTO inbox (consumer, msg_id) VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING 1",
+        consumer,
+        msg_id,
+    )
+    return row is not None
+
+
+async def claim_many(conn: asyncpg.Connection, consumer: str, msg_ids: Sequence[str]) -> set[str]:
+    """Claim a batch at once; returns the ids that were new (the others were done before)."""
+    rows = await conn.fetch(
+        """INSERT INTO inbox (consumer, msg_id)
+           SELECT $1, unnest($2::text[])
+           ON CONFLICT DO NOTHING RETURNING msg_id""",
+        consumer,
+        list(msg_ids),
+    )
+    return {r["msg_id"] for r in rows}

@@ -1,0 +1,304 @@
+"""Placement's tables: jobs, their append-only events, the capacity book and reservations.
+
+Functions take a connection so callers compose them inside one transaction.
+"""
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import asyncpg
+
+from loom.sched.firstfit import NodeCapacity
+from loom.store.pool import ConflictError
+
+
+def ts(unix_s: float) -> datetime:
+    """A timezone-aware timestamp for a Unix time."""
+    return datetime.fromtimestamp(unix_s, tz=UTC)
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """A job row to insert."""
+
+    job_id: str
+    tenant: str
+    spec_json: bytes
+    submitted_at: float
+    trace_context: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class JobEventRow:
+    """One event to append to a job's history."""
+
+    job_id: str
+    kind: str
+    msg_id: str
+    event_json: bytes
+    at: float
+
+
+async def insert_jobs(conn: asyncpg.Connection, jobs: Sequence[NewJob]) -> set[str]:
+    """Insert queued jobs; returns the ids inserted (an id that exists already is left alone)."""
+    if not jobs:
+        return set()
+    rows = await conn.fetch(
+        """INSERT INTO jobs (job_id, tenant, state, spec, submitted_at, trace_context)
+           SELECT j, t, 'queued', s::jsonb, a, c::jsonb
+           FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::text[]) AS u(j, t, s, a, c)
+           ON CONFLICT (job_id) DO NOTHING RETURNING job_id""",
+        [j.job_id for j in jobs],
+        [j.tenant for j in jobs],
+        [j.spec_json.decode() for j in jobs],
+        [ts(j.submitted_at) for j in jobs],
+        [json.dumps(dict(j.trace_context)) for j in jobs],
+    )
+    return {r["job_id"] for r in rows}
+
+
+async def append_events(conn: asyncpg.Connection, events: Sequence[JobEventRow]) -> set[str]:
+    """Append events of known jobs; returns the message ids that were new.
+
+    An event whose message id was recorded before is a redelivery and is skipped; an event of a
+    job that has no row is skipped too (placement never accepted that job).
+    """
+    if not events:
+        return set()
+    rows = await conn.fetch(
+        """INSERT INTO job_events (job_id, kind, msg_id, event, at)
+           SELECT u.j, u.k, u.m, u.e::jsonb, u.a
+           FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[]) AS u(j, k, m, e, a)
+           WHERE EXISTS (SELECT 1 FROM jobs WHERE jobs.job_id = u.j)
+           ON CONFLICT (msg_id) DO NOTHING RETURNING msg_id""",
+        [e.job_id for e in events],
+        [e.kind for e in events],
+        [e.msg_id for e in events],
+        [e.event_json.decode() for e in events],
+        [ts(e.at) for e in events],
+    )
+    return {r["msg_id"] for r in rows}
+
+
+async def mark_placed(conn: asyncpg.Connection, placed: Sequence[tuple[str, str, int, float]]) -> None:
+    """(job_id, cluster, attempt, placed_at) for jobs that were queued."""
+    if not placed:
+        return
+    await conn.execute(
+        """UPDATE jobs SET state = 'placed', cluster = u.c, attempt = u.a, placed_at = u.p, updated_at = now()
+           FROM unnest($1::text[], $2::text[], $3::int[], $4::timestamptz[]) AS u(j, c, a, p)
+           WHERE jobs.job_id = u.j AND jobs.state = 'queued'""",
+        [p[0] for p in placed],
+        [p[1] for p in placed],
+        [p[2] for p in placed],
+        [ts(p[3]) for p in placed],
+    )
+
+
+async def mark_rejected(conn: asyncpg.Connection, rejected: Sequence[tuple[str, str]]) -> None:
+    """(job_id, reason) for queued jobs that can never run."""
+    if not rejected:
+        return
+    await conn.execute(
+        """UPDATE jobs SET state = 'rejected', reason = u.r, finished_at = now(), updated_at = now()
+           FROM unnest($1::text[], $2::text[]) AS u(j, r)
+           WHERE jobs.job_id = u.j AND jobs.state = 'queued'""",
+        [r[0] for r in rejected],
+        [r[1] for r in rejected],
+    )
+
+
+async def reserve(conn: asyncpg.Connection, job_allocations: Sequence[tuple[str, int, str, Sequence[tuple[str, int]]]]) -> None:
+    """Reserve GPUs: (job_id, attempt, cluster, [(node, gpus)]) for each job.
+
+    The capacity book is updated by one conditional statement per batch; if any node lacks the
+    GPUs (someone else's decision got there first) nothing is reserved and :class:`ConflictError`
+    is raised, so the caller recomputes from fresh state.
+    """
+    per_node: dict[str, int] = {}
+    res_rows: list[tuple[str, int, str, str, int]] = []
+    for job_id, attempt, cluster, allocations in job_allocations:
+        for node, gpus in allocations:
+            per_node[node] = per_node.get(node, 0) + gpus
+            res_rows.append((job_id, attempt, node, cluster, gpus))
+    if not per_node:
+        return
+    updated = await conn.fetch(
+        """UPDATE node_allocations n SET gpus_reserved = n.gpus_reserved + u.g
+           FROM unnest($1::text[], $2::int[]) AS u(node, g)
+           WHERE n.node = u.node AND n.schedulable AND n.gpus_total - n.gpus_reserved >= u.g
+           RETURNING n.node""",
+        list(per_node),
+        list(per_node.values()),
+    )
+    if len(updated) != len(per_node):
+        raise ConflictError("capacity changed under the decision; recomputing")
+    await conn.executemany(
+        "INSERT INTO reservations (job_id, attempt, node, cluster, gpus, state) VALUES ($1, $2, $3, $4, $5, 'reserved')",
+        res_rows,
+    )
+
+
+async def confirm(conn: asyncpg.Connection, job_id: str, attempt: int) -> None:
+    """The agent started the job: its reservations become confirmed, the job running."""
+    await conn.execute(
+        "UPDATE reservations SET state = 'confirmed' WHERE job_id = $1 AND attempt = $2 AND state = 'reserved'",
+        job_id,
+        attempt,
+    )
+    await conn.execute(
+        """UPDATE jobs SET state = 'running', updated_at = now()
+           WHERE job_id = $1 AND attempt = $2 AND state = 'placed'""",
+        job_id,
+        attempt,
+    )
+
+
+async def release(conn: asyncpg.Connection, job_id: str, attempt: int) -> list[tuple[str, int]]:
+    """Release a run's reservations; returns (node, gpus) released. Releasing twice releases nothing."""
+    rows = await conn.fetch(
+        """UPDATE reservations SET state = 'released', released_at = now()
+           WHERE job_id = $1 AND attempt = $2 AND state <> 'released' RETURNING node, gpus""",
+        job_id,
+        attempt,
+    )
+    released = [(r["node"], r["gpus"]) for r in rows]
+    if released:
+        await conn.execute(
+            """UPDATE node_allocations n SET gpus_reserved = n.gpus_reserved - u.g
+               FROM unnest($1::text[], $2::int[]) AS u(node, g) WHERE n.node = u.node""",
+            [r[0] for r in released],
+            [r[1] for r in released],
+        )
+    return released
+
+
+async def finish(conn: asyncpg.Connection, job_id: str, attempt: int, state: str, reason: str | None) -> None:
+    """Record a terminal state of the job's current attempt."""
+    await conn.execute(
+        """UPDATE jobs SET state = $3, reason = COALESCE($4, reason), finished_at = now(), updated_at = now(),
+                  progress = CASE WHEN $3 = 'completed' THEN 1 ELSE progress END
+           WHERE job_id = $1 AND attempt = $2 AND state IN ('placed', 'running')""",
+        job_id,
+        attempt,
+        state,
+        reason,
+    )
+
+
+async def set_progress(conn: asyncpg.Connection, job_id: str, attempt: int, progress: float) -> None:
+    """Progress only moves forward."""
+    await conn.execute(
+        """UPDATE jobs SET progress = GREATEST(progress, $3), updated_at = now()
+           WHERE job_id = $1 AND attempt = $2 AND state IN ('placed', 'running')""",
+        job_id,
+        attempt,
+        min(max(progress, 0.0), 1.0),
+    )
+
+
+async def load_nodes(conn: asyncpg.Connection | asyncpg.Pool) -> dict[str, NodeCapacity]:
+    """The capacity book as placement holds it in memory."""
+    rows = await conn.fetch(
+        "SELECT node, cluster, region, zone, gpu_model, gpus_total, gpus_reserved, schedulable FROM node_allocations"
+    )
+    return {
+        r["node"]: NodeCapacity(
+            node=r["node"],
+            cluster=r["cluster"],
+            region=r["region"],
+            zone=r["zone"],
+            gpu_model=r["gpu_model"],
+            gpus_total=r["gpus_total"],
+            gpus_reserved=r["gpus_reserved"],
+            schedulable=r["schedulable"],
+        )
+        for r in rows
+    }
+
+
+async def upsert_nodes(
+    conn: asyncpg.Connection, version: int, nodes: Iterable[NodeCapacity]
+) -> None:
+    """Follow the view: totals, model and schedulability change; reservations never do here."""
+    items = list(nodes)
+    if not items:
+        return
+    await conn.execute(
+        """INSERT INTO node_allocations AS n (node, cluster, region, zone, gpu_model, gpus_total, schedulable, view_version)
+           SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int[], $7::bool[],
+                                $8::bigint[])
+           ON CONFLICT (node) DO UPDATE SET cluster = EXCLUDED.cluster, region = EXCLUDED.region,
+               zone = EXCLUDED.zone, gpu_model = EXCLUDED.gpu_model, gpus_total = EXCLUDED.gpus_total,
+               schedulable = EXCLUDED.schedulable, view_version = EXCLUDED.view_version
+           WHERE n.view_version <= EXCLUDED.view_version""",
+        [c.node for c in items],
+        [c.cluster for c in items],
+        [c.region for c in items],
+        [c.zone for c in items],
+        [c.gpu_model for c in items],
+        [c.gpus_total for c in items],
+        [c.schedulable for c in items],
+        [version] * len(items),
+    )
+
+
+async def queued_jobs(conn: asyncpg.Connection | asyncpg.Pool) -> list[asyncpg.Record]:
+    """Jobs accepted but not yet placed, oldest first."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        "SELECT job_id, spec, trace_context FROM jobs WHERE state = 'queued' ORDER BY submitted_at, job_id"
+    )
+    return rows
+
+
+def _job_dict(row: asyncpg.Record) -> dict[str, Any]:
+    return {
+        "job_id": row["job_id"],
+        "tenant": row["tenant"],
+        "state": row["state"],
+        "cluster": row["cluster"],
+        "attempt": row["attempt"],
+        "progress": round(float(row["progress"]), 4),
+        "reason": row["reason"],
+        "submitted_at": row["submitted_at"].timestamp(),
+        "placed_at": row["placed_at"].timestamp() if row["placed_at"] else None,
+        "finished_at": row["finished_at"].timestamp() if row["finished_at"] else None,
+    }
+
+
+async def get_job(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> dict[str, Any] | None:
+    """A job and its full event history, for `loom job ID`."""
+    row = await conn.fetchrow("SELECT * FROM jobs WHERE job_id = $1", job_id)
+    if row is None:
+        return None
+    out = _job_dict(row)
+    out["spec"] = json.loads(row["spec"])
+    events = await conn.fetch("SELECT kind, msg_id, event, at FROM job_events WHERE job_id = $1 ORDER BY id", job_id)
+    out["events"] = [
+        {"kind": e["kind"], "msg_id": e["msg_id"], "at": e["at"].timestamp(), "event": json.loads(e["event"])}
+        for e in events
+    ]
+    return out
+
+
+async def list_jobs(
+    conn: asyncpg.Connection | asyncpg.Pool, *, tenant: str | None = None, state: str | None = None, limit: int = 100
+) -> list[dict[str, Any]]:
+    """Newest jobs first, optionally of one tenant or state."""
+    rows = await conn.fetch(
+        """SELECT * FROM jobs WHERE ($1::text IS NULL OR tenant = $1) AND ($2::text IS NULL OR state = $2)
+           ORDER BY submitted_at DESC, job_id LIMIT $3""",
+        tenant,
+        state,
+        limit,
+    )
+    return [_job_dict(r) for r in rows]
+
+
+async def count_by_state(conn: asyncpg.Connection | asyncpg.Pool) -> dict[str, int]:
+    """How many jobs are in each state."""
+    rows = await conn.fetch("SELECT state, count(*) AS n FROM jobs GROUP BY state")
+    return {r["state"]: int(r["n"]) for r in rows}

@@ -1,0 +1,117 @@
+"""The transactional outbox: decide in a transaction, publish after commit, never lose a message.
+
+A handler adds the messages its decision implies with :func:`add` inside its transaction. After
+the commit the service calls :meth:`OutboxRelay.flush`, which publishes pending rows in order with
+their deterministic ids and marks them published. If the process dies in between, the next flush
+(at start-up, or after the next commit) publishes them; JetStream's duplicate window absorbs a
+message published twice because the mark did not commit.
+"""
+
+import asyncio
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import asyncpg
+import msgspec
+import structlog
+from opentelemetry import propagate
+from opentelemetry.context import Context
+
+from loom.bus import BusError, Publisher
+from loom_proto.codec import encode
+
+log = structlog.get_logger("loom.store")
+
+
+@dataclass(frozen=True)
+class OutboxMessage:
+    """A message to publish after commit."""
+
+    msg_id: str
+    subject: str
+    payload: bytes
+    headers: Mapping[str, str]
+
+
+def message(
+    subject: str,
+    event: msgspec.Struct,
+    msg_id: str,
+    *,
+    headers: Mapping[str, str] | None = None,
+    context: Context | None = None,
+) -> OutboxMessage:
+    """An outbox message carrying a trace context (default: the current one), so publishing later
+    continues that trace."""
+    carrier = dict(headers or {})
+    propagate.inject(carrier, context=context)
+    return OutboxMessage(msg_id=msg_id, subject=subject, payload=encode(event), headers=carrier)
+
+
+async def add(conn: asyncpg.Connection, producer: str, messages: Sequence[OutboxMessage]) -> None:
+    """Record messages to publish; a message id already recorded is kept as it was."""
+    if not messages:
+        return
+    await conn.executemany(
+        """INSERT INTO outbox (producer, msg_id, subject, payload, headers)
+           VALUES ($1, $2, $3, $4, $5::jsonb) ON CONFLICT (msg_id) DO NOTHING""",
+        [(producer, m.msg_id, m.subject, m.payload, json.dumps(dict(m.headers))) for m in messages],
+    )
+
+
+class OutboxRelay:
+    """Publishes one producer's pending outbox rows; one flush at a time."""
+
+    def __init__(self, pool: asyncpg.Pool, publisher: Publisher, producer: str, *, batch: int = 500) -> None:
+        self._pool = pool
+        self._publisher = publisher
+        self._producer = producer
+        self._batch = batch
+        self._lock = asyncio.Lock()
+        self.published = 0
+
+    async def flush(self) -> int:
+        """Publish everything pending; returns how many were published."""
+        async with self._lock:
+            total = 0
+            while True:
+                rows = await self._pool.fetch(
+                    """SELECT id, msg_id, subject, payload, headers FROM outbox
+                       WHERE producer = $1 AND published_at IS NULL ORDER BY id LIMIT $2""",
+                    self._producer,
+                    self._batch,
+                )
+                if not rows:
+                    return total
+                done = await self._publish(rows)
+                if done:
+                    await self._pool.execute(
+                        "UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[])", done
+                    )
+                total += len(done)
+                self.published += len(done)
+                if len(done) < len(rows):
+                    return total
+
+    async def _publish(self, rows: Sequence[asyncpg.Record]) -> list[int]:
+        async def one(row: asyncpg.Record) -> int | None:
+            headers = json.loads(row["headers"])
+            try:
+                await self._publisher.publish_bytes(
+                    row["subject"],
+                    bytes(row["payload"]),
+                    msg_id=row["msg_id"],
+                    parent=propagate.extract(headers),
+                    headers={k: v for k, v in headers.items() if k not in ("traceparent", "tracestate")},
+                )
+            except BusError as exc:
+                log.warning("outbox publish failed; will retry", msg_id=row["msg_id"], error=str(exc))
+                return None
+            return int(row["id"])
+
+        # Publish concurrently (JetStream keeps per-subject order only per publisher call order
+        # anyway); a failure stops the mark only for the rows that failed.
+        results = await asyncio.gather(*(one(r) for r in rows))
+        return [r for r in results if r is not None]
+

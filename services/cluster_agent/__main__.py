@@ -1,0 +1,3 @@
+from loom_services.cluster_agent.main import main
+
+main()

@@ -1,0 +1,346 @@
+"""The cluster agent: heartbeats its cluster, executes commands, reports each job's life.
+
+Commands arrive on a durable consumer, so an agent that was down misses none; a repeated command
+(same job and attempt) changes nothing. Running jobs are written to a state file, so a restarted
+agent resumes them instead of losing them. Every event about a job continues the trace the job
+was submitted in.
+"""
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import structlog
+from opentelemetry import propagate
+
+from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
+from loom.errors import InvalidInputError
+from loom.runtime.service import ServiceContext
+from loom_proto import subjects
+from loom_proto.clusters import (
+    CheckpointJob,
+    ClusterCommand,
+    ClusterHeartbeat,
+    DrainCluster,
+    StartJob,
+    StopJob,
+)
+from loom_proto.codec import decode, encode
+from loom_proto.jobs import JobCheckpointed, JobCompleted, JobFailed, JobProgress, JobStarted, NodeAllocation
+from loom_services.cluster_agent.sim import SimCluster
+
+log = structlog.get_logger("cluster_agent")
+
+
+@dataclass
+class RunningJob:
+    """A job's run on this cluster, as kept in the state file."""
+
+    job_id: str
+    tenant: str
+    attempt: int
+    gpu_model: str
+    task_type: str
+    steps: int
+    step_time_s: float
+    checkpoint_every_steps: int
+    allocations: list[tuple[str, int]]
+    carrier: dict[str, str]
+    step: int = 0
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def key(self) -> str:
+        """Job and attempt: one run."""
+        return f"{self.job_id}:{self.attempt}"
+
+    def node_allocations(self) -> list[NodeAllocation]:
+        """The run's allocations as wire structs."""
+        return [NodeAllocation(node=n, gpus=g) for n, g in self.allocations]
+
+
+class Agent:
+    """One cluster's agent; :meth:`run` is the service body."""
+
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        sim: SimCluster,
+        *,
+        region: str,
+        time_scale: float = 60.0,
+        heartbeat_s: float = 2.0,
+        full_every: int = 10,
+        progress_every: float = 0.1,
+        state_dir: Path | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.sim = sim
+        self.cluster = sim.cluster.id
+        self.region = region
+        self.time_scale = time_scale
+        self.heartbeat_s = heartbeat_s
+        self.full_every = full_every
+        self.progress_every = progress_every
+        self.epoch = time.time_ns() // 1_000_000
+        self.seq = 0
+        self.running: dict[str, RunningJob] = {}
+        self.finished: set[str] = set()
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.state_file = (state_dir / f"agent-{self.cluster}.json") if state_dir else None
+        ctx.stats.update({"cluster": self.cluster, "running": 0, "completed": 0})
+
+    # ---- lifecycle of the agent ------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Heartbeat and execute commands until asked to stop."""
+        self._restore()
+        runner: ConsumerRunner[ClusterCommand] = ConsumerRunner(
+            self.ctx.nc,
+            ConsumerSpec(
+                stream="CLUSTERS",
+                durable=f"agent-{self.cluster}",
+                filter_subjects=[subjects.cluster_commands(self.cluster)],
+                batch=50,
+            ),
+            ClusterCommand,
+            handler=self.on_command,
+            publisher=self.ctx.publisher,
+        )
+        await self.heartbeat(full=True)
+        await runner.start()
+        for job in list(self.running.values()):
+            self._launch(job)
+        beat = asyncio.create_task(self._heartbeat_loop())
+        try:
+            await self.ctx.stopping.wait()
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
+            await runner.stop()
+            for task in self.tasks.values():
+                task.cancel()
+            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            self._save()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self.heartbeat(full=self.seq % self.full_every == 0)
+            except BusError as exc:
+                log.warning("heartbeat failed", error=str(exc))
+
+    async def heartbeat(self, *, full: bool) -> None:
+        """Publish the cluster's state: every node, or just the ones that changed."""
+        self.seq += 1
+        beat = ClusterHeartbeat(
+            cluster=self.cluster,
+            region=self.region,
+            agent_epoch=self.epoch,
+            seq=self.seq,
+            sent_at=time.time(),
+            full=full or self.seq == 1,
+            nodes=self.sim.report(full or self.seq == 1),
+            running_jobs=sorted({j.job_id for j in self.running.values()}),
+            interval_s=self.heartbeat_s,
+        )
+        await self.ctx.publisher.publish(
+            subjects.cluster_heartbeat(self.cluster), beat, msg_id=f"hb-{self.cluster}-{self.epoch}-{self.seq}"
+        )
+
+    # ---- commands ------------------------------------------------------------------------------
+
+    async def on_command(self, d: Delivery[ClusterCommand]) -> None:
+        """Carry out one command; repeats of a command already carried out change nothing."""
+        command = d.message
+        if isinstance(command, StartJob):
+            await self._start(command)
+        elif isinstance(command, StopJob):
+            await self._stop(command.job_id, command.attempt, command.reason or "stopped by command")
+        elif isinstance(command, CheckpointJob):
+            job = self.running.get(f"{command.job_id}:{command.attempt}")
+            if job is not None:
+                await self._checkpoint(job)
+        elif isinstance(command, DrainCluster):
+            self.sim.drain(command.nodes)
+            await self.heartbeat(full=False)
+
+    async def _start(self, command: StartJob) -> None:
+        key = f"{command.job_id}:{command.attempt}"
+        if key in self.running or key in self.finished:
+            return
+        spec = command.spec
+        if spec.job_id != command.job_id:
+            raise InvalidInputError(f"start command for {command.job_id} carries the spec of {spec.job_id}")
+        refusal = self.sim.refusal(command.gpu_model, command.allocations)
+        if refusal is not None:
+            self.finished.add(key)
+            await self._publish_failed(spec.job_id, spec.tenant, command.attempt, f"cannot start: {refusal}", retryable=True)
+            return
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier)
+        job = RunningJob(
+            job_id=spec.job_id,
+            tenant=spec.tenant,
+            attempt=command.attempt,
+            gpu_model=command.gpu_model,
+            task_type=spec.task_type,
+            steps=spec.work.steps,
+            step_time_s=spec.work.step_time_s,
+            checkpoint_every_steps=spec.work.checkpoint_every_steps,
+            allocations=[(a.node, a.gpus) for a in command.allocations],
+            carrier=carrier,
+            step=command.resume_from_step,
+        )
+        self.sim.allocate(command.allocations)
+        self.running[key] = job
+        self._save()
+        await self.ctx.publisher.publish(
+            subjects.job_event("started", job.tenant),
+            JobStarted(job_id=job.job_id, tenant=job.tenant, cluster=self.cluster, attempt=job.attempt, started_at=time.time()),
+            msg_id=f"{job.job_id}:started:{job.attempt}",
+        )
+        self._launch(job)
+
+    def _launch(self, job: RunningJob) -> None:
+        self.tasks[job.key] = asyncio.create_task(self._execute(job), name=f"job-{job.key}")
+        self.ctx.stats["running"] = len(self.running)
+
+    async def _stop(self, job_id: str, attempt: int, reason: str) -> None:
+        key = f"{job_id}:{attempt}"
+        job = self.running.get(key)
+        if job is None:
+            return
+        task = self.tasks.pop(key, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._finish(job)
+        await self._publish_failed(job.job_id, job.tenant, job.attempt, reason, retryable=True, carrier=job.carrier)
+
+    # ---- running a job -------------------------------------------------------------------------
+
+    async def _execute(self, job: RunningJob) -> None:
+        """Advance the job in chunks of ``progress_every`` of its work, reporting each chunk."""
+        chunk = max(int(job.steps * self.progress_every), 1)
+        parent = propagate.extract(job.carrier)
+        while job.step < job.steps:
+            steps = min(chunk, job.steps - job.step)
+            await asyncio.sleep(self.sim.wall_seconds(steps, job.step_time_s, job.gpu_model, job.task_type, self.time_scale))
+            before = job.step
+            job.step += steps
+            if job.checkpoint_every_steps and job.step // job.checkpoint_every_steps > before // job.checkpoint_every_steps:
+                await self._checkpoint(job)
+            if job.step < job.steps:
+                await self.ctx.publisher.publish(
+                    subjects.job_event("progress", job.tenant),
+                    JobProgress(
+                        job_id=job.job_id,
+                        tenant=job.tenant,
+                        cluster=self.cluster,
+                        attempt=job.attempt,
+                        step=job.step,
+                        steps=job.steps,
+                        at=time.time(),
+                    ),
+                    msg_id=f"{job.job_id}:progress:{job.attempt}:{job.step}",
+                    parent=parent,
+                )
+            self._save()
+        gpus = sum(g for _, g in job.allocations)
+        sim_seconds = job.steps * job.step_time_s / max(self.sim.speed(job.gpu_model, job.task_type), 1e-9)
+        await self.ctx.publisher.publish(
+            subjects.job_event("completed", job.tenant),
+            JobCompleted(
+                job_id=job.job_id,
+                tenant=job.tenant,
+                cluster=self.cluster,
+                attempt=job.attempt,
+                gpu_seconds=gpus * sim_seconds,
+                at=time.time(),
+            ),
+            msg_id=f"{job.job_id}:completed:{job.attempt}",
+            parent=parent,
+        )
+        self._finish(job)
+        self.tasks.pop(job.key, None)
+        self.ctx.stats["completed"] = self.ctx.stats.get("completed", 0) + 1
+
+    async def _checkpoint(self, job: RunningJob) -> None:
+        await self.ctx.publisher.publish(
+            subjects.job_event("checkpointed", job.tenant),
+            JobCheckpointed(
+                job_id=job.job_id,
+                tenant=job.tenant,
+                cluster=self.cluster,
+                attempt=job.attempt,
+                step=job.step,
+                checkpoint_uri=f"sim://{self.cluster}/{job.job_id}/{job.attempt}/{job.step}",
+                at=time.time(),
+            ),
+            msg_id=f"{job.job_id}:checkpointed:{job.attempt}:{job.step}",
+            parent=propagate.extract(job.carrier),
+        )
+
+    def _finish(self, job: RunningJob) -> None:
+        self.running.pop(job.key, None)
+        self.finished.add(job.key)
+        self.sim.free(job.node_allocations())
+        self.ctx.stats["running"] = len(self.running)
+        self._save()
+
+    async def _publish_failed(
+        self, job_id: str, tenant: str, attempt: int, reason: str, *, retryable: bool, carrier: dict[str, str] | None = None
+    ) -> None:
+        await self.ctx.publisher.publish(
+            subjects.job_event("failed", tenant),
+            JobFailed(
+                job_id=job_id, tenant=tenant, cluster=self.cluster, attempt=attempt, reason=reason,
+                retryable=retryable, at=time.time(),
+            ),
+            msg_id=f"{job_id}:failed:{attempt}",
+            parent=propagate.extract(carrier) if carrier else None,
+        )
+
+    # ---- state file ----------------------------------------------------------------------------
+
+    def _save(self) -> None:
+        if self.state_file is None:
+            return
+        state = {
+            "running": [asdict(j) for j in self.running.values()],
+            # Keep the most recent finished runs so a redelivered command is still recognised.
+            "finished": sorted(self.finished)[-10_000:],
+        }
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.state_file)
+
+    def _restore(self) -> None:
+        if self.state_file is None or not self.state_file.exists():
+            return
+        state = json.loads(self.state_file.read_text())
+        self.finished = set(state.get("finished", []))
+        for raw in state.get("running", []):
+            raw["allocations"] = [tuple(a) for a in raw["allocations"]]
+            job = RunningJob(**raw)
+            self.running[job.key] = job
+            self.sim.allocate(job.node_allocations())
+        log.info("state restored", running=len(self.running), finished=len(self.finished))
+
+
+def decode_command(payload: bytes) -> ClusterCommand:
+    """Decode any command (used by tests and tools)."""
+    return decode(payload, ClusterCommand)  # type: ignore[arg-type]
+
+
+def encode_command(command: ClusterCommand) -> bytes:
+    """Encode any command."""
+    return encode(command)

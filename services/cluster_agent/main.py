@@ -1,0 +1,48 @@
+"""Entry point: ``loom-cluster-agent --cluster ID [--topology FILE] [--time-scale X]``."""
+
+import argparse
+from pathlib import Path
+
+from loom.model.topology import load_topology
+from loom.runtime.config import loom_home
+from loom.runtime.service import ServiceContext, run
+from loom_services.cluster_agent.agent import Agent
+from loom_services.cluster_agent.sim import SimCluster
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(prog="loom-cluster-agent", description="Loom cluster agent (sim backend)")
+    parser.add_argument("--cluster", required=True, help="cluster id in the topology")
+    parser.add_argument("--topology", default=None, help="topology file or packaged name (default: default)")
+    parser.add_argument("--backend", choices=["sim"], default="sim")
+    parser.add_argument("--time-scale", type=float, default=60.0, help="simulated seconds per wall second")
+    parser.add_argument("--heartbeat-s", type=float, default=2.0)
+    parser.add_argument("--state-dir", type=Path, default=None, help="where running jobs are kept across restarts")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
+    args = parse_args(argv)
+    topology = load_topology(args.topology)
+    cluster = topology.cluster(args.cluster)
+    state_dir = args.state_dir or loom_home() / "agents"
+    state_dir.mkdir(parents=True, exist_ok=True)
+
+    async def body(ctx: ServiceContext) -> None:
+        agent = Agent(
+            ctx,
+            SimCluster(cluster),
+            region=cluster.region,
+            time_scale=args.time_scale,
+            heartbeat_s=args.heartbeat_s,
+            state_dir=state_dir,
+        )
+        await agent.run()
+
+    run(f"agent-{cluster.id}", body, needs_db=False)
+
+
+if __name__ == "__main__":
+    main()

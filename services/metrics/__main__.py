@@ -1,0 +1,3 @@
+from loom_services.metrics.main import main
+
+main()

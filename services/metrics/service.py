@@ -1,0 +1,217 @@
+"""Metrics: the sole writer of the resource ledger.
+
+Folds heartbeats into the ledger (pure core: :mod:`loom.model.ledger`), persists it in
+PostgreSQL, publishes view deltas through the outbox, marks silent clusters stale, and answers
+``loom.view.query``. On start it rebuilds the ledger from PostgreSQL.
+"""
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Sequence
+
+import asyncpg
+import structlog
+from nats.aio.msg import Msg
+
+from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
+from loom.model.ledger import Change, Ledger, LedgerCluster, LedgerNode
+from loom.runtime.service import ServiceContext
+from loom.store import outbox
+from loom.store.jobs import ts
+from loom.store.pool import transaction
+from loom_proto import subjects
+from loom_proto.clusters import ClusterHeartbeat
+from loom_proto.view import NodeView, ViewDelta
+
+log = structlog.get_logger("metrics")
+PRODUCER = "metrics"
+
+
+def delta_of(change: Change, now: float) -> ViewDelta:
+    """The wire form of a ledger change."""
+    return ViewDelta(
+        region=change.region,
+        cluster=change.cluster,
+        version=change.version,
+        full=change.full,
+        nodes=[
+            NodeView(
+                node=n.node, zone=n.zone, gpu_model=n.gpu_model, gpus_total=n.gpus_total, gpus_used=n.gpus_used,
+                cpu_milli=n.cpu_milli, memory_mib=n.memory_mib, healthy=n.healthy, updated_at=n.updated_at,
+            )
+            for n in change.nodes
+        ],
+        removed=list(change.removed),
+        stale=change.stale,
+        at=now,
+    )
+
+
+class MetricsService:
+    """Ledger writer; :meth:`run` is the service body."""
+
+    def __init__(self, ctx: ServiceContext, *, expire_every_s: float = 1.0) -> None:
+        self.ctx = ctx
+        self.pool = ctx.db
+        self.ledger = Ledger()
+        self.relay = outbox.OutboxRelay(self.pool, ctx.publisher, PRODUCER)
+        self.expire_every_s = expire_every_s
+        self.lock = asyncio.Lock()
+        ctx.stats.update({"heartbeats": 0, "refused": self.ledger.refused})
+
+    async def load(self) -> None:
+        """Rebuild the ledger from PostgreSQL."""
+        clusters = [
+            LedgerCluster(
+                cluster=r["cluster"], region=r["region"], agent_epoch=r["agent_epoch"], last_seq=r["last_seq"],
+                version=r["version"], interval_s=r["interval_s"], stale=r["stale"],
+                last_heartbeat_at=r["last_heartbeat_at"].timestamp() if r["last_heartbeat_at"] else 0.0,
+            )
+            for r in await self.pool.fetch("SELECT * FROM ledger_clusters")
+        ]
+        nodes = [
+            LedgerNode(
+                node=r["node"], cluster=r["cluster"], region=r["region"], zone=r["zone"], gpu_model=r["gpu_model"],
+                gpus_total=r["gpus_total"], gpus_used=r["gpus_used"], cpu_milli=r["cpu_milli"],
+                memory_mib=r["memory_mib"], healthy=r["healthy"], updated_at=r["updated_at"].timestamp(),
+            )
+            for r in await self.pool.fetch("SELECT * FROM ledger_nodes")
+        ]
+        self.ledger.load(clusters, nodes)
+        await self.relay.flush()
+        self.ctx.stats.update({"heartbeats": self.ctx.stats["heartbeats"], "refused": self.ledger.refused})
+        log.info("ledger rebuilt", clusters=len(clusters), nodes=len(nodes))
+
+    async def run(self) -> None:
+        """Consume heartbeats and expire silent clusters until asked to stop."""
+        await self.load()
+        runner: ConsumerRunner[ClusterHeartbeat] = ConsumerRunner(
+            self.ctx.nc,
+            ConsumerSpec(stream="CLUSTERS", durable="metrics-heartbeats", filter_subjects=[subjects.HEARTBEATS_ALL]),
+            ClusterHeartbeat,
+            handler=self.on_heartbeat,
+            publisher=self.ctx.publisher,
+        )
+        query_sub = await self.ctx.nc.subscribe(subjects.VIEW_QUERY, cb=self.on_query)
+        await runner.start()
+        expiry = asyncio.create_task(self._expire_loop())
+        try:
+            await self.ctx.stopping.wait()
+        finally:
+            expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await expiry
+            await query_sub.unsubscribe()
+            await runner.stop()
+
+    async def on_heartbeat(self, d: Delivery[ClusterHeartbeat]) -> None:
+        """Fold one heartbeat in, persist the change and publish it."""
+        hb = d.message
+        if d.subject != subjects.cluster_heartbeat(hb.cluster):
+            self.ledger.refused["subject_mismatch"] += 1
+            log.warning("heartbeat refused", reason="cluster differs from subject", subject=d.subject)
+            return
+        async with self.lock:
+            snapshot = _snapshot(self.ledger, hb.cluster)
+            applied = self.ledger.apply(hb, time.time())
+            self.ctx.stats["heartbeats"] += 1
+            if applied.ignored:
+                log.info("heartbeat ignored", cluster=hb.cluster, reason=applied.ignored)
+            for problem in applied.node_errors:
+                log.warning("heartbeat node refused", cluster=hb.cluster, reason=problem)
+            try:
+                await self._persist([applied.change] if applied.change else [], hb.cluster)
+            except BaseException:
+                _restore(self.ledger, hb.cluster, snapshot)
+                raise
+        await self.relay.flush()
+
+    async def _persist(self, changes: Sequence[Change], cluster_id: str) -> None:
+        now = time.time()
+        async with transaction(self.pool) as conn:
+            await _write_cluster(conn, self.ledger.clusters[cluster_id])
+            for change in changes:
+                if change.nodes:
+                    await _write_nodes(conn, change.nodes)
+                if change.removed:
+                    await conn.execute("DELETE FROM ledger_nodes WHERE node = ANY($1::text[])", list(change.removed))
+                await outbox.add(
+                    conn,
+                    PRODUCER,
+                    [outbox.message(subjects.view_delta(change.region), delta_of(change, now),
+                                    f"view-{change.cluster}-{change.version}")],
+                )
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.expire_every_s)
+            try:
+                async with self.lock:
+                    changes = self.ledger.expire(time.time())
+                    for change in changes:
+                        log.warning("cluster stale", cluster=change.cluster)
+                        await self._persist([change], change.cluster)
+                if changes:
+                    await self.relay.flush()
+            except Exception as exc:
+                log.warning("expiry failed", error=repr(exc))
+
+    async def on_query(self, msg: Msg) -> None:
+        """``loom.view.query``: {"region"?, "gpu_model"?} -> the tree."""
+        try:
+            request = json.loads(msg.data or b"{}")
+            reply = {"ok": True, "result": self.ledger.tree(region=request.get("region"), gpu_model=request.get("gpu_model"))}
+        except Exception as exc:
+            reply = {"ok": False, "error": str(exc)}
+        await msg.respond(json.dumps(reply).encode())
+
+
+def _snapshot(ledger: Ledger, cluster_id: str) -> tuple[LedgerCluster | None, dict[str, LedgerNode]]:
+    import copy
+
+    cluster = ledger.clusters.get(cluster_id)
+    nodes = {n: copy.copy(ledger.nodes[n]) for n in (cluster.nodes if cluster else ()) if n in ledger.nodes}
+    return (copy.deepcopy(cluster), nodes)
+
+
+def _restore(ledger: Ledger, cluster_id: str, snapshot: tuple[LedgerCluster | None, dict[str, LedgerNode]]) -> None:
+    """Undo an apply whose persistence failed, so the redelivery is applied afresh."""
+    cluster, nodes = snapshot
+    current = ledger.clusters.get(cluster_id)
+    for name in current.nodes if current else ():
+        ledger.nodes.pop(name, None)
+    if cluster is None:
+        ledger.clusters.pop(cluster_id, None)
+    else:
+        ledger.clusters[cluster_id] = cluster
+    ledger.nodes.update(nodes)
+
+
+async def _write_cluster(conn: asyncpg.Connection, c: LedgerCluster) -> None:
+    await conn.execute(
+        """INSERT INTO ledger_clusters AS l (cluster, region, agent_epoch, last_seq, version, interval_s,
+                                             last_heartbeat_at, stale)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+           ON CONFLICT (cluster) DO UPDATE SET agent_epoch = EXCLUDED.agent_epoch, last_seq = EXCLUDED.last_seq,
+               version = EXCLUDED.version, interval_s = EXCLUDED.interval_s,
+               last_heartbeat_at = EXCLUDED.last_heartbeat_at, stale = EXCLUDED.stale
+           WHERE l.version <= EXCLUDED.version""",
+        c.cluster, c.region, c.agent_epoch, c.last_seq, c.version, c.interval_s,
+        ts(c.last_heartbeat_at) if c.last_heartbeat_at else None, c.stale,
+    )
+
+
+async def _write_nodes(conn: asyncpg.Connection, nodes: Sequence[LedgerNode]) -> None:
+    await conn.executemany(
+        """INSERT INTO ledger_nodes (node, cluster, region, zone, gpu_model, gpus_total, gpus_used, cpu_milli,
+                                     memory_mib, healthy, updated_at)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+           ON CONFLICT (node) DO UPDATE SET cluster = EXCLUDED.cluster, region = EXCLUDED.region,
+               zone = EXCLUDED.zone, gpu_model = EXCLUDED.gpu_model, gpus_total = EXCLUDED.gpus_total,
+               gpus_used = EXCLUDED.gpus_used, cpu_milli = EXCLUDED.cpu_milli, memory_mib = EXCLUDED.memory_mib,
+               healthy = EXCLUDED.healthy, updated_at = EXCLUDED.updated_at""",
+        [(n.node, n.cluster, n.region, n.zone, n.gpu_model, n.gpus_total, n.gpus_used, n.cpu_milli,
+          n.memory_mib, n.healthy, ts(n.updated_at)) for n in nodes],
+    )

@@ -1,0 +1,3 @@
+from loom_services.placement.main import main
+
+main()

@@ -1,0 +1,64 @@
+"""Shared fixtures: one real NATS (JetStream) and one real Postgres for the whole test session.
+
+Both come from the wheels via :mod:`loom.runtime.servers`, the same code ``loom up`` runs. They
+start lazily, on the first test that asks, so unit-only runs pay nothing.
+"""
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from loom.runtime.servers import NatsServer, PostgresServer
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """A JetStream-enabled ``nats-server`` on free ports, stopped at the end of the session."""
+    with NatsServer(tmp_path_factory.mktemp("nats")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def postgres_dir_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
+    """Makes data directories a Postgres can keep using for the whole session.
+
+    As root, Postgres runs as an unprivileged user that must traverse every parent of its data
+    dir. Below ``/tmp/pytest-of-root`` that breaks at random: every pytest session that starts
+    (another engineer's, another worktree's) chmods that directory back to 0700, and the server
+    then fails to open its own files. So as root the dirs go straight under the system temp dir
+    (sticky, world-traversable) and are removed at the end of the session.
+    """
+    if os.geteuid() != 0:
+        yield tmp_path_factory.mktemp
+        return
+    made: list[Path] = []
+
+    def make(name: str) -> Path:
+        made.append(Path(tempfile.mkdtemp(prefix=f"loom-test-{name}-")))
+        return made[-1]
+
+    yield make
+    for path in made:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_server(postgres_dir_factory: Callable[[str], Path]) -> Iterator[PostgresServer]:
+    """A Postgres with an empty ``loom`` database; not durable (no fsync), which tests do not need."""
+    with PostgresServer(postgres_dir_factory("postgres"), durable=False) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server: NatsServer) -> str:
+    """``nats://127.0.0.1:PORT`` of the session's NATS."""
+    return nats_server.url
+
+
+@pytest.fixture(scope="session")
+def database_url(postgres_server: PostgresServer) -> str:
+    """``postgresql://postgres@127.0.0.1:PORT/loom`` of the session's Postgres."""
+    return postgres_server.url
