@@ -7,7 +7,7 @@ start lazily, on the first test that asks, so unit-only runs pay nothing.
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -62,3 +62,33 @@ def nats_url(nats_server: NatsServer) -> str:
 def database_url(postgres_server: PostgresServer) -> str:
     """``postgresql://postgres@127.0.0.1:PORT/loom`` of the session's Postgres."""
     return postgres_server.url
+
+
+@pytest.fixture(scope="session")
+def fresh_database(postgres_server: PostgresServer) -> Callable[..., Awaitable[str]]:
+    """Makes an empty database of its own on the session's Postgres and returns its URL.
+
+    ``await fresh_database("store")`` creates ``test_store_<random>`` and migrates it;
+    ``migrate=False`` leaves it empty (for tests of the migrations themselves). The databases go
+    when the session's server does.
+    """
+    import uuid
+
+    import asyncpg
+    from loom.store.migrations import migrate_url
+
+    async def make(hint: str = "db", *, migrate: bool = True) -> str:
+        name = f"test_{hint}_{uuid.uuid4().hex[:8]}"
+        admin = await asyncpg.connect(
+            host="127.0.0.1", port=postgres_server.port, user="postgres", database="postgres"
+        )
+        try:
+            await admin.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await admin.close()
+        url = f"postgresql://postgres@127.0.0.1:{postgres_server.port}/{name}"
+        if migrate:
+            await migrate_url(url)
+        return url
+
+    return make

@@ -7,6 +7,7 @@ can depend on it alone.
 
 from loom_proto.alerts import Alert, Severity
 from loom_proto.clusters import (
+    CheckpointJob,
     ClusterCommand,
     ClusterHeartbeat,
     ClusterStatus,
@@ -15,7 +16,6 @@ from loom_proto.clusters import (
     NodeState,
     StartJob,
     StopJob,
-    CheckpointJob,
 )
 from loom_proto.codec import DecodeError, decode, encode
 from loom_proto.ids import ID_PATTERN, Id, InvalidIdError, validate_id
@@ -61,10 +61,9 @@ __all__ = [
     "JobStarted",
     "JobSubmitted",
     "LinkState",
-    "NodeView",
-    "ViewDelta",
     "NodeAllocation",
     "NodeState",
+    "NodeView",
     "ProbeKind",
     "ProbeSample",
     "Resources",
@@ -72,6 +71,7 @@ __all__ = [
     "StartJob",
     "StopJob",
     "TaskType",
+    "ViewDelta",
     "Work",
     "decode",
     "encode",

@@ -11,7 +11,9 @@ from loom_proto.jobs import UnixSeconds
 Severity = Literal["info", "warning", "critical"]
 
 
-class Alert(msgspec.Struct, tag_field="kind", tag="alert", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class Alert(
+    msgspec.Struct, tag_field="kind", tag="alert", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """Something a monitoring source noticed; ``dedup_key`` groups repeats of the same alert."""
 
     alert_id: Id

@@ -13,7 +13,14 @@ from typing import Any
 import msgspec
 
 from loom_proto.alerts import Alert
-from loom_proto.clusters import CheckpointJob, ClusterHeartbeat, ClusterStatus, DrainCluster, StartJob, StopJob
+from loom_proto.clusters import (
+    CheckpointJob,
+    ClusterHeartbeat,
+    ClusterStatus,
+    DrainCluster,
+    StartJob,
+    StopJob,
+)
 from loom_proto.jobs import (
     JobCancelled,
     JobCheckpointed,

@@ -13,8 +13,17 @@ from msgspec import Meta
 from loom_proto.ids import Id
 from loom_proto.jobs import GpuModel, JobSpec, NodeAllocation, UnixSeconds
 
-__all__ = ["CheckpointJob", "ClusterCommand", "ClusterHeartbeat", "ClusterStatus", "DrainCluster", "NodeAllocation",
-           "NodeState", "StartJob", "StopJob"]
+__all__ = [
+    "CheckpointJob",
+    "ClusterCommand",
+    "ClusterHeartbeat",
+    "ClusterStatus",
+    "DrainCluster",
+    "NodeAllocation",
+    "NodeState",
+    "StartJob",
+    "StopJob",
+]
 
 
 class NodeState(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -30,7 +39,9 @@ class NodeState(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     healthy: bool = True
 
 
-class ClusterHeartbeat(msgspec.Struct, tag_field="kind", tag="heartbeat", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class ClusterHeartbeat(
+    msgspec.Struct, tag_field="kind", tag="heartbeat", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """A cluster's periodic report; ``seq`` increases by one per heartbeat of one agent run."""
 
     cluster: Id
@@ -46,7 +57,9 @@ class ClusterHeartbeat(msgspec.Struct, tag_field="kind", tag="heartbeat", forbid
     interval_s: Annotated[float, Meta(gt=0, le=3600)] = 5.0
 
 
-class StartJob(msgspec.Struct, tag_field="kind", tag="start", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class StartJob(
+    msgspec.Struct, tag_field="kind", tag="start", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """Start ``spec`` on the given nodes; ``attempt`` distinguishes re-placements of one job."""
 
     job_id: Id
@@ -57,7 +70,9 @@ class StartJob(msgspec.Struct, tag_field="kind", tag="start", forbid_unknown_fie
     resume_from_step: Annotated[int, Meta(ge=0)] = 0
 
 
-class StopJob(msgspec.Struct, tag_field="kind", tag="stop", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class StopJob(
+    msgspec.Struct, tag_field="kind", tag="stop", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """Stop a job's run (attempt) on this cluster."""
 
     job_id: Id
@@ -65,14 +80,18 @@ class StopJob(msgspec.Struct, tag_field="kind", tag="stop", forbid_unknown_field
     reason: Annotated[str, Meta(max_length=1024)] = ""
 
 
-class CheckpointJob(msgspec.Struct, tag_field="kind", tag="checkpoint", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class CheckpointJob(
+    msgspec.Struct, tag_field="kind", tag="checkpoint", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """Write a checkpoint of a running job now."""
 
     job_id: Id
     attempt: Annotated[int, Meta(ge=1)] = 1
 
 
-class DrainCluster(msgspec.Struct, tag_field="kind", tag="drain", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class DrainCluster(
+    msgspec.Struct, tag_field="kind", tag="drain", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """Accept no new work on these nodes (all nodes when empty)."""
 
     nodes: list[Id] = []
@@ -83,7 +102,9 @@ ClusterCommand = StartJob | StopJob | CheckpointJob | DrainCluster
 """Any command to an agent, discriminated by ``kind``."""
 
 
-class ClusterStatus(msgspec.Struct, tag_field="kind", tag="status", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class ClusterStatus(
+    msgspec.Struct, tag_field="kind", tag="status", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """An agent's answer to a command it could not carry out, or a change of its own state."""
 
     cluster: Id

@@ -75,7 +75,9 @@ class NodeAllocation(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     gpus: Annotated[int, Meta(ge=1, le=MAX_GPUS_PER_WORKER)]
 
 
-class JobPlaced(msgspec.Struct, tag_field="kind", tag="placed", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class JobPlaced(
+    msgspec.Struct, tag_field="kind", tag="placed", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """Placement reserved capacity for a job and commanded the cluster to start it."""
 
     job_id: Id
@@ -89,7 +91,9 @@ class JobPlaced(msgspec.Struct, tag_field="kind", tag="placed", forbid_unknown_f
     submitted_at: UnixSeconds = 0.0
 
 
-class JobStarted(msgspec.Struct, tag_field="kind", tag="started", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class JobStarted(
+    msgspec.Struct, tag_field="kind", tag="started", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """The cluster agent started the job's work."""
 
     job_id: Id
@@ -99,7 +103,9 @@ class JobStarted(msgspec.Struct, tag_field="kind", tag="started", forbid_unknown
     started_at: UnixSeconds
 
 
-class JobProgress(msgspec.Struct, tag_field="kind", tag="progress", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class JobProgress(
+    msgspec.Struct, tag_field="kind", tag="progress", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """Steps done so far."""
 
     job_id: Id
@@ -111,7 +117,14 @@ class JobProgress(msgspec.Struct, tag_field="kind", tag="progress", forbid_unkno
     at: UnixSeconds
 
 
-class JobCheckpointed(msgspec.Struct, tag_field="kind", tag="checkpointed", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class JobCheckpointed(
+    msgspec.Struct,
+    tag_field="kind",
+    tag="checkpointed",
+    forbid_unknown_fields=True,
+    frozen=True,
+    kw_only=True,
+):
     """A checkpoint of the job at ``step`` was written."""
 
     job_id: Id
@@ -124,7 +137,9 @@ class JobCheckpointed(msgspec.Struct, tag_field="kind", tag="checkpointed", forb
     at: UnixSeconds
 
 
-class JobCompleted(msgspec.Struct, tag_field="kind", tag="completed", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class JobCompleted(
+    msgspec.Struct, tag_field="kind", tag="completed", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """The job finished all its work."""
 
     job_id: Id
@@ -135,7 +150,9 @@ class JobCompleted(msgspec.Struct, tag_field="kind", tag="completed", forbid_unk
     at: UnixSeconds
 
 
-class JobFailed(msgspec.Struct, tag_field="kind", tag="failed", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class JobFailed(
+    msgspec.Struct, tag_field="kind", tag="failed", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """The job's run ended without finishing; ``retryable`` says whether a new placement may help."""
 
     job_id: Id
@@ -150,7 +167,9 @@ class JobFailed(msgspec.Struct, tag_field="kind", tag="failed", forbid_unknown_f
 RejectCode = Literal["invalid", "impossible", "quota", "duplicate", "internal"]
 
 
-class JobRejected(msgspec.Struct, tag_field="kind", tag="rejected", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class JobRejected(
+    msgspec.Struct, tag_field="kind", tag="rejected", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """Loom will not run the job; ``reason`` says what the submitter can change."""
 
     job_id: Annotated[str, Meta(max_length=256)]
@@ -161,7 +180,9 @@ class JobRejected(msgspec.Struct, tag_field="kind", tag="rejected", forbid_unkno
     at: UnixSeconds
 
 
-class JobCancelled(msgspec.Struct, tag_field="kind", tag="cancelled", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class JobCancelled(
+    msgspec.Struct, tag_field="kind", tag="cancelled", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """The job was cancelled before it finished."""
 
     job_id: Id

@@ -13,7 +13,9 @@ ProbeKind = Literal["udp_echo", "tcp_echo", "tcp_bulk"]
 NonNegative = Annotated[float, Meta(ge=0)]
 
 
-class ProbeSample(msgspec.Struct, tag_field="kind", tag="probe", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class ProbeSample(
+    msgspec.Struct, tag_field="kind", tag="probe", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """One probe round from ``src`` to ``dst``; a lost probe has ``rtt_ms`` None."""
 
     src: Id
@@ -29,7 +31,9 @@ class ProbeSample(msgspec.Struct, tag_field="kind", tag="probe", forbid_unknown_
     bytes_sent: Annotated[int, Meta(ge=0)] = 0
 
 
-class LinkState(msgspec.Struct, tag_field="kind", tag="link", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class LinkState(
+    msgspec.Struct, tag_field="kind", tag="link", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """The network-perception service's current view of one directed link."""
 
     src: Id

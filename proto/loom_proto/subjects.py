@@ -13,12 +13,28 @@ from loom_proto.ids import validate_id
 PREFIX = "loom"
 
 JobEventKind = Literal[
-    "submitted", "placed", "started", "progress", "checkpointed", "completed", "failed", "rejected", "cancelled"
+    "submitted",
+    "placed",
+    "started",
+    "progress",
+    "checkpointed",
+    "completed",
+    "failed",
+    "rejected",
+    "cancelled",
 ]
 ClusterCommandKind = Literal["start", "stop", "checkpoint", "drain"]
 
 JOB_EVENT_KINDS: tuple[JobEventKind, ...] = (
-    "submitted", "placed", "started", "progress", "checkpointed", "completed", "failed", "rejected", "cancelled",
+    "submitted",
+    "placed",
+    "started",
+    "progress",
+    "checkpointed",
+    "completed",
+    "failed",
+    "rejected",
+    "cancelled",
 )
 CLUSTER_COMMAND_KINDS: tuple[ClusterCommandKind, ...] = ("start", "stop", "checkpoint", "drain")
 
@@ -132,7 +148,11 @@ STREAMS: tuple[StreamSpec, ...] = (
     ),
     StreamSpec(
         name="CLUSTERS",
-        subjects=[f"{PREFIX}.clusters.*.heartbeat", f"{PREFIX}.clusters.*.cmd.*", f"{PREFIX}.clusters.*.status"],
+        subjects=[
+            f"{PREFIX}.clusters.*.heartbeat",
+            f"{PREFIX}.clusters.*.cmd.*",
+            f"{PREFIX}.clusters.*.status",
+        ],
         description="agent heartbeats, durable commands to agents, agent status",
         max_age_s=86_400,
     ),

@@ -23,7 +23,9 @@ class NodeView(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     updated_at: UnixSeconds
 
 
-class ViewDelta(msgspec.Struct, tag_field="kind", tag="view_delta", forbid_unknown_fields=True, frozen=True, kw_only=True):
+class ViewDelta(
+    msgspec.Struct, tag_field="kind", tag="view_delta", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
     """What changed in one cluster's part of the ledger; ``version`` grows with every change."""
 
     region: Id

@@ -13,10 +13,9 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import IO, Any
 
 import structlog
-from opentelemetry import propagate
-
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError
 from loom.runtime.service import ServiceContext
@@ -32,6 +31,7 @@ from loom_proto.clusters import (
 from loom_proto.codec import decode, encode
 from loom_proto.jobs import JobCheckpointed, JobCompleted, JobFailed, JobProgress, JobStarted, NodeAllocation
 from loom_services.cluster_agent.sim import SimCluster
+from opentelemetry import propagate
 
 log = structlog.get_logger("cluster_agent")
 
@@ -91,7 +91,8 @@ class Agent:
         self.running: dict[str, RunningJob] = {}
         self.finished: set[str] = set()
         self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.state_file = (state_dir / f"agent-{self.cluster}.json") if state_dir else None
+        self.state_file = (state_dir / f"agent-{self.cluster}.jsonl") if state_dir else None
+        self._journal: IO[str] | None = None
         ctx.stats.update({"cluster": self.cluster, "running": 0, "completed": 0})
 
     # ---- lifecycle of the agent ------------------------------------------------------------------
@@ -126,7 +127,8 @@ class Agent:
             for task in self.tasks.values():
                 task.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-            self._save()
+            if self._journal is not None:
+                self._journal.close()
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -151,7 +153,9 @@ class Agent:
             interval_s=self.heartbeat_s,
         )
         await self.ctx.publisher.publish(
-            subjects.cluster_heartbeat(self.cluster), beat, msg_id=f"hb-{self.cluster}-{self.epoch}-{self.seq}"
+            subjects.cluster_heartbeat(self.cluster),
+            beat,
+            msg_id=f"hb-{self.cluster}-{self.epoch}-{self.seq}",
         )
 
     # ---- commands ------------------------------------------------------------------------------
@@ -181,7 +185,9 @@ class Agent:
         refusal = self.sim.refusal(command.gpu_model, command.allocations)
         if refusal is not None:
             self.finished.add(key)
-            await self._publish_failed(spec.job_id, spec.tenant, command.attempt, f"cannot start: {refusal}", retryable=True)
+            await self._publish_failed(
+                spec.job_id, spec.tenant, command.attempt, f"cannot start: {refusal}", retryable=True
+            )
             return
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
@@ -200,10 +206,16 @@ class Agent:
         )
         self.sim.allocate(command.allocations)
         self.running[key] = job
-        self._save()
+        self._record({"op": "start", "key": key, "job": asdict(job)})
         await self.ctx.publisher.publish(
             subjects.job_event("started", job.tenant),
-            JobStarted(job_id=job.job_id, tenant=job.tenant, cluster=self.cluster, attempt=job.attempt, started_at=time.time()),
+            JobStarted(
+                job_id=job.job_id,
+                tenant=job.tenant,
+                cluster=self.cluster,
+                attempt=job.attempt,
+                started_at=time.time(),
+            ),
             msg_id=f"{job.job_id}:started:{job.attempt}",
         )
         self._launch(job)
@@ -223,7 +235,9 @@ class Agent:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._finish(job)
-        await self._publish_failed(job.job_id, job.tenant, job.attempt, reason, retryable=True, carrier=job.carrier)
+        await self._publish_failed(
+            job.job_id, job.tenant, job.attempt, reason, retryable=True, carrier=job.carrier
+        )
 
     # ---- running a job -------------------------------------------------------------------------
 
@@ -233,10 +247,15 @@ class Agent:
         parent = propagate.extract(job.carrier)
         while job.step < job.steps:
             steps = min(chunk, job.steps - job.step)
-            await asyncio.sleep(self.sim.wall_seconds(steps, job.step_time_s, job.gpu_model, job.task_type, self.time_scale))
+            await asyncio.sleep(
+                self.sim.wall_seconds(steps, job.step_time_s, job.gpu_model, job.task_type, self.time_scale)
+            )
             before = job.step
             job.step += steps
-            if job.checkpoint_every_steps and job.step // job.checkpoint_every_steps > before // job.checkpoint_every_steps:
+            if (
+                job.checkpoint_every_steps
+                and job.step // job.checkpoint_every_steps > before // job.checkpoint_every_steps
+            ):
                 await self._checkpoint(job)
             if job.step < job.steps:
                 await self.ctx.publisher.publish(
@@ -253,7 +272,7 @@ class Agent:
                     msg_id=f"{job.job_id}:progress:{job.attempt}:{job.step}",
                     parent=parent,
                 )
-            self._save()
+            self._record({"op": "step", "key": job.key, "step": job.step})
         gpus = sum(g for _, g in job.allocations)
         sim_seconds = job.steps * job.step_time_s / max(self.sim.speed(job.gpu_model, job.task_type), 1e-9)
         await self.ctx.publisher.publish(
@@ -294,46 +313,74 @@ class Agent:
         self.finished.add(job.key)
         self.sim.free(job.node_allocations())
         self.ctx.stats["running"] = len(self.running)
-        self._save()
+        self._record({"op": "finish", "key": job.key})
 
     async def _publish_failed(
-        self, job_id: str, tenant: str, attempt: int, reason: str, *, retryable: bool, carrier: dict[str, str] | None = None
+        self,
+        job_id: str,
+        tenant: str,
+        attempt: int,
+        reason: str,
+        *,
+        retryable: bool,
+        carrier: dict[str, str] | None = None,
     ) -> None:
         await self.ctx.publisher.publish(
             subjects.job_event("failed", tenant),
             JobFailed(
-                job_id=job_id, tenant=tenant, cluster=self.cluster, attempt=attempt, reason=reason,
-                retryable=retryable, at=time.time(),
+                job_id=job_id,
+                tenant=tenant,
+                cluster=self.cluster,
+                attempt=attempt,
+                reason=reason,
+                retryable=retryable,
+                at=time.time(),
             ),
             msg_id=f"{job_id}:failed:{attempt}",
             parent=propagate.extract(carrier) if carrier else None,
         )
 
-    # ---- state file ----------------------------------------------------------------------------
+    # ---- journal -------------------------------------------------------------------------------
+    # One JSON line per change (start, step, finish), appended before the command is acknowledged,
+    # so a restarted agent resumes its runs; compacted on start. Appending keeps the cost of a
+    # change constant however many jobs run.
 
-    def _save(self) -> None:
-        if self.state_file is None:
-            return
-        state = {
-            "running": [asdict(j) for j in self.running.values()],
-            # Keep the most recent finished runs so a redelivered command is still recognised.
-            "finished": sorted(self.finished)[-10_000:],
-        }
-        tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.state_file)
+    def _record(self, entry: dict[str, Any]) -> None:
+        if self._journal is not None:
+            self._journal.write(json.dumps(entry) + "\n")
+            self._journal.flush()
 
     def _restore(self) -> None:
-        if self.state_file is None or not self.state_file.exists():
+        if self.state_file is None:
             return
-        state = json.loads(self.state_file.read_text())
-        self.finished = set(state.get("finished", []))
-        for raw in state.get("running", []):
-            raw["allocations"] = [tuple(a) for a in raw["allocations"]]
-            job = RunningJob(**raw)
-            self.running[job.key] = job
-            self.sim.allocate(job.node_allocations())
-        log.info("state restored", running=len(self.running), finished=len(self.finished))
+        if self.state_file.exists():
+            for line in self.state_file.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue  # a torn last line from a crash
+                key = entry.get("key")
+                if entry["op"] == "start":
+                    job = entry["job"]
+                    job["allocations"] = [tuple(a) for a in job["allocations"]]
+                    self.running[key] = RunningJob(**job)
+                elif entry["op"] == "step" and key in self.running:
+                    self.running[key].step = entry["step"]
+                elif entry["op"] == "finish":
+                    self.running.pop(key, None)
+                    self.finished.add(key)
+            for job in self.running.values():
+                self.sim.allocate(job.node_allocations())
+            log.info("state restored", running=len(self.running), finished=len(self.finished))
+        # Compact: rewrite the journal with what still matters, then append to it.
+        tmp = self.state_file.with_suffix(".tmp")
+        with open(tmp, "w") as out:
+            for key in sorted(self.finished)[-10_000:]:
+                out.write(json.dumps({"op": "finish", "key": key}) + "\n")
+            for job in self.running.values():
+                out.write(json.dumps({"op": "start", "key": job.key, "job": asdict(job)}) + "\n")
+        os.replace(tmp, self.state_file)
+        self._journal = open(self.state_file, "a")  # noqa: SIM115 - held for the agent's lifetime
 
 
 def decode_command(payload: bytes) -> ClusterCommand:

@@ -12,13 +12,17 @@ from loom_services.cluster_agent.sim import SimCluster
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    parser = argparse.ArgumentParser(prog="loom-cluster-agent", description="Loom cluster agent (sim backend)")
+    parser = argparse.ArgumentParser(
+        prog="loom-cluster-agent", description="Loom cluster agent (sim backend)"
+    )
     parser.add_argument("--cluster", required=True, help="cluster id in the topology")
     parser.add_argument("--topology", default=None, help="topology file or packaged name (default: default)")
     parser.add_argument("--backend", choices=["sim"], default="sim")
     parser.add_argument("--time-scale", type=float, default=60.0, help="simulated seconds per wall second")
     parser.add_argument("--heartbeat-s", type=float, default=2.0)
-    parser.add_argument("--state-dir", type=Path, default=None, help="where running jobs are kept across restarts")
+    parser.add_argument(
+        "--state-dir", type=Path, default=None, help="where running jobs are kept across restarts"
+    )
     return parser.parse_args(argv)
 
 

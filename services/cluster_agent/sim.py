@@ -112,6 +112,8 @@ class SimCluster:
         self.dirty.clear()
         return [self.nodes[n].state() for n in names]
 
-    def wall_seconds(self, steps: int, step_time_s: float, gpu_model: str, task_type: str, time_scale: float) -> float:
+    def wall_seconds(
+        self, steps: int, step_time_s: float, gpu_model: str, task_type: str, time_scale: float
+    ) -> float:
         """Wall-clock seconds ``steps`` take here."""
         return steps * step_time_s / max(self.speed(gpu_model, task_type), 1e-9) / time_scale

@@ -13,8 +13,6 @@ from collections.abc import Sequence
 
 import asyncpg
 import structlog
-from nats.aio.msg import Msg
-
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.model.ledger import Change, Ledger, LedgerCluster, LedgerNode
 from loom.runtime.service import ServiceContext
@@ -24,6 +22,7 @@ from loom.store.pool import transaction
 from loom_proto import subjects
 from loom_proto.clusters import ClusterHeartbeat
 from loom_proto.view import NodeView, ViewDelta
+from nats.aio.msg import Msg
 
 log = structlog.get_logger("metrics")
 PRODUCER = "metrics"
@@ -38,8 +37,15 @@ def delta_of(change: Change, now: float) -> ViewDelta:
         full=change.full,
         nodes=[
             NodeView(
-                node=n.node, zone=n.zone, gpu_model=n.gpu_model, gpus_total=n.gpus_total, gpus_used=n.gpus_used,
-                cpu_milli=n.cpu_milli, memory_mib=n.memory_mib, healthy=n.healthy, updated_at=n.updated_at,
+                node=n.node,
+                zone=n.zone,
+                gpu_model=n.gpu_model,
+                gpus_total=n.gpus_total,
+                gpus_used=n.gpus_used,
+                cpu_milli=n.cpu_milli,
+                memory_mib=n.memory_mib,
+                healthy=n.healthy,
+                updated_at=n.updated_at,
             )
             for n in change.nodes
         ],
@@ -65,17 +71,30 @@ class MetricsService:
         """Rebuild the ledger from PostgreSQL."""
         clusters = [
             LedgerCluster(
-                cluster=r["cluster"], region=r["region"], agent_epoch=r["agent_epoch"], last_seq=r["last_seq"],
-                version=r["version"], interval_s=r["interval_s"], stale=r["stale"],
+                cluster=r["cluster"],
+                region=r["region"],
+                agent_epoch=r["agent_epoch"],
+                last_seq=r["last_seq"],
+                version=r["version"],
+                interval_s=r["interval_s"],
+                stale=r["stale"],
                 last_heartbeat_at=r["last_heartbeat_at"].timestamp() if r["last_heartbeat_at"] else 0.0,
             )
             for r in await self.pool.fetch("SELECT * FROM ledger_clusters")
         ]
         nodes = [
             LedgerNode(
-                node=r["node"], cluster=r["cluster"], region=r["region"], zone=r["zone"], gpu_model=r["gpu_model"],
-                gpus_total=r["gpus_total"], gpus_used=r["gpus_used"], cpu_milli=r["cpu_milli"],
-                memory_mib=r["memory_mib"], healthy=r["healthy"], updated_at=r["updated_at"].timestamp(),
+                node=r["node"],
+                cluster=r["cluster"],
+                region=r["region"],
+                zone=r["zone"],
+                gpu_model=r["gpu_model"],
+                gpus_total=r["gpus_total"],
+                gpus_used=r["gpus_used"],
+                cpu_milli=r["cpu_milli"],
+                memory_mib=r["memory_mib"],
+                healthy=r["healthy"],
+                updated_at=r["updated_at"].timestamp(),
             )
             for r in await self.pool.fetch("SELECT * FROM ledger_nodes")
         ]
@@ -89,7 +108,9 @@ class MetricsService:
         await self.load()
         runner: ConsumerRunner[ClusterHeartbeat] = ConsumerRunner(
             self.ctx.nc,
-            ConsumerSpec(stream="CLUSTERS", durable="metrics-heartbeats", filter_subjects=[subjects.HEARTBEATS_ALL]),
+            ConsumerSpec(
+                stream="CLUSTERS", durable="metrics-heartbeats", filter_subjects=[subjects.HEARTBEATS_ALL]
+            ),
             ClusterHeartbeat,
             handler=self.on_heartbeat,
             publisher=self.ctx.publisher,
@@ -136,12 +157,19 @@ class MetricsService:
                 if change.nodes:
                     await _write_nodes(conn, change.nodes)
                 if change.removed:
-                    await conn.execute("DELETE FROM ledger_nodes WHERE node = ANY($1::text[])", list(change.removed))
+                    await conn.execute(
+                        "DELETE FROM ledger_nodes WHERE node = ANY($1::text[])", list(change.removed)
+                    )
                 await outbox.add(
                     conn,
                     PRODUCER,
-                    [outbox.message(subjects.view_delta(change.region), delta_of(change, now),
-                                    f"view-{change.cluster}-{change.version}")],
+                    [
+                        outbox.message(
+                            subjects.view_delta(change.region),
+                            delta_of(change, now),
+                            f"view-{change.cluster}-{change.version}",
+                        )
+                    ],
                 )
 
     async def _expire_loop(self) -> None:
@@ -162,7 +190,10 @@ class MetricsService:
         """``loom.view.query``: {"region"?, "gpu_model"?} -> the tree."""
         try:
             request = json.loads(msg.data or b"{}")
-            reply = {"ok": True, "result": self.ledger.tree(region=request.get("region"), gpu_model=request.get("gpu_model"))}
+            reply = {
+                "ok": True,
+                "result": self.ledger.tree(region=request.get("region"), gpu_model=request.get("gpu_model")),
+            }
         except Exception as exc:
             reply = {"ok": False, "error": str(exc)}
         await msg.respond(json.dumps(reply).encode())
@@ -176,7 +207,9 @@ def _snapshot(ledger: Ledger, cluster_id: str) -> tuple[LedgerCluster | None, di
     return (copy.deepcopy(cluster), nodes)
 
 
-def _restore(ledger: Ledger, cluster_id: str, snapshot: tuple[LedgerCluster | None, dict[str, LedgerNode]]) -> None:
+def _restore(
+    ledger: Ledger, cluster_id: str, snapshot: tuple[LedgerCluster | None, dict[str, LedgerNode]]
+) -> None:
     """Undo an apply whose persistence failed, so the redelivery is applied afresh."""
     cluster, nodes = snapshot
     current = ledger.clusters.get(cluster_id)
@@ -198,8 +231,14 @@ async def _write_cluster(conn: asyncpg.Connection, c: LedgerCluster) -> None:
                version = EXCLUDED.version, interval_s = EXCLUDED.interval_s,
                last_heartbeat_at = EXCLUDED.last_heartbeat_at, stale = EXCLUDED.stale
            WHERE l.version <= EXCLUDED.version""",
-        c.cluster, c.region, c.agent_epoch, c.last_seq, c.version, c.interval_s,
-        ts(c.last_heartbeat_at) if c.last_heartbeat_at else None, c.stale,
+        c.cluster,
+        c.region,
+        c.agent_epoch,
+        c.last_seq,
+        c.version,
+        c.interval_s,
+        ts(c.last_heartbeat_at) if c.last_heartbeat_at else None,
+        c.stale,
     )
 
 
@@ -212,6 +251,20 @@ async def _write_nodes(conn: asyncpg.Connection, nodes: Sequence[LedgerNode]) ->
                zone = EXCLUDED.zone, gpu_model = EXCLUDED.gpu_model, gpus_total = EXCLUDED.gpus_total,
                gpus_used = EXCLUDED.gpus_used, cpu_milli = EXCLUDED.cpu_milli, memory_mib = EXCLUDED.memory_mib,
                healthy = EXCLUDED.healthy, updated_at = EXCLUDED.updated_at""",
-        [(n.node, n.cluster, n.region, n.zone, n.gpu_model, n.gpus_total, n.gpus_used, n.cpu_milli,
-          n.memory_mib, n.healthy, ts(n.updated_at)) for n in nodes],
+        [
+            (
+                n.node,
+                n.cluster,
+                n.region,
+                n.zone,
+                n.gpu_model,
+                n.gpus_total,
+                n.gpus_used,
+                n.cpu_milli,
+                n.memory_mib,
+                n.healthy,
+                ts(n.updated_at),
+            )
+            for n in nodes
+        ],
     )

@@ -17,18 +17,15 @@ from dataclasses import dataclass
 import asyncpg
 import msgspec
 import structlog
-from nats.aio.msg import Msg
-from opentelemetry import propagate
-from opentelemetry.context import Context
-
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError
 from loom.runtime.service import ServiceContext
-from loom.sched.firstfit import NodeCapacity, Placement, Unschedulable, place
+from loom.sched.firstfit import CapacityIndex, NodeCapacity, Placement, Unschedulable
 from loom.store import inbox, outbox
 from loom.store import jobs as repo
 from loom.store.pool import transaction, with_retry
 from loom_proto import subjects
+from loom_proto.clusters import StartJob
 from loom_proto.codec import DecodeError, decode, encode
 from loom_proto.ids import InvalidIdError, validate_id
 from loom_proto.jobs import (
@@ -42,15 +39,19 @@ from loom_proto.jobs import (
     JobSpec,
     JobStarted,
     JobSubmitted,
+    NodeAllocation,
 )
-from loom_proto.clusters import StartJob
-from loom_proto.jobs import NodeAllocation
 from loom_proto.view import ViewDelta
+from nats.aio.msg import Msg
+from opentelemetry import propagate
+from opentelemetry.context import Context
 
 log = structlog.get_logger("placement")
 
 PRODUCER = "placement"
-LIFECYCLE_SUBJECTS = [f"loom.jobs.{k}.*" for k in ("started", "progress", "checkpointed", "completed", "failed", "cancelled")]
+LIFECYCLE_SUBJECTS = [
+    f"loom.jobs.{k}.*" for k in ("started", "progress", "checkpointed", "completed", "failed", "cancelled")
+]
 LifecycleEvent = JobStarted | JobProgress | JobCheckpointed | JobCompleted | JobFailed | JobCancelled
 
 
@@ -110,7 +111,9 @@ class PlacementService:
         runners = [
             ConsumerRunner(
                 self.ctx.nc,
-                ConsumerSpec(stream="VIEW", durable="placement-view", filter_subjects=[subjects.VIEW_DELTAS_ALL]),
+                ConsumerSpec(
+                    stream="VIEW", durable="placement-view", filter_subjects=[subjects.VIEW_DELTAS_ALL]
+                ),
                 ViewDelta,
                 handler=self.on_view_delta,
                 publisher=self.ctx.publisher,
@@ -118,7 +121,10 @@ class PlacementService:
             ConsumerRunner(
                 self.ctx.nc,
                 ConsumerSpec(
-                    stream="JOBS", durable="placement-lifecycle", filter_subjects=LIFECYCLE_SUBJECTS, batch=self.batch
+                    stream="JOBS",
+                    durable="placement-lifecycle",
+                    filter_subjects=LIFECYCLE_SUBJECTS,
+                    batch=self.batch,
                 ),
                 bytes,
                 batch_handler=self.on_lifecycle,
@@ -167,7 +173,9 @@ class PlacementService:
             try:
                 job = decode(d.message, JobSubmitted)
                 if job.tenant != tenant:
-                    raise DecodeError(f"tenant {job.tenant!r} in the job differs from {tenant!r} in the subject")
+                    raise DecodeError(
+                        f"tenant {job.tenant!r} in the job differs from {tenant!r} in the subject"
+                    )
             except DecodeError as exc:
                 outcomes[i] = await self._reject_invalid(d, tenant, str(exc))
                 continue
@@ -235,7 +243,13 @@ class PlacementService:
             await repo.append_events(
                 conn,
                 [
-                    repo.JobEventRow(q.job.job_id, "submitted", f"{q.job.job_id}:submitted", encode(q.job), q.job.submitted_at)
+                    repo.JobEventRow(
+                        q.job.job_id,
+                        "submitted",
+                        f"{q.job.job_id}:submitted",
+                        encode(q.job),
+                        q.job.submitted_at,
+                    )
                     for q in admitted
                 ],
             )
@@ -250,12 +264,13 @@ class PlacementService:
     ) -> tuple[dict[str, NodeCapacity], list[str], list[str]]:
         """Decide for ``jobs`` in queue order on a working copy of the capacity book; write it all."""
         working = dict(self.nodes)
+        index = CapacityIndex(working)
         decisions: list[tuple[QueuedJob, Placement]] = []
         rejected: list[tuple[QueuedJob, str]] = []
         for q in sorted(jobs, key=_order):
-            spec: JobSpec = q.job
-            result = place(spec, working)
+            result = index.place(q.job)
             if isinstance(result, Placement):
+                index.take(result)
                 for node, gpus in result.allocations:
                     cap = working[node]
                     working[node] = dataclasses.replace(cap, gpus_reserved=cap.gpus_reserved + gpus)
@@ -263,9 +278,7 @@ class PlacementService:
             elif isinstance(result, Unschedulable) and result.impossible:
                 rejected.append((q, result.reason))
         now = time.time()
-        await repo.reserve(
-            conn, [(q.job.job_id, 1, p.cluster, p.allocations) for q, p in decisions]
-        )
+        await repo.reserve(conn, [(q.job.job_id, 1, p.cluster, p.allocations) for q, p in decisions])
         await repo.mark_placed(conn, [(q.job.job_id, p.cluster, 1, now) for q, p in decisions])
         await repo.mark_rejected(conn, [(q.job.job_id, reason) for q, reason in rejected])
         messages: list[outbox.OutboxMessage] = []
@@ -283,22 +296,43 @@ class PlacementService:
                 placed_at=now,
                 submitted_at=job.submitted_at,
             )
-            start = StartJob(job_id=job.job_id, spec=_spec_of(job), gpu_model=p.gpu_model, allocations=allocations)
-            messages.append(outbox.message(subjects.job_placed(p.cluster), placed, f"{job.job_id}:placed:1", context=q.context))
-            messages.append(
-                outbox.message(subjects.cluster_command(p.cluster, "start"), start, f"{job.job_id}:start:1", context=q.context)
+            start = StartJob(
+                job_id=job.job_id, spec=_spec_of(job), gpu_model=p.gpu_model, allocations=allocations
             )
-            events.append(repo.JobEventRow(job.job_id, "placed", f"{job.job_id}:placed:1", encode(placed), now))
+            messages.append(
+                outbox.message(
+                    subjects.job_placed(p.cluster), placed, f"{job.job_id}:placed:1", context=q.context
+                )
+            )
+            messages.append(
+                outbox.message(
+                    subjects.cluster_command(p.cluster, "start"),
+                    start,
+                    f"{job.job_id}:start:1",
+                    context=q.context,
+                )
+            )
+            events.append(
+                repo.JobEventRow(job.job_id, "placed", f"{job.job_id}:placed:1", encode(placed), now)
+            )
         for q, reason in rejected:
             event = rejection(q.job.job_id, q.job.tenant, "impossible", reason)
             msg_id = f"{q.job.job_id}:rejected"
-            messages.append(outbox.message(subjects.job_event("rejected", q.job.tenant), event, msg_id, context=q.context))
+            messages.append(
+                outbox.message(subjects.job_event("rejected", q.job.tenant), event, msg_id, context=q.context)
+            )
             events.append(repo.JobEventRow(q.job.job_id, "rejected", msg_id, encode(event), now))
         await repo.append_events(conn, events)
         await outbox.add(conn, PRODUCER, messages)
         return working, [q.job.job_id for q, _ in decisions], [q.job.job_id for q, _ in rejected]
 
-    def _commit(self, nodes: dict[str, NodeCapacity], considered: list[QueuedJob], placed: list[str], rejected: list[str]) -> None:
+    def _commit(
+        self,
+        nodes: dict[str, NodeCapacity],
+        considered: list[QueuedJob],
+        placed: list[str],
+        rejected: list[str],
+    ) -> None:
         """Adopt a committed cycle's outcome in memory."""
         self.nodes = nodes
         done = set(placed) | set(rejected)
@@ -419,7 +453,9 @@ class PlacementService:
                 for node, gpus in released:
                     cap = self.nodes.get(node)
                     if cap is not None:
-                        self.nodes[node] = dataclasses.replace(cap, gpus_reserved=max(cap.gpus_reserved - gpus, 0))
+                        self.nodes[node] = dataclasses.replace(
+                            cap, gpus_reserved=max(cap.gpus_reserved - gpus, 0)
+                        )
                 self.stats["released"] += len(released)
 
         try:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import structlog
+from loom_proto.codec import DecodeError, decode
+from loom_proto.subjects import dead_letter
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -31,8 +33,6 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from loom.bus.connection import BusError
 from loom.bus.publisher import Publisher, span_name
 from loom.errors import LoomError
-from loom_proto.codec import DecodeError, decode
-from loom_proto.subjects import dead_letter
 
 log = structlog.get_logger("loom.bus")
 _tracer = trace.get_tracer("loom.bus")
@@ -135,7 +135,9 @@ class ConsumerRunner(Generic[T]):
         try:
             await self._js.add_consumer(self.spec.stream, config=self.spec.config())
         except Exception as exc:
-            raise BusError(f"cannot create consumer {self.spec.durable} on {self.spec.stream}: {exc}") from exc
+            raise BusError(
+                f"cannot create consumer {self.spec.durable} on {self.spec.stream}: {exc}"
+            ) from exc
         self._sub = await self._js.pull_subscribe_bind(durable=self.spec.durable, stream=self.spec.stream)
         self._task = asyncio.create_task(self._run(), name=f"consumer-{self.spec.durable}")
 
@@ -159,7 +161,7 @@ class ConsumerRunner(Generic[T]):
         # latency when traffic is sparse.
         try:
             msgs: list[Msg] = await self._sub.fetch(1, timeout=self._idle_fetch_timeout_s)
-        except (NatsTimeoutError, asyncio.TimeoutError):
+        except (TimeoutError, NatsTimeoutError):
             return []
         if self.spec.batch > 1:
             with contextlib.suppress(NatsTimeoutError, asyncio.TimeoutError):
@@ -202,7 +204,7 @@ class ConsumerRunner(Generic[T]):
             try:
                 # ``bytes`` hands the payload over untouched, for handlers that answer bad input
                 # themselves (placement tells a submitter why a job was refused).
-                message = msg.data if self._type is bytes else decode(msg.data, self._type)
+                message: T = msg.data if self._type is bytes else decode(msg.data, self._type)  # type: ignore[assignment]
             except DecodeError as exc:
                 await self._dead_letter(msg, exc, span)
                 continue

@@ -8,18 +8,18 @@ import asyncio
 from collections.abc import Mapping
 
 import msgspec
+from loom_proto.codec import encode
 from nats.aio.client import Client
 from nats.errors import ConnectionClosedError, NoRespondersError, OutboundBufferLimitError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
-from nats.js.errors import APIError, ServiceUnavailableError
+from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
 from loom.bus.connection import BusError
-from loom_proto.codec import encode
 
 _tracer = trace.get_tracer("loom.bus")
 
@@ -29,6 +29,8 @@ _RETRYABLE = (
     asyncio.TimeoutError,
     ServiceUnavailableError,
     OutboundBufferLimitError,
+    # No stream answered: during start-up the stream may not exist yet, or its server restarts.
+    NoStreamResponseError,
 )
 
 
@@ -66,7 +68,9 @@ class Publisher:
         parent: otel_context.Context | None = None,
     ) -> PubAck:
         """Encode ``message`` and publish it; see :meth:`publish_bytes`."""
-        return await self.publish_bytes(subject, encode(message), msg_id=msg_id, headers=headers, parent=parent)
+        return await self.publish_bytes(
+            subject, encode(message), msg_id=msg_id, headers=headers, parent=parent
+        )
 
     async def publish_bytes(
         self,
@@ -101,7 +105,9 @@ class Publisher:
             last_error: Exception | None = None
             for attempt in range(1, self._attempts + 1):
                 try:
-                    ack = await self._js.publish(subject, payload, timeout=self._timeout_s, headers=all_headers)
+                    ack = await self._js.publish(
+                        subject, payload, timeout=self._timeout_s, headers=all_headers
+                    )
                 except _RETRYABLE as exc:
                     last_error = exc
                 except APIError as exc:
@@ -124,6 +130,8 @@ class Publisher:
             span.record_exception(last_error)
             raise BusError(f"publish to {subject} failed after {self._attempts} attempts: {last_error!r}")
 
-    async def publish_core(self, subject: str, payload: bytes, headers: Mapping[str, str] | None = None) -> None:
+    async def publish_core(
+        self, subject: str, payload: bytes, headers: Mapping[str, str] | None = None
+    ) -> None:
         """Publish on core NATS (no stream, no ack): replies and best-effort notices."""
         await self._nc.publish(subject, payload, headers=dict(headers or {}) or None)

@@ -107,8 +107,11 @@ class Ledger:
             return Applied(None, f"cluster {hb.cluster} is in {cluster.region}, heartbeat says {hb.region}")
         if (hb.agent_epoch, hb.seq) <= (cluster.agent_epoch, cluster.last_seq):
             self.refused["out_of_order"] += 1
-            return Applied(None, f"heartbeat ({hb.agent_epoch}, {hb.seq}) is not newer than "
-                                 f"({cluster.agent_epoch}, {cluster.last_seq})")
+            return Applied(
+                None,
+                f"heartbeat ({hb.agent_epoch}, {hb.seq}) is not newer than "
+                f"({cluster.agent_epoch}, {cluster.last_seq})",
+            )
         if hb.agent_epoch != cluster.agent_epoch and not hb.full and cluster.agent_epoch != 0:
             # A restarted agent's first deltas cannot be trusted against the old run's state.
             self.refused["delta_from_new_epoch"] += 1
@@ -132,9 +135,17 @@ class Ledger:
                 errors.append(problem)
                 continue
             entry = LedgerNode(
-                node=n.node, cluster=hb.cluster, region=hb.region, zone=n.zone, gpu_model=n.gpu_model,
-                gpus_total=n.gpus_total, gpus_used=n.gpus_used, cpu_milli=n.cpu_milli,
-                memory_mib=n.memory_mib, healthy=n.healthy, updated_at=now,
+                node=n.node,
+                cluster=hb.cluster,
+                region=hb.region,
+                zone=n.zone,
+                gpu_model=n.gpu_model,
+                gpus_total=n.gpus_total,
+                gpus_used=n.gpus_used,
+                cpu_milli=n.cpu_milli,
+                memory_mib=n.memory_mib,
+                healthy=n.healthy,
+                updated_at=now,
             )
             if owner is None or _differs(owner, entry):
                 changed.append(entry)
@@ -152,7 +163,9 @@ class Ledger:
         cluster.version += 1
         if hb.full:
             changed = [self.nodes[n] for n in sorted(cluster.nodes)]
-        change = Change(hb.cluster, hb.region, cluster.version, hb.full, tuple(changed), tuple(removed), False)
+        change = Change(
+            hb.cluster, hb.region, cluster.version, hb.full, tuple(changed), tuple(removed), False
+        )
         return Applied(change, None, tuple(errors))
 
     def expire(self, now: float) -> list[Change]:
@@ -192,12 +205,24 @@ class Ledger:
                 clusters: dict[str, dict[str, object]] = z["clusters"]  # type: ignore[assignment]
                 cl = clusters.setdefault(
                     c.cluster,
-                    {"gpus_total": 0, "gpus_used": 0, "stale": c.stale, "last_heartbeat_at": c.last_heartbeat_at,
-                     "nodes": []},
+                    {
+                        "gpus_total": 0,
+                        "gpus_used": 0,
+                        "stale": c.stale,
+                        "last_heartbeat_at": c.last_heartbeat_at,
+                        "nodes": [],
+                    },
                 )
                 nodes: list[dict[str, object]] = cl["nodes"]  # type: ignore[assignment]
-                nodes.append({"node": n.node, "gpu_model": n.gpu_model, "gpus_total": n.gpus_total,
-                              "gpus_used": n.gpus_used, "healthy": n.healthy})
+                nodes.append(
+                    {
+                        "node": n.node,
+                        "gpu_model": n.gpu_model,
+                        "gpus_total": n.gpus_total,
+                        "gpus_used": n.gpus_used,
+                        "healthy": n.healthy,
+                    }
+                )
                 for level in (r, z, cl):
                     level["gpus_total"] = int(level["gpus_total"]) + n.gpus_total  # type: ignore[call-overload]
                     level["gpus_used"] = int(level["gpus_used"]) + n.gpus_used  # type: ignore[call-overload]
@@ -206,4 +231,11 @@ class Ledger:
 
 def _differs(a: LedgerNode, b: LedgerNode) -> bool:
     return (a.zone, a.gpu_model, a.gpus_total, a.gpus_used, a.cpu_milli, a.memory_mib, a.healthy) != (
-        b.zone, b.gpu_model, b.gpus_total, b.gpus_used, b.cpu_milli, b.memory_mib, b.healthy)
+        b.zone,
+        b.gpu_model,
+        b.gpus_total,
+        b.gpus_used,
+        b.cpu_milli,
+        b.memory_mib,
+        b.healthy,
+    )

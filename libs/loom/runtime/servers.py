@@ -421,12 +421,16 @@ class PostgresServer(_ChildServer):
     """A ``postgres`` listening on 127.0.0.1 with a ``loom`` database, storing under ``data_dir``.
 
     ``data_dir`` holds the cluster (``pgdata/``, created by ``initdb`` on first start),
-    ``postgres.log`` and ``postgres.pid``. ``durable=False`` turns off fsync and friends: fast
-    for tests, and data is lost only if the machine (not the process) crashes.
+    ``postgres.log`` and ``postgres.pid``. ``durable=False`` (for tests) turns off fsync,
+    synchronous commit and full-page writes: a machine crash can corrupt the cluster, and a
+    :meth:`kill` may lose the commits of the last fraction of a second (they wait in shared
+    memory for the WAL writer). Tests that assert on data surviving a kill need ``durable=True``.
 
     Postgres refuses to run as root; when we are root it runs as the system user
     ``embedded_postgres`` (created if missing), which then owns ``data_dir`` and may traverse its
-    parents (o+x is added where missing).
+    parents (o+x is added where missing). Such a ``data_dir`` must not sit below a directory that
+    something may make private again while the server runs: pytest resets
+    ``/tmp/pytest-of-root`` to 0700 at the start of every session.
     """
 
     _name = "postgres"

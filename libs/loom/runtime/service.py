@@ -58,10 +58,17 @@ async def open_context(
     nc = await connect(nats_url, name)
     await ensure_streams(nc.jetstream())
     pool = await create_pool(database_url, max_size=8) if database_url else None
-    ctx = ServiceContext(name=name, nc=nc, publisher=Publisher(nc), pool=pool, stopping=stopping or asyncio.Event())
+    ctx = ServiceContext(
+        name=name, nc=nc, publisher=Publisher(nc), pool=pool, stopping=stopping or asyncio.Event()
+    )
 
     async def on_health(msg: Msg) -> None:
-        reply = {"service": name, "pid": os.getpid(), "uptime_s": round(time.time() - ctx.started_at, 3), **ctx.stats}
+        reply = {
+            "service": name,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - ctx.started_at, 3),
+            **ctx.stats,
+        }
         await msg.respond(msgspec.json.encode(reply))
 
     await nc.subscribe(health_subject(name), cb=on_health)
@@ -89,7 +96,10 @@ def run(name: str, body: Callable[[ServiceContext], Awaitable[None]], *, needs_d
             loop.add_signal_handler(sig, stopping.set)
         urls = endpoints()
         ctx = await open_context(
-            name, nats_url=urls.nats_url, database_url=urls.database_url if needs_db else None, stopping=stopping
+            name,
+            nats_url=urls.nats_url,
+            database_url=urls.database_url if needs_db else None,
+            stopping=stopping,
         )
         log.info("service started", pid=os.getpid())
         try:

@@ -48,7 +48,9 @@ class Unschedulable:
     impossible: bool
 
 
-def _workers_that_fit(free_gpus: Iterable[tuple[str, int]], gpus_per_worker: int, workers: int) -> list[tuple[str, int]] | None:
+def _workers_that_fit(
+    free_gpus: Iterable[tuple[str, int]], gpus_per_worker: int, workers: int
+) -> list[tuple[str, int]] | None:
     """Pack workers onto nodes (most free first, to keep gangs on few nodes); None if they don't fit."""
     allocations: list[tuple[str, int]] = []
     left = workers
@@ -62,20 +64,61 @@ def _workers_that_fit(free_gpus: Iterable[tuple[str, int]], gpus_per_worker: int
     return None
 
 
+class CapacityIndex:
+    """Free GPUs grouped by (cluster, model), built once per scheduling cycle.
+
+    Deciding for a batch of jobs then costs each job a pass over the groups (skipping any whose
+    total free GPUs cannot hold it) plus a pass over the nodes of the group it lands in, not a
+    pass over every node.
+    """
+
+    def __init__(self, nodes: Mapping[str, NodeCapacity]) -> None:
+        self.nodes = nodes
+        self.groups: dict[tuple[str, str], dict[str, int]] = {}
+        self.free: dict[tuple[str, str], int] = {}
+        self.region: dict[str, str] = {}
+        for cap in nodes.values():
+            if cap.gpu_model is None:
+                continue
+            key = (cap.cluster, cap.gpu_model)
+            self.groups.setdefault(key, {})[cap.node] = cap.gpus_free
+            self.free[key] = self.free.get(key, 0) + cap.gpus_free
+            self.region[cap.cluster] = cap.region
+        self.order = sorted(self.groups)
+
+    def place(self, job: JobSpec) -> Placement | Unschedulable:
+        """First (cluster, model) in id order that holds every worker now; nothing is taken."""
+        allowed = job.resources.gpu_models
+        need = job.resources.gpus * job.workers
+        for key in self.order:
+            if (allowed and key[1] not in allowed) or self.free[key] < need:
+                continue
+            allocations = _workers_that_fit(self.groups[key].items(), job.resources.gpus, job.workers)
+            if allocations is not None:
+                return Placement(
+                    cluster=key[0],
+                    region=self.region[key[0]],
+                    gpu_model=key[1],
+                    allocations=tuple(allocations),
+                )
+        by_cluster_model: dict[tuple[str, str], list[NodeCapacity]] = {}
+        for cap in self.nodes.values():
+            if cap.gpu_model is not None and (not allowed or cap.gpu_model in allowed):
+                by_cluster_model.setdefault((cap.cluster, cap.gpu_model), []).append(cap)
+        return explain_unschedulable(job, by_cluster_model, any_nodes=bool(self.nodes))
+
+    def take(self, placement: Placement) -> None:
+        """Account for a placement so later jobs of the cycle see the GPUs as used."""
+        key = (placement.cluster, placement.gpu_model)
+        group = self.groups[key]
+        for node, gpus in placement.allocations:
+            group[node] -= gpus
+            self.free[key] -= gpus
+
+
 def place(job: JobSpec, nodes: Mapping[str, NodeCapacity]) -> Placement | Unschedulable:
     """Choose the first cluster (by id) and GPU model that can hold all ``job.workers`` now."""
-    allowed = set(job.resources.gpu_models)
-    per_worker = job.resources.gpus
-    by_cluster_model: dict[tuple[str, str], list[NodeCapacity]] = {}
-    for cap in nodes.values():
-        if cap.gpu_model is None or (allowed and cap.gpu_model not in allowed):
-            continue
-        by_cluster_model.setdefault((cap.cluster, cap.gpu_model), []).append(cap)
-    for (cluster, model), caps in sorted(by_cluster_model.items()):
-        allocations = _workers_that_fit(((c.node, c.gpus_free) for c in caps), per_worker, job.workers)
-        if allocations is not None:
-            return Placement(cluster=cluster, region=caps[0].region, gpu_model=model, allocations=tuple(allocations))
-    return explain_unschedulable(job, by_cluster_model, any_nodes=bool(nodes))
+    return CapacityIndex(nodes).place(job)
 
 
 def explain_unschedulable(
@@ -89,7 +132,8 @@ def explain_unschedulable(
         return Unschedulable(reason="no cluster has joined yet; the job waits for capacity", impossible=False)
     if not by_cluster_model:
         return Unschedulable(
-            reason=f"no cluster has GPUs of the allowed models ({models}); allow other models", impossible=True
+            reason=f"no cluster has GPUs of the allowed models ({models}); allow other models",
+            impossible=True,
         )
     best: tuple[int, str, str] | None = None
     for (cluster, model), caps in by_cluster_model.items():

@@ -111,7 +111,9 @@ async def mark_rejected(conn: asyncpg.Connection, rejected: Sequence[tuple[str, 
     )
 
 
-async def reserve(conn: asyncpg.Connection, job_allocations: Sequence[tuple[str, int, str, Sequence[tuple[str, int]]]]) -> None:
+async def reserve(
+    conn: asyncpg.Connection, job_allocations: Sequence[tuple[str, int, str, Sequence[tuple[str, int]]]]
+) -> None:
     """Reserve GPUs: (job_id, attempt, cluster, [(node, gpus)]) for each job.
 
     The capacity book is updated by one conditional statement per batch; if any node lacks the
@@ -220,9 +222,7 @@ async def load_nodes(conn: asyncpg.Connection | asyncpg.Pool) -> dict[str, NodeC
     }
 
 
-async def upsert_nodes(
-    conn: asyncpg.Connection, version: int, nodes: Iterable[NodeCapacity]
-) -> None:
+async def upsert_nodes(conn: asyncpg.Connection, version: int, nodes: Iterable[NodeCapacity]) -> None:
     """Follow the view: totals, model and schedulability change; reservations never do here."""
     items = list(nodes)
     if not items:
@@ -276,7 +276,9 @@ async def get_job(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> dict[
         return None
     out = _job_dict(row)
     out["spec"] = json.loads(row["spec"])
-    events = await conn.fetch("SELECT kind, msg_id, event, at FROM job_events WHERE job_id = $1 ORDER BY id", job_id)
+    events = await conn.fetch(
+        "SELECT kind, msg_id, event, at FROM job_events WHERE job_id = $1 ORDER BY id", job_id
+    )
     out["events"] = [
         {"kind": e["kind"], "msg_id": e["msg_id"], "at": e["at"].timestamp(), "event": json.loads(e["event"])}
         for e in events
@@ -285,7 +287,11 @@ async def get_job(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> dict[
 
 
 async def list_jobs(
-    conn: asyncpg.Connection | asyncpg.Pool, *, tenant: str | None = None, state: str | None = None, limit: int = 100
+    conn: asyncpg.Connection | asyncpg.Pool,
+    *,
+    tenant: str | None = None,
+    state: str | None = None,
+    limit: int = 100,
 ) -> list[dict[str, Any]]:
     """Newest jobs first, optionally of one tenant or state."""
     rows = await conn.fetch(

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import asyncpg
 import msgspec
 import structlog
+from loom_proto.codec import encode
 from opentelemetry import propagate
 from opentelemetry.context import Context
 
 from loom.bus import BusError, Publisher
-from loom_proto.codec import encode
 
 log = structlog.get_logger("loom.store")
 
@@ -114,4 +114,3 @@ class OutboxRelay:
         # anyway); a failure stops the mark only for the rows that failed.
         results = await asyncio.gather(*(one(r) for r in rows))
         return [r for r in results if r is not None]
-

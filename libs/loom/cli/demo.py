@@ -1,0 +1,124 @@
+"""``loom demo``: the stack, the example workload, live progress, a summary."""
+
+import argparse
+import asyncio
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from loom.client import LoomClient, load_specs
+from loom.runtime import stack
+from loom.runtime.config import loom_home
+
+DEFAULT_WORKLOAD = Path("examples/demo-workload.yaml")
+TERMINAL = {"completed", "failed", "rejected", "cancelled"}
+
+
+def _table(jobs: dict[str, dict[str, Any] | None], started: float) -> Table:
+    table = Table(title=f"Loom demo: {time.time() - started:.0f}s")
+    for col in ("job", "tenant", "state", "cluster", "progress"):
+        table.add_column(col)
+    for job_id, j in sorted(jobs.items()):
+        if j is None:
+            table.add_row(job_id, "", "submitted", "", "")
+            continue
+        bar = "#" * int(j["progress"] * 20)
+        color = {"completed": "green", "rejected": "red", "failed": "red", "running": "cyan"}.get(
+            j["state"], "white"
+        )
+        table.add_row(
+            job_id,
+            j["tenant"],
+            f"[{color}]{j['state']}[/{color}]",
+            j["cluster"] or "",
+            f"{bar:<20} {j['progress']:.0%}",
+        )
+    return table
+
+
+async def _demo(args: argparse.Namespace, console: Console, nats_url: str) -> int:
+    specs = load_specs(args.workload or DEFAULT_WORKLOAD)
+    client = await LoomClient.connect(nats_url, name="loom-demo")
+    try:
+        with console.status("waiting for the clusters' first heartbeats…"):
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                view = await client.view()
+                clusters = sum(
+                    len(z["clusters"]) for r in view["regions"].values() for z in r["zones"].values()
+                )
+                if clusters >= len(stack.read_state(loom_home()).get("services", {})) - 2:  # type: ignore[union-attr]
+                    break
+                await asyncio.sleep(0.5)
+        console.print(f"{clusters} clusters reporting; submitting {len(specs)} jobs")
+        started = time.time()
+        for spec in specs:
+            await client.submit(spec)
+        jobs: dict[str, dict[str, Any] | None] = {s.job_id: None for s in specs}
+        with Live(_table(jobs, started), console=console, refresh_per_second=4) as live:
+            while time.time() - started < args.timeout:
+                for job_id in jobs:
+                    if jobs[job_id] is None or jobs[job_id]["state"] not in TERMINAL:  # type: ignore[index]
+                        jobs[job_id] = await client.job(job_id)
+                live.update(_table(jobs, started))
+                if all(j is not None and j["state"] in TERMINAL for j in jobs.values()):
+                    break
+                await asyncio.sleep(0.5)
+        done = [j for j in jobs.values() if j is not None]
+        by_state: dict[str, int] = {}
+        by_cluster: dict[str, int] = {}
+        for j in done:
+            by_state[j["state"]] = by_state.get(j["state"], 0) + 1
+            if j["cluster"]:
+                by_cluster[j["cluster"]] = by_cluster.get(j["cluster"], 0) + 1
+        waits = [j["placed_at"] - j["submitted_at"] for j in done if j["placed_at"]]
+        runs = [j["finished_at"] - j["placed_at"] for j in done if j["placed_at"] and j["finished_at"]]
+        console.rule("summary")
+        console.print("jobs by state: " + ", ".join(f"{k} {v}" for k, v in sorted(by_state.items())))
+        console.print("jobs by cluster: " + ", ".join(f"{k} {v}" for k, v in sorted(by_cluster.items())))
+        if waits:
+            console.print(
+                f"submit -> placed: median {statistics.median(waits) * 1000:.0f} ms, max {max(waits) * 1000:.0f} ms"
+            )
+        if runs:
+            console.print(f"placed -> finished (wall): median {statistics.median(runs):.1f} s")
+        for j in done:
+            if j["state"] == "rejected":
+                console.print(f"[red]{j['job_id']} rejected:[/red] {j['reason']}")
+        unfinished = [k for k, j in jobs.items() if j is None or j["state"] not in TERMINAL]
+        if unfinished:
+            console.print(
+                f"[yellow]not finished within {args.timeout:.0f}s: {', '.join(unfinished)}[/yellow]"
+            )
+        return 0 if not unfinished and by_state.get("completed", 0) > 0 else 1
+    finally:
+        await client.close()
+
+
+def run_demo(args: argparse.Namespace, console: Console) -> int:
+    """The whole demo; returns the exit code."""
+    home = loom_home()
+    with console.status("starting Loom (NATS, PostgreSQL, placement, metrics, cluster agents)…") as status:
+        state = stack.up(
+            home,
+            stack.StackOptions(time_scale=args.time_scale),
+            progress=lambda s: status.update(f"starting Loom… {s}"),
+        )
+    console.print(f"[green]Loom is up[/green]: {len(state['services'])} services, logs in {home / 'logs'}")
+    try:
+        code = asyncio.run(_demo(args, console, state["nats_url"]))
+    finally:
+        if args.down:
+            stack.down(home)
+            console.print("stack stopped")
+    if not args.down:
+        console.print(
+            "The stack is still running. Try [bold]loom view[/bold], [bold]loom jobs[/bold], "
+            "[bold]loom job <id>[/bold]; stop it with [bold]loom down[/bold] (or [bold]make down[/bold])."
+        )
+    return code

@@ -1,0 +1,386 @@
+"""The ``loom`` command: run the embedded stack, submit and inspect jobs, view resources, benchmark."""
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.tree import Tree
+
+from loom.client import LoomClient, QueryError, SpecError, load_specs
+from loom.runtime import stack
+from loom.runtime.config import endpoints, loom_home
+
+console = Console()
+err = Console(stderr=True)
+
+
+def _run(coro: Coroutine[Any, Any, int]) -> int:
+    return asyncio.run(coro)
+
+
+async def _client() -> LoomClient:
+    return await LoomClient.connect(endpoints().nats_url)
+
+
+# ---- stack ----------------------------------------------------------------------------------------
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Start the embedded stack in the background."""
+    options = stack.StackOptions(
+        topology=args.topology,
+        clusters=args.cluster or [],
+        time_scale=args.time_scale,
+        heartbeat_s=args.heartbeat_s,
+    )
+    with console.status("starting Loom…") as status:
+        state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
+    console.print(f"[green]Loom is up[/green]  NATS {state['nats_url']}  PostgreSQL {state['database_url']}")
+    console.print(
+        f"{len(state['services'])} services; logs in {loom_home() / 'logs'}; stop with [bold]loom down[/bold]"
+    )
+    return 0
+
+
+def cmd_down(_args: argparse.Namespace) -> int:
+    """Stop the embedded stack."""
+    with console.status("stopping Loom…"):
+        stopped = stack.down(loom_home())
+    console.print("Loom stopped" if stopped else "no Loom stack is running here")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Show each process and whether it answers health checks."""
+    state = stack.read_state(loom_home())
+    if not state:
+        console.print("no Loom stack has been started here (run [bold]loom up[/bold])")
+        return 1
+    rows = stack.process_table(loom_home())
+    health: dict[str, dict[str, Any]] = {}
+    if state.get("status") == "ready" and state.get("nats_url"):
+        health = _run_health(state["nats_url"], [r["name"] for r in rows])
+    for r in rows:
+        r["health"] = health.get(r["name"])
+    if args.json:
+        print(json.dumps({"status": state.get("status"), "processes": rows}, indent=2))
+    else:
+        table = Table(title=f"Loom stack: {state.get('status')}")
+        for col in ("process", "pid", "alive", "restarts", "health"):
+            table.add_column(col)
+        for r in rows:
+            h = r["health"]
+            text = (
+                "-"
+                if r["name"] in ("supervisor", "nats", "postgres")
+                else (f"ok, up {h['uptime_s']:.0f}s" if h else "[red]no answer[/red]")
+            )
+            table.add_row(
+                r["name"], str(r["pid"]), "yes" if r["alive"] else "[red]no[/red]", str(r["restarts"]), text
+            )
+        console.print(table)
+    ok = all(r["alive"] for r in rows) and all(
+        r["health"] for r in rows if r["name"] not in ("supervisor", "nats", "postgres")
+    )
+    return 0 if ok else 1
+
+
+def _run_health(nats_url: str, names: list[str]) -> dict[str, dict[str, Any]]:
+    from loom.runtime.service import health_subject
+
+    async def ask() -> dict[str, dict[str, Any]]:
+        client = await LoomClient.connect(nats_url, name="loom-status")
+        out: dict[str, dict[str, Any]] = {}
+        try:
+            for name in names:
+                try:
+                    reply = await client.nc.request(health_subject(name), b"", timeout=1.0)
+                    out[name] = json.loads(reply.data)
+                except Exception:  # no answer is what we report
+                    continue
+        finally:
+            await client.close()
+        return out
+
+    return asyncio.run(ask())
+
+
+def cmd_migrate(_args: argparse.Namespace) -> int:
+    """Apply pending database migrations to LOOM_DATABASE_URL (or the running stack's)."""
+    from loom.store.migrations import migrate_url
+
+    applied = asyncio.run(migrate_url(endpoints().database_url))
+    console.print(f"applied migrations: {applied}" if applied else "database is up to date")
+    return 0
+
+
+# ---- jobs -----------------------------------------------------------------------------------------
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    """Validate and submit every job in FILE."""
+    try:
+        specs = load_specs(args.file, default_tenant=args.tenant)
+    except (SpecError, OSError) as exc:
+        err.print(f"[red]cannot submit:[/red] {exc}")
+        return 2
+
+    async def go() -> int:
+        client = await _client()
+        try:
+            for spec in specs:
+                await client.submit(spec)
+                console.print(f"submitted [bold]{spec.job_id}[/bold] (tenant {spec.tenant})")
+            if args.wait:
+                return await _follow(client, {s.job_id for s in specs}, timeout_s=args.timeout)
+        finally:
+            await client.close()
+        return 0
+
+    return _run(go())
+
+
+TERMINAL = {"completed", "failed", "rejected", "cancelled"}
+
+
+async def _follow(client: LoomClient, job_ids: set[str], *, timeout_s: float) -> int:
+    """Poll until every job is terminal; print one line per state change."""
+    seen: dict[str, str] = {}
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for job_id in sorted(job_ids):
+            job = await client.job(job_id)
+            state = job["state"] if job else "submitted"
+            if seen.get(job_id) != state:
+                where = f" on {job['cluster']}" if job and job.get("cluster") else ""
+                why = f": {job['reason']}" if job and job.get("reason") else ""
+                console.print(f"{job_id}: {state}{where}{why}")
+                seen[job_id] = state
+        if all(seen.get(j) in TERMINAL for j in job_ids):
+            return 0 if all(seen[j] == "completed" for j in job_ids) else 1
+        await asyncio.sleep(0.5)
+    err.print("[yellow]timed out waiting for the jobs[/yellow]")
+    return 1
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    """List jobs, newest first."""
+
+    async def go() -> int:
+        client = await _client()
+        try:
+            rows = await client.jobs(tenant=args.tenant, state=args.state, limit=args.limit)
+        finally:
+            await client.close()
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        table = Table(title=f"{len(rows)} job(s)")
+        for col in ("job", "tenant", "state", "cluster", "progress", "reason"):
+            table.add_column(col)
+        for r in rows:
+            table.add_row(
+                r["job_id"],
+                r["tenant"],
+                r["state"],
+                r["cluster"] or "",
+                f"{r['progress']:.0%}",
+                (r["reason"] or "")[:80],
+            )
+        console.print(table)
+        return 0
+
+    return _run(go())
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    """One job and its event history."""
+
+    async def go() -> int:
+        client = await _client()
+        try:
+            job = await client.job(args.job_id)
+        finally:
+            await client.close()
+        if job is None:
+            err.print(
+                f"no job {args.job_id!r} (it was never accepted: check `loom jobs` or the rejected events)"
+            )
+            return 1
+        if args.json:
+            print(json.dumps(job, indent=2))
+            return 0
+        console.print(
+            f"[bold]{job['job_id']}[/bold]  tenant {job['tenant']}  state [bold]{job['state']}[/bold]"
+            f"  cluster {job['cluster'] or '-'}  progress {job['progress']:.0%}"
+        )
+        if job.get("reason"):
+            console.print(f"reason: {job['reason']}")
+        table = Table(title="history")
+        for col in ("time", "event", "detail"):
+            table.add_column(col)
+        t0 = job["events"][0]["at"] if job["events"] else 0.0
+        for e in job["events"]:
+            ev = e["event"]
+            detail = _event_detail(e["kind"], ev)
+            table.add_row(f"+{e['at'] - t0:.3f}s", e["kind"], detail)
+        console.print(table)
+        return 0
+
+    return _run(go())
+
+
+def _event_detail(kind: str, ev: dict[str, Any]) -> str:
+    """One line about an event for the history table."""
+    if kind == "placed":
+        nodes = ", ".join(f"{a['node']}x{a['gpus']}" for a in ev["allocations"])
+        return f"{ev['cluster']} ({ev['gpu_model']}) nodes {nodes}"
+    if kind in ("progress", "checkpointed"):
+        return f"step {ev['step']}" + (f"/{ev['steps']}" if "steps" in ev else "")
+    if kind in ("failed", "rejected"):
+        return str(ev["reason"])
+    if kind == "completed":
+        return f"{ev['gpu_seconds']:.0f} GPU-seconds"
+    return ""
+
+
+def cmd_view(args: argparse.Namespace) -> int:
+    """The resource tree: region -> zone -> cluster (-> nodes with --nodes)."""
+
+    async def go() -> int:
+        client = await _client()
+        try:
+            view = await client.view(region=args.region, gpu_model=args.model)
+        finally:
+            await client.close()
+        if args.json:
+            print(json.dumps(view, indent=2))
+            return 0
+        root = Tree("[bold]Loom[/bold]")
+        for region, r in sorted(view["regions"].items()):
+            rt = root.add(f"[bold]{region}[/bold]  {r['gpus_used']}/{r['gpus_total']} GPUs used")
+            for zone, z in sorted(r["zones"].items()):
+                zt = rt.add(f"{zone}  {z['gpus_used']}/{z['gpus_total']}")
+                for cluster, c in sorted(z["clusters"].items()):
+                    stale = " [red]STALE[/red]" if c["stale"] else ""
+                    models: dict[str, int] = {}
+                    for n in c["nodes"]:
+                        models[n["gpu_model"] or "cpu"] = (
+                            models.get(n["gpu_model"] or "cpu", 0) + n["gpus_total"]
+                        )
+                    mix = ", ".join(f"{m} {g}" for m, g in sorted(models.items()))
+                    ct = zt.add(f"{cluster}  {c['gpus_used']}/{c['gpus_total']}  [{mix}]{stale}")
+                    if args.nodes:
+                        for n in c["nodes"]:
+                            ct.add(
+                                f"{n['node']} {n['gpu_model']} {n['gpus_used']}/{n['gpus_total']}"
+                                + ("" if n["healthy"] else " [red]unhealthy[/red]")
+                            )
+        console.print(root)
+        return 0
+
+    return _run(go())
+
+
+# ---- demo and bench -------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Bring the stack up, run the example workload with live progress, print a summary."""
+    from loom.cli.demo import run_demo
+
+    return run_demo(args, console)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run a benchmark program and print its JSON."""
+    from loom_benchmarks import run_benchmark
+
+    return run_benchmark(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full command line."""
+    parser = argparse.ArgumentParser(
+        prog="loom", description="Loom: network-aware scheduling over GPU clusters"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(fn=fn)
+        return p
+
+    p = add("up", cmd_up, "start NATS, PostgreSQL and every service in the background")
+    p.add_argument("--topology", default="default", help="packaged topology name or file")
+    p.add_argument("--cluster", action="append", help="run only these cluster agents (repeatable)")
+    p.add_argument("--time-scale", type=float, default=60.0, help="simulated seconds per wall second")
+    p.add_argument("--heartbeat-s", type=float, default=2.0)
+    add("down", cmd_down, "stop the embedded stack")
+    p = add("status", cmd_status, "show the stack's processes and their health")
+    p.add_argument("--json", action="store_true")
+    add("migrate", cmd_migrate, "apply database migrations")
+    p = add("submit", cmd_submit, "submit the jobs in a YAML or JSON file")
+    p.add_argument("file", type=Path)
+    p.add_argument("--tenant", help="tenant for specs that name none")
+    p.add_argument("--wait", action="store_true", help="follow the jobs until they finish")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p = add("jobs", cmd_jobs, "list jobs")
+    p.add_argument("--tenant")
+    p.add_argument(
+        "--state", choices=["queued", "placed", "running", "completed", "failed", "rejected", "cancelled"]
+    )
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--json", action="store_true")
+    p = add("job", cmd_job, "one job and its event history")
+    p.add_argument("job_id")
+    p.add_argument("--json", action="store_true")
+    p = add("view", cmd_view, "the resource tree: region -> zone -> cluster -> node")
+    p.add_argument("--region")
+    p.add_argument("--model", help="only nodes of this GPU model")
+    p.add_argument("--nodes", action="store_true", help="list nodes too")
+    p.add_argument("--json", action="store_true")
+    p = add("demo", cmd_demo, "start the stack, run the example workload, show progress and a summary")
+    p.add_argument(
+        "--workload", type=Path, default=None, help="job file (default: examples/demo-workload.yaml)"
+    )
+    p.add_argument("--time-scale", type=float, default=600.0)
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--down", action="store_true", help="stop the stack when the demo ends")
+    p = add("bench", cmd_bench, "benchmarks (JSON out)")
+    from loom_benchmarks import add_arguments
+
+    add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point."""
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.fn(args)
+    except QueryError as exc:
+        err.print(f"[red]{exc}[/red]")
+        code = 1
+    except RuntimeError as exc:
+        err.print(f"[red]{exc}[/red]")
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+def entry() -> None:
+    """The ``loom`` console script."""
+    sys.exit(main())

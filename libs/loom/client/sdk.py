@@ -1,0 +1,139 @@
+"""Client of a running Loom: submit, watch, query."""
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+from loom_proto import subjects
+from loom_proto.codec import DecodeError, decode
+from loom_proto.jobs import JobEvent, JobSpec, JobSubmitted
+from nats.aio.client import Client
+
+from loom.bus import Publisher, connect
+from loom.errors import InvalidInputError, LoomError
+
+
+class SpecError(InvalidInputError):
+    """A job spec that cannot be submitted; the message says which field and why."""
+
+
+class QueryError(LoomError):
+    """A query the service could not answer."""
+
+
+def spec_from_mapping(raw: Mapping[str, Any], *, default_tenant: str | None = None) -> JobSpec:
+    """Validate one job spec; a missing ``job_id`` becomes ``<name or 'job'>-<random>``."""
+    data = dict(raw)
+    if "job_id" not in data:
+        base = str(data.get("name") or "job").replace(" ", "-")[:40]
+        data["job_id"] = f"{base}-{secrets.token_hex(4)}"
+    if "tenant" not in data and default_tenant:
+        data["tenant"] = default_tenant
+    try:
+        return msgspec.convert(data, JobSpec)
+    except msgspec.ValidationError as exc:
+        raise SpecError(f"job spec {data.get('job_id')!r}: {exc}") from exc
+
+
+def load_specs(path: str | Path, *, default_tenant: str | None = None) -> list[JobSpec]:
+    """Read a YAML or JSON file holding one job, a list of jobs, or ``{jobs: [...]}``."""
+    text = Path(path).read_text()
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{path}: not valid YAML or JSON: {exc}") from exc
+    if isinstance(raw, dict) and "jobs" in raw:
+        raw = raw["jobs"]
+    items = raw if isinstance(raw, list) else [raw]
+    if not items or not all(isinstance(i, dict) for i in items):
+        raise SpecError(f"{path}: expected a job mapping, a list of them, or {{jobs: [...]}}")
+    return [spec_from_mapping(i, default_tenant=default_tenant) for i in items]
+
+
+class LoomClient:
+    """A connection to Loom over NATS."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+        self.publisher = Publisher(nc)
+
+    @classmethod
+    async def connect(cls, nats_url: str, *, name: str = "loom-client") -> "LoomClient":
+        """Connect to the NATS server of a Loom deployment."""
+        return cls(await connect(nats_url, name))
+
+    async def close(self) -> None:
+        """Flush and close the connection."""
+        await self.nc.drain()
+
+    async def submit(self, spec: JobSpec) -> str:
+        """Submit a job; resubmitting the same ``job_id`` within two minutes is a no-op."""
+        fields = {f: getattr(spec, f) for f in JobSpec.__struct_fields__}
+        job = JobSubmitted(**fields, submitted_at=time.time())
+        await self.publisher.publish(subjects.job_submitted(spec.tenant), job, msg_id=spec.job_id)
+        return spec.job_id
+
+    async def _query(self, subject: str, request: Mapping[str, Any], timeout_s: float) -> Any:
+        try:
+            reply = await self.nc.request(subject, json.dumps(request).encode(), timeout=timeout_s)
+        except Exception as exc:
+            raise QueryError(
+                f"no answer on {subject} within {timeout_s}s: is the service running? ({exc!r})"
+            ) from exc
+        body = json.loads(reply.data)
+        if not body.get("ok"):
+            raise QueryError(str(body.get("error")))
+        return body["result"]
+
+    async def job(self, job_id: str, *, timeout_s: float = 5.0) -> dict[str, Any] | None:
+        """A job with its event history, or None when placement never accepted it."""
+        result: dict[str, Any] | None = await self._query(
+            subjects.JOBS_QUERY, {"op": "get", "job_id": job_id}, timeout_s
+        )
+        return result
+
+    async def jobs(
+        self, *, tenant: str | None = None, state: str | None = None, limit: int = 100, timeout_s: float = 5.0
+    ) -> list[dict[str, Any]]:
+        """Newest jobs first."""
+        result: list[dict[str, Any]] = await self._query(
+            subjects.JOBS_QUERY, {"op": "list", "tenant": tenant, "state": state, "limit": limit}, timeout_s
+        )
+        return result
+
+    async def counts(self, *, timeout_s: float = 5.0) -> dict[str, int]:
+        """How many jobs are in each state."""
+        result: dict[str, int] = await self._query(subjects.JOBS_QUERY, {"op": "counts"}, timeout_s)
+        return result
+
+    async def view(
+        self, *, region: str | None = None, gpu_model: str | None = None, timeout_s: float = 5.0
+    ) -> dict[str, Any]:
+        """The resource tree: region -> zone -> cluster -> node."""
+        result: dict[str, Any] = await self._query(
+            subjects.VIEW_QUERY, {"region": region, "gpu_model": gpu_model}, timeout_s
+        )
+        return result
+
+    async def watch(self, tenant: str | None = None) -> AsyncIterator[tuple[str, JobEvent]]:
+        """Yield (subject, event) for every job event from now on, of one tenant or all."""
+        if tenant is not None:
+            subjects.job_submitted(tenant)  # validates the id
+        # One subscription for all kinds: placed events are keyed by cluster, the rest by tenant.
+        sub = await self.nc.subscribe("loom.jobs.*.*")
+        try:
+            async for msg in sub.messages:
+                try:
+                    event: JobEvent = decode(msg.data, JobEvent)  # type: ignore[arg-type]
+                except DecodeError:
+                    continue
+                if tenant is not None and event.tenant != tenant:
+                    continue
+                yield msg.subject, event
+        finally:
+            await sub.unsubscribe()

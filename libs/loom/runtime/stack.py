@@ -1,0 +1,374 @@
+"""The embedded stack: one supervisor process that owns NATS, PostgreSQL and every service.
+
+``loom up`` starts the supervisor in the background and waits until it reports ready;
+``loom down`` asks it to stop (SIGTERM) and waits. The supervisor starts nats-server and
+PostgreSQL from their wheels (unless ``LOOM_NATS_URL`` / ``LOOM_DATABASE_URL`` name external
+ones), migrates the database, launches each service as its own OS process with its log under
+``<home>/logs/``, restarts a service that dies (with backoff), and on stop shuts everything down
+in reverse order. Every child gets a parent-death signal, so nothing outlives a killed
+supervisor. The state file ``<home>/stack.json`` tells other commands where everything is.
+"""
+
+import argparse
+import asyncio
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loom.bus import connect, ensure_streams
+from loom.model.topology import load_topology
+from loom.runtime.config import ENV_DATABASE_URL, ENV_HOME, ENV_NATS_URL, loom_home, stack_file
+from loom.runtime.servers import NatsServer, PostgresServer
+from loom.store.migrations import migrate_url
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _pdeathsig() -> Callable[[], None] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+    return preexec
+
+
+@dataclass
+class ServiceProcess:
+    """A service the supervisor runs, and how it is doing."""
+
+    name: str
+    argv: list[str]
+    log: str
+    pid: int | None = None
+    restarts: int = 0
+    started_at: float = 0.0
+
+
+@dataclass
+class StackOptions:
+    """What `loom up` starts."""
+
+    topology: str = "default"
+    clusters: list[str] = field(default_factory=list)
+    """Cluster agents to run; empty means every cluster of the topology."""
+    time_scale: float = 60.0
+    heartbeat_s: float = 2.0
+    durable: bool = True
+
+
+def service_argvs(options: StackOptions) -> dict[str, list[str]]:
+    """The command line of every service process, by name."""
+    py = sys.executable
+    argvs = {
+        "metrics": [py, "-m", "loom_services.metrics"],
+        "placement": [py, "-m", "loom_services.placement"],
+    }
+    topology = load_topology(options.topology)
+    wanted = options.clusters or [c.id for c in topology.clusters]
+    for cluster_id in wanted:
+        topology.cluster(cluster_id)  # refuses an unknown id before anything starts
+        argvs[f"agent-{cluster_id}"] = [
+            py,
+            "-m",
+            "loom_services.cluster_agent",
+            "--cluster",
+            cluster_id,
+            "--topology",
+            options.topology,
+            "--time-scale",
+            str(options.time_scale),
+            "--heartbeat-s",
+            str(options.heartbeat_s),
+        ]
+    return argvs
+
+
+async def prepare(nats_url: str, database_url: str) -> None:
+    """Migrate the database and create the streams, so clients can publish as soon as we are ready."""
+    await migrate_url(database_url)
+    nc = await connect(nats_url, "loom-supervisor")
+    try:
+        await ensure_streams(nc.jetstream())
+    finally:
+        await nc.drain()
+
+
+class Supervisor:
+    """Runs in the supervisor process: starts, watches and stops everything."""
+
+    def __init__(self, home: Path, options: StackOptions) -> None:
+        self.home = home
+        self.options = options
+        self.nats: NatsServer | None = None
+        self.postgres: PostgresServer | None = None
+        self.services: dict[str, ServiceProcess] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.state: dict[str, Any] = {}
+        self.stopping = False
+
+    def write_state(self, status: str, **extra: Any) -> None:
+        """Atomically rewrite the state file."""
+        self.state.update(
+            status=status,
+            supervisor_pid=os.getpid(),
+            home=str(self.home),
+            services={name: asdict(s) for name, s in self.services.items()},
+            **extra,
+        )
+        path = stack_file(self.home)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=2))
+        os.replace(tmp, path)
+
+    def start_servers(self) -> tuple[str, str]:
+        """Start (or adopt external) NATS and PostgreSQL; returns their URLs."""
+        nats_url = os.environ.get(ENV_NATS_URL)
+        database_url = os.environ.get(ENV_DATABASE_URL)
+        if not nats_url:
+            self.nats = NatsServer(self.home / "nats", port=self.state.get("nats_port"))
+            self.nats.start()
+            nats_url = self.nats.url
+            self.state["nats_pid"] = self.nats.pid
+        if not database_url:
+            self.postgres = PostgresServer(self.home / "postgres", durable=self.options.durable)
+            self.postgres.start()
+            database_url = self.postgres.url
+            self.state["postgres_pid"] = self.postgres.pid
+        return nats_url, database_url
+
+    def spawn(self, svc: ServiceProcess, env: dict[str, str]) -> None:
+        """Start one service process, its output appended to its log file."""
+        with open(svc.log, "ab") as log:
+            proc = subprocess.Popen(
+                svc.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                preexec_fn=_pdeathsig(),  # noqa: PLW1509 - prctl only, async-signal-safe
+            )
+        self.procs[svc.name] = proc
+        svc.pid = proc.pid
+        svc.started_at = time.time()
+
+    def run(self) -> int:
+        """Start everything, watch it, stop on SIGTERM/SIGINT."""
+        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+        signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
+        (self.home / "logs").mkdir(parents=True, exist_ok=True)
+        self.write_state("starting")
+        try:
+            nats_url, database_url = self.start_servers()
+            asyncio.run(prepare(nats_url, database_url))
+            env = dict(
+                os.environ,
+                **{ENV_NATS_URL: nats_url, ENV_DATABASE_URL: database_url, ENV_HOME: str(self.home)},
+            )
+            for name, argv in service_argvs(self.options).items():
+                self.services[name] = ServiceProcess(name, argv, str(self.home / "logs" / f"{name}.log"))
+                self.spawn(self.services[name], env)
+            self.write_state("ready", nats_url=nats_url, database_url=database_url)
+            backoff: dict[str, float] = {}
+            while not self.stopping:
+                time.sleep(0.2)
+                for name, proc in list(self.procs.items()):
+                    if proc.poll() is None or self.stopping:
+                        continue
+                    svc = self.services[name]
+                    delay = min(2**svc.restarts * 0.25, 10.0)
+                    if time.time() < backoff.get(name, 0.0):
+                        continue
+                    if name not in backoff:
+                        backoff[name] = time.time() + delay
+                        continue
+                    del backoff[name]
+                    svc.restarts += 1
+                    self.spawn(svc, env)
+                    self.write_state("ready")
+        except Exception as exc:
+            self.write_state("failed", error=str(exc))
+            self.shutdown()
+            raise
+        self.shutdown()
+        return 0
+
+    def shutdown(self) -> None:
+        """Stop services (SIGTERM, then SIGKILL after 10 s), then PostgreSQL and NATS."""
+        self.write_state("stopping")
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.time() + 10
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(deadline - time.time(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.postgres is not None:
+            self.postgres.stop()
+        if self.nats is not None:
+            self.nats.stop()
+        self.write_state("stopped")
+
+
+# ---- commands run from the user's shell -----------------------------------------------------------
+
+
+def read_state(home: Path | None = None) -> dict[str, Any] | None:
+    """The state file, or None when no stack was ever started here."""
+    path = stack_file(home)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def is_running(home: Path | None = None) -> bool:
+    """Whether a supervisor is alive for this home."""
+    state = read_state(home)
+    if not state:
+        return False
+    return state.get("status") in ("starting", "ready") and _alive(state.get("supervisor_pid"))
+
+
+def up(
+    home: Path | None = None,
+    options: StackOptions | None = None,
+    *,
+    timeout_s: float = 120.0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Start the supervisor in the background and wait until everything is up."""
+    home = home or loom_home()
+    options = options or StackOptions()
+    home.mkdir(parents=True, exist_ok=True)
+    if is_running(home):
+        state = read_state(home)
+        assert state is not None
+        return state
+    argv = [
+        sys.executable,
+        "-m",
+        "loom.runtime.stack",
+        "--home",
+        str(home),
+        "--topology",
+        options.topology,
+        "--time-scale",
+        str(options.time_scale),
+        "--heartbeat-s",
+        str(options.heartbeat_s),
+    ]
+    for cluster in options.clusters:
+        argv += ["--cluster", cluster]
+    if not options.durable:
+        argv.append("--no-durable")
+    stack_file(home).unlink(missing_ok=True)
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    with open(home / "logs" / "supervisor.log", "ab") as log:
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+    deadline = time.time() + timeout_s
+    last = ""
+    while time.time() < deadline:
+        state = read_state(home)
+        status = state.get("status", "") if state else ""
+        if status != last and progress is not None:
+            progress(status or "launching")
+            last = status
+        if status == "ready":
+            assert state is not None
+            return state
+        if status == "failed" or proc.poll() is not None:
+            log_tail = (home / "logs" / "supervisor.log").read_text()[-3000:]
+            raise RuntimeError(
+                f"the stack failed to start: {state.get('error') if state else ''}\n{log_tail}"
+            )
+        time.sleep(0.1)
+    raise RuntimeError(f"the stack did not become ready within {timeout_s}s; see {home / 'logs'}")
+
+
+def down(home: Path | None = None, *, timeout_s: float = 60.0) -> bool:
+    """Stop the stack; returns False when none was running."""
+    state = read_state(home)
+    if not state or not _alive(state.get("supervisor_pid")):
+        return False
+    pid = int(state["supervisor_pid"])
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and _alive(pid):
+        time.sleep(0.1)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    return True
+
+
+def process_table(home: Path | None = None) -> list[dict[str, Any]]:
+    """Every process of the stack with its pid and whether it is alive."""
+    state = read_state(home) or {}
+    rows = [
+        {
+            "name": "supervisor",
+            "pid": state.get("supervisor_pid"),
+            "alive": _alive(state.get("supervisor_pid")),
+            "restarts": 0,
+        },
+    ]
+    for name in ("nats", "postgres"):
+        pid = state.get(f"{name}_pid")
+        if pid:
+            rows.append({"name": name, "pid": pid, "alive": _alive(pid), "restarts": 0})
+    for name, svc in sorted(state.get("services", {}).items()):
+        rows.append(
+            {"name": name, "pid": svc["pid"], "alive": _alive(svc["pid"]), "restarts": svc["restarts"]}
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The supervisor process's entry point (started by :func:`up`)."""
+    parser = argparse.ArgumentParser(prog="python -m loom.runtime.stack")
+    parser.add_argument("--home", type=Path, required=True)
+    parser.add_argument("--topology", default="default")
+    parser.add_argument("--cluster", action="append", default=[])
+    parser.add_argument("--time-scale", type=float, default=60.0)
+    parser.add_argument("--heartbeat-s", type=float, default=2.0)
+    parser.add_argument("--no-durable", action="store_true")
+    args = parser.parse_args(argv)
+    options = StackOptions(
+        topology=args.topology,
+        clusters=args.cluster,
+        time_scale=args.time_scale,
+        heartbeat_s=args.heartbeat_s,
+        durable=not args.no_durable,
+    )
+    return Supervisor(args.home.resolve(), options).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

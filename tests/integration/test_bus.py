@@ -1,0 +1,502 @@
+"""loom.bus against a real JetStream: streams, deduplicated publish, ack / retry / dead-letter, traces.
+
+Every test uses Loom's real streams (so dead letters land in DLQ) with subjects of a tenant of its
+own and a durable consumer of its own, so tests never see each other's messages.
+"""
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import suppress
+from typing import Any
+
+import msgspec
+import pytest
+from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
+from loom.bus.connection import stream_config
+from loom.errors import InvalidInputError, LoomError, TransientError
+from loom.telemetry import reset_for_tests, setup_telemetry
+from loom_proto import JobSubmitted, Work
+from loom_proto import subjects as s
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+WAIT_S = 10.0
+"""Upper bound for anything the bus should do; a test waits this long only when it is failing."""
+
+StartConsumer = Callable[..., Awaitable[ConsumerRunner[Any]]]
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def submitted(tenant: str, n: int = 1, name: str = "") -> JobSubmitted:
+    return JobSubmitted(job_id=f"job-{n}", tenant=tenant, name=name, work=Work(steps=1))
+
+
+def consumer_spec(subjects: Sequence[str], **overrides: Any) -> ConsumerSpec:
+    return ConsumerSpec(stream="JOBS", durable=unique("test"), filter_subjects=list(subjects), **overrides)
+
+
+async def next_item(queue: "asyncio.Queue[Any]") -> Any:
+    return await asyncio.wait_for(queue.get(), WAIT_S)
+
+
+async def subject_count(nc: Client, stream: str, subject: str) -> int:
+    info = await nc.jetstream().stream_info(stream, subjects_filter=subject)
+    return (info.state.subjects or {}).get(subject, 0)
+
+
+@pytest.fixture(scope="module")
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    client = await connect(nats_url, "test-bus")
+    await ensure_streams(client.jetstream())
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def start_consumer(nc: Client) -> AsyncIterator[StartConsumer]:
+    """Starts runners with a short idle fetch (so stop() is quick); stops and deletes them after."""
+    runners: list[ConsumerRunner[Any]] = []
+
+    async def start(spec: ConsumerSpec, message_type: Any, **kwargs: Any) -> ConsumerRunner[Any]:
+        kwargs.setdefault("idle_fetch_timeout_s", 0.2)
+        runner: ConsumerRunner[Any] = ConsumerRunner(nc, spec, message_type, **kwargs)
+        await runner.start()
+        runners.append(runner)
+        return runner
+
+    yield start
+    for runner in runners:
+        await runner.stop()
+        with suppress(Exception):
+            await nc.jetstream().delete_consumer(runner.spec.stream, runner.spec.durable)
+
+
+@pytest.fixture
+async def watch(nc: Client) -> AsyncIterator[Callable[[str], Awaitable["asyncio.Queue[Msg]"]]]:
+    """Core-NATS subscriptions (to see dead letters as they are published), removed after."""
+    subs = []
+
+    async def subscribe(subject: str) -> "asyncio.Queue[Msg]":
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
+
+        async def on_msg(msg: Msg) -> None:
+            queue.put_nowait(msg)
+
+        subs.append(await nc.subscribe(subject, cb=on_msg))
+        await nc.flush()
+        return queue
+
+    yield subscribe
+    for sub in subs:
+        await sub.unsubscribe()
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    setup_telemetry("test-bus", exporter=exporter, log_level=None)
+    yield exporter
+    reset_for_tests()
+
+
+# -- streams -----------------------------------------------------------------------------------------
+
+
+def test_stream_config_follows_the_spec() -> None:
+    spec = next(sp for sp in s.STREAMS if sp.name == "JOBS")
+    config = stream_config(spec)
+    assert config.name == "JOBS"
+    assert config.subjects == spec.subjects
+    assert config.storage == StorageType.FILE
+    assert config.retention == RetentionPolicy.LIMITS
+    assert config.discard == DiscardPolicy.OLD
+    assert config.duplicate_window == spec.duplicate_window_s
+    assert config.max_age == spec.max_age_s
+    assert config.max_msg_size == spec.max_msg_bytes
+
+
+async def test_ensure_streams_is_idempotent_and_sets_file_storage_and_dedup_window(nc: Client) -> None:
+    js = nc.jetstream()
+    subject = s.job_submitted(unique("t"))
+    await Publisher(nc).publish(subject, submitted("t"), msg_id=unique("m"))
+
+    await ensure_streams(js)
+    await ensure_streams(js)
+
+    for spec in s.STREAMS:
+        info = await js.stream_info(spec.name)
+        assert info.config.storage == StorageType.FILE
+        assert info.config.duplicate_window == pytest.approx(spec.duplicate_window_s)
+        assert info.config.max_age == pytest.approx(spec.max_age_s)
+        assert info.config.max_msg_size == spec.max_msg_bytes
+        assert sorted(info.config.subjects or []) == sorted(spec.subjects)
+    assert await subject_count(nc, "JOBS", subject) == 1, "updating a stream keeps its messages"
+
+
+# -- publish -----------------------------------------------------------------------------------------
+
+
+async def test_publishing_one_msg_id_twice_stores_the_message_once(nc: Client) -> None:
+    publisher = Publisher(nc)
+    subject = s.job_submitted(unique("t"))
+    message = submitted("t")
+
+    first = await publisher.publish(subject, message, msg_id="job-1")
+    again = await publisher.publish(subject, message, msg_id="job-1")
+
+    assert not first.duplicate
+    assert again.duplicate
+    assert again.seq == first.seq
+    assert first.stream == "JOBS"
+    assert await subject_count(nc, "JOBS", subject) == 1
+    await publisher.publish(subject, message, msg_id="job-1-resubmitted")
+    assert await subject_count(nc, "JOBS", subject) == 2, "another id is another message"
+
+
+async def test_publish_sends_the_msg_id_and_the_callers_headers(nc: Client) -> None:
+    subject = s.job_submitted(unique("t"))
+    await Publisher(nc).publish(subject, submitted("t"), msg_id="id-7", headers={"X-Loom-Test": "yes"})
+    stored = await nc.jetstream().get_last_msg("JOBS", subject)
+    assert stored.headers is not None
+    assert stored.headers["Nats-Msg-Id"] == "id-7"
+    assert stored.headers["X-Loom-Test"] == "yes"
+    assert msgspec.json.decode(stored.data or b"")["kind"] == "submitted"
+
+
+async def test_publish_to_a_subject_no_stream_holds_raises_bus_error(nc: Client) -> None:
+    publisher = Publisher(nc, attempts=2, first_backoff_s=0.01, timeout_s=0.5)
+    with pytest.raises(BusError):
+        await publisher.publish_bytes(f"nowhere.{unique('x')}", b"{}", msg_id="m")
+
+
+# -- consumer spec -----------------------------------------------------------------------------------
+
+
+def test_consumer_spec_config_leaves_the_last_delivery_to_the_loop() -> None:
+    one = ConsumerSpec(stream="JOBS", durable="d", filter_subjects=["a.b"], max_deliver=4).config()
+    assert one.max_deliver == 5
+    assert one.ack_policy == AckPolicy.EXPLICIT
+    assert one.deliver_policy == DeliverPolicy.ALL
+    assert (one.filter_subject, one.filter_subjects) == ("a.b", None)
+    two = ConsumerSpec(stream="JOBS", durable="d", filter_subjects=["a.b", "a.c"], deliver_new_only=True).config()
+    assert (two.filter_subject, two.filter_subjects) == (None, ["a.b", "a.c"])
+    assert two.deliver_policy == DeliverPolicy.NEW
+
+
+def test_nak_delay_grows_exponentially_up_to_the_cap() -> None:
+    spec = ConsumerSpec(stream="S", durable="d", filter_subjects=["x"], first_nak_delay_s=0.5, max_nak_delay_s=3.0)
+    assert [spec.nak_delay_s(n) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+
+
+async def test_a_runner_needs_exactly_one_kind_of_handler(nc: Client) -> None:
+    spec = consumer_spec(["loom.jobs.submitted.x"])
+
+    async def handler(_: Delivery[Any]) -> None:
+        return None
+
+    async def batch(ds: list[Delivery[Any]]) -> list[BaseException | None]:
+        return [None] * len(ds)
+
+    with pytest.raises(ValueError, match="exactly one"):
+        ConsumerRunner(nc, spec, JobSubmitted)
+    with pytest.raises(ValueError, match="exactly one"):
+        ConsumerRunner(nc, spec, JobSubmitted, handler=handler, batch_handler=batch)
+
+
+# -- consuming ---------------------------------------------------------------------------------------
+
+
+async def test_consumer_decodes_handles_and_acks_good_messages(nc: Client, start_consumer: StartConsumer) -> None:
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    publisher = Publisher(nc)
+    for n in (1, 2, 3):
+        await publisher.publish(subject, submitted(tenant, n), msg_id=f"{tenant}-{n}")
+    seen: asyncio.Queue[Delivery[JobSubmitted]] = asyncio.Queue()
+
+    async def handler(delivery: Delivery[JobSubmitted]) -> None:
+        seen.put_nowait(delivery)
+
+    runner = await start_consumer(consumer_spec([subject]), JobSubmitted, handler=handler)
+    for n in (4, 5):
+        await publisher.publish(subject, submitted(tenant, n), msg_id=f"{tenant}-{n}")
+    deliveries = [await next_item(seen) for _ in range(5)]
+    await runner.stop()
+
+    assert [d.message.job_id for d in deliveries] == [f"job-{n}" for n in (1, 2, 3, 4, 5)]
+    first = deliveries[0]
+    assert isinstance(first.message, JobSubmitted)
+    assert (first.subject, first.msg_id, first.num_delivered) == (subject, f"{tenant}-1", 1)
+    assert first.headers["Nats-Msg-Id"] == f"{tenant}-1"
+    assert runner.counts == {"acked": 5, "nacked": 0, "dead_lettered": 0}
+    info = await nc.jetstream().consumer_info("JOBS", runner.spec.durable)
+    assert (info.num_ack_pending, info.num_pending) == (0, 0)
+
+
+async def test_consumer_with_several_filter_subjects_gets_them_all(nc: Client, start_consumer: StartConsumer) -> None:
+    tenant = unique("t")
+    subjects = [s.job_event("started", tenant), s.job_event("completed", tenant)]
+    seen: asyncio.Queue[str] = asyncio.Queue()
+
+    async def handler(delivery: Delivery[bytes]) -> None:
+        seen.put_nowait(delivery.subject)
+
+    await start_consumer(consumer_spec(subjects), bytes, handler=handler)
+    for subject in subjects:
+        await Publisher(nc).publish_bytes(subject, b"{}", msg_id=unique("m"))
+    assert {await next_item(seen), await next_item(seen)} == set(subjects)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"not json", msgspec.json.encode({"kind": "submitted", "job_id": "j", "tenant": "t", "work": {"steps": 1},
+                                       "colour": "blue"})],
+    ids=["not json", "unknown field"],
+)
+async def test_an_undecodable_message_is_dead_lettered_and_the_consumer_goes_on(
+    nc: Client, start_consumer: StartConsumer, watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
+    payload: bytes,
+) -> None:
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    dead = await watch(s.dead_letter(subject))
+    publisher = Publisher(nc)
+    bad_ack = await publisher.publish_bytes(subject, payload, msg_id=f"{tenant}-bad", headers={"X-Origin": "test"})
+    await publisher.publish(subject, submitted(tenant, 2), msg_id=f"{tenant}-good")
+    handled: asyncio.Queue[Delivery[JobSubmitted]] = asyncio.Queue()
+
+    async def handler(delivery: Delivery[JobSubmitted]) -> None:
+        handled.put_nowait(delivery)
+
+    runner = await start_consumer(consumer_spec([subject]), JobSubmitted, handler=handler)
+    letter = await next_item(dead)
+    good = await next_item(handled)
+    await runner.stop()
+
+    assert good.message.job_id == "job-2"
+    assert handled.empty(), "the handler never sees the undecodable message"
+    assert letter.data == payload
+    headers = letter.headers or {}
+    assert headers["Loom-Error-Type"] == "DecodeError"
+    assert headers["Loom-Error"]
+    assert headers["Loom-Original-Subject"] == subject
+    assert headers["Loom-Stream"] == "JOBS"
+    assert headers["Loom-Stream-Seq"] == str(bad_ack.seq)
+    assert headers["Loom-Deliveries"] == "1"
+    assert headers["Loom-Consumer"] == runner.spec.durable
+    assert headers["X-Origin"] == "test", "the original headers travel with the dead letter"
+    assert headers["Nats-Msg-Id"] == f"dlq-JOBS-{bad_ack.seq}"
+    stored = await nc.jetstream().get_last_msg("DLQ", s.dead_letter(subject))
+    assert stored.data == payload
+    assert runner.counts == {"acked": 1, "nacked": 0, "dead_lettered": 1}
+    info = await nc.jetstream().consumer_info("JOBS", runner.spec.durable)
+    assert (info.num_ack_pending, info.num_pending) == (0, 0), "the poison message is terminated, not pending"
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), TransientError("database restarting")], ids=lambda e: type(e).__name__)
+async def test_a_retryable_failure_is_redelivered_with_backoff_then_dead_lettered_after_max_deliver(
+    nc: Client, start_consumer: StartConsumer, watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
+    error: Exception,
+) -> None:
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    dead = await watch(s.dead_letter(subject))
+    attempts: list[tuple[int, float]] = []
+
+    async def handler(delivery: Delivery[JobSubmitted]) -> None:
+        attempts.append((delivery.num_delivered, time.monotonic()))
+        raise error
+
+    spec = consumer_spec([subject], max_deliver=3, first_nak_delay_s=0.1, max_nak_delay_s=1.0)
+    runner = await start_consumer(spec, JobSubmitted, handler=handler)
+    await Publisher(nc).publish(subject, submitted(tenant), msg_id=f"{tenant}-1")
+    letter = await next_item(dead)
+    await runner.stop()
+
+    assert [n for n, _ in attempts] == [1, 2, 3]
+    gaps = [later - earlier for (_, earlier), (_, later) in zip(attempts, attempts[1:], strict=False)]
+    assert gaps[0] >= 0.1 * 0.9, f"redelivered after {gaps[0]:.3f}s, before its nak delay"
+    assert gaps[1] >= 0.2 * 0.9, f"second redelivery after {gaps[1]:.3f}s: the delay did not grow"
+    headers = letter.headers or {}
+    assert headers["Loom-Deliveries"] == "3"
+    assert headers["Loom-Error-Type"] == type(error).__name__
+    assert headers["Loom-Error"] == str(error)
+    assert runner.counts == {"acked": 0, "nacked": 2, "dead_lettered": 1}
+
+
+@pytest.mark.parametrize(
+    "error", [InvalidInputError("tenant over quota forever"), LoomError("cannot ever work", non_retryable=True)],
+    ids=lambda e: type(e).__name__,
+)
+async def test_a_non_retryable_error_is_dead_lettered_at_first_delivery(
+    nc: Client, start_consumer: StartConsumer, watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
+    error: LoomError,
+) -> None:
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    dead = await watch(s.dead_letter(subject))
+    calls: list[int] = []
+
+    async def handler(delivery: Delivery[JobSubmitted]) -> None:
+        calls.append(delivery.num_delivered)
+        raise error
+
+    runner = await start_consumer(consumer_spec([subject], max_deliver=5), JobSubmitted, handler=handler)
+    await Publisher(nc).publish(subject, submitted(tenant), msg_id=f"{tenant}-1")
+    letter = await next_item(dead)
+    await runner.stop()
+
+    assert calls == [1]
+    assert (letter.headers or {})["Loom-Deliveries"] == "1"
+    assert (letter.headers or {})["Loom-Error-Type"] == type(error).__name__
+    assert runner.counts == {"acked": 0, "nacked": 0, "dead_lettered": 1}
+
+
+async def test_a_batch_handler_settles_each_message_by_its_own_outcome(
+    nc: Client, start_consumer: StartConsumer, watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
+) -> None:
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    dead = await watch(s.dead_letter(subject))
+    publisher = Publisher(nc)
+    names = ["ok-1", "bad", "ok-2", "retry"]
+    for n, name in enumerate(names):
+        await publisher.publish(subject, submitted(tenant, n, name), msg_id=f"{tenant}-{name}")
+    batches: list[list[tuple[str, int]]] = []
+
+    async def batch_handler(deliveries: list[Delivery[JobSubmitted]]) -> list[BaseException | None]:
+        batches.append([(d.message.name, d.num_delivered) for d in deliveries])
+        outcomes: dict[str, BaseException | None] = {
+            "bad": InvalidInputError("bad job"), "retry": RuntimeError("try again")
+        }
+        return [outcomes.get(d.message.name) for d in deliveries]
+
+    spec = consumer_spec([subject], max_deliver=2, first_nak_delay_s=0.05)
+    runner = await start_consumer(spec, JobSubmitted, batch_handler=batch_handler, linger_s=0.2)
+    letters = [await next_item(dead), await next_item(dead)]
+    await runner.stop()
+
+    by_name = {msgspec.json.decode(m.data)["name"]: m.headers or {} for m in letters}
+    assert by_name["bad"]["Loom-Deliveries"] == "1"
+    assert by_name["retry"]["Loom-Deliveries"] == "2"
+    seen = [item for batch in batches for item in batch]
+    assert sorted(seen) == sorted([("ok-1", 1), ("bad", 1), ("ok-2", 1), ("retry", 1), ("retry", 2)])
+    assert max(len(b) for b in batches) > 1, "messages waiting together are handled as one batch"
+    assert runner.counts == {"acked": 2, "nacked": 1, "dead_lettered": 2}
+
+
+async def test_a_batch_handler_that_raises_fails_every_message_of_the_batch(
+    nc: Client, start_consumer: StartConsumer
+) -> None:
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    for n in (1, 2):
+        await Publisher(nc).publish(subject, submitted(tenant, n), msg_id=f"{tenant}-{n}")
+    done: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+    calls = 0
+
+    async def batch_handler(deliveries: list[Delivery[JobSubmitted]]) -> list[BaseException | None]:
+        nonlocal calls
+        calls += 1
+        if any(d.num_delivered == 1 for d in deliveries):
+            raise RuntimeError("whole batch failed")
+        for d in deliveries:
+            done.put_nowait((d.message.job_id, d.num_delivered))
+        return [None] * len(deliveries)
+
+    spec = consumer_spec([subject], max_deliver=3, first_nak_delay_s=0.05)
+    runner = await start_consumer(spec, JobSubmitted, batch_handler=batch_handler, linger_s=0.2)
+    results = sorted([await next_item(done), await next_item(done)])
+    await runner.stop()
+
+    assert results == [("job-1", 2), ("job-2", 2)]
+    assert runner.counts["nacked"] == 2
+    assert runner.counts["acked"] == 2
+
+
+async def test_message_type_bytes_passes_the_raw_payload(nc: Client, start_consumer: StartConsumer) -> None:
+    subject = s.job_submitted(unique("t"))
+    payload = b"\x00\xffnot json at all"
+    await Publisher(nc).publish_bytes(subject, payload, msg_id=unique("m"))
+    seen: asyncio.Queue[Delivery[bytes]] = asyncio.Queue()
+
+    async def handler(delivery: Delivery[bytes]) -> None:
+        seen.put_nowait(delivery)
+
+    runner = await start_consumer(consumer_spec([subject]), bytes, handler=handler)
+    delivery = await next_item(seen)
+    await runner.stop()
+
+    assert delivery.message == payload
+    assert runner.counts == {"acked": 1, "nacked": 0, "dead_lettered": 0}
+
+
+# -- tracing -----------------------------------------------------------------------------------------
+
+
+def _span(spans: Sequence[ReadableSpan], kind: SpanKind, subject: str) -> ReadableSpan:
+    matching = [
+        sp for sp in spans if sp.kind == kind and (sp.attributes or {}).get("messaging.destination.name") == subject
+    ]
+    assert len(matching) == 1, f"{len(matching)} {kind.name} spans for {subject}"
+    return matching[0]
+
+
+async def test_the_consumer_span_continues_the_publishers_trace(
+    nc: Client, start_consumer: StartConsumer, spans: InMemorySpanExporter
+) -> None:
+    subject = s.job_submitted(unique("t"))
+    current: asyncio.Queue[trace.SpanContext] = asyncio.Queue()
+
+    async def handler(delivery: Delivery[JobSubmitted]) -> None:
+        current.put_nowait(trace.get_current_span().get_span_context())
+
+    runner = await start_consumer(consumer_spec([subject]), JobSubmitted, handler=handler)
+    await Publisher(nc).publish(subject, submitted("t"), msg_id=unique("m"))
+    in_handler = await next_item(current)
+    await runner.stop()
+
+    finished = spans.get_finished_spans()
+    producer = _span(finished, SpanKind.PRODUCER, subject)
+    consumer = _span(finished, SpanKind.CONSUMER, subject)
+    assert producer.context is not None and consumer.context is not None
+    assert consumer.context.trace_id == producer.context.trace_id
+    assert consumer.parent is not None
+    assert consumer.parent.span_id == producer.context.span_id
+    assert in_handler.trace_id == producer.context.trace_id
+    assert in_handler.span_id == consumer.context.span_id, "the handler runs under the consumer span"
+
+
+async def test_a_dead_letter_continues_the_trace_of_the_poison_message(
+    nc: Client, start_consumer: StartConsumer, spans: InMemorySpanExporter,
+    watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
+) -> None:
+    subject = s.job_submitted(unique("t"))
+    dead = await watch(s.dead_letter(subject))
+
+    async def handler(delivery: Delivery[JobSubmitted]) -> None:
+        return None
+
+    runner = await start_consumer(consumer_spec([subject]), JobSubmitted, handler=handler)
+    await Publisher(nc).publish_bytes(subject, b"garbage", msg_id=unique("m"))
+    await next_item(dead)
+    await runner.stop()
+
+    finished = spans.get_finished_spans()
+    original = _span(finished, SpanKind.PRODUCER, subject)
+    parked = _span(finished, SpanKind.PRODUCER, s.dead_letter(subject))
+    assert original.context is not None and parked.context is not None
+    assert parked.context.trace_id == original.context.trace_id
+    consumer = _span(finished, SpanKind.CONSUMER, subject)
+    assert not consumer.status.is_ok
+

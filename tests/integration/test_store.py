@@ -1,0 +1,396 @@
+"""loom.store against a real Postgres (and NATS for the outbox): migrations, inbox, outbox, capacity book."""
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import asyncpg
+import pytest
+from loom.bus import Publisher, connect, ensure_streams
+from loom.sched.firstfit import NodeCapacity
+from loom.store import inbox, jobs, outbox
+from loom.store.migrations import available, migrate, migrate_url
+from loom.store.pool import ConflictError, StoreError, create_pool, map_error, redact, transaction, with_retry
+from loom.telemetry import reset_for_tests, setup_telemetry
+from loom_proto import JobStarted
+from loom_proto import subjects as s
+from nats.aio.client import Client
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+FreshDatabase = Callable[..., Awaitable[str]]
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="module")
+async def pool(fresh_database: FreshDatabase) -> AsyncIterator[asyncpg.Pool]:
+    """A migrated database of this module's own; 25 connections so races really run in parallel."""
+    db = await create_pool(await fresh_database("store"), min_size=1, max_size=25)
+    yield db
+    await db.close()
+
+
+@pytest.fixture(scope="module")
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    client = await connect(nats_url, "test-store")
+    await ensure_streams(client.jetstream())
+    yield client
+    await client.close()
+
+
+# -- migrations --------------------------------------------------------------------------------------
+
+
+def test_shipped_migrations_are_numbered_from_one_without_gaps() -> None:
+    versions = [m.version for m in available()]
+    assert versions == list(range(1, len(versions) + 1))
+    assert versions[0] == 1
+
+
+async def test_migrating_twice_applies_each_migration_once(fresh_database: FreshDatabase) -> None:
+    url = await fresh_database("migrate", migrate=False)
+    conn = await asyncpg.connect(url)
+    try:
+        everything = [m.version for m in available()]
+        assert await migrate(conn) == everything
+        assert await migrate(conn) == []
+        rows = await conn.fetch("SELECT version FROM schema_migrations ORDER BY version")
+        assert [r["version"] for r in rows] == everything
+    finally:
+        await conn.close()
+
+
+async def test_concurrent_migrations_from_three_connections_apply_once(fresh_database: FreshDatabase) -> None:
+    url = await fresh_database("migrate_race", migrate=False)
+    results = await asyncio.gather(*(migrate_url(url) for _ in range(3)))
+    applied = sorted(v for result in results for v in result)
+    assert applied == [m.version for m in available()], f"applied {results}"
+    conn = await asyncpg.connect(url)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM schema_migrations") == len(available())
+        assert await conn.fetchval("SELECT to_regclass('public.job_events') IS NOT NULL")
+        assert not await conn.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"), (
+            "the migration lock is released"
+        )
+    finally:
+        await conn.close()
+
+
+# -- inbox -------------------------------------------------------------------------------------------
+
+
+async def test_inbox_claims_a_message_once_per_consumer(pool: asyncpg.Pool) -> None:
+    msg_id = unique("m")
+    async with transaction(pool) as conn:
+        assert await inbox.claim(conn, "placement", msg_id)
+    async with transaction(pool) as conn:
+        assert not await inbox.claim(conn, "placement", msg_id), "a redelivery finds the claim"
+        assert await inbox.claim(conn, "metrics", msg_id), "another consumer handles it on its own"
+
+
+async def test_an_inbox_claim_rolls_back_with_its_transaction(pool: asyncpg.Pool) -> None:
+    msg_id = unique("m")
+    with pytest.raises(RuntimeError):
+        async with transaction(pool) as conn:
+            assert await inbox.claim(conn, "placement", msg_id)
+            raise RuntimeError("handler failed after claiming")
+    async with transaction(pool) as conn:
+        assert await inbox.claim(conn, "placement", msg_id), "the redelivery is handled afresh"
+
+
+async def test_inbox_claim_many_returns_only_the_new_ids(pool: asyncpg.Pool) -> None:
+    a, b, c = unique("a"), unique("b"), unique("c")
+    async with transaction(pool) as conn:
+        assert await inbox.claim_many(conn, "placement", [a, b]) == {a, b}
+    async with transaction(pool) as conn:
+        assert await inbox.claim_many(conn, "placement", [a, b, c]) == {c}
+        assert await inbox.claim_many(conn, "placement", []) == set()
+
+
+# -- outbox ------------------------------------------------------------------------------------------
+
+
+def started(tenant: str, n: int) -> JobStarted:
+    return JobStarted(job_id=f"job-{n}", tenant=tenant, cluster="c1", started_at=1_700_000_000.0 + n)
+
+
+async def subject_count(nc: Client, subject: str) -> int:
+    info = await nc.jetstream().stream_info("JOBS", subjects_filter=subject)
+    return (info.state.subjects or {}).get(subject, 0)
+
+
+async def add_messages(pool: asyncpg.Pool, producer: str, tenant: str, count: int) -> list[outbox.OutboxMessage]:
+    messages = [
+        outbox.message(s.job_event("started", tenant), started(tenant, n), f"{tenant}:job-{n}:started")
+        for n in range(count)
+    ]
+    async with transaction(pool) as conn:
+        await outbox.add(conn, producer, messages)
+    return messages
+
+
+async def stored_msg_ids(nc: Client, subject: str, count: int) -> list[str]:
+    js = nc.jetstream()
+    info = await js.stream_info("JOBS", subjects_filter=subject)
+    assert (info.state.subjects or {}).get(subject, 0) == count
+    ids = []
+    seq = 0
+    for _ in range(count):
+        msg = await js.get_msg("JOBS", seq + 1, subject=subject, next=True)
+        seq = msg.seq
+        ids.append((msg.headers or {})["Nats-Msg-Id"])
+    return ids
+
+
+async def test_outbox_flush_publishes_each_message_once_with_its_id(pool: asyncpg.Pool, nc: Client) -> None:
+    producer, tenant = unique("producer"), unique("t")
+    messages = await add_messages(pool, producer, tenant, 5)
+    relay = outbox.OutboxRelay(pool, Publisher(nc), producer)
+
+    assert await relay.flush() == 5
+    assert await relay.flush() == 0, "a second flush finds nothing pending"
+
+    subject = s.job_event("started", tenant)
+    assert sorted(await stored_msg_ids(nc, subject, 5)) == sorted(m.msg_id for m in messages)
+    pending = await pool.fetchval(
+        "SELECT count(*) FROM outbox WHERE producer = $1 AND published_at IS NULL", producer
+    )
+    assert pending == 0
+    assert relay.published == 5
+
+
+async def test_outbox_publishes_after_a_crash_between_commit_and_flush(pool: asyncpg.Pool, nc: Client) -> None:
+    producer, tenant = unique("producer"), unique("t")
+    # The process that committed these rows died before flushing: its relay never ran.
+    await add_messages(pool, producer, tenant, 3)
+
+    restarted = outbox.OutboxRelay(pool, Publisher(nc), producer)
+    assert await restarted.flush() == 3
+    assert await restarted.flush() == 0
+    assert await subject_count(nc, s.job_event("started", tenant)) == 3
+
+
+async def test_outbox_republish_after_a_lost_mark_is_absorbed_by_dedup(pool: asyncpg.Pool, nc: Client) -> None:
+    producer, tenant = unique("producer"), unique("t")
+    await add_messages(pool, producer, tenant, 3)
+    relay = outbox.OutboxRelay(pool, Publisher(nc), producer)
+    assert await relay.flush() == 3
+    # Published, but the process died before the mark committed.
+    await pool.execute("UPDATE outbox SET published_at = NULL WHERE producer = $1", producer)
+
+    assert await outbox.OutboxRelay(pool, Publisher(nc), producer).flush() == 3
+    assert await subject_count(nc, s.job_event("started", tenant)) == 3, "the stream stores each id once"
+
+
+async def test_outbox_keeps_the_first_message_of_an_id_and_flushes_only_its_producer(
+    pool: asyncpg.Pool, nc: Client
+) -> None:
+    mine, theirs, tenant = unique("producer"), unique("producer"), unique("t")
+    subject = s.job_event("started", tenant)
+    first = outbox.message(subject, started(tenant, 1), f"{tenant}:same")
+    second = outbox.message(subject, started(tenant, 2), f"{tenant}:same")
+    async with transaction(pool) as conn:
+        await outbox.add(conn, mine, [first])
+        await outbox.add(conn, mine, [second])
+        await outbox.add(conn, theirs, [outbox.message(subject, started(tenant, 3), f"{tenant}:theirs")])
+
+    assert await outbox.OutboxRelay(pool, Publisher(nc), mine).flush() == 1
+    stored = await nc.jetstream().get_last_msg("JOBS", subject)
+    assert stored.data == first.payload
+    assert await subject_count(nc, subject) == 1, "the other producer's row waits for its own relay"
+
+
+async def test_an_outbox_message_continues_the_trace_it_was_added_in(pool: asyncpg.Pool, nc: Client) -> None:
+    exporter = InMemorySpanExporter()
+    setup_telemetry("test-store", exporter=exporter, log_level=None)
+    try:
+        producer, tenant = unique("producer"), unique("t")
+        subject = s.job_event("started", tenant)
+        with trace.get_tracer("test").start_as_current_span("decide") as decision:
+            message = outbox.message(subject, started(tenant, 1), f"{tenant}:1")
+        async with transaction(pool) as conn:
+            await outbox.add(conn, producer, [message])
+        assert await outbox.OutboxRelay(pool, Publisher(nc), producer).flush() == 1
+        stored = await nc.jetstream().get_last_msg("JOBS", subject)
+        traceparent = (stored.headers or {})["traceparent"]
+        assert traceparent.split("-")[1] == f"{decision.get_span_context().trace_id:032x}"
+    finally:
+        reset_for_tests()
+
+
+# -- capacity book -----------------------------------------------------------------------------------
+
+
+async def add_node(pool: asyncpg.Pool, total: int, *, schedulable: bool = True, version: int = 1) -> str:
+    name = unique("node")
+    cap = NodeCapacity(node=name, cluster="c1", region="r1", zone="z1", gpu_model="A100", gpus_total=total,
+                       schedulable=schedulable)
+    async with transaction(pool) as conn:
+        await jobs.upsert_nodes(conn, version, [cap])
+    return name
+
+
+async def gpus_reserved(pool: asyncpg.Pool, node: str) -> int:
+    value = await pool.fetchval("SELECT gpus_reserved FROM node_allocations WHERE node = $1", node)
+    assert isinstance(value, int)
+    return value
+
+
+async def try_reserve(pool: asyncpg.Pool, job_id: str, allocations: list[tuple[str, int]]) -> bool:
+    try:
+        async with transaction(pool) as conn:
+            await jobs.reserve(conn, [(job_id, 1, "c1", allocations)])
+    except ConflictError:
+        return False
+    return True
+
+
+async def test_reserve_never_exceeds_the_total_under_twenty_racing_transactions(pool: asyncpg.Pool) -> None:
+    node, total, per_job = await add_node(pool, 16), 16, 2
+    gate = asyncio.Event()
+
+    async def contender(i: int) -> bool:
+        await gate.wait()
+        return await try_reserve(pool, f"race-{node}-{i}", [(node, per_job * 2 if i % 5 == 0 else per_job)])
+
+    tasks = [asyncio.create_task(contender(i)) for i in range(20)]
+    gate.set()
+    outcomes = await asyncio.gather(*tasks)
+
+    granted = [per_job * 2 if i % 5 == 0 else per_job for i, ok in enumerate(outcomes) if ok]
+    assert sum(granted) <= total
+    assert total - sum(granted) < per_job, "every refusal was for lack of capacity"
+    assert await gpus_reserved(pool, node) == sum(granted)
+    rows = await pool.fetchval("SELECT coalesce(sum(gpus), 0) FROM reservations WHERE node = $1", node)
+    assert rows == sum(granted), "reservations rows match the book"
+
+
+async def test_reserve_of_equal_requests_grants_exactly_capacity_over_request(pool: asyncpg.Pool) -> None:
+    node = await add_node(pool, 8)
+    outcomes = await asyncio.gather(*(try_reserve(pool, f"eq-{node}-{i}", [(node, 2)]) for i in range(20)))
+    assert outcomes.count(True) == 8 // 2
+    assert await gpus_reserved(pool, node) == 8
+
+
+async def test_reserve_is_all_or_nothing_across_nodes(pool: asyncpg.Pool) -> None:
+    roomy, small = await add_node(pool, 8), await add_node(pool, 2)
+    assert not await try_reserve(pool, unique("job"), [(roomy, 4), (small, 4)])
+    assert await gpus_reserved(pool, roomy) == 0, "the node that had room gave nothing"
+    assert await pool.fetchval("SELECT count(*) FROM reservations WHERE node = $1", roomy) == 0
+
+
+async def test_reserve_refuses_unschedulable_and_unknown_nodes(pool: asyncpg.Pool) -> None:
+    drained = await add_node(pool, 8, schedulable=False)
+    assert not await try_reserve(pool, unique("job"), [(drained, 1)])
+    assert not await try_reserve(pool, unique("job"), [(unique("ghost"), 1)])
+
+
+async def test_release_twice_releases_once(pool: asyncpg.Pool) -> None:
+    a, b = await add_node(pool, 8), await add_node(pool, 8)
+    job_id = unique("job")
+    assert await try_reserve(pool, job_id, [(a, 4), (b, 2)])
+    async with transaction(pool) as conn:
+        released = await jobs.release(conn, job_id, 1)
+    assert sorted(released) == sorted([(a, 4), (b, 2)])
+    async with transaction(pool) as conn:
+        assert await jobs.release(conn, job_id, 1) == []
+    assert (await gpus_reserved(pool, a), await gpus_reserved(pool, b)) == (0, 0)
+
+
+async def test_upsert_nodes_follows_newer_views_and_never_touches_reservations(pool: asyncpg.Pool) -> None:
+    node = await add_node(pool, 8, version=5)
+    assert await try_reserve(pool, unique("job"), [(node, 3)])
+    newer = NodeCapacity(node=node, cluster="c1", region="r1", zone="z1", gpu_model="A100", gpus_total=6,
+                         gpus_reserved=0, schedulable=False)
+    older = NodeCapacity(node=node, cluster="c1", region="r1", zone="z1", gpu_model="A100", gpus_total=1)
+    async with transaction(pool) as conn:
+        await jobs.upsert_nodes(conn, 6, [newer])
+        await jobs.upsert_nodes(conn, 4, [older])
+    book = await jobs.load_nodes(pool)
+    assert (book[node].gpus_total, book[node].gpus_reserved, book[node].schedulable) == (6, 3, False)
+
+
+# -- jobs and their history ----------------------------------------------------------------------------
+
+
+async def test_job_events_are_append_only(pool: asyncpg.Pool) -> None:
+    job_id = unique("job")
+    async with transaction(pool) as conn:
+        assert await jobs.insert_jobs(conn, [jobs.NewJob(job_id, "acme", b"{}", 1_700_000_000.0, {})]) == {job_id}
+        assert await jobs.insert_jobs(conn, [jobs.NewJob(job_id, "acme", b"{}", 1_700_000_000.0, {})]) == set()
+        event = jobs.JobEventRow(job_id, "submitted", f"{job_id}:submitted", b'{"kind": "submitted"}', 1.7e9)
+        assert await jobs.append_events(conn, [event]) == {event.msg_id}
+        assert await jobs.append_events(conn, [event]) == set(), "a redelivered event is skipped"
+        orphan = jobs.JobEventRow(unique("nojob"), "started", unique("m"), b"{}", 1.7e9)
+        assert await jobs.append_events(conn, [orphan]) == set(), "events of unknown jobs are skipped"
+
+    with pytest.raises(StoreError, match="append-only"):
+        async with transaction(pool) as conn:
+            await conn.execute("UPDATE job_events SET kind = 'forged' WHERE job_id = $1", job_id)
+    with pytest.raises(StoreError, match="append-only"):
+        async with transaction(pool) as conn:
+            await conn.execute("DELETE FROM job_events WHERE job_id = $1", job_id)
+    job = await jobs.get_job(pool, job_id)
+    assert job is not None
+    assert [e["kind"] for e in job["events"]] == ["submitted"]
+
+
+# -- error mapping -----------------------------------------------------------------------------------
+
+
+def test_map_error_says_whether_a_retry_can_help() -> None:
+    conflict = map_error(asyncpg.SerializationError("could not serialize"))
+    assert isinstance(conflict, ConflictError)
+    assert not conflict.non_retryable
+    assert isinstance(map_error(asyncpg.DeadlockDetectedError("deadlock")), ConflictError)
+    assert map_error(asyncpg.UniqueViolationError("duplicate key")).non_retryable
+    assert map_error(asyncpg.CheckViolationError("check")).non_retryable
+    unavailable = map_error(OSError("connection refused"))
+    assert not unavailable.non_retryable
+    assert "unavailable" in str(unavailable)
+
+
+async def test_a_constraint_violation_in_a_transaction_is_a_non_retryable_store_error(pool: asyncpg.Pool) -> None:
+    with pytest.raises(StoreError) as caught:
+        async with transaction(pool) as conn:
+            await conn.execute("UPDATE node_allocations SET gpus_reserved = -1")
+    assert caught.value.non_retryable
+
+
+async def test_with_retry_repeats_only_lost_races() -> None:
+    calls = 0
+
+    async def loses_twice() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise ConflictError("lost a race")
+        return "won"
+
+    assert await with_retry(loses_twice) == "won"
+    assert calls == 3
+
+    async def always_loses() -> None:
+        raise ConflictError("lost again")
+
+    with pytest.raises(ConflictError):
+        await with_retry(always_loses, attempts=2)
+
+    failures = 0
+
+    async def broken() -> None:
+        nonlocal failures
+        failures += 1
+        raise StoreError("bad input", non_retryable=True)
+
+    with pytest.raises(StoreError):
+        await with_retry(broken)
+    assert failures == 1
+
+
+def test_redact_hides_the_password() -> None:
+    assert redact("postgresql://loom:s3cret@db:5432/loom") == "postgresql://loom@db:5432/loom"
+    assert redact("postgresql://db/loom") == "postgresql://db/loom"

