@@ -111,6 +111,8 @@ class Agent:
             ClusterCommand,
             handler=self.on_command,
             publisher=self.ctx.publisher,
+            # Each command changes state before its first await, so a batch's publishes can overlap.
+            concurrent=True,
         )
         await self.heartbeat(full=True)
         await runner.start()

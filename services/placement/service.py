@@ -81,7 +81,7 @@ def rejection(job_id: str, tenant: str, code: str, reason: str) -> JobRejected:
 class PlacementService:
     """The placement service's state and handlers; :meth:`run` is the service body."""
 
-    def __init__(self, ctx: ServiceContext, *, batch: int = 200) -> None:
+    def __init__(self, ctx: ServiceContext, *, batch: int = 200, settle_s: float = 5.0) -> None:
         self.ctx = ctx
         self.pool = ctx.db
         self.relay = outbox.OutboxRelay(self.pool, ctx.publisher, PRODUCER)
@@ -90,6 +90,11 @@ class PlacementService:
         self.lock = asyncio.Lock()
         self.wake = asyncio.Event()
         self.batch = batch
+        # A job that fits no known cluster is rejected only once the set of clusters has been
+        # stable for ``settle_s``: right after a start (or a cluster joining) the capacity book
+        # may simply not know the cluster that fits yet.
+        self.settle_s = settle_s
+        self.settled_at = time.monotonic() + settle_s
         self.stats = ctx.stats
         self.stats.update({"placed": 0, "rejected": 0, "queued": 0, "released": 0})
 
@@ -147,6 +152,8 @@ class PlacementService:
         for runner in runners:
             await runner.start()
         requeue = asyncio.create_task(self._requeue_loop())
+        relay_stop = asyncio.Event()
+        relay = asyncio.create_task(self.relay.run(relay_stop))
         try:
             await self.ctx.stopping.wait()
         finally:
@@ -156,6 +163,9 @@ class PlacementService:
             await query_sub.unsubscribe()
             for runner in reversed(runners):
                 await runner.stop()
+            relay_stop.set()
+            self.relay.kick()
+            await relay
 
     # ---- submissions ---------------------------------------------------------------------------
 
@@ -188,7 +198,7 @@ class PlacementService:
                 for d, _ in accepted:
                     outcomes[deliveries.index(d)] = exc
                 return outcomes
-            await self._flush()
+            self.relay.kick()
         return outcomes
 
     async def _reject_invalid(self, d: Delivery[bytes], tenant: str, reason: str) -> BaseException | None:
@@ -275,7 +285,7 @@ class PlacementService:
                     cap = working[node]
                     working[node] = dataclasses.replace(cap, gpus_reserved=cap.gpus_reserved + gpus)
                 decisions.append((q, result))
-            elif isinstance(result, Unschedulable) and result.impossible:
+            elif isinstance(result, Unschedulable) and result.impossible and time.monotonic() >= self.settled_at:
                 rejected.append((q, result.reason))
         now = time.time()
         await repo.reserve(conn, [(q.job.job_id, 1, p.cluster, p.allocations) for q, p in decisions])
@@ -345,20 +355,13 @@ class PlacementService:
         self.stats["rejected"] += len(rejected)
         self.stats["queued"] = len(self.queue)
 
-    async def _flush(self) -> None:
-        try:
-            await self.relay.flush()
-        except Exception as exc:  # the rows stay pending and go out on the next flush
-            log.warning("outbox flush failed", error=repr(exc))
-
     async def _requeue_loop(self) -> None:
         """Retry queued jobs whenever capacity may have changed (and every few seconds regardless)."""
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), timeout=5.0)
+                await asyncio.wait_for(self.wake.wait(), timeout=1.0)
             self.wake.clear()
             if not self.queue:
-                await self._flush()
                 continue
             try:
                 async with self.lock:
@@ -375,7 +378,7 @@ class PlacementService:
                 with contextlib.suppress(Exception):
                     async with self.lock:
                         self.nodes = await repo.load_nodes(self.pool)
-            await self._flush()
+            self.relay.kick()
 
     # ---- capacity ------------------------------------------------------------------------------
 
@@ -400,6 +403,8 @@ class PlacementService:
                         schedulable=n.healthy and not delta.stale,
                     )
                 )
+            if not any(c.cluster == delta.cluster for c in self.nodes.values()):
+                self.settled_at = time.monotonic() + self.settle_s
             gone = set(delta.removed)
             for cap in self.nodes.values():
                 if cap.cluster != delta.cluster or cap.node in listed:
@@ -436,14 +441,13 @@ class PlacementService:
                     conn,
                     [repo.JobEventRow(e.job_id, _kind(e), mid, encode(e), _at(e)) for e, mid in events],
                 )
-                for e, mid in events:
-                    if mid not in fresh:
-                        continue
-                    if isinstance(e, JobStarted):
-                        await repo.confirm(conn, e.job_id, e.attempt)
-                    elif isinstance(e, JobProgress):
-                        await repo.set_progress(conn, e.job_id, e.attempt, e.step / e.steps)
-                    elif isinstance(e, JobCompleted | JobFailed):
+                new = [e for e, mid in events if mid in fresh]
+                await repo.confirm(conn, [(e.job_id, e.attempt) for e in new if isinstance(e, JobStarted)])
+                await repo.set_progress(
+                    conn, [(e.job_id, e.attempt, e.step / e.steps) for e in new if isinstance(e, JobProgress)]
+                )
+                for e in new:
+                    if isinstance(e, JobCompleted | JobFailed):
                         state = "completed" if isinstance(e, JobCompleted) else "failed"
                         reason = e.reason if isinstance(e, JobFailed) else None
                         await repo.finish(conn, e.job_id, e.attempt, state, reason)

@@ -5,6 +5,7 @@ own and a durable consumer of its own, so tests never see each other's messages.
 """
 
 import asyncio
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -188,13 +189,17 @@ def test_consumer_spec_config_leaves_the_last_delivery_to_the_loop() -> None:
     assert one.ack_policy == AckPolicy.EXPLICIT
     assert one.deliver_policy == DeliverPolicy.ALL
     assert (one.filter_subject, one.filter_subjects) == ("a.b", None)
-    two = ConsumerSpec(stream="JOBS", durable="d", filter_subjects=["a.b", "a.c"], deliver_new_only=True).config()
+    two = ConsumerSpec(
+        stream="JOBS", durable="d", filter_subjects=["a.b", "a.c"], deliver_new_only=True
+    ).config()
     assert (two.filter_subject, two.filter_subjects) == (None, ["a.b", "a.c"])
     assert two.deliver_policy == DeliverPolicy.NEW
 
 
 def test_nak_delay_grows_exponentially_up_to_the_cap() -> None:
-    spec = ConsumerSpec(stream="S", durable="d", filter_subjects=["x"], first_nak_delay_s=0.5, max_nak_delay_s=3.0)
+    spec = ConsumerSpec(
+        stream="S", durable="d", filter_subjects=["x"], first_nak_delay_s=0.5, max_nak_delay_s=3.0
+    )
     assert [spec.nak_delay_s(n) for n in (1, 2, 3, 4, 5)] == [0.5, 1.0, 2.0, 3.0, 3.0]
 
 
@@ -216,7 +221,9 @@ async def test_a_runner_needs_exactly_one_kind_of_handler(nc: Client) -> None:
 # -- consuming ---------------------------------------------------------------------------------------
 
 
-async def test_consumer_decodes_handles_and_acks_good_messages(nc: Client, start_consumer: StartConsumer) -> None:
+async def test_consumer_decodes_handles_and_acks_good_messages(
+    nc: Client, start_consumer: StartConsumer
+) -> None:
     tenant = unique("t")
     subject = s.job_submitted(tenant)
     publisher = Publisher(nc)
@@ -243,7 +250,9 @@ async def test_consumer_decodes_handles_and_acks_good_messages(nc: Client, start
     assert (info.num_ack_pending, info.num_pending) == (0, 0)
 
 
-async def test_consumer_with_several_filter_subjects_gets_them_all(nc: Client, start_consumer: StartConsumer) -> None:
+async def test_consumer_with_several_filter_subjects_gets_them_all(
+    nc: Client, start_consumer: StartConsumer
+) -> None:
     tenant = unique("t")
     subjects = [s.job_event("started", tenant), s.job_event("completed", tenant)]
     seen: asyncio.Queue[str] = asyncio.Queue()
@@ -259,19 +268,27 @@ async def test_consumer_with_several_filter_subjects_gets_them_all(nc: Client, s
 
 @pytest.mark.parametrize(
     "payload",
-    [b"not json", msgspec.json.encode({"kind": "submitted", "job_id": "j", "tenant": "t", "work": {"steps": 1},
-                                       "colour": "blue"})],
+    [
+        b"not json",
+        msgspec.json.encode(
+            {"kind": "submitted", "job_id": "j", "tenant": "t", "work": {"steps": 1}, "colour": "blue"}
+        ),
+    ],
     ids=["not json", "unknown field"],
 )
 async def test_an_undecodable_message_is_dead_lettered_and_the_consumer_goes_on(
-    nc: Client, start_consumer: StartConsumer, watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
+    nc: Client,
+    start_consumer: StartConsumer,
+    watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
     payload: bytes,
 ) -> None:
     tenant = unique("t")
     subject = s.job_submitted(tenant)
     dead = await watch(s.dead_letter(subject))
     publisher = Publisher(nc)
-    bad_ack = await publisher.publish_bytes(subject, payload, msg_id=f"{tenant}-bad", headers={"X-Origin": "test"})
+    bad_ack = await publisher.publish_bytes(
+        subject, payload, msg_id=f"{tenant}-bad", headers={"X-Origin": "test"}
+    )
     await publisher.publish(subject, submitted(tenant, 2), msg_id=f"{tenant}-good")
     handled: asyncio.Queue[Delivery[JobSubmitted]] = asyncio.Queue()
 
@@ -303,9 +320,13 @@ async def test_an_undecodable_message_is_dead_lettered_and_the_consumer_goes_on(
     assert (info.num_ack_pending, info.num_pending) == (0, 0), "the poison message is terminated, not pending"
 
 
-@pytest.mark.parametrize("error", [RuntimeError("boom"), TransientError("database restarting")], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize(
+    "error", [RuntimeError("boom"), TransientError("database restarting")], ids=lambda e: type(e).__name__
+)
 async def test_a_retryable_failure_is_redelivered_with_backoff_then_dead_lettered_after_max_deliver(
-    nc: Client, start_consumer: StartConsumer, watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
+    nc: Client,
+    start_consumer: StartConsumer,
+    watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
     error: Exception,
 ) -> None:
     tenant = unique("t")
@@ -324,7 +345,7 @@ async def test_a_retryable_failure_is_redelivered_with_backoff_then_dead_lettere
     await runner.stop()
 
     assert [n for n, _ in attempts] == [1, 2, 3]
-    gaps = [later - earlier for (_, earlier), (_, later) in zip(attempts, attempts[1:], strict=False)]
+    gaps = [later - earlier for (_, earlier), (_, later) in itertools.pairwise(attempts)]
     assert gaps[0] >= 0.1 * 0.9, f"redelivered after {gaps[0]:.3f}s, before its nak delay"
     assert gaps[1] >= 0.2 * 0.9, f"second redelivery after {gaps[1]:.3f}s: the delay did not grow"
     headers = letter.headers or {}
@@ -335,11 +356,14 @@ async def test_a_retryable_failure_is_redelivered_with_backoff_then_dead_lettere
 
 
 @pytest.mark.parametrize(
-    "error", [InvalidInputError("tenant over quota forever"), LoomError("cannot ever work", non_retryable=True)],
+    "error",
+    [InvalidInputError("tenant over quota forever"), LoomError("cannot ever work", non_retryable=True)],
     ids=lambda e: type(e).__name__,
 )
 async def test_a_non_retryable_error_is_dead_lettered_at_first_delivery(
-    nc: Client, start_consumer: StartConsumer, watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
+    nc: Client,
+    start_consumer: StartConsumer,
+    watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
     error: LoomError,
 ) -> None:
     tenant = unique("t")
@@ -363,7 +387,9 @@ async def test_a_non_retryable_error_is_dead_lettered_at_first_delivery(
 
 
 async def test_a_batch_handler_settles_each_message_by_its_own_outcome(
-    nc: Client, start_consumer: StartConsumer, watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
+    nc: Client,
+    start_consumer: StartConsumer,
+    watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
 ) -> None:
     tenant = unique("t")
     subject = s.job_submitted(tenant)
@@ -377,7 +403,8 @@ async def test_a_batch_handler_settles_each_message_by_its_own_outcome(
     async def batch_handler(deliveries: list[Delivery[JobSubmitted]]) -> list[BaseException | None]:
         batches.append([(d.message.name, d.num_delivered) for d in deliveries])
         outcomes: dict[str, BaseException | None] = {
-            "bad": InvalidInputError("bad job"), "retry": RuntimeError("try again")
+            "bad": InvalidInputError("bad job"),
+            "retry": RuntimeError("try again"),
         }
         return [outcomes.get(d.message.name) for d in deliveries]
 
@@ -441,12 +468,45 @@ async def test_message_type_bytes_passes_the_raw_payload(nc: Client, start_consu
     assert runner.counts == {"acked": 1, "nacked": 0, "dead_lettered": 0}
 
 
+async def test_a_concurrent_handler_handles_the_messages_of_one_fetch_at_once(
+    nc: Client, start_consumer: StartConsumer, spans: InMemorySpanExporter
+) -> None:
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    for n in (1, 2, 3):
+        await Publisher(nc).publish(subject, submitted(tenant, n), msg_id=f"{tenant}-{n}")
+    inside: set[str] = set()
+    all_inside = asyncio.Event()
+    span_ids: asyncio.Queue[int] = asyncio.Queue()
+
+    async def handler(delivery: Delivery[JobSubmitted]) -> None:
+        # Returns only once every message is inside a handler: handled one by one, none would.
+        inside.add(delivery.message.job_id)
+        if len(inside) == 3:
+            all_inside.set()
+        await asyncio.wait_for(all_inside.wait(), WAIT_S)
+        span_ids.put_nowait(trace.get_current_span().get_span_context().span_id)
+
+    runner = await start_consumer(
+        consumer_spec([subject]), JobSubmitted, handler=handler, concurrent=True, linger_s=0.2
+    )
+    ids = {await next_item(span_ids) for _ in range(3)}
+    await runner.stop()
+
+    consumer_spans = {sp.context.span_id for sp in spans.get_finished_spans() if sp.kind == SpanKind.CONSUMER}
+    assert ids == consumer_spans, "each handler runs under its own consumer span"
+    assert len(ids) == 3
+    assert runner.counts == {"acked": 3, "nacked": 0, "dead_lettered": 0}
+
+
 # -- tracing -----------------------------------------------------------------------------------------
 
 
 def _span(spans: Sequence[ReadableSpan], kind: SpanKind, subject: str) -> ReadableSpan:
     matching = [
-        sp for sp in spans if sp.kind == kind and (sp.attributes or {}).get("messaging.destination.name") == subject
+        sp
+        for sp in spans
+        if sp.kind == kind and (sp.attributes or {}).get("messaging.destination.name") == subject
     ]
     assert len(matching) == 1, f"{len(matching)} {kind.name} spans for {subject}"
     return matching[0]
@@ -478,7 +538,9 @@ async def test_the_consumer_span_continues_the_publishers_trace(
 
 
 async def test_a_dead_letter_continues_the_trace_of_the_poison_message(
-    nc: Client, start_consumer: StartConsumer, spans: InMemorySpanExporter,
+    nc: Client,
+    start_consumer: StartConsumer,
+    spans: InMemorySpanExporter,
     watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
 ) -> None:
     subject = s.job_submitted(unique("t"))
@@ -499,4 +561,3 @@ async def test_a_dead_letter_continues_the_trace_of_the_poison_message(
     assert parked.context.trace_id == original.context.trace_id
     consumer = _span(finished, SpanKind.CONSUMER, subject)
     assert not consumer.status.is_ok
-

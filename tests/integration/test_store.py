@@ -122,7 +122,9 @@ async def subject_count(nc: Client, subject: str) -> int:
     return (info.state.subjects or {}).get(subject, 0)
 
 
-async def add_messages(pool: asyncpg.Pool, producer: str, tenant: str, count: int) -> list[outbox.OutboxMessage]:
+async def add_messages(
+    pool: asyncpg.Pool, producer: str, tenant: str, count: int
+) -> list[outbox.OutboxMessage]:
     messages = [
         outbox.message(s.job_event("started", tenant), started(tenant, n), f"{tenant}:job-{n}:started")
         for n in range(count)
@@ -162,7 +164,9 @@ async def test_outbox_flush_publishes_each_message_once_with_its_id(pool: asyncp
     assert relay.published == 5
 
 
-async def test_outbox_publishes_after_a_crash_between_commit_and_flush(pool: asyncpg.Pool, nc: Client) -> None:
+async def test_outbox_publishes_after_a_crash_between_commit_and_flush(
+    pool: asyncpg.Pool, nc: Client
+) -> None:
     producer, tenant = unique("producer"), unique("t")
     # The process that committed these rows died before flushing: its relay never ran.
     await add_messages(pool, producer, tenant, 3)
@@ -173,7 +177,9 @@ async def test_outbox_publishes_after_a_crash_between_commit_and_flush(pool: asy
     assert await subject_count(nc, s.job_event("started", tenant)) == 3
 
 
-async def test_outbox_republish_after_a_lost_mark_is_absorbed_by_dedup(pool: asyncpg.Pool, nc: Client) -> None:
+async def test_outbox_republish_after_a_lost_mark_is_absorbed_by_dedup(
+    pool: asyncpg.Pool, nc: Client
+) -> None:
     producer, tenant = unique("producer"), unique("t")
     await add_messages(pool, producer, tenant, 3)
     relay = outbox.OutboxRelay(pool, Publisher(nc), producer)
@@ -226,8 +232,15 @@ async def test_an_outbox_message_continues_the_trace_it_was_added_in(pool: async
 
 async def add_node(pool: asyncpg.Pool, total: int, *, schedulable: bool = True, version: int = 1) -> str:
     name = unique("node")
-    cap = NodeCapacity(node=name, cluster="c1", region="r1", zone="z1", gpu_model="A100", gpus_total=total,
-                       schedulable=schedulable)
+    cap = NodeCapacity(
+        node=name,
+        cluster="c1",
+        region="r1",
+        zone="z1",
+        gpu_model="A100",
+        gpus_total=total,
+        schedulable=schedulable,
+    )
     async with transaction(pool) as conn:
         await jobs.upsert_nodes(conn, version, [cap])
     return name
@@ -303,8 +316,16 @@ async def test_release_twice_releases_once(pool: asyncpg.Pool) -> None:
 async def test_upsert_nodes_follows_newer_views_and_never_touches_reservations(pool: asyncpg.Pool) -> None:
     node = await add_node(pool, 8, version=5)
     assert await try_reserve(pool, unique("job"), [(node, 3)])
-    newer = NodeCapacity(node=node, cluster="c1", region="r1", zone="z1", gpu_model="A100", gpus_total=6,
-                         gpus_reserved=0, schedulable=False)
+    newer = NodeCapacity(
+        node=node,
+        cluster="c1",
+        region="r1",
+        zone="z1",
+        gpu_model="A100",
+        gpus_total=6,
+        gpus_reserved=0,
+        schedulable=False,
+    )
     older = NodeCapacity(node=node, cluster="c1", region="r1", zone="z1", gpu_model="A100", gpus_total=1)
     async with transaction(pool) as conn:
         await jobs.upsert_nodes(conn, 6, [newer])
@@ -319,8 +340,12 @@ async def test_upsert_nodes_follows_newer_views_and_never_touches_reservations(p
 async def test_job_events_are_append_only(pool: asyncpg.Pool) -> None:
     job_id = unique("job")
     async with transaction(pool) as conn:
-        assert await jobs.insert_jobs(conn, [jobs.NewJob(job_id, "acme", b"{}", 1_700_000_000.0, {})]) == {job_id}
-        assert await jobs.insert_jobs(conn, [jobs.NewJob(job_id, "acme", b"{}", 1_700_000_000.0, {})]) == set()
+        assert await jobs.insert_jobs(conn, [jobs.NewJob(job_id, "acme", b"{}", 1_700_000_000.0, {})]) == {
+            job_id
+        }
+        assert (
+            await jobs.insert_jobs(conn, [jobs.NewJob(job_id, "acme", b"{}", 1_700_000_000.0, {})]) == set()
+        )
         event = jobs.JobEventRow(job_id, "submitted", f"{job_id}:submitted", b'{"kind": "submitted"}', 1.7e9)
         assert await jobs.append_events(conn, [event]) == {event.msg_id}
         assert await jobs.append_events(conn, [event]) == set(), "a redelivered event is skipped"
@@ -353,7 +378,9 @@ def test_map_error_says_whether_a_retry_can_help() -> None:
     assert "unavailable" in str(unavailable)
 
 
-async def test_a_constraint_violation_in_a_transaction_is_a_non_retryable_store_error(pool: asyncpg.Pool) -> None:
+async def test_a_constraint_violation_in_a_transaction_is_a_non_retryable_store_error(
+    pool: asyncpg.Pool,
+) -> None:
     with pytest.raises(StoreError) as caught:
         async with transaction(pool) as conn:
             await conn.execute("UPDATE node_allocations SET gpus_reserved = -1")

@@ -5,7 +5,7 @@ from collections.abc import Mapping, Sequence
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from loom.sched.firstfit import NodeCapacity, Placement, Unschedulable, place
+from loom.sched.firstfit import CapacityIndex, NodeCapacity, Placement, Unschedulable, place
 from loom_proto import JobSpec, Resources, Work
 
 MODELS = ("A100", "V100", "T4")
@@ -299,3 +299,34 @@ def test_the_unschedulable_reason_does_not_depend_on_the_book_order(order: str) 
 )
 def test_gpus_free(total: int, reserved: int, schedulable: bool, free: int) -> None:
     assert node("n", total=total, reserved=reserved, schedulable=schedulable).gpus_free == free
+
+
+@settings(max_examples=150, deadline=None)
+@given(specs=st.lists(jobs, min_size=1, max_size=8), caps=capacity_books())
+def test_a_cycle_of_placements_never_promises_a_gpu_twice(
+    specs: list[JobSpec], caps: dict[str, NodeCapacity]
+) -> None:
+    index = CapacityIndex(caps)
+    promised: dict[str, int] = {}
+    for spec in specs:
+        result = index.place(spec)
+        if isinstance(result, Placement):
+            index.take(result)
+            for name, gpus in result.allocations:
+                promised[name] = promised.get(name, 0) + gpus
+    for name, gpus in promised.items():
+        assert gpus <= caps[name].gpus_free, f"{name}: {gpus} promised, {caps[name].gpus_free} free"
+
+
+def test_a_taken_placement_is_seen_by_the_next_job_of_the_cycle() -> None:
+    index = CapacityIndex(book(node("a1", "a"), node("b1", "b")))
+    first = index.place(job(gpus=6))
+    assert isinstance(first, Placement)
+    index.take(first)
+    second = index.place(job(gpus=6))
+    assert isinstance(second, Placement)
+    assert (first.cluster, second.cluster) == ("a", "b")
+    index.take(second)
+    third = index.place(job(gpus=6))
+    assert isinstance(third, Unschedulable)
+    assert not third.impossible

@@ -23,14 +23,19 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0) -> Cli
     async def on_error(exc: Exception) -> None:
         log.warning("nats error", error=str(exc), client=name)
 
+    client: list[Client] = []
+
     async def on_disconnected() -> None:
+        # A drain or close disconnects too; only an unexpected loss is worth a warning.
+        if client and (client[0].is_closed or client[0].is_draining):
+            return
         log.warning("nats disconnected", client=name)
 
     async def on_reconnected() -> None:
         log.info("nats reconnected", client=name)
 
     try:
-        return await nats.connect(
+        nc = await nats.connect(
             servers=[url],
             name=name,
             connect_timeout=connect_timeout_s,
@@ -45,6 +50,8 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0) -> Cli
         )
     except Exception as exc:  # nats raises several unrelated types for "could not connect"
         raise BusError(f"cannot connect to NATS at {url}: {exc}") from exc
+    client.append(nc)
+    return nc
 
 
 def stream_config(spec: StreamSpec) -> StreamConfig:

@@ -31,7 +31,8 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from loom.bus.connection import BusError
-from loom.bus.publisher import Publisher, span_name
+from loom.bus.publisher import Publisher
+from loom.telemetry import span_name
 from loom.errors import LoomError
 
 log = structlog.get_logger("loom.bus")
@@ -98,7 +99,8 @@ BatchHandler = Callable[[list[Delivery[T]]], Awaitable[Sequence[BaseException | 
 class ConsumerRunner(Generic[T]):
     """Runs one durable pull consumer until :meth:`stop`.
 
-    Give either ``handler`` (one message at a time, its span current while it runs) or
+    Give either ``handler`` (one message at a time, its span current while it runs; with
+    ``concurrent`` the messages of one fetch are handled concurrently, started in order) or
     ``batch_handler`` (all decoded messages of a fetch at once; it returns one outcome per
     delivery, ``None`` for success or the exception that message hit).
     """
@@ -114,6 +116,7 @@ class ConsumerRunner(Generic[T]):
         publisher: Publisher | None = None,
         idle_fetch_timeout_s: float = 2.0,
         linger_s: float = 0.002,
+        concurrent: bool = False,
     ) -> None:
         if (handler is None) == (batch_handler is None):
             raise ValueError("give exactly one of handler and batch_handler")
@@ -126,6 +129,7 @@ class ConsumerRunner(Generic[T]):
         self._publisher = publisher or Publisher(nc)
         self._idle_fetch_timeout_s = idle_fetch_timeout_s
         self._linger_s = linger_s
+        self._concurrent = concurrent
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.counts: dict[str, int] = {"acked": 0, "nacked": 0, "dead_lettered": 0}
@@ -188,7 +192,7 @@ class ConsumerRunner(Generic[T]):
             parent = propagate.extract(headers)
             meta = msg.metadata
             span = _tracer.start_span(
-                span_name(msg.subject, "process"),
+                span_name("process", msg.subject),
                 context=parent,
                 kind=SpanKind.CONSUMER,
                 attributes={
@@ -236,19 +240,23 @@ class ConsumerRunner(Generic[T]):
                 error = RuntimeError("batch handler returned the wrong number of outcomes")
                 return [error] * len(deliveries)
             return outcomes
-        assert self._handler is not None
-        results: list[BaseException | None] = []
-        for delivery in deliveries:
+        handler = self._handler
+        assert handler is not None
+
+        async def one(delivery: Delivery[T]) -> BaseException | None:
             token = otel_context.attach(delivery.context)
             try:
-                await self._handler(delivery)
+                await handler(delivery)
             except Exception as exc:
-                results.append(exc)
-            else:
-                results.append(None)
+                return exc
             finally:
                 otel_context.detach(token)
-        return results
+            return None
+
+        if self._concurrent:
+            # Each handler runs in its own task (its own trace context); handlers start in order.
+            return await asyncio.gather(*(one(d) for d in deliveries))
+        return [await one(d) for d in deliveries]
 
     async def _settle(self, delivery: Delivery[T], outcome: BaseException | None) -> None:
         msg, span = delivery.msg, delivery.span

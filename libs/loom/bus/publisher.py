@@ -20,6 +20,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
 from loom.bus.connection import BusError
+from loom.telemetry import span_name
 
 _tracer = trace.get_tracer("loom.bus")
 
@@ -32,11 +33,6 @@ _RETRYABLE = (
     # No stream answered: during start-up the stream may not exist yet, or its server restarts.
     NoStreamResponseError,
 )
-
-
-def span_name(subject: str, operation: str) -> str:
-    """A low-cardinality span name: the subject's first three tokens and the operation."""
-    return f"{'.'.join(subject.split('.')[:3])} {operation}"
 
 
 class Publisher:
@@ -87,7 +83,7 @@ class Publisher:
         :class:`BusError` when every attempt failed.
         """
         with _tracer.start_as_current_span(
-            span_name(subject, "publish"),
+            span_name("publish", subject),
             context=parent,
             kind=SpanKind.PRODUCER,
             attributes={

@@ -16,6 +16,7 @@ from rich.tree import Tree
 from loom.client import LoomClient, QueryError, SpecError, load_specs
 from loom.runtime import stack
 from loom.runtime.config import endpoints, loom_home
+from loom.telemetry import configure_logging
 
 console = Console()
 err = Console(stderr=True)
@@ -364,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
     args = build_parser().parse_args(argv)
+    # Library warnings go to stderr, so `--json` output on stdout stays parseable.
+    configure_logging("loom-cli", level="WARNING", json=False, stream=sys.stderr)
     try:
         code: int = args.fn(args)
     except QueryError as exc:

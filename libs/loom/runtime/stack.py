@@ -104,6 +104,28 @@ async def prepare(nats_url: str, database_url: str) -> None:
         await nc.drain()
 
 
+async def wait_healthy(nats_url: str, names: list[str], timeout_s: float) -> list[str]:
+    """Wait until every named service answers its health subject; returns those that never did."""
+    from loom.runtime.service import health_subject
+
+    nc = await connect(nats_url, "loom-supervisor")
+    pending = list(names)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while pending and time.monotonic() < deadline:
+            for name in list(pending):
+                try:
+                    await nc.request(health_subject(name), b"", timeout=0.5)
+                except Exception:  # not up yet
+                    continue
+                pending.remove(name)
+            if pending:
+                await asyncio.sleep(0.1)
+    finally:
+        await nc.drain()
+    return pending
+
+
 class Supervisor:
     """Runs in the supervisor process: starts, watches and stops everything."""
 
@@ -178,7 +200,11 @@ class Supervisor:
             for name, argv in service_argvs(self.options).items():
                 self.services[name] = ServiceProcess(name, argv, str(self.home / "logs" / f"{name}.log"))
                 self.spawn(self.services[name], env)
-            self.write_state("ready", nats_url=nats_url, database_url=database_url)
+            self.write_state("starting", nats_url=nats_url, database_url=database_url)
+            silent = asyncio.run(wait_healthy(nats_url, list(self.services), timeout_s=60.0))
+            if silent:
+                raise RuntimeError(f"services never answered their health check: {', '.join(silent)}")
+            self.write_state("ready")
             backoff: dict[str, float] = {}
             while not self.stopping:
                 time.sleep(0.2)

@@ -138,24 +138,32 @@ async def reserve(
     )
     if len(updated) != len(per_node):
         raise ConflictError("capacity changed under the decision; recomputing")
-    await conn.executemany(
-        "INSERT INTO reservations (job_id, attempt, node, cluster, gpus, state) VALUES ($1, $2, $3, $4, $5, 'reserved')",
-        res_rows,
+    await conn.execute(
+        """INSERT INTO reservations (job_id, attempt, node, cluster, gpus, state)
+           SELECT j, a, n, c, g, 'reserved' FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::int[])
+               AS u(j, a, n, c, g)""",
+        *(list(column) for column in zip(*res_rows, strict=True)),
     )
 
 
-async def confirm(conn: asyncpg.Connection, job_id: str, attempt: int) -> None:
-    """The agent started the job: its reservations become confirmed, the job running."""
+async def confirm(conn: asyncpg.Connection, runs: Sequence[tuple[str, int]]) -> None:
+    """Agents started these (job_id, attempt) runs: reservations become confirmed, jobs running."""
+    if not runs:
+        return
+    jobs_, attempts = [r[0] for r in runs], [r[1] for r in runs]
     await conn.execute(
-        "UPDATE reservations SET state = 'confirmed' WHERE job_id = $1 AND attempt = $2 AND state = 'reserved'",
-        job_id,
-        attempt,
+        """UPDATE reservations r SET state = 'confirmed'
+           FROM unnest($1::text[], $2::int[]) AS u(j, a)
+           WHERE r.job_id = u.j AND r.attempt = u.a AND r.state = 'reserved'""",
+        jobs_,
+        attempts,
     )
     await conn.execute(
         """UPDATE jobs SET state = 'running', updated_at = now()
-           WHERE job_id = $1 AND attempt = $2 AND state = 'placed'""",
-        job_id,
-        attempt,
+           FROM unnest($1::text[], $2::int[]) AS u(j, a)
+           WHERE jobs.job_id = u.j AND jobs.attempt = u.a AND jobs.state = 'placed'""",
+        jobs_,
+        attempts,
     )
 
 
@@ -191,14 +199,18 @@ async def finish(conn: asyncpg.Connection, job_id: str, attempt: int, state: str
     )
 
 
-async def set_progress(conn: asyncpg.Connection, job_id: str, attempt: int, progress: float) -> None:
-    """Progress only moves forward."""
+async def set_progress(conn: asyncpg.Connection, updates: Sequence[tuple[str, int, float]]) -> None:
+    """(job_id, attempt, fraction done); progress only moves forward."""
+    if not updates:
+        return
     await conn.execute(
-        """UPDATE jobs SET progress = GREATEST(progress, $3), updated_at = now()
-           WHERE job_id = $1 AND attempt = $2 AND state IN ('placed', 'running')""",
-        job_id,
-        attempt,
-        min(max(progress, 0.0), 1.0),
+        """UPDATE jobs SET progress = GREATEST(jobs.progress, u.p), updated_at = now()
+           FROM (SELECT j, a, max(p) AS p FROM unnest($1::text[], $2::int[], $3::real[]) AS x(j, a, p)
+                 GROUP BY j, a) AS u
+           WHERE jobs.job_id = u.j AND jobs.attempt = u.a AND jobs.state IN ('placed', 'running')""",
+        [u[0] for u in updates],
+        [u[1] for u in updates],
+        [min(max(u[2], 0.0), 1.0) for u in updates],
     )
 
 

@@ -8,6 +8,7 @@ message published twice because the mark did not commit.
 """
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -53,10 +54,15 @@ async def add(conn: asyncpg.Connection, producer: str, messages: Sequence[Outbox
     """Record messages to publish; a message id already recorded is kept as it was."""
     if not messages:
         return
-    await conn.executemany(
+    await conn.execute(
         """INSERT INTO outbox (producer, msg_id, subject, payload, headers)
-           VALUES ($1, $2, $3, $4, $5::jsonb) ON CONFLICT (msg_id) DO NOTHING""",
-        [(producer, m.msg_id, m.subject, m.payload, json.dumps(dict(m.headers))) for m in messages],
+           SELECT $1, m, s, p, h::jsonb FROM unnest($2::text[], $3::text[], $4::bytea[], $5::text[]) AS u(m, s, p, h)
+           ON CONFLICT (msg_id) DO NOTHING""",
+        producer,
+        [m.msg_id for m in messages],
+        [m.subject for m in messages],
+        [m.payload for m in messages],
+        [json.dumps(dict(m.headers)) for m in messages],
     )
 
 
@@ -69,7 +75,30 @@ class OutboxRelay:
         self._producer = producer
         self._batch = batch
         self._lock = asyncio.Lock()
+        self._kick = asyncio.Event()
         self.published = 0
+
+    def kick(self) -> None:
+        """Ask the background loop (:meth:`run`) to flush soon; returns at once."""
+        self._kick.set()
+
+    async def run(self, stopping: asyncio.Event, *, idle_s: float = 1.0) -> None:
+        """Flush whenever kicked (and every ``idle_s`` regardless) until ``stopping``; flush once more at the end.
+
+        Publishing off the handler's path lets the next batch's transaction overlap this batch's
+        publishes; the outbox row, not the handler, is what guarantees the message goes out.
+        """
+        while not stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), timeout=idle_s)
+            self._kick.clear()
+            try:
+                await self.flush()
+            except Exception as exc:  # rows stay pending; the next round retries them
+                log.warning("outbox flush failed", producer=self._producer, error=repr(exc))
+                await asyncio.sleep(0.5)
+        with contextlib.suppress(Exception):
+            await self.flush()
 
     async def flush(self) -> int:
         """Publish everything pending; returns how many were published."""

@@ -1,0 +1,48 @@
+# Loom: every target creates .venv and installs the project when needed.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-fast bench lint format up down status clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+
+demo: $(STAMP)  ## start the embedded stack, run the example workload, show progress and a summary
+	$(BIN)/loom demo
+
+test: $(STAMP)  ## the whole suite: unit, integration (real NATS + PostgreSQL), end-to-end
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)  ## unit tests only
+	$(BIN)/python -m pytest -q tests/unit
+
+bench: $(STAMP)  ## benchmarks, JSON into bench-results/
+	@mkdir -p bench-results
+	$(BIN)/loom bench e2e --jobs 2000 --json | tee bench-results/e2e.json
+
+lint: $(STAMP)  ## ruff, mypy --strict on libs/ and proto/, import-linter layering, stale generated contracts
+	$(BIN)/ruff check libs proto services benchmarks tests tools
+	$(BIN)/ruff format --check libs proto services benchmarks tests tools
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+	$(BIN)/python -m loom_proto.asyncapi --check
+
+format: $(STAMP)
+	$(BIN)/ruff format libs proto services benchmarks tests tools
+	$(BIN)/ruff check --fix libs proto services benchmarks tests tools
+
+up: $(STAMP)
+	$(BIN)/loom up
+down: $(STAMP)
+	$(BIN)/loom down
+status: $(STAMP)
+	$(BIN)/loom status
+
+clean:
+	-$(BIN)/loom down
+	rm -rf .loom bench-results .pytest_cache .mypy_cache .ruff_cache

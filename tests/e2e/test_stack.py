@@ -1,0 +1,303 @@
+"""The whole stack as a user runs it: `loom up` processes, real NATS and PostgreSQL, OTLP export.
+
+One stack serves the module (small topology: three clusters, 71 GPUs, simulated time 2000x).
+Every service exports its spans to a real OTLP/HTTP receiver run by the test.
+"""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import nats
+import pytest
+from otlp_receiver import OtlpReceiver
+
+from loom.client import LoomClient, QueryError
+from loom.runtime import stack
+from loom_proto.jobs import JobSpec, Resources, Work
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as rec:
+        yield rec
+
+
+@pytest.fixture(scope="module")
+def home(receiver: OtlpReceiver) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="loom-e2e-", dir="/tmp"))
+    path.chmod(0o755)  # PostgreSQL runs as an unprivileged user when tests run as root
+    saved = {k: os.environ.get(k) for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_BSP_SCHEDULE_DELAY",
+                                             "LOOM_NATS_URL", "LOOM_DATABASE_URL")}
+    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.url
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
+    os.environ.pop("LOOM_NATS_URL", None)
+    os.environ.pop("LOOM_DATABASE_URL", None)
+    try:
+        stack.up(path, stack.StackOptions(topology="small", time_scale=2000.0, heartbeat_s=0.5, durable=False))
+        yield path
+    finally:
+        stack.down(path)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def state(home: Path) -> dict[str, Any]:
+    loaded = stack.read_state(home)
+    assert loaded is not None
+    return loaded
+
+
+@pytest.fixture
+async def client(state: dict[str, Any]) -> AsyncIterator[LoomClient]:
+    c = await LoomClient.connect(state["nats_url"], name="e2e")
+    await _wait(lambda: _clusters_known(c), timeout_s=30, what="three clusters in the view")
+    yield c
+    await c.close()
+
+
+async def _clusters_known(c: LoomClient) -> bool:
+    view = await c.view()
+    return sum(len(z["clusters"]) for r in view["regions"].values() for z in r["zones"].values()) == 3
+
+
+async def _wait(check: Callable[[], Any], *, timeout_s: float, what: str) -> Any:
+    """Poll an async condition until it holds; fail with ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            result = await check()
+        except QueryError:  # a service restarting does not answer for a moment
+            result = None
+        if result:
+            return result
+        await asyncio.sleep(0.1)
+    pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+
+
+async def _state_of(c: LoomClient, job_id: str) -> str | None:
+    job = await c.job(job_id)
+    return job["state"] if job else None
+
+
+def _job(job_id: str, *, gpus: int = 1, steps: int = 100, step_time_s: float = 10.0) -> JobSpec:
+    return JobSpec(job_id=job_id, tenant="e2e", resources=Resources(gpus=gpus),
+                   work=Work(steps=steps, step_time_s=step_time_s))
+
+
+async def test_a_raw_json_job_from_any_nats_client_is_placed_and_completes(
+    client: LoomClient, state: dict[str, Any]
+) -> None:
+    nc = await nats.connect(state["nats_url"])  # a plain NATS client: no Loom code involved
+    js = nc.jetstream()
+    payload = json.dumps({
+        "job_id": "raw-json-1", "tenant": "rawtenant",
+        "resources": {"gpus": 2, "gpu_models": ["V100M32"]}, "work": {"steps": 50, "step_time_s": 20},
+    }).encode()
+    ack = await js.publish("loom.jobs.submitted.rawtenant", payload, headers={"Nats-Msg-Id": "raw-json-1"})
+    assert ack.stream == "JOBS"
+    await nc.close()
+
+    await _wait(lambda: _is(client, "raw-json-1", "completed"), timeout_s=30, what="raw-json-1 completed")
+    job = await client.job("raw-json-1")
+    assert job is not None
+    kinds = [e["kind"] for e in job["events"]]
+    assert kinds[:3] == ["submitted", "placed", "started"] and kinds[-1] == "completed"
+    placed = next(e["event"] for e in job["events"] if e["kind"] == "placed")
+    assert placed["gpu_model"] == "V100M32" and placed["cluster"] == "c-use2-a"
+    assert sum(a["gpus"] for a in placed["allocations"]) == 2
+
+
+async def _is(c: LoomClient, job_id: str, wanted: str) -> bool:
+    return await _state_of(c, job_id) == wanted
+
+
+async def test_every_job_is_one_trace_from_client_publish_to_completion(
+    client: LoomClient, receiver: OtlpReceiver
+) -> None:
+    from loom.telemetry import current_trace_id, reset_for_tests, setup_telemetry
+    from opentelemetry import trace
+
+    provider = setup_telemetry("e2e-client", log_level=None)  # exports to the receiver, like the services
+    try:
+        with trace.get_tracer("e2e").start_as_current_span("submit traced-1"):
+            trace_id = current_trace_id()
+            await client.submit(_job("traced-1", steps=20))
+        provider.force_flush()
+    finally:
+        reset_for_tests()
+    assert trace_id is not None
+    await _wait(lambda: _is(client, "traced-1", "completed"), timeout_s=30, what="traced-1 completed")
+
+    job = await client.job("traced-1")
+    assert job is not None
+    agent = f"agent-{job['cluster']}"
+
+    def services_of(spans: list[Any]) -> set[tuple[str, str]]:
+        return {(s["service_name"], s["name"]) for s in spans if s["trace_id"] == trace_id}
+
+    needed = {
+        ("e2e-client", "publish loom.jobs.submitted"),
+        ("placement", "process loom.jobs.submitted"),
+        ("placement", "publish loom.jobs.placed"),
+        ("placement", f"publish loom.clusters.{job['cluster']}"),
+        (agent, f"process loom.clusters.{job['cluster']}"),
+        (agent, "publish loom.jobs.started"),
+        (agent, "publish loom.jobs.completed"),
+        ("placement", "process loom.jobs.completed"),
+    }
+    spans = await receiver.wait_for_async(lambda s: needed <= services_of(s), timeout_s=20)
+    mine = [s for s in spans if s["trace_id"] == trace_id]
+    by_id = {s["span_id"]: s for s in mine}
+    consumer = next(s for s in mine if s["name"] == "process loom.jobs.submitted")
+    producer = by_id[consumer["parent_span_id"]]
+    assert producer["service_name"] == "e2e-client" and producer["kind"] == "PRODUCER"
+    assert consumer["kind"] == "CONSUMER"
+
+
+async def test_bad_submissions_are_rejected_with_reasons_and_store_nothing(
+    client: LoomClient, state: dict[str, Any]
+) -> None:
+    nc = await nats.connect(state["nats_url"])
+    rejected: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+    async def on_rejected(msg: Any) -> None:
+        await rejected.put(json.loads(msg.data))
+
+    await nc.subscribe("loom.jobs.rejected.badtenant", cb=on_rejected)
+    js = nc.jetstream()
+    bad = {
+        "bad-json": b"{not json",
+        "bad-field": json.dumps({"job_id": "bad-field", "tenant": "badtenant", "work": {"steps": 1}, "gpus": 3}),
+        "bad-type": json.dumps({"job_id": "bad-type", "tenant": "badtenant", "work": {"steps": "many"}}),
+        "bad-negative": json.dumps(
+            {"job_id": "bad-negative", "tenant": "badtenant", "work": {"steps": 1}, "resources": {"gpus": -2}}),
+        "bad-absurd": json.dumps(
+            {"job_id": "bad-absurd", "tenant": "badtenant", "work": {"steps": 1}, "workers": 10**9}),
+        "bad-tenant": json.dumps({"job_id": "bad-tenant", "tenant": "bad.tenant", "work": {"steps": 1}}),
+        "bad-id": json.dumps({"job_id": "bad*id", "tenant": "badtenant", "work": {"steps": 1}}),
+        "bad-size": json.dumps({"job_id": "bad-size", "tenant": "badtenant", "work": {"steps": 1},
+                                "name": "x" * 300_000}),
+    }
+    for msg_id, body in bad.items():
+        data = body if isinstance(body, bytes) else body.encode()
+        await js.publish("loom.jobs.submitted.badtenant", data, headers={"Nats-Msg-Id": msg_id})
+    reasons: dict[str, str] = {}
+    for _ in bad:
+        event = await asyncio.wait_for(rejected.get(), timeout=15)
+        assert event["code"] == "invalid"
+        reasons[event["job_id"]] = event["reason"]
+    await nc.close()
+    assert set(reasons) == set(bad)
+    assert "steps" in reasons["bad-type"] and "gpus" in reasons["bad-field"]
+    assert ">= 1" in reasons["bad-negative"] and "workers" in reasons["bad-absurd"]
+    assert "tenant" in reasons["bad-tenant"] and "job_id" in reasons["bad-id"]
+    assert "exceeds" in reasons["bad-size"]
+
+    conn = await asyncpg.connect(state["database_url"])
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM jobs WHERE tenant = 'badtenant'") == 0
+    finally:
+        await conn.close()
+    # The service is still there and still places jobs.
+    await client.submit(_job("after-bad-input", steps=5))
+    await _wait(lambda: _is(client, "after-bad-input", "completed"), timeout_s=30, what="job after bad input")
+
+
+async def test_an_impossible_job_is_rejected_at_once_with_an_actionable_reason(client: LoomClient) -> None:
+    await client.submit(JobSpec(job_id="too-big-1", tenant="e2e", workers=40,
+                                resources=Resources(gpus=8, gpu_models=["G2"]), work=Work(steps=1)))
+    job = await _wait(lambda: _rejected(client, "too-big-1"), timeout_s=15, what="too-big-1 rejected")
+    assert "can never fit" in job["reason"] and "fewer workers" in job["reason"]
+
+
+async def _rejected(c: LoomClient, job_id: str) -> dict[str, Any] | None:
+    job = await c.job(job_id)
+    return job if job and job["state"] == "rejected" else None
+
+
+async def test_sigkill_of_placement_with_queued_jobs_places_every_job_exactly_once(
+    client: LoomClient, state: dict[str, Any], home: Path
+) -> None:
+    # 40 jobs x 4 GPUs = 160 GPUs on a 71-GPU platform: most of them queue.
+    ids = [f"chaos-{i}" for i in range(40)]
+    for job_id in ids[:20]:
+        await client.submit(_job(job_id, gpus=4, steps=100, step_time_s=20.0))
+    old_pid = stack.read_state(home)["services"]["placement"]["pid"]  # type: ignore[index]
+    os.kill(old_pid, signal.SIGKILL)
+    for job_id in ids[20:]:  # submitted while placement is dead: they wait in JetStream
+        await client.submit(_job(job_id, gpus=4, steps=100, step_time_s=20.0))
+
+    async def restarted() -> bool:
+        now = stack.read_state(home)
+        return bool(now) and now["services"]["placement"]["pid"] != old_pid  # type: ignore[index]
+
+    await _wait(restarted, timeout_s=20, what="the supervisor to restart placement")
+
+    async def all_completed() -> bool:
+        states = [await _state_of(client, j) for j in ids]
+        return all(s == "completed" for s in states)
+
+    await _wait(all_completed, timeout_s=90, what="every chaos job to complete")
+
+    conn = await asyncpg.connect(state["database_url"])
+    try:
+        placed = await conn.fetch(
+            "SELECT job_id, count(*) AS n FROM job_events WHERE kind = 'placed' AND job_id LIKE 'chaos-%' "
+            "GROUP BY job_id")
+        assert {r["job_id"]: r["n"] for r in placed} == dict.fromkeys(ids, 1)
+        over = await conn.fetchval("SELECT count(*) FROM node_allocations WHERE gpus_reserved > gpus_total")
+        assert over == 0
+        held = await conn.fetchval(
+            "SELECT count(*) FROM reservations WHERE job_id LIKE 'chaos-%' AND state <> 'released'")
+        assert held == 0
+    finally:
+        await conn.close()
+    # Exactly one JobPlaced per job on the bus, too (the stream is the other half of "exactly once").
+    nc = await nats.connect(state["nats_url"])
+    try:
+        js = nc.jetstream()
+        sub = await js.subscribe("loom.jobs.placed.*", ordered_consumer=True)
+        seen: dict[str, int] = {}
+        info = await js.stream_info("JOBS")
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=2)
+            except nats.errors.TimeoutError:
+                break
+            body = json.loads(msg.data)
+            if body["job_id"].startswith("chaos-"):
+                seen[body["job_id"]] = seen.get(body["job_id"], 0) + 1
+            if msg.metadata.sequence.stream >= info.state.last_seq:
+                break
+        assert seen == dict.fromkeys(ids, 1)
+    finally:
+        await nc.close()
+
+
+def test_loom_status_reports_every_process_healthy(home: Path) -> None:
+    env = dict(os.environ, LOOM_HOME=str(home))
+    out = subprocess.run([sys.executable, "-m", "loom.cli.main", "status", "--json"], env=env,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    names = {p["name"] for p in report["processes"]}
+    assert {"supervisor", "nats", "postgres", "placement", "metrics", "agent-c-use2-a"} <= names
+    assert all(p["alive"] for p in report["processes"])
+    assert all(p["health"]["pid"] == p["pid"] for p in report["processes"]
+               if p["name"] not in ("supervisor", "nats", "postgres"))
