@@ -1,5 +1,7 @@
 """Connecting to NATS and making sure Loom's streams exist with the configured limits."""
 
+import os
+
 import nats
 import structlog
 from loom_proto.subjects import STREAMS, StreamSpec
@@ -67,7 +69,8 @@ def stream_config(spec: StreamSpec) -> StreamConfig:
         max_bytes=spec.max_bytes,
         max_msg_size=spec.max_msg_bytes,
         duplicate_window=spec.duplicate_window_s,
-        num_replicas=1,
+        # 3 on a NATS cluster (deploy/nats/cluster-3.conf); 1 for the embedded single server.
+        num_replicas=int(os.environ.get("LOOM_STREAM_REPLICAS", "1")),
     )
 
 
