@@ -1,0 +1,208 @@
+"""A job's life through the real services running in this process, on real NATS and PostgreSQL.
+
+All services share one in-memory span exporter here, so the trace of a job can be read back
+directly; the OTLP path across OS processes is covered in tests/e2e.
+"""
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from loom.client import LoomClient, QueryError
+from loom.model.topology import load_topology
+from loom.runtime.servers import NatsServer
+from loom.runtime.service import ServiceContext, close_context, open_context
+from loom.telemetry import current_trace_id, reset_for_tests, setup_telemetry
+from loom_proto.jobs import JobSpec, Resources, Work
+from loom_services.cluster_agent.agent import Agent
+from loom_services.cluster_agent.sim import SimCluster
+from loom_services.metrics.service import MetricsService
+from loom_services.placement.service import PlacementService
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A NATS of this module's own: the services' durable consumers start from a clean stream."""
+    with NatsServer(tmp_path_factory.mktemp("flow-nats")) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def exporter() -> Iterator[InMemorySpanExporter]:
+    spans = InMemorySpanExporter()
+    setup_telemetry("flow", exporter=spans, log_level=None)
+    yield spans
+    reset_for_tests()
+
+
+@dataclass
+class Platform:
+    """Services running as tasks; start and stop them one by one."""
+
+    nats_url: str
+    database_url: str
+    state_dir: Path
+    tasks: dict[str, tuple[asyncio.Task[None], ServiceContext]] = field(default_factory=dict)
+
+    async def start(self, name: str) -> Any:
+        ctx = await open_context(name, nats_url=self.nats_url,
+                                 database_url=None if name.startswith("agent") else self.database_url)
+        topology = load_topology("small")
+        service: Any
+        if name == "placement":
+            service = PlacementService(ctx, settle_s=0.5)
+        elif name == "metrics":
+            service = MetricsService(ctx)
+        else:
+            cluster = topology.cluster(name.removeprefix("agent-"))
+            service = Agent(ctx, SimCluster(cluster), region=cluster.region, time_scale=2000.0,
+                            heartbeat_s=0.3, state_dir=self.state_dir)
+        self.tasks[name] = (asyncio.create_task(service.run()), ctx)
+        return service
+
+    async def stop(self, name: str) -> None:
+        task, ctx = self.tasks.pop(name)
+        ctx.stopping.set()
+        await asyncio.wait_for(task, timeout=15)
+        await close_context(ctx)
+
+
+@pytest.fixture(scope="module")
+async def platform(
+    nats_url: str, fresh_database: Callable[..., Awaitable[str]], exporter: InMemorySpanExporter,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[Platform]:
+    p = Platform(nats_url, await fresh_database("flow"), tmp_path_factory.mktemp("agents"))
+    for name in ("metrics", "placement", "agent-c-use2-a", "agent-c-weu-a", "agent-c-sea1-a"):
+        await p.start(name)
+    yield p
+    for name in list(p.tasks):
+        await p.stop(name)
+
+
+@pytest.fixture
+async def client(platform: Platform) -> AsyncIterator[LoomClient]:
+    c = await LoomClient.connect(platform.nats_url)
+    yield c
+    await c.close()
+
+
+async def until(check: Callable[[], Awaitable[Any]], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        result = await check()
+        if result:
+            return result
+        await asyncio.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def job_state(client: LoomClient, job_id: str, wanted: str) -> Callable[[], Awaitable[Any]]:
+    async def check() -> Any:
+        job = await client.job(job_id)
+        return job if job and job["state"] == wanted else None
+
+    return check
+
+
+async def test_a_job_is_one_trace_from_submission_to_completion(
+    client: LoomClient, exporter: InMemorySpanExporter
+) -> None:
+    with trace.get_tracer("test").start_as_current_span("client submits"):
+        trace_id = current_trace_id()
+        await client.submit(JobSpec(job_id="flow-traced", tenant="t1", resources=Resources(gpus=2),
+                                    work=Work(steps=40, step_time_s=10.0)))
+    job = await until(job_state(client, "flow-traced", "completed"), 30, "flow-traced completed")
+
+    def names() -> set[str]:
+        return {s.name for s in exporter.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id}
+
+    await until(lambda: _true("process loom.jobs.completed" in names()), 10, "the completion to be recorded")
+    cluster = job["cluster"]
+    assert {
+        "publish loom.jobs.submitted", "process loom.jobs.submitted", "publish loom.jobs.placed",
+        f"publish loom.clusters.{cluster}", f"process loom.clusters.{cluster}", "publish loom.jobs.started",
+        "publish loom.jobs.progress", "publish loom.jobs.completed", "process loom.jobs.completed",
+    } <= names()
+    # Heartbeats are not part of any job's trace.
+    assert not any("heartbeat" in n for n in names())
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_a_restarted_metrics_service_rebuilds_the_same_view(platform: Platform, client: LoomClient) -> None:
+    await until(lambda: _clusters(client, 3), 15, "three clusters in the view")
+    before = await client.view()
+    await platform.stop("metrics")
+    await platform.start("metrics")
+    after = await until(lambda: _view_or_none(client), 10, "the new metrics to answer")  # rebuilt from PostgreSQL
+    strip = _without_times
+    assert strip(after) == strip(before)
+
+
+async def _view_or_none(client: LoomClient) -> dict[str, Any] | None:
+    try:
+        return await client.view(timeout_s=0.5)
+    except QueryError:
+        return None
+
+
+async def _clusters(client: LoomClient, n: int) -> bool:
+    view = await client.view()
+    return sum(len(z["clusters"]) for r in view["regions"].values() for z in r["zones"].values()) == n
+
+
+def _without_times(view: dict[str, Any]) -> Any:
+    if isinstance(view, dict):
+        return {k: _without_times(v) for k, v in view.items() if k not in ("last_heartbeat_at", "gpus_used")}
+    if isinstance(view, list):
+        return [_without_times(v) for v in view]
+    return view
+
+
+async def test_a_restarted_agent_resumes_its_running_job_and_finishes_it_once(
+    platform: Platform, client: LoomClient
+) -> None:
+    # Only c-weu-a has P100s, so the job lands there.
+    await client.submit(JobSpec(job_id="flow-resume", tenant="t1",
+                                resources=Resources(gpus=2, gpu_models=["P100"]),
+                                work=Work(steps=100, step_time_s=200.0)))  # 10 s at 2000x
+    await until(job_state(client, "flow-resume", "running"), 15, "flow-resume running")
+    await platform.stop("agent-c-weu-a")
+    stopped_at = (await client.job("flow-resume"))["progress"]  # type: ignore[index]
+    assert stopped_at < 1.0
+    await platform.start("agent-c-weu-a")
+    job = await until(job_state(client, "flow-resume", "completed"), 40, "flow-resume completed")
+    kinds = [e["kind"] for e in job["events"]]
+    assert kinds.count("started") == 1 and kinds.count("completed") == 1
+    steps = [e["event"]["step"] for e in job["events"] if e["kind"] == "progress"]
+    assert steps == sorted(steps), "progress never goes back after the restart"
+
+
+async def test_queued_jobs_wait_for_capacity_and_are_placed_when_it_frees(client: LoomClient) -> None:
+    # c-sea1-a holds all 9 V100M16 GPUs, on nodes of at most 4: two 4-GPU jobs fit, the third waits.
+    ids = [f"flow-wait-{i}" for i in range(3)]
+    for job_id in ids:
+        await client.submit(JobSpec(job_id=job_id, tenant="t2", resources=Resources(gpus=4, gpu_models=["V100M16"]),
+                                    work=Work(steps=10, step_time_s=200.0)))
+    first = await until(lambda: _some_queued(client, ids), 15, "one job queued while the others run")
+    assert first["state"] == "queued"
+    for job_id in ids:
+        await until(job_state(client, job_id, "completed"), 40, f"{job_id} completed")
+
+
+async def _some_queued(client: LoomClient, ids: list[str]) -> Any:
+    for job_id in ids:
+        job = await client.job(job_id)
+        if job and job["state"] == "queued":
+            return job
+    return None
