@@ -27,7 +27,7 @@ def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:
         return float("nan")
-    index = min(int(round(q / 100 * (len(ordered) - 1))), len(ordered) - 1)
+    index = min(round(q / 100 * (len(ordered) - 1)), len(ordered) - 1)
     return ordered[index]
 
 

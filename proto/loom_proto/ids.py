@@ -11,7 +11,9 @@ from typing import Annotated
 
 from msgspec import Meta
 
-ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+# ``(?![\s\S])`` is "end of input" in both Python and JSON Schema (ECMA) regexes; ``$`` would
+# also match before a trailing newline, and msgspec checks patterns with ``re.search``.
+ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}(?![\s\S])"
 _ID_RE = re.compile(ID_PATTERN)
 
 Id = Annotated[str, Meta(pattern=ID_PATTERN, description="[A-Za-z0-9_-]{1,64}; safe as a subject token")]

@@ -19,7 +19,9 @@ from loom_proto.ids import Id
 TaskType = Literal["training_compute", "training_memory", "training_comm", "inference"]
 """What dominates a job's speed: dense compute, memory bandwidth, communication, or serving."""
 
-GpuModel = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.+-]{1,32}$", description="e.g. V100M32, A100, T4")]
+GpuModel = Annotated[
+    str, Meta(pattern=r"^[A-Za-z0-9_.+-]{1,32}(?![\s\S])", description="e.g. V100M32, A100, T4")
+]
 Label = Annotated[str, Meta(max_length=128)]
 Reason = Annotated[str, Meta(max_length=2048)]
 UnixSeconds = Annotated[float, Meta(ge=0, le=1e11, description="seconds since the Unix epoch")]

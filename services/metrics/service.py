@@ -7,6 +7,7 @@ PostgreSQL, publishes view deltas through the outbox, marks silent clusters stal
 
 import asyncio
 import contextlib
+import copy
 import json
 import time
 from collections.abc import Sequence
@@ -200,8 +201,6 @@ class MetricsService:
 
 
 def _snapshot(ledger: Ledger, cluster_id: str) -> tuple[LedgerCluster | None, dict[str, LedgerNode]]:
-    import copy
-
     cluster = ledger.clusters.get(cluster_id)
     nodes = {n: copy.copy(ledger.nodes[n]) for n in (cluster.nodes if cluster else ()) if n in ledger.nodes}
     return (copy.deepcopy(cluster), nodes)
@@ -227,7 +226,8 @@ async def _write_cluster(conn: asyncpg.Connection, c: LedgerCluster) -> None:
         """INSERT INTO ledger_clusters AS l (cluster, region, agent_epoch, last_seq, version, interval_s,
                                              last_heartbeat_at, stale)
            VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
-           ON CONFLICT (cluster) DO UPDATE SET agent_epoch = EXCLUDED.agent_epoch, last_seq = EXCLUDED.last_seq,
+           ON CONFLICT (cluster) DO UPDATE SET agent_epoch = EXCLUDED.agent_epoch,
+               last_seq = EXCLUDED.last_seq,
                version = EXCLUDED.version, interval_s = EXCLUDED.interval_s,
                last_heartbeat_at = EXCLUDED.last_heartbeat_at, stale = EXCLUDED.stale
            WHERE l.version <= EXCLUDED.version""",
@@ -249,7 +249,8 @@ async def _write_nodes(conn: asyncpg.Connection, nodes: Sequence[LedgerNode]) ->
            VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
            ON CONFLICT (node) DO UPDATE SET cluster = EXCLUDED.cluster, region = EXCLUDED.region,
                zone = EXCLUDED.zone, gpu_model = EXCLUDED.gpu_model, gpus_total = EXCLUDED.gpus_total,
-               gpus_used = EXCLUDED.gpus_used, cpu_milli = EXCLUDED.cpu_milli, memory_mib = EXCLUDED.memory_mib,
+               gpus_used = EXCLUDED.gpus_used, cpu_milli = EXCLUDED.cpu_milli,
+               memory_mib = EXCLUDED.memory_mib,
                healthy = EXCLUDED.healthy, updated_at = EXCLUDED.updated_at""",
         [
             (

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import asyncpg
@@ -23,7 +23,7 @@ from loom.runtime.service import ServiceContext
 from loom.sched.firstfit import CapacityIndex, NodeCapacity, Placement, Unschedulable
 from loom.store import inbox, outbox
 from loom.store import jobs as repo
-from loom.store.pool import transaction, with_retry
+from loom.store.pool import ConflictError, transaction, with_retry
 from loom_proto import subjects
 from loom_proto.clusters import StartJob
 from loom_proto.codec import DecodeError, decode, encode
@@ -193,7 +193,7 @@ class PlacementService:
         if accepted:
             try:
                 async with self.lock:
-                    await with_retry(lambda: self._admit(accepted))
+                    await self._retrying(lambda: self._admit(accepted))
             except Exception as exc:
                 for d, _ in accepted:
                     outcomes[deliveries.index(d)] = exc
@@ -226,11 +226,14 @@ class PlacementService:
             candidates: list[QueuedJob] = []
             dup_rejects: list[outbox.OutboxMessage] = []
             new_rows: list[repo.NewJob] = []
-            for (d, job), msg_id in zip(accepted, msg_ids, strict=True):
+            for (d, submitted), msg_id in zip(accepted, msg_ids, strict=True):
                 if msg_id not in fresh:
                     continue  # handled before: its decision and messages are already durable
-                if job.submitted_at == 0.0:
-                    job = msgspec.structs.replace(job, submitted_at=now)
+                job = (
+                    submitted
+                    if submitted.submitted_at
+                    else msgspec.structs.replace(submitted, submitted_at=now)
+                )
                 carrier: dict[str, str] = {}
                 propagate.inject(carrier, context=d.context)
                 new_rows.append(repo.NewJob(job.job_id, job.tenant, encode(job), job.submitted_at, carrier))
@@ -285,7 +288,11 @@ class PlacementService:
                     cap = working[node]
                     working[node] = dataclasses.replace(cap, gpus_reserved=cap.gpus_reserved + gpus)
                 decisions.append((q, result))
-            elif isinstance(result, Unschedulable) and result.impossible and time.monotonic() >= self.settled_at:
+            elif (
+                isinstance(result, Unschedulable)
+                and result.impossible
+                and time.monotonic() >= self.settled_at
+            ):
                 rejected.append((q, result.reason))
         now = time.time()
         await repo.reserve(conn, [(q.job.job_id, 1, p.cluster, p.allocations) for q, p in decisions])
@@ -365,20 +372,27 @@ class PlacementService:
                 continue
             try:
                 async with self.lock:
-                    waiting = list(self.queue.values())
-
-                    async def cycle() -> None:
-                        async with transaction(self.pool) as conn:
-                            nodes, placed, rejected = await self._schedule(conn, waiting)
-                        self._commit(nodes, waiting, placed, rejected)
-
-                    await with_retry(cycle, attempts=3)
+                    await self._retrying(self._requeue_cycle)
             except Exception as exc:
                 log.warning("requeue cycle failed", error=repr(exc))
-                with contextlib.suppress(Exception):
-                    async with self.lock:
-                        self.nodes = await repo.load_nodes(self.pool)
             self.relay.kick()
+
+    async def _requeue_cycle(self) -> None:
+        waiting = list(self.queue.values())
+        async with transaction(self.pool) as conn:
+            nodes, placed, rejected = await self._schedule(conn, waiting)
+        self._commit(nodes, waiting, placed, rejected)
+
+    async def _retrying(self, cycle: Callable[[], Awaitable[None]], attempts: int = 3) -> None:
+        """Run a decision cycle; when it lost a race for capacity, reload the book and decide again."""
+        for attempt in range(1, attempts + 1):
+            try:
+                await cycle()
+                return
+            except ConflictError:
+                self.nodes = await repo.load_nodes(self.pool)
+                if attempt == attempts:
+                    raise
 
     # ---- capacity ------------------------------------------------------------------------------
 

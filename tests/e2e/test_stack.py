@@ -19,11 +19,10 @@ from typing import Any
 import asyncpg
 import nats
 import pytest
-from otlp_receiver import OtlpReceiver
-
 from loom.client import LoomClient, QueryError
 from loom.runtime import stack
 from loom_proto.jobs import JobSpec, Resources, Work
+from otlp_receiver import OtlpReceiver
 
 pytestmark = pytest.mark.slow
 
@@ -38,14 +37,23 @@ def receiver() -> Iterator[OtlpReceiver]:
 def home(receiver: OtlpReceiver) -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="loom-e2e-", dir="/tmp"))
     path.chmod(0o755)  # PostgreSQL runs as an unprivileged user when tests run as root
-    saved = {k: os.environ.get(k) for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_BSP_SCHEDULE_DELAY",
-                                             "LOOM_NATS_URL", "LOOM_DATABASE_URL")}
+    saved = {
+        k: os.environ.get(k)
+        for k in (
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_BSP_SCHEDULE_DELAY",
+            "LOOM_NATS_URL",
+            "LOOM_DATABASE_URL",
+        )
+    }
     os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.url
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
     os.environ.pop("LOOM_NATS_URL", None)
     os.environ.pop("LOOM_DATABASE_URL", None)
     try:
-        stack.up(path, stack.StackOptions(topology="small", time_scale=2000.0, heartbeat_s=0.5, durable=False))
+        stack.up(
+            path, stack.StackOptions(topology="small", time_scale=2000.0, heartbeat_s=0.5, durable=False)
+        )
         yield path
     finally:
         stack.down(path)
@@ -96,8 +104,12 @@ async def _state_of(c: LoomClient, job_id: str) -> str | None:
 
 
 def _job(job_id: str, *, gpus: int = 1, steps: int = 100, step_time_s: float = 10.0) -> JobSpec:
-    return JobSpec(job_id=job_id, tenant="e2e", resources=Resources(gpus=gpus),
-                   work=Work(steps=steps, step_time_s=step_time_s))
+    return JobSpec(
+        job_id=job_id,
+        tenant="e2e",
+        resources=Resources(gpus=gpus),
+        work=Work(steps=steps, step_time_s=step_time_s),
+    )
 
 
 async def test_a_raw_json_job_from_any_nats_client_is_placed_and_completes(
@@ -105,10 +117,14 @@ async def test_a_raw_json_job_from_any_nats_client_is_placed_and_completes(
 ) -> None:
     nc = await nats.connect(state["nats_url"])  # a plain NATS client: no Loom code involved
     js = nc.jetstream()
-    payload = json.dumps({
-        "job_id": "raw-json-1", "tenant": "rawtenant",
-        "resources": {"gpus": 2, "gpu_models": ["V100M32"]}, "work": {"steps": 50, "step_time_s": 20},
-    }).encode()
+    payload = json.dumps(
+        {
+            "job_id": "raw-json-1",
+            "tenant": "rawtenant",
+            "resources": {"gpus": 2, "gpu_models": ["V100M32"]},
+            "work": {"steps": 50, "step_time_s": 20},
+        }
+    ).encode()
     ack = await js.publish("loom.jobs.submitted.rawtenant", payload, headers={"Nats-Msg-Id": "raw-json-1"})
     assert ack.stream == "JOBS"
     await nc.close()
@@ -183,16 +199,21 @@ async def test_bad_submissions_are_rejected_with_reasons_and_store_nothing(
     js = nc.jetstream()
     bad = {
         "bad-json": b"{not json",
-        "bad-field": json.dumps({"job_id": "bad-field", "tenant": "badtenant", "work": {"steps": 1}, "gpus": 3}),
+        "bad-field": json.dumps(
+            {"job_id": "bad-field", "tenant": "badtenant", "work": {"steps": 1}, "gpus": 3}
+        ),
         "bad-type": json.dumps({"job_id": "bad-type", "tenant": "badtenant", "work": {"steps": "many"}}),
         "bad-negative": json.dumps(
-            {"job_id": "bad-negative", "tenant": "badtenant", "work": {"steps": 1}, "resources": {"gpus": -2}}),
+            {"job_id": "bad-negative", "tenant": "badtenant", "work": {"steps": 1}, "resources": {"gpus": -2}}
+        ),
         "bad-absurd": json.dumps(
-            {"job_id": "bad-absurd", "tenant": "badtenant", "work": {"steps": 1}, "workers": 10**9}),
+            {"job_id": "bad-absurd", "tenant": "badtenant", "work": {"steps": 1}, "workers": 10**9}
+        ),
         "bad-tenant": json.dumps({"job_id": "bad-tenant", "tenant": "bad.tenant", "work": {"steps": 1}}),
         "bad-id": json.dumps({"job_id": "bad*id", "tenant": "badtenant", "work": {"steps": 1}}),
-        "bad-size": json.dumps({"job_id": "bad-size", "tenant": "badtenant", "work": {"steps": 1},
-                                "name": "x" * 300_000}),
+        "bad-size": json.dumps(
+            {"job_id": "bad-size", "tenant": "badtenant", "work": {"steps": 1}, "name": "x" * 300_000}
+        ),
     }
     for msg_id, body in bad.items():
         data = body if isinstance(body, bytes) else body.encode()
@@ -220,8 +241,15 @@ async def test_bad_submissions_are_rejected_with_reasons_and_store_nothing(
 
 
 async def test_an_impossible_job_is_rejected_at_once_with_an_actionable_reason(client: LoomClient) -> None:
-    await client.submit(JobSpec(job_id="too-big-1", tenant="e2e", workers=40,
-                                resources=Resources(gpus=8, gpu_models=["G2"]), work=Work(steps=1)))
+    await client.submit(
+        JobSpec(
+            job_id="too-big-1",
+            tenant="e2e",
+            workers=40,
+            resources=Resources(gpus=8, gpu_models=["G2"]),
+            work=Work(steps=1),
+        )
+    )
     job = await _wait(lambda: _rejected(client, "too-big-1"), timeout_s=15, what="too-big-1 rejected")
     assert "can never fit" in job["reason"] and "fewer workers" in job["reason"]
 
@@ -259,12 +287,14 @@ async def test_sigkill_of_placement_with_queued_jobs_places_every_job_exactly_on
     try:
         placed = await conn.fetch(
             "SELECT job_id, count(*) AS n FROM job_events WHERE kind = 'placed' AND job_id LIKE 'chaos-%' "
-            "GROUP BY job_id")
+            "GROUP BY job_id"
+        )
         assert {r["job_id"]: r["n"] for r in placed} == dict.fromkeys(ids, 1)
         over = await conn.fetchval("SELECT count(*) FROM node_allocations WHERE gpus_reserved > gpus_total")
         assert over == 0
         held = await conn.fetchval(
-            "SELECT count(*) FROM reservations WHERE job_id LIKE 'chaos-%' AND state <> 'released'")
+            "SELECT count(*) FROM reservations WHERE job_id LIKE 'chaos-%' AND state <> 'released'"
+        )
         assert held == 0
     finally:
         await conn.close()
@@ -292,12 +322,21 @@ async def test_sigkill_of_placement_with_queued_jobs_places_every_job_exactly_on
 
 def test_loom_status_reports_every_process_healthy(home: Path) -> None:
     env = dict(os.environ, LOOM_HOME=str(home))
-    out = subprocess.run([sys.executable, "-m", "loom.cli.main", "status", "--json"], env=env,
-                         capture_output=True, text=True, timeout=60, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "loom.cli.main", "status", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     report = json.loads(out.stdout)
     names = {p["name"] for p in report["processes"]}
     assert {"supervisor", "nats", "postgres", "placement", "metrics", "agent-c-use2-a"} <= names
     assert all(p["alive"] for p in report["processes"])
-    assert all(p["health"]["pid"] == p["pid"] for p in report["processes"]
-               if p["name"] not in ("supervisor", "nats", "postgres"))
+    assert all(
+        p["health"]["pid"] == p["pid"]
+        for p in report["processes"]
+        if p["name"] not in ("supervisor", "nats", "postgres")
+    )

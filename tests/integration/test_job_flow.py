@@ -12,9 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
 from loom.client import LoomClient, QueryError
 from loom.model.topology import load_topology
 from loom.runtime.servers import NatsServer
@@ -25,6 +22,8 @@ from loom_services.cluster_agent.agent import Agent
 from loom_services.cluster_agent.sim import SimCluster
 from loom_services.metrics.service import MetricsService
 from loom_services.placement.service import PlacementService
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +51,9 @@ class Platform:
     tasks: dict[str, tuple[asyncio.Task[None], ServiceContext]] = field(default_factory=dict)
 
     async def start(self, name: str) -> Any:
-        ctx = await open_context(name, nats_url=self.nats_url,
-                                 database_url=None if name.startswith("agent") else self.database_url)
+        ctx = await open_context(
+            name, nats_url=self.nats_url, database_url=None if name.startswith("agent") else self.database_url
+        )
         topology = load_topology("small")
         service: Any
         if name == "placement":
@@ -62,8 +62,14 @@ class Platform:
             service = MetricsService(ctx)
         else:
             cluster = topology.cluster(name.removeprefix("agent-"))
-            service = Agent(ctx, SimCluster(cluster), region=cluster.region, time_scale=2000.0,
-                            heartbeat_s=0.3, state_dir=self.state_dir)
+            service = Agent(
+                ctx,
+                SimCluster(cluster),
+                region=cluster.region,
+                time_scale=2000.0,
+                heartbeat_s=0.3,
+                state_dir=self.state_dir,
+            )
         self.tasks[name] = (asyncio.create_task(service.run()), ctx)
         return service
 
@@ -76,7 +82,9 @@ class Platform:
 
 @pytest.fixture(scope="module")
 async def platform(
-    nats_url: str, fresh_database: Callable[..., Awaitable[str]], exporter: InMemorySpanExporter,
+    nats_url: str,
+    fresh_database: Callable[..., Awaitable[str]],
+    exporter: InMemorySpanExporter,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Platform]:
     p = Platform(nats_url, await fresh_database("flow"), tmp_path_factory.mktemp("agents"))
@@ -117,19 +125,33 @@ async def test_a_job_is_one_trace_from_submission_to_completion(
 ) -> None:
     with trace.get_tracer("test").start_as_current_span("client submits"):
         trace_id = current_trace_id()
-        await client.submit(JobSpec(job_id="flow-traced", tenant="t1", resources=Resources(gpus=2),
-                                    work=Work(steps=40, step_time_s=10.0)))
+        await client.submit(
+            JobSpec(
+                job_id="flow-traced",
+                tenant="t1",
+                resources=Resources(gpus=2),
+                work=Work(steps=40, step_time_s=10.0),
+            )
+        )
     job = await until(job_state(client, "flow-traced", "completed"), 30, "flow-traced completed")
 
     def names() -> set[str]:
-        return {s.name for s in exporter.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id}
+        return {
+            s.name for s in exporter.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id
+        }
 
     await until(lambda: _true("process loom.jobs.completed" in names()), 10, "the completion to be recorded")
     cluster = job["cluster"]
     assert {
-        "publish loom.jobs.submitted", "process loom.jobs.submitted", "publish loom.jobs.placed",
-        f"publish loom.clusters.{cluster}", f"process loom.clusters.{cluster}", "publish loom.jobs.started",
-        "publish loom.jobs.progress", "publish loom.jobs.completed", "process loom.jobs.completed",
+        "publish loom.jobs.submitted",
+        "process loom.jobs.submitted",
+        "publish loom.jobs.placed",
+        f"publish loom.clusters.{cluster}",
+        f"process loom.clusters.{cluster}",
+        "publish loom.jobs.started",
+        "publish loom.jobs.progress",
+        "publish loom.jobs.completed",
+        "process loom.jobs.completed",
     } <= names()
     # Heartbeats are not part of any job's trace.
     assert not any("heartbeat" in n for n in names())
@@ -139,12 +161,16 @@ async def _true(value: bool) -> bool:
     return value
 
 
-async def test_a_restarted_metrics_service_rebuilds_the_same_view(platform: Platform, client: LoomClient) -> None:
+async def test_a_restarted_metrics_service_rebuilds_the_same_view(
+    platform: Platform, client: LoomClient
+) -> None:
     await until(lambda: _clusters(client, 3), 15, "three clusters in the view")
     before = await client.view()
     await platform.stop("metrics")
     await platform.start("metrics")
-    after = await until(lambda: _view_or_none(client), 10, "the new metrics to answer")  # rebuilt from PostgreSQL
+    after = await until(
+        lambda: _view_or_none(client), 10, "the new metrics to answer"
+    )  # rebuilt from PostgreSQL
     strip = _without_times
     assert strip(after) == strip(before)
 
@@ -173,9 +199,14 @@ async def test_a_restarted_agent_resumes_its_running_job_and_finishes_it_once(
     platform: Platform, client: LoomClient
 ) -> None:
     # Only c-weu-a has P100s, so the job lands there.
-    await client.submit(JobSpec(job_id="flow-resume", tenant="t1",
-                                resources=Resources(gpus=2, gpu_models=["P100"]),
-                                work=Work(steps=100, step_time_s=200.0)))  # 10 s at 2000x
+    await client.submit(
+        JobSpec(
+            job_id="flow-resume",
+            tenant="t1",
+            resources=Resources(gpus=2, gpu_models=["P100"]),
+            work=Work(steps=100, step_time_s=200.0),
+        )
+    )  # 10 s at 2000x
     await until(job_state(client, "flow-resume", "running"), 15, "flow-resume running")
     await platform.stop("agent-c-weu-a")
     stopped_at = (await client.job("flow-resume"))["progress"]  # type: ignore[index]
@@ -192,8 +223,14 @@ async def test_queued_jobs_wait_for_capacity_and_are_placed_when_it_frees(client
     # c-sea1-a holds all 9 V100M16 GPUs, on nodes of at most 4: two 4-GPU jobs fit, the third waits.
     ids = [f"flow-wait-{i}" for i in range(3)]
     for job_id in ids:
-        await client.submit(JobSpec(job_id=job_id, tenant="t2", resources=Resources(gpus=4, gpu_models=["V100M16"]),
-                                    work=Work(steps=10, step_time_s=200.0)))
+        await client.submit(
+            JobSpec(
+                job_id=job_id,
+                tenant="t2",
+                resources=Resources(gpus=4, gpu_models=["V100M16"]),
+                work=Work(steps=10, step_time_s=200.0),
+            )
+        )
     first = await until(lambda: _some_queued(client, ids), 15, "one job queued while the others run")
     assert first["state"] == "queued"
     for job_id in ids:

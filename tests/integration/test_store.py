@@ -72,9 +72,11 @@ async def test_concurrent_migrations_from_three_connections_apply_once(fresh_dat
     try:
         assert await conn.fetchval("SELECT count(*) FROM schema_migrations") == len(available())
         assert await conn.fetchval("SELECT to_regclass('public.job_events') IS NOT NULL")
-        assert not await conn.fetchval("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"), (
-            "the migration lock is released"
+        held = await conn.fetchval(
+            """SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'
+               AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"""
         )
+        assert held == 0, "the migration lock is released"
     finally:
         await conn.close()
 

@@ -290,6 +290,9 @@ STREAM_SUBJECTS = [(spec.name, subject) for spec in s.STREAMS for subject in spe
 
 # Stream subject families the architecture (§4) names but no contract (Struct) exists for yet, so
 # the AsyncAPI document cannot list them. The DLQ carries other channels' payloads unchanged.
+# Stream subject families whose events later issues define (view summaries, network events,
+# migrations, incidents). The test below keeps this list exact: a family gains a channel, it must
+# leave the list; a family without one must be on it.
 NO_CONTRACT_YET = {
     "loom.view.summary.*",
     "loom.net.event.*",
@@ -298,22 +301,11 @@ NO_CONTRACT_YET = {
 }
 
 
-@pytest.mark.parametrize(
-    "subject",
-    [
-        pytest.param(
-            subject,
-            marks=[pytest.mark.xfail(strict=True, reason="no contract for this family yet")]
-            if subject in NO_CONTRACT_YET
-            else [],
-        )
-        for _, subject in STREAM_SUBJECTS
-        if subject != "loom.dlq.>"
-    ],
-)
-def test_asyncapi_has_a_channel_for_every_stream_subject_family(subject: str) -> None:
-    assert any(subject_matches(subject, _as_sample(a)) for a in _channel_addresses()), (
-        f"no AsyncAPI channel for stream subject {subject}"
+@pytest.mark.parametrize("subject", [s for _, s in STREAM_SUBJECTS if s != "loom.dlq.>"])
+def test_every_stream_subject_family_has_a_channel_or_is_listed_as_not_yet_defined(subject: str) -> None:
+    has_channel = any(subject_matches(subject, _as_sample(a)) for a in _channel_addresses())
+    assert has_channel != (subject in NO_CONTRACT_YET), (
+        f"{subject}: channel={has_channel}, listed as not yet defined={subject in NO_CONTRACT_YET}"
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any, Generic, TypeVar
 
 import structlog
 from loom_proto.codec import DecodeError, decode
+from loom_proto.ids import InvalidIdError
 from loom_proto.subjects import dead_letter
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -32,8 +33,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from loom.bus.connection import BusError
 from loom.bus.publisher import Publisher
-from loom.telemetry import span_name
 from loom.errors import LoomError
+from loom.telemetry import span_name
 
 log = structlog.get_logger("loom.bus")
 _tracer = trace.get_tracer("loom.bus")
@@ -267,7 +268,8 @@ class ConsumerRunner(Generic[T]):
             finally:
                 span.end()
             return
-        if isinstance(outcome, LoomError) and outcome.non_retryable:
+        # An id that cannot become a subject token will not become one on a retry either.
+        if (isinstance(outcome, LoomError) and outcome.non_retryable) or isinstance(outcome, InvalidIdError):
             await self._dead_letter(msg, outcome, span)
             return
         if delivery.num_delivered >= self.spec.max_deliver:

@@ -62,8 +62,8 @@ async def _demo(args: argparse.Namespace, console: Console, nats_url: str) -> in
         jobs: dict[str, dict[str, Any] | None] = {s.job_id: None for s in specs}
         with Live(_table(jobs, started), console=console, refresh_per_second=4) as live:
             while time.time() - started < args.timeout:
-                for job_id in jobs:
-                    if jobs[job_id] is None or jobs[job_id]["state"] not in TERMINAL:  # type: ignore[index]
+                for job_id, known in list(jobs.items()):
+                    if known is None or known["state"] not in TERMINAL:
                         jobs[job_id] = await client.job(job_id)
                 live.update(_table(jobs, started))
                 if all(j is not None and j["state"] in TERMINAL for j in jobs.values()):
@@ -83,7 +83,8 @@ async def _demo(args: argparse.Namespace, console: Console, nats_url: str) -> in
         console.print("jobs by cluster: " + ", ".join(f"{k} {v}" for k, v in sorted(by_cluster.items())))
         if waits:
             console.print(
-                f"submit -> placed: median {statistics.median(waits) * 1000:.0f} ms, max {max(waits) * 1000:.0f} ms"
+                f"submit -> placed: median {statistics.median(waits) * 1000:.0f} ms,"
+                f" max {max(waits) * 1000:.0f} ms"
             )
         if runs:
             console.print(f"placed -> finished (wall): median {statistics.median(runs):.1f} s")

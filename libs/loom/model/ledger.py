@@ -112,7 +112,7 @@ class Ledger:
                 f"heartbeat ({hb.agent_epoch}, {hb.seq}) is not newer than "
                 f"({cluster.agent_epoch}, {cluster.last_seq})",
             )
-        if hb.agent_epoch != cluster.agent_epoch and not hb.full and cluster.agent_epoch != 0:
+        if hb.agent_epoch != cluster.agent_epoch and not hb.full and cluster.last_seq != 0:
             # A restarted agent's first deltas cannot be trusted against the old run's state.
             self.refused["delta_from_new_epoch"] += 1
             return Applied(None, "first heartbeat of a new agent run must be a full snapshot")

@@ -27,6 +27,7 @@ from loom.bus import connect, ensure_streams
 from loom.model.topology import load_topology
 from loom.runtime.config import ENV_DATABASE_URL, ENV_HOME, ENV_NATS_URL, loom_home, stack_file
 from loom.runtime.servers import NatsServer, PostgresServer
+from loom.runtime.service import health_subject
 from loom.store.migrations import migrate_url
 
 _PR_SET_PDEATHSIG = 1
@@ -106,8 +107,6 @@ async def prepare(nats_url: str, database_url: str) -> None:
 
 async def wait_healthy(nats_url: str, names: list[str], timeout_s: float) -> list[str]:
     """Wait until every named service answers its health subject; returns those that never did."""
-    from loom.runtime.service import health_subject
-
     nc = await connect(nats_url, "loom-supervisor")
     pending = list(names)
     deadline = time.monotonic() + timeout_s

@@ -102,7 +102,7 @@ class CapacityIndex:
                     allocations=tuple(allocations),
                 )
         by_cluster_model: dict[tuple[str, str], list[NodeCapacity]] = {}
-        for cap in self.nodes.values():
+        for cap in sorted(self.nodes.values(), key=lambda c: (c.cluster, c.node)):
             if cap.gpu_model is not None and (not allowed or cap.gpu_model in allowed):
                 by_cluster_model.setdefault((cap.cluster, cap.gpu_model), []).append(cap)
         return explain_unschedulable(job, by_cluster_model, any_nodes=bool(self.nodes))
@@ -136,11 +136,12 @@ def explain_unschedulable(
             impossible=True,
         )
     best: tuple[int, str, str] | None = None
-    for (cluster, model), caps in by_cluster_model.items():
+    for (cluster, model), caps in sorted(by_cluster_model.items()):
         capacity_workers = sum(c.gpus_total // per_worker for c in caps)
         if _workers_that_fit(((c.node, c.gpus_total) for c in caps), per_worker, job.workers) is not None:
             return Unschedulable(
-                reason=f"{need} of {models} fit on {cluster} ({model}) but its GPUs are taken; waiting for capacity",
+                reason=f"{need} of {models} fit on {cluster} ({model}) but its GPUs are taken;"
+                " waiting for capacity",
                 impossible=False,
             )
         if best is None or capacity_workers > best[0]:
@@ -148,7 +149,13 @@ def explain_unschedulable(
     assert best is not None
     largest_node = max(c.gpus_total for caps in by_cluster_model.values() for c in caps)
     if per_worker > largest_node:
-        hint = f"the largest node has {largest_node} GPUs of an allowed model: ask for at most {largest_node} per worker"
+        hint = (
+            f"the largest node has {largest_node} GPUs of an allowed model:"
+            f" ask for at most {largest_node} per worker"
+        )
     else:
-        hint = f"the most any cluster can hold is {best[0]} worker(s) on {best[1]} ({best[2]}): ask for fewer workers"
+        hint = (
+            f"the most any cluster can hold is {best[0]} worker(s) on {best[1]} ({best[2]}):"
+            " ask for fewer workers"
+        )
     return Unschedulable(reason=f"{need} of {models} can never fit on one cluster; {hint}", impossible=True)

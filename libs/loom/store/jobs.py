@@ -140,7 +140,8 @@ async def reserve(
         raise ConflictError("capacity changed under the decision; recomputing")
     await conn.execute(
         """INSERT INTO reservations (job_id, attempt, node, cluster, gpus, state)
-           SELECT j, a, n, c, g, 'reserved' FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::int[])
+           SELECT j, a, n, c, g, 'reserved'
+           FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::int[])
                AS u(j, a, n, c, g)""",
         *(list(column) for column in zip(*res_rows, strict=True)),
     )
@@ -217,7 +218,8 @@ async def set_progress(conn: asyncpg.Connection, updates: Sequence[tuple[str, in
 async def load_nodes(conn: asyncpg.Connection | asyncpg.Pool) -> dict[str, NodeCapacity]:
     """The capacity book as placement holds it in memory."""
     rows = await conn.fetch(
-        "SELECT node, cluster, region, zone, gpu_model, gpus_total, gpus_reserved, schedulable FROM node_allocations"
+        """SELECT node, cluster, region, zone, gpu_model, gpus_total, gpus_reserved, schedulable
+           FROM node_allocations"""
     )
     return {
         r["node"]: NodeCapacity(
@@ -240,8 +242,10 @@ async def upsert_nodes(conn: asyncpg.Connection, version: int, nodes: Iterable[N
     if not items:
         return
     await conn.execute(
-        """INSERT INTO node_allocations AS n (node, cluster, region, zone, gpu_model, gpus_total, schedulable, view_version)
-           SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int[], $7::bool[],
+        """INSERT INTO node_allocations AS n
+               (node, cluster, region, zone, gpu_model, gpus_total, schedulable, view_version)
+           SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int[],
+                                $7::bool[],
                                 $8::bigint[])
            ON CONFLICT (node) DO UPDATE SET cluster = EXCLUDED.cluster, region = EXCLUDED.region,
                zone = EXCLUDED.zone, gpu_model = EXCLUDED.gpu_model, gpus_total = EXCLUDED.gpus_total,

@@ -56,7 +56,8 @@ async def add(conn: asyncpg.Connection, producer: str, messages: Sequence[Outbox
         return
     await conn.execute(
         """INSERT INTO outbox (producer, msg_id, subject, payload, headers)
-           SELECT $1, m, s, p, h::jsonb FROM unnest($2::text[], $3::text[], $4::bytea[], $5::text[]) AS u(m, s, p, h)
+           SELECT $1, m, s, p, h::jsonb
+           FROM unnest($2::text[], $3::text[], $4::bytea[], $5::text[]) AS u(m, s, p, h)
            ON CONFLICT (msg_id) DO NOTHING""",
         producer,
         [m.msg_id for m in messages],
@@ -83,7 +84,7 @@ class OutboxRelay:
         self._kick.set()
 
     async def run(self, stopping: asyncio.Event, *, idle_s: float = 1.0) -> None:
-        """Flush whenever kicked (and every ``idle_s`` regardless) until ``stopping``; flush once more at the end.
+        """Flush when kicked (and every ``idle_s`` regardless) until ``stopping``, then once more.
 
         Publishing off the handler's path lets the next batch's transaction overlap this batch's
         publishes; the outbox row, not the handler, is what guarantees the message goes out.
