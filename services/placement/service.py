@@ -427,7 +427,9 @@ class PlacementService:
                     changed.append(dataclasses.replace(cap, schedulable=False))
             async with transaction(self.pool) as conn:
                 await repo.upsert_nodes(conn, delta.version, changed)
-            self.nodes = await repo.load_nodes(self.pool)
+            # Totals and schedulability come from the view; reservations stay as placement has them.
+            for cap in changed:
+                self.nodes[cap.node] = cap
         self.wake.set()
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -477,7 +479,12 @@ class PlacementService:
                 self.stats["released"] += len(released)
 
         try:
-            async with self.lock:
+            if any(isinstance(e, JobCompleted | JobFailed) for e, _ in events):
+                # Capacity comes back: the in-memory book must not race a decision cycle.
+                async with self.lock:
+                    await with_retry(apply)
+            else:
+                # Started / progress / checkpoints touch no capacity; decisions need not wait.
                 await with_retry(apply)
         except Exception as exc:
             return [o if o is not None else exc for o in outcomes]

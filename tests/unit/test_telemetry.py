@@ -318,13 +318,18 @@ def test_setup_telemetry_can_run_again_and_the_latest_provider_wins() -> None:
 
 
 @pytest.mark.usefixtures("global_telemetry")
-def test_without_an_exporter_spans_still_carry_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_an_exporter_spans_are_not_recorded_but_still_carry_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     setup_telemetry("svc", log_level=None)
     with producer_span(SUBJECT) as (span, headers):
-        assert span.is_recording()
-        assert current_trace_id() is not None
-    assert "traceparent" in headers
+        assert not span.is_recording(), "nothing would read a recorded span: building it is waste"
+        trace_id = current_trace_id()
+        assert trace_id is not None
+    assert trace_id in headers["traceparent"]
+    with consumer_span(SUBJECT, headers):
+        assert current_trace_id() == trace_id, "the trace id still propagates, for logs downstream"
 
 
 # -- logs -----------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util import types
@@ -193,7 +194,12 @@ def setup_telemetry(
     """
     global _provider
 
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}))
+    exporting = exporter is not None or bool(os.environ.get(OTLP_ENDPOINT_ENV))
+    # With nowhere to send spans, record none: sampled-out spans still carry (and propagate)
+    # valid trace and span ids, so logs and downstream services keep the trace, at a fraction of
+    # the cost of building spans nobody reads.
+    sampler = ParentBased(ALWAYS_ON) if exporting else ALWAYS_OFF
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}), sampler=sampler)
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     elif os.environ.get(OTLP_ENDPOINT_ENV):

@@ -1,0 +1,83 @@
+"""Outlier filtering of RTT samples: drop isolated spikes, admit level shifts quickly.
+
+A robust filter cannot tell a spike from a step on one sample. This one holds a sample that
+falls outside ``k · rttvar + floor`` of the smoothed RTT as a *suspect* (the smoothing is TCP's
+SRTT/RTTVAR estimator, RFC 6298, O(1) per sample). A normal sample after a suspect drops the
+suspects as outliers; ``confirm_after`` suspects in a row on the same side are a level shift:
+they are all admitted, the estimator re-centres on them, and :attr:`OutlierFilter.shift_at`
+records when, so the caller can restart its short window there and see the new level at once.
+"""
+
+from dataclasses import dataclass, field
+
+__all__ = ["Admitted", "OutlierConfig", "OutlierFilter"]
+
+Admitted = list[tuple[float, float]]
+"""``(time, rtt_ms)`` pairs the filter lets through, in arrival order."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutlierConfig:
+    """How far from the smoothed RTT a sample may fall, and how many suspects make a shift."""
+
+    k: float = 4.0
+    """Width of the band in units of RTTVAR (the mean absolute deviation)."""
+    floor_ms: float = 1.0
+    """The band is never narrower than this (quiet links would flag every wobble)."""
+    floor_ratio: float = 0.1
+    """... nor narrower than this fraction of the smoothed RTT."""
+    confirm_after: int = 3
+    """Consecutive suspects on the same side that make a level shift."""
+    gain: float = 0.125
+    """RFC 6298 alpha: weight of a new sample in SRTT."""
+    var_gain: float = 0.25
+    """RFC 6298 beta: weight of a new deviation in RTTVAR."""
+
+
+@dataclass(slots=True)
+class OutlierFilter:
+    """The filter state of one link."""
+
+    config: OutlierConfig = field(default_factory=OutlierConfig)
+    srtt_ms: float | None = None
+    rttvar_ms: float = 0.0
+    shift_at: float | None = None
+    """Arrival time of the first sample of the last confirmed level shift."""
+    _suspects: Admitted = field(default_factory=list)
+    _suspect_high: bool = False
+
+    def offer(self, t: float, rtt_ms: float) -> tuple[Admitted, int]:
+        """Offer one sample; returns what to admit now and how many earlier suspects were dropped."""
+        srtt = self.srtt_ms
+        config = self.config
+        if srtt is None:
+            self.srtt_ms = rtt_ms
+            self.rttvar_ms = rtt_ms * 0.05
+            return [(t, rtt_ms)], 0
+        deviation = rtt_ms - srtt
+        band = config.k * self.rttvar_ms + max(config.floor_ms, config.floor_ratio * srtt)
+        suspects = self._suspects
+        if -band <= deviation <= band:
+            dropped = len(suspects)
+            if dropped:
+                suspects.clear()
+            self.srtt_ms = srtt + config.gain * deviation
+            self.rttvar_ms += config.var_gain * (abs(deviation) - self.rttvar_ms)
+            return [(t, rtt_ms)], dropped
+        high = deviation > 0
+        dropped = 0
+        if suspects and high != self._suspect_high:
+            dropped = len(suspects)
+            suspects.clear()
+        suspects.append((t, rtt_ms))
+        self._suspect_high = high
+        if len(suspects) < config.confirm_after:
+            return [], dropped
+        values = sorted(value for _, value in suspects)
+        centre = values[len(values) // 2]
+        self.srtt_ms = centre
+        self.rttvar_ms = max(sum(abs(v - centre) for v in values) / len(values), centre * 0.01)
+        self.shift_at = suspects[0][0]
+        admitted = list(suspects)
+        suspects.clear()
+        return admitted, dropped
