@@ -96,6 +96,9 @@ class PlacementService:
         self.settle_s = settle_s
         self.settled_at = time.monotonic() + settle_s
         self.stats = ctx.stats
+        # Messages of the cycle in progress; published straight after its commit.
+        self._outgoing: list[outbox.OutboxMessage] = []
+        self._sending: set[asyncio.Task[int]] = set()
         self.stats.update({"placed": 0, "rejected": 0, "queued": 0, "released": 0})
 
     # ---- start-up ------------------------------------------------------------------------------
@@ -163,6 +166,7 @@ class PlacementService:
             await query_sub.unsubscribe()
             for runner in reversed(runners):
                 await runner.stop()
+            await asyncio.gather(*self._sending, return_exceptions=True)
             relay_stop.set()
             self.relay.kick()
             await relay
@@ -198,7 +202,6 @@ class PlacementService:
                 for d, _ in accepted:
                     outcomes[deliveries.index(d)] = exc
                 return outcomes
-            self.relay.kick()
         return outcomes
 
     async def _reject_invalid(self, d: Delivery[bytes], tenant: str, reason: str) -> BaseException | None:
@@ -269,6 +272,7 @@ class PlacementService:
             await outbox.add(conn, PRODUCER, dup_rejects)
             nodes, placed, rejected = await self._schedule(conn, admitted)
         self._commit(nodes, admitted, placed, rejected)
+        self._send(dup_rejects + self._outgoing)
 
     # ---- the scheduling cycle --------------------------------------------------------------------
 
@@ -341,6 +345,7 @@ class PlacementService:
             events.append(repo.JobEventRow(q.job.job_id, "rejected", msg_id, encode(event), now))
         await repo.append_events(conn, events)
         await outbox.add(conn, PRODUCER, messages)
+        self._outgoing = messages
         return working, [q.job.job_id for q, _ in decisions], [q.job.job_id for q, _ in rejected]
 
     def _commit(
@@ -382,6 +387,15 @@ class PlacementService:
         async with transaction(self.pool) as conn:
             nodes, placed, rejected = await self._schedule(conn, waiting)
         self._commit(nodes, waiting, placed, rejected)
+        self._send(self._outgoing)
+
+    def _send(self, messages: list[outbox.OutboxMessage]) -> None:
+        """Publish a committed cycle's messages in the background (the outbox has them anyway)."""
+        if not messages:
+            return
+        task = asyncio.create_task(self.relay.publish_now(messages))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
 
     async def _retrying(self, cycle: Callable[[], Awaitable[None]], attempts: int = 3) -> None:
         """Run a decision cycle; when it lost a race for capacity, reload the book and decide again."""

@@ -101,6 +101,42 @@ class OutboxRelay:
         with contextlib.suppress(Exception):
             await self.flush()
 
+    async def publish_now(self, messages: Sequence[OutboxMessage]) -> int:
+        """Publish messages just committed to the outbox, without reading them back, and mark them.
+
+        The fast path after a commit; whatever fails here stays pending for :meth:`flush`.
+        """
+        if not messages:
+            return 0
+        async with self._lock:
+
+            async def one(m: OutboxMessage) -> str | None:
+                try:
+                    await self._publisher.publish_bytes(
+                        m.subject,
+                        m.payload,
+                        msg_id=m.msg_id,
+                        parent=propagate.extract(m.headers),
+                        headers={
+                            k: v for k, v in m.headers.items() if k not in ("traceparent", "tracestate")
+                        },
+                    )
+                except BusError as exc:
+                    log.warning("outbox publish failed; will retry", msg_id=m.msg_id, error=str(exc))
+                    return None
+                return m.msg_id
+
+            done = [r for r in await asyncio.gather(*(one(m) for m in messages)) if r is not None]
+            if done:
+                await self._pool.execute(
+                    "UPDATE outbox SET published_at = now() WHERE msg_id = ANY($1::text[]) AND published_at IS NULL",
+                    done,
+                )
+            self.published += len(done)
+            if len(done) < len(messages):
+                self.kick()
+            return len(done)
+
     async def flush(self) -> int:
         """Publish everything pending; returns how many were published."""
         async with self._lock:
