@@ -270,27 +270,26 @@ class PlacementService:
                 ],
             )
             await outbox.add(conn, PRODUCER, dup_rejects)
-            nodes, placed, rejected = await self._schedule(conn, admitted)
-        self._commit(nodes, admitted, placed, rejected)
+            placements, placed, rejected = await self._schedule(conn, admitted)
+        self._commit(placements, admitted, placed, rejected)
         self._send(dup_rejects + self._outgoing)
 
     # ---- the scheduling cycle --------------------------------------------------------------------
 
     async def _schedule(
         self, conn: asyncpg.Connection, jobs: list[QueuedJob]
-    ) -> tuple[dict[str, NodeCapacity], list[str], list[str]]:
-        """Decide for ``jobs`` in queue order on a working copy of the capacity book; write it all."""
-        working = dict(self.nodes)
-        index = CapacityIndex(working)
+    ) -> tuple[list[Placement], list[str], list[str]]:
+        """Decide for ``jobs`` in queue order on the capacity book as it is now; write it all.
+
+        The book itself changes only after the commit (:meth:`_commit`), by the reservations made.
+        """
+        index = CapacityIndex(self.nodes)
         decisions: list[tuple[QueuedJob, Placement]] = []
         rejected: list[tuple[QueuedJob, str]] = []
         for q in sorted(jobs, key=_order):
             result = index.place(q.job)
             if isinstance(result, Placement):
                 index.take(result)
-                for node, gpus in result.allocations:
-                    cap = working[node]
-                    working[node] = dataclasses.replace(cap, gpus_reserved=cap.gpus_reserved + gpus)
                 decisions.append((q, result))
             elif (
                 isinstance(result, Unschedulable)
@@ -346,17 +345,28 @@ class PlacementService:
         await repo.append_events(conn, events)
         await outbox.add(conn, PRODUCER, messages)
         self._outgoing = messages
-        return working, [q.job.job_id for q, _ in decisions], [q.job.job_id for q, _ in rejected]
+        return (
+            [p for _, p in decisions],
+            [q.job.job_id for q, _ in decisions],
+            [q.job.job_id for q, _ in rejected],
+        )
 
     def _commit(
         self,
-        nodes: dict[str, NodeCapacity],
+        placements: list[Placement],
         considered: list[QueuedJob],
         placed: list[str],
         rejected: list[str],
     ) -> None:
-        """Adopt a committed cycle's outcome in memory."""
-        self.nodes = nodes
+        """Adopt a committed cycle's outcome in memory.
+
+        Only the reservations made are applied (no await in here), so view deltas and releases
+        that changed the book while the cycle's transaction ran are kept.
+        """
+        for placement in placements:
+            for node, gpus in placement.allocations:
+                cap = self.nodes[node]
+                self.nodes[node] = dataclasses.replace(cap, gpus_reserved=cap.gpus_reserved + gpus)
         done = set(placed) | set(rejected)
         for q in considered:
             if q.job.job_id in done:
@@ -385,8 +395,8 @@ class PlacementService:
     async def _requeue_cycle(self) -> None:
         waiting = list(self.queue.values())
         async with transaction(self.pool) as conn:
-            nodes, placed, rejected = await self._schedule(conn, waiting)
-        self._commit(nodes, waiting, placed, rejected)
+            placements, placed, rejected = await self._schedule(conn, waiting)
+        self._commit(placements, waiting, placed, rejected)
         self._send(self._outgoing)
 
     def _send(self, messages: list[outbox.OutboxMessage]) -> None:
@@ -404,6 +414,8 @@ class PlacementService:
                 await cycle()
                 return
             except ConflictError:
+                self.stats["conflicts"] = self.stats.get("conflicts", 0) + 1
+                log.info("decision lost a race for capacity; deciding again on a fresh book", attempt=attempt)
                 self.nodes = await repo.load_nodes(self.pool)
                 if attempt == attempts:
                     raise
@@ -413,37 +425,41 @@ class PlacementService:
     async def on_view_delta(self, d: Delivery[ViewDelta]) -> None:
         """Follow the ledger: node totals, models and whether a node takes new work."""
         delta = d.message
-        async with self.lock:
-            changed: list[NodeCapacity] = []
-            listed = set()
-            for n in delta.nodes:
-                listed.add(n.node)
-                old = self.nodes.get(n.node)
-                changed.append(
-                    NodeCapacity(
-                        node=n.node,
-                        cluster=delta.cluster,
-                        region=delta.region,
-                        zone=n.zone,
-                        gpu_model=n.gpu_model,
-                        gpus_total=n.gpus_total,
-                        gpus_reserved=old.gpus_reserved if old else 0,
-                        schedulable=n.healthy and not delta.stale,
-                    )
+        changed: list[NodeCapacity] = []
+        listed = set()
+        for n in delta.nodes:
+            listed.add(n.node)
+            old = self.nodes.get(n.node)
+            changed.append(
+                NodeCapacity(
+                    node=n.node,
+                    cluster=delta.cluster,
+                    region=delta.region,
+                    zone=n.zone,
+                    gpu_model=n.gpu_model,
+                    gpus_total=n.gpus_total,
+                    gpus_reserved=old.gpus_reserved if old else 0,
+                    schedulable=n.healthy and not delta.stale,
                 )
-            if not any(c.cluster == delta.cluster for c in self.nodes.values()):
-                self.settled_at = time.monotonic() + self.settle_s
-            gone = set(delta.removed)
-            for cap in self.nodes.values():
-                if cap.cluster != delta.cluster or cap.node in listed:
-                    continue
-                if delta.stale or cap.node in gone or delta.full:
-                    changed.append(dataclasses.replace(cap, schedulable=False))
-            async with transaction(self.pool) as conn:
-                await repo.upsert_nodes(conn, delta.version, changed)
-            # Totals and schedulability come from the view; reservations stay as placement has them.
-            for cap in changed:
-                self.nodes[cap.node] = cap
+            )
+        if not any(c.cluster == delta.cluster for c in self.nodes.values()):
+            self.settled_at = time.monotonic() + self.settle_s
+        gone = set(delta.removed)
+        for cap in self.nodes.values():
+            if cap.cluster != delta.cluster or cap.node in listed:
+                continue
+            if delta.stale or cap.node in gone or delta.full:
+                changed.append(dataclasses.replace(cap, schedulable=False))
+        async with transaction(self.pool) as conn:
+            await repo.upsert_nodes(conn, delta.version, changed)
+        # Totals and schedulability come from the view; reservations are placement's, taken as
+        # they are at this moment (no await below), so a cycle committed meanwhile is kept.
+        # Decision cycles need not wait for this: the store refuses a reservation on a node
+        # that became unschedulable, and the cycle then decides again on a fresh book.
+        for cap in changed:
+            current = self.nodes.get(cap.node)
+            reserved = current.gpus_reserved if current else 0
+            self.nodes[cap.node] = dataclasses.replace(cap, gpus_reserved=reserved)
         self.wake.set()
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -493,13 +509,9 @@ class PlacementService:
                 self.stats["released"] += len(released)
 
         try:
-            if any(isinstance(e, JobCompleted | JobFailed) for e, _ in events):
-                # Capacity comes back: the in-memory book must not race a decision cycle.
-                async with self.lock:
-                    await with_retry(apply)
-            else:
-                # Started / progress / checkpoints touch no capacity; decisions need not wait.
-                await with_retry(apply)
+            # Releases are applied to the book without an await in between, so they need no lock:
+            # a decision cycle running meanwhile adds only its own reservations on commit.
+            await with_retry(apply)
         except Exception as exc:
             return [o if o is not None else exc for o in outcomes]
         if released_any:

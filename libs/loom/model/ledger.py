@@ -116,6 +116,9 @@ class Ledger:
             # A restarted agent's first deltas cannot be trusted against the old run's state.
             self.refused["delta_from_new_epoch"] += 1
             return Applied(None, "first heartbeat of a new agent run must be a full snapshot")
+        # A full snapshot is re-published whole only when readers need the whole list: the
+        # cluster is new or its agent restarted. Otherwise only what changed goes out.
+        republish_all = hb.full and (cluster.last_seq == 0 or hb.agent_epoch != cluster.agent_epoch)
         cluster.agent_epoch, cluster.last_seq = hb.agent_epoch, hb.seq
         cluster.interval_s = hb.interval_s
         cluster.last_heartbeat_at = now
@@ -158,13 +161,13 @@ class Ledger:
         for name in removed:
             cluster.nodes.discard(name)
             self.nodes.pop(name, None)
-        if not changed and not removed and not was_stale and not hb.full:
+        if not changed and not removed and not was_stale and not republish_all:
             return Applied(None, None, tuple(errors))
         cluster.version += 1
-        if hb.full:
+        if republish_all:
             changed = [self.nodes[n] for n in sorted(cluster.nodes)]
         change = Change(
-            hb.cluster, hb.region, cluster.version, hb.full, tuple(changed), tuple(removed), False
+            hb.cluster, hb.region, cluster.version, republish_all, tuple(changed), tuple(removed), False
         )
         return Applied(change, None, tuple(errors))
 
