@@ -129,7 +129,8 @@ class OutboxRelay:
             done = [r for r in await asyncio.gather(*(one(m) for m in messages)) if r is not None]
             if done:
                 await self._pool.execute(
-                    "UPDATE outbox SET published_at = now() WHERE msg_id = ANY($1::text[]) AND published_at IS NULL",
+                    """UPDATE outbox SET published_at = now()
+                       WHERE msg_id = ANY($1::text[]) AND published_at IS NULL""",
                     done,
                 )
             self.published += len(done)
