@@ -36,7 +36,7 @@ from loom_proto.jobs import (
     Work,
 )
 from loom_proto.net import LinkState, ProbeKind, ProbeSample
-from loom_proto.view import NodeView, ViewDelta
+from loom_proto.view import ModelCapacity, NodeView, RegionSummary, ViewDelta, ZoneSummary
 
 __all__ = [
     "ID_PATTERN",
@@ -61,11 +61,13 @@ __all__ = [
     "JobStarted",
     "JobSubmitted",
     "LinkState",
+    "ModelCapacity",
     "NodeAllocation",
     "NodeState",
     "NodeView",
     "ProbeKind",
     "ProbeSample",
+    "RegionSummary",
     "Resources",
     "Severity",
     "StartJob",
@@ -73,6 +75,7 @@ __all__ = [
     "TaskType",
     "ViewDelta",
     "Work",
+    "ZoneSummary",
     "decode",
     "encode",
     "validate_id",

@@ -33,7 +33,7 @@ from loom_proto.jobs import (
     JobSubmitted,
 )
 from loom_proto.net import LinkState, ProbeSample
-from loom_proto.view import ViewDelta
+from loom_proto.view import RegionSummary, ViewDelta
 
 # The generated files live in the top-level proto/ folder, beside this package, for other languages.
 HERE = Path(__file__).resolve().parent.parent
@@ -56,6 +56,7 @@ CHANNELS: dict[str, tuple[tuple[str, ...], type[msgspec.Struct], str]] = {
     "loom.clusters.{cluster}.cmd.drain": (("cluster",), DrainCluster, "Stop accepting work."),
     "loom.clusters.{cluster}.status": (("cluster",), ClusterStatus, "An agent's state changes."),
     "loom.view.delta.{region}": (("region",), ViewDelta, "Ledger changes of one cluster."),
+    "loom.view.summary.{region}": (("region",), RegionSummary, "Capacity of a region and its zones."),
     "loom.net.probe.{src}.{dst}": (("src", "dst"), ProbeSample, "A raw probe sample."),
     "loom.net.link.{src}.{dst}": (("src", "dst"), LinkState, "A link's current state."),
     "loom.alerts.{source}": (("source",), Alert, "An alert from a monitoring source."),

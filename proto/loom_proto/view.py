@@ -21,6 +21,8 @@ class NodeView(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     memory_mib: Annotated[int, Meta(ge=0)] = 0
     healthy: bool = True
     updated_at: UnixSeconds
+    gpus_reserved: Annotated[int, Meta(ge=0)] = 0
+    """Promised by placement and not yet confirmed started by the agent."""
 
 
 class ViewDelta(
@@ -37,4 +39,42 @@ class ViewDelta(
     removed: list[Id] = []
     stale: bool = False
     """True when the cluster stopped heartbeating within its TTL: offer none of its capacity."""
+    at: UnixSeconds
+
+
+class ModelCapacity(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """GPUs of one model in an area: all of them, those free to place on, those promised."""
+
+    gpu_model: GpuModel
+    gpus_total: Annotated[int, Meta(ge=0)]
+    gpus_available: Annotated[int, Meta(ge=0)]
+    gpus_reserved: Annotated[int, Meta(ge=0)] = 0
+
+
+class ZoneSummary(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Capacity of one availability zone."""
+
+    zone: Id
+    models: list[ModelCapacity]
+    scu_total: Annotated[float, Meta(ge=0)]
+    scu_available: Annotated[float, Meta(ge=0)]
+
+
+class RegionSummary(
+    msgspec.Struct,
+    tag_field="kind",
+    tag="region_summary",
+    forbid_unknown_fields=True,
+    frozen=True,
+    kw_only=True,
+):
+    """Capacity of one region and its zones, for pruning: skip a region that cannot fit a job."""
+
+    region: Id
+    models: list[ModelCapacity]
+    zones: list[ZoneSummary]
+    scu_total: Annotated[float, Meta(ge=0)]
+    scu_available: Annotated[float, Meta(ge=0)]
+    reference_gpu: str = ""
+    """The accelerator one SCU is defined by."""
     at: UnixSeconds

@@ -18,6 +18,7 @@ from typing import IO, Any
 import structlog
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError
+from loom.model.heartbeat import next_interval_s
 from loom.runtime.service import ServiceContext
 from loom_proto import subjects
 from loom_proto.clusters import (
@@ -74,6 +75,7 @@ class Agent:
         region: str,
         time_scale: float = 60.0,
         heartbeat_s: float = 2.0,
+        max_heartbeat_s: float = 10.0,
         full_every: int = 10,
         progress_every: float = 0.1,
         state_dir: Path | None = None,
@@ -84,6 +86,11 @@ class Agent:
         self.region = region
         self.time_scale = time_scale
         self.heartbeat_s = heartbeat_s
+        """The shortest interval between heartbeats (used while the cluster changes)."""
+        self.max_heartbeat_s = max(max_heartbeat_s, heartbeat_s)
+        self.interval_s = heartbeat_s
+        self._last_beat = 0.0
+        self._changed = asyncio.Event()
         self.full_every = full_every
         self.progress_every = progress_every
         self.epoch = time.time_ns() // 1_000_000
@@ -134,7 +141,14 @@ class Agent:
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.heartbeat_s)
+            # A change wakes the loop early, but beats never come closer than the minimum interval.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=self.interval_s)
+            await asyncio.sleep(max(self.heartbeat_s - (time.monotonic() - self._last_beat), 0.0))
+            self._changed.clear()
+            self.interval_s = next_interval_s(
+                self.interval_s, bool(self.sim.dirty), min_s=self.heartbeat_s, max_s=self.max_heartbeat_s
+            )
             try:
                 await self.heartbeat(full=self.seq % self.full_every == 0)
             except BusError as exc:
@@ -143,6 +157,7 @@ class Agent:
     async def heartbeat(self, *, full: bool) -> None:
         """Publish the cluster's state: every node, or just the ones that changed."""
         self.seq += 1
+        self._last_beat = time.monotonic()
         beat = ClusterHeartbeat(
             cluster=self.cluster,
             region=self.region,
@@ -152,7 +167,7 @@ class Agent:
             full=full or self.seq == 1,
             nodes=self.sim.report(full or self.seq == 1),
             running_jobs=sorted({j.job_id for j in self.running.values()}),
-            interval_s=self.heartbeat_s,
+            interval_s=self.interval_s,
         )
         await self.ctx.publisher.publish(
             subjects.cluster_heartbeat(self.cluster),
@@ -175,7 +190,7 @@ class Agent:
                 await self._checkpoint(job)
         elif isinstance(command, DrainCluster):
             self.sim.drain(command.nodes)
-            await self.heartbeat(full=False)
+            self._changed.set()
 
     async def _start(self, command: StartJob) -> None:
         key = f"{command.job_id}:{command.attempt}"
@@ -207,6 +222,7 @@ class Agent:
             step=command.resume_from_step,
         )
         self.sim.allocate(command.allocations)
+        self._changed.set()
         self.running[key] = job
         self._record({"op": "start", "key": key, "job": asdict(job)})
         await self.ctx.publisher.publish(
@@ -314,6 +330,7 @@ class Agent:
         self.running.pop(job.key, None)
         self.finished.add(job.key)
         self.sim.free(job.node_allocations())
+        self._changed.set()
         self.ctx.stats["running"] = len(self.running)
         self._record({"op": "finish", "key": job.key})
 

@@ -19,7 +19,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--topology", default=None, help="topology file or packaged name (default: default)")
     parser.add_argument("--backend", choices=["sim"], default="sim")
     parser.add_argument("--time-scale", type=float, default=60.0, help="simulated seconds per wall second")
-    parser.add_argument("--heartbeat-s", type=float, default=2.0)
+    parser.add_argument("--heartbeat-s", type=float, default=2.0, help="shortest heartbeat interval")
+    parser.add_argument(
+        "--max-heartbeat-s",
+        type=float,
+        default=10.0,
+        help="longest heartbeat interval, while nothing changes",
+    )
     parser.add_argument(
         "--state-dir", type=Path, default=None, help="where running jobs are kept across restarts"
     )
@@ -41,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
             region=cluster.region,
             time_scale=args.time_scale,
             heartbeat_s=args.heartbeat_s,
+            max_heartbeat_s=args.max_heartbeat_s,
             state_dir=state_dir,
         )
         await agent.run()

@@ -6,13 +6,14 @@ PostgreSQL, publishes view deltas through the outbox, marks silent clusters stal
 """
 
 import asyncio
-import contextlib
 import copy
+import hashlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import asyncpg
+import msgspec
 import structlog
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.model.ledger import Change, Ledger, LedgerCluster, LedgerNode
@@ -22,11 +23,31 @@ from loom.store.jobs import ts
 from loom.store.pool import transaction
 from loom_proto import subjects
 from loom_proto.clusters import ClusterHeartbeat
-from loom_proto.view import NodeView, ViewDelta
+from loom_proto.codec import DecodeError, decode, encode
+from loom_proto.jobs import JobCancelled, JobCompleted, JobFailed, JobPlaced, JobStarted
+from loom_proto.view import ModelCapacity, NodeView, RegionSummary, ViewDelta, ZoneSummary
 from nats.aio.msg import Msg
 
 log = structlog.get_logger("metrics")
 PRODUCER = "metrics"
+
+
+ReservationEvent = JobPlaced | JobStarted | JobCompleted | JobFailed | JobCancelled
+
+
+class ViewQuery(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """A ``loom.view.query`` request."""
+
+    region: str | None = None
+    zone: str | None = None
+    gpu_model: str | None = None
+    min_free_gpus: int = 0
+    fresh_only: bool = False
+    nodes: bool = True
+
+
+def _models(models: dict[str, dict[str, int]]) -> list[ModelCapacity]:
+    return [ModelCapacity(gpu_model=m, **v) for m, v in sorted(models.items())]
 
 
 def delta_of(change: Change, now: float) -> ViewDelta:
@@ -47,6 +68,7 @@ def delta_of(change: Change, now: float) -> ViewDelta:
                 memory_mib=n.memory_mib,
                 healthy=n.healthy,
                 updated_at=n.updated_at,
+                gpus_reserved=n.gpus_reserved,
             )
             for n in change.nodes
         ],
@@ -59,10 +81,23 @@ def delta_of(change: Change, now: float) -> ViewDelta:
 class MetricsService:
     """Ledger writer; :meth:`run` is the service body."""
 
-    def __init__(self, ctx: ServiceContext, *, expire_every_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        *,
+        expire_every_s: float = 1.0,
+        summary_every_s: float = 1.0,
+        scu_per_gpu: Callable[[str], float] | None = None,
+        reference_gpu: str = "",
+        known_models: frozenset[str] | None = None,
+    ) -> None:
         self.ctx = ctx
         self.pool = ctx.db
-        self.ledger = Ledger()
+        self.ledger = Ledger(known_models=known_models)
+        self.summary_every_s = summary_every_s
+        self.scu_per_gpu = scu_per_gpu or (lambda _model: 1.0)
+        self.reference_gpu = reference_gpu
+        self.published_summaries: dict[str, bytes] = {}
         self.relay = outbox.OutboxRelay(self.pool, ctx.publisher, PRODUCER)
         self.expire_every_s = expire_every_s
         self.lock = asyncio.Lock()
@@ -79,6 +114,7 @@ class MetricsService:
                 version=r["version"],
                 interval_s=r["interval_s"],
                 stale=r["stale"],
+                volatility=r["volatility"],
                 last_heartbeat_at=r["last_heartbeat_at"].timestamp() if r["last_heartbeat_at"] else 0.0,
             )
             for r in await self.pool.fetch("SELECT * FROM ledger_clusters")
@@ -100,6 +136,16 @@ class MetricsService:
             for r in await self.pool.fetch("SELECT * FROM ledger_nodes")
         ]
         self.ledger.load(clusters, nodes)
+        # Placement's unconfirmed reservations (read, never written, here) show as reserved.
+        rows = await self.pool.fetch(
+            """SELECT job_id, attempt, node, gpus FROM reservations
+               WHERE state = 'reserved' ORDER BY job_id, attempt"""
+        )
+        runs: dict[str, list[tuple[str, int]]] = {}
+        for r in rows:
+            runs.setdefault(f"{r['job_id']}:{r['attempt']}", []).append((r["node"], r["gpus"]))
+        for run, allocations in runs.items():
+            self.ledger.reserve(run, allocations)
         await self.relay.flush()
         self.ctx.stats.update({"heartbeats": self.ctx.stats["heartbeats"], "refused": self.ledger.refused})
         log.info("ledger rebuilt", clusters=len(clusters), nodes=len(nodes))
@@ -116,17 +162,119 @@ class MetricsService:
             handler=self.on_heartbeat,
             publisher=self.ctx.publisher,
         )
+        lifecycle: ConsumerRunner[bytes] = ConsumerRunner(
+            self.ctx.nc,
+            ConsumerSpec(
+                stream="JOBS",
+                durable="metrics-reservations",
+                filter_subjects=[
+                    f"loom.jobs.{k}.*" for k in ("placed", "started", "completed", "failed", "cancelled")
+                ],
+                batch=500,
+            ),
+            bytes,
+            batch_handler=self.on_job_events,
+            publisher=self.ctx.publisher,
+        )
         query_sub = await self.ctx.nc.subscribe(subjects.VIEW_QUERY, cb=self.on_query)
         await runner.start()
-        expiry = asyncio.create_task(self._expire_loop())
+        await lifecycle.start()
+        loops = [asyncio.create_task(self._expire_loop()), asyncio.create_task(self._summary_loop())]
         try:
             await self.ctx.stopping.wait()
         finally:
-            expiry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await expiry
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
             await query_sub.unsubscribe()
+            await lifecycle.stop()
             await runner.stop()
+
+    async def on_job_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
+        """Placements show as reserved until the run starts (or ends without starting)."""
+        touched: set[str] = set()
+        for d in deliveries:
+            try:
+                event = decode(d.message, ReservationEvent)  # type: ignore[arg-type]
+            except DecodeError:
+                continue  # placement's business, not the ledger's: it dead-letters bad lifecycle events
+            if isinstance(event, JobPlaced):
+                change = self.ledger.reserve(
+                    f"{event.job_id}:{event.attempt}", [(a.node, a.gpus) for a in event.allocations]
+                )
+            elif isinstance(event, JobCancelled):
+                change = None
+                for run in [r for r in self.ledger.reservations if r.startswith(f"{event.job_id}:")]:
+                    change = self.ledger.settle(run) or change
+            else:
+                change = self.ledger.settle(f"{event.job_id}:{event.attempt}")
+            if change is not None:
+                touched.add(change.cluster)
+        if touched:
+            async with self.lock:
+                for cluster_id in sorted(touched):
+                    await self._publish_state_of(cluster_id)
+            self.relay.kick()
+        return [None] * len(deliveries)
+
+    async def _publish_state_of(self, cluster_id: str) -> None:
+        """One delta with the current state of every reserved-or-settled node of a cluster."""
+        cluster = self.ledger.clusters[cluster_id]
+        nodes = tuple(self.ledger.nodes[n] for n in sorted(cluster.nodes) if n in self.ledger.nodes)
+        change = Change(cluster.cluster, cluster.region, cluster.version, False, nodes, (), cluster.stale)
+        async with transaction(self.pool) as conn:
+            await _write_cluster(conn, cluster)
+            await outbox.add(conn, PRODUCER, [self._delta_message(change)])
+
+    def _delta_message(self, change: Change) -> outbox.OutboxMessage:
+        return outbox.message(
+            subjects.view_delta(change.region),
+            delta_of(change, time.time()),
+            f"view-{change.cluster}-{change.version}",
+        )
+
+    async def _summary_loop(self) -> None:
+        """Publish each region's summary when it changed (checked every ``summary_every_s``)."""
+        while True:
+            await asyncio.sleep(self.summary_every_s)
+            try:
+                await self.publish_summaries()
+            except Exception as exc:
+                log.warning("summary publish failed", error=repr(exc))
+
+    async def publish_summaries(self) -> int:
+        """Publish the summaries that changed since last time; returns how many went out."""
+        sent = 0
+        for region, s in sorted(self.ledger.summaries(self.scu_per_gpu).items()):
+            summary = RegionSummary(
+                region=region,
+                models=_models(s["models"]),
+                zones=[
+                    ZoneSummary(
+                        zone=zone,
+                        models=_models(z["models"]),
+                        scu_total=round(z["scu_total"], 3),
+                        scu_available=round(z["scu_available"], 3),
+                    )
+                    for zone, z in sorted(s["zones"].items())
+                ],
+                scu_total=round(s["scu_total"], 3),
+                scu_available=round(s["scu_available"], 3),
+                reference_gpu=self.reference_gpu,
+                at=0.0,
+            )
+            body = encode(summary)
+            if self.published_summaries.get(region) == body:
+                continue
+            digest = hashlib.sha256(body).hexdigest()[:16]
+            await self.ctx.publisher.publish(
+                subjects.view_summary(region),
+                msgspec.structs.replace(summary, at=time.time()),
+                msg_id=f"summary-{region}-{digest}",
+            )
+            self.published_summaries[region] = body
+            sent += 1
+        return sent
 
     async def on_heartbeat(self, d: Delivery[ClusterHeartbeat]) -> None:
         """Fold one heartbeat in, persist the change and publish it."""
@@ -151,7 +299,6 @@ class MetricsService:
         await self.relay.flush()
 
     async def _persist(self, changes: Sequence[Change], cluster_id: str) -> None:
-        now = time.time()
         async with transaction(self.pool) as conn:
             await _write_cluster(conn, self.ledger.clusters[cluster_id])
             for change in changes:
@@ -161,17 +308,7 @@ class MetricsService:
                     await conn.execute(
                         "DELETE FROM ledger_nodes WHERE node = ANY($1::text[])", list(change.removed)
                     )
-                await outbox.add(
-                    conn,
-                    PRODUCER,
-                    [
-                        outbox.message(
-                            subjects.view_delta(change.region),
-                            delta_of(change, now),
-                            f"view-{change.cluster}-{change.version}",
-                        )
-                    ],
-                )
+                await outbox.add(conn, PRODUCER, [self._delta_message(change)])
 
     async def _expire_loop(self) -> None:
         while True:
@@ -188,12 +325,24 @@ class MetricsService:
                 log.warning("expiry failed", error=repr(exc))
 
     async def on_query(self, msg: Msg) -> None:
-        """``loom.view.query``: {"region"?, "gpu_model"?} -> the tree."""
+        """``loom.view.query``: the tree, filtered.
+
+        Request (all optional): ``region``, ``zone``, ``gpu_model``, ``min_free_gpus``,
+        ``fresh_only``, ``nodes`` (false leaves node lists out).
+        """
         try:
-            request = json.loads(msg.data or b"{}")
+            request = msgspec.json.decode(msg.data or b"{}", type=ViewQuery)
             reply = {
                 "ok": True,
-                "result": self.ledger.tree(region=request.get("region"), gpu_model=request.get("gpu_model")),
+                "result": self.ledger.query(
+                    now=time.time(),
+                    region=request.region,
+                    zone=request.zone,
+                    gpu_model=request.gpu_model,
+                    min_free_gpus=request.min_free_gpus,
+                    fresh_only=request.fresh_only,
+                    with_nodes=request.nodes,
+                ),
             }
         except Exception as exc:
             reply = {"ok": False, "error": str(exc)}
@@ -224,12 +373,13 @@ def _restore(
 async def _write_cluster(conn: asyncpg.Connection, c: LedgerCluster) -> None:
     await conn.execute(
         """INSERT INTO ledger_clusters AS l (cluster, region, agent_epoch, last_seq, version, interval_s,
-                                             last_heartbeat_at, stale)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
+                                             last_heartbeat_at, stale, volatility)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
            ON CONFLICT (cluster) DO UPDATE SET agent_epoch = EXCLUDED.agent_epoch,
                last_seq = EXCLUDED.last_seq,
                version = EXCLUDED.version, interval_s = EXCLUDED.interval_s,
-               last_heartbeat_at = EXCLUDED.last_heartbeat_at, stale = EXCLUDED.stale
+               last_heartbeat_at = EXCLUDED.last_heartbeat_at, stale = EXCLUDED.stale,
+               volatility = EXCLUDED.volatility
            WHERE l.version <= EXCLUDED.version""",
         c.cluster,
         c.region,
@@ -239,6 +389,7 @@ async def _write_cluster(conn: asyncpg.Connection, c: LedgerCluster) -> None:
         c.interval_s,
         ts(c.last_heartbeat_at) if c.last_heartbeat_at else None,
         c.stale,
+        c.volatility,
     )
 
 

@@ -52,7 +52,10 @@ def home(receiver: OtlpReceiver) -> Iterator[Path]:
     os.environ.pop("LOOM_DATABASE_URL", None)
     try:
         stack.up(
-            path, stack.StackOptions(topology="small", time_scale=2000.0, heartbeat_s=0.5, durable=False)
+            path,
+            stack.StackOptions(
+                topology="small", time_scale=2000.0, heartbeat_s=0.5, max_heartbeat_s=2.0, durable=False
+            ),
         )
         yield path
     finally:

@@ -68,6 +68,7 @@ class Platform:
                 region=cluster.region,
                 time_scale=2000.0,
                 heartbeat_s=0.3,
+                max_heartbeat_s=1.0,
                 state_dir=self.state_dir,
             )
         self.tasks[name] = (asyncio.create_task(service.run()), ctx)
@@ -187,9 +188,13 @@ async def _clusters(client: LoomClient, n: int) -> bool:
     return sum(len(z["clusters"]) for r in view["regions"].values() for z in r["zones"].values()) == n
 
 
+# What agents change from one heartbeat to the next (jobs keep running while metrics restarts).
+_DYNAMIC = {"last_heartbeat_at", "age_s", "ttl_s", "heartbeat_interval_s", "gpus_used", "gpus_free", "gpus_reserved"}
+
+
 def _without_times(view: dict[str, Any]) -> Any:
     if isinstance(view, dict):
-        return {k: _without_times(v) for k, v in view.items() if k not in ("last_heartbeat_at", "gpus_used")}
+        return {k: _without_times(v) for k, v in view.items() if k not in _DYNAMIC}
     if isinstance(view, list):
         return [_without_times(v) for v in view]
     return view

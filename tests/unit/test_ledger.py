@@ -4,7 +4,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from loom.model.ledger import MAX_CLOCK_SKEW_S, STALE_AFTER_INTERVALS, Ledger
+from loom.model.ledger import MAX_CLOCK_SKEW_S, MAX_TTL_INTERVALS, MIN_TTL_INTERVALS, Ledger
 from loom_proto import ClusterHeartbeat, NodeState
 
 NOW = 1_700_000_000.0
@@ -256,9 +256,9 @@ def test_a_delta_removes_only_the_nodes_it_names(ledger: Ledger) -> None:
 # -- staleness -------------------------------------------------------------------------------------
 
 
-def test_expire_marks_a_silent_cluster_stale_after_three_intervals_exactly_once(ledger: Ledger) -> None:
-    ttl_s = STALE_AFTER_INTERVALS * 5.0
-    assert ttl_s == 15.0
+def test_expire_marks_a_silent_cluster_stale_after_its_ttl_exactly_once(ledger: Ledger) -> None:
+    ttl_s = ledger.clusters["c1"].ttl_s()
+    assert ttl_s == MIN_TTL_INTERVALS * 5.0, "a cluster that just joined counts as volatile"
     assert ledger.expire(NOW + ttl_s) == []
     changes = ledger.expire(NOW + ttl_s + 0.001)
     assert len(changes) == 1
@@ -272,8 +272,68 @@ def test_expire_marks_a_silent_cluster_stale_after_three_intervals_exactly_once(
 def test_the_stale_deadline_follows_the_clusters_interval() -> None:
     led = Ledger()
     led.apply(hb(1, [ns("n1")], full=True, interval_s=1.0), NOW)
-    assert led.expire(NOW + 3.0) == []
-    assert len(led.expire(NOW + 3.01)) == 1
+    assert led.expire(NOW + MIN_TTL_INTERVALS) == []
+    assert len(led.expire(NOW + MIN_TTL_INTERVALS + 0.01)) == 1
+
+
+def test_a_stable_cluster_is_given_more_intervals_before_it_goes_stale(ledger: Ledger) -> None:
+    volatile_ttl_s = ledger.clusters["c1"].ttl_s()
+    for seq in range(2, 30):  # quiet heartbeats: nothing changes
+        ledger.apply(hb(seq, [ns("n1")]), NOW + seq)
+    stable = ledger.clusters["c1"]
+    assert stable.volatility < 0.01
+    assert volatile_ttl_s < stable.ttl_s() <= MAX_TTL_INTERVALS * 5.0
+    assert stable.ttl_s() > 0.99 * MAX_TTL_INTERVALS * 5.0
+    ledger.apply(hb(30, [ns("n1", used=3)]), NOW + 30)
+    assert ledger.clusters["c1"].ttl_s() < stable.ttl_s() or ledger.clusters["c1"].volatility > 0.1
+
+
+def test_reservations_show_until_settled_and_repeats_change_nothing(ledger: Ledger) -> None:
+    change = ledger.reserve("job-1:1", [("n1", 3), ("unknown-node", 2)])
+    assert change is not None and [n.node for n in change.nodes] == ["n1"]
+    assert ledger.nodes["n1"].gpus_reserved == 3 and ledger.nodes["n1"].gpus_free == 5
+    assert ledger.reserve("job-1:1", [("n1", 3)]) is None, "a redelivered placement is not counted twice"
+    assert ledger.nodes["n1"].gpus_reserved == 3
+    # A heartbeat keeps the reservation: only the run starting (or ending) settles it.
+    ledger.apply(hb(2, [ns("n1", used=1)]), NOW + 1)
+    assert ledger.nodes["n1"].gpus_reserved == 3
+    assert ledger.settle("job-1:1") is not None
+    assert ledger.nodes["n1"].gpus_reserved == 0
+    assert ledger.settle("job-1:1") is None
+
+
+def test_summaries_count_reserved_and_offer_nothing_from_a_stale_cluster(ledger: Ledger) -> None:
+    ledger.reserve("job-1:1", [("n1", 2)])
+    summary = ledger.summaries(lambda model: 2.0 if model == "A100" else 1.0)["r1"]
+    assert summary["models"]["A100"] == {"gpus_total": 16, "gpus_available": 14, "gpus_reserved": 2}
+    assert summary["scu_total"] == 32.0 and summary["scu_available"] == 28.0
+    assert summary["zones"]["z1"]["models"]["A100"]["gpus_available"] == 14
+    ledger.expire(NOW + 1_000)
+    stale = ledger.summaries(lambda _m: 1.0)["r1"]
+    assert stale["models"]["A100"]["gpus_available"] == 0 and stale["models"]["A100"]["gpus_total"] == 16
+
+
+def test_queries_filter_by_zone_model_free_capacity_and_freshness() -> None:
+    led = Ledger()
+    led.apply(hb(1, [ns("a1", zone="za"), ns("a2", zone="zb", model="T4", total=4, used=4)], full=True), NOW)
+    led.apply(hb(1, [ns("b1")], cluster="c2", region="r1", full=True), NOW)
+    view = led.query(now=NOW + 1, zone="zb")
+    assert list(view["regions"]["r1"]["zones"]) == ["zb"]
+    assert led.query(now=NOW + 1, gpu_model="T4", min_free_gpus=1)["regions"] == {}
+    both = led.query(now=NOW + 1, min_free_gpus=8)["regions"]["r1"]
+    assert both["gpus_free"] == 16 and set(both["zones"]["z1"]["clusters"]) == {"c2"}
+    led.expire(NOW + 1_000)
+    assert led.query(now=NOW + 1_000, fresh_only=True)["regions"] == {}
+    cluster = led.query(now=NOW + 1_000)["regions"]["r1"]["zones"]["z1"]["clusters"]["c2"]
+    assert cluster["stale"] and cluster["gpus_free"] == 0 and cluster["age_s"] == 1_000
+
+
+def test_a_node_of_an_unknown_gpu_model_is_refused_and_counted() -> None:
+    led = Ledger(known_models=frozenset({"A100"}))
+    applied = led.apply(hb(1, [ns("n1"), ns("n2", model="Z9000")], full=True), NOW)
+    assert "n2" not in led.nodes and "n1" in led.nodes
+    assert led.refused["unknown_gpu_model"] == 1
+    assert any("Z9000" in e for e in applied.node_errors)
 
 
 def test_a_heartbeat_after_staleness_yields_a_fresh_change_even_when_nothing_changed(ledger: Ledger) -> None:

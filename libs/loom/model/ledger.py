@@ -6,17 +6,23 @@ an agent never rolls state back; a heartbeat that claims another cluster's node,
 impossible numbers, changes nothing of that node and is counted with its reason.
 """
 
+import sys
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from loom_proto.clusters import ClusterHeartbeat, NodeState
 
 MAX_CLOCK_SKEW_S = 300.0
 """A heartbeat stamped further in the future than this is refused."""
 
-STALE_AFTER_INTERVALS = 3.0
-"""A cluster that misses this many heartbeat intervals is stale."""
+MIN_TTL_INTERVALS = 2.0
+MAX_TTL_INTERVALS = 4.0
+"""A cluster is stale after missing between 2 (volatile) and 4 (stable) of its declared intervals."""
+
+VOLATILITY_ALPHA = 0.2
+"""Weight of the newest heartbeat in a cluster's volatility (share of heartbeats carrying changes)."""
 
 
 @dataclass(slots=True)
@@ -34,6 +40,13 @@ class LedgerNode:
     memory_mib: int
     healthy: bool
     updated_at: float
+    gpus_reserved: int = 0
+    """Promised by placement, not yet confirmed started by the agent."""
+
+    @property
+    def gpus_free(self) -> int:
+        """GPUs neither used nor reserved (0 on an unhealthy node)."""
+        return max(self.gpus_total - self.gpus_used - self.gpus_reserved, 0) if self.healthy else 0
 
 
 @dataclass(slots=True)
@@ -48,11 +61,19 @@ class LedgerCluster:
     interval_s: float = 5.0
     last_heartbeat_at: float = 0.0
     stale: bool = False
+    volatility: float = 1.0
+    """EWMA of the share of heartbeats that changed something; a new cluster counts as volatile."""
     nodes: set[str] = field(default_factory=set)
 
     def ttl_s(self) -> float:
-        """How long without a heartbeat before the cluster is stale."""
-        return STALE_AFTER_INTERVALS * self.interval_s
+        """How long without a heartbeat before the cluster is stale.
+
+        A volatile cluster's information ages fast, so it goes stale after fewer missed
+        intervals; a stable one is given more. The interval is the one the agent declared, which
+        itself grows while the cluster is stable.
+        """
+        intervals = MAX_TTL_INTERVALS - (MAX_TTL_INTERVALS - MIN_TTL_INTERVALS) * self.volatility
+        return intervals * self.interval_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,10 +109,14 @@ def _node_error(n: NodeState) -> str | None:
 class Ledger:
     """Every cluster and node, and counters of what was refused and why."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, known_models: frozenset[str] | None = None) -> None:
         self.clusters: dict[str, LedgerCluster] = {}
         self.nodes: dict[str, LedgerNode] = {}
         self.refused: Counter[str] = Counter()
+        self.known_models = known_models
+        """GPU models with a performance profile; a node of any other model is refused (None: any)."""
+        self.reservations: dict[str, tuple[tuple[str, int], ...]] = {}
+        """Placement's unconfirmed reservations by run (``job:attempt``): (node, gpus)."""
 
     def apply(self, hb: ClusterHeartbeat, now: float) -> Applied:
         """Fold one heartbeat in; ``now`` is the receiver's clock."""
@@ -137,18 +162,24 @@ class Ledger:
                 self.refused["impossible_node"] += 1
                 errors.append(problem)
                 continue
+            if self.known_models is not None and n.gpu_model and n.gpu_model not in self.known_models:
+                self.refused["unknown_gpu_model"] += 1
+                errors.append(f"node {n.node}: unknown GPU model {n.gpu_model!r}")
+                continue
             entry = LedgerNode(
                 node=n.node,
-                cluster=hb.cluster,
-                region=hb.region,
-                zone=n.zone,
-                gpu_model=n.gpu_model,
+                # Shared strings: 100k nodes must not hold 100k copies of a cluster's names.
+                cluster=cluster.cluster,
+                region=cluster.region,
+                zone=sys.intern(n.zone),
+                gpu_model=sys.intern(n.gpu_model) if n.gpu_model else None,
                 gpus_total=n.gpus_total,
                 gpus_used=n.gpus_used,
                 cpu_milli=n.cpu_milli,
                 memory_mib=n.memory_mib,
                 healthy=n.healthy,
                 updated_at=now,
+                gpus_reserved=owner.gpus_reserved if owner is not None else 0,
             )
             if owner is None or _differs(owner, entry):
                 changed.append(entry)
@@ -161,6 +192,8 @@ class Ledger:
         for name in removed:
             cluster.nodes.discard(name)
             self.nodes.pop(name, None)
+        carried_change = bool(changed or removed)
+        cluster.volatility += VOLATILITY_ALPHA * (float(carried_change) - cluster.volatility)
         if not changed and not removed and not was_stale and not republish_all:
             return Applied(None, None, tuple(errors))
         cluster.version += 1
@@ -192,44 +225,152 @@ class Ledger:
             if n.cluster in self.clusters:
                 self.clusters[n.cluster].nodes.add(n.node)
 
-    def tree(self, *, region: str | None = None, gpu_model: str | None = None) -> dict[str, object]:
-        """The view as nested dicts: region -> zone -> cluster -> nodes, with GPU totals at each level."""
-        regions: dict[str, dict[str, object]] = {}
-        for c in sorted(self.clusters.values(), key=lambda c: c.cluster):
-            if region and c.region != region:
+    # ---- reservations -------------------------------------------------------------------------
+
+    def reserve(self, run: str, allocations: Sequence[tuple[str, int]]) -> Change | None:
+        """Placement promised GPUs to ``run`` (``job:attempt``); repeats change nothing."""
+        if run in self.reservations:
+            return None
+        kept = tuple((node, gpus) for node, gpus in allocations if node in self.nodes)
+        self.reservations[run] = kept
+        for node, gpus in kept:
+            self.nodes[node].gpus_reserved += gpus
+        return self._touch([node for node, _ in kept])
+
+    def settle(self, run: str) -> Change | None:
+        """The run started (its GPUs now show as used) or ended: drop its reservation."""
+        kept = self.reservations.pop(run, None)
+        if not kept:
+            return None
+        for node, gpus in kept:
+            entry = self.nodes.get(node)
+            if entry is not None:
+                entry.gpus_reserved = max(entry.gpus_reserved - gpus, 0)
+        return self._touch([node for node, _ in kept])
+
+    def _touch(self, names: Sequence[str]) -> Change | None:
+        nodes = [self.nodes[n] for n in names if n in self.nodes]
+        if not nodes:
+            return None
+        cluster = self.clusters[nodes[0].cluster]
+        cluster.version += 1
+        return Change(
+            cluster.cluster, cluster.region, cluster.version, False, tuple(nodes), (), cluster.stale
+        )
+
+    # ---- queries --------------------------------------------------------------------------------
+
+    def query(
+        self,
+        *,
+        now: float,
+        region: str | None = None,
+        zone: str | None = None,
+        gpu_model: str | None = None,
+        min_free_gpus: int = 0,
+        fresh_only: bool = False,
+        with_nodes: bool = True,
+    ) -> dict[str, Any]:
+        """The view as nested dicts: region -> zone -> cluster (-> nodes), totals at each level.
+
+        Filters: a region, a zone, a GPU model (nodes of other models are left out), nodes with at
+        least ``min_free_gpus`` free, and only fresh (not stale) clusters. Each cluster says how
+        old its information is and after how long it goes stale.
+        """
+        regions: dict[str, Any] = {}
+        for c in self.clusters.values():
+            if (region and c.region != region) or (fresh_only and c.stale):
                 continue
-            r = regions.setdefault(c.region, {"gpus_total": 0, "gpus_used": 0, "zones": {}})
-            for name in sorted(c.nodes):
+            cl: dict[str, Any] | None = None
+            for name in c.nodes:
                 n = self.nodes[name]
-                if gpu_model and n.gpu_model != gpu_model:
+                if (zone and n.zone != zone) or (gpu_model and n.gpu_model != gpu_model):
                     continue
-                zones: dict[str, dict[str, object]] = r["zones"]  # type: ignore[assignment]
-                z = zones.setdefault(n.zone, {"gpus_total": 0, "gpus_used": 0, "clusters": {}})
-                clusters: dict[str, dict[str, object]] = z["clusters"]  # type: ignore[assignment]
-                cl = clusters.setdefault(
-                    c.cluster,
-                    {
-                        "gpus_total": 0,
-                        "gpus_used": 0,
-                        "stale": c.stale,
-                        "last_heartbeat_at": c.last_heartbeat_at,
-                        "nodes": [],
-                    },
-                )
-                nodes: list[dict[str, object]] = cl["nodes"]  # type: ignore[assignment]
-                nodes.append(
-                    {
-                        "node": n.node,
-                        "gpu_model": n.gpu_model,
-                        "gpus_total": n.gpus_total,
-                        "gpus_used": n.gpus_used,
-                        "healthy": n.healthy,
-                    }
-                )
-                for level in (r, z, cl):
-                    level["gpus_total"] = int(level["gpus_total"]) + n.gpus_total  # type: ignore[call-overload]
-                    level["gpus_used"] = int(level["gpus_used"]) + n.gpus_used  # type: ignore[call-overload]
+                if min_free_gpus and n.gpus_free < min_free_gpus:
+                    continue
+                if cl is None or cl["zone"] != n.zone:
+                    r = regions.setdefault(c.region, _totals({"zones": {}}))
+                    z = r["zones"].setdefault(n.zone, _totals({"clusters": {}}))
+                    cl = z["clusters"].setdefault(
+                        c.cluster,
+                        _totals(
+                            {
+                                "zone": n.zone,
+                                "stale": c.stale,
+                                "age_s": round(max(now - c.last_heartbeat_at, 0.0), 3),
+                                "ttl_s": round(c.ttl_s(), 3),
+                                "heartbeat_interval_s": c.interval_s,
+                                "last_heartbeat_at": c.last_heartbeat_at,
+                                "nodes": [],
+                            }
+                        ),
+                    )
+                    levels = (r, z, cl)
+                free = 0 if c.stale else n.gpus_free
+                for level in levels:
+                    level["gpus_total"] += n.gpus_total
+                    level["gpus_used"] += n.gpus_used
+                    level["gpus_reserved"] += n.gpus_reserved
+                    level["gpus_free"] += free
+                if with_nodes:
+                    cl["nodes"].append(
+                        {
+                            "node": n.node,
+                            "gpu_model": n.gpu_model,
+                            "gpus_total": n.gpus_total,
+                            "gpus_used": n.gpus_used,
+                            "gpus_reserved": n.gpus_reserved,
+                            "healthy": n.healthy,
+                        }
+                    )
+        if with_nodes:
+            for r in regions.values():
+                for z in r["zones"].values():
+                    for cl_ in z["clusters"].values():
+                        cl_["nodes"].sort(key=lambda node: node["node"])
         return {"regions": regions}
+
+    def tree(self, *, region: str | None = None, gpu_model: str | None = None) -> dict[str, Any]:
+        """The whole view (see :meth:`query`), at the time of the newest heartbeat."""
+        newest = max((c.last_heartbeat_at for c in self.clusters.values()), default=0.0)
+        return self.query(now=newest, region=region, gpu_model=gpu_model)
+
+    def summaries(self, scu_per_gpu: Callable[[str], float]) -> dict[str, dict[str, Any]]:
+        """Per region, and per zone inside it: GPUs by model (total, available, reserved) and SCU.
+
+        Stale clusters offer nothing: their GPUs count in the totals, not in what is available.
+        ``scu_per_gpu(model)`` converts a model's GPUs into standard compute units.
+        """
+        out: dict[str, dict[str, Any]] = {}
+        for c in self.clusters.values():
+            region = out.setdefault(c.region, _summary({"zones": {}}))
+            for name in c.nodes:
+                n = self.nodes[name]
+                if not n.gpu_model or not n.gpus_total:
+                    continue
+                zone = region["zones"].setdefault(n.zone, _summary({}))
+                available = 0 if c.stale else n.gpus_free
+                scu = scu_per_gpu(n.gpu_model)
+                for level in (region, zone):
+                    m = level["models"].setdefault(
+                        n.gpu_model, {"gpus_total": 0, "gpus_available": 0, "gpus_reserved": 0}
+                    )
+                    m["gpus_total"] += n.gpus_total
+                    m["gpus_available"] += available
+                    m["gpus_reserved"] += n.gpus_reserved
+                    level["scu_total"] += n.gpus_total * scu
+                    level["scu_available"] += available * scu
+        return out
+
+
+def _totals(d: dict[str, Any]) -> dict[str, Any]:
+    d.update(gpus_total=0, gpus_used=0, gpus_reserved=0, gpus_free=0)
+    return d
+
+
+def _summary(d: dict[str, Any]) -> dict[str, Any]:
+    d.update(models={}, scu_total=0.0, scu_available=0.0)
+    return d
 
 
 def _differs(a: LedgerNode, b: LedgerNode) -> bool:

@@ -65,6 +65,9 @@ class StackOptions:
     """Cluster agents to run; empty means every cluster of the topology."""
     time_scale: float = 60.0
     heartbeat_s: float = 2.0
+    """Shortest heartbeat interval of the agents (while their cluster changes)."""
+    max_heartbeat_s: float = 10.0
+    """Longest heartbeat interval (while nothing changes)."""
     durable: bool = True
 
 
@@ -91,6 +94,8 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
             str(options.time_scale),
             "--heartbeat-s",
             str(options.heartbeat_s),
+            "--max-heartbeat-s",
+            str(options.max_heartbeat_s),
         ]
     return argvs
 
@@ -307,6 +312,8 @@ def up(
         str(options.time_scale),
         "--heartbeat-s",
         str(options.heartbeat_s),
+        "--max-heartbeat-s",
+        str(options.max_heartbeat_s),
     ]
     for cluster in options.clusters:
         argv += ["--cluster", cluster]
@@ -383,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", action="append", default=[])
     parser.add_argument("--time-scale", type=float, default=60.0)
     parser.add_argument("--heartbeat-s", type=float, default=2.0)
+    parser.add_argument("--max-heartbeat-s", type=float, default=10.0)
     parser.add_argument("--no-durable", action="store_true")
     args = parser.parse_args(argv)
     options = StackOptions(
@@ -390,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         clusters=args.cluster,
         time_scale=args.time_scale,
         heartbeat_s=args.heartbeat_s,
+        max_heartbeat_s=args.max_heartbeat_s,
         durable=not args.no_durable,
     )
     return Supervisor(args.home.resolve(), options).run()
