@@ -248,3 +248,35 @@ async def _some_queued(client: LoomClient, ids: list[str]) -> Any:
         if job and job["state"] == "queued":
             return job
     return None
+
+
+async def test_a_silent_cluster_turns_stale_within_its_ttl_and_its_capacity_is_not_offered(
+    platform: Platform, client: LoomClient
+) -> None:
+    await until(lambda: _clusters(client, 3), 15, "three clusters in the view")
+    await platform.stop("agent-c-weu-a")  # the only cluster with P100s goes silent
+    stopped = time.monotonic()
+
+    async def weu_stale() -> dict[str, Any] | None:
+        view = await client.view(region="azure-westeurope")
+        cluster = view["regions"]["azure-westeurope"]["zones"]["azure-westeurope-a"]["clusters"]["c-weu-a"]
+        return cluster if cluster["stale"] else None
+
+    cluster = await until(weu_stale, 15, "c-weu-a to turn stale")
+    # Metrics checks once a second; the declared interval is at most 1 s here, so at most 4 s TTL.
+    assert time.monotonic() - stopped <= cluster["ttl_s"] + 2.0
+    assert cluster["gpus_free"] == 0
+    fresh = await client.view(fresh_only=True)
+    assert "azure-westeurope" not in fresh["regions"]
+
+    await client.submit(JobSpec(job_id="flow-p100-while-stale", tenant="t3",
+                                resources=Resources(gpus=1, gpu_models=["P100"]), work=Work(steps=5)))
+    await until(job_state(client, "flow-p100-while-stale", "queued"), 10, "the P100 job to wait")
+    # Observed over two seconds (several requeue cycles): it stays queued while the cluster is stale.
+    watch_until = time.monotonic() + 2.0
+    while time.monotonic() < watch_until:
+        job = await client.job("flow-p100-while-stale")
+        assert job is not None and job["state"] == "queued"
+        await asyncio.sleep(0.2)
+    await platform.start("agent-c-weu-a")
+    await until(job_state(client, "flow-p100-while-stale", "completed"), 20, "the job after the cluster returns")

@@ -9,6 +9,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
@@ -258,36 +259,57 @@ def cmd_view(args: argparse.Namespace) -> int:
     async def go() -> int:
         client = await _client()
         try:
-            view = await client.view(region=args.region, gpu_model=args.model)
+            view = await client.view(
+                region=args.region,
+                zone=args.zone,
+                gpu_model=args.model,
+                min_free_gpus=args.min_free,
+                fresh_only=args.fresh,
+                nodes=True,
+            )
         finally:
             await client.close()
         if args.json:
             print(json.dumps(view, indent=2))
             return 0
-        root = Tree("[bold]Loom[/bold]")
-        for region, r in sorted(view["regions"].items()):
-            rt = root.add(f"[bold]{region}[/bold]  {r['gpus_used']}/{r['gpus_total']} GPUs used")
-            for zone, z in sorted(r["zones"].items()):
-                zt = rt.add(f"{zone}  {z['gpus_used']}/{z['gpus_total']}")
-                for cluster, c in sorted(z["clusters"].items()):
-                    stale = " [red]STALE[/red]" if c["stale"] else ""
-                    models: dict[str, int] = {}
-                    for n in c["nodes"]:
-                        models[n["gpu_model"] or "cpu"] = (
-                            models.get(n["gpu_model"] or "cpu", 0) + n["gpus_total"]
-                        )
-                    mix = ", ".join(f"{m} {g}" for m, g in sorted(models.items()))
-                    ct = zt.add(f"{cluster}  {c['gpus_used']}/{c['gpus_total']}  [{mix}]{stale}")
-                    if args.nodes:
-                        for n in c["nodes"]:
-                            ct.add(
-                                f"{n['node']} {n['gpu_model']} {n['gpus_used']}/{n['gpus_total']}"
-                                + ("" if n["healthy"] else " [red]unhealthy[/red]")
-                            )
-        console.print(root)
+        console.print(_view_tree(view, with_nodes=args.nodes))
         return 0
 
     return _run(go())
+
+
+def _capacity(level: dict[str, Any]) -> str:
+    return (
+        f"{level['gpus_free']} free / {level['gpus_total']} GPUs"
+        f" ({level['gpus_used']} used, {level['gpus_reserved']} reserved)"
+    )
+
+
+def _view_tree(view: dict[str, Any], *, with_nodes: bool) -> Tree:
+    root = Tree("[bold]Loom[/bold]")
+    for region, r in sorted(view["regions"].items()):
+        rt = root.add(f"[bold]{region}[/bold]  {_capacity(r)}")
+        for zone, z in sorted(r["zones"].items()):
+            zt = rt.add(f"{zone}  {_capacity(z)}")
+            for cluster, c in sorted(z["clusters"].items()):
+                fresh = (
+                    f"[red]STALE[/red] (silent {c['age_s']:.0f}s)"
+                    if c["stale"]
+                    else f"[green]fresh[/green] {c['age_s']:.1f}s ago, ttl {c['ttl_s']:.0f}s"
+                )
+                models: dict[str, int] = {}
+                for n in c["nodes"]:
+                    models[n["gpu_model"] or "cpu"] = models.get(n["gpu_model"] or "cpu", 0) + n["gpus_total"]
+                mix = ", ".join(f"{m} {g}" for m, g in sorted(models.items()))
+                ct = zt.add(f"{cluster}  {_capacity(c)}  [{mix}]  {fresh}")
+                if with_nodes:
+                    for n in c["nodes"]:
+                        ct.add(
+                            f"{n['node']} {n['gpu_model']} used {n['gpus_used']}/{n['gpus_total']}"
+                            + (f", reserved {n['gpus_reserved']}" if n["gpus_reserved"] else "")
+                            + ("" if n["healthy"] else " [red]unhealthy[/red]")
+                        )
+    return root
 
 
 # ---- demo and bench -------------------------------------------------------------------------------
@@ -305,6 +327,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from loom_benchmarks import run_benchmark
 
     return run_benchmark(args)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Measure this machine's performance profile: GEMM, convolution, transformer layer, memory."""
+    from loom.runtime.calibrate import CalibrationError, CalibrationOptions, calibrate, render_table
+
+    options = CalibrationOptions(quick=args.quick, device=args.device, model=args.model)
+    try:
+        with err.status("calibrating…") as status:
+            report = calibrate(options, progress=lambda s: status.update(f"calibrating… {s}"))
+    except CalibrationError as exc:
+        err.print(f"[red]{exc}[/red]")
+        return 2
+    if args.json:
+        print(msgspec.json.encode(report).decode())
+        return 0
+    console.print(render_table(report))
+    p = report.profile
+    console.print(
+        f"profile [bold]{p.model}[/bold]: FP32 {p.compute_fp32_tflops:.3g} TFLOPS,"
+        f" FP16 {p.compute_fp16_tflops:.3g} TFLOPS, memory {p.memory_bandwidth_gbps / 8:.3g} GB/s,"
+        f" {p.memory_gib:.1f} GiB (--json for the whole profile)"
+    )
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -345,7 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p = add("view", cmd_view, "the resource tree: region -> zone -> cluster -> node")
     p.add_argument("--region")
+    p.add_argument("--zone")
     p.add_argument("--model", help="only nodes of this GPU model")
+    p.add_argument("--min-free", type=int, default=0, help="only nodes with at least this many free GPUs")
+    p.add_argument("--fresh", action="store_true", help="leave out stale clusters")
     p.add_argument("--nodes", action="store_true", help="list nodes too")
     p.add_argument("--json", action="store_true")
     p = add("demo", cmd_demo, "start the stack, run the example workload, show progress and a summary")
@@ -355,6 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=600.0)
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--down", action="store_true", help="stop the stack when the demo ends")
+    p = add("calibrate", cmd_calibrate, "measure this machine's performance profile (SCU input)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (< 2 s on a CPU)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--model", help="GPU model name for the profile (default: from the device name)")
+    p.add_argument("--json", action="store_true")
     p = add("bench", cmd_bench, "benchmarks (JSON out)")
     from loom_benchmarks import add_arguments
 

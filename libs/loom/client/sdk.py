@@ -112,12 +112,26 @@ class LoomClient:
         return result
 
     async def view(
-        self, *, region: str | None = None, gpu_model: str | None = None, timeout_s: float = 5.0
+        self,
+        *,
+        region: str | None = None,
+        zone: str | None = None,
+        gpu_model: str | None = None,
+        min_free_gpus: int = 0,
+        fresh_only: bool = False,
+        nodes: bool = True,
+        timeout_s: float = 5.0,
     ) -> dict[str, Any]:
-        """The resource tree: region -> zone -> cluster -> node."""
-        result: dict[str, Any] = await self._query(
-            subjects.VIEW_QUERY, {"region": region, "gpu_model": gpu_model}, timeout_s
-        )
+        """The resource tree: region -> zone -> cluster -> node, filtered."""
+        request = {
+            "region": region,
+            "zone": zone,
+            "gpu_model": gpu_model,
+            "min_free_gpus": min_free_gpus,
+            "fresh_only": fresh_only,
+            "nodes": nodes,
+        }
+        result: dict[str, Any] = await self._query(subjects.VIEW_QUERY, request, timeout_s)
         return result
 
     async def watch(self, tenant: str | None = None) -> AsyncIterator[tuple[str, JobEvent]]:
