@@ -245,7 +245,10 @@ class MetricsService:
     async def publish_summaries(self) -> int:
         """Publish the summaries that changed since last time; returns how many went out."""
         sent = 0
-        for region, s in sorted(self.ledger.summaries(self.scu_per_gpu).items()):
+        dirty = self.ledger.take_dirty_regions()
+        if not dirty:
+            return 0
+        for region, s in sorted(self.ledger.summaries(self.scu_per_gpu, dirty).items()):
             summary = RegionSummary(
                 region=region,
                 models=_models(s["models"]),

@@ -116,6 +116,8 @@ class Ledger:
         self.known_models = known_models
         """GPU models with a performance profile; a node of any other model is refused (None: any)."""
         self.reservations: dict[str, tuple[tuple[str, int], ...]] = {}
+        self.dirty_regions: set[str] = set()
+        """Regions whose summary may have changed since :meth:`take_dirty_regions`."""
         """Placement's unconfirmed reservations by run (``job:attempt``): (node, gpus)."""
 
     def apply(self, hb: ClusterHeartbeat, now: float) -> Applied:
@@ -166,6 +168,27 @@ class Ledger:
                 self.refused["unknown_gpu_model"] += 1
                 errors.append(f"node {n.node}: unknown GPU model {n.gpu_model!r}")
                 continue
+            if owner is not None:
+                # Updated in place: a 1,000-node delta must not allocate 1,000 new entries.
+                if (
+                    owner.gpus_used != n.gpus_used
+                    or owner.healthy != n.healthy
+                    or owner.gpus_total != n.gpus_total
+                    or owner.gpu_model != n.gpu_model
+                    or owner.zone != n.zone
+                    or owner.cpu_milli != n.cpu_milli
+                    or owner.memory_mib != n.memory_mib
+                ):
+                    owner.zone = sys.intern(n.zone)
+                    owner.gpu_model = sys.intern(n.gpu_model) if n.gpu_model else None
+                    owner.gpus_total = n.gpus_total
+                    owner.gpus_used = n.gpus_used
+                    owner.cpu_milli = n.cpu_milli
+                    owner.memory_mib = n.memory_mib
+                    owner.healthy = n.healthy
+                    changed.append(owner)
+                owner.updated_at = now
+                continue
             entry = LedgerNode(
                 node=n.node,
                 # Shared strings: 100k nodes must not hold 100k copies of a cluster's names.
@@ -179,10 +202,8 @@ class Ledger:
                 memory_mib=n.memory_mib,
                 healthy=n.healthy,
                 updated_at=now,
-                gpus_reserved=owner.gpus_reserved if owner is not None else 0,
             )
-            if owner is None or _differs(owner, entry):
-                changed.append(entry)
+            changed.append(entry)
             self.nodes[n.node] = entry
             cluster.nodes.add(n.node)
         removed = [r for r in hb.removed if r in cluster.nodes]
@@ -202,6 +223,7 @@ class Ledger:
         change = Change(
             hb.cluster, hb.region, cluster.version, republish_all, tuple(changed), tuple(removed), False
         )
+        self.dirty_regions.add(cluster.region)
         return Applied(change, None, tuple(errors))
 
     def expire(self, now: float) -> list[Change]:
@@ -213,6 +235,7 @@ class Ledger:
             if now - cluster.last_heartbeat_at > cluster.ttl_s():
                 cluster.stale = True
                 cluster.version += 1
+                self.dirty_regions.add(cluster.region)
                 changes.append(Change(cluster.cluster, cluster.region, cluster.version, False, (), (), True))
         return changes
 
@@ -224,6 +247,7 @@ class Ledger:
             self.nodes[n.node] = n
             if n.cluster in self.clusters:
                 self.clusters[n.cluster].nodes.add(n.node)
+        self.dirty_regions = {c.region for c in self.clusters.values()}
 
     # ---- reservations -------------------------------------------------------------------------
 
@@ -254,6 +278,7 @@ class Ledger:
             return None
         cluster = self.clusters[nodes[0].cluster]
         cluster.version += 1
+        self.dirty_regions.add(cluster.region)
         return Change(
             cluster.cluster, cluster.region, cluster.version, False, tuple(nodes), (), cluster.stale
         )
@@ -335,14 +360,25 @@ class Ledger:
         newest = max((c.last_heartbeat_at for c in self.clusters.values()), default=0.0)
         return self.query(now=newest, region=region, gpu_model=gpu_model)
 
-    def summaries(self, scu_per_gpu: Callable[[str], float]) -> dict[str, dict[str, Any]]:
+    def take_dirty_regions(self) -> set[str]:
+        """The regions changed since the last call (and forget them)."""
+        dirty, self.dirty_regions = self.dirty_regions, set()
+        return dirty
+
+    def summaries(
+        self, scu_per_gpu: Callable[[str], float], regions: Iterable[str] | None = None
+    ) -> dict[str, dict[str, Any]]:
         """Per region, and per zone inside it: GPUs by model (total, available, reserved) and SCU.
 
         Stale clusters offer nothing: their GPUs count in the totals, not in what is available.
         ``scu_per_gpu(model)`` converts a model's GPUs into standard compute units.
         """
         out: dict[str, dict[str, Any]] = {}
+        wanted = set(regions) if regions is not None else None
+        scu_of: dict[str, float] = {}
         for c in self.clusters.values():
+            if wanted is not None and c.region not in wanted:
+                continue
             region = out.setdefault(c.region, _summary({"zones": {}}))
             for name in c.nodes:
                 n = self.nodes[name]
@@ -350,7 +386,9 @@ class Ledger:
                     continue
                 zone = region["zones"].setdefault(n.zone, _summary({}))
                 available = 0 if c.stale else n.gpus_free
-                scu = scu_per_gpu(n.gpu_model)
+                scu = scu_of.get(n.gpu_model)
+                if scu is None:
+                    scu = scu_of[n.gpu_model] = scu_per_gpu(n.gpu_model)
                 for level in (region, zone):
                     m = level["models"].setdefault(
                         n.gpu_model, {"gpus_total": 0, "gpus_available": 0, "gpus_reserved": 0}
@@ -371,15 +409,3 @@ def _totals(d: dict[str, Any]) -> dict[str, Any]:
 def _summary(d: dict[str, Any]) -> dict[str, Any]:
     d.update(models={}, scu_total=0.0, scu_available=0.0)
     return d
-
-
-def _differs(a: LedgerNode, b: LedgerNode) -> bool:
-    return (a.zone, a.gpu_model, a.gpus_total, a.gpus_used, a.cpu_milli, a.memory_mib, a.healthy) != (
-        b.zone,
-        b.gpu_model,
-        b.gpus_total,
-        b.gpus_used,
-        b.cpu_milli,
-        b.memory_mib,
-        b.healthy,
-    )
