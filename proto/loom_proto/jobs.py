@@ -150,6 +150,11 @@ class JobCompleted(
     attempt: Annotated[int, Meta(ge=1)] = 1
     gpu_seconds: Annotated[float, Meta(ge=0)] = 0.0
     at: UnixSeconds
+    gpu_model: GpuModel | None = None
+    task_type: TaskType | None = None
+    delivered_speed: Annotated[float, Meta(gt=0, le=1000)] | None = None
+    """Work done per second relative to the reference accelerator (its SCU as delivered), measured
+    over the run; compared with the claimed SCU it teaches the decay factor and the cluster's trust."""
 
 
 class JobFailed(

@@ -39,6 +39,8 @@ class ViewDelta(
     removed: list[Id] = []
     stale: bool = False
     """True when the cluster stopped heartbeating within its TTL: offer none of its capacity."""
+    trust: Annotated[float, Meta(ge=0, le=1)] | None = None
+    """How far the cluster's claimed compute is believed (new clusters start low); a placement input."""
     at: UnixSeconds
 
 

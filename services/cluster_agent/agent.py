@@ -292,7 +292,8 @@ class Agent:
                 )
             self._record({"op": "step", "key": job.key, "step": job.step})
         gpus = sum(g for _, g in job.allocations)
-        sim_seconds = job.steps * job.step_time_s / max(self.sim.speed(job.gpu_model, job.task_type), 1e-9)
+        speed = self.sim.delivered_speed(job.gpu_model, job.task_type)
+        sim_seconds = job.steps * job.step_time_s / speed
         await self.ctx.publisher.publish(
             subjects.job_event("completed", job.tenant),
             JobCompleted(
@@ -302,6 +303,9 @@ class Agent:
                 attempt=job.attempt,
                 gpu_seconds=gpus * sim_seconds,
                 at=time.time(),
+                gpu_model=job.gpu_model,
+                task_type=job.task_type,  # type: ignore[arg-type]  # validated when the job was accepted
+                delivered_speed=round(speed, 6),
             ),
             msg_id=f"{job.job_id}:completed:{job.attempt}",
             parent=parent,

@@ -3,11 +3,22 @@
 import argparse
 from pathlib import Path
 
+from loom.model.profiles import relative_speed
+from loom.model.scu import ScuError
 from loom.model.topology import load_topology
 from loom.runtime.config import loom_home
 from loom.runtime.service import ServiceContext, run
 from loom_services.cluster_agent.agent import Agent
 from loom_services.cluster_agent.sim import SimCluster
+
+
+def model_speed(gpu_model: str, task_type: str) -> float:
+    """A node's speed relative to the reference: its SCU for the task type (1.0 for a model without a
+    profile, which the ledger refuses anyway)."""
+    try:
+        return relative_speed(gpu_model, task_type)
+    except ScuError:
+        return 1.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -27,6 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="longest heartbeat interval, while nothing changes",
     )
     parser.add_argument(
+        "--efficiency",
+        type=float,
+        default=1.0,
+        help="share of its claimed SCU this simulated cluster delivers (below 1: it under-delivers)",
+    )
+    parser.add_argument(
         "--state-dir", type=Path, default=None, help="where running jobs are kept across restarts"
     )
     return parser.parse_args(argv)
@@ -43,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     async def body(ctx: ServiceContext) -> None:
         agent = Agent(
             ctx,
-            SimCluster(cluster),
+            SimCluster(cluster, speed=model_speed, efficiency=args.efficiency),
             region=cluster.region,
             time_scale=args.time_scale,
             heartbeat_s=args.heartbeat_s,

@@ -1,9 +1,11 @@
 """The ``sim`` backend: a cluster of simulated GPUs from a topology, running jobs in accelerated time.
 
 A job of ``steps`` steps, each ``step_time_s`` on the reference accelerator, takes
-``steps * step_time_s / speed / time_scale`` wall seconds, where ``speed`` is the node model's
-speed relative to the reference (1.0 until the SCU model supplies it) and ``time_scale`` is how
-many simulated seconds pass per wall second.
+``steps * step_time_s / (speed * efficiency) / time_scale`` wall seconds: ``speed`` is the node
+model's SCU for the job's task type (the same SCU model placement believes), ``efficiency`` how
+much of it this cluster really delivers (1.0: as claimed; lower simulates a cluster whose
+hardware or software falls short of its profile), and ``time_scale`` how many simulated seconds
+pass per wall second.
 """
 
 from collections.abc import Callable, Sequence
@@ -55,6 +57,7 @@ class SimCluster:
 
     cluster: Cluster
     speed: SpeedFn = reference_speed
+    efficiency: float = 1.0
     nodes: dict[str, SimNode] = field(init=False)
     dirty: set[str] = field(init=False, default_factory=set)
 
@@ -112,8 +115,12 @@ class SimCluster:
         self.dirty.clear()
         return [self.nodes[n].state() for n in names]
 
+    def delivered_speed(self, gpu_model: str, task_type: str) -> float:
+        """Work per second relative to the reference accelerator, as this cluster really runs it."""
+        return max(self.speed(gpu_model, task_type) * self.efficiency, 1e-9)
+
     def wall_seconds(
         self, steps: int, step_time_s: float, gpu_model: str, task_type: str, time_scale: float
     ) -> float:
         """Wall-clock seconds ``steps`` take here."""
-        return steps * step_time_s / max(self.speed(gpu_model, task_type), 1e-9) / time_scale
+        return steps * step_time_s / self.delivered_speed(gpu_model, task_type) / time_scale

@@ -1,12 +1,19 @@
 """Entry point of the metrics service: ``loom-metrics`` or ``python -m loom_services.metrics``."""
 
+from loom.model.profiles import DEFAULT_REFERENCE_MODEL, library_models, relative_speed, scu_per_gpu
 from loom.runtime.service import ServiceContext, run
 from loom_services.metrics.service import MetricsService
 
 
 async def body(ctx: ServiceContext) -> None:
     """Run metrics until the process is asked to stop."""
-    await MetricsService(ctx).run()
+    await MetricsService(
+        ctx,
+        scu_per_gpu=scu_per_gpu,
+        reference_gpu=DEFAULT_REFERENCE_MODEL,
+        known_models=frozenset(library_models()),
+        claimed_speed=relative_speed,
+    ).run()
 
 
 def main() -> None:

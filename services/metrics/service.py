@@ -16,7 +16,9 @@ import asyncpg
 import msgspec
 import structlog
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
+from loom.errors import LoomError
 from loom.model.ledger import Change, Ledger, LedgerCluster, LedgerNode
+from loom.model.scu import DecayLearner, TrustTracker
 from loom.runtime.service import ServiceContext
 from loom.store import outbox
 from loom.store.jobs import ts
@@ -50,7 +52,7 @@ def _models(models: dict[str, dict[str, int]]) -> list[ModelCapacity]:
     return [ModelCapacity(gpu_model=m, **v) for m, v in sorted(models.items())]
 
 
-def delta_of(change: Change, now: float) -> ViewDelta:
+def delta_of(change: Change, now: float, trust: float | None = None) -> ViewDelta:
     """The wire form of a ledger change."""
     return ViewDelta(
         region=change.region,
@@ -74,6 +76,7 @@ def delta_of(change: Change, now: float) -> ViewDelta:
         ],
         removed=list(change.removed),
         stale=change.stale,
+        trust=round(trust, 4) if trust is not None else None,
         at=now,
     )
 
@@ -90,12 +93,16 @@ class MetricsService:
         scu_per_gpu: Callable[[str], float] | None = None,
         reference_gpu: str = "",
         known_models: frozenset[str] | None = None,
+        claimed_speed: Callable[[str, str], float] | None = None,
     ) -> None:
         self.ctx = ctx
         self.pool = ctx.db
         self.ledger = Ledger(known_models=known_models)
         self.summary_every_s = summary_every_s
         self.scu_per_gpu = scu_per_gpu or (lambda _model: 1.0)
+        self.claimed_speed = claimed_speed
+        self.trust: dict[str, TrustTracker] = {}
+        self.decay: dict[tuple[str, str], DecayLearner] = {}
         self.reference_gpu = reference_gpu
         self.published_summaries: dict[str, bytes] = {}
         self.relay = outbox.OutboxRelay(self.pool, ctx.publisher, PRODUCER)
@@ -115,6 +122,7 @@ class MetricsService:
                 interval_s=r["interval_s"],
                 stale=r["stale"],
                 volatility=r["volatility"],
+                trust=r["trust"],
                 last_heartbeat_at=r["last_heartbeat_at"].timestamp() if r["last_heartbeat_at"] else 0.0,
             )
             for r in await self.pool.fetch("SELECT * FROM ledger_clusters")
@@ -136,6 +144,16 @@ class MetricsService:
             for r in await self.pool.fetch("SELECT * FROM ledger_nodes")
         ]
         self.ledger.load(clusters, nodes)
+        for r in await self.pool.fetch(
+            "SELECT cluster, trust, trust_confirmations, trust_mismatches FROM ledger_clusters"
+        ):
+            self.trust[r["cluster"]] = TrustTracker(
+                trust=r["trust"], confirmations=r["trust_confirmations"], mismatches=r["trust_mismatches"]
+            )
+        for r in await self.pool.fetch("SELECT gpu_model, task_type, factor, observations FROM scu_decay"):
+            self.decay[(r["gpu_model"], r["task_type"])] = DecayLearner(
+                factor=r["factor"], observations=r["observations"]
+            )
         # Placement's unconfirmed reservations (read, never written, here) show as reserved.
         rows = await self.pool.fetch(
             """SELECT job_id, attempt, node, gpus FROM reservations
@@ -198,6 +216,8 @@ class MetricsService:
                 event = decode(d.message, ReservationEvent)  # type: ignore[arg-type]
             except DecodeError:
                 continue  # placement's business, not the ledger's: it dead-letters bad lifecycle events
+            if isinstance(event, JobCompleted):
+                await self._learn(event)
             if isinstance(event, JobPlaced):
                 change = self.ledger.reserve(
                     f"{event.job_id}:{event.attempt}", [(a.node, a.gpus) for a in event.allocations]
@@ -217,6 +237,51 @@ class MetricsService:
             self.relay.kick()
         return [None] * len(deliveries)
 
+    async def _learn(self, event: JobCompleted) -> None:
+        """Compare what a finished run delivered with what its cluster's profile claimed.
+
+        The cluster's trust rises as its jobs confirm the claim and falls when they fall short;
+        the (model, task type) decay factor learns the gap between benchmark and real work.
+        """
+        if (
+            self.claimed_speed is None
+            or event.delivered_speed is None
+            or event.gpu_model is None
+            or event.task_type is None
+            or event.cluster not in self.ledger.clusters
+        ):
+            return
+        try:
+            claimed = self.claimed_speed(event.gpu_model, event.task_type)
+            tracker = self.trust.get(event.cluster, TrustTracker()).observe(event.delivered_speed, claimed)
+            key = (event.gpu_model, event.task_type)
+            learner = self.decay.get(key, DecayLearner()).observe(event.delivered_speed, claimed)
+        except LoomError as exc:  # e.g. a model without a profile: nothing to learn from
+            log.info("no learning from run", job_id=event.job_id, reason=str(exc))
+            return
+        self.trust[event.cluster] = tracker
+        self.decay[key] = learner
+        cluster = self.ledger.clusters[event.cluster]
+        cluster.trust = tracker.trust
+        async with transaction(self.pool) as conn:
+            await conn.execute(
+                """UPDATE ledger_clusters SET trust = $2, trust_confirmations = $3, trust_mismatches = $4
+                   WHERE cluster = $1""",
+                event.cluster,
+                tracker.trust,
+                tracker.confirmations,
+                tracker.mismatches,
+            )
+            await conn.execute(
+                """INSERT INTO scu_decay (gpu_model, task_type, factor, observations) VALUES ($1, $2, $3, $4)
+                   ON CONFLICT (gpu_model, task_type) DO UPDATE
+                   SET factor = EXCLUDED.factor, observations = EXCLUDED.observations""",
+                key[0],
+                key[1],
+                learner.factor,
+                learner.observations,
+            )
+
     async def _publish_state_of(self, cluster_id: str) -> None:
         """One delta with the current state of every reserved-or-settled node of a cluster."""
         cluster = self.ledger.clusters[cluster_id]
@@ -227,9 +292,10 @@ class MetricsService:
             await outbox.add(conn, PRODUCER, [self._delta_message(change)])
 
     def _delta_message(self, change: Change) -> outbox.OutboxMessage:
+        cluster = self.ledger.clusters.get(change.cluster)
         return outbox.message(
             subjects.view_delta(change.region),
-            delta_of(change, time.time()),
+            delta_of(change, time.time(), cluster.trust if cluster else None),
             f"view-{change.cluster}-{change.version}",
         )
 

@@ -100,6 +100,8 @@ class PlacementService:
         self._outgoing: list[outbox.OutboxMessage] = []
         self._sending: set[asyncio.Task[int]] = set()
         self.stats.update({"placed": 0, "rejected": 0, "queued": 0, "released": 0})
+        self.cluster_trust: dict[str, float] = {}
+        """How far each cluster's claimed compute is believed, from the view (a plugin input)."""
 
     # ---- start-up ------------------------------------------------------------------------------
 
@@ -425,6 +427,9 @@ class PlacementService:
     async def on_view_delta(self, d: Delivery[ViewDelta]) -> None:
         """Follow the ledger: node totals, models and whether a node takes new work."""
         delta = d.message
+        if delta.trust is not None:
+            self.cluster_trust[delta.cluster] = delta.trust
+            self.stats["trust"] = dict(sorted(self.cluster_trust.items()))
         changed: list[NodeCapacity] = []
         listed = set()
         for n in delta.nodes:

@@ -13,12 +13,14 @@ from typing import Any
 
 import pytest
 from loom.client import LoomClient, QueryError
+from loom.model.profiles import library_models, relative_speed, scu_per_gpu
 from loom.model.topology import load_topology
 from loom.runtime.servers import NatsServer
 from loom.runtime.service import ServiceContext, close_context, open_context
 from loom.telemetry import current_trace_id, reset_for_tests, setup_telemetry
 from loom_proto.jobs import JobSpec, Resources, Work
 from loom_services.cluster_agent.agent import Agent
+from loom_services.cluster_agent.main import model_speed
 from loom_services.cluster_agent.sim import SimCluster
 from loom_services.metrics.service import MetricsService
 from loom_services.placement.service import PlacementService
@@ -50,7 +52,7 @@ class Platform:
     state_dir: Path
     tasks: dict[str, tuple[asyncio.Task[None], ServiceContext]] = field(default_factory=dict)
 
-    async def start(self, name: str) -> Any:
+    async def start(self, name: str, *, efficiency: float = 1.0) -> Any:
         ctx = await open_context(
             name, nats_url=self.nats_url, database_url=None if name.startswith("agent") else self.database_url
         )
@@ -59,12 +61,17 @@ class Platform:
         if name == "placement":
             service = PlacementService(ctx, settle_s=0.5)
         elif name == "metrics":
-            service = MetricsService(ctx)
+            service = MetricsService(
+                ctx,
+                scu_per_gpu=scu_per_gpu,
+                known_models=frozenset(library_models()),
+                claimed_speed=relative_speed,
+            )
         else:
             cluster = topology.cluster(name.removeprefix("agent-"))
             service = Agent(
                 ctx,
-                SimCluster(cluster),
+                SimCluster(cluster, speed=model_speed, efficiency=efficiency),
                 region=cluster.region,
                 time_scale=2000.0,
                 heartbeat_s=0.3,
@@ -189,7 +196,15 @@ async def _clusters(client: LoomClient, n: int) -> bool:
 
 
 # What agents change from one heartbeat to the next (jobs keep running while metrics restarts).
-_DYNAMIC = {"last_heartbeat_at", "age_s", "ttl_s", "heartbeat_interval_s", "gpus_used", "gpus_free", "gpus_reserved"}
+_DYNAMIC = {
+    "last_heartbeat_at",
+    "age_s",
+    "ttl_s",
+    "heartbeat_interval_s",
+    "gpus_used",
+    "gpus_free",
+    "gpus_reserved",
+}
 
 
 def _without_times(view: dict[str, Any]) -> Any:
@@ -269,8 +284,14 @@ async def test_a_silent_cluster_turns_stale_within_its_ttl_and_its_capacity_is_n
     fresh = await client.view(fresh_only=True)
     assert "azure-westeurope" not in fresh["regions"]
 
-    await client.submit(JobSpec(job_id="flow-p100-while-stale", tenant="t3",
-                                resources=Resources(gpus=1, gpu_models=["P100"]), work=Work(steps=5)))
+    await client.submit(
+        JobSpec(
+            job_id="flow-p100-while-stale",
+            tenant="t3",
+            resources=Resources(gpus=1, gpu_models=["P100"]),
+            work=Work(steps=5),
+        )
+    )
     await until(job_state(client, "flow-p100-while-stale", "queued"), 10, "the P100 job to wait")
     # Observed over two seconds (several requeue cycles): it stays queued while the cluster is stale.
     watch_until = time.monotonic() + 2.0
@@ -279,4 +300,55 @@ async def test_a_silent_cluster_turns_stale_within_its_ttl_and_its_capacity_is_n
         assert job is not None and job["state"] == "queued"
         await asyncio.sleep(0.2)
     await platform.start("agent-c-weu-a")
-    await until(job_state(client, "flow-p100-while-stale", "completed"), 20, "the job after the cluster returns")
+    await until(
+        job_state(client, "flow-p100-while-stale", "completed"), 20, "the job after the cluster returns"
+    )
+
+
+async def _trust_of(client: LoomClient, region: str, cluster: str) -> float:
+    view = await client.view(region=region, nodes=False)
+    (zone,) = view["regions"][region]["zones"].values()
+    return float(zone["clusters"][cluster]["trust"])
+
+
+async def test_trust_rises_as_a_cluster_delivers_its_claimed_compute_and_falls_when_it_does_not(
+    platform: Platform, client: LoomClient
+) -> None:
+    # c-use2-a is the only cluster with V100M32; it delivers exactly what its profile claims.
+    ids = [f"flow-trust-{i}" for i in range(3)]
+    for job_id in ids:
+        await client.submit(
+            JobSpec(
+                job_id=job_id,
+                tenant="t4",
+                resources=Resources(gpus=1, gpu_models=["V100M32"]),
+                work=Work(steps=10, step_time_s=20.0),
+            )
+        )
+    for job_id in ids:
+        await until(job_state(client, job_id, "completed"), 20, f"{job_id} completed")
+
+    async def trust_risen() -> float | None:
+        trust = await _trust_of(client, "aws-us-east-2", "c-use2-a")
+        return trust if trust > 0.5 else None
+
+    confirmed = await until(trust_risen, 10, "c-use2-a's trust to rise from 0.3")
+    # The same cluster restarted delivering half its claim: the next run is a mismatch.
+    await platform.stop("agent-c-use2-a")
+    await platform.start("agent-c-use2-a", efficiency=0.5)
+    await client.submit(
+        JobSpec(
+            job_id="flow-trust-slow",
+            tenant="t4",
+            resources=Resources(gpus=1, gpu_models=["V100M32"]),
+            work=Work(steps=10, step_time_s=20.0),
+        )
+    )
+    await until(job_state(client, "flow-trust-slow", "completed"), 20, "the slow run to complete")
+
+    async def trust_fallen() -> float | None:
+        trust = await _trust_of(client, "aws-us-east-2", "c-use2-a")
+        return trust if trust < confirmed else None
+
+    fallen = await until(trust_fallen, 10, "c-use2-a's trust to fall")
+    assert fallen == pytest.approx(confirmed * 0.5, rel=0.01)

@@ -9,7 +9,6 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
@@ -331,6 +330,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure this machine's performance profile: GEMM, convolution, transformer layer, memory."""
+    import msgspec
+
     from loom.runtime.calibrate import CalibrationError, CalibrationOptions, calibrate, render_table
 
     options = CalibrationOptions(quick=args.quick, device=args.device, model=args.model)

@@ -63,6 +63,8 @@ class LedgerCluster:
     stale: bool = False
     volatility: float = 1.0
     """EWMA of the share of heartbeats that changed something; a new cluster counts as volatile."""
+    trust: float = 0.3
+    """How far the cluster's claimed SCU is believed (progressive onboarding; see loom.model.scu)."""
     nodes: set[str] = field(default_factory=set)
 
     def ttl_s(self) -> float:
@@ -322,6 +324,7 @@ class Ledger:
                             {
                                 "zone": n.zone,
                                 "stale": c.stale,
+                                "trust": round(c.trust, 4),
                                 "age_s": round(max(now - c.last_heartbeat_at, 0.0), 3),
                                 "ttl_s": round(c.ttl_s(), 3),
                                 "heartbeat_interval_s": c.interval_s,
