@@ -14,9 +14,11 @@ from loom_proto.ids import Id
 from loom_proto.jobs import GpuModel, JobSpec, NodeAllocation, UnixSeconds
 
 __all__ = [
+    "AcceleratorProfile",
     "CheckpointJob",
     "ClusterCommand",
     "ClusterHeartbeat",
+    "ClusterProfiles",
     "ClusterStatus",
     "DrainCluster",
     "NodeAllocation",
@@ -112,3 +114,28 @@ class ClusterStatus(
     detail: Annotated[str, Meta(max_length=2048)] = ""
     job_id: Id | None = None
     at: UnixSeconds
+
+
+class AcceleratorProfile(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """What one accelerator model delivers, per dimension (bandwidths in gigabits per second)."""
+
+    gpu_model: GpuModel
+    compute_fp32_tflops: Annotated[float, Meta(gt=0, le=100_000)]
+    compute_fp16_tflops: Annotated[float, Meta(gt=0, le=100_000)]
+    memory_bandwidth_gbps: Annotated[float, Meta(gt=0, le=10_000_000)]
+    memory_gib: Annotated[float, Meta(gt=0, le=100_000)]
+    interconnect_gbps: Annotated[float, Meta(gt=0, le=10_000_000)]
+    network_gbps: Annotated[float, Meta(gt=0, le=10_000_000)]
+
+
+class ClusterProfiles(
+    msgspec.Struct, tag_field="kind", tag="profiles", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
+    """The performance profile of every accelerator model a cluster has, published by its agent at start."""
+
+    cluster: Id
+    agent_epoch: Annotated[int, Meta(ge=0)] = 0
+    source: Literal["library", "calibrated"]
+    """``library``: the model's reference numbers; ``calibrated``: measured by ``loom calibrate``."""
+    profiles: Annotated[list[AcceleratorProfile], Meta(max_length=64)]
+    measured_at: UnixSeconds

@@ -75,6 +75,11 @@ def cluster_commands(cluster: str) -> str:
     return f"{PREFIX}.clusters.{validate_id(cluster, 'cluster')}.cmd.*"
 
 
+def cluster_profiles(cluster: str) -> str:
+    """``loom.clusters.<cluster>.profile``: the performance profiles of a cluster's accelerators."""
+    return f"{PREFIX}.clusters.{validate_id(cluster, 'cluster')}.profile"
+
+
 def cluster_status(cluster: str) -> str:
     """``loom.clusters.<cluster>.status``."""
     return f"{PREFIX}.clusters.{validate_id(cluster, 'cluster')}.status"
@@ -115,6 +120,7 @@ def dead_letter(original_subject: str) -> str:
 JOBS_SUBMITTED_ALL = f"{PREFIX}.jobs.submitted.*"
 JOBS_LIFECYCLE_ALL = f"{PREFIX}.jobs.*.*"
 HEARTBEATS_ALL = f"{PREFIX}.clusters.*.heartbeat"
+PROFILES_ALL = f"{PREFIX}.clusters.*.profile"
 VIEW_DELTAS_ALL = f"{PREFIX}.view.delta.*"
 
 # Request-reply subjects (core NATS, no stream).
@@ -152,6 +158,7 @@ STREAMS: tuple[StreamSpec, ...] = (
             f"{PREFIX}.clusters.*.heartbeat",
             f"{PREFIX}.clusters.*.cmd.*",
             f"{PREFIX}.clusters.*.status",
+            f"{PREFIX}.clusters.*.profile",
         ],
         description="agent heartbeats, durable commands to agents, agent status",
         max_age_s=86_400,

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -22,9 +23,11 @@ from loom.model.heartbeat import next_interval_s
 from loom.runtime.service import ServiceContext
 from loom_proto import subjects
 from loom_proto.clusters import (
+    AcceleratorProfile,
     CheckpointJob,
     ClusterCommand,
     ClusterHeartbeat,
+    ClusterProfiles,
     DrainCluster,
     StartJob,
     StopJob,
@@ -79,12 +82,14 @@ class Agent:
         full_every: int = 10,
         progress_every: float = 0.1,
         state_dir: Path | None = None,
+        profile_of: Callable[[str], AcceleratorProfile | None] = lambda _model: None,
     ) -> None:
         self.ctx = ctx
         self.sim = sim
         self.cluster = sim.cluster.id
         self.region = region
         self.time_scale = time_scale
+        self.profile_of = profile_of
         self.heartbeat_s = heartbeat_s
         """The shortest interval between heartbeats (used while the cluster changes)."""
         self.max_heartbeat_s = max(max_heartbeat_s, heartbeat_s)
@@ -122,6 +127,7 @@ class Agent:
             concurrent=True,
         )
         await self.heartbeat(full=True)
+        await self.publish_profiles()
         await runner.start()
         for job in list(self.running.values()):
             self._launch(job)
@@ -138,6 +144,22 @@ class Agent:
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
             if self._journal is not None:
                 self._journal.close()
+
+    async def publish_profiles(self) -> None:
+        """Tell the platform what each accelerator model of this cluster delivers."""
+        models = sorted({n.gpu_model for n in self.sim.nodes.values() if n.gpu_model})
+        profiles = [p for p in (self.profile_of(m) for m in models) if p is not None]
+        await self.ctx.publisher.publish(
+            subjects.cluster_profiles(self.cluster),
+            ClusterProfiles(
+                cluster=self.cluster,
+                agent_epoch=self.epoch,
+                source="library",
+                profiles=profiles,
+                measured_at=time.time(),
+            ),
+            msg_id=f"profile-{self.cluster}-{self.epoch}",
+        )
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -3,11 +3,12 @@
 import argparse
 from pathlib import Path
 
-from loom.model.profiles import relative_speed
+from loom.model.profiles import profile_for_model, relative_speed
 from loom.model.scu import ScuError
 from loom.model.topology import load_topology
 from loom.runtime.config import loom_home
 from loom.runtime.service import ServiceContext, run
+from loom_proto.clusters import AcceleratorProfile
 from loom_services.cluster_agent.agent import Agent
 from loom_services.cluster_agent.sim import SimCluster
 
@@ -19,6 +20,23 @@ def model_speed(gpu_model: str, task_type: str) -> float:
         return relative_speed(gpu_model, task_type)
     except ScuError:
         return 1.0
+
+
+def library_profile(gpu_model: str) -> AcceleratorProfile | None:
+    """The reference profile of a model, in wire form (None for a model the library lacks)."""
+    try:
+        p = profile_for_model(gpu_model)
+    except ScuError:
+        return None
+    return AcceleratorProfile(
+        gpu_model=gpu_model,
+        compute_fp32_tflops=p.compute_fp32_tflops,
+        compute_fp16_tflops=p.compute_fp16_tflops,
+        memory_bandwidth_gbps=p.memory_bandwidth_gbps,
+        memory_gib=p.memory_gib,
+        interconnect_gbps=p.interconnect_gbps,
+        network_gbps=p.network_gbps,
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         agent = Agent(
             ctx,
             SimCluster(cluster, speed=model_speed, efficiency=args.efficiency),
+            profile_of=library_profile,
             region=cluster.region,
             time_scale=args.time_scale,
             heartbeat_s=args.heartbeat_s,

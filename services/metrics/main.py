@@ -1,6 +1,12 @@
 """Entry point of the metrics service: ``loom-metrics`` or ``python -m loom_services.metrics``."""
 
-from loom.model.profiles import DEFAULT_REFERENCE_MODEL, library_models, relative_speed, scu_per_gpu
+from loom.model.profiles import (
+    DEFAULT_REFERENCE_MODEL,
+    library_models,
+    profile_for_model,
+    relative_speed,
+    scu_per_gpu,
+)
 from loom.runtime.service import ServiceContext, run
 from loom_services.metrics.service import MetricsService
 
@@ -13,6 +19,7 @@ async def body(ctx: ServiceContext) -> None:
         reference_gpu=DEFAULT_REFERENCE_MODEL,
         known_models=frozenset(library_models()),
         claimed_speed=relative_speed,
+        reference_profile=profile_for_model(DEFAULT_REFERENCE_MODEL),
     ).run()
 
 

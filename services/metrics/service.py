@@ -16,15 +16,15 @@ import asyncpg
 import msgspec
 import structlog
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
-from loom.errors import LoomError
+from loom.errors import InvalidInputError, LoomError
 from loom.model.ledger import Change, Ledger, LedgerCluster, LedgerNode
-from loom.model.scu import DecayLearner, TrustTracker
+from loom.model.scu import DecayLearner, DeviceProfile, TrustTracker, scu_by_task_type
 from loom.runtime.service import ServiceContext
 from loom.store import outbox
 from loom.store.jobs import ts
 from loom.store.pool import transaction
 from loom_proto import subjects
-from loom_proto.clusters import ClusterHeartbeat
+from loom_proto.clusters import AcceleratorProfile, ClusterHeartbeat, ClusterProfiles
 from loom_proto.codec import DecodeError, decode, encode
 from loom_proto.jobs import JobCancelled, JobCompleted, JobFailed, JobPlaced, JobStarted
 from loom_proto.view import ModelCapacity, NodeView, RegionSummary, ViewDelta, ZoneSummary
@@ -94,6 +94,7 @@ class MetricsService:
         reference_gpu: str = "",
         known_models: frozenset[str] | None = None,
         claimed_speed: Callable[[str, str], float] | None = None,
+        reference_profile: DeviceProfile | None = None,
     ) -> None:
         self.ctx = ctx
         self.pool = ctx.db
@@ -101,6 +102,8 @@ class MetricsService:
         self.summary_every_s = summary_every_s
         self.scu_per_gpu = scu_per_gpu or (lambda _model: 1.0)
         self.claimed_speed = claimed_speed
+        self.reference_profile = reference_profile
+        self.profile_tables: dict[str, dict[str, dict[str, float]]] = {}
         self.trust: dict[str, TrustTracker] = {}
         self.decay: dict[tuple[str, str], DecayLearner] = {}
         self.reference_gpu = reference_gpu
@@ -154,6 +157,17 @@ class MetricsService:
             self.decay[(r["gpu_model"], r["task_type"])] = DecayLearner(
                 factor=r["factor"], observations=r["observations"]
             )
+        stored: dict[str, list[AcceleratorProfile]] = {}
+        for r in await self.pool.fetch(
+            "SELECT cluster, profile FROM cluster_profiles ORDER BY cluster, gpu_model"
+        ):
+            stored.setdefault(r["cluster"], []).append(
+                msgspec.json.decode(r["profile"], type=AcceleratorProfile)
+            )
+        for cluster_id, profiles in stored.items():
+            table = self._scu_table(profiles)
+            if table is not None:
+                self._adopt_scu(cluster_id, table)
         # Placement's unconfirmed reservations (read, never written, here) show as reserved.
         rows = await self.pool.fetch(
             """SELECT job_id, attempt, node, gpus FROM reservations
@@ -194,9 +208,19 @@ class MetricsService:
             batch_handler=self.on_job_events,
             publisher=self.ctx.publisher,
         )
+        profiles: ConsumerRunner[ClusterProfiles] = ConsumerRunner(
+            self.ctx.nc,
+            ConsumerSpec(
+                stream="CLUSTERS", durable="metrics-profiles", filter_subjects=[subjects.PROFILES_ALL]
+            ),
+            ClusterProfiles,
+            handler=self.on_profiles,
+            publisher=self.ctx.publisher,
+        )
         query_sub = await self.ctx.nc.subscribe(subjects.VIEW_QUERY, cb=self.on_query)
         await runner.start()
         await lifecycle.start()
+        await profiles.start()
         loops = [asyncio.create_task(self._expire_loop()), asyncio.create_task(self._summary_loop())]
         try:
             await self.ctx.stopping.wait()
@@ -205,6 +229,7 @@ class MetricsService:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
             await query_sub.unsubscribe()
+            await profiles.stop()
             await lifecycle.stop()
             await runner.stop()
 
@@ -236,6 +261,59 @@ class MetricsService:
                     await self._publish_state_of(cluster_id)
             self.relay.kick()
         return [None] * len(deliveries)
+
+    async def on_profiles(self, d: Delivery[ClusterProfiles]) -> None:
+        """Store what a cluster's accelerators deliver and derive their SCU per task type."""
+        message = d.message
+        if d.subject != subjects.cluster_profiles(message.cluster):
+            raise InvalidInputError(f"profiles of {message.cluster} published on {d.subject}")
+        table = self._scu_table(message.profiles)
+        if table is None:
+            return
+        async with transaction(self.pool) as conn:
+            await conn.executemany(
+                """INSERT INTO cluster_profiles (cluster, gpu_model, source, profile, measured_at)
+                   VALUES ($1, $2, $3, $4::jsonb, $5)
+                   ON CONFLICT (cluster, gpu_model) DO UPDATE SET source = EXCLUDED.source,
+                       profile = EXCLUDED.profile, measured_at = EXCLUDED.measured_at""",
+                [
+                    (
+                        message.cluster,
+                        p.gpu_model,
+                        message.source,
+                        encode(p).decode(),
+                        ts(message.measured_at),
+                    )
+                    for p in message.profiles
+                ],
+            )
+        self._adopt_scu(message.cluster, table)
+
+    def _adopt_scu(self, cluster_id: str, table: dict[str, dict[str, float]]) -> None:
+        self.profile_tables[cluster_id] = table
+        cluster = self.ledger.clusters.get(cluster_id)
+        if cluster is not None:
+            cluster.scu = table
+
+    def _scu_table(self, profiles: Sequence[AcceleratorProfile]) -> dict[str, dict[str, float]] | None:
+        """SCU per GPU by model and task type, with the decay learned so far."""
+        if self.reference_profile is None:
+            return None
+        table: dict[str, dict[str, float]] = {}
+        for p in profiles:
+            device = DeviceProfile(
+                model=p.gpu_model,
+                compute_fp32_tflops=p.compute_fp32_tflops,
+                compute_fp16_tflops=p.compute_fp16_tflops,
+                memory_bandwidth_gbps=p.memory_bandwidth_gbps,
+                memory_gib=p.memory_gib,
+                interconnect_gbps=p.interconnect_gbps,
+                network_gbps=p.network_gbps,
+            )
+            decay = {t: learner.factor for (m, t), learner in self.decay.items() if m == p.gpu_model}
+            scus = scu_by_task_type(device, reference=self.reference_profile, decay=decay)
+            table[p.gpu_model] = {t: round(v, 4) for t, v in scus.items()}
+        return table
 
     async def _learn(self, event: JobCompleted) -> None:
         """Compare what a finished run delivered with what its cluster's profile claimed.

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 from loom.client import LoomClient, QueryError
-from loom.model.profiles import library_models, relative_speed, scu_per_gpu
+from loom.model.profiles import library_models, profile_for_model, relative_speed, scu_per_gpu
 from loom.model.topology import load_topology
 from loom.runtime.servers import NatsServer
 from loom.runtime.service import ServiceContext, close_context, open_context
 from loom.telemetry import current_trace_id, reset_for_tests, setup_telemetry
 from loom_proto.jobs import JobSpec, Resources, Work
 from loom_services.cluster_agent.agent import Agent
-from loom_services.cluster_agent.main import model_speed
+from loom_services.cluster_agent.main import library_profile, model_speed
 from loom_services.cluster_agent.sim import SimCluster
 from loom_services.metrics.service import MetricsService
 from loom_services.placement.service import PlacementService
@@ -66,12 +66,14 @@ class Platform:
                 scu_per_gpu=scu_per_gpu,
                 known_models=frozenset(library_models()),
                 claimed_speed=relative_speed,
+                reference_profile=profile_for_model("V100M16"),
             )
         else:
             cluster = topology.cluster(name.removeprefix("agent-"))
             service = Agent(
                 ctx,
                 SimCluster(cluster, speed=model_speed, efficiency=efficiency),
+                profile_of=library_profile,
                 region=cluster.region,
                 time_scale=2000.0,
                 heartbeat_s=0.3,
@@ -352,3 +354,27 @@ async def test_trust_rises_as_a_cluster_delivers_its_claimed_compute_and_falls_w
 
     fallen = await until(trust_fallen, 10, "c-use2-a's trust to fall")
     assert fallen == pytest.approx(confirmed * 0.5, rel=0.01)
+
+
+async def test_agents_publish_their_accelerator_profiles_and_the_view_carries_their_scu(
+    client: LoomClient, platform: Platform
+) -> None:
+    async def scu_known() -> dict[str, Any] | None:
+        try:
+            view = await client.view(region="azure-westeurope", nodes=False, timeout_s=1.0)
+        except QueryError:
+            return None
+        (zone,) = view["regions"]["azure-westeurope"]["zones"].values()
+        table = zone["clusters"]["c-weu-a"]["scu_per_gpu"]
+        return table if set(table) == {"P100", "T4"} else None
+
+    table = await until(scu_known, 10, "c-weu-a's accelerator SCU in the view")
+    # The same SCU model placement believes: V100M16 is the reference, the older parts are slower.
+    assert table["P100"]["training_compute"] == pytest.approx(
+        relative_speed("P100", "training_compute"), rel=1e-3
+    )
+    assert all(0 < v < 1 for per_task in table.values() for v in per_task.values())
+    await platform.stop("metrics")
+    await platform.start("metrics")
+    rebuilt = await until(scu_known, 10, "the SCU table after a metrics restart")
+    assert rebuilt == table

@@ -65,6 +65,8 @@ class LedgerCluster:
     """EWMA of the share of heartbeats that changed something; a new cluster counts as volatile."""
     trust: float = 0.3
     """How far the cluster's claimed SCU is believed (progressive onboarding; see loom.model.scu)."""
+    scu: dict[str, dict[str, float]] = field(default_factory=dict)
+    """SCU of one GPU by model and task type, from the profiles the agent published."""
     nodes: set[str] = field(default_factory=set)
 
     def ttl_s(self) -> float:
@@ -325,6 +327,7 @@ class Ledger:
                                 "zone": n.zone,
                                 "stale": c.stale,
                                 "trust": round(c.trust, 4),
+                                "scu_per_gpu": c.scu,
                                 "age_s": round(max(now - c.last_heartbeat_at, 0.0), 3),
                                 "ttl_s": round(c.ttl_s(), 3),
                                 "heartbeat_interval_s": c.interval_s,

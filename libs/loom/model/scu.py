@@ -405,3 +405,13 @@ class TrustTracker:
     def trusted_scu(self, claimed_scu: float) -> float:
         """The SCU placement should count on from this cluster: the claim, discounted by trust."""
         return claimed_scu * self.trust
+
+
+def scu_by_task_type(
+    device: DeviceProfile,
+    *,
+    reference: DeviceProfile,
+    decay: Mapping[str, float] | None = None,
+) -> dict[str, float]:
+    """The device's SCU for every task type, each times its learned decay factor (default 1)."""
+    return {t: scu(device, t, reference=reference, decay=(decay or {}).get(t, 1.0)) for t in TASK_TYPES}

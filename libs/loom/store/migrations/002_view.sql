@@ -13,3 +13,13 @@ CREATE TABLE scu_decay (
     observations integer NOT NULL DEFAULT 0,
     PRIMARY KEY (gpu_model, task_type)
 );
+
+-- What each cluster's agent says its accelerators deliver (library numbers or calibrated).
+CREATE TABLE cluster_profiles (
+    cluster     text        NOT NULL,
+    gpu_model   text        NOT NULL,
+    source      text        NOT NULL,
+    profile     jsonb       NOT NULL,
+    measured_at timestamptz NOT NULL,
+    PRIMARY KEY (cluster, gpu_model)
+);
