@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from loom.runtime.servers import NatsServer, PostgresServer
 
 
@@ -75,6 +76,7 @@ def fresh_database(postgres_server: PostgresServer) -> Callable[..., Awaitable[s
     import uuid
 
     import asyncpg
+
     from loom.store.migrations import migrate_url
 
     async def make(hint: str = "db", *, migrate: bool = True) -> str:

@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from loom.model.topology import Cluster, Link, Node, Region, Topology, load_topology, validate_topology
 from rich.console import Console
 from rich.table import Table
+
+from loom.model.topology import Cluster, Link, Node, Region, Topology, load_topology, validate_topology
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"

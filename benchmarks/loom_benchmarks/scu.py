@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import numpy as np
+
 from loom.model.profiles import DEFAULT_REFERENCE_MODEL, profile_for_model, reference_profile
 from loom.model.scu import (
     PRIOR_WEIGHTS,

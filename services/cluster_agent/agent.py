@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import structlog
+from opentelemetry import propagate
+
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError
 from loom.model.heartbeat import next_interval_s
@@ -35,7 +37,6 @@ from loom_proto.clusters import (
 from loom_proto.codec import decode, encode
 from loom_proto.jobs import JobCheckpointed, JobCompleted, JobFailed, JobProgress, JobStarted, NodeAllocation
 from loom_services.cluster_agent.sim import SimCluster
-from opentelemetry import propagate
 
 log = structlog.get_logger("cluster_agent")
 

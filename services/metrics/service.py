@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 import asyncpg
 import msgspec
 import structlog
+from nats.aio.msg import Msg
+
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError, LoomError
 from loom.model.ledger import Change, Ledger, LedgerCluster, LedgerNode
@@ -28,7 +30,6 @@ from loom_proto.clusters import AcceleratorProfile, ClusterHeartbeat, ClusterPro
 from loom_proto.codec import DecodeError, decode, encode
 from loom_proto.jobs import JobCancelled, JobCompleted, JobFailed, JobPlaced, JobStarted
 from loom_proto.view import ModelCapacity, NodeView, RegionSummary, ViewDelta, ZoneSummary
-from nats.aio.msg import Msg
 
 log = structlog.get_logger("metrics")
 PRODUCER = "metrics"

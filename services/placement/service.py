@@ -17,6 +17,10 @@ from dataclasses import dataclass
 import asyncpg
 import msgspec
 import structlog
+from nats.aio.msg import Msg
+from opentelemetry import propagate
+from opentelemetry.context import Context
+
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError
 from loom.runtime.service import ServiceContext
@@ -42,9 +46,6 @@ from loom_proto.jobs import (
     NodeAllocation,
 )
 from loom_proto.view import ViewDelta
-from nats.aio.msg import Msg
-from opentelemetry import propagate
-from opentelemetry.context import Context
 
 log = structlog.get_logger("placement")
 

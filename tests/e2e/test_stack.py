@@ -19,10 +19,11 @@ from typing import Any
 import asyncpg
 import nats
 import pytest
+from otlp_receiver import OtlpReceiver
+
 from loom.client import LoomClient, QueryError
 from loom.runtime import stack
 from loom_proto.jobs import JobSpec, Resources, Work
-from otlp_receiver import OtlpReceiver
 
 pytestmark = pytest.mark.slow
 
@@ -149,8 +150,9 @@ async def _is(c: LoomClient, job_id: str, wanted: str) -> bool:
 async def test_every_job_is_one_trace_from_client_publish_to_completion(
     client: LoomClient, receiver: OtlpReceiver
 ) -> None:
-    from loom.telemetry import current_trace_id, reset_for_tests, setup_telemetry
     from opentelemetry import trace
+
+    from loom.telemetry import current_trace_id, reset_for_tests, setup_telemetry
 
     provider = setup_telemetry("e2e-client", log_level=None)  # exports to the receiver, like the services
     try:

@@ -14,12 +14,6 @@ from typing import Any
 
 import msgspec
 import pytest
-from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
-from loom.bus.connection import stream_config
-from loom.errors import InvalidInputError, LoomError, TransientError
-from loom.telemetry import reset_for_tests, setup_telemetry
-from loom_proto import JobSubmitted, Work
-from loom_proto import subjects as s
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, DeliverPolicy, DiscardPolicy, RetentionPolicy, StorageType
@@ -27,6 +21,13 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+
+from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
+from loom.bus.connection import stream_config
+from loom.errors import InvalidInputError, LoomError, TransientError
+from loom.telemetry import reset_for_tests, setup_telemetry
+from loom_proto import JobSubmitted, Work
+from loom_proto import subjects as s
 
 WAIT_S = 10.0
 """Upper bound for anything the bus should do; a test waits this long only when it is failing."""

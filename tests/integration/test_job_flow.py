@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from loom.client import LoomClient, QueryError
 from loom.model.profiles import library_models, profile_for_model, relative_speed, scu_per_gpu
 from loom.model.topology import load_topology
@@ -24,8 +27,6 @@ from loom_services.cluster_agent.main import library_profile, model_speed
 from loom_services.cluster_agent.sim import SimCluster
 from loom_services.metrics.service import MetricsService
 from loom_services.placement.service import PlacementService
-from opentelemetry import trace
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 
 @pytest.fixture(scope="module")

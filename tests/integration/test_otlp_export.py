@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from loom.telemetry import consumer_span, producer_span, reset_for_tests, setup_telemetry, shutdown_telemetry
 from otlp_receiver import OtlpReceiver, ReceivedSpan
+
+from loom.telemetry import consumer_span, producer_span, reset_for_tests, setup_telemetry, shutdown_telemetry
 
 SUBJECT = "loom.jobs.submitted.acme"
 

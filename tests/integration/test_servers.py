@@ -8,6 +8,7 @@ from pathlib import Path
 import asyncpg
 import nats
 import pytest
+
 from loom.runtime.servers import NatsServer, PostgresServer, ServerStartError
 
 

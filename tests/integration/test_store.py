@@ -6,6 +6,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import asyncpg
 import pytest
+from nats.aio.client import Client
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from loom.bus import Publisher, connect, ensure_streams
 from loom.sched.firstfit import NodeCapacity
 from loom.store import inbox, jobs, outbox
@@ -14,9 +18,6 @@ from loom.store.pool import ConflictError, StoreError, create_pool, map_error, r
 from loom.telemetry import reset_for_tests, setup_telemetry
 from loom_proto import JobStarted
 from loom_proto import subjects as s
-from nats.aio.client import Client
-from opentelemetry import trace
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 FreshDatabase = Callable[..., Awaitable[str]]
 

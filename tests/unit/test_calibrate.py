@@ -10,6 +10,7 @@ import re
 import msgspec
 import numpy as np
 import pytest
+
 from loom.model.scu import DIMENSIONS, DeviceProfile
 from loom.runtime.calibrate import (
     CalibrationError,

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+
 from loom.model.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[2]

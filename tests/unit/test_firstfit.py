@@ -5,6 +5,7 @@ from collections.abc import Mapping, Sequence
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from loom.sched.firstfit import CapacityIndex, NodeCapacity, Placement, Unschedulable, place
 from loom_proto import JobSpec, Resources, Work
 

@@ -4,6 +4,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+
 from loom.model.ledger import MAX_CLOCK_SKEW_S, MAX_TTL_INTERVALS, MIN_TTL_INTERVALS, Ledger
 from loom_proto import ClusterHeartbeat, NodeState
 

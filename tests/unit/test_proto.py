@@ -5,6 +5,7 @@ from typing import Any
 
 import msgspec
 import pytest
+
 from loom_proto import (
     DecodeError,
     InvalidIdError,

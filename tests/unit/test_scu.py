@@ -7,6 +7,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from loom.errors import InvalidInputError
 from loom.model.profiles import (
     DEFAULT_REFERENCE_MODEL,

@@ -9,6 +9,12 @@ import logging
 from collections.abc import Iterator
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
 from loom.telemetry import (
     JOB_ID_ATTRIBUTE,
     bind_job,
@@ -27,11 +33,6 @@ from loom.telemetry import (
     setup_telemetry,
     span_with_parent,
 )
-from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind, StatusCode
 
 SUBJECT = "loom.jobs.submitted.acme"
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from loom.errors import InvalidInputError
 from loom.model.topology import (
     Cluster,

@@ -4,13 +4,13 @@ import os
 
 import nats
 import structlog
-from loom_proto.subjects import STREAMS, StreamSpec
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 
 from loom.errors import LoomError
+from loom_proto.subjects import STREAMS, StreamSpec
 
 log = structlog.get_logger("loom.bus")
 

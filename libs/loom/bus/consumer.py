@@ -19,9 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import structlog
-from loom_proto.codec import DecodeError, decode
-from loom_proto.ids import InvalidIdError
-from loom_proto.subjects import dead_letter
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -35,6 +32,9 @@ from loom.bus.connection import BusError
 from loom.bus.publisher import Publisher
 from loom.errors import LoomError
 from loom.telemetry import span_name
+from loom_proto.codec import DecodeError, decode
+from loom_proto.ids import InvalidIdError
+from loom_proto.subjects import dead_letter
 
 log = structlog.get_logger("loom.bus")
 _tracer = trace.get_tracer("loom.bus")

@@ -8,7 +8,6 @@ import asyncio
 from collections.abc import Mapping
 
 import msgspec
-from loom_proto.codec import encode
 from nats.aio.client import Client
 from nats.errors import ConnectionClosedError, NoRespondersError, OutboundBufferLimitError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -21,6 +20,7 @@ from opentelemetry.trace import SpanKind
 
 from loom.bus.connection import BusError
 from loom.telemetry import span_name
+from loom_proto.codec import encode
 
 _tracer = trace.get_tracer("loom.bus")
 

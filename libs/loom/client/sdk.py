@@ -9,13 +9,13 @@ from typing import Any
 
 import msgspec
 import yaml
-from loom_proto import subjects
-from loom_proto.codec import DecodeError, decode
-from loom_proto.jobs import JobEvent, JobSpec, JobSubmitted
 from nats.aio.client import Client
 
 from loom.bus import Publisher, connect
 from loom.errors import InvalidInputError, LoomError
+from loom_proto import subjects
+from loom_proto.codec import DecodeError, decode
+from loom_proto.jobs import JobEvent, JobSpec, JobSubmitted
 
 
 class SpecError(InvalidInputError):

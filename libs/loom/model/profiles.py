@@ -22,9 +22,9 @@ from collections.abc import Mapping
 from typing import Final
 
 import msgspec
-from loom_proto.jobs import GpuModel, TaskType
 
 from loom.model.scu import DIMENSIONS, TASK_TYPES, TASK_WEIGHTS, DeviceProfile, ScuError, TaskWeights, scu
+from loom_proto.jobs import GpuModel, TaskType
 
 __all__ = [
     "DEFAULT_NETWORK_GBPS",

@@ -43,10 +43,10 @@ from typing import Annotated, Final, get_args
 import msgspec
 import numpy as np
 import numpy.typing as npt
-from loom_proto.jobs import GpuModel, TaskType
 from msgspec import Meta
 
 from loom.errors import InvalidInputError
+from loom_proto.jobs import GpuModel, TaskType
 
 __all__ = [
     "DECAY_MAX",

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Annotated
 
 import msgspec
-from loom_proto.ids import ID_PATTERN, Id
-from loom_proto.jobs import GpuModel
 from msgspec import Meta
 
 from loom.errors import InvalidInputError
+from loom_proto.ids import ID_PATTERN, Id
+from loom_proto.jobs import GpuModel
 
 __all__ = [
     "Cluster",

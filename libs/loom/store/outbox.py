@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import asyncpg
 import msgspec
 import structlog
-from loom_proto.codec import encode
 from opentelemetry import propagate
 from opentelemetry.context import Context
 
 from loom.bus import BusError, Publisher
+from loom_proto.codec import encode
 
 log = structlog.get_logger("loom.store")
 
