@@ -109,24 +109,7 @@ class OutboxRelay:
         if not messages:
             return 0
         async with self._lock:
-
-            async def one(m: OutboxMessage) -> str | None:
-                try:
-                    await self._publisher.publish_bytes(
-                        m.subject,
-                        m.payload,
-                        msg_id=m.msg_id,
-                        parent=propagate.extract(m.headers),
-                        headers={
-                            k: v for k, v in m.headers.items() if k not in ("traceparent", "tracestate")
-                        },
-                    )
-                except BusError as exc:
-                    log.warning("outbox publish failed; will retry", msg_id=m.msg_id, error=str(exc))
-                    return None
-                return m.msg_id
-
-            done = [r for r in await asyncio.gather(*(one(m) for m in messages)) if r is not None]
+            done = await self._publish(messages)
             if done:
                 await self._pool.execute(
                     """UPDATE outbox SET published_at = now()
@@ -144,40 +127,43 @@ class OutboxRelay:
             total = 0
             while True:
                 rows = await self._pool.fetch(
-                    """SELECT id, msg_id, subject, payload, headers FROM outbox
+                    """SELECT msg_id, subject, payload, headers FROM outbox
                        WHERE producer = $1 AND published_at IS NULL ORDER BY id LIMIT $2""",
                     self._producer,
                     self._batch,
                 )
                 if not rows:
                     return total
-                done = await self._publish(rows)
+                pending = [
+                    OutboxMessage(r["msg_id"], r["subject"], bytes(r["payload"]), json.loads(r["headers"]))
+                    for r in rows
+                ]
+                done = await self._publish(pending)
                 if done:
                     await self._pool.execute(
-                        "UPDATE outbox SET published_at = now() WHERE id = ANY($1::bigint[])", done
+                        "UPDATE outbox SET published_at = now() WHERE msg_id = ANY($1::text[])", done
                     )
                 total += len(done)
                 self.published += len(done)
                 if len(done) < len(rows):
                     return total
 
-    async def _publish(self, rows: Sequence[asyncpg.Record]) -> list[int]:
-        async def one(row: asyncpg.Record) -> int | None:
-            headers = json.loads(row["headers"])
+    async def _publish(self, messages: Sequence[OutboxMessage]) -> list[str]:
+        """Publish concurrently, each continuing its stored trace; returns the ids that made it."""
+
+        async def one(m: OutboxMessage) -> str | None:
             try:
                 await self._publisher.publish_bytes(
-                    row["subject"],
-                    bytes(row["payload"]),
-                    msg_id=row["msg_id"],
-                    parent=propagate.extract(headers),
-                    headers={k: v for k, v in headers.items() if k not in ("traceparent", "tracestate")},
+                    m.subject,
+                    m.payload,
+                    msg_id=m.msg_id,
+                    parent=propagate.extract(m.headers),
+                    headers={k: v for k, v in m.headers.items() if k not in ("traceparent", "tracestate")},
                 )
             except BusError as exc:
-                log.warning("outbox publish failed; will retry", msg_id=row["msg_id"], error=str(exc))
+                log.warning("outbox publish failed; will retry", msg_id=m.msg_id, error=str(exc))
                 return None
-            return int(row["id"])
+            return m.msg_id
 
-        # Publish concurrently (JetStream keeps per-subject order only per publisher call order
-        # anyway); a failure stops the mark only for the rows that failed.
-        results = await asyncio.gather(*(one(r) for r in rows))
-        return [r for r in results if r is not None]
+        # A failure leaves only the messages that failed unmarked; they go out on the next flush.
+        return [r for r in await asyncio.gather(*(one(m) for m in messages)) if r is not None]
