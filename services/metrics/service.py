@@ -236,7 +236,7 @@ class MetricsService:
 
     async def on_job_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
         """Placements show as reserved until the run starts (or ends without starting)."""
-        touched: set[str] = set()
+        touched: dict[str, set[str]] = {}
         for d in deliveries:
             try:
                 event = decode(d.message, ReservationEvent)  # type: ignore[arg-type]
@@ -255,11 +255,11 @@ class MetricsService:
             else:
                 change = self.ledger.settle(f"{event.job_id}:{event.attempt}")
             if change is not None:
-                touched.add(change.cluster)
+                touched.setdefault(change.cluster, set()).update(n.node for n in change.nodes)
         if touched:
             async with self.lock:
-                for cluster_id in sorted(touched):
-                    await self._publish_state_of(cluster_id)
+                for cluster_id, names in sorted(touched.items()):
+                    await self._publish_state_of(cluster_id, names)
             self.relay.kick()
         return [None] * len(deliveries)
 
@@ -361,10 +361,10 @@ class MetricsService:
                 learner.observations,
             )
 
-    async def _publish_state_of(self, cluster_id: str) -> None:
-        """One delta with the current state of every reserved-or-settled node of a cluster."""
+    async def _publish_state_of(self, cluster_id: str, names: set[str]) -> None:
+        """One delta with the current state of the nodes a batch of events touched."""
         cluster = self.ledger.clusters[cluster_id]
-        nodes = tuple(self.ledger.nodes[n] for n in sorted(cluster.nodes) if n in self.ledger.nodes)
+        nodes = tuple(self.ledger.nodes[n] for n in sorted(names) if n in self.ledger.nodes)
         change = Change(cluster.cluster, cluster.region, cluster.version, False, nodes, (), cluster.stale)
         async with transaction(self.pool) as conn:
             await _write_cluster(conn, cluster)

@@ -456,6 +456,10 @@ class PlacementService:
                 continue
             if delta.stale or cap.node in gone or delta.full:
                 changed.append(dataclasses.replace(cap, schedulable=False))
+        # Only what placement decides on: a delta that just moves used or reserved GPUs changes nothing here.
+        changed = [cap for cap in changed if _book_differs(self.nodes.get(cap.node), cap)]
+        if not changed:
+            return
         async with transaction(self.pool) as conn:
             await repo.upsert_nodes(conn, delta.version, changed)
         # Totals and schedulability come from the view; reservations are placement's, taken as
@@ -548,6 +552,20 @@ class PlacementService:
         except Exception as exc:  # any bad request gets an answer, never a crash
             reply = {"ok": False, "error": str(exc)}
         await msg.respond(json.dumps(reply).encode())
+
+
+def _book_differs(old: NodeCapacity | None, new: NodeCapacity) -> bool:
+    """Whether a node's entry in the capacity book changes (reservations aside)."""
+    if old is None:
+        return True
+    return (old.cluster, old.region, old.zone, old.gpu_model, old.gpus_total, old.schedulable) != (
+        new.cluster,
+        new.region,
+        new.zone,
+        new.gpu_model,
+        new.gpus_total,
+        new.schedulable,
+    )
 
 
 def _spec_of(job: JobSubmitted) -> JobSpec:
