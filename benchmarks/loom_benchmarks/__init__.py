@@ -18,6 +18,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--paced-jobs", type=int, default=500, help="jobs in the paced phase (0 skips it)")
     e2e.add_argument("--topology", default="default")
     e2e.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    view = sub.add_parser("view", help="the resource ledger at scale: delta apply, queries, memory per node")
+    view.add_argument("--nodes", type=int, default=100_000)
+    view.add_argument("--repeats", type=int, default=30)
+    view.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    scu = sub.add_parser("scu", help="SCU-predicted speed ratios between GPU models vs measured (Gavel)")
+    scu.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    scu.add_argument("--rows", action="store_true", help="include every predicted and measured ratio")
+    net = sub.add_parser("net", help="network perception: convergence, stability, accuracy, capacity")
+    net.add_argument("--topology", default="default")
+    net.add_argument("--seed", type=int, default=7)
+    net.add_argument("--trials", type=int, default=12, help="links stepped in the convergence runs")
+    net.add_argument("--periods", type=int, default=300, help="probe periods of the accuracy run")
+    net.add_argument("--stability-periods", type=int, default=200, help="probe periods per stability case")
+    net.add_argument("--links", type=int, default=1000, help="links in the capacity run")
+    net.add_argument("--capacity-seconds", type=int, default=20, help="simulated seconds of the capacity run")
+    net.add_argument("--emulator-seconds", type=float, default=10.0, help="real loopback run; 0 skips it")
+    net.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
 
 
 def emit(result: dict[str, Any], as_json: bool) -> None:
@@ -34,5 +51,22 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from loom_benchmarks.e2e import run
 
         emit(run(args), args.json)
+        return 0
+    if args.bench == "view":
+        from loom_benchmarks.view import run as run_view
+
+        emit(run_view(args), args.json)
+        return 0
+    if args.bench == "scu":
+        from loom_benchmarks.scu import main
+
+        return main(args)
+    if args.bench == "net":
+        from loom_benchmarks import net
+
+        result = net.run(args)
+        emit(result, True)
+        if not args.json:
+            net.report(result)
         return 0
     raise SystemExit(f"unknown benchmark {args.bench}")

@@ -1,11 +1,18 @@
-"""RTT forecast: an EWMA level times a learned time-of-day profile (Holt-Winters without trend).
+"""RTT forecast: a fast EWMA for "now" plus a learned time-of-day profile for "later".
 
-``observe(t, value)`` is called once per evaluation period with the period's RTT. The level is
-the de-seasonalised EWMA of the observations (time-based gain, so irregular periods are fine);
-the profile holds one multiplicative factor per time-of-day bucket (48 half-hours by default),
-each an EWMA of observation / level while the clock is in that bucket. ``predict(at)`` is
-``level × factor[bucket(at)]``; a bucket seen too little keeps factor 1. The state is plain data
-(:class:`ForecastState`), so the service can persist the learned profile and restore it.
+``observe(t, value)`` is called once per evaluation period with the period's RTT. Two things
+are learned from it:
+
+* the **level**, an EWMA of the RTT (time-based gain, so irregular periods are fine) — the
+  best guess for the next minutes;
+* the **profile**, one EWMA of the RTT per time-of-day bucket (48 half-hours by default,
+  UTC), moving with the time the clock spends in that bucket — the daily pattern.
+
+``predict(at)`` starts from the profile's value for ``at``'s bucket and carries over today's
+anomaly (level ÷ profile value of the current bucket), fading it out with ``anomaly_tau_s``: a
+link that is 20 % slow right now is forecast 20 % slow in a minute and back on its daily
+pattern in a few hours. Buckets not yet seen long enough fall back to the level. The learned
+state is plain data (:class:`ForecastState`) for the service to persist and restore.
 """
 
 import math
@@ -20,52 +27,55 @@ DAY_S = 86_400.0
 
 @dataclass(frozen=True, slots=True)
 class ForecastConfig:
-    """Time constants of the level and the profile, and the profile's resolution."""
+    """Time constants and the profile's resolution."""
 
     buckets: int = 48
     level_tau_s: float = 60.0
-    """The level follows the de-seasonalised RTT with this time constant."""
-    profile_tau_s: float = 3_600.0
-    """A bucket's factor moves with this time constant of time spent in the bucket: a half-hour
-    bucket moves ~40 % toward one day's value, so a profile settles over two to three days."""
+    """The level follows the RTT with this time constant."""
+    profile_tau_s: float = 1_800.0
+    """A bucket moves with this time constant of time spent in it: a half-hour bucket moves
+    ~60 % toward one day's value, so the profile settles over two to three days."""
     min_bucket_s: float = 600.0
-    """A bucket's factor is used once the clock has spent this long in it."""
+    """A bucket is trusted once the clock has spent this long in it."""
+    anomaly_tau_s: float = 3_600.0
+    """How long today's deviation from the profile is expected to persist."""
     max_gap_s: float = 600.0
-    """A gap longer than this between observations counts as this long (no giant catch-up step)."""
+    """A gap longer than this between observations counts as this long."""
 
 
 class ForecastState(msgspec.Struct, frozen=True, kw_only=True):
     """The learned part of a forecast, as persisted."""
 
     level: float | None
-    factors: list[float]
+    profile: list[float]
     seen_s: list[float]
     updated_at: float | None
 
 
 @dataclass(slots=True)
 class Forecast:
-    """The forecast of one link's RTT."""
+    """The forecast of one link's RTT (ms)."""
 
     config: ForecastConfig = field(default_factory=ForecastConfig)
     level: float | None = None
     updated_at: float | None = None
-    factors: list[float] = field(default_factory=list)
+    profile: list[float] = field(default_factory=list)
     seen_s: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.config.buckets < 1:
             raise ValueError("a forecast needs at least one time-of-day bucket")
-        if not self.factors:
-            self.factors = [1.0] * self.config.buckets
+        if not self.profile:
+            self.profile = [0.0] * self.config.buckets
             self.seen_s = [0.0] * self.config.buckets
 
     def bucket(self, at: float) -> int:
         """The time-of-day bucket of unix time ``at`` (UTC)."""
-        return int((at % DAY_S) / DAY_S * self.config.buckets) % self.config.buckets
+        buckets = self.config.buckets
+        return int((at % DAY_S) / DAY_S * buckets) % buckets
 
-    def _factor(self, index: int) -> float:
-        return self.factors[index] if self.seen_s[index] >= self.config.min_bucket_s else 1.0
+    def _trusted(self, index: int) -> float | None:
+        return self.profile[index] if self.seen_s[index] >= self.config.min_bucket_s else None
 
     def observe(self, at: float, value: float) -> None:
         """Fold in one observation (a period's RTT in ms) made at unix time ``at``."""
@@ -74,30 +84,41 @@ class Forecast:
         config = self.config
         index = self.bucket(at)
         if self.level is None or self.updated_at is None:
-            self.level = value / self._factor(index)
+            self.level = value
             self.updated_at = at
+            self.profile[index] = value
             return
         dt = min(max(at - self.updated_at, 0.0), config.max_gap_s)
         self.updated_at = max(at, self.updated_at)
-        level_gain = 1.0 - math.exp(-dt / config.level_tau_s)
-        self.level += level_gain * (value / self._factor(index) - self.level)
-        profile_gain = 1.0 - math.exp(-dt / config.profile_tau_s)
-        if self.seen_s[index] == 0.0:
-            self.factors[index] = value / self.level
+        self.level += (1.0 - math.exp(-dt / config.level_tau_s)) * (value - self.level)
+        if self.seen_s[index] == 0.0 and self.profile[index] == 0.0:
+            self.profile[index] = value
         else:
-            self.factors[index] += profile_gain * (value / self.level - self.factors[index])
+            gain = 1.0 - math.exp(-dt / config.profile_tau_s)
+            self.profile[index] += gain * (value - self.profile[index])
         self.seen_s[index] += dt
 
-    def predict(self, at: float) -> float | None:
-        """The expected RTT (ms) at unix time ``at``; None before the first observation."""
-        if self.level is None:
+    def predict(self, at: float, now: float | None = None) -> float | None:
+        """The expected RTT (ms) at unix time ``at``, seen from ``now`` (default: the last observation).
+
+        None before the first observation.
+        """
+        level = self.level
+        if level is None:
             return None
-        return self.level * self._factor(self.bucket(at))
+        now = self.updated_at if now is None else now
+        later = self._trusted(self.bucket(at))
+        if later is None or now is None:
+            return level
+        current = self._trusted(self.bucket(now))
+        anomaly = level / current if current else 1.0
+        fade = math.exp(-max(at - now, 0.0) / self.config.anomaly_tau_s)
+        return later * (1.0 + (anomaly - 1.0) * fade)
 
     def state(self) -> ForecastState:
         """The learned state, to persist."""
         return ForecastState(
-            level=self.level, factors=list(self.factors), seen_s=list(self.seen_s), updated_at=self.updated_at
+            level=self.level, profile=list(self.profile), seen_s=list(self.seen_s), updated_at=self.updated_at
         )
 
     @classmethod
@@ -107,7 +128,7 @@ class Forecast:
         forecast = cls(config)
         forecast.level = state.level
         forecast.updated_at = state.updated_at
-        if len(state.factors) == config.buckets == len(state.seen_s):
-            forecast.factors = list(state.factors)
+        if len(state.profile) == config.buckets == len(state.seen_s):
+            forecast.profile = list(state.profile)
             forecast.seen_s = list(state.seen_s)
         return forecast

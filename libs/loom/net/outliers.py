@@ -6,6 +6,9 @@ SRTT/RTTVAR estimator, RFC 6298, O(1) per sample). A normal sample after a suspe
 suspects as outliers; ``confirm_after`` suspects in a row on the same side are a level shift:
 they are all admitted, the estimator re-centres on them, and :attr:`OutlierFilter.shift_at`
 records when, so the caller can restart its short window there and see the new level at once.
+Suspects must also agree with each other (spread within ``consistency`` of their distance
+from the old level): a run of unrelated spikes is not a new level; its oldest is dropped and
+the filter keeps waiting.
 """
 
 from dataclasses import dataclass, field
@@ -28,6 +31,9 @@ class OutlierConfig:
     """... nor narrower than this fraction of the smoothed RTT."""
     confirm_after: int = 3
     """Consecutive suspects on the same side that make a level shift."""
+    consistency: float = 0.35
+    """Suspects make a level shift only if none is further from their median than this fraction
+    of the median's distance from the smoothed RTT."""
     gain: float = 0.125
     """RFC 6298 alpha: weight of a new sample in SRTT."""
     var_gain: float = 0.25
@@ -75,6 +81,9 @@ class OutlierFilter:
             return [], dropped
         values = sorted(value for _, value in suspects)
         centre = values[len(values) // 2]
+        if max(centre - values[0], values[-1] - centre) > config.consistency * abs(centre - srtt):
+            del suspects[0]
+            return [], dropped + 1
         self.srtt_ms = centre
         self.rttvar_ms = max(sum(abs(v - centre) for v in values) / len(values), centre * 0.01)
         self.shift_at = suspects[0][0]

@@ -87,10 +87,10 @@ class ValidationConfig:
     """A sample stamped more than this ahead of the receiver's clock is refused."""
     max_age_s: float = 120.0
     """A sample stamped more than this before the receiver's clock is refused."""
-    rate_per_link_hz: float = 25.0
-    """Sustained samples per second one source may send about one link (probes run at ~5 Hz)."""
-    burst: float = 50.0
-    """Samples a source may send about one link at once before the rate applies."""
+    rate_per_link_hz: float = 10.0
+    """Sustained samples per second one source may send about one link: twice the 5 Hz probe rate."""
+    burst: float = 20.0
+    """Samples a source may send about one link at once (a collector's batch of a few seconds)."""
 
 
 @dataclass(slots=True)

@@ -61,23 +61,30 @@ _NAN = math.nan
 class _Ring:
     """Fixed columns of float64, each stored twice so that any recent span is contiguous."""
 
-    __slots__ = ("_cols", "capacity", "head", "max_capacity", "size")
+    __slots__ = ("_cols", "capacity", "head", "last_t", "max_capacity", "size")
 
     def __init__(self, columns: int, capacity: int, max_capacity: int) -> None:
         self.capacity = capacity
         self.max_capacity = max(capacity, max_capacity)
         self.size = 0
         self.head = 0
+        self.last_t = -math.inf
         self._cols = [np.zeros(2 * capacity) for _ in range(columns)]
 
-    def append(self, values: tuple[float, ...], oldest_needed: float) -> None:
-        if self.size == self.capacity and self.capacity < self.max_capacity:
-            # Grow only while the value about to be overwritten is still inside the longest horizon.
-            if self.column(0)[0] >= oldest_needed:
-                self._grow()
+    def append(self, t: float, values: tuple[float, ...], horizon_s: float) -> None:
+        """Append a row at time ``t`` (clamped so times never go backwards: the search needs order)."""
+        t = max(t, self.last_t)
+        self.last_t = t
+        # Grow only while the value about to be overwritten is still inside the longest horizon.
+        full = self.size == self.capacity
+        if full and self.capacity < self.max_capacity and self.column(0)[0] >= t - horizon_s:
+            self._grow()
         i = self.head
         j = i + self.capacity
-        for col, value in zip(self._cols, values, strict=True):
+        cols = self._cols
+        cols[0][i] = t
+        cols[0][j] = t
+        for col, value in zip(cols[1:], values, strict=True):
             col[i] = value
             col[j] = value
         self.head = i + 1 if i + 1 < self.capacity else 0
@@ -106,7 +113,7 @@ class _Ring:
 class LinkWindow:
     """The recent RTTs (received probes) and probe counts (all probes) of one directed link."""
 
-    __slots__ = ("_longest_s", "_loss", "_rtt", "horizons_s", "last_at")
+    __slots__ = ("_longest_s", "_loss", "_rtt", "horizons_s")
 
     def __init__(
         self,
@@ -121,58 +128,53 @@ class LinkWindow:
         self._longest_s = self.horizons_s[-1]
         self._rtt = _Ring(2, initial_capacity, max_capacity)
         self._loss = _Ring(3, initial_capacity, max_capacity)
-        self.last_at: float | None = None
-
-    def _clamp(self, t: float) -> float:
-        # Times must not go backwards within a ring, or the binary search breaks.
-        last = self.last_at
-        if last is not None and t < last:
-            return last
-        self.last_at = t
-        return t
 
     def add_rtt(self, t: float, rtt_ms: float) -> None:
         """Record one RTT of a received probe, at arrival time ``t``."""
-        t = self._clamp(t)
-        self._rtt.append((t, rtt_ms), t - self._longest_s)
+        self._rtt.append(t, (rtt_ms,), self._longest_s)
 
     def add_probes(self, t: float, sent: int, lost: int) -> None:
         """Record ``sent`` probes of which ``lost`` got no answer, at arrival time ``t``."""
-        t = self._clamp(t)
-        self._loss.append((t, float(sent), float(lost)), t - self._longest_s)
+        self._loss.append(t, (float(sent), float(lost)), self._longest_s)
+
+    def __len__(self) -> int:
+        """RTT values held (across all horizons)."""
+        return self._rtt.size
 
     def recent_rtts(self, now: float, horizon_s: float, since: float | None = None) -> FloatArray:
         """The RTTs that arrived in ``(now - horizon_s, now]`` and not before ``since``, oldest first."""
         ring = self._rtt
         times = ring.column(0)
-        start = now - horizon_s
-        if since is not None and since > start:
-            start = since
-        first = int(np.searchsorted(times, start, side="left"))
+        first = int(np.searchsorted(times, now - horizon_s, side="right"))
+        if since is not None:
+            first = max(first, int(np.searchsorted(times, since, side="left")))
         return ring.column(1)[first:]
 
     def rtt_stats(self, now: float, horizon_s: float, since: float | None = None) -> RttStats:
         """RTT statistics over one horizon (optionally only since ``since``)."""
         return summarize_rtts(self.recent_rtts(now, horizon_s, since), horizon_s)
 
-    def loss_stats(self, now: float, horizon_s: float, min_probes: int = 0) -> LossStats:
+    def loss_stats(
+        self, now: float, horizon_s: float, min_probes: int = 0, since: float | None = None
+    ) -> LossStats:
         """Probe counts over ``horizon_s``, widened back in time until at least ``min_probes`` were sent.
 
         Widening keeps a loss estimate meaningful on slow probe rates: 1 % loss cannot be read off
-        fifty probes. It stops at the ring's oldest value.
+        fifty probes. It stops at the ring's oldest value, and never reaches before ``since``.
         """
         ring = self._loss
         if ring.size == 0:
             return LossStats(horizon_s, 0, 0)
         times = ring.column(0)
         sent_col = ring.column(1)
-        first = int(np.searchsorted(times, now - horizon_s, side="left"))
+        floor = 0 if since is None else int(np.searchsorted(times, since, side="left"))
+        first = max(int(np.searchsorted(times, now - horizon_s, side="right")), floor)
         sent = float(sent_col[first:].sum())
-        if sent < min_probes and first > 0:
+        if sent < min_probes and first > floor:
             # Walk back through the cumulative counts to the latest start that has enough probes.
             cumulative = np.cumsum(sent_col[::-1])
             needed = int(np.searchsorted(cumulative, min_probes, side="left"))
-            first = max(0, ring.size - 1 - needed)
+            first = max(floor, ring.size - 1 - needed)
             sent = float(sent_col[first:].sum())
         lost = float(ring.column(2)[first:].sum())
         return LossStats(horizon_s, int(sent), int(lost))
@@ -188,10 +190,12 @@ def summarize_rtts(values: FloatArray, horizon_s: float) -> RttStats:
     if n == 0:
         return RttStats(horizon_s, 0, _NAN, _NAN, _NAN, _NAN, _NAN, _NAN)
     ordered = np.sort(values)
-    mean = float(ordered.mean())
+    # Plain reductions: numpy's mean/std/diff helpers cost more in overhead than in arithmetic here.
+    mean = float(ordered.sum()) / n
     if n == 1:
-        only = float(ordered[0])
-        return RttStats(horizon_s, 1, mean, only, only, only, 0.0, 0.0)
+        return RttStats(horizon_s, 1, mean, mean, mean, mean, 0.0, 0.0)
+    variance = max(float(np.dot(ordered, ordered)) / n - mean * mean, 0.0)
+    jitter = float(np.abs(values[1:] - values[:-1]).sum()) / (n - 1)
     return RttStats(
         horizon_s,
         n,
@@ -199,8 +203,8 @@ def summarize_rtts(values: FloatArray, horizon_s: float) -> RttStats:
         _quantile(ordered, 0.50),
         _quantile(ordered, 0.95),
         _quantile(ordered, 0.99),
-        float(ordered.std()),
-        float(np.abs(np.diff(values)).mean()),
+        math.sqrt(variance),
+        jitter,
     )
 
 

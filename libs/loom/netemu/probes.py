@@ -1,0 +1,305 @@
+"""Probe endpoints and probe clients for the emulator: UDP echo, TCP echo / bulk, and their clients.
+
+* :class:`UdpEchoServer` sends every datagram back to its sender.
+* :class:`TcpProbeServer` speaks a one-line header per connection: ``ECHO`` (echo every byte),
+  ``UP <n>`` (read ``n`` bytes, answer ``OK <n>``) or ``DOWN <n>`` (send ``n`` bytes).
+* :class:`UdpProber` sends numbered datagrams and times their echoes; a probe unanswered within
+  ``timeout_s`` is lost. :func:`udp_ping` runs a fixed number of them.
+* :func:`tcp_bulk` measures throughput by pushing a byte budget and waiting for the ``OK``.
+
+:func:`to_sample` turns a probe result into the wire :class:`loom_proto.net.ProbeSample`.
+"""
+
+import asyncio
+import struct
+import time
+from dataclasses import dataclass
+from typing import cast
+
+from loom_proto.net import ProbeSample
+
+__all__ = [
+    "BulkResult",
+    "ProbeResult",
+    "TcpProbeServer",
+    "UdpEchoServer",
+    "UdpProber",
+    "tcp_bulk",
+    "to_sample",
+    "udp_ping",
+]
+
+Address = tuple[str, int]
+
+_HEADER = struct.Struct("!Q")
+_MAX_HEADER_BYTES = 64
+_CHUNK_BYTES = 64 * 1024
+
+
+class _Echo(asyncio.DatagramProtocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # The selector loop's datagram transport does not subclass DatagramTransport; it behaves as one.
+        self.transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: Address) -> None:
+        if self.transport is not None:
+            self.transport.sendto(data, addr)
+
+
+class UdpEchoServer:
+    """Echoes datagrams on ``host:port`` (port 0 picks a free one; see :attr:`address`)."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._host = host
+        self._port = port
+        self._transport: asyncio.DatagramTransport | None = None
+        self.address: Address = (host, port)
+
+    async def start(self) -> "UdpEchoServer":
+        """Bind and start echoing."""
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(_Echo, local_addr=(self._host, self._port))
+        self._transport = transport
+        self.address = transport.get_extra_info("sockname")[:2]
+        return self
+
+    async def close(self) -> None:
+        """Stop echoing."""
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    async def __aenter__(self) -> "UdpEchoServer":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class TcpProbeServer:
+    """The TCP end of probes: echo, sink (``UP``) or source (``DOWN``) of a byte budget."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._host = host
+        self._port = port
+        self._server: asyncio.Server | None = None
+        self._handlers: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self.address: Address = (host, port)
+
+    async def start(self) -> "TcpProbeServer":
+        """Start listening."""
+        self._server = await asyncio.start_server(self._serve, self._host, self._port)
+        self.address = self._server.sockets[0].getsockname()[:2]
+        return self
+
+    async def close(self) -> None:
+        """Stop listening and drop open connections."""
+        if self._server is not None:
+            self._server.close()
+        # Abort the connections rather than cancel the handlers (asyncio's stream server reports
+        # a cancelled callback task as an error); each handler then ends on its own.
+        for writer in list(self._handlers.values()):
+            writer.transport.abort()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    async def __aenter__(self) -> "TcpProbeServer":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None  # a server callback always runs in a task
+        self._handlers[task] = writer
+        try:
+            header = await reader.readline()
+            command, _, argument = header[:_MAX_HEADER_BYTES].strip().partition(b" ")
+            if command == b"ECHO":
+                while data := await reader.read(_CHUNK_BYTES):
+                    writer.write(data)
+                    await writer.drain()
+            elif command == b"UP":
+                remaining = int(argument)
+                while remaining > 0 and (data := await reader.read(min(remaining, _CHUNK_BYTES))):
+                    remaining -= len(data)
+                writer.write(b"OK %d\n" % (int(argument) - remaining))
+                await writer.drain()
+            elif command == b"DOWN":
+                remaining = int(argument)
+                block = bytes(_CHUNK_BYTES)
+                while remaining > 0:
+                    writer.write(block[: min(remaining, _CHUNK_BYTES)])
+                    remaining -= min(remaining, _CHUNK_BYTES)
+                    await writer.drain()
+        except (OSError, ValueError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._handlers.pop(task, None)
+            writer.close()
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """One probe: its number, when it was sent (unix seconds) and its RTT (None: lost)."""
+
+    seq: int
+    sent_at: float
+    rtt_ms: float | None
+
+
+class _ProberProtocol(asyncio.DatagramProtocol):
+    def __init__(self, prober: "UdpProber") -> None:
+        self.prober = prober
+
+    def datagram_received(self, data: bytes, addr: Address) -> None:
+        self.prober._answered(data)
+
+
+class UdpProber:
+    """Numbered UDP probes to one echo target; results arrive on :attr:`results` as they complete."""
+
+    def __init__(self, target: Address, *, timeout_s: float = 1.0, payload_bytes: int = 64) -> None:
+        self.target = target
+        self.timeout_s = timeout_s
+        self.payload_bytes = max(payload_bytes, _HEADER.size)
+        self.results: asyncio.Queue[ProbeResult] = asyncio.Queue()
+        self._transport: asyncio.DatagramTransport | None = None
+        self._outstanding: dict[int, tuple[float, float, asyncio.TimerHandle]] = {}
+        self._next_seq = 0
+
+    async def start(self) -> "UdpProber":
+        """Open the probing socket."""
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(
+            lambda: _ProberProtocol(self), remote_addr=self.target
+        )
+        self._transport = transport
+        return self
+
+    async def close(self) -> None:
+        """Close the socket; outstanding probes are reported lost."""
+        for seq in list(self._outstanding):
+            self._expire(seq)
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    async def __aenter__(self) -> "UdpProber":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def outstanding(self) -> int:
+        """Probes sent and neither answered nor timed out."""
+        return len(self._outstanding)
+
+    def send(self) -> int:
+        """Send the next probe now; returns its sequence number."""
+        if self._transport is None:
+            raise RuntimeError("prober is not started")
+        loop = asyncio.get_running_loop()
+        seq = self._next_seq
+        self._next_seq += 1
+        payload = _HEADER.pack(seq) + bytes(self.payload_bytes - _HEADER.size)
+        timer = loop.call_later(self.timeout_s, self._expire, seq)
+        self._outstanding[seq] = (loop.time(), time.time(), timer)
+        self._transport.sendto(payload)
+        return seq
+
+    def _answered(self, data: bytes) -> None:
+        if len(data) < _HEADER.size:
+            return
+        (seq,) = _HEADER.unpack_from(data)
+        entry = self._outstanding.pop(seq, None)
+        if entry is None:
+            return  # late (already counted lost) or duplicated
+        sent_mono, sent_wall, timer = entry
+        timer.cancel()
+        rtt_ms = (asyncio.get_running_loop().time() - sent_mono) * 1000.0
+        self.results.put_nowait(ProbeResult(seq, sent_wall, rtt_ms))
+
+    def _expire(self, seq: int) -> None:
+        entry = self._outstanding.pop(seq, None)
+        if entry is not None:
+            entry[2].cancel()
+            self.results.put_nowait(ProbeResult(seq, entry[1], None))
+
+
+async def udp_ping(
+    target: Address, *, count: int, interval_s: float = 0.01, timeout_s: float = 1.0
+) -> list[ProbeResult]:
+    """Send ``count`` probes ``interval_s`` apart; every result (answered or lost), by sequence number."""
+    async with UdpProber(target, timeout_s=timeout_s) as prober:
+        for i in range(count):
+            if i:
+                await asyncio.sleep(interval_s)  # pacing the probes, not a synchronisation
+            prober.send()
+        results = [await asyncio.wait_for(prober.results.get(), timeout_s + 1.0) for _ in range(count)]
+    return sorted(results, key=lambda r: r.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class BulkResult:
+    """A bulk transfer: bytes moved, seconds taken (first byte sent to ``OK`` received), and the rate."""
+
+    nbytes: int
+    seconds: float
+
+    @property
+    def mbps(self) -> float:
+        """Megabits per second."""
+        return self.nbytes * 8.0 / self.seconds / 1e6 if self.seconds > 0 else float("inf")
+
+
+async def tcp_bulk(target: Address, nbytes: int, *, timeout_s: float = 30.0) -> BulkResult:
+    """Push ``nbytes`` to a :class:`TcpProbeServer` (``UP``) and time it until the server's ``OK``.
+
+    The time includes one round trip (the ``OK`` coming back); use a budget that takes much
+    longer than that.
+    """
+
+    async def run() -> BulkResult:
+        reader, writer = await asyncio.open_connection(*target)
+        try:
+            loop = asyncio.get_running_loop()
+            writer.write(b"UP %d\n" % nbytes)
+            started = loop.time()
+            block = bytes(_CHUNK_BYTES)
+            remaining = nbytes
+            while remaining > 0:
+                size = min(remaining, _CHUNK_BYTES)
+                writer.write(block[:size])
+                remaining -= size
+                await writer.drain()
+            answer = await reader.readline()
+            if not answer.startswith(b"OK"):
+                raise ConnectionError(f"bulk target answered {answer!r}")
+            return BulkResult(int(answer.split()[1]), loop.time() - started)
+        finally:
+            writer.close()
+
+    return await asyncio.wait_for(run(), timeout_s)
+
+
+def to_sample(src: str, dst: str, result: ProbeResult) -> ProbeSample:
+    """The wire sample of one UDP echo probe result."""
+    lost = result.rtt_ms is None
+    return ProbeSample(
+        src=src,
+        dst=dst,
+        probe="udp_echo",
+        seq=result.seq,
+        sent_at=result.sent_at,
+        rtt_ms=result.rtt_ms,
+        sent=1,
+        lost=1 if lost else 0,
+    )
