@@ -35,7 +35,15 @@ from loom_proto.jobs import (
     TaskType,
     Work,
 )
-from loom_proto.net import LinkState, ProbeKind, ProbeSample
+from loom_proto.net import (
+    LinkDegraded,
+    LinkEventMessage,
+    LinkRecovered,
+    LinkState,
+    ProbeEndpoints,
+    ProbeKind,
+    ProbeSample,
+)
 from loom_proto.view import ModelCapacity, NodeView, RegionSummary, ViewDelta, ZoneSummary
 
 __all__ = [
@@ -60,11 +68,15 @@ __all__ = [
     "JobSpec",
     "JobStarted",
     "JobSubmitted",
+    "LinkDegraded",
+    "LinkEventMessage",
+    "LinkRecovered",
     "LinkState",
     "ModelCapacity",
     "NodeAllocation",
     "NodeState",
     "NodeView",
+    "ProbeEndpoints",
     "ProbeKind",
     "ProbeSample",
     "RegionSummary",

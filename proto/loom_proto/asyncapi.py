@@ -16,6 +16,7 @@ from loom_proto.alerts import Alert
 from loom_proto.clusters import (
     CheckpointJob,
     ClusterHeartbeat,
+    ClusterProfiles,
     ClusterStatus,
     DrainCluster,
     StartJob,
@@ -32,7 +33,7 @@ from loom_proto.jobs import (
     JobStarted,
     JobSubmitted,
 )
-from loom_proto.net import LinkState, ProbeSample
+from loom_proto.net import LinkDegraded, LinkRecovered, LinkState, ProbeSample
 from loom_proto.view import RegionSummary, ViewDelta
 
 # The generated files live in the top-level proto/ folder, beside this package, for other languages.
@@ -55,10 +56,13 @@ CHANNELS: dict[str, tuple[tuple[str, ...], type[msgspec.Struct], str]] = {
     "loom.clusters.{cluster}.cmd.checkpoint": (("cluster",), CheckpointJob, "Checkpoint a job now."),
     "loom.clusters.{cluster}.cmd.drain": (("cluster",), DrainCluster, "Stop accepting work."),
     "loom.clusters.{cluster}.status": (("cluster",), ClusterStatus, "An agent's state changes."),
+    "loom.clusters.{cluster}.profile": (("cluster",), ClusterProfiles, "Accelerator profiles of a cluster."),
     "loom.view.delta.{region}": (("region",), ViewDelta, "Ledger changes of one cluster."),
     "loom.view.summary.{region}": (("region",), RegionSummary, "Capacity of a region and its zones."),
     "loom.net.probe.{src}.{dst}": (("src", "dst"), ProbeSample, "A raw probe sample."),
     "loom.net.link.{src}.{dst}": (("src", "dst"), LinkState, "A link's current state."),
+    "loom.net.event.degraded": ((), LinkDegraded, "A link crossed its degrade thresholds."),
+    "loom.net.event.recovered": ((), LinkRecovered, "A degraded link is within its thresholds again."),
     "loom.alerts.{source}": (("source",), Alert, "An alert from a monitoring source."),
 }
 

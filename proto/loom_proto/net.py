@@ -49,3 +49,48 @@ class LinkState(
     stale: bool = False
     degraded: bool = False
     updated_at: UnixSeconds
+
+
+class LinkDegraded(
+    msgspec.Struct, tag_field="kind", tag="degraded", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
+    """A link crossed its degrade thresholds (RTT against its baseline, loss, or unreachable)."""
+
+    src: Id
+    dst: Id
+    at: UnixSeconds
+    reason: Annotated[str, Meta(max_length=500)]
+    rtt_ms: NonNegative | None = None
+    """The RTT estimate when the event was raised (None where none is known)."""
+    baseline_rtt_ms: NonNegative
+    loss_rate: Annotated[float, Meta(ge=0, le=1)]
+
+
+class LinkRecovered(
+    msgspec.Struct, tag_field="kind", tag="recovered", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
+    """A degraded link stayed within its (stricter) recover thresholds for the hold time."""
+
+    src: Id
+    dst: Id
+    at: UnixSeconds
+    reason: Annotated[str, Meta(max_length=500)]
+    rtt_ms: NonNegative | None = None
+    baseline_rtt_ms: NonNegative
+    loss_rate: Annotated[float, Meta(ge=0, le=1)]
+
+
+LinkEventMessage = LinkDegraded | LinkRecovered
+"""What ``loom.net.event.<kind>`` carries, told apart by ``kind``."""
+
+
+class ProbeEndpoints(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Where a cluster answers probes: the reply on ``loom.net.endpoints.<cluster>``."""
+
+    cluster: Id
+    region: Id
+    host: Annotated[str, Meta(min_length=1, max_length=253)]
+    udp_port: Annotated[int, Meta(ge=1, le=65_535)]
+    """UDP echo."""
+    tcp_port: Annotated[int, Meta(ge=1, le=65_535)]
+    """TCP echo / bulk (``ECHO``, ``UP <n>``, ``DOWN <n>``)."""

@@ -105,6 +105,32 @@ def link_state(src: str, dst: str) -> str:
     return f"{PREFIX}.net.link.{validate_id(src, 'source')}.{validate_id(dst, 'destination')}"
 
 
+NetEventKind = Literal["degraded", "recovered"]
+NET_EVENT_KINDS: tuple[NetEventKind, ...] = ("degraded", "recovered")
+
+
+def net_event(kind: NetEventKind) -> str:
+    """``loom.net.event.<kind>``: a link became degraded or recovered."""
+    if kind not in NET_EVENT_KINDS:
+        raise ValueError(f"unknown network event kind {kind!r}")
+    return f"{PREFIX}.net.event.{kind}"
+
+
+def net_emulator(src: str, dst: str) -> str:
+    """``loom.net.emu.<src>.<dst>``: request-reply control of the emulated link (its collector answers)."""
+    return f"{PREFIX}.net.emu.{validate_id(src, 'source')}.{validate_id(dst, 'destination')}"
+
+
+def net_emulator_region(src: str) -> str:
+    """``loom.net.emu.<src>.*``: every emulated link out of one region (a collector's filter)."""
+    return f"{PREFIX}.net.emu.{validate_id(src, 'source')}.*"
+
+
+def net_endpoints(cluster: str) -> str:
+    """``loom.net.endpoints.<cluster>``: request-reply, where a cluster's agent answers probes."""
+    return f"{PREFIX}.net.endpoints.{validate_id(cluster, 'cluster')}"
+
+
 def alert(source: str) -> str:
     """``loom.alerts.<source>``."""
     return f"{PREFIX}.alerts.{validate_id(source, 'source')}"
@@ -128,6 +154,8 @@ VIEW_QUERY = f"{PREFIX}.view.query"
 JOBS_QUERY = f"{PREFIX}.jobs.query"
 NET_QUERY_PATH = f"{PREFIX}.net.query.path"
 NET_QUERY_POINT = f"{PREFIX}.net.query.point"
+NET_EMU_ALL = f"{PREFIX}.net.emu.all"
+"""Every collector answers (scatter-gather): used to restore or list every emulated link."""
 
 
 class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):

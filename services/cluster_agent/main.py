@@ -1,4 +1,4 @@
-"""Entry point: ``loom-cluster-agent --cluster ID [--topology FILE] [--time-scale X]``."""
+"""Entry point: ``loom-cluster-agent --cluster ID [--topology FILE] [--time-scale X] [--probe-...]``."""
 
 import argparse
 from pathlib import Path
@@ -10,6 +10,7 @@ from loom.runtime.config import loom_home
 from loom.runtime.service import ServiceContext, run
 from loom_proto.clusters import AcceleratorProfile
 from loom_services.cluster_agent.agent import Agent
+from loom_services.cluster_agent.probes import ProbeResponder
 from loom_services.cluster_agent.sim import SimCluster
 
 
@@ -64,6 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--state-dir", type=Path, default=None, help="where running jobs are kept across restarts"
     )
+    parser.add_argument("--probe-host", default="127.0.0.1", help="address the probe endpoints bind")
+    parser.add_argument("--probe-udp-port", type=int, default=0, help="UDP echo port (0: a free one)")
+    parser.add_argument("--probe-tcp-port", type=int, default=0, help="TCP echo/bulk port (0: a free one)")
+    parser.add_argument(
+        "--probe-advertise-host",
+        default=None,
+        help="host collectors reach the endpoints at (default: the bind address, or this host's name)",
+    )
     return parser.parse_args(argv)
 
 
@@ -76,6 +85,15 @@ def main(argv: list[str] | None = None) -> None:
     state_dir.mkdir(parents=True, exist_ok=True)
 
     async def body(ctx: ServiceContext) -> None:
+        responder = await ProbeResponder(
+            ctx,
+            cluster=cluster.id,
+            region=cluster.region,
+            host=args.probe_host,
+            udp_port=args.probe_udp_port,
+            tcp_port=args.probe_tcp_port,
+            advertise_host=args.probe_advertise_host,
+        ).start()
         agent = Agent(
             ctx,
             SimCluster(cluster, speed=model_speed, efficiency=args.efficiency),
@@ -86,7 +104,10 @@ def main(argv: list[str] | None = None) -> None:
             max_heartbeat_s=args.max_heartbeat_s,
             state_dir=state_dir,
         )
-        await agent.run()
+        try:
+            await agent.run()
+        finally:
+            await responder.close()
 
     run(f"agent-{cluster.id}", body, needs_db=False)
 

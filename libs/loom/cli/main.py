@@ -311,6 +311,150 @@ def _view_tree(view: dict[str, Any], *, with_nodes: bool) -> Tree:
     return root
 
 
+# ---- network --------------------------------------------------------------------------------------
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def cmd_net_links(args: argparse.Namespace) -> int:
+    """Every link's state as network-perception sees it now."""
+
+    async def go() -> int:
+        client = await _client()
+        try:
+            answer = await client.net_point(region=args.region)
+        finally:
+            await client.close()
+        # A region's answer holds its links out, then in; otherwise it is every link.
+        links: list[dict[str, Any]] = (
+            [*answer["outgoing"], *answer["incoming"]] if isinstance(answer, dict) else answer
+        )
+        if args.json:
+            print(json.dumps(links, indent=2))
+            return 0
+        table = Table(title="Loom links")
+        for col in ("link", "rtt ms", "baseline", "jitter", "loss", "Gbps", "cost", "state"):
+            table.add_column(col, justify="left" if col in ("link", "state") else "right")
+        for link in links:
+            state = []
+            if link["degraded"]:
+                state.append("[red]degraded[/red]")
+            if link["stale"]:
+                state.append("[yellow]stale[/yellow]")
+            if not link["usable"]:
+                state.append("[red]unusable[/red]")
+            table.add_row(
+                f"{link['src']} -> {link['dst']}",
+                _ms(link["rtt_ms"]),
+                _ms(link["baseline_rtt_ms"]),
+                _ms(link["jitter_ms"]),
+                f"{link['loss_rate']:.2%}" if link["loss_rate"] is not None else "-",
+                f"{link['bandwidth_gbps']:.2f}" if link["bandwidth_gbps"] is not None else "-",
+                _ms(link["cost"]),
+                ", ".join(state) or "[green]ok[/green]",
+            )
+        console.print(table)
+        return 0
+
+    return _run(go())
+
+
+def cmd_net_path(args: argparse.Namespace) -> int:
+    """The chosen path between two regions, the momentary best, and why."""
+
+    async def go() -> int:
+        client = await _client()
+        try:
+            answer = await client.net_path(args.src, args.dst)
+        finally:
+            await client.close()
+        if args.json:
+            print(json.dumps(answer, indent=2))
+            return 0
+        path = answer["path"]
+        if path is None:
+            console.print(f"[red]no path[/red] from {args.src} to {args.dst} ({answer['reason']})")
+            return 1
+        console.print(
+            f"[bold]{' -> '.join(path['nodes'])}[/bold]  cost {_ms(path['cost'])}"
+            f"  rtt {_ms(path['rtt_ms'])} ms"
+            f"  loss {path['loss_rate']:.2%}  ({answer['reason']}; {answer['changes']} changes)"
+        )
+        best = answer["best"]
+        if best is not None and best["nodes"] != path["nodes"]:
+            console.print(f"momentary best: {' -> '.join(best['nodes'])}  cost {_ms(best['cost'])}")
+        return 0
+
+    return _run(go())
+
+
+def _print_emulated(links: list[dict[str, Any]]) -> None:
+    table = Table(title="emulated links")
+    for col in ("link", "rtt ms", "jitter ms", "loss", "Mbps (loopback)", "state"):
+        table.add_column(col)
+    for link in links:
+        fwd, rev = link["forward"], link["reverse"]
+        mbps = fwd["bandwidth_mbps"]
+        table.add_row(
+            f"{link['src']} -> {link['dst']}",
+            f"{fwd['delay_ms'] + rev['delay_ms']:.1f}",
+            f"{fwd['jitter_ms']:.1f}",
+            f"{fwd['loss']:.1%}",
+            "-" if mbps is None else f"{mbps:.2f}",
+            ("[red]degraded[/red]" if link["degraded"] else "as measured")
+            + ("" if link["up"] else " [yellow](peer not found yet)[/yellow]"),
+        )
+    console.print(table)
+
+
+def cmd_net_degrade(args: argparse.Namespace) -> int:
+    """Make one emulated link of the local stack worse: RTT, loss, bandwidth."""
+    request: dict[str, Any] = {"op": "degrade"}
+    for key in ("rtt_ms", "rtt_factor", "loss", "gbps"):
+        if getattr(args, key) is not None:
+            request[key] = getattr(args, key)
+    if len(request) == 1:
+        err.print("say how: --rtt-ms, --rtt-factor, --loss and/or --gbps")
+        return 2
+
+    async def go() -> int:
+        client = await _client()
+        try:
+            links = await client.net_emulate(args.src, args.dst, request)
+        finally:
+            await client.close()
+        _print_emulated(links)
+        return 0
+
+    return _run(go())
+
+
+def cmd_net_restore(args: argparse.Namespace) -> int:
+    """Put emulated links back as the topology measured them: one link, or every link."""
+    if (args.src is None) != (args.dst is None):
+        err.print("give both SRC and DST, or neither (every link)")
+        return 2
+
+    async def go() -> int:
+        client = await _client()
+        try:
+            if args.src is not None:
+                links = await client.net_emulate(args.src, args.dst, {"op": "restore"})
+            else:
+                links = await client.net_emulate_all({"op": "restore"})
+        finally:
+            await client.close()
+        if not links:
+            err.print("no probe collector answered: is the stack up?")
+            return 1
+        _print_emulated(links)
+        return 0
+
+    return _run(go())
+
+
 # ---- demo and bench -------------------------------------------------------------------------------
 
 
@@ -398,6 +542,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true", help="leave out stale clusters")
     p.add_argument("--nodes", action="store_true", help="list nodes too")
     p.add_argument("--json", action="store_true")
+    net = sub.add_parser("net", help="network links, paths and the local WAN emulator")
+    net_sub = net.add_subparsers(dest="net_command", required=True)
+
+    def add_net(name: str, fn: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
+        p = net_sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(fn=fn)
+        return p
+
+    p = add_net("links", cmd_net_links, "every link's state: RTT, jitter, loss, bandwidth, cost")
+    p.add_argument("--region", help="only this region's links (out and in)")
+    p.add_argument("--json", action="store_true")
+    p = add_net("path", cmd_net_path, "the chosen path between two regions")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--json", action="store_true")
+    p = add_net("degrade", cmd_net_degrade, "degrade one emulated link of the local stack")
+    p.add_argument("src")
+    p.add_argument("dst")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--rtt-ms", type=float, help="round-trip time to emulate")
+    how.add_argument("--rtt-factor", type=float, help="multiply the measured round-trip time")
+    p.add_argument("--loss", type=float, help="share of probes lost per round trip (0..1)")
+    p.add_argument("--gbps", type=float, help="bandwidth to emulate, in WAN Gbps")
+    p = add_net("restore", cmd_net_restore, "restore one emulated link (or every link) as measured")
+    p.add_argument("src", nargs="?")
+    p.add_argument("dst", nargs="?")
     p = add("demo", cmd_demo, "start the stack, run the example workload, show progress and a summary")
     p.add_argument(
         "--workload", type=Path, default=None, help="job file (default: examples/demo-workload.yaml)"

@@ -134,6 +134,58 @@ class LoomClient:
         result: dict[str, Any] = await self._query(subjects.VIEW_QUERY, request, timeout_s)
         return result
 
+    async def net_point(
+        self,
+        *,
+        src: str | None = None,
+        dst: str | None = None,
+        region: str | None = None,
+        timeout_s: float = 5.0,
+    ) -> Any:
+        """Link state now and forecast: one link (``src``, ``dst``), a region's links, or every link."""
+        request: dict[str, Any] = {}
+        if src is not None or dst is not None:
+            request = {"src": src, "dst": dst}
+        elif region is not None:
+            request = {"region": region}
+        return await self._query(subjects.NET_QUERY_POINT, request, timeout_s)
+
+    async def net_path(self, src: str, dst: str, *, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The chosen path between two regions (with hysteresis), the momentary best, and why."""
+        request = {"src": src, "dst": dst}
+        result: dict[str, Any] = await self._query(subjects.NET_QUERY_PATH, request, timeout_s)
+        return result
+
+    async def net_emulate(
+        self, src: str, dst: str, request: Mapping[str, Any], *, timeout_s: float = 5.0
+    ) -> list[dict[str, Any]]:
+        """Change (``op``: degrade / restore) or show one emulated link of the local stack."""
+        result: list[dict[str, Any]] = await self._query(subjects.net_emulator(src, dst), request, timeout_s)
+        return result
+
+    async def net_emulate_all(
+        self, request: Mapping[str, Any], *, wait_s: float = 1.0
+    ) -> list[dict[str, Any]]:
+        """Send ``request`` (restore / show) to every collector; the links of all who answer in ``wait_s``."""
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox)
+        links: list[dict[str, Any]] = []
+        try:
+            await self.nc.publish(subjects.NET_EMU_ALL, json.dumps(request).encode(), reply=inbox)
+            deadline = time.monotonic() + wait_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    msg = await sub.next_msg(timeout=left)
+                except Exception:  # nothing more within the wait: every collector that could answered
+                    break
+                body = json.loads(msg.data)
+                if not body.get("ok"):
+                    raise QueryError(str(body.get("error")))
+                links.extend(body["result"])
+        finally:
+            await sub.unsubscribe()
+        return sorted(links, key=lambda link: (link["src"], link["dst"]))
+
     async def watch(self, tenant: str | None = None) -> AsyncIterator[tuple[str, JobEvent]]:
         """Yield (subject, event) for every job event from now on, of one tenant or all."""
         if tenant is not None:

@@ -69,6 +69,8 @@ class StackOptions:
     max_heartbeat_s: float = 10.0
     """Longest heartbeat interval (while nothing changes)."""
     durable: bool = True
+    probe_period_s: float = 1.0
+    """Probe period of the collectors and of network-perception's evaluation."""
 
 
 def service_argvs(options: StackOptions) -> dict[str, list[str]]:
@@ -80,8 +82,9 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
     }
     topology = load_topology(options.topology)
     wanted = options.clusters or [c.id for c in topology.clusters]
+    probed_regions: set[str] = set()
     for cluster_id in wanted:
-        topology.cluster(cluster_id)  # refuses an unknown id before anything starts
+        probed_regions.add(topology.cluster(cluster_id).region)  # refuses an unknown id first
         argvs[f"agent-{cluster_id}"] = [
             py,
             "-m",
@@ -97,6 +100,29 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
             "--max-heartbeat-s",
             str(options.max_heartbeat_s),
         ]
+    # One collector per region with a cluster: it probes its peers through the in-process WAN
+    # emulator, shaped like the topology's links (`loom net degrade` changes them).
+    for region in sorted(probed_regions):
+        argvs[f"probe-{region}"] = [
+            py,
+            "-m",
+            "loom_services.probe_collector",
+            "--region",
+            region,
+            "--topology",
+            options.topology,
+            "--period-s",
+            str(options.probe_period_s),
+        ]
+    argvs["network-perception"] = [
+        py,
+        "-m",
+        "loom_services.network_perception",
+        "--topology",
+        options.topology,
+        "--period-s",
+        str(options.probe_period_s),
+    ]
     return argvs
 
 

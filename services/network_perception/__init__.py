@@ -1,0 +1,1 @@
+"""The network_perception service: the sole writer of link state."""

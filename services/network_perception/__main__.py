@@ -1,0 +1,3 @@
+from loom_services.network_perception.main import main
+
+main()

@@ -1,0 +1,404 @@
+"""Network perception: the sole writer of link state.
+
+A thin shell around the pure core :class:`loom.net.Perception`:
+
+* probe samples (``loom.net.probe.<src>.<dst>``, stream NET) are decoded leniently and fed to the
+  core, which refuses bad ones and counts them by reason (a sample that is not even JSON of the
+  right shape, or names another link than its subject, is counted here);
+* once per probe period the core evaluates every link: each link's :class:`LinkState` goes out
+  on ``loom.net.link.<src>.<dst>``, degraded / recovered events on ``loom.net.event.<kind>``
+  (and into ``net_link_events``), and the chosen path of every region pair is re-selected, so
+  path hysteresis runs on the period's clock rather than on whoever asks;
+* every ``persist_every_s`` (and on stop) each link's learned record goes to
+  ``net_link_records``; on start they are restored, so a restart keeps the learned baselines;
+* ``loom.net.query.point`` and ``loom.net.query.path`` are answered from memory (JSON).
+
+The core's time constants are tuned for 1 s periods; :func:`configs_for_period` scales them
+to the period in use, so the same behaviour (in periods) holds with the short periods of tests.
+"""
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgspec
+import structlog
+from nats.aio.msg import Msg
+
+from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
+from loom.model.topology import Topology
+from loom.net import (
+    LinkConfig,
+    LinkEvent,
+    LinkRecord,
+    NetError,
+    PathAnswer,
+    Perception,
+    SelectorConfig,
+    ValidationConfig,
+)
+from loom.runtime.service import ServiceContext
+from loom.store.jobs import ts
+from loom.store.pool import transaction
+from loom_proto import subjects
+from loom_proto.net import LinkDegraded, LinkRecovered
+
+log = structlog.get_logger("network-perception")
+
+DESIGN_PERIOD_S = 1.0
+"""The probe period the core's defaults are tuned for."""
+
+PROBE_FILTER = "loom.net.probe.*.*"
+
+
+def configs_for_period(period_s: float) -> tuple[LinkConfig, SelectorConfig, ValidationConfig]:
+    """The core's link, path and admission settings with every time constant scaled to ``period_s``.
+
+    Horizons, TTL, hold, decay and dwell times keep their length in periods; the admitted sample
+    rate grows as the period shrinks (probes per period stay the same). The forecast's daily
+    profile and the job-feedback fade are about wall-clock time and are left alone.
+    """
+    if not (math.isfinite(period_s) and period_s > 0):
+        raise ValueError(f"period_s must be positive, got {period_s!r}")
+    f = period_s / DESIGN_PERIOD_S
+    link = LinkConfig()
+    link = replace(
+        link,
+        horizons_s=tuple(h * f for h in link.horizons_s),
+        ttl_s=link.ttl_s * f,
+        stale_ramp_s=link.stale_ramp_s * f,
+        decay_tau_s=link.decay_tau_s * f,
+        flap_tau_s=link.flap_tau_s * f,
+        loss_horizon_s=link.loss_horizon_s * f,
+        recover_hold_s=link.recover_hold_s * f,
+        baseline_tau_s=link.baseline_tau_s * f,
+    )
+    selector = SelectorConfig()
+    selector = replace(selector, min_dwell_s=selector.min_dwell_s * f)
+    validation = ValidationConfig()
+    validation = replace(validation, rate_per_link_hz=validation.rate_per_link_hz / f)
+    return link, selector, validation
+
+
+class RawSample(msgspec.Struct, tag_field="kind", tag="probe", frozen=True, kw_only=True):
+    """A probe sample as sent, without the contract's bounds: admission is the core's job, so a
+    negative RTT reaches it and is counted under its reason instead of failing to decode."""
+
+    src: str
+    dst: str
+    probe: str
+    seq: int
+    sent_at: float
+    rtt_ms: float | None = None
+    sent: int = 1
+    lost: int = 0
+    jitter_ms: float | None = None
+    bandwidth_gbps: float | None = None
+    bytes_sent: int = 0
+
+
+@dataclass(slots=True)
+class PathTrack:
+    """The chosen path of one region pair as the periods saw it."""
+
+    nodes: tuple[str, ...] | None
+    changed_at: float
+    changes: int = 0
+    reason: str = ""
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def event_message(event: LinkEvent) -> LinkDegraded | LinkRecovered:
+    """The wire form of a core event."""
+    kind = LinkDegraded if event.kind == "degraded" else LinkRecovered
+    return kind(
+        src=event.src,
+        dst=event.dst,
+        at=event.at,
+        reason=event.reason[:500],
+        rtt_ms=_finite(event.rtt_ms),
+        baseline_rtt_ms=max(event.baseline_rtt_ms, 0.0),
+        loss_rate=min(max(event.loss_rate, 0.0), 1.0),
+    )
+
+
+def path_json(answer: PathAnswer, track: PathTrack | None) -> dict[str, Any]:
+    """A path answer as the query replies it."""
+    return {
+        "src": answer.src,
+        "dst": answer.dst,
+        "path": msgspec.to_builtins(answer.chosen) if answer.chosen else None,
+        "best": msgspec.to_builtins(answer.best) if answer.best else None,
+        "reason": answer.reason,
+        "changed_at": track.changed_at if track else None,
+        "changes": track.changes if track else 0,
+    }
+
+
+class NetworkPerception:
+    """The service; :meth:`run` is its body."""
+
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        topology: Topology,
+        *,
+        period_s: float = DESIGN_PERIOD_S,
+        persist_every_s: float = 10.0,
+        forecast_horizon_s: float = 300.0,
+    ) -> None:
+        self.ctx = ctx
+        self.pool = ctx.db
+        self.period_s = period_s
+        self.persist_every_s = persist_every_s
+        self.forecast_horizon_s = forecast_horizon_s
+        link, selector, validation = configs_for_period(period_s)
+        self.perception = Perception.from_topology(
+            topology, link_config=link, validation=validation, selector=selector
+        )
+        self.regions = sorted(self.perception.regions)
+        self.paths: dict[tuple[str, str], PathTrack] = {}
+        self.refused = {"undecodable": 0, "subject_mismatch": 0}
+        self.counts = {"ticks": 0, "events": 0, "path_changes": 0, "states_published": 0}
+        self.restored = 0
+        self.persisted_at = 0.0
+        self.epoch = int(time.time() * 1000)
+        self._refresh_stats()
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    async def load(self) -> int:
+        """Restore every link's learned record from PostgreSQL; how many were restored."""
+        rows = await self.pool.fetch("SELECT record FROM net_link_records ORDER BY src, dst")
+        records = []
+        for row in rows:
+            try:
+                records.append(msgspec.json.decode(row["record"], type=LinkRecord))
+            except msgspec.ValidationError as exc:  # written by an older version: relearn that link
+                log.warning("link record skipped", error=str(exc))
+        self.restored = self.perception.restore(records)
+        self._refresh_stats()
+        log.info("link records restored", links=self.restored)
+        return self.restored
+
+    async def persist(self, now: float) -> None:
+        """Write every link's learned record."""
+        rows = [
+            (r.src, r.dst, msgspec.json.encode(r).decode(), ts(r.saved_at))
+            for r in self.perception.records(now)
+        ]
+        async with transaction(self.pool) as conn:
+            await conn.executemany(
+                """INSERT INTO net_link_records (src, dst, record, saved_at) VALUES ($1, $2, $3::jsonb, $4)
+                   ON CONFLICT (src, dst) DO UPDATE
+                   SET record = EXCLUDED.record, saved_at = EXCLUDED.saved_at""",
+                rows,
+            )
+        self.persisted_at = now
+
+    def _refresh_stats(self) -> None:
+        p = self.perception
+        self.ctx.stats.update(
+            {
+                "period_s": self.period_s,
+                "accepted": p.accepted,
+                "dropped": dict(p.dropped),
+                "refused": dict(self.refused),
+                "restored": self.restored,
+                "links": len(p.links),
+                "degraded": sorted(f"{s}->{d}" for (s, d), t in p.links.items() if t.degraded),
+                **self.counts,
+            }
+        )
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Consume samples, tick once per period and answer queries until asked to stop."""
+        await self.load()
+        runner: ConsumerRunner[bytes] = ConsumerRunner(
+            self.ctx.nc,
+            ConsumerSpec(
+                stream="NET",
+                durable="network-perception-probes",
+                filter_subjects=[PROBE_FILTER],
+                batch=500,
+                max_deliver=1,
+            ),
+            bytes,
+            batch_handler=self.on_samples,
+            publisher=self.ctx.publisher,
+        )
+        subs = [
+            await self.ctx.nc.subscribe(subjects.NET_QUERY_POINT, cb=self.on_point),
+            await self.ctx.nc.subscribe(subjects.NET_QUERY_PATH, cb=self.on_path),
+        ]
+        await runner.start()
+        ticker = asyncio.create_task(self._tick_loop())
+        try:
+            await self.ctx.stopping.wait()
+        finally:
+            ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await ticker
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            await runner.stop()
+            try:
+                await self.persist(time.time())
+            except Exception as exc:
+                log.warning("final persist failed", error=repr(exc))
+
+    async def on_samples(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
+        """Feed a batch of samples to the core; refusals are counted, never retried."""
+        now = time.time()
+        for d in deliveries:
+            tokens = d.subject.split(".")
+            try:
+                sample = msgspec.json.decode(d.message, type=RawSample)
+            except msgspec.DecodeError:
+                self.refused["undecodable"] += 1
+                continue
+            if len(tokens) != 5 or (sample.src, sample.dst) != (tokens[3], tokens[4]):
+                self.refused["subject_mismatch"] += 1
+                continue
+            self.perception.ingest(sample, now, source=tokens[3])
+        return [None] * len(deliveries)
+
+    async def _tick_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time()
+        while True:
+            due += self.period_s
+            await asyncio.sleep(max(due - loop.time(), 0.0))  # the period's clock
+            try:
+                await self.tick(time.time())
+            except Exception as exc:
+                log.warning("tick failed", error=repr(exc))
+            if loop.time() - due > self.period_s:
+                due = loop.time()  # fell behind: skip the missed periods rather than rush them
+
+    async def tick(self, now: float) -> list[LinkEvent]:
+        """One period: evaluate links, publish states and events, re-select paths, persist."""
+        events = self.perception.tick(now)
+        self.counts["ticks"] += 1
+        for event in events:
+            log.info(
+                f"link {event.kind}", src=event.src, dst=event.dst, reason=event.reason, rtt_ms=event.rtt_ms
+            )
+        if events:
+            await self._record_events(events)
+        for src in self.regions:
+            for dst in self.regions:
+                if src != dst:
+                    self.select(src, dst, now)
+        publisher = self.ctx.publisher
+        states = self.perception.link_states(now)
+        stamp = int(now * 1000)
+        await asyncio.gather(
+            *(
+                publisher.publish(
+                    subjects.link_state(s.src, s.dst), s, msg_id=f"link-{s.src}-{s.dst}-{self.epoch}-{stamp}"
+                )
+                for s in states
+            ),
+            *(
+                publisher.publish(
+                    subjects.net_event(e.kind),
+                    event_message(e),
+                    msg_id=f"net-{e.kind}-{e.src}-{e.dst}-{int(e.at * 1000)}",
+                )
+                for e in events
+            ),
+        )
+        self.counts["states_published"] += len(states)
+        self.counts["events"] += len(events)
+        if now - self.persisted_at >= self.persist_every_s:
+            await self.persist(now)
+        self._refresh_stats()
+        return events
+
+    async def _record_events(self, events: list[LinkEvent]) -> None:
+        async with transaction(self.pool) as conn:
+            await conn.executemany(
+                """INSERT INTO net_link_events
+                       (src, dst, kind, at, reason, rtt_ms, baseline_rtt_ms, loss_rate)
+                   VALUES ($1, $2, $3, $4, $5, $6, $7, $8)""",
+                [_event_row(e) for e in events],
+            )
+
+    def select(self, src: str, dst: str, now: float) -> tuple[PathAnswer, PathTrack]:
+        """The pair's chosen path now (with hysteresis); a change is counted and logged."""
+        answer = self.perception.path(src, dst, now)
+        nodes = answer.chosen.nodes if answer.chosen else None
+        track = self.paths.get((src, dst))
+        if track is None:
+            track = self.paths[src, dst] = PathTrack(nodes, now, 0, answer.reason)
+        elif nodes != track.nodes:
+            log.info("path changed", src=src, dst=dst, old=track.nodes, new=nodes, reason=answer.reason)
+            track.nodes, track.changed_at, track.reason = nodes, now, answer.reason
+            track.changes += 1
+            self.counts["path_changes"] += 1
+        return answer, track
+
+    # ---- queries -------------------------------------------------------------------------------
+
+    async def on_point(self, msg: Msg) -> None:
+        """``loom.net.query.point``: ``{src, dst}`` a link, ``{region}`` a region, ``{}`` every link.
+
+        ``horizon_s`` (default 300) sets how far ahead the RTT forecast looks.
+        """
+        try:
+            body = _request(msg)
+            now = time.time()
+            horizon_s = float(body.get("horizon_s", self.forecast_horizon_s))
+            p = self.perception
+            result: Any
+            if body.get("src") is not None or body.get("dst") is not None:
+                result = p.point_link(str(body.get("src")), str(body.get("dst")), now, horizon_s)
+            elif body.get("region") is not None:
+                result = p.point_region(str(body["region"]), now, horizon_s)
+            else:
+                result = [p.point_link(s, d, now, horizon_s) for s, d in sorted(p.links)]
+            reply = msgspec.json.encode({"ok": True, "result": result})
+        except (NetError, ValueError, TypeError) as exc:
+            reply = json.dumps({"ok": False, "error": str(exc)}).encode()
+        await msg.respond(reply)
+
+    async def on_path(self, msg: Msg) -> None:
+        """``loom.net.query.path``: ``{src, dst}`` -> the chosen path, the momentary best, and why."""
+        try:
+            body = _request(msg)
+            src, dst = body.get("src"), body.get("dst")
+            if not isinstance(src, str) or not isinstance(dst, str):
+                raise ValueError("give src and dst")
+            if src == dst:
+                raise ValueError("src and dst are the same region")
+            answer, track = self.select(src, dst, time.time())
+            reply = msgspec.json.encode({"ok": True, "result": path_json(answer, track)})
+        except (NetError, ValueError, TypeError) as exc:
+            reply = json.dumps({"ok": False, "error": str(exc)}).encode()
+        await msg.respond(reply)
+
+
+def _event_row(e: LinkEvent) -> tuple[Any, ...]:
+    return (e.src, e.dst, e.kind, ts(e.at), e.reason, _finite(e.rtt_ms), e.baseline_rtt_ms, e.loss_rate)
+
+
+def _request(msg: Msg) -> dict[str, Any]:
+    try:
+        body = json.loads(msg.data or b"{}")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the request is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ValueError("the request must be a JSON object")
+    return body

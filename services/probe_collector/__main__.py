@@ -1,0 +1,3 @@
+from loom_services.probe_collector.main import main
+
+main()

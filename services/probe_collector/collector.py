@@ -1,0 +1,432 @@
+"""Probe collector of one region: measures every outgoing link with real sockets and publishes samples.
+
+For each peer region it asks one of the peer's clusters where its probe endpoints are
+(``loom.net.endpoints.<cluster>``), then
+
+* every period sends ``probes_per_period`` numbered UDP echo probes, evenly spaced; each answer
+  (or timeout) becomes one :class:`~loom_proto.net.ProbeSample` on ``loom.net.probe.<src>.<dst>``
+  (RTT, loss and, from the RTT series, jitter);
+* every ``bandwidth_every_s`` pushes ``bulk_bytes`` through the TCP endpoint and publishes the
+  throughput, as long as the byte budget (a token bucket, ``bulk_budget_bytes_per_hour``) allows.
+
+With ``emulate`` (the local stack), probes to peer ``D`` go through an in-process WAN relay in front
+of ``D``'s endpoints, shaped like the topology's measured link ``src -> D``
+(:func:`loom.netemu.params_from_link`), so the measured numbers are the topology's. The relay is
+controlled on ``loom.net.emu.<src>.<dst>`` (degrade / restore / show) and, for every link of every
+collector at once, on ``loom.net.emu.all``. Without ``emulate`` the endpoints are probed directly.
+"""
+
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import structlog
+from nats.aio.msg import Msg
+
+from loom.model.topology import Topology
+from loom.net.samples import TokenBucket
+from loom.netemu import (
+    BANDWIDTH_SCALE,
+    LinkParams,
+    ProbeResult,
+    TcpRelay,
+    UdpProber,
+    UdpRelay,
+    params_from_link,
+    tcp_bulk,
+    to_sample,
+)
+from loom.runtime.service import ServiceContext
+from loom_proto import subjects
+from loom_proto.codec import DecodeError, decode
+from loom_proto.net import ProbeEndpoints, ProbeSample
+
+log = structlog.get_logger("probe-collector")
+
+Address = tuple[str, int]
+
+_SRTT_GAIN = 0.125
+_MAX_BANDWIDTH_GBPS = 10_000.0
+
+
+@dataclass(frozen=True, slots=True)
+class CollectorConfig:
+    """How often and how hard a collector probes."""
+
+    period_s: float = 1.0
+    """One probe period: network-perception evaluates links once per period."""
+    probes_per_period: int = 5
+    probe_timeout_s: float = 2.0
+    """An echo not back within this is a lost probe (also the longest RTT that can be measured)."""
+    bandwidth_every_s: float = 30.0
+    bulk_bytes: int = 512 * 1024
+    """Bytes pushed by one bandwidth probe."""
+    bulk_budget_bytes_per_hour: int = 256 * 1024 * 1024
+    """Bandwidth probes of all links together never push more than this per hour."""
+    emulate: bool = True
+    bandwidth_scale: float = BANDWIDTH_SCALE
+    """Emulated Mbps per measured Gbps (see :data:`loom.netemu.BANDWIDTH_SCALE`)."""
+    discover_retry_s: float = 1.0
+    """How often to ask again for a peer's endpoints while none answers."""
+    rediscover_after_s: float = 10.0
+    """Every probe lost for this long: ask again where the peer's endpoints are (an agent restarted)."""
+
+
+class EmulatorRequest:
+    """A request on ``loom.net.emu.*``: ``op`` is ``degrade``, ``restore`` or ``show``."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        op = body.get("op", "show")
+        if op not in ("degrade", "restore", "show"):
+            raise ValueError(f"unknown op {op!r}: degrade, restore or show")
+        self.op: str = op
+        self.rtt_ms = _optional_number(body, "rtt_ms", 0.0, 60_000.0)
+        self.rtt_factor = _optional_number(body, "rtt_factor", 0.0, 1_000.0)
+        self.loss = _optional_number(body, "loss", 0.0, 1.0)
+        self.gbps = _optional_number(body, "gbps", 1e-6, 10_000.0)
+        if self.rtt_ms is not None and self.rtt_factor is not None:
+            raise ValueError("give rtt_ms or rtt_factor, not both")
+
+
+def _optional_number(body: dict[str, Any], key: str, low: float, high: float) -> float | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise ValueError(f"{key} must be a number within {low}..{high}, got {value!r}")
+    return float(value)
+
+
+def degraded(
+    base_forward: LinkParams, base_reverse: LinkParams, request: EmulatorRequest, bandwidth_scale: float
+) -> tuple[LinkParams, LinkParams]:
+    """The link's parameters under a degrade request, relative to its measured (base) parameters.
+
+    The RTT is split evenly between the directions; the loss is applied to the forward direction
+    only, so a round trip loses exactly that share of probes.
+    """
+    forward, reverse = base_forward, base_reverse
+    rtt_ms = request.rtt_ms
+    if request.rtt_factor is not None:
+        rtt_ms = (base_forward.delay_ms + base_reverse.delay_ms) * request.rtt_factor
+    if rtt_ms is not None:
+        forward = replace(forward, delay_ms=rtt_ms / 2.0)
+        reverse = replace(reverse, delay_ms=rtt_ms / 2.0)
+    if request.loss is not None:
+        forward = replace(forward, loss=request.loss)
+    if request.gbps is not None:
+        mbps = request.gbps * 1000.0 * bandwidth_scale
+        forward = replace(forward, bandwidth_mbps=mbps)
+        reverse = replace(reverse, bandwidth_mbps=mbps)
+    return forward, reverse
+
+
+class PeerLink:
+    """One outgoing link ``src -> dst``: where its probes go, and (emulated) the relays that shape it."""
+
+    def __init__(self, src: str, dst: str, base_forward: LinkParams, base_reverse: LinkParams) -> None:
+        self.src = src
+        self.dst = dst
+        self.base_forward = base_forward
+        self.base_reverse = base_reverse
+        self.forward = base_forward
+        self.reverse = base_reverse
+        self.endpoints: ProbeEndpoints | None = None
+        self.udp_relay: UdpRelay | None = None
+        self.tcp_relay: TcpRelay | None = None
+        self.srtt_ms: float | None = None
+        self.last_answer_at = 0.0
+        self.seq = 0
+
+    def set_params(self, forward: LinkParams, reverse: LinkParams) -> None:
+        """Shape the link like this from now on (kept across a relay rebuild)."""
+        self.forward, self.reverse = forward, reverse
+        for relay in (self.udp_relay, self.tcp_relay):
+            if relay is not None:
+                relay.set_params(forward, reverse)
+
+    def describe(self) -> dict[str, Any]:
+        """The link's emulation, for replies and health stats."""
+        return {
+            "src": self.src,
+            "dst": self.dst,
+            "up": self.endpoints is not None,
+            "forward": asdict(self.forward),
+            "reverse": asdict(self.reverse),
+            "degraded": (self.forward, self.reverse) != (self.base_forward, self.base_reverse),
+        }
+
+
+class ProbeCollector:
+    """The collector of one region; :meth:`run` is the service body."""
+
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        topology: Topology,
+        region: str,
+        config: CollectorConfig | None = None,
+    ) -> None:
+        topology.region(region)  # refuses an unknown region
+        self.ctx = ctx
+        self.topology = topology
+        self.region = region
+        self.config = config or CollectorConfig()
+        self.epoch = int(time.time() * 1000)
+        self.samples: asyncio.Queue[ProbeSample] = asyncio.Queue(maxsize=10_000)
+        budget = float(self.config.bulk_budget_bytes_per_hour)
+        self.budget = TokenBucket(budget / 3600.0, budget, budget, time.time())
+        self.links: dict[str, PeerLink] = {}
+        for peer in sorted(r.id for r in topology.regions):
+            link = topology.link(region, peer)
+            if peer == region or link is None or not self._clusters_of(peer):
+                continue
+            forward = params_from_link(link, bandwidth_scale=self.config.bandwidth_scale)
+            back = topology.link(peer, region)
+            reverse = forward
+            if back is not None and back.bandwidth_gbps is not None:
+                reverse = replace(
+                    forward, bandwidth_mbps=back.bandwidth_gbps * 1000.0 * self.config.bandwidth_scale
+                )
+            self.links[peer] = PeerLink(region, peer, forward, reverse)
+        self.counts = {
+            "probes_sent": 0,
+            "probes_lost": 0,
+            "samples_published": 0,
+            "samples_dropped_queue_full": 0,
+            "publish_failures": 0,
+            "bulk_probes": 0,
+            "bulk_bytes": 0,
+            "bulk_skipped_budget": 0,
+            "bulk_failures": 0,
+        }
+        ctx.stats.update({"region": region, "counts": self.counts, "links": {}})
+
+    def _clusters_of(self, region: str) -> list[str]:
+        return sorted(c.id for c in self.topology.clusters if c.region == region)
+
+    async def run(self) -> None:
+        """Probe every peer until asked to stop."""
+        nc = self.ctx.nc
+        subs = [
+            await nc.subscribe(subjects.net_emulator_region(self.region), cb=self.on_control),
+            await nc.subscribe(subjects.NET_EMU_ALL, cb=self.on_control),
+        ]
+        tasks = [asyncio.create_task(self._publish_loop(), name="publish-samples")]
+        tasks += [
+            asyncio.create_task(self._peer(link), name=f"probe-{link.dst}") for link in self.links.values()
+        ]
+        self._refresh_stats()
+        log.info("collector started", region=self.region, peers=sorted(self.links))
+        try:
+            await self.ctx.stopping.wait()
+        finally:
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for link in self.links.values():
+                await self._close_relays(link)
+
+    # ---- discovery and relays -----------------------------------------------------------------
+
+    async def discover(self, peer: str) -> ProbeEndpoints | None:
+        """Ask the peer region's clusters, in order, where their probe endpoints are."""
+        for cluster in self._clusters_of(peer):
+            try:
+                reply = await self.ctx.nc.request(subjects.net_endpoints(cluster), b"", timeout=0.5)
+                endpoints = decode(reply.data, ProbeEndpoints)
+            except (DecodeError, Exception):  # no agent there (yet), or a bad answer: try the next
+                continue
+            if endpoints.region == peer:
+                return endpoints
+        return None
+
+    async def _targets(self, link: PeerLink, endpoints: ProbeEndpoints) -> tuple[Address, Address]:
+        udp: Address = (endpoints.host, endpoints.udp_port)
+        tcp: Address = (endpoints.host, endpoints.tcp_port)
+        if not self.config.emulate:
+            return udp, tcp
+        await self._close_relays(link)
+        link.udp_relay = await UdpRelay(udp, link.forward, link.reverse).start()
+        link.tcp_relay = await TcpRelay(tcp, link.forward, link.reverse).start()
+        return link.udp_relay.address, link.tcp_relay.address
+
+    async def _close_relays(self, link: PeerLink) -> None:
+        relays: list[UdpRelay | TcpRelay | None] = [link.udp_relay, link.tcp_relay]
+        link.udp_relay = link.tcp_relay = None
+        for relay in relays:
+            if relay is not None:
+                with contextlib.suppress(Exception):
+                    await relay.close()
+
+    # ---- probing ------------------------------------------------------------------------------
+
+    async def _peer(self, link: PeerLink) -> None:
+        """Find the peer, probe it; find it again when it stops answering (its agent restarted)."""
+        config = self.config
+        while True:
+            endpoints = await self.discover(link.dst)
+            if endpoints is None:
+                await asyncio.sleep(config.discover_retry_s)  # polling for an agent to appear
+                continue
+            udp, tcp = await self._targets(link, endpoints)
+            link.endpoints = endpoints
+            link.last_answer_at = time.monotonic()
+            self._refresh_stats()
+            log.info("probing peer", src=link.src, dst=link.dst, udp=udp, tcp=tcp)
+            async with UdpProber(udp, timeout_s=config.probe_timeout_s) as prober:
+                jobs = [
+                    asyncio.create_task(self._send_loop(prober)),
+                    asyncio.create_task(self._result_loop(link, prober)),
+                    asyncio.create_task(self._bulk_loop(link, tcp)),
+                ]
+                try:
+                    await self._watch(link)
+                finally:
+                    for job in jobs:
+                        job.cancel()
+                    await asyncio.gather(*jobs, return_exceptions=True)
+            link.endpoints = None
+            self._refresh_stats()
+
+    async def _watch(self, link: PeerLink) -> None:
+        """Return when nothing came back for ``rediscover_after_s`` and the peer's endpoints moved."""
+        config = self.config
+        while True:
+            await asyncio.sleep(config.rediscover_after_s / 2)  # a periodic check, not a synchronisation
+            if time.monotonic() - link.last_answer_at < config.rediscover_after_s:
+                continue
+            endpoints = await self.discover(link.dst)
+            if endpoints is not None and endpoints != link.endpoints:
+                log.info("peer endpoints moved", src=link.src, dst=link.dst)
+                return
+
+    async def _send_loop(self, prober: UdpProber) -> None:
+        loop = asyncio.get_running_loop()
+        interval_s = self.config.period_s / max(self.config.probes_per_period, 1)
+        due = loop.time()
+        while True:
+            prober.send()
+            self.counts["probes_sent"] += 1
+            due += interval_s
+            await asyncio.sleep(max(due - loop.time(), 0.0))  # pacing the probes
+
+    async def _result_loop(self, link: PeerLink, prober: UdpProber) -> None:
+        while True:
+            result: ProbeResult = await prober.results.get()
+            if result.rtt_ms is None:
+                self.counts["probes_lost"] += 1
+            else:
+                link.last_answer_at = time.monotonic()
+                srtt = link.srtt_ms
+                link.srtt_ms = result.rtt_ms if srtt is None else srtt + _SRTT_GAIN * (result.rtt_ms - srtt)
+            self._enqueue(to_sample(link.src, link.dst, result))
+
+    async def _bulk_loop(self, link: PeerLink, target: Address) -> None:
+        config = self.config
+        if config.bandwidth_every_s <= 0 or config.bulk_bytes <= 0:
+            return
+        # Links start their bulk probes spread over the interval, so they do not share a bottleneck.
+        index = sorted(self.links).index(link.dst)
+        await asyncio.sleep(config.bandwidth_every_s * (index + 1) / (len(self.links) + 1))
+        while True:
+            await self.measure_bandwidth(link, target)
+            await asyncio.sleep(config.bandwidth_every_s)  # the bandwidth probe schedule
+
+    async def measure_bandwidth(self, link: PeerLink, target: Address) -> ProbeSample | None:
+        """One bulk transfer within the byte budget; the sample published, or None."""
+        config = self.config
+        nbytes = config.bulk_bytes
+        if not self.budget.take(time.time(), float(nbytes)):
+            self.counts["bulk_skipped_budget"] += 1
+            return None
+        sent_at = time.time()
+        try:
+            result = await tcp_bulk(target, nbytes, timeout_s=max(30.0, 10 * config.period_s))
+        except (OSError, TimeoutError, ConnectionError) as exc:
+            self.counts["bulk_failures"] += 1
+            log.info("bulk probe failed", src=link.src, dst=link.dst, error=repr(exc))
+            return None
+        self.counts["bulk_probes"] += 1
+        self.counts["bulk_bytes"] += result.nbytes
+        # The timing includes the round trip of the final OK; take it out (never below a tenth).
+        rtt_s = (link.srtt_ms or 0.0) / 1000.0
+        seconds = max(result.seconds - rtt_s, result.seconds * 0.1)
+        gbps = result.nbytes * 8.0 / seconds / 1e9
+        if config.emulate:
+            gbps /= config.bandwidth_scale  # back from the loopback scale to the WAN's
+        link.seq += 1
+        sample = ProbeSample(
+            src=link.src,
+            dst=link.dst,
+            probe="tcp_bulk",
+            seq=link.seq,
+            sent_at=sent_at,
+            bandwidth_gbps=min(gbps, _MAX_BANDWIDTH_GBPS),
+            bytes_sent=result.nbytes,
+        )
+        self._enqueue(sample)
+        return sample
+
+    def _enqueue(self, sample: ProbeSample) -> None:
+        try:
+            self.samples.put_nowait(sample)
+        except asyncio.QueueFull:
+            self.counts["samples_dropped_queue_full"] += 1
+
+    async def _publish_loop(self) -> None:
+        while True:
+            sample = await self.samples.get()
+            msg_id = f"probe-{sample.src}-{sample.dst}-{sample.probe}-{self.epoch}-{sample.seq}"
+            try:
+                await self.ctx.publisher.publish(
+                    subjects.probe_sample(sample.src, sample.dst), sample, msg_id=msg_id
+                )
+            except Exception as exc:  # a sample is worth little later: count it and go on
+                self.counts["publish_failures"] += 1
+                log.warning("sample publish failed", error=repr(exc))
+                continue
+            self.counts["samples_published"] += 1
+
+    # ---- emulator control ---------------------------------------------------------------------
+
+    async def on_control(self, msg: Msg) -> None:
+        """``loom.net.emu.<src>.<dst>`` (one link) or ``loom.net.emu.all`` (every link here)."""
+        try:
+            body = json.loads(msg.data or b"{}")
+            if not isinstance(body, dict):
+                raise ValueError("the request must be a JSON object")
+            request = EmulatorRequest(body)
+            if msg.subject == subjects.NET_EMU_ALL:
+                if request.op == "degrade":
+                    raise ValueError("degrade one link at a time: loom.net.emu.<src>.<dst>")
+                targets = list(self.links.values())
+            else:
+                dst = msg.subject.rsplit(".", 1)[-1]
+                if dst not in self.links:
+                    raise ValueError(f"{self.region} has no probed link to {dst!r}")
+                targets = [self.links[dst]]
+            if not self.config.emulate and request.op != "show":
+                raise ValueError("this collector probes directly: there is no emulator to change")
+            for link in targets:
+                if request.op == "restore":
+                    link.set_params(link.base_forward, link.base_reverse)
+                elif request.op == "degrade":
+                    scale = self.config.bandwidth_scale
+                    link.set_params(*degraded(link.base_forward, link.base_reverse, request, scale))
+                if request.op != "show":
+                    log.info("emulated link changed", op=request.op, src=link.src, dst=link.dst)
+            self._refresh_stats()
+            reply: dict[str, Any] = {"ok": True, "result": [link.describe() for link in targets]}
+        except (ValueError, json.JSONDecodeError) as exc:
+            reply = {"ok": False, "error": str(exc)}
+        await msg.respond(json.dumps(reply).encode())
+
+    def _refresh_stats(self) -> None:
+        self.ctx.stats["links"] = {dst: link.describe() for dst, link in self.links.items()}
