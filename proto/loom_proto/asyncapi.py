@@ -33,7 +33,7 @@ from loom_proto.jobs import (
     JobStarted,
     JobSubmitted,
 )
-from loom_proto.net import LinkDegraded, LinkRecovered, LinkState, ProbeSample
+from loom_proto.net import LinkDegraded, LinkRecovered, LinkState, ProbeSample, TransferObserved
 from loom_proto.view import RegionSummary, ViewDelta
 
 # The generated files live in the top-level proto/ folder, beside this package, for other languages.
@@ -61,6 +61,7 @@ CHANNELS: dict[str, tuple[tuple[str, ...], type[msgspec.Struct], str]] = {
     "loom.view.summary.{region}": (("region",), RegionSummary, "Capacity of a region and its zones."),
     "loom.net.probe.{src}.{dst}": (("src", "dst"), ProbeSample, "A raw probe sample."),
     "loom.net.link.{src}.{dst}": (("src", "dst"), LinkState, "A link's current state."),
+    "loom.net.transfer.{src}.{dst}": (("src", "dst"), TransferObserved, "A job's observed transfer rate."),
     "loom.net.event.degraded": ((), LinkDegraded, "A link crossed its degrade thresholds."),
     "loom.net.event.recovered": ((), LinkRecovered, "A degraded link is within its thresholds again."),
     "loom.alerts.{source}": (("source",), Alert, "An alert from a monitoring source."),

@@ -94,3 +94,26 @@ class ProbeEndpoints(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     """UDP echo."""
     tcp_port: Annotated[int, Meta(ge=1, le=65_535)]
     """TCP echo / bulk (``ECHO``, ``UP <n>``, ``DOWN <n>``)."""
+
+
+class TransferObserved(
+    msgspec.Struct, tag_field="kind", tag="transfer", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
+    """A job moved data between regions at this throughput (reported by whoever moved it).
+
+    Network perception compares it with what the link was expected to carry and adjusts the
+    link's weight, so paths that deliver less than their probes promise cost more.
+    """
+
+    src: Id
+    dst: Id
+    job_id: Id | None = None
+    transfer_bytes: Annotated[int, Meta(ge=0)]
+    seconds: Annotated[float, Meta(gt=0, le=7 * 86_400)]
+    expected_gbps: Annotated[float, Meta(gt=0, le=10_000)] | None = None
+    at: UnixSeconds
+
+    @property
+    def observed_gbps(self) -> float:
+        """Throughput achieved, in gigabits per second."""
+        return self.transfer_bytes * 8 / self.seconds / 1e9

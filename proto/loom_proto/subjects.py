@@ -109,6 +109,11 @@ NetEventKind = Literal["degraded", "recovered"]
 NET_EVENT_KINDS: tuple[NetEventKind, ...] = ("degraded", "recovered")
 
 
+def net_transfer(src: str, dst: str) -> str:
+    """``loom.net.transfer.<src>.<dst>``: a job's observed inter-region transfer throughput."""
+    return f"{PREFIX}.net.transfer.{validate_id(src, 'source')}.{validate_id(dst, 'destination')}"
+
+
 def net_event(kind: NetEventKind) -> str:
     """``loom.net.event.<kind>``: a link became degraded or recovered."""
     if kind not in NET_EVENT_KINDS:
@@ -199,7 +204,12 @@ STREAMS: tuple[StreamSpec, ...] = (
     ),
     StreamSpec(
         name="NET",
-        subjects=[f"{PREFIX}.net.probe.*.*", f"{PREFIX}.net.link.*.*", f"{PREFIX}.net.event.*"],
+        subjects=[
+            f"{PREFIX}.net.probe.*.*",
+            f"{PREFIX}.net.link.*.*",
+            f"{PREFIX}.net.event.*",
+            f"{PREFIX}.net.transfer.*.*",
+        ],
         description="raw probe samples (short-lived), link state and degraded/recovered events",
         max_age_s=3_600,
     ),

@@ -46,7 +46,7 @@ from loom.runtime.service import ServiceContext
 from loom.store.jobs import ts
 from loom.store.pool import transaction
 from loom_proto import subjects
-from loom_proto.net import LinkDegraded, LinkRecovered
+from loom_proto.net import LinkDegraded, LinkRecovered, TransferObserved
 
 log = structlog.get_logger("network-perception")
 
@@ -169,6 +169,7 @@ class NetworkPerception:
         self.refused = {"undecodable": 0, "subject_mismatch": 0}
         self.counts = {"ticks": 0, "events": 0, "path_changes": 0, "states_published": 0}
         self.restored = 0
+        self.transfers = 0
         self.persisted_at = 0.0
         self.epoch = int(time.time() * 1000)
         self._refresh_stats()
@@ -213,6 +214,8 @@ class NetworkPerception:
                 "dropped": dict(p.dropped),
                 "refused": dict(self.refused),
                 "restored": self.restored,
+                "transfers": self.transfers,
+                "transfers_refused": p.transfers_refused,
                 "links": len(p.links),
                 "degraded": sorted(f"{s}->{d}" for (s, d), t in p.links.items() if t.degraded),
                 **self.counts,
@@ -237,11 +240,24 @@ class NetworkPerception:
             batch_handler=self.on_samples,
             publisher=self.ctx.publisher,
         )
+        transfers: ConsumerRunner[TransferObserved] = ConsumerRunner(
+            self.ctx.nc,
+            ConsumerSpec(
+                stream="NET",
+                durable="network-perception-transfers",
+                filter_subjects=["loom.net.transfer.*.*"],
+                batch=100,
+            ),
+            TransferObserved,
+            handler=self.on_transfer,
+            publisher=self.ctx.publisher,
+        )
         subs = [
             await self.ctx.nc.subscribe(subjects.NET_QUERY_POINT, cb=self.on_point),
             await self.ctx.nc.subscribe(subjects.NET_QUERY_PATH, cb=self.on_path),
         ]
         await runner.start()
+        await transfers.start()
         ticker = asyncio.create_task(self._tick_loop())
         try:
             await self.ctx.stopping.wait()
@@ -252,6 +268,7 @@ class NetworkPerception:
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
+            await transfers.stop()
             await runner.stop()
             try:
                 await self.persist(time.time())
@@ -273,6 +290,16 @@ class NetworkPerception:
                 continue
             self.perception.ingest(sample, now, source=tokens[3])
         return [None] * len(deliveries)
+
+    async def on_transfer(self, d: Delivery[TransferObserved]) -> None:
+        """A job's transfer between regions: what the link really carried weighs on its cost."""
+        t = d.message
+        if d.subject != subjects.net_transfer(t.src, t.dst):
+            self.refused["subject_mismatch"] += 1
+            return
+        if self.perception.observe_transfer(t.src, t.dst, t.observed_gbps, time.time(), t.expected_gbps):
+            self.transfers += 1
+        self._refresh_stats()
 
     async def _tick_loop(self) -> None:
         loop = asyncio.get_running_loop()

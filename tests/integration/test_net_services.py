@@ -22,7 +22,7 @@ from loom.model.topology import Topology, load_topology
 from loom.runtime.servers import NatsServer
 from loom.runtime.service import ServiceContext, close_context, health_subject, open_context
 from loom_proto import subjects
-from loom_proto.net import LinkDegraded, LinkEventMessage, LinkRecovered, LinkState
+from loom_proto.net import LinkDegraded, LinkEventMessage, LinkRecovered, LinkState, TransferObserved
 from loom_services.cluster_agent.probes import ProbeResponder
 from loom_services.network_perception.service import NetworkPerception
 from loom_services.probe_collector.collector import CollectorConfig, ProbeCollector
@@ -267,3 +267,44 @@ async def test_a_restarted_network_perception_resumes_its_learned_records(
     point = await client.net_point(src=USE2, dst=WEU)
     # The learned baseline, not the topology's prior (the baseline moves slowly: 600 periods).
     assert point["baseline_rtt_ms"] == pytest.approx(saved[USE2, WEU], rel=0.02)
+
+
+async def test_a_slow_job_transfer_makes_its_link_cost_more(net: Net, client: LoomClient) -> None:
+    async def cost_of(src: str, dst: str) -> float:
+        (point,) = [p for p in await client.net_point() if (p["src"], p["dst"]) == (src, dst)]
+        return float(point["cost"])
+
+    await until(lambda: _positive(cost_of(SEA1, WEU)), 10, "the link to be priced")
+    before_stats = await health(client, "network-perception")
+    before = await cost_of(SEA1, WEU)
+    # 1 GB in 80 s is 0.1 Gbit/s where the link was expected to carry 1 Gbit/s: ten times slower.
+    transfer = TransferObserved(
+        src=SEA1,
+        dst=WEU,
+        job_id="slow-copy",
+        transfer_bytes=10**9,
+        seconds=80.0,
+        expected_gbps=1.0,
+        at=time.time(),
+    )
+    await client.nc.jetstream().publish(
+        subjects.net_transfer(SEA1, WEU),
+        msgspec.json.encode(transfer),
+        headers={"Nats-Msg-Id": "transfer-slow-copy"},
+    )
+
+    async def counted() -> bool:
+        stats = await health(client, "network-perception")
+        return int(stats["transfers"]) > int(before_stats["transfers"])
+
+    await until(counted, 5, "the transfer to be folded in")
+
+    async def pricier() -> float | None:
+        cost = await cost_of(SEA1, WEU)
+        return cost if cost > before * 1.05 else None
+
+    await until(pricier, 5, "the link's cost to rise after the slow transfer")
+
+
+async def _positive(value: Awaitable[float]) -> bool:
+    return await value > 0
