@@ -5,6 +5,7 @@ the package differ from what the Structs say (a test runs the same check).
 """
 
 import argparse
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -68,11 +69,27 @@ CHANNELS: dict[str, tuple[tuple[str, ...], type[msgspec.Struct], str]] = {
 }
 
 
+def _clean_descriptions(node: Any) -> Any:
+    """Dedent every description the way ``inspect.cleandoc`` does.
+
+    msgspec versions differ in whether they dedent docstrings; the generated files must not
+    depend on which one is installed.
+    """
+    if isinstance(node, dict):
+        return {
+            k: inspect.cleandoc(v) if k == "description" and isinstance(v, str) else _clean_descriptions(v)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_clean_descriptions(v) for v in node]
+    return node
+
+
 def schemas() -> dict[str, dict[str, Any]]:
     """JSON Schema (2020-12) of every message, by message name."""
     out: dict[str, dict[str, Any]] = {}
     for _, message_type, _ in CHANNELS.values():
-        schema = msgspec.json.schema(message_type)
+        schema = _clean_descriptions(msgspec.json.schema(message_type))
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
         schema["$id"] = f"loom/{message_type.__name__}.json"
         out[message_type.__name__] = schema
@@ -83,6 +100,7 @@ def document() -> dict[str, Any]:
     """The AsyncAPI 3.0 document for every channel."""
     types = sorted({t for _, t, _ in CHANNELS.values()}, key=lambda t: t.__name__)
     _, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
+    components = _clean_descriptions(components)
     channels: dict[str, Any] = {}
     operations: dict[str, Any] = {}
     messages: dict[str, Any] = {}
