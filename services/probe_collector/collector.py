@@ -18,11 +18,15 @@ collector at once, on ``loom.net.emu.all``. Without ``emulate`` the endpoints ar
 
 import asyncio
 import contextlib
+import itertools
 import json
+import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+import msgspec
 import structlog
 from nats.aio.msg import Msg
 
@@ -98,6 +102,20 @@ def _optional_number(body: dict[str, Any], key: str, low: float, high: float) ->
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
         raise ValueError(f"{key} must be a number within {low}..{high}, got {value!r}")
     return float(value)
+
+
+def round_sample(src: str, dst: str, results: Sequence[ProbeResult]) -> ProbeSample:
+    """One sample for a round of UDP echo probes: median RTT, mean successive RTT difference, loss."""
+    rtts = [r.rtt_ms for r in results if r.rtt_ms is not None]
+    jitter = statistics.fmean(abs(b - a) for a, b in itertools.pairwise(rtts)) if len(rtts) >= 2 else None
+    first = min(results, key=lambda r: r.seq)
+    return msgspec.structs.replace(
+        to_sample(src, dst, first),
+        rtt_ms=statistics.median(rtts) if rtts else None,
+        sent=len(results),
+        lost=len(results) - len(rtts),
+        jitter_ms=jitter,
+    )
 
 
 def degraded(
@@ -318,6 +336,10 @@ class ProbeCollector:
             await asyncio.sleep(max(due - loop.time(), 0.0))  # pacing the probes
 
     async def _result_loop(self, link: PeerLink, prober: UdpProber) -> None:
+        # One sample per round of ``probes_per_period`` probes (median RTT, the round's jitter and
+        # loss): a fifth of the messages of one sample per probe, and a single spike in a round does
+        # not move the RTT.
+        round_: list[ProbeResult] = []
         while True:
             result: ProbeResult = await prober.results.get()
             if result.rtt_ms is None:
@@ -326,7 +348,10 @@ class ProbeCollector:
                 link.last_answer_at = time.monotonic()
                 srtt = link.srtt_ms
                 link.srtt_ms = result.rtt_ms if srtt is None else srtt + _SRTT_GAIN * (result.rtt_ms - srtt)
-            self._enqueue(to_sample(link.src, link.dst, result))
+            round_.append(result)
+            if len(round_) >= max(self.config.probes_per_period, 1):
+                self._enqueue(round_sample(link.src, link.dst, round_))
+                round_ = []
 
     async def _bulk_loop(self, link: PeerLink, target: Address) -> None:
         config = self.config
