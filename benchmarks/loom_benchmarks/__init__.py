@@ -17,6 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument("--rate", type=float, default=50.0, help="jobs per second in the paced phase")
     e2e.add_argument("--paced-jobs", type=int, default=500, help="jobs in the paced phase (0 skips it)")
     e2e.add_argument("--topology", default="default")
+    e2e.add_argument(
+        "--without-network",
+        action="store_true",
+        help="leave out the probe collectors and network-perception (the placement path alone)",
+    )
     e2e.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     view = sub.add_parser("view", help="the resource ledger at scale: delta apply, queries, memory per node")
     view.add_argument("--nodes", type=int, default=100_000)

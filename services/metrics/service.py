@@ -22,7 +22,7 @@ from loom.errors import InvalidInputError, LoomError
 from loom.model.ledger import Change, Ledger, LedgerCluster, LedgerNode
 from loom.model.scu import DecayLearner, DeviceProfile, TrustTracker, scu_by_task_type
 from loom.runtime.service import ServiceContext
-from loom.store import outbox
+from loom.store import inbox, outbox
 from loom.store.jobs import ts
 from loom.store.pool import transaction
 from loom_proto import subjects
@@ -235,8 +235,11 @@ class MetricsService:
             await runner.stop()
 
     async def on_job_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
-        """Placements show as reserved until the run starts (or ends without starting)."""
-        touched: dict[str, set[str]] = {}
+        """Placements show as reserved until the run starts (or ends without starting).
+
+        Reserved GPUs are an overlay on the ledger, shown by queries and region summaries; they
+        are not sent as view deltas, whose readers (placement) keep their own reservations.
+        """
         for d in deliveries:
             try:
                 event = decode(d.message, ReservationEvent)  # type: ignore[arg-type]
@@ -245,22 +248,14 @@ class MetricsService:
             if isinstance(event, JobCompleted):
                 await self._learn(event)
             if isinstance(event, JobPlaced):
-                change = self.ledger.reserve(
+                self.ledger.reserve(
                     f"{event.job_id}:{event.attempt}", [(a.node, a.gpus) for a in event.allocations]
                 )
             elif isinstance(event, JobCancelled):
-                change = None
                 for run in [r for r in self.ledger.reservations if r.startswith(f"{event.job_id}:")]:
-                    change = self.ledger.settle(run) or change
+                    self.ledger.settle(run)
             else:
-                change = self.ledger.settle(f"{event.job_id}:{event.attempt}")
-            if change is not None:
-                touched.setdefault(change.cluster, set()).update(n.node for n in change.nodes)
-        if touched:
-            async with self.lock:
-                for cluster_id, names in sorted(touched.items()):
-                    await self._publish_state_of(cluster_id, names)
-            self.relay.kick()
+                self.ledger.settle(f"{event.job_id}:{event.attempt}")
         return [None] * len(deliveries)
 
     async def on_profiles(self, d: Delivery[ClusterProfiles]) -> None:
@@ -338,11 +333,10 @@ class MetricsService:
         except LoomError as exc:  # e.g. a model without a profile: nothing to learn from
             log.info("no learning from run", job_id=event.job_id, reason=str(exc))
             return
-        self.trust[event.cluster] = tracker
-        self.decay[key] = learner
-        cluster = self.ledger.clusters[event.cluster]
-        cluster.trust = tracker.trust
         async with transaction(self.pool) as conn:
+            # A redelivered completion must not teach twice.
+            if not await inbox.claim(conn, "metrics-learn", f"{event.job_id}:{event.attempt}"):
+                return
             await conn.execute(
                 """UPDATE ledger_clusters SET trust = $2, trust_confirmations = $3, trust_mismatches = $4
                    WHERE cluster = $1""",
@@ -360,15 +354,9 @@ class MetricsService:
                 learner.factor,
                 learner.observations,
             )
-
-    async def _publish_state_of(self, cluster_id: str, names: set[str]) -> None:
-        """One delta with the current state of the nodes a batch of events touched."""
-        cluster = self.ledger.clusters[cluster_id]
-        nodes = tuple(self.ledger.nodes[n] for n in sorted(names) if n in self.ledger.nodes)
-        change = Change(cluster.cluster, cluster.region, cluster.version, False, nodes, (), cluster.stale)
-        async with transaction(self.pool) as conn:
-            await _write_cluster(conn, cluster)
-            await outbox.add(conn, PRODUCER, [self._delta_message(change)])
+        self.trust[event.cluster] = tracker
+        self.decay[key] = learner
+        self.ledger.clusters[event.cluster].trust = tracker.trust
 
     def _delta_message(self, change: Change) -> outbox.OutboxMessage:
         cluster = self.ledger.clusters.get(change.cluster)

@@ -207,6 +207,9 @@ _DYNAMIC = {
     "gpus_used",
     "gpus_free",
     "gpus_reserved",
+    # Learning from a run that completes between the two snapshots moves these legitimately.
+    "trust",
+    "scu_per_gpu",
 }
 
 

@@ -71,6 +71,8 @@ class StackOptions:
     durable: bool = True
     probe_period_s: float = 1.0
     """Probe period of the collectors and of network-perception's evaluation."""
+    network: bool = True
+    """Run the probe collectors and network-perception (off: compute placement only)."""
 
 
 def service_argvs(options: StackOptions) -> dict[str, list[str]]:
@@ -102,7 +104,7 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
         ]
     # One collector per region with a cluster: it probes its peers through the in-process WAN
     # emulator, shaped like the topology's links (`loom net degrade` changes them).
-    for region in sorted(probed_regions):
+    for region in sorted(probed_regions) if options.network else ():
         argvs[f"probe-{region}"] = [
             py,
             "-m",
@@ -114,6 +116,8 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
             "--period-s",
             str(options.probe_period_s),
         ]
+    if not options.network:
+        return argvs
     argvs["network-perception"] = [
         py,
         "-m",
@@ -345,6 +349,9 @@ def up(
         argv += ["--cluster", cluster]
     if not options.durable:
         argv.append("--no-durable")
+    if not options.network:
+        argv.append("--no-network")
+    argv += ["--probe-period-s", str(options.probe_period_s)]
     stack_file(home).unlink(missing_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
     with open(home / "logs" / "supervisor.log", "ab") as log:
@@ -418,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heartbeat-s", type=float, default=2.0)
     parser.add_argument("--max-heartbeat-s", type=float, default=10.0)
     parser.add_argument("--no-durable", action="store_true")
+    parser.add_argument("--no-network", action="store_true")
+    parser.add_argument("--probe-period-s", type=float, default=1.0)
     args = parser.parse_args(argv)
     options = StackOptions(
         topology=args.topology,
@@ -426,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat_s=args.heartbeat_s,
         max_heartbeat_s=args.max_heartbeat_s,
         durable=not args.no_durable,
+        network=not args.no_network,
+        probe_period_s=args.probe_period_s,
     )
     return Supervisor(args.home.resolve(), options).run()
 
