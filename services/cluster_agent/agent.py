@@ -34,7 +34,6 @@ from loom_proto.clusters import (
     StartJob,
     StopJob,
 )
-from loom_proto.codec import decode, encode
 from loom_proto.jobs import JobCheckpointed, JobCompleted, JobFailed, JobProgress, JobStarted, NodeAllocation
 from loom_services.cluster_agent.sim import SimCluster
 
@@ -427,13 +426,3 @@ class Agent:
                 out.write(json.dumps({"op": "start", "key": job.key, "job": asdict(job)}) + "\n")
         os.replace(tmp, self.state_file)
         self._journal = open(self.state_file, "a")  # noqa: SIM115 - held for the agent's lifetime
-
-
-def decode_command(payload: bytes) -> ClusterCommand:
-    """Decode any command (used by tests and tools)."""
-    return decode(payload, ClusterCommand)  # type: ignore[arg-type]
-
-
-def encode_command(command: ClusterCommand) -> bytes:
-    """Encode any command."""
-    return encode(command)

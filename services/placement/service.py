@@ -9,6 +9,7 @@ decision: the redelivered submission finds its claim, and the outbox is flushed 
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -44,6 +45,7 @@ from loom_proto.jobs import (
     JobStarted,
     JobSubmitted,
     NodeAllocation,
+    RejectCode,
 )
 from loom_proto.view import ViewDelta
 
@@ -74,9 +76,9 @@ def _order(q: QueuedJob) -> tuple[int, float, str]:
     return (-q.job.priority, q.job.submitted_at, q.job.job_id)
 
 
-def rejection(job_id: str, tenant: str, code: str, reason: str) -> JobRejected:
+def rejection(job_id: str, tenant: str, code: RejectCode, reason: str) -> JobRejected:
     """A JobRejected event stamped now."""
-    return JobRejected(job_id=job_id[:256], tenant=tenant, code=code, reason=reason, at=time.time())  # type: ignore[arg-type]
+    return JobRejected(job_id=job_id[:256], tenant=tenant, code=code, reason=reason, at=time.time())
 
 
 class PlacementService:
@@ -591,5 +593,5 @@ def _payload_job_id(payload: bytes) -> str | None:
 
 
 def hash_carrier(q: QueuedJob) -> str:
-    """A short stable token for a duplicate submission's rejection id."""
-    return format(abs(hash((q.job.job_id, q.job.submitted_at))) % (1 << 32), "x")
+    """A short token, the same in every process (``hash()`` is salted), for a duplicate's rejection id."""
+    return hashlib.sha256(f"{q.job.job_id}:{q.job.submitted_at!r}".encode()).hexdigest()[:12]

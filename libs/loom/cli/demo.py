@@ -41,7 +41,7 @@ def _table(jobs: dict[str, dict[str, Any] | None], started: float) -> Table:
     return table
 
 
-async def _demo(args: argparse.Namespace, console: Console, nats_url: str) -> int:
+async def _demo(args: argparse.Namespace, console: Console, nats_url: str, expected_clusters: int) -> int:
     specs = load_specs(args.workload or DEFAULT_WORKLOAD)
     client = await LoomClient.connect(nats_url, name="loom-demo")
     try:
@@ -52,7 +52,7 @@ async def _demo(args: argparse.Namespace, console: Console, nats_url: str) -> in
                 clusters = sum(
                     len(z["clusters"]) for r in view["regions"].values() for z in r["zones"].values()
                 )
-                if clusters >= len(stack.read_state(loom_home()).get("services", {})) - 2:  # type: ignore[union-attr]
+                if clusters >= expected_clusters:
                     break
                 await asyncio.sleep(0.5)
         console.print(f"{clusters} clusters reporting; submitting {len(specs)} jobs")
@@ -112,7 +112,8 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
         )
     console.print(f"[green]Loom is up[/green]: {len(state['services'])} services, logs in {home / 'logs'}")
     try:
-        code = asyncio.run(_demo(args, console, state["nats_url"]))
+        agents = sum(1 for name in state["services"] if name.startswith("agent-"))
+        code = asyncio.run(_demo(args, console, state["nats_url"], agents))
     finally:
         if args.down:
             stack.down(home)
