@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import asyncpg
 import nats
 import pytest
 from otlp_receiver import OtlpReceiver
+from waiting import until
 
 from loom.client import LoomClient, QueryError
 from loom.runtime import stack
@@ -89,17 +89,8 @@ async def _clusters_known(c: LoomClient) -> bool:
 
 
 async def _wait(check: Callable[[], Any], *, timeout_s: float, what: str) -> Any:
-    """Poll an async condition until it holds; fail with ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            result = await check()
-        except QueryError:  # a service restarting does not answer for a moment
-            result = None
-        if result:
-            return result
-        await asyncio.sleep(0.1)
-    pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+    """Wait for a condition; a service restarting (no answer for a moment) counts as "not yet"."""
+    return await until(check, timeout_s, what, interval_s=0.1, retry_on=(QueryError,))
 
 
 async def _state_of(c: LoomClient, job_id: str) -> str | None:

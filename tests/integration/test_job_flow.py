@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from waiting import until
 
 from loom.client import LoomClient, QueryError
 from loom.model.profiles import library_models, profile_for_model, relative_speed, scu_per_gpu
@@ -111,16 +112,6 @@ async def client(platform: Platform) -> AsyncIterator[LoomClient]:
     c = await LoomClient.connect(platform.nats_url)
     yield c
     await c.close()
-
-
-async def until(check: Callable[[], Awaitable[Any]], timeout_s: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = await check()
-        if result:
-            return result
-        await asyncio.sleep(0.05)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def job_state(client: LoomClient, job_id: str, wanted: str) -> Callable[[], Awaitable[Any]]:

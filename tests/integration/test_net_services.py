@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 from nats.aio.msg import Msg
+from waiting import until as _until
 
 from loom.client import LoomClient
 from loom.model.topology import Topology, load_topology
@@ -112,14 +113,8 @@ async def client(net: Net) -> AsyncIterator[LoomClient]:
 
 
 async def until(check: Callable[[], Awaitable[Any]], timeout_s: float, what: str) -> Any:
-    """Poll ``check`` every period until it returns something truthy."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = await check()
-        if result:
-            return result
-        await asyncio.sleep(PERIOD_S / 2)  # polling interval, bounded by the deadline
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    """Poll ``check`` twice a probe period until it returns something truthy."""
+    return await _until(check, timeout_s, what, interval_s=PERIOD_S / 2)
 
 
 async def health(client: LoomClient, name: str) -> dict[str, Any]:
