@@ -70,6 +70,13 @@ class StartJob(
     allocations: list[NodeAllocation]
     attempt: Annotated[int, Meta(ge=1)] = 1
     resume_from_step: Annotated[int, Meta(ge=0)] = 0
+    role: Literal["lead", "member"] = "lead"
+    """A job on several clusters has one lead part, which runs the job's clock and reports its
+    progress; member parts hold their GPUs and run until stopped."""
+    slowdown: Annotated[float, Meta(ge=1, le=1_000_000)] = 1.0
+    """How much slower than its compute alone the run goes (communication across clusters,
+    pipeline bubbles), as placement predicted it."""
+    workers: Annotated[int, Meta(ge=1)] | None = None
 
 
 class StopJob(
@@ -80,6 +87,17 @@ class StopJob(
     job_id: Id
     attempt: Annotated[int, Meta(ge=1)] = 1
     reason: Annotated[str, Meta(max_length=1024)] = ""
+
+
+class ResizeJob(
+    msgspec.Struct, tag_field="kind", tag="resize", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
+    """An elastic job's run now has these workers on these nodes."""
+
+    job_id: Id
+    attempt: Annotated[int, Meta(ge=1)] = 1
+    workers: Annotated[int, Meta(ge=1)]
+    allocations: list[NodeAllocation]
 
 
 class CheckpointJob(
@@ -100,7 +118,7 @@ class DrainCluster(
     reason: Annotated[str, Meta(max_length=1024)] = ""
 
 
-ClusterCommand = StartJob | StopJob | CheckpointJob | DrainCluster
+ClusterCommand = StartJob | StopJob | CheckpointJob | DrainCluster | ResizeJob
 """Any command to an agent, discriminated by ``kind``."""
 
 

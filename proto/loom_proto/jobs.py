@@ -49,6 +49,82 @@ class Work(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True
     """0 means the job does not checkpoint."""
 
 
+class DataSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """The dataset a job reads: where it lives and how big it is.
+
+    When the chosen cluster is in another region, placement plans a sync (an initial copy over the
+    measured path, then incremental copies of what changed) and the job either waits for the copy
+    (``start="after_sync"``) or starts at once and reads while it syncs (``"while_syncing"``).
+    """
+
+    dataset: Id
+    region: Id
+    """The region that holds the dataset now."""
+    size_gb: Annotated[float, Meta(ge=0, le=10_000_000)]
+    change_gb_per_hour: Annotated[float, Meta(ge=0, le=1_000_000)] = 0.0
+    """How fast the dataset changes; sizes the incremental copies after the first."""
+    start: Literal["after_sync", "while_syncing"] = "after_sync"
+    replicas: Annotated[list[Id], Meta(max_length=64)] = []
+    """Other regions that already hold a full copy."""
+
+
+class Communication(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """How much a job's workers talk: bytes each worker exchanges per step, in how many rounds."""
+
+    bytes_per_step: Annotated[int, Meta(ge=0, le=10**13)] = 0
+    rounds_per_step: Annotated[int, Meta(ge=0, le=10_000)] = 1
+    """Latency-bound exchanges per step (each costs at least one round trip across clusters)."""
+
+
+class Affinity(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Where a job may, must or should not run, and which jobs it should be near or apart from."""
+
+    clusters: Annotated[list[Id], Meta(max_length=256)] = []
+    """Run only on these clusters (empty: any)."""
+    regions: Annotated[list[Id], Meta(max_length=256)] = []
+    """Run only in these regions (empty: any)."""
+    avoid_clusters: Annotated[list[Id], Meta(max_length=256)] = []
+    avoid_regions: Annotated[list[Id], Meta(max_length=256)] = []
+    prefer_regions: Annotated[list[Id], Meta(max_length=256)] = []
+    """Preferred (scored higher), not required."""
+    near_jobs: Annotated[dict[Label, Label], Meta(max_length=16)] = {}
+    """Prefer to run close to running jobs with these labels (jobs that talk to each other)."""
+    apart_from_jobs: Annotated[dict[Label, Label], Meta(max_length=16)] = {}
+    """Never share a cluster with running jobs that have these labels."""
+
+
+class Layer(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One layer of a model that may be split into pipeline stages."""
+
+    name: Annotated[str, Meta(max_length=128)] = ""
+    compute_s: Annotated[float, Meta(gt=0, le=86_400)]
+    """Seconds per step of this layer on one reference GPU."""
+    memory_gib: Annotated[float, Meta(ge=0, le=1_000_000)] = 0.0
+    """Memory the layer needs (weights, optimiser state, activations)."""
+    activation_mb: Annotated[float, Meta(ge=0, le=1_000_000)] = 0.0
+    """Megabytes sent to the next layer per step (forward and backward together)."""
+
+
+class Pipeline(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """A model declared as layers: placement may cut it into contiguous stages on several clusters."""
+
+    layers: Annotated[list[Layer], Meta(min_length=1, max_length=1024)]
+    max_stages: Annotated[int, Meta(ge=1, le=64)] = 8
+
+
+class Stage(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One stage of a DAG job; it starts when every stage it depends on has completed."""
+
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_]{1,24}(?![\s\S])")]
+    depends_on: Annotated[list[str], Meta(max_length=64)] = []
+    task_type: TaskType = "training_compute"
+    workers: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] = 1
+    resources: Resources = Resources()
+    work: Work
+    data: DataSpec | None = None
+    affinity: Affinity = Affinity()
+
+
 class JobSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """A job as a person writes it (YAML or JSON); the SDK turns it into :class:`JobSubmitted`."""
 
@@ -62,6 +138,20 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
     resources: Resources = Resources()
     work: Work
     labels: Annotated[dict[Label, Label], Meta(max_length=64)] = {}
+    min_workers: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] | None = None
+    """Elastic: start with as few as ``min_workers`` when ``workers`` don't fit, grow as capacity
+    frees, and shrink back (never below it) under pressure. None: exactly ``workers``."""
+    preemptible: bool = True
+    """Whether a job of higher priority may stop this one (it is requeued, resuming from its
+    last checkpoint)."""
+    allow_multi_cluster: bool = False
+    """A gang may span clusters (its workers then talk over the inter-region links)."""
+    comm: Communication | None = None
+    data: DataSpec | None = None
+    affinity: Affinity = Affinity()
+    pipeline: Pipeline | None = None
+    stages: Annotated[list[Stage], Meta(max_length=64)] = []
+    """A DAG job: its stages run in dependency order; ``work`` is then ignored."""
 
 
 class JobSubmitted(JobSpec, tag_field="kind", tag="submitted", forbid_unknown_fields=True, frozen=True):
@@ -77,10 +167,37 @@ class NodeAllocation(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     gpus: Annotated[int, Meta(ge=1, le=MAX_GPUS_PER_WORKER)]
 
 
+class PlacedPart(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One cluster's share of a job placed on several (a gang across clusters or a pipeline stage)."""
+
+    cluster: Id
+    region: Id
+    gpu_model: GpuModel
+    allocations: list[NodeAllocation]
+    layers: tuple[int, int] | None = None
+    """Pipeline stages: the first and last layer (inclusive) this part runs."""
+
+
+class SyncPlan(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """How a dataset reaches the chosen region: a first full copy, then incremental ones."""
+
+    dataset: Id
+    src: Id
+    dst: Id
+    initial_gb: Annotated[float, Meta(ge=0)]
+    initial_s: Annotated[float, Meta(ge=0)]
+    incremental_gb_per_hour: Annotated[float, Meta(ge=0)] = 0.0
+    start: Literal["after_sync", "while_syncing"] = "after_sync"
+
+
 class JobPlaced(
     msgspec.Struct, tag_field="kind", tag="placed", forbid_unknown_fields=True, frozen=True, kw_only=True
 ):
-    """Placement reserved capacity for a job and commanded the cluster to start it."""
+    """Placement reserved capacity for a job and commanded the cluster to start it.
+
+    ``cluster``/``allocations`` are the lead part; a job placed on several clusters lists every
+    part (the lead first) in ``parts``.
+    """
 
     job_id: Id
     tenant: Id
@@ -91,6 +208,13 @@ class JobPlaced(
     attempt: Annotated[int, Meta(ge=1)] = 1
     placed_at: UnixSeconds
     submitted_at: UnixSeconds = 0.0
+    workers: Annotated[int, Meta(ge=1)] | None = None
+    """Workers given (elastic jobs may get fewer than they asked for)."""
+    parts: list[PlacedPart] = []
+    predicted_step_s: Annotated[float, Meta(ge=0)] | None = None
+    """Predicted wall seconds per step here (compute plus communication)."""
+    sync: SyncPlan | None = None
+    score: Annotated[float, Meta(ge=0, le=100)] | None = None
 
 
 class JobStarted(
@@ -171,7 +295,40 @@ class JobFailed(
     at: UnixSeconds
 
 
-RejectCode = Literal["invalid", "impossible", "quota", "duplicate", "internal"]
+RequeueReason = Literal["preempted", "start_timeout", "start_failed", "cluster_lost", "resized"]
+
+
+class JobRequeued(
+    msgspec.Struct, tag_field="kind", tag="requeued", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
+    """A placed job goes back to the queue: its run (``attempt - 1``) was given up; ``attempt`` is next."""
+
+    job_id: Id
+    tenant: Id
+    attempt: Annotated[int, Meta(ge=2)]
+    cause: RequeueReason
+    reason: Reason = ""
+    avoid_clusters: list[Id] = []
+    """Clusters the next placement avoids (the one that failed to start it)."""
+    at: UnixSeconds
+
+
+class JobResized(
+    msgspec.Struct, tag_field="kind", tag="resized", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
+    """An elastic job's workers changed: it grew into freed capacity or shrank under pressure."""
+
+    job_id: Id
+    tenant: Id
+    cluster: Id
+    attempt: Annotated[int, Meta(ge=1)] = 1
+    workers: Annotated[int, Meta(ge=1)]
+    allocations: list[NodeAllocation]
+    reason: Reason = ""
+    at: UnixSeconds
+
+
+RejectCode = Literal["invalid", "impossible", "quota", "duplicate", "internal", "unknown_tenant", "cyclic"]
 
 
 class JobRejected(
@@ -208,6 +365,8 @@ JobEvent = (
     | JobFailed
     | JobRejected
     | JobCancelled
+    | JobRequeued
+    | JobResized
 )
 """Any job lifecycle event, discriminated by ``kind``."""
 

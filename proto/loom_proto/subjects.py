@@ -22,8 +22,10 @@ JobEventKind = Literal[
     "failed",
     "rejected",
     "cancelled",
+    "requeued",
+    "resized",
 ]
-ClusterCommandKind = Literal["start", "stop", "checkpoint", "drain"]
+ClusterCommandKind = Literal["start", "stop", "checkpoint", "drain", "resize"]
 
 JOB_EVENT_KINDS: tuple[JobEventKind, ...] = (
     "submitted",
@@ -35,8 +37,10 @@ JOB_EVENT_KINDS: tuple[JobEventKind, ...] = (
     "failed",
     "rejected",
     "cancelled",
+    "requeued",
+    "resized",
 )
-CLUSTER_COMMAND_KINDS: tuple[ClusterCommandKind, ...] = ("start", "stop", "checkpoint", "drain")
+CLUSTER_COMMAND_KINDS: tuple[ClusterCommandKind, ...] = ("start", "stop", "checkpoint", "drain", "resize")
 
 
 def job_submitted(tenant: str) -> str:
