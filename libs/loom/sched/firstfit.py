@@ -48,7 +48,7 @@ class Unschedulable:
     impossible: bool
 
 
-def _workers_that_fit(
+def pack_workers(
     free_gpus: Iterable[tuple[str, int]], gpus_per_worker: int, workers: int
 ) -> list[tuple[str, int]] | None:
     """Pack workers onto nodes (most free first, to keep gangs on few nodes); None if they don't fit."""
@@ -93,7 +93,7 @@ class CapacityIndex:
         for key in self.order:
             if (allowed and key[1] not in allowed) or self.free[key] < need:
                 continue
-            allocations = _workers_that_fit(self.groups[key].items(), job.resources.gpus, job.workers)
+            allocations = pack_workers(self.groups[key].items(), job.resources.gpus, job.workers)
             if allocations is not None:
                 return Placement(
                     cluster=key[0],
@@ -138,7 +138,7 @@ def explain_unschedulable(
     best: tuple[int, str, str] | None = None
     for (cluster, model), caps in sorted(by_cluster_model.items()):
         capacity_workers = sum(c.gpus_total // per_worker for c in caps)
-        if _workers_that_fit(((c.node, c.gpus_total) for c in caps), per_worker, job.workers) is not None:
+        if pack_workers(((c.node, c.gpus_total) for c in caps), per_worker, job.workers) is not None:
             return Unschedulable(
                 reason=f"{need} of {models} fit on {cluster} ({model}) but its GPUs are taken;"
                 " waiting for capacity",
