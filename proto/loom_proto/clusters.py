@@ -77,6 +77,8 @@ class StartJob(
     """How much slower than its compute alone the run goes (communication across clusters,
     pipeline bubbles), as placement predicted it."""
     workers: Annotated[int, Meta(ge=1)] | None = None
+    start_after_s: Annotated[float, Meta(ge=0, le=30 * 86_400)] = 0.0
+    """Simulated seconds to wait before starting (the dataset's first copy is still on its way)."""
 
 
 class StopJob(

@@ -38,6 +38,8 @@ class Resources(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     """Allowed GPU models; empty means any model."""
     cpu_milli: Annotated[int, Meta(ge=0, le=1_024_000)] = 0
     memory_mib: Annotated[int, Meta(ge=0, le=16 * 1024 * 1024)] = 0
+    gpu_memory_gib: Annotated[float, Meta(ge=0, le=10_000)] = 0.0
+    """Device memory each GPU must have (models with less are filtered out)."""
 
 
 class Work(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
