@@ -23,6 +23,12 @@ class NodeCapacity:
     gpus_total: int
     gpus_reserved: int = 0
     schedulable: bool = True
+    cpu_milli: int = 0
+    """CPU of the node (0: not reported, not checked)."""
+    memory_mib: int = 0
+    """RAM of the node (0: not reported, not checked)."""
+    cpu_reserved: int = 0
+    memory_reserved: int = 0
 
     @property
     def gpus_free(self) -> int:

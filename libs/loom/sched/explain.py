@@ -1,0 +1,99 @@
+"""Decision records in plain words: "why here, and why not there".
+
+:func:`render` turns a :class:`~loom.sched.framework.DecisionRecord` into lines a person reads:
+where the job went and which plugins carried it, then for every other candidate the plugins on
+which it lost the most (score difference times weight), then every cluster ruled out and why.
+"""
+
+from loom.sched.framework import CandidateRecord, DecisionRecord
+
+PLUGIN_WORDS = {
+    "scu_fit": "compute (SCU for the task type)",
+    "joint": "joint compute + network score",
+    "jct": "predicted completion time",
+    "data_locality": "data locality",
+    "affinity": "affinity",
+    "water_level": "load balance",
+    "cost_energy": "cost and energy",
+    "trust": "trust in the cluster's claimed compute",
+}
+
+
+def _words(plugin: str) -> str:
+    return PLUGIN_WORDS.get(plugin, plugin)
+
+
+def _gaps(
+    winner: CandidateRecord, other: CandidateRecord, weights: dict[str, float]
+) -> list[tuple[float, str]]:
+    """(weighted score the other loses, plugin) for each plugin, biggest loss first."""
+    gaps = [
+        (weights.get(p, 1.0) * (winner.scores.get(p, 0.0) - other.scores.get(p, 0.0)), p)
+        for p in winner.scores
+    ]
+    return sorted(gaps, reverse=True)
+
+
+def render(record: DecisionRecord, *, limit: int = 10) -> list[str]:
+    """The record as sentences, most important first; at most ``limit`` candidates and pruned clusters."""
+    lines: list[str] = []
+    if record.outcome != "placed":
+        verb = "was rejected" if record.outcome == "rejected" else "is waiting"
+        lines.append(f"Job {record.job_id} {verb}: {record.reason}.")
+    by_key = {(c.cluster, c.gpu_model): c for c in record.candidates}
+    ranked = sorted(record.candidates, key=lambda c: (-c.total, c.cluster, c.gpu_model))
+    winner: CandidateRecord | None = None
+    if record.outcome == "placed" and record.chosen:
+        winner = next((c for c in ranked if c.cluster == record.chosen[0]), None)
+        lines.append(f"Job {record.job_id}: {record.reason}.")
+        if winner is not None:
+            best = sorted(winner.scores.items(), key=lambda kv: -record.weights.get(kv[0], 1.0) * kv[1])[:3]
+            carried = ", ".join(
+                f"{_words(p)} {s:.0f}/100 (weight {record.weights.get(p, 1.0):g})" for p, s in best
+            )
+            lines.append(
+                f"Why {winner.cluster} ({winner.gpu_model}): total {winner.total:.1f}, the best of"
+                f" {len(record.candidates)} candidate(s); it scored {carried}."
+            )
+        if len(record.chosen) > 1:
+            lines.append(f"The job spans {len(record.chosen)} clusters: {', '.join(record.chosen)}.")
+    for note in record.notes:
+        lines.append(f"Note: {note}.")
+    if record.victims:
+        lines.append(f"Preempted to make room: {', '.join(record.victims)}.")
+    reference = winner or (ranked[0] if ranked else None)
+    shown = 0
+    for cand in ranked:
+        if reference is not None and cand is reference:
+            continue
+        if cand.cluster in record.chosen:
+            continue
+        if shown >= limit:
+            lines.append(f"... and {len(ranked) - shown - 1} more candidate(s).")
+            break
+        shown += 1
+        if reference is None:
+            continue
+        losses = [(g, p) for g, p in _gaps(reference, cand, record.weights) if g > 0.05][:2]
+        if losses:
+            why = "; ".join(
+                f"{_words(p)} {cand.scores.get(p, 0.0):.0f} vs {reference.scores.get(p, 0.0):.0f}"
+                for _, p in losses
+            )
+            lines.append(
+                f"Why not {cand.cluster} ({cand.gpu_model}): total {cand.total:.1f} vs {reference.total:.1f};"
+                f" it lost on {why}."
+            )
+        else:
+            lines.append(
+                f"Why not {cand.cluster} ({cand.gpu_model}): total {cand.total:.1f}, tied or behind only by"
+                " the deterministic tie-break (cluster id)."
+            )
+    pruned = sorted(record.pruned.items())
+    for cluster, reason in pruned[:limit]:
+        if any(k[0] == cluster for k in by_key):
+            continue
+        lines.append(f"Why not {cluster}: ruled out; {reason}.")
+    if len(pruned) > limit:
+        lines.append(f"... and {len(pruned) - limit} more cluster(s) ruled out.")
+    return lines

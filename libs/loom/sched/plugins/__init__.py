@@ -1,0 +1,1 @@
+"""The scheduling plugins; :mod:`loom.sched.profile` registers them and builds the default framework."""

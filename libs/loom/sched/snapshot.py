@@ -1,0 +1,314 @@
+"""What one scheduling cycle decides on: nodes as numpy arrays, clusters, the network and prices.
+
+Nodes are sorted by cluster, so each cluster is one contiguous slice of every array; per
+(cluster, model) aggregates (free GPUs, the most free on one node) let the framework prune whole
+regions, zones and clusters before it looks at a single node. :meth:`Snapshot.take` applies a
+decision so the next job of the same cycle sees the GPUs as used; aggregates are kept in step.
+"""
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from loom.model.topology import Topology
+from loom.sched.firstfit import NodeCapacity
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+
+INTRA_REGION_RTT_MS = 1.0
+"""Round trip between two clusters of one region when nothing better is known."""
+INTRA_REGION_GBPS = 100.0
+"""Bandwidth between two clusters of one region when nothing better is known."""
+UNKNOWN_LINK_RTT_MS = 300.0
+"""Priced for a pair of regions with no measured path: conservative, never free."""
+UNKNOWN_LINK_GBPS = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterInfo:
+    """A cluster as scheduling sees it: where it is and how far its claimed compute is believed."""
+
+    id: str
+    region: str
+    zone: str
+    trust: float = 1.0
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RunningJob:
+    """A job holding GPUs now: for affinity, preemption, elastic resizing and balance."""
+
+    job_id: str
+    tenant: str
+    priority: int
+    cluster: str
+    gpu_model: str
+    allocations: tuple[tuple[str, int], ...]
+    progress: float = 0.0
+    preemptible: bool = True
+    labels: Mapping[str, str] = field(default_factory=dict)
+    workers: int = 1
+    min_workers: int | None = None
+    max_workers: int = 1
+    gpus_per_worker: int = 1
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the job holds in all."""
+        return sum(g for _, g in self.allocations)
+
+
+class NetMatrix:
+    """Region-to-region round trip, bandwidth and loss: measured paths, or conservative guesses."""
+
+    def __init__(
+        self,
+        regions: Sequence[str],
+        rtt_ms: FloatArray | None = None,
+        bandwidth_gbps: FloatArray | None = None,
+        loss: FloatArray | None = None,
+        degraded: BoolArray | None = None,
+    ) -> None:
+        self.regions = tuple(regions)
+        self.index = {r: i for i, r in enumerate(self.regions)}
+        n = len(self.regions)
+        self.rtt_ms = rtt_ms if rtt_ms is not None else np.full((n, n), UNKNOWN_LINK_RTT_MS)
+        self.bandwidth_gbps = (
+            bandwidth_gbps if bandwidth_gbps is not None else np.full((n, n), UNKNOWN_LINK_GBPS)
+        )
+        self.loss = loss if loss is not None else np.zeros((n, n))
+        self.degraded = degraded if degraded is not None else np.zeros((n, n), dtype=np.bool_)
+        np.fill_diagonal(self.rtt_ms, INTRA_REGION_RTT_MS)
+        np.fill_diagonal(self.bandwidth_gbps, INTRA_REGION_GBPS)
+
+    @classmethod
+    def from_topology(cls, topology: Topology) -> "NetMatrix":
+        """The topology's measured figures (the prior before probes report)."""
+        regions = [r.id for r in topology.regions]
+        matrix = cls(regions)
+        for link in topology.links:
+            i, j = matrix.index[link.src], matrix.index[link.dst]
+            matrix.rtt_ms[i, j] = link.rtt_ms
+            matrix.bandwidth_gbps[i, j] = link.bandwidth_gbps
+        matrix.fill_missing_with_paths()
+        return matrix
+
+    def set_link(
+        self,
+        src: str,
+        dst: str,
+        *,
+        rtt_ms: float,
+        bandwidth_gbps: float | None,
+        loss: float = 0.0,
+        degraded: bool = False,
+    ) -> None:
+        """Adopt one measured link (regions not known yet are ignored)."""
+        i, j = self.index.get(src), self.index.get(dst)
+        if i is None or j is None or i == j:
+            return
+        self.rtt_ms[i, j] = rtt_ms
+        if bandwidth_gbps is not None and bandwidth_gbps > 0:
+            self.bandwidth_gbps[i, j] = bandwidth_gbps
+        self.loss[i, j] = loss
+        self.degraded[i, j] = degraded
+
+    def fill_missing_with_paths(self) -> None:
+        """Pairs without a direct link get the best two-hop relay (rtt adds up, bandwidth is the min)."""
+        n = len(self.regions)
+        unknown = self.rtt_ms >= UNKNOWN_LINK_RTT_MS
+        for i in range(n):
+            for j in range(n):
+                if i == j or not unknown[i, j]:
+                    continue
+                via = [
+                    (
+                        self.rtt_ms[i, k] + self.rtt_ms[k, j],
+                        min(self.bandwidth_gbps[i, k], self.bandwidth_gbps[k, j]),
+                    )
+                    for k in range(n)
+                    if k not in (i, j) and not unknown[i, k] and not unknown[k, j]
+                ]
+                if via:
+                    rtt, bw = min(via)
+                    self.rtt_ms[i, j] = rtt
+                    self.bandwidth_gbps[i, j] = bw
+
+    def link(self, src: str, dst: str) -> tuple[float, float]:
+        """(rtt_ms, bandwidth_gbps) between two regions; conservative when either is unknown."""
+        i, j = self.index.get(src), self.index.get(dst)
+        if i is None or j is None:
+            return (
+                (INTRA_REGION_RTT_MS, INTRA_REGION_GBPS)
+                if src == dst
+                else (UNKNOWN_LINK_RTT_MS, UNKNOWN_LINK_GBPS)
+            )
+        return float(self.rtt_ms[i, j]), float(self.bandwidth_gbps[i, j])
+
+    def transfer_s(self, src: str, dst: str, gigabytes: float) -> float:
+        """Seconds to move ``gigabytes`` from one region to another (one round trip plus the bytes)."""
+        if src == dst or gigabytes <= 0:
+            return 0.0
+        rtt, gbps = self.link(src, dst)
+        return rtt / 1000.0 + gigabytes * 8.0 / max(gbps, 1e-6)
+
+
+@dataclass(frozen=True, slots=True)
+class Economics:
+    """Price and carbon by region and hour of day (UTC): the inputs of the cost and energy plugin."""
+
+    price_per_gpu_hour: Mapping[str, float] = field(default_factory=dict)
+    """Base price of one GPU-hour of the reference accelerator per region (the SCU-hour price)."""
+    hourly_price_factor: Mapping[str, Sequence[float]] = field(default_factory=dict)
+    """24 multipliers per region (off-peak discounts); missing means flat."""
+    carbon_g_per_kwh: Mapping[str, Sequence[float]] = field(default_factory=dict)
+    """Grid carbon intensity per region, 24 hourly values (or one)."""
+    gpu_power_kw: Mapping[str, float] = field(default_factory=dict)
+    """Board power per GPU model; 0.3 kW when unknown."""
+
+    def price(self, region: str, now: float) -> float:
+        """Price per reference-GPU-hour in ``region`` at ``now``."""
+        base = self.price_per_gpu_hour.get(region, 2.0)
+        factors = self.hourly_price_factor.get(region)
+        return base * (factors[int(now // 3600) % len(factors)] if factors else 1.0)
+
+    def carbon(self, region: str, now: float) -> float:
+        """Grams of CO2 per kWh in ``region`` at ``now`` (400 when unknown)."""
+        values = self.carbon_g_per_kwh.get(region)
+        return float(values[int(now // 3600) % len(values)]) if values else 400.0
+
+
+class Snapshot:
+    """Nodes as arrays sorted by cluster, their clusters, what runs where, the network and prices."""
+
+    def __init__(
+        self,
+        nodes: Iterable[NodeCapacity],
+        *,
+        clusters: Mapping[str, ClusterInfo] | None = None,
+        running: Sequence[RunningJob] = (),
+        net: NetMatrix | None = None,
+        economics: Economics | None = None,
+        speed: Mapping[tuple[str, str], float] | None = None,
+        gpu_memory_gib: Mapping[str, float] | None = None,
+        now: float = 0.0,
+    ) -> None:
+        caps = sorted((c for c in nodes if c.gpu_model is not None), key=lambda c: (c.cluster, c.node))
+        self.now = now
+        cluster_ids = sorted({c.cluster for c in caps} | set(clusters or {}))
+        given = clusters or {}
+        first = {c.cluster: c for c in reversed(caps)}
+        self.clusters: list[ClusterInfo] = [
+            given.get(cid) or ClusterInfo(id=cid, region=first[cid].region, zone=first[cid].zone)
+            for cid in cluster_ids
+        ]
+        self.cluster_index = {c.id: i for i, c in enumerate(self.clusters)}
+        self.models: list[str] = sorted({c.gpu_model for c in caps if c.gpu_model is not None})
+        self.model_index = {m: i for i, m in enumerate(self.models)}
+        regions = sorted({c.region for c in self.clusters} | set(net.regions if net else ()))
+        self.net = net if net is not None else NetMatrix(regions)
+        self.regions: list[str] = list(self.net.regions) + [r for r in regions if r not in self.net.index]
+        self.region_index = {r: i for i, r in enumerate(self.regions)}
+        self.economics = economics or Economics()
+        self.running: list[RunningJob] = list(running)
+        self.speed = dict(speed or {})
+        """(gpu_model, task_type) -> delivered speed of one GPU relative to the reference (SCU)."""
+        self.gpu_memory_gib = dict(gpu_memory_gib or {})
+
+        n = len(caps)
+        self.node_ids: list[str] = [c.node for c in caps]
+        self.node_index = {nid: i for i, nid in enumerate(self.node_ids)}
+        self.cluster_of = np.fromiter((self.cluster_index[c.cluster] for c in caps), np.int64, n)
+        self.model_of = np.fromiter((self.model_index[c.gpu_model or ""] for c in caps), np.int64, n)
+        self.total = np.fromiter((c.gpus_total for c in caps), np.int64, n)
+        self.free = np.fromiter((c.gpus_free for c in caps), np.int64, n)
+        self.cpu_free = np.fromiter((max(c.cpu_milli - c.cpu_reserved, 0) for c in caps), np.int64, n)
+        self.mem_free = np.fromiter((max(c.memory_mib - c.memory_reserved, 0) for c in caps), np.int64, n)
+        self.cpu_known = np.fromiter((c.cpu_milli > 0 for c in caps), np.bool_, n)
+        self.mem_known = np.fromiter((c.memory_mib > 0 for c in caps), np.bool_, n)
+        self.schedulable = np.fromiter((c.schedulable for c in caps), np.bool_, n)
+        c_count = len(self.clusters)
+        self.slices: list[tuple[int, int]] = [(0, 0)] * c_count
+        if n:
+            bounds = np.searchsorted(self.cluster_of, np.arange(c_count + 1))
+            self.slices = [(int(bounds[i]), int(bounds[i + 1])) for i in range(c_count)]
+        self.cluster_region = np.array([self.region_index[c.region] for c in self.clusters], dtype=np.int64)
+        self.trust = np.array([c.trust for c in self.clusters], dtype=np.float64)
+        m_count = max(len(self.models), 1)
+        self.free_sum = np.zeros((c_count, m_count), np.int64)
+        self.total_sum = np.zeros((c_count, m_count), np.int64)
+        self.max_free = np.zeros((c_count, m_count), np.int64)
+        usable = np.where(self.schedulable, self.free, 0)
+        if n:
+            np.add.at(self.free_sum, (self.cluster_of, self.model_of), usable)
+            np.add.at(self.total_sum, (self.cluster_of, self.model_of), self.total)
+            np.maximum.at(self.max_free, (self.cluster_of, self.model_of), usable)
+        self.labels_by_cluster: dict[str, list[RunningJob]] = {}
+        for job in self.running:
+            self.labels_by_cluster.setdefault(job.cluster, []).append(job)
+
+    # ---- lookups -------------------------------------------------------------------------------
+
+    def node_slice(self, cluster: int, model: int) -> tuple[IntArray, slice]:
+        """Indices of the cluster's nodes of one model (absolute), and the cluster's slice."""
+        start, stop = self.slices[cluster]
+        part = slice(start, stop)
+        local = np.flatnonzero(self.model_of[part] == model)
+        return local + start, part
+
+    def gpu_speed(self, model: str, task_type: str) -> float:
+        """One GPU's delivered speed for a task type relative to the reference (1.0 when unknown)."""
+        return self.speed.get((model, task_type), 1.0)
+
+    def region_of(self, cluster: int) -> str:
+        """The region id of cluster index ``cluster``."""
+        return self.clusters[cluster].region
+
+    # ---- the cycle's own decisions -----------------------------------------------------------
+
+    def take(
+        self,
+        allocations: Iterable[tuple[str, int]],
+        gpus_per_worker: int = 1,
+        cpu_milli: int = 0,
+        memory_mib: int = 0,
+    ) -> None:
+        """Account for GPUs (and each worker's CPU and RAM) given to a job in this cycle."""
+        self._move(allocations, -1, gpus_per_worker, cpu_milli, memory_mib)
+
+    def give_back(
+        self,
+        allocations: Iterable[tuple[str, int]],
+        gpus_per_worker: int = 1,
+        cpu_milli: int = 0,
+        memory_mib: int = 0,
+    ) -> None:
+        """Return GPUs to the pool (a preempted or shrunk job), within the cycle."""
+        self._move(allocations, 1, gpus_per_worker, cpu_milli, memory_mib)
+
+    def _move(
+        self, allocations: Iterable[tuple[str, int]], sign: int, per_worker: int, cpu: int, mem: int
+    ) -> None:
+        touched: set[tuple[int, int]] = set()
+        for node, gpus in allocations:
+            i = self.node_index.get(node)
+            if i is None:
+                continue
+            self.free[i] = min(max(self.free[i] + sign * gpus, 0), self.total[i])
+            workers = math.ceil(gpus / max(per_worker, 1))
+            if cpu:
+                self.cpu_free[i] = max(self.cpu_free[i] + sign * cpu * workers, 0)
+            if mem:
+                self.mem_free[i] = max(self.mem_free[i] + sign * mem * workers, 0)
+            touched.add((int(self.cluster_of[i]), int(self.model_of[i])))
+        for c, m in touched:
+            idx, _ = self.node_slice(c, m)
+            usable = np.where(self.schedulable[idx], self.free[idx], 0)
+            self.free_sum[c, m] = int(usable.sum())
+            self.max_free[c, m] = int(usable.max()) if usable.size else 0
