@@ -123,6 +123,8 @@ class CycleState:
     """Plugins that answered SKIP for this job."""
     avoid_clusters: frozenset[str] = frozenset()
     """Clusters that failed to start an earlier attempt of the job."""
+    policy_mask: BoolArray | None = None
+    """Clusters allowed by policy (pre-filters), before free capacity pruned any: where preemption looks."""
     _data: dict[StateKey[Any], Any] = field(default_factory=dict)
 
     @property
@@ -511,6 +513,7 @@ class Framework:
         status = self.run_pre_filters(state)
         if not status.ok:
             return self._fail(record, status)
+        state.policy_mask = state.cluster_mask.copy()
         self.prune_hierarchically(state)
         candidates = self.find_candidates(state)
         decision: Decision | None = None

@@ -57,6 +57,11 @@ class RunningJob:
     min_workers: int | None = None
     max_workers: int = 1
     gpus_per_worker: int = 1
+    cpu_milli: int = 0
+    """Per worker."""
+    memory_mib: int = 0
+    """Per worker."""
+    attempt: int = 1
 
     @property
     def gpus(self) -> int:

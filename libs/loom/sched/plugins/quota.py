@@ -1,0 +1,128 @@
+"""Tenant quotas (pre-filter, reserve) and priority preemption (post-filter).
+
+Quota: a job whose tenant cannot take its GPUs now waits (UNSCHEDULABLE); one that could never fit
+the tenant's quota, or whose tenant is unknown to a closed configuration, is rejected
+(UNRESOLVABLE). Reserve takes the GPUs from the tenant's book; unreserve gives them back (a
+second unreserve of the same decision gives nothing). The service hands the plugin a fresh
+:class:`~loom.sched.quota.QuotaBook` for every cycle, so a cycle that is not committed leaves the
+real book untouched.
+
+Preemption: when nothing fits, look on every cluster allowed by policy for the cheapest set of
+lower-priority, preemptible jobs whose GPUs make room (whole gangs; victims by lowest priority, then
+least progress), give their GPUs back in the snapshot, and place the job there.
+"""
+
+import numpy as np
+
+from loom.sched import preemption
+from loom.sched.framework import SUCCESS, Code, CycleState, Decision, Framework, Status
+from loom.sched.quota import QuotaBook, TenantConfig
+
+
+class Quota:
+    """Tenant quotas with borrowing inside a cohort."""
+
+    name = "quota"
+
+    def __init__(self, book: QuotaBook | None = None) -> None:
+        self.book = book or QuotaBook(TenantConfig(tenants={}, open=True), {})
+        self._taken: dict[str, int] = {}
+
+    def use(self, book: QuotaBook) -> None:
+        """The book for the next cycle(s)."""
+        self.book = book
+        self._taken.clear()
+
+    def pre_filter(self, state: CycleState) -> Status:
+        job = state.job
+        verdict = self.book.check(job.tenant, state.per_worker * state.min_workers)
+        if verdict.ok:
+            return SUCCESS
+        return Status(Code.UNRESOLVABLE if verdict.never else Code.UNSCHEDULABLE, verdict.reason)
+
+    def reserve(self, state: CycleState, decision: Decision) -> Status:
+        gpus = sum(g for _, g in decision.allocations)
+        verdict = self.book.check(state.job.tenant, gpus)
+        if not verdict.ok:
+            return Status(Code.UNRESOLVABLE if verdict.never else Code.UNSCHEDULABLE, verdict.reason)
+        self.book.take(state.job.tenant, gpus)
+        self._taken[decision.job_id] = gpus
+        return SUCCESS
+
+    def unreserve(self, state: CycleState, decision: Decision) -> None:
+        gpus = self._taken.pop(decision.job_id, 0)
+        if gpus:
+            self.book.give(state.job.tenant, gpus)
+
+
+class Preempt:
+    """Priority preemption: stop the least valuable lower-priority jobs when nothing else fits."""
+
+    name = "preemption"
+
+    def post_filter(self, state: CycleState, framework: Framework) -> Decision | None:
+        snap = state.snapshot
+        job = state.job
+        if not snap.running or job.pipeline is not None:
+            return None
+        allowed = state.policy_mask if state.policy_mask is not None else state.cluster_mask
+        groups: dict[tuple[str, str], dict[str, int]] = {}
+        models = state.model_mask[: snap.total_sum.shape[1]]
+        for c in np.flatnonzero(allowed):
+            for m in np.flatnonzero(models & (snap.total_sum[int(c)] > 0)):
+                idx, _ = snap.node_slice(int(c), int(m))
+                usable = idx[snap.schedulable[idx]]
+                groups[(snap.clusters[int(c)].id, snap.models[int(m)])] = {
+                    snap.node_ids[int(i)]: int(snap.free[int(i)]) for i in usable
+                }
+        if not groups:
+            return None
+        running = [
+            preemption.RunningJob(
+                job_id=r.job_id,
+                tenant=r.tenant,
+                priority=r.priority,
+                progress=r.progress,
+                preemptible=r.preemptible,
+                cluster=r.cluster,
+                gpu_model=r.gpu_model,
+                allocations=r.allocations,
+            )
+            for r in snap.running
+            if r.preemptible and r.priority < job.priority
+        ]
+        if not running:
+            return None
+        best = preemption.choose(
+            priority=job.priority,
+            gpus_per_worker=state.per_worker,
+            workers=state.min_workers,
+            free_by_group=groups,
+            running=running,
+        )
+        if best is None or not best.victims:
+            return None
+        victims = {v.job_id for v in best.victims}
+        for r in snap.running:
+            if r.job_id in victims:
+                snap.give_back(r.allocations, r.gpus_per_worker, r.cpu_milli, r.memory_mib)
+        target = snap.cluster_index[best.cluster]
+        mask = np.zeros_like(state.cluster_mask)
+        mask[target] = True
+        saved = state.cluster_mask
+        state.cluster_mask = mask
+        model_saved = state.model_mask.copy()
+        state.model_mask[:] = False
+        state.model_mask[snap.model_index[best.gpu_model]] = True
+        candidates = framework.find_candidates(state)
+        state.cluster_mask, state.model_mask = saved, model_saved
+        if len(candidates) == 0:
+            for r in snap.running:
+                if r.job_id in victims:
+                    snap.take(r.allocations, r.gpus_per_worker, r.cpu_milli, r.memory_mib)
+            return None
+        totals = framework.score(state, candidates)
+        decision = framework.choose(state, candidates, totals)
+        decision.victims = tuple(sorted(victims))
+        snap.running = [r for r in snap.running if r.job_id not in victims]
+        return decision
