@@ -4,6 +4,12 @@ Commands arrive on a durable consumer, so an agent that was down misses none; a 
 (same job and attempt) changes nothing. Running jobs are written to a state file, so a restarted
 agent resumes them instead of losing them. Every event about a job continues the trace the job
 was submitted in.
+
+A job placed on several clusters has one *lead* part, which runs the job's clock and reports its
+life (started, progress, checkpointed, completed, failed), and *member* parts, which only hold
+their GPUs (they show as used in heartbeats) until a stop command. Members publish no lifecycle
+event at all: event ids are ``<job>:<kind>:<attempt>[...]``, the same on every cluster, so a
+member's event would collide with the lead's.
 """
 
 import asyncio
@@ -11,13 +17,14 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import structlog
 from opentelemetry import propagate
+from opentelemetry.context import Context
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError
@@ -30,7 +37,9 @@ from loom_proto.clusters import (
     ClusterCommand,
     ClusterHeartbeat,
     ClusterProfiles,
+    ClusterStatus,
     DrainCluster,
+    ResizeJob,
     StartJob,
     StopJob,
 )
@@ -56,11 +65,36 @@ class RunningJob:
     carrier: dict[str, str]
     step: int = 0
     started_at: float = field(default_factory=time.time)
+    # Defaults below keep state files written before these fields existed readable.
+    role: str = "lead"
+    """``lead`` runs the job's clock and reports its life; ``member`` only holds its GPUs."""
+    slowdown: float = 1.0
+    workers: int = 1
+    """Workers this run has now (an elastic run is resized)."""
+    spec_workers: int = 1
+    """Workers the job asked for: with all of them it runs at full speed."""
+    gpu_seconds: float = 0.0
+    """Simulated GPU-seconds this run has used up to ``step``."""
 
     @property
     def key(self) -> str:
         """Job and attempt: one run."""
         return f"{self.job_id}:{self.attempt}"
+
+    @property
+    def lead(self) -> bool:
+        """Whether this run reports the job's life (a member part reports nothing)."""
+        return self.role == "lead"
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the run holds now."""
+        return sum(g for _, g in self.allocations)
+
+    @property
+    def worker_share(self) -> float:
+        """The workers it has over the workers it asked for; its speed is proportional to it."""
+        return self.workers / max(self.spec_workers, 1)
 
     def node_allocations(self) -> list[NodeAllocation]:
         """The run's allocations as wire structs."""
@@ -103,6 +137,8 @@ class Agent:
         self.running: dict[str, RunningJob] = {}
         self.finished: set[str] = set()
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self._resized: dict[str, asyncio.Event] = {}
+        """Per run: set when a resize changes its speed, so the sleeping run recomputes it."""
         self.state_file = (state_dir / f"agent-{self.cluster}.jsonl") if state_dir else None
         self._journal: IO[str] | None = None
         ctx.stats.update({"cluster": self.cluster, "running": 0, "completed": 0})
@@ -206,9 +242,11 @@ class Agent:
             await self._start(command)
         elif isinstance(command, StopJob):
             await self._stop(command.job_id, command.attempt, command.reason or "stopped by command")
+        elif isinstance(command, ResizeJob):
+            await self._resize(command)
         elif isinstance(command, CheckpointJob):
             job = self.running.get(f"{command.job_id}:{command.attempt}")
-            if job is not None:
+            if job is not None and job.lead:
                 await self._checkpoint(job)
         elif isinstance(command, DrainCluster):
             self.sim.drain(command.nodes)
@@ -224,9 +262,14 @@ class Agent:
         refusal = self.sim.refusal(command.gpu_model, command.allocations)
         if refusal is not None:
             self.finished.add(key)
-            await self._publish_failed(
-                spec.job_id, spec.tenant, command.attempt, f"cannot start: {refusal}", retryable=True
-            )
+            if command.role == "lead":
+                await self._publish_failed(
+                    spec.job_id, spec.tenant, command.attempt, f"cannot start: {refusal}", retryable=True
+                )
+            else:
+                await self._publish_refusal(
+                    command.job_id, command.attempt, f"cannot start member part: {refusal}"
+                )
             return
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
@@ -242,26 +285,46 @@ class Agent:
             allocations=[(a.node, a.gpus) for a in command.allocations],
             carrier=carrier,
             step=command.resume_from_step,
+            role=command.role,
+            slowdown=command.slowdown,
+            workers=command.workers or spec.workers,
+            spec_workers=spec.workers,
         )
         self.sim.allocate(command.allocations)
         self._changed.set()
         self.running[key] = job
         self._record({"op": "start", "key": key, "job": asdict(job)})
-        await self.ctx.publisher.publish(
-            subjects.job_event("started", job.tenant),
-            JobStarted(
-                job_id=job.job_id,
-                tenant=job.tenant,
-                cluster=self.cluster,
-                attempt=job.attempt,
-                started_at=time.time(),
-            ),
-            msg_id=f"{job.job_id}:started:{job.attempt}",
-        )
-        self._launch(job)
+        if not job.lead:
+            self._launch(job)
+            return
+        try:
+            await self.ctx.publisher.publish(
+                subjects.job_event("started", job.tenant),
+                JobStarted(
+                    job_id=job.job_id,
+                    tenant=job.tenant,
+                    cluster=self.cluster,
+                    attempt=job.attempt,
+                    started_at=time.time(),
+                ),
+                msg_id=f"{job.job_id}:started:{job.attempt}",
+            )
+        except BaseException:
+            # Not started after all: forget the run, so the redelivered command starts it afresh.
+            if self.running.get(key) is job:
+                self.running.pop(key)
+                self.sim.free(job.node_allocations())
+                self._changed.set()
+                self._record({"op": "forget", "key": key})
+            raise
+        # A stop handled while the started event was in flight has already ended the run.
+        if self.running.get(key) is job:
+            self._launch(job)
 
     def _launch(self, job: RunningJob) -> None:
-        self.tasks[job.key] = asyncio.create_task(self._execute(job), name=f"job-{job.key}")
+        # A member part has no clock: it holds its GPUs until stopped.
+        if job.lead:
+            self.tasks[job.key] = asyncio.create_task(self._execute(job), name=f"job-{job.key}")
         self.ctx.stats["running"] = len(self.running)
 
     async def _stop(self, job_id: str, attempt: int, reason: str) -> None:
@@ -272,24 +335,87 @@ class Agent:
         task = self.tasks.pop(key, None)
         if task is not None:
             task.cancel()
+        # GPUs are free from here on, before any await: a command handled alongside this one (a
+        # resize growing into them) sees them free.
+        self._finish(job)
+        if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._finish(job)
-        await self._publish_failed(
-            job.job_id, job.tenant, job.attempt, reason, retryable=True, carrier=job.carrier
-        )
+        if job.lead:
+            await self._publish_failed(
+                job.job_id, job.tenant, job.attempt, reason, retryable=True, carrier=job.carrier
+            )
+
+    async def _resize(self, command: ResizeJob) -> None:
+        """Give a run new workers and GPUs; its progress stays, its speed changes from now on."""
+        key = f"{command.job_id}:{command.attempt}"
+        job = self.running.get(key)
+        if job is None:
+            log.info("resize of a run not here ignored", job_id=command.job_id, attempt=command.attempt)
+            return
+        wanted = _per_node((a.node, a.gpus) for a in command.allocations)
+        if command.workers == job.workers and wanted == _per_node(job.allocations):
+            return  # already this size: a repeated resize changes nothing
+        refusal = self.sim.resize_refusal(job.gpu_model, job.node_allocations(), command.allocations)
+        if refusal is not None:
+            log.warning("resize refused", job_id=job.job_id, attempt=job.attempt, reason=refusal)
+            await self._publish_refusal(job.job_id, job.attempt, f"cannot resize: {refusal}")
+            return
+        self.sim.free(job.node_allocations())
+        job.allocations = sorted(wanted.items())
+        job.workers = command.workers
+        self.sim.allocate(job.node_allocations())
+        self._changed.set()
+        self._record({"op": "resize", "key": key, "workers": job.workers, "allocations": job.allocations})
+        wakeup = self._resized.get(key)
+        if wakeup is not None:
+            wakeup.set()
+        log.info("run resized", job_id=job.job_id, attempt=job.attempt, workers=job.workers, gpus=job.gpus)
 
     # ---- running a job -------------------------------------------------------------------------
+
+    def step_seconds(self, job: RunningJob) -> float:
+        """Simulated seconds one step of the run takes here now (slowdown and workers included)."""
+        return self.sim.step_seconds(
+            job.step_time_s,
+            job.gpu_model,
+            job.task_type,
+            slowdown=job.slowdown,
+            worker_share=job.worker_share,
+        )
 
     async def _execute(self, job: RunningJob) -> None:
         """Advance the job in chunks of ``progress_every`` of its work, reporting each chunk."""
         chunk = max(int(job.steps * self.progress_every), 1)
         parent = propagate.extract(job.carrier)
+        wakeup = self._resized.setdefault(job.key, asyncio.Event())
+        try:
+            await self._run_steps(job, chunk, parent, wakeup)
+        finally:
+            self._resized.pop(job.key, None)
+
+    async def _work(self, job: RunningJob, steps: int, wakeup: asyncio.Event) -> None:
+        """Spend the time ``steps`` take, at the run's speed; a resize changes the speed midway."""
+        loop = asyncio.get_running_loop()
+        left = float(steps)
+        while left > 0:
+            step_s = self.step_seconds(job)
+            gpus = job.gpus
+            wakeup.clear()
+            began = loop.time()
+            try:
+                await asyncio.wait_for(wakeup.wait(), timeout=left * step_s / self.time_scale)
+            except TimeoutError:
+                done = left
+            else:  # resized: count what was done at the old speed, go on at the new one
+                done = min((loop.time() - began) * self.time_scale / step_s, left)
+            job.gpu_seconds += done * step_s * gpus
+            left -= done
+
+    async def _run_steps(self, job: RunningJob, chunk: int, parent: Context, wakeup: asyncio.Event) -> None:
         while job.step < job.steps:
             steps = min(chunk, job.steps - job.step)
-            await asyncio.sleep(
-                self.sim.wall_seconds(steps, job.step_time_s, job.gpu_model, job.task_type, self.time_scale)
-            )
+            await self._work(job, steps, wakeup)
             before = job.step
             job.step += steps
             if (
@@ -312,10 +438,10 @@ class Agent:
                     msg_id=f"{job.job_id}:progress:{job.attempt}:{job.step}",
                     parent=parent,
                 )
-            self._record({"op": "step", "key": job.key, "step": job.step})
-        gpus = sum(g for _, g in job.allocations)
+            self._record({"op": "step", "key": job.key, "step": job.step, "gpu_seconds": job.gpu_seconds})
+        # Per-GPU compute speed, without slowdown or worker share: metrics compares it with the
+        # model's claimed SCU to learn how much this cluster really delivers.
         speed = self.sim.delivered_speed(job.gpu_model, job.task_type)
-        sim_seconds = job.steps * job.step_time_s / speed
         await self.ctx.publisher.publish(
             subjects.job_event("completed", job.tenant),
             JobCompleted(
@@ -323,7 +449,7 @@ class Agent:
                 tenant=job.tenant,
                 cluster=self.cluster,
                 attempt=job.attempt,
-                gpu_seconds=gpus * sim_seconds,
+                gpu_seconds=job.gpu_seconds,
                 at=time.time(),
                 gpu_model=job.gpu_model,
                 task_type=job.task_type,  # type: ignore[arg-type]  # validated when the job was accepted
@@ -353,7 +479,9 @@ class Agent:
         )
 
     def _finish(self, job: RunningJob) -> None:
-        self.running.pop(job.key, None)
+        if self.running.get(job.key) is not job:
+            return  # already finished (a stop and the run's own end can race)
+        self.running.pop(job.key)
         self.finished.add(job.key)
         self.sim.free(job.node_allocations())
         self._changed.set()
@@ -385,10 +513,22 @@ class Agent:
             parent=propagate.extract(carrier) if carrier else None,
         )
 
+    async def _publish_refusal(self, job_id: str, attempt: int, detail: str) -> None:
+        """Say on the cluster's status subject that a command about a run could not be carried out
+        (for a member part, which must not publish job events)."""
+        await self.ctx.publisher.publish(
+            subjects.cluster_status(self.cluster),
+            ClusterStatus(
+                cluster=self.cluster, state="ready", detail=detail[:2048], job_id=job_id, at=time.time()
+            ),
+            msg_id=f"refused-{self.cluster}-{job_id}-{attempt}-{self.epoch}-{time.time_ns()}",
+        )
+
     # ---- journal -------------------------------------------------------------------------------
-    # One JSON line per change (start, step, finish), appended before the command is acknowledged,
-    # so a restarted agent resumes its runs; compacted on start. Appending keeps the cost of a
-    # change constant however many jobs run.
+    # One JSON line per change (start, step, resize, finish, forget), appended before the command
+    # is acknowledged, so a restarted agent resumes its runs; compacted on start. Appending keeps
+    # the cost of a change constant however many jobs run. "forget" undoes a start whose started
+    # event could not be published, so the redelivered command starts the run afresh.
 
     def _record(self, entry: dict[str, Any]) -> None:
         if self._journal is not None:
@@ -411,9 +551,15 @@ class Agent:
                     self.running[key] = RunningJob(**job)
                 elif entry["op"] == "step" and key in self.running:
                     self.running[key].step = entry["step"]
+                    self.running[key].gpu_seconds = entry.get("gpu_seconds", self.running[key].gpu_seconds)
+                elif entry["op"] == "resize" and key in self.running:
+                    self.running[key].workers = entry["workers"]
+                    self.running[key].allocations = [tuple(a) for a in entry["allocations"]]
                 elif entry["op"] == "finish":
                     self.running.pop(key, None)
                     self.finished.add(key)
+                elif entry["op"] == "forget":
+                    self.running.pop(key, None)
             for job in self.running.values():
                 self.sim.allocate(job.node_allocations())
             log.info("state restored", running=len(self.running), finished=len(self.finished))
@@ -426,3 +572,11 @@ class Agent:
                 out.write(json.dumps({"op": "start", "key": job.key, "job": asdict(job)}) + "\n")
         os.replace(tmp, self.state_file)
         self._journal = open(self.state_file, "a")  # noqa: SIM115 - held for the agent's lifetime
+
+
+def _per_node(allocations: Iterable[tuple[str, int]]) -> dict[str, int]:
+    """GPUs per node, however the allocations list them."""
+    totals: dict[str, int] = {}
+    for node, gpus in allocations:
+        totals[node] = totals.get(node, 0) + gpus
+    return totals

@@ -1,11 +1,18 @@
 """The ``sim`` backend: a cluster of simulated GPUs from a topology, running jobs in accelerated time.
 
 A job of ``steps`` steps, each ``step_time_s`` on the reference accelerator, takes
-``steps * step_time_s / (speed * efficiency) / time_scale`` wall seconds: ``speed`` is the node
-model's SCU for the job's task type (the same SCU model placement believes), ``efficiency`` how
-much of it this cluster really delivers (1.0: as claimed; lower simulates a cluster whose
-hardware or software falls short of its profile), and ``time_scale`` how many simulated seconds
-pass per wall second.
+``steps * step_time_s * slowdown / (speed * efficiency * workers / spec_workers) / time_scale``
+wall seconds:
+
+- ``speed`` is the node model's SCU for the job's task type (the same SCU model placement
+  believes), ``efficiency`` how much of it this cluster really delivers (1.0: as claimed; lower
+  simulates a cluster whose hardware or software falls short of its profile);
+- ``slowdown`` (at least 1) is how much longer than its compute alone the run takes, as placement
+  predicted it (communication across clusters, pipeline bubbles);
+- ``workers / spec_workers`` is the share of the workers it asked for that an elastic run has:
+  the job's work is fixed, so a run given half its workers goes half as fast (and one given more
+  goes proportionally faster);
+- ``time_scale`` is how many simulated seconds pass per wall second.
 """
 
 from collections.abc import Callable, Sequence
@@ -88,6 +95,26 @@ class SimCluster:
                 return f"node {a.node} has {node.gpus_total - node.gpus_used} free GPUs, {a.gpus} asked"
         return None
 
+    def resize_refusal(
+        self, gpu_model: str, current: Sequence[NodeAllocation], wanted: Sequence[NodeAllocation]
+    ) -> str | None:
+        """Why a run holding ``current`` cannot change to ``wanted``, or None when it can.
+
+        Only GPUs added on a node are checked: a run keeps what it holds, even on a draining node.
+        """
+        held: dict[str, int] = {}
+        for a in current:
+            held[a.node] = held.get(a.node, 0) + a.gpus
+        totals: dict[str, int] = {}
+        for a in wanted:
+            totals[a.node] = totals.get(a.node, 0) + a.gpus
+        added = [
+            NodeAllocation(node=node, gpus=gpus - held.get(node, 0))
+            for node, gpus in sorted(totals.items())
+            if gpus > held.get(node, 0)
+        ]
+        return self.refusal(gpu_model, added)
+
     def allocate(self, allocations: Sequence[NodeAllocation]) -> None:
         """Mark GPUs used (call :meth:`refusal` first)."""
         for a in allocations:
@@ -119,8 +146,36 @@ class SimCluster:
         """Work per second relative to the reference accelerator, as this cluster really runs it."""
         return max(self.speed(gpu_model, task_type) * self.efficiency, 1e-9)
 
+    def step_seconds(
+        self,
+        step_time_s: float,
+        gpu_model: str,
+        task_type: str,
+        *,
+        slowdown: float = 1.0,
+        worker_share: float = 1.0,
+    ) -> float:
+        """Simulated seconds one step takes here.
+
+        ``slowdown`` stretches the compute time; ``worker_share`` is the workers a run has over
+        the workers it asked for (speed is proportional to it).
+        """
+        speed = self.delivered_speed(gpu_model, task_type) * max(worker_share, 1e-9)
+        return step_time_s * max(slowdown, 1.0) / speed
+
     def wall_seconds(
-        self, steps: int, step_time_s: float, gpu_model: str, task_type: str, time_scale: float
+        self,
+        steps: float,
+        step_time_s: float,
+        gpu_model: str,
+        task_type: str,
+        time_scale: float,
+        *,
+        slowdown: float = 1.0,
+        worker_share: float = 1.0,
     ) -> float:
         """Wall-clock seconds ``steps`` take here."""
-        return steps * step_time_s / self.delivered_speed(gpu_model, task_type) / time_scale
+        step_s = self.step_seconds(
+            step_time_s, gpu_model, task_type, slowdown=slowdown, worker_share=worker_share
+        )
+        return steps * step_s / time_scale

@@ -1,9 +1,13 @@
 """Placement: admits submitted jobs, decides where they run, reserves capacity, commands agents.
 
-Sole writer of jobs, job events, the capacity book and reservations. Every decision is made in one
-PostgreSQL transaction together with the inbox claim of the messages that caused it and the
-outbox rows of the messages it implies, so a crash at any point neither loses nor doubles a
-decision: the redelivered submission finds its claim, and the outbox is flushed on restart.
+Sole writer of jobs, job events, the capacity book, reservations and decision records. One
+instance per shard leads, through a NATS KV lease; every transaction checks the lease's fencing
+token first, so a deposed leader's writes are refused. Every decision is made in one PostgreSQL
+transaction together with the inbox claim of the messages that caused it and the outbox rows of
+the messages it implies, so a crash at any point neither loses nor doubles a decision.
+
+Decisions come from the scheduling framework (:mod:`loom.sched.framework`) with the default
+profile: the same code the simulator and ``loom bench placement`` run.
 """
 
 import asyncio
@@ -11,26 +15,37 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
+import socket
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 import asyncpg
 import msgspec
 import structlog
 from nats.aio.msg import Msg
 from opentelemetry import propagate
-from opentelemetry.context import Context
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
-from loom.errors import InvalidInputError
+from loom.errors import InvalidInputError, TransientError
+from loom.model.topology import Topology
+from loom.runtime.leader import Leadership, lead
 from loom.runtime.service import ServiceContext
-from loom.sched.firstfit import CapacityIndex, NodeCapacity, Placement, Unschedulable
-from loom.store import inbox, outbox
+from loom.sched import dag
+from loom.sched.elastic import ElasticJob, plan_grow
+from loom.sched.firstfit import NodeCapacity
+from loom.sched.framework import Code, Decision, DecisionRecord, Framework, Outcome, QueueItem
+from loom.sched.plugins.quota import Quota
+from loom.sched.profile import build_framework
+from loom.sched.quota import OPEN, QuotaBook, TenantConfig
+from loom.sched.snapshot import Economics
+from loom.store import fence, inbox, outbox
 from loom.store import jobs as repo
+from loom.store.fence import FencedError
 from loom.store.pool import ConflictError, transaction, with_retry
 from loom_proto import subjects
-from loom_proto.clusters import StartJob
+from loom_proto.clusters import ResizeJob, StartJob, StopJob
 from loom_proto.codec import DecodeError, decode, encode
 from loom_proto.ids import InvalidIdError, validate_id
 from loom_proto.jobs import (
@@ -41,13 +56,19 @@ from loom_proto.jobs import (
     JobPlaced,
     JobProgress,
     JobRejected,
+    JobRequeued,
+    JobResized,
     JobSpec,
     JobStarted,
     JobSubmitted,
     NodeAllocation,
+    PlacedPart,
     RejectCode,
+    RequeueReason,
 )
+from loom_proto.net import LinkState
 from loom_proto.view import ViewDelta
+from loom_services.placement.book import Book, QueuedJob, Run, queued_from_row, run_from_row
 
 log = structlog.get_logger("placement")
 
@@ -56,42 +77,49 @@ LIFECYCLE_SUBJECTS = [
     f"loom.jobs.{k}.*" for k in ("started", "progress", "checkpointed", "completed", "failed", "cancelled")
 ]
 LifecycleEvent = JobStarted | JobProgress | JobCheckpointed | JobCompleted | JobFailed | JobCancelled
-
-
-@dataclass(frozen=True)
-class QueuedJob:
-    """A job accepted and waiting for a placement, with the trace context it arrived in."""
-
-    job: JobSubmitted
-    carrier: dict[str, str]
-
-    @property
-    def context(self) -> Context:
-        """The submission's trace context."""
-        return propagate.extract(self.carrier)
-
-
-def _order(q: QueuedJob) -> tuple[int, float, str]:
-    # Higher priority first, then first come, first served.
-    return (-q.job.priority, q.job.submitted_at, q.job.job_id)
+MAX_BACKOFF_S = 30.0
 
 
 def rejection(job_id: str, tenant: str, code: RejectCode, reason: str) -> JobRejected:
     """A JobRejected event stamped now."""
-    return JobRejected(job_id=job_id[:256], tenant=tenant, code=code, reason=reason, at=time.time())
+    return JobRejected(job_id=job_id[:256], tenant=tenant, code=code, reason=reason[:2048], at=time.time())
+
+
+def reject_code(outcome: Outcome) -> RejectCode:
+    """The rejection code for a cycle that found the job can never run."""
+    plugin = outcome.status.plugin
+    if plugin == "quota":
+        return "unknown_tenant" if "has no quota" in outcome.status.reason else "quota"
+    return "impossible"
 
 
 class PlacementService:
     """The placement service's state and handlers; :meth:`run` is the service body."""
 
-    def __init__(self, ctx: ServiceContext, *, batch: int = 200, settle_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        *,
+        batch: int = 200,
+        settle_s: float = 5.0,
+        shard: str = "global",
+        topology: Topology | None = None,
+        tenants: TenantConfig | None = None,
+        profile: Mapping[str, Any] | None = None,
+        economics: Economics | None = None,
+        confirm_timeout_s: float = 60.0,
+        max_attempts: int = 3,
+        lease_ttl_s: float = 2.0,
+        holder: str | None = None,
+    ) -> None:
         self.ctx = ctx
         self.pool = ctx.db
         self.relay = outbox.OutboxRelay(self.pool, ctx.publisher, PRODUCER)
-        self.nodes: dict[str, NodeCapacity] = {}
+        self.book = Book(topology, economics)
         self.queue: dict[str, QueuedJob] = {}
         self.lock = asyncio.Lock()
         self.wake = asyncio.Event()
+        self.capacity_changed = True
         self.batch = batch
         # A job that fits no known cluster is rejected only once the set of clusters has been
         # stable for ``settle_s``: right after a start (or a cluster joining) the capacity book
@@ -99,27 +127,90 @@ class PlacementService:
         self.settle_s = settle_s
         self.settled_at = time.monotonic() + settle_s
         self.stats = ctx.stats
+        self.shard = validate_id(shard, "shard")
+        self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
+        self.token = 0
+        self.leadership = Leadership(shard=self.shard, holder=self.holder)
+        self.lease_ttl_s = lease_ttl_s
+        self.tenants = tenants or OPEN
+        self.framework: Framework = build_framework(profile)
+        self.quota = next((p for p in self.framework.plugins if isinstance(p, Quota)), None)
+        self.confirm_timeout_s = confirm_timeout_s
+        self.max_attempts = max_attempts
+        self.waiting_reasons: dict[str, str] = {}
         # Messages of the cycle in progress; published straight after its commit.
         self._outgoing: list[outbox.OutboxMessage] = []
         self._sending: set[asyncio.Task[int]] = set()
-        self.stats.update({"placed": 0, "rejected": 0, "queued": 0, "released": 0})
-        self.cluster_trust: dict[str, float] = {}
-        """How far each cluster's claimed compute is believed, from the view (a plugin input)."""
+        self.stats.update(
+            {
+                "placed": 0,
+                "rejected": 0,
+                "queued": 0,
+                "released": 0,
+                "requeued": 0,
+                "preempted": 0,
+                "resized": 0,
+            }
+        )
+        self.stats["leadership"] = self.leadership
 
-    # ---- start-up ------------------------------------------------------------------------------
+    # ---- compatibility views -------------------------------------------------------------------
+
+    @property
+    def nodes(self) -> dict[str, Any]:
+        """The capacity book (node -> NodeCapacity)."""
+        return self.book.nodes
+
+    @property
+    def cluster_trust(self) -> dict[str, float]:
+        """How far each cluster's claimed compute is believed, from the view."""
+        return self.book.trust
+
+    # ---- start-up and leadership ---------------------------------------------------------------
 
     async def load(self) -> None:
-        """Rebuild the in-memory capacity book and queue from PostgreSQL, then publish leftovers."""
-        self.nodes = await repo.load_nodes(self.pool)
+        """Rebuild the book and the queue from PostgreSQL, then publish leftovers."""
+        self.book.nodes = await repo.load_nodes(self.pool)
+        self.book.runs.clear()
+        for row in await repo.active_runs(self.pool):
+            self.book.add_run(run_from_row(row, self.book.nodes))
+        self.queue.clear()
         for row in await repo.queued_jobs(self.pool):
-            job = msgspec.json.decode(row["spec"], type=JobSubmitted)
-            self.queue[job.job_id] = QueuedJob(job, json.loads(row["trace_context"]))
+            q = queued_from_row(row)
+            self.queue[q.job.job_id] = q
         await self.relay.flush()
+        self.capacity_changed = True
         self.stats["queued"] = len(self.queue)
-        log.info("state rebuilt", nodes=len(self.nodes), queued=len(self.queue))
+        log.info(
+            "state rebuilt", nodes=len(self.book.nodes), runs=len(self.book.runs), queued=len(self.queue)
+        )
 
     async def run(self) -> None:
-        """Consume submissions, view deltas and lifecycle events until asked to stop."""
+        """Follow links and answer queries always; lead the shard whenever this instance can."""
+        query_sub = await self.ctx.nc.subscribe(
+            subjects.JOBS_QUERY, queue="placement-query", cb=self.on_query
+        )
+        link_sub = await self.ctx.nc.subscribe("loom.net.link.*.*", cb=self.on_link)
+        try:
+            await lead(
+                self.ctx.nc.jetstream(),
+                self.pool,
+                shard=self.shard,
+                holder=self.holder,
+                body=self._lead,
+                stopping=self.ctx.stopping,
+                leadership=self.leadership,
+                ttl_s=self.lease_ttl_s,
+                renew_s=self.lease_ttl_s / 4,
+                poll_s=min(0.2, self.lease_ttl_s / 10),
+            )
+        finally:
+            await query_sub.unsubscribe()
+            await link_sub.unsubscribe()
+
+    async def _lead(self, token: int) -> None:
+        """The leader's work: consume submissions, view deltas and lifecycle events until cancelled."""
+        self.token = token
         await self.load()
         runners = [
             ConsumerRunner(
@@ -156,25 +247,39 @@ class PlacementService:
                 publisher=self.ctx.publisher,
             ),
         ]
-        query_sub = await self.ctx.nc.subscribe(subjects.JOBS_QUERY, cb=self.on_query)
         for runner in runners:
             await runner.start()
-        requeue = asyncio.create_task(self._requeue_loop())
+        loops = [asyncio.create_task(self._requeue_loop()), asyncio.create_task(self._expiry_loop())]
         relay_stop = asyncio.Event()
         relay = asyncio.create_task(self.relay.run(relay_stop))
         try:
-            await self.ctx.stopping.wait()
+            await asyncio.Event().wait()  # until cancelled: the lease was lost or we are stopping
         finally:
-            requeue.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await requeue
-            await query_sub.unsubscribe()
+            for task in loops:
+                task.cancel()
+            for task in loops:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             for runner in reversed(runners):
                 await runner.stop()
             await asyncio.gather(*self._sending, return_exceptions=True)
             relay_stop.set()
             self.relay.kick()
-            await relay
+            with contextlib.suppress(asyncio.CancelledError):
+                await relay
+
+    @contextlib.asynccontextmanager
+    async def _tx(self) -> AsyncIterator[asyncpg.Connection]:
+        """A transaction that first proves this instance still leads (the fence)."""
+        try:
+            async with transaction(self.pool) as conn:
+                await fence.check(conn, self.shard, self.token)
+                yield conn
+        except FencedError as exc:
+            # Not the leader any more: whatever caused this write will be redelivered to the one
+            # that is. Never dead-letter it.
+            self.stats["fenced"] = self.stats.get("fenced", 0) + 1
+            raise TransientError(f"fenced: {exc}") from exc
 
     # ---- submissions ---------------------------------------------------------------------------
 
@@ -195,7 +300,8 @@ class PlacementService:
                     raise DecodeError(
                         f"tenant {job.tenant!r} in the job differs from {tenant!r} in the subject"
                     )
-            except DecodeError as exc:
+                _check_spec(job)
+            except (DecodeError, InvalidInputError) as exc:
                 outcomes[i] = await self._reject_invalid(d, tenant, str(exc))
                 continue
             accepted.append((d, job))
@@ -212,7 +318,8 @@ class PlacementService:
     async def _reject_invalid(self, d: Delivery[bytes], tenant: str, reason: str) -> BaseException | None:
         """Tell the submitter why the payload is unusable; nothing is stored."""
         job_id = d.msg_id or _payload_job_id(d.message) or f"seq-{d.stream_seq}"
-        event = rejection(job_id, tenant, "invalid", f"invalid job submission: {reason}")
+        code: RejectCode = "cyclic" if "cycle" in reason else "invalid"
+        event = rejection(job_id, tenant, code, f"invalid job submission: {reason}")
         log.warning("submission rejected", job_id=job_id, tenant=tenant, reason=reason)
         try:
             await self.ctx.publisher.publish(
@@ -228,7 +335,8 @@ class PlacementService:
 
     async def _admit(self, accepted: list[tuple[Delivery[bytes], JobSubmitted]]) -> None:
         now = time.time()
-        async with transaction(self.pool) as conn:
+        queued_children: list[QueuedJob] = []
+        async with self._tx() as conn:
             msg_ids = [d.msg_id or f"JOBS-{d.stream_seq}" for d, _ in accepted]
             fresh = await inbox.claim_many(conn, PRODUCER, msg_ids)
             candidates: list[QueuedJob] = []
@@ -244,10 +352,22 @@ class PlacementService:
                 )
                 carrier: dict[str, str] = {}
                 propagate.inject(carrier, context=d.context)
-                new_rows.append(repo.NewJob(job.job_id, job.tenant, encode(job), job.submitted_at, carrier))
+                state = "running" if job.stages else "queued"
+                new_rows.append(
+                    repo.NewJob(
+                        job.job_id,
+                        job.tenant,
+                        encode(job),
+                        job.submitted_at,
+                        carrier,
+                        state,
+                        None,
+                        job.priority,
+                    )
+                )
                 candidates.append(QueuedJob(job, carrier))
             inserted = await repo.insert_jobs(conn, new_rows)
-            admitted = []
+            admitted: list[QueuedJob] = []
             for q in candidates:
                 if q.job.job_id in inserted:
                     admitted.append(q)
@@ -274,135 +394,414 @@ class PlacementService:
                     for q in admitted
                 ],
             )
+            plain = [q for q in admitted if not q.job.stages]
+            for q in admitted:
+                if q.job.stages:
+                    queued_children += await self._expand_dag(conn, q)
             await outbox.add(conn, PRODUCER, dup_rejects)
-            placements, placed, rejected = await self._schedule(conn, admitted)
-        self._commit(placements, admitted, placed, rejected)
+            result = await self._schedule(conn, plain + queued_children)
+        self._commit(result, plain + queued_children)
         self._send(dup_rejects + self._outgoing)
+
+    async def _expand_dag(self, conn: asyncpg.Connection, q: QueuedJob) -> list[QueuedJob]:
+        """Insert a DAG job's stages: those without dependencies are queued, the rest wait."""
+        children = dag.expand(q.job)  # validated at decode time (_check_spec)
+        deps = dag.dependencies(q.job.stages)
+        by_stage = {c.labels[dag.STAGE_LABEL]: c for c in children}
+        rows = []
+        ready: list[QueuedJob] = []
+        for stage, child in by_stage.items():
+            state = "queued" if not deps.get(stage) else "waiting"
+            rows.append(
+                repo.NewJob(
+                    child.job_id,
+                    child.tenant,
+                    encode(child),
+                    child.submitted_at,
+                    q.carrier,
+                    state,
+                    q.job.job_id,
+                    child.priority,
+                )
+            )
+            if state == "queued":
+                ready.append(QueuedJob(child, q.carrier, parent=q.job.job_id))
+        await repo.insert_jobs(conn, rows)
+        return ready
 
     # ---- the scheduling cycle --------------------------------------------------------------------
 
-    async def _schedule(
-        self, conn: asyncpg.Connection, jobs: list[QueuedJob]
-    ) -> tuple[list[Placement], list[str], list[str]]:
-        """Decide for ``jobs`` in queue order on the capacity book as it is now; write it all.
+    async def _schedule(self, conn: asyncpg.Connection, jobs: list[QueuedJob]) -> "CycleResult":
+        """Decide for ``jobs`` in queue order on a snapshot of the book; write it all.
 
-        The book itself changes only after the commit (:meth:`_commit`), by the reservations made.
+        The book itself changes only after the commit (:meth:`_commit`).
         """
-        index = CapacityIndex(self.nodes)
-        decisions: list[tuple[QueuedJob, Placement]] = []
-        rejected: list[tuple[QueuedJob, str]] = []
-        for q in sorted(jobs, key=_order):
-            result = index.place(q.job)
-            if isinstance(result, Placement):
-                index.take(result)
-                decisions.append((q, result))
-            elif (
-                isinstance(result, Unschedulable)
-                and result.impossible
-                and time.monotonic() >= self.settled_at
-            ):
-                rejected.append((q, result.reason))
-        now = time.time()
-        await repo.reserve(conn, [(q.job.job_id, 1, p.cluster, p.allocations) for q, p in decisions])
-        await repo.mark_placed(conn, [(q.job.job_id, p.cluster, 1, now) for q, p in decisions])
-        await repo.mark_rejected(conn, [(q.job.job_id, reason) for q, reason in rejected])
-        messages: list[outbox.OutboxMessage] = []
-        events: list[repo.JobEventRow] = []
-        for q, p in decisions:
-            job = q.job
-            allocations = [NodeAllocation(node=n, gpus=g) for n, g in p.allocations]
-            placed = JobPlaced(
-                job_id=job.job_id,
-                tenant=job.tenant,
+        result = CycleResult()
+        if not jobs:
+            return result
+        wall = time.time()
+        snap = self.book.snapshot(wall)
+        if self.quota is not None:
+            self.quota.use(QuotaBook(self.tenants, self.book.usage_by_tenant()))
+        book_for_share = QuotaBook(self.tenants, self.book.usage_by_tenant())
+        items = {
+            q.job.job_id: QueueItem(
+                job=q.job,
+                submitted_at=q.job.submitted_at,
+                fair_share=book_for_share.fair_share(q.job.tenant),
+                attempts=q.attempt,
+            )
+            for q in jobs
+        }
+        by_id = {q.job.job_id: q for q in jobs}
+        settled = time.monotonic() >= self.settled_at
+        for item in self.framework.sort(items.values()):
+            q = by_id[item.job.job_id]
+            outcome = self.framework.schedule(_spec_of(q.job), snap, avoid_clusters=q.avoid)
+            if outcome.decision is not None:
+                result.placed.append((q, outcome.decision, outcome.record))
+                for victim in outcome.decision.victims:
+                    result.preempted.append((victim, q.job.job_id))
+            elif outcome.status.code == Code.UNRESOLVABLE and (settled or outcome.status.plugin == "quota"):
+                result.rejected.append((q, outcome))
+            else:
+                result.waiting.append((q, outcome.record))
+        now = wall
+        placed_rows = []
+        reservations = []
+        deadlines = []
+        for q, d, _ in result.placed:
+            for part in d.parts:
+                reservations.append((q.job.job_id, q.attempt, part.cluster, part.allocations))
+                deadlines.append(now + self.confirm_timeout_s + d.start_after_s)
+            placed_rows.append((q.job.job_id, d.lead.cluster, q.attempt, now, d.workers))
+        # Victims first: their GPUs are what the preemptors' reservations take.
+        for victim, by in result.preempted:
+            run = self.book.runs.get(victim)
+            if run is not None:
+                await self._give_up(conn, run, "preempted", f"preempted by {by}", avoid=(), result=result)
+        await repo.reserve(conn, reservations, deadlines)
+        await repo.mark_placed(conn, placed_rows)
+        await repo.mark_rejected(conn, [(q.job.job_id, o.status.reason) for q, o in result.rejected])
+        await repo.record_decisions(
+            conn,
+            [(q.job.job_id, q.attempt, "placed", r.to_dict()) for q, _, r in result.placed]
+            + [(q.job.job_id, q.attempt, "rejected", o.record.to_dict()) for q, o in result.rejected]
+            + [
+                (q.job.job_id, q.attempt, "waiting", r.to_dict())
+                for q, r in result.waiting
+                if self.waiting_reasons.get(q.job.job_id) != r.reason
+            ],
+        )
+        for q, d, _ in result.placed:
+            msgs, placed_event = self._placement_messages(q, d, now)
+            result.messages += msgs
+            result.events.append(placed_event)
+        for q, o in result.rejected:
+            event = rejection(q.job.job_id, q.job.tenant, reject_code(o), o.status.reason)
+            msg_id = f"{q.job.job_id}:rejected"
+            result.messages.append(
+                outbox.message(subjects.job_event("rejected", q.job.tenant), event, msg_id, context=q.context)
+            )
+            result.events.append(repo.JobEventRow(q.job.job_id, "rejected", msg_id, encode(event), now))
+            if q.parent:
+                result.messages += await self._settle_dag(conn, q.parent, result)
+        await repo.append_events(conn, result.events)
+        await outbox.add(conn, PRODUCER, result.messages)
+        self._outgoing = result.messages
+        return result
+
+    def _placement_messages(
+        self, q: QueuedJob, d: Decision, now: float
+    ) -> tuple[list[outbox.OutboxMessage], repo.JobEventRow]:
+        job = q.job
+        parts = [
+            PlacedPart(
                 cluster=p.cluster,
                 region=p.region,
                 gpu_model=p.gpu_model,
-                allocations=allocations,
-                placed_at=now,
-                submitted_at=job.submitted_at,
+                allocations=[NodeAllocation(node=n, gpus=g) for n, g in p.allocations],
+                layers=p.layers,
             )
-            start = StartJob(
-                job_id=job.job_id, spec=_spec_of(job), gpu_model=p.gpu_model, allocations=allocations
-            )
-            messages.append(
-                outbox.message(
-                    subjects.job_placed(p.cluster), placed, f"{job.job_id}:placed:1", context=q.context
-                )
-            )
-            messages.append(
-                outbox.message(
-                    subjects.cluster_command(p.cluster, "start"),
-                    start,
-                    f"{job.job_id}:start:1",
-                    context=q.context,
-                )
-            )
-            events.append(
-                repo.JobEventRow(job.job_id, "placed", f"{job.job_id}:placed:1", encode(placed), now)
-            )
-        for q, reason in rejected:
-            event = rejection(q.job.job_id, q.job.tenant, "impossible", reason)
-            msg_id = f"{q.job.job_id}:rejected"
-            messages.append(
-                outbox.message(subjects.job_event("rejected", q.job.tenant), event, msg_id, context=q.context)
-            )
-            events.append(repo.JobEventRow(q.job.job_id, "rejected", msg_id, encode(event), now))
-        await repo.append_events(conn, events)
-        await outbox.add(conn, PRODUCER, messages)
-        self._outgoing = messages
-        return (
-            [p for _, p in decisions],
-            [q.job.job_id for q, _ in decisions],
-            [q.job.job_id for q, _ in rejected],
+            for p in d.parts
+        ]
+        lead = parts[0]
+        placed = JobPlaced(
+            job_id=job.job_id,
+            tenant=job.tenant,
+            cluster=lead.cluster,
+            region=lead.region,
+            gpu_model=lead.gpu_model,
+            allocations=lead.allocations,
+            attempt=q.attempt,
+            placed_at=now,
+            submitted_at=job.submitted_at,
+            workers=d.workers,
+            parts=parts if len(parts) > 1 else [],
+            predicted_step_s=d.predicted_step_s,
+            sync=d.sync,
+            score=min(max(d.score, 0.0), 100.0),
         )
+        msg_id = f"{job.job_id}:placed:{q.attempt}"
+        messages = [outbox.message(subjects.job_placed(lead.cluster), placed, msg_id, context=q.context)]
+        spec = _spec_of(job)
+        for i, part in enumerate(parts):
+            start = StartJob(
+                job_id=job.job_id,
+                spec=spec,
+                gpu_model=part.gpu_model,
+                allocations=part.allocations,
+                attempt=q.attempt,
+                role="lead" if i == 0 else "member",
+                slowdown=max(d.slowdown, 1.0),
+                workers=d.workers if d.workers != job.workers else None,
+                start_after_s=d.start_after_s,
+            )
+            start_id = f"{job.job_id}:start:{q.attempt}" + ("" if i == 0 else f":{part.cluster}")
+            messages.append(
+                outbox.message(
+                    subjects.cluster_command(part.cluster, "start"), start, start_id, context=q.context
+                )
+            )
+        return messages, repo.JobEventRow(job.job_id, "placed", msg_id, encode(placed), now)
 
-    def _commit(
+    async def _give_up(
         self,
-        placements: list[Placement],
-        considered: list[QueuedJob],
-        placed: list[str],
-        rejected: list[str],
+        conn: asyncpg.Connection,
+        run: Run,
+        cause: RequeueReason,
+        reason: str,
+        *,
+        avoid: Sequence[str],
+        result: "CycleResult",
     ) -> None:
-        """Adopt a committed cycle's outcome in memory.
+        """Requeue a run's job (next attempt), release its GPUs and stop it on every cluster it holds."""
+        job = run.job
+        await repo.requeue(conn, job.job_id, run.attempt, avoid)
+        event = JobRequeued(
+            job_id=job.job_id,
+            tenant=job.tenant,
+            attempt=run.attempt + 1,
+            cause=cause,
+            reason=reason[:2048],
+            avoid_clusters=sorted(set(avoid) | set(run.queued.avoid)),
+            at=time.time(),
+        )
+        msg_id = f"{job.job_id}:requeued:{run.attempt + 1}"
+        result.messages.append(
+            outbox.message(
+                subjects.job_event("requeued", job.tenant), event, msg_id, context=run.queued.context
+            )
+        )
+        result.events.append(repo.JobEventRow(job.job_id, "requeued", msg_id, encode(event), event.at))
+        for cluster, _, _ in run.parts:
+            stop = StopJob(job_id=job.job_id, attempt=run.attempt, reason=reason[:1024])
+            result.messages.append(
+                outbox.message(
+                    subjects.cluster_command(cluster, "stop"),
+                    stop,
+                    f"{job.job_id}:stop:{run.attempt}:{cluster}",
+                    context=run.queued.context,
+                )
+            )
+        again = dataclasses.replace(
+            run.queued, attempt=run.attempt + 1, avoid=frozenset(set(avoid) | set(run.queued.avoid)), tries=0
+        )
+        result.requeued.append((run, again, cause))
 
-        Only the reservations made are applied (no await in here), so view deltas and releases
-        that changed the book while the cycle's transaction ran are kept.
-        """
-        for placement in placements:
-            for node, gpus in placement.allocations:
-                cap = self.nodes[node]
-                self.nodes[node] = dataclasses.replace(cap, gpus_reserved=cap.gpus_reserved + gpus)
-        done = set(placed) | set(rejected)
+    def _commit(self, result: "CycleResult", considered: list[QueuedJob]) -> None:
+        """Adopt a committed cycle's outcome in memory (no await in here)."""
+        for run, again, cause in result.requeued:
+            if self.book.drop_run(run.job.job_id, run.attempt) is not None:
+                self.queue[again.job.job_id] = again
+                self.stats["requeued"] += 1
+                if cause == "preempted":
+                    self.stats["preempted"] += 1
+        for q, d, _ in result.placed:
+            self.book.add_run(
+                Run(
+                    queued=q,
+                    attempt=q.attempt,
+                    parts=[(p.cluster, p.gpu_model, p.allocations) for p in d.parts],
+                    workers=d.workers,
+                    labels=q.job.labels,
+                )
+            )
+        done = {q.job.job_id for q, _, _ in result.placed} | {q.job.job_id for q, _ in result.rejected}
         for q in considered:
             if q.job.job_id in done:
                 self.queue.pop(q.job.job_id, None)
-            else:
+                self.waiting_reasons.pop(q.job.job_id, None)
+            elif q.job.job_id not in self.queue or self.queue[q.job.job_id] is q:
                 self.queue[q.job.job_id] = q
-        self.stats["placed"] += len(placed)
-        self.stats["rejected"] += len(rejected)
+        now = time.monotonic()
+        for q, record in result.waiting:
+            q.tries += 1
+            q.not_before = now + min(0.25 * 2 ** min(q.tries, 8), MAX_BACKOFF_S)
+            self.waiting_reasons[q.job.job_id] = record.reason
+        for q in result.released_children:
+            self.queue[q.job.job_id] = q
+        self.stats["placed"] += len(result.placed)
+        self.stats["rejected"] += len(result.rejected)
         self.stats["queued"] = len(self.queue)
+        if result.requeued or result.released_children:
+            self.wake.set()
 
     async def _requeue_loop(self) -> None:
-        """Retry queued jobs whenever capacity may have changed (and every few seconds regardless)."""
+        """Retry queued jobs when capacity changed, and each job when its backoff ends."""
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), timeout=1.0)
+                await asyncio.wait_for(self.wake.wait(), timeout=0.5)
             self.wake.clear()
-            if not self.queue:
-                continue
             try:
-                async with self.lock:
-                    await self._retrying(self._requeue_cycle)
+                if self.queue:
+                    async with self.lock:
+                        await self._retrying(self._requeue_cycle)
+                if self.capacity_changed:
+                    self.capacity_changed = False
+                    async with self.lock:
+                        await self._retrying(self._grow_cycle)
+            except asyncio.CancelledError:
+                raise
             except Exception as exc:
                 log.warning("requeue cycle failed", error=repr(exc))
             self.relay.kick()
 
     async def _requeue_cycle(self) -> None:
-        waiting = list(self.queue.values())
-        async with transaction(self.pool) as conn:
-            placements, placed, rejected = await self._schedule(conn, waiting)
-        self._commit(placements, waiting, placed, rejected)
+        now = time.monotonic()
+        everyone = self.capacity_changed
+        due = [q for q in self.queue.values() if everyone or q.not_before <= now]
+        if not due:
+            return
+        async with self._tx() as conn:
+            result = await self._schedule(conn, due)
+        self._commit(result, due)
         self._send(self._outgoing)
+
+    async def _grow_cycle(self) -> None:
+        """Elastic jobs below their maximum take freed GPUs on their own cluster (same GPU model)."""
+        if self.queue:
+            return  # queued jobs have the first claim on freed capacity
+        groups: dict[tuple[str, str], list[ElasticJob]] = {}
+        for r in self.book.runs.values():
+            if r.job.min_workers is None or r.workers >= r.job.workers or len(r.parts) != 1:
+                continue
+            cluster, model, allocs = r.parts[0]
+            groups.setdefault((cluster, model), []).append(
+                ElasticJob(
+                    job_id=r.job.job_id,
+                    priority=r.job.priority,
+                    gpus_per_worker=r.job.resources.gpus,
+                    min_workers=min(r.job.min_workers, r.workers),
+                    max_workers=r.job.workers,
+                    workers=r.workers,
+                    cluster=cluster,
+                    allocations=allocs,
+                )
+            )
+        if not groups:
+            return
+        plans = []
+        for (cluster, model), jobs in sorted(groups.items()):
+            free = {
+                c.node: c.gpus_free
+                for c in self.book.nodes.values()
+                if c.cluster == cluster and c.gpu_model == model and c.gpus_free > 0
+            }
+            if free:
+                plans += plan_grow(jobs, {cluster: free})
+        if not plans:
+            return
+        now = time.time()
+        messages: list[outbox.OutboxMessage] = []
+        async with self._tx() as conn:
+            for plan in plans:
+                run = self.book.runs[plan.job_id]
+                added = [(n, g) for n, g in plan.delta_allocations if g > 0]
+                if not added:
+                    continue
+                await repo.grow(conn, plan.job_id, run.attempt, plan.cluster, added)
+                await repo.set_workers(conn, plan.job_id, run.attempt, plan.workers)
+                allocations = [NodeAllocation(node=n, gpus=g) for n, g in plan.allocations]
+                tag = hashlib.sha256(repr(plan.allocations).encode()).hexdigest()[:10]
+                resize = ResizeJob(
+                    job_id=plan.job_id, attempt=run.attempt, workers=plan.workers, allocations=allocations
+                )
+                event = JobResized(
+                    job_id=plan.job_id,
+                    tenant=run.job.tenant,
+                    cluster=plan.cluster,
+                    attempt=run.attempt,
+                    workers=plan.workers,
+                    allocations=allocations,
+                    reason="grew into freed capacity",
+                    at=now,
+                )
+                messages.append(
+                    outbox.message(
+                        subjects.cluster_command(plan.cluster, "resize"),
+                        resize,
+                        f"{plan.job_id}:resize:{run.attempt}:{tag}",
+                        context=run.queued.context,
+                    )
+                )
+                msg_id = f"{plan.job_id}:resized:{run.attempt}:{tag}"
+                messages.append(
+                    outbox.message(
+                        subjects.job_event("resized", run.job.tenant),
+                        event,
+                        msg_id,
+                        context=run.queued.context,
+                    )
+                )
+                await repo.append_events(
+                    conn, [repo.JobEventRow(plan.job_id, "resized", msg_id, encode(event), now)]
+                )
+            await outbox.add(conn, PRODUCER, messages)
+        for plan in plans:
+            run = self.book.runs[plan.job_id]
+            self.book.resize_run(
+                plan.job_id, [(plan.cluster, run.parts[0][1], plan.allocations)], plan.workers
+            )
+            self.stats["resized"] += 1
+        self._send(messages)
+
+    async def _expiry_loop(self) -> None:
+        """Give up placements whose agent never confirmed the start; place them again elsewhere."""
+        period = max(min(self.confirm_timeout_s / 4, 5.0), 0.2)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                rows = await repo.expired_reservations(self.pool)
+                if not rows:
+                    continue
+                async with self.lock:
+                    await self._retrying(lambda rows=rows: self._expire(rows))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("expiry cycle failed", error=repr(exc))
+
+    async def _expire(self, rows: Sequence[asyncpg.Record]) -> None:
+        result = CycleResult()
+        async with self._tx() as conn:
+            for row in rows:
+                run = self.book.runs.get(row["job_id"])
+                if run is None or run.attempt != row["attempt"]:
+                    continue
+                clusters = list(row["clusters"])
+                await self._give_up(
+                    conn,
+                    run,
+                    "start_timeout",
+                    f"no start confirmed by {', '.join(clusters)} within {self.confirm_timeout_s:g} s",
+                    avoid=clusters if run.attempt < self.max_attempts else (),
+                    result=result,
+                )
+            await repo.append_events(conn, result.events)
+            await outbox.add(conn, PRODUCER, result.messages)
+        self._commit(result, [])
+        self._send(result.messages)
 
     def _send(self, messages: list[outbox.OutboxMessage]) -> None:
         """Publish a committed cycle's messages in the background (the outbox has them anyway)."""
@@ -421,7 +820,22 @@ class PlacementService:
             except ConflictError:
                 self.stats["conflicts"] = self.stats.get("conflicts", 0) + 1
                 log.info("decision lost a race for capacity; deciding again on a fresh book", attempt=attempt)
-                self.nodes = await repo.load_nodes(self.pool)
+                fresh = await repo.load_nodes(self.pool)
+                runs = list(self.book.runs.values())
+                self.book.nodes = {
+                    n: dataclasses.replace(c, cpu_reserved=0, memory_reserved=0) for n, c in fresh.items()
+                }
+                for run in runs:
+                    # GPUs come reserved from the store; re-apply only CPU and RAM of the runs.
+                    self.book.runs.pop(run.job.job_id)
+                    self.book.add_run(run)
+                    for _, _, allocs in run.parts:
+                        for node, gpus in allocs:
+                            cap = self.book.nodes.get(node)
+                            if cap is not None:
+                                self.book.nodes[node] = dataclasses.replace(
+                                    cap, gpus_reserved=max(cap.gpus_reserved - gpus, 0)
+                                )
                 if attempt == attempts:
                     raise
 
@@ -431,13 +845,14 @@ class PlacementService:
         """Follow the ledger: node totals, models and whether a node takes new work."""
         delta = d.message
         if delta.trust is not None:
-            self.cluster_trust[delta.cluster] = delta.trust
-            self.stats["trust"] = dict(sorted(self.cluster_trust.items()))
+            self.book.trust[delta.cluster] = delta.trust
+            self.stats["trust"] = dict(sorted(self.book.trust.items()))
         changed: list[NodeCapacity] = []
         listed = set()
+        nodes = self.book.nodes
         for n in delta.nodes:
             listed.add(n.node)
-            old = self.nodes.get(n.node)
+            old = nodes.get(n.node)
             changed.append(
                 NodeCapacity(
                     node=n.node,
@@ -448,36 +863,51 @@ class PlacementService:
                     gpus_total=n.gpus_total,
                     gpus_reserved=old.gpus_reserved if old else 0,
                     schedulable=n.healthy and not delta.stale,
+                    cpu_milli=n.cpu_milli,
+                    memory_mib=n.memory_mib,
                 )
             )
-        if not any(c.cluster == delta.cluster for c in self.nodes.values()):
+        if not any(c.cluster == delta.cluster for c in nodes.values()):
             self.settled_at = time.monotonic() + self.settle_s
         gone = set(delta.removed)
-        for cap in self.nodes.values():
+        for cap in nodes.values():
             if cap.cluster != delta.cluster or cap.node in listed:
                 continue
             if delta.stale or cap.node in gone or delta.full:
                 changed.append(dataclasses.replace(cap, schedulable=False))
         # Only what placement decides on: a delta that just moves used or reserved GPUs changes nothing here.
-        changed = [cap for cap in changed if _book_differs(self.nodes.get(cap.node), cap)]
+        changed = [cap for cap in changed if _book_differs(nodes.get(cap.node), cap)]
         if not changed:
             return
-        async with transaction(self.pool) as conn:
+        async with self._tx() as conn:
             await repo.upsert_nodes(conn, delta.version, changed)
         # Totals and schedulability come from the view; reservations are placement's, taken as
         # they are at this moment (no await below), so a cycle committed meanwhile is kept.
-        # Decision cycles need not wait for this: the store refuses a reservation on a node
-        # that became unschedulable, and the cycle then decides again on a fresh book.
         for cap in changed:
-            current = self.nodes.get(cap.node)
-            reserved = current.gpus_reserved if current else 0
-            self.nodes[cap.node] = dataclasses.replace(cap, gpus_reserved=reserved)
+            current = self.book.nodes.get(cap.node)
+            self.book.nodes[cap.node] = dataclasses.replace(
+                cap,
+                gpus_reserved=current.gpus_reserved if current else 0,
+                cpu_reserved=current.cpu_reserved if current else 0,
+                memory_reserved=current.memory_reserved if current else 0,
+            )
+        self.capacity_changed = True
         self.wake.set()
+
+    async def on_link(self, msg: Msg) -> None:
+        """A link-state event from network perception: the network every cycle scores with."""
+        try:
+            link = decode(msg.data, LinkState)
+        except DecodeError as exc:
+            log.warning("bad link state ignored", subject=msg.subject, error=str(exc))
+            return
+        self.book.on_link(link)
+        self.stats["links"] = self.stats.get("links", 0) + 1
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
     async def on_lifecycle(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
-        """Record what agents report; a finished run gives its GPUs back."""
+        """Record what agents report; a finished run gives its GPUs back; a retryable failure is re-placed."""
         outcomes: list[BaseException | None] = [None] * len(deliveries)
         events: list[tuple[LifecycleEvent, str]] = []
         for i, d in enumerate(deliveries):
@@ -489,51 +919,137 @@ class PlacementService:
             events.append((event, d.msg_id or f"JOBS-{d.stream_seq}"))
         if not events:
             return outcomes
-        released_any = False
 
         async def apply() -> None:
-            nonlocal released_any
-            released: list[tuple[str, int]] = []
-            async with transaction(self.pool) as conn:
+            result = CycleResult()
+            finished: list[tuple[str, int]] = []
+            progress: dict[str, float] = {}
+            async with self._tx() as conn:
                 fresh = await repo.append_events(
                     conn,
                     [repo.JobEventRow(e.job_id, _kind(e), mid, encode(e), _at(e)) for e, mid in events],
                 )
                 new = [e for e, mid in events if mid in fresh]
                 await repo.confirm(conn, [(e.job_id, e.attempt) for e in new if isinstance(e, JobStarted)])
-                await repo.set_progress(
-                    conn, [(e.job_id, e.attempt, e.step / e.steps) for e in new if isinstance(e, JobProgress)]
-                )
+                updates = [(e.job_id, e.attempt, e.step / e.steps) for e in new if isinstance(e, JobProgress)]
+                await repo.set_progress(conn, updates)
+                for job_id, _, fraction in updates:
+                    progress[job_id] = fraction
                 for e in new:
-                    if isinstance(e, JobCompleted | JobFailed):
-                        state = "completed" if isinstance(e, JobCompleted) else "failed"
-                        reason = e.reason if isinstance(e, JobFailed) else None
-                        await repo.finish(conn, e.job_id, e.attempt, state, reason)
-                        released += await repo.release(conn, e.job_id, e.attempt)
-            if released:
-                released_any = True
-                for node, gpus in released:
-                    cap = self.nodes.get(node)
-                    if cap is not None:
-                        self.nodes[node] = dataclasses.replace(
-                            cap, gpus_reserved=max(cap.gpus_reserved - gpus, 0)
+                    if not isinstance(e, JobCompleted | JobFailed):
+                        continue
+                    run = self.book.runs.get(e.job_id)
+                    if (
+                        isinstance(e, JobFailed)
+                        and e.retryable
+                        and run is not None
+                        and run.attempt == e.attempt
+                        and e.attempt < self.max_attempts
+                    ):
+                        await self._give_up(
+                            conn, run, "start_failed", e.reason, avoid=[e.cluster], result=result
                         )
-                self.stats["released"] += len(released)
+                        continue
+                    state = "completed" if isinstance(e, JobCompleted) else "failed"
+                    reason = e.reason if isinstance(e, JobFailed) else None
+                    await repo.finish(conn, e.job_id, e.attempt, state, reason)
+                    released = await repo.release(conn, e.job_id, e.attempt)
+                    if released or run is not None:
+                        finished.append((e.job_id, e.attempt))
+                    parent = run.queued.parent if run is not None else await _parent_of(conn, e.job_id)
+                    if parent:
+                        result.messages.extend(await self._settle_dag(conn, parent, result))
+                await repo.append_events(conn, result.events)
+                await outbox.add(conn, PRODUCER, result.messages)
+            # Committed: adopt it (no await below).
+            for job_id, fraction in progress.items():
+                run = self.book.runs.get(job_id)
+                if run is not None:
+                    run.progress = max(run.progress, fraction)
+            for job_id, attempt in finished:
+                if self.book.drop_run(job_id, attempt) is not None:
+                    self.stats["released"] += 1
+            self._commit(result, [])
+            self._send(result.messages)
+            if finished:
+                self.capacity_changed = True
+                self.wake.set()
 
         try:
-            # Releases are applied to the book without an await in between, so they need no lock:
-            # a decision cycle running meanwhile adds only its own reservations on commit.
             await with_retry(apply)
         except Exception as exc:
             return [o if o is not None else exc for o in outcomes]
-        if released_any:
-            self.wake.set()
         return outcomes
+
+    async def _settle_dag(
+        self, conn: asyncpg.Connection, parent: str, result: "CycleResult"
+    ) -> list[outbox.OutboxMessage]:
+        """Move a DAG forward after one of its stages ended: queue stages now ready, finish the DAG."""
+        row = await repo.job_row(conn, parent)
+        if row is None or row["state"] != "running":
+            return []
+        spec = msgspec.json.decode(row["spec"], type=JobSubmitted)
+        kids = await repo.children(conn, parent)
+        by_stage = {}
+        for kid in kids:
+            child = msgspec.json.decode(kid["spec"], type=JobSubmitted)
+            by_stage[child.labels.get(dag.STAGE_LABEL, kid["job_id"])] = (kid, child)
+        states = {stage: kid["state"] for stage, (kid, _) in by_stage.items()}
+        # Jobs that ended in this very transaction may not show in the rows read: the caller has
+        # already written them, so the rows do show them (same transaction).
+        carrier = json.loads(row["trace_context"])
+        now = time.time()
+        messages: list[outbox.OutboxMessage] = []
+        bad = [s for s, st in states.items() if st in ("failed", "rejected", "cancelled")]
+        if bad:
+            await repo.set_state(
+                conn,
+                [by_stage[s][0]["job_id"] for s, st in states.items() if st in ("waiting", "queued")],
+                "cancelled",
+                ["waiting", "queued"],
+                f"stage {bad[0]} of {parent} did not complete",
+            )
+            for s, st in states.items():
+                if st == "queued":
+                    self.queue.pop(by_stage[s][0]["job_id"], None)
+            reason = f"stage {bad[0]} ended {states[bad[0]]}"
+            await repo.set_state(conn, [parent], "failed", ["running"], reason)
+            event = JobFailed(
+                job_id=parent,
+                tenant=spec.tenant,
+                cluster=by_stage[bad[0]][0]["cluster"] or "none",
+                reason=reason,
+                at=now,
+            )
+            msg_id = f"{parent}:failed:1"
+            messages.append(outbox.message(subjects.job_event("failed", spec.tenant), event, msg_id))
+            result.events.append(repo.JobEventRow(parent, "failed", msg_id, encode(event), now))
+            return messages
+        if all(st == "completed" for st in states.values()):
+            await repo.set_state(conn, [parent], "completed", ["running"])
+            last = max(by_stage.values(), key=lambda kc: kc[0]["job_id"])[0]
+            event_c = JobCompleted(
+                job_id=parent, tenant=spec.tenant, cluster=last["cluster"] or "none", at=now
+            )
+            msg_id = f"{parent}:completed:1"
+            messages.append(outbox.message(subjects.job_event("completed", spec.tenant), event_c, msg_id))
+            result.events.append(repo.JobEventRow(parent, "completed", msg_id, encode(event_c), now))
+            return messages
+        completed = {s for s, st in states.items() if st == "completed"}
+        started = {s for s, st in states.items() if st != "waiting"}
+        order = dag.validate(spec.stages)
+        ready = dag.ready(order, dag.dependencies(spec.stages), completed, started)
+        moved = await repo.set_state(conn, [by_stage[s][0]["job_id"] for s in ready], "queued", ["waiting"])
+        for s in ready:
+            kid, child = by_stage[s]
+            if kid["job_id"] in moved:
+                result.released_children.append(QueuedJob(child, carrier, parent=parent))
+        return messages
 
     # ---- queries -------------------------------------------------------------------------------
 
     async def on_query(self, msg: Msg) -> None:
-        """``loom.jobs.query``: {"op": "get", "job_id"} or {"op": "list", "tenant"?, "state"?, "limit"?}."""
+        """``loom.jobs.query``: get, list, counts, or explain (every decision record of a job)."""
         try:
             request = json.loads(msg.data or b"{}")
             op = request.get("op", "list")
@@ -548,6 +1064,14 @@ class PlacementService:
                 )
             elif op == "counts":
                 result = await repo.count_by_state(self.pool)
+            elif op == "explain":
+                job_id = str(request["job_id"])
+                result = {
+                    "job": await repo.get_job(self.pool, job_id),
+                    "decisions": await repo.decisions_of(self.pool, job_id),
+                }
+            elif op == "leader":
+                result = dataclasses.asdict(self.leadership)
             else:
                 raise ValueError(f"unknown op {op!r}")
             reply = {"ok": True, "result": result}
@@ -556,18 +1080,45 @@ class PlacementService:
         await msg.respond(json.dumps(reply).encode())
 
 
-def _book_differs(old: NodeCapacity | None, new: NodeCapacity) -> bool:
+@dataclasses.dataclass
+class CycleResult:
+    """What one transaction decided, to adopt in memory after it commits."""
+
+    placed: list[tuple[QueuedJob, Decision, DecisionRecord]] = dataclasses.field(default_factory=list)
+    rejected: list[tuple[QueuedJob, Outcome]] = dataclasses.field(default_factory=list)
+    waiting: list[tuple[QueuedJob, DecisionRecord]] = dataclasses.field(default_factory=list)
+    preempted: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    requeued: list[tuple[Run, QueuedJob, RequeueReason]] = dataclasses.field(default_factory=list)
+    released_children: list[QueuedJob] = dataclasses.field(default_factory=list)
+    messages: list[outbox.OutboxMessage] = dataclasses.field(default_factory=list)
+    events: list[repo.JobEventRow] = dataclasses.field(default_factory=list)
+
+
+def _check_spec(job: JobSubmitted) -> None:
+    """Refuse what no cluster state could fix: bad DAGs, elastic bounds, pipelines with gangs."""
+    if job.min_workers is not None and job.min_workers > job.workers:
+        raise InvalidInputError(
+            f"min_workers ({job.min_workers}) is more than workers ({job.workers}); workers is the maximum"
+        )
+    if job.stages:
+        dag.validate(job.stages)
+        for stage in job.stages:
+            dag.stage_job_id(job.job_id, stage.name)
+    if job.pipeline is not None and job.stages:
+        raise InvalidInputError("a job is either a pipeline (layers) or a DAG (stages), not both")
+
+
+async def _parent_of(conn: asyncpg.Connection, job_id: str) -> str | None:
+    row = await repo.job_row(conn, job_id)
+    return row["parent"] if row is not None else None
+
+
+def _book_differs(old: Any, new: Any) -> bool:
     """Whether a node's entry in the capacity book changes (reservations aside)."""
     if old is None:
         return True
-    return (old.cluster, old.region, old.zone, old.gpu_model, old.gpus_total, old.schedulable) != (
-        new.cluster,
-        new.region,
-        new.zone,
-        new.gpu_model,
-        new.gpus_total,
-        new.schedulable,
-    )
+    keys = ("cluster", "region", "zone", "gpu_model", "gpus_total", "schedulable", "cpu_milli", "memory_mib")
+    return any(getattr(old, k) != getattr(new, k) for k in keys)
 
 
 def _spec_of(job: JobSubmitted) -> JobSpec:
@@ -595,3 +1146,6 @@ def _payload_job_id(payload: bytes) -> str | None:
 def hash_carrier(q: QueuedJob) -> str:
     """A short token, the same in every process (``hash()`` is salted), for a duplicate's rejection id."""
     return hashlib.sha256(f"{q.job.job_id}:{q.job.submitted_at!r}".encode()).hexdigest()[:12]
+
+
+__all__ = ["CycleResult", "PlacementService", "QueuedJob", "rejection"]

@@ -29,6 +29,9 @@ class NewJob:
     spec_json: bytes
     submitted_at: float
     trace_context: Mapping[str, str]
+    state: str = "queued"
+    parent: str | None = None
+    priority: int = 100
 
 
 @dataclass(frozen=True)
@@ -47,15 +50,19 @@ async def insert_jobs(conn: asyncpg.Connection, jobs: Sequence[NewJob]) -> set[s
     if not jobs:
         return set()
     rows = await conn.fetch(
-        """INSERT INTO jobs (job_id, tenant, state, spec, submitted_at, trace_context)
-           SELECT j, t, 'queued', s::jsonb, a, c::jsonb
-           FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::text[]) AS u(j, t, s, a, c)
+        """INSERT INTO jobs (job_id, tenant, state, spec, submitted_at, trace_context, parent, priority)
+           SELECT j, t, st, s::jsonb, a, c::jsonb, p, pr
+           FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::text[], $6::text[],
+                       $7::text[], $8::int[]) AS u(j, t, s, a, c, st, p, pr)
            ON CONFLICT (job_id) DO NOTHING RETURNING job_id""",
         [j.job_id for j in jobs],
         [j.tenant for j in jobs],
         [j.spec_json.decode() for j in jobs],
         [ts(j.submitted_at) for j in jobs],
         [json.dumps(dict(j.trace_context)) for j in jobs],
+        [j.state for j in jobs],
+        [j.parent for j in jobs],
+        [j.priority for j in jobs],
     )
     return {r["job_id"] for r in rows}
 
@@ -83,18 +90,22 @@ async def append_events(conn: asyncpg.Connection, events: Sequence[JobEventRow])
     return {r["msg_id"] for r in rows}
 
 
-async def mark_placed(conn: asyncpg.Connection, placed: Sequence[tuple[str, str, int, float]]) -> None:
-    """(job_id, cluster, attempt, placed_at) for jobs that were queued."""
+async def mark_placed(
+    conn: asyncpg.Connection, placed: Sequence[tuple[str, str, int, float] | tuple[str, str, int, float, int]]
+) -> None:
+    """(job_id, cluster, attempt, placed_at[, workers]) for jobs that were queued."""
     if not placed:
         return
     await conn.execute(
-        """UPDATE jobs SET state = 'placed', cluster = u.c, attempt = u.a, placed_at = u.p, updated_at = now()
-           FROM unnest($1::text[], $2::text[], $3::int[], $4::timestamptz[]) AS u(j, c, a, p)
+        """UPDATE jobs SET state = 'placed', cluster = u.c, attempt = u.a, placed_at = u.p,
+                  updated_at = now(), workers = u.w
+           FROM unnest($1::text[], $2::text[], $3::int[], $4::timestamptz[], $5::int[]) AS u(j, c, a, p, w)
            WHERE jobs.job_id = u.j AND jobs.state = 'queued'""",
         [p[0] for p in placed],
         [p[1] for p in placed],
         [p[2] for p in placed],
         [ts(p[3]) for p in placed],
+        [p[4] if len(p) > 4 else None for p in placed],
     )
 
 
@@ -112,7 +123,9 @@ async def mark_rejected(conn: asyncpg.Connection, rejected: Sequence[tuple[str, 
 
 
 async def reserve(
-    conn: asyncpg.Connection, job_allocations: Sequence[tuple[str, int, str, Sequence[tuple[str, int]]]]
+    conn: asyncpg.Connection,
+    job_allocations: Sequence[tuple[str, int, str, Sequence[tuple[str, int]]]],
+    confirm_by: Sequence[float] | None = None,
 ) -> None:
     """Reserve GPUs: (job_id, attempt, cluster, [(node, gpus)]) for each job.
 
@@ -121,11 +134,12 @@ async def reserve(
     is raised, so the caller recomputes from fresh state.
     """
     per_node: dict[str, int] = {}
-    res_rows: list[tuple[str, int, str, str, int]] = []
-    for job_id, attempt, cluster, allocations in job_allocations:
+    res_rows: list[tuple[str, int, str, str, int, datetime | None]] = []
+    for i, (job_id, attempt, cluster, allocations) in enumerate(job_allocations):
+        deadline = ts(confirm_by[i]) if confirm_by is not None else None
         for node, gpus in allocations:
             per_node[node] = per_node.get(node, 0) + gpus
-            res_rows.append((job_id, attempt, node, cluster, gpus))
+            res_rows.append((job_id, attempt, node, cluster, gpus, deadline))
     if not per_node:
         return
     updated = await conn.fetch(
@@ -139,10 +153,11 @@ async def reserve(
     if len(updated) != len(per_node):
         raise ConflictError("capacity changed under the decision; recomputing")
     await conn.execute(
-        """INSERT INTO reservations (job_id, attempt, node, cluster, gpus, state)
-           SELECT j, a, n, c, g, 'reserved'
-           FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::int[])
-               AS u(j, a, n, c, g)""",
+        """INSERT INTO reservations (job_id, attempt, node, cluster, gpus, state, confirm_by)
+           SELECT j, a, n, c, g, 'reserved', d
+           FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::int[], $6::timestamptz[])
+               AS u(j, a, n, c, g, d)
+           ON CONFLICT (job_id, attempt, node) DO UPDATE SET gpus = reservations.gpus + EXCLUDED.gpus""",
         *(list(column) for column in zip(*res_rows, strict=True)),
     )
 
@@ -218,7 +233,8 @@ async def set_progress(conn: asyncpg.Connection, updates: Sequence[tuple[str, in
 async def load_nodes(conn: asyncpg.Connection | asyncpg.Pool) -> dict[str, NodeCapacity]:
     """The capacity book as placement holds it in memory."""
     rows = await conn.fetch(
-        """SELECT node, cluster, region, zone, gpu_model, gpus_total, gpus_reserved, schedulable
+        """SELECT node, cluster, region, zone, gpu_model, gpus_total, gpus_reserved, schedulable,
+                  cpu_milli, memory_mib
            FROM node_allocations"""
     )
     return {
@@ -231,6 +247,8 @@ async def load_nodes(conn: asyncpg.Connection | asyncpg.Pool) -> dict[str, NodeC
             gpus_total=r["gpus_total"],
             gpus_reserved=r["gpus_reserved"],
             schedulable=r["schedulable"],
+            cpu_milli=r["cpu_milli"],
+            memory_mib=r["memory_mib"],
         )
         for r in rows
     }
@@ -243,13 +261,15 @@ async def upsert_nodes(conn: asyncpg.Connection, version: int, nodes: Iterable[N
         return
     await conn.execute(
         """INSERT INTO node_allocations AS n
-               (node, cluster, region, zone, gpu_model, gpus_total, schedulable, view_version)
+               (node, cluster, region, zone, gpu_model, gpus_total, schedulable, view_version, cpu_milli,
+                memory_mib)
            SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int[],
                                 $7::bool[],
-                                $8::bigint[])
+                                $8::bigint[], $9::int[], $10::bigint[])
            ON CONFLICT (node) DO UPDATE SET cluster = EXCLUDED.cluster, region = EXCLUDED.region,
                zone = EXCLUDED.zone, gpu_model = EXCLUDED.gpu_model, gpus_total = EXCLUDED.gpus_total,
-               schedulable = EXCLUDED.schedulable, view_version = EXCLUDED.view_version
+               schedulable = EXCLUDED.schedulable, view_version = EXCLUDED.view_version,
+               cpu_milli = EXCLUDED.cpu_milli, memory_mib = EXCLUDED.memory_mib
            WHERE n.view_version <= EXCLUDED.view_version""",
         [c.node for c in items],
         [c.cluster for c in items],
@@ -259,15 +279,163 @@ async def upsert_nodes(conn: asyncpg.Connection, version: int, nodes: Iterable[N
         [c.gpus_total for c in items],
         [c.schedulable for c in items],
         [version] * len(items),
+        [c.cpu_milli for c in items],
+        [c.memory_mib for c in items],
     )
 
 
 async def queued_jobs(conn: asyncpg.Connection | asyncpg.Pool) -> list[asyncpg.Record]:
-    """Jobs accepted but not yet placed, oldest first."""
+    """Jobs accepted but not yet placed, oldest first (with the attempt they last had)."""
     rows: list[asyncpg.Record] = await conn.fetch(
-        "SELECT job_id, spec, trace_context FROM jobs WHERE state = 'queued' ORDER BY submitted_at, job_id"
+        """SELECT job_id, spec, trace_context, attempt, avoid_clusters, parent FROM jobs
+           WHERE state = 'queued' ORDER BY submitted_at, job_id"""
     )
     return rows
+
+
+async def active_runs(conn: asyncpg.Connection | asyncpg.Pool) -> list[asyncpg.Record]:
+    """Placed and running jobs with their live reservations: (job row, [(node, cluster, gpus)])."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """SELECT j.job_id, j.tenant, j.spec, j.attempt, j.progress, j.workers, j.cluster,
+                  j.trace_context, j.avoid_clusters, j.parent,
+                  array_agg(r.node ORDER BY r.node) AS nodes,
+                  array_agg(r.cluster ORDER BY r.node) AS clusters,
+                  array_agg(r.gpus ORDER BY r.node) AS gpus
+           FROM jobs j JOIN reservations r ON r.job_id = j.job_id AND r.attempt = j.attempt
+           WHERE j.state IN ('placed', 'running') AND r.state <> 'released'
+           GROUP BY j.job_id"""
+    )
+    return rows
+
+
+async def requeue(
+    conn: asyncpg.Connection, job_id: str, attempt: int, avoid: Sequence[str]
+) -> list[tuple[str, int]]:
+    """Give up a placed or running attempt: release its GPUs, queue the job again. [] if it had moved on."""
+    row = await conn.fetchrow(
+        """UPDATE jobs SET state = 'queued', updated_at = now(),
+                  avoid_clusters = ARRAY(SELECT DISTINCT unnest(avoid_clusters || $3::text[]))
+           WHERE job_id = $1 AND attempt = $2 AND state IN ('placed', 'running') RETURNING job_id""",
+        job_id,
+        attempt,
+        list(avoid),
+    )
+    if row is None:
+        return []
+    return await release(conn, job_id, attempt)
+
+
+async def expired_reservations(
+    conn: asyncpg.Connection | asyncpg.Pool, limit: int = 500
+) -> list[asyncpg.Record]:
+    """Runs whose agent did not confirm the start in time: (job_id, attempt, clusters)."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """SELECT r.job_id, r.attempt, array_agg(DISTINCT r.cluster) AS clusters
+           FROM reservations r JOIN jobs j ON j.job_id = r.job_id AND j.attempt = r.attempt
+           WHERE r.state = 'reserved' AND r.confirm_by < now() AND j.state = 'placed'
+           GROUP BY r.job_id, r.attempt LIMIT $1""",
+        limit,
+    )
+    return rows
+
+
+async def grow(
+    conn: asyncpg.Connection, job_id: str, attempt: int, cluster: str, allocations: Sequence[tuple[str, int]]
+) -> None:
+    """Add GPUs to a running job's reservation (an elastic job grows); ConflictError if they are gone."""
+    await reserve(conn, [(job_id, attempt, cluster, allocations)])
+    await conn.execute(
+        """UPDATE reservations SET state = 'confirmed'
+           WHERE job_id = $1 AND attempt = $2 AND state = 'reserved'""",
+        job_id,
+        attempt,
+    )
+
+
+async def set_workers(conn: asyncpg.Connection, job_id: str, attempt: int, workers: int) -> None:
+    """Record an elastic job's current number of workers."""
+    await conn.execute(
+        "UPDATE jobs SET workers = $3, updated_at = now() WHERE job_id = $1 AND attempt = $2",
+        job_id,
+        attempt,
+        workers,
+    )
+
+
+async def record_decisions(
+    conn: asyncpg.Connection, records: Sequence[tuple[str, int, str, Mapping[str, Any]]]
+) -> None:
+    """(job_id, attempt, outcome, record) audit rows; a later record of the same attempt replaces it."""
+    if not records:
+        return
+    await conn.execute(
+        """INSERT INTO decisions (job_id, attempt, outcome, record)
+           SELECT j, a, o, r::jsonb
+           FROM unnest($1::text[], $2::int[], $3::text[], $4::text[]) AS u(j, a, o, r)
+           ON CONFLICT (job_id, attempt) DO UPDATE SET outcome = EXCLUDED.outcome, record = EXCLUDED.record,
+               at = now()""",
+        [r[0] for r in records],
+        [r[1] for r in records],
+        [r[2] for r in records],
+        [json.dumps(r[3]) for r in records],
+    )
+
+
+async def decisions_of(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> list[dict[str, Any]]:
+    """Every attempt's decision record of a job, oldest first."""
+    rows = await conn.fetch(
+        "SELECT attempt, outcome, at, record FROM decisions WHERE job_id = $1 ORDER BY attempt", job_id
+    )
+    return [
+        {
+            "attempt": r["attempt"],
+            "outcome": r["outcome"],
+            "at": r["at"].timestamp(),
+            "record": json.loads(r["record"]),
+        }
+        for r in rows
+    ]
+
+
+async def children(conn: asyncpg.Connection, parent: str) -> list[asyncpg.Record]:
+    """A DAG job's stage jobs with their states (locks them for the caller's transaction)."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """SELECT job_id, state, spec, trace_context, cluster FROM jobs WHERE parent = $1
+           ORDER BY job_id FOR UPDATE""",
+        parent,
+    )
+    return rows
+
+
+async def set_state(
+    conn: asyncpg.Connection,
+    job_ids: Sequence[str],
+    state: str,
+    from_states: Sequence[str],
+    reason: str | None = None,
+) -> list[str]:
+    """Move jobs in one of ``from_states`` to ``state``; returns the ids moved."""
+    if not job_ids:
+        return []
+    terminal = state in ("completed", "failed", "rejected", "cancelled")
+    rows = await conn.fetch(
+        """UPDATE jobs SET state = $2, reason = COALESCE($4, reason), updated_at = now(),
+                  finished_at = CASE WHEN $5 THEN now() ELSE finished_at END,
+                  progress = CASE WHEN $2 = 'completed' THEN 1 ELSE progress END
+           WHERE job_id = ANY($1::text[]) AND state = ANY($3::text[]) RETURNING job_id""",
+        list(job_ids),
+        state,
+        list(from_states),
+        reason,
+        terminal,
+    )
+    return [r["job_id"] for r in rows]
+
+
+async def job_row(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> asyncpg.Record | None:
+    """One job's row."""
+    row: asyncpg.Record | None = await conn.fetchrow("SELECT * FROM jobs WHERE job_id = $1", job_id)
+    return row
 
 
 def _job_dict(row: asyncpg.Record) -> dict[str, Any]:

@@ -1,0 +1,256 @@
+"""Placement's in-memory book: nodes, runs holding GPUs, the network, trust; and the snapshot it builds.
+
+Everything here is rebuilt from PostgreSQL on start (and on becoming leader), then kept in step by
+the service's handlers, which change it only after their transaction committed.
+"""
+
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import asyncpg
+import msgspec
+from opentelemetry import propagate
+from opentelemetry.context import Context
+
+from loom.model.profiles import reference_profile, relative_speed
+from loom.model.scu import TASK_TYPES, ScuError
+from loom.model.topology import Topology
+from loom.sched.firstfit import NodeCapacity
+from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, RunningJob, Snapshot
+from loom_proto.jobs import JobSubmitted
+from loom_proto.net import LinkState
+
+
+@dataclass
+class QueuedJob:
+    """A job accepted and waiting for a placement: the attempt it would be, and where not to go."""
+
+    job: JobSubmitted
+    carrier: dict[str, str]
+    attempt: int = 1
+    avoid: frozenset[str] = frozenset()
+    parent: str | None = None
+    tries: int = 0
+    """Cycles that found no room (backoff grows with it)."""
+    not_before: float = 0.0
+    """Monotonic time before which a cycle does not retry it (unless capacity changed)."""
+
+    @property
+    def context(self) -> Context:
+        """The submission's trace context."""
+        return propagate.extract(self.carrier)
+
+
+@dataclass
+class Run:
+    """A placed or running attempt: what it holds, for releases, preemption, elastic and quotas."""
+
+    queued: QueuedJob
+    attempt: int
+    parts: list[tuple[str, str, tuple[tuple[str, int], ...]]]
+    """(cluster, gpu_model, allocations), lead first."""
+    workers: int
+    progress: float = 0.0
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def job(self) -> JobSubmitted:
+        """The job's spec."""
+        return self.queued.job
+
+    @property
+    def gpus(self) -> int:
+        """GPUs held in all."""
+        return sum(g for _, _, allocs in self.parts for _, g in allocs)
+
+    def running_job(self) -> RunningJob:
+        """The run as the scheduling core sees it."""
+        job = self.job
+        lead_cluster, lead_model, _ = self.parts[0]
+        return RunningJob(
+            job_id=job.job_id,
+            tenant=job.tenant,
+            priority=job.priority,
+            cluster=lead_cluster,
+            gpu_model=lead_model,
+            allocations=tuple(a for _, _, allocs in self.parts for a in allocs),
+            progress=self.progress,
+            preemptible=job.preemptible,
+            labels=job.labels,
+            workers=self.workers,
+            min_workers=job.min_workers,
+            max_workers=job.workers,
+            gpus_per_worker=job.resources.gpus,
+            cpu_milli=job.resources.cpu_milli,
+            memory_mib=job.resources.memory_mib,
+            attempt=self.attempt,
+        )
+
+
+class Book:
+    """Nodes, runs, links and trust as placement knows them; :meth:`snapshot` is a cycle's input."""
+
+    def __init__(self, topology: Topology | None = None, economics: Economics | None = None) -> None:
+        self.nodes: dict[str, NodeCapacity] = {}
+        self.runs: dict[str, Run] = {}
+        self.trust: dict[str, float] = {}
+        self.economics = economics or Economics()
+        self.net = NetMatrix.from_topology(topology) if topology is not None else NetMatrix([])
+        self._speed: dict[tuple[str, str], float] = {}
+        self._memory: dict[str, float] = {}
+
+    # ---- runs ----------------------------------------------------------------------------------
+
+    def add_run(self, run: Run) -> None:
+        """A committed placement: its GPUs (and workers' CPU and RAM) are promised."""
+        self.runs[run.job.job_id] = run
+        self._reserve(run, +1)
+
+    def drop_run(self, job_id: str, attempt: int | None = None) -> Run | None:
+        """The run ended or was given up; its promises are withdrawn. None if unknown (or another attempt)."""
+        run = self.runs.get(job_id)
+        if run is None or (attempt is not None and run.attempt != attempt):
+            return None
+        del self.runs[job_id]
+        self._reserve(run, -1)
+        return run
+
+    def resize_run(
+        self, job_id: str, parts: list[tuple[str, str, tuple[tuple[str, int], ...]]], workers: int
+    ) -> None:
+        """An elastic run's allocation changed."""
+        run = self.runs[job_id]
+        self._reserve(run, -1)
+        run.parts = parts
+        run.workers = workers
+        self._reserve(run, +1)
+
+    def _reserve(self, run: Run, sign: int) -> None:
+        res = run.job.resources
+        for _, _, allocs in run.parts:
+            for node, gpus in allocs:
+                cap = self.nodes.get(node)
+                if cap is None:
+                    continue
+                workers = gpus // max(res.gpus, 1)
+                self.nodes[node] = dataclasses.replace(
+                    cap,
+                    gpus_reserved=max(cap.gpus_reserved + sign * gpus, 0),
+                    cpu_reserved=max(cap.cpu_reserved + sign * res.cpu_milli * workers, 0),
+                    memory_reserved=max(cap.memory_reserved + sign * res.memory_mib * workers, 0),
+                )
+
+    def usage_by_tenant(self) -> dict[str, int]:
+        """GPUs held per tenant (the quota book's input)."""
+        usage: dict[str, int] = {}
+        for run in self.runs.values():
+            usage[run.job.tenant] = usage.get(run.job.tenant, 0) + run.gpus
+        return usage
+
+    # ---- network -------------------------------------------------------------------------------
+
+    def on_link(self, link: LinkState) -> None:
+        """Adopt a link-state event (regions unknown to the topology are added)."""
+        for region in (link.src, link.dst):
+            if region not in self.net.index:
+                self._add_region(region)
+        self.net.set_link(
+            link.src,
+            link.dst,
+            rtt_ms=link.rtt_ms_forecast or link.rtt_ms if not link.stale else max(link.rtt_ms, 1.0) * 2,
+            bandwidth_gbps=link.bandwidth_gbps,
+            loss=link.loss_rate,
+            degraded=link.degraded or link.stale,
+        )
+
+    def _add_region(self, region: str) -> None:
+        old = self.net
+        regions = [*old.regions, region]
+        new = NetMatrix(regions)
+        n = len(old.regions)
+        new.rtt_ms[:n, :n] = old.rtt_ms
+        new.bandwidth_gbps[:n, :n] = old.bandwidth_gbps
+        new.loss[:n, :n] = old.loss
+        new.degraded[:n, :n] = old.degraded
+        self.net = new
+
+    # ---- snapshot ------------------------------------------------------------------------------
+
+    def _speeds(self, models: Iterable[str]) -> dict[tuple[str, str], float]:
+        for model in models:
+            if (model, TASK_TYPES[0]) in self._speed:
+                continue
+            for task in TASK_TYPES:
+                try:
+                    self._speed[(model, task)] = relative_speed(model, task)
+                except ScuError:
+                    self._speed[(model, task)] = 1.0
+            try:
+                self._memory[model] = reference_profile(model).profile.memory_gib
+            except ScuError:
+                self._memory[model] = 0.0
+        return self._speed
+
+    def snapshot(self, now: float) -> Snapshot:
+        """The cycle's input: nodes, clusters with trust, runs, network, prices and speeds."""
+        clusters: dict[str, ClusterInfo] = {}
+        models: set[str] = set()
+        for cap in self.nodes.values():
+            if cap.gpu_model is not None:
+                models.add(cap.gpu_model)
+            if cap.cluster not in clusters:
+                clusters[cap.cluster] = ClusterInfo(
+                    id=cap.cluster, region=cap.region, zone=cap.zone, trust=self.trust.get(cap.cluster, 1.0)
+                )
+        for region in {c.region for c in clusters.values()}:
+            if region not in self.net.index:
+                self._add_region(region)
+        return Snapshot(
+            self.nodes.values(),
+            clusters=clusters,
+            running=[r.running_job() for r in self.runs.values()],
+            net=self.net,
+            economics=self.economics,
+            speed=self._speeds(models),
+            gpu_memory_gib=self._memory,
+            now=now,
+        )
+
+
+def queued_from_row(row: asyncpg.Record) -> QueuedJob:
+    """A queue entry from a ``jobs`` row (the next attempt is one more than the row's)."""
+    return QueuedJob(
+        job=msgspec.json.decode(row["spec"], type=JobSubmitted),
+        carrier=json.loads(row["trace_context"]),
+        attempt=int(row["attempt"]) + 1,
+        avoid=frozenset(row["avoid_clusters"] or ()),
+        parent=row["parent"],
+    )
+
+
+def run_from_row(row: asyncpg.Record, nodes: Mapping[str, NodeCapacity]) -> Run:
+    """A run from :func:`loom.store.jobs.active_runs`' row."""
+    queued = queued_from_row(row)
+    queued.attempt = int(row["attempt"])
+    by_cluster: dict[str, list[tuple[str, int]]] = {}
+    for node, cluster, gpus in zip(row["nodes"], row["clusters"], row["gpus"], strict=True):
+        by_cluster.setdefault(cluster, []).append((node, int(gpus)))
+    lead = row["cluster"]
+    order = sorted(by_cluster, key=lambda c: (c != lead, c))
+    parts = []
+    for cluster in order:
+        allocs = tuple(by_cluster[cluster])
+        model = next((nodes[n].gpu_model for n, _ in allocs if n in nodes and nodes[n].gpu_model), "") or ""
+        parts.append((cluster, model, allocs))
+    job = queued.job
+    workers = int(row["workers"] or job.workers)
+    return Run(
+        queued=queued,
+        attempt=int(row["attempt"]),
+        parts=parts,
+        workers=workers,
+        progress=float(row["progress"]),
+        labels=job.labels,
+    )

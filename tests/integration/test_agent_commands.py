@@ -1,0 +1,389 @@
+"""A cluster agent's commands on real NATS: member parts, slowdown and workers, resize, stop.
+
+The agent runs in this process on the "small" topology's c-weu-a (T4 nodes of 4 and 2 GPUs, P100
+nodes of 2), at reference speed, so a run's simulated seconds are exactly
+``steps * step_time_s * slowdown / (workers / spec.workers)``. The test watches heartbeats and job
+events on core subscriptions and knows a command was handled when the agent's consumer acked it.
+"""
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import PubAck
+from nats.js.errors import NotFoundError
+from structlog.testing import capture_logs
+from waiting import until
+
+from loom.bus import Publisher
+from loom.bus.connection import connect
+from loom.model.topology import load_topology
+from loom.runtime.servers import NatsServer
+from loom.runtime.service import ServiceContext, close_context, open_context
+from loom_proto import subjects
+from loom_proto.clusters import ClusterHeartbeat, ResizeJob, StartJob, StopJob
+from loom_proto.jobs import JobSpec, NodeAllocation, Work
+from loom_proto.subjects import ClusterCommandKind
+from loom_services.cluster_agent.agent import Agent
+from loom_services.cluster_agent.sim import SimCluster
+
+CLUSTER = "c-weu-a"
+BIG_T4 = "openb-node-0243"  # 4 T4
+T4_A, T4_B, T4_C = "openb-node-0522", "openb-node-0783", "openb-node-0945"  # 2 T4 each
+P100 = "openb-node-0123"  # 2 P100
+TIME_SCALE = 1000.0
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A NATS of this module's own: the agent's durable consumer starts from a clean stream."""
+    with NatsServer(tmp_path_factory.mktemp("agent-nats")) as server:
+        yield server.url
+
+
+@dataclass
+class Seen:
+    """What the test saw on the bus: the cluster's nodes as heartbeats tell them, and job events."""
+
+    used: dict[str, int] = field(default_factory=dict)
+    running_jobs: list[str] = field(default_factory=list)
+    epoch: int = 0
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    statuses: list[dict[str, Any]] = field(default_factory=list)
+
+    def kinds(self, job_id: str) -> list[str]:
+        return [kind for kind, e in self.events if e["job_id"] == job_id]
+
+    def event(self, job_id: str, kind: str) -> dict[str, Any] | None:
+        return next((e for k, e in self.events if k == kind and e["job_id"] == job_id), None)
+
+
+@dataclass
+class Harness:
+    """One agent of c-weu-a (restartable on its state dir) and a client connection commanding it."""
+
+    nats_url: str
+    state_dir: Path
+    nc: Client
+    publisher: Publisher
+    seen: Seen
+    agent: Agent | None = None
+    task: asyncio.Task[None] | None = None
+    ctx: ServiceContext | None = None
+
+    async def start_agent(self) -> Agent:
+        self.ctx = await open_context(f"agent-{CLUSTER}", nats_url=self.nats_url, database_url=None)
+        cluster = load_topology("small").cluster(CLUSTER)
+        self.agent = Agent(
+            self.ctx,
+            SimCluster(cluster),
+            region=cluster.region,
+            time_scale=TIME_SCALE,
+            heartbeat_s=0.05,
+            max_heartbeat_s=0.2,
+            state_dir=self.state_dir,
+        )
+        self.task = asyncio.create_task(self.agent.run())
+        return self.agent
+
+    async def stop_agent(self) -> None:
+        assert self.task is not None and self.ctx is not None
+        self.ctx.stopping.set()
+        await asyncio.wait_for(self.task, timeout=15)
+        await close_context(self.ctx)
+        self.task = self.ctx = None
+
+    async def command(self, message: StartJob | StopJob | ResizeJob) -> PubAck:
+        """Publish a command (each under a new id: a repeat is the agent's to ignore, not the stream's)."""
+        kind: ClusterCommandKind = (
+            "start" if isinstance(message, StartJob) else "stop" if isinstance(message, StopJob) else "resize"
+        )
+        return await self.publisher.publish(
+            subjects.cluster_command(CLUSTER, kind),
+            message,
+            msg_id=f"test-{uuid.uuid4().hex}",
+        )
+
+    async def handled(self, ack: PubAck) -> None:
+        """Wait until the agent acknowledged the command (its handler has finished)."""
+
+        async def acked() -> bool:
+            info = await self.nc.jetstream().consumer_info("CLUSTERS", f"agent-{CLUSTER}")
+            return info.ack_floor is not None and (info.ack_floor.stream_seq or 0) >= ack.seq
+
+        # The consumer does not exist until the first agent has started.
+        await until(acked, 10, f"the agent to handle command #{ack.seq}", retry_on=(NotFoundError,))
+
+    async def heartbeat_shows(
+        self, used: dict[str, int], *, running: set[str], absent: frozenset[str] | set[str] = frozenset()
+    ) -> None:
+        """Wait for heartbeats to show these nodes with these GPUs used and these jobs running."""
+
+        async def check() -> bool:
+            return (
+                all(self.seen.used.get(n) == g for n, g in used.items())
+                and running <= set(self.seen.running_jobs)
+                and not absent & set(self.seen.running_jobs)
+            )
+
+        await until(check, 10, f"a heartbeat with {used}, running {running}, not running {absent}")
+
+    def journal(self) -> list[dict[str, Any]]:
+        path = self.state_dir / f"agent-{CLUSTER}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+async def h(nats_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
+    """A running agent with a fresh state dir, and what the test sees of it."""
+    nc = await connect(nats_url, "agent-commands-test")
+    seen = Seen()
+
+    async def on_heartbeat(msg: Msg) -> None:
+        beat = msgspec.json.decode(msg.data, type=ClusterHeartbeat)
+        if beat.agent_epoch != seen.epoch or beat.full:
+            seen.epoch = beat.agent_epoch
+            seen.used = {}
+        seen.used.update({n.node: n.gpus_used for n in beat.nodes})
+        seen.running_jobs = beat.running_jobs
+
+    async def on_event(msg: Msg) -> None:
+        seen.events.append((msg.subject.split(".")[2], json.loads(msg.data)))
+
+    async def on_status(msg: Msg) -> None:
+        seen.statuses.append(json.loads(msg.data))
+
+    await nc.subscribe(subjects.cluster_heartbeat(CLUSTER), cb=on_heartbeat)
+    await nc.subscribe(f"{subjects.PREFIX}.jobs.>", cb=on_event)
+    await nc.subscribe(subjects.cluster_status(CLUSTER), cb=on_status)
+    h = Harness(nats_url, tmp_path, nc, Publisher(nc), seen)
+    await h.start_agent()
+    yield h
+    if h.task is not None:
+        await h.stop_agent()
+    await nc.close()
+
+
+def start(
+    job_id: str,
+    allocations: dict[str, int],
+    *,
+    steps: int = 10,
+    step_time_s: float = 10.0,
+    spec_workers: int = 1,
+    gpu_model: str = "T4",
+    **extra: Any,
+) -> StartJob:
+    spec = JobSpec(
+        job_id=job_id,
+        tenant="t1",
+        workers=spec_workers,
+        work=Work(steps=steps, step_time_s=step_time_s),
+    )
+    return StartJob(
+        job_id=job_id,
+        spec=spec,
+        gpu_model=gpu_model,
+        allocations=[NodeAllocation(node=n, gpus=g) for n, g in allocations.items()],
+        **extra,
+    )
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+async def completed(h: Harness, job_id: str, timeout_s: float = 15) -> dict[str, Any]:
+    async def check() -> dict[str, Any] | None:
+        return h.seen.event(job_id, "completed")
+
+    result: dict[str, Any] = await until(check, timeout_s, f"{job_id} completed")
+    return result
+
+
+async def test_a_member_part_holds_its_gpus_publishes_no_event_and_frees_them_on_stop(h: Harness) -> None:
+    member, sentinel = unique("member"), unique("sentinel")
+    # A lead with this work would finish in 1 ms of wall time; the member must not run at all.
+    await h.handled(await h.command(start(member, {BIG_T4: 4}, steps=1, step_time_s=1.0, role="member")))
+    await h.heartbeat_shows({BIG_T4: 4}, running={member})
+    # Events of one agent arrive in order: once a later lead has completed, anything the member
+    # published would have been seen.
+    await h.command(start(sentinel, {T4_A: 2}, steps=10, step_time_s=20.0))
+    await completed(h, sentinel)
+    assert h.seen.kinds(member) == []
+    assert h.seen.used[BIG_T4] == 4 and member in h.seen.running_jobs, "a member runs until it is stopped"
+
+    await h.handled(await h.command(StopJob(job_id=member, reason="job done")))
+    await h.heartbeat_shows({BIG_T4: 0}, running=set(), absent={member})
+    stopped_lead = unique("stopped")
+    await h.command(start(stopped_lead, {T4_B: 2}, steps=100, step_time_s=1000.0))
+    await until(lambda: _true(h.seen.event(stopped_lead, "started")), 10, "the later lead started")
+    assert h.seen.kinds(member) == [], "a stopped member reports nothing either"
+
+
+async def test_a_restarted_agent_keeps_holding_a_member_parts_gpus(h: Harness) -> None:
+    member = unique("member")
+    await h.handled(await h.command(start(member, {T4_C: 2}, role="member")))
+    await h.heartbeat_shows({T4_C: 2}, running={member})
+    await h.stop_agent()
+    agent = await h.start_agent()
+    await until(lambda: _true(h.seen.epoch == agent.epoch), 10, "a heartbeat of the restarted agent")
+    await h.heartbeat_shows({T4_C: 2}, running={member})
+    await h.handled(await h.command(StopJob(job_id=member)))
+    await h.heartbeat_shows({T4_C: 0}, running=set(), absent={member})
+    assert h.seen.kinds(member) == []
+
+
+async def test_a_stopped_lead_frees_its_gpus_and_reports_failed_once_and_nothing_after(h: Harness) -> None:
+    lead, sentinel = unique("lead"), unique("sentinel")
+    await h.command(start(lead, {BIG_T4: 4}, steps=1000, step_time_s=1000.0))  # 1000 s of wall time
+    await until(lambda: _true(h.seen.event(lead, "started")), 10, "the lead started")
+    await h.heartbeat_shows({BIG_T4: 4}, running={lead})
+    await h.handled(await h.command(StopJob(job_id=lead, reason="preempted")))
+    await h.heartbeat_shows({BIG_T4: 0}, running=set(), absent={lead})
+    await h.command(start(sentinel, {T4_A: 2}, steps=10, step_time_s=20.0))
+    await completed(h, sentinel)
+    assert h.seen.kinds(lead) == ["started", "failed"]
+    assert h.seen.event(lead, "failed")["retryable"] is True  # type: ignore[index]
+
+
+async def test_a_run_takes_slowdown_times_longer_and_speeds_with_its_share_of_workers(h: Harness) -> None:
+    steps, step_time_s, gpus = 10, 20.0, 2
+    # (slowdown, workers given, workers asked for, how many times the compute time the run takes)
+    cases = [(1.0, None, 1, 1.0), (2.0, None, 1, 2.0), (1.0, 1, 2, 2.0), (3.0, 2, 4, 6.0), (1.0, 4, 2, 0.5)]
+    nodes = [{BIG_T4: gpus}, {BIG_T4: gpus}, {T4_A: gpus}, {T4_B: gpus}, {T4_C: gpus}]
+    job_ids = [unique("timed") for _ in cases]
+    for job_id, (slowdown, workers, spec_workers, _), allocations in zip(job_ids, cases, nodes, strict=True):
+        await h.command(
+            start(
+                job_id,
+                allocations,
+                steps=steps,
+                step_time_s=step_time_s,
+                spec_workers=spec_workers,
+                slowdown=slowdown,
+                workers=workers,
+            )
+        )
+    for job_id, (*_, factor) in zip(job_ids, cases, strict=True):
+        done = await completed(h, job_id)
+        # GPU-seconds are the run's simulated duration times its GPUs: exact, not a timing.
+        assert done["gpu_seconds"] == pytest.approx(steps * step_time_s * factor * gpus, rel=1e-9), factor
+        # Delivered speed is per-GPU compute: slowdown and workers must not teach metrics distrust.
+        assert done["delivered_speed"] == pytest.approx(1.0)
+
+
+def test_the_sim_stretches_a_steps_time_by_slowdown_and_shrinks_it_with_workers() -> None:
+    sim = SimCluster(load_topology("small").cluster(CLUSTER))
+    base = sim.wall_seconds(10, 5.0, "T4", "training_compute", 100.0)
+    assert sim.wall_seconds(10, 5.0, "T4", "training_compute", 100.0, slowdown=2.0) == pytest.approx(2 * base)
+    assert sim.wall_seconds(10, 5.0, "T4", "training_compute", 100.0, worker_share=0.5) == pytest.approx(
+        2 * base
+    )
+    assert sim.step_seconds(5.0, "T4", "training_compute", slowdown=3.0, worker_share=2.0) == pytest.approx(
+        7.5
+    )
+
+
+async def test_a_resize_moves_gpus_changes_speed_keeps_progress_and_a_repeat_changes_nothing(
+    h: Harness,
+) -> None:
+    job_id = unique("elastic")
+    steps, step_time_s = 100, 30.0  # 3 s of wall time with all 4 workers, 6 s with 2
+    await h.command(start(job_id, {T4_A: 2}, steps=steps, step_time_s=step_time_s, spec_workers=4, workers=2))
+    await until(lambda: _true(h.seen.event(job_id, "progress")), 10, "the first progress")
+    assert h.agent is not None
+    run = h.agent.running[f"{job_id}:1"]
+    assert h.agent.step_seconds(run) == pytest.approx(2 * step_time_s)
+
+    grow = ResizeJob(
+        job_id=job_id,
+        workers=4,
+        allocations=[NodeAllocation(node=T4_A, gpus=2), NodeAllocation(node=T4_B, gpus=2)],
+    )
+    await h.handled(await h.command(grow))
+    step_at_resize = run.step
+    await h.heartbeat_shows({T4_A: 2, T4_B: 2}, running={job_id})
+    assert h.agent.step_seconds(run) == pytest.approx(step_time_s), "twice the workers, twice the speed"
+    assert run.step >= step_at_resize, "progress is kept"
+
+    await h.handled(await h.command(grow))  # the same resize again
+    assert run.workers == 4 and run.allocations == [(T4_A, 2), (T4_B, 2)]
+    assert h.agent.sim.nodes[T4_A].gpus_used == 2 and h.agent.sim.nodes[T4_B].gpus_used == 2
+    resizes = [e for e in h.journal() if e["op"] == "resize" and e["key"] == f"{job_id}:1"]
+    assert len(resizes) == 1, "a repeated resize is not even journaled"
+
+    done = await completed(h, job_id)
+    # Every step costs 4 reference GPU-seconds whatever the size (2 GPUs at half speed, or 4 at
+    # full), so the total shows all steps were done exactly once, across the resize.
+    assert done["gpu_seconds"] == pytest.approx(steps * step_time_s * 4, rel=1e-6)
+    progress = [e["step"] for k, e in h.seen.events if k == "progress" and e["job_id"] == job_id]
+    assert progress == sorted(progress) and progress[-1] < steps
+    await h.heartbeat_shows({T4_A: 0, T4_B: 0}, running=set(), absent={job_id})
+
+
+async def test_a_restarted_agent_keeps_a_runs_resized_allocation(h: Harness) -> None:
+    job_id = unique("elastic")
+    await h.handled(
+        await h.command(start(job_id, {T4_A: 2}, steps=100, step_time_s=1000.0, spec_workers=2, workers=1))
+    )
+    shrink_grow = ResizeJob(job_id=job_id, workers=2, allocations=[NodeAllocation(node=BIG_T4, gpus=4)])
+    await h.handled(await h.command(shrink_grow))
+    await h.heartbeat_shows({T4_A: 0, BIG_T4: 4}, running={job_id})
+    await h.stop_agent()
+    agent = await h.start_agent()
+    await until(lambda: _true(h.seen.epoch == agent.epoch), 10, "a heartbeat of the restarted agent")
+    await h.heartbeat_shows({T4_A: 0, BIG_T4: 4}, running={job_id})
+    assert agent.running[f"{job_id}:1"].workers == 2
+    await h.handled(await h.command(StopJob(job_id=job_id)))
+    await h.heartbeat_shows({BIG_T4: 0}, running=set(), absent={job_id})
+
+
+async def test_a_resize_of_an_unknown_run_is_ignored_and_one_that_does_not_fit_leaves_the_run_as_it_was(
+    h: Harness,
+) -> None:
+    job_id = unique("elastic")
+    await h.handled(
+        await h.command(start(job_id, {T4_A: 2}, steps=100, step_time_s=1000.0, spec_workers=2, workers=1))
+    )
+    with capture_logs() as logs:
+        await h.handled(
+            await h.command(
+                ResizeJob(job_id="nobody", workers=2, allocations=[NodeAllocation(node=T4_B, gpus=2)])
+            )
+        )
+        await h.handled(
+            await h.command(
+                ResizeJob(
+                    job_id=job_id, attempt=2, workers=2, allocations=[NodeAllocation(node=T4_B, gpus=2)]
+                )
+            )
+        )
+    ignored = [e for e in logs if e["event"] == "resize of a run not here ignored"]
+    assert [(e["job_id"], e["attempt"]) for e in ignored] == [("nobody", 1), (job_id, 2)]
+    assert h.agent is not None and h.agent.sim.nodes[T4_B].gpus_used == 0
+
+    # P100s are not the run's model: the agent refuses and says so on the cluster's status subject.
+    onto_p100 = ResizeJob(
+        job_id=job_id,
+        workers=2,
+        allocations=[NodeAllocation(node=T4_A, gpus=2), NodeAllocation(node=P100, gpus=2)],
+    )
+    await h.handled(await h.command(onto_p100))
+    await until(lambda: _true(any(s["job_id"] == job_id for s in h.seen.statuses)), 10, "the refusal")
+    run = h.agent.running[f"{job_id}:1"]
+    assert run.workers == 1 and run.allocations == [(T4_A, 2)]
+    assert h.agent.sim.nodes[P100].gpus_used == 0
+    await h.handled(await h.command(StopJob(job_id=job_id)))
+
+
+async def _true(value: object) -> bool:
+    return bool(value)
