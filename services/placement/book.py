@@ -193,6 +193,10 @@ class Book:
                 self._memory[model] = 0.0
         return self._speed
 
+    def speed(self, model: str, task_type: str) -> float:
+        """One GPU's SCU for a task type (1.0 for a model the library does not know)."""
+        return self._speeds([model]).get((model, task_type), 1.0)
+
     def snapshot(self, now: float) -> Snapshot:
         """The cycle's input: nodes, clusters with trust, runs, network, prices and speeds."""
         clusters: dict[str, ClusterInfo] = {}

@@ -1,16 +1,60 @@
-"""Entry point of the placement service: ``loom-placement`` or ``python -m loom_services.placement``."""
+"""Entry point of the placement service: ``loom-placement`` or ``python -m loom_services.placement``.
 
+Options: ``--topology`` (the network prior before probes report), ``--shard`` (one leader per
+shard), ``--tenants FILE`` (YAML or JSON quotas; none: every tenant admitted without quota),
+``--confirm-timeout-s`` (a start not confirmed by then is placed again elsewhere).
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import yaml
+
+from loom.model.topology import load_topology
 from loom.runtime.service import ServiceContext, run
+from loom.sched.plugins.cost import default_economics
+from loom.sched.quota import OPEN, TenantConfig, load_tenants
 from loom_services.placement.service import PlacementService
 
 
-async def body(ctx: ServiceContext) -> None:
-    """Run placement until the process is asked to stop."""
-    await PlacementService(ctx).run()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(prog="loom-placement", description="Loom placement: the scheduler")
+    parser.add_argument("--topology", default=None, help="topology file or packaged name (default: default)")
+    parser.add_argument("--shard", default="global", help="placement shard this instance may lead")
+    parser.add_argument("--tenants", default=None, help="tenant quotas (YAML or JSON file)")
+    parser.add_argument("--confirm-timeout-s", type=float, default=60.0, help="start confirmation timeout")
+    parser.add_argument("--lease-ttl-s", type=float, default=2.0, help="leader lease time to live")
+    return parser.parse_args(argv)
 
 
-def main() -> None:
+def read_tenants(path: str | None) -> TenantConfig:
+    """The tenant configuration from a file; open (no quotas) without one."""
+    if not path:
+        return OPEN
+    text = Path(path).read_text()
+    data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    return load_tenants(data or {})
+
+
+def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
+    args = parse_args(argv)
+    topology = load_topology(args.topology)
+    tenants = read_tenants(args.tenants)
+
+    async def body(ctx: ServiceContext) -> None:
+        await PlacementService(
+            ctx,
+            shard=args.shard,
+            topology=topology,
+            tenants=tenants,
+            economics=default_economics(),
+            confirm_timeout_s=args.confirm_timeout_s,
+            lease_ttl_s=args.lease_ttl_s,
+        ).run()
+
     run("placement", body)
 
 

@@ -36,6 +36,7 @@ from loom.sched import dag
 from loom.sched.elastic import ElasticJob, plan_grow
 from loom.sched.firstfit import NodeCapacity
 from loom.sched.framework import Code, Decision, DecisionRecord, Framework, Outcome, QueueItem
+from loom.sched.plugins.network import AlphaLearner
 from loom.sched.plugins.quota import Quota
 from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, QuotaBook, TenantConfig
@@ -133,7 +134,11 @@ class PlacementService:
         self.leadership = Leadership(shard=self.shard, holder=self.holder)
         self.lease_ttl_s = lease_ttl_s
         self.tenants = tenants or OPEN
-        self.framework: Framework = build_framework(profile)
+        self.alpha = AlphaLearner()
+        """Compute's share of each task type's step time, learned from completed runs (joint score)."""
+        self.framework: Framework = build_framework(
+            profile, context={"alpha_learner": self.alpha, "economics": economics or Economics()}
+        )
         self.quota = next((p for p in self.framework.plugins if isinstance(p, Quota)), None)
         self.confirm_timeout_s = confirm_timeout_s
         self.max_attempts = max_attempts
@@ -455,9 +460,9 @@ class PlacementService:
         }
         by_id = {q.job.job_id: q for q in jobs}
         settled = time.monotonic() >= self.settled_at
-        for item in self.framework.sort(items.values()):
+        avoid = {q.job.job_id: q.avoid for q in jobs if q.avoid}
+        for item, outcome in self.framework.schedule_many(items.values(), snap, avoid=avoid):
             q = by_id[item.job.job_id]
-            outcome = self.framework.schedule(_spec_of(q.job), snap, avoid_clusters=q.avoid)
             if outcome.decision is not None:
                 result.placed.append((q, outcome.decision, outcome.record))
                 for victim in outcome.decision.victims:
@@ -952,8 +957,22 @@ class PlacementService:
                         continue
                     state = "completed" if isinstance(e, JobCompleted) else "failed"
                     reason = e.reason if isinstance(e, JobFailed) else None
+                    if isinstance(e, JobCompleted) and run is not None and run.attempt == e.attempt:
+                        self._learn_alpha(run, e)
                     await repo.finish(conn, e.job_id, e.attempt, state, reason)
                     released = await repo.release(conn, e.job_id, e.attempt)
+                    if run is not None and run.attempt == e.attempt:
+                        # Member parts on other clusters hold their GPUs until told to stop.
+                        for cluster, _, _ in run.parts[1:]:
+                            stop = StopJob(job_id=e.job_id, attempt=e.attempt, reason=f"the job {state}")
+                            result.messages.append(
+                                outbox.message(
+                                    subjects.cluster_command(cluster, "stop"),
+                                    stop,
+                                    f"{e.job_id}:stop:{e.attempt}:{cluster}",
+                                    context=run.queued.context,
+                                )
+                            )
                     if released or run is not None:
                         finished.append((e.job_id, e.attempt))
                     parent = run.queued.parent if run is not None else await _parent_of(conn, e.job_id)
@@ -980,6 +999,21 @@ class PlacementService:
         except Exception as exc:
             return [o if o is not None else exc for o in outcomes]
         return outcomes
+
+    def _learn_alpha(self, run: Run, done: JobCompleted) -> None:
+        """Teach the joint score how much of this task type's step time is compute."""
+        job = run.job
+        cluster, model, allocs = run.parts[0]
+        lead_gpus = sum(g for _, g in allocs)
+        if not done.gpu_seconds or not lead_gpus or run.queued.attempt != run.attempt:
+            return
+        steps = job.work.steps
+        if run.attempt > 1:
+            return  # a resumed run's time covers only part of the steps; skip rather than guess
+        observed = done.gpu_seconds / lead_gpus / steps
+        speed = self.book.speed(model, job.task_type) * self.book.trust.get(cluster, 1.0)
+        self.alpha.observe(job.task_type, job.work.step_time_s / max(speed, 1e-9), observed)
+        self.stats["alpha"] = {t: round(self.alpha.alpha(t), 3) for t in sorted(self.alpha.as_dict())}
 
     async def _settle_dag(
         self, conn: asyncpg.Connection, parent: str, result: "CycleResult"

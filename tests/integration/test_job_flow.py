@@ -7,27 +7,19 @@ directly; the OTLP path across OS processes is covered in tests/e2e.
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from platform_helpers import Platform
 from waiting import until
 
 from loom.client import LoomClient, QueryError
-from loom.model.profiles import library_models, profile_for_model, relative_speed, scu_per_gpu
-from loom.model.topology import load_topology
+from loom.model.profiles import relative_speed
 from loom.runtime.servers import NatsServer
-from loom.runtime.service import ServiceContext, close_context, open_context
 from loom.telemetry import current_trace_id, reset_for_tests, setup_telemetry
 from loom_proto.jobs import JobSpec, Resources, Work
-from loom_services.cluster_agent.agent import Agent
-from loom_services.cluster_agent.main import library_profile, model_speed
-from loom_services.cluster_agent.sim import SimCluster
-from loom_services.metrics.service import MetricsService
-from loom_services.placement.service import PlacementService
 
 
 @pytest.fixture(scope="module")
@@ -43,53 +35,6 @@ def exporter() -> Iterator[InMemorySpanExporter]:
     setup_telemetry("flow", exporter=spans, log_level=None)
     yield spans
     reset_for_tests()
-
-
-@dataclass
-class Platform:
-    """Services running as tasks; start and stop them one by one."""
-
-    nats_url: str
-    database_url: str
-    state_dir: Path
-    tasks: dict[str, tuple[asyncio.Task[None], ServiceContext]] = field(default_factory=dict)
-
-    async def start(self, name: str, *, efficiency: float = 1.0) -> Any:
-        ctx = await open_context(
-            name, nats_url=self.nats_url, database_url=None if name.startswith("agent") else self.database_url
-        )
-        topology = load_topology("small")
-        service: Any
-        if name == "placement":
-            service = PlacementService(ctx, settle_s=0.5)
-        elif name == "metrics":
-            service = MetricsService(
-                ctx,
-                scu_per_gpu=scu_per_gpu,
-                known_models=frozenset(library_models()),
-                claimed_speed=relative_speed,
-                reference_profile=profile_for_model("V100M16"),
-            )
-        else:
-            cluster = topology.cluster(name.removeprefix("agent-"))
-            service = Agent(
-                ctx,
-                SimCluster(cluster, speed=model_speed, efficiency=efficiency),
-                profile_of=library_profile,
-                region=cluster.region,
-                time_scale=2000.0,
-                heartbeat_s=0.3,
-                max_heartbeat_s=1.0,
-                state_dir=self.state_dir,
-            )
-        self.tasks[name] = (asyncio.create_task(service.run()), ctx)
-        return service
-
-    async def stop(self, name: str) -> None:
-        task, ctx = self.tasks.pop(name)
-        ctx.stopping.set()
-        await asyncio.wait_for(task, timeout=15)
-        await close_context(ctx)
 
 
 @pytest.fixture(scope="module")

@@ -201,6 +201,41 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return _run(go())
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    """Why a job is where it is (or why it waits, or was rejected): every decision, in plain words."""
+    from loom.sched.explain import render
+    from loom.sched.framework import DecisionRecord
+
+    async def go() -> int:
+        client = await _client()
+        try:
+            answer = await client.explain(args.job_id)
+        finally:
+            await client.close()
+        if answer["job"] is None:
+            err.print(
+                f"no job {args.job_id!r} (it was never accepted: check `loom jobs` or the rejected events)"
+            )
+            return 1
+        if args.json:
+            print(json.dumps(answer, indent=2))
+            return 0
+        job = answer["job"]
+        console.print(
+            f"[bold]{job['job_id']}[/bold]  state [bold]{job['state']}[/bold]"
+            f"  cluster {job['cluster'] or '-'}"
+        )
+        if not answer["decisions"]:
+            console.print("no decision recorded yet (the job has not had a scheduling cycle)")
+        for d in answer["decisions"]:
+            console.print(f"\n[bold]attempt {d['attempt']}[/bold] ({d['outcome']})")
+            for line in render(DecisionRecord.from_dict(d["record"]), limit=args.limit):
+                console.print(f"  {line}", highlight=False)
+        return 0
+
+    return _run(go())
+
+
 def cmd_job(args: argparse.Namespace) -> int:
     """One job and its event history."""
 
@@ -527,12 +562,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("jobs", cmd_jobs, "list jobs")
     p.add_argument("--tenant")
     p.add_argument(
-        "--state", choices=["queued", "placed", "running", "completed", "failed", "rejected", "cancelled"]
+        "--state",
+        choices=["waiting", "queued", "placed", "running", "completed", "failed", "rejected", "cancelled"],
     )
     p.add_argument("--limit", type=int, default=50)
     p.add_argument("--json", action="store_true")
     p = add("job", cmd_job, "one job and its event history")
     p.add_argument("job_id")
+    p.add_argument("--json", action="store_true")
+    p = add("explain", cmd_explain, "why a job runs where it does, and why not elsewhere")
+    p.add_argument("job_id")
+    p.add_argument("--limit", type=int, default=10, help="candidates and ruled-out clusters to show")
     p.add_argument("--json", action="store_true")
     p = add("view", cmd_view, "the resource tree: region -> zone -> cluster -> node")
     p.add_argument("--region")

@@ -106,6 +106,13 @@ class LoomClient:
         )
         return result
 
+    async def explain(self, job_id: str, *, timeout_s: float = 5.0) -> dict[str, Any]:
+        """A job and every decision record of it (``{"job": ..., "decisions": [...]}``)."""
+        result: dict[str, Any] = await self._query(
+            subjects.JOBS_QUERY, {"op": "explain", "job_id": job_id}, timeout_s
+        )
+        return result
+
     async def counts(self, *, timeout_s: float = 5.0) -> dict[str, int]:
         """How many jobs are in each state."""
         result: dict[str, int] = await self._query(subjects.JOBS_QUERY, {"op": "counts"}, timeout_s)

@@ -479,6 +479,27 @@ class Framework:
         plugin = self.queue_sort[0]
         return sorted(items, key=plugin.sort_key)
 
+    def schedule_many(
+        self,
+        items: Iterable[QueueItem],
+        snap: Snapshot,
+        *,
+        avoid: Mapping[str, Iterable[str]] | None = None,
+    ) -> list[tuple[QueueItem, Outcome]]:
+        """One cycle over a queue, in queue order: each job id at most once, and never a job that
+        already holds GPUs (``snap.running``); every decision is applied before the next job's turn."""
+        running = {r.job_id for r in snap.running}
+        seen: set[str] = set()
+        results: list[tuple[QueueItem, Outcome]] = []
+        for item in self.sort(items):
+            job_id = item.job.job_id
+            if job_id in seen or job_id in running:
+                continue
+            seen.add(job_id)
+            outcome = self.schedule(item.job, snap, avoid_clusters=(avoid or {}).get(job_id, ()))
+            results.append((item, outcome))
+        return results
+
     # ---- one job -------------------------------------------------------------------------------
 
     def new_state(self, job: JobSpec, snap: Snapshot, avoid_clusters: Iterable[str] = ()) -> CycleState:
@@ -519,14 +540,15 @@ class Framework:
         decision: Decision | None = None
         if len(candidates) == 0 and job.allow_multi_cluster and job.pipeline is None:
             partial = self.find_candidates(state, min_capacity=1)
-            if len(partial) and int(partial.capacity.sum()) >= state.min_workers:
-                for c in partial.cluster:
-                    state.pruned.pop(snap.clusters[int(c)].id, None)
+            if len(partial):
                 totals = self.score(state, partial, record)
                 decision = self.spread(state, partial, totals)
-                record.notes.append(
-                    f"no single cluster holds the gang; spread over {len(decision.parts)} clusters"
-                )
+                if decision is not None:
+                    for part in decision.parts:
+                        state.pruned.pop(part.cluster, None)
+                    record.notes.append(
+                        f"no single cluster holds the gang; spread over {len(decision.parts)} clusters"
+                    )
         if decision is None and len(candidates) == 0:
             decision = self.run_post_filters(state, record)
             if decision is None:
@@ -737,8 +759,9 @@ class Framework:
             score=round(float(totals[best]), 2),
         )
 
-    def spread(self, state: CycleState, candidates: Candidates, totals: FloatArray) -> Decision:
-        """A gang over several clusters: the best-scored candidates first, until every worker has room."""
+    def spread(self, state: CycleState, candidates: Candidates, totals: FloatArray) -> Decision | None:
+        """A gang over several clusters (one GPU model per cluster): best-scored candidates first,
+        until every worker has room; None when even all of them cannot hold the gang."""
         snap = state.snapshot
         order = sorted(
             range(len(candidates)),
@@ -761,6 +784,8 @@ class Framework:
             left -= take
             placed += take
             weighted += take * float(totals[i])
+        if placed < state.min_workers:
+            return None
         return Decision(
             job_id=state.job.job_id, parts=parts, workers=placed, score=round(weighted / max(placed, 1), 2)
         )

@@ -1,0 +1,256 @@
+"""A leader lease per shard in a JetStream KV bucket; its revision is the fencing token.
+
+The leader of shard ``s`` is whoever holds key ``placement.<s>`` of bucket ``loom_leases``:
+
+* **Acquire** is ``kv.create``, which succeeds only when the key is absent (never written,
+  deleted, or expired), so at most one contender wins. The revision it returns is the stream
+  sequence of that write, which only grows, so a later leader always holds a larger token.
+* **Renew** is ``kv.update(last=revision)`` every ``renew_s``. The bucket's ``ttl`` (the
+  stream's ``max_age``) removes a key that nobody renewed for ``ttl_s``: a crashed leader's
+  lease disappears by itself and a standby's next ``create`` wins. The token stays the
+  acquisition revision; renewals only move the revision the next update must name.
+* **Loss** is declared when an update finds another revision than ours, or when no renewal
+  succeeded for ``ttl_s`` since it was *sent*. The server received it later than that, so the key
+  outlives the leader's belief in it; nobody can acquire while the old leader still thinks it
+  leads, clock rates permitting. The fence in PostgreSQL (:mod:`loom.store.fence`) is what makes
+  a stale leader harmless when that assumption breaks (a paused process, a partition).
+* **Release** deletes the key only if we still hold it, so a standby takes over at once.
+
+What we learned about nats-py (2.16) and nats-server (2.11+) KV, which shaped this module:
+
+* An expired key leaves nothing behind (no delete marker): ``create`` with "last = 0" succeeds.
+  The server removes it a few hundred milliseconds after ``ttl``, not at once.
+* We do not enable ``limit_marker_ttl``: with it the server writes a ``Nats-Marker-Reason``
+  marker on expiry that nats-py's ``create`` does not recognise as a deletion, so ``create`` keeps
+  failing until the marker itself ages out — takeover would take up to twice the TTL.
+* A ``delete(last=…)`` with a stale revision raises a plain ``BadRequestError`` (code 10071), not
+  the ``KeyWrongLastSequenceError`` that ``update`` raises for the same condition.
+* ``create_key_value`` on an existing bucket with another ``ttl`` fails ("stream name already in
+  use with a different configuration"): the TTL is a property of the bucket, so every holder must
+  agree on it; :meth:`LeaderLease.acquire` refuses a mismatch rather than guessing.
+* Revisions are stream sequences: deleting and recreating the bucket restarts them at 1, and
+  every fence already claimed with a larger token then refuses the new leaders. Do not recreate it.
+"""
+
+import asyncio
+import contextlib
+import os
+import time
+import uuid
+
+import msgspec
+import nats.errors
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig
+from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import KeyWrongLastSequenceError as WrongRevisionError
+from nats.js.kv import KeyValue
+
+from loom.bus.connection import BusError
+from loom_proto.ids import InvalidIdError, validate_id
+
+LEASE_BUCKET = "loom_leases"
+_WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code for "wrong last sequence"
+
+log = structlog.get_logger("loom.lease")
+
+
+class LeaseError(BusError):
+    """The lease cannot work as configured (bad shard, a bucket with another TTL). Not retryable."""
+
+    non_retryable = True
+
+
+class LeaseValue(msgspec.Struct, frozen=True):
+    """What the key holds: who leads, and a term id that tells this acquisition from any other."""
+
+    holder: str
+    term: str
+
+
+# Errors that say "NATS did not answer this time", after which the next try may work.
+_TRANSIENT = (nats.errors.Error, TimeoutError, OSError)
+
+
+class LeaderLease:
+    """One contender for the leadership of one shard; see the module docstring for the protocol.
+
+    ``acquire()`` waits until this holder leads and returns the fencing token; a background task
+    renews until :meth:`release` or until the lease is lost, which sets :attr:`lost`. The same
+    object can acquire again after a loss or a release.
+    """
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        shard: str,
+        holder_id: str,
+        *,
+        ttl_s: float = 2.0,
+        renew_s: float = 0.5,
+        poll_s: float = 0.2,
+    ) -> None:
+        try:
+            validate_id(shard, "shard")
+        except InvalidIdError as exc:
+            raise LeaseError(str(exc)) from exc
+        if not holder_id:
+            raise LeaseError("a lease holder needs a non-empty id")
+        if not 0 < renew_s < ttl_s:
+            raise LeaseError(f"renew_s must be above 0 and below ttl_s, got {renew_s} and {ttl_s}")
+        if poll_s <= 0:
+            raise LeaseError(f"poll_s must be above 0, got {poll_s}")
+        self.shard = shard
+        self.holder_id = holder_id
+        self.key = f"placement.{shard}"
+        self.ttl_s = ttl_s
+        self.renew_s = renew_s
+        self.poll_s = poll_s
+        self.lost = asyncio.Event()
+        """Set when leadership ended without :meth:`release`: another revision, or no renewal."""
+        self._js = js
+        self._kv: KeyValue | None = None
+        self._token: int | None = None
+        self._revision = 0
+        self._value = b""
+        self._renewer: asyncio.Task[None] | None = None
+
+    @property
+    def token(self) -> int | None:
+        """The fencing token (acquisition revision) while leading, else None."""
+        return self._token if self.is_leader else None
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this holder believes it leads: acquired, not released, not lost."""
+        return self._token is not None and not self.lost.is_set()
+
+    async def acquire(self) -> int:
+        """Wait until this holder leads; return the fencing token. Tries again every ``poll_s``."""
+        if self.is_leader:
+            raise LeaseError(f"{self.holder_id} already leads shard {self.shard}")
+        await self._stop_renewing()
+        self._token = None
+        self.lost.clear()
+        self._value = msgspec.json.encode(LeaseValue(holder=self.holder_id, term=uuid.uuid4().hex))
+        # When a create's reply was lost, it may have landed: the key would then hold our value,
+        # written no earlier than that create was sent.
+        unconfirmed_at: float | None = None
+        while True:
+            sent_at = time.monotonic()
+            revision: int | None = None
+            try:
+                kv = await self._bucket()
+                revision = await kv.create(self.key, self._value)
+            except WrongRevisionError:
+                if unconfirmed_at is not None:
+                    revision = await self._our_revision(kv)
+                    sent_at, unconfirmed_at = unconfirmed_at, None
+            except _TRANSIENT as exc:
+                log.warning("lease acquire failed", shard=self.shard, holder=self.holder_id, error=str(exc))
+                unconfirmed_at = sent_at if unconfirmed_at is None else unconfirmed_at
+            if revision is not None:
+                break
+            await asyncio.sleep(self.poll_s)  # the holder's key expires on the server's clock
+        self._token = self._revision = revision
+        self._renewer = asyncio.create_task(self._renew(kv, sent_at), name=f"lease-renew-{self.key}")
+        log.info("lease acquired", shard=self.shard, holder=self.holder_id, token=revision)
+        return revision
+
+    async def release(self) -> None:
+        """Stop renewing and delete the key if we still hold it; safe to call at any time."""
+        await self._stop_renewing()
+        held = self.is_leader
+        self._token = None
+        if not held or self._kv is None:
+            return
+        kv = self._kv
+        for _ in range(2):
+            try:
+                await kv.delete(self.key, last=self._revision)
+            except BadRequestError as exc:
+                # A renewal cancelled in flight may have landed after all: look before giving up.
+                if exc.err_code != _WRONG_LAST_SEQUENCE or not (revision := await self._our_revision(kv)):
+                    return
+                self._revision = revision
+            except _TRANSIENT as exc:
+                # The key expires on its own within ttl_s; a standby then takes over.
+                log.warning("lease release failed", shard=self.shard, holder=self.holder_id, error=str(exc))
+                return
+            else:
+                log.info("lease released", shard=self.shard, holder=self.holder_id)
+                return
+
+    async def _renew(self, kv: KeyValue, last_ok_at: float) -> None:
+        """Renew until the lease is lost; ``last_ok_at`` is when the last good write was *sent*."""
+        while True:
+            remaining_s = last_ok_at + self.ttl_s - time.monotonic()
+            await asyncio.sleep(min(self.renew_s, max(remaining_s, 0.0)))  # the renewal period
+            remaining_s = last_ok_at + self.ttl_s - time.monotonic()
+            if remaining_s <= 0:
+                self._lose("no renewal succeeded within the lease ttl")
+                return
+            sent_at = time.monotonic()
+            try:
+                async with asyncio.timeout(remaining_s):
+                    self._revision = await kv.update(self.key, self._value, last=self._revision)
+            except WrongRevisionError:
+                revision = await self._our_revision(kv, timeout_s=remaining_s)
+                if revision is None:
+                    self._lose("the lease key was taken over or removed")
+                    return
+                # Our previous update landed but its reply was lost; we still hold the key.
+                self._revision = revision
+            except _TRANSIENT as exc:
+                log.warning("lease renewal failed", shard=self.shard, holder=self.holder_id, error=str(exc))
+            else:
+                last_ok_at = sent_at
+
+    def _lose(self, reason: str) -> None:
+        log.warning("lease lost", shard=self.shard, holder=self.holder_id, token=self._token, reason=reason)
+        self.lost.set()
+
+    async def _our_revision(self, kv: KeyValue, *, timeout_s: float | None = None) -> int | None:
+        """The key's revision if it still holds this acquisition's value, else None."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                entry = await kv.get(self.key)
+        except (KeyNotFoundError, *_TRANSIENT):
+            return None
+        return entry.revision if entry.value == self._value else None
+
+    async def _stop_renewing(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+            self._renewer = None
+
+    async def _bucket(self) -> KeyValue:
+        """Open ``loom_leases``, creating it with ``ttl = ttl_s`` when absent; refuse another TTL."""
+        if self._kv is not None:
+            return self._kv
+        try:
+            kv = await self._js.key_value(LEASE_BUCKET)
+        except BucketNotFoundError:
+            config = KeyValueConfig(
+                bucket=LEASE_BUCKET,
+                description="leader leases, one key per shard",
+                history=1,
+                ttl=self.ttl_s,
+                replicas=int(os.environ.get("LOOM_STREAM_REPLICAS", "1")),
+            )
+            try:
+                kv = await self._js.create_key_value(config)
+            except APIError:
+                # Another contender created it first (or with another TTL, checked below).
+                kv = await self._js.key_value(LEASE_BUCKET)
+        bucket_ttl_s = (await kv.status()).ttl
+        if bucket_ttl_s is None or abs(bucket_ttl_s - self.ttl_s) > 1e-6:
+            raise LeaseError(
+                f"bucket {LEASE_BUCKET} expires keys after {bucket_ttl_s}s but this lease wants "
+                f"ttl_s={self.ttl_s}; every holder must use the bucket's TTL"
+            )
+        self._kv = kv
+        return kv

@@ -1,0 +1,558 @@
+"""Network plugins: the joint compute + network score, and predicted job completion time.
+
+Both read the measured network of the snapshot (:class:`~loom.sched.snapshot.NetMatrix`) once per
+cycle as region x region arrays (:func:`region_links`) and price, per candidate:
+
+* the **gang link**: a job inside one cluster talks over the cluster fabric
+  (:data:`INTRA_CLUSTER_RTT_MS`, :data:`INTRA_CLUSTER_GBPS`); a gang that must span clusters (it
+  may, and the candidate holds fewer than its workers) talks over the slowest link from the
+  candidate to the partners it would need, taken best link first (:func:`gang_links`);
+* the **step time** (:func:`predict_step_s`): ``compute_s = step_time_s / (speed x trust)`` (the work
+  is given per reference GPU; workers are data-parallel replicas that do not change the per-step
+  time) plus ``comm_s``, a ring all-reduce over the slowest link,
+  ``2 x bytes_per_step x 8 / (bandwidth_gbps x 1e9) + rounds_per_step x rtt_ms / 1000`` (zero for a
+  single worker);
+* the **data delay** (:func:`loom.sched.plugins.data.data_delay_s`) before or while the dataset
+  reaches the candidate's region.
+
+The step-time model is plain functions so the simulator predicts with the same numbers.
+"""
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from loom.net.linkstate import CostWeights
+from loom.sched.framework import Candidates, CycleState, Decision, StateKey, Status
+from loom.sched.plugins.compute import delivered_speed
+from loom.sched.plugins.data import data_delay_s, data_placement
+from loom.sched.snapshot import (
+    INTRA_REGION_GBPS,
+    INTRA_REGION_RTT_MS,
+    UNKNOWN_LINK_GBPS,
+    UNKNOWN_LINK_RTT_MS,
+    BoolArray,
+    FloatArray,
+    IntArray,
+    NetMatrix,
+    RunningJob,
+    Snapshot,
+)
+from loom_proto.jobs import JobSpec, TaskType
+
+__all__ = [
+    "DEFAULT_ALPHA",
+    "INTRA_CLUSTER_GBPS",
+    "INTRA_CLUSTER_RTT_MS",
+    "AlphaLearner",
+    "GangLinks",
+    "Jct",
+    "Joint",
+    "NearJobs",
+    "NetworkFactors",
+    "RegionLinks",
+    "StepEstimate",
+    "allreduce_s",
+    "gang_links",
+    "jobs_labelled",
+    "latency_quality",
+    "link_health",
+    "near_jobs",
+    "network_factors",
+    "predict_step_s",
+    "predicted_jct_s",
+    "region_links",
+    "slowest_link",
+    "user_rtt_ms",
+]
+
+INTRA_CLUSTER_RTT_MS = 0.1
+"""Round trip between two nodes of one cluster (one data-centre fabric)."""
+INTRA_CLUSTER_GBPS = 100.0
+"""Bandwidth between two nodes of one cluster."""
+HALF_QUALITY_RTT_MS = 50.0
+"""The round trip at which a latency-sensitive relation (users, neighbouring jobs) keeps half its
+quality: :func:`latency_quality` is ``50 / (50 + rtt_ms)``."""
+LOSS_MS = CostWeights().loss_ms
+"""Milliseconds of effective latency per unit of loss rate (the link-state cost model: 1 % ~ 50 ms)."""
+DEGRADED_PENALTY = 0.5
+"""Share of a region's link health lost when every link out of it is degraded."""
+NOMINAL_EXCHANGE_BYTES = 1e6
+"""Bytes per step assumed when ranking partners for a job that declares no communication."""
+
+DEFAULT_ALPHA: Mapping[str, float] = {
+    "training_compute": 0.8,
+    "training_memory": 0.7,
+    "training_comm": 0.4,
+    "inference": 0.3,
+}
+"""Compute's share of the joint score per task type until observed step times teach it."""
+
+
+# ---- the network as arrays ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RegionLinks:
+    """The snapshot's network over ``snapshot.regions`` (regions the matrix lacks priced as unknown)."""
+
+    rtt_ms: FloatArray
+    bandwidth_gbps: FloatArray
+    loss: FloatArray
+    degraded: BoolArray
+    measured: BoolArray
+    """Per region: whether the net matrix knows it (only those count for link health)."""
+
+
+_LINKS: StateKey[RegionLinks] = StateKey("network.region_links")
+
+
+def region_links(state: CycleState) -> RegionLinks:
+    """The region x region arrays of the cycle's snapshot, built once per cycle."""
+    try:
+        return state.read(_LINKS)
+    except KeyError:
+        pass
+    links = _build_links(state.snapshot)
+    state.write(_LINKS, links)
+    return links
+
+
+def _build_links(snap: Snapshot) -> RegionLinks:
+    net = snap.net
+    n, r = len(net.regions), len(snap.regions)
+    rtt = np.full((r, r), UNKNOWN_LINK_RTT_MS)
+    bw = np.full((r, r), UNKNOWN_LINK_GBPS)
+    loss = np.zeros((r, r))
+    degraded = np.zeros((r, r), dtype=np.bool_)
+    rtt[:n, :n] = net.rtt_ms
+    bw[:n, :n] = net.bandwidth_gbps
+    loss[:n, :n] = net.loss
+    degraded[:n, :n] = net.degraded
+    np.fill_diagonal(rtt, INTRA_REGION_RTT_MS)
+    np.fill_diagonal(bw, INTRA_REGION_GBPS)
+    np.fill_diagonal(loss, 0.0)
+    np.fill_diagonal(degraded, False)
+    measured = np.arange(r) < n
+    return RegionLinks(rtt, bw, loss, degraded, measured)
+
+
+def latency_quality(rtt_ms: FloatArray) -> FloatArray:
+    """1 at no latency, 1/2 at :data:`HALF_QUALITY_RTT_MS`, falling toward 0 (a smooth, scale-free map)."""
+    quality: FloatArray = HALF_QUALITY_RTT_MS / (HALF_QUALITY_RTT_MS + np.maximum(rtt_ms, 0.0))
+    return quality
+
+
+def link_health(links: RegionLinks) -> FloatArray:
+    """Per region, 0-1: mean loss of its measured out-links (as latency) and the share degraded."""
+    r = links.measured.size
+    out = links.measured[None, :] & ~np.eye(r, dtype=np.bool_)
+    count = np.maximum(out.sum(axis=1), 1)
+    mean_loss = np.where(out, links.loss, 0.0).sum(axis=1) / count
+    degraded_share = np.where(out, links.degraded, False).sum(axis=1) / count
+    health: FloatArray = latency_quality(LOSS_MS * mean_loss) * (1.0 - DEGRADED_PENALTY * degraded_share)
+    return health
+
+
+# ---- jobs near which a job should run -------------------------------------------------------
+
+
+def jobs_labelled(snap: Snapshot, selector: Mapping[str, str], *, exclude_job: str = "") -> list[RunningJob]:
+    """Running jobs carrying every label of ``selector`` (an empty selector matches none)."""
+    if not selector:
+        return []
+    return [
+        job
+        for job in snap.running
+        if job.job_id != exclude_job
+        and job.cluster in snap.cluster_index
+        and all(job.labels.get(k) == v for k, v in selector.items())
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class NearJobs:
+    """Per cluster asked about: where the nearest running job matching ``affinity.near_jobs`` is."""
+
+    rtt_ms: FloatArray
+    """Round trip to it (:data:`INTRA_CLUSTER_RTT_MS` in the same cluster)."""
+    same_cluster: BoolArray
+
+
+def near_jobs(state: CycleState, clusters: IntArray) -> NearJobs | None:
+    """The nearest running job matching ``affinity.near_jobs`` per cluster; None when none runs."""
+    snap = state.snapshot
+    near = jobs_labelled(snap, state.job.affinity.near_jobs, exclude_job=state.job.job_id)
+    if not near:
+        return None
+    job_clusters = np.array(sorted({snap.cluster_index[j.cluster] for j in near}), dtype=np.int64)
+    links = region_links(state)
+    rtt = links.rtt_ms[snap.cluster_region[clusters][:, None], snap.cluster_region[job_clusters][None, :]]
+    same = clusters[:, None] == job_clusters[None, :]
+    rtt = np.where(same, INTRA_CLUSTER_RTT_MS, rtt)
+    return NearJobs(rtt_ms=rtt.min(axis=1), same_cluster=same.any(axis=1))
+
+
+# ---- the step-time model ----------------------------------------------------------------------
+
+
+def allreduce_s(
+    bytes_per_step: float,
+    rounds_per_step: float,
+    rtt_ms: FloatArray | float,
+    bandwidth_gbps: FloatArray | float,
+    workers: IntArray | int,
+) -> FloatArray:
+    """Seconds per step of a ring all-reduce over the slowest link (0 for a single worker)."""
+    rtt = np.asarray(rtt_ms, dtype=np.float64)
+    bw = np.maximum(np.asarray(bandwidth_gbps, dtype=np.float64), 1e-9)
+    comm = 2.0 * bytes_per_step * 8.0 / (bw * 1e9) + rounds_per_step * rtt / 1000.0
+    seconds: FloatArray = np.where(np.asarray(workers) > 1, comm, 0.0)
+    return seconds
+
+
+def _comm_of(job: JobSpec) -> tuple[float, float]:
+    if job.comm is None:
+        return 0.0, 0.0
+    return float(job.comm.bytes_per_step), float(job.comm.rounds_per_step)
+
+
+@dataclass(frozen=True, slots=True)
+class StepEstimate:
+    """Predicted seconds of one step: compute on the slowest part, communication over the slowest link."""
+
+    compute_s: float
+    comm_s: float
+
+    @property
+    def step_s(self) -> float:
+        """Wall seconds per step."""
+        return self.compute_s + self.comm_s
+
+    @property
+    def slowdown(self) -> float:
+        """Step time over compute time (>= 1): what communication costs the job."""
+        return self.step_s / self.compute_s if self.compute_s > 0 else 1.0
+
+
+def slowest_link(net: NetMatrix, regions: Sequence[str]) -> tuple[float, float]:
+    """(rtt_ms, bandwidth_gbps) of the slowest link between the parts' regions (one region per part);
+    one part: the cluster fabric."""
+    if len(regions) <= 1:
+        return INTRA_CLUSTER_RTT_MS, INTRA_CLUSTER_GBPS
+    rtt_ms, bandwidth_gbps = 0.0, math.inf
+    for i, a in enumerate(regions):
+        for j, b in enumerate(regions):
+            if i != j:
+                rtt, bw = net.link(a, b)
+                rtt_ms, bandwidth_gbps = max(rtt_ms, rtt), min(bandwidth_gbps, bw)
+    return rtt_ms, bandwidth_gbps
+
+
+def predict_step_s(
+    job: JobSpec,
+    *,
+    speeds: Sequence[float],
+    regions: Sequence[str],
+    net: NetMatrix,
+    workers: int | None = None,
+) -> StepEstimate:
+    """The step time of ``job`` on parts with these delivered speeds (SCU x trust) and regions.
+
+    Synchronous data parallelism: the slowest part sets the compute pace; a decision with more
+    than one part all-reduces over the slowest link between its parts' regions.
+    """
+    speed = max(min(speeds, default=1.0), 1e-9)
+    compute = job.work.step_time_s / speed
+    rtt_ms, bandwidth_gbps = slowest_link(net, regions)
+    bytes_per_step, rounds = _comm_of(job)
+    comm = float(allreduce_s(bytes_per_step, rounds, rtt_ms, bandwidth_gbps, workers or job.workers))
+    return StepEstimate(compute_s=compute, comm_s=comm)
+
+
+# ---- the gang's link per candidate --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GangLinks:
+    """Per candidate: the link its gang talks over and the slowest part's delivered speed."""
+
+    rtt_ms: FloatArray
+    bandwidth_gbps: FloatArray
+    speed: FloatArray
+    spans: BoolArray
+    """Whether the candidate needs partners in other clusters."""
+
+
+def gang_links(state: CycleState, candidates: Candidates, speed: FloatArray) -> GangLinks:
+    """The link each candidate's gang would talk over.
+
+    A candidate that holds the job's minimum alone talks over its cluster fabric. One that does not
+    (the job may span clusters) takes partners from other clusters, each cluster once (its
+    candidate with the most room), cheapest link from it first, until the job's workers have room;
+    the gang then talks over the slowest of those links and computes at its slowest part's speed.
+    Partner-to-partner links are not priced.
+    """
+    job = state.job
+    k = len(candidates)
+    rtt = np.full(k, INTRA_CLUSTER_RTT_MS)
+    bw = np.full(k, INTRA_CLUSTER_GBPS)
+    slowest = speed.astype(np.float64)
+    may_span = job.allow_multi_cluster and job.pipeline is None
+    spans = (candidates.workers < state.min_workers) & may_span
+    if not spans.any():
+        return GangLinks(rtt, bw, slowest, spans)
+    snap = state.snapshot
+    links = region_links(state)
+    region = snap.cluster_region[candidates.cluster]
+    # A ring sends both ways: a pair's link is its slower direction (as in slowest_link).
+    pair_rtt = links.rtt_ms[region[:, None], region[None, :]]
+    pair_rtt = np.maximum(pair_rtt, pair_rtt.T)
+    pair_bw = links.bandwidth_gbps[region[:, None], region[None, :]]
+    pair_bw = np.minimum(pair_bw, pair_bw.T)
+    index = np.arange(k)
+    by_room = np.lexsort((index, -candidates.capacity, candidates.cluster))
+    first = np.r_[True, candidates.cluster[by_room][1:] != candidates.cluster[by_room][:-1]]
+    representative = np.zeros(k, dtype=np.bool_)
+    representative[by_room[first]] = True
+    valid = representative[None, :] & (candidates.cluster[:, None] != candidates.cluster[None, :])
+    bytes_per_step, rounds = _comm_of(job)
+    cost = allreduce_s(max(bytes_per_step, NOMINAL_EXCHANGE_BYTES), max(rounds, 1.0), pair_rtt, pair_bw, 2)
+    cost = np.where(valid, cost, np.inf)
+    order = np.argsort(cost, axis=1, kind="stable")
+    room = np.take_along_axis(np.where(valid, candidates.capacity[None, :], 0), order, axis=1)
+    need = np.maximum(job.workers - candidates.workers, 0)
+    reached = np.cumsum(room, axis=1) >= need[:, None]
+    partners = valid.sum(axis=1)
+    last = np.where(reached.any(axis=1), reached.argmax(axis=1), partners - 1)
+    rows = np.arange(k)
+    pick = np.maximum(last, 0)
+    worst_rtt = np.maximum.accumulate(np.take_along_axis(pair_rtt, order, axis=1), axis=1)[rows, pick]
+    worst_bw = np.minimum.accumulate(np.take_along_axis(pair_bw, order, axis=1), axis=1)[rows, pick]
+    partner_speed = np.take_along_axis(np.broadcast_to(speed, (k, k)), order, axis=1)
+    worst_speed = np.minimum.accumulate(partner_speed, axis=1)[rows, pick]
+    alone = partners == 0
+    rtt = np.where(spans, np.where(alone, UNKNOWN_LINK_RTT_MS, worst_rtt), rtt)
+    bw = np.where(spans, np.where(alone, UNKNOWN_LINK_GBPS, worst_bw), bw)
+    slowest = np.where(spans & ~alone, np.minimum(slowest, worst_speed), slowest)
+    return GangLinks(rtt, bw, slowest, spans)
+
+
+# ---- alpha --------------------------------------------------------------------------------------
+
+
+class AlphaLearner:
+    """Learns compute's share of the joint score per task type from observed step times.
+
+    Each completed (or progressing) job reports its predicted compute seconds per step and its
+    observed wall seconds per step; their ratio is the share of the step that compute took. The
+    learner keeps an exponentially weighted mean of that share per task type, clamped to
+    [``low``, ``high``] so neither side of the joint score is ever ignored. Pure: no I/O.
+    """
+
+    def __init__(
+        self,
+        defaults: Mapping[str, float] = DEFAULT_ALPHA,
+        *,
+        smoothing: float = 0.2,
+        low: float = 0.1,
+        high: float = 0.95,
+    ) -> None:
+        if not (0.0 < smoothing <= 1.0 and 0.0 <= low <= high <= 1.0):
+            raise ValueError("smoothing must be in (0, 1] and 0 <= low <= high <= 1")
+        self.smoothing = smoothing
+        self.low = low
+        self.high = high
+        self._alpha = {t: self._clamp(a) for t, a in defaults.items()}
+        self.observations: dict[str, int] = {}
+
+    def _clamp(self, value: float) -> float:
+        return min(max(value, self.low), self.high)
+
+    def alpha(self, task_type: TaskType | str) -> float:
+        """Compute's weight in the joint score for ``task_type`` (0.5 for a type never seen)."""
+        return self._alpha.get(task_type, self._clamp(0.5))
+
+    def observe(self, task_type: TaskType | str, compute_s_predicted: float, observed_step_s: float) -> float:
+        """Fold one observation in; returns the new alpha. Non-positive or non-finite input is ignored."""
+        if not (
+            math.isfinite(compute_s_predicted)
+            and math.isfinite(observed_step_s)
+            and compute_s_predicted > 0
+            and observed_step_s > 0
+        ):
+            return self.alpha(task_type)
+        share = min(compute_s_predicted / observed_step_s, 1.0)
+        current = self.alpha(task_type)
+        updated = self._clamp((1.0 - self.smoothing) * current + self.smoothing * share)
+        self._alpha[task_type] = updated
+        self.observations[task_type] = self.observations.get(task_type, 0) + 1
+        return updated
+
+    def as_dict(self) -> dict[str, float]:
+        """The current alpha per task type (to store or show)."""
+        return dict(self._alpha)
+
+
+# ---- Joint -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkFactors:
+    """Per candidate, each 0-1 (1 = the network costs this job nothing there)."""
+
+    comm: FloatArray
+    data: FloatArray
+    near: FloatArray
+    users: FloatArray
+    health: FloatArray
+
+    @property
+    def score(self) -> FloatArray:
+        """The network score 0-100: the product of the factors."""
+        total: FloatArray = 100.0 * self.comm * self.data * self.near * self.users * self.health
+        return total
+
+
+def network_factors(state: CycleState, candidates: Candidates, speed: FloatArray) -> NetworkFactors:
+    """How much of the job survives the network at each candidate (see :class:`Joint`)."""
+    snap = state.snapshot
+    job = state.job
+    k = len(candidates)
+    ones = np.ones(k)
+    links = region_links(state)
+    region = snap.cluster_region[candidates.cluster]
+    best_compute_s = job.work.step_time_s / max(float(speed.max(initial=0.0)), 1e-9)
+    gang = gang_links(state, candidates, speed)
+    bytes_per_step, rounds = _comm_of(job)
+    comm_s = allreduce_s(bytes_per_step, rounds, gang.rtt_ms, gang.bandwidth_gbps, job.workers)
+    comm = best_compute_s / (best_compute_s + comm_s)
+    data = ones
+    placement = data_placement(state)
+    if placement is not None:
+        run_s = job.work.steps * best_compute_s
+        delay = data_delay_s(run_s, placement.sync_s[region], placement.start)
+        data = run_s / (run_s + delay) if run_s > 0 else ones
+    near = ones
+    nearest = near_jobs(state, candidates.cluster)
+    if nearest is not None:
+        near = latency_quality(nearest.rtt_ms)
+    users = latency_quality(user_rtt_ms(state, region))
+    health = link_health(links)[region]
+    return NetworkFactors(comm=comm, data=data, near=near, users=users, health=health)
+
+
+class Joint:
+    """Joint score: ``alpha x compute + (1 - alpha) x network``, both 0-100.
+
+    * compute: the candidate's delivered speed per GPU (SCU x trust) over the best candidate's;
+    * network: ``100 x comm x data x near x users x health``, each factor 0-1:
+
+      - comm = c / (c + comm_s): c the step's compute on the best candidate, comm_s the all-reduce
+        over the gang's link (:func:`gang_links`);
+      - data = R / (R + delay): R the job's run time on the best candidate, delay the wait for (or
+        the slowdown while) the dataset reaches the candidate's region from its best holder;
+      - near = q(rtt to the nearest running job matching ``affinity.near_jobs``);
+      - users (inference only) = q(mean rtt from the ``affinity.prefer_regions``, where users are);
+      - health = q(5000 ms x mean loss of the region's out-links) x (1 - 0.5 x share degraded);
+
+      with q(rtt) = 50 / (50 + rtt_ms). A factor that does not apply to the job is 1.
+    * alpha: compute's share of the step by task type, learned by :class:`AlphaLearner`.
+    """
+
+    name = "joint"
+
+    def __init__(self, learner: AlphaLearner | None = None) -> None:
+        self.learner = learner if learner is not None else AlphaLearner()
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        speed = delivered_speed(state, candidates)
+        top = float(speed.max(initial=0.0))
+        compute = speed / top * 100.0 if top > 0 else np.full(speed.shape, 100.0)
+        network = network_factors(state, candidates, speed).score
+        alpha = self.learner.alpha(state.job.task_type)
+        joint: FloatArray = alpha * compute + (1.0 - alpha) * network
+        return joint
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        return np.clip(raw, 0.0, 100.0)
+
+
+# ---- JCT ---------------------------------------------------------------------------------------
+
+
+def predicted_jct_s(state: CycleState, candidates: Candidates) -> FloatArray:
+    """Per candidate: data delay + steps x (compute_s + comm_s + user round trip for inference)."""
+    job = state.job
+    speed = delivered_speed(state, candidates)
+    gang = gang_links(state, candidates, speed)
+    bytes_per_step, rounds = _comm_of(job)
+    compute_s = job.work.step_time_s / np.maximum(gang.speed, 1e-9)
+    comm_s = allreduce_s(bytes_per_step, rounds, gang.rtt_ms, gang.bandwidth_gbps, job.workers)
+    region = state.snapshot.cluster_region[candidates.cluster]
+    run_s = job.work.steps * (compute_s + comm_s + user_rtt_ms(state, region) / 1000.0)
+    placement = data_placement(state)
+    if placement is None:
+        return run_s
+    jct: FloatArray = run_s + data_delay_s(run_s, placement.sync_s[region], placement.start)
+    return jct
+
+
+def user_rtt_ms(state: CycleState, region: IntArray) -> FloatArray:
+    """Per region index given: mean round trip from the users (an inference job's known
+    ``affinity.prefer_regions``); 0 for other jobs or when no such region is known."""
+    snap = state.snapshot
+    users = [snap.region_index[r] for r in state.job.affinity.prefer_regions if r in snap.region_index]
+    if state.job.task_type != "inference" or not users:
+        return np.zeros(region.size)
+    rtt: FloatArray = region_links(state).rtt_ms[np.array(users)][:, region].mean(axis=0)
+    return rtt
+
+
+class Jct:
+    """Predicted job completion time: lower is better; binds the predicted step time.
+
+    Score: ``jct = data delay + steps x (compute_s + comm_s [+ user_rtt])`` (:func:`predicted_jct_s`;
+    an inference job answers each step to its users, so the mean round trip from its
+    ``prefer_regions`` counts per step); normalised
+    as ``100 x best / jct``, so a candidate that takes twice as long as the best scores 50, however
+    long the job is. Bind: the step time of the parts actually chosen (:func:`predict_step_s`).
+    """
+
+    name = "jct"
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        return predicted_jct_s(state, candidates)
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        if raw.size == 0:
+            return raw
+        positive = np.maximum(raw, 1e-12)
+        best = float(positive.min())
+        if not math.isfinite(best):
+            return np.full(raw.shape, 100.0)
+        scores: FloatArray = np.where(np.isfinite(positive), best / positive * 100.0, 0.0)
+        return scores
+
+    def bind(self, state: CycleState, decision: Decision) -> Status:
+        if any(part.layers is not None for part in decision.parts):
+            # Pipeline stages: the pipeline planner's bottleneck model owns the step time.
+            return Status()
+        snap = state.snapshot
+        trust = {c.id: c.trust for c in snap.clusters}
+        speeds = [
+            snap.gpu_speed(part.gpu_model, state.job.task_type) * trust.get(part.cluster, 1.0)
+            for part in decision.parts
+        ]
+        estimate = predict_step_s(
+            state.job,
+            speeds=speeds,
+            regions=[part.region for part in decision.parts],
+            net=snap.net,
+            workers=decision.workers,
+        )
+        decision.predicted_step_s = estimate.step_s
+        decision.slowdown = estimate.slowdown
+        return Status()

@@ -1,0 +1,66 @@
+"""Loom's services as asyncio tasks in the test process, on real NATS and PostgreSQL."""
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loom.model.profiles import library_models, profile_for_model, relative_speed, scu_per_gpu
+from loom.model.topology import load_topology
+from loom.runtime.service import ServiceContext, close_context, open_context
+from loom_services.cluster_agent.agent import Agent
+from loom_services.cluster_agent.main import library_profile, model_speed
+from loom_services.cluster_agent.sim import SimCluster
+from loom_services.metrics.service import MetricsService
+from loom_services.placement.service import PlacementService
+
+
+@dataclass
+class Platform:
+    """Services running as tasks; start and stop them one by one."""
+
+    nats_url: str
+    database_url: str
+    state_dir: Path
+    tasks: dict[str, tuple[asyncio.Task[None], ServiceContext]] = field(default_factory=dict)
+    placement: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for PlacementService."""
+    time_scale: float = 2000.0
+
+    async def start(self, name: str, *, efficiency: float = 1.0) -> Any:
+        ctx = await open_context(
+            name, nats_url=self.nats_url, database_url=None if name.startswith("agent") else self.database_url
+        )
+        topology = load_topology("small")
+        service: Any
+        if name.startswith("placement"):
+            kwargs = {"settle_s": 0.5, "topology": topology, **self.placement}
+            service = PlacementService(ctx, holder=name, **kwargs)
+        elif name == "metrics":
+            service = MetricsService(
+                ctx,
+                scu_per_gpu=scu_per_gpu,
+                known_models=frozenset(library_models()),
+                claimed_speed=relative_speed,
+                reference_profile=profile_for_model("V100M16"),
+            )
+        else:
+            cluster = topology.cluster(name.removeprefix("agent-"))
+            service = Agent(
+                ctx,
+                SimCluster(cluster, speed=model_speed, efficiency=efficiency),
+                profile_of=library_profile,
+                region=cluster.region,
+                time_scale=self.time_scale,
+                heartbeat_s=0.3,
+                max_heartbeat_s=1.0,
+                state_dir=self.state_dir,
+            )
+        self.tasks[name] = (asyncio.create_task(service.run()), ctx)
+        return service
+
+    async def stop(self, name: str) -> None:
+        task, ctx = self.tasks.pop(name)
+        ctx.stopping.set()
+        await asyncio.wait_for(task, timeout=15)
+        await close_context(ctx)

@@ -1,0 +1,370 @@
+"""The scheduling framework: extension points, statuses, pruning, scoring, and its invariants.
+
+The property tests drive the default profile (the one the placement service runs) over random
+platforms and job streams and check what must always hold: no node ever gives more GPUs than it
+has, no job is placed twice, a gang gets all its workers or nothing, and no tenant exceeds its quota.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loom.model.topology import load_topology
+from loom.sched.explain import render
+from loom.sched.firstfit import NodeCapacity
+from loom.sched.framework import (
+    SUCCESS,
+    Candidates,
+    Code,
+    CycleState,
+    DecisionRecord,
+    Framework,
+    QueueItem,
+    Registry,
+    RegistryError,
+    Status,
+    extension_points,
+)
+from loom.sched.plugins.compute import ScuFit, WaterLevel
+from loom.sched.plugins.quota import Preempt, Quota
+from loom.sched.plugins.resources import ResourceFit
+from loom.sched.profile import build_framework
+from loom.sched.quota import QuotaBook, TenantConfig, TenantQuota
+from loom.sched.snapshot import FloatArray, NetMatrix, RunningJob, Snapshot
+from loom_proto.jobs import JobSpec, Resources, Work
+
+
+def node(
+    name: str, cluster: str, region: str, *, model: str = "A100", gpus: int = 8, reserved: int = 0
+) -> NodeCapacity:
+    return NodeCapacity(
+        node=name,
+        cluster=cluster,
+        region=region,
+        zone=f"{region}-a",
+        gpu_model=model,
+        gpus_total=gpus,
+        gpus_reserved=reserved,
+        cpu_milli=64_000,
+        memory_mib=512 * 1024,
+    )
+
+
+def job(job_id: str, *, gpus: int = 1, workers: int = 1, tenant: str = "t", **kw: object) -> JobSpec:
+    return JobSpec(
+        job_id=job_id,
+        tenant=tenant,
+        workers=workers,
+        resources=Resources(gpus=gpus, **kw.pop("resources", {})),  # type: ignore[arg-type]
+        work=Work(steps=100, step_time_s=1.0),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def two_clusters() -> Snapshot:
+    nodes = [node(f"a{i}", "ca", "r1") for i in range(2)] + [
+        node(f"b{i}", "cb", "r2", model="T4", gpus=4) for i in range(3)
+    ]
+    speed = {("A100", t): 3.0 for t in ("training_compute", "training_memory", "training_comm", "inference")}
+    speed |= {("T4", t): 0.5 for t in ("training_compute", "training_memory", "training_comm", "inference")}
+    return Snapshot(nodes, net=NetMatrix(["r1", "r2"]), speed=speed, now=1_700_000_000.0)
+
+
+class Always:
+    """A score plugin that prefers one cluster: for checking weights and normalisation."""
+
+    name = "always"
+
+    def __init__(self, favourite: str) -> None:
+        self.favourite = favourite
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        ids = [state.snapshot.clusters[int(c)].id for c in candidates.cluster]
+        return np.array([1.0 if c == self.favourite else 0.0 for c in ids])
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        return raw * 100.0
+
+
+class Broken:
+    name = "broken"
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        return np.zeros(len(candidates))
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        return raw + 500.0
+
+
+def test_each_plugin_satisfies_the_protocols_it_claims() -> None:
+    assert extension_points(ResourceFit()) == ["pre_filter", "filter"]
+    assert extension_points(ScuFit()) == ["score"]
+    assert set(extension_points(Quota())) == {"pre_filter", "reserve"}
+    assert extension_points(Preempt()) == ["post_filter"]
+    framework = build_framework()
+    for plugin in framework.plugins:
+        assert extension_points(plugin), plugin
+
+
+def test_the_registry_refuses_duplicates_and_unknown_names() -> None:
+    registry = Registry()
+    registry.register("x", lambda _c: ScuFit())
+    with pytest.raises(RegistryError, match="already registered"):
+        registry.register("x", lambda _c: ScuFit())
+    with pytest.raises(RegistryError, match="unknown plugin 'y'"):
+        registry.build("y")
+    with pytest.raises(RegistryError, match="duplicate"):
+        Framework([ScuFit(), ScuFit()])
+    with pytest.raises(RegistryError, match="weight"):
+        Framework([ScuFit()], {"scu_fit": -1.0})
+
+
+def test_weights_decide_between_plugins_that_disagree() -> None:
+    plugins = [ResourceFit(), ScuFit(), Always("cb")]
+    by_compute = Framework(plugins, {"scu_fit": 10.0, "always": 1.0}).schedule(job("j"), two_clusters())
+    by_favourite = Framework(plugins, {"scu_fit": 1.0, "always": 10.0}).schedule(job("j"), two_clusters())
+    assert by_compute.decision and by_compute.decision.lead.cluster == "ca"
+    assert by_favourite.decision and by_favourite.decision.lead.cluster == "cb"
+
+
+def test_a_score_outside_0_to_100_is_refused() -> None:
+    with pytest.raises(ValueError, match="outside 0-100"):
+        Framework([Broken()]).schedule(job("j"), two_clusters())
+
+
+def test_hierarchical_pruning_records_why_each_cluster_was_ruled_out() -> None:
+    outcome = Framework([ResourceFit(), ScuFit()]).schedule(job("big", gpus=8, workers=2), two_clusters())
+    assert outcome.decision is not None and outcome.decision.lead.cluster == "ca"
+    assert "cb" in outcome.record.pruned
+    assert outcome.record.pruned["cb"] == "region r2 has 12 free GPUs of the allowed models; the job needs 16"
+
+
+def test_a_gang_that_can_never_fit_is_unresolvable_with_an_actionable_reason() -> None:
+    outcome = Framework([ResourceFit()]).schedule(job("huge", gpus=8, workers=3), two_clusters())
+    assert outcome.status.code == Code.UNRESOLVABLE
+    assert "allow_multi_cluster" in outcome.status.reason
+    too_wide = Framework([ResourceFit()]).schedule(job("wide", gpus=16), two_clusters())
+    assert too_wide.status.code == Code.UNRESOLVABLE and "at most 8 per worker" in too_wide.status.reason
+
+
+def test_a_job_that_fits_but_finds_the_gpus_taken_waits() -> None:
+    snap = two_clusters()
+    framework = Framework([ResourceFit(), ScuFit()])
+    first = framework.schedule(job("first", gpus=8, workers=2), snap)
+    assert first.decision is not None
+    second = framework.schedule(job("second", gpus=8, workers=2), snap)
+    assert second.status.code == Code.UNSCHEDULABLE
+    assert "taken" in second.status.reason
+
+
+def test_an_unknown_gpu_model_is_rejected_at_once() -> None:
+    outcome = Framework([ResourceFit(["A100", "T4", "H100"])]).schedule(
+        job("j", resources={"gpu_models": ["Z9000"]}), two_clusters()
+    )
+    assert outcome.status.code == Code.UNRESOLVABLE and "Z9000" in outcome.status.reason
+
+
+def test_a_multi_cluster_gang_spreads_over_the_best_clusters() -> None:
+    snap = two_clusters()
+    outcome = Framework([ResourceFit(), ScuFit()]).schedule(
+        job("spread", gpus=4, workers=6, allow_multi_cluster=True), snap
+    )
+    assert outcome.decision is not None
+    assert [p.cluster for p in outcome.decision.parts] == ["ca", "cb"]
+    assert sum(g for _, g in outcome.decision.allocations) == 24
+
+
+def test_elastic_jobs_start_with_what_fits_but_never_below_their_minimum() -> None:
+    snap = two_clusters()
+    framework = Framework([ResourceFit(), ScuFit()])
+    outcome = framework.schedule(job("el", gpus=8, workers=4, min_workers=2), snap)
+    assert outcome.decision is not None and outcome.decision.workers == 2
+    again = framework.schedule(
+        job("el2", gpus=4, workers=4, min_workers=4, resources={"gpu_models": ["A100"]}), snap
+    )
+    assert again.decision is None
+
+
+def test_preemption_stops_the_lowest_priority_least_progressed_job() -> None:
+    nodes = [node("a0", "ca", "r1", reserved=8)]
+    running = [
+        RunningJob(
+            job_id="old",
+            tenant="t",
+            priority=10,
+            cluster="ca",
+            gpu_model="A100",
+            allocations=(("a0", 4),),
+            progress=0.9,
+        ),
+        RunningJob(
+            job_id="new",
+            tenant="t",
+            priority=10,
+            cluster="ca",
+            gpu_model="A100",
+            allocations=(("a0", 4),),
+            progress=0.1,
+        ),
+    ]
+    snap = Snapshot(nodes, running=running, net=NetMatrix(["r1"]))
+    framework = Framework([ResourceFit(), ScuFit(), Preempt()])
+    outcome = framework.schedule(job("vip", gpus=4, priority=500), snap)
+    assert outcome.decision is not None and outcome.decision.victims == ("new",)
+    assert outcome.record.victims == ["new"]
+    equal = framework.schedule(
+        job("peer", gpus=4, priority=10), Snapshot(nodes, running=running, net=NetMatrix(["r1"]))
+    )
+    assert equal.decision is None  # equal priority never preempts
+
+
+def test_quota_makes_a_tenant_wait_or_rejects_what_could_never_fit() -> None:
+    config = TenantConfig(tenants={"acme": TenantQuota(name="acme", cohort=None, gpus=8)}, open=False)
+    quota = Quota(QuotaBook(config, {"acme": 4}))
+    framework = Framework([ResourceFit(), quota, ScuFit()])
+    snap = two_clusters()
+    assert framework.schedule(job("fits", gpus=4, tenant="acme"), snap).decision is not None
+    waits = framework.schedule(job("waits", gpus=4, tenant="acme"), snap)
+    assert waits.status.code == Code.UNSCHEDULABLE and waits.status.plugin == "quota"
+    never = framework.schedule(job("never", gpus=8, workers=2, tenant="acme"), snap)
+    assert never.status.code == Code.UNRESOLVABLE
+    stranger = framework.schedule(job("who", tenant="nobody"), snap)
+    assert stranger.status.code == Code.UNRESOLVABLE and "no quota" in stranger.status.reason
+
+
+def test_a_refused_permit_gives_the_reservation_back() -> None:
+    class Deny:
+        name = "deny"
+
+        def permit(self, state: CycleState, decision: object) -> Status:
+            return Status(Code.UNSCHEDULABLE, "not today")
+
+    config = TenantConfig(tenants={"acme": TenantQuota(name="acme", cohort=None, gpus=8)}, open=False)
+    book = QuotaBook(config, {})
+    outcome = Framework([ResourceFit(), Quota(book), Deny()]).schedule(
+        job("j", gpus=4, tenant="acme"), two_clusters()
+    )
+    assert outcome.decision is None and outcome.status.plugin == "deny"
+    assert book.held("acme") == 0
+
+
+def test_the_record_round_trips_and_renders_why_here_and_why_not_there() -> None:
+    outcome = build_framework().schedule(job("j", gpus=2), two_clusters())
+    record = DecisionRecord.from_dict(outcome.record.to_dict())
+    assert record == outcome.record
+    lines = render(record)
+    assert lines[0].startswith("Job j: placed")
+    assert any(line.startswith(("Why ca", "Why cb")) for line in lines)
+    assert any(line.startswith("Why not") for line in lines)
+
+
+# ---- properties over the default profile -------------------------------------------------------
+
+
+@st.composite
+def platforms(draw: st.DrawFn) -> list[NodeCapacity]:
+    clusters = draw(st.integers(1, 4))
+    nodes = []
+    for c in range(clusters):
+        for n in range(draw(st.integers(1, 5))):
+            gpus = draw(st.sampled_from([1, 2, 4, 8]))
+            nodes.append(
+                node(
+                    f"c{c}n{n}",
+                    f"c{c}",
+                    f"r{c % 2}",
+                    model=draw(st.sampled_from(["A100", "T4"])),
+                    gpus=gpus,
+                    reserved=draw(st.integers(0, gpus)),
+                )
+            )
+    return nodes
+
+
+@st.composite
+def workloads(draw: st.DrawFn) -> list[JobSpec]:
+    jobs = []
+    for i in range(draw(st.integers(1, 25))):
+        jobs.append(
+            job(
+                f"j{i}",
+                gpus=draw(st.sampled_from([1, 2, 4, 8])),
+                workers=draw(st.integers(1, 4)),
+                tenant=draw(st.sampled_from(["t1", "t2"])),
+                priority=draw(st.integers(0, 3)) * 100,
+                allow_multi_cluster=draw(st.booleans()),
+            )
+        )
+    return jobs
+
+
+def check_invariants(
+    nodes: Sequence[NodeCapacity], jobs: Sequence[JobSpec], framework: Framework, snap: Snapshot
+) -> dict[str, int]:
+    free0 = {n.node: n.gpus_free for n in nodes}
+    placed: dict[str, int] = {}
+    taken: dict[str, int] = {}
+    items = [QueueItem(job=spec, submitted_at=float(i)) for i, spec in enumerate(jobs)]
+    for item, outcome in framework.schedule_many(items, snap):
+        spec = item.job
+        assert (outcome.decision is None) == (outcome.status != SUCCESS)
+        if outcome.decision is None:
+            continue
+        assert spec.job_id not in placed, "a job placed twice"
+        d = outcome.decision
+        gpus = sum(g for _, g in d.allocations)
+        placed[spec.job_id] = gpus
+        # All or nothing: exactly the workers decided, each with its GPUs on one node.
+        assert d.workers == spec.workers  # no elastic jobs here
+        assert gpus == spec.workers * spec.resources.gpus
+        assert all(g % spec.resources.gpus == 0 for _, g in d.allocations)
+        if not spec.allow_multi_cluster:
+            assert len(d.parts) == 1
+        for n, g in d.allocations:
+            taken[n] = taken.get(n, 0) + g
+    for n, g in taken.items():
+        assert g <= free0[n], f"node {n} gave {g} GPUs with {free0[n]} free"
+        assert snap.free[snap.node_index[n]] == free0[n] - g
+    assert (snap.free >= 0).all()
+    return placed
+
+
+@settings(max_examples=60, deadline=None)
+@given(platforms(), workloads())
+def test_capacity_is_never_negative_nor_a_job_placed_twice_and_gangs_are_whole(
+    nodes: list[NodeCapacity], jobs: list[JobSpec]
+) -> None:
+    snap = Snapshot(nodes, net=NetMatrix.from_topology(load_topology("small")))
+    placed = check_invariants(nodes, jobs + jobs, build_framework(), snap)
+    # A second cycle over the same queue: jobs already holding GPUs are never placed again.
+    snap.running = [
+        RunningJob(job_id=j, tenant="t", priority=0, cluster="c0", gpu_model="A100", allocations=())
+        for j in placed
+    ]
+    again = build_framework().schedule_many([QueueItem(job=s, submitted_at=0.0) for s in jobs], snap)
+    assert not {item.job.job_id for item, _ in again} & set(placed)
+
+
+@settings(max_examples=60, deadline=None)
+@given(platforms(), workloads(), st.integers(0, 16), st.integers(0, 16))
+def test_quotas_are_never_exceeded(nodes: list[NodeCapacity], jobs: list[JobSpec], q1: int, q2: int) -> None:
+    config = TenantConfig(
+        tenants={
+            "t1": TenantQuota(name="t1", cohort="lab", gpus=q1, borrowing_limit=4),
+            "t2": TenantQuota(name="t2", cohort="lab", gpus=q2),
+        },
+        open=False,
+    )
+    book = QuotaBook(config, {})
+    framework = Framework([ResourceFit(), Quota(book), ScuFit(), WaterLevel()])
+    snap = Snapshot(nodes, net=NetMatrix(["r0", "r1"]))
+    placed = check_invariants(nodes, jobs, framework, snap)
+    held = {"t1": 0, "t2": 0}
+    for spec in jobs:
+        held[spec.tenant] += placed.get(spec.job_id, 0)
+    assert held == {t: book.held(t) for t in held}
+    assert held["t1"] <= q1 + 4
+    assert held["t1"] + held["t2"] <= q1 + q2
