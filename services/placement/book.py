@@ -54,6 +54,7 @@ class Run:
     workers: int
     progress: float = 0.0
     labels: Mapping[str, str] = field(default_factory=dict)
+    _core: RunningJob | None = None
 
     @property
     def job(self) -> JobSubmitted:
@@ -66,7 +67,12 @@ class Run:
         return sum(g for _, _, allocs in self.parts for _, g in allocs)
 
     def running_job(self) -> RunningJob:
-        """The run as the scheduling core sees it."""
+        """The run as the scheduling core sees it (built once; progress is refreshed by the book)."""
+        if self._core is None:
+            self._core = self._build_core()
+        return self._core
+
+    def _build_core(self) -> RunningJob:
         job = self.job
         lead_cluster, lead_model, _ = self.parts[0]
         return RunningJob(
@@ -100,22 +106,57 @@ class Book:
         self.net = NetMatrix.from_topology(topology) if topology is not None else NetMatrix([])
         self._speed: dict[tuple[str, str], float] = {}
         self._memory: dict[str, float] = {}
+        self._snap: Snapshot | None = None
+        """Kept between cycles and updated in step with the book; rebuilt after anything else."""
+
+    def invalidate(self) -> None:
+        """The next cycle rebuilds its snapshot from the book (after changes made outside cycles)."""
+        self._snap = None
 
     # ---- runs ----------------------------------------------------------------------------------
 
-    def add_run(self, run: Run) -> None:
-        """A committed placement: its GPUs (and workers' CPU and RAM) are promised."""
+    def add_run(self, run: Run, *, in_snapshot: bool = False) -> None:
+        """A committed placement: its GPUs (and workers' CPU and RAM) are promised.
+
+        ``in_snapshot``: the cycle that decided it already took the GPUs in the kept snapshot.
+        """
         self.runs[run.job.job_id] = run
         self._reserve(run, +1)
+        if self._snap is None:
+            return
+        if not in_snapshot:
+            core = run.running_job()
+            self._snap.take(core.allocations, core.gpus_per_worker, core.cpu_milli, core.memory_mib)
+        self._snap.running.append(run.running_job())
 
-    def drop_run(self, job_id: str, attempt: int | None = None) -> Run | None:
-        """The run ended or was given up; its promises are withdrawn. None if unknown (or another attempt)."""
+    def drop_run(self, job_id: str, attempt: int | None = None, *, in_snapshot: bool = False) -> Run | None:
+        """The run ended or was given up; its promises are withdrawn. None if unknown (or another attempt).
+
+        ``in_snapshot``: the cycle that preempted it already gave its GPUs back in the kept snapshot.
+        """
         run = self.runs.get(job_id)
         if run is None or (attempt is not None and run.attempt != attempt):
             return None
         del self.runs[job_id]
         self._reserve(run, -1)
+        if self._snap is not None:
+            core = run.running_job()
+            if not in_snapshot:
+                self._snap.give_back(core.allocations, core.gpus_per_worker, core.cpu_milli, core.memory_mib)
+            self._snap.running = [r for r in self._snap.running if r.job_id != job_id]
         return run
+
+    def set_progress(self, job_id: str, fraction: float) -> None:
+        """A run reported progress (preemption prefers victims that lose least)."""
+        run = self.runs.get(job_id)
+        if run is None or fraction <= run.progress:
+            return
+        run.progress = fraction
+        if run._core is not None:
+            old = run._core
+            run._core = dataclasses.replace(old, progress=fraction)
+            if self._snap is not None:
+                self._snap.running = [run._core if r is old else r for r in self._snap.running]
 
     def resize_run(
         self, job_id: str, parts: list[tuple[str, str, tuple[tuple[str, int], ...]]], workers: int
@@ -125,7 +166,9 @@ class Book:
         self._reserve(run, -1)
         run.parts = parts
         run.workers = workers
+        run._core = None
         self._reserve(run, +1)
+        self.invalidate()
 
     def _reserve(self, run: Run, sign: int) -> None:
         res = run.job.resources
@@ -166,6 +209,7 @@ class Book:
         )
 
     def _add_region(self, region: str) -> None:
+        self.invalidate()
         old = self.net
         regions = [*old.regions, region]
         new = NetMatrix(regions)
@@ -198,7 +242,15 @@ class Book:
         return self._speeds([model]).get((model, task_type), 1.0)
 
     def snapshot(self, now: float) -> Snapshot:
-        """The cycle's input: nodes, clusters with trust, runs, network, prices and speeds."""
+        """The cycle's input: nodes, clusters with trust, runs, network, prices and speeds.
+
+        The same object is handed to every cycle while nothing outside cycles changed the book:
+        decisions taken in it stay taken (they are committed, or the book is rebuilt).
+        """
+        if self._snap is not None:
+            self._snap.now = now
+            self._snap.net = self.net
+            return self._snap
         clusters: dict[str, ClusterInfo] = {}
         models: set[str] = set()
         for cap in self.nodes.values():
@@ -211,7 +263,7 @@ class Book:
         for region in {c.region for c in clusters.values()}:
             if region not in self.net.index:
                 self._add_region(region)
-        return Snapshot(
+        self._snap = Snapshot(
             self.nodes.values(),
             clusters=clusters,
             running=[r.running_job() for r in self.runs.values()],
@@ -221,6 +273,7 @@ class Book:
             gpu_memory_gib=self._memory,
             now=now,
         )
+        return self._snap
 
 
 def queued_from_row(row: asyncpg.Record) -> QueuedJob:

@@ -26,6 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tenants", default=None, help="tenant quotas (YAML or JSON file)")
     parser.add_argument("--confirm-timeout-s", type=float, default=60.0, help="start confirmation timeout")
     parser.add_argument("--lease-ttl-s", type=float, default=2.0, help="leader lease time to live")
+    parser.add_argument("--name", default="placement", help="instance name (health subject, lease holder)")
     return parser.parse_args(argv)
 
 
@@ -53,9 +54,10 @@ def main(argv: list[str] | None = None) -> None:
             economics=default_economics(),
             confirm_timeout_s=args.confirm_timeout_s,
             lease_ttl_s=args.lease_ttl_s,
+            holder=args.name,
         ).run()
 
-    run("placement", body)
+    run(args.name, body)
 
 
 if __name__ == "__main__":

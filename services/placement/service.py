@@ -176,6 +176,7 @@ class PlacementService:
     async def load(self) -> None:
         """Rebuild the book and the queue from PostgreSQL, then publish leftovers."""
         self.book.nodes = await repo.load_nodes(self.pool)
+        self.book.invalidate()
         self.book.runs.clear()
         for row in await repo.active_runs(self.pool):
             self.book.add_run(run_from_row(row, self.book.nodes))
@@ -617,7 +618,7 @@ class PlacementService:
     def _commit(self, result: "CycleResult", considered: list[QueuedJob]) -> None:
         """Adopt a committed cycle's outcome in memory (no await in here)."""
         for run, again, cause in result.requeued:
-            if self.book.drop_run(run.job.job_id, run.attempt) is not None:
+            if self.book.drop_run(run.job.job_id, run.attempt, in_snapshot=cause == "preempted") is not None:
                 self.queue[again.job.job_id] = again
                 self.stats["requeued"] += 1
                 if cause == "preempted":
@@ -630,7 +631,8 @@ class PlacementService:
                     parts=[(p.cluster, p.gpu_model, p.allocations) for p in d.parts],
                     workers=d.workers,
                     labels=q.job.labels,
-                )
+                ),
+                in_snapshot=True,
             )
         done = {q.job.job_id for q, _, _ in result.placed} | {q.job.job_id for q, _ in result.rejected}
         for q in considered:
@@ -823,26 +825,34 @@ class PlacementService:
                 await cycle()
                 return
             except ConflictError:
+                self.book.invalidate()
                 self.stats["conflicts"] = self.stats.get("conflicts", 0) + 1
                 log.info("decision lost a race for capacity; deciding again on a fresh book", attempt=attempt)
-                fresh = await repo.load_nodes(self.pool)
-                runs = list(self.book.runs.values())
-                self.book.nodes = {
-                    n: dataclasses.replace(c, cpu_reserved=0, memory_reserved=0) for n, c in fresh.items()
-                }
-                for run in runs:
-                    # GPUs come reserved from the store; re-apply only CPU and RAM of the runs.
-                    self.book.runs.pop(run.job.job_id)
-                    self.book.add_run(run)
-                    for _, _, allocs in run.parts:
-                        for node, gpus in allocs:
-                            cap = self.book.nodes.get(node)
-                            if cap is not None:
-                                self.book.nodes[node] = dataclasses.replace(
-                                    cap, gpus_reserved=max(cap.gpus_reserved - gpus, 0)
-                                )
+                await self._reload_nodes()
                 if attempt == attempts:
                     raise
+            except BaseException:
+                # Whatever the cycle took in the kept snapshot was not committed.
+                self.book.invalidate()
+                raise
+
+    async def _reload_nodes(self) -> None:
+        """The capacity book from the store, with the runs' CPU and RAM applied on top."""
+        fresh = await repo.load_nodes(self.pool)
+        runs = list(self.book.runs.values())
+        self.book.nodes = fresh
+        self.book.runs.clear()
+        for run in runs:
+            # GPUs come reserved from the store already: add the run, then take its GPUs back out.
+            self.book.add_run(run)
+            for _, _, allocs in run.parts:
+                for node, gpus in allocs:
+                    cap = self.book.nodes.get(node)
+                    if cap is not None:
+                        self.book.nodes[node] = dataclasses.replace(
+                            cap, gpus_reserved=max(cap.gpus_reserved - gpus, 0)
+                        )
+        self.book.invalidate()
 
     # ---- capacity ------------------------------------------------------------------------------
 
@@ -850,6 +860,8 @@ class PlacementService:
         """Follow the ledger: node totals, models and whether a node takes new work."""
         delta = d.message
         if delta.trust is not None:
+            if self.book.trust.get(delta.cluster) != delta.trust:
+                self.book.invalidate()
             self.book.trust[delta.cluster] = delta.trust
             self.stats["trust"] = dict(sorted(self.book.trust.items()))
         changed: list[NodeCapacity] = []
@@ -888,6 +900,7 @@ class PlacementService:
             await repo.upsert_nodes(conn, delta.version, changed)
         # Totals and schedulability come from the view; reservations are placement's, taken as
         # they are at this moment (no await below), so a cycle committed meanwhile is kept.
+        self.book.invalidate()
         for cap in changed:
             current = self.book.nodes.get(cap.node)
             self.book.nodes[cap.node] = dataclasses.replace(
@@ -982,9 +995,7 @@ class PlacementService:
                 await outbox.add(conn, PRODUCER, result.messages)
             # Committed: adopt it (no await below).
             for job_id, fraction in progress.items():
-                run = self.book.runs.get(job_id)
-                if run is not None:
-                    run.progress = max(run.progress, fraction)
+                self.book.set_progress(job_id, fraction)
             for job_id, attempt in finished:
                 if self.book.drop_run(job_id, attempt) is not None:
                     self.stats["released"] += 1

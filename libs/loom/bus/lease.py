@@ -196,7 +196,8 @@ class LeaderLease:
                 async with asyncio.timeout(remaining_s):
                     self._revision = await kv.update(self.key, self._value, last=self._revision)
             except WrongRevisionError:
-                revision = await self._our_revision(kv, timeout_s=remaining_s)
+                left_s = last_ok_at + self.ttl_s - time.monotonic()
+                revision = await self._our_revision(kv, timeout_s=left_s) if left_s > 0 else None
                 if revision is None:
                     self._lose("the lease key was taken over or removed")
                     return

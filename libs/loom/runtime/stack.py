@@ -73,6 +73,8 @@ class StackOptions:
     """Probe period of the collectors and of network-perception's evaluation."""
     network: bool = True
     """Run the probe collectors and network-perception (off: compute placement only)."""
+    placement_standby: bool = True
+    """Run a standby placement instance beside the leader."""
 
 
 def service_argvs(options: StackOptions) -> dict[str, list[str]]:
@@ -80,8 +82,19 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
     py = sys.executable
     argvs = {
         "metrics": [py, "-m", "loom_services.metrics"],
-        "placement": [py, "-m", "loom_services.placement"],
+        "placement": [py, "-m", "loom_services.placement", "--topology", options.topology],
     }
+    if options.placement_standby:
+        # A second instance waits on the lease and takes over within seconds if the leader dies.
+        argvs["placement-standby"] = [
+            py,
+            "-m",
+            "loom_services.placement",
+            "--topology",
+            options.topology,
+            "--name",
+            "placement-standby",
+        ]
     topology = load_topology(options.topology)
     wanted = options.clusters or [c.id for c in topology.clusters]
     probed_regions: set[str] = set()

@@ -724,17 +724,24 @@ class Framework:
         totals = total / weight_sum if weight_sum > 0 else np.full(k, 100.0)
         if record is not None:
             snap = state.snapshot
-            for i in range(k):
-                c, m = int(candidates.cluster[i]), int(candidates.model[i])
+            names = list(per_plugin)
+            norms = [np.round(per_plugin[n][1], 2).tolist() for n in names]
+            raws = [_round_raws(per_plugin[n][0]) for n in names]
+            tots = np.round(totals, 2).tolist()
+            caps = candidates.capacity.tolist()
+            for i, (c, m) in enumerate(
+                zip(candidates.cluster.tolist(), candidates.model.tolist(), strict=True)
+            ):
+                info = snap.clusters[c]
                 record.candidates.append(
                     CandidateRecord(
-                        cluster=snap.clusters[c].id,
-                        region=snap.clusters[c].region,
+                        cluster=info.id,
+                        region=info.region,
                         gpu_model=snap.models[m],
-                        capacity=int(candidates.capacity[i]),
-                        scores={n: round(float(v[1][i]), 2) for n, v in per_plugin.items()},
-                        raw={n: _round_raw(float(v[0][i])) for n, v in per_plugin.items()},
-                        total=round(float(totals[i]), 2),
+                        capacity=caps[i],
+                        scores={n: v[i] for n, v in zip(names, norms, strict=True)},
+                        raw={n: v[i] for n, v in zip(names, raws, strict=True)},
+                        total=tots[i],
                     )
                 )
         return totals
@@ -937,7 +944,10 @@ def _placed_reason(decision: Decision) -> str:
     return f"placed {decision.workers} worker(s) on {where} with score {decision.score:.1f}"
 
 
-def _round_raw(value: float) -> float:
-    if not math.isfinite(value):
-        return 0.0
-    return float(f"{value:.6g}")
+def _round_raws(values: FloatArray) -> list[float]:
+    """Raw scores to 6 significant digits for the record (non-finite values as 0)."""
+    clean = np.where(np.isfinite(values), values, 0.0)
+    magnitude = np.floor(np.log10(np.maximum(np.abs(clean), 1e-300)))
+    scale = 10.0 ** (5 - magnitude)
+    rounded: list[float] = (np.round(clean * scale) / scale).tolist()
+    return rounded
