@@ -30,6 +30,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scu = sub.add_parser("scu", help="SCU-predicted speed ratios between GPU models vs measured (Gavel)")
     scu.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     scu.add_argument("--rows", action="store_true", help="include every predicted and measured ratio")
+    placement = sub.add_parser(
+        "placement",
+        help="scheduling decision latency of the pure core (no bus, no database) by platform size",
+    )
+    placement.add_argument("--nodes", default="1000,10000,100000", help="platform sizes, comma-separated")
+    placement.add_argument(
+        "--decisions",
+        type=int,
+        default=None,
+        help="decisions per size (default 2000; 500 above 10,000 nodes)",
+    )
+    placement.add_argument("--fill", type=float, default=0.6, help="share of GPUs reserved beforehand")
+    placement.add_argument("--seed", type=int, default=7)
+    placement.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    takeover = sub.add_parser(
+        "takeover", help="SIGKILL the placement leader: time until another instance leads and places again"
+    )
+    takeover.add_argument("--trials", type=int, default=5, help="leaders killed, one after another")
+    takeover.add_argument("--rate", type=float, default=50.0, help="jobs submitted per second throughout")
+    takeover.add_argument("--topology", default="default")
+    takeover.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     net = sub.add_parser("net", help="network perception: convergence, stability, accuracy, capacity")
     net.add_argument("--topology", default="default")
     net.add_argument("--seed", type=int, default=7)
@@ -66,6 +87,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from loom_benchmarks.scu import main
 
         return main(args)
+    if args.bench == "placement":
+        from loom_benchmarks.placement import main as run_placement
+
+        return run_placement(args)
+    if args.bench == "takeover":
+        from loom_benchmarks.takeover import main as run_takeover
+
+        return run_takeover(args)
     if args.bench == "net":
         from loom_benchmarks import net
 

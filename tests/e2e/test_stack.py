@@ -18,14 +18,19 @@ from typing import Any
 import asyncpg
 import nats
 import pytest
+from nats.aio.client import Client
 from otlp_receiver import OtlpReceiver
 from waiting import until
 
 from loom.client import LoomClient, QueryError
 from loom.runtime import stack
+from loom.runtime.service import health_subject
 from loom_proto.jobs import JobSpec, Resources, Work
 
 pytestmark = pytest.mark.slow
+
+PLACEMENT_INSTANCES = ("placement", "placement-standby")
+"""The two placement processes of the stack; either may hold the lease."""
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +165,12 @@ async def test_every_job_is_one_trace_from_client_publish_to_completion(
     assert job is not None
     agent = f"agent-{job['cluster']}"
 
+    def service(span: dict[str, Any]) -> str:
+        # Whichever placement instance leads handles the job; both are "placement" here.
+        return "placement" if span["service_name"] in PLACEMENT_INSTANCES else str(span["service_name"])
+
     def services_of(spans: list[Any]) -> set[tuple[str, str]]:
-        return {(s["service_name"], s["name"]) for s in spans if s["trace_id"] == trace_id}
+        return {(service(s), s["name"]) for s in spans if s["trace_id"] == trace_id}
 
     needed = {
         ("e2e-client", "publish loom.jobs.submitted"),
@@ -255,23 +264,64 @@ async def _rejected(c: LoomClient, job_id: str) -> dict[str, Any] | None:
     return job if job and job["state"] == "rejected" else None
 
 
+async def _health(nc: Client, name: str) -> dict[str, Any] | None:
+    """A service instance's health answer, or None while it does not answer (dead, restarting)."""
+    try:
+        reply = await nc.request(health_subject(name), b"", timeout=1.0)
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
+        return None
+    answer: dict[str, Any] = json.loads(reply.data)
+    return answer
+
+
+async def _leading(nc: Client, name: str) -> dict[str, Any] | None:
+    """The health answer of ``name`` if it says it leads placement, else None."""
+    answer = await _health(nc, name)
+    return answer if answer is not None and answer["leadership"]["is_leader"] else None
+
+
 async def test_sigkill_of_placement_with_queued_jobs_places_every_job_exactly_once(
     client: LoomClient, state: dict[str, Any], home: Path
 ) -> None:
+    async def sole_leader() -> tuple[str, dict[str, Any]] | None:
+        """The one instance that leads, once both answer (None while that is not so)."""
+        answers = {name: await _health(client.nc, name) for name in PLACEMENT_INSTANCES}
+        if any(answer is None for answer in answers.values()):
+            return None
+        leaders = [(name, a) for name, a in answers.items() if a is not None and a["leadership"]["is_leader"]]
+        return leaders[0] if len(leaders) == 1 else None
+
     # 40 jobs x 4 GPUs = 160 GPUs on a 71-GPU platform: most of them queue.
     ids = [f"chaos-{i}" for i in range(40)]
     for job_id in ids[:20]:
         await client.submit(_job(job_id, gpus=4, steps=100, step_time_s=20.0))
-    old_pid = stack.read_state(home)["services"]["placement"]["pid"]  # type: ignore[index]
+    killed, answer = await _wait(sole_leader, timeout_s=30, what="one placement instance to lead")
+    old_pid = answer["pid"]
+    assert old_pid == stack.read_state(home)["services"][killed]["pid"]  # type: ignore[index]
     os.kill(old_pid, signal.SIGKILL)
-    for job_id in ids[20:]:  # submitted while placement is dead: they wait in JetStream
+    for job_id in ids[20:]:  # submitted while the leader is dead: they wait in JetStream
         await client.submit(_job(job_id, gpus=4, steps=100, step_time_s=20.0))
+
+    # Another process takes the lease once the dead leader's key expires (lease TTL 2 s): usually
+    # the standby, but the supervisor restarts the killed instance within about a TTL, and the
+    # fresh process contends for the expiring lease as well.
+    async def new_leader() -> tuple[str, dict[str, Any]] | None:
+        for name in PLACEMENT_INSTANCES:
+            now = await _leading(client.nc, name)
+            if now is not None and now["pid"] != old_pid:
+                return name, now
+        return None
+
+    _, took_over = await _wait(new_leader, timeout_s=30, what="another placement process to take over")
+    assert took_over["leadership"]["token"] > answer["leadership"]["token"]
 
     async def restarted() -> bool:
         now = stack.read_state(home)
-        return bool(now) and now["services"]["placement"]["pid"] != old_pid  # type: ignore[index]
+        return bool(now) and now["services"][killed]["pid"] != old_pid  # type: ignore[index]
 
-    await _wait(restarted, timeout_s=20, what="the supervisor to restart placement")
+    await _wait(restarted, timeout_s=20, what=f"the supervisor to restart {killed}")
+    # Both instances are back and exactly one of them leads.
+    await _wait(sole_leader, timeout_s=30, what="both placement instances up, one leading")
 
     async def all_completed() -> bool:
         states = [await _state_of(client, j) for j in ids]

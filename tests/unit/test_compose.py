@@ -36,6 +36,8 @@ IMAGE_BINARIES = {
 }
 
 NATS_SERVICE, POSTGRES_SERVICE, JAEGER_SERVICE = "nats", "postgres", "jaeger"
+PLACEMENT_INSTANCES = ("placement", "placement-standby")
+"""The leader and its standby, as the embedded stack runs them (libs/loom/runtime/stack.py)."""
 OTLP_HTTP_PORT = 4318
 DEPENDS_CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 LOOM_ENV = ("LOOM_NATS_URL", "LOOM_DATABASE_URL", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME")
@@ -128,7 +130,7 @@ AGENTS = {name: svc for name, svc in LOOM_SERVICES.items() if _agent_cluster(_ar
 
 
 def test_the_stack_has_the_expected_services() -> None:
-    expected = {NATS_SERVICE, POSTGRES_SERVICE, JAEGER_SERVICE, "migrate", "placement", "metrics"}
+    expected = {NATS_SERVICE, POSTGRES_SERVICE, JAEGER_SERVICE, "migrate", "metrics", *PLACEMENT_INSTANCES}
     assert expected <= set(SERVICES)
     assert len(AGENTS) >= 3
 
@@ -149,11 +151,30 @@ def test_every_command_is_a_console_script_or_an_image_binary(name: str) -> None
 
 
 def test_services_take_no_arguments_their_entry_points_do_not_parse() -> None:
-    # placement and metrics parse no command line; the agent's is checked by its real parser.
+    # metrics parses no command line; placement's and the agent's are checked by their real parsers.
     for name, svc in LOOM_SERVICES.items():
         argv = _argv(svc)
-        if argv[0] in ("loom-placement", "loom-metrics"):
+        if argv[0] == "loom-metrics":
             assert argv == [argv[0]], f"{name}: {argv[0]} takes no arguments"
+
+
+def test_placement_runs_the_instances_the_stack_runs_each_under_its_own_name() -> None:
+    from loom.runtime.stack import StackOptions, service_argvs
+    from loom_services.placement.main import parse_args
+
+    in_stack = {name for name in service_argvs(StackOptions()) if name.startswith("placement")}
+    assert set(PLACEMENT_INSTANCES) == in_stack
+    shards = set()
+    for name in PLACEMENT_INSTANCES:
+        argv = _argv(SERVICES[name])
+        assert argv[0] == "loom-placement", name
+        args = parse_args(argv[1:])  # the real parser: unknown flags fail here
+        # The name is the health subject and the lease holder; traces carry it too.
+        assert args.name == name
+        assert _env(SERVICES[name])["OTEL_SERVICE_NAME"] == name
+        assert args.topology is None, f"{name}: compose runs the packaged default topology"
+        shards.add((args.shard, args.lease_ttl_s))
+    assert len(shards) == 1, "every instance must contend for the same shard with the same lease TTL"
 
 
 def test_migrations_run_once_before_the_services_that_use_the_database() -> None:
@@ -161,7 +182,7 @@ def test_migrations_run_once_before_the_services_that_use_the_database() -> None
     assert _argv(migrate) == ["loom", "migrate"]
     assert str(migrate.get("restart", "no")) == "no", "a one-shot job must not be restarted"
     assert _depends(migrate) == {POSTGRES_SERVICE: "service_healthy"}
-    for name in ("placement", "metrics"):
+    for name in ("metrics", *PLACEMENT_INSTANCES):
         assert _depends(SERVICES[name]).get("migrate") == "service_completed_successfully", name
 
 

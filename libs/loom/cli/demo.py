@@ -14,6 +14,8 @@ from rich.table import Table
 from loom.client import LoomClient, load_specs
 from loom.runtime import stack
 from loom.runtime.config import loom_home
+from loom.sched.explain import render
+from loom.sched.framework import DecisionRecord
 
 DEFAULT_WORKLOAD = Path("examples/demo-workload.yaml")
 TERMINAL = {"completed", "failed", "rejected", "cancelled"}
@@ -91,6 +93,15 @@ async def _demo(args: argparse.Namespace, console: Console, nats_url: str, expec
         for j in done:
             if j["state"] == "rejected":
                 console.print(f"[red]{j['job_id']} rejected:[/red] {j['reason']}")
+        for job_id in ("wide-gang", "data-heavy"):
+            if job_id not in jobs:
+                continue
+            answer = await client.explain(job_id)
+            placed = [d for d in answer["decisions"] if d["outcome"] == "placed"]
+            if placed:
+                console.print(f"[bold]loom explain {job_id}[/bold]:")
+                for line in render(DecisionRecord.from_dict(placed[-1]["record"]), limit=2)[:4]:
+                    console.print(f"  {line}", highlight=False)
         unfinished = [k for k, j in jobs.items() if j is None or j["state"] not in TERMINAL]
         if unfinished:
             console.print(
@@ -121,6 +132,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
     if not args.down:
         console.print(
             "The stack is still running. Try [bold]loom view[/bold], [bold]loom jobs[/bold], "
-            "[bold]loom job <id>[/bold]; stop it with [bold]loom down[/bold] (or [bold]make down[/bold])."
+            "[bold]loom job <id>[/bold], [bold]loom explain <id>[/bold];"
+            " stop it with [bold]loom down[/bold] (or [bold]make down[/bold])."
         )
     return code

@@ -87,13 +87,21 @@ class Candidates:
     """Workers that fit now."""
     workers: IntArray
     """Workers the job would get there (elastic jobs: up to their maximum)."""
-    nodes: list[IntArray]
-    """Absolute node indices that passed the filters, per candidate."""
-    node_workers: list[IntArray]
-    """Workers each of those nodes can take."""
+    passing: IntArray
+    """Absolute indices of the nodes that passed the filters, grouped by candidate."""
+    room: IntArray
+    """Workers each passing node can take."""
+    starts: IntArray
+    """Candidate i's nodes are ``passing[starts[i]:stops[i]]``."""
+    stops: IntArray
 
     def __len__(self) -> int:
         return int(self.cluster.size)
+
+    def nodes_of(self, i: int) -> tuple[IntArray, IntArray]:
+        """Candidate ``i``'s passing nodes and the workers each can take."""
+        a, b = int(self.starts[i]), int(self.stops[i])
+        return self.passing[a:b], self.room[a:b]
 
     def take(self, keep: IntArray) -> "Candidates":
         """The candidates at positions ``keep``."""
@@ -102,8 +110,10 @@ class Candidates:
             model=self.model[keep],
             capacity=self.capacity[keep],
             workers=self.workers[keep],
-            nodes=[self.nodes[int(i)] for i in keep],
-            node_workers=[self.node_workers[int(i)] for i in keep],
+            passing=self.passing,
+            room=self.room,
+            starts=self.starts[keep],
+            stops=self.stops[keep],
         )
 
 
@@ -182,11 +192,15 @@ class PreFilterPlugin(Protocol):
 
 @runtime_checkable
 class FilterPlugin(Protocol):
-    """Per node, vectorised: which of ``nodes`` (absolute indices, one cluster and model) hold a worker."""
+    """Per node, vectorised: which of ``nodes`` (absolute indices, any clusters and models) hold a worker.
+
+    Called once per cycle with every node of every allowed (cluster, model) that has a worker's
+    GPUs free; a plugin that needs a node's cluster or model reads ``snapshot.cluster_of[nodes]``.
+    """
 
     name: str
 
-    def filter(self, state: CycleState, cluster: int, model: int, nodes: IntArray) -> BoolArray: ...
+    def filter(self, state: CycleState, nodes: IntArray) -> BoolArray: ...
 
     def describe(self, state: CycleState) -> str: ...
 
@@ -333,6 +347,8 @@ class DecisionRecord:
     """Cluster ids of the decision's parts, lead first."""
     victims: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    considered: int = 0
+    """How many candidates were scored (the record keeps the best of them)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form for storage."""
@@ -358,6 +374,7 @@ class DecisionRecord:
             "chosen": self.chosen,
             "victims": self.victims,
             "notes": self.notes,
+            "considered": self.considered,
         }
 
     @classmethod
@@ -374,6 +391,7 @@ class DecisionRecord:
             chosen=list(data["chosen"]),
             victims=list(data.get("victims", [])),
             notes=list(data.get("notes", [])),
+            considered=int(data.get("considered", len(data["candidates"]))),
         )
 
 
@@ -469,6 +487,8 @@ class Framework:
             if not (math.isfinite(w) and w >= 0):
                 raise RegistryError(f"weight of {name!r} must be a finite number >= 0, got {w!r}")
         self.weights = {p.name: float(given.get(p.name, 1.0)) for p in self.scorers}
+        self.record_top = 16
+        """Candidates kept in a decision record (the best ones; the count of all is kept too)."""
 
     # ---- queue ---------------------------------------------------------------------------------
 
@@ -550,9 +570,12 @@ class Framework:
                         f"no single cluster holds the gang; spread over {len(decision.parts)} clusters"
                     )
         if decision is None and len(candidates) == 0:
+            why = self.why_nothing_fits(state)
+            if why.code == Code.UNRESOLVABLE:
+                return self._fail(record, why)  # preemption cannot help either
             decision = self.run_post_filters(state, record)
             if decision is None:
-                return self._fail(record, self.why_nothing_fits(state))
+                return self._fail(record, why)
         elif decision is None:
             totals = self.score(state, candidates, record)
             decision = self.choose(state, candidates, totals)
@@ -594,8 +617,8 @@ class Framework:
         models = state.model_mask[: snap.free_sum.shape[1]]
         free = (snap.free_sum * models).sum(axis=1)
         biggest = (snap.max_free * models).max(axis=1)
-        region_free = np.zeros(len(snap.regions), np.int64)
-        np.add.at(region_free, snap.cluster_region, free)
+        region_free = np.bincount(snap.cluster_region, weights=free, minlength=len(snap.regions))
+        region_free = region_free.astype(np.int64)
         poor_regions = region_free[snap.cluster_region] < need
         state.prune(
             poor_regions,
@@ -604,18 +627,8 @@ class Framework:
                 f" of the allowed models; the job needs {need}"
             ),
         )
-        zone_free: dict[tuple[int, str], int] = {}
-        for c, info in enumerate(snap.clusters):
-            zone_free[(int(snap.cluster_region[c]), info.zone)] = zone_free.get(
-                (int(snap.cluster_region[c]), info.zone), 0
-            ) + int(free[c])
-        poor_zones = np.array(
-            [
-                zone_free[(int(snap.cluster_region[c]), info.zone)] < need
-                for c, info in enumerate(snap.clusters)
-            ],
-            dtype=np.bool_,
-        )
+        zone_free = np.bincount(snap.cluster_zone, weights=free, minlength=snap.zone_count).astype(np.int64)
+        poor_zones = zone_free[snap.cluster_zone] < need
         state.prune(
             poor_zones, lambda c: f"zone {snap.clusters[c].zone} has too few free GPUs ({need} needed)"
         )
@@ -635,60 +648,58 @@ class Framework:
         return state.job.allow_multi_cluster or state.job.pipeline is not None
 
     def find_candidates(self, state: CycleState, *, min_capacity: int | None = None) -> Candidates:
-        """Per (cluster, model) still allowed: filter its nodes and count the workers that fit."""
+        """Per (cluster, model) still allowed: filter its nodes and count the workers that fit.
+
+        One vectorised pass over the nodes of every allowed pair: filters run once, workers per
+        node and per pair come from numpy, and the pairs' node lists from one stable sort.
+        """
         snap = state.snapshot
         job = state.job
         g = state.per_worker
         cpu, mem = job.resources.cpu_milli, job.resources.memory_mib
-        need = min_capacity if min_capacity is not None else state.min_workers
-        clusters: list[int] = []
-        models: list[int] = []
-        capacity: list[int] = []
-        nodes_out: list[IntArray] = []
-        workers_out: list[IntArray] = []
-        pairs = np.argwhere(
-            state.cluster_mask[:, None]
-            & state.model_mask[None, : snap.free_sum.shape[1]]
-            & (snap.max_free >= g)
-        )
-        for pair in pairs:
-            c, m = int(pair[0]), int(pair[1])
-            idx, _ = snap.node_slice(c, m)
-            mask = snap.schedulable[idx] & (snap.free[idx] >= g)
+        need = max(min_capacity if min_capacity is not None else state.min_workers, 1)
+        m_count = snap.free_sum.shape[1]
+        pair_ok = state.cluster_mask[:, None] & state.model_mask[None, :m_count] & (snap.max_free >= g)
+        idx = np.flatnonzero(pair_ok[snap.cluster_of, snap.model_of] & snap.schedulable & (snap.free >= g))
+        if idx.size:
+            mask = np.ones(idx.size, dtype=np.bool_)
             for plugin in self.filters:
-                if plugin.name in state.skipped:
-                    continue
-                mask &= plugin.filter(state, c, m, idx)
-            passing = idx[mask]
-            per_node = snap.free[passing] // g
-            if cpu:
-                per_node = np.where(
-                    snap.cpu_known[passing], np.minimum(per_node, snap.cpu_free[passing] // cpu), per_node
-                )
-            if mem:
-                per_node = np.where(
-                    snap.mem_known[passing], np.minimum(per_node, snap.mem_free[passing] // mem), per_node
-                )
-            total = int(per_node.sum())
-            if total < max(need, 1):
-                cid = snap.clusters[c].id
-                if cid not in state.pruned:
-                    state.pruned[cid] = self._filter_reason(state, c, m, total, need)
-                continue
-            clusters.append(c)
-            models.append(m)
-            capacity.append(total)
-            keep = per_node > 0
-            nodes_out.append(passing[keep])
-            workers_out.append(per_node[keep])
-        cap = np.array(capacity, dtype=np.int64)
+                if plugin.name not in state.skipped:
+                    mask &= plugin.filter(state, idx)
+            idx = idx[mask]
+        per_node = snap.free[idx] // g
+        if cpu:
+            per_node = np.where(
+                snap.cpu_known[idx], np.minimum(per_node, snap.cpu_free[idx] // cpu), per_node
+            )
+        if mem:
+            per_node = np.where(
+                snap.mem_known[idx], np.minimum(per_node, snap.mem_free[idx] // mem), per_node
+            )
+        pair = snap.cluster_of[idx] * m_count + snap.model_of[idx]
+        cap_all = np.bincount(pair, weights=per_node, minlength=pair_ok.size).astype(np.int64)
+        looked = np.flatnonzero(pair_ok.ravel())
+        fits = cap_all[looked] >= need
+        ok_pairs = looked[fits]
+        for p in looked[~fits].tolist():
+            c, m = divmod(p, m_count)
+            cid = snap.clusters[c].id
+            if cid not in state.pruned:
+                state.pruned[cid] = self._filter_reason(state, c, m, int(cap_all[p]), need)
+        keep = per_node > 0
+        idx, per_node, pair = idx[keep], per_node[keep], pair[keep]
+        order = np.argsort(pair, kind="stable")
+        idx, per_node, pair = idx[order], per_node[order], pair[order]
+        cap = cap_all[ok_pairs]
         return Candidates(
-            cluster=np.array(clusters, dtype=np.int64),
-            model=np.array(models, dtype=np.int64),
+            cluster=ok_pairs // m_count,
+            model=ok_pairs % m_count,
             capacity=cap,
             workers=np.minimum(cap, job.workers),
-            nodes=nodes_out,
-            node_workers=workers_out,
+            passing=idx,
+            room=per_node,
+            starts=np.searchsorted(pair, ok_pairs, "left"),
+            stops=np.searchsorted(pair, ok_pairs, "right"),
         )
 
     def _filter_reason(self, state: CycleState, c: int, m: int, fit: int, need: int) -> str:
@@ -722,16 +733,16 @@ class Framework:
                 total += w * norm
                 weight_sum += w
         totals = total / weight_sum if weight_sum > 0 else np.full(k, 100.0)
-        if record is not None:
+        if record is not None and k:
             snap = state.snapshot
+            top = np.lexsort((candidates.model, candidates.cluster, -np.round(totals, 9)))[: self.record_top]
             names = list(per_plugin)
-            norms = [np.round(per_plugin[n][1], 2).tolist() for n in names]
-            raws = [_round_raws(per_plugin[n][0]) for n in names]
-            tots = np.round(totals, 2).tolist()
-            caps = candidates.capacity.tolist()
-            for i, (c, m) in enumerate(
-                zip(candidates.cluster.tolist(), candidates.model.tolist(), strict=True)
-            ):
+            norms = [np.round(per_plugin[n][1][top], 2).tolist() for n in names]
+            raws = [_round_raws(per_plugin[n][0][top]) for n in names]
+            tots = np.round(totals[top], 2).tolist()
+            caps = candidates.capacity[top].tolist()
+            pairs = zip(candidates.cluster[top].tolist(), candidates.model[top].tolist(), strict=True)
+            for i, (c, m) in enumerate(pairs):
                 info = snap.clusters[c]
                 record.candidates.append(
                     CandidateRecord(
@@ -744,20 +755,15 @@ class Framework:
                         total=tots[i],
                     )
                 )
+            record.considered = max(record.considered, k)
         return totals
 
     def choose(self, state: CycleState, candidates: Candidates, totals: FloatArray) -> Decision:
-        """The best candidate (ties: lowest cluster id, then model), packed onto its nodes."""
-        snap = state.snapshot
-        order = sorted(
-            range(len(candidates)),
-            key=lambda i: (
-                -round(float(totals[i]), 9),
-                snap.clusters[int(candidates.cluster[i])].id,
-                int(candidates.model[i]),
-            ),
-        )
-        best = order[0]
+        """The best candidate (ties: lowest cluster id, then model), packed onto its nodes.
+
+        Cluster indices follow cluster ids (the snapshot sorts them), so index order is id order.
+        """
+        best = int(np.lexsort((candidates.model, candidates.cluster, -np.round(totals, 9)))[0])
         part = self.pack(state, candidates, best, int(candidates.workers[best]))
         return Decision(
             job_id=state.job.job_id,
@@ -800,7 +806,7 @@ class Framework:
     def pack(self, state: CycleState, candidates: Candidates, i: int, workers: int) -> Part:
         """``workers`` workers on candidate ``i``'s nodes, most room first (a gang on few nodes)."""
         snap = state.snapshot
-        nodes, room = candidates.nodes[i], candidates.node_workers[i]
+        nodes, room = candidates.nodes_of(i)
         order = np.lexsort((nodes, -room))
         allocations: list[tuple[str, int]] = []
         left = workers
@@ -874,27 +880,23 @@ class Framework:
             return Status(
                 Code.UNSCHEDULABLE, "no cluster has joined yet; the job waits for capacity", "framework"
             )
-        allowed = state.cluster_mask | np.array(
-            [cid in state.pruned for cid in (c.id for c in snap.clusters)], dtype=np.bool_
-        )
+        allowed = state.policy_mask if state.policy_mask is not None else state.cluster_mask
         # Capacity with every node empty (unschedulable nodes may come back), allowed clusters only.
-        best_workers = 0
-        best_where = ""
+        m_count = snap.total_sum.shape[1]
         split = self._may_split(state)
-        platform_workers = 0
-        largest_node = 0
-        for ci in np.flatnonzero(allowed):
-            c = int(ci)
-            for m in np.flatnonzero(models):
-                idx, _ = snap.node_slice(c, int(m))
-                if idx.size == 0:
-                    continue
-                largest_node = max(largest_node, int(snap.total[idx].max()))
-                workers = int((snap.total[idx] // g).sum())
-                platform_workers += workers
-                if workers > best_workers:
-                    best_workers = workers
-                    best_where = f"{snap.clusters[c].id} ({snap.models[int(m)]})"
+        in_scope = allowed[snap.cluster_of] & models[snap.model_of]
+        largest_node = int(snap.total[in_scope].max(initial=0))
+        per_pair = np.bincount(
+            (snap.cluster_of * m_count + snap.model_of)[in_scope],
+            weights=(snap.total // g)[in_scope],
+            minlength=len(snap.clusters) * m_count,
+        ).astype(np.int64)
+        platform_workers = int(per_pair.sum())
+        best = int(np.argmax(per_pair)) if per_pair.size else 0
+        best_workers = int(per_pair[best]) if per_pair.size else 0
+        best_where = (
+            f"{snap.clusters[best // m_count].id} ({snap.models[best % m_count]})" if best_workers else ""
+        )
         base = f"{need} worker(s) x {g} GPU(s)"
         if largest_node == 0:
             return Status(

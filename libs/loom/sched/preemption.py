@@ -8,8 +8,6 @@ victims on one cluster and GPU model; :func:`choose` compares those picks across
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from loom.sched.firstfit import pack_workers
-
 __all__ = ["Preemption", "RunningJob", "choose", "select_victims"]
 
 
@@ -48,11 +46,13 @@ class Preemption:
 
 
 def _fits(free: Mapping[str, int], victims: Iterable[RunningJob], gpus_per_worker: int, workers: int) -> bool:
+    # ``pack_workers`` places each node's whole workers independently, so it succeeds exactly when
+    # the nodes hold enough whole workers: a sum, no sort.
     freed = dict(free)
     for victim in victims:
         for node, gpus in victim.allocations:
             freed[node] = freed.get(node, 0) + gpus
-    return pack_workers(freed.items(), gpus_per_worker, workers) is not None
+    return sum(v // gpus_per_worker for v in freed.values()) >= workers
 
 
 def select_victims(

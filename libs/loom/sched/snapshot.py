@@ -224,6 +224,7 @@ class Snapshot:
         self.running: list[RunningJob] = list(running)
         self.speed = dict(speed or {})
         """(gpu_model, task_type) -> delivered speed of one GPU relative to the reference (SCU)."""
+        self._speed_by_task: dict[str, FloatArray] = {}
         self.gpu_memory_gib = dict(gpu_memory_gib or {})
 
         n = len(caps)
@@ -245,6 +246,11 @@ class Snapshot:
             self.slices = [(int(bounds[i]), int(bounds[i + 1])) for i in range(c_count)]
         self.cluster_region = np.array([self.region_index[c.region] for c in self.clusters], dtype=np.int64)
         self.trust = np.array([c.trust for c in self.clusters], dtype=np.float64)
+        zones: dict[tuple[str, str], int] = {}
+        self.cluster_zone = np.array(
+            [zones.setdefault((c.region, c.zone), len(zones)) for c in self.clusters], dtype=np.int64
+        )
+        self.zone_count = len(zones)
         m_count = max(len(self.models), 1)
         self.free_sum = np.zeros((c_count, m_count), np.int64)
         self.total_sum = np.zeros((c_count, m_count), np.int64)
@@ -270,6 +276,14 @@ class Snapshot:
     def gpu_speed(self, model: str, task_type: str) -> float:
         """One GPU's delivered speed for a task type relative to the reference (1.0 when unknown)."""
         return self.speed.get((model, task_type), 1.0)
+
+    def speeds(self, task_type: str) -> FloatArray:
+        """Every model's per-GPU speed for a task type, indexed like :attr:`models` (cached)."""
+        table = self._speed_by_task.get(task_type)
+        if table is None:
+            table = np.array([self.gpu_speed(m, task_type) for m in self.models], dtype=np.float64)
+            self._speed_by_task[task_type] = table
+        return table
 
     def region_of(self, cluster: int) -> str:
         """The region id of cluster index ``cluster``."""

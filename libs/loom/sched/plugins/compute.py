@@ -9,9 +9,8 @@ from loom.sched.snapshot import FloatArray
 def delivered_speed(state: CycleState, candidates: Candidates) -> FloatArray:
     """Per candidate: one GPU's SCU for the job's task type, times the cluster's trust."""
     snap = state.snapshot
-    task = state.job.task_type
-    speed = np.array([snap.gpu_speed(snap.models[int(m)], task) for m in candidates.model], dtype=np.float64)
-    return speed * snap.trust[candidates.cluster]
+    speed: FloatArray = snap.speeds(state.job.task_type)[candidates.model] * snap.trust[candidates.cluster]
+    return speed
 
 
 class ScuFit:

@@ -148,14 +148,15 @@ class CostEnergy:
         snap = state.snapshot
         econ = self.economics or snap.economics
         speed = np.maximum(delivered_speed(state, candidates), 1e-9)
-        region = [snap.region_of(int(c)) for c in candidates.cluster]
-        price = np.array([econ.price(r, snap.now) for r in region], dtype=np.float64) / speed
-        power = np.array(
-            [econ.gpu_power_kw.get(snap.models[int(m)], DEFAULT_GPU_POWER_KW) for m in candidates.model],
-            dtype=np.float64,
+        region = snap.cluster_region[candidates.cluster]
+        price_r = np.array([econ.price(r, snap.now) for r in snap.regions], dtype=np.float64)
+        carbon_r = np.array([econ.carbon(r, snap.now) for r in snap.regions], dtype=np.float64)
+        power_m = np.array(
+            [econ.gpu_power_kw.get(m, DEFAULT_GPU_POWER_KW) for m in snap.models], dtype=np.float64
         )
-        intensity = np.array([econ.carbon(r, snap.now) for r in region], dtype=np.float64)
-        return price, power * intensity / speed
+        price: FloatArray = price_r[region] / speed
+        carbon: FloatArray = power_m[candidates.model] * carbon_r[region] / speed
+        return price, carbon
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         total = self.price_weight + self.carbon_weight

@@ -12,11 +12,15 @@ lower-priority, preemptible jobs whose GPUs make room (whole gangs; victims by l
 least progress), give their GPUs back in the snapshot, and place the job there.
 """
 
+import weakref
+from dataclasses import dataclass
+
 import numpy as np
 
 from loom.sched import preemption
 from loom.sched.framework import SUCCESS, Code, CycleState, Decision, Framework, Status
 from loom.sched.quota import QuotaBook, TenantConfig
+from loom.sched.snapshot import BoolArray, FloatArray, IntArray, Snapshot
 
 
 class Quota:
@@ -55,6 +59,58 @@ class Quota:
             self.book.give(state.job.tenant, gpus)
 
 
+@dataclass(frozen=True)
+class _RunningTable:
+    """The running jobs as arrays (cached per list of runs): what the preemption bound needs."""
+
+    key: tuple[int, int]
+    priority: IntArray
+    preemptible: BoolArray
+    pair: IntArray
+    """cluster index x models + model index of the job's lead part (-1 when unknown)."""
+    gpus: FloatArray
+    """GPUs the job holds on its lead cluster."""
+    lead_allocations: list[tuple[tuple[str, int], ...]]
+
+
+_TABLES: "weakref.WeakKeyDictionary[Snapshot, _RunningTable]" = weakref.WeakKeyDictionary()
+
+
+def _running_table(snap: Snapshot) -> _RunningTable:
+    key = (id(snap.running), len(snap.running))
+    cached = _TABLES.get(snap)
+    if cached is not None and cached.key == key:
+        return cached
+    m_count = snap.total_sum.shape[1]
+    pairs: list[int] = []
+    gpus: list[float] = []
+    leads: list[tuple[tuple[str, int], ...]] = []
+    for r in snap.running:
+        c = snap.cluster_index.get(r.cluster)
+        m = snap.model_index.get(r.gpu_model)
+        lead = tuple(
+            (n, g)
+            for n, g in r.allocations
+            if c is not None and n in snap.node_index and int(snap.cluster_of[snap.node_index[n]]) == c
+        )
+        pairs.append(c * m_count + m if c is not None and m is not None else -1)
+        gpus.append(float(sum(g for _, g in lead)))
+        leads.append(lead)
+    table = _RunningTable(
+        key=key,
+        priority=np.array([r.priority for r in snap.running], dtype=np.int64),
+        preemptible=np.array([r.preemptible for r in snap.running], dtype=np.bool_),
+        pair=np.array(pairs, dtype=np.int64),
+        gpus=np.array(gpus, dtype=np.float64),
+        lead_allocations=leads,
+    )
+    valid = table.pair >= 0
+    table.preemptible[~valid] = False
+    table.pair[~valid] = 0
+    _TABLES[snap] = table
+    return table
+
+
 class Preempt:
     """Priority preemption: stop the least valuable lower-priority jobs when nothing else fits."""
 
@@ -66,17 +122,28 @@ class Preempt:
         if not snap.running or job.pipeline is not None:
             return None
         allowed = state.policy_mask if state.policy_mask is not None else state.cluster_mask
-        groups: dict[tuple[str, str], dict[str, int]] = {}
         models = state.model_mask[: snap.total_sum.shape[1]]
-        for c in np.flatnonzero(allowed):
-            for m in np.flatnonzero(models & (snap.total_sum[int(c)] > 0)):
-                idx, _ = snap.node_slice(int(c), int(m))
-                usable = idx[snap.schedulable[idx]]
-                groups[(snap.clusters[int(c)].id, snap.models[int(m)])] = {
-                    snap.node_ids[int(i)]: int(snap.free[int(i)]) for i in usable
-                }
-        if not groups:
+        m_count = snap.total_sum.shape[1]
+        table = _running_table(snap)
+        lower = table.preemptible & (table.priority < job.priority)
+        if not lower.any():
             return None
+        # A bound first, per (cluster, model): free GPUs plus every lower-priority job's GPUs there.
+        freeable = np.bincount(
+            table.pair[lower], weights=table.gpus[lower], minlength=len(snap.clusters) * m_count
+        ).reshape(len(snap.clusters), m_count)
+        need = state.per_worker * state.min_workers
+        hopeful = (snap.free_sum + freeable >= need) & allowed[:, None] & models[None, :]
+        if not hopeful.any():
+            return None
+        groups: dict[tuple[str, str], dict[str, int]] = {}
+        for c, m in np.argwhere(hopeful).tolist():
+            idx, _ = snap.node_slice(c, m)
+            usable = idx[snap.schedulable[idx]]
+            groups[(snap.clusters[c].id, snap.models[m])] = dict(
+                zip((snap.node_ids[i] for i in usable.tolist()), snap.free[usable].tolist(), strict=True)
+            )
+        hopeful_pairs = set(np.flatnonzero(hopeful.ravel()).tolist())
         running = [
             preemption.RunningJob(
                 job_id=r.job_id,
@@ -86,10 +153,11 @@ class Preempt:
                 preemptible=r.preemptible,
                 cluster=r.cluster,
                 gpu_model=r.gpu_model,
-                allocations=r.allocations,
+                # Only the part on its lead cluster frees room there (a gang's other parts do not).
+                allocations=table.lead_allocations[i],
             )
-            for r in snap.running
-            if r.preemptible and r.priority < job.priority
+            for i, r in enumerate(snap.running)
+            if lower[i] and int(table.pair[i]) in hopeful_pairs
         ]
         if not running:
             return None

@@ -55,7 +55,7 @@ class ResourceFit:
             )
         return SUCCESS
 
-    def filter(self, state: CycleState, cluster: int, model: int, nodes: IntArray) -> BoolArray:
+    def filter(self, state: CycleState, nodes: IntArray) -> BoolArray:
         snap = state.snapshot
         res = state.job.resources
         mask = np.ones(nodes.size, dtype=np.bool_)

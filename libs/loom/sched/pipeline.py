@@ -1,0 +1,658 @@
+"""Pipeline split: cut a model declared as layers into contiguous stages, one cluster each.
+
+A job that declares :class:`~loom_proto.jobs.Pipeline` layers may be cut into stages when no single
+cluster can hold it, or when it runs faster split. Every stage runs concurrently on its own site (a
+cluster's GPUs of one model), so in steady state the pipeline advances one step per
+*bottleneck*: the slowest stage's compute, or the slowest activation transfer between consecutive
+stages over the measured link. :func:`plan` finds the cut points and the sites that make the
+bottleneck as small as possible and returns every stage's node allocations, so the caller reserves
+all stages in one call (:attr:`PipelinePlan.allocations`) or none.
+
+The model, stated once:
+
+* A stage of layers ``[i..j]`` on a site needs ``g = max(1, ceil(memory(i..j) / (gpu_memory_gib *
+  usable_fraction)))`` GPUs: GPUs are sized by memory, never added for speed. It is feasible when the
+  site's nodes have ``g`` free GPUs together (and ``g <= max_gpus_per_stage``); they are taken most
+  free node first (:func:`loom.sched.firstfit.pack_workers`).
+* Its compute is ``sum(compute_s[i..j]) / (g * speed_per_gpu)`` per step: model parallelism inside the
+  stage with ideal scaling (an optimistic assumption for ``g > 1``).
+* The transfer to the next stage sends ``activation_mb`` of the stage's last layer:
+  ``activation_mb * 8 / (1000 * bandwidth_gbps) + rtt_ms / 1000`` seconds, with the link measured
+  between the two sites' regions (``net(region, region)`` for two sites in one region).
+* Each site hosts at most one stage. The objective is the bottleneck
+  ``max over stages of max(compute_k, transfer_k->k+1)``. Ties go to fewer stages, then to the smaller
+  sum of all stage times (compute and transfers: the time one step takes through an empty
+  pipeline), and remaining exact ties deterministically to sites earlier in (cluster, GPU model) order.
+
+The search is exact over the sites it considers: a binary search over the candidate bottlenecks
+(every stage compute and transfer time that can occur) with a feasibility dynamic programme over
+(sites used, last site, layers done), vectorised with numpy; then a min-sum programme at the optimal
+bottleneck for the tie-breaks. Its cost grows as ``2**sites``, so beyond ``max_sites`` (default 12)
+only the sites with the most capacity (``speed_per_gpu * free GPUs``) are considered and the result
+may miss a better plan on the others.
+"""
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from loom.errors import InvalidInputError
+from loom.sched.firstfit import pack_workers
+from loom_proto.jobs import Layer, NodeAllocation, PlacedPart
+
+__all__ = [
+    "DEFAULT_MAX_SITES",
+    "DEFAULT_USABLE_FRACTION",
+    "Network",
+    "PipelineError",
+    "PipelinePlan",
+    "Site",
+    "StagePlan",
+    "best_single",
+    "infeasible_reason",
+    "plan",
+    "stage_gpus",
+    "transfer_s",
+]
+
+DEFAULT_USABLE_FRACTION = 0.9
+"""Share of each GPU's memory a stage may fill (the rest goes to the runtime and fragmentation)."""
+DEFAULT_MAX_SITES = 12
+"""Sites the exact search considers; its cost doubles with each one more."""
+
+_TIE_RTOL = 1e-9
+"""Bottlenecks within this relative distance count as equal (they differ only by rounding)."""
+_CEIL_SLACK = 1e-9
+"""Memory within this share of a GPU boundary does not take one more GPU (float rounding)."""
+_SEARCH_WIDTH = 2
+"""Candidate bottlenecks checked per feasibility check (a ternary search: fewer numpy calls in all)."""
+_BATCH_CELLS = 1 << 22
+"""How many (bound, site, first, last) cells one batched feasibility check may hold."""
+
+Network = Callable[[str, str], tuple[float, float]] | Mapping[tuple[str, str], tuple[float, float]]
+"""The measured links: ``(src_region, dst_region) -> (rtt_ms, bandwidth_gbps)``, as a function or a
+mapping. A pair missing from a mapping, or a bandwidth of 0, is a link stages cannot be cut across."""
+
+_F64 = npt.NDArray[np.float64]
+_I64 = npt.NDArray[np.int64]
+_Bool = npt.NDArray[np.bool_]
+_U64 = npt.NDArray[np.uint64]
+
+
+class PipelineError(InvalidInputError):
+    """Pipeline input the planner cannot use (no layers, a bad fraction, duplicate sites, bad links)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Site:
+    """Where one stage may run: the free GPUs of one model on one cluster.
+
+    ``speed_per_gpu`` is the GPU's SCU for the job's task type already multiplied by the cluster's
+    trust (0: the site is not used). ``free_gpus`` is ``(node, free GPUs)`` for each node of that model.
+    """
+
+    cluster: str
+    region: str
+    gpu_model: str
+    speed_per_gpu: float
+    gpu_memory_gib: float
+    free_gpus: tuple[tuple[str, int], ...]
+    max_gpus_per_stage: int | None = None
+    """At most this many GPUs in the stage placed here (None: no limit beyond the free GPUs)."""
+
+    def __post_init__(self) -> None:
+        if not (self.speed_per_gpu >= 0 and math.isfinite(self.speed_per_gpu)):
+            raise PipelineError(f"site {self.key}: speed_per_gpu must be >= 0, got {self.speed_per_gpu}")
+        if not (self.gpu_memory_gib > 0 and math.isfinite(self.gpu_memory_gib)):
+            raise PipelineError(f"site {self.key}: gpu_memory_gib must be > 0, got {self.gpu_memory_gib}")
+        if any(free < 0 for _, free in self.free_gpus):
+            raise PipelineError(f"site {self.key}: a node has a negative free GPU count")
+        if self.max_gpus_per_stage is not None and self.max_gpus_per_stage < 1:
+            raise PipelineError(f"site {self.key}: max_gpus_per_stage must be >= 1")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(cluster, GPU model): what makes a site distinct, and the order of deterministic ties."""
+        return (self.cluster, self.gpu_model)
+
+    @property
+    def gpus_free_total(self) -> int:
+        """Free GPUs over all the site's nodes."""
+        return sum(free for _, free in self.free_gpus)
+
+    @property
+    def stage_gpu_cap(self) -> int:
+        """The most GPUs one stage here may take."""
+        total = self.gpus_free_total
+        return total if self.max_gpus_per_stage is None else min(total, self.max_gpus_per_stage)
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """One stage: layers ``first_layer..last_layer`` (inclusive, 0-based) on ``gpus`` GPUs of ``site``.
+
+    ``compute_s`` is its compute per step; ``transfer_s`` the activation transfer to the next stage
+    (0 for the last stage).
+    """
+
+    site: Site
+    first_layer: int
+    last_layer: int
+    gpus: int
+    allocations: tuple[tuple[str, int], ...]
+    compute_s: float
+    transfer_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinePlan:
+    """Stages in layer order and the time per step they give.
+
+    ``step_s`` is the steady-state time per step of the pipelined job: equal to ``bottleneck_s``, the
+    slowest stage compute or transfer, because every stage works on a different step at once (pipeline
+    fill and drain are not counted; ``latency_s`` is the time one step takes through an empty pipeline).
+    """
+
+    stages: tuple[StagePlan, ...]
+    bottleneck_s: float
+    step_s: float
+
+    @property
+    def latency_s(self) -> float:
+        """Sum of every stage's compute and transfer: one step through an empty pipeline."""
+        return math.fsum(s.compute_s + s.transfer_s for s in self.stages)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs over all stages."""
+        return sum(s.gpus for s in self.stages)
+
+    @property
+    def allocations(self) -> tuple[tuple[str, int], ...]:
+        """Every stage's (node, GPUs): reserve them in one call so all stages are placed or none."""
+        return tuple(a for s in self.stages for a in s.allocations)
+
+    def parts(self) -> list[PlacedPart]:
+        """The stages as :class:`~loom_proto.jobs.PlacedPart` for ``JobPlaced.parts``, in layer order."""
+        return [
+            PlacedPart(
+                cluster=s.site.cluster,
+                region=s.site.region,
+                gpu_model=s.site.gpu_model,
+                allocations=[NodeAllocation(node=node, gpus=gpus) for node, gpus in s.allocations],
+                layers=(s.first_layer, s.last_layer),
+            )
+            for s in self.stages
+        ]
+
+
+# -- the model's formulas ---------------------------------------------------------------------------
+
+
+def stage_gpus(
+    memory_gib: float, gpu_memory_gib: float, usable_fraction: float = DEFAULT_USABLE_FRACTION
+) -> int:
+    """GPUs a stage holding ``memory_gib`` needs: at least one, enough to hold its memory."""
+    return max(1, math.ceil(memory_gib / (gpu_memory_gib * usable_fraction) - _CEIL_SLACK))
+
+
+def transfer_s(activation_mb: float, rtt_ms: float, bandwidth_gbps: float) -> float:
+    """Seconds to send ``activation_mb`` over a link; infinite when the link carries nothing."""
+    if bandwidth_gbps <= 0:
+        return math.inf
+    return activation_mb * 8 / (1000 * bandwidth_gbps) + rtt_ms / 1000
+
+
+def _link(net: Network, src: str, dst: str) -> tuple[float, float]:
+    if isinstance(net, Mapping):
+        found = net.get((src, dst))
+        if found is None:
+            return (0.0, 0.0)
+        rtt_ms, bandwidth_gbps = found
+    else:
+        rtt_ms, bandwidth_gbps = net(src, dst)
+    if not (rtt_ms >= 0 and bandwidth_gbps >= 0 and math.isfinite(rtt_ms)):
+        raise PipelineError(f"link {src} -> {dst}: rtt_ms and bandwidth_gbps must be >= 0 and finite")
+    return (float(rtt_ms), float(bandwidth_gbps))
+
+
+# -- the problem as arrays --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """Everything the search reads, computed once: stage times and GPUs for every (site, cut)."""
+
+    sites: tuple[Site, ...]
+    n: int
+    compute: _F64
+    """(site, first, last) -> compute seconds; inf where the stage does not fit or first > last."""
+    memory_prefix: _F64
+    """Memory of layers ``0..i-1`` at index ``i``: what sizes a stage's GPUs."""
+    usable_fraction: float
+    transfer: _F64
+    """(from site, to site, last layer of the stage) -> transfer seconds; inf on the diagonal."""
+    compute_total: float
+    """Compute seconds of all layers on one reference GPU."""
+
+
+def _check_inputs(layers: Sequence[Layer], sites: Sequence[Site], usable_fraction: float) -> None:
+    if not layers:
+        raise PipelineError("a pipeline needs at least one layer")
+    if not (0 < usable_fraction <= 1):
+        raise PipelineError(f"usable_fraction must be in (0, 1], got {usable_fraction}")
+    seen: set[tuple[str, str]] = set()
+    for site in sites:
+        if site.key in seen:
+            raise PipelineError(f"site {site.key} is listed twice; merge its nodes into one Site")
+        seen.add(site.key)
+
+
+def _considered(sites: Sequence[Site], max_sites: int) -> tuple[Site, ...]:
+    """Usable sites in key order; beyond ``max_sites`` only those with the most capacity."""
+    usable = [s for s in sites if s.speed_per_gpu > 0 and s.stage_gpu_cap > 0]
+    if len(usable) > max_sites:
+        usable = sorted(usable, key=lambda s: (-s.speed_per_gpu * s.gpus_free_total, s.key))[:max_sites]
+    return tuple(sorted(usable, key=lambda s: s.key))
+
+
+def _problem(
+    layers: Sequence[Layer], sites: tuple[Site, ...], net: Network, usable_fraction: float
+) -> _Problem:
+    n = len(layers)
+    compute_prefix = np.concatenate(([0.0], np.cumsum([layer.compute_s for layer in layers])))
+    memory_prefix = np.concatenate(([0.0], np.cumsum([layer.memory_gib for layer in layers])))
+    first = np.arange(n)[:, None]
+    last = np.arange(n)[None, :]
+    ordered = first <= last
+    stage_compute = compute_prefix[1:][None, :] - compute_prefix[:-1][:, None]
+    stage_memory = memory_prefix[1:][None, :] - memory_prefix[:-1][:, None]
+    compute = np.full((len(sites), n, n), np.inf)
+    for k, site in enumerate(sites):
+        need = np.maximum(
+            1, np.ceil(stage_memory / (site.gpu_memory_gib * usable_fraction) - _CEIL_SLACK)
+        ).astype(np.int64)
+        fits = ordered & (need <= site.stage_gpu_cap)
+        compute[k] = np.where(fits, stage_compute / (need * site.speed_per_gpu), np.inf)
+    activation_mb = np.array([layer.activation_mb for layer in layers[:-1]], dtype=np.float64)
+    transfer = np.full((len(sites), len(sites), n - 1), np.inf)
+    links: dict[tuple[str, str], tuple[float, float]] = {}
+    for a, src in enumerate(sites):
+        for b, dst in enumerate(sites):
+            if a == b:
+                continue
+            pair = (src.region, dst.region)
+            if pair not in links:
+                links[pair] = _link(net, *pair)
+            rtt_ms, bandwidth_gbps = links[pair]
+            if bandwidth_gbps > 0:
+                transfer[a, b] = activation_mb * 8 / (1000 * bandwidth_gbps) + rtt_ms / 1000
+    return _Problem(
+        sites=sites,
+        n=n,
+        compute=compute,
+        memory_prefix=memory_prefix,
+        usable_fraction=usable_fraction,
+        transfer=transfer,
+        compute_total=float(compute_prefix[-1]),
+    )
+
+
+# -- the search -------------------------------------------------------------------------------------
+
+
+def _finishable(prob: _Problem, bounds: _F64, stages: int) -> _Bool:
+    """``ok[b, r, t, p]``: under ``bounds[b]``, a stage on site ``t`` starting at layer ``p`` can end
+    the model within ``r`` stages.
+
+    A relaxation (a site may appear again, just not twice in a row) used only to prune states of the
+    exact search that cannot finish.
+    """
+    n, count = prob.n, len(prob.sites)
+    limit = bounds[:, None, None, None]
+    fits = (prob.compute[None] <= limit).astype(np.float32)
+    links = prob.transfer[None] <= limit
+    ok = np.zeros((bounds.size, stages + 1, count, n), dtype=bool)
+    ok[:, 1] = fits[..., n - 1] > 0
+    for r in range(2, stages + 1):
+        # a stage may end at q when it is the last one, or another site can go on from q+1
+        ends = np.ones((bounds.size, count, n), dtype=np.float32)
+        ends[..., : n - 1] = (links & ok[:, r - 1][:, None, :, 1:]).any(axis=2)
+        ok[:, r] = ok[:, r - 1] | ((fits @ ends[..., None])[..., 0] > 0)
+    return ok
+
+
+def _pack(flags: _Bool) -> _U64:
+    """Bool flags over the last axis as little-endian 64-bit words (bit ``i`` of the set is flag ``i``)."""
+    words = -(-flags.shape[-1] // 64)
+    padded = np.zeros((*flags.shape[:-1], words * 64), dtype=bool)
+    padded[..., : flags.shape[-1]] = flags
+    return np.packbits(padded, axis=-1, bitorder="little").view(np.uint64)
+
+
+def _unpack(words: _U64) -> _Bool:
+    """The inverse of :func:`_pack` (padded to whole words)."""
+    return np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=-1, bitorder="little").view(bool)
+
+
+def _stages_needed(prob: _Problem, bounds: _F64, max_stages: int) -> _I64:
+    """For each bound, the fewest stages of a plan whose every compute and transfer is within it (0: none).
+
+    The exact feasibility check, for several bounds at once. One row per (bound, sites used, site of
+    the current stage) holds the set of positions that stage may start at (position ``p``: ``p``
+    layers done), packed into 64-bit words so a row costs a few words whatever the number of layers.
+    """
+    n, count, batch = prob.n, len(prob.sites), bounds.size
+    limit = bounds[:, None, None, None]
+    # reach[b, t, p]: positions q+1 at which a stage on t starting at p may end
+    reach = np.zeros((batch, count, n, n + 1), dtype=bool)
+    reach[..., 1:] = prob.compute[None] <= limit
+    reach_words = _pack(reach)
+    # hop[b, t, u]: positions p at which a stage on u may start after a stage on t (cut after p-1)
+    hop = np.zeros((batch, count, count, n + 1), dtype=bool)
+    hop[..., 1:n] = prob.transfer[None] <= limit
+    hop_words = _pack(hop)
+    ok = np.zeros((batch, max_stages + 1, count, n + 1), dtype=bool)
+    ok[..., :n] = _finishable(prob, bounds, max_stages)
+    ok_words = _pack(ok)
+    end_word, end_bit = divmod(n, 64)
+    bits = np.int64(1) << np.arange(count, dtype=np.int64)
+    needed = np.zeros(batch, dtype=np.int64)
+    which = np.repeat(np.arange(batch, dtype=np.int64), count)
+    current = np.tile(np.arange(count, dtype=np.int64), batch)
+    masks = bits[current]
+    starts = np.zeros((which.size, reach_words.shape[-1]), dtype=np.uint64)
+    starts[:, 0] = 1
+    # seen[b, mask, t]: positions a stage on t was found to start at with the sites of mask or of a
+    # subset of it (as far as the rows found so far tell)
+    seen = np.zeros((batch, 1 << count, count, starts.shape[1]), dtype=np.uint64)
+    others = np.arange(count)[None, :]
+    for level in range(1, max_stages + 1):
+        starts &= ok_words[which, max_stages - level + 1, current]
+        # A start already reached with fewer sites (a strict subset, so in fewer stages) dominates:
+        # whatever finishes from here finishes from there too, with fewer stages.
+        fewer = ((masks[:, None] & bits[None, :]) != 0) & (others != current[:, None])
+        earlier = seen[which[:, None], masks[:, None] ^ bits[None, :], current[:, None]]
+        earlier = np.bitwise_or.reduce(np.where(fewer[:, :, None], earlier, np.uint64(0)), axis=1)
+        starts &= ~earlier
+        seen[which, masks, current] = starts | earlier
+        row, first = np.nonzero(_unpack(starts)[:, :n])
+        if row.size == 0:
+            break
+        rows, at = np.unique(row, return_index=True)
+        ends = np.zeros_like(starts)
+        ends[rows] = np.bitwise_or.reduceat(reach_words[which[row], current[row], first], at, axis=0)
+        done = ((ends[:, end_word] >> np.uint64(end_bit)) & np.uint64(1)).astype(bool)
+        needed[which[done]] = level
+        if level == max_stages:
+            break
+        alive = needed[which] == 0  # a bound that is settled needs no more rows
+        which, current, masks, ends = which[alive], current[alive], masks[alive], ends[alive]
+        onward = ends[:, None, :] & hop_words[which, current]  # (row, next site, start positions)
+        free = (masks[:, None] & bits[None, :]) == 0
+        row, nxt = np.nonzero(free & onward.any(axis=2))
+        if row.size == 0:
+            break
+        keys = (((which[row] << count) | masks[row] | bits[nxt]) * count) + nxt
+        order = np.argsort(keys, kind="stable")
+        unique, at = np.unique(keys[order], return_index=True)
+        current, rest = unique % count, unique // count
+        which, masks = rest >> count, rest & ((1 << count) - 1)
+        starts = np.bitwise_or.reduceat(onward[row[order], nxt[order]], at, axis=0)
+    return needed
+
+
+def _min_bottleneck(prob: _Problem, max_stages: int) -> float | None:
+    """The smallest bound under which a plan of at most ``max_stages`` stages exists; None: none does.
+
+    The optimum is one of the stage compute or transfer times, so the search runs over those, a few
+    at a time (a k-ary search: one batched check splits the interval left into k+1 parts).
+    """
+    compute = prob.compute[np.isfinite(prob.compute)]
+    transfer = prob.transfer[np.isfinite(prob.transfer)]
+    candidates = np.unique(np.concatenate((compute, transfer)))
+    # every stage's compute is at least its work over the most capacity its site offers, so the
+    # slowest is at least all the work over the capacity of the fastest max_stages sites
+    capacity = sorted((s.speed_per_gpu * s.stage_gpu_cap for s in prob.sites), reverse=True)
+    lower = prob.compute_total / math.fsum(capacity[:max_stages])
+    candidates = candidates[candidates >= lower * (1 - _TIE_RTOL)]
+    if candidates.size == 0:
+        return None
+    width = int(np.clip(_BATCH_CELLS // (len(prob.sites) * prob.n * prob.n), 1, _SEARCH_WIDTH))
+    lo, hi = 0, candidates.size - 1
+    if _stages_needed(prob, candidates[hi:], max_stages)[0] == 0:
+        return None
+    # invariant: candidates[hi] is feasible, everything below lo is not
+    while lo < hi:
+        probe = np.unique(lo + (hi - lo) * np.arange(1, width + 1) // (width + 1))
+        feasible = _stages_needed(prob, candidates[probe], max_stages) > 0
+        if feasible.any():
+            first = int(np.argmax(feasible))
+            hi = int(probe[first])
+            lo = int(probe[first - 1]) + 1 if first > 0 else lo
+        else:
+            lo = int(probe[-1]) + 1
+    return float(candidates[hi])
+
+
+def _best_per_key(keys: _I64, values: _I64, tiebreak: _I64) -> _I64:
+    """Index of the least (value, tiebreak) for each distinct key, in key order."""
+    order = np.lexsort((tiebreak, values, keys))
+    sorted_keys = keys[order]
+    head = np.ones(order.size, dtype=bool)
+    head[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    return order[head]
+
+
+def _dense_rank(values: _I64) -> _I64:
+    """Each value's rank among the distinct values (0 for the least)."""
+    return np.unique(values, return_inverse=True)[1].astype(np.int64)
+
+
+def _cheapest(prob: _Problem, bound: float, stages: int) -> list[tuple[int, int, int]]:
+    """The plan of exactly ``stages`` stages within ``bound`` whose stage times sum least.
+
+    Returns (site index, first layer, last layer) per stage; the caller knows such a plan exists.
+    Sums are compared in steps of ``1e-10 * bound`` so that rounding does not decide ties; among
+    equal sums the plan whose (site, last layer) sequence, stage by stage, comes first wins: each
+    state carries the rank of its prefix in that order.
+    """
+    n, count = prob.n, len(prob.sites)
+    quantum = bound * 1e-10
+    ok = _finishable(prob, np.array([bound]), stages)[0]
+    fits = prob.compute <= bound
+    # the last layers a stage on t starting at p may end at, flattened (t, p, last) in order
+    fit_last = np.nonzero(fits)[2]
+    fit_count = fits.sum(axis=2)
+    fit_offset = (np.cumsum(fit_count.ravel()) - fit_count.ravel()).reshape(fit_count.shape)
+    links = prob.transfer <= bound
+    bits = np.int64(1) << np.arange(count, dtype=np.int64)
+    # states of a level: (sites used, site of the current stage, its first layer) with the least sum
+    current = np.flatnonzero(ok[stages][:, 0]).astype(np.int64)
+    masks, first = bits[current], np.zeros(current.size, dtype=np.int64)
+    value, rank = np.zeros(current.size), current.copy()
+    parents: list[_I64] = []  # per level after the first: the end each state continues
+    ends_of: list[tuple[_I64, _I64]] = []  # per level but the last: (state, last layer) of each end
+    firsts: list[tuple[_I64, _I64]] = [(current, first)]
+    for level in range(1, stages):
+        # every end of every state's stage from which another site can carry on
+        spans = fit_count[current, first]
+        state = np.repeat(np.arange(current.size), spans)
+        within = np.arange(state.size) - np.repeat(np.cumsum(spans) - spans, spans)
+        last = fit_last[fit_offset[current, first][state] + within]
+        onward = np.zeros((count, n), dtype=bool)
+        onward[:, : n - 1] = (links & ok[stages - level][None, :, 1:]).any(axis=1)
+        keep = onward[current[state], last]
+        state, last = state[keep], last[keep]
+        total = value[state] + prob.compute[current[state], first[state], last]
+        order = rank[state] * n + last
+        pick = _best_per_key(
+            (masks[state] * count + current[state]) * n + last,
+            np.floor(total / quantum).astype(np.int64),
+            order,
+        )
+        state, last, total, end_rank = state[pick], last[pick], total[pick], _dense_rank(order[pick])
+        ends_of.append((state, last))
+        emask, ecur = masks[state], current[state]
+        hop = prob.transfer[ecur, :, last]  # (end, next site)
+        ok_next = ok[stages - level][:, last + 1].T
+        end, nxt = np.nonzero((hop <= bound) & ((emask[:, None] & bits[None, :]) == 0) & ok_next)
+        total = total[end] + hop[end, nxt]
+        new_masks = emask[end] | bits[nxt]
+        new_first = last[end] + 1
+        order = end_rank[end] * count + nxt
+        pick = _best_per_key(
+            (new_masks * count + nxt) * n + new_first, np.floor(total / quantum).astype(np.int64), order
+        )
+        masks, current, first, value = new_masks[pick], nxt[pick], new_first[pick], total[pick]
+        rank = _dense_rank(order[pick])
+        parents.append(end[pick])
+        firsts.append((current, first))
+    done = np.floor((value + prob.compute[current, first, n - 1]) / quantum).astype(np.int64)
+    best = int(np.lexsort((rank, done))[0])
+    # walk back from the chosen final state
+    plan_rev: list[tuple[int, int, int]] = []
+    index, last_layer = best, n - 1
+    for level in range(stages, 0, -1):
+        sites_at, firsts_at = firsts[level - 1]
+        plan_rev.append((int(sites_at[index]), int(firsts_at[index]), last_layer))
+        if level > 1:
+            continued = int(parents[level - 2][index])
+            end_states, end_lasts = ends_of[level - 2]
+            index, last_layer = int(end_states[continued]), int(end_lasts[continued])
+    return plan_rev[::-1]
+
+
+def _assemble(prob: _Problem, cuts: Sequence[tuple[int, int, int]]) -> PipelinePlan:
+    stages: list[StagePlan] = []
+    for k, (t, first, last) in enumerate(cuts):
+        site = prob.sites[t]
+        memory_gib = float(prob.memory_prefix[last + 1] - prob.memory_prefix[first])
+        gpus = stage_gpus(memory_gib, site.gpu_memory_gib, prob.usable_fraction)  # as the search sized it
+        allocations = pack_workers(site.free_gpus, 1, gpus)
+        if allocations is None:  # the search only uses stages that fit the site's free GPUs
+            raise AssertionError(f"stage of {gpus} GPU(s) does not fit {site.key}")
+        hop = float(prob.transfer[t, cuts[k + 1][0], last]) if k + 1 < len(cuts) else 0.0
+        stages.append(
+            StagePlan(
+                site=site,
+                first_layer=first,
+                last_layer=last,
+                gpus=gpus,
+                allocations=tuple(allocations),
+                compute_s=float(prob.compute[t, first, last]),
+                transfer_s=hop,
+            )
+        )
+    bottleneck_s = max(max(s.compute_s, s.transfer_s) for s in stages)
+    return PipelinePlan(stages=tuple(stages), bottleneck_s=bottleneck_s, step_s=bottleneck_s)
+
+
+# -- the public entry points ------------------------------------------------------------------------
+
+
+def plan(
+    layers: Sequence[Layer],
+    sites: Sequence[Site],
+    net: Network,
+    *,
+    max_stages: int = 8,
+    usable_fraction: float = DEFAULT_USABLE_FRACTION,
+    max_sites: int = DEFAULT_MAX_SITES,
+) -> PipelinePlan | None:
+    """The plan of 1..``max_stages`` stages with the smallest bottleneck; None when nothing fits now.
+
+    One stage wins whenever splitting is not strictly faster (fewer stages win ties), so a result with
+    several stages means the model does not fit one site or runs faster split; compare with
+    :func:`best_single` to tell which. Exact over the sites considered (see the module docstring for
+    ``max_sites``). Sites with no free GPUs or no speed are ignored.
+
+    Raises :class:`PipelineError` on unusable input (no layers, a bad fraction, a site listed twice,
+    a negative link figure).
+    """
+    _check_inputs(layers, sites, usable_fraction)
+    if max_stages < 1 or max_sites < 1:
+        raise PipelineError(f"max_stages and max_sites must be >= 1, got {max_stages} and {max_sites}")
+    considered = _considered(sites, max_sites)
+    if not considered:
+        return None
+    prob = _problem(layers, considered, net, usable_fraction)
+    limit = min(max_stages, len(considered), len(layers))
+    best = _min_bottleneck(prob, limit)
+    if best is None:
+        return None
+    bound = best * (1 + _TIE_RTOL)
+    stages = int(_stages_needed(prob, np.array([bound]), limit)[0])
+    if stages == 0:  # cannot happen: the bound is at least the optimum
+        raise AssertionError("no plan within the optimal bottleneck")
+    return _assemble(prob, _cheapest(prob, bound, stages))
+
+
+def best_single(
+    layers: Sequence[Layer], sites: Sequence[Site], *, usable_fraction: float = DEFAULT_USABLE_FRACTION
+) -> PipelinePlan | None:
+    """The fastest plan that keeps the whole model on one site (every site considered); None: none fits."""
+    return plan(
+        layers, sites, {}, max_stages=1, usable_fraction=usable_fraction, max_sites=max(len(sites), 1)
+    )
+
+
+def _label(site: Site) -> str:
+    return f"{site.cluster}/{site.gpu_model}"
+
+
+def infeasible_reason(
+    layers: Sequence[Layer],
+    sites: Sequence[Site],
+    net: Network,
+    *,
+    max_stages: int = 8,
+    usable_fraction: float = DEFAULT_USABLE_FRACTION,
+    max_sites: int = DEFAULT_MAX_SITES,
+) -> str | None:
+    """Why :func:`plan` finds nothing, in words the submitter can act on; None when a plan exists.
+
+    It speaks of the GPUs free now: waiting for capacity may help where the total GPUs would suffice.
+    """
+    if plan(layers, sites, net, max_stages=max_stages, usable_fraction=usable_fraction, max_sites=max_sites):
+        return None
+    considered = _considered(sites, max_sites)
+    if not considered:
+        return f"none of the {len(sites)} site(s) offered has free GPUs with a positive speed for this job"
+
+    def holds_gib(site: Site) -> float:
+        return site.stage_gpu_cap * site.gpu_memory_gib * usable_fraction
+
+    biggest = max(considered, key=lambda s: (holds_gib(s), s.key))
+    for index, layer in enumerate(layers):
+        if layer.memory_gib > holds_gib(biggest) * (1 + _CEIL_SLACK):
+            name = f"'{layer.name}' (#{index})" if layer.name else f"#{index}"
+            return (
+                f"layer {name} needs {layer.memory_gib:.0f} GiB; the most one site can hold is"
+                f" {holds_gib(biggest):.0f} GiB ({_label(biggest)}), and a layer is never split across sites"
+            )
+    stages = min(max_stages, len(considered), len(layers))
+    largest = sorted(considered, key=lambda s: (-holds_gib(s), s.key))[:stages]
+    need_gib = math.fsum(layer.memory_gib for layer in layers)
+    free_gib = math.fsum(holds_gib(s) for s in largest)
+    if need_gib > free_gib * (1 + _CEIL_SLACK):
+        return (
+            f"the model needs {need_gib:.0f} GiB; the largest free total is {free_gib:.0f} GiB across"
+            f" {len(largest)} site(s) ({', '.join(_label(s) for s in largest)}) with at most {max_stages}"
+            f" stage(s) and {usable_fraction:.0%} of each GPU's memory usable"
+        )
+    if len(considered) > 1 and not any(
+        _link(net, a.region, b.region)[1] > 0 for a in considered for b in considered if a is not b
+    ):
+        return (
+            "the model does not fit one site, and no measured link joins the sites that could hold its"
+            " stages; the stages cannot be connected"
+        )
+    return (
+        f"no cut of the {len(layers)} layer(s) into at most {max_stages} contiguous stage(s) fits the free"
+        f" GPUs of {len(considered)} site(s): each site hosts one stage, a layer is never split, and stages"
+        " are joined only over measured links"
+    )
