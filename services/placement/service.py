@@ -79,6 +79,9 @@ LIFECYCLE_SUBJECTS = [
 ]
 LifecycleEvent = JobStarted | JobProgress | JobCheckpointed | JobCompleted | JobFailed | JobCancelled
 MAX_BACKOFF_S = 30.0
+ACK_WAIT_S = 5.0
+"""What a new leader waits for the messages a dead one had fetched: short, since handlers in
+progress keep their batch alive (the inbox absorbs any redelivery)."""
 
 
 def rejection(job_id: str, tenant: str, code: RejectCode, reason: str) -> JobRejected:
@@ -222,7 +225,10 @@ class PlacementService:
             ConsumerRunner(
                 self.ctx.nc,
                 ConsumerSpec(
-                    stream="VIEW", durable="placement-view", filter_subjects=[subjects.VIEW_DELTAS_ALL]
+                    stream="VIEW",
+                    durable="placement-view",
+                    filter_subjects=[subjects.VIEW_DELTAS_ALL],
+                    ack_wait_s=ACK_WAIT_S,
                 ),
                 ViewDelta,
                 handler=self.on_view_delta,
@@ -235,6 +241,7 @@ class PlacementService:
                     durable="placement-lifecycle",
                     filter_subjects=LIFECYCLE_SUBJECTS,
                     batch=self.batch,
+                    ack_wait_s=ACK_WAIT_S,
                 ),
                 bytes,
                 batch_handler=self.on_lifecycle,
@@ -247,6 +254,7 @@ class PlacementService:
                     durable="placement-submitted",
                     filter_subjects=[subjects.JOBS_SUBMITTED_ALL],
                     batch=self.batch,
+                    ack_wait_s=ACK_WAIT_S,
                 ),
                 bytes,
                 batch_handler=self.on_submitted,

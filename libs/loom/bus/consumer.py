@@ -228,8 +228,22 @@ class ConsumerRunner(Generic[T]):
             )
         if not deliveries:
             return
-        outcomes = await self._handle(deliveries)
+        # While the handler works, tell the server the batch is in progress, so a short ack wait
+        # (quick redelivery after a crash) never redelivers a batch that is merely slow.
+        keepalive = asyncio.create_task(self._keep_alive([d.msg for d in deliveries]))
+        try:
+            outcomes = await self._handle(deliveries)
+        finally:
+            keepalive.cancel()
         await asyncio.gather(*(self._settle(d, o) for d, o in zip(deliveries, outcomes, strict=True)))
+
+    async def _keep_alive(self, msgs: list[Msg]) -> None:
+        period = max(self.spec.ack_wait_s / 3, 0.05)
+        while True:
+            await asyncio.sleep(period)
+            for msg in msgs:
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
 
     async def _handle(self, deliveries: list[Delivery[T]]) -> Sequence[BaseException | None]:
         if self._batch_handler is not None:

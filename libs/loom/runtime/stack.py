@@ -364,6 +364,8 @@ def up(
         argv.append("--no-durable")
     if not options.network:
         argv.append("--no-network")
+    if not options.placement_standby:
+        argv.append("--no-placement-standby")
     argv += ["--probe-period-s", str(options.probe_period_s)]
     stack_file(home).unlink(missing_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
@@ -439,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-heartbeat-s", type=float, default=10.0)
     parser.add_argument("--no-durable", action="store_true")
     parser.add_argument("--no-network", action="store_true")
+    parser.add_argument("--no-placement-standby", action="store_true")
     parser.add_argument("--probe-period-s", type=float, default=1.0)
     args = parser.parse_args(argv)
     options = StackOptions(
@@ -449,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         max_heartbeat_s=args.max_heartbeat_s,
         durable=not args.no_durable,
         network=not args.no_network,
+        placement_standby=not args.no_placement_standby,
         probe_period_s=args.probe_period_s,
     )
     return Supervisor(args.home.resolve(), options).run()

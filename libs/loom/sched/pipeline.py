@@ -366,19 +366,23 @@ def _stages_needed(prob: _Problem, bounds: _F64, max_stages: int) -> _I64:
     masks = bits[current]
     starts = np.zeros((which.size, reach_words.shape[-1]), dtype=np.uint64)
     starts[:, 0] = 1
-    # seen[b, mask, t]: positions a stage on t was found to start at with the sites of mask or of a
-    # subset of it (as far as the rows found so far tell)
-    seen = np.zeros((batch, 1 << count, count, starts.shape[1]), dtype=np.uint64)
-    others = np.arange(count)[None, :]
+    # seen[(b, mask, t)]: positions a stage on t was found to start at with the sites of mask or of
+    # a subset of it (as far as the rows found so far tell)
+    seen = np.zeros(((batch << count) * count, starts.shape[1]), dtype=np.uint64)
     for level in range(1, max_stages + 1):
         starts &= ok_words[which, max_stages - level + 1, current]
         # A start already reached with fewer sites (a strict subset, so in fewer stages) dominates:
-        # whatever finishes from here finishes from there too, with fewer stages.
-        fewer = ((masks[:, None] & bits[None, :]) != 0) & (others != current[:, None])
-        earlier = seen[which[:, None], masks[:, None] ^ bits[None, :], current[:, None]]
-        earlier = np.bitwise_or.reduce(np.where(fewer[:, :, None], earlier, np.uint64(0)), axis=1)
+        # whatever finishes from here finishes from there too, with fewer stages. Masks one site
+        # smaller hold the closure; the others looked up here (one site more, or without the
+        # current site) are empty.
+        row_of = (which << count) * count + current
+        earlier = np.zeros_like(starts)
+        for site_bit in bits:
+            earlier |= seen[row_of + (masks ^ site_bit) * count]
         starts &= ~earlier
-        seen[which, masks, current] = starts | earlier
+        seen[row_of + masks * count] = starts | earlier
+        live = starts.any(axis=1)
+        which, current, masks, starts = which[live], current[live], masks[live], starts[live]
         row, first = np.nonzero(_unpack(starts)[:, :n])
         if row.size == 0:
             break
