@@ -106,8 +106,16 @@ class Book:
         self.net = NetMatrix.from_topology(topology) if topology is not None else NetMatrix([])
         self._speed: dict[tuple[str, str], float] = {}
         self._memory: dict[str, float] = {}
+        self._usage: dict[str, int] = {}
+        """GPUs held per tenant, kept in step with the runs."""
         self._snap: Snapshot | None = None
         """Kept between cycles and updated in step with the book; rebuilt after anything else."""
+
+    def clear_runs(self) -> None:
+        """Forget every run (before rebuilding them from the store)."""
+        self.runs.clear()
+        self._usage.clear()
+        self.invalidate()
 
     def invalidate(self) -> None:
         """The next cycle rebuilds its snapshot from the book (after changes made outside cycles)."""
@@ -172,6 +180,8 @@ class Book:
 
     def _reserve(self, run: Run, sign: int) -> None:
         res = run.job.resources
+        tenant = run.job.tenant
+        self._usage[tenant] = max(self._usage.get(tenant, 0) + sign * run.gpus, 0)
         for _, _, allocs in run.parts:
             for node, gpus in allocs:
                 cap = self.nodes.get(node)
@@ -187,10 +197,7 @@ class Book:
 
     def usage_by_tenant(self) -> dict[str, int]:
         """GPUs held per tenant (the quota book's input)."""
-        usage: dict[str, int] = {}
-        for run in self.runs.values():
-            usage[run.job.tenant] = usage.get(run.job.tenant, 0) + run.gpus
-        return usage
+        return {t: g for t, g in self._usage.items() if g > 0}
 
     # ---- network -------------------------------------------------------------------------------
 

@@ -180,7 +180,7 @@ class PlacementService:
         """Rebuild the book and the queue from PostgreSQL, then publish leftovers."""
         self.book.nodes = await repo.load_nodes(self.pool)
         self.book.invalidate()
-        self.book.runs.clear()
+        self.book.clear_runs()
         for row in await repo.active_runs(self.pool):
             self.book.add_run(run_from_row(row, self.book.nodes))
         self.queue.clear()
@@ -455,9 +455,10 @@ class PlacementService:
             return result
         wall = time.time()
         snap = self.book.snapshot(wall)
+        usage = self.book.usage_by_tenant()
         if self.quota is not None:
-            self.quota.use(QuotaBook(self.tenants, self.book.usage_by_tenant()))
-        book_for_share = QuotaBook(self.tenants, self.book.usage_by_tenant())
+            self.quota.use(QuotaBook(self.tenants, usage))
+        book_for_share = QuotaBook(self.tenants, usage)
         items = {
             q.job.job_id: QueueItem(
                 job=q.job,
@@ -849,7 +850,7 @@ class PlacementService:
         fresh = await repo.load_nodes(self.pool)
         runs = list(self.book.runs.values())
         self.book.nodes = fresh
-        self.book.runs.clear()
+        self.book.clear_runs()
         for run in runs:
             # GPUs come reserved from the store already: add the run, then take its GPUs back out.
             self.book.add_run(run)

@@ -351,26 +351,27 @@ class DecisionRecord:
     """How many candidates were scored (the record keeps the best of them)."""
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form for storage."""
+        """Plain JSON-able form for storage, column-wise (a record is written with every decision)."""
+        plugins = sorted({p for c in self.candidates for p in c.scores})
+        cands = self.candidates
         return {
             "job_id": self.job_id,
             "at": self.at,
             "outcome": self.outcome,
             "reason": self.reason,
             "weights": self.weights,
-            "candidates": [
-                {
-                    "cluster": c.cluster,
-                    "region": c.region,
-                    "gpu_model": c.gpu_model,
-                    "capacity": c.capacity,
-                    "scores": c.scores,
-                    "raw": c.raw,
-                    "total": c.total,
-                }
-                for c in self.candidates
-            ],
-            "pruned": self.pruned,
+            "plugins": plugins,
+            "candidates": {
+                "cluster": [c.cluster for c in cands],
+                "region": [c.region for c in cands],
+                "gpu_model": [c.gpu_model for c in cands],
+                "capacity": [c.capacity for c in cands],
+                "total": [c.total for c in cands],
+                "scores": [[c.scores.get(p) for c in cands] for p in plugins],
+                "raw": [[c.raw.get(p) for c in cands] for p in plugins],
+            },
+            "pruned": dict(sorted(self.pruned.items())[:PRUNED_KEPT]),
+            "pruned_count": len(self.pruned),
             "chosen": self.chosen,
             "victims": self.victims,
             "notes": self.notes,
@@ -379,20 +380,40 @@ class DecisionRecord:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "DecisionRecord":
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict` (the pruned reasons beyond the first few are not kept)."""
+        cols = data["candidates"]
+        plugins = list(data["plugins"])
+        candidates = [
+            CandidateRecord(
+                cluster=cluster,
+                region=cols["region"][i],
+                gpu_model=cols["gpu_model"][i],
+                capacity=int(cols["capacity"][i]),
+                scores={
+                    p: cols["scores"][j][i] for j, p in enumerate(plugins) if cols["scores"][j][i] is not None
+                },
+                raw={p: cols["raw"][j][i] for j, p in enumerate(plugins) if cols["raw"][j][i] is not None},
+                total=float(cols["total"][i]),
+            )
+            for i, cluster in enumerate(cols["cluster"])
+        ]
         return cls(
             job_id=data["job_id"],
             at=float(data["at"]),
             outcome=data["outcome"],
             reason=data["reason"],
             weights=dict(data["weights"]),
-            candidates=[CandidateRecord(**c) for c in data["candidates"]],
+            candidates=candidates,
             pruned=dict(data["pruned"]),
             chosen=list(data["chosen"]),
             victims=list(data.get("victims", [])),
             notes=list(data.get("notes", [])),
-            considered=int(data.get("considered", len(data["candidates"]))),
+            considered=int(data.get("considered", len(candidates))),
         )
+
+
+PRUNED_KEPT = 32
+"""Ruled-out clusters whose reasons a stored record keeps (the count of all is kept too)."""
 
 
 @dataclass
@@ -721,12 +742,8 @@ class Framework:
             w = self.weights.get(plugin.name, 1.0)
             raw = np.asarray(plugin.score(state, candidates), dtype=np.float64)
             norm = np.asarray(plugin.normalize(state, raw), dtype=np.float64)
-            if (
-                norm.shape != (k,)
-                or not np.all(np.isfinite(norm))
-                or norm.min(initial=0) < -1e-9
-                or norm.max(initial=0) > 100 + 1e-9
-            ):
+            # NaN fails both comparisons, so two reductions check finiteness and range at once.
+            if norm.shape != (k,) or (k and not (norm.min() >= -1e-9 and norm.max() <= 100 + 1e-9)):
                 raise ValueError(f"plugin {plugin.name} produced scores outside 0-100: {norm!r}")
             per_plugin[plugin.name] = (raw, norm)
             if w > 0:
@@ -737,8 +754,12 @@ class Framework:
             snap = state.snapshot
             top = np.lexsort((candidates.model, candidates.cluster, -np.round(totals, 9)))[: self.record_top]
             names = list(per_plugin)
-            norms = [np.round(per_plugin[n][1][top], 2).tolist() for n in names]
-            raws = [_round_raws(per_plugin[n][0][top]) for n in names]
+            norms: list[list[float]] = []
+            raws: list[list[float]] = []
+            if names:
+                norms = np.round(np.vstack([per_plugin[n][1] for n in names])[:, top], 2).tolist()
+                raw_top = np.vstack([per_plugin[n][0] for n in names])[:, top]
+                raws = np.where(np.isfinite(raw_top), raw_top, 0.0).tolist()
             tots = np.round(totals[top], 2).tolist()
             caps = candidates.capacity[top].tolist()
             pairs = zip(candidates.cluster[top].tolist(), candidates.model[top].tolist(), strict=True)
@@ -944,12 +965,3 @@ def _placed_reason(decision: Decision) -> str:
         f"{p.cluster} ({p.gpu_model}, {sum(g for _, g in p.allocations)} GPUs)" for p in decision.parts
     )
     return f"placed {decision.workers} worker(s) on {where} with score {decision.score:.1f}"
-
-
-def _round_raws(values: FloatArray) -> list[float]:
-    """Raw scores to 6 significant digits for the record (non-finite values as 0)."""
-    clean = np.where(np.isfinite(values), values, 0.0)
-    magnitude = np.floor(np.log10(np.maximum(np.abs(clean), 1e-300)))
-    scale = 10.0 ** (5 - magnitude)
-    rounded: list[float] = (np.round(clean * scale) / scale).tolist()
-    return rounded

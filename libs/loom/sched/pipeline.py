@@ -32,6 +32,7 @@ only the sites with the most capacity (``speed_per_gpu * free GPUs``) are consid
 may miss a better plan on the others.
 """
 
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,8 +45,10 @@ from loom.sched.firstfit import pack_workers
 from loom_proto.jobs import Layer, NodeAllocation, PlacedPart
 
 __all__ = [
+    "DEFAULT_MAX_LAYERS",
     "DEFAULT_MAX_SITES",
     "DEFAULT_USABLE_FRACTION",
+    "MAX_SITES_LIMIT",
     "Network",
     "PipelineError",
     "PipelinePlan",
@@ -61,16 +64,20 @@ __all__ = [
 DEFAULT_USABLE_FRACTION = 0.9
 """Share of each GPU's memory a stage may fill (the rest goes to the runtime and fragmentation)."""
 DEFAULT_MAX_SITES = 12
-"""Sites the exact search considers; its cost doubles with each one more."""
+"""Sites the exact search considers; its cost roughly doubles with each one more."""
+MAX_SITES_LIMIT = 20
+"""The most ``max_sites`` may be: the search keeps tables over every subset of the sites."""
+DEFAULT_MAX_LAYERS = 128
+"""Layers the search tells apart; deeper models are searched as this many blocks of layers."""
 
 _TIE_RTOL = 1e-9
 """Bottlenecks within this relative distance count as equal (they differ only by rounding)."""
 _CEIL_SLACK = 1e-9
 """Memory within this share of a GPU boundary does not take one more GPU (float rounding)."""
-_SEARCH_WIDTH = 2
-"""Candidate bottlenecks checked per feasibility check (a ternary search: fewer numpy calls in all)."""
-_BATCH_CELLS = 1 << 22
-"""How many (bound, site, first, last) cells one batched feasibility check may hold."""
+_SEARCH_WIDTH = 8
+"""Candidate bottlenecks checked at once in small searches, where numpy's per-call cost dominates."""
+_SMALL_SEARCH = 1 << 16
+"""A search is small while sites * 2**sites * layers stays within this."""
 
 Network = Callable[[str, str], tuple[float, float]] | Mapping[tuple[str, str], tuple[float, float]]
 """The measured links: ``(src_region, dst_region) -> (rtt_ms, bandwidth_gbps)``, as a function or a
@@ -224,17 +231,24 @@ def _link(net: Network, src: str, dst: str) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class _Problem:
-    """Everything the search reads, computed once: stage times and GPUs for every (site, cut)."""
+    """Everything the search reads, computed once: stage times for every (site, first, last) unit.
+
+    The search works on units: the layers themselves, or blocks of consecutive layers when there are
+    more than ``max_layers`` (see :func:`_units`).
+    """
 
     sites: tuple[Site, ...]
     n: int
+    """Units (layers or blocks)."""
+    bounds: _I64
+    """The first layer of each unit, then the number of layers."""
     compute: _F64
-    """(site, first, last) -> compute seconds; inf where the stage does not fit or first > last."""
+    """(site, first unit, last unit) -> compute seconds; inf where the stage does not fit or first > last."""
     memory_prefix: _F64
-    """Memory of layers ``0..i-1`` at index ``i``: what sizes a stage's GPUs."""
+    """Memory of the layers before each unit boundary: what sizes a stage's GPUs."""
     usable_fraction: float
     transfer: _F64
-    """(from site, to site, last layer of the stage) -> transfer seconds; inf on the diagonal."""
+    """(from site, to site, last unit of the stage) -> transfer seconds; inf on the diagonal."""
     compute_total: float
     """Compute seconds of all layers on one reference GPU."""
 
@@ -259,25 +273,46 @@ def _considered(sites: Sequence[Site], max_sites: int) -> tuple[Site, ...]:
     return tuple(sorted(usable, key=lambda s: s.key))
 
 
+def _prefix(values: Sequence[float]) -> _F64:
+    """Running sums with a leading 0: a stage's total is a difference of two entries."""
+    return np.concatenate(([0.0], np.cumsum(np.asarray(values, dtype=np.float64))))
+
+
+def _units(activation_mb: _F64, max_layers: int) -> _I64:
+    """Unit boundaries: every layer, or ``max_layers`` blocks when there are more layers.
+
+    Blocks keep the search affordable for deep models: the layers are split into ``max_layers``
+    equal windows and each block ends at the layer of its window that sends the least (so cuts can
+    only fall there). Returns the first layer of each unit, then the number of layers.
+    """
+    n = activation_mb.size
+    if n <= max_layers:
+        return np.arange(n + 1, dtype=np.int64)
+    edges = np.linspace(0, n, max_layers + 1).astype(np.int64)
+    cuts = [int(lo + np.argmin(activation_mb[lo:hi])) + 1 for lo, hi in itertools.pairwise(edges[:-1])]
+    return np.array([0, *cuts, n], dtype=np.int64)
+
+
 def _problem(
-    layers: Sequence[Layer], sites: tuple[Site, ...], net: Network, usable_fraction: float
+    layers: Sequence[Layer], sites: tuple[Site, ...], net: Network, usable_fraction: float, max_layers: int
 ) -> _Problem:
-    n = len(layers)
-    compute_prefix = np.concatenate(([0.0], np.cumsum([layer.compute_s for layer in layers])))
-    memory_prefix = np.concatenate(([0.0], np.cumsum([layer.memory_gib for layer in layers])))
-    first = np.arange(n)[:, None]
-    last = np.arange(n)[None, :]
-    ordered = first <= last
+    activation = np.array([layer.activation_mb for layer in layers], dtype=np.float64)
+    bounds = _units(activation, max_layers)
+    n = bounds.size - 1
+    compute_prefix = _prefix([layer.compute_s for layer in layers])[bounds]
+    memory_prefix = _prefix([layer.memory_gib for layer in layers])[bounds]
+    ordered = np.arange(n)[:, None] <= np.arange(n)[None, :]
     stage_compute = compute_prefix[1:][None, :] - compute_prefix[:-1][:, None]
     stage_memory = memory_prefix[1:][None, :] - memory_prefix[:-1][:, None]
     compute = np.full((len(sites), n, n), np.inf)
     for k, site in enumerate(sites):
+        # the same arithmetic as stage_gpus, so the plan's GPUs are those the search sized
         need = np.maximum(
             1, np.ceil(stage_memory / (site.gpu_memory_gib * usable_fraction) - _CEIL_SLACK)
         ).astype(np.int64)
         fits = ordered & (need <= site.stage_gpu_cap)
         compute[k] = np.where(fits, stage_compute / (need * site.speed_per_gpu), np.inf)
-    activation_mb = np.array([layer.activation_mb for layer in layers[:-1]], dtype=np.float64)
+    sent_mb = activation[bounds[1:-1] - 1]  # what each unit but the last sends to the next
     transfer = np.full((len(sites), len(sites), n - 1), np.inf)
     links: dict[tuple[str, str], tuple[float, float]] = {}
     for a, src in enumerate(sites):
@@ -289,10 +324,11 @@ def _problem(
                 links[pair] = _link(net, *pair)
             rtt_ms, bandwidth_gbps = links[pair]
             if bandwidth_gbps > 0:
-                transfer[a, b] = activation_mb * 8 / (1000 * bandwidth_gbps) + rtt_ms / 1000
+                transfer[a, b] = sent_mb * 8 / (1000 * bandwidth_gbps) + rtt_ms / 1000
     return _Problem(
         sites=sites,
         n=n,
+        bounds=bounds,
         compute=compute,
         memory_prefix=memory_prefix,
         usable_fraction=usable_fraction,
@@ -338,6 +374,13 @@ def _unpack(words: _U64) -> _Bool:
     return np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=-1, bitorder="little").view(bool)
 
 
+def _heads(ordered: _I64) -> _I64:
+    """Where each run of equal values starts in a sorted array."""
+    head = np.ones(ordered.size, dtype=bool)
+    head[1:] = ordered[1:] != ordered[:-1]
+    return np.flatnonzero(head)
+
+
 def _stages_needed(prob: _Problem, bounds: _F64, max_stages: int) -> _I64:
     """For each bound, the fewest stages of a plan whose every compute and transfer is within it (0: none).
 
@@ -376,9 +419,9 @@ def _stages_needed(prob: _Problem, bounds: _F64, max_stages: int) -> _I64:
         # smaller hold the closure; the others looked up here (one site more, or without the
         # current site) are empty.
         row_of = (which << count) * count + current
-        earlier = np.zeros_like(starts)
-        for site_bit in bits:
-            earlier |= seen[row_of + (masks ^ site_bit) * count]
+        earlier = np.bitwise_or.reduce(
+            seen[row_of[:, None] + (masks[:, None] ^ bits[None, :]) * count], axis=1
+        )
         starts &= ~earlier
         seen[row_of + masks * count] = starts | earlier
         live = starts.any(axis=1)
@@ -386,9 +429,9 @@ def _stages_needed(prob: _Problem, bounds: _F64, max_stages: int) -> _I64:
         row, first = np.nonzero(_unpack(starts)[:, :n])
         if row.size == 0:
             break
-        rows, at = np.unique(row, return_index=True)
+        at = _heads(row)
         ends = np.zeros_like(starts)
-        ends[rows] = np.bitwise_or.reduceat(reach_words[which[row], current[row], first], at, axis=0)
+        ends[row[at]] = np.bitwise_or.reduceat(reach_words[which[row], current[row], first], at, axis=0)
         done = ((ends[:, end_word] >> np.uint64(end_bit)) & np.uint64(1)).astype(bool)
         needed[which[done]] = level
         if level == max_stages:
@@ -402,18 +445,21 @@ def _stages_needed(prob: _Problem, bounds: _F64, max_stages: int) -> _I64:
             break
         keys = (((which[row] << count) | masks[row] | bits[nxt]) * count) + nxt
         order = np.argsort(keys, kind="stable")
-        unique, at = np.unique(keys[order], return_index=True)
+        at = _heads(keys[order])
+        unique = keys[order][at]
         current, rest = unique % count, unique // count
         which, masks = rest >> count, rest & ((1 << count) - 1)
         starts = np.bitwise_or.reduceat(onward[row[order], nxt[order]], at, axis=0)
     return needed
 
 
-def _min_bottleneck(prob: _Problem, max_stages: int) -> float | None:
-    """The smallest bound under which a plan of at most ``max_stages`` stages exists; None: none does.
+def _min_bottleneck(prob: _Problem, max_stages: int) -> tuple[float, int] | None:
+    """The smallest bound under which a plan of at most ``max_stages`` stages exists, and the fewest
+    stages of a plan within it (bottlenecks within a relative ``_TIE_RTOL`` count as equal); None when
+    no plan exists.
 
-    The optimum is one of the stage compute or transfer times, so the search runs over those, a few
-    at a time (a k-ary search: one batched check splits the interval left into k+1 parts).
+    The optimum is one of the stage compute or transfer times, so the search runs over those; small
+    searches check several at once (a k-ary search: one batched check splits what is left into k+1).
     """
     compute = prob.compute[np.isfinite(prob.compute)]
     transfer = prob.transfer[np.isfinite(prob.transfer)]
@@ -425,35 +471,65 @@ def _min_bottleneck(prob: _Problem, max_stages: int) -> float | None:
     candidates = candidates[candidates >= lower * (1 - _TIE_RTOL)]
     if candidates.size == 0:
         return None
-    width = int(np.clip(_BATCH_CELLS // (len(prob.sites) * prob.n * prob.n), 1, _SEARCH_WIDTH))
-    lo, hi = 0, candidates.size - 1
-    if _stages_needed(prob, candidates[hi:], max_stages)[0] == 0:
-        return None
-    # invariant: candidates[hi] is feasible, everything below lo is not
-    while lo < hi:
-        probe = np.unique(lo + (hi - lo) * np.arange(1, width + 1) // (width + 1))
-        feasible = _stages_needed(prob, candidates[probe], max_stages) > 0
-        if feasible.any():
-            first = int(np.argmax(feasible))
-            hi = int(probe[first])
-            lo = int(probe[first - 1]) + 1 if first > 0 else lo
-        else:
+    count = len(prob.sites)
+    width = _SEARCH_WIDTH if (count << count) * prob.n <= _SMALL_SEARCH else 1
+    # invariant: nothing below lo is feasible; hi is, once stages (its fewest stages) is known
+    lo, hi, stages = 0, candidates.size - 1, 0
+    while stages == 0 or lo < hi:
+        steps = np.arange(1, width + 1)
+        # until hi is known feasible, the probes run up to and including it
+        probe = np.unique(lo + (hi - lo) * steps // (width if stages == 0 else width + 1))
+        needed = _stages_needed(prob, candidates[probe], max_stages)
+        if not needed.any():
+            if stages == 0:
+                return None
             lo = int(probe[-1]) + 1
-    return float(candidates[hi])
+            continue
+        first = int(np.argmax(needed > 0))
+        hi, stages = int(probe[first]), int(needed[first])
+        lo = int(probe[first - 1]) + 1 if first > 0 else lo
+    best = float(candidates[hi])
+    bound = best * (1 + _TIE_RTOL)
+    if hi + 1 < candidates.size and candidates[hi + 1] <= bound:  # a near-tie may need fewer stages
+        stages = int(_stages_needed(prob, np.array([bound]), max_stages)[0])
+    return best, stages
 
 
 def _best_per_key(keys: _I64, values: _I64, tiebreak: _I64) -> _I64:
     """Index of the least (value, tiebreak) for each distinct key, in key order."""
     order = np.lexsort((tiebreak, values, keys))
-    sorted_keys = keys[order]
-    head = np.ones(order.size, dtype=bool)
-    head[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    return order[head]
+    return order[_heads(keys[order])]
 
 
 def _dense_rank(values: _I64) -> _I64:
     """Each value's rank among the distinct values (0 for the least)."""
     return np.unique(values, return_inverse=True)[1].astype(np.int64)
+
+
+def _remember(seen: _U64, masks: _I64, current: _I64, first: _I64, bits: _I64) -> None:
+    """Record states (sites used, current site, first layer) in ``seen``, closed over smaller masks.
+
+    Row ``mask * count + site`` of ``seen`` holds the bits of the first layers reached with those
+    sites or a subset of them.
+    """
+    count = bits.size
+    rows = np.unique(masks * count + current)
+    row_masks, row_sites = rows // count, rows % count
+    for site_bit in bits:  # masks one site smaller (the others looked up are empty)
+        seen[rows] |= seen[(row_masks ^ site_bit) * count + row_sites]
+    np.bitwise_or.at(
+        seen, (masks * count + current, first >> 6), np.uint64(1) << (first & 63).astype(np.uint64)
+    )
+
+
+def _dominated(seen: _U64, masks: _I64, current: _I64, first: _I64, bits: _I64) -> _Bool:
+    """Which states were reached before with a strict subset of their sites (so in fewer stages)."""
+    count = bits.size
+    word, bit = first >> 6, np.uint64(1) << (first & 63).astype(np.uint64)
+    hit = np.zeros(masks.size, dtype=bool)
+    for site_bit in bits:
+        hit |= (seen[(masks ^ site_bit) * count + current, word] & bit) != 0
+    return hit
 
 
 def _cheapest(prob: _Problem, bound: float, stages: int) -> list[tuple[int, int, int]]:
@@ -478,6 +554,8 @@ def _cheapest(prob: _Problem, bound: float, stages: int) -> list[tuple[int, int,
     current = np.flatnonzero(ok[stages][:, 0]).astype(np.int64)
     masks, first = bits[current], np.zeros(current.size, dtype=np.int64)
     value, rank = np.zeros(current.size), current.copy()
+    seen = np.zeros((count << count, -(-(n + 1) // 64)), dtype=np.uint64)
+    _remember(seen, masks, current, first, bits)
     parents: list[_I64] = []  # per level after the first: the end each state continues
     ends_of: list[tuple[_I64, _I64]] = []  # per level but the last: (state, last layer) of each end
     firsts: list[tuple[_I64, _I64]] = [(current, first)]
@@ -511,7 +589,9 @@ def _cheapest(prob: _Problem, bound: float, stages: int) -> list[tuple[int, int,
         pick = _best_per_key(
             (new_masks * count + nxt) * n + new_first, np.floor(total / quantum).astype(np.int64), order
         )
+        pick = pick[~_dominated(seen, new_masks[pick], nxt[pick], new_first[pick], bits)]
         masks, current, first, value = new_masks[pick], nxt[pick], new_first[pick], total[pick]
+        _remember(seen, masks, current, first, bits)
         rank = _dense_rank(order[pick])
         parents.append(end[pick])
         firsts.append((current, first))
@@ -530,23 +610,35 @@ def _cheapest(prob: _Problem, bound: float, stages: int) -> list[tuple[int, int,
     return plan_rev[::-1]
 
 
+def _stage(site: Site, first: int, last: int, *, gpus: int, compute_s: float, transfer_s: float) -> StagePlan:
+    """A stage with its GPUs taken from the site's nodes, most free first."""
+    allocations = pack_workers(site.free_gpus, 1, gpus)
+    if allocations is None:  # the search only uses stages that fit the site's free GPUs
+        raise AssertionError(f"a stage of {gpus} GPU(s) does not fit {site.key}")
+    return StagePlan(
+        site=site,
+        first_layer=first,
+        last_layer=last,
+        gpus=gpus,
+        allocations=tuple(allocations),
+        compute_s=compute_s,
+        transfer_s=transfer_s,
+    )
+
+
 def _assemble(prob: _Problem, cuts: Sequence[tuple[int, int, int]]) -> PipelinePlan:
+    """The plan of (site, first unit, last unit) stages, in layers."""
     stages: list[StagePlan] = []
     for k, (t, first, last) in enumerate(cuts):
         site = prob.sites[t]
         memory_gib = float(prob.memory_prefix[last + 1] - prob.memory_prefix[first])
-        gpus = stage_gpus(memory_gib, site.gpu_memory_gib, prob.usable_fraction)  # as the search sized it
-        allocations = pack_workers(site.free_gpus, 1, gpus)
-        if allocations is None:  # the search only uses stages that fit the site's free GPUs
-            raise AssertionError(f"stage of {gpus} GPU(s) does not fit {site.key}")
         hop = float(prob.transfer[t, cuts[k + 1][0], last]) if k + 1 < len(cuts) else 0.0
         stages.append(
-            StagePlan(
-                site=site,
-                first_layer=first,
-                last_layer=last,
-                gpus=gpus,
-                allocations=tuple(allocations),
+            _stage(
+                site,
+                int(prob.bounds[first]),
+                int(prob.bounds[last + 1]) - 1,
+                gpus=stage_gpus(memory_gib, site.gpu_memory_gib, prob.usable_fraction),
                 compute_s=float(prob.compute[t, first, last]),
                 transfer_s=hop,
             )
@@ -566,42 +658,59 @@ def plan(
     max_stages: int = 8,
     usable_fraction: float = DEFAULT_USABLE_FRACTION,
     max_sites: int = DEFAULT_MAX_SITES,
+    max_layers: int = DEFAULT_MAX_LAYERS,
 ) -> PipelinePlan | None:
     """The plan of 1..``max_stages`` stages with the smallest bottleneck; None when nothing fits now.
 
     One stage wins whenever splitting is not strictly faster (fewer stages win ties), so a result with
     several stages means the model does not fit one site or runs faster split; compare with
-    :func:`best_single` to tell which. Exact over the sites considered (see the module docstring for
-    ``max_sites``). Sites with no free GPUs or no speed are ignored.
+    :func:`best_single` to tell which. Exact over the sites considered when the model has at most
+    ``max_layers`` layers (see the module docstring for ``max_sites`` and ``max_layers``). Sites with
+    no free GPUs or no speed are ignored.
 
-    Raises :class:`PipelineError` on unusable input (no layers, a bad fraction, a site listed twice,
-    a negative link figure).
+    Raises :class:`PipelineError` on unusable input (no layers, a bad fraction or limit, a site listed
+    twice, a negative link figure).
     """
     _check_inputs(layers, sites, usable_fraction)
-    if max_stages < 1 or max_sites < 1:
-        raise PipelineError(f"max_stages and max_sites must be >= 1, got {max_stages} and {max_sites}")
+    if max_stages < 1 or not (1 <= max_sites <= MAX_SITES_LIMIT) or max_layers < 2:
+        raise PipelineError(
+            f"need max_stages >= 1, 1 <= max_sites <= {MAX_SITES_LIMIT} and max_layers >= 2;"
+            f" got {max_stages}, {max_sites} and {max_layers}"
+        )
     considered = _considered(sites, max_sites)
     if not considered:
         return None
-    prob = _problem(layers, considered, net, usable_fraction)
-    limit = min(max_stages, len(considered), len(layers))
-    best = _min_bottleneck(prob, limit)
-    if best is None:
+    prob = _problem(layers, considered, net, usable_fraction, max_layers)
+    limit = min(max_stages, len(considered), prob.n)
+    found = _min_bottleneck(prob, limit)
+    if found is None:
         return None
-    bound = best * (1 + _TIE_RTOL)
-    stages = int(_stages_needed(prob, np.array([bound]), limit)[0])
-    if stages == 0:  # cannot happen: the bound is at least the optimum
-        raise AssertionError("no plan within the optimal bottleneck")
-    return _assemble(prob, _cheapest(prob, bound, stages))
+    best, stages = found
+    return _assemble(prob, _cheapest(prob, best * (1 + _TIE_RTOL), stages))
 
 
 def best_single(
     layers: Sequence[Layer], sites: Sequence[Site], *, usable_fraction: float = DEFAULT_USABLE_FRACTION
 ) -> PipelinePlan | None:
-    """The fastest plan that keeps the whole model on one site (every site considered); None: none fits."""
-    return plan(
-        layers, sites, {}, max_stages=1, usable_fraction=usable_fraction, max_sites=max(len(sites), 1)
-    )
+    """The fastest plan that keeps the whole model on one site (every site considered); None: none fits.
+
+    Its figures are those :func:`plan` computes for the same one-stage plan, so comparing the two
+    bottlenecks tells whether splitting is faster.
+    """
+    _check_inputs(layers, sites, usable_fraction)
+    compute_s = float(_prefix([layer.compute_s for layer in layers])[-1])
+    memory_gib = float(_prefix([layer.memory_gib for layer in layers])[-1])
+    best: StagePlan | None = None
+    for site in _considered(sites, len(sites)):
+        gpus = stage_gpus(memory_gib, site.gpu_memory_gib, usable_fraction)
+        if gpus > site.stage_gpu_cap:
+            continue
+        seconds = compute_s / (gpus * site.speed_per_gpu)
+        if best is None or seconds < best.compute_s:
+            best = _stage(site, 0, len(layers) - 1, gpus=gpus, compute_s=seconds, transfer_s=0.0)
+    if best is None:
+        return None
+    return PipelinePlan(stages=(best,), bottleneck_s=best.compute_s, step_s=best.compute_s)
 
 
 def _label(site: Site) -> str:
@@ -616,12 +725,22 @@ def infeasible_reason(
     max_stages: int = 8,
     usable_fraction: float = DEFAULT_USABLE_FRACTION,
     max_sites: int = DEFAULT_MAX_SITES,
+    max_layers: int = DEFAULT_MAX_LAYERS,
 ) -> str | None:
     """Why :func:`plan` finds nothing, in words the submitter can act on; None when a plan exists.
 
     It speaks of the GPUs free now: waiting for capacity may help where the total GPUs would suffice.
     """
-    if plan(layers, sites, net, max_stages=max_stages, usable_fraction=usable_fraction, max_sites=max_sites):
+    found = plan(
+        layers,
+        sites,
+        net,
+        max_stages=max_stages,
+        usable_fraction=usable_fraction,
+        max_sites=max_sites,
+        max_layers=max_layers,
+    )
+    if found is not None:
         return None
     considered = _considered(sites, max_sites)
     if not considered:
@@ -655,8 +774,13 @@ def infeasible_reason(
             "the model does not fit one site, and no measured link joins the sites that could hold its"
             " stages; the stages cannot be connected"
         )
+    blocks = (
+        f" (cut only between {max_layers} blocks of layers, at the layer of each that sends least)"
+        if len(layers) > max_layers
+        else ""
+    )
     return (
-        f"no cut of the {len(layers)} layer(s) into at most {max_stages} contiguous stage(s) fits the free"
-        f" GPUs of {len(considered)} site(s): each site hosts one stage, a layer is never split, and stages"
-        " are joined only over measured links"
+        f"no cut of the {len(layers)} layer(s) into at most {max_stages} contiguous stage(s){blocks} fits"
+        f" the free GPUs of {len(considered)} site(s): each site hosts one stage, a layer is never split,"
+        " and stages are joined only over measured links"
     )

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
+import msgspec
 
 from loom.sched.firstfit import NodeCapacity
 from loom.store.pool import ConflictError
@@ -370,14 +371,14 @@ async def record_decisions(
         return
     await conn.execute(
         """INSERT INTO decisions (job_id, attempt, outcome, record)
-           SELECT j, a, o, r::jsonb
+           SELECT j, a, o, r
            FROM unnest($1::text[], $2::int[], $3::text[], $4::text[]) AS u(j, a, o, r)
            ON CONFLICT (job_id, attempt) DO UPDATE SET outcome = EXCLUDED.outcome, record = EXCLUDED.record,
                at = now()""",
         [r[0] for r in records],
         [r[1] for r in records],
         [r[2] for r in records],
-        [json.dumps(r[3]) for r in records],
+        [msgspec.json.encode(r[3]).decode() for r in records],
     )
 
 

@@ -16,7 +16,8 @@ CREATE TABLE decisions (
     attempt integer     NOT NULL,
     at      timestamptz NOT NULL DEFAULT now(),
     outcome text        NOT NULL CHECK (outcome IN ('placed', 'rejected', 'waiting')),
-    record  jsonb       NOT NULL,
+    -- JSON text, not jsonb: written with every decision and read only by `loom explain`.
+    record  text        NOT NULL,
     PRIMARY KEY (job_id, attempt)
 );
 
