@@ -73,9 +73,10 @@ class StartJob(
     role: Literal["lead", "member"] = "lead"
     """A job on several clusters has one lead part, which runs the job's clock and reports its
     progress; member parts hold their GPUs and run until stopped."""
-    slowdown: Annotated[float, Meta(ge=1, le=1_000_000)] = 1.0
-    """How much slower than its compute alone the run goes (communication across clusters,
-    pipeline bubbles), as placement predicted it."""
+    slowdown: Annotated[float, Meta(gt=0, le=1_000_000)] = 1.0
+    """How much longer than its compute alone on the lead's GPUs a step takes, as placement
+    predicted it: above 1 for communication across clusters, below 1 for a pipeline whose stages
+    share the work over many GPUs."""
     workers: Annotated[int, Meta(ge=1)] | None = None
     start_after_s: Annotated[float, Meta(ge=0, le=30 * 86_400)] = 0.0
     """Simulated seconds to wait before starting (the dataset's first copy is still on its way)."""

@@ -568,7 +568,7 @@ class PlacementService:
                 allocations=part.allocations,
                 attempt=q.attempt,
                 role="lead" if i == 0 else "member",
-                slowdown=max(d.slowdown, 1.0),
+                slowdown=d.slowdown,
                 workers=d.workers if d.workers != job.workers else None,
                 start_after_s=d.start_after_s,
             )

@@ -5,6 +5,7 @@ decision records for `loom explain`, and a standby taking over from the leader.
 """
 
 import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -18,7 +19,7 @@ from loom.client import LoomClient
 from loom.runtime.servers import NatsServer
 from loom.sched.explain import render
 from loom.sched.framework import DecisionRecord
-from loom_proto.jobs import Affinity, JobSpec, Resources, Stage, Work
+from loom_proto.jobs import Affinity, JobSpec, Layer, Pipeline, Resources, Stage, Work
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +229,30 @@ async def test_a_start_nobody_confirms_expires_and_the_job_goes_elsewhere(
         assert "c-weu-a" in requeued[0]["avoid_clusters"]
         assert placed[-1]["attempt"] == 2
     assert job["attempt"] == len(placed)
+
+
+async def test_a_model_no_cluster_can_hold_runs_as_a_pipeline_over_two(client: LoomClient) -> None:
+    # 12 layers x 100 GiB: c-use2-a's 32 G2 (40 GiB each, 36 usable) hold 1,152 GiB, not 1,200.
+    layers = [Layer(compute_s=0.5, memory_gib=100.0, activation_mb=20.0) for _ in range(12)]
+    await client.submit(
+        JobSpec(
+            job_id="llm-pipe",
+            tenant="t1",
+            pipeline=Pipeline(layers=layers, max_stages=3),
+            work=Work(steps=20, step_time_s=6.0),
+        )
+    )
+    job = await until(in_state(client, "llm-pipe", "completed"), 60, "llm-pipe completed")
+    placed = events_of(job, "placed")[0]
+    parts = placed["parts"]
+    assert len(parts) >= 2
+    spans = sorted(tuple(p["layers"]) for p in parts)
+    assert spans[0][0] == 0 and spans[-1][1] == 11
+    assert all(a[1] + 1 == b[0] for a, b in itertools.pairwise(spans))
+    assert placed["predicted_step_s"] > 0
+    explained = await client.explain("llm-pipe")
+    notes = DecisionRecord.from_dict(explained["decisions"][0]["record"]).notes
+    assert any("the model fits no single cluster" in n for n in notes)
 
 
 async def test_a_higher_priority_job_preempts_the_cheapest_victim(client: LoomClient) -> None:

@@ -5,6 +5,7 @@ platforms and job streams and check what must always hold: no node ever gives mo
 has, no job is placed twice, a gang gets all its workers or nothing, and no tenant exceeds its quota.
 """
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -368,3 +369,35 @@ def test_quotas_are_never_exceeded(nodes: list[NodeCapacity], jobs: list[JobSpec
     assert held == {t: book.held(t) for t in held}
     assert held["t1"] <= q1 + 4
     assert held["t1"] + held["t2"] <= q1 + q2
+
+
+def test_a_model_too_big_for_any_cluster_is_cut_into_pipeline_stages() -> None:
+    from loom_proto.jobs import Layer, Pipeline
+
+    nodes = [node(f"a{i}", "ca", "r1") for i in range(2)] + [node(f"b{i}", "cb", "r2") for i in range(2)]
+    snap = Snapshot(nodes, net=NetMatrix(["r1", "r2"]), gpu_memory_gib={"A100": 80.0}, now=0.0)
+    snap.net.set_link("r1", "r2", rtt_ms=20.0, bandwidth_gbps=10.0)
+    snap.net.set_link("r2", "r1", rtt_ms=20.0, bandwidth_gbps=10.0)
+    # 8 layers x 150 GiB = 1200 GiB: one cluster's 16 A100s hold 16 x 72 = 1152 GiB usable.
+    layers = [Layer(compute_s=1.0, memory_gib=150.0, activation_mb=10.0) for _ in range(8)]
+    spec = job("llm", pipeline=Pipeline(layers=layers, max_stages=4))
+    outcome = build_framework().schedule(spec, snap)
+    assert outcome.decision is not None, outcome.status
+    parts = outcome.decision.parts
+    assert [p.cluster for p in sorted(parts, key=lambda p: p.layers or (0, 0))] in (
+        ["ca", "cb"],
+        ["cb", "ca"],
+    )
+    covered = sorted(p.layers for p in parts if p.layers is not None)
+    assert covered[0][0] == 0 and covered[-1][1] == 7
+    assert all(a[1] + 1 == b[0] for a, b in itertools.pairwise(covered))
+    assert outcome.decision.predicted_step_s and outcome.decision.predicted_step_s > 0
+    assert any("pipeline of 2 stage(s)" in n for n in outcome.record.notes)
+    # Every GPU taken is within what the nodes had.
+    assert (snap.free >= 0).all()
+    # Twice the model can never fit the platform at all: rejected at once, with the reason.
+    huge = job("huge", pipeline=Pipeline(layers=layers * 2, max_stages=4))
+    never = build_framework().schedule(
+        huge, Snapshot(nodes, net=NetMatrix(["r1", "r2"]), gpu_memory_gib={"A100": 80.0})
+    )
+    assert never.status.code == Code.UNRESOLVABLE and never.status.plugin == "pipeline"

@@ -69,7 +69,7 @@ def layout(p: PipelinePlan) -> list[tuple[str, int, int]]:
 
 
 def test_a_model_too_big_for_any_one_cluster_is_split() -> None:
-    # 4 x 30 GiB = 120 GiB; each site holds 2 x 80 x 0.9 = 144 GiB? no: 2 GPUs of 40 GiB -> 72 GiB.
+    # 4 x 30 GiB = 120 GiB; each site holds 2 GPUs x 40 GiB x 0.9 = 72 GiB
     model = layers(1, 1, 1, 1, memory_gib=30)
     sites = [site("a", memory_gib=40, nodes=(2,)), site("b", memory_gib=40, nodes=(2,))]
     assert best_single(model, sites) is None
@@ -263,6 +263,10 @@ def test_bad_input_is_refused() -> None:
         plan(layers(1), [site("a"), site("a")], links(LAN))
     with pytest.raises(PipelineError, match="gpu_memory_gib"):
         site("a", memory_gib=0)
+    with pytest.raises(PipelineError, match="listed twice in free_gpus"):
+        Site("a", "r1", "A100", 1.0, 80.0, (("n1", 2), ("n1", 2)))
+    with pytest.raises(PipelineError, match="max_sites"):
+        plan(layers(1), [site("a")], links(LAN), max_sites=17)
     with pytest.raises(PipelineError, match="rtt_ms"):
         plan(layers(1, 1), [site("a", nodes=(1,)), site("b", nodes=(1,))], lambda s, d: (-1.0, 1.0))
 
@@ -366,31 +370,13 @@ def instances(
     return model, sites, net, draw(st.integers(1, 4))
 
 
-@settings(max_examples=400, deadline=None)
-@given(instances())
-def test_the_plan_matches_brute_force(
-    case: tuple[list[Layer], list[Site], dict[tuple[str, str], tuple[float, float]], int],
-) -> None:
-    model, sites, net, max_stages = case
-    expected = brute_force(model, sites, net, max_stages)
-    result = plan(model, sites, net, max_stages=max_stages, usable_fraction=USABLE)
-    if expected is None:
-        assert result is None
-        assert infeasible_reason(model, sites, net, max_stages=max_stages, usable_fraction=USABLE)
-        return
-    assert result is not None
-    assert result.bottleneck_s == pytest.approx(expected.bottleneck_s, rel=1e-9)
-    assert len(result.stages) == expected.stages
-    assert result.latency_s == pytest.approx(expected.latency_s, rel=1e-9)
-    assert tuple((s.site.key, s.last_layer) for s in result.stages) == expected.order
-    assert plan(model, sites[::-1], net, max_stages=max_stages, usable_fraction=USABLE) == result
+def assert_valid(result: PipelinePlan, model: Sequence[Layer], max_stages: int) -> None:
+    """Stages are contiguous and cover every layer once, use each site once and fit its free GPUs."""
     assert result.step_s == result.bottleneck_s
-    # stages are contiguous, in order, cover every layer once, and use each site at most once
     assert result.stages[0].first_layer == 0 and result.stages[-1].last_layer == len(model) - 1
     for before, after in itertools.pairwise(result.stages):
         assert after.first_layer == before.last_layer + 1
-    assert len({s.site.key for s in result.stages}) == len(result.stages)
-    assert len(result.stages) <= max_stages
+    assert len({s.site.key for s in result.stages}) == len(result.stages) <= max_stages
     for k, stage in enumerate(result.stages):
         assert stage.first_layer <= stage.last_layer
         free = dict(stage.site.free_gpus)
@@ -399,8 +385,57 @@ def test_the_plan_matches_brute_force(
         assert len({node for node, _ in stage.allocations}) == len(stage.allocations)
         if stage.site.max_gpus_per_stage is not None:
             assert stage.gpus <= stage.site.max_gpus_per_stage
-        memory = sum(layer.memory_gib for layer in model[stage.first_layer : stage.last_layer + 1])
+        span = model[stage.first_layer : stage.last_layer + 1]
+        memory = sum(layer.memory_gib for layer in span)
         assert memory <= stage.gpus * stage.site.gpu_memory_gib * USABLE * (1 + 1e-9)
+        work = sum(layer.compute_s for layer in span)
+        assert stage.compute_s == pytest.approx(work / (stage.gpus * stage.site.speed_per_gpu), rel=1e-9)
         assert max(stage.compute_s, stage.transfer_s) <= result.bottleneck_s
         if k + 1 == len(result.stages):
             assert stage.transfer_s == 0
+
+
+@settings(max_examples=400, deadline=None)
+@given(instances())
+def test_the_plan_matches_brute_force(
+    case: tuple[list[Layer], list[Site], dict[tuple[str, str], tuple[float, float]], int],
+) -> None:
+    model, sites, net, max_stages = case
+    expected = brute_force(model, sites, net, max_stages)
+    result = plan(model, sites, net, max_stages=max_stages, usable_fraction=USABLE)
+    single = best_single(model, sites, usable_fraction=USABLE)
+    if single is not None:  # the same figures as the one-stage plan
+        alone = plan(model, sites, net, max_stages=1, usable_fraction=USABLE)
+        assert alone == single
+    if expected is None:
+        assert result is None
+        assert infeasible_reason(model, sites, net, max_stages=max_stages, usable_fraction=USABLE)
+        return
+    assert result is not None
+    assert_valid(result, model, max_stages)
+    assert result.bottleneck_s == pytest.approx(expected.bottleneck_s, rel=1e-9)
+    assert len(result.stages) == expected.stages
+    assert result.latency_s == pytest.approx(expected.latency_s, rel=1e-9)
+    assert tuple((s.site.key, s.last_layer) for s in result.stages) == expected.order
+    assert plan(model, sites[::-1], net, max_stages=max_stages, usable_fraction=USABLE) == result
+    if single is not None:
+        assert result.bottleneck_s <= single.bottleneck_s
+    # searched in blocks, the plan is still valid, and no better than the exact one
+    blocked = plan(model, sites, net, max_stages=max_stages, usable_fraction=USABLE, max_layers=2)
+    if blocked is not None:
+        assert_valid(blocked, model, max_stages)
+        assert blocked.bottleneck_s >= result.bottleneck_s * (1 - 1e-9)
+
+
+def test_deep_models_are_cut_only_at_the_quietest_layer_of_each_window() -> None:
+    # 8 layers in 4 windows of 2: blocks end after layers 1, 2 and 4, where the least is sent
+    sent = [5, 1, 3, 9, 2, 8, 7, 0]
+    model = [Layer(compute_s=1, memory_gib=1, activation_mb=mb) for mb in sent]
+    sites = [site(c, nodes=(1,)) for c in "abcdefgh"]
+    result = plan(model, sites, links(LAN), max_layers=4)
+    assert result is not None
+    assert {s.last_layer for s in result.stages} <= {1, 2, 4, 7}
+    assert result.bottleneck_s == pytest.approx(3.0)  # the last block, layers 5..7, cannot be cut
+    exact = plan(model, sites, links(LAN))
+    assert exact is not None and len(exact.stages) == 8
+    assert exact.bottleneck_s == pytest.approx(1.0)

@@ -24,6 +24,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
+from loom.sched import pipeline
 from loom.sched.snapshot import BoolArray, FloatArray, IntArray, Snapshot
 from loom_proto.jobs import JobSpec, SyncPlan
 
@@ -577,6 +578,8 @@ class Framework:
             return self._fail(record, status)
         state.policy_mask = state.cluster_mask.copy()
         self.prune_hierarchically(state)
+        if job.pipeline is not None:
+            return self.schedule_pipeline(state, record, apply=apply)
         candidates = self.find_candidates(state)
         decision: Decision | None = None
         if len(candidates) == 0 and job.allow_multi_cluster and job.pipeline is None:
@@ -600,6 +603,97 @@ class Framework:
         elif decision is None:
             totals = self.score(state, candidates, record)
             decision = self.choose(state, candidates, totals)
+        return self.finish(state, decision, record, apply=apply)
+
+    def pipeline_sites(self, state: CycleState, *, idle: bool = False) -> list[pipeline.Site]:
+        """One site per allowed cluster: its fastest model (x free GPUs); ``idle``: as if nothing ran."""
+        snap = state.snapshot
+        speeds = snap.speeds(state.job.task_type)
+        allowed = state.policy_mask if (idle and state.policy_mask is not None) else state.cluster_mask
+        models = state.model_mask[: snap.total_sum.shape[1]]
+        gpus_of = snap.total if idle else np.where(snap.schedulable, snap.free, 0)
+        best: dict[int, pipeline.Site] = {}
+        for c, m in np.argwhere(allowed[:, None] & models[None, :] & (snap.total_sum > 0)).tolist():
+            nodes, _ = snap.node_slice(c, m)
+            gpus = gpus_of[nodes]
+            if not gpus.any():
+                continue
+            site = pipeline.Site(
+                cluster=snap.clusters[c].id,
+                region=snap.clusters[c].region,
+                gpu_model=snap.models[m],
+                speed_per_gpu=float(speeds[m] * snap.trust[c]),
+                gpu_memory_gib=snap.gpu_memory_gib.get(snap.models[m], 0.0) or 16.0,
+                free_gpus=tuple(zip((snap.node_ids[n] for n in nodes.tolist()), gpus.tolist(), strict=True)),
+            )
+            held = best.get(c)
+            if held is None or (
+                site.speed_per_gpu * site.gpus_free_total > held.speed_per_gpu * held.gpus_free_total
+            ):
+                best[c] = site
+        return [best[c] for c in sorted(best)]
+
+    def schedule_pipeline(self, state: CycleState, record: DecisionRecord, *, apply: bool) -> Outcome:
+        """A model declared as layers: contiguous stages over clusters, the slowest stage fastest."""
+        snap = state.snapshot
+        job = state.job
+        assert job.pipeline is not None
+        layers = job.pipeline.layers
+        max_stages = job.pipeline.max_stages
+
+        def net(src: str, dst: str) -> tuple[float, float]:
+            return snap.net.link(src, dst)
+
+        sites = self.pipeline_sites(state)
+        plan = pipeline.plan(layers, sites, net, max_stages=max_stages) if sites else None
+        if plan is None:
+            idle = self.pipeline_sites(state, idle=True)
+            if idle and pipeline.plan(layers, idle, net, max_stages=max_stages) is not None:
+                reason = pipeline.infeasible_reason(layers, sites, net, max_stages=max_stages) or "no room"
+                return self._fail(
+                    record, Status(Code.UNSCHEDULABLE, f"{reason}; waiting for capacity", "pipeline")
+                )
+            why = (
+                pipeline.infeasible_reason(layers, idle, net, max_stages=max_stages) or "no cluster has GPUs"
+            )
+            return self._fail(record, Status(Code.UNRESOLVABLE, why, "pipeline"))
+        single = pipeline.best_single(layers, sites)
+        compute_ref = sum(layer.compute_s for layer in layers)
+        parts = [
+            Part(
+                cluster=st.site.cluster,
+                region=st.site.region,
+                gpu_model=st.site.gpu_model,
+                allocations=st.allocations,
+                layers=(st.first_layer, st.last_layer),
+            )
+            for st in plan.stages
+        ]
+        lead_speed = plan.stages[0].site.speed_per_gpu or 1.0
+        decision = Decision(
+            job_id=job.job_id,
+            parts=parts,
+            workers=job.workers,
+            score=100.0,
+            predicted_step_s=plan.step_s,
+            # The agent times a step as step_time_s x slowdown / speed of the lead's GPUs.
+            slowdown=max(plan.step_s * lead_speed / max(job.work.step_time_s, 1e-9), 1e-6),
+        )
+        for st in plan.stages:
+            record.notes.append(
+                f"stage layers {st.first_layer}-{st.last_layer} on {st.site.cluster}"
+                f" ({st.gpus} {st.site.gpu_model}):"
+                f" compute {st.compute_s * 1000:.0f} ms, transfer to the next {st.transfer_s * 1000:.0f} ms"
+            )
+        record.notes.append(
+            f"pipeline of {len(plan.stages)} stage(s): {plan.step_s * 1000:.0f} ms per step"
+            + (
+                f" vs {single.step_s * 1000:.0f} ms on the best single cluster"
+                if single is not None
+                else "; the model fits no single cluster"
+            )
+            + f" (reference compute {compute_ref:.2f} s per step)"
+        )
         return self.finish(state, decision, record, apply=apply)
 
     def run_post_filters(self, state: CycleState, record: DecisionRecord) -> Decision | None:

@@ -20,16 +20,21 @@ The model, stated once:
   ``activation_mb * 8 / (1000 * bandwidth_gbps) + rtt_ms / 1000`` seconds, with the link measured
   between the two sites' regions (``net(region, region)`` for two sites in one region).
 * Each site hosts at most one stage. The objective is the bottleneck
-  ``max over stages of max(compute_k, transfer_k->k+1)``. Ties go to fewer stages, then to the smaller
-  sum of all stage times (compute and transfers: the time one step takes through an empty
-  pipeline), and remaining exact ties deterministically to sites earlier in (cluster, GPU model) order.
+  ``max over stages of max(compute_k, transfer_k->k+1)`` (bottlenecks within a relative 1e-9 count as
+  equal). Ties go to fewer stages, then to the smaller sum of all stage times (compute and transfers:
+  the time one step takes through an empty pipeline), then to the plan whose sequence of (site, last
+  layer) comes first, sites in (cluster, GPU model) order, so the same input always gives the same plan.
 
-The search is exact over the sites it considers: a binary search over the candidate bottlenecks
-(every stage compute and transfer time that can occur) with a feasibility dynamic programme over
-(sites used, last site, layers done), vectorised with numpy; then a min-sum programme at the optimal
-bottleneck for the tie-breaks. Its cost grows as ``2**sites``, so beyond ``max_sites`` (default 12)
-only the sites with the most capacity (``speed_per_gpu * free GPUs``) are considered and the result
-may miss a better plan on the others.
+The search is exact over the sites and cut points it considers. It runs over the candidate
+bottlenecks (every stage compute and transfer time that can occur), checking each with a feasibility
+programme over (sites used, current site) rows that hold the layers the current stage may start at as
+bit sets; rows that cannot finish (even reusing sites) or that a subset of their sites already reached
+are dropped. A min-sum programme at the optimal bottleneck then applies the tie-breaks. The cost
+grows as ``2**sites``: beyond ``max_sites`` (default 12) only the sites with the most capacity
+(``speed_per_gpu * free GPUs``) are considered, so a better plan on the others may be missed; and a
+model deeper than ``max_layers`` (default 128) is searched as that many blocks of layers, each ending
+at the layer of its window that sends the least, so cuts fall only there. Typical cost on one core:
+about 10-15 ms for 32 layers on 8 sites; 0.1-1 s for 128 layers (or more, in blocks) on 12 sites.
 """
 
 import itertools
@@ -65,7 +70,7 @@ DEFAULT_USABLE_FRACTION = 0.9
 """Share of each GPU's memory a stage may fill (the rest goes to the runtime and fragmentation)."""
 DEFAULT_MAX_SITES = 12
 """Sites the exact search considers; its cost roughly doubles with each one more."""
-MAX_SITES_LIMIT = 20
+MAX_SITES_LIMIT = 16
 """The most ``max_sites`` may be: the search keeps tables over every subset of the sites."""
 DEFAULT_MAX_LAYERS = 128
 """Layers the search tells apart; deeper models are searched as this many blocks of layers."""
@@ -77,7 +82,7 @@ _CEIL_SLACK = 1e-9
 _SEARCH_WIDTH = 8
 """Candidate bottlenecks checked at once in small searches, where numpy's per-call cost dominates."""
 _SMALL_SEARCH = 1 << 16
-"""A search is small while sites * 2**sites * layers stays within this."""
+"""A search is small while sites * 2**sites * units (layers or blocks) stays within this."""
 
 Network = Callable[[str, str], tuple[float, float]] | Mapping[tuple[str, str], tuple[float, float]]
 """The measured links: ``(src_region, dst_region) -> (rtt_ms, bandwidth_gbps)``, as a function or a
@@ -117,6 +122,8 @@ class Site:
             raise PipelineError(f"site {self.key}: gpu_memory_gib must be > 0, got {self.gpu_memory_gib}")
         if any(free < 0 for _, free in self.free_gpus):
             raise PipelineError(f"site {self.key}: a node has a negative free GPU count")
+        if len({node for node, _ in self.free_gpus}) != len(self.free_gpus):
+            raise PipelineError(f"site {self.key}: a node is listed twice in free_gpus")
         if self.max_gpus_per_stage is not None and self.max_gpus_per_stage < 1:
             raise PipelineError(f"site {self.key}: max_gpus_per_stage must be >= 1")
 
@@ -362,7 +369,10 @@ def _finishable(prob: _Problem, bounds: _F64, stages: int) -> _Bool:
 
 
 def _pack(flags: _Bool) -> _U64:
-    """Bool flags over the last axis as little-endian 64-bit words (bit ``i`` of the set is flag ``i``)."""
+    """Bool flags over the last axis as 64-bit words: bit ``i`` of the set is flag ``i``.
+
+    The words are read as native integers, which assumes a little-endian host (x86, ARM).
+    """
     words = -(-flags.shape[-1] // 64)
     padded = np.zeros((*flags.shape[:-1], words * 64), dtype=bool)
     padded[..., : flags.shape[-1]] = flags
