@@ -490,7 +490,18 @@ class PlacementService:
                 reservations.append((q.job.job_id, q.attempt, part.cluster, part.allocations))
                 deadlines.append(now + self.confirm_timeout_s + d.start_after_s)
             placed_rows.append((q.job.job_id, d.lead.cluster, q.attempt, now, d.workers))
-        # Victims first: their GPUs are what the preemptors' reservations take.
+        # Shrunk elastic jobs and preempted victims first: their GPUs are what the new
+        # reservations take.
+        for q, d, _ in result.placed:
+            for job_id, workers, allocations in d.shrunk:
+                await self._shrink(
+                    conn,
+                    job_id=job_id,
+                    workers=workers,
+                    allocations=allocations,
+                    by=q.job.job_id,
+                    result=result,
+                )
         for victim, by in result.preempted:
             run = self.book.runs.get(victim)
             if run is not None:
@@ -624,8 +635,59 @@ class PlacementService:
         )
         result.requeued.append((run, again, cause))
 
+    async def _shrink(
+        self,
+        conn: asyncpg.Connection,
+        *,
+        job_id: str,
+        workers: int,
+        allocations: tuple[tuple[str, int], ...],
+        by: str,
+        result: "CycleResult",
+    ) -> None:
+        """Give back an elastic run's surplus workers and tell its agent (the decision counts them)."""
+        run = self.book.runs[job_id]
+        cluster, model, old = run.parts[0]
+        new = dict(allocations)
+        freed = [(n, g - new.get(n, 0)) for n, g in old if g > new.get(n, 0)]
+        await repo.shrink(conn, job_id, run.attempt, freed)
+        await repo.set_workers(conn, job_id, run.attempt, workers)
+        now = time.time()
+        nodes = [NodeAllocation(node=n, gpus=g) for n, g in allocations]
+        tag = hashlib.sha256(repr(allocations).encode()).hexdigest()[:10]
+        result.messages.append(
+            outbox.message(
+                subjects.cluster_command(cluster, "resize"),
+                ResizeJob(job_id=job_id, attempt=run.attempt, workers=workers, allocations=nodes),
+                f"{job_id}:resize:{run.attempt}:{tag}",
+                context=run.queued.context,
+            )
+        )
+        event = JobResized(
+            job_id=job_id,
+            tenant=run.job.tenant,
+            cluster=cluster,
+            attempt=run.attempt,
+            workers=workers,
+            allocations=nodes,
+            reason=f"shrank to make room for {by}",
+            at=now,
+        )
+        msg_id = f"{job_id}:resized:{run.attempt}:{tag}"
+        result.messages.append(
+            outbox.message(
+                subjects.job_event("resized", run.job.tenant), event, msg_id, context=run.queued.context
+            )
+        )
+        result.events.append(repo.JobEventRow(job_id, "resized", msg_id, encode(event), now))
+        result.shrunk.append((job_id, [(cluster, model, allocations)], workers))
+
     def _commit(self, result: "CycleResult", considered: list[QueuedJob]) -> None:
         """Adopt a committed cycle's outcome in memory (no await in here)."""
+        for job_id, parts, workers in result.shrunk:
+            if job_id in self.book.runs:
+                self.book.resize_run(job_id, parts, workers)
+                self.stats["resized"] += 1
         for run, again, cause in result.requeued:
             if self.book.drop_run(run.job.job_id, run.attempt, in_snapshot=cause == "preempted") is not None:
                 self.queue[again.job.job_id] = again
@@ -1144,6 +1206,9 @@ class CycleResult:
     preempted: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     requeued: list[tuple[Run, QueuedJob, RequeueReason]] = dataclasses.field(default_factory=list)
     released_children: list[QueuedJob] = dataclasses.field(default_factory=list)
+    shrunk: list[tuple[str, list[tuple[str, str, tuple[tuple[str, int], ...]]], int]] = dataclasses.field(
+        default_factory=list
+    )
     messages: list[outbox.OutboxMessage] = dataclasses.field(default_factory=list)
     events: list[repo.JobEventRow] = dataclasses.field(default_factory=list)
 

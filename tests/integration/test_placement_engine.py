@@ -231,6 +231,57 @@ async def test_a_start_nobody_confirms_expires_and_the_job_goes_elsewhere(
     assert job["attempt"] == len(placed)
 
 
+async def test_an_elastic_job_grows_into_freed_gpus_and_shrinks_under_pressure(client: LoomClient) -> None:
+    weu_t4 = {"gpu_models": ["T4"]}
+    here = Affinity(clusters=["c-weu-a"])
+    await client.submit(
+        JobSpec(
+            job_id="blocker",
+            tenant="t1",
+            workers=2,
+            resources=Resources(gpus=2, **weu_t4),
+            affinity=here,
+            work=Work(steps=300, step_time_s=20.0),
+        )
+    )
+    await until(in_state(client, "blocker", "running"), 30, "blocker running")
+    await client.submit(
+        JobSpec(
+            job_id="elastic",
+            tenant="t1",
+            workers=10,
+            min_workers=2,
+            resources=Resources(gpus=1, **weu_t4),
+            affinity=here,
+            work=Work(steps=1500, step_time_s=20.0),
+        )
+    )
+    job = await until(in_state(client, "elastic", "running"), 30, "elastic running")
+    assert events_of(job, "placed")[0]["workers"] == 6  # 10 T4s on c-weu-a, 4 held by the blocker
+
+    async def grown() -> Any:
+        j = await client.job("elastic")
+        return j if j and any(e["workers"] == 10 for e in events_of(j, "resized")) else None
+
+    job = await until(grown, 40, "elastic grown to 10 workers once the blocker finished")
+    assert (await client.job("blocker") or {})["state"] == "completed"
+    await client.submit(
+        JobSpec(
+            job_id="pressing",
+            tenant="t1",
+            resources=Resources(gpus=2, **weu_t4),
+            affinity=here,
+            work=Work(steps=10, step_time_s=5.0),
+        )
+    )
+    await until(in_state(client, "pressing", "running", "completed"), 30, "pressing placed")
+    job = await client.job("elastic")
+    assert job is not None and job["state"] in ("running", "completed")
+    resized = events_of(job, "resized")
+    assert resized[-1]["workers"] == 8 and "pressing" in resized[-1]["reason"]
+    assert not events_of(job, "requeued")  # shrunk, never stopped
+
+
 async def test_a_model_no_cluster_can_hold_runs_as_a_pipeline_over_two(client: LoomClient) -> None:
     # 12 layers x 100 GiB: c-use2-a's 32 G2 (40 GiB each, 36 usable) hold 1,152 GiB, not 1,200.
     layers = [Layer(compute_s=0.5, memory_gib=100.0, activation_mb=20.0) for _ in range(12)]

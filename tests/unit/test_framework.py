@@ -401,3 +401,35 @@ def test_a_model_too_big_for_any_cluster_is_cut_into_pipeline_stages() -> None:
         huge, Snapshot(nodes, net=NetMatrix(["r1", "r2"]), gpu_memory_gib={"A100": 80.0})
     )
     assert never.status.code == Code.UNRESOLVABLE and never.status.plugin == "pipeline"
+
+
+def test_under_pressure_elastic_jobs_shrink_before_anyone_is_preempted() -> None:
+    nodes = [node("a0", "ca", "r1", reserved=8), node("a1", "ca", "r1", reserved=8)]
+    running = [
+        RunningJob(
+            job_id="elastic",
+            tenant="t",
+            priority=100,
+            cluster="ca",
+            gpu_model="A100",
+            allocations=(("a0", 8), ("a1", 4)),
+            workers=12,
+            min_workers=4,
+            max_workers=12,
+            gpus_per_worker=1,
+        ),
+        RunningJob(
+            job_id="rigid", tenant="t", priority=10, cluster="ca", gpu_model="A100", allocations=(("a1", 4),)
+        ),
+    ]
+    snap = Snapshot(nodes, running=running, net=NetMatrix(["r1"]))
+    outcome = build_framework().schedule(job("newcomer", gpus=4, priority=100), snap)
+    assert outcome.decision is not None
+    assert outcome.decision.victims == ()  # nobody stopped: the elastic job gave workers back
+    ((job_id, workers, allocations),) = outcome.decision.shrunk
+    assert job_id == "elastic" and 4 <= workers <= 8
+    assert sum(g for _, g in allocations) == workers
+    assert sum(g for _, g in outcome.decision.allocations) == 4
+    assert (snap.free >= 0).all()
+    # A job of higher priority than the elastic job, with no elastic room left, preempts instead.
+    assert any("shrinking elastic" in n for n in outcome.record.notes)

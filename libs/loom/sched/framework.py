@@ -306,6 +306,8 @@ class Decision:
     sync: SyncPlan | None = None
     victims: tuple[str, ...] = ()
     """Jobs preempted to make room (their GPUs are already given back in the snapshot)."""
+    shrunk: tuple[tuple[str, int, tuple[tuple[str, int], ...]], ...] = ()
+    """Elastic jobs shrunk to make room: (job_id, workers, new allocations); given back already."""
 
     @property
     def lead(self) -> Part:
@@ -703,8 +705,13 @@ class Framework:
                 continue
             decision = post.post_filter(state, self)
             if decision is not None:
-                record.notes.append(f"{post.name}: made room by stopping {', '.join(decision.victims)}")
-                record.victims = list(decision.victims)
+                if decision.victims:
+                    record.notes.append(f"{post.name}: made room by stopping {', '.join(decision.victims)}")
+                    record.victims = list(decision.victims)
+                for job_id, workers, _ in decision.shrunk:
+                    record.notes.append(
+                        f"{post.name}: made room by shrinking {job_id} to {workers} worker(s)"
+                    )
                 return decision
         return None
 

@@ -14,6 +14,7 @@ from loom.sched.plugins.affinity import Affinity
 from loom.sched.plugins.compute import PriorityFairShare, ScuFit, Trust, WaterLevel
 from loom.sched.plugins.cost import CostEnergy
 from loom.sched.plugins.data import DataLocality
+from loom.sched.plugins.elastic import ElasticShrink
 from loom.sched.plugins.network import AlphaLearner, Jct, Joint
 from loom.sched.plugins.quota import Preempt, Quota
 from loom.sched.plugins.resources import ResourceFit
@@ -31,6 +32,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "trust",
     "water_level",
     "cost_energy",
+    "elastic_shrink",
     "preemption",
 )
 DEFAULT_WEIGHTS: Mapping[str, float] = {
@@ -62,6 +64,7 @@ def default_registry() -> Registry:
     registry.register("cost_energy", _cost_energy)
     registry.register("quota", lambda _cfg: Quota())
     registry.register("preemption", lambda _cfg: Preempt())
+    registry.register("elastic_shrink", lambda _cfg: ElasticShrink())
     return registry
 
 

@@ -158,7 +158,11 @@ async def reserve(
            SELECT j, a, n, c, g, 'reserved', d
            FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::int[], $6::timestamptz[])
                AS u(j, a, n, c, g, d)
-           ON CONFLICT (job_id, attempt, node) DO UPDATE SET gpus = reservations.gpus + EXCLUDED.gpus""",
+           ON CONFLICT (job_id, attempt, node) DO UPDATE SET
+               gpus = CASE WHEN reservations.state = 'released' THEN EXCLUDED.gpus
+                           ELSE reservations.gpus + EXCLUDED.gpus END,
+               state = CASE WHEN reservations.state = 'released' THEN 'confirmed' ELSE reservations.state END,
+               released_at = NULL""",
         *(list(column) for column in zip(*res_rows, strict=True)),
     )
 
@@ -350,6 +354,36 @@ async def grow(
            WHERE job_id = $1 AND attempt = $2 AND state = 'reserved'""",
         job_id,
         attempt,
+    )
+
+
+async def shrink(
+    conn: asyncpg.Connection, job_id: str, attempt: int, freed: Sequence[tuple[str, int]]
+) -> None:
+    """Give back some of a running job's GPUs (an elastic job shrinks); a node left with none is released."""
+    if not freed:
+        return
+    nodes, gpus = [n for n, _ in freed], [g for _, g in freed]
+    rows = await conn.fetch(
+        """UPDATE reservations r SET
+               gpus = CASE WHEN r.gpus - u.g <= 0 THEN r.gpus ELSE r.gpus - u.g END,
+               state = CASE WHEN r.gpus - u.g <= 0 THEN 'released' ELSE r.state END,
+               released_at = CASE WHEN r.gpus - u.g <= 0 THEN now() ELSE r.released_at END
+           FROM unnest($3::text[], $4::int[]) AS u(node, g)
+           WHERE r.job_id = $1 AND r.attempt = $2 AND r.node = u.node AND r.state <> 'released'
+           RETURNING r.node, LEAST(u.g, r.gpus) AS g""",
+        job_id,
+        attempt,
+        nodes,
+        gpus,
+    )
+    if len(rows) != len(freed):
+        raise ConflictError(f"{job_id} attempt {attempt} no longer holds what it would give back")
+    await conn.execute(
+        """UPDATE node_allocations n SET gpus_reserved = GREATEST(n.gpus_reserved - u.g, 0)
+           FROM unnest($1::text[], $2::int[]) AS u(node, g) WHERE n.node = u.node""",
+        nodes,
+        gpus,
     )
 
 
