@@ -471,7 +471,11 @@ class PlacementService:
         by_id = {q.job.job_id: q for q in jobs}
         settled = time.monotonic() >= self.settled_at
         avoid = {q.job.job_id: q.avoid for q in jobs if q.avoid}
-        for item, outcome in self.framework.schedule_many(items.values(), snap, avoid=avoid):
+        started = time.perf_counter()
+        outcomes = self.framework.schedule_many(items.values(), snap, avoid=avoid)
+        decide_ms = (time.perf_counter() - started) * 1000
+        self.stats["last_cycle"] = {"jobs": len(outcomes), "decide_ms": round(decide_ms, 1)}
+        for item, outcome in outcomes:
             q = by_id[item.job.job_id]
             if outcome.decision is not None:
                 result.placed.append((q, outcome.decision, outcome.record))
