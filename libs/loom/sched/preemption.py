@@ -70,8 +70,21 @@ def select_victims(
     last taken first, any victim the job fits without is spared, so no single victim is unneeded.
     None when stopping every candidate is not enough.
     """
-    if _fits(free, (), gpus_per_worker, workers):
+    g = gpus_per_worker
+    freed = dict(free)
+    # Whole workers that fit, kept up to date as victims are added and spared: each change costs
+    # only the victim's nodes (``_fits`` recounts every node; this is the same count, incrementally).
+    whole = sum(v // g for v in freed.values())
+    if whole >= workers:
         return ()
+
+    def move(job: RunningJob, sign: int) -> None:
+        nonlocal whole
+        for node, gpus in job.allocations:
+            before = freed.get(node, 0)
+            freed[node] = before + sign * gpus
+            whole += freed[node] // g - before // g
+
     candidates = sorted(
         (job for job in running if job.preemptible and job.priority < priority),
         key=lambda job: (job.priority, job.progress, job.job_id),
@@ -79,14 +92,17 @@ def select_victims(
     victims: list[RunningJob] = []
     for candidate in candidates:
         victims.append(candidate)
-        if _fits(free, victims, gpus_per_worker, workers):
+        move(candidate, +1)
+        if whole >= workers:
             break
     else:
         return None
     for victim in reversed(victims[:-1]):
-        rest = [v for v in victims if v is not victim]
-        if _fits(free, rest, gpus_per_worker, workers):
-            victims = rest
+        move(victim, -1)
+        if whole >= workers:
+            victims = [v for v in victims if v is not victim]
+        else:
+            move(victim, +1)
     return tuple(victims)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from loom.sched import preemption
 from loom.sched.framework import SUCCESS, Code, CycleState, Decision, Framework, Status
 from loom.sched.quota import QuotaBook, TenantConfig
-from loom.sched.snapshot import BoolArray, FloatArray, IntArray, Snapshot
+from loom.sched.snapshot import BoolArray, FloatArray, IntArray, RunningJob, Snapshot
 
 
 class Quota:
@@ -71,6 +71,20 @@ class _RunningTable:
     gpus: FloatArray
     """GPUs the job holds on its lead cluster."""
     lead_allocations: list[tuple[tuple[str, int], ...]]
+    rows: dict[int, tuple[RunningJob, int, float, tuple[tuple[str, int], ...]]]
+    """Per running job (by identity): reused when the list changes, so a rebuild costs little."""
+
+    def subset(self, keep: BoolArray, running: list[RunningJob]) -> "_RunningTable":
+        """The table of ``running``, the rows of this one where ``keep`` is set (no rebuild)."""
+        return _RunningTable(
+            key=(id(running), len(running)),
+            priority=self.priority[keep],
+            preemptible=self.preemptible[keep],
+            pair=self.pair[keep],
+            gpus=self.gpus[keep],
+            lead_allocations=[a for a, k in zip(self.lead_allocations, keep.tolist(), strict=True) if k],
+            rows=self.rows,
+        )
 
 
 _TABLES: "weakref.WeakKeyDictionary[Snapshot, _RunningTable]" = weakref.WeakKeyDictionary()
@@ -82,33 +96,40 @@ def _running_table(snap: Snapshot) -> _RunningTable:
     if cached is not None and cached.key == key:
         return cached
     m_count = snap.total_sum.shape[1]
-    pairs: list[int] = []
-    gpus: list[float] = []
-    leads: list[tuple[tuple[str, int], ...]] = []
+    rows = cached.rows if cached is not None else {}
+    fresh: dict[int, tuple[RunningJob, int, float, tuple[tuple[str, int], ...]]] = {}
     for r in snap.running:
-        c = snap.cluster_index.get(r.cluster)
-        m = snap.model_index.get(r.gpu_model)
-        lead = tuple(
-            (n, g)
-            for n, g in r.allocations
-            if c is not None and n in snap.node_index and int(snap.cluster_of[snap.node_index[n]]) == c
-        )
-        pairs.append(c * m_count + m if c is not None and m is not None else -1)
-        gpus.append(float(sum(g for _, g in lead)))
-        leads.append(lead)
+        row = rows.get(id(r))
+        if row is None or row[0] is not r:
+            c = snap.cluster_index.get(r.cluster)
+            m = snap.model_index.get(r.gpu_model)
+            lead = tuple(
+                (n, g)
+                for n, g in r.allocations
+                if c is not None and n in snap.node_index and int(snap.cluster_of[snap.node_index[n]]) == c
+            )
+            pair = c * m_count + m if c is not None and m is not None else -1
+            row = (r, pair, float(sum(g for _, g in lead)), lead)
+        fresh[id(r)] = row
+    ordered = [fresh[id(r)] for r in snap.running]
     table = _RunningTable(
         key=key,
         priority=np.array([r.priority for r in snap.running], dtype=np.int64),
         preemptible=np.array([r.preemptible for r in snap.running], dtype=np.bool_),
-        pair=np.array(pairs, dtype=np.int64),
-        gpus=np.array(gpus, dtype=np.float64),
-        lead_allocations=leads,
+        pair=np.array([row[1] for row in ordered], dtype=np.int64),
+        gpus=np.array([row[2] for row in ordered], dtype=np.float64),
+        lead_allocations=[row[3] for row in ordered],
+        rows=fresh,
     )
     valid = table.pair >= 0
     table.preemptible[~valid] = False
     table.pair[~valid] = 0
     _TABLES[snap] = table
     return table
+
+
+PREEMPTION_GROUPS = 8
+"""(cluster, model) groups a preemption search examines at most: those with the most free room."""
 
 
 class Preempt:
@@ -136,29 +157,38 @@ class Preempt:
         hopeful = (snap.free_sum + freeable >= need) & allowed[:, None] & models[None, :]
         if not hopeful.any():
             return None
+        # Look closely at the most promising groups only (most room already free, so fewest
+        # victims): the search is then bounded however large the platform is.
+        pairs = np.argwhere(hopeful)
+        if len(pairs) > PREEMPTION_GROUPS:
+            room = snap.free_sum[pairs[:, 0], pairs[:, 1]]
+            pairs = pairs[np.lexsort((pairs[:, 1], pairs[:, 0], -room))[:PREEMPTION_GROUPS]]
+            hopeful = np.zeros_like(hopeful)
+            hopeful[pairs[:, 0], pairs[:, 1]] = True
         groups: dict[tuple[str, str], dict[str, int]] = {}
-        for c, m in np.argwhere(hopeful).tolist():
+        for c, m in pairs.tolist():
             idx, _ = snap.node_slice(c, m)
             usable = idx[snap.schedulable[idx]]
             groups[(snap.clusters[c].id, snap.models[m])] = dict(
                 zip((snap.node_ids[i] for i in usable.tolist()), snap.free[usable].tolist(), strict=True)
             )
-        hopeful_pairs = set(np.flatnonzero(hopeful.ravel()).tolist())
-        running = [
-            preemption.RunningJob(
-                job_id=r.job_id,
-                tenant=r.tenant,
-                priority=r.priority,
-                progress=r.progress,
-                preemptible=r.preemptible,
-                cluster=r.cluster,
-                gpu_model=r.gpu_model,
-                # Only the part on its lead cluster frees room there (a gang's other parts do not).
-                allocations=table.lead_allocations[i],
+        chosen = np.flatnonzero(lower & hopeful.ravel()[table.pair])
+        running = []
+        for i in chosen.tolist():
+            r = snap.running[i]
+            running.append(
+                preemption.RunningJob(
+                    job_id=r.job_id,
+                    tenant=r.tenant,
+                    priority=r.priority,
+                    progress=r.progress,
+                    preemptible=r.preemptible,
+                    cluster=r.cluster,
+                    gpu_model=r.gpu_model,
+                    # Only the part on its lead cluster frees room there (a gang's other parts do not).
+                    allocations=table.lead_allocations[i],
+                )
             )
-            for i, r in enumerate(snap.running)
-            if lower[i] and int(table.pair[i]) in hopeful_pairs
-        ]
         if not running:
             return None
         best = preemption.choose(
@@ -192,5 +222,7 @@ class Preempt:
         totals = framework.score(state, candidates)
         decision = framework.choose(state, candidates, totals)
         decision.victims = tuple(sorted(victims))
-        snap.running = [r for r in snap.running if r.job_id not in victims]
+        keep = [r.job_id not in victims for r in snap.running]
+        snap.running = [r for r, k in zip(snap.running, keep, strict=True) if k]
+        _TABLES[snap] = table.subset(np.array(keep, dtype=np.bool_), snap.running)
         return decision
