@@ -7,9 +7,19 @@ was submitted in.
 
 A job placed on several clusters has one *lead* part, which runs the job's clock and reports its
 life (started, progress, checkpointed, completed, failed), and *member* parts, which only hold
-their GPUs (they show as used in heartbeats) until a stop command. Members publish no lifecycle
-event at all: event ids are ``<job>:<kind>:<attempt>[...]``, the same on every cluster, so a
-member's event would collide with the lead's.
+their GPUs (they show as used in heartbeats) until a stop command. Event ids are
+``<job>:<kind>:<attempt>[...]``, the same on every cluster, so a member's event would collide with
+the lead's: a member publishes one event only, the retryable ``failed`` of a part that could not
+start, under an id of its own (``<job>:failed:<attempt>:<cluster>``), so that placement gives the
+attempt up and places the job elsewhere.
+
+A start may be delayed (``start_after_s``, simulated seconds: the dataset is still being copied).
+The run holds its GPUs from the command on, and reports ``started`` when the wait ends, so
+``started`` always means the work began; placement's confirmation deadline includes the delay.
+
+A run stopped here, or refused here, is remembered (in the journal too) as finished: a start
+command for that attempt delivered later is refused without a word, since placement has given
+the attempt up.
 """
 
 import asyncio
@@ -75,6 +85,9 @@ class RunningJob:
     """Workers the job asked for: with all of them it runs at full speed."""
     gpu_seconds: float = 0.0
     """Simulated GPU-seconds this run has used up to ``step``."""
+    start_at: float = 0.0
+    """Wall-clock time (Unix seconds) a delayed run begins its work; 0 once it has begun (or for a
+    run that never waited). Absolute, so a restarted agent waits only what is left."""
 
     @property
     def key(self) -> str:
@@ -85,6 +98,11 @@ class RunningJob:
     def lead(self) -> bool:
         """Whether this run reports the job's life (a member part reports nothing)."""
         return self.role == "lead"
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the run holds its GPUs but has not begun its work yet."""
+        return self.start_at > 0
 
     @property
     def gpus(self) -> int:
@@ -246,7 +264,7 @@ class Agent:
             await self._resize(command)
         elif isinstance(command, CheckpointJob):
             job = self.running.get(f"{command.job_id}:{command.attempt}")
-            if job is not None and job.lead:
+            if job is not None and job.lead and not job.waiting:
                 await self._checkpoint(job)
         elif isinstance(command, DrainCluster):
             self.sim.drain(command.nodes)
@@ -254,23 +272,21 @@ class Agent:
 
     async def _start(self, command: StartJob) -> None:
         key = f"{command.job_id}:{command.attempt}"
-        if key in self.running or key in self.finished:
+        if key in self.running:
+            return
+        if key in self.finished:
+            # Stopped, ended or refused already: placement has moved on from this attempt.
+            log.info("start of a finished run refused", job_id=command.job_id, attempt=command.attempt)
             return
         spec = command.spec
         if spec.job_id != command.job_id:
             raise InvalidInputError(f"start command for {command.job_id} carries the spec of {spec.job_id}")
         refusal = self.sim.refusal(command.gpu_model, command.allocations)
         if refusal is not None:
-            self.finished.add(key)
-            if command.role == "lead":
-                await self._publish_failed(
-                    spec.job_id, spec.tenant, command.attempt, f"cannot start: {refusal}", retryable=True
-                )
-            else:
-                await self._publish_refusal(
-                    command.job_id, command.attempt, f"cannot start member part: {refusal}"
-                )
+            await self._refuse_start(command, refusal)
             return
+        # Only a lead waits: a member has no clock, it just holds its GPUs from now on.
+        wait_s = command.start_after_s / self.time_scale if command.role == "lead" else 0.0
         carrier: dict[str, str] = {}
         propagate.inject(carrier)
         job = RunningJob(
@@ -289,26 +305,18 @@ class Agent:
             slowdown=command.slowdown,
             workers=command.workers or spec.workers,
             spec_workers=spec.workers,
+            start_at=time.time() + wait_s if wait_s > 0 else 0.0,
         )
         self.sim.allocate(command.allocations)
         self._changed.set()
         self.running[key] = job
         self._record({"op": "start", "key": key, "job": asdict(job)})
-        if not job.lead:
+        if not job.lead or job.waiting:
+            # A waiting run reports ``started`` from its task, when the wait ends.
             self._launch(job)
             return
         try:
-            await self.ctx.publisher.publish(
-                subjects.job_event("started", job.tenant),
-                JobStarted(
-                    job_id=job.job_id,
-                    tenant=job.tenant,
-                    cluster=self.cluster,
-                    attempt=job.attempt,
-                    started_at=time.time(),
-                ),
-                msg_id=f"{job.job_id}:started:{job.attempt}",
-            )
+            await self._publish_started(job)
         except BaseException:
             # Not started after all: forget the run, so the redelivered command starts it afresh.
             if self.running.get(key) is job:
@@ -321,6 +329,42 @@ class Agent:
         if self.running.get(key) is job:
             self._launch(job)
 
+    async def _refuse_start(self, command: StartJob, refusal: str) -> None:
+        """Tell placement a part cannot start here, so it gives the attempt up and places it elsewhere.
+
+        The attempt is finished here from now on (a redelivered command is refused without a
+        word), unless the event cannot be published: then the redelivered command tries again.
+        """
+        key = f"{command.job_id}:{command.attempt}"
+        spec = command.spec
+        lead = command.role == "lead"
+        log.warning(
+            "start refused", job_id=command.job_id, attempt=command.attempt, role=command.role, reason=refusal
+        )
+        self.finished.add(key)
+        self._record({"op": "finish", "key": key})
+        try:
+            if lead:
+                await self._publish_failed(
+                    spec.job_id, spec.tenant, command.attempt, f"cannot start: {refusal}", retryable=True
+                )
+            else:
+                await self._publish_failed(
+                    spec.job_id,
+                    spec.tenant,
+                    command.attempt,
+                    f"member part on {self.cluster} could not start: {refusal}",
+                    retryable=True,
+                    msg_id=f"{spec.job_id}:failed:{command.attempt}:{self.cluster}",
+                )
+                await self._publish_refusal(
+                    command.job_id, command.attempt, f"cannot start member part: {refusal}"
+                )
+        except BaseException:
+            self.finished.discard(key)
+            self._record({"op": "forget", "key": key})
+            raise
+
     def _launch(self, job: RunningJob) -> None:
         # A member part has no clock: it holds its GPUs until stopped.
         if job.lead:
@@ -331,6 +375,12 @@ class Agent:
         key = f"{job_id}:{attempt}"
         job = self.running.get(key)
         if job is None:
+            if key not in self.finished:
+                # Its start command may still come (redelivered, or overtaken by this stop): it
+                # must then not start an attempt placement has given up.
+                log.info("stop of a run not here recorded", job_id=job_id, attempt=attempt, reason=reason)
+                self.finished.add(key)
+                self._record({"op": "finish", "key": key})
             return
         task = self.tasks.pop(key, None)
         if task is not None:
@@ -385,14 +435,54 @@ class Agent:
         )
 
     async def _execute(self, job: RunningJob) -> None:
-        """Advance the job in chunks of ``progress_every`` of its work, reporting each chunk."""
+        """Wait out a delayed start, then advance the job in chunks of ``progress_every`` of its
+        work, reporting each chunk."""
         chunk = max(int(job.steps * self.progress_every), 1)
         parent = propagate.extract(job.carrier)
         wakeup = self._resized.setdefault(job.key, asyncio.Event())
         try:
+            if job.waiting:
+                await self._begin(job)
             await self._run_steps(job, chunk, parent, wakeup)
         finally:
             self._resized.pop(job.key, None)
+
+    async def _begin(self, job: RunningJob) -> None:
+        """Hold the GPUs until the run's start time, then report it started.
+
+        The start command was acknowledged long ago, so a started event that cannot be published
+        is retried here until it is (or the run is stopped).
+        """
+        wait_s = job.start_at - time.time()
+        if wait_s > 0:
+            log.info(
+                "run waits before starting", job_id=job.job_id, attempt=job.attempt, wait_s=round(wait_s, 3)
+            )
+            await asyncio.sleep(wait_s)
+        while True:
+            try:
+                await self._publish_started(job)
+                break
+            except BusError as exc:
+                log.warning("started event not published; retrying", job_id=job.job_id, error=str(exc))
+                await asyncio.sleep(1.0)
+        job.start_at = 0.0
+        job.started_at = time.time()
+        self._record({"op": "began", "key": job.key})
+
+    async def _publish_started(self, job: RunningJob) -> None:
+        await self.ctx.publisher.publish(
+            subjects.job_event("started", job.tenant),
+            JobStarted(
+                job_id=job.job_id,
+                tenant=job.tenant,
+                cluster=self.cluster,
+                attempt=job.attempt,
+                started_at=time.time(),
+            ),
+            msg_id=f"{job.job_id}:started:{job.attempt}",
+            parent=propagate.extract(job.carrier),
+        )
 
     async def _work(self, job: RunningJob, steps: int, wakeup: asyncio.Event) -> None:
         """Spend the time ``steps`` take, at the run's speed; a resize changes the speed midway."""
@@ -497,6 +587,7 @@ class Agent:
         *,
         retryable: bool,
         carrier: dict[str, str] | None = None,
+        msg_id: str | None = None,
     ) -> None:
         await self.ctx.publisher.publish(
             subjects.job_event("failed", tenant),
@@ -509,7 +600,7 @@ class Agent:
                 retryable=retryable,
                 at=time.time(),
             ),
-            msg_id=f"{job_id}:failed:{attempt}",
+            msg_id=msg_id or f"{job_id}:failed:{attempt}",
             parent=propagate.extract(carrier) if carrier else None,
         )
 
@@ -525,10 +616,12 @@ class Agent:
         )
 
     # ---- journal -------------------------------------------------------------------------------
-    # One JSON line per change (start, step, resize, finish, forget), appended before the command
-    # is acknowledged, so a restarted agent resumes its runs; compacted on start. Appending keeps
-    # the cost of a change constant however many jobs run. "forget" undoes a start whose started
-    # event could not be published, so the redelivered command starts the run afresh.
+    # One JSON line per change (start, began, step, resize, finish, forget), appended before the
+    # command is acknowledged, so a restarted agent resumes its runs; compacted on start. Appending
+    # keeps the cost of a change constant however many jobs run. "began" ends a delayed run's wait.
+    # "finish" also records runs stopped or refused before they ran here. "forget" undoes a start
+    # (or a refusal) whose event could not be published, so the redelivered command is handled
+    # afresh.
 
     def _record(self, entry: dict[str, Any]) -> None:
         if self._journal is not None:
@@ -549,6 +642,8 @@ class Agent:
                     job = entry["job"]
                     job["allocations"] = [tuple(a) for a in job["allocations"]]
                     self.running[key] = RunningJob(**job)
+                elif entry["op"] == "began" and key in self.running:
+                    self.running[key].start_at = 0.0
                 elif entry["op"] == "step" and key in self.running:
                     self.running[key].step = entry["step"]
                     self.running[key].gpu_seconds = entry.get("gpu_seconds", self.running[key].gpu_seconds)
@@ -560,6 +655,7 @@ class Agent:
                     self.finished.add(key)
                 elif entry["op"] == "forget":
                     self.running.pop(key, None)
+                    self.finished.discard(key)
             for job in self.running.values():
                 self.sim.allocate(job.node_allocations())
             log.info("state restored", running=len(self.running), finished=len(self.finished))

@@ -86,7 +86,8 @@ class Run:
             preemptible=job.preemptible,
             labels=job.labels,
             workers=self.workers,
-            min_workers=job.min_workers,
+            # Only single-part, non-pipeline runs are resized (elastic growth and shrink).
+            min_workers=job.min_workers if len(self.parts) == 1 and job.pipeline is None else None,
             max_workers=job.workers,
             gpus_per_worker=job.resources.gpus,
             cpu_milli=job.resources.cpu_milli,
@@ -123,13 +124,15 @@ class Book:
 
     # ---- runs ----------------------------------------------------------------------------------
 
-    def add_run(self, run: Run, *, in_snapshot: bool = False) -> None:
+    def add_run(self, run: Run, *, in_snapshot: bool = False, from_store: bool = False) -> None:
         """A committed placement: its GPUs (and workers' CPU and RAM) are promised.
 
         ``in_snapshot``: the cycle that decided it already took the GPUs in the kept snapshot.
+        ``from_store``: the run was read back from PostgreSQL, whose capacity book already counts
+        its GPUs; only its CPU, RAM and tenant usage are added.
         """
         self.runs[run.job.job_id] = run
-        self._reserve(run, +1)
+        self._reserve(run, +1, gpus=not from_store)
         if self._snap is None:
             return
         if not in_snapshot:
@@ -178,19 +181,19 @@ class Book:
         self._reserve(run, +1)
         self.invalidate()
 
-    def _reserve(self, run: Run, sign: int) -> None:
+    def _reserve(self, run: Run, sign: int, *, gpus: bool = True) -> None:
         res = run.job.resources
         tenant = run.job.tenant
         self._usage[tenant] = max(self._usage.get(tenant, 0) + sign * run.gpus, 0)
         for _, _, allocs in run.parts:
-            for node, gpus in allocs:
+            for node, held in allocs:
                 cap = self.nodes.get(node)
                 if cap is None:
                     continue
-                workers = gpus // max(res.gpus, 1)
+                workers = held // max(res.gpus, 1)
                 self.nodes[node] = dataclasses.replace(
                     cap,
-                    gpus_reserved=max(cap.gpus_reserved + sign * gpus, 0),
+                    gpus_reserved=max(cap.gpus_reserved + sign * held, 0) if gpus else cap.gpus_reserved,
                     cpu_reserved=max(cap.cpu_reserved + sign * res.cpu_milli * workers, 0),
                     memory_reserved=max(cap.memory_reserved + sign * res.memory_mib * workers, 0),
                 )

@@ -182,7 +182,7 @@ class PlacementService:
         self.book.invalidate()
         self.book.clear_runs()
         for row in await repo.active_runs(self.pool):
-            self.book.add_run(run_from_row(row, self.book.nodes))
+            self.book.add_run(run_from_row(row, self.book.nodes), from_store=True)
         self.queue.clear()
         for row in await repo.queued_jobs(self.pool):
             q = queued_from_row(row)
@@ -290,8 +290,9 @@ class PlacementService:
                 await fence.check(conn, self.shard, self.token)
                 yield conn
         except FencedError as exc:
-            # Not the leader any more: whatever caused this write will be redelivered to the one
-            # that is. Never dead-letter it.
+            # Not the leader any more (a newer one claimed the fence; this instance's lease is lost
+            # or about to be, which stops its consumers): retryable, so the message is redelivered,
+            # normally to the new leader, well within its delivery budget.
             self.stats["fenced"] = self.stats.get("fenced", 0) + 1
             raise TransientError(f"fenced: {exc}") from exc
 
@@ -422,6 +423,29 @@ class PlacementService:
         children = dag.expand(q.job)  # validated at decode time (_check_spec)
         deps = dag.dependencies(q.job.stages)
         by_stage = {c.labels[dag.STAGE_LABEL]: c for c in children}
+        taken = await repo.existing_jobs(conn, [c.job_id for c in children])
+        if taken:
+            # A stage's job id is someone else's job already: refuse the DAG rather than run it
+            # without that stage.
+            reason = (
+                f"stage job id(s) {', '.join(sorted(taken))} already exist; choose another job id for the DAG"
+            )
+            await repo.set_state(conn, [q.job.job_id], "rejected", ["running"], reason)
+            event = rejection(q.job.job_id, q.job.tenant, "invalid", reason)
+            msg_id = f"{q.job.job_id}:rejected"
+            await repo.append_events(
+                conn, [repo.JobEventRow(q.job.job_id, "rejected", msg_id, encode(event), event.at)]
+            )
+            await outbox.add(
+                conn,
+                PRODUCER,
+                [
+                    outbox.message(
+                        subjects.job_event("rejected", q.job.tenant), event, msg_id, context=q.context
+                    )
+                ],
+            )
+            return []
         rows = []
         ready: list[QueuedJob] = []
         for stage, child in by_stage.items():
@@ -451,6 +475,13 @@ class PlacementService:
         The book itself changes only after the commit (:meth:`_commit`).
         """
         result = CycleResult()
+        if not jobs:
+            return result
+        # Only jobs still queued in the store take part (a stage cancelled or a job finished while
+        # it waited here is dropped); their rows stay locked until this cycle commits.
+        still = await repo.lock_queued(conn, [q.job.job_id for q in jobs])
+        result.vanished += [q.job.job_id for q in jobs if q.job.job_id not in still]
+        jobs = [q for q in jobs if q.job.job_id in still]
         if not jobs:
             return result
         wall = time.time()
@@ -605,9 +636,17 @@ class PlacementService:
         avoid: Sequence[str],
         result: "CycleResult",
     ) -> None:
-        """Requeue a run's job (next attempt), release its GPUs and stop it on every cluster it holds."""
+        """Requeue a run's job (next attempt), release its GPUs and stop it on every cluster it holds.
+
+        Nothing happens when the attempt had already moved on (it finished meanwhile).
+        """
         job = run.job
-        await repo.requeue(conn, job.job_id, run.attempt, avoid)
+        released = await repo.requeue(
+            conn, job.job_id, run.attempt, avoid, unstarted_only=cause == "start_timeout"
+        )
+        if released is None:
+            result.vanished.append(job.job_id)
+            return
         event = JobRequeued(
             job_id=job.job_id,
             tenant=job.tenant,
@@ -651,19 +690,23 @@ class PlacementService:
     ) -> None:
         """Give back an elastic run's surplus workers and tell its agent (the decision counts them)."""
         run = self.book.runs[job_id]
-        cluster, model, old = run.parts[0]
+        cluster, model, held = run.parts[0]
+        if not await repo.lock_active(conn, job_id, run.attempt):
+            raise ConflictError(f"{job_id} ended while it was being shrunk")
+        # Against what this cycle already left it (two jobs may each shrink it once).
+        old = result.current.get(job_id, held)
         new = dict(allocations)
         freed = [(n, g - new.get(n, 0)) for n, g in old if g > new.get(n, 0)]
         await repo.shrink(conn, job_id, run.attempt, freed)
-        await repo.set_workers(conn, job_id, run.attempt, workers)
+        tag = await repo.set_workers(conn, job_id, run.attempt, workers)
+        result.current[job_id] = allocations
         now = time.time()
         nodes = [NodeAllocation(node=n, gpus=g) for n, g in allocations]
-        tag = hashlib.sha256(repr(allocations).encode()).hexdigest()[:10]
         result.messages.append(
             outbox.message(
                 subjects.cluster_command(cluster, "resize"),
                 ResizeJob(job_id=job_id, attempt=run.attempt, workers=workers, allocations=nodes),
-                f"{job_id}:resize:{run.attempt}:{tag}",
+                f"{job_id}:resize:{run.attempt}:{tag}",  # the run's resize count
                 context=run.queued.context,
             )
         )
@@ -684,10 +727,17 @@ class PlacementService:
             )
         )
         result.events.append(repo.JobEventRow(job_id, "resized", msg_id, encode(event), now))
+        result.shrunk = [s for s in result.shrunk if s[0] != job_id]
         result.shrunk.append((job_id, [(cluster, model, allocations)], workers))
 
     def _commit(self, result: "CycleResult", considered: list[QueuedJob]) -> None:
         """Adopt a committed cycle's outcome in memory (no await in here)."""
+        gone = set(result.vanished)
+        for job_id in gone:
+            self.queue.pop(job_id, None)
+        considered = [q for q in considered if q.job.job_id not in gone]
+        for run, done in result.learned:
+            self._learn_alpha(run, done)
         for job_id, parts, workers in result.shrunk:
             if job_id in self.book.runs:
                 self.book.resize_run(job_id, parts, workers)
@@ -761,21 +811,30 @@ class PlacementService:
         self._send(self._outgoing)
 
     async def _grow_cycle(self) -> None:
-        """Elastic jobs below their maximum take freed GPUs on their own cluster (same GPU model)."""
+        """Elastic jobs below their maximum take freed GPUs on their own cluster (same GPU model),
+        as far as their tenant's quota allows."""
         if self.queue:
             return  # queued jobs have the first claim on freed capacity
+        quota = QuotaBook(self.tenants, self.book.usage_by_tenant())
         groups: dict[tuple[str, str], list[ElasticJob]] = {}
         for r in self.book.runs.values():
-            if r.job.min_workers is None or r.workers >= r.job.workers or len(r.parts) != 1:
+            core = r.running_job()
+            if core.min_workers is None or r.workers >= r.job.workers:
+                continue
+            g = r.job.resources.gpus
+            room = r.job.workers - r.workers
+            while room > 0 and not quota.check(r.job.tenant, room * g).ok:
+                room -= 1
+            if room == 0:
                 continue
             cluster, model, allocs = r.parts[0]
             groups.setdefault((cluster, model), []).append(
                 ElasticJob(
                     job_id=r.job.job_id,
                     priority=r.job.priority,
-                    gpus_per_worker=r.job.resources.gpus,
-                    min_workers=min(r.job.min_workers, r.workers),
-                    max_workers=r.job.workers,
+                    gpus_per_worker=g,
+                    min_workers=min(core.min_workers, r.workers),
+                    max_workers=r.workers + room,
                     workers=r.workers,
                     cluster=cluster,
                     allocations=allocs,
@@ -796,16 +855,17 @@ class PlacementService:
             return
         now = time.time()
         messages: list[outbox.OutboxMessage] = []
+        grown: list[tuple[str, str, tuple[tuple[str, int], ...], int]] = []
         async with self._tx() as conn:
             for plan in plans:
-                run = self.book.runs[plan.job_id]
+                run = self.book.runs.get(plan.job_id)
                 added = [(n, g) for n, g in plan.delta_allocations if g > 0]
-                if not added:
+                # The run must still be this attempt, placed or running (its row stays locked).
+                if run is None or not added or not await repo.lock_active(conn, plan.job_id, run.attempt):
                     continue
                 await repo.grow(conn, plan.job_id, run.attempt, plan.cluster, added)
-                await repo.set_workers(conn, plan.job_id, run.attempt, plan.workers)
+                count = await repo.set_workers(conn, plan.job_id, run.attempt, plan.workers)
                 allocations = [NodeAllocation(node=n, gpus=g) for n, g in plan.allocations]
-                tag = hashlib.sha256(repr(plan.allocations).encode()).hexdigest()[:10]
                 resize = ResizeJob(
                     job_id=plan.job_id, attempt=run.attempt, workers=plan.workers, allocations=allocations
                 )
@@ -823,11 +883,11 @@ class PlacementService:
                     outbox.message(
                         subjects.cluster_command(plan.cluster, "resize"),
                         resize,
-                        f"{plan.job_id}:resize:{run.attempt}:{tag}",
+                        f"{plan.job_id}:resize:{run.attempt}:{count}",
                         context=run.queued.context,
                     )
                 )
-                msg_id = f"{plan.job_id}:resized:{run.attempt}:{tag}"
+                msg_id = f"{plan.job_id}:resized:{run.attempt}:{count}"
                 messages.append(
                     outbox.message(
                         subjects.job_event("resized", run.job.tenant),
@@ -839,12 +899,13 @@ class PlacementService:
                 await repo.append_events(
                     conn, [repo.JobEventRow(plan.job_id, "resized", msg_id, encode(event), now)]
                 )
+                grown.append((plan.job_id, run.parts[0][1], plan.allocations, plan.workers))
             await outbox.add(conn, PRODUCER, messages)
-        for plan in plans:
-            run = self.book.runs[plan.job_id]
-            self.book.resize_run(
-                plan.job_id, [(plan.cluster, run.parts[0][1], plan.allocations)], plan.workers
-            )
+        for job_id, model, allocations, workers in grown:
+            run = self.book.runs.get(job_id)
+            if run is None:
+                continue  # finished after the commit; its release already gave everything back
+            self.book.resize_run(job_id, [(run.parts[0][0], model, allocations)], workers)
             self.stats["resized"] += 1
         self._send(messages)
 
@@ -912,22 +973,13 @@ class PlacementService:
                 raise
 
     async def _reload_nodes(self) -> None:
-        """The capacity book from the store, with the runs' CPU and RAM applied on top."""
+        """The capacity book from the store, with the runs' CPU, RAM and usage applied on top."""
         fresh = await repo.load_nodes(self.pool)
         runs = list(self.book.runs.values())
         self.book.nodes = fresh
         self.book.clear_runs()
         for run in runs:
-            # GPUs come reserved from the store already: add the run, then take its GPUs back out.
-            self.book.add_run(run)
-            for _, _, allocs in run.parts:
-                for node, gpus in allocs:
-                    cap = self.book.nodes.get(node)
-                    if cap is not None:
-                        self.book.nodes[node] = dataclasses.replace(
-                            cap, gpus_reserved=max(cap.gpus_reserved - gpus, 0)
-                        )
-        self.book.invalidate()
+            self.book.add_run(run, from_store=True)
 
     # ---- capacity ------------------------------------------------------------------------------
 
@@ -1046,8 +1098,12 @@ class PlacementService:
                     state = "completed" if isinstance(e, JobCompleted) else "failed"
                     reason = e.reason if isinstance(e, JobFailed) else None
                     if isinstance(e, JobCompleted) and run is not None and run.attempt == e.attempt:
-                        self._learn_alpha(run, e)
-                    await repo.finish(conn, e.job_id, e.attempt, state, reason)
+                        result.learned.append((run, e))
+                    moved = await repo.finish(conn, e.job_id, e.attempt, state, reason)
+                    waiting = self.queue.get(e.job_id)
+                    if moved and waiting is not None and waiting.attempt == e.attempt + 1:
+                        # It completed after being given up: done, not to be placed again.
+                        result.vanished.append(e.job_id)
                     released = await repo.release(conn, e.job_id, e.attempt)
                     if run is not None and run.attempt == e.attempt:
                         # Member parts on other clusters hold their GPUs until told to stop.
@@ -1130,8 +1186,8 @@ class PlacementService:
                 f"stage {bad[0]} of {parent} did not complete",
             )
             for s, st in states.items():
-                if st == "queued":
-                    self.queue.pop(by_stage[s][0]["job_id"], None)
+                if st in ("queued", "waiting"):
+                    result.vanished.append(by_stage[s][0]["job_id"])
             reason = f"stage {bad[0]} ended {states[bad[0]]}"
             await repo.set_state(conn, [parent], "failed", ["running"], reason)
             event = JobFailed(
@@ -1210,6 +1266,11 @@ class CycleResult:
     preempted: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     requeued: list[tuple[Run, QueuedJob, RequeueReason]] = dataclasses.field(default_factory=list)
     released_children: list[QueuedJob] = dataclasses.field(default_factory=list)
+    vanished: list[str] = dataclasses.field(default_factory=list)
+    """Jobs that turned out not to be queued (or running) any more: dropped from the queue."""
+    current: dict[str, tuple[tuple[str, int], ...]] = dataclasses.field(default_factory=dict)
+    """Elastic runs' allocations as this cycle left them."""
+    learned: list[tuple[Run, JobCompleted]] = dataclasses.field(default_factory=list)
     shrunk: list[tuple[str, list[tuple[str, str, tuple[tuple[str, int], ...]]], int]] = dataclasses.field(
         default_factory=list
     )
@@ -1229,6 +1290,10 @@ def _check_spec(job: JobSubmitted) -> None:
             dag.stage_job_id(job.job_id, stage.name)
     if job.pipeline is not None and job.stages:
         raise InvalidInputError("a job is either a pipeline (layers) or a DAG (stages), not both")
+    if job.pipeline is not None and (job.min_workers is not None or job.workers != 1):
+        raise InvalidInputError(
+            "a pipeline job sizes its stages from its layers: leave workers and min_workers out"
+        )
 
 
 async def _parent_of(conn: asyncpg.Connection, job_id: str) -> str | None:

@@ -341,3 +341,29 @@ async def test_a_standby_takes_over_when_the_leader_stops(platform: Platform, cl
     )
     job = await until(in_state(client, "after-handover", "completed"), 30, "placed by the new leader")
     assert len(events_of(job, "placed")) == 1
+
+
+async def test_a_new_leader_counts_running_jobs_once(platform: Platform, client: LoomClient) -> None:
+    # c-sea1-a has 9 V100M16 GPUs (4 + 4 + 1). One long job holds 4; after a change of leader
+    # (the new one rebuilds its book from PostgreSQL) another 4-GPU job must still fit.
+    v100 = Resources(gpus=4, gpu_models=["V100M16"])
+    here = Affinity(clusters=["c-sea1-a"])
+    await client.submit(
+        JobSpec(
+            job_id="holder",
+            tenant="t1",
+            resources=v100,
+            affinity=here,
+            work=Work(steps=10**6, step_time_s=10.0),
+        )
+    )
+    await until(in_state(client, "holder", "running"), 30, "holder running")
+    await platform.start("placement-c")
+    await platform.stop("placement-b")
+    await client.submit(
+        JobSpec(
+            job_id="second", tenant="t1", resources=v100, affinity=here, work=Work(steps=5, step_time_s=5.0)
+        )
+    )
+    job = await until(in_state(client, "second", "running", "completed"), 30, "second placed beside holder")
+    assert events_of(job, "placed")[0]["cluster"] == "c-sea1-a"

@@ -433,3 +433,42 @@ def test_under_pressure_elastic_jobs_shrink_before_anyone_is_preempted() -> None
     assert (snap.free >= 0).all()
     # A job of higher priority than the elastic job, with no elastic room left, preempts instead.
     assert any("shrinking elastic" in n for n in outcome.record.notes)
+
+
+def test_a_preemption_refused_later_in_the_cycle_leaves_the_victims_running() -> None:
+    nodes = [node("a0", "ca", "r1", reserved=8)]
+    running = [
+        RunningJob(
+            job_id="low", tenant="t", priority=1, cluster="ca", gpu_model="A100", allocations=(("a0", 8),)
+        )
+    ]
+    snap = Snapshot(nodes, running=running, net=NetMatrix(["r1"]))
+
+    class Deny:
+        name = "deny"
+
+        def permit(self, state: CycleState, decision: object) -> Status:
+            return Status(Code.UNSCHEDULABLE, "not now")
+
+    # The preemptor is refused at permit, after the post-filter gave the victim's GPUs back.
+    framework = Framework([ResourceFit(), ScuFit(), Preempt(), Deny()])
+    outcome = framework.schedule(job("vip-job", gpus=4, priority=900), snap)
+    assert outcome.decision is None
+    assert [r.job_id for r in snap.running] == ["low"]
+    assert int(snap.free[snap.node_index["a0"]]) == 0  # the victim's GPUs are still its own
+
+
+def test_an_elastic_job_gets_only_as_many_workers_as_its_quota_allows() -> None:
+    config = TenantConfig(tenants={"acme": TenantQuota(name="acme", cohort=None, gpus=8)}, open=False)
+    framework = Framework([ResourceFit(), Quota(QuotaBook(config, {})), ScuFit()])
+    outcome = framework.schedule(job("el", gpus=1, workers=16, min_workers=2, tenant="acme"), two_clusters())
+    assert outcome.decision is not None and outcome.decision.workers == 8
+
+
+def test_a_job_whose_only_cluster_failed_to_start_it_waits_and_is_not_rejected() -> None:
+    snap = two_clusters()
+    framework = Framework([ResourceFit(), ScuFit()])
+    spec = job("picky", gpus=8, workers=2, resources={"gpu_models": ["A100"]})
+    outcome = framework.schedule(spec, snap, avoid_clusters=["ca"])
+    # "ca" is the only cluster with A100s: avoiding it is a preference, so the job is placed there.
+    assert outcome.decision is not None and outcome.decision.lead.cluster == "ca"

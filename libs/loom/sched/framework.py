@@ -134,6 +134,8 @@ class CycleState:
     """Plugins that answered SKIP for this job."""
     avoid_clusters: frozenset[str] = frozenset()
     """Clusters that failed to start an earlier attempt of the job."""
+    max_workers: int | None = None
+    """At most this many workers (a pre-filter's limit, e.g. the tenant's quota headroom)."""
     policy_mask: BoolArray | None = None
     """Clusters allowed by policy (pre-filters), before free capacity pruned any: where preemption looks."""
     _data: dict[StateKey[Any], Any] = field(default_factory=dict)
@@ -142,6 +144,12 @@ class CycleState:
     def per_worker(self) -> int:
         """GPUs per worker."""
         return self.job.resources.gpus
+
+    @property
+    def target_workers(self) -> int:
+        """The most workers the job may get: its size, capped by any pre-filter's limit."""
+        cap = self.max_workers if self.max_workers is not None else self.job.workers
+        return max(min(cap, self.job.workers), self.min_workers)
 
     @property
     def min_workers(self) -> int:
@@ -306,6 +314,9 @@ class Decision:
     sync: SyncPlan | None = None
     victims: tuple[str, ...] = ()
     """Jobs preempted to make room (their GPUs are already given back in the snapshot)."""
+    undo: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    """Set by a post-filter that changed the snapshot (gave victims' GPUs back): reverses that
+    when the decision is refused later in the cycle (reserve, permit or bind)."""
     shrunk: tuple[tuple[str, int, tuple[tuple[str, int], ...]], ...] = ()
     """Elastic jobs shrunk to make room: (job_id, workers, new allocations); given back already."""
 
@@ -561,10 +572,6 @@ class Framework:
     ) -> Outcome:
         """One scheduling cycle for ``job``; with ``apply`` the snapshot takes the decision's GPUs."""
         state = self.new_state(job, snap, avoid_clusters)
-        if state.avoid_clusters:
-            avoided = np.array([c.id in state.avoid_clusters for c in snap.clusters], dtype=np.bool_)
-            if not avoided.all():
-                state.prune(avoided, lambda _c: "an earlier attempt failed to start there")
         record = DecisionRecord(
             job_id=job.job_id,
             at=snap.now,
@@ -579,10 +586,21 @@ class Framework:
         if not status.ok:
             return self._fail(record, status)
         state.policy_mask = state.cluster_mask.copy()
+        avoided = np.array([c.id in state.avoid_clusters for c in snap.clusters], dtype=np.bool_)
+        if avoided.any():
+            # Clusters that failed to start an earlier attempt: avoided while others can take it
+            # (a preference: when nothing else fits, they are tried again below).
+            state.prune(avoided, lambda _c: "an earlier attempt failed to start there")
         self.prune_hierarchically(state)
         if job.pipeline is not None:
             return self.schedule_pipeline(state, record, apply=apply)
         candidates = self.find_candidates(state)
+        if len(candidates) == 0 and avoided.any():
+            state.cluster_mask = state.policy_mask.copy()
+            for c in np.flatnonzero(avoided):
+                state.pruned.pop(snap.clusters[int(c)].id, None)
+            self.prune_hierarchically(state)
+            candidates = self.find_candidates(state)
         decision: Decision | None = None
         if len(candidates) == 0 and job.allow_multi_cluster and job.pipeline is None:
             partial = self.find_candidates(state, min_capacity=1)
@@ -605,7 +623,10 @@ class Framework:
         elif decision is None:
             totals = self.score(state, candidates, record)
             decision = self.choose(state, candidates, totals)
-        return self.finish(state, decision, record, apply=apply)
+        outcome = self.finish(state, decision, record, apply=apply)
+        if outcome.decision is None and decision.undo is not None:
+            decision.undo()
+        return outcome
 
     def pipeline_sites(self, state: CycleState, *, idle: bool = False) -> list[pipeline.Site]:
         """One site per allowed cluster: its fastest model (x free GPUs); ``idle``: as if nothing ran."""
@@ -703,7 +724,11 @@ class Framework:
         for post in self.post_filters:
             if post.name in state.skipped:
                 continue
-            decision = post.post_filter(state, self)
+            try:
+                decision = post.post_filter(state, self)
+            except Exception as exc:  # a plugin bug must not fail the whole cycle
+                record.notes.append(f"{post.name} failed: {type(exc).__name__}: {exc}")
+                continue
             if decision is not None:
                 if decision.victims:
                     record.notes.append(f"{post.name}: made room by stopping {', '.join(decision.victims)}")
@@ -817,7 +842,7 @@ class Framework:
             cluster=ok_pairs // m_count,
             model=ok_pairs % m_count,
             capacity=cap,
-            workers=np.minimum(cap, job.workers),
+            workers=np.minimum(cap, state.target_workers),
             passing=idx,
             room=per_node,
             starts=np.searchsorted(pair, ok_pairs, "left"),
@@ -904,7 +929,7 @@ class Framework:
         )
         parts: list[Part] = []
         used_clusters: set[int] = set()
-        left = state.job.workers
+        left = state.target_workers
         placed = 0
         weighted = 0.0
         for i in order:

@@ -207,17 +207,24 @@ async def release(conn: asyncpg.Connection, job_id: str, attempt: int) -> list[t
     return released
 
 
-async def finish(conn: asyncpg.Connection, job_id: str, attempt: int, state: str, reason: str | None) -> None:
-    """Record a terminal state of the job's current attempt."""
-    await conn.execute(
+async def finish(conn: asyncpg.Connection, job_id: str, attempt: int, state: str, reason: str | None) -> bool:
+    """Record a terminal state of the job's current attempt.
+
+    A completion also counts when the attempt was just given up and the job waits to be placed
+    again (queued at that attempt): the work is done, so it is not run twice.
+    """
+    done = await conn.fetchval(
         """UPDATE jobs SET state = $3, reason = COALESCE($4, reason), finished_at = now(), updated_at = now(),
                   progress = CASE WHEN $3 = 'completed' THEN 1 ELSE progress END
-           WHERE job_id = $1 AND attempt = $2 AND state IN ('placed', 'running')""",
+           WHERE job_id = $1 AND attempt = $2
+             AND (state IN ('placed', 'running') OR ($3 = 'completed' AND state = 'queued'))
+           RETURNING true""",
         job_id,
         attempt,
         state,
         reason,
     )
+    return bool(done)
 
 
 async def set_progress(conn: asyncpg.Connection, updates: Sequence[tuple[str, int, float]]) -> None:
@@ -314,20 +321,57 @@ async def active_runs(conn: asyncpg.Connection | asyncpg.Pool) -> list[asyncpg.R
 
 
 async def requeue(
-    conn: asyncpg.Connection, job_id: str, attempt: int, avoid: Sequence[str]
-) -> list[tuple[str, int]]:
-    """Give up a placed or running attempt: release its GPUs, queue the job again. [] if it had moved on."""
+    conn: asyncpg.Connection, job_id: str, attempt: int, avoid: Sequence[str], *, unstarted_only: bool = False
+) -> list[tuple[str, int]] | None:
+    """Give up a placed or running attempt: release its GPUs, queue the job again.
+
+    Returns the (node, gpus) released, or None when the attempt had moved on (finished, or already
+    given up) and nothing changed. ``unstarted_only``: only if the agent never confirmed the start.
+    """
     row = await conn.fetchrow(
         """UPDATE jobs SET state = 'queued', updated_at = now(),
                   avoid_clusters = ARRAY(SELECT DISTINCT unnest(avoid_clusters || $3::text[]))
-           WHERE job_id = $1 AND attempt = $2 AND state IN ('placed', 'running') RETURNING job_id""",
+           WHERE job_id = $1 AND attempt = $2
+             AND state = ANY(CASE WHEN $4 THEN ARRAY['placed'] ELSE ARRAY['placed', 'running'] END)
+             AND NOT ($4 AND EXISTS (SELECT 1 FROM reservations r WHERE r.job_id = $1 AND r.attempt = $2
+                                      AND r.state = 'confirmed'))
+           RETURNING job_id""",
         job_id,
         attempt,
         list(avoid),
+        unstarted_only,
     )
     if row is None:
-        return []
+        return None
     return await release(conn, job_id, attempt)
+
+
+async def existing_jobs(conn: asyncpg.Connection, job_ids: Sequence[str]) -> set[str]:
+    """Which of these job ids exist already."""
+    rows = await conn.fetch("SELECT job_id FROM jobs WHERE job_id = ANY($1::text[])", list(job_ids))
+    return {r["job_id"] for r in rows}
+
+
+async def lock_queued(conn: asyncpg.Connection, job_ids: Sequence[str]) -> set[str]:
+    """Lock the rows of jobs that are still queued (for this transaction); returns their ids."""
+    if not job_ids:
+        return set()
+    rows = await conn.fetch(
+        "SELECT job_id FROM jobs WHERE job_id = ANY($1::text[]) AND state = 'queued' FOR UPDATE",
+        list(job_ids),
+    )
+    return {r["job_id"] for r in rows}
+
+
+async def lock_active(conn: asyncpg.Connection, job_id: str, attempt: int) -> bool:
+    """Lock a job's row if that attempt is still placed or running (resizes check this first)."""
+    row = await conn.fetchrow(
+        """SELECT 1 FROM jobs WHERE job_id = $1 AND attempt = $2 AND state IN ('placed', 'running')
+           FOR UPDATE""",
+        job_id,
+        attempt,
+    )
+    return row is not None
 
 
 async def expired_reservations(
@@ -347,13 +391,21 @@ async def expired_reservations(
 async def grow(
     conn: asyncpg.Connection, job_id: str, attempt: int, cluster: str, allocations: Sequence[tuple[str, int]]
 ) -> None:
-    """Add GPUs to a running job's reservation (an elastic job grows); ConflictError if they are gone."""
+    """Add GPUs to a running job's reservation (an elastic job grows); ConflictError if they are gone.
+
+    The caller has locked the job's row with :func:`lock_active`, so the run cannot finish meanwhile.
+    Only the rows of the nodes grown onto are marked confirmed (a run not yet started stays
+    unconfirmed, so its start can still expire).
+    """
     await reserve(conn, [(job_id, attempt, cluster, allocations)])
     await conn.execute(
         """UPDATE reservations SET state = 'confirmed'
-           WHERE job_id = $1 AND attempt = $2 AND state = 'reserved'""",
+           WHERE job_id = $1 AND attempt = $2 AND state = 'reserved' AND node = ANY($3::text[])
+             AND EXISTS (SELECT 1 FROM reservations c WHERE c.job_id = $1 AND c.attempt = $2
+                         AND c.state = 'confirmed')""",
         job_id,
         attempt,
+        [n for n, _ in allocations],
     )
 
 
@@ -387,14 +439,16 @@ async def shrink(
     )
 
 
-async def set_workers(conn: asyncpg.Connection, job_id: str, attempt: int, workers: int) -> None:
-    """Record an elastic job's current number of workers."""
-    await conn.execute(
-        "UPDATE jobs SET workers = $3, updated_at = now() WHERE job_id = $1 AND attempt = $2",
+async def set_workers(conn: asyncpg.Connection, job_id: str, attempt: int, workers: int) -> int:
+    """Record an elastic job's current number of workers; returns its resize count (for message ids)."""
+    count: int = await conn.fetchval(
+        """UPDATE jobs SET workers = $3, resizes = resizes + 1, updated_at = now()
+           WHERE job_id = $1 AND attempt = $2 RETURNING resizes""",
         job_id,
         attempt,
         workers,
     )
+    return count
 
 
 async def record_decisions(

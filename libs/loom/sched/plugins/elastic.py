@@ -86,6 +86,19 @@ class ElasticShrink:
             decision = framework.choose(state, candidates, totals)
             decision.shrunk = tuple((p.job_id, p.workers, p.allocations) for p in plans)
             resized = {p.job_id: p for p in plans}
+            before = snap.running
+            returned = [(by_id[p.job_id], back) for p, back in freed]
+
+            def undo(
+                returned: list[tuple[RunningJob, list[tuple[str, int]]]] = returned,
+                before: list[RunningJob] = before,
+            ) -> None:
+                # The decision was refused after all: the elastic jobs keep their workers.
+                for r, back in returned:
+                    snap.take(back, r.gpus_per_worker, r.cpu_milli, r.memory_mib)
+                snap.running = before
+
+            decision.undo = undo
             snap.running = [
                 dataclasses.replace(
                     r, workers=resized[r.job_id].workers, allocations=resized[r.job_id].allocations

@@ -39,10 +39,21 @@ class Quota:
 
     def pre_filter(self, state: CycleState) -> Status:
         job = state.job
-        verdict = self.book.check(job.tenant, state.per_worker * state.min_workers)
-        if verdict.ok:
-            return SUCCESS
-        return Status(Code.UNRESOLVABLE if verdict.never else Code.UNSCHEDULABLE, verdict.reason)
+        g = state.per_worker
+        verdict = self.book.check(job.tenant, g * state.min_workers)
+        if not verdict.ok:
+            return Status(Code.UNRESOLVABLE if verdict.never else Code.UNSCHEDULABLE, verdict.reason)
+        if job.workers > state.min_workers:
+            # Elastic: as many workers as the quota allows now (at least the minimum, checked above).
+            lo, hi = state.min_workers, job.workers
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if self.book.check(job.tenant, g * mid).ok:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            state.max_workers = lo if state.max_workers is None else min(state.max_workers, lo)
+        return SUCCESS
 
     def reserve(self, state: CycleState, decision: Decision) -> Status:
         gpus = sum(g for _, g in decision.allocations)
@@ -222,7 +233,18 @@ class Preempt:
         totals = framework.score(state, candidates)
         decision = framework.choose(state, candidates, totals)
         decision.victims = tuple(sorted(victims))
-        keep = [r.job_id not in victims for r in snap.running]
-        snap.running = [r for r, k in zip(snap.running, keep, strict=True) if k]
+        before = snap.running
+        stopped = [r for r in before if r.job_id in victims]
+        keep = [r.job_id not in victims for r in before]
+        snap.running = [r for r, k in zip(before, keep, strict=True) if k]
         _TABLES[snap] = table.subset(np.array(keep, dtype=np.bool_), snap.running)
+
+        def undo() -> None:
+            # The decision was refused after all (quota, permit): the victims keep running.
+            for r in stopped:
+                snap.take(r.allocations, r.gpus_per_worker, r.cpu_milli, r.memory_mib)
+            snap.running = before
+            _TABLES[snap] = table
+
+        decision.undo = undo
         return decision

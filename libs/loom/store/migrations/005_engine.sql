@@ -8,7 +8,8 @@ ALTER TABLE jobs
     ADD COLUMN parent         text,
     ADD COLUMN avoid_clusters text[]  NOT NULL DEFAULT '{}',
     ADD COLUMN workers        integer,
-    ADD COLUMN priority       integer NOT NULL DEFAULT 100;
+    ADD COLUMN priority       integer NOT NULL DEFAULT 100,
+    ADD COLUMN resizes        integer NOT NULL DEFAULT 0;
 CREATE INDEX jobs_by_parent ON jobs (parent) WHERE parent IS NOT NULL;
 
 CREATE TABLE decisions (
