@@ -1,4 +1,5 @@
-"""A cluster agent's commands on real NATS: member parts, slowdown and workers, resize, stop.
+"""A cluster agent's commands on real NATS: member parts, slowdown and workers, resize, stop,
+refused starts and delayed starts.
 
 The agent runs in this process on the "small" topology's c-weu-a (T4 nodes of 4 and 2 GPUs, P100
 nodes of 2), at reference speed, so a run's simulated seconds are exactly
@@ -8,6 +9,7 @@ events on core subscriptions and knows a command was handled when the agent's co
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -57,10 +59,15 @@ class Seen:
     running_jobs: list[str] = field(default_factory=list)
     epoch: int = 0
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    msg_ids: list[tuple[str, str, str]] = field(default_factory=list)
+    """(kind, job, Nats-Msg-Id) of every job event, in order."""
     statuses: list[dict[str, Any]] = field(default_factory=list)
 
     def kinds(self, job_id: str) -> list[str]:
         return [kind for kind, e in self.events if e["job_id"] == job_id]
+
+    def ids(self, job_id: str, kind: str) -> list[str]:
+        return [msg_id for k, j, msg_id in self.msg_ids if k == kind and j == job_id]
 
     def event(self, job_id: str, kind: str) -> dict[str, Any] | None:
         return next((e for k, e in self.events if k == kind and e["job_id"] == job_id), None)
@@ -156,7 +163,9 @@ async def h(nats_url: str, tmp_path: Path) -> AsyncIterator[Harness]:
         seen.running_jobs = beat.running_jobs
 
     async def on_event(msg: Msg) -> None:
-        seen.events.append((msg.subject.split(".")[2], json.loads(msg.data)))
+        kind, event = msg.subject.split(".")[2], json.loads(msg.data)
+        seen.events.append((kind, event))
+        seen.msg_ids.append((kind, event["job_id"], (msg.headers or {}).get("Nats-Msg-Id", "")))
 
     async def on_status(msg: Msg) -> None:
         seen.statuses.append(json.loads(msg.data))
@@ -377,12 +386,158 @@ async def test_a_resize_of_an_unknown_run_is_ignored_and_one_that_does_not_fit_l
         workers=2,
         allocations=[NodeAllocation(node=T4_A, gpus=2), NodeAllocation(node=P100, gpus=2)],
     )
-    await h.handled(await h.command(onto_p100))
+    with capture_logs() as logs:
+        await h.handled(await h.command(onto_p100))
     await until(lambda: _true(any(s["job_id"] == job_id for s in h.seen.statuses)), 10, "the refusal")
+    refused = [e for e in logs if e["event"] == "resize refused"]
+    assert [(e["job_id"], e["attempt"]) for e in refused] == [(job_id, 1)]
+    assert "P100" in refused[0]["reason"]
     run = h.agent.running[f"{job_id}:1"]
     assert run.workers == 1 and run.allocations == [(T4_A, 2)]
     assert h.agent.sim.nodes[P100].gpus_used == 0
     await h.handled(await h.command(StopJob(job_id=job_id)))
+
+
+async def failed(h: Harness, job_id: str) -> dict[str, Any]:
+    async def check() -> dict[str, Any] | None:
+        return h.seen.event(job_id, "failed")
+
+    result: dict[str, Any] = await until(check, 10, f"{job_id} failed")
+    return result
+
+
+async def test_a_member_part_that_cannot_start_fails_its_attempt_retryably_under_an_id_of_its_own(
+    h: Harness,
+) -> None:
+    holder, busy, lost = unique("holder"), unique("busy"), unique("lost")
+    await h.handled(await h.command(start(holder, {BIG_T4: 4}, role="member")))
+    await h.handled(await h.command(start(busy, {BIG_T4: 2}, role="member", attempt=3)))
+    await h.handled(await h.command(start(lost, {"no-such-node": 2}, role="member", attempt=2)))
+
+    for job_id, attempt, why in [(busy, 3, "0 free GPUs, 2 asked"), (lost, 2, "not part of cluster")]:
+        event = await failed(h, job_id)
+        assert event["cluster"] == CLUSTER and event["attempt"] == attempt and event["tenant"] == "t1"
+        assert event["retryable"] is True, "placement must give the attempt up and place the job again"
+        assert event["reason"].startswith(f"member part on {CLUSTER} could not start: ")
+        assert why in event["reason"]
+        # Not the lead's id: the lead's own failure of the attempt must not be dropped as a duplicate.
+        assert h.seen.ids(job_id, "failed") == [f"{job_id}:failed:{attempt}:{CLUSTER}"]
+        await until(lambda j=job_id: _true(any(s["job_id"] == j for s in h.seen.statuses)), 10, "the status")
+        assert h.seen.kinds(job_id) == ["failed"]
+    assert h.agent is not None and h.agent.sim.nodes[BIG_T4].gpus_used == 4, "the holder keeps its GPUs"
+    await h.handled(await h.command(StopJob(job_id=holder)))
+    await h.heartbeat_shows({BIG_T4: 0}, running=set(), absent={holder, busy, lost})
+
+
+async def test_a_lead_that_cannot_start_fails_its_attempt_retryably_and_stays_refused_after_a_restart(
+    h: Harness,
+) -> None:
+    lead, sentinel = unique("lead"), unique("sentinel")
+    command = start(lead, {P100: 2})  # asks for T4 on a P100 node
+    await h.handled(await h.command(command))
+    event = await failed(h, lead)
+    assert event["retryable"] is True and event["cluster"] == CLUSTER and event["attempt"] == 1
+    assert event["reason"].startswith("cannot start: ") and "P100" in event["reason"]
+    assert h.seen.ids(lead, "failed") == [f"{lead}:failed:1"]
+    assert {"op": "finish", "key": f"{lead}:1"} in h.journal()
+
+    await h.stop_agent()
+    agent = await h.start_agent()
+    with capture_logs() as logs:
+        await h.handled(await h.command(command))  # the same command, delivered again
+    assert [e["job_id"] for e in logs if e["event"] == "start of a finished run refused"] == [lead]
+    await h.command(start(sentinel, {T4_A: 2}, steps=10, step_time_s=20.0))
+    await completed(h, sentinel)
+    assert h.seen.kinds(lead) == ["failed"], "a refused attempt is refused without a word"
+    assert agent.sim.nodes[P100].gpus_used == 0
+
+
+async def test_a_stop_for_a_run_not_here_is_remembered_across_a_restart_and_refuses_its_late_start(
+    h: Harness,
+) -> None:
+    job_id, sentinel = unique("overtaken"), unique("sentinel")
+    await h.handled(await h.command(StopJob(job_id=job_id, attempt=2, reason="placement gave up")))
+    assert {"op": "finish", "key": f"{job_id}:2"} in h.journal()
+    await h.stop_agent()
+    agent = await h.start_agent()
+    await until(lambda: _true(h.seen.epoch == agent.epoch), 10, "a heartbeat of the restarted agent")
+    assert f"{job_id}:2" in agent.finished
+
+    with capture_logs() as logs:
+        await h.handled(await h.command(start(job_id, {T4_A: 2}, attempt=2)))
+    refused = [e for e in logs if e["event"] == "start of a finished run refused"]
+    assert [(e["job_id"], e["attempt"]) for e in refused] == [(job_id, 2)]
+    assert f"{job_id}:2" not in agent.running and agent.sim.nodes[T4_A].gpus_used == 0
+    await h.command(start(sentinel, {T4_B: 2}, steps=10, step_time_s=20.0))
+    await completed(h, sentinel)
+    assert h.seen.kinds(job_id) == [], "the given-up attempt neither starts nor fails"
+
+    # Only that attempt: the next one starts.
+    await h.command(start(job_id, {T4_A: 2}, attempt=3, steps=10, step_time_s=20.0))
+    assert (await completed(h, job_id))["attempt"] == 3
+
+
+async def test_a_delayed_start_holds_its_gpus_reports_started_when_the_wait_ends_and_times_only_the_work(
+    h: Harness,
+) -> None:
+    job_id = unique("delayed")
+    steps, step_time_s, start_after_s = 10, 20.0, 3000.0  # 3 s of wall time waiting, 0.2 s working
+    sent_at = time.time()
+    await h.handled(
+        await h.command(
+            start(job_id, {T4_A: 2}, steps=steps, step_time_s=step_time_s, start_after_s=start_after_s)
+        )
+    )
+    assert h.agent is not None
+    run = h.agent.running[f"{job_id}:1"]
+    assert run.waiting and run.start_at >= sent_at + start_after_s / TIME_SCALE
+    start_at = run.start_at
+    await h.heartbeat_shows({T4_A: 2}, running={job_id})  # held while waiting
+
+    done = await completed(h, job_id)
+    started = h.seen.event(job_id, "started")
+    assert started is not None and started["started_at"] >= start_at - 0.01, "started when the wait ended"
+    kinds = h.seen.kinds(job_id)
+    assert kinds[0] == "started" and kinds[-1] == "completed" and kinds.count("started") == 1
+    # GPU-seconds count the work only, not the wait.
+    assert done["gpu_seconds"] == pytest.approx(steps * step_time_s * 2, rel=1e-9)
+    assert {"op": "began", "key": f"{job_id}:1"} in h.journal()
+    await h.heartbeat_shows({T4_A: 0}, running=set(), absent={job_id})
+
+
+async def test_a_stop_during_a_delayed_starts_wait_frees_the_gpus_and_reports_only_the_failure(
+    h: Harness,
+) -> None:
+    job_id, sentinel = unique("delayed"), unique("sentinel")
+    await h.handled(await h.command(start(job_id, {BIG_T4: 4}, start_after_s=1_000_000.0)))  # 1000 s
+    await h.heartbeat_shows({BIG_T4: 4}, running={job_id})
+    await h.handled(await h.command(StopJob(job_id=job_id, reason="preempted")))
+    await h.heartbeat_shows({BIG_T4: 0}, running=set(), absent={job_id})
+    assert h.agent is not None and f"{job_id}:1" not in h.agent.tasks
+    await h.command(start(sentinel, {T4_A: 2}, steps=10, step_time_s=20.0))
+    await completed(h, sentinel)
+    assert h.seen.kinds(job_id) == ["failed"], "never started, so no started nor progress"
+    assert h.seen.event(job_id, "failed")["reason"] == "preempted"  # type: ignore[index]
+
+
+async def test_a_restarted_agent_resumes_a_delayed_starts_wait_until_the_same_start_time(h: Harness) -> None:
+    job_id = unique("delayed")
+    await h.handled(
+        await h.command(start(job_id, {T4_B: 2}, steps=10, step_time_s=20.0, start_after_s=4000.0))
+    )
+    assert h.agent is not None
+    start_at = h.agent.running[f"{job_id}:1"].start_at
+    await h.stop_agent()
+    agent = await h.start_agent()
+    await until(lambda: _true(h.seen.epoch == agent.epoch), 10, "a heartbeat of the restarted agent")
+    restored = agent.running[f"{job_id}:1"]
+    # The copy went on while the agent was down: the wait ends when it would have, not later.
+    assert restored.start_at == start_at
+    await h.heartbeat_shows({T4_B: 2}, running={job_id})
+    await completed(h, job_id)
+    started = h.seen.event(job_id, "started")
+    assert started is not None and started["started_at"] >= start_at - 0.01
+    assert h.seen.kinds(job_id).count("started") == 1
 
 
 async def _true(value: object) -> bool:

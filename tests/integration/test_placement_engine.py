@@ -344,26 +344,34 @@ async def test_a_standby_takes_over_when_the_leader_stops(platform: Platform, cl
 
 
 async def test_a_new_leader_counts_running_jobs_once(platform: Platform, client: LoomClient) -> None:
-    # c-sea1-a has 9 V100M16 GPUs (4 + 4 + 1). One long job holds 4; after a change of leader
-    # (the new one rebuilds its book from PostgreSQL) another 4-GPU job must still fit.
-    v100 = Resources(gpus=4, gpu_models=["V100M16"])
+    # c-sea1-a has V100M16 nodes of 4, 4 and 1 GPUs. Long jobs hold 4 and 2 of them; after a
+    # change of leader (the new one rebuilds its book from PostgreSQL) a 2-GPU job must still
+    # fit beside the second one. Counting the running jobs twice would leave no node with 2 free.
     here = Affinity(clusters=["c-sea1-a"])
-    await client.submit(
-        JobSpec(
-            job_id="holder",
-            tenant="t1",
-            resources=v100,
-            affinity=here,
-            work=Work(steps=10**6, step_time_s=10.0),
+    long = Work(steps=10**6, step_time_s=10.0)
+    for job_id, gpus in (("holder-4", 4), ("holder-2", 2)):
+        await client.submit(
+            JobSpec(
+                job_id=job_id,
+                tenant="t1",
+                resources=Resources(gpus=gpus, gpu_models=["V100M16"]),
+                affinity=here,
+                work=long,
+            )
         )
-    )
-    await until(in_state(client, "holder", "running"), 30, "holder running")
+        await until(in_state(client, job_id, "running"), 30, f"{job_id} running")
     await platform.start("placement-c")
     await platform.stop("placement-b")
     await client.submit(
         JobSpec(
-            job_id="second", tenant="t1", resources=v100, affinity=here, work=Work(steps=5, step_time_s=5.0)
+            job_id="second",
+            tenant="t1",
+            resources=Resources(gpus=2, gpu_models=["V100M16"]),
+            affinity=here,
+            work=Work(steps=5, step_time_s=5.0),
         )
     )
-    job = await until(in_state(client, "second", "running", "completed"), 30, "second placed beside holder")
+    job = await until(
+        in_state(client, "second", "running", "completed"), 30, "second placed beside the holders"
+    )
     assert events_of(job, "placed")[0]["cluster"] == "c-sea1-a"
