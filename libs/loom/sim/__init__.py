@@ -1,0 +1,1 @@
+"""Discrete-event simulation of Loom and baseline policies on real measured data."""

@@ -1,0 +1,163 @@
+"""What the simulator reads and writes: traces of jobs, scripted events, and per-job results.
+
+A :class:`Trace` is a list of :class:`SimJob` (a :class:`~loom_proto.jobs.JobSpec` plus its arrival
+time, class and home region) and scripted :class:`SimEvent` s (link degradation, cluster
+failure, price changes). The simulator (:mod:`loom.sim.engine`) replays it against a platform
+under one placement policy and returns a :class:`SimResult`: one :class:`JobRecord` per job and a
+timeline of samples, from which :mod:`loom.sim.metrics` computes the figures.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from loom.sched.firstfit import NodeCapacity
+from loom.sched.framework import Outcome, QueueItem
+from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, Snapshot
+from loom_proto.jobs import JobSpec
+
+JobClass = Literal["net_training", "training", "inference", "pipeline", "dag", "batch"]
+"""How results are grouped: network-sensitive distributed training, other training, inference
+services, pipeline-parallel models, DAG stages, and everything else from a production trace."""
+
+EventKind = Literal["link_degrade", "link_restore", "cluster_down", "cluster_up", "price"]
+
+
+@dataclass(frozen=True, slots=True)
+class SimJob:
+    """One job of a trace: its spec, when it arrives, its class, and where its submitter is."""
+
+    spec: JobSpec
+    arrival_s: float
+    job_class: JobClass = "batch"
+    home_region: str | None = None
+    """The submitter's region (the fixed-home-region baseline places jobs there)."""
+    parents: tuple[str, ...] = ()
+    """Job ids that must complete before this one is submitted (DAG stages of a trace)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimEvent:
+    """A scripted change at ``at_s``: a link degrades or recovers, a cluster fails or returns,
+    or a region's price changes (``factor`` multiplies its base price)."""
+
+    at_s: float
+    kind: EventKind
+    src: str = ""
+    dst: str = ""
+    cluster: str = ""
+    region: str = ""
+    rtt_factor: float = 1.0
+    bandwidth_factor: float = 1.0
+    factor: float = 1.0
+
+
+@dataclass
+class Trace:
+    """Jobs (in arrival order) and scripted events, with where they came from."""
+
+    jobs: list[SimJob]
+    events: list[SimEvent] = field(default_factory=list)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        self.jobs.sort(key=lambda j: (j.arrival_s, j.spec.job_id))
+        self.events.sort(key=lambda e: e.at_s)
+
+
+@dataclass
+class JobRecord:
+    """What happened to one job under one policy (times in simulated seconds)."""
+
+    job_id: str
+    job_class: JobClass
+    tenant: str
+    arrival_s: float
+    start_s: float | None = None
+    end_s: float | None = None
+    clusters: tuple[str, ...] = ()
+    regions: tuple[str, ...] = ()
+    gpus: int = 0
+    gpu_model: str = ""
+    step_s: float = 0.0
+    """Simulated seconds per step where it ran (compute + communication)."""
+    compute_step_s: float = 0.0
+    """The compute part of a step alone."""
+    scu_hours: float = 0.0
+    cost: float = 0.0
+    cross_region_bytes: float = 0.0
+    restarts: int = 0
+    rejected: str | None = None
+
+    @property
+    def jct_s(self) -> float | None:
+        """Completion time: arrival to end (None while unfinished)."""
+        return None if self.end_s is None else self.end_s - self.arrival_s
+
+    @property
+    def queue_s(self) -> float | None:
+        """Queueing delay: arrival to first start."""
+        return None if self.start_s is None else self.start_s - self.arrival_s
+
+
+@dataclass
+class Sample:
+    """A point of the timeline: GPUs in use, and cross-region bytes moved so far."""
+
+    t_s: float
+    gpus_used: int
+    gpus_total: int
+    cross_region_bytes: float
+
+
+@dataclass
+class SimResult:
+    """One policy's run over one trace."""
+
+    policy: str
+    records: list[JobRecord]
+    timeline: list[Sample]
+    wall_s: float = 0.0
+    decisions: int = 0
+    peak_rss_mib: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def finished(self) -> Sequence[JobRecord]:
+        """Jobs that completed."""
+        return [r for r in self.records if r.end_s is not None]
+
+
+@dataclass
+class Platform:
+    """What a simulation runs on: nodes, clusters, the measured network, prices, speeds."""
+
+    name: str
+    nodes: list[NodeCapacity]
+    clusters: dict[str, ClusterInfo]
+    net: NetMatrix
+    economics: Economics
+    speed: dict[tuple[str, str], float]
+    """(gpu_model, task_type) -> one GPU's SCU for the task type (the model placement believes)."""
+    gpu_memory_gib: dict[str, float]
+
+    def snapshot(self, now: float = 0.0) -> Snapshot:
+        """A fresh scheduling snapshot of the idle platform."""
+        return Snapshot(
+            self.nodes,
+            clusters=self.clusters,
+            net=self.net,
+            economics=self.economics,
+            speed=self.speed,
+            gpu_memory_gib=self.gpu_memory_gib,
+            now=now,
+        )
+
+
+class Policy(Protocol):
+    """A placement policy: Loom's default profile, or a baseline. Decides for a queue, in order,
+    applying each decision to the snapshot before the next job's turn (like
+    :meth:`~loom.sched.framework.Framework.schedule_many`)."""
+
+    name: str
+
+    def decide(self, queue: Sequence[QueueItem], snap: Snapshot) -> list[tuple[QueueItem, Outcome]]: ...
