@@ -12,6 +12,7 @@ lower-priority, preemptible jobs whose GPUs make room (whole gangs; victims by l
 least progress), give their GPUs back in the snapshot, and place the job there.
 """
 
+import itertools
 import weakref
 from dataclasses import dataclass
 
@@ -93,7 +94,7 @@ class _RunningTable:
             preemptible=self.preemptible[keep],
             pair=self.pair[keep],
             gpus=self.gpus[keep],
-            lead_allocations=[a for a, k in zip(self.lead_allocations, keep.tolist(), strict=True) if k],
+            lead_allocations=list(itertools.compress(self.lead_allocations, keep.tolist())),
             rows=self.rows,
         )
 
@@ -212,9 +213,10 @@ class Preempt:
         if best is None or not best.victims:
             return None
         victims = {v.job_id for v in best.victims}
-        for r in snap.running:
-            if r.job_id in victims:
-                snap.give_back(r.allocations, r.gpus_per_worker, r.cpu_milli, r.memory_mib)
+        positions = [i for i in chosen.tolist() if snap.running[i].job_id in victims]
+        stopped = [snap.running[i] for i in positions]
+        for r in stopped:
+            snap.give_back(r.allocations, r.gpus_per_worker, r.cpu_milli, r.memory_mib)
         target = snap.cluster_index[best.cluster]
         mask = np.zeros_like(state.cluster_mask)
         mask[target] = True
@@ -226,18 +228,17 @@ class Preempt:
         candidates = framework.find_candidates(state)
         state.cluster_mask, state.model_mask = saved, model_saved
         if len(candidates) == 0:
-            for r in snap.running:
-                if r.job_id in victims:
-                    snap.take(r.allocations, r.gpus_per_worker, r.cpu_milli, r.memory_mib)
+            for r in stopped:
+                snap.take(r.allocations, r.gpus_per_worker, r.cpu_milli, r.memory_mib)
             return None
         totals = framework.score(state, candidates)
         decision = framework.choose(state, candidates, totals)
         decision.victims = tuple(sorted(victims))
         before = snap.running
-        stopped = [r for r in before if r.job_id in victims]
-        keep = [r.job_id not in victims for r in before]
-        snap.running = [r for r, k in zip(before, keep, strict=True) if k]
-        _TABLES[snap] = table.subset(np.array(keep, dtype=np.bool_), snap.running)
+        keep = np.ones(len(before), dtype=np.bool_)
+        keep[positions] = False
+        snap.running = list(itertools.compress(before, keep.tolist()))
+        _TABLES[snap] = table.subset(keep, snap.running)
 
         def undo() -> None:
             # The decision was refused after all (quota, permit): the victims keep running.
