@@ -51,6 +51,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     takeover.add_argument("--rate", type=float, default=50.0, help="jobs submitted per second throughout")
     takeover.add_argument("--topology", default="default")
     takeover.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    policies = sub.add_parser(
+        "policies", help="Loom's placement against the baselines in the simulator: JCT, cost, traffic, report"
+    )
+    policies.add_argument(
+        "--workload", default="mix", help="mix, alibaba, scenario, or a path to a .jsonl trace (default mix)"
+    )
+    policies.add_argument("--topology", default="default", help="packaged topology name or JSON path")
+    policies.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="jobs in the trace (default: the workload's own; --scale 100000)",
+    )
+    policies.add_argument(
+        "--nodes", type=int, default=None, help="platform nodes (default the topology's; --scale 100000)"
+    )
+    policies.add_argument(
+        "--policies", default=None, help="comma-separated policy names (default all; --scale loom)"
+    )
+    policies.add_argument("--seed", type=int, default=7)
+    policies.add_argument(
+        "--out", default=None, help="report folder (default ./loom-report/; --scale writes none unless given)"
+    )
+    policies.add_argument(
+        "--sample-every", type=float, default=None, help="timeline sample interval, simulated seconds"
+    )
+    policies.add_argument(
+        "--scale", action="store_true", help="Loom alone at 100,000 nodes and jobs: wall time and peak RSS"
+    )
+    policies.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     net = sub.add_parser("net", help="network perception: convergence, stability, accuracy, capacity")
     net.add_argument("--topology", default="default")
     net.add_argument("--seed", type=int, default=7)
@@ -95,6 +125,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from loom_benchmarks.takeover import main as run_takeover
 
         return run_takeover(args)
+    if args.bench == "policies":
+        from loom_benchmarks.policies import main as run_policies
+
+        return run_policies(args)
     if args.bench == "net":
         from loom_benchmarks import net
 

@@ -1,0 +1,544 @@
+"""``loom bench policies``: Loom's placement against the baselines, in the discrete-event simulator.
+
+A platform is built from a topology (:func:`loom.sim.engine.platform_from_topology`: its regions,
+measured links and prices, clusters of Alibaba openb nodes, replicated or sampled to ``--nodes``),
+a trace from ``--workload``, and the same trace is replayed once per policy of
+:data:`loom.sim.policies.POLICIES` (:func:`loom.sim.engine.simulate`, simulated time, seeded).
+
+Workloads:
+
+- ``mix``: the distributed-training mix (:func:`loom.sim.workloads.training_mix`): network-sensitive
+  data-parallel training, other training, pipeline models, inference services and DAG pipelines;
+- ``alibaba``: the Alibaba GPU trace (:func:`loom.sim.workloads.load_alibaba`): arrivals, sizes and
+  GPU model constraints of the openb pods;
+- ``scenario``: the seeds' multi-stage scenario (seed 001 §4: preprocessing, training and
+  validation across a cheap, high-latency region and a fast, expensive one;
+  :mod:`loom.sim.scenarios`);
+- a path to a ``.jsonl`` file in the generic workload format (:func:`loom.sim.workloads.load_jsonl`).
+
+Figures (:mod:`loom.sim.metrics`): per policy, overall and per job class, JCT (mean, p50, p99),
+queueing delay, makespan, time-weighted GPU utilisation, SCU-hours, cost and cross-region bytes;
+Loom's improvement over every other policy; and the issue's must-shows with their numbers and
+pass/fail: on a mix, ``net_training`` mean JCT >= 25 % below compute-only greedy with no other class
+more than 5 % worse; on the scenario, total time and cost better than the seeds' 23 % and 18 % over
+the fixed home region. The report (:func:`loom.sim.report.write_report`: PNG plots and a Markdown
+page) goes to ``--out`` (``./loom-report/``).
+
+On the scenario, "total time" is the makespan of all its pipelines (first arrival to last end),
+the seeds' 总耗时, and cost the sum over its jobs. ``--jobs`` counts jobs on every workload (the
+mix's DAG units are three jobs each, so it is turned into units; the scenario rounds up to whole
+pipelines). The timeline is sampled every ``--sample-every`` simulated seconds (default: the
+arrival span over 400).
+
+``--scale``: Loom alone on 100,000 nodes and 100,000 jobs of the mix (unless ``--nodes``/``--jobs``
+say otherwise), reporting the wall time of building and simulating and the peak RSS against the
+issue's target (10 minutes on 2 cores; ``cpu_count`` and ``affinity`` say what this run had). The
+target is judged on the total (build and simulate); no report is written unless ``--out`` is given.
+"""
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import resource
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from loom.model.topology import Topology
+    from loom.sim.model import Platform, SimResult, Trace
+
+WORKLOADS: Final = ("mix", "alibaba", "scenario")
+TARGET: Final = "loom"
+DEFAULT_OUT: Final = Path("loom-report")
+SCALE_NODES: Final = 100_000
+SCALE_JOBS: Final = 100_000
+TARGET_SCALE_S: Final = 600.0
+"""The issue's target: 100,000 nodes and 100,000 jobs simulated in at most 10 minutes on 2 cores."""
+SAMPLES: Final = 400
+"""Timeline samples aimed at over the trace's arrival span (when ``--sample-every`` is not given)."""
+
+
+class OptionError(ValueError):
+    """An option of ``loom bench policies`` that cannot be used."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """``loom bench policies``' options, checked and with defaults filled in."""
+
+    workload: str
+    topology: str
+    jobs: int | None
+    """Jobs (workload units for ``mix``, pipelines' jobs for ``scenario``); None: the workload's default."""
+    nodes: int | None
+    policies: list[str]
+    seed: int
+    out: Path | None
+    scale: bool
+    sample_every_s: float | None
+
+
+def parse_policies(text: str | None, known: Sequence[str]) -> list[str]:
+    """``"loom, random"`` -> ``["loom", "random"]`` (order kept, repeats dropped); None -> all known."""
+    if text is None:
+        return list(known)
+    names = list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    if not names:
+        raise OptionError("--policies needs at least one policy")
+    for name in names:
+        if name not in known:
+            raise OptionError(f"unknown policy {name!r}; known: {', '.join(known)}")
+    return names
+
+
+def resolve(args: argparse.Namespace, known: Sequence[str] | None = None) -> Options:
+    """Check the options and fill the defaults (``--scale`` changes them: see the module docstring)."""
+    if known is None:
+        from loom.sim.policies import POLICIES
+
+        known = list(POLICIES)
+    workload = str(args.workload)
+    if workload not in WORKLOADS and not workload.endswith(".jsonl") and not Path(workload).is_file():
+        raise OptionError(f"--workload is one of {', '.join(WORKLOADS)} or a .jsonl file, got {workload!r}")
+    scale = bool(args.scale)
+    jobs = args.jobs if args.jobs is not None else (SCALE_JOBS if scale else None)
+    nodes = args.nodes if args.nodes is not None else (SCALE_NODES if scale else None)
+    if jobs is not None and jobs < 1:
+        raise OptionError(f"--jobs must be at least 1, got {jobs}")
+    if nodes is not None and nodes < 1:
+        raise OptionError(f"--nodes must be at least 1, got {nodes}")
+    if args.sample_every is not None and not args.sample_every > 0:
+        raise OptionError(f"--sample-every must be positive, got {args.sample_every}")
+    policies = [TARGET] if scale and args.policies is None else parse_policies(args.policies, known)
+    out = Path(args.out) if args.out is not None else (None if scale else DEFAULT_OUT)
+    return Options(
+        workload=workload,
+        topology=str(args.topology),
+        jobs=None if jobs is None else int(jobs),
+        nodes=None if nodes is None else int(nodes),
+        policies=policies,
+        seed=int(args.seed),
+        out=out,
+        scale=scale,
+        sample_every_s=args.sample_every,
+    )
+
+
+def command_line(options: Options) -> str:
+    """The ``loom bench policies`` command that repeats this run."""
+    parts = [
+        "loom bench policies",
+        f"--workload {options.workload}",
+        f"--topology {options.topology}",
+        f"--policies {','.join(options.policies)}",
+        f"--seed {options.seed}",
+    ]
+    if options.jobs is not None:
+        parts.append(f"--jobs {options.jobs}")
+    if options.nodes is not None:
+        parts.append(f"--nodes {options.nodes}")
+    if options.sample_every_s is not None:
+        parts.append(f"--sample-every {options.sample_every_s:g}")
+    if options.scale:
+        parts.append("--scale")
+    if options.out is not None:
+        parts.append(f"--out {options.out}")
+    return " ".join(parts)
+
+
+# ---- building and running ---------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    """What a run replays: the platform, the trace, and what the workload adds about itself."""
+
+    platform: "Platform"
+    trace: "Trace"
+    about: dict[str, Any]
+
+
+def mix_units(jobs: int) -> int:
+    """The fewest units of the default training mix that make at least ``jobs`` jobs (a DAG unit
+    is three jobs, every other unit one)."""
+    from loom.sim.workloads import DEFAULT_MIX, apportion
+
+    def jobs_of(units: int) -> int:
+        return units + 2 * apportion(units, DEFAULT_MIX)["dag"]
+
+    units = max(1, int(jobs / (1 + 2 * DEFAULT_MIX["dag"] / sum(DEFAULT_MIX.values()))) - 2)
+    while jobs_of(units) < jobs:
+        units += 1
+    while units > 1 and jobs_of(units - 1) >= jobs:
+        units -= 1
+    return units
+
+
+def build_workload(options: Options, topology: "Topology") -> Workload:
+    """The platform and the trace ``--workload`` names.
+
+    ``mix`` and ``alibaba`` run on ``platform_from_topology(topology, nodes=--nodes)``; ``--jobs`` is
+    the mix's job count (the fewest workload units giving at least that many jobs, a DAG unit being
+    three: :func:`mix_units`) or the number of Alibaba tasks kept (the packaged sample holds
+    2,000). ``scenario`` brings its own two-region platform (``--nodes`` does not apply) and
+    ``--jobs`` is its job count rounded up to whole three-stage pipelines.
+    """
+    from loom.sim.engine import platform_from_topology
+
+    if options.workload == "scenario":
+        from loom.sim.scenarios import multi_stage_scenario
+
+        if options.jobs is None:
+            scenario = multi_stage_scenario(topology=topology, seed=options.seed)
+        else:
+            pipelines = -(-options.jobs // 3)
+            scenario = multi_stage_scenario(topology=topology, seed=options.seed, pipelines=pipelines)
+        about = {
+            "scenario": scenario.name,
+            "description": scenario.description,
+            "fixed_region": scenario.fixed_region,
+            "region_roles": dict(scenario.region_roles),
+            "seeds_reduction": {"time": scenario.seeds_time_reduction, "cost": scenario.seeds_cost_reduction},
+        }
+        if options.nodes is not None:
+            about["nodes_ignored"] = "the scenario brings its own two-region platform"
+        return Workload(scenario.platform, scenario.trace, about)
+    built = platform_from_topology(topology, nodes=options.nodes, seed=options.seed)
+    if options.workload == "mix":
+        from loom.sim.workloads import training_mix
+
+        if options.jobs is None:
+            return Workload(built, training_mix(topology=topology, seed=options.seed), {})
+        units = mix_units(options.jobs)
+        trace = training_mix(topology=topology, jobs=units, seed=options.seed)
+        return Workload(built, trace, {"mix_units": units})
+    if options.workload == "alibaba":
+        from loom.sim.workloads import load_alibaba
+
+        return Workload(built, load_alibaba(topology=topology, limit=options.jobs, seed=options.seed), {})
+    from loom.sim.workloads import load_jsonl
+
+    return Workload(built, load_jsonl(Path(options.workload)), {"path": options.workload})
+
+
+def sample_every_s(trace: "Trace", options: Options) -> float:
+    """``--sample-every``, or the trace's arrival span over :data:`SAMPLES` (at least 1 s)."""
+    if options.sample_every_s is not None:
+        return options.sample_every_s
+    if not trace.jobs:
+        return 60.0
+    span = trace.jobs[-1].arrival_s - trace.jobs[0].arrival_s
+    return max(1.0, span / SAMPLES)
+
+
+def _peak_rss_mib() -> float:
+    # ru_maxrss is in KiB on Linux, bytes on macOS.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (1024 * 1024 if sys.platform == "darwin" else 1024), 1)
+
+
+def _platform_figures(built: "Platform") -> dict[str, Any]:
+    gpus = Counter[str]()
+    for node in built.nodes:
+        if node.gpu_model:
+            gpus[node.gpu_model] += node.gpus_total
+    return {
+        "name": built.name,
+        "nodes": len(built.nodes),
+        "clusters": len(built.clusters),
+        "regions": len({c.region for c in built.clusters.values()}),
+        "gpus": sum(gpus.values()),
+        "gpus_by_model": dict(sorted(gpus.items())),
+    }
+
+
+def _trace_figures(trace: "Trace") -> dict[str, Any]:
+    classes = Counter(j.job_class for j in trace.jobs)
+    return {
+        "source": trace.source,
+        "jobs": len(trace.jobs),
+        "events": len(trace.events),
+        "jobs_by_class": dict(sorted(classes.items())),
+        "arrival_span_s": (trace.jobs[-1].arrival_s - trace.jobs[0].arrival_s) if trace.jobs else 0.0,
+    }
+
+
+def headline(summary: dict[str, Any]) -> dict[str, Any]:
+    """A policy's few figures worth a glance."""
+    o = summary["overall"]
+    net = summary["by_class"].get("net_training", {})
+    return {
+        "finished": o["finished"],
+        "jobs": o["jobs"],
+        "jct_mean_s": o["jct_mean_s"],
+        "jct_p99_s": o["jct_p99_s"],
+        "net_training_jct_mean_s": net.get("jct_mean_s"),
+        "queue_mean_s": o["queue_mean_s"],
+        "makespan_s": o["makespan_s"],
+        "gpu_utilisation_mean": o["gpu_utilisation_mean"],
+        "cost": o["cost"],
+        "cross_region_bytes": o["cross_region_bytes"],
+    }
+
+
+def comparison_baseline(options: Options) -> str | None:
+    """Whom Loom is compared with first: the fixed home region on the scenario, compute-only greedy
+    otherwise; the first other policy run when that one was not; None when Loom was not run."""
+    if TARGET not in options.policies:
+        return None
+    preferred = "home_region" if options.workload == "scenario" else "greedy_compute"
+    if preferred in options.policies:
+        return preferred
+    return next((p for p in options.policies if p != TARGET), None)
+
+
+def environment(load_before: float) -> dict[str, Any]:
+    """Where the figures were taken."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "numpy": np.__version__,
+        # The installed version, without importing it (its import would count in the peak RSS).
+        "matplotlib": importlib.metadata.version("matplotlib"),
+        "cpu_count": os.cpu_count(),
+        "affinity": affinity,
+        "load_average_1m": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
+        "machine": platform.machine(),
+        "peak_rss_mib": _peak_rss_mib(),
+    }
+
+
+def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Build, simulate every policy, summarise, check the claims, write the report; the JSON result."""
+    from loom.model.topology import load_topology
+    from loom.sim import metrics
+    from loom.sim.engine import simulate
+    from loom.sim.policies import POLICIES
+
+    say = progress or (lambda _s: None)
+    options = resolve(args, list(POLICIES))
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    say(f"building the platform and the {options.workload} workload")
+    topology = load_topology(options.topology)
+    workload = build_workload(options, topology)
+    built, trace = workload.platform, workload.trace
+    build_s = time.perf_counter() - started
+    every_s = sample_every_s(trace, options)
+    results: list[SimResult] = []
+    runs: list[dict[str, Any]] = []
+    for i, name in enumerate(options.policies):
+        say(f"simulating {name} ({i + 1} of {len(options.policies)}) over {len(trace.jobs):,} jobs")
+        t0 = time.perf_counter()
+        result = simulate(
+            trace, built, POLICIES[name](options.seed), seed=options.seed, sample_every_s=every_s
+        )
+        wall_s = time.perf_counter() - t0
+        results.append(result)
+        runs.append(
+            {
+                "policy": name,
+                "wall_s": round(wall_s, 3),
+                "engine_wall_s": round(result.wall_s, 3),
+                "decisions": result.decisions,
+                "peak_rss_mib": result.peak_rss_mib,
+                "notes": list(result.notes),
+            }
+        )
+    total_s = time.perf_counter() - started
+    say("summarising")
+    summaries = [metrics.summarize(r) for r in results]
+    baseline = comparison_baseline(options)
+    comparison = metrics.compare(results, baseline=baseline, target=TARGET) if baseline else None
+    if TARGET not in options.policies:
+        claims = None
+    elif options.workload == "scenario":
+        claims = metrics.check_claims(scenario=results, target=TARGET)
+    else:
+        claims = metrics.check_claims(mix=results, target=TARGET)
+    out: dict[str, Any] = {
+        "benchmark": "policies",
+        "mode": "scale" if options.scale else "compare",
+        "headline": {s["policy"]: headline(s) for s in summaries},
+        "targets": {
+            "net_training_jct_improvement_vs_greedy_compute": metrics.NET_JCT_REQUIRED,
+            "other_class_jct_worse_at_most": metrics.OTHER_CLASS_WORSE_MAX,
+            "scenario_time_improvement_vs_home_region_above": metrics.SCENARIO_TIME_REQUIRED,
+            "scenario_cost_improvement_vs_home_region_above": metrics.SCENARIO_COST_REQUIRED,
+            "scale_wall_s": TARGET_SCALE_S,
+            "source": "issue 6, must show; the scenario's figures from seed 001 §4",
+        },
+        "claims": claims,
+        "comparison": comparison,
+        "summaries": summaries,
+        "runs": runs,
+        "platform": _platform_figures(built),
+        "workload": {"name": options.workload, **_trace_figures(trace), **workload.about},
+        "method": {
+            "simulated": "loom.sim.engine.simulate: discrete events in simulated time, one run per policy "
+            "over the same trace and platform, seeded",
+            "policies": options.policies,
+            "seed": options.seed,
+            "topology": options.topology,
+            "nodes_asked": options.nodes,
+            "jobs_asked": options.jobs,
+            "sample_every_s": every_s,
+            "jct": "arrival to end, finished jobs only; rejected and unfinished counted apart",
+            "improvement": "(other - loom) / other; mean JCT also paired over jobs finished under both",
+        },
+        "timing": {
+            "build_s": round(build_s, 3),
+            "total_s": round(total_s, 3),
+        },
+        "report": None,
+        "environment": environment(load_before),
+    }
+    if options.scale:
+        out["scale"] = {
+            "nodes": len(built.nodes),
+            "jobs": len(trace.jobs),
+            "total_s": round(total_s, 3),
+            "simulate_s": round(sum(r["wall_s"] for r in runs), 3),
+            "peak_rss_mib": _peak_rss_mib(),
+            "target_s": TARGET_SCALE_S,
+            "meets_target": total_s <= TARGET_SCALE_S,
+            "cores": out["environment"]["affinity"] or out["environment"]["cpu_count"],
+            "target_cores": 2,
+        }
+    if options.out is not None:
+        from loom.sim.report import write_report
+
+        say(f"writing the report to {options.out}")
+        page = write_report(
+            results,
+            options.out,
+            title=f"Loom against the baselines: {options.workload} on {options.topology}",
+            context={
+                "workload": f"{options.workload} ({len(trace.jobs):,} jobs; {trace.source})",
+                "platform": f"{built.name}: {len(built.nodes):,} nodes, {len(built.clusters):,} clusters, "
+                f"{out['platform']['gpus']:,} GPUs in {out['platform']['regions']} regions",
+                "policies": ", ".join(options.policies),
+                "seed": options.seed,
+                "command": command_line(options),
+            },
+            claims=claims,
+            comparison=comparison,
+        )
+        out["report"] = str(page)
+    return out
+
+
+# ---- output -----------------------------------------------------------------------------------
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """The summary table, the claims and (with ``--scale``) the scale figures, on stderr."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from loom.sim.report import fmt_bytes, fmt_duration, fmt_share, summary_rows
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        # Redirected to a file: rich would assume 80 columns and cut the figures.
+        console = Console(stderr=True, width=120)
+    workload = result["workload"]
+    table = Table(
+        title=f"policies on {workload['name']} ({workload['jobs']:,} jobs), "
+        f"{result['platform']['nodes']:,} nodes, seed {result['method']['seed']}",
+        caption="JCT: arrival to end (finished jobs); queue: arrival to start; util: time-weighted;"
+        " all figures in the report",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    columns = (
+        ("done", "finished", lambda v: f"{v:,}"),
+        ("mean JCT", "jct_mean_s", fmt_duration),
+        ("p99 JCT", "jct_p99_s", fmt_duration),
+        ("queue", "queue_mean_s", fmt_duration),
+        ("util", "gpu_utilisation_mean", fmt_share),
+        ("cost $", "cost", lambda v: f"{v:,.0f}"),
+        ("x-region", "cross_region_bytes", fmt_bytes),
+    )
+    table.add_column("policy", no_wrap=True)
+    for header, _, _ in columns:
+        table.add_column(header, justify="right", no_wrap=True)
+    for row in summary_rows(result["summaries"], columns):
+        table.add_row(*row)
+    console.print(table)
+    classes = list(dict.fromkeys(c for s in result["summaries"] for c in s["by_class"]))
+    if len(classes) > 1:
+        by_class = Table(title="mean JCT by job class", box=box.SIMPLE_HEAD, pad_edge=False)
+        by_class.add_column("policy", no_wrap=True)
+        for c in classes:
+            by_class.add_column(c, justify="right", no_wrap=True)
+        for s in result["summaries"]:
+            by_class.add_row(
+                s["policy"], *(fmt_duration(s["by_class"].get(c, {}).get("jct_mean_s")) for c in classes)
+            )
+        console.print(by_class)
+    claims = result.get("claims")
+    if claims:
+        for name, check in claims["checks"].items():
+            verdict = check["passed"]
+            mark = "not run" if verdict is None else ("[green]pass[/green]" if verdict else "[red]FAIL[/red]")
+            detail = check.get("reason", "")
+            if "net_training_improvement" in check:
+                worst = check["worst_other_class"]
+                detail = f"net_training {fmt_share(check['net_training_improvement'], signed=True)}" + (
+                    f", worst other {worst['class']} {fmt_share(worst['improvement'], signed=True)}"
+                    if worst
+                    else ""
+                )
+            elif "time_improvement" in check:
+                detail = (
+                    f"time {fmt_share(check['time_improvement'], signed=True)}, "
+                    f"cost {fmt_share(check['cost_improvement'], signed=True)}"
+                )
+            console.print(f"{name}: {mark} ({check['claim']}): {detail}")
+    scale = result.get("scale")
+    if scale:
+        met = "[green]met[/green]" if scale["meets_target"] else "[red]missed[/red]"
+        console.print(
+            f"scale: {scale['nodes']:,} nodes, {scale['jobs']:,} jobs in {scale['total_s']:,.1f} s "
+            f"(simulate {scale['simulate_s']:,.1f} s) on {scale['cores']} cores; target "
+            f"{scale['target_s']:.0f} s on {scale['target_cores']}: {met}; "
+            f"peak RSS {scale['peak_rss_mib']:,.0f} MiB"
+        )
+    env = result["environment"]
+    console.print(
+        f"Python {env['python']}, {env['cpu_count']} CPUs (load {env['load_average_1m']['before']:g} -> "
+        f"{env['load_average_1m']['after']:g}), peak RSS {env['peak_rss_mib']:,.0f} MiB"
+        + (f"; report: {result['report']}" if result["report"] else "")
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """``loom bench policies``: JSON on stdout, the table on stderr unless ``--json``; progress on stderr."""
+    from rich.console import Console
+
+    from loom.errors import InvalidInputError
+
+    console = Console(stderr=True)
+    try:
+        with console.status("policies benchmark…") as status:
+            result = run(args, progress=lambda s: status.update(f"policies benchmark: {s}"))
+    except (OptionError, InvalidInputError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
+    print(json.dumps(result, indent=2))
+    if not args.json:
+        print_table(result)
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,1120 @@
+"""Discrete-event simulation of a placement policy over a trace, driving the real scheduling core.
+
+:func:`simulate` replays a :class:`~loom.sim.model.Trace` on a :class:`~loom.sim.model.Platform`
+under one :class:`~loom.sim.model.Policy` in simulated time. Placement is the policy's own
+framework (:mod:`loom.sim.policies`) deciding on one :class:`~loom.sched.snapshot.Snapshot` kept for
+the whole run, as the placement service keeps its book's snapshot: decisions take GPUs in it,
+completions give them back, and every placed job is in ``snap.running`` (as
+``services/placement/book.py`` builds it) so preemption, elastic shrink and affinity see it. The
+simulator copies none of the scheduling logic; it only applies decisions as the service does
+(victims stopped and requeued, shrunk jobs resized, pipeline parts started together).
+
+**Events** (a heap, in simulated seconds): arrivals, completions, the trace's scripted
+:class:`~loom.sim.model.SimEvent` s and periodic samples. All events of one instant are applied,
+then one scheduling pass runs:
+
+* jobs that arrived (or were requeued) at this instant get one decision each, in queue order;
+* if GPUs were released (a completion, a cluster coming back, preemption leaving room), waiting
+  jobs are retried in queue order, at most ``max_decisions_per_event`` of them, and only jobs
+  that could use the released GPUs: waiting jobs are grouped by *shape* (priority, GPUs per
+  worker, minimum workers, spanning, allowed models and clusters), a shape is retried only if a
+  released (cluster, model) pool of it now has the free GPUs it needs (a necessary condition read
+  from the snapshot's aggregates), and once a job of a shape fails in a pass the rest of that
+  shape waits (they would fail the same way). A pass that ran out of budget while still placing
+  jobs continues at the same instant. So waiting jobs are not re-scored on every event;
+* a job that cannot fit by free GPUs anywhere and could not make room by preemption or elastic
+  shrink is queued without a decision once its shape is known to be possible on this platform;
+* at each sample, shapes that could preempt or shrink running jobs get one retry (the service's
+  backoff retries of jobs that wait on preemption).
+
+Rejected jobs (UNRESOLVABLE) are recorded with the reason and dropped; a DAG stage of a rejected
+parent is rejected too.
+
+**Speed model** (never a lookup of measured step times). A placed job's step takes
+:func:`loom.sched.plugins.network.predict_step_s` on its parts: ``compute = step_time_s / (SCU x
+trust)`` of the slowest part, plus a ring all-reduce over the slowest link between the parts'
+regions. That is exactly what the ``jct`` plugin binds as ``predicted_step_s`` for Loom, and the
+simulator computes it itself for every policy so baselines (which run no ``jct``) are timed by the
+same model. Communication that declares no latency-bound rounds (``comm.rounds_per_step == 0``) is
+taken to overlap the compute (bucketed gradient exchange during the backward pass): the step is
+``max(compute, comm)`` instead of the sum. Pipelines take the pipeline planner's bottleneck step
+(the decision's ``predicted_step_s``). An elastic job given ``w`` of its ``W`` workers runs at
+``w / W`` of its speed (as the cluster agent's simulator does). A dataset not held in the lead's
+region is copied first: ``after_sync`` jobs hold their GPUs and wait for the copy
+(``NetMatrix.transfer_s`` from the holder that delivers it soonest, the data plugin's model);
+``while_syncing`` jobs start at once and take :func:`loom.sched.plugins.data.data_delay_s` longer.
+A job that restarts in a region it already copied its dataset to does not copy it again. The
+duration of a run is ``wait + steps_left x step_s`` (+ the reading delay).
+
+**Changes during a run.** A degraded or restored link re-times the running data-parallel jobs whose
+parts span it (work done so far is kept; pipelines keep their planned step). A shrunk elastic job
+is re-timed for its new worker count. A job stopped by preemption or by its cluster failing is
+requeued (``restarts`` + 1) and resumes from its last checkpoint when ``work.checkpoint_every_steps``
+is set, else from scratch. Progress of running jobs is not reported to preemption (it sees 0).
+
+**Records.** ``start_s`` is the first placement (the GPUs are held from then, also while a dataset
+is copied); ``arrival_s`` the time the job entered the queue (a DAG stage: when its last parent
+completed). ``step_s`` is the simulated seconds per step where it last ran (elastic scaling
+included) and ``compute_step_s`` its compute part. ``scu_hours`` sums GPUs x SCU x trust x hours held,
+``cost`` GPUs x the region's price (at the run's start) x hours held, over every run.
+``cross_region_bytes``: per step of a data-parallel job whose parts span ``k`` > 1 regions,
+``2 x bytes_per_step x k`` (a ring all-reduce crosses a region boundary ``k`` times, each
+carrying about twice the gradient); per step of a pipeline, the activations of each stage boundary
+between regions; plus the dataset's size for each copy to a new region. Tenant quotas are open
+(the default profile's quota book admits every tenant).
+
+A trace job with ``stages`` (a DAG job) is split with :func:`loom.sched.dag.expand` into one job
+per stage, each released when the stages it depends on have completed.
+"""
+
+import dataclasses
+import heapq
+import math
+import resource
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+
+from loom.model.profiles import reference_profile, relative_speed
+from loom.model.scu import TASK_TYPES, ScuError
+from loom.model.topology import Topology, load_topology
+from loom.sched import dag
+from loom.sched.firstfit import NodeCapacity
+from loom.sched.framework import Code, Decision, Outcome, QueueItem
+from loom.sched.plugins.cost import default_economics
+from loom.sched.plugins.data import data_delay_s
+from loom.sched.plugins.network import predict_step_s
+from loom.sched.snapshot import BoolArray, ClusterInfo, NetMatrix, RunningJob
+from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob, SimResult, Trace
+from loom.sim.policies import FrameworkPolicy
+from loom_proto.jobs import JobSpec, JobSubmitted
+
+__all__ = ["platform_from_topology", "simulate"]
+
+_COMPLETE: Final = 0
+_SCRIPTED: Final = 1
+_ARRIVAL: Final = 2
+_CONTINUE: Final = 3
+_SAMPLE: Final = 4
+"""Event kinds; at one instant completions are applied first, samples last."""
+
+Pair = tuple[int, int]
+"""(cluster index, model index) of the snapshot: one pool of GPUs."""
+
+
+# ---- platform ---------------------------------------------------------------------------------
+
+
+def platform_from_topology(
+    topology: Topology | None = None, *, nodes: int | None = None, seed: int = 0, name: str | None = None
+) -> Platform:
+    """A platform from a topology (the packaged default when None): its nodes, clusters (trust 1),
+    measured network, the default prices and carbon, and each GPU model's SCU per task type.
+
+    ``nodes``: scale to that many nodes as ``loom bench placement`` does: the topology's clusters
+    replicated whole (replica ``k`` of ``c-use2-a`` is ``c-use2-a-r{k}``, same region and zone,
+    node ids suffixed ``-r{k}``) while they fit, then one partial replica in which every cluster
+    keeps a seeded sample of its nodes in proportion to its size (the model mix holds at any size).
+    """
+    topology = topology or load_topology()
+    records = _replicate(topology, nodes, seed) if nodes is not None else _nodes_of(topology, "")
+    cluster_ids = sorted({n.cluster for n in records})
+    first = {n.cluster: n for n in reversed(records)}
+    clusters = {
+        cid: ClusterInfo(id=cid, region=first[cid].region, zone=first[cid].zone) for cid in cluster_ids
+    }
+    models = sorted({n.gpu_model for n in records if n.gpu_model is not None})
+    speed: dict[tuple[str, str], float] = {}
+    memory: dict[str, float] = {}
+    for model in models:
+        for task in TASK_TYPES:
+            try:
+                speed[(model, task)] = relative_speed(model, task)
+            except ScuError:
+                speed[(model, task)] = 1.0
+        try:
+            memory[model] = reference_profile(model).profile.memory_gib
+        except ScuError:
+            memory[model] = 0.0
+    size = f"-{len(records)}" if nodes is not None else ""
+    return Platform(
+        name=name or f"{topology.name}{size}",
+        nodes=records,
+        clusters=clusters,
+        net=NetMatrix.from_topology(topology),
+        economics=default_economics(),
+        speed=speed,
+        gpu_memory_gib=memory,
+    )
+
+
+def _nodes_of(
+    topology: Topology, suffix: str, keep: dict[str, list[int]] | None = None
+) -> list[NodeCapacity]:
+    out: list[NodeCapacity] = []
+    for cluster in topology.clusters:
+        members = [n for n in cluster.nodes if n.gpu_model is not None]
+        if keep is not None:
+            members = [members[i] for i in keep.get(cluster.id, [])]
+        out.extend(
+            NodeCapacity(
+                node=f"{n.id}{suffix}",
+                cluster=f"{cluster.id}{suffix}",
+                region=cluster.region,
+                zone=cluster.zone,
+                gpu_model=n.gpu_model,
+                gpus_total=n.gpus,
+                cpu_milli=n.cpu_milli,
+                memory_mib=n.memory_mib,
+            )
+            for n in members
+        )
+    return out
+
+
+def _replicate(topology: Topology, nodes: int, seed: int) -> list[NodeCapacity]:
+    rng = np.random.default_rng(seed)
+    sizes = {c.id: sum(1 for n in c.nodes if n.gpu_model is not None) for c in topology.clusters}
+    sizes = {cid: s for cid, s in sizes.items() if s}
+    per_replica = sum(sizes.values())
+    whole, left = divmod(max(nodes, 0), per_replica)
+    ids = list(sizes)
+    exact = np.array([sizes[cid] * left / per_replica for cid in ids])
+    share = np.floor(exact).astype(np.int64)
+    for k in np.argsort(-(exact - share), kind="stable")[: left - int(share.sum())]:
+        share[k] += 1
+    out: list[NodeCapacity] = []
+    for replica in range(whole):
+        out.extend(_nodes_of(topology, f"-r{replica}" if replica else ""))
+    keep = {
+        cid: sorted(rng.choice(sizes[cid], size=int(share[k]), replace=False).tolist())
+        for k, cid in enumerate(ids)
+    }
+    out.extend(_nodes_of(topology, f"-r{whole}" if whole else "", keep))
+    return out
+
+
+# ---- the simulation's own books ----------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Shape:
+    """Waiting jobs that are alike for placement: same priority, GPUs per worker, minimum workers,
+    spanning, allowed models and clusters. Their feasibility is read from the snapshot's aggregates."""
+
+    key: tuple[Any, ...]
+    pools: BoolArray
+    """(cluster, model) pools the shape may use (its hard rules; CPU and RAM are not checked)."""
+    need: int
+    """GPUs it needs at least: in one pool, or over all its pools when it may span clusters."""
+    per_worker: int
+    spans: bool
+    priority: int
+    index: int
+    heap: list[tuple[tuple[Any, ...], int, str]] = field(default_factory=list)
+    resolvable: bool = False
+    """A job of this shape got an answer other than UNRESOLVABLE: the platform can hold it."""
+
+
+@dataclass(eq=False)
+class _Run:
+    """One attempt of a job holding GPUs."""
+
+    decision: Decision
+    core: RunningJob
+    pairs: list[Pair]
+    gpus: int
+    placed_s: float
+    compute_start_s: float
+    seg_start_s: float
+    seg_steps: float
+    end_s: float
+    step_s: float
+    """Seconds per step here (elastic scaling included)."""
+    compute_s: float
+    """Compute seconds per step (unscaled)."""
+    raw_step_s: float
+    """Seconds per step with every worker (what the alpha learner observes)."""
+    speeds: list[float]
+    regions: list[str]
+    pipeline: bool
+    cross_bytes_per_step: float
+    scu_rate: float
+    """Sum over parts of GPUs x SCU x trust."""
+    cost_rate: float
+    """Sum over parts of GPUs x price per GPU-hour (at the run's start)."""
+    acct_s: float
+    """Accounting (GPU-hours, cost) is settled up to here."""
+
+    def progress(self, now: float) -> float:
+        """Steps of the current segment done by ``now``."""
+        begin = max(self.seg_start_s, self.compute_start_s)
+        if now <= begin or self.end_s <= begin:
+            return self.seg_steps if now >= self.end_s else 0.0
+        return self.seg_steps * min((now - begin) / (self.end_s - begin), 1.0)
+
+
+@dataclass(eq=False)
+class _Job:
+    sim: SimJob
+    spec: JobSpec
+    record: JobRecord
+    shape: _Shape
+    item: QueueItem
+    key: tuple[Any, ...]
+    steps_left: float
+    index: int
+    parents_left: int = 0
+    children: list[str] = field(default_factory=list)
+    run: _Run | None = None
+    generation: int = 0
+    data_regions: set[str] = field(default_factory=set)
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Event:
+    """Something that happens at ``t``; the heap orders ``(t, kind, seq)``."""
+
+    t: float
+    kind: int
+    seq: int
+    job_id: str = ""
+    generation: int = 0
+    scripted: SimEvent | None = None
+
+
+def _overlaps(spec: JobSpec) -> bool:
+    """Communication without latency-bound rounds overlaps the compute (see the module docstring)."""
+    return spec.comm is not None and spec.comm.rounds_per_step == 0
+
+
+def _copy_net(net: NetMatrix) -> NetMatrix:
+    return NetMatrix(
+        net.regions, net.rtt_ms.copy(), net.bandwidth_gbps.copy(), net.loss.copy(), net.degraded.copy()
+    )
+
+
+def _default_sort_key(item: QueueItem) -> tuple[Any, ...]:
+    return (-item.job.priority, item.submitted_at, item.job.job_id)
+
+
+class _Simulation:
+    """The state of one run; :meth:`run` plays the events."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        platform: Platform,
+        policy: Policy,
+        *,
+        sample_every_s: float,
+        max_decisions_per_event: int,
+        horizon_s: float | None,
+    ) -> None:
+        self.policy = policy
+        self.fast = policy if isinstance(policy, FrameworkPolicy) else None
+        self.sort_key = self.fast.sort_key if self.fast is not None else _default_sort_key
+        self.sample_every_s = sample_every_s
+        self.budget = max(int(max_decisions_per_event), 1)
+        self.horizon_s = horizon_s
+        self.platform = platform
+        self.notes: list[str] = []
+        self.heap: list[tuple[float, int, int, _Event]] = []
+        self.seq = 0
+        self.pending = 0
+        """Events in the heap other than samples."""
+        self.t = 0.0
+        self.decisions = 0
+        self.jobs: dict[str, _Job] = {}
+        self.order: list[_Job] = []
+        self.shapes: dict[tuple[Any, ...], _Shape] = {}
+        self.waiting: dict[tuple[Any, ...], _Shape] = {}
+        """Shapes with jobs waiting."""
+        self.fresh: list[_Job] = []
+        self.dirty: set[Pair] = set()
+        self.retry_post = False
+        self.by_cluster: dict[str, set[str]] = {}
+        self.spanning: set[str] = set()
+        """Running data-parallel jobs whose parts span regions (re-timed when a link changes)."""
+        self.preemptible = Counter[int]()
+        self.shrinkable = Counter[int]()
+        self.gpus_used = 0
+        self.cross_bytes = 0.0
+        self.timeline: list[Sample] = []
+        self._expand(trace)
+        first = min([j.sim.arrival_s for j in self.order] + [e.at_s for e in trace.events], default=0.0)
+        self.t = first
+        self.snap = platform.snapshot(now=first)
+        self.snap.net = _copy_net(platform.net)
+        self.base_net = _copy_net(platform.net)
+        self.schedulable0 = self.snap.schedulable.copy()
+        self.running_list = self.snap.running
+        self.position: dict[str, int] = {r.job_id: i for i, r in enumerate(self.running_list)}
+        self.retired: list[list[RunningJob]] = []
+        """Running lists replaced, emptied but kept alive (see :meth:`_drop_running`)."""
+        self.trust = {c.id: float(self.snap.trust[i]) for i, c in enumerate(self.snap.clusters)}
+        for job in self.order:
+            job.shape = self._shape_of(job.spec)
+            job.key = self.sort_key(job.item)
+        for job in self.order:
+            if job.parents_left == 0 and not job.done:
+                self._push(_Event(job.sim.arrival_s, _ARRIVAL, 0, job_id=job.sim.spec.job_id))
+        for event in trace.events:
+            self._push(_Event(event.at_s, _SCRIPTED, 0, scripted=event))
+        if sample_every_s > 0:
+            self._push(_Event(first, _SAMPLE, 0))
+
+    # ---- setup ---------------------------------------------------------------------------------
+
+    def _expand(self, trace: Trace) -> None:
+        """Jobs of the trace (DAG jobs split into stages), their records and dependencies."""
+        expanded: list[SimJob] = []
+        invalid: dict[str, str] = {}
+        for sim in trace.jobs:
+            if not sim.spec.stages:
+                expanded.append(sim)
+                continue
+            try:
+                submitted = JobSubmitted(**{f: getattr(sim.spec, f) for f in sim.spec.__struct_fields__})
+                children = dag.expand(submitted)
+            except dag.DagError as exc:
+                expanded.append(sim)
+                invalid[sim.spec.job_id] = str(exc)
+                continue
+            deps = dag.dependencies(sim.spec.stages)
+            for child in children:
+                stage = child.labels[dag.STAGE_LABEL]
+                parents = tuple(dag.stage_job_id(sim.spec.job_id, d) for d in deps[stage])
+                expanded.append(
+                    dataclasses.replace(sim, spec=child, job_class="dag", parents=sim.parents + parents)
+                )
+        for sim in expanded:
+            spec = self.fast.admit(sim) if self.fast is not None else sim.spec
+            record = JobRecord(
+                job_id=spec.job_id, job_class=sim.job_class, tenant=spec.tenant, arrival_s=sim.arrival_s
+            )
+            item = QueueItem(job=spec, submitted_at=sim.arrival_s)
+            job = _Job(
+                sim=sim,
+                spec=spec,
+                record=record,
+                shape=None,  # type: ignore[arg-type]  # set once the snapshot exists
+                item=item,
+                key=(),
+                steps_left=float(spec.work.steps),
+                index=len(self.order),
+            )
+            self.order.append(job)
+            if spec.job_id in self.jobs:
+                record.rejected = f"job id {spec.job_id} appears twice in the trace"
+                job.done = True
+                continue
+            if spec.stages:
+                record.rejected = f"not a valid DAG job: {invalid.get(spec.job_id, 'it has stages')}"
+                job.done = True
+            self.jobs[spec.job_id] = job
+        for job in self.order:
+            if job.done:
+                continue
+            for parent in job.sim.parents:
+                if parent in self.jobs and self.jobs[parent] is not job:
+                    self.jobs[parent].children.append(job.spec.job_id)
+                    job.parents_left += 1
+                else:
+                    self.notes.append(f"{job.spec.job_id}: unknown parent {parent} ignored")
+
+    def _shape_of(self, spec: JobSpec) -> _Shape:
+        res = spec.resources
+        aff = spec.affinity
+        spans = spec.allow_multi_cluster or spec.pipeline is not None
+        min_workers = min(spec.min_workers or spec.workers, spec.workers)
+        if spec.pipeline is not None:
+            layers = tuple((la.compute_s, la.memory_gib, la.activation_mb) for la in spec.pipeline.layers)
+            need, per_worker = 1, 1
+            what: tuple[Any, ...] = ("pipeline", layers, spec.pipeline.max_stages)
+        else:
+            need, per_worker = res.gpus * min_workers, res.gpus
+            what = ("gang", res.gpus, min_workers)
+        key = (
+            spec.priority,
+            spans,
+            *what,
+            tuple(sorted(m.upper() for m in res.gpu_models)),
+            res.gpu_memory_gib,
+            tuple(aff.clusters),
+            tuple(aff.regions),
+            tuple(aff.avoid_clusters),
+            tuple(aff.avoid_regions),
+            tuple(sorted(aff.apart_from_jobs.items())),
+        )
+        shape = self.shapes.get(key)
+        if shape is None:
+            shape = _Shape(
+                key=key,
+                pools=self._pools(spec),
+                need=need,
+                per_worker=per_worker,
+                spans=spans,
+                priority=spec.priority,
+                index=len(self.shapes),
+            )
+            self.shapes[key] = shape
+        return shape
+
+    def _pools(self, spec: JobSpec) -> BoolArray:
+        snap = self.snap
+        res = spec.resources
+        aff = spec.affinity
+        wanted = {m.upper() for m in res.gpu_models}
+        models = np.array(
+            [
+                (not wanted or m.upper() in wanted) and snap.gpu_memory_gib.get(m, 0.0) >= res.gpu_memory_gib
+                for m in snap.models
+            ],
+            dtype=np.bool_,
+        )
+        clusters = np.array(
+            [
+                (not aff.clusters or c.id in aff.clusters)
+                and (not aff.regions or c.region in aff.regions)
+                and c.id not in aff.avoid_clusters
+                and c.region not in aff.avoid_regions
+                for c in snap.clusters
+            ],
+            dtype=np.bool_,
+        )
+        pools: BoolArray = clusters[:, None] & models[None, :]
+        return pools
+
+    # ---- the event loop ------------------------------------------------------------------------
+
+    def _push(self, event: _Event) -> None:
+        self.seq += 1
+        event.seq = self.seq
+        if event.kind != _SAMPLE:
+            self.pending += 1
+        heapq.heappush(self.heap, (event.t, event.kind, self.seq, event))
+
+    def run(self) -> None:
+        """Play every event up to the horizon (or until nothing is left to happen)."""
+        horizon = self.horizon_s
+        while self.heap:
+            t = self.heap[0][0]
+            if horizon is not None and t > horizon:
+                break
+            self.t = t
+            sample = False
+            while self.heap and self.heap[0][0] == t:
+                event = heapq.heappop(self.heap)[3]
+                if event.kind == _SAMPLE:
+                    sample = True
+                    continue
+                self.pending -= 1
+                if event.kind == _COMPLETE:
+                    self._complete(event)
+                elif event.kind == _SCRIPTED and event.scripted is not None:
+                    self._scripted(event.scripted)
+                elif event.kind == _ARRIVAL:
+                    self._arrive(self.jobs[event.job_id])
+            if sample:
+                self.retry_post = True
+            self._pass()
+            if sample:
+                self._sample()
+                nxt = t + self.sample_every_s
+                if self.pending > 0 or (horizon is not None and nxt <= horizon):
+                    self._push(_Event(nxt, _SAMPLE, 0))
+        end = self.t if horizon is None else max(self.t, horizon)
+        for job in self.order:
+            if job.run is not None:
+                self._settle(job, job.run, end)
+
+    # ---- scheduling ----------------------------------------------------------------------------
+
+    def _arrive(self, job: _Job) -> None:
+        if job.done or job.run is not None:
+            return
+        job.record.arrival_s = self.t
+        job.item = dataclasses.replace(job.item, submitted_at=self.t)
+        job.key = self.sort_key(job.item)
+        self.fresh.append(job)
+
+    def _pass(self) -> None:
+        """One scheduling pass at this instant (see the module docstring)."""
+        pairs, self.dirty = self.dirty, set()
+        retry_post, self.retry_post = self.retry_post, False
+        fresh, self.fresh = self.fresh, []
+        if not fresh and not (self.waiting and (pairs or retry_post)):
+            return
+        floor = self._post_filter_floor()
+
+        def due(shape: _Shape) -> bool:
+            return bool(shape.heap) and (
+                (bool(pairs) and self._fits(shape, pairs))
+                or (retry_post and self._may_make_room(shape, floor))
+            )
+
+        heap: list[tuple[tuple[Any, ...], int, int, _Job | _Shape]] = [
+            (job.key, 0, job.index, job) for job in fresh
+        ]
+        heap += [(s.heap[0][0], 1, s.index, s) for s in self.waiting.values() if due(s)]
+        heapq.heapify(heap)
+        failed: set[int] = set()
+        """Shapes a job of which failed in this pass: the rest of them wait."""
+        budget = self.budget
+        placed = False
+        leftover = False
+        while heap:
+            _, _, _, ref = heapq.heappop(heap)
+            if isinstance(ref, _Job):
+                job = ref
+                if job.done or job.run is not None:
+                    continue
+                shape = job.shape
+                if shape.index in failed or (
+                    shape.resolvable and not self._fits(shape, None) and not self._may_make_room(shape, floor)
+                ):
+                    self._wait(job)
+                    continue
+            else:
+                shape = ref
+                if shape.index in failed or not due(shape):
+                    continue
+                if budget <= 0:
+                    leftover = True
+                    continue
+                budget -= 1
+                _, _, job_id = heapq.heappop(shape.heap)
+                if not shape.heap:
+                    self.waiting.pop(shape.key, None)
+                job = self.jobs[job_id]
+            if self._decide(job):
+                placed = True
+                floor = self._post_filter_floor()
+            elif not job.done:
+                failed.add(shape.index)
+                continue
+            if shape.heap and shape.index not in failed:
+                heapq.heappush(heap, (shape.heap[0][0], 1, shape.index, shape))
+        if leftover and placed:
+            self.dirty |= pairs
+            self.retry_post = self.retry_post or retry_post
+        if self.fresh or self.dirty or self.retry_post:
+            self._push(_Event(self.t, _CONTINUE, 0))
+
+    def _decide(self, job: _Job) -> bool:
+        """One decision for ``job``; True when it was placed. A job left waiting is queued."""
+        snap = self.snap
+        snap.now = self.t
+        self.decisions += 1
+        outcome: Outcome | None
+        if self.fast is not None:
+            outcome = self.fast.decide_one(job.item, snap)
+        else:
+            results = self.policy.decide([job.item], snap)
+            outcome = results[0][1] if results else None
+        self._adopt_running_list()
+        if outcome is not None and outcome.decision is not None:
+            job.shape.resolvable = True
+            self._start(job, outcome.decision)
+            return True
+        if outcome is not None and outcome.status.code == Code.UNRESOLVABLE:
+            self._reject(job, outcome.record.reason or outcome.status.reason)
+            return False
+        job.shape.resolvable = True
+        if outcome is not None and outcome.status.code == Code.ERROR:
+            self.notes.append(f"{job.spec.job_id}: {outcome.record.reason}")
+        self._wait(job)
+        return False
+
+    def _wait(self, job: _Job) -> None:
+        shape = job.shape
+        heapq.heappush(shape.heap, (job.key, job.index, job.spec.job_id))
+        self.waiting[shape.key] = shape
+
+    def _reject(self, job: _Job, reason: str) -> None:
+        job.record.rejected = reason
+        job.done = True
+        for child in job.children:
+            kid = self.jobs[child]
+            if not kid.done:
+                self._reject(kid, f"parent {job.spec.job_id} was rejected")
+
+    def _fits(self, shape: _Shape, pairs: Iterable[Pair] | None) -> bool:
+        """Whether free GPUs the shape may use could hold it (a necessary condition), looking only at
+        ``pairs`` (pools just released) when given."""
+        snap = self.snap
+        free, biggest = snap.free_sum, snap.max_free
+        pools = shape.pools
+        if pools.shape != free.shape:
+            return True
+        if pairs is None:
+            room = pools & (biggest >= shape.per_worker)
+            if shape.spans:
+                return bool(room.any()) and int(free[pools].sum()) >= shape.need
+            return bool((room & (free >= shape.need)).any())
+        for c, m in pairs:
+            if not pools[c, m] or biggest[c, m] < shape.per_worker:
+                continue
+            if not shape.spans:
+                if free[c, m] >= shape.need:
+                    return True
+            else:
+                return int(free[pools].sum()) >= shape.need
+        return False
+
+    def _post_filter_floor(self) -> tuple[int | None, int | None]:
+        """The lowest priority of a running preemptible job, and of a running shrinkable one."""
+        low = min((p for p, n in self.preemptible.items() if n > 0), default=None)
+        shrink = min((p for p, n in self.shrinkable.items() if n > 0), default=None)
+        return low, shrink
+
+    @staticmethod
+    def _may_make_room(shape: _Shape, floor: tuple[int | None, int | None]) -> bool:
+        low, shrink = floor
+        return (low is not None and low < shape.priority) or (shrink is not None and shrink <= shape.priority)
+
+    # ---- runs ----------------------------------------------------------------------------------
+
+    def _start(self, job: _Job, d: Decision) -> None:
+        snap = self.snap
+        spec = job.spec
+        now = self.t
+        for victim in d.victims:
+            self._stop(victim, given_back=True)
+        for job_id, workers, allocations in d.shrunk:
+            self._resize(job_id, workers, allocations)
+        parts = d.parts
+        pipeline = any(p.layers is not None for p in parts)
+        speeds = [snap.gpu_speed(p.gpu_model, spec.task_type) * self.trust.get(p.cluster, 1.0) for p in parts]
+        regions = [p.region for p in parts]
+        compute_s, raw_step_s = self._step(spec, d, speeds, regions, pipeline)
+        scale = spec.workers / d.workers if (not pipeline and 0 < d.workers != spec.workers) else 1.0
+        step_s = raw_step_s * scale
+        wait_s, extra_s, copy_bytes = self._data(job, regions[0], job.steps_left * step_s, d)
+        gpus_by_part = [sum(g for _, g in p.allocations) for p in parts]
+        gpus = sum(gpus_by_part)
+        distinct = list(dict.fromkeys(regions))
+        econ = snap.economics
+        run = _Run(
+            decision=d,
+            core=self._core(job, d, pipeline),
+            pairs=sorted({(snap.cluster_index[p.cluster], snap.model_index[p.gpu_model]) for p in parts}),
+            gpus=gpus,
+            placed_s=now,
+            compute_start_s=now + wait_s,
+            seg_start_s=now,
+            seg_steps=job.steps_left,
+            end_s=now + wait_s + job.steps_left * step_s + extra_s,
+            step_s=step_s,
+            compute_s=compute_s,
+            raw_step_s=raw_step_s,
+            speeds=speeds,
+            regions=regions,
+            pipeline=pipeline,
+            cross_bytes_per_step=self._cross_bytes_per_step(spec, d, distinct, pipeline),
+            scu_rate=sum(g * s for g, s in zip(gpus_by_part, speeds, strict=True)),
+            cost_rate=sum(g * econ.price(p.region, now) for g, p in zip(gpus_by_part, parts, strict=True)),
+            acct_s=now,
+        )
+        job.run = run
+        rec = job.record
+        if rec.start_s is None:
+            rec.start_s = now
+        rec.clusters = tuple(p.cluster for p in parts)
+        rec.regions = tuple(distinct)
+        rec.gpus = gpus
+        rec.gpu_model = parts[0].gpu_model
+        rec.step_s = step_s
+        rec.compute_step_s = compute_s * scale
+        if copy_bytes:
+            rec.cross_region_bytes += copy_bytes
+            self.cross_bytes += copy_bytes
+        self.running_list.append(run.core)
+        self.position[spec.job_id] = len(self.running_list) - 1
+        for p in parts:
+            self.by_cluster.setdefault(p.cluster, set()).add(spec.job_id)
+        if len(distinct) > 1 and not pipeline:
+            self.spanning.add(spec.job_id)
+        self._count(run.core, +1)
+        self.gpus_used += gpus
+        job.generation += 1
+        self._push(_Event(run.end_s, _COMPLETE, 0, job_id=spec.job_id, generation=job.generation))
+
+    def _step(
+        self, spec: JobSpec, d: Decision, speeds: Sequence[float], regions: Sequence[str], pipeline: bool
+    ) -> tuple[float, float]:
+        """(compute seconds, wall seconds) of one step with every worker."""
+        if pipeline:
+            step = d.predicted_step_s if d.predicted_step_s else spec.work.step_time_s
+            return step / max(d.slowdown, 1.0), step
+        estimate = predict_step_s(spec, speeds=speeds, regions=regions, net=self.snap.net, workers=d.workers)
+        compute, comm = estimate.compute_s, estimate.comm_s
+        return compute, (max(compute, comm) if _overlaps(spec) else compute + comm)
+
+    def _data(self, job: _Job, lead: str, run_s: float, d: Decision) -> tuple[float, float, float]:
+        """(seconds waited before starting, seconds added while reading remotely, bytes copied)."""
+        data = job.spec.data
+        if data is None:
+            return 0.0, 0.0, 0.0
+        holders = [data.region, *data.replicas]
+        if lead in holders or lead in job.data_regions:
+            return 0.0, 0.0, 0.0
+        job.data_regions.add(lead)
+        sync_s = min(self.snap.net.transfer_s(h, lead, data.size_gb) for h in holders)
+        copied = data.size_gb * 1e9
+        if data.start == "after_sync":
+            return max(sync_s, d.start_after_s), 0.0, copied
+        extra = float(data_delay_s(run_s, np.array(sync_s), "while_syncing"))
+        return 0.0, extra, copied
+
+    @staticmethod
+    def _cross_bytes_per_step(spec: JobSpec, d: Decision, regions: Sequence[str], pipeline: bool) -> float:
+        if pipeline and spec.pipeline is not None:
+            layers = spec.pipeline.layers
+            total = 0.0
+            for a, b in zip(d.parts, d.parts[1:], strict=False):
+                if a.region != b.region and a.layers is not None:
+                    total += layers[min(a.layers[1], len(layers) - 1)].activation_mb * 1e6
+            return total
+        if len(regions) > 1 and spec.comm is not None:
+            return 2.0 * spec.comm.bytes_per_step * len(regions)
+        return 0.0
+
+    def _core(self, job: _Job, d: Decision, pipeline: bool) -> RunningJob:
+        """The run as the scheduling core sees it (as the placement service's book builds it)."""
+        spec = job.spec
+        lead = d.parts[0]
+        return RunningJob(
+            job_id=spec.job_id,
+            tenant=spec.tenant,
+            priority=spec.priority,
+            cluster=lead.cluster,
+            gpu_model=lead.gpu_model,
+            allocations=tuple(d.allocations),
+            preemptible=spec.preemptible,
+            labels=spec.labels,
+            workers=d.workers,
+            min_workers=spec.min_workers if len(d.parts) == 1 and not pipeline else None,
+            max_workers=spec.workers,
+            gpus_per_worker=spec.resources.gpus,
+            cpu_milli=spec.resources.cpu_milli,
+            memory_mib=spec.resources.memory_mib,
+            attempt=job.record.restarts + 1,
+        )
+
+    def _count(self, core: RunningJob, sign: int) -> None:
+        if core.preemptible:
+            self.preemptible[core.priority] += sign
+        if core.min_workers is not None and core.workers > core.min_workers:
+            self.shrinkable[core.priority] += sign
+
+    def _settle(self, job: _Job, run: _Run, now: float) -> float:
+        """Account GPU-hours, cost and cross-region bytes up to ``now``; the steps done since the
+        segment began (they are taken off ``steps_left``)."""
+        hours = max(now - run.acct_s, 0.0) / 3600.0
+        rec = job.record
+        rec.scu_hours += run.scu_rate * hours
+        rec.cost += run.cost_rate * hours
+        run.acct_s = now
+        done = run.progress(now)
+        moved = done * run.cross_bytes_per_step
+        rec.cross_region_bytes += moved
+        self.cross_bytes += moved
+        job.steps_left = max(job.steps_left - done, 0.0)
+        run.seg_start_s = now
+        run.seg_steps = job.steps_left
+        return done
+
+    def _release(self, job: _Job, run: _Run, *, given_back: bool) -> None:
+        """The run no longer holds GPUs: out of the snapshot and the books."""
+        spec = job.spec
+        if not given_back:
+            core = run.core
+            self.snap.give_back(core.allocations, core.gpus_per_worker, core.cpu_milli, core.memory_mib)
+            self._drop_running(spec.job_id)
+        else:
+            self.position.pop(spec.job_id, None)
+        for p in run.decision.parts:
+            members = self.by_cluster.get(p.cluster)
+            if members is not None:
+                members.discard(spec.job_id)
+        self.spanning.discard(spec.job_id)
+        self._count(run.core, -1)
+        self.gpus_used -= run.gpus
+        self.dirty.update(run.pairs)
+        job.run = None
+        job.generation += 1
+
+    def _complete(self, event: _Event) -> None:
+        job = self.jobs[event.job_id]
+        run = job.run
+        if run is None or event.generation != job.generation:
+            return
+        self._settle(job, run, self.t)
+        job.steps_left = 0.0
+        job.record.end_s = self.t
+        job.done = True
+        self._release(job, run, given_back=False)
+        learner = self.fast.learner if self.fast is not None else None
+        if learner is not None and job.record.restarts == 0 and not run.pipeline:
+            learner.observe(job.spec.task_type, run.compute_s, run.raw_step_s)
+        for child in job.children:
+            kid = self.jobs[child]
+            kid.parents_left -= 1
+            if kid.parents_left == 0 and not kid.done:
+                self._push(_Event(max(self.t, kid.sim.arrival_s), _ARRIVAL, 0, job_id=child))
+
+    def _stop(self, job_id: str, *, given_back: bool) -> None:
+        """Stop a run (preempted, or its cluster failed) and requeue the job from its last checkpoint."""
+        job = self.jobs.get(job_id)
+        if job is None or job.run is None:
+            return
+        run = job.run
+        self._settle(job, run, self.t)
+        steps = job.spec.work.steps
+        every = job.spec.work.checkpoint_every_steps
+        done = steps - job.steps_left
+        kept = math.floor(done / every) * every if every > 0 else 0
+        job.steps_left = float(steps - min(kept, steps))
+        self._release(job, run, given_back=given_back)
+        job.record.restarts += 1
+        job.item = dataclasses.replace(job.item, attempts=job.record.restarts)
+        self.fresh.append(job)
+
+    def _resize(self, job_id: str, workers: int, allocations: tuple[tuple[str, int], ...]) -> None:
+        """An elastic run shrunk to make room (the snapshot already gave its GPUs back)."""
+        job = self.jobs.get(job_id)
+        if job is None or job.run is None:
+            return
+        run = job.run
+        self._settle(job, run, self.t)
+        self._count(run.core, -1)
+        i = self.position.get(job_id)
+        if i is not None and self.running_list[i].job_id == job_id:
+            run.core = self.running_list[i]
+        else:
+            run.core = dataclasses.replace(run.core, workers=workers, allocations=allocations)
+        self._count(run.core, +1)
+        lead = run.decision.parts[0]
+        part = dataclasses.replace(lead, allocations=tuple(allocations))
+        run.decision = dataclasses.replace(run.decision, parts=[part], workers=workers)
+        old = run.gpus
+        run.gpus = sum(g for _, g in allocations)
+        self.gpus_used += run.gpus - old
+        run.scu_rate = run.gpus * run.speeds[0]
+        run.cost_rate = run.cost_rate * run.gpus / max(old, 1)
+        spec = job.spec
+        compute_s, raw = self._step(spec, run.decision, run.speeds, run.regions, run.pipeline)
+        scale = spec.workers / workers if workers else 1.0
+        self._retime(job, run, raw * scale)
+        run.compute_s, run.raw_step_s = compute_s, raw
+        job.record.gpus = run.gpus
+        job.record.step_s = run.step_s
+        job.record.compute_step_s = compute_s * scale
+
+    def _retime(self, job: _Job, run: _Run, step_s: float) -> None:
+        """Run the rest of the current segment at ``step_s`` per step (accounting settled first)."""
+        now = self.t
+        begin = max(now, run.compute_start_s)
+        left_s = max(run.end_s - max(now, run.compute_start_s), 0.0)
+        ratio = step_s / run.step_s if run.step_s > 0 else 1.0
+        self._settle(job, run, now)
+        run.step_s = step_s
+        run.end_s = begin + left_s * ratio
+        job.generation += 1
+        self._push(_Event(run.end_s, _COMPLETE, 0, job_id=job.spec.job_id, generation=job.generation))
+
+    # ---- the running list ------------------------------------------------------------------------
+
+    def _adopt_running_list(self) -> None:
+        """Adopt the list a decision left in ``snap.running`` (preemption and shrink replace it)."""
+        current = self.snap.running
+        if current is self.running_list:
+            return
+        self._retire(self.running_list)
+        self.running_list = current
+        self.position = {r.job_id: i for i, r in enumerate(current)}
+
+    def _drop_running(self, job_id: str) -> None:
+        """Take a finished run out of ``snap.running``.
+
+        The preemption plugin caches its table of running jobs under ``(id(list), len(list))``,
+        so a list is never shrunk in place (its length could come back with other contents): the
+        run leaves through a new list, and the old one is emptied and kept alive so that no later
+        list can be allocated at its address.
+        """
+        i = self.position.pop(job_id, None)
+        old = self.running_list
+        if i is None or i >= len(old) or old[i].job_id != job_id:
+            self.position = {r.job_id: k for k, r in enumerate(old) if r.job_id != job_id}
+            new = [r for r in old if r.job_id != job_id]
+        else:
+            new = old.copy()
+            last = new.pop()
+            if i < len(new):
+                new[i] = last
+                self.position[last.job_id] = i
+        self.running_list = new
+        self.snap.running = new
+        self._retire(old)
+
+    def _retire(self, old: list[RunningJob]) -> None:
+        old.clear()
+        self.retired.append(old)
+
+    # ---- scripted events -------------------------------------------------------------------------
+
+    def _scripted(self, event: SimEvent) -> None:
+        if event.kind in ("link_degrade", "link_restore"):
+            self._link(event)
+        elif event.kind == "cluster_down":
+            self._cluster(event.cluster, up=False)
+        elif event.kind == "cluster_up":
+            self._cluster(event.cluster, up=True)
+        elif event.kind == "price":
+            self._price(event)
+
+    def _link_pairs(self, event: SimEvent) -> list[tuple[str, str]]:
+        if event.src and event.dst:
+            return [(event.src, event.dst), (event.dst, event.src)]
+        region = event.region or event.src or event.dst
+        return [
+            pair
+            for other in self.snap.net.regions
+            if other != region
+            for pair in ((region, other), (other, region))
+        ]
+
+    def _link(self, event: SimEvent) -> None:
+        net, base = self.snap.net, self.base_net
+        for src, dst in self._link_pairs(event):
+            i, j = net.index.get(src), net.index.get(dst)
+            if i is None or j is None or i == j:
+                continue
+            if event.kind == "link_degrade":
+                net.set_link(
+                    src,
+                    dst,
+                    rtt_ms=float(net.rtt_ms[i, j]) * event.rtt_factor,
+                    bandwidth_gbps=float(net.bandwidth_gbps[i, j]) * event.bandwidth_factor,
+                    loss=float(net.loss[i, j]),
+                    degraded=True,
+                )
+            else:
+                net.set_link(
+                    src,
+                    dst,
+                    rtt_ms=float(base.rtt_ms[i, j]),
+                    bandwidth_gbps=float(base.bandwidth_gbps[i, j]),
+                    loss=float(base.loss[i, j]),
+                    degraded=bool(base.degraded[i, j]),
+                )
+        for job_id in sorted(self.spanning):
+            job = self.jobs[job_id]
+            run = job.run
+            if run is None:
+                continue
+            _, raw = self._step(job.spec, run.decision, run.speeds, run.regions, run.pipeline)
+            workers = run.decision.workers
+            scale = job.spec.workers / workers if workers and workers != job.spec.workers else 1.0
+            if abs(raw * scale - run.step_s) > 1e-12 * max(run.step_s, 1.0):
+                self._retime(job, run, raw * scale)
+                run.raw_step_s = raw
+                job.record.step_s = run.step_s
+
+    def _cluster(self, cluster: str, *, up: bool) -> None:
+        snap = self.snap
+        c = snap.cluster_index.get(cluster)
+        if c is None:
+            self.notes.append(f"scripted event for unknown cluster {cluster} ignored")
+            return
+        start, stop = snap.slices[c]
+        if up:
+            snap.schedulable[start:stop] = self.schedulable0[start:stop]
+        else:
+            for job_id in sorted(self.by_cluster.get(cluster, set())):
+                self._stop(job_id, given_back=False)
+            snap.schedulable[start:stop] = False
+        for m in range(len(snap.models)):
+            idx, _ = snap.node_slice(c, m)
+            usable = np.where(snap.schedulable[idx], snap.free[idx], 0)
+            snap.free_sum[c, m] = int(usable.sum())
+            snap.max_free[c, m] = int(usable.max()) if usable.size else 0
+            if up and usable.size:
+                self.dirty.add((c, m))
+
+    def _price(self, event: SimEvent) -> None:
+        snap = self.snap
+        base = self.platform.economics.price_per_gpu_hour
+        prices = dict(snap.economics.price_per_gpu_hour)
+        for region in [event.region] if event.region else list(snap.regions):
+            prices[region] = base.get(region, 2.0) * event.factor
+        snap.economics = dataclasses.replace(snap.economics, price_per_gpu_hour=prices)
+
+    # ---- results ---------------------------------------------------------------------------------
+
+    def _sample(self) -> None:
+        snap = self.snap
+        in_flight = 0.0
+        for job_id in self.spanning:
+            run = self.jobs[job_id].run
+            if run is not None:
+                in_flight += run.progress(self.t) * run.cross_bytes_per_step
+        self.timeline.append(
+            Sample(
+                t_s=self.t,
+                gpus_used=self.gpus_used,
+                gpus_total=int(snap.total[snap.schedulable].sum()),
+                cross_region_bytes=self.cross_bytes + in_flight,
+            )
+        )
+
+
+def simulate(
+    trace: Trace,
+    platform: Platform,
+    policy: Policy,
+    *,
+    seed: int = 0,
+    sample_every_s: float = 300.0,
+    max_decisions_per_event: int = 64,
+    horizon_s: float | None = None,
+) -> SimResult:
+    """Replay ``trace`` on ``platform`` under ``policy``; one :class:`JobRecord` per job (in trace
+    order, DAG jobs as their stages) and a sample of GPU use every ``sample_every_s``.
+
+    Deterministic: the same trace, platform and policy (with the same seed) give the same result.
+    The engine draws no random numbers; ``seed`` is recorded in the notes for the policy's and the
+    trace's seeds to be reported with the result. ``horizon_s``: stop at that simulated time (jobs
+    still running have ``end_s`` None, their use so far accounted); None: run until every job has
+    completed, been rejected, or can never start (it stays queued).
+    """
+    started = time.perf_counter()
+    sim = _Simulation(
+        trace,
+        platform,
+        policy,
+        sample_every_s=sample_every_s,
+        max_decisions_per_event=max_decisions_per_event,
+        horizon_s=horizon_s,
+    )
+    sim.run()
+    wall_s = time.perf_counter() - started
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_mib = peak / (1024 * 1024 if sys.platform == "darwin" else 1024)
+    return SimResult(
+        policy=policy.name,
+        records=[job.record for job in sim.order],
+        timeline=sim.timeline,
+        wall_s=wall_s,
+        decisions=sim.decisions,
+        peak_rss_mib=round(peak_mib, 1),
+        notes=[f"seed {seed}", *sim.notes],
+    )

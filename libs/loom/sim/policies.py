@@ -1,0 +1,298 @@
+"""Placement policies for the simulator: Loom's default profile and the baselines it is measured against.
+
+Every policy is a :class:`~loom.sched.framework.Framework` with a plugin profile, so all of them
+share the scheduling core: the queue order (``priority_fair_share``), what fits (``resource_fit``,
+gangs, quotas, the job's hard affinity rules), elastic shrink and priority preemption. They differ
+only in how they *choose* among the candidates that fit, which is what the comparison is about:
+
+========================  ====================================================================
+``loom``                  the default profile (:func:`loom.sched.profile.build_framework`):
+                          joint compute + network, JCT, data locality, SCU fit, cost, balance
+``random``                seeded random scores
+``round_robin``           the next cluster (by id) after the one chosen last, cyclically
+``first_fit``             the lowest cluster id (then GPU model) that fits
+``greedy_compute``        the most free compute (free GPUs x SCU of the pool), like
+                          kube-scheduler's LeastAllocated: network- and data-blind
+``home_region``           only clusters in the job's home region (a hard affinity rule added to
+                          the job), chosen there by most free compute
+``gavel_like``            heterogeneity-aware but network-blind: the fastest GPU for the job's
+                          task type (SCU x trust), most free compute as a tie-breaker
+========================  ====================================================================
+
+A baseline sees the job's hard affinity rules (``affinity.clusters``/``regions``/``avoid_*``/
+``apart_from_jobs``) through :class:`HardAffinity`, the pre-filter half of the affinity plugin, but
+not its soft preferences. Baselines run no ``jct`` bind and no ``data_locality`` permit: the
+simulator times every placement itself with the same step-time and data-copy model
+(:mod:`loom.sim.engine`), so a policy cannot win by leaving costs out of its books.
+
+``POLICIES`` maps each name to a factory taking a seed (only ``random`` draws numbers; its
+generator is its own, so policies never share random state).
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from loom.model.profiles import library_models
+from loom.sched.framework import (
+    SUCCESS,
+    BindPlugin,
+    Candidates,
+    CycleState,
+    Decision,
+    Framework,
+    Outcome,
+    PreFilterPlugin,
+    QueueItem,
+    ScorePlugin,
+    Status,
+    min_max,
+)
+from loom.sched.plugins.affinity import Affinity
+from loom.sched.plugins.compute import PriorityFairShare, delivered_speed
+from loom.sched.plugins.elastic import ElasticShrink
+from loom.sched.plugins.network import AlphaLearner
+from loom.sched.plugins.quota import Preempt, Quota
+from loom.sched.plugins.resources import ResourceFit
+from loom.sched.profile import build_framework
+from loom.sched.snapshot import FloatArray, Snapshot
+from loom.sim.model import Policy, SimJob
+from loom_proto.jobs import JobSpec
+
+__all__ = [
+    "POLICIES",
+    "BestScu",
+    "FirstFit",
+    "FrameworkPolicy",
+    "GreedyCompute",
+    "HardAffinity",
+    "RandomScore",
+    "RoundRobin",
+    "baseline_framework",
+    "make_policy",
+]
+
+
+class FrameworkPolicy:
+    """A policy that is a scheduling framework: ``decide`` is :meth:`Framework.schedule_many`.
+
+    ``admit`` turns a trace job into the spec the policy schedules (the home-region baseline adds
+    its region rule there); ``learner`` is the joint score's alpha learner, taught by the simulator
+    from completed runs as the placement service teaches it.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        framework: Framework,
+        *,
+        admit: Callable[[SimJob], JobSpec] | None = None,
+        learner: AlphaLearner | None = None,
+    ) -> None:
+        self.name = name
+        self.framework = framework
+        self.learner = learner
+        self._admit = admit
+
+    def decide(self, queue: Sequence[QueueItem], snap: Snapshot) -> list[tuple[QueueItem, Outcome]]:
+        """One cycle over ``queue`` in the framework's queue order (each decision applied at once)."""
+        return self.framework.schedule_many(queue, snap)
+
+    def decide_one(self, item: QueueItem, snap: Snapshot) -> Outcome:
+        """One job's cycle: what :meth:`decide` does for a one-job queue whose job holds no GPUs,
+        without the per-call set of running job ids (the simulator never offers a running job)."""
+        return self.framework.schedule(item.job, snap)
+
+    def sort_key(self, item: QueueItem) -> tuple[Any, ...]:
+        """The queue order of the framework (lower first)."""
+        if self.framework.queue_sort:
+            return tuple(self.framework.queue_sort[0].sort_key(item))
+        return (-item.job.priority, item.submitted_at, item.job.job_id)
+
+    def admit(self, job: SimJob) -> JobSpec:
+        """The spec this policy schedules for a trace job (unchanged unless the policy adds rules)."""
+        return self._admit(job) if self._admit is not None else job.spec
+
+
+# ---- baseline score plugins -------------------------------------------------------------------
+
+
+class HardAffinity:
+    """The affinity plugin's hard rules only (a pre-filter); its soft preferences are not scored."""
+
+    name = "affinity"
+
+    def __init__(self) -> None:
+        self._inner = Affinity()
+
+    def pre_filter(self, state: CycleState) -> Status:
+        return self._inner.pre_filter(state)
+
+
+class RandomScore:
+    """Seeded random scores, 0-100: a placement that knows nothing."""
+
+    name = "random"
+
+    def __init__(self, seed: int) -> None:
+        self._rng = np.random.default_rng(seed)
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        scores: FloatArray = self._rng.random(len(candidates)) * 100.0
+        return scores
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        return np.clip(raw, 0.0, 100.0)
+
+
+class RoundRobin:
+    """Rotate through clusters: the first candidate at or after the cluster after the last one chosen."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        count = max(len(state.snapshot.clusters), 1)
+        distance = (candidates.cluster - self._next) % count
+        scores: FloatArray = 100.0 - distance.astype(np.float64) * (100.0 / count)
+        return scores
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        return np.clip(raw, 0.0, 100.0)
+
+    def bind(self, state: CycleState, decision: Decision) -> Status:
+        snap = state.snapshot
+        lead = snap.cluster_index.get(decision.lead.cluster, -1)
+        self._next = (lead + 1) % max(len(snap.clusters), 1)
+        return SUCCESS
+
+
+class FirstFit:
+    """The lowest cluster id, then GPU model, that fits (clusters are indexed in id order)."""
+
+    name = "first_fit"
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        models = max(len(state.snapshot.models), 1)
+        order: FloatArray = -(candidates.cluster * models + candidates.model).astype(np.float64)
+        return order
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        return min_max(raw)
+
+
+class GreedyCompute:
+    """Most free compute: the candidate pool's free GPUs x one GPU's SCU for the task type (x trust).
+
+    Like kube-scheduler's LeastAllocated, it spreads work onto the emptiest capacity and knows
+    nothing of the network or of where the data is.
+    """
+
+    name = "greedy_compute"
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        free = state.snapshot.free_sum[candidates.cluster, candidates.model].astype(np.float64)
+        compute: FloatArray = free * delivered_speed(state, candidates)
+        return compute
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        return min_max(raw)
+
+
+class BestScu:
+    """Heterogeneity-aware (Gavel-like): the fastest GPU for the job's task type, SCU x trust."""
+
+    name = "best_scu"
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        return delivered_speed(state, candidates)
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        top = float(raw.max(initial=0.0))
+        return raw / top * 100.0 if top > 0 else np.full(raw.shape, 100.0)
+
+
+# ---- profiles ---------------------------------------------------------------------------------
+
+
+def baseline_framework(scorers: Sequence[object], weights: dict[str, float] | None = None) -> Framework:
+    """The shared core of every baseline (queue order, fit, quota, hard affinity, elastic shrink,
+    preemption) with ``scorers`` choosing among the candidates."""
+    plugins: list[object] = [
+        PriorityFairShare(),
+        ResourceFit(library_models()),
+        Quota(),
+        HardAffinity(),
+        *scorers,
+        ElasticShrink(),
+        Preempt(),
+    ]
+    return Framework(plugins, weights)
+
+
+def _in_home_region(job: SimJob) -> JobSpec:
+    if job.home_region is None:
+        return job.spec
+    affinity = msgspec.structs.replace(job.spec.affinity, regions=[job.home_region])
+    return msgspec.structs.replace(job.spec, affinity=affinity)
+
+
+def _loom(_seed: int) -> FrameworkPolicy:
+    learner = AlphaLearner()
+    return FrameworkPolicy("loom", build_framework(context={"alpha_learner": learner}), learner=learner)
+
+
+def _random(seed: int) -> FrameworkPolicy:
+    return FrameworkPolicy("random", baseline_framework([RandomScore(seed)]))
+
+
+def _round_robin(_seed: int) -> FrameworkPolicy:
+    return FrameworkPolicy("round_robin", baseline_framework([RoundRobin()]))
+
+
+def _first_fit(_seed: int) -> FrameworkPolicy:
+    return FrameworkPolicy("first_fit", baseline_framework([FirstFit()]))
+
+
+def _greedy_compute(_seed: int) -> FrameworkPolicy:
+    return FrameworkPolicy("greedy_compute", baseline_framework([GreedyCompute()]))
+
+
+def _home_region(_seed: int) -> FrameworkPolicy:
+    return FrameworkPolicy("home_region", baseline_framework([GreedyCompute()]), admit=_in_home_region)
+
+
+def _gavel_like(_seed: int) -> FrameworkPolicy:
+    framework = baseline_framework([BestScu(), GreedyCompute()], {"best_scu": 1.0, "greedy_compute": 0.2})
+    return FrameworkPolicy("gavel_like", framework)
+
+
+POLICIES: dict[str, Callable[[int], Policy]] = {
+    "loom": _loom,
+    "random": _random,
+    "round_robin": _round_robin,
+    "first_fit": _first_fit,
+    "greedy_compute": _greedy_compute,
+    "home_region": _home_region,
+    "gavel_like": _gavel_like,
+}
+"""Policy name -> factory taking a seed."""
+
+
+def make_policy(name: str, seed: int = 0) -> Policy:
+    """The policy called ``name`` (a key of :data:`POLICIES`), seeded; ValueError for an unknown name."""
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}") from None
+    return factory(seed)
+
+
+# Conformance: each baseline plugin satisfies the extension points it serves (checked by mypy).
+_CONFORMS: tuple[
+    PreFilterPlugin, ScorePlugin, ScorePlugin, BindPlugin, ScorePlugin, ScorePlugin, ScorePlugin
+] = (HardAffinity(), RandomScore(0), RoundRobin(), RoundRobin(), FirstFit(), GreedyCompute(), BestScu())

@@ -1,0 +1,413 @@
+"""The discrete-event simulator: it drives the real scheduling core and times jobs by the speed model.
+
+Small hand-built platforms (regions of the packaged topology, with its measured links) make each
+behaviour checkable by hand; a seeded synthetic trace on the packaged topology drives every policy
+end to end. A policy that audits the snapshot before each of its decisions checks what must hold
+throughout a run: no node gives more GPUs than it has, and a placed gang holds all its GPUs until
+it ends.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from loom.model.profiles import relative_speed
+from loom.model.topology import load_topology
+from loom.sched.firstfit import NodeCapacity
+from loom.sched.framework import Outcome, QueueItem
+from loom.sched.plugins.cost import default_economics
+from loom.sched.plugins.network import INTRA_CLUSTER_GBPS, INTRA_CLUSTER_RTT_MS
+from loom.sched.profile import build_framework
+from loom.sched.snapshot import ClusterInfo, NetMatrix, Snapshot
+from loom.sim.engine import platform_from_topology, simulate
+from loom.sim.model import JobRecord, Platform, SimEvent, SimJob, SimResult, Trace
+from loom.sim.policies import POLICIES, FrameworkPolicy
+from loom_proto.jobs import Communication, DataSpec, JobSpec, Resources, Work
+
+EU = "aws-eu-central-1"
+WEU = "azure-westeurope"
+USE = "aws-us-east-2"
+REGIONS = (EU, WEU, USE, "azure-australiaeast", "gcp-asia-southeast1", "gcp-southamerica-east1")
+TASKS = ("training_compute", "training_memory", "training_comm", "inference")
+
+
+def platform(clusters: dict[str, tuple[str, str, int]], *, gpus_per_node: int = 8) -> Platform:
+    """``cluster -> (region, gpu_model, nodes)``, on the packaged topology's measured network."""
+    nodes = [
+        NodeCapacity(
+            node=f"{cid}-n{i}",
+            cluster=cid,
+            region=region,
+            zone=f"{region}-a",
+            gpu_model=model,
+            gpus_total=gpus_per_node,
+        )
+        for cid, (region, model, count) in clusters.items()
+        for i in range(count)
+    ]
+    models = sorted({m for _, m, _ in clusters.values()})
+    return Platform(
+        name="test",
+        nodes=nodes,
+        clusters={cid: ClusterInfo(id=cid, region=r, zone=f"{r}-a") for cid, (r, _, _) in clusters.items()},
+        net=NetMatrix.from_topology(load_topology()),
+        economics=default_economics(),
+        speed={(m, t): relative_speed(m, t) for m in models for t in TASKS},
+        gpu_memory_gib=dict.fromkeys(models, 80.0),
+    )
+
+
+def spec(job_id: str, *, gpus: int = 8, workers: int = 1, steps: int = 1000, **kw: object) -> JobSpec:
+    return JobSpec(
+        job_id=job_id,
+        tenant="t",
+        workers=workers,
+        resources=Resources(gpus=gpus),
+        work=Work(steps=steps, step_time_s=kw.pop("step_time_s", 0.5)),  # type: ignore[arg-type]
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def gang(job_id: str, **kw: object) -> JobSpec:
+    """Two 8-GPU workers exchanging 1 GB per step, allowed to span clusters."""
+    kw.setdefault("comm", Communication(bytes_per_step=1_000_000_000, rounds_per_step=2))
+    return spec(job_id, workers=2, allow_multi_cluster=True, **kw)
+
+
+def synthetic(count: int, seed: int, *, gap_s: float = 20.0) -> Trace:
+    """A seeded mix: single GPUs, multi-GPU jobs, spanning gangs with all-reduce traffic, datasets,
+    elastic gangs, checkpoints, three priorities (so preemption happens)."""
+    rng = np.random.default_rng(seed)
+    jobs: list[SimJob] = []
+    t = 0.0
+    for i in range(count):
+        t += float(rng.exponential(gap_s))
+        kind = rng.random()
+        kw: dict[str, object] = {}
+        if kind < 0.5:
+            gpus, workers, job_class = 1, 1, "batch"
+        elif kind < 0.75:
+            gpus, workers, job_class = int(rng.choice([2, 4, 8])), 1, "training"
+        else:
+            gpus, workers, job_class = int(rng.choice([4, 8])), int(rng.integers(2, 6)), "net_training"
+            kw["allow_multi_cluster"] = bool(rng.random() < 0.6)
+            kw["comm"] = Communication(
+                bytes_per_step=int(rng.uniform(50e6, 1e9)), rounds_per_step=int(rng.integers(0, 3))
+            )
+            if rng.random() < 0.3:
+                kw["min_workers"] = 1
+        if rng.random() < 0.25:
+            kw["data"] = DataSpec(
+                dataset=f"ds{i}",
+                region=REGIONS[int(rng.integers(0, len(REGIONS)))],
+                size_gb=float(rng.uniform(1, 100)),
+                start="after_sync" if rng.random() < 0.5 else "while_syncing",
+            )
+        job = JobSpec(
+            job_id=f"j{i}",
+            tenant=f"t{int(rng.integers(0, 3))}",
+            task_type=TASKS[int(rng.integers(0, len(TASKS)))],
+            priority=int(rng.choice([50, 100, 200], p=[0.2, 0.6, 0.2])),
+            workers=workers,
+            resources=Resources(gpus=gpus),
+            work=Work(
+                steps=int(rng.integers(500, 20_000)),
+                step_time_s=float(rng.uniform(0.1, 1.0)),
+                checkpoint_every_steps=int(rng.choice([0, 500])),
+            ),
+            **kw,  # type: ignore[arg-type]
+        )
+        home = REGIONS[int(rng.integers(0, len(REGIONS)))]
+        jobs.append(SimJob(spec=job, arrival_s=t, job_class=job_class, home_region=home))  # type: ignore[arg-type]
+    return Trace(jobs=jobs, source=f"synthetic seed {seed}")
+
+
+def by_id(result: SimResult) -> dict[str, JobRecord]:
+    return {r.job_id: r for r in result.records}
+
+
+class Auditing(FrameworkPolicy):
+    """Loom's policy, checking the snapshot before each decision: every node's GPUs held by running
+    jobs plus its free GPUs make its total, never more; and which gangs hold how many GPUs."""
+
+    def __init__(self) -> None:
+        super().__init__("audited", build_framework())
+        self.violations: list[str] = []
+        self.held: list[tuple[float, dict[str, int]]] = []
+
+    def decide_one(self, item: QueueItem, snap: Snapshot) -> Outcome:
+        held = np.zeros(len(snap.node_ids), dtype=np.int64)
+        gpus: dict[str, int] = {}
+        for run in snap.running:
+            gpus[run.job_id] = run.gpus
+            for node_id, g in run.allocations:
+                held[snap.node_index[node_id]] += g
+        if (snap.free < 0).any() or (held > snap.total).any():
+            self.violations.append(f"{snap.now}: a node gives more GPUs than it has")
+        usable = snap.schedulable
+        if not np.array_equal(snap.free[usable] + held[usable], snap.total[usable]):
+            self.violations.append(f"{snap.now}: free + held != total")
+        self.held.append((snap.now, gpus))
+        return super().decide_one(item, snap)
+
+
+# ---- determinism and outcomes -----------------------------------------------------------------
+
+
+def test_the_same_seed_gives_the_same_run() -> None:
+    plat = platform_from_topology()
+    trace = synthetic(150, seed=3, gap_s=5.0)
+    first = simulate(trace, plat, POLICIES["loom"](7), seed=7)
+    second = simulate(trace, plat, POLICIES["loom"](7), seed=7)
+    assert [dataclasses.asdict(r) for r in first.records] == [dataclasses.asdict(r) for r in second.records]
+    assert first.timeline == second.timeline
+    assert first.decisions == second.decisions
+    rnd = [simulate(trace, plat, POLICIES["random"](5)).records for _ in range(2)]
+    assert [dataclasses.asdict(r) for r in rnd[0]] == [dataclasses.asdict(r) for r in rnd[1]]
+
+
+def test_every_job_completes_is_rejected_or_is_still_there_at_the_horizon() -> None:
+    plat = platform_from_topology()
+    trace = synthetic(150, seed=4, gap_s=5.0)
+    impossible = SimJob(spec=spec("too-big", gpus=64), arrival_s=1.0)
+    trace = Trace(jobs=[*trace.jobs, impossible], events=[])
+    horizon = 3_000.0
+    result = simulate(trace, plat, POLICIES["loom"](0), horizon_s=horizon)
+    assert len(result.records) == len(trace.jobs)
+    states = {"done": 0, "rejected": 0, "running": 0, "queued": 0}
+    for r in result.records:
+        if r.rejected is not None:
+            assert r.end_s is None
+            states["rejected"] += 1
+        elif r.end_s is not None:
+            assert r.start_s is not None and r.arrival_s <= r.start_s <= r.end_s <= horizon
+            states["done"] += 1
+        elif r.start_s is not None:
+            states["running"] += 1
+        else:
+            states["queued"] += 1
+    assert by_id(result)["too-big"].rejected
+    assert states["done"] and states["running"]
+    full = simulate(trace, plat, POLICIES["loom"](0))
+    assert all((r.end_s is None) != (r.rejected is None) for r in full.records)
+
+
+def test_capacity_is_never_negative_and_a_gang_holds_all_its_gpus_from_start_to_end() -> None:
+    plat = platform(
+        {"c-eu": (EU, "A100", 4), "c-weu": (WEU, "A100", 4), "c-use": (USE, "V100M32", 4)}, gpus_per_node=8
+    )
+    trace = synthetic(120, seed=5, gap_s=30.0)
+    policy = Auditing()
+    result = simulate(trace, plat, policy)
+    assert policy.violations == []
+    assert all(0 <= s.gpus_used <= s.gpus_total for s in result.timeline)
+    gangs = [r for r in result.records if r.job_class == "net_training" and r.end_s is not None]
+    checked = 0
+    specs = {j.spec.job_id: j.spec for j in trace.jobs}
+    for r in gangs:
+        s = specs[r.job_id]
+        if r.restarts or s.min_workers is not None:
+            continue
+        assert r.gpus == s.workers * s.resources.gpus
+        assert r.start_s is not None and r.end_s is not None
+        during = [gpus for t, gpus in policy.held if r.start_s < t < r.end_s]
+        for held in during:
+            assert held.get(r.job_id) == r.gpus
+        checked += len(during)
+    assert checked > 0
+
+
+# ---- the speed model ----------------------------------------------------------------------------
+
+
+def test_a_jobs_duration_is_its_steps_times_the_scu_step_time() -> None:
+    plat = platform({"c-eu": (EU, "V100M32", 1)})
+    trace = Trace(jobs=[SimJob(spec=spec("one", gpus=2, steps=3000, step_time_s=0.8), arrival_s=10.0)])
+    (r,) = simulate(trace, plat, POLICIES["loom"](0)).records
+    expected_step = 0.8 / relative_speed("V100M32", "training_compute")
+    assert r.step_s == pytest.approx(expected_step)
+    assert r.compute_step_s == pytest.approx(expected_step)
+    assert r.start_s == 10.0
+    assert r.end_s is not None and r.end_s - r.start_s == pytest.approx(3000 * expected_step)
+    assert r.scu_hours == pytest.approx(
+        2 * relative_speed("V100M32", "training_compute") * 3000 * expected_step / 3600
+    )
+    assert r.cost == pytest.approx(2 * default_economics().price(EU, 10.0) * 3000 * expected_step / 3600)
+
+
+def test_a_cross_region_gang_is_slower_than_the_same_gang_in_one_cluster() -> None:
+    job = SimJob(spec=gang("g"), arrival_s=0.0)
+    split = platform({"c-eu": (EU, "A100", 1), "c-weu": (WEU, "A100", 1)})
+    together = platform({"c-eu": (EU, "A100", 2)})
+    (far,) = simulate(Trace(jobs=[job]), split, POLICIES["loom"](0)).records
+    (near,) = simulate(Trace(jobs=[job]), together, POLICIES["greedy_compute"](0)).records
+    compute = 0.5 / relative_speed("A100", "training_compute")
+    net = split.net
+    rtt = max(net.link(EU, WEU)[0], net.link(WEU, EU)[0])
+    gbps = min(net.link(EU, WEU)[1], net.link(WEU, EU)[1])
+    assert set(far.regions) == {EU, WEU}
+    assert far.step_s == pytest.approx(compute + 2 * 1e9 * 8 / (gbps * 1e9) + 2 * rtt / 1000)
+    assert near.clusters == ("c-eu",)
+    assert near.step_s == pytest.approx(
+        compute + 2 * 1e9 * 8 / (INTRA_CLUSTER_GBPS * 1e9) + 2 * INTRA_CLUSTER_RTT_MS / 1000
+    )
+    assert far.step_s > 2 * near.step_s
+    assert far.cross_region_bytes == pytest.approx(1000 * 2 * 1e9 * 2)
+    assert near.cross_region_bytes == 0.0
+
+
+def test_communication_without_rounds_overlaps_the_compute() -> None:
+    plat = platform({"c-eu": (EU, "A100", 1), "c-weu": (WEU, "A100", 1)})
+    overlapped = gang("g", comm=Communication(bytes_per_step=100_000_000, rounds_per_step=0))
+    (r,) = simulate(Trace(jobs=[SimJob(spec=overlapped, arrival_s=0.0)]), plat, POLICIES["loom"](0)).records
+    gbps = min(plat.net.link(EU, WEU)[1], plat.net.link(WEU, EU)[1])
+    comm = 2 * 1e8 * 8 / (gbps * 1e9)
+    assert r.step_s == pytest.approx(max(r.compute_step_s, comm))
+
+
+def test_a_dataset_in_another_region_is_copied_before_an_after_sync_job_starts() -> None:
+    plat = platform({"c-use": (USE, "A100", 1)})
+    data = DataSpec(dataset="d", region=EU, size_gb=50.0, start="after_sync")
+    trace = Trace(jobs=[SimJob(spec=spec("d1", steps=100, data=data), arrival_s=0.0)])
+    (r,) = simulate(trace, plat, POLICIES["first_fit"](0)).records
+    sync_s = plat.net.transfer_s(EU, USE, 50.0)
+    assert r.end_s == pytest.approx(sync_s + 100 * r.step_s)
+    assert r.cross_region_bytes == pytest.approx(50e9)
+
+
+# ---- scripted events ----------------------------------------------------------------------------
+
+
+def test_a_failed_cluster_requeues_its_jobs_which_restart_elsewhere() -> None:
+    plat = platform({"c-a": (EU, "A100", 1), "c-b": (EU, "A100", 1)})
+    step = 0.5 / relative_speed("A100", "training_compute")
+    checkpointed = JobSpec(
+        job_id="ckpt",
+        tenant="t",
+        resources=Resources(gpus=8),
+        work=Work(steps=1000, step_time_s=0.5, checkpoint_every_steps=100),
+    )
+    jobs = [SimJob(spec=spec("scratch", steps=1000), arrival_s=0.0), SimJob(spec=checkpointed, arrival_s=0.0)]
+    first = simulate(Trace(jobs=list(jobs)), plat, POLICIES["first_fit"](0))
+    where = {r.job_id: r.clusters[0] for r in first.records}
+    assert sorted(where.values()) == ["c-a", "c-b"]
+    down_at = 250 * step
+    events = [
+        SimEvent(at_s=down_at, kind="cluster_down", cluster="c-a"),
+        SimEvent(at_s=down_at, kind="cluster_down", cluster="c-b"),
+        SimEvent(at_s=down_at + 100.0, kind="cluster_up", cluster="c-b"),
+    ]
+    result = by_id(simulate(Trace(jobs=list(jobs), events=events), plat, POLICIES["first_fit"](0)))
+    for r in result.values():
+        assert r.restarts == 1
+        assert r.clusters == ("c-b",)
+    restart = down_at + 100.0
+    ends = sorted(r.end_s or 0.0 for r in result.values())
+    # The checkpointing job resumes at step 200 and goes first (its run is shorter); the other
+    # starts over once it is done, since one 8-GPU node is all that came back.
+    assert result["ckpt"].end_s == pytest.approx(restart + 800 * step)
+    assert result["scratch"].end_s == pytest.approx(restart + 800 * step + 1000 * step)
+    assert ends[-1] == result["scratch"].end_s
+    assert result["scratch"].scu_hours > result["ckpt"].scu_hours
+
+
+def test_a_degraded_link_makes_loom_avoid_it_for_new_comm_heavy_gangs() -> None:
+    plat = platform({"c-eu": (EU, "A100", 1), "c-weu": (WEU, "A100", 1), "c-use": (USE, "A100", 1)})
+    before = SimJob(spec=gang("before", steps=200), arrival_s=0.0)
+    after = SimJob(spec=gang("after", steps=200), arrival_s=10_000.0)
+    degrade = SimEvent(
+        at_s=5_000.0, kind="link_degrade", src=EU, dst=WEU, rtt_factor=40.0, bandwidth_factor=0.02
+    )
+    plain = by_id(simulate(Trace(jobs=[before, after]), plat, POLICIES["loom"](0)))
+    assert set(plain["before"].regions) == {EU, WEU}
+    assert set(plain["after"].regions) == {EU, WEU}
+    result = by_id(simulate(Trace(jobs=[before, after], events=[degrade]), plat, POLICIES["loom"](0)))
+    assert set(result["before"].regions) == {EU, WEU}
+    assert set(result["after"].regions) != {EU, WEU}
+    assert result["after"].step_s < plain["after"].step_s * 40
+
+
+def test_a_degraded_link_slows_the_gangs_running_over_it() -> None:
+    plat = platform({"c-eu": (EU, "A100", 1), "c-weu": (WEU, "A100", 1)})
+    job = SimJob(spec=gang("g", steps=1000), arrival_s=0.0)
+    (plain,) = simulate(Trace(jobs=[job]), plat, POLICIES["loom"](0)).records
+    assert plain.end_s is not None
+    half = plain.end_s / 2
+    events = [
+        SimEvent(at_s=half, kind="link_degrade", src=EU, dst=WEU, bandwidth_factor=0.5),
+        SimEvent(at_s=plain.end_s * 10, kind="link_restore", src=EU, dst=WEU),
+    ]
+    (slowed,) = simulate(Trace(jobs=[job], events=events), plat, POLICIES["loom"](0)).records
+    assert slowed.end_s is not None and slowed.end_s > plain.end_s
+    assert slowed.step_s > plain.step_s
+
+
+def test_a_price_change_is_charged_to_runs_that_start_after_it() -> None:
+    plat = platform({"c-eu": (EU, "A100", 1)})
+    jobs = [
+        SimJob(spec=spec("early", steps=10), arrival_s=0.0),
+        SimJob(spec=spec("late", steps=10), arrival_s=100.0),
+    ]
+    events = [SimEvent(at_s=50.0, kind="price", region=EU, factor=3.0)]
+    result = by_id(simulate(Trace(jobs=jobs, events=events), plat, POLICIES["loom"](0)))
+    assert result["late"].cost == pytest.approx(3 * result["early"].cost)
+
+
+# ---- preemption, DAGs, policies ------------------------------------------------------------------
+
+
+def test_a_preempted_job_is_requeued_and_finishes_after_the_job_that_stopped_it() -> None:
+    plat = platform({"c-eu": (EU, "A100", 1)})
+    low = SimJob(spec=spec("low", steps=1000, priority=50), arrival_s=0.0)
+    high = SimJob(spec=spec("high", steps=100, priority=200), arrival_s=60.0)
+    result = by_id(simulate(Trace(jobs=[low, high]), plat, POLICIES["loom"](0)))
+    assert result["high"].start_s == 60.0
+    assert result["low"].restarts == 1
+    assert result["low"].end_s is not None and result["high"].end_s is not None
+    assert result["low"].end_s > result["high"].end_s
+
+
+def test_a_dag_stage_waits_for_its_parents() -> None:
+    plat = platform({"c-eu": (EU, "A100", 2)})
+    jobs = [
+        SimJob(spec=spec("prep", steps=100), arrival_s=0.0, job_class="dag"),
+        SimJob(spec=spec("train", steps=100), arrival_s=0.0, job_class="dag", parents=("prep",)),
+    ]
+    result = by_id(simulate(Trace(jobs=jobs), plat, POLICIES["loom"](0)))
+    assert result["train"].start_s == result["prep"].end_s
+    assert result["train"].arrival_s == result["prep"].end_s
+
+
+def test_home_region_places_only_in_the_home_region() -> None:
+    plat = platform({"c-eu": (EU, "A100", 1), "c-use": (USE, "A100", 8)})
+    jobs = [SimJob(spec=spec(f"h{i}", steps=100), arrival_s=float(i), home_region=EU) for i in range(3)]
+    result = simulate(Trace(jobs=jobs), plat, POLICIES["home_region"](0))
+    assert all(r.regions == (EU,) for r in result.records)
+    assert {r.start_s for r in result.records} != {0.0, 1.0, 2.0}
+    spread = simulate(Trace(jobs=jobs), plat, POLICIES["greedy_compute"](0))
+    assert any(r.regions == (USE,) for r in spread.records)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_runs_a_small_trace_end_to_end(name: str) -> None:
+    plat = platform_from_topology()
+    trace = synthetic(120, seed=11, gap_s=10.0)
+    result = simulate(trace, plat, POLICIES[name](1))
+    assert result.policy == name
+    assert result.decisions >= len(trace.jobs) - sum(r.rejected is not None for r in result.records)
+    finished = result.finished()
+    assert len(finished) + sum(r.rejected is not None for r in result.records) == len(trace.jobs)
+    assert all(r.step_s > 0 and r.gpus > 0 for r in finished)
+    assert result.timeline and result.wall_s > 0 and result.peak_rss_mib > 0
+
+
+def test_platform_from_topology_scales_the_topology() -> None:
+    topology = load_topology()
+    plain = platform_from_topology(topology)
+    assert len(plain.nodes) == sum(sum(1 for n in c.nodes if n.gpu_model) for c in topology.clusters)
+    bigger = platform_from_topology(topology, nodes=3000, seed=1)
+    assert len(bigger.nodes) == 3000
+    assert len({n.node for n in bigger.nodes}) == 3000
+    assert set(bigger.clusters) >= set(plain.clusters)
+    assert {n.region for n in bigger.nodes} == {n.region for n in plain.nodes}
