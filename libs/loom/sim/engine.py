@@ -756,7 +756,13 @@ class _Simulation:
             return step / max(d.slowdown, 1.0), step
         estimate = predict_step_s(spec, speeds=speeds, regions=regions, net=self.snap.net, workers=d.workers)
         compute, comm = estimate.compute_s, estimate.comm_s
-        return compute, (max(compute, comm) if _overlaps(spec) else compute + comm)
+        wall = max(compute, comm) if _overlaps(spec) else compute + comm
+        users = spec.affinity.prefer_regions
+        if spec.task_type == "inference" and users and regions:
+            # An inference step answers its users: the mean round trip from where they are counts
+            # per step (the same model the jct plugin scores with), whatever policy placed it.
+            wall += sum(self.snap.net.link(u, regions[0])[0] for u in users) / len(users) / 1000.0
+        return compute, wall
 
     def _data(self, job: _Job, lead: str, run_s: float, d: Decision) -> tuple[float, float, float]:
         """(seconds waited before starting, seconds added while reading remotely, bytes copied)."""
