@@ -178,6 +178,27 @@ def test_a_multi_cluster_gang_spreads_over_the_best_clusters() -> None:
     assert sum(g for _, g in outcome.decision.allocations) == 24
 
 
+def test_small_jobs_fill_partly_used_nodes_and_leave_empty_ones_whole_for_gangs() -> None:
+    # Four 8-GPU nodes. Most room first put each small job on an empty node, so three 1-GPU jobs
+    # broke three nodes and a gang of 2 x 8 GPUs no longer fit the cluster.
+    snap = Snapshot([node(f"n{i}", "ca", "r1") for i in range(4)], net=NetMatrix(["r1"]))
+    framework = Framework([ResourceFit(), ScuFit()])
+    used: set[str] = set()
+    for i in range(3):
+        outcome = framework.schedule(job(f"small{i}", gpus=1), snap)
+        assert outcome.decision is not None
+        used |= {n for n, _ in outcome.decision.allocations}
+    assert len(used) == 1
+    gang = framework.schedule(job("gang", gpus=8, workers=2), snap)
+    assert gang.decision is not None and gang.decision.parts[0].cluster == "ca"
+    # A gang still takes as few nodes as it can: the two emptiest whole nodes, not the partial one.
+    assert sorted(g for _, g in gang.decision.allocations) == [8, 8]
+    # The part of a gang that does not fill a node goes to the tightest node that holds it.
+    tail = framework.schedule(job("tail", gpus=1, workers=9), snap)
+    assert tail.decision is not None
+    assert sorted(g for _, g in tail.decision.allocations) == [1, 8]
+
+
 def test_elastic_jobs_start_with_what_fits_but_never_below_their_minimum() -> None:
     snap = two_clusters()
     framework = Framework([ResourceFit(), ScuFit()])

@@ -951,15 +951,26 @@ class Framework:
         )
 
     def pack(self, state: CycleState, candidates: Candidates, i: int, workers: int) -> Part:
-        """``workers`` workers on candidate ``i``'s nodes, most room first (a gang on few nodes)."""
+        """``workers`` workers on candidate ``i``'s nodes: as few nodes as possible, and the workers
+        that do not fill a node on the tightest node that holds them all (best fit).
+
+        Nodes are taken most room first while the workers still left need more than one node; the
+        rest (all of a job smaller than a node) goes to the node with the least room that still
+        holds it, so small jobs fill partly used nodes and leave empty ones whole for gangs of
+        whole-node workers (most room first alone would put every small job on an empty node)."""
         snap = state.snapshot
         nodes, room = candidates.nodes_of(i)
         order = np.lexsort((nodes, -room))
         allocations: list[tuple[str, int]] = []
         left = workers
-        for j in order:
+        for pos, most in enumerate(order.tolist()):
             if left <= 0:
                 break
+            j = most
+            if room[most] >= left:
+                rest = order[pos:]
+                holds = rest[room[rest] >= left]
+                j = int(holds[np.lexsort((nodes[holds], room[holds]))[0]])
             fit = min(int(room[j]), left)
             allocations.append((snap.node_ids[int(nodes[j])], fit * state.per_worker))
             left -= fit
