@@ -493,3 +493,35 @@ def test_a_job_whose_only_cluster_failed_to_start_it_waits_and_is_not_rejected()
     outcome = framework.schedule(spec, snap, avoid_clusters=["ca"])
     # "ca" is the only cluster with A100s: avoiding it is a preference, so the job is placed there.
     assert outcome.decision is not None and outcome.decision.lead.cluster == "ca"
+
+
+def test_a_comm_heavy_gang_waits_for_one_cluster_rather_than_span_a_slow_link() -> None:
+    from loom.sched.plugins.network import SpanGuard
+    from loom_proto.jobs import Communication
+
+    # Two 16-GPU clusters an ocean apart (100 ms, 1 Gbit/s); ca has 8 GPUs busy.
+    nodes = [
+        node("a0", "ca", "r1", reserved=8),
+        node("a1", "ca", "r1"),
+        node("b0", "cb", "r2"),
+        node("b1", "cb", "r2", reserved=8),
+    ]
+    snap = Snapshot(nodes, net=NetMatrix(["r1", "r2"]))
+    snap.net.set_link("r1", "r2", rtt_ms=100.0, bandwidth_gbps=1.0)
+    snap.net.set_link("r2", "r1", rtt_ms=100.0, bandwidth_gbps=1.0)
+    heavy = job(
+        "heavy", gpus=8, workers=2, allow_multi_cluster=True, comm=Communication(bytes_per_step=10**9)
+    )
+    framework = Framework([ResourceFit(), ScuFit(), SpanGuard()])
+    outcome = framework.schedule(heavy, snap)
+    assert outcome.decision is None and outcome.status.code == Code.UNSCHEDULABLE
+    assert outcome.status.plugin == "span_guard" and "waiting for one cluster" in outcome.status.reason
+    assert int(snap.free.sum()) == 16  # nothing taken
+    # A gang no single cluster could ever hold spans anyway.
+    huge = job("huge", gpus=8, workers=3, allow_multi_cluster=True, comm=Communication(bytes_per_step=10**9))
+    idle = Snapshot([node("a0", "ca", "r1"), node("a1", "ca", "r1"), node("b0", "cb", "r2")], net=snap.net)
+    spanned = framework.schedule(huge, idle)
+    assert spanned.decision is not None and len(spanned.decision.parts) == 2
+    # Without communication the spread costs nothing: permitted.
+    light = job("light", gpus=8, workers=2, allow_multi_cluster=True)
+    assert framework.schedule(light, snap).decision is not None

@@ -15,7 +15,7 @@ from loom.sched.plugins.compute import PriorityFairShare, ScuFit, Trust, WaterLe
 from loom.sched.plugins.cost import CostEnergy
 from loom.sched.plugins.data import DataLocality
 from loom.sched.plugins.elastic import ElasticShrink
-from loom.sched.plugins.network import AlphaLearner, Jct, Joint
+from loom.sched.plugins.network import AlphaLearner, Jct, Joint, SpanGuard
 from loom.sched.plugins.quota import Preempt, Quota
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.snapshot import Economics
@@ -34,6 +34,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "cost_energy",
     "elastic_shrink",
     "preemption",
+    "span_guard",
 )
 DEFAULT_WEIGHTS: Mapping[str, float] = {
     # The joint compute + network score is the scheduler's main judgement (seed 004); JCT says the
@@ -65,6 +66,7 @@ def default_registry() -> Registry:
     registry.register("quota", lambda _cfg: Quota())
     registry.register("preemption", lambda _cfg: Preempt())
     registry.register("elastic_shrink", lambda _cfg: ElasticShrink())
+    registry.register("span_guard", lambda cfg: SpanGuard(float(cfg.get("max_slowdown", 1.5))))
     return registry
 
 

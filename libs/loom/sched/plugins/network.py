@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from loom.net.linkstate import CostWeights
-from loom.sched.framework import Candidates, CycleState, Decision, StateKey, Status
+from loom.sched.framework import Candidates, Code, CycleState, Decision, StateKey, Status
 from loom.sched.plugins.compute import delivered_speed
 from loom.sched.plugins.data import data_delay_s, data_placement
 from loom.sched.snapshot import (
@@ -556,3 +556,67 @@ class Jct:
         decision.predicted_step_s = estimate.step_s
         decision.slowdown = estimate.slowdown
         return Status()
+
+
+class SpanGuard:
+    """Permit: a gang spread over clusters waits instead when the spread is much slower.
+
+    A gang that no single cluster can hold now may still fit one cluster when capacity frees.
+    Spread over regions its all-reduce crosses the measured WAN and a step can take many times its
+    compute (seconds of gradient exchange over a few Gbit/s). When the predicted step of the spread
+    is more than ``max_slowdown`` times the step in one cluster, and some cluster could hold the
+    whole gang on an idle platform, the decision is refused (UNSCHEDULABLE: the job waits and is
+    retried when capacity frees). Gangs that can never fit one cluster are let through.
+    """
+
+    name = "span_guard"
+
+    def __init__(self, max_slowdown: float = 1.5) -> None:
+        self.max_slowdown = max_slowdown
+
+    def permit(self, state: CycleState, decision: Decision) -> Status:
+        if len(decision.parts) < 2 or any(p.layers is not None for p in decision.parts):
+            return Status()
+        snap = state.snapshot
+        trust = {c.id: c.trust for c in snap.clusters}
+        speeds = [
+            snap.gpu_speed(p.gpu_model, state.job.task_type) * trust.get(p.cluster, 1.0)
+            for p in decision.parts
+        ]
+        spread = predict_step_s(
+            state.job,
+            speeds=speeds,
+            regions=[p.region for p in decision.parts],
+            net=snap.net,
+            workers=decision.workers,
+        )
+        whole = predict_step_s(
+            state.job,
+            speeds=[max(speeds)],
+            regions=[decision.parts[0].region],
+            net=snap.net,
+            workers=decision.workers,
+        )
+        if spread.step_s <= self.max_slowdown * whole.step_s or not _one_cluster_could_hold(state):
+            return Status()
+        return Status(
+            Code.UNSCHEDULABLE,
+            f"spread over {', '.join(p.cluster for p in decision.parts)} a step would take"
+            f" {spread.step_s:.2f} s against {whole.step_s:.2f} s in one cluster; waiting for one cluster",
+        )
+
+
+def _one_cluster_could_hold(state: CycleState) -> bool:
+    """Whether some allowed cluster holds the whole gang when idle (its nodes' total GPUs)."""
+    snap = state.snapshot
+    g = state.per_worker
+    allowed = state.policy_mask if state.policy_mask is not None else state.cluster_mask
+    models = state.model_mask[: snap.total_sum.shape[1]]
+    in_scope = allowed[snap.cluster_of] & models[snap.model_of]
+    m_count = snap.total_sum.shape[1]
+    workers = np.bincount(
+        (snap.cluster_of * m_count + snap.model_of)[in_scope],
+        weights=(snap.total // g)[in_scope],
+        minlength=len(snap.clusters) * m_count,
+    )
+    return bool(workers.size) and float(workers.max()) >= state.min_workers
