@@ -218,6 +218,27 @@ def test_capacity_is_never_negative_and_a_gang_holds_all_its_gpus_from_start_to_
     assert checked > 0
 
 
+def test_waiting_jobs_that_cannot_fit_are_not_decided_again_on_every_completion() -> None:
+    plat = platform({"c": (EU, "A100", 3)})
+    bigs = [SimJob(spec=spec(f"big{i}", workers=2, steps=20_000), arrival_s=float(i)) for i in range(10)]
+    smalls = [SimJob(spec=spec(f"s{i}", gpus=1, steps=50), arrival_s=20.0 + 10 * i) for i in range(200)]
+    result = simulate(Trace(jobs=bigs + smalls), plat, POLICIES["loom"](0))
+    records = by_id(result)
+    assert all(r.end_s is not None for r in result.records)
+    assert records["big1"].start_s == records["big0"].end_s
+    # 210 arrivals and 9 waits for a gang that ends; not 10 gangs x 200 small completions.
+    assert result.decisions < 260
+
+
+@pytest.mark.parametrize("budget", [1, 64])
+def test_every_waiting_job_is_placed_eventually_whatever_the_budget(budget: int) -> None:
+    plat = platform({"c-eu": (EU, "A100", 2), "c-use": (USE, "V100M32", 2)})
+    trace = synthetic(80, seed=9, gap_s=2.0)
+    result = simulate(trace, plat, POLICIES["loom"](0), max_decisions_per_event=budget)
+    assert all((r.end_s is None) != (r.rejected is None) for r in result.records)
+    assert sum(r.queue_s or 0.0 for r in result.records) > 0
+
+
 # ---- the speed model ----------------------------------------------------------------------------
 
 

@@ -11,22 +11,29 @@ simulator copies none of the scheduling logic; it only applies decisions as the 
 
 **Events** (a heap, in simulated seconds): arrivals, completions, the trace's scripted
 :class:`~loom.sim.model.SimEvent` s and periodic samples. All events of one instant are applied,
-then one scheduling pass runs:
+then one scheduling pass runs, in queue order (the policy's queue sort):
 
-* jobs that arrived (or were requeued) at this instant get one decision each, in queue order;
+* jobs that arrived (or were requeued) at this instant get one decision each;
 * if GPUs were released (a completion, a cluster coming back, preemption leaving room), waiting
-  jobs are retried in queue order, at most ``max_decisions_per_event`` of them, and only jobs
-  that could use the released GPUs: waiting jobs are grouped by *shape* (priority, GPUs per
-  worker, minimum workers, spanning, allowed models and clusters), a shape is retried only if a
-  released (cluster, model) pool of it now has the free GPUs it needs (a necessary condition read
-  from the snapshot's aggregates), and once a job of a shape fails in a pass the rest of that
-  shape waits (they would fail the same way). A pass that ran out of budget while still placing
-  jobs continues at the same instant. So waiting jobs are not re-scored on every event;
-* a job that cannot fit by free GPUs anywhere and could not make room by preemption or elastic
-  shrink is queued without a decision once its shape is known to be possible on this platform;
-* at each sample, shapes that could preempt or shrink running jobs get one retry (the service's
-  backoff retries of jobs that wait on preemption).
+  jobs that could use them are retried, at most ``max_decisions_per_event`` of them. Waiting jobs
+  are grouped by *shape* (priority, GPUs per worker, minimum workers, whether it may span, allowed
+  models and clusters, anti-affinity; for spanning gangs also task type, size and a traffic
+  class) and the jobs of a shape are taken as alike for feasibility. A shape is retried only if a
+  released (cluster, model) pool of it now holds its minimum workers (whole workers per node, and
+  for the job retried its CPU and RAM too; spanning gangs: over all its pools) and holds more than
+  when a job of the shape last failed; once a job of a shape fails in a pass the rest of it waits.
+  These are necessary conditions read from the snapshot, so a retry is skipped only where the
+  decision could not have placed the job by free capacity. A pass that ran out of budget while
+  still placing jobs goes on at the same instant. So waiting jobs are not re-scored on every event;
+* an arriving job whose shape is known to be possible on this platform, that no pool could hold,
+  and for which preemption or elastic shrink could not make room (free GPUs plus those of
+  lower-priority preemptible jobs and of shrinkable elastic jobs, per pool: the bound both
+  post-filters start from) is queued without a decision;
+* at each sample, shapes for which preemption or shrink could make room get one retry (the
+  service's backoff retries of jobs that wait on preemption); after a link changes every waiting
+  shape gets one (placement weighs the network).
 
+:attr:`SimResult.notes` say how many decisions were made for arrivals and for retries.
 Rejected jobs (UNRESOLVABLE) are recorded with the reason and dropped; a DAG stage of a rejected
 parent is rejected too.
 
@@ -50,7 +57,8 @@ duration of a run is ``wait + steps_left x step_s`` (+ the reading delay).
 parts span it (work done so far is kept; pipelines keep their planned step). A shrunk elastic job
 is re-timed for its new worker count. A job stopped by preemption or by its cluster failing is
 requeued (``restarts`` + 1) and resumes from its last checkpoint when ``work.checkpoint_every_steps``
-is set, else from scratch. Progress of running jobs is not reported to preemption (it sees 0).
+is set, else from scratch. Progress of running jobs is not reported to preemption (it sees 0),
+and elastic jobs are not grown back (only shrunk).
 
 **Records.** ``start_s`` is the first placement (the GPUs are held from then, also while a dataset
 is copied); ``arrival_s`` the time the job entered the queue (a DAG stage: when its last parent
@@ -89,7 +97,7 @@ from loom.sched.framework import Code, Decision, Outcome, QueueItem
 from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s
-from loom.sched.snapshot import BoolArray, ClusterInfo, NetMatrix, RunningJob
+from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob
 from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob, SimResult, Trace
 from loom.sim.policies import FrameworkPolicy
 from loom_proto.jobs import JobSpec, JobSubmitted
@@ -214,9 +222,13 @@ class _Shape:
     """GPUs it needs at least: in one pool, or over all its pools when it may span clusters."""
     per_worker: int
     spans: bool
+    pipeline: bool
     priority: int
     index: int
     heap: list[tuple[tuple[Any, ...], int, str]] = field(default_factory=list)
+    seen: IntArray | None = None
+    """Workers each pool held when a job of this shape last failed: it is retried only once a
+    pool of it holds more (None: no failure since its last placement)."""
     resolvable: bool = False
     """A job of this shape got an answer other than UNRESOLVABLE: the platform can hold it."""
 
@@ -228,6 +240,9 @@ class _Run:
     decision: Decision
     core: RunningJob
     pairs: list[Pair]
+    lead_pair: Pair
+    lead_gpus: int
+    """GPUs of the lead part (what preemption frees where the run leads)."""
     gpus: int
     placed_s: float
     compute_start_s: float
@@ -331,6 +346,10 @@ class _Simulation:
         """Events in the heap other than samples."""
         self.t = 0.0
         self.decisions = 0
+        self.retries = 0
+        """Decisions for jobs that had waited (the rest are for arriving or requeued jobs)."""
+        self.skipped = 0
+        """Arriving or requeued jobs queued without a decision (they could not have fitted)."""
         self.jobs: dict[str, _Job] = {}
         self.order: list[_Job] = []
         self.shapes: dict[tuple[Any, ...], _Shape] = {}
@@ -339,11 +358,21 @@ class _Simulation:
         self.fresh: list[_Job] = []
         self.dirty: set[Pair] = set()
         self.retry_post = False
+        self.retry_all = False
+        """The network changed: every waiting shape is retried once (within the budget)."""
         self.by_cluster: dict[str, set[str]] = {}
         self.spanning: set[str] = set()
         """Running data-parallel jobs whose parts span regions (re-timed when a link changes)."""
-        self.preemptible = Counter[int]()
-        self.shrinkable = Counter[int]()
+        self.freeable: dict[int, IntArray] = {}
+        """Priority -> per (cluster, model) pool, GPUs of preemptible running jobs' lead parts
+        (what preemption could free for a job of higher priority)."""
+        self.spare: dict[int, IntArray] = {}
+        """Priority -> per pool, GPUs elastic running jobs hold above their minimum (what a shrink
+        could free for a job of that priority or higher)."""
+        self.whole: dict[int, IntArray] = {}
+        """Workers of that many GPUs the free GPUs of each pool hold (see :meth:`_workers`)."""
+        self.holders = Counter[tuple[str, int]]()
+        """("freeable" or "spare", priority) -> running jobs counted there."""
         self.gpus_used = 0
         self.cross_bytes = 0.0
         self.timeline: list[Sample] = []
@@ -441,6 +470,11 @@ class _Simulation:
         else:
             need, per_worker = res.gpus * min_workers, res.gpus
             what = ("gang", res.gpus, min_workers)
+            if spans:
+                # Whether a spread is acceptable depends on the traffic against the compute (the
+                # span guard): spanning gangs are alike only within a class of both.
+                bytes_per_step = spec.comm.bytes_per_step if spec.comm is not None else 0
+                what += (spec.task_type, spec.workers, round(math.log2(1 + bytes_per_step) / 2))
         key = (
             spec.priority,
             spans,
@@ -461,6 +495,7 @@ class _Simulation:
                 need=need,
                 per_worker=per_worker,
                 spans=spans,
+                pipeline=spec.pipeline is not None,
                 priority=spec.priority,
                 index=len(self.shapes),
             )
@@ -549,15 +584,19 @@ class _Simulation:
         """One scheduling pass at this instant (see the module docstring)."""
         pairs, self.dirty = self.dirty, set()
         retry_post, self.retry_post = self.retry_post, False
+        retry_all, self.retry_all = self.retry_all, False
         fresh, self.fresh = self.fresh, []
-        if not fresh and not (self.waiting and (pairs or retry_post)):
+        if not fresh and not (self.waiting and (pairs or retry_post or retry_all)):
             return
-        floor = self._post_filter_floor()
+
+        def room(shape: _Shape) -> bool:
+            return retry_post and self._may_make_room(shape)
 
         def due(shape: _Shape) -> bool:
             return bool(shape.heap) and (
-                (bool(pairs) and self._fits(shape, pairs))
-                or (retry_post and self._may_make_room(shape, floor))
+                retry_all
+                or (bool(pairs) and self._fits(shape, pairs) and self._improved(shape, pairs))
+                or room(shape)
             )
 
         heap: list[tuple[tuple[Any, ...], int, int, _Job | _Shape]] = [
@@ -578,8 +617,11 @@ class _Simulation:
                     continue
                 shape = job.shape
                 if shape.index in failed or (
-                    shape.resolvable and not self._fits(shape, None) and not self._may_make_room(shape, floor)
+                    shape.resolvable
+                    and not (self._fits(shape, None) and self._improved(shape, None))
+                    and not self._may_make_room(shape)
                 ):
+                    self.skipped += 1
                     self._wait(job)
                     continue
             else:
@@ -589,23 +631,29 @@ class _Simulation:
                 if budget <= 0:
                     leftover = True
                     continue
+                job = self.jobs[shape.heap[0][2]]
+                if not (retry_all or room(shape) or self._holds(job, pairs)):
+                    failed.add(shape.index)
+                    continue
                 budget -= 1
-                _, _, job_id = heapq.heappop(shape.heap)
+                self.retries += 1
+                heapq.heappop(shape.heap)
                 if not shape.heap:
                     self.waiting.pop(shape.key, None)
-                job = self.jobs[job_id]
             if self._decide(job):
                 placed = True
-                floor = self._post_filter_floor()
+                shape.seen = None
             elif not job.done:
                 failed.add(shape.index)
+                shape.seen = self._workers(shape.per_worker).copy()
                 continue
             if shape.heap and shape.index not in failed:
                 heapq.heappush(heap, (shape.heap[0][0], 1, shape.index, shape))
         if leftover and placed:
             self.dirty |= pairs
             self.retry_post = self.retry_post or retry_post
-        if self.fresh or self.dirty or self.retry_post:
+            self.retry_all = self.retry_all or retry_all
+        if self.fresh or self.dirty or self.retry_post or self.retry_all:
             self._push(_Event(self.t, _CONTINUE, 0))
 
     def _decide(self, job: _Job) -> bool:
@@ -619,7 +667,7 @@ class _Simulation:
         else:
             results = self.policy.decide([job.item], snap)
             outcome = results[0][1] if results else None
-        self._adopt_running_list()
+        self._adopt_running_list(outcome.decision if outcome is not None else None)
         if outcome is not None and outcome.decision is not None:
             job.shape.resolvable = True
             self._start(job, outcome.decision)
@@ -647,38 +695,111 @@ class _Simulation:
                 self._reject(kid, f"parent {job.spec.job_id} was rejected")
 
     def _fits(self, shape: _Shape, pairs: Iterable[Pair] | None) -> bool:
-        """Whether free GPUs the shape may use could hold it (a necessary condition), looking only at
-        ``pairs`` (pools just released) when given."""
-        snap = self.snap
-        free, biggest = snap.free_sum, snap.max_free
+        """Whether the free GPUs of the shape's pools hold its minimum workers (whole workers per
+        node; CPU and RAM not counted: a necessary condition), looking only at ``pairs`` (pools just
+        released) when given. A gang that may span clusters counts its workers over all its pools."""
         pools = shape.pools
-        if pools.shape != free.shape:
+        workers = self._workers(shape.per_worker)
+        if pools.shape != workers.shape:
             return True
+        need = max(shape.need // max(shape.per_worker, 1), 1)
         if pairs is None:
-            room = pools & (biggest >= shape.per_worker)
             if shape.spans:
-                return bool(room.any()) and int(free[pools].sum()) >= shape.need
-            return bool((room & (free >= shape.need)).any())
+                return int(workers[pools].sum()) >= need
+            return bool((pools & (workers >= need)).any())
         for c, m in pairs:
-            if not pools[c, m] or biggest[c, m] < shape.per_worker:
+            if not pools[c, m] or workers[c, m] < (1 if shape.spans else need):
                 continue
-            if not shape.spans:
-                if free[c, m] >= shape.need:
-                    return True
-            else:
-                return int(free[pools].sum()) >= shape.need
+            return not shape.spans or int(workers[pools].sum()) >= need
         return False
 
-    def _post_filter_floor(self) -> tuple[int | None, int | None]:
-        """The lowest priority of a running preemptible job, and of a running shrinkable one."""
-        low = min((p for p, n in self.preemptible.items() if n > 0), default=None)
-        shrink = min((p for p, n in self.shrinkable.items() if n > 0), default=None)
-        return low, shrink
+    def _improved(self, shape: _Shape, pairs: Iterable[Pair] | None) -> bool:
+        """Whether a pool of the shape (one of ``pairs`` when given) holds more workers than when a
+        job of the shape last failed."""
+        seen = shape.seen
+        if seen is None:
+            return True
+        workers = self._workers(shape.per_worker)
+        if pairs is None:
+            return bool((shape.pools & (workers > seen)).any())
+        return any(shape.pools[c, m] and workers[c, m] > seen[c, m] for c, m in pairs)
 
-    @staticmethod
-    def _may_make_room(shape: _Shape, floor: tuple[int | None, int | None]) -> bool:
-        low, shrink = floor
-        return (low is not None and low < shape.priority) or (shrink is not None and shrink <= shape.priority)
+    def _workers(self, per_worker: int) -> IntArray:
+        """Per pool, how many workers of ``per_worker`` GPUs its free GPUs hold, node by node (kept
+        up to date by :meth:`_touch` for every size asked for once)."""
+        snap = self.snap
+        if per_worker <= 1:
+            return snap.free_sum
+        table = self.whole.get(per_worker)
+        if table is None:
+            table = np.zeros_like(snap.free_sum)
+            if snap.node_ids:
+                usable = np.where(snap.schedulable, snap.free, 0) // per_worker
+                np.add.at(table, (snap.cluster_of, snap.model_of), usable)
+            self.whole[per_worker] = table
+        return table
+
+    def _touch(self, pairs: Iterable[Pair]) -> None:
+        """The free GPUs of these pools changed: recount their whole workers."""
+        if not self.whole:
+            return
+        snap = self.snap
+        for c, m in pairs:
+            idx, _ = snap.node_slice(c, m)
+            usable = np.where(snap.schedulable[idx], snap.free[idx], 0)
+            for per_worker, table in self.whole.items():
+                table[c, m] = int((usable // per_worker).sum())
+
+    def _holds(self, job: _Job, pairs: Iterable[Pair]) -> bool:
+        """Whether one of the released pools ``pairs`` now has free room for all of ``job``'s
+        minimum workers, counted node by node with their CPU and RAM as the framework counts them
+        (a necessary condition; always True for jobs that may span clusters or are pipelines)."""
+        shape = job.shape
+        if shape.spans:
+            return True
+        snap = self.snap
+        res = job.spec.resources
+        g = max(res.gpus, 1)
+        cpu, mem = res.cpu_milli, res.memory_mib
+        need = shape.need // g
+        for c, m in pairs:
+            if not shape.pools[c, m] or snap.free_sum[c, m] < shape.need:
+                continue
+            idx, _ = snap.node_slice(c, m)
+            idx = idx[snap.schedulable[idx]]
+            workers = snap.free[idx] // g
+            if cpu:
+                workers = np.where(
+                    snap.cpu_known[idx], np.minimum(workers, snap.cpu_free[idx] // cpu), workers
+                )
+            if mem:
+                workers = np.where(
+                    snap.mem_known[idx], np.minimum(workers, snap.mem_free[idx] // mem), workers
+                )
+            if int(workers.sum()) >= need:
+                return True
+        return False
+
+    def _may_make_room(self, shape: _Shape) -> bool:
+        """Whether preemption or elastic shrink could make room for the shape in one of its pools:
+        free GPUs plus those of lower-priority preemptible jobs and of shrinkable elastic jobs of no
+        higher priority reach its need (the bound both post-filters start from; a necessary
+        condition). Pipelines are neither preempted for nor shrunk for."""
+        if shape.pipeline:
+            return False
+        p = shape.priority
+        extra: IntArray | None = None
+        for (kind, q), count in self.holders.items():
+            if count <= 0 or (q >= p if kind == "freeable" else q > p):
+                continue
+            more = (self.freeable if kind == "freeable" else self.spare)[q]
+            extra = more.copy() if extra is None else extra + more
+        if extra is None:
+            return False
+        free = self.snap.free_sum
+        if extra.shape != free.shape or shape.pools.shape != free.shape:
+            return True
+        return bool((shape.pools & (free + extra >= shape.need)).any())
 
     # ---- runs ----------------------------------------------------------------------------------
 
@@ -686,6 +807,9 @@ class _Simulation:
         snap = self.snap
         spec = job.spec
         now = self.t
+        # The decision is applied for good: its undo (which holds the running jobs as they were)
+        # would only keep memory alive.
+        d.undo = None
         for victim in d.victims:
             self._stop(victim, given_back=True)
         for job_id, workers, allocations in d.shrunk:
@@ -706,6 +830,8 @@ class _Simulation:
             decision=d,
             core=self._core(job, d, pipeline),
             pairs=sorted({(snap.cluster_index[p.cluster], snap.model_index[p.gpu_model]) for p in parts}),
+            lead_pair=(snap.cluster_index[parts[0].cluster], snap.model_index[parts[0].gpu_model]),
+            lead_gpus=gpus_by_part[0],
             gpus=gpus,
             placed_s=now,
             compute_start_s=now + wait_s,
@@ -742,7 +868,8 @@ class _Simulation:
             self.by_cluster.setdefault(p.cluster, set()).add(spec.job_id)
         if len(distinct) > 1 and not pipeline:
             self.spanning.add(spec.job_id)
-        self._count(run.core, +1)
+        self._count(run, +1)
+        self._touch(run.pairs)
         self.gpus_used += gpus
         job.generation += 1
         self._push(_Event(run.end_s, _COMPLETE, 0, job_id=spec.job_id, generation=job.generation))
@@ -815,11 +942,23 @@ class _Simulation:
             attempt=job.record.restarts + 1,
         )
 
-    def _count(self, core: RunningJob, sign: int) -> None:
+    def _count(self, run: _Run, sign: int) -> None:
+        """Add (+1) or take off (-1) what the run could give to preemption or elastic shrink."""
+        core = run.core
+        pair = run.lead_pair
         if core.preemptible:
-            self.preemptible[core.priority] += sign
+            self._hold("freeable", core.priority, pair, run.lead_gpus, sign)
         if core.min_workers is not None and core.workers > core.min_workers:
-            self.shrinkable[core.priority] += sign
+            spare = (core.workers - core.min_workers) * core.gpus_per_worker
+            self._hold("spare", core.priority, pair, spare, sign)
+
+    def _hold(self, kind: str, priority: int, pair: Pair, gpus: int, sign: int) -> None:
+        books = self.freeable if kind == "freeable" else self.spare
+        pools = books.get(priority)
+        if pools is None:
+            pools = books[priority] = np.zeros_like(self.snap.free_sum)
+        pools[pair] += sign * gpus
+        self.holders[(kind, priority)] += sign
 
     def _settle(self, job: _Job, run: _Run, now: float) -> float:
         """Account GPU-hours, cost and cross-region bytes up to ``now``; the steps done since the
@@ -852,9 +991,10 @@ class _Simulation:
             if members is not None:
                 members.discard(spec.job_id)
         self.spanning.discard(spec.job_id)
-        self._count(run.core, -1)
+        self._count(run, -1)
         self.gpus_used -= run.gpus
         self.dirty.update(run.pairs)
+        self._touch(run.pairs)
         job.run = None
         job.generation += 1
 
@@ -901,18 +1041,19 @@ class _Simulation:
             return
         run = job.run
         self._settle(job, run, self.t)
-        self._count(run.core, -1)
+        self._count(run, -1)
         i = self.position.get(job_id)
         if i is not None and self.running_list[i].job_id == job_id:
             run.core = self.running_list[i]
         else:
             run.core = dataclasses.replace(run.core, workers=workers, allocations=allocations)
-        self._count(run.core, +1)
         lead = run.decision.parts[0]
         part = dataclasses.replace(lead, allocations=tuple(allocations))
         run.decision = dataclasses.replace(run.decision, parts=[part], workers=workers)
         old = run.gpus
-        run.gpus = sum(g for _, g in allocations)
+        run.gpus = run.lead_gpus = sum(g for _, g in allocations)
+        self._count(run, +1)
+        self._touch(run.pairs)
         self.gpus_used += run.gpus - old
         run.scu_rate = run.gpus * run.speeds[0]
         run.cost_rate = run.cost_rate * run.gpus / max(old, 1)
@@ -939,14 +1080,46 @@ class _Simulation:
 
     # ---- the running list ------------------------------------------------------------------------
 
-    def _adopt_running_list(self) -> None:
-        """Adopt the list a decision left in ``snap.running`` (preemption and shrink replace it)."""
+    def _adopt_running_list(self, decision: Decision | None) -> None:
+        """Take over the running jobs a decision left in ``snap.running``.
+
+        Preemption removes its victims and elastic shrink replaces the jobs it shrank, each by
+        building a new list; the same change is made to a copy of our list (victims swapped out,
+        shrunk jobs replaced in place) so positions stay known without a pass over every running
+        job. Both lists are then retired (see :meth:`_drop_running`).
+        """
         current = self.snap.running
-        if current is self.running_list:
+        old = self.running_list
+        if current is old:
             return
-        self._retire(self.running_list)
-        self.running_list = current
-        self.position = {r.job_id: i for i, r in enumerate(current)}
+        new = old.copy()
+        ok = decision is not None
+        if decision is not None:
+            for job_id, _, _ in decision.shrunk:
+                i = self.position.get(job_id)
+                ok = ok and i is not None and i < len(current) and current[i].job_id == job_id
+                if ok and i is not None:
+                    new[i] = current[i]
+            for victim in decision.victims if ok else ():
+                self._swap_out(new, victim)
+        if not ok or len(new) != len(current):
+            new = list(current)
+            self.position = {r.job_id: i for i, r in enumerate(new)}
+        self.running_list = new
+        self.snap.running = new
+        self._retire(old)
+        self._retire(current)
+
+    def _swap_out(self, running: list[RunningJob], job_id: str) -> None:
+        """Remove ``job_id`` from ``running`` (our list, positions in :attr:`position`): the last
+        entry takes its place."""
+        i = self.position.pop(job_id, None)
+        if i is None or i >= len(running) or running[i].job_id != job_id:
+            return
+        last = running.pop()
+        if i < len(running):
+            running[i] = last
+            self.position[last.job_id] = i
 
     def _drop_running(self, job_id: str) -> None:
         """Take a finished run out of ``snap.running``.
@@ -956,17 +1129,14 @@ class _Simulation:
         run leaves through a new list, and the old one is emptied and kept alive so that no later
         list can be allocated at its address.
         """
-        i = self.position.pop(job_id, None)
         old = self.running_list
+        i = self.position.get(job_id)
         if i is None or i >= len(old) or old[i].job_id != job_id:
-            self.position = {r.job_id: k for k, r in enumerate(old) if r.job_id != job_id}
             new = [r for r in old if r.job_id != job_id]
+            self.position = {r.job_id: k for k, r in enumerate(new)}
         else:
             new = old.copy()
-            last = new.pop()
-            if i < len(new):
-                new[i] = last
-                self.position[last.job_id] = i
+            self._swap_out(new, job_id)
         self.running_list = new
         self.snap.running = new
         self._retire(old)
@@ -1022,6 +1192,10 @@ class _Simulation:
                     loss=float(base.loss[i, j]),
                     degraded=bool(base.degraded[i, j]),
                 )
+        # Placement weighs the network: what waits may be placed differently now.
+        for shape in self.waiting.values():
+            shape.seen = None
+        self.retry_all = bool(self.waiting)
         for job_id in sorted(self.spanning):
             job = self.jobs[job_id]
             run = job.run
@@ -1055,6 +1229,7 @@ class _Simulation:
             snap.max_free[c, m] = int(usable.max()) if usable.size else 0
             if up and usable.size:
                 self.dirty.add((c, m))
+        self._touch([(c, m) for m in range(len(snap.models))])
 
     def _price(self, event: SimEvent) -> None:
         snap = self.snap
@@ -1122,5 +1297,10 @@ def simulate(
         wall_s=wall_s,
         decisions=sim.decisions,
         peak_rss_mib=round(peak_mib, 1),
-        notes=[f"seed {seed}", *sim.notes],
+        notes=[
+            f"seed {seed}",
+            f"decisions: {sim.decisions - sim.retries} for arriving or requeued jobs, {sim.retries} retries"
+            f" of waiting jobs; {sim.skipped} arrivals queued without one (no room and none to make)",
+            *sim.notes,
+        ],
     )
