@@ -1036,6 +1036,8 @@ class PlacementService:
                 cpu_reserved=current.cpu_reserved if current else 0,
                 memory_reserved=current.memory_reserved if current else 0,
             )
+        closed = sum(1 for c in self.book.nodes.values() if c.cluster == delta.cluster and not c.schedulable)
+        self.stats.setdefault("unschedulable_nodes", {})[delta.cluster] = closed
         self.capacity_changed = True
         self.wake.set()
 

@@ -5,6 +5,7 @@ directly; the OTLP path across OS processes is covered in tests/e2e.
 """
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -225,6 +226,14 @@ async def test_a_silent_cluster_turns_stale_within_its_ttl_and_its_capacity_is_n
     assert cluster["gpus_free"] == 0
     fresh = await client.view(fresh_only=True)
     assert "azure-westeurope" not in fresh["regions"]
+
+    async def placement_knows() -> bool:
+        # Placement follows the view asynchronously: wait until it has closed the silent cluster.
+        reply = await client.nc.request("loom.health.placement", b"", timeout=2)
+        closed = json.loads(reply.data).get("unschedulable_nodes", {})
+        return int(closed.get("c-weu-a", 0)) > 0
+
+    await until(placement_knows, 15, "placement to close c-weu-a")
 
     await client.submit(
         JobSpec(
