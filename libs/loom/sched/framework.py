@@ -626,6 +626,7 @@ class Framework:
         outcome = self.finish(state, decision, record, apply=apply)
         if outcome.decision is None and decision.undo is not None:
             decision.undo()
+        decision.undo = None  # settled either way; do not keep the old snapshot state alive
         return outcome
 
     def pipeline_sites(self, state: CycleState, *, idle: bool = False) -> list[pipeline.Site]:

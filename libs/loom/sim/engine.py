@@ -44,7 +44,9 @@ regions. That is exactly what the ``jct`` plugin binds as ``predicted_step_s`` f
 simulator computes it itself for every policy so baselines (which run no ``jct``) are timed by the
 same model. Communication that declares no latency-bound rounds (``comm.rounds_per_step == 0``) is
 taken to overlap the compute (bucketed gradient exchange during the backward pass): the step is
-``max(compute, comm)`` instead of the sum. Pipelines take the pipeline planner's bottleneck step
+``max(compute, comm)`` instead of the sum. An inference step also waits the mean round trip from
+its users (its ``affinity.prefer_regions``) to the lead's region, as the ``jct`` plugin scores it.
+Pipelines take the pipeline planner's bottleneck step
 (the decision's ``predicted_step_s``). An elastic job given ``w`` of its ``W`` workers runs at
 ``w / W`` of its speed (as the cluster agent's simulator does). A dataset not held in the lead's
 region is copied first: ``after_sync`` jobs hold their GPUs and wait for the copy
@@ -376,8 +378,7 @@ class _Simulation:
         self.gpus_used = 0
         self.cross_bytes = 0.0
         self.timeline: list[Sample] = []
-        self._expand(trace)
-        first = min([j.sim.arrival_s for j in self.order] + [e.at_s for e in trace.events], default=0.0)
+        first = min([j.arrival_s for j in trace.jobs] + [e.at_s for e in trace.events], default=0.0)
         self.t = first
         self.snap = platform.snapshot(now=first)
         self.snap.net = _copy_net(platform.net)
@@ -388,9 +389,7 @@ class _Simulation:
         self.retired: list[list[RunningJob]] = []
         """Running lists replaced, emptied but kept alive (see :meth:`_drop_running`)."""
         self.trust = {c.id: float(self.snap.trust[i]) for i, c in enumerate(self.snap.clusters)}
-        for job in self.order:
-            job.shape = self._shape_of(job.spec)
-            job.key = self.sort_key(job.item)
+        self._expand(trace)
         for job in self.order:
             if job.parents_left == 0 and not job.done:
                 self._push(_Event(job.sim.arrival_s, _ARRIVAL, 0, job_id=job.sim.spec.job_id))
@@ -433,9 +432,9 @@ class _Simulation:
                 sim=sim,
                 spec=spec,
                 record=record,
-                shape=None,  # type: ignore[arg-type]  # set once the snapshot exists
+                shape=self._shape_of(spec),
                 item=item,
-                key=(),
+                key=self.sort_key(item),
                 steps_left=float(spec.work.steps),
                 index=len(self.order),
             )

@@ -13,8 +13,8 @@ only in how they *choose* among the candidates that fit, which is what the compa
 ``first_fit``             the lowest cluster id (then GPU model) that fits
 ``greedy_compute``        the most free compute (free GPUs x SCU of the pool), like
                           kube-scheduler's LeastAllocated: network- and data-blind
-``home_region``           only clusters in the job's home region (a hard affinity rule added to
-                          the job), chosen there by most free compute
+``home_region``           only clusters in the job's home region (``SimJob.home_region``, added
+                          to the job as a required region), chosen there by most free compute
 ``gavel_like``            heterogeneity-aware but network-blind: the fastest GPU for the job's
                           task type (SCU x trust), most free compute as a tie-breaker
 ========================  ====================================================================
@@ -235,9 +235,12 @@ def baseline_framework(scorers: Sequence[object], weights: dict[str, float] | No
 
 
 def _in_home_region(job: SimJob) -> JobSpec:
-    if job.home_region is None:
+    """The job restricted to its home region (unchanged without one, or when the job itself
+    requires regions that do not include it: its own rule stands)."""
+    home, required = job.home_region, job.spec.affinity.regions
+    if home is None or (required and home not in required):
         return job.spec
-    affinity = msgspec.structs.replace(job.spec.affinity, regions=[job.home_region])
+    affinity = msgspec.structs.replace(job.spec.affinity, regions=[home])
     return msgspec.structs.replace(job.spec, affinity=affinity)
 
 

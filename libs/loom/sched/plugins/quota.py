@@ -75,7 +75,10 @@ class Quota:
 class _RunningTable:
     """The running jobs as arrays (cached per list of runs): what the preemption bound needs."""
 
-    key: tuple[int, int]
+    source: list[RunningJob]
+    """The running list this table describes (compared by identity and length: the list is
+    replaced when jobs leave, appended to when they arrive)."""
+    length: int
     priority: IntArray
     preemptible: BoolArray
     pair: IntArray
@@ -89,7 +92,8 @@ class _RunningTable:
     def subset(self, keep: BoolArray, running: list[RunningJob]) -> "_RunningTable":
         """The table of ``running``, the rows of this one where ``keep`` is set (no rebuild)."""
         return _RunningTable(
-            key=(id(running), len(running)),
+            source=running,
+            length=len(running),
             priority=self.priority[keep],
             preemptible=self.preemptible[keep],
             pair=self.pair[keep],
@@ -103,9 +107,8 @@ _TABLES: "weakref.WeakKeyDictionary[Snapshot, _RunningTable]" = weakref.WeakKeyD
 
 
 def _running_table(snap: Snapshot) -> _RunningTable:
-    key = (id(snap.running), len(snap.running))
     cached = _TABLES.get(snap)
-    if cached is not None and cached.key == key:
+    if cached is not None and cached.source is snap.running and cached.length == len(snap.running):
         return cached
     m_count = snap.total_sum.shape[1]
     rows = cached.rows if cached is not None else {}
@@ -125,7 +128,8 @@ def _running_table(snap: Snapshot) -> _RunningTable:
         fresh[id(r)] = row
     ordered = [fresh[id(r)] for r in snap.running]
     table = _RunningTable(
-        key=key,
+        source=snap.running,
+        length=len(snap.running),
         priority=np.array([r.priority for r in snap.running], dtype=np.int64),
         preemptible=np.array([r.preemptible for r in snap.running], dtype=np.bool_),
         pair=np.array([row[1] for row in ordered], dtype=np.int64),
