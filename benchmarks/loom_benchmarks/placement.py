@@ -65,6 +65,7 @@ from loom.sched.framework import Decision, Framework
 from loom.sched.plugins.cost import default_economics
 from loom.sched.profile import build_framework
 from loom.sched.snapshot import ClusterInfo, IntArray, NetMatrix, RunningJob, Snapshot
+from loom.sim import engine as sim_engine
 from loom_proto.jobs import Communication, DataSpec, JobSpec, Resources, TaskType, Work
 
 TARGET_P99_MS: Final[Mapping[int, float]] = {10_000: 5.0, 100_000: 50.0}
@@ -119,41 +120,8 @@ def prefill_shares(fill: float) -> tuple[float, float]:
 
 
 def replicate(topology: Topology, nodes: int, seed: int) -> list[NodeCapacity]:
-    """``nodes`` node records: the topology's clusters replicated whole with suffixed ids, then one
-    last partial replica in which every cluster keeps a seeded sample of its nodes in proportion to
-    its size (so the model mix holds at any N, and N below the topology's size is a subset)."""
-    rng = np.random.default_rng(seed)
-    clusters = [(c, [n for n in c.nodes if n.gpu_model is not None]) for c in topology.clusters]
-    clusters = [(c, members) for c, members in clusters if members]
-    per_replica = sum(len(members) for _, members in clusters)
-    whole, left = divmod(nodes, per_replica)
-    # Largest remainder: each cluster's share of the last, partial replica.
-    exact = np.array([len(m) * left / per_replica for _, m in clusters])
-    share = np.floor(exact).astype(np.int64)
-    for k in np.argsort(-(exact - share), kind="stable")[: left - int(share.sum())]:
-        share[k] += 1
-    out: list[NodeCapacity] = []
-    for replica in range(whole + 1):
-        suffix = f"-r{replica}" if replica else ""
-        for k, (cluster, members) in enumerate(clusters):
-            chosen = members
-            if replica == whole:
-                keep = np.sort(rng.choice(len(members), size=int(share[k]), replace=False))
-                chosen = [members[int(i)] for i in keep]
-            out.extend(
-                NodeCapacity(
-                    node=f"{n.id}{suffix}",
-                    cluster=f"{cluster.id}{suffix}",
-                    region=cluster.region,
-                    zone=cluster.zone,
-                    gpu_model=n.gpu_model,
-                    gpus_total=n.gpus,
-                    cpu_milli=n.cpu_milli,
-                    memory_mib=n.memory_mib,
-                )
-                for n in chosen
-            )
-    return out
+    """``nodes`` node records built from the topology as the simulator builds its platforms."""
+    return sim_engine.replicate(topology, nodes, seed)
 
 
 def build_platform(topology: Topology, nodes: int, fill: float, seed: int) -> Platform:

@@ -132,7 +132,7 @@ def platform_from_topology(
     keeps a seeded sample of its nodes in proportion to its size (the model mix holds at any size).
     """
     topology = topology or load_topology()
-    records = _replicate(topology, nodes, seed) if nodes is not None else _nodes_of(topology, "")
+    records = replicate(topology, nodes, seed) if nodes is not None else _nodes_of(topology, "")
     cluster_ids = sorted({n.cluster for n in records})
     first = {n.cluster: n for n in reversed(records)}
     clusters = {
@@ -187,7 +187,9 @@ def _nodes_of(
     return out
 
 
-def _replicate(topology: Topology, nodes: int, seed: int) -> list[NodeCapacity]:
+def replicate(topology: Topology, nodes: int, seed: int) -> list[NodeCapacity]:
+    """``nodes`` node records: the topology's clusters replicated whole (ids suffixed ``-r{k}``),
+    then one partial replica keeping a seeded sample of every cluster in proportion to its size."""
     rng = np.random.default_rng(seed)
     sizes = {c.id: sum(1 for n in c.nodes if n.gpu_model is not None) for c in topology.clusters}
     sizes = {cid: s for cid, s in sizes.items() if s}

@@ -541,11 +541,7 @@ class Jct:
             # Pipeline stages: the pipeline planner's bottleneck model owns the step time.
             return Status()
         snap = state.snapshot
-        trust = {c.id: c.trust for c in snap.clusters}
-        speeds = [
-            snap.gpu_speed(part.gpu_model, state.job.task_type) * trust.get(part.cluster, 1.0)
-            for part in decision.parts
-        ]
+        speeds = part_speeds(state, decision)
         estimate = predict_step_s(
             state.job,
             speeds=speeds,
@@ -556,6 +552,15 @@ class Jct:
         decision.predicted_step_s = estimate.step_s
         decision.slowdown = estimate.slowdown
         return Status()
+
+
+def part_speeds(state: CycleState, decision: Decision) -> list[float]:
+    """One GPU's delivered speed (SCU for the job's task type x the cluster's trust) per part."""
+    snap = state.snapshot
+    return [
+        snap.gpu_speed(p.gpu_model, state.job.task_type) * float(snap.trust[snap.cluster_index[p.cluster]])
+        for p in decision.parts
+    ]
 
 
 class SpanGuard:
@@ -578,11 +583,7 @@ class SpanGuard:
         if len(decision.parts) < 2 or any(p.layers is not None for p in decision.parts):
             return Status()
         snap = state.snapshot
-        trust = {c.id: c.trust for c in snap.clusters}
-        speeds = [
-            snap.gpu_speed(p.gpu_model, state.job.task_type) * trust.get(p.cluster, 1.0)
-            for p in decision.parts
-        ]
+        speeds = part_speeds(state, decision)
         spread = predict_step_s(
             state.job,
             speeds=speeds,
