@@ -525,3 +525,87 @@ def test_a_comm_heavy_gang_waits_for_one_cluster_rather_than_span_a_slow_link() 
     # Without communication the spread costs nothing: permitted.
     light = job("light", gpus=8, workers=2, allow_multi_cluster=True)
     assert framework.schedule(light, snap).decision is not None
+
+
+def test_each_clusters_nodes_of_one_model_are_one_slice_of_the_snapshot() -> None:
+    nodes = [
+        node("a0", "ca", "r1", model="T4"),
+        node("a1", "ca", "r1"),
+        node("a2", "ca", "r1", model="T4"),
+        node("b0", "cb", "r2"),
+    ]
+    snap = Snapshot(nodes)
+    for c, cluster in enumerate(snap.clusters):
+        start, stop = snap.slices[c]
+        for m, model in enumerate(snap.models):
+            expected = sorted(n.node for n in nodes if n.cluster == cluster.id and n.gpu_model == model)
+            pool = snap.pool(c, m)
+            assert snap.node_ids[pool] == expected
+            assert start <= pool.start <= pool.stop <= stop
+            assert [snap.node_ids[i] for i in snap.node_slice(c, m)[0]] == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(platforms(), workloads(), st.sampled_from([0, 16_000, 48_000]))
+def test_candidates_are_what_counting_node_by_node_finds(
+    nodes: list[NodeCapacity], jobs: list[JobSpec], cpu_milli: int
+) -> None:
+    framework = Framework([ResourceFit(), ScuFit()])
+    snap = Snapshot(nodes, net=NetMatrix(["r0", "r1"]))
+    for drawn in jobs:
+        spec = job(
+            drawn.job_id, gpus=drawn.resources.gpus, workers=drawn.workers, resources={"cpu_milli": cpu_milli}
+        )
+        state = framework.new_state(spec, snap)
+        assert framework.run_pre_filters(state).ok
+        framework.prune_hierarchically(state)
+        g = spec.resources.gpus
+        rooms: dict[tuple[int, int], list[tuple[str, int]]] = {}
+        for i, node_id in sorted(enumerate(snap.node_ids), key=lambda p: p[1]):
+            c, m = int(snap.cluster_of[i]), int(snap.model_of[i])
+            room = int(snap.free[i]) // g
+            if cpu_milli:
+                room = min(room, int(snap.cpu_free[i]) // cpu_milli)
+            if state.cluster_mask[c] and snap.schedulable[i] and room > 0:
+                rooms.setdefault((c, m), []).append((node_id, room))
+        expected = {
+            pair: (sum(r for _, r in held), held)
+            for pair, held in sorted(rooms.items())
+            if sum(r for _, r in held) >= state.min_workers
+        }
+        found = framework.find_candidates(state)
+        got = {}
+        for k in range(len(found)):
+            passing, room = found.nodes_of(k)
+            held = [(snap.node_ids[i], int(r)) for i, r in zip(passing.tolist(), room.tolist(), strict=True)]
+            got[(int(found.cluster[k]), int(found.model[k]))] = (int(found.capacity[k]), held)
+        assert list(got.items()) == list(expected.items())
+        framework.schedule(spec, snap)
+
+
+def test_pipeline_sites_list_the_free_gpus_of_each_clusters_best_pool_as_they_change() -> None:
+    nodes = [
+        node("a0", "ca", "r1"),
+        node("a1", "ca", "r1", model="T4", gpus=4),
+        node("a2", "ca", "r1", reserved=8),
+        node("b0", "cb", "r2", model="T4", gpus=4),
+    ]
+    speed = {("A100", "training_compute"): 3.0, ("T4", "training_compute"): 0.5}
+    snap = Snapshot(nodes, net=NetMatrix(["r1", "r2"]), speed=speed)
+    framework = build_framework()
+    spec = job("p", task_type="training_compute")
+
+    def sites(*, idle: bool = False) -> list[tuple[str, str, tuple[tuple[str, int], ...]]]:
+        found = framework.pipeline_sites(framework.new_state(spec, snap), idle=idle)
+        return [(s.cluster, s.gpu_model, s.free_gpus) for s in found]
+
+    first = framework.pipeline_sites(framework.new_state(spec, snap))
+    assert sites() == [("ca", "A100", (("a0", 8),)), ("cb", "T4", (("b0", 4),))]
+    assert framework.pipeline_sites(framework.new_state(spec, snap))[1] is first[1]  # nothing changed
+    assert sites(idle=True)[0] == ("ca", "A100", (("a0", 8), ("a2", 8)))
+    snap.take([("a0", 6)])  # 2 A100s (x 3.0) still beat 4 T4s (x 0.5)
+    assert sites()[0] == ("ca", "A100", (("a0", 2),))
+    snap.take([("a0", 2)])
+    assert sites()[0] == ("ca", "T4", (("a1", 4),))
+    snap.give_back([("a0", 8)])
+    assert sites()[0] == ("ca", "A100", (("a0", 8),))

@@ -17,7 +17,9 @@ there".
 """
 
 import enum
+import itertools
 import math
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
@@ -586,7 +588,11 @@ class Framework:
         if not status.ok:
             return self._fail(record, status)
         state.policy_mask = state.cluster_mask.copy()
-        avoided = np.array([c.id in state.avoid_clusters for c in snap.clusters], dtype=np.bool_)
+        avoided = np.zeros(len(snap.clusters), dtype=np.bool_)
+        for cid in state.avoid_clusters:
+            index = snap.cluster_index.get(cid)
+            if index is not None:
+                avoided[index] = True
         if avoided.any():
             # Clusters that failed to start an earlier attempt: avoided while others can take it
             # (a preference: when nothing else fits, they are tried again below).
@@ -630,32 +636,51 @@ class Framework:
         return outcome
 
     def pipeline_sites(self, state: CycleState, *, idle: bool = False) -> list[pipeline.Site]:
-        """One site per allowed cluster: its fastest model (x free GPUs); ``idle``: as if nothing ran."""
+        """One site per allowed cluster: its fastest model (x free GPUs); ``idle``: as if nothing ran.
+
+        Each pool's GPUs come from one pass over the nodes, so only the chosen pool of each cluster
+        becomes a :class:`~loom.sched.pipeline.Site`, listing the nodes that have GPUs to give (a
+        node without any can take no stage); a pool unchanged since its last site reuses that site.
+        """
         snap = state.snapshot
-        speeds = snap.speeds(state.job.task_type)
+        c_count, m_count = snap.total_sum.shape
         allowed = state.policy_mask if (idle and state.policy_mask is not None) else state.cluster_mask
-        models = state.model_mask[: snap.total_sum.shape[1]]
+        models = state.model_mask[:m_count]
         gpus_of = snap.total if idle else np.where(snap.schedulable, snap.free, 0)
-        best: dict[int, pipeline.Site] = {}
-        for c, m in np.argwhere(allowed[:, None] & models[None, :] & (snap.total_sum > 0)).tolist():
-            nodes, _ = snap.node_slice(c, m)
-            gpus = gpus_of[nodes]
-            if not gpus.any():
-                continue
-            site = pipeline.Site(
-                cluster=snap.clusters[c].id,
-                region=snap.clusters[c].region,
-                gpu_model=snap.models[m],
-                speed_per_gpu=float(speeds[m] * snap.trust[c]),
-                gpu_memory_gib=snap.gpu_memory_gib.get(snap.models[m], 0.0) or 16.0,
-                free_gpus=tuple(zip((snap.node_ids[n] for n in nodes.tolist()), gpus.tolist(), strict=True)),
+        pools = c_count * m_count
+        gpus = np.bincount(snap.pool_of, weights=gpus_of, minlength=pools).astype(np.int64)
+        holding = np.bincount(snap.pool_of, weights=gpus_of != 0, minlength=pools) > 0
+        eligible = (
+            allowed[:, None] & models[None, :] & (snap.total_sum > 0) & holding.reshape(c_count, m_count)
+        )
+        if not eligible.any():
+            return []
+        speed = snap.speeds(state.job.task_type)[None, :] * snap.trust[:, None]
+        memory = [snap.gpu_memory_gib.get(m, 0.0) or 16.0 for m in snap.models]
+        usable = np.isfinite(speed) & (speed >= 0) & np.array([math.isfinite(g) and g > 0 for g in memory])
+        for c, m in np.argwhere(eligible & ~usable)[:1].tolist():
+            # Bad figures (a negative speed, no GPU memory): the site refuses them with PipelineError.
+            _site(snap, c, m, gpus_of, speed_per_gpu=float(speed[c, m]), memory_gib=memory[m])
+        # The first model of the most speed x GPUs, per cluster (argmax keeps the first of equals).
+        best = np.argmax(np.where(eligible, speed * gpus.reshape(c_count, m_count), -np.inf), axis=1)
+        cache = _SITES.setdefault(snap, {})
+        sites = []
+        for c in np.flatnonzero(eligible.any(axis=1)).tolist():
+            m = int(best[c])
+            speed_per_gpu, memory_gib = float(speed[c, m]), memory[m]
+            sites.append(
+                _site(
+                    snap,
+                    c,
+                    m,
+                    gpus_of,
+                    speed_per_gpu=speed_per_gpu,
+                    memory_gib=memory_gib,
+                    cache=cache,
+                    idle=idle,
+                )
             )
-            held = best.get(c)
-            if held is None or (
-                site.speed_per_gpu * site.gpus_free_total > held.speed_per_gpu * held.gpus_free_total
-            ):
-                best[c] = site
-        return [best[c] for c in sorted(best)]
+        return sites
 
     def schedule_pipeline(self, state: CycleState, record: DecisionRecord, *, apply: bool) -> Outcome:
         """A model declared as layers: contiguous stages over clusters, the slowest stage fastest."""
@@ -798,8 +823,10 @@ class Framework:
     def find_candidates(self, state: CycleState, *, min_capacity: int | None = None) -> Candidates:
         """Per (cluster, model) still allowed: filter its nodes and count the workers that fit.
 
-        One vectorised pass over the nodes of every allowed pair: filters run once, workers per
-        node and per pair come from numpy, and the pairs' node lists from one stable sort.
+        One vectorised pass over the nodes: each pair's nodes are one slice of the snapshot, so the
+        allowed pairs' flags stretch over their nodes without a lookup, and the nodes that pass come
+        out grouped by pair, in pair order. Filters run once; workers per node and per pair come
+        from numpy.
         """
         snap = state.snapshot
         job = state.job
@@ -808,13 +835,16 @@ class Framework:
         need = max(min_capacity if min_capacity is not None else state.min_workers, 1)
         m_count = snap.free_sum.shape[1]
         pair_ok = state.cluster_mask[:, None] & state.model_mask[None, :m_count] & (snap.max_free >= g)
-        idx = np.flatnonzero(pair_ok[snap.cluster_of, snap.model_of] & snap.schedulable & (snap.free >= g))
+        looked = np.flatnonzero(pair_ok.ravel())
+        in_pair = np.repeat(pair_ok.ravel(), np.diff(snap.pool_bounds))
+        idx = np.flatnonzero(in_pair & snap.schedulable & (snap.free >= g))
         if idx.size:
             mask = np.ones(idx.size, dtype=np.bool_)
             for plugin in self.filters:
                 if plugin.name not in state.skipped:
                     mask &= plugin.filter(state, idx)
-            idx = idx[mask]
+            if not mask.all():
+                idx = idx[mask]
         per_node = snap.free[idx] // g
         if cpu:
             per_node = np.where(
@@ -824,20 +854,21 @@ class Framework:
             per_node = np.where(
                 snap.mem_known[idx], np.minimum(per_node, snap.mem_free[idx] // mem), per_node
             )
-        pair = snap.cluster_of[idx] * m_count + snap.model_of[idx]
+        pair = snap.pool_of[idx]
         cap_all = np.bincount(pair, weights=per_node, minlength=pair_ok.size).astype(np.int64)
-        looked = np.flatnonzero(pair_ok.ravel())
         fits = cap_all[looked] >= need
         ok_pairs = looked[fits]
-        for p in looked[~fits].tolist():
-            c, m = divmod(p, m_count)
-            cid = snap.clusters[c].id
-            if cid not in state.pruned:
-                state.pruned[cid] = self._filter_reason(state, c, m, int(cap_all[p]), need)
+        short = looked[~fits]
+        if short.size:
+            what = self._filter_needs(state)
+            for p in short.tolist():
+                c, m = divmod(p, m_count)
+                cid = snap.clusters[c].id
+                if cid not in state.pruned:
+                    state.pruned[cid] = _filter_reason(snap.models[m], int(cap_all[p]), need, what)
         keep = per_node > 0
-        idx, per_node, pair = idx[keep], per_node[keep], pair[keep]
-        order = np.argsort(pair, kind="stable")
-        idx, per_node, pair = idx[order], per_node[order], pair[order]
+        if not keep.all():  # the filters usually leave only nodes with room for a worker
+            idx, per_node, pair = idx[keep], per_node[keep], pair[keep]
         cap = cap_all[ok_pairs]
         return Candidates(
             cluster=ok_pairs // m_count,
@@ -850,10 +881,9 @@ class Framework:
             stops=np.searchsorted(pair, ok_pairs, "right"),
         )
 
-    def _filter_reason(self, state: CycleState, c: int, m: int, fit: int, need: int) -> str:
-        snap = state.snapshot
-        what = "; ".join(p.describe(state) for p in self.filters if p.name not in state.skipped)
-        return f"{snap.models[m]}: room for {fit} worker(s), needs {need}" + (f" ({what})" if what else "")
+    def _filter_needs(self, state: CycleState) -> str:
+        """What the filters ask of a node for this job, in words (the same for every pair)."""
+        return "; ".join(p.describe(state) for p in self.filters if p.name not in state.skipped)
 
     def score(
         self, state: CycleState, candidates: Candidates, record: DecisionRecord | None = None
@@ -1043,10 +1073,10 @@ class Framework:
         # Capacity with every node empty (unschedulable nodes may come back), allowed clusters only.
         m_count = snap.total_sum.shape[1]
         split = self._may_split(state)
-        in_scope = allowed[snap.cluster_of] & models[snap.model_of]
+        in_scope = np.repeat((allowed[:, None] & models[None, :]).ravel(), np.diff(snap.pool_bounds))
         largest_node = int(snap.total[in_scope].max(initial=0))
         per_pair = np.bincount(
-            (snap.cluster_of * m_count + snap.model_of)[in_scope],
+            snap.pool_of[in_scope],
             weights=(snap.total // g)[in_scope],
             minlength=len(snap.clusters) * m_count,
         ).astype(np.int64)
@@ -1096,6 +1126,56 @@ class Framework:
 
 def _named(status: Status, name: str) -> Status:
     return status if status.plugin else Status(status.code, status.reason, name, status.wait_s)
+
+
+_SiteCache = dict[tuple[bool, int, int], tuple[IntArray, pipeline.Site]]
+
+_SITES: "weakref.WeakKeyDictionary[Snapshot, _SiteCache]" = weakref.WeakKeyDictionary()
+"""Per snapshot, the last site built of each pool (as if idle or not) and the GPUs it lists: pipeline
+jobs come one after another while most pools stay as they were, and a site holds every node of its
+pool with GPUs, so one equal to the last is not built again."""
+
+
+def _site(
+    snap: Snapshot,
+    c: int,
+    m: int,
+    gpus_of: IntArray,
+    *,
+    speed_per_gpu: float,
+    memory_gib: float,
+    cache: _SiteCache | None = None,
+    idle: bool = False,
+) -> pipeline.Site:
+    """Pool (c, m) as a pipeline site: its nodes that have GPUs to give (``gpus_of``)."""
+    pool = snap.pool(c, m)
+    gpus = gpus_of[pool]
+    held = cache.get((idle, c, m)) if cache is not None else None
+    if (
+        held is not None
+        and held[1].speed_per_gpu == speed_per_gpu
+        and held[1].gpu_memory_gib == memory_gib
+        and np.array_equal(held[0], gpus)
+    ):
+        return held[1]
+    has = gpus != 0
+    site = pipeline.Site(
+        cluster=snap.clusters[c].id,
+        region=snap.clusters[c].region,
+        gpu_model=snap.models[m],
+        speed_per_gpu=speed_per_gpu,
+        gpu_memory_gib=memory_gib,
+        free_gpus=tuple(
+            zip(itertools.compress(snap.node_ids[pool], has.tolist()), gpus[has].tolist(), strict=True)
+        ),
+    )
+    if cache is not None:
+        cache[(idle, c, m)] = (gpus.copy(), site)
+    return site
+
+
+def _filter_reason(model: str, fit: int, need: int, what: str) -> str:
+    return f"{model}: room for {fit} worker(s), needs {need}" + (f" ({what})" if what else "")
 
 
 def _placed_reason(decision: Decision) -> str:

@@ -1,8 +1,9 @@
 """What one scheduling cycle decides on: nodes as numpy arrays, clusters, the network and prices.
 
-Nodes are sorted by cluster, so each cluster is one contiguous slice of every array; per
-(cluster, model) aggregates (free GPUs, the most free on one node) let the framework prune whole
-regions, zones and clusters before it looks at a single node. :meth:`Snapshot.take` applies a
+Nodes are sorted by cluster, then GPU model, then id, so each cluster and each (cluster, model)
+pool is one contiguous slice of every array; per pool aggregates (free GPUs, the most free on one
+node) let the framework prune whole regions, zones and clusters before it looks at a single node,
+and then look only at the nodes of the pools left. :meth:`Snapshot.take` applies a
 decision so the next job of the same cycle sees the GPUs as used; aggregates are kept in step.
 """
 
@@ -204,7 +205,10 @@ class Snapshot:
         gpu_memory_gib: Mapping[str, float] | None = None,
         now: float = 0.0,
     ) -> None:
-        caps = sorted((c for c in nodes if c.gpu_model is not None), key=lambda c: (c.cluster, c.node))
+        caps = sorted(
+            (c for c in nodes if c.gpu_model is not None),
+            key=lambda c: (c.cluster, c.gpu_model or "", c.node),
+        )
         self.now = now
         cluster_ids = sorted({c.cluster for c in caps} | set(clusters or {}))
         given = clusters or {}
@@ -252,6 +256,10 @@ class Snapshot:
         )
         self.zone_count = len(zones)
         m_count = max(len(self.models), 1)
+        self.pool_of: IntArray = self.cluster_of * m_count + self.model_of
+        """Per node, its (cluster, model) pool: ``cluster x models + model``, never decreasing."""
+        self.pool_bounds: IntArray = np.searchsorted(self.pool_of, np.arange(c_count * m_count + 1))
+        """Pool ``p``'s nodes are ``pool_bounds[p]:pool_bounds[p + 1]``."""
         self.free_sum = np.zeros((c_count, m_count), np.int64)
         self.total_sum = np.zeros((c_count, m_count), np.int64)
         self.max_free = np.zeros((c_count, m_count), np.int64)
@@ -266,12 +274,15 @@ class Snapshot:
 
     # ---- lookups -------------------------------------------------------------------------------
 
+    def pool(self, cluster: int, model: int) -> slice:
+        """The slice of every node array that holds the cluster's nodes of one model."""
+        p = cluster * self.free_sum.shape[1] + model
+        return slice(int(self.pool_bounds[p]), int(self.pool_bounds[p + 1]))
+
     def node_slice(self, cluster: int, model: int) -> tuple[IntArray, slice]:
         """Indices of the cluster's nodes of one model (absolute), and the cluster's slice."""
-        start, stop = self.slices[cluster]
-        part = slice(start, stop)
-        local = np.flatnonzero(self.model_of[part] == model)
-        return local + start, part
+        pool = self.pool(cluster, model)
+        return np.arange(pool.start, pool.stop, dtype=np.int64), slice(*self.slices[cluster])
 
     def gpu_speed(self, model: str, task_type: str) -> float:
         """One GPU's delivered speed for a task type relative to the reference (1.0 when unknown)."""
@@ -327,7 +338,7 @@ class Snapshot:
                 self.mem_free[i] = max(self.mem_free[i] + sign * mem * workers, 0)
             touched.add((int(self.cluster_of[i]), int(self.model_of[i])))
         for c, m in touched:
-            idx, _ = self.node_slice(c, m)
-            usable = np.where(self.schedulable[idx], self.free[idx], 0)
+            pool = self.pool(c, m)
+            usable = np.where(self.schedulable[pool], self.free[pool], 0)
             self.free_sum[c, m] = int(usable.sum())
             self.max_free[c, m] = int(usable.max()) if usable.size else 0
