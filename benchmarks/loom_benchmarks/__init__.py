@@ -72,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     policies.add_argument("--seed", type=int, default=7)
     policies.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="mix only: workload units arriving per hour (default the mix's, 300)",
+    )
+    policies.add_argument(
         "--out", default=None, help="report folder (default ./loom-report/; --scale writes none unless given)"
     )
     policies.add_argument(

@@ -85,6 +85,8 @@ class Options:
     out: Path | None
     scale: bool
     sample_every_s: float | None
+    rate_per_h: float | None = None
+    """``--rate``: the mix's arrivals per hour; None: the mix's default."""
 
 
 def parse_policies(text: str | None, known: Sequence[str]) -> list[str]:
@@ -118,6 +120,12 @@ def resolve(args: argparse.Namespace, known: Sequence[str] | None = None) -> Opt
         raise OptionError(f"--nodes must be at least 1, got {nodes}")
     if args.sample_every is not None and not args.sample_every > 0:
         raise OptionError(f"--sample-every must be positive, got {args.sample_every}")
+    rate = getattr(args, "rate", None)
+    if rate is not None:
+        if workload != "mix":
+            raise OptionError(f"--rate applies to --workload mix only, not {workload!r}")
+        if not (rate > 0 and np.isfinite(rate)):
+            raise OptionError(f"--rate must be a positive number of arrivals per hour, got {rate}")
     policies = [TARGET] if scale and args.policies is None else parse_policies(args.policies, known)
     out = Path(args.out) if args.out is not None else (None if scale else DEFAULT_OUT)
     return Options(
@@ -130,6 +138,7 @@ def resolve(args: argparse.Namespace, known: Sequence[str] | None = None) -> Opt
         out=out,
         scale=scale,
         sample_every_s=args.sample_every,
+        rate_per_h=None if rate is None else float(rate),
     )
 
 
@@ -146,6 +155,8 @@ def command_line(options: Options) -> str:
         parts.append(f"--jobs {options.jobs}")
     if options.nodes is not None:
         parts.append(f"--nodes {options.nodes}")
+    if options.rate_per_h is not None:
+        parts.append(f"--rate {options.rate_per_h:g}")
     if options.sample_every_s is not None:
         parts.append(f"--sample-every {options.sample_every_s:g}")
     if options.scale:
@@ -214,13 +225,16 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
         return Workload(scenario.platform, scenario.trace, about)
     built = platform_from_topology(topology, nodes=options.nodes, seed=options.seed)
     if options.workload == "mix":
-        from loom.sim.workloads import training_mix
+        from loom.sim.workloads import DEFAULT_ARRIVAL_RATE_PER_H, training_mix
 
+        rate = options.rate_per_h if options.rate_per_h is not None else DEFAULT_ARRIVAL_RATE_PER_H
+        mix_about: dict[str, Any] = {"arrival_rate_per_h": rate}
         if options.jobs is None:
-            return Workload(built, training_mix(topology=topology, seed=options.seed), {})
+            trace = training_mix(topology=topology, seed=options.seed, arrival_rate_per_h=rate)
+            return Workload(built, trace, mix_about)
         units = mix_units(options.jobs)
-        trace = training_mix(topology=topology, jobs=units, seed=options.seed)
-        return Workload(built, trace, {"mix_units": units})
+        trace = training_mix(topology=topology, jobs=units, seed=options.seed, arrival_rate_per_h=rate)
+        return Workload(built, trace, {**mix_about, "mix_units": units})
     if options.workload == "alibaba":
         from loom.sim.workloads import load_alibaba
 

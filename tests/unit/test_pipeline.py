@@ -18,6 +18,7 @@ from loom.sched.pipeline import (
     plan,
     stage_gpus,
     transfer_s,
+    useful_capacity,
 )
 from loom_proto.jobs import Layer
 
@@ -221,6 +222,24 @@ def test_beyond_max_sites_the_sites_with_most_capacity_are_kept() -> None:
     result = plan(model, sites, links(LAN), max_sites=1)
     assert result is not None
     assert {s.site.cluster for s in result.stages} == {"big"}
+
+
+def test_beyond_max_sites_free_gpus_the_model_cannot_use_do_not_count() -> None:
+    # 3 GiB of layers on 16 GiB GPUs: one GPU holds the whole model, so a stage never takes more.
+    model = layers(1, 1, 1)
+    many_slow = site("many-slow", nodes=(8, 8, 8), speed=0.5, memory_gib=16.0)
+    few_fast = site("few-fast", nodes=(1,), speed=2.0, memory_gib=16.0)
+    assert useful_capacity(many_slow, 3.0) == 0.5
+    assert useful_capacity(few_fast, 3.0) == 2.0
+    result = plan(model, [many_slow, few_fast], links(LAN), max_sites=1)
+    assert result is not None
+    assert layout(result) == [("few-fast", 0, 2)]
+    # A model needing 40 GiB takes 3 GPUs of 16 GiB: the slow site can use 3, the fast one only its 1.
+    big = layers(1, 1, 1, memory_gib=40.0 / 3)
+    assert useful_capacity(many_slow, 40.0) == 1.5
+    assert useful_capacity(few_fast, 40.0) == 2.0
+    assert useful_capacity(site("capped", nodes=(8,), max_gpus=2, memory_gib=16.0), 40.0) == 2.0
+    assert plan(big, [many_slow, few_fast], links(LAN), max_sites=2) is not None
 
 
 def test_infeasible_reason_names_the_memory_shortfall() -> None:

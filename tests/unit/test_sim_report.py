@@ -469,6 +469,7 @@ def test_bench_policies_parses_every_option() -> None:
         "--json",
     )
     options = policies.resolve(args, known=["loom", "greedy_compute", "random"])
+    assert options.rate_per_h is None
     assert options.workload == "traces/x.jsonl"
     assert (options.topology, options.jobs, options.nodes, options.seed) == ("small", 300, 500, 9)
     assert options.policies == ["greedy_compute", "loom"]
@@ -496,6 +497,9 @@ def test_bench_policies_scale_mode_runs_loom_alone_at_100k_and_writes_no_report_
         (("--jobs", "0"), "--jobs"),
         (("--nodes", "-5"), "--nodes"),
         (("--workload", "cats"), "--workload"),
+        (("--rate", "0"), "--rate must be a positive"),
+        (("--rate", "nan"), "--rate must be a positive"),
+        (("--workload", "alibaba", "--rate", "100"), "--rate applies to --workload mix only"),
     ],
 )
 def test_bench_policies_refuses_bad_options(argv: tuple[str, ...], message: str) -> None:
@@ -503,6 +507,30 @@ def test_bench_policies_refuses_bad_options(argv: tuple[str, ...], message: str)
 
     with pytest.raises(policies.OptionError, match=message):
         policies.resolve(_parse("policies", *argv), known=["loom", "random"])
+
+
+def test_bench_policies_rate_sets_the_mix_arrivals_and_is_in_the_command_line() -> None:
+    from loom.model.topology import load_topology
+    from loom.sim.workloads import DEFAULT_ARRIVAL_RATE_PER_H
+    from loom_benchmarks import policies
+
+    topology = load_topology()
+    argv = ("--rate", "1200", "--jobs", "40", "--nodes", "100")
+    options = policies.resolve(_parse("policies", *argv), known=["loom"])
+    assert options.rate_per_h == 1200.0
+    assert "--rate 1200" in policies.command_line(options)
+    fast = policies.build_workload(options, topology)
+    default = policies.build_workload(
+        policies.resolve(_parse("policies", "--jobs", "40", "--nodes", "100"), known=["loom"]), topology
+    )
+    assert fast.about["arrival_rate_per_h"] == 1200.0
+    assert default.about["arrival_rate_per_h"] == DEFAULT_ARRIVAL_RATE_PER_H
+    fast_span, default_span = (
+        w.trace.jobs[-1].arrival_s - w.trace.jobs[0].arrival_s for w in (fast, default)
+    )
+    # The same seeded draws, scaled: a higher rate, a proportionally shorter arrival span.
+    assert default_span > 0
+    assert fast_span == pytest.approx(default_span * DEFAULT_ARRIVAL_RATE_PER_H / 1200.0)
 
 
 def _bench_args(*argv: str) -> argparse.Namespace:

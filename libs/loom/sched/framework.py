@@ -80,6 +80,11 @@ class StateKey(Generic[T]):
         return f"StateKey({self.name!r})"
 
 
+IDLE_PIPELINE_PLAN: "StateKey[Callable[[], pipeline.PipelinePlan | None]]" = StateKey("idle_pipeline_plan")
+"""Written by :meth:`Framework.schedule_pipeline` before its permits run: the best plan the job would
+get on an idle platform (the clusters policy allows), computed only when a permit calls it."""
+
+
 @dataclass
 class Candidates:
     """The (cluster, model) pairs that passed filtering, as parallel arrays of length K."""
@@ -140,6 +145,8 @@ class CycleState:
     """At most this many workers (a pre-filter's limit, e.g. the tenant's quota headroom)."""
     policy_mask: BoolArray | None = None
     """Clusters allowed by policy (pre-filters), before free capacity pruned any: where preemption looks."""
+    submitted_at: float | None = None
+    """When the job was submitted (the queue's clock, like ``snapshot.now``); None: not known."""
     _data: dict[StateKey[Any], Any] = field(default_factory=dict)
 
     @property
@@ -553,13 +560,21 @@ class Framework:
             if job_id in seen or job_id in running:
                 continue
             seen.add(job_id)
-            outcome = self.schedule(item.job, snap, avoid_clusters=(avoid or {}).get(job_id, ()))
+            outcome = self.schedule(
+                item.job, snap, avoid_clusters=(avoid or {}).get(job_id, ()), submitted_at=item.submitted_at
+            )
             results.append((item, outcome))
         return results
 
     # ---- one job -------------------------------------------------------------------------------
 
-    def new_state(self, job: JobSpec, snap: Snapshot, avoid_clusters: Iterable[str] = ()) -> CycleState:
+    def new_state(
+        self,
+        job: JobSpec,
+        snap: Snapshot,
+        avoid_clusters: Iterable[str] = (),
+        submitted_at: float | None = None,
+    ) -> CycleState:
         """A fresh cycle state with every cluster and model allowed."""
         return CycleState(
             job=job,
@@ -567,13 +582,20 @@ class Framework:
             cluster_mask=np.ones(len(snap.clusters), dtype=np.bool_),
             model_mask=np.ones(max(len(snap.models), 1), dtype=np.bool_),
             avoid_clusters=frozenset(avoid_clusters),
+            submitted_at=submitted_at,
         )
 
     def schedule(
-        self, job: JobSpec, snap: Snapshot, *, avoid_clusters: Iterable[str] = (), apply: bool = True
+        self,
+        job: JobSpec,
+        snap: Snapshot,
+        *,
+        avoid_clusters: Iterable[str] = (),
+        apply: bool = True,
+        submitted_at: float | None = None,
     ) -> Outcome:
         """One scheduling cycle for ``job``; with ``apply`` the snapshot takes the decision's GPUs."""
-        state = self.new_state(job, snap, avoid_clusters)
+        state = self.new_state(job, snap, avoid_clusters, submitted_at)
         record = DecisionRecord(
             job_id=job.job_id,
             at=snap.now,
@@ -636,7 +658,7 @@ class Framework:
         return outcome
 
     def pipeline_sites(self, state: CycleState, *, idle: bool = False) -> list[pipeline.Site]:
-        """One site per allowed cluster: its fastest model (x free GPUs); ``idle``: as if nothing ran.
+        """One site per allowed cluster: its pool of most useful capacity; ``idle``: as if nothing ran.
 
         Each pool's GPUs come from one pass over the nodes, so only the chosen pool of each cluster
         becomes a :class:`~loom.sched.pipeline.Site`, listing the nodes that have GPUs to give (a
@@ -661,8 +683,18 @@ class Framework:
         for c, m in np.argwhere(eligible & ~usable)[:1].tolist():
             # Bad figures (a negative speed, no GPU memory): the site refuses them with PipelineError.
             _site(snap, c, m, gpus_of, speed_per_gpu=float(speed[c, m]), memory_gib=memory[m])
-        # The first model of the most speed x GPUs, per cluster (argmax keeps the first of equals).
-        best = np.argmax(np.where(eligible, speed * gpus.reshape(c_count, m_count), -np.inf), axis=1)
+        # Per cluster, the first model of most useful capacity (pipeline.useful_capacity): speed x
+        # the free GPUs the whole model would need there, never more (argmax keeps the first of equals).
+        free = gpus.reshape(c_count, m_count)
+        if state.job.pipeline is not None:
+            model_gib = math.fsum(layer.memory_gib for layer in state.job.pipeline.layers)
+            needs = np.array(
+                [pipeline.stage_gpus(model_gib, g) if g > 0 and math.isfinite(g) else 0 for g in memory],
+                dtype=np.int64,
+            )
+            free = np.minimum(free, needs[None, :])
+        useful = speed * free
+        best = np.argmax(np.where(eligible, useful, -np.inf), axis=1)
         cache = _SITES.setdefault(snap, {})
         sites = []
         for c in np.flatnonzero(eligible.any(axis=1)).tolist():
@@ -706,6 +738,12 @@ class Framework:
                 pipeline.infeasible_reason(layers, idle, net, max_stages=max_stages) or "no cluster has GPUs"
             )
             return self._fail(record, Status(Code.UNRESOLVABLE, why, "pipeline"))
+
+        def idle_plan() -> pipeline.PipelinePlan | None:
+            idle = self.pipeline_sites(state, idle=True)
+            return pipeline.plan(layers, idle, net, max_stages=max_stages) if idle else None
+
+        state.write(IDLE_PIPELINE_PLAN, idle_plan)
         single = pipeline.best_single(layers, sites)
         compute_ref = sum(layer.compute_s for layer in layers)
         parts = [

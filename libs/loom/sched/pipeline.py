@@ -30,11 +30,12 @@ bottlenecks (every stage compute and transfer time that can occur), checking eac
 programme over (sites used, current site) rows that hold the layers the current stage may start at as
 bit sets; rows that cannot finish (even reusing sites) or that a subset of their sites already reached
 are dropped. A min-sum programme at the optimal bottleneck then applies the tie-breaks. The cost
-grows as ``2**sites``: beyond ``max_sites`` (default 12) only the sites with the most capacity
-(``speed_per_gpu * free GPUs``) are considered, so a better plan on the others may be missed; and a
-model deeper than ``max_layers`` (default 128) is searched as that many blocks of layers, each ending
-at the layer of its window that sends the least, so cuts fall only there. Typical cost on one core:
-about 10-15 ms for 32 layers on 8 sites; 0.1-1 s for 128 layers (or more, in blocks) on 12 sites.
+grows as ``2**sites``: beyond ``max_sites`` (default 12) only the sites with the most
+:func:`useful_capacity` (speed per GPU x the free GPUs the model could use there) are considered,
+so a better plan on the others may be missed; and a model deeper than ``max_layers`` (default
+128) is searched as that many blocks of layers, each ending at the layer of its window that sends
+the least, so cuts fall only there. Typical cost on one core: about 10-15 ms for 32 layers on 8
+sites; 0.1-1 s for 128 layers (or more, in blocks) on 12 sites.
 """
 
 import itertools
@@ -64,6 +65,7 @@ __all__ = [
     "plan",
     "stage_gpus",
     "transfer_s",
+    "useful_capacity",
 ]
 
 DEFAULT_USABLE_FRACTION = 0.9
@@ -213,6 +215,18 @@ def stage_gpus(
     return max(1, math.ceil(memory_gib / (gpu_memory_gib * usable_fraction) - _CEIL_SLACK))
 
 
+def useful_capacity(site: Site, memory_gib: float, usable_fraction: float = DEFAULT_USABLE_FRACTION) -> float:
+    """The compute a site can give a model of ``memory_gib``: its speed per GPU x the GPUs it could use.
+
+    A site hosts one stage, and a stage gets the GPUs its memory needs, never more for speed; so the
+    site can use at most the GPUs the whole model would need there (:func:`stage_gpus`), and free
+    GPUs beyond that are of no use to this job. Ranking sites by this, not by speed x free GPUs,
+    keeps a pool of many slow GPUs from hiding a faster pool that has enough for the job.
+    """
+    usable = min(site.stage_gpu_cap, stage_gpus(memory_gib, site.gpu_memory_gib, usable_fraction))
+    return site.speed_per_gpu * usable
+
+
 def transfer_s(activation_mb: float, rtt_ms: float, bandwidth_gbps: float) -> float:
     """Seconds to send ``activation_mb`` over a link; infinite when the link carries nothing."""
     if bandwidth_gbps <= 0:
@@ -272,12 +286,19 @@ def _check_inputs(layers: Sequence[Layer], sites: Sequence[Site], usable_fractio
         seen.add(site.key)
 
 
-def _considered(sites: Sequence[Site], max_sites: int) -> tuple[Site, ...]:
-    """Usable sites in key order; beyond ``max_sites`` only those with the most capacity."""
+def _considered(
+    sites: Sequence[Site], max_sites: int, memory_gib: float, usable_fraction: float
+) -> tuple[Site, ...]:
+    """Usable sites in key order; beyond ``max_sites`` only those of most :func:`useful_capacity`."""
     usable = [s for s in sites if s.speed_per_gpu > 0 and s.stage_gpu_cap > 0]
     if len(usable) > max_sites:
-        usable = sorted(usable, key=lambda s: (-s.speed_per_gpu * s.gpus_free_total, s.key))[:max_sites]
+        usable = sorted(usable, key=lambda s: (-useful_capacity(s, memory_gib, usable_fraction), s.key))
+        usable = usable[:max_sites]
     return tuple(sorted(usable, key=lambda s: s.key))
+
+
+def _model_memory_gib(layers: Sequence[Layer]) -> float:
+    return math.fsum(layer.memory_gib for layer in layers)
 
 
 def _prefix(values: Sequence[float]) -> _F64:
@@ -687,7 +708,7 @@ def plan(
             f"need max_stages >= 1, 1 <= max_sites <= {MAX_SITES_LIMIT} and max_layers >= 2;"
             f" got {max_stages}, {max_sites} and {max_layers}"
         )
-    considered = _considered(sites, max_sites)
+    considered = _considered(sites, max_sites, _model_memory_gib(layers), usable_fraction)
     if not considered:
         return None
     prob = _problem(layers, considered, net, usable_fraction, max_layers)
@@ -711,7 +732,7 @@ def best_single(
     compute_s = float(_prefix([layer.compute_s for layer in layers])[-1])
     memory_gib = float(_prefix([layer.memory_gib for layer in layers])[-1])
     best: StagePlan | None = None
-    for site in _considered(sites, len(sites)):
+    for site in _considered(sites, len(sites), memory_gib, usable_fraction):
         gpus = stage_gpus(memory_gib, site.gpu_memory_gib, usable_fraction)
         if gpus > site.stage_gpu_cap:
             continue
@@ -752,7 +773,7 @@ def infeasible_reason(
     )
     if found is not None:
         return None
-    considered = _considered(sites, max_sites)
+    considered = _considered(sites, max_sites, _model_memory_gib(layers), usable_fraction)
     if not considered:
         return f"none of the {len(sites)} site(s) offered has free GPUs with a positive speed for this job"
 

@@ -10,12 +10,14 @@ from typing import Any
 
 from loom.model.profiles import library_models
 from loom.sched.framework import Framework, Registry
+from loom.sched.plugins import patience
 from loom.sched.plugins.affinity import Affinity
 from loom.sched.plugins.compute import PriorityFairShare, ScuFit, Trust, WaterLevel
 from loom.sched.plugins.cost import CostEnergy
 from loom.sched.plugins.data import DataLocality
 from loom.sched.plugins.elastic import ElasticShrink
 from loom.sched.plugins.network import AlphaLearner, Jct, Joint, SpanGuard
+from loom.sched.plugins.patience import PipelinePatience
 from loom.sched.plugins.quota import Preempt, Quota
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.snapshot import Economics
@@ -35,6 +37,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "elastic_shrink",
     "preemption",
     "span_guard",
+    "pipeline_patience",
 )
 DEFAULT_WEIGHTS: Mapping[str, float] = {
     # The joint compute + network score is the scheduler's main judgement (seed 004); JCT says the
@@ -67,6 +70,10 @@ def default_registry() -> Registry:
     registry.register("preemption", lambda _cfg: Preempt())
     registry.register("elastic_shrink", lambda _cfg: ElasticShrink())
     registry.register("span_guard", lambda cfg: SpanGuard(float(cfg.get("max_slowdown", 1.5))))
+    registry.register(
+        "pipeline_patience",
+        lambda cfg: PipelinePatience(float(cfg.get("max_slowdown", patience.DEFAULT_MAX_SLOWDOWN))),
+    )
     return registry
 
 

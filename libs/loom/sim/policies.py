@@ -103,7 +103,7 @@ class FrameworkPolicy:
     def decide_one(self, item: QueueItem, snap: Snapshot) -> Outcome:
         """One job's cycle: what :meth:`decide` does for a one-job queue whose job holds no GPUs,
         without the per-call set of running job ids (the simulator never offers a running job)."""
-        return self.framework.schedule(item.job, snap)
+        return self.framework.schedule(item.job, snap, submitted_at=item.submitted_at)
 
     def sort_key(self, item: QueueItem) -> tuple[Any, ...]:
         """The queue order of the framework (lower first)."""

@@ -60,6 +60,7 @@ from loom_proto.jobs import (
 __all__ = [
     "ALIBABA_SAMPLE",
     "COLUMNS",
+    "DEFAULT_ARRIVAL_RATE_PER_H",
     "DEFAULT_MIX",
     "MIX_CLASSES",
     "NET_MODELS",
@@ -988,6 +989,13 @@ because it is what the network model is about; the rest keep every other class p
 
 DEFAULT_TENANTS: Final = ("team-a", "team-b", "team-c", "team-d")
 
+DEFAULT_ARRIVAL_RATE_PER_H: Final = 300.0
+"""Workload units arriving per hour by default. On the default platform (6,212 GPUs) this keeps it
+busy while jobs arrive: gangs queue now and then (tens of seconds to minutes), and a compute-only
+policy has to spread some of them over regions. At 60 per hour nothing ever waits and no gang needs
+more than one cluster, so the network is never at stake; beyond about 500 per hour the queue grows
+without bound while jobs arrive. ``loom bench policies --rate`` replays other loads."""
+
 
 @dataclass(frozen=True, slots=True)
 class _Context:
@@ -1241,7 +1249,7 @@ def training_mix(
     topology: Topology | None = None,
     jobs: int = 1000,
     seed: int = 0,
-    arrival_rate_per_h: float = 60.0,
+    arrival_rate_per_h: float = DEFAULT_ARRIVAL_RATE_PER_H,
     mix: Mapping[str, float] | None = None,
     data_fraction: float = 0.5,
     data_home_share: float = 0.5,

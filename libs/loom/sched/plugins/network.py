@@ -19,6 +19,7 @@ The step-time model is plain functions so the simulator predicts with the same n
 """
 
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -564,14 +565,23 @@ def part_speeds(state: CycleState, decision: Decision) -> list[float]:
 
 
 class SpanGuard:
-    """Permit: a gang spread over clusters waits instead when the spread is much slower.
+    """Permit: a communication-heavy gang waits rather than start much slower than it could run.
 
-    A gang that no single cluster can hold now may still fit one cluster when capacity frees.
-    Spread over regions its all-reduce crosses the measured WAN and a step can take many times its
-    compute (seconds of gradient exchange over a few Gbit/s). When the predicted step of the spread
-    is more than ``max_slowdown`` times the step in one cluster, and some cluster could hold the
-    whole gang on an idle platform, the decision is refused (UNSCHEDULABLE: the job waits and is
-    retried when capacity frees). Gangs that can never fit one cluster are let through.
+    Two cases, both judged with :func:`predict_step_s` (what the jct plugin and the simulator use):
+
+    - *Spread*: a gang that no single cluster can hold now may still fit one cluster when capacity
+      frees. Spread over regions its all-reduce crosses the measured WAN and a step can take many
+      times its compute (seconds of gradient exchange over a few Gbit/s). When the spread's step is
+      more than ``max_slowdown`` times the step in one cluster, and some cluster could hold the
+      whole gang on an idle platform, the decision is refused.
+    - *Slow GPUs*: a data-parallel gang (one with ``comm``) is paced by its slowest worker for its
+      whole run, often hours. When the chosen GPUs make a step more than ``max_slowdown`` times
+      slower than the fastest GPU model that some allowed cluster could hold the whole gang on (its
+      nodes' total GPUs, as if idle), the decision is refused.
+
+    A refusal is UNSCHEDULABLE: the job waits and is retried when capacity frees. Gangs that can
+    never fit one cluster, and jobs without ``comm`` on one cluster, are let through; pipelines
+    are not judged here.
     """
 
     name = "span_guard"
@@ -580,44 +590,75 @@ class SpanGuard:
         self.max_slowdown = max_slowdown
 
     def permit(self, state: CycleState, decision: Decision) -> Status:
-        if len(decision.parts) < 2 or any(p.layers is not None for p in decision.parts):
+        job = state.job
+        spread = len(decision.parts) > 1
+        if any(p.layers is not None for p in decision.parts) or not (spread or job.comm is not None):
             return Status()
         snap = state.snapshot
         speeds = part_speeds(state, decision)
-        spread = predict_step_s(
-            state.job,
+        chosen = predict_step_s(
+            job,
             speeds=speeds,
             regions=[p.region for p in decision.parts],
             net=snap.net,
             workers=decision.workers,
         )
-        whole = predict_step_s(
-            state.job,
-            speeds=[max(speeds)],
-            regions=[decision.parts[0].region],
+        holders = _whole_gang_pools(state)
+        if spread:
+            whole = predict_step_s(
+                job,
+                speeds=[max(speeds)],
+                regions=[decision.parts[0].region],
+                net=snap.net,
+                workers=decision.workers,
+            )
+            if chosen.step_s > self.max_slowdown * whole.step_s and holders.any():
+                return Status(
+                    Code.UNSCHEDULABLE,
+                    f"spread over {', '.join(p.cluster for p in decision.parts)} a step would take"
+                    f" {chosen.step_s:.2f} s against {whole.step_s:.2f} s in one cluster;"
+                    " waiting for one cluster",
+                )
+        if job.comm is None or not holders.any():
+            return Status()
+        pool_speed = np.where(holders, snap.speeds(job.task_type)[None, :] * snap.trust[:, None], -np.inf)
+        c, m = np.unravel_index(int(np.argmax(pool_speed)), pool_speed.shape)
+        best = predict_step_s(
+            job,
+            speeds=[float(pool_speed[c, m])],
+            regions=[snap.clusters[int(c)].region],
             net=snap.net,
             workers=decision.workers,
         )
-        if spread.step_s <= self.max_slowdown * whole.step_s or not _one_cluster_could_hold(state):
+        if chosen.step_s <= self.max_slowdown * best.step_s:
             return Status()
+        models = ", ".join(sorted({p.gpu_model for p in decision.parts}))
         return Status(
             Code.UNSCHEDULABLE,
-            f"spread over {', '.join(p.cluster for p in decision.parts)} a step would take"
-            f" {spread.step_s:.2f} s against {whole.step_s:.2f} s in one cluster; waiting for one cluster",
+            f"on {models} a step would take {chosen.step_s:.2f} s against {best.step_s:.2f} s on"
+            f" {snap.models[int(m)]} in {snap.clusters[int(c)].id}, which could hold the whole gang;"
+            " waiting for faster GPUs",
         )
 
 
-def _one_cluster_could_hold(state: CycleState) -> bool:
-    """Whether some allowed cluster holds the whole gang when idle (its nodes' total GPUs)."""
+_WORKERS: "weakref.WeakKeyDictionary[Snapshot, dict[int, FloatArray]]" = weakref.WeakKeyDictionary()
+"""Per snapshot and GPUs per worker: the workers each (cluster, model) pool holds when idle (the
+nodes' totals never change within a snapshot)."""
+
+
+def _whole_gang_pools(state: CycleState) -> BoolArray:
+    """(cluster, model) pools, allowed by policy, that hold the whole gang when idle."""
     snap = state.snapshot
     g = state.per_worker
+    c_count, m_count = snap.total_sum.shape
+    per_g = _WORKERS.setdefault(snap, {})
+    cached = per_g.get(g)
+    if cached is None:
+        pools = snap.cluster_of * m_count + snap.model_of
+        counts = np.bincount(pools, weights=snap.total // g, minlength=c_count * m_count)
+        cached = per_g[g] = counts.astype(np.float64).reshape(c_count, m_count)
+    workers: FloatArray = cached
     allowed = state.policy_mask if state.policy_mask is not None else state.cluster_mask
-    models = state.model_mask[: snap.total_sum.shape[1]]
-    in_scope = allowed[snap.cluster_of] & models[snap.model_of]
-    m_count = snap.total_sum.shape[1]
-    workers = np.bincount(
-        (snap.cluster_of * m_count + snap.model_of)[in_scope],
-        weights=(snap.total // g)[in_scope],
-        minlength=len(snap.clusters) * m_count,
-    )
-    return bool(workers.size) and float(workers.max()) >= state.min_workers
+    models = state.model_mask[:m_count]
+    result: BoolArray = allowed[:, None] & models[None, :] & (workers >= state.min_workers)
+    return result

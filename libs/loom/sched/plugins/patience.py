@@ -1,0 +1,95 @@
+"""Permit: a pipeline waits for a much better plan, never longer than the worse plan would lose.
+
+A pipeline job (:mod:`loom.sched.pipeline`) takes whatever stages the free GPUs allow when it is
+decided. On a busy platform that can be a plan several times slower per step than the one it would
+get a little later, for a run of hours: its stages land on whichever slow or memory-poor GPUs are
+free. This permit compares the plan free now with the best plan on an idle platform (the clusters
+policy allows, every GPU free; :data:`~loom.sched.framework.IDLE_PIPELINE_PLAN`) and refuses the
+plan when
+
+* its step is more than ``max_slowdown`` times the idle plan's step, and
+* the job has waited less than the time the worse plan would lose over the job's steps,
+  ``steps x (step_now - step_idle)``.
+
+The second rule is the ski-rental bound: waiting never costs more than taking the worse plan at
+once would have, so the job finishes within about twice the better of the two choices, and a
+pipeline is never starved by its own patience. A refusal is UNSCHEDULABLE: the job stays queued
+and is decided again when capacity frees. Without the submission time (``CycleState.submitted_at``
+None) the plan is let through.
+
+The idle plan is cached per job and per the inputs it depends on (allowed clusters and models,
+trust, measured links), so a waiting pipeline plans the idle platform once, not on every retry.
+"""
+
+from collections import OrderedDict
+from collections.abc import Callable
+
+from loom.sched.framework import IDLE_PIPELINE_PLAN, Code, CycleState, Decision, Status
+from loom.sched.pipeline import PipelinePlan
+
+DEFAULT_MAX_SLOWDOWN = 1.5
+"""A plan this many times slower per step than the idle platform's best is worth waiting for."""
+DEFAULT_CACHE_SIZE = 4096
+"""Idle plans kept (one per waiting pipeline; the least recently used goes first)."""
+
+
+class PipelinePatience:
+    """Permit: refuse a pipeline plan much slower than the idle platform's, within the ski-rental bound."""
+
+    name = "pipeline_patience"
+
+    def __init__(
+        self, max_slowdown: float = DEFAULT_MAX_SLOWDOWN, cache_size: int = DEFAULT_CACHE_SIZE
+    ) -> None:
+        if not max_slowdown >= 1.0:
+            raise ValueError(f"max_slowdown must be at least 1, got {max_slowdown}")
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be at least 1, got {cache_size}")
+        self.max_slowdown = max_slowdown
+        self.cache_size = cache_size
+        self._ideal: OrderedDict[tuple[str, bytes], float | None] = OrderedDict()
+
+    def permit(self, state: CycleState, decision: Decision) -> Status:
+        if not decision.parts or any(p.layers is None for p in decision.parts):
+            return Status()
+        step_now = decision.predicted_step_s
+        if step_now is None or state.submitted_at is None:
+            return Status()
+        try:
+            lazy = state.read(IDLE_PIPELINE_PLAN)
+        except KeyError:  # not decided by the pipeline planner
+            return Status()
+        step_idle = self._idle_step(state, lazy)
+        if step_idle is None or step_now <= self.max_slowdown * step_idle:
+            return Status()
+        waited = max(state.snapshot.now - state.submitted_at, 0.0)
+        loss = state.job.work.steps * (step_now - step_idle)
+        if waited >= loss:
+            return Status()
+        return Status(
+            Code.UNSCHEDULABLE,
+            f"the stages free now take {step_now:.2f} s per step against {step_idle:.2f} s on an idle"
+            f" platform; waiting up to {loss - waited:.0f} s more for a better plan",
+        )
+
+    def _idle_step(self, state: CycleState, lazy: Callable[[], PipelinePlan | None]) -> float | None:
+        snap = state.snapshot
+        inputs = b"".join(
+            (
+                (state.policy_mask if state.policy_mask is not None else state.cluster_mask).tobytes(),
+                state.model_mask.tobytes(),
+                snap.trust.tobytes(),
+                snap.net.rtt_ms.tobytes(),
+                snap.net.bandwidth_gbps.tobytes(),
+            )
+        )
+        key = (state.job.job_id, inputs)
+        if key in self._ideal:
+            self._ideal.move_to_end(key)
+            return self._ideal[key]
+        plan = lazy()
+        step = None if plan is None else plan.step_s
+        self._ideal[key] = step
+        while len(self._ideal) > self.cache_size:
+            self._ideal.popitem(last=False)
+        return step

@@ -1,0 +1,169 @@
+"""Waiting instead of starting much slower: the span guard's slow-GPU rule and pipeline patience.
+
+Both are permits of Loom's default profile. A refusal must leave the snapshot untouched and say
+why; a job that cannot do better by waiting (no faster pool could ever hold it, or it has already
+waited as long as the worse plan would lose) is let through.
+"""
+
+import pytest
+
+from loom.sched.firstfit import NodeCapacity
+from loom.sched.framework import Code, Framework
+from loom.sched.plugins.compute import ScuFit
+from loom.sched.plugins.network import SpanGuard
+from loom.sched.plugins.patience import PipelinePatience
+from loom.sched.plugins.resources import ResourceFit
+from loom.sched.profile import DEFAULT_PLUGINS, build_framework
+from loom.sched.snapshot import NetMatrix, Snapshot
+from loom_proto.jobs import Communication, JobSpec, Layer, Pipeline, Resources, Work
+
+FAST, SLOW = "A100", "T4"
+
+
+def node(name: str, cluster: str, *, model: str, gpus: int = 8, reserved: int = 0) -> NodeCapacity:
+    return NodeCapacity(
+        node=name,
+        cluster=cluster,
+        region="r1",
+        zone="r1-a",
+        gpu_model=model,
+        gpus_total=gpus,
+        gpus_reserved=reserved,
+        cpu_milli=64_000,
+        memory_mib=512 * 1024,
+    )
+
+
+def snapshot(nodes: list[NodeCapacity], fast_speed: float = 3.0, now: float = 1000.0) -> Snapshot:
+    speed = {(m, "training_compute"): s for m, s in ((FAST, fast_speed), (SLOW, 1.0))}
+    return Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=now)
+
+
+def gang(workers: int = 2, gpus: int = 4, *, comm: bool = True) -> JobSpec:
+    return JobSpec(
+        job_id="g",
+        tenant="t",
+        workers=workers,
+        resources=Resources(gpus=gpus),
+        work=Work(steps=1000, step_time_s=1.0),
+        comm=Communication(bytes_per_step=10**8) if comm else None,
+    )
+
+
+def guarded() -> Framework:
+    return Framework([ResourceFit(), ScuFit(), SpanGuard()])
+
+
+# ---- span guard: slow GPUs ----------------------------------------------------------------------
+
+
+def test_a_data_parallel_gang_waits_rather_than_run_on_gpus_much_slower_than_a_pool_that_could_hold_it() -> (
+    None
+):
+    # The fast pool (ca) is busy now but holds the whole gang when it frees; only slow GPUs are free.
+    snap = snapshot([node("a0", "ca", model=FAST, reserved=8), node("b0", "cb", model=SLOW)])
+    outcome = guarded().schedule(gang(), snap)
+    assert outcome.decision is None and outcome.status.code == Code.UNSCHEDULABLE
+    assert outcome.status.plugin == "span_guard"
+    assert "waiting for faster GPUs" in outcome.status.reason and "A100 in ca" in outcome.status.reason
+    assert int(snap.free.sum()) == 8  # nothing taken
+
+
+def test_slow_gpus_are_taken_when_waiting_cannot_help_or_would_not_pay() -> None:
+    busy_fast = [node("a0", "ca", model=FAST, reserved=8), node("b0", "cb", model=SLOW)]
+    # No communication: not a data-parallel gang, let through.
+    assert guarded().schedule(gang(comm=False), snapshot(busy_fast)).decision is not None
+    # The fast pool is less than 1.5x faster: let through.
+    assert guarded().schedule(gang(), snapshot(busy_fast, fast_speed=1.4)).decision is not None
+    # A gang the fast pool could never hold (12 GPUs > its 8): let through, onto the slow pool.
+    big = [
+        node("a0", "ca", model=FAST, reserved=8),
+        node("b0", "cb", model=SLOW),
+        node("b1", "cb", model=SLOW),
+    ]
+    outcome = guarded().schedule(gang(workers=3), snapshot(big))
+    assert outcome.decision is not None and {p.gpu_model for p in outcome.decision.parts} == {SLOW}
+
+
+def test_the_default_profile_keeps_both_guards() -> None:
+    assert {"span_guard", "pipeline_patience"} <= set(DEFAULT_PLUGINS)
+    names = {p.name for p in build_framework().permits}
+    assert {"span_guard", "pipeline_patience"} <= names
+
+
+# ---- pipeline patience --------------------------------------------------------------------------
+
+
+def pipeline_job(steps: int = 100) -> JobSpec:
+    layers = [Layer(compute_s=1.0, memory_gib=1.0, activation_mb=1.0) for _ in range(2)]
+    return JobSpec(
+        job_id="p",
+        tenant="t",
+        work=Work(steps=steps, step_time_s=2.0),
+        pipeline=Pipeline(layers=layers, max_stages=2),
+    )
+
+
+def two_sites(now: float = 1000.0) -> Snapshot:
+    # Two clusters of one region; cb is full, so the plan free now is one stage on ca (2 s per step)
+    # where the idle platform gives two stages (about 1 s per step).
+    return snapshot(
+        [node("a0", "ca", model=FAST), node("b0", "cb", model=FAST, reserved=8)], fast_speed=1.0, now=now
+    )
+
+
+def patient() -> Framework:
+    return Framework([ResourceFit(), ScuFit(), PipelinePatience()])
+
+
+def test_a_pipeline_waits_for_a_much_better_plan_within_what_the_worse_plan_would_lose() -> None:
+    snap = two_sites()
+    outcome = patient().schedule(pipeline_job(), snap, submitted_at=snap.now - 10.0)
+    assert outcome.decision is None and outcome.status.code == Code.UNSCHEDULABLE
+    assert outcome.status.plugin == "pipeline_patience"
+    # 100 steps x (2 s - about 1 s) = about 100 s to lose; 10 s waited, so about 90 s more.
+    assert "waiting up to 9" in outcome.status.reason
+    assert int(snap.free.sum()) == 8  # nothing taken
+
+
+def test_a_pipeline_stops_waiting_once_it_has_waited_what_the_worse_plan_would_lose() -> None:
+    snap = two_sites()
+    outcome = patient().schedule(pipeline_job(), snap, submitted_at=snap.now - 150.0)
+    assert outcome.decision is not None and len(outcome.decision.parts) == 1
+    assert outcome.decision.predicted_step_s == pytest.approx(2.0)
+
+
+def test_a_pipeline_takes_the_plan_when_it_is_close_to_the_best_or_its_wait_is_unknown() -> None:
+    snap = two_sites()
+    assert patient().schedule(pipeline_job(), snap).decision is not None  # no submission time
+    idle = snapshot([node("a0", "ca", model=FAST), node("b0", "cb", model=FAST)], fast_speed=1.0)
+    outcome = patient().schedule(pipeline_job(), idle, submitted_at=idle.now)
+    assert outcome.decision is not None and len(outcome.decision.parts) == 2
+
+
+def test_the_idle_plan_is_computed_once_per_job_while_nothing_it_depends_on_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    framework = patient()
+    calls: list[bool] = []
+    original = Framework.pipeline_sites
+
+    def counting(self: Framework, state: object, *, idle: bool = False) -> object:
+        calls.append(idle)
+        return original(self, state, idle=idle)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Framework, "pipeline_sites", counting)
+    snap = two_sites()
+    for _ in range(3):
+        assert framework.schedule(pipeline_job(), snap, submitted_at=snap.now).decision is None
+    assert calls.count(True) == 1
+    snap.trust[0] = 0.5  # trust changed: planned again
+    framework.schedule(pipeline_job(), snap, submitted_at=snap.now)
+    assert calls.count(True) == 2
+
+
+def test_patience_refuses_bad_settings() -> None:
+    with pytest.raises(ValueError, match="max_slowdown"):
+        PipelinePatience(max_slowdown=0.5)
+    with pytest.raises(ValueError, match="cache_size"):
+        PipelinePatience(cache_size=0)
