@@ -883,31 +883,36 @@ class Framework:
                     mask &= plugin.filter(state, idx)
             if not mask.all():
                 idx = idx[mask]
-        per_node = snap.free[idx] // g
+        # Passing nodes in one run (often every node) are read as a slice, not gathered.
+        at: IntArray | slice = idx
+        if idx.size and int(idx[-1]) - int(idx[0]) + 1 == idx.size:
+            at = slice(int(idx[0]), int(idx[-1]) + 1)
+        per_node = snap.free[at] // g
         if cpu:
-            per_node = np.where(
-                snap.cpu_known[idx], np.minimum(per_node, snap.cpu_free[idx] // cpu), per_node
-            )
+            per_node = np.where(snap.cpu_known[at], np.minimum(per_node, snap.cpu_free[at] // cpu), per_node)
         if mem:
-            per_node = np.where(
-                snap.mem_known[idx], np.minimum(per_node, snap.mem_free[idx] // mem), per_node
-            )
-        pair = snap.pool_of[idx]
-        cap_all = np.bincount(pair, weights=per_node, minlength=pair_ok.size).astype(np.int64)
-        fits = cap_all[looked] >= need
+            per_node = np.where(snap.mem_known[at], np.minimum(per_node, snap.mem_free[at] // mem), per_node)
+        pair = snap.pool_of[at]
+        # The nodes come grouped by pair, in pair order: each pair's workers are a difference of sums.
+        running = np.concatenate(([0], np.cumsum(per_node)))
+        first, last = np.searchsorted(pair, looked, "left"), np.searchsorted(pair, looked, "right")
+        cap_looked = running[last] - running[first]
+        fits = cap_looked >= need
         ok_pairs = looked[fits]
-        short = looked[~fits]
+        short = np.flatnonzero(~fits)
         if short.size:
             what = self._filter_needs(state)
-            for p in short.tolist():
-                c, m = divmod(p, m_count)
+            for k in short.tolist():
+                c, m = divmod(int(looked[k]), m_count)
                 cid = snap.clusters[c].id
                 if cid not in state.pruned:
-                    state.pruned[cid] = _filter_reason(snap.models[m], int(cap_all[p]), need, what)
+                    state.pruned[cid] = _filter_reason(snap.models[m], int(cap_looked[k]), need, what)
+        starts, stops = first[fits], last[fits]
         keep = per_node > 0
         if not keep.all():  # the filters usually leave only nodes with room for a worker
             idx, per_node, pair = idx[keep], per_node[keep], pair[keep]
-        cap = cap_all[ok_pairs]
+            starts, stops = np.searchsorted(pair, ok_pairs, "left"), np.searchsorted(pair, ok_pairs, "right")
+        cap = cap_looked[fits]
         return Candidates(
             cluster=ok_pairs // m_count,
             model=ok_pairs % m_count,
@@ -915,8 +920,8 @@ class Framework:
             workers=np.minimum(cap, state.target_workers),
             passing=idx,
             room=per_node,
-            starts=np.searchsorted(pair, ok_pairs, "left"),
-            stops=np.searchsorted(pair, ok_pairs, "right"),
+            starts=starts,
+            stops=stops,
         )
 
     def _filter_needs(self, state: CycleState) -> str:
