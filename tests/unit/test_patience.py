@@ -8,7 +8,7 @@ waited as long as the worse plan would lose) is let through.
 import pytest
 
 from loom.sched.firstfit import NodeCapacity
-from loom.sched.framework import Code, Framework
+from loom.sched.framework import IDLE_PIPELINE_PLAN, Code, Framework
 from loom.sched.plugins.compute import ScuFit
 from loom.sched.plugins.network import SpanGuard
 from loom.sched.plugins.patience import PipelinePatience
@@ -167,3 +167,42 @@ def test_patience_refuses_bad_settings() -> None:
         PipelinePatience(max_slowdown=0.5)
     with pytest.raises(ValueError, match="cache_size"):
         PipelinePatience(cache_size=0)
+
+
+def test_the_lower_bound_never_exceeds_the_idle_plan_and_spares_planning_when_it_suffices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from loom.sched.plugins.patience import lower_bound_step_s
+
+    idle_plans: list[float] = []
+    original = Framework.schedule_pipeline
+
+    def spy(self: Framework, state: object, record: object, *, apply: bool) -> object:
+        outcome = original(self, state, record, apply=apply)  # type: ignore[arg-type]
+        idle = state.read(IDLE_PIPELINE_PLAN)()  # type: ignore[attr-defined]
+        assert idle is not None
+        bound = lower_bound_step_s(state)  # type: ignore[arg-type]
+        assert 0 < bound <= idle.step_s
+        idle_plans.append(idle.step_s)
+        return outcome
+
+    monkeypatch.setattr(Framework, "schedule_pipeline", spy)
+    for reserved in (0, 4, 8):
+        snap = snapshot(
+            [node("a0", "ca", model=FAST), node("b0", "cb", model=SLOW, reserved=reserved)], fast_speed=2.0
+        )
+        patient().schedule(pipeline_job(), snap, submitted_at=snap.now)
+    assert len(idle_plans) == 3
+    monkeypatch.setattr(Framework, "schedule_pipeline", original)
+    # On an idle platform the plan free now is the idle plan: the bound lets it through unplanned.
+    calls: list[bool] = []
+    sites = Framework.pipeline_sites
+
+    def counting(self: Framework, state: object, *, idle: bool = False) -> object:
+        calls.append(idle)
+        return sites(self, state, idle=idle)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Framework, "pipeline_sites", counting)
+    idle = snapshot([node("a0", "ca", model=FAST), node("b0", "cb", model=FAST)], fast_speed=1.0)
+    assert patient().schedule(pipeline_job(), idle, submitted_at=idle.now).decision is not None
+    assert calls == [False]

@@ -30,7 +30,7 @@ bottlenecks (every stage compute and transfer time that can occur), checking eac
 programme over (sites used, current site) rows that hold the layers the current stage may start at as
 bit sets; rows that cannot finish (even reusing sites) or that a subset of their sites already reached
 are dropped. A min-sum programme at the optimal bottleneck then applies the tie-breaks. The cost
-grows as ``2**sites``: beyond ``max_sites`` (default 12) only the sites with the most
+grows as ``2**sites``: beyond ``max_sites`` (default 8) only the sites with the most
 :func:`useful_capacity` (speed per GPU x the free GPUs the model could use there) are considered,
 so a better plan on the others may be missed; and a model deeper than ``max_layers`` (default
 128) is searched as that many blocks of layers, each ending at the layer of its window that sends
@@ -41,7 +41,7 @@ sites; 0.1-1 s for 128 layers (or more, in blocks) on 12 sites.
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -70,8 +70,10 @@ __all__ = [
 
 DEFAULT_USABLE_FRACTION = 0.9
 """Share of each GPU's memory a stage may fill (the rest goes to the runtime and fragmentation)."""
-DEFAULT_MAX_SITES = 12
-"""Sites the exact search considers; its cost roughly doubles with each one more."""
+DEFAULT_MAX_SITES = 8
+"""Sites the exact search considers; its cost roughly doubles with each one more. Eight is the
+default ``max_stages`` (each site hosts at most one stage): at 100,000 nodes (about 660 sites) a
+decision took about 350 ms with 12 sites considered and about 45 ms with 8."""
 MAX_SITES_LIMIT = 16
 """The most ``max_sites`` may be: the search keeps tables over every subset of the sites."""
 DEFAULT_MAX_LAYERS = 128
@@ -116,6 +118,7 @@ class Site:
     free_gpus: tuple[tuple[str, int], ...]
     max_gpus_per_stage: int | None = None
     """At most this many GPUs in the stage placed here (None: no limit beyond the free GPUs)."""
+    _free_total: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         if not (self.speed_per_gpu >= 0 and math.isfinite(self.speed_per_gpu)):
@@ -128,6 +131,8 @@ class Site:
             raise PipelineError(f"site {self.key}: a node is listed twice in free_gpus")
         if self.max_gpus_per_stage is not None and self.max_gpus_per_stage < 1:
             raise PipelineError(f"site {self.key}: max_gpus_per_stage must be >= 1")
+        # Summed once: the planner asks for it several times per site and decision.
+        object.__setattr__(self, "_free_total", sum(free for _, free in self.free_gpus))
 
     @property
     def key(self) -> tuple[str, str]:
@@ -137,7 +142,7 @@ class Site:
     @property
     def gpus_free_total(self) -> int:
         """Free GPUs over all the site's nodes."""
-        return sum(free for _, free in self.free_gpus)
+        return self._free_total
 
     @property
     def stage_gpu_cap(self) -> int:

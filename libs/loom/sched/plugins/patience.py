@@ -17,15 +17,25 @@ pipeline is never starved by its own patience. A refusal is UNSCHEDULABLE: the j
 and is decided again when capacity frees. Without the submission time (``CycleState.submitted_at``
 None) the plan is let through.
 
-The idle plan is cached per job and per the inputs it depends on (allowed clusters and models,
-trust, measured links), so a waiting pipeline plans the idle platform once, not on every retry.
+Planning the idle platform costs as much as the decision itself, so it is skipped when a cheap
+lower bound already lets the plan through: no plan can beat ``compute / capacity``, where
+``compute`` is the model's compute per step on one reference GPU and ``capacity`` bounds what its
+stages can deliver together, ``memory / usable x max(speed / GPU memory) + stages x max(speed)``
+(a stage takes ``ceil(its memory / (GPU memory x usable))`` GPUs, at most that share plus one, and
+there are at most ``stages`` of them, one per cluster). When ``step_now`` is within ``max_slowdown``
+of that bound it is within ``max_slowdown`` of the idle plan too. Otherwise the idle plan is
+computed and cached per job and per the inputs it depends on (allowed clusters and models, trust,
+measured links), so a waiting pipeline plans the idle platform once, not on every retry.
 """
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
+
 from loom.sched.framework import IDLE_PIPELINE_PLAN, Code, CycleState, Decision, Status
-from loom.sched.pipeline import PipelinePlan
+from loom.sched.pipeline import DEFAULT_MAX_SITES, DEFAULT_USABLE_FRACTION, PipelinePlan
 
 DEFAULT_MAX_SLOWDOWN = 1.5
 """A plan this many times slower per step than the idle platform's best is worth waiting for."""
@@ -58,6 +68,8 @@ class PipelinePatience:
         try:
             lazy = state.read(IDLE_PIPELINE_PLAN)
         except KeyError:  # not decided by the pipeline planner
+            return Status()
+        if step_now <= self.max_slowdown * lower_bound_step_s(state):
             return Status()
         step_idle = self._idle_step(state, lazy)
         if step_idle is None or step_now <= self.max_slowdown * step_idle:
@@ -93,3 +105,27 @@ class PipelinePatience:
         while len(self._ideal) > self.cache_size:
             self._ideal.popitem(last=False)
         return step
+
+
+def lower_bound_step_s(state: CycleState) -> float:
+    """A step time no pipeline plan of the job can beat on the idle platform (see the module
+    docstring); 0 when no allowed pool has GPUs."""
+    job, snap = state.job, state.snapshot
+    if job.pipeline is None:
+        return 0.0
+    layers = job.pipeline.layers
+    compute = math.fsum(layer.compute_s for layer in layers)
+    memory = math.fsum(layer.memory_gib for layer in layers)
+    m_count = snap.total_sum.shape[1]
+    allowed = state.policy_mask if state.policy_mask is not None else state.cluster_mask
+    pools = allowed[:, None] & state.model_mask[None, :m_count] & (snap.total_sum > 0)
+    if not pools.any():
+        return 0.0
+    # The same GPU memory the framework's pipeline sites assume (16 GiB when a model's is unknown).
+    gib = np.array([snap.gpu_memory_gib.get(m, 0.0) or 16.0 for m in snap.models[:m_count]])
+    speed = snap.speeds(job.task_type)[None, :m_count] * snap.trust[:, None]
+    fastest = float(speed[pools].max())
+    per_gib = float((speed / gib[None, :])[pools].max())
+    stages = min(job.pipeline.max_stages, int(pools.any(axis=1).sum()), DEFAULT_MAX_SITES)
+    capacity = memory / DEFAULT_USABLE_FRACTION * per_gib + stages * fastest
+    return compute / capacity if capacity > 0 else 0.0
