@@ -991,10 +991,10 @@ DEFAULT_TENANTS: Final = ("team-a", "team-b", "team-c", "team-d")
 
 DEFAULT_ARRIVAL_RATE_PER_H: Final = 300.0
 """Workload units arriving per hour by default. On the default platform (6,212 GPUs) this keeps it
-busy while jobs arrive: gangs queue now and then (tens of seconds to minutes), and a compute-only
-policy has to spread some of them over regions. At 60 per hour nothing ever waits and no gang needs
-more than one cluster, so the network is never at stake; beyond about 500 per hour the queue grows
-without bound while jobs arrive. ``loom bench policies --rate`` replays other loads."""
+busy while jobs arrive: gangs queue now and then, and a policy that ignores the network has to
+spread some of them over regions. At 60 or 150 per hour nothing waits and no gang needs more than
+one cluster, so the network is hardly at stake (the load sweep is in the simulator's README).
+``loom bench policies --rate`` replays other loads."""
 
 
 @dataclass(frozen=True, slots=True)
