@@ -5,17 +5,25 @@ why; a job that cannot do better by waiting (no faster pool could ever hold it, 
 waited as long as the worse plan would lose) is let through.
 """
 
+import msgspec
+import numpy as np
 import pytest
 
+from loom.model.profiles import relative_speed
+from loom.model.topology import load_topology
 from loom.sched.firstfit import NodeCapacity
-from loom.sched.framework import IDLE_PIPELINE_PLAN, Code, Framework
+from loom.sched.framework import IDLE_PIPELINE_PLAN, Candidates, Code, CycleState, Framework
 from loom.sched.plugins.compute import ScuFit
+from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.network import SpanGuard
 from loom.sched.plugins.patience import PipelinePatience
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.profile import DEFAULT_PLUGINS, build_framework
-from loom.sched.snapshot import NetMatrix, Snapshot
-from loom_proto.jobs import Communication, JobSpec, Layer, Pipeline, Resources, Work
+from loom.sched.snapshot import ClusterInfo, FloatArray, NetMatrix, Snapshot
+from loom.sim.engine import simulate
+from loom.sim.model import Platform, SimJob, Trace
+from loom.sim.policies import POLICIES
+from loom_proto.jobs import Affinity, Communication, JobSpec, Layer, Pipeline, Resources, Work
 
 FAST, SLOW = "A100", "T4"
 
@@ -57,16 +65,55 @@ def guarded() -> Framework:
 # ---- span guard: slow GPUs ----------------------------------------------------------------------
 
 
-def test_a_data_parallel_gang_waits_rather_than_run_on_gpus_much_slower_than_a_pool_that_could_hold_it() -> (
-    None
-):
+def test_a_data_parallel_gang_waits_rather_than_run_on_much_slower_gpus() -> None:
     # The fast pool (ca) is busy now but holds the whole gang when it frees; only slow GPUs are free.
     snap = snapshot([node("a0", "ca", model=FAST, reserved=8), node("b0", "cb", model=SLOW)])
-    outcome = guarded().schedule(gang(), snap)
+    outcome = guarded().schedule(gang(), snap, submitted_at=snap.now - 100.0)
     assert outcome.decision is None and outcome.status.code == Code.UNSCHEDULABLE
     assert outcome.status.plugin == "span_guard"
     assert "waiting for faster GPUs" in outcome.status.reason and "A100 in ca" in outcome.status.reason
+    # 1,000 steps x (1 s on T4 - 1/3 s on A100) = 667 s the slow start would lose; 100 s waited.
+    assert outcome.status.wait_s == pytest.approx(1000 * (1.0 - 1.0 / 3.0) - 100.0, rel=1e-3)
     assert int(snap.free.sum()) == 8  # nothing taken
+
+
+def test_a_gang_stops_waiting_for_faster_gpus_once_it_has_waited_what_the_slow_start_would_lose() -> None:
+    snap = snapshot([node("a0", "ca", model=FAST, reserved=8), node("b0", "cb", model=SLOW)])
+    outcome = guarded().schedule(gang(), snap, submitted_at=snap.now - 700.0)
+    assert outcome.decision is not None and outcome.decision.parts[0].gpu_model == SLOW
+
+
+def test_a_gang_does_not_wait_for_a_fast_pool_it_cannot_get() -> None:
+    fast_down = snapshot([node("a0", "ca", model=FAST), node("b0", "cb", model=SLOW)])
+    fast_down.schedulable[fast_down.cluster_of == fast_down.cluster_index["ca"]] = False
+    outcome = guarded().schedule(gang(), fast_down, submitted_at=fast_down.now)
+    assert outcome.decision is not None and outcome.decision.parts[0].cluster == "cb"
+    busy_fast = [node("a0", "ca", model=FAST, reserved=8), node("b0", "cb", model=SLOW)]
+    avoided = guarded().schedule(gang(), snapshot(busy_fast), avoid_clusters=["ca"], submitted_at=1000.0)
+    assert avoided.decision is not None and avoided.decision.parts[0].cluster == "cb"
+    # An elastic gang whose slow placement runs 2 workers, where the fast pool holds only 1.
+    elastic = msgspec.structs.replace(gang(workers=2), min_workers=1)
+    small_fast = [node("a0", "ca", model=FAST, gpus=4, reserved=4), node("b0", "cb", model=SLOW)]
+    outcome = guarded().schedule(elastic, snapshot(small_fast), submitted_at=1000.0)
+    assert outcome.decision is not None and outcome.decision.workers == 2
+
+
+def test_a_gang_the_scores_put_on_slower_gpus_while_faster_ones_are_free_is_not_held() -> None:
+    # Both pools free; a plugin prefers cb: waiting would change nothing, so nothing waits.
+    class PreferSlow:
+        name = "prefer_slow"
+
+        def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+            cb = state.snapshot.cluster_index["cb"]
+            return np.where(candidates.cluster == cb, 100.0, 0.0)
+
+        def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+            return raw
+
+    snap = snapshot([node("a0", "ca", model=FAST), node("b0", "cb", model=SLOW)])
+    framework = Framework([ResourceFit(), PreferSlow(), SpanGuard()])
+    outcome = framework.schedule(gang(), snap, submitted_at=snap.now)
+    assert outcome.decision is not None and outcome.decision.parts[0].cluster == "cb"
 
 
 def test_slow_gpus_are_taken_when_waiting_cannot_help_or_would_not_pay() -> None:
@@ -133,9 +180,10 @@ def test_a_pipeline_stops_waiting_once_it_has_waited_what_the_worse_plan_would_l
     assert outcome.decision.predicted_step_s == pytest.approx(2.0)
 
 
-def test_a_pipeline_takes_the_plan_when_it_is_close_to_the_best_or_its_wait_is_unknown() -> None:
+def test_a_pipeline_takes_the_plan_when_it_is_close_to_the_best() -> None:
     snap = two_sites()
-    assert patient().schedule(pipeline_job(), snap).decision is not None  # no submission time
+    unknown = patient().schedule(pipeline_job(), snap)  # no submission time: counts as just submitted
+    assert unknown.decision is None and unknown.status.wait_s == pytest.approx(100 * (2.0 - 1.0), rel=0.05)
     idle = snapshot([node("a0", "ca", model=FAST), node("b0", "cb", model=FAST)], fast_speed=1.0)
     outcome = patient().schedule(pipeline_job(), idle, submitted_at=idle.now)
     assert outcome.decision is not None and len(outcome.decision.parts) == 2
@@ -148,9 +196,11 @@ def test_the_idle_plan_is_computed_once_per_job_while_nothing_it_depends_on_chan
     calls: list[bool] = []
     original = Framework.pipeline_sites
 
-    def counting(self: Framework, state: object, *, idle: bool = False) -> object:
+    def counting(
+        self: Framework, state: object, *, idle: bool = False, schedulable_only: bool = False
+    ) -> object:
         calls.append(idle)
-        return original(self, state, idle=idle)  # type: ignore[arg-type]
+        return original(self, state, idle=idle, schedulable_only=schedulable_only)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Framework, "pipeline_sites", counting)
     snap = two_sites()
@@ -198,11 +248,74 @@ def test_the_lower_bound_never_exceeds_the_idle_plan_and_spares_planning_when_it
     calls: list[bool] = []
     sites = Framework.pipeline_sites
 
-    def counting(self: Framework, state: object, *, idle: bool = False) -> object:
+    def counting(
+        self: Framework, state: object, *, idle: bool = False, schedulable_only: bool = False
+    ) -> object:
         calls.append(idle)
-        return sites(self, state, idle=idle)  # type: ignore[arg-type]
+        return sites(self, state, idle=idle, schedulable_only=schedulable_only)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Framework, "pipeline_sites", counting)
     idle = snapshot([node("a0", "ca", model=FAST), node("b0", "cb", model=FAST)], fast_speed=1.0)
     assert patient().schedule(pipeline_job(), idle, submitted_at=idle.now).decision is not None
     assert calls == [False]
+
+
+# ---- in the simulator ---------------------------------------------------------------------------
+
+
+def sim_platform(clusters: dict[str, tuple[str, int]]) -> Platform:
+    """``cluster -> (gpu_model, nodes of 8 GPUs)``, all in one region of the packaged topology."""
+    region = "aws-us-east-2"
+    nodes = [
+        NodeCapacity(
+            node=f"{cid}-n{i}", cluster=cid, region=region, zone=f"{region}-a", gpu_model=m, gpus_total=8
+        )
+        for cid, (m, count) in clusters.items()
+        for i in range(count)
+    ]
+    models = sorted({m for m, _ in clusters.values()})
+    tasks = ("training_compute", "training_comm")
+    return Platform(
+        name="test",
+        nodes=nodes,
+        clusters={cid: ClusterInfo(id=cid, region=region, zone=f"{region}-a") for cid in clusters},
+        net=NetMatrix.from_topology(load_topology()),
+        economics=default_economics(),
+        speed={(m, t): relative_speed(m, t) for m in models for t in tasks},
+        gpu_memory_gib=dict.fromkeys(models, 80.0),
+    )
+
+
+def blocker(cluster: str) -> SimJob:
+    """Holds one whole 8-GPU node of ``cluster`` for far longer than anything else runs."""
+    spec = JobSpec(
+        job_id=f"block-{cluster}",
+        tenant="t",
+        resources=Resources(gpus=8),
+        work=Work(steps=10_000_000, step_time_s=1.0),
+        affinity=Affinity(clusters=[cluster]),
+    )
+    return SimJob(spec=spec, arrival_s=0.0)
+
+
+def test_the_simulator_starts_a_patient_pipeline_when_its_patience_runs_out_not_when_capacity_frees() -> None:
+    built = sim_platform({"ca": (FAST, 1), "cb": (FAST, 1)})
+    pipe = SimJob(spec=msgspec.structs.replace(pipeline_job(steps=1000), job_id="pipe"), arrival_s=10.0)
+    result = simulate(Trace([blocker("cb"), pipe]), built, POLICIES["loom"](0), seed=0)
+    records = {r.job_id: r for r in result.records}
+    started = records["pipe"].start_s
+    assert started is not None and records["block-cb"].end_s is not None
+    assert started > 10.0 + 1.0  # it waited for the better plan ...
+    assert started < records["block-cb"].end_s / 100  # ... but only as long as the worse plan would lose
+    assert records["pipe"].clusters == ("ca",)
+
+
+def test_the_simulator_does_not_hold_a_job_back_behind_a_refused_gang_of_the_same_size() -> None:
+    built = sim_platform({"ca": (FAST, 1), "cb": (SLOW, 2)})
+    comm = SimJob(spec=msgspec.structs.replace(gang(), job_id="comm"), arrival_s=1.0)
+    plain = SimJob(spec=msgspec.structs.replace(gang(comm=False), job_id="plain"), arrival_s=2.0)
+    result = simulate(Trace([blocker("ca"), comm, plain]), built, POLICIES["loom"](0), seed=0)
+    records = {r.job_id: r for r in result.records}
+    assert records["plain"].start_s == 2.0 and records["plain"].clusters == ("cb",)
+    started = records["comm"].start_s
+    assert started is not None and started > 1.0  # the gang waited for the fast GPUs, within its bound

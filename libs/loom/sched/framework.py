@@ -82,7 +82,8 @@ class StateKey(Generic[T]):
 
 IDLE_PIPELINE_PLAN: "StateKey[Callable[[], pipeline.PipelinePlan | None]]" = StateKey("idle_pipeline_plan")
 """Written by :meth:`Framework.schedule_pipeline` before its permits run: the best plan the job would
-get on an idle platform (the clusters policy allows), computed only when a permit calls it."""
+get on an idle platform (the clusters policy allows, their schedulable nodes), computed only when a
+permit calls it."""
 
 
 @dataclass
@@ -657,8 +658,11 @@ class Framework:
         decision.undo = None  # settled either way; do not keep the old snapshot state alive
         return outcome
 
-    def pipeline_sites(self, state: CycleState, *, idle: bool = False) -> list[pipeline.Site]:
-        """One site per allowed cluster: its pool of most useful capacity; ``idle``: as if nothing ran.
+    def pipeline_sites(
+        self, state: CycleState, *, idle: bool = False, schedulable_only: bool = False
+    ) -> list[pipeline.Site]:
+        """One site per allowed cluster: its pool of most useful capacity; ``idle``: as if nothing ran
+        (with ``schedulable_only``, on the nodes that take work now; else on every node).
 
         Each pool's GPUs come from one pass over the nodes, so only the chosen pool of each cluster
         becomes a :class:`~loom.sched.pipeline.Site`, listing the nodes that have GPUs to give (a
@@ -668,7 +672,10 @@ class Framework:
         c_count, m_count = snap.total_sum.shape
         allowed = state.policy_mask if (idle and state.policy_mask is not None) else state.cluster_mask
         models = state.model_mask[:m_count]
-        gpus_of = snap.total if idle else np.where(snap.schedulable, snap.free, 0)
+        if idle:
+            gpus_of = np.where(snap.schedulable, snap.total, 0) if schedulable_only else snap.total
+        else:
+            gpus_of = np.where(snap.schedulable, snap.free, 0)
         pools = c_count * m_count
         gpus = np.bincount(snap.pool_of, weights=gpus_of, minlength=pools).astype(np.int64)
         holding = np.bincount(snap.pool_of, weights=gpus_of != 0, minlength=pools) > 0
@@ -740,7 +747,7 @@ class Framework:
             return self._fail(record, Status(Code.UNRESOLVABLE, why, "pipeline"))
 
         def idle_plan() -> pipeline.PipelinePlan | None:
-            idle = self.pipeline_sites(state, idle=True)
+            idle = self.pipeline_sites(state, idle=True, schedulable_only=True)
             return pipeline.plan(layers, idle, net, max_stages=max_stages) if idle else None
 
         state.write(IDLE_PIPELINE_PLAN, idle_plan)

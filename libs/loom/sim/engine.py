@@ -110,8 +110,10 @@ _COMPLETE: Final = 0
 _SCRIPTED: Final = 1
 _ARRIVAL: Final = 2
 _CONTINUE: Final = 3
-_SAMPLE: Final = 4
-"""Event kinds; at one instant completions are applied first, samples last."""
+_WAKE: Final = 4
+_SAMPLE: Final = 5
+"""Event kinds; at one instant completions are applied first, samples last. A wake retries the
+shape of a waiting job when a permit's wait (``Status.wait_s``: patience running out) ends."""
 
 Pair = tuple[int, int]
 """(cluster index, model index) of the snapshot: one pool of GPUs."""
@@ -363,6 +365,10 @@ class _Simulation:
         self.dirty: set[Pair] = set()
         self.retry_post = False
         self.retry_all = False
+        self.wakes: dict[str, float] = {}
+        """Job id -> when its queued wake fires (one per job)."""
+        self.woken: set[int] = set()
+        """Shapes (indices) a wake made due for the next pass."""
         """The network changed: every waiting shape is retried once (within the budget)."""
         self.by_cluster: dict[str, set[str]] = {}
         self.spanning: set[str] = set()
@@ -470,7 +476,9 @@ class _Simulation:
             what: tuple[Any, ...] = ("pipeline", layers, spec.pipeline.max_stages)
         else:
             need, per_worker = res.gpus * min_workers, res.gpus
-            what = ("gang", res.gpus, min_workers)
+            # The span guard judges gangs with communication by their task type's speeds: a refused
+            # one must not hold back a job of the same size without it.
+            what = ("gang", res.gpus, min_workers, spec.comm is not None, spec.task_type)
             if spans:
                 # Whether a spread is acceptable depends on the traffic against the compute (the
                 # span guard): spanning gangs are alike only within a class of both.
@@ -558,6 +566,8 @@ class _Simulation:
                     self._scripted(event.scripted)
                 elif event.kind == _ARRIVAL:
                     self._arrive(self.jobs[event.job_id])
+                elif event.kind == _WAKE:
+                    self._wake(event)
             if sample:
                 self.retry_post = True
             self._pass()
@@ -586,8 +596,9 @@ class _Simulation:
         pairs, self.dirty = self.dirty, set()
         retry_post, self.retry_post = self.retry_post, False
         retry_all, self.retry_all = self.retry_all, False
+        woken, self.woken = self.woken, set()
         fresh, self.fresh = self.fresh, []
-        if not fresh and not (self.waiting and (pairs or retry_post or retry_all)):
+        if not fresh and not (self.waiting and (pairs or retry_post or retry_all or woken)):
             return
 
         def room(shape: _Shape) -> bool:
@@ -596,6 +607,7 @@ class _Simulation:
         def due(shape: _Shape) -> bool:
             return bool(shape.heap) and (
                 retry_all
+                or shape.index in woken
                 or (bool(pairs) and self._fits(shape, pairs) and self._improved(shape, pairs))
                 or room(shape)
             )
@@ -633,7 +645,7 @@ class _Simulation:
                     leftover = True
                     continue
                 job = self.jobs[shape.heap[0][2]]
-                if not (retry_all or room(shape) or self._holds(job, pairs)):
+                if not (retry_all or shape.index in woken or room(shape) or self._holds(job, pairs)):
                     failed.add(shape.index)
                     continue
                 budget -= 1
@@ -679,8 +691,23 @@ class _Simulation:
         job.shape.resolvable = True
         if outcome is not None and outcome.status.code == Code.ERROR:
             self.notes.append(f"{job.spec.job_id}: {outcome.record.reason}")
+        if outcome is not None and outcome.status.code == Code.UNSCHEDULABLE and outcome.status.wait_s > 0:
+            # A permit's patience ends then even if no capacity changes: decide again at that time.
+            at = self.t + outcome.status.wait_s
+            queued = self.wakes.get(job.spec.job_id)
+            if at > self.t and (queued is None or at < queued):
+                self.wakes[job.spec.job_id] = at
+                self._push(_Event(at, _WAKE, 0, job_id=job.spec.job_id))
         self._wait(job)
         return False
+
+    def _wake(self, event: _Event) -> None:
+        """A job's permit wait ended: its shape is decided again in this pass."""
+        if self.wakes.get(event.job_id) == event.t:
+            del self.wakes[event.job_id]
+        job = self.jobs.get(event.job_id)
+        if job is not None and not job.done and job.run is None:
+            self.woken.add(job.shape.index)
 
     def _wait(self, job: _Job) -> None:
         shape = job.shape

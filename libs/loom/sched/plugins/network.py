@@ -567,21 +567,25 @@ def part_speeds(state: CycleState, decision: Decision) -> list[float]:
 class SpanGuard:
     """Permit: a communication-heavy gang waits rather than start much slower than it could run.
 
-    Two cases, both judged with :func:`predict_step_s` (what the jct plugin and the simulator use):
+    Two cases, both judged with :func:`predict_step_s` (what the jct plugin and the simulator use)
+    for the decision's number of workers:
 
     - *Spread*: a gang that no single cluster can hold now may still fit one cluster when capacity
       frees. Spread over regions its all-reduce crosses the measured WAN and a step can take many
-      times its compute (seconds of gradient exchange over a few Gbit/s). When the spread's step is
-      more than ``max_slowdown`` times the step in one cluster, and some cluster could hold the
-      whole gang on an idle platform, the decision is refused.
+      times its compute (seconds of gradient exchange over a few Gbit/s). The spread is refused when
+      its step is more than ``max_slowdown`` times the step in one cluster.
     - *Slow GPUs*: a data-parallel gang (one with ``comm``) is paced by its slowest worker for its
-      whole run, often hours. When the chosen GPUs make a step more than ``max_slowdown`` times
-      slower than the fastest GPU model that some allowed cluster could hold the whole gang on (its
-      nodes' total GPUs, as if idle), the decision is refused.
+      whole run, often hours. The decision is refused when its step is more than ``max_slowdown``
+      times the step on the fastest pool that could hold it, unless that pool could take it now
+      (then the scores chose the slower GPUs on purpose, e.g. for the data).
 
-    A refusal is UNSCHEDULABLE: the job waits and is retried when capacity frees. Gangs that can
-    never fit one cluster, and jobs without ``comm`` on one cluster, are let through; pipelines
-    are not judged here.
+    "Could hold" means a (cluster, GPU model) pool the policy allows, not an avoided cluster, whose
+    schedulable nodes have the GPUs for the decision's workers when idle (CPU and memory are not
+    checked). A refusal is UNSCHEDULABLE with ``wait_s``: the job waits and is decided again when
+    capacity frees, but never longer than the slower start would lose, ``steps x (step_now -
+    step_better)`` since submission (the ski-rental bound, as in :mod:`loom.sched.plugins.patience`;
+    an unknown submission time counts as now). Gangs that no such pool could hold, jobs without
+    ``comm`` on one cluster, and pipelines pass.
     """
 
     name = "span_guard"
@@ -603,7 +607,9 @@ class SpanGuard:
             net=snap.net,
             workers=decision.workers,
         )
-        holders = _whole_gang_pools(state)
+        holders = _whole_gang_pools(state, decision.workers)
+        if not holders.any():
+            return Status()
         if spread:
             whole = predict_step_s(
                 job,
@@ -612,53 +618,85 @@ class SpanGuard:
                 net=snap.net,
                 workers=decision.workers,
             )
-            if chosen.step_s > self.max_slowdown * whole.step_s and holders.any():
-                return Status(
-                    Code.UNSCHEDULABLE,
+            if chosen.step_s > self.max_slowdown * whole.step_s:
+                return _wait_unless_lost(
+                    state,
+                    chosen.step_s,
+                    whole.step_s,
                     f"spread over {', '.join(p.cluster for p in decision.parts)} a step would take"
                     f" {chosen.step_s:.2f} s against {whole.step_s:.2f} s in one cluster;"
                     " waiting for one cluster",
                 )
-        if job.comm is None or not holders.any():
+        if job.comm is None:
             return Status()
         pool_speed = np.where(holders, snap.speeds(job.task_type)[None, :] * snap.trust[:, None], -np.inf)
-        c, m = np.unravel_index(int(np.argmax(pool_speed)), pool_speed.shape)
+        c, m = (int(i) for i in np.unravel_index(int(np.argmax(pool_speed)), pool_speed.shape))
         best = predict_step_s(
             job,
             speeds=[float(pool_speed[c, m])],
-            regions=[snap.clusters[int(c)].region],
+            regions=[snap.clusters[c].region],
             net=snap.net,
             workers=decision.workers,
         )
-        if chosen.step_s <= self.max_slowdown * best.step_s:
+        if chosen.step_s <= self.max_slowdown * best.step_s or _holds_now(state, c, m, decision.workers):
             return Status()
         models = ", ".join(sorted({p.gpu_model for p in decision.parts}))
-        return Status(
-            Code.UNSCHEDULABLE,
+        return _wait_unless_lost(
+            state,
+            chosen.step_s,
+            best.step_s,
             f"on {models} a step would take {chosen.step_s:.2f} s against {best.step_s:.2f} s on"
-            f" {snap.models[int(m)]} in {snap.clusters[int(c)].id}, which could hold the whole gang;"
+            f" {snap.models[m]} in {snap.clusters[c].id}, which could hold the whole gang;"
             " waiting for faster GPUs",
         )
 
 
-_WORKERS: "weakref.WeakKeyDictionary[Snapshot, dict[int, FloatArray]]" = weakref.WeakKeyDictionary()
-"""Per snapshot and GPUs per worker: the workers each (cluster, model) pool holds when idle (the
-nodes' totals never change within a snapshot)."""
+MIN_WAIT_S = 1.0
+"""A wait shorter than this is not worth another decision: the job starts now."""
 
 
-def _whole_gang_pools(state: CycleState) -> BoolArray:
-    """(cluster, model) pools, allowed by policy, that hold the whole gang when idle."""
+def _wait_unless_lost(state: CycleState, step_now: float, step_better: float, why: str) -> Status:
+    """UNSCHEDULABLE while the job has waited less than ``steps x (step_now - step_better)``."""
+    waited = 0.0 if state.submitted_at is None else max(state.snapshot.now - state.submitted_at, 0.0)
+    left = state.job.work.steps * (step_now - step_better) - waited
+    if left < MIN_WAIT_S:
+        return Status()
+    return Status(Code.UNSCHEDULABLE, f"{why} (at most {left:.0f} s more)", wait_s=left)
+
+
+_WORKERS: "weakref.WeakKeyDictionary[Snapshot, dict[int, tuple[bytes, FloatArray]]]" = (
+    weakref.WeakKeyDictionary()
+)
+"""Per snapshot and GPUs per worker: the workers each (cluster, model) pool's schedulable nodes hold
+when idle, with the schedulable flags it was counted for (totals never change within a snapshot)."""
+
+
+def _whole_gang_pools(state: CycleState, workers: int) -> BoolArray:
+    """(cluster, model) pools, allowed by policy and not avoided, that hold ``workers`` when idle."""
     snap = state.snapshot
     g = state.per_worker
     c_count, m_count = snap.total_sum.shape
     per_g = _WORKERS.setdefault(snap, {})
+    flags = snap.schedulable.tobytes()
     cached = per_g.get(g)
-    if cached is None:
-        pools = snap.cluster_of * m_count + snap.model_of
-        counts = np.bincount(pools, weights=snap.total // g, minlength=c_count * m_count)
-        cached = per_g[g] = counts.astype(np.float64).reshape(c_count, m_count)
-    workers: FloatArray = cached
-    allowed = state.policy_mask if state.policy_mask is not None else state.cluster_mask
+    if cached is None or cached[0] != flags:
+        counts = np.bincount(
+            snap.pool_of, weights=np.where(snap.schedulable, snap.total // g, 0), minlength=c_count * m_count
+        )
+        cached = per_g[g] = (flags, counts.astype(np.float64).reshape(c_count, m_count))
+    allowed = (state.policy_mask if state.policy_mask is not None else state.cluster_mask).copy()
+    for cid in state.avoid_clusters:
+        index = snap.cluster_index.get(cid)
+        if index is not None:
+            allowed[index] = False
     models = state.model_mask[:m_count]
-    result: BoolArray = allowed[:, None] & models[None, :] & (workers >= state.min_workers)
+    result: BoolArray = allowed[:, None] & models[None, :] & (cached[1] >= workers)
     return result
+
+
+def _holds_now(state: CycleState, c: int, m: int, workers: int) -> bool:
+    """Whether pool (c, m)'s schedulable nodes have the free GPUs for ``workers`` now."""
+    snap = state.snapshot
+    nodes = snap.pool(c, m)
+    free = np.where(snap.schedulable[nodes], snap.free[nodes], 0) // state.per_worker
+    return int(free.sum()) >= workers

@@ -14,8 +14,9 @@ plan when
 The second rule is the ski-rental bound: waiting never costs more than taking the worse plan at
 once would have, so the job finishes within about twice the better of the two choices, and a
 pipeline is never starved by its own patience. A refusal is UNSCHEDULABLE: the job stays queued
-and is decided again when capacity frees. Without the submission time (``CycleState.submitted_at``
-None) the plan is let through.
+and is decided again when capacity frees, or when the bound runs out (``wait_s``). Without the
+submission time (``CycleState.submitted_at`` None) the job counts as submitted now. The idle
+platform is the clusters policy allows with their schedulable nodes all free.
 
 Planning the idle platform costs as much as the decision itself, so it is skipped when a cheap
 lower bound already lets the plan through: no plan can beat ``compute / capacity``, where
@@ -24,8 +25,9 @@ stages can deliver together, ``memory / usable x max(speed / GPU memory) + stage
 (a stage takes ``ceil(its memory / (GPU memory x usable))`` GPUs, at most that share plus one, and
 there are at most ``stages`` of them, one per cluster). When ``step_now`` is within ``max_slowdown``
 of that bound it is within ``max_slowdown`` of the idle plan too. Otherwise the idle plan is
-computed and cached per job and per the inputs it depends on (allowed clusters and models, trust,
-measured links), so a waiting pipeline plans the idle platform once, not on every retry.
+computed and cached per job and per the inputs it depends on (allowed clusters and models, the
+nodes' GPUs and which take work, speeds, GPU memory, trust, measured links), so a waiting pipeline
+plans the idle platform once, not on every retry.
 """
 
 import math
@@ -36,6 +38,7 @@ import numpy as np
 
 from loom.sched.framework import IDLE_PIPELINE_PLAN, Code, CycleState, Decision, Status
 from loom.sched.pipeline import DEFAULT_MAX_SITES, DEFAULT_USABLE_FRACTION, PipelinePlan
+from loom.sched.plugins.network import MIN_WAIT_S
 
 DEFAULT_MAX_SLOWDOWN = 1.5
 """A plan this many times slower per step than the idle platform's best is worth waiting for."""
@@ -63,7 +66,7 @@ class PipelinePatience:
         if not decision.parts or any(p.layers is None for p in decision.parts):
             return Status()
         step_now = decision.predicted_step_s
-        if step_now is None or state.submitted_at is None:
+        if step_now is None:
             return Status()
         try:
             lazy = state.read(IDLE_PIPELINE_PLAN)
@@ -74,14 +77,15 @@ class PipelinePatience:
         step_idle = self._idle_step(state, lazy)
         if step_idle is None or step_now <= self.max_slowdown * step_idle:
             return Status()
-        waited = max(state.snapshot.now - state.submitted_at, 0.0)
-        loss = state.job.work.steps * (step_now - step_idle)
-        if waited >= loss:
+        waited = 0.0 if state.submitted_at is None else max(state.snapshot.now - state.submitted_at, 0.0)
+        left = state.job.work.steps * (step_now - step_idle) - waited
+        if left < MIN_WAIT_S:
             return Status()
         return Status(
             Code.UNSCHEDULABLE,
             f"the stages free now take {step_now:.2f} s per step against {step_idle:.2f} s on an idle"
-            f" platform; waiting up to {loss - waited:.0f} s more for a better plan",
+            f" platform; waiting up to {left:.0f} s more for a better plan",
+            wait_s=left,
         )
 
     def _idle_step(self, state: CycleState, lazy: Callable[[], PipelinePlan | None]) -> float | None:
@@ -90,6 +94,10 @@ class PipelinePatience:
             (
                 (state.policy_mask if state.policy_mask is not None else state.cluster_mask).tobytes(),
                 state.model_mask.tobytes(),
+                snap.total_sum.tobytes(),
+                np.packbits(snap.schedulable).tobytes(),
+                snap.speeds(state.job.task_type).tobytes(),
+                repr(sorted(snap.gpu_memory_gib.items())).encode(),
                 snap.trust.tobytes(),
                 snap.net.rtt_ms.tobytes(),
                 snap.net.bandwidth_gbps.tobytes(),
@@ -118,7 +126,10 @@ def lower_bound_step_s(state: CycleState) -> float:
     memory = math.fsum(layer.memory_gib for layer in layers)
     m_count = snap.total_sum.shape[1]
     allowed = state.policy_mask if state.policy_mask is not None else state.cluster_mask
-    pools = allowed[:, None] & state.model_mask[None, :m_count] & (snap.total_sum > 0)
+    up = np.bincount(
+        snap.pool_of, weights=np.where(snap.schedulable, snap.total, 0), minlength=snap.total_sum.size
+    )
+    pools = allowed[:, None] & state.model_mask[None, :m_count] & (up.reshape(snap.total_sum.shape) > 0)
     if not pools.any():
         return 0.0
     # The same GPU memory the framework's pipeline sites assume (16 GiB when a model's is unknown).
