@@ -559,6 +559,10 @@ class _Simulation:
                 if event.kind == _SAMPLE:
                     sample = True
                     continue
+                if event.kind == _WAKE:
+                    if self.wakes.get(event.job_id) == event.t:  # not cancelled or replaced
+                        self._wake(event)
+                    continue
                 self.pending -= 1
                 if event.kind == _COMPLETE:
                     self._complete(event)
@@ -566,8 +570,6 @@ class _Simulation:
                     self._scripted(event.scripted)
                 elif event.kind == _ARRIVAL:
                     self._arrive(self.jobs[event.job_id])
-                elif event.kind == _WAKE:
-                    self._wake(event)
             if sample:
                 self.retry_post = True
             self._pass()
@@ -696,6 +698,8 @@ class _Simulation:
             at = self.t + outcome.status.wait_s
             queued = self.wakes.get(job.spec.job_id)
             if at > self.t and (queued is None or at < queued):
+                if queued is not None:
+                    self.pending -= 1  # the later wake is replaced
                 self.wakes[job.spec.job_id] = at
                 self._push(_Event(at, _WAKE, 0, job_id=job.spec.job_id))
         self._wait(job)
@@ -703,11 +707,17 @@ class _Simulation:
 
     def _wake(self, event: _Event) -> None:
         """A job's permit wait ended: its shape is decided again in this pass."""
-        if self.wakes.get(event.job_id) == event.t:
-            del self.wakes[event.job_id]
+        del self.wakes[event.job_id]
+        self.pending -= 1
         job = self.jobs.get(event.job_id)
         if job is not None and not job.done and job.run is None:
             self.woken.add(job.shape.index)
+
+    def _cancel_wake(self, job: _Job) -> None:
+        """The job started: a wake queued for it would only stretch the run (it stays in the heap,
+        ignored, and no longer counts as something left to happen)."""
+        if self.wakes.pop(job.spec.job_id, None) is not None:
+            self.pending -= 1
 
     def _wait(self, job: _Job) -> None:
         shape = job.shape
@@ -832,6 +842,7 @@ class _Simulation:
     # ---- runs ----------------------------------------------------------------------------------
 
     def _start(self, job: _Job, d: Decision) -> None:
+        self._cancel_wake(job)
         snap = self.snap
         spec = job.spec
         now = self.t
