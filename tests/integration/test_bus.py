@@ -247,7 +247,13 @@ async def test_consumer_decodes_handles_and_acks_good_messages(
     assert (first.subject, first.msg_id, first.num_delivered) == (subject, f"{tenant}-1", 1)
     assert first.headers["Nats-Msg-Id"] == f"{tenant}-1"
     assert runner.counts == {"acked": 5, "nacked": 0, "dead_lettered": 0}
-    info = await nc.jetstream().consumer_info("JOBS", runner.spec.durable)
+    # An ack is a plain publish the server applies on its own time: read until it has, at most 5 s.
+    deadline = asyncio.get_running_loop().time() + 5.0
+    while True:
+        info = await nc.jetstream().consumer_info("JOBS", runner.spec.durable)
+        if info.num_ack_pending == 0 or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.05)
     assert (info.num_ack_pending, info.num_pending) == (0, 0)
 
 
