@@ -169,7 +169,7 @@ def test_a_pipeline_waits_for_a_much_better_plan_within_what_the_worse_plan_woul
     assert outcome.decision is None and outcome.status.code == Code.UNSCHEDULABLE
     assert outcome.status.plugin == "pipeline_patience"
     # 100 steps x (2 s - about 1 s) = about 100 s to lose; 10 s waited, so about 90 s more.
-    assert "waiting up to 9" in outcome.status.reason
+    assert "waiting for a better plan (at most 9" in outcome.status.reason
     assert int(snap.free.sum()) == 8  # nothing taken
 
 

@@ -619,7 +619,7 @@ class SpanGuard:
                 workers=decision.workers,
             )
             if chosen.step_s > self.max_slowdown * whole.step_s:
-                return _wait_unless_lost(
+                return wait_unless_lost(
                     state,
                     chosen.step_s,
                     whole.step_s,
@@ -641,7 +641,7 @@ class SpanGuard:
         if chosen.step_s <= self.max_slowdown * best.step_s or _holds_now(state, c, m, decision.workers):
             return Status()
         models = ", ".join(sorted({p.gpu_model for p in decision.parts}))
-        return _wait_unless_lost(
+        return wait_unless_lost(
             state,
             chosen.step_s,
             best.step_s,
@@ -655,8 +655,9 @@ MIN_WAIT_S = 1.0
 """A wait shorter than this is not worth another decision: the job starts now."""
 
 
-def _wait_unless_lost(state: CycleState, step_now: float, step_better: float, why: str) -> Status:
-    """UNSCHEDULABLE while the job has waited less than ``steps x (step_now - step_better)``."""
+def wait_unless_lost(state: CycleState, step_now: float, step_better: float, why: str) -> Status:
+    """UNSCHEDULABLE (``wait_s`` = what is left) while the job has waited, since submission, less
+    than ``steps x (step_now - step_better)``: the ski-rental bound both guards use."""
     waited = 0.0 if state.submitted_at is None else max(state.snapshot.now - state.submitted_at, 0.0)
     left = state.job.work.steps * (step_now - step_better) - waited
     if left < MIN_WAIT_S:

@@ -36,9 +36,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from loom.sched.framework import IDLE_PIPELINE_PLAN, Code, CycleState, Decision, Status
+from loom.sched.framework import IDLE_PIPELINE_PLAN, CycleState, Decision, Status
 from loom.sched.pipeline import DEFAULT_MAX_SITES, DEFAULT_USABLE_FRACTION, PipelinePlan
-from loom.sched.plugins.network import MIN_WAIT_S
+from loom.sched.plugins.network import wait_unless_lost
 
 DEFAULT_MAX_SLOWDOWN = 1.5
 """A plan this many times slower per step than the idle platform's best is worth waiting for."""
@@ -77,15 +77,12 @@ class PipelinePatience:
         step_idle = self._idle_step(state, lazy)
         if step_idle is None or step_now <= self.max_slowdown * step_idle:
             return Status()
-        waited = 0.0 if state.submitted_at is None else max(state.snapshot.now - state.submitted_at, 0.0)
-        left = state.job.work.steps * (step_now - step_idle) - waited
-        if left < MIN_WAIT_S:
-            return Status()
-        return Status(
-            Code.UNSCHEDULABLE,
+        return wait_unless_lost(
+            state,
+            step_now,
+            step_idle,
             f"the stages free now take {step_now:.2f} s per step against {step_idle:.2f} s on an idle"
-            f" platform; waiting up to {left:.0f} s more for a better plan",
-            wait_s=left,
+            " platform; waiting for a better plan",
         )
 
     def _idle_step(self, state: CycleState, lazy: Callable[[], PipelinePlan | None]) -> float | None:
