@@ -197,10 +197,15 @@ def test_the_idle_plan_is_computed_once_per_job_while_nothing_it_depends_on_chan
     original = Framework.pipeline_sites
 
     def counting(
-        self: Framework, state: object, *, idle: bool = False, schedulable_only: bool = False
+        self: Framework,
+        state: object,
+        *,
+        idle: bool = False,
+        schedulable_only: bool = False,
+        top: int | None = None,
     ) -> object:
         calls.append(idle)
-        return original(self, state, idle=idle, schedulable_only=schedulable_only)  # type: ignore[arg-type]
+        return original(self, state, idle=idle, schedulable_only=schedulable_only, top=top)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Framework, "pipeline_sites", counting)
     snap = two_sites()
@@ -249,10 +254,15 @@ def test_the_lower_bound_never_exceeds_the_idle_plan_and_spares_planning_when_it
     sites = Framework.pipeline_sites
 
     def counting(
-        self: Framework, state: object, *, idle: bool = False, schedulable_only: bool = False
+        self: Framework,
+        state: object,
+        *,
+        idle: bool = False,
+        schedulable_only: bool = False,
+        top: int | None = None,
     ) -> object:
         calls.append(idle)
-        return sites(self, state, idle=idle, schedulable_only=schedulable_only)  # type: ignore[arg-type]
+        return sites(self, state, idle=idle, schedulable_only=schedulable_only, top=top)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Framework, "pipeline_sites", counting)
     idle = snapshot([node("a0", "ca", model=FAST), node("b0", "cb", model=FAST)], fast_speed=1.0)

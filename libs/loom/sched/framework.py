@@ -20,7 +20,8 @@ import enum
 import itertools
 import math
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
@@ -86,6 +87,11 @@ get on an idle platform (the clusters policy allows, their schedulable nodes), c
 permit calls it."""
 
 
+NodeLookup = Callable[[int, int], tuple[IntArray, IntArray]]
+"""(cluster, model) -> the pair's nodes that pass the filters (absolute indices, ascending) and the
+workers each can take (at least one)."""
+
+
 @dataclass
 class Candidates:
     """The (cluster, model) pairs that passed filtering, as parallel arrays of length K."""
@@ -96,21 +102,15 @@ class Candidates:
     """Workers that fit now."""
     workers: IntArray
     """Workers the job would get there (elastic jobs: up to their maximum)."""
-    passing: IntArray
-    """Absolute indices of the nodes that passed the filters, grouped by candidate."""
-    room: IntArray
-    """Workers each passing node can take."""
-    starts: IntArray
-    """Candidate i's nodes are ``passing[starts[i]:stops[i]]``."""
-    stops: IntArray
+    nodes: NodeLookup = field(repr=False, compare=False)
+    """A pair's passing nodes, looked up only for the pairs a decision packs onto."""
 
     def __len__(self) -> int:
         return int(self.cluster.size)
 
     def nodes_of(self, i: int) -> tuple[IntArray, IntArray]:
         """Candidate ``i``'s passing nodes and the workers each can take."""
-        a, b = int(self.starts[i]), int(self.stops[i])
-        return self.passing[a:b], self.room[a:b]
+        return self.nodes(int(self.cluster[i]), int(self.model[i]))
 
     def take(self, keep: IntArray) -> "Candidates":
         """The candidates at positions ``keep``."""
@@ -119,10 +119,7 @@ class Candidates:
             model=self.model[keep],
             capacity=self.capacity[keep],
             workers=self.workers[keep],
-            passing=self.passing,
-            room=self.room,
-            starts=self.starts[keep],
-            stops=self.stops[keep],
+            nodes=self.nodes,
         )
 
 
@@ -213,8 +210,12 @@ class PreFilterPlugin(Protocol):
 class FilterPlugin(Protocol):
     """Per node, vectorised: which of ``nodes`` (absolute indices, any clusters and models) hold a worker.
 
-    Called once per cycle with every node of every allowed (cluster, model) that has a worker's
-    GPUs free; a plugin that needs a node's cluster or model reads ``snapshot.cluster_of[nodes]``.
+    Called with nodes that are schedulable and have a worker's GPUs free; a plugin that needs a
+    node's cluster or model reads ``snapshot.cluster_of[nodes]``. A plugin whose answer depends only
+    on the nodes' state and on a summary of the job may say so with ``filter_key(state) ->
+    Hashable`` (equal keys: equal answers for equal nodes); the framework then keeps each pool's
+    workers per job shape and recounts only the pools whose nodes changed. Without it, every
+    pool is counted afresh each cycle.
     """
 
     name: str
@@ -534,6 +535,10 @@ class Framework:
         self.weights = {p.name: float(given.get(p.name, 1.0)) for p in self.scorers}
         self.record_top = 16
         """Candidates kept in a decision record (the best ones; the count of all is kept too)."""
+        self._pool_workers: weakref.WeakKeyDictionary[
+            Snapshot, OrderedDict[Hashable, tuple[IntArray, IntArray]]
+        ] = weakref.WeakKeyDictionary()
+        """Per snapshot and job shape: the pool versions counted, and the workers per pool."""
 
     # ---- queue ---------------------------------------------------------------------------------
 
@@ -659,29 +664,47 @@ class Framework:
         return outcome
 
     def pipeline_sites(
-        self, state: CycleState, *, idle: bool = False, schedulable_only: bool = False
+        self,
+        state: CycleState,
+        *,
+        idle: bool = False,
+        schedulable_only: bool = False,
+        top: int | None = None,
     ) -> list[pipeline.Site]:
         """One site per allowed cluster: its pool of most useful capacity; ``idle``: as if nothing ran
         (with ``schedulable_only``, on the nodes that take work now; else on every node).
 
-        Each pool's GPUs come from one pass over the nodes, so only the chosen pool of each cluster
-        becomes a :class:`~loom.sched.pipeline.Site`, listing the nodes that have GPUs to give (a
-        node without any can take no stage); a pool unchanged since its last site reuses that site.
+        ``top``: only the sites the planner would look at, which is all a decision needs: the
+        ``top`` of most :func:`~loom.sched.pipeline.useful_capacity` (ties: cluster order, as
+        :func:`pipeline.plan` ranks them with ``max_sites=top``), and the one of most useful
+        capacity that holds the whole model (the site :func:`pipeline.best_single` would pick).
+        Sites that cannot run a stage (no speed) are left out. At 100,000 nodes this builds nine
+        sites instead of about 660.
+
+        Each pool's GPUs are the snapshot's per-pool sums, so only the chosen pools become
+        :class:`~loom.sched.pipeline.Site`, listing the nodes that have GPUs to give (a node without
+        any can take no stage); a pool unchanged since its last site reuses that site.
         """
         snap = state.snapshot
         c_count, m_count = snap.total_sum.shape
         allowed = state.policy_mask if (idle and state.policy_mask is not None) else state.cluster_mask
         models = state.model_mask[:m_count]
-        if idle:
-            gpus_of = np.where(snap.schedulable, snap.total, 0) if schedulable_only else snap.total
-        else:
-            gpus_of = np.where(snap.schedulable, snap.free, 0)
-        pools = c_count * m_count
-        gpus = np.bincount(snap.pool_of, weights=gpus_of, minlength=pools).astype(np.int64)
-        holding = np.bincount(snap.pool_of, weights=gpus_of != 0, minlength=pools) > 0
-        eligible = (
-            allowed[:, None] & models[None, :] & (snap.total_sum > 0) & holding.reshape(c_count, m_count)
+        mode = (
+            _SiteMode.IDLE_SCHEDULABLE
+            if (idle and schedulable_only)
+            else _SiteMode.IDLE
+            if idle
+            else _SiteMode.FREE
         )
+        if mode is _SiteMode.FREE:
+            gpus = snap.free_sum
+        elif mode is _SiteMode.IDLE:
+            gpus = snap.total_sum
+        else:
+            up = np.where(snap.schedulable, snap.total, 0)
+            gpus = np.bincount(snap.pool_of, weights=up, minlength=c_count * m_count)
+            gpus = gpus.astype(np.int64).reshape(c_count, m_count)
+        eligible = allowed[:, None] & models[None, :] & (snap.total_sum > 0) & (gpus > 0)
         if not eligible.any():
             return []
         speed = snap.speeds(state.job.task_type)[None, :] * snap.trust[:, None]
@@ -689,10 +712,11 @@ class Framework:
         usable = np.isfinite(speed) & (speed >= 0) & np.array([math.isfinite(g) and g > 0 for g in memory])
         for c, m in np.argwhere(eligible & ~usable)[:1].tolist():
             # Bad figures (a negative speed, no GPU memory): the site refuses them with PipelineError.
-            _site(snap, c, m, gpus_of, speed_per_gpu=float(speed[c, m]), memory_gib=memory[m])
+            _site(snap, c, m, mode, speed_per_gpu=float(speed[c, m]), memory_gib=memory[m])
         # Per cluster, the first model of most useful capacity (pipeline.useful_capacity): speed x
         # the free GPUs the whole model would need there, never more (argmax keeps the first of equals).
-        free = gpus.reshape(c_count, m_count)
+        free = gpus
+        needs: IntArray | None = None
         if state.job.pipeline is not None:
             model_gib = math.fsum(layer.memory_gib for layer in state.job.pipeline.layers)
             needs = np.array(
@@ -702,24 +726,30 @@ class Framework:
             free = np.minimum(free, needs[None, :])
         useful = speed * free
         best = np.argmax(np.where(eligible, useful, -np.inf), axis=1)
+        clusters = np.flatnonzero(eligible.any(axis=1))
+        if top is not None and needs is not None:
+            chosen = best[clusters]
+            clusters = clusters[speed[clusters, chosen] > 0]
+            chosen = best[clusters]
+            rank = np.lexsort((clusters, -useful[clusters, chosen]))
+            keep = set(clusters[rank[:top]].tolist())
+            whole = rank[gpus[clusters, chosen][rank] >= needs[chosen][rank]]
+            if whole.size:
+                keep.add(int(clusters[whole[0]]))
+            clusters = np.array(sorted(keep), dtype=np.int64)
         cache = _SITES.setdefault(snap, {})
-        sites = []
-        for c in np.flatnonzero(eligible.any(axis=1)).tolist():
-            m = int(best[c])
-            speed_per_gpu, memory_gib = float(speed[c, m]), memory[m]
-            sites.append(
-                _site(
-                    snap,
-                    c,
-                    m,
-                    gpus_of,
-                    speed_per_gpu=speed_per_gpu,
-                    memory_gib=memory_gib,
-                    cache=cache,
-                    idle=idle,
-                )
+        return [
+            _site(
+                snap,
+                c,
+                int(best[c]),
+                mode,
+                speed_per_gpu=float(speed[c, best[c]]),
+                memory_gib=memory[int(best[c])],
+                cache=cache,
             )
-        return sites
+            for c in clusters.tolist()
+        ]
 
     def schedule_pipeline(self, state: CycleState, record: DecisionRecord, *, apply: bool) -> Outcome:
         """A model declared as layers: contiguous stages over clusters, the slowest stage fastest."""
@@ -732,10 +762,11 @@ class Framework:
         def net(src: str, dst: str) -> tuple[float, float]:
             return snap.net.link(src, dst)
 
-        sites = self.pipeline_sites(state)
-        plan = pipeline.plan(layers, sites, net, max_stages=max_stages) if sites else None
+        top = pipeline.DEFAULT_MAX_SITES
+        sites = self.pipeline_sites(state, top=top)
+        plan = pipeline.plan(layers, sites, net, max_stages=max_stages, max_sites=top) if sites else None
         if plan is None:
-            idle = self.pipeline_sites(state, idle=True)
+            idle = self.pipeline_sites(state, idle=True, top=top)
             if idle and pipeline.plan(layers, idle, net, max_stages=max_stages) is not None:
                 reason = pipeline.infeasible_reason(layers, sites, net, max_stages=max_stages) or "no room"
                 return self._fail(
@@ -747,8 +778,8 @@ class Framework:
             return self._fail(record, Status(Code.UNRESOLVABLE, why, "pipeline"))
 
         def idle_plan() -> pipeline.PipelinePlan | None:
-            idle = self.pipeline_sites(state, idle=True, schedulable_only=True)
-            return pipeline.plan(layers, idle, net, max_stages=max_stages) if idle else None
+            idle = self.pipeline_sites(state, idle=True, schedulable_only=True, top=top)
+            return pipeline.plan(layers, idle, net, max_stages=max_stages, max_sites=top) if idle else None
 
         state.write(IDLE_PIPELINE_PLAN, idle_plan)
         single = pipeline.best_single(layers, sites)
@@ -868,42 +899,16 @@ class Framework:
     def find_candidates(self, state: CycleState, *, min_capacity: int | None = None) -> Candidates:
         """Per (cluster, model) still allowed: filter its nodes and count the workers that fit.
 
-        One vectorised pass over the nodes: each pair's nodes are one slice of the snapshot, so the
-        allowed pairs' flags stretch over their nodes without a lookup, and the nodes that pass come
-        out grouped by pair, in pair order. Filters run once; workers per node and per pair come
-        from numpy.
+        The workers each pool holds come from :meth:`pool_workers` (per job shape, recomputed only
+        for the pools that changed); a pair's nodes are looked up only when a decision packs onto it.
         """
         snap = state.snapshot
-        job = state.job
         g = state.per_worker
-        cpu, mem = job.resources.cpu_milli, job.resources.memory_mib
         need = max(min_capacity if min_capacity is not None else state.min_workers, 1)
         m_count = snap.free_sum.shape[1]
         pair_ok = state.cluster_mask[:, None] & state.model_mask[None, :m_count] & (snap.max_free >= g)
         looked = np.flatnonzero(pair_ok.ravel())
-        in_pair = np.repeat(pair_ok.ravel(), np.diff(snap.pool_bounds))
-        idx = np.flatnonzero(in_pair & snap.schedulable & (snap.free >= g))
-        if idx.size:
-            mask = np.ones(idx.size, dtype=np.bool_)
-            for plugin in self.filters:
-                if plugin.name not in state.skipped:
-                    mask &= plugin.filter(state, idx)
-            if not mask.all():
-                idx = idx[mask]
-        # Passing nodes in one run (often every node) are read as a slice, not gathered.
-        at: IntArray | slice = idx
-        if idx.size and int(idx[-1]) - int(idx[0]) + 1 == idx.size:
-            at = slice(int(idx[0]), int(idx[-1]) + 1)
-        per_node = snap.free[at] // g
-        if cpu:
-            per_node = np.where(snap.cpu_known[at], np.minimum(per_node, snap.cpu_free[at] // cpu), per_node)
-        if mem:
-            per_node = np.where(snap.mem_known[at], np.minimum(per_node, snap.mem_free[at] // mem), per_node)
-        pair = snap.pool_of[at]
-        # The nodes come grouped by pair, in pair order: each pair's workers are a difference of sums.
-        running = np.concatenate(([0], np.cumsum(per_node)))
-        first, last = np.searchsorted(pair, looked, "left"), np.searchsorted(pair, looked, "right")
-        cap_looked = running[last] - running[first]
+        cap_looked = self.pool_workers(state)[looked]
         fits = cap_looked >= need
         ok_pairs = looked[fits]
         short = np.flatnonzero(~fits)
@@ -914,22 +919,97 @@ class Framework:
                 cid = snap.clusters[c].id
                 if cid not in state.pruned:
                     state.pruned[cid] = _filter_reason(snap.models[m], int(cap_looked[k]), need, what)
-        starts, stops = first[fits], last[fits]
-        keep = per_node > 0
-        if not keep.all():  # the filters usually leave only nodes with room for a worker
-            idx, per_node, pair = idx[keep], per_node[keep], pair[keep]
-            starts, stops = np.searchsorted(pair, ok_pairs, "left"), np.searchsorted(pair, ok_pairs, "right")
         cap = cap_looked[fits]
+
+        def nodes(c: int, m: int) -> tuple[IntArray, IntArray]:
+            pool = snap.pool(c, m)
+            room = self._node_workers(state, pool)
+            keep = np.flatnonzero(room)
+            return keep + pool.start, room[keep]
+
         return Candidates(
             cluster=ok_pairs // m_count,
             model=ok_pairs % m_count,
             capacity=cap,
             workers=np.minimum(cap, state.target_workers),
-            passing=idx,
-            room=per_node,
-            starts=starts,
-            stops=stops,
+            nodes=nodes,
         )
+
+    def pool_workers(self, state: CycleState) -> IntArray:
+        """Workers of the job's shape each (cluster, model) pool holds now, indexed by pool.
+
+        Kept per snapshot and job shape (GPUs per worker, and what each filter reads of the job:
+        :meth:`_shape`), with the snapshot's pool versions at the time: a later job of the same shape
+        recomputes only the pools whose nodes changed since. A filter without ``filter_key`` is
+        not known to depend only on the shape, so the pools are then counted afresh every time.
+        """
+        snap = state.snapshot
+        shape = self._shape(state)
+        if shape is None:
+            return _sum_by_pool(snap, self._node_workers(state, slice(0, snap.free.size)))
+        held = self._pool_workers.setdefault(snap, OrderedDict())
+        found = held.get(shape)
+        if found is None or found[0].size != snap.pool_version.size:
+            workers = _sum_by_pool(snap, self._node_workers(state, slice(0, snap.free.size)))
+            found = (snap.pool_version.copy(), workers)
+        else:
+            held.move_to_end(shape)
+            versions, workers = found
+            stale = np.flatnonzero(versions != snap.pool_version)
+            if stale.size:
+                lo, hi = snap.pool_bounds[stale], snap.pool_bounds[stale + 1]
+                sizes = hi - lo
+                # every stale pool's nodes in one index array, then one sum per pool
+                nodes = np.repeat(lo - np.cumsum(sizes) + sizes, sizes) + np.arange(int(sizes.sum()))
+                per = self._node_workers(state, nodes)
+                workers[stale] = np.bincount(np.repeat(np.arange(stale.size), sizes), per, stale.size)
+                versions[stale] = snap.pool_version[stale]
+        held[shape] = found
+        while len(held) > _SHAPES_KEPT:
+            held.popitem(last=False)
+        return found[1]
+
+    def _shape(self, state: CycleState) -> Hashable | None:
+        """What the workers per node depend on besides the nodes: GPUs, CPU and memory per worker
+        and every active filter's ``filter_key``; None when a filter has none."""
+        res = state.job.resources
+        parts: list[Hashable] = [state.per_worker, res.cpu_milli, res.memory_mib]
+        for plugin in self.filters:
+            if plugin.name in state.skipped:
+                continue
+            key_of = getattr(plugin, "filter_key", None)
+            key = key_of(state) if key_of is not None else None
+            if key is None:
+                return None
+            parts.append((plugin.name, key))
+        return tuple(parts)
+
+    def _node_workers(self, state: CycleState, nodes: "IntArray | slice") -> IntArray:
+        """Workers each of ``nodes`` can take: 0 unless it is schedulable, has a worker's GPUs free
+        and passes every filter; else its free GPUs, CPU and memory over a worker's."""
+        snap = state.snapshot
+        g = state.per_worker
+        cpu, mem = state.job.resources.cpu_milli, state.job.resources.memory_mib
+        free = snap.free[nodes]
+        per_node = free // g
+        if cpu:
+            per_node = np.where(
+                snap.cpu_known[nodes], np.minimum(per_node, snap.cpu_free[nodes] // cpu), per_node
+            )
+        if mem:
+            per_node = np.where(
+                snap.mem_known[nodes], np.minimum(per_node, snap.mem_free[nodes] // mem), per_node
+            )
+        ok = snap.schedulable[nodes] & (free >= g)
+        candidates = np.flatnonzero(ok)
+        if candidates.size:
+            index = candidates + nodes.start if isinstance(nodes, slice) else nodes[candidates]
+            mask = np.ones(candidates.size, dtype=np.bool_)
+            for plugin in self.filters:
+                if plugin.name not in state.skipped:
+                    mask &= plugin.filter(state, index)
+            ok[candidates[~mask]] = False
+        return np.where(ok, per_node, 0)
 
     def _filter_needs(self, state: CycleState) -> str:
         """What the filters ask of a node for this job, in words (the same for every pair)."""
@@ -1178,29 +1258,53 @@ def _named(status: Status, name: str) -> Status:
     return status if status.plugin else Status(status.code, status.reason, name, status.wait_s)
 
 
-_SiteCache = dict[tuple[bool, int, int], tuple[IntArray, pipeline.Site]]
+_SHAPES_KEPT = 64
+"""Job shapes whose workers per pool are kept per snapshot (the least recently used goes first)."""
+
+
+def _sum_by_pool(snap: Snapshot, per_node: IntArray) -> IntArray:
+    """Per pool, the sum of a figure given for every node."""
+    pools = snap.pool_version.size
+    return np.bincount(snap.pool_of, weights=per_node, minlength=pools).astype(np.int64)
+
+
+class _SiteMode(enum.Enum):
+    """Which GPUs a pipeline site lists: free now, or as if idle (all, or on schedulable nodes)."""
+
+    FREE = "free"
+    IDLE = "idle"
+    IDLE_SCHEDULABLE = "idle_schedulable"
+
+
+_SiteCache = dict[tuple[_SiteMode, int, int], tuple[IntArray, pipeline.Site]]
 
 _SITES: "weakref.WeakKeyDictionary[Snapshot, _SiteCache]" = weakref.WeakKeyDictionary()
-"""Per snapshot, the last site built of each pool (as if idle or not) and the GPUs it lists: pipeline
-jobs come one after another while most pools stay as they were, and a site holds every node of its
-pool with GPUs, so one equal to the last is not built again."""
+"""Per snapshot, the last site built of each pool (per :class:`_SiteMode`) and the GPUs it lists:
+pipeline jobs come one after another while most pools stay as they were, and a site holds every node
+of its pool with GPUs, so one equal to the last is not built again."""
 
 
 def _site(
     snap: Snapshot,
     c: int,
     m: int,
-    gpus_of: IntArray,
+    mode: _SiteMode,
     *,
     speed_per_gpu: float,
     memory_gib: float,
     cache: _SiteCache | None = None,
-    idle: bool = False,
 ) -> pipeline.Site:
-    """Pool (c, m) as a pipeline site: its nodes that have GPUs to give (``gpus_of``)."""
+    """Pool (c, m) as a pipeline site: its nodes that have GPUs to give in ``mode``."""
     pool = snap.pool(c, m)
-    gpus = gpus_of[pool]
-    held = cache.get((idle, c, m)) if cache is not None else None
+    if mode is _SiteMode.IDLE:
+        gpus = snap.total[pool]
+    else:
+        gpus = np.where(
+            snap.schedulable[pool],
+            snap.total[pool] if mode is _SiteMode.IDLE_SCHEDULABLE else snap.free[pool],
+            0,
+        )
+    held = cache.get((mode, c, m)) if cache is not None else None
     if (
         held is not None
         and held[1].speed_per_gpu == speed_per_gpu
@@ -1220,7 +1324,7 @@ def _site(
         ),
     )
     if cache is not None:
-        cache[(idle, c, m)] = (gpus.copy(), site)
+        cache[(mode, c, m)] = (gpus.copy(), site)
     return site
 
 

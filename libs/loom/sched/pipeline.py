@@ -40,7 +40,8 @@ sites; 0.1-1 s for 128 layers (or more, in blocks) on 12 sites.
 
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -326,8 +327,23 @@ def _units(activation_mb: _F64, max_layers: int) -> _I64:
     return np.array([0, *cuts, n], dtype=np.int64)
 
 
+def _links(net: Network, sites: Sequence[Site]) -> dict[tuple[str, str], tuple[float, float]]:
+    """The measured link of every ordered pair of distinct sites' regions (each asked once)."""
+    links: dict[tuple[str, str], tuple[float, float]] = {}
+    for src in sites:
+        for dst in sites:
+            pair = (src.region, dst.region)
+            if src is not dst and pair not in links:
+                links[pair] = _link(net, *pair)
+    return links
+
+
 def _problem(
-    layers: Sequence[Layer], sites: tuple[Site, ...], net: Network, usable_fraction: float, max_layers: int
+    layers: Sequence[Layer],
+    sites: tuple[Site, ...],
+    links: Mapping[tuple[str, str], tuple[float, float]],
+    usable_fraction: float,
+    max_layers: int,
 ) -> _Problem:
     activation = np.array([layer.activation_mb for layer in layers], dtype=np.float64)
     bounds = _units(activation, max_layers)
@@ -347,15 +363,11 @@ def _problem(
         compute[k] = np.where(fits, stage_compute / (need * site.speed_per_gpu), np.inf)
     sent_mb = activation[bounds[1:-1] - 1]  # what each unit but the last sends to the next
     transfer = np.full((len(sites), len(sites), n - 1), np.inf)
-    links: dict[tuple[str, str], tuple[float, float]] = {}
     for a, src in enumerate(sites):
         for b, dst in enumerate(sites):
             if a == b:
                 continue
-            pair = (src.region, dst.region)
-            if pair not in links:
-                links[pair] = _link(net, *pair)
-            rtt_ms, bandwidth_gbps = links[pair]
+            rtt_ms, bandwidth_gbps = links[(src.region, dst.region)]
             if bandwidth_gbps > 0:
                 transfer[a, b] = sent_mb * 8 / (1000 * bandwidth_gbps) + rtt_ms / 1000
     return _Problem(
@@ -662,27 +674,6 @@ def _stage(site: Site, first: int, last: int, *, gpus: int, compute_s: float, tr
     )
 
 
-def _assemble(prob: _Problem, cuts: Sequence[tuple[int, int, int]]) -> PipelinePlan:
-    """The plan of (site, first unit, last unit) stages, in layers."""
-    stages: list[StagePlan] = []
-    for k, (t, first, last) in enumerate(cuts):
-        site = prob.sites[t]
-        memory_gib = float(prob.memory_prefix[last + 1] - prob.memory_prefix[first])
-        hop = float(prob.transfer[t, cuts[k + 1][0], last]) if k + 1 < len(cuts) else 0.0
-        stages.append(
-            _stage(
-                site,
-                int(prob.bounds[first]),
-                int(prob.bounds[last + 1]) - 1,
-                gpus=stage_gpus(memory_gib, site.gpu_memory_gib, prob.usable_fraction),
-                compute_s=float(prob.compute[t, first, last]),
-                transfer_s=hop,
-            )
-        )
-    bottleneck_s = max(max(s.compute_s, s.transfer_s) for s in stages)
-    return PipelinePlan(stages=tuple(stages), bottleneck_s=bottleneck_s, step_s=bottleneck_s)
-
-
 # -- the public entry points ------------------------------------------------------------------------
 
 
@@ -713,16 +704,123 @@ def plan(
             f"need max_stages >= 1, 1 <= max_sites <= {MAX_SITES_LIMIT} and max_layers >= 2;"
             f" got {max_stages}, {max_sites} and {max_layers}"
         )
-    considered = _considered(sites, max_sites, _model_memory_gib(layers), usable_fraction)
+    memory_gib = _model_memory_gib(layers)
+    considered = _considered(sites, max_sites, memory_gib, usable_fraction)
     if not considered:
         return None
-    prob = _problem(layers, considered, net, usable_fraction, max_layers)
+    links = _links(net, considered)
+    key = _memo_key(
+        layers,
+        considered,
+        links,
+        memory_gib=memory_gib,
+        max_stages=max_stages,
+        usable_fraction=usable_fraction,
+        max_layers=max_layers,
+    )
+    if key in _PLANS:
+        _PLANS.move_to_end(key)
+        stages = _PLANS[key]
+    else:
+        stages = _search(
+            layers,
+            considered,
+            links,
+            max_stages=max_stages,
+            usable_fraction=usable_fraction,
+            max_layers=max_layers,
+        )
+        _PLANS[key] = stages
+        while len(_PLANS) > PLAN_MEMO_SIZE:
+            _PLANS.popitem(last=False)
+    if stages is None:
+        return None
+    built = [
+        _stage(considered[k], first, last, gpus=gpus, compute_s=compute_s, transfer_s=hop)
+        for k, first, last, gpus, compute_s, hop in stages
+    ]
+    bottleneck_s = max(max(s.compute_s, s.transfer_s) for s in built)
+    return PipelinePlan(stages=tuple(built), bottleneck_s=bottleneck_s, step_s=bottleneck_s)
+
+
+_Stages = tuple[tuple[int, int, int, int, float, float], ...]
+"""A plan by site position: (site, first layer, last layer, GPUs, compute_s, transfer_s) per stage."""
+
+PLAN_MEMO_SIZE = 1024
+"""Searches remembered by :func:`plan` (the least recently used goes first)."""
+
+_PLANS: "OrderedDict[Hashable, _Stages | None]" = OrderedDict()
+"""Search results by everything the search reads (:func:`_memo_key`)."""
+
+
+def _memo_key(
+    layers: Sequence[Layer],
+    considered: tuple[Site, ...],
+    links: Mapping[tuple[str, str], tuple[float, float]],
+    *,
+    memory_gib: float,
+    max_stages: int,
+    usable_fraction: float,
+    max_layers: int,
+) -> Hashable:
+    """Everything the search reads, so equal keys give the same plan by site position.
+
+    A site enters as its region, speed and GPU memory, and its free GPUs only up to what the whole
+    model needs there: no stage takes more (a stage's GPUs grow with its memory), so GPUs beyond
+    that change neither which stages fit nor the search's lower bound's answer. The sites' names
+    do not enter: their order (by key) is the order of ties in both searches alike. On a platform of
+    replicated clusters, many decisions share a key: the search runs once for them.
+    """
+    return (
+        tuple((layer.compute_s, layer.memory_gib, layer.activation_mb) for layer in layers),
+        tuple(
+            (
+                s.region,
+                s.speed_per_gpu,
+                s.gpu_memory_gib,
+                min(s.stage_gpu_cap, stage_gpus(memory_gib, s.gpu_memory_gib, usable_fraction)),
+            )
+            for s in considered
+        ),
+        tuple(sorted(links.items())),
+        max_stages,
+        usable_fraction,
+        max_layers,
+    )
+
+
+def _search(
+    layers: Sequence[Layer],
+    considered: tuple[Site, ...],
+    links: Mapping[tuple[str, str], tuple[float, float]],
+    *,
+    max_stages: int,
+    usable_fraction: float,
+    max_layers: int,
+) -> _Stages | None:
+    """The exact search over the considered sites: the best plan's stages by site position."""
+    prob = _problem(layers, considered, links, usable_fraction, max_layers)
     limit = min(max_stages, len(considered), prob.n)
     found = _min_bottleneck(prob, limit)
     if found is None:
         return None
     best, stages = found
-    return _assemble(prob, _cheapest(prob, best * (1 + _TIE_RTOL), stages))
+    cuts = _cheapest(prob, best * (1 + _TIE_RTOL), stages)
+    out = []
+    for k, (t, first, last) in enumerate(cuts):
+        site = prob.sites[t]
+        memory = float(prob.memory_prefix[last + 1] - prob.memory_prefix[first])
+        out.append(
+            (
+                t,
+                int(prob.bounds[first]),
+                int(prob.bounds[last + 1]) - 1,
+                stage_gpus(memory, site.gpu_memory_gib, prob.usable_fraction),
+                float(prob.compute[t, first, last]),
+                float(prob.transfer[t, cuts[k + 1][0], last]) if k + 1 < len(cuts) else 0.0,
+            )
+        )
+    return tuple(out)
 
 
 def best_single(

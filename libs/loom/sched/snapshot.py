@@ -260,6 +260,10 @@ class Snapshot:
         """Per node, its (cluster, model) pool: ``cluster x models + model``, never decreasing."""
         self.pool_bounds: IntArray = np.searchsorted(self.pool_of, np.arange(c_count * m_count + 1))
         """Pool ``p``'s nodes are ``pool_bounds[p]:pool_bounds[p + 1]``."""
+        self.pool_version: IntArray = np.zeros(c_count * m_count, np.int64)
+        """Per pool, how many times its nodes' free resources or schedulability changed: caches of
+        per-pool figures (the framework's workers per job shape) recompute only the pools that moved.
+        Change nodes only through :meth:`take`, :meth:`give_back` and :meth:`set_schedulable`."""
         self.free_sum = np.zeros((c_count, m_count), np.int64)
         self.total_sum = np.zeros((c_count, m_count), np.int64)
         self.max_free = np.zeros((c_count, m_count), np.int64)
@@ -338,7 +342,20 @@ class Snapshot:
                 self.mem_free[i] = max(self.mem_free[i] + sign * mem * workers, 0)
             touched.add((int(self.cluster_of[i]), int(self.model_of[i])))
         for c, m in touched:
-            pool = self.pool(c, m)
-            usable = np.where(self.schedulable[pool], self.free[pool], 0)
-            self.free_sum[c, m] = int(usable.sum())
-            self.max_free[c, m] = int(usable.max()) if usable.size else 0
+            self._refresh(c, m)
+
+    def set_schedulable(self, cluster: int, schedulable: BoolArray | bool) -> None:
+        """Whether each node of cluster index ``cluster`` takes work (one flag for all, or one per
+        node in node order); its pools' aggregates follow."""
+        start, stop = self.slices[cluster]
+        self.schedulable[start:stop] = schedulable
+        for m in range(self.free_sum.shape[1]):
+            self._refresh(cluster, m)
+
+    def _refresh(self, c: int, m: int) -> None:
+        """Pool (c, m)'s free GPUs on schedulable nodes and its largest, after its nodes changed."""
+        pool = self.pool(c, m)
+        usable = np.where(self.schedulable[pool], self.free[pool], 0)
+        self.free_sum[c, m] = int(usable.sum())
+        self.max_free[c, m] = int(usable.max()) if usable.size else 0
+        self.pool_version[c * self.free_sum.shape[1] + m] += 1

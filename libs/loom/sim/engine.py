@@ -1256,17 +1256,14 @@ class _Simulation:
             return
         start, stop = snap.slices[c]
         if up:
-            snap.schedulable[start:stop] = self.schedulable0[start:stop]
+            snap.set_schedulable(c, self.schedulable0[start:stop])
         else:
             for job_id in sorted(self.by_cluster.get(cluster, set())):
                 self._stop(job_id, given_back=False)
-            snap.schedulable[start:stop] = False
+            snap.set_schedulable(c, False)
         for m in range(len(snap.models)):
-            idx, _ = snap.node_slice(c, m)
-            usable = np.where(snap.schedulable[idx], snap.free[idx], 0)
-            snap.free_sum[c, m] = int(usable.sum())
-            snap.max_free[c, m] = int(usable.max()) if usable.size else 0
-            if up and usable.size:
+            pool = snap.pool(c, m)
+            if up and pool.stop > pool.start:
                 self.dirty.add((c, m))
         self._touch([(c, m) for m in range(len(snap.models))])
 

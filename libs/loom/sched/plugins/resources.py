@@ -65,6 +65,12 @@ class ResourceFit:
             mask &= ~snap.mem_known[nodes] | (snap.mem_free[nodes] >= res.memory_mib)
         return mask
 
+    def filter_key(self, state: CycleState) -> tuple[int, int]:
+        """All the filter reads of the job: a worker's CPU and memory (the framework keeps
+        workers per pool for each such shape)."""
+        res = state.job.resources
+        return (res.cpu_milli, res.memory_mib)
+
     def describe(self, state: CycleState) -> str:
         res = state.job.resources
         parts = [f"{res.gpus} GPU(s)"]
