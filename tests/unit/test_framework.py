@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loom.model.topology import load_topology
+from loom.sched import pipeline
 from loom.sched.explain import render
 from loom.sched.firstfit import NodeCapacity
 from loom.sched.framework import (
@@ -35,7 +36,7 @@ from loom.sched.plugins.resources import ResourceFit
 from loom.sched.profile import build_framework
 from loom.sched.quota import QuotaBook, TenantConfig, TenantQuota
 from loom.sched.snapshot import FloatArray, NetMatrix, RunningJob, Snapshot
-from loom_proto.jobs import JobSpec, Resources, Work
+from loom_proto.jobs import JobSpec, Layer, Pipeline, Resources, Work
 
 
 def node(
@@ -609,3 +610,156 @@ def test_pipeline_sites_list_the_free_gpus_of_each_clusters_best_pool_as_they_ch
     assert sites()[0] == ("ca", "T4", (("a1", 4),))
     snap.give_back([("a0", 8)])
     assert sites()[0] == ("ca", "A100", (("a0", 8),))
+
+
+class Everywhere:
+    """A filter that says nothing of its inputs (no ``filter_key``): it refuses nodes named ``*x``."""
+
+    name = "no_x"
+
+    def filter(self, state: CycleState, nodes: np.ndarray) -> np.ndarray:
+        return np.array([not state.snapshot.node_ids[i].endswith("x") for i in nodes.tolist()], dtype=bool)
+
+    def describe(self, state: CycleState) -> str:
+        return "not an x node"
+
+
+def counted(framework: Framework, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many nodes each of the framework's per-node counts looked at."""
+    sizes: list[int] = []
+    original = Framework._node_workers
+
+    def counting(self: Framework, state: CycleState, nodes: "np.ndarray | slice") -> np.ndarray:
+        out = original(self, state, nodes)
+        sizes.append(int(out.size))
+        return out
+
+    monkeypatch.setattr(Framework, "_node_workers", counting)
+    return sizes
+
+
+def capacities(framework: Framework, spec: JobSpec, snap: Snapshot) -> dict[str, int]:
+    found = framework.find_candidates(framework.new_state(spec, snap))
+    return {
+        f"{snap.clusters[int(c)].id}/{snap.models[int(m)]}": int(cap)
+        for c, m, cap in zip(found.cluster, found.model, found.capacity, strict=True)
+    }
+
+
+def test_workers_per_pool_are_recounted_only_for_pools_whose_nodes_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    nodes = [
+        node(f"{c}{i}", c, "r1", model=m)
+        for c in ("ca", "cb", "cc")
+        for i, m in enumerate(("A100", "T4") * 2)
+    ]
+    snap = Snapshot(nodes)
+    framework = Framework([ResourceFit(), ScuFit()])
+    sizes = counted(framework, monkeypatch)
+    spec = job("j", gpus=2)
+    full = {f"{c}/{m}": 8 for c in ("ca", "cb", "cc") for m in ("A100", "T4")}
+    assert capacities(framework, spec, snap) == full
+    assert sizes == [12]  # the first count looks at every node
+    assert capacities(framework, spec, snap) == full
+    assert sizes == [12]  # nothing changed: nothing recounted
+    snap.take([("ca0", 6)])  # ca's A100 pool changes (ca0 and ca2)
+    assert capacities(framework, spec, snap) == {**full, "ca/A100": 5}
+    assert sizes == [12, 2]
+    snap.set_schedulable(snap.cluster_index["cb"], False)  # both of cb's pools go
+    assert capacities(framework, spec, snap) == {
+        k: v for k, v in {**full, "ca/A100": 5}.items() if "cb" not in k
+    }
+    assert sizes == [12, 2, 4]
+    assert snap.free_sum[snap.cluster_index["cb"]].tolist() == [0, 0]
+    snap.set_schedulable(snap.cluster_index["cb"], True)
+    snap.give_back([("ca0", 6)])
+    assert capacities(framework, spec, snap) == full
+    assert sizes == [12, 2, 4, 6]
+    # another shape (CPU per worker) is counted on its own
+    heavy = job("h", gpus=2, resources={"cpu_milli": 32_000})
+    assert capacities(framework, heavy, snap) == dict.fromkeys(full, 4)
+    assert sizes[-1] == 12
+
+
+def test_without_filter_keys_every_pool_is_counted_each_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    nodes = [node("a0", "ca", "r1"), node("a1x", "ca", "r1"), node("b0", "cb", "r1")]
+    snap = Snapshot(nodes)
+    framework = Framework([ResourceFit(), Everywhere(), ScuFit()])
+    sizes = counted(framework, monkeypatch)
+    spec = job("j", gpus=8)
+    assert capacities(framework, spec, snap) == {"ca/A100": 1, "cb/A100": 1}
+    assert capacities(framework, spec, snap) == {"ca/A100": 1, "cb/A100": 1}
+    assert sizes == [3, 3]
+    decision = framework.schedule(spec, snap).decision
+    assert decision is not None and decision.parts[0].allocations == (("a0", 8),)  # never the x node
+
+
+def test_set_schedulable_keeps_the_pool_figures_true() -> None:
+    snap = Snapshot([node("a0", "ca", "r1"), node("a1", "ca", "r1", model="T4", gpus=4, reserved=1)])
+    c = snap.cluster_index["ca"]
+    before = snap.pool_version.copy()
+    snap.set_schedulable(c, np.array([True, False]))
+    assert snap.free_sum[c].tolist() == [8, 0] and snap.max_free[c].tolist() == [8, 0]
+    assert (snap.pool_version > before).all()
+    snap.set_schedulable(c, True)
+    assert snap.free_sum[c].tolist() == [8, 3] and snap.max_free[c].tolist() == [8, 3]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["A100", "T4", "V100"]),
+            st.sampled_from([1, 2, 4, 8]),
+            st.integers(0, 8),
+            st.sampled_from(["r1", "r2", "r3"]),
+        ),
+        min_size=1,
+        max_size=24,
+    ),
+    st.sampled_from([4.0, 30.0, 90.0, 400.0]),
+    st.integers(1, 4),
+)
+def test_a_decision_builds_only_the_sites_the_planner_would_consider(
+    drawn: list[tuple[str, int, int, str]], layer_gib: float, top: int
+) -> None:
+    nodes = [
+        node(f"n{i}", f"c{i % 14:02d}", region, model=model, gpus=gpus, reserved=min(reserved, gpus))
+        for i, (model, gpus, reserved, region) in enumerate(drawn)
+    ]
+    speed = {(m, "training_compute"): v for m, v in (("A100", 3.0), ("V100", 2.0), ("T4", 0.5))}
+    memory = {"A100": 80.0, "V100": 32.0, "T4": 16.0}
+    net = NetMatrix(["r1", "r2", "r3"])
+    for a, b in itertools.permutations(["r1", "r2", "r3"], 2):
+        net.set_link(a, b, rtt_ms=30.0, bandwidth_gbps=5.0)
+    snap = Snapshot(nodes, net=net, speed=speed, gpu_memory_gib=memory)
+    layers = [Layer(compute_s=1.0, memory_gib=layer_gib, activation_mb=50.0) for _ in range(4)]
+    spec = job("p", task_type="training_compute", pipeline=Pipeline(layers=layers, max_stages=4))
+    framework = build_framework()
+    for idle in (False, True):
+        state = framework.new_state(spec, snap)
+        every = framework.pipeline_sites(state, idle=idle)
+        some = framework.pipeline_sites(state, idle=idle, top=top)
+        assert len(some) <= min(top + 1, len(every))
+        assert {s.key for s in some} <= {s.key for s in every}
+        assert pipeline.plan(layers, some, net.link, max_sites=top) == pipeline.plan(
+            layers, every, net.link, max_sites=top
+        )
+        assert pipeline.best_single(layers, some) == pipeline.best_single(layers, every)
+
+
+def test_the_fastest_site_that_holds_the_whole_model_is_built_even_when_others_rank_higher() -> None:
+    # 120 GiB: 5 V100s (32 GiB) or 9 T4s (16 GiB). Four free V100s (useful 2.0 x 4) outrank sixteen
+    # T4s (0.5 x 9) but cannot hold the model alone; the T4s can.
+    nodes = [node("v0", "cv", "r1", model="V100", reserved=4), node("t0", "ct", "r1", model="T4")]
+    nodes.append(node("t1", "ct", "r1", model="T4"))
+    speed = {("V100", "training_compute"): 2.0, ("T4", "training_compute"): 0.5}
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, gpu_memory_gib={"V100": 32.0, "T4": 16.0})
+    layers = [Layer(compute_s=1.0, memory_gib=30.0, activation_mb=50.0) for _ in range(4)]
+    spec = job("p", task_type="training_compute", pipeline=Pipeline(layers=layers, max_stages=4))
+    framework = build_framework()
+    some = framework.pipeline_sites(framework.new_state(spec, snap), top=1)
+    assert [s.cluster for s in some] == ["ct", "cv"]
+    single = pipeline.best_single(layers, some)
+    assert single is not None and single.stages[0].site.cluster == "ct" and single.stages[0].gpus == 9

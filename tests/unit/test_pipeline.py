@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loom.sched import pipeline
 from loom.sched.pipeline import (
     PipelineError,
     PipelinePlan,
@@ -444,6 +445,68 @@ def test_the_plan_matches_brute_force(
     if blocked is not None:
         assert_valid(blocked, model, max_stages)
         assert blocked.bottleneck_s >= result.bottleneck_s * (1 - 1e-9)
+
+
+def twin(s: Site, extra: int) -> Site:
+    """The same site under another name (same key order), on other nodes, ``extra`` more GPUs free."""
+    return Site(
+        cluster=f"twin-{s.cluster}",
+        region=s.region,
+        gpu_model=s.gpu_model,
+        speed_per_gpu=s.speed_per_gpu,
+        gpu_memory_gib=s.gpu_memory_gib,
+        free_gpus=(*tuple((f"twin-{node}", free) for node, free in s.free_gpus), ("twin-spare", extra)),
+        max_gpus_per_stage=s.max_gpus_per_stage,
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(instances(max_sites=4), st.integers(0, 64))
+def test_a_remembered_search_gives_what_a_fresh_one_would(
+    case: tuple[list[Layer], list[Site], dict[tuple[str, str], tuple[float, float]], int], extra: int
+) -> None:
+    model, sites, net, max_stages = case
+    plan(model, sites, net, max_stages=max_stages, usable_fraction=USABLE)  # remembered
+    twins = [twin(s, extra) for s in sites]
+    served = plan(model, twins, net, max_stages=max_stages, usable_fraction=USABLE)
+    pipeline._PLANS.clear()
+    assert plan(model, twins, net, max_stages=max_stages, usable_fraction=USABLE) == served
+    if served is not None:
+        assert_valid(served, model, max_stages)
+        assert all(s.site.cluster.startswith("twin-") for s in served.stages)
+
+
+def test_sites_that_differ_only_in_names_and_unusable_gpus_share_one_search(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    searches: list[int] = []
+    search = pipeline._search
+
+    def counting(*args: object, **kwargs: object) -> object:
+        searches.append(1)
+        return search(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipeline, "_search", counting)
+    pipeline._PLANS.clear()
+    model = layers(1, 1, 1, 1, memory_gib=30)  # 120 GiB: 4 GPUs of 40 GiB hold it whole
+    pair = [site("a", memory_gib=40, nodes=(2,)), site("b", "r2", memory_gib=40, nodes=(2,))]
+    first = plan(model, pair, links((20.0, 10.0)))
+    assert first is not None and layout(first) == [("a", 0, 1), ("b", 2, 3)]
+    others = [site("x", memory_gib=40, nodes=(1, 1)), site("y", "r2", memory_gib=40, nodes=(2,))]
+    second = plan(model, others, links((20.0, 10.0)))
+    assert second is not None and layout(second) == [("x", 0, 1), ("y", 2, 3)]
+    assert second.stages[0].allocations == (("x-n0", 1), ("x-n1", 1))  # the new site's own nodes
+    assert len(searches) == 1
+    # GPUs the model cannot use (more than the 4 it needs whole) change nothing either ...
+    roomy = [site("a", memory_gib=40, nodes=(4,)), site("b", "r2", memory_gib=40, nodes=(2,))]
+    plan(model, roomy, links((20.0, 10.0)))
+    plan(model, [site("a", memory_gib=40, nodes=(9,)), pair[1]], links((20.0, 10.0)))
+    assert len(searches) == 2
+    # ... but what the search reads does: a link, a speed, GPUs below the need
+    assert plan(model, pair, links((20.0, 0.5))) is not None
+    assert plan(model, [site("a", memory_gib=40, nodes=(2,), speed=2.0), pair[1]], links((20.0, 10.0)))
+    assert plan(model, [site("a", memory_gib=40, nodes=(3,)), pair[1]], links((20.0, 10.0)))
+    assert len(searches) == 5
 
 
 def test_deep_models_are_cut_only_at_the_quietest_layer_of_each_window() -> None:
