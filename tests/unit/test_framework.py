@@ -35,7 +35,7 @@ from loom.sched.plugins.quota import Preempt, Quota
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.profile import build_framework
 from loom.sched.quota import QuotaBook, TenantConfig, TenantQuota
-from loom.sched.snapshot import FloatArray, NetMatrix, RunningJob, Snapshot
+from loom.sched.snapshot import ClusterInfo, FloatArray, NetMatrix, RunningJob, Snapshot
 from loom_proto.jobs import JobSpec, Layer, Pipeline, Resources, Work
 
 
@@ -763,3 +763,38 @@ def test_the_fastest_site_that_holds_the_whole_model_is_built_even_when_others_r
     assert [s.cluster for s in some] == ["ct", "cv"]
     single = pipeline.best_single(layers, some)
     assert single is not None and single.stages[0].site.cluster == "ct" and single.stages[0].gpus == 9
+
+
+def test_the_site_best_single_picks_is_built_when_speeds_differ_by_rounding_only() -> None:
+    # Trusts one float step apart: equal seconds for the whole model, so best_single takes the first
+    # cluster, though the second has a hair more useful capacity; eight faster sites outrank both.
+    low = 0.9
+    while 1.0 / (2 * low) != 1.0 / (2 * float(np.nextafter(low, 2.0))):
+        low = float(np.nextafter(low, 2.0))
+    high = float(np.nextafter(low, 2.0))
+    info = {"c00": ClusterInfo(id="c00", region="r1", zone="z", trust=low)}
+    info["c01"] = ClusterInfo(id="c01", region="r1", zone="z", trust=high)
+    nodes = [node("a", "c00", "r1", reserved=6), node("b", "c01", "r1", reserved=6)]
+    for i in range(2, 10):
+        info[f"c{i:02d}"] = ClusterInfo(id=f"c{i:02d}", region="r1", zone="z")
+        nodes.append(node(f"h{i}", f"c{i:02d}", "r1", model="H100", reserved=7))
+    speed = {("H100", "training_compute"): 3.0, ("A100", "training_compute"): 1.0}
+    snap = Snapshot(
+        nodes, clusters=info, net=NetMatrix(["r1"]), speed=speed, gpu_memory_gib={"A100": 80.0, "H100": 80.0}
+    )
+    layers = [Layer(compute_s=1.0, memory_gib=100.0, activation_mb=1.0)]
+    spec = job("p", task_type="training_compute", pipeline=Pipeline(layers=layers, max_stages=1))
+    framework = build_framework()
+    state = framework.new_state(spec, snap)
+    single = pipeline.best_single(layers, framework.pipeline_sites(state, top=8))
+    assert single is not None and single.stages[0].site.cluster == "c00"
+    assert single == pipeline.best_single(layers, framework.pipeline_sites(state))
+
+
+def test_a_pipeline_no_site_can_run_is_told_how_many_sites_there_were() -> None:
+    info = {f"c{i}": ClusterInfo(id=f"c{i}", region="r1", zone="z", trust=0.0) for i in range(3)}
+    snap = Snapshot([node(f"n{i}", f"c{i}", "r1") for i in range(3)], clusters=info, net=NetMatrix(["r1"]))
+    spec = job("p", pipeline=Pipeline(layers=[Layer(compute_s=1.0, memory_gib=10.0)], max_stages=1))
+    outcome = build_framework().schedule(spec, snap)
+    assert outcome.record.outcome == "rejected"
+    assert "none of the 3 site(s) offered" in outcome.record.reason

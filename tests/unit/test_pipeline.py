@@ -521,3 +521,18 @@ def test_deep_models_are_cut_only_at_the_quietest_layer_of_each_window() -> None
     exact = plan(model, sites, links(LAN))
     assert exact is not None and len(exact.stages) == 8
     assert exact.bottleneck_s == pytest.approx(1.0)
+
+
+def test_the_memo_sizes_the_whole_model_as_the_search_does() -> None:
+    # 0.1 + 0.2 + 0.3 sums to 0.6 exactly (fsum) but to 0.6000000000000001 as running sums (the
+    # search's arithmetic); on GPUs of this memory that is 1 GPU against 2. A site with 2 free and
+    # one with 1 must not share a remembered search.
+    gpu = 0.6666666659999999
+    assert stage_gpus(math.fsum([0.1, 0.2, 0.3]), gpu) == 1
+    model = [Layer(compute_s=1.0, memory_gib=m, activation_mb=1.0) for m in (0.1, 0.2, 0.3)]
+    two = plan(model, [site("cb", memory_gib=gpu, nodes=(2,))], links(LAN), max_stages=1)
+    assert two is not None and two.stages[0].gpus == 2
+    assert plan(model, [site("ca", memory_gib=gpu, nodes=(1,))], links(LAN), max_stages=1) is None
+    pipeline._PLANS.clear()
+    assert plan(model, [site("ca", memory_gib=gpu, nodes=(1,))], links(LAN), max_stages=1) is None
+    assert plan(model, [site("cb", memory_gib=gpu, nodes=(2,))], links(LAN), max_stages=1) == two

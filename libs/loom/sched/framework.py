@@ -103,7 +103,9 @@ class Candidates:
     workers: IntArray
     """Workers the job would get there (elastic jobs: up to their maximum)."""
     nodes: NodeLookup = field(repr=False, compare=False)
-    """A pair's passing nodes, looked up only for the pairs a decision packs onto."""
+    """A pair's passing nodes, looked up only for the pairs a decision packs onto. It reads the
+    snapshot when called: pack before the snapshot changes (take, give_back), or find the
+    candidates again, or ``capacity`` and the nodes will disagree."""
 
     def __len__(self) -> int:
         return int(self.cluster.size)
@@ -727,15 +729,22 @@ class Framework:
         useful = speed * free
         best = np.argmax(np.where(eligible, useful, -np.inf), axis=1)
         clusters = np.flatnonzero(eligible.any(axis=1))
-        if top is not None and needs is not None:
+        if top is not None and state.job.pipeline is not None:
             chosen = best[clusters]
             clusters = clusters[speed[clusters, chosen] > 0]
             chosen = best[clusters]
             rank = np.lexsort((clusters, -useful[clusters, chosen]))
             keep = set(clusters[rank[:top]].tolist())
-            whole = rank[gpus[clusters, chosen][rank] >= needs[chosen][rank]]
-            if whole.size:
-                keep.add(int(clusters[whole[0]]))
+            # best_single's pick: the fewest seconds for the whole model, the first cluster of equals,
+            # in its own arithmetic (the model summed as the search sums it)
+            compute_s, whole_gib = pipeline.whole_model(state.job.pipeline.layers)
+            whole = np.array(
+                [pipeline.stage_gpus(whole_gib, memory[m]) for m in chosen.tolist()], dtype=np.int64
+            )
+            holds = gpus[clusters, chosen] >= whole
+            if holds.any():
+                seconds = compute_s / (whole[holds] * speed[clusters[holds], chosen[holds]])
+                keep.add(int(clusters[holds][np.argmin(seconds)]))
             clusters = np.array(sorted(keep), dtype=np.int64)
         cache = _SITES.setdefault(snap, {})
         return [
@@ -766,14 +775,17 @@ class Framework:
         sites = self.pipeline_sites(state, top=top)
         plan = pipeline.plan(layers, sites, net, max_stages=max_stages, max_sites=top) if sites else None
         if plan is None:
+            # the reasons speak of every site (their counts included), so they see them all
             idle = self.pipeline_sites(state, idle=True, top=top)
             if idle and pipeline.plan(layers, idle, net, max_stages=max_stages) is not None:
-                reason = pipeline.infeasible_reason(layers, sites, net, max_stages=max_stages) or "no room"
+                every = self.pipeline_sites(state)
+                reason = pipeline.infeasible_reason(layers, every, net, max_stages=max_stages) or "no room"
                 return self._fail(
                     record, Status(Code.UNSCHEDULABLE, f"{reason}; waiting for capacity", "pipeline")
                 )
+            every = self.pipeline_sites(state, idle=True)
             why = (
-                pipeline.infeasible_reason(layers, idle, net, max_stages=max_stages) or "no cluster has GPUs"
+                pipeline.infeasible_reason(layers, every, net, max_stages=max_stages) or "no cluster has GPUs"
             )
             return self._fail(record, Status(Code.UNRESOLVABLE, why, "pipeline"))
 
@@ -908,7 +920,7 @@ class Framework:
         m_count = snap.free_sum.shape[1]
         pair_ok = state.cluster_mask[:, None] & state.model_mask[None, :m_count] & (snap.max_free >= g)
         looked = np.flatnonzero(pair_ok.ravel())
-        cap_looked = self.pool_workers(state)[looked]
+        cap_looked = self.pool_workers(state, looked)
         fits = cap_looked >= need
         ok_pairs = looked[fits]
         short = np.flatnonzero(~fits)
@@ -935,18 +947,18 @@ class Framework:
             nodes=nodes,
         )
 
-    def pool_workers(self, state: CycleState) -> IntArray:
-        """Workers of the job's shape each (cluster, model) pool holds now, indexed by pool.
+    def pool_workers(self, state: CycleState, pools: IntArray) -> IntArray:
+        """Workers of the job's shape each of ``pools`` holds now (pool ``cluster x models + model``).
 
         Kept per snapshot and job shape (GPUs per worker, and what each filter reads of the job:
         :meth:`_shape`), with the snapshot's pool versions at the time: a later job of the same shape
-        recomputes only the pools whose nodes changed since. A filter without ``filter_key`` is
-        not known to depend only on the shape, so the pools are then counted afresh every time.
+        recounts only the pools whose nodes changed since. A filter without ``filter_key`` is not
+        known to depend only on the shape, so then ``pools`` are counted afresh every time.
         """
         snap = state.snapshot
         shape = self._shape(state)
         if shape is None:
-            return _sum_by_pool(snap, self._node_workers(state, slice(0, snap.free.size)))
+            return self._count_pools(state, pools)
         held = self._pool_workers.setdefault(snap, OrderedDict())
         found = held.get(shape)
         if found is None or found[0].size != snap.pool_version.size:
@@ -957,17 +969,22 @@ class Framework:
             versions, workers = found
             stale = np.flatnonzero(versions != snap.pool_version)
             if stale.size:
-                lo, hi = snap.pool_bounds[stale], snap.pool_bounds[stale + 1]
-                sizes = hi - lo
-                # every stale pool's nodes in one index array, then one sum per pool
-                nodes = np.repeat(lo - np.cumsum(sizes) + sizes, sizes) + np.arange(int(sizes.sum()))
-                per = self._node_workers(state, nodes)
-                workers[stale] = np.bincount(np.repeat(np.arange(stale.size), sizes), per, stale.size)
+                workers[stale] = self._count_pools(state, stale)
                 versions[stale] = snap.pool_version[stale]
         held[shape] = found
         while len(held) > _SHAPES_KEPT:
             held.popitem(last=False)
-        return found[1]
+        return found[1][pools]
+
+    def _count_pools(self, state: CycleState, pools: IntArray) -> IntArray:
+        """Workers each of ``pools`` holds, counted node by node (one pass over their nodes)."""
+        snap = state.snapshot
+        lo, hi = snap.pool_bounds[pools], snap.pool_bounds[pools + 1]
+        sizes = hi - lo
+        # every pool's nodes in one index array, then one sum per pool
+        nodes = np.repeat(lo - np.cumsum(sizes) + sizes, sizes) + np.arange(int(sizes.sum()))
+        per = self._node_workers(state, nodes)
+        return np.bincount(np.repeat(np.arange(pools.size), sizes), per, pools.size).astype(np.int64)
 
     def _shape(self, state: CycleState) -> Hashable | None:
         """What the workers per node depend on besides the nodes: GPUs, CPU and memory per worker

@@ -46,6 +46,7 @@ in five), so the search runs once for them. A remembered search gives exactly wh
 would: GPUs beyond the whole model's need change neither which stages fit nor the search's bound.
 """
 
+import hashlib
 import itertools
 import math
 from collections import OrderedDict
@@ -75,6 +76,7 @@ __all__ = [
     "stage_gpus",
     "transfer_s",
     "useful_capacity",
+    "whole_model",
 ]
 
 DEFAULT_USABLE_FRACTION = 0.9
@@ -313,6 +315,15 @@ def _considered(
 
 def _model_memory_gib(layers: Sequence[Layer]) -> float:
     return math.fsum(layer.memory_gib for layer in layers)
+
+
+def whole_model(layers: Sequence[Layer]) -> tuple[float, float]:
+    """The model's compute per step (reference GPU) and memory, summed as the search sums its
+    stages (running sums): what sizes a one-stage plan's GPUs and time in :func:`best_single`, and
+    the most GPUs any stage of :func:`plan` can need."""
+    compute_s = float(_prefix([layer.compute_s for layer in layers])[-1])
+    memory_gib = float(_prefix([layer.memory_gib for layer in layers])[-1])
+    return compute_s, memory_gib
 
 
 def _prefix(values: Sequence[float]) -> _F64:
@@ -721,14 +732,13 @@ def plan(
         layers,
         considered,
         links,
-        memory_gib=memory_gib,
         max_stages=max_stages,
         usable_fraction=usable_fraction,
         max_layers=max_layers,
     )
-    if key in _PLANS:
+    stages = _PLANS.get(key, _UNKNOWN)
+    if stages is not _UNKNOWN:
         _PLANS.move_to_end(key)
-        stages = _PLANS[key]
     else:
         stages = _search(
             layers,
@@ -741,7 +751,7 @@ def plan(
         _PLANS[key] = stages
         while len(_PLANS) > PLAN_MEMO_SIZE:
             _PLANS.popitem(last=False)
-    if stages is None:
+    if stages is None or isinstance(stages, _Unknown):
         return None
     built = [
         _stage(considered[k], first, last, gpus=gpus, compute_s=compute_s, transfer_s=hop)
@@ -757,6 +767,13 @@ _Stages = tuple[tuple[int, int, int, int, float, float], ...]
 PLAN_MEMO_SIZE = 1024
 """Searches remembered by :func:`plan` (the least recently used goes first)."""
 
+
+class _Unknown:
+    """Marks a search not remembered (a remembered one may be None: no plan)."""
+
+
+_UNKNOWN = _Unknown()
+
 _PLANS: "OrderedDict[Hashable, _Stages | None]" = OrderedDict()
 """Search results by everything the search reads (:func:`_memo_key`)."""
 
@@ -766,7 +783,6 @@ def _memo_key(
     considered: tuple[Site, ...],
     links: Mapping[tuple[str, str], tuple[float, float]],
     *,
-    memory_gib: float,
     max_stages: int,
     usable_fraction: float,
     max_layers: int,
@@ -774,13 +790,18 @@ def _memo_key(
     """Everything the search reads, so equal keys give the same plan by site position.
 
     A site enters as its region, speed and GPU memory, and its free GPUs only up to what the whole
-    model needs there: no stage takes more (a stage's GPUs grow with its memory), so GPUs beyond
-    that change neither which stages fit nor the search's lower bound's answer. The sites' names
-    do not enter: their order (by key) is the order of ties in both searches alike. On a platform of
-    replicated clusters, many decisions share a key: the search runs once for them.
+    model needs there (its memory summed as the search sums stages, so no stage needs more): GPUs
+    beyond that change neither which stages fit nor the search's answer (its lower bound only
+    skips bounds that cannot be met). The sites' names do not enter: their order (by key) is the
+    order of ties in both searches alike. The layers enter as a 128-bit digest of their figures,
+    so a key stays small however deep the model. On a platform of replicated clusters many
+    decisions share a key: the search runs once for them.
     """
+    figures = np.array([(la.compute_s, la.memory_gib, la.activation_mb) for la in layers], dtype=np.float64)
+    _, memory_gib = whole_model(layers)  # summed as the search sums: no stage needs more GPUs
     return (
-        tuple((layer.compute_s, layer.memory_gib, layer.activation_mb) for layer in layers),
+        len(layers),
+        hashlib.blake2b(figures.tobytes(), digest_size=16).digest(),
         tuple(
             (
                 s.region,
@@ -840,8 +861,7 @@ def best_single(
     bottlenecks tells whether splitting is faster.
     """
     _check_inputs(layers, sites, usable_fraction)
-    compute_s = float(_prefix([layer.compute_s for layer in layers])[-1])
-    memory_gib = float(_prefix([layer.memory_gib for layer in layers])[-1])
+    compute_s, memory_gib = whole_model(layers)
     best: StagePlan | None = None
     for site in _considered(sites, len(sites), memory_gib, usable_fraction):
         gpus = stage_gpus(memory_gib, site.gpu_memory_gib, usable_fraction)
