@@ -5,6 +5,8 @@ why; a job that cannot do better by waiting (no faster pool could ever hold it, 
 waited as long as the worse plan would lose) is let through.
 """
 
+from typing import Any
+
 import msgspec
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from loom.model.profiles import relative_speed
 from loom.model.topology import load_topology
 from loom.sched.firstfit import NodeCapacity
 from loom.sched.framework import IDLE_PIPELINE_PLAN, Candidates, Code, CycleState, Framework
+from loom.sched.pipeline import Site
 from loom.sched.plugins.compute import ScuFit
 from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.network import SpanGuard
@@ -189,25 +192,24 @@ def test_a_pipeline_takes_the_plan_when_it_is_close_to_the_best() -> None:
     assert outcome.decision is not None and len(outcome.decision.parts) == 2
 
 
+def site_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Every call of ``Framework.pipeline_sites`` from now on: whether it asked for the idle platform."""
+    calls: list[bool] = []
+    original = Framework.pipeline_sites
+
+    def counting(self: Framework, state: CycleState, **kwargs: Any) -> list[Site]:
+        calls.append(bool(kwargs.get("idle", False)))
+        return original(self, state, **kwargs)
+
+    monkeypatch.setattr(Framework, "pipeline_sites", counting)
+    return calls
+
+
 def test_the_idle_plan_is_computed_once_per_job_while_nothing_it_depends_on_changes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     framework = patient()
-    calls: list[bool] = []
-    original = Framework.pipeline_sites
-
-    def counting(
-        self: Framework,
-        state: object,
-        *,
-        idle: bool = False,
-        schedulable_only: bool = False,
-        top: int | None = None,
-    ) -> object:
-        calls.append(idle)
-        return original(self, state, idle=idle, schedulable_only=schedulable_only, top=top)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Framework, "pipeline_sites", counting)
+    calls = site_calls(monkeypatch)
     snap = two_sites()
     for _ in range(3):
         assert framework.schedule(pipeline_job(), snap, submitted_at=snap.now).decision is None
@@ -250,21 +252,7 @@ def test_the_lower_bound_never_exceeds_the_idle_plan_and_spares_planning_when_it
     assert len(idle_plans) == 3
     monkeypatch.setattr(Framework, "schedule_pipeline", original)
     # On an idle platform the plan free now is the idle plan: the bound lets it through unplanned.
-    calls: list[bool] = []
-    sites = Framework.pipeline_sites
-
-    def counting(
-        self: Framework,
-        state: object,
-        *,
-        idle: bool = False,
-        schedulable_only: bool = False,
-        top: int | None = None,
-    ) -> object:
-        calls.append(idle)
-        return sites(self, state, idle=idle, schedulable_only=schedulable_only, top=top)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(Framework, "pipeline_sites", counting)
+    calls = site_calls(monkeypatch)
     idle = snapshot([node("a0", "ca", model=FAST), node("b0", "cb", model=FAST)], fast_speed=1.0)
     assert patient().schedule(pipeline_job(), idle, submitted_at=idle.now).decision is not None
     assert calls == [False]

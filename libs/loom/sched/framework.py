@@ -1008,15 +1008,7 @@ class Framework:
         g = state.per_worker
         cpu, mem = state.job.resources.cpu_milli, state.job.resources.memory_mib
         free = snap.free[nodes]
-        per_node = free // g
-        if cpu:
-            per_node = np.where(
-                snap.cpu_known[nodes], np.minimum(per_node, snap.cpu_free[nodes] // cpu), per_node
-            )
-        if mem:
-            per_node = np.where(
-                snap.mem_known[nodes], np.minimum(per_node, snap.mem_free[nodes] // mem), per_node
-            )
+        per_node = snap.room(nodes, g, cpu, mem)
         ok = snap.schedulable[nodes] & (free >= g)
         candidates = np.flatnonzero(ok)
         if candidates.size:

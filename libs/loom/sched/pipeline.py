@@ -52,6 +52,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -728,26 +729,13 @@ def plan(
     if not considered:
         return None
     links = _links(net, considered)
-    key = _memo_key(
-        layers,
-        considered,
-        links,
-        max_stages=max_stages,
-        usable_fraction=usable_fraction,
-        max_layers=max_layers,
-    )
+    limits = _Limits(max_stages, usable_fraction, max_layers)
+    key = _memo_key(layers, considered, links, limits)
     stages = _PLANS.get(key, _UNKNOWN)
     if stages is not _UNKNOWN:
         _PLANS.move_to_end(key)
     else:
-        stages = _search(
-            layers,
-            considered,
-            links,
-            max_stages=max_stages,
-            usable_fraction=usable_fraction,
-            max_layers=max_layers,
-        )
+        stages = _search(layers, considered, links, limits)
         _PLANS[key] = stages
         while len(_PLANS) > PLAN_MEMO_SIZE:
             _PLANS.popitem(last=False)
@@ -778,14 +766,19 @@ _PLANS: "OrderedDict[Hashable, _Stages | None]" = OrderedDict()
 """Search results by everything the search reads (:func:`_memo_key`)."""
 
 
+class _Limits(NamedTuple):
+    """The search's settings."""
+
+    max_stages: int
+    usable_fraction: float
+    max_layers: int
+
+
 def _memo_key(
     layers: Sequence[Layer],
     considered: tuple[Site, ...],
     links: Mapping[tuple[str, str], tuple[float, float]],
-    *,
-    max_stages: int,
-    usable_fraction: float,
-    max_layers: int,
+    limits: _Limits,
 ) -> Hashable:
     """Everything the search reads, so equal keys give the same plan by site position.
 
@@ -807,14 +800,12 @@ def _memo_key(
                 s.region,
                 s.speed_per_gpu,
                 s.gpu_memory_gib,
-                min(s.stage_gpu_cap, stage_gpus(memory_gib, s.gpu_memory_gib, usable_fraction)),
+                min(s.stage_gpu_cap, stage_gpus(memory_gib, s.gpu_memory_gib, limits.usable_fraction)),
             )
             for s in considered
         ),
         tuple(sorted(links.items())),
-        max_stages,
-        usable_fraction,
-        max_layers,
+        limits,
     )
 
 
@@ -822,14 +813,11 @@ def _search(
     layers: Sequence[Layer],
     considered: tuple[Site, ...],
     links: Mapping[tuple[str, str], tuple[float, float]],
-    *,
-    max_stages: int,
-    usable_fraction: float,
-    max_layers: int,
+    limits: _Limits,
 ) -> _Stages | None:
     """The exact search over the considered sites: the best plan's stages by site position."""
-    prob = _problem(layers, considered, links, usable_fraction, max_layers)
-    limit = min(max_stages, len(considered), prob.n)
+    prob = _problem(layers, considered, links, limits.usable_fraction, limits.max_layers)
+    limit = min(limits.max_stages, len(considered), prob.n)
     found = _min_bottleneck(prob, limit)
     if found is None:
         return None

@@ -300,6 +300,20 @@ class Snapshot:
             self._speed_by_task[task_type] = table
         return table
 
+    def room(
+        self, nodes: "IntArray | slice", per_worker: int, cpu_milli: int = 0, memory_mib: int = 0
+    ) -> IntArray:
+        """Workers of a shape each of ``nodes`` could take by its free GPUs, CPU and RAM (a node
+        whose CPU or RAM is not known is limited by its GPUs only); schedulability aside."""
+        workers = self.free[nodes] // per_worker
+        if cpu_milli:
+            known, cpu = self.cpu_known[nodes], self.cpu_free[nodes] // cpu_milli
+            workers = np.where(known, np.minimum(workers, cpu), workers)
+        if memory_mib:
+            known, mem = self.mem_known[nodes], self.mem_free[nodes] // memory_mib
+            workers = np.where(known, np.minimum(workers, mem), workers)
+        return workers
+
     def region_of(self, cluster: int) -> str:
         """The region id of cluster index ``cluster``."""
         return self.clusters[cluster].region

@@ -805,16 +805,7 @@ class _Simulation:
                 continue
             idx, _ = snap.node_slice(c, m)
             idx = idx[snap.schedulable[idx]]
-            workers = snap.free[idx] // g
-            if cpu:
-                workers = np.where(
-                    snap.cpu_known[idx], np.minimum(workers, snap.cpu_free[idx] // cpu), workers
-                )
-            if mem:
-                workers = np.where(
-                    snap.mem_known[idx], np.minimum(workers, snap.mem_free[idx] // mem), workers
-                )
-            if int(workers.sum()) >= need:
+            if int(snap.room(idx, g, cpu, mem).sum()) >= need:
                 return True
         return False
 
