@@ -718,33 +718,29 @@ class Framework:
         # Per cluster, the first model of most useful capacity (pipeline.useful_capacity): speed x
         # the free GPUs the whole model would need there, never more (argmax keeps the first of equals).
         free = gpus
-        needs: IntArray | None = None
+        whole: IntArray | None = None
         if state.job.pipeline is not None:
-            model_gib = math.fsum(layer.memory_gib for layer in state.job.pipeline.layers)
-            needs = np.array(
-                [pipeline.stage_gpus(model_gib, g) if g > 0 and math.isfinite(g) else 0 for g in memory],
+            compute_s, whole_gib = pipeline.whole_model(state.job.pipeline.layers)
+            # per model, the GPUs the whole model needs (0 where the figures are unusable)
+            whole = np.array(
+                [pipeline.stage_gpus(whole_gib, g) if g > 0 and math.isfinite(g) else 0 for g in memory],
                 dtype=np.int64,
             )
-            free = np.minimum(free, needs[None, :])
+            free = np.minimum(free, whole[None, :])
         useful = speed * free
         best = np.argmax(np.where(eligible, useful, -np.inf), axis=1)
         clusters = np.flatnonzero(eligible.any(axis=1))
-        if top is not None and state.job.pipeline is not None:
+        if top is not None and whole is not None:
             chosen = best[clusters]
             clusters = clusters[speed[clusters, chosen] > 0]
             chosen = best[clusters]
             rank = np.lexsort((clusters, -useful[clusters, chosen]))
             keep = set(clusters[rank[:top]].tolist())
-            # best_single's pick: the fewest seconds for the whole model, the first cluster of equals,
-            # in its own arithmetic (the model summed as the search sums it)
-            compute_s, whole_gib = pipeline.whole_model(state.job.pipeline.layers)
-            whole = np.array(
-                [pipeline.stage_gpus(whole_gib, memory[m]) for m in chosen.tolist()], dtype=np.int64
-            )
-            holds = gpus[clusters, chosen] >= whole
+            # best_single's pick: the fewest seconds for the whole model, the first cluster of equals
+            holds = gpus[clusters, chosen] >= whole[chosen]
             if holds.any():
-                seconds = compute_s / (whole[holds] * speed[clusters[holds], chosen[holds]])
-                keep.add(int(clusters[holds][np.argmin(seconds)]))
+                at, on = clusters[holds], chosen[holds]
+                keep.add(int(at[np.argmin(compute_s / (whole[on] * speed[at, on]))]))
             clusters = np.array(sorted(keep), dtype=np.int64)
         cache = _SITES.setdefault(snap, {})
         return [

@@ -314,14 +314,11 @@ def _considered(
     return tuple(sorted(usable, key=lambda s: s.key))
 
 
-def _model_memory_gib(layers: Sequence[Layer]) -> float:
-    return math.fsum(layer.memory_gib for layer in layers)
-
-
 def whole_model(layers: Sequence[Layer]) -> tuple[float, float]:
     """The model's compute per step (reference GPU) and memory, summed as the search sums its
-    stages (running sums): what sizes a one-stage plan's GPUs and time in :func:`best_single`, and
-    the most GPUs any stage of :func:`plan` can need."""
+    stages (running sums), the one sum every part of the planner uses: it sizes a one-stage plan
+    in :func:`best_single`, ranks sites by :func:`useful_capacity`, and bounds the GPUs any stage
+    of :func:`plan` can need."""
     compute_s = float(_prefix([layer.compute_s for layer in layers])[-1])
     memory_gib = float(_prefix([layer.memory_gib for layer in layers])[-1])
     return compute_s, memory_gib
@@ -724,13 +721,13 @@ def plan(
             f"need max_stages >= 1, 1 <= max_sites <= {MAX_SITES_LIMIT} and max_layers >= 2;"
             f" got {max_stages}, {max_sites} and {max_layers}"
         )
-    memory_gib = _model_memory_gib(layers)
+    _, memory_gib = whole_model(layers)
     considered = _considered(sites, max_sites, memory_gib, usable_fraction)
     if not considered:
         return None
     links = _links(net, considered)
     limits = _Limits(max_stages, usable_fraction, max_layers)
-    key = _memo_key(layers, considered, links, limits)
+    key = _memo_key(layers, considered, links, limits, memory_gib)
     stages = _PLANS.get(key, _UNKNOWN)
     if stages is not _UNKNOWN:
         _PLANS.move_to_end(key)
@@ -779,11 +776,12 @@ def _memo_key(
     considered: tuple[Site, ...],
     links: Mapping[tuple[str, str], tuple[float, float]],
     limits: _Limits,
+    memory_gib: float,
 ) -> Hashable:
     """Everything the search reads, so equal keys give the same plan by site position.
 
     A site enters as its region, speed and GPU memory, and its free GPUs only up to what the whole
-    model needs there (its memory summed as the search sums stages, so no stage needs more): GPUs
+    model (``memory_gib``, from :func:`whole_model`, so no stage needs more) needs there: GPUs
     beyond that change neither which stages fit nor the search's answer (its lower bound only
     skips bounds that cannot be met). The sites' names do not enter: their order (by key) is the
     order of ties in both searches alike. The layers enter as a 128-bit digest of their figures,
@@ -791,7 +789,6 @@ def _memo_key(
     decisions share a key: the search runs once for them.
     """
     figures = np.array([(la.compute_s, la.memory_gib, la.activation_mb) for la in layers], dtype=np.float64)
-    _, memory_gib = whole_model(layers)  # summed as the search sums: no stage needs more GPUs
     return (
         len(layers),
         hashlib.blake2b(figures.tobytes(), digest_size=16).digest(),
@@ -892,7 +889,8 @@ def infeasible_reason(
     )
     if found is not None:
         return None
-    considered = _considered(sites, max_sites, _model_memory_gib(layers), usable_fraction)
+    _, memory_gib = whole_model(layers)
+    considered = _considered(sites, max_sites, memory_gib, usable_fraction)
     if not considered:
         return f"none of the {len(sites)} site(s) offered has free GPUs with a positive speed for this job"
 
@@ -909,7 +907,7 @@ def infeasible_reason(
             )
     stages = min(max_stages, len(considered), len(layers))
     largest = sorted(considered, key=lambda s: (-holds_gib(s), s.key))[:stages]
-    need_gib = math.fsum(layer.memory_gib for layer in layers)
+    need_gib = memory_gib
     free_gib = math.fsum(holds_gib(s) for s in largest)
     if need_gib > free_gib * (1 + _CEIL_SLACK):
         return (

@@ -30,14 +30,13 @@ nodes' GPUs and which take work, speeds, GPU memory, trust, measured links), so 
 plans the idle platform once, not on every retry.
 """
 
-import math
 from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 
 from loom.sched.framework import IDLE_PIPELINE_PLAN, CycleState, Decision, Status
-from loom.sched.pipeline import DEFAULT_MAX_SITES, DEFAULT_USABLE_FRACTION, PipelinePlan
+from loom.sched.pipeline import DEFAULT_MAX_SITES, DEFAULT_USABLE_FRACTION, PipelinePlan, whole_model
 from loom.sched.plugins.network import wait_unless_lost
 
 DEFAULT_MAX_SLOWDOWN = 1.5
@@ -119,8 +118,7 @@ def lower_bound_step_s(state: CycleState) -> float:
     if job.pipeline is None:
         return 0.0
     layers = job.pipeline.layers
-    compute = math.fsum(layer.compute_s for layer in layers)
-    memory = math.fsum(layer.memory_gib for layer in layers)
+    compute, memory = whole_model(layers)
     m_count = snap.total_sum.shape[1]
     allowed = state.policy_mask if state.policy_mask is not None else state.cluster_mask
     up = np.bincount(
