@@ -798,3 +798,25 @@ def test_a_pipeline_no_site_can_run_is_told_how_many_sites_there_were() -> None:
     outcome = build_framework().schedule(spec, snap)
     assert outcome.record.outcome == "rejected"
     assert "none of the 3 site(s) offered" in outcome.record.reason
+
+
+def test_learned_speed_reaches_the_job_speed_tables_per_family() -> None:
+    """A learned factor for (family, model) scales only that family's speeds, and set_learned rebuilds."""
+    from loom.sched.firstfit import NodeCapacity
+    from loom.sched.snapshot import Snapshot
+    from loom_proto.jobs import JobSpec, Work
+
+    nodes = [
+        NodeCapacity(node=f"n{m}", cluster="c1", region="r", zone="z", gpu_model=m, gpus_total=8)
+        for m in ("T4", "V100M16")
+    ]
+    snap = Snapshot(nodes, speed={("T4", "training_compute"): 0.5, ("V100M16", "training_compute"): 1.0})
+    bert = JobSpec(job_id="a", tenant="t", work=Work(steps=1, step_time_s=1.0), labels={"model": "BERT"})
+    resnet = JobSpec(job_id="b", tenant="t", work=Work(steps=1, step_time_s=1.0), labels={"model": "resnet"})
+    assert list(snap.job_speeds(bert)) == [0.5, 1.0]
+    snap.set_learned({("bert", "T4"): 0.2})
+    assert list(snap.job_speeds(bert)) == pytest.approx([0.1, 1.0])
+    assert list(snap.job_speeds(resnet)) == [0.5, 1.0]
+    assert snap.job_gpu_speed(bert, "T4") == pytest.approx(0.1)
+    snap.set_learned({})
+    assert snap.job_gpu_speed(bert, "T4") == 0.5

@@ -709,7 +709,7 @@ class Framework:
         eligible = allowed[:, None] & models[None, :] & (snap.total_sum > 0) & (gpus > 0)
         if not eligible.any():
             return []
-        speed = snap.speeds(state.job.task_type)[None, :] * snap.trust[:, None]
+        speed = snap.job_speeds(state.job)[None, :] * snap.trust[:, None]
         memory = [snap.gpu_memory_gib.get(m, 0.0) or 16.0 for m in snap.models]
         usable = np.isfinite(speed) & (speed >= 0) & np.array([math.isfinite(g) and g > 0 for g in memory])
         for c, m in np.argwhere(eligible & ~usable)[:1].tolist():

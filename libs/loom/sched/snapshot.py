@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from loom.model.family import HasLabels, job_family
 from loom.model.topology import Topology
 from loom.sched.firstfit import NodeCapacity
 
@@ -203,6 +204,7 @@ class Snapshot:
         economics: Economics | None = None,
         speed: Mapping[tuple[str, str], float] | None = None,
         gpu_memory_gib: Mapping[str, float] | None = None,
+        learned: Mapping[tuple[str, str], float] | None = None,
         now: float = 0.0,
     ) -> None:
         caps = sorted(
@@ -229,6 +231,11 @@ class Snapshot:
         self.speed = dict(speed or {})
         """(gpu_model, task_type) -> delivered speed of one GPU relative to the reference (SCU)."""
         self._speed_by_task: dict[str, FloatArray] = {}
+        self.learned: dict[tuple[str, str], float] = dict(learned or {})
+        """(job family, gpu_model) -> learned factor on the SCU speed: what jobs of that family
+        delivered on that model over what the profile predicted (see :mod:`loom.model.family`).
+        Change it only through :meth:`set_learned`, which keeps the per-job speed tables true."""
+        self._speed_by_job: dict[tuple[str, str], FloatArray] = {}
         self.gpu_memory_gib = dict(gpu_memory_gib or {})
 
         n = len(caps)
@@ -299,6 +306,37 @@ class Snapshot:
             table = np.array([self.gpu_speed(m, task_type) for m in self.models], dtype=np.float64)
             self._speed_by_task[task_type] = table
         return table
+
+    def set_learned(self, learned: Mapping[tuple[str, str], float]) -> None:
+        """Adopt new learned factors (replacing all of them); per-job speed tables are rebuilt."""
+        self.learned = dict(learned)
+        self._speed_by_job.clear()
+
+    def job_speeds(self, job: HasLabels) -> FloatArray:
+        """Every model's per-GPU speed *for this job*, indexed like :attr:`models` (cached per family).
+
+        The task type's SCU speed (:meth:`speeds`) times what was learned for the job's family on
+        each model (1.0 where nothing was). Every decision that weighs a GPU's speed for a job reads
+        this, so a learned speed reaches scoring, patience and the span guard alike.
+        """
+        task_type = job.task_type
+        family = job_family(job) if self.learned else ""
+        key = (family, task_type)
+        table = self._speed_by_job.get(key)
+        if table is None:
+            table = self.speeds(task_type)
+            if family:
+                factors = [self.learned.get((family, m), 1.0) for m in self.models]
+                table = table * np.asarray(factors, dtype=np.float64)
+            self._speed_by_job[key] = table
+        return table
+
+    def job_gpu_speed(self, job: HasLabels, model: str) -> float:
+        """One GPU's speed for this job (:meth:`job_speeds` of one model; 1.0 for an unknown model)."""
+        index = self.model_index.get(model)
+        if index is None:
+            return self.gpu_speed(model, job.task_type)
+        return float(self.job_speeds(job)[index])
 
     def room(
         self, nodes: "IntArray | slice", per_worker: int, cpu_milli: int = 0, memory_mib: int = 0

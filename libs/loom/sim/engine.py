@@ -846,7 +846,7 @@ class _Simulation:
             self._resize(job_id, workers, allocations)
         parts = d.parts
         pipeline = any(p.layers is not None for p in parts)
-        speeds = [snap.gpu_speed(p.gpu_model, spec.task_type) * self.trust.get(p.cluster, 1.0) for p in parts]
+        speeds = [snap.job_gpu_speed(spec, p.gpu_model) * self.trust.get(p.cluster, 1.0) for p in parts]
         regions = [p.region for p in parts]
         compute_s, raw_step_s = self._step(spec, d, speeds, regions, pipeline)
         scale = spec.workers / d.workers if (not pipeline and 0 < d.workers != spec.workers) else 1.0

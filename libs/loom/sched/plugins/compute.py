@@ -9,7 +9,7 @@ from loom.sched.snapshot import FloatArray
 def delivered_speed(state: CycleState, candidates: Candidates) -> FloatArray:
     """Per candidate: one GPU's SCU for the job's task type, times the cluster's trust."""
     snap = state.snapshot
-    speed: FloatArray = snap.speeds(state.job.task_type)[candidates.model] * snap.trust[candidates.cluster]
+    speed: FloatArray = snap.job_speeds(state.job)[candidates.model] * snap.trust[candidates.cluster]
     return speed
 
 

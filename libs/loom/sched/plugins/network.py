@@ -559,7 +559,7 @@ def part_speeds(state: CycleState, decision: Decision) -> list[float]:
     """One GPU's delivered speed (SCU for the job's task type x the cluster's trust) per part."""
     snap = state.snapshot
     return [
-        snap.gpu_speed(p.gpu_model, state.job.task_type) * float(snap.trust[snap.cluster_index[p.cluster]])
+        snap.job_gpu_speed(state.job, p.gpu_model) * float(snap.trust[snap.cluster_index[p.cluster]])
         for p in decision.parts
     ]
 
@@ -629,7 +629,7 @@ class SpanGuard:
                 )
         if job.comm is None:
             return Status()
-        pool_speed = np.where(holders, snap.speeds(job.task_type)[None, :] * snap.trust[:, None], -np.inf)
+        pool_speed = np.where(holders, snap.job_speeds(job)[None, :] * snap.trust[:, None], -np.inf)
         c, m = (int(i) for i in np.unravel_index(int(np.argmax(pool_speed)), pool_speed.shape))
         best = predict_step_s(
             job,

@@ -92,7 +92,7 @@ class PipelinePatience:
                 state.model_mask.tobytes(),
                 snap.total_sum.tobytes(),
                 np.packbits(snap.schedulable).tobytes(),
-                snap.speeds(state.job.task_type).tobytes(),
+                snap.job_speeds(state.job).tobytes(),
                 repr(sorted(snap.gpu_memory_gib.items())).encode(),
                 snap.trust.tobytes(),
                 snap.net.rtt_ms.tobytes(),
@@ -129,7 +129,7 @@ def lower_bound_step_s(state: CycleState) -> float:
         return 0.0
     # The same GPU memory the framework's pipeline sites assume (16 GiB when a model's is unknown).
     gib = np.array([snap.gpu_memory_gib.get(m, 0.0) or 16.0 for m in snap.models[:m_count]])
-    speed = snap.speeds(job.task_type)[None, :m_count] * snap.trust[:, None]
+    speed = snap.job_speeds(job)[None, :m_count] * snap.trust[:, None]
     fastest = float(speed[pools].max())
     per_gib = float((speed / gib[None, :])[pools].max())
     stages = min(job.pipeline.max_stages, int(pools.any(axis=1).sum()), DEFAULT_MAX_SITES)
