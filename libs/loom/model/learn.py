@@ -1,0 +1,407 @@
+"""Learned speeds: what each job family really delivers on each GPU model, over what its profile says.
+
+The SCU model predicts a GPU's speed for a *task type* from its datasheet profile. Real jobs
+miss it, and by how much depends on the job: a GRU speech model may run at a third of the speed
+the profile promises on one GPU while a ResNet matches it. :class:`SpeedLearner` keeps, per
+(job family, GPU model) (the family comes from :func:`loom.model.family.job_family`), an
+estimate of the **log speed factor**::
+
+    y = ln(observed_speed / prior_speed)
+
+where both speeds are relative to the reference accelerator: ``prior_speed`` is the profile's
+SCU for the job's task type, ``observed_speed = work.step_time_s / observed compute seconds per
+step``. Scheduling multiplies the SCU speed by ``exp(y)`` (``Snapshot.set_learned``). The model:
+
+**Each cell's own posterior.** Observations of one cell are normal around its true log factor
+with a known noise sd (:attr:`LearnSettings.noise_sd`, 0.1: run-to-run noise and measurement
+together). The cell's prior is normal with mean and sd from the shared model below (the plain
+prior is mean 0, i.e. factor 1, sd :attr:`LearnSettings.prior_sd` = 0.5: a profile wrong by
+1.65x is one sd off). The posterior is the conjugate normal one, so a cell with its own runs
+trusts them (one run carries 25x the prior's precision at the default settings) and the
+uncertainty shrinks as ``noise_sd / sqrt(runs)``. There is **no bound** on the factor: a GPU
+that delivers a third of its profile is learned as 0.33.
+
+**Sharing strength.** Cells with data are fitted, by weighted ridge regression with
+alternating least squares, to ``y(f, g) ≈ a_g + b_f + u_f · v_g``: a GPU effect (the GPU is off
+for every family), a family effect (the family is off everywhere, e.g. its declared reference
+step time is) and a low-rank (rank :attr:`LearnSettings.rank`) interaction, as Gavel and Sia
+complete the throughput matrix. Each cell's prior mean is the fit's prediction, with sd
+``sqrt(interaction_sd² + prior_sd² / (1 + k))`` (capped at ``prior_sd``), where ``k`` counts the
+*other* cells with data in its row and column: a cell never run borrows from its family's runs on
+other GPUs and its GPU's runs of other families; with no such support it keeps the plain prior.
+The fit uses the cell's own data too (a small double count, outweighed by the cell's own data
+after one run).
+
+**Robustness.** One observation's residual from the cell's running estimate (the cell's own
+data under the plain prior, so that the rule depends only on the cell's sequence of
+observations) is clipped at :attr:`LearnSettings.clip_sds` predictive sds (Huber-like): a single
+wild run moves an established estimate by at most a few percent. A first run is clipped only
+beyond 3 x 0.51 in log space (a factor of 4.6), so a profile that is 3x wrong is learned from
+its first run; and a true change persists in every run, so it always gets through (the clip is
+relative to the moving estimate), and :attr:`LearnSettings.memory_runs` lets old runs fade so a
+changed truth is tracked.
+
+**Exploration** (:meth:`SpeedLearner.factors` with ``explore=True``) is deliberate and bounded:
+a cell qualifies while its sd is above :attr:`LearnSettings.explore_sd` and it has fewer than
+:attr:`LearnSettings.explore_max_runs` runs; then it is offered at its optimistic factor
+``exp(mean + explore_z · sd)`` (an upper confidence bound) so that a job may be sent to learn it.
+Only a share :attr:`LearnSettings.explore_share` of the calls (each a scheduling decision or
+cycle) gets optimistic factors: call ``n`` explores only while the explored calls stay within
+``floor(explore_share · n)``. Without ``explore``, factors are the posterior medians
+``exp(mean)``.
+
+Pure and deterministic: no clock, no randomness, no I/O; the same observations in the same order
+give the same state. :meth:`SpeedLearner.to_bytes` / :meth:`SpeedLearner.from_bytes` round-trip
+the whole state with msgspec.
+"""
+
+import math
+from collections.abc import Mapping
+from typing import Annotated, Final, Literal
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+from msgspec import Meta
+
+from loom.errors import InvalidInputError
+
+__all__ = ["CellState", "Estimate", "LearnSettings", "LearnerState", "Source", "SpeedLearner"]
+
+Source = Literal["own", "shared", "prior"]
+"""Where an estimate comes from: the cell's own runs, other cells' runs (its family on other GPUs,
+other families on its GPU), or nothing but the profile."""
+
+_STATE_VERSION: Final = 1
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+
+class LearnSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """The learner's constants (all in natural-log space unless said otherwise)."""
+
+    prior_sd: Annotated[float, Meta(gt=0, le=5)] = 0.5
+    """Sd of a cell's log factor before any run: the profile is trusted to within ~1.65x."""
+    noise_sd: Annotated[float, Meta(gt=0, le=5)] = 0.1
+    """Sd of one run's log factor around the cell's true one (run-to-run noise, measurement)."""
+    interaction_sd: Annotated[float, Meta(gt=0, le=5)] = 0.2
+    """How far a cell may sit from what its GPU and family effects (and the low-rank term) say."""
+    rank: Annotated[int, Meta(ge=0, le=8)] = 1
+    """Rank of the family x GPU interaction in the shared fit (0: main effects only)."""
+    iterations: Annotated[int, Meta(ge=1, le=1000)] = 30
+    """Alternating least squares sweeps of the shared fit."""
+    clip_sds: Annotated[float, Meta(gt=0, le=100)] = 3.0
+    """An observation's residual is clipped at this many predictive sds (its influence is capped)."""
+    memory_runs: Annotated[float, Meta(ge=1, le=1e9)] = 50.0
+    """A cell remembers at most this much observation weight; older runs fade proportionally."""
+    explore_share: Annotated[float, Meta(ge=0, le=1)] = 0.1
+    """The largest share of ``factors(explore=True)`` calls that get optimistic factors."""
+    explore_sd: Annotated[float, Meta(ge=0, le=5)] = 0.15
+    """A cell is explored only while its sd is above this."""
+    explore_z: Annotated[float, Meta(ge=0, le=10)] = 1.0
+    """Optimism: an explored cell is offered at ``exp(mean + explore_z * sd)``."""
+    explore_max_runs: Annotated[int, Meta(ge=0)] = 3
+    """A cell with this many runs of its own is never explored."""
+
+
+class CellState(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One (family, GPU model)'s sufficient statistics: clipped observations' weight and weighted sum."""
+
+    family: str
+    gpu_model: str
+    weight: float
+    """Sum of the (faded) observation weights."""
+    weighted_sum: float
+    """Sum of weight x clipped log factor."""
+    runs: int
+    """Observations ever made (not faded)."""
+    clipped: int = 0
+    """Observations whose residual was clipped."""
+
+
+class LearnerState(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Everything a :class:`SpeedLearner` knows: settings, per-cell statistics and exploration counts."""
+
+    version: int = _STATE_VERSION
+    settings: LearnSettings = LearnSettings()
+    cells: list[CellState] = []
+    decisions: int = 0
+    """``factors(explore=True)`` calls so far."""
+    explored: int = 0
+    """Of those, how many got optimistic factors."""
+
+
+class Estimate(msgspec.Struct, frozen=True, kw_only=True):
+    """What is known of one (family, GPU model)'s speed factor."""
+
+    family: str
+    gpu_model: str
+    factor: float
+    """exp(posterior mean of the log factor): multiply the profile's speed by it."""
+    log_sd: float
+    """Posterior sd of the log factor (roughly the relative uncertainty of ``factor``)."""
+    runs: int
+    """Runs of this cell observed."""
+    source: Source
+
+
+class _Cell:
+    __slots__ = ("clipped", "runs", "weight", "weighted_sum")
+
+    def __init__(
+        self, weight: float = 0.0, weighted_sum: float = 0.0, runs: int = 0, clipped: int = 0
+    ) -> None:
+        self.weight = weight
+        self.weighted_sum = weighted_sum
+        self.runs = runs
+        self.clipped = clipped
+
+
+class SpeedLearner:
+    """Per-(family, GPU model) speed factors over the SCU prior, learned from observed step times."""
+
+    def __init__(self, settings: LearnSettings | None = None) -> None:
+        self.settings = settings or LearnSettings()
+        self._cells: dict[tuple[str, str], _Cell] = {}
+        self.decisions = 0
+        self.explored = 0
+        self._fit: dict[tuple[str, str], tuple[float, float]] | None = None
+        """Per cell of the completed matrix, the shared prior (mean, sd); None until refitted."""
+
+    # ---- observations --------------------------------------------------------------------------
+
+    def observe(
+        self,
+        family: str,
+        gpu_model: str,
+        *,
+        prior_speed: float,
+        observed_speed: float,
+        weight: float = 1.0,
+    ) -> float:
+        """Learn from one run of ``family`` on ``gpu_model``; returns the log factor used (clipped).
+
+        ``prior_speed``: the profile's speed for the job's task type (SCU, relative to the
+        reference GPU, without any learned factor); ``observed_speed``: what the run delivered on
+        the same scale (``work.step_time_s`` / observed compute seconds per step). ``weight``: how
+        much the run counts (1 for a whole run; less for a short or partial one).
+        """
+        for name, value in (("prior_speed", prior_speed), ("observed_speed", observed_speed)):
+            if not (math.isfinite(value) and value > 0):
+                raise InvalidInputError(f"{name} must be positive and finite, got {value!r}")
+        if not (math.isfinite(weight) and weight > 0):
+            raise InvalidInputError(f"weight must be positive and finite, got {weight!r}")
+        if not family or not gpu_model:
+            raise InvalidInputError("family and gpu_model must not be empty")
+        s = self.settings
+        y = math.log(observed_speed / prior_speed)
+        cell = self._cells.setdefault((family, gpu_model), _Cell())
+        mean, sd = _posterior(0.0, s.prior_sd, cell.weight, cell.weighted_sum, s.noise_sd)
+        spread = s.clip_sds * math.sqrt(sd * sd + s.noise_sd * s.noise_sd / weight)
+        used = min(max(y, mean - spread), mean + spread)
+        if used != y:
+            cell.clipped += 1
+        if cell.weight + weight > s.memory_runs:
+            fade = max(s.memory_runs - weight, 0.0) / cell.weight
+            cell.weight *= fade
+            cell.weighted_sum *= fade
+        cell.weight += weight
+        cell.weighted_sum += weight * used
+        cell.runs += 1
+        self._fit = None
+        return used
+
+    # ---- estimates -----------------------------------------------------------------------------
+
+    def estimate(self, family: str, gpu_model: str) -> Estimate:
+        """The factor for ``family`` on ``gpu_model``, its sd, runs and where it comes from."""
+        s = self.settings
+        prior_mean, prior_sd = self._shared().get((family, gpu_model), (0.0, s.prior_sd))
+        cell = self._cells.get((family, gpu_model))
+        if cell is not None and cell.weight > 0:
+            mean, sd = _posterior(prior_mean, prior_sd, cell.weight, cell.weighted_sum, s.noise_sd)
+            source: Source = "own"
+        else:
+            mean, sd = prior_mean, prior_sd
+            source = "shared" if prior_sd < s.prior_sd else "prior"
+        runs = cell.runs if cell is not None else 0
+        return Estimate(
+            family=family, gpu_model=gpu_model, factor=math.exp(mean), log_sd=sd, runs=runs, source=source
+        )
+
+    def estimates(self) -> list[Estimate]:
+        """Every cell of the completed matrix (families with runs x GPU models with runs), sorted."""
+        return [self.estimate(f, g) for f, g in sorted(self._shared())]
+
+    def factors(self, *, explore: bool = False) -> dict[tuple[str, str], float]:
+        """(family, gpu_model) -> factor for scheduling, for every cell of the completed matrix.
+
+        Without ``explore``: posterior medians. With it, this call counts as one decision and, if
+        the exploration budget allows (see the module's docstring), cells still uncertain are
+        offered at their optimistic factor; the call is then counted as explored.
+        """
+        s = self.settings
+        out = {(e.family, e.gpu_model): e for e in self.estimates()}
+        plain = {k: e.factor for k, e in out.items()}
+        if not explore:
+            return plain
+        self.decisions += 1
+        if self.explored + 1 > math.floor(s.explore_share * self.decisions):
+            return plain
+        optimistic = {
+            k: math.exp(math.log(e.factor) + s.explore_z * e.log_sd)
+            for k, e in out.items()
+            if e.log_sd > s.explore_sd and e.runs < s.explore_max_runs
+        }
+        if not optimistic:
+            return plain
+        self.explored += 1
+        return plain | optimistic
+
+    # ---- the shared fit ------------------------------------------------------------------------
+
+    def _shared(self) -> dict[tuple[str, str], tuple[float, float]]:
+        """Per cell of the completed matrix, its prior from the other cells (refitted when stale)."""
+        if self._fit is None:
+            self._fit = self._refit()
+        return self._fit
+
+    def _refit(self) -> dict[tuple[str, str], tuple[float, float]]:
+        s = self.settings
+        seen = sorted(k for k, c in self._cells.items() if c.weight > 0)
+        families = sorted({f for f, _ in seen})
+        gpus = sorted({g for _, g in seen})
+        if not seen:
+            return {}
+        fi = {f: i for i, f in enumerate(families)}
+        gi = {g: i for i, g in enumerate(gpus)}
+        rows = np.array([fi[f] for f, _ in seen], dtype=np.int64)
+        cols = np.array([gi[g] for _, g in seen], dtype=np.int64)
+        cells = [self._cells[k] for k in seen]
+        y = np.array([c.weighted_sum / c.weight for c in cells])
+        # Inverse variance of a cell's mean around the model: its own noise plus the interaction.
+        w = np.array([1.0 / (s.noise_sd**2 / c.weight + s.interaction_sd**2) for c in cells])
+        a, b, u, v = _als(rows, cols, y, w, n_families=len(families), n_gpus=len(gpus), s=s)
+        per_family = np.bincount(rows, minlength=len(families))
+        per_gpu = np.bincount(cols, minlength=len(gpus))
+        has = set(seen)
+        fit: dict[tuple[str, str], tuple[float, float]] = {}
+        for f in families:
+            for g in gpus:
+                i, j = fi[f], gi[g]
+                support = int(per_family[i] + per_gpu[j]) - (2 if (f, g) in has else 0)
+                if support <= 0:
+                    fit[(f, g)] = (0.0, s.prior_sd)
+                    continue
+                mean = float(a[j] + b[i] + u[i] @ v[j])
+                var = s.interaction_sd**2 + s.prior_sd**2 / (1 + support)
+                fit[(f, g)] = (mean, min(math.sqrt(var), s.prior_sd))
+        return fit
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    def state(self) -> LearnerState:
+        """Everything this learner knows, as a msgspec struct (cells sorted)."""
+        return LearnerState(
+            settings=self.settings,
+            cells=[
+                CellState(
+                    family=f,
+                    gpu_model=g,
+                    weight=c.weight,
+                    weighted_sum=c.weighted_sum,
+                    runs=c.runs,
+                    clipped=c.clipped,
+                )
+                for (f, g), c in sorted(self._cells.items())
+            ],
+            decisions=self.decisions,
+            explored=self.explored,
+        )
+
+    @classmethod
+    def from_state(cls, state: LearnerState) -> "SpeedLearner":
+        """A learner that knows exactly what ``state`` says."""
+        if state.version != _STATE_VERSION:
+            raise InvalidInputError(f"learner state version {state.version} is not {_STATE_VERSION}")
+        learner = cls(state.settings)
+        for c in state.cells:
+            learner._cells[(c.family, c.gpu_model)] = _Cell(c.weight, c.weighted_sum, c.runs, c.clipped)
+        learner.decisions = state.decisions
+        learner.explored = state.explored
+        return learner
+
+    def to_bytes(self) -> bytes:
+        """The state as JSON bytes."""
+        return msgspec.json.encode(self.state())
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "SpeedLearner":
+        """A learner from :meth:`to_bytes`' output."""
+        try:
+            state = msgspec.json.decode(data, type=LearnerState)
+        except msgspec.DecodeError as exc:
+            raise InvalidInputError(f"learner state: {exc}") from exc
+        return cls.from_state(state)
+
+    def runs(self) -> Mapping[tuple[str, str], int]:
+        """Runs observed per cell (cells without runs are absent)."""
+        return {k: c.runs for k, c in sorted(self._cells.items())}
+
+
+def _posterior(
+    prior_mean: float, prior_sd: float, weight: float, weighted_sum: float, noise_sd: float
+) -> tuple[float, float]:
+    """Normal posterior (mean, sd) of a log factor from its prior and a cell's statistics."""
+    prior_precision = 1.0 / (prior_sd * prior_sd)
+    data_precision = weight / (noise_sd * noise_sd)
+    precision = prior_precision + data_precision
+    mean = (prior_mean * prior_precision + weighted_sum / (noise_sd * noise_sd)) / precision
+    return mean, 1.0 / math.sqrt(precision)
+
+
+def _als(
+    rows: IntArray,
+    cols: IntArray,
+    y: FloatArray,
+    w: FloatArray,
+    *,
+    n_families: int,
+    n_gpus: int,
+    s: LearnSettings,
+) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
+    """Weighted ridge fit of ``y ≈ a[col] + b[row] + u[row]·v[col]`` by alternating least squares.
+
+    Ridge penalties are the priors' precisions: ``1/prior_sd²`` on the main effects, and
+    ``1/interaction_sd`` on each factor of the product (so that the product's scale is about
+    ``interaction_sd``). ``v`` starts at a fixed small pattern (never random): deterministic.
+    """
+    lam_main = 1.0 / s.prior_sd**2
+    lam_factor = 1.0 / s.interaction_sd
+    a = np.zeros(n_gpus)
+    b = np.zeros(n_families)
+    r = s.rank
+    u = np.zeros((n_families, r))
+    v = 0.1 * np.cos(np.outer(np.arange(1, n_gpus + 1), np.arange(1, r + 1)))
+    wsum_g = np.bincount(cols, weights=w, minlength=n_gpus)
+    wsum_f = np.bincount(rows, weights=w, minlength=n_families)
+    eye = np.eye(r)
+    for _ in range(s.iterations):
+        inter = np.einsum("ij,ij->i", u[rows], v[cols]) if r else np.zeros_like(y)
+        a = np.bincount(cols, weights=w * (y - b[rows] - inter), minlength=n_gpus) / (wsum_g + lam_main)
+        b = np.bincount(rows, weights=w * (y - a[cols] - inter), minlength=n_families) / (wsum_f + lam_main)
+        if not r:
+            continue
+        resid = y - a[cols] - b[rows]
+        for i in range(n_families):
+            mask = rows == i
+            vv = v[cols[mask]]
+            ww = w[mask]
+            u[i] = np.linalg.solve(vv.T @ (vv * ww[:, None]) + lam_factor * eye, vv.T @ (ww * resid[mask]))
+        for j in range(n_gpus):
+            mask = cols == j
+            uu = u[rows[mask]]
+            ww = w[mask]
+            v[j] = np.linalg.solve(uu.T @ (uu * ww[:, None]) + lam_factor * eye, uu.T @ (ww * resid[mask]))
+    return a, b, u, v
