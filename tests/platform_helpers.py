@@ -27,7 +27,9 @@ class Platform:
     """Keyword arguments for PlacementService."""
     time_scale: float = 2000.0
 
-    async def start(self, name: str, *, efficiency: float = 1.0) -> Any:
+    async def start(
+        self, name: str, *, efficiency: float = 1.0, true_speed: dict[tuple[str, str], float] | None = None
+    ) -> Any:
         ctx = await open_context(
             name, nats_url=self.nats_url, database_url=None if name.startswith("agent") else self.database_url
         )
@@ -48,7 +50,9 @@ class Platform:
             cluster = topology.cluster(name.removeprefix("agent-"))
             service = Agent(
                 ctx,
-                SimCluster(cluster, speed=model_speed, efficiency=efficiency),
+                SimCluster(
+                    cluster, speed=model_speed, efficiency=efficiency, true_speed=dict(true_speed or {})
+                ),
                 profile_of=library_profile,
                 region=cluster.region,
                 time_scale=self.time_scale,

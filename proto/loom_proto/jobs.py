@@ -281,6 +281,11 @@ class JobCompleted(
     delivered_speed: Annotated[float, Meta(gt=0, le=1000)] | None = None
     """Work done per second relative to the reference accelerator (its SCU as delivered), measured
     over the run; compared with the claimed SCU it teaches the decay factor and the cluster's trust."""
+    observed_step_s: Annotated[float, Meta(gt=0, le=86_400)] | None = None
+    """Compute seconds per step the run measured on its GPU model with all its workers (no
+    communication or pipeline waits). With the job's ``work.step_time_s`` it is the speed the job's
+    family really has there (``step_time_s / observed_step_s``, relative to the reference), which
+    placement's speed learner compares with the profile (:mod:`loom.model.learn`). None: not measured."""
 
 
 class JobFailed(

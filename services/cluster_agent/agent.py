@@ -38,6 +38,7 @@ from opentelemetry.context import Context
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError
+from loom.model.family import job_family
 from loom.model.heartbeat import next_interval_s
 from loom.runtime.service import ServiceContext
 from loom_proto import subjects
@@ -88,6 +89,8 @@ class RunningJob:
     start_at: float = 0.0
     """Wall-clock time (Unix seconds) a delayed run begins its work; 0 once it has begun (or for a
     run that never waited). Absolute, so a restarted agent waits only what is left."""
+    family: str = ""
+    """The job's family (:func:`loom.model.family.job_family`): picks a sim true speed."""
 
     @property
     def key(self) -> str:
@@ -306,6 +309,7 @@ class Agent:
             workers=command.workers or spec.workers,
             spec_workers=spec.workers,
             start_at=time.time() + wait_s if wait_s > 0 else 0.0,
+            family=job_family(spec),
         )
         self.sim.allocate(command.allocations)
         self._changed.set()
@@ -432,6 +436,7 @@ class Agent:
             job.task_type,
             slowdown=job.slowdown,
             worker_share=job.worker_share,
+            family=job.family,
         )
 
     async def _execute(self, job: RunningJob) -> None:
@@ -532,6 +537,11 @@ class Agent:
         # Per-GPU compute speed, without slowdown or worker share: metrics compares it with the
         # model's claimed SCU to learn how much this cluster really delivers.
         speed = self.sim.delivered_speed(job.gpu_model, job.task_type)
+        # Compute seconds per step on this model with all workers: what the job's family really
+        # gets here, for placement's speed learner.
+        observed_step_s = self.sim.compute_step_seconds(
+            job.step_time_s, job.gpu_model, job.task_type, job.family
+        )
         await self.ctx.publisher.publish(
             subjects.job_event("completed", job.tenant),
             JobCompleted(
@@ -544,6 +554,7 @@ class Agent:
                 gpu_model=job.gpu_model,
                 task_type=job.task_type,  # type: ignore[arg-type]  # validated when the job was accepted
                 delivered_speed=round(speed, 6),
+                observed_step_s=min(max(observed_step_s, 1e-9), 86_400.0),
             ),
             msg_id=f"{job.job_id}:completed:{job.attempt}",
             parent=parent,

@@ -11,7 +11,7 @@ from loom.runtime.service import ServiceContext, run
 from loom_proto.clusters import AcceleratorProfile
 from loom_services.cluster_agent.agent import Agent
 from loom_services.cluster_agent.probes import ProbeResponder
-from loom_services.cluster_agent.sim import SimCluster
+from loom_services.cluster_agent.sim import SimCluster, parse_true_speeds
 
 
 def model_speed(gpu_model: str, task_type: str) -> float:
@@ -63,6 +63,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="share of its claimed SCU this simulated cluster delivers (below 1: it under-delivers)",
     )
     parser.add_argument(
+        "--true-speed",
+        action="append",
+        default=[],
+        metavar="FAMILY:GPU=FACTOR",
+        help="test/replay knob: jobs of FAMILY really run on GPU at FACTOR x the profile's speed"
+        " (placement does not know; repeat for several)",
+    )
+    parser.add_argument(
         "--state-dir", type=Path, default=None, help="where running jobs are kept across restarts"
     )
     parser.add_argument("--probe-host", default="127.0.0.1", help="address the probe endpoints bind")
@@ -96,7 +104,12 @@ def main(argv: list[str] | None = None) -> None:
         ).start()
         agent = Agent(
             ctx,
-            SimCluster(cluster, speed=model_speed, efficiency=args.efficiency),
+            SimCluster(
+                cluster,
+                speed=model_speed,
+                efficiency=args.efficiency,
+                true_speed=parse_true_speeds(args.true_speed),
+            ),
             profile_of=library_profile,
             region=cluster.region,
             time_scale=args.time_scale,

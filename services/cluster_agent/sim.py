@@ -12,12 +12,19 @@ wall seconds:
 - ``workers / spec_workers`` is the share of the workers it asked for that an elastic run has:
   the job's work is fixed, so a run given half its workers goes half as fast (and one given more
   goes proportionally faster);
-- ``time_scale`` is how many simulated seconds pass per wall second.
+- ``time_scale`` is how many simulated seconds pass per wall second;
+- ``true_speed`` (a test and replay knob, ``--true-speed FAMILY:GPU=FACTOR``) makes jobs of one
+  family (:func:`loom.model.family.job_family`) run on one GPU model at ``FACTOR`` times what its
+  profile says (``0.33``: a third), unknown to placement: the truth its speed learner must find.
+  The compute seconds per step a run really had (``step_time_s / (speed * efficiency * FACTOR)``)
+  are reported on completion as ``observed_step_s``; ``delivered_speed`` (the cluster's trust and
+  the metrics decay) stays the cluster's own, family-free figure.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from loom.model.family import fold_family
 from loom.model.topology import Cluster
 from loom_proto.clusters import NodeState
 from loom_proto.jobs import NodeAllocation
@@ -65,6 +72,8 @@ class SimCluster:
     cluster: Cluster
     speed: SpeedFn = reference_speed
     efficiency: float = 1.0
+    true_speed: dict[tuple[str, str], float] = field(default_factory=dict)
+    """(job family, gpu_model) -> factor on the profile's speed that jobs of the family really get."""
     nodes: dict[str, SimNode] = field(init=False)
     dirty: set[str] = field(init=False, default_factory=set)
 
@@ -146,6 +155,17 @@ class SimCluster:
         """Work per second relative to the reference accelerator, as this cluster really runs it."""
         return max(self.speed(gpu_model, task_type) * self.efficiency, 1e-9)
 
+    def true_factor(self, family: str, gpu_model: str) -> float:
+        """What jobs of ``family`` really get on ``gpu_model`` over the profile (1.0 unless set)."""
+        return self.true_speed.get((family, gpu_model), 1.0)
+
+    def compute_step_seconds(
+        self, step_time_s: float, gpu_model: str, task_type: str, family: str = ""
+    ) -> float:
+        """Simulated compute seconds per step with all the workers asked for (what a run observes)."""
+        speed = self.delivered_speed(gpu_model, task_type) * self.true_factor(family, gpu_model)
+        return step_time_s / max(speed, 1e-9)
+
     def step_seconds(
         self,
         step_time_s: float,
@@ -154,14 +174,15 @@ class SimCluster:
         *,
         slowdown: float = 1.0,
         worker_share: float = 1.0,
+        family: str = "",
     ) -> float:
         """Simulated seconds one step takes here.
 
         ``slowdown`` stretches the compute time; ``worker_share`` is the workers a run has over
-        the workers it asked for (speed is proportional to it).
+        the workers it asked for (speed is proportional to it); ``family`` picks a true speed.
         """
-        speed = self.delivered_speed(gpu_model, task_type) * max(worker_share, 1e-9)
-        return step_time_s * max(slowdown, 1.0) / speed
+        compute_s = self.compute_step_seconds(step_time_s, gpu_model, task_type, family)
+        return compute_s * max(slowdown, 1.0) / max(worker_share, 1e-9)
 
     def wall_seconds(
         self,
@@ -173,9 +194,30 @@ class SimCluster:
         *,
         slowdown: float = 1.0,
         worker_share: float = 1.0,
+        family: str = "",
     ) -> float:
         """Wall-clock seconds ``steps`` take here."""
         step_s = self.step_seconds(
-            step_time_s, gpu_model, task_type, slowdown=slowdown, worker_share=worker_share
+            step_time_s, gpu_model, task_type, slowdown=slowdown, worker_share=worker_share, family=family
         )
         return steps * step_s / time_scale
+
+
+def parse_true_speeds(items: Iterable[str]) -> dict[tuple[str, str], float]:
+    """``FAMILY:GPU=FACTOR`` options as a ``true_speed`` table (families folded like job families).
+
+    Raises ValueError on a malformed item or a factor that is not positive.
+    """
+    table: dict[tuple[str, str], float] = {}
+    for item in items:
+        key, sep, value = item.rpartition("=")
+        family, colon, gpu = key.rpartition(":")
+        if not sep or not colon or not family or not gpu:
+            raise ValueError(f"true speed {item!r} is not FAMILY:GPU=FACTOR")
+        factor = float(value)
+        if not (factor > 0 and factor < float("inf")):
+            raise ValueError(f"true speed factor in {item!r} must be positive")
+        folded = family.partition("@")
+        name = fold_family(folded[0]) + (f"@{folded[2]}" if folded[1] else "")
+        table[(name, gpu)] = factor
+    return table

@@ -111,6 +111,9 @@ class Book:
         """GPUs held per tenant, kept in step with the runs."""
         self._snap: Snapshot | None = None
         """Kept between cycles and updated in step with the book; rebuilt after anything else."""
+        self.learned: dict[tuple[str, str], float] = {}
+        """(job family, gpu_model) -> learned speed factor the snapshot applies (see
+        :mod:`loom.model.learn`); change it with :meth:`set_learned`."""
 
     def clear_runs(self) -> None:
         """Forget every run (before rebuilding them from the store)."""
@@ -251,6 +254,14 @@ class Book:
         """One GPU's SCU for a task type (1.0 for a model the library does not know)."""
         return self._speeds([model]).get((model, task_type), 1.0)
 
+    def set_learned(self, learned: dict[tuple[str, str], float]) -> None:
+        """Adopt new learned speed factors: the kept snapshot applies them from its next cycle."""
+        if learned == self.learned:
+            return
+        self.learned = dict(learned)
+        if self._snap is not None:
+            self._snap.set_learned(self.learned)
+
     def snapshot(self, now: float) -> Snapshot:
         """The cycle's input: nodes, clusters with trust, runs, network, prices and speeds.
 
@@ -281,6 +292,7 @@ class Book:
             economics=self.economics,
             speed=self._speeds(models),
             gpu_memory_gib=self._memory,
+            learned=self.learned,
             now=now,
         )
         return self._snap

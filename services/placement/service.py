@@ -8,6 +8,14 @@ the messages it implies, so a crash at any point neither loses nor doubles a dec
 
 Decisions come from the scheduling framework (:mod:`loom.sched.framework`) with the default
 profile: the same code the simulator and ``loom bench placement`` run.
+
+Learned speeds: each completed single-part run that reports ``observed_step_s`` teaches the
+speed learner (:mod:`loom.model.learn`) what its job family really gets on its GPU model. The
+observation is stored in the same transaction as the event (``speed_observations``, keyed by the
+event's message id, so a redelivery teaches nothing twice), the learner is rebuilt from those rows
+when this instance starts leading, and every cycle's snapshot applies its factors
+(``Snapshot.set_learned``). With ``explore_share`` above 0, that share of cycles at most offers
+still-uncertain (family, GPU) pairs at an optimistic speed (see the learner's exploration rule).
 """
 
 import asyncio
@@ -29,6 +37,8 @@ from opentelemetry import propagate
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError, TransientError
+from loom.model.family import job_family
+from loom.model.learn import LearnSettings, SpeedLearner
 from loom.model.topology import Topology
 from loom.runtime.leader import Leadership, lead
 from loom.runtime.service import ServiceContext
@@ -41,7 +51,7 @@ from loom.sched.plugins.quota import Quota
 from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, QuotaBook, TenantConfig
 from loom.sched.snapshot import Economics
-from loom.store import fence, inbox, outbox
+from loom.store import fence, inbox, outbox, speeds
 from loom.store import jobs as repo
 from loom.store.fence import FencedError
 from loom.store.pool import ConflictError, transaction, with_retry
@@ -115,6 +125,7 @@ class PlacementService:
         max_attempts: int = 3,
         lease_ttl_s: float = 2.0,
         holder: str | None = None,
+        explore_share: float = 0.0,
     ) -> None:
         self.ctx = ctx
         self.pool = ctx.db
@@ -137,6 +148,8 @@ class PlacementService:
         self.leadership = Leadership(shard=self.shard, holder=self.holder)
         self.lease_ttl_s = lease_ttl_s
         self.tenants = tenants or OPEN
+        self.learner = SpeedLearner(LearnSettings(explore_share=explore_share))
+        """What each job family really gets on each GPU model (rebuilt from the store on leading)."""
         self.alpha = AlphaLearner()
         """Compute's share of each task type's step time, learned from completed runs (joint score)."""
         self.framework: Framework = build_framework(
@@ -180,6 +193,8 @@ class PlacementService:
         """Rebuild the book and the queue from PostgreSQL, then publish leftovers."""
         self.book.nodes = await repo.load_nodes(self.pool)
         self.book.invalidate()
+        self.learner = await speeds.load_learner(self.pool, self.learner.settings)
+        self._adopt_learned()
         self.book.clear_runs()
         for row in await repo.active_runs(self.pool):
             self.book.add_run(run_from_row(row, self.book.nodes), from_store=True)
@@ -486,6 +501,11 @@ class PlacementService:
             return result
         wall = time.time()
         snap = self.book.snapshot(wall)
+        if self.learner.settings.explore_share > 0:
+            # Optimistic factors for this cycle only when the exploration budget allows.
+            offered = self.learner.factors(explore=True)
+            if offered != snap.learned:
+                snap.set_learned(offered)
         usage = self.book.usage_by_tenant()
         if self.quota is not None:
             self.quota.use(QuotaBook(self.tenants, usage))
@@ -541,6 +561,8 @@ class PlacementService:
             run = self.book.runs.get(victim)
             if run is not None:
                 await self._give_up(conn, run, "preempted", f"preempted by {by}", avoid=(), result=result)
+        for q, d, record in result.placed:
+            record.notes.append(self._speed_note(q.job, d.lead.gpu_model, snap.learned))
         await repo.reserve(conn, reservations, deadlines)
         await repo.mark_placed(conn, placed_rows)
         await repo.mark_rejected(conn, [(q.job.job_id, o.status.reason) for q, o in result.rejected])
@@ -738,6 +760,10 @@ class PlacementService:
         considered = [q for q in considered if q.job.job_id not in gone]
         for run, done in result.learned:
             self._learn_alpha(run, done)
+        if result.observed:
+            for observation in result.observed:
+                observation.teach(self.learner)
+            self._adopt_learned()
         for job_id, parts, workers in result.shrunk:
             if job_id in self.book.runs:
                 self.book.resize_run(job_id, parts, workers)
@@ -1077,6 +1103,7 @@ class PlacementService:
                     [repo.JobEventRow(e.job_id, _kind(e), mid, encode(e), _at(e)) for e, mid in events],
                 )
                 new = [e for e, mid in events if mid in fresh]
+                mid_of = {id(e): mid for e, mid in events}
                 await repo.confirm(conn, [(e.job_id, e.attempt) for e in new if isinstance(e, JobStarted)])
                 updates = [(e.job_id, e.attempt, e.step / e.steps) for e in new if isinstance(e, JobProgress)]
                 await repo.set_progress(conn, updates)
@@ -1101,6 +1128,9 @@ class PlacementService:
                     reason = e.reason if isinstance(e, JobFailed) else None
                     if isinstance(e, JobCompleted) and run is not None and run.attempt == e.attempt:
                         result.learned.append((run, e))
+                        observation = self._speed_observation(run, e, mid_of[id(e)])
+                        if observation is not None:
+                            result.observed.append(observation)
                     moved = await repo.finish(conn, e.job_id, e.attempt, state, reason)
                     waiting = self.queue.get(e.job_id)
                     if moved and waiting is not None and waiting.attempt == e.attempt + 1:
@@ -1124,6 +1154,7 @@ class PlacementService:
                     parent = run.queued.parent if run is not None else await _parent_of(conn, e.job_id)
                     if parent:
                         result.messages.extend(await self._settle_dag(conn, parent, result))
+                result.observed = await speeds.record(conn, result.observed)
                 await repo.append_events(conn, result.events)
                 await outbox.add(conn, PRODUCER, result.messages)
             # Committed: adopt it (no await below).
@@ -1143,6 +1174,58 @@ class PlacementService:
         except Exception as exc:
             return [o if o is not None else exc for o in outcomes]
         return outcomes
+
+    def _speed_observation(
+        self, run: Run, done: JobCompleted, event_id: str
+    ) -> speeds.SpeedObservation | None:
+        """What a completed run says of its family's speed on its GPU model, or None.
+
+        Only a run on one cluster, not cut into pipeline stages, that measured its compute step
+        teaches: a gang across clusters computes at its slowest part's pace, a pipeline stage runs
+        a slice of the model, so neither says what one GPU model delivers for the whole job.
+        """
+        job = run.job
+        if done.observed_step_s is None or len(run.parts) != 1 or job.pipeline is not None:
+            return None
+        _, model, _ = run.parts[0]
+        if not model:
+            return None
+        return speeds.SpeedObservation(
+            event_id=event_id,
+            job_id=job.job_id,
+            family=job_family(job),
+            gpu_model=model,
+            prior_speed=self.book.speed(model, job.task_type),
+            observed_speed=job.work.step_time_s / done.observed_step_s,
+        )
+
+    def _adopt_learned(self) -> None:
+        """Give the book (and so every cycle's snapshot) the learner's current factors."""
+        self.book.set_learned(self.learner.factors())
+        self.stats["learned_speeds"] = {
+            f"{e.family}@{e.gpu_model}": {
+                "factor": round(e.factor, 4),
+                "log_sd": round(e.log_sd, 4),
+                "runs": e.runs,
+            }
+            for e in self.learner.estimates()
+        }
+
+    def _speed_note(self, job: JobSubmitted, gpu_model: str, offered: Mapping[tuple[str, str], float]) -> str:
+        """The speed factor this decision used for the job on its chosen model, for ``loom explain``."""
+        family = job_family(job)
+        estimate = self.learner.estimate(family, gpu_model)
+        used = offered.get((family, gpu_model), 1.0)
+        if estimate.source == "prior" and used == 1.0:
+            return f"speed of family {family} on {gpu_model}: the profile's (nothing learned yet)"
+        text = (
+            f"speed of family {family} on {gpu_model}: x{used:.3g} the profile's"
+            f" (learned x{estimate.factor:.3g} ±{estimate.log_sd:.0%},"
+            f" {estimate.runs} run(s), {estimate.source})"
+        )
+        if abs(used - estimate.factor) > 1e-9 * max(used, 1.0):
+            text += "; explored: offered optimistically while uncertain"
+        return text
 
     def _learn_alpha(self, run: Run, done: JobCompleted) -> None:
         """Teach the joint score how much of this task type's step time is compute."""
@@ -1248,6 +1331,9 @@ class PlacementService:
                     "job": await repo.get_job(self.pool, job_id),
                     "decisions": await repo.decisions_of(self.pool, job_id),
                 }
+            elif op == "learned":
+                learner = await speeds.load_learner(self.pool, self.learner.settings)
+                result = [msgspec.to_builtins(e) for e in learner.estimates()]
             elif op == "leader":
                 result = dataclasses.asdict(self.leadership)
             else:
@@ -1273,6 +1359,8 @@ class CycleResult:
     current: dict[str, tuple[tuple[str, int], ...]] = dataclasses.field(default_factory=dict)
     """Elastic runs' allocations as this cycle left them."""
     learned: list[tuple[Run, JobCompleted]] = dataclasses.field(default_factory=list)
+    observed: list[speeds.SpeedObservation] = dataclasses.field(default_factory=list)
+    """Speed observations recorded in this transaction (new ones only, after the write)."""
     shrunk: list[tuple[str, list[tuple[str, str, tuple[tuple[str, int], ...]]], int]] = dataclasses.field(
         default_factory=list
     )

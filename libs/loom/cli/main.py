@@ -301,15 +301,41 @@ def cmd_view(args: argparse.Namespace) -> int:
                 fresh_only=args.fresh,
                 nodes=True,
             )
+            try:
+                learned: list[dict[str, Any]] | None = await client.learned_speeds(timeout_s=2.0)
+            except QueryError as exc:
+                learned = None
+                err.print(f"learned speeds unavailable: {exc}")
         finally:
             await client.close()
+        if args.model and learned:
+            learned = [e for e in learned if e["gpu_model"] == args.model]
         if args.json:
-            print(json.dumps(view, indent=2))
+            print(json.dumps({**view, "learned_speeds": learned}, indent=2))
             return 0
         console.print(_view_tree(view, with_nodes=args.nodes))
+        if learned:
+            console.print(_learned_table(learned))
         return 0
 
     return _run(go())
+
+
+def _learned_table(learned: list[dict[str, Any]]) -> Table:
+    """Learned speeds: per (family, GPU model), the factor on the profile's speed, its sd and runs."""
+    table = Table(title="learned speeds (x the profile's speed)")
+    for col in ("family", "GPU", "factor", "±sd", "runs", "source"):
+        table.add_column(col)
+    for e in learned:
+        table.add_row(
+            e["family"],
+            e["gpu_model"],
+            f"{e['factor']:.3f}",
+            f"±{e['log_sd']:.0%}",
+            str(e["runs"]),
+            e["source"],
+        )
+    return table
 
 
 def _capacity(level: dict[str, Any]) -> str:

@@ -113,6 +113,12 @@ class LoomClient:
         )
         return result
 
+    async def learned_speeds(self, *, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        """What placement learned of each (job family, GPU model)'s speed: ``family``, ``gpu_model``,
+        ``factor`` (times the profile's speed), ``log_sd``, ``runs`` and ``source``."""
+        result: list[dict[str, Any]] = await self._query(subjects.JOBS_QUERY, {"op": "learned"}, timeout_s)
+        return result
+
     async def counts(self, *, timeout_s: float = 5.0) -> dict[str, int]:
         """How many jobs are in each state."""
         result: dict[str, int] = await self._query(subjects.JOBS_QUERY, {"op": "counts"}, timeout_s)

@@ -1,0 +1,79 @@
+"""Learned speeds in PostgreSQL: the observations placement's speed learner took, replayed on start.
+
+The rows are the learner's whole memory: :func:`load_learner` folds them, in the order they were
+taken, into a fresh :class:`~loom.model.learn.SpeedLearner`, which is deterministic, so the
+leader after a restart (or any replica answering a query) knows exactly what the last one knew.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import asyncpg
+
+from loom.model.learn import LearnSettings, SpeedLearner
+
+
+@dataclass(frozen=True)
+class SpeedObservation:
+    """One completed run's speed of a job family on a GPU model (see :meth:`SpeedLearner.observe`)."""
+
+    event_id: str
+    """The completion event's message id: a repeated one is not recorded again."""
+    job_id: str
+    family: str
+    gpu_model: str
+    prior_speed: float
+    observed_speed: float
+    weight: float = 1.0
+
+    def teach(self, learner: SpeedLearner) -> None:
+        """Feed this observation to ``learner``."""
+        learner.observe(
+            self.family,
+            self.gpu_model,
+            prior_speed=self.prior_speed,
+            observed_speed=self.observed_speed,
+            weight=self.weight,
+        )
+
+
+async def record(
+    conn: asyncpg.Connection, observations: Sequence[SpeedObservation]
+) -> list[SpeedObservation]:
+    """Store observations (in order); returns those that were new (an event id seen before is skipped)."""
+    if not observations:
+        return []
+    rows = await conn.fetch(
+        """INSERT INTO speed_observations
+               (event_id, job_id, family, gpu_model, prior_speed, observed_speed, weight)
+           SELECT e, j, f, g, p, s, w
+           FROM unnest($1::text[], $2::text[], $3::text[], $4::text[],
+                       $5::float8[], $6::float8[], $7::float8[]) WITH ORDINALITY
+                AS o(e, j, f, g, p, s, w, n)
+           ORDER BY n
+           ON CONFLICT (event_id) DO NOTHING
+           RETURNING event_id""",
+        [o.event_id for o in observations],
+        [o.job_id for o in observations],
+        [o.family for o in observations],
+        [o.gpu_model for o in observations],
+        [o.prior_speed for o in observations],
+        [o.observed_speed for o in observations],
+        [o.weight for o in observations],
+    )
+    new = {r["event_id"] for r in rows}
+    return [o for o in observations if o.event_id in new]
+
+
+async def load_learner(
+    conn: asyncpg.Connection | asyncpg.Pool, settings: LearnSettings | None = None
+) -> SpeedLearner:
+    """A learner that has taken every stored observation, in the order they were stored."""
+    learner = SpeedLearner(settings)
+    rows = await conn.fetch(
+        """SELECT event_id, job_id, family, gpu_model, prior_speed, observed_speed, weight
+           FROM speed_observations ORDER BY seq"""
+    )
+    for r in rows:
+        SpeedObservation(**dict(r)).teach(learner)
+    return learner

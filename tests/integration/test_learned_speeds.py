@@ -1,0 +1,130 @@
+"""Learned speeds through the real services on real NATS and PostgreSQL.
+
+One cluster's T4s run jobs of the ``gru-speech`` family at a third of their profile (the sim
+agent's ``true_speed`` knob); placement, which only knows the profile, must learn it from the
+runs' reported step times, keep it across a restart, and show it in ``loom explain``.
+"""
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import asyncpg
+import pytest
+from platform_helpers import Platform
+from waiting import until
+
+from loom.client import LoomClient, QueryError
+from loom.runtime.servers import NatsServer
+from loom.sched.explain import render
+from loom.sched.framework import DecisionRecord
+from loom_proto.jobs import JobSpec, Resources, Work
+
+FAMILY = "gru-speech"
+GPU = "T4"
+TRUE_FACTOR = 1 / 3
+RUNS = 10
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with NatsServer(tmp_path_factory.mktemp("learn-nats")) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+async def platform(
+    nats_url: str,
+    fresh_database: Callable[..., Awaitable[str]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[Platform]:
+    p = Platform(nats_url, await fresh_database("learn"), tmp_path_factory.mktemp("learn-agents"))
+    await p.start("metrics")
+    await p.start("placement")
+    await p.start("agent-c-sea1-a", true_speed={(FAMILY, GPU): TRUE_FACTOR})
+    yield p
+    for name in list(p.tasks):
+        await p.stop(name)
+
+
+@pytest.fixture
+async def client(platform: Platform) -> AsyncIterator[LoomClient]:
+    c = await LoomClient.connect(platform.nats_url)
+    yield c
+    await c.close()
+
+
+def completed(client: LoomClient, job_id: str) -> Callable[[], Awaitable[Any]]:
+    async def check() -> Any:
+        job = await client.job(job_id)
+        return job if job and job["state"] == "completed" else None
+
+    return check
+
+
+async def learned(client: LoomClient) -> dict[str, Any] | None:
+    rows = await client.learned_speeds()
+    return next((r for r in rows if r["family"] == FAMILY and r["gpu_model"] == GPU), None)
+
+
+async def test_a_gpu_three_times_slower_than_its_profile_is_learned_within_ten_runs_and_kept(
+    platform: Platform, client: LoomClient
+) -> None:
+    factors: list[float] = []
+    for n in range(RUNS):
+        job_id = f"gru-{n}"
+        await client.submit(
+            JobSpec(
+                job_id=job_id,
+                tenant="t1",
+                task_type="training_memory",
+                labels={"model": "GRU speech"},
+                resources=Resources(gpus=1, gpu_models=[GPU]),
+                work=Work(steps=60, step_time_s=1.0),
+            )
+        )
+        await until(completed(client, job_id), 60, f"{job_id} completed")
+
+        async def taught(runs: int = n + 1) -> dict[str, Any] | None:
+            row = await learned(client)
+            return row if row is not None and row["runs"] == runs else None
+
+        row = await until(taught, 15, f"run {n + 1} learned")
+        factors.append(row["factor"])
+    print("learned factor after each run:", [round(f, 4) for f in factors])
+    assert abs(factors[-1] / TRUE_FACTOR - 1) <= 0.15
+    first_within = next(i for i, f in enumerate(factors) if abs(f / TRUE_FACTOR - 1) <= 0.15) + 1
+    assert first_within <= RUNS
+    final = await learned(client)
+    assert final is not None
+    assert final["source"] == "own"
+    assert final["log_sd"] < 0.05
+
+    # The last run was placed with what the first nine taught, and its explanation says so.
+    answer = await client.explain(f"gru-{RUNS - 1}")
+    record = DecisionRecord.from_dict(answer["decisions"][-1]["record"])
+    note = next(line for line in render(record) if f"speed of family {FAMILY} on {GPU}" in line)
+    assert f"{RUNS - 1} run(s), own" in note
+    used = float(note.split(": x", 1)[1].split(" ", 1)[0])
+    assert abs(used / TRUE_FACTOR - 1) <= 0.15
+
+    # Every completion was taught once, however often it was delivered.
+    conn = await asyncpg.connect(platform.database_url)
+    try:
+        stored = await conn.fetchval("SELECT count(*) FROM speed_observations")
+        distinct = await conn.fetchval("SELECT count(DISTINCT job_id) FROM speed_observations")
+    finally:
+        await conn.close()
+    assert stored == distinct == RUNS
+
+    # A restarted placement knows exactly what the last one knew.
+    await platform.stop("placement")
+    service = await platform.start("placement")
+
+    async def reloaded() -> bool:
+        return service.leadership.is_leader and dict(service.learner.runs()).get((FAMILY, GPU)) == RUNS
+
+    await until(reloaded, 30, "restarted placement leads with its learned speeds", retry_on=(QueryError,))
+    estimate = service.learner.estimate(FAMILY, GPU)
+    assert estimate.factor == pytest.approx(final["factor"])
+    assert estimate.runs == RUNS
+    assert service.book.learned[(FAMILY, GPU)] == pytest.approx(final["factor"])
