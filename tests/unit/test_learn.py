@@ -8,6 +8,15 @@ import pytest
 
 from loom.errors import InvalidInputError
 from loom.model.learn import LearnSettings, SpeedLearner
+from loom.model.profiles import relative_speed
+from loom.model.topology import load_topology
+from loom.sched.firstfit import NodeCapacity
+from loom.sched.plugins.cost import default_economics
+from loom.sched.snapshot import ClusterInfo, NetMatrix
+from loom.sim.engine import simulate
+from loom.sim.model import Platform, SimJob, Trace
+from loom.sim.policies import POLICIES
+from loom_proto.jobs import JobSpec, Resources, Work
 
 TRUE_FACTOR = 1 / 3
 """The GPU delivers a third of what its profile promises (the profile is 3x too fast)."""
@@ -217,3 +226,44 @@ def test_a_lighter_run_counts_for_less() -> None:
     light.observe("gru", "A100", prior_speed=1.0, observed_speed=0.5, weight=0.1)
     assert heavy.estimate("gru", "A100").factor < light.estimate("gru", "A100").factor < 1.0
     assert heavy.estimate("gru", "A100").log_sd < light.estimate("gru", "A100").log_sd
+
+
+def test_the_simulator_teaches_the_learner_at_every_single_part_completion() -> None:
+    region = "aws-us-east-2"
+    models = {"c-a": "A100", "c-b": "V100M32"}
+    platform = Platform(
+        name="learn",
+        nodes=[
+            NodeCapacity(
+                node=f"{cid}-n0", cluster=cid, region=region, zone=f"{region}-a", gpu_model=m, gpus_total=8
+            )
+            for cid, m in models.items()
+        ],
+        clusters={cid: ClusterInfo(id=cid, region=region, zone=f"{region}-a") for cid in models},
+        net=NetMatrix.from_topology(load_topology()),
+        economics=default_economics(),
+        speed={(m, "training_compute"): relative_speed(m, "training_compute") for m in models.values()},
+        gpu_memory_gib=dict.fromkeys(models.values(), 80.0),
+    )
+    jobs = [
+        SimJob(
+            spec=JobSpec(
+                job_id=f"j{i}",
+                tenant="t",
+                labels={"model": "GRU speech"},
+                resources=Resources(gpus=4),
+                work=Work(steps=100, step_time_s=1.0),
+            ),
+            arrival_s=10.0 * i,
+        )
+        for i in range(6)
+    ]
+    learner = SpeedLearner()
+    result = simulate(Trace(jobs), platform, POLICIES["loom"](0), learner=learner)
+    done = [r for r in result.records if r.end_s is not None]
+    assert len(done) == 6
+    runs = learner.runs()
+    assert sum(runs.values()) == 6
+    assert {family for family, _ in runs} == {"gru-speech"}
+    assert {gpu for _, gpu in runs} <= set(models.values())
+    assert all(learner.estimate(f, g).source == "own" for f, g in runs)

@@ -90,6 +90,8 @@ from typing import Any, Final
 
 import numpy as np
 
+from loom.model.family import job_family
+from loom.model.learn import SpeedLearner
 from loom.model.profiles import reference_profile, relative_speed
 from loom.model.scu import TASK_TYPES, ScuError
 from loom.model.topology import Topology, load_topology
@@ -337,8 +339,11 @@ class _Simulation:
         sample_every_s: float,
         max_decisions_per_event: int,
         horizon_s: float | None,
+        learner: SpeedLearner | None = None,
     ) -> None:
         self.policy = policy
+        self.speed_learner = learner
+        """Learns each family's speed per GPU model from completed runs (see :meth:`_learn_speed`)."""
         self.fast = policy if isinstance(policy, FrameworkPolicy) else None
         self.sort_key = self.fast.sort_key if self.fast is not None else _default_sort_key
         self.sample_every_s = sample_every_s
@@ -1041,11 +1046,31 @@ class _Simulation:
         learner = self.fast.learner if self.fast is not None else None
         if learner is not None and job.record.restarts == 0 and not run.pipeline:
             learner.observe(job.spec.task_type, run.compute_s, run.raw_step_s)
+        if self.speed_learner is not None:
+            self._learn_speed(self.speed_learner, job.spec, run)
         for child in job.children:
             kid = self.jobs[child]
             kid.parents_left -= 1
             if kid.parents_left == 0 and not kid.done:
                 self._push(_Event(max(self.t, kid.sim.arrival_s), _ARRIVAL, 0, job_id=child))
+
+    def _learn_speed(self, learner: SpeedLearner, spec: JobSpec, run: _Run) -> None:
+        """Teach the speed learner what a completed run's family got on its GPU model, and apply it.
+
+        ``run.compute_s`` is the compute seconds per step the run had (with every worker, at the
+        slowest part's pace): one GPU model's speed only for a run on one part, not a pipeline
+        stage; other runs teach nothing (placement skips them alike).
+        """
+        if len(run.decision.parts) != 1 or run.pipeline or run.compute_s <= 0:
+            return
+        model = run.decision.lead.gpu_model
+        learner.observe(
+            job_family(spec),
+            model,
+            prior_speed=self.snap.gpu_speed(model, spec.task_type),
+            observed_speed=spec.work.step_time_s / run.compute_s,
+        )
+        self.snap.set_learned(learner.factors())
 
     def _stop(self, job_id: str, *, given_back: bool) -> None:
         """Stop a run (preempted, or its cluster failed) and requeue the job from its last checkpoint."""
@@ -1294,6 +1319,7 @@ def simulate(
     sample_every_s: float = 300.0,
     max_decisions_per_event: int = 64,
     horizon_s: float | None = None,
+    learner: SpeedLearner | None = None,
 ) -> SimResult:
     """Replay ``trace`` on ``platform`` under ``policy``; one :class:`JobRecord` per job (in trace
     order, DAG jobs as their stages) and a sample of GPU use every ``sample_every_s``.
@@ -1302,7 +1328,9 @@ def simulate(
     The engine draws no random numbers; ``seed`` is recorded in the notes for the policy's and the
     trace's seeds to be reported with the result. ``horizon_s``: stop at that simulated time (jobs
     still running have ``end_s`` None, their use so far accounted); None: run until every job has
-    completed, been rejected, or can never start (it stays queued).
+    completed, been rejected, or can never start (it stays queued). ``learner``: a speed learner
+    (:mod:`loom.model.learn`) taught by every completed single-part run, whose factors every
+    later decision uses (``Snapshot.set_learned``), as placement does; None: nothing is learned.
     """
     started = time.perf_counter()
     sim = _Simulation(
@@ -1312,6 +1340,7 @@ def simulate(
         sample_every_s=sample_every_s,
         max_decisions_per_event=max_decisions_per_event,
         horizon_s=horizon_s,
+        learner=learner,
     )
     sim.run()
     wall_s = time.perf_counter() - started
