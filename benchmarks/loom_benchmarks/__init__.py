@@ -87,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scale", action="store_true", help="Loom alone at 100,000 nodes and jobs: wall time and peak RSS"
     )
     policies.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    learn = sub.add_parser("learn", help="speed learner: runs until a profile 3x wrong is learned, sharing")
+    learn.add_argument("--truth", type=float, default=1 / 3, help="true factor on the profile's speed")
+    learn.add_argument("--noise-cv", type=float, default=0.05, help="run-to-run noise (log sd)")
+    learn.add_argument("--runs", type=int, default=10, help="runs per seed")
+    learn.add_argument("--seeds", type=int, default=200)
+    learn.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     net = sub.add_parser("net", help="network perception: convergence, stability, accuracy, capacity")
     net.add_argument("--topology", default="default")
     net.add_argument("--seed", type=int, default=7)
@@ -135,6 +141,12 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from loom_benchmarks.policies import main as run_policies
 
         return run_policies(args)
+    if args.bench == "learn":
+        from loom_benchmarks.learn import run as run_learn
+
+        result = run_learn(args)
+        print(json.dumps(result, indent=2))
+        return 0
     if args.bench == "net":
         from loom_benchmarks import net
 

@@ -1,0 +1,124 @@
+"""``loom bench learn``: how fast the speed learner finds a (family, GPU) whose profile is wrong.
+
+Synthetic runs, seeded: a GPU model delivers ``--truth`` times its profile's speed for one job
+family (1/3 by default: the profile is 3x too fast) and each run's measured speed carries
+log-normal noise of ``--noise-cv``. Reported, over ``--seeds`` seeds:
+
+- ``convergence``: after each run n (1..``--runs``), the median and worst relative error of the
+  learned factor, and the share of seeds within 15 %; ``runs_to_15pct``: per seed, the first run
+  after which the estimate stays within 15 % up to the last run (median and worst);
+- ``sharing``: a family run on GPUs X and Y and another family run on X only (Y delivers
+  ``--truth`` for every family): the second family's factor on Y, never run there, and its error;
+- ``outlier``: five runs at the truth, then one run 20x too slow: how far the estimate moves.
+
+The learner is :class:`loom.model.learn.SpeedLearner` with its default settings, the one placement
+and the simulator use.
+"""
+
+import argparse
+import math
+import random
+import statistics
+import sys
+from typing import Any
+
+from loom.model.learn import SpeedLearner
+
+TOLERANCE = 0.15
+
+
+def _noisy(rng: random.Random, truth: float, cv: float) -> float:
+    return truth * math.exp(rng.gauss(0.0, cv))
+
+
+def convergence(truth: float, noise_cv: float, runs: int, seeds: int) -> dict[str, Any]:
+    """Per run count, the learned factor's relative error over seeds."""
+    errors: list[list[float]] = [[] for _ in range(runs)]
+    needed: list[int | None] = []
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        learner = SpeedLearner()
+        first: int | None = None
+        for n in range(runs):
+            observed = _noisy(rng, truth, noise_cv)
+            learner.observe("family", "gpu", prior_speed=1.0, observed_speed=observed)
+            error = abs(learner.estimate("family", "gpu").factor / truth - 1)
+            errors[n].append(error)
+            within = error <= TOLERANCE
+            # The first run of the final streak within the tolerance.
+            first = (first or n + 1) if within else None
+        needed.append(first)
+    reached = [n for n in needed if n is not None]
+    return {
+        "per_run": [
+            {
+                "runs": n + 1,
+                "median_error": round(statistics.median(e), 4),
+                "max_error": round(max(e), 4),
+                "share_within_15pct": round(sum(x <= TOLERANCE for x in e) / len(e), 4),
+            }
+            for n, e in enumerate(errors)
+        ],
+        "runs_to_15pct": {
+            "median": statistics.median(reached) if reached else None,
+            "max": max(reached) if len(reached) == len(needed) else None,
+            "seeds_never_within": len(needed) - len(reached),
+        },
+    }
+
+
+def sharing(truth: float, noise_cv: float, seeds: int) -> dict[str, Any]:
+    """A family never run on a GPU, estimated from other families' runs there."""
+    errors = []
+    factors = []
+    for seed in range(seeds):
+        rng = random.Random(10_000 + seed)
+        learner = SpeedLearner()
+        for _ in range(5):
+            learner.observe("seen", "X", prior_speed=1.0, observed_speed=_noisy(rng, 1.0, noise_cv))
+            learner.observe("seen", "Y", prior_speed=1.0, observed_speed=_noisy(rng, truth, noise_cv))
+            learner.observe("new", "X", prior_speed=1.0, observed_speed=_noisy(rng, 1.0, noise_cv))
+        estimate = learner.estimate("new", "Y")
+        factors.append(estimate.factor)
+        errors.append(abs(estimate.factor / truth - 1))
+    return {
+        "median_factor": round(statistics.median(factors), 4),
+        "median_error": round(statistics.median(errors), 4),
+        "max_error": round(max(errors), 4),
+        "error_without_sharing": round(abs(1.0 / truth - 1), 4),
+    }
+
+
+def outlier(truth: float, noise_cv: float, seeds: int) -> dict[str, Any]:
+    """How far one run 20x too slow moves an estimate made of five good runs."""
+    moves = []
+    for seed in range(seeds):
+        rng = random.Random(20_000 + seed)
+        learner = SpeedLearner()
+        for _ in range(5):
+            learner.observe("family", "gpu", prior_speed=1.0, observed_speed=_noisy(rng, truth, noise_cv))
+        before = learner.estimate("family", "gpu").factor
+        learner.observe("family", "gpu", prior_speed=1.0, observed_speed=truth / 20)
+        moves.append(abs(learner.estimate("family", "gpu").factor / before - 1))
+    return {"median_move": round(statistics.median(moves), 4), "max_move": round(max(moves), 4)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark's result (see the module's docstring)."""
+    truth, cv, seeds = args.truth, args.noise_cv, args.seeds
+    result = {
+        "truth": truth,
+        "noise_cv": cv,
+        "seeds": seeds,
+        "convergence": convergence(truth, cv, args.runs, seeds),
+        "sharing": sharing(truth, cv, seeds),
+        "outlier": outlier(truth, cv, seeds),
+    }
+    if not args.json:
+        for row in result["convergence"]["per_run"]:
+            print(
+                f"after {row['runs']:>2} run(s): median error {row['median_error']:.1%},"
+                f" worst {row['max_error']:.1%}, within 15 % {row['share_within_15pct']:.0%}",
+                file=sys.stderr,
+            )
+    return result
