@@ -1,0 +1,32 @@
+"""The sim agent's true-speed knob: a family runs on a GPU model at a speed its profile does not say."""
+
+import pytest
+
+from loom.model.topology import load_topology
+from loom_services.cluster_agent.sim import SimCluster, parse_true_speeds
+
+
+def test_true_speeds_parse_with_families_folded_like_job_families() -> None:
+    table = parse_true_speeds(["GRU Speech:T4=0.333", "resnet_50@fp16:A100=1.5"])
+    assert table == {("gru-speech", "T4"): 0.333, ("resnet-50@fp16", "A100"): 1.5}
+
+
+@pytest.mark.parametrize(
+    "item", ["gru=0.3", "gru:T4", ":T4=0.3", "gru:=0.3", "gru:T4=0", "gru:T4=-1", "gru:T4=x"]
+)
+def test_malformed_true_speeds_are_refused(item: str) -> None:
+    with pytest.raises(ValueError, match=r"."):
+        parse_true_speeds([item])
+
+
+def test_a_family_with_a_true_speed_runs_slower_and_observes_it_other_families_do_not() -> None:
+    cluster = load_topology("small").cluster("c-sea1-a")
+    sim = SimCluster(cluster, speed=lambda _m, _t: 2.0, true_speed={("gru-speech", "T4"): 1 / 3})
+    assert sim.compute_step_seconds(1.0, "T4", "training_memory", "gru-speech") == pytest.approx(1.5)
+    assert sim.compute_step_seconds(1.0, "T4", "training_memory", "resnet") == pytest.approx(0.5)
+    assert sim.compute_step_seconds(1.0, "V100M16", "training_memory", "gru-speech") == pytest.approx(0.5)
+    # The whole step: compute stretched by the slowdown, over the share of workers the run has.
+    step = sim.step_seconds(1.0, "T4", "training_memory", slowdown=2.0, worker_share=0.5, family="gru-speech")
+    assert step == pytest.approx(6.0)
+    # The cluster's own figure (trust, decay) does not carry the family's truth.
+    assert sim.delivered_speed("T4", "training_memory") == pytest.approx(2.0)
