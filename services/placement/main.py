@@ -2,7 +2,9 @@
 
 Options: ``--topology`` (the network prior before probes report), ``--shard`` (one leader per
 shard), ``--tenants FILE`` (YAML or JSON quotas; none: every tenant admitted without quota),
-``--confirm-timeout-s`` (a start not confirmed by then is placed again elsewhere).
+``--confirm-timeout-s`` (a start not confirmed by then is placed again elsewhere),
+``--explore-share`` (the largest share of scheduling cycles that offer still-uncertain learned
+speeds optimistically; 0, the default, never explores).
 """
 
 import argparse
@@ -26,6 +28,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tenants", default=None, help="tenant quotas (YAML or JSON file)")
     parser.add_argument("--confirm-timeout-s", type=float, default=60.0, help="start confirmation timeout")
     parser.add_argument("--lease-ttl-s", type=float, default=2.0, help="leader lease time to live")
+    parser.add_argument(
+        "--explore-share",
+        type=float,
+        default=0.0,
+        help="largest share of cycles that try uncertain (family, GPU) speeds optimistically (0: never)",
+    )
     parser.add_argument("--name", default="placement", help="instance name (health subject, lease holder)")
     return parser.parse_args(argv)
 
@@ -55,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
             confirm_timeout_s=args.confirm_timeout_s,
             lease_ttl_s=args.lease_ttl_s,
             holder=args.name,
+            explore_share=args.explore_share,
         ).run()
 
     run(args.name, body)

@@ -14,9 +14,11 @@ from platform_helpers import Platform
 from waiting import until
 
 from loom.client import LoomClient, QueryError
+from loom.model.learn import SpeedLearner
 from loom.runtime.servers import NatsServer
 from loom.sched.explain import render
 from loom.sched.framework import DecisionRecord
+from loom.store import speeds
 from loom_proto.jobs import JobSpec, Resources, Work
 
 FAMILY = "gru-speech"
@@ -128,3 +130,39 @@ async def test_a_gpu_three_times_slower_than_its_profile_is_learned_within_ten_r
     assert estimate.factor == pytest.approx(final["factor"])
     assert estimate.runs == RUNS
     assert service.book.learned[(FAMILY, GPU)] == pytest.approx(final["factor"])
+
+
+async def test_an_observation_delivered_twice_is_stored_and_taught_once(
+    fresh_database: Callable[..., Awaitable[str]],
+) -> None:
+    conn = await asyncpg.connect(await fresh_database("learn-store"))
+    try:
+        first = speeds.SpeedObservation(
+            event_id="j1:completed:1",
+            job_id="j1",
+            family=FAMILY,
+            gpu_model=GPU,
+            prior_speed=3.0,
+            observed_speed=1.0,
+        )
+        second = speeds.SpeedObservation(
+            event_id="j2:completed:1",
+            job_id="j2",
+            family=FAMILY,
+            gpu_model=GPU,
+            prior_speed=3.0,
+            observed_speed=1.1,
+        )
+        async with conn.transaction():
+            assert await speeds.record(conn, [first, second]) == [first, second]
+        async with conn.transaction():
+            assert await speeds.record(conn, [second, first]) == []
+        learner = await speeds.load_learner(conn)
+        assert learner.runs() == {(FAMILY, GPU): 2}
+        # Replayed in the order stored: the same state as teaching them directly.
+        direct = SpeedLearner()
+        first.teach(direct)
+        second.teach(direct)
+        assert learner.to_bytes() == direct.to_bytes()
+    finally:
+        await conn.close()
