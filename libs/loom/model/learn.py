@@ -158,6 +158,47 @@ class _Cell:
         self.clipped = clipped
 
 
+_SOURCES: Final[tuple[Source, ...]] = ("own", "shared", "prior")
+
+
+class _Fit:
+    """The completed matrix (families with runs x GPU models with runs): each cell's posterior."""
+
+    __slots__ = ("families", "family_index", "gpu_index", "gpus", "keys", "mean", "runs", "sd", "source")
+
+    def __init__(
+        self,
+        *,
+        families: list[str],
+        gpus: list[str],
+        mean: FloatArray,
+        sd: FloatArray,
+        runs: IntArray,
+        source: IntArray,
+    ) -> None:
+        self.families = families
+        self.gpus = gpus
+        self.family_index = {f: i for i, f in enumerate(families)}
+        self.gpu_index = {g: j for j, g in enumerate(gpus)}
+        self.keys = [(f, g) for f in families for g in gpus]
+        self.mean = mean
+        self.sd = sd
+        self.runs = runs
+        self.source = source
+        """Per cell, an index into :data:`_SOURCES`."""
+
+    def estimate(self, i: int, j: int) -> Estimate:
+        """Cell (i, j) as an :class:`Estimate`."""
+        return Estimate(
+            family=self.families[i],
+            gpu_model=self.gpus[j],
+            factor=math.exp(float(self.mean[i, j])),
+            log_sd=float(self.sd[i, j]),
+            runs=int(self.runs[i, j]),
+            source=_SOURCES[int(self.source[i, j])],
+        )
+
+
 class SpeedLearner:
     """Per-(family, GPU model) speed factors over the SCU prior, learned from observed step times."""
 
@@ -166,8 +207,8 @@ class SpeedLearner:
         self._cells: dict[tuple[str, str], _Cell] = {}
         self.decisions = 0
         self.explored = 0
-        self._fit: dict[tuple[str, str], tuple[float, float]] | None = None
-        """Per cell of the completed matrix, the shared prior (mean, sd); None until refitted."""
+        self._fit: _Fit | None = None
+        """The completed matrix with its posteriors; None until refitted after an observation."""
 
     # ---- observations --------------------------------------------------------------------------
 
@@ -216,23 +257,24 @@ class SpeedLearner:
 
     def estimate(self, family: str, gpu_model: str) -> Estimate:
         """The factor for ``family`` on ``gpu_model``, its sd, runs and where it comes from."""
-        s = self.settings
-        prior_mean, prior_sd = self._shared().get((family, gpu_model), (0.0, s.prior_sd))
-        cell = self._cells.get((family, gpu_model))
-        if cell is not None and cell.weight > 0:
-            mean, sd = _posterior(prior_mean, prior_sd, cell.weight, cell.weighted_sum, s.noise_sd)
-            source: Source = "own"
-        else:
-            mean, sd = prior_mean, prior_sd
-            source = "shared" if prior_sd < s.prior_sd else "prior"
-        runs = cell.runs if cell is not None else 0
-        return Estimate(
-            family=family, gpu_model=gpu_model, factor=math.exp(mean), log_sd=sd, runs=runs, source=source
-        )
+        fit = self._shared()
+        i, j = fit.family_index.get(family), fit.gpu_index.get(gpu_model)
+        if i is None or j is None:
+            # Outside the completed matrix: no run of the family, or none on the model.
+            return Estimate(
+                family=family,
+                gpu_model=gpu_model,
+                factor=1.0,
+                log_sd=self.settings.prior_sd,
+                runs=0,
+                source="prior",
+            )
+        return fit.estimate(i, j)
 
     def estimates(self) -> list[Estimate]:
         """Every cell of the completed matrix (families with runs x GPU models with runs), sorted."""
-        return [self.estimate(f, g) for f, g in sorted(self._shared())]
+        fit = self._shared()
+        return [fit.estimate(i, j) for i in range(len(fit.families)) for j in range(len(fit.gpus))]
 
     def factors(self, *, explore: bool = False) -> dict[tuple[str, str], float]:
         """(family, gpu_model) -> factor for scheduling, for every cell of the completed matrix.
@@ -242,62 +284,70 @@ class SpeedLearner:
         offered at their optimistic factor; the call is then counted as explored.
         """
         s = self.settings
-        out = {(e.family, e.gpu_model): e for e in self.estimates()}
-        plain = {k: e.factor for k, e in out.items()}
+        fit = self._shared()
+        plain = dict(zip(fit.keys, np.exp(fit.mean).ravel().tolist(), strict=True))
         if not explore:
             return plain
         self.decisions += 1
         if self.explored + 1 > math.floor(s.explore_share * self.decisions):
             return plain
-        optimistic = {
-            k: math.exp(math.log(e.factor) + s.explore_z * e.log_sd)
-            for k, e in out.items()
-            if e.log_sd > s.explore_sd and e.runs < s.explore_max_runs
-        }
-        if not optimistic:
+        uncertain = ((fit.sd > s.explore_sd) & (fit.runs < s.explore_max_runs)).ravel()
+        if not uncertain.any():
             return plain
+        upper = np.exp(fit.mean + s.explore_z * fit.sd).ravel()
         self.explored += 1
-        return plain | optimistic
+        return plain | {fit.keys[k]: float(upper[k]) for k in np.flatnonzero(uncertain)}
 
     # ---- the shared fit ------------------------------------------------------------------------
 
-    def _shared(self) -> dict[tuple[str, str], tuple[float, float]]:
-        """Per cell of the completed matrix, its prior from the other cells (refitted when stale)."""
+    def _shared(self) -> "_Fit":
+        """The completed matrix with every cell's posterior (refitted when stale)."""
         if self._fit is None:
             self._fit = self._refit()
         return self._fit
 
-    def _refit(self) -> dict[tuple[str, str], tuple[float, float]]:
+    def _refit(self) -> "_Fit":
         s = self.settings
         seen = sorted(k for k, c in self._cells.items() if c.weight > 0)
         families = sorted({f for f, _ in seen})
         gpus = sorted({g for _, g in seen})
-        if not seen:
-            return {}
+        n_f, n_g = len(families), len(gpus)
         fi = {f: i for i, f in enumerate(families)}
         gi = {g: i for i, g in enumerate(gpus)}
         rows = np.array([fi[f] for f, _ in seen], dtype=np.int64)
         cols = np.array([gi[g] for _, g in seen], dtype=np.int64)
         cells = [self._cells[k] for k in seen]
-        y = np.array([c.weighted_sum / c.weight for c in cells])
+        weight = np.array([c.weight for c in cells], dtype=np.float64)
+        total = np.array([c.weighted_sum for c in cells], dtype=np.float64)
+        y = total / np.maximum(weight, 1e-300)
         # Inverse variance of a cell's mean around the model: its own noise plus the interaction.
-        w = np.array([1.0 / (s.noise_sd**2 / c.weight + s.interaction_sd**2) for c in cells])
-        a, b, u, v = _als(rows, cols, y, w, n_families=len(families), n_gpus=len(gpus), s=s)
-        per_family = np.bincount(rows, minlength=len(families))
-        per_gpu = np.bincount(cols, minlength=len(gpus))
-        has = set(seen)
-        fit: dict[tuple[str, str], tuple[float, float]] = {}
-        for f in families:
-            for g in gpus:
-                i, j = fi[f], gi[g]
-                support = int(per_family[i] + per_gpu[j]) - (2 if (f, g) in has else 0)
-                if support <= 0:
-                    fit[(f, g)] = (0.0, s.prior_sd)
-                    continue
-                mean = float(a[j] + b[i] + u[i] @ v[j])
-                var = s.interaction_sd**2 + s.prior_sd**2 / (1 + support)
-                fit[(f, g)] = (mean, min(math.sqrt(var), s.prior_sd))
-        return fit
+        w = 1.0 / (s.noise_sd**2 / np.maximum(weight, 1e-300) + s.interaction_sd**2)
+        a, b, u, v = _als(rows, cols, y, w, n_families=n_f, n_gpus=n_g, s=s)
+        has = np.zeros((n_f, n_g), dtype=np.bool_)
+        has[rows, cols] = True
+        per_family = has.sum(axis=1)
+        per_gpu = has.sum(axis=0)
+        # Cells with data in the same row or column, the cell itself left out.
+        support = per_family[:, None] + per_gpu[None, :] - 2 * has
+        prior_mean = np.where(support > 0, a[None, :] + b[:, None] + u @ v.T, 0.0)
+        prior_sd = np.where(
+            support > 0,
+            np.minimum(
+                np.sqrt(s.interaction_sd**2 + s.prior_sd**2 / (1 + np.maximum(support, 0))), s.prior_sd
+            ),
+            s.prior_sd,
+        )
+        cell_weight = np.zeros((n_f, n_g))
+        cell_weight[rows, cols] = weight
+        cell_total = np.zeros((n_f, n_g))
+        cell_total[rows, cols] = total
+        runs = np.zeros((n_f, n_g), dtype=np.int64)
+        runs[rows, cols] = [c.runs for c in cells]
+        precision = 1.0 / prior_sd**2 + cell_weight / s.noise_sd**2
+        mean = (prior_mean / prior_sd**2 + cell_total / s.noise_sd**2) / precision
+        sd = 1.0 / np.sqrt(precision)
+        source = np.where(has, 0, np.where(support > 0, 1, 2))
+        return _Fit(families=families, gpus=gpus, mean=mean, sd=sd, runs=runs, source=source)
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -386,7 +436,6 @@ def _als(
     v = 0.1 * np.cos(np.outer(np.arange(1, n_gpus + 1), np.arange(1, r + 1)))
     wsum_g = np.bincount(cols, weights=w, minlength=n_gpus)
     wsum_f = np.bincount(rows, weights=w, minlength=n_families)
-    eye = np.eye(r)
     for _ in range(s.iterations):
         inter = np.einsum("ij,ij->i", u[rows], v[cols]) if r else np.zeros_like(y)
         a = np.bincount(cols, weights=w * (y - b[rows] - inter), minlength=n_gpus) / (wsum_g + lam_main)
@@ -394,14 +443,25 @@ def _als(
         if not r:
             continue
         resid = y - a[cols] - b[rows]
-        for i in range(n_families):
-            mask = rows == i
-            vv = v[cols[mask]]
-            ww = w[mask]
-            u[i] = np.linalg.solve(vv.T @ (vv * ww[:, None]) + lam_factor * eye, vv.T @ (ww * resid[mask]))
-        for j in range(n_gpus):
-            mask = cols == j
-            uu = u[rows[mask]]
-            ww = w[mask]
-            v[j] = np.linalg.solve(uu.T @ (uu * ww[:, None]) + lam_factor * eye, uu.T @ (ww * resid[mask]))
+        u = _ridge_rows(rows, v[cols], w, resid, n_groups=n_families, lam=lam_factor)
+        v = _ridge_rows(cols, u[rows], w, resid, n_groups=n_gpus, lam=lam_factor)
     return a, b, u, v
+
+
+def _ridge_rows(
+    groups: IntArray, features: FloatArray, w: FloatArray, target: FloatArray, *, n_groups: int, lam: float
+) -> FloatArray:
+    """Per group, the ridge solution of ``target ≈ features · x`` over its cells (all groups at once)."""
+    r = features.shape[1]
+    if r == 1:  # the default rank: a closed form per group, much faster than batched solves
+        f = features[:, 0]
+        num = np.bincount(groups, weights=w * f * target, minlength=n_groups)
+        den = np.bincount(groups, weights=w * f * f, minlength=n_groups) + lam
+        return (num / den)[:, None]
+    gram = np.zeros((n_groups, r, r))
+    np.add.at(gram, groups, w[:, None, None] * features[:, :, None] * features[:, None, :])
+    gram += lam * np.eye(r)
+    rhs = np.zeros((n_groups, r))
+    np.add.at(rhs, groups, (w * target)[:, None] * features)
+    solved = np.linalg.solve(gram, rhs[:, :, None])[:, :, 0]
+    return np.asarray(solved, dtype=np.float64)
