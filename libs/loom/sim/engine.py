@@ -46,8 +46,8 @@ scored with (``Snapshot.job_gpu_speed``: SCU x what was learned, x the cluster's
 between the parts' regions; exactly what the ``jct`` plugin binds as ``predicted_step_s`` for Loom,
 computed here for every policy. The truth is the same network model on the parts' *true* speeds
 (:meth:`~loom.sim.truth.Truth.job_speed` of the job's family and batch on each part's GPU model,
-with its GPUs per node for the intra-node scaling; trust is the scheduler's caution, not the
-hardware's, so it does not apply), the compute times this run's noise
+at the most GPUs the part holds on one node, for the intra-node scaling; trust is the
+scheduler's caution, not the hardware's, so it does not apply), the compute times this run's noise
 (:meth:`~loom.sim.truth.Truth.noise_factor` of the job id, attempt and ``seed``). A pipeline's true
 step is the planner's step times its bottleneck (slowest stage compute or transfer) recomputed
 with the true speeds over the same recomputed with the believed ones. ``truth=BELIEF`` times every
@@ -947,7 +947,7 @@ class _Simulation:
         self._push(_Event(run.end_s, _COMPLETE, 0, job_id=spec.job_id, generation=job.generation))
 
     def _true_speeds(self, job: _Job, d: Decision) -> tuple[list[float], float, str]:
-        """Per part the true per-GPU speed (its GPUs per node from the allocation), this run's noise,
+        """Per part the true per-GPU speed (at the most GPUs the part holds on one node), this run's noise,
         and the derivation rule of the slowest part ("" when timing by belief: the believed speeds)."""
         truth = self.truth
         spec = job.spec
@@ -966,7 +966,9 @@ class _Simulation:
             per_node: dict[str, int] = {}
             for node, gpus in p.allocations:
                 per_node[node] = per_node.get(node, 0) + gpus
-            n = max(per_node.values(), default=1) if p.layers is not None else max(spec.resources.gpus, 1)
+            # A synchronous step waits for the node holding most of the job's GPUs: the lowest
+            # per-GPU throughput (intra-node scaling only falls with more GPUs).
+            n = max(per_node.values(), default=max(spec.resources.gpus, 1))
             found.append(
                 truth.job_speed(
                     spec, p.gpu_model, gpus_per_node=n, job_id=spec.job_id, name=spec.name, seed=self.seed
