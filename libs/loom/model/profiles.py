@@ -31,6 +31,7 @@ default (:data:`DEFAULT_NETWORK_GBPS`) until the agent's measurement replaces it
 import functools
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Final
 
 import msgspec
@@ -38,6 +39,7 @@ import msgspec
 from loom.model.scu import (
     DIMENSIONS,
     TASK_TYPES,
+    UNPROFILED_SPEED,
     DeviceProfile,
     Precision,
     ScuError,
@@ -50,6 +52,7 @@ __all__ = [
     "DEFAULT_NETWORK_GBPS",
     "DEFAULT_REFERENCE_MODEL",
     "LIBRARY",
+    "ModelSpeeds",
     "ReferenceProfile",
     "UnknownGpuModelError",
     "library_models",
@@ -57,6 +60,7 @@ __all__ = [
     "reference_profile",
     "relative_speed",
     "scu_per_gpu",
+    "speeds_for_model",
 ]
 
 DEFAULT_REFERENCE_MODEL: Final = "V100M16"
@@ -632,9 +636,45 @@ def relative_speed(
 
 
 def scu_per_gpu(gpu_model: str, *, reference_model: str = DEFAULT_REFERENCE_MODEL) -> float:
-    """One GPU's SCU when no task type is known (capacity summaries): the geometric mean over task types.
+    """One GPU's SCU when no task type is known (capacity summaries): the geometric mean over task
+    types, in single precision; :data:`~loom.model.scu.UNPROFILED_SPEED` for a model the library
+    does not know (a calibrated-only model counts at the floor in summaries).
 
     Fits the metrics service's ``scu_per_gpu(model)`` callable.
     """
-    speeds = [relative_speed(gpu_model, t, reference_model=reference_model) for t in TASK_TYPES]
+    speeds = list(speeds_for_model(gpu_model, reference_model=reference_model).speed.values())
     return math.exp(sum(math.log(s) for s in speeds) / len(speeds))
+
+
+@dataclass(frozen=True)
+class ModelSpeeds:
+    """What placement believes about one GPU of a model: its SCU per task type and precision."""
+
+    gpu_model: str
+    profiled: bool
+    """False for a model the library does not know: every speed is :data:`UNPROFILED_SPEED`."""
+    memory_gib: float
+    """Device memory (0 when unprofiled: no job that states a memory need fits there)."""
+    speed: Mapping[str, float]
+    """Task type -> SCU for single-precision jobs."""
+    half_speed: Mapping[str, float]
+    """Task type -> SCU for mixed-precision jobs (family ``…@fp16``)."""
+
+
+@functools.cache
+def speeds_for_model(gpu_model: str, *, reference_model: str = DEFAULT_REFERENCE_MODEL) -> ModelSpeeds:
+    """A GPU model's speed tables, the one way the simulator and the placement book build them.
+
+    A model with no library profile is **unprofiled**: counted at :data:`UNPROFILED_SPEED` (the
+    trust floor, never the reference's 1.0) with no known memory, so placement prefers every
+    profiled GPU until a calibrated profile or learned runs say what it delivers.
+    """
+    try:
+        profile = profile_for_model(gpu_model)
+    except UnknownGpuModelError:
+        flat: dict[str, float] = dict.fromkeys(TASK_TYPES, UNPROFILED_SPEED)
+        return ModelSpeeds(gpu_model, profiled=False, memory_gib=0.0, speed=flat, half_speed=dict(flat))
+    reference = profile_for_model(reference_model)
+    fp32: dict[str, float] = {t: scu(profile, t, reference=reference, precision="fp32") for t in TASK_TYPES}
+    fp16: dict[str, float] = {t: scu(profile, t, reference=reference, precision="fp16") for t in TASK_TYPES}
+    return ModelSpeeds(gpu_model, profiled=True, memory_gib=profile.memory_gib, speed=fp32, half_speed=fp16)
