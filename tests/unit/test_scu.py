@@ -497,9 +497,24 @@ def test_snapshot_job_speeds_read_the_fp16_table_for_a_half_precision_job() -> N
             speeds_for_model(model).half_speed["training_compute"]
         )
         assert snap.job_speeds(single)[i] == pytest.approx(speeds_for_model(model).speed["training_compute"])
-    # A node of a model with no speed in the tables is unprofiled, not the reference.
+    # The builders fill a model without a profile at the trust floor, not at the reference's 1.0.
     node = NodeCapacity(node="n1", cluster="c1", region="r1", zone="z1", gpu_model="Z9000", gpus_total=8)
-    lone = Snapshot([node])
-    assert (
-        lone.job_gpu_speed(single, "Z9000") == lone.gpu_speed("Z9000", "training_compute") == UNPROFILED_SPEED
+    tables = speeds_for_model("Z9000")
+    lone = Snapshot(
+        [node],
+        speed={("Z9000", t): v for t, v in tables.speed.items()},
+        half_speed={("Z9000", t): v for t, v in tables.half_speed.items()},
+    )
+    assert lone.job_gpu_speed(single, "Z9000") == lone.job_gpu_speed(half, "Z9000") == UNPROFILED_SPEED
+
+
+def test_the_placement_book_counts_an_unprofiled_model_at_the_trust_floor() -> None:
+    from loom_services.placement.book import Book
+
+    book = Book()
+    assert book.speed("Z9000", "training_compute") == UNPROFILED_SPEED
+    assert book._memory["Z9000"] == 0.0
+    assert book.speed("A100", "training_compute") == pytest.approx(relative_speed("A100", "training_compute"))
+    assert book._half_speed[("A100", "training_compute")] == pytest.approx(
+        relative_speed("A100", "training_compute", precision="fp16")
     )

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from loom.model.family import HALF_PRECISIONS, HasLabels, job_family
-from loom.model.scu import UNPROFILED_SPEED, Precision
+from loom.model.scu import Precision
 from loom.model.topology import Topology
 from loom.sched.firstfit import NodeCapacity
 
@@ -309,14 +309,16 @@ class Snapshot:
     def gpu_speed(self, model: str, task_type: str, precision: Precision = "fp32") -> float:
         """One GPU's delivered speed for a task type relative to the reference.
 
-        A model missing from the tables is unprofiled: :data:`~loom.model.scu.UNPROFILED_SPEED`
-        (the trust floor), never the reference's 1.0.
+        The builders of speed tables (the simulator's platform, the placement book) fill every
+        model they have nodes of, an unprofiled one at :data:`~loom.model.scu.UNPROFILED_SPEED`
+        (:func:`loom.model.profiles.speeds_for_model`); a model missing from a table handed in
+        by hand (tests, benchmarks) reads as the reference, 1.0.
         """
         if precision == "fp16":
             half = self.half_speed.get((model, task_type))
             if half is not None:
                 return half
-        return self.speed.get((model, task_type), UNPROFILED_SPEED)
+        return self.speed.get((model, task_type), 1.0)
 
     def speeds(self, task_type: str, precision: Precision = "fp32") -> FloatArray:
         """Every model's per-GPU speed for a task type, indexed like :attr:`models` (cached)."""
