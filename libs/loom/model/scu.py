@@ -402,8 +402,10 @@ def fit_weights(
 ) -> TaskWeights:
     """The weights that best predict the observed ratios, pulled toward ``prior``.
 
-    Searches every weight vector on a simplex grid of ``grid_step`` for the least mean absolute
-    error in log ratio, plus ``prior_strength`` times the L1 distance to the (normalised) prior.
+    Searches every weight vector on a simplex grid of ``grid_step`` over the prior's dimensions
+    for the least mean absolute error in log ratio (the loss whose minimiser tracks the median
+    error, which is what ``loom bench scu`` reports), plus ``prior_strength`` times the L1
+    distance to the (normalised) prior.
     Only the dimensions the prior weights can get weight: the data choose proportions among what
     the prior says matters, and never lean on a dimension merely because its ratio happens to be
     constant in the data. The log error treats over- and under-prediction by the same factor
