@@ -165,7 +165,7 @@ _ADA = "NVIDIA Ada GPU Architecture whitepaper v2.1 (2023), Appendix A"
 _H100 = "NVIDIA H100 Tensor Core GPU datasheet (2023)"
 _H200 = "NVIDIA H200 Tensor Core GPU datasheet (2024), H200 SXM column"
 _GH200 = "NVIDIA GH200 Grace Hopper Superchip datasheet (2023), GH200 with 96 GB HBM3"
-_B200 = "NVIDIA HGX B200 specifications (2024), 8-GPU board figures divided by 8"
+_B200 = "NVIDIA GB200 NVL72 and HGX B200 datasheet (2024), HGX B200 individual Blackwell GPU column"
 _MI250X = "AMD Instinct MI250X Accelerator data sheet (2021)"
 _MI300X = "AMD Instinct MI300X Accelerator data sheet (2023)"
 _PCIE_CARD = (
@@ -241,7 +241,7 @@ def _quadro_turing(model: GpuModel, memory_gib: float, source: str) -> Reference
     name = "8000" if memory_gib > 24 else "6000"
     return _entry(
         model,
-        f"NVIDIA Quadro RTX {name} (actively cooled, 295 W board)",
+        f"NVIDIA Quadro RTX {name} (actively cooled board)",
         fp32=(16.3, f"{source}: FP32 performance 16.3 TFLOPS"),
         fp16=(
             130.5,
@@ -347,9 +347,12 @@ _LIBRARY: Final[tuple[ReferenceProfile, ...]] = (
     _entry(
         "A40",
         "NVIDIA A40 (PCIe, 300 W)",
-        fp32=(37.4, f"{_A40}: FP32 37.4 TFLOPS"),
-        fp16=(149.7, f"{_A40}: FP16 Tensor Core 149.7 TFLOPS ({_NO_SPARSITY})"),
-        tf32=(74.8, f"{_A40}: TF32 Tensor Core 74.8 TFLOPS ({_NO_SPARSITY})"),
+        fp32=(37.4, f"{_A40}: peak FP32 TFLOPS (non-Tensor) 37.4"),
+        fp16=(
+            149.7,
+            f"{_A40}: peak BF16 Tensor TFLOPS with FP32 accumulate 149.7 ({_NO_SPARSITY}); FP16 the same",
+        ),
+        tf32=(74.8, f"{_A40}: peak TF32 Tensor TFLOPS 74.8 ({_NO_SPARSITY})"),
         memory_gbytes_per_s=(696.0, f"{_A40}: GPU memory bandwidth 696 GB/s"),
         memory=(48.0, f"{_A40}: 48 GB GDDR6 with ECC"),
         interconnect_gbps=(
@@ -501,13 +504,13 @@ _LIBRARY: Final[tuple[ReferenceProfile, ...]] = (
     ),
     _entry(
         "B200",
-        "NVIDIA B200 SXM (HGX B200, 1,000 W)",
-        fp32=(75.0, f"{_B200}: FP32 600 TFLOPS per 8 GPUs"),
-        fp16=(2250.0, f"{_B200}: FP16/BF16 Tensor Core 36 PFLOPS per 8 GPUs with sparsity; dense is half"),
-        tf32=(1125.0, f"{_B200}: TF32 Tensor Core 18 PFLOPS per 8 GPUs with sparsity; dense is half"),
-        memory_gbytes_per_s=(8000.0, f"{_B200}: HBM3e bandwidth 64 TB/s per 8 GPUs"),
-        memory=(180.0, f"{_B200}: 1,440 GB HBM3e per 8 GPUs (192 GB physical per GPU, 180 GB usable)"),
-        interconnect_gbps=(1800.0 * 8, f"{_B200}: fifth-generation NVLink 1.8 TB/s per GPU"),
+        "NVIDIA B200 SXM in HGX B200 (1,000 W)",
+        fp32=(75.0, f"{_B200}: FP32 75 TFLOPS"),
+        fp16=(2250.0, f"{_B200}: FP16/BF16 Tensor Core 4.5 PFLOPS with sparsity; dense is half"),
+        tf32=(1100.0, f"{_B200}: TF32 Tensor Core 2.2 PFLOPS with sparsity; dense is half"),
+        memory_gbytes_per_s=(7700.0, f"{_B200}: GPU memory bandwidth 7.7 TB/s"),
+        memory=(180.0, f"{_B200}: 180 GB HBM3E (192 GB physical)"),
+        interconnect_gbps=(1800.0 * 8, f"{_B200}: fifth-generation NVLink 1.8 TB/s"),
     ),
     _entry(
         "MI250X",

@@ -300,7 +300,7 @@ PRECISION_WEIGHTS: Final[Mapping[Precision, Mapping[TaskType, TaskWeights]]] = {
 """The weights in use: :func:`fit_weights` on the Gavel and Lambda measurements, per precision and
 task type (``loom bench scu`` checks them). No measured job is communication-bound or serving:
 ``training_comm`` and ``inference`` keep their priors. Held out by GPU model, these predict a
-job's speed ratio to the V100 within 14.7 % (median over 314 cells; the peak-FP32 ratio: 48 %)."""
+job's speed ratio to the V100 within 14.8 % (median over 314 cells; the peak-FP32 ratio: 48 %)."""
 
 TASK_WEIGHTS: Final[Mapping[TaskType, TaskWeights]] = PRECISION_WEIGHTS["fp32"]
 """The FP32 weights in use (``PRECISION_WEIGHTS["fp32"]``)."""
