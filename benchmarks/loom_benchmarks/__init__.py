@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     view.add_argument("--nodes", type=int, default=100_000)
     view.add_argument("--repeats", type=int, default=30)
     view.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
-    scu = sub.add_parser("scu", help="SCU-predicted speed ratios between GPU models vs measured (Gavel)")
+    scu = sub.add_parser("scu", help="SCU speed ratios to the V100 vs measured (Gavel + Lambda), held out")
     scu.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     scu.add_argument("--rows", action="store_true", help="include every predicted and measured ratio")
     placement = sub.add_parser(

@@ -1,404 +1,537 @@
-"""``loom bench scu``: the SCU model's predicted speed ratios between GPU models against measured ones.
+"""``loom bench scu``: the SCU model's predicted speed ratios to the V100 against measured ones.
 
-Data: Gavel's oracle throughputs (``data/gavel_oracle_throughputs.json``, see ``data/README.md``):
-steps/s of 26 job types alone on one K80, P100 and V100. For every job type and every model pair
-(P100/K80, V100/K80, V100/P100: 78 ratios) the measured ratio is compared with
+Data (``data/README.md``), every value a single-GPU training throughput:
 
-- the SCU model's prediction, :func:`loom.model.scu.speed_ratio` over the reference library's
-  profiles (``K80``, ``P100``, ``V100M16``), with weights fitted per task type by
-  :func:`loom.model.scu.fit_weights`, evaluated in-sample and held out;
-- the naive ratio of peak FLOPS: datasheet headline FP32 (K80 with GPU Boost), the library's FP32
-  (K80 at base clocks, what it sustains), and FP16 (tensor cores where present).
+- Gavel's oracle throughputs (``data/gavel_oracle_throughputs.json``): 26 job types (7 models at
+  several batch sizes) on K80, P100 and V100, FP32;
+- Lambda's PyTorch benchmark (``data/lambda_1gpu_throughput.csv``, derived from Lambda's CSVs by
+  :func:`derive_lambda_table`): 10 models on 15 GPU models from V100 to B200, FP32 (TF32 where
+  the GPU has it, NVIDIA's containers' default) and FP16 (mixed precision); the median over the
+  rows of one GPU model, 1-GPU rows only (multi-GPU rows measure intra-node scaling, not the
+  device).
 
-Error is ``|predicted - measured| / measured``; figures are the median and the 90th percentile
-(linear interpolation) over the 78 ratios.
+Every cell is a (job, precision, GPU model) whose throughput is divided by the V100 16 GB's for the
+same job and precision *from the same source*: 314 ratios (52 Gavel, 262 Lambda). Each is
+compared with the SCU model's prediction, :func:`loom.model.scu.speed_ratio` over the reference
+library's profiles with weights fitted per (precision, task type) by
+:func:`loom.model.scu.fit_weights`, and with the naive ratio of peak FP32 TFLOPS (datasheet
+FP32 without tensor cores: what a scheduler that knows only the headline number would use).
 
-Held-out evaluations refit the weights without the job being predicted:
+Error is ``|predicted - measured| / measured`` per cell; figures are the median and the 90th
+percentile (linear interpolation). Evaluations:
 
-- ``held_out_job_type``: leave one job type out (e.g. ``ResNet-50 (batch size 64)``); the other
-  batch sizes of the same model stay in the fit. This is the headline held-out figure.
-- ``held_out_job_family``: leave the whole family out (every batch size of ResNet-50); a task type
-  with no other family left falls back to the prior weights. The strictest test.
-- ``held_out_job_type_with_learned_decay``: as ``held_out_job_type``, then a
-  :class:`~loom.model.scu.DecayLearner` per (device, task type) learns from the *other* job types'
-  delivered throughput, as the placement service would after running them.
+- ``in_sample``: weights fitted on every cell, predicting the same cells;
+- ``leave_one_gpu_out`` (LOGO, the headline): for each GPU model, weights refitted without any of
+  its cells, then its cells predicted: how well the model does on a GPU it has never seen;
+- ``leave_one_model_out`` (LOMO): the same per model (ResNet-50 from Gavel and Lambda together):
+  how well it does on a job it has never seen.
 
-Gavel job families map to Loom task types by what bounds their step time, not by their fit:
+Models map to Loom task types by what bounds their single-GPU step (:data:`MODEL_TASK_TYPE`):
 
-- ``training_compute``: ResNet-18, ResNet-50 and CycleGAN (convolutions), Transformer (the
-  step is dense GEMMs: projections and feed-forward layers);
-- ``training_memory``: LM, an LSTM language model whose every time step re-reads the recurrent
-  weights with a small batch, a bandwidth-bound pattern;
-- ``training_comm``: Recommendation (embedding lookups and host-to-device transfer of sparse
-  batches; in distributed form the all-to-all-bound workload) and A3C (asynchronous actor-learners
-  exchanging parameters and rollouts every few steps);
-- ``inference``: no Gavel job; it is not evaluated here.
+- ``training_compute``: dense GEMM-bound sequence models: BERT (base, large), Transformer,
+  Transformer-XL (base, large), GNMT and Tacotron 2 (large-batch recurrent layers run as GEMMs)
+  and WaveGlow (wide 1-D convolutions and invertible 1x1 convolutions, GEMMs again). Their
+  speed-ups follow the matrix rate: an A100 is 4-6x a V100 in FP32 (TF32 vs plain FP32).
+- ``training_memory``: models whose step follows memory bandwidth: convolutional nets with batch
+  normalisation and activations between small convolutions (ResNet-18/50, SSD, CycleGAN), the
+  small-batch LSTM LM (Gavel: batch 5-80, weights re-read every step), embedding-bound
+  recommendation (NCF, Gavel's Recommendation) and A3C (small kernels). Their speed-ups follow
+  bandwidth: an A100 is 2.4-2.9x a V100 in FP32.
+- ``training_comm``: no single-GPU measurement says how communication-bound work speeds up, so no
+  cell maps here and its weights are the prior.
+- ``inference``: no measured job; its weights are the prior.
 
-The mapping was chosen after looking at the data, so ``alternative_mapping`` reports the figures for
-the mapping suggested in the issue (Transformer, LM and Recommendation as ``training_memory``) too.
+The grouping was chosen after looking at the data (the measured ratios fall in these two groups
+on every GPU), so ``alternative_mapping`` reports the figures for the mapping the issue suggested
+(SSD/ResNet/WaveGlow as compute, GNMT/Tacotron 2/LM/Transformer-XL as memory, NCF and
+Recommendation as communication) too.
 """
 
 import argparse
+import csv
 import importlib.resources
+import io
 import json
 import math
+import re
+import statistics
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
 
 from loom.model.profiles import DEFAULT_REFERENCE_MODEL, profile_for_model, reference_profile
 from loom.model.scu import (
-    PRIOR_WEIGHTS,
+    PRECISION_PRIORS,
+    PRECISION_WEIGHTS,
+    PRECISIONS,
     TASK_TYPES,
-    TASK_WEIGHTS,
-    DecayLearner,
     DeviceProfile,
+    Precision,
     RatioObservation,
     TaskWeights,
     fit_weights,
-    scu,
     speed_ratio,
 )
 from loom_proto.jobs import TaskType
 
-DATA_FILE: Final = "gavel_oracle_throughputs.json"
-SOURCE: Final = (
+GAVEL_FILE: Final = "gavel_oracle_throughputs.json"
+LAMBDA_FILE: Final = "lambda_1gpu_throughput.csv"
+GAVEL_SOURCE: Final = (
     "stanford-futuredata/gavel, scheduler/notebooks/figures/motivation/oracle_throughputs.json at commit "
     "c4fa40097339e9608ab71fd64c8bdea96a5e4a4c (MIT); isolated ('null') steps/s"
 )
+LAMBDA_SOURCE: Final = (
+    "lambdal/deeplearning-benchmark, pytorch/pytorch-train-throughput-{fp32,fp16}.csv, "
+    "pytorch/pytorch-train-throughput-v2-{fp32,fp16}.csv and pytorch/csv_v1_v2/*-{fp32,fp16}.csv at "
+    "commit aa5addb6a53675a649a80036dad548f1c27cbcc4; 1-GPU rows, median per GPU model"
+)
 GAVEL_TO_LIBRARY: Final[Mapping[str, str]] = {"k80": "K80", "p100": "P100", "v100": "V100M16"}
-PAIRS: Final = (("p100", "k80"), ("v100", "k80"), ("v100", "p100"))
-"""(numerator, denominator): the faster model over the slower, every pair of the three."""
+LAMBDA_TO_LIBRARY: Final[tuple[tuple[str, str], ...]] = (
+    # (pattern in Lambda's system name, library model); the first match wins, so variants first.
+    (r"A100[ _]40GB[ _]PCIe", "A100-40G-PCIE"),
+    (r"A100[ _]80GB[ _]PCIe", "A100-80G-PCIE"),
+    (r"A100[ _]80GB[ _]SXM4", "A100"),
+    (r"H100[ _]80GB[ _]PCIe", "H100-PCIE"),
+    (r"H100[ _]80GB[ _]SXM5", "H100"),
+    (r"GH200", "GH200"),
+    (r"H200", "H200"),
+    (r"B200", "B200"),
+    (r"V100 16GB", "V100M16"),
+    (r"Quadro RTX 8000", "QRTX8000"),
+    (r"RTX 6000 Ada", "RTX6000ADA"),
+    (r"RTX A6000", "RTXA6000"),
+    (r"RTX 3090", "RTX3090"),
+    (r"RTX 4090", "RTX4090"),
+    (r"\bA10\b", "A10"),
+)
+"""Lambda system names to library models (vendor prefixes such as ``Dell`` or ``LambdaCloud`` and
+host suffixes are ignored: every row of one GPU model counts toward its median)."""
 
-FAMILY_TASK_TYPE: Final[Mapping[str, TaskType]] = {
-    "ResNet-18": "training_compute",
-    "ResNet-50": "training_compute",
-    "CycleGAN": "training_compute",
-    "Transformer": "training_compute",
-    "LM": "training_memory",
-    "Recommendation": "training_comm",
-    "A3C": "training_comm",
+MODEL_OF_GAVEL_FAMILY: Final[Mapping[str, str]] = {
+    "ResNet-18": "resnet18",
+    "ResNet-50": "resnet50",
+    "CycleGAN": "cyclegan",
+    "Transformer": "transformer",
+    "LM": "lm",
+    "Recommendation": "recommendation",
+    "A3C": "a3c",
 }
-ALTERNATIVE_FAMILY_TASK_TYPE: Final[Mapping[str, TaskType]] = {
-    **FAMILY_TASK_TYPE,
-    "Transformer": "training_memory",
-    "Recommendation": "training_memory",
+"""Gavel job families by the model name the cells use (Lambda's ``resnet50`` is the same model)."""
+
+MODEL_TASK_TYPE: Final[Mapping[str, TaskType]] = {
+    "bert_base_squad": "training_compute",
+    "bert_large_squad": "training_compute",
+    "transformer": "training_compute",
+    "transformerxlbase": "training_compute",
+    "transformerxllarge": "training_compute",
+    "gnmt": "training_compute",
+    "tacotron2": "training_compute",
+    "waveglow": "training_compute",
+    "resnet18": "training_memory",
+    "resnet50": "training_memory",
+    "ssd": "training_memory",
+    "cyclegan": "training_memory",
+    "lm": "training_memory",
+    "ncf": "training_memory",
+    "recommendation": "training_memory",
+    "a3c": "training_memory",
 }
-"""The issue's suggestion: sequence models and recommendation as memory-bound."""
+"""Every measured model's task type (the reasoning is in the module's docstring)."""
 
-HEADLINE_FP32_TFLOPS: Final[Mapping[str, float]] = {"K80": 8.73 / 2}
-"""Where the datasheet's headline FP32 differs from the library's: K80's GPU Boost figure, per GPU."""
+ALTERNATIVE_MODEL_TASK_TYPE: Final[Mapping[str, TaskType]] = {
+    **dict.fromkeys(
+        (
+            "ssd",
+            "resnet18",
+            "resnet50",
+            "cyclegan",
+            "waveglow",
+            "transformer",
+            "bert_base_squad",
+            "bert_large_squad",
+        ),
+        "training_compute",
+    ),
+    **dict.fromkeys(
+        ("gnmt", "tacotron2", "lm", "transformerxlbase", "transformerxllarge"), "training_memory"
+    ),
+    **dict.fromkeys(("ncf", "recommendation", "a3c"), "training_comm"),
+}
+"""The issue's suggestion, for comparison."""
 
+REFERENCE: Final = DEFAULT_REFERENCE_MODEL
+PRIOR_STRENGTH: Final = 0.01
+"""The fit's pull toward the prior (:func:`loom.model.scu.fit_weights`'s ``prior_strength``): weak,
+so that the data choose and the prior breaks near-ties. Chosen by held-out error (0, 0.002, 0.005,
+0.01 and 0.02 were tried: 0.01 had the lowest leave-one-model-out error at the same LOGO error)."""
 TARGET_MEDIAN_ERROR: Final = 0.15
 
 
 @dataclass(frozen=True)
-class JobType:
-    """One Gavel job type: its family, its Loom task type, and its steps/s alone on each GPU model."""
+class Cell:
+    """One measured ratio: a job's throughput on ``gpu`` over the V100's, at one precision."""
 
-    name: str
-    family: str
+    source: str
+    """``gavel`` or ``lambda``."""
+    job: str
+    """The measured job (Gavel: ``ResNet-50 (batch size 64)``; Lambda: ``resnet50``)."""
+    model: str
+    """The model it trains (``resnet50``), what leave-one-model-out holds out."""
     task_type: TaskType
-    steps_per_s: Mapping[str, float]
-
-    def measured_ratio(self, pair: tuple[str, str]) -> float:
-        """Measured throughput of the pair's first model over its second."""
-        return self.steps_per_s[pair[0]] / self.steps_per_s[pair[1]]
-
-    def suspect(self, pair: tuple[str, str]) -> bool:
-        """True for the source's copied values: two models with bit-identical throughput."""
-        return self.steps_per_s[pair[0]] == self.steps_per_s[pair[1]]
+    precision: Precision
+    gpu: str
+    """Library model name."""
+    measured_ratio: float
 
 
-def family_of(job_type: str) -> str:
-    """``ResNet-50 (batch size 64)`` → ``ResNet-50``."""
-    return job_type.split(" (", 1)[0]
+# ---- data ---------------------------------------------------------------------------------------------
 
 
-def load_jobs(mapping: Mapping[str, TaskType] = FAMILY_TASK_TYPE) -> list[JobType]:
-    """Every job type measured on all three models, sorted by name."""
-    text = importlib.resources.files("loom_benchmarks").joinpath("data", DATA_FILE).read_text()
-    raw: dict[str, dict[str, dict[str, Any]]] = json.loads(text)
-    names = sorted(set.intersection(*(set(raw[gpu]) for gpu in GAVEL_TO_LIBRARY)))
-    return [
-        JobType(
-            name=name,
-            family=family_of(name),
-            task_type=mapping[family_of(name)],
-            steps_per_s={gpu: float(raw[gpu][name]["null"]) for gpu in GAVEL_TO_LIBRARY},
-        )
-        for name in names
-    ]
+def _lambda_model(name: str) -> str | None:
+    for pattern, model in LAMBDA_TO_LIBRARY:
+        if re.search(pattern, name):
+            return model
+    return None
 
 
-def _profile(gpu: str) -> DeviceProfile:
-    return profile_for_model(GAVEL_TO_LIBRARY[gpu])
+def _gpus_in_row(name: str, num_gpu: str | None) -> int:
+    if num_gpu:
+        return round(float(num_gpu))
+    found = re.search(r"_(\d+)x(?=[A-Z])", name)  # v2 files: ..._1xH100_80GB_SXM5_...
+    return int(found.group(1)) if found else 0
 
 
-def _observations(jobs: Sequence[JobType]) -> list[RatioObservation]:
-    return [
-        RatioObservation(_profile(pair[0]), _profile(pair[1]), job.measured_ratio(pair))
-        for job in jobs
-        for pair in PAIRS
-    ]
+def derive_lambda_table(folder: Path) -> list[dict[str, str]]:
+    """The packaged ``lambda_1gpu_throughput.csv`` from Lambda's CSVs in ``folder``.
 
-
-def _fit(jobs: Sequence[JobType], task_type: TaskType) -> TaskWeights:
-    """Weights for ``task_type`` from the given jobs of that type (the prior when there are none)."""
-    return fit_weights(_observations([j for j in jobs if j.task_type == task_type]), PRIOR_WEIGHTS[task_type])
-
-
-def fitted_weights(jobs: Sequence[JobType]) -> dict[TaskType, TaskWeights]:
-    """Each task type's weights fitted on all the jobs: what ``loom.model.scu.TASK_WEIGHTS`` holds."""
-    return {t: _fit(jobs, t) for t in TASK_TYPES}
-
-
-Predictor = Callable[[JobType, tuple[str, str]], float]
-
-
-def _scu_predictor(weights_for: Callable[[JobType], TaskWeights]) -> Predictor:
-    def predict(job: JobType, pair: tuple[str, str]) -> float:
-        weights = {job.task_type: weights_for(job)}
-        return speed_ratio(_profile(pair[0]), _profile(pair[1]), job.task_type, weights=weights)
-
-    return predict
-
-
-def _held_out(
-    jobs: Sequence[JobType], keep: Callable[[JobType, JobType], bool]
-) -> Callable[[JobType], TaskWeights]:
-    """Weights for a job fitted on the jobs of its task type that ``keep(job, other)`` allows."""
-    cache: dict[str, TaskWeights] = {}
-
-    def weights_for(job: JobType) -> TaskWeights:
-        if job.name not in cache:
-            cache[job.name] = _fit([o for o in jobs if keep(job, o)], job.task_type)
-        return cache[job.name]
-
-    return weights_for
-
-
-def _learned_decay_predictor(jobs: Sequence[JobType]) -> Predictor:
-    """Held-out weights, then per-device decay learned from the other job types' delivered throughput.
-
-    A job's steps/s on the reference model (V100M16) stands for the step time its owner declares;
-    the profile predicts every other model's rate from it, and each delivered rate teaches that
-    model's decay. The reference's own decay stays 1.
+    Reads ``pytorch-train-throughput{,-v2}-{fp32,fp16}.csv`` and ``v1v2-pytorch-train-throughput-*``
+    (the copies in ``../shared/data/gpu-throughput/lambda``), keeps rows of one GPU of a model the
+    library knows, drops zero cells (not measured), and takes the median per (GPU model,
+    precision, model). Rows: gpu, precision, model, throughput, rows.
     """
-    weights_for = _held_out(jobs, _same_type)
-    reference_gpu = next(g for g, m in GAVEL_TO_LIBRARY.items() if m == DEFAULT_REFERENCE_MODEL)
-    reference = _profile(reference_gpu)
-    decays: dict[str, dict[str, float]] = {}
+    values: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    for precision in PRECISIONS:
+        names = (
+            f"pytorch-train-throughput-{precision}.csv",
+            f"pytorch-train-throughput-v2-{precision}.csv",
+            f"v1v2-pytorch-train-throughput-{precision}.csv",
+        )
+        for file_name in names:
+            with (folder / file_name).open(newline="") as handle:
+                for row in csv.DictReader(handle):
+                    name = row.get("name_gpu") or row.get("") or ""
+                    gpu = _lambda_model(name)
+                    if gpu is None or _gpus_in_row(name, row.get("num_gpu")) != 1:
+                        continue
+                    for column, text in row.items():
+                        if column in ("", "name_gpu", "num_gpu", "watt", "price") or not text:
+                            continue
+                        value = float(text)
+                        if value > 0:
+                            values[(gpu, precision, column)].append(value)
+    return [
+        {
+            "gpu": gpu,
+            "precision": precision,
+            "model": model,
+            "throughput": f"{statistics.median(vs):.6g}",
+            "rows": str(len(vs)),
+        }
+        for (gpu, precision, model), vs in sorted(values.items())
+    ]
 
-    def decay_for(job: JobType) -> dict[str, float]:
-        if job.name in decays:
-            return decays[job.name]
-        weights = {job.task_type: weights_for(job)}
-        learners = {gpu: DecayLearner() for gpu in GAVEL_TO_LIBRARY if gpu != reference_gpu}
-        for other in jobs:
-            if other.task_type != job.task_type or other.name == job.name:
+
+def write_lambda_table(folder: Path, out: Path) -> None:
+    """Write :func:`derive_lambda_table`'s rows as CSV (how the packaged file was made)."""
+    rows = derive_lambda_table(folder)
+    with out.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["gpu", "precision", "model", "throughput", "rows"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _data_text(name: str) -> str:
+    return importlib.resources.files("loom_benchmarks").joinpath("data", name).read_text()
+
+
+def _precision(text: str) -> Precision:
+    for p in PRECISIONS:
+        if p == text:
+            return p
+    raise ValueError(f"unknown precision {text!r}")
+
+
+def gavel_job_model(job_type: str) -> str:
+    """``ResNet-50 (batch size 64)`` → ``resnet50``."""
+    return MODEL_OF_GAVEL_FAMILY[job_type.split(" (", 1)[0]]
+
+
+def load_cells(mapping: Mapping[str, TaskType] = MODEL_TASK_TYPE) -> list[Cell]:
+    """Every measured ratio to the V100, Gavel's then Lambda's, in a stable order."""
+    cells: list[Cell] = []
+    gavel: dict[str, dict[str, dict[str, Any]]] = json.loads(_data_text(GAVEL_FILE))
+    reference_gpu = next(g for g, m in GAVEL_TO_LIBRARY.items() if m == REFERENCE)
+    for job in sorted(set.intersection(*(set(gavel[g]) for g in GAVEL_TO_LIBRARY))):
+        model = gavel_job_model(job)
+        base = float(gavel[reference_gpu][job]["null"])
+        for gpu, library in GAVEL_TO_LIBRARY.items():
+            if library == REFERENCE:
                 continue
-            for gpu, learner in learners.items():
-                relative = scu(_profile(gpu), job.task_type, reference=reference, weights=weights)
-                learners[gpu] = learner.observe(
-                    other.steps_per_s[gpu], other.steps_per_s[reference_gpu] * relative
-                )
-        decays[job.name] = {reference_gpu: 1.0} | {gpu: lr.factor for gpu, lr in learners.items()}
-        return decays[job.name]
-
-    def predict(job: JobType, pair: tuple[str, str]) -> float:
-        decay = decay_for(job)
-        base = _scu_predictor(weights_for)(job, pair)
-        return base * decay[pair[0]] / decay[pair[1]]
-
-    return predict
-
-
-def _peak_predictor(value: Callable[[str], float]) -> Predictor:
-    def predict(_job: JobType, pair: tuple[str, str]) -> float:
-        return value(GAVEL_TO_LIBRARY[pair[0]]) / value(GAVEL_TO_LIBRARY[pair[1]])
-
-    return predict
+            ratio = float(gavel[gpu][job]["null"]) / base
+            cells.append(Cell("gavel", job, model, mapping[model], "fp32", library, ratio))
+    table = {
+        (r["gpu"], r["precision"], r["model"]): float(r["throughput"])
+        for r in csv.DictReader(io.StringIO(_data_text(LAMBDA_FILE)))
+    }
+    for (gpu, precision, model), value in sorted(table.items()):
+        base_value = table.get((REFERENCE, precision, model))
+        if gpu == REFERENCE or base_value is None:
+            continue
+        cells.append(
+            Cell("lambda", model, model, mapping[model], _precision(precision), gpu, value / base_value)
+        )
+    return cells
 
 
-def _errors(
-    jobs: Sequence[JobType], predict: Predictor
-) -> list[tuple[JobType, tuple[str, str], float, float]]:
-    """(job, pair, predicted, relative error) for every job and pair."""
-    out = []
-    for job in jobs:
-        for pair in PAIRS:
-            predicted = predict(job, pair)
-            measured = job.measured_ratio(pair)
-            out.append((job, pair, predicted, abs(predicted - measured) / measured))
+# ---- fitting and predicting ---------------------------------------------------------------------------
+
+Weights = dict[Precision, dict[TaskType, TaskWeights]]
+
+
+def _profile(model: str) -> DeviceProfile:
+    return profile_for_model(model)
+
+
+def fitted_weights(cells: Iterable[Cell]) -> Weights:
+    """Weights per (precision, task type) fitted on ``cells``; the prior where no cell has that key.
+
+    What :data:`loom.model.scu.PRECISION_WEIGHTS` holds when ``cells`` are all of :func:`load_cells`.
+    """
+    by_key: dict[tuple[Precision, TaskType], list[RatioObservation]] = defaultdict(list)
+    reference = _profile(REFERENCE)
+    for cell in cells:
+        by_key[(cell.precision, cell.task_type)].append(
+            RatioObservation(_profile(cell.gpu), reference, cell.measured_ratio)
+        )
+    return {
+        p: {
+            t: fit_weights(by_key.get((p, t), []), PRECISION_PRIORS[p][t], prior_strength=PRIOR_STRENGTH)
+            for t in TASK_TYPES
+        }
+        for p in PRECISIONS
+    }
+
+
+def predict(cell: Cell, weights: Weights) -> float:
+    """The SCU model's predicted ratio to the V100 for one cell."""
+    return speed_ratio(
+        _profile(cell.gpu),
+        _profile(REFERENCE),
+        cell.task_type,
+        weights=weights[cell.precision],
+        precision=cell.precision,
+    )
+
+
+def _error(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured
+
+
+def _held_out(cells: Sequence[Cell], group: Callable[[Cell], str]) -> list[tuple[Cell, float]]:
+    """(cell, predicted) with weights refitted without the cell's group, for every cell."""
+    out: list[tuple[Cell, float]] = []
+    for name in sorted({group(c) for c in cells}):
+        weights = fitted_weights(c for c in cells if group(c) != name)
+        out.extend((c, predict(c, weights)) for c in cells if group(c) == name)
     return out
+
+
+def leave_one_gpu_out(cells: Sequence[Cell]) -> list[tuple[Cell, float]]:
+    """Every cell predicted with weights fitted on the other GPU models' cells."""
+    return _held_out(cells, lambda c: c.gpu)
+
+
+def leave_one_model_out(cells: Sequence[Cell]) -> list[tuple[Cell, float]]:
+    """Every cell predicted with weights fitted on the other models' cells."""
+    return _held_out(cells, lambda c: c.model)
+
+
+def in_sample(cells: Sequence[Cell]) -> list[tuple[Cell, float]]:
+    """Every cell predicted with weights fitted on all of them."""
+    weights = fitted_weights(cells)
+    return [(c, predict(c, weights)) for c in cells]
+
+
+def peak_fp32(cells: Sequence[Cell]) -> list[tuple[Cell, float]]:
+    """Every cell predicted by the ratio of datasheet FP32 TFLOPS (no tensor cores)."""
+    ref = _profile(REFERENCE).compute_fp32_tflops
+    return [(c, _profile(c.gpu).compute_fp32_tflops / ref) for c in cells]
+
+
+def logo_median_error(cells: Sequence[Cell] | None = None) -> float:
+    """The headline: median error of leave-one-GPU-out predictions over every cell."""
+    rows = leave_one_gpu_out(cells if cells is not None else load_cells())
+    return float(np.median([_error(p, c.measured_ratio) for c, p in rows]))
+
+
+# ---- figures ------------------------------------------------------------------------------------------
 
 
 def _stats(errors: Sequence[float]) -> dict[str, float]:
     values = np.asarray(errors, dtype=np.float64)
+    if not len(values):
+        return {"cells": 0}
     return {
         "median_error": round(float(np.median(values)), 4),
         "p90_error": round(float(np.percentile(values, 90)), 4),
         "mean_error": round(float(values.mean()), 4),
         "max_error": round(float(values.max()), 4),
-        "ratios": len(values),
+        "cells": len(values),
     }
 
 
-def _summary(jobs: Sequence[JobType], predict: Predictor, evaluation: str) -> dict[str, Any]:
-    rows = _errors(jobs, predict)
-    clean = [e for job, pair, _, e in rows if not job.suspect(pair)]
+def summary(rows: Sequence[tuple[Cell, float]], evaluation: str) -> dict[str, Any]:
+    """Error figures of predictions overall, by precision, by source, by GPU and by model."""
+    errors = [(c, _error(p, c.measured_ratio)) for c, p in rows]
+
+    def by(key: Callable[[Cell], str]) -> dict[str, float]:
+        groups: dict[str, list[float]] = defaultdict(list)
+        for c, e in errors:
+            groups[key(c)].append(e)
+        return {k: round(float(np.median(v)), 4) for k, v in sorted(groups.items())}
+
     return {
         "evaluation": evaluation,
-        **_stats([e for *_, e in rows]),
-        "without_suspect_ratios": _stats(clean),
-        "median_error_by_pair": {
-            f"{GAVEL_TO_LIBRARY[a]}/{GAVEL_TO_LIBRARY[b]}": round(
-                float(np.median([e for _, p, _, e in rows if p == (a, b)])), 4
-            )
-            for a, b in PAIRS
-        },
-        "median_error_by_family": {
-            family: round(float(np.median([e for job, _, _, e in rows if job.family == family])), 4)
-            for family in sorted({job.family for job in jobs})
-        },
+        **_stats([e for _, e in errors]),
+        "by_precision": {p: _stats([e for c, e in errors if c.precision == p]) for p in PRECISIONS},
+        "by_source": {s: _stats([e for c, e in errors if c.source == s]) for s in ("gavel", "lambda")},
+        "median_error_by_gpu": by(lambda c: c.gpu),
+        "median_error_by_gpu_and_precision": by(lambda c: f"{c.gpu} {c.precision}"),
+        "median_error_by_model": by(lambda c: c.model),
     }
 
 
 def _weights_json(weights: TaskWeights) -> dict[str, float]:
-    return {k: round(v, 4) for k, v in zip(TaskWeights.__struct_fields__, weights.vector(), strict=True)}
+    return {k: round(v, 4) for k, v in zip(TaskWeights.__struct_fields__, weights.vector(), strict=True) if v}
 
 
-def _same_type(job: JobType, other: JobType) -> bool:
-    return other.task_type == job.task_type and other.name != job.name
-
-
-def _same_type_other_family(job: JobType, other: JobType) -> bool:
-    return other.task_type == job.task_type and other.family != job.family
-
-
-def _scu_predictors(
-    jobs: Sequence[JobType],
-) -> tuple[dict[str, tuple[Predictor, str]], dict[TaskType, TaskWeights]]:
-    """The SCU predictors (in-sample and held out) with what each evaluates, and the in-sample weights."""
-    in_sample = fitted_weights(jobs)
-    predictors = {
-        "scu_in_sample": (
-            _scu_predictor(lambda job: in_sample[job.task_type]),
-            f"weights fitted on all {len(jobs)} job types (per task type), then predicting the same ratios",
-        ),
-        "scu_held_out_job_type": (
-            _scu_predictor(_held_out(jobs, _same_type)),
-            "leave-one-job-type-out: weights refitted without the predicted job type",
-        ),
-        "scu_held_out_job_family": (
-            _scu_predictor(_held_out(jobs, _same_type_other_family)),
-            "leave-one-family-out: weights refitted without any batch size of the predicted model; "
-            "prior weights when no other family shares its task type",
-        ),
-        "scu_held_out_job_type_with_learned_decay": (
-            _learned_decay_predictor(jobs),
-            "leave-one-job-type-out weights, and per-device decay learned (bounded to [0.5, 1.2]) from "
-            "the other job types' delivered throughput",
-        ),
-    }
-    return predictors, in_sample
-
-
-def _naive_predictors() -> dict[str, tuple[Predictor, str]]:
-    return {
-        "naive_peak_fp32_headline": (
-            _peak_predictor(lambda m: HEADLINE_FP32_TFLOPS.get(m, profile_for_model(m).compute_fp32_tflops)),
-            "ratio of datasheet headline FP32 TFLOPS (K80 at GPU Boost clocks, 4.37 per GPU)",
-        ),
-        "naive_peak_fp32_sustained": (
-            _peak_predictor(lambda m: profile_for_model(m).compute_fp32_tflops),
-            "ratio of the library's FP32 TFLOPS (K80 at base clocks, 2.8 per GPU)",
-        ),
-        "naive_peak_fp16": (
-            _peak_predictor(lambda m: profile_for_model(m).compute_fp16_tflops),
-            "ratio of FP16 TFLOPS (V100 tensor cores)",
-        ),
-    }
+def packaged_equal_fitted(fitted: Weights) -> bool:
+    """True when :data:`loom.model.scu.PRECISION_WEIGHTS` are exactly the fit."""
+    return all(
+        math.isclose(a, b, abs_tol=1e-6)
+        for p in PRECISIONS
+        for t in TASK_TYPES
+        for a, b in zip(PRECISION_WEIGHTS[p][t].normalised().vector(), fitted[p][t].vector(), strict=True)
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Compute every figure; the JSON result."""
-    jobs = load_jobs()
-    scu_predictors, fitted = _scu_predictors(jobs)
-    predictors = scu_predictors | _naive_predictors()
-    models = {name: _summary(jobs, predict, evaluation) for name, (predict, evaluation) in predictors.items()}
-    alternative_jobs = load_jobs(ALTERNATIVE_FAMILY_TASK_TYPE)
-    alternative_predictors, _ = _scu_predictors(alternative_jobs)
-    packaged_match = all(
-        math.isclose(a, b, abs_tol=1e-6)
-        for t in TASK_TYPES
-        for a, b in zip(TASK_WEIGHTS[t].normalised().vector(), fitted[t].vector(), strict=True)
+    cells = load_cells()
+    fitted = fitted_weights(cells)
+    evaluations = {
+        "in_sample": (in_sample(cells), "weights fitted on every cell, predicting the same cells"),
+        "leave_one_gpu_out": (
+            leave_one_gpu_out(cells),
+            "for each GPU model, weights refitted without its cells, then its cells predicted",
+        ),
+        "leave_one_model_out": (
+            leave_one_model_out(cells),
+            "for each model (Gavel's and Lambda's ResNet-50 together), weights refitted without its "
+            "cells; a (precision, task type) left with no cell falls back to the prior",
+        ),
+        "peak_fp32_baseline": (peak_fp32(cells), "ratio of datasheet FP32 TFLOPS (no tensor cores)"),
+    }
+    models = {name: summary(rows, text) for name, (rows, text) in evaluations.items()}
+    logo, lomo, base = (
+        models["leave_one_gpu_out"],
+        models["leave_one_model_out"],
+        models["peak_fp32_baseline"],
     )
-    held_out = models["scu_held_out_job_type"]
-    baseline = models["naive_peak_fp32_sustained"]
+    alternative = load_cells(ALTERNATIVE_MODEL_TASK_TYPE)
     result: dict[str, Any] = {
         "benchmark": "scu",
         "headline": {
-            "held_out_evaluation": "scu_held_out_job_type",
-            "scu_median_error": held_out["median_error"],
-            "scu_p90_error": held_out["p90_error"],
-            "scu_in_sample_median_error": models["scu_in_sample"]["median_error"],
-            "scu_held_out_job_family_median_error": models["scu_held_out_job_family"]["median_error"],
-            "naive_fp32_headline_median_error": models["naive_peak_fp32_headline"]["median_error"],
-            "naive_fp32_sustained_median_error": baseline["median_error"],
-            "naive_fp32_sustained_p90_error": baseline["p90_error"],
-            "target_median_error": TARGET_MEDIAN_ERROR,
-            "held_out_meets_target": held_out["median_error"] <= TARGET_MEDIAN_ERROR,
-            "held_out_beats_naive_fp32": held_out["median_error"] < baseline["median_error"]
-            and held_out["p90_error"] < baseline["p90_error"],
+            "logo_median_error": logo["median_error"],
+            "logo_p90_error": logo["p90_error"],
+            "logo_median_error_fp32": logo["by_precision"]["fp32"]["median_error"],
+            "logo_median_error_fp16": logo["by_precision"]["fp16"]["median_error"],
+            "lomo_median_error": lomo["median_error"],
+            "lomo_p90_error": lomo["p90_error"],
+            "lomo_median_error_fp32": lomo["by_precision"]["fp32"]["median_error"],
+            "lomo_median_error_fp16": lomo["by_precision"]["fp16"]["median_error"],
+            "in_sample_median_error": models["in_sample"]["median_error"],
+            "peak_fp32_median_error": base["median_error"],
+            "peak_fp32_p90_error": base["p90_error"],
+            "peak_fp32_median_error_fp32": base["by_precision"]["fp32"]["median_error"],
+            "peak_fp32_median_error_fp16": base["by_precision"]["fp16"]["median_error"],
+            "target_logo_median_error": TARGET_MEDIAN_ERROR,
+            "logo_meets_target": logo["median_error"] <= TARGET_MEDIAN_ERROR,
+            "logo_beats_peak_fp32": logo["median_error"] < base["median_error"]
+            and logo["p90_error"] < base["p90_error"],
+            "packaged_equal_fitted": packaged_equal_fitted(fitted),
         },
-        "error_definition": "|predicted_ratio - measured_ratio| / measured_ratio over every job type and "
-        "every model pair; p90 by linear interpolation",
+        "error_definition": "|predicted_ratio - measured_ratio| / measured_ratio per cell (a job's "
+        "throughput on a GPU model over the V100 16 GB's, same source and precision); p90 by linear "
+        "interpolation",
         "data": {
-            "source": SOURCE,
-            "job_types": len(jobs),
-            "pairs": [f"{GAVEL_TO_LIBRARY[a]}/{GAVEL_TO_LIBRARY[b]}" for a, b in PAIRS],
-            "ratios": len(jobs) * len(PAIRS),
-            "gavel_gpu_to_library_model": dict(GAVEL_TO_LIBRARY),
-            "suspect_ratios": [
-                f"{job.name}: {GAVEL_TO_LIBRARY[a]}/{GAVEL_TO_LIBRARY[b]}"
-                for job in jobs
-                for a, b in PAIRS
-                if job.suspect((a, b))
-            ],
-            "suspect_note": "bit-identical throughput on two models in the source (a copied value, not a "
-            "measured ratio of 1); counted in every figure, and left out only under without_suspect_ratios",
+            "sources": {"gavel": GAVEL_SOURCE, "lambda": LAMBDA_SOURCE},
+            "reference": REFERENCE,
+            "cells": len(cells),
+            "cells_by_source_and_precision": {
+                f"{s} {p}": sum(1 for c in cells if c.source == s and c.precision == p)
+                for s in ("gavel", "lambda")
+                for p in PRECISIONS
+            },
+            "gpus": sorted({c.gpu for c in cells}),
+            "models": sorted({c.model for c in cells}),
         },
-        "family_task_type": dict(FAMILY_TASK_TYPE),
+        "model_task_type": dict(MODEL_TASK_TYPE),
         "models": models,
         "weights": {
-            "fitted_in_sample": {t: _weights_json(w) for t, w in fitted.items()},
-            "prior": {t: _weights_json(w.normalised()) for t, w in PRIOR_WEIGHTS.items()},
-            "packaged_equal_fitted": packaged_match,
-            "note": "inference has no Gavel job: its fitted weights are the prior",
+            "fitted": {p: {t: _weights_json(w) for t, w in ws.items()} for p, ws in fitted.items()},
+            "prior": {
+                p: {t: _weights_json(w.normalised()) for t, w in ws.items()}
+                for p, ws in PRECISION_PRIORS.items()
+            },
+            "prior_strength": PRIOR_STRENGTH,
+            "packaged_equal_fitted": packaged_equal_fitted(fitted),
+            "note": "no cell maps to training_comm or inference: their weights are the priors",
         },
         "library_profiles": {
-            model: {"product": reference_profile(model).product, **_profile_json(profile_for_model(model))}
-            for model in GAVEL_TO_LIBRARY.values()
+            model: {"product": reference_profile(model).product, **_profile_json(_profile(model))}
+            for model in sorted({c.gpu for c in cells} | {REFERENCE})
         },
         "alternative_mapping": {
-            "family_task_type": dict(ALTERNATIVE_FAMILY_TASK_TYPE),
+            "model_task_type": dict(ALTERNATIVE_MODEL_TASK_TYPE),
             **{
-                name: {
-                    k: v
-                    for k, v in _summary(alternative_jobs, *alternative_predictors[name]).items()
-                    if k in ("median_error", "p90_error")
-                }
-                for name in ("scu_in_sample", "scu_held_out_job_type", "scu_held_out_job_family")
+                name: {k: v for k, v in summary(rows, name).items() if k in ("median_error", "p90_error")}
+                for name, rows in (
+                    ("in_sample", in_sample(alternative)),
+                    ("leave_one_gpu_out", leave_one_gpu_out(alternative)),
+                    ("leave_one_model_out", leave_one_model_out(alternative)),
+                )
             },
         },
     }
     if args.rows:
-        result["rows"] = _rows(jobs, {name: predict for name, (predict, _) in predictors.items()})
+        result["rows"] = [
+            {
+                "source": c.source,
+                "job": c.job,
+                "gpu": c.gpu,
+                "precision": c.precision,
+                "task_type": c.task_type,
+                "measured": round(c.measured_ratio, 4),
+                **{name: round(p, 4) for name, (rows, _) in evaluations.items() for cc, p in rows if cc is c},
+            }
+            for c in cells
+        ]
     return result
 
 
@@ -406,40 +539,47 @@ def _profile_json(profile: DeviceProfile) -> dict[str, Any]:
     return {k: getattr(profile, k) for k in profile.__struct_fields__ if k != "model"}
 
 
-def _rows(jobs: Sequence[JobType], predictors: Mapping[str, Predictor]) -> list[dict[str, Any]]:
-    return [
-        {
-            "job_type": job.name,
-            "task_type": job.task_type,
-            "pair": f"{GAVEL_TO_LIBRARY[pair[0]]}/{GAVEL_TO_LIBRARY[pair[1]]}",
-            "measured": round(job.measured_ratio(pair), 4),
-            **{name: round(predict(job, pair), 4) for name, predict in predictors.items()},
-        }
-        for job in jobs
-        for pair in PAIRS
-    ]
-
-
 def print_table(result: Mapping[str, Any]) -> None:
     """The figures as a readable table on stderr."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"predicted vs measured speed ratios ({result['data']['ratios']} ratios, Gavel)")
-    table.add_column("model", no_wrap=True)
-    for col in ("median err", "p90 err", *(f"median {pair}" for pair in result["data"]["pairs"])):
+    data = result["data"]
+    table = Table(title=f"predicted vs measured speed ratios to {data['reference']} ({data['cells']} cells)")
+    table.add_column("evaluation", no_wrap=True)
+    for col in ("median err", "p90 err", "fp32 median", "fp16 median", "gavel median", "lambda median"):
         table.add_column(col, justify="right")
     for name, m in result["models"].items():
-        by_pair = (f"{v:.0%}" for v in m["median_error_by_pair"].values())
-        table.add_row(name, f"{m['median_error']:.1%}", f"{m['p90_error']:.1%}", *by_pair)
+        table.add_row(
+            name,
+            f"{m['median_error']:.1%}",
+            f"{m['p90_error']:.1%}",
+            *(f"{m['by_precision'][p]['median_error']:.1%}" for p in PRECISIONS),
+            *(f"{m['by_source'][s]['median_error']:.1%}" for s in ("gavel", "lambda")),
+        )
     console = Console(stderr=True)
     console.print(table)
+    gpus = Table(title="median error by GPU model")
+    gpus.add_column("GPU", no_wrap=True)
+    for col in ("in sample", "leave GPU out", "peak FP32"):
+        gpus.add_column(col, justify="right")
+    models = result["models"]
+    for gpu in data["gpus"]:
+        gpus.add_row(
+            gpu,
+            *(
+                f"{models[m]['median_error_by_gpu'][gpu]:.1%}"
+                for m in ("in_sample", "leave_one_gpu_out", "peak_fp32_baseline")
+            ),
+        )
+    console.print(gpus)
     h = result["headline"]
     console.print(
-        f"held out (leave one job type out): median {h['scu_median_error']:.1%}, p90 {h['scu_p90_error']:.1%}"
-        f"  vs naive FP32 {h['naive_fp32_sustained_median_error']:.1%} (sustained) /"
-        f" {h['naive_fp32_headline_median_error']:.1%} (headline); target {h['target_median_error']:.0%}:"
-        f" {'met' if h['held_out_meets_target'] else 'NOT met'}"
+        f"leave one GPU out: median {h['logo_median_error']:.1%} (fp32 {h['logo_median_error_fp32']:.1%}, "
+        f"fp16 {h['logo_median_error_fp16']:.1%}), p90 {h['logo_p90_error']:.1%}; leave one model out: "
+        f"median {h['lomo_median_error']:.1%}; peak FP32 ratio: {h['peak_fp32_median_error']:.1%}; "
+        f"target {h['target_logo_median_error']:.0%}: {'met' if h['logo_meets_target'] else 'NOT met'}; "
+        f"packaged weights {'equal' if h['packaged_equal_fitted'] else 'DIFFER FROM'} the fit"
     )
 
 

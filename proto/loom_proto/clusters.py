@@ -147,6 +147,9 @@ class AcceleratorProfile(msgspec.Struct, forbid_unknown_fields=True, frozen=True
     memory_gib: Annotated[float, Meta(gt=0, le=100_000)]
     interconnect_gbps: Annotated[float, Meta(gt=0, le=10_000_000)]
     network_gbps: Annotated[float, Meta(gt=0, le=10_000_000)]
+    compute_tf32_tflops: Annotated[float, Meta(gt=0, le=100_000)] | None = None
+    """Dense FP32-input matrix rate (TF32 tensor cores, AMD FP32 matrix cores); None: the part has
+    none, its FP32 matrix math runs at ``compute_fp32_tflops``."""
 
 
 class ClusterProfiles(

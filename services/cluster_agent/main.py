@@ -15,8 +15,10 @@ from loom_services.cluster_agent.sim import SimCluster, parse_true_speeds
 
 
 def model_speed(gpu_model: str, task_type: str) -> float:
-    """A node's speed relative to the reference: its SCU for the task type (1.0 for a model without a
-    profile, which the ledger refuses anyway)."""
+    """The speed this *simulated* cluster delivers on a node, relative to the reference: its SCU for
+    the task type. This is the simulated hardware's truth, not placement's belief: a model without
+    a profile delivers the reference's speed here, while the metrics service refuses its nodes
+    (no library profile, no calibrated one) and placement would count it as unprofiled."""
     try:
         return relative_speed(gpu_model, task_type)
     except ScuError:
@@ -37,6 +39,7 @@ def library_profile(gpu_model: str) -> AcceleratorProfile | None:
         memory_gib=p.memory_gib,
         interconnect_gbps=p.interconnect_gbps,
         network_gbps=p.network_gbps,
+        compute_tf32_tflops=p.compute_tf32_tflops,
     )
 
 

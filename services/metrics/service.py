@@ -287,6 +287,7 @@ class MetricsService:
 
     def _adopt_scu(self, cluster_id: str, table: dict[str, dict[str, float]]) -> None:
         self.profile_tables[cluster_id] = table
+        self.ledger.published_models[cluster_id] = frozenset(table)
         cluster = self.ledger.clusters.get(cluster_id)
         if cluster is not None:
             cluster.scu = table
@@ -305,6 +306,7 @@ class MetricsService:
                 memory_gib=p.memory_gib,
                 interconnect_gbps=p.interconnect_gbps,
                 network_gbps=p.network_gbps,
+                compute_tf32_tflops=p.compute_tf32_tflops,
             )
             decay = {t: learner.factor for (m, t), learner in self.decay.items() if m == p.gpu_model}
             scus = scu_by_task_type(device, reference=self.reference_profile, decay=decay)

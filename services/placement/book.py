@@ -14,8 +14,8 @@ import msgspec
 from opentelemetry import propagate
 from opentelemetry.context import Context
 
-from loom.model.profiles import reference_profile, relative_speed
-from loom.model.scu import TASK_TYPES, ScuError
+from loom.model.profiles import speeds_for_model
+from loom.model.scu import TASK_TYPES, UNPROFILED_SPEED
 from loom.model.topology import Topology
 from loom.sched.firstfit import NodeCapacity
 from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, RunningJob, Snapshot
@@ -106,6 +106,7 @@ class Book:
         self.economics = economics or Economics()
         self.net = NetMatrix.from_topology(topology) if topology is not None else NetMatrix([])
         self._speed: dict[tuple[str, str], float] = {}
+        self._half_speed: dict[tuple[str, str], float] = {}
         self._memory: dict[str, float] = {}
         self._usage: dict[str, int] = {}
         """GPUs held per tenant, kept in step with the runs."""
@@ -239,20 +240,17 @@ class Book:
         for model in models:
             if (model, TASK_TYPES[0]) in self._speed:
                 continue
-            for task in TASK_TYPES:
-                try:
-                    self._speed[(model, task)] = relative_speed(model, task)
-                except ScuError:
-                    self._speed[(model, task)] = 1.0
-            try:
-                self._memory[model] = reference_profile(model).profile.memory_gib
-            except ScuError:
-                self._memory[model] = 0.0
+            # A model without a profile is unprofiled: counted at the trust floor, never at 1.0.
+            tables = speeds_for_model(model)
+            self._speed.update({(model, t): v for t, v in tables.speed.items()})
+            self._half_speed.update({(model, t): v for t, v in tables.half_speed.items()})
+            self._memory[model] = tables.memory_gib
         return self._speed
 
     def speed(self, model: str, task_type: str) -> float:
-        """One GPU's SCU for a task type (1.0 for a model the library does not know)."""
-        return self._speeds([model]).get((model, task_type), 1.0)
+        """One GPU's SCU for a task type (:data:`~loom.model.scu.UNPROFILED_SPEED` for a model the
+        library does not know)."""
+        return self._speeds([model]).get((model, task_type), UNPROFILED_SPEED)
 
     def set_learned(self, learned: dict[tuple[str, str], float]) -> None:
         """Adopt new learned speed factors: the kept snapshot applies them from its next cycle."""
@@ -291,6 +289,7 @@ class Book:
             net=self.net,
             economics=self.economics,
             speed=self._speeds(models),
+            half_speed=self._half_speed,
             gpu_memory_gib=self._memory,
             learned=self.learned,
             now=now,

@@ -334,7 +334,17 @@ def test_a_node_of_an_unknown_gpu_model_is_refused_and_counted() -> None:
     applied = led.apply(hb(1, [ns("n1"), ns("n2", model="Z9000")], full=True), NOW)
     assert "n2" not in led.nodes and "n1" in led.nodes
     assert led.refused["unknown_gpu_model"] == 1
-    assert any("Z9000" in e for e in applied.node_errors)
+    assert any("Z9000" in e and "loom calibrate" in e for e in applied.node_errors)
+
+
+def test_an_unknown_gpu_model_is_admitted_once_its_cluster_published_a_profile_for_it() -> None:
+    led = Ledger(known_models=frozenset({"A100"}))
+    led.published_models["c1"] = frozenset({"Z9000"})
+    applied = led.apply(hb(1, [ns("n1", model="Z9000")], full=True), NOW)
+    assert "n1" in led.nodes and not applied.node_errors
+    # Another cluster's profile does not vouch for this one's nodes.
+    other = led.apply(hb(1, [ns("m1", model="Z9000")], cluster="c2", full=True), NOW)
+    assert "m1" not in led.nodes and other.node_errors
 
 
 def test_a_heartbeat_after_staleness_yields_a_fresh_change_even_when_nothing_changed(ledger: Ledger) -> None:

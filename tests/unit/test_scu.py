@@ -1,9 +1,11 @@
 """The SCU model: geometric-mean math, monotonicity, bounded learning, onboarding trust, the library."""
 
 import itertools
+import math
 from typing import get_args
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,39 +14,57 @@ from loom.errors import InvalidInputError
 from loom.model.profiles import (
     DEFAULT_REFERENCE_MODEL,
     LIBRARY,
+    ReferenceProfile,
     UnknownGpuModelError,
     library_models,
     profile_for_model,
     reference_profile,
     relative_speed,
     scu_per_gpu,
+    speeds_for_model,
 )
 from loom.model.scu import (
     DECAY_MAX,
     DECAY_MIN,
     DIMENSIONS,
     INITIAL_TRUST,
+    PRECISION_PRIORS,
+    PRECISION_WEIGHTS,
+    PRECISIONS,
     PRIOR_WEIGHTS,
     TASK_TYPES,
     TASK_WEIGHTS,
+    TRUST_FLOOR,
+    UNPROFILED_SPEED,
     DecayLearner,
     DeviceProfile,
+    Precision,
     RatioObservation,
     ScuError,
     TaskWeights,
     TrustTracker,
     fit_weights,
+    precision_of_family,
     scu,
     speed_ratio,
 )
 from loom.model.topology import load_topology, packaged_topology_names
-from loom_proto.jobs import TaskType
+from loom_benchmarks.scu import Cell
+from loom_proto.clusters import AcceleratorProfile
+from loom_proto.jobs import GpuModel, TaskType
+
+
+class GpuModelHolder(msgspec.Struct):
+    gpu_model: GpuModel
+
 
 REFERENCE = profile_for_model(DEFAULT_REFERENCE_MODEL)
 WEIGHT_FIELDS = TaskWeights.__struct_fields__
 
 
 def scaled(profile: DeviceProfile, dimension: str, factor: float) -> DeviceProfile:
+    if dimension == "compute_tf32_tflops":  # absent means "the FP32 rate": scale what counts
+        return msgspec.structs.replace(profile, compute_tf32_tflops=profile.fp32_matrix_tflops * factor)
     return msgspec.structs.replace(profile, **{dimension: getattr(profile, dimension) * factor})
 
 
@@ -84,15 +104,17 @@ def test_scu_is_the_weighted_geometric_mean_of_the_ratios_times_decay() -> None:
     assert decayed == pytest.approx(0.8 * expected, rel=1e-12)
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("task_type", TASK_TYPES)
 @pytest.mark.parametrize("dimension", DIMENSIONS)
 def test_scu_rises_with_every_positively_weighted_dimension_and_ignores_the_others(
-    task_type: TaskType, dimension: str
+    precision: Precision, task_type: TaskType, dimension: str
 ) -> None:
-    weight = dict(zip(DIMENSIONS, TASK_WEIGHTS[task_type].vector(), strict=True))[dimension]
-    device = profile_for_model("T4")
-    before = scu(device, task_type, reference=REFERENCE)
-    after = scu(scaled(device, dimension, 1.5), task_type, reference=REFERENCE)
+    weight = dict(zip(DIMENSIONS, PRECISION_WEIGHTS[precision][task_type].vector(), strict=True))[dimension]
+    # An A10 has TF32 cores well above its FP32 rate, so scaling FP32 by 1.5 leaves TF32 alone.
+    device = profile_for_model("A10")
+    before = scu(device, task_type, reference=REFERENCE, precision=precision)
+    after = scu(scaled(device, dimension, 1.5), task_type, reference=REFERENCE, precision=precision)
     if weight > 0:
         assert after > before
     else:
@@ -108,10 +130,10 @@ def test_scu_is_monotone_in_each_dimension_for_any_device(factors: list[float], 
     device = REFERENCE
     for dimension, factor in zip(DIMENSIONS, factors, strict=True):
         device = scaled(device, dimension, factor)
-    for task_type in TASK_TYPES:
-        base = scu(device, task_type, reference=REFERENCE)
+    for task_type, precision in itertools.product(TASK_TYPES, PRECISIONS):
+        base = scu(device, task_type, reference=REFERENCE, precision=precision)
         for dimension in DIMENSIONS:
-            moved = scu(scaled(device, dimension, bump), task_type, reference=REFERENCE)
+            moved = scu(scaled(device, dimension, bump), task_type, reference=REFERENCE, precision=precision)
             if bump >= 1:
                 assert moved >= base * (1 - 1e-12)
             else:
@@ -153,8 +175,10 @@ def test_profiles_and_weights_refuse_impossible_numbers() -> None:
 
 
 def test_packaged_weights_are_normalised() -> None:
-    for weights in (*TASK_WEIGHTS.values(), *PRIOR_WEIGHTS.values()):
-        assert sum(weights.vector()) == pytest.approx(1.0)
+    for table in (*PRECISION_WEIGHTS.values(), *PRECISION_PRIORS.values()):
+        for weights in table.values():
+            assert sum(weights.vector()) == pytest.approx(1.0)
+    assert TASK_WEIGHTS is PRECISION_WEIGHTS["fp32"] and PRIOR_WEIGHTS is PRECISION_PRIORS["fp32"]
 
 
 # ---- fitting ------------------------------------------------------------------------------------------
@@ -194,14 +218,51 @@ def test_fit_refuses_a_grid_step_that_does_not_divide_one() -> None:
         fit_weights([], PRIOR_WEIGHTS["inference"], grid_step=0.3)
 
 
-def test_packaged_weights_are_the_fit_on_the_gavel_measurements() -> None:
-    from loom_benchmarks.scu import fitted_weights, load_jobs
+def test_packaged_weights_are_the_fit_on_the_gavel_and_lambda_measurements() -> None:
+    from loom_benchmarks.scu import fitted_weights, load_cells
 
-    fitted = fitted_weights(load_jobs())
-    for task_type in TASK_TYPES:
-        assert TASK_WEIGHTS[task_type].normalised().vector() == pytest.approx(
-            fitted[task_type].vector(), abs=1e-6
-        ), f"{task_type}: refit and update TASK_WEIGHTS (loom bench scu shows the fit)"
+    fitted = fitted_weights(load_cells())
+    for precision in PRECISIONS:
+        for task_type in TASK_TYPES:
+            assert PRECISION_WEIGHTS[precision][task_type].normalised().vector() == pytest.approx(
+                fitted[precision][task_type].vector(), abs=1e-6
+            ), f"{precision} {task_type}: refit and update PRECISION_WEIGHTS (loom bench scu shows the fit)"
+
+
+def test_leave_one_gpu_out_median_error_on_the_packaged_measurements_is_at_most_15_percent() -> None:
+    from loom_benchmarks.scu import TARGET_MEDIAN_ERROR, load_cells, logo_median_error
+
+    cells = load_cells()
+    assert len({c.gpu for c in cells}) >= 15 and {c.precision for c in cells} == set(PRECISIONS)
+    assert logo_median_error(cells) <= TARGET_MEDIAN_ERROR
+
+
+def test_the_fit_beats_the_peak_fp32_ratio_held_out_in_both_precisions() -> None:
+    from loom_benchmarks.scu import leave_one_gpu_out, load_cells, peak_fp32
+
+    cells = load_cells()
+
+    def median(rows: list[tuple[Cell, float]], precision: str) -> float:
+        errors = [abs(p - c.measured_ratio) / c.measured_ratio for c, p in rows if c.precision == precision]
+        return float(np.median(errors))
+
+    held_out, baseline = leave_one_gpu_out(cells), peak_fp32(cells)
+    for precision in PRECISIONS:
+        assert median(held_out, precision) < 0.5 * median(baseline, precision)
+
+
+def test_the_benchmark_data_holds_only_single_gpu_medians_of_known_models() -> None:
+    from loom_benchmarks.scu import _gpus_in_row, _lambda_model, load_cells
+
+    assert _gpus_in_row("LambdaOD_8x_Texas_1xH100_80GB_SXM5_192-222-52-149_v2", None) == 1
+    assert _gpus_in_row("LambdaOD_8x_Texas_8xH100_80GB_SXM5_192-222-52-149_v2", None) == 8
+    assert _gpus_in_row("2x RTX A6000", "2") == 2
+    assert _lambda_model("LambdaCloud A100 40GB PCIe") == "A100-40G-PCIE"
+    assert _lambda_model("LambdaCloud 1x A10") == "A10"
+    assert _lambda_model("A100 80GB SXM4") == "A100"
+    for cell in load_cells():
+        assert cell.gpu in LIBRARY and cell.gpu != DEFAULT_REFERENCE_MODEL
+        assert math.isfinite(cell.measured_ratio) and cell.measured_ratio > 0
 
 
 # ---- decay ---------------------------------------------------------------------------------------------
@@ -276,9 +337,50 @@ def test_trust_stays_within_floor_and_one(delivered: list[float]) -> None:
 
 
 def test_the_library_covers_the_accelerators_the_issue_names() -> None:
-    required = {"K80", "P100", "V100M16", "T4", "A10", "A100", "H100", "H200", "L40S", "RTX4090", "MI300X"}
+    required = {
+        *("K80", "P100", "V100M16", "V100M32", "T4", "A10", "A40", "L4", "L40S"),
+        *("A100", "A100-40G", "A100-40G-PCIE", "A100-80G-PCIE", "H100", "H100-PCIE", "H200", "GH200", "B200"),
+        *("RTX2080TI", "QRTX6000", "QRTX8000", "RTXA6000", "RTX3090", "RTX4090", "RTX6000ADA"),
+        *("MI250X", "MI300X", "G2", "G3"),
+    }
     assert required <= set(library_models())
     assert reference_profile("v100").profile.model == "V100M16"
+    assert reference_profile("A100-SXM4-40GB").profile.model == "A100-40G"
+    assert reference_profile("a100-pcie-40gb").profile.model == "A100-40G-PCIE"
+    assert reference_profile("rtx-2080-ti").profile.model == "RTX2080TI"
+    assert reference_profile("Quadro-RTX-6000").profile.model == "QRTX6000"
+    assert reference_profile("H100-SXM").profile.model == "H100"
+
+
+def test_library_names_and_aliases_are_valid_gpu_models_and_never_shadow_each_other() -> None:
+    from loom.model.profiles import _ALIASES
+
+    names = {m.casefold() for m in library_models()}
+    for name in (*library_models(), *_ALIASES):
+        msgspec.json.decode(msgspec.json.encode({"gpu_model": name}), type=GpuModelHolder)
+    assert not names & {a.casefold() for a in _ALIASES}
+    assert set(_ALIASES.values()) <= set(library_models())
+
+
+@pytest.mark.parametrize("model", library_models())
+def test_every_library_profile_round_trips_through_its_wire_forms(model: str) -> None:
+    entry = LIBRARY[model]
+    assert msgspec.json.decode(msgspec.json.encode(entry), type=ReferenceProfile) == entry
+    p = entry.profile
+    wire = AcceleratorProfile(
+        gpu_model=p.model,
+        compute_fp32_tflops=p.compute_fp32_tflops,
+        compute_fp16_tflops=p.compute_fp16_tflops,
+        memory_bandwidth_gbps=p.memory_bandwidth_gbps,
+        memory_gib=p.memory_gib,
+        interconnect_gbps=p.interconnect_gbps,
+        network_gbps=p.network_gbps,
+        compute_tf32_tflops=p.compute_tf32_tflops,
+    )
+    assert msgspec.json.decode(msgspec.json.encode(wire), type=AcceleratorProfile) == wire
+    assert p.fp32_matrix_tflops >= p.compute_fp32_tflops
+    # Tensor FP16 never below plain FP32, and the sanity order of generations holds.
+    assert p.compute_fp16_tflops >= p.compute_fp32_tflops
 
 
 @pytest.mark.parametrize("model", library_models())
@@ -308,7 +410,7 @@ def test_every_gpu_model_in_the_packaged_topologies_has_a_profile(topology: str)
 
 def test_an_unknown_model_or_task_type_is_an_input_error() -> None:
     with pytest.raises(UnknownGpuModelError) as info:
-        profile_for_model("B200")
+        profile_for_model("Z9000")
     assert isinstance(info.value, InvalidInputError) and info.value.non_retryable
     with pytest.raises(ScuError):
         relative_speed("T4", "mining")
@@ -328,3 +430,91 @@ def test_scu_per_gpu_summarises_all_task_types_and_is_one_for_the_reference() ->
     assert values == sorted(values)
     speeds = [relative_speed("A100", t) for t in TASK_TYPES]
     assert min(speeds) <= scu_per_gpu("A100") <= max(speeds)
+
+
+# ---- precision and unprofiled models -----------------------------------------------------------------
+
+
+def test_the_fp16_weights_price_a_tensor_core_generation_differently_from_fp32() -> None:
+    # Measured (Lambda): an A100 trains BERT ~5x a V100 in FP32 (TF32 vs plain FP32) but ~2.3x in
+    # FP16 (tensor cores on both); the fitted weights must carry that difference.
+    fp32 = relative_speed("A100", "training_compute", precision="fp32")
+    fp16 = relative_speed("A100", "training_compute", precision="fp16")
+    assert fp32 > 1.5 * fp16 > 1.5
+    # Without TF32 (Turing), FP32 gains nothing over FP16 from the matrix-rate dimension.
+    assert relative_speed("QRTX8000", "training_compute", precision="fp32") < fp32 / 3
+    with pytest.raises(ScuError):
+        scu(REFERENCE, "inference", reference=REFERENCE, precision="fp8")  # type: ignore[arg-type]
+
+
+def test_a_family_is_half_precision_exactly_when_it_ends_in_fp16() -> None:
+    from loom.model.family import family_of
+
+    assert (
+        precision_of_family(family_of({"model": "bert", "precision": "bf16"}, "training_compute")) == "fp16"
+    )
+    assert precision_of_family(family_of({"model": "bert"}, "training_compute")) == "fp32"
+    assert precision_of_family("resnet-50@fp16") == "fp16"
+
+
+def test_an_unprofiled_model_counts_at_the_trust_floor_never_at_the_reference_speed() -> None:
+    unknown = speeds_for_model("Z9000")
+    assert not unknown.profiled and unknown.memory_gib == 0.0
+    assert set(unknown.speed.values()) == set(unknown.half_speed.values()) == {UNPROFILED_SPEED}
+    assert UNPROFILED_SPEED == TRUST_FLOOR == TrustTracker().floor < INITIAL_TRUST
+    assert scu_per_gpu("Z9000") == pytest.approx(UNPROFILED_SPEED)
+    known = speeds_for_model("A100")
+    assert known.profiled and known.memory_gib == 80.0
+    assert known.speed["training_compute"] == pytest.approx(relative_speed("A100", "training_compute"))
+    assert known.half_speed["training_compute"] == pytest.approx(
+        relative_speed("A100", "training_compute", precision="fp16")
+    )
+    # Slowest profiled GPU is still far above the unprofiled floor.
+    assert min(speeds_for_model(m).speed["training_memory"] for m in library_models()) > UNPROFILED_SPEED
+
+
+def test_snapshot_job_speeds_read_the_fp16_table_for_a_half_precision_job() -> None:
+    from loom.model.family import job_family
+    from loom.sched.firstfit import NodeCapacity
+    from loom.sched.snapshot import Snapshot, job_precision
+    from loom.sim.engine import platform_from_topology
+
+    platform = platform_from_topology()
+    models = sorted({n.gpu_model for n in platform.nodes if n.gpu_model})
+    assert {(m, t) for m in models for t in TASK_TYPES} == set(platform.half_speed) == set(platform.speed)
+    snap = platform.snapshot()
+
+    class Job(msgspec.Struct):
+        labels: dict[str, str]
+        task_type: str
+
+    half = Job({"model": "bert", "precision": "fp16"}, "training_compute")
+    single = Job({"model": "bert"}, "training_compute")
+    for job in (half, single):
+        assert job_precision(job) == precision_of_family(job_family(job))
+    for i, model in enumerate(snap.models):
+        assert snap.job_speeds(half)[i] == pytest.approx(
+            speeds_for_model(model).half_speed["training_compute"]
+        )
+        assert snap.job_speeds(single)[i] == pytest.approx(speeds_for_model(model).speed["training_compute"])
+    # The builders fill a model without a profile at the trust floor, not at the reference's 1.0.
+    node = NodeCapacity(node="n1", cluster="c1", region="r1", zone="z1", gpu_model="Z9000", gpus_total=8)
+    tables = speeds_for_model("Z9000")
+    lone = Snapshot(
+        [node],
+        speed={("Z9000", t): v for t, v in tables.speed.items()},
+        half_speed={("Z9000", t): v for t, v in tables.half_speed.items()},
+    )
+    assert lone.job_gpu_speed(single, "Z9000") == lone.job_gpu_speed(half, "Z9000") == UNPROFILED_SPEED
+
+
+def test_the_placement_book_counts_an_unprofiled_model_at_the_trust_floor() -> None:
+    from loom_services.placement.book import Book
+
+    book = Book()
+    assert book.speed("Z9000", "training_compute") == UNPROFILED_SPEED
+    assert book._memory["Z9000"] == 0.0
+    assert book.speed("A100", "training_compute") == pytest.approx(relative_speed("A100", "training_compute"))
+    assert book._half_speed[("A100", "training_compute")] == pytest.approx(
+        relative_speed("A100", "training_compute", precision="fp16")
+    )

@@ -553,7 +553,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     p = report.profile
     console.print(
         f"profile [bold]{p.model}[/bold]: FP32 {p.compute_fp32_tflops:.3g} TFLOPS,"
-        f" FP16 {p.compute_fp16_tflops:.3g} TFLOPS, memory {p.memory_bandwidth_gbps / 8:.3g} GB/s,"
+        f" TF32 {p.fp32_matrix_tflops:.3g}, FP16 {p.compute_fp16_tflops:.3g} TFLOPS,"
+        f" memory {p.memory_bandwidth_gbps / 8:.3g} GB/s,"
         f" {p.memory_gib:.1f} GiB (--json for the whole profile)"
     )
     return 0

@@ -118,7 +118,10 @@ class Ledger:
         self.nodes: dict[str, LedgerNode] = {}
         self.refused: Counter[str] = Counter()
         self.known_models = known_models
-        """GPU models with a performance profile; a node of any other model is refused (None: any)."""
+        """GPU models with a library profile (None: any model is admitted)."""
+        self.published_models: dict[str, frozenset[str]] = {}
+        """Per cluster, the GPU models it published a profile for (``loom calibrate``'s or the
+        library's): a model outside :attr:`known_models` is admitted in a cluster that published one."""
         self.reservations: dict[str, tuple[tuple[str, int], ...]] = {}
         self.dirty_regions: set[str] = set()
         """Regions whose summary may have changed since :meth:`take_dirty_regions`."""
@@ -168,9 +171,20 @@ class Ledger:
                 self.refused["impossible_node"] += 1
                 errors.append(problem)
                 continue
-            if self.known_models is not None and n.gpu_model and n.gpu_model not in self.known_models:
+            if (
+                self.known_models is not None
+                and n.gpu_model
+                and n.gpu_model not in self.known_models
+                and n.gpu_model not in self.published_models.get(hb.cluster, frozenset())
+            ):
+                # Refused, not guessed: an unprofiled GPU counted at the reference's speed would
+                # attract jobs on a promise nobody made.
                 self.refused["unknown_gpu_model"] += 1
-                errors.append(f"node {n.node}: unknown GPU model {n.gpu_model!r}")
+                errors.append(
+                    f"node {n.node}: GPU model {n.gpu_model!r} has no library profile and cluster "
+                    f"{hb.cluster} published no calibrated one; run `loom calibrate` on a node of "
+                    "this model and publish its profile, or name a known model"
+                )
                 continue
             if owner is not None:
                 # Updated in place: a 1,000-node delta must not allocate 1,000 new entries.

@@ -1,44 +1,60 @@
 """SCU: one unit of delivered compute, and how a device's profile converts to it per task type.
 
 One SCU is the delivered throughput of a configurable reference accelerator (ARCHITECTURE.md §6).
-A device is described by a :class:`DeviceProfile` over six dimensions (FP32 and FP16 compute,
-memory bandwidth, memory size, intra-node interconnect, network). Each task type has a
-:class:`TaskWeights` vector over those dimensions, and a device's SCU for a task type is the
-weighted geometric mean of its ratios to the reference, times a decay factor for the gap between
-benchmark and real work::
+A device is described by a :class:`DeviceProfile` over seven dimensions (FP32, FP16 and FP32-matrix
+compute, memory bandwidth, memory size, intra-node interconnect, network). Each (precision, task
+type) has a :class:`TaskWeights` vector over those dimensions, and a device's SCU for a task type
+is the weighted geometric mean of its ratios to the reference, times a decay factor for the gap
+between benchmark and real work::
 
-    scu(device, task) = decay · exp( Σ wᵢ · ln(deviceᵢ / referenceᵢ) / Σ wᵢ )
+    scu(device, task, precision) = decay · exp( Σ wᵢ · ln(deviceᵢ / referenceᵢ) / Σ wᵢ )
 
 Because the mean is geometric, the predicted speed ratio of two devices does not depend on the
 reference (:func:`speed_ratio`).
 
-The packaged weights (:data:`TASK_WEIGHTS`) were fitted by :func:`fit_weights` on measured training
-throughput of 26 job types on K80, P100 and V100 (Gavel's oracle throughputs; see
-``benchmarks/loom_benchmarks/data/README.md``), with the reference library's datasheet profiles as
-input, starting from the hand-set :data:`PRIOR_WEIGHTS`. ``loom bench scu`` refits them, checks the
-packaged values still equal the fit, and reports in-sample and held-out errors. Gavel job families
-map to task types as follows (the reasoning is in the benchmark's docstring):
+**Precision.** The same model gains very differently from a newer GPU in single and in mixed
+precision (Lambda's measurements: an A100 trains BERT 5x faster than a V100 in FP32, 2.3x in
+FP16, because the V100's FP32 runs on plain FP32 units while the A100's runs on TF32 tensor
+cores, and both use tensor cores in FP16). So weights are keyed by precision as well
+(:data:`PRECISION_WEIGHTS`): ``fp32`` is FP32 training as the frameworks run it by default (TF32
+tensor cores for matrix math where the part has them: the ``compute_tf32`` dimension), ``fp16``
+is mixed precision (FP16/BF16 with FP32 master weights). A job's precision comes from its family
+(:mod:`loom.model.family`: ``…@fp16``; :func:`precision_of_family`).
 
-- ``training_compute``: ResNet-18, ResNet-50, CycleGAN, Transformer (dense convolutions and GEMMs);
-- ``training_memory``: LM (an LSTM language model: weights re-read every time step);
-- ``training_comm``: Recommendation, A3C (step time dominated by moving data, not arithmetic);
+**The fit.** The packaged weights were fitted by :func:`fit_weights` (least mean absolute error in
+log ratio over a simplex grid) on measured single-GPU training throughput: Gavel's 26 job types on
+K80, P100 and V100 (FP32) and Lambda's 10 models on 14 GPU models from V100 to B200 (FP32 and
+FP16), each as a ratio to the V100 16 GB; see ``loom bench scu`` and
+``benchmarks/loom_benchmarks/data/README.md``. ``loom bench scu`` refits them, checks the packaged
+values still equal the fit, and reports in-sample, leave-one-GPU-out and leave-one-model-out
+errors. Measured models map to task types by what bounds their single-GPU step (the reasoning is
+in the benchmark's docstring):
+
+- ``training_compute``: dense GEMM-bound sequence models: BERT, Transformer, Transformer-XL,
+  GNMT, Tacotron 2, WaveGlow;
+- ``training_memory``: models whose step follows memory bandwidth: convolutional nets with
+  normalisation (ResNet, SSD, CycleGAN), the small-batch LSTM LM, and embedding-bound
+  recommendation (NCF, Gavel's Recommendation) and A3C;
+- ``training_comm``: no single-GPU measurement can say how communication-bound work speeds up
+  (it is bound by links, not the device), so its weights are the prior;
 - ``inference``: no measured job; its weights are the prior.
 
 The fit may only weigh the dimensions its prior weighs. Where a dimension's ratio is 1 between
-the measured devices (network everywhere, interconnect between K80 and P100), its fitted weight
-only says how much the other ratios are damped: ``training_comm``'s network weight is that, and
-no more, until measurements of multi-node jobs exist.
+the measured devices (network everywhere), its fitted weight only says how much the other ratios
+are damped: ``training_comm``'s network weight is that, and no more, until measurements of
+multi-node jobs exist.
 
 :class:`DecayLearner` learns the decay factor, bounded, from observed versus predicted throughput;
-:class:`TrustTracker` is the progressive-onboarding weight of a newly joined cluster. Everything here
-is pure: no clock, no I/O, immutable values in and out.
+:class:`TrustTracker` is the progressive-onboarding weight of a newly joined cluster; its floor is
+also the speed a GPU model without any profile is counted at (:data:`UNPROFILED_SPEED`).
+Everything here is pure: no clock, no I/O, immutable values in and out.
 """
 
 import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Annotated, Final, get_args
+from typing import Annotated, Final, Literal, get_args
 
 import msgspec
 import numpy as np
@@ -53,22 +69,40 @@ __all__ = [
     "DECAY_MIN",
     "DIMENSIONS",
     "INITIAL_TRUST",
+    "PRECISIONS",
+    "PRECISION_PRIORS",
+    "PRECISION_WEIGHTS",
     "PRIOR_WEIGHTS",
     "TASK_TYPES",
     "TASK_WEIGHTS",
+    "TRUST_FLOOR",
+    "UNPROFILED_SPEED",
     "DecayLearner",
     "DeviceProfile",
+    "Precision",
     "RatioObservation",
     "ScuError",
     "TaskWeights",
     "TrustTracker",
     "fit_weights",
+    "precision_of_family",
     "scu",
+    "scu_by_task_type",
     "speed_ratio",
 ]
 
 TASK_TYPES: Final[tuple[TaskType, ...]] = get_args(TaskType)
 """Every task type, in the proto's order."""
+
+Precision = Literal["fp32", "fp16"]
+"""``fp32``: single precision as frameworks run it by default (TF32 tensor math where the part has
+it); ``fp16``: mixed precision (FP16 or BF16 math, FP32 master weights)."""
+
+PRECISIONS: Final[tuple[Precision, ...]] = get_args(Precision)
+"""Every precision weights are kept for."""
+
+HALF_PRECISION_SUFFIX: Final = "@fp16"
+"""How a job family names mixed precision (see :func:`loom.model.family.family_of`)."""
 
 DIMENSIONS: Final = (
     "compute_fp32_tflops",
@@ -77,6 +111,7 @@ DIMENSIONS: Final = (
     "memory_gib",
     "interconnect_gbps",
     "network_gbps",
+    "compute_tf32_tflops",
 )
 """The profile dimensions, in the order of :meth:`DeviceProfile.vector` and :meth:`TaskWeights.vector`."""
 
@@ -87,6 +122,14 @@ DECAY_MAX: Final = 1.2
 
 INITIAL_TRUST: Final = 0.3
 """Trust weight of a newly joined cluster, before any delivered throughput confirms its claim."""
+
+TRUST_FLOOR: Final = 0.05
+"""Lowest trust a cluster can fall to (:class:`TrustTracker`'s ``floor``)."""
+
+UNPROFILED_SPEED: Final = TRUST_FLOOR
+"""Speed (in SCU) of one GPU of a model with neither a library nor a calibrated profile: the trust
+floor, never the reference's 1.0, so that placement prefers any profiled GPU until ``loom
+calibrate`` publishes a profile or learned runs say what the model delivers."""
 
 # Upper bounds are sanity limits far above any accelerator, so a typo (bytes for GiB) fails decoding.
 Tflops = Annotated[float, Meta(gt=0, le=1e6, description="peak or measured TFLOP/s")]
@@ -122,14 +165,23 @@ class DeviceProfile(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     """Intra-node device-to-device bandwidth (NVLink, Infinity Fabric, or PCIe when there is none)."""
     network_gbps: Gbps
     """The node's network bandwidth to other nodes."""
+    compute_tf32_tflops: Tflops | None = None
+    """Dense FP32-input matrix throughput: TF32 tensor cores (NVIDIA Ampere and later), FP32
+    matrix cores (AMD CDNA). None for a part without either: its FP32 matrix math runs at
+    :attr:`compute_fp32_tflops` (what :attr:`fp32_matrix_tflops` then returns)."""
 
     def __post_init__(self) -> None:
         for name, value in zip(DIMENSIONS, self.vector(), strict=True):
             if not (math.isfinite(value) and value > 0):
                 raise ScuError(f"{self.model}: {name} must be a positive finite number, got {value!r}")
 
+    @property
+    def fp32_matrix_tflops(self) -> float:
+        """What FP32 training's matrix math runs at: the TF32/matrix-core rate, never below plain FP32."""
+        return max(self.compute_fp32_tflops, self.compute_tf32_tflops or 0.0)
+
     def vector(self) -> tuple[float, ...]:
-        """The six dimensions in :data:`DIMENSIONS` order."""
+        """The seven dimensions in :data:`DIMENSIONS` order (TF32 as :attr:`fp32_matrix_tflops`)."""
         return (
             self.compute_fp32_tflops,
             self.compute_fp16_tflops,
@@ -137,6 +189,7 @@ class DeviceProfile(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
             self.memory_gib,
             self.interconnect_gbps,
             self.network_gbps,
+            self.fp32_matrix_tflops,
         )
 
 
@@ -149,6 +202,7 @@ class TaskWeights(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
     memory_size: Weight = 0.0
     interconnect: Weight = 0.0
     network: Weight = 0.0
+    compute_tf32: Weight = 0.0
 
     def __post_init__(self) -> None:
         values = self.vector()
@@ -156,7 +210,7 @@ class TaskWeights(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
             raise ScuError(f"weights must be finite, non-negative and not all zero: {values}")
 
     def vector(self) -> tuple[float, ...]:
-        """The six weights in :data:`DIMENSIONS` order."""
+        """The seven weights in :data:`DIMENSIONS` order."""
         return (
             self.compute_fp32,
             self.compute_fp16,
@@ -164,6 +218,7 @@ class TaskWeights(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
             self.memory_size,
             self.interconnect,
             self.network,
+            self.compute_tf32,
         )
 
     def normalised(self) -> "TaskWeights":
@@ -172,14 +227,14 @@ class TaskWeights(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
 
     @staticmethod
     def from_vector(values: Sequence[float]) -> "TaskWeights":
-        """Weights from six numbers in :data:`DIMENSIONS` order, normalised to sum to 1."""
+        """Weights from seven numbers in :data:`DIMENSIONS` order, normalised to sum to 1."""
         if len(values) != len(DIMENSIONS):
             raise ScuError(f"need {len(DIMENSIONS)} weights, got {len(values)}")
         total = float(sum(values))
         if not math.isfinite(total) or total <= 0:
             raise ScuError(f"weights must not all be zero: {tuple(values)}")
         # Rounded so that fitted weights print and compare cleanly (the fit's grid is coarser).
-        f32, f16, bw, size, ic, net = (round(float(v) / total, 6) for v in values)
+        f32, f16, bw, size, ic, net, tf32 = (round(float(v) / total, 6) for v in values)
         return TaskWeights(
             compute_fp32=f32,
             compute_fp16=f16,
@@ -187,32 +242,73 @@ class TaskWeights(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_on
             memory_size=size,
             interconnect=ic,
             network=net,
+            compute_tf32=tf32,
         )
 
 
-PRIOR_WEIGHTS: Final[Mapping[TaskType, TaskWeights]] = {
-    # Dense GEMMs and convolutions; mixed precision is common; normalisation layers and
-    # activations are bandwidth-bound.
-    "training_compute": TaskWeights(compute_fp32=0.4, compute_fp16=0.3, memory_bandwidth=0.3),
-    # Step time follows how fast weights and activations stream through memory.
-    "training_memory": TaskWeights(compute_fp32=0.1, compute_fp16=0.1, memory_bandwidth=0.6, memory_size=0.2),
-    # Gradient, embedding or parameter exchange inside the node and across nodes.
-    "training_comm": TaskWeights(
-        compute_fp32=0.1, compute_fp16=0.1, memory_bandwidth=0.2, interconnect=0.3, network=0.3
-    ),
-    # Serving: low-precision math, weight and KV-cache streaming, room for the model and cache.
-    "inference": TaskWeights(compute_fp16=0.4, memory_bandwidth=0.4, memory_size=0.2),
-}
-"""Hand-set weights from what bounds each task type. The fit may weigh only the dimensions these
-weigh, is pulled toward them (``prior_strength``), and returns them where there is no data."""
+_INFERENCE_PRIOR: Final = TaskWeights(compute_fp16=0.4, memory_bandwidth=0.4, memory_size=0.2)
 
-TASK_WEIGHTS: Final[Mapping[TaskType, TaskWeights]] = {
-    "training_compute": TaskWeights(compute_fp32=0.4, compute_fp16=0.15, memory_bandwidth=0.45),
-    "training_memory": TaskWeights(compute_fp32=0.2, compute_fp16=0.1, memory_bandwidth=0.7),
-    "training_comm": TaskWeights(compute_fp32=0.05, memory_bandwidth=0.1, interconnect=0.25, network=0.6),
-    "inference": PRIOR_WEIGHTS["inference"],
+PRECISION_PRIORS: Final[Mapping[Precision, Mapping[TaskType, TaskWeights]]] = {
+    "fp32": {
+        # Dense GEMMs at the FP32-matrix rate (TF32 tensor cores where present); the tensor
+        # generation (FP16 rate) and bandwidth for the layers around them.
+        "training_compute": TaskWeights(compute_tf32=0.5, compute_fp16=0.1, memory_bandwidth=0.4),
+        # Step time follows how fast weights and activations stream through memory.
+        "training_memory": TaskWeights(compute_tf32=0.2, compute_fp16=0.1, memory_bandwidth=0.7),
+        # Gradient, embedding or parameter exchange inside the node and across nodes.
+        "training_comm": TaskWeights(
+            compute_tf32=0.1, compute_fp16=0.1, memory_bandwidth=0.2, interconnect=0.3, network=0.3
+        ),
+        # Serving: low-precision math, weight and KV-cache streaming, room for the model and cache.
+        "inference": _INFERENCE_PRIOR,
+    },
+    "fp16": {
+        # Tensor-core GEMMs; what autocast keeps in FP32 runs at the FP32 or TF32 rate.
+        "training_compute": TaskWeights(
+            compute_fp32=0.1, compute_tf32=0.1, compute_fp16=0.4, memory_bandwidth=0.4
+        ),
+        "training_memory": TaskWeights(
+            compute_fp32=0.1, compute_tf32=0.1, compute_fp16=0.1, memory_bandwidth=0.7
+        ),
+        "training_comm": TaskWeights(compute_fp16=0.2, memory_bandwidth=0.2, interconnect=0.3, network=0.3),
+        "inference": _INFERENCE_PRIOR,
+    },
 }
-"""The weights in use: :func:`fit_weights` on the Gavel measurements (``loom bench scu`` checks them)."""
+"""Hand-set weights per precision from what bounds each task type. The fit may weigh only the
+dimensions these weigh, is pulled toward them (``prior_strength``), and returns them where there
+is no data."""
+
+PRIOR_WEIGHTS: Final[Mapping[TaskType, TaskWeights]] = PRECISION_PRIORS["fp32"]
+"""The FP32 priors (the precision a job has unless its family says ``@fp16``)."""
+
+PRECISION_WEIGHTS: Final[Mapping[Precision, Mapping[TaskType, TaskWeights]]] = {
+    "fp32": {
+        "training_compute": TaskWeights(compute_tf32=0.5, memory_bandwidth=0.5),
+        "training_memory": TaskWeights(compute_tf32=0.15, compute_fp16=0.15, memory_bandwidth=0.7),
+        "training_comm": PRECISION_PRIORS["fp32"]["training_comm"],
+        "inference": _INFERENCE_PRIOR,
+    },
+    "fp16": {
+        "training_compute": TaskWeights(
+            compute_fp32=0.2, compute_tf32=0.15, compute_fp16=0.15, memory_bandwidth=0.5
+        ),
+        "training_memory": TaskWeights(compute_fp32=0.2, memory_bandwidth=0.8),
+        "training_comm": PRECISION_PRIORS["fp16"]["training_comm"],
+        "inference": _INFERENCE_PRIOR,
+    },
+}
+"""The weights in use: :func:`fit_weights` on the Gavel and Lambda measurements, per precision and
+task type (``loom bench scu`` checks them). No measured job is communication-bound or serving:
+``training_comm`` and ``inference`` keep their priors. Held out by GPU model, these predict a
+job's speed ratio to the V100 within 14.8 % (median over 314 cells; the peak-FP32 ratio: 48 %)."""
+
+TASK_WEIGHTS: Final[Mapping[TaskType, TaskWeights]] = PRECISION_WEIGHTS["fp32"]
+"""The FP32 weights in use (``PRECISION_WEIGHTS["fp32"]``)."""
+
+
+def precision_of_family(family: str) -> Precision:
+    """A job family's precision: ``fp16`` when it ends in ``@fp16`` (see :mod:`loom.model.family`)."""
+    return "fp16" if family.endswith(HALF_PRECISION_SUFFIX) else "fp32"
 
 
 def _log_ratios(device: DeviceProfile, reference: DeviceProfile) -> npt.NDArray[np.float64]:
@@ -233,14 +329,20 @@ def scu(
     *,
     reference: DeviceProfile,
     decay: float = 1.0,
-    weights: Mapping[TaskType, TaskWeights] = TASK_WEIGHTS,
+    weights: Mapping[TaskType, TaskWeights] | None = None,
+    precision: Precision = "fp32",
 ) -> float:
     """The device's SCU for ``task_type``: weighted geometric mean of its ratios to ``reference``, × decay.
 
+    ``weights`` default to the packaged ones of ``precision`` (:data:`PRECISION_WEIGHTS`).
     ``decay`` must lie in [:data:`DECAY_MIN`, :data:`DECAY_MAX`]; take it from a :class:`DecayLearner`.
     """
     if not (DECAY_MIN <= decay <= DECAY_MAX):
         raise ScuError(f"decay {decay!r} is outside [{DECAY_MIN}, {DECAY_MAX}]")
+    if weights is None:
+        if precision not in PRECISION_WEIGHTS:
+            raise ScuError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
+        weights = PRECISION_WEIGHTS[precision]
     if task_type not in weights:
         raise ScuError(f"no weights for task type {task_type!r}")
     log_mean = float(_weight_array(weights[task_type]) @ _log_ratios(device, reference))
@@ -252,10 +354,11 @@ def speed_ratio(
     slower: DeviceProfile,
     task_type: TaskType,
     *,
-    weights: Mapping[TaskType, TaskWeights] = TASK_WEIGHTS,
+    weights: Mapping[TaskType, TaskWeights] | None = None,
+    precision: Precision = "fp32",
 ) -> float:
     """Predicted throughput of ``faster`` over ``slower`` for a task type (any reference gives the same)."""
-    return scu(faster, task_type, reference=slower, weights=weights)
+    return scu(faster, task_type, reference=slower, weights=weights, precision=precision)
 
 
 # ---- fitting --------------------------------------------------------------------------------------
@@ -274,18 +377,18 @@ class RatioObservation:
             raise ScuError(f"a measured ratio must be positive and finite, got {self.measured_ratio!r}")
 
 
-@functools.lru_cache(maxsize=4)
-def _simplex_grid(steps: int) -> npt.NDArray[np.float64]:
-    """Every weight vector over the dimensions whose entries are multiples of ``1/steps`` and sum to 1."""
+@functools.lru_cache(maxsize=16)
+def _simplex_grid(steps: int, parts: int) -> npt.NDArray[np.float64]:
+    """Every vector of ``parts`` multiples of ``1/steps`` that sum to 1."""
 
-    def compositions(total: int, parts: int) -> list[list[int]]:
-        if parts == 1:
+    def compositions(total: int, count: int) -> list[list[int]]:
+        if count == 1:
             return [[total]]
         return [
-            [first, *rest] for first in range(total + 1) for rest in compositions(total - first, parts - 1)
+            [first, *rest] for first in range(total + 1) for rest in compositions(total - first, count - 1)
         ]
 
-    grid = np.asarray(compositions(steps, len(DIMENSIONS)), dtype=np.float64) / steps
+    grid = np.asarray(compositions(steps, parts), dtype=np.float64) / steps
     grid.setflags(write=False)
     return grid
 
@@ -299,8 +402,10 @@ def fit_weights(
 ) -> TaskWeights:
     """The weights that best predict the observed ratios, pulled toward ``prior``.
 
-    Searches every weight vector on a simplex grid of ``grid_step`` for the least mean absolute
-    error in log ratio, plus ``prior_strength`` times the L1 distance to the (normalised) prior.
+    Searches every weight vector on a simplex grid of ``grid_step`` over the prior's dimensions
+    for the least mean absolute error in log ratio (the loss whose minimiser tracks the median
+    error, which is what ``loom bench scu`` reports), plus ``prior_strength`` times the L1
+    distance to the (normalised) prior.
     Only the dimensions the prior weights can get weight: the data choose proportions among what
     the prior says matters, and never lean on a dimension merely because its ratio happens to be
     constant in the data. The log error treats over- and under-prediction by the same factor
@@ -312,15 +417,19 @@ def fit_weights(
         raise ScuError(f"grid_step must divide 1, got {grid_step!r}")
     if prior_strength < 0:
         raise ScuError(f"prior_strength must be non-negative, got {prior_strength!r}")
-    prior_w = _weight_array(prior)
-    grid = _simplex_grid(steps)
-    grid = grid[(grid[:, prior_w == 0] == 0).all(axis=1)]
-    loss = prior_strength * np.abs(grid - prior_w).sum(axis=1)
     rows = [(_log_ratios(o.numerator, o.denominator), math.log(o.measured_ratio)) for o in observations]
-    if rows:
-        features = np.stack([r[0] for r in rows])
-        targets = np.asarray([r[1] for r in rows])
-        loss = loss + np.abs(grid @ features.T - targets).mean(axis=1)
+    if not rows:
+        return prior.normalised()
+    prior_w = _weight_array(prior)
+    support = np.flatnonzero(prior_w > 0)
+    sub = _simplex_grid(steps, len(support))
+    grid = np.zeros((len(sub), len(DIMENSIONS)))
+    grid[:, support] = sub
+    features = np.stack([r[0] for r in rows])
+    targets = np.asarray([r[1] for r in rows])
+    loss = prior_strength * np.abs(grid - prior_w).sum(axis=1) + np.abs(grid @ features.T - targets).mean(
+        axis=1
+    )
     return TaskWeights.from_vector(grid[int(np.argmin(loss))].tolist())
 
 
@@ -382,7 +491,7 @@ class TrustTracker:
     tolerance: float = 0.15
     rise: float = 0.2
     fall: float = 0.5
-    floor: float = 0.05
+    floor: float = TRUST_FLOOR
 
     def __post_init__(self) -> None:
         if not (0 < self.floor <= self.trust <= 1):
@@ -412,6 +521,10 @@ def scu_by_task_type(
     *,
     reference: DeviceProfile,
     decay: Mapping[str, float] | None = None,
+    precision: Precision = "fp32",
 ) -> dict[str, float]:
     """The device's SCU for every task type, each times its learned decay factor (default 1)."""
-    return {t: scu(device, t, reference=reference, decay=(decay or {}).get(t, 1.0)) for t in TASK_TYPES}
+    return {
+        t: scu(device, t, reference=reference, decay=(decay or {}).get(t, 1.0), precision=precision)
+        for t in TASK_TYPES
+    }

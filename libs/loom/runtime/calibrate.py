@@ -378,6 +378,31 @@ def _torch_kernels(torch: Any, options: CalibrationOptions, progress: Progress) 
                 )
             )
 
+    # FP32 matrix math as frameworks run FP32 training by default: TF32 tensor cores where the
+    # part has them (the profile's compute_tf32_tflops); then back to strict FP32.
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        for n in (4096,) if options.quick else (4096, 8192):
+            progress(f"GEMM tf32 {n}³")
+            a = torch.randn(n, n, device=device, dtype=torch.float32)
+            b = torch.randn(n, n, device=device, dtype=torch.float32)
+            results.append(
+                _measure(
+                    "gemm",
+                    "tf32",
+                    f"{n}³",
+                    1,
+                    functools.partial(torch.matmul, a, b),
+                    work=2 * n**3 / 1e9,
+                    unit="GFLOP/s",
+                    repeats=repeats,
+                    budget_s=budget_s,
+                    sync=sync,
+                )
+            )
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
+
     channels, side = 64, 56
     for batch in (32,) if options.quick else (8, 32, 128):
         progress(f"conv2d batch {batch}")
@@ -502,6 +527,11 @@ def _profile(
 ) -> tuple[DeviceProfile, dict[str, str]]:
     fp32 = _best(results, "gemm", "float32")
     fp16 = _best(results, "gemm", "float16")
+    tf32 = max(
+        (r for r in results if r.kernel == "gemm" and r.dtype == "tf32"),
+        key=lambda r: r.throughput,
+        default=None,
+    )
     copy = _best(results, "memory_copy")
     derivation = {
         "compute_fp32_tflops": f"best FP32 GEMM ({fp32.shape})",
@@ -510,6 +540,9 @@ def _profile(
         "memory_bandwidth_gbps": f"memory copy ({copy.shape}), bytes read plus written",
         "memory_gib": "host RAM" if backend == "numpy" else "GPU 0 total memory",
         "network_gbps": f"not measured: {DEFAULT_NETWORK_GBPS:g} Gbit/s until the agent measures it",
+        "compute_tf32_tflops": f"best FP32 GEMM with TF32 allowed ({tf32.shape})"
+        if tf32 is not None
+        else "no TF32 measurement (CPU): the FP32 GEMM rate",
     }
     if backend == "numpy":
         interconnect_gbps = copy.throughput * 8
@@ -528,6 +561,10 @@ def _profile(
         memory_gib=max(memory_gib, 1e-6),
         interconnect_gbps=max(interconnect_gbps, 1e-6),
         network_gbps=DEFAULT_NETWORK_GBPS,
+        # Below the FP32 rate means the part has no TF32 cores (and the rest is noise).
+        compute_tf32_tflops=tf32.throughput / 1e3
+        if tf32 is not None and tf32.throughput > fp32.throughput
+        else None,
     )
     return profile, derivation
 

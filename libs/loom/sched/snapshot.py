@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from loom.model.family import HasLabels, job_family
+from loom.model.family import HALF_PRECISIONS, HasLabels, job_family
+from loom.model.scu import Precision
 from loom.model.topology import Topology
 from loom.sched.firstfit import NodeCapacity
 
@@ -191,6 +192,12 @@ class Economics:
         return float(values[int(now // 3600) % len(values)]) if values else 400.0
 
 
+def job_precision(job: HasLabels) -> Precision:
+    """``fp16`` for a mixed-precision job (its family ends in ``@fp16``: see
+    :func:`loom.model.family.family_of`), else ``fp32``; read from the labels without folding."""
+    return "fp16" if job.labels.get("precision", "").casefold() in HALF_PRECISIONS else "fp32"
+
+
 class Snapshot:
     """Nodes as arrays sorted by cluster, their clusters, what runs where, the network and prices."""
 
@@ -206,6 +213,7 @@ class Snapshot:
         gpu_memory_gib: Mapping[str, float] | None = None,
         learned: Mapping[tuple[str, str], float] | None = None,
         now: float = 0.0,
+        half_speed: Mapping[tuple[str, str], float] | None = None,
     ) -> None:
         caps = sorted(
             (c for c in nodes if c.gpu_model is not None),
@@ -230,12 +238,15 @@ class Snapshot:
         self.running: list[RunningJob] = list(running)
         self.speed = dict(speed or {})
         """(gpu_model, task_type) -> delivered speed of one GPU relative to the reference (SCU)."""
-        self._speed_by_task: dict[str, FloatArray] = {}
+        self.half_speed = dict(half_speed or {})
+        """(gpu_model, task_type) -> the same for mixed-precision jobs (family ``…@fp16``: the SCU
+        with the fp16 weights); where a key is missing, :attr:`speed`'s."""
+        self._speed_by_task: dict[tuple[str, Precision], FloatArray] = {}
         self.learned: dict[tuple[str, str], float] = dict(learned or {})
         """(job family, gpu_model) -> learned factor on the SCU speed: what jobs of that family
         delivered on that model over what the profile predicted (see :mod:`loom.model.family`).
         Change it only through :meth:`set_learned`, which keeps the per-job speed tables true."""
-        self._speed_by_job: dict[tuple[str, str], FloatArray] = {}
+        self._speed_by_job: dict[tuple[str, str, Precision], FloatArray] = {}
         self.gpu_memory_gib = dict(gpu_memory_gib or {})
 
         n = len(caps)
@@ -295,16 +306,27 @@ class Snapshot:
         pool = self.pool(cluster, model)
         return np.arange(pool.start, pool.stop, dtype=np.int64), slice(*self.slices[cluster])
 
-    def gpu_speed(self, model: str, task_type: str) -> float:
-        """One GPU's delivered speed for a task type relative to the reference (1.0 when unknown)."""
+    def gpu_speed(self, model: str, task_type: str, precision: Precision = "fp32") -> float:
+        """One GPU's delivered speed for a task type relative to the reference.
+
+        The builders of speed tables (the simulator's platform, the placement book) fill every
+        model they have nodes of, an unprofiled one at :data:`~loom.model.scu.UNPROFILED_SPEED`
+        (:func:`loom.model.profiles.speeds_for_model`); a model missing from a table handed in
+        by hand (tests, benchmarks) reads as the reference, 1.0.
+        """
+        if precision == "fp16":
+            half = self.half_speed.get((model, task_type))
+            if half is not None:
+                return half
         return self.speed.get((model, task_type), 1.0)
 
-    def speeds(self, task_type: str) -> FloatArray:
+    def speeds(self, task_type: str, precision: Precision = "fp32") -> FloatArray:
         """Every model's per-GPU speed for a task type, indexed like :attr:`models` (cached)."""
-        table = self._speed_by_task.get(task_type)
+        key = (task_type, precision)
+        table = self._speed_by_task.get(key)
         if table is None:
-            table = np.array([self.gpu_speed(m, task_type) for m in self.models], dtype=np.float64)
-            self._speed_by_task[task_type] = table
+            table = np.array([self.gpu_speed(m, task_type, precision) for m in self.models], dtype=np.float64)
+            self._speed_by_task[key] = table
         return table
 
     def set_learned(self, learned: Mapping[tuple[str, str], float]) -> None:
@@ -315,16 +337,18 @@ class Snapshot:
     def job_speeds(self, job: HasLabels) -> FloatArray:
         """Every model's per-GPU speed *for this job*, indexed like :attr:`models` (cached per family).
 
-        The task type's SCU speed (:meth:`speeds`) times what was learned for the job's family on
-        each model (1.0 where nothing was). Every decision that weighs a GPU's speed for a job reads
-        this, so a learned speed reaches scoring, patience and the span guard alike.
+        The task type's SCU speed (:meth:`speeds`, with the fp16 weights for a mixed-precision job:
+        family ``…@fp16``) times what was learned for the job's family on each model (1.0 where
+        nothing was). Every decision that weighs a GPU's speed for a job reads this, so a learned
+        speed reaches scoring, patience and the span guard alike.
         """
         task_type = job.task_type
+        precision = job_precision(job)
         family = job_family(job) if self.learned else ""
-        key = (family, task_type)
+        key = (family, task_type, precision)
         table = self._speed_by_job.get(key)
         if table is None:
-            table = self.speeds(task_type)
+            table = self.speeds(task_type, precision)
             if family:
                 factors = [self.learned.get((family, m), 1.0) for m in self.models]
                 table = table * np.asarray(factors, dtype=np.float64)
@@ -332,10 +356,11 @@ class Snapshot:
         return table
 
     def job_gpu_speed(self, job: HasLabels, model: str) -> float:
-        """One GPU's speed for this job (:meth:`job_speeds` of one model; 1.0 for an unknown model)."""
+        """One GPU's speed for this job (:meth:`job_speeds` of one model; :meth:`gpu_speed` for a
+        model no node of the snapshot has)."""
         index = self.model_index.get(model)
         if index is None:
-            return self.gpu_speed(model, job.task_type)
+            return self.gpu_speed(model, job.task_type, job_precision(job))
         return float(self.job_speeds(job)[index])
 
     def room(

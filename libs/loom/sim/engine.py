@@ -106,8 +106,7 @@ import numpy as np
 
 from loom.model.family import job_family
 from loom.model.learn import SpeedLearner
-from loom.model.profiles import reference_profile, relative_speed
-from loom.model.scu import TASK_TYPES, ScuError
+from loom.model.profiles import speeds_for_model
 from loom.model.topology import Topology, load_topology
 from loom.sched import dag
 from loom.sched.firstfit import NodeCapacity
@@ -160,17 +159,14 @@ def platform_from_topology(
     }
     models = sorted({n.gpu_model for n in records if n.gpu_model is not None})
     speed: dict[tuple[str, str], float] = {}
+    half_speed: dict[tuple[str, str], float] = {}
     memory: dict[str, float] = {}
     for model in models:
-        for task in TASK_TYPES:
-            try:
-                speed[(model, task)] = relative_speed(model, task)
-            except ScuError:
-                speed[(model, task)] = 1.0
-        try:
-            memory[model] = reference_profile(model).profile.memory_gib
-        except ScuError:
-            memory[model] = 0.0
+        # A model without a profile is unprofiled: counted at the trust floor, never at 1.0.
+        tables = speeds_for_model(model)
+        speed.update({(model, t): v for t, v in tables.speed.items()})
+        half_speed.update({(model, t): v for t, v in tables.half_speed.items()})
+        memory[model] = tables.memory_gib
     size = f"-{len(records)}" if nodes is not None else ""
     return Platform(
         name=name or f"{topology.name}{size}",
@@ -180,6 +176,7 @@ def platform_from_topology(
         economics=default_economics(),
         speed=speed,
         gpu_memory_gib=memory,
+        half_speed=half_speed,
     )
 
 

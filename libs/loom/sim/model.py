@@ -147,6 +147,9 @@ class Platform:
     speed: dict[tuple[str, str], float]
     """(gpu_model, task_type) -> one GPU's SCU for the task type (the model placement believes)."""
     gpu_memory_gib: dict[str, float]
+    half_speed: dict[tuple[str, str], float] = field(default_factory=dict)
+    """(gpu_model, task_type) -> the SCU for mixed-precision jobs (family ``…@fp16``); where a key
+    is missing, :attr:`speed`'s."""
 
     def snapshot(self, now: float = 0.0) -> Snapshot:
         """A fresh scheduling snapshot of the idle platform."""
@@ -156,6 +159,7 @@ class Platform:
             net=self.net,
             economics=self.economics,
             speed=self.speed,
+            half_speed=self.half_speed,
             gpu_memory_gib=self.gpu_memory_gib,
             now=now,
         )
