@@ -73,7 +73,7 @@ GAVEL_LEFT_OUT = {"Transformer (batch size 256)"}
 
 # Lambda's product names -> Loom GPU model names (the longest match wins; see the README).
 LAMBDA_GPUS: tuple[tuple[str, str], ...] = (
-    ("Quadro RTX 8000", "RTX8000"),
+    ("Quadro RTX 8000", "QRTX8000"),
     ("RTX 6000 Ada", "RTX6000ADA"),
     ("RTX A6000", "RTXA6000"),
     ("RTX 3090", "RTX3090"),
@@ -99,7 +99,7 @@ LAMBDA_PRODUCTS = {
     "RTX4090": "GeForce RTX 4090 24 GB",
     "RTXA6000": "RTX A6000 48 GB",
     "RTX6000ADA": "RTX 6000 Ada Generation 48 GB",
-    "RTX8000": "Quadro RTX 8000 48 GB",
+    "QRTX8000": "Quadro RTX 8000 48 GB",
     "H100-PCIE": "H100 80 GB PCIe Gen5",
     "H100": "H100 80 GB SXM5",
     "GH200": "GH200 Grace Hopper 96 GB",
