@@ -393,3 +393,61 @@ def test_bench_policies_replays_with_an_operators_truth_file_and_reports_the_bel
     believed = policies.run(_bench(*common, "--truth", "belief", "--out", str(tmp_path / "b")))
     assert believed["method"]["truth"].startswith("belief")
     assert all(s["belief_error"]["median"] == 0.0 for s in believed["summaries"])
+
+
+# ---- learning the truth in the simulator --------------------------------------------------------
+
+
+def two_pool_platform() -> Platform:
+    """One cluster with an A100 node the profile believes 3x the reference and an H100 node believed 2x."""
+    nodes = [
+        NodeCapacity(node="a", cluster="c", region=EU, zone=f"{EU}-a", gpu_model="A100", gpus_total=1),
+        NodeCapacity(node="h", cluster="c", region=EU, zone=f"{EU}-a", gpu_model="H100", gpus_total=1),
+    ]
+    speeds = {"A100": 3.0, "H100": 2.0}
+    return Platform(
+        name="learn-test",
+        nodes=nodes,
+        clusters={"c": ClusterInfo(id="c", region=EU, zone=f"{EU}-a")},
+        net=NetMatrix.from_topology(load_topology()),
+        economics=default_economics(),
+        speed={
+            (m, t): s for m, s in speeds.items() for t in ("training_compute", "inference", "training_memory")
+        },
+        gpu_memory_gib={"A100": 80.0, "H100": 80.0},
+    )
+
+
+def test_a_three_times_wrong_profile_is_learned_within_15_percent_in_ten_runs_and_changes_decisions() -> None:
+    """The must-show in the simulator: the truth runs ``fam`` on the A100 at the reference speed (the
+    profile says 3x) and on the H100 at 2x (as believed), with 5 % run noise. The learner, taught by
+    completed runs timed by that truth, knows the A100 within 15 % of 1/3 of its profile after at
+    most ten runs, and Loom then sends the family to the H100, which really is faster."""
+    from loom.model.learn import SpeedLearner
+
+    truth = parse_truth(
+        tiny(
+            [c("fam", "V100M16", 10.0), c("fam", "A100", 10.0), c("fam", "H100", 20.0)],
+            families={"fam": {"task_type": "training_compute"}},
+            noise={"cv": 0.05},
+        )
+    )
+    jobs = [
+        SimJob(spec=fam_job(f"j{i:02d}", steps=100, step_time_s=1.0), arrival_s=1000.0 * i) for i in range(12)
+    ]
+    learner = SpeedLearner()
+    result = simulate(
+        Trace(jobs=jobs), two_pool_platform(), POLICIES["loom"](0), truth=truth, learner=learner, seed=3
+    )
+    records = sorted(result.records, key=lambda r: r.arrival_s)
+    a100_runs = [r for r in records if r.gpu_model == "A100"]
+    assert records[0].gpu_model == "A100"  # believed 3x: the first job goes there
+    assert 1 <= len(a100_runs) <= 10
+    estimate = learner.estimate("fam", "A100")
+    assert estimate.factor == pytest.approx(1 / 3, rel=0.15)
+    # Once learned, the family goes to the H100 (truly 2x) and runs twice as fast as on the A100.
+    assert [r.gpu_model for r in records[-2:]] == ["H100", "H100"]
+    assert records[-1].jct_s < 0.6 * records[0].jct_s
+    # Without learning the scheduler keeps its wrong belief and keeps choosing the A100.
+    blind = simulate(Trace(jobs=list(jobs)), two_pool_platform(), POLICIES["loom"](0), truth=truth, seed=3)
+    assert all(r.gpu_model == "A100" for r in blind.records)
