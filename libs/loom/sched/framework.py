@@ -1215,7 +1215,12 @@ class Framework:
             weights=(snap.total // g)[in_scope],
             minlength=len(snap.clusters) * m_count,
         ).astype(np.int64)
-        platform_workers = int(per_pair.sum())
+        if split and state.job.pipeline is None:
+            # A spread gang takes one GPU model per cluster (see :meth:`spread`): what it could ever
+            # get is each allowed cluster's best pool, not every pool of it.
+            platform_workers = int(per_pair.reshape(len(snap.clusters), m_count).max(axis=1, initial=0).sum())
+        else:
+            platform_workers = int(per_pair.sum())
         best = int(np.argmax(per_pair)) if per_pair.size else 0
         best_workers = int(per_pair[best]) if per_pair.size else 0
         best_where = (
@@ -1239,7 +1244,8 @@ class Framework:
         fits_somewhere = platform_workers >= need if split else best_workers >= need
         if not fits_somewhere:
             hint = (
-                f"the whole platform holds {platform_workers} such worker(s)"
+                f"the allowed clusters hold {platform_workers} such worker(s)"
+                + (" (a spread uses one GPU model per cluster)" if state.job.pipeline is None else "")
                 if split
                 else f"the most any cluster holds is {best_workers} worker(s) on {best_where};"
                 " ask for fewer workers or allow the gang to span clusters (allow_multi_cluster)"

@@ -743,13 +743,20 @@ class _Simulation:
         need = max(shape.need // max(shape.per_worker, 1), 1)
         if pairs is None:
             if shape.spans:
-                return int(workers[pools].sum()) >= need
+                return self._span_workers(shape, workers) >= need
             return bool((pools & (workers >= need)).any())
         for c, m in pairs:
             if not pools[c, m] or workers[c, m] < (1 if shape.spans else need):
                 continue
-            return not shape.spans or int(workers[pools].sum()) >= need
+            return not shape.spans or self._span_workers(shape, workers) >= need
         return False
+
+    @staticmethod
+    def _span_workers(shape: _Shape, workers: IntArray) -> int:
+        """Workers a spanning shape could get from ``workers`` per pool: a gang's spread takes one
+        GPU model per cluster (its best pool there), a pipeline any of them."""
+        held = np.where(shape.pools, workers, 0)
+        return int(held.sum() if shape.pipeline else held.max(axis=1, initial=0).sum())
 
     def _improved(self, shape: _Shape, pairs: Iterable[Pair] | None) -> bool:
         """Whether a pool of the shape (one of ``pairs`` when given) holds more workers than when a
