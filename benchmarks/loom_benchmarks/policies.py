@@ -14,7 +14,8 @@ Workloads:
 - ``scenario``: the seeds' multi-stage scenario (seed 001 §4: preprocessing, training and
   validation across a cheap, high-latency region and a fast, expensive one;
   :mod:`loom.sim.scenarios`);
-- a path to a ``.jsonl`` file in the generic workload format (:func:`loom.sim.workloads.load_jsonl`).
+- a path to a file in the generic workload format, ``.jsonl`` or ``.csv``
+  (:func:`loom.sim.workloads.load_workload`; its home and data regions must be the topology's).
 
 Figures (:mod:`loom.sim.metrics`): per policy, overall and per job class, JCT (mean, p50, p99),
 queueing delay, makespan, time-weighted GPU utilisation, SCU-hours, cost and cross-region bytes;
@@ -109,8 +110,14 @@ def resolve(args: argparse.Namespace, known: Sequence[str] | None = None) -> Opt
 
         known = list(POLICIES)
     workload = str(args.workload)
-    if workload not in WORKLOADS and not workload.endswith(".jsonl") and not Path(workload).is_file():
-        raise OptionError(f"--workload is one of {', '.join(WORKLOADS)} or a .jsonl file, got {workload!r}")
+    if (
+        workload not in WORKLOADS
+        and not workload.endswith((".jsonl", ".csv"))
+        and not Path(workload).is_file()
+    ):
+        raise OptionError(
+            f"--workload is one of {', '.join(WORKLOADS)} or a .jsonl or .csv file, got {workload!r}"
+        )
     scale = bool(args.scale)
     jobs = args.jobs if args.jobs is not None else (SCALE_JOBS if scale else None)
     nodes = args.nodes if args.nodes is not None else (SCALE_NODES if scale else None)
@@ -239,9 +246,10 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
         from loom.sim.workloads import load_alibaba
 
         return Workload(built, load_alibaba(topology=topology, limit=options.jobs, seed=options.seed), {})
-    from loom.sim.workloads import load_jsonl
+    from loom.sim.workloads import load_workload
 
-    return Workload(built, load_jsonl(Path(options.workload)), {"path": options.workload})
+    regions = {r.id for r in topology.regions}
+    return Workload(built, load_workload(Path(options.workload), regions=regions), {"path": options.workload})
 
 
 def sample_every_s(trace: "Trace", options: Options) -> float:

@@ -23,6 +23,7 @@ from loom.sched.snapshot import ClusterInfo, NetMatrix, Snapshot
 from loom.sim.engine import platform_from_topology, simulate
 from loom.sim.model import JobRecord, Platform, SimEvent, SimJob, SimResult, Trace
 from loom.sim.policies import POLICIES, FrameworkPolicy
+from loom.sim.workloads import WorkloadError
 from loom_proto.jobs import Affinity, Communication, DataSpec, JobSpec, Resources, Work
 
 EU = "aws-eu-central-1"
@@ -428,6 +429,14 @@ def test_a_spanning_gang_restricted_to_regions_where_it_can_never_fit_is_rejecte
     assert result["stuck"].rejected is not None and "can never fit" in result["stuck"].rejected
     assert result["stuck"].end_s is None and result["stuck"].start_s is None
     assert result["fits"].end_s is not None and result["fits"].regions == (EU,)
+
+
+def test_a_trace_with_a_home_region_the_platform_lacks_is_refused_naming_the_job_and_the_regions() -> None:
+    plat = platform({"c-eu": (EU, "A100", 1)})
+    jobs = [SimJob(spec=spec("ok", steps=10), arrival_s=0.0, home_region=EU)]
+    jobs.append(SimJob(spec=spec("lost", steps=10), arrival_s=1.0, home_region="mars-north-1"))
+    with pytest.raises(WorkloadError, match=rf"job 'lost': unknown home_region 'mars-north-1'; known: {EU}"):
+        simulate(Trace(jobs=jobs), plat, POLICIES["loom"](0))
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

@@ -30,6 +30,7 @@ from loom.sim.workloads import (
     load_alibaba,
     load_csv,
     load_jsonl,
+    load_workload,
     net_model,
     training_mix,
     write_csv,
@@ -214,6 +215,56 @@ def test_csv_round_trip_keeps_every_job(tmp_path: Path, topology: Topology) -> N
     trace = training_mix(topology=topology, jobs=80, seed=6)
     write_csv(trace, tmp_path / "mix.csv")
     assert load_csv(tmp_path / "mix.csv") == trace
+
+
+def test_a_generic_csv_workload_is_read_as_csv_not_as_json_lines(tmp_path: Path, topology: Topology) -> None:
+    trace = training_mix(topology=topology, jobs=20, seed=6)
+    write_csv(trace, tmp_path / "mix.csv")
+    write_jsonl(trace, tmp_path / "mix.jsonl")
+    assert load_workload(tmp_path / "mix.csv") == trace
+    assert load_workload(tmp_path / "mix.jsonl") == trace
+    # `loom bench policies --workload FILE` reads it by the same rule.
+    from loom_benchmarks.policies import Options, build_workload
+
+    options = Options(str(tmp_path / "mix.csv"), "default", None, None, ["loom"], 0, None, False, None)
+    assert build_workload(options, topology).trace == trace
+
+
+def test_a_workload_file_of_unclear_format_is_refused_or_read_by_its_contents(tmp_path: Path) -> None:
+    line = '{"arrival_s": 0, "job_id": "a", "steps": 10, "step_time_s": 1}\n'
+    (tmp_path / "w.txt").write_text("# source: x\n" + line)
+    assert [j.spec.job_id for j in load_workload(tmp_path / "w.txt").jobs] == ["a"]
+    (tmp_path / "w.dat").write_text("arrival_s,job_id,steps,step_time_s\n0,a,10,1\n")
+    with pytest.raises(WorkloadError, match=r"w\.dat: cannot tell the format.*\.jsonl or \.csv"):
+        load_workload(tmp_path / "w.dat")
+    (tmp_path / "w.csv").write_text(line)
+    with pytest.raises(WorkloadError, match=r"w\.csv:1: named \.csv but the line is a JSON object"):
+        load_workload(tmp_path / "w.csv")
+
+
+def test_an_unknown_home_region_is_rejected_with_its_line_when_the_regions_are_known(
+    tmp_path: Path, topology: Topology
+) -> None:
+    regions = [r.id for r in topology.regions]
+    jsonl = tmp_path / "w.jsonl"
+    jsonl.write_text(
+        '{"arrival_s": 0, "job_id": "a", "steps": 10, "step_time_s": 1, "home_region": "aws-us-east-2"}\n'
+        '{"arrival_s": 1, "job_id": "b", "steps": 10, "step_time_s": 1, "home_region": "mars-north-1"}\n'
+    )
+    assert len(load_jsonl(jsonl).jobs) == 2  # no regions given: nothing to check against
+    with pytest.raises(
+        WorkloadError, match=r"w\.jsonl:2: job 'b': unknown home_region 'mars-north-1'; known: aws-"
+    ):
+        load_jsonl(jsonl, regions=regions)
+    csv_path = tmp_path / "w.csv"
+    csv_path.write_text("job_id,arrival_s,steps,step_time_s,home_region\na,0,10,1,mars-north-1\n")
+    with pytest.raises(WorkloadError, match=r"w\.csv:2: job 'a': unknown home_region"):
+        load_workload(csv_path, regions=regions)
+    from loom_benchmarks.policies import Options, build_workload
+
+    options = Options(str(jsonl), "default", None, None, ["loom"], 0, None, False, None)
+    with pytest.raises(WorkloadError, match=r"w\.jsonl:2: .*mars-north-1"):
+        build_workload(options, topology)
 
 
 def test_csv_refuses_events(tmp_path: Path) -> None:

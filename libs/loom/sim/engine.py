@@ -102,6 +102,7 @@ from loom.sched.plugins.network import predict_step_s
 from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob
 from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob, SimResult, Trace
 from loom.sim.policies import FrameworkPolicy
+from loom.sim.workloads import check_regions
 from loom_proto.jobs import JobSpec, JobSubmitted
 
 __all__ = ["platform_from_topology", "simulate"]
@@ -1310,7 +1311,11 @@ def simulate(
     trace's seeds to be reported with the result. ``horizon_s``: stop at that simulated time (jobs
     still running have ``end_s`` None, their use so far accounted); None: run until every job has
     completed, been rejected, or can never start (it stays queued).
+
+    A job whose home region, dataset region or replica is not a region of the platform (its
+    network or clusters) is refused up front: :class:`~loom.sim.workloads.WorkloadError` names it.
     """
+    check_regions(trace, {*platform.net.regions, *(c.region for c in platform.clusters.values())})
     started = time.perf_counter()
     sim = _Simulation(
         trace,

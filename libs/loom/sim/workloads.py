@@ -31,7 +31,7 @@ import json
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal, TypeVar, get_args
@@ -71,10 +71,12 @@ __all__ = [
     "WorkloadRow",
     "alibaba_sample_path",
     "apportion",
+    "check_regions",
     "job_to_row",
     "load_alibaba",
     "load_csv",
     "load_jsonl",
+    "load_workload",
     "net_model",
     "pipeline_layers",
     "reference_step_times",
@@ -869,13 +871,95 @@ def _check_graph(jobs: Sequence[tuple[int, SimJob]], where: str) -> None:
                 iters.append(iter(parents[child]))
 
 
-def load_jsonl(path: str | Path) -> Trace:
+def _unknown_region(job: SimJob, known: Collection[str]) -> str | None:
+    """What is wrong with the regions ``job`` names (home, dataset, replicas), or None."""
+    named = [("home_region", job.home_region)]
+    if job.spec.data is not None:
+        named.append(("data_region", job.spec.data.region))
+        named += [("data_replicas", r) for r in job.spec.data.replicas]
+    for field_name, region in named:
+        if region is not None and region not in known:
+            return (
+                f"job {job.spec.job_id!r}: unknown {field_name} {region!r}; known: {', '.join(sorted(known))}"
+            )
+    return None
+
+
+def _check_regions(jobs: Sequence[tuple[int, SimJob]], regions: Collection[str] | None, where: str) -> None:
+    if regions is None:
+        return
+    known = frozenset(regions)
+    for line, job in jobs:
+        problem = _unknown_region(job, known)
+        if problem is not None:
+            raise WorkloadError(problem, path=where, line=line)
+
+
+def check_regions(trace: Trace, regions: Collection[str]) -> None:
+    """:class:`WorkloadError` naming the first job of ``trace`` whose home region, dataset region or
+    replica is not one of ``regions`` (a platform's), and the regions that are known.
+
+    The loaders check this when given the regions; a trace built in code, or read without them, is
+    checked where it meets the platform (:func:`loom.sim.engine.simulate`)."""
+    known = frozenset(regions)
+    for job in trace.jobs:
+        problem = _unknown_region(job, known)
+        if problem is not None:
+            raise WorkloadError(problem)
+
+
+_JSONL_SUFFIXES: Final = frozenset({".jsonl", ".ndjson", ".json"})
+
+
+def _first_record(path: str | Path) -> tuple[int, str] | None:
+    """The first line that is neither blank nor a comment, with its number."""
+    try:
+        with Path(path).open(encoding="utf-8") as handle:
+            for n, line in enumerate(handle, 1):
+                if line.strip() and not line.startswith("#"):
+                    return n, line
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"cannot read: {exc}", path=str(path)) from exc
+    return None
+
+
+def load_workload(path: str | Path, *, regions: Collection[str] | None = None) -> Trace:
+    """A workload file in the generic format, read by its name: ``.csv`` with :func:`load_csv`,
+    ``.jsonl`` / ``.ndjson`` / ``.json`` with :func:`load_jsonl`.
+
+    Any other name is read as JSON lines only when its first record is a JSON object; otherwise the
+    format cannot be told (a CSV header is not recognisable for sure) and :class:`WorkloadError` asks
+    for a ``.jsonl`` or ``.csv`` name. A ``.csv`` whose first record is a JSON object is refused
+    too (a JSON-lines file misnamed). ``regions`` as for :func:`load_jsonl`.
+    """
+    suffix = Path(path).suffix.lower()
+    first = _first_record(path)
+    looks_json = first is not None and first[1].lstrip().startswith("{")
+    if suffix == ".csv":
+        if looks_json and first is not None:
+            raise WorkloadError(
+                "named .csv but the line is a JSON object; name a JSON-lines workload .jsonl",
+                path=str(path),
+                line=first[0],
+            )
+        return load_csv(path, regions=regions)
+    if suffix in _JSONL_SUFFIXES or looks_json:
+        return load_jsonl(path, regions=regions)
+    raise WorkloadError(
+        f"cannot tell the format of a {suffix or 'nameless'} file (JSON lines or CSV):"
+        " name it .jsonl or .csv",
+        path=str(path),
+    )
+
+
+def load_jsonl(path: str | Path, *, regions: Collection[str] | None = None) -> Trace:
     """Read a JSON-lines workload: one job (or, with an ``event`` field, one event) per line.
 
     Blank lines and lines starting with ``#`` are skipped; the first ``# source: ...`` comment
     becomes ``Trace.source``. Raises :class:`WorkloadError` naming the line for malformed JSON, an
     unknown or missing field, a value out of range (negative numbers), a duplicate job id, a
-    parent that never appears, or parents that form a cycle.
+    parent that never appears, or parents that form a cycle. With ``regions`` (the platform's
+    topology), also for a ``home_region``, ``data_region`` or ``data_replicas`` not among them.
     """
     where = str(path)
     jobs: list[tuple[int, SimJob]] = []
@@ -895,15 +979,16 @@ def load_jsonl(path: str | Path) -> Trace:
             continue
         jobs.append((line, _parse(functools.partial(msgspec.convert, obj, WorkloadRow), where, line)))
     _check_graph(jobs, where)
+    _check_regions(jobs, regions, where)
     return Trace([job for _, job in jobs], events, _source_comment(path) or f"jsonl: {Path(path).name}")
 
 
-def load_csv(path: str | Path) -> Trace:
+def load_csv(path: str | Path, *, regions: Collection[str] | None = None) -> Trace:
     """Read a CSV workload: a header of :data:`COLUMNS` (any subset, any order), one job per row.
 
     An empty cell is an absent field. ``gpu_models``, ``parents`` and ``data_replicas`` are
     ``|``-separated; ``layers``, ``affinity`` and ``labels`` are JSON. Comments, errors and checks
-    as :func:`load_jsonl` (events are JSON-lines only).
+    (``regions`` included) as :func:`load_jsonl` (events are JSON-lines only).
     """
     where = str(path)
     header, records, header_line = _csv_records(path)
@@ -928,6 +1013,7 @@ def load_csv(path: str | Path) -> Trace:
         decode = functools.partial(msgspec.convert, obj, WorkloadRow, strict=False)
         jobs.append((line, _parse(decode, where, line)))
     _check_graph(jobs, where)
+    _check_regions(jobs, regions, where)
     return Trace([job for _, job in jobs], [], _source_comment(path) or f"csv: {Path(path).name}")
 
 
