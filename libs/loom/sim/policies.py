@@ -15,8 +15,9 @@ only in how they *choose* among the candidates that fit, which is what the compa
                           kube-scheduler's LeastAllocated: network- and data-blind
 ``home_region``           only clusters in the job's home region (``SimJob.home_region``, added
                           to the job as a required region), chosen there by most free compute
-``gavel_like``            heterogeneity-aware but network-blind: the fastest GPU for the job's
-                          task type (SCU x trust), most free compute as a tie-breaker
+``gavel_like``            heterogeneity-aware but network-blind (Gavel): the pool where the
+                          job's own throughput (per-job speed x trust) is highest; only
+                          candidates within 2 % of it tie, broken by best fit
 ========================  ====================================================================
 
 A baseline sees the job's hard affinity rules (``affinity.clusters``/``regions``/``avoid_*``/
@@ -30,7 +31,7 @@ generator is its own, so policies never share random state).
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 import numpy as np
@@ -47,6 +48,7 @@ from loom.sched.framework import (
     PreFilterPlugin,
     QueueItem,
     ScorePlugin,
+    StateKey,
     Status,
     min_max,
 )
@@ -66,6 +68,7 @@ __all__ = [
     "BestScu",
     "FirstFit",
     "FrameworkPolicy",
+    "GavelThroughput",
     "GreedyCompute",
     "HardAffinity",
     "RandomScore",
@@ -216,6 +219,67 @@ class BestScu:
         return raw / top * 100.0 if top > 0 else np.full(raw.shape, 100.0)
 
 
+_GAVEL_CANDIDATES: Final = StateKey[Candidates | None]("gavel.candidates")
+
+GAVEL_TIE_TOLERANCE: Final = 0.02
+"""Throughputs within this fraction of the best candidate's are a tie for :class:`GavelThroughput`."""
+
+
+class GavelThroughput:
+    """Heterogeneity-aware like Gavel (Narayanan et al., OSDI 2020): the candidate where the job's
+    *own* throughput is highest, ties broken by best fit.
+
+    A job's throughput on a pool is its per-GPU speed there (:meth:`Snapshot.job_speeds`: the task
+    type's SCU times what was learned for the job's family on that model) times the cluster's
+    trust. Gavel allocates by these per-job throughput ratios; placing one job at a time, that is
+    the pool that runs it fastest. Only candidates within :data:`GAVEL_TIE_TOLERANCE` of the best
+    throughput are a tie; among them the one left with the least free compute after the job's GPUs
+    are taken wins (best fit, keeping large pools whole). Network- and data-blind.
+    """
+
+    name = "gavel"
+
+    def __init__(self, tolerance: float = GAVEL_TIE_TOLERANCE) -> None:
+        self.tolerance = tolerance
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        # normalize sees only the raw scores: the tie-break reads the candidates from the state.
+        state.write(_GAVEL_CANDIDATES, candidates)
+        return delivered_speed(state, candidates)
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        top = float(raw.max(initial=0.0))
+        if top <= 0:
+            return np.full(raw.shape, 100.0)
+        # Throughput decides (up to 90); a tie within the tolerance is broken by best fit (up to
+        # 10 more). A candidate outside the tolerance is at least tolerance x 90 below the best.
+        scores: FloatArray = raw / top * 90.0
+        tied = raw >= top * (1.0 - self.tolerance)
+        if tied.sum() > 1:
+            left = self._left_over(state)
+            if left is not None and left.shape == raw.shape:
+                lo, hi = float(left[tied].min()), float(left[tied].max())
+                fit = (
+                    np.where(tied, 1.0 - (left - lo) / (hi - lo), 0.0) if hi > lo else tied.astype(np.float64)
+                )
+                scores = scores + 10.0 * fit
+        else:
+            scores = scores + 10.0 * tied
+        return np.clip(scores, 0.0, 100.0)
+
+    @staticmethod
+    def _left_over(state: CycleState) -> FloatArray | None:
+        """Per candidate of this cycle: free compute the pool keeps once the job's GPUs are taken."""
+        candidates = state.get(_GAVEL_CANDIDATES, None)
+        if candidates is None:
+            return None
+        snap = state.snapshot
+        free = snap.free_sum[candidates.cluster, candidates.model].astype(np.float64)
+        taken = candidates.workers.astype(np.float64) * state.per_worker
+        left: FloatArray = (free - taken) * delivered_speed(state, candidates)
+        return left
+
+
 # ---- profiles ---------------------------------------------------------------------------------
 
 
@@ -270,8 +334,7 @@ def _home_region(_seed: int) -> FrameworkPolicy:
 
 
 def _gavel_like(_seed: int) -> FrameworkPolicy:
-    framework = baseline_framework([BestScu(), GreedyCompute()], {"best_scu": 1.0, "greedy_compute": 0.2})
-    return FrameworkPolicy("gavel_like", framework)
+    return FrameworkPolicy("gavel_like", baseline_framework([GavelThroughput()]))
 
 
 POLICIES: dict[str, Callable[[int], Policy]] = {
@@ -297,5 +360,14 @@ def make_policy(name: str, seed: int = 0) -> Policy:
 
 # Conformance: each baseline plugin satisfies the extension points it serves (checked by mypy).
 _CONFORMS: tuple[
-    PreFilterPlugin, ScorePlugin, ScorePlugin, BindPlugin, ScorePlugin, ScorePlugin, ScorePlugin
-] = (HardAffinity(), RandomScore(0), RoundRobin(), RoundRobin(), FirstFit(), GreedyCompute(), BestScu())
+    PreFilterPlugin, ScorePlugin, ScorePlugin, BindPlugin, ScorePlugin, ScorePlugin, ScorePlugin, ScorePlugin
+] = (
+    HardAffinity(),
+    RandomScore(0),
+    RoundRobin(),
+    RoundRobin(),
+    FirstFit(),
+    GreedyCompute(),
+    BestScu(),
+    GavelThroughput(),
+)
