@@ -414,6 +414,8 @@ class _Simulation:
         self.retired: list[list[RunningJob]] = []
         """Running lists replaced, emptied but kept alive (see :meth:`_drop_running`)."""
         self.trust = {c.id: float(self.snap.trust[i]) for i, c in enumerate(self.snap.clusters)}
+        if self.fast is not None:
+            self.fast.prepare(self.snap, trace, truth, seed)
         self._expand(trace)
         for job in self.order:
             if job.parents_left == 0 and not job.done:

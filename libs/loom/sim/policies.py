@@ -18,6 +18,8 @@ only in how they *choose* among the candidates that fit, which is what the compa
 ``gavel_like``            heterogeneity-aware but network-blind (Gavel): the pool where the
                           job's own throughput (per-job speed x trust) is highest; only
                           candidates within 2 % of it tie, broken by best fit
+``oracle``                the ``loom`` profile with the truth as its learned speeds (set by
+                          :meth:`OraclePolicy.prepare`): the upper bound of what learning can reach
 ========================  ====================================================================
 
 A baseline sees the job's hard affinity rules (``affinity.clusters``/``regions``/``avoid_*``/
@@ -30,12 +32,14 @@ simulator times every placement itself with the same step-time and data-copy mod
 generator is its own, so policies never share random state).
 """
 
+import math
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 import numpy as np
 
+from loom.model.family import job_family
 from loom.model.profiles import library_models
 from loom.sched.framework import (
     SUCCESS,
@@ -60,8 +64,11 @@ from loom.sched.plugins.quota import Preempt, Quota
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.profile import build_framework
 from loom.sched.snapshot import FloatArray, Snapshot
-from loom.sim.model import Policy, SimJob
+from loom.sim.model import Policy, SimJob, Trace
 from loom_proto.jobs import JobSpec
+
+if TYPE_CHECKING:
+    from loom.sim.truth import Truth
 
 __all__ = [
     "POLICIES",
@@ -71,10 +78,12 @@ __all__ = [
     "GavelThroughput",
     "GreedyCompute",
     "HardAffinity",
+    "OraclePolicy",
     "RandomScore",
     "RoundRobin",
     "baseline_framework",
     "make_policy",
+    "oracle_factors",
 ]
 
 
@@ -117,6 +126,56 @@ class FrameworkPolicy:
     def admit(self, job: SimJob) -> JobSpec:
         """The spec this policy schedules for a trace job (unchanged unless the policy adds rules)."""
         return self._admit(job) if self._admit is not None else job.spec
+
+    def prepare(self, snap: Snapshot, trace: Trace, truth: "Truth | None", seed: int) -> None:
+        """Called once by the simulator before the first event, with the run's snapshot, trace and
+        truth (None when jobs are timed by belief). Only :class:`OraclePolicy` uses it."""
+
+
+class OraclePolicy(FrameworkPolicy):
+    """Loom's default profile with the truth as what it learned: the bound of what learning can reach.
+
+    Before the run, :meth:`prepare` sets the snapshot's learned factors
+    (:meth:`Snapshot.set_learned`) to :func:`oracle_factors`: for every (job family, GPU model) of
+    the trace and the platform, the true speed over the profile's. Every decision then reads the
+    true speeds through :meth:`Snapshot.job_speeds`, as a perfect learner would make it. It is a
+    bound, not a baseline: the scheduler is never told the truth in the service. Timed by belief
+    (no truth), it is Loom.
+    """
+
+    def prepare(self, snap: Snapshot, trace: Trace, truth: "Truth | None", seed: int) -> None:
+        if truth is not None:
+            snap.set_learned(oracle_factors(truth, [self.admit(j) for j in trace.jobs], snap, seed=seed))
+
+
+def oracle_factors(
+    truth: "Truth", jobs: Sequence[JobSpec], snap: Snapshot, *, seed: int = 0
+) -> dict[tuple[str, str], float]:
+    """(family, GPU model) -> true speed / profile speed, over ``jobs`` and the snapshot's models.
+
+    A job's true speed on a model is :meth:`Truth.job_speed` at its GPUs per worker on one node (as
+    the simulator times it, run-to-run noise aside); the profile's is the snapshot's SCU for its task
+    type. A family whose jobs differ (a family the truth does not know is mapped per job id) gets the
+    geometric mean of its jobs' ratios: learning keyed by family can reach no more.
+    """
+    logs: dict[tuple[str, str], list[float]] = {}
+    for spec in jobs:
+        if spec.stages:
+            continue
+        family = job_family(spec)
+        for model in snap.models:
+            believed = snap.gpu_speed(model, spec.task_type)
+            true = truth.job_speed(
+                spec,
+                model,
+                gpus_per_node=max(spec.resources.gpus, 1),
+                job_id=spec.job_id,
+                name=spec.name,
+                seed=seed,
+            ).speed
+            if believed > 0 and true > 0:
+                logs.setdefault((family, model), []).append(math.log(true / believed))
+    return {key: math.exp(math.fsum(values) / len(values)) for key, values in logs.items()}
 
 
 # ---- baseline score plugins -------------------------------------------------------------------
@@ -333,6 +392,11 @@ def _home_region(_seed: int) -> FrameworkPolicy:
     return FrameworkPolicy("home_region", baseline_framework([GreedyCompute()]), admit=_in_home_region)
 
 
+def _oracle(_seed: int) -> FrameworkPolicy:
+    learner = AlphaLearner()
+    return OraclePolicy("oracle", build_framework(context={"alpha_learner": learner}), learner=learner)
+
+
 def _gavel_like(_seed: int) -> FrameworkPolicy:
     return FrameworkPolicy("gavel_like", baseline_framework([GavelThroughput()]))
 
@@ -345,8 +409,9 @@ POLICIES: dict[str, Callable[[int], Policy]] = {
     "greedy_compute": _greedy_compute,
     "home_region": _home_region,
     "gavel_like": _gavel_like,
+    "oracle": _oracle,
 }
-"""Policy name -> factory taking a seed."""
+"""Policy name -> factory taking a seed. ``oracle`` is a bound (Loom knowing the truth), not a baseline."""
 
 
 def make_policy(name: str, seed: int = 0) -> Policy:
