@@ -27,12 +27,16 @@ from loom.sim.workloads import (
     WorkloadError,
     alibaba_sample_path,
     apportion,
+    at_load,
+    gpu_seconds,
     load_alibaba,
     load_csv,
     load_jsonl,
     load_workload,
     net_model,
+    philly_like,
     training_mix,
+    with_spanning,
     write_csv,
     write_jsonl,
 )
@@ -545,3 +549,51 @@ def test_price_schedule_emits_one_event_per_change() -> None:
     assert [(e.at_s / 3600, e.factor) for e in events] == [(0, 1.0), (2, 1.5), (4, 1.0), (7, 1.5), (9, 1.0)]
     with pytest.raises(ScenarioError, match="price factor"):
         price_schedule("r1", [1.0, -1.0])
+
+
+# ---- the Philly-like trace, load and spanning -------------------------------------------------------
+
+
+def test_philly_like_has_mostly_single_gpu_jobs_a_tail_to_16_and_heavy_tailed_durations(
+    topology: Topology,
+) -> None:
+    from loom.sim.truth import load_truth
+
+    trace = philly_like(2000, seed=4, topology=topology)
+    assert trace == philly_like(2000, seed=4, topology=topology)
+    sizes = Counter(j.spec.workers * j.spec.resources.gpus for j in trace.jobs)
+    assert set(sizes) == {1, 2, 4, 8, 16}
+    assert 0.65 < sizes[1] / 2000 < 0.75 and 0.07 < (sizes[8] + sizes[16]) / 2000 < 0.13
+    hours = sorted(j.spec.work.steps * j.spec.work.step_time_s / 3600 for j in trace.jobs)
+    median, mean = hours[1000], sum(hours) / len(hours)
+    assert 0.7 < median < 2.0 and mean > 3 * median  # heavy tail: the mean far above the median
+    assert hours[-1] <= 7 * 24 * 1.01 and hours[0] >= 0.95 / 60  # 1 min - 7 days, to whole steps
+    families = load_truth().families
+    regions = {r.id for r in topology.regions}
+    for job in trace.jobs:
+        assert job.spec.labels["family"] in families and job.home_region in regions
+        assert (job.spec.comm is not None) == (job.spec.workers > 1)
+        assert job.job_class == ("net_training" if job.spec.workers > 1 else "training")
+        assert not job.spec.allow_multi_cluster
+
+
+def test_at_load_spreads_arrivals_to_offer_the_asked_gpu_hours_per_hour(topology: Topology) -> None:
+    for trace in (
+        philly_like(300, seed=1, topology=topology),
+        training_mix(topology=topology, jobs=100, seed=2),
+    ):
+        for load, gpus in ((0.5, 64), (1.2, 500)):
+            shaped = at_load(trace, load, gpus)
+            span_h = (shaped.jobs[-1].arrival_s - shaped.jobs[0].arrival_s) / 3600
+            offered = sum(gpu_seconds(j) for j in shaped.jobs) / 3600 / span_h
+            assert offered == pytest.approx(load * gpus)
+            assert [j.spec for j in shaped.jobs] == [j.spec for j in trace.jobs]  # only arrivals move
+
+
+def test_with_spanning_sets_allow_multi_cluster_on_gangs_only(topology: Topology) -> None:
+    trace = training_mix(topology=topology, jobs=120, seed=3)
+    for allowed in (True, False):
+        for before, after in zip(trace.jobs, with_spanning(trace, allowed).jobs, strict=True):
+            gang = before.spec.workers > 1 and before.spec.pipeline is None
+            expected = allowed if gang else before.spec.allow_multi_cluster
+            assert after.spec.allow_multi_cluster == expected
