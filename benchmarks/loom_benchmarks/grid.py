@@ -20,8 +20,8 @@ A **cell** is one (platform, load, spanning, workload); it is run once per seed 
 
 Per cell and policy the figures are averaged over seeds: mean / p50 / p99 JCT (the seeds' own
 figures averaged), mean queueing, time-weighted utilisation, GPU-hours, cross-region bytes, cost,
-finished / rejected / unfinished counts, and the belief error (median over finished jobs of
-``|believed step / true step - 1|``). **Loom's margin** is ``(best baseline - loom) / best
+finished / rejected / unfinished counts, and the belief error (:func:`loom.sim.metrics.belief_error`:
+median over the jobs that ran of ``|believed step / true step - 1|``). **Loom's margin** is ``(best baseline - loom) / best
 baseline`` on mean JCT, the best baseline being the lowest mean JCT among the baselines (``oracle``
 is a bound, not a baseline): positive when Loom is faster. It is computed per seed and from the
 seed-averaged means. Each seed's figures are in the JSON too.
@@ -32,7 +32,6 @@ seed-averaged means. Each seed's figures are in the JSON too.
 import dataclasses
 import math
 import multiprocessing
-import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -190,23 +189,13 @@ def grid_trace(workload: str, jobs: int, seed: int, topology: "Topology") -> "Tr
 # ---- one cell, one seed -------------------------------------------------------------------------
 
 
-def belief_error_median(result: "SimResult") -> float | None:
-    """Median over finished jobs of ``|believed step / true step - 1|`` (None without any)."""
-    errors = [
-        abs(r.belief_step_s / r.step_s - 1.0)
-        for r in result.records
-        if r.end_s is not None and r.rejected is None and r.step_s > 0 and r.belief_step_s > 0
-    ]
-    return statistics.median(errors) if errors else None
-
-
 def figures(result: "SimResult") -> dict[str, Any]:
     """The grid's figures of one run."""
     from loom.sim import metrics
 
     overall = metrics.summarize(result)["overall"]
     out = {k: overall.get(k) for k in FIGURES if k != "belief_error_median"}
-    out["belief_error_median"] = belief_error_median(result)
+    out["belief_error_median"] = metrics.belief_error(result.records)["median"]
     return out
 
 
@@ -215,7 +204,7 @@ def run_seed(task: tuple[str, float, bool, str, int, tuple[str, ...], int, str |
     (a top-level function taking one tuple, for ``multiprocessing``)."""
     from loom.sim.engine import simulate
     from loom.sim.policies import make_policy
-    from loom.sim.truth import load_truth
+    from loom.sim.truth import BELIEF, load_truth
     from loom.sim.workloads import at_load, with_spanning
 
     platform_name, load, spanning, workload, seed, policies, jobs, truth_path = task
@@ -224,7 +213,7 @@ def run_seed(task: tuple[str, float, bool, str, int, tuple[str, ...], int, str |
     gpus = platform_gpus(built)
     base = grid_trace(workload, jobs, seed, topology)
     trace = with_spanning(at_load(base, load, gpus), spanning)
-    truth = load_truth(truth_path)
+    truth = BELIEF if truth_path == "belief" else load_truth(truth_path)
     span = (trace.jobs[-1].arrival_s - trace.jobs[0].arrival_s) if trace.jobs else 0.0
     every = max(60.0, span / 200.0)
     out: dict[str, dict[str, Any]] = {}
@@ -374,7 +363,9 @@ def run_grid(
         "seeds": results,
         "timing": {"total_s": round(time.perf_counter() - started, 1), "processes": processes},
         "method": {
-            "timed_by": "truth: " + (spec.truth_path or "the packaged tables (loom.sim.truth)"),
+            "timed_by": "truth: " + (spec.truth_path or "the packaged tables (loom.sim.truth)")
+            if spec.truth_path != "belief"
+            else "belief (--truth belief)",
             "aggregate": "per policy, each figure averaged over seeds (p50/p99: the seeds' own, averaged)",
             "margin": "(best baseline mean JCT - loom mean JCT) / best baseline;"
             " oracle is a bound, not a baseline",
