@@ -23,8 +23,8 @@ figures averaged), mean queueing, time-weighted utilisation, GPU-hours, cross-re
 finished / rejected / unfinished counts, and the belief error (:func:`loom.sim.metrics.belief_error`:
 median over the jobs that ran of ``|believed step / true step - 1|``). **Loom's margin** is
 ``(best baseline - loom) / best baseline`` on mean JCT, the best baseline being the lowest mean
-JCT among the baselines (``oracle`` is a bound, not a baseline): positive when Loom is faster. It is computed per seed and from the
-seed-averaged means. Each seed's figures are in the JSON too.
+JCT among the baselines (``oracle`` is a bound, not a baseline): positive when Loom is faster. It
+is computed per seed and from the seed-averaged means. Each seed's figures are in the JSON too.
 
 :func:`run_grid` is pure apart from the work it does (no I/O): tests call it on a tiny grid.
 """
