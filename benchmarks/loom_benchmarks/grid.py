@@ -24,7 +24,10 @@ finished / rejected / unfinished counts, and the belief error (:func:`loom.sim.m
 median over the jobs that ran of ``|believed step / true step - 1|``). **Loom's margin** is
 ``(best baseline - loom) / best baseline`` on mean JCT, the best baseline being the lowest mean
 JCT among the baselines (``oracle`` is a bound, not a baseline): positive when Loom is faster. It
-is computed per seed and from the seed-averaged means. Each seed's figures are in the JSON too.
+is computed per seed and from the seed-averaged means, and only over baselines that finished at
+least as many jobs as Loom (:func:`margin`). Each seed's figures are in the JSON too, with Loom's
+JCT per job, from which :func:`spanning_penalty` pairs the same jobs with spanning allowed and
+forbidden.
 
 :func:`run_grid` is pure apart from the work it does (no I/O): tests call it on a tiny grid.
 """
@@ -217,9 +220,16 @@ def run_seed(task: tuple[str, float, bool, str, int, tuple[str, ...], int, str |
     span = (trace.jobs[-1].arrival_s - trace.jobs[0].arrival_s) if trace.jobs else 0.0
     every = max(60.0, span / 200.0)
     out: dict[str, dict[str, Any]] = {}
+    jct_by_job: dict[str, float] | None = None
     for name in policies:
         result = simulate(trace, built, make_policy(name, seed), seed=seed, sample_every_s=every, truth=truth)
         out[name] = figures(result)
+        if name == TARGET:
+            jct_by_job = {
+                r.job_id: round(jct, 1)
+                for r in result.records
+                if r.rejected is None and (jct := r.jct_s) is not None
+            }
     return {
         "cell": cell_key(platform_name, load, spanning, workload),
         "seed": seed,
@@ -228,6 +238,7 @@ def run_seed(task: tuple[str, float, bool, str, int, tuple[str, ...], int, str |
         "arrival_span_h": span / 3600.0,
         "wall_s": round(time.perf_counter() - started, 2),
         "policies": out,
+        "jct_by_job": jct_by_job,
     }
 
 
@@ -256,18 +267,28 @@ def _mean(values: Sequence[float | None]) -> float | None:
 
 def margin(by_policy: Mapping[str, Mapping[str, Any]], target: str = TARGET) -> dict[str, Any]:
     """Loom's margin over its best baseline on mean JCT: ``(best - loom) / best`` (positive: Loom is
-    faster), with the baseline's name; None when Loom or every baseline has no mean JCT."""
-    baselines = {
-        name: f["jct_mean_s"]
-        for name, f in by_policy.items()
-        if name != target and name not in BOUNDS and f.get("jct_mean_s") is not None
-    }
-    mine = by_policy.get(target, {}).get("jct_mean_s")
-    if mine is None or not baselines:
-        return {"best_baseline": None, "margin": None}
+    faster), with the baseline's name; None when Loom or every baseline has no mean JCT.
+
+    Only baselines that finished at least as many jobs as Loom are compared (``not_comparable``
+    names the others): a policy that rejects the jobs its rule cannot place (``home_region`` with a
+    gang bigger than its home region) would otherwise win by leaving out the longest jobs."""
+    mine = by_policy.get(target, {})
+    done = mine.get("finished")
+    baselines: dict[str, float] = {}
+    fewer: list[str] = []
+    for name, f in by_policy.items():
+        if name == target or name in BOUNDS or f.get("jct_mean_s") is None:
+            continue
+        if done is not None and f.get("finished") is not None and f["finished"] < done:
+            fewer.append(name)
+            continue
+        baselines[name] = float(f["jct_mean_s"])
+    if mine.get("jct_mean_s") is None or not baselines:
+        return {"best_baseline": None, "margin": None, "not_comparable": fewer}
     best = min(baselines, key=lambda n: (baselines[n], n))
     value = baselines[best]
-    return {"best_baseline": best, "margin": (value - mine) / value if value > 0 else None}
+    result = (value - float(mine["jct_mean_s"])) / value if value > 0 else None
+    return {"best_baseline": best, "margin": result, "not_comparable": fewer}
 
 
 def aggregate(cell: str, seeds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -296,29 +317,39 @@ def aggregate(cell: str, seeds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return line
 
 
-def spanning_penalty(lines: Sequence[Mapping[str, Any]], policy: str = TARGET) -> list[dict[str, Any]]:
-    """Per (platform, load, workload) run both ways: ``policy``'s mean JCT with spanning allowed over
-    forbidden, minus 1 (positive: spanning made it slower)."""
-    by_cell = {line["cell"]: line for line in lines}
-    out = []
-    for cell, line in by_cell.items():
+def spanning_penalty(seeds: Sequence[Mapping[str, Any]], policy: str = TARGET) -> list[dict[str, Any]]:
+    """Per (platform, load, workload) run both ways: how much slower ``policy`` (Loom) was with
+    spanning allowed than forbidden, over the jobs that finished both ways in the same seed (the
+    same trace but for the flag): ``sum(JCT allowed) / sum(JCT forbidden) - 1`` (positive: spanning
+    made it slower). ``only_when_allowed`` counts jobs that finished only when they could span (a
+    gang bigger than any cluster), ``unpaired`` is the ratio of the plain mean JCTs minus 1."""
+    runs = {(s["cell"], s["seed"]): s for s in seeds if s.get("jct_by_job") is not None}
+    pooled: dict[str, list[float]] = {}
+    for (cell, seed), run in runs.items():
         platform, load, span, workload = cell.split("/")
-        if span != "span":
+        other = runs.get((f"{platform}/{load}/nospan/{workload}", seed))
+        if span != "span" or other is None:
             continue
-        other = by_cell.get(f"{platform}/{load}/nospan/{workload}")
-        if other is None:
-            continue
-        allowed = line["policies"].get(policy, {}).get("jct_mean_s")
-        forbidden = other["policies"].get(policy, {}).get("jct_mean_s")
-        if allowed and forbidden:
-            out.append(
-                {
-                    "cells": f"{platform}/{load}/{workload}",
-                    "policy": policy,
-                    "penalty": allowed / forbidden - 1,
-                }
-            )
-    return out
+        allowed, forbidden = run["jct_by_job"], other["jct_by_job"]
+        common = allowed.keys() & forbidden.keys()
+        acc = pooled.setdefault(f"{platform}/{load}/{workload}", [0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+        acc[0] += math.fsum(allowed[j] for j in common)
+        acc[1] += math.fsum(forbidden[j] for j in common)
+        acc[2] += len(common)
+        acc[3] += len(allowed.keys() - forbidden.keys())
+        acc[4] += math.fsum(allowed.values()) / max(len(allowed), 1)
+        acc[5] += math.fsum(forbidden.values()) / max(len(forbidden), 1)
+    return [
+        {
+            "cells": key,
+            "policy": policy,
+            "penalty": acc[0] / acc[1] - 1.0 if acc[1] > 0 else None,
+            "paired_jobs": int(acc[2]),
+            "only_when_allowed": int(acc[3]),
+            "unpaired": acc[4] / acc[5] - 1.0 if acc[5] > 0 else None,
+        }
+        for key, acc in pooled.items()
+    ]
 
 
 def run_grid(
@@ -359,7 +390,7 @@ def run_grid(
         "mode": "grid",
         "grid": {**dataclasses.asdict(spec), "jobs": dict(spec.jobs)},
         "lines": lines,
-        "spanning_penalty": spanning_penalty(lines),
+        "spanning_penalty": spanning_penalty(results),
         "seeds": results,
         "timing": {"total_s": round(time.perf_counter() - started, 1), "processes": processes},
         "method": {
@@ -398,5 +429,10 @@ def format_line(line: Mapping[str, Any]) -> str:
         "loom margin "
         + ("n/a" if m is None else f"{m:+.1%} vs {line['best_baseline']}")
         + (f"; oracle gap {line['oracle_gap']:+.1%}" if line.get("oracle_gap") is not None else "")
+        + (
+            f"; not comparable (finished fewer): {', '.join(line['not_comparable'])}"
+            if line.get("not_comparable")
+            else ""
+        )
     )
     return " | ".join(parts)

@@ -691,7 +691,15 @@ def run_grid_command(args: argparse.Namespace) -> int:
     for line in result["lines"]:
         console.print(grid.format_line(line), markup=False, highlight=False, soft_wrap=True)
     for item in result["spanning_penalty"]:
-        console.print(f"spanning penalty of loom on {item['cells']}: {item['penalty']:+.1%}", markup=False)
+        paired, unpaired = item["penalty"], item["unpaired"]
+        console.print(
+            f"loom, spanning allowed vs forbidden, {item['cells']}: "
+            + ("n/a" if paired is None else f"{paired:+.1%}")
+            + f" over {item['paired_jobs']} jobs finished both ways; {item['only_when_allowed']} finished"
+            " only when allowed; plain means " + ("n/a" if unpaired is None else f"{unpaired:+.1%}"),
+            markup=False,
+            highlight=False,
+        )
     console.print(f"grid took {result['timing']['total_s']:,.0f} s on {args.grid_processes} processes")
     return 0
 

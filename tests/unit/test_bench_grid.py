@@ -56,21 +56,26 @@ def test_a_tiny_grid_gives_one_line_per_cell_with_margins_computed_from_its_figu
     assert "small/1.2/span/philly" in grid.format_line(line)
 
 
-def test_the_margin_is_over_the_best_baseline_and_never_over_the_oracle() -> None:
+def test_the_margin_is_over_the_best_comparable_baseline_and_never_over_the_oracle() -> None:
     figures = {
-        "loom": {"jct_mean_s": 90.0},
-        "random": {"jct_mean_s": 200.0},
-        "gavel_like": {"jct_mean_s": 100.0},
-        "oracle": {"jct_mean_s": 50.0},
+        "loom": {"jct_mean_s": 90.0, "finished": 10},
+        "random": {"jct_mean_s": 200.0, "finished": 10},
+        "gavel_like": {"jct_mean_s": 100.0, "finished": 10},
+        "home_region": {"jct_mean_s": 20.0, "finished": 8},  # left out two jobs: not comparable
+        "oracle": {"jct_mean_s": 50.0, "finished": 10},
     }
-    assert grid.margin(figures) == {"best_baseline": "gavel_like", "margin": pytest.approx(0.1)}
+    assert grid.margin(figures) == {
+        "best_baseline": "gavel_like",
+        "margin": pytest.approx(0.1),
+        "not_comparable": ["home_region"],
+    }
     seeds = [
         {"seed": 0, "jobs": 10, "platform_gpus": 64, "policies": figures},
         {
             "seed": 1,
             "jobs": 10,
             "platform_gpus": 64,
-            "policies": {**figures, "loom": {"jct_mean_s": 130.0}},
+            "policies": {**figures, "loom": {"jct_mean_s": 130.0, "finished": 10}},
         },
     ]
     line = grid.aggregate("small/1/span/mix", seeds)
@@ -78,8 +83,15 @@ def test_the_margin_is_over_the_best_baseline_and_never_over_the_oracle() -> Non
     assert line["margin"] == pytest.approx(-0.1)  # Loom 10 % slower than gavel_like on the mean
     assert line["margin_per_seed"] == [pytest.approx(0.1), pytest.approx(-0.3)]
     assert line["oracle_gap"] == pytest.approx(110.0 / 50.0 - 1.0)
-    penalty = grid.spanning_penalty([line, {**line, "cell": "small/1/nospan/mix"}])
-    assert penalty == [{"cells": "small/1/mix", "policy": "loom", "penalty": pytest.approx(0.0)}]
+
+
+def test_the_spanning_penalty_pairs_the_jobs_that_finished_both_ways() -> None:
+    allowed = {"cell": "small/1/span/mix", "seed": 0, "jct_by_job": {"a": 30.0, "b": 10.0, "huge": 1000.0}}
+    forbidden = {"cell": "small/1/nospan/mix", "seed": 0, "jct_by_job": {"a": 20.0, "b": 20.0}}
+    (item,) = grid.spanning_penalty([allowed, forbidden])
+    assert item["cells"] == "small/1/mix" and item["paired_jobs"] == 2 and item["only_when_allowed"] == 1
+    assert item["penalty"] == pytest.approx(0.0)  # 40 s both ways over a and b
+    assert item["unpaired"] == pytest.approx((1040.0 / 3) / 20.0 - 1.0)
 
 
 def test_grid_options_select_a_subset_and_refuse_unknown_values() -> None:
