@@ -1089,10 +1089,23 @@ class Framework:
         """A gang over several clusters (one GPU model per cluster): best-scored candidates first,
         until every worker has room; None when even all of them cannot hold the gang."""
         snap = state.snapshot
-        order = sorted(
+        by_score = sorted(
             range(len(candidates)),
             key=lambda i: (-round(float(totals[i]), 9), snap.clusters[int(candidates.cluster[i])].id),
         )
+        decision = self._spread_in_order(state, candidates, totals, by_score)
+        if decision is None:
+            # One GPU model per cluster: the best-scored pool of a cluster may be too small where
+            # another of its pools would have completed the gang. Then take each cluster's largest
+            # pool first (what why_nothing_fits counts), so a gang that fits is never left waiting.
+            by_room = sorted(by_score, key=lambda i: -int(candidates.capacity[i]))
+            decision = self._spread_in_order(state, candidates, totals, by_room)
+        return decision
+
+    def _spread_in_order(
+        self, state: CycleState, candidates: Candidates, totals: FloatArray, order: Sequence[int]
+    ) -> Decision | None:
+        """The spread taking candidates in ``order``, the first of each cluster only."""
         parts: list[Part] = []
         used_clusters: set[int] = set()
         left = state.target_workers
