@@ -19,8 +19,10 @@ A **cell** is one (platform, load, spanning, workload); it is run once per seed 
   :data:`CELL_JOBS` jobs each (``--jobs`` overrides), home regions over the platform's regions.
 
 Per cell and policy the figures are averaged over seeds: mean / p50 / p99 JCT (the seeds' own
-figures averaged), mean queueing, time-weighted utilisation, GPU-hours, cross-region bytes, cost,
-finished / rejected / unfinished counts, and the belief error (:func:`loom.sim.metrics.belief_error`:
+figures averaged), mean queueing, time-weighted utilisation over the run and, in brackets on the
+line, while jobs arrive (``gpu_utilisation_arrivals``: a finite trace of heavy-tailed jobs drains
+for days after its last arrival, so the run's figure understates the load the cell reached),
+GPU-hours, cross-region bytes, cost, finished / rejected / unfinished counts, and the belief error (:func:`loom.sim.metrics.belief_error`:
 median over the jobs that ran of ``|believed step / true step - 1|``). **Loom's margin** is
 ``(best baseline - loom) / best baseline`` on mean JCT, the best baseline being the lowest mean
 JCT among the baselines (``oracle`` is a bound, not a baseline): positive when Loom is faster. It
@@ -79,7 +81,10 @@ FIGURES: Final = (
     "rejected",
     "unfinished",
     "belief_error_median",
+    "gpu_utilisation_arrivals",
 )
+_OWN_FIGURES: Final = frozenset({"belief_error_median", "gpu_utilisation_arrivals"})
+"""Figures computed here rather than read from :func:`loom.sim.metrics.summarize`."""
 
 
 @dataclass(frozen=True)
@@ -192,13 +197,16 @@ def grid_trace(workload: str, jobs: int, seed: int, topology: "Topology") -> "Tr
 # ---- one cell, one seed -------------------------------------------------------------------------
 
 
-def figures(result: "SimResult") -> dict[str, Any]:
-    """The grid's figures of one run."""
+def figures(result: "SimResult", arrivals: tuple[float, float] | None = None) -> dict[str, Any]:
+    """The grid's figures of one run; ``arrivals`` (first, last arrival) bounds the window of
+    ``gpu_utilisation_arrivals``."""
     from loom.sim import metrics
 
     overall = metrics.summarize(result)["overall"]
-    out = {k: overall.get(k) for k in FIGURES if k != "belief_error_median"}
+    out = {k: overall.get(k) for k in FIGURES if k not in _OWN_FIGURES}
     out["belief_error_median"] = metrics.belief_error(result.records)["median"]
+    window = [s for s in result.timeline if arrivals is None or arrivals[0] <= s.t_s <= arrivals[1]]
+    out["gpu_utilisation_arrivals"] = metrics.mean_utilisation(window)
     return out
 
 
@@ -223,7 +231,8 @@ def run_seed(task: tuple[str, float, bool, str, int, tuple[str, ...], int, str |
     jct_by_job: dict[str, float] | None = None
     for name in policies:
         result = simulate(trace, built, make_policy(name, seed), seed=seed, sample_every_s=every, truth=truth)
-        out[name] = figures(result)
+        window = (trace.jobs[0].arrival_s, trace.jobs[-1].arrival_s) if trace.jobs else None
+        out[name] = figures(result, window)
         if name == TARGET:
             jct_by_job = {
                 r.job_id: round(jct, 1)
@@ -417,8 +426,10 @@ def format_line(line: Mapping[str, Any]) -> str:
     for name, f in line["policies"].items():
         util = f["gpu_utilisation_mean"]
         jct = "/".join(fmt_duration(f[k]) for k in ("jct_mean_s", "jct_p50_s", "jct_p99_s"))
+        busy = f.get("gpu_utilisation_arrivals")
         parts.append(
             f"{name}: {jct} q {fmt_duration(f['queue_mean_s'])} u {'' if util is None else f'{util:.0%}'}"
+            f" ({'' if busy is None else f'{busy:.0%}'})"
             f" {f['gpu_hours'] or 0.0:,.0f}GPUh {fmt_bytes(f['cross_region_bytes'] or 0.0)}"
             f" ${f['cost'] or 0.0:,.0f}"
             + (f" rej {f['rejected']:.0f}" if f.get("rejected") else "")
