@@ -22,8 +22,9 @@ Per cell and policy the figures are averaged over seeds: mean / p50 / p99 JCT (t
 figures averaged), mean queueing, time-weighted utilisation over the run and, in brackets on the
 line, while jobs arrive (``gpu_utilisation_arrivals``: a finite trace of heavy-tailed jobs drains
 for days after its last arrival, so the run's figure understates the load the cell reached),
-GPU-hours, cross-region bytes, cost, finished / rejected / unfinished counts, and the belief error (:func:`loom.sim.metrics.belief_error`:
-median over the jobs that ran of ``|believed step / true step - 1|``). **Loom's margin** is
+GPU-hours, cross-region bytes, cost, finished / rejected / unfinished counts, and the belief
+error (:func:`loom.sim.metrics.belief_error`: median over the jobs that ran of
+``|believed step / true step - 1|``). **Loom's margin** is
 ``(best baseline - loom) / best baseline`` on mean JCT, the best baseline being the lowest mean
 JCT among the baselines (``oracle`` is a bound, not a baseline): positive when Loom is faster. It
 is computed per seed and from the seed-averaged means, and only over baselines that finished at
