@@ -8,7 +8,7 @@ making any other class of job pay for it.
 
 The check runs **timed by belief** (``truth=BELIEF``): jobs take the step time the scheduler
 predicts, so it isolates placement's network awareness from speed-model error. Timed by the
-measured truth (the simulator's default) the same run gives net_training about 10 % (not 25 %):
+measured truth (the simulator's default) the same run gives net_training about 16 % (not 25 %):
 that is the issue's finding, reported in the README's claims, not something this test hides.
 """
 

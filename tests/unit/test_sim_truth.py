@@ -1,6 +1,7 @@
 """The simulator's truth: the file format, measured and derived speeds, scaling, noise, and a
 simulation timed by a truth that disagrees with the scheduler's belief."""
 
+import argparse
 import json
 import math
 import statistics
@@ -341,3 +342,54 @@ def test_a_pipeline_is_timed_by_its_bottleneck_under_the_truth() -> None:
     assert r.step_s == pytest.approx(
         3 * r.belief_step_s
     )  # compute-bound on one site: 3x slower than believed
+
+
+# ---- loom bench policies --truth ------------------------------------------------------------------
+
+
+def _bench(*argv: str) -> argparse.Namespace:
+    from loom_benchmarks import add_arguments
+
+    parser = argparse.ArgumentParser(prog="loom bench")
+    add_arguments(parser)
+    return parser.parse_args(["policies", "--json", *argv])
+
+
+def test_bench_policies_truth_option_takes_a_file_or_belief_and_refuses_a_missing_file(
+    tmp_path: Path,
+) -> None:
+    from loom_benchmarks import policies
+
+    with pytest.raises(policies.OptionError, match="--truth is a truth file or 'belief'"):
+        policies.resolve(_bench("--truth", str(tmp_path / "absent.json")), known=["loom"])
+    belief = policies.resolve(_bench("--truth", "belief"), known=["loom"])
+    assert belief.truth == "belief"
+    assert "--truth belief" in policies.command_line(belief)
+    assert policies.resolve(_bench(), known=["loom"]).truth is None
+
+
+def test_bench_policies_replays_with_an_operators_truth_file_and_reports_the_belief_error(
+    tmp_path: Path,
+) -> None:
+    from loom_benchmarks import policies
+
+    mine = tmp_path / "truth.json"
+    mine.write_text(json.dumps(dump_truth(load_truth())))
+    common = ("--jobs", "12", "--nodes", "200", "--policies", "loom,greedy_compute")
+    timed = policies.run(_bench(*common, "--truth", str(mine), "--out", str(tmp_path / "r")))
+    assert str(mine) in timed["method"]["truth"]
+    for summary in timed["summaries"]:
+        error = summary["belief_error"]
+        assert error["timed_by"] == "truth" and error["jobs"] > 0
+        assert error["median"] is not None and error["median"] > 0
+        assert timed["headline"][summary["policy"]]["belief_error_median"] == error["median"]
+    page = (tmp_path / "r" / "report.md").read_text()
+    assert "## Belief error (predicted vs true step time)" in page
+    summary_json = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert (
+        summary_json["summaries"][0]["belief_error"]["median"]
+        == timed["summaries"][0]["belief_error"]["median"]
+    )
+    believed = policies.run(_bench(*common, "--truth", "belief", "--out", str(tmp_path / "b")))
+    assert believed["method"]["truth"].startswith("belief")
+    assert all(s["belief_error"]["median"] == 0.0 for s in believed["summaries"])

@@ -37,12 +37,24 @@ then one scheduling pass runs, in queue order (the policy's queue sort):
 Rejected jobs (UNRESOLVABLE) are recorded with the reason and dropped; a DAG stage of a rejected
 parent is rejected too.
 
-**Speed model** (never a lookup of measured step times). A placed job's step takes
-:func:`loom.sched.plugins.network.predict_step_s` on its parts: ``compute = step_time_s / (SCU x
-trust)`` of the slowest part, plus a ring all-reduce over the slowest link between the parts'
-regions. That is exactly what the ``jct`` plugin binds as ``predicted_step_s`` for Loom, and the
-simulator computes it itself for every policy so baselines (which run no ``jct``) are timed by the
-same model. Communication that declares no latency-bound rounds (``comm.rounds_per_step == 0``) is
+**Truth and belief.** A job is timed by the *truth* (:mod:`loom.sim.truth`: measured throughput
+tables the scheduler cannot see; the packaged Gavel + Lambda tables unless ``simulate(...,
+truth=...)`` says otherwise), and the scheduler's *belief* is recorded next to it. The belief is
+:func:`loom.sched.plugins.network.predict_step_s` on the decision's parts with the speeds placement
+scored with (``Snapshot.job_gpu_speed``: SCU x what was learned, x the cluster's trust):
+``compute = step_time_s / speed`` of the slowest part, plus a ring all-reduce over the slowest link
+between the parts' regions; exactly what the ``jct`` plugin binds as ``predicted_step_s`` for Loom,
+computed here for every policy. The truth is the same network model on the parts' *true* speeds
+(:meth:`~loom.sim.truth.Truth.job_speed` of the job's family and batch on each part's GPU model,
+at the most GPUs the part holds on one node, for the intra-node scaling; trust is the
+scheduler's caution, not the hardware's, so it does not apply), the compute times this run's noise
+(:meth:`~loom.sim.truth.Truth.noise_factor` of the job id, attempt and ``seed``). A pipeline's true
+step is the planner's step times its bottleneck (slowest stage compute or transfer) recomputed
+with the true speeds over the same recomputed with the believed ones. ``truth=BELIEF`` times every
+job by the belief (no noise), as the simulator did before truth existed. Either way the run's
+``compute_s`` is what it delivered (what a learner observes) and ``belief_compute_s`` what the
+scheduler expected.
+Communication that declares no latency-bound rounds (``comm.rounds_per_step == 0``) is
 taken to overlap the compute (bucketed gradient exchange during the backward pass): the step is
 ``max(compute, comm)`` instead of the sum. An inference step also waits the mean round trip from
 its users (its ``affinity.prefer_regions``) to the lead's region, as the ``jct`` plugin scores it.
@@ -64,8 +76,10 @@ and elastic jobs are not grown back (only shrunk).
 
 **Records.** ``start_s`` is the first placement (the GPUs are held from then, also while a dataset
 is copied); ``arrival_s`` the time the job entered the queue (a DAG stage: when its last parent
-completed). ``step_s`` is the simulated seconds per step where it last ran (elastic scaling
-included) and ``compute_step_s`` its compute part. ``scu_hours`` sums GPUs x SCU x trust x hours held,
+completed). ``step_s`` is the simulated (true) seconds per step where it last ran (elastic scaling
+included) and ``compute_step_s`` its compute part; ``belief_step_s`` and ``belief_compute_step_s``
+what the scheduler expected them to be, ``truth_rule`` how the slowest part's true speed was found.
+``scu_hours`` sums GPUs x delivered speed (true speed / noise; by belief: SCU x trust) x hours held,
 ``cost`` GPUs x the region's price (at the run's start) x hours held, over every run.
 ``cross_region_bytes``: per step of a data-parallel job whose parts span ``k`` > 1 regions,
 ``2 x bytes_per_step x k`` (a ring all-reduce crosses a region boundary ``k`` times, each
@@ -943,7 +957,7 @@ class _Simulation:
         self._push(_Event(run.end_s, _COMPLETE, 0, job_id=spec.job_id, generation=job.generation))
 
     def _true_speeds(self, job: _Job, d: Decision) -> tuple[list[float], float, str]:
-        """Per part the true per-GPU speed (its GPUs per node from the allocation), this run's noise,
+        """Per part the true per-GPU speed (at the most GPUs the part holds on one node), this run's noise,
         and the derivation rule of the slowest part ("" when timing by belief: the believed speeds)."""
         truth = self.truth
         spec = job.spec
@@ -962,7 +976,9 @@ class _Simulation:
             per_node: dict[str, int] = {}
             for node, gpus in p.allocations:
                 per_node[node] = per_node.get(node, 0) + gpus
-            n = max(per_node.values(), default=1) if p.layers is not None else max(spec.resources.gpus, 1)
+            # A synchronous step waits for the node holding most of the job's GPUs: the lowest
+            # per-GPU throughput (intra-node scaling only falls with more GPUs).
+            n = max(per_node.values(), default=max(spec.resources.gpus, 1))
             found.append(
                 truth.job_speed(
                     spec, p.gpu_model, gpus_per_node=n, job_id=spec.job_id, name=spec.name, seed=self.seed

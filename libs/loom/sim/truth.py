@@ -107,8 +107,10 @@ __all__ = [
     "Truth",
     "TruthCell",
     "TruthError",
+    "dump_truth",
     "job_batch",
     "load_truth",
+    "parse_truth",
 ]
 
 FORMAT: Final = "loom-truth"
