@@ -13,7 +13,8 @@ A **cell** is one (platform, load, spanning, workload); it is run once per seed 
 - **Load** (:func:`loom.sim.workloads.at_load`): the trace's arrivals are spread so that it offers
   ``load x platform GPUs`` reference-GPU-hours per hour, from its own work.
 - **Spanning** (:func:`loom.sim.workloads.with_spanning`): every gang of several workers may span
-  clusters, or none may. Traces of single workers only (the Alibaba sample) are the same either way.
+  clusters, or none may. Traces of single workers only (the Alibaba sample) are the same either way:
+  their spanning cells copy the runs with spanning forbidden rather than repeat them.
 - **Workloads**: ``alibaba`` (the packaged sample, :func:`~loom.sim.workloads.load_alibaba`), ``mix``
   (:func:`~loom.sim.workloads.training_mix`) and ``philly`` (:func:`~loom.sim.workloads.philly_like`),
   :data:`CELL_JOBS` jobs each (``--jobs`` overrides), home regions over the platform's regions.
@@ -64,6 +65,9 @@ PLATFORMS: Final = ("small", "medium", "default")
 LOADS: Final = (0.5, 0.8, 1.0, 1.2)
 WORKLOADS: Final = ("alibaba", "mix", "philly")
 SEEDS: Final = (0, 1, 2, 3, 4)
+WITHOUT_GANGS: Final = frozenset({"alibaba"})
+"""Workloads of single workers (every Alibaba task is one node): spanning changes nothing, so a
+cell with spanning allowed copies the run with it forbidden (``copied_from`` in the JSON)."""
 SPANNING: Final = (False, True)
 CELL_JOBS: Final[Mapping[str, int]] = {"alibaba": 200, "mix": 150, "philly": 200}
 """Jobs per cell and workload (the mix's DAG units are three jobs: 150 jobs is about 115 units)."""
@@ -224,6 +228,8 @@ def run_seed(task: tuple[str, float, bool, str, int, tuple[str, ...], int, str |
     topology, built = _platform_cached(platform_name)
     gpus = platform_gpus(built)
     base = grid_trace(workload, jobs, seed, topology)
+    if workload in WITHOUT_GANGS and any(j.spec.workers > 1 for j in base.jobs):
+        raise ValueError(f"{workload} was taken to have no gangs (its spanning cells are copies)")
     trace = with_spanning(at_load(base, load, gpus), spanning)
     truth = BELIEF if truth_path == "belief" else load_truth(truth_path)
     span = (trace.jobs[-1].arrival_s - trace.jobs[0].arrival_s) if trace.jobs else 0.0
@@ -371,10 +377,13 @@ def run_grid(
     """Run every cell and seed of ``spec`` (over ``processes`` worker processes when above 1) and
     aggregate: ``{"lines": [...], "seeds": [...], "spanning_penalty": [...], ...}``."""
     say = progress or (lambda _s: None)
+    cells = set(spec.cells())
     tasks = [
         (p, load, span, w, seed, tuple(spec.policies), int(spec.jobs[w]), spec.truth_path)
         for p, load, span, w in spec.cells()
         for seed in spec.seeds
+        # A trace without gangs is the same with spanning allowed: its run is copied, not repeated.
+        if not (span and w in WITHOUT_GANGS and (p, load, False, w) in cells)
     ]
     started = time.perf_counter()
     results: list[dict[str, Any]] = []
@@ -388,6 +397,14 @@ def run_grid(
             done = run_seed(task)
             results.append(done)
             say(f"{i}/{len(tasks)} {done['cell']} seed {done['seed']} ({done['wall_s']:.0f} s)")
+    for p, load, span, w in spec.cells():
+        if span and w in WITHOUT_GANGS and (p, load, False, w) in cells:
+            twin = cell_key(p, load, False, w)
+            results += [
+                {**r, "cell": cell_key(p, load, True, w), "copied_from": twin}
+                for r in results
+                if r["cell"] == twin
+            ]
     order = {cell_key(*c): i for i, c in enumerate(spec.cells())}
     results.sort(key=lambda r: (order[r["cell"]], r["seed"]))
     lines = []

@@ -123,3 +123,21 @@ def test_grid_options_select_a_subset_and_refuse_unknown_values() -> None:
     ]:
         with pytest.raises(OptionError, match=message):
             grid_spec(_parse(*argv))
+
+
+def test_a_workload_without_gangs_runs_once_for_both_spanning_settings() -> None:
+    spec = grid.GridSpec(
+        platforms=("small",),
+        loads=(1.0,),
+        workloads=("alibaba",),
+        seeds=(0,),
+        policies=("greedy_compute",),
+        jobs={"alibaba": 20},
+    )
+    messages: list[str] = []
+    result = grid.run_grid(spec, progress=messages.append)
+    assert len(messages) == 1  # one run, not two
+    forbidden, allowed = result["lines"]
+    assert (forbidden["cell"], allowed["cell"]) == ("small/1/nospan/alibaba", "small/1/span/alibaba")
+    assert allowed["policies"] == forbidden["policies"]
+    assert [s.get("copied_from") for s in result["seeds"]] == [None, "small/1/nospan/alibaba"]
