@@ -2,6 +2,7 @@
 
 import argparse
 import math
+import statistics
 
 import pytest
 
@@ -141,3 +142,23 @@ def test_a_workload_without_gangs_runs_once_for_both_spanning_settings() -> None
     assert (forbidden["cell"], allowed["cell"]) == ("small/1/nospan/alibaba", "small/1/span/alibaba")
     assert allowed["policies"] == forbidden["policies"]
     assert [s.get("copied_from") for s in result["seeds"]] == [None, "small/1/nospan/alibaba"]
+
+
+def test_load_is_counted_against_the_platforms_compute_in_reference_gpus() -> None:
+    from loom.sim.truth import load_truth
+
+    _, platform = grid.grid_platform("small")
+    truth = load_truth()
+    by_model: dict[str, int] = {}
+    for node in platform.nodes:
+        if node.gpu_model:
+            by_model[node.gpu_model] = by_model.get(node.gpu_model, 0) + node.gpus_total
+    g2_speed = statistics.median(truth.speed(f, "G2").speed for f in truth.families)
+    assert g2_speed > 2.0  # the A100-class GPUs that dominate the platform
+    capacity = grid.reference_capacity(platform, truth)
+    assert capacity > by_model["G2"] * g2_speed
+    assert capacity > 2 * grid.platform_gpus(platform)
+    believed = grid.reference_capacity(platform, None)
+    assert believed == pytest.approx(
+        sum(g * platform.speed[(m, "training_compute")] for m, g in by_model.items())
+    )

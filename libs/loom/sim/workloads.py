@@ -1550,28 +1550,30 @@ def gpu_seconds(job: SimJob) -> float:
     return spec.work.steps * spec.work.step_time_s * gpus
 
 
-def at_load(trace: Trace, load: float, gpus: int) -> Trace:
-    """``trace`` with its arrivals spread or packed so that it offers ``load`` x ``gpus`` reference
-    GPU-hours per hour: the arrival span becomes ``sum(gpu_seconds) / (load x gpus)`` (the trace's
-    own work; the arrival pattern is kept, times are scaled from the first arrival).
+def at_load(trace: Trace, load: float, capacity_gpus: float) -> Trace:
+    """``trace`` with its arrivals spread or packed so that it offers ``load x capacity_gpus``
+    reference-GPU-hours per hour: the arrival span becomes ``sum(gpu_seconds) / (load x
+    capacity_gpus)`` (the trace's own work; the arrival pattern is kept, times are scaled from the
+    first arrival).
 
-    Load is nominal: work is in reference (V100) GPU-hours, so a platform of faster GPUs drains it
-    sooner. A DAG stage submitted when its parents finish is counted at its trace arrival.
+    ``capacity_gpus`` is the platform in reference (V100) GPUs: its GPU count for a nominal load,
+    or each GPU weighted by its speed for a load of its compute (the grid uses the truth's median
+    speed per model). A DAG stage submitted when its parents finish is counted at its trace arrival.
     """
-    if not (load > 0 and math.isfinite(load)) or gpus < 1:
-        raise WorkloadError(f"load must be positive and gpus at least 1, got {load} and {gpus}")
+    if not (load > 0 and math.isfinite(load)) or not capacity_gpus > 0:
+        raise WorkloadError(f"load and capacity_gpus must be positive, got {load} and {capacity_gpus}")
     if len(trace.jobs) < 2:
         return trace
     first = trace.jobs[0].arrival_s
     span = trace.jobs[-1].arrival_s - first
-    target = math.fsum(gpu_seconds(j) for j in trace.jobs) / (load * gpus)
+    target = math.fsum(gpu_seconds(j) for j in trace.jobs) / (load * capacity_gpus)
     scale = target / span if span > 0 else 0.0
     jobs = [
         SimJob(j.spec, (j.arrival_s - first) * scale, j.job_class, j.home_region, j.parents)
         for j in trace.jobs
     ]
     events = [dataclasses.replace(e, at_s=(e.at_s - first) * scale) for e in trace.events]
-    return Trace(jobs, events, f"{trace.source}; at load {load:g} of {gpus} GPUs")
+    return Trace(jobs, events, f"{trace.source}; at load {load:g} of {capacity_gpus:,.0f} reference GPUs")
 
 
 def with_spanning(trace: Trace, allowed: bool) -> Trace:
