@@ -92,6 +92,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     policies.add_argument(
         "--scale", action="store_true", help="Loom alone at 100,000 nodes and jobs: wall time and peak RSS"
     )
+    policies.add_argument(
+        "--grid",
+        action="store_true",
+        help="every policy over platforms x loads x spanning x workloads x seeds, timed by truth",
+    )
+    policies.add_argument("--grid-platforms", default=None, help="grid: small,medium,default (default all)")
+    policies.add_argument(
+        "--grid-loads", default=None, help="grid: loads of capacity (default 0.5,0.8,1,1.2)"
+    )
+    policies.add_argument(
+        "--grid-seeds", default=None, help="grid: seeds, e.g. 0,1 or a count like 5 (default 5)"
+    )
+    policies.add_argument("--grid-workloads", default=None, help="grid: alibaba,mix,philly (default all)")
+    policies.add_argument("--grid-spanning", default=None, help="grid: allowed,forbidden (default both)")
+    policies.add_argument("--grid-processes", type=int, default=2, help="grid: worker processes (default 2)")
     policies.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     learn = sub.add_parser("learn", help="speed learner: runs until a profile 3x wrong is learned, sharing")
     learn.add_argument("--truth", type=float, default=1 / 3, help="true factor on the profile's speed")

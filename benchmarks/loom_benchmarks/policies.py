@@ -14,7 +14,8 @@ Workloads:
 - ``scenario``: the seeds' multi-stage scenario (seed 001 §4: preprocessing, training and
   validation across a cheap, high-latency region and a fast, expensive one;
   :mod:`loom.sim.scenarios`);
-- a path to a ``.jsonl`` file in the generic workload format (:func:`loom.sim.workloads.load_jsonl`).
+- a path to a file in the generic workload format, ``.jsonl`` or ``.csv``
+  (:func:`loom.sim.workloads.load_workload`; its home and data regions must be the topology's).
 
 Figures (:mod:`loom.sim.metrics`): per policy, overall and per job class, JCT (mean, p50, p99),
 queueing delay, makespan, time-weighted GPU utilisation, SCU-hours, cost and cross-region bytes;
@@ -35,6 +36,11 @@ default the packaged measured tables (Gavel + Lambda); ``--truth FILE`` replays 
 own truth file (the format is documented in :mod:`loom.sim.truth`); ``--truth belief`` times jobs
 by the scheduler's own belief, as the simulator did before (kept for comparison). The belief error
 (predicted against true step time: median, p90, per GPU model) is reported next to the outcomes.
+
+``--grid``: the evaluation grid (:mod:`loom_benchmarks.grid`): every policy over platforms, loads,
+spanning allowed or not, workloads and seeds, timed by truth; one line per cell on stderr, the JSON
+on stdout. ``--grid-platforms``, ``--grid-loads``, ``--grid-seeds``, ``--grid-workloads`` and
+``--grid-spanning`` run a subset; ``--policies`` and ``--jobs`` (per cell) apply too.
 
 ``--scale``: Loom alone on 100,000 nodes and 100,000 jobs of the mix (unless ``--nodes``/``--jobs``
 say otherwise), reporting the wall time of building and simulating and the peak RSS against the
@@ -61,6 +67,7 @@ import numpy as np
 if TYPE_CHECKING:
     from loom.model.topology import Topology
     from loom.sim.model import Platform, SimResult, Trace
+    from loom_benchmarks.grid import GridSpec
 
 WORKLOADS: Final = ("mix", "alibaba", "scenario")
 TARGET: Final = "loom"
@@ -119,8 +126,14 @@ def resolve(args: argparse.Namespace, known: Sequence[str] | None = None) -> Opt
 
         known = list(POLICIES)
     workload = str(args.workload)
-    if workload not in WORKLOADS and not workload.endswith(".jsonl") and not Path(workload).is_file():
-        raise OptionError(f"--workload is one of {', '.join(WORKLOADS)} or a .jsonl file, got {workload!r}")
+    if (
+        workload not in WORKLOADS
+        and not workload.endswith((".jsonl", ".csv"))
+        and not Path(workload).is_file()
+    ):
+        raise OptionError(
+            f"--workload is one of {', '.join(WORKLOADS)} or a .jsonl or .csv file, got {workload!r}"
+        )
     scale = bool(args.scale)
     jobs = args.jobs if args.jobs is not None else (SCALE_JOBS if scale else None)
     nodes = args.nodes if args.nodes is not None else (SCALE_NODES if scale else None)
@@ -255,9 +268,10 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
         from loom.sim.workloads import load_alibaba
 
         return Workload(built, load_alibaba(topology=topology, limit=options.jobs, seed=options.seed), {})
-    from loom.sim.workloads import load_jsonl
+    from loom.sim.workloads import load_workload
 
-    return Workload(built, load_jsonl(Path(options.workload)), {"path": options.workload})
+    regions = {r.id for r in topology.regions}
+    return Workload(built, load_workload(Path(options.workload), regions=regions), {"path": options.workload})
 
 
 def sample_every_s(trace: "Trace", options: Options) -> float:
@@ -586,12 +600,118 @@ def print_table(result: dict[str, Any]) -> None:
     )
 
 
+def _csv_list(text: str | None, option: str) -> list[str] | None:
+    if text is None:
+        return None
+    items = [part.strip() for part in text.split(",") if part.strip()]
+    if not items:
+        raise OptionError(f"{option} needs at least one value")
+    return list(dict.fromkeys(items))
+
+
+def grid_spec(args: argparse.Namespace, known: Sequence[str] | None = None) -> "GridSpec":
+    """The grid ``--grid-*`` (and ``--policies``, ``--jobs``) ask for; :class:`OptionError` if not valid."""
+    from loom_benchmarks import grid
+
+    known = list(known) if known is not None else list(grid.GRID_POLICIES)
+    fields: dict[str, Any] = {}
+    platforms = _csv_list(args.grid_platforms, "--grid-platforms")
+    if platforms is not None:
+        unknown = [p for p in platforms if p not in grid.PLATFORMS]
+        if unknown:
+            raise OptionError(f"unknown --grid-platforms {unknown}; known: {', '.join(grid.PLATFORMS)}")
+        fields["platforms"] = tuple(platforms)
+    loads = _csv_list(args.grid_loads, "--grid-loads")
+    if loads is not None:
+        try:
+            values = tuple(float(v) for v in loads)
+        except ValueError:
+            raise OptionError(f"--grid-loads are numbers, got {args.grid_loads!r}") from None
+        if not all(v > 0 and np.isfinite(v) for v in values):
+            raise OptionError(f"--grid-loads must be positive, got {args.grid_loads!r}")
+        fields["loads"] = values
+    seeds = _csv_list(args.grid_seeds, "--grid-seeds")
+    if seeds is not None:
+        try:
+            numbers = [int(v) for v in seeds]
+        except ValueError:
+            raise OptionError(f"--grid-seeds are integers, got {args.grid_seeds!r}") from None
+        one_count = len(numbers) == 1 and "," not in args.grid_seeds
+        if one_count and numbers[0] < 1:
+            raise OptionError(f"--grid-seeds must be a positive count or a list of seeds, got {numbers[0]}")
+        fields["seeds"] = tuple(range(numbers[0])) if one_count else tuple(numbers)
+    workloads = _csv_list(args.grid_workloads, "--grid-workloads")
+    if workloads is not None:
+        unknown = [w for w in workloads if w not in grid.WORKLOADS]
+        if unknown:
+            raise OptionError(f"unknown --grid-workloads {unknown}; known: {', '.join(grid.WORKLOADS)}")
+        fields["workloads"] = tuple(workloads)
+    spanning = _csv_list(getattr(args, "grid_spanning", None), "--grid-spanning")
+    if spanning is not None:
+        ways = {"allowed": True, "forbidden": False}
+        unknown = [w for w in spanning if w not in ways]
+        if unknown:
+            raise OptionError(f"unknown --grid-spanning {unknown}; known: allowed, forbidden")
+        fields["spanning"] = tuple(ways[w] for w in spanning)
+    if args.policies is not None:
+        fields["policies"] = tuple(parse_policies(args.policies, known))
+    if args.jobs is not None:
+        if args.jobs < 1:
+            raise OptionError(f"--jobs must be at least 1, got {args.jobs}")
+        fields["jobs"] = dict.fromkeys(grid.WORKLOADS, int(args.jobs))
+    truth = getattr(args, "truth", None)
+    if truth is not None:
+        fields["truth_path"] = str(truth)
+    if getattr(args, "grid_processes", 2) < 1:
+        raise OptionError("--grid-processes must be at least 1")
+    return grid.GridSpec(**fields)
+
+
+def run_grid_command(args: argparse.Namespace) -> int:
+    """``loom bench policies --grid``: progress and one line per cell on stderr, the JSON on stdout."""
+    from rich.console import Console
+
+    from loom.errors import InvalidInputError
+    from loom_benchmarks import grid
+
+    console = Console(stderr=True, width=400)
+    try:
+        spec = grid_spec(args)
+        cells = spec.cells()
+        console.print(
+            f"grid: {len(cells)} cells x {len(spec.seeds)} seeds x {len(spec.policies)} policies,"
+            f" jobs per cell {dict(spec.jobs)}, {args.grid_processes} processes"
+        )
+        result = grid.run_grid(spec, processes=args.grid_processes, progress=console.print)
+    except (OptionError, InvalidInputError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
+    print(json.dumps(result, indent=2))
+    sys.stdout.flush()
+    for line in result["lines"]:
+        console.print(grid.format_line(line), markup=False, highlight=False, soft_wrap=True)
+    for item in result["spanning_penalty"]:
+        paired, unpaired = item["penalty"], item["unpaired"]
+        console.print(
+            f"loom, spanning allowed vs forbidden, {item['cells']}: "
+            + ("n/a" if paired is None else f"{paired:+.1%}")
+            + f" over {item['paired_jobs']} jobs finished both ways; {item['only_when_allowed']} finished"
+            " only when allowed; plain means " + ("n/a" if unpaired is None else f"{unpaired:+.1%}"),
+            markup=False,
+            highlight=False,
+        )
+    console.print(f"grid took {result['timing']['total_s']:,.0f} s on {args.grid_processes} processes")
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
     """``loom bench policies``: JSON on stdout, the table on stderr unless ``--json``; progress on stderr."""
     from rich.console import Console
 
     from loom.errors import InvalidInputError
 
+    if getattr(args, "grid", False):
+        return run_grid_command(args)
     console = Console(stderr=True)
     try:
         with console.status("policies benchmark…") as status:

@@ -152,6 +152,43 @@ def test_a_gang_that_can_never_fit_is_unresolvable_with_an_actionable_reason() -
     assert too_wide.status.code == Code.UNRESOLVABLE and "at most 8 per worker" in too_wide.status.reason
 
 
+def test_a_spanning_gang_counts_one_gpu_model_per_cluster_when_judging_if_it_can_ever_fit() -> None:
+    # A spread takes one GPU model per cluster: clusters of 1 A100 node and 1 T4 node hold two
+    # 8-GPU workers for a spanning gang, not four. Counting every model of them left a gang of
+    # three workers waiting for ever ("would fit but the GPUs are taken").
+    nodes = [node(f"{c}a", c, "r1") for c in ("ca", "cb")] + [
+        node(f"{c}t", c, "r1", model="T4") for c in ("ca", "cb")
+    ]
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]))
+    framework = Framework([ResourceFit()])
+    outcome = framework.schedule(job("stuck", gpus=8, workers=3, allow_multi_cluster=True), snap)
+    assert outcome.status.code == Code.UNRESOLVABLE
+    assert "2 such worker(s)" in outcome.status.reason
+    fits = framework.schedule(job("fits", gpus=8, workers=2, allow_multi_cluster=True), snap)
+    assert fits.decision is not None and len(fits.decision.parts) == 2
+
+
+def test_a_spanning_gang_that_fits_is_spread_even_when_the_best_scored_pool_of_a_cluster_is_small() -> None:
+    # Cluster ca: one fast A100 node and two slow T4 nodes; cb: one A100 node. By score the spread
+    # took ca's A100 pool (one 8-GPU worker) and cb's (one) and stopped at two of three workers,
+    # though ca's T4 pool holds two: the gang "would fit" and waited for ever.
+    nodes = [
+        node("ca-a", "ca", "r1"),
+        node("ca-t0", "ca", "r1", model="T4"),
+        node("ca-t1", "ca", "r1", model="T4"),
+    ]
+    nodes.append(node("cb-a", "cb", "r1"))
+    speed = {("A100", t): 3.0 for t in ("training_compute", "training_memory", "training_comm", "inference")}
+    speed |= {("T4", t): 0.5 for t in ("training_compute", "training_memory", "training_comm", "inference")}
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed)
+    outcome = Framework([ResourceFit(), ScuFit()]).schedule(
+        job("g", gpus=8, workers=3, allow_multi_cluster=True), snap
+    )
+    assert outcome.decision is not None, outcome.record.reason
+    assert sorted((p.cluster, p.gpu_model) for p in outcome.decision.parts) == [("ca", "T4"), ("cb", "A100")]
+    assert outcome.decision.workers == 3
+
+
 def test_a_job_that_fits_but_finds_the_gpus_taken_waits() -> None:
     snap = two_clusters()
     framework = Framework([ResourceFit(), ScuFit()])

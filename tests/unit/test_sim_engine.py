@@ -24,7 +24,8 @@ from loom.sim.engine import platform_from_topology, simulate
 from loom.sim.model import JobRecord, Platform, SimEvent, SimJob, SimResult, Trace
 from loom.sim.policies import POLICIES, FrameworkPolicy
 from loom.sim.truth import BELIEF
-from loom_proto.jobs import Communication, DataSpec, JobSpec, Resources, Work
+from loom.sim.workloads import WorkloadError
+from loom_proto.jobs import Affinity, Communication, DataSpec, JobSpec, Resources, Work
 
 EU = "aws-eu-central-1"
 WEU = "azure-westeurope"
@@ -415,6 +416,33 @@ def test_home_region_places_only_in_the_home_region() -> None:
     assert {r.start_s for r in result.records} != {0.0, 1.0, 2.0}
     spread = simulate(Trace(jobs=jobs), plat, POLICIES["greedy_compute"](0))
     assert any(r.regions == (USE,) for r in spread.records)
+
+
+@pytest.mark.parametrize("name", ["loom", "greedy_compute"])
+def test_a_spanning_gang_restricted_to_regions_where_it_can_never_fit_is_rejected(name: str) -> None:
+    # The region's one cluster has 2 nodes of each of two GPU models: a spread uses one model per
+    # cluster, so 2 workers of 8 GPUs at most. A gang of 3 restricted there used to wait for ever.
+    plat = platform({"c-eu": (EU, "A100", 2), "c-use": (USE, "A100", 8)})
+    plat.nodes += [
+        dataclasses.replace(n, node=f"{n.node}-t4", gpu_model="T4") for n in plat.nodes if n.cluster == "c-eu"
+    ]
+    plat.speed |= {("T4", t): relative_speed("T4", t) for t in TASKS}
+    plat.gpu_memory_gib["T4"] = 16.0
+    stuck = spec("stuck", workers=3, allow_multi_cluster=True, affinity=Affinity(regions=[EU]))
+    fits = spec("fits", workers=2, allow_multi_cluster=True, affinity=Affinity(regions=[EU]))
+    trace = Trace(jobs=[SimJob(spec=stuck, arrival_s=0.0), SimJob(spec=fits, arrival_s=1.0)])
+    result = by_id(simulate(trace, plat, POLICIES[name](0)))
+    assert result["stuck"].rejected is not None and "can never fit" in result["stuck"].rejected
+    assert result["stuck"].end_s is None and result["stuck"].start_s is None
+    assert result["fits"].end_s is not None and result["fits"].regions == (EU,)
+
+
+def test_a_trace_with_a_home_region_the_platform_lacks_is_refused_naming_the_job_and_the_regions() -> None:
+    plat = platform({"c-eu": (EU, "A100", 1)})
+    jobs = [SimJob(spec=spec("ok", steps=10), arrival_s=0.0, home_region=EU)]
+    jobs.append(SimJob(spec=spec("lost", steps=10), arrival_s=1.0, home_region="mars-north-1"))
+    with pytest.raises(WorkloadError, match=rf"job 'lost': unknown home_region 'mars-north-1'; known: {EU}"):
+        simulate(Trace(jobs=jobs), plat, POLICIES["loom"](0))
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

@@ -27,11 +27,16 @@ from loom.sim.workloads import (
     WorkloadError,
     alibaba_sample_path,
     apportion,
+    at_load,
+    gpu_seconds,
     load_alibaba,
     load_csv,
     load_jsonl,
+    load_workload,
     net_model,
+    philly_like,
     training_mix,
+    with_spanning,
     write_csv,
     write_jsonl,
 )
@@ -214,6 +219,56 @@ def test_csv_round_trip_keeps_every_job(tmp_path: Path, topology: Topology) -> N
     trace = training_mix(topology=topology, jobs=80, seed=6)
     write_csv(trace, tmp_path / "mix.csv")
     assert load_csv(tmp_path / "mix.csv") == trace
+
+
+def test_a_generic_csv_workload_is_read_as_csv_not_as_json_lines(tmp_path: Path, topology: Topology) -> None:
+    trace = training_mix(topology=topology, jobs=20, seed=6)
+    write_csv(trace, tmp_path / "mix.csv")
+    write_jsonl(trace, tmp_path / "mix.jsonl")
+    assert load_workload(tmp_path / "mix.csv") == trace
+    assert load_workload(tmp_path / "mix.jsonl") == trace
+    # `loom bench policies --workload FILE` reads it by the same rule.
+    from loom_benchmarks.policies import Options, build_workload
+
+    options = Options(str(tmp_path / "mix.csv"), "default", None, None, ["loom"], 0, None, False, None)
+    assert build_workload(options, topology).trace == trace
+
+
+def test_a_workload_file_of_unclear_format_is_refused_or_read_by_its_contents(tmp_path: Path) -> None:
+    line = '{"arrival_s": 0, "job_id": "a", "steps": 10, "step_time_s": 1}\n'
+    (tmp_path / "w.txt").write_text("# source: x\n" + line)
+    assert [j.spec.job_id for j in load_workload(tmp_path / "w.txt").jobs] == ["a"]
+    (tmp_path / "w.dat").write_text("arrival_s,job_id,steps,step_time_s\n0,a,10,1\n")
+    with pytest.raises(WorkloadError, match=r"w\.dat: cannot tell the format.*\.jsonl or \.csv"):
+        load_workload(tmp_path / "w.dat")
+    (tmp_path / "w.csv").write_text(line)
+    with pytest.raises(WorkloadError, match=r"w\.csv:1: named \.csv but the line is a JSON object"):
+        load_workload(tmp_path / "w.csv")
+
+
+def test_an_unknown_home_region_is_rejected_with_its_line_when_the_regions_are_known(
+    tmp_path: Path, topology: Topology
+) -> None:
+    regions = [r.id for r in topology.regions]
+    jsonl = tmp_path / "w.jsonl"
+    jsonl.write_text(
+        '{"arrival_s": 0, "job_id": "a", "steps": 10, "step_time_s": 1, "home_region": "aws-us-east-2"}\n'
+        '{"arrival_s": 1, "job_id": "b", "steps": 10, "step_time_s": 1, "home_region": "mars-north-1"}\n'
+    )
+    assert len(load_jsonl(jsonl).jobs) == 2  # no regions given: nothing to check against
+    with pytest.raises(
+        WorkloadError, match=r"w\.jsonl:2: job 'b': unknown home_region 'mars-north-1'; known: aws-"
+    ):
+        load_jsonl(jsonl, regions=regions)
+    csv_path = tmp_path / "w.csv"
+    csv_path.write_text("job_id,arrival_s,steps,step_time_s,home_region\na,0,10,1,mars-north-1\n")
+    with pytest.raises(WorkloadError, match=r"w\.csv:2: job 'a': unknown home_region"):
+        load_workload(csv_path, regions=regions)
+    from loom_benchmarks.policies import Options, build_workload
+
+    options = Options(str(jsonl), "default", None, None, ["loom"], 0, None, False, None)
+    with pytest.raises(WorkloadError, match=r"w\.jsonl:2: .*mars-north-1"):
+        build_workload(options, topology)
 
 
 def test_csv_refuses_events(tmp_path: Path) -> None:
@@ -494,3 +549,51 @@ def test_price_schedule_emits_one_event_per_change() -> None:
     assert [(e.at_s / 3600, e.factor) for e in events] == [(0, 1.0), (2, 1.5), (4, 1.0), (7, 1.5), (9, 1.0)]
     with pytest.raises(ScenarioError, match="price factor"):
         price_schedule("r1", [1.0, -1.0])
+
+
+# ---- the Philly-like trace, load and spanning -------------------------------------------------------
+
+
+def test_philly_like_has_mostly_single_gpu_jobs_a_tail_to_16_and_heavy_tailed_durations(
+    topology: Topology,
+) -> None:
+    from loom.sim.truth import load_truth
+
+    trace = philly_like(2000, seed=4, topology=topology)
+    assert trace == philly_like(2000, seed=4, topology=topology)
+    sizes = Counter(j.spec.workers * j.spec.resources.gpus for j in trace.jobs)
+    assert set(sizes) == {1, 2, 4, 8, 16}
+    assert 0.65 < sizes[1] / 2000 < 0.75 and 0.07 < (sizes[8] + sizes[16]) / 2000 < 0.13
+    hours = sorted(j.spec.work.steps * j.spec.work.step_time_s / 3600 for j in trace.jobs)
+    median, mean = hours[1000], sum(hours) / len(hours)
+    assert 0.7 < median < 2.0 and mean > 3 * median  # heavy tail: the mean far above the median
+    assert hours[-1] <= 7 * 24 * 1.01 and hours[0] >= 0.95 / 60  # 1 min - 7 days, to whole steps
+    families = load_truth().families
+    regions = {r.id for r in topology.regions}
+    for job in trace.jobs:
+        assert job.spec.labels["family"] in families and job.home_region in regions
+        assert (job.spec.comm is not None) == (job.spec.workers > 1)
+        assert job.job_class == ("net_training" if job.spec.workers > 1 else "training")
+        assert not job.spec.allow_multi_cluster
+
+
+def test_at_load_spreads_arrivals_to_offer_the_asked_gpu_hours_per_hour(topology: Topology) -> None:
+    for trace in (
+        philly_like(300, seed=1, topology=topology),
+        training_mix(topology=topology, jobs=100, seed=2),
+    ):
+        for load, gpus in ((0.5, 64), (1.2, 500)):
+            shaped = at_load(trace, load, gpus)
+            span_h = (shaped.jobs[-1].arrival_s - shaped.jobs[0].arrival_s) / 3600
+            offered = sum(gpu_seconds(j) for j in shaped.jobs) / 3600 / span_h
+            assert offered == pytest.approx(load * gpus)
+            assert [j.spec for j in shaped.jobs] == [j.spec for j in trace.jobs]  # only arrivals move
+
+
+def test_with_spanning_sets_allow_multi_cluster_on_gangs_only(topology: Topology) -> None:
+    trace = training_mix(topology=topology, jobs=120, seed=3)
+    for allowed in (True, False):
+        for before, after in zip(trace.jobs, with_spanning(trace, allowed).jobs, strict=True):
+            gang = before.spec.workers > 1 and before.spec.pipeline is None
+            expected = allowed if gang else before.spec.allow_multi_cluster
+            assert after.spec.allow_multi_cluster == expected

@@ -1089,10 +1089,23 @@ class Framework:
         """A gang over several clusters (one GPU model per cluster): best-scored candidates first,
         until every worker has room; None when even all of them cannot hold the gang."""
         snap = state.snapshot
-        order = sorted(
+        by_score = sorted(
             range(len(candidates)),
             key=lambda i: (-round(float(totals[i]), 9), snap.clusters[int(candidates.cluster[i])].id),
         )
+        decision = self._spread_in_order(state, candidates, totals, by_score)
+        if decision is None:
+            # One GPU model per cluster: the best-scored pool of a cluster may be too small where
+            # another of its pools would have completed the gang. Then take each cluster's largest
+            # pool first (what why_nothing_fits counts), so a gang that fits is never left waiting.
+            by_room = sorted(by_score, key=lambda i: -int(candidates.capacity[i]))
+            decision = self._spread_in_order(state, candidates, totals, by_room)
+        return decision
+
+    def _spread_in_order(
+        self, state: CycleState, candidates: Candidates, totals: FloatArray, order: Sequence[int]
+    ) -> Decision | None:
+        """The spread taking candidates in ``order``, the first of each cluster only."""
         parts: list[Part] = []
         used_clusters: set[int] = set()
         left = state.target_workers
@@ -1215,7 +1228,12 @@ class Framework:
             weights=(snap.total // g)[in_scope],
             minlength=len(snap.clusters) * m_count,
         ).astype(np.int64)
-        platform_workers = int(per_pair.sum())
+        if split and state.job.pipeline is None:
+            # A spread gang takes one GPU model per cluster (see :meth:`spread`): what it could ever
+            # get is each allowed cluster's best pool, not every pool of it.
+            platform_workers = int(per_pair.reshape(len(snap.clusters), m_count).max(axis=1, initial=0).sum())
+        else:
+            platform_workers = int(per_pair.sum())
         best = int(np.argmax(per_pair)) if per_pair.size else 0
         best_workers = int(per_pair[best]) if per_pair.size else 0
         best_where = (
@@ -1239,7 +1257,8 @@ class Framework:
         fits_somewhere = platform_workers >= need if split else best_workers >= need
         if not fits_somewhere:
             hint = (
-                f"the whole platform holds {platform_workers} such worker(s)"
+                f"the allowed clusters hold {platform_workers} such worker(s)"
+                + (" (a spread uses one GPU model per cluster)" if state.job.pipeline is None else "")
                 if split
                 else f"the most any cluster holds is {best_workers} worker(s) on {best_where};"
                 " ask for fewer workers or allow the gang to span clusters (allow_multi_cluster)"

@@ -119,6 +119,7 @@ from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, Run
 from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob, SimResult, Trace
 from loom.sim.policies import FrameworkPolicy
 from loom.sim.truth import BELIEF, BeliefTiming, Truth, load_truth
+from loom.sim.workloads import check_regions
 from loom_proto.jobs import JobSpec, JobSubmitted
 
 __all__ = ["platform_from_topology", "simulate"]
@@ -429,6 +430,8 @@ class _Simulation:
         self.retired: list[list[RunningJob]] = []
         """Running lists replaced, emptied but kept alive (see :meth:`_drop_running`)."""
         self.trust = {c.id: float(self.snap.trust[i]) for i, c in enumerate(self.snap.clusters)}
+        if self.fast is not None:
+            self.fast.prepare(self.snap, trace, truth, seed)
         self._expand(trace)
         for job in self.order:
             if job.parents_left == 0 and not job.done:
@@ -775,13 +778,20 @@ class _Simulation:
         need = max(shape.need // max(shape.per_worker, 1), 1)
         if pairs is None:
             if shape.spans:
-                return int(workers[pools].sum()) >= need
+                return self._span_workers(shape, workers) >= need
             return bool((pools & (workers >= need)).any())
         for c, m in pairs:
             if not pools[c, m] or workers[c, m] < (1 if shape.spans else need):
                 continue
-            return not shape.spans or int(workers[pools].sum()) >= need
+            return not shape.spans or self._span_workers(shape, workers) >= need
         return False
+
+    @staticmethod
+    def _span_workers(shape: _Shape, workers: IntArray) -> int:
+        """Workers a spanning shape could get from ``workers`` per pool: a gang's spread takes one
+        GPU model per cluster (its best pool there), a pipeline any of them."""
+        held = np.where(shape.pools, workers, 0)
+        return int(held.sum() if shape.pipeline else held.max(axis=1, initial=0).sum())
 
     def _improved(self, shape: _Shape, pairs: Iterable[Pair] | None) -> bool:
         """Whether a pool of the shape (one of ``pairs`` when given) holds more workers than when a
@@ -1470,6 +1480,9 @@ def simulate(
     still running have ``end_s`` None, their use so far accounted); None: run until every job has
     completed, been rejected, or can never start (it stays queued).
 
+    A job whose home region, dataset region or replica is not a region of the platform (its
+    network or clusters) is refused up front: :class:`~loom.sim.workloads.WorkloadError` names it.
+
     ``truth``: where jobs' true speeds come from (see the module docstring): a
     :class:`~loom.sim.truth.Truth` (e.g. ``load_truth(path)``), None for the packaged tables
     (:func:`~loom.sim.truth.load_truth`), or :data:`~loom.sim.truth.BELIEF` to time every job by the
@@ -1480,6 +1493,7 @@ def simulate(
     whose factors every later decision uses (``Snapshot.set_learned``), as placement does; None:
     nothing is learned.
     """
+    check_regions(trace, {*platform.net.regions, *(c.region for c in platform.clusters.values())})
     started = time.perf_counter()
     sim = _Simulation(
         trace,

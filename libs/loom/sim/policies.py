@@ -15,8 +15,11 @@ only in how they *choose* among the candidates that fit, which is what the compa
                           kube-scheduler's LeastAllocated: network- and data-blind
 ``home_region``           only clusters in the job's home region (``SimJob.home_region``, added
                           to the job as a required region), chosen there by most free compute
-``gavel_like``            heterogeneity-aware but network-blind: the fastest GPU for the job's
-                          task type (SCU x trust), most free compute as a tie-breaker
+``gavel_like``            heterogeneity-aware but network-blind (Gavel): the pool where the
+                          job's own throughput (per-job speed x trust) is highest; only
+                          candidates within 2 % of it tie, broken by best fit
+``oracle``                the ``loom`` profile with the truth as its learned speeds (set by
+                          :meth:`OraclePolicy.prepare`): the upper bound of what learning can reach
 ========================  ====================================================================
 
 A baseline sees the job's hard affinity rules (``affinity.clusters``/``regions``/``avoid_*``/
@@ -29,12 +32,14 @@ simulator times every placement itself with the same step-time and data-copy mod
 generator is its own, so policies never share random state).
 """
 
+import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 import numpy as np
 
+from loom.model.family import job_family
 from loom.model.profiles import library_models
 from loom.sched.framework import (
     SUCCESS,
@@ -47,6 +52,7 @@ from loom.sched.framework import (
     PreFilterPlugin,
     QueueItem,
     ScorePlugin,
+    StateKey,
     Status,
     min_max,
 )
@@ -58,20 +64,26 @@ from loom.sched.plugins.quota import Preempt, Quota
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.profile import build_framework
 from loom.sched.snapshot import FloatArray, Snapshot
-from loom.sim.model import Policy, SimJob
+from loom.sim.model import Policy, SimJob, Trace
 from loom_proto.jobs import JobSpec
+
+if TYPE_CHECKING:
+    from loom.sim.truth import Truth
 
 __all__ = [
     "POLICIES",
     "BestScu",
     "FirstFit",
     "FrameworkPolicy",
+    "GavelThroughput",
     "GreedyCompute",
     "HardAffinity",
+    "OraclePolicy",
     "RandomScore",
     "RoundRobin",
     "baseline_framework",
     "make_policy",
+    "oracle_factors",
 ]
 
 
@@ -114,6 +126,56 @@ class FrameworkPolicy:
     def admit(self, job: SimJob) -> JobSpec:
         """The spec this policy schedules for a trace job (unchanged unless the policy adds rules)."""
         return self._admit(job) if self._admit is not None else job.spec
+
+    def prepare(self, snap: Snapshot, trace: Trace, truth: "Truth | None", seed: int) -> None:
+        """Called once by the simulator before the first event, with the run's snapshot, trace and
+        truth (None when jobs are timed by belief). Only :class:`OraclePolicy` uses it."""
+
+
+class OraclePolicy(FrameworkPolicy):
+    """Loom's default profile with the truth as what it learned: the bound of what learning can reach.
+
+    Before the run, :meth:`prepare` sets the snapshot's learned factors
+    (:meth:`Snapshot.set_learned`) to :func:`oracle_factors`: for every (job family, GPU model) of
+    the trace and the platform, the true speed over the profile's. Every decision then reads the
+    true speeds through :meth:`Snapshot.job_speeds`, as a perfect learner would make it. It is a
+    bound, not a baseline: the scheduler is never told the truth in the service. Timed by belief
+    (no truth), it is Loom.
+    """
+
+    def prepare(self, snap: Snapshot, trace: Trace, truth: "Truth | None", seed: int) -> None:
+        if truth is not None:
+            snap.set_learned(oracle_factors(truth, [self.admit(j) for j in trace.jobs], snap, seed=seed))
+
+
+def oracle_factors(
+    truth: "Truth", jobs: Sequence[JobSpec], snap: Snapshot, *, seed: int = 0
+) -> dict[tuple[str, str], float]:
+    """(family, GPU model) -> true speed / profile speed, over ``jobs`` and the snapshot's models.
+
+    A job's true speed on a model is :meth:`Truth.job_speed` at its GPUs per worker on one node (as
+    the simulator times it, run-to-run noise aside); the profile's is the snapshot's SCU for its task
+    type. A family whose jobs differ (a family the truth does not know is mapped per job id) gets the
+    geometric mean of its jobs' ratios: learning keyed by family can reach no more.
+    """
+    logs: dict[tuple[str, str], list[float]] = {}
+    for spec in jobs:
+        if spec.stages:
+            continue
+        family = job_family(spec)
+        for model in snap.models:
+            believed = snap.gpu_speed(model, spec.task_type)
+            true = truth.job_speed(
+                spec,
+                model,
+                gpus_per_node=max(spec.resources.gpus, 1),
+                job_id=spec.job_id,
+                name=spec.name,
+                seed=seed,
+            ).speed
+            if believed > 0 and true > 0:
+                logs.setdefault((family, model), []).append(math.log(true / believed))
+    return {key: math.exp(math.fsum(values) / len(values)) for key, values in logs.items()}
 
 
 # ---- baseline score plugins -------------------------------------------------------------------
@@ -216,6 +278,67 @@ class BestScu:
         return raw / top * 100.0 if top > 0 else np.full(raw.shape, 100.0)
 
 
+_GAVEL_CANDIDATES: Final = StateKey[Candidates | None]("gavel.candidates")
+
+GAVEL_TIE_TOLERANCE: Final = 0.02
+"""Throughputs within this fraction of the best candidate's are a tie for :class:`GavelThroughput`."""
+
+
+class GavelThroughput:
+    """Heterogeneity-aware like Gavel (Narayanan et al., OSDI 2020): the candidate where the job's
+    *own* throughput is highest, ties broken by best fit.
+
+    A job's throughput on a pool is its per-GPU speed there (:meth:`Snapshot.job_speeds`: the task
+    type's SCU times what was learned for the job's family on that model) times the cluster's
+    trust. Gavel allocates by these per-job throughput ratios; placing one job at a time, that is
+    the pool that runs it fastest. Only candidates within :data:`GAVEL_TIE_TOLERANCE` of the best
+    throughput are a tie; among them the one left with the least free compute after the job's GPUs
+    are taken wins (best fit, keeping large pools whole). Network- and data-blind.
+    """
+
+    name = "gavel"
+
+    def __init__(self, tolerance: float = GAVEL_TIE_TOLERANCE) -> None:
+        self.tolerance = tolerance
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        # normalize sees only the raw scores: the tie-break reads the candidates from the state.
+        state.write(_GAVEL_CANDIDATES, candidates)
+        return delivered_speed(state, candidates)
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        top = float(raw.max(initial=0.0))
+        if top <= 0:
+            return np.full(raw.shape, 100.0)
+        # Throughput decides (up to 90); a tie within the tolerance is broken by best fit (up to
+        # 10 more). A candidate outside the tolerance is at least tolerance x 90 below the best.
+        scores: FloatArray = raw / top * 90.0
+        tied = raw >= top * (1.0 - self.tolerance)
+        if tied.sum() > 1:
+            left = self._left_over(state)
+            if left is not None and left.shape == raw.shape:
+                lo, hi = float(left[tied].min()), float(left[tied].max())
+                fit = (
+                    np.where(tied, 1.0 - (left - lo) / (hi - lo), 0.0) if hi > lo else tied.astype(np.float64)
+                )
+                scores = scores + 10.0 * fit
+        else:
+            scores = scores + 10.0 * tied
+        return np.clip(scores, 0.0, 100.0)
+
+    @staticmethod
+    def _left_over(state: CycleState) -> FloatArray | None:
+        """Per candidate of this cycle: free compute the pool keeps once the job's GPUs are taken."""
+        candidates = state.get(_GAVEL_CANDIDATES, None)
+        if candidates is None:
+            return None
+        snap = state.snapshot
+        free = snap.free_sum[candidates.cluster, candidates.model].astype(np.float64)
+        taken = candidates.workers.astype(np.float64) * state.per_worker
+        left: FloatArray = (free - taken) * delivered_speed(state, candidates)
+        return left
+
+
 # ---- profiles ---------------------------------------------------------------------------------
 
 
@@ -269,9 +392,13 @@ def _home_region(_seed: int) -> FrameworkPolicy:
     return FrameworkPolicy("home_region", baseline_framework([GreedyCompute()]), admit=_in_home_region)
 
 
+def _oracle(_seed: int) -> FrameworkPolicy:
+    learner = AlphaLearner()
+    return OraclePolicy("oracle", build_framework(context={"alpha_learner": learner}), learner=learner)
+
+
 def _gavel_like(_seed: int) -> FrameworkPolicy:
-    framework = baseline_framework([BestScu(), GreedyCompute()], {"best_scu": 1.0, "greedy_compute": 0.2})
-    return FrameworkPolicy("gavel_like", framework)
+    return FrameworkPolicy("gavel_like", baseline_framework([GavelThroughput()]))
 
 
 POLICIES: dict[str, Callable[[int], Policy]] = {
@@ -282,8 +409,9 @@ POLICIES: dict[str, Callable[[int], Policy]] = {
     "greedy_compute": _greedy_compute,
     "home_region": _home_region,
     "gavel_like": _gavel_like,
+    "oracle": _oracle,
 }
-"""Policy name -> factory taking a seed."""
+"""Policy name -> factory taking a seed. ``oracle`` is a bound (Loom knowing the truth), not a baseline."""
 
 
 def make_policy(name: str, seed: int = 0) -> Policy:
@@ -297,5 +425,14 @@ def make_policy(name: str, seed: int = 0) -> Policy:
 
 # Conformance: each baseline plugin satisfies the extension points it serves (checked by mypy).
 _CONFORMS: tuple[
-    PreFilterPlugin, ScorePlugin, ScorePlugin, BindPlugin, ScorePlugin, ScorePlugin, ScorePlugin
-] = (HardAffinity(), RandomScore(0), RoundRobin(), RoundRobin(), FirstFit(), GreedyCompute(), BestScu())
+    PreFilterPlugin, ScorePlugin, ScorePlugin, BindPlugin, ScorePlugin, ScorePlugin, ScorePlugin, ScorePlugin
+] = (
+    HardAffinity(),
+    RandomScore(0),
+    RoundRobin(),
+    RoundRobin(),
+    FirstFit(),
+    GreedyCompute(),
+    BestScu(),
+    GavelThroughput(),
+)

@@ -25,13 +25,14 @@ estimate, marked as such in :data:`NET_MODELS`.
 """
 
 import csv
+import dataclasses
 import functools
 import importlib.resources
 import json
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal, TypeVar, get_args
@@ -44,6 +45,7 @@ from loom.model.profiles import DEFAULT_REFERENCE_MODEL, UnknownGpuModelError, r
 from loom.model.topology import Topology, load_topology
 from loom.sched.pipeline import DEFAULT_USABLE_FRACTION
 from loom.sim.model import EventKind, JobClass, SimEvent, SimJob, Trace
+from loom.sim.truth import load_truth
 from loom_proto.ids import InvalidIdError, validate_id
 from loom_proto.jobs import (
     Affinity,
@@ -64,6 +66,7 @@ __all__ = [
     "DEFAULT_MIX",
     "MIX_CLASSES",
     "NET_MODELS",
+    "PHILLY_GANG_SIZES",
     "TRAINING_MODELS",
     "EventRow",
     "ModelSpec",
@@ -71,15 +74,21 @@ __all__ = [
     "WorkloadRow",
     "alibaba_sample_path",
     "apportion",
+    "at_load",
+    "check_regions",
+    "gpu_seconds",
     "job_to_row",
     "load_alibaba",
     "load_csv",
     "load_jsonl",
+    "load_workload",
     "net_model",
+    "philly_like",
     "pipeline_layers",
     "reference_step_times",
     "row_to_job",
     "training_mix",
+    "with_spanning",
     "write_csv",
     "write_jsonl",
 ]
@@ -869,13 +878,95 @@ def _check_graph(jobs: Sequence[tuple[int, SimJob]], where: str) -> None:
                 iters.append(iter(parents[child]))
 
 
-def load_jsonl(path: str | Path) -> Trace:
+def _unknown_region(job: SimJob, known: Collection[str]) -> str | None:
+    """What is wrong with the regions ``job`` names (home, dataset, replicas), or None."""
+    named = [("home_region", job.home_region)]
+    if job.spec.data is not None:
+        named.append(("data_region", job.spec.data.region))
+        named += [("data_replicas", r) for r in job.spec.data.replicas]
+    for field_name, region in named:
+        if region is not None and region not in known:
+            return (
+                f"job {job.spec.job_id!r}: unknown {field_name} {region!r}; known: {', '.join(sorted(known))}"
+            )
+    return None
+
+
+def _check_regions(jobs: Sequence[tuple[int, SimJob]], regions: Collection[str] | None, where: str) -> None:
+    if regions is None:
+        return
+    known = frozenset(regions)
+    for line, job in jobs:
+        problem = _unknown_region(job, known)
+        if problem is not None:
+            raise WorkloadError(problem, path=where, line=line)
+
+
+def check_regions(trace: Trace, regions: Collection[str]) -> None:
+    """:class:`WorkloadError` naming the first job of ``trace`` whose home region, dataset region or
+    replica is not one of ``regions`` (a platform's), and the regions that are known.
+
+    The loaders check this when given the regions; a trace built in code, or read without them, is
+    checked where it meets the platform (:func:`loom.sim.engine.simulate`)."""
+    known = frozenset(regions)
+    for job in trace.jobs:
+        problem = _unknown_region(job, known)
+        if problem is not None:
+            raise WorkloadError(problem)
+
+
+_JSONL_SUFFIXES: Final = frozenset({".jsonl", ".ndjson", ".json"})
+
+
+def _first_record(path: str | Path) -> tuple[int, str] | None:
+    """The first line that is neither blank nor a comment, with its number."""
+    try:
+        with Path(path).open(encoding="utf-8") as handle:
+            for n, line in enumerate(handle, 1):
+                if line.strip() and not line.startswith("#"):
+                    return n, line
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"cannot read: {exc}", path=str(path)) from exc
+    return None
+
+
+def load_workload(path: str | Path, *, regions: Collection[str] | None = None) -> Trace:
+    """A workload file in the generic format, read by its name: ``.csv`` with :func:`load_csv`,
+    ``.jsonl`` / ``.ndjson`` / ``.json`` with :func:`load_jsonl`.
+
+    Any other name is read as JSON lines only when its first record is a JSON object; otherwise the
+    format cannot be told (a CSV header is not recognisable for sure) and :class:`WorkloadError` asks
+    for a ``.jsonl`` or ``.csv`` name. A ``.csv`` whose first record is a JSON object is refused
+    too (a JSON-lines file misnamed). ``regions`` as for :func:`load_jsonl`.
+    """
+    suffix = Path(path).suffix.lower()
+    first = _first_record(path)
+    looks_json = first is not None and first[1].lstrip().startswith("{")
+    if suffix == ".csv":
+        if looks_json and first is not None:
+            raise WorkloadError(
+                "named .csv but the line is a JSON object; name a JSON-lines workload .jsonl",
+                path=str(path),
+                line=first[0],
+            )
+        return load_csv(path, regions=regions)
+    if suffix in _JSONL_SUFFIXES or looks_json:
+        return load_jsonl(path, regions=regions)
+    raise WorkloadError(
+        f"cannot tell the format of a {suffix or 'nameless'} file (JSON lines or CSV):"
+        " name it .jsonl or .csv",
+        path=str(path),
+    )
+
+
+def load_jsonl(path: str | Path, *, regions: Collection[str] | None = None) -> Trace:
     """Read a JSON-lines workload: one job (or, with an ``event`` field, one event) per line.
 
     Blank lines and lines starting with ``#`` are skipped; the first ``# source: ...`` comment
     becomes ``Trace.source``. Raises :class:`WorkloadError` naming the line for malformed JSON, an
     unknown or missing field, a value out of range (negative numbers), a duplicate job id, a
-    parent that never appears, or parents that form a cycle.
+    parent that never appears, or parents that form a cycle. With ``regions`` (the platform's
+    topology), also for a ``home_region``, ``data_region`` or ``data_replicas`` not among them.
     """
     where = str(path)
     jobs: list[tuple[int, SimJob]] = []
@@ -895,15 +986,16 @@ def load_jsonl(path: str | Path) -> Trace:
             continue
         jobs.append((line, _parse(functools.partial(msgspec.convert, obj, WorkloadRow), where, line)))
     _check_graph(jobs, where)
+    _check_regions(jobs, regions, where)
     return Trace([job for _, job in jobs], events, _source_comment(path) or f"jsonl: {Path(path).name}")
 
 
-def load_csv(path: str | Path) -> Trace:
+def load_csv(path: str | Path, *, regions: Collection[str] | None = None) -> Trace:
     """Read a CSV workload: a header of :data:`COLUMNS` (any subset, any order), one job per row.
 
     An empty cell is an absent field. ``gpu_models``, ``parents`` and ``data_replicas`` are
     ``|``-separated; ``layers``, ``affinity`` and ``labels`` are JSON. Comments, errors and checks
-    as :func:`load_jsonl` (events are JSON-lines only).
+    (``regions`` included) as :func:`load_jsonl` (events are JSON-lines only).
     """
     where = str(path)
     header, records, header_line = _csv_records(path)
@@ -928,6 +1020,7 @@ def load_csv(path: str | Path) -> Trace:
         decode = functools.partial(msgspec.convert, obj, WorkloadRow, strict=False)
         jobs.append((line, _parse(decode, where, line)))
     _check_graph(jobs, where)
+    _check_regions(jobs, regions, where)
     return Trace([job for _, job in jobs], [], _source_comment(path) or f"csv: {Path(path).name}")
 
 
@@ -1338,3 +1431,167 @@ def _check_mix(mix: Mapping[str, float]) -> dict[MixClass, float]:
     if sum(shares.values()) <= 0:
         raise WorkloadError("mix shares sum to 0")
     return shares
+
+
+# ---- a Philly-like trace, and shaping a trace for the evaluation grid -------------------------------
+
+PHILLY_GANG_SIZES: Final[Mapping[int, float]] = {1: 0.70, 2: 0.10, 4: 0.10, 8: 0.07, 16: 0.03}
+"""Share of jobs per GPU count in :func:`philly_like`: most jobs take one GPU, a tail 8-16. Read
+from Jeon et al., "Analysis of Large-Scale Multi-Tenant GPU Clusters for DNN Training Workloads"
+(USENIX ATC 2019), which groups Philly's jobs as 1, 2-4, 5-8 and more than 8 GPUs with single-GPU
+jobs the large majority; the shares within groups are our choice (powers of two)."""
+
+PHILLY_MEDIAN_S: Final = 3600.0
+PHILLY_SIGMA: Final = 1.8
+PHILLY_MIN_S: Final = 60.0
+PHILLY_MAX_S: Final = 7 * 86_400.0
+"""Durations of :func:`philly_like` on reference GPUs: log-normal, median 1 h, sigma 1.8 (mean
+about 5 h; the top 1 % over 2 days), cut to 1 min - 7 days. Jeon et al. report run times from
+minutes to weeks, heavy-tailed, with larger jobs running longer; these figures approximate their
+distributions, they are not fitted to the raw trace (which is not in ``shared/data``)."""
+
+PHILLY_LARGER_RUN_LONGER: Final = 0.25
+"""Log-duration added per doubling of the GPU count (Jeon et al.: larger jobs run longer)."""
+
+_PHILLY_FAMILIES: Final[Mapping[str, tuple[float, str | None]]] = {
+    # family (as the truth tables name it): (parameters, Gavel job type timing it on a V100 or None)
+    "resnet-18": (11.7e6, "ResNet-18 (batch size 64)"),
+    "resnet-50": (25.6e6, "ResNet-50 (batch size 64)"),
+    "transformer": (_TRANSFORMER_PARAMS, _TRANSFORMER_JOB),
+    "bert-base": (110e6, None),
+    "bert-large": (340e6, None),
+    "transformer-xl-base": (151e6, None),
+    "lm": (66e6, "LM (batch size 20)"),
+    "recommendation": (31e6, "Recommendation (batch size 2048)"),
+    "cyclegan": (28e6, "CycleGAN"),
+    "a3c": (4e6, "A3C"),
+}
+"""Model families of :func:`philly_like`, all known to the packaged truth tables. Parameter counts
+are approximate (papers' figures) and only set the bytes a multi-node gang all-reduces; a step
+without a Gavel measurement is Transformer's x parameters / 65M (an estimate)."""
+
+
+def philly_like(
+    jobs: int,
+    seed: int = 0,
+    *,
+    topology: Topology | None = None,
+    arrival_rate_per_h: float = 60.0,
+    gang_sizes: Mapping[int, float] | None = None,
+    tenants: Sequence[str] = DEFAULT_TENANTS,
+) -> Trace:
+    """A seeded synthetic trace shaped like Microsoft's Philly cluster (Jeon et al., ATC 2019).
+
+    - **GPUs**: drawn from ``gang_sizes`` (default :data:`PHILLY_GANG_SIZES`: 1 GPU for most jobs,
+      a tail of 8-16). 1-8 GPUs are one worker on one node; 8 GPUs are 2 workers x 4 one time in
+      three; 16 GPUs are 2 x 8 or 4 x 4 (Philly ran jobs over 8 GPUs on several servers).
+    - **Durations** on reference GPUs: log-normal (:data:`PHILLY_MEDIAN_S`, :data:`PHILLY_SIGMA`),
+      plus :data:`PHILLY_LARGER_RUN_LONGER` per doubling of GPUs, cut to 1 min - 7 days.
+    - **Models**: a family of ``_PHILLY_FAMILIES`` (labels ``family``), uniformly; its task type is
+      the truth table's. Steps of its V100 step time (Gavel's, or estimated).
+    - **Communication**: gangs of several workers all-reduce ``parameters x 2`` bytes per step
+      (fp16 gradients), two rounds; they are ``net_training``, single workers ``training``.
+      ``allow_multi_cluster`` is False (the grid sets it: :func:`with_spanning`).
+    - **Arrivals**: Poisson at ``arrival_rate_per_h`` (re-spaced for a load by :func:`at_load`).
+      Home regions uniform over the topology's, tenants uniform over ``tenants``.
+    """
+    if jobs < 0:
+        raise WorkloadError(f"jobs must not be negative, got {jobs}")
+    if not (arrival_rate_per_h > 0 and math.isfinite(arrival_rate_per_h)):
+        raise WorkloadError(f"arrival_rate_per_h must be a positive number, got {arrival_rate_per_h}")
+    sizes = dict(PHILLY_GANG_SIZES if gang_sizes is None else gang_sizes)
+    if not sizes or any(g < 1 or w < 0 for g, w in sizes.items()) or sum(sizes.values()) <= 0:
+        raise WorkloadError(f"gang_sizes must map GPU counts >= 1 to non-negative weights, got {sizes}")
+    task_types = load_truth().task_types
+    topology = topology if topology is not None else load_topology()
+    regions = sorted(r.id for r in topology.regions)
+    rng = random.Random(seed)
+    families = sorted(_PHILLY_FAMILIES)
+    counts, weights = list(sizes), list(sizes.values())
+    width = max(5, len(str(max(jobs - 1, 0))))
+    out: list[SimJob] = []
+    arrival = 0.0
+    for i in range(jobs):
+        arrival += rng.expovariate(arrival_rate_per_h / 3600.0)
+        total = rng.choices(counts, weights)[0]
+        workers, gpus = 1, total
+        if total > 8 or (total == 8 and rng.random() < 1 / 3):
+            workers = total // 8 if total > 8 and rng.random() < 0.5 else total // 4
+            gpus = total // workers
+        log_s = rng.gauss(math.log(PHILLY_MEDIAN_S), PHILLY_SIGMA) + PHILLY_LARGER_RUN_LONGER * math.log2(
+            total
+        )
+        duration_s = min(max(math.exp(log_s), PHILLY_MIN_S), PHILLY_MAX_S)
+        family = rng.choice(families)
+        params, gavel_job = _PHILLY_FAMILIES[family]
+        step_s = _gavel(gavel_job) if gavel_job else _gavel(_TRANSFORMER_JOB) * params / _TRANSFORMER_PARAMS
+        task_type = task_types.get(family) or "training_compute"
+        comm = Communication(bytes_per_step=int(params * 2), rounds_per_step=2) if workers > 1 else None
+        spec = JobSpec(
+            job_id=f"philly-{i:0{width}d}",
+            tenant=rng.choice(list(tenants)),
+            name=family,
+            task_type=task_type,  # type: ignore[arg-type]
+            workers=workers,
+            resources=_resources(gpus),
+            work=_work_of(duration_s, step_s),
+            labels={"family": family},
+            comm=comm,
+        )
+        out.append(SimJob(spec, arrival, "net_training" if workers > 1 else "training", rng.choice(regions)))
+    source = f"philly-like: {jobs} jobs, seed {seed}, {arrival_rate_per_h:g}/h; after Jeon et al., ATC 2019"
+    return Trace(out, [], source)
+
+
+def gpu_seconds(job: SimJob) -> float:
+    """The reference-GPU seconds of a job's work: steps x step time x its GPUs (a pipeline's step is
+    the whole model's compute on one GPU, however it is cut)."""
+    spec = job.spec
+    gpus = 1 if spec.pipeline is not None else spec.workers * spec.resources.gpus
+    return spec.work.steps * spec.work.step_time_s * gpus
+
+
+def at_load(trace: Trace, load: float, capacity_gpus: float) -> Trace:
+    """``trace`` with its arrivals spread or packed so that it offers ``load x capacity_gpus``
+    reference-GPU-hours per hour: the arrival span becomes ``sum(gpu_seconds) / (load x
+    capacity_gpus)`` (the trace's own work; the arrival pattern is kept, times are scaled from the
+    first arrival).
+
+    ``capacity_gpus`` is the platform in reference (V100) GPUs: its GPU count for a nominal load,
+    or each GPU weighted by its speed for a load of its compute (the grid uses the truth's median
+    speed per model). A DAG stage submitted when its parents finish is counted at its trace arrival.
+    """
+    if not (load > 0 and math.isfinite(load)) or not capacity_gpus > 0:
+        raise WorkloadError(f"load and capacity_gpus must be positive, got {load} and {capacity_gpus}")
+    if len(trace.jobs) < 2:
+        return trace
+    first = trace.jobs[0].arrival_s
+    span = trace.jobs[-1].arrival_s - first
+    target = math.fsum(gpu_seconds(j) for j in trace.jobs) / (load * capacity_gpus)
+    scale = target / span if span > 0 else 0.0
+    jobs = [
+        SimJob(j.spec, (j.arrival_s - first) * scale, j.job_class, j.home_region, j.parents)
+        for j in trace.jobs
+    ]
+    events = [dataclasses.replace(e, at_s=(e.at_s - first) * scale) for e in trace.events]
+    return Trace(jobs, events, f"{trace.source}; at load {load:g} of {capacity_gpus:,.0f} reference GPUs")
+
+
+def with_spanning(trace: Trace, allowed: bool) -> Trace:
+    """``trace`` with every gang of several workers allowed (or not) to span clusters; single
+    workers and pipelines (which the planner may always cut into stages) are unchanged."""
+    jobs = [
+        SimJob(
+            msgspec.structs.replace(j.spec, allow_multi_cluster=allowed),
+            j.arrival_s,
+            j.job_class,
+            j.home_region,
+            j.parents,
+        )
+        if j.spec.workers > 1 and j.spec.pipeline is None
+        else j
+        for j in trace.jobs
+    ]
+    return Trace(
+        jobs, list(trace.events), f"{trace.source}; spanning {'allowed' if allowed else 'forbidden'}"
+    )

@@ -1,0 +1,164 @@
+"""The evaluation grid: its platforms, one tiny grid end to end, margins from the figures, options."""
+
+import argparse
+import math
+import statistics
+
+import pytest
+
+from loom_benchmarks import grid
+from loom_benchmarks.policies import OptionError, grid_spec
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    from loom_benchmarks import add_arguments
+
+    parser = argparse.ArgumentParser(prog="loom bench")
+    add_arguments(parser)
+    return parser.parse_args(["policies", "--grid", *argv])
+
+
+def test_grid_platforms_are_about_64_and_500_gpus_in_3_and_6_regions_of_the_default_topology() -> None:
+    sizes = {}
+    for name in ("small", "medium"):
+        topology, platform = grid.grid_platform(name)
+        regions = {c.region for c in platform.clusters.values()}
+        sizes[name] = (grid.platform_gpus(platform), len(regions))
+        assert regions == {r.id for r in topology.regions}
+        assert set(platform.net.regions) == regions
+    assert 56 <= sizes["small"][0] <= 72 and sizes["small"][1] == 3
+    assert 450 <= sizes["medium"][0] <= 550 and sizes["medium"][1] == 6
+
+
+def test_a_tiny_grid_gives_one_line_per_cell_with_margins_computed_from_its_figures() -> None:
+    spec = grid.GridSpec(
+        platforms=("small",),
+        loads=(1.2,),
+        spanning=(True,),
+        workloads=("philly",),
+        seeds=(3,),
+        policies=("loom", "greedy_compute"),
+        jobs={"philly": 30},
+    )
+    result = grid.run_grid(spec)
+    (line,) = result["lines"]
+    assert line["cell"] == "small/1.2/span/philly" and line["seeds"] == [3]
+    assert set(line["policies"]) == {"loom", "greedy_compute"}
+    for figures in line["policies"].values():
+        assert set(figures) == set(grid.FIGURES)
+        assert figures["finished"] + figures["rejected"] + figures["unfinished"] == 30
+        assert figures["jct_mean_s"] > 0 and 0 < figures["gpu_utilisation_mean"] <= 1
+    loom, greedy = (line["policies"][p]["jct_mean_s"] for p in ("loom", "greedy_compute"))
+    assert line["best_baseline"] == "greedy_compute"
+    assert math.isclose(line["margin"], (greedy - loom) / greedy)
+    (seed,) = result["seeds"]
+    assert seed["policies"]["loom"]["jct_mean_s"] == loom  # one seed: its figures are the line's
+    assert line["margin_per_seed"] == [pytest.approx(line["margin"])]
+    assert "small/1.2/span/philly" in grid.format_line(line)
+
+
+def test_the_margin_is_over_the_best_comparable_baseline_and_never_over_the_oracle() -> None:
+    figures = {
+        "loom": {"jct_mean_s": 90.0, "finished": 10},
+        "random": {"jct_mean_s": 200.0, "finished": 10},
+        "gavel_like": {"jct_mean_s": 100.0, "finished": 10},
+        "home_region": {"jct_mean_s": 20.0, "finished": 8},  # left out two jobs: not comparable
+        "oracle": {"jct_mean_s": 50.0, "finished": 10},
+    }
+    assert grid.margin(figures) == {
+        "best_baseline": "gavel_like",
+        "margin": pytest.approx(0.1),
+        "not_comparable": ["home_region"],
+    }
+    seeds = [
+        {"seed": 0, "jobs": 10, "platform_gpus": 64, "policies": figures},
+        {
+            "seed": 1,
+            "jobs": 10,
+            "platform_gpus": 64,
+            "policies": {**figures, "loom": {"jct_mean_s": 130.0, "finished": 10}},
+        },
+    ]
+    line = grid.aggregate("small/1/span/mix", seeds)
+    assert line["policies"]["loom"]["jct_mean_s"] == pytest.approx(110.0)
+    assert line["margin"] == pytest.approx(-0.1)  # Loom 10 % slower than gavel_like on the mean
+    assert line["margin_per_seed"] == [pytest.approx(0.1), pytest.approx(-0.3)]
+    assert line["oracle_gap"] == pytest.approx(110.0 / 50.0 - 1.0)
+
+
+def test_the_spanning_penalty_pairs_the_jobs_that_finished_both_ways() -> None:
+    allowed = {"cell": "small/1/span/mix", "seed": 0, "jct_by_job": {"a": 30.0, "b": 10.0, "huge": 1000.0}}
+    forbidden = {"cell": "small/1/nospan/mix", "seed": 0, "jct_by_job": {"a": 20.0, "b": 20.0}}
+    (item,) = grid.spanning_penalty([allowed, forbidden])
+    assert item["cells"] == "small/1/mix" and item["paired_jobs"] == 2 and item["only_when_allowed"] == 1
+    assert item["penalty"] == pytest.approx(0.0)  # 40 s both ways over a and b
+    assert item["unpaired"] == pytest.approx((1040.0 / 3) / 20.0 - 1.0)
+
+
+def test_grid_options_select_a_subset_and_refuse_unknown_values() -> None:
+    spec = grid_spec(
+        _parse(
+            "--grid-platforms",
+            "small",
+            "--grid-loads",
+            "0.8,1.2",
+            "--grid-seeds",
+            "2",
+            "--grid-workloads",
+            "mix,philly",
+            "--grid-spanning",
+            "forbidden",
+        )
+    )
+    assert spec.platforms == ("small",) and spec.loads == (0.8, 1.2) and spec.seeds == (0, 1)
+    assert spec.workloads == ("mix", "philly") and spec.spanning == (False,)
+    assert len(spec.cells()) == 4
+    assert grid_spec(_parse("--grid-seeds", "3,7")).seeds == (3, 7)
+    default = grid_spec(_parse())
+    assert len(default.cells()) == 72 and len(default.seeds) >= 5 and "oracle" in default.policies
+    for argv, message in [
+        (("--grid-platforms", "huge"), "unknown --grid-platforms"),
+        (("--grid-loads", "0"), "--grid-loads must be positive"),
+        (("--grid-workloads", "cats"), "unknown --grid-workloads"),
+        (("--grid-seeds", "0"), "--grid-seeds must be a positive count"),
+    ]:
+        with pytest.raises(OptionError, match=message):
+            grid_spec(_parse(*argv))
+
+
+def test_a_workload_without_gangs_runs_once_for_both_spanning_settings() -> None:
+    spec = grid.GridSpec(
+        platforms=("small",),
+        loads=(1.0,),
+        workloads=("alibaba",),
+        seeds=(0,),
+        policies=("greedy_compute",),
+        jobs={"alibaba": 20},
+    )
+    messages: list[str] = []
+    result = grid.run_grid(spec, progress=messages.append)
+    assert len(messages) == 1  # one run, not two
+    forbidden, allowed = result["lines"]
+    assert (forbidden["cell"], allowed["cell"]) == ("small/1/nospan/alibaba", "small/1/span/alibaba")
+    assert allowed["policies"] == forbidden["policies"]
+    assert [s.get("copied_from") for s in result["seeds"]] == [None, "small/1/nospan/alibaba"]
+
+
+def test_load_is_counted_against_the_platforms_compute_in_reference_gpus() -> None:
+    from loom.sim.truth import load_truth
+
+    _, platform = grid.grid_platform("small")
+    truth = load_truth()
+    by_model: dict[str, int] = {}
+    for node in platform.nodes:
+        if node.gpu_model:
+            by_model[node.gpu_model] = by_model.get(node.gpu_model, 0) + node.gpus_total
+    g2_speed = statistics.median(truth.speed(f, "G2").speed for f in truth.families)
+    assert g2_speed > 2.0  # the A100-class GPUs that dominate the platform
+    capacity = grid.reference_capacity(platform, truth)
+    assert capacity > by_model["G2"] * g2_speed
+    assert capacity > 2 * grid.platform_gpus(platform)
+    believed = grid.reference_capacity(platform, None)
+    assert believed == pytest.approx(
+        sum(g * platform.speed[(m, "training_compute")] for m, g in by_model.items())
+    )
