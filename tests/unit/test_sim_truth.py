@@ -17,7 +17,7 @@ from loom.sched.snapshot import ClusterInfo, NetMatrix
 from loom.sim.engine import simulate
 from loom.sim.metrics import belief_error, summarize
 from loom.sim.model import Platform, SimJob, Trace
-from loom.sim.policies import POLICIES
+from loom.sim.policies import POLICIES, FrameworkPolicy
 from loom.sim.truth import (
     BELIEF,
     PACKAGED_TRUTH,
@@ -313,8 +313,9 @@ def test_run_noise_changes_the_true_step_but_not_the_belief() -> None:
     plat = one_gpu_platform("A100", believed_speed=1.0)
     noisy = parse_truth(tiny([c("fam", "V100M16", 10.0), c("fam", "A100", 10.0)], noise={"cv": 0.1}))
     jobs = [SimJob(spec=fam_job(f"j{i}", steps=10, step_time_s=1.0), arrival_s=100.0 * i) for i in range(20)]
-    records = simulate(Trace(jobs=jobs), plat, POLICIES["loom"](0), truth=noisy, seed=5).records
-    again = simulate(Trace(jobs=list(jobs)), plat, POLICIES["loom"](0), truth=noisy, seed=5).records
+    # Not learning (the learner would move the belief toward the noisy truth run by run).
+    records = simulate(Trace(jobs=jobs), plat, POLICIES["first_fit"](0), truth=noisy, seed=5).records
+    again = simulate(Trace(jobs=list(jobs)), plat, POLICIES["first_fit"](0), truth=noisy, seed=5).records
     steps = [r.step_s for r in records]
     assert steps == [r.step_s for r in again]
     assert len(set(steps)) == len(steps)
@@ -439,6 +440,12 @@ def test_a_three_times_wrong_profile_is_learned_within_15_percent_in_ten_runs_an
     result = simulate(
         Trace(jobs=jobs), two_pool_platform(), POLICIES["loom"](0), truth=truth, learner=learner, seed=3
     )
+    # The loom policy learns by itself too (its own learner), as placement does.
+    own = simulate(Trace(jobs=list(jobs)), two_pool_platform(), POLICIES["loom"](0), truth=truth, seed=3)
+    assert [r.gpu_model for r in own.records] == [r.gpu_model for r in result.records]
+    # The loom policy learns by itself too (its own learner), as placement does.
+    own = simulate(Trace(jobs=list(jobs)), two_pool_platform(), POLICIES["loom"](0), truth=truth, seed=3)
+    assert [r.gpu_model for r in own.records] == [r.gpu_model for r in result.records]
     records = sorted(result.records, key=lambda r: r.arrival_s)
     a100_runs = [r for r in records if r.gpu_model == "A100"]
     assert records[0].gpu_model == "A100"  # believed 3x: the first job goes there
@@ -449,5 +456,8 @@ def test_a_three_times_wrong_profile_is_learned_within_15_percent_in_ten_runs_an
     assert [r.gpu_model for r in records[-2:]] == ["H100", "H100"]
     assert records[-1].jct_s < 0.6 * records[0].jct_s
     # Without learning the scheduler keeps its wrong belief and keeps choosing the A100.
-    blind = simulate(Trace(jobs=list(jobs)), two_pool_platform(), POLICIES["loom"](0), truth=truth, seed=3)
+    blind_policy = POLICIES["loom"](0)
+    assert isinstance(blind_policy, FrameworkPolicy)
+    blind_policy.speed_learner = None
+    blind = simulate(Trace(jobs=list(jobs)), two_pool_platform(), blind_policy, truth=truth, seed=3)
     assert all(r.gpu_model == "A100" for r in blind.records)

@@ -370,9 +370,12 @@ class _Simulation:
         """Where true speeds come from; None: time by the scheduler's belief."""
         self.seed = seed
         self.policy = policy
-        self.speed_learner = learner
-        """Learns each family's speed per GPU model from completed runs (see :meth:`_learn_speed`)."""
         self.fast = policy if isinstance(policy, FrameworkPolicy) else None
+        own = self.fast.speed_learner if self.fast is not None else None
+        self.speed_learner = (learner if learner is not None else own) if truth is not None else None
+        """Learns each family's speed per GPU model from completed runs (see :meth:`_learn_speed`): the
+        one given, else the policy's own (``FrameworkPolicy.speed_learner``); none when jobs are timed
+        by the belief (a run then delivers exactly what was believed: there is nothing to learn)."""
         self.sort_key = self.fast.sort_key if self.fast is not None else _default_sort_key
         self.sample_every_s = sample_every_s
         self.budget = max(int(max_decisions_per_event), 1)

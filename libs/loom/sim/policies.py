@@ -40,6 +40,7 @@ import msgspec
 import numpy as np
 
 from loom.model.family import job_family
+from loom.model.learn import SpeedLearner
 from loom.model.profiles import library_models
 from loom.sched.framework import (
     SUCCESS,
@@ -92,7 +93,11 @@ class FrameworkPolicy:
 
     ``admit`` turns a trace job into the spec the policy schedules (the home-region baseline adds
     its region rule there); ``learner`` is the joint score's alpha learner, taught by the simulator
-    from completed runs as the placement service teaches it.
+    from completed runs as the placement service teaches it; ``speed_learner`` learns each job
+    family's speed per GPU model from completed runs (:mod:`loom.model.learn`), as placement does:
+    the simulator teaches it and every later decision of this policy reads its factors. Only
+    ``loom`` and ``gavel_like`` (Gavel estimates per-job throughputs online too) learn; the other
+    baselines schedule on the profiles alone, and ``oracle`` knows the truth from the start.
     """
 
     def __init__(
@@ -102,10 +107,12 @@ class FrameworkPolicy:
         *,
         admit: Callable[[SimJob], JobSpec] | None = None,
         learner: AlphaLearner | None = None,
+        speed_learner: SpeedLearner | None = None,
     ) -> None:
         self.name = name
         self.framework = framework
         self.learner = learner
+        self.speed_learner = speed_learner
         self._admit = admit
 
     def decide(self, queue: Sequence[QueueItem], snap: Snapshot) -> list[tuple[QueueItem, Outcome]]:
@@ -369,7 +376,12 @@ def _in_home_region(job: SimJob) -> JobSpec:
 
 def _loom(_seed: int) -> FrameworkPolicy:
     learner = AlphaLearner()
-    return FrameworkPolicy("loom", build_framework(context={"alpha_learner": learner}), learner=learner)
+    return FrameworkPolicy(
+        "loom",
+        build_framework(context={"alpha_learner": learner}),
+        learner=learner,
+        speed_learner=SpeedLearner(),
+    )
 
 
 def _random(seed: int) -> FrameworkPolicy:
@@ -398,7 +410,9 @@ def _oracle(_seed: int) -> FrameworkPolicy:
 
 
 def _gavel_like(_seed: int) -> FrameworkPolicy:
-    return FrameworkPolicy("gavel_like", baseline_framework([GavelThroughput()]))
+    return FrameworkPolicy(
+        "gavel_like", baseline_framework([GavelThroughput()]), speed_learner=SpeedLearner()
+    )
 
 
 POLICIES: dict[str, Callable[[int], Policy]] = {
