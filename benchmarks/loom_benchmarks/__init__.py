@@ -87,6 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scale", action="store_true", help="Loom alone at 100,000 nodes and jobs: wall time and peak RSS"
     )
     policies.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    contention = sub.add_parser(
+        "contention",
+        help="decisions under contention: small platforms, loads 0.5-1.2, spanning allowed and forbidden",
+    )
+    from loom_benchmarks.contention import add_arguments as contention_arguments
+
+    contention_arguments(contention)
     net = sub.add_parser("net", help="network perception: convergence, stability, accuracy, capacity")
     net.add_argument("--topology", default="default")
     net.add_argument("--seed", type=int, default=7)
@@ -135,6 +142,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from loom_benchmarks.policies import main as run_policies
 
         return run_policies(args)
+    if args.bench == "contention":
+        from loom_benchmarks.contention import main as run_contention
+
+        return run_contention(args)
     if args.bench == "net":
         from loom_benchmarks import net
 

@@ -9,9 +9,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from loom.model.profiles import library_models
+from loom.sched.availability import WaitBook
 from loom.sched.framework import Framework, Registry
-from loom.sched.plugins import patience
+from loom.sched.plugins import network, patience
 from loom.sched.plugins.affinity import Affinity
+from loom.sched.plugins.backfill import Backfill
 from loom.sched.plugins.compute import PriorityFairShare, ScuFit, Trust, WaterLevel
 from loom.sched.plugins.cost import CostEnergy
 from loom.sched.plugins.data import DataLocality
@@ -35,6 +37,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "water_level",
     "cost_energy",
     "elastic_shrink",
+    "backfill",
     "preemption",
     "span_guard",
     "pipeline_patience",
@@ -69,12 +72,31 @@ def default_registry() -> Registry:
     registry.register("quota", lambda _cfg: Quota())
     registry.register("preemption", lambda _cfg: Preempt())
     registry.register("elastic_shrink", lambda _cfg: ElasticShrink())
-    registry.register("span_guard", lambda cfg: SpanGuard(float(cfg.get("max_slowdown", 1.5))))
+    registry.register("backfill", lambda cfg: Backfill(_wait_book(cfg)))
+    registry.register(
+        "span_guard",
+        lambda cfg: SpanGuard(
+            float(cfg.get("max_slowdown", 1.5)),
+            book=_wait_book(cfg),
+            gpu_hours_bound=float(cfg.get("gpu_hours_bound", network.SPAN_GPU_HOURS_BOUND)),
+            margin=float(cfg.get("margin", network.WAIT_MARGIN)),
+        ),
+    )
     registry.register(
         "pipeline_patience",
         lambda cfg: PipelinePatience(float(cfg.get("max_slowdown", patience.DEFAULT_MAX_SLOWDOWN))),
     )
     return registry
+
+
+def _wait_book(config: Mapping[str, Any]) -> WaitBook:
+    """The wait book shared by the span guard and backfill (context "wait_book"), or a fresh one."""
+    book = config.get("wait_book")
+    if book is None:
+        return WaitBook()
+    if not isinstance(book, WaitBook):
+        raise TypeError(f"wait_book must be a WaitBook, got {type(book).__name__}")
+    return book
 
 
 def _learner(config: Mapping[str, Any]) -> AlphaLearner:
@@ -111,6 +133,8 @@ def build_framework(
     names = list(profile.get("plugins", DEFAULT_PLUGINS))
     weights = {**DEFAULT_WEIGHTS, **dict(profile.get("weights", {}))}
     config = dict(context or {})
+    # One wait book per framework: the span guard's and backfill's claims must be the same.
+    config.setdefault("wait_book", WaitBook())
     plugins = [
         registry.build(name, {**config, **dict(profile.get("config", {}).get(name, {}))}) for name in names
     ]

@@ -1,0 +1,224 @@
+"""When GPUs free up: expected waits per (cluster, GPU model) pool, from running jobs' predicted ends.
+
+Whether a job should start now on slower GPUs, wait for faster ones, or span clusters depends on
+how long the better option is away. The running jobs say it: each :class:`~loom.sched.snapshot.
+RunningJob` may carry ``expected_end_s``, the snapshot clock's second at which it is predicted to
+end (the simulator and the placement service's book fill it from the run's start, steps and
+predicted step). :func:`releases` turns them into one time-ordered list of node releases per pool;
+:func:`expected_wait_s` walks it until a pool's schedulable nodes have room for a gang (whole
+workers per node, as :meth:`Snapshot.room` counts GPUs) plus what jobs queued ahead of it claim.
+
+Rules of the estimate, each a plain choice:
+
+* a running job without ``expected_end_s`` never releases (nothing is known; waiting for it is
+  priced as forever, so no decision waits on it);
+* a job past its predicted end releases now (it is about to end);
+* an unschedulable node never counts;
+* CPU and RAM are not counted (a lower bound on the wait, like the simulator's retry test).
+
+The release lists are built once per snapshot and running list (``id`` and length, as the
+preemption plugin keys its table) and reused by every decision of the cycle.
+"""
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from loom.sched.snapshot import FloatArray, IntArray, Snapshot
+
+__all__ = ["Releases", "Reservation", "WaitBook", "expected_wait_s", "releases", "room_at_s"]
+
+
+@dataclass(frozen=True, slots=True)
+class Releases:
+    """Every known release of GPUs by a running job, sorted by pool and then time.
+
+    Pool ``p``'s releases are ``start[p]:start[p + 1]`` of ``node``, ``at_s`` and ``gpus``.
+    """
+
+    node: IntArray
+    at_s: FloatArray
+    gpus: IntArray
+    start: IntArray
+
+
+_CACHE: "weakref.WeakKeyDictionary[Snapshot, tuple[tuple[int, int, float], Releases]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def releases(snap: Snapshot) -> Releases:
+    """The snapshot's running jobs' releases per pool (cached per running list and clock)."""
+    running = snap.running
+    key = (id(running), len(running), snap.now)
+    held = _CACHE.get(snap)
+    if held is not None and held[0] == key:
+        return held[1]
+    nodes: list[int] = []
+    ends: list[float] = []
+    gpus: list[int] = []
+    index = snap.node_index
+    for job in running:
+        end = job.expected_end_s
+        if end is None or not math.isfinite(end):
+            continue
+        for node, g in job.allocations:
+            i = index.get(node)
+            if i is not None and g > 0:
+                nodes.append(i)
+                ends.append(max(end, snap.now))
+                gpus.append(g)
+    node_arr = np.asarray(nodes, dtype=np.int64)
+    at = np.asarray(ends, dtype=np.float64)
+    pool = snap.pool_of[node_arr] if node_arr.size else np.zeros(0, np.int64)
+    order = np.lexsort((at, pool))
+    pools = snap.pool_version.size
+    built = Releases(
+        node=node_arr[order],
+        at_s=at[order],
+        gpus=np.asarray(gpus, dtype=np.int64)[order],
+        start=np.searchsorted(pool[order], np.arange(pools + 1)).astype(np.int64),
+    )
+    _CACHE[snap] = (key, built)
+    return built
+
+
+def expected_wait_s(
+    snap: Snapshot, cluster: int, model: int, workers: int, per_worker: int = 1, *, ahead_gpus: int = 0
+) -> float:
+    """Seconds from ``snap.now`` until pool (``cluster``, ``model``) has room for ``workers`` workers
+    of ``per_worker`` GPUs each (whole workers per node), after ``ahead_gpus`` GPUs have gone to jobs
+    queued ahead; 0 when it has room now, ``inf`` when the known releases never make enough."""
+    per_worker = max(per_worker, 1)
+    need = workers + math.ceil(max(ahead_gpus, 0) / per_worker)
+    pool = snap.pool(cluster, model)
+    schedulable = snap.schedulable[pool]
+    free = np.where(schedulable, snap.free[pool], 0).astype(np.int64)
+    room = int((free // per_worker).sum())
+    if room >= need:
+        return 0.0
+    rel = releases(snap)
+    p = cluster * snap.free_sum.shape[1] + model
+    lo, hi = int(rel.start[p]), int(rel.start[p + 1])
+    offset = pool.start
+    for k in range(lo, hi):
+        j = int(rel.node[k]) - offset
+        if not schedulable[j]:
+            continue
+        before = int(free[j]) // per_worker
+        free[j] = min(int(free[j]) + int(rel.gpus[k]), int(snap.total[offset + j]))
+        room += int(free[j]) // per_worker - before
+        if room >= need:
+            return max(float(rel.at_s[k]) - snap.now, 0.0)
+    return math.inf
+
+
+def room_at_s(snap: Snapshot, cluster: int, model: int, at_s: float, per_worker: int = 1) -> int:
+    """Workers of ``per_worker`` GPUs pool (``cluster``, ``model``)'s schedulable nodes will have
+    room for at ``at_s`` (the snapshot's clock): free now plus every known release by then."""
+    per_worker = max(per_worker, 1)
+    pool = snap.pool(cluster, model)
+    schedulable = snap.schedulable[pool]
+    free = np.where(schedulable, snap.free[pool], 0).astype(np.int64)
+    rel = releases(snap)
+    p = cluster * snap.free_sum.shape[1] + model
+    lo, hi = int(rel.start[p]), int(rel.start[p + 1])
+    due = lo + int(np.searchsorted(rel.at_s[lo:hi], at_s, side="right"))
+    if due > lo:
+        nodes = rel.node[lo:due] - pool.start
+        np.add.at(free, nodes, rel.gpus[lo:due])
+        free = np.minimum(free, snap.total[pool])
+        free = np.where(schedulable, free, 0)
+    return int((free // per_worker).sum())
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A waiting job's claim on one pool from when it is expected to have room (EASY backfilling:
+    one per pool, the job first in queue order)."""
+
+    job_id: str
+    priority: int
+    submitted_at: float
+    cluster: str
+    gpu_model: str
+    workers: int
+    per_worker: int
+    start_s: float
+    """When the pool is expected to have room for it (the snapshot's clock)."""
+    expires_s: float
+    """Dropped after this unless renewed (the job was decided again and still waits)."""
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the job needs there."""
+        return self.workers * self.per_worker
+
+    def ahead_of(self, priority: int, submitted_at: float | None, job_id: str) -> bool:
+        """Whether the reserving job comes before a job of this priority and submission time in
+        the queue (higher priority, or equal and submitted earlier; not the job itself)."""
+        if job_id == self.job_id:
+            return False
+        if self.priority != priority:
+            return self.priority > priority
+        return submitted_at is None or self.submitted_at <= submitted_at
+
+
+MIN_RESERVATION_S = 600.0
+"""A reservation lives at least this long past its expected start unless renewed or used."""
+
+
+class WaitBook:
+    """Which jobs wait for which pool: at most one :class:`Reservation` per pool, the one first in
+    queue order. Shared by the plugins that decide to wait (the span guard, the backfill post-filter)
+    and the one that keeps the pools they wait for (the backfill filter). Pure: no I/O, no clock
+    but the snapshot's."""
+
+    def __init__(self) -> None:
+        self.by_pool: dict[tuple[str, str], Reservation] = {}
+        self.by_job: dict[str, tuple[str, str]] = {}
+
+    def reserve(self, reservation: Reservation) -> bool:
+        """Record a claim unless a job ahead of it holds the pool; a job holds one pool at most
+        (a new claim replaces its old one). True when recorded."""
+        key = (reservation.cluster, reservation.gpu_model)
+        held = self.by_pool.get(key)
+        if (
+            held is not None
+            and held.job_id != reservation.job_id
+            and held.ahead_of(reservation.priority, reservation.submitted_at, reservation.job_id)
+        ):
+            return False
+        self.drop(reservation.job_id)
+        if held is not None and held.job_id != reservation.job_id:
+            self.by_job.pop(held.job_id, None)
+        self.by_pool[key] = reservation
+        self.by_job[reservation.job_id] = key
+        return True
+
+    def drop(self, job_id: str) -> Reservation | None:
+        """Forget a job's claim (it was placed, or gave up); the claim, or None."""
+        key = self.by_job.pop(job_id, None)
+        if key is None:
+            return None
+        held = self.by_pool.get(key)
+        if held is not None and held.job_id == job_id:
+            del self.by_pool[key]
+            return held
+        return None
+
+    def expire(self, now: float) -> None:
+        """Forget claims not renewed in time (their job left the queue, or is decided no more)."""
+        for key, held in list(self.by_pool.items()):
+            if held.expires_s < now:
+                del self.by_pool[key]
+                self.by_job.pop(held.job_id, None)
+
+    def ahead(self, priority: int, submitted_at: float | None, job_id: str) -> list[Reservation]:
+        """Claims of jobs ahead of this one in queue order."""
+        return [r for r in self.by_pool.values() if r.ahead_of(priority, submitted_at, job_id)]
+
+    def __len__(self) -> int:
+        return len(self.by_pool)
