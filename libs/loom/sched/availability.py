@@ -136,8 +136,7 @@ def room_at_s(snap: Snapshot, cluster: int, model: int, at_s: float, per_worker:
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """A waiting job's claim on one pool from when it is expected to have room (EASY backfilling:
-    one per pool, the job first in queue order)."""
+    """A waiting job's claim on the pool it waits for, from when it is expected to have room there."""
 
     job_id: str
     priority: int
@@ -166,59 +165,68 @@ class Reservation:
         return submitted_at is None or self.submitted_at <= submitted_at
 
 
+WAITING_FORGOTTEN_S = 4 * 3600.0
+"""A job seen waiting and not decided again for this long is taken to have left the queue."""
 MIN_RESERVATION_S = 600.0
 """A reservation lives at least this long past its expected start unless renewed or used."""
 
 
 class WaitBook:
-    """Which jobs wait for which pool: at most one :class:`Reservation` per pool, the one first in
-    queue order. Shared by the plugins that decide to wait (the span guard, the backfill post-filter)
-    and the one that keeps the pools they wait for (the backfill filter). Pure: no I/O, no clock
-    but the snapshot's."""
+    """Which jobs wait for which pool: one :class:`Reservation` per waiting job (a new claim of a job
+    replaces its old one). Shared by the plugins that decide to wait (the span guard, the backfill
+    post-filter), which read the GPUs claimed ahead of a job on a pool as part of its wait, and by
+    the one that keeps each pool for the first job in queue order waiting for it (backfill). Pure:
+    no I/O, no clock but the snapshot's."""
 
     def __init__(self) -> None:
-        self.by_pool: dict[tuple[str, str], Reservation] = {}
-        self.by_job: dict[str, tuple[str, str]] = {}
+        self.claims: dict[str, Reservation] = {}
+        self.waiting: dict[str, float] = {}
+        """Job id -> when it was last seen waiting (decided and not placed), on the snapshot's clock."""
 
-    def reserve(self, reservation: Reservation) -> bool:
-        """Record a claim unless a job ahead of it holds the pool; a job holds one pool at most
-        (a new claim replaces its old one). True when recorded."""
-        key = (reservation.cluster, reservation.gpu_model)
-        held = self.by_pool.get(key)
-        if (
-            held is not None
-            and held.job_id != reservation.job_id
-            and held.ahead_of(reservation.priority, reservation.submitted_at, reservation.job_id)
-        ):
-            return False
-        self.drop(reservation.job_id)
-        if held is not None and held.job_id != reservation.job_id:
-            self.by_job.pop(held.job_id, None)
-        self.by_pool[key] = reservation
-        self.by_job[reservation.job_id] = key
-        return True
+    def note_waiting(self, job_id: str, now: float) -> None:
+        """A job was decided and not placed: it is part of the queue until placed or forgotten."""
+        self.waiting[job_id] = now
+
+    def placed(self, job_id: str) -> Reservation | None:
+        """The job was placed: it waits no more; its claim (now given up), or None."""
+        self.waiting.pop(job_id, None)
+        return self.drop(job_id)
+
+    def waiting_jobs(self, now: float, exclude: str = "") -> int:
+        """Jobs seen waiting within :data:`WAITING_FORGOTTEN_S` (a job decided no more is forgotten)."""
+        stale = [j for j, seen in self.waiting.items() if now - seen > WAITING_FORGOTTEN_S]
+        for job_id in stale:
+            del self.waiting[job_id]
+        return len(self.waiting) - (exclude in self.waiting)
+
+    def reserve(self, reservation: Reservation) -> None:
+        """Record (or renew) a job's claim."""
+        self.claims[reservation.job_id] = reservation
 
     def drop(self, job_id: str) -> Reservation | None:
         """Forget a job's claim (it was placed, or gave up); the claim, or None."""
-        key = self.by_job.pop(job_id, None)
-        if key is None:
-            return None
-        held = self.by_pool.get(key)
-        if held is not None and held.job_id == job_id:
-            del self.by_pool[key]
-            return held
-        return None
+        return self.claims.pop(job_id, None)
 
     def expire(self, now: float) -> None:
         """Forget claims not renewed in time (their job left the queue, or is decided no more)."""
-        for key, held in list(self.by_pool.items()):
-            if held.expires_s < now:
-                del self.by_pool[key]
-                self.by_job.pop(held.job_id, None)
+        stale = [job_id for job_id, held in self.claims.items() if held.expires_s < now]
+        for job_id in stale:
+            del self.claims[job_id]
 
     def ahead(self, priority: int, submitted_at: float | None, job_id: str) -> list[Reservation]:
         """Claims of jobs ahead of this one in queue order."""
-        return [r for r in self.by_pool.values() if r.ahead_of(priority, submitted_at, job_id)]
+        return [r for r in self.claims.values() if r.ahead_of(priority, submitted_at, job_id)]
+
+    def first_ahead(self, priority: int, submitted_at: float | None, job_id: str) -> list[Reservation]:
+        """Per pool, the claim first in queue order, where it is ahead of this job (EASY backfilling
+        keeps a pool for that one only)."""
+        first: dict[tuple[str, str], Reservation] = {}
+        for r in self.ahead(priority, submitted_at, job_id):
+            key = (r.cluster, r.gpu_model)
+            held = first.get(key)
+            if held is None or r.ahead_of(held.priority, held.submitted_at, held.job_id):
+                first[key] = r
+        return list(first.values())
 
     def __len__(self) -> int:
-        return len(self.by_pool)
+        return len(self.claims)

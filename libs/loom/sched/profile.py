@@ -13,8 +13,8 @@ from loom.sched.availability import WaitBook
 from loom.sched.framework import Framework, Registry
 from loom.sched.plugins import network, patience
 from loom.sched.plugins.affinity import Affinity
-from loom.sched.plugins.backfill import Backfill
-from loom.sched.plugins.compute import PriorityFairShare, ScuFit, Trust, WaterLevel
+from loom.sched.plugins.backfill import Backfill, WaitingJobs
+from loom.sched.plugins.compute import PoolFit, PriorityFairShare, ScuFit, Trust, WaterLevel
 from loom.sched.plugins.cost import CostEnergy
 from loom.sched.plugins.data import DataLocality
 from loom.sched.plugins.elastic import ElasticShrink
@@ -37,7 +37,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "water_level",
     "cost_energy",
     "elastic_shrink",
-    "backfill",
+    "pool_fit",
+    "waiting_jobs",
     "preemption",
     "span_guard",
     "pipeline_patience",
@@ -53,6 +54,8 @@ DEFAULT_WEIGHTS: Mapping[str, float] = {
     "cost_energy": 0.5,
     "water_level": 0.5,
     "trust": 0.5,
+    # Under contention, best fit over pools (keeps the pools only large gangs fit); nothing when idle.
+    "pool_fit": 6.0,
 }
 
 
@@ -64,6 +67,7 @@ def default_registry() -> Registry:
     registry.register("scu_fit", lambda _cfg: ScuFit())
     registry.register("trust", lambda _cfg: Trust())
     registry.register("water_level", lambda _cfg: WaterLevel())
+    registry.register("pool_fit", lambda _cfg: PoolFit())
     registry.register("affinity", lambda _cfg: Affinity())
     registry.register("data_locality", lambda _cfg: DataLocality())
     registry.register("joint", lambda cfg: Joint(_learner(cfg)))
@@ -73,6 +77,7 @@ def default_registry() -> Registry:
     registry.register("preemption", lambda _cfg: Preempt())
     registry.register("elastic_shrink", lambda _cfg: ElasticShrink())
     registry.register("backfill", lambda cfg: Backfill(_wait_book(cfg)))
+    registry.register("waiting_jobs", lambda cfg: WaitingJobs(_wait_book(cfg)))
     registry.register(
         "span_guard",
         lambda cfg: SpanGuard(

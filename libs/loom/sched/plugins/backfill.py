@@ -6,10 +6,10 @@ and the gang's room never forms. This is EASY backfilling over Loom's pools:
 
 * **Post-filter** (nothing fits the job now): the job claims the pool it is expected to finish
   soonest in, wait plus run (:func:`loom.sched.plugins.network.single_cluster_options`: running jobs'
-  predicted ends), in the shared :class:`~loom.sched.availability.WaitBook`: one claim per pool, the
-  job first in queue order (higher priority, then earlier submission). The span guard claims the
-  pool a gang it told to wait waits for. Nothing is placed here (preemption runs next).
-* **Pre-filter and filter**: for a job behind a claim, the claimed pool is left out unless the job
+  predicted ends), in the shared :class:`~loom.sched.availability.WaitBook`. The span guard claims
+  the pool a gang it told to wait waits for. Nothing is placed here (preemption runs next).
+* **Pre-filter and filter**: each pool is kept for the claim on it first in queue order (higher
+  priority, then earlier submission). For a job behind it, the pool is left out unless the job
   is predicted to end there before the claim's expected start, or the pool still has room for the
   claimant at that time after this job took its GPUs (:func:`loom.sched.availability.room_at_s`).
   The filter reads only the nodes' pools, and says so with ``filter_key`` (the pools left out), so
@@ -42,13 +42,37 @@ _KEPT: StateKey[frozenset[int]] = StateKey("backfill.kept_pools")
 _GIVEN_UP: StateKey[Reservation | None] = StateKey("backfill.given_up")
 
 
-class Backfill:
-    """Pre-filter, filter, post-filter, reserve: pools claimed by waiting gangs (see the module)."""
+class WaitingJobs:
+    """Post-filter and reserve: notes in the shared wait book which jobs wait (nothing fits them
+    now) and forgets them once placed, so the span guard can price the queue (its opportunity cost).
+    Places nothing and keeps no pool: :class:`Backfill` does that too."""
 
-    name = "backfill"
+    name = "waiting_jobs"
 
     def __init__(self, book: WaitBook | None = None) -> None:
         self.book = book if book is not None else WaitBook()
+
+    def post_filter(self, state: CycleState, framework: Framework) -> Decision | None:
+        """Nothing fits now: the job waits. Places nothing (preemption runs next)."""
+        self.book.note_waiting(state.job.job_id, state.snapshot.now)
+        return None
+
+    def reserve(self, state: CycleState, decision: Decision) -> Status:
+        state.write(_GIVEN_UP, self.book.placed(state.job.job_id))
+        return Status()
+
+    def unreserve(self, state: CycleState, decision: Decision) -> None:
+        given_up = state.get(_GIVEN_UP, None)
+        state.write(_GIVEN_UP, None)
+        # A permit that refused the decision may have claimed another pool since: that claim is newer.
+        if isinstance(given_up, Reservation) and given_up.job_id not in self.book.claims:
+            self.book.reserve(given_up)
+
+
+class Backfill(WaitingJobs):
+    """Pre-filter, filter, post-filter, reserve: pools claimed by waiting gangs (see the module)."""
+
+    name = "backfill"
 
     # ---- keeping claimed pools ---------------------------------------------------------------
 
@@ -59,7 +83,7 @@ class Backfill:
         if job.pipeline is None and len(self.book):
             m_count = snap.free_sum.shape[1]
             gpus = state.min_workers * state.per_worker
-            for held in self.book.ahead(job.priority, state.submitted_at, job.job_id):
+            for held in self.book.first_ahead(job.priority, state.submitted_at, job.job_id):
                 c = snap.cluster_index.get(held.cluster)
                 m = snap.model_index.get(held.gpu_model)
                 if c is None or m is None:
@@ -109,7 +133,9 @@ class Backfill:
     # ---- claiming ------------------------------------------------------------------------------
 
     def post_filter(self, state: CycleState, framework: Framework) -> Decision | None:
-        """Nothing fits now: claim the pool the job is expected to finish soonest in. Places nothing."""
+        """Nothing fits now: note the job waiting and claim the pool it is expected to finish
+        soonest in. Places nothing."""
+        super().post_filter(state, framework)
         if state.job.pipeline is not None:
             return None
         workers = state.min_workers
@@ -117,14 +143,3 @@ class Backfill:
         if options:
             claim(state, self.book, options[0], workers)
         return None
-
-    def reserve(self, state: CycleState, decision: Decision) -> Status:
-        state.write(_GIVEN_UP, self.book.drop(state.job.job_id))
-        return Status()
-
-    def unreserve(self, state: CycleState, decision: Decision) -> None:
-        given_up = state.get(_GIVEN_UP, None)
-        state.write(_GIVEN_UP, None)
-        # A permit that refused the decision may have claimed another pool since: that claim is newer.
-        if isinstance(given_up, Reservation) and given_up.job_id not in self.book.by_job:
-            self.book.reserve(given_up)

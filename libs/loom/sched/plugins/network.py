@@ -601,8 +601,8 @@ def single_cluster_options(
 ) -> list[PoolOption]:
     """The gang alone in each of ``pools``, sooner completion first; only pools whose run alone is
     shorter than ``within_s`` are looked at, and a pool's wait is computed only while it can still
-    beat the best completion found (waits are the costly part). A pool that a job ahead in queue
-    order has claimed (``book``) counts that job's GPUs before this one's."""
+    beat the best completion found (waits are the costly part). On a pool that jobs ahead in queue
+    order wait for (their claims in ``book``), their GPUs count before this one's."""
     snap = state.snapshot
     job = state.job
     c_idx, m_idx = np.nonzero(pools)
@@ -616,7 +616,8 @@ def single_cluster_options(
     claims: dict[tuple[str, str], int] = {}
     if book is not None:
         for claim in book.ahead(job.priority, state.submitted_at, job.job_id):
-            claims[(claim.cluster, claim.gpu_model)] = claim.gpus
+            key = (claim.cluster, claim.gpu_model)
+            claims[key] = claims.get(key, 0) + claim.gpus
     options: list[PoolOption] = []
     best = math.inf
     for k in np.argsort(run, kind="stable").tolist():
@@ -632,14 +633,15 @@ def single_cluster_options(
     return options
 
 
-def claim(state: CycleState, book: WaitBook, option: PoolOption, workers: int) -> bool:
-    """Record that the job waits for ``option``'s pool (see :class:`~loom.sched.availability.WaitBook`);
-    nothing is recorded when its wait is not known."""
-    if not math.isfinite(option.wait_s):
-        return False
+def claim(state: CycleState, book: WaitBook, option: PoolOption, workers: int) -> None:
+    """Record that the job waits, for ``option``'s pool (see :class:`~loom.sched.availability.WaitBook`);
+    no claim is recorded when its wait is not known."""
     snap = state.snapshot
     now = snap.now
-    return book.reserve(
+    book.note_waiting(state.job.job_id, now)
+    if not math.isfinite(option.wait_s):
+        return
+    book.reserve(
         Reservation(
             job_id=state.job.job_id,
             priority=state.job.priority,
@@ -670,12 +672,16 @@ class SpanGuard:
       otherwise the gang waits for that pool. A gang no pool could ever hold may spread within
       the GPU-hours bound (against the gang in one cluster at its fastest part's speed); beyond it,
       it waits at most what the spread would lose (the ski-rental bound below), then spreads.
-    - *Slower GPUs* (a gang with ``comm`` in one cluster): waits for a faster option only when that
-      option's wait plus run, and ``margin``, beat the run now plus the opportunity cost of the
-      GPU-seconds it would hold longer (``jobs waiting x extra GPU-seconds / GPUs``: every other
-      waiting job is delayed by its share of them), and never longer in all than the slower start
-      would lose, ``steps x (step_now - step_better)`` since submission. An option free now passes
-      (the scores chose the slower GPUs on purpose, e.g. for the data).
+    - *Slower GPUs* (a gang with ``comm`` in one cluster): waits for a faster option only when no
+      other job is waiting (the wait book's queue), that option's wait plus run beats the run now by
+      ``margin``, and never longer in all than the slower start would lose, ``steps x (step_now -
+      step_better)`` since submission. With a queue, waiting buys the platform nothing: the
+      slower GPUs left free are taken by the jobs waiting, the faster pool when it frees goes to
+      one of them as well, and the work done per GPU-second (in reference GPUs) is the same on
+      either, so the wait only adds to this job's completion (measured: ``loom bench contention``;
+      the GPU-seconds a slower start holds longer are no loss in reference-GPU seconds for work
+      that is compute). An option free now passes (the scores chose the slower GPUs on purpose,
+      e.g. for the data).
 
     A wait is UNSCHEDULABLE with ``wait_s`` the expected wait (none when unknown: the job is decided
     again when capacity frees) and claims the pool waited for in the shared
@@ -728,11 +734,9 @@ class SpanGuard:
         best = options[0]
         if best.wait_s < MIN_WAIT_S or best.run_s >= run_now:
             return Status()
-        gpus = sum(g for _, g in decision.allocations)
-        waiting = sum(1 for r in self.book.by_pool.values() if r.job_id != job.job_id)
-        platform_gpus = max(int(np.where(snap.schedulable, snap.total, 0).sum()), 1)
-        opportunity_s = waiting * gpus * (run_now - best.run_s) / platform_gpus
-        if best.completion_s + MIN_WAIT_S > (1.0 - self.margin) * (run_now + opportunity_s):
+        if self.book.waiting_jobs(snap.now, exclude=job.job_id) > 0:
+            return Status()  # a queue: the pool that frees is not this job's alone (see the docstring)
+        if best.completion_s + MIN_WAIT_S > (1.0 - self.margin) * run_now:
             return Status()
         waited = _waited_s(state)
         if waited >= steps * (chosen.step_s - best.step_s):
@@ -772,13 +776,16 @@ class SpanGuard:
             )
             if chosen.step_s <= self.gpu_hours_bound * ideal.step_s:
                 return Status()
-            return wait_unless_lost(
+            status = wait_unless_lost(
                 state,
                 chosen.step_s,
                 ideal.step_s,
                 f"spread over {where} a step would take {chosen.step_s:.2f} s against"
                 f" {ideal.step_s:.2f} s in one cluster, more than {self.gpu_hours_bound:g}x its GPU-hours",
             )
+            if not status.ok:
+                self.book.note_waiting(job.job_id, snap.now)
+            return status
         options = single_cluster_options(state, holders, decision.workers, book=self.book)
         fastest = float(np.min([o.run_s for o in options])) if options else math.inf
         best = options[0] if options else None
@@ -795,10 +802,15 @@ class SpanGuard:
             if not within
             else f"later than waiting for one cluster ({best.completion_s:.0f} s)"
         )
+        when = (
+            f"room expected in {best.wait_s:.0f} s"
+            if math.isfinite(best.wait_s)
+            else "when its running jobs end; none has a predicted end"
+        )
         return Status(
             Code.UNSCHEDULABLE,
-            f"spread over {where} it would end in {run_now:.0f} s, {why}; waiting for"
-            f" {snap.models[m]} in {snap.clusters[c].id} (room expected in {best.wait_s:.0f} s)",
+            f"spread over {where} it would end in {run_now:.0f} s, {why}; waiting for one cluster,"
+            f" {snap.models[m]} in {snap.clusters[c].id} ({when})",
             wait_s=best.wait_s if math.isfinite(best.wait_s) and best.wait_s >= MIN_WAIT_S else 0.0,
         )
 
