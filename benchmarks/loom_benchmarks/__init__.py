@@ -84,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sample-every", type=float, default=None, help="timeline sample interval, simulated seconds"
     )
     policies.add_argument(
+        "--truth",
+        default=None,
+        help="truth file timing the jobs (default the packaged Gavel + Lambda tables); 'belief': time "
+        "by the scheduler's own belief",
+    )
+    policies.add_argument(
         "--scale", action="store_true", help="Loom alone at 100,000 nodes and jobs: wall time and peak RSS"
     )
     policies.add_argument("--json", action="store_true", help="print only the JSON result on stdout")

@@ -30,6 +30,12 @@ mix's DAG units are three jobs each, so it is turned into units; the scenario ro
 pipelines). The timeline is sampled every ``--sample-every`` simulated seconds (default: the
 arrival span over 400).
 
+**Truth.** Every job is timed by a truth the scheduler cannot see (:mod:`loom.sim.truth`): by
+default the packaged measured tables (Gavel + Lambda); ``--truth FILE`` replays with an operator's
+own truth file (the format is documented in :mod:`loom.sim.truth`); ``--truth belief`` times jobs
+by the scheduler's own belief, as the simulator did before (kept for comparison). The belief error
+(predicted against true step time: median, p90, per GPU model) is reported next to the outcomes.
+
 ``--scale``: Loom alone on 100,000 nodes and 100,000 jobs of the mix (unless ``--nodes``/``--jobs``
 say otherwise), reporting the wall time of building and simulating and the peak RSS against the
 issue's target (10 minutes on 2 cores; ``cpu_count`` and ``affinity`` say what this run had). The
@@ -63,6 +69,8 @@ SCALE_NODES: Final = 100_000
 SCALE_JOBS: Final = 100_000
 TARGET_SCALE_S: Final = 600.0
 """The issue's target: 100,000 nodes and 100,000 jobs simulated in at most 10 minutes on 2 cores."""
+BELIEF_NAME: Final = "belief"
+"""``--truth belief``: time jobs by the scheduler's own belief."""
 SAMPLES: Final = 400
 """Timeline samples aimed at over the trace's arrival span (when ``--sample-every`` is not given)."""
 
@@ -87,6 +95,8 @@ class Options:
     sample_every_s: float | None
     rate_per_h: float | None = None
     """``--rate``: the mix's arrivals per hour; None: the mix's default."""
+    truth: str | None = None
+    """``--truth``: a truth file, ``belief``, or None for the packaged tables."""
 
 
 def parse_policies(text: str | None, known: Sequence[str]) -> list[str]:
@@ -126,6 +136,9 @@ def resolve(args: argparse.Namespace, known: Sequence[str] | None = None) -> Opt
             raise OptionError(f"--rate applies to --workload mix only, not {workload!r}")
         if not (rate > 0 and np.isfinite(rate)):
             raise OptionError(f"--rate must be a positive number of arrivals per hour, got {rate}")
+    truth = getattr(args, "truth", None)
+    if truth is not None and truth != BELIEF_NAME and not Path(truth).is_file():
+        raise OptionError(f"--truth is a truth file or {BELIEF_NAME!r}, got {truth!r} (no such file)")
     policies = [TARGET] if scale and args.policies is None else parse_policies(args.policies, known)
     out = Path(args.out) if args.out is not None else (None if scale else DEFAULT_OUT)
     return Options(
@@ -139,6 +152,7 @@ def resolve(args: argparse.Namespace, known: Sequence[str] | None = None) -> Opt
         scale=scale,
         sample_every_s=args.sample_every,
         rate_per_h=None if rate is None else float(rate),
+        truth=None if truth is None else str(truth),
     )
 
 
@@ -159,6 +173,8 @@ def command_line(options: Options) -> str:
         parts.append(f"--rate {options.rate_per_h:g}")
     if options.sample_every_s is not None:
         parts.append(f"--sample-every {options.sample_every_s:g}")
+    if options.truth is not None:
+        parts.append(f"--truth {options.truth}")
     if options.scale:
         parts.append("--scale")
     if options.out is not None:
@@ -301,6 +317,8 @@ def headline(summary: dict[str, Any]) -> dict[str, Any]:
         "gpu_utilisation_mean": o["gpu_utilisation_mean"],
         "cost": o["cost"],
         "cross_region_bytes": o["cross_region_bytes"],
+        "belief_error_median": summary["belief_error"]["median"],
+        "belief_error_p90": summary["belief_error"]["p90"],
     }
 
 
@@ -338,9 +356,11 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     from loom.sim import metrics
     from loom.sim.engine import simulate
     from loom.sim.policies import POLICIES
+    from loom.sim.truth import BELIEF, load_truth
 
     say = progress or (lambda _s: None)
     options = resolve(args, list(POLICIES))
+    truth = BELIEF if options.truth == BELIEF_NAME else load_truth(options.truth)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     say(f"building the platform and the {options.workload} workload")
@@ -355,7 +375,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         say(f"simulating {name} ({i + 1} of {len(options.policies)}) over {len(trace.jobs):,} jobs")
         t0 = time.perf_counter()
         result = simulate(
-            trace, built, POLICIES[name](options.seed), seed=options.seed, sample_every_s=every_s
+            trace, built, POLICIES[name](options.seed), seed=options.seed, sample_every_s=every_s, truth=truth
         )
         wall_s = time.perf_counter() - t0
         results.append(result)
@@ -407,6 +427,12 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
             "nodes_asked": options.nodes,
             "jobs_asked": options.jobs,
             "sample_every_s": every_s,
+            "truth": (
+                "belief: jobs timed by the scheduler's own belief (profiles x what it learned)"
+                if options.truth == BELIEF_NAME
+                else f"truth file {options.truth or '(packaged) Gavel + Lambda tables'}: jobs timed by "
+                "measured throughput the scheduler cannot see (loom.sim.truth)"
+            ),
             "jct": "arrival to end, finished jobs only; rejected and unfinished counted apart",
             "improvement": "(other - loom) / other; mean JCT also paired over jobs finished under both",
         },
@@ -443,6 +469,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
                 f"{out['platform']['gpus']:,} GPUs in {out['platform']['regions']} regions",
                 "policies": ", ".join(options.policies),
                 "seed": options.seed,
+                "timed by": options.truth or "truth (packaged Gavel + Lambda tables)",
                 "command": command_line(options),
             },
             claims=claims,
@@ -502,6 +529,27 @@ def print_table(result: dict[str, Any]) -> None:
                 s["policy"], *(fmt_duration(s["by_class"].get(c, {}).get("jct_mean_s")) for c in classes)
             )
         console.print(by_class)
+    timed_by = result["method"]["truth"].split(":")[0]
+    errors = Table(
+        title=f"belief error: |predicted / true - 1| of step time ({timed_by})",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+    )
+    for header in ("policy", "jobs", "median", "p90", "bias", "worst GPU model (median)"):
+        errors.add_column(header, justify="left" if header == "policy" else "right", no_wrap=True)
+    for s in result["summaries"]:
+        e = s["belief_error"]
+        models = [(g["median"], m) for m, g in e["by_gpu_model"].items() if g["median"] is not None]
+        worst = max(models, default=None)
+        errors.add_row(
+            s["policy"],
+            f"{e['jobs']:,}",
+            fmt_share(e["median"]),
+            fmt_share(e["p90"]),
+            "-" if e["bias"] is None else f"{e['bias']:.3f}",
+            "-" if worst is None else f"{worst[1]} {fmt_share(worst[0])}",
+        )
+    console.print(errors)
     claims = result.get("claims")
     if claims:
         for name, check in claims["checks"].items():

@@ -23,6 +23,7 @@ from loom.sched.snapshot import ClusterInfo, NetMatrix, Snapshot
 from loom.sim.engine import platform_from_topology, simulate
 from loom.sim.model import JobRecord, Platform, SimEvent, SimJob, SimResult, Trace
 from loom.sim.policies import POLICIES, FrameworkPolicy
+from loom.sim.truth import BELIEF
 from loom_proto.jobs import Communication, DataSpec, JobSpec, Resources, Work
 
 EU = "aws-eu-central-1"
@@ -243,10 +244,10 @@ def test_every_waiting_job_is_placed_eventually_whatever_the_budget(budget: int)
 # ---- the speed model ----------------------------------------------------------------------------
 
 
-def test_a_jobs_duration_is_its_steps_times_the_scu_step_time() -> None:
+def test_timed_by_belief_a_jobs_duration_is_its_steps_times_the_scu_step_time() -> None:
     plat = platform({"c-eu": (EU, "V100M32", 1)})
     trace = Trace(jobs=[SimJob(spec=spec("one", gpus=2, steps=3000, step_time_s=0.8), arrival_s=10.0)])
-    (r,) = simulate(trace, plat, POLICIES["loom"](0)).records
+    (r,) = simulate(trace, plat, POLICIES["loom"](0), truth=BELIEF).records
     expected_step = 0.8 / relative_speed("V100M32", "training_compute")
     assert r.step_s == pytest.approx(expected_step)
     assert r.compute_step_s == pytest.approx(expected_step)
@@ -259,11 +260,12 @@ def test_a_jobs_duration_is_its_steps_times_the_scu_step_time() -> None:
 
 
 def test_a_cross_region_gang_is_slower_than_the_same_gang_in_one_cluster() -> None:
+    # Timed by belief: the step is checked against the SCU model's arithmetic.
     job = SimJob(spec=gang("g"), arrival_s=0.0)
     split = platform({"c-eu": (EU, "A100", 1), "c-weu": (WEU, "A100", 1)})
     together = platform({"c-eu": (EU, "A100", 2)})
-    (far,) = simulate(Trace(jobs=[job]), split, POLICIES["loom"](0)).records
-    (near,) = simulate(Trace(jobs=[job]), together, POLICIES["greedy_compute"](0)).records
+    (far,) = simulate(Trace(jobs=[job]), split, POLICIES["loom"](0), truth=BELIEF).records
+    (near,) = simulate(Trace(jobs=[job]), together, POLICIES["greedy_compute"](0), truth=BELIEF).records
     compute = 0.5 / relative_speed("A100", "training_compute")
     net = split.net
     rtt = max(net.link(EU, WEU)[0], net.link(WEU, EU)[0])
@@ -311,7 +313,7 @@ def test_a_failed_cluster_requeues_its_jobs_which_restart_elsewhere() -> None:
         work=Work(steps=1000, step_time_s=0.5, checkpoint_every_steps=100),
     )
     jobs = [SimJob(spec=spec("scratch", steps=1000), arrival_s=0.0), SimJob(spec=checkpointed, arrival_s=0.0)]
-    first = simulate(Trace(jobs=list(jobs)), plat, POLICIES["first_fit"](0))
+    first = simulate(Trace(jobs=list(jobs)), plat, POLICIES["first_fit"](0), truth=BELIEF)
     where = {r.job_id: r.clusters[0] for r in first.records}
     assert sorted(where.values()) == ["c-a", "c-b"]
     down_at = 250 * step
@@ -320,7 +322,10 @@ def test_a_failed_cluster_requeues_its_jobs_which_restart_elsewhere() -> None:
         SimEvent(at_s=down_at, kind="cluster_down", cluster="c-b"),
         SimEvent(at_s=down_at + 100.0, kind="cluster_up", cluster="c-b"),
     ]
-    result = by_id(simulate(Trace(jobs=list(jobs), events=events), plat, POLICIES["first_fit"](0)))
+    # Timed by belief: the ends are checked against the SCU model's arithmetic.
+    result = by_id(
+        simulate(Trace(jobs=list(jobs), events=events), plat, POLICIES["first_fit"](0), truth=BELIEF)
+    )
     for r in result.values():
         assert r.restarts == 1
         assert r.clusters == ("c-b",)
@@ -372,7 +377,8 @@ def test_a_price_change_is_charged_to_runs_that_start_after_it() -> None:
         SimJob(spec=spec("late", steps=10), arrival_s=100.0),
     ]
     events = [SimEvent(at_s=50.0, kind="price", region=EU, factor=3.0)]
-    result = by_id(simulate(Trace(jobs=jobs, events=events), plat, POLICIES["loom"](0)))
+    # Timed by belief: both runs take the same time (no run-to-run noise), so only the price differs.
+    result = by_id(simulate(Trace(jobs=jobs, events=events), plat, POLICIES["loom"](0), truth=BELIEF))
     assert result["late"].cost == pytest.approx(3 * result["early"].cost)
 
 

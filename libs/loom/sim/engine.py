@@ -37,12 +37,24 @@ then one scheduling pass runs, in queue order (the policy's queue sort):
 Rejected jobs (UNRESOLVABLE) are recorded with the reason and dropped; a DAG stage of a rejected
 parent is rejected too.
 
-**Speed model** (never a lookup of measured step times). A placed job's step takes
-:func:`loom.sched.plugins.network.predict_step_s` on its parts: ``compute = step_time_s / (SCU x
-trust)`` of the slowest part, plus a ring all-reduce over the slowest link between the parts'
-regions. That is exactly what the ``jct`` plugin binds as ``predicted_step_s`` for Loom, and the
-simulator computes it itself for every policy so baselines (which run no ``jct``) are timed by the
-same model. Communication that declares no latency-bound rounds (``comm.rounds_per_step == 0``) is
+**Truth and belief.** A job is timed by the *truth* (:mod:`loom.sim.truth`: measured throughput
+tables the scheduler cannot see; the packaged Gavel + Lambda tables unless ``simulate(...,
+truth=...)`` says otherwise), and the scheduler's *belief* is recorded next to it. The belief is
+:func:`loom.sched.plugins.network.predict_step_s` on the decision's parts with the speeds placement
+scored with (``Snapshot.job_gpu_speed``: SCU x what was learned, x the cluster's trust):
+``compute = step_time_s / speed`` of the slowest part, plus a ring all-reduce over the slowest link
+between the parts' regions; exactly what the ``jct`` plugin binds as ``predicted_step_s`` for Loom,
+computed here for every policy. The truth is the same network model on the parts' *true* speeds
+(:meth:`~loom.sim.truth.Truth.job_speed` of the job's family and batch on each part's GPU model,
+at the most GPUs the part holds on one node, for the intra-node scaling; trust is the
+scheduler's caution, not the hardware's, so it does not apply), the compute times this run's noise
+(:meth:`~loom.sim.truth.Truth.noise_factor` of the job id, attempt and ``seed``). A pipeline's true
+step is the planner's step times its bottleneck (slowest stage compute or transfer) recomputed
+with the true speeds over the same recomputed with the believed ones. ``truth=BELIEF`` times every
+job by the belief (no noise), as the simulator did before truth existed. Either way the run's
+``compute_s`` is what it delivered (what a learner observes) and ``belief_compute_s`` what the
+scheduler expected.
+Communication that declares no latency-bound rounds (``comm.rounds_per_step == 0``) is
 taken to overlap the compute (bucketed gradient exchange during the backward pass): the step is
 ``max(compute, comm)`` instead of the sum. An inference step also waits the mean round trip from
 its users (its ``affinity.prefer_regions``) to the lead's region, as the ``jct`` plugin scores it.
@@ -64,8 +76,10 @@ and elastic jobs are not grown back (only shrunk).
 
 **Records.** ``start_s`` is the first placement (the GPUs are held from then, also while a dataset
 is copied); ``arrival_s`` the time the job entered the queue (a DAG stage: when its last parent
-completed). ``step_s`` is the simulated seconds per step where it last ran (elastic scaling
-included) and ``compute_step_s`` its compute part. ``scu_hours`` sums GPUs x SCU x trust x hours held,
+completed). ``step_s`` is the simulated (true) seconds per step where it last ran (elastic scaling
+included) and ``compute_step_s`` its compute part; ``belief_step_s`` and ``belief_compute_step_s``
+what the scheduler expected them to be, ``truth_rule`` how the slowest part's true speed was found.
+``scu_hours`` sums GPUs x delivered speed (true speed / noise; by belief: SCU x trust) x hours held,
 ``cost`` GPUs x the region's price (at the run's start) x hours held, over every run.
 ``cross_region_bytes``: per step of a data-parallel job whose parts span ``k`` > 1 regions,
 ``2 x bytes_per_step x k`` (a ring all-reduce crosses a region boundary ``k`` times, each
@@ -96,12 +110,14 @@ from loom.model.topology import Topology, load_topology
 from loom.sched import dag
 from loom.sched.firstfit import NodeCapacity
 from loom.sched.framework import Code, Decision, Outcome, QueueItem
+from loom.sched.pipeline import transfer_s
 from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s
 from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob
 from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob, SimResult, Trace
 from loom.sim.policies import FrameworkPolicy
+from loom.sim.truth import BELIEF, BeliefTiming, Truth, load_truth
 from loom_proto.jobs import JobSpec, JobSubmitted
 
 __all__ = ["platform_from_topology", "simulate"]
@@ -258,15 +274,24 @@ class _Run:
     step_s: float
     """Seconds per step here (elastic scaling included)."""
     compute_s: float
-    """Compute seconds per step (unscaled)."""
+    """TRUE compute seconds per step (unscaled): what the run delivered, what a learner observes."""
     raw_step_s: float
-    """Seconds per step with every worker (what the alpha learner observes)."""
+    """True seconds per step with every worker (what the alpha learner observes)."""
     speeds: list[float]
+    """Per part, the speed the scheduler believed (``Snapshot.job_gpu_speed`` x trust)."""
+    true_speeds: list[float]
+    """Per part, the true per-GPU speed (:mod:`loom.sim.truth`; the believed one when timing by belief)."""
+    noise: float
+    """This run's run-to-run factor on the compute step (1.0 when timing by belief)."""
+    belief_compute_s: float
+    """Compute seconds per step the scheduler expected (``predict_step_s`` with :attr:`speeds`)."""
+    belief_step_s: float
+    """Seconds per step with every worker the scheduler expected."""
     regions: list[str]
     pipeline: bool
     cross_bytes_per_step: float
     scu_rate: float
-    """Sum over parts of GPUs x SCU x trust."""
+    """Sum over parts of GPUs x delivered speed (true speed / noise; SCU x trust by belief)."""
     cost_rate: float
     """Sum over parts of GPUs x price per GPU-hour (at the run's start)."""
     acct_s: float
@@ -337,7 +362,12 @@ class _Simulation:
         sample_every_s: float,
         max_decisions_per_event: int,
         horizon_s: float | None,
+        truth: Truth | None = None,
+        seed: int = 0,
     ) -> None:
+        self.truth = truth
+        """Where true speeds come from; None: time by the scheduler's belief."""
+        self.seed = seed
         self.policy = policy
         self.fast = policy if isinstance(policy, FrameworkPolicy) else None
         self.sort_key = self.fast.sort_key if self.fast is not None else _default_sort_key
@@ -848,7 +878,12 @@ class _Simulation:
         pipeline = any(p.layers is not None for p in parts)
         speeds = [snap.job_gpu_speed(spec, p.gpu_model) * self.trust.get(p.cluster, 1.0) for p in parts]
         regions = [p.region for p in parts]
-        compute_s, raw_step_s = self._step(spec, d, speeds, regions, pipeline)
+        belief_compute_s, belief_step_s = self._step(spec, d, speeds, regions, pipeline)
+        true_speeds, noise, rule = self._true_speeds(job, d)
+        if self.truth is None:
+            compute_s, raw_step_s = belief_compute_s, belief_step_s
+        else:
+            compute_s, raw_step_s = self._true_step(spec, d, speeds, true_speeds, regions, pipeline, noise)
         scale = spec.workers / d.workers if (not pipeline and 0 < d.workers != spec.workers) else 1.0
         step_s = raw_step_s * scale
         wait_s, extra_s, copy_bytes = self._data(job, regions[0], job.steps_left * step_s, d)
@@ -858,7 +893,7 @@ class _Simulation:
         econ = snap.economics
         run = _Run(
             decision=d,
-            core=self._core(job, d, pipeline, step_s=step_s, delay_s=wait_s + extra_s),
+            core=self._core(job, d, pipeline, step_s=belief_step_s * scale, delay_s=wait_s + extra_s),
             pairs=sorted({(snap.cluster_index[p.cluster], snap.model_index[p.gpu_model]) for p in parts}),
             lead_pair=(snap.cluster_index[parts[0].cluster], snap.model_index[parts[0].gpu_model]),
             lead_gpus=gpus_by_part[0],
@@ -872,10 +907,14 @@ class _Simulation:
             compute_s=compute_s,
             raw_step_s=raw_step_s,
             speeds=speeds,
+            true_speeds=true_speeds,
+            noise=noise,
+            belief_compute_s=belief_compute_s,
+            belief_step_s=belief_step_s,
             regions=regions,
             pipeline=pipeline,
             cross_bytes_per_step=self._cross_bytes_per_step(spec, d, distinct, pipeline),
-            scu_rate=sum(g * s for g, s in zip(gpus_by_part, speeds, strict=True)),
+            scu_rate=sum(g * s / noise for g, s in zip(gpus_by_part, true_speeds, strict=True)),
             cost_rate=sum(g * econ.price(p.region, now) for g, p in zip(gpus_by_part, parts, strict=True)),
             acct_s=now,
         )
@@ -889,6 +928,9 @@ class _Simulation:
         rec.gpu_model = parts[0].gpu_model
         rec.step_s = step_s
         rec.compute_step_s = compute_s * scale
+        rec.belief_step_s = belief_step_s * scale
+        rec.belief_compute_step_s = belief_compute_s * scale
+        rec.truth_rule = rule
         if copy_bytes:
             rec.cross_region_bytes += copy_bytes
             self.cross_bytes += copy_bytes
@@ -904,15 +946,100 @@ class _Simulation:
         job.generation += 1
         self._push(_Event(run.end_s, _COMPLETE, 0, job_id=spec.job_id, generation=job.generation))
 
-    def _step(
-        self, spec: JobSpec, d: Decision, speeds: Sequence[float], regions: Sequence[str], pipeline: bool
+    def _true_speeds(self, job: _Job, d: Decision) -> tuple[list[float], float, str]:
+        """Per part the true per-GPU speed (at the most GPUs the part holds on one node), this run's noise,
+        and the derivation rule of the slowest part ("" when timing by belief: the believed speeds)."""
+        truth = self.truth
+        spec = job.spec
+        if truth is None:
+            trusts = [self.trust.get(p.cluster, 1.0) for p in d.parts]
+            return (
+                [
+                    self.snap.job_gpu_speed(spec, p.gpu_model) * t
+                    for p, t in zip(d.parts, trusts, strict=True)
+                ],
+                1.0,
+                "",
+            )
+        found = []
+        for p in d.parts:
+            per_node: dict[str, int] = {}
+            for node, gpus in p.allocations:
+                per_node[node] = per_node.get(node, 0) + gpus
+            # A synchronous step waits for the node holding most of the job's GPUs: the lowest
+            # per-GPU throughput (intra-node scaling only falls with more GPUs).
+            n = max(per_node.values(), default=max(spec.resources.gpus, 1))
+            found.append(
+                truth.job_speed(
+                    spec, p.gpu_model, gpus_per_node=n, job_id=spec.job_id, name=spec.name, seed=self.seed
+                )
+            )
+        slowest = min(found, key=lambda t: t.speed)
+        noise = truth.noise_factor(
+            spec.job_id, job.record.restarts + 1, family=slowest.family, seed=self.seed
+        )
+        return [t.speed for t in found], noise, slowest.rule
+
+    def _true_step(  # noqa: PLR0917 - the belief's inputs and the truth's, side by side
+        self,
+        spec: JobSpec,
+        d: Decision,
+        speeds: Sequence[float],
+        true_speeds: Sequence[float],
+        regions: Sequence[str],
+        pipeline: bool,
+        noise: float,
     ) -> tuple[float, float]:
-        """(compute seconds, wall seconds) of one step with every worker."""
+        """(compute seconds, wall seconds) of one step with every worker, by the truth.
+
+        Data parallel: :meth:`_step` on the true speeds, the compute times ``noise``. A pipeline:
+        the planner's step (the belief) times the ratio of its bottleneck recomputed with the true
+        speeds (compute times ``noise``) over the same recomputed with the believed ones.
+        """
+        if not pipeline:
+            return self._step(spec, d, true_speeds, regions, pipeline, noise)
+        belief_compute, belief_step = self._step(spec, d, speeds, regions, pipeline)
+        ratio = self._bottleneck(spec, d, true_speeds, noise) / max(
+            self._bottleneck(spec, d, speeds, 1.0), 1e-12
+        )
+        return belief_compute * ratio, belief_step * ratio
+
+    def _bottleneck(self, spec: JobSpec, d: Decision, speeds: Sequence[float], noise: float) -> float:
+        """A pipeline's slowest stage (compute, or transfer to the next) with these per-GPU speeds."""
+        if spec.pipeline is None:
+            return 1.0
+        layers = spec.pipeline.layers
+        worst = 0.0
+        for k, (part, speed) in enumerate(zip(d.parts, speeds, strict=True)):
+            if part.layers is None:
+                continue
+            first, last = part.layers
+            gpus = max(sum(g for _, g in part.allocations), 1)
+            compute = sum(la.compute_s for la in layers[first : last + 1]) / (gpus * max(speed, 1e-9)) * noise
+            worst = max(worst, compute)
+            if k + 1 < len(d.parts):
+                rtt_ms, bandwidth_gbps = self.snap.net.link(part.region, d.parts[k + 1].region)[:2]
+                worst = max(
+                    worst,
+                    transfer_s(layers[min(last, len(layers) - 1)].activation_mb, rtt_ms, bandwidth_gbps),
+                )
+        return worst
+
+    def _step(  # noqa: PLR0917 - the decision's parts as the network model reads them
+        self,
+        spec: JobSpec,
+        d: Decision,
+        speeds: Sequence[float],
+        regions: Sequence[str],
+        pipeline: bool,
+        noise: float = 1.0,
+    ) -> tuple[float, float]:
+        """(compute seconds, wall seconds) of one step with every worker; ``noise`` scales the compute."""
         if pipeline:
             step = d.predicted_step_s if d.predicted_step_s else spec.work.step_time_s
             return step / max(d.slowdown, 1.0), step
         estimate = predict_step_s(spec, speeds=speeds, regions=regions, net=self.snap.net, workers=d.workers)
-        compute, comm = estimate.compute_s, estimate.comm_s
+        compute, comm = estimate.compute_s * noise, estimate.comm_s
         wall = max(compute, comm) if _overlaps(spec) else compute + comm
         users = spec.affinity.prefer_regions
         if spec.task_type == "inference" and users and regions:
@@ -953,9 +1080,10 @@ class _Simulation:
     def _core(self, job: _Job, d: Decision, pipeline: bool, *, step_s: float, delay_s: float) -> RunningJob:
         """The run as the scheduling core sees it (as the placement service's book builds it).
 
-        Its ``expected_end_s`` is what placement believes, never the simulator's own timing: now,
-        plus the data delay, plus the steps left at the decision's predicted step (scaled for an
-        elastic job given fewer workers), or at ``step_s`` when the policy bound no prediction.
+        Its ``expected_end_s`` is what placement believes, never the truth the simulator times the
+        run by: now, plus the data delay, plus the steps left at the decision's predicted step
+        (scaled for an elastic job given fewer workers), or at ``step_s`` (the believed step) when
+        the policy bound no prediction.
         """
         spec = job.spec
         lead = d.parts[0]
@@ -1093,16 +1221,29 @@ class _Simulation:
         self._count(run, +1)
         self._touch(run.pairs)
         self.gpus_used += run.gpus - old
-        run.scu_rate = run.gpus * run.speeds[0]
+        run.scu_rate = run.gpus * run.true_speeds[0] / run.noise
         run.cost_rate = run.cost_rate * run.gpus / max(old, 1)
         spec = job.spec
-        compute_s, raw = self._step(spec, run.decision, run.speeds, run.regions, run.pipeline)
+        run.belief_compute_s, run.belief_step_s = self._step(
+            spec, run.decision, run.speeds, run.regions, run.pipeline
+        )
+        compute_s, raw = self._run_step(job, run)
         scale = spec.workers / workers if workers else 1.0
         self._retime(job, run, raw * scale)
         run.compute_s, run.raw_step_s = compute_s, raw
         job.record.gpus = run.gpus
         job.record.step_s = run.step_s
         job.record.compute_step_s = compute_s * scale
+        job.record.belief_step_s = run.belief_step_s * scale
+        job.record.belief_compute_step_s = run.belief_compute_s * scale
+
+    def _run_step(self, job: _Job, run: _Run) -> tuple[float, float]:
+        """(compute, wall) seconds of one step of a run as it is placed now, by the truth (or belief)."""
+        if self.truth is None:
+            return self._step(job.spec, run.decision, run.speeds, run.regions, run.pipeline)
+        return self._true_step(
+            job.spec, run.decision, run.speeds, run.true_speeds, run.regions, run.pipeline, run.noise
+        )
 
     def _retime(self, job: _Job, run: _Run, step_s: float) -> None:
         """Run the rest of the current segment at ``step_s`` per step (accounting settled first)."""
@@ -1239,13 +1380,15 @@ class _Simulation:
             run = job.run
             if run is None:
                 continue
-            _, raw = self._step(job.spec, run.decision, run.speeds, run.regions, run.pipeline)
+            _, raw = self._run_step(job, run)
+            _, run.belief_step_s = self._step(job.spec, run.decision, run.speeds, run.regions, run.pipeline)
             workers = run.decision.workers
             scale = job.spec.workers / workers if workers and workers != job.spec.workers else 1.0
             if abs(raw * scale - run.step_s) > 1e-12 * max(run.step_s, 1.0):
                 self._retime(job, run, raw * scale)
                 run.raw_step_s = raw
                 job.record.step_s = run.step_s
+            job.record.belief_step_s = run.belief_step_s * scale
 
     def _cluster(self, cluster: str, *, up: bool) -> None:
         snap = self.snap
@@ -1302,6 +1445,7 @@ def simulate(
     sample_every_s: float = 300.0,
     max_decisions_per_event: int = 64,
     horizon_s: float | None = None,
+    truth: Truth | BeliefTiming | None = None,
 ) -> SimResult:
     """Replay ``trace`` on ``platform`` under ``policy``; one :class:`JobRecord` per job (in trace
     order, DAG jobs as their stages) and a sample of GPU use every ``sample_every_s``.
@@ -1311,6 +1455,12 @@ def simulate(
     trace's seeds to be reported with the result. ``horizon_s``: stop at that simulated time (jobs
     still running have ``end_s`` None, their use so far accounted); None: run until every job has
     completed, been rejected, or can never start (it stays queued).
+
+    ``truth``: where jobs' true speeds come from (see the module docstring): a
+    :class:`~loom.sim.truth.Truth` (e.g. ``load_truth(path)``), None for the packaged tables
+    (:func:`~loom.sim.truth.load_truth`), or :data:`~loom.sim.truth.BELIEF` to time every job by the
+    scheduler's own belief (the model before truth existed; no noise), kept for comparison. Noise
+    is seeded by ``seed``, each job's id and attempt.
     """
     started = time.perf_counter()
     sim = _Simulation(
@@ -1320,6 +1470,8 @@ def simulate(
         sample_every_s=sample_every_s,
         max_decisions_per_event=max_decisions_per_event,
         horizon_s=horizon_s,
+        truth=None if truth is BELIEF else (truth if isinstance(truth, Truth) else load_truth()),
+        seed=seed,
     )
     sim.run()
     wall_s = time.perf_counter() - started
@@ -1334,6 +1486,9 @@ def simulate(
         peak_rss_mib=round(peak_mib, 1),
         notes=[
             f"seed {seed}",
+            "timed by belief (truth=BELIEF)"
+            if sim.truth is None
+            else f"timed by truth: {sim.truth.source or 'a Truth given by the caller'}",
             f"decisions: {sim.decisions - sim.retries} for arriving or requeued jobs, {sim.retries} retries"
             f" of waiting jobs; {sim.skipped} arrivals queued without one (no room and none to make)",
             *sim.notes,

@@ -17,6 +17,12 @@ Everything here is a pure function of :class:`~loom.sim.model.SimResult` s.
   25 % lower (better) than the other; negative means worse. Mean JCT is also compared *paired*:
   over the jobs that finished under both policies, so a policy cannot look fast by leaving its
   slowest jobs unfinished.
+- **Belief error** (:func:`belief_error`): per job that ran, ``|belief_step_s / step_s - 1|``: how
+  far the step time the scheduler expected (its profiles and what it had learned) was from the step
+  the simulator's truth gave (:mod:`loom.sim.truth`), where the job last ran. Median and p90 over
+  the jobs, and per GPU model of the job's lead part; ``bias`` is the geometric mean of
+  ``belief / true`` (below 1: the scheduler expected faster steps than it got). Timed by belief
+  (``truth=BELIEF``) every error is 0.
 """
 
 import itertools
@@ -140,6 +146,44 @@ def mean_utilisation(timeline: Sequence[Sample]) -> float | None:
     return used_gpu_s / total_gpu_s if total_gpu_s > 0 else None
 
 
+def _error_stats(pairs: Sequence[tuple[float, float]]) -> dict[str, Any]:
+    if not pairs:
+        return {"jobs": 0, "median": None, "p90": None, "bias": None}
+    arr = np.asarray(pairs, dtype=np.float64)
+    ratio = arr[:, 0] / arr[:, 1]
+    error = np.abs(ratio - 1.0)
+    return {
+        "jobs": len(pairs),
+        "median": float(np.percentile(error, 50)),
+        "p90": float(np.percentile(error, 90)),
+        "bias": float(np.exp(np.log(ratio).mean())),
+    }
+
+
+def belief_error(records: Iterable[JobRecord]) -> dict[str, Any]:
+    """How far the scheduler's expected step time was from the true one (see the module docstring):
+    overall, per GPU model of the lead part, and the share of jobs whose true speed was derived
+    rather than measured (:attr:`~loom.sim.model.JobRecord.truth_rule` other than ``measured``)."""
+    ran = [
+        r
+        for r in records
+        if r.rejected is None and r.start_s is not None and r.step_s > 0 and r.belief_step_s > 0
+    ]
+    pairs = [(r.belief_step_s, r.step_s) for r in ran]
+    by_model: dict[str, list[tuple[float, float]]] = {}
+    for r in ran:
+        by_model.setdefault(r.gpu_model, []).append((r.belief_step_s, r.step_s))
+    timed = [r for r in ran if r.truth_rule]
+    return {
+        **_error_stats(pairs),
+        "timed_by": "truth" if timed else ("belief" if ran else None),
+        "derived_share": (sum(1 for r in timed if r.truth_rule != "measured") / len(timed))
+        if timed
+        else None,
+        "by_gpu_model": {m: _error_stats(by_model[m]) for m in sorted(by_model)},
+    }
+
+
 def by_class(records: Iterable[JobRecord]) -> dict[str, list[JobRecord]]:
     """Records grouped by job class, classes in :data:`CLASS_ORDER` (unknown ones after, sorted)."""
     groups: dict[str, list[JobRecord]] = {}
@@ -157,6 +201,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "policy": result.policy,
         "overall": overall,
         "by_class": {c: group_stats(rs) for c, rs in by_class(result.records).items()},
+        "belief_error": belief_error(result.records),
         "wall_s": result.wall_s,
         "decisions": result.decisions,
         "peak_rss_mib": result.peak_rss_mib,

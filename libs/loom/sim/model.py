@@ -83,6 +83,14 @@ class JobRecord:
     """Simulated seconds per step where it ran (compute + communication)."""
     compute_step_s: float = 0.0
     """The compute part of a step alone."""
+    belief_step_s: float = 0.0
+    """What the scheduler expected ``step_s`` to be where it last ran (its profiles and what it had
+    learned: ``predict_step_s`` with the snapshot's speeds). Equal to ``step_s`` when timed by belief."""
+    belief_compute_step_s: float = 0.0
+    """The compute part of :attr:`belief_step_s`."""
+    truth_rule: str = ""
+    """How the true speed of its slowest part was found (:class:`loom.sim.truth.TrueSpeed` ``rule``:
+    ``measured`` or the derivation rules); empty when timed by belief."""
     scu_hours: float = 0.0
     cost: float = 0.0
     cross_region_bytes: float = 0.0

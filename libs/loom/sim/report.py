@@ -438,6 +438,52 @@ def _class_table(summaries: Sequence[Mapping[str, Any]]) -> list[str]:
     return ["## Mean JCT by job class", "", *_md_table(["policy", *classes], [counts, *rows]), ""]
 
 
+def _belief_section(summaries: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Belief error next to the outcomes: per policy, and per GPU model."""
+    errors = [(str(s["policy"]), s.get("belief_error") or {}) for s in summaries]
+    if not any(e.get("jobs") for _, e in errors):
+        return []
+    lines = [
+        "## Belief error (predicted vs true step time)",
+        "",
+        "|predicted / true - 1| of each job's step time where it last ran: what the scheduler expected",
+        "(profiles and what it had learned) against what the simulator's truth gave. Bias: geometric",
+        "mean of predicted / true (below 1: steps slower than expected).",
+        "",
+    ]
+    rows = [
+        [
+            name,
+            f"{e.get('jobs', 0):,}",
+            str(e.get("timed_by") or "-"),
+            fmt_share(e.get("median")),
+            fmt_share(e.get("p90")),
+            fmt_number(e.get("bias"), 3),
+            fmt_share(e.get("derived_share")),
+        ]
+        for name, e in errors
+    ]
+    lines.extend(_md_table(["policy", "jobs", "timed by", "median", "p90", "bias", "truth derived"], rows))
+    models = sorted({m for _, e in errors for m in e.get("by_gpu_model", {})})
+    if models:
+        lines.extend(["", "Median error by GPU model (jobs):", ""])
+        by_model = [
+            [
+                name,
+                *(
+                    f"{fmt_share(g['median'])} ({g['jobs']:,})"
+                    if (g := e.get("by_gpu_model", {}).get(m))
+                    else "-"
+                    for m in models
+                ),
+            ]
+            for name, e in errors
+        ]
+        lines.extend(_md_table(["policy", *models], by_model))
+    lines.append("")
+    return lines
+
+
 def _json_safe(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -506,6 +552,7 @@ def write_report(
         ]
     )
     lines.extend(_class_table(summaries))
+    lines.extend(_belief_section(summaries))
     lines.extend(_comparison_section(comparison))
     lines.extend(["## Plots", ""])
     for key, name in PLOTS.items():

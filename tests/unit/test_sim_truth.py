@@ -1,0 +1,395 @@
+"""The simulator's truth: the file format, measured and derived speeds, scaling, noise, and a
+simulation timed by a truth that disagrees with the scheduler's belief."""
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loom.model.topology import load_topology
+from loom.sched.firstfit import NodeCapacity
+from loom.sched.plugins.cost import default_economics
+from loom.sched.snapshot import ClusterInfo, NetMatrix
+from loom.sim.engine import simulate
+from loom.sim.metrics import belief_error, summarize
+from loom.sim.model import Platform, SimJob, Trace
+from loom.sim.policies import POLICIES
+from loom.sim.truth import (
+    BELIEF,
+    PACKAGED_TRUTH,
+    Truth,
+    TruthError,
+    dump_truth,
+    job_batch,
+    load_truth,
+    parse_truth,
+)
+from loom_proto.jobs import JobSpec, Layer, Pipeline, Resources, Work
+
+EU = "aws-eu-central-1"
+DATA = Path(__file__).resolve().parents[2] / "libs" / "loom" / "sim" / "data" / PACKAGED_TRUTH
+
+
+def packaged_document() -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(DATA.read_text())
+    return document
+
+
+def cell(document: dict[str, Any], **match: object) -> float:
+    (found,) = [c for c in document["cells"] if all(c[k] == v for k, v in match.items())]
+    return float(found["throughput"])
+
+
+def tiny(cells: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"format": "loom-truth", "version": 1, "cells": cells, **extra}
+
+
+def c(
+    family: str, gpu: str, value: float, *, n: int = 1, series: str = "s", precision: str = "fp32"
+) -> dict[str, Any]:
+    return {
+        "family": family,
+        "gpu_model": gpu,
+        "precision": precision,
+        "gpus_per_node": n,
+        "throughput": value,
+        "series": series,
+    }
+
+
+# ---- the file -------------------------------------------------------------------------------------
+
+
+def test_the_packaged_file_round_trips_through_dump_and_parse(tmp_path: Path) -> None:
+    truth = load_truth()
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(dump_truth(truth)))
+    again = load_truth(path)
+    assert len(again.cells) == len(truth.cells) > 500
+    for family, gpu, n in (
+        ("bert-base", "A100", 1),
+        ("lm", "H100", 4),
+        ("resnet50", "T4", 2),
+        ("x", "G3", 8),
+    ):
+        a = truth.speed(family, gpu, gpus_per_node=n, job_id="j")
+        b = again.speed(family, gpu, gpus_per_node=n, job_id="j")
+        assert (a.speed, a.rule) == (b.speed, b.rule)
+    assert again.noise_cv == truth.noise_cv > 0
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ([], "top level must be an object"),
+        ({"format": "other", "version": 1, "cells": []}, "'format' must be 'loom-truth'"),
+        ({"format": "loom-truth", "version": 2, "cells": []}, "'version' 2 is not supported"),
+        (tiny([]), "'cells' must be a non-empty list"),
+        (tiny([{**c("f", "V100M16", 1.0), "throughput": -1}]), r"cells\[0\].throughput must be a positive"),
+        (tiny([{**c("f", "V100M16", 1.0), "precision": "fp8"}]), r"cells\[0\].precision must be one of"),
+        (
+            tiny([c("f", "V100M16", 1.0), {**c("f", "A100", 2.0), "gpus_per_node": 0}]),
+            r"cells\[1\].gpus_per_node",
+        ),
+        (tiny([{**c("f", "V100M16", 1.0), "series": ""}]), r"cells\[0\].series must be a non-empty string"),
+        (tiny([c("f", "A100", 1.0)]), "no cell of the reference GPU V100M16"),
+        (tiny([c("f", "V100M16", 1.0)], noise={"cv": 2}), r"noise.cv must be a number in \[0, 1\)"),
+    ],
+)
+def test_a_bad_truth_file_is_refused_saying_what_is_wrong(
+    document: Any, message: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(TruthError, match=message) as caught:
+        load_truth(path)
+    assert str(path) in str(caught.value)
+
+
+def test_a_truth_file_that_is_not_json_or_missing_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text("{ not json")
+    with pytest.raises(TruthError, match="is not JSON"):
+        load_truth(path)
+    with pytest.raises(TruthError, match="cannot be read"):
+        load_truth(tmp_path / "absent.json")
+
+
+# ---- measured and derived -------------------------------------------------------------------------
+
+
+def test_measured_cells_are_returned_exactly_relative_to_the_reference_gpu() -> None:
+    document = packaged_document()
+    truth = load_truth()
+    got = truth.speed("bert-base", "A100")
+    expected = cell(document, family="bert-base", gpu_model="A100", precision="fp32", gpus_per_node=1) / cell(
+        document, family="bert-base", gpu_model="V100M16", precision="fp32", gpus_per_node=1
+    )
+    assert got.speed == pytest.approx(expected, rel=1e-12)
+    assert (got.derived, got.rule, got.scaling) == (False, "measured", 1.0)
+    # Gavel's ResNet-50 at batch 64 on a K80: its own series, chosen by the batch.
+    k80 = truth.speed("ResNet-50", "K80", batch=64)
+    assert k80.speed == pytest.approx(
+        cell(document, family="resnet-50", gpu_model="K80", series="gavel/bs64")
+        / cell(document, family="resnet-50", gpu_model="V100M16", series="gavel/bs64"),
+        rel=1e-12,
+    )
+    assert not k80.derived
+    half = truth.speed("bert-base@fp16", "H100")
+    assert half.precision == "fp16"
+    assert half.speed == pytest.approx(
+        cell(document, family="bert-base", gpu_model="H100", precision="fp16", gpus_per_node=1)
+        / cell(document, family="bert-base", gpu_model="V100M16", precision="fp16", gpus_per_node=1)
+    )
+    assert truth.speed("bert-base", "V100M16").speed == 1.0
+
+
+def test_derived_cells_are_flagged_with_their_rule() -> None:
+    truth = load_truth()
+    t4 = truth.speed("bert-base", "T4")
+    assert t4.derived and t4.rule == "profile-ratio"
+    assert 0.0 < t4.speed < 1.0
+    lm = truth.speed("lm", "A100")
+    assert lm.derived and lm.rule == "peer-ratio"
+    g3 = truth.speed("bert-base", "G3")
+    assert g3.derived and g3.rule == "gpu-alias" and g3.gpu_model == "A100"
+    assert g3.speed == truth.speed("bert-base", "A100").speed
+    assert truth.speed("resnet50", "A100").family == "resnet-50"  # an alias: not derived
+    assert not truth.speed("resnet50", "A100").derived
+    unknown = truth.speed("bert-base", "NO-SUCH-GPU")
+    assert (unknown.speed, unknown.rule) == (1.0, "unknown-gpu")
+    fallback = truth.speed("lm@fp16", "V100M16")
+    assert fallback.derived and "precision-fallback" in fallback.rule
+
+
+def test_an_unknown_family_gets_a_table_family_by_a_seeded_hash_of_the_job_id() -> None:
+    truth = load_truth()
+    picks = {
+        truth.speed("training_compute", "A100", task_type="training_compute", job_id=f"j{i}").family
+        for i in range(60)
+    }
+    assert len(picks) >= 4
+    assert all(truth.task_types[f] == "training_compute" for f in picks)
+    one = truth.speed("training_compute", "A100", task_type="training_compute", job_id="j7")
+    assert one == truth.speed("training_compute", "A100", task_type="training_compute", job_id="j7")
+    assert one.derived and one.rule.startswith("family-by-hash")
+    other_seed = {
+        truth.speed("training_compute", "A100", task_type="training_compute", job_id=f"j{i}", seed=1).family
+        for i in range(60)
+    }
+    assert other_seed == picks or len(other_seed) >= 4
+
+
+def test_intra_node_scaling_is_the_per_gpu_throughput_at_n_against_one_gpu() -> None:
+    document = packaged_document()
+    truth = load_truth()
+    one = cell(document, family="bert-base", gpu_model="V100M16", precision="fp32", gpus_per_node=1)
+    two = cell(document, family="bert-base", gpu_model="V100M16", precision="fp32", gpus_per_node=2)
+    four = cell(document, family="bert-base", gpu_model="V100M16", precision="fp32", gpus_per_node=4)
+    eff2, eff4 = min(two / (2 * one), 1.0), min(four / (4 * one), 1.0)
+    assert eff2 < 1.0  # the V100's measured BERT scaling is sublinear
+    got = truth.speed("bert-base", "V100M16", gpus_per_node=2)
+    assert got.scaling == pytest.approx(eff2) and got.speed == pytest.approx(eff2) and not got.derived
+    three = truth.speed("bert-base", "V100M16", gpus_per_node=3).scaling
+    t = math.log2(3) - 1
+    assert three == pytest.approx(eff2 + t * (eff4 - eff2))
+    a10 = truth.speed("bert-base", "A10", gpus_per_node=4)  # Lambda ran the A10 alone only
+    assert a10.derived and a10.rule == "scaling-peer" and a10.scaling <= 1.0
+    gavel = truth.speed("lm", "V100M16", gpus_per_node=8)  # Gavel measured one GPU only
+    assert gavel.rule == "scaling-table" and 0 < gavel.scaling <= 1.0
+
+
+def test_job_batch_reads_labels_then_the_name() -> None:
+    spec = JobSpec(job_id="a", tenant="t", work=Work(steps=1, step_time_s=1.0), labels={"batch": "32"})
+    assert job_batch(spec) == 32
+    plain = JobSpec(job_id="b", tenant="t", work=Work(steps=1, step_time_s=1.0))
+    assert job_batch(plain, "ResNet-50 (batch size 128)") == 128
+    assert job_batch(plain, "resnet") is None
+
+
+# ---- noise ----------------------------------------------------------------------------------------
+
+
+def test_noise_is_deterministic_per_job_attempt_and_seed_with_the_files_spread() -> None:
+    truth = load_truth()
+    assert truth.noise_factor("job", 1) == truth.noise_factor("job", 1)
+    assert truth.noise_factor("job", 1) != truth.noise_factor("job", 2)
+    assert truth.noise_factor("job", 1, seed=3) != truth.noise_factor("job", 1)
+    draws = [truth.noise_factor(f"j{i}", 1) for i in range(20_000)]
+    assert statistics.fmean(draws) == pytest.approx(1.0, abs=0.002)
+    assert statistics.stdev(draws) == pytest.approx(truth.noise_cv, rel=0.05)
+    wide = [truth.noise_factor(f"j{i}", 1, family="tacotron2") for i in range(20_000)]
+    assert statistics.stdev(wide) == pytest.approx(truth.noise_by_family["tacotron2"], rel=0.05)
+    quiet = parse_truth(tiny([c("f", "V100M16", 1.0)]))
+    assert quiet.noise_factor("job", 1) == 1.0
+
+
+# ---- the simulator --------------------------------------------------------------------------------
+
+
+def one_gpu_platform(model: str, believed_speed: float) -> Platform:
+    nodes = [NodeCapacity(node="n0", cluster="c", region=EU, zone=f"{EU}-a", gpu_model=model, gpus_total=8)]
+    return Platform(
+        name="truth-test",
+        nodes=nodes,
+        clusters={"c": ClusterInfo(id="c", region=EU, zone=f"{EU}-a")},
+        net=NetMatrix.from_topology(load_topology()),
+        economics=default_economics(),
+        speed={(model, t): believed_speed for t in ("training_compute", "inference", "training_memory")},
+        gpu_memory_gib={model: 80.0},
+    )
+
+
+def truth_where_a100_is_the_reference() -> Truth:
+    """A noise-free truth: family ``fam`` runs on an A100 exactly as on the reference V100."""
+    return parse_truth(
+        tiny(
+            [c("fam", "V100M16", 10.0), c("fam", "A100", 10.0), c("fam", "A100", 80.0, n=8)],
+            families={"fam": {"task_type": "training_compute"}},
+        )
+    )
+
+
+def fam_job(job_id: str = "j", *, steps: int = 1000, step_time_s: float = 0.6) -> JobSpec:
+    return JobSpec(
+        job_id=job_id,
+        tenant="t",
+        resources=Resources(gpus=1),
+        work=Work(steps=steps, step_time_s=step_time_s),
+        labels={"model": "fam"},
+    )
+
+
+def test_a_gpu_believed_three_times_faster_than_truth_times_the_job_by_truth() -> None:
+    plat = one_gpu_platform("A100", believed_speed=3.0)
+    trace = Trace(jobs=[SimJob(spec=fam_job(), arrival_s=0.0)])
+    truth = truth_where_a100_is_the_reference()
+    result = simulate(trace, plat, POLICIES["loom"](0), truth=truth)
+    (r,) = result.records
+    assert r.jct_s == pytest.approx(1000 * 0.6)  # the truth: the A100 runs it at reference speed
+    assert r.step_s == pytest.approx(0.6) and r.compute_step_s == pytest.approx(0.6)
+    assert r.belief_step_s == pytest.approx(0.2) and r.belief_compute_step_s == pytest.approx(0.2)
+    assert r.truth_rule == "measured"
+    error = belief_error(result.records)
+    assert error["median"] == pytest.approx(2 / 3) and error["p90"] == pytest.approx(2 / 3)
+    assert error["by_gpu_model"]["A100"]["median"] == pytest.approx(2 / 3)
+    assert error["bias"] == pytest.approx(1 / 3)
+    assert r.scu_hours == pytest.approx(1.0 * 600 / 3600)  # delivered: one reference GPU's worth
+    assert summarize(result)["belief_error"]["median"] == pytest.approx(2 / 3)
+    # Timed by belief, the same job takes what the scheduler expected, and the error is nil.
+    (b,) = simulate(trace, plat, POLICIES["loom"](0), truth=BELIEF).records
+    assert b.jct_s == pytest.approx(1000 * 0.2)
+    assert belief_error([b])["median"] == 0.0 and b.truth_rule == ""
+
+
+def test_a_multi_gpu_worker_is_timed_with_the_measured_intra_node_scaling() -> None:
+    plat = one_gpu_platform("A100", believed_speed=1.0)
+    spec = JobSpec(
+        job_id="g8",
+        tenant="t",
+        resources=Resources(gpus=8),
+        work=Work(steps=100, step_time_s=1.0),
+        labels={"model": "fam"},
+    )
+    (r,) = simulate(
+        Trace(jobs=[SimJob(spec=spec, arrival_s=0.0)]),
+        plat,
+        POLICIES["loom"](0),
+        truth=truth_where_a100_is_the_reference(),
+    ).records
+    assert r.step_s == pytest.approx(1.0)  # 80 at 8 GPUs = 8 x 10: perfect scaling, measured
+    slow = parse_truth(tiny([c("fam", "V100M16", 10.0), c("fam", "A100", 10.0), c("fam", "A100", 40.0, n=8)]))
+    (h,) = simulate(
+        Trace(jobs=[SimJob(spec=spec, arrival_s=0.0)]), plat, POLICIES["loom"](0), truth=slow
+    ).records
+    assert h.step_s == pytest.approx(2.0)  # half the per-GPU throughput at 8 GPUs: twice the step
+
+
+def test_run_noise_changes_the_true_step_but_not_the_belief() -> None:
+    plat = one_gpu_platform("A100", believed_speed=1.0)
+    noisy = parse_truth(tiny([c("fam", "V100M16", 10.0), c("fam", "A100", 10.0)], noise={"cv": 0.1}))
+    jobs = [SimJob(spec=fam_job(f"j{i}", steps=10, step_time_s=1.0), arrival_s=100.0 * i) for i in range(20)]
+    records = simulate(Trace(jobs=jobs), plat, POLICIES["loom"](0), truth=noisy, seed=5).records
+    again = simulate(Trace(jobs=list(jobs)), plat, POLICIES["loom"](0), truth=noisy, seed=5).records
+    steps = [r.step_s for r in records]
+    assert steps == [r.step_s for r in again]
+    assert len(set(steps)) == len(steps)
+    assert all(r.belief_step_s == pytest.approx(1.0) for r in records)
+    assert steps == [pytest.approx(noisy.noise_factor(f"j{i}", 1, family="fam", seed=5)) for i in range(20)]
+
+
+def test_a_pipeline_is_timed_by_its_bottleneck_under_the_truth() -> None:
+    plat = one_gpu_platform("A100", believed_speed=3.0)
+    layers = [Layer(name=f"l{i}", compute_s=0.1, memory_gib=1.0, activation_mb=1.0) for i in range(4)]
+    spec = JobSpec(
+        job_id="p",
+        tenant="t",
+        work=Work(steps=100, step_time_s=0.4),
+        pipeline=Pipeline(layers=layers),
+        labels={"model": "fam"},
+    )
+    (r,) = simulate(
+        Trace(jobs=[SimJob(spec=spec, arrival_s=0.0)]),
+        plat,
+        POLICIES["loom"](0),
+        truth=truth_where_a100_is_the_reference(),
+    ).records
+    assert r.end_s is not None
+    assert r.step_s == pytest.approx(
+        3 * r.belief_step_s
+    )  # compute-bound on one site: 3x slower than believed
+
+
+# ---- loom bench policies --truth ------------------------------------------------------------------
+
+
+def _bench(*argv: str) -> argparse.Namespace:
+    from loom_benchmarks import add_arguments
+
+    parser = argparse.ArgumentParser(prog="loom bench")
+    add_arguments(parser)
+    return parser.parse_args(["policies", "--json", *argv])
+
+
+def test_bench_policies_truth_option_takes_a_file_or_belief_and_refuses_a_missing_file(
+    tmp_path: Path,
+) -> None:
+    from loom_benchmarks import policies
+
+    with pytest.raises(policies.OptionError, match="--truth is a truth file or 'belief'"):
+        policies.resolve(_bench("--truth", str(tmp_path / "absent.json")), known=["loom"])
+    belief = policies.resolve(_bench("--truth", "belief"), known=["loom"])
+    assert belief.truth == "belief"
+    assert "--truth belief" in policies.command_line(belief)
+    assert policies.resolve(_bench(), known=["loom"]).truth is None
+
+
+def test_bench_policies_replays_with_an_operators_truth_file_and_reports_the_belief_error(
+    tmp_path: Path,
+) -> None:
+    from loom_benchmarks import policies
+
+    mine = tmp_path / "truth.json"
+    mine.write_text(json.dumps(dump_truth(load_truth())))
+    common = ("--jobs", "12", "--nodes", "200", "--policies", "loom,greedy_compute")
+    timed = policies.run(_bench(*common, "--truth", str(mine), "--out", str(tmp_path / "r")))
+    assert str(mine) in timed["method"]["truth"]
+    for summary in timed["summaries"]:
+        error = summary["belief_error"]
+        assert error["timed_by"] == "truth" and error["jobs"] > 0
+        assert error["median"] is not None and error["median"] > 0
+        assert timed["headline"][summary["policy"]]["belief_error_median"] == error["median"]
+    page = (tmp_path / "r" / "report.md").read_text()
+    assert "## Belief error (predicted vs true step time)" in page
+    summary_json = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert (
+        summary_json["summaries"][0]["belief_error"]["median"]
+        == timed["summaries"][0]["belief_error"]["median"]
+    )
+    believed = policies.run(_bench(*common, "--truth", "belief", "--out", str(tmp_path / "b")))
+    assert believed["method"]["truth"].startswith("belief")
+    assert all(s["belief_error"]["median"] == 0.0 for s in believed["summaries"])
