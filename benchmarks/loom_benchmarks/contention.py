@@ -28,6 +28,9 @@ region), finished/unfinished counts and the network-sensitive class's mean JCT; 
 margin over the best baseline (``(best - loom) / best``: positive means Loom is better) and over
 compute-only greedy on ``net_training``; with spanning allowed, Loom against itself with
 spanning forbidden.
+
+Jobs are timed by the simulator's truth (the packaged measured tables, :mod:`loom.sim.truth`)
+unless ``--truth`` names another file or ``belief`` (the scheduler's own model).
 """
 
 import argparse
@@ -199,13 +202,27 @@ def figures(result: "SimResult", gangs: set[str]) -> dict[str, Any]:
     }
 
 
+def resolve_truth(name: str | None) -> Any:
+    """``--truth``: None for the simulator's default (the packaged measured tables), ``belief`` to
+    time jobs by the scheduler's own belief, or a truth file (:mod:`loom.sim.truth`)."""
+    from loom.sim.truth import BELIEF, load_truth
+
+    if name is None:
+        return None
+    return BELIEF if name == "belief" else load_truth(name)
+
+
 def run_cell(
     cell: Cell,
     policies: Sequence[str] = (TARGET, *BASELINES),
     *,
     units: int = DEFAULT_UNITS,
+    truth: Any = None,
 ) -> dict[str, Any]:
-    """Every policy over the cell's trace: per policy :func:`figures`, and Loom's margins."""
+    """Every policy over the cell's trace: per policy :func:`figures`, and Loom's margins.
+
+    ``truth``: what times the jobs (:func:`resolve_truth`; None: the simulator's default, the
+    packaged measured tables)."""
     from loom.sim.engine import simulate
     from loom.sim.policies import make_policy
 
@@ -230,6 +247,7 @@ def run_cell(
             make_policy(name, cell.seed),
             seed=cell.seed,
             sample_every_s=max(span_s / 200.0, 30.0),
+            truth=truth,
         )
         out[name] = figures(result, gangs)
     return {"cell": dataclasses.asdict(cell), "label": cell.label, "policies": out, **margins(out)}
@@ -324,11 +342,12 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
 
     policies = _names(args.policies, tuple(POLICIES), "policy")
     grid = cells(platforms, workloads, loads, seeds)
+    truth = resolve_truth(args.truth)
     started = time.perf_counter()
     results = []
     for i, cell in enumerate(grid):
         say(f"cell {i + 1} of {len(grid)}: {cell.label}")
-        results.append(run_cell(cell, policies, units=args.units))
+        results.append(run_cell(cell, policies, units=args.units, truth=truth))
     return {
         "benchmark": "contention",
         "method": {
@@ -339,6 +358,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
             "policies": policies,
             "units": args.units,
             "duration_scale": DURATION_SCALE,
+            "timed_by": args.truth or "truth (packaged Gavel + Lambda tables)",
             "gang_workers": GANG_WORKERS,
             "margin": "(best baseline - loom) / best baseline on mean JCT: positive, Loom is better",
         },
@@ -393,6 +413,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", default=",".join(str(s) for s in SEEDS))
     parser.add_argument("--policies", default=None, help="comma-separated policy names (default all six)")
     parser.add_argument("--units", type=int, default=DEFAULT_UNITS, help="workload units of the mix per run")
+    parser.add_argument(
+        "--truth",
+        default=None,
+        help="truth file timing the jobs (default the packaged tables); 'belief': the scheduler's belief",
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
 
 
