@@ -313,3 +313,22 @@ def test_pool_fit_does_not_trade_a_jobs_speed_for_a_pools_shape() -> None:
     scores = pool_fit_scores(snapshot(nodes), job)
     assert scores["small"] == pytest.approx(scores["large"])
     assert np.isfinite(list(scores.values())).all()
+
+
+def test_the_placement_books_runs_carry_their_predicted_end() -> None:
+    from loom_proto.jobs import JobSubmitted
+    from services.placement.book import QueuedJob, Run
+
+    job = JobSubmitted(job_id="j", tenant="t", work=Work(steps=600, step_time_s=1.0))
+    parts = [("ca", FAST, (("a0", 1),))]
+    run = Run(queued=QueuedJob(job=job, carrier={}), attempt=1, parts=parts, workers=1)
+    assert run.running_job().expected_end_s is None  # placed before predictions were kept
+    timed = Run(
+        queued=QueuedJob(job=job, carrier={}),
+        attempt=1,
+        parts=parts,
+        workers=1,
+        started_at=NOW,
+        predicted_step_s=0.5,
+    )
+    assert timed.running_job().expected_end_s == pytest.approx(NOW + 600 * 0.5)

@@ -49,36 +49,50 @@ _CACHE: "weakref.WeakKeyDictionary[Snapshot, tuple[tuple[int, int, float], Relea
 )
 
 
+_PER_JOB: "weakref.WeakKeyDictionary[Snapshot, dict[tuple[str, int], tuple[float, list[int], list[int]]]]" = (
+    weakref.WeakKeyDictionary()
+)
+"""Per snapshot, each running job's (end, nodes, GPUs), kept across running lists (keyed by job id and
+attempt) so that a new list costs a pass over its ids, not over every allocation again."""
+
+
 def releases(snap: Snapshot) -> Releases:
-    """The snapshot's running jobs' releases per pool (cached per running list and clock)."""
+    """The snapshot's running jobs' releases per pool (cached per running list). Ends are as
+    predicted; one already past counts as now where a wait is computed."""
     running = snap.running
-    key = (id(running), len(running), snap.now)
+    key = (id(running), len(running), 0.0)
     held = _CACHE.get(snap)
     if held is not None and held[0] == key:
         return held[1]
-    nodes: list[int] = []
-    ends: list[float] = []
-    gpus: list[int] = []
+    known = _PER_JOB.setdefault(snap, {})
     index = snap.node_index
+    current: dict[tuple[str, int], tuple[float, list[int], list[int]]] = {}
     for job in running:
         end = job.expected_end_s
         if end is None or not math.isfinite(end):
             continue
-        for node, g in job.allocations:
-            i = index.get(node)
-            if i is not None and g > 0:
-                nodes.append(i)
-                ends.append(max(end, snap.now))
-                gpus.append(g)
-    node_arr = np.asarray(nodes, dtype=np.int64)
-    at = np.asarray(ends, dtype=np.float64)
+        job_key = (job.job_id, job.attempt)
+        entry = known.get(job_key)
+        if entry is None or entry[0] != end:
+            nodes_of = [index.get(node, -1) for node, _ in job.allocations]
+            entry = (
+                end,
+                [i for i, (_, g) in zip(nodes_of, job.allocations, strict=True) if i >= 0 and g > 0],
+                [g for i, (_, g) in zip(nodes_of, job.allocations, strict=True) if i >= 0 and g > 0],
+            )
+        current[job_key] = entry
+    _PER_JOB[snap] = current
+    counts = [len(e[1]) for e in current.values()]
+    node_arr = np.fromiter((i for e in current.values() for i in e[1]), np.int64, sum(counts))
+    at = np.repeat(np.fromiter((e[0] for e in current.values()), np.float64, len(counts)), counts)
+    gpus = np.fromiter((g for e in current.values() for g in e[2]), np.int64, sum(counts))
     pool = snap.pool_of[node_arr] if node_arr.size else np.zeros(0, np.int64)
     order = np.lexsort((at, pool))
     pools = snap.pool_version.size
     built = Releases(
         node=node_arr[order],
         at_s=at[order],
-        gpus=np.asarray(gpus, dtype=np.int64)[order],
+        gpus=gpus[order],
         start=np.searchsorted(pool[order], np.arange(pools + 1)).astype(np.int64),
     )
     _CACHE[snap] = (key, built)

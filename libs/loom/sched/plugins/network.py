@@ -728,14 +728,14 @@ class SpanGuard:
         holders = whole_gang_pools(state, decision.workers)
         if spread:
             return self._spread(state, decision, chosen, holders, speeds)
+        if self.book.waiting_jobs(snap.now, exclude=job.job_id) > 0:
+            return Status()  # a queue: the pool that frees is not this job's alone (see the docstring)
         options = single_cluster_options(state, holders, decision.workers, book=self.book, within_s=run_now)
         if not options:
             return Status()
         best = options[0]
         if best.wait_s < MIN_WAIT_S or best.run_s >= run_now:
             return Status()
-        if self.book.waiting_jobs(snap.now, exclude=job.job_id) > 0:
-            return Status()  # a queue: the pool that frees is not this job's alone (see the docstring)
         if best.completion_s + MIN_WAIT_S > (1.0 - self.margin) * run_now:
             return Status()
         waited = _waited_s(state)
