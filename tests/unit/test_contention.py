@@ -282,12 +282,12 @@ def test_backfill_keeps_a_claimed_pool_from_a_job_behind_that_would_delay_the_cl
 # ---- best fit over pools --------------------------------------------------------------------------
 
 
-def pool_fit_scores(snap: Snapshot, spec: JobSpec) -> dict[str, float]:
+def pool_fit_scores(snap: Snapshot, spec: JobSpec, book: WaitBook | None = None) -> dict[str, float]:
     framework = Framework([ResourceFit(), PoolFit()])
     state = framework.new_state(spec, snap)
     assert framework.run_pre_filters(state).ok
     cands = framework.find_candidates(state)
-    plugin = PoolFit()
+    plugin = PoolFit(book)
     norm = plugin.normalize(state, plugin.score(state, cands))
     return {snap.clusters[int(c)].id: float(v) for c, v in zip(cands.cluster, norm, strict=True)}
 
@@ -298,17 +298,23 @@ def test_pool_fit_keeps_large_pools_for_large_gangs_only_when_the_platform_is_bu
     job = JobSpec(job_id="j", tenant="t", resources=Resources(gpus=4), work=Work(steps=10, step_time_s=1.0))
     idle = pool_fit_scores(snapshot(small + large), job)
     assert idle == {"small": 100.0, "large": 100.0}  # an idle platform: no preference
-    # 96 of 168 GPUs busy elsewhere: the platform is busy, the small pool is the better fit.
-    busy = snapshot([*small, *[node(f"o{i}", "other", used=8) for i in range(12)], *large])
+    # 320 of 392 GPUs busy elsewhere (82 %): the platform is busy, the small pool is the better fit.
+    busy = snapshot([*small, *[node(f"o{i}", "other", used=8) for i in range(40)], *large])
     scores = pool_fit_scores(busy, job)
     assert scores["small"] > scores["large"]
     assert scores["large"] == pytest.approx(0.0, abs=1e-9)
+    # Half used, nobody waiting: a quarter of its say; a job waiting: all of it.
+    half = snapshot([*small, *[node(f"o{i}", "other", used=8) for i in range(9)], *large])
+    assert pool_fit_scores(half, job)["large"] == pytest.approx(100.0 * (1 - (0.5 - 0.4) / 0.4))
+    book = WaitBook()
+    book.note_waiting("someone", NOW)
+    assert pool_fit_scores(half, job, book)["large"] == pytest.approx(0.0, abs=1e-9)
 
 
 def test_pool_fit_does_not_trade_a_jobs_speed_for_a_pools_shape() -> None:
     # The small pool is 3x slower for the job: no preference for it.
     nodes = [node("s0", "small", model=SLOW), *[node(f"l{i}", "large") for i in range(8)]]
-    nodes += [node(f"o{i}", "other", used=8) for i in range(12)]
+    nodes += [node(f"o{i}", "other", used=8) for i in range(40)]
     job = JobSpec(job_id="j", tenant="t", resources=Resources(gpus=4), work=Work(steps=10, step_time_s=1.0))
     scores = pool_fit_scores(snapshot(nodes), job)
     assert scores["small"] == pytest.approx(scores["large"])

@@ -67,7 +67,7 @@ def default_registry() -> Registry:
     registry.register("scu_fit", lambda _cfg: ScuFit())
     registry.register("trust", lambda _cfg: Trust())
     registry.register("water_level", lambda _cfg: WaterLevel())
-    registry.register("pool_fit", lambda _cfg: PoolFit())
+    registry.register("pool_fit", lambda cfg: PoolFit(_wait_book(cfg)))
     registry.register("affinity", lambda _cfg: Affinity())
     registry.register("data_locality", lambda _cfg: DataLocality())
     registry.register("joint", lambda cfg: Joint(_learner(cfg)))

@@ -1,9 +1,14 @@
 """Compute plugins: SCU fit by task type, trust of newly joined clusters, and water-level balance."""
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from loom.sched.framework import Candidates, CycleState, QueueItem, min_max
 from loom.sched.snapshot import FloatArray
+
+if TYPE_CHECKING:
+    from loom.sched.availability import WaitBook
 
 
 def delivered_speed(state: CycleState, candidates: Candidates) -> FloatArray:
@@ -57,8 +62,10 @@ class WaterLevel:
         return np.clip(raw, 0.0, 1.0) * 100.0
 
 
-POOL_FIT_FULL_AT = 0.5
-"""Share of the platform's GPUs in use at which :class:`PoolFit` has its full say (none when idle)."""
+POOL_FIT_FROM = 0.4
+"""Share of the platform's GPUs in use below which :class:`PoolFit` has no say (unless jobs wait)."""
+POOL_FIT_FULL_AT = 0.8
+"""Share of the platform's GPUs in use at which :class:`PoolFit` has its full say."""
 POOL_FIT_MAX_SLOWDOWN = 2.0
 """Candidates this many times slower per GPU than the fastest get no preference from pool fit."""
 POOL_FIT_SPARE = 4.0
@@ -73,13 +80,17 @@ class PoolFit:
     the smallest that holds the job is preferred (best fit over pools, as packing is best fit over
     nodes); a pool whose GPUs are more than ``POOL_FIT_MAX_SLOWDOWN`` times slower for the job than
     the fastest candidate's gets no preference (a job's speed is not traded for a pool's shape).
-    Normalised ``100 x (1 - level x raw)``, with ``level = min(used / POOL_FIT_FULL_AT, 1)``
-    for a share ``used`` of the platform's GPUs in use: an idle platform lets speed and the network
-    decide; a busy one keeps pools that only large gangs fit for them. Measured with
-    ``loom bench contention``.
+    Normalised ``100 x (1 - level x raw)``: ``level`` is 1 while other jobs wait (the wait book's
+    queue, when a book is given), else it grows from 0 to 1 as the share of the platform's GPUs in
+    use goes from ``POOL_FIT_FROM`` to ``POOL_FIT_FULL_AT``. A quiet platform lets speed and the
+    network decide; a contended one keeps the pools only large gangs fit for them. Measured with
+    ``loom bench contention`` (thresholds chosen on its truth-timed cells, 5 seeds).
     """
 
     name = "pool_fit"
+
+    def __init__(self, book: "WaitBook | None" = None) -> None:
+        self.book = book
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         snap = state.snapshot
@@ -95,7 +106,9 @@ class PoolFit:
         snap = state.snapshot
         total = float(snap.total_sum.sum())
         used = 1.0 - float(snap.free_sum.sum()) / total if total > 0 else 0.0
-        level = min(max(used / POOL_FIT_FULL_AT, 0.0), 1.0)
+        level = min(max((used - POOL_FIT_FROM) / (POOL_FIT_FULL_AT - POOL_FIT_FROM), 0.0), 1.0)
+        if self.book is not None and self.book.waiting_jobs(snap.now, exclude=state.job.job_id) > 0:
+            level = 1.0  # a queue: contention whatever the share in use
         scores: FloatArray = 100.0 * (1.0 - level * np.clip(raw, 0.0, 1.0))
         return scores
 
