@@ -634,11 +634,11 @@ def single_cluster_options(
 
 
 def claim(state: CycleState, book: WaitBook, option: PoolOption, workers: int) -> None:
-    """Record that the job waits, for ``option``'s pool (see :class:`~loom.sched.availability.WaitBook`);
-    no claim is recorded when its wait is not known."""
+    """Record that the job waits for ``option``'s pool (a claim in the
+    :class:`~loom.sched.availability.WaitBook`); none when its wait is not known. A job held back by
+    choice is not counted as queued (the queue is the jobs nothing fits: ``waiting_jobs``)."""
     snap = state.snapshot
     now = snap.now
-    book.note_waiting(state.job.job_id, now)
     if not math.isfinite(option.wait_s):
         return
     book.reserve(
@@ -685,7 +685,10 @@ class SpanGuard:
 
     A wait is UNSCHEDULABLE with ``wait_s`` the expected wait (none when unknown: the job is decided
     again when capacity frees) and claims the pool waited for in the shared
-    :class:`~loom.sched.availability.WaitBook`, so jobs behind it keep it (the backfill plugin).
+    :class:`~loom.sched.availability.WaitBook` (jobs behind it count its GPUs first; the opt-in
+    backfill plugin keeps the pool for it). "Other jobs waiting" are the jobs nothing fits now
+    (noted by ``waiting_jobs``), not the ones held back by choice, so a gang refused a spread counts
+    the same whether spanning was allowed or not.
     Jobs without ``comm`` on one cluster, and pipelines, pass.
     """
 
@@ -776,16 +779,13 @@ class SpanGuard:
             )
             if chosen.step_s <= self.gpu_hours_bound * ideal.step_s:
                 return Status()
-            status = wait_unless_lost(
+            return wait_unless_lost(
                 state,
                 chosen.step_s,
                 ideal.step_s,
                 f"spread over {where} a step would take {chosen.step_s:.2f} s against"
                 f" {ideal.step_s:.2f} s in one cluster, more than {self.gpu_hours_bound:g}x its GPU-hours",
             )
-            if not status.ok:
-                self.book.note_waiting(job.job_id, snap.now)
-            return status
         options = single_cluster_options(state, holders, decision.workers, book=self.book)
         fastest = float(np.min([o.run_s for o in options])) if options else math.inf
         best = options[0] if options else None
