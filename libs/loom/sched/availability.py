@@ -17,7 +17,8 @@ Rules of the estimate, each a plain choice:
 * CPU and RAM are not counted (a lower bound on the wait, like the simulator's retry test).
 
 The release lists are built once per snapshot and running list (``id`` and length, as the
-preemption plugin keys its table) and reused by every decision of the cycle.
+preemption plugin keys its table) and reused by every decision of the cycle; a job's nodes are
+looked up once while its running record stays the same object.
 """
 
 import math
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loom.sched.snapshot import FloatArray, IntArray, Snapshot
+from loom.sched.snapshot import FloatArray, IntArray, RunningJob, Snapshot
 
 __all__ = ["Releases", "Reservation", "WaitBook", "expected_wait_s", "releases", "room_at_s"]
 
@@ -44,48 +45,48 @@ class Releases:
     start: IntArray
 
 
-_CACHE: "weakref.WeakKeyDictionary[Snapshot, tuple[tuple[int, int, float], Releases]]" = (
-    weakref.WeakKeyDictionary()
-)
+_CACHE: "weakref.WeakKeyDictionary[Snapshot, tuple[tuple[int, int], Releases]]" = weakref.WeakKeyDictionary()
 
+_Entry = tuple[RunningJob, list[int], list[int]]
 
-_PER_JOB: "weakref.WeakKeyDictionary[Snapshot, dict[tuple[str, int], tuple[float, list[int], list[int]]]]" = (
-    weakref.WeakKeyDictionary()
-)
-"""Per snapshot, each running job's (end, nodes, GPUs), kept across running lists (keyed by job id and
-attempt) so that a new list costs a pass over its ids, not over every allocation again."""
+_PER_JOB: "weakref.WeakKeyDictionary[Snapshot, dict[str, _Entry]]" = weakref.WeakKeyDictionary()
+"""Per snapshot, each running job's nodes and GPUs, kept across running lists while the job's
+record is the same object (a changed run, resized or restarted, is a new record), so that a new
+list costs a pass over its jobs, not over every allocation again."""
 
 
 def releases(snap: Snapshot) -> Releases:
-    """The snapshot's running jobs' releases per pool (cached per running list). Ends are as
-    predicted; one already past counts as now where a wait is computed."""
+    """The snapshot's running jobs' releases per pool (cached per running list: its ``id`` and
+    length, as the preemption plugin keys its table). Ends are as predicted; one already past
+    counts as now where a wait is computed."""
     running = snap.running
-    key = (id(running), len(running), 0.0)
+    key = (id(running), len(running))
     held = _CACHE.get(snap)
     if held is not None and held[0] == key:
         return held[1]
-    known = _PER_JOB.setdefault(snap, {})
+    known = _PER_JOB.get(snap, {})
     index = snap.node_index
-    current: dict[tuple[str, int], tuple[float, list[int], list[int]]] = {}
+    current: dict[str, _Entry] = {}
     for job in running:
         end = job.expected_end_s
         if end is None or not math.isfinite(end):
             continue
-        job_key = (job.job_id, job.attempt)
-        entry = known.get(job_key)
-        if entry is None or entry[0] != end:
-            nodes_of = [index.get(node, -1) for node, _ in job.allocations]
+        entry = known.get(job.job_id)
+        if entry is None or entry[0] is not job:
+            pairs = [(index.get(node, -1), g) for node, g in job.allocations]
             entry = (
-                end,
-                [i for i, (_, g) in zip(nodes_of, job.allocations, strict=True) if i >= 0 and g > 0],
-                [g for i, (_, g) in zip(nodes_of, job.allocations, strict=True) if i >= 0 and g > 0],
+                job,
+                [i for i, g in pairs if i >= 0 and g > 0],
+                [g for i, g in pairs if i >= 0 and g > 0],
             )
-        current[job_key] = entry
+        current[job.job_id] = entry
     _PER_JOB[snap] = current
     counts = [len(e[1]) for e in current.values()]
-    node_arr = np.fromiter((i for e in current.values() for i in e[1]), np.int64, sum(counts))
-    at = np.repeat(np.fromiter((e[0] for e in current.values()), np.float64, len(counts)), counts)
-    gpus = np.fromiter((g for e in current.values() for g in e[2]), np.int64, sum(counts))
+    total = sum(counts)
+    node_arr = np.fromiter((i for e in current.values() for i in e[1]), np.int64, total)
+    ends = np.fromiter((float(e[0].expected_end_s or 0.0) for e in current.values()), np.float64, len(counts))
+    at = np.repeat(ends, counts)
+    gpus = np.fromiter((g for e in current.values() for g in e[2]), np.int64, total)
     pool = snap.pool_of[node_arr] if node_arr.size else np.zeros(0, np.int64)
     order = np.lexsort((at, pool))
     pools = snap.pool_version.size
