@@ -114,6 +114,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     learn.add_argument("--runs", type=int, default=10, help="runs per seed")
     learn.add_argument("--seeds", type=int, default=200)
     learn.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    contention = sub.add_parser(
+        "contention",
+        help="decisions under contention: small platforms, loads 0.5-1.2, spanning allowed and forbidden",
+    )
+    from loom_benchmarks.contention import add_arguments as contention_arguments
+
+    contention_arguments(contention)
     net = sub.add_parser("net", help="network perception: convergence, stability, accuracy, capacity")
     net.add_argument("--topology", default="default")
     net.add_argument("--seed", type=int, default=7)
@@ -168,6 +175,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         result = run_learn(args)
         print(json.dumps(result, indent=2))
         return 0
+    if args.bench == "contention":
+        from loom_benchmarks.contention import main as run_contention
+
+        return run_contention(args)
     if args.bench == "net":
         from loom_benchmarks import net
 

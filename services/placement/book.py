@@ -54,6 +54,10 @@ class Run:
     workers: int
     progress: float = 0.0
     labels: Mapping[str, str] = field(default_factory=dict)
+    started_at: float | None = None
+    """When it was placed (the snapshot's clock, wall seconds); None when not known."""
+    predicted_step_s: float | None = None
+    """The decision's predicted seconds per step; None when placement bound none."""
     _core: RunningJob | None = None
 
     @property
@@ -93,7 +97,16 @@ class Run:
             cpu_milli=job.resources.cpu_milli,
             memory_mib=job.resources.memory_mib,
             attempt=self.attempt,
+            expected_end_s=self.expected_end_s,
         )
+
+    @property
+    def expected_end_s(self) -> float | None:
+        """When the run is predicted to end: its placement plus its steps at the predicted step
+        (what :mod:`loom.sched.availability` reads); None when either is not known."""
+        if self.started_at is None or not self.predicted_step_s:
+            return None
+        return self.started_at + self.job.work.steps * self.predicted_step_s
 
 
 class Book:

@@ -782,6 +782,8 @@ class PlacementService:
                     parts=[(p.cluster, p.gpu_model, p.allocations) for p in d.parts],
                     workers=d.workers,
                     labels=q.job.labels,
+                    started_at=time.time() + d.start_after_s,
+                    predicted_step_s=d.predicted_step_s,
                 ),
                 in_snapshot=True,
             )

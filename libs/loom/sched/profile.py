@@ -9,10 +9,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from loom.model.profiles import library_models
+from loom.sched.availability import WaitBook
 from loom.sched.framework import Framework, Registry
-from loom.sched.plugins import patience
+from loom.sched.plugins import network, patience
 from loom.sched.plugins.affinity import Affinity
-from loom.sched.plugins.compute import PriorityFairShare, ScuFit, Trust, WaterLevel
+from loom.sched.plugins.backfill import Backfill, WaitingJobs
+from loom.sched.plugins.compute import PoolFit, PriorityFairShare, ScuFit, Trust, WaterLevel
 from loom.sched.plugins.cost import CostEnergy
 from loom.sched.plugins.data import DataLocality
 from loom.sched.plugins.elastic import ElasticShrink
@@ -35,6 +37,8 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "water_level",
     "cost_energy",
     "elastic_shrink",
+    "pool_fit",
+    "waiting_jobs",
     "preemption",
     "span_guard",
     "pipeline_patience",
@@ -50,6 +54,8 @@ DEFAULT_WEIGHTS: Mapping[str, float] = {
     "cost_energy": 0.5,
     "water_level": 0.5,
     "trust": 0.5,
+    # Under contention, best fit over pools (keeps the pools only large gangs fit); nothing when idle.
+    "pool_fit": 6.0,
 }
 
 
@@ -61,6 +67,7 @@ def default_registry() -> Registry:
     registry.register("scu_fit", lambda _cfg: ScuFit())
     registry.register("trust", lambda _cfg: Trust())
     registry.register("water_level", lambda _cfg: WaterLevel())
+    registry.register("pool_fit", lambda cfg: PoolFit(_wait_book(cfg)))
     registry.register("affinity", lambda _cfg: Affinity())
     registry.register("data_locality", lambda _cfg: DataLocality())
     registry.register("joint", lambda cfg: Joint(_learner(cfg)))
@@ -69,12 +76,32 @@ def default_registry() -> Registry:
     registry.register("quota", lambda _cfg: Quota())
     registry.register("preemption", lambda _cfg: Preempt())
     registry.register("elastic_shrink", lambda _cfg: ElasticShrink())
-    registry.register("span_guard", lambda cfg: SpanGuard(float(cfg.get("max_slowdown", 1.5))))
+    registry.register("backfill", lambda cfg: Backfill(_wait_book(cfg)))
+    registry.register("waiting_jobs", lambda cfg: WaitingJobs(_wait_book(cfg)))
+    registry.register(
+        "span_guard",
+        lambda cfg: SpanGuard(
+            float(cfg.get("max_slowdown", 1.5)),
+            book=_wait_book(cfg),
+            gpu_hours_bound=float(cfg.get("gpu_hours_bound", network.SPAN_GPU_HOURS_BOUND)),
+            margin=float(cfg.get("margin", network.WAIT_MARGIN)),
+        ),
+    )
     registry.register(
         "pipeline_patience",
         lambda cfg: PipelinePatience(float(cfg.get("max_slowdown", patience.DEFAULT_MAX_SLOWDOWN))),
     )
     return registry
+
+
+def _wait_book(config: Mapping[str, Any]) -> WaitBook:
+    """The wait book shared by the span guard and backfill (context "wait_book"), or a fresh one."""
+    book = config.get("wait_book")
+    if book is None:
+        return WaitBook()
+    if not isinstance(book, WaitBook):
+        raise TypeError(f"wait_book must be a WaitBook, got {type(book).__name__}")
+    return book
 
 
 def _learner(config: Mapping[str, Any]) -> AlphaLearner:
@@ -111,6 +138,8 @@ def build_framework(
     names = list(profile.get("plugins", DEFAULT_PLUGINS))
     weights = {**DEFAULT_WEIGHTS, **dict(profile.get("weights", {}))}
     config = dict(context or {})
+    # One wait book per framework: the span guard's and backfill's claims must be the same.
+    config.setdefault("wait_book", WaitBook())
     plugins = [
         registry.build(name, {**config, **dict(profile.get("config", {}).get(name, {}))}) for name in names
     ]

@@ -65,6 +65,9 @@ class RunningJob:
     memory_mib: int = 0
     """Per worker."""
     attempt: int = 1
+    expected_end_s: float | None = None
+    """When the run is predicted to end, in seconds on the snapshot's clock (``Snapshot.now``);
+    None when not known. What :mod:`loom.sched.availability` reads to tell when GPUs free up."""
 
     @property
     def gpus(self) -> int:

@@ -908,7 +908,7 @@ class _Simulation:
         econ = snap.economics
         run = _Run(
             decision=d,
-            core=self._core(job, d, pipeline),
+            core=self._core(job, d, pipeline, step_s=belief_step_s * scale, delay_s=wait_s + extra_s),
             pairs=sorted({(snap.cluster_index[p.cluster], snap.model_index[p.gpu_model]) for p in parts}),
             lead_pair=(snap.cluster_index[parts[0].cluster], snap.model_index[parts[0].gpu_model]),
             lead_gpus=gpus_by_part[0],
@@ -1092,10 +1092,18 @@ class _Simulation:
             return 2.0 * spec.comm.bytes_per_step * len(regions)
         return 0.0
 
-    def _core(self, job: _Job, d: Decision, pipeline: bool) -> RunningJob:
-        """The run as the scheduling core sees it (as the placement service's book builds it)."""
+    def _core(self, job: _Job, d: Decision, pipeline: bool, *, step_s: float, delay_s: float) -> RunningJob:
+        """The run as the scheduling core sees it (as the placement service's book builds it).
+
+        Its ``expected_end_s`` is what placement believes, never the truth the simulator times the
+        run by: now, plus the data delay, plus the steps left at the decision's predicted step
+        (scaled for an elastic job given fewer workers), or at ``step_s`` (the believed step) when
+        the policy bound no prediction.
+        """
         spec = job.spec
         lead = d.parts[0]
+        scale = spec.workers / d.workers if (not pipeline and 0 < d.workers != spec.workers) else 1.0
+        believed_step_s = d.predicted_step_s * scale if d.predicted_step_s else step_s
         return RunningJob(
             job_id=spec.job_id,
             tenant=spec.tenant,
@@ -1112,6 +1120,7 @@ class _Simulation:
             cpu_milli=spec.resources.cpu_milli,
             memory_mib=spec.resources.memory_mib,
             attempt=job.record.restarts + 1,
+            expected_end_s=self.t + delay_s + job.steps_left * believed_step_s,
         )
 
     def _count(self, run: _Run, sign: int) -> None:

@@ -1,9 +1,14 @@
 """Compute plugins: SCU fit by task type, trust of newly joined clusters, and water-level balance."""
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from loom.sched.framework import Candidates, CycleState, QueueItem, min_max
 from loom.sched.snapshot import FloatArray
+
+if TYPE_CHECKING:
+    from loom.sched.availability import WaitBook
 
 
 def delivered_speed(state: CycleState, candidates: Candidates) -> FloatArray:
@@ -57,6 +62,57 @@ class WaterLevel:
         return np.clip(raw, 0.0, 1.0) * 100.0
 
 
+POOL_FIT_FROM = 0.4
+"""Share of the platform's GPUs in use below which :class:`PoolFit` has no say (unless jobs wait)."""
+POOL_FIT_FULL_AT = 0.8
+"""Share of the platform's GPUs in use at which :class:`PoolFit` has its full say."""
+POOL_FIT_MAX_SLOWDOWN = 2.0
+"""Candidates this many times slower per GPU than the fastest get no preference from pool fit."""
+POOL_FIT_SPARE = 4.0
+"""A pool of at least this many times the job's GPUs is not fragmented by it (no preference)."""
+
+
+class PoolFit:
+    """Under contention, a pool the job does not fragment: large pools stay whole for large gangs.
+
+    Raw: the candidate pool's GPUs in all (busy or not) over ``POOL_FIT_SPARE x`` the job's GPUs,
+    capped at 1: every pool at least four times the job's size is alike, and among smaller ones
+    the smallest that holds the job is preferred (best fit over pools, as packing is best fit over
+    nodes); a pool whose GPUs are more than ``POOL_FIT_MAX_SLOWDOWN`` times slower for the job than
+    the fastest candidate's gets no preference (a job's speed is not traded for a pool's shape).
+    Normalised ``100 x (1 - level x raw)``: ``level`` is 1 while other jobs wait (the wait book's
+    queue, when a book is given), else it grows from 0 to 1 as the share of the platform's GPUs in
+    use goes from ``POOL_FIT_FROM`` to ``POOL_FIT_FULL_AT``. A quiet platform lets speed and the
+    network decide; a contended one keeps the pools only large gangs fit for them. Measured with
+    ``loom bench contention`` (thresholds chosen on its truth-timed cells, 5 seeds).
+    """
+
+    name = "pool_fit"
+
+    def __init__(self, book: "WaitBook | None" = None) -> None:
+        self.book = book
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        snap = state.snapshot
+        gpus = np.maximum(candidates.workers * state.per_worker, 1)
+        size = snap.total_sum[candidates.cluster, candidates.model].astype(np.float64)
+        share: FloatArray = np.minimum(size / (POOL_FIT_SPARE * gpus), 1.0)
+        speed = delivered_speed(state, candidates)
+        # Much slower GPUs are no fit: best fit must not trade a job's speed for a pool's shape.
+        slow = speed * POOL_FIT_MAX_SLOWDOWN < float(speed.max(initial=0.0))
+        return np.where(slow, 1.0, share)
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        snap = state.snapshot
+        total = float(snap.total_sum.sum())
+        used = 1.0 - float(snap.free_sum.sum()) / total if total > 0 else 0.0
+        level = min(max((used - POOL_FIT_FROM) / (POOL_FIT_FULL_AT - POOL_FIT_FROM), 0.0), 1.0)
+        if self.book is not None and self.book.waiting_jobs(snap.now, exclude=state.job.job_id) > 0:
+            level = 1.0  # a queue: contention whatever the share in use
+        scores: FloatArray = 100.0 * (1.0 - level * np.clip(raw, 0.0, 1.0))
+        return scores
+
+
 class PriorityFairShare:
     """Queue sort: priority first, then the tenant's fair share (least used first), then arrival."""
 
@@ -66,4 +122,4 @@ class PriorityFairShare:
         return (-item.job.priority, item.fair_share, item.submitted_at, item.job.job_id)
 
 
-__all__ = ["PriorityFairShare", "ScuFit", "Trust", "WaterLevel", "delivered_speed", "min_max"]
+__all__ = ["PoolFit", "PriorityFairShare", "ScuFit", "Trust", "WaterLevel", "delivered_speed", "min_max"]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from loom.net.linkstate import CostWeights
+from loom.sched.availability import MIN_RESERVATION_S, Reservation, WaitBook, expected_wait_s
 from loom.sched.framework import Candidates, Code, CycleState, Decision, StateKey, Status
 from loom.sched.plugins.compute import delivered_speed
 from loom.sched.plugins.data import data_delay_s, data_placement
@@ -53,6 +54,7 @@ __all__ = [
     "Joint",
     "NearJobs",
     "NetworkFactors",
+    "PoolOption",
     "RegionLinks",
     "StepEstimate",
     "allreduce_s",
@@ -65,8 +67,10 @@ __all__ = [
     "predict_step_s",
     "predicted_jct_s",
     "region_links",
+    "single_cluster_options",
     "slowest_link",
     "user_rtt_ms",
+    "whole_gang_pools",
 ]
 
 INTRA_CLUSTER_RTT_MS = 0.1
@@ -564,34 +568,149 @@ def part_speeds(state: CycleState, decision: Decision) -> list[float]:
     ]
 
 
+SPAN_GPU_HOURS_BOUND = 1.25
+"""A spread may hold at most this many times the GPU-hours of the same gang in one cluster."""
+WAIT_MARGIN = 0.1
+"""Waiting must promise to finish at least this share sooner than starting now."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolOption:
+    """The gang in one (cluster, GPU model) pool: its step there, when the pool is expected to have
+    room for it (:func:`loom.sched.availability.expected_wait_s`) and its run."""
+
+    cluster: int
+    model: int
+    step_s: float
+    wait_s: float
+    run_s: float
+
+    @property
+    def completion_s(self) -> float:
+        """Seconds from now to the end: the wait plus the run."""
+        return self.wait_s + self.run_s
+
+
+def single_cluster_options(
+    state: CycleState,
+    pools: BoolArray,
+    workers: int,
+    *,
+    book: WaitBook | None = None,
+    within_s: float = math.inf,
+) -> list[PoolOption]:
+    """The gang alone in each of ``pools``, sooner completion first; only pools whose run alone is
+    shorter than ``within_s`` are looked at, and a pool's wait is computed only while it can still
+    beat the best completion found (waits are the costly part). On a pool that jobs ahead in queue
+    order wait for (their claims in ``book``), their GPUs count before this one's."""
+    snap = state.snapshot
+    job = state.job
+    c_idx, m_idx = np.nonzero(pools)
+    if c_idx.size == 0:
+        return []
+    speed = snap.job_speeds(job)[m_idx] * snap.trust[c_idx]
+    bytes_per_step, rounds = _comm_of(job)
+    comm = float(allreduce_s(bytes_per_step, rounds, INTRA_CLUSTER_RTT_MS, INTRA_CLUSTER_GBPS, workers))
+    step = job.work.step_time_s / np.maximum(speed, 1e-9) + comm
+    run = job.work.steps * step
+    claims: dict[tuple[str, str], int] = {}
+    if book is not None:
+        for claim in book.ahead(job.priority, state.submitted_at, job.job_id):
+            key = (claim.cluster, claim.gpu_model)
+            claims[key] = claims.get(key, 0) + claim.gpus
+    options: list[PoolOption] = []
+    best = math.inf
+    for k in np.argsort(run, kind="stable").tolist():
+        if run[k] >= min(best, within_s):
+            break
+        c, m = int(c_idx[k]), int(m_idx[k])
+        ahead = claims.get((snap.clusters[c].id, snap.models[m]), 0)
+        wait = expected_wait_s(snap, c, m, workers, state.per_worker, ahead_gpus=ahead)
+        option = PoolOption(c, m, float(step[k]), wait, float(run[k]))
+        options.append(option)
+        best = min(best, option.completion_s)
+    options.sort(key=lambda o: (o.completion_s, o.run_s))
+    return options
+
+
+def claim(state: CycleState, book: WaitBook, option: PoolOption, workers: int) -> None:
+    """Record that the job waits for ``option``'s pool (a claim in the
+    :class:`~loom.sched.availability.WaitBook`); none when its wait is not known. A job held back by
+    choice is not counted as queued (the queue is the jobs nothing fits: ``waiting_jobs``)."""
+    snap = state.snapshot
+    now = snap.now
+    if not math.isfinite(option.wait_s):
+        return
+    book.reserve(
+        Reservation(
+            job_id=state.job.job_id,
+            priority=state.job.priority,
+            submitted_at=state.submitted_at if state.submitted_at is not None else now,
+            cluster=snap.clusters[option.cluster].id,
+            gpu_model=snap.models[option.model],
+            workers=workers,
+            per_worker=state.per_worker,
+            start_s=now + option.wait_s,
+            expires_s=now + 2.0 * option.wait_s + MIN_RESERVATION_S,
+        )
+    )
+
+
 class SpanGuard:
-    """Permit: a communication-heavy gang waits rather than start much slower than it could run.
+    """Permit: start now, wait for better GPUs, or span clusters, by predicted completion time.
 
-    Two cases, both judged with :func:`predict_step_s` (what the jct plugin and the simulator use)
-    for the decision's number of workers:
+    Judged with :func:`predict_step_s` (what the jct plugin and the simulator use) for the
+    decision's number of workers; "could hold" means a (cluster, GPU model) pool the policy allows,
+    not an avoided cluster, whose schedulable nodes have the GPUs for those workers when idle (CPU
+    and memory are not checked). Each such pool is an *option*: the gang alone there, finishing
+    after the pool's expected wait (:func:`loom.sched.availability.expected_wait_s`: running jobs'
+    predicted ends, and a claim on the pool by a job ahead in queue order) plus its run.
 
-    - *Spread*: a gang that no single cluster can hold now may still fit one cluster when capacity
-      frees. Spread over regions its all-reduce crosses the measured WAN and a step can take many
-      times its compute (seconds of gradient exchange over a few Gbit/s). The spread is refused when
-      its step is more than ``max_slowdown`` times the step in one cluster.
-    - *Slow GPUs*: a data-parallel gang (one with ``comm``) is paced by its slowest worker for its
-      whole run, often hours. The decision is refused when its step is more than ``max_slowdown``
-      times the step on the fastest pool that could hold it, unless that pool could take it now
-      (then the scores chose the slower GPUs on purpose, e.g. for the data).
+    - *Spread* (the decision spans clusters): allowed only when its run finishes at least
+      ``margin`` sooner than the best option's wait plus run, **and** it holds at most
+      ``gpu_hours_bound`` times the GPU-hours of the gang in the fastest pool that could hold it;
+      otherwise the gang waits for that pool. A gang no pool could ever hold may spread within
+      the GPU-hours bound (against the gang in one cluster at its fastest part's speed); beyond it,
+      it waits at most what the spread would lose (the ski-rental bound below), then spreads.
+    - *Slower GPUs* (a gang with ``comm`` in one cluster): waits for a faster option only when no
+      other job is waiting (the wait book's queue), that option's wait plus run beats the run now by
+      ``margin``, and never longer in all than the slower start would lose, ``steps x (step_now -
+      step_better)`` since submission. With a queue, waiting buys the platform nothing: the
+      slower GPUs left free are taken by the jobs waiting, the faster pool when it frees goes to
+      one of them as well, and the work done per GPU-second (in reference GPUs) is the same on
+      either, so the wait only adds to this job's completion (measured: ``loom bench contention``;
+      the GPU-seconds a slower start holds longer are no loss in reference-GPU seconds for work
+      that is compute). An option free now passes (the scores chose the slower GPUs on purpose,
+      e.g. for the data).
 
-    "Could hold" means a (cluster, GPU model) pool the policy allows, not an avoided cluster, whose
-    schedulable nodes have the GPUs for the decision's workers when idle (CPU and memory are not
-    checked). A refusal is UNSCHEDULABLE with ``wait_s``: the job waits and is decided again when
-    capacity frees, but never longer than the slower start would lose, ``steps x (step_now -
-    step_better)`` since submission (the ski-rental bound, as in :mod:`loom.sched.plugins.patience`;
-    an unknown submission time counts as now). Gangs that no such pool could hold, jobs without
-    ``comm`` on one cluster, and pipelines pass.
+    A wait is UNSCHEDULABLE with ``wait_s`` the expected wait (none when unknown: the job is decided
+    again when capacity frees) and claims the pool waited for in the shared
+    :class:`~loom.sched.availability.WaitBook` (jobs behind it count its GPUs first; the opt-in
+    backfill plugin keeps the pool for it). "Other jobs waiting" are the jobs nothing fits now
+    (noted by ``waiting_jobs``), not the ones held back by choice, so a gang refused a spread counts
+    the same whether spanning was allowed or not.
+    Jobs without ``comm`` on one cluster, and pipelines, pass.
     """
 
     name = "span_guard"
 
-    def __init__(self, max_slowdown: float = 1.5) -> None:
+    def __init__(
+        self,
+        max_slowdown: float = 1.5,
+        *,
+        book: WaitBook | None = None,
+        gpu_hours_bound: float = SPAN_GPU_HOURS_BOUND,
+        margin: float = WAIT_MARGIN,
+    ) -> None:
+        if not gpu_hours_bound >= 1.0:
+            raise ValueError(f"gpu_hours_bound must be at least 1, got {gpu_hours_bound}")
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"margin must be within [0, 1), got {margin}")
         self.max_slowdown = max_slowdown
+        """Kept for configuration compatibility: the ski-rental fallback of gangs no pool holds."""
+        self.book = book if book is not None else WaitBook()
+        self.gpu_hours_bound = gpu_hours_bound
+        self.margin = margin
 
     def permit(self, state: CycleState, decision: Decision) -> Status:
         job = state.job
@@ -607,48 +726,97 @@ class SpanGuard:
             net=snap.net,
             workers=decision.workers,
         )
-        holders = _whole_gang_pools(state, decision.workers)
-        if not holders.any():
-            return Status()
+        steps = job.work.steps
+        run_now = steps * chosen.step_s
+        holders = whole_gang_pools(state, decision.workers)
         if spread:
-            whole = predict_step_s(
+            return self._spread(state, decision, chosen, holders, speeds)
+        if self.book.waiting_jobs(snap.now, exclude=job.job_id) > 0:
+            return Status()  # a queue: the pool that frees is not this job's alone (see the docstring)
+        options = single_cluster_options(state, holders, decision.workers, book=self.book, within_s=run_now)
+        if not options:
+            return Status()
+        best = options[0]
+        if best.wait_s < MIN_WAIT_S or best.run_s >= run_now:
+            return Status()
+        if best.completion_s + MIN_WAIT_S > (1.0 - self.margin) * run_now:
+            return Status()
+        waited = _waited_s(state)
+        if waited >= steps * (chosen.step_s - best.step_s):
+            return Status()
+        claim(state, self.book, best, decision.workers)
+        models = ", ".join(sorted({p.gpu_model for p in decision.parts}))
+        c, m = best.cluster, best.model
+        return Status(
+            Code.UNSCHEDULABLE,
+            f"on {models} it would end in {run_now:.0f} s; {snap.models[m]} in {snap.clusters[c].id}"
+            f" is expected to have room in {best.wait_s:.0f} s and end it {best.completion_s:.0f} s"
+            " from now; waiting for faster GPUs",
+            wait_s=best.wait_s,
+        )
+
+    def _spread(
+        self,
+        state: CycleState,
+        decision: Decision,
+        chosen: StepEstimate,
+        holders: BoolArray,
+        speeds: Sequence[float],
+    ) -> Status:
+        job, snap = state.job, state.snapshot
+        steps = job.work.steps
+        run_now = steps * chosen.step_s
+        where = ", ".join(p.cluster for p in decision.parts)
+        if not holders.any():
+            # No pool could ever hold the gang: judged against it in one cluster at its fastest
+            # part's speed (what no spread can beat).
+            ideal = predict_step_s(
                 job,
                 speeds=[max(speeds)],
                 regions=[decision.parts[0].region],
                 net=snap.net,
                 workers=decision.workers,
             )
-            if chosen.step_s > self.max_slowdown * whole.step_s:
-                return wait_unless_lost(
-                    state,
-                    chosen.step_s,
-                    whole.step_s,
-                    f"spread over {', '.join(p.cluster for p in decision.parts)} a step would take"
-                    f" {chosen.step_s:.2f} s against {whole.step_s:.2f} s in one cluster;"
-                    " waiting for one cluster",
-                )
-        if job.comm is None:
+            if chosen.step_s <= self.gpu_hours_bound * ideal.step_s:
+                return Status()
+            return wait_unless_lost(
+                state,
+                chosen.step_s,
+                ideal.step_s,
+                f"spread over {where} a step would take {chosen.step_s:.2f} s against"
+                f" {ideal.step_s:.2f} s in one cluster, more than {self.gpu_hours_bound:g}x its GPU-hours",
+            )
+        options = single_cluster_options(state, holders, decision.workers, book=self.book)
+        fastest = float(np.min([o.run_s for o in options])) if options else math.inf
+        best = options[0] if options else None
+        # The spread and the single-cluster gang hold the same GPUs: GPU-hours compare as runs.
+        within = run_now <= self.gpu_hours_bound * fastest
+        if within and (best is None or run_now < (1.0 - self.margin) * best.completion_s):
             return Status()
-        pool_speed = np.where(holders, snap.job_speeds(job)[None, :] * snap.trust[:, None], -np.inf)
-        c, m = (int(i) for i in np.unravel_index(int(np.argmax(pool_speed)), pool_speed.shape))
-        best = predict_step_s(
-            job,
-            speeds=[float(pool_speed[c, m])],
-            regions=[snap.clusters[c].region],
-            net=snap.net,
-            workers=decision.workers,
-        )
-        if chosen.step_s <= self.max_slowdown * best.step_s or _holds_now(state, c, m, decision.workers):
+        if best is None:
             return Status()
-        models = ", ".join(sorted({p.gpu_model for p in decision.parts}))
-        return wait_unless_lost(
-            state,
-            chosen.step_s,
-            best.step_s,
-            f"on {models} a step would take {chosen.step_s:.2f} s against {best.step_s:.2f} s on"
-            f" {snap.models[m]} in {snap.clusters[c].id}, which could hold the whole gang;"
-            " waiting for faster GPUs",
+        claim(state, self.book, best, decision.workers)
+        c, m = best.cluster, best.model
+        why = (
+            f"more than {self.gpu_hours_bound:g}x the GPU-hours of one cluster"
+            if not within
+            else f"later than waiting for one cluster ({best.completion_s:.0f} s)"
         )
+        when = (
+            f"room expected in {best.wait_s:.0f} s"
+            if math.isfinite(best.wait_s)
+            else "when its running jobs end; none has a predicted end"
+        )
+        return Status(
+            Code.UNSCHEDULABLE,
+            f"spread over {where} it would end in {run_now:.0f} s, {why}; waiting for one cluster,"
+            f" {snap.models[m]} in {snap.clusters[c].id} ({when})",
+            wait_s=best.wait_s if math.isfinite(best.wait_s) and best.wait_s >= MIN_WAIT_S else 0.0,
+        )
+
+
+def _waited_s(state: CycleState) -> float:
+    return 0.0 if state.submitted_at is None else max(state.snapshot.now - state.submitted_at, 0.0)
 
 
 MIN_WAIT_S = 1.0
@@ -658,7 +826,7 @@ MIN_WAIT_S = 1.0
 def wait_unless_lost(state: CycleState, step_now: float, step_better: float, why: str) -> Status:
     """UNSCHEDULABLE (``wait_s`` = what is left) while the job has waited, since submission, less
     than ``steps x (step_now - step_better)``: the ski-rental bound both guards use."""
-    waited = 0.0 if state.submitted_at is None else max(state.snapshot.now - state.submitted_at, 0.0)
+    waited = _waited_s(state)
     left = state.job.work.steps * (step_now - step_better) - waited
     if left < MIN_WAIT_S:
         return Status()
@@ -672,7 +840,7 @@ _WORKERS: "weakref.WeakKeyDictionary[Snapshot, dict[int, tuple[bytes, FloatArray
 when idle, with the schedulable flags it was counted for (totals never change within a snapshot)."""
 
 
-def _whole_gang_pools(state: CycleState, workers: int) -> BoolArray:
+def whole_gang_pools(state: CycleState, workers: int) -> BoolArray:
     """(cluster, model) pools, allowed by policy and not avoided, that hold ``workers`` when idle."""
     snap = state.snapshot
     g = state.per_worker

@@ -8,6 +8,11 @@ policy allows, every GPU free; :data:`~loom.sched.framework.IDLE_PIPELINE_PLAN`)
 plan when
 
 * its step is more than ``max_slowdown`` times the idle plan's step, and
+* the idle plan's stages are expected to have room soon enough
+  (:func:`loom.sched.availability.expected_wait_s` per stage pool, from the running jobs'
+  predicted ends; the plan waits for its slowest stage to have room) that the wait plus the run
+  at the idle plan's step beats the run now by :data:`~loom.sched.plugins.network.WAIT_MARGIN`
+  (otherwise waiting buys nothing: the plan is taken now; an unknown end counts as never), and
 * the job has waited less than the time the worse plan would lose over the job's steps,
   ``steps x (step_now - step_idle)``.
 
@@ -30,14 +35,16 @@ nodes' GPUs and which take work, speeds, GPU memory, trust, measured links), so 
 plans the idle platform once, not on every retry.
 """
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 
-from loom.sched.framework import IDLE_PIPELINE_PLAN, CycleState, Decision, Status
+from loom.sched.availability import expected_wait_s
+from loom.sched.framework import IDLE_PIPELINE_PLAN, Code, CycleState, Decision, Status
 from loom.sched.pipeline import DEFAULT_MAX_SITES, DEFAULT_USABLE_FRACTION, PipelinePlan, whole_model
-from loom.sched.plugins.network import wait_unless_lost
+from loom.sched.plugins.network import MIN_WAIT_S, WAIT_MARGIN, wait_unless_lost
 
 DEFAULT_MAX_SLOWDOWN = 1.5
 """A plan this many times slower per step than the idle platform's best is worth waiting for."""
@@ -59,7 +66,9 @@ class PipelinePatience:
             raise ValueError(f"cache_size must be at least 1, got {cache_size}")
         self.max_slowdown = max_slowdown
         self.cache_size = cache_size
-        self._ideal: OrderedDict[tuple[str, bytes], float | None] = OrderedDict()
+        self._ideal: OrderedDict[tuple[str, bytes], tuple[float, tuple[tuple[str, str, int], ...]] | None] = (
+            OrderedDict()
+        )
 
     def permit(self, state: CycleState, decision: Decision) -> Status:
         if not decision.parts or any(p.layers is None for p in decision.parts):
@@ -73,18 +82,36 @@ class PipelinePatience:
             return Status()
         if step_now <= self.max_slowdown * lower_bound_step_s(state):
             return Status()
-        step_idle = self._idle_step(state, lazy)
-        if step_idle is None or step_now <= self.max_slowdown * step_idle:
+        idle = self._idle_step(state, lazy)
+        if idle is None or step_now <= self.max_slowdown * idle[0]:
             return Status()
-        return wait_unless_lost(
+        step_idle, stages = idle
+        snap = state.snapshot
+        wait_s = max(
+            (
+                expected_wait_s(snap, snap.cluster_index[c], snap.model_index[m], gpus)
+                for c, m, gpus in stages
+                if c in snap.cluster_index and m in snap.model_index
+            ),
+            default=math.inf,
+        )
+        steps = state.job.work.steps
+        if not wait_s + steps * step_idle < (1.0 - WAIT_MARGIN) * steps * step_now:
+            return Status()  # the better plan is too far away to pay for its wait
+        status = wait_unless_lost(
             state,
             step_now,
             step_idle,
             f"the stages free now take {step_now:.2f} s per step against {step_idle:.2f} s on an idle"
-            " platform; waiting for a better plan",
+            f" platform, expected to have room in {wait_s:.0f} s; waiting for a better plan",
         )
+        if status.code == Code.UNSCHEDULABLE and wait_s >= MIN_WAIT_S:
+            return Status(status.code, status.reason, wait_s=min(status.wait_s, wait_s))
+        return status
 
-    def _idle_step(self, state: CycleState, lazy: Callable[[], PipelinePlan | None]) -> float | None:
+    def _idle_step(
+        self, state: CycleState, lazy: Callable[[], PipelinePlan | None]
+    ) -> tuple[float, tuple[tuple[str, str, int], ...]] | None:
         snap = state.snapshot
         inputs = b"".join(
             (
@@ -104,7 +131,10 @@ class PipelinePatience:
             self._ideal.move_to_end(key)
             return self._ideal[key]
         plan = lazy()
-        step = None if plan is None else plan.step_s
+        step = None
+        if plan is not None:
+            stages = tuple((st.site.cluster, st.site.gpu_model, st.gpus) for st in plan.stages)
+            step = (plan.step_s, stages)
         self._ideal[key] = step
         while len(self._ideal) > self.cache_size:
             self._ideal.popitem(last=False)

@@ -1,0 +1,247 @@
+"""When GPUs free up: expected waits per (cluster, GPU model) pool, from running jobs' predicted ends.
+
+Whether a job should start now on slower GPUs, wait for faster ones, or span clusters depends on
+how long the better option is away. The running jobs say it: each :class:`~loom.sched.snapshot.
+RunningJob` may carry ``expected_end_s``, the snapshot clock's second at which it is predicted to
+end (the simulator and the placement service's book fill it from the run's start, steps and
+predicted step). :func:`releases` turns them into one time-ordered list of node releases per pool;
+:func:`expected_wait_s` walks it until a pool's schedulable nodes have room for a gang (whole
+workers per node, as :meth:`Snapshot.room` counts GPUs) plus what jobs queued ahead of it claim.
+
+Rules of the estimate, each a plain choice:
+
+* a running job without ``expected_end_s`` never releases (nothing is known; waiting for it is
+  priced as forever, so no decision waits on it);
+* a job past its predicted end releases now (it is about to end);
+* an unschedulable node never counts;
+* CPU and RAM are not counted (a lower bound on the wait, like the simulator's retry test).
+
+The release lists are built once per snapshot and running list (``id`` and length, as the
+preemption plugin keys its table) and reused by every decision of the cycle; a job's nodes are
+looked up once while its running record stays the same object.
+"""
+
+import math
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+from loom.sched.snapshot import FloatArray, IntArray, RunningJob, Snapshot
+
+__all__ = ["Releases", "Reservation", "WaitBook", "expected_wait_s", "releases", "room_at_s"]
+
+
+@dataclass(frozen=True, slots=True)
+class Releases:
+    """Every known release of GPUs by a running job, sorted by pool and then time.
+
+    Pool ``p``'s releases are ``start[p]:start[p + 1]`` of ``node``, ``at_s`` and ``gpus``.
+    """
+
+    node: IntArray
+    at_s: FloatArray
+    gpus: IntArray
+    start: IntArray
+
+
+_CACHE: "weakref.WeakKeyDictionary[Snapshot, tuple[tuple[int, int], Releases]]" = weakref.WeakKeyDictionary()
+
+_Entry = tuple[RunningJob, list[int], list[int]]
+
+_PER_JOB: "weakref.WeakKeyDictionary[Snapshot, dict[str, _Entry]]" = weakref.WeakKeyDictionary()
+"""Per snapshot, each running job's nodes and GPUs, kept across running lists while the job's
+record is the same object (a changed run, resized or restarted, is a new record), so that a new
+list costs a pass over its jobs, not over every allocation again."""
+
+
+def releases(snap: Snapshot) -> Releases:
+    """The snapshot's running jobs' releases per pool (cached per running list: its ``id`` and
+    length, as the preemption plugin keys its table). Ends are as predicted; one already past
+    counts as now where a wait is computed."""
+    running = snap.running
+    key = (id(running), len(running))
+    held = _CACHE.get(snap)
+    if held is not None and held[0] == key:
+        return held[1]
+    known = _PER_JOB.get(snap, {})
+    index = snap.node_index
+    current: dict[str, _Entry] = {}
+    for job in running:
+        end = job.expected_end_s
+        if end is None or not math.isfinite(end):
+            continue
+        entry = known.get(job.job_id)
+        if entry is None or entry[0] is not job:
+            pairs = [(index.get(node, -1), g) for node, g in job.allocations]
+            entry = (
+                job,
+                [i for i, g in pairs if i >= 0 and g > 0],
+                [g for i, g in pairs if i >= 0 and g > 0],
+            )
+        current[job.job_id] = entry
+    _PER_JOB[snap] = current
+    counts = [len(e[1]) for e in current.values()]
+    total = sum(counts)
+    node_arr = np.fromiter((i for e in current.values() for i in e[1]), np.int64, total)
+    ends = np.fromiter((float(e[0].expected_end_s or 0.0) for e in current.values()), np.float64, len(counts))
+    at = np.repeat(ends, counts)
+    gpus = np.fromiter((g for e in current.values() for g in e[2]), np.int64, total)
+    pool = snap.pool_of[node_arr] if node_arr.size else np.zeros(0, np.int64)
+    order = np.lexsort((at, pool))
+    pools = snap.pool_version.size
+    built = Releases(
+        node=node_arr[order],
+        at_s=at[order],
+        gpus=gpus[order],
+        start=np.searchsorted(pool[order], np.arange(pools + 1)).astype(np.int64),
+    )
+    _CACHE[snap] = (key, built)
+    return built
+
+
+def expected_wait_s(
+    snap: Snapshot, cluster: int, model: int, workers: int, per_worker: int = 1, *, ahead_gpus: int = 0
+) -> float:
+    """Seconds from ``snap.now`` until pool (``cluster``, ``model``) has room for ``workers`` workers
+    of ``per_worker`` GPUs each (whole workers per node), after ``ahead_gpus`` GPUs have gone to jobs
+    queued ahead; 0 when it has room now, ``inf`` when the known releases never make enough."""
+    per_worker = max(per_worker, 1)
+    need = workers + math.ceil(max(ahead_gpus, 0) / per_worker)
+    pool = snap.pool(cluster, model)
+    schedulable = snap.schedulable[pool]
+    free = np.where(schedulable, snap.free[pool], 0).astype(np.int64)
+    room = int((free // per_worker).sum())
+    if room >= need:
+        return 0.0
+    rel = releases(snap)
+    p = cluster * snap.free_sum.shape[1] + model
+    lo, hi = int(rel.start[p]), int(rel.start[p + 1])
+    offset = pool.start
+    for k in range(lo, hi):
+        j = int(rel.node[k]) - offset
+        if not schedulable[j]:
+            continue
+        before = int(free[j]) // per_worker
+        free[j] = min(int(free[j]) + int(rel.gpus[k]), int(snap.total[offset + j]))
+        room += int(free[j]) // per_worker - before
+        if room >= need:
+            return max(float(rel.at_s[k]) - snap.now, 0.0)
+    return math.inf
+
+
+def room_at_s(snap: Snapshot, cluster: int, model: int, at_s: float, per_worker: int = 1) -> int:
+    """Workers of ``per_worker`` GPUs pool (``cluster``, ``model``)'s schedulable nodes will have
+    room for at ``at_s`` (the snapshot's clock): free now plus every known release by then."""
+    per_worker = max(per_worker, 1)
+    pool = snap.pool(cluster, model)
+    schedulable = snap.schedulable[pool]
+    free = np.where(schedulable, snap.free[pool], 0).astype(np.int64)
+    rel = releases(snap)
+    p = cluster * snap.free_sum.shape[1] + model
+    lo, hi = int(rel.start[p]), int(rel.start[p + 1])
+    due = lo + int(np.searchsorted(rel.at_s[lo:hi], at_s, side="right"))
+    if due > lo:
+        nodes = rel.node[lo:due] - pool.start
+        np.add.at(free, nodes, rel.gpus[lo:due])
+        free = np.minimum(free, snap.total[pool])
+        free = np.where(schedulable, free, 0)
+    return int((free // per_worker).sum())
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A waiting job's claim on the pool it waits for, from when it is expected to have room there."""
+
+    job_id: str
+    priority: int
+    submitted_at: float
+    cluster: str
+    gpu_model: str
+    workers: int
+    per_worker: int
+    start_s: float
+    """When the pool is expected to have room for it (the snapshot's clock)."""
+    expires_s: float
+    """Dropped after this unless renewed (the job was decided again and still waits)."""
+
+    @property
+    def gpus(self) -> int:
+        """GPUs the job needs there."""
+        return self.workers * self.per_worker
+
+    def ahead_of(self, priority: int, submitted_at: float | None, job_id: str) -> bool:
+        """Whether the reserving job comes before a job of this priority and submission time in
+        the queue (higher priority, or equal and submitted earlier; not the job itself)."""
+        if job_id == self.job_id:
+            return False
+        if self.priority != priority:
+            return self.priority > priority
+        return submitted_at is None or self.submitted_at <= submitted_at
+
+
+WAITING_FORGOTTEN_S = 4 * 3600.0
+"""A job seen waiting and not decided again for this long is taken to have left the queue."""
+MIN_RESERVATION_S = 600.0
+"""A reservation lives at least this long past its expected start unless renewed or used."""
+
+
+class WaitBook:
+    """Which jobs wait for which pool: one :class:`Reservation` per waiting job (a new claim of a job
+    replaces its old one). Shared by the plugins that decide to wait (the span guard, the backfill
+    post-filter), which read the GPUs claimed ahead of a job on a pool as part of its wait, and by
+    the one that keeps each pool for the first job in queue order waiting for it (backfill). Pure:
+    no I/O, no clock but the snapshot's."""
+
+    def __init__(self) -> None:
+        self.claims: dict[str, Reservation] = {}
+        self.waiting: dict[str, float] = {}
+        """Job id -> when it was last seen waiting (decided and not placed), on the snapshot's clock."""
+
+    def note_waiting(self, job_id: str, now: float) -> None:
+        """A job was decided and not placed: it is part of the queue until placed or forgotten."""
+        self.waiting[job_id] = now
+
+    def placed(self, job_id: str) -> Reservation | None:
+        """The job was placed: it waits no more; its claim (now given up), or None."""
+        self.waiting.pop(job_id, None)
+        return self.drop(job_id)
+
+    def waiting_jobs(self, now: float, exclude: str = "") -> int:
+        """Jobs seen waiting within :data:`WAITING_FORGOTTEN_S` (a job decided no more is forgotten)."""
+        stale = [j for j, seen in self.waiting.items() if now - seen > WAITING_FORGOTTEN_S]
+        for job_id in stale:
+            del self.waiting[job_id]
+        return len(self.waiting) - (exclude in self.waiting)
+
+    def reserve(self, reservation: Reservation) -> None:
+        """Record (or renew) a job's claim."""
+        self.claims[reservation.job_id] = reservation
+
+    def drop(self, job_id: str) -> Reservation | None:
+        """Forget a job's claim (it was placed, or gave up); the claim, or None."""
+        return self.claims.pop(job_id, None)
+
+    def expire(self, now: float) -> None:
+        """Forget claims not renewed in time (their job left the queue, or is decided no more)."""
+        stale = [job_id for job_id, held in self.claims.items() if held.expires_s < now]
+        for job_id in stale:
+            del self.claims[job_id]
+
+    def ahead(self, priority: int, submitted_at: float | None, job_id: str) -> list[Reservation]:
+        """Claims of jobs ahead of this one in queue order."""
+        return [r for r in self.claims.values() if r.ahead_of(priority, submitted_at, job_id)]
+
+    def first_ahead(self, priority: int, submitted_at: float | None, job_id: str) -> list[Reservation]:
+        """Per pool, the claim first in queue order, where it is ahead of this job (EASY backfilling
+        keeps a pool for that one only)."""
+        first: dict[tuple[str, str], Reservation] = {}
+        for r in self.ahead(priority, submitted_at, job_id):
+            key = (r.cluster, r.gpu_model)
+            held = first.get(key)
+            if held is None or r.ahead_of(held.priority, held.submitted_at, held.job_id):
+                first[key] = r
+        return list(first.values())
+
+    def __len__(self) -> int:
+        return len(self.claims)

@@ -1,0 +1,340 @@
+"""Decisions under contention: expected waits from running jobs' ends, spanning only when it pays
+within a GPU-hours bound, no waiting for faster GPUs while a queue waits, best fit over pools."""
+
+import math
+
+import numpy as np
+import pytest
+
+from loom.sched.availability import Reservation, WaitBook, expected_wait_s, room_at_s
+from loom.sched.firstfit import NodeCapacity
+from loom.sched.framework import Code, CycleState, Framework
+from loom.sched.plugins.backfill import Backfill, WaitingJobs
+from loom.sched.plugins.compute import PoolFit, ScuFit
+from loom.sched.plugins.network import SpanGuard
+from loom.sched.plugins.resources import ResourceFit
+from loom.sched.snapshot import NetMatrix, RunningJob, Snapshot
+from loom.sim.engine import simulate
+from loom.sim.model import Platform, SimJob, Trace
+from loom.sim.policies import FrameworkPolicy
+from loom_proto.jobs import Communication, JobSpec, Resources, Work
+
+NOW = 1000.0
+FAST, SLOW = "A100", "T4"
+
+
+def node(
+    name: str, cluster: str, region: str = "r1", *, model: str = FAST, gpus: int = 8, used: int = 0
+) -> NodeCapacity:
+    return NodeCapacity(
+        node=name,
+        cluster=cluster,
+        region=region,
+        zone=f"{region}-a",
+        gpu_model=model,
+        gpus_total=gpus,
+        gpus_reserved=used,
+    )
+
+
+def running(job_id: str, *allocations: tuple[str, int], ends_in_s: float | None) -> RunningJob:
+    return RunningJob(
+        job_id=job_id,
+        tenant="t",
+        priority=100,
+        cluster="ca",
+        gpu_model=FAST,
+        allocations=tuple(allocations),
+        expected_end_s=None if ends_in_s is None else NOW + ends_in_s,
+    )
+
+
+def snapshot(
+    nodes: list[NodeCapacity],
+    runs: list[RunningJob] = (),  # type: ignore[assignment]
+    *,
+    net: NetMatrix | None = None,
+    fast_speed: float = 3.0,
+) -> Snapshot:
+    speed = {(m, "training_compute"): s for m, s in ((FAST, fast_speed), (SLOW, 1.0))}
+    regions = sorted({n.region for n in nodes})
+    return Snapshot(nodes, net=net or NetMatrix(regions), speed=speed, now=NOW, running=list(runs))
+
+
+def gang(
+    job_id: str = "g", workers: int = 2, gpus: int = 4, *, span: bool = False, comm_bytes: int = 10**8
+) -> JobSpec:
+    return JobSpec(
+        job_id=job_id,
+        tenant="t",
+        workers=workers,
+        resources=Resources(gpus=gpus),
+        work=Work(steps=1000, step_time_s=1.0),
+        comm=Communication(bytes_per_step=comm_bytes),
+        allow_multi_cluster=span,
+    )
+
+
+# ---- expected waits -------------------------------------------------------------------------------
+
+
+def test_expected_wait_comes_from_the_running_jobs_predicted_ends() -> None:
+    # Pool (ca, A100): a0 has 4 free, a1 is full; one job ends in 100 s (4 GPUs of a0's neighbour
+    # a1), another in 300 s (the other 4 of a1).
+    snap = snapshot(
+        [node("a0", "ca", used=4), node("a1", "ca", used=8)],
+        [
+            running("j1", ("a1", 4), ends_in_s=100.0),
+            running("j2", ("a1", 4), ends_in_s=300.0),
+            running("j0", ("a0", 4), ends_in_s=None),
+        ],
+    )
+    c, m = snap.cluster_index["ca"], snap.model_index[FAST]
+    assert expected_wait_s(snap, c, m, workers=1, per_worker=4) == 0.0  # a0 has room now
+    assert expected_wait_s(snap, c, m, workers=2, per_worker=4) == pytest.approx(100.0)
+    assert expected_wait_s(snap, c, m, workers=3, per_worker=4) == pytest.approx(300.0)
+    # a0's other 4 GPUs are held by a job with no predicted end: never counted on.
+    assert math.isinf(expected_wait_s(snap, c, m, workers=4, per_worker=4))
+    # Whole workers per node: 8-GPU workers need a1 empty, at 300 s.
+    assert expected_wait_s(snap, c, m, workers=1, per_worker=8) == pytest.approx(300.0)
+    # GPUs claimed by jobs queued ahead come first.
+    assert expected_wait_s(snap, c, m, workers=1, per_worker=4, ahead_gpus=4) == pytest.approx(100.0)
+    assert room_at_s(snap, c, m, NOW + 150.0, per_worker=4) == 2
+    assert room_at_s(snap, c, m, NOW + 1e6, per_worker=4) == 3
+
+
+def test_a_job_past_its_predicted_end_frees_its_gpus_now_in_the_estimate() -> None:
+    snap = snapshot([node("a0", "ca", used=8)], [running("late", ("a0", 8), ends_in_s=-50.0)])
+    assert expected_wait_s(snap, 0, 0, workers=1, per_worker=8) == 0.0
+
+
+def test_the_simulator_gives_running_jobs_the_end_placement_predicted() -> None:
+    seen: list[tuple[str, float | None]] = []
+
+    class Probe:
+        """A pre-filter that records what the running jobs look like to each decision."""
+
+        name = "probe"
+
+        def pre_filter(self, state: CycleState) -> object:
+            from loom.sched.framework import Status
+
+            seen.extend((r.job_id, r.expected_end_s) for r in state.snapshot.running)
+            return Status()
+
+    built = Platform(
+        name="one",
+        nodes=[node("a0", "ca", gpus=8)],
+        clusters={},
+        net=NetMatrix(["r1"]),
+        economics=snapshot([node("a0", "ca")]).economics,
+        speed={(FAST, "training_compute"): 2.0},
+        gpu_memory_gib={FAST: 80.0},
+    )
+    first = JobSpec(
+        job_id="first", tenant="t", resources=Resources(gpus=4), work=Work(steps=100, step_time_s=1.0)
+    )
+    second = JobSpec(
+        job_id="second", tenant="t", resources=Resources(gpus=4), work=Work(steps=10, step_time_s=1.0)
+    )
+    policy = FrameworkPolicy("probe", Framework([Probe(), ResourceFit(), ScuFit()]))
+    simulate(Trace([SimJob(first, 0.0), SimJob(second, 10.0)]), built, policy)
+    # "first" started at 0 on GPUs twice the reference: 100 steps x 0.5 s.
+    assert ("first", pytest.approx(50.0)) in seen
+
+
+# ---- spanning -------------------------------------------------------------------------------------
+
+
+def ocean() -> NetMatrix:
+    net = NetMatrix(["r1", "r2"])
+    net.set_link("r1", "r2", rtt_ms=100.0, bandwidth_gbps=1.0)
+    net.set_link("r2", "r1", rtt_ms=100.0, bandwidth_gbps=1.0)
+    return net
+
+
+def test_a_gang_that_could_fit_one_cluster_soon_waits_instead_of_spanning() -> None:
+    # ca (r1) has 8 of its 16 GPUs busy until 100 s from now; cb (r2) has 8 free: the gang of 16
+    # fits no cluster now, and spread over the ocean each step all-reduces over 1 Gbit/s.
+    nodes = [
+        node("a0", "ca", used=8),
+        node("a1", "ca"),
+        node("b0", "cb", "r2"),
+        node("b1", "cb", "r2", used=8),
+    ]
+    runs = [running("busy", ("a0", 8), ends_in_s=100.0)]
+    snap = snapshot(nodes, runs, net=ocean())
+    book = WaitBook()
+    outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book)]).schedule(
+        gang(span=True, workers=4), snap, submitted_at=NOW
+    )
+    assert outcome.decision is None and outcome.status.code == Code.UNSCHEDULABLE
+    assert "waiting for one cluster" in outcome.status.reason and "in ca" in outcome.status.reason
+    assert outcome.status.wait_s == pytest.approx(100.0)
+    assert book.claims["g"].cluster == "ca" and book.claims["g"].start_s == pytest.approx(NOW + 100.0)
+    assert int(snap.free.sum()) == 16  # nothing taken
+
+
+def test_a_spread_that_would_hold_more_gpu_hours_than_the_bound_does_not_happen() -> None:
+    # The one cluster that holds the gang is busy with no predicted end: waiting is priced as
+    # forever, so the spread would finish sooner, but it holds many times the GPU-hours of the gang
+    # in one cluster: refused anyway.
+    nodes = [
+        node("a0", "ca", used=8),
+        node("a1", "ca"),
+        node("b0", "cb", "r2"),
+        node("b1", "cb", "r2", used=8),
+    ]
+    snap = snapshot(nodes, [running("busy", ("a0", 8), ends_in_s=None)], net=ocean())
+    outcome = Framework([ResourceFit(), ScuFit(), SpanGuard()]).schedule(
+        gang(span=True, workers=4), snap, submitted_at=NOW
+    )
+    assert outcome.decision is None and "GPU-hours" in outcome.status.reason
+
+
+def test_a_spread_within_the_bound_that_ends_sooner_than_waiting_goes_ahead() -> None:
+    # Two clusters of one region (100 Gbit/s between them): spread, a step costs about what it
+    # does in one cluster; the one cluster that holds the gang is busy for 10,000 s.
+    nodes = [node("a0", "ca", used=8), node("a1", "ca"), node("b0", "cb"), node("b1", "cb", used=8)]
+    snap = snapshot(nodes, [running("busy", ("a0", 8), ends_in_s=10_000.0)])
+    outcome = Framework([ResourceFit(), ScuFit(), SpanGuard()]).schedule(
+        gang(span=True, workers=4), snap, submitted_at=NOW
+    )
+    assert outcome.decision is not None and {p.cluster for p in outcome.decision.parts} == {"ca", "cb"}
+    # The same spread when the cluster frees in 10 s: waiting ends sooner, so the gang waits.
+    soon = snapshot(nodes, [running("busy", ("a0", 8), ends_in_s=10.0)])
+    waits = Framework([ResourceFit(), ScuFit(), SpanGuard()]).schedule(
+        gang(span=True, workers=4), soon, submitted_at=NOW
+    )
+    assert waits.decision is None and waits.status.wait_s == pytest.approx(10.0)
+
+
+def test_the_span_guard_refuses_a_gpu_hours_bound_below_one() -> None:
+    with pytest.raises(ValueError, match="gpu_hours_bound"):
+        SpanGuard(gpu_hours_bound=0.9)
+    with pytest.raises(ValueError, match="margin"):
+        SpanGuard(margin=1.0)
+
+
+# ---- waiting for faster GPUs while others wait --------------------------------------------------
+
+
+def test_a_gang_does_not_wait_for_faster_gpus_while_other_jobs_wait() -> None:
+    nodes = [node("a0", "ca", used=8), node("b0", "cb", model=SLOW)]
+    runs = [running("busy", ("a0", 8), ends_in_s=100.0)]
+    book = WaitBook()
+    framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book)])
+    alone = framework.schedule(gang(), snapshot(nodes, runs), submitted_at=NOW)
+    assert alone.decision is None  # nobody else waits: 100 s + 333 s beats 1,000 s on T4
+    book.drop("g")
+    book.waiting.clear()
+    book.note_waiting("someone-else", NOW)
+    queued = framework.schedule(gang(), snapshot(nodes, runs), submitted_at=NOW)
+    assert queued.decision is not None and queued.decision.parts[0].gpu_model == SLOW
+
+
+def test_the_wait_book_notes_waiting_jobs_and_forgets_them_when_placed() -> None:
+    book = WaitBook()
+    framework = Framework([ResourceFit(), ScuFit(), WaitingJobs(book)])
+    full = snapshot([node("a0", "ca", used=8)])
+    assert framework.schedule(gang(), full).decision is None
+    assert book.waiting_jobs(NOW) == 1 and book.waiting_jobs(NOW, exclude="g") == 0
+    free = snapshot([node("a0", "ca")])
+    assert framework.schedule(gang(), free).decision is not None
+    assert book.waiting_jobs(NOW) == 0
+
+
+# ---- backfill (opt-in) ----------------------------------------------------------------------------
+
+
+def test_backfill_keeps_a_claimed_pool_from_a_job_behind_that_would_delay_the_claimant() -> None:
+    book = WaitBook()
+    book.reserve(
+        Reservation(
+            job_id="big",
+            priority=100,
+            submitted_at=0.0,
+            cluster="ca",
+            gpu_model=FAST,
+            workers=2,
+            per_worker=8,
+            start_s=NOW + 100.0,
+            expires_s=NOW + 10_000.0,
+        )
+    )
+    # ca: a0 free, a1 busy until 100 s: the claimant needs both nodes then.
+    nodes = [node("a0", "ca"), node("a1", "ca", used=8), node("b0", "cb", model=SLOW)]
+    runs = [running("busy", ("a1", 8), ends_in_s=100.0)]
+    framework = Framework([ResourceFit(), ScuFit(), Backfill(book)])
+    long_job = JobSpec(
+        job_id="long", tenant="t", resources=Resources(gpus=8), work=Work(steps=10_000, step_time_s=1.0)
+    )
+    outcome = framework.schedule(long_job, snapshot(nodes, runs), submitted_at=NOW)
+    assert outcome.decision is not None and outcome.decision.parts[0].cluster == "cb"
+    # A job that ends before the claimant is expected to start may use the pool.
+    short = JobSpec(
+        job_id="short", tenant="t", resources=Resources(gpus=8), work=Work(steps=30, step_time_s=1.0)
+    )
+    outcome = framework.schedule(short, snapshot(nodes, runs), submitted_at=NOW)
+    assert outcome.decision is not None and outcome.decision.parts[0].cluster == "ca"
+
+
+# ---- best fit over pools --------------------------------------------------------------------------
+
+
+def pool_fit_scores(snap: Snapshot, spec: JobSpec, book: WaitBook | None = None) -> dict[str, float]:
+    framework = Framework([ResourceFit(), PoolFit()])
+    state = framework.new_state(spec, snap)
+    assert framework.run_pre_filters(state).ok
+    cands = framework.find_candidates(state)
+    plugin = PoolFit(book)
+    norm = plugin.normalize(state, plugin.score(state, cands))
+    return {snap.clusters[int(c)].id: float(v) for c, v in zip(cands.cluster, norm, strict=True)}
+
+
+def test_pool_fit_keeps_large_pools_for_large_gangs_only_when_the_platform_is_busy() -> None:
+    small = [node("s0", "small")]  # 8 GPUs
+    large = [node(f"l{i}", "large") for i in range(8)]  # 64 GPUs
+    job = JobSpec(job_id="j", tenant="t", resources=Resources(gpus=4), work=Work(steps=10, step_time_s=1.0))
+    idle = pool_fit_scores(snapshot(small + large), job)
+    assert idle == {"small": 100.0, "large": 100.0}  # an idle platform: no preference
+    # 320 of 392 GPUs busy elsewhere (82 %): the platform is busy, the small pool is the better fit.
+    busy = snapshot([*small, *[node(f"o{i}", "other", used=8) for i in range(40)], *large])
+    scores = pool_fit_scores(busy, job)
+    assert scores["small"] > scores["large"]
+    assert scores["large"] == pytest.approx(0.0, abs=1e-9)
+    # Half used, nobody waiting: a quarter of its say; a job waiting: all of it.
+    half = snapshot([*small, *[node(f"o{i}", "other", used=8) for i in range(9)], *large])
+    assert pool_fit_scores(half, job)["large"] == pytest.approx(100.0 * (1 - (0.5 - 0.4) / 0.4))
+    book = WaitBook()
+    book.note_waiting("someone", NOW)
+    assert pool_fit_scores(half, job, book)["large"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_pool_fit_does_not_trade_a_jobs_speed_for_a_pools_shape() -> None:
+    # The small pool is 3x slower for the job: no preference for it.
+    nodes = [node("s0", "small", model=SLOW), *[node(f"l{i}", "large") for i in range(8)]]
+    nodes += [node(f"o{i}", "other", used=8) for i in range(40)]
+    job = JobSpec(job_id="j", tenant="t", resources=Resources(gpus=4), work=Work(steps=10, step_time_s=1.0))
+    scores = pool_fit_scores(snapshot(nodes), job)
+    assert scores["small"] == pytest.approx(scores["large"])
+    assert np.isfinite(list(scores.values())).all()
+
+
+def test_the_placement_books_runs_carry_their_predicted_end() -> None:
+    from loom_proto.jobs import JobSubmitted
+    from services.placement.book import QueuedJob, Run
+
+    job = JobSubmitted(job_id="j", tenant="t", work=Work(steps=600, step_time_s=1.0))
+    parts = [("ca", FAST, (("a0", 1),))]
+    run = Run(queued=QueuedJob(job=job, carrier={}), attempt=1, parts=parts, workers=1)
+    assert run.running_job().expected_end_s is None  # placed before predictions were kept
+    timed = Run(
+        queued=QueuedJob(job=job, carrier={}),
+        attempt=1,
+        parts=parts,
+        workers=1,
+        started_at=NOW,
+        predicted_step_s=0.5,
+    )
+    assert timed.running_job().expected_end_s == pytest.approx(NOW + 600 * 0.5)
