@@ -309,7 +309,9 @@ def _mean(values: Sequence[float | None]) -> float | None:
 
 def margin(by_policy: Mapping[str, Mapping[str, Any]], target: str = TARGET) -> dict[str, Any]:
     """Loom's margin over its best baseline on mean JCT: ``(best - loom) / best`` (positive: Loom is
-    faster), with the baseline's name; None when Loom or every baseline has no mean JCT.
+    faster), with the baseline's name; None when Loom or every baseline has no mean JCT, and None
+    when a baseline finished more jobs than Loom (``loom_finished_fewer`` names them: Loom's mean
+    would leave out jobs theirs includes, so the cell counts as a loss to explain, not a margin).
 
     Only baselines that finished at least as many jobs as Loom are compared (``not_comparable``
     names the others): a policy that rejects the jobs its rule cannot place (``home_region`` with a
@@ -318,19 +320,25 @@ def margin(by_policy: Mapping[str, Mapping[str, Any]], target: str = TARGET) -> 
     done = mine.get("finished")
     baselines: dict[str, float] = {}
     fewer: list[str] = []
+    more: list[str] = []
     for name, f in by_policy.items():
         if name == target or name in BOUNDS or f.get("jct_mean_s") is None:
             continue
         if done is not None and f.get("finished") is not None and f["finished"] < done:
             fewer.append(name)
             continue
+        if done is not None and f.get("finished") is not None and f["finished"] > done:
+            more.append(name)
         baselines[name] = float(f["jct_mean_s"])
     if mine.get("jct_mean_s") is None or not baselines:
-        return {"best_baseline": None, "margin": None, "not_comparable": fewer}
+        return {"best_baseline": None, "margin": None, "not_comparable": fewer, "loom_finished_fewer": more}
+    if more:
+        # Loom's mean would cover fewer (likely shorter) jobs than theirs: no margin, said so.
+        return {"best_baseline": None, "margin": None, "not_comparable": fewer, "loom_finished_fewer": more}
     best = min(baselines, key=lambda n: (baselines[n], n))
     value = baselines[best]
     result = (value - float(mine["jct_mean_s"])) / value if value > 0 else None
-    return {"best_baseline": best, "margin": result, "not_comparable": fewer}
+    return {"best_baseline": best, "margin": result, "not_comparable": fewer, "loom_finished_fewer": more}
 
 
 def aggregate(cell: str, seeds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -489,6 +497,11 @@ def format_line(line: Mapping[str, Any]) -> str:
         + (
             f"; not comparable (finished fewer): {', '.join(line['not_comparable'])}"
             if line.get("not_comparable")
+            else ""
+        )
+        + (
+            f"; LOOM FINISHED FEWER than {', '.join(line['loom_finished_fewer'])}: no margin"
+            if line.get("loom_finished_fewer")
             else ""
         )
     )

@@ -6,7 +6,7 @@ the service's handlers, which change it only after their transaction committed.
 
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import asyncpg
@@ -15,7 +15,7 @@ from opentelemetry import propagate
 from opentelemetry.context import Context
 
 from loom.model.profiles import speeds_for_model
-from loom.model.scu import TASK_TYPES, UNPROFILED_SPEED
+from loom.model.scu import TASK_TYPES, UNPROFILED_SPEED, Precision
 from loom.model.topology import Topology
 from loom.sched.firstfit import NodeCapacity
 from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, RunningJob, Snapshot
@@ -58,6 +58,9 @@ class Run:
     """When it was placed (the snapshot's clock, wall seconds); None when not known."""
     predicted_step_s: float | None = None
     """The decision's predicted seconds per step; None when placement bound none."""
+    progress_at_start: float = 0.0
+    """Share of the work already done when ``started_at`` was taken (a run restored from the
+    store after a restart or leader change is timed from then, for what is left)."""
     _core: RunningJob | None = None
 
     @property
@@ -106,7 +109,8 @@ class Run:
         (what :mod:`loom.sched.availability` reads); None when either is not known."""
         if self.started_at is None or not self.predicted_step_s:
             return None
-        return self.started_at + self.job.work.steps * self.predicted_step_s
+        left = max(1.0 - self.progress_at_start, 0.0) * self.job.work.steps
+        return self.started_at + left * self.predicted_step_s
 
 
 class Book:
@@ -260,10 +264,15 @@ class Book:
             self._memory[model] = tables.memory_gib
         return self._speed
 
-    def speed(self, model: str, task_type: str) -> float:
-        """One GPU's SCU for a task type (:data:`~loom.model.scu.UNPROFILED_SPEED` for a model the
-        library does not know)."""
-        return self._speeds([model]).get((model, task_type), UNPROFILED_SPEED)
+    def speed(self, model: str, task_type: str, precision: Precision = "fp32") -> float:
+        """One GPU's SCU for a task type at a precision (:data:`~loom.model.scu.UNPROFILED_SPEED` for
+        a model the library does not know): what a job's learned factor multiplies, as the snapshot's
+        :meth:`~loom.sched.snapshot.Snapshot.job_speeds` does."""
+        table = self._speeds([model])
+        fp32 = table.get((model, task_type), UNPROFILED_SPEED)
+        if precision == "fp16":
+            return self._half_speed.get((model, task_type), fp32)
+        return fp32
 
     def set_learned(self, learned: dict[tuple[str, str], float]) -> None:
         """Adopt new learned speed factors: the kept snapshot applies them from its next cycle."""
@@ -321,8 +330,20 @@ def queued_from_row(row: asyncpg.Record) -> QueuedJob:
     )
 
 
-def run_from_row(row: asyncpg.Record, nodes: Mapping[str, NodeCapacity]) -> Run:
-    """A run from :func:`loom.store.jobs.active_runs`' row."""
+def run_from_row(
+    row: asyncpg.Record,
+    nodes: Mapping[str, NodeCapacity],
+    *,
+    now: float | None = None,
+    step_s: Callable[[JobSubmitted, str, int], float | None] | None = None,
+) -> Run:
+    """A run from :func:`loom.store.jobs.active_runs`' row.
+
+    The store keeps no predicted end: given ``now`` and ``step_s`` (the believed seconds per step
+    of the job on the lead's GPU model with its workers), the run is timed from ``now`` for the
+    work its progress says is left, so waits computed from running jobs' ends
+    (:mod:`loom.sched.availability`) stay finite across a restart or a change of leader.
+    """
     queued = queued_from_row(row)
     queued.attempt = int(row["attempt"])
     by_cluster: dict[str, list[tuple[str, int]]] = {}
@@ -344,4 +365,7 @@ def run_from_row(row: asyncpg.Record, nodes: Mapping[str, NodeCapacity]) -> Run:
         workers=workers,
         progress=float(row["progress"]),
         labels=job.labels,
+        started_at=now if step_s is not None else None,
+        predicted_step_s=step_s(job, parts[0][1], workers) if step_s is not None and parts else None,
+        progress_at_start=float(row["progress"]),
     )

@@ -50,7 +50,7 @@ from loom.sched.plugins.network import AlphaLearner
 from loom.sched.plugins.quota import Quota
 from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, QuotaBook, TenantConfig
-from loom.sched.snapshot import Economics
+from loom.sched.snapshot import Economics, job_precision
 from loom.store import fence, inbox, outbox, speeds
 from loom.store import jobs as repo
 from loom.store.fence import FencedError
@@ -196,8 +196,11 @@ class PlacementService:
         self.learner = await speeds.load_learner(self.pool, self.learner.settings)
         self._adopt_learned()
         self.book.clear_runs()
+        now = time.time()
         for row in await repo.active_runs(self.pool):
-            self.book.add_run(run_from_row(row, self.book.nodes), from_store=True)
+            self.book.add_run(
+                run_from_row(row, self.book.nodes, now=now, step_s=self._believed_step_s), from_store=True
+            )
         self.queue.clear()
         for row in await repo.queued_jobs(self.pool):
             q = queued_from_row(row)
@@ -1197,9 +1200,21 @@ class PlacementService:
             job_id=job.job_id,
             family=job_family(job),
             gpu_model=model,
-            prior_speed=self.book.speed(model, job.task_type),
+            prior_speed=self.book.speed(model, job.task_type, job_precision(job)),
             observed_speed=job.work.step_time_s / done.observed_step_s,
         )
+
+    def _believed_step_s(self, job: JobSubmitted, model: str, workers: int) -> float | None:
+        """Seconds per step placement believes ``job`` takes on ``model`` with ``workers``: its
+        reference step over the GPU's SCU for the job (task type, precision, learned factor), an
+        elastic job with fewer workers slower in proportion (compute only; no network)."""
+        if not model:
+            return None
+        speed = self.book.speed(model, job.task_type, job_precision(job))
+        speed *= self.book.learned.get((job_family(job), model), 1.0)
+        if speed <= 0:
+            return None
+        return job.work.step_time_s / speed * max(job.workers, 1) / max(workers, 1)
 
     def _adopt_learned(self) -> None:
         """Give the book (and so every cycle's snapshot) the learner's current factors."""

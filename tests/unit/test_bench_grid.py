@@ -69,6 +69,7 @@ def test_the_margin_is_over_the_best_comparable_baseline_and_never_over_the_orac
         "best_baseline": "gavel_like",
         "margin": pytest.approx(0.1),
         "not_comparable": ["home_region"],
+        "loom_finished_fewer": [],
     }
     seeds = [
         {"seed": 0, "jobs": 10, "platform_gpus": 64, "policies": figures},
@@ -162,3 +163,20 @@ def test_load_is_counted_against_the_platforms_compute_in_reference_gpus() -> No
     assert believed == pytest.approx(
         sum(g * platform.speed[(m, "training_compute")] for m, g in by_model.items())
     )
+
+
+def test_no_margin_when_a_baseline_finished_more_jobs_than_loom() -> None:
+    from loom_benchmarks.grid import margin
+
+    figures = {
+        "loom": {"jct_mean_s": 100.0, "finished": 9},
+        "first_fit": {"jct_mean_s": 150.0, "finished": 10},
+        "random": {"jct_mean_s": 200.0, "finished": 9},
+    }
+    m = margin(figures)
+    assert m["margin"] is None and m["best_baseline"] is None
+    assert m["loom_finished_fewer"] == ["first_fit"]
+    figures["first_fit"]["finished"] = 9
+    m = margin(figures)
+    assert m["margin"] == pytest.approx(0.5 / 1.5) and m["best_baseline"] == "first_fit"
+    assert m["loom_finished_fewer"] == []

@@ -338,3 +338,42 @@ def test_the_placement_books_runs_carry_their_predicted_end() -> None:
         predicted_step_s=0.5,
     )
     assert timed.running_job().expected_end_s == pytest.approx(NOW + 600 * 0.5)
+
+
+def test_a_run_restored_from_the_store_is_timed_for_the_work_left() -> None:
+    """After a restart or a change of leader the store gives no predicted end: the restored run is
+    timed from the restore for what its progress says is left, at the believed step, so waits
+    computed from running jobs' ends stay finite (without ``step_s`` it has none, as before)."""
+    import json
+
+    import msgspec
+
+    from loom.sched.firstfit import NodeCapacity
+    from loom_proto.jobs import JobSubmitted
+    from services.placement.book import run_from_row
+
+    job = JobSubmitted(job_id="j", tenant="t", workers=2, work=Work(steps=1000, step_time_s=1.0))
+    row = {
+        "spec": msgspec.json.encode(job),
+        "trace_context": json.dumps({}),
+        "attempt": 1,
+        "avoid_clusters": [],
+        "parent": None,
+        "nodes": ["a0"],
+        "clusters": ["ca"],
+        "gpus": [1],
+        "cluster": "ca",
+        "workers": 1,
+        "progress": 0.4,
+    }
+    nodes = {"a0": NodeCapacity(node="a0", cluster="ca", region="r", zone="z", gpu_model=FAST, gpus_total=8)}
+    seen: list[tuple[str, int]] = []
+
+    def step_s(spec: JobSubmitted, model: str, workers: int) -> float:
+        seen.append((model, workers))
+        return 0.5
+
+    restored = run_from_row(row, nodes, now=NOW, step_s=step_s)  # type: ignore[arg-type]
+    assert seen == [(FAST, 1)]
+    assert restored.running_job().expected_end_s == pytest.approx(NOW + 600 * 0.5)
+    assert run_from_row(row, nodes).running_job().expected_end_s is None  # type: ignore[arg-type]

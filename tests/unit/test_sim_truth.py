@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from loom.model.topology import load_topology
@@ -443,9 +444,6 @@ def test_a_three_times_wrong_profile_is_learned_within_15_percent_in_ten_runs_an
     # The loom policy learns by itself too (its own learner), as placement does.
     own = simulate(Trace(jobs=list(jobs)), two_pool_platform(), POLICIES["loom"](0), truth=truth, seed=3)
     assert [r.gpu_model for r in own.records] == [r.gpu_model for r in result.records]
-    # The loom policy learns by itself too (its own learner), as placement does.
-    own = simulate(Trace(jobs=list(jobs)), two_pool_platform(), POLICIES["loom"](0), truth=truth, seed=3)
-    assert [r.gpu_model for r in own.records] == [r.gpu_model for r in result.records]
     records = sorted(result.records, key=lambda r: r.arrival_s)
     a100_runs = [r for r in records if r.gpu_model == "A100"]
     assert records[0].gpu_model == "A100"  # believed 3x: the first job goes there
@@ -461,3 +459,59 @@ def test_a_three_times_wrong_profile_is_learned_within_15_percent_in_ten_runs_an
     blind_policy.speed_learner = None
     blind = simulate(Trace(jobs=list(jobs)), two_pool_platform(), blind_policy, truth=truth, seed=3)
     assert all(r.gpu_model == "A100" for r in blind.records)
+
+
+def test_a_half_precision_family_learns_against_its_half_precision_profile() -> None:
+    """The learned factor multiplies the fp16 speed for an fp16 family, so it must be measured
+    against the fp16 speed: the belief then converges to the truth (not to truth x fp16 / fp32)."""
+    from loom.model.learn import SpeedLearner
+
+    plat = two_pool_platform()
+    plat.half_speed.update({("A100", t): 6.0 for t in ("training_compute", "inference", "training_memory")})
+    plat.half_speed.update({("H100", t): 2.0 for t in ("training_compute", "inference", "training_memory")})
+    truth = parse_truth(
+        tiny(
+            [
+                c("fam", "V100M16", 10.0, precision="fp16"),
+                c("fam", "A100", 20.0, precision="fp16"),
+                c("fam", "H100", 30.0, precision="fp16"),
+            ],
+            families={"fam": {"task_type": "training_compute"}},
+        )
+    )
+    spec = msgspec.structs.replace(
+        fam_job("h0", steps=100, step_time_s=1.0), labels={"model": "fam", "precision": "fp16"}
+    )
+    jobs = [
+        SimJob(spec=msgspec.structs.replace(spec, job_id=f"h{i}"), arrival_s=1000.0 * i) for i in range(4)
+    ]
+    learner = SpeedLearner()
+    records = simulate(
+        Trace(jobs=jobs), plat, POLICIES["loom"](0), truth=truth, learner=learner, seed=1
+    ).records
+    assert records[0].gpu_model == "A100" and records[0].belief_step_s == pytest.approx(1 / 6)
+    estimate = learner.estimate("fam@fp16", "A100")
+    assert estimate.factor == pytest.approx(2.0 / 6.0, rel=0.05)  # true 2x over the fp16 profile's 6x
+    # Once learned, what the scheduler expects of the next runs is what they deliver.
+    last = records[-1]
+    assert last.gpu_model == "A100" and last.belief_compute_step_s == pytest.approx(
+        last.compute_step_s, rel=0.05
+    )
+
+
+def test_the_oracle_keeps_the_truth_when_a_learner_is_passed() -> None:
+    from loom.model.learn import SpeedLearner
+
+    truth = parse_truth(
+        tiny(
+            [c("fam", "V100M16", 10.0), c("fam", "A100", 10.0), c("fam", "H100", 20.0)],
+            families={"fam": {"task_type": "training_compute"}},
+        )
+    )
+    jobs = [SimJob(spec=fam_job(f"o{i}", steps=100, step_time_s=1.0), arrival_s=1000.0 * i) for i in range(3)]
+    learner = SpeedLearner()
+    records = simulate(
+        Trace(jobs=jobs), two_pool_platform(), POLICIES["oracle"](0), truth=truth, learner=learner, seed=1
+    ).records
+    assert [r.gpu_model for r in records] == ["H100"] * 3  # knows from the start: H100 is truly 2x
+    assert learner.estimates() == []  # and learns nothing that could overwrite the truth

@@ -115,9 +115,9 @@ from loom.sched.pipeline import transfer_s
 from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s
-from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob
+from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob, job_precision
 from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob, SimResult, Trace
-from loom.sim.policies import FrameworkPolicy
+from loom.sim.policies import FrameworkPolicy, OraclePolicy
 from loom.sim.truth import BELIEF, BeliefTiming, Truth, load_truth
 from loom.sim.workloads import check_regions
 from loom_proto.jobs import JobSpec, JobSubmitted
@@ -372,10 +372,14 @@ class _Simulation:
         self.policy = policy
         self.fast = policy if isinstance(policy, FrameworkPolicy) else None
         own = self.fast.speed_learner if self.fast is not None else None
-        self.speed_learner = (learner if learner is not None else own) if truth is not None else None
+        knows = isinstance(policy, OraclePolicy)  # the truth is its learned table: nothing to learn
+        self.speed_learner = (
+            (learner if learner is not None else own) if truth is not None and not knows else None
+        )
         """Learns each family's speed per GPU model from completed runs (see :meth:`_learn_speed`): the
         one given, else the policy's own (``FrameworkPolicy.speed_learner``); none when jobs are timed
-        by the belief (a run then delivers exactly what was believed: there is nothing to learn)."""
+        by the belief (a run then delivers exactly what was believed: there is nothing to learn) or
+        for the oracle (whose learned table is the truth, set once by its ``prepare``)."""
         self.sort_key = self.fast.sort_key if self.fast is not None else _default_sort_key
         self.sample_every_s = sample_every_s
         self.budget = max(int(max_decisions_per_event), 1)
@@ -433,9 +437,9 @@ class _Simulation:
         self.retired: list[list[RunningJob]] = []
         """Running lists replaced, emptied but kept alive (see :meth:`_drop_running`)."""
         self.trust = {c.id: float(self.snap.trust[i]) for i, c in enumerate(self.snap.clusters)}
-        if self.fast is not None:
-            self.fast.prepare(self.snap, trace, truth, seed)
         self._expand(trace)
+        if self.fast is not None:
+            self.fast.prepare(self.snap, [job.spec for job in self.order], truth, seed)
         for job in self.order:
             if job.parents_left == 0 and not job.done:
                 self._push(_Event(job.sim.arrival_s, _ARRIVAL, 0, job_id=job.sim.spec.job_id))
@@ -901,14 +905,16 @@ class _Simulation:
             compute_s, raw_step_s = self._true_step(spec, d, speeds, true_speeds, regions, pipeline, noise)
         scale = spec.workers / d.workers if (not pipeline and 0 < d.workers != spec.workers) else 1.0
         step_s = raw_step_s * scale
-        wait_s, extra_s, copy_bytes = self._data(job, regions[0], job.steps_left * step_s, d)
+        wait_s, extra_s, copy_bytes, belief_extra_s = self._data(
+            job, regions[0], job.steps_left * step_s, d, job.steps_left * belief_step_s * scale
+        )
         gpus_by_part = [sum(g for _, g in p.allocations) for p in parts]
         gpus = sum(gpus_by_part)
         distinct = list(dict.fromkeys(regions))
         econ = snap.economics
         run = _Run(
             decision=d,
-            core=self._core(job, d, pipeline, step_s=belief_step_s * scale, delay_s=wait_s + extra_s),
+            core=self._core(job, d, pipeline, step_s=belief_step_s * scale, delay_s=wait_s + belief_extra_s),
             pairs=sorted({(snap.cluster_index[p.cluster], snap.model_index[p.gpu_model]) for p in parts}),
             lead_pair=(snap.cluster_index[parts[0].cluster], snap.model_index[parts[0].gpu_model]),
             lead_gpus=gpus_by_part[0],
@@ -1063,21 +1069,26 @@ class _Simulation:
             wall += sum(self.snap.net.link(u, regions[0])[0] for u in users) / len(users) / 1000.0
         return compute, wall
 
-    def _data(self, job: _Job, lead: str, run_s: float, d: Decision) -> tuple[float, float, float]:
-        """(seconds waited before starting, seconds added while reading remotely, bytes copied)."""
+    def _data(
+        self, job: _Job, lead: str, run_s: float, d: Decision, belief_run_s: float
+    ) -> tuple[float, float, float, float]:
+        """(seconds waited before starting, seconds added while reading remotely, bytes copied, and
+        the seconds the scheduler expects reading remotely to add: from ``belief_run_s``, the run as
+        it believes it, so no truth reaches the running job's predicted end)."""
         data = job.spec.data
         if data is None:
-            return 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0
         holders = [data.region, *data.replicas]
         if lead in holders or lead in job.data_regions:
-            return 0.0, 0.0, 0.0
+            return 0.0, 0.0, 0.0, 0.0
         job.data_regions.add(lead)
         sync_s = min(self.snap.net.transfer_s(h, lead, data.size_gb) for h in holders)
         copied = data.size_gb * 1e9
         if data.start == "after_sync":
-            return max(sync_s, d.start_after_s), 0.0, copied
+            return max(sync_s, d.start_after_s), 0.0, copied, 0.0
         extra = float(data_delay_s(run_s, np.array(sync_s), "while_syncing"))
-        return 0.0, extra, copied
+        believed = float(data_delay_s(belief_run_s, np.array(sync_s), "while_syncing"))
+        return 0.0, extra, copied, believed
 
     @staticmethod
     def _cross_bytes_per_step(spec: JobSpec, d: Decision, regions: Sequence[str], pipeline: bool) -> float:
@@ -1213,7 +1224,7 @@ class _Simulation:
         learner.observe(
             job_family(spec),
             model,
-            prior_speed=self.snap.gpu_speed(model, spec.task_type),
+            prior_speed=self.snap.gpu_speed(model, spec.task_type, job_precision(spec)),
             observed_speed=spec.work.step_time_s / run.compute_s,
         )
         self.snap.set_learned(learner.factors())
@@ -1503,7 +1514,9 @@ def simulate(
 
     ``learner``: a speed learner (:mod:`loom.model.learn`) taught by every completed single-part run,
     whose factors every later decision uses (``Snapshot.set_learned``), as placement does; None:
-    nothing is learned.
+    the policy's own (``FrameworkPolicy.speed_learner``: ``loom`` and ``gavel_like`` learn, the
+    other baselines do not). Nothing is learned when jobs are timed by belief (``truth=BELIEF``: a
+    run delivers what was believed) nor by the ``oracle`` (its learned table is the truth).
     """
     check_regions(trace, {*platform.net.regions, *(c.region for c in platform.clusters.values())})
     started = time.perf_counter()

@@ -64,8 +64,8 @@ from loom.sched.plugins.network import AlphaLearner
 from loom.sched.plugins.quota import Preempt, Quota
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.profile import build_framework
-from loom.sched.snapshot import FloatArray, Snapshot
-from loom.sim.model import Policy, SimJob, Trace
+from loom.sched.snapshot import FloatArray, Snapshot, job_precision
+from loom.sim.model import Policy, SimJob
 from loom_proto.jobs import JobSpec
 
 if TYPE_CHECKING:
@@ -134,9 +134,10 @@ class FrameworkPolicy:
         """The spec this policy schedules for a trace job (unchanged unless the policy adds rules)."""
         return self._admit(job) if self._admit is not None else job.spec
 
-    def prepare(self, snap: Snapshot, trace: Trace, truth: "Truth | None", seed: int) -> None:
-        """Called once by the simulator before the first event, with the run's snapshot, trace and
-        truth (None when jobs are timed by belief). Only :class:`OraclePolicy` uses it."""
+    def prepare(self, snap: Snapshot, jobs: Sequence[JobSpec], truth: "Truth | None", seed: int) -> None:
+        """Called once by the simulator before the first event, with the run's snapshot, every job as
+        this policy schedules it (admitted, DAG jobs as their stages) and the truth (None when jobs
+        are timed by belief). Only :class:`OraclePolicy` uses it."""
 
 
 class OraclePolicy(FrameworkPolicy):
@@ -150,9 +151,9 @@ class OraclePolicy(FrameworkPolicy):
     (no truth), it is Loom.
     """
 
-    def prepare(self, snap: Snapshot, trace: Trace, truth: "Truth | None", seed: int) -> None:
+    def prepare(self, snap: Snapshot, jobs: Sequence[JobSpec], truth: "Truth | None", seed: int) -> None:
         if truth is not None:
-            snap.set_learned(oracle_factors(truth, [self.admit(j) for j in trace.jobs], snap, seed=seed))
+            snap.set_learned(oracle_factors(truth, jobs, snap, seed=seed))
 
 
 def oracle_factors(
@@ -160,22 +161,30 @@ def oracle_factors(
 ) -> dict[tuple[str, str], float]:
     """(family, GPU model) -> true speed / profile speed, over ``jobs`` and the snapshot's models.
 
-    A job's true speed on a model is :meth:`Truth.job_speed` at its GPUs per worker on one node (as
-    the simulator times it, run-to-run noise aside); the profile's is the snapshot's SCU for its task
-    type. A family whose jobs differ (a family the truth does not know is mapped per job id) gets the
-    geometric mean of its jobs' ratios: learning keyed by family can reach no more.
+    A job's true speed on a model is :meth:`Truth.job_speed` at the GPUs it would hold on one node
+    of that model (its workers x GPUs per worker, at most the model's largest node: the simulator
+    times a run by the node holding most of its GPUs, run-to-run noise aside); the profile's is the
+    snapshot's SCU for its task type and precision. A family whose jobs differ (a family the truth
+    does not know is mapped per job id) gets the geometric mean of its jobs' ratios: learning keyed
+    by family can reach no more.
     """
     logs: dict[tuple[str, str], list[float]] = {}
+    largest = dict.fromkeys(snap.models, 0)
+    for model_index, total in zip(snap.model_of.tolist(), snap.total.tolist(), strict=True):
+        model = snap.models[model_index]
+        largest[model] = max(largest[model], int(total))
     for spec in jobs:
         if spec.stages:
             continue
         family = job_family(spec)
+        precision = job_precision(spec)
+        held = max(spec.resources.gpus, 1) * max(spec.workers, 1)
         for model in snap.models:
-            believed = snap.gpu_speed(model, spec.task_type)
+            believed = snap.gpu_speed(model, spec.task_type, precision)
             true = truth.job_speed(
                 spec,
                 model,
-                gpus_per_node=max(spec.resources.gpus, 1),
+                gpus_per_node=max(min(held, largest[model]), spec.resources.gpus, 1),
                 job_id=spec.job_id,
                 name=spec.name,
                 seed=seed,
