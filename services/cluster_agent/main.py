@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from loom.model.profiles import profile_for_model, relative_speed
+from loom.model.profiles import profile_for_model, relative_speed, wire_profile
 from loom.model.scu import ScuError
 from loom.model.topology import load_topology
 from loom.runtime.config import loom_home
@@ -31,16 +31,7 @@ def library_profile(gpu_model: str) -> AcceleratorProfile | None:
         p = profile_for_model(gpu_model)
     except ScuError:
         return None
-    return AcceleratorProfile(
-        gpu_model=gpu_model,
-        compute_fp32_tflops=p.compute_fp32_tflops,
-        compute_fp16_tflops=p.compute_fp16_tflops,
-        memory_bandwidth_gbps=p.memory_bandwidth_gbps,
-        memory_gib=p.memory_gib,
-        interconnect_gbps=p.interconnect_gbps,
-        network_gbps=p.network_gbps,
-        compute_tf32_tflops=p.compute_tf32_tflops,
-    )
+    return wire_profile(p)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

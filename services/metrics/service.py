@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError, LoomError
 from loom.model.ledger import Change, Ledger, LedgerCluster, LedgerNode
+from loom.model.profiles import device_profile
 from loom.model.scu import DecayLearner, DeviceProfile, TrustTracker, scu_by_task_type
 from loom.runtime.service import ServiceContext
 from loom.store import inbox, outbox
@@ -298,16 +299,7 @@ class MetricsService:
             return None
         table: dict[str, dict[str, float]] = {}
         for p in profiles:
-            device = DeviceProfile(
-                model=p.gpu_model,
-                compute_fp32_tflops=p.compute_fp32_tflops,
-                compute_fp16_tflops=p.compute_fp16_tflops,
-                memory_bandwidth_gbps=p.memory_bandwidth_gbps,
-                memory_gib=p.memory_gib,
-                interconnect_gbps=p.interconnect_gbps,
-                network_gbps=p.network_gbps,
-                compute_tf32_tflops=p.compute_tf32_tflops,
-            )
+            device = device_profile(p)
             decay = {t: learner.factor for (m, t), learner in self.decay.items() if m == p.gpu_model}
             scus = scu_by_task_type(device, reference=self.reference_profile, decay=decay)
             table[p.gpu_model] = {t: round(v, 4) for t, v in scus.items()}

@@ -16,12 +16,14 @@ from loom.model.profiles import (
     LIBRARY,
     ReferenceProfile,
     UnknownGpuModelError,
+    device_profile,
     library_models,
     profile_for_model,
     reference_profile,
     relative_speed,
     scu_per_gpu,
     speeds_for_model,
+    wire_profile,
 )
 from loom.model.scu import (
     DECAY_MAX,
@@ -367,16 +369,8 @@ def test_every_library_profile_round_trips_through_its_wire_forms(model: str) ->
     entry = LIBRARY[model]
     assert msgspec.json.decode(msgspec.json.encode(entry), type=ReferenceProfile) == entry
     p = entry.profile
-    wire = AcceleratorProfile(
-        gpu_model=p.model,
-        compute_fp32_tflops=p.compute_fp32_tflops,
-        compute_fp16_tflops=p.compute_fp16_tflops,
-        memory_bandwidth_gbps=p.memory_bandwidth_gbps,
-        memory_gib=p.memory_gib,
-        interconnect_gbps=p.interconnect_gbps,
-        network_gbps=p.network_gbps,
-        compute_tf32_tflops=p.compute_tf32_tflops,
-    )
+    wire = wire_profile(p)
+    assert wire.gpu_model == p.model and device_profile(wire) == p
     assert msgspec.json.decode(msgspec.json.encode(wire), type=AcceleratorProfile) == wire
     assert p.fp32_matrix_tflops >= p.compute_fp32_tflops
     # Tensor FP16 never below plain FP32, and the sanity order of generations holds.

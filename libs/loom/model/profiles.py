@@ -46,6 +46,7 @@ from loom.model.scu import (
     TaskWeights,
     scu,
 )
+from loom_proto.clusters import AcceleratorProfile
 from loom_proto.jobs import GpuModel, TaskType
 
 __all__ = [
@@ -55,12 +56,14 @@ __all__ = [
     "ModelSpeeds",
     "ReferenceProfile",
     "UnknownGpuModelError",
+    "device_profile",
     "library_models",
     "profile_for_model",
     "reference_profile",
     "relative_speed",
     "scu_per_gpu",
     "speeds_for_model",
+    "wire_profile",
 ]
 
 DEFAULT_REFERENCE_MODEL: Final = "V100M16"
@@ -681,3 +684,25 @@ def speeds_for_model(gpu_model: str, *, reference_model: str = DEFAULT_REFERENCE
     fp32: dict[str, float] = {t: scu(profile, t, reference=reference, precision="fp32") for t in TASK_TYPES}
     fp16: dict[str, float] = {t: scu(profile, t, reference=reference, precision="fp16") for t in TASK_TYPES}
     return ModelSpeeds(gpu_model, profiled=True, memory_gib=profile.memory_gib, speed=fp32, half_speed=fp16)
+
+
+_SHARED_FIELDS: Final = (
+    "compute_fp32_tflops",
+    "compute_fp16_tflops",
+    "memory_bandwidth_gbps",
+    "memory_gib",
+    "interconnect_gbps",
+    "network_gbps",
+    "compute_tf32_tflops",
+)
+"""The dimensions a :class:`DeviceProfile` and its wire form (``AcceleratorProfile``) share."""
+
+
+def wire_profile(profile: DeviceProfile) -> AcceleratorProfile:
+    """A profile as agents publish it (``loom_proto.clusters.AcceleratorProfile``)."""
+    return AcceleratorProfile(gpu_model=profile.model, **{f: getattr(profile, f) for f in _SHARED_FIELDS})
+
+
+def device_profile(wire: AcceleratorProfile) -> DeviceProfile:
+    """A published profile as the SCU model reads it; :class:`~loom.model.scu.ScuError` if unusable."""
+    return DeviceProfile(model=wire.gpu_model, **{f: getattr(wire, f) for f in _SHARED_FIELDS})
