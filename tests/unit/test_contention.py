@@ -3,6 +3,7 @@ within a GPU-hours bound, no waiting for faster GPUs while a queue waits, best f
 
 import math
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -377,3 +378,33 @@ def test_a_run_restored_from_the_store_is_timed_for_the_work_left() -> None:
     assert seen == [(FAST, 1)]
     assert restored.running_job().expected_end_s == pytest.approx(NOW + 600 * 0.5)
     assert run_from_row(row, nodes).running_job().expected_end_s is None  # type: ignore[arg-type]
+
+
+def node_fit_scores(snap: Snapshot, spec: JobSpec) -> dict[str, float]:
+    from loom.sched.plugins.compute import NodeFit
+
+    framework = Framework([ResourceFit()])
+    state = framework.new_state(spec, snap)
+    assert framework.run_pre_filters(state).ok
+    cands = framework.find_candidates(state)
+    plugin = NodeFit()
+    norm = plugin.normalize(state, plugin.score(state, cands))
+    return {snap.clusters[int(c)].id: float(v) for c, v in zip(cands.cluster, norm, strict=True)}
+
+
+def test_node_fit_fills_a_node_already_in_use_before_breaking_a_whole_one() -> None:
+    job = JobSpec(job_id="j", tenant="t", resources=Resources(gpus=2), work=Work(steps=10, step_time_s=1.0))
+    # "whole": two untouched nodes; "broken": one node with 3 of 8 GPUs in use (room for 2 workers).
+    snap = snapshot(
+        [node("w0", "whole"), node("w1", "whole"), node("b0", "broken", used=3), node("b1", "broken")]
+    )
+    assert node_fit_scores(snap, job) == {"whole": 0.0, "broken": 100.0}
+    # A 4-worker job: the broken node holds 2 of its 4 workers (2 x 2 of 5 free GPUs): half.
+    four = msgspec.structs.replace(job, workers=4)
+    assert node_fit_scores(snap, four) == {"whole": 0.0, "broken": pytest.approx(50.0)}
+    # A whole-node worker cannot use a broken node: no preference either way.
+    eight = msgspec.structs.replace(job, resources=Resources(gpus=8))
+    assert node_fit_scores(snap, eight) == {"whole": 0.0, "broken": 0.0}
+    # A broken pool of much slower GPUs is no fit: a job's speed is not traded for a node's shape.
+    slow = snapshot([node("w0", "whole"), node("b0", "broken", model=SLOW, used=3)], fast_speed=3.0)
+    assert node_fit_scores(slow, job) == {"whole": 0.0, "broken": 0.0}

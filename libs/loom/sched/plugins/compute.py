@@ -113,6 +113,39 @@ class PoolFit:
         return scores
 
 
+class NodeFit:
+    """Fill nodes already broken before breaking a whole one: whole free nodes stay for big workers.
+
+    Raw: the share of the job's GPUs the candidate pool could place on nodes that are already in
+    use (some but not all of their GPUs free, room for a whole worker, schedulable), from 0 (every
+    worker would break a whole free node) to 1. This is the node-level half of fragmentation (as
+    Alibaba's "Beware of Fragmentation", ATC 2023, measures it); :class:`PoolFit` is the pool-level
+    half. A pool more than ``POOL_FIT_MAX_SLOWDOWN`` times slower for the job than the fastest
+    candidate gets no preference (a job's speed is not traded for a node's shape). Normalised
+    ``100 x raw``: absolute, so candidates that would all break whole nodes stay alike.
+    """
+
+    name = "node_fit"
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        snap = state.snapshot
+        per_worker = state.per_worker
+        broken = snap.schedulable & (snap.free >= per_worker) & (snap.free < snap.total)
+        room = np.where(broken, snap.free // per_worker, 0) * per_worker
+        size = snap.total_sum.size
+        by_pool = np.bincount(snap.pool_of, weights=room, minlength=size)[:size]
+        pools = candidates.cluster * snap.total_sum.shape[1] + candidates.model
+        gpus = np.maximum(candidates.workers * per_worker, 1).astype(np.float64)
+        share: FloatArray = np.minimum(by_pool[pools] / gpus, 1.0)
+        speed = delivered_speed(state, candidates)
+        slow = speed * POOL_FIT_MAX_SLOWDOWN < float(speed.max(initial=0.0))
+        return np.where(slow, 0.0, share)
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        scores: FloatArray = 100.0 * np.clip(raw, 0.0, 1.0)
+        return scores
+
+
 class PriorityFairShare:
     """Queue sort: priority first, then the tenant's fair share (least used first), then arrival."""
 
@@ -122,4 +155,13 @@ class PriorityFairShare:
         return (-item.job.priority, item.fair_share, item.submitted_at, item.job.job_id)
 
 
-__all__ = ["PoolFit", "PriorityFairShare", "ScuFit", "Trust", "WaterLevel", "delivered_speed", "min_max"]
+__all__ = [
+    "NodeFit",
+    "PoolFit",
+    "PriorityFairShare",
+    "ScuFit",
+    "Trust",
+    "WaterLevel",
+    "delivered_speed",
+    "min_max",
+]
