@@ -408,3 +408,22 @@ def test_node_fit_fills_a_node_already_in_use_before_breaking_a_whole_one() -> N
     # A broken pool of much slower GPUs is no fit: a job's speed is not traded for a node's shape.
     slow = snapshot([node("w0", "whole"), node("b0", "broken", model=SLOW, used=3)], fast_speed=3.0)
     assert node_fit_scores(slow, job) == {"whole": 0.0, "broken": 0.0}
+
+
+def test_a_gang_no_cluster_holds_spreads_over_clusters_of_unequal_trust_alike() -> None:
+    """Trust is placement's caution about a new cluster's claim, not speed lost by spreading: a gang
+    no cluster can hold spreads over two clusters of the same GPUs even when one is trusted more
+    (before, the less trusted part made the spread look 2x the GPU-hours and the gang waited)."""
+    from loom.sched.snapshot import ClusterInfo
+
+    nodes = [node("a0", "ca"), node("b0", "cb")]
+    clusters = {
+        "ca": ClusterInfo(id="ca", region="r1", zone="r1-a", trust=0.6),
+        "cb": ClusterInfo(id="cb", region="r1", zone="r1-a", trust=0.3),
+    }
+    speed = {(FAST, "training_compute"): 3.0}
+    snap = Snapshot(nodes, clusters=clusters, net=NetMatrix(["r1"]), speed=speed, now=NOW)
+    job = gang(workers=4, gpus=4, span=True, comm_bytes=0)
+    outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())]).schedule(job, snap)
+    assert outcome.decision is not None, outcome
+    assert sorted(p.cluster for p in outcome.decision.parts) == ["ca", "cb"]

@@ -769,10 +769,14 @@ class SpanGuard:
         where = ", ".join(p.cluster for p in decision.parts)
         if not holders.any():
             # No pool could ever hold the gang: judged against it in one cluster at its fastest
-            # part's speed (what no spread can beat).
+            # part's speed (what no spread can beat). Trust is placement's caution about a new
+            # cluster's claim, not a speed that spreading loses: both sides carry the least trust
+            # of the parts, so only GPUs that really differ (and the network) count as inflation.
+            trusts = [max(float(snap.trust[snap.cluster_index[p.cluster]]), 1e-9) for p in decision.parts]
+            raw = [s / t for s, t in zip(speeds, trusts, strict=True)]
             ideal = predict_step_s(
                 job,
-                speeds=[max(speeds)],
+                speeds=[max(raw) * min(trusts)],
                 regions=[decision.parts[0].region],
                 net=snap.net,
                 workers=decision.workers,
