@@ -14,11 +14,12 @@ import msgspec
 from opentelemetry import propagate
 from opentelemetry.context import Context
 
+from loom.model.family import job_family
 from loom.model.profiles import speeds_for_model
 from loom.model.scu import TASK_TYPES, UNPROFILED_SPEED, Precision
 from loom.model.topology import Topology
 from loom.sched.firstfit import NodeCapacity
-from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, RunningJob, Snapshot
+from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, RunningJob, Snapshot, job_precision
 from loom_proto.jobs import JobSubmitted
 from loom_proto.net import LinkState
 
@@ -273,6 +274,19 @@ class Book:
         if precision == "fp16":
             return self._half_speed.get((model, task_type), fp32)
         return fp32
+
+    def believed_step_s(self, job: JobSubmitted, model: str, workers: int) -> float | None:
+        """Seconds per step placement believes ``job`` takes on ``model`` with ``workers``: its
+        reference step over the GPU's SCU for the job (task type, precision, learned factor, as
+        ``Snapshot.job_gpu_speed`` reads them), an elastic job with fewer workers slower in
+        proportion (compute only; no network). None for an unknown model or no speed."""
+        if not model:
+            return None
+        speed = self.speed(model, job.task_type, job_precision(job))
+        speed *= self.learned.get((job_family(job), model), 1.0)
+        if speed <= 0:
+            return None
+        return job.work.step_time_s / speed * max(job.workers, 1) / max(workers, 1)
 
     def set_learned(self, learned: dict[tuple[str, str], float]) -> None:
         """Adopt new learned speed factors: the kept snapshot applies them from its next cycle."""

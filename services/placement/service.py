@@ -38,7 +38,7 @@ from opentelemetry import propagate
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError, TransientError
 from loom.model.family import job_family
-from loom.model.learn import LearnSettings, SpeedLearner
+from loom.model.learn import LearnSettings, SpeedLearner, run_speed
 from loom.model.topology import Topology
 from loom.runtime.leader import Leadership, lead
 from loom.runtime.service import ServiceContext
@@ -50,7 +50,7 @@ from loom.sched.plugins.network import AlphaLearner
 from loom.sched.plugins.quota import Quota
 from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, QuotaBook, TenantConfig
-from loom.sched.snapshot import Economics, job_precision
+from loom.sched.snapshot import Economics
 from loom.store import fence, inbox, outbox, speeds
 from loom.store import jobs as repo
 from loom.store.fence import FencedError
@@ -199,7 +199,7 @@ class PlacementService:
         now = time.time()
         for row in await repo.active_runs(self.pool):
             self.book.add_run(
-                run_from_row(row, self.book.nodes, now=now, step_s=self._believed_step_s), from_store=True
+                run_from_row(row, self.book.nodes, now=now, step_s=self.book.believed_step_s), from_store=True
             )
         self.queue.clear()
         for row in await repo.queued_jobs(self.pool):
@@ -1183,38 +1183,26 @@ class PlacementService:
     def _speed_observation(
         self, run: Run, done: JobCompleted, event_id: str
     ) -> speeds.SpeedObservation | None:
-        """What a completed run says of its family's speed on its GPU model, or None.
-
-        Only a run on one cluster, not cut into pipeline stages, that measured its compute step
-        teaches: a gang across clusters computes at its slowest part's pace, a pipeline stage runs
-        a slice of the model, so neither says what one GPU model delivers for the whole job.
-        """
+        """What a completed run says of its family's speed on its GPU model, or None (the rule is
+        :func:`loom.model.learn.run_speed`'s, the simulator's too)."""
         job = run.job
-        if done.observed_step_s is None or len(run.parts) != 1 or job.pipeline is not None:
-            return None
-        _, model, _ = run.parts[0]
-        if not model:
+        seen = run_speed(
+            job,
+            [model for _, model, _ in run.parts],
+            done.observed_step_s,
+            pipeline=job.pipeline is not None,
+            prior_speed=self.book.speed,
+        )
+        if seen is None:
             return None
         return speeds.SpeedObservation(
             event_id=event_id,
             job_id=job.job_id,
-            family=job_family(job),
-            gpu_model=model,
-            prior_speed=self.book.speed(model, job.task_type, job_precision(job)),
-            observed_speed=job.work.step_time_s / done.observed_step_s,
+            family=seen.family,
+            gpu_model=seen.gpu_model,
+            prior_speed=seen.prior_speed,
+            observed_speed=seen.observed_speed,
         )
-
-    def _believed_step_s(self, job: JobSubmitted, model: str, workers: int) -> float | None:
-        """Seconds per step placement believes ``job`` takes on ``model`` with ``workers``: its
-        reference step over the GPU's SCU for the job (task type, precision, learned factor), an
-        elastic job with fewer workers slower in proportion (compute only; no network)."""
-        if not model:
-            return None
-        speed = self.book.speed(model, job.task_type, job_precision(job))
-        speed *= self.book.learned.get((job_family(job), model), 1.0)
-        if speed <= 0:
-            return None
-        return job.work.step_time_s / speed * max(job.workers, 1) / max(workers, 1)
 
     def _adopt_learned(self) -> None:
         """Give the book (and so every cycle's snapshot) the learner's current factors."""

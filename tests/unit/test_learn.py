@@ -4,6 +4,7 @@ import itertools
 import math
 import random
 
+import msgspec
 import pytest
 
 from loom.errors import InvalidInputError
@@ -267,3 +268,28 @@ def test_the_simulator_teaches_the_learner_at_every_single_part_completion() -> 
     assert {family for family, _ in runs} == {"gru-speech"}
     assert {gpu for _, gpu in runs} <= set(models.values())
     assert all(learner.estimate(f, g).source == "own" for f, g in runs)
+
+
+def test_run_speed_is_the_one_rule_of_which_completed_runs_teach() -> None:
+    from loom.model.learn import run_speed
+    from loom_proto.jobs import JobSpec, Work
+
+    job = JobSpec(job_id="j", tenant="t", work=Work(steps=10, step_time_s=2.0), labels={"model": "BERT"})
+    seen: list[tuple[str, str, str]] = []
+
+    def prior(model: str, task_type: str, precision: str) -> float:
+        seen.append((model, task_type, precision))
+        return 4.0
+
+    one = run_speed(job, ["A100"], 0.5, pipeline=False, prior_speed=prior)
+    assert one is not None and (one.family, one.gpu_model) == ("bert", "A100")
+    assert one.prior_speed == 4.0 and one.observed_speed == pytest.approx(4.0)
+    assert seen == [("A100", "training_compute", "fp32")]
+    half = msgspec.structs.replace(job, labels={"model": "BERT", "precision": "bf16"})
+    assert run_speed(half, ["A100"], 0.5, pipeline=False, prior_speed=prior) is not None
+    assert seen[-1] == ("A100", "training_compute", "fp16")  # learned against the speed it multiplies
+    # Nothing to learn: spread over two parts, a pipeline, no measured step, no GPU model.
+    assert run_speed(job, ["A100", "T4"], 0.5, pipeline=False, prior_speed=prior) is None
+    assert run_speed(job, ["A100"], 0.5, pipeline=True, prior_speed=prior) is None
+    assert run_speed(job, ["A100"], None, pipeline=False, prior_speed=prior) is None
+    assert run_speed(job, [""], 0.5, pipeline=False, prior_speed=prior) is None

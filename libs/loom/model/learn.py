@@ -56,7 +56,8 @@ the whole state with msgspec.
 """
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Final, Literal
 
 import msgspec
@@ -65,8 +66,20 @@ import numpy.typing as npt
 from msgspec import Meta
 
 from loom.errors import InvalidInputError
+from loom.model.family import job_family
+from loom.model.scu import Precision, precision_of_family
+from loom_proto.jobs import JobSpec
 
-__all__ = ["CellState", "Estimate", "LearnSettings", "LearnerState", "Source", "SpeedLearner"]
+__all__ = [
+    "CellState",
+    "Estimate",
+    "LearnSettings",
+    "LearnerState",
+    "RunSpeed",
+    "Source",
+    "SpeedLearner",
+    "run_speed",
+]
 
 Source = Literal["own", "shared", "prior"]
 """Where an estimate comes from: the cell's own runs, other cells' runs (its family on other GPUs,
@@ -465,3 +478,48 @@ def _ridge_rows(
     np.add.at(rhs, groups, (w * target)[:, None] * features)
     solved = np.linalg.solve(gram, rhs[:, :, None])[:, :, 0]
     return np.asarray(solved, dtype=np.float64)
+
+
+# ---- what a completed run teaches ----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpeed:
+    """What one completed run says of its family's speed on its GPU model (relative to the
+    reference GPU): the profile's (``prior_speed``) and the run's (``observed_speed``)."""
+
+    family: str
+    gpu_model: str
+    prior_speed: float
+    observed_speed: float
+
+
+def run_speed(
+    job: JobSpec,
+    gpu_models: Sequence[str],
+    observed_step_s: float | None,
+    *,
+    pipeline: bool,
+    prior_speed: Callable[[str, str, Precision], float],
+) -> RunSpeed | None:
+    """What a completed run teaches :meth:`SpeedLearner.observe`, or None when it teaches nothing.
+
+    One rule for placement and the simulator: only a run on one part (one GPU model), not cut into
+    pipeline stages, that measured its compute seconds per step teaches. A gang across clusters
+    computes at its slowest part's pace and a pipeline stage runs a slice of the model, so neither
+    says what one GPU model delivers for the whole job. The observed speed is ``step_time_s /
+    observed_step_s``; the prior is ``prior_speed(model, task_type, precision)`` at the job's own
+    precision (its learned factor multiplies that speed, see ``Snapshot.job_speeds``).
+    """
+    if pipeline or len(gpu_models) != 1 or not gpu_models[0]:
+        return None
+    if observed_step_s is None or not observed_step_s > 0:
+        return None
+    family = job_family(job)
+    model = gpu_models[0]
+    return RunSpeed(
+        family=family,
+        gpu_model=model,
+        prior_speed=prior_speed(model, job.task_type, precision_of_family(family)),
+        observed_speed=job.work.step_time_s / observed_step_s,
+    )

@@ -104,8 +104,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from loom.model.family import job_family
-from loom.model.learn import SpeedLearner
+from loom.model.learn import SpeedLearner, run_speed
 from loom.model.profiles import speeds_for_model
 from loom.model.topology import Topology, load_topology
 from loom.sched import dag
@@ -115,7 +114,7 @@ from loom.sched.pipeline import transfer_s
 from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s
-from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob, job_precision
+from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob
 from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob, SimResult, Trace
 from loom.sim.policies import FrameworkPolicy, OraclePolicy
 from loom.sim.truth import BELIEF, BeliefTiming, Truth, load_truth
@@ -1214,18 +1213,21 @@ class _Simulation:
     def _learn_speed(self, learner: SpeedLearner, spec: JobSpec, run: _Run) -> None:
         """Teach the speed learner what a completed run's family got on its GPU model, and apply it.
 
-        ``run.compute_s`` is the compute seconds per step the run had (with every worker, at the
-        slowest part's pace): one GPU model's speed only for a run on one part, not a pipeline
-        stage; other runs teach nothing (placement skips them alike).
+        ``run.compute_s`` is the true compute seconds per step the run had (with every worker, at
+        the slowest part's pace); which runs teach is :func:`loom.model.learn.run_speed`'s rule,
+        the one placement follows.
         """
-        if len(run.decision.parts) != 1 or run.pipeline or run.compute_s <= 0:
+        seen = run_speed(
+            spec,
+            [p.gpu_model for p in run.decision.parts],
+            run.compute_s,
+            pipeline=run.pipeline,
+            prior_speed=self.snap.gpu_speed,
+        )
+        if seen is None:
             return
-        model = run.decision.lead.gpu_model
         learner.observe(
-            job_family(spec),
-            model,
-            prior_speed=self.snap.gpu_speed(model, spec.task_type, job_precision(spec)),
-            observed_speed=spec.work.step_time_s / run.compute_s,
+            seen.family, seen.gpu_model, prior_speed=seen.prior_speed, observed_speed=seen.observed_speed
         )
         self.snap.set_learned(learner.factors())
 
