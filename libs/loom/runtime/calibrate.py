@@ -358,48 +358,33 @@ def _torch_kernels(torch: Any, options: CalibrationOptions, progress: Progress) 
     results: list[KernelResult] = []
     dtypes = {"float32": torch.float32, "float16": torch.float16}
 
+    def gemm(name: str, dtype: Any, n: int) -> KernelResult:
+        progress(f"GEMM {name} {n}³")
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        return _measure(
+            "gemm",
+            name,
+            f"{n}³",
+            1,
+            functools.partial(torch.matmul, a, b),
+            work=2 * n**3 / 1e9,
+            unit="GFLOP/s",
+            repeats=repeats,
+            budget_s=budget_s,
+            sync=sync,
+        )
+
     for name, dtype in dtypes.items():
         for n in (1024, 4096) if options.quick else (1024, 4096, 8192):
-            progress(f"GEMM {name} {n}³")
-            a = torch.randn(n, n, device=device, dtype=dtype)
-            b = torch.randn(n, n, device=device, dtype=dtype)
-            results.append(
-                _measure(
-                    "gemm",
-                    name,
-                    f"{n}³",
-                    1,
-                    functools.partial(torch.matmul, a, b),
-                    work=2 * n**3 / 1e9,
-                    unit="GFLOP/s",
-                    repeats=repeats,
-                    budget_s=budget_s,
-                    sync=sync,
-                )
-            )
+            results.append(gemm(name, dtype, n))
 
     # FP32 matrix math as frameworks run FP32 training by default: TF32 tensor cores where the
     # part has them (the profile's compute_tf32_tflops); then back to strict FP32.
     torch.backends.cuda.matmul.allow_tf32 = True
     try:
         for n in (4096,) if options.quick else (4096, 8192):
-            progress(f"GEMM tf32 {n}³")
-            a = torch.randn(n, n, device=device, dtype=torch.float32)
-            b = torch.randn(n, n, device=device, dtype=torch.float32)
-            results.append(
-                _measure(
-                    "gemm",
-                    "tf32",
-                    f"{n}³",
-                    1,
-                    functools.partial(torch.matmul, a, b),
-                    work=2 * n**3 / 1e9,
-                    unit="GFLOP/s",
-                    repeats=repeats,
-                    budget_s=budget_s,
-                    sync=sync,
-                )
-            )
+            results.append(gemm("tf32", torch.float32, n))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = False
 
