@@ -19,12 +19,17 @@ import re
 from collections.abc import Mapping
 from typing import Final, Protocol
 
-__all__ = ["HALF_PRECISIONS", "HasLabels", "family_of", "fold_family", "job_family"]
+__all__ = ["HALF_PRECISIONS", "HasLabels", "family_of", "fold_family", "is_half_precision", "job_family"]
 
 HALF_PRECISIONS: Final = frozenset({"fp16", "bf16", "amp", "mixed"})
 """``labels["precision"]`` values that mean half (mixed) precision training."""
 
 _SEPARATORS: Final = re.compile(r"[^a-z0-9]+")
+
+
+def is_half_precision(value: str) -> bool:
+    """Whether a ``labels["precision"]`` value (any case) means half (mixed) precision training."""
+    return value.casefold() in HALF_PRECISIONS
 
 
 def fold_family(name: str) -> str:
@@ -36,7 +41,7 @@ def family_of(labels: Mapping[str, str], task_type: str) -> str:
     """The family of a job with these labels and task type (see the module's docstring)."""
     base = labels.get("family") or labels.get("model") or ""
     folded = fold_family(base) or task_type
-    if labels.get("precision", "").casefold() in HALF_PRECISIONS:
+    if is_half_precision(labels.get("precision", "")):
         return f"{folded}@fp16"
     return folded
 

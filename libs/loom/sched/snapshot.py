@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from loom.model.family import HALF_PRECISIONS, HasLabels, job_family
+from loom.model.family import HasLabels, is_half_precision, job_family
 from loom.model.scu import Precision
 from loom.model.topology import Topology
 from loom.sched.firstfit import NodeCapacity
@@ -198,7 +198,7 @@ class Economics:
 def job_precision(job: HasLabels) -> Precision:
     """``fp16`` for a mixed-precision job (its family ends in ``@fp16``: see
     :func:`loom.model.family.family_of`), else ``fp32``; read from the labels without folding."""
-    return "fp16" if job.labels.get("precision", "").casefold() in HALF_PRECISIONS else "fp32"
+    return "fp16" if is_half_precision(job.labels.get("precision", "")) else "fp32"
 
 
 class Snapshot:

@@ -93,7 +93,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from loom.errors import InvalidInputError
-from loom.model.family import HALF_PRECISIONS, HasLabels, fold_family, job_family
+from loom.model.family import HasLabels, fold_family, is_half_precision, job_family
 from loom.model.profiles import relative_speed
 from loom.model.scu import ScuError
 
@@ -236,7 +236,7 @@ class Truth:
         """(table family, precision, rules) for a job family (``loom.model.family``'s key)."""
         rules: list[str] = []
         base, _, suffix = family.partition("@")
-        precision = "fp16" if suffix.casefold() in HALF_PRECISIONS | {"fp16"} else "fp32"
+        precision = "fp16" if is_half_precision(suffix) else "fp32"
         folded = fold_family(base)
         if folded in self.families:
             return folded, precision, rules
@@ -434,7 +434,7 @@ class Truth:
             family, task_type=task_type, job_id=job_id, seed=seed
         )
         if precision is not None:
-            asked = "fp16" if precision.casefold() in HALF_PRECISIONS | {"fp16"} else "fp32"
+            asked = "fp16" if is_half_precision(precision) else "fp32"
         n = max(int(gpus_per_node), 1)
         key = (table_family, asked, gpu_model.upper(), n, batch)
         cached = self._cache.get(key)
