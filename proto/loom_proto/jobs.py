@@ -349,6 +349,8 @@ class JobRejected(
     code: RejectCode
     reason: Reason
     at: UnixSeconds
+    hint: Reason = ""
+    """What the submitter could change so that the job fits (empty when the reason says it all)."""
 
 
 class JobCancelled(

@@ -19,6 +19,7 @@ from loom.model.profiles import speeds_for_model
 from loom.model.scu import TASK_TYPES, UNPROFILED_SPEED, Precision
 from loom.model.topology import Topology
 from loom.sched.firstfit import NodeCapacity
+from loom.sched.quota import OPEN, QuotaBook, TenantConfig
 from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, RunningJob, Snapshot, job_precision
 from loom_proto.jobs import JobSubmitted
 from loom_proto.net import LinkState
@@ -117,8 +118,15 @@ class Run:
 class Book:
     """Nodes, runs, links and trust as placement knows them; :meth:`snapshot` is a cycle's input."""
 
-    def __init__(self, topology: Topology | None = None, economics: Economics | None = None) -> None:
+    def __init__(
+        self,
+        topology: Topology | None = None,
+        economics: Economics | None = None,
+        tenants: TenantConfig | None = None,
+    ) -> None:
         self.nodes: dict[str, NodeCapacity] = {}
+        self.tenants = tenants or OPEN
+        """Tenant quotas: every snapshot carries a book of them with what each tenant holds."""
         self.runs: dict[str, Run] = {}
         self.trust: dict[str, float] = {}
         self.economics = economics or Economics()
@@ -160,6 +168,8 @@ class Book:
         if not in_snapshot:
             core = run.running_job()
             self._snap.take(core.allocations, core.gpus_per_worker, core.cpu_milli, core.memory_mib)
+            if self._snap.quota is not None:
+                self._snap.quota.take(run.job.tenant, run.gpus)
         self._snap.running.append(run.running_job())
 
     def drop_run(self, job_id: str, attempt: int | None = None, *, in_snapshot: bool = False) -> Run | None:
@@ -176,6 +186,9 @@ class Book:
             core = run.running_job()
             if not in_snapshot:
                 self._snap.give_back(core.allocations, core.gpus_per_worker, core.cpu_milli, core.memory_mib)
+            if self._snap.quota is not None:
+                # A preemption gives the victim's GPUs back in the snapshot, not its quota: here.
+                self._snap.quota.give(run.job.tenant, run.gpus)
             self._snap.running = [r for r in self._snap.running if r.job_id != job_id]
         return run
 
@@ -330,6 +343,7 @@ class Book:
             learned=self.learned,
             now=now,
         )
+        self._snap.quota = QuotaBook(self.tenants, self.usage_by_tenant())
         return self._snap
 
 

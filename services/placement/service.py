@@ -21,12 +21,13 @@ still-uncertain (family, GPU) pairs at an optimistic speed (see the learner's ex
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import asyncpg
@@ -43,13 +44,12 @@ from loom.model.topology import Topology
 from loom.runtime.leader import Leadership, lead
 from loom.runtime.service import ServiceContext
 from loom.sched import dag
-from loom.sched.elastic import ElasticJob, plan_grow
+from loom.sched.cycle import CycleResult, CycleSettings, Grown, expiry_avoid, retry_after_failure, run_cycle
 from loom.sched.firstfit import NodeCapacity
-from loom.sched.framework import Code, Decision, DecisionRecord, Framework, Outcome, QueueItem
+from loom.sched.framework import Decision, Framework
 from loom.sched.plugins.network import AlphaLearner
-from loom.sched.plugins.quota import Quota
 from loom.sched.profile import build_framework
-from loom.sched.quota import OPEN, QuotaBook, TenantConfig
+from loom.sched.quota import OPEN, TenantConfig
 from loom.sched.snapshot import Economics
 from loom.store import fence, inbox, outbox, speeds
 from loom.store import jobs as repo
@@ -94,17 +94,11 @@ ACK_WAIT_S = 5.0
 progress keep their batch alive (the inbox absorbs any redelivery)."""
 
 
-def rejection(job_id: str, tenant: str, code: RejectCode, reason: str) -> JobRejected:
+def rejection(job_id: str, tenant: str, code: RejectCode, reason: str, hint: str = "") -> JobRejected:
     """A JobRejected event stamped now."""
-    return JobRejected(job_id=job_id[:256], tenant=tenant, code=code, reason=reason[:2048], at=time.time())
-
-
-def reject_code(outcome: Outcome) -> RejectCode:
-    """The rejection code for a cycle that found the job can never run."""
-    plugin = outcome.status.plugin
-    if plugin == "quota":
-        return "unknown_tenant" if "has no quota" in outcome.status.reason else "quota"
-    return "impossible"
+    return JobRejected(
+        job_id=job_id[:256], tenant=tenant, code=code, reason=reason[:2048], hint=hint[:2048], at=time.time()
+    )
 
 
 class PlacementService:
@@ -130,7 +124,8 @@ class PlacementService:
         self.ctx = ctx
         self.pool = ctx.db
         self.relay = outbox.OutboxRelay(self.pool, ctx.publisher, PRODUCER)
-        self.book = Book(topology, economics)
+        self.tenants = tenants or OPEN
+        self.book = Book(topology, economics, self.tenants)
         self.queue: dict[str, QueuedJob] = {}
         self.lock = asyncio.Lock()
         self.wake = asyncio.Event()
@@ -147,7 +142,6 @@ class PlacementService:
         self.token = 0
         self.leadership = Leadership(shard=self.shard, holder=self.holder)
         self.lease_ttl_s = lease_ttl_s
-        self.tenants = tenants or OPEN
         self.learner = SpeedLearner(LearnSettings(explore_share=explore_share))
         """What each job family really gets on each GPU model (rebuilt from the store on leading)."""
         self.alpha = AlphaLearner()
@@ -155,12 +149,9 @@ class PlacementService:
         self.framework: Framework = build_framework(
             profile, context={"alpha_learner": self.alpha, "economics": economics or Economics()}
         )
-        self.quota = next((p for p in self.framework.plugins if isinstance(p, Quota)), None)
         self.confirm_timeout_s = confirm_timeout_s
         self.max_attempts = max_attempts
         self.waiting_reasons: dict[str, str] = {}
-        # Messages of the cycle in progress; published straight after its commit.
-        self._outgoing: list[outbox.OutboxMessage] = []
         self._sending: set[asyncio.Task[int]] = set()
         self.stats.update(
             {
@@ -335,7 +326,8 @@ class PlacementService:
                     )
                 _check_spec(job)
             except (DecodeError, InvalidInputError) as exc:
-                outcomes[i] = await self._reject_invalid(d, tenant, str(exc))
+                code: RejectCode = "cyclic" if isinstance(exc, dag.DagCycleError) else "invalid"
+                outcomes[i] = await self._reject_invalid(d, tenant, str(exc), code)
                 continue
             accepted.append((d, job))
         if accepted:
@@ -348,10 +340,11 @@ class PlacementService:
                 return outcomes
         return outcomes
 
-    async def _reject_invalid(self, d: Delivery[bytes], tenant: str, reason: str) -> BaseException | None:
+    async def _reject_invalid(
+        self, d: Delivery[bytes], tenant: str, reason: str, code: RejectCode
+    ) -> BaseException | None:
         """Tell the submitter why the payload is unusable; nothing is stored."""
         job_id = d.msg_id or _payload_job_id(d.message) or f"seq-{d.stream_seq}"
-        code: RejectCode = "cyclic" if "cycle" in reason else "invalid"
         event = rejection(job_id, tenant, code, f"invalid job submission: {reason}")
         log.warning("submission rejected", job_id=job_id, tenant=tenant, reason=reason)
         try:
@@ -432,9 +425,14 @@ class PlacementService:
                 if q.job.stages:
                     queued_children += await self._expand_dag(conn, q)
             await outbox.add(conn, PRODUCER, dup_rejects)
-            result = await self._schedule(conn, plain + queued_children)
-        self._commit(result, plain + queued_children)
-        self._send(dup_rejects + self._outgoing)
+            fresh_jobs = plain + queued_children
+            # One cycle over the new jobs and the queued ones whose backoff ended, in queue order
+            # (a newcomer does not jump a waiting job of higher priority).
+            due = self._due(besides=[q.job.job_id for q in fresh_jobs])
+            considered = fresh_jobs + due
+            applied = await self._schedule(conn, considered, backlog=len(self.queue) - len(due), grow=False)
+        self._commit(applied, considered)
+        self._send(dup_rejects + applied.messages)
 
     async def _expand_dag(self, conn: asyncpg.Connection, q: QueuedJob) -> list[QueuedJob]:
         """Insert a DAG job's stages: those without dependencies are queued, the rest wait."""
@@ -487,21 +485,22 @@ class PlacementService:
 
     # ---- the scheduling cycle --------------------------------------------------------------------
 
-    async def _schedule(self, conn: asyncpg.Connection, jobs: list[QueuedJob]) -> "CycleResult":
-        """Decide for ``jobs`` in queue order on a snapshot of the book; write it all.
-
-        The book itself changes only after the commit (:meth:`_commit`).
-        """
-        result = CycleResult()
-        if not jobs:
-            return result
-        # Only jobs still queued in the store take part (a stage cancelled or a job finished while
-        # it waited here is dropped); their rows stay locked until this cycle commits.
-        still = await repo.lock_queued(conn, [q.job.job_id for q in jobs])
-        result.vanished += [q.job.job_id for q in jobs if q.job.job_id not in still]
-        jobs = [q for q in jobs if q.job.job_id in still]
-        if not jobs:
-            return result
+    async def _schedule(
+        self, conn: asyncpg.Connection, jobs: list[QueuedJob], *, backlog: int = 0, grow: bool = True
+    ) -> "Applied":
+        """One cycle (:func:`loom.sched.cycle.run_cycle`) over ``jobs`` on the kept snapshot, and all
+        it implies written in this transaction: batched statements for jobs, reservations, decision
+        records, events and the outbox. The book itself changes only after the commit
+        (:meth:`_commit`). ``backlog``: jobs queued but not in this cycle (growth waits for them)."""
+        applied = Applied()
+        if jobs:
+            # Only jobs still queued in the store take part (a stage cancelled or a job finished while
+            # it waited here is dropped); their rows stay locked until this cycle commits.
+            still = await repo.lock_queued(conn, [q.job.job_id for q in jobs])
+            applied.vanished += [q.job.job_id for q in jobs if q.job.job_id not in still]
+            jobs = [q for q in jobs if q.job.job_id in still]
+        if not jobs and not grow:
+            return applied
         wall = time.time()
         snap = self.book.snapshot(wall)
         if self.learner.settings.explore_share > 0:
@@ -509,93 +508,117 @@ class PlacementService:
             offered = self.learner.factors(explore=True)
             if offered != snap.learned:
                 snap.set_learned(offered)
-        usage = self.book.usage_by_tenant()
-        if self.quota is not None:
-            self.quota.use(QuotaBook(self.tenants, usage))
-        book_for_share = QuotaBook(self.tenants, usage)
-        items = {
-            q.job.job_id: QueueItem(
-                job=q.job,
-                submitted_at=q.job.submitted_at,
-                fair_share=book_for_share.fair_share(q.job.tenant),
-                attempts=q.attempt,
-            )
-            for q in jobs
-        }
-        by_id = {q.job.job_id: q for q in jobs}
-        settled = time.monotonic() >= self.settled_at
-        avoid = {q.job.job_id: q.avoid for q in jobs if q.avoid}
-        started = time.perf_counter()
-        outcomes = self.framework.schedule_many(items.values(), snap, avoid=avoid)
-        decide_ms = (time.perf_counter() - started) * 1000
-        self.stats["last_cycle"] = {"jobs": len(outcomes), "decide_ms": round(decide_ms, 1)}
-        for item, outcome in outcomes:
-            q = by_id[item.job.job_id]
-            if outcome.decision is not None:
-                result.placed.append((q, outcome.decision, outcome.record))
-                for victim in outcome.decision.victims:
-                    result.preempted.append((victim, q.job.job_id))
-            elif outcome.status.code == Code.UNRESOLVABLE and (settled or outcome.status.plugin == "quota"):
-                result.rejected.append((q, outcome))
-            else:
-                result.waiting.append((q, outcome.record))
+        settings = CycleSettings(
+            settled=time.monotonic() >= self.settled_at,
+            max_backoff_s=MAX_BACKOFF_S,
+            grow=grow,
+        )
+        result = run_cycle(self.framework, jobs, snap, settings=settings, backlog=backlog)
+        applied.cycle = result
+        if result.empty:
+            return applied
+        self.stats["last_cycle"] = {"jobs": len(jobs), "decide_ms": round(result.decide_ms, 1)}
         now = wall
-        placed_rows = []
+        # Shrunk elastic jobs and preempted victims first: their GPUs are what the new
+        # reservations take.
+        for shrunk in result.shrunk:
+            await self._shrink(
+                conn,
+                job_id=shrunk.job_id,
+                workers=shrunk.workers,
+                allocations=shrunk.allocations,
+                by=shrunk.by,
+                result=applied,
+            )
+        for preempted in result.preempted:
+            run = self.book.runs.get(preempted.job_id)
+            if run is not None:
+                await self._give_up(
+                    conn, run, "preempted", f"preempted by {preempted.by}", avoid=(), result=applied
+                )
         reservations = []
         deadlines = []
-        for q, d, _ in result.placed:
+        placed_rows = []
+        for p in result.placed:
+            q, d = p.pending, p.decision
             for part in d.parts:
                 reservations.append((q.job.job_id, q.attempt, part.cluster, part.allocations))
                 deadlines.append(now + self.confirm_timeout_s + d.start_after_s)
             placed_rows.append((q.job.job_id, d.lead.cluster, q.attempt, now, d.workers))
-        # Shrunk elastic jobs and preempted victims first: their GPUs are what the new
-        # reservations take.
-        for q, d, _ in result.placed:
-            for job_id, workers, allocations in d.shrunk:
-                await self._shrink(
-                    conn,
-                    job_id=job_id,
-                    workers=workers,
-                    allocations=allocations,
-                    by=q.job.job_id,
-                    result=result,
-                )
-        for victim, by in result.preempted:
-            run = self.book.runs.get(victim)
-            if run is not None:
-                await self._give_up(conn, run, "preempted", f"preempted by {by}", avoid=(), result=result)
-        for q, d, record in result.placed:
-            record.notes.append(self._speed_note(q.job, d.lead.gpu_model, snap.learned))
+            p.record.notes.append(self._speed_note(q.job, d.lead.gpu_model, snap.learned))
         await repo.reserve(conn, reservations, deadlines)
         await repo.mark_placed(conn, placed_rows)
-        await repo.mark_rejected(conn, [(q.job.job_id, o.status.reason) for q, o in result.rejected])
+        await repo.mark_rejected(conn, [(r.pending.job.job_id, r.reason) for r in result.rejected])
         await repo.record_decisions(
             conn,
-            [(q.job.job_id, q.attempt, "placed", r.to_dict()) for q, _, r in result.placed]
-            + [(q.job.job_id, q.attempt, "rejected", o.record.to_dict()) for q, o in result.rejected]
+            [(p.pending.job.job_id, p.pending.attempt, "placed", p.record.to_dict()) for p in result.placed]
             + [
-                (q.job.job_id, q.attempt, "waiting", r.to_dict())
-                for q, r in result.waiting
-                if self.waiting_reasons.get(q.job.job_id) != r.reason
+                (r.pending.job.job_id, r.pending.attempt, "rejected", r.record.to_dict())
+                for r in result.rejected
+            ]
+            + [
+                (w.pending.job.job_id, w.pending.attempt, "waiting", w.record.to_dict())
+                for w in result.waiting
+                if self.waiting_reasons.get(w.pending.job.job_id) != w.record.reason
             ],
         )
-        for q, d, _ in result.placed:
-            msgs, placed_event = self._placement_messages(q, d, now)
-            result.messages += msgs
-            result.events.append(placed_event)
-        for q, o in result.rejected:
-            event = rejection(q.job.job_id, q.job.tenant, reject_code(o), o.status.reason)
+        for p in result.placed:
+            msgs, placed_event = self._placement_messages(p.pending, p.decision, now)
+            applied.messages += msgs
+            applied.events.append(placed_event)
+        for r in result.rejected:
+            q = r.pending
+            event = rejection(q.job.job_id, q.job.tenant, r.code, r.reason, r.hint)
             msg_id = f"{q.job.job_id}:rejected"
-            result.messages.append(
+            applied.messages.append(
                 outbox.message(subjects.job_event("rejected", q.job.tenant), event, msg_id, context=q.context)
             )
-            result.events.append(repo.JobEventRow(q.job.job_id, "rejected", msg_id, encode(event), now))
+            applied.events.append(repo.JobEventRow(q.job.job_id, "rejected", msg_id, encode(event), now))
             if q.parent:
-                result.messages += await self._settle_dag(conn, q.parent, result)
-        await repo.append_events(conn, result.events)
-        await outbox.add(conn, PRODUCER, result.messages)
-        self._outgoing = result.messages
-        return result
+                applied.messages += await self._settle_dag(conn, q.parent, applied)
+        for g in result.grown:
+            await self._grow(conn, g, now, applied)
+        await repo.append_events(conn, applied.events)
+        await outbox.add(conn, PRODUCER, applied.messages)
+        return applied
+
+    async def _grow(self, conn: asyncpg.Connection, g: Grown, now: float, applied: "Applied") -> None:
+        """Write one elastic job's growth (the cycle already took the GPUs in the snapshot)."""
+        run = self.book.runs.get(g.job_id)
+        # The run must still be this attempt, placed or running (its row stays locked).
+        if run is None or not await repo.lock_active(conn, g.job_id, run.attempt):
+            applied.stale = True  # the snapshot grew a run that is gone: rebuild it after the commit
+            return
+        await repo.grow(conn, g.job_id, run.attempt, g.cluster, g.added)
+        count = await repo.set_workers(conn, g.job_id, run.attempt, g.workers)
+        allocations = [NodeAllocation(node=n, gpus=k) for n, k in g.allocations]
+        resize = ResizeJob(job_id=g.job_id, attempt=run.attempt, workers=g.workers, allocations=allocations)
+        event = JobResized(
+            job_id=g.job_id,
+            tenant=run.job.tenant,
+            cluster=g.cluster,
+            attempt=run.attempt,
+            workers=g.workers,
+            allocations=allocations,
+            reason="grew into freed capacity",
+            at=now,
+        )
+        applied.messages.append(
+            outbox.message(
+                subjects.cluster_command(g.cluster, "resize"),
+                resize,
+                f"{g.job_id}:resize:{run.attempt}:{count}",
+                context=run.queued.context,
+            )
+        )
+        msg_id = f"{g.job_id}:resized:{run.attempt}:{count}"
+        applied.messages.append(
+            outbox.message(
+                subjects.job_event("resized", run.job.tenant), event, msg_id, context=run.queued.context
+            )
+        )
+        applied.events.append(repo.JobEventRow(g.job_id, "resized", msg_id, encode(event), now))
+        applied.grown.append((g.job_id, [(g.cluster, g.gpu_model, g.allocations)], g.workers))
 
     def _placement_messages(
         self, q: QueuedJob, d: Decision, now: float
@@ -659,7 +682,7 @@ class PlacementService:
         reason: str,
         *,
         avoid: Sequence[str],
-        result: "CycleResult",
+        result: "Applied",
     ) -> None:
         """Requeue a run's job (next attempt), release its GPUs and stop it on every cluster it holds.
 
@@ -711,7 +734,7 @@ class PlacementService:
         workers: int,
         allocations: tuple[tuple[str, int], ...],
         by: str,
-        result: "CycleResult",
+        result: "Applied",
     ) -> None:
         """Give back an elastic run's surplus workers and tell its agent (the decision counts them)."""
         run = self.book.runs[job_id]
@@ -755,34 +778,44 @@ class PlacementService:
         result.shrunk = [s for s in result.shrunk if s[0] != job_id]
         result.shrunk.append((job_id, [(cluster, model, allocations)], workers))
 
-    def _commit(self, result: "CycleResult", considered: list[QueuedJob]) -> None:
+    def _due(self, *, everyone: bool = False, besides: Iterable[str] = ()) -> list[QueuedJob]:
+        """Queued jobs whose backoff has ended (every queued job with ``everyone``), but ``besides``."""
+        now = time.monotonic()
+        skip = set(besides)
+        return [
+            q for q in self.queue.values() if (everyone or q.not_before <= now) and q.job.job_id not in skip
+        ]
+
+    def _commit(self, applied: "Applied", considered: list[QueuedJob]) -> None:
         """Adopt a committed cycle's outcome in memory (no await in here)."""
-        gone = set(result.vanished)
+        gone = set(applied.vanished)
         for job_id in gone:
             self.queue.pop(job_id, None)
         considered = [q for q in considered if q.job.job_id not in gone]
-        for run, done in result.learned:
+        for run, done in applied.learned:
             self._learn_alpha(run, done)
-        if result.observed:
-            for observation in result.observed:
+        if applied.observed:
+            for observation in applied.observed:
                 observation.teach(self.learner)
             self._adopt_learned()
-        for job_id, parts, workers in result.shrunk:
+        for job_id, parts, workers in applied.shrunk + applied.grown:
             if job_id in self.book.runs:
                 self.book.resize_run(job_id, parts, workers)
                 self.stats["resized"] += 1
-        for run, again, cause in result.requeued:
+        for run, again, cause in applied.requeued:
             if self.book.drop_run(run.job.job_id, run.attempt, in_snapshot=cause == "preempted") is not None:
                 self.queue[again.job.job_id] = again
                 self.stats["requeued"] += 1
                 if cause == "preempted":
                     self.stats["preempted"] += 1
-        for q, d, _ in result.placed:
+        cycle = applied.cycle
+        for p in cycle.placed:
+            q, d = p.pending, p.decision
             self.book.add_run(
                 Run(
                     queued=q,
                     attempt=q.attempt,
-                    parts=[(p.cluster, p.gpu_model, p.allocations) for p in d.parts],
+                    parts=[(part.cluster, part.gpu_model, part.allocations) for part in d.parts],
                     workers=d.workers,
                     labels=q.job.labels,
                     started_at=time.time() + d.start_after_s,
@@ -790,24 +823,29 @@ class PlacementService:
                 ),
                 in_snapshot=True,
             )
-        done = {q.job.job_id for q, _, _ in result.placed} | {q.job.job_id for q, _ in result.rejected}
+        settled = {p.pending.job.job_id for p in cycle.placed} | {
+            r.pending.job.job_id for r in cycle.rejected
+        }
         for q in considered:
-            if q.job.job_id in done:
+            if q.job.job_id in settled:
                 self.queue.pop(q.job.job_id, None)
                 self.waiting_reasons.pop(q.job.job_id, None)
             elif q.job.job_id not in self.queue or self.queue[q.job.job_id] is q:
                 self.queue[q.job.job_id] = q
         now = time.monotonic()
-        for q, record in result.waiting:
+        for w in cycle.waiting:
+            q = w.pending
             q.tries += 1
-            q.not_before = now + min(0.25 * 2 ** min(q.tries, 8), MAX_BACKOFF_S)
-            self.waiting_reasons[q.job.job_id] = record.reason
-        for q in result.released_children:
+            q.not_before = now + w.retry_in_s
+            self.waiting_reasons[q.job.job_id] = w.record.reason
+        for q in applied.released_children:
             self.queue[q.job.job_id] = q
-        self.stats["placed"] += len(result.placed)
-        self.stats["rejected"] += len(result.rejected)
+        if applied.stale:
+            self.book.invalidate()
+        self.stats["placed"] += len(cycle.placed)
+        self.stats["rejected"] += len(cycle.rejected)
         self.stats["queued"] = len(self.queue)
-        if result.requeued or result.released_children:
+        if applied.requeued or applied.released_children:
             self.wake.set()
 
     async def _requeue_loop(self) -> None:
@@ -817,128 +855,32 @@ class PlacementService:
                 await asyncio.wait_for(self.wake.wait(), timeout=0.5)
             self.wake.clear()
             try:
-                if self.queue:
-                    async with self.lock:
-                        await self._retrying(self._requeue_cycle)
-                if self.capacity_changed:
-                    self.capacity_changed = False
-                    async with self.lock:
-                        await self._retrying(self._grow_cycle)
+                # Freed capacity goes to queued jobs first; elastic jobs grow into what is left.
+                changed, self.capacity_changed = self.capacity_changed, False
+                if self.queue or changed:
+                    try:
+                        async with self.lock:
+                            await self._retrying(functools.partial(self._requeue_cycle, everyone=changed))
+                    except BaseException:
+                        self.capacity_changed = self.capacity_changed or changed  # not seen yet
+                        raise
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("requeue cycle failed", error=repr(exc))
             self.relay.kick()
 
-    async def _requeue_cycle(self) -> None:
-        now = time.monotonic()
-        everyone = self.capacity_changed
-        due = [q for q in self.queue.values() if everyone or q.not_before <= now]
-        if not due:
+    async def _requeue_cycle(self, *, everyone: bool = False) -> None:
+        """A cycle over the queued jobs whose backoff ended; after capacity changed (``everyone``),
+        over all of them, and elastic jobs may grow when nothing is left waiting."""
+        due = self._due(everyone=everyone)
+        grow = everyone
+        if not due and not (grow and not self.queue):
             return
         async with self._tx() as conn:
-            result = await self._schedule(conn, due)
-        self._commit(result, due)
-        self._send(self._outgoing)
-
-    async def _grow_cycle(self) -> None:
-        """Elastic jobs below their maximum take freed GPUs on their own cluster (same GPU model),
-        as far as their tenant's quota allows."""
-        if self.queue:
-            return  # queued jobs have the first claim on freed capacity
-        quota = QuotaBook(self.tenants, self.book.usage_by_tenant())
-        groups: dict[tuple[str, str], list[ElasticJob]] = {}
-        for r in self.book.runs.values():
-            core = r.running_job()
-            if core.min_workers is None or r.workers >= r.job.workers:
-                continue
-            g = r.job.resources.gpus
-            room = r.job.workers - r.workers
-            while room > 0 and not quota.check(r.job.tenant, room * g).ok:
-                room -= 1
-            if room == 0:
-                continue
-            cluster, model, allocs = r.parts[0]
-            groups.setdefault((cluster, model), []).append(
-                ElasticJob(
-                    job_id=r.job.job_id,
-                    priority=r.job.priority,
-                    gpus_per_worker=g,
-                    min_workers=min(core.min_workers, r.workers),
-                    max_workers=r.workers + room,
-                    workers=r.workers,
-                    cluster=cluster,
-                    allocations=allocs,
-                )
-            )
-        if not groups:
-            return
-        plans = []
-        for (cluster, model), jobs in sorted(groups.items()):
-            free = {
-                c.node: c.gpus_free
-                for c in self.book.nodes.values()
-                if c.cluster == cluster and c.gpu_model == model and c.gpus_free > 0
-            }
-            if free:
-                plans += plan_grow(jobs, {cluster: free})
-        if not plans:
-            return
-        now = time.time()
-        messages: list[outbox.OutboxMessage] = []
-        grown: list[tuple[str, str, tuple[tuple[str, int], ...], int]] = []
-        async with self._tx() as conn:
-            for plan in plans:
-                run = self.book.runs.get(plan.job_id)
-                added = [(n, g) for n, g in plan.delta_allocations if g > 0]
-                # The run must still be this attempt, placed or running (its row stays locked).
-                if run is None or not added or not await repo.lock_active(conn, plan.job_id, run.attempt):
-                    continue
-                await repo.grow(conn, plan.job_id, run.attempt, plan.cluster, added)
-                count = await repo.set_workers(conn, plan.job_id, run.attempt, plan.workers)
-                allocations = [NodeAllocation(node=n, gpus=g) for n, g in plan.allocations]
-                resize = ResizeJob(
-                    job_id=plan.job_id, attempt=run.attempt, workers=plan.workers, allocations=allocations
-                )
-                event = JobResized(
-                    job_id=plan.job_id,
-                    tenant=run.job.tenant,
-                    cluster=plan.cluster,
-                    attempt=run.attempt,
-                    workers=plan.workers,
-                    allocations=allocations,
-                    reason="grew into freed capacity",
-                    at=now,
-                )
-                messages.append(
-                    outbox.message(
-                        subjects.cluster_command(plan.cluster, "resize"),
-                        resize,
-                        f"{plan.job_id}:resize:{run.attempt}:{count}",
-                        context=run.queued.context,
-                    )
-                )
-                msg_id = f"{plan.job_id}:resized:{run.attempt}:{count}"
-                messages.append(
-                    outbox.message(
-                        subjects.job_event("resized", run.job.tenant),
-                        event,
-                        msg_id,
-                        context=run.queued.context,
-                    )
-                )
-                await repo.append_events(
-                    conn, [repo.JobEventRow(plan.job_id, "resized", msg_id, encode(event), now)]
-                )
-                grown.append((plan.job_id, run.parts[0][1], plan.allocations, plan.workers))
-            await outbox.add(conn, PRODUCER, messages)
-        for job_id, model, allocations, workers in grown:
-            run = self.book.runs.get(job_id)
-            if run is None:
-                continue  # finished after the commit; its release already gave everything back
-            self.book.resize_run(job_id, [(run.parts[0][0], model, allocations)], workers)
-            self.stats["resized"] += 1
-        self._send(messages)
+            applied = await self._schedule(conn, due, backlog=len(self.queue) - len(due), grow=grow)
+        self._commit(applied, due)
+        self._send(applied.messages)
 
     async def _expiry_loop(self) -> None:
         """Give up placements whose agent never confirmed the start; place them again elsewhere."""
@@ -957,7 +899,7 @@ class PlacementService:
                 log.warning("expiry cycle failed", error=repr(exc))
 
     async def _expire(self, rows: Sequence[asyncpg.Record]) -> None:
-        result = CycleResult()
+        result = Applied()
         async with self._tx() as conn:
             for row in rows:
                 run = self.book.runs.get(row["job_id"])
@@ -969,7 +911,7 @@ class PlacementService:
                     run,
                     "start_timeout",
                     f"no start confirmed by {', '.join(clusters)} within {self.confirm_timeout_s:g} s",
-                    avoid=clusters if run.attempt < self.max_attempts else (),
+                    avoid=expiry_avoid(clusters, attempt=run.attempt, max_attempts=self.max_attempts),
                     result=result,
                 )
             await repo.append_events(conn, result.events)
@@ -1099,7 +1041,7 @@ class PlacementService:
             return outcomes
 
         async def apply() -> None:
-            result = CycleResult()
+            result = Applied()
             finished: list[tuple[str, int]] = []
             progress: dict[str, float] = {}
             async with self._tx() as conn:
@@ -1120,10 +1062,13 @@ class PlacementService:
                     run = self.book.runs.get(e.job_id)
                     if (
                         isinstance(e, JobFailed)
-                        and e.retryable
                         and run is not None
-                        and run.attempt == e.attempt
-                        and e.attempt < self.max_attempts
+                        and retry_after_failure(
+                            retryable=e.retryable,
+                            attempt=e.attempt,
+                            current_attempt=run.attempt,
+                            max_attempts=self.max_attempts,
+                        )
                     ):
                         await self._give_up(
                             conn, run, "start_failed", e.reason, avoid=[e.cluster], result=result
@@ -1248,7 +1193,7 @@ class PlacementService:
         self.stats["alpha"] = {t: round(self.alpha.alpha(t), 3) for t in sorted(self.alpha.as_dict())}
 
     async def _settle_dag(
-        self, conn: asyncpg.Connection, parent: str, result: "CycleResult"
+        self, conn: asyncpg.Connection, parent: str, result: "Applied"
     ) -> list[outbox.OutboxMessage]:
         """Move a DAG forward after one of its stages ended: queue stages now ready, finish the DAG."""
         row = await repo.job_row(conn, parent)
@@ -1261,29 +1206,27 @@ class PlacementService:
             child = msgspec.json.decode(kid["spec"], type=JobSubmitted)
             by_stage[child.labels.get(dag.STAGE_LABEL, kid["job_id"])] = (kid, child)
         states = {stage: kid["state"] for stage, (kid, _) in by_stage.items()}
-        # Jobs that ended in this very transaction may not show in the rows read: the caller has
-        # already written them, so the rows do show them (same transaction).
+        # Jobs that ended in this very transaction show in the rows read (same transaction).
+        step = dag.advance(spec.stages, states)
         carrier = json.loads(row["trace_context"])
         now = time.time()
         messages: list[outbox.OutboxMessage] = []
-        bad = [s for s, st in states.items() if st in ("failed", "rejected", "cancelled")]
-        if bad:
+        if step.failed_stage is not None:
+            bad = step.failed_stage
             await repo.set_state(
                 conn,
-                [by_stage[s][0]["job_id"] for s, st in states.items() if st in ("waiting", "queued")],
+                [by_stage[s][0]["job_id"] for s in step.cancel],
                 "cancelled",
                 ["waiting", "queued"],
-                f"stage {bad[0]} of {parent} did not complete",
+                f"stage {bad} of {parent} did not complete",
             )
-            for s, st in states.items():
-                if st in ("queued", "waiting"):
-                    result.vanished.append(by_stage[s][0]["job_id"])
-            reason = f"stage {bad[0]} ended {states[bad[0]]}"
+            result.vanished += [by_stage[s][0]["job_id"] for s in step.cancel]
+            reason = f"stage {bad} ended {states[bad]}"
             await repo.set_state(conn, [parent], "failed", ["running"], reason)
             event = JobFailed(
                 job_id=parent,
                 tenant=spec.tenant,
-                cluster=by_stage[bad[0]][0]["cluster"] or "none",
+                cluster=by_stage[bad][0]["cluster"] or "none",
                 reason=reason,
                 at=now,
             )
@@ -1291,7 +1234,7 @@ class PlacementService:
             messages.append(outbox.message(subjects.job_event("failed", spec.tenant), event, msg_id))
             result.events.append(repo.JobEventRow(parent, "failed", msg_id, encode(event), now))
             return messages
-        if all(st == "completed" for st in states.values()):
+        if step.completed:
             await repo.set_state(conn, [parent], "completed", ["running"])
             last = max(by_stage.values(), key=lambda kc: kc[0]["job_id"])[0]
             event_c = JobCompleted(
@@ -1301,12 +1244,10 @@ class PlacementService:
             messages.append(outbox.message(subjects.job_event("completed", spec.tenant), event_c, msg_id))
             result.events.append(repo.JobEventRow(parent, "completed", msg_id, encode(event_c), now))
             return messages
-        completed = {s for s, st in states.items() if st == "completed"}
-        started = {s for s, st in states.items() if st != "waiting"}
-        order = dag.validate(spec.stages)
-        ready = dag.ready(order, dag.dependencies(spec.stages), completed, started)
-        moved = await repo.set_state(conn, [by_stage[s][0]["job_id"] for s in ready], "queued", ["waiting"])
-        for s in ready:
+        moved = await repo.set_state(
+            conn, [by_stage[s][0]["job_id"] for s in step.ready], "queued", ["waiting"]
+        )
+        for s in step.ready:
             kid, child = by_stage[s]
             if kid["job_id"] in moved:
                 result.released_children.append(QueuedJob(child, carrier, parent=parent))
@@ -1350,25 +1291,28 @@ class PlacementService:
 
 
 @dataclasses.dataclass
-class CycleResult:
-    """What one transaction decided, to adopt in memory after it commits."""
+class Applied:
+    """What one transaction wrote, to adopt in memory after it commits."""
 
-    placed: list[tuple[QueuedJob, Decision, DecisionRecord]] = dataclasses.field(default_factory=list)
-    rejected: list[tuple[QueuedJob, Outcome]] = dataclasses.field(default_factory=list)
-    waiting: list[tuple[QueuedJob, DecisionRecord]] = dataclasses.field(default_factory=list)
-    preempted: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    cycle: CycleResult[QueuedJob] = dataclasses.field(default_factory=CycleResult)
+    """The decisions of the cycle this transaction applied (empty for lifecycle and expiry)."""
     requeued: list[tuple[Run, QueuedJob, RequeueReason]] = dataclasses.field(default_factory=list)
     released_children: list[QueuedJob] = dataclasses.field(default_factory=list)
     vanished: list[str] = dataclasses.field(default_factory=list)
     """Jobs that turned out not to be queued (or running) any more: dropped from the queue."""
     current: dict[str, tuple[tuple[str, int], ...]] = dataclasses.field(default_factory=dict)
-    """Elastic runs' allocations as this cycle left them."""
+    """Elastic runs' allocations as this transaction left them."""
     learned: list[tuple[Run, JobCompleted]] = dataclasses.field(default_factory=list)
     observed: list[speeds.SpeedObservation] = dataclasses.field(default_factory=list)
     """Speed observations recorded in this transaction (new ones only, after the write)."""
     shrunk: list[tuple[str, list[tuple[str, str, tuple[tuple[str, int], ...]]], int]] = dataclasses.field(
         default_factory=list
     )
+    grown: list[tuple[str, list[tuple[str, str, tuple[tuple[str, int], ...]]], int]] = dataclasses.field(
+        default_factory=list
+    )
+    stale: bool = False
+    """The cycle's snapshot took something the store refused (a run that ended): rebuild it."""
     messages: list[outbox.OutboxMessage] = dataclasses.field(default_factory=list)
     events: list[repo.JobEventRow] = dataclasses.field(default_factory=list)
 
@@ -1431,4 +1375,4 @@ def hash_carrier(q: QueuedJob) -> str:
     return hashlib.sha256(f"{q.job.job_id}:{q.job.submitted_at!r}".encode()).hexdigest()[:12]
 
 
-__all__ = ["CycleResult", "PlacementService", "QueuedJob", "rejection"]
+__all__ = ["Applied", "PlacementService", "QueuedJob", "rejection"]

@@ -283,9 +283,9 @@ def test_preemption_stops_the_lowest_priority_least_progressed_job() -> None:
 
 def test_quota_makes_a_tenant_wait_or_rejects_what_could_never_fit() -> None:
     config = TenantConfig(tenants={"acme": TenantQuota(name="acme", cohort=None, gpus=8)}, open=False)
-    quota = Quota(QuotaBook(config, {"acme": 4}))
-    framework = Framework([ResourceFit(), quota, ScuFit()])
+    framework = Framework([ResourceFit(), Quota(), ScuFit()])
     snap = two_clusters()
+    snap.quota = QuotaBook(config, {"acme": 4})
     assert framework.schedule(job("fits", gpus=4, tenant="acme"), snap).decision is not None
     waits = framework.schedule(job("waits", gpus=4, tenant="acme"), snap)
     assert waits.status.code == Code.UNSCHEDULABLE and waits.status.plugin == "quota"
@@ -293,6 +293,8 @@ def test_quota_makes_a_tenant_wait_or_rejects_what_could_never_fit() -> None:
     assert never.status.code == Code.UNRESOLVABLE
     stranger = framework.schedule(job("who", tenant="nobody"), snap)
     assert stranger.status.code == Code.UNRESOLVABLE and "no quota" in stranger.status.reason
+    assert (never.status.reject, stranger.status.reject) == ("quota", "unknown_tenant")
+    assert snap.quota is not None and snap.quota.held("acme") == 8  # the placement counts at once
 
 
 def test_a_refused_permit_gives_the_reservation_back() -> None:
@@ -304,9 +306,9 @@ def test_a_refused_permit_gives_the_reservation_back() -> None:
 
     config = TenantConfig(tenants={"acme": TenantQuota(name="acme", cohort=None, gpus=8)}, open=False)
     book = QuotaBook(config, {})
-    outcome = Framework([ResourceFit(), Quota(book), Deny()]).schedule(
-        job("j", gpus=4, tenant="acme"), two_clusters()
-    )
+    snap = two_clusters()
+    snap.quota = book
+    outcome = Framework([ResourceFit(), Quota(), Deny()]).schedule(job("j", gpus=4, tenant="acme"), snap)
     assert outcome.decision is None and outcome.status.plugin == "deny"
     assert book.held("acme") == 0
 
@@ -419,8 +421,9 @@ def test_quotas_are_never_exceeded(nodes: list[NodeCapacity], jobs: list[JobSpec
         open=False,
     )
     book = QuotaBook(config, {})
-    framework = Framework([ResourceFit(), Quota(book), ScuFit(), WaterLevel()])
+    framework = Framework([ResourceFit(), Quota(), ScuFit(), WaterLevel()])
     snap = Snapshot(nodes, net=NetMatrix(["r0", "r1"]))
+    snap.quota = book
     placed = check_invariants(nodes, jobs, framework, snap)
     held = {"t1": 0, "t2": 0}
     for spec in jobs:
@@ -519,8 +522,10 @@ def test_a_preemption_refused_later_in_the_cycle_leaves_the_victims_running() ->
 
 def test_an_elastic_job_gets_only_as_many_workers_as_its_quota_allows() -> None:
     config = TenantConfig(tenants={"acme": TenantQuota(name="acme", cohort=None, gpus=8)}, open=False)
-    framework = Framework([ResourceFit(), Quota(QuotaBook(config, {})), ScuFit()])
-    outcome = framework.schedule(job("el", gpus=1, workers=16, min_workers=2, tenant="acme"), two_clusters())
+    framework = Framework([ResourceFit(), Quota(), ScuFit()])
+    snap = two_clusters()
+    snap.quota = QuotaBook(config, {})
+    outcome = framework.schedule(job("el", gpus=1, workers=16, min_workers=2, tenant="acme"), snap)
     assert outcome.decision is not None and outcome.decision.workers == 8
 
 

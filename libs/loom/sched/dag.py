@@ -11,6 +11,7 @@ import heapq
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from loom.errors import InvalidInputError
 from loom_proto.ids import ID_PATTERN
@@ -42,6 +43,10 @@ _MAX_NAME_CHARS = 256
 
 class DagError(InvalidInputError):
     """A DAG job that cannot run as written; the message says which stages and what to change."""
+
+
+class DagCycleError(DagError):
+    """The stages depend on each other in a circle (rejected with code ``cyclic``)."""
 
 
 def dependencies(stages: Sequence[Stage]) -> dict[str, tuple[str, ...]]:
@@ -86,7 +91,7 @@ def validate(stages: Sequence[Stage]) -> tuple[str, ...]:
                 heapq.heappush(heap, position[later])
     if len(order) < len(names):
         cycle = _find_cycle(names, deps, done=set(order))
-        raise DagError(
+        raise DagCycleError(
             f"stages form a cycle: {' -> '.join([*cycle, cycle[0]])} (each depends on the next);"
             " remove one of these dependencies"
         )
@@ -183,3 +188,38 @@ def ready(
         and name not in completed
         and all(dep in completed for dep in deps.get(name, ()))
     ]
+
+
+ENDED_BADLY = ("failed", "rejected", "cancelled")
+
+
+@dataclass(frozen=True, slots=True)
+class Advance:
+    """What a DAG does after one of its stages ended (:func:`advance`)."""
+
+    failed_stage: str | None = None
+    """A stage that ended badly: the DAG fails, and the stages not started yet are cancelled."""
+    cancel: tuple[str, ...] = ()
+    """Stages still waiting or queued that are cancelled (only with ``failed_stage``)."""
+    completed: bool = False
+    """Every stage completed: so has the DAG."""
+    ready: tuple[str, ...] = ()
+    """Stages that may start now (in run order)."""
+
+
+def advance(stages: Sequence[Stage], states: Mapping[str, str]) -> Advance:
+    """The next step of a DAG from its stages' states (``waiting``, ``queued``, ``placed``,
+    ``running``, ``completed``, ``failed``, ``rejected``, ``cancelled``); pure, the placement
+    service's and any replay's rule."""
+    bad = [s for s, st in states.items() if st in ENDED_BADLY]
+    if bad:
+        return Advance(
+            failed_stage=bad[0],
+            cancel=tuple(s for s, st in states.items() if st in ("waiting", "queued")),
+        )
+    if states and all(st == "completed" for st in states.values()):
+        return Advance(completed=True)
+    completed = {s for s, st in states.items() if st == "completed"}
+    started = {s for s, st in states.items() if st != "waiting"}
+    order = validate(stages)
+    return Advance(ready=tuple(ready(order, dependencies(stages), completed, started)))

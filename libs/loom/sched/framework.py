@@ -16,6 +16,7 @@ pruned cluster's reason, from which :func:`loom.sched.explain.render` answers "w
 there".
 """
 
+import dataclasses
 import enum
 import itertools
 import math
@@ -29,7 +30,7 @@ import numpy as np
 
 from loom.sched import pipeline
 from loom.sched.snapshot import BoolArray, FloatArray, IntArray, Snapshot
-from loom_proto.jobs import JobSpec, SyncPlan
+from loom_proto.jobs import JobSpec, RejectCode, SyncPlan
 
 T = TypeVar("T")
 
@@ -61,6 +62,11 @@ class Status:
     reason: str = ""
     plugin: str = ""
     wait_s: float = 0.0
+    reject: RejectCode = "impossible"
+    """What an UNRESOLVABLE verdict is called to the submitter (``JobRejected.code``): typed by the
+    plugin that said it, never read from the reason's words or the plugin's name."""
+    hint: str = ""
+    """What the submitter could change so that the job fits (empty when the reason says it all)."""
 
     @property
     def ok(self) -> bool:
@@ -860,7 +866,7 @@ class Framework:
             if status.code == Code.SKIP:
                 state.skipped.add(plugin.name)
             elif not status.ok:
-                return Status(status.code, status.reason, status.plugin or plugin.name, status.wait_s)
+                return _named(status, plugin.name)
         if not state.cluster_mask.any():
             return Status(Code.UNSCHEDULABLE, "no cluster is allowed for this job", "pre_filter")
         return SUCCESS
@@ -1202,6 +1208,9 @@ class Framework:
                     state.job.resources.cpu_milli,
                     state.job.resources.memory_mib,
                 )
+            if state.snapshot.quota is not None:
+                # The tenant's quota counts the decision at once (the next job's check sees it).
+                state.snapshot.quota.take(state.job.tenant, sum(g for _, g in decision.allocations))
         record.outcome = "placed"
         record.chosen = [p.cluster for p in decision.parts]
         record.reason = _placed_reason(decision)
@@ -1246,6 +1255,7 @@ class Framework:
                 f"no allowed cluster has GPUs of the allowed models for {base};"
                 " allow other models or clusters",
                 "framework",
+                hint="allow other models or clusters",
             )
         if g > largest_node:
             return Status(
@@ -1253,6 +1263,7 @@ class Framework:
                 f"{base} can never fit: the largest node has {largest_node} GPUs of an allowed model;"
                 f" ask for at most {largest_node} per worker",
                 "framework",
+                hint=f"ask for at most {largest_node} GPUs per worker",
             )
         fits_somewhere = platform_workers >= need if split else best_workers >= need
         if not fits_somewhere:
@@ -1263,7 +1274,7 @@ class Framework:
                 else f"the most any cluster holds is {best_workers} worker(s) on {best_where};"
                 " ask for fewer workers or allow the gang to span clusters (allow_multi_cluster)"
             )
-            return Status(Code.UNRESOLVABLE, f"{base} can never fit; {hint}", "framework")
+            return Status(Code.UNRESOLVABLE, f"{base} can never fit; {hint}", "framework", hint=hint)
         reasons = "; ".join(f"{k}: {v}" for k, v in sorted(state.pruned.items())[:6])
         return Status(
             Code.UNSCHEDULABLE,
@@ -1279,7 +1290,7 @@ class Framework:
 
 
 def _named(status: Status, name: str) -> Status:
-    return status if status.plugin else Status(status.code, status.reason, name, status.wait_s)
+    return status if status.plugin else dataclasses.replace(status, plugin=name)
 
 
 _SHAPES_KEPT = 64

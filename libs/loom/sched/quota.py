@@ -139,6 +139,8 @@ class QuotaVerdict:
     never: bool
     reason: str
     reclaimable: int = 0
+    unknown_tenant: bool = False
+    """The tenant has no quota on a closed platform (rejected as ``unknown_tenant``, not ``quota``)."""
 
 
 class QuotaBook:
@@ -196,6 +198,7 @@ class QuotaBook:
                 borrowed=0,
                 never=True,
                 reason=f"tenant {tenant} has no quota and only listed tenants are admitted; listed: {listed}",
+                unknown_tenant=True,
             )
         held = self.held(tenant)
         after = held + gpus

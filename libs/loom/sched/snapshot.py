@@ -18,6 +18,7 @@ from loom.model.family import HasLabels, is_half_precision, job_family
 from loom.model.scu import Precision
 from loom.model.topology import Topology
 from loom.sched.firstfit import NodeCapacity
+from loom.sched.quota import QuotaBook
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -223,6 +224,10 @@ class Snapshot:
             key=lambda c: (c.cluster, c.gpu_model or "", c.node),
         )
         self.now = now
+        self.quota: QuotaBook | None = None
+        """GPUs each tenant holds against its quota, kept with the snapshot: the quota plugin checks
+        and takes from it, so a cycle's decisions count against the next job's quota at once. None:
+        an open platform (no quotas)."""
         cluster_ids = sorted({c.cluster for c in caps} | set(clusters or {}))
         given = clusters or {}
         first = {c.cluster: c for c in reversed(caps)}

@@ -2,10 +2,11 @@
 
 Quota: a job whose tenant cannot take its GPUs now waits (UNSCHEDULABLE); one that could never fit
 the tenant's quota, or whose tenant is unknown to a closed configuration, is rejected
-(UNRESOLVABLE). Reserve takes the GPUs from the tenant's book; unreserve gives them back (a
-second unreserve of the same decision gives nothing). The service hands the plugin a fresh
-:class:`~loom.sched.quota.QuotaBook` for every cycle, so a cycle that is not committed leaves the
-real book untouched.
+(UNRESOLVABLE, typed ``quota`` or ``unknown_tenant``). The book is the snapshot's
+(``Snapshot.quota``: what each tenant holds now, kept with the snapshot like its free GPUs); reserve
+checks a decision against it, and applying the decision takes its GPUs from it
+(:meth:`~loom.sched.framework.Framework.finish`). A snapshot without a book is an open platform
+(this plugin's own open book).
 
 Preemption: when nothing fits, look on every cluster allowed by policy for the cheapest set of
 lower-priority, preemptible jobs whose GPUs make room (whole gangs; victims by lowest priority, then
@@ -20,7 +21,7 @@ import numpy as np
 
 from loom.sched import preemption
 from loom.sched.framework import SUCCESS, Code, CycleState, Decision, Framework, Status
-from loom.sched.quota import QuotaBook, TenantConfig
+from loom.sched.quota import QuotaBook, QuotaVerdict, TenantConfig
 from loom.sched.snapshot import BoolArray, FloatArray, IntArray, RunningJob, Snapshot
 
 
@@ -29,27 +30,27 @@ class Quota:
 
     name = "quota"
 
-    def __init__(self, book: QuotaBook | None = None) -> None:
-        self.book = book or QuotaBook(TenantConfig(tenants={}, open=True), {})
-        self._taken: dict[str, int] = {}
+    def __init__(self) -> None:
+        self.open = QuotaBook(TenantConfig(tenants={}, open=True), {})
+        """The book of a snapshot without one: an open platform."""
 
-    def use(self, book: QuotaBook) -> None:
-        """The book for the next cycle(s)."""
-        self.book = book
-        self._taken.clear()
+    def _book(self, state: CycleState) -> QuotaBook:
+        """The snapshot's book (what the platform's tenants hold now), else an open one."""
+        return state.snapshot.quota if state.snapshot.quota is not None else self.open
 
     def pre_filter(self, state: CycleState) -> Status:
         job = state.job
         g = state.per_worker
-        verdict = self.book.check(job.tenant, g * state.min_workers)
+        book = self._book(state)
+        verdict = book.check(job.tenant, g * state.min_workers)
         if not verdict.ok:
-            return Status(Code.UNRESOLVABLE if verdict.never else Code.UNSCHEDULABLE, verdict.reason)
+            return _refusal(verdict)
         if job.workers > state.min_workers:
             # Elastic: as many workers as the quota allows now (at least the minimum, checked above).
             lo, hi = state.min_workers, job.workers
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if self.book.check(job.tenant, g * mid).ok:
+                if book.check(job.tenant, g * mid).ok:
                     lo = mid
                 else:
                     hi = mid - 1
@@ -57,18 +58,25 @@ class Quota:
         return SUCCESS
 
     def reserve(self, state: CycleState, decision: Decision) -> Status:
+        """Checks the decision's GPUs against the tenant's quota; applying the decision to the
+        snapshot (:meth:`Framework.finish`) is what takes them from the snapshot's book."""
         gpus = sum(g for _, g in decision.allocations)
-        verdict = self.book.check(state.job.tenant, gpus)
+        verdict = self._book(state).check(state.job.tenant, gpus)
         if not verdict.ok:
-            return Status(Code.UNRESOLVABLE if verdict.never else Code.UNSCHEDULABLE, verdict.reason)
-        self.book.take(state.job.tenant, gpus)
-        self._taken[decision.job_id] = gpus
+            return _refusal(verdict)
         return SUCCESS
 
     def unreserve(self, state: CycleState, decision: Decision) -> None:
-        gpus = self._taken.pop(decision.job_id, 0)
-        if gpus:
-            self.book.give(state.job.tenant, gpus)
+        """Nothing was taken by :meth:`reserve`."""
+
+
+def _refusal(verdict: QuotaVerdict) -> Status:
+    """A quota verdict that says no, as a status: rejected (typed) when waiting cannot help."""
+    if not verdict.never:
+        return Status(Code.UNSCHEDULABLE, verdict.reason)
+    return Status(
+        Code.UNRESOLVABLE, verdict.reason, reject="unknown_tenant" if verdict.unknown_tenant else "quota"
+    )
 
 
 @dataclass(frozen=True)

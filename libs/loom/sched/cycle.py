@@ -1,0 +1,320 @@
+"""One placement cycle, pure: (queue, snapshot, clock) in, every effect out as a :class:`CycleResult`.
+
+This is the in-memory half of a placement (the Kubernetes scheduler's ``schedulingCycle``); the
+I/O half belongs to the caller. The placement service applies a result in one PostgreSQL
+transaction and publishes its messages; the simulator applies the same result to its clock. Both
+call :func:`run_cycle`, so a decision cannot be taken one way in the service and another way in the
+simulator.
+
+What a cycle decides, in order:
+
+1. Every queued job, in the framework's queue order, on the snapshot (each decision applied before
+   the next job's turn): **placed** (with the victims it preempted and the elastic jobs it shrank),
+   **rejected** (only when waiting cannot help: an ``UNRESOLVABLE`` verdict, and, while the set of
+   clusters has not settled, only the quota's — a cluster that would fit may simply not have
+   reported yet), or **waiting** (retried after a backoff that doubles per cycle it waited, up to
+   :attr:`CycleSettings.max_backoff_s`, or at a permit's wake time if sooner).
+2. When nothing is left waiting (queued jobs have the first claim on freed GPUs): **grown** —
+   elastic jobs below their maximum take free GPUs of their own cluster and GPU model, as far as
+   their tenant's quota allows (:func:`grow`).
+
+The reject code comes from the verdict's type (``Status.reject``), never from its words.
+
+Around the cycle, two more rules are pure and shared: :func:`retry_after_failure` (a failed start is
+tried again elsewhere, or the job fails) and :func:`expiry_avoid` (which clusters a placement whose
+start was never confirmed avoids next).
+"""
+
+import dataclasses
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from loom.sched.elastic import ElasticJob, plan_grow
+from loom.sched.framework import Code, Decision, DecisionRecord, Framework, Outcome, QueueItem
+from loom.sched.snapshot import RunningJob, Snapshot
+from loom_proto.jobs import JobSpec, RejectCode
+
+__all__ = [
+    "CycleResult",
+    "CycleSettings",
+    "Grown",
+    "Pending",
+    "Placed",
+    "Preempted",
+    "Rejected",
+    "Shrunk",
+    "Waiting",
+    "backoff_s",
+    "expiry_avoid",
+    "grow",
+    "retry_after_failure",
+    "run_cycle",
+]
+
+
+class Pending(Protocol):
+    """A queued job as the cycle reads it (the service's ``QueuedJob`` is one)."""
+
+    @property
+    def job(self) -> JobSpec: ...
+
+    @property
+    def attempt(self) -> int: ...
+
+    @property
+    def avoid(self) -> frozenset[str]: ...
+
+    @property
+    def tries(self) -> int: ...
+
+
+P = TypeVar("P", bound=Pending)
+
+
+@dataclass(frozen=True, slots=True)
+class CycleSettings:
+    """The policy knobs of a cycle."""
+
+    settled: bool = True
+    """Whether the set of clusters has been stable long enough to reject a job none can hold (right
+    after a start, the cluster that fits may not have reported yet)."""
+    backoff_s: float = 0.25
+    """A waiting job's first retry delay; doubled per cycle it waited."""
+    max_backoff_s: float = 30.0
+    grow: bool = True
+    """Let elastic jobs grow into free GPUs when nothing waits."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placed(Generic[P]):
+    """A job placed: where, and the record of why."""
+
+    pending: P
+    decision: Decision
+    record: DecisionRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected(Generic[P]):
+    """A job that can never run as asked: its typed code, the reason and what to change."""
+
+    pending: P
+    code: RejectCode
+    reason: str
+    hint: str
+    record: DecisionRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting(Generic[P]):
+    """A job left queued: retried after ``retry_in_s`` (or earlier when capacity changes)."""
+
+    pending: P
+    record: DecisionRecord
+    retry_in_s: float
+    error: bool = False
+    """The verdict was a plugin's failure (a bug or bad state), not a lack of room."""
+
+
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    """A running job stopped to make room for ``by`` (its GPUs are already back in the snapshot)."""
+
+    job_id: str
+    by: str
+
+
+@dataclass(frozen=True, slots=True)
+class Shrunk:
+    """An elastic running job shrunk to ``workers`` on ``allocations`` to make room for ``by``."""
+
+    job_id: str
+    workers: int
+    allocations: tuple[tuple[str, int], ...]
+    by: str
+
+
+@dataclass(frozen=True, slots=True)
+class Grown:
+    """An elastic running job grown into free GPUs: its new workers and full allocations."""
+
+    job_id: str
+    cluster: str
+    gpu_model: str
+    workers: int
+    allocations: tuple[tuple[str, int], ...]
+    added: tuple[tuple[str, int], ...]
+    """GPUs added per node (the rows a store reserves)."""
+
+
+@dataclass
+class CycleResult(Generic[P]):
+    """Every effect of one cycle, in the order they were decided."""
+
+    placed: list[Placed[P]] = field(default_factory=list)
+    rejected: list[Rejected[P]] = field(default_factory=list)
+    waiting: list[Waiting[P]] = field(default_factory=list)
+    preempted: list[Preempted] = field(default_factory=list)
+    shrunk: list[Shrunk] = field(default_factory=list)
+    grown: list[Grown] = field(default_factory=list)
+    decide_ms: float = 0.0
+    """Wall time the decisions took (a figure for the caller's stats; no decision reads it)."""
+
+    @property
+    def empty(self) -> bool:
+        """Nothing was decided (no job considered, nothing grown)."""
+        return not (self.placed or self.rejected or self.waiting or self.grown)
+
+
+def backoff_s(tries: int, settings: CycleSettings) -> float:
+    """How long a job that has waited through ``tries`` cycles waits before the next one."""
+    return float(min(settings.backoff_s * 2.0 ** min(tries, 16), settings.max_backoff_s))
+
+
+def run_cycle(
+    framework: Framework,
+    queue: Sequence[P],
+    snap: Snapshot,
+    *,
+    settings: CycleSettings = CycleSettings(),
+    submitted_at: Mapping[str, float] | None = None,
+    backlog: int = 0,
+) -> CycleResult[P]:
+    """Decide ``queue`` on ``snap`` (which takes every decision, as the next job sees it).
+
+    ``submitted_at``: queue-order time per job id (default: the job's ``submitted_at`` if it has
+    one, else 0). ``backlog``: jobs still queued that this cycle does not consider (their backoff
+    has not ended): growth waits for them too. Fair share, for the queue order, is read from the
+    snapshot's quota book.
+    """
+    result: CycleResult[P] = CycleResult()
+    by_id: dict[str, P] = {}
+    items: list[QueueItem] = []
+    book = snap.quota
+    for p in queue:
+        job = p.job
+        if job.job_id in by_id:
+            continue
+        by_id[job.job_id] = p
+        at = (submitted_at or {}).get(job.job_id)
+        if at is None:
+            at = float(getattr(job, "submitted_at", 0.0) or 0.0)
+        items.append(
+            QueueItem(
+                job=job,
+                submitted_at=at,
+                fair_share=book.fair_share(job.tenant) if book is not None else 0.0,
+                attempts=p.attempt,
+            )
+        )
+    avoid = {job_id: p.avoid for job_id, p in by_id.items() if p.avoid}
+    started = time.perf_counter()
+    outcomes = framework.schedule_many(items, snap, avoid=avoid) if items else []
+    for item, outcome in outcomes:
+        _classify(result, by_id[item.job.job_id], outcome, settings)
+    if settings.grow and not result.waiting and backlog == 0:
+        result.grown = grow(snap)
+    result.decide_ms = (time.perf_counter() - started) * 1000
+    return result
+
+
+def _classify(result: CycleResult[P], p: P, outcome: Outcome, settings: CycleSettings) -> None:
+    decision = outcome.decision
+    status = outcome.status
+    if decision is not None:
+        result.placed.append(Placed(p, decision, outcome.record))
+        by = p.job.job_id
+        result.preempted += [Preempted(victim, by) for victim in decision.victims]
+        result.shrunk += [Shrunk(job_id, w, allocs, by) for job_id, w, allocs in decision.shrunk]
+        return
+    # Only the quota's verdict is final before the clusters settled: it does not depend on them.
+    if status.code == Code.UNRESOLVABLE and (
+        settings.settled or status.reject in ("quota", "unknown_tenant")
+    ):
+        reason = outcome.record.reason or status.reason
+        result.rejected.append(Rejected(p, status.reject, reason, status.hint, outcome.record))
+        return
+    retry = backoff_s(p.tries, settings)
+    if status.code == Code.UNSCHEDULABLE and status.wait_s > 0:
+        retry = min(retry, status.wait_s)  # a permit's patience ends then even if nothing changes
+    result.waiting.append(Waiting(p, outcome.record, retry, error=status.code == Code.ERROR))
+
+
+def grow(snap: Snapshot) -> list[Grown]:
+    """Elastic running jobs below their maximum take free GPUs on their own cluster and GPU model
+    (:func:`loom.sched.elastic.plan_grow`: higher priority first, peers in turn), as far as their
+    tenant's quota allows. The snapshot takes the GPUs, the quota book counts them, and its running
+    list shows the new sizes."""
+    book = snap.quota
+    groups: dict[tuple[str, str], list[ElasticJob]] = {}
+    by_id: dict[str, RunningJob] = {}
+    for r in snap.running:
+        if r.min_workers is None or r.workers >= r.max_workers:
+            continue
+        g = max(r.gpus_per_worker, 1)
+        room = r.max_workers - r.workers
+        if book is not None:
+            while room > 0 and not book.check(r.tenant, room * g).ok:
+                room -= 1
+        if room <= 0:
+            continue
+        by_id[r.job_id] = r
+        groups.setdefault((r.cluster, r.gpu_model), []).append(
+            ElasticJob(
+                job_id=r.job_id,
+                priority=r.priority,
+                gpus_per_worker=g,
+                min_workers=min(r.min_workers, r.workers),
+                max_workers=r.workers + room,
+                workers=r.workers,
+                cluster=r.cluster,
+                allocations=r.allocations,
+            )
+        )
+    grown: list[Grown] = []
+    for (cluster, model), jobs in sorted(groups.items()):
+        c, m = snap.cluster_index.get(cluster), snap.model_index.get(model)
+        if c is None or m is None:
+            continue
+        nodes, _ = snap.node_slice(c, m)
+        nodes = nodes[snap.schedulable[nodes] & (snap.free[nodes] > 0)]
+        free = {snap.node_ids[i]: int(snap.free[i]) for i in nodes.tolist()}
+        if not free:
+            continue
+        for plan in plan_grow(jobs, {cluster: free}):
+            added = tuple((n, g) for n, g in plan.delta_allocations if g > 0)
+            if not added:
+                continue
+            r = by_id[plan.job_id]
+            snap.take(added, r.gpus_per_worker, r.cpu_milli, r.memory_mib)
+            if book is not None:
+                book.take(r.tenant, sum(g for _, g in added))
+            grown.append(Grown(plan.job_id, cluster, model, plan.workers, plan.allocations, added))
+    if grown:
+        sizes = {g.job_id: g for g in grown}
+        # A new list (never changed in place: plugins cache tables per list of running jobs).
+        snap.running = [
+            dataclasses.replace(r, workers=sizes[r.job_id].workers, allocations=sizes[r.job_id].allocations)
+            if r.job_id in sizes
+            else r
+            for r in snap.running
+        ]
+    return grown
+
+
+def retry_after_failure(
+    *, retryable: bool, attempt: int, current_attempt: int | None, max_attempts: int
+) -> bool:
+    """Whether a failed run is placed again (next attempt, avoiding the cluster it failed on) rather
+    than the job failing: only a retryable failure of the attempt that runs now, while attempts are
+    left."""
+    return retryable and current_attempt == attempt and attempt < max_attempts
+
+
+def expiry_avoid(clusters: Iterable[str], *, attempt: int, max_attempts: int) -> tuple[str, ...]:
+    """Clusters a placement whose start was never confirmed avoids on its next attempt: the ones
+    that did not confirm, while attempts are left (then any cluster may take it again, as a
+    preference the framework drops when nothing else fits)."""
+    return tuple(sorted(set(clusters))) if attempt < max_attempts else ()
