@@ -18,6 +18,7 @@ from loom.model.family import job_family
 from loom.model.profiles import speeds_for_model
 from loom.model.scu import TASK_TYPES, UNPROFILED_SPEED, Precision
 from loom.model.topology import Topology
+from loom.sched.cycle import expected_end_s
 from loom.sched.firstfit import NodeCapacity
 from loom.sched.quota import OPEN, QuotaBook, TenantConfig
 from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, RunningJob, Snapshot, job_precision
@@ -109,10 +110,15 @@ class Run:
     def expected_end_s(self) -> float | None:
         """When the run is predicted to end: its placement plus its steps at the predicted step
         (what :mod:`loom.sched.availability` reads); None when either is not known."""
-        if self.started_at is None or not self.predicted_step_s:
+        if self.started_at is None:
             return None
-        left = max(1.0 - self.progress_at_start, 0.0) * self.job.work.steps
-        return self.started_at + left * self.predicted_step_s
+        return expected_end_s(
+            self.job,
+            start_s=self.started_at,
+            steps_left=max(1.0 - self.progress_at_start, 0.0) * self.job.work.steps,
+            predicted_step_s=self.predicted_step_s,
+            workers=self.workers,
+        )
 
 
 class Book:

@@ -502,22 +502,12 @@ class PlacementService:
         if not jobs and not grow:
             return applied
         wall = time.time()
-        snap = self.book.snapshot(wall)
-        if self.learner.settings.explore_share > 0:
-            # Optimistic factors for this cycle only when the exploration budget allows.
-            offered = self.learner.factors(explore=True)
-            if offered != snap.learned:
-                snap.set_learned(offered)
-        settings = CycleSettings(
-            settled=time.monotonic() >= self.settled_at,
-            max_backoff_s=MAX_BACKOFF_S,
-            grow=grow,
-        )
-        result = run_cycle(self.framework, jobs, snap, settings=settings, backlog=backlog)
+        result = self._decide(jobs, now=wall, backlog=backlog, grow=grow)
         applied.cycle = result
+        applied.at = wall
         if result.empty:
             return applied
-        self.stats["last_cycle"] = {"jobs": len(jobs), "decide_ms": round(result.decide_ms, 1)}
+        snap = self.book.snapshot(wall)
         now = wall
         # Shrunk elastic jobs and preempted victims first: their GPUs are what the new
         # reservations take.
@@ -581,6 +571,27 @@ class PlacementService:
         await repo.append_events(conn, applied.events)
         await outbox.add(conn, PRODUCER, applied.messages)
         return applied
+
+    def _decide(
+        self, jobs: list[QueuedJob], *, now: float, backlog: int = 0, grow: bool = True
+    ) -> CycleResult[QueuedJob]:
+        """The cycle itself, in memory: the kept snapshot at ``now`` (wall seconds), the learned
+        speeds (optimistic ones on an exploring cycle), and :func:`~loom.sched.cycle.run_cycle`."""
+        snap = self.book.snapshot(now)
+        if self.learner.settings.explore_share > 0:
+            # Optimistic factors for this cycle only when the exploration budget allows.
+            offered = self.learner.factors(explore=True)
+            if offered != snap.learned:
+                snap.set_learned(offered)
+        settings = CycleSettings(
+            settled=time.monotonic() >= self.settled_at,
+            max_backoff_s=MAX_BACKOFF_S,
+            grow=grow,
+        )
+        result = run_cycle(self.framework, jobs, snap, settings=settings, backlog=backlog)
+        if not result.empty:
+            self.stats["last_cycle"] = {"jobs": len(jobs), "decide_ms": round(result.decide_ms, 1)}
+        return result
 
     async def _grow(self, conn: asyncpg.Connection, g: Grown, now: float, applied: "Applied") -> None:
         """Write one elastic job's growth (the cycle already took the GPUs in the snapshot)."""
@@ -818,7 +829,7 @@ class PlacementService:
                     parts=[(part.cluster, part.gpu_model, part.allocations) for part in d.parts],
                     workers=d.workers,
                     labels=q.job.labels,
-                    started_at=time.time() + d.start_after_s,
+                    started_at=(applied.at or time.time()) + d.start_after_s,
                     predicted_step_s=d.predicted_step_s,
                 ),
                 in_snapshot=True,
@@ -1313,6 +1324,9 @@ class Applied:
     )
     stale: bool = False
     """The cycle's snapshot took something the store refused (a run that ended): rebuild it."""
+    at: float | None = None
+    """The cycle's clock (wall seconds): when its placements start (their predicted ends count
+    from it)."""
     messages: list[outbox.OutboxMessage] = dataclasses.field(default_factory=list)
     events: list[repo.JobEventRow] = dataclasses.field(default_factory=list)
 

@@ -27,7 +27,7 @@ start was never confirmed avoids next).
 
 import dataclasses
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -39,6 +39,7 @@ from loom_proto.jobs import JobSpec, RejectCode
 __all__ = [
     "CycleResult",
     "CycleSettings",
+    "Decide",
     "Grown",
     "Pending",
     "Placed",
@@ -47,6 +48,7 @@ __all__ = [
     "Shrunk",
     "Waiting",
     "backoff_s",
+    "expected_end_s",
     "expiry_avoid",
     "grow",
     "retry_after_failure",
@@ -114,6 +116,8 @@ class Waiting(Generic[P]):
     pending: P
     record: DecisionRecord
     retry_in_s: float
+    wake_in_s: float | None = None
+    """A permit's patience: decide again then even if no capacity changes (None: no such wait)."""
     error: bool = False
     """The verdict was a plugin's failure (a bug or bad state), not a lack of room."""
 
@@ -173,8 +177,13 @@ def backoff_s(tries: int, settings: CycleSettings) -> float:
     return float(min(settings.backoff_s * 2.0 ** min(tries, 16), settings.max_backoff_s))
 
 
+Decide = Callable[[Sequence[QueueItem], Snapshot], Sequence[tuple[QueueItem, Outcome]]]
+"""A policy's decisions for a queue on a snapshot, in its queue order, each applied to the
+snapshot before the next (what :meth:`Framework.schedule_many` does)."""
+
+
 def run_cycle(
-    framework: Framework,
+    framework: Framework | Decide,
     queue: Sequence[P],
     snap: Snapshot,
     *,
@@ -183,6 +192,9 @@ def run_cycle(
     backlog: int = 0,
 ) -> CycleResult[P]:
     """Decide ``queue`` on ``snap`` (which takes every decision, as the next job sees it).
+
+    ``framework``: the scheduling framework (its :meth:`~Framework.schedule_many`), or any
+    :data:`Decide` (the simulator's baselines, which decide one job at a time).
 
     ``submitted_at``: queue-order time per job id (default: the job's ``submitted_at`` if it has
     one, else 0). ``backlog``: jobs still queued that this cycle does not consider (their backoff
@@ -211,7 +223,12 @@ def run_cycle(
         )
     avoid = {job_id: p.avoid for job_id, p in by_id.items() if p.avoid}
     started = time.perf_counter()
-    outcomes = framework.schedule_many(items, snap, avoid=avoid) if items else []
+    if not items:
+        outcomes: Sequence[tuple[QueueItem, Outcome]] = []
+    elif isinstance(framework, Framework):
+        outcomes = framework.schedule_many(items, snap, avoid=avoid)
+    else:
+        outcomes = framework(items, snap)
     for item, outcome in outcomes:
         _classify(result, by_id[item.job.job_id], outcome, settings)
     if settings.grow and not result.waiting and backlog == 0:
@@ -237,9 +254,10 @@ def _classify(result: CycleResult[P], p: P, outcome: Outcome, settings: CycleSet
         result.rejected.append(Rejected(p, status.reject, reason, status.hint, outcome.record))
         return
     retry = backoff_s(p.tries, settings)
-    if status.code == Code.UNSCHEDULABLE and status.wait_s > 0:
-        retry = min(retry, status.wait_s)  # a permit's patience ends then even if nothing changes
-    result.waiting.append(Waiting(p, outcome.record, retry, error=status.code == Code.ERROR))
+    wake = status.wait_s if status.code == Code.UNSCHEDULABLE and status.wait_s > 0 else None
+    if wake is not None:
+        retry = min(retry, wake)  # a permit's patience ends then even if nothing changes
+    result.waiting.append(Waiting(p, outcome.record, retry, wake, error=status.code == Code.ERROR))
 
 
 def grow(snap: Snapshot) -> list[Grown]:
@@ -318,3 +336,23 @@ def expiry_avoid(clusters: Iterable[str], *, attempt: int, max_attempts: int) ->
     that did not confirm, while attempts are left (then any cluster may take it again, as a
     preference the framework drops when nothing else fits)."""
     return tuple(sorted(set(clusters))) if attempt < max_attempts else ()
+
+
+def expected_end_s(
+    job: JobSpec,
+    *,
+    start_s: float,
+    steps_left: float,
+    predicted_step_s: float | None,
+    workers: int,
+    delay_s: float = 0.0,
+) -> float | None:
+    """When a run is predicted to end, on the caller's clock: its start plus any delay before its
+    first step, plus its steps left at the decision's predicted step, an elastic job given fewer
+    workers than it asked for slower in proportion (the prediction is for the gang as asked). None
+    without a prediction. What placement's book and the simulator both put in
+    ``RunningJob.expected_end_s`` (read by :mod:`loom.sched.availability`)."""
+    if not predicted_step_s:
+        return None
+    scale = job.workers / workers if (job.pipeline is None and 0 < workers != job.workers) else 1.0
+    return start_s + delay_s + max(steps_left, 0.0) * predicted_step_s * scale

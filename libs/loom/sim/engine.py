@@ -108,13 +108,14 @@ from loom.model.learn import SpeedLearner, run_speed
 from loom.model.profiles import speeds_for_model
 from loom.model.topology import Topology, load_topology
 from loom.sched import dag
+from loom.sched.cycle import CycleSettings, expected_end_s, grow, run_cycle
 from loom.sched.firstfit import NodeCapacity
-from loom.sched.framework import Code, Decision, Outcome, QueueItem
+from loom.sched.framework import Decision, Outcome, QueueItem
 from loom.sched.pipeline import transfer_s
 from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s
-from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob
+from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob, Snapshot
 from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob, SimResult, Trace
 from loom.sim.policies import FrameworkPolicy, OraclePolicy
 from loom.sim.truth import BELIEF, BeliefTiming, Truth, load_truth
@@ -321,6 +322,23 @@ class _Job:
     data_regions: set[str] = field(default_factory=set)
     done: bool = False
 
+    # What a cycle reads of a queued job (loom.sched.cycle.Pending).
+    @property
+    def job(self) -> JobSpec:
+        return self.item.job
+
+    @property
+    def attempt(self) -> int:
+        return self.item.attempts
+
+    @property
+    def avoid(self) -> frozenset[str]:
+        return frozenset()
+
+    @property
+    def tries(self) -> int:
+        return 0
+
 
 @dataclass(slots=True)
 class _Event:
@@ -332,6 +350,11 @@ class _Event:
     job_id: str = ""
     generation: int = 0
     scripted: SimEvent | None = None
+
+
+_CYCLE = CycleSettings(settled=True, grow=False)
+"""The simulator's cycles: the platform is known from the start (a job no cluster holds is rejected
+at once), and growth is decided by the pass (:meth:`_Simulation._grow`) once nothing waits."""
 
 
 def _overlaps(spec: JobSpec) -> bool:
@@ -423,6 +446,8 @@ class _Simulation:
         self.holders = Counter[tuple[str, int]]()
         """("freeable" or "spare", priority) -> running jobs counted there."""
         self.gpus_used = 0
+        self.elastic = 0
+        """Elastic runs holding GPUs (growth is looked for only when there are some)."""
         self.cross_bytes = 0.0
         self.timeline: list[Sample] = []
         first = min([j.arrival_s for j in trace.jobs] + [e.at_s for e in trace.events], default=0.0)
@@ -642,6 +667,8 @@ class _Simulation:
         woken, self.woken = self.woken, set()
         fresh, self.fresh = self.fresh, []
         if not fresh and not (self.waiting and (pairs or retry_post or retry_all or woken)):
+            if pairs and not self.waiting and self.elastic:
+                self._grow()
             return
 
         def room(shape: _Shape) -> bool:
@@ -711,40 +738,62 @@ class _Simulation:
             self.retry_all = self.retry_all or retry_all
         if self.fresh or self.dirty or self.retry_post or self.retry_all:
             self._push(_Event(self.t, _CONTINUE, 0))
+        elif pairs and not self.waiting and self.elastic:
+            self._grow()
 
     def _decide(self, job: _Job) -> bool:
-        """One decision for ``job``; True when it was placed. A job left waiting is queued."""
+        """One decision for ``job`` by the cycle the service runs (:func:`loom.sched.cycle.run_cycle`,
+        one job long: the pass decides the order); True when it was placed. A job left waiting is
+        queued."""
         snap = self.snap
         snap.now = self.t
         self.decisions += 1
-        outcome: Outcome | None
-        if self.fast is not None:
-            outcome = self.fast.decide_one(job.item, snap)
-        else:
-            results = self.policy.decide([job.item], snap)
-            outcome = results[0][1] if results else None
-        self._adopt_running_list(outcome.decision if outcome is not None else None)
-        if outcome is not None and outcome.decision is not None:
+        result = run_cycle(self.decide, [job], snap, settings=_CYCLE)
+        placed = result.placed[0].decision if result.placed else None
+        self._adopt_running_list(placed)
+        if placed is not None:
             job.shape.resolvable = True
-            self._start(job, outcome.decision)
+            self._start(job, placed)
             return True
-        if outcome is not None and outcome.status.code == Code.UNRESOLVABLE:
-            self._reject(job, outcome.record.reason or outcome.status.reason)
+        if result.rejected:
+            self._reject(job, result.rejected[0].reason)
             return False
         job.shape.resolvable = True
-        if outcome is not None and outcome.status.code == Code.ERROR:
-            self.notes.append(f"{job.spec.job_id}: {outcome.record.reason}")
-        if outcome is not None and outcome.status.code == Code.UNSCHEDULABLE and outcome.status.wait_s > 0:
-            # A permit's patience ends then even if no capacity changes: decide again at that time.
-            at = self.t + outcome.status.wait_s
-            queued = self.wakes.get(job.spec.job_id)
-            if at > self.t and (queued is None or at < queued):
-                if queued is not None:
-                    self.pending -= 1  # the later wake is replaced
-                self.wakes[job.spec.job_id] = at
-                self._push(_Event(at, _WAKE, 0, job_id=job.spec.job_id))
+        for waiting in result.waiting:
+            if waiting.error:
+                self.notes.append(f"{job.spec.job_id}: {waiting.record.reason}")
+            if waiting.wake_in_s is not None:
+                # A permit's patience ends then even if no capacity changes: decide again at that time.
+                at = self.t + waiting.wake_in_s
+                queued = self.wakes.get(job.spec.job_id)
+                if at > self.t and (queued is None or at < queued):
+                    if queued is not None:
+                        self.pending -= 1  # the later wake is replaced
+                    self.wakes[job.spec.job_id] = at
+                    self._push(_Event(at, _WAKE, 0, job_id=job.spec.job_id))
         self._wait(job)
         return False
+
+    def decide(self, items: Sequence[QueueItem], snap: Snapshot) -> list[tuple[QueueItem, Outcome]]:
+        """The policy's decisions, one job at a time (the item's own queue-order time kept)."""
+        out: list[tuple[QueueItem, Outcome]] = []
+        for given in items:
+            item = self.jobs[given.job.job_id].item
+            if self.fast is not None:
+                out.append((item, self.fast.decide_one(item, snap)))
+            else:
+                out += self.policy.decide([item], snap)
+        return out
+
+    def _grow(self) -> None:
+        """Nothing waits and GPUs came free: elastic runs below their maximum grow into them, by the
+        rule the service's cycle applies (:func:`loom.sched.cycle.grow`)."""
+        grown = grow(self.snap)
+        if not grown:
+            return
+        self._adopt_running_list(None)
+        for g in grown:
+            self._resize(g.job_id, g.workers, g.allocations)
 
     def _wake(self, event: _Event) -> None:
         """A job's permit wait ended: its shape is decided again in this pass."""
@@ -963,6 +1012,8 @@ class _Simulation:
         self._count(run, +1)
         self._touch(run.pairs)
         self.gpus_used += gpus
+        if run.core.min_workers is not None:
+            self.elastic += 1
         job.generation += 1
         self._push(_Event(run.end_s, _COMPLETE, 0, job_id=spec.job_id, generation=job.generation))
 
@@ -1112,8 +1163,14 @@ class _Simulation:
         """
         spec = job.spec
         lead = d.parts[0]
-        scale = spec.workers / d.workers if (not pipeline and 0 < d.workers != spec.workers) else 1.0
-        believed_step_s = d.predicted_step_s * scale if d.predicted_step_s else step_s
+        end_s = expected_end_s(
+            spec,
+            start_s=self.t,
+            delay_s=delay_s,
+            steps_left=job.steps_left,
+            predicted_step_s=d.predicted_step_s,
+            workers=d.workers,
+        )
         return RunningJob(
             job_id=spec.job_id,
             tenant=spec.tenant,
@@ -1130,7 +1187,7 @@ class _Simulation:
             cpu_milli=spec.resources.cpu_milli,
             memory_mib=spec.resources.memory_mib,
             attempt=job.record.restarts + 1,
-            expected_end_s=self.t + delay_s + job.steps_left * believed_step_s,
+            expected_end_s=end_s if end_s is not None else self.t + delay_s + job.steps_left * step_s,
         )
 
     def _count(self, run: _Run, sign: int) -> None:
@@ -1184,6 +1241,8 @@ class _Simulation:
         self.spanning.discard(spec.job_id)
         self._count(run, -1)
         self.gpus_used -= run.gpus
+        if run.core.min_workers is not None:
+            self.elastic -= 1
         self.dirty.update(run.pairs)
         self._touch(run.pairs)
         job.run = None
@@ -1249,7 +1308,8 @@ class _Simulation:
         self.fresh.append(job)
 
     def _resize(self, job_id: str, workers: int, allocations: tuple[tuple[str, int], ...]) -> None:
-        """An elastic run shrunk to make room (the snapshot already gave its GPUs back)."""
+        """An elastic run shrunk to make room or grown into free GPUs (the snapshot already gave its
+        GPUs back, or took the new ones)."""
         job = self.jobs.get(job_id)
         if job is None or job.run is None:
             return

@@ -1,0 +1,163 @@
+"""The placement service and the simulator decide alike: fed the same events, the same decisions.
+
+The simulator (:func:`loom.sim.engine.simulate`, timed by belief) plays a random trace on the
+small packaged platform. The same events (each arrival, and each completion at the time the
+simulator ended the run) are then fed to a :class:`PlacementService` the way its handlers feed it:
+a completion drops the run from the book (``on_lifecycle``), a cycle runs over the new jobs and
+every queued job after capacity changed, with growth once nothing waits (``_requeue_cycle``), and
+the result is adopted by the service's own ``_commit``. Only the store and the bus are left out
+(the service's ``_decide`` is the in-memory half of its ``_schedule``; what ``_shrink`` and
+``_grow`` write is mirrored in memory). Every job must start at the same time, on the same
+clusters and GPU model, and end with the same GPUs; rejections must match.
+"""
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loom.model.topology import load_topology
+from loom.sched.profile import build_framework
+from loom.sim.engine import platform_from_topology, simulate
+from loom.sim.model import SimJob, Trace
+from loom.sim.policies import FrameworkPolicy
+from loom.sim.truth import BELIEF
+from loom_proto.jobs import JobSpec, JobSubmitted, Resources, Work
+from loom_services.placement.book import QueuedJob
+from loom_services.placement.service import Applied, PlacementService
+
+TOPOLOGY = load_topology("small")
+PLATFORM = platform_from_topology(TOPOLOGY)
+TASKS = ("training", "inference", "fine_tuning")
+
+
+@st.composite
+def traces(draw: Any) -> list[SimJob]:
+    count = draw(st.integers(min_value=4, max_value=28))
+    jobs = []
+    t = 0.0
+    for i in range(count):
+        # Jobs arrive apart: within one service cycle over several jobs, a job placed earlier in
+        # the cycle is not yet in the snapshot's running list (it joins at the commit), while the
+        # simulator adds it at once; the availability and affinity plugins read that list. A
+        # known difference, left open (see the closing note of issue 13).
+        t += draw(st.sampled_from([0.5, 1.0, 30.0, 120.0, 600.0]))
+        gpus = draw(st.sampled_from([1, 1, 2, 4, 8]))
+        workers = draw(st.sampled_from([1, 1, 2, 3, 4]))
+        elastic = workers > 1 and draw(st.booleans())
+        spec = JobSpec(
+            job_id=f"j{i:03d}",
+            # One tenant: the service orders a cycle by fair share (GPUs each tenant holds at that
+            # cycle), the simulator by the share when the job arrived (always 0): with one
+            # tenant both orders are the same. Several tenants' order is a known difference.
+            tenant="a",
+            task_type=draw(st.sampled_from(TASKS)),
+            resources=Resources(gpus=gpus),
+            workers=workers,
+            min_workers=1 if elastic else None,
+            work=Work(steps=draw(st.integers(min_value=10, max_value=400)), step_time_s=10.0),
+        )
+        jobs.append(SimJob(spec=spec, arrival_s=t))
+    return jobs
+
+
+def service() -> PlacementService:
+    ctx = SimpleNamespace(db=None, publisher=None, stats={}, nc=None)
+    svc = PlacementService(ctx, topology=TOPOLOGY, economics=PLATFORM.economics)  # type: ignore[arg-type]
+    svc.book.nodes = {n.node: n for n in PLATFORM.nodes}
+    svc.book.invalidate()
+    svc.settled_at = float("-inf")
+    return svc
+
+
+def replay(svc: PlacementService, jobs: list[SimJob], ends: dict[str, float]) -> dict[str, tuple[Any, ...]]:
+    """Feed arrivals and completions to the service in time order; what each job got."""
+    got: dict[str, tuple[Any, ...]] = {}
+    arrivals: dict[float, list[SimJob]] = {}
+    for job in jobs:
+        arrivals.setdefault(job.arrival_s, []).append(job)
+    times = sorted(set(arrivals) | set(ends.values()))
+    for t in times:
+        finished = [job_id for job_id, end in ends.items() if end == t and job_id in svc.book.runs]
+        for job_id in sorted(finished):
+            run = svc.book.drop_run(job_id)
+            assert run is not None
+            got[job_id] = (*got[job_id][:3], run.gpus)
+        fresh = [
+            QueuedJob(
+                JobSubmitted(**{f: getattr(j.spec, f) for f in JobSpec.__struct_fields__}, submitted_at=t), {}
+            )
+            for j in arrivals.get(t, [])
+        ]
+        changed = bool(finished)
+        queued = list(svc.queue.values()) if changed else []
+        considered = fresh + queued
+        result = svc._decide(considered, now=t, grow=changed)
+        applied = Applied(cycle=result, at=t)
+        for s in result.shrunk:
+            cluster, model, _ = svc.book.runs[s.job_id].parts[0]
+            applied.shrunk.append((s.job_id, [(cluster, model, s.allocations)], s.workers))
+        for g in result.grown:
+            applied.grown.append((g.job_id, [(g.cluster, g.gpu_model, g.allocations)], g.workers))
+        assert not result.preempted  # one priority: nothing to preempt
+        svc._commit(applied, considered)
+        for p in result.placed:
+            d = p.decision
+            got[p.pending.job.job_id] = (t, tuple(part.cluster for part in d.parts), d.lead.gpu_model, None)
+        for r in result.rejected:
+            got[r.pending.job.job_id] = ("rejected",)
+    for job_id, run in svc.book.runs.items():
+        got[job_id] = (*got[job_id][:3], run.gpus)
+    return got
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(traces())
+def test_the_service_decides_what_the_simulator_decides(jobs: list[SimJob]) -> None:
+    policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
+    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0)
+    expected: dict[str, tuple[Any, ...]] = {}
+    ends: dict[str, float] = {}
+    for rec in sim.records:
+        if rec.rejected:
+            expected[rec.job_id] = ("rejected",)
+        elif rec.start_s is not None:
+            expected[rec.job_id] = (rec.start_s, rec.clusters, rec.gpu_model, rec.gpus)
+            if rec.end_s is not None:
+                ends[rec.job_id] = rec.end_s
+    got = replay(service(), jobs, ends)
+    assert got == expected
+
+
+def test_an_elastic_job_grows_back_in_the_simulator_as_in_the_service() -> None:
+    """The drift this cycle removed: the simulator never grew elastic jobs back; now both do."""
+    pool = [n for n in PLATFORM.nodes if n.gpu_model == "V100M32"]
+    total = sum(n.gpus_total for n in pool)
+    assert total >= 4 and len({n.cluster for n in pool}) == 1
+    v100 = Resources(gpus=1, gpu_models=["V100M32"])
+    hog = JobSpec(
+        job_id="hog", tenant="a", resources=v100, workers=total - 2, work=Work(steps=10, step_time_s=10.0)
+    )
+    elastic = JobSpec(
+        job_id="el",
+        tenant="a",
+        resources=v100,
+        workers=total,
+        min_workers=1,
+        work=Work(steps=100_000, step_time_s=10.0),
+    )
+    jobs = [SimJob(spec=hog, arrival_s=0.0), SimJob(spec=elastic, arrival_s=1.0)]
+    policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
+    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0)
+    rec = {r.job_id: r for r in sim.records}
+    assert rec["hog"].end_s is not None and rec["el"].start_s == 1.0
+    # It started on the 2 GPUs the hog left and grew to the whole pool once the hog ended.
+    assert rec["el"].gpus == total
+    got = replay(service(), jobs, {"hog": rec["hog"].end_s})
+    assert got["el"] == (1.0, rec["el"].clusters, "V100M32", total)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([__file__])
