@@ -14,11 +14,11 @@ import msgspec
 from opentelemetry import propagate
 from opentelemetry.context import Context
 
+from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
 from loom.model.profiles import speeds_for_model
 from loom.model.scu import TASK_TYPES, UNPROFILED_SPEED, Precision
 from loom.model.topology import Topology
-from loom.sched.firstfit import NodeCapacity
 from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, RunningJob, Snapshot, job_precision
 from loom_proto.jobs import JobSubmitted
 from loom_proto.net import LinkState

@@ -37,6 +37,7 @@ from opentelemetry import propagate
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError, TransientError
+from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
 from loom.model.learn import LearnSettings, SpeedLearner, run_speed
 from loom.model.topology import Topology
@@ -44,7 +45,6 @@ from loom.runtime.leader import Leadership, lead
 from loom.runtime.service import ServiceContext
 from loom.sched import dag
 from loom.sched.elastic import ElasticJob, plan_grow
-from loom.sched.firstfit import NodeCapacity
 from loom.sched.framework import Code, Decision, DecisionRecord, Framework, Outcome, QueueItem
 from loom.sched.plugins.network import AlphaLearner
 from loom.sched.plugins.quota import Quota

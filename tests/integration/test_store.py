@@ -11,7 +11,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from loom.bus import Publisher, connect, ensure_streams
-from loom.sched.firstfit import NodeCapacity
+from loom.model.capacity import NodeCapacity
 from loom.store import inbox, jobs, outbox
 from loom.store.migrations import available, migrate, migrate_url
 from loom.store.pool import ConflictError, StoreError, create_pool, map_error, redact, transaction, with_retry

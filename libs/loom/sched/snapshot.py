@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from loom.model.capacity import NodeCapacity
 from loom.model.family import HasLabels, is_half_precision, job_family
 from loom.model.scu import Precision
 from loom.model.topology import Topology
-from loom.sched.firstfit import NodeCapacity
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]

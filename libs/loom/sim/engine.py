@@ -104,11 +104,11 @@ from typing import Any, Final
 
 import numpy as np
 
+from loom.model.capacity import NodeCapacity
 from loom.model.learn import SpeedLearner, run_speed
 from loom.model.profiles import speeds_for_model
 from loom.model.topology import Topology, load_topology
 from loom.sched import dag
-from loom.sched.firstfit import NodeCapacity
 from loom.sched.framework import Code, Decision, Outcome, QueueItem
 from loom.sched.pipeline import transfer_s
 from loom.sched.plugins.cost import default_economics
