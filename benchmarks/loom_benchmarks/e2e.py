@@ -19,6 +19,7 @@ from typing import Any
 
 from loom.client import LoomClient
 from loom.runtime import stack
+from loom_proto import subjects
 from loom_proto.codec import decode
 from loom_proto.jobs import JobPlaced, JobSpec, Resources, Work
 
@@ -61,7 +62,7 @@ async def _measure(nats_url: str, jobs: int, rate: float, paced_jobs: int) -> di
             waiter[prefix].set()
 
     waiter.update({prefix: asyncio.Event() for prefix in expected})
-    sub = await client.nc.subscribe("loom.jobs.placed.*", cb=on_placed)
+    sub = await client.nc.subscribe(subjects.JOBS_PLACED_ALL, cb=on_placed)
     try:
         # Warm up: the first placement needs the capacity view; wait until one job goes through.
         sent["warm-0"] = time.perf_counter()

@@ -201,9 +201,9 @@ class MetricsService:
             ConsumerSpec(
                 stream="JOBS",
                 durable="metrics-reservations",
-                filter_subjects=[
-                    f"loom.jobs.{k}.*" for k in ("placed", "started", "completed", "failed", "cancelled")
-                ],
+                filter_subjects=subjects.job_events_of(
+                    "placed", "started", "completed", "failed", "cancelled"
+                ),
                 batch=500,
             ),
             bytes,

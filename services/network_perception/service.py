@@ -53,8 +53,6 @@ log = structlog.get_logger("network-perception")
 DESIGN_PERIOD_S = 1.0
 """The probe period the core's defaults are tuned for."""
 
-PROBE_FILTER = "loom.net.probe.*.*"
-
 
 def configs_for_period(period_s: float) -> tuple[LinkConfig, SelectorConfig, ValidationConfig]:
     """The core's link, path and admission settings with every time constant scaled to ``period_s``.
@@ -232,7 +230,7 @@ class NetworkPerception:
             ConsumerSpec(
                 stream="NET",
                 durable="network-perception-probes",
-                filter_subjects=[PROBE_FILTER],
+                filter_subjects=[subjects.PROBE_SAMPLES_ALL],
                 batch=500,
                 max_deliver=1,
             ),
@@ -245,7 +243,7 @@ class NetworkPerception:
             ConsumerSpec(
                 stream="NET",
                 durable="network-perception-transfers",
-                filter_subjects=["loom.net.transfer.*.*"],
+                filter_subjects=[subjects.NET_TRANSFERS_ALL],
                 batch=100,
             ),
             TransferObserved,

@@ -84,9 +84,9 @@ from loom_services.placement.book import Book, QueuedJob, Run, queued_from_row, 
 log = structlog.get_logger("placement")
 
 PRODUCER = "placement"
-LIFECYCLE_SUBJECTS = [
-    f"loom.jobs.{k}.*" for k in ("started", "progress", "checkpointed", "completed", "failed", "cancelled")
-]
+LIFECYCLE_SUBJECTS = subjects.job_events_of(
+    "started", "progress", "checkpointed", "completed", "failed", "cancelled"
+)
 LifecycleEvent = JobStarted | JobProgress | JobCheckpointed | JobCompleted | JobFailed | JobCancelled
 MAX_BACKOFF_S = 30.0
 ACK_WAIT_S = 5.0
@@ -217,7 +217,7 @@ class PlacementService:
         query_sub = await self.ctx.nc.subscribe(
             subjects.JOBS_QUERY, queue="placement-query", cb=self.on_query
         )
-        link_sub = await self.ctx.nc.subscribe("loom.net.link.*.*", cb=self.on_link)
+        link_sub = await self.ctx.nc.subscribe(subjects.LINK_STATES_ALL, cb=self.on_link)
         try:
             await lead(
                 self.ctx.nc.jetstream(),

@@ -24,7 +24,7 @@ from waiting import until
 
 from loom.client import LoomClient, QueryError
 from loom.runtime import stack
-from loom.runtime.service import health_subject
+from loom_proto import subjects
 from loom_proto.jobs import JobSpec, Resources, Work
 
 pytestmark = pytest.mark.slow
@@ -267,7 +267,7 @@ async def _rejected(c: LoomClient, job_id: str) -> dict[str, Any] | None:
 async def _health(nc: Client, name: str) -> dict[str, Any] | None:
     """A service instance's health answer, or None while it does not answer (dead, restarting)."""
     try:
-        reply = await nc.request(health_subject(name), b"", timeout=1.0)
+        reply = await nc.request(subjects.service_health(name), b"", timeout=1.0)
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
         return None
     answer: dict[str, Any] = json.loads(reply.data)

@@ -100,6 +100,7 @@ BUILDERS: dict[str, Callable[[str], str]] = {
     "link_state_src": lambda x: s.link_state(x, "dst"),
     "link_state_dst": lambda x: s.link_state("src", x),
     "alert": s.alert,
+    "service_health": s.service_health,
 }
 
 
@@ -325,7 +326,10 @@ def test_asyncapi_channels_document_headers_and_parameters() -> None:
         assert {"Nats-Msg-Id", "traceparent"} <= set(message["headers"]["properties"])
 
 
-@pytest.mark.parametrize("request_subject", [s.JOBS_QUERY, s.VIEW_QUERY, s.NET_QUERY_PATH, s.NET_QUERY_POINT])
+@pytest.mark.parametrize(
+    "request_subject",
+    [s.JOBS_QUERY, s.VIEW_QUERY, s.NET_QUERY_PATH, s.NET_QUERY_POINT, s.service_health("placement")],
+)
 def test_streams_never_capture_request_reply_subjects(request_subject: str) -> None:
     captured = [(name, subj) for name, subj in STREAM_SUBJECTS if subject_matches(subj, request_subject)]
     assert captured == [], f"{request_subject} would be answered by JetStream with a PubAck"
@@ -359,6 +363,27 @@ def test_built_subjects_land_in_the_expected_streams() -> None:
     for subject, stream in expected.items():
         holders = [name for name, pattern in STREAM_SUBJECTS if subject_matches(pattern, subject)]
         assert holders == [stream], f"{subject} held by {holders}"
+
+
+def test_consumer_filters_are_held_by_their_stream() -> None:
+    filters = {
+        **dict.fromkeys(s.job_events_of("placed", "started", "cancelled"), "JOBS"),
+        s.JOBS_PLACED_ALL: "JOBS",
+        s.PROBE_SAMPLES_ALL: "NET",
+        s.LINK_STATES_ALL: "NET",
+        s.NET_TRANSFERS_ALL: "NET",
+        s.NET_EVENTS_ALL: "NET",
+    }
+    for pattern, stream in filters.items():
+        sample = ".".join("x1" if t in ("*", ">") else t for t in pattern.split("."))
+        holders = [name for name, held in STREAM_SUBJECTS if subject_matches(held, sample)]
+        assert holders == [stream], f"{pattern} held by {holders}"
+
+
+def test_job_events_of_refuses_an_unknown_kind() -> None:
+    assert s.job_events_of("placed", "failed") == ["loom.jobs.placed.*", "loom.jobs.failed.*"]
+    with pytest.raises(ValueError, match="unknown job event kinds"):
+        s.job_events_of("placed", "exploded")  # type: ignore[arg-type]
 
 
 def test_stream_and_consumer_names_have_no_dots() -> None:

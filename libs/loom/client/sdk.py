@@ -204,7 +204,7 @@ class LoomClient:
         if tenant is not None:
             subjects.job_submitted(tenant)  # validates the id
         # One subscription for all kinds: placed events are keyed by cluster, the rest by tenant.
-        sub = await self.nc.subscribe("loom.jobs.*.*")
+        sub = await self.nc.subscribe(subjects.JOBS_LIFECYCLE_ALL)
         try:
             async for msg in sub.messages:
                 try:
