@@ -30,24 +30,13 @@ from loom_proto import subjects
 from loom_proto.clusters import AcceleratorProfile, ClusterHeartbeat, ClusterProfiles
 from loom_proto.codec import DecodeError, decode, encode
 from loom_proto.jobs import JobCancelled, JobCompleted, JobFailed, JobPlaced, JobStarted
-from loom_proto.view import ModelCapacity, NodeView, RegionSummary, ViewDelta, ZoneSummary
+from loom_proto.view import ModelCapacity, NodeView, RegionSummary, ViewDelta, ViewQuery, ZoneSummary
 
 log = structlog.get_logger("metrics")
 PRODUCER = "metrics"
 
 
 ReservationEvent = JobPlaced | JobStarted | JobCompleted | JobFailed | JobCancelled
-
-
-class ViewQuery(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """A ``loom.view.query`` request."""
-
-    region: str | None = None
-    zone: str | None = None
-    gpu_model: str | None = None
-    min_free_gpus: int = 0
-    fresh_only: bool = False
-    nodes: bool = True
 
 
 def _models(models: dict[str, dict[str, int]]) -> list[ModelCapacity]:

@@ -46,7 +46,7 @@ from loom.runtime.service import ServiceContext
 from loom.store.jobs import ts
 from loom.store.pool import transaction
 from loom_proto import subjects
-from loom_proto.net import LinkDegraded, LinkRecovered, TransferObserved
+from loom_proto.net import LinkDegraded, LinkRecovered, RawProbeSample, TransferObserved
 
 log = structlog.get_logger("network-perception")
 
@@ -81,23 +81,6 @@ def configs_for_period(period_s: float) -> tuple[LinkConfig, SelectorConfig, Val
     validation = ValidationConfig()
     validation = replace(validation, rate_per_link_hz=validation.rate_per_link_hz / f)
     return link, selector, validation
-
-
-class RawSample(msgspec.Struct, tag_field="kind", tag="probe", frozen=True, kw_only=True):
-    """A probe sample as sent, without the contract's bounds: admission is the core's job, so a
-    negative RTT reaches it and is counted under its reason instead of failing to decode."""
-
-    src: str
-    dst: str
-    probe: str
-    seq: int
-    sent_at: float
-    rtt_ms: float | None = None
-    sent: int = 1
-    lost: int = 0
-    jitter_ms: float | None = None
-    bandwidth_gbps: float | None = None
-    bytes_sent: int = 0
 
 
 @dataclass(slots=True)
@@ -279,7 +262,7 @@ class NetworkPerception:
         for d in deliveries:
             tokens = d.subject.split(".")
             try:
-                sample = msgspec.json.decode(d.message, type=RawSample)
+                sample = msgspec.json.decode(d.message, type=RawProbeSample)
             except msgspec.DecodeError:
                 self.refused["undecodable"] += 1
                 continue

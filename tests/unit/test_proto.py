@@ -23,6 +23,8 @@ from loom_proto import subjects as s
 from loom_proto.asyncapi import CHANNELS, document, stale_files
 from loom_proto.codec import MAX_PAYLOAD_BYTES
 from loom_proto.jobs import MAX_GPUS_PER_WORKER
+from loom_proto.net import ProbeSample, RawProbeSample
+from loom_proto.view import ViewQuery
 
 GOOD_IDS = ["a", "Z", "0", "acme", "job-42_b", "A-_-z", "x" * 64]
 BAD_IDS = [
@@ -390,3 +392,20 @@ def test_stream_and_consumer_names_have_no_dots() -> None:
     for spec in s.STREAMS:
         assert "." not in spec.name
         assert spec.duplicate_window_s > 0
+
+
+def test_raw_probe_sample_reads_every_probe_sample_field_without_its_bounds() -> None:
+    assert RawProbeSample.__struct_fields__ == ProbeSample.__struct_fields__
+    sample = ProbeSample(src="eu", dst="us", probe="udp_echo", seq=3, sent_at=1.0, rtt_ms=12.5)
+    raw = msgspec.json.decode(msgspec.json.encode(sample), type=RawProbeSample)
+    assert msgspec.structs.asdict(raw) == msgspec.structs.asdict(sample)
+    negative = msgspec.json.encode({**msgspec.structs.asdict(sample), "kind": "probe", "rtt_ms": -1.0})
+    assert msgspec.json.decode(negative, type=RawProbeSample).rtt_ms == -1.0
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(negative, type=ProbeSample)
+
+
+def test_view_query_refuses_unknown_filters() -> None:
+    assert msgspec.json.decode(b"{}", type=ViewQuery) == ViewQuery()
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(b'{"regoin": "eu"}', type=ViewQuery)
