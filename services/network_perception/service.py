@@ -35,7 +35,6 @@ from loom.model.topology import Topology
 from loom.net import (
     LinkConfig,
     LinkEvent,
-    LinkRecord,
     NetError,
     PathAnswer,
     Perception,
@@ -43,7 +42,7 @@ from loom.net import (
     ValidationConfig,
 )
 from loom.runtime.service import ServiceContext
-from loom.store.jobs import ts
+from loom.store import links
 from loom.store.pool import transaction
 from loom_proto import subjects
 from loom_proto.net import LinkDegraded, LinkRecovered, RawProbeSample, TransferObserved
@@ -159,13 +158,7 @@ class NetworkPerception:
 
     async def load(self) -> int:
         """Restore every link's learned record from PostgreSQL; how many were restored."""
-        rows = await self.pool.fetch("SELECT record FROM net_link_records ORDER BY src, dst")
-        records = []
-        for row in rows:
-            try:
-                records.append(msgspec.json.decode(row["record"], type=LinkRecord))
-            except msgspec.ValidationError as exc:  # written by an older version: relearn that link
-                log.warning("link record skipped", error=str(exc))
+        records = await links.load_link_records(self.pool)
         self.restored = self.perception.restore(records)
         self._refresh_stats()
         log.info("link records restored", links=self.restored)
@@ -173,17 +166,9 @@ class NetworkPerception:
 
     async def persist(self, now: float) -> None:
         """Write every link's learned record."""
-        rows = [
-            (r.src, r.dst, msgspec.json.encode(r).decode(), ts(r.saved_at))
-            for r in self.perception.records(now)
-        ]
+        records = self.perception.records(now)
         async with transaction(self.pool) as conn:
-            await conn.executemany(
-                """INSERT INTO net_link_records (src, dst, record, saved_at) VALUES ($1, $2, $3::jsonb, $4)
-                   ON CONFLICT (src, dst) DO UPDATE
-                   SET record = EXCLUDED.record, saved_at = EXCLUDED.saved_at""",
-                rows,
-            )
+            await links.save_link_records(conn, records)
         self.persisted_at = now
 
     def _refresh_stats(self) -> None:
@@ -337,12 +322,7 @@ class NetworkPerception:
 
     async def _record_events(self, events: list[LinkEvent]) -> None:
         async with transaction(self.pool) as conn:
-            await conn.executemany(
-                """INSERT INTO net_link_events
-                       (src, dst, kind, at, reason, rtt_ms, baseline_rtt_ms, loss_rate)
-                   VALUES ($1, $2, $3, $4, $5, $6, $7, $8)""",
-                [_event_row(e) for e in events],
-            )
+            await links.append_link_events(conn, events)
 
     def select(self, src: str, dst: str, now: float) -> tuple[PathAnswer, PathTrack]:
         """The pair's chosen path now (with hysteresis); a change is counted and logged."""
@@ -396,10 +376,6 @@ class NetworkPerception:
         except (NetError, ValueError, TypeError) as exc:
             reply = json.dumps({"ok": False, "error": str(exc)}).encode()
         await msg.respond(reply)
-
-
-def _event_row(e: LinkEvent) -> tuple[Any, ...]:
-    return (e.src, e.dst, e.kind, ts(e.at), e.reason, _finite(e.rtt_ms), e.baseline_rtt_ms, e.loss_rate)
 
 
 def _request(msg: Msg) -> dict[str, Any]:
