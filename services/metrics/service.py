@@ -180,7 +180,8 @@ class MetricsService:
         """
         for d in deliveries:
             try:
-                event = decode(d.message, ReservationEvent)  # type: ignore[arg-type]
+                # A union is not a ``type[T]`` to mypy; decode takes it (msgspec decodes tagged unions).
+                event: ReservationEvent = decode(d.message, ReservationEvent)  # type: ignore[arg-type]
             except DecodeError:
                 continue  # placement's business, not the ledger's: it dead-letters bad lifecycle events
             if isinstance(event, JobCompleted):

@@ -234,7 +234,9 @@ class Book:
         self.net.set_link(
             link.src,
             link.dst,
-            rtt_ms=link.rtt_ms_forecast or link.rtt_ms if not link.stale else max(link.rtt_ms, 1.0) * 2,
+            rtt_ms=link.rtt_ms_forecast or link.rtt_ms_p50
+            if not link.stale
+            else max(link.rtt_ms_p50, 1.0) * 2,
             bandwidth_gbps=link.bandwidth_gbps,
             loss=link.loss_rate,
             degraded=link.degraded or link.stale,
