@@ -280,7 +280,8 @@ async def _leading(nc: Client, name: str) -> dict[str, Any] | None:
     return answer if answer is not None and answer["leadership"]["is_leader"] else None
 
 
-async def test_sigkill_of_placement_with_queued_jobs_places_every_job_exactly_once(
+# PLR0915: one end-to-end scenario, its steps in order.
+async def test_sigkill_of_placement_with_queued_jobs_places_every_job_exactly_once(  # noqa: PLR0915
     client: LoomClient, state: dict[str, Any], home: Path
 ) -> None:
     async def sole_leader() -> tuple[str, dict[str, Any]] | None:

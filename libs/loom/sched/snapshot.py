@@ -204,7 +204,8 @@ def job_precision(job: HasLabels) -> Precision:
 class Snapshot:
     """Nodes as arrays sorted by cluster, their clusters, what runs where, the network and prices."""
 
-    def __init__(
+    # PLR0915: the cycle's arrays, built in one pass over the nodes.
+    def __init__(  # noqa: PLR0915
         self,
         nodes: Iterable[NodeCapacity],
         *,
