@@ -25,7 +25,7 @@ bench: $(STAMP)  ## benchmarks, JSON into bench-results/
 	@mkdir -p bench-results
 	$(BIN)/loom bench e2e --jobs 2000 --json | tee bench-results/e2e.json
 
-lint: $(STAMP)  ## ruff, mypy --strict on libs/ and proto/, import-linter layering, stale generated contracts
+lint: $(STAMP)  ## ruff, mypy --strict on libs/ proto/ benchmarks/ services/, import-linter layering, stale generated contracts
 	$(BIN)/ruff check libs proto services benchmarks tests tools
 	$(BIN)/ruff format --check libs proto services benchmarks tests tools
 	$(BIN)/mypy

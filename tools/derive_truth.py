@@ -262,24 +262,7 @@ def lambda_cells(data: Path) -> list[dict[str, Any]]:
     cells: list[dict[str, Any]] = []
     for precision in ("fp32", "fp16"):
         batches = _batches(lam, precision)
-        values: dict[tuple[str, str, int], list[float]] = defaultdict(list)
-        for row in _read(lam / f"v1v2-pytorch-train-throughput-{precision}.csv"):
-            gpu = _gpu_of(row["name_gpu"])
-            if gpu is None:
-                continue
-            n = int(float(row["num_gpu"]))
-            for column in LAMBDA_MODELS:
-                if column in row and _num(row[column]) > 0:
-                    values[(column, gpu, n)].append(_num(row[column]))
-        for row in _read(lam / f"pytorch-train-throughput-v2-{precision}.csv"):
-            name = row[""]
-            if "H200" not in name:
-                continue
-            n = _gpus_in_v2_name(name)
-            for column in LAMBDA_MODELS:
-                if column in row and _num(row[column]) > 0:
-                    values[(column, "H200", n)].append(_num(row[column]))
-        for (column, gpu, n), found in sorted(values.items()):
+        for (column, gpu, n), found in sorted(_lambda_v1v2_values(lam, precision).items()):
             family = LAMBDA_MODELS[column][0]
             source = "lambda v1v2" if gpu != "H200" else f"lambda v2, median of {len(found)} hosts"
             cells.append(
@@ -294,15 +277,7 @@ def lambda_cells(data: Path) -> list[dict[str, Any]]:
                     source,
                 )
             )
-        v1: dict[tuple[str, str, int], list[float]] = defaultdict(list)
-        for row in _read(lam / f"pytorch-train-throughput-{precision}.csv"):
-            gpu = _gpu_of(row["name_gpu"])
-            if gpu is None or row["name_gpu"].split()[0] in VENDOR_DUPLICATES:
-                continue
-            n = int(float(row["num_gpu"]))
-            for column in V1_ONLY:
-                if _num(row[column]) > 0:
-                    v1[(column, gpu, n)].append(_num(row[column]))
+        v1 = _lambda_v1_values(lam, precision)
         for (column, gpu, n), found in sorted(v1.items()):
             value = statistics.median(found)
             one = v1.get((column, gpu, 1))
@@ -322,6 +297,42 @@ def lambda_cells(data: Path) -> list[dict[str, Any]]:
                 )
             )
     return cells
+
+
+def _lambda_v1v2_values(lam: Path, precision: str) -> dict[tuple[str, str, int], list[float]]:
+    """Throughputs by (model column, GPU, GPUs) of the v1v2 table and of the v2 table's H200 hosts."""
+    values: dict[tuple[str, str, int], list[float]] = defaultdict(list)
+    for row in _read(lam / f"v1v2-pytorch-train-throughput-{precision}.csv"):
+        gpu = _gpu_of(row["name_gpu"])
+        if gpu is None:
+            continue
+        n = int(float(row["num_gpu"]))
+        for column in LAMBDA_MODELS:
+            if column in row and _num(row[column]) > 0:
+                values[(column, gpu, n)].append(_num(row[column]))
+    for row in _read(lam / f"pytorch-train-throughput-v2-{precision}.csv"):
+        name = row[""]
+        if "H200" not in name:
+            continue
+        n = _gpus_in_v2_name(name)
+        for column in LAMBDA_MODELS:
+            if column in row and _num(row[column]) > 0:
+                values[(column, "H200", n)].append(_num(row[column]))
+    return values
+
+
+def _lambda_v1_values(lam: Path, precision: str) -> dict[tuple[str, str, int], list[float]]:
+    """Throughputs by (model column, GPU, GPUs) of the v1 table, for the models only it has."""
+    v1: dict[tuple[str, str, int], list[float]] = defaultdict(list)
+    for row in _read(lam / f"pytorch-train-throughput-{precision}.csv"):
+        gpu = _gpu_of(row["name_gpu"])
+        if gpu is None or row["name_gpu"].split()[0] in VENDOR_DUPLICATES:
+            continue
+        n = int(float(row["num_gpu"]))
+        for column in V1_ONLY:
+            if _num(row[column]) > 0:
+                v1[(column, gpu, n)].append(_num(row[column]))
+    return v1
 
 
 def noise(data: Path) -> dict[str, Any]:

@@ -9,7 +9,8 @@ import sys
 from typing import Any
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+# PLR0915: the `loom bench` argument parser: flat option lists, CLI code.
+def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     """Sub-commands of ``loom bench``."""
     sub = parser.add_subparsers(dest="bench", required=True)
     e2e = sub.add_parser("e2e", help="submit -> placed through the real bus, database and services")

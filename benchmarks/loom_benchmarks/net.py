@@ -505,29 +505,17 @@ def accuracy(
     stale_fraction: list[float] = []
     warmup = 20
     for period in range(warmup + periods):
-        elapsed = period * PERIOD_S
-        for key, truth in sim.truth.items():
-            depth, cycle, phase = drift[key]
-            factor = 1.0 + depth * math.sin(2 * math.pi * elapsed / cycle + phase)
-            truth.rtt_ms = sim.base[key].rtt_ms * factor
-            truth.loss = base_loss[key]
-            if key in episodes and period >= episodes[key][0]:
-                del episodes[key]
-            elif key not in episodes and rng.random() < episode_rate:
-                congestion = rng.random() < 0.5
-                size = rng.uniform(1.5, 3.0) if congestion else rng.uniform(0.02, 0.1)
-                episodes[key] = (period + rng.randint(10, 60), congestion, size)
-            if key in episodes:
-                _, congestion, size = episodes[key]
-                if congestion:
-                    truth.rtt_ms *= size
-                else:
-                    truth.loss = size
-            if key in silent_until and period >= silent_until[key]:
-                del silent_until[key]
-            elif key not in silent_until and rng.random() < silence_rate:
-                silent_until[key] = period + rng.randint(10, 40)
-        sim.silent = set(silent_until)
+        _evolve_truth(
+            sim,
+            period,
+            rng,
+            drift=drift,
+            base_loss=base_loss,
+            episodes=episodes,
+            silent_until=silent_until,
+            episode_rate=episode_rate,
+            silence_rate=silence_rate,
+        )
         sim.period()
         if period < warmup:
             for pair in sim.pairs:
@@ -555,6 +543,47 @@ def accuracy(
         "momentary_best_excess": _summary(best_excess),
         "direct_link_excess": _summary(direct_excess),
     }
+
+
+def _evolve_truth(
+    sim: NetSim,
+    period: int,
+    rng: random.Random,
+    *,
+    drift: dict[Pair, tuple[float, float, float]],
+    base_loss: dict[Pair, float],
+    episodes: dict[Pair, tuple[int, bool, float]],
+    silent_until: dict[Pair, int],
+    episode_rate: float,
+    silence_rate: float,
+) -> None:
+    """Move every link's true RTT and loss to ``period`` (drift, episodes) and choose the silent links.
+
+    ``episodes`` (end period, congestion or loss, size) and ``silent_until`` carry over between periods.
+    """
+    elapsed = period * PERIOD_S
+    for key, truth in sim.truth.items():
+        depth, cycle, phase = drift[key]
+        factor = 1.0 + depth * math.sin(2 * math.pi * elapsed / cycle + phase)
+        truth.rtt_ms = sim.base[key].rtt_ms * factor
+        truth.loss = base_loss[key]
+        if key in episodes and period >= episodes[key][0]:
+            del episodes[key]
+        elif key not in episodes and rng.random() < episode_rate:
+            congestion = rng.random() < 0.5
+            size = rng.uniform(1.5, 3.0) if congestion else rng.uniform(0.02, 0.1)
+            episodes[key] = (period + rng.randint(10, 60), congestion, size)
+        if key in episodes:
+            _, congestion, size = episodes[key]
+            if congestion:
+                truth.rtt_ms *= size
+            else:
+                truth.loss = size
+        if key in silent_until and period >= silent_until[key]:
+            del silent_until[key]
+        elif key not in silent_until and rng.random() < silence_rate:
+            silent_until[key] = period + rng.randint(10, 40)
+    sim.silent = set(silent_until)
 
 
 # ---- capacity -----------------------------------------------------------------------------------
@@ -629,7 +658,8 @@ def capacity(
 # ---- bad input ----------------------------------------------------------------------------------
 
 
-def bad_input(topology: Topology, *, seed: int, progress: Callable[[str], None]) -> dict[str, Any]:
+# PLR0912: one case per kind of bad input, listed flat.
+def bad_input(topology: Topology, *, seed: int, progress: Callable[[str], None]) -> dict[str, Any]:  # noqa: PLR0912
     """Junk, floods and skewed clocks next to honest probes; what was dropped and whether state is sane."""
     progress("bad input")
     sim = NetSim(topology, seed=seed)
@@ -709,7 +739,8 @@ EMULATED_REGIONS = ("aws-eu-central-1", "aws-us-east-2", "azure-westeurope", "gc
 STEPPED_LINK = ("aws-eu-central-1", "aws-us-east-2")
 
 
-async def _emulated(topology: Topology, *, seconds: float, seed: int) -> dict[str, Any]:
+# PLR0915: one emulator session; its closures share the live emulator.
+async def _emulated(topology: Topology, *, seconds: float, seed: int) -> dict[str, Any]:  # noqa: PLR0915
     from loom.netemu import UdpProber, WanEmulator, tcp_bulk, to_sample
 
     regions = list(EMULATED_REGIONS)

@@ -57,10 +57,10 @@ from typing import Any, Final
 
 import numpy as np
 
+from loom.model.capacity import NodeCapacity
 from loom.model.profiles import reference_profile, relative_speed
 from loom.model.scu import TASK_TYPES
 from loom.model.topology import Topology, load_topology
-from loom.sched.firstfit import NodeCapacity
 from loom.sched.framework import Decision, Framework
 from loom.sched.plugins.cost import default_economics
 from loom.sched.profile import build_framework

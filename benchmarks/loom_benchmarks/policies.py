@@ -567,22 +567,7 @@ def print_table(result: dict[str, Any]) -> None:
     claims = result.get("claims")
     if claims:
         for name, check in claims["checks"].items():
-            verdict = check["passed"]
-            mark = "not run" if verdict is None else ("[green]pass[/green]" if verdict else "[red]FAIL[/red]")
-            detail = check.get("reason", "")
-            if "net_training_improvement" in check:
-                worst = check["worst_other_class"]
-                detail = f"net_training {fmt_share(check['net_training_improvement'], signed=True)}" + (
-                    f", worst other {worst['class']} {fmt_share(worst['improvement'], signed=True)}"
-                    if worst
-                    else ""
-                )
-            elif "time_improvement" in check:
-                detail = (
-                    f"time {fmt_share(check['time_improvement'], signed=True)}, "
-                    f"cost {fmt_share(check['cost_improvement'], signed=True)}"
-                )
-            console.print(f"{name}: {mark} ({check['claim']}): {detail}")
+            console.print(_claim_line(name, check))
     scale = result.get("scale")
     if scale:
         met = "[green]met[/green]" if scale["meets_target"] else "[red]missed[/red]"
@@ -600,6 +585,26 @@ def print_table(result: dict[str, Any]) -> None:
     )
 
 
+def _claim_line(name: str, check: dict[str, Any]) -> str:
+    """One claim check as a line: its verdict, the claim, and the figures it was judged on."""
+    from loom.sim.report import fmt_share
+
+    verdict = check["passed"]
+    mark = "not run" if verdict is None else ("[green]pass[/green]" if verdict else "[red]FAIL[/red]")
+    detail = check.get("reason", "")
+    if "net_training_improvement" in check:
+        worst = check["worst_other_class"]
+        detail = f"net_training {fmt_share(check['net_training_improvement'], signed=True)}" + (
+            f", worst other {worst['class']} {fmt_share(worst['improvement'], signed=True)}" if worst else ""
+        )
+    elif "time_improvement" in check:
+        detail = (
+            f"time {fmt_share(check['time_improvement'], signed=True)}, "
+            f"cost {fmt_share(check['cost_improvement'], signed=True)}"
+        )
+    return f"{name}: {mark} ({check['claim']}): {detail}"
+
+
 def _csv_list(text: str | None, option: str) -> list[str] | None:
     if text is None:
         return None
@@ -609,43 +614,64 @@ def _csv_list(text: str | None, option: str) -> list[str] | None:
     return list(dict.fromkeys(items))
 
 
+def _choices(text: str | None, option: str, known: Sequence[str]) -> tuple[str, ...] | None:
+    """A comma-separated ``option`` whose every value is one of ``known``; None when not given."""
+    values = _csv_list(text, option)
+    if values is None:
+        return None
+    unknown = [v for v in values if v not in known]
+    if unknown:
+        raise OptionError(f"unknown {option} {unknown}; known: {', '.join(known)}")
+    return tuple(values)
+
+
+def _grid_loads(text: str | None) -> tuple[float, ...] | None:
+    """``--grid-loads``: positive numbers; None when not given."""
+    loads = _csv_list(text, "--grid-loads")
+    if loads is None:
+        return None
+    try:
+        values = tuple(float(v) for v in loads)
+    except ValueError:
+        raise OptionError(f"--grid-loads are numbers, got {text!r}") from None
+    if not all(v > 0 and np.isfinite(v) for v in values):
+        raise OptionError(f"--grid-loads must be positive, got {text!r}")
+    return values
+
+
+def _grid_seeds(text: str | None) -> tuple[int, ...] | None:
+    """``--grid-seeds``: a count (``5``: seeds 0-4) or a list of seeds (``0,1``); None when not given."""
+    seeds = _csv_list(text, "--grid-seeds")
+    if seeds is None or text is None:
+        return None
+    try:
+        numbers = [int(v) for v in seeds]
+    except ValueError:
+        raise OptionError(f"--grid-seeds are integers, got {text!r}") from None
+    one_count = len(numbers) == 1 and "," not in text
+    if one_count and numbers[0] < 1:
+        raise OptionError(f"--grid-seeds must be a positive count or a list of seeds, got {numbers[0]}")
+    return tuple(range(numbers[0])) if one_count else tuple(numbers)
+
+
 def grid_spec(args: argparse.Namespace, known: Sequence[str] | None = None) -> "GridSpec":
     """The grid ``--grid-*`` (and ``--policies``, ``--jobs``) ask for; :class:`OptionError` if not valid."""
     from loom_benchmarks import grid
 
     known = list(known) if known is not None else list(grid.GRID_POLICIES)
     fields: dict[str, Any] = {}
-    platforms = _csv_list(args.grid_platforms, "--grid-platforms")
+    platforms = _choices(args.grid_platforms, "--grid-platforms", grid.PLATFORMS)
     if platforms is not None:
-        unknown = [p for p in platforms if p not in grid.PLATFORMS]
-        if unknown:
-            raise OptionError(f"unknown --grid-platforms {unknown}; known: {', '.join(grid.PLATFORMS)}")
-        fields["platforms"] = tuple(platforms)
-    loads = _csv_list(args.grid_loads, "--grid-loads")
+        fields["platforms"] = platforms
+    loads = _grid_loads(args.grid_loads)
     if loads is not None:
-        try:
-            values = tuple(float(v) for v in loads)
-        except ValueError:
-            raise OptionError(f"--grid-loads are numbers, got {args.grid_loads!r}") from None
-        if not all(v > 0 and np.isfinite(v) for v in values):
-            raise OptionError(f"--grid-loads must be positive, got {args.grid_loads!r}")
-        fields["loads"] = values
-    seeds = _csv_list(args.grid_seeds, "--grid-seeds")
+        fields["loads"] = loads
+    seeds = _grid_seeds(args.grid_seeds)
     if seeds is not None:
-        try:
-            numbers = [int(v) for v in seeds]
-        except ValueError:
-            raise OptionError(f"--grid-seeds are integers, got {args.grid_seeds!r}") from None
-        one_count = len(numbers) == 1 and "," not in args.grid_seeds
-        if one_count and numbers[0] < 1:
-            raise OptionError(f"--grid-seeds must be a positive count or a list of seeds, got {numbers[0]}")
-        fields["seeds"] = tuple(range(numbers[0])) if one_count else tuple(numbers)
-    workloads = _csv_list(args.grid_workloads, "--grid-workloads")
+        fields["seeds"] = seeds
+    workloads = _choices(args.grid_workloads, "--grid-workloads", grid.WORKLOADS)
     if workloads is not None:
-        unknown = [w for w in workloads if w not in grid.WORKLOADS]
-        if unknown:
-            raise OptionError(f"unknown --grid-workloads {unknown}; known: {', '.join(grid.WORKLOADS)}")
-        fields["workloads"] = tuple(workloads)
+        fields["workloads"] = workloads
     spanning = _csv_list(getattr(args, "grid_spanning", None), "--grid-spanning")
     if spanning is not None:
         ways = {"allowed": True, "forbidden": False}

@@ -50,7 +50,7 @@ from loom.bus.lease import LEASE_BUCKET
 from loom.client import LoomClient
 from loom.model.topology import load_topology
 from loom.runtime import stack
-from loom.runtime.service import health_subject
+from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
 from loom_proto.jobs import JobPlaced, JobSpec, Resources, Work
 
@@ -68,8 +68,6 @@ DRAIN_TIMEOUT_S: Final = 120.0
 messages a killed leader had fetched but not acknowledged are delivered again."""
 TENANT: Final = "bench"
 PREFIX: Final = "tk"
-PLACED_ALL: Final = "loom.jobs.placed.*"
-"""Placement decisions of every cluster (the subject is keyed by the chosen cluster)."""
 
 
 class OptionError(ValueError):
@@ -160,7 +158,7 @@ class PlacedWatch:
 async def _health(nc: Client, name: str, timeout_s: float = 1.0) -> dict[str, Any] | None:
     """An instance's health answer; None while it does not answer (dead, starting, too busy)."""
     try:
-        reply = await nc.request(health_subject(name), b"", timeout=timeout_s)
+        reply = await nc.request(subjects.service_health(name), b"", timeout=timeout_s)
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
         return None
     answer: dict[str, Any] = json.loads(reply.data)
@@ -303,7 +301,7 @@ async def _placed_rows(database_url: str, job_ids: list[str]) -> dict[str, int]:
 async def _placed_on_bus(nc: Client) -> dict[str, int]:
     """JobPlaced messages per job of this run in the JOBS stream (the stored copies, not deliveries)."""
     js = nc.jetstream()
-    sub = await js.subscribe(PLACED_ALL, ordered_consumer=True)
+    sub = await js.subscribe(subjects.JOBS_PLACED_ALL, ordered_consumer=True)
     seen: dict[str, int] = {}
     try:
         while True:
@@ -369,7 +367,7 @@ async def _measure(
     client = await LoomClient.connect(state["nats_url"], name="loom-bench-takeover")
     submitter = Submitter(client, args.rate, capacity)
     watch = PlacedWatch(submitter.sent)
-    sub = await client.nc.subscribe(PLACED_ALL, cb=watch.on_placed)
+    sub = await client.nc.subscribe(subjects.JOBS_PLACED_ALL, cb=watch.on_placed)
     stop = asyncio.Event()
     submitting = asyncio.create_task(submitter.run(stop))
     trials: list[dict[str, Any]] = []

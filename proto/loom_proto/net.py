@@ -31,6 +31,26 @@ class ProbeSample(
     bytes_sent: Annotated[int, Meta(ge=0)] = 0
 
 
+class RawProbeSample(msgspec.Struct, tag_field="kind", tag="probe", frozen=True, kw_only=True):
+    """A :class:`ProbeSample` as sent, read without the contract's bounds (network perception's view).
+
+    Admission is the core's job, so a negative RTT reaches it and is counted under its reason
+    instead of failing to decode. Keep the fields in step with :class:`ProbeSample`.
+    """
+
+    src: str
+    dst: str
+    probe: str
+    seq: int
+    sent_at: float
+    rtt_ms: float | None = None
+    sent: int = 1
+    lost: int = 0
+    jitter_ms: float | None = None
+    bandwidth_gbps: float | None = None
+    bytes_sent: int = 0
+
+
 class LinkState(
     msgspec.Struct, tag_field="kind", tag="link", forbid_unknown_fields=True, frozen=True, kw_only=True
 ):

@@ -62,6 +62,17 @@ def job_event(kind: JobEventKind, tenant: str) -> str:
     return f"{PREFIX}.jobs.{kind}.{validate_id(tenant, 'tenant')}"
 
 
+def job_events_of(*kinds: JobEventKind) -> list[str]:
+    """``loom.jobs.<kind>.*`` for each kind: a consumer's filter for every event of those kinds.
+
+    Whatever the tenant (or the cluster, for ``placed``).
+    """
+    unknown = [kind for kind in kinds if kind not in JOB_EVENT_KINDS]
+    if unknown:
+        raise ValueError(f"unknown job event kinds {unknown!r}")
+    return [f"{PREFIX}.jobs.{kind}.*" for kind in kinds]
+
+
 def cluster_heartbeat(cluster: str) -> str:
     """``loom.clusters.<cluster>.heartbeat``."""
     return f"{PREFIX}.clusters.{validate_id(cluster, 'cluster')}.heartbeat"
@@ -145,6 +156,11 @@ def alert(source: str) -> str:
     return f"{PREFIX}.alerts.{validate_id(source, 'source')}"
 
 
+def service_health(instance: str) -> str:
+    """``loom.health.<instance>``: request-reply, where one service instance answers health checks."""
+    return f"{PREFIX}.health.{validate_id(instance, 'instance')}"
+
+
 def dead_letter(original_subject: str) -> str:
     """``loom.dlq.<original subject>``: where a poison message goes, with its error in headers."""
     if original_subject.startswith(f"{PREFIX}.dlq."):
@@ -154,9 +170,15 @@ def dead_letter(original_subject: str) -> str:
 
 JOBS_SUBMITTED_ALL = f"{PREFIX}.jobs.submitted.*"
 JOBS_LIFECYCLE_ALL = f"{PREFIX}.jobs.*.*"
+JOBS_PLACED_ALL = f"{PREFIX}.jobs.placed.*"
+"""Placement decisions of every cluster (``placed`` is keyed by the chosen cluster)."""
 HEARTBEATS_ALL = f"{PREFIX}.clusters.*.heartbeat"
 PROFILES_ALL = f"{PREFIX}.clusters.*.profile"
 VIEW_DELTAS_ALL = f"{PREFIX}.view.delta.*"
+PROBE_SAMPLES_ALL = f"{PREFIX}.net.probe.*.*"
+LINK_STATES_ALL = f"{PREFIX}.net.link.*.*"
+NET_EVENTS_ALL = f"{PREFIX}.net.event.*"
+NET_TRANSFERS_ALL = f"{PREFIX}.net.transfer.*.*"
 
 # Request-reply subjects (core NATS, no stream).
 VIEW_QUERY = f"{PREFIX}.view.query"
@@ -185,7 +207,7 @@ STREAMS: tuple[StreamSpec, ...] = (
         name="JOBS",
         # Each kind listed, not ``loom.jobs.>``: the request-reply subject ``loom.jobs.query`` must
         # not be captured by the stream (JetStream would answer the request with a PubAck).
-        subjects=[f"{PREFIX}.jobs.{kind}.*" for kind in JOB_EVENT_KINDS],
+        subjects=job_events_of(*JOB_EVENT_KINDS),
         description="job submissions (placement's work queue) and the whole job lifecycle log",
         max_age_s=7 * 86_400,
     ),
@@ -208,12 +230,7 @@ STREAMS: tuple[StreamSpec, ...] = (
     ),
     StreamSpec(
         name="NET",
-        subjects=[
-            f"{PREFIX}.net.probe.*.*",
-            f"{PREFIX}.net.link.*.*",
-            f"{PREFIX}.net.event.*",
-            f"{PREFIX}.net.transfer.*.*",
-        ],
+        subjects=[PROBE_SAMPLES_ALL, LINK_STATES_ALL, NET_EVENTS_ALL, NET_TRANSFERS_ALL],
         description="raw probe samples (short-lived), link state and degraded/recovered events",
         max_age_s=3_600,
     ),

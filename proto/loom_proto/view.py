@@ -80,3 +80,14 @@ class RegionSummary(
     reference_gpu: str = ""
     """The accelerator one SCU is defined by."""
     at: UnixSeconds
+
+
+class ViewQuery(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """A ``loom.view.query`` request (request-reply, the metrics service answers); every filter optional."""
+
+    region: str | None = None
+    zone: str | None = None
+    gpu_model: str | None = None
+    min_free_gpus: int = 0
+    fresh_only: bool = False
+    nodes: bool = True

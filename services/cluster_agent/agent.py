@@ -648,25 +648,7 @@ class Agent:
                     entry = json.loads(line)
                 except ValueError:
                     continue  # a torn last line from a crash
-                key = entry.get("key")
-                if entry["op"] == "start":
-                    job = entry["job"]
-                    job["allocations"] = [tuple(a) for a in job["allocations"]]
-                    self.running[key] = RunningJob(**job)
-                elif entry["op"] == "began" and key in self.running:
-                    self.running[key].start_at = 0.0
-                elif entry["op"] == "step" and key in self.running:
-                    self.running[key].step = entry["step"]
-                    self.running[key].gpu_seconds = entry.get("gpu_seconds", self.running[key].gpu_seconds)
-                elif entry["op"] == "resize" and key in self.running:
-                    self.running[key].workers = entry["workers"]
-                    self.running[key].allocations = [tuple(a) for a in entry["allocations"]]
-                elif entry["op"] == "finish":
-                    self.running.pop(key, None)
-                    self.finished.add(key)
-                elif entry["op"] == "forget":
-                    self.running.pop(key, None)
-                    self.finished.discard(key)
+                self._replay(entry)
             for job in self.running.values():
                 self.sim.allocate(job.node_allocations())
             log.info("state restored", running=len(self.running), finished=len(self.finished))
@@ -679,6 +661,28 @@ class Agent:
                 out.write(json.dumps({"op": "start", "key": job.key, "job": asdict(job)}) + "\n")
         os.replace(tmp, self.state_file)
         self._journal = open(self.state_file, "a")  # noqa: SIM115 - held for the agent's lifetime
+
+    def _replay(self, entry: dict[str, Any]) -> None:
+        """Apply one journal entry (written by :meth:`_record`) to the running and finished runs."""
+        key: str = entry["key"]  # every entry :meth:`_record` writes has one
+        if entry["op"] == "start":
+            job = entry["job"]
+            job["allocations"] = [tuple(a) for a in job["allocations"]]
+            self.running[key] = RunningJob(**job)
+        elif entry["op"] == "began" and key in self.running:
+            self.running[key].start_at = 0.0
+        elif entry["op"] == "step" and key in self.running:
+            self.running[key].step = entry["step"]
+            self.running[key].gpu_seconds = entry.get("gpu_seconds", self.running[key].gpu_seconds)
+        elif entry["op"] == "resize" and key in self.running:
+            self.running[key].workers = entry["workers"]
+            self.running[key].allocations = [tuple(a) for a in entry["allocations"]]
+        elif entry["op"] == "finish":
+            self.running.pop(key, None)
+            self.finished.add(key)
+        elif entry["op"] == "forget":
+            self.running.pop(key, None)
+            self.finished.discard(key)
 
 
 def _per_node(allocations: Iterable[tuple[str, int]]) -> dict[str, int]:

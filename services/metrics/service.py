@@ -12,7 +12,6 @@ import json
 import time
 from collections.abc import Callable, Sequence
 
-import asyncpg
 import msgspec
 import structlog
 from nats.aio.msg import Msg
@@ -24,30 +23,19 @@ from loom.model.profiles import device_profile
 from loom.model.scu import DecayLearner, DeviceProfile, TrustTracker, scu_by_task_type
 from loom.runtime.service import ServiceContext
 from loom.store import inbox, outbox
-from loom.store.jobs import ts
+from loom.store import ledger as ledger_store
 from loom.store.pool import transaction
 from loom_proto import subjects
 from loom_proto.clusters import AcceleratorProfile, ClusterHeartbeat, ClusterProfiles
 from loom_proto.codec import DecodeError, decode, encode
 from loom_proto.jobs import JobCancelled, JobCompleted, JobFailed, JobPlaced, JobStarted
-from loom_proto.view import ModelCapacity, NodeView, RegionSummary, ViewDelta, ZoneSummary
+from loom_proto.view import ModelCapacity, NodeView, RegionSummary, ViewDelta, ViewQuery, ZoneSummary
 
 log = structlog.get_logger("metrics")
 PRODUCER = "metrics"
 
 
 ReservationEvent = JobPlaced | JobStarted | JobCompleted | JobFailed | JobCancelled
-
-
-class ViewQuery(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
-    """A ``loom.view.query`` request."""
-
-    region: str | None = None
-    zone: str | None = None
-    gpu_model: str | None = None
-    min_free_gpus: int = 0
-    fresh_only: bool = False
-    nodes: bool = True
 
 
 def _models(models: dict[str, dict[str, int]]) -> list[ModelCapacity]:
@@ -117,68 +105,17 @@ class MetricsService:
 
     async def load(self) -> None:
         """Rebuild the ledger from PostgreSQL."""
-        clusters = [
-            LedgerCluster(
-                cluster=r["cluster"],
-                region=r["region"],
-                agent_epoch=r["agent_epoch"],
-                last_seq=r["last_seq"],
-                version=r["version"],
-                interval_s=r["interval_s"],
-                stale=r["stale"],
-                volatility=r["volatility"],
-                trust=r["trust"],
-                last_heartbeat_at=r["last_heartbeat_at"].timestamp() if r["last_heartbeat_at"] else 0.0,
-            )
-            for r in await self.pool.fetch("SELECT * FROM ledger_clusters")
-        ]
-        nodes = [
-            LedgerNode(
-                node=r["node"],
-                cluster=r["cluster"],
-                region=r["region"],
-                zone=r["zone"],
-                gpu_model=r["gpu_model"],
-                gpus_total=r["gpus_total"],
-                gpus_used=r["gpus_used"],
-                cpu_milli=r["cpu_milli"],
-                memory_mib=r["memory_mib"],
-                healthy=r["healthy"],
-                updated_at=r["updated_at"].timestamp(),
-            )
-            for r in await self.pool.fetch("SELECT * FROM ledger_nodes")
-        ]
+        clusters = await ledger_store.load_clusters(self.pool)
+        nodes = await ledger_store.load_nodes(self.pool)
         self.ledger.load(clusters, nodes)
-        for r in await self.pool.fetch(
-            "SELECT cluster, trust, trust_confirmations, trust_mismatches FROM ledger_clusters"
-        ):
-            self.trust[r["cluster"]] = TrustTracker(
-                trust=r["trust"], confirmations=r["trust_confirmations"], mismatches=r["trust_mismatches"]
-            )
-        for r in await self.pool.fetch("SELECT gpu_model, task_type, factor, observations FROM scu_decay"):
-            self.decay[(r["gpu_model"], r["task_type"])] = DecayLearner(
-                factor=r["factor"], observations=r["observations"]
-            )
-        stored: dict[str, list[AcceleratorProfile]] = {}
-        for r in await self.pool.fetch(
-            "SELECT cluster, profile FROM cluster_profiles ORDER BY cluster, gpu_model"
-        ):
-            stored.setdefault(r["cluster"], []).append(
-                msgspec.json.decode(r["profile"], type=AcceleratorProfile)
-            )
-        for cluster_id, profiles in stored.items():
+        self.trust.update(await ledger_store.load_trust(self.pool))
+        self.decay.update(await ledger_store.load_decay(self.pool))
+        for cluster_id, profiles in (await ledger_store.load_profiles(self.pool)).items():
             table = self._scu_table(profiles)
             if table is not None:
                 self._adopt_scu(cluster_id, table)
         # Placement's unconfirmed reservations (read, never written, here) show as reserved.
-        rows = await self.pool.fetch(
-            """SELECT job_id, attempt, node, gpus FROM reservations
-               WHERE state = 'reserved' ORDER BY job_id, attempt"""
-        )
-        runs: dict[str, list[tuple[str, int]]] = {}
-        for r in rows:
-            runs.setdefault(f"{r['job_id']}:{r['attempt']}", []).append((r["node"], r["gpus"]))
-        for run, allocations in runs.items():
+        for run, allocations in (await ledger_store.unconfirmed_reservations(self.pool)).items():
             self.ledger.reserve(run, allocations)
         await self.relay.flush()
         self.ctx.stats.update({"heartbeats": self.ctx.stats["heartbeats"], "refused": self.ledger.refused})
@@ -201,9 +138,9 @@ class MetricsService:
             ConsumerSpec(
                 stream="JOBS",
                 durable="metrics-reservations",
-                filter_subjects=[
-                    f"loom.jobs.{k}.*" for k in ("placed", "started", "completed", "failed", "cancelled")
-                ],
+                filter_subjects=subjects.job_events_of(
+                    "placed", "started", "completed", "failed", "cancelled"
+                ),
                 batch=500,
             ),
             bytes,
@@ -243,7 +180,8 @@ class MetricsService:
         """
         for d in deliveries:
             try:
-                event = decode(d.message, ReservationEvent)  # type: ignore[arg-type]
+                # A union is not a ``type[T]`` to mypy; decode takes it (msgspec decodes tagged unions).
+                event: ReservationEvent = decode(d.message, ReservationEvent)  # type: ignore[arg-type]
             except DecodeError:
                 continue  # placement's business, not the ledger's: it dead-letters bad lifecycle events
             if isinstance(event, JobCompleted):
@@ -268,21 +206,8 @@ class MetricsService:
         if table is None:
             return
         async with transaction(self.pool) as conn:
-            await conn.executemany(
-                """INSERT INTO cluster_profiles (cluster, gpu_model, source, profile, measured_at)
-                   VALUES ($1, $2, $3, $4::jsonb, $5)
-                   ON CONFLICT (cluster, gpu_model) DO UPDATE SET source = EXCLUDED.source,
-                       profile = EXCLUDED.profile, measured_at = EXCLUDED.measured_at""",
-                [
-                    (
-                        message.cluster,
-                        p.gpu_model,
-                        message.source,
-                        encode(p).decode(),
-                        ts(message.measured_at),
-                    )
-                    for p in message.profiles
-                ],
+            await ledger_store.save_profiles(
+                conn, message.cluster, message.source, message.measured_at, message.profiles
             )
         self._adopt_scu(message.cluster, table)
 
@@ -331,23 +256,7 @@ class MetricsService:
             # A redelivered completion must not teach twice.
             if not await inbox.claim(conn, "metrics-learn", f"{event.job_id}:{event.attempt}"):
                 return
-            await conn.execute(
-                """UPDATE ledger_clusters SET trust = $2, trust_confirmations = $3, trust_mismatches = $4
-                   WHERE cluster = $1""",
-                event.cluster,
-                tracker.trust,
-                tracker.confirmations,
-                tracker.mismatches,
-            )
-            await conn.execute(
-                """INSERT INTO scu_decay (gpu_model, task_type, factor, observations) VALUES ($1, $2, $3, $4)
-                   ON CONFLICT (gpu_model, task_type) DO UPDATE
-                   SET factor = EXCLUDED.factor, observations = EXCLUDED.observations""",
-                key[0],
-                key[1],
-                learner.factor,
-                learner.observations,
-            )
+            await ledger_store.save_learning(conn, event.cluster, tracker, key, learner)
         self.trust[event.cluster] = tracker
         self.decay[key] = learner
         self.ledger.clusters[event.cluster].trust = tracker.trust
@@ -430,14 +339,12 @@ class MetricsService:
 
     async def _persist(self, changes: Sequence[Change], cluster_id: str) -> None:
         async with transaction(self.pool) as conn:
-            await _write_cluster(conn, self.ledger.clusters[cluster_id])
+            await ledger_store.write_cluster(conn, self.ledger.clusters[cluster_id])
             for change in changes:
                 if change.nodes:
-                    await _write_nodes(conn, change.nodes)
+                    await ledger_store.write_nodes(conn, change.nodes)
                 if change.removed:
-                    await conn.execute(
-                        "DELETE FROM ledger_nodes WHERE node = ANY($1::text[])", list(change.removed)
-                    )
+                    await ledger_store.delete_nodes(conn, list(change.removed))
                 await outbox.add(conn, PRODUCER, [self._delta_message(change)])
 
     async def _expire_loop(self) -> None:
@@ -498,55 +405,3 @@ def _restore(
     else:
         ledger.clusters[cluster_id] = cluster
     ledger.nodes.update(nodes)
-
-
-async def _write_cluster(conn: asyncpg.Connection, c: LedgerCluster) -> None:
-    await conn.execute(
-        """INSERT INTO ledger_clusters AS l (cluster, region, agent_epoch, last_seq, version, interval_s,
-                                             last_heartbeat_at, stale, volatility)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-           ON CONFLICT (cluster) DO UPDATE SET agent_epoch = EXCLUDED.agent_epoch,
-               last_seq = EXCLUDED.last_seq,
-               version = EXCLUDED.version, interval_s = EXCLUDED.interval_s,
-               last_heartbeat_at = EXCLUDED.last_heartbeat_at, stale = EXCLUDED.stale,
-               volatility = EXCLUDED.volatility
-           WHERE l.version <= EXCLUDED.version""",
-        c.cluster,
-        c.region,
-        c.agent_epoch,
-        c.last_seq,
-        c.version,
-        c.interval_s,
-        ts(c.last_heartbeat_at) if c.last_heartbeat_at else None,
-        c.stale,
-        c.volatility,
-    )
-
-
-async def _write_nodes(conn: asyncpg.Connection, nodes: Sequence[LedgerNode]) -> None:
-    await conn.executemany(
-        """INSERT INTO ledger_nodes (node, cluster, region, zone, gpu_model, gpus_total, gpus_used, cpu_milli,
-                                     memory_mib, healthy, updated_at)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
-           ON CONFLICT (node) DO UPDATE SET cluster = EXCLUDED.cluster, region = EXCLUDED.region,
-               zone = EXCLUDED.zone, gpu_model = EXCLUDED.gpu_model, gpus_total = EXCLUDED.gpus_total,
-               gpus_used = EXCLUDED.gpus_used, cpu_milli = EXCLUDED.cpu_milli,
-               memory_mib = EXCLUDED.memory_mib,
-               healthy = EXCLUDED.healthy, updated_at = EXCLUDED.updated_at""",
-        [
-            (
-                n.node,
-                n.cluster,
-                n.region,
-                n.zone,
-                n.gpu_model,
-                n.gpus_total,
-                n.gpus_used,
-                n.cpu_milli,
-                n.memory_mib,
-                n.healthy,
-                ts(n.updated_at),
-            )
-            for n in nodes
-        ],
-    )

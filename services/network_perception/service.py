@@ -35,7 +35,6 @@ from loom.model.topology import Topology
 from loom.net import (
     LinkConfig,
     LinkEvent,
-    LinkRecord,
     NetError,
     PathAnswer,
     Perception,
@@ -43,17 +42,15 @@ from loom.net import (
     ValidationConfig,
 )
 from loom.runtime.service import ServiceContext
-from loom.store.jobs import ts
+from loom.store import links
 from loom.store.pool import transaction
 from loom_proto import subjects
-from loom_proto.net import LinkDegraded, LinkRecovered, TransferObserved
+from loom_proto.net import LinkDegraded, LinkRecovered, RawProbeSample, TransferObserved
 
 log = structlog.get_logger("network-perception")
 
 DESIGN_PERIOD_S = 1.0
 """The probe period the core's defaults are tuned for."""
-
-PROBE_FILTER = "loom.net.probe.*.*"
 
 
 def configs_for_period(period_s: float) -> tuple[LinkConfig, SelectorConfig, ValidationConfig]:
@@ -83,23 +80,6 @@ def configs_for_period(period_s: float) -> tuple[LinkConfig, SelectorConfig, Val
     validation = ValidationConfig()
     validation = replace(validation, rate_per_link_hz=validation.rate_per_link_hz / f)
     return link, selector, validation
-
-
-class RawSample(msgspec.Struct, tag_field="kind", tag="probe", frozen=True, kw_only=True):
-    """A probe sample as sent, without the contract's bounds: admission is the core's job, so a
-    negative RTT reaches it and is counted under its reason instead of failing to decode."""
-
-    src: str
-    dst: str
-    probe: str
-    seq: int
-    sent_at: float
-    rtt_ms: float | None = None
-    sent: int = 1
-    lost: int = 0
-    jitter_ms: float | None = None
-    bandwidth_gbps: float | None = None
-    bytes_sent: int = 0
 
 
 @dataclass(slots=True)
@@ -178,13 +158,7 @@ class NetworkPerception:
 
     async def load(self) -> int:
         """Restore every link's learned record from PostgreSQL; how many were restored."""
-        rows = await self.pool.fetch("SELECT record FROM net_link_records ORDER BY src, dst")
-        records = []
-        for row in rows:
-            try:
-                records.append(msgspec.json.decode(row["record"], type=LinkRecord))
-            except msgspec.ValidationError as exc:  # written by an older version: relearn that link
-                log.warning("link record skipped", error=str(exc))
+        records = await links.load_link_records(self.pool)
         self.restored = self.perception.restore(records)
         self._refresh_stats()
         log.info("link records restored", links=self.restored)
@@ -192,17 +166,9 @@ class NetworkPerception:
 
     async def persist(self, now: float) -> None:
         """Write every link's learned record."""
-        rows = [
-            (r.src, r.dst, msgspec.json.encode(r).decode(), ts(r.saved_at))
-            for r in self.perception.records(now)
-        ]
+        records = self.perception.records(now)
         async with transaction(self.pool) as conn:
-            await conn.executemany(
-                """INSERT INTO net_link_records (src, dst, record, saved_at) VALUES ($1, $2, $3::jsonb, $4)
-                   ON CONFLICT (src, dst) DO UPDATE
-                   SET record = EXCLUDED.record, saved_at = EXCLUDED.saved_at""",
-                rows,
-            )
+            await links.save_link_records(conn, records)
         self.persisted_at = now
 
     def _refresh_stats(self) -> None:
@@ -232,7 +198,7 @@ class NetworkPerception:
             ConsumerSpec(
                 stream="NET",
                 durable="network-perception-probes",
-                filter_subjects=[PROBE_FILTER],
+                filter_subjects=[subjects.PROBE_SAMPLES_ALL],
                 batch=500,
                 max_deliver=1,
             ),
@@ -245,7 +211,7 @@ class NetworkPerception:
             ConsumerSpec(
                 stream="NET",
                 durable="network-perception-transfers",
-                filter_subjects=["loom.net.transfer.*.*"],
+                filter_subjects=[subjects.NET_TRANSFERS_ALL],
                 batch=100,
             ),
             TransferObserved,
@@ -281,7 +247,7 @@ class NetworkPerception:
         for d in deliveries:
             tokens = d.subject.split(".")
             try:
-                sample = msgspec.json.decode(d.message, type=RawSample)
+                sample = msgspec.json.decode(d.message, type=RawProbeSample)
             except msgspec.DecodeError:
                 self.refused["undecodable"] += 1
                 continue
@@ -356,12 +322,7 @@ class NetworkPerception:
 
     async def _record_events(self, events: list[LinkEvent]) -> None:
         async with transaction(self.pool) as conn:
-            await conn.executemany(
-                """INSERT INTO net_link_events
-                       (src, dst, kind, at, reason, rtt_ms, baseline_rtt_ms, loss_rate)
-                   VALUES ($1, $2, $3, $4, $5, $6, $7, $8)""",
-                [_event_row(e) for e in events],
-            )
+            await links.append_link_events(conn, events)
 
     def select(self, src: str, dst: str, now: float) -> tuple[PathAnswer, PathTrack]:
         """The pair's chosen path now (with hysteresis); a change is counted and logged."""
@@ -415,10 +376,6 @@ class NetworkPerception:
         except (NetError, ValueError, TypeError) as exc:
             reply = json.dumps({"ok": False, "error": str(exc)}).encode()
         await msg.respond(reply)
-
-
-def _event_row(e: LinkEvent) -> tuple[Any, ...]:
-    return (e.src, e.dst, e.kind, ts(e.at), e.reason, _finite(e.rtt_ms), e.baseline_rtt_ms, e.loss_rate)
 
 
 def _request(msg: Msg) -> dict[str, Any]:

@@ -14,12 +14,12 @@ import msgspec
 from opentelemetry import propagate
 from opentelemetry.context import Context
 
+from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
 from loom.model.profiles import speeds_for_model
 from loom.model.scu import TASK_TYPES, UNPROFILED_SPEED, Precision
 from loom.model.topology import Topology
 from loom.sched.cycle import expected_end_s
-from loom.sched.firstfit import NodeCapacity
 from loom.sched.quota import OPEN, QuotaBook, TenantConfig
 from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, RunningJob, Snapshot, job_precision
 from loom_proto.jobs import JobSubmitted
@@ -253,7 +253,9 @@ class Book:
         self.net.set_link(
             link.src,
             link.dst,
-            rtt_ms=link.rtt_ms_forecast or link.rtt_ms if not link.stale else max(link.rtt_ms, 1.0) * 2,
+            rtt_ms=link.rtt_ms_forecast or link.rtt_ms_p50
+            if not link.stale
+            else max(link.rtt_ms_p50, 1.0) * 2,
             bandwidth_gbps=link.bandwidth_gbps,
             loss=link.loss_rate,
             degraded=link.degraded or link.stale,

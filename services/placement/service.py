@@ -38,6 +38,7 @@ from opentelemetry import propagate
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError, TransientError
+from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
 from loom.model.learn import LearnSettings, SpeedLearner, run_speed
 from loom.model.topology import Topology
@@ -45,7 +46,6 @@ from loom.runtime.leader import Leadership, lead
 from loom.runtime.service import ServiceContext
 from loom.sched import dag
 from loom.sched.cycle import CycleResult, CycleSettings, Grown, expiry_avoid, retry_after_failure, run_cycle
-from loom.sched.firstfit import NodeCapacity
 from loom.sched.framework import Decision, Framework
 from loom.sched.plugins.network import AlphaLearner
 from loom.sched.profile import build_framework
@@ -84,9 +84,9 @@ from loom_services.placement.book import Book, QueuedJob, Run, queued_from_row, 
 log = structlog.get_logger("placement")
 
 PRODUCER = "placement"
-LIFECYCLE_SUBJECTS = [
-    f"loom.jobs.{k}.*" for k in ("started", "progress", "checkpointed", "completed", "failed", "cancelled")
-]
+LIFECYCLE_SUBJECTS = subjects.job_events_of(
+    "started", "progress", "checkpointed", "completed", "failed", "cancelled"
+)
 LifecycleEvent = JobStarted | JobProgress | JobCheckpointed | JobCompleted | JobFailed | JobCancelled
 MAX_BACKOFF_S = 30.0
 ACK_WAIT_S = 5.0
@@ -208,7 +208,7 @@ class PlacementService:
         query_sub = await self.ctx.nc.subscribe(
             subjects.JOBS_QUERY, queue="placement-query", cb=self.on_query
         )
-        link_sub = await self.ctx.nc.subscribe("loom.net.link.*.*", cb=self.on_link)
+        link_sub = await self.ctx.nc.subscribe(subjects.LINK_STATES_ALL, cb=self.on_link)
         try:
             await lead(
                 self.ctx.nc.jetstream(),
@@ -230,7 +230,7 @@ class PlacementService:
         """The leader's work: consume submissions, view deltas and lifecycle events until cancelled."""
         self.token = token
         await self.load()
-        runners = [
+        runners: list[ConsumerRunner[Any]] = [
             ConsumerRunner(
                 self.ctx.nc,
                 ConsumerSpec(
@@ -797,7 +797,8 @@ class PlacementService:
             q for q in self.queue.values() if (everyone or q.not_before <= now) and q.job.job_id not in skip
         ]
 
-    def _commit(self, applied: "Applied", considered: list[QueuedJob]) -> None:
+    # One flat adoption of every kind of effect, in the order the book must take them.
+    def _commit(self, applied: "Applied", considered: list[QueuedJob]) -> None:  # noqa: PLR0912
         """Adopt a committed cycle's outcome in memory (no await in here)."""
         gone = set(applied.vanished)
         for job_id in gone:
@@ -903,7 +904,7 @@ class PlacementService:
                 if not rows:
                     continue
                 async with self.lock:
-                    await self._retrying(lambda rows=rows: self._expire(rows))
+                    await self._retrying(functools.partial(self._expire, rows))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -1037,13 +1038,16 @@ class PlacementService:
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
-    async def on_lifecycle(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
+    # Every lifecycle kind's write in one transaction; split, the transaction would be spread thin.
+    async def on_lifecycle(  # noqa: PLR0915
+        self, deliveries: list[Delivery[bytes]]
+    ) -> Sequence[BaseException | None]:
         """Record what agents report; a finished run gives its GPUs back; a retryable failure is re-placed."""
         outcomes: list[BaseException | None] = [None] * len(deliveries)
         events: list[tuple[LifecycleEvent, str]] = []
         for i, d in enumerate(deliveries):
             try:
-                event = decode(d.message, LifecycleEvent)  # type: ignore[arg-type]
+                event: LifecycleEvent = decode(d.message, LifecycleEvent)  # type: ignore[arg-type]
             except DecodeError as exc:
                 outcomes[i] = InvalidInputError(f"lifecycle event on {d.subject}: {exc}")
                 continue
@@ -1051,7 +1055,7 @@ class PlacementService:
         if not events:
             return outcomes
 
-        async def apply() -> None:
+        async def apply() -> None:  # noqa: PLR0912
             result = Applied()
             finished: list[tuple[str, int]] = []
             progress: dict[str, float] = {}

@@ -24,7 +24,7 @@ from waiting import until
 
 from loom.client import LoomClient, QueryError
 from loom.runtime import stack
-from loom.runtime.service import health_subject
+from loom_proto import subjects
 from loom_proto.jobs import JobSpec, Resources, Work
 
 pytestmark = pytest.mark.slow
@@ -267,7 +267,7 @@ async def _rejected(c: LoomClient, job_id: str) -> dict[str, Any] | None:
 async def _health(nc: Client, name: str) -> dict[str, Any] | None:
     """A service instance's health answer, or None while it does not answer (dead, restarting)."""
     try:
-        reply = await nc.request(health_subject(name), b"", timeout=1.0)
+        reply = await nc.request(subjects.service_health(name), b"", timeout=1.0)
     except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
         return None
     answer: dict[str, Any] = json.loads(reply.data)
@@ -280,7 +280,8 @@ async def _leading(nc: Client, name: str) -> dict[str, Any] | None:
     return answer if answer is not None and answer["leadership"]["is_leader"] else None
 
 
-async def test_sigkill_of_placement_with_queued_jobs_places_every_job_exactly_once(
+# PLR0915: one end-to-end scenario, its steps in order.
+async def test_sigkill_of_placement_with_queued_jobs_places_every_job_exactly_once(  # noqa: PLR0915
     client: LoomClient, state: dict[str, Any], home: Path
 ) -> None:
     async def sole_leader() -> tuple[str, dict[str, Any]] | None:

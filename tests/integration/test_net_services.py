@@ -21,7 +21,7 @@ from waiting import until as _until
 from loom.client import LoomClient
 from loom.model.topology import Topology, load_topology
 from loom.runtime.servers import NatsServer
-from loom.runtime.service import ServiceContext, close_context, health_subject, open_context
+from loom.runtime.service import ServiceContext, close_context, open_context
 from loom_proto import subjects
 from loom_proto.net import LinkDegraded, LinkEventMessage, LinkRecovered, LinkState, TransferObserved
 from loom_services.cluster_agent.probes import ProbeResponder
@@ -118,7 +118,7 @@ async def until(check: Callable[[], Awaitable[Any]], timeout_s: float, what: str
 
 
 async def health(client: LoomClient, name: str) -> dict[str, Any]:
-    reply = await client.nc.request(health_subject(name), b"", timeout=2.0)
+    reply = await client.nc.request(subjects.service_health(name), b"", timeout=2.0)
     body: dict[str, Any] = json.loads(reply.data)
     return body
 

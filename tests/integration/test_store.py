@@ -1,23 +1,30 @@
 """loom.store against a real Postgres (and NATS for the outbox): migrations, inbox, outbox, capacity book."""
 
 import asyncio
+import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
 
 import asyncpg
+import msgspec
 import pytest
 from nats.aio.client import Client
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from loom.bus import Publisher, connect, ensure_streams
-from loom.sched.firstfit import NodeCapacity
-from loom.store import inbox, jobs, outbox
+from loom.model.capacity import NodeCapacity
+from loom.model.ledger import LedgerCluster, LedgerNode
+from loom.model.scu import DecayLearner, TrustTracker
+from loom.net import LinkEvent
+from loom.store import inbox, jobs, ledger, links, outbox
 from loom.store.migrations import available, migrate, migrate_url
 from loom.store.pool import ConflictError, StoreError, create_pool, map_error, redact, transaction, with_retry
 from loom.telemetry import reset_for_tests, setup_telemetry
 from loom_proto import JobStarted
 from loom_proto import subjects as s
+from loom_proto.clusters import AcceleratorProfile
 
 FreshDatabase = Callable[..., Awaitable[str]]
 
@@ -367,6 +374,109 @@ async def test_job_events_are_append_only(pool: asyncpg.Pool) -> None:
 
 
 # -- error mapping -----------------------------------------------------------------------------------
+
+
+# -- metrics' ledger and network perception's tables -------------------------------------------------
+
+
+async def test_the_ledger_round_trips_and_an_older_cluster_version_never_overwrites_a_newer(
+    fresh_database: FreshDatabase,
+) -> None:
+    db = await create_pool(await fresh_database("ledger"))
+    try:
+        newer = LedgerCluster(cluster="c1", region="r1", version=5, last_heartbeat_at=1_700_000_000.0)
+        node = LedgerNode(
+            node="n1",
+            cluster="c1",
+            region="r1",
+            zone="z1",
+            gpu_model="A100",
+            gpus_total=8,
+            gpus_used=2,
+            cpu_milli=64_000,
+            memory_mib=512_000,
+            healthy=True,
+            updated_at=1_700_000_000.0,
+        )
+        gone = LedgerNode(**{**asdict(node), "node": "n2"})
+        async with transaction(db) as conn:
+            await ledger.write_cluster(conn, newer)
+            await ledger.write_cluster(conn, LedgerCluster(cluster="c1", region="r1", version=4))
+            await ledger.write_nodes(conn, [node, gone])
+            await ledger.delete_nodes(conn, ["n2"])
+        [cluster] = await ledger.load_clusters(db)
+        assert (cluster.cluster, cluster.version, cluster.last_heartbeat_at) == ("c1", 5, 1_700_000_000.0)
+        assert await ledger.load_nodes(db) == [node]
+
+        async with transaction(db) as conn:
+            await ledger.save_learning(
+                conn,
+                "c1",
+                TrustTracker(trust=0.5, confirmations=2),
+                ("A100", "training"),
+                DecayLearner(0.875, 3),
+            )
+        assert await ledger.load_trust(db) == {"c1": TrustTracker(trust=0.5, confirmations=2, mismatches=0)}
+        assert await ledger.load_decay(db) == {
+            ("A100", "training"): DecayLearner(factor=0.875, observations=3)
+        }
+        [cluster] = await ledger.load_clusters(db)
+        assert cluster.trust == 0.5
+    finally:
+        await db.close()
+
+
+async def test_profiles_replace_per_model_and_reservations_read_back_by_run(
+    fresh_database: FreshDatabase,
+) -> None:
+    db = await create_pool(await fresh_database("profiles"))
+    try:
+        profile = AcceleratorProfile(
+            gpu_model="A100",
+            compute_fp32_tflops=19.5,
+            compute_fp16_tflops=312.0,
+            memory_bandwidth_gbps=15_552.0,
+            memory_gib=80.0,
+            interconnect_gbps=4_800.0,
+            network_gbps=200.0,
+        )
+        faster = msgspec.structs.replace(profile, compute_fp32_tflops=20.0)
+        async with transaction(db) as conn:
+            await ledger.save_profiles(conn, "c1", "library", 1_700_000_000.0, [profile])
+            await ledger.save_profiles(conn, "c1", "calibrated", 1_700_000_100.0, [faster])
+        assert await ledger.load_profiles(db) == {"c1": [faster]}
+
+        async with transaction(db) as conn:
+            await jobs.upsert_nodes(
+                conn,
+                1,
+                [
+                    NodeCapacity(
+                        node="n1", cluster="c1", region="r1", zone="z1", gpu_model="A100", gpus_total=8
+                    )
+                ],
+            )
+            await jobs.reserve(conn, [("j1", 1, "c1", [("n1", 4)])])
+        assert await ledger.unconfirmed_reservations(db) == {"j1:1": [("n1", 4)]}
+        async with transaction(db) as conn:
+            await jobs.confirm(conn, [("j1", 1)])
+        assert await ledger.unconfirmed_reservations(db) == {}
+    finally:
+        await db.close()
+
+
+async def test_link_events_store_a_lost_links_infinite_rtt_as_null(fresh_database: FreshDatabase) -> None:
+    db = await create_pool(await fresh_database("links"))
+    try:
+        lost = LinkEvent("degraded", "r1", "r2", 1_700_000_000.0, "loss", math.inf, 20.0, 1.0)
+        slow = LinkEvent("degraded", "r2", "r1", 1_700_000_001.0, "rtt", 90.0, 20.0, 0.0)
+        async with transaction(db) as conn:
+            await links.append_link_events(conn, [lost, slow])
+        rows = await db.fetch("SELECT src, rtt_ms FROM net_link_events ORDER BY id")
+        assert [(r["src"], r["rtt_ms"]) for r in rows] == [("r1", None), ("r2", 90.0)]
+        assert await links.load_link_records(db) == []
+    finally:
+        await db.close()
 
 
 def test_map_error_says_whether_a_retry_can_help() -> None:

@@ -7,8 +7,8 @@ import msgspec
 import numpy as np
 import pytest
 
+from loom.model.capacity import NodeCapacity
 from loom.sched.availability import Reservation, WaitBook, expected_wait_s, room_at_s
-from loom.sched.firstfit import NodeCapacity
 from loom.sched.framework import Code, CycleState, Framework
 from loom.sched.plugins.backfill import Backfill, WaitingJobs
 from loom.sched.plugins.compute import PoolFit, ScuFit
@@ -349,7 +349,7 @@ def test_a_run_restored_from_the_store_is_timed_for_the_work_left() -> None:
 
     import msgspec
 
-    from loom.sched.firstfit import NodeCapacity
+    from loom.model.capacity import NodeCapacity
     from loom_proto.jobs import JobSubmitted
     from services.placement.book import run_from_row
 

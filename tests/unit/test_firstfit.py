@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loom.sched.firstfit import CapacityIndex, NodeCapacity, Placement, Unschedulable, place
+from loom.model.capacity import NodeCapacity
+from loom.sched.firstfit import CapacityIndex, Placement, Unschedulable, place
 from loom_proto import JobSpec, Resources, Work
 
 MODELS = ("A100", "V100", "T4")

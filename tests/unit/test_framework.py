@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loom.model.capacity import NodeCapacity
 from loom.model.topology import load_topology
 from loom.sched import pipeline
 from loom.sched.explain import render
-from loom.sched.firstfit import NodeCapacity
 from loom.sched.framework import (
     SUCCESS,
     Candidates,
@@ -850,7 +850,7 @@ def test_a_pipeline_no_site_can_run_is_told_how_many_sites_there_were() -> None:
 
 def test_learned_speed_reaches_the_job_speed_tables_per_family() -> None:
     """A learned factor for (family, model) scales only that family's speeds, and set_learned rebuilds."""
-    from loom.sched.firstfit import NodeCapacity
+    from loom.model.capacity import NodeCapacity
     from loom.sched.snapshot import Snapshot
     from loom_proto.jobs import JobSpec, Work
 

@@ -8,10 +8,10 @@ import msgspec
 import pytest
 
 from loom.errors import InvalidInputError
+from loom.model.capacity import NodeCapacity
 from loom.model.learn import LearnSettings, SpeedLearner
 from loom.model.profiles import relative_speed
 from loom.model.topology import load_topology
-from loom.sched.firstfit import NodeCapacity
 from loom.sched.plugins.cost import default_economics
 from loom.sched.snapshot import ClusterInfo, NetMatrix
 from loom.sim.engine import simulate

@@ -13,9 +13,9 @@ import msgspec
 import numpy as np
 import pytest
 
+from loom.model.capacity import NodeCapacity
 from loom.model.profiles import relative_speed
 from loom.model.topology import load_topology
-from loom.sched.firstfit import NodeCapacity
 from loom.sched.framework import IDLE_PIPELINE_PLAN, Candidates, Code, CycleState, Framework
 from loom.sched.pipeline import Site
 from loom.sched.plugins.compute import ScuFit

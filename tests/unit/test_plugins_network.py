@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loom.sched.firstfit import NodeCapacity
+from loom.model.capacity import NodeCapacity
 from loom.sched.framework import Candidates, Code, CycleState, Framework, Outcome
 from loom.sched.plugins.affinity import Affinity as AffinityPlugin
 from loom.sched.plugins.cost import (

@@ -23,6 +23,8 @@ from loom_proto import subjects as s
 from loom_proto.asyncapi import CHANNELS, document, stale_files
 from loom_proto.codec import MAX_PAYLOAD_BYTES
 from loom_proto.jobs import MAX_GPUS_PER_WORKER
+from loom_proto.net import ProbeSample, RawProbeSample
+from loom_proto.view import ViewQuery
 
 GOOD_IDS = ["a", "Z", "0", "acme", "job-42_b", "A-_-z", "x" * 64]
 BAD_IDS = [
@@ -100,6 +102,7 @@ BUILDERS: dict[str, Callable[[str], str]] = {
     "link_state_src": lambda x: s.link_state(x, "dst"),
     "link_state_dst": lambda x: s.link_state("src", x),
     "alert": s.alert,
+    "service_health": s.service_health,
 }
 
 
@@ -325,7 +328,10 @@ def test_asyncapi_channels_document_headers_and_parameters() -> None:
         assert {"Nats-Msg-Id", "traceparent"} <= set(message["headers"]["properties"])
 
 
-@pytest.mark.parametrize("request_subject", [s.JOBS_QUERY, s.VIEW_QUERY, s.NET_QUERY_PATH, s.NET_QUERY_POINT])
+@pytest.mark.parametrize(
+    "request_subject",
+    [s.JOBS_QUERY, s.VIEW_QUERY, s.NET_QUERY_PATH, s.NET_QUERY_POINT, s.service_health("placement")],
+)
 def test_streams_never_capture_request_reply_subjects(request_subject: str) -> None:
     captured = [(name, subj) for name, subj in STREAM_SUBJECTS if subject_matches(subj, request_subject)]
     assert captured == [], f"{request_subject} would be answered by JetStream with a PubAck"
@@ -361,7 +367,45 @@ def test_built_subjects_land_in_the_expected_streams() -> None:
         assert holders == [stream], f"{subject} held by {holders}"
 
 
+def test_consumer_filters_are_held_by_their_stream() -> None:
+    filters = {
+        **dict.fromkeys(s.job_events_of("placed", "started", "cancelled"), "JOBS"),
+        s.JOBS_PLACED_ALL: "JOBS",
+        s.PROBE_SAMPLES_ALL: "NET",
+        s.LINK_STATES_ALL: "NET",
+        s.NET_TRANSFERS_ALL: "NET",
+        s.NET_EVENTS_ALL: "NET",
+    }
+    for pattern, stream in filters.items():
+        sample = ".".join("x1" if t in ("*", ">") else t for t in pattern.split("."))
+        holders = [name for name, held in STREAM_SUBJECTS if subject_matches(held, sample)]
+        assert holders == [stream], f"{pattern} held by {holders}"
+
+
+def test_job_events_of_refuses_an_unknown_kind() -> None:
+    assert s.job_events_of("placed", "failed") == ["loom.jobs.placed.*", "loom.jobs.failed.*"]
+    with pytest.raises(ValueError, match="unknown job event kinds"):
+        s.job_events_of("placed", "exploded")  # type: ignore[arg-type]
+
+
 def test_stream_and_consumer_names_have_no_dots() -> None:
     for spec in s.STREAMS:
         assert "." not in spec.name
         assert spec.duplicate_window_s > 0
+
+
+def test_raw_probe_sample_reads_every_probe_sample_field_without_its_bounds() -> None:
+    assert RawProbeSample.__struct_fields__ == ProbeSample.__struct_fields__
+    sample = ProbeSample(src="eu", dst="us", probe="udp_echo", seq=3, sent_at=1.0, rtt_ms=12.5)
+    raw = msgspec.json.decode(msgspec.json.encode(sample), type=RawProbeSample)
+    assert msgspec.structs.asdict(raw) == msgspec.structs.asdict(sample)
+    negative = msgspec.json.encode({**msgspec.structs.asdict(sample), "kind": "probe", "rtt_ms": -1.0})
+    assert msgspec.json.decode(negative, type=RawProbeSample).rtt_ms == -1.0
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(negative, type=ProbeSample)
+
+
+def test_view_query_refuses_unknown_filters() -> None:
+    assert msgspec.json.decode(b"{}", type=ViewQuery) == ViewQuery()
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(b'{"regoin": "eu"}', type=ViewQuery)

@@ -468,8 +468,8 @@ def test_an_unprofiled_model_counts_at_the_trust_floor_never_at_the_reference_sp
 
 
 def test_snapshot_job_speeds_read_the_fp16_table_for_a_half_precision_job() -> None:
+    from loom.model.capacity import NodeCapacity
     from loom.model.family import job_family
-    from loom.sched.firstfit import NodeCapacity
     from loom.sched.snapshot import Snapshot, job_precision
     from loom.sim.engine import platform_from_topology
 

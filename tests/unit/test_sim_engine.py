@@ -12,9 +12,9 @@ import dataclasses
 import numpy as np
 import pytest
 
+from loom.model.capacity import NodeCapacity
 from loom.model.profiles import relative_speed
 from loom.model.topology import load_topology
-from loom.sched.firstfit import NodeCapacity
 from loom.sched.framework import Outcome, QueueItem
 from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.network import INTRA_CLUSTER_GBPS, INTRA_CLUSTER_RTT_MS

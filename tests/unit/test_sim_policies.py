@@ -3,8 +3,8 @@ oracle (Loom knowing the truth)."""
 
 import pytest
 
+from loom.model.capacity import NodeCapacity
 from loom.model.profiles import relative_speed
-from loom.sched.firstfit import NodeCapacity
 from loom.sched.framework import QueueItem
 from loom.sched.plugins.cost import default_economics
 from loom.sched.snapshot import ClusterInfo, NetMatrix, Snapshot

@@ -11,8 +11,8 @@ from typing import Any
 import msgspec
 import pytest
 
+from loom.model.capacity import NodeCapacity
 from loom.model.topology import load_topology
-from loom.sched.firstfit import NodeCapacity
 from loom.sched.plugins.cost import default_economics
 from loom.sched.snapshot import ClusterInfo, NetMatrix
 from loom.sim.engine import simulate

@@ -49,6 +49,7 @@ from nats.js.kv import KeyValue
 
 from loom.bus.connection import BusError
 from loom_proto.ids import InvalidIdError, validate_id
+from loom_proto.lease import LeaseValue
 
 LEASE_BUCKET = "loom_leases"
 _WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code for "wrong last sequence"
@@ -60,13 +61,6 @@ class LeaseError(BusError):
     """The lease cannot work as configured (bad shard, a bucket with another TTL). Not retryable."""
 
     non_retryable = True
-
-
-class LeaseValue(msgspec.Struct, frozen=True):
-    """What the key holds: who leads, and a term id that tells this acquisition from any other."""
-
-    holder: str
-    term: str
 
 
 # Errors that say "NATS did not answer this time", after which the next try may work.

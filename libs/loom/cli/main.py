@@ -94,7 +94,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _run_health(nats_url: str, names: list[str]) -> dict[str, dict[str, Any]]:
-    from loom.runtime.service import health_subject
+    from loom_proto import subjects
 
     async def ask() -> dict[str, dict[str, Any]]:
         client = await LoomClient.connect(nats_url, name="loom-status")
@@ -102,7 +102,7 @@ def _run_health(nats_url: str, names: list[str]) -> dict[str, dict[str, Any]]:
         try:
             for name in names:
                 try:
-                    reply = await client.nc.request(health_subject(name), b"", timeout=1.0)
+                    reply = await client.nc.request(subjects.service_health(name), b"", timeout=1.0)
                     out[name] = json.loads(reply.data)
                 except Exception:  # no answer is what we report
                     continue

@@ -16,6 +16,7 @@ from loom.errors import InvalidInputError, LoomError
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
 from loom_proto.jobs import JobEvent, JobSpec, JobSubmitted
+from loom_proto.view import ViewQuery
 
 
 class SpecError(InvalidInputError):
@@ -136,14 +137,15 @@ class LoomClient:
         timeout_s: float = 5.0,
     ) -> dict[str, Any]:
         """The resource tree: region -> zone -> cluster -> node, filtered."""
-        request = {
-            "region": region,
-            "zone": zone,
-            "gpu_model": gpu_model,
-            "min_free_gpus": min_free_gpus,
-            "fresh_only": fresh_only,
-            "nodes": nodes,
-        }
+        query = ViewQuery(
+            region=region,
+            zone=zone,
+            gpu_model=gpu_model,
+            min_free_gpus=min_free_gpus,
+            fresh_only=fresh_only,
+            nodes=nodes,
+        )
+        request = msgspec.structs.asdict(query)
         result: dict[str, Any] = await self._query(subjects.VIEW_QUERY, request, timeout_s)
         return result
 
@@ -204,7 +206,7 @@ class LoomClient:
         if tenant is not None:
             subjects.job_submitted(tenant)  # validates the id
         # One subscription for all kinds: placed events are keyed by cluster, the rest by tenant.
-        sub = await self.nc.subscribe("loom.jobs.*.*")
+        sub = await self.nc.subscribe(subjects.JOBS_LIFECYCLE_ALL)
         try:
             async for msg in sub.messages:
                 try:

@@ -102,6 +102,31 @@ class Applied:
     node_errors: tuple[str, ...] = ()
 
 
+def _refresh(owner: LedgerNode, n: NodeState) -> bool:
+    """Update a known node in place from its report; whether anything changed.
+
+    In place: a 1,000-node delta must not allocate 1,000 new entries.
+    """
+    if (
+        owner.gpus_used == n.gpus_used
+        and owner.healthy == n.healthy
+        and owner.gpus_total == n.gpus_total
+        and owner.gpu_model == n.gpu_model
+        and owner.zone == n.zone
+        and owner.cpu_milli == n.cpu_milli
+        and owner.memory_mib == n.memory_mib
+    ):
+        return False
+    owner.zone = sys.intern(n.zone)
+    owner.gpu_model = sys.intern(n.gpu_model) if n.gpu_model else None
+    owner.gpus_total = n.gpus_total
+    owner.gpus_used = n.gpus_used
+    owner.cpu_milli = n.cpu_milli
+    owner.memory_mib = n.memory_mib
+    owner.healthy = n.healthy
+    return True
+
+
 def _node_error(n: NodeState) -> str | None:
     if n.gpus_used > n.gpus_total:
         return f"node {n.node}: {n.gpus_used} GPUs used of {n.gpus_total}"
@@ -129,27 +154,10 @@ class Ledger:
 
     def apply(self, hb: ClusterHeartbeat, now: float) -> Applied:
         """Fold one heartbeat in; ``now`` is the receiver's clock."""
-        if hb.sent_at > now + MAX_CLOCK_SKEW_S:
-            self.refused["clock_in_future"] += 1
-            return Applied(None, f"sent_at is {hb.sent_at - now:.0f}s in the future")
-        cluster = self.clusters.get(hb.cluster)
-        if cluster is None:
-            cluster = LedgerCluster(cluster=hb.cluster, region=hb.region)
-            self.clusters[hb.cluster] = cluster
-        elif cluster.region != hb.region:
-            self.refused["region_changed"] += 1
-            return Applied(None, f"cluster {hb.cluster} is in {cluster.region}, heartbeat says {hb.region}")
-        if (hb.agent_epoch, hb.seq) <= (cluster.agent_epoch, cluster.last_seq):
-            self.refused["out_of_order"] += 1
-            return Applied(
-                None,
-                f"heartbeat ({hb.agent_epoch}, {hb.seq}) is not newer than "
-                f"({cluster.agent_epoch}, {cluster.last_seq})",
-            )
-        if hb.agent_epoch != cluster.agent_epoch and not hb.full and cluster.last_seq != 0:
-            # A restarted agent's first deltas cannot be trusted against the old run's state.
-            self.refused["delta_from_new_epoch"] += 1
-            return Applied(None, "first heartbeat of a new agent run must be a full snapshot")
+        admitted = self._admit(hb, now)
+        if isinstance(admitted, Applied):
+            return admitted
+        cluster = admitted
         # A full snapshot is re-published whole only when readers need the whole list: the
         # cluster is new or its agent restarted. Otherwise only what changed goes out.
         republish_all = hb.full and (cluster.last_seq == 0 or hb.agent_epoch != cluster.agent_epoch)
@@ -162,48 +170,12 @@ class Ledger:
         errors: list[str] = []
         for n in hb.nodes:
             owner = self.nodes.get(n.node)
-            if owner is not None and owner.cluster != hb.cluster:
-                self.refused["node_of_other_cluster"] += 1
-                errors.append(f"node {n.node} belongs to {owner.cluster}")
-                continue
-            problem = _node_error(n)
+            problem = self._node_refusal(n, owner, hb.cluster)
             if problem is not None:
-                self.refused["impossible_node"] += 1
                 errors.append(problem)
                 continue
-            if (
-                self.known_models is not None
-                and n.gpu_model
-                and n.gpu_model not in self.known_models
-                and n.gpu_model not in self.published_models.get(hb.cluster, frozenset())
-            ):
-                # Refused, not guessed: an unprofiled GPU counted at the reference's speed would
-                # attract jobs on a promise nobody made.
-                self.refused["unknown_gpu_model"] += 1
-                errors.append(
-                    f"node {n.node}: GPU model {n.gpu_model!r} has no library profile and cluster "
-                    f"{hb.cluster} published no calibrated one; run `loom calibrate` on a node of "
-                    "this model and publish its profile, or name a known model"
-                )
-                continue
             if owner is not None:
-                # Updated in place: a 1,000-node delta must not allocate 1,000 new entries.
-                if (
-                    owner.gpus_used != n.gpus_used
-                    or owner.healthy != n.healthy
-                    or owner.gpus_total != n.gpus_total
-                    or owner.gpu_model != n.gpu_model
-                    or owner.zone != n.zone
-                    or owner.cpu_milli != n.cpu_milli
-                    or owner.memory_mib != n.memory_mib
-                ):
-                    owner.zone = sys.intern(n.zone)
-                    owner.gpu_model = sys.intern(n.gpu_model) if n.gpu_model else None
-                    owner.gpus_total = n.gpus_total
-                    owner.gpus_used = n.gpus_used
-                    owner.cpu_milli = n.cpu_milli
-                    owner.memory_mib = n.memory_mib
-                    owner.healthy = n.healthy
+                if _refresh(owner, n):
                     changed.append(owner)
                 owner.updated_at = now
                 continue
@@ -243,6 +215,56 @@ class Ledger:
         )
         self.dirty_regions.add(cluster.region)
         return Applied(change, None, tuple(errors))
+
+    def _admit(self, hb: ClusterHeartbeat, now: float) -> LedgerCluster | Applied:
+        """The heartbeat's cluster (created when new), or the refusal of the whole heartbeat."""
+        if hb.sent_at > now + MAX_CLOCK_SKEW_S:
+            self.refused["clock_in_future"] += 1
+            return Applied(None, f"sent_at is {hb.sent_at - now:.0f}s in the future")
+        cluster = self.clusters.get(hb.cluster)
+        if cluster is None:
+            cluster = LedgerCluster(cluster=hb.cluster, region=hb.region)
+            self.clusters[hb.cluster] = cluster
+        elif cluster.region != hb.region:
+            self.refused["region_changed"] += 1
+            return Applied(None, f"cluster {hb.cluster} is in {cluster.region}, heartbeat says {hb.region}")
+        if (hb.agent_epoch, hb.seq) <= (cluster.agent_epoch, cluster.last_seq):
+            self.refused["out_of_order"] += 1
+            return Applied(
+                None,
+                f"heartbeat ({hb.agent_epoch}, {hb.seq}) is not newer than "
+                f"({cluster.agent_epoch}, {cluster.last_seq})",
+            )
+        if hb.agent_epoch != cluster.agent_epoch and not hb.full and cluster.last_seq != 0:
+            # A restarted agent's first deltas cannot be trusted against the old run's state.
+            self.refused["delta_from_new_epoch"] += 1
+            return Applied(None, "first heartbeat of a new agent run must be a full snapshot")
+        return cluster
+
+    def _node_refusal(self, n: NodeState, owner: LedgerNode | None, cluster_id: str) -> str | None:
+        """Why one reported node is refused (counted under its reason), or None when it is taken."""
+        if owner is not None and owner.cluster != cluster_id:
+            self.refused["node_of_other_cluster"] += 1
+            return f"node {n.node} belongs to {owner.cluster}"
+        problem = _node_error(n)
+        if problem is not None:
+            self.refused["impossible_node"] += 1
+            return problem
+        if (
+            self.known_models is not None
+            and n.gpu_model
+            and n.gpu_model not in self.known_models
+            and n.gpu_model not in self.published_models.get(cluster_id, frozenset())
+        ):
+            # Refused, not guessed: an unprofiled GPU counted at the reference's speed would
+            # attract jobs on a promise nobody made.
+            self.refused["unknown_gpu_model"] += 1
+            return (
+                f"node {n.node}: GPU model {n.gpu_model!r} has no library profile and cluster "
+                f"{cluster_id} published no calibrated one; run `loom calibrate` on a node of "
+                "this model and publish its profile, or name a known model"
+            )
+        return None
 
     def expire(self, now: float) -> list[Change]:
         """Mark clusters that missed their heartbeats stale; one change per newly stale cluster."""

@@ -13,7 +13,7 @@ import functools
 import importlib.resources
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -183,9 +183,16 @@ def validate_topology(topology: Topology) -> None:
     ordered (min <= mean <= max), and a node has a GPU model exactly when it has GPUs.
     """
     _check_id(topology.name, "topology name")
+    zones_by_region = _check_regions(topology.regions)
+    _check_links(topology.links, zones_by_region)
+    _check_clusters(topology.clusters, zones_by_region)
+
+
+def _check_regions(regions: Sequence[Region]) -> dict[str, set[str]]:
+    """Region and zone ids valid and unique, every region with a zone; returns the zones by region."""
     zones_by_region: dict[str, set[str]] = {}
     seen_zones: dict[str, str] = {}
-    for region in topology.regions:
+    for region in regions:
         _check_id(region.id, "region id")
         _check_id(region.provider, "provider", f" of region {region.id!r}")
         if region.id in zones_by_region:
@@ -200,9 +207,13 @@ def validate_topology(topology: Topology) -> None:
                 )
             seen_zones[zone] = region.id
         zones_by_region[region.id] = set(region.zones)
+    return zones_by_region
 
+
+def _check_links(links: Sequence[Link], zones_by_region: Mapping[str, set[str]]) -> None:
+    """Links join two distinct declared regions once per direction, with ordered, non-negative figures."""
     seen_links: set[tuple[str, str]] = set()
-    for link in topology.links:
+    for link in links:
         name = f"link {link.src!r} -> {link.dst!r}"
         for end in (link.src, link.dst):
             if end not in zones_by_region:
@@ -226,9 +237,12 @@ def validate_topology(topology: Topology) -> None:
                 f"{link.rtt_min_ms} <= {link.rtt_ms} <= {link.rtt_max_ms}"
             )
 
+
+def _check_clusters(clusters: Sequence[Cluster], zones_by_region: Mapping[str, set[str]]) -> None:
+    """Cluster and node ids valid and unique; clusters in a declared zone; nodes' figures consistent."""
     seen_clusters: set[str] = set()
     seen_nodes: dict[str, str] = {}
-    for cluster in topology.clusters:
+    for cluster in clusters:
         _check_id(cluster.id, "cluster id")
         if cluster.id in seen_clusters:
             raise TopologyError(f"duplicate cluster id {cluster.id!r}")

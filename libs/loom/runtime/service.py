@@ -24,8 +24,7 @@ from loom.bus import Publisher, connect, ensure_streams
 from loom.runtime.config import endpoints
 from loom.store.pool import create_pool
 from loom.telemetry import setup_telemetry, shutdown_telemetry
-
-HEALTH_PREFIX = "loom.health"
+from loom_proto import subjects
 
 
 @dataclass
@@ -45,11 +44,6 @@ class ServiceContext:
         """The pool; only for services started with ``needs_db``."""
         assert self.pool is not None, f"{self.name} was started without a database"
         return self.pool
-
-
-def health_subject(instance: str) -> str:
-    """Request-reply subject a service instance answers health checks on."""
-    return f"{HEALTH_PREFIX}.{instance}"
 
 
 async def open_context(
@@ -72,7 +66,7 @@ async def open_context(
         }
         await msg.respond(msgspec.json.encode(reply))
 
-    await nc.subscribe(health_subject(name), cb=on_health)
+    await nc.subscribe(subjects.service_health(name), cb=on_health)
     return ctx
 
 

@@ -27,8 +27,8 @@ from loom.bus import connect, ensure_streams
 from loom.model.topology import load_topology
 from loom.runtime.config import ENV_DATABASE_URL, ENV_HOME, ENV_NATS_URL, loom_home, stack_file
 from loom.runtime.servers import NatsServer, PostgresServer
-from loom.runtime.service import health_subject
 from loom.store.migrations import migrate_url
+from loom_proto import subjects
 
 _PR_SET_PDEATHSIG = 1
 
@@ -162,7 +162,7 @@ async def wait_healthy(nats_url: str, names: list[str], timeout_s: float) -> lis
         while pending and time.monotonic() < deadline:
             for name in list(pending):
                 try:
-                    await nc.request(health_subject(name), b"", timeout=0.5)
+                    await nc.request(subjects.service_health(name), b"", timeout=0.5)
                 except Exception:  # not up yet
                     continue
                 pending.remove(name)

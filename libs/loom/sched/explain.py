@@ -40,28 +40,42 @@ def render(record: DecisionRecord, *, limit: int = 10) -> list[str]:
     if record.outcome != "placed":
         verb = "was rejected" if record.outcome == "rejected" else "is waiting"
         lines.append(f"Job {record.job_id} {verb}: {record.reason}.")
-    by_key = {(c.cluster, c.gpu_model): c for c in record.candidates}
     ranked = sorted(record.candidates, key=lambda c: (-c.total, c.cluster, c.gpu_model))
     winner: CandidateRecord | None = None
     if record.outcome == "placed" and record.chosen:
         winner = next((c for c in ranked if c.cluster == record.chosen[0]), None)
-        lines.append(f"Job {record.job_id}: {record.reason}.")
-        if winner is not None:
-            best = sorted(winner.scores.items(), key=lambda kv: -record.weights.get(kv[0], 1.0) * kv[1])[:3]
-            carried = ", ".join(
-                f"{_words(p)} {s:.0f}/100 (weight {record.weights.get(p, 1.0):g})" for p, s in best
-            )
-            lines.append(
-                f"Why {winner.cluster} ({winner.gpu_model}): total {winner.total:.1f}, the best of"
-                f" {len(record.candidates)} candidate(s); it scored {carried}."
-            )
-        if len(record.chosen) > 1:
-            lines.append(f"The job spans {len(record.chosen)} clusters: {', '.join(record.chosen)}.")
+        lines += _why_here(record, winner)
     for note in record.notes:
         lines.append(f"Note: {note}.")
     if record.victims:
         lines.append(f"Preempted to make room: {', '.join(record.victims)}.")
-    reference = winner or (ranked[0] if ranked else None)
+    lines += _why_not_there(record, ranked, winner or (ranked[0] if ranked else None), limit)
+    lines += _ruled_out(record, limit)
+    return lines
+
+
+def _why_here(record: DecisionRecord, winner: CandidateRecord | None) -> list[str]:
+    """Where a placed job went, and the plugins that carried the chosen candidate."""
+    lines = [f"Job {record.job_id}: {record.reason}."]
+    if winner is not None:
+        best = sorted(winner.scores.items(), key=lambda kv: -record.weights.get(kv[0], 1.0) * kv[1])[:3]
+        carried = ", ".join(
+            f"{_words(p)} {s:.0f}/100 (weight {record.weights.get(p, 1.0):g})" for p, s in best
+        )
+        lines.append(
+            f"Why {winner.cluster} ({winner.gpu_model}): total {winner.total:.1f}, the best of"
+            f" {len(record.candidates)} candidate(s); it scored {carried}."
+        )
+    if len(record.chosen) > 1:
+        lines.append(f"The job spans {len(record.chosen)} clusters: {', '.join(record.chosen)}.")
+    return lines
+
+
+def _why_not_there(
+    record: DecisionRecord, ranked: list[CandidateRecord], reference: CandidateRecord | None, limit: int
+) -> list[str]:
+    """For each other candidate (at most ``limit``), the plugins it lost most on against ``reference``."""
+    lines: list[str] = []
     shown = 0
     for cand in ranked:
         if reference is not None and cand is reference:
@@ -89,11 +103,18 @@ def render(record: DecisionRecord, *, limit: int = 10) -> list[str]:
                 f"Why not {cand.cluster} ({cand.gpu_model}): total {cand.total:.1f}, tied or behind only by"
                 " the deterministic tie-break (cluster id)."
             )
+    return lines
+
+
+def _ruled_out(record: DecisionRecord, limit: int) -> list[str]:
+    """Clusters pruned before scoring (at most ``limit``) that are not also candidates, and why."""
+    candidates = {c.cluster for c in record.candidates}
     pruned = sorted(record.pruned.items())
-    for cluster, reason in pruned[:limit]:
-        if any(k[0] == cluster for k in by_key):
-            continue
-        lines.append(f"Why not {cluster}: ruled out; {reason}.")
+    lines = [
+        f"Why not {cluster}: ruled out; {reason}."
+        for cluster, reason in pruned[:limit]
+        if cluster not in candidates
+    ]
     if len(pruned) > limit:
         lines.append(f"... and {len(pruned) - limit} more cluster(s) ruled out.")
     return lines

@@ -8,32 +8,8 @@ waiting can help and what the submitter could change.
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from loom.model.capacity import NodeCapacity
 from loom_proto.jobs import JobSpec
-
-
-@dataclass(frozen=True, slots=True)
-class NodeCapacity:
-    """What placement knows about one node: where it is, its GPUs, and how many are promised."""
-
-    node: str
-    cluster: str
-    region: str
-    zone: str
-    gpu_model: str | None
-    gpus_total: int
-    gpus_reserved: int = 0
-    schedulable: bool = True
-    cpu_milli: int = 0
-    """CPU of the node (0: not reported, not checked)."""
-    memory_mib: int = 0
-    """RAM of the node (0: not reported, not checked)."""
-    cpu_reserved: int = 0
-    memory_reserved: int = 0
-
-    @property
-    def gpus_free(self) -> int:
-        """GPUs not yet promised; 0 when the node takes no new work."""
-        return max(self.gpus_total - self.gpus_reserved, 0) if self.schedulable else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -599,7 +599,8 @@ class Framework:
             submitted_at=submitted_at,
         )
 
-    def schedule(
+    # PLR0912: the extension points in order, each may end the cycle.
+    def schedule(  # noqa: PLR0912
         self,
         job: JobSpec,
         snap: Snapshot,
@@ -1167,7 +1168,8 @@ class Framework:
             allocations=tuple(allocations),
         )
 
-    def finish(
+    # PLR0912: reserve, permit, bind in order; every refusal unreserves.
+    def finish(  # noqa: PLR0912
         self, state: CycleState, decision: Decision, record: DecisionRecord, *, apply: bool
     ) -> Outcome:
         """Reserve, permit and bind a chosen decision; on any refusal, unreserve what was reserved."""

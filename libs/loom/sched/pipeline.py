@@ -446,7 +446,8 @@ def _heads(ordered: _I64) -> _I64:
     return np.flatnonzero(head)
 
 
-def _stages_needed(prob: _Problem, bounds: _F64, max_stages: int) -> _I64:
+# PLR0915: one vectorised search over arrays built here.
+def _stages_needed(prob: _Problem, bounds: _F64, max_stages: int) -> _I64:  # noqa: PLR0915
     """For each bound, the fewest stages of a plan whose every compute and transfer is within it (0: none).
 
     The exact feasibility check, for several bounds at once. One row per (bound, sites used, site of
@@ -597,7 +598,8 @@ def _dominated(seen: _U64, masks: _I64, current: _I64, first: _I64, bits: _I64) 
     return hit
 
 
-def _cheapest(prob: _Problem, bound: float, stages: int) -> list[tuple[int, int, int]]:
+# PLR0915: one dynamic program over arrays built here.
+def _cheapest(prob: _Problem, bound: float, stages: int) -> list[tuple[int, int, int]]:  # noqa: PLR0915
     """The plan of exactly ``stages`` stages within ``bound`` whose stage times sum least.
 
     Returns (site index, first layer, last layer) per stage; the caller knows such a plan exists.

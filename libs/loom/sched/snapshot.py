@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from loom.model.capacity import NodeCapacity
 from loom.model.family import HasLabels, is_half_precision, job_family
 from loom.model.scu import Precision
 from loom.model.topology import Topology
-from loom.sched.firstfit import NodeCapacity
 from loom.sched.quota import QuotaBook
 
 IntArray = npt.NDArray[np.int64]
@@ -205,7 +205,8 @@ def job_precision(job: HasLabels) -> Precision:
 class Snapshot:
     """Nodes as arrays sorted by cluster, their clusters, what runs where, the network and prices."""
 
-    def __init__(
+    # PLR0915: the cycle's arrays, built in one pass over the nodes.
+    def __init__(  # noqa: PLR0915
         self,
         nodes: Iterable[NodeCapacity],
         *,

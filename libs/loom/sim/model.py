@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from loom.sched.firstfit import NodeCapacity
+from loom.model.capacity import NodeCapacity
 from loom.sched.framework import Outcome, QueueItem
 from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, Snapshot
 from loom_proto.jobs import JobSpec

@@ -589,26 +589,8 @@ def parse_truth(document: Any, where: str = "<document>") -> Truth:
     aliases_raw = document.get("aliases", {})
     if not isinstance(aliases_raw, dict) or not all(isinstance(v, str) for v in aliases_raw.values()):
         raise _fail(where, "'aliases' must map family names to family names")
-    gpu_raw = document.get("gpu_aliases", {})
-    if not isinstance(gpu_raw, dict):
-        raise _fail(where, "'gpu_aliases' must be an object")
-    gpu_aliases: dict[str, str] = {}
-    for name, value in gpu_raw.items():
-        target = value.get("gpu") if isinstance(value, dict) else value
-        if not isinstance(target, str) or not target:
-            raise _fail(where, f"gpu_aliases[{name!r}] must name a GPU model (a string or {{'gpu': ...}})")
-        gpu_aliases[name] = target
-    noise = document.get("noise", {})
-    if not isinstance(noise, dict):
-        raise _fail(where, "'noise' must be an object")
-    cv = noise.get("cv", 0.0)
-    by_family = noise.get("by_family", {})
-    if not isinstance(cv, int | float) or not 0 <= cv < 1:
-        raise _fail(where, f"noise.cv must be a number in [0, 1), got {cv!r}")
-    if not isinstance(by_family, dict) or not all(
-        isinstance(v, int | float) and 0 <= v < 1 for v in by_family.values()
-    ):
-        raise _fail(where, "noise.by_family must map families to numbers in [0, 1)")
+    gpu_aliases = _gpu_aliases_of(document.get("gpu_aliases", {}), where)
+    cv, by_family = _noise_of(document.get("noise", {}), where)
     ref = reference.upper()
     have_ref = {
         (c.family, c.precision, c.series)
@@ -622,11 +604,39 @@ def parse_truth(document: Any, where: str = "<document>") -> Truth:
         families=families,
         aliases={fold_family(k): fold_family(v) for k, v in aliases_raw.items()},
         gpu_aliases=gpu_aliases,
-        noise_cv=float(cv),
-        noise_by_family={fold_family(k): float(v) for k, v in by_family.items()},
+        noise_cv=cv,
+        noise_by_family=by_family,
         reference_gpu=reference,
         source=where,
     )
+
+
+def _gpu_aliases_of(gpu_raw: Any, where: str) -> dict[str, str]:
+    """The ``gpu_aliases`` object: each name maps to a GPU model (a string or ``{"gpu": ...}``)."""
+    if not isinstance(gpu_raw, dict):
+        raise _fail(where, "'gpu_aliases' must be an object")
+    gpu_aliases: dict[str, str] = {}
+    for name, value in gpu_raw.items():
+        target = value.get("gpu") if isinstance(value, dict) else value
+        if not isinstance(target, str) or not target:
+            raise _fail(where, f"gpu_aliases[{name!r}] must name a GPU model (a string or {{'gpu': ...}})")
+        gpu_aliases[name] = target
+    return gpu_aliases
+
+
+def _noise_of(noise: Any, where: str) -> tuple[float, dict[str, float]]:
+    """The ``noise`` object: its ``cv`` and its ``by_family`` (folded family names), each in [0, 1)."""
+    if not isinstance(noise, dict):
+        raise _fail(where, "'noise' must be an object")
+    cv = noise.get("cv", 0.0)
+    by_family = noise.get("by_family", {})
+    if not isinstance(cv, int | float) or not 0 <= cv < 1:
+        raise _fail(where, f"noise.cv must be a number in [0, 1), got {cv!r}")
+    if not isinstance(by_family, dict) or not all(
+        isinstance(v, int | float) and 0 <= v < 1 for v in by_family.values()
+    ):
+        raise _fail(where, "noise.by_family must map families to numbers in [0, 1)")
+    return float(cv), {fold_family(k): float(v) for k, v in by_family.items()}
 
 
 def dump_truth(truth: Truth) -> dict[str, Any]:

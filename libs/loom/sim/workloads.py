@@ -452,6 +452,24 @@ def _slowest_speed(models: Sequence[str], task_type: TaskType) -> float:
     return min(speeds) if speeds else relative_speed(DEFAULT_REFERENCE_MODEL, task_type)
 
 
+def _usable_tasks(tasks: Iterable[_Task], start_s: float, counts: Counter[str]) -> list[tuple[_Task, float]]:
+    """The GPU tasks that ran and were created from ``start_s`` on, with their durations; ``counts``
+    takes one count per skipped task, under its reason."""
+    usable: list[tuple[_Task, float]] = []
+    for task in tasks:
+        if task.num_gpu == 0 and task.gpu_milli == 0:
+            counts["cpu_only"] += 1
+        elif task.scheduled_s is None:
+            counts["never_scheduled"] += 1
+        elif (duration := _duration(task)) is None or task.creation_s is None:
+            counts["no_duration"] += 1
+        elif task.creation_s < start_s:
+            counts["before_start"] += 1
+        else:
+            usable.append((task, duration))
+    return usable
+
+
 def load_alibaba(
     path: str | Path | None = None,
     *,
@@ -518,18 +536,7 @@ def load_alibaba(
     if not timed:
         tasks, resampled = _join_times(tasks, times_path, path, rng)
     counts: Counter[str] = Counter()
-    usable: list[tuple[_Task, float]] = []
-    for task in tasks:
-        if task.num_gpu == 0 and task.gpu_milli == 0:
-            counts["cpu_only"] += 1
-        elif task.scheduled_s is None:
-            counts["never_scheduled"] += 1
-        elif (duration := _duration(task)) is None or task.creation_s is None:
-            counts["no_duration"] += 1
-        elif task.creation_s < start_s:
-            counts["before_start"] += 1
-        else:
-            usable.append((task, duration))
+    usable = _usable_tasks(tasks, start_s, counts)
     usable.sort(key=lambda td: (td[0].creation_s or 0.0, td[0].line))
     if limit is not None:
         counts["beyond_limit"] = max(len(usable) - limit, 0)

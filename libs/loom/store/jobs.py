@@ -12,7 +12,7 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from loom.sched.firstfit import NodeCapacity
+from loom.model.capacity import NodeCapacity
 from loom.store.pool import ConflictError
 
 

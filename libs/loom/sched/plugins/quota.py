@@ -161,7 +161,8 @@ class Preempt:
 
     name = "preemption"
 
-    def post_filter(self, state: CycleState, framework: Framework) -> Decision | None:
+    # PLR0915: victim choice and the plan it implies, in one pass.
+    def post_filter(self, state: CycleState, framework: Framework) -> Decision | None:  # noqa: PLR0915
         snap = state.snapshot
         job = state.job
         if not snap.running or job.pipeline is not None:

@@ -1,0 +1,44 @@
+"""Placement's book adopts link-state events: forecast first, else the median RTT; a stale link doubles it."""
+
+from loom_proto.net import LinkState
+from loom_services.placement.book import Book
+
+
+def link(*, forecast: float | None = None, stale: bool = False) -> LinkState:
+    return LinkState(
+        src="eu",
+        dst="us",
+        rtt_ms_p50=80.0,
+        rtt_ms_p95=95.0,
+        rtt_ms_p99=120.0,
+        jitter_ms=2.0,
+        loss_rate=0.0,
+        bandwidth_gbps=10.0,
+        rtt_ms_forecast=forecast,
+        cost=1.0,
+        stale=stale,
+        updated_at=1_700_000_000.0,
+    )
+
+
+def rtt_ms(book: Book) -> float:
+    return float(book.net.rtt_ms[book.net.index["eu"], book.net.index["us"]])
+
+
+def test_a_link_without_a_forecast_is_adopted_at_its_median_rtt() -> None:
+    book = Book()
+    book.on_link(link())
+    assert rtt_ms(book) == 80.0
+
+
+def test_a_forecast_takes_precedence_over_the_median() -> None:
+    book = Book()
+    book.on_link(link(forecast=60.0))
+    assert rtt_ms(book) == 60.0
+
+
+def test_a_stale_link_is_taken_at_twice_its_median_and_marked_degraded() -> None:
+    book = Book()
+    book.on_link(link(forecast=60.0, stale=True))
+    assert rtt_ms(book) == 160.0
+    assert bool(book.net.degraded[book.net.index["eu"], book.net.index["us"]])
