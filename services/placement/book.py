@@ -39,6 +39,8 @@ class QueuedJob:
     """Cycles that found no room (backoff grows with it)."""
     not_before: float = 0.0
     """Monotonic time before which a cycle does not retry it (unless capacity changed)."""
+    fair_share: float | None = None
+    """Its tenant's share of its quota when it was first queued (its place in the queue)."""
 
     @property
     def context(self) -> Context:

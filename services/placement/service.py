@@ -45,7 +45,15 @@ from loom.model.topology import Topology
 from loom.runtime.leader import Leadership, lead
 from loom.runtime.service import ServiceContext
 from loom.sched import dag
-from loom.sched.cycle import CycleResult, CycleSettings, Grown, expiry_avoid, retry_after_failure, run_cycle
+from loom.sched.cycle import (
+    CycleResult,
+    CycleSettings,
+    Grown,
+    expiry_avoid,
+    fair_share_of,
+    retry_after_failure,
+    run_cycle,
+)
 from loom.sched.framework import Decision, Framework
 from loom.sched.plugins.network import AlphaLearner
 from loom.sched.profile import build_framework
@@ -578,6 +586,9 @@ class PlacementService:
         """The cycle itself, in memory: the kept snapshot at ``now`` (wall seconds), the learned
         speeds (optimistic ones on an exploring cycle), and :func:`~loom.sched.cycle.run_cycle`."""
         snap = self.book.snapshot(now)
+        for q in jobs:
+            if q.fair_share is None:
+                q.fair_share = fair_share_of(snap, q.job.tenant)
         if self.learner.settings.explore_share > 0:
             # Optimistic factors for this cycle only when the exploration budget allows.
             offered = self.learner.factors(explore=True)

@@ -5,12 +5,14 @@ small packaged platform. The same events (each arrival, and each completion at t
 simulator ended the run) are then fed to a :class:`PlacementService` the way its handlers feed it:
 a completion drops the run from the book (``on_lifecycle``), a cycle runs over the new jobs and
 every queued job after capacity changed, with growth once nothing waits (``_requeue_cycle``), and
-the result is adopted by the service's own ``_commit``. Only the store and the bus are left out
+the result is adopted by the service's own ``_commit`` (a preempted run queued again as its next
+attempt, as ``_give_up`` does). Only the store and the bus are left out
 (the service's ``_decide`` is the in-memory half of its ``_schedule``; what ``_shrink`` and
 ``_grow`` write is mirrored in memory). Every job must start at the same time, on the same
 clusters and GPU model, and end with the same GPUs; rejections must match.
 """
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -46,13 +48,11 @@ def traces(draw: Any) -> list[SimJob]:
         t += draw(st.sampled_from([0.5, 1.0, 30.0, 120.0, 600.0]))
         gpus = draw(st.sampled_from([1, 1, 2, 4, 8]))
         workers = draw(st.sampled_from([1, 1, 2, 3, 4]))
-        elastic = False  # elastic arrivals: see the note at the top (a known difference)
+        elastic = workers > 1 and draw(st.booleans())
         spec = JobSpec(
             job_id=f"j{i:03d}",
-            # One tenant: the service orders a cycle by fair share (GPUs each tenant holds at that
-            # cycle), the simulator by the share when the job arrived (always 0): with one
-            # tenant both orders are the same. Several tenants' order is a known difference.
-            tenant="a",
+            tenant=draw(st.sampled_from(["a", "b", "c"])),
+            priority=draw(st.sampled_from([100, 100, 100, 200])),
             task_type=draw(st.sampled_from(TASKS)),
             resources=Resources(gpus=gpus),
             workers=workers,
@@ -96,16 +96,26 @@ def replay(svc: PlacementService, jobs: list[SimJob], ends: dict[str, float]) ->
         considered = fresh + queued
         result = svc._decide(considered, now=t, grow=changed)
         applied = Applied(cycle=result, at=t)
+        for pre in result.preempted:
+            # What _give_up does in memory: the victim is queued again as its next attempt.
+            run = svc.book.runs[pre.job_id]
+            again = dataclasses.replace(run.queued, attempt=run.attempt + 1, tries=0)
+            applied.requeued.append((run, again, "preempted"))
         for s in result.shrunk:
             cluster, model, _ = svc.book.runs[s.job_id].parts[0]
             applied.shrunk.append((s.job_id, [(cluster, model, s.allocations)], s.workers))
         for g in result.grown:
             applied.grown.append((g.job_id, [(g.cluster, g.gpu_model, g.allocations)], g.workers))
-        assert not result.preempted  # one priority: nothing to preempt
         svc._commit(applied, considered)
         for p in result.placed:
             d = p.decision
-            got[p.pending.job.job_id] = (t, tuple(part.cluster for part in d.parts), d.lead.gpu_model, None)
+            first = got.get(p.pending.job.job_id, (t,))[0]  # a requeued job keeps its first start
+            got[p.pending.job.job_id] = (
+                first,
+                tuple(part.cluster for part in d.parts),
+                d.lead.gpu_model,
+                None,
+            )
         for r in result.rejected:
             got[r.pending.job.job_id] = ("rejected",)
     for job_id, run in svc.book.runs.items():
@@ -113,7 +123,7 @@ def replay(svc: PlacementService, jobs: list[SimJob], ends: dict[str, float]) ->
     return got
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces())
 def test_the_service_decides_what_the_simulator_decides(jobs: list[SimJob]) -> None:
     policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))

@@ -50,6 +50,7 @@ __all__ = [
     "backoff_s",
     "expected_end_s",
     "expiry_avoid",
+    "fair_share_of",
     "grow",
     "retry_after_failure",
     "run_cycle",
@@ -70,6 +71,11 @@ class Pending(Protocol):
 
     @property
     def tries(self) -> int: ...
+
+    @property
+    def fair_share(self) -> float | None:
+        """The tenant's share of its quota when the job was queued (its place in the queue among
+        equal priorities; see :func:`fair_share_of`); None: not taken yet (then it is now)."""
 
 
 P = TypeVar("P", bound=Pending)
@@ -172,6 +178,13 @@ class CycleResult(Generic[P]):
         return not (self.placed or self.rejected or self.waiting or self.grown)
 
 
+def fair_share_of(snap: Snapshot, tenant: str) -> float:
+    """A tenant's dominant share of its quota now (GPUs held over its nominal; 0 without a quota
+    book). Taken once, when a job is queued, so a job keeps its place in the queue while its tenant's
+    other jobs start and end (the placement service and the simulator both do so)."""
+    return snap.quota.fair_share(tenant) if snap.quota is not None else 0.0
+
+
 def backoff_s(tries: int, settings: CycleSettings) -> float:
     """How long a job that has waited through ``tries`` cycles waits before the next one."""
     return float(min(settings.backoff_s * 2.0 ** min(tries, 16), settings.max_backoff_s))
@@ -198,13 +211,12 @@ def run_cycle(
 
     ``submitted_at``: queue-order time per job id (default: the job's ``submitted_at`` if it has
     one, else 0). ``backlog``: jobs still queued that this cycle does not consider (their backoff
-    has not ended): growth waits for them too. Fair share, for the queue order, is read from the
-    snapshot's quota book.
+    has not ended): growth waits for them too. A job's fair share (its place among equal
+    priorities) is the one taken when it was queued (``Pending.fair_share``), else the tenant's now.
     """
     result: CycleResult[P] = CycleResult()
     by_id: dict[str, P] = {}
     items: list[QueueItem] = []
-    book = snap.quota
     for p in queue:
         job = p.job
         if job.job_id in by_id:
@@ -217,7 +229,7 @@ def run_cycle(
             QueueItem(
                 job=job,
                 submitted_at=at,
-                fair_share=book.fair_share(job.tenant) if book is not None else 0.0,
+                fair_share=p.fair_share if p.fair_share is not None else fair_share_of(snap, job.tenant),
                 attempts=p.attempt,
             )
         )

@@ -29,9 +29,9 @@ then one scheduling pass runs, in queue order (the policy's queue sort):
   and for which preemption or elastic shrink could not make room (free GPUs plus those of
   lower-priority preemptible jobs and of shrinkable elastic jobs, per pool: the bound both
   post-filters start from) is queued without a decision;
-* at each sample, shapes for which preemption or shrink could make room get one retry (the
-  service's backoff retries of jobs that wait on preemption); after a link changes every waiting
-  shape gets one (placement weighs the network).
+* when GPUs were released and at each sample, shapes for which preemption or elastic shrink could
+  make room get one retry (placement retries every queued job when capacity changes, and on its
+  backoff); after a link changes every waiting shape gets one (placement weighs the network).
 
 :attr:`SimResult.notes` say how many decisions were made for arrivals and for retries.
 Rejected jobs (UNRESOLVABLE) are recorded with the reason and dropped; a DAG stage of a rejected
@@ -109,12 +109,13 @@ from loom.model.learn import SpeedLearner, run_speed
 from loom.model.profiles import speeds_for_model
 from loom.model.topology import Topology, load_topology
 from loom.sched import dag
-from loom.sched.cycle import CycleSettings, expected_end_s, grow, run_cycle
+from loom.sched.cycle import CycleSettings, expected_end_s, fair_share_of, grow, run_cycle
 from loom.sched.framework import Decision, Outcome, QueueItem
 from loom.sched.pipeline import transfer_s
 from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s
+from loom.sched.quota import OPEN, QuotaBook
 from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob, Snapshot
 from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob, SimResult, Trace
 from loom.sim.policies import FrameworkPolicy, OraclePolicy
@@ -339,6 +340,10 @@ class _Job:
     def tries(self) -> int:
         return 0
 
+    @property
+    def fair_share(self) -> float | None:
+        return self.item.fair_share
+
 
 @dataclass(slots=True)
 class _Event:
@@ -454,6 +459,9 @@ class _Simulation:
         first = min([j.arrival_s for j in trace.jobs] + [e.at_s for e in trace.events], default=0.0)
         self.t = first
         self.snap = platform.snapshot(now=first)
+        self.snap.quota = QuotaBook(OPEN, {})
+        """What each tenant holds (an open platform: no quotas), as placement's book keeps it: the
+        tenants' fair shares, which order the queue, are read from it."""
         self.snap.net = _copy_net(platform.net)
         self.base_net = _copy_net(platform.net)
         self.schedulable0 = self.snap.schedulable.copy()
@@ -657,7 +665,9 @@ class _Simulation:
         if job.done or job.run is not None:
             return
         job.record.arrival_s = self.t
-        job.item = dataclasses.replace(job.item, submitted_at=self.t)
+        # Its tenant's share when it is queued, as placement takes it (cycle.fair_share_of).
+        share = fair_share_of(self.snap, job.spec.tenant)
+        job.item = dataclasses.replace(job.item, submitted_at=self.t, fair_share=share)
         job.key = self.sort_key(job.item)
         self.fresh.append(job)
 
@@ -675,7 +685,9 @@ class _Simulation:
             return
 
         def room(shape: _Shape) -> bool:
-            return retry_post and self._may_make_room(shape)
+            # Placement retries every queued job when capacity changes, post-filters included (a
+            # freed GPU may complete what preemption or a shrink would make room for).
+            return (retry_post or bool(pairs)) and self._may_make_room(shape)
 
         def due(shape: _Shape) -> bool:
             return bool(shape.heap) and (
@@ -1245,6 +1257,8 @@ class _Simulation:
         self.spanning.discard(spec.job_id)
         self._count(run, -1)
         self.gpus_used -= run.gpus
+        if self.snap.quota is not None:
+            self.snap.quota.give(spec.tenant, run.gpus)
         if run.core.min_workers is not None:
             self.elastic -= 1
         self.dirty.update(run.pairs)
@@ -1330,6 +1344,9 @@ class _Simulation:
         run.decision = dataclasses.replace(run.decision, parts=[part], workers=workers)
         old = run.gpus
         run.gpus = run.lead_gpus = sum(g for _, g in allocations)
+        if run.gpus < old and self.snap.quota is not None:
+            # A shrink gives GPUs back in the snapshot, not the tenant's quota (growth took it).
+            self.snap.quota.give(job.spec.tenant, old - run.gpus)
         self._count(run, +1)
         self._touch(run.pairs)
         self.gpus_used += run.gpus - old
