@@ -147,6 +147,12 @@ class CycleState:
     """Clusters allowed by policy (pre-filters), before free capacity pruned any: where preemption looks."""
     submitted_at: float | None = None
     """When the job was submitted (the queue's clock, like ``snapshot.now``); None: not known."""
+    shared: dict[Hashable, Any] | None = None
+    """Within :meth:`Framework.schedule_many`: one store shared by every job of the cycle (None
+    outside one), for figures a plugin can reuse from job to job of the cycle. What is kept must be
+    checked before reuse against what can change within the cycle: nodes change only through the
+    snapshot's ``take``/``give_back``/``set_schedulable``, which bump ``pool_version``; the running
+    jobs and books can change too."""
     _data: dict[StateKey[Any], Any] = field(default_factory=dict)
 
     @property
@@ -238,7 +244,19 @@ class PostFilterPlugin(Protocol):
 
 @runtime_checkable
 class ScorePlugin(Protocol):
-    """Scores every candidate (raw, any scale) and maps the raw scores to 0-100 (higher is better)."""
+    """Scores every candidate (raw, any scale) and maps the raw scores to 0-100 (higher is better).
+
+    Optional, for speed within one :meth:`Framework.schedule_many` (a cycle over a queue): a plugin
+    may define ``score_key(state) -> Hashable | None``. A key (not None) promises that ``score``'s
+    raw scores depend only on that key, the candidates' ``cluster``, ``model`` and ``workers``
+    arrays (all of them: a raw score may compare a candidate with the others; not ``capacity``) and
+    on what of the snapshot does not change within a cycle (nodes' totals, clusters and their
+    trust, speeds, the network, prices, the clock): never on nodes' free resources or
+    schedulability, the running jobs, a book, or any other field of the job. A later job of the
+    same cycle with an equal key and equal candidate arrays then reuses the raw scores. A class
+    attribute ``normalize_cacheable = True`` further promises that ``normalize`` reads only the raw
+    scores and what the key covers, so the normalised scores are reused too. None: no reuse.
+    """
 
     name: str
 
@@ -536,11 +554,24 @@ class Framework:
                 raise RegistryError(f"weight of {name!r} must be a finite number >= 0, got {w!r}")
         self.weights = {p.name: float(given.get(p.name, 1.0)) for p in self.scorers}
         self.record_top = 16
+        self.cycle_caches = True
+        """Whether :meth:`schedule_many` reuses per-job work between jobs of one cycle (plugins'
+        ``score_key``); False decides every job from scratch (the reference the tests compare with)."""
         """Candidates kept in a decision record (the best ones; the count of all is kept too)."""
         self._pool_workers: weakref.WeakKeyDictionary[
             Snapshot, OrderedDict[Hashable, tuple[IntArray, IntArray]]
         ] = weakref.WeakKeyDictionary()
         """Per snapshot and job shape: the pool versions counted, and the workers per pool."""
+        self._scorer_info: list[tuple[ScorePlugin, Callable[[CycleState], Hashable | None] | None, bool]] = [
+            (p, getattr(p, "score_key", None), bool(getattr(p, "normalize_cacheable", False)))
+            for p in self.scorers
+        ]
+        self._cycle: dict[tuple[str, Hashable], _ScoreEntry] | None = None
+        """Within :meth:`schedule_many`: raw (and normalised) scores per plugin and ``score_key``."""
+        self._shared: dict[Hashable, Any] | None = None
+        """Within :meth:`schedule_many`: the store the cycle's states share (``CycleState.shared``)."""
+        self._order: tuple[FloatArray, IntArray] | None = None
+        """The totals the last record was built from and their order (:meth:`choose` reuses it)."""
 
     # ---- queue ---------------------------------------------------------------------------------
 
@@ -563,15 +594,25 @@ class Framework:
         running = {r.job_id for r in snap.running}
         seen: set[str] = set()
         results: list[tuple[QueueItem, Outcome]] = []
-        for item in self.sort(items):
-            job_id = item.job.job_id
-            if job_id in seen or job_id in running:
-                continue
-            seen.add(job_id)
-            outcome = self.schedule(
-                item.job, snap, avoid_clusters=(avoid or {}).get(job_id, ()), submitted_at=item.submitted_at
-            )
-            results.append((item, outcome))
+        outer, outer_shared = self._cycle, self._shared
+        if self.cycle_caches:
+            self._cycle, self._shared = {}, {}
+        try:
+            for item in self.sort(items):
+                job_id = item.job.job_id
+                if job_id in seen or job_id in running:
+                    continue
+                seen.add(job_id)
+                outcome = self.schedule(
+                    item.job,
+                    snap,
+                    avoid_clusters=(avoid or {}).get(job_id, ()),
+                    submitted_at=item.submitted_at,
+                )
+                results.append((item, outcome))
+        finally:
+            self._cycle, self._shared = outer, outer_shared
+            self._order = None
         return results
 
     # ---- one job -------------------------------------------------------------------------------
@@ -591,6 +632,7 @@ class Framework:
             model_mask=np.ones(max(len(snap.models), 1), dtype=np.bool_),
             avoid_clusters=frozenset(avoid_clusters),
             submitted_at=submitted_at,
+            shared=self._shared,
         )
 
     def schedule(
@@ -1023,60 +1065,126 @@ class Framework:
     def score(
         self, state: CycleState, candidates: Candidates, record: DecisionRecord | None = None
     ) -> FloatArray:
-        """Weighted mean of every score plugin's normalised score per candidate (0-100)."""
+        """Weighted mean of every score plugin's normalised score per candidate (0-100).
+
+        Within :meth:`schedule_many`, a plugin with ``score_key`` (see :class:`ScorePlugin`) whose key
+        and candidates (clusters, models, workers) equal an earlier job's of the same cycle reuses
+        that job's raw scores (and, with ``normalize_cacheable``, its normalised ones)."""
         k = len(candidates)
-        total = np.zeros(k)
+        cycle = self._cycle
+        signature: tuple[bytes, bytes, bytes] | None = None
+        names: list[str] = []
+        raws: list[FloatArray] = []
+        norms: list[FloatArray] = []
+        total: FloatArray | None = None
         weight_sum = 0.0
-        per_plugin: dict[str, tuple[FloatArray, FloatArray]] = {}
-        for plugin in self.scorers:
-            if plugin.name in state.skipped:
+        for plugin, key_of, norm_cacheable in self._scorer_info:
+            name = plugin.name
+            if name in state.skipped:
                 continue
-            w = self.weights.get(plugin.name, 1.0)
-            raw = np.asarray(plugin.score(state, candidates), dtype=np.float64)
-            norm = np.asarray(plugin.normalize(state, raw), dtype=np.float64)
-            # NaN fails both comparisons, so two reductions check finiteness and range at once.
-            if norm.shape != (k,) or (k and not (norm.min() >= -1e-9 and norm.max() <= 100 + 1e-9)):
-                raise ValueError(f"plugin {plugin.name} produced scores outside 0-100: {norm!r}")
-            per_plugin[plugin.name] = (raw, norm)
-            if w > 0:
-                total += w * norm
-                weight_sum += w
-        totals = total / weight_sum if weight_sum > 0 else np.full(k, 100.0)
-        if record is not None and k:
-            snap = state.snapshot
-            top = np.lexsort((candidates.model, candidates.cluster, -np.round(totals, 9)))[: self.record_top]
-            names = list(per_plugin)
-            norms: list[list[float]] = []
-            raws: list[list[float]] = []
-            if names:
-                norms = np.round(np.vstack([per_plugin[n][1] for n in names])[:, top], 2).tolist()
-                raw_top = np.vstack([per_plugin[n][0] for n in names])[:, top]
-                raws = np.where(np.isfinite(raw_top), raw_top, 0.0).tolist()
-            tots = np.round(totals[top], 2).tolist()
-            caps = candidates.capacity[top].tolist()
-            pairs = zip(candidates.cluster[top].tolist(), candidates.model[top].tolist(), strict=True)
-            for i, (c, m) in enumerate(pairs):
-                info = snap.clusters[c]
-                record.candidates.append(
-                    CandidateRecord(
-                        cluster=info.id,
-                        region=info.region,
-                        gpu_model=snap.models[m],
-                        capacity=caps[i],
-                        scores={n: v[i] for n, v in zip(names, norms, strict=True)},
-                        raw={n: v[i] for n, v in zip(names, raws, strict=True)},
-                        total=tots[i],
+            w = self.weights.get(name, 1.0)
+            key: Hashable | None = None
+            held: _ScoreEntry | None = None
+            if cycle is not None and key_of is not None:
+                key = key_of(state)
+                if key is not None:
+                    if signature is None:
+                        signature = (
+                            candidates.cluster.tobytes(),
+                            candidates.model.tobytes(),
+                            candidates.workers.tobytes(),
+                        )
+                    held = cycle.get((name, key))
+                    if held is not None and held.signature != signature:
+                        held = None
+            if held is not None and held.norm is not None and held.weight == w:
+                raw, norm, weighted = held.raw, held.norm, held.weighted
+            else:
+                if held is not None:
+                    raw = held.raw
+                else:
+                    raw = np.asarray(plugin.score(state, candidates), dtype=np.float64)
+                norm = np.asarray(plugin.normalize(state, raw), dtype=np.float64)
+                # NaN fails both comparisons, so two reductions check finiteness and range at once.
+                if norm.shape != (k,) or (k and not (norm.min() >= -1e-9 and norm.max() <= 100 + 1e-9)):
+                    raise ValueError(f"plugin {name} produced scores outside 0-100: {norm!r}")
+                weighted = w * norm if w > 0 else None
+                if key is not None and cycle is not None and signature is not None:
+                    cycle[(name, key)] = _ScoreEntry(
+                        signature,
+                        raw,
+                        norm if norm_cacheable else None,
+                        weighted if norm_cacheable else None,
+                        w,
                     )
-                )
-            record.considered = max(record.considered, k)
+            names.append(name)
+            raws.append(raw)
+            norms.append(norm)
+            if w > 0 and weighted is not None:
+                # one plugin after another, as a running sum (the order of the additions is kept)
+                total = weighted + 0.0 if total is None else np.add(total, weighted, out=total)
+                weight_sum += w
+        if total is not None and weight_sum > 0:
+            totals: FloatArray = total / weight_sum
+        else:
+            totals = np.full(k, 100.0)
+        if record is not None and k:
+            self._record_candidates(state, candidates, totals, names, raws, norms, record)
         return totals
+
+    def _record_candidates(  # noqa: PLR0917
+        self,
+        state: CycleState,
+        candidates: Candidates,
+        totals: FloatArray,
+        names: list[str],
+        raws: list[FloatArray],
+        norms: list[FloatArray],
+        record: DecisionRecord,
+    ) -> None:
+        """The best ``record_top`` candidates into the record, with every plugin's scores."""
+        snap = state.snapshot
+        k = len(candidates)
+        order = np.lexsort((candidates.model, candidates.cluster, -np.round(totals, 9)))
+        self._order = (totals, order)
+        top = order[: self.record_top]
+        norm_rows: list[list[float]] = [[] for _ in range(top.size)]
+        raw_rows: list[list[float]] = [[] for _ in range(top.size)]
+        if names:
+            norm_rows = np.round(np.array(norms)[:, top], 2).T.tolist()
+            raw_top = np.array(raws)[:, top]
+            raw_rows = np.where(np.isfinite(raw_top), raw_top, 0.0).T.tolist()
+        tots = np.round(totals[top], 2).tolist()
+        caps = candidates.capacity[top].tolist()
+        clusters = snap.clusters
+        models = snap.models
+        append = record.candidates.append
+        pairs = zip(candidates.cluster[top].tolist(), candidates.model[top].tolist(), strict=True)
+        for i, (c, m) in enumerate(pairs):
+            info = clusters[c]
+            append(
+                CandidateRecord(
+                    cluster=info.id,
+                    region=info.region,
+                    gpu_model=models[m],
+                    capacity=caps[i],
+                    scores=dict(zip(names, norm_rows[i], strict=True)),
+                    raw=dict(zip(names, raw_rows[i], strict=True)),
+                    total=tots[i],
+                )
+            )
+        record.considered = max(record.considered, k)
 
     def choose(self, state: CycleState, candidates: Candidates, totals: FloatArray) -> Decision:
         """The best candidate (ties: lowest cluster id, then model), packed onto its nodes.
 
         Cluster indices follow cluster ids (the snapshot sorts them), so index order is id order.
         """
-        best = int(np.lexsort((candidates.model, candidates.cluster, -np.round(totals, 9)))[0])
+        held = self._order
+        if held is not None and held[0] is totals:
+            best = int(held[1][0])  # the order the record was built from (same totals, same keys)
+        else:
+            best = int(np.lexsort((candidates.model, candidates.cluster, -np.round(totals, 9)))[0])
         part = self.pack(state, candidates, best, int(candidates.workers[best]))
         return Decision(
             job_id=state.job.job_id,
@@ -1276,6 +1384,20 @@ class Framework:
         record.outcome = "rejected" if status.code == Code.UNRESOLVABLE else "waiting"
         record.reason = f"{status.plugin}: {status.reason}" if status.plugin else status.reason
         return Outcome(status, None, record)
+
+
+@dataclass(frozen=True, slots=True)
+class _ScoreEntry:
+    """One plugin's scores for one ``score_key`` within a cycle, and the candidates they are for."""
+
+    signature: tuple[bytes, bytes, bytes]
+    """The candidates' cluster, model and workers arrays, as bytes."""
+    raw: FloatArray
+    norm: FloatArray | None
+    """Normalised scores (None unless the plugin's ``normalize_cacheable``)."""
+    weighted: FloatArray | None
+    """``weight x norm`` (None unless ``norm`` is kept and the weight is positive)."""
+    weight: float
 
 
 def _named(status: Status, name: str) -> Status:

@@ -5,10 +5,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from loom.sched.framework import Candidates, CycleState, QueueItem, min_max
-from loom.sched.snapshot import FloatArray
+from loom.sched.snapshot import FloatArray, IntArray
 
 if TYPE_CHECKING:
     from loom.sched.availability import WaitBook
+
+
+def _clip(a: FloatArray, lo: float, hi: float) -> FloatArray:
+    """``np.clip`` of a float array (NaN stays NaN), without its Python-level overhead."""
+    clipped: FloatArray = np.minimum(np.maximum(a, lo), hi)
+    return clipped
 
 
 def delivered_speed(state: CycleState, candidates: Candidates) -> FloatArray:
@@ -18,10 +24,20 @@ def delivered_speed(state: CycleState, candidates: Candidates) -> FloatArray:
     return speed
 
 
+def speed_key(state: CycleState) -> bytes:
+    """What :func:`delivered_speed` reads of the job, as a key: its per-model speed table."""
+    return state.snapshot.job_speeds(state.job).tobytes()
+
+
 class ScuFit:
     """Faster GPUs for the job's task type score higher: SCU per GPU x trust x workers given."""
 
     name = "scu_fit"
+    normalize_cacheable = True
+
+    def score_key(self, state: CycleState) -> bytes:
+        """Raw scores read the job's speeds only (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return speed_key(state)
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         return delivered_speed(state, candidates) * candidates.workers
@@ -35,6 +51,11 @@ class Trust:
     """How far a cluster's claimed compute is believed: new clusters start low and earn trust."""
 
     name = "trust"
+    normalize_cacheable = True
+
+    def score_key(self, state: CycleState) -> tuple[()]:
+        """Raw scores read nothing of the job (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return ()
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         trust: FloatArray = state.snapshot.trust[candidates.cluster].astype(np.float64)
@@ -51,15 +72,20 @@ class WaterLevel:
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         snap = state.snapshot
-        total = snap.total_sum.sum(axis=1).astype(np.float64)
+        shared = state.shared
+        total = shared.get("water_level.total") if shared is not None else None
+        if total is None:
+            total = snap.total_sum.sum(axis=1).astype(np.float64)  # nodes' totals never change
+            if shared is not None:
+                shared["water_level.total"] = total
         free = snap.free_sum.sum(axis=1).astype(np.float64)
         c = candidates.cluster
         after = (total[c] - free[c] + candidates.workers * state.per_worker) / np.maximum(total[c], 1.0)
-        level: FloatArray = 1.0 - np.clip(after, 0.0, 1.0)
+        level: FloatArray = 1.0 - _clip(after, 0.0, 1.0)
         return level
 
     def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
-        return np.clip(raw, 0.0, 1.0) * 100.0
+        return _clip(raw, 0.0, 1.0) * 100.0
 
 
 POOL_FIT_FROM = 0.4
@@ -91,6 +117,11 @@ class PoolFit:
 
     def __init__(self, book: "WaitBook | None" = None) -> None:
         self.book = book
+
+    def score_key(self, state: CycleState) -> tuple[bytes, int]:
+        """Raw scores read the job's speeds and GPUs per worker, and pool totals (normalising
+        reads the platform's use and the wait book, so it runs every time)."""
+        return speed_key(state), state.per_worker
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         snap = state.snapshot
@@ -130,10 +161,7 @@ class NodeFit:
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         snap = state.snapshot
         per_worker = state.per_worker
-        broken = snap.schedulable & (snap.free >= per_worker) & (snap.free < snap.total)
-        room = np.where(broken, snap.free // per_worker, 0) * per_worker
-        size = snap.total_sum.size
-        by_pool = np.bincount(snap.pool_of, weights=room, minlength=size)[:size]
+        by_pool = _broken_room(state)
         pools = candidates.cluster * snap.total_sum.shape[1] + candidates.model
         gpus = np.maximum(candidates.workers * per_worker, 1).astype(np.float64)
         share: FloatArray = np.minimum(by_pool[pools] / gpus, 1.0)
@@ -144,6 +172,36 @@ class NodeFit:
     def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
         scores: FloatArray = 100.0 * np.clip(raw, 0.0, 1.0)
         return scores
+
+
+def _broken_room(state: CycleState) -> FloatArray:
+    """Per pool, the GPUs of whole workers on its nodes in use (some but not all GPUs free,
+    schedulable). Within a cycle (``state.shared``) kept per GPUs per worker with the pool versions,
+    and recounted only for the pools that changed since."""
+    snap = state.snapshot
+    per_worker = state.per_worker
+    shared = state.shared
+    held = shared.get(("node_fit.room", per_worker)) if shared is not None else None
+    if held is not None and held[0].size == snap.pool_version.size:
+        versions: IntArray = held[0]
+        by_pool: FloatArray = held[1]
+        stale = np.flatnonzero(versions != snap.pool_version)
+        bounds = snap.pool_bounds
+        for p in stale.tolist():
+            lo, hi = int(bounds[p]), int(bounds[p + 1])
+            free = snap.free[lo:hi]
+            broken = snap.schedulable[lo:hi] & (free >= per_worker) & (free < snap.total[lo:hi])
+            # integers: the float sum is exact, as bincount's is
+            by_pool[p] = float((np.where(broken, free // per_worker, 0) * per_worker).sum())
+            versions[p] = snap.pool_version[p]
+        return by_pool
+    broken = snap.schedulable & (snap.free >= per_worker) & (snap.free < snap.total)
+    room = np.where(broken, snap.free // per_worker, 0) * per_worker
+    size = snap.total_sum.size
+    by_pool = np.bincount(snap.pool_of, weights=room, minlength=size)[:size].astype(np.float64)
+    if shared is not None:
+        shared[("node_fit.room", per_worker)] = (snap.pool_version.copy(), by_pool)
+    return by_pool
 
 
 class PriorityFairShare:
@@ -164,4 +222,5 @@ __all__ = [
     "WaterLevel",
     "delivered_speed",
     "min_max",
+    "speed_key",
 ]

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from loom.sched.framework import Candidates, CycleState, min_max
-from loom.sched.plugins.compute import delivered_speed
+from loom.sched.plugins.compute import delivered_speed, speed_key
 from loom.sched.snapshot import Economics, FloatArray
 
 __all__ = [
@@ -132,6 +132,7 @@ class CostEnergy:
     """Cheaper and cleaner per SCU-hour scores higher (see the module docstring for the formula)."""
 
     name = "cost_energy"
+    normalize_cacheable = True
 
     def __init__(
         self, economics: Economics | None = None, *, price_weight: float = 0.5, carbon_weight: float = 0.5
@@ -142,6 +143,10 @@ class CostEnergy:
         """Used instead of the snapshot's economics when given."""
         self.price_weight = price_weight
         self.carbon_weight = carbon_weight
+
+    def score_key(self, state: CycleState) -> bytes:
+        """Raw scores read the job's speeds only, and the snapshot's prices at its clock."""
+        return speed_key(state)
 
     def price_and_carbon(self, state: CycleState, candidates: Candidates) -> tuple[FloatArray, FloatArray]:
         """Per candidate: price per SCU-hour and grams CO2 per SCU-hour, now."""

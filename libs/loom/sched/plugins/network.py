@@ -28,8 +28,8 @@ import numpy as np
 from loom.net.linkstate import CostWeights
 from loom.sched.availability import MIN_RESERVATION_S, Reservation, WaitBook, expected_wait_s
 from loom.sched.framework import Candidates, Code, CycleState, Decision, StateKey, Status
-from loom.sched.plugins.compute import delivered_speed
-from loom.sched.plugins.data import data_delay_s, data_placement
+from loom.sched.plugins.compute import delivered_speed, speed_key
+from loom.sched.plugins.data import data_delay_s, data_key, data_placement
 from loom.sched.snapshot import (
     INTRA_REGION_GBPS,
     INTRA_REGION_RTT_MS,
@@ -64,6 +64,7 @@ __all__ = [
     "link_health",
     "near_jobs",
     "network_factors",
+    "network_key",
     "predict_step_s",
     "predicted_jct_s",
     "region_links",
@@ -449,6 +450,26 @@ def network_factors(state: CycleState, candidates: Candidates, speed: FloatArray
     return NetworkFactors(comm=comm, data=data, near=near, users=users, health=health)
 
 
+def network_key(state: CycleState) -> tuple[object, ...] | None:
+    """Everything :func:`network_factors` and :func:`predicted_jct_s` read of the job, hashable;
+    None when they read more than that: the running jobs (``affinity.near_jobs``) or other
+    candidates' capacity (a job that may span clusters, :func:`gang_links`)."""
+    job = state.job
+    if job.affinity.near_jobs or (job.allow_multi_cluster and job.pipeline is None):
+        return None
+    work = job.work
+    return (
+        speed_key(state),
+        work.step_time_s,
+        work.steps,
+        _comm_of(job),
+        job.workers,
+        data_key(job),
+        job.task_type,
+        tuple(job.affinity.prefer_regions),
+    )
+
+
 class Joint:
     """Joint score: ``alpha x compute + (1 - alpha) x network``, both 0-100.
 
@@ -468,9 +489,15 @@ class Joint:
     """
 
     name = "joint"
+    normalize_cacheable = True
 
     def __init__(self, learner: AlphaLearner | None = None) -> None:
         self.learner = learner if learner is not None else AlphaLearner()
+
+    def score_key(self, state: CycleState) -> tuple[object, ...] | None:
+        """:func:`network_key` and alpha (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        key = network_key(state)
+        return None if key is None else (key, self.learner.alpha(state.job.task_type))
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         speed = delivered_speed(state, candidates)
@@ -527,6 +554,11 @@ class Jct:
     """
 
     name = "jct"
+    normalize_cacheable = True
+
+    def score_key(self, state: CycleState) -> tuple[object, ...] | None:
+        """:func:`network_key` (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return network_key(state)
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         return predicted_jct_s(state, candidates)
