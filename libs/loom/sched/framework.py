@@ -188,8 +188,10 @@ class CycleState:
     def prune(self, clusters: BoolArray, reason: Callable[[int], str]) -> None:
         """Rule out the clusters set in ``clusters`` (still allowed until now), recording why."""
         newly = np.flatnonzero(clusters & self.cluster_mask)
-        for c in newly:
-            self.pruned.setdefault(self.snapshot.clusters[int(c)].id, reason(int(c)))
+        if not newly.size:
+            return  # nothing still allowed is ruled out: the mask stays as it is
+        for c in newly.tolist():
+            self.pruned.setdefault(self.snapshot.clusters[c].id, reason(c))
         self.cluster_mask &= ~clusters
 
 
@@ -665,7 +667,8 @@ class Framework:
             index = snap.cluster_index.get(cid)
             if index is not None:
                 avoided[index] = True
-        if avoided.any():
+        any_avoided = bool(state.avoid_clusters) and bool(avoided.any())
+        if any_avoided:
             # Clusters that failed to start an earlier attempt: avoided while others can take it
             # (a preference: when nothing else fits, they are tried again below).
             state.prune(avoided, lambda _c: "an earlier attempt failed to start there")
@@ -673,7 +676,7 @@ class Framework:
         if job.pipeline is not None:
             return self.schedule_pipeline(state, record, apply=apply)
         candidates = self.find_candidates(state)
-        if len(candidates) == 0 and avoided.any():
+        if len(candidates) == 0 and any_avoided:
             state.cluster_mask = state.policy_mask.copy()
             for c in np.flatnonzero(avoided):
                 state.pruned.pop(snap.clusters[int(c)].id, None)
@@ -914,8 +917,14 @@ class Framework:
             return
         need = state.per_worker * (1 if self._may_split(state) else state.min_workers)
         models = state.model_mask[: snap.free_sum.shape[1]]
-        free = (snap.free_sum * models).sum(axis=1)
-        biggest = (snap.max_free * models).max(axis=1)
+        if models.all():
+            free = snap.free_sum.sum(axis=1)
+            biggest = snap.max_free.max(axis=1)
+        else:
+            free = (snap.free_sum * models).sum(axis=1)
+            biggest = (snap.max_free * models).max(axis=1)
+        if int(free.min()) >= need and int(biggest.min()) >= state.per_worker:
+            return  # every cluster (so every zone and region) has the GPUs: nothing to prune
         region_free = np.bincount(snap.cluster_region, weights=free, minlength=len(snap.regions))
         region_free = region_free.astype(np.int64)
         poor_regions = region_free[snap.cluster_region] < need
@@ -970,8 +979,12 @@ class Framework:
                 if cid not in state.pruned:
                     state.pruned[cid] = _filter_reason(snap.models[m], int(cap_looked[k]), need, what)
         cap = cap_looked[fits]
+        shared = self._shared
+        shape = self._shape(state) if shared is not None else None
 
         def nodes(c: int, m: int) -> tuple[IntArray, IntArray]:
+            if shape is not None and shared is not None:
+                return self._pool_nodes(state, shape, shared, c * m_count + m)
             pool = snap.pool(c, m)
             room = self._node_workers(state, pool)
             keep = np.flatnonzero(room)
@@ -1006,13 +1019,40 @@ class Framework:
             held.move_to_end(shape)
             versions, workers = found
             stale = np.flatnonzero(versions != snap.pool_version)
-            if stale.size:
+            shared = self._shared
+            if shared is not None and 0 < stale.size <= _FEW_POOLS:
+                # a few pools changed (the last decisions'): count them node by node, and keep
+                # their nodes for packing (the pool a job goes to is often the last one's)
+                for p in stale.tolist():
+                    workers[p] = int(self._pool_nodes(state, shape, shared, p)[1].sum())
+                    versions[p] = snap.pool_version[p]
+            elif stale.size:
                 workers[stale] = self._count_pools(state, stale)
                 versions[stale] = snap.pool_version[stale]
         held[shape] = found
         while len(held) > _SHAPES_KEPT:
             held.popitem(last=False)
         return found[1][pools]
+
+    def _pool_nodes(
+        self, state: CycleState, shape: Hashable, shared: dict[Hashable, Any], p: int
+    ) -> tuple[IntArray, IntArray]:
+        """Pool ``p``'s nodes that take a worker of the job's shape and the workers each can take,
+        kept within a cycle per shape and pool while the pool's version stays (its nodes did not
+        change; equal shapes: equal answers, see :meth:`pool_workers`)."""
+        snap = state.snapshot
+        version = int(snap.pool_version[p])
+        key = ("pool_nodes", shape, p)
+        held = shared.get(key)
+        if held is not None and held[0] == version:
+            found: tuple[IntArray, IntArray] = held[1]
+            return found
+        lo = int(snap.pool_bounds[p])
+        room = self._node_workers(state, slice(lo, int(snap.pool_bounds[p + 1])))
+        keep = np.flatnonzero(room)
+        found = (keep + lo, room[keep])
+        shared[key] = (version, found)
+        return found
 
     def _count_pools(self, state: CycleState, pools: IntArray) -> IntArray:
         """Workers each of ``pools`` holds, counted node by node (one pass over their nodes)."""
@@ -1247,9 +1287,16 @@ class Framework:
         whole-node workers (most room first alone would put every small job on an empty node)."""
         snap = state.snapshot
         nodes, room = candidates.nodes_of(i)
-        order = np.lexsort((nodes, -room))
         allocations: list[tuple[str, int]] = []
         left = workers
+        if 0 < workers and room.size and int(room.max()) >= workers:
+            # one node holds them all: the tightest that does (nodes ascend: the first of equals),
+            # which is what the loop below picks at its first step
+            holds = np.flatnonzero(room >= workers)
+            j = int(holds[np.argmin(room[holds])])
+            allocations.append((snap.node_ids[int(nodes[j])], workers * state.per_worker))
+            left = 0
+        order = np.lexsort((nodes, -room)) if left > 0 else np.empty(0, dtype=np.int64)
         for pos, most in enumerate(order.tolist()):
             if left <= 0:
                 break
@@ -1403,6 +1450,9 @@ class _ScoreEntry:
 def _named(status: Status, name: str) -> Status:
     return status if status.plugin else Status(status.code, status.reason, name, status.wait_s)
 
+
+_FEW_POOLS = 4
+"""Changed pools recounted one by one (their nodes kept for packing) rather than all at once."""
 
 _SHAPES_KEPT = 64
 """Job shapes whose workers per pool are kept per snapshot (the least recently used goes first)."""
