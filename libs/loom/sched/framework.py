@@ -106,9 +106,16 @@ class Candidates:
     """A pair's passing nodes, looked up only for the pairs a decision packs onto. It reads the
     snapshot when called: pack before the snapshot changes (take, give_back), or find the
     candidates again, or ``capacity`` and the nodes will disagree."""
+    _signature: tuple[bytes, bytes, bytes] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.cluster.size)
+
+    def signature(self) -> tuple[bytes, bytes, bytes]:
+        """The clusters, models and workers as bytes (computed once: do not change the arrays)."""
+        if self._signature is None:
+            self._signature = (self.cluster.tobytes(), self.model.tobytes(), self.workers.tobytes())
+        return self._signature
 
     def nodes_of(self, i: int) -> tuple[IntArray, IntArray]:
         """Candidate ``i``'s passing nodes and the workers each can take."""
@@ -255,9 +262,10 @@ class ScorePlugin(Protocol):
     on what of the snapshot does not change within a cycle (nodes' totals, clusters and their
     trust, speeds, the network, prices, the clock): never on nodes' free resources or
     schedulability, the running jobs, a book, or any other field of the job. A later job of the
-    same cycle with an equal key and equal candidate arrays then reuses the raw scores. A class
-    attribute ``normalize_cacheable = True`` further promises that ``normalize`` reads only the raw
-    scores and what the key covers, so the normalised scores are reused too. None: no reuse.
+    same cycle with an equal key and equal candidate arrays then reuses the raw scores. None: no
+    reuse. With a ``score_key``, ``normalize_key(state) -> Hashable | None`` may promise likewise
+    that ``normalize`` reads only the raw scores, what the score key covers and this key (``()``:
+    nothing more), so the normalised scores are reused too when both keys are equal.
     """
 
     name: str
@@ -564,9 +572,8 @@ class Framework:
             Snapshot, OrderedDict[Hashable, tuple[IntArray, IntArray]]
         ] = weakref.WeakKeyDictionary()
         """Per snapshot and job shape: the pool versions counted, and the workers per pool."""
-        self._scorer_info: list[tuple[ScorePlugin, Callable[[CycleState], Hashable | None] | None, bool]] = [
-            (p, getattr(p, "score_key", None), bool(getattr(p, "normalize_cacheable", False)))
-            for p in self.scorers
+        self._scorer_info: list[tuple[ScorePlugin, _KeyOf | None, _KeyOf | None]] = [
+            (p, getattr(p, "score_key", None), getattr(p, "normalize_key", None)) for p in self.scorers
         ]
         self._cycle: dict[tuple[str, Hashable], _ScoreEntry] | None = None
         """Within :meth:`schedule_many`: raw (and normalised) scores per plugin and ``score_key``."""
@@ -1109,36 +1116,40 @@ class Framework:
 
         Within :meth:`schedule_many`, a plugin with ``score_key`` (see :class:`ScorePlugin`) whose key
         and candidates (clusters, models, workers) equal an earlier job's of the same cycle reuses
-        that job's raw scores (and, with ``normalize_cacheable``, its normalised ones)."""
+        that job's raw scores, and with an equal ``normalize_key`` its normalised ones."""
         k = len(candidates)
         cycle = self._cycle
-        signature: tuple[bytes, bytes, bytes] | None = None
         names: list[str] = []
         raws: list[FloatArray] = []
         norms: list[FloatArray] = []
         total: FloatArray | None = None
         weight_sum = 0.0
-        for plugin, key_of, norm_cacheable in self._scorer_info:
+        for plugin, key_of, norm_key_of in self._scorer_info:
             name = plugin.name
             if name in state.skipped:
                 continue
             w = self.weights.get(name, 1.0)
             key: Hashable | None = None
             held: _ScoreEntry | None = None
+            signature: tuple[bytes, bytes, bytes] | None = None
+            norm_key: Hashable | None = None
             if cycle is not None and key_of is not None:
                 key = key_of(state)
                 if key is not None:
-                    if signature is None:
-                        signature = (
-                            candidates.cluster.tobytes(),
-                            candidates.model.tobytes(),
-                            candidates.workers.tobytes(),
-                        )
+                    signature = candidates.signature()
                     held = cycle.get((name, key))
                     if held is not None and held.signature != signature:
                         held = None
-            if held is not None and held.norm is not None and held.weight == w:
-                raw, norm, weighted = held.raw, held.norm, held.weighted
+                    if norm_key_of is not None:
+                        norm_key = norm_key_of(state)
+            if (
+                held is not None
+                and held.norm is not None
+                and norm_key is not None
+                and held.norm_key == norm_key
+            ):
+                raw, norm = held.raw, held.norm
+                weighted = held.weighted if held.weight == w else (w * norm if w > 0 else None)
             else:
                 if held is not None:
                     raw = held.raw
@@ -1150,17 +1161,19 @@ class Framework:
                     raise ValueError(f"plugin {name} produced scores outside 0-100: {norm!r}")
                 weighted = w * norm if w > 0 else None
                 if key is not None and cycle is not None and signature is not None:
+                    kept = norm_key is not None
                     cycle[(name, key)] = _ScoreEntry(
                         signature,
                         raw,
-                        norm if norm_cacheable else None,
-                        weighted if norm_cacheable else None,
+                        norm_key,
+                        norm if kept else None,
+                        weighted if kept else None,
                         w,
                     )
             names.append(name)
             raws.append(raw)
             norms.append(norm)
-            if w > 0 and weighted is not None:
+            if weighted is not None:
                 # one plugin after another, as a running sum (the order of the additions is kept)
                 total = weighted + 0.0 if total is None else np.add(total, weighted, out=total)
                 weight_sum += w
@@ -1182,37 +1195,52 @@ class Framework:
         norms: list[FloatArray],
         record: DecisionRecord,
     ) -> None:
-        """The best ``record_top`` candidates into the record, with every plugin's scores."""
+        """The best ``record_top`` candidates into the record, with every plugin's scores.
+
+        Within :meth:`schedule_many` a candidate whose scores are bit for bit those it had for an
+        earlier job of the cycle gets copies of the dicts built then (building them is the cost)."""
         snap = state.snapshot
         k = len(candidates)
         order = np.lexsort((candidates.model, candidates.cluster, -np.round(totals, 9)))
         self._order = (totals, order)
         top = order[: self.record_top]
-        norm_rows: list[list[float]] = [[] for _ in range(top.size)]
-        raw_rows: list[list[float]] = [[] for _ in range(top.size)]
-        if names:
-            norm_rows = np.round(np.array(norms)[:, top], 2).T.tolist()
-            raw_top = np.array(raws)[:, top]
-            raw_rows = np.where(np.isfinite(raw_top), raw_top, 0.0).T.tolist()
+        p = len(names)
+        rows: FloatArray | None = None
+        if p:
+            both = np.array(norms + raws)[:, top]
+            both[:p] = np.round(both[:p], 2)
+            raw_top = both[p:]
+            raw_top[~np.isfinite(raw_top)] = 0.0
+            rows = np.ascontiguousarray(both.T)
         tots = np.round(totals[top], 2).tolist()
         caps = candidates.capacity[top].tolist()
         clusters = snap.clusters
         models = snap.models
         append = record.candidates.append
+        shared = self._shared
+        kept: dict[Hashable, tuple[bytes, dict[str, float], dict[str, float]]] | None = None
+        if shared is not None and rows is not None:
+            kept = shared.setdefault(("record_rows", tuple(names)), {})
         pairs = zip(candidates.cluster[top].tolist(), candidates.model[top].tolist(), strict=True)
         for i, (c, m) in enumerate(pairs):
             info = clusters[c]
-            append(
-                CandidateRecord(
-                    cluster=info.id,
-                    region=info.region,
-                    gpu_model=models[m],
-                    capacity=caps[i],
-                    scores=dict(zip(names, norm_rows[i], strict=True)),
-                    raw=dict(zip(names, raw_rows[i], strict=True)),
-                    total=tots[i],
-                )
-            )
+            scores: dict[str, float]
+            raw: dict[str, float]
+            if rows is None:
+                scores, raw = {}, {}
+            else:
+                row = rows[i]
+                data = row.tobytes()
+                held = kept.get((c, m)) if kept is not None else None
+                if held is not None and held[0] == data:
+                    scores, raw = held[1].copy(), held[2].copy()
+                else:
+                    values = row.tolist()
+                    scores = dict(zip(names, values[:p], strict=False))
+                    raw = dict(zip(names, values[p:], strict=False))
+                    if kept is not None:
+                        kept[(c, m)] = (data, scores.copy(), raw.copy())
+            append(CandidateRecord(info.id, info.region, models[m], caps[i], scores, raw, tots[i]))
         record.considered = max(record.considered, k)
 
     def choose(self, state: CycleState, candidates: Candidates, totals: FloatArray) -> Decision:
@@ -1289,7 +1317,7 @@ class Framework:
         nodes, room = candidates.nodes_of(i)
         allocations: list[tuple[str, int]] = []
         left = workers
-        if 0 < workers and room.size and int(room.max()) >= workers:
+        if workers > 0 and room.size and int(room.max()) >= workers:
             # one node holds them all: the tightest that does (nodes ascend: the first of equals),
             # which is what the loop below picks at its first step
             holds = np.flatnonzero(room >= workers)
@@ -1440,8 +1468,10 @@ class _ScoreEntry:
     signature: tuple[bytes, bytes, bytes]
     """The candidates' cluster, model and workers arrays, as bytes."""
     raw: FloatArray
+    norm_key: Hashable | None
+    """The plugin's ``normalize_key`` when ``norm`` was computed."""
     norm: FloatArray | None
-    """Normalised scores (None unless the plugin's ``normalize_cacheable``)."""
+    """Normalised scores (None unless the plugin has a ``normalize_key``)."""
     weighted: FloatArray | None
     """``weight x norm`` (None unless ``norm`` is kept and the weight is positive)."""
     weight: float
@@ -1450,6 +1480,8 @@ class _ScoreEntry:
 def _named(status: Status, name: str) -> Status:
     return status if status.plugin else Status(status.code, status.reason, name, status.wait_s)
 
+
+_KeyOf = Callable[[CycleState], Hashable | None]
 
 _FEW_POOLS = 4
 """Changed pools recounted one by one (their nodes kept for packing) rather than all at once."""

@@ -4,8 +4,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from loom.sched.framework import Candidates, CycleState, QueueItem, min_max
-from loom.sched.snapshot import FloatArray, IntArray
+from loom.sched.framework import Candidates, CycleState, QueueItem, StateKey, min_max
+from loom.sched.snapshot import BoolArray, FloatArray, IntArray
 
 if TYPE_CHECKING:
     from loom.sched.availability import WaitBook
@@ -24,16 +24,26 @@ def delivered_speed(state: CycleState, candidates: Candidates) -> FloatArray:
     return speed
 
 
+_SPEED_KEY: StateKey[bytes] = StateKey("compute.speed_key")
+
+
 def speed_key(state: CycleState) -> bytes:
     """What :func:`delivered_speed` reads of the job, as a key: its per-model speed table."""
-    return state.snapshot.job_speeds(state.job).tobytes()
+    key = state.get(_SPEED_KEY, b"")
+    if not key:
+        key = state.snapshot.job_speeds(state.job).tobytes()
+        state.write(_SPEED_KEY, key)
+    return key
 
 
 class ScuFit:
     """Faster GPUs for the job's task type score higher: SCU per GPU x trust x workers given."""
 
     name = "scu_fit"
-    normalize_cacheable = True
+
+    def normalize_key(self, state: CycleState) -> tuple[()]:
+        """Normalising reads the raw scores only (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return ()
 
     def score_key(self, state: CycleState) -> bytes:
         """Raw scores read the job's speeds only (see :class:`~loom.sched.framework.ScorePlugin`)."""
@@ -51,7 +61,10 @@ class Trust:
     """How far a cluster's claimed compute is believed: new clusters start low and earn trust."""
 
     name = "trust"
-    normalize_cacheable = True
+
+    def normalize_key(self, state: CycleState) -> tuple[()]:
+        """Normalising reads the raw scores only (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return ()
 
     def score_key(self, state: CycleState) -> tuple[()]:
         """Raw scores read nothing of the job (see :class:`~loom.sched.framework.ScorePlugin`)."""
@@ -133,14 +146,27 @@ class PoolFit:
         slow = speed * POOL_FIT_MAX_SLOWDOWN < float(speed.max(initial=0.0))
         return np.where(slow, 1.0, share)
 
-    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+    def level(self, state: CycleState) -> float:
+        """How much pool fit has its say now, 0-1 (see the class docstring)."""
         snap = state.snapshot
-        total = float(snap.total_sum.sum())
+        shared = state.shared
+        total = shared.get("pool_fit.total") if shared is not None else None
+        if total is None:
+            total = float(snap.total_sum.sum())  # nodes' totals never change
+            if shared is not None:
+                shared["pool_fit.total"] = total
         used = 1.0 - float(snap.free_sum.sum()) / total if total > 0 else 0.0
         level = min(max((used - POOL_FIT_FROM) / (POOL_FIT_FULL_AT - POOL_FIT_FROM), 0.0), 1.0)
         if self.book is not None and self.book.waiting_jobs(snap.now, exclude=state.job.job_id) > 0:
             level = 1.0  # a queue: contention whatever the share in use
-        scores: FloatArray = 100.0 * (1.0 - level * np.clip(raw, 0.0, 1.0))
+        return level
+
+    def normalize_key(self, state: CycleState) -> float:
+        """Normalising reads the raw scores and :meth:`level` only."""
+        return self.level(state)
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        scores: FloatArray = 100.0 * (1.0 - self.level(state) * _clip(raw, 0.0, 1.0))
         return scores
 
 
@@ -159,18 +185,34 @@ class NodeFit:
     name = "node_fit"
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
-        snap = state.snapshot
-        per_worker = state.per_worker
         by_pool = _broken_room(state)
-        pools = candidates.cluster * snap.total_sum.shape[1] + candidates.model
-        gpus = np.maximum(candidates.workers * per_worker, 1).astype(np.float64)
+        pools, gpus, slow = self._per_candidate(state, candidates)
         share: FloatArray = np.minimum(by_pool[pools] / gpus, 1.0)
-        speed = delivered_speed(state, candidates)
-        slow = speed * POOL_FIT_MAX_SLOWDOWN < float(speed.max(initial=0.0))
         return np.where(slow, 0.0, share)
 
+    def _per_candidate(
+        self, state: CycleState, candidates: Candidates
+    ) -> tuple[IntArray, FloatArray, BoolArray]:
+        """The candidates' pools, GPUs and whether they are too slow: within a cycle, kept for the
+        last candidates and job speeds seen (they read nothing else)."""
+        shared = state.shared
+        key = (candidates.signature(), speed_key(state), state.per_worker) if shared is not None else None
+        if shared is not None:
+            held = shared.get("node_fit.candidates")
+            if held is not None and held[0] == key:
+                found: tuple[IntArray, FloatArray, BoolArray] = held[1]
+                return found
+        snap = state.snapshot
+        pools = candidates.cluster * snap.total_sum.shape[1] + candidates.model
+        gpus = np.maximum(candidates.workers * state.per_worker, 1).astype(np.float64)
+        speed = delivered_speed(state, candidates)
+        slow = speed * POOL_FIT_MAX_SLOWDOWN < float(speed.max(initial=0.0))
+        if shared is not None:
+            shared["node_fit.candidates"] = (key, (pools, gpus, slow))
+        return pools, gpus, slow
+
     def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
-        scores: FloatArray = 100.0 * np.clip(raw, 0.0, 1.0)
+        scores: FloatArray = 100.0 * _clip(raw, 0.0, 1.0)
         return scores
 
 

@@ -132,7 +132,10 @@ class CostEnergy:
     """Cheaper and cleaner per SCU-hour scores higher (see the module docstring for the formula)."""
 
     name = "cost_energy"
-    normalize_cacheable = True
+
+    def normalize_key(self, state: CycleState) -> tuple[()]:
+        """Normalising reads the raw scores only (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return ()
 
     def __init__(
         self, economics: Economics | None = None, *, price_weight: float = 0.5, carbon_weight: float = 0.5

@@ -118,7 +118,10 @@ class DataLocality:
     """
 
     name = "data_locality"
-    normalize_cacheable = True
+
+    def normalize_key(self, state: CycleState) -> tuple[()]:
+        """Normalising reads the raw scores only (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return ()
 
     def score_key(self, state: CycleState) -> tuple[object, ...]:
         """The job's dataset and run (all that scoring and normalising read of the job)."""

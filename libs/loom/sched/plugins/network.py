@@ -489,7 +489,10 @@ class Joint:
     """
 
     name = "joint"
-    normalize_cacheable = True
+
+    def normalize_key(self, state: CycleState) -> tuple[()]:
+        """Normalising reads the raw scores only (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return ()
 
     def __init__(self, learner: AlphaLearner | None = None) -> None:
         self.learner = learner if learner is not None else AlphaLearner()
@@ -554,7 +557,10 @@ class Jct:
     """
 
     name = "jct"
-    normalize_cacheable = True
+
+    def normalize_key(self, state: CycleState) -> tuple[()]:
+        """Normalising reads the raw scores only (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return ()
 
     def score_key(self, state: CycleState) -> tuple[object, ...] | None:
         """:func:`network_key` (see :class:`~loom.sched.framework.ScorePlugin`)."""
