@@ -1483,7 +1483,7 @@ def _named(status: Status, name: str) -> Status:
 
 _KeyOf = Callable[[CycleState], Hashable | None]
 
-_FEW_POOLS = 4
+_FEW_POOLS = 2
 """Changed pools recounted one by one (their nodes kept for packing) rather than all at once."""
 
 _SHAPES_KEPT = 64

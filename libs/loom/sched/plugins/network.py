@@ -274,8 +274,18 @@ def predict_step_s(
     compute = job.work.step_time_s / speed
     rtt_ms, bandwidth_gbps = slowest_link(net, regions)
     bytes_per_step, rounds = _comm_of(job)
-    comm = float(allreduce_s(bytes_per_step, rounds, rtt_ms, bandwidth_gbps, workers or job.workers))
+    comm = _allreduce_one(bytes_per_step, rounds, rtt_ms, bandwidth_gbps, workers or job.workers)
     return StepEstimate(compute_s=compute, comm_s=comm)
+
+
+def _allreduce_one(
+    bytes_per_step: float, rounds_per_step: float, rtt_ms: float, bandwidth_gbps: float, workers: int
+) -> float:
+    """:func:`allreduce_s` of one link, in plain floats (the same operations, so the same result)."""
+    if not workers > 1:
+        return 0.0
+    bw = max(float(bandwidth_gbps), 1e-9)
+    return 2.0 * bytes_per_step * 8.0 / (bw * 1e9) + rounds_per_step * float(rtt_ms) / 1000.0
 
 
 # ---- the gang's link per candidate --------------------------------------------------------------
@@ -450,24 +460,33 @@ def network_factors(state: CycleState, candidates: Candidates, speed: FloatArray
     return NetworkFactors(comm=comm, data=data, near=near, users=users, health=health)
 
 
+_NETWORK_KEY: StateKey[tuple[object, ...] | None] = StateKey("network.key")
+
+
 def network_key(state: CycleState) -> tuple[object, ...] | None:
     """Everything :func:`network_factors` and :func:`predicted_jct_s` read of the job, hashable;
     None when they read more than that: the running jobs (``affinity.near_jobs``) or other
-    candidates' capacity (a job that may span clusters, :func:`gang_links`)."""
+    candidates' capacity (a job that may span clusters, :func:`gang_links`). Once per cycle state."""
+    try:
+        return state.read(_NETWORK_KEY)
+    except KeyError:
+        pass
     job = state.job
-    if job.affinity.near_jobs or (job.allow_multi_cluster and job.pipeline is None):
-        return None
-    work = job.work
-    return (
-        speed_key(state),
-        work.step_time_s,
-        work.steps,
-        _comm_of(job),
-        job.workers,
-        data_key(job),
-        job.task_type,
-        tuple(job.affinity.prefer_regions),
-    )
+    key: tuple[object, ...] | None = None
+    if not (job.affinity.near_jobs or (job.allow_multi_cluster and job.pipeline is None)):
+        work = job.work
+        key = (
+            speed_key(state),
+            work.step_time_s,
+            work.steps,
+            _comm_of(job),
+            job.workers,
+            data_key(job),
+            job.task_type,
+            tuple(job.affinity.prefer_regions),
+        )
+    state.write(_NETWORK_KEY, key)
+    return key
 
 
 class Joint:
