@@ -1207,7 +1207,7 @@ class Framework:
         p = len(names)
         rows: FloatArray | None = None
         if p:
-            both = np.array(norms + raws)[:, top]
+            both = np.concatenate(norms + raws).reshape(2 * p, k)[:, top]
             both[:p] = np.round(both[:p], 2)
             raw_top = both[p:]
             raw_top[~np.isfinite(raw_top)] = 0.0

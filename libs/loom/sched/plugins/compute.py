@@ -85,17 +85,31 @@ class WaterLevel:
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         snap = state.snapshot
-        shared = state.shared
-        total = shared.get("water_level.total") if shared is not None else None
-        if total is None:
-            total = snap.total_sum.sum(axis=1).astype(np.float64)  # nodes' totals never change
-            if shared is not None:
-                shared["water_level.total"] = total
-        free = snap.free_sum.sum(axis=1).astype(np.float64)
         c = candidates.cluster
-        after = (total[c] - free[c] + candidates.workers * state.per_worker) / np.maximum(total[c], 1.0)
+        total_c, adds, room = self._per_candidate(state, candidates)
+        free = snap.free_sum.sum(axis=1).astype(np.float64)
+        after = (total_c - free[c] + adds) / room
         level: FloatArray = 1.0 - _clip(after, 0.0, 1.0)
         return level
+
+    def _per_candidate(
+        self, state: CycleState, candidates: Candidates
+    ) -> tuple[FloatArray, IntArray, FloatArray]:
+        """Per candidate: its cluster's GPUs, the job's GPUs there, and the divisor; within a cycle
+        kept for the last candidates seen (nodes' totals never change)."""
+        shared = state.shared
+        key = (candidates.signature(), state.per_worker)
+        if shared is not None:
+            held = shared.get("water_level.candidates")
+            if held is not None and held[0] == key:
+                found: tuple[FloatArray, IntArray, FloatArray] = held[1]
+                return found
+        total = state.snapshot.total_sum.sum(axis=1).astype(np.float64)
+        total_c = total[candidates.cluster]
+        found = (total_c, candidates.workers * state.per_worker, np.maximum(total_c, 1.0))
+        if shared is not None:
+            shared["water_level.candidates"] = (key, found)
+        return found
 
     def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
         return _clip(raw, 0.0, 1.0) * 100.0

@@ -461,16 +461,16 @@ def network_factors(state: CycleState, candidates: Candidates, speed: FloatArray
 
 
 _NETWORK_KEY: StateKey[tuple[object, ...] | None] = StateKey("network.key")
+_NOT_YET: tuple[object, ...] = ("not computed yet",)
 
 
 def network_key(state: CycleState) -> tuple[object, ...] | None:
     """Everything :func:`network_factors` and :func:`predicted_jct_s` read of the job, hashable;
     None when they read more than that: the running jobs (``affinity.near_jobs``) or other
     candidates' capacity (a job that may span clusters, :func:`gang_links`). Once per cycle state."""
-    try:
-        return state.read(_NETWORK_KEY)
-    except KeyError:
-        pass
+    held = state.get(_NETWORK_KEY, _NOT_YET)
+    if held is not _NOT_YET:
+        return held
     job = state.job
     key: tuple[object, ...] | None = None
     if not (job.affinity.near_jobs or (job.allow_multi_cluster and job.pipeline is None)):
