@@ -1222,12 +1222,17 @@ class Framework:
         if shared is not None and rows is not None:
             kept = shared.setdefault(("record_rows", tuple(names)), {})
         pairs = zip(candidates.cluster[top].tolist(), candidates.model[top].tolist(), strict=True)
+        every = rows.tolist() if rows is not None and kept is None else None
         for i, (c, m) in enumerate(pairs):
             info = clusters[c]
             scores: dict[str, float]
             raw: dict[str, float]
             if rows is None:
                 scores, raw = {}, {}
+            elif every is not None:
+                values = every[i]
+                scores = dict(zip(names, values[:p], strict=False))
+                raw = dict(zip(names, values[p:], strict=False))
             else:
                 row = rows[i]
                 data = row.tobytes()
