@@ -1329,13 +1329,13 @@ class Framework:
             j = int(holds[np.argmin(room[holds])])
             allocations.append((snap.node_ids[int(nodes[j])], workers * state.per_worker))
             left = 0
-        order = np.lexsort((nodes, -room)) if left > 0 else np.empty(0, dtype=np.int64)
-        for pos, most in enumerate(order.tolist()):
+        order: list[int] = np.lexsort((nodes, -room)).tolist() if left > 0 else []
+        for pos, most in enumerate(order):
             if left <= 0:
                 break
             j = most
             if room[most] >= left:
-                rest = order[pos:]
+                rest = np.asarray(order[pos:], dtype=np.int64)
                 holds = rest[room[rest] >= left]
                 j = int(holds[np.lexsort((nodes[holds], room[holds]))[0]])
             fit = min(int(room[j]), left)
