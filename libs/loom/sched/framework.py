@@ -1201,18 +1201,18 @@ class Framework:
         earlier job of the cycle gets copies of the dicts built then (building them is the cost)."""
         snap = state.snapshot
         k = len(candidates)
-        order = np.lexsort((candidates.model, candidates.cluster, -np.round(totals, 9)))
+        order = np.lexsort((candidates.model, candidates.cluster, -totals.round(9)))
         self._order = (totals, order)
         top = order[: self.record_top]
         p = len(names)
         rows: FloatArray | None = None
         if p:
             both = np.concatenate(norms + raws).reshape(2 * p, k)[:, top]
-            both[:p] = np.round(both[:p], 2)
+            both[:p] = both[:p].round(2)
             raw_top = both[p:]
             raw_top[~np.isfinite(raw_top)] = 0.0
             rows = np.ascontiguousarray(both.T)
-        tots = np.round(totals[top], 2).tolist()
+        tots = totals[top].round(2).tolist()
         caps = candidates.capacity[top].tolist()
         clusters = snap.clusters
         models = snap.models
@@ -1223,6 +1223,8 @@ class Framework:
             kept = shared.setdefault(("record_rows", tuple(names)), {})
         pairs = zip(candidates.cluster[top].tolist(), candidates.model[top].tolist(), strict=True)
         every = rows.tolist() if rows is not None and kept is None else None
+        packed = rows.tobytes() if rows is not None and kept is not None else b""
+        width = 16 * p  # bytes of one row: p normalised and p raw float64 scores
         for i, (c, m) in enumerate(pairs):
             info = clusters[c]
             scores: dict[str, float]
@@ -1234,13 +1236,12 @@ class Framework:
                 scores = dict(zip(names, values[:p], strict=False))
                 raw = dict(zip(names, values[p:], strict=False))
             else:
-                row = rows[i]
-                data = row.tobytes()
+                data = packed[i * width : (i + 1) * width]
                 held = kept.get((c, m)) if kept is not None else None
                 if held is not None and held[0] == data:
                     scores, raw = held[1].copy(), held[2].copy()
                 else:
-                    values = row.tolist()
+                    values = rows[i].tolist()
                     scores = dict(zip(names, values[:p], strict=False))
                     raw = dict(zip(names, values[p:], strict=False))
                     if kept is not None:
