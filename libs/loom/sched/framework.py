@@ -194,7 +194,7 @@ class CycleState:
 
     def prune(self, clusters: BoolArray, reason: Callable[[int], str]) -> None:
         """Rule out the clusters set in ``clusters`` (still allowed until now), recording why."""
-        newly = np.flatnonzero(clusters & self.cluster_mask)
+        newly = (clusters & self.cluster_mask).nonzero()[0]
         if not newly.size:
             return  # nothing still allowed is ruled out: the mask stays as it is
         for c in newly.tolist():
@@ -913,7 +913,7 @@ class Framework:
                 state.skipped.add(plugin.name)
             elif not status.ok:
                 return Status(status.code, status.reason, status.plugin or plugin.name, status.wait_s)
-        if not state.cluster_mask.any():
+        if not _any(state.cluster_mask):
             return Status(Code.UNSCHEDULABLE, "no cluster is allowed for this job", "pre_filter")
         return SUCCESS
 
@@ -930,7 +930,7 @@ class Framework:
         else:
             free = (snap.free_sum * models).sum(axis=1)
             biggest = (snap.max_free * models).max(axis=1)
-        if int(free.min()) >= need and int(biggest.min()) >= state.per_worker:
+        if int(_min(free)) >= need and int(_min(biggest)) >= state.per_worker:
             return  # every cluster (so every zone and region) has the GPUs: nothing to prune
         region_free = np.bincount(snap.cluster_region, weights=free, minlength=len(snap.regions))
         region_free = region_free.astype(np.int64)
@@ -973,11 +973,11 @@ class Framework:
         need = max(min_capacity if min_capacity is not None else state.min_workers, 1)
         m_count = snap.free_sum.shape[1]
         pair_ok = state.cluster_mask[:, None] & state.model_mask[None, :m_count] & (snap.max_free >= g)
-        looked = np.flatnonzero(pair_ok.ravel())
+        looked = pair_ok.ravel().nonzero()[0]
         cap_looked = self.pool_workers(state, looked)
         fits = cap_looked >= need
         ok_pairs = looked[fits]
-        short = np.flatnonzero(~fits)
+        short = (~fits).nonzero()[0]
         if short.size:
             what = self._filter_needs(state)
             for k in short.tolist():
@@ -1025,13 +1025,13 @@ class Framework:
         else:
             held.move_to_end(shape)
             versions, workers = found
-            stale = np.flatnonzero(versions != snap.pool_version)
+            stale = (versions != snap.pool_version).nonzero()[0]
             shared = self._shared
             if shared is not None and 0 < stale.size <= _FEW_POOLS:
                 # a few pools changed (the last decisions'): count them node by node, and keep
                 # their nodes for packing (the pool a job goes to is often the last one's)
                 for p in stale.tolist():
-                    workers[p] = int(self._pool_nodes(state, shape, shared, p)[1].sum())
+                    workers[p] = int(self._pool_nodes(state, shape, shared, p)[1].sum(dtype=np.int64))
                     versions[p] = snap.pool_version[p]
             elif stale.size:
                 workers[stale] = self._count_pools(state, stale)
@@ -1056,7 +1056,7 @@ class Framework:
             return found
         lo = int(snap.pool_bounds[p])
         room = self._node_workers(state, slice(lo, int(snap.pool_bounds[p + 1])))
-        keep = np.flatnonzero(room)
+        keep = room.nonzero()[0]
         found = (keep + lo, room[keep])
         shared[key] = (version, found)
         return found
@@ -1095,7 +1095,7 @@ class Framework:
         free = snap.free[nodes]
         per_node = snap.room(nodes, g, cpu, mem)
         ok = snap.schedulable[nodes] & (free >= g)
-        candidates = np.flatnonzero(ok)
+        candidates = ok.nonzero()[0]
         if candidates.size:
             index = candidates + nodes.start if isinstance(nodes, slice) else nodes[candidates]
             mask = np.ones(candidates.size, dtype=np.bool_)
@@ -1157,7 +1157,7 @@ class Framework:
                     raw = np.asarray(plugin.score(state, candidates), dtype=np.float64)
                 norm = np.asarray(plugin.normalize(state, raw), dtype=np.float64)
                 # NaN fails both comparisons, so two reductions check finiteness and range at once.
-                if norm.shape != (k,) or (k and not (norm.min() >= -1e-9 and norm.max() <= 100 + 1e-9)):
+                if norm.shape != (k,) or (k and not (_min(norm) >= -1e-9 and _max(norm) <= 100 + 1e-9)):
                     raise ValueError(f"plugin {name} produced scores outside 0-100: {norm!r}")
                 weighted = w * norm if w > 0 else None
                 if key is not None and cycle is not None and signature is not None:
@@ -1323,10 +1323,10 @@ class Framework:
         nodes, room = candidates.nodes_of(i)
         allocations: list[tuple[str, int]] = []
         left = workers
-        if workers > 0 and room.size and int(room.max()) >= workers:
+        if workers > 0 and room.size and int(_max(room)) >= workers:
             # one node holds them all: the tightest that does (nodes ascend: the first of equals),
             # which is what the loop below picks at its first step
-            holds = np.flatnonzero(room >= workers)
+            holds = (room >= workers).nonzero()[0]
             j = int(holds[np.argmin(room[holds])])
             allocations.append((snap.node_ids[int(nodes[j])], workers * state.per_worker))
             left = 0
@@ -1488,6 +1488,11 @@ def _named(status: Status, name: str) -> Status:
 
 
 _KeyOf = Callable[[CycleState], Hashable | None]
+
+# The reductions without numpy's Python-level wrappers (same results; hot paths of a cycle).
+_min = np.minimum.reduce
+_max = np.maximum.reduce
+_any = np.logical_or.reduce
 
 _FEW_POOLS = 2
 """Changed pools recounted one by one (their nodes kept for packing) rather than all at once."""
