@@ -247,8 +247,8 @@ def _broken_room(state: CycleState) -> FloatArray:
             lo, hi = int(bounds[p]), int(bounds[p + 1])
             free = snap.free[lo:hi]
             broken = snap.schedulable[lo:hi] & (free >= per_worker) & (free < snap.total[lo:hi])
-            # integers: the float sum is exact, as bincount's is
-            by_pool[p] = float((np.where(broken, free // per_worker, 0) * per_worker).sum())
+            # integers: the sum is exact, as bincount's float one is
+            by_pool[p] = float(int(np.add.reduce((free // per_worker)[broken])) * per_worker)
             versions[p] = snap.pool_version[p]
         return by_pool
     broken = snap.schedulable & (snap.free >= per_worker) & (snap.free < snap.total)
