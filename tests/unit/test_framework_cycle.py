@@ -282,3 +282,52 @@ def test_a_queue_of_equal_jobs_reuses_scores_and_still_decides_the_same() -> Non
     assert calls["reference"] == 40
     assert calls["fast"] < calls["reference"]
     assert snap.free.sum() > 0
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_keyed_score_plugins_read_nothing_their_key_and_the_candidates_do_not_cover(seed: int) -> None:
+    """The ``score_key`` contract, plugin by plugin: another job with an equal key, on the same
+    candidates, after free GPUs and running jobs changed, gets the same raw scores (and the same
+    normalised ones when ``normalize_key`` is equal too)."""
+    snap = platform(seed)
+    fw = framework(caches=True, quota=False)
+    rng = np.random.default_rng(seed + 2)
+    for item in queue(seed, snap)[:8]:
+        state = fw.new_state(item.job, snap)
+        if not fw.run_pre_filters(state).ok or item.job.pipeline is not None:
+            continue
+        state.policy_mask = state.cluster_mask.copy()
+        candidates = fw.find_candidates(state, min_capacity=1)
+        if len(candidates) == 0:
+            continue
+        keyed = [p for p in fw.scorers if getattr(p, "score_key", None) is not None]
+        before = {}
+        for p in keyed:
+            key = p.score_key(state)  # type: ignore[attr-defined]
+            if key is not None and p.name not in state.skipped:
+                raw = np.asarray(p.score(state, candidates), dtype=np.float64)
+                before[p.name] = (key, raw, p.normalize_key(state), p.normalize(state, raw))  # type: ignore[attr-defined]
+        # change what keyed plugins must not read: free GPUs, running jobs, another job id and tenant
+        nodes = rng.choice(len(snap.node_ids), size=min(5, len(snap.node_ids)), replace=False)
+        snap.take([(snap.node_ids[int(n)], 1) for n in nodes])
+        snap.running = snap.running[: len(snap.running) // 2]
+        other = JobSpec(
+            **{
+                **{f: getattr(item.job, f) for f in item.job.__struct_fields__},
+                "job_id": "other",
+                "tenant": "t9",
+            }
+        )
+        again = fw.new_state(other, snap)
+        fw.run_pre_filters(again)
+        for p in keyed:
+            if p.name not in before:
+                continue
+            key, raw, norm_key, norm = before[p.name]
+            if p.score_key(again) != key:  # type: ignore[attr-defined]
+                continue
+            raw2 = np.asarray(p.score(again, candidates), dtype=np.float64)
+            assert raw2.tobytes() == raw.tobytes(), p.name
+            if norm_key is not None and p.normalize_key(again) == norm_key:  # type: ignore[attr-defined]
+                assert np.asarray(p.normalize(again, raw2)).tobytes() == np.asarray(norm).tobytes(), p.name
