@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
         help="decisions per size (default 2000; 500 above 10,000 nodes)",
     )
     placement.add_argument("--fill", type=float, default=0.6, help="share of GPUs reserved beforehand")
+    placement.add_argument(
+        "--cycle",
+        type=int,
+        default=0,
+        help="also decide the jobs in cycles of this many (schedule_many), caches on and off (0: no)",
+    )
     placement.add_argument("--seed", type=int, default=7)
     placement.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     takeover = sub.add_parser(

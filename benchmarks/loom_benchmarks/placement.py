@@ -61,7 +61,7 @@ from loom.model.capacity import NodeCapacity
 from loom.model.profiles import reference_profile, relative_speed
 from loom.model.scu import TASK_TYPES
 from loom.model.topology import Topology, load_topology
-from loom.sched.framework import Decision, Framework
+from loom.sched.framework import Decision, Framework, QueueItem
 from loom.sched.plugins.cost import default_economics
 from loom.sched.profile import build_framework
 from loom.sched.snapshot import ClusterInfo, IntArray, NetMatrix, RunningJob, Snapshot
@@ -421,12 +421,99 @@ def run_size(
     )
 
 
+def identical_jobs(count: int, start: int = 0) -> list[JobSpec]:
+    """``count`` equal one-GPU inference jobs (the queue a burst of one service's replicas makes)."""
+    return [
+        JobSpec(
+            job_id=f"same-{start + i:06d}",
+            tenant="bench",
+            task_type="inference",
+            resources=Resources(gpus=1),
+            work=Work(steps=1, step_time_s=86_400.0),
+        )
+        for i in range(count)
+    ]
+
+
+def _cycles(
+    framework: Framework, snap: Snapshot, batches: Sequence[Sequence[JobSpec]]
+) -> tuple[list[int], list[int], list[str], list[str]]:
+    """Each batch as one ``schedule_many`` cycle: wall and thread-CPU ns per cycle, every outcome,
+    and every decision (parts and score) or status, as text."""
+    walls: list[int] = []
+    cpus: list[int] = []
+    outcomes: list[str] = []
+    decided: list[str] = []
+    for batch in batches:
+        items = [QueueItem(job=j, submitted_at=snap.now) for j in batch]
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        results = framework.schedule_many(items, snap)
+        walls.append(time.perf_counter_ns() - t0)
+        cpus.append(time.thread_time_ns() - c0)
+        outcomes.extend(o.record.outcome for _, o in results)
+        decided.extend(
+            repr(
+                (i.job.job_id, o.decision.parts, o.decision.score) if o.decision else (i.job.job_id, o.status)
+            )
+            for i, o in results
+        )
+    return walls, cpus, outcomes, decided
+
+
+def run_cycles(
+    nodes: int,
+    decisions: int,
+    batch: int,
+    seed: int,
+    *,
+    fill: float = DEFAULT_FILL,
+    topology: Topology | None = None,
+) -> dict[str, Any]:
+    """The same decisions as cycles of ``batch`` jobs (``Framework.schedule_many``, as the placement
+    service decides a batch), on a fresh platform each time: the mixed workload, and as many equal
+    one-GPU inference jobs; each with the cycle's caches on and off (``Framework.cycle_caches``),
+    whose decisions must be the same (``same_decisions``)."""
+    topology = topology or load_topology()
+    built = build_platform(topology, nodes, fill, seed)
+    snap0 = build_snapshot(topology, built)
+    workloads = {
+        "mixed": workload(decisions, seed, snap0.regions, snap0.models),
+        "identical_1gpu_inference": identical_jobs(decisions),
+    }
+    del snap0
+    result: dict[str, Any] = {"batch": batch}
+    for name, jobs in workloads.items():
+        batches = [jobs[i : i + batch] for i in range(0, len(jobs), batch)]
+        by_mode: dict[str, Any] = {}
+        seen: dict[bool, list[str]] = {}
+        for caches in (True, False):
+            framework = build_framework()
+            framework.cycle_caches = caches
+            snap = build_snapshot(topology, built)
+            walls, cpus, outcomes, decided = _cycles(framework, snap, batches)
+            seen[caches] = [*decided, repr(snap.free.tolist())]
+            jobs_done = max(len(outcomes), 1)
+            by_mode["cycle_caches" if caches else "no_cycle_caches"] = {
+                "ms_per_job": round(sum(walls) / 1e6 / jobs_done, 4),
+                "cpu_ms_per_job": round(sum(cpus) / 1e6 / jobs_done, 4),
+                "decisions_per_s": round(jobs_done / (sum(walls) / 1e9), 1) if sum(walls) else None,
+                "outcomes": {o: outcomes.count(o) for o in OUTCOMES},
+            }
+        on, off = by_mode["cycle_caches"], by_mode["no_cycle_caches"]
+        by_mode["caches_speedup_cpu"] = round(off["cpu_ms_per_job"] / max(on["cpu_ms_per_job"], 1e-9), 2)
+        by_mode["same_decisions"] = seen[True] == seen[False]
+        result[name] = by_mode
+    return result
+
+
 def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every size in ``args.nodes``; the JSON result."""
     if not 0.0 <= args.fill <= 1.0:
         raise OptionError(f"--fill is a share between 0 and 1, got {args.fill!r}")
     if args.decisions is not None and args.decisions < 1:
         raise OptionError(f"--decisions must be at least 1, got {args.decisions!r}")
+    if getattr(args, "cycle", 0) < 0:
+        raise OptionError(f"--cycle must be 0 (off) or a batch size, got {args.cycle!r}")
     load_before = os.getloadavg()[0]
     topology = load_topology()
     framework = build_framework()
@@ -443,6 +530,12 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
             framework=build_framework(),
             progress=progress,
         )
+        if getattr(args, "cycle", 0):
+            if progress:
+                progress(f"{nodes:,} nodes: cycles of {args.cycle}")
+            sized.figures["cycle"] = run_cycles(
+                nodes, decisions, args.cycle, args.seed, fill=args.fill, topology=topology
+            )
         sizes.append(sized.figures)
     return {
         "benchmark": "placement",

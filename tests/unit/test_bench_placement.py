@@ -179,3 +179,24 @@ def test_the_cli_prints_the_json_result(capsys: pytest.CaptureFixture[str]) -> N
 def test_unusable_options_are_refused(overrides: dict[str, Any]) -> None:
     with pytest.raises(placement.OptionError):
         placement.run(_args(**overrides))
+
+
+def test_cycles_decide_the_same_with_the_caches_on_and_off_and_count_every_job() -> None:
+    """``--cycle``: the jobs in cycles of a batch, caches on and off: the same decisions."""
+    result = placement.run(_args(decisions=30, cycle=12, fill=0.9))
+    (size,) = result["sizes"]
+    cycle = size["cycle"]
+    assert cycle["batch"] == 12
+    for name in ("mixed", "identical_1gpu_inference"):
+        figures = cycle[name]
+        assert figures["same_decisions"] is True
+        for mode in ("cycle_caches", "no_cycle_caches"):
+            assert sum(figures[mode]["outcomes"].values()) == 30
+            assert figures[mode]["cpu_ms_per_job"] > 0
+        assert figures["cycle_caches"]["outcomes"] == figures["no_cycle_caches"]["outcomes"]
+    assert cycle["identical_1gpu_inference"]["cycle_caches"]["outcomes"]["placed"] > 0
+
+
+def test_a_negative_cycle_is_refused() -> None:
+    with pytest.raises(placement.OptionError, match="--cycle"):
+        placement.run(_args(cycle=-1))

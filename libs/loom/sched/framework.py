@@ -112,9 +112,16 @@ class Candidates:
     """A pair's passing nodes, looked up only for the pairs a decision packs onto. It reads the
     snapshot when called: pack before the snapshot changes (take, give_back), or find the
     candidates again, or ``capacity`` and the nodes will disagree."""
+    _signature: tuple[bytes, bytes, bytes] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __len__(self) -> int:
         return int(self.cluster.size)
+
+    def signature(self) -> tuple[bytes, bytes, bytes]:
+        """The clusters, models and workers as bytes (computed once: do not change the arrays)."""
+        if self._signature is None:
+            self._signature = (self.cluster.tobytes(), self.model.tobytes(), self.workers.tobytes())
+        return self._signature
 
     def nodes_of(self, i: int) -> tuple[IntArray, IntArray]:
         """Candidate ``i``'s passing nodes and the workers each can take."""
@@ -153,6 +160,12 @@ class CycleState:
     """Clusters allowed by policy (pre-filters), before free capacity pruned any: where preemption looks."""
     submitted_at: float | None = None
     """When the job was submitted (the queue's clock, like ``snapshot.now``); None: not known."""
+    shared: dict[Hashable, Any] | None = None
+    """Within :meth:`Framework.schedule_many`: one store shared by every job of the cycle (None
+    outside one), for figures a plugin can reuse from job to job of the cycle. What is kept must be
+    checked before reuse against what can change within the cycle: nodes change only through the
+    snapshot's ``take``/``give_back``/``set_schedulable``, which bump ``pool_version``; the running
+    jobs and books can change too."""
     _data: dict[StateKey[Any], Any] = field(default_factory=dict)
 
     @property
@@ -187,9 +200,11 @@ class CycleState:
 
     def prune(self, clusters: BoolArray, reason: Callable[[int], str]) -> None:
         """Rule out the clusters set in ``clusters`` (still allowed until now), recording why."""
-        newly = np.flatnonzero(clusters & self.cluster_mask)
-        for c in newly:
-            self.pruned.setdefault(self.snapshot.clusters[int(c)].id, reason(int(c)))
+        newly = (clusters & self.cluster_mask).nonzero()[0]
+        if not newly.size:
+            return  # nothing still allowed is ruled out: the mask stays as it is
+        for c in newly.tolist():
+            self.pruned.setdefault(self.snapshot.clusters[c].id, reason(c))
         self.cluster_mask &= ~clusters
 
 
@@ -244,7 +259,20 @@ class PostFilterPlugin(Protocol):
 
 @runtime_checkable
 class ScorePlugin(Protocol):
-    """Scores every candidate (raw, any scale) and maps the raw scores to 0-100 (higher is better)."""
+    """Scores every candidate (raw, any scale) and maps the raw scores to 0-100 (higher is better).
+
+    Optional, for speed within one :meth:`Framework.schedule_many` (a cycle over a queue): a plugin
+    may define ``score_key(state) -> Hashable | None``. A key (not None) promises that ``score``'s
+    raw scores depend only on that key, the candidates' ``cluster``, ``model`` and ``workers``
+    arrays (all of them: a raw score may compare a candidate with the others; not ``capacity``) and
+    on what of the snapshot does not change within a cycle (nodes' totals, clusters and their
+    trust, speeds, the network, prices, the clock): never on nodes' free resources or
+    schedulability, the running jobs, a book, or any other field of the job. A later job of the
+    same cycle with an equal key and equal candidate arrays then reuses the raw scores. None: no
+    reuse. With a ``score_key``, ``normalize_key(state) -> Hashable | None`` may promise likewise
+    that ``normalize`` reads only the raw scores, what the score key covers and this key (``()``:
+    nothing more), so the normalised scores are reused too when both keys are equal.
+    """
 
     name: str
 
@@ -542,11 +570,23 @@ class Framework:
                 raise RegistryError(f"weight of {name!r} must be a finite number >= 0, got {w!r}")
         self.weights = {p.name: float(given.get(p.name, 1.0)) for p in self.scorers}
         self.record_top = 16
+        self.cycle_caches = True
+        """Whether :meth:`schedule_many` reuses per-job work between jobs of one cycle (plugins'
+        ``score_key``); False decides every job from scratch (the reference the tests compare with)."""
         """Candidates kept in a decision record (the best ones; the count of all is kept too)."""
         self._pool_workers: weakref.WeakKeyDictionary[
             Snapshot, OrderedDict[Hashable, tuple[IntArray, IntArray]]
         ] = weakref.WeakKeyDictionary()
         """Per snapshot and job shape: the pool versions counted, and the workers per pool."""
+        self._scorer_info: list[tuple[ScorePlugin, _KeyOf | None, _KeyOf | None]] = [
+            (p, getattr(p, "score_key", None), getattr(p, "normalize_key", None)) for p in self.scorers
+        ]
+        self._cycle: dict[tuple[str, Hashable], _ScoreEntry] | None = None
+        """Within :meth:`schedule_many`: raw (and normalised) scores per plugin and ``score_key``."""
+        self._shared: dict[Hashable, Any] | None = None
+        """Within :meth:`schedule_many`: the store the cycle's states share (``CycleState.shared``)."""
+        self._order: tuple[FloatArray, IntArray] | None = None
+        """The totals the last record was built from and their order (:meth:`choose` reuses it)."""
 
     # ---- queue ---------------------------------------------------------------------------------
 
@@ -569,15 +609,25 @@ class Framework:
         running = {r.job_id for r in snap.running}
         seen: set[str] = set()
         results: list[tuple[QueueItem, Outcome]] = []
-        for item in self.sort(items):
-            job_id = item.job.job_id
-            if job_id in seen or job_id in running:
-                continue
-            seen.add(job_id)
-            outcome = self.schedule(
-                item.job, snap, avoid_clusters=(avoid or {}).get(job_id, ()), submitted_at=item.submitted_at
-            )
-            results.append((item, outcome))
+        outer, outer_shared = self._cycle, self._shared
+        if self.cycle_caches:
+            self._cycle, self._shared = {}, {}
+        try:
+            for item in self.sort(items):
+                job_id = item.job.job_id
+                if job_id in seen or job_id in running:
+                    continue
+                seen.add(job_id)
+                outcome = self.schedule(
+                    item.job,
+                    snap,
+                    avoid_clusters=(avoid or {}).get(job_id, ()),
+                    submitted_at=item.submitted_at,
+                )
+                results.append((item, outcome))
+        finally:
+            self._cycle, self._shared = outer, outer_shared
+            self._order = None
         return results
 
     # ---- one job -------------------------------------------------------------------------------
@@ -597,6 +647,7 @@ class Framework:
             model_mask=np.ones(max(len(snap.models), 1), dtype=np.bool_),
             avoid_clusters=frozenset(avoid_clusters),
             submitted_at=submitted_at,
+            shared=self._shared,
         )
 
     # PLR0912: the extension points in order, each may end the cycle.
@@ -630,7 +681,8 @@ class Framework:
             index = snap.cluster_index.get(cid)
             if index is not None:
                 avoided[index] = True
-        if avoided.any():
+        any_avoided = bool(state.avoid_clusters) and bool(avoided.any())
+        if any_avoided:
             # Clusters that failed to start an earlier attempt: avoided while others can take it
             # (a preference: when nothing else fits, they are tried again below).
             state.prune(avoided, lambda _c: "an earlier attempt failed to start there")
@@ -638,7 +690,7 @@ class Framework:
         if job.pipeline is not None:
             return self.schedule_pipeline(state, record, apply=apply)
         candidates = self.find_candidates(state)
-        if len(candidates) == 0 and avoided.any():
+        if len(candidates) == 0 and any_avoided:
             state.cluster_mask = state.policy_mask.copy()
             for c in np.flatnonzero(avoided):
                 state.pruned.pop(snap.clusters[int(c)].id, None)
@@ -868,7 +920,7 @@ class Framework:
                 state.skipped.add(plugin.name)
             elif not status.ok:
                 return _named(status, plugin.name)
-        if not state.cluster_mask.any():
+        if not _any(state.cluster_mask):
             return Status(Code.UNSCHEDULABLE, "no cluster is allowed for this job", "pre_filter")
         return SUCCESS
 
@@ -879,8 +931,14 @@ class Framework:
             return
         need = state.per_worker * (1 if self._may_split(state) else state.min_workers)
         models = state.model_mask[: snap.free_sum.shape[1]]
-        free = (snap.free_sum * models).sum(axis=1)
-        biggest = (snap.max_free * models).max(axis=1)
+        if models.all():
+            free = snap.free_sum.sum(axis=1)
+            biggest = snap.max_free.max(axis=1)
+        else:
+            free = (snap.free_sum * models).sum(axis=1)
+            biggest = (snap.max_free * models).max(axis=1)
+        if int(_min(free)) >= need and int(_min(biggest)) >= state.per_worker:
+            return  # every cluster (so every zone and region) has the GPUs: nothing to prune
         region_free = np.bincount(snap.cluster_region, weights=free, minlength=len(snap.regions))
         region_free = region_free.astype(np.int64)
         poor_regions = region_free[snap.cluster_region] < need
@@ -922,11 +980,11 @@ class Framework:
         need = max(min_capacity if min_capacity is not None else state.min_workers, 1)
         m_count = snap.free_sum.shape[1]
         pair_ok = state.cluster_mask[:, None] & state.model_mask[None, :m_count] & (snap.max_free >= g)
-        looked = np.flatnonzero(pair_ok.ravel())
+        looked = pair_ok.ravel().nonzero()[0]
         cap_looked = self.pool_workers(state, looked)
         fits = cap_looked >= need
         ok_pairs = looked[fits]
-        short = np.flatnonzero(~fits)
+        short = (~fits).nonzero()[0]
         if short.size:
             what = self._filter_needs(state)
             for k in short.tolist():
@@ -935,8 +993,12 @@ class Framework:
                 if cid not in state.pruned:
                     state.pruned[cid] = _filter_reason(snap.models[m], int(cap_looked[k]), need, what)
         cap = cap_looked[fits]
+        shared = self._shared
+        shape = self._shape(state) if shared is not None else None
 
         def nodes(c: int, m: int) -> tuple[IntArray, IntArray]:
+            if shape is not None and shared is not None:
+                return self._pool_nodes(state, shape, shared, c * m_count + m)
             pool = snap.pool(c, m)
             room = self._node_workers(state, pool)
             keep = np.flatnonzero(room)
@@ -970,14 +1032,41 @@ class Framework:
         else:
             held.move_to_end(shape)
             versions, workers = found
-            stale = np.flatnonzero(versions != snap.pool_version)
-            if stale.size:
+            stale = (versions != snap.pool_version).nonzero()[0]
+            shared = self._shared
+            if shared is not None and 0 < stale.size <= _FEW_POOLS:
+                # a few pools changed (the last decisions'): count them node by node, and keep
+                # their nodes for packing (the pool a job goes to is often the last one's)
+                for p in stale.tolist():
+                    workers[p] = int(self._pool_nodes(state, shape, shared, p)[1].sum(dtype=np.int64))
+                    versions[p] = snap.pool_version[p]
+            elif stale.size:
                 workers[stale] = self._count_pools(state, stale)
                 versions[stale] = snap.pool_version[stale]
         held[shape] = found
         while len(held) > _SHAPES_KEPT:
             held.popitem(last=False)
         return found[1][pools]
+
+    def _pool_nodes(
+        self, state: CycleState, shape: Hashable, shared: dict[Hashable, Any], p: int
+    ) -> tuple[IntArray, IntArray]:
+        """Pool ``p``'s nodes that take a worker of the job's shape and the workers each can take,
+        kept within a cycle per shape and pool while the pool's version stays (its nodes did not
+        change; equal shapes: equal answers, see :meth:`pool_workers`)."""
+        snap = state.snapshot
+        version = int(snap.pool_version[p])
+        key = ("pool_nodes", shape, p)
+        held = shared.get(key)
+        if held is not None and held[0] == version:
+            found: tuple[IntArray, IntArray] = held[1]
+            return found
+        lo = int(snap.pool_bounds[p])
+        room = self._node_workers(state, slice(lo, int(snap.pool_bounds[p + 1])))
+        keep = room.nonzero()[0]
+        found = (keep + lo, room[keep])
+        shared[key] = (version, found)
+        return found
 
     def _count_pools(self, state: CycleState, pools: IntArray) -> IntArray:
         """Workers each of ``pools`` holds, counted node by node (one pass over their nodes)."""
@@ -1013,7 +1102,7 @@ class Framework:
         free = snap.free[nodes]
         per_node = snap.room(nodes, g, cpu, mem)
         ok = snap.schedulable[nodes] & (free >= g)
-        candidates = np.flatnonzero(ok)
+        candidates = ok.nonzero()[0]
         if candidates.size:
             index = candidates + nodes.start if isinstance(nodes, slice) else nodes[candidates]
             mask = np.ones(candidates.size, dtype=np.bool_)
@@ -1027,63 +1116,158 @@ class Framework:
         """What the filters ask of a node for this job, in words (the same for every pair)."""
         return "; ".join(p.describe(state) for p in self.filters if p.name not in state.skipped)
 
-    def score(
+    # PLR0912/0915: each scorer's reuse within a cycle (raw, normalised, weighted) is one branch
+    # of the same loop; split, the cached and fresh paths would drift apart.
+    def score(  # noqa: PLR0912, PLR0915
         self, state: CycleState, candidates: Candidates, record: DecisionRecord | None = None
     ) -> FloatArray:
-        """Weighted mean of every score plugin's normalised score per candidate (0-100)."""
+        """Weighted mean of every score plugin's normalised score per candidate (0-100).
+
+        Within :meth:`schedule_many`, a plugin with ``score_key`` (see :class:`ScorePlugin`) whose key
+        and candidates (clusters, models, workers) equal an earlier job's of the same cycle reuses
+        that job's raw scores, and with an equal ``normalize_key`` its normalised ones."""
         k = len(candidates)
-        total = np.zeros(k)
+        cycle = self._cycle
+        names: list[str] = []
+        raws: list[FloatArray] = []
+        norms: list[FloatArray] = []
+        total: FloatArray | None = None
         weight_sum = 0.0
-        per_plugin: dict[str, tuple[FloatArray, FloatArray]] = {}
-        for plugin in self.scorers:
-            if plugin.name in state.skipped:
+        for plugin, key_of, norm_key_of in self._scorer_info:
+            name = plugin.name
+            if name in state.skipped:
                 continue
-            w = self.weights.get(plugin.name, 1.0)
-            raw = np.asarray(plugin.score(state, candidates), dtype=np.float64)
-            norm = np.asarray(plugin.normalize(state, raw), dtype=np.float64)
-            # NaN fails both comparisons, so two reductions check finiteness and range at once.
-            if norm.shape != (k,) or (k and not (norm.min() >= -1e-9 and norm.max() <= 100 + 1e-9)):
-                raise ValueError(f"plugin {plugin.name} produced scores outside 0-100: {norm!r}")
-            per_plugin[plugin.name] = (raw, norm)
-            if w > 0:
-                total += w * norm
-                weight_sum += w
-        totals = total / weight_sum if weight_sum > 0 else np.full(k, 100.0)
-        if record is not None and k:
-            snap = state.snapshot
-            top = np.lexsort((candidates.model, candidates.cluster, -np.round(totals, 9)))[: self.record_top]
-            names = list(per_plugin)
-            norms: list[list[float]] = []
-            raws: list[list[float]] = []
-            if names:
-                norms = np.round(np.vstack([per_plugin[n][1] for n in names])[:, top], 2).tolist()
-                raw_top = np.vstack([per_plugin[n][0] for n in names])[:, top]
-                raws = np.where(np.isfinite(raw_top), raw_top, 0.0).tolist()
-            tots = np.round(totals[top], 2).tolist()
-            caps = candidates.capacity[top].tolist()
-            pairs = zip(candidates.cluster[top].tolist(), candidates.model[top].tolist(), strict=True)
-            for i, (c, m) in enumerate(pairs):
-                info = snap.clusters[c]
-                record.candidates.append(
-                    CandidateRecord(
-                        cluster=info.id,
-                        region=info.region,
-                        gpu_model=snap.models[m],
-                        capacity=caps[i],
-                        scores={n: v[i] for n, v in zip(names, norms, strict=True)},
-                        raw={n: v[i] for n, v in zip(names, raws, strict=True)},
-                        total=tots[i],
+            w = self.weights.get(name, 1.0)
+            key: Hashable | None = None
+            held: _ScoreEntry | None = None
+            signature: tuple[bytes, bytes, bytes] | None = None
+            norm_key: Hashable | None = None
+            if cycle is not None and key_of is not None:
+                key = key_of(state)
+                if key is not None:
+                    signature = candidates.signature()
+                    held = cycle.get((name, key))
+                    if held is not None and held.signature != signature:
+                        held = None
+                    if norm_key_of is not None:
+                        norm_key = norm_key_of(state)
+            if (
+                held is not None
+                and held.norm is not None
+                and norm_key is not None
+                and held.norm_key == norm_key
+            ):
+                raw, norm = held.raw, held.norm
+                weighted = held.weighted if held.weight == w else (w * norm if w > 0 else None)
+            else:
+                if held is not None:
+                    raw = held.raw
+                else:
+                    raw = np.asarray(plugin.score(state, candidates), dtype=np.float64)
+                norm = np.asarray(plugin.normalize(state, raw), dtype=np.float64)
+                # NaN fails both comparisons, so two reductions check finiteness and range at once.
+                if norm.shape != (k,) or (k and not (_min(norm) >= -1e-9 and _max(norm) <= 100 + 1e-9)):
+                    raise ValueError(f"plugin {name} produced scores outside 0-100: {norm!r}")
+                weighted = w * norm if w > 0 else None
+                if key is not None and cycle is not None and signature is not None:
+                    kept = norm_key is not None
+                    cycle[(name, key)] = _ScoreEntry(
+                        signature,
+                        raw,
+                        norm_key,
+                        norm if kept else None,
+                        weighted if kept else None,
+                        w,
                     )
-                )
-            record.considered = max(record.considered, k)
+            names.append(name)
+            raws.append(raw)
+            norms.append(norm)
+            if weighted is not None:
+                # one plugin after another, as a running sum (the order of the additions is kept)
+                total = weighted + 0.0 if total is None else np.add(total, weighted, out=total)
+                weight_sum += w
+        if total is not None and weight_sum > 0:
+            totals: FloatArray = total / weight_sum
+        else:
+            totals = np.full(k, 100.0)
+        if record is not None and k:
+            self._record_candidates(state, candidates, totals, names, raws, norms, record)
         return totals
+
+    def _record_candidates(  # noqa: PLR0917
+        self,
+        state: CycleState,
+        candidates: Candidates,
+        totals: FloatArray,
+        names: list[str],
+        raws: list[FloatArray],
+        norms: list[FloatArray],
+        record: DecisionRecord,
+    ) -> None:
+        """The best ``record_top`` candidates into the record, with every plugin's scores.
+
+        Within :meth:`schedule_many` a candidate whose scores are bit for bit those it had for an
+        earlier job of the cycle gets copies of the dicts built then (building them is the cost)."""
+        snap = state.snapshot
+        k = len(candidates)
+        order = np.lexsort((candidates.model, candidates.cluster, -totals.round(9)))
+        self._order = (totals, order)
+        top = order[: self.record_top]
+        p = len(names)
+        rows: FloatArray | None = None
+        if p:
+            both = np.concatenate(norms + raws).reshape(2 * p, k)[:, top]
+            both[:p] = both[:p].round(2)
+            raw_top = both[p:]
+            raw_top[~np.isfinite(raw_top)] = 0.0
+            rows = np.ascontiguousarray(both.T)
+        tots = totals[top].round(2).tolist()
+        caps = candidates.capacity[top].tolist()
+        clusters = snap.clusters
+        models = snap.models
+        append = record.candidates.append
+        shared = self._shared
+        kept: dict[Hashable, tuple[bytes, dict[str, float], dict[str, float]]] | None = None
+        if shared is not None and rows is not None:
+            kept = shared.setdefault(("record_rows", tuple(names)), {})
+        pairs = zip(candidates.cluster[top].tolist(), candidates.model[top].tolist(), strict=True)
+        every = rows.tolist() if rows is not None and kept is None else None
+        packed = rows.tobytes() if rows is not None and kept is not None else b""
+        width = 16 * p  # bytes of one row: p normalised and p raw float64 scores
+        for i, (c, m) in enumerate(pairs):
+            info = clusters[c]
+            scores: dict[str, float]
+            raw: dict[str, float]
+            if rows is None:
+                scores, raw = {}, {}
+            elif every is not None:
+                values = every[i]
+                scores = dict(zip(names, values[:p], strict=False))
+                raw = dict(zip(names, values[p:], strict=False))
+            else:
+                data = packed[i * width : (i + 1) * width]
+                held = kept.get((c, m)) if kept is not None else None
+                if held is not None and held[0] == data:
+                    scores, raw = held[1].copy(), held[2].copy()
+                else:
+                    values = rows[i].tolist()
+                    scores = dict(zip(names, values[:p], strict=False))
+                    raw = dict(zip(names, values[p:], strict=False))
+                    if kept is not None:
+                        kept[(c, m)] = (data, scores.copy(), raw.copy())
+            append(CandidateRecord(info.id, info.region, models[m], caps[i], scores, raw, tots[i]))
+        record.considered = max(record.considered, k)
 
     def choose(self, state: CycleState, candidates: Candidates, totals: FloatArray) -> Decision:
         """The best candidate (ties: lowest cluster id, then model), packed onto its nodes.
 
         Cluster indices follow cluster ids (the snapshot sorts them), so index order is id order.
         """
-        best = int(np.lexsort((candidates.model, candidates.cluster, -np.round(totals, 9)))[0])
+        held = self._order
+        if held is not None and held[0] is totals:
+            best = int(held[1][0])  # the order the record was built from (same totals, same keys)
+        else:
+            best = int(np.lexsort((candidates.model, candidates.cluster, -np.round(totals, 9)))[0])
         part = self.pack(state, candidates, best, int(candidates.workers[best]))
         return Decision(
             job_id=state.job.job_id,
@@ -1146,15 +1330,22 @@ class Framework:
         whole-node workers (most room first alone would put every small job on an empty node)."""
         snap = state.snapshot
         nodes, room = candidates.nodes_of(i)
-        order = np.lexsort((nodes, -room))
         allocations: list[tuple[str, int]] = []
         left = workers
-        for pos, most in enumerate(order.tolist()):
+        if workers > 0 and room.size and int(_max(room)) >= workers:
+            # one node holds them all: the tightest that does (nodes ascend: the first of equals),
+            # which is what the loop below picks at its first step
+            holds = (room >= workers).nonzero()[0]
+            j = int(holds[np.argmin(room[holds])])
+            allocations.append((snap.node_ids[int(nodes[j])], workers * state.per_worker))
+            left = 0
+        order: list[int] = np.lexsort((nodes, -room)).tolist() if left > 0 else []
+        for pos, most in enumerate(order):
             if left <= 0:
                 break
             j = most
             if room[most] >= left:
-                rest = order[pos:]
+                rest = np.asarray(order[pos:], dtype=np.int64)
                 holds = rest[room[rest] >= left]
                 j = int(holds[np.lexsort((nodes[holds], room[holds]))[0]])
             fit = min(int(room[j]), left)
@@ -1291,9 +1482,35 @@ class Framework:
         return Outcome(status, None, record)
 
 
+@dataclass(frozen=True, slots=True)
+class _ScoreEntry:
+    """One plugin's scores for one ``score_key`` within a cycle, and the candidates they are for."""
+
+    signature: tuple[bytes, bytes, bytes]
+    """The candidates' cluster, model and workers arrays, as bytes."""
+    raw: FloatArray
+    norm_key: Hashable | None
+    """The plugin's ``normalize_key`` when ``norm`` was computed."""
+    norm: FloatArray | None
+    """Normalised scores (None unless the plugin has a ``normalize_key``)."""
+    weighted: FloatArray | None
+    """``weight x norm`` (None unless ``norm`` is kept and the weight is positive)."""
+    weight: float
+
+
 def _named(status: Status, name: str) -> Status:
     return status if status.plugin else dataclasses.replace(status, plugin=name)
 
+
+_KeyOf = Callable[[CycleState], Hashable | None]
+
+# The reductions without numpy's Python-level wrappers (same results; hot paths of a cycle).
+_min = np.minimum.reduce
+_max = np.maximum.reduce
+_any = np.logical_or.reduce
+
+_FEW_POOLS = 2
+"""Changed pools recounted one by one (their nodes kept for packing) rather than all at once."""
 
 _SHAPES_KEPT = 64
 """Job shapes whose workers per pool are kept per snapshot (the least recently used goes first)."""

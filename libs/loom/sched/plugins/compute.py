@@ -4,11 +4,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from loom.sched.framework import Candidates, CycleState, QueueItem, min_max
-from loom.sched.snapshot import FloatArray
+from loom.sched.framework import Candidates, CycleState, QueueItem, StateKey, min_max
+from loom.sched.snapshot import BoolArray, FloatArray, IntArray
 
 if TYPE_CHECKING:
     from loom.sched.availability import WaitBook
+
+
+def _clip(a: FloatArray, lo: float, hi: float) -> FloatArray:
+    """``np.clip`` of a float array (NaN stays NaN), without its Python-level overhead."""
+    clipped: FloatArray = np.minimum(np.maximum(a, lo), hi)
+    return clipped
 
 
 def delivered_speed(state: CycleState, candidates: Candidates) -> FloatArray:
@@ -18,10 +24,30 @@ def delivered_speed(state: CycleState, candidates: Candidates) -> FloatArray:
     return speed
 
 
+_SPEED_KEY: StateKey[bytes] = StateKey("compute.speed_key")
+
+
+def speed_key(state: CycleState) -> bytes:
+    """What :func:`delivered_speed` reads of the job, as a key: its per-model speed table."""
+    key = state.get(_SPEED_KEY, b"")
+    if not key:
+        key = state.snapshot.job_speeds(state.job).tobytes()
+        state.write(_SPEED_KEY, key)
+    return key
+
+
 class ScuFit:
     """Faster GPUs for the job's task type score higher: SCU per GPU x trust x workers given."""
 
     name = "scu_fit"
+
+    def normalize_key(self, state: CycleState) -> tuple[()]:
+        """Normalising reads the raw scores only (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return ()
+
+    def score_key(self, state: CycleState) -> bytes:
+        """Raw scores read the job's speeds only (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return speed_key(state)
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         return delivered_speed(state, candidates) * candidates.workers
@@ -35,6 +61,14 @@ class Trust:
     """How far a cluster's claimed compute is believed: new clusters start low and earn trust."""
 
     name = "trust"
+
+    def normalize_key(self, state: CycleState) -> tuple[()]:
+        """Normalising reads the raw scores only (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return ()
+
+    def score_key(self, state: CycleState) -> tuple[()]:
+        """Raw scores read nothing of the job (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return ()
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         trust: FloatArray = state.snapshot.trust[candidates.cluster].astype(np.float64)
@@ -51,15 +85,34 @@ class WaterLevel:
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         snap = state.snapshot
-        total = snap.total_sum.sum(axis=1).astype(np.float64)
-        free = snap.free_sum.sum(axis=1).astype(np.float64)
         c = candidates.cluster
-        after = (total[c] - free[c] + candidates.workers * state.per_worker) / np.maximum(total[c], 1.0)
-        level: FloatArray = 1.0 - np.clip(after, 0.0, 1.0)
+        total_c, adds, room = self._per_candidate(state, candidates)
+        free = snap.free_sum.sum(axis=1).astype(np.float64)
+        after = (total_c - free[c] + adds) / room
+        level: FloatArray = 1.0 - _clip(after, 0.0, 1.0)
         return level
 
+    def _per_candidate(
+        self, state: CycleState, candidates: Candidates
+    ) -> tuple[FloatArray, IntArray, FloatArray]:
+        """Per candidate: its cluster's GPUs, the job's GPUs there, and the divisor; within a cycle
+        kept for the last candidates seen (nodes' totals never change)."""
+        shared = state.shared
+        key = (candidates.signature(), state.per_worker)
+        if shared is not None:
+            held = shared.get("water_level.candidates")
+            if held is not None and held[0] == key:
+                found: tuple[FloatArray, IntArray, FloatArray] = held[1]
+                return found
+        total = state.snapshot.total_sum.sum(axis=1).astype(np.float64)
+        total_c = total[candidates.cluster]
+        found = (total_c, candidates.workers * state.per_worker, np.maximum(total_c, 1.0))
+        if shared is not None:
+            shared["water_level.candidates"] = (key, found)
+        return found
+
     def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
-        return np.clip(raw, 0.0, 1.0) * 100.0
+        return _clip(raw, 0.0, 1.0) * 100.0
 
 
 POOL_FIT_FROM = 0.4
@@ -92,6 +145,11 @@ class PoolFit:
     def __init__(self, book: "WaitBook | None" = None) -> None:
         self.book = book
 
+    def score_key(self, state: CycleState) -> tuple[bytes, int]:
+        """Raw scores read the job's speeds and GPUs per worker, and pool totals (normalising
+        reads the platform's use and the wait book, so it runs every time)."""
+        return speed_key(state), state.per_worker
+
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         snap = state.snapshot
         gpus = np.maximum(candidates.workers * state.per_worker, 1)
@@ -102,14 +160,27 @@ class PoolFit:
         slow = speed * POOL_FIT_MAX_SLOWDOWN < float(speed.max(initial=0.0))
         return np.where(slow, 1.0, share)
 
-    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+    def level(self, state: CycleState) -> float:
+        """How much pool fit has its say now, 0-1 (see the class docstring)."""
         snap = state.snapshot
-        total = float(snap.total_sum.sum())
+        shared = state.shared
+        total = shared.get("pool_fit.total") if shared is not None else None
+        if total is None:
+            total = float(snap.total_sum.sum())  # nodes' totals never change
+            if shared is not None:
+                shared["pool_fit.total"] = total
         used = 1.0 - float(snap.free_sum.sum()) / total if total > 0 else 0.0
         level = min(max((used - POOL_FIT_FROM) / (POOL_FIT_FULL_AT - POOL_FIT_FROM), 0.0), 1.0)
         if self.book is not None and self.book.waiting_jobs(snap.now, exclude=state.job.job_id) > 0:
             level = 1.0  # a queue: contention whatever the share in use
-        scores: FloatArray = 100.0 * (1.0 - level * np.clip(raw, 0.0, 1.0))
+        return level
+
+    def normalize_key(self, state: CycleState) -> float:
+        """Normalising reads the raw scores and :meth:`level` only."""
+        return self.level(state)
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        scores: FloatArray = 100.0 * (1.0 - self.level(state) * _clip(raw, 0.0, 1.0))
         return scores
 
 
@@ -128,22 +199,65 @@ class NodeFit:
     name = "node_fit"
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
-        snap = state.snapshot
-        per_worker = state.per_worker
-        broken = snap.schedulable & (snap.free >= per_worker) & (snap.free < snap.total)
-        room = np.where(broken, snap.free // per_worker, 0) * per_worker
-        size = snap.total_sum.size
-        by_pool = np.bincount(snap.pool_of, weights=room, minlength=size)[:size]
-        pools = candidates.cluster * snap.total_sum.shape[1] + candidates.model
-        gpus = np.maximum(candidates.workers * per_worker, 1).astype(np.float64)
+        by_pool = _broken_room(state)
+        pools, gpus, slow = self._per_candidate(state, candidates)
         share: FloatArray = np.minimum(by_pool[pools] / gpus, 1.0)
-        speed = delivered_speed(state, candidates)
-        slow = speed * POOL_FIT_MAX_SLOWDOWN < float(speed.max(initial=0.0))
         return np.where(slow, 0.0, share)
 
+    def _per_candidate(
+        self, state: CycleState, candidates: Candidates
+    ) -> tuple[IntArray, FloatArray, BoolArray]:
+        """The candidates' pools, GPUs and whether they are too slow: within a cycle, kept for the
+        last candidates and job speeds seen (they read nothing else)."""
+        shared = state.shared
+        key = (candidates.signature(), speed_key(state), state.per_worker) if shared is not None else None
+        if shared is not None:
+            held = shared.get("node_fit.candidates")
+            if held is not None and held[0] == key:
+                found: tuple[IntArray, FloatArray, BoolArray] = held[1]
+                return found
+        snap = state.snapshot
+        pools = candidates.cluster * snap.total_sum.shape[1] + candidates.model
+        gpus = np.maximum(candidates.workers * state.per_worker, 1).astype(np.float64)
+        speed = delivered_speed(state, candidates)
+        slow = speed * POOL_FIT_MAX_SLOWDOWN < float(speed.max(initial=0.0))
+        if shared is not None:
+            shared["node_fit.candidates"] = (key, (pools, gpus, slow))
+        return pools, gpus, slow
+
     def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
-        scores: FloatArray = 100.0 * np.clip(raw, 0.0, 1.0)
+        scores: FloatArray = 100.0 * _clip(raw, 0.0, 1.0)
         return scores
+
+
+def _broken_room(state: CycleState) -> FloatArray:
+    """Per pool, the GPUs of whole workers on its nodes in use (some but not all GPUs free,
+    schedulable). Within a cycle (``state.shared``) kept per GPUs per worker with the pool versions,
+    and recounted only for the pools that changed since."""
+    snap = state.snapshot
+    per_worker = state.per_worker
+    shared = state.shared
+    held = shared.get(("node_fit.room", per_worker)) if shared is not None else None
+    if held is not None and held[0].size == snap.pool_version.size:
+        versions: IntArray = held[0]
+        by_pool: FloatArray = held[1]
+        stale = np.flatnonzero(versions != snap.pool_version)
+        bounds = snap.pool_bounds
+        for p in stale.tolist():
+            lo, hi = int(bounds[p]), int(bounds[p + 1])
+            free = snap.free[lo:hi]
+            broken = snap.schedulable[lo:hi] & (free >= per_worker) & (free < snap.total[lo:hi])
+            # integers: the sum is exact, as bincount's float one is
+            by_pool[p] = float(int(np.add.reduce((free // per_worker)[broken])) * per_worker)
+            versions[p] = snap.pool_version[p]
+        return by_pool
+    broken = snap.schedulable & (snap.free >= per_worker) & (snap.free < snap.total)
+    room = np.where(broken, snap.free // per_worker, 0) * per_worker
+    size = snap.total_sum.size
+    by_pool = np.bincount(snap.pool_of, weights=room, minlength=size)[:size].astype(np.float64)
+    if shared is not None:
+        shared[("node_fit.room", per_worker)] = (snap.pool_version.copy(), by_pool)
+    return by_pool
 
 
 class PriorityFairShare:
@@ -164,4 +278,5 @@ __all__ = [
     "WaterLevel",
     "delivered_speed",
     "min_max",
+    "speed_key",
 ]

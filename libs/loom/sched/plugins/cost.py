@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from loom.sched.framework import Candidates, CycleState, min_max
-from loom.sched.plugins.compute import delivered_speed
+from loom.sched.plugins.compute import delivered_speed, speed_key
 from loom.sched.snapshot import Economics, FloatArray
 
 __all__ = [
@@ -133,6 +133,10 @@ class CostEnergy:
 
     name = "cost_energy"
 
+    def normalize_key(self, state: CycleState) -> tuple[()]:
+        """Normalising reads the raw scores only (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return ()
+
     def __init__(
         self, economics: Economics | None = None, *, price_weight: float = 0.5, carbon_weight: float = 0.5
     ) -> None:
@@ -142,6 +146,10 @@ class CostEnergy:
         """Used instead of the snapshot's economics when given."""
         self.price_weight = price_weight
         self.carbon_weight = carbon_weight
+
+    def score_key(self, state: CycleState) -> bytes:
+        """Raw scores read the job's speeds only, and the snapshot's prices at its clock."""
+        return speed_key(state)
 
     def price_and_carbon(self, state: CycleState, candidates: Candidates) -> tuple[FloatArray, FloatArray]:
         """Per candidate: price per SCU-hour and grams CO2 per SCU-hour, now."""

@@ -16,9 +16,9 @@ import numpy as np
 
 from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, Decision, StateKey, Status
 from loom.sched.snapshot import FloatArray
-from loom_proto.jobs import SyncPlan
+from loom_proto.jobs import JobSpec, SyncPlan
 
-__all__ = ["READ_SLOWDOWN", "DataLocality", "DataPlacement", "data_delay_s", "data_placement"]
+__all__ = ["READ_SLOWDOWN", "DataLocality", "DataPlacement", "data_delay_s", "data_key", "data_placement"]
 
 READ_SLOWDOWN = 2.0
 """Steps of a job that reads while its dataset syncs take this many times as long until the copy is
@@ -56,6 +56,14 @@ class DataPlacement:
     """Per ``snapshot.regions``: seconds of the first copy there (0 where a holder is)."""
     source: tuple[str, ...]
     """Per ``snapshot.regions``: the holder the copy comes from."""
+
+
+def data_key(job: JobSpec) -> tuple[object, ...] | None:
+    """Everything :func:`data_placement` reads of the job, hashable (None: no dataset)."""
+    d = job.data
+    if d is None:
+        return None
+    return (d.dataset, d.region, tuple(d.replicas), d.size_gb, d.change_gb_per_hour, d.start)
 
 
 _PLACEMENT: StateKey[DataPlacement | None] = StateKey("data.placement")
@@ -110,6 +118,15 @@ class DataLocality:
     """
 
     name = "data_locality"
+
+    def normalize_key(self, state: CycleState) -> tuple[()]:
+        """Normalising reads the raw scores only (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return ()
+
+    def score_key(self, state: CycleState) -> tuple[object, ...]:
+        """The job's dataset and run (all that scoring and normalising read of the job)."""
+        work = state.job.work
+        return (data_key(state.job), work.steps, work.step_time_s)
 
     def pre_filter(self, state: CycleState) -> Status:
         if state.job.data is None:

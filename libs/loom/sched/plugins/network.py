@@ -28,8 +28,8 @@ import numpy as np
 from loom.net.linkstate import CostWeights
 from loom.sched.availability import MIN_RESERVATION_S, Reservation, WaitBook, expected_wait_s
 from loom.sched.framework import Candidates, Code, CycleState, Decision, StateKey, Status
-from loom.sched.plugins.compute import delivered_speed
-from loom.sched.plugins.data import data_delay_s, data_placement
+from loom.sched.plugins.compute import delivered_speed, speed_key
+from loom.sched.plugins.data import data_delay_s, data_key, data_placement
 from loom.sched.snapshot import (
     INTRA_REGION_GBPS,
     INTRA_REGION_RTT_MS,
@@ -64,6 +64,7 @@ __all__ = [
     "link_health",
     "near_jobs",
     "network_factors",
+    "network_key",
     "predict_step_s",
     "predicted_jct_s",
     "region_links",
@@ -273,8 +274,18 @@ def predict_step_s(
     compute = job.work.step_time_s / speed
     rtt_ms, bandwidth_gbps = slowest_link(net, regions)
     bytes_per_step, rounds = _comm_of(job)
-    comm = float(allreduce_s(bytes_per_step, rounds, rtt_ms, bandwidth_gbps, workers or job.workers))
+    comm = _allreduce_one(bytes_per_step, rounds, rtt_ms, bandwidth_gbps, workers or job.workers)
     return StepEstimate(compute_s=compute, comm_s=comm)
+
+
+def _allreduce_one(
+    bytes_per_step: float, rounds_per_step: float, rtt_ms: float, bandwidth_gbps: float, workers: int
+) -> float:
+    """:func:`allreduce_s` of one link, in plain floats (the same operations, so the same result)."""
+    if not workers > 1:
+        return 0.0
+    bw = max(float(bandwidth_gbps), 1e-9)
+    return 2.0 * bytes_per_step * 8.0 / (bw * 1e9) + rounds_per_step * float(rtt_ms) / 1000.0
 
 
 # ---- the gang's link per candidate --------------------------------------------------------------
@@ -449,6 +460,35 @@ def network_factors(state: CycleState, candidates: Candidates, speed: FloatArray
     return NetworkFactors(comm=comm, data=data, near=near, users=users, health=health)
 
 
+_NETWORK_KEY: StateKey[tuple[object, ...] | None] = StateKey("network.key")
+_NOT_YET: tuple[object, ...] = ("not computed yet",)
+
+
+def network_key(state: CycleState) -> tuple[object, ...] | None:
+    """Everything :func:`network_factors` and :func:`predicted_jct_s` read of the job, hashable;
+    None when they read more than that: the running jobs (``affinity.near_jobs``) or other
+    candidates' capacity (a job that may span clusters, :func:`gang_links`). Once per cycle state."""
+    held = state.get(_NETWORK_KEY, _NOT_YET)
+    if held is not _NOT_YET:
+        return held
+    job = state.job
+    key: tuple[object, ...] | None = None
+    if not (job.affinity.near_jobs or (job.allow_multi_cluster and job.pipeline is None)):
+        work = job.work
+        key = (
+            speed_key(state),
+            work.step_time_s,
+            work.steps,
+            _comm_of(job),
+            job.workers,
+            data_key(job),
+            job.task_type,
+            tuple(job.affinity.prefer_regions),
+        )
+    state.write(_NETWORK_KEY, key)
+    return key
+
+
 class Joint:
     """Joint score: ``alpha x compute + (1 - alpha) x network``, both 0-100.
 
@@ -469,8 +509,17 @@ class Joint:
 
     name = "joint"
 
+    def normalize_key(self, state: CycleState) -> tuple[()]:
+        """Normalising reads the raw scores only (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return ()
+
     def __init__(self, learner: AlphaLearner | None = None) -> None:
         self.learner = learner if learner is not None else AlphaLearner()
+
+    def score_key(self, state: CycleState) -> tuple[object, ...] | None:
+        """:func:`network_key` and alpha (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        key = network_key(state)
+        return None if key is None else (key, self.learner.alpha(state.job.task_type))
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         speed = delivered_speed(state, candidates)
@@ -527,6 +576,14 @@ class Jct:
     """
 
     name = "jct"
+
+    def normalize_key(self, state: CycleState) -> tuple[()]:
+        """Normalising reads the raw scores only (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return ()
+
+    def score_key(self, state: CycleState) -> tuple[object, ...] | None:
+        """:func:`network_key` (see :class:`~loom.sched.framework.ScorePlugin`)."""
+        return network_key(state)
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         return predicted_jct_s(state, candidates)

@@ -25,8 +25,12 @@ class ResourceFit:
         snap = state.snapshot
         res = state.job.resources
         wanted = {m.upper(): m for m in res.gpu_models}
-        present = {m.upper() for m in snap.models}
-        unknown = sorted(v for k, v in wanted.items() if k not in present and k not in self.known_models)
+        present = {m.upper() for m in snap.models} if wanted else set()
+        unknown = (
+            sorted(v for k, v in wanted.items() if k not in present and k not in self.known_models)
+            if wanted
+            else []
+        )
         if unknown:
             known = sorted(present | self.known_models)
             return Status(
