@@ -20,6 +20,7 @@ from loom.model.profiles import speeds_for_model
 from loom.model.scu import TASK_TYPES, UNPROFILED_SPEED, Precision
 from loom.model.topology import Topology
 from loom.sched.cycle import expected_end_s
+from loom.sched.elastic import resized_end_s
 from loom.sched.quota import OPEN, QuotaBook, TenantConfig
 from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, RunningJob, Snapshot, job_precision
 from loom_proto.jobs import JobSubmitted
@@ -63,6 +64,8 @@ class Run:
     """When it was placed (the snapshot's clock, wall seconds); None when not known."""
     predicted_step_s: float | None = None
     """The decision's predicted seconds per step; None when placement bound none."""
+    end_s: float | None = None
+    """The predicted end as a resize left it (None: from the start, :attr:`expected_end_s`)."""
     progress_at_start: float = 0.0
     """Share of the work already done when ``started_at`` was taken (a run restored from the
     store after a restart or leader change is timed from then, for what is left)."""
@@ -112,6 +115,8 @@ class Run:
     def expected_end_s(self) -> float | None:
         """When the run is predicted to end: its placement plus its steps at the predicted step
         (what :mod:`loom.sched.availability` reads); None when either is not known."""
+        if self.end_s is not None:
+            return self.end_s
         if self.started_at is None:
             return None
         return expected_end_s(
@@ -133,6 +138,9 @@ class Book:
         tenants: TenantConfig | None = None,
     ) -> None:
         self.nodes: dict[str, NodeCapacity] = {}
+        self.waiting: set[str] = set()
+        """The queue as the scheduling core counts it (``Snapshot.waiting``): jobs nothing fitted,
+        until placed or rejected, or gone from the queue (:meth:`forget_waiting`)."""
         self.tenants = tenants or OPEN
         """Tenant quotas: every snapshot carries a book of them with what each tenant holds."""
         self.runs: dict[str, Run] = {}
@@ -165,7 +173,8 @@ class Book:
     def add_run(self, run: Run, *, in_snapshot: bool = False, from_store: bool = False) -> None:
         """A committed placement: its GPUs (and workers' CPU and RAM) are promised.
 
-        ``in_snapshot``: the cycle that decided it already took the GPUs in the kept snapshot.
+        ``in_snapshot``: the cycle that decided it already took the GPUs in the kept snapshot and
+        listed the run in its running jobs.
         ``from_store``: the run was read back from PostgreSQL, whose capacity book already counts
         its GPUs; only its CPU, RAM and tenant usage are added.
         """
@@ -173,12 +182,13 @@ class Book:
         self._reserve(run, +1, gpus=not from_store)
         if self._snap is None:
             return
-        if not in_snapshot:
-            core = run.running_job()
-            self._snap.take(core.allocations, core.gpus_per_worker, core.cpu_milli, core.memory_mib)
-            if self._snap.quota is not None:
-                self._snap.quota.take(run.job.tenant, run.gpus)
-        self._snap.running.append(run.running_job())
+        if in_snapshot:
+            return
+        core = run.running_job()
+        self._snap.take(core.allocations, core.gpus_per_worker, core.cpu_milli, core.memory_mib)
+        if self._snap.quota is not None:
+            self._snap.quota.take(run.job.tenant, run.gpus)
+        self._snap.running.append(core)
 
     def drop_run(self, job_id: str, attempt: int | None = None, *, in_snapshot: bool = False) -> Run | None:
         """The run ended or was given up; its promises are withdrawn. None if unknown (or another attempt).
@@ -213,13 +223,21 @@ class Book:
                 self._snap.running = [run._core if r is old else r for r in self._snap.running]
 
     def resize_run(
-        self, job_id: str, parts: list[tuple[str, str, tuple[tuple[str, int], ...]]], workers: int
+        self,
+        job_id: str,
+        parts: list[tuple[str, str, tuple[tuple[str, int], ...]]],
+        workers: int,
+        *,
+        now: float,
     ) -> None:
-        """An elastic run's allocation changed."""
+        """An elastic run's allocation changed at ``now``: what is left of it is predicted to take
+        longer or shorter in proportion (:func:`loom.sched.elastic.resized_end_s`)."""
         run = self.runs[job_id]
+        end = resized_end_s(run.running_job(), workers, now)
         self._reserve(run, -1)
         run.parts = parts
         run.workers = workers
+        run.end_s = end
         run._core = None
         self._reserve(run, +1)
         self.invalidate()
@@ -354,6 +372,7 @@ class Book:
             now=now,
         )
         self._snap.quota = QuotaBook(self.tenants, self.usage_by_tenant())
+        self._snap.waiting = self.waiting  # the same set: the framework keeps it across snapshots
         return self._snap
 
 
@@ -396,6 +415,10 @@ def run_from_row(
         parts.append((cluster, model, allocs))
     job = queued.job
     workers = int(row["workers"] or job.workers)
+    believed = step_s(job, parts[0][1], workers) if step_s is not None and parts else None
+    # A decision's predicted step is the gang's as asked; the believed step at fewer workers is
+    # taken back to that (expected_end_s scales it again for the workers the run has).
+    scale = max(job.workers, 1) / max(workers, 1) if job.pipeline is None else 1.0
     return Run(
         queued=queued,
         attempt=int(row["attempt"]),
@@ -404,6 +427,6 @@ def run_from_row(
         progress=float(row["progress"]),
         labels=job.labels,
         started_at=now if step_s is not None else None,
-        predicted_step_s=step_s(job, parts[0][1], workers) if step_s is not None and parts else None,
+        predicted_step_s=believed / scale if believed is not None else None,
         progress_at_start=float(row["progress"]),
     )

@@ -51,6 +51,7 @@ from loom.sched.cycle import (
     Grown,
     expiry_avoid,
     fair_share_of,
+    fold_within,
     retry_after_failure,
     run_cycle,
 )
@@ -160,6 +161,10 @@ class PlacementService:
         self.confirm_timeout_s = confirm_timeout_s
         self.max_attempts = max_attempts
         self.waiting_reasons: dict[str, str] = {}
+        self._cycle_runs: dict[str, Run] = {}
+        """The runs the last cycle placed (``_decide``), adopted by ``_commit``."""
+        self._fold_stale = False
+        """The last cycle took a placement back (``fold_within``): its snapshot is rebuilt."""
         self._sending: set[asyncio.Task[int]] = set()
         self.stats.update(
             {
@@ -512,6 +517,8 @@ class PlacementService:
         wall = time.time()
         result = self._decide(jobs, now=wall, backlog=backlog, grow=grow)
         applied.cycle = result
+        applied.runs = self._cycle_runs
+        applied.stale = self._fold_stale
         applied.at = wall
         if result.empty:
             return applied
@@ -599,7 +606,34 @@ class PlacementService:
             max_backoff_s=MAX_BACKOFF_S,
             grow=grow,
         )
-        result = run_cycle(self.framework, jobs, snap, settings=settings, backlog=backlog)
+        runs = self._cycle_runs = {}
+        self._fold_stale = False
+
+        def placed(q: QueuedJob, d: Decision) -> None:
+            # The run as the book will hold it once committed, listed in the snapshot now so that
+            # the cycle's later jobs see it running (the simulator lists each start at once too).
+            run = Run(
+                queued=q,
+                attempt=q.attempt,
+                parts=[(part.cluster, part.gpu_model, part.allocations) for part in d.parts],
+                workers=d.workers,
+                labels=q.job.labels,
+                started_at=now + d.start_after_s,
+                predicted_step_s=d.predicted_step_s,
+            )
+            runs[q.job.job_id] = run
+            snap.running.append(run.running_job())
+
+        result = run_cycle(self.framework, jobs, snap, settings=settings, backlog=backlog, placed=placed)
+        for job_id in fold_within(result):
+            runs.pop(job_id, None)
+            self._fold_stale = True  # the snapshot counted the taken-back run's quota: rebuild it
+        for p in result.placed:
+            d, run = p.decision, runs[p.pending.job.job_id]
+            if d.workers != run.workers:  # shrunk later in the cycle (fold_within)
+                run.parts = [(part.cluster, part.gpu_model, part.allocations) for part in d.parts]
+                run.workers = d.workers
+                run._core = None
         if not result.empty:
             self.stats["last_cycle"] = {"jobs": len(jobs), "decide_ms": round(result.decide_ms, 1)}
         return result
@@ -814,6 +848,7 @@ class PlacementService:
         gone = set(applied.vanished)
         for job_id in gone:
             self.queue.pop(job_id, None)
+            self.book.waiting.discard(job_id)
         considered = [q for q in considered if q.job.job_id not in gone]
         for run, done in applied.learned:
             self._learn_alpha(run, done)
@@ -823,7 +858,7 @@ class PlacementService:
             self._adopt_learned()
         for job_id, parts, workers in applied.shrunk + applied.grown:
             if job_id in self.book.runs:
-                self.book.resize_run(job_id, parts, workers)
+                self.book.resize_run(job_id, parts, workers, now=applied.at or time.time())
                 self.stats["resized"] += 1
         for run, again, cause in applied.requeued:
             if self.book.drop_run(run.job.job_id, run.attempt, in_snapshot=cause == "preempted") is not None:
@@ -833,19 +868,8 @@ class PlacementService:
                     self.stats["preempted"] += 1
         cycle = applied.cycle
         for p in cycle.placed:
-            q, d = p.pending, p.decision
-            self.book.add_run(
-                Run(
-                    queued=q,
-                    attempt=q.attempt,
-                    parts=[(part.cluster, part.gpu_model, part.allocations) for part in d.parts],
-                    workers=d.workers,
-                    labels=q.job.labels,
-                    started_at=(applied.at or time.time()) + d.start_after_s,
-                    predicted_step_s=d.predicted_step_s,
-                ),
-                in_snapshot=True,
-            )
+            # Built by the cycle (``_decide``), which already took its GPUs and listed it.
+            self.book.add_run(applied.runs[p.pending.job.job_id], in_snapshot=True)
         settled = {p.pending.job.job_id for p in cycle.placed} | {
             r.pending.job.job_id for r in cycle.rejected
         }
@@ -868,7 +892,11 @@ class PlacementService:
         self.stats["placed"] += len(cycle.placed)
         self.stats["rejected"] += len(cycle.rejected)
         self.stats["queued"] = len(self.queue)
-        if applied.requeued or applied.released_children:
+        if cycle.preempted or cycle.shrunk or applied.stale:
+            # What the victims gave back beyond the new placement is free now: every queued job
+            # gets a look at it in the next cycle (as released capacity always does).
+            self.capacity_changed = True
+        if applied.requeued or applied.released_children or self.capacity_changed:
             self.wake.set()
 
     async def _requeue_loop(self) -> None:
@@ -1340,8 +1368,9 @@ class Applied:
     stale: bool = False
     """The cycle's snapshot took something the store refused (a run that ended): rebuild it."""
     at: float | None = None
-    """The cycle's clock (wall seconds): when its placements start (their predicted ends count
-    from it)."""
+    """The cycle's clock (wall seconds; resized runs' predicted ends are counted from it)."""
+    runs: dict[str, Run] = dataclasses.field(default_factory=dict)
+    """The runs the cycle placed, as the book adopts them (built and listed by ``_decide``)."""
     messages: list[outbox.OutboxMessage] = dataclasses.field(default_factory=list)
     events: list[repo.JobEventRow] = dataclasses.field(default_factory=list)
 

@@ -228,21 +228,30 @@ def test_a_gang_does_not_wait_for_faster_gpus_while_other_jobs_wait() -> None:
     alone = framework.schedule(gang(), snapshot(nodes, runs), submitted_at=NOW)
     assert alone.decision is None  # nobody else waits: 100 s + 333 s beats 1,000 s on T4
     book.drop("g")
-    book.waiting.clear()
-    book.note_waiting("someone-else", NOW)
-    queued = framework.schedule(gang(), snapshot(nodes, runs), submitted_at=NOW)
+    busy = snapshot(nodes, runs)
+    busy.waiting.add("someone-else")
+    queued = framework.schedule(gang(), busy, submitted_at=NOW)
     assert queued.decision is not None and queued.decision.parts[0].gpu_model == SLOW
 
 
-def test_the_wait_book_notes_waiting_jobs_and_forgets_them_when_placed() -> None:
-    book = WaitBook()
-    framework = Framework([ResourceFit(), ScuFit(), WaitingJobs(book)])
+def test_the_queue_counts_jobs_nothing_fits_until_placed() -> None:
+    framework = Framework([ResourceFit(), ScuFit(), WaitingJobs(WaitBook())])
     full = snapshot([node("a0", "ca", used=8)])
     assert framework.schedule(gang(), full).decision is None
-    assert book.waiting_jobs(NOW) == 1 and book.waiting_jobs(NOW, exclude="g") == 0
-    free = snapshot([node("a0", "ca")])
-    assert framework.schedule(gang(), free).decision is not None
-    assert book.waiting_jobs(NOW) == 0
+    assert full.waiting_count() == 1 and full.waiting_count(exclude="g") == 0
+    full.give_back([("a0", 8)])  # the GPUs come free: the same snapshot, the job placed
+    assert framework.schedule(gang(), full).decision is not None
+    assert full.waiting_count() == 0
+
+
+def test_a_job_held_back_by_the_span_guard_is_not_counted_as_queued() -> None:
+    nodes = [node("a0", "ca", used=8), node("b0", "cb", model=SLOW)]
+    runs = [running("busy", ("a0", 8), ends_in_s=100.0)]
+    snap = snapshot(nodes, runs)
+    framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())])
+    held = framework.schedule(gang(), snap, submitted_at=NOW)
+    assert held.decision is None  # it waits for the faster GPUs by choice: not a queue
+    assert snap.waiting_count() == 0
 
 
 # ---- backfill (opt-in) ----------------------------------------------------------------------------
@@ -283,12 +292,12 @@ def test_backfill_keeps_a_claimed_pool_from_a_job_behind_that_would_delay_the_cl
 # ---- best fit over pools --------------------------------------------------------------------------
 
 
-def pool_fit_scores(snap: Snapshot, spec: JobSpec, book: WaitBook | None = None) -> dict[str, float]:
+def pool_fit_scores(snap: Snapshot, spec: JobSpec) -> dict[str, float]:
     framework = Framework([ResourceFit(), PoolFit()])
     state = framework.new_state(spec, snap)
     assert framework.run_pre_filters(state).ok
     cands = framework.find_candidates(state)
-    plugin = PoolFit(book)
+    plugin = PoolFit()
     norm = plugin.normalize(state, plugin.score(state, cands))
     return {snap.clusters[int(c)].id: float(v) for c, v in zip(cands.cluster, norm, strict=True)}
 
@@ -307,9 +316,8 @@ def test_pool_fit_keeps_large_pools_for_large_gangs_only_when_the_platform_is_bu
     # Half used, nobody waiting: a quarter of its say; a job waiting: all of it.
     half = snapshot([*small, *[node(f"o{i}", "other", used=8) for i in range(9)], *large])
     assert pool_fit_scores(half, job)["large"] == pytest.approx(100.0 * (1 - (0.5 - 0.4) / 0.4))
-    book = WaitBook()
-    book.note_waiting("someone", NOW)
-    assert pool_fit_scores(half, job, book)["large"] == pytest.approx(0.0, abs=1e-9)
+    half.waiting.add("someone")
+    assert pool_fit_scores(half, job)["large"] == pytest.approx(0.0, abs=1e-9)
 
 
 def test_pool_fit_does_not_trade_a_jobs_speed_for_a_pools_shape() -> None:

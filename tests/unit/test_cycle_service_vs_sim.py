@@ -92,32 +92,34 @@ def replay(svc: PlacementService, jobs: list[SimJob], ends: dict[str, float]) ->
             for j in arrivals.get(t, [])
         ]
         changed = bool(finished)
-        queued = list(svc.queue.values()) if changed else []
-        considered = fresh + queued
-        result = svc._decide(considered, now=t, grow=changed)
-        applied = Applied(cycle=result, at=t)
-        for pre in result.preempted:
-            # What _give_up does in memory: the victim is queued again as its next attempt.
-            run = svc.book.runs[pre.job_id]
-            again = dataclasses.replace(run.queued, attempt=run.attempt + 1, tries=0)
-            applied.requeued.append((run, again, "preempted"))
-        for s in result.shrunk:
-            cluster, model, _ = svc.book.runs[s.job_id].parts[0]
-            applied.shrunk.append((s.job_id, [(cluster, model, s.allocations)], s.workers))
-        for g in result.grown:
-            applied.grown.append((g.job_id, [(g.cluster, g.gpu_model, g.allocations)], g.workers))
-        svc._commit(applied, considered)
-        for p in result.placed:
-            d = p.decision
-            first = got.get(p.pending.job.job_id, (t,))[0]  # a requeued job keeps its first start
-            got[p.pending.job.job_id] = (
-                first,
-                tuple(part.cluster for part in d.parts),
-                d.lead.gpu_model,
-                None,
-            )
-        for r in result.rejected:
-            got[r.pending.job.job_id] = ("rejected",)
+        while True:
+            considered = fresh + (list(svc.queue.values()) if changed else [])
+            fresh = []
+            result = svc._decide(considered, now=t, grow=changed)
+            applied = Applied(cycle=result, runs=svc._cycle_runs, stale=svc._fold_stale, at=t)
+            for pre in result.preempted:
+                # What _give_up does in memory: the victim is queued again as its next attempt.
+                run = svc.book.runs[pre.job_id]
+                again = dataclasses.replace(run.queued, attempt=run.attempt + 1, tries=0)
+                applied.requeued.append((run, again, "preempted"))
+            for s in result.shrunk:
+                cluster, model, _ = svc.book.runs[s.job_id].parts[0]
+                applied.shrunk.append((s.job_id, [(cluster, model, s.allocations)], s.workers))
+            for g in result.grown:
+                applied.grown.append((g.job_id, [(g.cluster, g.gpu_model, g.allocations)], g.workers))
+            svc._commit(applied, considered)
+            for p in result.placed:
+                d = p.decision
+                first = got.get(p.pending.job.job_id, (t,))[0]  # a requeued job keeps its first start
+                parts = tuple(part.cluster for part in d.parts)
+                got[p.pending.job.job_id] = (first, parts, d.lead.gpu_model, None)
+            for r in result.rejected:
+                got[r.pending.job.job_id] = ("rejected",)
+            # The requeue loop runs again at once after a preemption or shrink (capacity changed).
+            changed = svc.capacity_changed
+            svc.capacity_changed = False
+            if not changed:
+                break
     for job_id, run in svc.book.runs.items():
         got[job_id] = (*got[job_id][:3], run.gpus)
     return got

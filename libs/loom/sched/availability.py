@@ -45,7 +45,11 @@ class Releases:
     start: IntArray
 
 
-_CACHE: "weakref.WeakKeyDictionary[Snapshot, tuple[tuple[int, int], Releases]]" = weakref.WeakKeyDictionary()
+_CACHE: "weakref.WeakKeyDictionary[Snapshot, tuple[list[RunningJob], int, Releases]]" = (
+    weakref.WeakKeyDictionary()
+)
+"""Per snapshot: the running list the releases were built from (held, so that no later list can
+take its address and pass for it), its length then, and the releases."""
 
 _Entry = tuple[RunningJob, list[int], list[int]]
 
@@ -56,14 +60,13 @@ list costs a pass over its jobs, not over every allocation again."""
 
 
 def releases(snap: Snapshot) -> Releases:
-    """The snapshot's running jobs' releases per pool (cached per running list: its ``id`` and
-    length, as the preemption plugin keys its table). Ends are as predicted; one already past
-    counts as now where a wait is computed."""
+    """The snapshot's running jobs' releases per pool (cached per running list: the same list
+    object, held by the cache, at the same length, as the preemption plugin keys its table). Ends
+    are as predicted; one already past counts as now where a wait is computed."""
     running = snap.running
-    key = (id(running), len(running))
     held = _CACHE.get(snap)
-    if held is not None and held[0] == key:
-        return held[1]
+    if held is not None and held[0] is running and held[1] == len(running):
+        return held[2]
     known = _PER_JOB.get(snap, {})
     index = snap.node_index
     current: dict[str, _Entry] = {}
@@ -96,7 +99,7 @@ def releases(snap: Snapshot) -> Releases:
         gpus=gpus[order],
         start=np.searchsorted(pool[order], np.arange(pools + 1)).astype(np.int64),
     )
-    _CACHE[snap] = (key, built)
+    _CACHE[snap] = (running, len(running), built)
     return built
 
 
@@ -180,8 +183,6 @@ class Reservation:
         return submitted_at is None or self.submitted_at <= submitted_at
 
 
-WAITING_FORGOTTEN_S = 4 * 3600.0
-"""A job seen waiting and not decided again for this long is taken to have left the queue."""
 MIN_RESERVATION_S = 600.0
 """A reservation lives at least this long past its expected start unless renewed or used."""
 
@@ -195,24 +196,11 @@ class WaitBook:
 
     def __init__(self) -> None:
         self.claims: dict[str, Reservation] = {}
-        self.waiting: dict[str, float] = {}
-        """Job id -> when it was last seen waiting (decided and not placed), on the snapshot's clock."""
-
-    def note_waiting(self, job_id: str, now: float) -> None:
-        """A job was decided and not placed: it is part of the queue until placed or forgotten."""
-        self.waiting[job_id] = now
 
     def placed(self, job_id: str) -> Reservation | None:
-        """The job was placed: it waits no more; its claim (now given up), or None."""
-        self.waiting.pop(job_id, None)
+        """The job was placed: its claim (now given up), or None. (Which jobs wait at all is the
+        snapshot's queue, ``Snapshot.waiting``.)"""
         return self.drop(job_id)
-
-    def waiting_jobs(self, now: float, exclude: str = "") -> int:
-        """Jobs seen waiting within :data:`WAITING_FORGOTTEN_S` (a job decided no more is forgotten)."""
-        stale = [j for j, seen in self.waiting.items() if now - seen > WAITING_FORGOTTEN_S]
-        for job_id in stale:
-            del self.waiting[job_id]
-        return len(self.waiting) - (exclude in self.waiting)
 
     def reserve(self, reservation: Reservation) -> None:
         """Record (or renew) a job's claim."""

@@ -14,7 +14,8 @@ What a cycle decides, in order:
    clusters has not settled, only the quota's — a cluster that would fit may simply not have
    reported yet), or **waiting** (retried after a backoff that doubles per cycle it waited, up to
    :attr:`CycleSettings.max_backoff_s`, or at a permit's wake time if sooner).
-2. When nothing is left waiting (queued jobs have the first claim on freed GPUs): **grown** —
+2. When nothing is left waiting and nothing was preempted (queued jobs, and victims about to be
+   queued again, have the first claim on freed GPUs): **grown** —
    elastic jobs below their maximum take free GPUs of their own cluster and GPU model, as far as
    their tenant's quota allows (:func:`grow`).
 
@@ -31,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from loom.sched.elastic import ElasticJob, plan_grow
+from loom.sched.elastic import ElasticJob, plan_grow, resized_end_s
 from loom.sched.framework import Code, Decision, DecisionRecord, Framework, Outcome, QueueItem
 from loom.sched.snapshot import RunningJob, Snapshot
 from loom_proto.jobs import JobSpec, RejectCode
@@ -51,7 +52,9 @@ __all__ = [
     "expected_end_s",
     "expiry_avoid",
     "fair_share_of",
+    "fold_within",
     "grow",
+    "resized_end_s",
     "retry_after_failure",
     "run_cycle",
 ]
@@ -203,6 +206,7 @@ def run_cycle(
     settings: CycleSettings = CycleSettings(),
     submitted_at: Mapping[str, float] | None = None,
     backlog: int = 0,
+    placed: Callable[[P, Decision], None] | None = None,
 ) -> CycleResult[P]:
     """Decide ``queue`` on ``snap`` (which takes every decision, as the next job sees it).
 
@@ -211,7 +215,10 @@ def run_cycle(
 
     ``submitted_at``: queue-order time per job id (default: the job's ``submitted_at`` if it has
     one, else 0). ``backlog``: jobs still queued that this cycle does not consider (their backoff
-    has not ended): growth waits for them too. A job's fair share (its place among equal
+    has not ended): growth waits for them too. ``placed``: called after each placement before the
+    next job's turn, to list the new run in ``snap.running`` (the affinity, availability and
+    preemption plugins read that list): a later job of the cycle sees the earlier ones running.
+    A job's fair share (its place among equal
     priorities) is the one taken when it was queued (``Pending.fair_share``), else the tenant's now.
     """
     result: CycleResult[P] = CycleResult()
@@ -238,12 +245,27 @@ def run_cycle(
     if not items:
         outcomes: Sequence[tuple[QueueItem, Outcome]] = []
     elif isinstance(framework, Framework):
-        outcomes = framework.schedule_many(items, snap, avoid=avoid)
+        hook = None
+        if placed is not None:
+            on_placed = placed
+
+            def hook(item: QueueItem, decision: Decision) -> None:
+                on_placed(by_id[item.job.job_id], decision)
+
+        outcomes = framework.schedule_many(items, snap, avoid=avoid, placed=hook)
     else:
+        # A Decide is given the whole queue (its order is its own): ``placed`` hears of each
+        # placement after them all (the simulator decides one job per cycle, so it is the same).
         outcomes = framework(items, snap)
+        if placed is not None:
+            for item, outcome in outcomes:
+                if outcome.decision is not None:
+                    placed(by_id[item.job.job_id], outcome.decision)
     for item, outcome in outcomes:
         _classify(result, by_id[item.job.job_id], outcome, settings)
-    if settings.grow and not result.waiting and backlog == 0:
+    # Queued jobs have the first claim on free GPUs: growth waits while any job waits, and while
+    # this cycle's preemption victims are about to be queued again.
+    if settings.grow and not result.waiting and not result.preempted and backlog == 0:
         result.grown = grow(snap)
     result.decide_ms = (time.perf_counter() - started) * 1000
     return result
@@ -326,7 +348,12 @@ def grow(snap: Snapshot) -> list[Grown]:
         sizes = {g.job_id: g for g in grown}
         # A new list (never changed in place: plugins cache tables per list of running jobs).
         snap.running = [
-            dataclasses.replace(r, workers=sizes[r.job_id].workers, allocations=sizes[r.job_id].allocations)
+            dataclasses.replace(
+                r,
+                workers=sizes[r.job_id].workers,
+                allocations=sizes[r.job_id].allocations,
+                expected_end_s=resized_end_s(r, sizes[r.job_id].workers, snap.now),
+            )
             if r.job_id in sizes
             else r
             for r in snap.running
@@ -368,3 +395,27 @@ def expected_end_s(
         return None
     scale = job.workers / workers if (job.pipeline is None and 0 < workers != job.workers) else 1.0
     return start_s + delay_s + max(steps_left, 0.0) * predicted_step_s * scale
+
+
+def fold_within(result: CycleResult[P]) -> set[str]:
+    """A run placed by this cycle and then shrunk or preempted by a later job of it is settled
+    within the cycle, since it has not started: a shrink becomes the placement's size (its part's
+    allocations and workers), a preemption takes the placement back (the job waits, as if never
+    placed). Returns the job ids taken back. Pure; ``result`` is changed in place."""
+    placed = {p.pending.job.job_id: p for p in result.placed}
+    undone = {pre.job_id for pre in result.preempted if pre.job_id in placed}
+    for s in result.shrunk:
+        p = placed.get(s.job_id)
+        if p is None or s.job_id in undone:
+            continue
+        d = p.decision
+        d.parts[0] = dataclasses.replace(d.parts[0], allocations=s.allocations)
+        d.workers = s.workers
+    if undone:
+        result.placed = [p for p in result.placed if p.pending.job.job_id not in undone]
+        result.waiting += [
+            Waiting(placed[job_id].pending, placed[job_id].record, 0.0) for job_id in sorted(undone)
+        ]
+    result.preempted = [pre for pre in result.preempted if pre.job_id not in placed]
+    result.shrunk = [s for s in result.shrunk if s.job_id not in placed]
+    return undone

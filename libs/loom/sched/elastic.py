@@ -10,8 +10,17 @@ from dataclasses import dataclass
 
 from loom.errors import InvalidInputError
 from loom.sched.firstfit import pack_workers
+from loom.sched.snapshot import RunningJob
 
-__all__ = ["ElasticError", "ElasticJob", "Resize", "initial_workers", "plan_grow", "plan_shrink"]
+__all__ = [
+    "ElasticError",
+    "ElasticJob",
+    "Resize",
+    "initial_workers",
+    "plan_grow",
+    "plan_shrink",
+    "resized_end_s",
+]
 
 Allocations = tuple[tuple[str, int], ...]
 """(node, gpus) per node used, one entry per node."""
@@ -187,3 +196,13 @@ def plan_shrink(
         if freed < need:
             return []
     return [_resize(job, held[job.job_id]) for job in changed]
+
+
+def resized_end_s(run: RunningJob, workers: int, now: float) -> float | None:
+    """A running job's predicted end once it runs ``workers`` workers from ``now``: what was left at
+    its old size, stretched or shrunk in proportion (synchronous data-parallel workers). The rule
+    for every resize, shrink or growth, in placement's book and the simulator alike."""
+    end = run.expected_end_s
+    if end is None or workers <= 0:
+        return end
+    return now + max(end - now, 0.0) * run.workers / workers

@@ -603,9 +603,13 @@ class Framework:
         snap: Snapshot,
         *,
         avoid: Mapping[str, Iterable[str]] | None = None,
+        placed: "Callable[[QueueItem, Decision], None] | None" = None,
     ) -> list[tuple[QueueItem, Outcome]]:
         """One cycle over a queue, in queue order: each job id at most once, and never a job that
-        already holds GPUs (``snap.running``); every decision is applied before the next job's turn."""
+        already holds GPUs (``snap.running``); every decision is applied before the next job's turn.
+
+        ``placed``: called after each placement, before the next job's turn (the caller lists the
+        new run in ``snap.running``, so later jobs of the cycle see it as the simulator's do)."""
         running = {r.job_id for r in snap.running}
         seen: set[str] = set()
         results: list[tuple[QueueItem, Outcome]] = []
@@ -625,6 +629,8 @@ class Framework:
                     submitted_at=item.submitted_at,
                 )
                 results.append((item, outcome))
+                if placed is not None and outcome.decision is not None:
+                    placed(item, outcome.decision)
         finally:
             self._cycle, self._shared = outer, outer_shared
             self._order = None
@@ -651,7 +657,7 @@ class Framework:
         )
 
     # PLR0912: the extension points in order, each may end the cycle.
-    def schedule(  # noqa: PLR0912
+    def schedule(
         self,
         job: JobSpec,
         snap: Snapshot,
@@ -660,7 +666,22 @@ class Framework:
         apply: bool = True,
         submitted_at: float | None = None,
     ) -> Outcome:
-        """One scheduling cycle for ``job``; with ``apply`` the snapshot takes the decision's GPUs."""
+        """One scheduling cycle for ``job``; with ``apply`` the snapshot takes the decision's GPUs,
+        and its queue (``Snapshot.waiting``) counts the job from when nothing fits it until it is
+        placed or rejected."""
+        outcome = self._schedule_one(job, snap, avoid_clusters, apply, submitted_at)
+        if apply and (outcome.decision is not None or outcome.status.code == Code.UNRESOLVABLE):
+            snap.waiting.discard(job.job_id)
+        return outcome
+
+    def _schedule_one(  # noqa: PLR0912
+        self,
+        job: JobSpec,
+        snap: Snapshot,
+        avoid_clusters: Iterable[str],
+        apply: bool,
+        submitted_at: float | None,
+    ) -> Outcome:
         state = self.new_state(job, snap, avoid_clusters, submitted_at)
         record = DecisionRecord(
             job_id=job.job_id,
@@ -712,6 +733,10 @@ class Framework:
             why = self.why_nothing_fits(state)
             if why.code == Code.UNRESOLVABLE:
                 return self._fail(record, why)  # preemption cannot help either
+            if apply:
+                # Nothing fits it now: it is part of the queue (a job held back by a permit's
+                # choice, the span guard's, is not: counting those made spanning look worse).
+                snap.waiting.add(job.job_id)
             decision = self.run_post_filters(state, record)
             if decision is None:
                 return self._fail(record, why)

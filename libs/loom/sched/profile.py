@@ -70,7 +70,7 @@ def default_registry() -> Registry:
     registry.register("scu_fit", lambda _cfg: ScuFit())
     registry.register("trust", lambda _cfg: Trust())
     registry.register("water_level", lambda _cfg: WaterLevel())
-    registry.register("pool_fit", lambda cfg: PoolFit(_wait_book(cfg)))
+    registry.register("pool_fit", lambda _cfg: PoolFit())
     registry.register("node_fit", lambda _cfg: NodeFit())
     registry.register("affinity", lambda _cfg: Affinity())
     registry.register("data_locality", lambda _cfg: DataLocality())

@@ -225,6 +225,10 @@ class Snapshot:
             key=lambda c: (c.cluster, c.gpu_model or "", c.node),
         )
         self.now = now
+        self.waiting: set[str] = set()
+        """The queue: jobs decided at least once and neither placed nor rejected since (kept by
+        :meth:`~loom.sched.framework.Framework.schedule`; the caller removes jobs that leave the
+        queue otherwise). What the plugins that price a queue read (:meth:`waiting_count`)."""
         self.quota: QuotaBook | None = None
         """GPUs each tenant holds against its quota, kept with the snapshot: the quota plugin checks
         and takes from it, so a cycle's decisions count against the next job's quota at once. None:
@@ -391,6 +395,10 @@ class Snapshot:
         return self.clusters[cluster].region
 
     # ---- the cycle's own decisions -----------------------------------------------------------
+
+    def waiting_count(self, exclude: str = "") -> int:
+        """Jobs in the queue (:attr:`waiting`) other than ``exclude``."""
+        return len(self.waiting) - (exclude in self.waiting)
 
     def take(
         self,

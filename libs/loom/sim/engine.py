@@ -110,6 +110,7 @@ from loom.model.profiles import speeds_for_model
 from loom.model.topology import Topology, load_topology
 from loom.sched import dag
 from loom.sched.cycle import CycleSettings, expected_end_s, fair_share_of, grow, run_cycle
+from loom.sched.elastic import resized_end_s
 from loom.sched.framework import Decision, Outcome, QueueItem
 from loom.sched.pipeline import transfer_s
 from loom.sched.plugins.cost import default_economics
@@ -254,6 +255,9 @@ class _Shape:
     pool of it holds more (None: no failure since its last placement)."""
     resolvable: bool = False
     """A job of this shape got an answer other than UNRESOLVABLE: the platform can hold it."""
+    queued: bool = True
+    """The last job of this shape left waiting found nothing fits (so it joined the queue the
+    framework counts), rather than being held back by a permit's choice."""
 
 
 @dataclass(eq=False)
@@ -720,6 +724,10 @@ class _Simulation:
                     and not self._may_make_room(shape)
                 ):
                     self.skipped += 1
+                    if shape.index not in failed or shape.queued:
+                        # The skipped decision would have found nothing fits: the job is queued as
+                        # the framework counts the queue (Snapshot.waiting), as placement's is.
+                        self.snap.waiting.add(job.spec.job_id)
                     self._wait(job)
                     continue
             else:
@@ -774,6 +782,7 @@ class _Simulation:
             self._reject(job, result.rejected[0].reason)
             return False
         job.shape.resolvable = True
+        job.shape.queued = job.spec.job_id in snap.waiting  # nothing fitted (not a permit's choice)
         for waiting in result.waiting:
             if waiting.error:
                 self.notes.append(f"{job.spec.job_id}: {waiting.record.reason}")
@@ -832,6 +841,7 @@ class _Simulation:
     def _reject(self, job: _Job, reason: str) -> None:
         job.record.rejected = reason
         job.done = True
+        self.snap.waiting.discard(job.spec.job_id)
         for child in job.children:
             kid = self.jobs[child]
             if not kid.done:
@@ -1336,17 +1346,26 @@ class _Simulation:
         self._count(run, -1)
         i = self.position.get(job_id)
         if i is not None and self.running_list[i].job_id == job_id:
-            run.core = self.running_list[i]
+            run.core = self.running_list[i]  # as the shrink or growth left it (its end rescaled)
         else:
-            run.core = dataclasses.replace(run.core, workers=workers, allocations=allocations)
+            run.core = dataclasses.replace(
+                run.core,
+                workers=workers,
+                allocations=allocations,
+                expected_end_s=resized_end_s(run.core, workers, self.t),
+            )
         lead = run.decision.parts[0]
         part = dataclasses.replace(lead, allocations=tuple(allocations))
         run.decision = dataclasses.replace(run.decision, parts=[part], workers=workers)
         old = run.gpus
         run.gpus = run.lead_gpus = sum(g for _, g in allocations)
-        if run.gpus < old and self.snap.quota is not None:
-            # A shrink gives GPUs back in the snapshot, not the tenant's quota (growth took it).
-            self.snap.quota.give(job.spec.tenant, old - run.gpus)
+        if run.gpus < old:
+            if self.snap.quota is not None:
+                # A shrink gives GPUs back in the snapshot, not the tenant's quota (growth took it).
+                self.snap.quota.give(job.spec.tenant, old - run.gpus)
+            # What the shrink freed beyond the new placement is free for the queue (placement
+            # retries every queued job after a shrink, as after any release).
+            self.dirty.update(run.pairs)
         self._count(run, +1)
         self._touch(run.pairs)
         self.gpus_used += run.gpus - old

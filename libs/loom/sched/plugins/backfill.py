@@ -43,19 +43,14 @@ _GIVEN_UP: StateKey[Reservation | None] = StateKey("backfill.given_up")
 
 
 class WaitingJobs:
-    """Post-filter and reserve: notes in the shared wait book which jobs wait (nothing fits them
-    now) and forgets them once placed, so the span guard can price the queue (its opportunity cost).
-    Places nothing and keeps no pool: :class:`Backfill` does that too."""
+    """Reserve: a placed job gives up its claim in the shared wait book (a span guard's or a
+    backfill's), restored if the decision is refused later. Places nothing and keeps no pool:
+    :class:`Backfill` does that too. (Which jobs wait is the snapshot's queue, ``Snapshot.waiting``.)"""
 
     name = "waiting_jobs"
 
     def __init__(self, book: WaitBook | None = None) -> None:
         self.book = book if book is not None else WaitBook()
-
-    def post_filter(self, state: CycleState, framework: Framework) -> Decision | None:
-        """Nothing fits now: the job waits. Places nothing (preemption runs next)."""
-        self.book.note_waiting(state.job.job_id, state.snapshot.now)
-        return None
 
     def reserve(self, state: CycleState, decision: Decision) -> Status:
         state.write(_GIVEN_UP, self.book.placed(state.job.job_id))
@@ -133,9 +128,7 @@ class Backfill(WaitingJobs):
     # ---- claiming ------------------------------------------------------------------------------
 
     def post_filter(self, state: CycleState, framework: Framework) -> Decision | None:
-        """Nothing fits now: note the job waiting and claim the pool it is expected to finish
-        soonest in. Places nothing."""
-        super().post_filter(state, framework)
+        """Nothing fits now: claim the pool the job is expected to finish soonest in. Places nothing."""
         if state.job.pipeline is not None:
             return None
         workers = state.min_workers

@@ -8,7 +8,7 @@ from loom.sched.framework import Candidates, CycleState, QueueItem, StateKey, mi
 from loom.sched.snapshot import BoolArray, FloatArray, IntArray
 
 if TYPE_CHECKING:
-    from loom.sched.availability import WaitBook
+    pass
 
 
 def _clip(a: FloatArray, lo: float, hi: float) -> FloatArray:
@@ -133,8 +133,8 @@ class PoolFit:
     the smallest that holds the job is preferred (best fit over pools, as packing is best fit over
     nodes); a pool whose GPUs are more than ``POOL_FIT_MAX_SLOWDOWN`` times slower for the job than
     the fastest candidate's gets no preference (a job's speed is not traded for a pool's shape).
-    Normalised ``100 x (1 - level x raw)``: ``level`` is 1 while other jobs wait (the wait book's
-    queue, when a book is given), else it grows from 0 to 1 as the share of the platform's GPUs in
+    Normalised ``100 x (1 - level x raw)``: ``level`` is 1 while other jobs wait (the snapshot's
+    queue, ``Snapshot.waiting``), else it grows from 0 to 1 as the share of the platform's GPUs in
     use goes from ``POOL_FIT_FROM`` to ``POOL_FIT_FULL_AT``. A quiet platform lets speed and the
     network decide; a contended one keeps the pools only large gangs fit for them. Measured with
     ``loom bench contention`` (thresholds chosen on its truth-timed cells, 5 seeds).
@@ -142,12 +142,9 @@ class PoolFit:
 
     name = "pool_fit"
 
-    def __init__(self, book: "WaitBook | None" = None) -> None:
-        self.book = book
-
     def score_key(self, state: CycleState) -> tuple[bytes, int]:
         """Raw scores read the job's speeds and GPUs per worker, and pool totals (normalising
-        reads the platform's use and the wait book, so it runs every time)."""
+        reads the platform's use and the queue: :meth:`normalize_key`)."""
         return speed_key(state), state.per_worker
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
@@ -171,7 +168,7 @@ class PoolFit:
                 shared["pool_fit.total"] = total
         used = 1.0 - float(snap.free_sum.sum()) / total if total > 0 else 0.0
         level = min(max((used - POOL_FIT_FROM) / (POOL_FIT_FULL_AT - POOL_FIT_FROM), 0.0), 1.0)
-        if self.book is not None and self.book.waiting_jobs(snap.now, exclude=state.job.job_id) > 0:
+        if snap.waiting_count(exclude=state.job.job_id) > 0:
             level = 1.0  # a queue: contention whatever the share in use
         return level
 

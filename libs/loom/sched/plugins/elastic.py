@@ -9,7 +9,7 @@ same transaction. Runs before preemption in the default profile: shrinking loses
 
 import dataclasses
 
-from loom.sched.elastic import ElasticJob, plan_shrink
+from loom.sched.elastic import ElasticJob, plan_shrink, resized_end_s
 from loom.sched.framework import CycleState, Decision, Framework
 from loom.sched.snapshot import RunningJob
 
@@ -101,7 +101,11 @@ class ElasticShrink:
             decision.undo = undo
             snap.running = [
                 dataclasses.replace(
-                    r, workers=resized[r.job_id].workers, allocations=resized[r.job_id].allocations
+                    r,
+                    workers=resized[r.job_id].workers,
+                    allocations=resized[r.job_id].allocations,
+                    # Fewer workers: what is left takes longer.
+                    expected_end_s=resized_end_s(r, resized[r.job_id].workers, snap.now),
                 )
                 if r.job_id in resized
                 else r

@@ -788,7 +788,7 @@ class SpanGuard:
         holders = whole_gang_pools(state, decision.workers)
         if spread:
             return self._spread(state, decision, chosen, holders, speeds)
-        if self.book.waiting_jobs(snap.now, exclude=job.job_id) > 0:
+        if snap.waiting_count(exclude=job.job_id) > 0:
             return Status()  # a queue: the pool that frees is not this job's alone (see the docstring)
         options = single_cluster_options(state, holders, decision.workers, book=self.book, within_s=run_now)
         if not options:
