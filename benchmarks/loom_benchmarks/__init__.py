@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e2e.add_argument(
         "--rest-s",
         type=float,
-        default=5.0,
+        default=10.0,
         help="seconds of the idle stack over which CPU at rest is sampled",
     )
     e2e.add_argument("--json", action="store_true", help="print only the JSON result on stdout")

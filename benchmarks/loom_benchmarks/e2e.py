@@ -173,8 +173,9 @@ async def _measure(
             await run.submit_baseline(_job("bwarm", 0))
             await asyncio.wait_for(bwarm.wait(), timeout=60)
 
-        # At rest: the stack idle (one job running), every service doing only its periodic work.
-        await asyncio.sleep(1.0)
+        # At rest: the stack idle (one job running), every service doing only its periodic work
+        # (after a few seconds, so every collector has found its peers and is probing).
+        await asyncio.sleep(3.0)
         before = sampler.sample()
         await asyncio.sleep(rest_s)
         at_rest = cpu.shares(before, sampler.sample())
@@ -307,7 +308,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 args.rate,
                 args.paced_jobs,
                 sampler,
-                rest_s=float(getattr(args, "rest_s", 5.0)),
+                rest_s=float(getattr(args, "rest_s", 10.0)),
                 baseline=baseline_on,
             )
         )
