@@ -276,7 +276,7 @@ class ProbeCollector:
         if not self.config.emulate:
             return udp, tcp
         await self._close_relays(link)
-        link.udp_relay = await UdpRelay(udp, link.forward, link.reverse).start()
+        link.udp_relay = await UdpRelay(udp, link.forward, link.reverse, echo=True).start()
         link.tcp_relay = await TcpRelay(tcp, link.forward, link.reverse).start()
         return link.udp_relay.address, link.tcp_relay.address
 
