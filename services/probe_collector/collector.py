@@ -199,6 +199,8 @@ class ProbeCollector:
         self.budget = TokenBucket(budget / 3600.0, budget, budget, time.time())
         self.links: dict[str, PeerLink] = {}
         self.probing: dict[str, UdpProber] = {}
+        self._ticked = asyncio.Event()
+        """Set by each send tick: the samples completed since the last one go out together."""
         """The probers of the links being probed now (their peer found), by peer region."""
         for peer in sorted(r.id for r in topology.regions):
             link = topology.link(region, peer)
@@ -340,6 +342,7 @@ class ProbeCollector:
             for prober in list(self.probing.values()):
                 prober.send()
                 self.counts["probes_sent"] += 1
+            self._ticked.set()
             due += interval_s
             await asyncio.sleep(max(due - loop.time(), 0.0))  # pacing the probes
 
@@ -419,9 +422,13 @@ class ProbeCollector:
             self.counts["samples_dropped_queue_full"] += 1
 
     async def _publish_loop(self) -> None:
-        # Whatever is queued goes out together (concurrent publishes, each still acknowledged).
+        # The samples completed since the last send tick go out together at the next one (at most
+        # a tick, a fifth of a period by default, later): concurrent publishes, each acknowledged,
+        # whose acks come back together instead of one wake-up each.
         while True:
             batch = [await self.samples.get()]
+            self._ticked.clear()
+            await self._ticked.wait()
             while not self.samples.empty():
                 batch.append(self.samples.get_nowait())
             await asyncio.gather(*(self._publish(sample) for sample in batch))
