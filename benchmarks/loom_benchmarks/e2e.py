@@ -5,6 +5,10 @@ started; jobs are published as raw events exactly as any client would, and the `
 events are observed on the bus. Latency is measured from the client's publish to the arrival
 of the placed event at the same client (one clock). Jobs are long, so the clusters' only work
 during the measurement is starting them.
+
+Every run reports each process's CPU share (:mod:`loom.runtime.cpu`) at rest and under the burst;
+``--baseline`` also measures the raw consume/store/publish path (:mod:`loom_benchmarks.e2e_baseline`)
+in the same stack, and Loom's rate as a share of it.
 """
 
 import argparse
