@@ -23,6 +23,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
         action="store_true",
         help="leave out the probe collectors and network-perception (the placement path alone)",
     )
+    e2e.add_argument(
+        "--baseline",
+        action="store_true",
+        help="also measure the raw path (durable consume, store, publish; no scheduling) in the same stack",
+    )
+    e2e.add_argument(
+        "--rest-s",
+        type=float,
+        default=10.0,
+        help="seconds of the idle stack over which CPU at rest is sampled",
+    )
     e2e.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     view = sub.add_parser("view", help="the resource ledger at scale: delta apply, queries, memory per node")
     view.add_argument("--nodes", type=int, default=100_000)

@@ -5,6 +5,10 @@ started; jobs are published as raw events exactly as any client would, and the `
 events are observed on the bus. Latency is measured from the client's publish to the arrival
 of the placed event at the same client (one clock). Jobs are long, so the clusters' only work
 during the measurement is starting them.
+
+Every run reports each process's CPU share (:mod:`loom.runtime.cpu`) at rest and under the burst;
+``--baseline`` also measures the raw consume/store/publish path (:mod:`loom_benchmarks.e2e_baseline`)
+in the same stack, and Loom's rate as a share of it.
 """
 
 import argparse
@@ -12,16 +16,23 @@ import asyncio
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from loom.client import LoomClient
-from loom.runtime import stack
+from loom.runtime import cpu, stack
+from loom_benchmarks import e2e_baseline
 from loom_proto import subjects
 from loom_proto.codec import decode
-from loom_proto.jobs import JobPlaced, JobSpec, Resources, Work
+from loom_proto.jobs import JobPlaced, JobSpec, JobSubmitted, Resources, Work
+
+NEIGHBOUR_PREFIXES = ("probe-", "agent-", "network-perception", "metrics")
+"""The non-scheduling Loom services whose CPU at rest ``neighbours_at_rest_pct`` sums."""
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -42,57 +53,143 @@ def _job(prefix: str, i: int) -> JobSpec:
     )
 
 
-# PLR0915: warm-up, throughput and paced phases share clocks and subscription.
-async def _measure(nats_url: str, jobs: int, rate: float, paced_jobs: int) -> dict[str, Any]:  # noqa: PLR0915
-    client = await LoomClient.connect(nats_url, name="loom-bench")
-    sent: dict[str, float] = {}
-    placed: dict[str, float] = {}
-    waiter: dict[str, asyncio.Event] = {}
-    expected: dict[str, int] = {"warm": 1, "tp": jobs, "paced": paced_jobs}
-    seen: dict[str, int] = {}
+class _Run:
+    """What one bench run observes: when each job was sent and when its placed event arrived."""
 
-    async def on_placed(msg: Any) -> None:
+    def __init__(self, client: LoomClient) -> None:
+        self.client = client
+        self.sent: dict[str, float] = {}
+        self.placed: dict[str, float] = {}
+        self.expected: dict[str, int] = {}
+        self.seen: dict[str, int] = {}
+        self.waiter: dict[str, asyncio.Event] = {}
+
+    def expect(self, prefix: str, count: int) -> asyncio.Event:
+        self.expected[prefix] = count
+        self.waiter[prefix] = asyncio.Event()
+        if self.seen.get(prefix, 0) >= count:
+            self.waiter[prefix].set()
+        return self.waiter[prefix]
+
+    async def on_placed(self, msg: Any) -> None:
         now = time.perf_counter()
         event = decode(msg.data, JobPlaced)
-        if event.job_id in placed:
+        if event.job_id in self.placed:
             return
-        placed[event.job_id] = now
+        self.placed[event.job_id] = now
         prefix = event.job_id.split("-", 1)[0]
-        seen[prefix] = seen.get(prefix, 0) + 1
-        if seen[prefix] == expected.get(prefix) and prefix in waiter:
-            waiter[prefix].set()
+        self.seen[prefix] = self.seen.get(prefix, 0) + 1
+        if self.seen[prefix] == self.expected.get(prefix) and prefix in self.waiter:
+            self.waiter[prefix].set()
 
-    waiter.update({prefix: asyncio.Event() for prefix in expected})
-    sub = await client.nc.subscribe(subjects.JOBS_PLACED_ALL, cb=on_placed)
-    try:
-        # Warm up: the first placement needs the capacity view; wait until one job goes through.
-        sent["warm-0"] = time.perf_counter()
-        await client.submit(_job("warm", 0))
-        await asyncio.wait_for(waiter["warm"].wait(), timeout=60)
+    async def submit_loom(self, spec: JobSpec) -> None:
+        self.sent[spec.job_id] = time.perf_counter()
+        await self.client.submit(spec)
 
-        # Throughput: everything at once, 256 publishes in flight.
+    async def submit_baseline(self, spec: JobSpec) -> None:
+        # The same record and the same publish call as LoomClient.submit, on the baseline's subject.
+        fields = {f: getattr(spec, f) for f in JobSpec.__struct_fields__}
+        job = JobSubmitted(**fields, submitted_at=time.time())
+        self.sent[spec.job_id] = time.perf_counter()
+        await self.client.publisher.publish(
+            e2e_baseline.submitted_subject(spec.tenant), job, msg_id=spec.job_id
+        )
+
+    async def burst(
+        self, prefix: str, jobs: int, submit: Callable[[JobSpec], Awaitable[None]], sampler: cpu.CpuSampler
+    ) -> dict[str, Any]:
+        """Everything at once, 256 publishes in flight; the CPU shares while it lasts."""
+        done = self.expect(prefix, jobs)
         sem = asyncio.Semaphore(256)
 
-        async def submit(prefix: str, i: int) -> None:
+        async def one(i: int) -> None:
             async with sem:
-                spec = _job(prefix, i)
-                sent[spec.job_id] = time.perf_counter()
-                await client.submit(spec)
+                await submit(_job(prefix, i))
 
+        before = sampler.sample()
         t0 = time.perf_counter()
-        await asyncio.gather(*(submit("tp", i) for i in range(jobs)))
+        await asyncio.gather(*(one(i) for i in range(jobs)))
         t_published = time.perf_counter()
-        await asyncio.wait_for(waiter["tp"].wait(), timeout=max(120.0, jobs / 20))
-        t_done = max(placed[f"tp-{i}"] for i in range(jobs))
-        tp_lat = [(placed[f"tp-{i}"] - sent[f"tp-{i}"]) * 1000 for i in range(jobs)]
-        result: dict[str, Any] = {
-            "jobs": jobs,
+        await asyncio.wait_for(done.wait(), timeout=max(120.0, jobs / 20))
+        shares = cpu.shares(before, sampler.sample())
+        t_done = max(self.placed[f"{prefix}-{i}"] for i in range(jobs))
+        lat = [(self.placed[f"{prefix}-{i}"] - self.sent[f"{prefix}-{i}"]) * 1000 for i in range(jobs)]
+        return {
             "placements_per_s": round(jobs / (t_done - t0), 1),
             "publish_per_s": round(jobs / (t_published - t0), 1),
-            "burst_latency_ms_p50": round(_percentile(tp_lat, 50), 2),
-            "burst_latency_ms_p99": round(_percentile(tp_lat, 99), 2),
+            "burst_latency_ms_p50": round(_percentile(lat, 50), 2),
+            "burst_latency_ms_p99": round(_percentile(lat, 99), 2),
+            "cpu": shares,
         }
 
+    async def paced(
+        self, prefix: str, jobs: int, rate: float, submit: Callable[[JobSpec], Awaitable[None]]
+    ) -> dict[str, Any]:
+        """``jobs`` jobs at ``rate`` per second."""
+        done = self.expect(prefix, jobs)
+        interval = 1.0 / rate
+        start = time.perf_counter()
+        for i in range(jobs):
+            delay = start + i * interval - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            await submit(_job(prefix, i))
+        await asyncio.wait_for(done.wait(), timeout=60)
+        lat = [(self.placed[f"{prefix}-{i}"] - self.sent[f"{prefix}-{i}"]) * 1000 for i in range(jobs)]
+        return {
+            "latency_ms_p50": round(_percentile(lat, 50), 2),
+            "latency_ms_p99": round(_percentile(lat, 99), 2),
+            "latency_ms_mean": round(statistics.fmean(lat), 2),
+        }
+
+
+def _sorted_shares(shares: dict[str, float]) -> dict[str, float]:
+    return dict(sorted(shares.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def neighbours_pct(shares: dict[str, float]) -> float:
+    """The summed share of the non-scheduling Loom services (probe collectors, network
+    perception, cluster agents, metrics)."""
+    return round(sum(v for k, v in shares.items() if k.startswith(NEIGHBOUR_PREFIXES)), 2)
+
+
+async def _measure(
+    nats_url: str,
+    jobs: int,
+    rate: float,
+    paced_jobs: int,
+    sampler: cpu.CpuSampler,
+    *,
+    rest_s: float,
+    baseline: bool,
+) -> dict[str, Any]:
+    client = await LoomClient.connect(nats_url, name="loom-bench")
+    run = _Run(client)
+    subs = [await client.nc.subscribe(subjects.JOBS_PLACED_ALL, cb=run.on_placed)]
+    if baseline:
+        subs.append(await client.nc.subscribe(f"{e2e_baseline.PLACED}.*", cb=run.on_placed))
+    try:
+        # Warm up: the first placement needs the capacity view; wait until one job goes through.
+        warm = run.expect("warm", 1)
+        await run.submit_loom(_job("warm", 0))
+        await asyncio.wait_for(warm.wait(), timeout=60)
+        if baseline:
+            bwarm = run.expect("bwarm", 1)
+            await run.submit_baseline(_job("bwarm", 0))
+            await asyncio.wait_for(bwarm.wait(), timeout=60)
+
+        # At rest: the stack idle (one job running), every service doing only its periodic work
+        # (after a few seconds, so every collector has found its peers and is probing).
+        await asyncio.sleep(3.0)
+        before = sampler.sample()
+        await asyncio.sleep(rest_s)
+        at_rest = cpu.shares(before, sampler.sample())
+
+        tp = await run.burst("tp", jobs, run.submit_loom, sampler)
+        result: dict[str, Any] = {
+            "jobs": jobs,
+            **{k: v for k, v in tp.items() if k != "cpu"},
+        }
         if paced_jobs:
             # Steady state first: the burst's jobs are all started (their agents and the lifecycle
             # consumers have caught up), so the paced phase measures 50 jobs/s, not the backlog.
@@ -104,30 +201,72 @@ async def _measure(nats_url: str, jobs: int, rate: float, paced_jobs: int) -> di
                 await asyncio.sleep(0.25)
             result["settle_s"] = round(time.perf_counter() - settle_start, 2)
             await asyncio.sleep(1.0)
-            interval = 1.0 / rate
-            start = time.perf_counter()
-            for i in range(paced_jobs):
-                delay = start + i * interval - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                spec = _job("paced", i)
-                sent[spec.job_id] = time.perf_counter()
-                await client.submit(spec)
-            await asyncio.wait_for(waiter["paced"].wait(), timeout=60)
-            lat = [(placed[f"paced-{i}"] - sent[f"paced-{i}"]) * 1000 for i in range(paced_jobs)]
+            paced = await run.paced("paced", paced_jobs, rate, run.submit_loom)
             result.update(
                 {
                     "paced_rate_per_s": rate,
                     "paced_jobs": paced_jobs,
-                    "paced_latency_ms_p50": round(_percentile(lat, 50), 2),
-                    "paced_latency_ms_p99": round(_percentile(lat, 99), 2),
-                    "paced_latency_ms_mean": round(statistics.fmean(lat), 2),
+                    "paced_latency_ms_p50": paced["latency_ms_p50"],
+                    "paced_latency_ms_p99": paced["latency_ms_p99"],
+                    "paced_latency_ms_mean": paced["latency_ms_mean"],
                 }
             )
+        if baseline:
+            await asyncio.sleep(1.0)
+            base = await run.burst("btp", jobs, run.submit_baseline, sampler)
+            result.update(
+                {
+                    "baseline_placements_per_s": base["placements_per_s"],
+                    "baseline_publish_per_s": base["publish_per_s"],
+                    "baseline_latency_ms_p50": base["burst_latency_ms_p50"],
+                    "baseline_latency_ms_p99": base["burst_latency_ms_p99"],
+                    "share_of_baseline": round(tp["placements_per_s"] / base["placements_per_s"], 3),
+                }
+            )
+            if paced_jobs:
+                await asyncio.sleep(1.0)
+                bpaced = await run.paced("bpaced", paced_jobs, rate, run.submit_baseline)
+                result.update(
+                    {
+                        "baseline_paced_latency_ms_p50": bpaced["latency_ms_p50"],
+                        "baseline_paced_latency_ms_p99": bpaced["latency_ms_p99"],
+                        "baseline_paced_latency_ms_mean": bpaced["latency_ms_mean"],
+                    }
+                )
+            result["cpu_baseline_under_load"] = _sorted_shares(base["cpu"])
+        result["cpu_rest_s"] = rest_s
+        result["cpu_at_rest"] = _sorted_shares(at_rest)
+        result["cpu_under_load"] = _sorted_shares(tp["cpu"])
+        result["neighbours_at_rest_pct"] = neighbours_pct(at_rest)
+        result["neighbours_under_load_pct"] = neighbours_pct(tp["cpu"])
         return result
     finally:
-        await sub.unsubscribe()
+        for sub in subs:
+            await sub.unsubscribe()
         await client.close()
+
+
+def stack_groups(state: dict[str, Any], extra: dict[str, int] | None = None) -> dict[str, list[int]]:
+    """The stack's processes by name for a :class:`cpu.CpuSampler`: every service, NATS,
+    PostgreSQL (the postmaster and its backends) and the supervisor, plus ``extra``."""
+    groups: dict[str, list[int]] = {
+        name: [int(svc["pid"])] for name, svc in state.get("services", {}).items() if svc.get("pid")
+    }
+    for name in ("nats", "postgres"):
+        if state.get(f"{name}_pid"):
+            groups[name] = [int(state[f"{name}_pid"])]
+    # A group counts its descendants too, unless an earlier group claimed them: the supervisor
+    # (parent of the services) and the bench's own process (parent of the supervisor and of the
+    # baseline consumer) come after the processes they started, so those keep their own names.
+    bench_pid = os.getpid()
+    for name, pid in (extra or {}).items():
+        if pid != bench_pid:
+            groups[name] = [pid]
+    groups["supervisor"] = [int(state["supervisor_pid"])]
+    for name, pid in (extra or {}).items():
+        if pid == bench_pid:
+            groups[name] = [pid]
+    return groups
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -135,6 +274,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="loom-bench-", dir="/tmp"))
     os.chmod(home, 0o755)  # PostgreSQL runs as an unprivileged user when we are root
     env_backup = {k: os.environ.pop(k) for k in ("LOOM_NATS_URL", "LOOM_DATABASE_URL") if k in os.environ}
+    baseline: subprocess.Popen[bytes] | None = None
+    baseline_on = bool(getattr(args, "baseline", False))
     try:
         options = stack.StackOptions(
             topology=args.topology,
@@ -145,7 +286,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         state = stack.up(home, options)
         started = time.time()
-        result = asyncio.run(_measure(state["nats_url"], args.jobs, args.rate, args.paced_jobs))
+        extra = {"bench-client": os.getpid()}
+        if baseline_on:
+            # Its own OS process, like placement, started before anything is measured.
+            with open(home / "logs" / "bench-baseline.log", "ab") as log:
+                baseline = subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "loom_benchmarks.e2e_baseline",
+                        "--nats",
+                        state["nats_url"],
+                        "--database",
+                        state["database_url"],
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
+            extra["bench-baseline"] = baseline.pid
+        sampler = cpu.CpuSampler(stack_groups(state, extra))
+        result = asyncio.run(
+            _measure(
+                state["nats_url"],
+                args.jobs,
+                args.rate,
+                args.paced_jobs,
+                sampler,
+                rest_s=float(getattr(args, "rest_s", 10.0)),
+                baseline=baseline_on,
+            )
+        )
         result.update(
             {
                 "benchmark": "e2e",
@@ -158,8 +329,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "wall_s": round(time.time() - started, 1),
             }
         )
+        if baseline_on:
+            result["baseline"] = (
+                "raw path in its own process: JetStream stream BENCHBASE (placement never sees it), "
+                "durable pull consumer, one transaction per fetched batch (inbox claim, record insert, "
+                "outbox row) on the same database, placed-like events published with JetStream acks"
+            )
         return result
     finally:
+        if baseline is not None:
+            baseline.terminate()
+            try:
+                baseline.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                baseline.kill()
+                baseline.wait()
         stack.down(home)
         os.environ.update(env_backup)
         shutil.rmtree(home, ignore_errors=True)

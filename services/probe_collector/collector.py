@@ -22,7 +22,7 @@ import itertools
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -198,6 +198,10 @@ class ProbeCollector:
         budget = float(self.config.bulk_budget_bytes_per_hour)
         self.budget = TokenBucket(budget / 3600.0, budget, budget, time.time())
         self.links: dict[str, PeerLink] = {}
+        self.probing: dict[str, UdpProber] = {}
+        self._ticked = asyncio.Event()
+        """Set by each send tick: the samples completed since the last one go out together."""
+        """The probers of the links being probed now (their peer found), by peer region."""
         for peer in sorted(r.id for r in topology.regions):
             link = topology.link(region, peer)
             if peer == region or link is None or not self._clusters_of(peer):
@@ -233,7 +237,10 @@ class ProbeCollector:
             await nc.subscribe(subjects.net_emulator_region(self.region), cb=self.on_control),
             await nc.subscribe(subjects.NET_EMU_ALL, cb=self.on_control),
         ]
-        tasks = [asyncio.create_task(self._publish_loop(), name="publish-samples")]
+        tasks = [
+            asyncio.create_task(self._publish_loop(), name="publish-samples"),
+            asyncio.create_task(self._send_loop(), name="send-probes"),
+        ]
         tasks += [
             asyncio.create_task(self._peer(link), name=f"probe-{link.dst}") for link in self.links.values()
         ]
@@ -271,7 +278,7 @@ class ProbeCollector:
         if not self.config.emulate:
             return udp, tcp
         await self._close_relays(link)
-        link.udp_relay = await UdpRelay(udp, link.forward, link.reverse).start()
+        link.udp_relay = await UdpRelay(udp, link.forward, link.reverse, echo=True).start()
         link.tcp_relay = await TcpRelay(tcp, link.forward, link.reverse).start()
         return link.udp_relay.address, link.tcp_relay.address
 
@@ -298,15 +305,15 @@ class ProbeCollector:
             link.last_answer_at = time.monotonic()
             self._refresh_stats()
             log.info("probing peer", src=link.src, dst=link.dst, udp=udp, tcp=tcp)
-            async with UdpProber(udp, timeout_s=config.probe_timeout_s) as prober:
-                jobs = [
-                    asyncio.create_task(self._send_loop(prober)),
-                    asyncio.create_task(self._result_loop(link, prober)),
-                    asyncio.create_task(self._bulk_loop(link, tcp)),
-                ]
+            async with UdpProber(
+                udp, timeout_s=config.probe_timeout_s, on_result=self._result_handler(link)
+            ) as prober:
+                self.probing[link.dst] = prober
+                jobs = [asyncio.create_task(self._bulk_loop(link, tcp))]
                 try:
                     await self._watch(link)
                 finally:
+                    self.probing.pop(link.dst, None)
                     for job in jobs:
                         job.cancel()
                     await asyncio.gather(*jobs, return_exceptions=True)
@@ -325,23 +332,30 @@ class ProbeCollector:
                 log.info("peer endpoints moved", src=link.src, dst=link.dst)
                 return
 
-    async def _send_loop(self, prober: UdpProber) -> None:
+    async def _send_loop(self) -> None:
+        # One clock for every link: each tick sends the next probe to every peer being probed, so
+        # the collector wakes ``probes_per_period`` times a period, not that many times per link.
         loop = asyncio.get_running_loop()
         interval_s = self.config.period_s / max(self.config.probes_per_period, 1)
         due = loop.time()
         while True:
-            prober.send()
-            self.counts["probes_sent"] += 1
+            for prober in list(self.probing.values()):
+                prober.send()
+                self.counts["probes_sent"] += 1
+            self._ticked.set()
             due += interval_s
             await asyncio.sleep(max(due - loop.time(), 0.0))  # pacing the probes
 
-    async def _result_loop(self, link: PeerLink, prober: UdpProber) -> None:
+    def _result_handler(self, link: PeerLink) -> Callable[[ProbeResult], None]:
         # One sample per round of ``probes_per_period`` probes (median RTT, the round's jitter and
         # loss): a fifth of the messages of one sample per probe, and a single spike in a round does
-        # not move the RTT.
+        # not move the RTT. Called by the prober as each result completes (no task per link).
         round_: list[ProbeResult] = []
-        while True:
-            result: ProbeResult = await prober.results.get()
+
+        def on_result(result: ProbeResult) -> None:
+            nonlocal round_
+            if link.dst not in self.probing:
+                return  # the prober is closing: its outstanding probes are not the link's losses
             if result.rtt_ms is None:
                 self.counts["probes_lost"] += 1
             else:
@@ -352,6 +366,8 @@ class ProbeCollector:
             if len(round_) >= max(self.config.probes_per_period, 1):
                 self._enqueue(round_sample(link.src, link.dst, round_))
                 round_ = []
+
+        return on_result
 
     async def _bulk_loop(self, link: PeerLink, target: Address) -> None:
         config = self.config
@@ -406,18 +422,28 @@ class ProbeCollector:
             self.counts["samples_dropped_queue_full"] += 1
 
     async def _publish_loop(self) -> None:
+        # The samples completed since the last send tick go out together at the next one (at most
+        # a tick, a fifth of a period by default, later): concurrent publishes, each acknowledged,
+        # whose acks come back together instead of one wake-up each.
         while True:
-            sample = await self.samples.get()
-            msg_id = f"probe-{sample.src}-{sample.dst}-{sample.probe}-{self.epoch}-{sample.seq}"
-            try:
-                await self.ctx.publisher.publish(
-                    subjects.probe_sample(sample.src, sample.dst), sample, msg_id=msg_id
-                )
-            except Exception as exc:  # a sample is worth little later: count it and go on
-                self.counts["publish_failures"] += 1
-                log.warning("sample publish failed", error=repr(exc))
-                continue
-            self.counts["samples_published"] += 1
+            batch = [await self.samples.get()]
+            self._ticked.clear()
+            await self._ticked.wait()
+            while not self.samples.empty():
+                batch.append(self.samples.get_nowait())
+            await asyncio.gather(*(self._publish(sample) for sample in batch))
+
+    async def _publish(self, sample: ProbeSample) -> None:
+        msg_id = f"probe-{sample.src}-{sample.dst}-{sample.probe}-{self.epoch}-{sample.seq}"
+        try:
+            await self.ctx.publisher.publish(
+                subjects.probe_sample(sample.src, sample.dst), sample, msg_id=msg_id
+            )
+        except Exception as exc:  # a sample is worth little later: count it and go on
+            self.counts["publish_failures"] += 1
+            log.warning("sample publish failed", error=repr(exc))
+            return
+        self.counts["samples_published"] += 1
 
     # ---- emulator control ---------------------------------------------------------------------
 

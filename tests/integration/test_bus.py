@@ -393,10 +393,12 @@ async def test_a_non_retryable_error_is_dead_lettered_at_first_delivery(
     assert runner.counts == {"acked": 0, "nacked": 0, "dead_lettered": 1}
 
 
+@pytest.mark.parametrize("callback_pull", [False, True])
 async def test_a_batch_handler_settles_each_message_by_its_own_outcome(
     nc: Client,
     start_consumer: StartConsumer,
     watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
+    callback_pull: bool,
 ) -> None:
     tenant = unique("t")
     subject = s.job_submitted(tenant)
@@ -416,7 +418,9 @@ async def test_a_batch_handler_settles_each_message_by_its_own_outcome(
         return [outcomes.get(d.message.name) for d in deliveries]
 
     spec = consumer_spec([subject], max_deliver=2, first_nak_delay_s=0.05)
-    runner = await start_consumer(spec, JobSubmitted, batch_handler=batch_handler, linger_s=0.2)
+    runner = await start_consumer(
+        spec, JobSubmitted, batch_handler=batch_handler, linger_s=0.2, callback_pull=callback_pull
+    )
     letters = [await next_item(dead), await next_item(dead)]
     await runner.stop()
 
@@ -427,6 +431,35 @@ async def test_a_batch_handler_settles_each_message_by_its_own_outcome(
     assert sorted(seen) == sorted([("ok-1", 1), ("bad", 1), ("ok-2", 1), ("retry", 1), ("retry", 2)])
     assert max(len(b) for b in batches) > 1, "messages waiting together are handled as one batch"
     assert runner.counts == {"acked": 2, "nacked": 1, "dead_lettered": 2}
+
+
+async def test_a_callback_pull_consumer_renews_its_pull_request_and_keeps_receiving(
+    nc: Client, start_consumer: StartConsumer
+) -> None:
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    publisher = Publisher(nc)
+    got: asyncio.Queue[list[str]] = asyncio.Queue()
+
+    async def batch_handler(deliveries: list[Delivery[JobSubmitted]]) -> list[BaseException | None]:
+        got.put_nowait([d.message.name for d in deliveries])
+        return [None] * len(deliveries)
+
+    spec = consumer_spec([subject], batch=3)
+    runner = await start_consumer(
+        spec, JobSubmitted, batch_handler=batch_handler, callback_pull=True, idle_fetch_timeout_s=0.3
+    )
+    await asyncio.sleep(1.0)  # several pull requests expire meanwhile
+    for n in range(7):  # more than one request's batch
+        await publisher.publish(subject, submitted(tenant, n, f"m{n}"), msg_id=f"{tenant}-{n}")
+    seen: list[str] = []
+    while len(seen) < 7:
+        seen += await next_item(got)
+    await runner.stop()
+    assert sorted(seen) == [f"m{n}" for n in range(7)]
+    assert runner.counts == {"acked": 7, "nacked": 0, "dead_lettered": 0}
+    info = await nc.jetstream().consumer_info("JOBS", spec.durable)
+    assert info.num_ack_pending == 0 and info.num_pending == 0
 
 
 async def test_a_batch_handler_that_raises_fails_every_message_of_the_batch(

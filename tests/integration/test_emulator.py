@@ -3,6 +3,7 @@ changes at run time, and probe samples through it feeding network perception."""
 
 import asyncio
 import statistics
+import time
 
 import pytest
 
@@ -24,10 +25,11 @@ SLACK_MS = 50.0
 """Loopback relays add scheduling delay (about a millisecond a hop); a test allows this much."""
 
 
-async def test_udp_rtt_through_the_relay_is_the_configured_delay() -> None:
+@pytest.mark.parametrize("echo_mode", [False, True])
+async def test_udp_rtt_through_the_relay_is_the_configured_delay(echo_mode: bool) -> None:
     async with (
         UdpEchoServer() as echo,
-        UdpRelay(echo.address, LinkParams(delay_ms=20.0), LinkParams(delay_ms=10.0)) as relay,
+        UdpRelay(echo.address, LinkParams(delay_ms=20.0), LinkParams(delay_ms=10.0), echo=echo_mode) as relay,
     ):
         results = await udp_ping(relay.address, count=20, interval_s=0.005, timeout_s=1.0)
     rtts = [r.rtt_ms for r in results]
@@ -36,10 +38,11 @@ async def test_udp_rtt_through_the_relay_is_the_configured_delay() -> None:
     assert [r.seq for r in results] == list(range(20))
 
 
-async def test_loss_rate_is_roughly_the_configured_one() -> None:
+@pytest.mark.parametrize("echo_mode", [False, True])
+async def test_loss_rate_is_roughly_the_configured_one(echo_mode: bool) -> None:
     async with (
         UdpEchoServer() as echo,
-        UdpRelay(echo.address, LinkParams(loss=0.25), LinkParams(), seed=11) as relay,
+        UdpRelay(echo.address, LinkParams(loss=0.25), LinkParams(), seed=11, echo=echo_mode) as relay,
     ):
         results = await udp_ping(relay.address, count=400, interval_s=0.0005, timeout_s=0.3)
         counters = relay.counters
@@ -48,6 +51,42 @@ async def test_loss_rate_is_roughly_the_configured_one() -> None:
     assert 0.16 <= lost <= 0.34
     assert counters.forward_dropped == round(lost * 400)
     assert counters.reverse_dropped == 0
+
+
+class _RecordingEcho(asyncio.DatagramProtocol):
+    def __init__(self) -> None:
+        self.arrivals: list[float] = []
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        self.arrivals.append(time.time())
+        assert self.transport is not None
+        self.transport.sendto(data, addr)
+
+
+async def test_echo_mode_sends_up_at_once_and_pays_both_delays_on_the_way_back() -> None:
+    loop = asyncio.get_running_loop()
+    transport, target = await loop.create_datagram_endpoint(_RecordingEcho, local_addr=("127.0.0.1", 0))
+    address = transport.get_extra_info("sockname")[:2]
+    try:
+        async with UdpRelay(
+            address, LinkParams(delay_ms=40.0), LinkParams(delay_ms=20.0), echo=True
+        ) as relay:
+            results = await udp_ping(relay.address, count=10, interval_s=0.01, timeout_s=1.0)
+            counters = relay.counters
+    finally:
+        transport.close()
+    assert [r.seq for r in results] == list(range(10))
+    rtts = [r.rtt_ms for r in results if r.rtt_ms is not None]
+    assert len(rtts) == 10
+    assert all(60.0 <= rtt < 60.0 + SLACK_MS for rtt in rtts)
+    # The target saw each probe well before the 40 ms forward delay (it goes up at once).
+    early = [arrived - r.sent_at for arrived, r in zip(target.arrivals, results, strict=True)]
+    assert all(0.0 <= e * 1000.0 < 30.0 for e in early)
+    assert (counters.forwarded, counters.returned) == (10, 10)
 
 
 async def test_blackhole_drops_everything_and_lifting_it_restores_traffic() -> None:

@@ -14,6 +14,7 @@ a redelivered poison message is dead-lettered once.
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -21,6 +22,7 @@ from typing import Any, Generic, TypeVar
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
@@ -118,6 +120,7 @@ class ConsumerRunner(Generic[T]):
         idle_fetch_timeout_s: float = 2.0,
         linger_s: float = 0.002,
         concurrent: bool = False,
+        callback_pull: bool = False,
     ) -> None:
         if (handler is None) == (batch_handler is None):
             raise ValueError("give exactly one of handler and batch_handler")
@@ -131,6 +134,12 @@ class ConsumerRunner(Generic[T]):
         self._idle_fetch_timeout_s = idle_fetch_timeout_s
         self._linger_s = linger_s
         self._concurrent = concurrent
+        self._callback_pull = callback_pull
+        self._arrived: list[Msg] = []
+        self._arrival = asyncio.Event()
+        self._pull_left = 0
+        self._pull_expires_at = 0.0
+        self._cb_sub: Subscription | None = None
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.counts: dict[str, int] = {"acked": 0, "nacked": 0, "dead_lettered": 0}
@@ -143,7 +152,12 @@ class ConsumerRunner(Generic[T]):
             raise BusError(
                 f"cannot create consumer {self.spec.durable} on {self.spec.stream}: {exc}"
             ) from exc
-        self._sub = await self._js.pull_subscribe_bind(durable=self.spec.durable, stream=self.spec.stream)
+        if self._callback_pull:
+            self._inbox = self._nc.new_inbox()
+            self._cb_sub = await self._nc.subscribe(self._inbox, cb=self._on_pulled)
+            self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.spec.stream}.{self.spec.durable}"
+        else:
+            self._sub = await self._js.pull_subscribe_bind(durable=self.spec.durable, stream=self.spec.stream)
         self._task = asyncio.create_task(self._run(), name=f"consumer-{self.spec.durable}")
 
     async def stop(self) -> None:
@@ -153,14 +167,56 @@ class ConsumerRunner(Generic[T]):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         with contextlib.suppress(Exception):
-            await self._sub.unsubscribe()
+            if self._cb_sub is not None:
+                await self._cb_sub.unsubscribe()
+            else:
+                await self._sub.unsubscribe()
 
     async def wait(self) -> None:
         """Return when the loop ends (it ends only on stop or a fatal error, which is raised)."""
         if self._task is not None:
             await self._task
 
+    async def _on_pulled(self, msg: Msg) -> None:
+        self._arrived.append(msg)
+        self._arrival.set()
+
+    async def _callback_fetch(self) -> list[Msg]:
+        # One standing pull request of ``batch`` messages, renewed when it is used up or expires;
+        # messages land in a plain callback. nats-py's ``fetch`` spends two tasks and a timer on
+        # every message it hands over (and a chain of event-loop rounds): a low-rate consumer whose
+        # work is cheap pays mostly for that. After the first arrival, wait ``linger_s`` once so a
+        # batch gathers.
+        loop = asyncio.get_running_loop()
+        if self._pull_left <= 0 or loop.time() >= self._pull_expires_at:
+            expires_s = self._idle_fetch_timeout_s
+            request = {"batch": self.spec.batch, "expires": int(expires_s * 1e9)}
+            await self._nc.publish(self._next_subject, json.dumps(request).encode(), reply=self._inbox)
+            self._pull_left = self.spec.batch
+            # Renew a little before the server's expiry, so there is never a gap without a request.
+            self._pull_expires_at = loop.time() + expires_s * 0.9
+        if not self._arrived:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._arrival.wait(), timeout=max(self._pull_expires_at - loop.time(), 0.01)
+                )
+        if self._arrived and self._linger_s > 0:
+            await asyncio.sleep(self._linger_s)
+        self._arrival.clear()
+        arrived, self._arrived = self._arrived, []
+        msgs: list[Msg] = []
+        for msg in arrived:
+            if JetStreamContext.is_status_msg(msg):
+                # 408 (expired), 409 (limits) or 404: the request is over; ask again next round.
+                self._pull_left = 0
+                continue
+            msgs.append(msg)
+        self._pull_left -= len(msgs)
+        return msgs
+
     async def _fetch(self) -> list[Msg]:
+        if self._callback_pull:
+            return await self._callback_fetch()
         # A lone lingering pull returns the moment one message arrives; then take whatever else is
         # already waiting with a short pull, so a burst is handled as one batch without adding
         # latency when traffic is sparse.
@@ -235,7 +291,16 @@ class ConsumerRunner(Generic[T]):
             outcomes = await self._handle(deliveries)
         finally:
             keepalive.cancel()
-        await asyncio.gather(*(self._settle(d, o) for d, o in zip(deliveries, outcomes, strict=True)))
+        # An ack is a publish without a reply (it never waits on the server): acknowledge in line,
+        # and give only failures (a dead letter waits for its stream's ack) a task each.
+        failed = []
+        for d, o in zip(deliveries, outcomes, strict=True):
+            if o is None:
+                await self._settle(d, o)
+            else:
+                failed.append(self._settle(d, o))
+        if failed:
+            await asyncio.gather(*failed)
 
     async def _keep_alive(self, msgs: list[Msg]) -> None:
         period = max(self.spec.ack_wait_s / 3, 0.05)

@@ -227,7 +227,16 @@ class _RelayBase:
 
 
 class UdpRelay(_RelayBase):
-    """A UDP relay: one upstream socket per client address, so replies find their way back."""
+    """A UDP relay: one upstream socket per client address, so replies find their way back.
+
+    With ``echo`` the target is known to answer each datagram with the same bytes (a probe
+    responder): a datagram then goes up at once and its forward delay is added to its echo's on
+    the way back, so a round trip costs the relay one timer instead of two. What the client sees
+    (round-trip time, loss, order) is the same; only the target sees datagrams early.
+    """
+
+    _ECHO_MEMORY = 1024
+    """Forward delays remembered for echoes not back yet (the oldest are forgotten first)."""
 
     def __init__(
         self,
@@ -238,8 +247,12 @@ class UdpRelay(_RelayBase):
         host: str = "127.0.0.1",
         port: int = 0,
         seed: int | None = None,
+        echo: bool = False,
     ) -> None:
         super().__init__(target, forward or LinkParams(), reverse, host=host, port=port, seed=seed)
+        self.echo = echo
+        self._owed: dict[tuple[Address, bytes], float] = {}
+        """Echo mode: the forward delay still owed to each datagram's echo, by (client, bytes)."""
         self._transport: asyncio.DatagramTransport | None = None
         self._upstreams: dict[Address, asyncio.DatagramTransport] = {}
         self._pending: dict[Address, list[tuple[float, bytes]]] = {}
@@ -295,6 +308,13 @@ class UdpRelay(_RelayBase):
         if at is None:
             self.counters.forward_dropped += 1
             return
+        if self.echo:
+            owed = self._owed
+            owed.pop((client, data), None)  # a repeated datagram owes its latest delay
+            owed[client, data] = at - now
+            if len(owed) > self._ECHO_MEMORY:
+                del owed[next(iter(owed))]
+            at = now
         upstream = self._upstreams.get(client)
         if upstream is None:
             pending = self._pending.get(client)
@@ -305,6 +325,10 @@ class UdpRelay(_RelayBase):
                 task.add_done_callback(self._tasks.discard)
             else:
                 pending.append((at, data))
+            return
+        if self.echo and not upstream.is_closing():
+            upstream.sendto(data)  # no timer: the delay is paid on the way back
+            self.counters.forwarded += 1
             return
         self._send_up(upstream, at, data)
 
@@ -331,6 +355,9 @@ class UdpRelay(_RelayBase):
 
     def _from_target(self, data: bytes, client: Address) -> None:
         now = asyncio.get_running_loop().time()
+        if self.echo:
+            # The echo reaches the relay when it would have, had its datagram waited on the way up.
+            now += self._owed.pop((client, data), 0.0)
         at = self._reverse.shaper.datagram(now, len(data))
         if at is None:
             self.counters.reverse_dropped += 1

@@ -13,6 +13,7 @@
 import asyncio
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -165,11 +166,21 @@ class _ProberProtocol(asyncio.DatagramProtocol):
 class UdpProber:
     """Numbered UDP probes to one echo target; results arrive on :attr:`results` as they complete."""
 
-    def __init__(self, target: Address, *, timeout_s: float = 1.0, payload_bytes: int = 64) -> None:
+    def __init__(
+        self,
+        target: Address,
+        *,
+        timeout_s: float = 1.0,
+        payload_bytes: int = 64,
+        on_result: Callable[[ProbeResult], None] | None = None,
+    ) -> None:
         self.target = target
         self.timeout_s = timeout_s
         self.payload_bytes = max(payload_bytes, _HEADER.size)
         self.results: asyncio.Queue[ProbeResult] = asyncio.Queue()
+        """Results as they complete, unless ``on_result`` takes them (called at once, no task wakes)."""
+        self._deliver: Callable[[ProbeResult], None] = on_result or self.results.put_nowait
+        self._payload_tail = bytes(self.payload_bytes - _HEADER.size)
         self._transport: asyncio.DatagramTransport | None = None
         self._outstanding: dict[int, tuple[float, float, asyncio.TimerHandle]] = {}
         self._next_seq = 0
@@ -209,7 +220,7 @@ class UdpProber:
         loop = asyncio.get_running_loop()
         seq = self._next_seq
         self._next_seq += 1
-        payload = _HEADER.pack(seq) + bytes(self.payload_bytes - _HEADER.size)
+        payload = _HEADER.pack(seq) + self._payload_tail
         timer = loop.call_later(self.timeout_s, self._expire, seq)
         self._outstanding[seq] = (loop.time(), time.time(), timer)
         self._transport.sendto(payload)
@@ -225,13 +236,13 @@ class UdpProber:
         sent_mono, sent_wall, timer = entry
         timer.cancel()
         rtt_ms = (asyncio.get_running_loop().time() - sent_mono) * 1000.0
-        self.results.put_nowait(ProbeResult(seq, sent_wall, rtt_ms))
+        self._deliver(ProbeResult(seq, sent_wall, rtt_ms))
 
     def _expire(self, seq: int) -> None:
         entry = self._outstanding.pop(seq, None)
         if entry is not None:
             entry[2].cancel()
-            self.results.put_nowait(ProbeResult(seq, entry[1], None))
+            self._deliver(ProbeResult(seq, entry[1], None))
 
 
 async def udp_ping(
