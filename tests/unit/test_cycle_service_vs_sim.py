@@ -125,7 +125,9 @@ def replay(svc: PlacementService, jobs: list[SimJob], ends: dict[str, float]) ->
     return got
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Derandomized: the same 60 cases every run (CI must not flip on a new draw); 1,200 random cases
+# passed while building it (--hypothesis-seed 11 and 12 with max_examples=600).
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(traces())
 def test_the_service_decides_what_the_simulator_decides(jobs: list[SimJob]) -> None:
     policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
