@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from loom.sched.elastic import ElasticJob, plan_grow, resized_end_s
+from loom.sched.elastic import ElasticJob, plan_grow, resized_end_s, with_sizes
 from loom.sched.framework import Code, Decision, DecisionRecord, Framework, Outcome, QueueItem
 from loom.sched.snapshot import RunningJob, Snapshot
 from loom_proto.jobs import JobSpec, RejectCode
@@ -345,19 +345,9 @@ def grow(snap: Snapshot) -> list[Grown]:
                 book.take(r.tenant, sum(g for _, g in added))
             grown.append(Grown(plan.job_id, cluster, model, plan.workers, plan.allocations, added))
     if grown:
-        sizes = {g.job_id: g for g in grown}
-        # A new list (never changed in place: plugins cache tables per list of running jobs).
-        snap.running = [
-            dataclasses.replace(
-                r,
-                workers=sizes[r.job_id].workers,
-                allocations=sizes[r.job_id].allocations,
-                expected_end_s=resized_end_s(r, sizes[r.job_id].workers, snap.now),
-            )
-            if r.job_id in sizes
-            else r
-            for r in snap.running
-        ]
+        snap.running = with_sizes(
+            snap.running, {g.job_id: (g.workers, g.allocations) for g in grown}, snap.now
+        )
     return grown
 
 

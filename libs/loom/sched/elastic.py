@@ -5,6 +5,7 @@ spec's ``workers``), each of ``gpus_per_worker`` GPUs on one node. Resizes chang
 and stay on the job's own cluster.
 """
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ __all__ = [
     "plan_grow",
     "plan_shrink",
     "resized_end_s",
+    "with_sizes",
 ]
 
 Allocations = tuple[tuple[str, int], ...]
@@ -206,3 +208,22 @@ def resized_end_s(run: RunningJob, workers: int, now: float) -> float | None:
     if end is None or workers <= 0:
         return end
     return now + max(end - now, 0.0) * run.workers / workers
+
+
+def with_sizes(
+    running: Sequence[RunningJob], sizes: Mapping[str, tuple[int, Allocations]], now: float
+) -> list[RunningJob]:
+    """A new list of running jobs (never one changed in place: plugins cache tables per list) with
+    the jobs in ``sizes`` at their new (workers, allocations), their predicted ends rescaled
+    (:func:`resized_end_s`). What a shrink and a growth leave in the snapshot."""
+    return [
+        dataclasses.replace(
+            r,
+            workers=sizes[r.job_id][0],
+            allocations=sizes[r.job_id][1],
+            expected_end_s=resized_end_s(r, sizes[r.job_id][0], now),
+        )
+        if r.job_id in sizes
+        else r
+        for r in running
+    ]

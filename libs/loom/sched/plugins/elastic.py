@@ -7,9 +7,7 @@ shrunk jobs (:attr:`~loom.sched.framework.Decision.shrunk`) so the service resiz
 same transaction. Runs before preemption in the default profile: shrinking loses no work.
 """
 
-import dataclasses
-
-from loom.sched.elastic import ElasticJob, plan_shrink, resized_end_s
+from loom.sched.elastic import ElasticJob, plan_shrink, with_sizes
 from loom.sched.framework import CycleState, Decision, Framework
 from loom.sched.snapshot import RunningJob
 
@@ -85,7 +83,6 @@ class ElasticShrink:
             totals = framework.score(state, candidates)
             decision = framework.choose(state, candidates, totals)
             decision.shrunk = tuple((p.job_id, p.workers, p.allocations) for p in plans)
-            resized = {p.job_id: p for p in plans}
             before = snap.running
             returned = [(by_id[p.job_id], back) for p, back in freed]
 
@@ -99,18 +96,10 @@ class ElasticShrink:
                 snap.running = before
 
             decision.undo = undo
-            snap.running = [
-                dataclasses.replace(
-                    r,
-                    workers=resized[r.job_id].workers,
-                    allocations=resized[r.job_id].allocations,
-                    # Fewer workers: what is left takes longer.
-                    expected_end_s=resized_end_s(r, resized[r.job_id].workers, snap.now),
-                )
-                if r.job_id in resized
-                else r
-                for r in snap.running
-            ]
+            # Fewer workers: what is left of each takes longer (its predicted end rescaled).
+            snap.running = with_sizes(
+                snap.running, {p.job_id: (p.workers, p.allocations) for p in plans}, snap.now
+            )
             return decision
         return None
 
