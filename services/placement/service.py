@@ -49,6 +49,7 @@ from loom.sched.cycle import (
     CycleResult,
     CycleSettings,
     Grown,
+    admission_check,
     expiry_avoid,
     fair_share_of,
     fold_within,
@@ -337,7 +338,7 @@ class PlacementService:
                     raise DecodeError(
                         f"tenant {job.tenant!r} in the job differs from {tenant!r} in the subject"
                     )
-                _check_spec(job)
+                admission_check(job)
             except (DecodeError, InvalidInputError) as exc:
                 code: RejectCode = "cyclic" if isinstance(exc, dag.DagCycleError) else "invalid"
                 outcomes[i] = await self._reject_invalid(d, tenant, str(exc), code)
@@ -449,7 +450,7 @@ class PlacementService:
 
     async def _expand_dag(self, conn: asyncpg.Connection, q: QueuedJob) -> list[QueuedJob]:
         """Insert a DAG job's stages: those without dependencies are queued, the rest wait."""
-        children = dag.expand(q.job)  # validated at decode time (_check_spec)
+        children = dag.expand(q.job)  # validated at admission (cycle.admission_check)
         deps = dag.dependencies(q.job.stages)
         by_stage = {c.labels[dag.STAGE_LABEL]: c for c in children}
         taken = await repo.existing_jobs(conn, [c.job_id for c in children])
@@ -1373,24 +1374,6 @@ class Applied:
     """The runs the cycle placed, as the book adopts them (built and listed by ``_decide``)."""
     messages: list[outbox.OutboxMessage] = dataclasses.field(default_factory=list)
     events: list[repo.JobEventRow] = dataclasses.field(default_factory=list)
-
-
-def _check_spec(job: JobSubmitted) -> None:
-    """Refuse what no cluster state could fix: bad DAGs, elastic bounds, pipelines with gangs."""
-    if job.min_workers is not None and job.min_workers > job.workers:
-        raise InvalidInputError(
-            f"min_workers ({job.min_workers}) is more than workers ({job.workers}); workers is the maximum"
-        )
-    if job.stages:
-        dag.validate(job.stages)
-        for stage in job.stages:
-            dag.stage_job_id(job.job_id, stage.name)
-    if job.pipeline is not None and job.stages:
-        raise InvalidInputError("a job is either a pipeline (layers) or a DAG (stages), not both")
-    if job.pipeline is not None and (job.min_workers is not None or job.workers != 1):
-        raise InvalidInputError(
-            "a pipeline job sizes its stages from its layers: leave workers and min_workers out"
-        )
 
 
 async def _parent_of(conn: asyncpg.Connection, job_id: str) -> str | None:

@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from loom.errors import InvalidInputError
+from loom.sched import dag
 from loom.sched.elastic import ElasticJob, plan_grow, resized_end_s, with_sizes
 from loom.sched.framework import Code, Decision, DecisionRecord, Framework, Outcome, QueueItem
 from loom.sched.snapshot import RunningJob, Snapshot
@@ -48,6 +50,7 @@ __all__ = [
     "Rejected",
     "Shrunk",
     "Waiting",
+    "admission_check",
     "backoff_s",
     "expected_end_s",
     "expiry_avoid",
@@ -409,3 +412,23 @@ def fold_within(result: CycleResult[P]) -> set[str]:
     result.preempted = [pre for pre in result.preempted if pre.job_id not in placed]
     result.shrunk = [s for s in result.shrunk if s.job_id not in placed]
     return undone
+
+
+def admission_check(job: JobSpec) -> None:
+    """Refuse at admission what no cluster state could fix: bad DAGs (a cycle is
+    :class:`~loom.sched.dag.DagCycleError`), elastic bounds, pipelines with gangs;
+    :class:`~loom.errors.InvalidInputError` says what to change."""
+    if job.min_workers is not None and job.min_workers > job.workers:
+        raise InvalidInputError(
+            f"min_workers ({job.min_workers}) is more than workers ({job.workers}); workers is the maximum"
+        )
+    if job.stages:
+        dag.validate(job.stages)
+        for stage in job.stages:
+            dag.stage_job_id(job.job_id, stage.name)
+    if job.pipeline is not None and job.stages:
+        raise InvalidInputError("a job is either a pipeline (layers) or a DAG (stages), not both")
+    if job.pipeline is not None and (job.min_workers is not None or job.workers != 1):
+        raise InvalidInputError(
+            "a pipeline job sizes its stages from its layers: leave workers and min_workers out"
+        )

@@ -1,0 +1,218 @@
+"""loom.sched.cycle: what one pure cycle decides, and the rules around it."""
+
+import dataclasses
+
+import pytest
+
+from loom.errors import InvalidInputError
+from loom.sched import dag
+from loom.sched.cycle import (
+    CycleSettings,
+    Preempted,
+    admission_check,
+    backoff_s,
+    expected_end_s,
+    expiry_avoid,
+    fair_share_of,
+    fold_within,
+    retry_after_failure,
+    run_cycle,
+)
+from loom.sched.elastic import resized_end_s
+from loom.sched.framework import Framework
+from loom.sched.plugins.compute import ScuFit
+from loom.sched.plugins.elastic import ElasticShrink
+from loom.sched.plugins.resources import ResourceFit
+from loom.sched.profile import build_framework
+from loom.sched.quota import QuotaBook, TenantConfig, TenantQuota
+from loom.sched.snapshot import RunningJob
+from loom_proto.jobs import JobSpec, Layer, Pipeline, Stage, Work
+from tests.unit.test_framework import job, two_clusters
+
+
+@dataclasses.dataclass
+class Q:
+    """A queued job as the cycle reads it."""
+
+    job: JobSpec
+    attempt: int = 1
+    avoid: frozenset[str] = frozenset()
+    tries: int = 0
+    fair_share: float | None = None
+
+
+def test_a_cycle_places_rejects_with_a_typed_code_and_leaves_the_rest_waiting() -> None:
+    snap = two_clusters()  # 2 x 8 A100 on ca, 3 x 4 T4 on cb
+    snap.quota = QuotaBook(
+        TenantConfig(tenants={"t": TenantQuota(name="t", cohort=None, gpus=64)}, open=False), {}
+    )
+    queue = [
+        Q(job("fits", gpus=8)),
+        Q(job("too-big", gpus=16)),  # no node has 16 GPUs: never
+        Q(job("stranger", tenant="nobody")),  # unknown tenant on a closed platform
+        Q(job("later", gpus=8, workers=2), tries=3),  # fits on an empty platform, not now
+    ]
+    result = run_cycle(build_framework(), queue, snap)
+    assert [p.pending.job.job_id for p in result.placed] == ["fits"]
+    rejected = {r.pending.job.job_id: r for r in result.rejected}
+    assert rejected["too-big"].code == "impossible" and "at most 8" in rejected["too-big"].hint
+    assert rejected["stranger"].code == "unknown_tenant"
+    [waiting] = result.waiting
+    assert waiting.pending.job.job_id == "later"
+    assert waiting.retry_in_s == backoff_s(3, CycleSettings()) == 2.0
+    assert snap.quota.held("t") == 8  # the placement counts against the quota at once
+    assert snap.waiting == {"later"}  # the queue the contention plugins read
+
+
+def test_before_the_clusters_settle_only_the_quota_rejects() -> None:
+    snap = two_clusters()
+    snap.quota = QuotaBook(
+        TenantConfig(tenants={"t": TenantQuota(name="t", cohort=None, gpus=64)}, open=False), {}
+    )
+    queue = [Q(job("too-big", gpus=16, tenant="t")), Q(job("stranger", tenant="nobody"))]
+    result = run_cycle(build_framework(), queue, snap, settings=CycleSettings(settled=False))
+    # The quota's verdict does not depend on which clusters reported yet; "no node fits" does.
+    assert [r.pending.job.job_id for r in result.rejected] == ["stranger"]
+    assert [w.pending.job.job_id for w in result.waiting] == ["too-big"]
+
+
+def test_backoff_doubles_to_its_ceiling() -> None:
+    settings = CycleSettings(backoff_s=0.25, max_backoff_s=30.0)
+    assert [backoff_s(t, settings) for t in (0, 1, 2, 7, 8, 50)] == [0.25, 0.5, 1.0, 30.0, 30.0, 30.0]
+
+
+def elastic_running(job_id: str, workers: int, *, min_workers: int = 1, end: float = 2000.0) -> RunningJob:
+    return RunningJob(
+        job_id=job_id,
+        tenant="t",
+        priority=100,
+        cluster="ca",
+        gpu_model="A100",
+        allocations=(("a0", workers),),
+        workers=workers,
+        min_workers=min_workers,
+        max_workers=8,
+        gpus_per_worker=1,
+        expected_end_s=end,
+    )
+
+
+def test_elastic_jobs_grow_only_when_nothing_waits() -> None:
+    snap = two_clusters()
+    snap.now = 1000.0
+    snap.running = [elastic_running("el", 2)]
+    snap.take([("a0", 2)])
+    fw = Framework([ResourceFit(), ScuFit()])
+    waiting = run_cycle(fw, [Q(job("big", gpus=8, workers=2))], snap)  # a0 has only 6 free
+    assert waiting.waiting and not waiting.grown  # a queued job has the first claim
+    grown = run_cycle(fw, [], snap)
+    [g] = grown.grown
+    assert (g.job_id, g.workers, g.added) == ("el", 8, (("a0", 6),))
+    [r] = snap.running
+    assert r.workers == 8 and r.allocations == (("a0", 8),)
+    assert r.expected_end_s == pytest.approx(1000.0 + 1000.0 * 2 / 8)  # four times the workers
+    assert run_cycle(fw, [], snap, backlog=1).grown == []  # jobs queued outside this cycle: no growth
+
+
+def test_a_run_shrunk_within_its_own_cycle_is_placed_at_the_smaller_size() -> None:
+    snap = two_clusters()
+    fw = Framework([ResourceFit(), ElasticShrink(), ScuFit()])
+    first = Q(job("el", gpus=1, workers=16, min_workers=4, resources={"gpu_models": ["A100"]}))
+    second = Q(job("gang", gpus=8, resources={"gpu_models": ["A100"]}))
+    placed: list[str] = []
+
+    def listed(p: Q, d: object) -> None:
+        placed.append(p.job.job_id)
+        snap.running.append(core(p.job, d))  # as the service lists a placement at once
+
+    result = run_cycle(fw, [first, second], snap, placed=listed)
+    assert placed == ["el", "gang"]
+    assert [s.job_id for s in result.shrunk] == ["el"]
+    fold_within(result)
+    assert result.shrunk == [] and result.preempted == []
+    el = next(p for p in result.placed if p.pending.job.job_id == "el")
+    assert el.decision.workers == 8 and sum(g for _, g in el.decision.parts[0].allocations) == 8
+
+
+def test_a_run_preempted_within_its_own_cycle_is_taken_back_and_waits() -> None:
+    # The queue goes by priority, so a cycle preempts its own placement only in odd orders; the
+    # rule holds whatever the order: the victim waits, as if never placed.
+    snap = two_clusters()
+    fw = Framework([ResourceFit(), ScuFit()])
+    result = run_cycle(fw, [Q(job("low", gpus=8)), Q(job("high", gpus=8))], snap)
+    result.preempted.append(Preempted("low", by="high"))
+    result.preempted.append(Preempted("running-before", by="high"))
+    undone = fold_within(result)
+    assert undone == {"low"}
+    assert [p.pending.job.job_id for p in result.placed] == ["high"]
+    assert [w.pending.job.job_id for w in result.waiting] == ["low"]
+    assert [p.job_id for p in result.preempted] == ["running-before"]  # still stopped for real
+
+
+def core(spec: JobSpec, d: object) -> RunningJob:
+    parts = d.parts  # type: ignore[attr-defined]
+    return RunningJob(
+        job_id=spec.job_id,
+        tenant=spec.tenant,
+        priority=spec.priority,
+        cluster=parts[0].cluster,
+        gpu_model=parts[0].gpu_model,
+        allocations=tuple(a for p in parts for a in p.allocations),
+        workers=d.workers,  # type: ignore[attr-defined]
+        gpus_per_worker=spec.resources.gpus,
+        min_workers=spec.min_workers,
+        max_workers=spec.workers,
+    )
+
+
+def test_retry_and_expiry_rules() -> None:
+    assert retry_after_failure(retryable=True, attempt=1, current_attempt=1, max_attempts=3)
+    assert not retry_after_failure(retryable=False, attempt=1, current_attempt=1, max_attempts=3)
+    assert not retry_after_failure(retryable=True, attempt=1, current_attempt=2, max_attempts=3)  # stale
+    assert not retry_after_failure(retryable=True, attempt=3, current_attempt=3, max_attempts=3)  # spent
+    assert expiry_avoid(["b", "a", "b"], attempt=1, max_attempts=3) == ("a", "b")
+    assert expiry_avoid(["a"], attempt=3, max_attempts=3) == ()
+
+
+def test_predicted_ends_at_placement_and_after_a_resize() -> None:
+    spec = job("el", workers=4, min_workers=1)
+    assert expected_end_s(spec, start_s=10.0, steps_left=100, predicted_step_s=2.0, workers=4) == 210.0
+    # Half the workers asked for: twice as long (the prediction is for the gang as asked).
+    assert expected_end_s(spec, start_s=10.0, steps_left=100, predicted_step_s=2.0, workers=2) == 410.0
+    assert expected_end_s(spec, start_s=10.0, steps_left=100, predicted_step_s=None, workers=4) is None
+    run = elastic_running("el", 2, end=500.0)
+    assert resized_end_s(run, 4, now=100.0) == pytest.approx(300.0)  # 400 s left at 2 -> 200 s at 4
+
+
+def test_fair_share_is_taken_from_the_snapshot_book() -> None:
+    snap = two_clusters()
+    assert fair_share_of(snap, "t") == 0.0
+    snap.quota = QuotaBook(TenantConfig(tenants={"t": TenantQuota(name="t", cohort=None, gpus=8)}), {"t": 4})
+    assert fair_share_of(snap, "t") == 0.5
+
+
+def test_admission_refuses_what_no_cluster_state_could_fix() -> None:
+    with pytest.raises(InvalidInputError, match="min_workers"):
+        admission_check(job("j", workers=2, min_workers=3))
+    with pytest.raises(InvalidInputError, match="pipeline"):
+        admission_check(job("p", workers=2, pipeline=Pipeline(layers=[Layer(compute_s=1.0, memory_gib=1.0)])))
+    cyclic = [
+        Stage(name="a", depends_on=["b"], work=Work(steps=1, step_time_s=1.0)),
+        Stage(name="b", depends_on=["a"], work=Work(steps=1, step_time_s=1.0)),
+    ]
+    with pytest.raises(dag.DagCycleError):
+        admission_check(job("d", stages=cyclic))
+    admission_check(job("ok", workers=2, min_workers=1))
+
+
+def test_a_dag_advances_from_its_stages_states() -> None:
+    stages = [
+        Stage(name="prep", work=Work(steps=1, step_time_s=1.0)),
+        Stage(name="train", depends_on=["prep"], work=Work(steps=1, step_time_s=1.0)),
+        Stage(name="eval", depends_on=["train"], work=Work(steps=1, step_time_s=1.0)),
+    ]
+    step = dag.advance(stages, {"prep": "completed", "train": "waiting", "eval": "waiting"})
+    assert step.ready == ("train",) and not step.completed and step.failed_stage is None
+    failed = dag.advance(stages, {"prep": "completed", "train": "failed", "eval": "waiting"})
+    assert failed.failed_stage == "train" and failed.cancel == ("eval",)
+    assert dag.advance(stages, dict.fromkeys(("prep", "train", "eval"), "completed")).completed
