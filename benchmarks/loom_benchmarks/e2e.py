@@ -5,6 +5,11 @@ started; jobs are published as raw events exactly as any client would, and the `
 events are observed on the bus. Latency is measured from the client's publish to the arrival
 of the placed event at the same client (one clock). Jobs are long, so the clusters' only work
 during the measurement is starting them.
+
+``--shards N`` starts N placement shards (the topology's regions split by GPUs,
+:func:`loom.runtime.stack.placement_groups`) and gives every job a one-region affinity, regions
+taken in proportion to their GPUs (:func:`_regions`), so the jobs spread over the shards; give
+``--shards 1`` for the single-shard figure with the same jobs.
 """
 
 import argparse
@@ -18,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from loom.client import LoomClient
+from loom.model.topology import load_topology
 from loom.runtime import stack
 from loom_proto import subjects
 from loom_proto.codec import decode
-from loom_proto.jobs import JobPlaced, JobSpec, Resources, Work
+from loom_proto.jobs import Affinity, JobPlaced, JobSpec, Resources, Work
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -32,23 +38,41 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def _job(prefix: str, i: int) -> JobSpec:
+def _job(prefix: str, i: int, regions: list[str] | None = None) -> JobSpec:
     return JobSpec(
         job_id=f"{prefix}-{i}",
         tenant="bench",
         task_type="inference",
         resources=Resources(gpus=1),
         work=Work(steps=1, step_time_s=86_400.0),
+        affinity=Affinity(regions=[regions[i % len(regions)]]) if regions else Affinity(),
     )
 
 
+def _regions(topology: str) -> list[str]:
+    """Regions in proportion to their GPUs (one entry per 50 GPUs, at least one), interleaved:
+    job ``i`` is allowed in entry ``i % len``."""
+    gpus: dict[str, int] = {}
+    for cluster in load_topology(topology).clusters:
+        gpus[cluster.region] = gpus.get(cluster.region, 0) + sum(n.gpus for n in cluster.nodes)
+    slots = sorted(
+        ((k + 0.5) / max(round(g / 50), 1), region)
+        for region, g in gpus.items()
+        for k in range(max(round(g / 50), 1))
+    )
+    return [region for _, region in slots]
+
+
 # PLR0915: warm-up, throughput and paced phases share clocks and subscription.
-async def _measure(nats_url: str, jobs: int, rate: float, paced_jobs: int) -> dict[str, Any]:  # noqa: PLR0915
+async def _measure(  # noqa: PLR0915
+    nats_url: str, jobs: int, rate: float, paced_jobs: int, regions: list[str] | None = None
+) -> dict[str, Any]:
     client = await LoomClient.connect(nats_url, name="loom-bench")
     sent: dict[str, float] = {}
     placed: dict[str, float] = {}
     waiter: dict[str, asyncio.Event] = {}
-    expected: dict[str, int] = {"warm": 1, "tp": jobs, "paced": paced_jobs}
+    warm = sorted(set(regions)) if regions else [""]  # every shard warmed up
+    expected: dict[str, int] = {"warm": len(warm), "tp": jobs, "paced": paced_jobs}
     seen: dict[str, int] = {}
 
     async def on_placed(msg: Any) -> None:
@@ -66,8 +90,9 @@ async def _measure(nats_url: str, jobs: int, rate: float, paced_jobs: int) -> di
     sub = await client.nc.subscribe(subjects.JOBS_PLACED_ALL, cb=on_placed)
     try:
         # Warm up: the first placement needs the capacity view; wait until one job goes through.
-        sent["warm-0"] = time.perf_counter()
-        await client.submit(_job("warm", 0))
+        for i in range(len(warm)):
+            sent[f"warm-{i}"] = time.perf_counter()
+            await client.submit(_job("warm", i, warm if regions else None))
         await asyncio.wait_for(waiter["warm"].wait(), timeout=60)
 
         # Throughput: everything at once, 256 publishes in flight.
@@ -75,7 +100,7 @@ async def _measure(nats_url: str, jobs: int, rate: float, paced_jobs: int) -> di
 
         async def submit(prefix: str, i: int) -> None:
             async with sem:
-                spec = _job(prefix, i)
+                spec = _job(prefix, i, regions)
                 sent[spec.job_id] = time.perf_counter()
                 await client.submit(spec)
 
@@ -99,7 +124,7 @@ async def _measure(nats_url: str, jobs: int, rate: float, paced_jobs: int) -> di
             settle_start = time.perf_counter()
             while time.perf_counter() - settle_start < 120:
                 counts = await client.counts()
-                if counts.get("running", 0) >= jobs + 1:
+                if counts.get("running", 0) >= jobs + len(warm):
                     break
                 await asyncio.sleep(0.25)
             result["settle_s"] = round(time.perf_counter() - settle_start, 2)
@@ -110,7 +135,7 @@ async def _measure(nats_url: str, jobs: int, rate: float, paced_jobs: int) -> di
                 delay = start + i * interval - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                spec = _job("paced", i)
+                spec = _job("paced", i, regions)
                 sent[spec.job_id] = time.perf_counter()
                 await client.submit(spec)
             await asyncio.wait_for(waiter["paced"].wait(), timeout=60)
@@ -142,15 +167,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             heartbeat_s=2.0,
             durable=True,
             network=not args.without_network,
+            placement_shards=args.shards or 1,
         )
         state = stack.up(home, options)
         started = time.time()
-        result = asyncio.run(_measure(state["nats_url"], args.jobs, args.rate, args.paced_jobs))
+        regions = _regions(args.topology) if args.shards else None
+        result = asyncio.run(_measure(state["nats_url"], args.jobs, args.rate, args.paced_jobs, regions))
         result.update(
             {
                 "benchmark": "e2e",
                 "topology": args.topology,
                 "services": len(state["services"]),
+                "placement_shards": args.shards or 1,
+                "placement_groups": stack.placement_groups(options),
                 "network_services": not args.without_network,
                 "cpu_cores": os.cpu_count(),
                 "nats_sync": "always",
