@@ -25,11 +25,13 @@ names) and acks, without storing anything, those :func:`~loom.sched.shards.route
 territory of its region (a group's, or the global shard's); an instance holds its own shard's
 territory while it leads, and the global shard's leader also takes a regional territory over
 while that shard has no leader and none of its instances waits for it: it acquires that shard's
-lease (``placement.<shard>``) and claims its fence with that token, and hands it back (drops it
-from memory, then releases the lease) as soon as an instance of the shard announces itself in
-the lease bucket (key ``standby.<shard>``, renewed by every regional instance that does not
-lead). So ownership is the fence: a territory's row in ``fences`` says which holder, with which
-token, may write for its clusters, and every transaction checks the fences of all the
+lease (``placement.<shard>``), claims its fence with that token, loads the territory's nodes,
+runs and queued jobs, and runs that shard's durable consumers too (so its submissions are placed
+and the events nobody recorded since it died are), until an instance of the shard announces
+itself in the lease bucket (key ``standby.<shard>``, renewed by every regional instance that does
+not lead): then it stops those consumers, drops the territory from memory and releases the lease.
+So ownership is the fence: a territory's row in ``fences`` says which holder, with which token,
+may write for its clusters, and every transaction checks the fences of all the
 territories the instance holds (:meth:`PlacementService._tx`). An instance's capacity book, runs
 and view deltas cover the clusters of the territories it holds only, lifecycle events are
 handled by the holder of the event's cluster (the others ack them), and a cycle refuses to
@@ -276,46 +278,7 @@ class PlacementService:
         self.held = {self.shard: token}
         self._territory_stats()
         await self.load()
-        runners: list[ConsumerRunner[Any]] = [
-            ConsumerRunner(
-                self.ctx.nc,
-                ConsumerSpec(
-                    stream="VIEW",
-                    durable=self._durable("placement-view"),
-                    filter_subjects=[subjects.VIEW_DELTAS_ALL],
-                    ack_wait_s=ACK_WAIT_S,
-                ),
-                ViewDelta,
-                handler=self.on_view_delta,
-                publisher=self.ctx.publisher,
-            ),
-            ConsumerRunner(
-                self.ctx.nc,
-                ConsumerSpec(
-                    stream="JOBS",
-                    durable=self._durable("placement-lifecycle"),
-                    filter_subjects=LIFECYCLE_SUBJECTS,
-                    batch=self.batch,
-                    ack_wait_s=ACK_WAIT_S,
-                ),
-                bytes,
-                batch_handler=self.on_lifecycle,
-                publisher=self.ctx.publisher,
-            ),
-            ConsumerRunner(
-                self.ctx.nc,
-                ConsumerSpec(
-                    stream="JOBS",
-                    durable=self._durable("placement-submitted"),
-                    filter_subjects=[subjects.JOBS_SUBMITTED_ALL],
-                    batch=self.batch,
-                    ack_wait_s=ACK_WAIT_S,
-                ),
-                bytes,
-                batch_handler=self.on_submitted,
-                publisher=self.ctx.publisher,
-            ),
-        ]
+        runners = self._consumers(self.shard)
         for runner in runners:
             await runner.start()
         loops = [asyncio.create_task(self._requeue_loop()), asyncio.create_task(self._expiry_loop())]
@@ -340,6 +303,50 @@ class PlacementService:
                 await relay
             self.held = {}
             self._territory_stats()
+
+    def _consumers(self, shard: str) -> list[ConsumerRunner[Any]]:
+        """The durable consumers of ``shard``: view deltas, lifecycle events, submissions (the
+        global leader also runs a leaderless regional shard's while it holds its territory)."""
+        return [
+            ConsumerRunner(
+                self.ctx.nc,
+                ConsumerSpec(
+                    stream="VIEW",
+                    durable=self._durable("placement-view", shard),
+                    filter_subjects=[subjects.VIEW_DELTAS_ALL],
+                    ack_wait_s=ACK_WAIT_S,
+                ),
+                ViewDelta,
+                handler=self.on_view_delta,
+                publisher=self.ctx.publisher,
+            ),
+            ConsumerRunner(
+                self.ctx.nc,
+                ConsumerSpec(
+                    stream="JOBS",
+                    durable=self._durable("placement-lifecycle", shard),
+                    filter_subjects=LIFECYCLE_SUBJECTS,
+                    batch=self.batch,
+                    ack_wait_s=ACK_WAIT_S,
+                ),
+                bytes,
+                batch_handler=self.on_lifecycle,
+                publisher=self.ctx.publisher,
+            ),
+            ConsumerRunner(
+                self.ctx.nc,
+                ConsumerSpec(
+                    stream="JOBS",
+                    durable=self._durable("placement-submitted", shard),
+                    filter_subjects=[subjects.JOBS_SUBMITTED_ALL],
+                    batch=self.batch,
+                    ack_wait_s=ACK_WAIT_S,
+                ),
+                bytes,
+                batch_handler=self.on_submitted,
+                publisher=self.ctx.publisher,
+            ),
+        ]
 
     @contextlib.asynccontextmanager
     async def _tx(self) -> AsyncIterator[asyncpg.Connection]:
@@ -366,13 +373,15 @@ class PlacementService:
 
     # ---- shards and territories ------------------------------------------------------------------
 
-    def _durable(self, name: str) -> str:
-        """A consumer's durable name: the global shard keeps the historical names."""
-        return name if self.shard == GLOBAL else f"{name}-{self.shard}"
+    @staticmethod
+    def _durable(name: str, shard: str) -> str:
+        """A consumer's durable name for ``shard``: the global shard keeps the historical names."""
+        return name if shard == GLOBAL else f"{name}-{shard}"
 
     def _routed_here(self, job: JobSubmitted) -> bool:
-        """Whether this shard admits and places ``job`` (:func:`loom.sched.shards.route`)."""
-        return route(job, self.shard_map) == self.shard
+        """Whether this instance admits and places ``job`` (:func:`loom.sched.shards.route`): the
+        job's shard is one whose territory it holds."""
+        return route(job, self.shard_map) in self.held
 
     def _owns_region(self, region: str | None) -> bool:
         """Whether a region's territory is held by this instance (only while it leads)."""
@@ -457,11 +466,20 @@ class PlacementService:
                     continue
                 async with self.lock:
                     await self._adopt_territory(territory, token)
-                # Polled: the signal (a key in NATS appearing) has no event to wait on here.
-                while self.held.get(territory) == token and not lease.lost.is_set():
-                    if await self._standby_waiting(territory):
-                        break
-                    await asyncio.sleep(poll_s)
+                # Its shard's consumers too: its submissions and the events no one recorded since
+                # it died wait there.
+                runners = self._consumers(territory)
+                try:
+                    for runner in runners:
+                        await runner.start()
+                    # Polled: the signal (a key in NATS appearing) has no event to wait on here.
+                    while self.held.get(territory) == token and not lease.lost.is_set():
+                        if await self._standby_waiting(territory):
+                            break
+                        await asyncio.sleep(poll_s)
+                finally:
+                    for runner in reversed(runners):
+                        await runner.stop()
                 async with self.lock:
                     self._drop_territory(territory)
                 await lease.release()
@@ -474,6 +492,7 @@ class PlacementService:
         """Hold a regional territory (its fence is claimed): its nodes and runs from the store."""
         nodes = await repo.load_nodes(self.pool)
         rows = await repo.active_runs(self.pool)
+        queued = [queued_from_row(row) for row in await repo.queued_jobs(self.pool)]
         for cap in nodes.values():
             self.region_of[cap.cluster] = cap.region
         theirs = {n: c for n, c in nodes.items() if self.shard_map.shard_of_region(c.region) == territory}
@@ -486,6 +505,9 @@ class PlacementService:
                     run_from_row(row, self.book.nodes, now=now, step_s=self.book.believed_step_s),
                     from_store=True,
                 )
+        for q in queued:
+            if route(q.job, self.shard_map) == territory and q.job.job_id not in self.queue:
+                self.queue[q.job.job_id] = q
         self.held[territory] = token
         self.book.invalidate()
         self._territory_stats()
@@ -507,6 +529,11 @@ class PlacementService:
         for job_id, run in list(self.book.runs.items()):
             if self.shard_map.shard_of_region(self.region_of.get(run.parts[0][0])) == territory:
                 self.book.drop_run(job_id)
+        for job_id, q in list(self.queue.items()):
+            if route(q.job, self.shard_map) == territory:
+                del self.queue[job_id]  # its shard reloads it from the store
+                self.waiting_reasons.pop(job_id, None)
+        self.stats["queued"] = len(self.queue)
         self.book.invalidate()
         self._territory_stats()
         self.capacity_changed = True

@@ -4,7 +4,8 @@ A regional shard ``eu`` (azure-westeurope: cluster c-weu-a, the only P100s) and 
 (c-use2-a, c-sea1-a). Jobs allowed in westeurope only go to ``eu``; the rest go to ``global``,
 which never places on c-weu-a while ``eu`` leads. When ``eu``'s process dies, the global shard
 takes c-weu-a over through ``eu``'s lease and fence within about a lease TTL, and hands it back
-to the next ``eu`` instance, which then follows the runs the global shard placed there.
+to the next ``eu`` instance, which then follows the runs the global shard placed there; meanwhile
+the global shard also places ``eu``'s jobs (it reads ``eu``'s consumers while it holds c-weu-a).
 """
 
 import asyncio
@@ -152,9 +153,11 @@ async def test_a_dead_regional_shards_clusters_go_to_global_within_the_ttl_and_c
     # Only c-weu-a has P100s: a job allowed everywhere can now be placed there by the global shard,
     # and runs long enough (about 10 s of wall time) to end after the hand-back.
     await client.submit(spec("p100-job", steps=200, step_time_s=100.0, gpu_models=["P100"]))
-    where = await until(lambda: placed(client, ["p100-job"]), 20, "p100-job placed")
-    assert where["p100-job"] == "c-weu-a"
-    assert "p100-job" in g.book.runs
+    # And eu's own jobs keep being placed: the global shard reads eu's consumer while it holds c-weu-a.
+    await client.submit(spec("eu-late", regions=["azure-westeurope"], gpu_models=["T4"]))
+    where = await until(lambda: placed(client, ["p100-job", "eu-late"]), 20, "p100-job and eu-late placed")
+    assert where == {"p100-job": "c-weu-a", "eu-late": "c-weu-a"}
+    assert {"p100-job", "eu-late"} <= set(g.book.runs)
 
     # A new eu instance announces itself: the global shard hands c-weu-a back at once.
     platform.placement = {"region_groups": GROUPS, "shard": "eu"}
@@ -167,8 +170,8 @@ async def test_a_dead_regional_shards_clusters_go_to_global_within_the_ttl_and_c
     await until(handed_back, 15, "c-weu-a back with the eu shard")
     # (The cut-off instance may still be winding down its consumers: its fence is what stops it.)
     assert clusters_of_book(g) == GLOBAL_CLUSTERS and clusters_of_book(eu2) == EU_CLUSTERS
-    assert "p100-job" not in g.book.runs
-    assert {"p100-job", "eu-0"} <= set(eu2.book.runs), "the new leader follows every run on its clusters"
+    assert not {"p100-job", "eu-late"} & set(g.book.runs)
+    assert {"p100-job", "eu-late", "eu-0"} <= set(eu2.book.runs), "the new leader follows every run there"
     assert await platform_fence(platform, "eu") == eu2.leadership.token
 
     # The global shard's run ends on c-weu-a: the eu shard, which holds the cluster now, records it.
