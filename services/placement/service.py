@@ -173,6 +173,8 @@ class PlacementService:
         self.held: dict[str, int] = {}
         """Territories this instance holds while it leads, with the fencing token of each (its own
         shard's, and regional ones the global shard took over)."""
+        self.fenced_territories: set[str] = set()
+        """Held territories whose fence refused a transaction: their watcher hands them back."""
         self.region_of: dict[str, str] = dict(self.shard_map.cluster_regions)
         """Cluster -> region, from the topology, the store and the view (whose territory a cluster is)."""
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
@@ -302,6 +304,7 @@ class PlacementService:
             with contextlib.suppress(asyncio.CancelledError):
                 await relay
             self.held = {}
+            self.fenced_territories.clear()
             self._territory_stats()
 
     def _consumers(self, shard: str) -> list[ConsumerRunner[Any]]:
@@ -361,7 +364,9 @@ class PlacementService:
                         await fence.check(conn, territory, token)
                     except FencedError:
                         # Its shard is back (a newer token): the territory is not ours any more.
-                        self._drop_territory(territory)
+                        # Its watcher stops that shard's consumers first, then drops it (dropped
+                        # at once, those consumers would ack the shard's messages unhandled).
+                        self.fenced_territories.add(territory)
                         raise
                 yield conn
         except FencedError as exc:
@@ -473,7 +478,7 @@ class PlacementService:
                     for runner in runners:
                         await runner.start()
                     # Polled: the signal (a key in NATS appearing) has no event to wait on here.
-                    while self.held.get(territory) == token and not lease.lost.is_set():
+                    while not lease.lost.is_set() and territory not in self.fenced_territories:
                         if await self._standby_waiting(territory):
                             break
                         await asyncio.sleep(poll_s)
@@ -482,10 +487,12 @@ class PlacementService:
                         await runner.stop()
                 async with self.lock:
                     self._drop_territory(territory)
+                self.fenced_territories.discard(territory)
                 await lease.release()
                 log.info("territory handed back", territory=territory, shard=self.shard, token=token)
         finally:
             self._drop_territory(territory)
+            self.fenced_territories.discard(territory)
             await lease.release()
 
     async def _adopt_territory(self, territory: str, token: int) -> None:
