@@ -307,9 +307,10 @@ class PlacementService:
             self.fenced_territories.clear()
             self._territory_stats()
 
-    def _consumers(self, shard: str) -> list[ConsumerRunner[Any]]:
+    def _consumers(self, shard: str, *, idle_fetch_timeout_s: float = 2.0) -> list[ConsumerRunner[Any]]:
         """The durable consumers of ``shard``: view deltas, lifecycle events, submissions (the
-        global leader also runs a leaderless regional shard's while it holds its territory)."""
+        global leader also runs a leaderless regional shard's while it holds its territory, with a
+        short idle fetch so that they stop, and the territory is handed back, within moments)."""
         return [
             ConsumerRunner(
                 self.ctx.nc,
@@ -322,6 +323,7 @@ class PlacementService:
                 ViewDelta,
                 handler=self.on_view_delta,
                 publisher=self.ctx.publisher,
+                idle_fetch_timeout_s=idle_fetch_timeout_s,
             ),
             ConsumerRunner(
                 self.ctx.nc,
@@ -335,6 +337,7 @@ class PlacementService:
                 bytes,
                 batch_handler=self.on_lifecycle,
                 publisher=self.ctx.publisher,
+                idle_fetch_timeout_s=idle_fetch_timeout_s,
             ),
             ConsumerRunner(
                 self.ctx.nc,
@@ -348,6 +351,7 @@ class PlacementService:
                 bytes,
                 batch_handler=self.on_submitted,
                 publisher=self.ctx.publisher,
+                idle_fetch_timeout_s=idle_fetch_timeout_s,
             ),
         ]
 
@@ -473,7 +477,7 @@ class PlacementService:
                     await self._adopt_territory(territory, token)
                 # Its shard's consumers too: its submissions and the events no one recorded since
                 # it died wait there.
-                runners = self._consumers(territory)
+                runners = self._consumers(territory, idle_fetch_timeout_s=poll_s)
                 try:
                     for runner in runners:
                         await runner.start()

@@ -19,6 +19,7 @@ from waiting import until
 
 from loom.client import LoomClient
 from loom.runtime.servers import NatsServer
+from loom.store import fence
 from loom_proto.jobs import Affinity, JobSpec, Resources, Work
 from loom_services.placement.service import PlacementService
 
@@ -165,7 +166,8 @@ async def test_a_dead_regional_shards_clusters_go_to_global_within_the_ttl_and_c
     platform.placement = {}
 
     async def handed_back() -> bool:
-        return eu2.leadership.is_leader and "eu" not in g.held
+        # Leading, and its state rebuilt from the store (the runs on c-weu-a are among it).
+        return eu2.leadership.is_leader and "eu" not in g.held and "eu-0" in eu2.book.runs
 
     await until(handed_back, 15, "c-weu-a back with the eu shard")
     # (The cut-off instance may still be winding down its consumers: its fence is what stops it.)
@@ -193,3 +195,45 @@ def _state(client: LoomClient, job_id: str, wanted: str) -> Callable[[], Awaitab
         return job if job and job["state"] == wanted else None
 
     return check
+
+
+async def test_a_territory_whose_fence_moves_on_is_given_up_before_anything_is_written_for_it(
+    platform: Platform, shards: dict[str, PlacementService], client: LoomClient
+) -> None:
+    g = shards["global"]
+    await platform.stop("placement-eu2")  # a graceful stop: eu's lease is released, global takes over
+
+    async def global_holds_eu() -> bool:
+        return "eu" in g.held
+
+    await until(global_holds_eu, 3 * TTL_S + 5.0, "the global shard to take c-weu-a over again")
+    # A newer eu leader claims the fence behind the global shard's back (as after a long pause of
+    # the global leader): its next transaction must be refused and the territory given up.
+    _, ctx = platform.tasks["metrics"]
+    newer = g.held["eu"] + 1000
+    assert await fence.claim(ctx.db, "eu", newer, "someone-newer")
+    fenced_before = g.stats.get("fenced", 0)
+    await client.submit(spec("after-fence", gpu_models=["P100"]))
+
+    async def given_up() -> bool:
+        return "eu" not in g.held
+
+    await until(given_up, 15, "the global shard to give c-weu-a up")
+    assert g.stats.get("fenced", 0) > fenced_before
+    assert clusters_of_book(g) == GLOBAL_CLUSTERS
+    assert await platform_fence(platform, "eu") == newer, "the newer claim stands"
+    # Nothing of the refused transaction (which placed the job on c-weu-a, the only P100s) was
+    # written: redelivered, the job is admitted again and waits, as c-weu-a is not the global
+    # shard's any more.
+    job = await until(_state(client, "after-fence", "queued"), 15, "after-fence admitted")
+    waiting = await until(lambda: _has_decision(client, "after-fence"), 15, "a decision for after-fence")
+    assert waiting["outcome"] == "waiting" and "c-weu-a" not in waiting["record"]["pruned"]
+    job = await client.job("after-fence")
+    assert job is not None and job["state"] == "queued" and job["cluster"] is None
+    assert [e["kind"] for e in job["events"]] == ["submitted"]
+    assert "eu" not in g.held, "the global shard cannot claim eu's fence again with an older token"
+
+
+async def _has_decision(client: LoomClient, job_id: str) -> Any:
+    decisions = (await client.explain(job_id))["decisions"]
+    return decisions[-1] if decisions else None
