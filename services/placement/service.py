@@ -585,6 +585,9 @@ class PlacementService:
         if accepted:
             try:
                 async with self.lock:
+                    # Territories change under the lock only: a shard handed back meanwhile admits
+                    # its jobs itself (they wait in its own consumer).
+                    accepted = [(d, job) for d, job in accepted if self._routed_here(job)]
                     await self._retrying(lambda: self._admit(accepted))
             except Exception as exc:
                 for d, _ in accepted:
@@ -1265,6 +1268,8 @@ class PlacementService:
         if not changed:
             return
         async with self._tx() as conn:
+            if not self._owns_region(delta.region):
+                return  # handed back meanwhile: its shard follows it
             await repo.upsert_nodes(conn, delta.version, changed)
         # Totals and schedulability come from the view; reservations are placement's, taken as
         # they are at this moment (no await below), so a cycle committed meanwhile is kept.
@@ -1319,12 +1324,15 @@ class PlacementService:
             finished: list[tuple[str, int]] = []
             progress: dict[str, float] = {}
             async with self._tx() as conn:
+                # Again here: a territory handed back meanwhile is not written for (its shard has
+                # these events in its own consumer).
+                mine = [(e, mid) for e, mid in events if self._handles(e)]
                 fresh = await repo.append_events(
                     conn,
-                    [repo.JobEventRow(e.job_id, _kind(e), mid, encode(e), _at(e)) for e, mid in events],
+                    [repo.JobEventRow(e.job_id, _kind(e), mid, encode(e), _at(e)) for e, mid in mine],
                 )
-                new = [e for e, mid in events if mid in fresh]
-                mid_of = {id(e): mid for e, mid in events}
+                new = [e for e, mid in mine if mid in fresh]
+                mid_of = {id(e): mid for e, mid in mine}
                 await repo.confirm(conn, [(e.job_id, e.attempt) for e in new if isinstance(e, JobStarted)])
                 updates = [(e.job_id, e.attempt, e.step / e.steps) for e in new if isinstance(e, JobProgress)]
                 await repo.set_progress(conn, updates)
