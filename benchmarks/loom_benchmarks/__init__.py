@@ -34,6 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
         default=10.0,
         help="seconds of the idle stack over which CPU at rest is sampled",
     )
+    e2e.add_argument(
+        "--shards",
+        type=int,
+        default=None,
+        help="placement shards (regions split by GPUs); jobs then carry a one-region affinity, by GPUs",
+    )
     e2e.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     view = sub.add_parser("view", help="the resource ledger at scale: delta apply, queries, memory per node")
     view.add_argument("--nodes", type=int, default=100_000)

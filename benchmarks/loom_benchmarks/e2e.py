@@ -6,6 +6,11 @@ events are observed on the bus. Latency is measured from the client's publish to
 of the placed event at the same client (one clock). Jobs are long, so the clusters' only work
 during the measurement is starting them.
 
+``--shards N`` starts N placement shards (the topology's regions split by GPUs,
+:func:`loom.runtime.stack.placement_groups`) and gives every job a one-region affinity, regions
+taken in proportion to their GPUs (:func:`_regions`), so the jobs spread over the shards; give
+``--shards 1`` for the single-shard figure with the same jobs.
+
 Every run reports each process's CPU share (:mod:`loom.runtime.cpu`) at rest and under the burst;
 ``--baseline`` also measures the raw consume/store/publish path (:mod:`loom_benchmarks.e2e_baseline`)
 in the same stack, and Loom's rate as a share of it.
@@ -25,11 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from loom.client import LoomClient
+from loom.model.topology import load_topology
 from loom.runtime import cpu, stack
 from loom_benchmarks import e2e_baseline
 from loom_proto import subjects
 from loom_proto.codec import decode
-from loom_proto.jobs import JobPlaced, JobSpec, JobSubmitted, Resources, Work
+from loom_proto.jobs import Affinity, JobPlaced, JobSpec, JobSubmitted, Resources, Work
 
 NEIGHBOUR_PREFIXES = ("probe-", "agent-", "network-perception", "metrics")
 """The non-scheduling Loom services whose CPU at rest ``neighbours_at_rest_pct`` sums."""
@@ -43,21 +49,38 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def _job(prefix: str, i: int) -> JobSpec:
+def _job(prefix: str, i: int, regions: list[str] | None = None) -> JobSpec:
     return JobSpec(
         job_id=f"{prefix}-{i}",
         tenant="bench",
         task_type="inference",
         resources=Resources(gpus=1),
         work=Work(steps=1, step_time_s=86_400.0),
+        affinity=Affinity(regions=[regions[i % len(regions)]]) if regions else Affinity(),
     )
+
+
+def _regions(topology: str) -> list[str]:
+    """Regions in proportion to their GPUs (one entry per 50 GPUs, at least one), interleaved:
+    job ``i`` is allowed in entry ``i % len`` (``--shards``: the jobs spread over the shards)."""
+    gpus: dict[str, int] = {}
+    for cluster in load_topology(topology).clusters:
+        gpus[cluster.region] = gpus.get(cluster.region, 0) + sum(n.gpus for n in cluster.nodes)
+    slots = sorted(
+        ((k + 0.5) / max(round(g / 50), 1), region)
+        for region, g in gpus.items()
+        for k in range(max(round(g / 50), 1))
+    )
+    return [region for _, region in slots]
 
 
 class _Run:
     """What one bench run observes: when each job was sent and when its placed event arrived."""
 
-    def __init__(self, client: LoomClient) -> None:
+    def __init__(self, client: LoomClient, regions: list[str] | None = None) -> None:
         self.client = client
+        self.regions = regions
+        """With ``--shards``: each job's one allowed region, in turn (:func:`_regions`)."""
         self.sent: dict[str, float] = {}
         self.placed: dict[str, float] = {}
         self.expected: dict[str, int] = {}
@@ -104,7 +127,7 @@ class _Run:
 
         async def one(i: int) -> None:
             async with sem:
-                await submit(_job(prefix, i))
+                await submit(_job(prefix, i, self.regions))
 
         before = sampler.sample()
         t0 = time.perf_counter()
@@ -133,7 +156,7 @@ class _Run:
             delay = start + i * interval - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            await submit(_job(prefix, i))
+            await submit(_job(prefix, i, self.regions))
         await asyncio.wait_for(done.wait(), timeout=60)
         lat = [(self.placed[f"{prefix}-{i}"] - self.sent[f"{prefix}-{i}"]) * 1000 for i in range(jobs)]
         return {
@@ -162,16 +185,20 @@ async def _measure(
     *,
     rest_s: float,
     baseline: bool,
+    regions: list[str] | None = None,
 ) -> dict[str, Any]:
     client = await LoomClient.connect(nats_url, name="loom-bench")
-    run = _Run(client)
+    run = _Run(client, regions)
     subs = [await client.nc.subscribe(subjects.JOBS_PLACED_ALL, cb=run.on_placed)]
     if baseline:
         subs.append(await client.nc.subscribe(f"{e2e_baseline.PLACED}.*", cb=run.on_placed))
     try:
         # Warm up: the first placement needs the capacity view; wait until one job goes through.
-        warm = run.expect("warm", 1)
-        await run.submit_loom(_job("warm", 0))
+        # With shards, one per region, so every shard has its view before the burst.
+        warm_regions = sorted(set(regions)) if regions else None
+        warm = run.expect("warm", len(warm_regions or [None]))
+        for i in range(len(warm_regions or [None])):
+            await run.submit_loom(_job("warm", i, warm_regions))
         await asyncio.wait_for(warm.wait(), timeout=60)
         if baseline:
             bwarm = run.expect("bwarm", 1)
@@ -196,7 +223,7 @@ async def _measure(
             settle_start = time.perf_counter()
             while time.perf_counter() - settle_start < 120:
                 counts = await client.counts()
-                if counts.get("running", 0) >= jobs + 1:
+                if counts.get("running", 0) >= jobs + len(warm_regions or [None]):
                     break
                 await asyncio.sleep(0.25)
             result["settle_s"] = round(time.perf_counter() - settle_start, 2)
@@ -283,6 +310,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             heartbeat_s=2.0,
             durable=True,
             network=not args.without_network,
+            placement_shards=getattr(args, "shards", None) or 1,
         )
         state = stack.up(home, options)
         started = time.time()
@@ -315,6 +343,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 sampler,
                 rest_s=float(getattr(args, "rest_s", 10.0)),
                 baseline=baseline_on,
+                regions=_regions(args.topology) if getattr(args, "shards", None) else None,
             )
         )
         result.update(
@@ -322,6 +351,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "benchmark": "e2e",
                 "topology": args.topology,
                 "services": len(state["services"]),
+                "placement_shards": options.placement_shards,
+                "placement_groups": stack.placement_groups(options),
                 "network_services": not args.without_network,
                 "cpu_cores": os.cpu_count(),
                 "nats_sync": "always",

@@ -4,7 +4,9 @@ Options: ``--topology`` (the network prior before probes report), ``--shard`` (o
 shard), ``--tenants FILE`` (YAML or JSON quotas; none: every tenant admitted without quota),
 ``--confirm-timeout-s`` (a start not confirmed by then is placed again elsewhere),
 ``--explore-share`` (the largest share of scheduling cycles that offer still-uncertain learned
-speeds optimistically; 0, the default, never explores).
+speeds optimistically; 0, the default, never explores), ``--region-group NAME=r1,r2`` (repeatable)
+or ``--shards FILE`` (``{groups: {NAME: [region, ...]}}``): the region groups of the regional
+shards (:mod:`loom.sched.shards`); every placement instance must be given the same groups.
 """
 
 import argparse
@@ -17,6 +19,7 @@ from loom.model.topology import load_topology
 from loom.runtime.service import ServiceContext, run
 from loom.sched.plugins.cost import default_economics
 from loom.sched.quota import OPEN, TenantConfig, load_tenants
+from loom.sched.shards import load_config, parse_group
 from loom_services.placement.service import PlacementService
 
 
@@ -33,6 +36,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.0,
         help="largest share of cycles that try uncertain (family, GPU) speeds optimistically (0: never)",
+    )
+    parser.add_argument(
+        "--region-group",
+        action="append",
+        default=[],
+        metavar="NAME=REGION,...",
+        help="a regional shard and its regions (repeatable; the same on every instance)",
+    )
+    parser.add_argument(
+        "--shards", default=None, help="region groups from a file: {groups: {NAME: [region]}}"
     )
     parser.add_argument("--name", default="placement", help="instance name (health subject, lease holder)")
     return parser.parse_args(argv)
@@ -52,6 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     topology = load_topology(args.topology)
     tenants = read_tenants(args.tenants)
+    groups = load_config(args.shards) if args.shards else {}
+    for option in args.region_group:
+        name, regions = parse_group(option)
+        groups[name] = regions
 
     async def body(ctx: ServiceContext) -> None:
         await PlacementService(
@@ -64,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
             lease_ttl_s=args.lease_ttl_s,
             holder=args.name,
             explore_share=args.explore_share,
+            region_groups=groups,
         ).run()
 
     run(args.name, body)

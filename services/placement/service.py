@@ -16,6 +16,26 @@ event's message id, so a redelivery teaches nothing twice), the learner is rebui
 when this instance starts leading, and every cycle's snapshot applies its factors
 (``Snapshot.set_learned``). With ``explore_share`` above 0, that share of cycles at most offers
 still-uncertain (family, GPU) pairs at an optimistic speed (see the learner's exploration rule).
+
+Shards (:mod:`loom.sched.shards`): with region groups configured, each shard has a leader of its
+own and handles only its share. Submissions: every shard reads all of them through durable
+consumers of its own (``placement-submitted-<shard>``; the global shard keeps the unsuffixed
+names) and acks, without storing anything, those :func:`~loom.sched.shards.route` sends elsewhere
+(undecodable ones are the global shard's to reject). Territories: a cluster belongs to the
+territory of its region (a group's, or the global shard's); an instance holds its own shard's
+territory while it leads, and the global shard's leader also takes a regional territory over
+while that shard has no leader and none of its instances waits for it: it acquires that shard's
+lease (``placement.<shard>``), claims its fence with that token, loads the territory's nodes,
+runs and queued jobs, and runs that shard's durable consumers too (so its submissions are placed
+and the events nobody recorded since it died are), until an instance of the shard announces
+itself in the lease bucket (key ``standby.<shard>``, renewed by every regional instance that does
+not lead): then it stops those consumers, drops the territory from memory and releases the lease.
+So ownership is the fence: a territory's row in ``fences`` says which holder, with which token,
+may write for its clusters, and every transaction checks the fences of all the
+territories the instance holds (:meth:`PlacementService._tx`). An instance's capacity book, runs
+and view deltas cover the clusters of the territories it holds only, lifecycle events are
+handled by the holder of the event's cluster (the others ack them), and a cycle refuses to
+reserve on a cluster it does not hold. Queued jobs are reloaded by the shard they route to.
 """
 
 import asyncio
@@ -32,11 +52,14 @@ from typing import Any
 
 import asyncpg
 import msgspec
+import nats.errors
 import structlog
 from nats.aio.msg import Msg
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from opentelemetry import propagate
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
+from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.errors import InvalidInputError, TransientError
 from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
@@ -60,6 +83,7 @@ from loom.sched.framework import Decision, Framework
 from loom.sched.plugins.network import AlphaLearner
 from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, TenantConfig
+from loom.sched.shards import GLOBAL, ShardMap, route
 from loom.sched.snapshot import Economics
 from loom.store import fence, inbox, outbox, speeds
 from loom.store import jobs as repo
@@ -130,6 +154,7 @@ class PlacementService:
         lease_ttl_s: float = 2.0,
         holder: str | None = None,
         explore_share: float = 0.0,
+        region_groups: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self.ctx = ctx
         self.pool = ctx.db
@@ -148,6 +173,20 @@ class PlacementService:
         self.settled_at = time.monotonic() + settle_s
         self.stats = ctx.stats
         self.shard = validate_id(shard, "shard")
+        self.shard_map = ShardMap.build(region_groups, topology)
+        """Region groups: which shard a job routes to and whose territory a region is."""
+        if self.shard != GLOBAL and self.shard not in self.shard_map.groups:
+            raise InvalidInputError(
+                f"shard {self.shard!r} has no region group;"
+                f" groups: {', '.join(self.shard_map.regional) or 'none'}"
+            )
+        self.held: dict[str, int] = {}
+        """Territories this instance holds while it leads, with the fencing token of each (its own
+        shard's, and regional ones the global shard took over)."""
+        self.fenced_territories: set[str] = set()
+        """Held territories whose fence refused a transaction: their watcher hands them back."""
+        self.region_of: dict[str, str] = dict(self.shard_map.cluster_regions)
+        """Cluster -> region, from the topology, the store and the view (whose territory a cluster is)."""
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
         self.token = 0
         self.leadership = Leadership(shard=self.shard, holder=self.holder)
@@ -179,6 +218,7 @@ class PlacementService:
             }
         )
         self.stats["leadership"] = self.leadership
+        self.stats["shard"] = {"territories": [], "routed_elsewhere": 0, "foreign_events": 0}
 
     # ---- compatibility views -------------------------------------------------------------------
 
@@ -196,20 +236,23 @@ class PlacementService:
 
     async def load(self) -> None:
         """Rebuild the book and the queue from PostgreSQL, then publish leftovers."""
-        self.book.nodes = await repo.load_nodes(self.pool)
+        self.book.nodes = self._owned_nodes(await repo.load_nodes(self.pool))
         self.book.invalidate()
         self.learner = await speeds.load_learner(self.pool, self.learner.settings)
         self._adopt_learned()
         self.book.clear_runs()
         now = time.time()
         for row in await repo.active_runs(self.pool):
+            if not self._owns_cluster(row["cluster"]):
+                continue  # a run belongs to the holder of its lead cluster
             self.book.add_run(
                 run_from_row(row, self.book.nodes, now=now, step_s=self.book.believed_step_s), from_store=True
             )
         self.queue.clear()
         for row in await repo.queued_jobs(self.pool):
             q = queued_from_row(row)
-            self.queue[q.job.job_id] = q
+            if self._routed_here(q.job):
+                self.queue[q.job.job_id] = q
         await self.relay.flush()
         self.capacity_changed = True
         self.stats["queued"] = len(self.queue)
@@ -223,6 +266,7 @@ class PlacementService:
             subjects.JOBS_QUERY, queue="placement-query", cb=self.on_query
         )
         link_sub = await self.ctx.nc.subscribe(subjects.LINK_STATES_ALL, cb=self.on_link)
+        announcer = asyncio.create_task(self._announce_standby()) if self.shard != GLOBAL else None
         try:
             await lead(
                 self.ctx.nc.jetstream(),
@@ -237,56 +281,25 @@ class PlacementService:
                 poll_s=min(0.2, self.lease_ttl_s / 10),
             )
         finally:
+            if announcer is not None:
+                announcer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await announcer
             await query_sub.unsubscribe()
             await link_sub.unsubscribe()
 
     async def _lead(self, token: int) -> None:
         """The leader's work: consume submissions, view deltas and lifecycle events until cancelled."""
         self.token = token
+        self.held = {self.shard: token}
+        self._territory_stats()
         await self.load()
-        runners: list[ConsumerRunner[Any]] = [
-            ConsumerRunner(
-                self.ctx.nc,
-                ConsumerSpec(
-                    stream="VIEW",
-                    durable="placement-view",
-                    filter_subjects=[subjects.VIEW_DELTAS_ALL],
-                    ack_wait_s=ACK_WAIT_S,
-                ),
-                ViewDelta,
-                handler=self.on_view_delta,
-                publisher=self.ctx.publisher,
-            ),
-            ConsumerRunner(
-                self.ctx.nc,
-                ConsumerSpec(
-                    stream="JOBS",
-                    durable="placement-lifecycle",
-                    filter_subjects=LIFECYCLE_SUBJECTS,
-                    batch=self.batch,
-                    ack_wait_s=ACK_WAIT_S,
-                ),
-                bytes,
-                batch_handler=self.on_lifecycle,
-                publisher=self.ctx.publisher,
-            ),
-            ConsumerRunner(
-                self.ctx.nc,
-                ConsumerSpec(
-                    stream="JOBS",
-                    durable="placement-submitted",
-                    filter_subjects=[subjects.JOBS_SUBMITTED_ALL],
-                    batch=self.batch,
-                    ack_wait_s=ACK_WAIT_S,
-                ),
-                bytes,
-                batch_handler=self.on_submitted,
-                publisher=self.ctx.publisher,
-            ),
-        ]
+        runners = self._consumers(self.shard)
         for runner in runners:
             await runner.start()
         loops = [asyncio.create_task(self._requeue_loop()), asyncio.create_task(self._expiry_loop())]
+        if self.shard == GLOBAL:
+            loops += [asyncio.create_task(self._watch_territory(t)) for t in self.shard_map.regional]
         relay_stop = asyncio.Event()
         relay = asyncio.create_task(self.relay.run(relay_stop))
         try:
@@ -304,6 +317,57 @@ class PlacementService:
             self.relay.kick()
             with contextlib.suppress(asyncio.CancelledError):
                 await relay
+            self.held = {}
+            self.fenced_territories.clear()
+            self._territory_stats()
+
+    def _consumers(self, shard: str, *, idle_fetch_timeout_s: float = 2.0) -> list[ConsumerRunner[Any]]:
+        """The durable consumers of ``shard``: view deltas, lifecycle events, submissions (the
+        global leader also runs a leaderless regional shard's while it holds its territory, with a
+        short idle fetch so that they stop, and the territory is handed back, within moments)."""
+        return [
+            ConsumerRunner(
+                self.ctx.nc,
+                ConsumerSpec(
+                    stream="VIEW",
+                    durable=self._durable("placement-view", shard),
+                    filter_subjects=[subjects.VIEW_DELTAS_ALL],
+                    ack_wait_s=ACK_WAIT_S,
+                ),
+                ViewDelta,
+                handler=self.on_view_delta,
+                publisher=self.ctx.publisher,
+                idle_fetch_timeout_s=idle_fetch_timeout_s,
+            ),
+            ConsumerRunner(
+                self.ctx.nc,
+                ConsumerSpec(
+                    stream="JOBS",
+                    durable=self._durable("placement-lifecycle", shard),
+                    filter_subjects=LIFECYCLE_SUBJECTS,
+                    batch=self.batch,
+                    ack_wait_s=ACK_WAIT_S,
+                ),
+                bytes,
+                batch_handler=self.on_lifecycle,
+                publisher=self.ctx.publisher,
+                idle_fetch_timeout_s=idle_fetch_timeout_s,
+            ),
+            ConsumerRunner(
+                self.ctx.nc,
+                ConsumerSpec(
+                    stream="JOBS",
+                    durable=self._durable("placement-submitted", shard),
+                    filter_subjects=[subjects.JOBS_SUBMITTED_ALL],
+                    batch=self.batch,
+                    ack_wait_s=ACK_WAIT_S,
+                ),
+                bytes,
+                batch_handler=self.on_submitted,
+                publisher=self.ctx.publisher,
+                idle_fetch_timeout_s=idle_fetch_timeout_s,
+            ),
+        ]
 
     @contextlib.asynccontextmanager
     async def _tx(self) -> AsyncIterator[asyncpg.Connection]:
@@ -311,6 +375,17 @@ class PlacementService:
         try:
             async with transaction(self.pool) as conn:
                 await fence.check(conn, self.shard, self.token)
+                for territory, token in list(self.held.items()):
+                    if territory == self.shard:
+                        continue
+                    try:
+                        await fence.check(conn, territory, token)
+                    except FencedError:
+                        # Its shard is back (a newer token): the territory is not ours any more.
+                        # Its watcher stops that shard's consumers first, then drops it (dropped
+                        # at once, those consumers would ack the shard's messages unhandled).
+                        self.fenced_territories.add(territory)
+                        raise
                 yield conn
         except FencedError as exc:
             # Not the leader any more (a newer one claimed the fence; this instance's lease is lost
@@ -318,6 +393,176 @@ class PlacementService:
             # normally to the new leader, well within its delivery budget.
             self.stats["fenced"] = self.stats.get("fenced", 0) + 1
             raise TransientError(f"fenced: {exc}") from exc
+
+    # ---- shards and territories ------------------------------------------------------------------
+
+    @staticmethod
+    def _durable(name: str, shard: str) -> str:
+        """A consumer's durable name for ``shard``: the global shard keeps the historical names."""
+        return name if shard == GLOBAL else f"{name}-{shard}"
+
+    def _routed_here(self, job: JobSubmitted) -> bool:
+        """Whether this instance admits and places ``job`` (:func:`loom.sched.shards.route`): the
+        job's shard is one whose territory it holds."""
+        return route(job, self.shard_map) in self.held
+
+    def _owns_region(self, region: str | None) -> bool:
+        """Whether a region's territory is held by this instance (only while it leads)."""
+        return self.shard_map.shard_of_region(region) in self.held
+
+    def _owns_cluster(self, cluster: str) -> bool:
+        """Whether a cluster's territory is held by this instance (a cluster of unknown region is
+        the global shard's)."""
+        return self._owns_region(self.region_of.get(cluster))
+
+    def _handles(self, event: LifecycleEvent) -> bool:
+        """Whether this instance records a lifecycle event: the holder of the event's cluster does;
+        a cancellation (no cluster) is recorded by the global shard and by a shard that knows the
+        job (the event table keeps one copy: its id is the message's)."""
+        if isinstance(event, JobCancelled):
+            return self.shard == GLOBAL or event.job_id in self.book.runs or event.job_id in self.queue
+        return self._owns_cluster(event.cluster)
+
+    def _owned_nodes(self, nodes: Mapping[str, NodeCapacity]) -> dict[str, NodeCapacity]:
+        """The nodes of the territories held (and every node's region learned on the way)."""
+        for cap in nodes.values():
+            self.region_of[cap.cluster] = cap.region
+        return {name: cap for name, cap in nodes.items() if self._owns_region(cap.region)}
+
+    def _check_owned(self, clusters: Iterable[str]) -> None:
+        """Refuse a reservation on a cluster of a territory this instance does not hold. The book
+        holds only those, so this is a guard: the cycle is decided again on a reloaded book."""
+        foreign = sorted({c for c in clusters if not self._owns_cluster(c)})
+        if foreign:
+            self.stats["shard"]["foreign_reservations"] = (
+                self.stats["shard"].get("foreign_reservations", 0) + 1
+            )
+            raise ConflictError(f"shard {self.shard} does not hold cluster(s) {', '.join(foreign)}")
+
+    def _territory_stats(self) -> None:
+        self.stats["shard"]["territories"] = sorted(self.held)
+
+    async def _announce_standby(self) -> None:
+        """A regional instance that does not lead says so in the lease bucket (``standby.<shard>``,
+        expiring with the bucket's TTL), so the global shard hands the territory back."""
+        kv = None
+        while True:
+            if not self.leadership.is_leader:
+                try:
+                    kv = kv or await self.ctx.nc.jetstream().key_value(LEASE_BUCKET)
+                    await kv.put(f"standby.{self.shard}", self.holder.encode())
+                except (BucketNotFoundError, nats.errors.Error, TimeoutError, OSError) as exc:
+                    log.debug("standby announcement failed", shard=self.shard, error=str(exc))
+            await asyncio.sleep(self.lease_ttl_s / 4)
+
+    async def _standby_waiting(self, territory: str) -> bool:
+        """Whether an instance of ``territory``'s own shard announced itself within the TTL."""
+        try:
+            kv = await self.ctx.nc.jetstream().key_value(LEASE_BUCKET)
+            await kv.get(f"standby.{territory}")
+        except KeyNotFoundError:
+            return False
+        except (BucketNotFoundError, nats.errors.Error, TimeoutError, OSError):
+            return False
+        return True
+
+    async def _watch_territory(self, territory: str) -> None:
+        """The global leader's take-over of a regional territory whose shard has no leader: its
+        lease, then its fence, then its clusters; handed back when one of its instances waits."""
+        poll_s = min(0.2, self.lease_ttl_s / 10)
+        lease = LeaderLease(
+            self.ctx.nc.jetstream(),
+            territory,
+            f"{self.holder}@{self.shard}",
+            ttl_s=self.lease_ttl_s,
+            renew_s=self.lease_ttl_s / 4,
+            poll_s=poll_s,
+        )
+        try:
+            while True:
+                token = await lease.acquire()  # returns once the shard's own lease is gone
+                if await self._standby_waiting(territory) or not await fence.claim(
+                    self.pool, territory, token, lease.holder_id
+                ):
+                    await lease.release()  # its shard is coming back: let it in
+                    await asyncio.sleep(self.lease_ttl_s)
+                    continue
+                async with self.lock:
+                    await self._adopt_territory(territory, token)
+                # Its shard's consumers too: its submissions and the events no one recorded since
+                # it died wait there.
+                runners = self._consumers(territory, idle_fetch_timeout_s=poll_s)
+                try:
+                    for runner in runners:
+                        await runner.start()
+                    # Polled: the signal (a key in NATS appearing) has no event to wait on here.
+                    while not lease.lost.is_set() and territory not in self.fenced_territories:
+                        if await self._standby_waiting(territory):
+                            break
+                        await asyncio.sleep(poll_s)
+                finally:
+                    for runner in reversed(runners):
+                        await runner.stop()
+                async with self.lock:
+                    self._drop_territory(territory)
+                self.fenced_territories.discard(territory)
+                await lease.release()
+                log.info("territory handed back", territory=territory, shard=self.shard, token=token)
+        finally:
+            self._drop_territory(territory)
+            self.fenced_territories.discard(territory)
+            await lease.release()
+
+    async def _adopt_territory(self, territory: str, token: int) -> None:
+        """Hold a regional territory (its fence is claimed): its nodes and runs from the store."""
+        nodes = await repo.load_nodes(self.pool)
+        rows = await repo.active_runs(self.pool)
+        queued = [queued_from_row(row) for row in await repo.queued_jobs(self.pool)]
+        for cap in nodes.values():
+            self.region_of[cap.cluster] = cap.region
+        theirs = {n: c for n, c in nodes.items() if self.shard_map.shard_of_region(c.region) == territory}
+        self.book.nodes.update(theirs)
+        now = time.time()
+        for row in rows:
+            region = self.region_of.get(row["cluster"])
+            if self.shard_map.shard_of_region(region) == territory and row["job_id"] not in self.book.runs:
+                self.book.add_run(
+                    run_from_row(row, self.book.nodes, now=now, step_s=self.book.believed_step_s),
+                    from_store=True,
+                )
+        for q in queued:
+            if route(q.job, self.shard_map) == territory and q.job.job_id not in self.queue:
+                self.queue[q.job.job_id] = q
+        self.held[territory] = token
+        self.book.invalidate()
+        self._territory_stats()
+        self.stats["shard"]["takeovers"] = self.stats["shard"].get("takeovers", 0) + 1
+        self.capacity_changed = True
+        self.wake.set()
+        log.info(
+            "territory taken over", territory=territory, shard=self.shard, token=token, nodes=len(theirs)
+        )
+
+    def _drop_territory(self, territory: str) -> None:
+        """Stop holding a regional territory: its nodes and runs leave the book (no await)."""
+        if self.held.pop(territory, None) is None:
+            return
+        for name in [
+            n for n, c in self.book.nodes.items() if self.shard_map.shard_of_region(c.region) == territory
+        ]:
+            del self.book.nodes[name]
+        for job_id, run in list(self.book.runs.items()):
+            if self.shard_map.shard_of_region(self.region_of.get(run.parts[0][0])) == territory:
+                self.book.drop_run(job_id)
+        for job_id, q in list(self.queue.items()):
+            if route(q.job, self.shard_map) == territory:
+                del self.queue[job_id]  # its shard reloads it from the store
+                self.waiting_reasons.pop(job_id, None)
+        self.stats["queued"] = len(self.queue)
+        self.book.invalidate()
+        self._territory_stats()
+        self.capacity_changed = True
+        self.wake.set()
 
     # ---- submissions ---------------------------------------------------------------------------
 
@@ -330,16 +575,23 @@ class PlacementService:
             try:
                 validate_id(tenant, "tenant")
             except InvalidIdError as exc:
-                outcomes[i] = InvalidInputError(f"submission on subject {d.subject!r}: {exc}")
+                if self.shard == GLOBAL:  # what cannot be routed is the global shard's to refuse
+                    outcomes[i] = InvalidInputError(f"submission on subject {d.subject!r}: {exc}")
                 continue
+            job: JobSubmitted | None = None
             try:
                 job = decode(d.message, JobSubmitted)
+                if not self._routed_here(job):
+                    self.stats["shard"]["routed_elsewhere"] += 1
+                    continue  # acked: another shard admits it
                 if job.tenant != tenant:
                     raise DecodeError(
                         f"tenant {job.tenant!r} in the job differs from {tenant!r} in the subject"
                     )
                 admission_check(job)
             except (DecodeError, InvalidInputError) as exc:
+                if job is None and self.shard != GLOBAL:
+                    continue
                 code: RejectCode = "cyclic" if isinstance(exc, dag.DagCycleError) else "invalid"
                 outcomes[i] = await self._reject_invalid(d, tenant, str(exc), code)
                 continue
@@ -347,6 +599,9 @@ class PlacementService:
         if accepted:
             try:
                 async with self.lock:
+                    # Territories change under the lock only: a shard handed back meanwhile admits
+                    # its jobs itself (they wait in its own consumer).
+                    accepted = [(d, job) for d, job in accepted if self._routed_here(job)]
                     await self._retrying(lambda: self._admit(accepted))
             except Exception as exc:
                 for d, _ in accepted:
@@ -552,6 +807,7 @@ class PlacementService:
                 deadlines.append(now + self.confirm_timeout_s + d.start_after_s)
             placed_rows.append((q.job.job_id, d.lead.cluster, q.attempt, now, d.workers))
             p.record.notes.append(self._speed_note(q.job, d.lead.gpu_model, snap.learned))
+        self._check_owned(cluster for _, _, cluster, _ in reservations)
         await repo.reserve(conn, reservations, deadlines)
         await repo.mark_placed(conn, placed_rows)
         await repo.mark_rejected(conn, [(r.pending.job.job_id, r.reason) for r in result.rejected])
@@ -999,7 +1255,7 @@ class PlacementService:
 
     async def _reload_nodes(self) -> None:
         """The capacity book from the store, with the runs' CPU, RAM and usage applied on top."""
-        fresh = await repo.load_nodes(self.pool)
+        fresh = self._owned_nodes(await repo.load_nodes(self.pool))
         runs = list(self.book.runs.values())
         self.book.nodes = fresh
         self.book.clear_runs()
@@ -1011,11 +1267,14 @@ class PlacementService:
     async def on_view_delta(self, d: Delivery[ViewDelta]) -> None:
         """Follow the ledger: node totals, models and whether a node takes new work."""
         delta = d.message
+        self.region_of[delta.cluster] = delta.region
         if delta.trust is not None:
             if self.book.trust.get(delta.cluster) != delta.trust:
                 self.book.invalidate()
             self.book.trust[delta.cluster] = delta.trust
             self.stats["trust"] = dict(sorted(self.book.trust.items()))
+        if not self._owns_region(delta.region):
+            return  # another shard's cluster: its holder follows it
         changed: list[NodeCapacity] = []
         listed = set()
         nodes = self.book.nodes
@@ -1049,6 +1308,8 @@ class PlacementService:
         if not changed:
             return
         async with self._tx() as conn:
+            if not self._owns_region(delta.region):
+                return  # handed back meanwhile: its shard follows it
             await repo.upsert_nodes(conn, delta.version, changed)
         # Totals and schedulability come from the view; reservations are placement's, taken as
         # they are at this moment (no await below), so a cycle committed meanwhile is kept.
@@ -1091,6 +1352,9 @@ class PlacementService:
             except DecodeError as exc:
                 outcomes[i] = InvalidInputError(f"lifecycle event on {d.subject}: {exc}")
                 continue
+            if not self._handles(event):
+                self.stats["shard"]["foreign_events"] += 1
+                continue  # acked: the holder of the event's cluster records it
             events.append((event, d.msg_id or f"JOBS-{d.stream_seq}"))
         if not events:
             return outcomes
@@ -1100,12 +1364,15 @@ class PlacementService:
             finished: list[tuple[str, int]] = []
             progress: dict[str, float] = {}
             async with self._tx() as conn:
+                # Again here: a territory handed back meanwhile is not written for (its shard has
+                # these events in its own consumer).
+                mine = [(e, mid) for e, mid in events if self._handles(e)]
                 fresh = await repo.append_events(
                     conn,
-                    [repo.JobEventRow(e.job_id, _kind(e), mid, encode(e), _at(e)) for e, mid in events],
+                    [repo.JobEventRow(e.job_id, _kind(e), mid, encode(e), _at(e)) for e, mid in mine],
                 )
-                new = [e for e, mid in events if mid in fresh]
-                mid_of = {id(e): mid for e, mid in events}
+                new = [e for e, mid in mine if mid in fresh]
+                mid_of = {id(e): mid for e, mid in mine}
                 await repo.confirm(conn, [(e.job_id, e.attempt) for e in new if isinstance(e, JobStarted)])
                 updates = [(e.job_id, e.attempt, e.step / e.steps) for e in new if isinstance(e, JobProgress)]
                 await repo.set_progress(conn, updates)

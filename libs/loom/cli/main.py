@@ -40,6 +40,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         clusters=args.cluster or [],
         time_scale=args.time_scale,
         heartbeat_s=args.heartbeat_s,
+        placement_shards=args.placement_shards,
     )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
@@ -577,6 +578,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", action="append", help="run only these cluster agents (repeatable)")
     p.add_argument("--time-scale", type=float, default=60.0, help="simulated seconds per wall second")
     p.add_argument("--heartbeat-s", type=float, default=2.0)
+    p.add_argument(
+        "--placement-shards",
+        type=int,
+        default=1,
+        help="placement shards over a GPU-balanced split of the regions",
+    )
     add("down", cmd_down, "stop the embedded stack")
     p = add("status", cmd_status, "show the stack's processes and their health")
     p.add_argument("--json", action="store_true")

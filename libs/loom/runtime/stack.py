@@ -27,6 +27,7 @@ from loom.bus import connect, ensure_streams
 from loom.model.topology import load_topology
 from loom.runtime.config import ENV_DATABASE_URL, ENV_HOME, ENV_NATS_URL, loom_home, stack_file
 from loom.runtime.servers import NatsServer, PostgresServer
+from loom.sched.shards import group_options, split_regions
 from loom.store.migrations import migrate_url
 from loom_proto import subjects
 
@@ -75,14 +76,31 @@ class StackOptions:
     """Run the probe collectors and network-perception (off: compute placement only)."""
     placement_standby: bool = True
     """Run a standby placement instance beside the leader."""
+    placement_shards: int = 1
+    """Placement shards: the topology's regions split by GPUs into this many territories (the
+    global shard's and ``placement_shards - 1`` region groups, :func:`loom.sched.shards.split_regions`),
+    one leader (and standby) each."""
+
+
+def placement_groups(options: StackOptions) -> dict[str, list[str]]:
+    """The region groups of the stack's regional placement shards (none for one shard)."""
+    if options.placement_shards <= 1:
+        return {}
+    topology = load_topology(options.topology)
+    gpus: dict[str, float] = {r.id: 0.0 for r in topology.regions}
+    for cluster in topology.clusters:
+        gpus[cluster.region] = gpus.get(cluster.region, 0.0) + sum(n.gpus for n in cluster.nodes)
+    _, groups = split_regions(gpus, options.placement_shards)
+    return groups
 
 
 def service_argvs(options: StackOptions) -> dict[str, list[str]]:
     """The command line of every service process, by name."""
     py = sys.executable
+    groups = group_options(placement_groups(options))
     argvs = {
         "metrics": [py, "-m", "loom_services.metrics"],
-        "placement": [py, "-m", "loom_services.placement", "--topology", options.topology],
+        "placement": [py, "-m", "loom_services.placement", "--topology", options.topology, *groups],
     }
     if options.placement_standby:
         # A second instance waits on the lease and takes over within seconds if the leader dies.
@@ -94,7 +112,24 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
             options.topology,
             "--name",
             "placement-standby",
+            *groups,
         ]
+    for shard in placement_groups(options):
+        for name in [f"placement-{shard}"] + (
+            [f"placement-{shard}-standby"] if options.placement_standby else []
+        ):
+            argvs[name] = [
+                py,
+                "-m",
+                "loom_services.placement",
+                "--topology",
+                options.topology,
+                "--shard",
+                shard,
+                "--name",
+                name,
+                *groups,
+            ]
     topology = load_topology(options.topology)
     wanted = options.clusters or [c.id for c in topology.clusters]
     probed_regions: set[str] = set()
@@ -366,6 +401,7 @@ def up(
         argv.append("--no-network")
     if not options.placement_standby:
         argv.append("--no-placement-standby")
+    argv += ["--placement-shards", str(options.placement_shards)]
     argv += ["--probe-period-s", str(options.probe_period_s)]
     stack_file(home).unlink(missing_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
@@ -442,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-durable", action="store_true")
     parser.add_argument("--no-network", action="store_true")
     parser.add_argument("--no-placement-standby", action="store_true")
+    parser.add_argument("--placement-shards", type=int, default=1)
     parser.add_argument("--probe-period-s", type=float, default=1.0)
     args = parser.parse_args(argv)
     options = StackOptions(
@@ -453,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         durable=not args.no_durable,
         network=not args.no_network,
         placement_standby=not args.no_placement_standby,
+        placement_shards=args.placement_shards,
         probe_period_s=args.probe_period_s,
     )
     return Supervisor(args.home.resolve(), options).run()
