@@ -216,3 +216,15 @@ def test_a_dag_advances_from_its_stages_states() -> None:
     failed = dag.advance(stages, {"prep": "completed", "train": "failed", "eval": "waiting"})
     assert failed.failed_stage == "train" and failed.cancel == ("eval",)
     assert dag.advance(stages, dict.fromkeys(("prep", "train", "eval"), "completed")).completed
+
+
+def test_running_ids_follow_appends_and_new_lists() -> None:
+    snap = two_clusters()
+    snap.running = [elastic_running("a", 1)]
+    assert snap.running_ids() == {"a"}
+    snap.running.append(elastic_running("b", 1))  # a cycle lists a placement by appending
+    assert snap.running_ids() == {"a", "b"}
+    snap.running = [elastic_running("c", 1)]  # a new list (a run ended, or was preempted)
+    assert snap.running_ids() == {"c"}
+    snap.running.clear()  # shorter in place: counted afresh
+    assert snap.running_ids() == set()

@@ -610,7 +610,7 @@ class Framework:
 
         ``placed``: called after each placement, before the next job's turn (the caller lists the
         new run in ``snap.running``, so later jobs of the cycle see it as the simulator's do)."""
-        running = {r.job_id for r in snap.running}
+        running = snap.running_ids()
         seen: set[str] = set()
         results: list[tuple[QueueItem, Outcome]] = []
         outer, outer_shared = self._cycle, self._shared

@@ -225,6 +225,7 @@ class Snapshot:
             key=lambda c: (c.cluster, c.gpu_model or "", c.node),
         )
         self.now = now
+        self._running_ids: tuple[list[RunningJob], int, set[str]] | None = None
         self.waiting: set[str] = set()
         """The queue: jobs decided at least once and neither placed nor rejected since (kept by
         :meth:`~loom.sched.framework.Framework.schedule`; the caller removes jobs that leave the
@@ -395,6 +396,20 @@ class Snapshot:
         return self.clusters[cluster].region
 
     # ---- the cycle's own decisions -----------------------------------------------------------
+
+    def running_ids(self) -> set[str]:
+        """Ids of the jobs in :attr:`running`, kept across appends to the same list (a cycle lists
+        each placement by appending): a queue of one costs no pass over every running job. A new
+        list, or a shorter one, is counted afresh."""
+        run = self.running
+        held = self._running_ids
+        if held is not None and held[0] is run and held[1] <= len(run):
+            ids = held[2]
+            ids.update(r.job_id for r in run[held[1] :])
+        else:
+            ids = {r.job_id for r in run}
+        self._running_ids = (run, len(run), ids)
+        return ids
 
     def waiting_count(self, exclude: str = "") -> int:
         """Jobs in the queue (:attr:`waiting`) other than ``exclude``."""
