@@ -201,10 +201,6 @@ class PlacementService:
         self.confirm_timeout_s = confirm_timeout_s
         self.max_attempts = max_attempts
         self.waiting_reasons: dict[str, str] = {}
-        self._cycle_runs: dict[str, Run] = {}
-        """The runs the last cycle placed (``_decide``), adopted by ``_commit``."""
-        self._fold_stale = False
-        """The last cycle took a placement back (``fold_within``): its snapshot is rebuilt."""
         self._sending: set[asyncio.Task[int]] = set()
         self.stats.update(
             {
@@ -761,21 +757,19 @@ class PlacementService:
         it implies written in this transaction: batched statements for jobs, reservations, decision
         records, events and the outbox. The book itself changes only after the commit
         (:meth:`_commit`). ``backlog``: jobs queued but not in this cycle (growth waits for them)."""
-        applied = Applied()
+        vanished: list[str] = []
         if jobs:
             # Only jobs still queued in the store take part (a stage cancelled or a job finished while
             # it waited here is dropped); their rows stay locked until this cycle commits.
             still = await repo.lock_queued(conn, [q.job.job_id for q in jobs])
-            applied.vanished += [q.job.job_id for q in jobs if q.job.job_id not in still]
+            vanished = [q.job.job_id for q in jobs if q.job.job_id not in still]
             jobs = [q for q in jobs if q.job.job_id in still]
         if not jobs and not grow:
-            return applied
+            return Applied(vanished=vanished)
         wall = time.time()
-        result = self._decide(jobs, now=wall, backlog=backlog, grow=grow)
-        applied.cycle = result
-        applied.runs = self._cycle_runs
-        applied.stale = self._fold_stale
-        applied.at = wall
+        applied = self._decide(jobs, now=wall, backlog=backlog, grow=grow)
+        applied.vanished += vanished
+        result = applied.cycle
         if result.empty:
             return applied
         snap = self.book.snapshot(wall)
@@ -844,11 +838,11 @@ class PlacementService:
         await outbox.add(conn, PRODUCER, applied.messages)
         return applied
 
-    def _decide(
-        self, jobs: list[QueuedJob], *, now: float, backlog: int = 0, grow: bool = True
-    ) -> CycleResult[QueuedJob]:
+    def _decide(self, jobs: list[QueuedJob], *, now: float, backlog: int = 0, grow: bool = True) -> "Applied":
         """The cycle itself, in memory: the kept snapshot at ``now`` (wall seconds), the learned
-        speeds (optimistic ones on an exploring cycle), and :func:`~loom.sched.cycle.run_cycle`."""
+        speeds (optimistic ones on an exploring cycle), and :func:`~loom.sched.cycle.run_cycle`.
+        Returns what the store must then write: the cycle, the runs it placed (built and listed in
+        the snapshot as it went) and whether the snapshot must be rebuilt after the commit."""
         snap = self.book.snapshot(now)
         for q in jobs:
             if q.fair_share is None:
@@ -863,8 +857,7 @@ class PlacementService:
             max_backoff_s=MAX_BACKOFF_S,
             grow=grow,
         )
-        runs = self._cycle_runs = {}
-        self._fold_stale = False
+        runs: dict[str, Run] = {}
 
         def placed(q: QueuedJob, d: Decision) -> None:
             # The run as the book will hold it once committed, listed in the snapshot now so that
@@ -882,9 +875,9 @@ class PlacementService:
             snap.running.append(run.running_job())
 
         result = run_cycle(self.framework, jobs, snap, settings=settings, backlog=backlog, placed=placed)
-        for job_id in fold_within(result):
+        taken_back = fold_within(result)
+        for job_id in taken_back:
             runs.pop(job_id, None)
-            self._fold_stale = True  # the snapshot counted the taken-back run's quota: rebuild it
         for p in result.placed:
             d, run = p.decision, runs[p.pending.job.job_id]
             if d.workers != run.workers:  # shrunk later in the cycle (fold_within)
@@ -893,7 +886,8 @@ class PlacementService:
                 run._core = None
         if not result.empty:
             self.stats["last_cycle"] = {"jobs": len(jobs), "decide_ms": round(result.decide_ms, 1)}
-        return result
+        # A run taken back had its quota counted in the snapshot: rebuild it after the commit.
+        return Applied(cycle=result, runs=runs, stale=bool(taken_back), at=now)
 
     async def _grow(self, conn: asyncpg.Connection, g: Grown, now: float, applied: "Applied") -> None:
         """Write one elastic job's growth (the cycle already took the GPUs in the snapshot)."""

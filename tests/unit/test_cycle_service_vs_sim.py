@@ -28,7 +28,7 @@ from loom.sim.policies import FrameworkPolicy
 from loom.sim.truth import BELIEF
 from loom_proto.jobs import JobSpec, JobSubmitted, Resources, Work
 from loom_services.placement.book import QueuedJob
-from loom_services.placement.service import Applied, PlacementService
+from loom_services.placement.service import PlacementService
 
 TOPOLOGY = load_topology("small")
 PLATFORM = platform_from_topology(TOPOLOGY)
@@ -95,8 +95,8 @@ def replay(svc: PlacementService, jobs: list[SimJob], ends: dict[str, float]) ->
         while True:
             considered = fresh + (list(svc.queue.values()) if changed else [])
             fresh = []
-            result = svc._decide(considered, now=t, grow=changed)
-            applied = Applied(cycle=result, runs=svc._cycle_runs, stale=svc._fold_stale, at=t)
+            applied = svc._decide(considered, now=t, grow=changed)
+            result = applied.cycle
             for pre in result.preempted:
                 # What _give_up does in memory: the victim is queued again as its next attempt.
                 run = svc.book.runs[pre.job_id]
