@@ -140,7 +140,8 @@ class Book:
         self.nodes: dict[str, NodeCapacity] = {}
         self.waiting: set[str] = set()
         """The queue as the scheduling core counts it (``Snapshot.waiting``): jobs nothing fitted,
-        until placed or rejected, or gone from the queue (:meth:`forget_waiting`)."""
+        until placed or rejected; the service discards a job that leaves the queue otherwise
+        (cancelled, finished, or its territory handed back)."""
         self.tenants = tenants or OPEN
         """Tenant quotas: every snapshot carries a book of them with what each tenant holds."""
         self.runs: dict[str, Run] = {}

@@ -554,6 +554,7 @@ class PlacementService:
             if route(q.job, self.shard_map) == territory:
                 del self.queue[job_id]  # its shard reloads it from the store
                 self.waiting_reasons.pop(job_id, None)
+                self.book.waiting.discard(job_id)  # no longer part of this instance's queue
         self.stats["queued"] = len(self.queue)
         self.book.invalidate()
         self._territory_stats()

@@ -28,7 +28,7 @@ start was never confirmed avoids next).
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -207,7 +207,6 @@ def run_cycle(
     snap: Snapshot,
     *,
     settings: CycleSettings = CycleSettings(),
-    submitted_at: Mapping[str, float] | None = None,
     backlog: int = 0,
     placed: Callable[[P, Decision], None] | None = None,
 ) -> CycleResult[P]:
@@ -216,13 +215,12 @@ def run_cycle(
     ``framework``: the scheduling framework (its :meth:`~Framework.schedule_many`), or any
     :data:`Decide` (the simulator's baselines, which decide one job at a time).
 
-    ``submitted_at``: queue-order time per job id (default: the job's ``submitted_at`` if it has
-    one, else 0). ``backlog``: jobs still queued that this cycle does not consider (their backoff
-    has not ended): growth waits for them too. ``placed``: called after each placement before the
-    next job's turn, to list the new run in ``snap.running`` (the affinity, availability and
-    preemption plugins read that list): a later job of the cycle sees the earlier ones running.
-    A job's fair share (its place among equal
-    priorities) is the one taken when it was queued (``Pending.fair_share``), else the tenant's now.
+    ``backlog``: jobs still queued that this cycle does not consider (their backoff has not
+    ended): growth waits for them too. ``placed``: called after each placement before the next
+    job's turn, to list the new run in ``snap.running`` (the affinity, availability and preemption
+    plugins read that list): a later job of the cycle sees the earlier ones running. A job's place
+    in the queue is its ``submitted_at`` (0 without one) and, among equal priorities, its fair
+    share taken when it was queued (``Pending.fair_share``), else the tenant's now.
     """
     result: CycleResult[P] = CycleResult()
     by_id: dict[str, P] = {}
@@ -232,13 +230,10 @@ def run_cycle(
         if job.job_id in by_id:
             continue
         by_id[job.job_id] = p
-        at = (submitted_at or {}).get(job.job_id)
-        if at is None:
-            at = float(getattr(job, "submitted_at", 0.0) or 0.0)
         items.append(
             QueueItem(
                 job=job,
-                submitted_at=at,
+                submitted_at=float(getattr(job, "submitted_at", 0.0) or 0.0),
                 fair_share=p.fair_share if p.fair_share is not None else fair_share_of(snap, job.tenant),
                 attempts=p.attempt,
             )
