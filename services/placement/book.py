@@ -155,12 +155,17 @@ class Book:
         """GPUs held per tenant, kept in step with the runs."""
         self._snap: Snapshot | None = None
         """Kept between cycles and updated in step with the book; rebuilt after anything else."""
+        self.pending: dict[str, Run] = {}
+        """Runs a cycle placed whose transaction has not committed yet (a batch still writing
+        while the next one decides): a rebuilt snapshot lists them too, so no later cycle offers
+        their GPUs again. :meth:`add_run` adopts one on commit; :meth:`forget_pending` drops those
+        of a batch whose write failed."""
         self.learned: dict[tuple[str, str], float] = {}
         """(job family, gpu_model) -> learned speed factor the snapshot applies (see
         :mod:`loom.model.learn`); change it with :meth:`set_learned`."""
 
     def clear_runs(self) -> None:
-        """Forget every run (before rebuilding them from the store)."""
+        """Forget every run (before rebuilding them from the store); pending ones are kept."""
         self.runs.clear()
         self._usage.clear()
         self.invalidate()
@@ -181,15 +186,33 @@ class Book:
         """
         self.runs[run.job.job_id] = run
         self._reserve(run, +1, gpus=not from_store)
+        if self.pending.get(run.job.job_id) is run:
+            del self.pending[run.job.job_id]
+            in_snapshot = True  # a snapshot rebuilt since the cycle listed it as pending
         if self._snap is None:
             return
         if in_snapshot:
             return
+        self._list(self._snap, run)
+
+    def add_pending(self, run: Run) -> None:
+        """A run a cycle just placed in the kept snapshot, its transaction still to commit."""
+        self.pending[run.job.job_id] = run
+
+    def forget_pending(self, job_ids: Iterable[str]) -> None:
+        """A batch's write failed: its placements are not taken; the next cycle rebuilds the snapshot."""
+        for job_id in job_ids:
+            self.pending.pop(job_id, None)
+        self.invalidate()
+
+    @staticmethod
+    def _list(snap: Snapshot, run: Run) -> None:
+        """Take a run's GPUs, CPU, RAM and quota in a snapshot, and list it as running."""
         core = run.running_job()
-        self._snap.take(core.allocations, core.gpus_per_worker, core.cpu_milli, core.memory_mib)
-        if self._snap.quota is not None:
-            self._snap.quota.take(run.job.tenant, run.gpus)
-        self._snap.running.append(core)
+        snap.take(core.allocations, core.gpus_per_worker, core.cpu_milli, core.memory_mib)
+        if snap.quota is not None:
+            snap.quota.take(run.job.tenant, run.gpus)
+        snap.running.append(core)
 
     def drop_run(self, job_id: str, attempt: int | None = None, *, in_snapshot: bool = False) -> Run | None:
         """The run ended or was given up; its promises are withdrawn. None if unknown (or another attempt).
@@ -374,6 +397,8 @@ class Book:
         )
         self._snap.quota = QuotaBook(self.tenants, self.usage_by_tenant())
         self._snap.waiting = self.waiting  # the same set: the framework keeps it across snapshots
+        for run in self.pending.values():
+            self._list(self._snap, run)
         return self._snap
 
 

@@ -202,6 +202,10 @@ class PlacementService:
         self.max_attempts = max_attempts
         self.waiting_reasons: dict[str, str] = {}
         self._sending: set[asyncio.Task[int]] = set()
+        self._batches: dict[int, _Batch] = {}
+        """Submission batches decided and still writing, by sequence (see :meth:`_admit`)."""
+        self._tail: _Batch | None = None
+        self._seq = 0
         self.stats.update(
             {
                 "placed": 0,
@@ -233,6 +237,7 @@ class PlacementService:
     async def load(self) -> None:
         """Rebuild the book and the queue from PostgreSQL, then publish leftovers."""
         self.book.nodes = self._owned_nodes(await repo.load_nodes(self.pool))
+        self.book.pending.clear()
         self.book.invalidate()
         self.learner = await speeds.load_learner(self.pool, self.learner.settings)
         self._adopt_learned()
@@ -362,6 +367,8 @@ class PlacementService:
                 batch_handler=self.on_submitted,
                 publisher=self.ctx.publisher,
                 idle_fetch_timeout_s=idle_fetch_timeout_s,
+                # The next batch is fetched and decided while this one writes (see _admit).
+                pipeline=2,
             ),
         ]
 
@@ -484,6 +491,7 @@ class PlacementService:
                     await asyncio.sleep(self.lease_ttl_s)
                     continue
                 async with self.lock:
+                    await self._drain()
                     await self._adopt_territory(territory, token)
                 # Its shard's consumers too: its submissions and the events no one recorded since
                 # it died wait there.
@@ -500,6 +508,7 @@ class PlacementService:
                     for runner in reversed(runners):
                         await runner.stop()
                 async with self.lock:
+                    await self._drain()
                     self._drop_territory(territory)
                 self.fenced_territories.discard(territory)
                 await lease.release()
@@ -595,11 +604,7 @@ class PlacementService:
             accepted.append((d, job))
         if accepted:
             try:
-                async with self.lock:
-                    # Territories change under the lock only: a shard handed back meanwhile admits
-                    # its jobs itself (they wait in its own consumer).
-                    accepted = [(d, job) for d, job in accepted if self._routed_here(job)]
-                    await self._retrying(lambda: self._admit(accepted))
+                await self._retrying(lambda: self._admit(accepted), locked=False)
             except Exception as exc:
                 for d, _ in accepted:
                     outcomes[deliveries.index(d)] = exc
@@ -626,6 +631,48 @@ class PlacementService:
         return None
 
     async def _admit(self, accepted: list[tuple[Delivery[bytes], JobSubmitted]]) -> None:
+        """One batch of submissions in one transaction: claim, insert, decide, write, commit.
+
+        Pipelined (:class:`_Batch`): the in-memory lock is held from the start until the cycle has
+        decided; then, unless the cycle preempted, shrank, grew or must rebuild the snapshot, it is
+        let go, so the next batch decides on top of this one's placements (listed in the snapshot,
+        and in ``Book.pending`` should it be rebuilt) while this one writes. Batches commit in the
+        order they decided: each waits for the one before it, and is rolled back (its messages
+        naked by the consumer) when that one failed.
+        """
+        batch: _Batch | None = None
+        await self.lock.acquire()
+        locked = True
+
+        def decided(applied: "Applied", considered: list[QueuedJob]) -> None:
+            nonlocal batch, locked
+            batch = self._open_batch(applied, considered)
+            if locked and applied.pipelinable:
+                self.lock.release()
+                locked = False
+
+        try:
+            # Territories change under the lock only: a shard handed back meanwhile admits its
+            # jobs itself (they wait in its own consumer).
+            accepted = [(d, job) for d, job in accepted if self._routed_here(job)]
+            if accepted:
+                await self._admit_batch(accepted, decided, lambda: self._turn(batch))
+                if batch is not None:
+                    self._close_batch(batch, ok=True)
+        except BaseException:
+            if batch is not None:
+                self._fail_batch(batch)
+            raise
+        finally:
+            if locked:
+                self.lock.release()
+
+    async def _admit_batch(
+        self,
+        accepted: list[tuple[Delivery[bytes], JobSubmitted]],
+        decided: Callable[["Applied", list[QueuedJob]], None],
+        turn: Callable[[], Awaitable[None]],
+    ) -> None:
         now = time.time()
         queued_children: list[QueuedJob] = []
         async with self._tx() as conn:
@@ -696,7 +743,14 @@ class PlacementService:
             # (a newcomer does not jump a waiting job of higher priority).
             due = self._due(besides=[q.job.job_id for q in fresh_jobs])
             considered = fresh_jobs + due
-            applied = await self._schedule(conn, considered, backlog=len(self.queue) - len(due), grow=False)
+            applied = await self._schedule(
+                conn,
+                considered,
+                backlog=len(self.queue) - len(due),
+                grow=False,
+                decided=lambda applied: decided(applied, considered),
+            )
+            await turn()  # the batch decided before this one has committed
         self._commit(applied, considered)
         self._send(dup_rejects + applied.messages)
 
@@ -752,12 +806,19 @@ class PlacementService:
     # ---- the scheduling cycle --------------------------------------------------------------------
 
     async def _schedule(
-        self, conn: asyncpg.Connection, jobs: list[QueuedJob], *, backlog: int = 0, grow: bool = True
+        self,
+        conn: asyncpg.Connection,
+        jobs: list[QueuedJob],
+        *,
+        backlog: int = 0,
+        grow: bool = True,
+        decided: Callable[["Applied"], None] = lambda _: None,
     ) -> "Applied":
         """One cycle (:func:`loom.sched.cycle.run_cycle`) over ``jobs`` on the kept snapshot, and all
         it implies written in this transaction: batched statements for jobs, reservations, decision
         records, events and the outbox. The book itself changes only after the commit
-        (:meth:`_commit`). ``backlog``: jobs queued but not in this cycle (growth waits for them)."""
+        (:meth:`_commit`). ``backlog``: jobs queued but not in this cycle (growth waits for them).
+        ``decided`` is told the cycle's outcome as soon as it is decided, before anything is written."""
         vanished: list[str] = []
         if jobs:
             # Only jobs still queued in the store take part (a stage cancelled or a job finished while
@@ -766,10 +827,13 @@ class PlacementService:
             vanished = [q.job.job_id for q in jobs if q.job.job_id not in still]
             jobs = [q for q in jobs if q.job.job_id in still]
         if not jobs and not grow:
-            return Applied(vanished=vanished)
+            applied = Applied(vanished=vanished)
+            decided(applied)
+            return applied
         wall = time.time()
         applied = self._decide(jobs, now=wall, backlog=backlog, grow=grow)
         applied.vanished += vanished
+        decided(applied)
         result = applied.cycle
         if result.empty:
             return applied
@@ -885,6 +949,8 @@ class PlacementService:
                 run.parts = [(part.cluster, part.gpu_model, part.allocations) for part in d.parts]
                 run.workers = d.workers
                 run._core = None
+        for run in runs.values():
+            self.book.add_pending(run)  # until its transaction commits (or fails)
         if not result.empty:
             self.stats["last_cycle"] = {"jobs": len(jobs), "decide_ms": round(result.decide_ms, 1)}
         # A run taken back had its quota counted in the snapshot: rebuild it after the commit.
@@ -1090,6 +1156,8 @@ class PlacementService:
         """Queued jobs whose backoff has ended (every queued job with ``everyone``), but ``besides``."""
         now = time.monotonic()
         skip = set(besides)
+        for batch in self._batches.values():
+            skip |= batch.jobs  # decided, still writing: its outcome is not adopted yet
         return [
             q for q in self.queue.values() if (everyone or q.not_before <= now) and q.job.job_id not in skip
         ]
@@ -1151,6 +1219,69 @@ class PlacementService:
         if applied.requeued or applied.released_children or self.capacity_changed:
             self.wake.set()
 
+    # ---- the submission pipeline ---------------------------------------------------------------
+
+    def _open_batch(self, applied: "Applied", considered: list[QueuedJob]) -> "_Batch":
+        """Register a batch that has just decided (no await since its cycle ran)."""
+        self._seq += 1
+        batch = _Batch(
+            seq=self._seq,
+            before=self._tail,
+            done=asyncio.get_running_loop().create_future(),
+            jobs={q.job.job_id for q in considered},
+            runs=set(applied.runs),
+        )
+        self._batches[batch.seq] = batch
+        self._tail = batch
+        depth = len(self._batches)
+        pipeline = self.stats.setdefault("pipeline", {"batches": 0, "overlapped": 0, "discarded": 0})
+        pipeline["batches"] += 1
+        if depth > 1:
+            pipeline["overlapped"] += 1
+        return batch
+
+    async def _turn(self, batch: "_Batch | None") -> None:
+        """Wait until the batch decided before ``batch`` has ended; refuse to commit a batch that
+        was decided on top of one whose write failed."""
+        if batch is None:
+            return
+        if batch.before is not None and not batch.before.done.done():
+            await asyncio.wait([batch.before.done])
+        if batch.doomed:
+            raise TransientError(
+                f"batch {batch.seq} was decided on top of a batch whose write failed; handled again"
+            )
+
+    def _close_batch(self, batch: "_Batch", *, ok: bool) -> None:
+        self._batches.pop(batch.seq, None)
+        batch.before = None  # ended: no chain of past batches is kept alive
+        if self._tail is batch:
+            self._tail = None
+        if not batch.done.done():
+            batch.done.set_result(ok)
+
+    def _fail_batch(self, batch: "_Batch") -> None:
+        """A batch's write failed (its transaction rolled back): so must every batch decided on top
+        of it; their placements leave the snapshot, which is rebuilt from the book (no await)."""
+        if batch.seq not in self._batches:
+            return
+        doomed = [b for b in self._batches.values() if b.seq > batch.seq and not b.doomed]
+        for b in doomed:
+            b.doomed = True
+        gone = [batch, *doomed]
+        self.book.forget_pending(job_id for b in gone for job_id in b.runs)
+        for b in gone:
+            # A fresh job of a discarded batch is not queued here: it comes back with its message.
+            self.book.waiting.difference_update(j for j in b.jobs if j not in self.queue)
+        self.stats.setdefault("pipeline", {"batches": 0, "overlapped": 0, "discarded": 0})
+        self.stats["pipeline"]["discarded"] += len(doomed)
+        self._close_batch(batch, ok=False)
+
+    async def _drain(self) -> None:
+        """Under the lock: wait until every batch still writing has ended (committed or failed)."""
+        while self._batches:
+            await asyncio.wait([b.done for b in self._batches.values()])
+
     async def _requeue_loop(self) -> None:
         """Retry queued jobs when capacity changed, and each job when its backoff ends."""
         while True:
@@ -1163,6 +1294,7 @@ class PlacementService:
                 if self.queue or changed:
                     try:
                         async with self.lock:
+                            await self._drain()
                             await self._retrying(functools.partial(self._requeue_cycle, everyone=changed))
                     except BaseException:
                         self.capacity_changed = self.capacity_changed or changed  # not seen yet
@@ -1195,6 +1327,7 @@ class PlacementService:
                 if not rows:
                     continue
                 async with self.lock:
+                    await self._drain()
                     await self._retrying(functools.partial(self._expire, rows))
             except asyncio.CancelledError:
                 raise
@@ -1230,8 +1363,14 @@ class PlacementService:
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
-    async def _retrying(self, cycle: Callable[[], Awaitable[None]], attempts: int = 3) -> None:
-        """Run a decision cycle; when it lost a race for capacity, reload the book and decide again."""
+    async def _retrying(
+        self, cycle: Callable[[], Awaitable[None]], attempts: int = 3, *, locked: bool = True
+    ) -> None:
+        """Run a decision cycle; when it lost a race for capacity, reload the book and decide again.
+
+        ``locked``: the caller holds the lock with no batch writing (requeue, expiry); a submission
+        batch takes the lock itself, so its reload takes it and waits for the batches still writing.
+        """
         for attempt in range(1, attempts + 1):
             try:
                 await cycle()
@@ -1240,16 +1379,26 @@ class PlacementService:
                 self.book.invalidate()
                 self.stats["conflicts"] = self.stats.get("conflicts", 0) + 1
                 log.info("decision lost a race for capacity; deciding again on a fresh book", attempt=attempt)
-                await self._reload_nodes()
+                if locked:
+                    await self._reload_nodes()
+                else:
+                    async with self.lock:
+                        await self._drain()
+                        await self._reload_nodes()
                 if attempt == attempts:
                     raise
             except BaseException:
-                # Whatever the cycle took in the kept snapshot was not committed.
+                # Whatever the cycle took in the kept snapshot was not committed (the placements
+                # of batches still writing before it stay pending).
+                if not self._batches:
+                    self.book.forget_pending(list(self.book.pending))
                 self.book.invalidate()
                 raise
 
     async def _reload_nodes(self) -> None:
-        """The capacity book from the store, with the runs' CPU, RAM and usage applied on top."""
+        """The capacity book from the store, with the runs' CPU, RAM and usage applied on top
+        (with no batch writing: what is pending then is what failed cycles placed)."""
+        self.book.forget_pending(list(self.book.pending))
         fresh = self._owned_nodes(await repo.load_nodes(self.pool))
         runs = list(self.book.runs.values())
         self.book.nodes = fresh
@@ -1636,6 +1785,33 @@ class Applied:
     """The runs the cycle placed, as the book adopts them (built and listed by ``_decide``)."""
     messages: list[outbox.OutboxMessage] = dataclasses.field(default_factory=list)
     events: list[repo.JobEventRow] = dataclasses.field(default_factory=list)
+
+    @property
+    def pipelinable(self) -> bool:
+        """Whether the next batch may decide before this one commits: its cycle only placed,
+        rejected or left waiting (preemption, shrinking and growth change running jobs, which the
+        book adopts only on commit; a stale snapshot must be rebuilt first)."""
+        c = self.cycle
+        return not (self.stale or c.preempted or c.shrunk or c.grown)
+
+
+@dataclasses.dataclass(eq=False)
+class _Batch:
+    """A submission batch between its decision and the end of its transaction.
+
+    Its cycle's placements are in the kept snapshot (and ``Book.pending``); the next batch decides
+    on top of them while this one writes. ``before`` is the batch decided just before it: this one
+    commits only once that one has ended, and not at all when that one failed (``doomed``)."""
+
+    seq: int
+    before: "_Batch | None"
+    done: "asyncio.Future[bool]"
+    """Set when the batch ends: True committed, False rolled back."""
+    jobs: set[str]
+    """Every job its cycle considered (kept out of later batches' cycles until it ends)."""
+    runs: set[str]
+    """Jobs its cycle placed (pending in the book until it commits)."""
+    doomed: bool = False
 
 
 async def _parent_of(conn: asyncpg.Connection, job_id: str) -> str | None:

@@ -105,7 +105,9 @@ class ConsumerRunner(Generic[T]):
     Give either ``handler`` (one message at a time, its span current while it runs; with
     ``concurrent`` the messages of one fetch are handled concurrently, started in order) or
     ``batch_handler`` (all decoded messages of a fetch at once; it returns one outcome per
-    delivery, ``None`` for success or the exception that message hit).
+    delivery, ``None`` for success or the exception that message hit). With ``pipeline`` above 1,
+    up to that many fetched batches are handled at once (started in fetch order; each settled
+    after its own handler returns): the handler orders its own effects.
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class ConsumerRunner(Generic[T]):
         linger_s: float = 0.002,
         concurrent: bool = False,
         callback_pull: bool = False,
+        pipeline: int = 1,
     ) -> None:
         if (handler is None) == (batch_handler is None):
             raise ValueError("give exactly one of handler and batch_handler")
@@ -135,6 +138,7 @@ class ConsumerRunner(Generic[T]):
         self._linger_s = linger_s
         self._concurrent = concurrent
         self._callback_pull = callback_pull
+        self._pipeline = max(pipeline, 1)
         self._arrived: list[Msg] = []
         self._arrival = asyncio.Event()
         self._pull_left = 0
@@ -230,17 +234,34 @@ class ConsumerRunner(Generic[T]):
         return msgs
 
     async def _run(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                msgs = await self._fetch()
-            except Exception as exc:  # connection trouble: the client reconnects, we retry
-                if self._stopping.is_set():
-                    break
-                log.warning("fetch failed", consumer=self.spec.durable, error=repr(exc))
-                await asyncio.sleep(0.5)
-                continue
-            if msgs:
-                await self._process(msgs)
+        in_flight: set[asyncio.Task[None]] = set()
+        try:
+            while not self._stopping.is_set():
+                try:
+                    msgs = await self._fetch()
+                except Exception as exc:  # connection trouble: the client reconnects, we retry
+                    if self._stopping.is_set():
+                        break
+                    log.warning("fetch failed", consumer=self.spec.durable, error=repr(exc))
+                    await asyncio.sleep(0.5)
+                    continue
+                if not msgs:
+                    continue
+                if self._pipeline == 1:
+                    await self._process(msgs)
+                    continue
+                # Pipelined: the next batch is fetched and its handler started (in fetch order)
+                # while earlier ones are still handled; each batch is settled after its handler.
+                task = asyncio.create_task(self._process(msgs))
+                in_flight.add(task)
+                while len(in_flight) >= self._pipeline:
+                    done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                    in_flight -= done
+                    for finished in done:
+                        finished.result()  # a failure here is fatal, as it is unpipelined
+        finally:
+            if in_flight:
+                await asyncio.gather(*in_flight, return_exceptions=True)
 
     async def _process(self, msgs: list[Msg]) -> None:
         deliveries: list[Delivery[T]] = []
