@@ -18,6 +18,7 @@ in the same stack, and Loom's rate as a share of it.
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import statistics
@@ -166,6 +167,42 @@ class _Run:
         }
 
 
+async def _pipeline_stats(client: LoomClient, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Each placement instance's submission-path counters (its health answer's ``pipeline``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        try:
+            reply = await client.nc.request(subjects.service_health(name), b"", timeout=2.0)
+        except Exception:  # an instance that does not answer has nothing to report
+            continue
+        pipeline = json.loads(reply.data).get("pipeline")
+        if isinstance(pipeline, dict):
+            out[name] = pipeline
+    return out
+
+
+def phases_between(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What the placement instances' submission paths did between two readings, summed over the
+    instances: batches, how many overlapped the one before, how many were discarded, and per
+    phase the count and mean (milliseconds; ``jobs`` is jobs per batch)."""
+    totals: dict[str, list[float]] = {}
+    counts = {"batches": 0, "overlapped": 0, "discarded": 0}
+    for name, now in after.items():
+        then = before.get(name, {})
+        for key in counts:
+            counts[key] += int(now.get(key, 0)) - int(then.get(key, 0))
+        for phase, (n, total, _) in now.get("ms", {}).items():
+            n0, total0, _ = then.get("ms", {}).get(phase, (0, 0.0, 0.0))
+            entry = totals.setdefault(phase, [0, 0.0])
+            entry[0] += n - n0
+            entry[1] += total - total0
+    return {
+        **counts,
+        "mean": {phase: round(total / n, 2) for phase, (n, total) in sorted(totals.items()) if n},
+        "count": {phase: int(n) for phase, (n, _) in sorted(totals.items()) if n},
+    }
+
+
 def _sorted_shares(shares: dict[str, float]) -> dict[str, float]:
     return dict(sorted(shares.items(), key=lambda kv: (-kv[1], kv[0])))
 
@@ -174,6 +211,34 @@ def neighbours_pct(shares: dict[str, float]) -> float:
     """The summed share of the non-scheduling Loom services (probe collectors, network
     perception, cluster agents, metrics)."""
     return round(sum(v for k, v in shares.items() if k.startswith(NEIGHBOUR_PREFIXES)), 2)
+
+
+async def _paced_phase(
+    run: _Run, paced_jobs: int, rate: float, *, running: int, placement: list[str]
+) -> dict[str, Any]:
+    """The paced phase, once the burst's ``running`` jobs all run: latency at ``rate`` jobs/s."""
+    client = run.client
+    # Steady state first: the burst's jobs are all started (their agents and the lifecycle
+    # consumers have caught up), so the paced phase measures 50 jobs/s, not the backlog.
+    settle_start = time.perf_counter()
+    while time.perf_counter() - settle_start < 120:
+        counts = await client.counts()
+        if counts.get("running", 0) >= running:
+            break
+        await asyncio.sleep(0.25)
+    settle_s = round(time.perf_counter() - settle_start, 2)
+    await asyncio.sleep(1.0)
+    stats0 = await _pipeline_stats(client, placement)
+    paced = await run.paced("paced", paced_jobs, rate, run.submit_loom)
+    return {
+        "settle_s": settle_s,
+        "paced_rate_per_s": rate,
+        "paced_jobs": paced_jobs,
+        "paced_latency_ms_p50": paced["latency_ms_p50"],
+        "paced_latency_ms_p99": paced["latency_ms_p99"],
+        "paced_latency_ms_mean": paced["latency_ms_mean"],
+        "placement_phases_paced": phases_between(stats0, await _pipeline_stats(client, placement)),
+    }
 
 
 async def _measure(
@@ -186,8 +251,10 @@ async def _measure(
     rest_s: float,
     baseline: bool,
     regions: list[str] | None = None,
+    placement: list[str] | None = None,
 ) -> dict[str, Any]:
     client = await LoomClient.connect(nats_url, name="loom-bench")
+    placement = placement or []
     run = _Run(client, regions)
     subs = [await client.nc.subscribe(subjects.JOBS_PLACED_ALL, cb=run.on_placed)]
     if baseline:
@@ -212,31 +279,19 @@ async def _measure(
         await asyncio.sleep(rest_s)
         at_rest = cpu.shares(before, sampler.sample())
 
+        stats0 = await _pipeline_stats(client, placement)
         tp = await run.burst("tp", jobs, run.submit_loom, sampler)
+        stats1 = await _pipeline_stats(client, placement)
         result: dict[str, Any] = {
             "jobs": jobs,
             **{k: v for k, v in tp.items() if k != "cpu"},
+            "placement_phases_burst": phases_between(stats0, stats1),
         }
         if paced_jobs:
-            # Steady state first: the burst's jobs are all started (their agents and the lifecycle
-            # consumers have caught up), so the paced phase measures 50 jobs/s, not the backlog.
-            settle_start = time.perf_counter()
-            while time.perf_counter() - settle_start < 120:
-                counts = await client.counts()
-                if counts.get("running", 0) >= jobs + len(warm_regions or [None]):
-                    break
-                await asyncio.sleep(0.25)
-            result["settle_s"] = round(time.perf_counter() - settle_start, 2)
-            await asyncio.sleep(1.0)
-            paced = await run.paced("paced", paced_jobs, rate, run.submit_loom)
             result.update(
-                {
-                    "paced_rate_per_s": rate,
-                    "paced_jobs": paced_jobs,
-                    "paced_latency_ms_p50": paced["latency_ms_p50"],
-                    "paced_latency_ms_p99": paced["latency_ms_p99"],
-                    "paced_latency_ms_mean": paced["latency_ms_mean"],
-                }
+                await _paced_phase(
+                    run, paced_jobs, rate, running=jobs + len(warm_regions or [None]), placement=placement
+                )
             )
         if baseline:
             await asyncio.sleep(1.0)
@@ -344,6 +399,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rest_s=float(getattr(args, "rest_s", 10.0)),
                 baseline=baseline_on,
                 regions=_regions(args.topology) if getattr(args, "shards", None) else None,
+                placement=[name for name in state["services"] if name.startswith("placement")],
             )
         )
         result.update(

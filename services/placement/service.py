@@ -206,6 +206,9 @@ class PlacementService:
         """Submission batches decided and still writing, by sequence (see :meth:`_admit`)."""
         self._tail: _Batch | None = None
         self._seq = 0
+        self.stats["pipeline"] = {"batches": 0, "overlapped": 0, "discarded": 0, "ms": {}}
+        self.phases = Phases(self.stats["pipeline"]["ms"])
+        """Where a submission batch's time goes (``loom bench e2e`` reports it)."""
         self.stats.update(
             {
                 "placed": 0,
@@ -641,7 +644,13 @@ class PlacementService:
         naked by the consumer) when that one failed.
         """
         batch: _Batch | None = None
+        phases = self.phases
+        t = time.perf_counter()
+        with contextlib.suppress(AttributeError, TypeError):  # how long the oldest waited in the stream
+            oldest = min(d.msg.metadata.timestamp.timestamp() for d, _ in accepted)
+            phases.add("stream_to_handler", time.time() - oldest)
         await self.lock.acquire()
+        t = phases.since("lock_wait", t)
         locked = True
 
         def decided(applied: "Applied", considered: list[QueuedJob]) -> None:
@@ -675,7 +684,10 @@ class PlacementService:
     ) -> None:
         now = time.time()
         queued_children: list[QueuedJob] = []
+        phases = self.phases
+        t = time.perf_counter()
         async with self._tx() as conn:
+            t = phases.since("begin", t)
             msg_ids = [d.msg_id or f"JOBS-{d.stream_seq}" for d, _ in accepted]
             fresh = await inbox.claim_many(conn, PRODUCER, msg_ids)
             candidates: list[QueuedJob] = []
@@ -743,16 +755,24 @@ class PlacementService:
             # (a newcomer does not jump a waiting job of higher priority).
             due = self._due(besides=[q.job.job_id for q in fresh_jobs])
             considered = fresh_jobs + due
+            t = phases.since("admit", t)
+
+            def on_decided(applied: Applied) -> None:
+                nonlocal t
+                t = phases.since("decide", t)  # with locking the queued rows
+                decided(applied, considered)
+
             applied = await self._schedule(
-                conn,
-                considered,
-                backlog=len(self.queue) - len(due),
-                grow=False,
-                decided=lambda applied: decided(applied, considered),
+                conn, considered, backlog=len(self.queue) - len(due), grow=False, decided=on_decided
             )
+            t = phases.since("write", t)
             await turn()  # the batch decided before this one has committed
+            t = phases.since("turn", t)
+        t = phases.since("commit", t)
         self._commit(applied, considered)
         self._send(dup_rejects + applied.messages)
+        phases.since("adopt", t)
+        phases.add("jobs", len(considered))
 
     async def _expand_dag(self, conn: asyncpg.Connection, q: QueuedJob) -> list[QueuedJob]:
         """Insert a DAG job's stages: those without dependencies are queued, the rest wait."""
@@ -1233,10 +1253,9 @@ class PlacementService:
         )
         self._batches[batch.seq] = batch
         self._tail = batch
-        depth = len(self._batches)
-        pipeline = self.stats.setdefault("pipeline", {"batches": 0, "overlapped": 0, "discarded": 0})
+        pipeline = self.stats["pipeline"]
         pipeline["batches"] += 1
-        if depth > 1:
+        if len(self._batches) > 1:
             pipeline["overlapped"] += 1
         return batch
 
@@ -1273,7 +1292,6 @@ class PlacementService:
         for b in gone:
             # A fresh job of a discarded batch is not queued here: it comes back with its message.
             self.book.waiting.difference_update(j for j in b.jobs if j not in self.queue)
-        self.stats.setdefault("pipeline", {"batches": 0, "overlapped": 0, "discarded": 0})
         self.stats["pipeline"]["discarded"] += len(doomed)
         self._close_batch(batch, ok=False)
 
@@ -1359,9 +1377,15 @@ class PlacementService:
         """Publish a committed cycle's messages in the background (the outbox has them anyway)."""
         if not messages:
             return
-        task = asyncio.create_task(self.relay.publish_now(messages))
+        task = asyncio.create_task(self._publish(messages))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
+
+    async def _publish(self, messages: list[outbox.OutboxMessage]) -> int:
+        t = time.perf_counter()
+        sent = await self.relay.publish_now(messages)
+        self.phases.since("publish", t)
+        return sent
 
     async def _retrying(
         self, cycle: Callable[[], Awaitable[None]], attempts: int = 3, *, locked: bool = True
@@ -1793,6 +1817,28 @@ class Applied:
         book adopts only on commit; a stale snapshot must be rebuilt first)."""
         c = self.cycle
         return not (self.stale or c.preempted or c.shrunk or c.grown)
+
+
+class Phases:
+    """Count, total and largest value of each named phase (milliseconds, or a count such as
+    ``jobs``), kept in a plain dict so the health answer carries them."""
+
+    def __init__(self, into: dict[str, list[float]]) -> None:
+        self.into = into
+
+    def add(self, name: str, value_s: float) -> None:
+        """One observation of ``name``: ``value_s`` seconds (any number for a count)."""
+        value = value_s * 1000 if name != "jobs" else value_s
+        entry = self.into.setdefault(name, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] = round(entry[1] + value, 3)
+        entry[2] = round(max(entry[2], value), 3)
+
+    def since(self, name: str, start: float) -> float:
+        """Add the time since ``start`` (``time.perf_counter``) as ``name``; returns now."""
+        now = time.perf_counter()
+        self.add(name, now - start)
+        return now
 
 
 @dataclasses.dataclass(eq=False)
