@@ -892,13 +892,16 @@ class PlacementService:
         await repo.mark_rejected(conn, [(r.pending.job.job_id, r.reason) for r in result.rejected])
         await repo.record_decisions(
             conn,
-            [(p.pending.job.job_id, p.pending.attempt, "placed", p.record.to_dict()) for p in result.placed]
+            [
+                (p.pending.job.job_id, p.pending.attempt, "placed", p.record.to_dict(raw=False))
+                for p in result.placed
+            ]
             + [
-                (r.pending.job.job_id, r.pending.attempt, "rejected", r.record.to_dict())
+                (r.pending.job.job_id, r.pending.attempt, "rejected", r.record.to_dict(raw=False))
                 for r in result.rejected
             ]
             + [
-                (w.pending.job.job_id, w.pending.attempt, "waiting", w.record.to_dict())
+                (w.pending.job.job_id, w.pending.attempt, "waiting", w.record.to_dict(raw=False))
                 for w in result.waiting
                 if self.waiting_reasons.get(w.pending.job.job_id) != w.record.reason
             ],
@@ -1046,7 +1049,8 @@ class PlacementService:
             score=min(max(d.score, 0.0), 100.0),
         )
         msg_id = f"{job.job_id}:placed:{q.attempt}"
-        messages = [outbox.message(subjects.job_placed(lead.cluster), placed, msg_id, context=q.context)]
+        context = q.context
+        messages = [outbox.message(subjects.job_placed(lead.cluster), placed, msg_id, context=context)]
         spec = _spec_of(job)
         for i, part in enumerate(parts):
             start = StartJob(
@@ -1063,10 +1067,11 @@ class PlacementService:
             start_id = f"{job.job_id}:start:{q.attempt}" + ("" if i == 0 else f":{part.cluster}")
             messages.append(
                 outbox.message(
-                    subjects.cluster_command(part.cluster, "start"), start, start_id, context=q.context
+                    subjects.cluster_command(part.cluster, "start"), start, start_id, context=context
                 )
             )
-        return messages, repo.JobEventRow(job.job_id, "placed", msg_id, encode(placed), now)
+        # The event row holds the placed message's own bytes (encoded once).
+        return messages, repo.JobEventRow(job.job_id, "placed", msg_id, messages[0].payload, now)
 
     async def _give_up(
         self,

@@ -8,6 +8,7 @@ has, no job is placed twice, a gang gets all its workers or nothing, and no tena
 import itertools
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -321,6 +322,17 @@ def test_the_record_round_trips_and_renders_why_here_and_why_not_there() -> None
     assert lines[0].startswith("Job j: placed")
     assert any(line.startswith(("Why ca", "Why cb")) for line in lines)
     assert any(line.startswith("Why not") for line in lines)
+
+
+def test_the_stored_record_without_raw_values_explains_the_same_and_is_smaller() -> None:
+    outcome = build_framework().schedule(job("j", gpus=2), two_clusters())
+    full, stored = outcome.record.to_dict(), outcome.record.to_dict(raw=False)
+    assert "raw" in full["candidates"] and "raw" not in stored["candidates"]
+    assert len(msgspec.json.encode(stored)) < len(msgspec.json.encode(full))
+    record = DecisionRecord.from_dict(stored)
+    assert record.candidates and all(c.raw == {} for c in record.candidates)
+    assert [c.scores for c in record.candidates] == [c.scores for c in outcome.record.candidates]
+    assert render(record) == render(outcome.record)
 
 
 # ---- properties over the default profile -------------------------------------------------------

@@ -411,10 +411,24 @@ class DecisionRecord:
     considered: int = 0
     """How many candidates were scored (the record keeps the best of them)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form for storage, column-wise (a record is written with every decision)."""
+    def to_dict(self, *, raw: bool = True) -> dict[str, Any]:
+        """Plain JSON-able form for storage, column-wise (a record is written with every decision).
+
+        ``raw=False`` leaves the plugins' raw values out: what placement stores, since ``loom
+        explain`` shows the normalised scores only, and the raw values are nearly half the record
+        (:meth:`from_dict` reads either form)."""
         plugins = sorted({p for c in self.candidates for p in c.scores})
         cands = self.candidates
+        columns: dict[str, Any] = {
+            "cluster": [c.cluster for c in cands],
+            "region": [c.region for c in cands],
+            "gpu_model": [c.gpu_model for c in cands],
+            "capacity": [c.capacity for c in cands],
+            "total": [c.total for c in cands],
+            "scores": [[c.scores.get(p) for c in cands] for p in plugins],
+        }
+        if raw:
+            columns["raw"] = [[c.raw.get(p) for c in cands] for p in plugins]
         return {
             "job_id": self.job_id,
             "at": self.at,
@@ -422,15 +436,7 @@ class DecisionRecord:
             "reason": self.reason,
             "weights": self.weights,
             "plugins": plugins,
-            "candidates": {
-                "cluster": [c.cluster for c in cands],
-                "region": [c.region for c in cands],
-                "gpu_model": [c.gpu_model for c in cands],
-                "capacity": [c.capacity for c in cands],
-                "total": [c.total for c in cands],
-                "scores": [[c.scores.get(p) for c in cands] for p in plugins],
-                "raw": [[c.raw.get(p) for c in cands] for p in plugins],
-            },
+            "candidates": columns,
             "pruned": dict(sorted(self.pruned.items())[:PRUNED_KEPT]),
             "pruned_count": len(self.pruned),
             "chosen": self.chosen,
@@ -444,6 +450,7 @@ class DecisionRecord:
         """Inverse of :meth:`to_dict` (the pruned reasons beyond the first few are not kept)."""
         cols = data["candidates"]
         plugins = list(data["plugins"])
+        raws = cols.get("raw") or [[None] * len(cols["cluster"]) for _ in plugins]
         candidates = [
             CandidateRecord(
                 cluster=cluster,
@@ -453,7 +460,7 @@ class DecisionRecord:
                 scores={
                     p: cols["scores"][j][i] for j, p in enumerate(plugins) if cols["scores"][j][i] is not None
                 },
-                raw={p: cols["raw"][j][i] for j, p in enumerate(plugins) if cols["raw"][j][i] is not None},
+                raw={p: raws[j][i] for j, p in enumerate(plugins) if raws[j][i] is not None},
                 total=float(cols["total"][i]),
             )
             for i, cluster in enumerate(cols["cluster"])

@@ -1,0 +1,225 @@
+"""The placement pipeline on real NATS and PostgreSQL: the next batch decides while this one writes.
+
+Two submission batches are handed to a leading :class:`PlacementService` at once, as its
+submissions consumer does with ``pipeline=2``; the first batch's write is held until the second
+has decided (on top of the first's placements), so the overlap is certain. When the first
+batch's write then fails, both batches must be rolled back and answered with a retryable error
+(the consumer naks them): nothing stored, nothing left in memory, and the same messages
+delivered again are each placed exactly once. When nothing fails, the pipelined batches decide
+exactly what the same batches decide one after the other.
+"""
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import asyncpg
+import pytest
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from loom.bus import Delivery
+from loom.errors import LoomError
+from loom.model.topology import load_topology
+from loom.runtime.service import ServiceContext, close_context, open_context
+from loom.sim.engine import platform_from_topology
+from loom.store import fence
+from loom.store import jobs as repo
+from loom.store.pool import transaction
+from loom_proto import subjects
+from loom_proto.codec import encode
+from loom_proto.jobs import JobSubmitted, Resources, Work
+from loom_services.placement.service import PlacementService
+
+TOPOLOGY = load_topology("small")
+PLATFORM = platform_from_topology(TOPOLOGY)
+BATCH = 20
+
+
+async def leading_service(ctx: ServiceContext) -> PlacementService:
+    """A placement service leading the global shard of a fresh database with the small platform."""
+    async with transaction(ctx.db) as conn:
+        await repo.upsert_nodes(conn, 1, PLATFORM.nodes)
+    assert await fence.claim(ctx.db, "global", 1, "pipeline-test")
+    svc = PlacementService(ctx, topology=TOPOLOGY, economics=PLATFORM.economics, settle_s=0.0)
+    svc.token = 1
+    svc.held = {"global": 1}
+    await svc.load()
+    svc.settled_at = float("-inf")
+    return svc
+
+
+@pytest.fixture
+async def services(
+    nats_url: str, fresh_database: Callable[..., Awaitable[str]]
+) -> AsyncIterator[Callable[[], Awaitable[PlacementService]]]:
+    """Makes leading placement services, each on a database of its own."""
+    made: list[ServiceContext] = []
+
+    async def make() -> PlacementService:
+        ctx = await open_context(
+            "placement-pipeline", nats_url=nats_url, database_url=await fresh_database("pipeline")
+        )
+        made.append(ctx)
+        return await leading_service(ctx)
+
+    yield make
+    for ctx in made:
+        await close_context(ctx)
+
+
+def batch(prefix: str, first: int) -> list[Delivery[bytes]]:
+    """A batch of one-GPU submissions as the consumer hands them over."""
+    out = []
+    for i in range(first, first + BATCH):
+        job = JobSubmitted(
+            job_id=f"{prefix}-{i}",
+            tenant="t1",
+            task_type=("training_compute", "inference", "training_memory")[i % 3],
+            resources=Resources(gpus=1),
+            work=Work(steps=100, step_time_s=3600.0),
+            submitted_at=1.0 + i,
+        )
+        out.append(
+            Delivery(
+                msg=None,  # type: ignore[arg-type]  # the handler never touches the raw message
+                subject=subjects.job_submitted(job.tenant),
+                message=encode(job),
+                headers={},
+                msg_id=f"{job.job_id}:submit",
+                num_delivered=1,
+                stream_seq=i + 1,
+                span=trace.INVALID_SPAN,
+                context=Context(),
+            )
+        )
+    return out
+
+
+def hold_first_write(svc: PlacementService, monkeypatch: pytest.MonkeyPatch, *, fail: bool) -> dict[str, int]:
+    """Hold the first batch's write until a second batch has decided; then fail it (a statement
+    timeout, a retryable database error) when ``fail``. Returns call counts."""
+    second_decided = asyncio.Event()
+    counts = {"writes": 0, "batches": 0}
+    open_batch = svc._open_batch
+    record = repo.record_decisions
+
+    def opened(*args: Any) -> Any:
+        b = open_batch(*args)
+        counts["batches"] += 1
+        if counts["batches"] == 2:
+            second_decided.set()
+        return b
+
+    async def held(conn: asyncpg.Connection, records: Any) -> None:
+        counts["writes"] += 1
+        if counts["writes"] == 1:
+            await asyncio.wait_for(second_decided.wait(), timeout=20)
+            if fail:
+                await conn.execute("SET LOCAL statement_timeout = 1")
+                await conn.execute("SELECT pg_sleep(1)")
+        await record(conn, records)
+
+    monkeypatch.setattr(svc, "_open_batch", opened)
+    monkeypatch.setattr(repo, "record_decisions", held)
+    return counts
+
+
+async def both(
+    svc: PlacementService, first: list[Delivery[bytes]], second: list[Delivery[bytes]]
+) -> list[Any]:
+    """Hand both batches over at once, the first one first (as the pipelined consumer does)."""
+    one = asyncio.create_task(svc.on_submitted(first))
+    await asyncio.sleep(0)  # the first handler takes the lock before the second asks for it
+    two = asyncio.create_task(svc.on_submitted(second))
+    return list(await asyncio.wait_for(asyncio.gather(one, two), timeout=60))
+
+
+async def placements(pool: asyncpg.Pool) -> dict[str, tuple[str, tuple[tuple[str, int], ...]]]:
+    rows = await pool.fetch(
+        """SELECT j.job_id, j.cluster, array_agg(r.node ORDER BY r.node) AS nodes,
+                  array_agg(r.gpus ORDER BY r.node) AS gpus
+           FROM jobs j JOIN reservations r ON r.job_id = j.job_id AND r.attempt = j.attempt
+           WHERE j.state = 'placed' GROUP BY j.job_id, j.cluster"""
+    )
+    return {r["job_id"]: (r["cluster"], tuple(zip(r["nodes"], r["gpus"], strict=True))) for r in rows}
+
+
+async def test_a_write_failing_mid_pipeline_discards_both_batches_and_redelivery_places_each_job_once(
+    services: Callable[[], Awaitable[PlacementService]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    svc = await services()
+    pool = svc.pool
+    prefix = f"p{uuid.uuid4().hex[:6]}"
+    first, second = batch(prefix, 0), batch(prefix, BATCH)
+    counts = hold_first_write(svc, monkeypatch, fail=True)
+
+    outcomes = await both(svc, first, second)
+
+    # Both batches were decided, the second on top of the first, and both answered with an error
+    # the consumer naks (retryable), never acked or dead-lettered.
+    assert counts["batches"] == 2
+    assert svc.stats["pipeline"]["overlapped"] >= 1
+    assert svc.stats["pipeline"]["discarded"] == 1
+    for result in outcomes:
+        assert len(result) == BATCH
+        assert all(isinstance(o, LoomError) and not o.non_retryable for o in result), result
+    # Nothing stored: no job, claim, reservation, decision or message; no GPU promised.
+    assert await pool.fetchval("SELECT count(*) FROM jobs") == 0
+    assert await pool.fetchval("SELECT count(*) FROM inbox") == 0
+    assert await pool.fetchval("SELECT count(*) FROM reservations") == 0
+    assert await pool.fetchval("SELECT count(*) FROM decisions") == 0
+    assert await pool.fetchval("SELECT count(*) FROM outbox") == 0
+    assert await pool.fetchval("SELECT coalesce(sum(gpus_reserved), 0) FROM node_allocations") == 0
+    # Nothing kept in memory: no run, nothing pending, nothing queued, every GPU free again.
+    assert svc.book.runs == {}
+    assert svc.book.pending == {}
+    assert svc.queue == {}
+    assert sum(c.gpus_reserved for c in svc.book.nodes.values()) == 0
+    assert svc.book.snapshot(0.0).running == []
+
+    # The consumer delivers both batches again: each job is placed exactly once.
+    monkeypatch.undo()
+    again = await both(svc, first, second)
+    assert again == [[None] * BATCH, [None] * BATCH]
+    placed = await placements(pool)
+    ids = {f"{prefix}-{i}" for i in range(2 * BATCH)}
+    assert set(placed) == ids
+    assert all(sum(g for _, g in nodes) == 1 for _, nodes in placed.values())
+    events = await pool.fetch(
+        "SELECT job_id, count(*) AS n FROM job_events WHERE kind = 'placed' GROUP BY job_id"
+    )
+    assert {r["job_id"]: r["n"] for r in events} == dict.fromkeys(ids, 1)
+    assert await pool.fetchval("SELECT count(*) FROM decisions") == 2 * BATCH
+    # The store's book and the service's agree node by node, and no node is over-promised.
+    rows = await pool.fetch("SELECT node, gpus_total, gpus_reserved FROM node_allocations")
+    assert all(r["gpus_reserved"] <= r["gpus_total"] for r in rows)
+    assert sum(r["gpus_reserved"] for r in rows) == 2 * BATCH
+    assert {r["node"]: r["gpus_reserved"] for r in rows} == {
+        n: c.gpus_reserved for n, c in svc.book.nodes.items()
+    }
+    assert set(svc.book.runs) == ids
+    assert svc.book.pending == {}
+
+
+async def test_pipelined_batches_decide_what_the_same_batches_decide_one_after_the_other(
+    services: Callable[[], Awaitable[PlacementService]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = f"q{uuid.uuid4().hex[:6]}"
+    first, second = batch(prefix, 0), batch(prefix, BATCH)
+
+    serial = await services()
+    assert await serial.on_submitted(first) == [None] * BATCH
+    assert await serial.on_submitted(second) == [None] * BATCH
+    assert serial.stats["pipeline"]["overlapped"] == 0
+
+    pipelined = await services()
+    hold_first_write(pipelined, monkeypatch, fail=False)
+    assert await both(pipelined, first, second) == [[None] * BATCH, [None] * BATCH]
+    assert pipelined.stats["pipeline"]["overlapped"] == 1
+
+    expected = await placements(serial.pool)
+    assert len(expected) == 2 * BATCH
+    assert await placements(pipelined.pool) == expected
+    assert pipelined.book.pending == {}
