@@ -21,9 +21,11 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from waiting import until
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
 from loom.bus.connection import stream_config
+from loom.bus.publisher import Outgoing
 from loom.errors import InvalidInputError, LoomError, TransientError
 from loom.telemetry import reset_for_tests, setup_telemetry
 from loom_proto import JobSubmitted, Work
@@ -179,6 +181,25 @@ async def test_publish_to_a_subject_no_stream_holds_raises_bus_error(nc: Client)
     publisher = Publisher(nc, attempts=2, first_backoff_s=0.01, timeout_s=0.5)
     with pytest.raises(BusError):
         await publisher.publish_bytes(f"nowhere.{unique('x')}", b"{}", msg_id="m")
+
+
+async def test_publish_batch_stores_each_message_once_and_reports_each_failure(nc: Client) -> None:
+    publisher = Publisher(nc, timeout_s=2.0)
+    subject = s.job_submitted(unique("t"))
+    payload = msgspec.json.encode(submitted("t"))
+    batch = [Outgoing(subject, payload, f"b-{i}", {"X-Loom-Test": str(i)}) for i in range(3)]
+    nowhere = Outgoing(f"nowhere.{unique('x')}", b"{}", "lost", {})
+
+    outcomes = await publisher.publish_batch([*batch, nowhere, batch[0]])
+
+    assert outcomes[:3] == [None, None, None]
+    assert outcomes[3] is not None, "no stream holds that subject: reported, not raised"
+    assert outcomes[4] is None, "a repeated id is acknowledged (as a duplicate)"
+    assert await subject_count(nc, "JOBS", subject) == 3
+    stored = await nc.jetstream().get_last_msg("JOBS", subject)
+    assert stored.headers is not None
+    assert stored.headers["Nats-Msg-Id"] == "b-2"
+    assert stored.headers["X-Loom-Test"] == "2"
 
 
 # -- consumer spec -----------------------------------------------------------------------------------
@@ -431,6 +452,41 @@ async def test_a_batch_handler_settles_each_message_by_its_own_outcome(
     assert sorted(seen) == sorted([("ok-1", 1), ("bad", 1), ("ok-2", 1), ("retry", 1), ("retry", 2)])
     assert max(len(b) for b in batches) > 1, "messages waiting together are handled as one batch"
     assert runner.counts == {"acked": 2, "nacked": 1, "dead_lettered": 2}
+
+
+async def test_a_pipelined_consumer_fetches_the_next_batch_while_one_is_handled_and_settles_each(
+    nc: Client, start_consumer: StartConsumer
+) -> None:
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    publisher = Publisher(nc)
+    release = asyncio.Event()
+    second_started = asyncio.Event()
+    batches: list[list[str]] = []
+
+    async def batch_handler(deliveries: list[Delivery[JobSubmitted]]) -> list[BaseException | None]:
+        batches.append([d.message.job_id for d in deliveries])
+        if len(batches) == 1:
+            await asyncio.wait_for(release.wait(), WAIT_S)  # still handling when the next arrives
+        else:
+            second_started.set()
+        return [None] * len(deliveries)
+
+    spec = consumer_spec([subject], batch=1)
+    runner = await start_consumer(spec, JobSubmitted, batch_handler=batch_handler, pipeline=2)
+    for n in range(2):
+        await publisher.publish(subject, submitted(tenant, n), msg_id=f"{tenant}-{n}")
+    await asyncio.wait_for(second_started.wait(), WAIT_S)
+    assert runner.counts["acked"] <= 1, "the first batch is not acked before its handler returns"
+    release.set()
+
+    async def both_acked() -> bool:
+        return runner.counts["acked"] == 2
+
+    await until(both_acked, WAIT_S, "both batches acked")
+    await runner.stop()
+    assert batches == [["job-0"], ["job-1"]]
+    assert runner.counts == {"acked": 2, "nacked": 0, "dead_lettered": 0}
 
 
 async def test_a_callback_pull_consumer_renews_its_pull_request_and_keeps_receiving(

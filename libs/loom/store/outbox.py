@@ -19,7 +19,8 @@ import structlog
 from opentelemetry import propagate
 from opentelemetry.context import Context
 
-from loom.bus import BusError, Publisher
+from loom.bus import Publisher
+from loom.bus.publisher import Outgoing
 from loom_proto.codec import encode
 
 log = structlog.get_logger("loom.store")
@@ -149,21 +150,29 @@ class OutboxRelay:
                     return total
 
     async def _publish(self, messages: Sequence[OutboxMessage]) -> list[str]:
-        """Publish concurrently, each continuing its stored trace; returns the ids that made it."""
-
-        async def one(m: OutboxMessage) -> str | None:
-            try:
-                await self._publisher.publish_bytes(
+        """Publish at once, each continuing its stored trace, acks awaited together; returns the
+        ids that made it (a failure leaves only the messages that failed unmarked; they go out
+        on the next flush)."""
+        contexts: dict[tuple[str, str], Context] = {}  # the messages of one job share a trace
+        batch = []
+        for m in messages:
+            key = (m.headers.get("traceparent", ""), m.headers.get("tracestate", ""))
+            parent = contexts.get(key)
+            if parent is None:
+                parent = contexts[key] = propagate.extract(m.headers)
+            batch.append(
+                Outgoing(
                     m.subject,
                     m.payload,
-                    msg_id=m.msg_id,
-                    parent=propagate.extract(m.headers),
-                    headers={k: v for k, v in m.headers.items() if k not in ("traceparent", "tracestate")},
+                    m.msg_id,
+                    {k: v for k, v in m.headers.items() if k not in ("traceparent", "tracestate")},
+                    parent,
                 )
-            except BusError as exc:
-                log.warning("outbox publish failed; will retry", msg_id=m.msg_id, error=str(exc))
-                return None
-            return m.msg_id
-
-        # A failure leaves only the messages that failed unmarked; they go out on the next flush.
-        return [r for r in await asyncio.gather(*(one(m) for m in messages)) if r is not None]
+            )
+        done = []
+        for m, error in zip(messages, await self._publisher.publish_batch(batch), strict=True):
+            if error is None:
+                done.append(m.msg_id)
+            else:
+                log.warning("outbox publish failed; will retry", msg_id=m.msg_id, error=repr(error))
+        return done
