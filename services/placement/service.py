@@ -717,7 +717,8 @@ class PlacementService:
                     )
                 )
                 candidates.append(QueuedJob(job, carrier))
-            inserted = await repo.insert_jobs(conn, new_rows)
+            # With each new job's submitted event.
+            inserted = await repo.insert_jobs(conn, new_rows, submitted_events=True)
             admitted: list[QueuedJob] = []
             for q in candidates:
                 if q.job.job_id in inserted:
@@ -732,19 +733,6 @@ class PlacementService:
                             context=q.context,
                         )
                     )
-            await repo.append_events(
-                conn,
-                [
-                    repo.JobEventRow(
-                        q.job.job_id,
-                        "submitted",
-                        f"{q.job.job_id}:submitted",
-                        encode(q.job),
-                        q.job.submitted_at,
-                    )
-                    for q in admitted
-                ],
-            )
             plain = [q for q in admitted if not q.job.stages]
             for q in admitted:
                 if q.job.stages:
@@ -763,7 +751,12 @@ class PlacementService:
                 decided(applied, considered)
 
             applied = await self._schedule(
-                conn, considered, backlog=len(self.queue) - len(due), grow=False, decided=on_decided
+                conn,
+                considered,
+                backlog=len(self.queue) - len(due),
+                grow=False,
+                decided=on_decided,
+                inserted=frozenset(q.job.job_id for q in fresh_jobs),
             )
             t = phases.since("write", t)
             await turn()  # the batch decided before this one has committed
@@ -833,17 +826,21 @@ class PlacementService:
         backlog: int = 0,
         grow: bool = True,
         decided: Callable[["Applied"], None] = lambda _: None,
+        inserted: frozenset[str] = frozenset(),
     ) -> "Applied":
         """One cycle (:func:`loom.sched.cycle.run_cycle`) over ``jobs`` on the kept snapshot, and all
         it implies written in this transaction: batched statements for jobs, reservations, decision
         records, events and the outbox. The book itself changes only after the commit
         (:meth:`_commit`). ``backlog``: jobs queued but not in this cycle (growth waits for them).
-        ``decided`` is told the cycle's outcome as soon as it is decided, before anything is written."""
+        ``decided`` is told the cycle's outcome as soon as it is decided, before anything is written.
+        ``inserted``: jobs this transaction inserted (no one else sees them: nothing to lock)."""
         vanished: list[str] = []
         if jobs:
             # Only jobs still queued in the store take part (a stage cancelled or a job finished while
             # it waited here is dropped); their rows stay locked until this cycle commits.
-            still = await repo.lock_queued(conn, [q.job.job_id for q in jobs])
+            still = inserted | await repo.lock_queued(
+                conn, [q.job.job_id for q in jobs if q.job.job_id not in inserted]
+            )
             vanished = [q.job.job_id for q in jobs if q.job.job_id not in still]
             jobs = [q for q in jobs if q.job.job_id in still]
         if not jobs and not grow:

@@ -187,10 +187,11 @@ async def test_a_write_failing_mid_pipeline_discards_both_batches_and_redelivery
     ids = {f"{prefix}-{i}" for i in range(2 * BATCH)}
     assert set(placed) == ids
     assert all(sum(g for _, g in nodes) == 1 for _, nodes in placed.values())
-    events = await pool.fetch(
-        "SELECT job_id, count(*) AS n FROM job_events WHERE kind = 'placed' GROUP BY job_id"
-    )
-    assert {r["job_id"]: r["n"] for r in events} == dict.fromkeys(ids, 1)
+    for kind in ("submitted", "placed"):
+        events = await pool.fetch(
+            "SELECT job_id, count(*) AS n FROM job_events WHERE kind = $1 GROUP BY job_id", kind
+        )
+        assert {r["job_id"]: r["n"] for r in events} == dict.fromkeys(ids, 1), kind
     assert await pool.fetchval("SELECT count(*) FROM decisions") == 2 * BATCH
     # The store's book and the service's agree node by node, and no node is over-promised.
     rows = await pool.fetch("SELECT node, gpus_total, gpus_reserved FROM node_allocations")

@@ -46,16 +46,29 @@ class JobEventRow:
     at: float
 
 
-async def insert_jobs(conn: asyncpg.Connection, jobs: Sequence[NewJob]) -> set[str]:
-    """Insert queued jobs; returns the ids inserted (an id that exists already is left alone)."""
+async def insert_jobs(
+    conn: asyncpg.Connection, jobs: Sequence[NewJob], *, submitted_events: bool = False
+) -> set[str]:
+    """Insert queued jobs; returns the ids inserted (an id that exists already is left alone).
+
+    ``submitted_events``: each job inserted also gets its ``submitted`` event (message id
+    ``<job_id>:submitted``, the spec as the event, at its submission time), in the same statement.
+    """
     if not jobs:
         return set()
     rows = await conn.fetch(
-        """INSERT INTO jobs (job_id, tenant, state, spec, submitted_at, trace_context, parent, priority)
-           SELECT j, t, st, s::jsonb, a, c::jsonb, p, pr
-           FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::text[], $6::text[],
-                       $7::text[], $8::int[]) AS u(j, t, s, a, c, st, p, pr)
-           ON CONFLICT (job_id) DO NOTHING RETURNING job_id""",
+        """WITH ins AS (
+               INSERT INTO jobs (job_id, tenant, state, spec, submitted_at, trace_context, parent, priority)
+               SELECT j, t, st, s::jsonb, a, c::jsonb, p, pr
+               FROM unnest($1::text[], $2::text[], $3::text[], $4::timestamptz[], $5::text[], $6::text[],
+                           $7::text[], $8::int[]) AS u(j, t, s, a, c, st, p, pr)
+               ON CONFLICT (job_id) DO NOTHING RETURNING job_id, spec, submitted_at
+           ), events AS (
+               INSERT INTO job_events (job_id, kind, msg_id, event, at)
+               SELECT job_id, 'submitted', job_id || ':submitted', spec, submitted_at FROM ins WHERE $9
+               ON CONFLICT (msg_id) DO NOTHING
+           )
+           SELECT job_id FROM ins""",
         [j.job_id for j in jobs],
         [j.tenant for j in jobs],
         [j.spec_json.decode() for j in jobs],
@@ -64,6 +77,7 @@ async def insert_jobs(conn: asyncpg.Connection, jobs: Sequence[NewJob]) -> set[s
         [j.state for j in jobs],
         [j.parent for j in jobs],
         [j.priority for j in jobs],
+        submitted_events,
     )
     return {r["job_id"] for r in rows}
 
