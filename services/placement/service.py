@@ -638,9 +638,10 @@ class PlacementService:
 
         Pipelined (:class:`_Batch`): the in-memory lock is held from the start until the cycle has
         decided; then, unless the cycle preempted, shrank, grew or must rebuild the snapshot, it is
-        let go, so the next batch decides on top of this one's placements (listed in the snapshot,
-        and in ``Book.pending`` should it be rebuilt) while this one writes. Batches commit in the
-        order they decided: each waits for the one before it, and is rolled back (its messages
+        let go, so the next batch claims, inserts and decides on top of this one's placements
+        (listed in the snapshot, and in ``Book.pending`` should it be rebuilt) while this one
+        writes and commits. A batch writes its decisions only once the batch decided before it
+        has ended (so batches commit in the order they decided), and is rolled back (its messages
         naked by the consumer) when that one failed.
         """
         batch: _Batch | None = None
@@ -750,17 +751,21 @@ class PlacementService:
                 t = phases.since("decide", t)  # with locking the queued rows
                 decided(applied, considered)
 
+            async def on_turn() -> None:
+                nonlocal t
+                await turn()  # the batch decided before this one has ended
+                t = phases.since("turn", t)
+
             applied = await self._schedule(
                 conn,
                 considered,
                 backlog=len(self.queue) - len(due),
                 grow=False,
                 decided=on_decided,
+                turn=on_turn,
                 inserted=frozenset(q.job.job_id for q in fresh_jobs),
             )
             t = phases.since("write", t)
-            await turn()  # the batch decided before this one has committed
-            t = phases.since("turn", t)
         t = phases.since("commit", t)
         self._commit(applied, considered)
         self._send(dup_rejects + applied.messages)
@@ -826,14 +831,18 @@ class PlacementService:
         backlog: int = 0,
         grow: bool = True,
         decided: Callable[["Applied"], None] = lambda _: None,
+        turn: Callable[[], Awaitable[None]] = lambda: asyncio.sleep(0),
         inserted: frozenset[str] = frozenset(),
     ) -> "Applied":
         """One cycle (:func:`loom.sched.cycle.run_cycle`) over ``jobs`` on the kept snapshot, and all
         it implies written in this transaction: batched statements for jobs, reservations, decision
         records, events and the outbox. The book itself changes only after the commit
         (:meth:`_commit`). ``backlog``: jobs queued but not in this cycle (growth waits for them).
-        ``decided`` is told the cycle's outcome as soon as it is decided, before anything is written.
-        ``inserted``: jobs this transaction inserted (no one else sees them: nothing to lock)."""
+        ``decided`` is told the cycle's outcome as soon as it is decided; then ``turn`` is awaited
+        before anything is written (a pipelined batch waits there for the batch before it to end:
+        written earlier, this batch's row locks, on nodes both reserve, could block that batch's
+        writes while this one waits for it). ``inserted``: jobs this transaction inserted (no one
+        else sees them: nothing to lock)."""
         vanished: list[str] = []
         if jobs:
             # Only jobs still queued in the store take part (a stage cancelled or a job finished while
@@ -846,11 +855,13 @@ class PlacementService:
         if not jobs and not grow:
             applied = Applied(vanished=vanished)
             decided(applied)
+            await turn()
             return applied
         wall = time.time()
         applied = self._decide(jobs, now=wall, backlog=backlog, grow=grow)
         applied.vanished += vanished
         decided(applied)
+        await turn()
         result = applied.cycle
         if result.empty:
             return applied

@@ -98,31 +98,34 @@ def batch(prefix: str, first: int) -> list[Delivery[bytes]]:
 
 
 def hold_first_write(svc: PlacementService, monkeypatch: pytest.MonkeyPatch, *, fail: bool) -> dict[str, int]:
-    """Hold the first batch's write until a second batch has decided; then fail it (a statement
-    timeout, a retryable database error) when ``fail``. Returns call counts."""
-    second_decided = asyncio.Event()
-    counts = {"writes": 0, "batches": 0}
-    open_batch = svc._open_batch
-    record = repo.record_decisions
+    """Hold the first batch's first write (its reservations) until the second batch has decided,
+    on top of the first one's placements, and waits for its turn to write; then fail that write
+    (a statement timeout: a retryable database error) when ``fail``. Returns call counts.
 
-    def opened(*args: Any) -> Any:
-        b = open_batch(*args)
-        counts["batches"] += 1
-        if counts["batches"] == 2:
-            second_decided.set()
-        return b
+    The second batch must not have written anything by then: its reservations, on the nodes the
+    first one reserves too, would block the first batch's while it waits for the first to end."""
+    second_waits = asyncio.Event()
+    counts = {"reserves": 0, "turns": 0}
+    turn = svc._turn
+    reserve = repo.reserve
 
-    async def held(conn: asyncpg.Connection, records: Any) -> None:
-        counts["writes"] += 1
-        if counts["writes"] == 1:
-            await asyncio.wait_for(second_decided.wait(), timeout=20)
+    async def turning(b: Any) -> None:
+        counts["turns"] += 1
+        if counts["turns"] == 2:
+            second_waits.set()
+        await turn(b)
+
+    async def held(conn: asyncpg.Connection, *args: Any) -> None:
+        counts["reserves"] += 1
+        if counts["reserves"] == 1:
+            await asyncio.wait_for(second_waits.wait(), timeout=20)
             if fail:
                 await conn.execute("SET LOCAL statement_timeout = 1")
                 await conn.execute("SELECT pg_sleep(1)")
-        await record(conn, records)
+        await reserve(conn, *args)
 
-    monkeypatch.setattr(svc, "_open_batch", opened)
-    monkeypatch.setattr(repo, "record_decisions", held)
+    monkeypatch.setattr(svc, "_turn", turning)
+    monkeypatch.setattr(repo, "reserve", held)
     return counts
 
 
@@ -133,7 +136,7 @@ async def both(
     one = asyncio.create_task(svc.on_submitted(first))
     await asyncio.sleep(0)  # the first handler takes the lock before the second asks for it
     two = asyncio.create_task(svc.on_submitted(second))
-    return list(await asyncio.wait_for(asyncio.gather(one, two), timeout=60))
+    return list(await asyncio.wait_for(asyncio.gather(one, two), timeout=30))
 
 
 async def placements(pool: asyncpg.Pool) -> dict[str, tuple[str, tuple[tuple[str, int], ...]]]:
@@ -159,7 +162,7 @@ async def test_a_write_failing_mid_pipeline_discards_both_batches_and_redelivery
 
     # Both batches were decided, the second on top of the first, and both answered with an error
     # the consumer naks (retryable), never acked or dead-lettered.
-    assert counts["batches"] == 2
+    assert counts["turns"] == 2
     assert svc.stats["pipeline"]["overlapped"] >= 1
     assert svc.stats["pipeline"]["discarded"] == 1
     for result in outcomes:
