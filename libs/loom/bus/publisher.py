@@ -147,6 +147,11 @@ class Publisher:
         per message, None when the stream acknowledged it, else the error; the caller keeps what
         failed for a later try (the outbox does).
         """
+        return await (await self.send_batch(messages)).acks()
+
+    async def send_batch(self, messages: Sequence[Outgoing]) -> "SentBatch":
+        """The sending half of :meth:`publish_batch`: every message is on the connection, in
+        order, when this returns; :meth:`SentBatch.acks` waits for the stream's answers."""
         spans: list[trace.Span] = []
         sent: list[asyncio.Future[PubAck] | BaseException] = []
         for m in messages:
@@ -174,11 +179,33 @@ class Publisher:
                 )
             except Exception as exc:  # stalled, or the connection is closed: this one failed
                 sent.append(exc)
-        waiting = [f for f in sent if isinstance(f, asyncio.Future)]
+        return SentBatch(spans, sent, self._timeout_s)
+
+    async def publish_core(
+        self, subject: str, payload: bytes, headers: Mapping[str, str] | None = None
+    ) -> None:
+        """Publish on core NATS (no stream, no ack): replies and best-effort notices."""
+        await self._nc.publish(subject, payload, headers=dict(headers or {}) or None)
+
+
+class SentBatch:
+    """Messages :meth:`Publisher.send_batch` sent, their acks still to come."""
+
+    def __init__(
+        self, spans: list[trace.Span], sent: list[asyncio.Future[PubAck] | BaseException], timeout_s: float
+    ) -> None:
+        self._spans = spans
+        self._sent = sent
+        self._timeout_s = timeout_s
+
+    async def acks(self) -> list[BaseException | None]:
+        """Per message, None once the stream acknowledged it, else the error (no ack within the
+        timeout counts as one); every span ends here."""
+        waiting = [f for f in self._sent if isinstance(f, asyncio.Future)]
         if waiting:
             await asyncio.wait(waiting, timeout=self._timeout_s)
         outcomes: list[BaseException | None] = []
-        for span, f in zip(spans, sent, strict=True):
+        for span, f in zip(self._spans, self._sent, strict=True):
             error: BaseException | None
             if isinstance(f, BaseException):
                 error = f
@@ -196,9 +223,3 @@ class Publisher:
             span.end()
             outcomes.append(error)
         return outcomes
-
-    async def publish_core(
-        self, subject: str, payload: bytes, headers: Mapping[str, str] | None = None
-    ) -> None:
-        """Publish on core NATS (no stream, no ack): replies and best-effort notices."""
-        await self._nc.publish(subject, payload, headers=dict(headers or {}) or None)

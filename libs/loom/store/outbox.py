@@ -20,7 +20,7 @@ from opentelemetry import propagate
 from opentelemetry.context import Context
 
 from loom.bus import Publisher
-from loom.bus.publisher import Outgoing
+from loom.bus.publisher import Outgoing, SentBatch
 from loom_proto.codec import encode
 
 log = structlog.get_logger("loom.store")
@@ -78,6 +78,8 @@ class OutboxRelay:
         self._batch = batch
         self._lock = asyncio.Lock()
         self._kick = asyncio.Event()
+        self._sending: set[str] = set()
+        """Ids publish_now has sent and not yet marked (flush leaves them to it)."""
         self.published = 0
 
     def kick(self) -> None:
@@ -109,18 +111,30 @@ class OutboxRelay:
         """
         if not messages:
             return 0
+        ids = [m.msg_id for m in messages]
+        # Sent in commit order, one batch after the other; the acks are awaited outside the lock,
+        # so the next commit's messages go out while this batch's are being stored.
         async with self._lock:
-            done = await self._publish(messages)
+            self._sending.update(ids)
+            try:
+                sent = await self._send(messages)
+            except BaseException:
+                self._sending.difference_update(ids)
+                raise
+        try:
+            done = self._acked(messages, await sent.acks())
             if done:
                 await self._pool.execute(
                     """UPDATE outbox SET published_at = now()
                        WHERE msg_id = ANY($1::text[]) AND published_at IS NULL""",
                     done,
                 )
-            self.published += len(done)
-            if len(done) < len(messages):
-                self.kick()
-            return len(done)
+        finally:
+            self._sending.difference_update(ids)
+        self.published += len(done)
+        if len(done) < len(messages):
+            self.kick()
+        return len(done)
 
     async def flush(self) -> int:
         """Publish everything pending; returns how many were published."""
@@ -133,12 +147,13 @@ class OutboxRelay:
                     self._producer,
                     self._batch,
                 )
-                if not rows:
-                    return total
                 pending = [
                     OutboxMessage(r["msg_id"], r["subject"], bytes(r["payload"]), json.loads(r["headers"]))
                     for r in rows
+                    if r["msg_id"] not in self._sending  # publish_now has it in hand
                 ]
+                if not pending:
+                    return total
                 done = await self._publish(pending)
                 if done:
                     await self._pool.execute(
@@ -147,12 +162,15 @@ class OutboxRelay:
                 total += len(done)
                 self.published += len(done)
                 if len(done) < len(rows):
-                    return total
+                    return total  # some failed (or were in hand): the next flush tries again
 
     async def _publish(self, messages: Sequence[OutboxMessage]) -> list[str]:
         """Publish at once, each continuing its stored trace, acks awaited together; returns the
         ids that made it (a failure leaves only the messages that failed unmarked; they go out
         on the next flush)."""
+        return self._acked(messages, await (await self._send(messages)).acks())
+
+    async def _send(self, messages: Sequence[OutboxMessage]) -> SentBatch:
         contexts: dict[tuple[str, str], Context] = {}  # the messages of one job share a trace
         batch = []
         for m in messages:
@@ -169,8 +187,12 @@ class OutboxRelay:
                     parent,
                 )
             )
+        return await self._publisher.send_batch(batch)
+
+    @staticmethod
+    def _acked(messages: Sequence[OutboxMessage], outcomes: Sequence[BaseException | None]) -> list[str]:
         done = []
-        for m, error in zip(messages, await self._publisher.publish_batch(batch), strict=True):
+        for m, error in zip(messages, outcomes, strict=True):
             if error is None:
                 done.append(m.msg_id)
             else:
