@@ -884,6 +884,19 @@ class PlacementService:
                 await self._give_up(
                     conn, run, "preempted", f"preempted by {preempted.by}", avoid=(), result=applied
                 )
+        await self._write(conn, applied, now, snap.learned)
+        return applied
+
+    async def _write(
+        self,
+        conn: asyncpg.Connection,
+        applied: "Applied",
+        now: float,
+        learned: Mapping[tuple[str, str], float],
+    ) -> None:
+        """What a cycle placed, rejected, left waiting and grew: reservations, jobs, decision
+        records, events and the outbox, one batched statement each (each timed in ``phases``)."""
+        result = applied.cycle
         reservations = []
         deadlines = []
         placed_rows = []
@@ -893,11 +906,15 @@ class PlacementService:
                 reservations.append((q.job.job_id, q.attempt, part.cluster, part.allocations))
                 deadlines.append(now + self.confirm_timeout_s + d.start_after_s)
             placed_rows.append((q.job.job_id, d.lead.cluster, q.attempt, now, d.workers))
-            p.record.notes.append(self._speed_note(q.job, d.lead.gpu_model, snap.learned))
+            p.record.notes.append(self._speed_note(q.job, d.lead.gpu_model, learned))
         self._check_owned(cluster for _, _, cluster, _ in reservations)
+        phases = self.phases
+        t = time.perf_counter()
         await repo.reserve(conn, reservations, deadlines)
+        t = phases.since("write_reserve", t)
         await repo.mark_placed(conn, placed_rows)
         await repo.mark_rejected(conn, [(r.pending.job.job_id, r.reason) for r in result.rejected])
+        t = phases.since("write_jobs", t)
         await repo.record_decisions(
             conn,
             [
@@ -914,6 +931,7 @@ class PlacementService:
                 if self.waiting_reasons.get(w.pending.job.job_id) != w.record.reason
             ],
         )
+        t = phases.since("write_decisions", t)
         for p in result.placed:
             msgs, placed_event = self._placement_messages(p.pending, p.decision, now)
             applied.messages += msgs
@@ -930,9 +948,11 @@ class PlacementService:
                 applied.messages += await self._settle_dag(conn, q.parent, applied)
         for g in result.grown:
             await self._grow(conn, g, now, applied)
+        t = phases.since("write_messages", t)  # building them (and any growth written)
         await repo.append_events(conn, applied.events)
+        t = phases.since("write_events", t)
         await outbox.add(conn, PRODUCER, applied.messages)
-        return applied
+        phases.since("write_outbox", t)
 
     def _decide(self, jobs: list[QueuedJob], *, now: float, backlog: int = 0, grow: bool = True) -> "Applied":
         """The cycle itself, in memory: the kept snapshot at ``now`` (wall seconds), the learned
