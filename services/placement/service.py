@@ -372,6 +372,9 @@ class PlacementService:
                 idle_fetch_timeout_s=idle_fetch_timeout_s,
                 # The next batch is fetched and decided while this one writes (see _admit).
                 pipeline=2,
+                # One standing pull request: what arrives while batches are handled is the next
+                # batch at once (no fetch round trip, no linger per fetch in a burst).
+                callback_pull=True,
             ),
         ]
 
