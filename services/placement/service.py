@@ -898,7 +898,9 @@ class PlacementService:
         learned: Mapping[tuple[str, str], float],
     ) -> None:
         """What a cycle placed, rejected, left waiting and grew: reservations, jobs, decision
-        records, events and the outbox, one batched statement each (each timed in ``phases``)."""
+        records, events and the outbox (timed in ``phases``): one statement in all
+        (:func:`loom.store.jobs.apply_cycle`) unless the cycle grew a job or rejected a DAG's
+        stage, then one batched statement each, in the order the DAG's settling reads them."""
         result = applied.cycle
         reservations = []
         deadlines = []
@@ -911,15 +913,8 @@ class PlacementService:
             placed_rows.append((q.job.job_id, d.lead.cluster, q.attempt, now, d.workers))
             p.record.notes.append(self._speed_note(q.job, d.lead.gpu_model, learned))
         self._check_owned(cluster for _, _, cluster, _ in reservations)
-        phases = self.phases
-        t = time.perf_counter()
-        await repo.reserve(conn, reservations, deadlines)
-        t = phases.since("write_reserve", t)
-        await repo.mark_placed(conn, placed_rows)
-        await repo.mark_rejected(conn, [(r.pending.job.job_id, r.reason) for r in result.rejected])
-        t = phases.since("write_jobs", t)
-        await repo.record_decisions(
-            conn,
+        rejected = [(r.pending.job.job_id, r.reason) for r in result.rejected]
+        decisions = (
             [
                 (p.pending.job.job_id, p.pending.attempt, "placed", p.record.to_dict(raw=False))
                 for p in result.placed
@@ -932,9 +927,43 @@ class PlacementService:
                 (w.pending.job.job_id, w.pending.attempt, "waiting", w.record.to_dict(raw=False))
                 for w in result.waiting
                 if self.waiting_reasons.get(w.pending.job.job_id) != w.record.reason
-            ],
+            ]
         )
-        t = phases.since("write_decisions", t)
+        phases = self.phases
+        t = phases.since("write_decisions", time.perf_counter())  # their records, encoded
+        if not result.grown and not any(r.pending.parent for r in result.rejected):
+            # Nothing in this cycle reads what it writes (no DAG settled, nothing grown): all of
+            # it in one statement.
+            await self._cycle_messages(conn, applied, now)
+            t = phases.since("write_messages", t)
+            await repo.apply_cycle(
+                conn,
+                reservations=reservations,
+                confirm_by=deadlines,
+                placed=placed_rows,
+                rejected=rejected,
+                decisions=decisions,
+                events=applied.events,
+                outbox_rows=(
+                    PRODUCER,
+                    [(m.msg_id, m.subject, m.payload, m.headers) for m in applied.messages],
+                ),
+            )
+            phases.since("write_statement", t)
+            return
+        await repo.reserve(conn, reservations, deadlines)
+        await repo.mark_placed(conn, placed_rows)
+        await repo.mark_rejected(conn, rejected)
+        await repo.record_decisions(conn, decisions)
+        await self._cycle_messages(conn, applied, now)  # after the rejections: a DAG reads them
+        await repo.append_events(conn, applied.events)
+        await outbox.add(conn, PRODUCER, applied.messages)
+        phases.since("write_statements", t)
+
+    async def _cycle_messages(self, conn: asyncpg.Connection, applied: "Applied", now: float) -> None:
+        """The messages and events of a cycle's placements and rejections (settling the DAG of a
+        rejected stage), and its growth written."""
+        result = applied.cycle
         for p in result.placed:
             msgs, placed_event = self._placement_messages(p.pending, p.decision, now)
             applied.messages += msgs
@@ -951,11 +980,6 @@ class PlacementService:
                 applied.messages += await self._settle_dag(conn, q.parent, applied)
         for g in result.grown:
             await self._grow(conn, g, now, applied)
-        t = phases.since("write_messages", t)  # building them (and any growth written)
-        await repo.append_events(conn, applied.events)
-        t = phases.since("write_events", t)
-        await outbox.add(conn, PRODUCER, applied.messages)
-        phases.since("write_outbox", t)
 
     def _decide(self, jobs: list[QueuedJob], *, now: float, backlog: int = 0, grow: bool = True) -> "Applied":
         """The cycle itself, in memory: the kept snapshot at ``now`` (wall seconds), the learned

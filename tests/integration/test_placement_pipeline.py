@@ -98,16 +98,16 @@ def batch(prefix: str, first: int) -> list[Delivery[bytes]]:
 
 
 def hold_first_write(svc: PlacementService, monkeypatch: pytest.MonkeyPatch, *, fail: bool) -> dict[str, int]:
-    """Hold the first batch's first write (its reservations) until the second batch has decided,
+    """Hold the first batch's write (reservations and all) until the second batch has decided,
     on top of the first one's placements, and waits for its turn to write; then fail that write
     (a statement timeout: a retryable database error) when ``fail``. Returns call counts.
 
     The second batch must not have written anything by then: its reservations, on the nodes the
     first one reserves too, would block the first batch's while it waits for the first to end."""
     second_waits = asyncio.Event()
-    counts = {"reserves": 0, "turns": 0}
+    counts = {"writes": 0, "turns": 0}
     turn = svc._turn
-    reserve = repo.reserve
+    write = repo.apply_cycle
 
     async def turning(b: Any) -> None:
         counts["turns"] += 1
@@ -115,17 +115,17 @@ def hold_first_write(svc: PlacementService, monkeypatch: pytest.MonkeyPatch, *, 
             second_waits.set()
         await turn(b)
 
-    async def held(conn: asyncpg.Connection, *args: Any) -> None:
-        counts["reserves"] += 1
-        if counts["reserves"] == 1:
+    async def held(conn: asyncpg.Connection, **kwargs: Any) -> None:
+        counts["writes"] += 1
+        if counts["writes"] == 1:
             await asyncio.wait_for(second_waits.wait(), timeout=20)
             if fail:
                 await conn.execute("SET LOCAL statement_timeout = 1")
                 await conn.execute("SELECT pg_sleep(1)")
-        await reserve(conn, *args)
+        await write(conn, **kwargs)
 
     monkeypatch.setattr(svc, "_turn", turning)
-    monkeypatch.setattr(repo, "reserve", held)
+    monkeypatch.setattr(repo, "apply_cycle", held)
     return counts
 
 

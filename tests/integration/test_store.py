@@ -305,6 +305,46 @@ async def test_reserve_is_all_or_nothing_across_nodes(pool: asyncpg.Pool) -> Non
     assert await pool.fetchval("SELECT count(*) FROM reservations WHERE node = $1", roomy) == 0
 
 
+async def apply_one_placement(pool: asyncpg.Pool, job_id: str, node: str, gpus: int) -> None:
+    """A queued job placed on ``node`` with everything a cycle writes, in one statement."""
+    async with transaction(pool) as conn:
+        await jobs.insert_jobs(conn, [jobs.NewJob(job_id, "acme", b"{}", 1_700_000_000.0, {})])
+        await jobs.apply_cycle(
+            conn,
+            reservations=[(job_id, 1, "c1", [(node, gpus)])],
+            confirm_by=[1_700_000_100.0],
+            placed=[(job_id, "c1", 1, 1_700_000_001.0, 1)],
+            rejected=[],
+            decisions=[(job_id, 1, "placed", {"reason": "fits"})],
+            events=[jobs.JobEventRow(job_id, "placed", f"{job_id}:placed:1", b'{"kind": "placed"}', 1.0)],
+            outbox_rows=("apply-test", [(f"{job_id}:placed:1", "loom.jobs.placed.c1", b"{}", {"a": "b"})]),
+        )
+
+
+async def test_apply_cycle_writes_a_cycle_in_one_statement_or_refuses_it_whole(pool: asyncpg.Pool) -> None:
+    node = await add_node(pool, 4)
+    job_id = unique("job")
+    await apply_one_placement(pool, job_id, node, 3)
+    row = await pool.fetchrow("SELECT state, cluster, attempt, workers FROM jobs WHERE job_id = $1", job_id)
+    assert tuple(row) == ("placed", "c1", 1, 1)
+    assert await gpus_reserved(pool, node) == 3
+    assert await pool.fetchval("SELECT gpus FROM reservations WHERE job_id = $1", job_id) == 3
+    assert await pool.fetchval("SELECT outcome FROM decisions WHERE job_id = $1", job_id) == "placed"
+    assert await pool.fetchval("SELECT count(*) FROM job_events WHERE job_id = $1", job_id) == 1
+    assert (
+        await pool.fetchval("SELECT headers FROM outbox WHERE msg_id = $1", f"{job_id}:placed:1")
+        == '{"a": "b"}'
+    )
+
+    late = unique("job")
+    with pytest.raises(ConflictError):
+        await apply_one_placement(pool, late, node, 2)
+    assert await gpus_reserved(pool, node) == 3, "only one GPU is left: nothing taken"
+    assert await pool.fetchval("SELECT count(*) FROM jobs WHERE job_id = $1", late) == 0
+    assert await pool.fetchval("SELECT count(*) FROM reservations WHERE job_id = $1", late) == 0
+    assert await pool.fetchval("SELECT count(*) FROM outbox WHERE msg_id = $1", f"{late}:placed:1") == 0
+
+
 async def test_reserve_refuses_unschedulable_and_unknown_nodes(pool: asyncpg.Pool) -> None:
     drained = await add_node(pool, 8, schedulable=False)
     assert not await try_reserve(pool, unique("job"), [(drained, 1)])

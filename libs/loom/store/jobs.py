@@ -91,11 +91,7 @@ async def append_events(conn: asyncpg.Connection, events: Sequence[JobEventRow])
     if not events:
         return set()
     rows = await conn.fetch(
-        """INSERT INTO job_events (job_id, kind, msg_id, event, at)
-           SELECT u.j, u.k, u.m, u.e::jsonb, u.a
-           FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::timestamptz[]) AS u(j, k, m, e, a)
-           WHERE EXISTS (SELECT 1 FROM jobs WHERE jobs.job_id = u.j)
-           ON CONFLICT (msg_id) DO NOTHING RETURNING msg_id""",
+        _APPEND_EVENTS.format(*_params(1, 5)) + " RETURNING msg_id",
         [e.job_id for e in events],
         [e.kind for e in events],
         [e.msg_id for e in events],
@@ -112,10 +108,7 @@ async def mark_placed(
     if not placed:
         return
     await conn.execute(
-        """UPDATE jobs SET state = 'placed', cluster = u.c, attempt = u.a, placed_at = u.p,
-                  updated_at = now(), workers = u.w
-           FROM unnest($1::text[], $2::text[], $3::int[], $4::timestamptz[], $5::int[]) AS u(j, c, a, p, w)
-           WHERE jobs.job_id = u.j AND jobs.state = 'queued'""",
+        _MARK_PLACED.format(*_params(1, 5)),
         [p[0] for p in placed],
         [p[1] for p in placed],
         [p[2] for p in placed],
@@ -129,9 +122,7 @@ async def mark_rejected(conn: asyncpg.Connection, rejected: Sequence[tuple[str, 
     if not rejected:
         return
     await conn.execute(
-        """UPDATE jobs SET state = 'rejected', reason = u.r, finished_at = now(), updated_at = now()
-           FROM unnest($1::text[], $2::text[]) AS u(j, r)
-           WHERE jobs.job_id = u.j AND jobs.state = 'queued'""",
+        _MARK_REJECTED.format(*_params(1, 2)),
         [r[0] for r in rejected],
         [r[1] for r in rejected],
     )
@@ -148,6 +139,63 @@ async def reserve(
     GPUs (someone else's decision got there first) nothing is reserved and :class:`ConflictError`
     is raised, so the caller recomputes from fresh state.
     """
+    per_node, res_rows = _reservation_rows(job_allocations, confirm_by)
+    if not per_node:
+        return
+    updated = await conn.fetch(
+        _RESERVE_NODES.format(nodes="$1", gpus="$2"), list(per_node), list(per_node.values())
+    )
+    if len(updated) != len(per_node):
+        raise ConflictError("capacity changed under the decision; recomputing")
+    await conn.execute(_INSERT_RESERVATIONS.format(*_params(1, 6)), *_columns(res_rows, 6))
+
+
+_RESERVE_NODES = """UPDATE node_allocations n SET gpus_reserved = n.gpus_reserved + u.g
+    FROM unnest({nodes}::text[], {gpus}::int[]) AS u(node, g)
+    WHERE n.node = u.node AND n.schedulable AND n.gpus_total - n.gpus_reserved >= u.g
+    RETURNING n.node"""
+_INSERT_RESERVATIONS = """INSERT INTO reservations (job_id, attempt, node, cluster, gpus, state, confirm_by)
+    SELECT j, a, n, c, g, 'reserved', d
+    FROM unnest({}::text[], {}::int[], {}::text[], {}::text[], {}::int[], {}::timestamptz[])
+        AS u(j, a, n, c, g, d)
+    ON CONFLICT (job_id, attempt, node) DO UPDATE SET
+        gpus = CASE WHEN reservations.state = 'released' THEN EXCLUDED.gpus
+                    ELSE reservations.gpus + EXCLUDED.gpus END,
+        state = CASE WHEN reservations.state = 'released' THEN 'confirmed' ELSE reservations.state END,
+        released_at = NULL"""
+_MARK_PLACED = """UPDATE jobs SET state = 'placed', cluster = u.c, attempt = u.a, placed_at = u.p,
+           updated_at = now(), workers = u.w
+    FROM unnest({}::text[], {}::text[], {}::int[], {}::timestamptz[], {}::int[]) AS u(j, c, a, p, w)
+    WHERE jobs.job_id = u.j AND jobs.state = 'queued'"""
+_MARK_REJECTED = """UPDATE jobs SET state = 'rejected', reason = u.r, finished_at = now(), updated_at = now()
+    FROM unnest({}::text[], {}::text[]) AS u(j, r)
+    WHERE jobs.job_id = u.j AND jobs.state = 'queued'"""
+_RECORD_DECISIONS = """INSERT INTO decisions (job_id, attempt, outcome, record)
+    SELECT j, a, o, r FROM unnest({}::text[], {}::int[], {}::text[], {}::text[]) AS u(j, a, o, r)
+    ON CONFLICT (job_id, attempt) DO UPDATE SET outcome = EXCLUDED.outcome, record = EXCLUDED.record,
+        at = now()"""
+_APPEND_EVENTS = """INSERT INTO job_events (job_id, kind, msg_id, event, at)
+    SELECT u.j, u.k, u.m, u.e::jsonb, u.a
+    FROM unnest({}::text[], {}::text[], {}::text[], {}::text[], {}::timestamptz[]) AS u(j, k, m, e, a)
+    WHERE EXISTS (SELECT 1 FROM jobs WHERE jobs.job_id = u.j)
+    ON CONFLICT (msg_id) DO NOTHING"""
+
+
+def _params(first: int, count: int) -> list[str]:
+    """``$first`` .. ``$(first + count - 1)``."""
+    return [f"${i}" for i in range(first, first + count)]
+
+
+def _columns(rows: Sequence[Sequence[Any]], width: int) -> list[list[Any]]:
+    """Rows as ``width`` column lists (empty lists for no rows)."""
+    return [list(column) for column in zip(*rows, strict=True)] if rows else [[] for _ in range(width)]
+
+
+def _reservation_rows(
+    job_allocations: Sequence[tuple[str, int, str, Sequence[tuple[str, int]]]],
+    confirm_by: Sequence[float] | None,
+) -> tuple[dict[str, int], list[tuple[str, int, str, str, int, datetime | None]]]:
+    """GPUs to take per node, and one reservation row per (job, node)."""
     per_node: dict[str, int] = {}
     res_rows: list[tuple[str, int, str, str, int, datetime | None]] = []
     for i, (job_id, attempt, cluster, allocations) in enumerate(job_allocations):
@@ -155,30 +203,55 @@ async def reserve(
         for node, gpus in allocations:
             per_node[node] = per_node.get(node, 0) + gpus
             res_rows.append((job_id, attempt, node, cluster, gpus, deadline))
-    if not per_node:
-        return
-    updated = await conn.fetch(
-        """UPDATE node_allocations n SET gpus_reserved = n.gpus_reserved + u.g
-           FROM unnest($1::text[], $2::int[]) AS u(node, g)
-           WHERE n.node = u.node AND n.schedulable AND n.gpus_total - n.gpus_reserved >= u.g
-           RETURNING n.node""",
+    return per_node, res_rows
+
+
+async def apply_cycle(
+    conn: asyncpg.Connection,
+    *,
+    reservations: Sequence[tuple[str, int, str, Sequence[tuple[str, int]]]],
+    confirm_by: Sequence[float],
+    placed: Sequence[tuple[str, str, int, float, int]],
+    rejected: Sequence[tuple[str, str]],
+    decisions: Sequence[tuple[str, int, str, Mapping[str, Any]]],
+    events: Sequence[JobEventRow],
+    outbox_rows: tuple[str, Sequence[tuple[str, str, bytes, Mapping[str, str]]]],
+) -> None:
+    """A cycle's writes in one statement (one round trip): :func:`reserve`, :func:`mark_placed`,
+    :func:`mark_rejected`, :func:`record_decisions`, :func:`append_events` and the outbox rows
+    (``(producer, [(msg_id, subject, payload, headers)])``, as ``outbox.add`` writes them).
+
+    Raises :class:`ConflictError` when a node lacks the GPUs; the caller's transaction must then
+    roll back (the other rows were written by the same statement).
+    """
+    per_node, res_rows = _reservation_rows(reservations, confirm_by)
+    producer, messages = outbox_rows
+    statements = {
+        "res": _INSERT_RESERVATIONS.format(*_params(3, 6)),
+        "placed": _MARK_PLACED.format(*_params(9, 5)),
+        "rejected": _MARK_REJECTED.format(*_params(14, 2)),
+        "decided": _RECORD_DECISIONS.format(*_params(16, 4)),
+        "events": _APPEND_EVENTS.format(*_params(20, 5)),
+        "outbox": """INSERT INTO outbox (producer, msg_id, subject, payload, headers)
+            SELECT $25, m, s, p, h::jsonb FROM unnest($26::text[], $27::text[], $28::bytea[], $29::text[])
+                AS u(m, s, p, h)
+            ON CONFLICT (msg_id) DO NOTHING""",
+    }
+    ctes = ",\n".join(f"{name} AS ({sql})" for name, sql in statements.items())
+    updated = await conn.fetchval(
+        f"WITH upd AS ({_RESERVE_NODES.format(nodes='$1', gpus='$2')}),\n{ctes}\nSELECT count(*) FROM upd",
         list(per_node),
         list(per_node.values()),
+        *_columns(res_rows, 6),
+        *_columns([(j, c, a, ts(p), w) for j, c, a, p, w in placed], 5),
+        *_columns(rejected, 2),
+        *_columns([(j, a, o, msgspec.json.encode(r).decode()) for j, a, o, r in decisions], 4),
+        *_columns([(e.job_id, e.kind, e.msg_id, e.event_json.decode(), ts(e.at)) for e in events], 5),
+        producer,
+        *_columns([(m, sub, pay, json.dumps(dict(h))) for m, sub, pay, h in messages], 4),
     )
-    if len(updated) != len(per_node):
+    if updated != len(per_node):
         raise ConflictError("capacity changed under the decision; recomputing")
-    await conn.execute(
-        """INSERT INTO reservations (job_id, attempt, node, cluster, gpus, state, confirm_by)
-           SELECT j, a, n, c, g, 'reserved', d
-           FROM unnest($1::text[], $2::int[], $3::text[], $4::text[], $5::int[], $6::timestamptz[])
-               AS u(j, a, n, c, g, d)
-           ON CONFLICT (job_id, attempt, node) DO UPDATE SET
-               gpus = CASE WHEN reservations.state = 'released' THEN EXCLUDED.gpus
-                           ELSE reservations.gpus + EXCLUDED.gpus END,
-               state = CASE WHEN reservations.state = 'released' THEN 'confirmed' ELSE reservations.state END,
-               released_at = NULL""",
-        *(list(column) for column in zip(*res_rows, strict=True)),
-    )
 
 
 async def confirm(conn: asyncpg.Connection, runs: Sequence[tuple[str, int]]) -> None:
@@ -472,11 +545,7 @@ async def record_decisions(
     if not records:
         return
     await conn.execute(
-        """INSERT INTO decisions (job_id, attempt, outcome, record)
-           SELECT j, a, o, r
-           FROM unnest($1::text[], $2::int[], $3::text[], $4::text[]) AS u(j, a, o, r)
-           ON CONFLICT (job_id, attempt) DO UPDATE SET outcome = EXCLUDED.outcome, record = EXCLUDED.record,
-               at = now()""",
+        _RECORD_DECISIONS.format(*_params(1, 4)),
         [r[0] for r in records],
         [r[1] for r in records],
         [r[2] for r in records],
