@@ -9,6 +9,14 @@ the messages it implies, so a crash at any point neither loses nor doubles a dec
 Decisions come from the scheduling framework (:mod:`loom.sched.framework`) with the default
 profile: the same code the simulator and ``loom bench placement`` run.
 
+Submissions are pipelined (:meth:`PlacementService._admit`): while one batch writes and commits,
+the next is claimed, inserted and decided in memory on top of the first one's placements (kept
+pending in the book until they commit); it writes only once the first has ended, and is rolled
+back and redelivered when the first failed. A cycle's writes are one statement
+(:func:`loom.store.jobs.apply_cycle`); its messages go out after the commit, sent in commit order
+with their acks awaited together (:meth:`loom.store.outbox.OutboxRelay.publish_now`). Where each
+batch's time goes is in the health answer's ``pipeline`` (``loom bench e2e`` reports it).
+
 Learned speeds: each completed single-part run that reports ``observed_step_s`` teaches the
 speed learner (:mod:`loom.model.learn`) what its job family really gets on its GPU model. The
 observation is stored in the same transaction as the event (``speed_observations``, keyed by the
