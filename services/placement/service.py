@@ -921,6 +921,8 @@ class PlacementService:
             placed_rows.append((q.job.job_id, d.lead.cluster, q.attempt, now, d.workers))
             p.record.notes.append(self._speed_note(q.job, d.lead.gpu_model, learned))
         self._check_owned(cluster for _, _, cluster, _ in reservations)
+        phases = self.phases
+        t = time.perf_counter()
         rejected = [(r.pending.job.job_id, r.reason) for r in result.rejected]
         decisions = (
             [
@@ -937,8 +939,7 @@ class PlacementService:
                 if self.waiting_reasons.get(w.pending.job.job_id) != w.record.reason
             ]
         )
-        phases = self.phases
-        t = phases.since("write_decisions", time.perf_counter())  # their records, encoded
+        t = phases.since("write_decisions", t)  # their records, built
         if not result.grown and not any(r.pending.parent for r in result.rejected):
             # Nothing in this cycle reads what it writes (no DAG settled, nothing grown): all of
             # it in one statement.

@@ -61,7 +61,8 @@ class Publisher:
         max_backoff_s: float = 2.0,
     ) -> None:
         self._nc = nc
-        self._js: JetStreamContext = nc.jetstream(timeout=timeout_s)
+        # publish_batch sends whole batches before their acks come back: room for many of them.
+        self._js: JetStreamContext = nc.jetstream(timeout=timeout_s, publish_async_max_pending=50_000)
         self._timeout_s = timeout_s
         self._attempts = attempts
         self._first_backoff_s = first_backoff_s
