@@ -86,18 +86,20 @@ class OutboxRelay:
         """Ask the background loop (:meth:`run`) to flush soon; returns at once."""
         self._kick.set()
 
-    async def run(self, stopping: asyncio.Event, *, idle_s: float = 1.0) -> None:
+    async def run(self, stopping: asyncio.Event, *, idle_s: float = 1.0, min_age_s: float = 5.0) -> None:
         """Flush when kicked (and every ``idle_s`` regardless) until ``stopping``, then once more.
 
         Publishing off the handler's path lets the next batch's transaction overlap this batch's
         publishes; the outbox row, not the handler, is what guarantees the message goes out.
+        These rounds take only rows at least ``min_age_s`` old: younger ones are the fast path's
+        (:meth:`publish_now`), which a flush would only publish twice, acks and all.
         """
         while not stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), timeout=idle_s)
             self._kick.clear()
             try:
-                await self.flush()
+                await self.flush(min_age_s=min_age_s)
             except Exception as exc:  # rows stay pending; the next round retries them
                 log.warning("outbox flush failed", producer=self._producer, error=repr(exc))
                 await asyncio.sleep(0.5)
@@ -112,15 +114,15 @@ class OutboxRelay:
         if not messages:
             return 0
         ids = [m.msg_id for m in messages]
-        # Sent in commit order, one batch after the other; the acks are awaited outside the lock,
-        # so the next commit's messages go out while this batch's are being stored.
-        async with self._lock:
-            self._sending.update(ids)
-            try:
+        self._sending.update(ids)  # a flush meanwhile leaves them alone
+        try:
+            # Sent in commit order, one batch after the other; the acks are awaited outside the
+            # lock, so the next commit's messages go out while this batch's are being stored.
+            async with self._lock:
                 sent = await self._send(messages)
-            except BaseException:
-                self._sending.difference_update(ids)
-                raise
+        except BaseException:
+            self._sending.difference_update(ids)
+            raise
         try:
             done = self._acked(messages, await sent.acks())
             if done:
@@ -136,16 +138,22 @@ class OutboxRelay:
             self.kick()
         return len(done)
 
-    async def flush(self) -> int:
-        """Publish everything pending; returns how many were published."""
-        async with self._lock:
-            total = 0
-            while True:
+    async def flush(self, *, min_age_s: float = 0.0) -> int:
+        """Publish everything pending (at least ``min_age_s`` old); returns how many were published.
+
+        A chunk at a time: the lock is held while a chunk is read and sent, not while its acks
+        come back."""
+        total = 0
+        while True:
+            async with self._lock:
                 rows = await self._pool.fetch(
                     """SELECT msg_id, subject, payload, headers FROM outbox
-                       WHERE producer = $1 AND published_at IS NULL ORDER BY id LIMIT $2""",
+                       WHERE producer = $1 AND published_at IS NULL
+                         AND created_at <= now() - make_interval(secs => $3)
+                       ORDER BY id LIMIT $2""",
                     self._producer,
                     self._batch,
+                    min_age_s,
                 )
                 pending = [
                     OutboxMessage(r["msg_id"], r["subject"], bytes(r["payload"]), json.loads(r["headers"]))
@@ -154,23 +162,28 @@ class OutboxRelay:
                 ]
                 if not pending:
                     return total
-                done = await self._publish(pending)
+                ids = [m.msg_id for m in pending]
+                self._sending.update(ids)
+                try:
+                    sent = await self._send(pending)
+                except BaseException:
+                    self._sending.difference_update(ids)
+                    raise
+            try:
+                done = self._acked(pending, await sent.acks())
                 if done:
                     await self._pool.execute(
                         "UPDATE outbox SET published_at = now() WHERE msg_id = ANY($1::text[])", done
                     )
-                total += len(done)
-                self.published += len(done)
-                if len(done) < len(rows):
-                    return total  # some failed (or were in hand): the next flush tries again
-
-    async def _publish(self, messages: Sequence[OutboxMessage]) -> list[str]:
-        """Publish at once, each continuing its stored trace, acks awaited together; returns the
-        ids that made it (a failure leaves only the messages that failed unmarked; they go out
-        on the next flush)."""
-        return self._acked(messages, await (await self._send(messages)).acks())
+            finally:
+                self._sending.difference_update(ids)
+            total += len(done)
+            self.published += len(done)
+            if len(done) < len(rows):
+                return total  # some failed (or were in hand): the next flush tries again
 
     async def _send(self, messages: Sequence[OutboxMessage]) -> SentBatch:
+        """Send at once, each continuing its stored trace (see :meth:`Publisher.send_batch`)."""
         contexts: dict[tuple[str, str], Context] = {}  # the messages of one job share a trace
         batch = []
         for m in messages:
