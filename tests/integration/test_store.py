@@ -187,6 +187,20 @@ async def test_outbox_publishes_after_a_crash_between_commit_and_flush(
     assert await subject_count(nc, s.job_event("started", tenant)) == 3
 
 
+async def test_a_background_flush_leaves_rows_younger_than_its_age_to_the_fast_path(
+    pool: asyncpg.Pool, nc: Client
+) -> None:
+    producer, tenant = unique("producer"), unique("t")
+    await add_messages(pool, producer, tenant, 2)
+    relay = outbox.OutboxRelay(pool, Publisher(nc), producer)
+    assert await relay.flush(min_age_s=60.0) == 0, "just committed: publish_now's to send"
+    await pool.execute(
+        "UPDATE outbox SET created_at = now() - interval '2 minutes' WHERE producer = $1", producer
+    )
+    assert await relay.flush(min_age_s=60.0) == 2, "left over: the flush sends them"
+    assert await subject_count(nc, s.job_event("started", tenant)) == 2
+
+
 async def test_outbox_republish_after_a_lost_mark_is_absorbed_by_dedup(
     pool: asyncpg.Pool, nc: Client
 ) -> None:
