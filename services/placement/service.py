@@ -381,8 +381,10 @@ class PlacementService:
                 # The next batch is fetched and decided while this one writes (see _admit).
                 pipeline=2,
                 # One standing pull request: what arrives while batches are handled is the next
-                # batch at once (no fetch round trip, no linger per fetch in a burst).
+                # batch at once (no fetch round trip); no linger either, as a burst gathers its
+                # batches while the ones before are handled, and a lone job goes at once.
                 callback_pull=True,
+                linger_s=0.0,
             ),
         ]
 
