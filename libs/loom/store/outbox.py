@@ -86,7 +86,7 @@ class OutboxRelay:
         """Ask the background loop (:meth:`run`) to flush soon; returns at once."""
         self._kick.set()
 
-    async def run(self, stopping: asyncio.Event, *, idle_s: float = 1.0, min_age_s: float = 5.0) -> None:
+    async def run(self, stopping: asyncio.Event, *, idle_s: float = 1.0, min_age_s: float = 1.0) -> None:
         """Flush when kicked (and every ``idle_s`` regardless) until ``stopping``, then once more.
 
         Publishing off the handler's path lets the next batch's transaction overlap this batch's
