@@ -41,6 +41,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
         heartbeat_s=args.heartbeat_s,
         placement_shards=args.placement_shards,
+        services=not args.servers_only,
     )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
@@ -75,17 +76,24 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps({"status": state.get("status"), "processes": rows}, indent=2))
     else:
         table = Table(title=f"Loom stack: {state.get('status')}")
-        for col in ("process", "pid", "alive", "restarts", "health"):
+        for col in ("process", "pid", "alive", "restarts", "last exit", "health"):
             table.add_column(col)
         for r in rows:
             h = r["health"]
-            text = (
-                "-"
-                if r["name"] in ("supervisor", "nats", "postgres")
-                else (f"ok, up {h['uptime_s']:.0f}s" if h else "[red]no answer[/red]")
-            )
+            if r["name"] == "supervisor":
+                text = "-"
+            elif r["name"] in ("nats", "postgres"):
+                server_status = r.get("server_status", "up")
+                text = "up" if server_status == "up" else f"[red]{server_status}[/red]"
+            else:
+                text = f"ok, up {h['uptime_s']:.0f}s" if h else "[red]no answer[/red]"
             table.add_row(
-                r["name"], str(r["pid"]), "yes" if r["alive"] else "[red]no[/red]", str(r["restarts"]), text
+                r["name"],
+                str(r["pid"]),
+                "yes" if r["alive"] else "[red]no[/red]",
+                str(r["restarts"]),
+                r.get("last_exit") or "-",
+                text,
             )
         console.print(table)
     ok = all(r["alive"] for r in rows) and all(
@@ -583,6 +591,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="placement shards over a GPU-balanced split of the regions",
+    )
+    p.add_argument(
+        "--servers-only",
+        action="store_true",
+        help="start (and keep up) NATS and PostgreSQL only; run the services yourself",
     )
     add("down", cmd_down, "stop the embedded stack")
     p = add("status", cmd_status, "show the stack's processes and their health")

@@ -42,7 +42,9 @@ __all__ = [
     "NatsServer",
     "PostgresServer",
     "ServerStartError",
+    "describe_exit",
     "find_free_port",
+    "reap_orphans",
 ]
 
 _LOG_TAIL_LINES = 40
@@ -103,6 +105,63 @@ def _is_alive(pid: int) -> bool:
     except OSError:
         return True
     return stat_line.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """State letter, parent pid and process group of ``pid`` from ``/proc``; None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    except OSError:
+        return []
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for pid in _pids():
+        found = _proc_stat(pid)
+        if found is not None and found[2] == pgid and found[0] != "Z":
+            members.append(pid)
+    return members
+
+
+def reap_orphans(known: set[int]) -> list[int]:
+    """Reap zombie children of this process that no ``Popen`` owns (``known`` lists those that do).
+
+    A supervisor that is a child subreaper inherits the orphans of a server that died (Postgres's
+    backends outlive a SIGKILLed postmaster for a moment); without this they stay zombies. Returns
+    the pids reaped.
+    """
+    reaped = []
+    me = os.getpid()
+    for pid in _pids():
+        if pid in known:
+            continue
+        found = _proc_stat(pid)
+        if found is None or found[0] != "Z" or found[1] != me:
+            continue
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                reaped.append(pid)
+    return reaped
+
+
+def describe_exit(returncode: int) -> str:
+    """``killed by SIGKILL`` or ``exited with status 3``: a ``Popen.returncode`` in words."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with status {returncode}"
 
 
 def _cmdline(pid: int) -> str:
@@ -169,6 +228,44 @@ class _ChildServer:
         except ServerStartError:
             self.kill()
             raise
+
+    def poll_exit(self) -> int | None:
+        """The exit status (``Popen.returncode``) of a server that died on its own, else None.
+
+        Asking reaps the dead process (``waitpid``), so it does not linger as a zombie. None too
+        when the server was never started or was stopped on purpose.
+        """
+        if self._process is None:
+            return None
+        return self._process.poll()
+
+    def clean_after_exit(self, timeout_s: float = 10.0) -> None:
+        """After the server died on its own: kill what is left of it, then remove its stale files.
+
+        The server's process group (its own session) may outlive it: Postgres backends keep the
+        old shared memory attached until they notice their postmaster is gone. They are SIGKILLed
+        and waited for; only once no process of the group lives are the pid and lock files removed
+        that would make the next start refuse (a lock naming a live process is never removed).
+        Raises :class:`ServerStartError` if something of the old server survives ``timeout_s``.
+        """
+        process = self._process
+        if process is not None:
+            if process.poll() is None:
+                raise self._fail("clean_after_exit called while the server still runs")
+            pgid = process.pid
+            deadline = time.monotonic() + timeout_s
+            while members := _group_members(pgid):
+                for pid in members:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                if time.monotonic() >= deadline:
+                    raise self._fail(f"processes {members} of the dead server survive SIGKILL")
+                time.sleep(_POLL_INTERVAL_S)
+        self._remove_stale_files()
+        self._forget()
+
+    def _remove_stale_files(self) -> None:
+        """Remove lock files a dead server left behind (the pid file goes in :meth:`_forget`)."""
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the server to shut down cleanly; SIGKILL it after ``timeout_s``. Safe when not running."""
@@ -574,6 +671,22 @@ class PostgresServer(_ChildServer):
             return False
         assert self._process is not None
         return len(lines) >= 8 and lines[0].strip() == str(self._process.pid) and lines[7].strip() == "ready"
+
+    def _remove_stale_files(self) -> None:
+        # Postgres itself skips a postmaster.pid whose pid is dead, but not one whose pid is a
+        # zombie or was reused, nor a socket lock held that way: remove them, unless the pid they
+        # name is a live process (then it is not ours to remove; the start will say why it fails).
+        socket_dir = self.socket_dir
+        for lock in (self.pgdata / "postmaster.pid", socket_dir / f".s.PGSQL.{self.port}.lock"):
+            try:
+                pid = int(lock.read_text().splitlines()[0].strip())
+            except (OSError, ValueError, IndexError):
+                pid = 0
+            if pid and _is_alive(pid):
+                continue
+            lock.unlink(missing_ok=True)
+        if not (socket_dir / f".s.PGSQL.{self.port}.lock").exists():
+            (socket_dir / f".s.PGSQL.{self.port}").unlink(missing_ok=True)
 
     def _after_ready(self, deadline: float) -> None:
         self._create_database(max(1.0, deadline - time.monotonic()))
