@@ -373,7 +373,9 @@ class ConsumerRunner(Generic[T]):
 
     async def _dead_letter(self, msg: Msg, error: BaseException, span: Span) -> None:
         meta = msg.metadata
-        headers = {k: v for k, v in (msg.headers or {}).items() if k != "Nats-Msg-Id"}
+        headers = {
+            ("Loom-Original-Msg-Id" if k == "Nats-Msg-Id" else k): v for k, v in (msg.headers or {}).items()
+        }
         headers.update(
             {
                 "Loom-Error": str(error)[:1024] or type(error).__name__,

@@ -655,6 +655,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_net("restore", cmd_net_restore, "restore one emulated link (or every link) as measured")
     p.add_argument("src", nargs="?")
     p.add_argument("dst", nargs="?")
+    from loom.cli.dlq import add_parser as add_dlq_parser
+
+    add_dlq_parser(sub)
     p = add("demo", cmd_demo, "start the stack, run the example workload, show progress and a summary")
     p.add_argument(
         "--workload", type=Path, default=None, help="job file (default: examples/demo-workload.yaml)"
