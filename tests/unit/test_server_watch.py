@@ -1,8 +1,11 @@
 """ServerWatch's policy: restart after a death with doubling, capped delays; flag a crash loop."""
 
+import json
 import signal
+from pathlib import Path
 from typing import Any
 
+from loom.runtime import stack
 from loom.runtime.servers import ServerStartError
 from loom.runtime.stack import ServerWatch
 
@@ -116,3 +119,25 @@ def test_a_server_that_stayed_up_long_enough_restarts_after_the_first_delay_agai
     clock.now += 1.0
     watch.check()
     assert watch.state.status == "up"
+
+
+def test_the_process_table_shows_restarts_and_last_exit_of_servers_and_services(tmp_path: Path) -> None:
+    server = {"pid": None, "port": 1, "status": "restarting", "restarts": 2, "last_exit": "killed by SIGKILL"}
+    state = {
+        "status": "ready",
+        "supervisor_pid": None,
+        "servers": {
+            "nats": {**server, "crash_loop": True},
+            "postgres": {**server, "restarts": 0, "last_exit": None, "status": "up", "crash_loop": False},
+        },
+        "services": {
+            "metrics": {"pid": None, "restarts": 1, "last_exit": "exited with status 3"},
+        },
+    }
+    (tmp_path / "stack.json").write_text(json.dumps(state))
+    rows = {row["name"]: row for row in stack.process_table(tmp_path)}
+    assert (rows["nats"]["restarts"], rows["nats"]["last_exit"]) == (2, "killed by SIGKILL")
+    assert rows["nats"]["server_status"] == "crash-looping"
+    assert rows["postgres"]["server_status"] == "up"
+    assert (rows["metrics"]["restarts"], rows["metrics"]["last_exit"]) == (1, "exited with status 3")
+    assert not rows["nats"]["alive"]
