@@ -44,6 +44,10 @@ from loom_proto import subjects
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+_REAP_EVERY = 10
+"""Server checks between two scans for orphaned zombies (the loop checks every 0.2 s)."""
+_REAP_AFTER_CHANGE_S = 5.0
+"""After a server dies or restarts, scan at every check for this long: its orphans exit then."""
 
 log = structlog.get_logger("loom.supervisor")
 
@@ -353,6 +357,8 @@ class Supervisor:
         self.state: dict[str, Any] = {}
         self.stopping = False
         self.watches: dict[str, ServerWatch] = {}
+        self._checks = 0
+        self._reaping_until = 0.0
 
     def write_state(self, status: str, **extra: Any) -> None:
         """Atomically rewrite the state file."""
@@ -413,10 +419,15 @@ class Supervisor:
             if watch.check():
                 changed = True
                 self.state[f"{name}_pid"] = watch.state.pid
-        # Orphans of a dead server (Postgres backends) are reparented to us: reap them too.
-        known = {proc.pid for proc in self.procs.values()}
-        known |= {w.server.pid for w in self.watches.values() if w.server.pid is not None}
-        reap_orphans(known)
+        # Orphans of a dead server (Postgres backends) are reparented to us: reap them too. Scanning
+        # /proc costs a few ms, so it runs after a change and otherwise every _REAP_EVERY checks.
+        self._checks += 1
+        if changed or self._reaping_until > time.monotonic() or self._checks % _REAP_EVERY == 0:
+            if changed:
+                self._reaping_until = time.monotonic() + _REAP_AFTER_CHANGE_S
+            known = {proc.pid for proc in self.procs.values()}
+            known |= {w.server.pid for w in self.watches.values() if w.server.pid is not None}
+            reap_orphans(known)
         return changed
 
     def spawn(self, svc: ServiceProcess, env: dict[str, str]) -> None:
