@@ -18,6 +18,7 @@ The pure parts (reading headers, ``--since``) are plain functions, tested withou
 
 import dataclasses
 import json
+import os
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -249,7 +250,10 @@ class DeadLetters:
                 self._kv = await self._js.key_value(MARKS_BUCKET)
             except (NotFoundError, BadRequestError):
                 self._kv = await self._js.create_key_value(
-                    bucket=MARKS_BUCKET, description="replay marks and purge records of the DLQ"
+                    bucket=MARKS_BUCKET,
+                    description="replay marks and purge records of the DLQ",
+                    # As Loom's streams: 3 on a NATS cluster, 1 on the embedded server.
+                    replicas=int(os.environ.get("LOOM_STREAM_REPLICAS", "1")),
                 )
         return self._kv
 

@@ -318,7 +318,7 @@ class ServerWatch:
         try:
             self.server.clean_after_exit()
             self.server.start()
-        except ServerStartError as exc:
+        except (ServerStartError, OSError) as exc:  # e.g. a full disk: retried like a failed start
             self._failures += 1
             self.state.last_exit = f"restart failed: {str(exc).splitlines()[0]}"
             self._next_attempt = self._clock() + self.delay_s(self._failures)
