@@ -149,6 +149,7 @@ class LeaderLease:
             await asyncio.sleep(self.poll_s)  # the holder's key expires on the server's clock
         self._token = self._revision = revision
         self._renewer = asyncio.create_task(self._renew(kv, sent_at), name=f"lease-renew-{self.key}")
+        self._renewer.add_done_callback(self._renewer_ended)
         log.info("lease acquired", shard=self.shard, holder=self.holder_id, token=revision)
         return revision
 
@@ -201,6 +202,14 @@ class LeaderLease:
                 log.warning("lease renewal failed", shard=self.shard, holder=self.holder_id, error=str(exc))
             else:
                 last_ok_at = sent_at
+
+    def _renewer_ended(self, task: asyncio.Task[None]) -> None:
+        """A renewer that died leaves the lease to expire: say so and count the lease lost at once,
+        so the leader steps down and contends again instead of leading on an expiring lease."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("lease renewer died", shard=self.shard, holder=self.holder_id, error=repr(task.exception()))
+        self._lose(f"renewer died: {task.exception()!r}")
 
     def _lose(self, reason: str) -> None:
         log.warning("lease lost", shard=self.shard, holder=self.holder_id, token=self._token, reason=reason)
