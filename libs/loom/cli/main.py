@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
@@ -82,7 +83,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             text = (
                 "-"
                 if r["name"] in ("supervisor", "nats", "postgres")
-                else (f"ok, up {h['uptime_s']:.0f}s" if h else "[red]no answer[/red]")
+                else (_health_text(h) if h else "[red]no answer[/red]")
             )
             table.add_row(
                 r["name"], str(r["pid"]), "yes" if r["alive"] else "[red]no[/red]", str(r["restarts"]), text
@@ -92,6 +93,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         r["health"] for r in rows if r["name"] not in ("supervisor", "nats", "postgres")
     )
     return 0 if ok else 1
+
+
+def _health_text(health: dict[str, Any]) -> str:
+    """A service's health answer in a few words: ok, or degraded and why (watchdog problems)."""
+    problems = health.get("problems") or []
+    if problems:
+        return f"[yellow]degraded[/yellow]: {escape('; '.join(problems))}, up {health['uptime_s']:.0f}s"
+    return f"ok, up {health['uptime_s']:.0f}s"
 
 
 def _run_health(nats_url: str, names: list[str]) -> dict[str, dict[str, Any]]:
