@@ -678,7 +678,11 @@ class Agent:
 
     async def _send_reports(self) -> None:
         """Send the journalled reports in order, a batch at a time, until cancelled; while the bus
-        fails, try again with a growing pause (the reports wait in the journal meanwhile)."""
+        fails, try again with a growing pause (the reports wait in the journal meanwhile).
+
+        A batch is written to the connection in order; only a report that fails inside a batch
+        whose later reports succeed (a timeout, not an outage) can arrive after them.
+        """
         first_backoff_s, max_backoff_s = self.report_backoff_s
         backoff_s = first_backoff_s
         while True:
@@ -686,7 +690,9 @@ class Agent:
                 self._reported.clear()
                 await self._reported.wait()
                 continue
-            batch = list(itertools.islice(self.reports.values(), REPORT_BATCH))
+            # While the bus fails, one report probes it: a batch would only pile up retries.
+            size = REPORT_BATCH if self.send_error is None else 1
+            batch = list(itertools.islice(self.reports.values(), size))
             outcomes = await asyncio.gather(*(self._send(r) for r in batch), return_exceptions=True)
             failure: BusError | None = None
             for report, outcome in zip(batch, outcomes, strict=True):

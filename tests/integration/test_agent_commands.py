@@ -32,7 +32,8 @@ from loom.runtime.servers import NatsServer
 from loom.runtime.service import ServiceContext, close_context, open_context
 from loom_proto import subjects
 from loom_proto.clusters import ClusterCommand, ClusterHeartbeat, ResizeJob, StartJob, StopJob
-from loom_proto.jobs import JobSpec, NodeAllocation, Work
+from loom_proto.codec import encode
+from loom_proto.jobs import JobCompleted, JobSpec, NodeAllocation, Work
 from loom_proto.subjects import ClusterCommandKind
 from loom_services.cluster_agent.agent import Agent
 from loom_services.cluster_agent.sim import SimCluster
@@ -538,6 +539,35 @@ async def test_a_restarted_agent_resumes_a_delayed_starts_wait_until_the_same_st
     started = h.seen.event(job_id, "started")
     assert started is not None and started["started_at"] >= start_at - 0.01
     assert h.seen.kinds(job_id).count("started") == 1
+
+
+async def test_reports_journalled_but_not_sent_before_a_restart_are_sent_after_it_and_sent_ones_are_not(
+    h: Harness,
+) -> None:
+    unsent, sent, sentinel = unique("unsent"), unique("sent"), unique("sentinel")
+    await h.stop_agent()
+    with (h.state_dir / f"agent-{CLUSTER}.jsonl").open("a") as journal:
+        for job_id in (unsent, sent):
+            report = {
+                "op": "report",
+                "msg_id": f"{job_id}:completed:1",
+                "subject": subjects.job_event("completed", "t1"),
+                "payload": encode(
+                    JobCompleted(
+                        job_id=job_id, tenant="t1", cluster=CLUSTER, attempt=1, gpu_seconds=1.0, at=1.0
+                    )
+                ).decode(),
+                "carrier": {},
+            }
+            journal.write(json.dumps(report) + "\n")
+        journal.write(json.dumps({"op": "sent", "id": f"{sent}:completed:1"}) + "\n")
+    await h.start_agent()
+    assert (await completed(h, unsent))["gpu_seconds"] == 1.0
+    await h.command(start(sentinel, {T4_A: 2}, steps=10, step_time_s=20.0))
+    await completed(h, sentinel)
+    assert h.seen.kinds(sent) == [], "a report the stream took before the restart is not sent again"
+    assert h.seen.ids(unsent, "completed") == [f"{unsent}:completed:1"]
+    assert h.agent is not None and h.agent.reports == {}
 
 
 class _LoopKiller(BaseException):
