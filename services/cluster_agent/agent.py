@@ -657,9 +657,15 @@ class Agent:
     # ---- reports -------------------------------------------------------------------------------
 
     def _report(self, subject: str, message: Struct, *, msg_id: str, carrier: dict[str, str]) -> None:
-        """Journal a report and hand it to the sender; one already pending under its id is kept."""
+        """Journal a report and hand it to the sender; one already pending under its id is kept.
+
+        Without a carrier the report continues the current trace (the command being handled).
+        """
         if msg_id in self.reports:
             return
+        if not carrier:
+            carrier = {}
+            propagate.inject(carrier)
         report = Report(msg_id=msg_id, subject=subject, payload=encode(message).decode(), carrier=carrier)
         self._record({"op": "report", **asdict(report)})
         self._queue(report)
