@@ -67,18 +67,19 @@ async def test_a_job_that_finishes_while_nats_is_down_is_reported_completed_once
     client = await LoomClient.connect(nats.url)
     job_id = "outage-job"
     try:
-        # 100 steps of 80 s at 2000x: 4 s of wall time, a progress report every 0.4 s.
+        # 100 steps of 160 s at 2000x: 8 s of wall time, a progress report every 0.8 s.
         await client.submit(
             JobSpec(
                 job_id=job_id,
                 tenant="t1",
                 resources=Resources(gpus=2, gpu_models=["P100"]),
-                work=Work(steps=100, step_time_s=80.0),
+                work=Work(steps=100, step_time_s=160.0),
             )
         )
         await until(lambda: _job(client, job_id, "running"), 15, "the job running")
         down_at = time.monotonic()
         nats.stop()
+        assert f"{job_id}:1" in agent.running, "the run is still going when NATS goes down"
 
         # The run goes on without the bus, ends, and frees its GPUs here at once.
         await until(
