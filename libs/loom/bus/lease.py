@@ -33,7 +33,6 @@ What we learned about nats-py (2.16) and nats-server (2.11+) KV, which shaped th
 """
 
 import asyncio
-import contextlib
 import os
 import time
 import uuid
@@ -227,8 +226,8 @@ class LeaderLease:
     async def _stop_renewing(self) -> None:
         if self._renewer is not None:
             self._renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewer
+            # A renewer that died was logged (and lost the lease) already: its error is not ours.
+            await asyncio.gather(self._renewer, return_exceptions=True)
             self._renewer = None
 
     async def _bucket(self) -> KeyValue:
