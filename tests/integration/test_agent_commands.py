@@ -570,6 +570,29 @@ async def test_reports_journalled_but_not_sent_before_a_restart_are_sent_after_i
     assert h.agent is not None and h.agent.reports == {}
 
 
+async def test_a_journal_compacted_while_runs_go_on_restores_the_same_runs_and_resends_nothing(
+    h: Harness,
+) -> None:
+    assert h.agent is not None
+    h.agent.compact_after_lines = 4  # compacted many times over by the runs below
+    held, done = unique("held"), unique("done")
+    await h.handled(await h.command(start(held, {T4_C: 2}, role="member")))
+    await h.command(start(done, {T4_A: 2}, steps=10, step_time_s=20.0))
+    await completed(h, done)
+    agent = h.agent
+    await until(lambda: _true(not agent.reports), 10, "every report sent")
+    assert len(h.journal()) < 4 + 3, "the journal holds what matters, not every change"
+
+    await h.stop_agent()
+    restarted = await h.start_agent()
+    await until(lambda: _true(h.seen.epoch == restarted.epoch), 10, "a heartbeat of the restarted agent")
+    await h.heartbeat_shows({T4_C: 2, T4_A: 0}, running={held}, absent={done})
+    assert set(restarted.running) == {f"{held}:1"} and f"{done}:1" in restarted.finished
+    assert restarted.reports == {}
+    assert h.seen.ids(done, "completed") == [f"{done}:completed:1"], "nothing sent twice"
+    await h.handled(await h.command(StopJob(job_id=held)))
+
+
 class _LoopKiller(BaseException):
     """Escapes the handler's ``except Exception``, so the consumer loop itself dies (as it did on a
     RecursionError while decoding a deeply nested command)."""
