@@ -228,13 +228,18 @@ class NetworkPerception:
         ]
         await runner.start()
         await transfers.start()
-        ticker = asyncio.create_task(self._tick_loop())
+        watchdog = self.ctx.watchdog
+        loops = [
+            watchdog.watch_consumer("probes", runner),
+            watchdog.watch_consumer("transfers", transfers),
+            watchdog.supervise("tick", self._tick_loop),
+        ]
         try:
             await self.ctx.stopping.wait()
         finally:
-            ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()

@@ -163,7 +163,8 @@ class ConsumerRunner(Generic[T]):
     async def stop(self) -> None:
         """Finish the batch in hand, then stop fetching; unacked messages are redelivered later."""
         self._stopping.set()
-        if self._task is not None:
+        # A loop that died already was reported by whoever waited on it (a watchdog).
+        if self._task is not None and not self._task.done():
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         with contextlib.suppress(Exception):
@@ -176,6 +177,24 @@ class ConsumerRunner(Generic[T]):
         """Return when the loop ends (it ends only on stop or a fatal error, which is raised)."""
         if self._task is not None:
             await self._task
+
+    async def restart(self) -> None:
+        """Start the loop again after it died (a watchdog restarts it); a no-op while it runs or
+        once stopped.
+
+        The old subscription goes first; raises what :meth:`start` raises.
+        """
+        if self._stopping.is_set() or (self._task is not None and not self._task.done()):
+            return
+        self._task = None
+        with contextlib.suppress(Exception):
+            if self._cb_sub is not None:
+                await self._cb_sub.unsubscribe()
+            else:
+                await self._sub.unsubscribe()
+        self._cb_sub = None
+        self._arrived, self._pull_left = [], 0
+        await self.start()
 
     async def _on_pulled(self, msg: Msg) -> None:
         self._arrived.append(msg)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
@@ -86,7 +87,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 server_status = r.get("server_status", "up")
                 text = "up" if server_status == "up" else f"[red]{server_status}[/red]"
             else:
-                text = f"ok, up {h['uptime_s']:.0f}s" if h else "[red]no answer[/red]"
+                text = _health_text(h) if h else "[red]no answer[/red]"
             table.add_row(
                 r["name"],
                 str(r["pid"]),
@@ -100,6 +101,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         r["health"] for r in rows if r["name"] not in ("supervisor", "nats", "postgres")
     )
     return 0 if ok else 1
+
+
+def _health_text(health: dict[str, Any]) -> str:
+    """A service's health answer in a few words: ok, or degraded and why (watchdog problems)."""
+    problems = health.get("problems") or []
+    if problems:
+        return f"[yellow]degraded[/yellow]: {escape('; '.join(problems))}, up {health['uptime_s']:.0f}s"
+    return f"ok, up {health['uptime_s']:.0f}s"
 
 
 def _run_health(nats_url: str, names: list[str]) -> dict[str, dict[str, Any]]:

@@ -1,7 +1,9 @@
 """What every service process shares: telemetry, logging, connections, signals, health replies.
 
 A service is an ``async def body(ctx)`` that starts its consumers and returns when
-``ctx.stopping`` is set; :func:`run` does the rest.
+``ctx.stopping`` is set; :func:`run` does the rest. Its long-lived tasks run under
+``ctx.watchdog`` (:mod:`loom.runtime.watchdog`), so a loop that dies is logged, restarted and
+shown in the health answer (``status``, ``problems``, ``tasks``) until it is back.
 """
 
 import asyncio
@@ -22,6 +24,7 @@ from nats.aio.msg import Msg
 
 from loom.bus import Publisher, connect, ensure_streams
 from loom.runtime.config import endpoints
+from loom.runtime.watchdog import Watchdog
 from loom.store.pool import create_pool
 from loom.telemetry import setup_telemetry, shutdown_telemetry
 from loom_proto import subjects
@@ -38,6 +41,11 @@ class ServiceContext:
     stopping: asyncio.Event
     started_at: float = field(default_factory=time.time)
     stats: dict[str, Any] = field(default_factory=dict)
+    watchdog: Watchdog = field(init=False)
+    """Supervises the service's long-lived tasks; its health joins every health answer."""
+
+    def __post_init__(self) -> None:
+        self.watchdog = Watchdog(self.name)
 
     @property
     def db(self) -> asyncpg.Pool:
@@ -63,6 +71,8 @@ async def open_context(
             "pid": os.getpid(),
             "uptime_s": round(time.time() - ctx.started_at, 3),
             **ctx.stats,
+            # ``status`` ok or degraded, ``problems`` why, ``tasks`` each supervised loop.
+            **ctx.watchdog.health(),
         }
         await msg.respond(msgspec.json.encode(reply))
 
@@ -71,7 +81,8 @@ async def open_context(
 
 
 async def close_context(ctx: ServiceContext) -> None:
-    """Drain NATS and close the pool."""
+    """Stop the tasks still supervised, drain NATS and close the pool."""
+    await ctx.watchdog.stop()
     with contextlib.suppress(Exception):
         await ctx.nc.drain()
     if ctx.pool is not None:
