@@ -79,11 +79,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             table.add_column(col)
         for r in rows:
             h = r["health"]
-            text = (
-                "-"
-                if r["name"] in ("supervisor", "nats", "postgres")
-                else (f"ok, up {h['uptime_s']:.0f}s" if h else "[red]no answer[/red]")
-            )
+            text = "-" if r["name"] in ("supervisor", "nats", "postgres") else _health_text(h)
             table.add_row(
                 r["name"], str(r["pid"]), "yes" if r["alive"] else "[red]no[/red]", str(r["restarts"]), text
             )
@@ -92,6 +88,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         r["health"] for r in rows if r["name"] not in ("supervisor", "nats", "postgres")
     )
     return 0 if ok else 1
+
+
+def _health_text(health: dict[str, Any] | None) -> str:
+    """A service's health cell: ``ok, up 12s``, ``degraded: postgres unavailable, up 12s`` or no answer."""
+    if not health:
+        return "[red]no answer[/red]"
+    status = str(health.get("status", "ok"))
+    shown = status if status == "ok" else f"[yellow]{status}[/yellow]"
+    return f"{shown}, up {health['uptime_s']:.0f}s"
 
 
 def _run_health(nats_url: str, names: list[str]) -> dict[str, dict[str, Any]]:

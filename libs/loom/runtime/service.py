@@ -2,10 +2,15 @@
 
 A service is an ``async def body(ctx)`` that starts its consumers and returns when
 ``ctx.stopping`` is set; :func:`run` does the rest.
+
+Health replies carry ``status``: ``ok``, or ``degraded: postgres unavailable`` (and/or ``nats``)
+while a dependency a consumer needs is down (:mod:`loom.bus.outage`); ``unavailable`` lists them
+and ``outages`` counts them per dependency since start.
 """
 
 import asyncio
 import contextlib
+import functools
 import gc
 import os
 import signal
@@ -21,7 +26,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from loom.bus import Publisher, connect, ensure_streams
+from loom.bus.outage import Dependencies, Dependency, of_connection
 from loom.runtime.config import endpoints
+from loom.store import pool as store_pool
 from loom.store.pool import create_pool
 from loom.telemetry import setup_telemetry, shutdown_telemetry
 from loom_proto import subjects
@@ -38,6 +45,21 @@ class ServiceContext:
     stopping: asyncio.Event
     started_at: float = field(default_factory=time.time)
     stats: dict[str, Any] = field(default_factory=dict)
+    dependencies: Dependencies | None = None
+    """The servers this service stands on and which are down (consumers wait outages out)."""
+
+    def health(self) -> dict[str, Any]:
+        """The health reply: identity, uptime, dependency status, and the service's stats."""
+        deps = self.dependencies
+        return {
+            "service": self.name,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            **self.stats,
+            "status": deps.status() if deps else "ok",
+            "unavailable": deps.unavailable if deps else [],
+            "outages": dict(deps.outages) if deps else {},
+        }
 
     @property
     def db(self) -> asyncpg.Pool:
@@ -53,25 +75,31 @@ async def open_context(
     nc = await connect(nats_url, name)
     await ensure_streams(nc.jetstream())
     pool = await create_pool(database_url, max_size=8) if database_url else None
+    dependencies = of_connection(nc)
+    if pool is not None:
+        dependencies.add(
+            Dependency("postgres", functools.partial(store_pool.probe, pool), store_pool.is_unavailable)
+        )
     ctx = ServiceContext(
-        name=name, nc=nc, publisher=Publisher(nc), pool=pool, stopping=stopping or asyncio.Event()
+        name=name,
+        nc=nc,
+        publisher=Publisher(nc),
+        pool=pool,
+        stopping=stopping or asyncio.Event(),
+        dependencies=dependencies,
     )
 
     async def on_health(msg: Msg) -> None:
-        reply = {
-            "service": name,
-            "pid": os.getpid(),
-            "uptime_s": round(time.time() - ctx.started_at, 3),
-            **ctx.stats,
-        }
-        await msg.respond(msgspec.json.encode(reply))
+        await msg.respond(msgspec.json.encode(ctx.health()))
 
     await nc.subscribe(subjects.service_health(name), cb=on_health)
     return ctx
 
 
 async def close_context(ctx: ServiceContext) -> None:
-    """Drain NATS and close the pool."""
+    """Stop probing dependencies, drain NATS and close the pool."""
+    if ctx.dependencies is not None:
+        await ctx.dependencies.close()
     with contextlib.suppress(Exception):
         await ctx.nc.drain()
     if ctx.pool is not None:
