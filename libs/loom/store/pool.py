@@ -27,6 +27,7 @@ class DatabaseUnavailableError(StoreError, UnavailableError):
 
 
 _UNAVAILABLE = (
+    DatabaseUnavailableError,
     asyncpg.PostgresConnectionError,  # class 08, ConnectionDoesNotExistError among them
     asyncpg.InterfaceError,  # the connection or the pool is closed under us
     asyncpg.CannotConnectNowError,  # 57P03: starting up or shutting down
@@ -41,7 +42,7 @@ _UNAVAILABLE = (
 def is_unavailable(exc: BaseException) -> bool:
     """Whether ``exc`` (an asyncpg or socket error, or one mapped from it) says the database is
     out of reach rather than that the request was wrong."""
-    return isinstance(exc, DatabaseUnavailableError | _UNAVAILABLE)
+    return isinstance(exc, _UNAVAILABLE)
 
 
 async def probe(pool: asyncpg.Pool, *, timeout_s: float = 2.0) -> None:
