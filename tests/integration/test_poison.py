@@ -199,6 +199,7 @@ hostile = st.one_of(
     json_values.map(lambda v: json.dumps(v).encode()),
     st.integers(40, 40_000).map(lambda depth: b'{"kind":"stop","x":' + b"[" * depth + b"]" * depth + b"}"),
     st.integers(40, 40_000).map(lambda depth: b"[" * depth),
+    st.integers(40, 40_000).map(lambda depth: b'{"x":' + b"[" * depth + b"]" * depth + b',"kind":"stop"}'),
     st.just(VALID_STOP[:-1] + b',"job_id":"again"}'),
     st.just(b'{"kind":"stop","job_id":"' + b"x" * (MAX_PAYLOAD_BYTES + 1) + b'"}'),
     st.integers(1, len(VALID_STOP) - 1).map(lambda cut: VALID_STOP[:cut]),

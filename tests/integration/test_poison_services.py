@@ -131,7 +131,8 @@ async def test_nested_json_to_an_agent_is_dead_lettered_and_its_consumer_lives_o
     subject = subjects.cluster_commands(CLUSTER)
     dead = await collect(client, subjects.dead_letter(subject))
     tenant = f"t{uuid.uuid4().hex[:6]}"
-    await client.nc.jetstream().publish(subject, b'{"kind":"stop","x":' + NESTED + b"}")
+    # The tag last: to find which command it is, the decoder must first skip the nested value.
+    await client.nc.jetstream().publish(subject, b'{"x":' + NESTED + b',"kind":"stop"}')
     await until(lambda: _true(len(dead) == 1), 10, "the nested command dead-lettered")
     assert (dead[0].headers or {})["Loom-Error-Type"] == "DecodeError"
     await until(lambda: all_settled(client), 10, "every consumer settled")
@@ -175,6 +176,7 @@ hostile = st.one_of(
         lambda depth: b'{"kind":"completed","x":' + b"[" * depth + b"]" * depth + b"}"
     ),
     st.integers(40, 30_000).map(lambda depth: b"{" * depth),
+    st.integers(40, 30_000).map(lambda depth: b'{"x":' + b"[" * depth + b"]" * depth + b',"kind":"stop"}'),
     st.just(b'{"kind":"stop","job_id":"a","job_id":"b"}'),
     st.just(b'{"kind":"submitted","job_id":"' + b"x" * 300_000 + b'"}'),
 )
