@@ -184,6 +184,32 @@ async def test_a_batch_handler_that_raises_for_one_message_fails_that_message_on
     assert runner.counts == {"acked": 3, "nacked": 0, "dead_lettered": 1}
 
 
+async def test_a_repeated_key_is_refused_not_last_one_wins(
+    nc: Client, runners: list[ConsumerRunner[Any]]
+) -> None:
+    cluster = unique("c")
+    subject = s.cluster_commands(cluster)
+    dead = await dead_letters(nc, subject)
+    handled: asyncio.Queue[str] = asyncio.Queue()
+
+    async def on_command(d: Delivery[ClusterCommand]) -> None:
+        assert isinstance(d.message, StopJob)
+        handled.put_nowait(d.message.job_id)
+
+    runner = await start(nc, runners, subject, ClusterCommand, handler=on_command)
+    publisher = Publisher(nc)
+    await publisher.publish_bytes(
+        subject, b'{"kind":"stop","job_id":"mine","job_id":"yours"}', msg_id=unique("m")
+    )
+    await publisher.publish(subject, StopJob(job_id="plain"), msg_id=unique("m"))
+
+    assert await drain(handled, 1) == ["plain"]
+    [letter] = await drain(dead, 1)
+    assert (letter.headers or {})["Loom-Error-Type"] == "DecodeError"
+    assert "'job_id' appears more than once" in (letter.headers or {})["Loom-Error"]
+    await settled(nc, runner)
+
+
 # -- fuzzing ---------------------------------------------------------------------------------------
 
 json_values = st.recursive(
