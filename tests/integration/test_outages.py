@@ -18,14 +18,18 @@ import asyncpg
 import msgspec
 import pytest
 from nats.aio.msg import Msg
+from platform_helpers import Platform
 from waiting import until
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
-from loom.runtime.servers import PostgresServer
+from loom.client import LoomClient
+from loom.runtime.servers import NatsServer, PostgresServer
 from loom.runtime.service import ServiceContext, close_context, open_context
+from loom.store.migrations import migrate_url
 from loom.store.pool import transaction
 from loom_proto import JobSubmitted, Work
 from loom_proto import subjects as s
+from loom_proto.jobs import JobSpec, Resources
 
 OUTAGE_S = 9.0
 """Thirty times the consumer's old retry budget, three times the default one."""
@@ -147,3 +151,114 @@ async def _has(received: Callable[[], Any], count: int, *, retry: bool = False) 
 async def _healthy(health: Callable[[], Any]) -> dict[str, Any] | None:
     reply: dict[str, Any] = await health()
     return reply if reply.get("status") == "ok" else None
+
+
+# -- the services: acknowledged submissions and completions through a PostgreSQL outage ---------------
+
+
+@pytest.fixture
+async def platform(
+    postgres: PostgresServer, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Platform]:
+    with NatsServer(tmp_path_factory.mktemp("outage-nats")) as nats:
+        name = f"outage_{uuid.uuid4().hex[:8]}"
+        conn = await asyncpg.connect(postgres.url)
+        try:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+        url = postgres.url.rsplit("/", 1)[0] + f"/{name}"
+        await migrate_url(url)
+        p = Platform(nats.url, url, tmp_path_factory.mktemp("outage-agents"))
+        for service in ("metrics", "placement", "agent-c-weu-a"):
+            await p.start(service)
+        try:
+            yield p
+        finally:
+            if not postgres.running:
+                await asyncio.to_thread(postgres.start)
+            for service in list(p.tasks):
+                await p.stop(service)
+
+
+async def test_submissions_and_completions_acknowledged_during_a_postgres_outage_are_all_placed_and_recorded(
+    platform: Platform, postgres: PostgresServer
+) -> None:
+    client = await LoomClient.connect(platform.nats_url)
+    tenant = f"t{uuid.uuid4().hex[:6]}"
+    dead: list[Msg] = []
+
+    async def on_dead(msg: Msg) -> None:
+        dead.append(msg)
+
+    await client.nc.subscribe("loom.dlq.>", cb=on_dead)
+    try:
+        await until(lambda: _cluster_seen(client), 15, "the agent's cluster in the view")
+        running = JobSpec(
+            job_id="during-run",
+            tenant=tenant,
+            task_type="inference",
+            resources=Resources(gpus=1),
+            work=Work(steps=200),
+        )
+        await client.submit(running)  # runs about 4 s: completes while the database is down
+        await until(lambda: _state(client, "during-run", "running"), 20, "a job running before the outage")
+        assert await _state(client, "during-run", "running")
+
+        await asyncio.to_thread(postgres.stop)
+        stopped_at = time.monotonic()
+        for n in range(8):  # acknowledged by JetStream while the database is down
+            await client.submit(
+                JobSpec(
+                    job_id=f"sub-{n}",
+                    tenant=tenant,
+                    task_type="inference",
+                    resources=Resources(gpus=1),
+                    work=Work(steps=2),
+                )
+            )
+        statuses: set[str] = set()
+        while time.monotonic() - stopped_at < OUTAGE_S:
+            for service in ("placement", "metrics"):
+                try:
+                    reply = await client.nc.request(s.service_health(service), b"", timeout=1.0)
+                    statuses.add(f"{service}: {msgspec.json.decode(reply.data).get('status')}")
+                except Exception:  # a busy service may not answer in time; the next round will
+                    continue
+            await asyncio.sleep(0.5)  # the outage's length, not synchronisation
+        await asyncio.to_thread(postgres.start)
+
+        jobs = ["during-run", *(f"sub-{n}" for n in range(8))]
+
+        async def done() -> bool:
+            if dead:
+                return True
+            for job_id in jobs:
+                try:
+                    j = await client.job(job_id, timeout_s=2.0)
+                except Exception:
+                    return False
+                if not j or j["state"] != "completed":
+                    return False
+            return True
+
+        await until(done, 60, "every job completed after the outage", interval_s=0.5)
+        assert dead == [], (
+            f"dead-lettered: {[(m.subject, (m.headers or {}).get('Loom-Error')) for m in dead]}"
+        )
+        assert "placement: degraded: postgres unavailable" in statuses, statuses
+    finally:
+        await client.close()
+
+
+async def _cluster_seen(client: LoomClient) -> bool:
+    try:
+        view = await client.view()
+    except Exception:
+        return False
+    return any(z["clusters"] for r in view["regions"].values() for z in r["zones"].values())
+
+
+async def _state(client: LoomClient, job_id: str, wanted: str) -> bool:
+    j = await client.job(job_id)
+    return bool(j and j["state"] == wanted)
