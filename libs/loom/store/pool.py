@@ -34,14 +34,13 @@ _UNAVAILABLE = (
     asyncpg.AdminShutdownError,  # 57P01: terminated by a (fast) shutdown
     asyncpg.CrashShutdownError,  # 57P02
     asyncpg.TooManyConnectionsError,  # 53300
-    OSError,  # refused, reset, unreachable
-    TimeoutError,  # the pool's acquire or the connect timed out
 )
 
 
 def is_unavailable(exc: BaseException) -> bool:
-    """Whether ``exc`` (an asyncpg or socket error, or one mapped from it) says the database is
-    out of reach rather than that the request was wrong."""
+    """Whether ``exc`` (an asyncpg error, or one mapped from it) says the database is out of reach
+    rather than that the request was wrong. A bare socket error or timeout could come from any
+    server: it is the database's only inside :func:`transaction` (see :func:`map_error`)."""
     return isinstance(exc, _UNAVAILABLE)
 
 
@@ -77,7 +76,8 @@ def map_error(exc: BaseException) -> StoreError:
         return ConflictError(str(exc))
     if isinstance(exc, asyncpg.IntegrityConstraintViolationError | asyncpg.DataError):
         return StoreError(str(exc), non_retryable=True)
-    if is_unavailable(exc):
+    # Refused, reset or unreachable sockets, and timeouts of the pool's acquire or of a connect.
+    if is_unavailable(exc) or isinstance(exc, OSError | TimeoutError):
         return DatabaseUnavailableError(f"database unavailable: {exc!r}")
     return StoreError(str(exc))
 
