@@ -156,8 +156,9 @@ async def test_a_recursion_error_in_a_handler_dead_letters_that_message_at_its_f
     assert runner.counts == {"acked": 2, "nacked": 0, "dead_lettered": 1}
 
 
-async def test_a_batch_handler_that_raises_for_one_message_fails_that_message_only(
-    nc: Client, runners: list[ConsumerRunner[Any]]
+@pytest.mark.parametrize("how", ["raises", "returns one error for all"])
+async def test_a_batch_that_fails_as_a_whole_because_of_one_message_fails_that_message_only(
+    nc: Client, runners: list[ConsumerRunner[Any]], how: str
 ) -> None:
     tenant = unique("t")
     subject = s.job_submitted(tenant)
@@ -166,7 +167,10 @@ async def test_a_batch_handler_that_raises_for_one_message_fails_that_message_on
 
     async def batch(ds: list[Delivery[JobSubmitted]]) -> list[BaseException | None]:
         if any(d.message.job_id == "deep" for d in ds):
-            raise RecursionError("maximum recursion depth exceeded")  # e.g. from a json.loads
+            error = RecursionError("maximum recursion depth exceeded")  # e.g. from a json.loads
+            if how == "raises":
+                raise error
+            return [error] * len(ds)  # as a handler does when its one transaction failed
         done.extend(d.message.job_id for d in ds)
         return [None] * len(ds)
 

@@ -18,9 +18,9 @@ running out while NATS was away) can never exhaust a budget the server enforces 
 message. A process that restarts counts a message's failures afresh: a message that keeps failing
 gets ``max_deliver`` tries per process life, never fewer.
 
-A batch handler that raises (rather than returning one outcome per message) for a reason other
-than an outage is run again on each message alone, so the message that broke it fails by itself
-and its neighbours go through.
+When a batch handler raises, or returns one error object for several messages, and that error is
+no outage and would dead-letter them, those messages are handled again one by one, so the message
+that broke the batch fails by itself and its neighbours go through.
 
 A dead letter goes to ``loom.dlq.<original subject>`` with the original payload and headers plus
 ``Loom-Error``, ``Loom-Error-Type``, ``Loom-Original-Subject``, ``Loom-Stream``,
@@ -402,24 +402,25 @@ class ConsumerRunner(Generic[T]):
     async def _handle(self, deliveries: list[Delivery[T]]) -> Sequence[BaseException | None]:
         if self._batch_handler is not None:
             try:
-                return await self._handle_batch(deliveries)
+                outcomes = list(await self._handle_batch(deliveries))
             except Exception as exc:
-                if len(deliveries) == 1 or self.dependencies.suspects(exc):
-                    return [exc] * len(deliveries)
-                # One message may have broken the whole batch: handle each alone, so only it fails.
+                outcomes = [exc] * len(deliveries)
+            # One error shared by several messages, and about to dead-letter them, is most likely
+            # one message breaking the batch: handle those alone, so only the culprit fails.
+            shared = self._shared_fatal(deliveries, outcomes)
+            if shared:
                 log.warning(
-                    "batch handler failed; handling its messages one by one",
+                    "batch failed as a whole; handling its messages one by one",
                     consumer=self.spec.durable,
-                    error=repr(exc),
-                    messages=len(deliveries),
+                    error=repr(outcomes[shared[0]]),
+                    messages=len(shared),
                 )
-                outcomes: list[BaseException | None] = []
-                for d in deliveries:
+                for i in shared:
                     try:
-                        outcomes.extend(await self._handle_batch([d]))
+                        outcomes[i] = (await self._handle_batch([deliveries[i]]))[0]
                     except Exception as alone:
-                        outcomes.append(alone)
-                return outcomes
+                        outcomes[i] = alone
+            return outcomes
         handler = self._handler
         assert handler is not None
 
@@ -437,6 +438,26 @@ class ConsumerRunner(Generic[T]):
             # Each handler runs in its own task (its own trace context); handlers start in order.
             return await asyncio.gather(*(one(d) for d in deliveries))
         return [await one(d) for d in deliveries]
+
+    def _shared_fatal(self, deliveries: list[Delivery[T]], outcomes: list[BaseException | None]) -> list[int]:
+        """Indices of the messages failed by one error object shared with another message, that is
+        no outage, and that would dead-letter at least one of them now."""
+        by_error: dict[int, list[int]] = {}
+        for i, o in enumerate(outcomes):
+            if o is not None:
+                by_error.setdefault(id(o), []).append(i)
+        shared: list[int] = []
+        for indices in by_error.values():
+            error = outcomes[indices[0]]
+            assert error is not None
+            if len(indices) < 2 or self.dependencies.suspects(error):
+                continue
+            fatal = _never_succeeds(error) or any(
+                self._failures.get(deliveries[i].stream_seq, 0) + 1 >= self.spec.max_deliver for i in indices
+            )
+            if fatal:
+                shared += indices
+        return sorted(shared)
 
     async def _handle_batch(self, deliveries: list[Delivery[T]]) -> Sequence[BaseException | None]:
         assert self._batch_handler is not None
