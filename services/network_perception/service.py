@@ -45,6 +45,7 @@ from loom.runtime.service import ServiceContext
 from loom.store import links
 from loom.store.pool import transaction
 from loom_proto import subjects
+from loom_proto.codec import DecodeError, decode
 from loom_proto.net import LinkDegraded, LinkRecovered, RawProbeSample, TransferObserved
 
 log = structlog.get_logger("network-perception")
@@ -256,8 +257,8 @@ class NetworkPerception:
         for d in deliveries:
             tokens = d.subject.split(".")
             try:
-                sample = msgspec.json.decode(d.message, type=RawProbeSample)
-            except msgspec.DecodeError:
+                sample = decode(d.message, RawProbeSample)  # size, depth and repeated keys checked
+            except DecodeError:
                 self.refused["undecodable"] += 1
                 continue
             if len(tokens) != 5 or (sample.src, sample.dst) != (tokens[3], tokens[4]):

@@ -91,7 +91,7 @@ from loom.store.fence import FencedError
 from loom.store.pool import ConflictError, transaction, with_retry
 from loom_proto import subjects
 from loom_proto.clusters import ResizeJob, StartJob, StopJob
-from loom_proto.codec import DecodeError, decode, encode
+from loom_proto.codec import DecodeError, check_payload, decode, encode
 from loom_proto.ids import InvalidIdError, validate_id
 from loom_proto.jobs import (
     JobCancelled,
@@ -1686,8 +1686,9 @@ def _at(event: LifecycleEvent) -> float:
 
 def _payload_job_id(payload: bytes) -> str | None:
     try:
+        check_payload(payload)  # not a RecursionError on a hostile payload: no job id to be had
         value = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     job_id = value.get("job_id") if isinstance(value, dict) else None
     return job_id if isinstance(job_id, str) else None

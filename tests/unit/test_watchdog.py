@@ -144,11 +144,11 @@ def test_loom_status_prints_a_degraded_service_with_its_problems() -> None:
     text = _health_text(
         {
             "uptime_s": 7.0,
-            "status": "degraded",
+            "status": "degraded: nats unavailable, 3 reports journalled; task [x]",
             "problems": ["nats unavailable, 3 reports journalled", "task [x]"],
         }
     )
-    assert text == "[yellow]degraded[/yellow]: nats unavailable, 3 reports journalled; task \\[x], up 7s"
+    assert text == "[yellow]degraded: nats unavailable, 3 reports journalled; task \\[x][/yellow], up 7s"
 
 
 async def _true(value: bool) -> bool:

@@ -103,12 +103,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _health_text(health: dict[str, Any]) -> str:
-    """A service's health answer in a few words: ok, or degraded and why (watchdog problems)."""
-    problems = health.get("problems") or []
-    if problems:
-        return f"[yellow]degraded[/yellow]: {escape('; '.join(problems))}, up {health['uptime_s']:.0f}s"
-    return f"ok, up {health['uptime_s']:.0f}s"
+def _health_text(health: dict[str, Any] | None) -> str:
+    """A service's health cell: ``ok, up 12s``, ``degraded: postgres unavailable, up 12s`` (every
+    problem: dependencies down, supervised tasks restarting) or no answer."""
+    if not health:
+        return "[red]no answer[/red]"
+    status = str(health.get("status", "ok"))
+    shown = "ok" if status == "ok" else f"[yellow]{escape(status)}[/yellow]"
+    return f"{shown}, up {health['uptime_s']:.0f}s"
 
 
 def _run_health(nats_url: str, names: list[str]) -> dict[str, dict[str, Any]]:
