@@ -75,3 +75,19 @@ def test_the_process_table_lists_every_nats_node(tmp_path: Path) -> None:
     assert rows[2]["restarts"] == 1
     assert all(stack.is_server(row["name"]) for row in rows[1:])
     assert not stack.is_server("placement")
+
+
+def test_the_deployment_template_matches_the_embedded_cluster(tmp_path: Path) -> None:
+    """deploy/nats/cluster-3.conf and NatsCluster describe the same cluster (name, nodes, fsync)."""
+    template = (Path(__file__).parents[2] / "deploy" / "nats" / "cluster-3.conf").read_text()
+    node = NatsCluster(tmp_path, 3).nodes[0]
+    node.data_dir.mkdir(parents=True)
+    node._prepare(0.0)
+    generated = node.config_path.read_text()
+    assert "name: loom" in template
+    assert 'name: "loom"' in generated
+    for setting in ("sync_interval: always", "max_payload: 1MB"):
+        assert setting in template
+        assert setting in generated
+    assert all(f"nats-route://nats-{i}:6222" in template for i in (1, 2, 3))
+    assert "LOOM_STREAM_REPLICAS=3" in template
