@@ -475,8 +475,12 @@ class NatsServer(_ChildServer):
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
                 if not sock.recv(5).startswith(b"INFO"):
                     return False
-            # The full check (not js-enabled-only) also waits for streams restored from disk.
-            with urllib.request.urlopen(f"{self.monitor_url}/healthz", timeout=1.0) as response:
+            # The full check (not js-enabled-only) also waits for streams restored from disk. A
+            # cluster node serves once it has met the meta leader: its replicas catch up in the
+            # background (from the other nodes), which may take long, and the leaders elsewhere
+            # serve meanwhile; its restart must not be declared failed for that.
+            query = "?js-server-only=true" if self.cluster_port is not None else ""
+            with urllib.request.urlopen(f"{self.monitor_url}/healthz{query}", timeout=1.0) as response:
                 body = json.loads(response.read())
         except (OSError, ValueError, urllib.error.URLError):
             return False

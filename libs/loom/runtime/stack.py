@@ -400,13 +400,13 @@ class Supervisor:
             os.environ[ENV_STREAM_REPLICAS] = str(self.options.nats_cluster)
             cluster.start()
             nats_url = cluster.url
-            url = nats_url
             for node in cluster.nodes:
                 assert node.server_name is not None
                 self.state[f"{node.server_name}_pid"] = node.pid
-                self.watches[node.server_name] = ServerWatch(
-                    node.server_name, node, on_restart=lambda: self._ensure_streams(url)
-                )
+                # No stream check after a node's restart: the cluster's meta group keeps the
+                # streams, the node gets them back from it, and asking while their leaders are
+                # being elected would hold up this loop for seconds.
+                self.watches[node.server_name] = ServerWatch(node.server_name, node)
         elif not nats_url:
             os.environ[ENV_STREAM_REPLICAS] = "1"
             self.nats = NatsServer(self.home / "nats", port=self.state.get("nats_port"))
