@@ -43,6 +43,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat_s,
         placement_shards=args.placement_shards,
         services=not args.servers_only,
+        nats_cluster=args.nats_cluster,
     )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
@@ -83,7 +84,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             h = r["health"]
             if r["name"] == "supervisor":
                 text = "-"
-            elif r["name"] in ("nats", "postgres"):
+            elif stack.is_server(r["name"]):
                 server_status = r.get("server_status", "up")
                 text = "up" if server_status == "up" else f"[red]{server_status}[/red]"
             else:
@@ -98,7 +99,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
         console.print(table)
     ok = all(r["alive"] for r in rows) and all(
-        r["health"] for r in rows if r["name"] not in ("supervisor", "nats", "postgres")
+        r["health"] for r in rows if r["name"] != "supervisor" and not stack.is_server(r["name"])
     )
     return 0 if ok else 1
 
@@ -607,6 +608,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--servers-only",
         action="store_true",
         help="start (and keep up) NATS and PostgreSQL only; run the services yourself",
+    )
+    p.add_argument(
+        "--nats-cluster",
+        type=int,
+        choices=(1, 3),
+        default=1,
+        help="nats-server processes: 3 runs a JetStream cluster with 3 replicas of every stream",
     )
     add("down", cmd_down, "stop the embedded stack")
     p = add("status", cmd_status, "show the stack's processes and their health")

@@ -1,13 +1,15 @@
 """The embedded stack: one supervisor process that owns NATS, PostgreSQL and every service.
 
 ``loom up`` starts the supervisor in the background and waits until it reports ready;
-``loom down`` asks it to stop (SIGTERM) and waits. The supervisor starts nats-server and
+``loom down`` asks it to stop (SIGTERM) and waits. The supervisor starts nats-server (one, or with
+``--nats-cluster 3`` three nodes of a JetStream cluster whose streams keep 3 replicas) and
 PostgreSQL from their wheels (unless ``LOOM_NATS_URL`` / ``LOOM_DATABASE_URL`` name external
 ones), migrates the database, launches each service as its own OS process with its log under
 ``<home>/logs/``, restarts a service that dies (with backoff), and on stop shuts everything down
 in reverse order. It owns its servers the same way: a nats-server or PostgreSQL that dies is
 reaped, what is left of it killed, its stale pid and lock files removed, and it is started again
-on the same port and data directory (:class:`ServerWatch`). Every child gets a parent-death
+on the same port and data directory (:class:`ServerWatch`; each node of a NATS cluster is watched
+on its own and rejoins the cluster when it comes back). Every child gets a parent-death
 signal, so nothing outlives a killed supervisor. The state file ``<home>/stack.json`` tells other
 commands where everything is, with each process's restarts and last exit.
 """
@@ -32,6 +34,7 @@ from loom.bus import connect, ensure_streams
 from loom.model.topology import load_topology
 from loom.runtime.config import ENV_DATABASE_URL, ENV_HOME, ENV_NATS_URL, loom_home, stack_file
 from loom.runtime.servers import (
+    NatsCluster,
     NatsServer,
     PostgresServer,
     ServerStartError,
@@ -50,6 +53,9 @@ _REAP_AFTER_CHANGE_S = 5.0
 """After a server dies or restarts, scan at every check for this long: its orphans exit then."""
 
 log = structlog.get_logger("loom.supervisor")
+
+ENV_STREAM_REPLICAS = "LOOM_STREAM_REPLICAS"
+"""Replicas of Loom's streams, KV buckets and (inherited) consumers; read by loom.bus."""
 
 
 def _pdeathsig() -> Callable[[], None] | None:
@@ -102,6 +108,8 @@ class StackOptions:
     one leader (and standby) each."""
     services: bool = True
     """Run the services (off: NATS and PostgreSQL only, for running services by hand or tests)."""
+    nats_cluster: int = 1
+    """nats-server processes: 1, or 3 for a JetStream cluster whose streams have 3 replicas."""
 
 
 def placement_groups(options: StackOptions) -> dict[str, list[str]]:
@@ -198,6 +206,11 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
         str(options.probe_period_s),
     ]
     return argvs
+
+
+def is_server(name: str) -> bool:
+    """Whether a process-table row names a server the supervisor owns (``nats-2`` included)."""
+    return name in ("nats", "postgres") or name.startswith("nats-")
 
 
 async def prepare(nats_url: str, database_url: str) -> None:
@@ -351,6 +364,7 @@ class Supervisor:
         self.home = home
         self.options = options
         self.nats: NatsServer | None = None
+        self.nats_cluster: NatsCluster | None = None
         self.postgres: PostgresServer | None = None
         self.services: dict[str, ServiceProcess] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -379,7 +393,22 @@ class Supervisor:
         """Start (or adopt external) NATS and PostgreSQL; returns their URLs."""
         nats_url = os.environ.get(ENV_NATS_URL)
         database_url = os.environ.get(ENV_DATABASE_URL)
-        if not nats_url:
+        if not nats_url and self.options.nats_cluster > 1:
+            cluster = self.nats_cluster = NatsCluster(self.home / "nats", self.options.nats_cluster)
+            # The streams (and the KV buckets, and through them the consumers) of this stack and
+            # of every service it starts keep one replica per node.
+            os.environ[ENV_STREAM_REPLICAS] = str(self.options.nats_cluster)
+            cluster.start()
+            nats_url = cluster.url
+            for node in cluster.nodes:
+                assert node.server_name is not None
+                self.state[f"{node.server_name}_pid"] = node.pid
+                # No stream check after a node's restart: the cluster's meta group keeps the
+                # streams, the node gets them back from it, and asking while their leaders are
+                # being elected would hold up this loop for seconds.
+                self.watches[node.server_name] = ServerWatch(node.server_name, node)
+        elif not nats_url:
+            os.environ[ENV_STREAM_REPLICAS] = "1"
             self.nats = NatsServer(self.home / "nats", port=self.state.get("nats_port"))
             self.nats.start()
             nats_url = self.nats.url
@@ -517,6 +546,8 @@ class Supervisor:
             self.postgres.stop()
         if self.nats is not None:
             self.nats.stop()
+        if self.nats_cluster is not None:
+            self.nats_cluster.stop()
         self.write_state("stopped")
 
 
@@ -594,6 +625,8 @@ def up(
     argv += ["--probe-period-s", str(options.probe_period_s)]
     if not options.services:
         argv.append("--servers-only")
+    if options.nats_cluster != 1:
+        argv += ["--nats-cluster", str(options.nats_cluster)]
     stack_file(home).unlink(missing_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
     with open(home / "logs" / "supervisor.log", "ab") as log:
@@ -647,7 +680,7 @@ def process_table(home: Path | None = None) -> list[dict[str, Any]]:
         },
     ]
     servers = state.get("servers", {})
-    for name in ("nats", "postgres"):
+    for name in [*servers, *(n for n in ("nats", "postgres") if n not in servers)]:
         server = servers.get(name)
         if server is not None:
             rows.append(
@@ -690,6 +723,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--placement-shards", type=int, default=1)
     parser.add_argument("--probe-period-s", type=float, default=1.0)
     parser.add_argument("--servers-only", action="store_true")
+    parser.add_argument("--nats-cluster", type=int, choices=(1, 3), default=1)
     args = parser.parse_args(argv)
     options = StackOptions(
         topology=args.topology,
@@ -703,6 +737,7 @@ def main(argv: list[str] | None = None) -> int:
         placement_shards=args.placement_shards,
         probe_period_s=args.probe_period_s,
         services=not args.servers_only,
+        nats_cluster=args.nats_cluster,
     )
     return Supervisor(args.home.resolve(), options).run()
 
