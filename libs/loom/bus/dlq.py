@@ -37,7 +37,7 @@ from opentelemetry import propagate
 from loom.bus.connection import BusError
 from loom.bus.publisher import Publisher
 from loom.errors import InvalidInputError, LoomError
-from loom_proto.subjects import PREFIX, dead_letter
+from loom_proto.subjects import DEAD_LETTERS, PREFIX, dead_letter
 
 __all__ = [
     "DLQ_STREAM",
@@ -53,13 +53,13 @@ __all__ = [
     "replay_headers",
 ]
 
-log = structlog.get_logger("loom.dlq")
+log = structlog.get_logger("loom.bus")
 
 DLQ_STREAM = "DLQ"
 MARKS_BUCKET = "LOOM_DLQ"
 """Key-value bucket of replay marks (``replayed.<seq>``) and purge records (``purges.<ns>``)."""
 
-DLQ_SUBJECTS = f"{PREFIX}.dlq.>"
+DLQ_SUBJECTS = DEAD_LETTERS
 
 # Headers the consumer adds when it dead-letters; a replay leaves them (and the DLQ's own id) out.
 _DEAD_LETTER_HEADERS = frozenset(
