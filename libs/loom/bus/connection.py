@@ -35,15 +35,22 @@ def server_urls(url: str) -> list[str]:
     return servers
 
 
-async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0) -> Client:
+async def connect(
+    url: str, name: str, *, connect_timeout_s: float = 5.0, first_within_s: float | None = None
+) -> Client:
     """Connect with unbounded reconnects, so a NATS restart pauses a service instead of ending it.
 
     ``url`` may list the nodes of a cluster, comma-separated: the client connects to any of them
-    and, when its server goes, reconnects to another.
+    and, when its server goes, reconnects to another. A service waits for the first connection as
+    long as it takes; a command line gives ``first_within_s`` and gets a :class:`BusError` saying
+    what to do when no server answers by then.
     """
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats error", error=str(exc), client=name)
+        if client:
+            log.warning("nats error", error=str(exc), client=name)
+        else:  # not connected yet: the caller waits (a service) or gives up in time (a command)
+            log.info("waiting for nats", error=str(exc), client=name)
 
     client: list[Client] = []
 
@@ -56,20 +63,26 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0) -> Cli
     async def on_reconnected() -> None:
         log.info("nats reconnected", client=name)
 
+    opening = nats.connect(
+        servers=server_urls(url),
+        name=name,
+        connect_timeout=connect_timeout_s,
+        allow_reconnect=True,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        error_cb=on_error,
+        disconnected_cb=on_disconnected,
+        reconnected_cb=on_reconnected,
+        # Keep queued publishes while reconnecting rather than failing them at once.
+        pending_size=64 * 1024 * 1024,
+    )
     try:
-        nc = await nats.connect(
-            servers=server_urls(url),
-            name=name,
-            connect_timeout=connect_timeout_s,
-            allow_reconnect=True,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            error_cb=on_error,
-            disconnected_cb=on_disconnected,
-            reconnected_cb=on_reconnected,
-            # Keep queued publishes while reconnecting rather than failing them at once.
-            pending_size=64 * 1024 * 1024,
-        )
+        nc = await (opening if first_within_s is None else asyncio.wait_for(opening, first_within_s))
+    except TimeoutError as exc:
+        raise BusError(
+            f"no NATS server answered at {url} within {first_within_s:g} s:"
+            " is the Loom stack running? Start it with `loom up` (or set LOOM_NATS_URL)"
+        ) from exc
     except Exception as exc:  # nats raises several unrelated types for "could not connect"
         raise BusError(f"cannot connect to NATS at {url}: {exc}") from exc
     client.append(nc)

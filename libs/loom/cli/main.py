@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
+from loom.bus.connection import BusError
 from loom.client import LoomClient, QueryError, SpecError, load_specs
 from loom.runtime import stack
 from loom.runtime.config import endpoints, loom_home
@@ -27,8 +28,12 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
     return asyncio.run(coro)
 
 
+CONNECT_WITHIN_S = 2.5
+"""A command that finds no NATS server by then says so (exit 1) instead of waiting."""
+
+
 async def _client() -> LoomClient:
-    return await LoomClient.connect(endpoints().nats_url)
+    return await LoomClient.connect(endpoints().nats_url, first_within_s=CONNECT_WITHIN_S)
 
 
 # ---- stack ----------------------------------------------------------------------------------------
@@ -118,7 +123,7 @@ def _run_health(nats_url: str, names: list[str]) -> dict[str, dict[str, Any]]:
     from loom_proto import subjects
 
     async def ask() -> dict[str, dict[str, Any]]:
-        client = await LoomClient.connect(nats_url, name="loom-status")
+        client = await LoomClient.connect(nats_url, name="loom-status", first_within_s=CONNECT_WITHIN_S)
         out: dict[str, dict[str, Any]] = {}
         try:
             for name in names:
@@ -703,8 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("loom-cli", level="WARNING", json=False, stream=sys.stderr)
     try:
         code: int = args.fn(args)
-    except QueryError as exc:
-        err.print(f"[red]{exc}[/red]")
+    except (QueryError, BusError) as exc:
+        err.print(f"[red]{escape(str(exc))}[/red]")
         code = 1
     except RuntimeError as exc:
         err.print(f"[red]{exc}[/red]")

@@ -64,9 +64,13 @@ class LoomClient:
         self.publisher = Publisher(nc)
 
     @classmethod
-    async def connect(cls, nats_url: str, *, name: str = "loom-client") -> "LoomClient":
-        """Connect to the NATS server of a Loom deployment."""
-        return cls(await connect(nats_url, name))
+    async def connect(
+        cls, nats_url: str, *, name: str = "loom-client", first_within_s: float | None = None
+    ) -> "LoomClient":
+        """Connect to the NATS server of a Loom deployment; with ``first_within_s``, raise
+        :class:`~loom.bus.connection.BusError` (saying to start the stack) when no server answers
+        by then, instead of waiting for one."""
+        return cls(await connect(nats_url, name, first_within_s=first_within_s))
 
     async def close(self) -> None:
         """Flush and close the connection."""
