@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -336,7 +337,13 @@ def cmd_view(args: argparse.Namespace) -> int:
             await client.close()
         if args.model and learned:
             learned = [e for e in learned if e["gpu_model"] == args.model]
+        filters = _view_filters(args)
+        if not view["regions"] and filters:
+            err.print(f"[red]no cluster matches {escape(filters)}[/red]")
+            return 1
         if args.json:
+            if not args.nodes:
+                _drop_nodes(view)
             print(json.dumps({**view, "learned_speeds": learned}, indent=2))
             return 0
         console.print(_view_tree(view, with_nodes=args.nodes))
@@ -345,6 +352,44 @@ def cmd_view(args: argparse.Namespace) -> int:
         return 0
 
     return _run(go())
+
+
+def _view_filters(args: argparse.Namespace) -> str:
+    """The filters given to ``loom view``, as typed (empty when none)."""
+    given = [
+        ("--region", args.region),
+        ("--zone", args.zone),
+        ("--model", args.model),
+        ("--min-free", args.min_free or None),
+        ("--fresh", True if args.fresh else None),
+    ]
+    return " ".join(
+        flag if value is True else f"{flag} {value}" for flag, value in given if value is not None
+    )
+
+
+def _drop_nodes(view: dict[str, Any]) -> None:
+    """Leave the node lists out of a view (``--json`` without ``--nodes``): clusters keep their
+    counts per GPU model instead."""
+    for r in view["regions"].values():
+        for z in r["zones"].values():
+            for c in z["clusters"].values():
+                models: dict[str, int] = {}
+                for n in c.pop("nodes", []):
+                    key = n["gpu_model"] or "cpu"
+                    models[key] = models.get(key, 0) + n["gpus_total"]
+                c["gpus_by_model"] = models
+
+
+def _non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def _learned_table(learned: list[dict[str, Any]]) -> Table:
@@ -387,7 +432,8 @@ def _view_tree(view: dict[str, Any], *, with_nodes: bool) -> Tree:
                 for n in c["nodes"]:
                     models[n["gpu_model"] or "cpu"] = models.get(n["gpu_model"] or "cpu", 0) + n["gpus_total"]
                 mix = ", ".join(f"{m} {g}" for m, g in sorted(models.items()))
-                ct = zt.add(f"{cluster}  {_capacity(c)}  [{mix}]  {fresh}")
+                trust = f"trust {c['trust']:.2f}" if "trust" in c else ""
+                ct = zt.add(f"{cluster}  {_capacity(c)}  {escape(f'[{mix}]')}  {trust}  {fresh}")
                 if with_nodes:
                     for n in c["nodes"]:
                         ct.add(
@@ -649,7 +695,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--region")
     p.add_argument("--zone")
     p.add_argument("--model", help="only nodes of this GPU model")
-    p.add_argument("--min-free", type=int, default=0, help="only nodes with at least this many free GPUs")
+    p.add_argument(
+        "--min-free", type=_non_negative_int, default=0, help="only nodes with at least this many free GPUs"
+    )
     p.add_argument("--fresh", action="store_true", help="leave out stale clusters")
     p.add_argument("--nodes", action="store_true", help="list nodes too")
     p.add_argument("--json", action="store_true")
@@ -708,6 +756,10 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("loom-cli", level="WARNING", json=False, stream=sys.stderr)
     try:
         code: int = args.fn(args)
+    except BrokenPipeError:
+        # The reader went away (``loom view --json | head``): no traceback, nothing more to write.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
     except (QueryError, BusError) as exc:
         err.print(f"[red]{escape(str(exc))}[/red]")
         code = 1
