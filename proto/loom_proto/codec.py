@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from loom_proto.ids import plain_words
+
 MAX_PAYLOAD_BYTES = 256 * 1024
 MAX_DEPTH = 32
 """The deepest nesting of arrays and objects a payload may have (Loom's contracts use under 8)."""
@@ -59,7 +61,7 @@ def decode(payload: bytes, type_: type[T]) -> T:
     try:
         value = decoder.decode(payload)
     except msgspec.DecodeError as exc:
-        raise DecodeError(str(exc)) from exc
+        raise DecodeError(plain_words(str(exc))) from exc
     except RecursionError as exc:  # unreachable past check_payload; kept so it can never escape
         raise DecodeError(f"payload nested too deeply: {exc}") from exc
     if _encoder.encode(value) != payload:
@@ -110,7 +112,7 @@ def check_unique_keys(payload: bytes) -> None:
     try:
         json.loads(payload, object_pairs_hook=_refuse_repeats)
     except _RepeatedKeyError as exc:
-        raise DecodeError(str(exc)) from exc
+        raise DecodeError(plain_words(str(exc))) from exc
     except (ValueError, RecursionError) as exc:  # not JSON the stdlib reads: msgspec did, so let it be
         del exc
 

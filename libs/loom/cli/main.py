@@ -211,8 +211,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             print(json.dumps(rows, indent=2))
             return 0
         table = Table(title=f"{len(rows)} job(s)")
-        for col in ("job", "tenant", "state", "cluster", "progress", "reason"):
+        for col in ("job", "tenant", "state", "cluster", "progress"):
             table.add_column(col)
+        table.add_column("reason", overflow="fold")  # wrapped at words, never cut
         for r in rows:
             table.add_row(
                 r["job_id"],
@@ -220,7 +221,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
                 r["state"],
                 r["cluster"] or "",
                 f"{r['progress']:.0%}",
-                (r["reason"] or "")[:80],
+                escape(r["reason"] or ""),
             )
         console.print(table)
         return 0

@@ -15,6 +15,7 @@ from loom.bus import Publisher, connect
 from loom.errors import InvalidInputError, LoomError
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
+from loom_proto.ids import plain_words
 from loom_proto.jobs import JobEvent, JobSpec, JobSubmitted
 from loom_proto.view import ViewQuery
 
@@ -38,7 +39,7 @@ def spec_from_mapping(raw: Mapping[str, Any], *, default_tenant: str | None = No
     try:
         return msgspec.convert(data, JobSpec)
     except msgspec.ValidationError as exc:
-        raise SpecError(f"job spec {data.get('job_id')!r}: {exc}") from exc
+        raise SpecError(f"job spec {data.get('job_id')!r}: {plain_words(str(exc))}") from exc
 
 
 def load_specs(path: str | Path, *, default_tenant: str | None = None) -> list[JobSpec]:
