@@ -1,7 +1,9 @@
 """Shared fixtures: one real NATS (JetStream) and one real Postgres for the whole test session.
 
 Both come from the wheels via :mod:`loom.runtime.servers`, the same code ``loom up`` runs. They
-start lazily, on the first test that asks, so unit-only runs pay nothing.
+start lazily, on the first test that asks, so unit-only runs pay nothing. ``nats_cluster`` is the
+embedded 3-node JetStream cluster (``loom up --nats-cluster 3``), a fresh one per test, since
+tests kill its nodes.
 """
 
 import os
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from loom.runtime.servers import NatsServer, PostgresServer
+from loom.runtime.servers import NatsCluster, NatsServer, PostgresServer
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +22,18 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
     """A JetStream-enabled ``nats-server`` on free ports, stopped at the end of the session."""
     with NatsServer(tmp_path_factory.mktemp("nats")) as server:
         yield server
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[NatsCluster]:
+    """Three ``nats-server`` nodes in one JetStream cluster, with Loom's streams set to 3 replicas.
+
+    Its :attr:`~loom.runtime.servers.NatsCluster.url` lists the three nodes, as ``LOOM_NATS_URL``
+    does for a stack started with ``--nats-cluster 3``; ``LOOM_STREAM_REPLICAS`` is 3 for the test.
+    """
+    monkeypatch.setenv("LOOM_STREAM_REPLICAS", "3")
+    with NatsCluster(tmp_path / "nats-cluster", 3) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="session")

@@ -155,6 +155,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     net.add_argument("--capacity-seconds", type=int, default=20, help="simulated seconds of the capacity run")
     net.add_argument("--emulator-seconds", type=float, default=10.0, help="real loopback run; 0 skips it")
     net.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    codec = sub.add_parser(
+        "codec", help="strict decode cost per message: bare msgspec vs Loom's guarded codec"
+    )
+    codec.add_argument("--number", type=int, default=20_000, help="decodes per timing (small payloads)")
+    codec.add_argument("--repeats", type=int, default=7, help="timings per payload; the best is kept")
+    codec.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
 
 
 def emit(result: dict[str, Any], as_json: bool) -> None:
@@ -167,6 +173,10 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
 
 def run_benchmark(args: argparse.Namespace) -> int:
     """Dispatch ``loom bench NAME``."""
+    if args.bench == "codec":
+        from loom_benchmarks.codec import main as run_codec
+
+        return run_codec(args)
     if args.bench == "e2e":
         from loom_benchmarks.e2e import run
 

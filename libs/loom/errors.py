@@ -27,3 +27,16 @@ class TransientError(LoomError):
     """A dependency was briefly unavailable (server restarting, timeout); a retry may succeed."""
 
     non_retryable = False
+
+
+class UnavailableError(TransientError):
+    """A server Loom stands on (``dependency``: ``postgres``, ``nats``) did not answer. Not a
+    property of the message at hand: a consumer waits the outage out instead of counting it
+    toward dead-lettering."""
+
+    dependency: str = "unknown"
+
+    def __init__(self, message: str, *, dependency: str | None = None) -> None:
+        super().__init__(message)
+        if dependency is not None:
+            self.dependency = dependency

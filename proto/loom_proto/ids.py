@@ -19,6 +19,17 @@ _ID_RE = re.compile(ID_PATTERN)
 Id = Annotated[str, Meta(pattern=ID_PATTERN, description="[A-Za-z0-9_-]{1,64}; safe as a subject token")]
 
 
+ID_RULE = "1-64 characters of letters, digits, '_' or '-'"
+"""What :data:`ID_PATTERN` allows, in words (error messages never show the expression)."""
+
+_PATTERN_TEXT = re.compile(r"Expected `str` matching regex '(?:[^'\\]|\\.)*'")
+
+
+def plain_words(message: str) -> str:
+    """A validation message with the id pattern's regular expression replaced by :data:`ID_RULE`."""
+    return _PATTERN_TEXT.sub(f"Expected an id of {ID_RULE}", message)
+
+
 class InvalidIdError(ValueError):
     """An identifier that cannot be used as a subject token."""
 
@@ -26,7 +37,5 @@ class InvalidIdError(ValueError):
 def validate_id(value: str, what: str = "id") -> str:
     """Return ``value`` unchanged if it is a valid identifier, else raise :class:`InvalidIdError`."""
     if not isinstance(value, str) or _ID_RE.fullmatch(value) is None:
-        raise InvalidIdError(
-            f"invalid {what} {value!r}: must be 1-64 characters of letters, digits, '_' or '-'"
-        )
+        raise InvalidIdError(f"invalid {what} {value!r}: must be {ID_RULE}")
     return value

@@ -161,6 +161,10 @@ def service_health(instance: str) -> str:
     return f"{PREFIX}.health.{validate_id(instance, 'instance')}"
 
 
+DEAD_LETTERS = f"{PREFIX}.dlq.>"
+"""Every dead letter (the DLQ stream's subjects)."""
+
+
 def dead_letter(original_subject: str) -> str:
     """``loom.dlq.<original subject>``: where a poison message goes, with its error in headers."""
     if original_subject.startswith(f"{PREFIX}.dlq."):
@@ -248,7 +252,7 @@ STREAMS: tuple[StreamSpec, ...] = (
     ),
     StreamSpec(
         name="DLQ",
-        subjects=[f"{PREFIX}.dlq.>"],
+        subjects=[DEAD_LETTERS],
         description="poison messages with the error that stopped them, in headers",
         max_age_s=30 * 86_400,
     ),

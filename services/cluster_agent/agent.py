@@ -20,10 +20,20 @@ The run holds its GPUs from the command on, and reports ``started`` when the wai
 A run stopped here, or refused here, is remembered (in the journal too) as finished: a start
 command for that attempt delivered later is refused without a word, since placement has given
 the attempt up.
+
+Reports never wait on the bus. Every report about a job (started, progress, checkpointed,
+completed, failed, and a refusal on the cluster's status subject) is first appended to the
+journal, then sent by one sender task in the order written, each under its deterministic id, so a
+resend is dropped by the stream's dedup window or the consumers' inbox. While NATS is down the
+runs go on, a run that ends frees its GPUs at once, and the reports wait in the journal (across a
+restart too); health says ``nats unavailable, N reports journalled`` until they are out. The
+heartbeat loop, the report sender, the command consumer and every run's task are supervised
+(:mod:`loom.runtime.watchdog`): one that dies is logged, restarted and shown in health.
 """
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import time
@@ -33,8 +43,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import structlog
+from msgspec import Struct
 from opentelemetry import propagate
-from opentelemetry.context import Context
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError
@@ -54,10 +64,26 @@ from loom_proto.clusters import (
     StartJob,
     StopJob,
 )
+from loom_proto.codec import encode
 from loom_proto.jobs import JobCheckpointed, JobCompleted, JobFailed, JobProgress, JobStarted, NodeAllocation
 from loom_services.cluster_agent.sim import SimCluster
 
 log = structlog.get_logger("cluster_agent")
+
+REPORT_BATCH = 64
+"""Reports sent at once: written to the connection in order, acknowledged together."""
+
+
+@dataclass
+class Report:
+    """One message about a job, kept in the journal until the stream has acknowledged it."""
+
+    msg_id: str
+    subject: str
+    payload: str
+    """The encoded message (JSON text)."""
+    carrier: dict[str, str]
+    """The trace context the message continues (empty: none)."""
 
 
 @dataclass
@@ -162,7 +188,21 @@ class Agent:
         """Per run: set when a resize changes its speed, so the sleeping run recomputes it."""
         self.state_file = (state_dir / f"agent-{self.cluster}.jsonl") if state_dir else None
         self._journal: IO[str] | None = None
-        ctx.stats.update({"cluster": self.cluster, "running": 0, "completed": 0})
+        self._journal_lines = 0
+        self.compact_after_lines = 100_000
+        """The journal is rewritten with only what still matters after this many appends."""
+        self.reports: dict[str, Report] = {}
+        """Reports not yet acknowledged by the stream, by message id, in the order written."""
+        self._reported = asyncio.Event()
+        self._all_sent = asyncio.Event()
+        self._all_sent.set()
+        self.send_error: str | None = None
+        """Why the last attempt to send reports failed; None once one succeeds."""
+        self.report_backoff_s = (0.2, 5.0)
+        """First and longest pause between rounds of sending while the bus fails."""
+        ctx.stats.update(
+            {"cluster": self.cluster, "running": 0, "completed": 0, "reports_pending": 0, "reports_sent": 0}
+        )
 
     # ---- lifecycle of the agent ------------------------------------------------------------------
 
@@ -183,24 +223,36 @@ class Agent:
             # Each command changes state before its first await, so a batch's publishes can overlap.
             concurrent=True,
         )
+        watchdog = self.ctx.watchdog
+        watchdog.condition("reports", self.bus_problem)
+        sender = watchdog.supervise("reports", self._send_reports)
         await self.heartbeat(full=True)
         await self.publish_profiles()
         await runner.start()
+        commands = watchdog.watch_consumer("commands", runner)
         for job in list(self.running.values()):
             self._launch(job)
-        beat = asyncio.create_task(self._heartbeat_loop())
+        beat = watchdog.supervise("heartbeat", self._heartbeat_loop)
         try:
             await self.ctx.stopping.wait()
         finally:
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beat
+            commands.cancel()
             await runner.stop()
             for task in self.tasks.values():
                 task.cancel()
             await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            # What is still unsent stays in the journal for the next start; give it a moment.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._all_sent.wait(), timeout=2.0)
+            sender.cancel()
+            await asyncio.gather(sender, commands, return_exceptions=True)
+            watchdog.drop_condition("reports")
             if self._journal is not None:
                 self._journal.close()
+                self._journal = None
 
     async def publish_profiles(self) -> None:
         """Tell the platform what each accelerator model of this cluster delivers."""
@@ -268,7 +320,7 @@ class Agent:
         elif isinstance(command, CheckpointJob):
             job = self.running.get(f"{command.job_id}:{command.attempt}")
             if job is not None and job.lead and not job.waiting:
-                await self._checkpoint(job)
+                self._checkpoint(job)
         elif isinstance(command, DrainCluster):
             self.sim.drain(command.nodes)
             self._changed.set()
@@ -315,29 +367,15 @@ class Agent:
         self._changed.set()
         self.running[key] = job
         self._record({"op": "start", "key": key, "job": asdict(job)})
-        if not job.lead or job.waiting:
-            # A waiting run reports ``started`` from its task, when the wait ends.
-            self._launch(job)
-            return
-        try:
-            await self._publish_started(job)
-        except BaseException:
-            # Not started after all: forget the run, so the redelivered command starts it afresh.
-            if self.running.get(key) is job:
-                self.running.pop(key)
-                self.sim.free(job.node_allocations())
-                self._changed.set()
-                self._record({"op": "forget", "key": key})
-            raise
-        # A stop handled while the started event was in flight has already ended the run.
-        if self.running.get(key) is job:
-            self._launch(job)
+        # A waiting run reports ``started`` from its task, when the wait ends.
+        if job.lead and not job.waiting:
+            self._report_started(job)
+        self._launch(job)
 
     async def _refuse_start(self, command: StartJob, refusal: str) -> None:
         """Tell placement a part cannot start here, so it gives the attempt up and places it elsewhere.
 
-        The attempt is finished here from now on (a redelivered command is refused without a
-        word), unless the event cannot be published: then the redelivered command tries again.
+        The attempt is finished here from now on: a redelivered command is refused without a word.
         """
         key = f"{command.job_id}:{command.attempt}"
         spec = command.spec
@@ -345,34 +383,30 @@ class Agent:
         log.warning(
             "start refused", job_id=command.job_id, attempt=command.attempt, role=command.role, reason=refusal
         )
+        if lead:
+            self._report_failed(
+                spec.job_id, spec.tenant, command.attempt, f"cannot start: {refusal}", retryable=True
+            )
+        else:
+            self._report_failed(
+                spec.job_id,
+                spec.tenant,
+                command.attempt,
+                f"member part on {self.cluster} could not start: {refusal}",
+                retryable=True,
+                msg_id=f"{spec.job_id}:failed:{command.attempt}:{self.cluster}",
+            )
+            self._report_refusal(command.job_id, command.attempt, f"cannot start member part: {refusal}")
+        # After the reports: a crash in between redoes the refusal (same ids) from the redelivery.
         self.finished.add(key)
         self._record({"op": "finish", "key": key})
-        try:
-            if lead:
-                await self._publish_failed(
-                    spec.job_id, spec.tenant, command.attempt, f"cannot start: {refusal}", retryable=True
-                )
-            else:
-                await self._publish_failed(
-                    spec.job_id,
-                    spec.tenant,
-                    command.attempt,
-                    f"member part on {self.cluster} could not start: {refusal}",
-                    retryable=True,
-                    msg_id=f"{spec.job_id}:failed:{command.attempt}:{self.cluster}",
-                )
-                await self._publish_refusal(
-                    command.job_id, command.attempt, f"cannot start member part: {refusal}"
-                )
-        except BaseException:
-            self.finished.discard(key)
-            self._record({"op": "forget", "key": key})
-            raise
 
     def _launch(self, job: RunningJob) -> None:
         # A member part has no clock: it holds its GPUs until stopped.
         if job.lead:
-            self.tasks[job.key] = asyncio.create_task(self._execute(job), name=f"job-{job.key}")
+            self.tasks[job.key] = self.ctx.watchdog.supervise(
+                f"job-{job.key}", lambda: self._execute(job), finishes=True, listed=False
+            )
         self.ctx.stats["running"] = len(self.running)
 
     async def _stop(self, job_id: str, attempt: int, reason: str) -> None:
@@ -389,16 +423,16 @@ class Agent:
         task = self.tasks.pop(key, None)
         if task is not None:
             task.cancel()
+        if job.lead:
+            self._report_failed(
+                job.job_id, job.tenant, job.attempt, reason, retryable=True, carrier=job.carrier
+            )
         # GPUs are free from here on, before any await: a command handled alongside this one (a
         # resize growing into them) sees them free.
         self._finish(job)
         if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if job.lead:
-            await self._publish_failed(
-                job.job_id, job.tenant, job.attempt, reason, retryable=True, carrier=job.carrier
-            )
 
     async def _resize(self, command: ResizeJob) -> None:
         """Give a run new workers and GPUs; its progress stays, its speed changes from now on."""
@@ -413,7 +447,7 @@ class Agent:
         refusal = self.sim.resize_refusal(job.gpu_model, job.node_allocations(), command.allocations)
         if refusal is not None:
             log.warning("resize refused", job_id=job.job_id, attempt=job.attempt, reason=refusal)
-            await self._publish_refusal(job.job_id, job.attempt, f"cannot resize: {refusal}")
+            self._report_refusal(job.job_id, job.attempt, f"cannot resize: {refusal}")
             return
         self.sim.free(job.node_allocations())
         job.allocations = sorted(wanted.items())
@@ -441,42 +475,34 @@ class Agent:
 
     async def _execute(self, job: RunningJob) -> None:
         """Wait out a delayed start, then advance the job in chunks of ``progress_every`` of its
-        work, reporting each chunk."""
+        work, reporting each chunk. Run again by the watchdog if it died, it goes on from the
+        run's last step."""
+        if self.running.get(job.key) is not job:
+            return  # ended (stopped) while its task was down
         chunk = max(int(job.steps * self.progress_every), 1)
-        parent = propagate.extract(job.carrier)
         wakeup = self._resized.setdefault(job.key, asyncio.Event())
         try:
             if job.waiting:
                 await self._begin(job)
-            await self._run_steps(job, chunk, parent, wakeup)
+            await self._run_steps(job, chunk, wakeup)
         finally:
             self._resized.pop(job.key, None)
 
     async def _begin(self, job: RunningJob) -> None:
-        """Hold the GPUs until the run's start time, then report it started.
-
-        The start command was acknowledged long ago, so a started event that cannot be published
-        is retried here until it is (or the run is stopped).
-        """
+        """Hold the GPUs until the run's start time, then report it started."""
         wait_s = job.start_at - time.time()
         if wait_s > 0:
             log.info(
                 "run waits before starting", job_id=job.job_id, attempt=job.attempt, wait_s=round(wait_s, 3)
             )
             await asyncio.sleep(wait_s)
-        while True:
-            try:
-                await self._publish_started(job)
-                break
-            except BusError as exc:
-                log.warning("started event not published; retrying", job_id=job.job_id, error=str(exc))
-                await asyncio.sleep(1.0)
+        self._report_started(job)
         job.start_at = 0.0
         job.started_at = time.time()
         self._record({"op": "began", "key": job.key})
 
-    async def _publish_started(self, job: RunningJob) -> None:
-        await self.ctx.publisher.publish(
+    def _report_started(self, job: RunningJob) -> None:
+        self._report(
             subjects.job_event("started", job.tenant),
             JobStarted(
                 job_id=job.job_id,
@@ -486,7 +512,7 @@ class Agent:
                 started_at=time.time(),
             ),
             msg_id=f"{job.job_id}:started:{job.attempt}",
-            parent=propagate.extract(job.carrier),
+            carrier=job.carrier,
         )
 
     async def _work(self, job: RunningJob, steps: int, wakeup: asyncio.Event) -> None:
@@ -507,7 +533,7 @@ class Agent:
             job.gpu_seconds += done * step_s * gpus
             left -= done
 
-    async def _run_steps(self, job: RunningJob, chunk: int, parent: Context, wakeup: asyncio.Event) -> None:
+    async def _run_steps(self, job: RunningJob, chunk: int, wakeup: asyncio.Event) -> None:
         while job.step < job.steps:
             steps = min(chunk, job.steps - job.step)
             await self._work(job, steps, wakeup)
@@ -517,9 +543,9 @@ class Agent:
                 job.checkpoint_every_steps
                 and job.step // job.checkpoint_every_steps > before // job.checkpoint_every_steps
             ):
-                await self._checkpoint(job)
+                self._checkpoint(job)
             if job.step < job.steps:
-                await self.ctx.publisher.publish(
+                self._report(
                     subjects.job_event("progress", job.tenant),
                     JobProgress(
                         job_id=job.job_id,
@@ -531,7 +557,7 @@ class Agent:
                         at=time.time(),
                     ),
                     msg_id=f"{job.job_id}:progress:{job.attempt}:{job.step}",
-                    parent=parent,
+                    carrier=job.carrier,
                 )
             self._record({"op": "step", "key": job.key, "step": job.step, "gpu_seconds": job.gpu_seconds})
         # Per-GPU compute speed, without slowdown or worker share: metrics compares it with the
@@ -542,7 +568,7 @@ class Agent:
         observed_step_s = self.sim.compute_step_seconds(
             job.step_time_s, job.gpu_model, job.task_type, job.family
         )
-        await self.ctx.publisher.publish(
+        self._report(
             subjects.job_event("completed", job.tenant),
             JobCompleted(
                 job_id=job.job_id,
@@ -557,14 +583,15 @@ class Agent:
                 observed_step_s=min(max(observed_step_s, 1e-9), 86_400.0),
             ),
             msg_id=f"{job.job_id}:completed:{job.attempt}",
-            parent=parent,
+            carrier=job.carrier,
         )
+        # Journalled: the run is over here whether or not the bus takes the report now.
         self._finish(job)
         self.tasks.pop(job.key, None)
         self.ctx.stats["completed"] = self.ctx.stats.get("completed", 0) + 1
 
-    async def _checkpoint(self, job: RunningJob) -> None:
-        await self.ctx.publisher.publish(
+    def _checkpoint(self, job: RunningJob) -> None:
+        self._report(
             subjects.job_event("checkpointed", job.tenant),
             JobCheckpointed(
                 job_id=job.job_id,
@@ -576,7 +603,7 @@ class Agent:
                 at=time.time(),
             ),
             msg_id=f"{job.job_id}:checkpointed:{job.attempt}:{job.step}",
-            parent=propagate.extract(job.carrier),
+            carrier=job.carrier,
         )
 
     def _finish(self, job: RunningJob) -> None:
@@ -589,7 +616,7 @@ class Agent:
         self.ctx.stats["running"] = len(self.running)
         self._record({"op": "finish", "key": job.key})
 
-    async def _publish_failed(
+    def _report_failed(
         self,
         job_id: str,
         tenant: str,
@@ -600,7 +627,7 @@ class Agent:
         carrier: dict[str, str] | None = None,
         msg_id: str | None = None,
     ) -> None:
-        await self.ctx.publisher.publish(
+        self._report(
             subjects.job_event("failed", tenant),
             JobFailed(
                 job_id=job_id,
@@ -612,32 +639,135 @@ class Agent:
                 at=time.time(),
             ),
             msg_id=msg_id or f"{job_id}:failed:{attempt}",
-            parent=propagate.extract(carrier) if carrier else None,
+            carrier=carrier or {},
         )
 
-    async def _publish_refusal(self, job_id: str, attempt: int, detail: str) -> None:
+    def _report_refusal(self, job_id: str, attempt: int, detail: str) -> None:
         """Say on the cluster's status subject that a command about a run could not be carried out
         (for a member part, which must not publish job events)."""
-        await self.ctx.publisher.publish(
+        self._report(
             subjects.cluster_status(self.cluster),
             ClusterStatus(
                 cluster=self.cluster, state="ready", detail=detail[:2048], job_id=job_id, at=time.time()
             ),
             msg_id=f"refused-{self.cluster}-{job_id}-{attempt}-{self.epoch}-{time.time_ns()}",
+            carrier={},
         )
 
+    # ---- reports -------------------------------------------------------------------------------
+
+    def _report(self, subject: str, message: Struct, *, msg_id: str, carrier: dict[str, str]) -> None:
+        """Journal a report and hand it to the sender; one already pending under its id is kept.
+
+        Without a carrier the report continues the current trace (the command being handled).
+        """
+        if msg_id in self.reports:
+            return
+        if not carrier:
+            carrier = {}
+            propagate.inject(carrier)
+        report = Report(msg_id=msg_id, subject=subject, payload=encode(message).decode(), carrier=carrier)
+        self._record({"op": "report", **asdict(report)})
+        self._queue(report)
+
+    def _queue(self, report: Report) -> None:
+        self.reports[report.msg_id] = report
+        self._pending_changed()
+        self._reported.set()
+
+    def _pending_changed(self) -> None:
+        self.ctx.stats["reports_pending"] = len(self.reports)
+        if self.reports:
+            self._all_sent.clear()
+        else:
+            self._all_sent.set()
+
+    async def _send_reports(self) -> None:
+        """Send the journalled reports in order, a batch at a time, until cancelled; while the bus
+        fails, try again with a growing pause (the reports wait in the journal meanwhile).
+
+        A batch is written to the connection in order; only a report that fails inside a batch
+        whose later reports succeed (a timeout, not an outage) can arrive after them.
+        """
+        first_backoff_s, max_backoff_s = self.report_backoff_s
+        backoff_s = first_backoff_s
+        while True:
+            if not self.reports:
+                self._reported.clear()
+                await self._reported.wait()
+                continue
+            # While the bus fails, one report probes it: a batch would only pile up retries.
+            size = REPORT_BATCH if self.send_error is None else 1
+            batch = list(itertools.islice(self.reports.values(), size))
+            outcomes = await asyncio.gather(*(self._send(r) for r in batch), return_exceptions=True)
+            failure: BusError | None = None
+            for report, outcome in zip(batch, outcomes, strict=True):
+                if outcome is None:
+                    self._sent(report)
+                elif isinstance(outcome, BusError) and outcome.non_retryable:
+                    # Refused by the stream (no such subject, too large): no retry can deliver it.
+                    log.error("report refused by the bus; dropped", msg_id=report.msg_id, error=str(outcome))
+                    self._sent(report)
+                    self.ctx.stats["reports_dropped"] = self.ctx.stats.get("reports_dropped", 0) + 1
+                elif isinstance(outcome, BusError):
+                    failure = outcome
+                else:
+                    raise outcome  # not the bus: a bug for the watchdog to report
+            if failure is None:
+                if self.send_error is not None:
+                    log.info("reports flowing again", pending=len(self.reports))
+                self.send_error = None
+                backoff_s = first_backoff_s
+                continue
+            if self.send_error is None:
+                log.warning(
+                    "reports cannot be sent; kept in the journal",
+                    pending=len(self.reports),
+                    error=str(failure),
+                )
+            self.send_error = str(failure)
+            await asyncio.sleep(backoff_s)  # the bus is failing: pause before the next round
+            backoff_s = min(backoff_s * 2, max_backoff_s)
+
+    async def _send(self, report: Report) -> None:
+        await self.ctx.publisher.publish_bytes(
+            report.subject,
+            report.payload.encode(),
+            msg_id=report.msg_id,
+            parent=propagate.extract(report.carrier) if report.carrier else None,
+        )
+
+    def _sent(self, report: Report) -> None:
+        if self.reports.pop(report.msg_id, None) is None:
+            return
+        self._record({"op": "sent", "id": report.msg_id})
+        self._pending_changed()
+        self.ctx.stats["reports_sent"] = self.ctx.stats.get("reports_sent", 0) + 1
+
+    def bus_problem(self) -> str | None:
+        """For health: reports waiting because the bus cannot take them, or None."""
+        if not self.reports:
+            return None
+        if self.send_error is None and self.ctx.nc.is_connected:
+            return None  # in flight
+        return f"nats unavailable, {len(self.reports)} reports journalled"
+
     # ---- journal -------------------------------------------------------------------------------
-    # One JSON line per change (start, began, step, resize, finish, forget), appended before the
-    # command is acknowledged, so a restarted agent resumes its runs; compacted on start. Appending
-    # keeps the cost of a change constant however many jobs run. "began" ends a delayed run's wait.
-    # "finish" also records runs stopped or refused before they ran here. "forget" undoes a start
-    # (or a refusal) whose event could not be published, so the redelivered command is handled
-    # afresh.
+    # One JSON line per change (start, began, step, resize, finish, report, sent), appended before
+    # the command is acknowledged, so a restarted agent resumes its runs and sends the reports it
+    # had not sent; compacted on start and whenever it has grown by ``compact_after_lines``.
+    # Appending keeps the cost of a change constant however many jobs run. "began" ends a delayed
+    # run's wait. "finish" also records runs stopped or refused before they ran here. "report"
+    # holds a message until "sent" says the stream took it. "forget" (written by older agents)
+    # undid a start whose event could not be published.
 
     def _record(self, entry: dict[str, Any]) -> None:
         if self._journal is not None:
             self._journal.write(json.dumps(entry) + "\n")
             self._journal.flush()
+            self._journal_lines += 1
+            if self._journal_lines >= self.compact_after_lines:
+                self._compact()
 
     def _restore(self) -> None:
         if self.state_file is None:
@@ -651,20 +781,41 @@ class Agent:
                 self._replay(entry)
             for job in self.running.values():
                 self.sim.allocate(job.node_allocations())
-            log.info("state restored", running=len(self.running), finished=len(self.finished))
-        # Compact: rewrite the journal with what still matters, then append to it.
+            log.info(
+                "state restored",
+                running=len(self.running),
+                finished=len(self.finished),
+                reports_pending=len(self.reports),
+            )
+        self._compact()
+
+    def _compact(self) -> None:
+        """Rewrite the journal with what still matters, then append to it."""
+        assert self.state_file is not None
+        if self._journal is not None:
+            self._journal.close()
         tmp = self.state_file.with_suffix(".tmp")
         with open(tmp, "w") as out:
             for key in sorted(self.finished)[-10_000:]:
                 out.write(json.dumps({"op": "finish", "key": key}) + "\n")
             for job in self.running.values():
                 out.write(json.dumps({"op": "start", "key": job.key, "job": asdict(job)}) + "\n")
+            for report in self.reports.values():
+                out.write(json.dumps({"op": "report", **asdict(report)}) + "\n")
         os.replace(tmp, self.state_file)
         self._journal = open(self.state_file, "a")  # noqa: SIM115 - held for the agent's lifetime
+        self._journal_lines = 0
 
     def _replay(self, entry: dict[str, Any]) -> None:
-        """Apply one journal entry (written by :meth:`_record`) to the running and finished runs."""
-        key: str = entry["key"]  # every entry :meth:`_record` writes has one
+        """Apply one journal entry (written by :meth:`_record`) to the runs and the reports."""
+        if entry["op"] == "report":
+            self._queue(Report(**{k: v for k, v in entry.items() if k != "op"}))
+            return
+        if entry["op"] == "sent":
+            self.reports.pop(entry["id"], None)
+            self._pending_changed()
+            return
+        key: str = entry["key"]  # every other entry :meth:`_record` writes has one
         if entry["op"] == "start":
             job = entry["job"]
             job["allocations"] = [tuple(a) for a in job["allocations"]]

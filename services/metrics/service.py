@@ -160,7 +160,14 @@ class MetricsService:
         await runner.start()
         await lifecycle.start()
         await profiles.start()
-        loops = [asyncio.create_task(self._expire_loop()), asyncio.create_task(self._summary_loop())]
+        watchdog = self.ctx.watchdog
+        loops = [
+            watchdog.watch_consumer("heartbeats", runner),
+            watchdog.watch_consumer("reservations", lifecycle),
+            watchdog.watch_consumer("profiles", profiles),
+            watchdog.supervise("expire", self._expire_loop),
+            watchdog.supervise("summaries", self._summary_loop),
+        ]
         try:
             await self.ctx.stopping.wait()
         finally:

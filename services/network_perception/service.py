@@ -45,6 +45,7 @@ from loom.runtime.service import ServiceContext
 from loom.store import links
 from loom.store.pool import transaction
 from loom_proto import subjects
+from loom_proto.codec import DecodeError, decode
 from loom_proto.net import LinkDegraded, LinkRecovered, RawProbeSample, TransferObserved
 
 log = structlog.get_logger("network-perception")
@@ -228,13 +229,18 @@ class NetworkPerception:
         ]
         await runner.start()
         await transfers.start()
-        ticker = asyncio.create_task(self._tick_loop())
+        watchdog = self.ctx.watchdog
+        loops = [
+            watchdog.watch_consumer("probes", runner),
+            watchdog.watch_consumer("transfers", transfers),
+            watchdog.supervise("tick", self._tick_loop),
+        ]
         try:
             await self.ctx.stopping.wait()
         finally:
-            ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
             for sub in subs:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
@@ -251,8 +257,8 @@ class NetworkPerception:
         for d in deliveries:
             tokens = d.subject.split(".")
             try:
-                sample = msgspec.json.decode(d.message, type=RawProbeSample)
-            except msgspec.DecodeError:
+                sample = decode(d.message, RawProbeSample)  # size, depth and repeated keys checked
+            except DecodeError:
                 self.refused["undecodable"] += 1
                 continue
             if len(tokens) != 5 or (sample.src, sample.dst) != (tokens[3], tokens[4]):

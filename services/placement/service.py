@@ -99,7 +99,7 @@ from loom.store.fence import FencedError
 from loom.store.pool import ConflictError, transaction, with_retry
 from loom_proto import subjects
 from loom_proto.clusters import ResizeJob, StartJob, StopJob
-from loom_proto.codec import DecodeError, decode, encode
+from loom_proto.codec import DecodeError, check_payload, decode, encode
 from loom_proto.ids import InvalidIdError, validate_id
 from loom_proto.jobs import (
     JobCancelled,
@@ -278,7 +278,11 @@ class PlacementService:
             subjects.JOBS_QUERY, queue="placement-query", cb=self.on_query
         )
         link_sub = await self.ctx.nc.subscribe(subjects.LINK_STATES_ALL, cb=self.on_link)
-        announcer = asyncio.create_task(self._announce_standby()) if self.shard != GLOBAL else None
+        announcer = (
+            self.ctx.watchdog.supervise("standby-announcer", self._announce_standby)
+            if self.shard != GLOBAL
+            else None
+        )
         try:
             await lead(
                 self.ctx.nc.jetstream(),
@@ -309,11 +313,22 @@ class PlacementService:
         runners = self._consumers(self.shard)
         for runner in runners:
             await runner.start()
-        loops = [asyncio.create_task(self._requeue_loop()), asyncio.create_task(self._expiry_loop())]
+        # Supervised (loom.runtime.watchdog): a loop that dies is logged, restarted, shown in health.
+        watchdog = self.ctx.watchdog
+        loops = [watchdog.watch_consumer(runner.spec.durable, runner) for runner in runners]
+        loops += [
+            watchdog.supervise("requeue", self._requeue_loop),
+            watchdog.supervise("expiry", self._expiry_loop),
+        ]
         if self.shard == GLOBAL:
-            loops += [asyncio.create_task(self._watch_territory(t)) for t in self.shard_map.regional]
+            loops += [
+                watchdog.supervise(f"territory-{t}", functools.partial(self._watch_territory, t))
+                for t in self.shard_map.regional
+            ]
         relay_stop = asyncio.Event()
-        relay = asyncio.create_task(self.relay.run(relay_stop))
+        relay = watchdog.supervise(
+            "outbox-relay", functools.partial(self.relay.run, relay_stop), finishes=True
+        )
         try:
             await asyncio.Event().wait()  # until cancelled: the lease was lost or we are stopping
         finally:
@@ -512,15 +527,20 @@ class PlacementService:
                 # Its shard's consumers too: its submissions and the events no one recorded since
                 # it died wait there.
                 runners = self._consumers(territory, idle_fetch_timeout_s=poll_s)
+                watchers: list[asyncio.Task[None]] = []
                 try:
                     for runner in runners:
                         await runner.start()
+                        watchers.append(self.ctx.watchdog.watch_consumer(runner.spec.durable, runner))
                     # Polled: the signal (a key in NATS appearing) has no event to wait on here.
                     while not lease.lost.is_set() and territory not in self.fenced_territories:
                         if await self._standby_waiting(territory):
                             break
                         await asyncio.sleep(poll_s)
                 finally:
+                    for watcher in watchers:
+                        watcher.cancel()
+                    await asyncio.gather(*watchers, return_exceptions=True)
                     for runner in reversed(runners):
                         await runner.stop()
                 async with self.lock:
@@ -1959,8 +1979,9 @@ def _at(event: LifecycleEvent) -> float:
 
 def _payload_job_id(payload: bytes) -> str | None:
     try:
+        check_payload(payload)  # not a RecursionError on a hostile payload: no job id to be had
         value = json.loads(payload)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     job_id = value.get("job_id") if isinstance(value, dict) else None
     return job_id if isinstance(job_id, str) else None

@@ -18,6 +18,7 @@ collector at once, on ``loom.net.emu.all``. Without ``emulate`` the endpoints ar
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import statistics
@@ -237,12 +238,14 @@ class ProbeCollector:
             await nc.subscribe(subjects.net_emulator_region(self.region), cb=self.on_control),
             await nc.subscribe(subjects.NET_EMU_ALL, cb=self.on_control),
         ]
+        watchdog = self.ctx.watchdog
         tasks = [
-            asyncio.create_task(self._publish_loop(), name="publish-samples"),
-            asyncio.create_task(self._send_loop(), name="send-probes"),
+            watchdog.supervise("publish-samples", self._publish_loop),
+            watchdog.supervise("send-probes", self._send_loop),
         ]
         tasks += [
-            asyncio.create_task(self._peer(link), name=f"probe-{link.dst}") for link in self.links.values()
+            watchdog.supervise(f"probe-{link.dst}", functools.partial(self._peer, link))
+            for link in self.links.values()
         ]
         self._refresh_stats()
         log.info("collector started", region=self.region, peers=sorted(self.links))

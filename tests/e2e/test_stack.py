@@ -387,3 +387,51 @@ def test_loom_status_reports_every_process_healthy(home: Path) -> None:
         for p in report["processes"]
         if p["name"] not in ("supervisor", "nats", "postgres")
     )
+
+
+def _loom(home: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loom.cli.main", *argv],
+        env=dict(os.environ, LOOM_HOME=str(home)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_loom_view_says_when_nothing_matches_and_keeps_json_small(home: Path) -> None:
+    # A filter that matches nothing used to print an empty tree with exit 0.
+    mars = _loom(home, "view", "--region", "mars")
+    assert mars.returncode == 1 and "no cluster matches --region mars" in mars.stderr
+    # A negative --min-free used to be accepted.
+    negative = _loom(home, "view", "--min-free", "-3")
+    assert negative.returncode == 2 and "must be 0 or more" in negative.stderr
+    # --json without --nodes used to dump every node.
+    brief = json.loads(_loom(home, "view", "--json").stdout)
+    full = json.loads(_loom(home, "view", "--json", "--nodes").stdout)
+    clusters = [
+        c for r in brief["regions"].values() for z in r["zones"].values() for c in z["clusters"].values()
+    ]
+    assert clusters and all(
+        "nodes" not in c and sum(c["gpus_by_model"].values()) == c["gpus_total"] for c in clusters
+    )
+    assert any(
+        c["nodes"]
+        for r in full["regions"].values()
+        for z in r["zones"].values()
+        for c in z["clusters"].values()
+    )
+    # The text view shows each cluster's trust.
+    assert "trust 1.00" in _loom(home, "view").stdout or "trust 0." in _loom(home, "view").stdout
+    # A reader that goes away early (`| head`) ends the command quietly.
+    piped = subprocess.run(
+        f"{sys.executable} -m loom.cli.main view --json --nodes | head -c 100 > /dev/null",
+        shell=True,
+        env=dict(os.environ, LOOM_HOME=str(home)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert "Traceback" not in piped.stderr and "BrokenPipeError" not in piped.stderr

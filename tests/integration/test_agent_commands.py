@@ -25,14 +25,15 @@ from nats.js.errors import NotFoundError
 from structlog.testing import capture_logs
 from waiting import until
 
-from loom.bus import Publisher
+from loom.bus import Delivery, Publisher
 from loom.bus.connection import connect
 from loom.model.topology import load_topology
 from loom.runtime.servers import NatsServer
 from loom.runtime.service import ServiceContext, close_context, open_context
 from loom_proto import subjects
-from loom_proto.clusters import ClusterHeartbeat, ResizeJob, StartJob, StopJob
-from loom_proto.jobs import JobSpec, NodeAllocation, Work
+from loom_proto.clusters import ClusterCommand, ClusterHeartbeat, ResizeJob, StartJob, StopJob
+from loom_proto.codec import encode
+from loom_proto.jobs import JobCompleted, JobSpec, NodeAllocation, Work
 from loom_proto.subjects import ClusterCommandKind
 from loom_services.cluster_agent.agent import Agent
 from loom_services.cluster_agent.sim import SimCluster
@@ -86,10 +87,10 @@ class Harness:
     task: asyncio.Task[None] | None = None
     ctx: ServiceContext | None = None
 
-    async def start_agent(self) -> Agent:
+    async def start_agent(self, agent_class: type[Agent] = Agent) -> Agent:
         self.ctx = await open_context(f"agent-{CLUSTER}", nats_url=self.nats_url, database_url=None)
         cluster = load_topology("small").cluster(CLUSTER)
-        self.agent = Agent(
+        self.agent = agent_class(
             self.ctx,
             SimCluster(cluster),
             region=cluster.region,
@@ -538,6 +539,104 @@ async def test_a_restarted_agent_resumes_a_delayed_starts_wait_until_the_same_st
     started = h.seen.event(job_id, "started")
     assert started is not None and started["started_at"] >= start_at - 0.01
     assert h.seen.kinds(job_id).count("started") == 1
+
+
+async def test_reports_journalled_but_not_sent_before_a_restart_are_sent_after_it_and_sent_ones_are_not(
+    h: Harness,
+) -> None:
+    unsent, sent, sentinel = unique("unsent"), unique("sent"), unique("sentinel")
+    await h.stop_agent()
+    with (h.state_dir / f"agent-{CLUSTER}.jsonl").open("a") as journal:
+        for job_id in (unsent, sent):
+            report = {
+                "op": "report",
+                "msg_id": f"{job_id}:completed:1",
+                "subject": subjects.job_event("completed", "t1"),
+                "payload": encode(
+                    JobCompleted(
+                        job_id=job_id, tenant="t1", cluster=CLUSTER, attempt=1, gpu_seconds=1.0, at=1.0
+                    )
+                ).decode(),
+                "carrier": {},
+            }
+            journal.write(json.dumps(report) + "\n")
+        journal.write(json.dumps({"op": "sent", "id": f"{sent}:completed:1"}) + "\n")
+    await h.start_agent()
+    assert (await completed(h, unsent))["gpu_seconds"] == 1.0
+    await h.command(start(sentinel, {T4_A: 2}, steps=10, step_time_s=20.0))
+    await completed(h, sentinel)
+    assert h.seen.kinds(sent) == [], "a report the stream took before the restart is not sent again"
+    assert h.seen.ids(unsent, "completed") == [f"{unsent}:completed:1"]
+    assert h.agent is not None and h.agent.reports == {}
+
+
+async def test_a_journal_compacted_while_runs_go_on_restores_the_same_runs_and_resends_nothing(
+    h: Harness,
+) -> None:
+    assert h.agent is not None
+    h.agent.compact_after_lines = 4  # compacted many times over by the runs below
+    held, done = unique("held"), unique("done")
+    await h.handled(await h.command(start(held, {T4_C: 2}, role="member")))
+    await h.command(start(done, {T4_A: 2}, steps=10, step_time_s=20.0))
+    await completed(h, done)
+    agent = h.agent
+    await until(lambda: _true(not agent.reports), 10, "every report sent")
+    assert len(h.journal()) < 4 + 3, "the journal holds what matters, not every change"
+
+    await h.stop_agent()
+    restarted = await h.start_agent()
+    await until(lambda: _true(h.seen.epoch == restarted.epoch), 10, "a heartbeat of the restarted agent")
+    await h.heartbeat_shows({T4_C: 2, T4_A: 0}, running={held}, absent={done})
+    assert set(restarted.running) == {f"{held}:1"} and f"{done}:1" in restarted.finished
+    assert restarted.reports == {}
+    assert h.seen.ids(done, "completed") == [f"{done}:completed:1"], "nothing sent twice"
+    await h.handled(await h.command(StopJob(job_id=held)))
+
+
+class _LoopKiller(BaseException):
+    """Escapes the handler's ``except Exception``, so the consumer loop itself dies (as it did on a
+    RecursionError while decoding a deeply nested command)."""
+
+
+class _DyingAgent(Agent):
+    """Kills its command loop on the first start of a job named ``kill-...``."""
+
+    killed = False
+
+    async def on_command(self, d: Delivery[ClusterCommand]) -> None:
+        if isinstance(d.message, StartJob) and d.message.job_id.startswith("kill-") and not self.killed:
+            type(self).killed = True
+            raise _LoopKiller("the command loop dies")
+        await super().on_command(d)
+
+
+async def test_a_command_consumer_whose_loop_dies_is_logged_restarted_and_shown_in_health(h: Harness) -> None:
+    await h.stop_agent()
+    await h.start_agent(_DyingAgent)
+    after = unique("after")
+    with capture_logs() as logs:
+        await h.command(start(unique("kill"), {T4_A: 2}))
+
+        async def died_logged() -> bool:
+            return any(e["event"] == "task died; restarting" for e in logs)
+
+        await until(died_logged, 10, "the death of the command loop to be logged")
+        # Commands sent after the death are carried out: the loop came back.
+        await h.command(start(after, {T4_B: 2}, steps=10, step_time_s=20.0))
+        await completed(h, after)
+    died = [e for e in logs if e["event"] == "task died; restarting" and e["task"] == "commands"]
+    assert len(died) == 1 and died[0]["log_level"] == "error"
+    assert died[0]["error"] == "_LoopKiller: the command loop dies"
+
+    reply = await h.nc.request(subjects.service_health(f"agent-{CLUSTER}"), b"", timeout=2.0)
+    health = json.loads(reply.data)
+    assert health["tasks"]["commands"] == {
+        "state": "recovering",
+        "restarts": 1,
+        "last_error": "_LoopKiller: the command loop dies",
+    }
+    assert health["status"].startswith("degraded: task commands recovering (1 restarts)")
+    assert any(p.startswith("task commands recovering (1 restarts)") for p in health["problems"])
 
 
 async def _true(value: object) -> bool:

@@ -205,9 +205,9 @@ async def test_publish_batch_stores_each_message_once_and_reports_each_failure(n
 # -- consumer spec -----------------------------------------------------------------------------------
 
 
-def test_consumer_spec_config_leaves_the_last_delivery_to_the_loop() -> None:
+def test_consumer_spec_config_leaves_counting_failures_to_the_loop() -> None:
     one = ConsumerSpec(stream="JOBS", durable="d", filter_subjects=["a.b"], max_deliver=4).config()
-    assert one.max_deliver == 5
+    assert one.max_deliver == -1, "outage redeliveries must never exhaust a server-side budget"
     assert one.ack_policy == AckPolicy.EXPLICIT
     assert one.deliver_policy == DeliverPolicy.ALL
     assert (one.filter_subject, one.filter_subjects) == ("a.b", None)

@@ -13,6 +13,7 @@ import asyncpg
 import pytest
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
+from structlog.testing import capture_logs
 from waiting import until
 
 from loom.bus import connect
@@ -118,6 +119,26 @@ async def test_of_five_contenders_exactly_one_leads_and_keeps_leading_past_the_t
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def test_a_renewer_that_dies_is_logged_and_loses_the_lease_rather_than_leading_on_an_expiring_key(
+    client: Connect, leases: list[LeaderLease]
+) -> None:
+    lease = await contender(client, leases, unique("shard"), "leader")
+    await lease.acquire()
+    assert lease._kv is not None
+
+    async def broken_update(*_args: object, **_kwargs: object) -> int:
+        raise RuntimeError("a bug in renewal")
+
+    lease._kv.update = broken_update  # type: ignore[method-assign]  # the renewer's next write dies
+    with capture_logs() as logs:
+        await asyncio.wait_for(lease.lost.wait(), WAIT_S)
+    died = [e for e in logs if e["event"] == "lease renewer died"]
+    assert len(died) == 1 and "a bug in renewal" in died[0]["error"] and died[0]["log_level"] == "error"
+    lost = [e for e in logs if e["event"] == "lease lost"]
+    assert len(lost) == 1 and lost[0]["reason"].startswith("renewer died: RuntimeError")
+    assert not lease.is_leader
 
 
 async def test_a_crashed_leader_is_replaced_after_the_ttl_by_a_larger_token(

@@ -11,7 +11,7 @@ from loom.model.capacity import NodeCapacity
 from loom.sched.availability import Reservation, WaitBook, expected_wait_s, room_at_s
 from loom.sched.framework import Code, CycleState, Framework
 from loom.sched.plugins.backfill import Backfill, WaitingJobs
-from loom.sched.plugins.compute import PoolFit, ScuFit
+from loom.sched.plugins.compute import FreeFit, PoolFit, ScuFit
 from loom.sched.plugins.network import SpanGuard
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.snapshot import NetMatrix, RunningJob, Snapshot
@@ -220,18 +220,38 @@ def test_the_span_guard_refuses_a_gpu_hours_bound_below_one() -> None:
 # ---- waiting for faster GPUs while others wait --------------------------------------------------
 
 
-def test_a_gang_does_not_wait_for_faster_gpus_while_other_jobs_wait() -> None:
+def test_while_other_jobs_wait_a_gang_waits_for_faster_gpus_only_when_the_slower_are_much_slower() -> None:
     nodes = [node("a0", "ca", used=8), node("b0", "cb", model=SLOW)]
     runs = [running("busy", ("a0", 8), ends_in_s=100.0)]
+    # Alone: 100 s + 333 s on A100 beats 1,000 s on T4, so the gang waits.
     book = WaitBook()
     framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book)])
     alone = framework.schedule(gang(), snapshot(nodes, runs), submitted_at=NOW)
-    assert alone.decision is None  # nobody else waits: 100 s + 333 s beats 1,000 s on T4
+    assert alone.decision is None
     book.drop("g")
+    # With a queue, T4 runs it a little under 3x as long (the gradient exchange is the same on
+    # both): below the default bound (3x), so the slower GPUs are taken now ...
     busy = snapshot(nodes, runs)
     busy.waiting.add("someone-else")
     queued = framework.schedule(gang(), busy, submitted_at=NOW)
     assert queued.decision is not None and queued.decision.parts[0].gpu_model == SLOW
+    # ... while with a bound of 2.5x that slowdown is worth the wait.
+    strict = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook(), queue_slowdown=2.5)])
+    assert strict.schedule(gang(), busy, submitted_at=NOW).decision is None
+    with pytest.raises(ValueError, match="queue_slowdown"):
+        SpanGuard(queue_slowdown=0.5)
+
+
+def test_a_job_without_communication_waits_for_faster_gpus_too() -> None:
+    nodes = [node("a0", "ca", used=8), node("b0", "cb", model=SLOW)]
+    runs = [running("busy", ("a0", 8), ends_in_s=100.0)]
+    single = msgspec.structs.replace(gang(workers=1), comm=None)
+    framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())])
+    waits = framework.schedule(single, snapshot(nodes, runs), submitted_at=NOW)
+    assert waits.decision is None and waits.status.wait_s == pytest.approx(100.0)
+    # Once it has waited what the slower start would lose (1,000 - 333 s), it starts on T4.
+    late = framework.schedule(single, snapshot(nodes, runs), submitted_at=NOW - 700.0)
+    assert late.decision is not None and late.decision.parts[0].gpu_model == SLOW
 
 
 def test_the_queue_counts_jobs_nothing_fits_until_placed() -> None:
@@ -435,3 +455,51 @@ def test_a_gang_no_cluster_holds_spreads_over_clusters_of_unequal_trust_alike() 
     outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())]).schedule(job, snap)
     assert outcome.decision is not None, outcome
     assert sorted(p.cluster for p in outcome.decision.parts) == ["ca", "cb"]
+
+
+# ---- best fit on free GPUs ------------------------------------------------------------------------
+
+
+def free_fit_scores(snap: Snapshot, spec: JobSpec) -> dict[str, float]:
+    framework = Framework([ResourceFit(), FreeFit()])
+    state = framework.new_state(spec, snap)
+    assert framework.run_pre_filters(state).ok
+    cands = framework.find_candidates(state)
+    plugin = FreeFit()
+    norm = plugin.normalize(state, plugin.score(state, cands))
+    return {snap.clusters[int(c)].id: float(v) for c, v in zip(cands.cluster, norm, strict=True)}
+
+
+def test_free_fit_fills_the_fullest_of_the_fastest_pools_even_on_an_idle_platform() -> None:
+    # Three pools of the same GPUs: 8, 16 and 24 free. A one-GPU job goes where the fewest stay
+    # free, so the 16 and 24 stay whole for gangs only they hold.
+    nodes = [
+        node("p0", "eight"),
+        *[node(f"q{i}", "sixteen") for i in range(2)],
+        *[node(f"r{i}", "twentyfour") for i in range(3)],
+    ]
+    job = JobSpec(job_id="j", tenant="t", resources=Resources(gpus=1), work=Work(steps=10, step_time_s=1.0))
+    scores = free_fit_scores(snapshot(nodes), job)
+    assert scores["eight"] > scores["sixteen"] > scores["twentyfour"] == pytest.approx(0.0, abs=1e-9)
+    # Once the 24-GPU pool has only 2 free, it is the fullest.
+    busy = [*nodes[:3], node("r0", "twentyfour", used=8), node("r1", "twentyfour", used=8)]
+    busy.append(node("r2", "twentyfour", used=6))
+    assert (
+        max(free_fit_scores(snapshot(busy), job), key=free_fit_scores(snapshot(busy), job).get)
+        == "twentyfour"
+    )
+
+
+def test_free_fit_never_prefers_a_slower_pool_for_being_fuller() -> None:
+    # The slow pool has 1 GPU free, the fast ones 8 and 24: the fuller fast pool is preferred, the
+    # slow one (3x slower) gets nothing for being fullest.
+    nodes = [
+        node("s0", "slow", model=SLOW, used=7),
+        node("f0", "fast"),
+        *[node(f"g{i}", "emptier") for i in range(3)],
+    ]
+    job = JobSpec(job_id="j", tenant="t", resources=Resources(gpus=1), work=Work(steps=10, step_time_s=1.0))
+    scores = free_fit_scores(snapshot(nodes), job)
+    assert scores["slow"] == pytest.approx(0.0, abs=1e-9)
+    assert scores["fast"] == pytest.approx(100.0 * (1 - 7 / 23))
+    assert scores["emptier"] == pytest.approx(0.0, abs=1e-9)

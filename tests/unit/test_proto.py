@@ -409,3 +409,24 @@ def test_view_query_refuses_unknown_filters() -> None:
     assert msgspec.json.decode(b"{}", type=ViewQuery) == ViewQuery()
     with pytest.raises(msgspec.ValidationError):
         msgspec.json.decode(b'{"regoin": "eu"}', type=ViewQuery)
+
+
+def test_id_errors_name_the_rule_in_words_never_the_regular_expression() -> None:
+    from loom.client.sdk import SpecError, spec_from_mapping
+    from loom_proto.codec import DecodeError, decode
+    from loom_proto.ids import ID_PATTERN, ID_RULE
+    from loom_proto.jobs import JobSubmitted
+
+    spec = {
+        "job_id": "bad id!",
+        "tenant": "t",
+        "resources": {"gpus": 1},
+        "work": {"steps": 1, "step_time_s": 1},
+    }
+    with pytest.raises(SpecError) as refused:
+        spec_from_mapping(spec)
+    assert ID_RULE in str(refused.value) and "$.job_id" in str(refused.value)
+    assert ID_PATTERN not in str(refused.value) and "regex" not in str(refused.value)
+    with pytest.raises(DecodeError) as undecodable:
+        decode(b'{"job_id": "x y"}', JobSubmitted)
+    assert ID_RULE in str(undecodable.value) and "regex" not in str(undecodable.value)

@@ -4,7 +4,7 @@ Every service talks to the bus through this package only, so message ids, trace 
 and dead-lettering work the same way everywhere.
 """
 
-from loom.bus.connection import BusError, connect, ensure_streams, stream_config
+from loom.bus.connection import BusError, connect, ensure_streams, server_urls, stream_config
 from loom.bus.consumer import ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.publisher import Publisher
 
@@ -16,5 +16,6 @@ __all__ = [
     "Publisher",
     "connect",
     "ensure_streams",
+    "server_urls",
     "stream_config",
 ]

@@ -1,13 +1,21 @@
-"""Connecting to NATS and making sure Loom's streams exist with the configured limits."""
+"""Connecting to NATS and making sure Loom's streams exist with the configured limits.
 
+A NATS URL may list several servers, comma-separated (``nats://a:4222,nats://b:4222``): the nodes
+of a cluster, all of which a client knows from the start so it can connect and fail over to any.
+"""
+
+import asyncio
 import os
+import time
 
 import nats
 import structlog
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from loom.errors import LoomError
 from loom_proto.subjects import STREAMS, StreamSpec
@@ -19,11 +27,30 @@ class BusError(LoomError):
     """The bus could not do what was asked (connection lost, stream misconfigured)."""
 
 
-async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0) -> Client:
-    """Connect with unbounded reconnects, so a NATS restart pauses a service instead of ending it."""
+def server_urls(url: str) -> list[str]:
+    """The servers a NATS URL names: ``nats://a:4222,nats://b:4222`` is two, blanks dropped."""
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+    if not servers:
+        raise BusError(f"no NATS server in {url!r}", non_retryable=True)
+    return servers
+
+
+async def connect(
+    url: str, name: str, *, connect_timeout_s: float = 5.0, first_within_s: float | None = None
+) -> Client:
+    """Connect with unbounded reconnects, so a NATS restart pauses a service instead of ending it.
+
+    ``url`` may list the nodes of a cluster, comma-separated: the client connects to any of them
+    and, when its server goes, reconnects to another. A service waits for the first connection as
+    long as it takes; a command line gives ``first_within_s`` and gets a :class:`BusError` saying
+    what to do when no server answers by then.
+    """
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats error", error=str(exc), client=name)
+        if client:
+            log.warning("nats error", error=str(exc), client=name)
+        else:  # not connected yet: the caller waits (a service) or gives up in time (a command)
+            log.info("waiting for nats", error=str(exc), client=name)
 
     client: list[Client] = []
 
@@ -36,20 +63,26 @@ async def connect(url: str, name: str, *, connect_timeout_s: float = 5.0) -> Cli
     async def on_reconnected() -> None:
         log.info("nats reconnected", client=name)
 
+    opening = nats.connect(
+        servers=server_urls(url),
+        name=name,
+        connect_timeout=connect_timeout_s,
+        allow_reconnect=True,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        error_cb=on_error,
+        disconnected_cb=on_disconnected,
+        reconnected_cb=on_reconnected,
+        # Keep queued publishes while reconnecting rather than failing them at once.
+        pending_size=64 * 1024 * 1024,
+    )
     try:
-        nc = await nats.connect(
-            servers=[url],
-            name=name,
-            connect_timeout=connect_timeout_s,
-            allow_reconnect=True,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            error_cb=on_error,
-            disconnected_cb=on_disconnected,
-            reconnected_cb=on_reconnected,
-            # Keep queued publishes while reconnecting rather than failing them at once.
-            pending_size=64 * 1024 * 1024,
-        )
+        nc = await (opening if first_within_s is None else asyncio.wait_for(opening, first_within_s))
+    except TimeoutError as exc:
+        raise BusError(
+            f"no NATS server answered at {url} within {first_within_s:g} s:"
+            " is the Loom stack running? Start it with `loom up` (or set LOOM_NATS_URL)"
+        ) from exc
     except Exception as exc:  # nats raises several unrelated types for "could not connect"
         raise BusError(f"cannot connect to NATS at {url}: {exc}") from exc
     client.append(nc)
@@ -69,22 +102,48 @@ def stream_config(spec: StreamSpec) -> StreamConfig:
         max_bytes=spec.max_bytes,
         max_msg_size=spec.max_msg_bytes,
         duplicate_window=spec.duplicate_window_s,
-        # 3 on a NATS cluster (deploy/nats/cluster-3.conf); 1 for the embedded single server.
+        # 3 on a NATS cluster (`loom up --nats-cluster 3` sets it; deploy/nats/cluster-3.conf);
+        # 1 for a single server. Consumers leave num_replicas unset and so inherit it.
         num_replicas=int(os.environ.get("LOOM_STREAM_REPLICAS", "1")),
     )
 
 
-async def ensure_streams(js: JetStreamContext, specs: tuple[StreamSpec, ...] = STREAMS) -> None:
-    """Create each stream, or update it to the configured limits when it already exists."""
+_JETSTREAM_NOT_READY = (ServiceUnavailableError, NoRespondersError, NatsTimeoutError, asyncio.TimeoutError)
+"""What JetStream answers while a cluster has no meta leader yet (at start, or after losing it)."""
+
+
+async def ensure_streams(
+    js: JetStreamContext, specs: tuple[StreamSpec, ...] = STREAMS, *, ready_timeout_s: float = 30.0
+) -> None:
+    """Create each stream, or update it to the configured limits when it already exists.
+
+    On a cluster, JetStream refuses requests until its nodes have elected a meta leader; those
+    refusals are retried for up to ``ready_timeout_s`` before the last one is raised.
+    """
+    deadline = time.monotonic() + ready_timeout_s
+    delay_s = 0.1
     for spec in specs:
-        config = stream_config(spec)
-        try:
-            await js.stream_info(spec.name)
-        except NotFoundError:
+        while True:
             try:
-                await js.add_stream(config)
-            except BadRequestError:
-                # Another service created it between our look-up and our add.
-                await js.update_stream(config)
-        else:
+                await _ensure_stream(js, stream_config(spec))
+                break
+            except _JETSTREAM_NOT_READY as exc:
+                if time.monotonic() + delay_s >= deadline:
+                    raise
+                log.info("jetstream not ready, retrying", stream=spec.name, error=repr(exc))
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 1.0)
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    assert config.name is not None
+    try:
+        await js.stream_info(config.name)
+    except NotFoundError:
+        try:
+            await js.add_stream(config)
+        except BadRequestError:
+            # Another service created it between our look-up and our add.
             await js.update_stream(config)
+    else:
+        await js.update_stream(config)

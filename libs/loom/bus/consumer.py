@@ -3,13 +3,29 @@
 What happens to a message is decided here, from the handler's outcome, never from message text:
 
 * the handler returns normally: ack;
-* decoding fails, or the handler raises a ``LoomError`` with ``non_retryable``: dead-letter at once;
-* any other exception: nak with an exponential delay, and dead-letter once ``max_deliver`` is reached.
+* decoding fails (each message is decoded on its own, with size, depth and repeated-key limits),
+  or the handler raises a ``LoomError`` with ``non_retryable``, an ``InvalidIdError``, a
+  ``DecodeError`` or a ``RecursionError``: dead-letter that message at once;
+* a dependency outage (:mod:`loom.bus.outage`: the error points at PostgreSQL or NATS and its
+  probe confirms it is down): nak without counting the delivery, stop fetching, and resume when
+  the probe answers again, however long that takes; health says ``degraded`` meanwhile;
+* any other exception: nak with an exponential delay, and dead-letter once it failed
+  ``max_deliver`` times.
+
+Failures are counted by this loop, per stream sequence, in memory; the server's own
+``max_deliver`` is unlimited, so redeliveries caused by outages (or by restarts, or ack waits
+running out while NATS was away) can never exhaust a budget the server enforces by dropping the
+message. A process that restarts counts a message's failures afresh: a message that keeps failing
+gets ``max_deliver`` tries per process life, never fewer.
+
+When a batch handler raises, or returns one error object for several messages, and that error is
+no outage and would dead-letter them, those messages are handled again one by one, so the message
+that broke the batch fails by itself and its neighbours go through.
 
 A dead letter goes to ``loom.dlq.<original subject>`` with the original payload and headers plus
 ``Loom-Error``, ``Loom-Error-Type``, ``Loom-Original-Subject``, ``Loom-Stream``,
-``Loom-Stream-Seq`` and ``Loom-Deliveries``; its message id is derived from the stream sequence so
-a redelivered poison message is dead-lettered once.
+``Loom-Stream-Seq``, ``Loom-Deliveries`` and ``Loom-Failures``; its message id is derived from the
+stream sequence so a redelivered poison message is dead-lettered once.
 """
 
 import asyncio
@@ -31,6 +47,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from loom.bus.connection import BusError
+from loom.bus.outage import Dependencies, of_connection
 from loom.bus.publisher import Publisher
 from loom.errors import LoomError
 from loom.telemetry import span_name
@@ -43,6 +60,18 @@ _tracer = trace.get_tracer("loom.bus")
 
 T = TypeVar("T")
 
+_MAX_TRACKED = 100_000
+"""Failure counts kept per consumer at most (each is a few dozen bytes)."""
+
+
+def _never_succeeds(error: BaseException) -> bool:
+    """Whether a retry of the same message cannot help: it is the message, not the moment."""
+    if isinstance(error, LoomError):
+        return error.non_retryable
+    # An id that cannot become a subject token will not become one on a retry either; a message
+    # that recursed too deep will again.
+    return isinstance(error, InvalidIdError | DecodeError | RecursionError)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ConsumerSpec:
@@ -52,6 +81,7 @@ class ConsumerSpec:
     durable: str
     filter_subjects: Sequence[str]
     max_deliver: int = 5
+    """Failures (outages not counted) after which a message is dead-lettered."""
     ack_wait_s: float = 30.0
     batch: int = 100
     first_nak_delay_s: float = 0.2
@@ -68,16 +98,17 @@ class ConsumerSpec:
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.NEW if self.deliver_new_only else DeliverPolicy.ALL,
             ack_wait=self.ack_wait_s,
-            # One extra delivery so the loop, not the server, dead-letters the last failure.
-            max_deliver=self.max_deliver + 1,
+            # Unlimited: the loop counts failures itself, outages excluded, and dead-letters; a
+            # server-side limit would drop a message silently once outages had used it up.
+            max_deliver=-1,
             max_ack_pending=self.max_ack_pending,
             filter_subject=subjects[0] if len(subjects) == 1 else None,
             filter_subjects=subjects if len(subjects) > 1 else None,
         )
 
-    def nak_delay_s(self, num_delivered: int) -> float:
-        """Exponential backoff for the next redelivery."""
-        return float(min(self.first_nak_delay_s * (2 ** max(num_delivered - 1, 0)), self.max_nak_delay_s))
+    def nak_delay_s(self, failures: int) -> float:
+        """Exponential backoff for the next redelivery after ``failures`` failures."""
+        return float(min(self.first_nak_delay_s * (2 ** max(failures - 1, 0)), self.max_nak_delay_s))
 
 
 @dataclass(kw_only=True)
@@ -124,6 +155,7 @@ class ConsumerRunner(Generic[T]):
         concurrent: bool = False,
         callback_pull: bool = False,
         pipeline: int = 1,
+        dependencies: Dependencies | None = None,
     ) -> None:
         if (handler is None) == (batch_handler is None):
             raise ValueError("give exactly one of handler and batch_handler")
@@ -146,7 +178,14 @@ class ConsumerRunner(Generic[T]):
         self._cb_sub: Subscription | None = None
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.dependencies = dependencies or of_connection(nc)
+        self._failures: dict[int, int] = {}
+        """Stream sequence -> failures so far (outages not counted), while the message is unsettled."""
+        self.waiting_for: list[str] = []
+        """The dependencies this consumer waits for (it fetches nothing meanwhile)."""
         self.counts: dict[str, int] = {"acked": 0, "nacked": 0, "dead_lettered": 0}
+        self.held_for_outage = 0
+        """Deliveries nakked, uncounted, because a dependency was down."""
 
     async def start(self) -> None:
         """Create or update the durable consumer and start the loop in a task."""
@@ -167,7 +206,8 @@ class ConsumerRunner(Generic[T]):
     async def stop(self) -> None:
         """Finish the batch in hand, then stop fetching; unacked messages are redelivered later."""
         self._stopping.set()
-        if self._task is not None:
+        # A loop that died already was reported by whoever waited on it (a watchdog).
+        if self._task is not None and not self._task.done():
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         with contextlib.suppress(Exception):
@@ -180,6 +220,24 @@ class ConsumerRunner(Generic[T]):
         """Return when the loop ends (it ends only on stop or a fatal error, which is raised)."""
         if self._task is not None:
             await self._task
+
+    async def restart(self) -> None:
+        """Start the loop again after it died (a watchdog restarts it); a no-op while it runs or
+        once stopped.
+
+        The old subscription goes first; raises what :meth:`start` raises.
+        """
+        if self._stopping.is_set() or (self._task is not None and not self._task.done()):
+            return
+        self._task = None
+        with contextlib.suppress(Exception):
+            if self._cb_sub is not None:
+                await self._cb_sub.unsubscribe()
+            else:
+                await self._sub.unsubscribe()
+        self._cb_sub = None
+        self._arrived, self._pull_left = [], 0
+        await self.start()
 
     async def _on_pulled(self, msg: Msg) -> None:
         self._arrived.append(msg)
@@ -237,31 +295,50 @@ class ConsumerRunner(Generic[T]):
         in_flight: set[asyncio.Task[None]] = set()
         try:
             while not self._stopping.is_set():
+                if self.waiting_for:
+                    if in_flight:  # the batches in hand settle (nak) first
+                        await asyncio.gather(*in_flight, return_exceptions=True)
+                        in_flight.clear()
+                    log.warning("consumer paused", consumer=self.spec.durable, waiting_for=self.waiting_for)
+                    if not await self.dependencies.wait_until_up(self.waiting_for, self._stopping):
+                        break
+                    log.info("consumer resumed", consumer=self.spec.durable, waited_for=self.waiting_for)
+                    self.waiting_for = []
                 try:
                     msgs = await self._fetch()
                 except Exception as exc:  # connection trouble: the client reconnects, we retry
                     if self._stopping.is_set():
                         break
                     log.warning("fetch failed", consumer=self.spec.durable, error=repr(exc))
-                    await asyncio.sleep(0.5)
+                    suspects = self.dependencies.suspects(exc)
+                    self.waiting_for = await self.dependencies.confirm(suspects) if suspects else []
+                    if not self.waiting_for:
+                        await asyncio.sleep(0.5)
                     continue
                 if not msgs:
                     continue
                 if self._pipeline == 1:
-                    await self._process(msgs)
+                    await self._process_guarded(msgs)
                     continue
                 # Pipelined: the next batch is fetched and its handler started (in fetch order)
                 # while earlier ones are still handled; each batch is settled after its handler.
-                task = asyncio.create_task(self._process(msgs))
+                task = asyncio.create_task(self._process_guarded(msgs))
                 in_flight.add(task)
                 while len(in_flight) >= self._pipeline:
                     done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
                     in_flight -= done
-                    for finished in done:
-                        finished.result()  # a failure here is fatal, as it is unpipelined
         finally:
             if in_flight:
                 await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _process_guarded(self, msgs: list[Msg]) -> None:
+        try:
+            await self._process(msgs)
+        except Exception as exc:
+            # Never let one batch end the loop: what was not settled is redelivered after the
+            # ack wait.
+            log.exception("consumer batch failed", consumer=self.spec.durable, error=repr(exc))
+            await asyncio.sleep(0.5)
 
     async def _process(self, msgs: list[Msg]) -> None:
         deliveries: list[Delivery[T]] = []
@@ -287,7 +364,7 @@ class ConsumerRunner(Generic[T]):
                 # ``bytes`` hands the payload over untouched, for handlers that answer bad input
                 # themselves (placement tells a submitter why a job was refused).
                 message: T = msg.data if self._type is bytes else decode(msg.data, self._type)  # type: ignore[assignment]
-            except DecodeError as exc:
+            except Exception as exc:  # DecodeError; anything else a decoder raises is as final
                 await self._dead_letter(msg, exc, span)
                 continue
             deliveries.append(
@@ -312,16 +389,50 @@ class ConsumerRunner(Generic[T]):
             outcomes = await self._handle(deliveries)
         finally:
             keepalive.cancel()
+        down = await self._outages(outcomes)
         # An ack is a publish without a reply (it never waits on the server): acknowledge in line,
         # and give only failures (a dead letter waits for its stream's ack) a task each.
         failed = []
         for d, o in zip(deliveries, outcomes, strict=True):
             if o is None:
                 await self._settle(d, o)
+            elif (suspects := self._outage_of(o, down)) is not None:
+                failed.append(self._hold(d, o, suspects))
             else:
                 failed.append(self._settle(d, o))
         if failed:
             await asyncio.gather(*failed)
+        if down:
+            self.waiting_for = down
+
+    async def _outages(self, outcomes: Sequence[BaseException | None]) -> list[str]:
+        """The dependencies that the failures point at and that are down now (probed)."""
+        suspects: set[str] = set()
+        for o in outcomes:
+            if o is not None and not _never_succeeds(o):
+                suspects.update(self.dependencies.suspects(o))
+        return await self.dependencies.confirm(sorted(suspects)) if suspects else []
+
+    def _outage_of(self, outcome: BaseException, down: list[str]) -> list[str] | None:
+        if not down or _never_succeeds(outcome):
+            return None
+        hit = [name for name in self.dependencies.suspects(outcome) if name in down]
+        return hit or None
+
+    async def _hold(self, delivery: Delivery[T], outcome: BaseException, down: list[str]) -> None:
+        """Give a delivery back, uncounted, while a dependency it needs is down."""
+        self.held_for_outage += 1
+        delivery.span.set_attribute("loom.outage", ",".join(down))
+        delivery.span.record_exception(outcome)
+        try:
+            # The loop fetches nothing until the dependency answers, so the delay only spaces out
+            # redeliveries to another consumer of the same durable.
+            await delivery.msg.nak(delay=self.spec.first_nak_delay_s)
+            self.counts["nacked"] += 1
+        except Exception as exc:  # NATS may be the one that is down: the ack wait redelivers it
+            log.debug("nak failed", consumer=self.spec.durable, error=repr(exc))
+        finally:
+            delivery.span.end()
 
     async def _keep_alive(self, msgs: list[Msg]) -> None:
         period = max(self.spec.ack_wait_s / 3, 0.05)
@@ -334,12 +445,24 @@ class ConsumerRunner(Generic[T]):
     async def _handle(self, deliveries: list[Delivery[T]]) -> Sequence[BaseException | None]:
         if self._batch_handler is not None:
             try:
-                outcomes = await self._batch_handler(deliveries)
+                outcomes = list(await self._handle_batch(deliveries))
             except Exception as exc:
-                return [exc] * len(deliveries)
-            if len(outcomes) != len(deliveries):
-                error = RuntimeError("batch handler returned the wrong number of outcomes")
-                return [error] * len(deliveries)
+                outcomes = [exc] * len(deliveries)
+            # One error shared by several messages, and about to dead-letter them, is most likely
+            # one message breaking the batch: handle those alone, so only the culprit fails.
+            shared = self._shared_fatal(deliveries, outcomes)
+            if shared:
+                log.warning(
+                    "batch failed as a whole; handling its messages one by one",
+                    consumer=self.spec.durable,
+                    error=repr(outcomes[shared[0]]),
+                    messages=len(shared),
+                )
+                for i in shared:
+                    try:
+                        outcomes[i] = (await self._handle_batch([deliveries[i]]))[0]
+                    except Exception as alone:
+                        outcomes[i] = alone
             return outcomes
         handler = self._handler
         assert handler is not None
@@ -359,29 +482,63 @@ class ConsumerRunner(Generic[T]):
             return await asyncio.gather(*(one(d) for d in deliveries))
         return [await one(d) for d in deliveries]
 
+    def _shared_fatal(self, deliveries: list[Delivery[T]], outcomes: list[BaseException | None]) -> list[int]:
+        """Indices of the messages failed by one error object shared with another message, that is
+        no outage, and that would dead-letter at least one of them now."""
+        by_error: dict[int, list[int]] = {}
+        for i, o in enumerate(outcomes):
+            if o is not None:
+                by_error.setdefault(id(o), []).append(i)
+        shared: list[int] = []
+        for indices in by_error.values():
+            error = outcomes[indices[0]]
+            assert error is not None
+            if len(indices) < 2 or self.dependencies.suspects(error):
+                continue
+            fatal = _never_succeeds(error) or any(
+                self._failures.get(deliveries[i].stream_seq, 0) + 1 >= self.spec.max_deliver for i in indices
+            )
+            if fatal:
+                shared += indices
+        return sorted(shared)
+
+    async def _handle_batch(self, deliveries: list[Delivery[T]]) -> Sequence[BaseException | None]:
+        assert self._batch_handler is not None
+        outcomes = await self._batch_handler(deliveries)
+        if len(outcomes) != len(deliveries):
+            error = RuntimeError("batch handler returned the wrong number of outcomes")
+            return [error] * len(deliveries)
+        return outcomes
+
     async def _settle(self, delivery: Delivery[T], outcome: BaseException | None) -> None:
         msg, span = delivery.msg, delivery.span
         if outcome is None:
+            self._failures.pop(delivery.stream_seq, None)
             try:
                 await msg.ack()
                 self.counts["acked"] += 1
             finally:
                 span.end()
             return
-        # An id that cannot become a subject token will not become one on a retry either.
-        if (isinstance(outcome, LoomError) and outcome.non_retryable) or isinstance(outcome, InvalidIdError):
-            await self._dead_letter(msg, outcome, span)
+        if _never_succeeds(outcome):
+            self._failures.pop(delivery.stream_seq, None)
+            await self._dead_letter(msg, outcome, span, failures=1)
             return
-        if delivery.num_delivered >= self.spec.max_deliver:
-            await self._dead_letter(msg, outcome, span)
+        failures = self._failures.pop(delivery.stream_seq, 0) + 1
+        if failures >= self.spec.max_deliver:
+            await self._dead_letter(msg, outcome, span, failures=failures)
             return
-        delay_s = self.spec.nak_delay_s(delivery.num_delivered)
+        self._failures[delivery.stream_seq] = failures
+        if len(self._failures) > _MAX_TRACKED:  # forget the oldest (redelivered elsewhere, most likely)
+            del self._failures[next(iter(self._failures))]
+        delay_s = self.spec.nak_delay_s(failures)
         log.warning(
             "handler failed, will retry",
             consumer=self.spec.durable,
             subject=msg.subject,
             error=repr(outcome),
             delivery=delivery.num_delivered,
+            failures=failures,
             retry_in_s=delay_s,
         )
         span.record_exception(outcome)
@@ -392,9 +549,11 @@ class ConsumerRunner(Generic[T]):
         finally:
             span.end()
 
-    async def _dead_letter(self, msg: Msg, error: BaseException, span: Span) -> None:
+    async def _dead_letter(self, msg: Msg, error: BaseException, span: Span, *, failures: int = 1) -> None:
         meta = msg.metadata
-        headers = {k: v for k, v in (msg.headers or {}).items() if k != "Nats-Msg-Id"}
+        headers = {
+            ("Loom-Original-Msg-Id" if k == "Nats-Msg-Id" else k): v for k, v in (msg.headers or {}).items()
+        }
         headers.update(
             {
                 "Loom-Error": str(error)[:1024] or type(error).__name__,
@@ -403,6 +562,7 @@ class ConsumerRunner(Generic[T]):
                 "Loom-Stream": meta.stream,
                 "Loom-Stream-Seq": str(meta.sequence.stream),
                 "Loom-Deliveries": str(meta.num_delivered),
+                "Loom-Failures": str(failures),
                 "Loom-Consumer": self.spec.durable,
             }
         )
@@ -427,7 +587,8 @@ class ConsumerRunner(Generic[T]):
         except BusError as exc:
             # Could not park it: leave it to be redelivered rather than lose it.
             log.error("dead-letter publish failed", error=str(exc), subject=msg.subject)
-            await msg.nak(delay=self.spec.max_nak_delay_s)
+            with contextlib.suppress(Exception):  # NATS away: the ack wait redelivers it
+                await msg.nak(delay=self.spec.max_nak_delay_s)
             span.end()
             return
         try:

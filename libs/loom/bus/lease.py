@@ -33,7 +33,6 @@ What we learned about nats-py (2.16) and nats-server (2.11+) KV, which shaped th
 """
 
 import asyncio
-import contextlib
 import os
 import time
 import uuid
@@ -149,6 +148,7 @@ class LeaderLease:
             await asyncio.sleep(self.poll_s)  # the holder's key expires on the server's clock
         self._token = self._revision = revision
         self._renewer = asyncio.create_task(self._renew(kv, sent_at), name=f"lease-renew-{self.key}")
+        self._renewer.add_done_callback(self._renewer_ended)
         log.info("lease acquired", shard=self.shard, holder=self.holder_id, token=revision)
         return revision
 
@@ -202,6 +202,14 @@ class LeaderLease:
             else:
                 last_ok_at = sent_at
 
+    def _renewer_ended(self, task: asyncio.Task[None]) -> None:
+        """A renewer that died leaves the lease to expire: say so and count the lease lost at once,
+        so the leader steps down and contends again instead of leading on an expiring lease."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("lease renewer died", shard=self.shard, holder=self.holder_id, error=repr(task.exception()))
+        self._lose(f"renewer died: {task.exception()!r}")
+
     def _lose(self, reason: str) -> None:
         log.warning("lease lost", shard=self.shard, holder=self.holder_id, token=self._token, reason=reason)
         self.lost.set()
@@ -218,8 +226,8 @@ class LeaderLease:
     async def _stop_renewing(self) -> None:
         if self._renewer is not None:
             self._renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewer
+            # A renewer that died was logged (and lost the lease) already: its error is not ours.
+            await asyncio.gather(self._renewer, return_exceptions=True)
             self._renewer = None
 
     async def _bucket(self) -> KeyValue:

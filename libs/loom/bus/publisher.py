@@ -2,9 +2,17 @@
 
 The id goes in ``Nats-Msg-Id`` so the stream drops a repeat inside its duplicate window: a retry
 after a timeout (when the first attempt may have landed) never doubles the message.
+
+On a NATS cluster two failures of a node are waited out rather than counted as failed attempts:
+a stream whose leader died answers "no responders" until its surviving replicas elect another
+(nats-server waits 4-9 s, a constant of its Raft code, before a follower campaigns), and a publish
+in flight on a connection to the dead node gets no ack at all; it is sent again, under the same
+id, as soon as the client has reconnected to another node instead of after the full timeout.
 """
 
 import asyncio
+import contextlib
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -48,8 +56,23 @@ class Outgoing:
     parent: otel_context.Context | None = None
 
 
+_AWAITING_LEADER = (NoStreamResponseError, ServiceUnavailableError)
+"""What a stream answers while it has no leader (also what a subject no stream captures gets)."""
+_RECONNECT_CHECK_S = 0.05
+"""How often a publish waiting for its ack looks whether its connection was lost meanwhile."""
+
+
+class _ConnectionLost(Exception):
+    """The connection a publish went out on was lost before its ack came back."""
+
+
 class Publisher:
-    """Publishes Structs or raw bytes to JetStream; one per service connection."""
+    """Publishes Structs or raw bytes to JetStream; one per service connection.
+
+    ``leader_wait_s`` bounds how long "no leader" answers are retried (every ``leader_poll_s``,
+    not counted in ``attempts``) when the client knows more than one server, i.e. on a cluster;
+    on a single server such an answer means no stream captures the subject, and counts.
+    """
 
     def __init__(
         self,
@@ -59,6 +82,8 @@ class Publisher:
         attempts: int = 8,
         first_backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
+        leader_wait_s: float = 20.0,
+        leader_poll_s: float = 0.1,
     ) -> None:
         self._nc = nc
         # publish_batch sends whole batches before their acks come back: room for many of them.
@@ -67,6 +92,31 @@ class Publisher:
         self._attempts = attempts
         self._first_backoff_s = first_backoff_s
         self._max_backoff_s = max_backoff_s
+        self._leader_wait_s = leader_wait_s
+        self._leader_poll_s = leader_poll_s
+
+    async def _publish_once(self, subject: str, payload: bytes, headers: dict[str, str]) -> PubAck:
+        """One publish and its ack; :class:`_ConnectionLost` when the connection drops meanwhile.
+
+        nats.py leaves a request pending across a reconnect although its reply, if any, went to the
+        lost connection; waiting out the timeout would stall every publisher of a killed node.
+        """
+        reconnects = self._nc.stats["reconnects"]
+        request = asyncio.ensure_future(
+            self._js.publish(subject, payload, timeout=self._timeout_s, headers=headers)
+        )
+        try:
+            while True:
+                done, _ = await asyncio.wait({request}, timeout=_RECONNECT_CHECK_S)
+                if done:
+                    return request.result()
+                if self._nc.stats["reconnects"] != reconnects:
+                    raise _ConnectionLost
+        finally:
+            if not request.done():
+                request.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await request
 
     async def publish(
         self,
@@ -113,11 +163,18 @@ class Publisher:
             propagate.inject(all_headers)
             backoff_s = self._first_backoff_s
             last_error: Exception | None = None
-            for attempt in range(1, self._attempts + 1):
+            attempt = 0
+            awaiting_leader_since: float | None = None
+            clustered = len(self._nc.servers) > 1
+            while attempt < self._attempts:
                 try:
-                    ack = await self._js.publish(
-                        subject, payload, timeout=self._timeout_s, headers=all_headers
-                    )
+                    ack = await self._publish_once(subject, payload, all_headers)
+                except _ConnectionLost as exc:
+                    # The client is connected again (to another node): send again at once.
+                    last_error = exc
+                    attempt += 1
+                    span.add_event("resend after reconnect", {"attempt": attempt})
+                    continue
                 except _RETRYABLE as exc:
                     last_error = exc
                 except APIError as exc:
@@ -133,6 +190,13 @@ class Publisher:
                     span.set_attribute("messaging.nats.duplicate", bool(ack.duplicate))
                     span.set_attribute("messaging.nats.stream_sequence", ack.seq)
                     return ack
+                if clustered and isinstance(last_error, _AWAITING_LEADER):
+                    now = time.monotonic()
+                    awaiting_leader_since = awaiting_leader_since or now
+                    if now - awaiting_leader_since < self._leader_wait_s:
+                        await asyncio.sleep(self._leader_poll_s)
+                        continue
+                attempt += 1
                 span.add_event("retry", {"attempt": attempt, "error": repr(last_error)})
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, self._max_backoff_s)

@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Coroutine
@@ -10,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
+from loom.bus.connection import BusError
 from loom.client import LoomClient, QueryError, SpecError, load_specs
 from loom.runtime import stack
 from loom.runtime.config import endpoints, loom_home
@@ -26,8 +29,12 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
     return asyncio.run(coro)
 
 
+CONNECT_WITHIN_S = 2.5
+"""A command that finds no NATS server by then says so (exit 1) instead of waiting."""
+
+
 async def _client() -> LoomClient:
-    return await LoomClient.connect(endpoints().nats_url)
+    return await LoomClient.connect(endpoints().nats_url, first_within_s=CONNECT_WITHIN_S)
 
 
 # ---- stack ----------------------------------------------------------------------------------------
@@ -41,6 +48,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
         heartbeat_s=args.heartbeat_s,
         placement_shards=args.placement_shards,
+        services=not args.servers_only,
+        nats_cluster=args.nats_cluster,
     )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
@@ -75,30 +84,47 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps({"status": state.get("status"), "processes": rows}, indent=2))
     else:
         table = Table(title=f"Loom stack: {state.get('status')}")
-        for col in ("process", "pid", "alive", "restarts", "health"):
+        for col in ("process", "pid", "alive", "restarts", "last exit", "health"):
             table.add_column(col)
         for r in rows:
             h = r["health"]
-            text = (
-                "-"
-                if r["name"] in ("supervisor", "nats", "postgres")
-                else (f"ok, up {h['uptime_s']:.0f}s" if h else "[red]no answer[/red]")
-            )
+            if r["name"] == "supervisor":
+                text = "-"
+            elif stack.is_server(r["name"]):
+                server_status = r.get("server_status", "up")
+                text = "up" if server_status == "up" else f"[red]{server_status}[/red]"
+            else:
+                text = _health_text(h) if h else "[red]no answer[/red]"
             table.add_row(
-                r["name"], str(r["pid"]), "yes" if r["alive"] else "[red]no[/red]", str(r["restarts"]), text
+                r["name"],
+                str(r["pid"]),
+                "yes" if r["alive"] else "[red]no[/red]",
+                str(r["restarts"]),
+                r.get("last_exit") or "-",
+                text,
             )
         console.print(table)
     ok = all(r["alive"] for r in rows) and all(
-        r["health"] for r in rows if r["name"] not in ("supervisor", "nats", "postgres")
+        r["health"] for r in rows if r["name"] != "supervisor" and not stack.is_server(r["name"])
     )
     return 0 if ok else 1
+
+
+def _health_text(health: dict[str, Any] | None) -> str:
+    """A service's health cell: ``ok, up 12s``, ``degraded: postgres unavailable, up 12s`` (every
+    problem: dependencies down, supervised tasks restarting) or no answer."""
+    if not health:
+        return "[red]no answer[/red]"
+    status = str(health.get("status", "ok"))
+    shown = "ok" if status == "ok" else f"[yellow]{escape(status)}[/yellow]"
+    return f"{shown}, up {health['uptime_s']:.0f}s"
 
 
 def _run_health(nats_url: str, names: list[str]) -> dict[str, dict[str, Any]]:
     from loom_proto import subjects
 
     async def ask() -> dict[str, dict[str, Any]]:
-        client = await LoomClient.connect(nats_url, name="loom-status")
+        client = await LoomClient.connect(nats_url, name="loom-status", first_within_s=CONNECT_WITHIN_S)
         out: dict[str, dict[str, Any]] = {}
         try:
             for name in names:
@@ -185,8 +211,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             print(json.dumps(rows, indent=2))
             return 0
         table = Table(title=f"{len(rows)} job(s)")
-        for col in ("job", "tenant", "state", "cluster", "progress", "reason"):
+        for col in ("job", "tenant", "state", "cluster", "progress"):
             table.add_column(col)
+        table.add_column("reason", overflow="fold")  # wrapped at words, never cut
         for r in rows:
             table.add_row(
                 r["job_id"],
@@ -194,7 +221,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
                 r["state"],
                 r["cluster"] or "",
                 f"{r['progress']:.0%}",
-                (r["reason"] or "")[:80],
+                escape(r["reason"] or ""),
             )
         console.print(table)
         return 0
@@ -311,7 +338,13 @@ def cmd_view(args: argparse.Namespace) -> int:
             await client.close()
         if args.model and learned:
             learned = [e for e in learned if e["gpu_model"] == args.model]
+        filters = _view_filters(args)
+        if not view["regions"] and filters:
+            err.print(f"[red]no cluster matches {escape(filters)}[/red]")
+            return 1
         if args.json:
+            if not args.nodes:
+                _drop_nodes(view)
             print(json.dumps({**view, "learned_speeds": learned}, indent=2))
             return 0
         console.print(_view_tree(view, with_nodes=args.nodes))
@@ -320,6 +353,44 @@ def cmd_view(args: argparse.Namespace) -> int:
         return 0
 
     return _run(go())
+
+
+def _view_filters(args: argparse.Namespace) -> str:
+    """The filters given to ``loom view``, as typed (empty when none)."""
+    given = [
+        ("--region", args.region),
+        ("--zone", args.zone),
+        ("--model", args.model),
+        ("--min-free", args.min_free or None),
+        ("--fresh", True if args.fresh else None),
+    ]
+    return " ".join(
+        flag if value is True else f"{flag} {value}" for flag, value in given if value is not None
+    )
+
+
+def _drop_nodes(view: dict[str, Any]) -> None:
+    """Leave the node lists out of a view (``--json`` without ``--nodes``): clusters keep their
+    counts per GPU model instead."""
+    for r in view["regions"].values():
+        for z in r["zones"].values():
+            for c in z["clusters"].values():
+                models: dict[str, int] = {}
+                for n in c.pop("nodes", []):
+                    key = n["gpu_model"] or "cpu"
+                    models[key] = models.get(key, 0) + n["gpus_total"]
+                c["gpus_by_model"] = models
+
+
+def _non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
 
 
 def _learned_table(learned: list[dict[str, Any]]) -> Table:
@@ -362,7 +433,8 @@ def _view_tree(view: dict[str, Any], *, with_nodes: bool) -> Tree:
                 for n in c["nodes"]:
                     models[n["gpu_model"] or "cpu"] = models.get(n["gpu_model"] or "cpu", 0) + n["gpus_total"]
                 mix = ", ".join(f"{m} {g}" for m, g in sorted(models.items()))
-                ct = zt.add(f"{cluster}  {_capacity(c)}  [{mix}]  {fresh}")
+                trust = f"trust {c['trust']:.2f}" if "trust" in c else ""
+                ct = zt.add(f"{cluster}  {_capacity(c)}  {escape(f'[{mix}]')}  {trust}  {fresh}")
                 if with_nodes:
                     for n in c["nodes"]:
                         ct.add(
@@ -584,6 +656,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="placement shards over a GPU-balanced split of the regions",
     )
+    p.add_argument(
+        "--servers-only",
+        action="store_true",
+        help="start (and keep up) NATS and PostgreSQL only; run the services yourself",
+    )
+    p.add_argument(
+        "--nats-cluster",
+        type=int,
+        choices=(1, 3),
+        default=1,
+        help="nats-server processes: 3 runs a JetStream cluster with 3 replicas of every stream",
+    )
     add("down", cmd_down, "stop the embedded stack")
     p = add("status", cmd_status, "show the stack's processes and their health")
     p.add_argument("--json", action="store_true")
@@ -612,7 +696,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--region")
     p.add_argument("--zone")
     p.add_argument("--model", help="only nodes of this GPU model")
-    p.add_argument("--min-free", type=int, default=0, help="only nodes with at least this many free GPUs")
+    p.add_argument(
+        "--min-free", type=_non_negative_int, default=0, help="only nodes with at least this many free GPUs"
+    )
     p.add_argument("--fresh", action="store_true", help="leave out stale clusters")
     p.add_argument("--nodes", action="store_true", help="list nodes too")
     p.add_argument("--json", action="store_true")
@@ -642,6 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_net("restore", cmd_net_restore, "restore one emulated link (or every link) as measured")
     p.add_argument("src", nargs="?")
     p.add_argument("dst", nargs="?")
+    from loom.cli.dlq import add_parser as add_dlq_parser
+
+    add_dlq_parser(sub)
     p = add("demo", cmd_demo, "start the stack, run the example workload, show progress and a summary")
     p.add_argument(
         "--workload", type=Path, default=None, help="job file (default: examples/demo-workload.yaml)"
@@ -668,8 +757,12 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging("loom-cli", level="WARNING", json=False, stream=sys.stderr)
     try:
         code: int = args.fn(args)
-    except QueryError as exc:
-        err.print(f"[red]{exc}[/red]")
+    except BrokenPipeError:
+        # The reader went away (``loom view --json | head``): no traceback, nothing more to write.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 0
+    except (QueryError, BusError) as exc:
+        err.print(f"[red]{escape(str(exc))}[/red]")
         code = 1
     except RuntimeError as exc:
         err.print(f"[red]{exc}[/red]")

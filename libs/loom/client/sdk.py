@@ -15,6 +15,7 @@ from loom.bus import Publisher, connect
 from loom.errors import InvalidInputError, LoomError
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
+from loom_proto.ids import plain_words
 from loom_proto.jobs import JobEvent, JobSpec, JobSubmitted
 from loom_proto.view import ViewQuery
 
@@ -38,7 +39,7 @@ def spec_from_mapping(raw: Mapping[str, Any], *, default_tenant: str | None = No
     try:
         return msgspec.convert(data, JobSpec)
     except msgspec.ValidationError as exc:
-        raise SpecError(f"job spec {data.get('job_id')!r}: {exc}") from exc
+        raise SpecError(f"job spec {data.get('job_id')!r}: {plain_words(str(exc))}") from exc
 
 
 def load_specs(path: str | Path, *, default_tenant: str | None = None) -> list[JobSpec]:
@@ -64,9 +65,13 @@ class LoomClient:
         self.publisher = Publisher(nc)
 
     @classmethod
-    async def connect(cls, nats_url: str, *, name: str = "loom-client") -> "LoomClient":
-        """Connect to the NATS server of a Loom deployment."""
-        return cls(await connect(nats_url, name))
+    async def connect(
+        cls, nats_url: str, *, name: str = "loom-client", first_within_s: float | None = None
+    ) -> "LoomClient":
+        """Connect to the NATS server of a Loom deployment; with ``first_within_s``, raise
+        :class:`~loom.bus.connection.BusError` (saying to start the stack) when no server answers
+        by then, instead of waiting for one."""
+        return cls(await connect(nats_url, name, first_within_s=first_within_s))
 
     async def close(self) -> None:
         """Flush and close the connection."""

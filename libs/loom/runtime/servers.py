@@ -31,7 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, ClassVar, Self
@@ -39,10 +39,13 @@ from typing import IO, ClassVar, Self
 from loom.errors import LoomError
 
 __all__ = [
+    "NatsCluster",
     "NatsServer",
     "PostgresServer",
     "ServerStartError",
+    "describe_exit",
     "find_free_port",
+    "reap_orphans",
 ]
 
 _LOG_TAIL_LINES = 40
@@ -105,6 +108,63 @@ def _is_alive(pid: int) -> bool:
     return stat_line.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """State letter, parent pid and process group of ``pid`` from ``/proc``; None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1]), int(fields[2])
+
+
+def _pids() -> list[int]:
+    try:
+        return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    except OSError:
+        return []
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group ``pgid``."""
+    members = []
+    for pid in _pids():
+        found = _proc_stat(pid)
+        if found is not None and found[2] == pgid and found[0] != "Z":
+            members.append(pid)
+    return members
+
+
+def reap_orphans(known: set[int]) -> list[int]:
+    """Reap zombie children of this process that no ``Popen`` owns (``known`` lists those that do).
+
+    A supervisor that is a child subreaper inherits the orphans of a server that died (Postgres's
+    backends outlive a SIGKILLed postmaster for a moment); without this they stay zombies. Returns
+    the pids reaped.
+    """
+    reaped = []
+    me = os.getpid()
+    for pid in _pids():
+        if pid in known:
+            continue
+        found = _proc_stat(pid)
+        if found is None or found[0] != "Z" or found[1] != me:
+            continue
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                reaped.append(pid)
+    return reaped
+
+
+def describe_exit(returncode: int) -> str:
+    """``killed by SIGKILL`` or ``exited with status 3``: a ``Popen.returncode`` in words."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -154,6 +214,11 @@ class _ChildServer:
         if self.running:
             return
         deadline = time.monotonic() + timeout_s
+        self._launch(deadline)
+        self._finish_start(deadline)
+
+    def _launch(self, deadline: float) -> None:
+        """Prepare and spawn the process, without waiting for it to serve."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._reap_leftover()
         self._prepare(deadline)
@@ -163,12 +228,53 @@ class _ChildServer:
             log.flush()
             self._process = self._popen(command, log)
         self.pid_path.write_text(f"{self._process.pid}\n")
+
+    def _finish_start(self, deadline: float) -> None:
+        """Wait until the launched process serves; kill it if it does not by ``deadline``."""
         try:
             self._wait_ready(deadline)
             self._after_ready(deadline)
         except ServerStartError:
             self.kill()
             raise
+
+    def poll_exit(self) -> int | None:
+        """The exit status (``Popen.returncode``) of a server that died on its own, else None.
+
+        Asking reaps the dead process (``waitpid``), so it does not linger as a zombie. None too
+        when the server was never started or was stopped on purpose.
+        """
+        if self._process is None:
+            return None
+        return self._process.poll()
+
+    def clean_after_exit(self, timeout_s: float = 10.0) -> None:
+        """After the server died on its own: kill what is left of it, then remove its stale files.
+
+        The server's process group (its own session) may outlive it: Postgres backends keep the
+        old shared memory attached until they notice their postmaster is gone. They are SIGKILLed
+        and waited for; only once no process of the group lives are the pid and lock files removed
+        that would make the next start refuse (a lock naming a live process is never removed).
+        Raises :class:`ServerStartError` if something of the old server survives ``timeout_s``.
+        """
+        process = self._process
+        if process is not None:
+            if process.poll() is None:
+                raise self._fail("clean_after_exit called while the server still runs")
+            pgid = process.pid
+            deadline = time.monotonic() + timeout_s
+            while members := _group_members(pgid):
+                for pid in members:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                if time.monotonic() >= deadline:
+                    raise self._fail(f"processes {members} of the dead server survive SIGKILL")
+                time.sleep(_POLL_INTERVAL_S)
+        self._remove_stale_files()
+        self._forget()
+
+    def _remove_stale_files(self) -> None:
+        """Remove lock files a dead server left behind (the pid file goes in :meth:`_forget`)."""
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the server to shut down cleanly; SIGKILL it after ``timeout_s``. Safe when not running."""
@@ -277,14 +383,35 @@ class NatsServer(_ChildServer):
     store. Every acknowledged publish is fsynced (``sync_interval: always``) so an acked message
     survives a crash of the machine, not only of the process. Ports default to free ones, picked
     once so that a restart keeps the same URL.
+
+    With ``cluster_port`` the server is one node of a JetStream cluster (see :class:`NatsCluster`):
+    it listens for routes on that port, dials ``route_ports`` (its own included: a node skips the
+    route to itself, as in ``deploy/nats/cluster-3.conf``) and needs a ``server_name`` that stays
+    the same across restarts, because JetStream's Raft groups know their peers by it.
     """
 
     _name = "nats"
     _stop_signal = signal.SIGTERM
 
-    def __init__(self, data_dir: Path, port: int | None = None, *, monitor_port: int | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        *,
+        monitor_port: int | None = None,
+        server_name: str | None = None,
+        cluster_name: str = "loom",
+        cluster_port: int | None = None,
+        route_ports: Sequence[int] = (),
+    ) -> None:
         super().__init__(data_dir, port)
         self.monitor_port = monitor_port if monitor_port is not None else find_free_port()
+        if cluster_port is not None and not server_name:
+            raise ValueError("a cluster node needs a server_name")
+        self.server_name = server_name
+        self.cluster_name = cluster_name
+        self.cluster_port = cluster_port
+        self.route_ports = tuple(route_ports)
 
     @property
     def url(self) -> str:
@@ -304,20 +431,27 @@ class NatsServer(_ChildServer):
     def _prepare(self, deadline: float) -> None:
         # nats-server appends "jetstream/" to store_dir itself, so the data dir is the store dir.
         # Strings are JSON-quoted: the config syntax accepts that and it survives odd paths.
-        config = "\n".join(
-            [
-                "# Generated by loom.runtime.servers; rewritten on every start.",
-                f"listen: {json.dumps(f'127.0.0.1:{self.port}')}",
-                f"http: {json.dumps(f'127.0.0.1:{self.monitor_port}')}",
-                "max_payload: 1MB",
-                "jetstream {",
-                f"  store_dir: {json.dumps(str(self.data_dir))}",
-                "  sync_interval: always",
+        lines = [
+            "# Generated by loom.runtime.servers; rewritten on every start.",
+            *([f"server_name: {json.dumps(self.server_name)}"] if self.server_name else []),
+            f"listen: {json.dumps(f'127.0.0.1:{self.port}')}",
+            f"http: {json.dumps(f'127.0.0.1:{self.monitor_port}')}",
+            "max_payload: 1MB",
+            "jetstream {",
+            f"  store_dir: {json.dumps(str(self.data_dir))}",
+            "  sync_interval: always",
+            "}",
+        ]
+        if self.cluster_port is not None:
+            routes = [json.dumps(f"nats-route://127.0.0.1:{port}") for port in self.route_ports]
+            lines += [
+                "cluster {",
+                f"  name: {json.dumps(self.cluster_name)}",
+                f"  listen: {json.dumps(f'127.0.0.1:{self.cluster_port}')}",
+                f"  routes: [{', '.join(routes)}]",
                 "}",
-                "",
             ]
-        )
-        self.config_path.write_text(config)
+        self.config_path.write_text("\n".join([*lines, ""]))
 
     def _command(self) -> list[str]:
         binary = _nats_binary()
@@ -341,12 +475,89 @@ class NatsServer(_ChildServer):
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
                 if not sock.recv(5).startswith(b"INFO"):
                     return False
-            # The full check (not js-enabled-only) also waits for streams restored from disk.
-            with urllib.request.urlopen(f"{self.monitor_url}/healthz", timeout=1.0) as response:
+            # The full check (not js-enabled-only) also waits for streams restored from disk. A
+            # cluster node serves once it has met the meta leader: its replicas catch up in the
+            # background (from the other nodes), which may take long, and the leaders elsewhere
+            # serve meanwhile; its restart must not be declared failed for that.
+            query = "?js-server-only=true" if self.cluster_port is not None else ""
+            with urllib.request.urlopen(f"{self.monitor_url}/healthz{query}", timeout=1.0) as response:
                 body = json.loads(response.read())
         except (OSError, ValueError, urllib.error.URLError):
             return False
         return isinstance(body, dict) and body.get("status") == "ok"
+
+
+class NatsCluster:
+    """``size`` :class:`NatsServer` nodes routed into one JetStream cluster on 127.0.0.1.
+
+    Node ``i`` is named ``nats-i`` and stores under ``data_dir/nats-i``; its client, monitoring
+    and route ports are picked once, so a node restarted on its own (as the supervisor does) comes
+    back at the same address with the same name and rejoins. The nodes are launched together and
+    then waited for: a node reports healthy only once the cluster has elected its meta leader,
+    which needs a majority of them up. :attr:`url` lists every node, comma-separated, the form
+    ``LOOM_NATS_URL`` takes (:func:`loom.bus.connection.server_urls` splits it).
+    """
+
+    def __init__(self, data_dir: Path, size: int = 3, *, cluster_name: str = "loom") -> None:
+        if size < 1:
+            raise ValueError("a cluster needs at least one node")
+        self.data_dir = Path(data_dir).absolute()
+        route_ports = [find_free_port() for _ in range(size)]
+        self.nodes = [
+            NatsServer(
+                self.data_dir / f"nats-{index}",
+                server_name=f"nats-{index}",
+                cluster_name=cluster_name,
+                cluster_port=route_port,
+                route_ports=route_ports,
+            )
+            for index, route_port in enumerate(route_ports, start=1)
+        ]
+
+    @property
+    def url(self) -> str:
+        """Every node's client URL, comma-separated."""
+        return ",".join(node.url for node in self.nodes)
+
+    @property
+    def urls(self) -> list[str]:
+        """Every node's client URL."""
+        return [node.url for node in self.nodes]
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        """Launch the nodes that are not running, then wait until every one serves with JetStream.
+
+        Raises :class:`ServerStartError` if any node fails; the nodes started by this call are
+        killed first.
+        """
+        deadline = time.monotonic() + timeout_s
+        launched = [node for node in self.nodes if not node.running]
+        try:
+            for node in launched:
+                node._launch(deadline)
+            for node in launched:
+                node._finish_start(deadline)
+        except (ServerStartError, OSError):
+            for node in launched:
+                node.kill()
+            raise
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop every node (clean shutdown, SIGKILL after ``timeout_s``)."""
+        for node in reversed(self.nodes):
+            node.stop(timeout_s)
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
 
 
 def _postgres_bin_dir() -> Path:
@@ -574,6 +785,22 @@ class PostgresServer(_ChildServer):
             return False
         assert self._process is not None
         return len(lines) >= 8 and lines[0].strip() == str(self._process.pid) and lines[7].strip() == "ready"
+
+    def _remove_stale_files(self) -> None:
+        # Postgres itself skips a postmaster.pid whose pid is dead, but not one whose pid is a
+        # zombie or was reused, nor a socket lock held that way: remove them, unless the pid they
+        # name is a live process (then it is not ours to remove; the start will say why it fails).
+        socket_dir = self.socket_dir
+        for lock in (self.pgdata / "postmaster.pid", socket_dir / f".s.PGSQL.{self.port}.lock"):
+            try:
+                pid = int(lock.read_text().splitlines()[0].strip())
+            except (OSError, ValueError, IndexError):
+                pid = 0
+            if pid and _is_alive(pid):
+                continue
+            lock.unlink(missing_ok=True)
+        if not (socket_dir / f".s.PGSQL.{self.port}.lock").exists():
+            (socket_dir / f".s.PGSQL.{self.port}").unlink(missing_ok=True)
 
     def _after_ready(self, deadline: float) -> None:
         self._create_database(max(1.0, deadline - time.monotonic()))

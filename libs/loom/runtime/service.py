@@ -1,11 +1,20 @@
 """What every service process shares: telemetry, logging, connections, signals, health replies.
 
 A service is an ``async def body(ctx)`` that starts its consumers and returns when
-``ctx.stopping`` is set; :func:`run` does the rest.
+``ctx.stopping`` is set; :func:`run` does the rest. Its long-lived tasks run under
+``ctx.watchdog`` (:mod:`loom.runtime.watchdog`), so a loop that dies is logged, restarted and
+shown in the health answer until it is back.
+
+Health replies carry ``status``: ``ok``, or ``degraded: `` and every problem, e.g.
+``degraded: postgres unavailable`` while a dependency a consumer needs is down
+(:mod:`loom.bus.outage`) or ``degraded: task commands restarting (...)``; ``problems`` lists them,
+``unavailable`` the dependencies down, ``outages`` counts them per dependency since start, and
+``tasks`` shows each supervised loop.
 """
 
 import asyncio
 import contextlib
+import functools
 import gc
 import os
 import signal
@@ -21,7 +30,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from loom.bus import Publisher, connect, ensure_streams
+from loom.bus.outage import Dependencies, Dependency, of_connection
 from loom.runtime.config import endpoints
+from loom.runtime.watchdog import Watchdog
+from loom.store import pool as store_pool
 from loom.store.pool import create_pool
 from loom.telemetry import setup_telemetry, shutdown_telemetry
 from loom_proto import subjects
@@ -38,6 +50,32 @@ class ServiceContext:
     stopping: asyncio.Event
     started_at: float = field(default_factory=time.time)
     stats: dict[str, Any] = field(default_factory=dict)
+    watchdog: Watchdog = field(init=False)
+    """Supervises the service's long-lived tasks; its health joins every health answer."""
+    dependencies: Dependencies | None = None
+    """The servers this service stands on and which are down (consumers wait outages out)."""
+
+    def __post_init__(self) -> None:
+        self.watchdog = Watchdog(self.name)
+
+    def health(self) -> dict[str, Any]:
+        """The health reply: identity, uptime, the service's stats, then its status: dependencies
+        down and the watchdog's problems."""
+        deps = self.dependencies
+        unavailable = list(deps.unavailable) if deps else []
+        watched = self.watchdog.health()
+        problems = [f"{name} unavailable" for name in unavailable] + list(watched["problems"])
+        return {
+            "service": self.name,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            **self.stats,
+            "status": "degraded: " + "; ".join(problems) if problems else "ok",
+            "problems": problems,
+            "unavailable": unavailable,
+            "outages": dict(deps.outages) if deps else {},
+            "tasks": watched["tasks"],
+        }
 
     @property
     def db(self) -> asyncpg.Pool:
@@ -53,25 +91,32 @@ async def open_context(
     nc = await connect(nats_url, name)
     await ensure_streams(nc.jetstream())
     pool = await create_pool(database_url, max_size=8) if database_url else None
+    dependencies = of_connection(nc)
+    if pool is not None:
+        dependencies.add(
+            Dependency("postgres", functools.partial(store_pool.probe, pool), store_pool.is_unavailable)
+        )
     ctx = ServiceContext(
-        name=name, nc=nc, publisher=Publisher(nc), pool=pool, stopping=stopping or asyncio.Event()
+        name=name,
+        nc=nc,
+        publisher=Publisher(nc),
+        pool=pool,
+        stopping=stopping or asyncio.Event(),
+        dependencies=dependencies,
     )
 
     async def on_health(msg: Msg) -> None:
-        reply = {
-            "service": name,
-            "pid": os.getpid(),
-            "uptime_s": round(time.time() - ctx.started_at, 3),
-            **ctx.stats,
-        }
-        await msg.respond(msgspec.json.encode(reply))
+        await msg.respond(msgspec.json.encode(ctx.health()))
 
     await nc.subscribe(subjects.service_health(name), cb=on_health)
     return ctx
 
 
 async def close_context(ctx: ServiceContext) -> None:
-    """Drain NATS and close the pool."""
+    """Stop the tasks still supervised and the dependency probes, drain NATS and close the pool."""
+    await ctx.watchdog.stop()
+    if ctx.dependencies is not None:
+        await ctx.dependencies.close()
     with contextlib.suppress(Exception):
         await ctx.nc.drain()
     if ctx.pool is not None:

@@ -1,12 +1,17 @@
 """The embedded stack: one supervisor process that owns NATS, PostgreSQL and every service.
 
 ``loom up`` starts the supervisor in the background and waits until it reports ready;
-``loom down`` asks it to stop (SIGTERM) and waits. The supervisor starts nats-server and
+``loom down`` asks it to stop (SIGTERM) and waits. The supervisor starts nats-server (one, or with
+``--nats-cluster 3`` three nodes of a JetStream cluster whose streams keep 3 replicas) and
 PostgreSQL from their wheels (unless ``LOOM_NATS_URL`` / ``LOOM_DATABASE_URL`` name external
 ones), migrates the database, launches each service as its own OS process with its log under
 ``<home>/logs/``, restarts a service that dies (with backoff), and on stop shuts everything down
-in reverse order. Every child gets a parent-death signal, so nothing outlives a killed
-supervisor. The state file ``<home>/stack.json`` tells other commands where everything is.
+in reverse order. It owns its servers the same way: a nats-server or PostgreSQL that dies is
+reaped, what is left of it killed, its stale pid and lock files removed, and it is started again
+on the same port and data directory (:class:`ServerWatch`; each node of a NATS cluster is watched
+on its own and rejoins the cluster when it comes back). Every child gets a parent-death
+signal, so nothing outlives a killed supervisor. The state file ``<home>/stack.json`` tells other
+commands where everything is, with each process's restarts and last exit.
 """
 
 import argparse
@@ -23,15 +28,34 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from loom.bus import connect, ensure_streams
 from loom.model.topology import load_topology
 from loom.runtime.config import ENV_DATABASE_URL, ENV_HOME, ENV_NATS_URL, loom_home, stack_file
-from loom.runtime.servers import NatsServer, PostgresServer
+from loom.runtime.servers import (
+    NatsCluster,
+    NatsServer,
+    PostgresServer,
+    ServerStartError,
+    describe_exit,
+    reap_orphans,
+)
 from loom.sched.shards import group_options, split_regions
 from loom.store.migrations import migrate_url
 from loom_proto import subjects
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_REAP_EVERY = 10
+"""Server checks between two scans for orphaned zombies (the loop checks every 0.2 s)."""
+_REAP_AFTER_CHANGE_S = 5.0
+"""After a server dies or restarts, scan at every check for this long: its orphans exit then."""
+
+log = structlog.get_logger("loom.supervisor")
+
+ENV_STREAM_REPLICAS = "LOOM_STREAM_REPLICAS"
+"""Replicas of Loom's streams, KV buckets and (inherited) consumers; read by loom.bus."""
 
 
 def _pdeathsig() -> Callable[[], None] | None:
@@ -55,6 +79,8 @@ class ServiceProcess:
     pid: int | None = None
     restarts: int = 0
     started_at: float = 0.0
+    last_exit: str | None = None
+    """How the previous process ended (``killed by SIGKILL``), None before any exit."""
 
 
 @dataclass
@@ -80,6 +106,10 @@ class StackOptions:
     """Placement shards: the topology's regions split by GPUs into this many territories (the
     global shard's and ``placement_shards - 1`` region groups, :func:`loom.sched.shards.split_regions`),
     one leader (and standby) each."""
+    services: bool = True
+    """Run the services (off: NATS and PostgreSQL only, for running services by hand or tests)."""
+    nats_cluster: int = 1
+    """nats-server processes: 1, or 3 for a JetStream cluster whose streams have 3 replicas."""
 
 
 def placement_groups(options: StackOptions) -> dict[str, list[str]]:
@@ -178,6 +208,11 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
     return argvs
 
 
+def is_server(name: str) -> bool:
+    """Whether a process-table row names a server the supervisor owns (``nats-2`` included)."""
+    return name in ("nats", "postgres") or name.startswith("nats-")
+
+
 async def prepare(nats_url: str, database_url: str) -> None:
     """Migrate the database and create the streams, so clients can publish as soon as we are ready."""
     await migrate_url(database_url)
@@ -208,6 +243,120 @@ async def wait_healthy(nats_url: str, names: list[str], timeout_s: float) -> lis
     return pending
 
 
+@dataclass
+class ServerState:
+    """How one server the supervisor owns is doing, as ``stack.json`` and ``loom status`` show it."""
+
+    name: str
+    pid: int | None
+    port: int
+    status: str = "up"
+    """``up``, or ``restarting`` between its death and its next successful start."""
+    restarts: int = 0
+    last_exit: str | None = None
+    crash_loop: bool = False
+    """It restarted ``crash_loop_restarts`` times within ``crash_loop_window_s``."""
+
+
+Server = NatsServer | PostgresServer
+
+
+class ServerWatch:
+    """Keeps one server up: notices its death, cleans up after it, restarts it with backoff.
+
+    Call :meth:`check` from the thread that started the server (the parent-death signal is tied
+    to it). A death is noticed by reaping the process, so it never lingers as a zombie; then
+    :meth:`~loom.runtime.servers.NatsServer.clean_after_exit` makes sure nothing of it survives
+    before its stale files go, and the server starts again on the same port and data directory
+    (Postgres recovers from its WAL, JetStream reloads its streams). Restart attempts wait
+    ``first_delay_s`` doubled per consecutive failure, at most ``max_delay_s``; the count resets
+    once the server has stayed up ``stable_s``. A server that keeps dying is flagged
+    ``crash_loop`` (and logged) but still restarted, at the capped delay.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        server: Server,
+        *,
+        first_delay_s: float = 0.25,
+        max_delay_s: float = 30.0,
+        stable_s: float = 60.0,
+        crash_loop_restarts: int = 5,
+        crash_loop_window_s: float = 120.0,
+        on_restart: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.server = server
+        self.state = ServerState(name, server.pid, server.port)
+        self.first_delay_s = first_delay_s
+        self.max_delay_s = max_delay_s
+        self.stable_s = stable_s
+        self.crash_loop_restarts = crash_loop_restarts
+        self.crash_loop_window_s = crash_loop_window_s
+        self._on_restart = on_restart
+        self._clock = clock
+        self._failures = 0
+        self._up_since = clock()
+        self._next_attempt = 0.0
+        self._restart_times: list[float] = []
+
+    def delay_s(self, failures: int) -> float:
+        """How long to wait before a restart after ``failures`` consecutive deaths or failed starts."""
+        return float(min(self.first_delay_s * 2 ** max(failures - 1, 0), self.max_delay_s))
+
+    def check(self) -> bool:
+        """Look at the server once, restarting it when due; True when its state changed."""
+        now = self._clock()
+        if self.state.status == "up":
+            code = self.server.poll_exit()
+            if code is None:
+                if self._failures and now - self._up_since >= self.stable_s:
+                    self._failures = 0
+                return False
+            self._failures += 1
+            self.state.status = "restarting"
+            self.state.last_exit = describe_exit(code)
+            self.state.pid = None
+            self._next_attempt = now + self.delay_s(self._failures)
+            log.warning(
+                "server died, restarting",
+                server=self.state.name,
+                exit=self.state.last_exit,
+                retry_in_s=self.delay_s(self._failures),
+            )
+            return True
+        if now < self._next_attempt:
+            return False
+        try:
+            self.server.clean_after_exit()
+            self.server.start()
+        except (ServerStartError, OSError) as exc:  # e.g. a full disk: retried like a failed start
+            self._failures += 1
+            self.state.last_exit = f"restart failed: {str(exc).splitlines()[0]}"
+            self._next_attempt = self._clock() + self.delay_s(self._failures)
+            log.error("server restart failed", server=self.state.name, error=str(exc))
+            return True
+        self._up_since = now = self._clock()
+        self.state.status = "up"
+        self.state.pid = self.server.pid
+        self.state.restarts += 1
+        self._restart_times = [t for t in self._restart_times if now - t < self.crash_loop_window_s] + [now]
+        was_looping = self.state.crash_loop
+        self.state.crash_loop = len(self._restart_times) >= self.crash_loop_restarts
+        if self.state.crash_loop and not was_looping:
+            log.error(
+                "server is crash-looping",
+                server=self.state.name,
+                restarts_in_window=len(self._restart_times),
+                window_s=self.crash_loop_window_s,
+            )
+        log.info("server restarted", server=self.state.name, pid=self.state.pid, port=self.state.port)
+        if self._on_restart is not None:
+            self._on_restart()
+        return True
+
+
 class Supervisor:
     """Runs in the supervisor process: starts, watches and stops everything."""
 
@@ -215,11 +364,15 @@ class Supervisor:
         self.home = home
         self.options = options
         self.nats: NatsServer | None = None
+        self.nats_cluster: NatsCluster | None = None
         self.postgres: PostgresServer | None = None
         self.services: dict[str, ServiceProcess] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.state: dict[str, Any] = {}
         self.stopping = False
+        self.watches: dict[str, ServerWatch] = {}
+        self._checks = 0
+        self._reaping_until = 0.0
 
     def write_state(self, status: str, **extra: Any) -> None:
         """Atomically rewrite the state file."""
@@ -228,6 +381,7 @@ class Supervisor:
             supervisor_pid=os.getpid(),
             home=str(self.home),
             services={name: asdict(s) for name, s in self.services.items()},
+            servers={name: asdict(w.state) for name, w in self.watches.items()},
             **extra,
         )
         path = stack_file(self.home)
@@ -239,17 +393,71 @@ class Supervisor:
         """Start (or adopt external) NATS and PostgreSQL; returns their URLs."""
         nats_url = os.environ.get(ENV_NATS_URL)
         database_url = os.environ.get(ENV_DATABASE_URL)
-        if not nats_url:
+        if not nats_url and self.options.nats_cluster > 1:
+            cluster = self.nats_cluster = NatsCluster(self.home / "nats", self.options.nats_cluster)
+            # The streams (and the KV buckets, and through them the consumers) of this stack and
+            # of every service it starts keep one replica per node.
+            os.environ[ENV_STREAM_REPLICAS] = str(self.options.nats_cluster)
+            cluster.start()
+            nats_url = cluster.url
+            for node in cluster.nodes:
+                assert node.server_name is not None
+                self.state[f"{node.server_name}_pid"] = node.pid
+                # No stream check after a node's restart: the cluster's meta group keeps the
+                # streams, the node gets them back from it, and asking while their leaders are
+                # being elected would hold up this loop for seconds.
+                self.watches[node.server_name] = ServerWatch(node.server_name, node)
+        elif not nats_url:
+            os.environ[ENV_STREAM_REPLICAS] = "1"
             self.nats = NatsServer(self.home / "nats", port=self.state.get("nats_port"))
             self.nats.start()
             nats_url = self.nats.url
             self.state["nats_pid"] = self.nats.pid
+            url = nats_url
+            self.watches["nats"] = ServerWatch(
+                "nats", self.nats, on_restart=lambda: self._ensure_streams(url)
+            )
         if not database_url:
             self.postgres = PostgresServer(self.home / "postgres", durable=self.options.durable)
             self.postgres.start()
             database_url = self.postgres.url
             self.state["postgres_pid"] = self.postgres.pid
+            self.watches["postgres"] = ServerWatch("postgres", self.postgres)
         return nats_url, database_url
+
+    @staticmethod
+    def _ensure_streams(nats_url: str) -> None:
+        """After a NATS restart: the streams come back from disk; recreate any that did not."""
+
+        async def ensure() -> None:
+            nc = await connect(nats_url, "loom-supervisor")
+            try:
+                await ensure_streams(nc.jetstream())
+            finally:
+                await nc.drain()
+
+        try:
+            asyncio.run(ensure())
+        except Exception as exc:  # the next restart, or the services' own start, tries again
+            log.warning("could not check the streams after a NATS restart", error=repr(exc))
+
+    def watch_servers(self) -> bool:
+        """Check every owned server once (restarting the dead); True when any state changed."""
+        changed = False
+        for name, watch in self.watches.items():
+            if watch.check():
+                changed = True
+                self.state[f"{name}_pid"] = watch.state.pid
+        # Orphans of a dead server (Postgres backends) are reparented to us: reap them too. Scanning
+        # /proc costs a few ms, so it runs after a change and otherwise every _REAP_EVERY checks.
+        self._checks += 1
+        if changed or self._reaping_until > time.monotonic() or self._checks % _REAP_EVERY == 0:
+            if changed:
+                self._reaping_until = time.monotonic() + _REAP_AFTER_CHANGE_S
+            known = {proc.pid for proc in self.procs.values()}
+            known |= {w.server.pid for w in self.watches.values() if w.server.pid is not None}
+            reap_orphans(known)
+        return changed
 
     def spawn(self, svc: ServiceProcess, env: dict[str, str]) -> None:
         """Start one service process, its output appended to its log file."""
@@ -270,6 +478,10 @@ class Supervisor:
         """Start everything, watch it, stop on SIGTERM/SIGINT."""
         signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
         signal.signal(signal.SIGINT, lambda *_: setattr(self, "stopping", True))
+        if sys.platform.startswith("linux"):
+            # Orphans of our servers (Postgres backends whose postmaster died) become our children,
+            # so we can make sure they are gone and reap them, instead of leaving them to init.
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         (self.home / "logs").mkdir(parents=True, exist_ok=True)
         self.write_state("starting")
         try:
@@ -279,7 +491,8 @@ class Supervisor:
                 os.environ,
                 **{ENV_NATS_URL: nats_url, ENV_DATABASE_URL: database_url, ENV_HOME: str(self.home)},
             )
-            for name, argv in service_argvs(self.options).items():
+            argvs = service_argvs(self.options) if self.options.services else {}
+            for name, argv in argvs.items():
                 self.services[name] = ServiceProcess(name, argv, str(self.home / "logs" / f"{name}.log"))
                 self.spawn(self.services[name], env)
             self.write_state("starting", nats_url=nats_url, database_url=database_url)
@@ -290,6 +503,8 @@ class Supervisor:
             backoff: dict[str, float] = {}
             while not self.stopping:
                 time.sleep(0.2)
+                if self.watch_servers() and not self.stopping:
+                    self.write_state("ready")
                 for name, proc in list(self.procs.items()):
                     if proc.poll() is None or self.stopping:
                         continue
@@ -299,6 +514,9 @@ class Supervisor:
                         continue
                     if name not in backoff:
                         backoff[name] = time.time() + delay
+                        svc.last_exit = describe_exit(proc.returncode)
+                        svc.pid = None
+                        self.write_state("ready")
                         continue
                     del backoff[name]
                     svc.restarts += 1
@@ -328,6 +546,8 @@ class Supervisor:
             self.postgres.stop()
         if self.nats is not None:
             self.nats.stop()
+        if self.nats_cluster is not None:
+            self.nats_cluster.stop()
         self.write_state("stopped")
 
 
@@ -403,6 +623,10 @@ def up(
         argv.append("--no-placement-standby")
     argv += ["--placement-shards", str(options.placement_shards)]
     argv += ["--probe-period-s", str(options.probe_period_s)]
+    if not options.services:
+        argv.append("--servers-only")
+    if options.nats_cluster != 1:
+        argv += ["--nats-cluster", str(options.nats_cluster)]
     stack_file(home).unlink(missing_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
     with open(home / "logs" / "supervisor.log", "ab") as log:
@@ -455,13 +679,31 @@ def process_table(home: Path | None = None) -> list[dict[str, Any]]:
             "restarts": 0,
         },
     ]
-    for name in ("nats", "postgres"):
-        pid = state.get(f"{name}_pid")
-        if pid:
-            rows.append({"name": name, "pid": pid, "alive": _alive(pid), "restarts": 0})
+    servers = state.get("servers", {})
+    for name in [*servers, *(n for n in ("nats", "postgres") if n not in servers)]:
+        server = servers.get(name)
+        if server is not None:
+            rows.append(
+                {
+                    "name": name,
+                    "pid": server["pid"],
+                    "alive": _alive(server["pid"]),
+                    "restarts": server["restarts"],
+                    "last_exit": server["last_exit"],
+                    "server_status": "crash-looping" if server["crash_loop"] else server["status"],
+                }
+            )
+        elif pid := state.get(f"{name}_pid"):
+            rows.append({"name": name, "pid": pid, "alive": _alive(pid), "restarts": 0, "last_exit": None})
     for name, svc in sorted(state.get("services", {}).items()):
         rows.append(
-            {"name": name, "pid": svc["pid"], "alive": _alive(svc["pid"]), "restarts": svc["restarts"]}
+            {
+                "name": name,
+                "pid": svc["pid"],
+                "alive": _alive(svc["pid"]),
+                "restarts": svc["restarts"],
+                "last_exit": svc.get("last_exit"),
+            }
         )
     return rows
 
@@ -480,6 +722,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-placement-standby", action="store_true")
     parser.add_argument("--placement-shards", type=int, default=1)
     parser.add_argument("--probe-period-s", type=float, default=1.0)
+    parser.add_argument("--servers-only", action="store_true")
+    parser.add_argument("--nats-cluster", type=int, choices=(1, 3), default=1)
     args = parser.parse_args(argv)
     options = StackOptions(
         topology=args.topology,
@@ -492,6 +736,8 @@ def main(argv: list[str] | None = None) -> int:
         placement_standby=not args.no_placement_standby,
         placement_shards=args.placement_shards,
         probe_period_s=args.probe_period_s,
+        services=not args.servers_only,
+        nats_cluster=args.nats_cluster,
     )
     return Supervisor(args.home.resolve(), options).run()
 

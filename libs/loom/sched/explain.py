@@ -16,6 +16,9 @@ PLUGIN_WORDS = {
     "water_level": "load balance",
     "cost_energy": "cost and energy",
     "trust": "trust in the cluster's claimed compute",
+    "pool_fit": "keeping large pools whole",
+    "free_fit": "packing (fullest of the fastest pools)",
+    "node_fit": "filling nodes already in use",
 }
 
 

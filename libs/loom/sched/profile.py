@@ -14,7 +14,7 @@ from loom.sched.framework import Framework, Registry
 from loom.sched.plugins import network, patience
 from loom.sched.plugins.affinity import Affinity
 from loom.sched.plugins.backfill import Backfill, WaitingJobs
-from loom.sched.plugins.compute import NodeFit, PoolFit, PriorityFairShare, ScuFit, Trust, WaterLevel
+from loom.sched.plugins.compute import FreeFit, NodeFit, PoolFit, PriorityFairShare, ScuFit, Trust, WaterLevel
 from loom.sched.plugins.cost import CostEnergy
 from loom.sched.plugins.data import DataLocality
 from loom.sched.plugins.elastic import ElasticShrink
@@ -38,6 +38,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "cost_energy",
     "elastic_shrink",
     "pool_fit",
+    "free_fit",
     "node_fit",
     "waiting_jobs",
     "preemption",
@@ -57,6 +58,8 @@ DEFAULT_WEIGHTS: Mapping[str, float] = {
     "trust": 0.5,
     # Under contention, best fit over pools (keeps the pools only large gangs fit); nothing when idle.
     "pool_fit": 6.0,
+    # Always: among the fastest candidates, the pool left fullest (large free pools stay whole).
+    "free_fit": 2.0,
     # Fill nodes already in use before breaking whole ones (node-level fragmentation).
     "node_fit": 2.0,
 }
@@ -71,6 +74,7 @@ def default_registry() -> Registry:
     registry.register("trust", lambda _cfg: Trust())
     registry.register("water_level", lambda _cfg: WaterLevel())
     registry.register("pool_fit", lambda _cfg: PoolFit())
+    registry.register("free_fit", lambda _cfg: FreeFit())
     registry.register("node_fit", lambda _cfg: NodeFit())
     registry.register("affinity", lambda _cfg: Affinity())
     registry.register("data_locality", lambda _cfg: DataLocality())

@@ -6,7 +6,7 @@ from typing import TypeVar
 
 import asyncpg
 
-from loom.errors import LoomError
+from loom.errors import LoomError, UnavailableError
 
 T = TypeVar("T")
 
@@ -17,6 +17,37 @@ class StoreError(LoomError):
 
 class ConflictError(StoreError):
     """A write lost a race (serialization failure, fenced, capacity taken); retrying may succeed."""
+
+
+class DatabaseUnavailableError(StoreError, UnavailableError):
+    """PostgreSQL could not be reached, or dropped the connection (shut down, restarting, out of
+    connection slots): an outage, not a property of what was asked."""
+
+    dependency = "postgres"
+
+
+_UNAVAILABLE = (
+    DatabaseUnavailableError,
+    asyncpg.PostgresConnectionError,  # class 08, ConnectionDoesNotExistError among them
+    asyncpg.InterfaceError,  # the connection or the pool is closed under us
+    asyncpg.CannotConnectNowError,  # 57P03: starting up or shutting down
+    asyncpg.AdminShutdownError,  # 57P01: terminated by a (fast) shutdown
+    asyncpg.CrashShutdownError,  # 57P02
+    asyncpg.TooManyConnectionsError,  # 53300
+)
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` (an asyncpg error, or one mapped from it) says the database is out of reach
+    rather than that the request was wrong. A bare socket error or timeout could come from any
+    server: it is the database's only inside :func:`transaction` (see :func:`map_error`)."""
+    return isinstance(exc, _UNAVAILABLE)
+
+
+async def probe(pool: asyncpg.Pool, *, timeout_s: float = 2.0) -> None:
+    """Return when the database answers ``SELECT 1`` through ``pool``; raise otherwise."""
+    async with pool.acquire(timeout=timeout_s) as conn:
+        await conn.fetchval("SELECT 1", timeout=timeout_s)
 
 
 async def create_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> asyncpg.Pool:
@@ -45,8 +76,9 @@ def map_error(exc: BaseException) -> StoreError:
         return ConflictError(str(exc))
     if isinstance(exc, asyncpg.IntegrityConstraintViolationError | asyncpg.DataError):
         return StoreError(str(exc), non_retryable=True)
-    if isinstance(exc, asyncpg.PostgresConnectionError | OSError | asyncpg.InterfaceError):
-        return StoreError(f"database unavailable: {exc}")
+    # Refused, reset or unreachable sockets, and timeouts of the pool's acquire or of a connect.
+    if is_unavailable(exc) or isinstance(exc, OSError | TimeoutError):
+        return DatabaseUnavailableError(f"database unavailable: {exc!r}")
     return StoreError(str(exc))
 
 
@@ -58,7 +90,7 @@ async def transaction(pool: asyncpg.Pool) -> AsyncIterator[asyncpg.Connection]:
             yield conn
     except StoreError:
         raise
-    except (asyncpg.PostgresError, OSError, asyncpg.InterfaceError) as exc:
+    except (TimeoutError, asyncpg.PostgresError, OSError, asyncpg.InterfaceError) as exc:
         raise map_error(exc) from exc
 
 

@@ -630,6 +630,10 @@ SPAN_GPU_HOURS_BOUND = 1.25
 WAIT_MARGIN = 0.1
 """Waiting must promise to finish at least this share sooner than starting now."""
 
+QUEUE_SLOWDOWN = 3.0
+"""While other jobs wait, a job waits for faster GPUs only when the slower would take at least this
+many times as long to run (see :class:`SpanGuard`)."""
+
 
 @dataclass(frozen=True, slots=True)
 class PoolOption:
@@ -729,16 +733,18 @@ class SpanGuard:
       otherwise the gang waits for that pool. A gang no pool could ever hold may spread within
       the GPU-hours bound (against the gang in one cluster at its fastest part's speed); beyond it,
       it waits at most what the spread would lose (the ski-rental bound below), then spreads.
-    - *Slower GPUs* (a gang with ``comm`` in one cluster): waits for a faster option only when no
-      other job is waiting (the wait book's queue), that option's wait plus run beats the run now by
-      ``margin``, and never longer in all than the slower start would lose, ``steps x (step_now -
-      step_better)`` since submission. With a queue, waiting buys the platform nothing: the
-      slower GPUs left free are taken by the jobs waiting, the faster pool when it frees goes to
-      one of them as well, and the work done per GPU-second (in reference GPUs) is the same on
-      either, so the wait only adds to this job's completion (measured: ``loom bench contention``;
-      the GPU-seconds a slower start holds longer are no loss in reference-GPU seconds for work
-      that is compute). An option free now passes (the scores chose the slower GPUs on purpose,
-      e.g. for the data).
+    - *Slower GPUs* (any job in one cluster): waits for a faster option only when that option's
+      wait plus run beats the run now by ``margin``, and never longer in all than the slower start
+      would lose, ``steps x (step_now - step_better)`` since submission (ski rental: at most twice
+      the better of the two). While other jobs wait (the snapshot's queue), only when the slower
+      GPUs would also take at least ``queue_slowdown`` times as long: a moderately slower start
+      costs the platform nothing then (the GPUs left free are taken by the jobs waiting, and a
+      reference-GPU second is the same on either), but a long job on GPUs several times slower
+      holds them, and ends, that many times later (on the truth-timed grid, Philly-like trace at
+      full load, single jobs of tens of hours ran 6-12x slower than under ``gavel_like`` when only
+      gangs with ``comm`` and no queue could wait). The bound was chosen on that grid and on
+      ``loom bench contention`` (plugins README). An option free now passes (the scores chose the
+      slower GPUs on purpose, e.g. for the data).
 
     A wait is UNSCHEDULABLE with ``wait_s`` the expected wait (none when unknown: the job is decided
     again when capacity frees) and claims the pool waited for in the shared
@@ -746,7 +752,7 @@ class SpanGuard:
     backfill plugin keeps the pool for it). "Other jobs waiting" are the jobs nothing fits now
     (noted by ``waiting_jobs``), not the ones held back by choice, so a gang refused a spread counts
     the same whether spanning was allowed or not.
-    Jobs without ``comm`` on one cluster, and pipelines, pass.
+    Pipelines pass.
     """
 
     name = "span_guard"
@@ -758,6 +764,7 @@ class SpanGuard:
         book: WaitBook | None = None,
         gpu_hours_bound: float = SPAN_GPU_HOURS_BOUND,
         margin: float = WAIT_MARGIN,
+        queue_slowdown: float = QUEUE_SLOWDOWN,
     ) -> None:
         if not gpu_hours_bound >= 1.0:
             raise ValueError(f"gpu_hours_bound must be at least 1, got {gpu_hours_bound}")
@@ -768,11 +775,14 @@ class SpanGuard:
         self.book = book if book is not None else WaitBook()
         self.gpu_hours_bound = gpu_hours_bound
         self.margin = margin
+        if not queue_slowdown >= 1.0:
+            raise ValueError(f"queue_slowdown must be at least 1, got {queue_slowdown}")
+        self.queue_slowdown = queue_slowdown
 
     def permit(self, state: CycleState, decision: Decision) -> Status:
         job = state.job
         spread = len(decision.parts) > 1
-        if any(p.layers is not None for p in decision.parts) or not (spread or job.comm is not None):
+        if any(p.layers is not None for p in decision.parts):
             return Status()
         snap = state.snapshot
         speeds = part_speeds(state, decision)
@@ -788,8 +798,6 @@ class SpanGuard:
         holders = whole_gang_pools(state, decision.workers)
         if spread:
             return self._spread(state, decision, chosen, holders, speeds)
-        if snap.waiting_count(exclude=job.job_id) > 0:
-            return Status()  # a queue: the pool that frees is not this job's alone (see the docstring)
         options = single_cluster_options(state, holders, decision.workers, book=self.book, within_s=run_now)
         if not options:
             return Status()
@@ -798,6 +806,8 @@ class SpanGuard:
             return Status()
         if best.completion_s + MIN_WAIT_S > (1.0 - self.margin) * run_now:
             return Status()
+        if run_now < self.queue_slowdown * best.run_s and snap.waiting_count(exclude=job.job_id) > 0:
+            return Status()  # a queue, and the slower GPUs cost less than queue_slowdown x (docstring)
         waited = _waited_s(state)
         if waited >= steps * (chosen.step_s - best.step_s):
             return Status()

@@ -1,0 +1,255 @@
+"""The replicated bus: Loom's streams and consumers on a 3-node JetStream cluster survive a node.
+
+Real nats-server processes (the ``nats_cluster`` fixture, the code ``loom up --nats-cluster 3``
+runs), Loom's own connect / ensure_streams / Publisher / ConsumerRunner. A node is SIGKILLed in
+the middle of a run of acknowledged publishes; every acknowledged message must reach the durable
+consumer, once after dedupe by message id, and be stored once. The longest wait between two
+publish acks around the kill (the stall) is printed; the assertion on it is only a bound that
+catches a hang, the figure itself is for the report (``pytest -s``).
+"""
+
+import asyncio
+import json
+import os
+import signal
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+from nats.aio.client import Client
+from nats.errors import TimeoutError as NatsTimeoutError
+from waiting import until
+
+from loom.bus import ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
+from loom.runtime.servers import NatsCluster, NatsServer
+from loom_proto import JobSubmitted, Work
+from loom_proto import subjects as s
+from loom_proto.subjects import STREAMS
+
+MESSAGES = 300
+KILL_AFTER = 100
+HANG_S = 30.0
+"""A stall this long is a hang, not a failover (a Raft election takes 4-9 s in nats-server)."""
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def bus(nats_cluster: NatsCluster) -> AsyncIterator[Client]:
+    """A Loom connection given every node's URL, with Loom's streams created (R3)."""
+    nc = await connect(nats_cluster.url, "test-cluster")
+    await ensure_streams(nc.jetstream())
+    yield nc
+    await nc.close()
+
+
+def node_by_name(cluster: NatsCluster, name: str) -> NatsServer:
+    return next(node for node in cluster.nodes if node.server_name == name)
+
+
+def node_of(cluster: NatsCluster, nc: Client) -> NatsServer:
+    url = nc.connected_url
+    assert url is not None
+    return next(node for node in cluster.nodes if node.port == url.port)
+
+
+async def all_replicas_current(nc: Client, stream: str) -> bool:
+    info = await nc.jetstream().stream_info(stream)
+    cluster = info.cluster
+    return bool(
+        cluster is not None
+        and cluster.leader
+        and len(cluster.replicas or []) == 2
+        and all(peer.current and not peer.offline for peer in cluster.replicas or [])
+    )
+
+
+async def test_connect_takes_every_node_and_streams_and_consumers_get_three_replicas(
+    nats_cluster: NatsCluster, bus: Client
+) -> None:
+    assert nats_cluster.url.count(",") == 2
+    js = bus.jetstream()
+    for spec in STREAMS:
+        info = await js.stream_info(spec.name)
+        assert info.config.num_replicas == 3, spec.name
+        assert info.cluster is not None
+        peers = {info.cluster.leader, *(peer.name for peer in info.cluster.replicas or [])}
+        assert peers == {"nats-1", "nats-2", "nats-3"}, spec.name
+
+    tenant = unique("t")
+    spec = ConsumerSpec(stream="JOBS", durable=unique("test"), filter_subjects=[s.job_submitted(tenant)])
+    got: asyncio.Queue[str] = asyncio.Queue()
+
+    async def handle(delivery: Delivery[JobSubmitted]) -> None:
+        await got.put(delivery.message.job_id)
+
+    runner: ConsumerRunner[JobSubmitted] = ConsumerRunner(
+        bus, spec, JobSubmitted, handler=handle, idle_fetch_timeout_s=0.2
+    )
+    await runner.start()
+    try:
+        # The consumer leaves num_replicas unset and so takes the stream's three.
+        consumer = await js.consumer_info("JOBS", spec.durable)
+        assert consumer.cluster is not None
+        consumer_peers = {consumer.cluster.leader, *(p.name for p in consumer.cluster.replicas or [])}
+        assert consumer_peers == {"nats-1", "nats-2", "nats-3"}
+
+        publisher = Publisher(bus)
+        for n in range(3):
+            message = JobSubmitted(job_id=f"job-{n}", tenant=tenant, name="", work=Work(steps=1))
+            await publisher.publish(s.job_submitted(tenant), message, msg_id=f"{tenant}-{n}")
+        received = [await asyncio.wait_for(got.get(), 10.0) for _ in range(3)]
+        assert sorted(received) == ["job-0", "job-1", "job-2"]
+    finally:
+        await runner.stop()
+
+
+def pick_victim(
+    cluster: NatsCluster, role: str, leader: str, publisher: Client, consumer: Client
+) -> NatsServer:
+    if role == "stream-leader":
+        return node_by_name(cluster, leader)
+    if role == "publishers-server":
+        return node_of(cluster, publisher)
+    if role == "consumers-server":
+        return node_of(cluster, consumer)
+    # A follower the publisher is not on (the consumer may be).
+    return next(n for n in cluster.nodes if n.server_name != leader and n is not node_of(cluster, publisher))
+
+
+async def connection_off_the_leader(cluster: NatsCluster, leader: str, name: str) -> Client:
+    """A connection to a node that does not lead JOBS, so killing it is not also a leader kill."""
+    for _ in range(20):
+        nc = await connect(cluster.url, name)
+        if node_of(cluster, nc).server_name != leader:
+            return nc
+        await nc.close()
+    pytest.fail("every connection landed on the stream leader")
+
+
+@pytest.mark.parametrize("role", ["stream-leader", "publishers-server", "consumers-server", "follower"])
+async def test_killing_one_node_loses_no_acknowledged_message(
+    nats_cluster: NatsCluster, bus: Client, role: str
+) -> None:
+    js = bus.jetstream()
+    info = await js.stream_info("JOBS")
+    assert info.cluster is not None and info.cluster.leader
+    leader = info.cluster.leader
+    pub_nc = await connection_off_the_leader(nats_cluster, leader, "test-publisher")
+    con_nc = await connection_off_the_leader(nats_cluster, leader, "test-consumer")
+    victim = pick_victim(nats_cluster, role, leader, pub_nc, con_nc)
+    roles = {
+        "publisher on it": victim is node_of(nats_cluster, pub_nc),
+        "consumer on it": victim is node_of(nats_cluster, con_nc),
+    }
+    assert victim.pid is not None
+
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    # Placement's consumers' ack wait (ConsumerSpec's default is 30 s): what was in flight to a
+    # consumer whose node died is redelivered after it.
+    spec = ConsumerSpec(stream="JOBS", durable=unique("test"), filter_subjects=[subject], ack_wait_s=5.0)
+    received: list[str] = []
+    received_at: list[float] = []
+
+    async def handle(delivery: Delivery[JobSubmitted]) -> None:
+        assert delivery.msg_id is not None
+        received.append(delivery.msg_id)
+        received_at.append(time.monotonic())
+
+    runner: ConsumerRunner[JobSubmitted] = ConsumerRunner(
+        con_nc, spec, JobSubmitted, handler=handle, idle_fetch_timeout_s=0.2
+    )
+    await runner.start()
+    publisher = Publisher(pub_nc)
+    acked: list[str] = []
+    acked_at: list[float] = []
+    try:
+        for n in range(MESSAGES):
+            if n == KILL_AFTER:
+                os.kill(victim.pid, signal.SIGKILL)
+            message = JobSubmitted(job_id=f"job-{n}", tenant=tenant, name="", work=Work(steps=1))
+            msg_id = f"{tenant}-{n}"
+            await publisher.publish(subject, message, msg_id=msg_id)
+            acked.append(msg_id)
+            acked_at.append(time.monotonic())
+
+        async def all_received() -> bool:
+            return set(acked) <= set(received)
+
+        await until(all_received, HANG_S, "every acknowledged message to be consumed")
+    finally:
+        await runner.stop()
+        await pub_nc.close()
+        await con_nc.close()
+
+    # Every acknowledged message arrived, each once after dedupe by id, and was stored once.
+    assert len(acked) == MESSAGES
+    assert sorted(set(received)) == sorted(acked)
+    stored = await js.stream_info("JOBS", subjects_filter=subject)
+    assert (stored.state.subjects or {}).get(subject) == MESSAGES
+
+    publish_stall_s = float(max(np.diff(acked_at[KILL_AFTER - 1 :])))
+    # The longest an acknowledged message waited to be consumed (what was in flight to a consumer
+    # whose node died waits for the ack wait).
+    first_received = dict(reversed(list(zip(received, received_at, strict=True))))
+    consume_stall_s = max(first_received[m] - t for m, t in zip(acked, acked_at, strict=True))
+    print(
+        f"\nnode kill ({role}: {victim.server_name}, stream leader {leader}, {roles}): "
+        f"publish stall {publish_stall_s:.2f} s, longest ack-to-consume {consume_stall_s:.2f} s, "
+        f"duplicate deliveries {len(received) - len(set(received))}"
+    )
+    assert publish_stall_s < HANG_S
+    assert consume_stall_s < HANG_S
+
+
+async def test_a_killed_node_restarted_on_its_port_rejoins_and_catches_up(
+    nats_cluster: NatsCluster, bus: Client
+) -> None:
+    victim = nats_cluster.nodes[0]
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    tenant = unique("t")
+    publisher = Publisher(bus)
+    for n in range(20):  # written while the node is down: it must catch up on them
+        message = JobSubmitted(job_id=f"job-{n}", tenant=tenant, name="", work=Work(steps=1))
+        await publisher.publish(s.job_submitted(tenant), message, msg_id=f"{tenant}-{n}")
+    # What the supervisor's ServerWatch does with a dead server.
+    await until(_exited(victim), 10.0, "the killed node to be reaped")
+    victim.clean_after_exit()
+    await asyncio.to_thread(victim.start)
+
+    async def caught_up() -> bool:
+        return all([await all_replicas_current(bus, spec.name) for spec in STREAMS])
+
+    await until(
+        caught_up, HANG_S, "every stream's replicas to be current again", retry_on=(NatsTimeoutError,)
+    )
+    # The restarted node's own copy holds what was written while it was down.
+    leader_messages = (await bus.jetstream().stream_info("JOBS")).state.messages
+    assert leader_messages >= 20
+    assert await asyncio.to_thread(local_stream_messages, victim, "JOBS") == leader_messages
+
+
+def local_stream_messages(node: NatsServer, stream: str) -> int:
+    """Messages in ``node``'s own replica of ``stream``, from its monitoring endpoint."""
+    with urllib.request.urlopen(f"{node.monitor_url}/jsz?accounts=true&streams=true", timeout=5) as reply:
+        jsz = json.loads(reply.read())
+    for account in jsz.get("account_details", []):
+        for detail in account.get("stream_detail", []):
+            if detail["name"] == stream:
+                return int(detail["state"]["messages"])
+    raise AssertionError(f"{node.server_name} holds no replica of {stream}: {jsz}")
+
+
+def _exited(node: NatsServer) -> Any:
+    async def check() -> bool:
+        return node.poll_exit() is not None
+
+    return check

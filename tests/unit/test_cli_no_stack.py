@@ -1,0 +1,45 @@
+"""A command with no stack to talk to says so within seconds instead of retrying forever."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("argv", [["jobs"], ["view"], ["job", "some-job"], ["net", "links"]])
+def test_a_command_without_a_stack_says_to_start_one(argv: list[str], tmp_path: Path) -> None:
+    # A stack that was started once and is gone: its state file names servers nobody answers on.
+    port = _closed_port()
+    (tmp_path / "stack.json").write_text(
+        json.dumps(
+            {"nats_url": f"nats://127.0.0.1:{port}", "database_url": f"postgresql://127.0.0.1:{port}/loom"}
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("LOOM_NATS_URL", "LOOM_DATABASE_URL")}
+    env["LOOM_HOME"] = str(tmp_path)
+    started = time.monotonic()
+    # Before the fix this never returned (reconnects forever, a connect error every 0.5 s).
+    done = subprocess.run(
+        [sys.executable, "-m", "loom.cli.main", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    took = time.monotonic() - started
+    assert done.returncode == 1, done.stderr
+    assert "loom up" in done.stderr and "no NATS server answered" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert took < 30, f"took {took:.1f} s"  # a hang guard, not a performance figure

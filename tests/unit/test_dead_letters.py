@@ -1,0 +1,81 @@
+"""The pure parts of loom.bus.dlq: reading a dead letter's headers, replay headers, ``--since``."""
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from loom.bus.dlq import DeadLetter, parse_since, replay_headers, replay_msg_id
+from loom.errors import InvalidInputError
+
+NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+
+HEADERS = {
+    "Loom-Error": "job_id: expected str",
+    "Loom-Error-Type": "DecodeError",
+    "Loom-Original-Subject": "loom.jobs.submitted.acme",
+    "Loom-Original-Msg-Id": "job-7",
+    "Loom-Stream": "JOBS",
+    "Loom-Stream-Seq": "42",
+    "Loom-Deliveries": "3",
+    "Loom-Consumer": "placement",
+    "Nats-Msg-Id": "dlq-JOBS-42",
+    "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "X-Origin": "sdk",
+}
+
+
+def test_a_dead_letter_reads_its_error_headers_into_fields() -> None:
+    letter = DeadLetter.from_message(9, "loom.dlq.loom.jobs.submitted.acme", HEADERS, b"{}", NOW)
+    assert (letter.seq, letter.original_subject, letter.consumer) == (
+        9,
+        "loom.jobs.submitted.acme",
+        "placement",
+    )
+    assert (letter.error_type, letter.error) == ("DecodeError", "job_id: expected str")
+    assert (letter.deliveries, letter.stream, letter.stream_seq) == (3, "JOBS", 42)
+    assert letter.original_msg_id == "job-7"
+    assert letter.summary()["replayed"] is None
+
+
+def test_without_headers_the_original_subject_comes_from_the_dead_letter_subject() -> None:
+    letter = DeadLetter.from_message(1, "loom.dlq.loom.net.probe.a.b", {"Loom-Deliveries": "x"}, b"", None)
+    assert letter.original_subject == "loom.net.probe.a.b"
+    assert letter.deliveries is None
+    assert letter.original_msg_id is None
+    assert replay_msg_id(letter) == "dlq-replay-1"
+
+
+def test_a_replay_keeps_the_original_headers_and_id_and_drops_the_dead_letters() -> None:
+    letter = DeadLetter.from_message(9, "loom.dlq.loom.jobs.submitted.acme", HEADERS, b"{}", NOW)
+    assert replay_headers(letter) == {
+        "traceparent": HEADERS["traceparent"],
+        "X-Origin": "sdk",
+        "Loom-Replayed-From": "9",
+    }
+    assert replay_msg_id(letter) == "job-7"
+
+
+@pytest.mark.parametrize(
+    ("text", "back"),
+    [
+        ("90s", timedelta(seconds=90)),
+        ("15m", timedelta(minutes=15)),
+        ("2h", timedelta(hours=2)),
+        ("1d", timedelta(days=1)),
+        ("1h30m", timedelta(hours=1, minutes=30)),
+        ("0.5h", timedelta(minutes=30)),
+    ],
+)
+def test_since_takes_a_duration_back_from_now(text: str, back: timedelta) -> None:
+    assert parse_since(text, now=NOW) == NOW - back
+
+
+def test_since_takes_an_iso_time_utc_when_it_names_no_zone() -> None:
+    assert parse_since("2026-12-01T10:00", now=NOW) == datetime(2026, 12, 1, 10, 0, tzinfo=UTC)
+    assert parse_since("2026-12-01T10:00+01:00", now=NOW) == datetime(2026, 12, 1, 9, 0, tzinfo=UTC)
+
+
+@pytest.mark.parametrize("text", ["yesterday", "15", "m15", "", "2h-"])
+def test_since_refuses_anything_else_with_the_accepted_forms(text: str) -> None:
+    with pytest.raises(InvalidInputError, match="15m"):
+        parse_since(text, now=NOW)

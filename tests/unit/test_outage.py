@@ -1,0 +1,111 @@
+"""Telling a dependency outage from a bad message (loom.bus.outage), without servers: probes here
+are plain coroutines that fail until told otherwise."""
+
+import asyncio
+
+import asyncpg
+import pytest
+from nats.errors import ConnectionClosedError
+
+from loom.bus.connection import BusError
+from loom.bus.outage import Dependencies, Dependency, is_bus_outage
+from loom.cli.main import _health_text
+from loom.errors import InvalidInputError, TransientError
+from loom.store.pool import ConflictError, DatabaseUnavailableError, is_unavailable, map_error
+
+
+class Switch:
+    """A dependency's probe: answers only while ``up``."""
+
+    def __init__(self, up: bool = True) -> None:
+        self.up = up
+        self.probes = 0
+
+    async def probe(self) -> None:
+        self.probes += 1
+        if not self.up:
+            raise ConnectionRefusedError("refused")
+
+
+def deps(pg: Switch, nats: Switch) -> Dependencies:
+    return Dependencies(
+        Dependency("postgres", pg.probe, is_unavailable),
+        Dependency("nats", nats.probe, is_bus_outage),
+        first_backoff_s=0.01,
+        max_backoff_s=0.02,
+    )
+
+
+@pytest.mark.parametrize(
+    ("error", "suspects"),
+    [
+        (asyncpg.CannotConnectNowError("the database system is starting up"), ["postgres"]),
+        (asyncpg.AdminShutdownError("terminating connection"), ["postgres"]),
+        (asyncpg.ConnectionDoesNotExistError("closed"), ["postgres"]),
+        (asyncpg.TooManyConnectionsError("too many"), ["postgres"]),
+        (map_error(OSError("connection refused")), ["postgres"]),
+        (BusError("publish failed after 8 attempts"), ["nats"]),
+        (ConnectionClosedError(), ["nats"]),
+        (ConnectionRefusedError("refused"), ["nats", "postgres"]),  # vague: probe both
+        (TimeoutError(), ["nats", "postgres"]),
+        (BusError("publish refused: no stream", non_retryable=True), []),
+        (InvalidInputError("bad job"), []),
+        (ConflictError("lost a race"), []),
+        (TransientError("fenced"), []),
+        (RuntimeError("bug"), []),
+        (KeyError("x"), []),
+    ],
+    ids=repr,
+)
+def test_suspects_are_the_dependencies_an_error_points_at(error: BaseException, suspects: list[str]) -> None:
+    assert deps(Switch(), Switch()).suspects(error) == suspects
+
+
+def test_a_wrapped_error_is_recognised_through_its_cause() -> None:
+    try:
+        try:
+            raise asyncpg.CannotConnectNowError("starting up")
+        except asyncpg.PostgresError as inner:
+            raise RuntimeError("handler failed") from inner
+    except RuntimeError as outer:
+        assert deps(Switch(), Switch()).suspects(outer) == ["postgres"]
+    assert isinstance(map_error(asyncpg.CannotConnectNowError("x")), DatabaseUnavailableError)
+
+
+async def test_an_outage_is_confirmed_by_its_probe_waited_out_and_reported() -> None:
+    pg, nats = Switch(up=False), Switch()
+    d = deps(pg, nats)
+    assert await d.confirm(["postgres", "nats"]) == ["postgres"]
+    assert d.status() == "degraded: postgres unavailable"
+    assert d.unavailable == ["postgres"]
+    waiter = asyncio.create_task(d.wait_until_up(["postgres"]))
+    await asyncio.sleep(0.1)
+    assert not waiter.done(), "still down: still waiting"
+    pg.up = True
+    assert await asyncio.wait_for(waiter, 2.0) is True
+    assert d.status() == "ok"
+    assert d.outages == {"postgres": 1}
+    await d.close()
+
+
+async def test_a_recognised_error_whose_dependency_answers_is_no_outage() -> None:
+    d = deps(Switch(up=True), Switch())
+    assert await d.confirm(d.suspects(asyncpg.ConnectionDoesNotExistError("stale"))) == []
+    assert d.status() == "ok"
+
+
+async def test_waiting_ends_when_the_consumer_stops() -> None:
+    d = deps(Switch(up=False), Switch())
+    await d.confirm(["postgres"])
+    stopping = asyncio.Event()
+    waiter = asyncio.create_task(d.wait_until_up(["postgres"], stopping))
+    stopping.set()
+    assert await asyncio.wait_for(waiter, 2.0) is False
+    await d.close()
+
+
+def test_loom_status_shows_a_degraded_service() -> None:
+    assert _health_text({"uptime_s": 12.0, "status": "ok"}) == "ok, up 12s"
+    degraded = _health_text({"uptime_s": 3.0, "status": "degraded: postgres unavailable"})
+    assert "degraded: postgres unavailable" in degraded
+    assert "no answer" in _health_text(None)
