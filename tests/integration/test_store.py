@@ -425,6 +425,14 @@ async def test_job_events_are_append_only(pool: asyncpg.Pool) -> None:
     job = await jobs.get_job(pool, job_id)
     assert job is not None
     assert [e["kind"] for e in job["events"]] == ["submitted"]
+    # A report stored late (sent after an outage) still reads in the order things happened.
+    async with transaction(pool) as conn:
+        late = jobs.JobEventRow(job_id, "completed", unique("m"), b"{}", 1.7e9 + 20)
+        early = jobs.JobEventRow(job_id, "started", unique("m"), b"{}", 1.7e9 + 10)
+        assert len(await jobs.append_events(conn, [late, early])) == 2
+    job = await jobs.get_job(pool, job_id)
+    assert job is not None
+    assert [e["kind"] for e in job["events"]] == ["submitted", "started", "completed"]
 
 
 # -- error mapping -----------------------------------------------------------------------------------

@@ -633,7 +633,10 @@ async def get_job(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> dict[
     out = _job_dict(row)
     out["spec"] = json.loads(row["spec"])
     events = await conn.fetch(
-        "SELECT kind, msg_id, event, at FROM job_events WHERE job_id = $1 ORDER BY id", job_id
+        # In the order things happened: reports can be stored after later ones (a journalled report
+        # sent when the bus returns), so the insertion order is only the tie-break.
+        "SELECT kind, msg_id, event, at FROM job_events WHERE job_id = $1 ORDER BY at, id",
+        job_id,
     )
     out["events"] = [
         {"kind": e["kind"], "msg_id": e["msg_id"], "at": e["at"].timestamp(), "event": json.loads(e["event"])}
