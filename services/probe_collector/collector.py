@@ -167,14 +167,18 @@ class PeerLink:
             if relay is not None:
                 relay.set_params(forward, reverse)
 
-    def describe(self) -> dict[str, Any]:
-        """The link's emulation, for replies and health stats."""
+    def describe(self, bandwidth_scale: float = BANDWIDTH_SCALE) -> dict[str, Any]:
+        """The link's emulation, for replies and health stats; ``wan_gbps`` is the forward
+        bandwidth on the WAN's scale (what ``loom net links`` shows), the relays' Mbps being
+        ``bandwidth_scale`` of it on loopback."""
+        mbps = self.forward.bandwidth_mbps
         return {
             "src": self.src,
             "dst": self.dst,
             "up": self.endpoints is not None,
             "forward": asdict(self.forward),
             "reverse": asdict(self.reverse),
+            "wan_gbps": None if mbps is None else mbps / 1000.0 / bandwidth_scale,
             "degraded": (self.forward, self.reverse) != (self.base_forward, self.base_reverse),
         }
 
@@ -477,10 +481,15 @@ class ProbeCollector:
                 if request.op != "show":
                     log.info("emulated link changed", op=request.op, src=link.src, dst=link.dst)
             self._refresh_stats()
-            reply: dict[str, Any] = {"ok": True, "result": [link.describe() for link in targets]}
+            reply: dict[str, Any] = {
+                "ok": True,
+                "result": [link.describe(self.config.bandwidth_scale) for link in targets],
+            }
         except (ValueError, json.JSONDecodeError) as exc:
             reply = {"ok": False, "error": str(exc)}
         await msg.respond(json.dumps(reply).encode())
 
     def _refresh_stats(self) -> None:
-        self.ctx.stats["links"] = {dst: link.describe() for dst, link in self.links.items()}
+        self.ctx.stats["links"] = {
+            dst: link.describe(self.config.bandwidth_scale) for dst, link in self.links.items()
+        }

@@ -435,3 +435,18 @@ def test_loom_view_says_when_nothing_matches_and_keeps_json_small(home: Path) ->
         check=False,
     )
     assert "Traceback" not in piped.stderr and "BrokenPipeError" not in piped.stderr
+
+
+def test_loom_net_degrade_names_an_unknown_link_and_shows_gbps_like_net_links(home: Path) -> None:
+    # An unknown link used to answer "is the service running?".
+    nowhere = _loom(home, "net", "degrade", "nowhere", "elsewhere", "--rtt-factor", "2")
+    assert nowhere.returncode == 2 and "no emulated link nowhere -> elsewhere" in nowhere.stderr
+    known = nowhere.stderr.split("known: ", 1)[1].replace("\n", " ")
+    src, dst = (part.strip() for part in known.split(",")[0].split("->"))
+    # The emulated bandwidth used to be printed in loopback Mbps while `net links` says Gbps.
+    degraded = _loom(home, "net", "degrade", src, dst, "--gbps", "0.5")
+    try:
+        assert degraded.returncode == 0, degraded.stderr
+        assert "Gbps" in degraded.stdout and "0.50" in degraded.stdout and "Mbps" not in degraded.stdout
+    finally:
+        assert _loom(home, "net", "restore", src, dst).returncode == 0

@@ -526,17 +526,17 @@ def cmd_net_path(args: argparse.Namespace) -> int:
 
 def _print_emulated(links: list[dict[str, Any]]) -> None:
     table = Table(title="emulated links")
-    for col in ("link", "rtt ms", "jitter ms", "loss", "Mbps (loopback)", "state"):
+    for col in ("link", "rtt ms", "jitter ms", "loss", "Gbps", "state"):
         table.add_column(col)
     for link in links:
         fwd, rev = link["forward"], link["reverse"]
-        mbps = fwd["bandwidth_mbps"]
+        gbps = link.get("wan_gbps")
         table.add_row(
             f"{link['src']} -> {link['dst']}",
             f"{fwd['delay_ms'] + rev['delay_ms']:.1f}",
             f"{fwd['jitter_ms']:.1f}",
             f"{fwd['loss']:.1%}",
-            "-" if mbps is None else f"{mbps:.2f}",
+            "-" if gbps is None else f"{gbps:.2f}",
             ("[red]degraded[/red]" if link["degraded"] else "as measured")
             + ("" if link["up"] else " [yellow](peer not found yet)[/yellow]"),
         )
@@ -556,7 +556,19 @@ def cmd_net_degrade(args: argparse.Namespace) -> int:
     async def go() -> int:
         client = await _client()
         try:
-            links = await client.net_emulate(args.src, args.dst, request)
+            try:
+                links = await client.net_emulate(args.src, args.dst, request)
+            except QueryError:
+                # No collector answered: an unknown link, or the stack's collectors are gone.
+                known = await client.net_emulate_all({"op": "show"})
+                if not known:
+                    raise
+                pairs = sorted({(k["src"], k["dst"]) for k in known})
+                err.print(
+                    f"[red]no emulated link {escape(args.src)} -> {escape(args.dst)}[/red]; known: "
+                    + ", ".join(f"{a} -> {b}" for a, b in pairs)
+                )
+                return 2
         finally:
             await client.close()
         _print_emulated(links)
