@@ -392,7 +392,7 @@ def test_loom_status_reports_every_process_healthy(home: Path) -> None:
 def _loom(home: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "loom.cli.main", *argv],
-        env=dict(os.environ, LOOM_HOME=str(home)),
+        env=dict(os.environ, LOOM_HOME=str(home), COLUMNS="200"),  # wide enough for whole tables
         capture_output=True,
         text=True,
         timeout=60,
@@ -450,3 +450,15 @@ def test_loom_net_degrade_names_an_unknown_link_and_shows_gbps_like_net_links(ho
         assert "Gbps" in degraded.stdout and "0.50" in degraded.stdout and "Mbps" not in degraded.stdout
     finally:
         assert _loom(home, "net", "restore", src, dst).returncode == 0
+
+
+def test_loom_net_links_and_path_show_percentiles_forecast_and_bottleneck(home: Path) -> None:
+    links = _loom(home, "net", "links")
+    assert links.returncode == 0, links.stderr
+    assert all(word in links.stdout for word in ("p95", "p99", "forecast"))
+    pairs = json.loads(_loom(home, "net", "links", "--json").stdout)
+    assert pairs and all("windows" in link and "rtt_ms_forecast" in link for link in pairs)
+    src, dst = pairs[0]["src"], pairs[0]["dst"]
+    path = _loom(home, "net", "path", src, dst)
+    assert path.returncode == 0, path.stderr
+    assert "bottleneck" in path.stdout

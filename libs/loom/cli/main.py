@@ -468,8 +468,21 @@ def cmd_net_links(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(links, indent=2))
             return 0
-        table = Table(title="Loom links")
-        for col in ("link", "rtt ms", "baseline", "jitter", "loss", "Gbps", "cost", "state"):
+        table = Table(title="Loom links (p95 / p99 over the shortest window with probes)")
+        columns = (
+            "link",
+            "rtt ms",
+            "p95",
+            "p99",
+            "forecast",
+            "baseline",
+            "jitter",
+            "loss",
+            "Gbps",
+            "cost",
+            "state",
+        )
+        for col in columns:
             table.add_column(col, justify="left" if col in ("link", "state") else "right")
         for link in links:
             state = []
@@ -479,9 +492,13 @@ def cmd_net_links(args: argparse.Namespace) -> int:
                 state.append("[yellow]stale[/yellow]")
             if not link["usable"]:
                 state.append("[red]unusable[/red]")
+            rtt_window = _shortest_window(link)
             table.add_row(
                 f"{link['src']} -> {link['dst']}",
                 _ms(link["rtt_ms"]),
+                _ms(rtt_window.get("p95_ms")),
+                _ms(rtt_window.get("p99_ms")),
+                _ms(link.get("rtt_ms_forecast")),
                 _ms(link["baseline_rtt_ms"]),
                 _ms(link["jitter_ms"]),
                 f"{link['loss_rate']:.2%}" if link["loss_rate"] is not None else "-",
@@ -493,6 +510,15 @@ def cmd_net_links(args: argparse.Namespace) -> int:
         return 0
 
     return _run(go())
+
+
+def _shortest_window(link: dict[str, Any]) -> dict[str, Any]:
+    """RTT statistics of the link's shortest window that received probes (empty when none)."""
+    for window in link.get("windows") or []:
+        rtt = window[0] if isinstance(window, list) and window else {}
+        if isinstance(rtt, dict) and rtt.get("samples"):
+            return rtt
+    return {}
 
 
 def cmd_net_path(args: argparse.Namespace) -> int:
@@ -514,7 +540,13 @@ def cmd_net_path(args: argparse.Namespace) -> int:
         console.print(
             f"[bold]{' -> '.join(path['nodes'])}[/bold]  cost {_ms(path['cost'])}"
             f"  rtt {_ms(path['rtt_ms'])} ms"
-            f"  loss {path['loss_rate']:.2%}  ({answer['reason']}; {answer['changes']} changes)"
+            f"  loss {path['loss_rate']:.2%}"
+            + (
+                f"  bottleneck {path['bottleneck_gbps']:.2f} Gbps"
+                if path.get("bottleneck_gbps") is not None
+                else "  bottleneck unknown"
+            )
+            + f"  ({answer['reason']}; {answer['changes']} changes)"
         )
         best = answer["best"]
         if best is not None and best["nodes"] != path["nodes"]:
