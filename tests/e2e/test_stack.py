@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -462,3 +463,36 @@ def test_loom_net_links_and_path_show_percentiles_forecast_and_bottleneck(home: 
     path = _loom(home, "net", "path", src, dst)
     assert path.returncode == 0, path.stderr
     assert "bottleneck" in path.stdout
+
+
+def test_loom_submit_says_what_became_of_each_job(home: Path, tmp_path: Path) -> None:
+    job_id = f"cli-{uuid.uuid4().hex[:8]}"
+    spec = {
+        "job_id": job_id,
+        "tenant": "acme",
+        "resources": {"gpus": 1},
+        "work": {"steps": 5, "step_time_s": 1.0},
+    }
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(spec))
+    first = _loom(home, "submit", str(path))
+    assert first.returncode == 0 and "accepted" in first.stdout, first.stdout + first.stderr
+    # The same file again (the README invites it) used to be dropped silently.
+    again = _loom(home, "submit", str(path))
+    assert again.returncode == 0 and "already submitted" in again.stdout, again.stdout + again.stderr
+    # A different spec under the same id used to be dropped silently too.
+    path.write_text(json.dumps({**spec, "work": {"steps": 50, "step_time_s": 1.0}}))
+    taken = _loom(home, "submit", str(path))
+    assert taken.returncode == 1 and "taken by a different spec" in taken.stderr, taken.stdout + taken.stderr
+    # A cyclic DAG used to print "submitted" with exit 0; the reason was only in placement's log.
+    stage = {"resources": {"gpus": 1}, "work": {"steps": 1, "step_time_s": 1.0}}
+    cyclic = {
+        "job_id": f"dag-{uuid.uuid4().hex[:8]}",
+        "tenant": "acme",
+        "work": {"steps": 1},
+        "stages": [{**stage, "name": "a", "depends_on": ["b"]}, {**stage, "name": "b", "depends_on": ["a"]}],
+    }
+    path.write_text(json.dumps(cyclic))
+    refused = _loom(home, "submit", str(path), "--wait", "--timeout", "30")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "rejected" in refused.stderr and "cycle" in refused.stderr

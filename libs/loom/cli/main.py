@@ -162,17 +162,43 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
     async def go() -> int:
         client = await _client()
+        refused = False
+        follow: set[str] = set()
         try:
             for spec in specs:
-                await client.submit(spec)
-                console.print(f"submitted [bold]{spec.job_id}[/bold] (tenant {spec.tenant})")
-            if args.wait:
-                return await _follow(client, {s.job_id for s in specs}, timeout_s=args.timeout)
+                admission = await client.submit_checked(spec)
+                refused |= _print_admission(spec, admission)
+                if admission.outcome in ("accepted", "duplicate", "unanswered"):
+                    follow.add(spec.job_id)
+            if args.wait and follow:
+                code = await _follow(client, follow, timeout_s=args.timeout)
+                return 1 if refused else code
         finally:
             await client.close()
-        return 0
+        return 1 if refused else 0
 
     return _run(go())
+
+
+def _print_admission(spec: Any, admission: Any) -> bool:
+    """One line per submission; True when it was refused (rejected, or its id taken)."""
+    name = f"[bold]{escape(spec.job_id)}[/bold] (tenant {escape(spec.tenant)})"
+    if admission.outcome == "accepted":
+        console.print(f"submitted {name}: accepted, {admission.state}")
+    elif admission.outcome == "duplicate":
+        console.print(
+            f"{name}: already submitted ({escape(admission.state or admission.reason)}); nothing sent again"
+        )
+    elif admission.outcome == "unanswered":
+        console.print(f"submitted {name}: [yellow]{escape(admission.reason)}[/yellow]; it waits on the bus")
+    elif admission.outcome == "conflict":
+        err.print(f"[red]{name}: {escape(admission.reason)}[/red]")
+        return True
+    else:
+        hint = f"\n  hint: {escape(admission.hint)}" if admission.hint else ""
+        err.print(f"[red]{name} rejected ({escape(admission.code)}): {escape(admission.reason)}[/red]{hint}")
+        return True
+    return False
 
 
 TERMINAL = {"completed", "failed", "rejected", "cancelled"}

@@ -4,6 +4,7 @@ import json
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,29 @@ from loom.errors import InvalidInputError, LoomError
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
 from loom_proto.ids import plain_words
-from loom_proto.jobs import JobEvent, JobSpec, JobSubmitted
+from loom_proto.jobs import JobEvent, JobRejected, JobSpec, JobSubmitted
 from loom_proto.view import ViewQuery
 
 
 class SpecError(InvalidInputError):
     """A job spec that cannot be submitted; the message says which field and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What became of a submission (:meth:`LoomClient.submit_checked`).
+
+    ``outcome``: ``accepted`` (placement stored it; ``state`` says where it is), ``rejected``
+    (``code``, ``reason``, ``hint``), ``duplicate`` (the same spec was submitted before),
+    ``conflict`` (the id is taken by a different spec), or ``unanswered`` (stored on the bus, but
+    placement did not answer in time: it will be decided when placement runs)."""
+
+    job_id: str
+    outcome: str
+    state: str = ""
+    code: str = ""
+    reason: str = ""
+    hint: str = ""
 
 
 class QueryError(LoomError):
@@ -83,6 +101,66 @@ class LoomClient:
         job = JobSubmitted(**fields, submitted_at=time.time())
         await self.publisher.publish(subjects.job_submitted(spec.tenant), job, msg_id=spec.job_id)
         return spec.job_id
+
+    async def submit_checked(self, spec: JobSpec, *, wait_s: float = 3.0) -> Admission:
+        """Submit a job and say what became of it within ``wait_s``: accepted, rejected (with the
+        code, reason and hint placement gave), a duplicate of the same spec, or a conflict (the id
+        is taken by another spec). The bus stays the contract: this is :meth:`submit` plus a look
+        at the job's record and its ``rejected`` event."""
+        try:
+            existing = await self.job(spec.job_id, timeout_s=min(wait_s, 2.0))
+        except QueryError:
+            existing = None  # placement is not answering: the submission waits on the bus for it
+        if existing is not None:
+            return self._known(spec, existing)
+        rejected = await self.nc.subscribe(subjects.job_event("rejected", spec.tenant))
+        try:
+            fields = {f: getattr(spec, f) for f in JobSpec.__struct_fields__}
+            job = JobSubmitted(**fields, submitted_at=time.time())
+            ack = await self.publisher.publish(subjects.job_submitted(spec.tenant), job, msg_id=spec.job_id)
+            if ack.duplicate:
+                return Admission(spec.job_id, "duplicate", reason="the same job id was submitted moments ago")
+            deadline = time.monotonic() + wait_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    msg = await rejected.next_msg(timeout=min(left, 0.25))
+                except Exception:  # nothing within the slice: look at the job's record instead
+                    try:
+                        found = await self.job(spec.job_id, timeout_s=max(min(left, 1.0), 0.1))
+                    except QueryError:
+                        continue
+                    if found is not None:
+                        return Admission(spec.job_id, "accepted", state=str(found["state"]))
+                    continue
+                try:
+                    event = decode(msg.data, JobRejected)
+                except DecodeError:
+                    continue
+                if event.job_id == spec.job_id:
+                    return Admission(
+                        spec.job_id, "rejected", code=event.code, reason=event.reason, hint=event.hint
+                    )
+        finally:
+            await rejected.unsubscribe()
+        return Admission(spec.job_id, "unanswered", reason=f"placement did not answer within {wait_s:g} s")
+
+    @staticmethod
+    def _known(spec: JobSpec, existing: Mapping[str, Any]) -> Admission:
+        """A submission whose id placement already holds: the same spec, or another one."""
+        stored = {k: v for k, v in dict(existing.get("spec") or {}).items() if k in JobSpec.__struct_fields__}
+        try:
+            same = msgspec.convert(stored, JobSpec) == spec
+        except msgspec.ValidationError:
+            same = False
+        state = str(existing.get("state", ""))
+        if same:
+            return Admission(spec.job_id, "duplicate", state=state, reason="already submitted")
+        return Admission(
+            spec.job_id,
+            "conflict",
+            state=state,
+            reason=f"job id {spec.job_id!r} is taken by a different spec; choose a new job id",
+        )
 
     async def _query(self, subject: str, request: Mapping[str, Any], timeout_s: float) -> Any:
         try:
