@@ -496,3 +496,21 @@ def test_loom_submit_says_what_became_of_each_job(home: Path, tmp_path: Path) ->
     refused = _loom(home, "submit", str(path), "--wait", "--timeout", "30")
     assert refused.returncode == 1, refused.stdout + refused.stderr
     assert "rejected" in refused.stderr and "cycle" in refused.stderr
+
+
+def test_loom_submit_wait_shows_progress_while_the_job_runs(home: Path, tmp_path: Path) -> None:
+    # About 12 s of running at the stack's time scale: the wait used to print nothing between
+    # "running" and "completed".
+    spec = {
+        "job_id": f"slow-{uuid.uuid4().hex[:8]}",
+        "tenant": "acme",
+        "resources": {"gpus": 1},
+        "work": {"steps": 24_000, "step_time_s": 1.0, "checkpoint_every_steps": 2_000},
+    }
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(spec))
+    done = _loom(home, "submit", str(path), "--wait", "--timeout", "50")
+    assert done.returncode == 0, done.stdout + done.stderr
+    progress = [line for line in done.stdout.splitlines() if "% done" in line]
+    assert progress, done.stdout
+    assert "completed" in done.stdout.splitlines()[-1]

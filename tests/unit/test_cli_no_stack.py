@@ -43,3 +43,11 @@ def test_a_command_without_a_stack_says_to_start_one(argv: list[str], tmp_path: 
     assert "loom up" in done.stderr and "no NATS server answered" in done.stderr
     assert "Traceback" not in done.stderr
     assert took < 30, f"took {took:.1f} s"  # a hang guard, not a performance figure
+
+
+def test_progress_lines_give_a_rate_and_an_eta() -> None:
+    from loom.cli.main import _progress_line
+
+    assert _progress_line(0.5, (0.1, 1000.0), 1060.0) == "50% done, 40.0%/min, about 75 s left"
+    assert _progress_line(0.2, (0.0, 1000.0), 1002.0) == "20% done, 600.0%/min, about 8 s left"
+    assert _progress_line(0.3, (0.3, 1000.0), 1030.0) == "30% done"  # no progress seen yet: no rate

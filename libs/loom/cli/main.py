@@ -205,10 +205,14 @@ TERMINAL = {"completed", "failed", "rejected", "cancelled"}
 
 
 async def _follow(client: LoomClient, job_ids: set[str], *, timeout_s: float) -> int:
-    """Poll until every job is terminal; print one line per state change."""
+    """Poll until every job is terminal; print one line per state change, and while a job runs, its
+    progress every tenth of the way (or every 10 s) with its rate and an ETA."""
     seen: dict[str, str] = {}
+    shown: dict[str, tuple[float, float]] = {}  # job -> (progress shown, when)
+    running_since: dict[str, tuple[float, float]] = {}  # job -> (progress, when) at the first running look
     deadline = time.time() + timeout_s
     while time.time() < deadline:
+        now = time.time()
         for job_id in sorted(job_ids):
             job = await client.job(job_id)
             state = job["state"] if job else "submitted"
@@ -217,11 +221,31 @@ async def _follow(client: LoomClient, job_ids: set[str], *, timeout_s: float) ->
                 why = f": {job['reason']}" if job and job.get("reason") else ""
                 console.print(f"{job_id}: {state}{where}{why}")
                 seen[job_id] = state
+            if job is not None and state == "running":
+                progress = float(job.get("progress") or 0.0)
+                start = running_since.setdefault(job_id, (progress, now))
+                last = shown.get(job_id, (start[0], start[1]))
+                if progress - last[0] >= 0.1 or (progress > last[0] and now - last[1] >= 10.0):
+                    console.print(
+                        f"{job_id}: {_progress_line(progress, start, now)} on {job.get('cluster') or '-'}"
+                    )
+                    shown[job_id] = (progress, now)
         if all(seen.get(j) in TERMINAL for j in job_ids):
             return 0 if all(seen[j] == "completed" for j in job_ids) else 1
         await asyncio.sleep(0.5)
     err.print("[yellow]timed out waiting for the jobs[/yellow]")
     return 1
+
+
+def _progress_line(progress: float, start: tuple[float, float], now: float) -> str:
+    """``42% done, 3.1%/min, about 19 min left`` from the progress seen first while running."""
+    elapsed = now - start[1]
+    rate = (progress - start[0]) / elapsed if elapsed > 0 else 0.0
+    if rate <= 0:
+        return f"{progress:.0%} done"
+    left_s = (1.0 - progress) / rate
+    left = f"{left_s:.0f} s" if left_s < 120 else f"{left_s / 60:.0f} min"
+    return f"{progress:.0%} done, {rate * 60:.1%}/min, about {left} left"
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
