@@ -514,3 +514,26 @@ def test_loom_submit_wait_shows_progress_while_the_job_runs(home: Path, tmp_path
     progress = [line for line in done.stdout.splitlines() if "% done" in line]
     assert progress, done.stdout
     assert "completed" in done.stdout.splitlines()[-1]
+
+
+def test_loom_job_and_explain_of_a_dag_point_to_its_stage_jobs(home: Path, tmp_path: Path) -> None:
+    dag_id = f"dag-{uuid.uuid4().hex[:8]}"
+    stage = {"resources": {"gpus": 1}, "work": {"steps": 5, "step_time_s": 1.0}}
+    spec = {
+        "job_id": dag_id,
+        "tenant": "acme",
+        "work": {"steps": 1},
+        "stages": [{**stage, "name": "prep"}, {**stage, "name": "train", "depends_on": ["prep"]}],
+    }
+    path = tmp_path / "dag.json"
+    path.write_text(json.dumps(spec))
+    assert _loom(home, "submit", str(path), "--wait", "--timeout", "40").returncode == 0
+    # The DAG's own record used to be empty, with no pointer to its stage jobs.
+    shown = _loom(home, "job", dag_id)
+    assert shown.returncode == 0, shown.stderr
+    assert f"{dag_id}--prep" in shown.stdout and f"{dag_id}--train" in shown.stdout
+    as_json = json.loads(_loom(home, "job", dag_id, "--json").stdout)
+    assert [s["state"] for s in as_json["stage_jobs"]] == ["completed", "completed"]
+    # `loom explain` used to say "no decision recorded yet".
+    explained = _loom(home, "explain", dag_id)
+    assert f"loom explain {dag_id}--train" in explained.stdout, explained.stdout

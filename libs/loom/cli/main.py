@@ -303,7 +303,16 @@ def cmd_explain(args: argparse.Namespace) -> int:
             f"[bold]{job['job_id']}[/bold]  state [bold]{job['state']}[/bold]"
             f"  cluster {job['cluster'] or '-'}"
         )
-        if not answer["decisions"]:
+        stages = (job.get("spec") or {}).get("stages") or []
+        if not answer["decisions"] and stages:
+            from loom.sched.dag import stage_job_id
+
+            console.print(
+                "a DAG is not placed itself: each stage is a job of its own, decided when its"
+                " dependencies end. Explain a stage: "
+                + ", ".join(f"loom explain {stage_job_id(job['job_id'], st['name'])}" for st in stages)
+            )
+        elif not answer["decisions"]:
             console.print("no decision recorded yet (the job has not had a scheduling cycle)")
         for d in answer["decisions"]:
             console.print(f"\n[bold]attempt {d['attempt']}[/bold] ({d['outcome']})")
@@ -321,6 +330,7 @@ def cmd_job(args: argparse.Namespace) -> int:
         client = await _client()
         try:
             job = await client.job(args.job_id)
+            stages = await _stage_jobs(client, job) if job is not None else []
         finally:
             await client.close()
         if job is None:
@@ -329,7 +339,7 @@ def cmd_job(args: argparse.Namespace) -> int:
             )
             return 1
         if args.json:
-            print(json.dumps(job, indent=2))
+            print(json.dumps({**job, "stage_jobs": stages} if stages else job, indent=2))
             return 0
         console.print(
             f"[bold]{job['job_id']}[/bold]  tenant {job['tenant']}  state [bold]{job['state']}[/bold]"
@@ -337,6 +347,8 @@ def cmd_job(args: argparse.Namespace) -> int:
         )
         if job.get("reason"):
             console.print(f"reason: {job['reason']}")
+        if stages:
+            _print_stages(stages)
         table = Table(title="history")
         for col in ("time", "event", "detail"):
             table.add_column(col)
@@ -349,6 +361,37 @@ def cmd_job(args: argparse.Namespace) -> int:
         return 0
 
     return _run(go())
+
+
+async def _stage_jobs(client: LoomClient, job: dict[str, Any]) -> list[dict[str, Any]]:
+    """A DAG's stages as jobs (``<job>--<stage>``) with their state; empty for other jobs."""
+    from loom.sched.dag import stage_job_id
+
+    out: list[dict[str, Any]] = []
+    for stage in (job.get("spec") or {}).get("stages") or []:
+        stage_id = stage_job_id(job["job_id"], stage["name"])
+        found = await client.job(stage_id)
+        out.append(
+            {
+                "stage": stage["name"],
+                "job_id": stage_id,
+                "depends_on": stage.get("depends_on", []),
+                "state": found["state"] if found else "not yet created",
+                "cluster": found.get("cluster") if found else None,
+            }
+        )
+    return out
+
+
+def _print_stages(stages: list[dict[str, Any]]) -> None:
+    table = Table(title="stages (each is a job of its own: loom job / loom explain STAGE-JOB)")
+    for col in ("stage", "job", "after", "state", "cluster"):
+        table.add_column(col)
+    for st in stages:
+        table.add_row(
+            st["stage"], st["job_id"], ", ".join(st["depends_on"]) or "-", st["state"], st["cluster"] or "-"
+        )
+    console.print(table)
 
 
 def _event_detail(kind: str, ev: dict[str, Any]) -> str:
