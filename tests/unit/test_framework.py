@@ -142,7 +142,7 @@ def test_hierarchical_pruning_records_why_each_cluster_was_ruled_out() -> None:
     outcome = Framework([ResourceFit(), ScuFit()]).schedule(job("big", gpus=8, workers=2), two_clusters())
     assert outcome.decision is not None and outcome.decision.lead.cluster == "ca"
     assert "cb" in outcome.record.pruned
-    assert outcome.record.pruned["cb"] == "region r2 has 12 free GPUs of the allowed models; the job needs 16"
+    assert outcome.record.pruned["cb"] == "region r2 has 12 free GPUs; the job needs 16"
 
 
 def test_a_gang_that_can_never_fit_is_unresolvable_with_an_actionable_reason() -> None:
@@ -880,3 +880,47 @@ def test_learned_speed_reaches_the_job_speed_tables_per_family() -> None:
     assert snap.job_gpu_speed(bert, "T4") == pytest.approx(0.1)
     snap.set_learned({})
     assert snap.job_gpu_speed(bert, "T4") == 0.5
+
+
+def test_pruning_names_the_models_the_job_allows_and_explain_says_each_reason_once() -> None:
+    from loom.sched.explain import render
+
+    # Fifty free T4 nodes in one zone, every V100 taken in the other: the job needs V100s.
+    nodes = [
+        NodeCapacity(
+            node=f"t{i}",
+            cluster="ct",
+            region="r1",
+            zone="r1-a",
+            gpu_model="T4",
+            gpus_total=8,
+            gpus_reserved=0,
+        )
+        for i in range(50)
+    ] + [
+        NodeCapacity(
+            node=f"v{i}",
+            cluster="cv",
+            region="r1",
+            zone="r1-b",
+            gpu_model="V100",
+            gpus_total=8,
+            gpus_reserved=8,
+        )
+        for i in range(2)
+    ]
+    speed = {("T4", "training_compute"): 1.0, ("V100", "training_compute"): 2.0}
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=1000.0)
+    spec = JobSpec(
+        job_id="v",
+        tenant="t",
+        workers=2,
+        resources=Resources(gpus=8, gpu_models=["V100"]),
+        work=Work(steps=1),
+    )
+    outcome = Framework([ResourceFit(), ScuFit()]).schedule(spec, snap)
+    assert outcome.decision is None
+    assert outcome.record.pruned["ct"] == "region r1 has 0 free V100 GPUs; the job needs 16"
+    lines = render(outcome.record)
+    assert sum("region r1 has 0 free V100 GPUs" in line for line in lines) == 2  # once per cluster
+    assert "(ct:" not in lines[0]  # the headline does not repeat them

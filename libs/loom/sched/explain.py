@@ -42,7 +42,7 @@ def render(record: DecisionRecord, *, limit: int = 10) -> list[str]:
     lines: list[str] = []
     if record.outcome != "placed":
         verb = "was rejected" if record.outcome == "rejected" else "is waiting"
-        lines.append(f"Job {record.job_id} {verb}: {record.reason}.")
+        lines.append(f"Job {record.job_id} {verb}: {_headline(record)}.")
     ranked = sorted(record.candidates, key=lambda c: (-c.total, c.cluster, c.gpu_model))
     winner: CandidateRecord | None = None
     if record.outcome == "placed" and record.chosen:
@@ -55,6 +55,17 @@ def render(record: DecisionRecord, *, limit: int = 10) -> list[str]:
     lines += _why_not_there(record, ranked, winner or (ranked[0] if ranked else None), limit)
     lines += _ruled_out(record, limit)
     return lines
+
+
+def _headline(record: DecisionRecord) -> str:
+    """The record's reason without the per-cluster reasons it may end with: those are said once,
+    cluster by cluster, below it."""
+    reason = record.reason
+    for cluster in sorted(record.pruned):
+        cut = reason.find(f" ({cluster}: ")
+        if cut > 0 and reason.endswith(")"):
+            return reason[:cut]
+    return reason
 
 
 def _why_here(record: DecisionRecord, winner: CandidateRecord | None) -> list[str]:

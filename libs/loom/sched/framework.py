@@ -971,25 +971,33 @@ class Framework:
             biggest = (snap.max_free * models).max(axis=1)
         if int(_min(free)) >= need and int(_min(biggest)) >= state.per_worker:
             return  # every cluster (so every zone and region) has the GPUs: nothing to prune
+        # Named by model when the job restricts them: a zone full of free T4s is not "short of
+        # GPUs" for a job that needs V100s, it has none of those free.
+        kind = (
+            "GPUs"
+            if models.all()
+            else "/".join(snap.models[m] for m in np.flatnonzero(models).tolist()) + " GPUs"
+        )
         region_free = np.bincount(snap.cluster_region, weights=free, minlength=len(snap.regions))
         region_free = region_free.astype(np.int64)
         poor_regions = region_free[snap.cluster_region] < need
         state.prune(
             poor_regions,
             lambda c: (
-                f"region {snap.region_of(c)} has {region_free[snap.cluster_region[c]]} free GPUs"
-                f" of the allowed models; the job needs {need}"
+                f"region {snap.region_of(c)} has {region_free[snap.cluster_region[c]]} free {kind};"
+                f" the job needs {need}"
             ),
         )
         zone_free = np.bincount(snap.cluster_zone, weights=free, minlength=snap.zone_count).astype(np.int64)
         poor_zones = zone_free[snap.cluster_zone] < need
         state.prune(
-            poor_zones, lambda c: f"zone {snap.clusters[c].zone} has too few free GPUs ({need} needed)"
+            poor_zones,
+            lambda c: (
+                f"zone {snap.clusters[c].zone} has {zone_free[snap.cluster_zone[c]]} free {kind};"
+                f" the job needs {need}"
+            ),
         )
-        state.prune(
-            free < need,
-            lambda c: f"{free[c]} free GPUs of the allowed models; the job needs {need}",
-        )
+        state.prune(free < need, lambda c: f"{free[c]} free {kind}; the job needs {need}")
         state.prune(
             biggest < state.per_worker,
             lambda c: (
