@@ -245,7 +245,7 @@ class Campaign:
         try:
             reply = await self.nc.request(subjects.service_health(name), b"", timeout=timeout_s)
             answer: dict[str, Any] = json.loads(reply.data)
-        except (nats.errors.Error, OSError, ValueError, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.Error, OSError, ValueError):
             return None
         return answer
 
@@ -508,7 +508,8 @@ class Campaign:
             over_agents += [f"{agent}/{n}" for n in answer.get("nodes_over_capacity", [])]
         running = await self.db("SELECT job_id, attempt FROM jobs WHERE state = 'running'")
         leaked = await self.db(
-            """SELECT r.job_id, r.attempt, r.node, r.gpus, r.state, j.state AS job_state, j.attempt AS job_attempt
+            """SELECT r.job_id, r.attempt, r.node, r.gpus, r.state,
+                      j.state AS job_state, j.attempt AS job_attempt
                FROM reservations r LEFT JOIN jobs j USING (job_id)
                WHERE r.state <> 'released'
                  AND (j.job_id IS NULL OR j.state NOT IN ('placed', 'running') OR r.attempt <> j.attempt)"""
@@ -539,7 +540,7 @@ class Campaign:
     async def check_state(self) -> dict[str, Any]:
         """Stuck runs and leaked reservations that persist over two samples; overbooking in either."""
         first = await self._sample()
-        await asyncio.sleep(STUCK_RECHECK_S)
+        await asyncio.sleep(self.args.recheck_s)
         second = await self._sample()
         stuck = sorted(first["stuck"] & second["stuck"])
         leaked = sorted(first["leaked"] & second["leaked"])
@@ -890,19 +891,19 @@ def run(
             "acknowledged after it is placed in PostgreSQL and every service answers health with status ok",
             "lost": "an acknowledged submission with no jobs row, or rejected/cancelled with no rejection "
             "event (job_events or the bus)",
-            "doubled": "two started events (not injected) for one attempt, a job live on two agents (or in two "
-            f"attempts) at once, or live on an agent over {LIVE_SLACK_S:g} s after it finished",
-            "stuck": f"jobs running in PostgreSQL with no live run on any agent, in two looks {STUCK_RECHECK_S:g} s "
-            "apart",
-            "leaked": f"reservations not released whose job is not placed/running in that attempt, in two looks "
+            "doubled": "two started events (not injected) for one attempt, a job live on two agents (or "
+            f"in two attempts) at once, or live on an agent over {LIVE_SLACK_S:g} s after it finished",
+            "stuck": "jobs running in PostgreSQL with no live run on any agent, in two looks "
             f"{STUCK_RECHECK_S:g} s apart",
-            "overbooked": "node_allocations reserved > total, active reservations > total, ledger_nodes used > "
-            "total, or an agent's nodes_over_capacity",
+            "leaked": "reservations not released whose job is not placed/running in that attempt, in two "
+            f"looks {STUCK_RECHECK_S:g} s apart",
+            "overbooked": "node_allocations reserved > total, active reservations > total, ledger_nodes "
+            "used > total, or an agent's nodes_over_capacity",
             "postgres-outage": "the postmaster and every backend SIGSTOPped, SIGCONT after hold_s",
             "nats-outage": "nats-server SIGSTOPped, SIGCONT after hold_s",
             "poison": f"{', '.join(POISON_KINDS)} on the subject, ids {INJECTED}poison-*",
-            "redelivery": "the captured lifecycle messages and commands of up to 5 completed jobs republished: "
-            "same-ids (their own Nats-Msg-Id), new-ids, out-of-order (new ids, reverse order)",
+            "redelivery": "the captured lifecycle messages and commands of up to 5 completed jobs "
+            "republished: same-ids (their own Nats-Msg-Id), new-ids, out-of-order (new ids, reverse order)",
         },
         "config": {
             "topology": args.topology,
@@ -938,6 +939,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drain-s", type=float, default=180.0, help="longest wait for the last jobs to finish"
     )
+    parser.add_argument(
+        "--recheck-s",
+        type=float,
+        default=STUCK_RECHECK_S,
+        help="a stuck run or leaked reservation counts only if still there this much later",
+    )
     parser.add_argument("--list", action="store_true", help="print the plan and exit")
     parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
 
@@ -955,7 +962,8 @@ def print_table(result: dict[str, Any]) -> None:
     for kind, g in result["by_kind"].items():
         r = g["recovery_s"]
         table.add_row(
-            kind, str(g["faults"]), str(g["recovered"]), f"{r['p50']}/{r['max']}", str(g["lost"]), str(g["doubled"]),
+            kind, str(g["faults"]), str(g["recovered"]), f"{r['p50']}/{r['max']}", str(g["lost"]),
+            str(g["doubled"]),
             str(g["stuck"]), str(g["leaked"]), str(g["overbooked"]),
             f"{g['dead_letters']} ({g['dead_letters_not_injected']})",
         )  # fmt: skip
