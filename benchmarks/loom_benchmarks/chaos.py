@@ -476,7 +476,8 @@ class Campaign:
             "SELECT job_id, state, attempt FROM jobs WHERE job_id = ANY($1::text[]) AND state = 'completed'",
             list(by_job),
         )
-        chosen = sorted(str(r["job_id"]) for r in rows)[-5:]
+        # The five most recent (by submission number) of the completed jobs still captured.
+        chosen = sorted((str(r["job_id"]) for r in rows), key=lambda j: int(j.rsplit("-", 1)[1]))[-5:]
         before = {
             str(r["job_id"]): (str(r["state"]), int(r["attempt"])) for r in rows if r["job_id"] in chosen
         }
@@ -747,6 +748,15 @@ class Campaign:
             lo, hi = bounds[i], bounds[i + 1]
             window = [j for j, at in self.acked.items() if lo <= at < hi]
             outcome = await self.jobs_outcome(window)
+            # Placement's stall: from the fault's start until a job acknowledged after it is placed.
+            first = await self.db(
+                "SELECT min(placed_at) AS at FROM jobs WHERE job_id = ANY($1::text[])",
+                [j for j, at in self.acked.items() if at >= lo],
+            )
+            placed_at = first[0]["at"] if first else None
+            result["placement_stall_s"] = (
+                round(placed_at.timestamp() - lo, 2) if placed_at is not None else None
+            )
             result["jobs"] = {k: outcome[k] for k in ("acknowledged", "lost", "doubled")} | {
                 "lost_examples": outcome["lost_examples"],
                 "doubled_examples": outcome["doubled_examples"],
@@ -789,13 +799,15 @@ def summarize(measured: dict[str, Any], plan: list[Fault]) -> dict[str, Any]:
     for f in faults:
         g = by_group.setdefault(
             f["group"],
-            {"faults": 0, "recovered": 0, "recovery": [], "lost": 0, "doubled": 0, "stuck": 0, "leaked": 0,
-             "overbooked": 0, "dead_letters": 0, "dead_letters_not_injected": 0},
+            {"faults": 0, "recovered": 0, "recovery": [], "stall": [], "lost": 0, "doubled": 0, "stuck": 0,
+             "leaked": 0, "overbooked": 0, "dead_letters": 0, "dead_letters_not_injected": 0},
         )  # fmt: skip
         g["faults"] += 1
         g["recovered"] += bool(f["recovered"])
         if f["recovery_s"] is not None:
             g["recovery"].append(f["recovery_s"])
+        if f.get("placement_stall_s") is not None:
+            g["stall"].append(f["placement_stall_s"])
         g["lost"] += f["jobs"]["lost"]
         g["doubled"] += f["jobs"]["doubled"]
         for key in ("stuck", "leaked", "overbooked"):
@@ -804,6 +816,7 @@ def summarize(measured: dict[str, Any], plan: list[Fault]) -> dict[str, Any]:
         g["dead_letters_not_injected"] += f["dead_letters"]["count"] - f["dead_letters"]["injected"]
     for g in by_group.values():
         g["recovery_s"] = _stats(g.pop("recovery"))
+        g["placement_stall_s"] = _stats(g.pop("stall"))
     final_jobs, final_state = measured["final_jobs"], measured["final_state"]
     real = [f for f in faults if f["kind"] != "control"]
     controls = [f for f in faults if f["kind"] == "control"]
@@ -900,6 +913,8 @@ def run(
         "method": {
             "recovery_s": "from the fault's end (the kill, the SIGCONT, the last message sent) until a job "
             "acknowledged after it is placed in PostgreSQL and every service answers health with status ok",
+            "placement_stall_s": "from the fault's start until the first placement of a job acknowledged "
+            "after the start (placed_at in PostgreSQL): what the fault cost placement, holds included",
             "control": f"{CONTROLS} rounds with no fault, measured the same way: the pace of a healthy stack "
             "(control_recovery_s); not counted in faults",
             "lost": "an acknowledged submission with no jobs row, or rejected/cancelled with no rejection "
