@@ -127,6 +127,12 @@ class Fault:
         return {"index": self.index, "kind": self.kind, "target": self.target, "hold_s": self.hold_s}
 
 
+def link_subject(topology: str) -> str:
+    """The link-state subject poisoned: placement listens to it on core NATS (no stream)."""
+    regions = sorted({c.region for c in load_topology(topology).clusters})
+    return subjects.link_state(regions[0], regions[-1])
+
+
 def consumed_subjects(topology: str) -> list[str]:
     """One concrete subject per consumed subject pattern of the stack's services."""
     topo = load_topology(topology)
@@ -146,7 +152,7 @@ def consumed_subjects(topology: str) -> list[str]:
         subjects.view_delta(cluster.region),
         subjects.probe_sample(src, dst),
         subjects.net_transfer(src, dst),
-        subjects.link_state(src, dst),
+        link_subject(topology),
     ]
 
 
@@ -186,7 +192,7 @@ def build_plan(topology: str, seed: int, quick: bool, faults: int | None) -> lis
 def poison_payloads(subject: str, rng: random.Random) -> dict[str, bytes]:
     """The hostile payloads sent to one subject."""
     nested = b'{"kind":"x","x":' + b"[" * 50_000 + b"]" * 50_000 + b"}"
-    if subject.startswith("loom.jobs.submitted."):
+    if subject == subjects.job_submitted(TENANT):
         dup = (
             b'{"job_id":"chaos-dupkey","tenant":"chaos","tenant":"other","task_type":"inference",'
             b'"resources":{"gpus":1},"work":{"steps":1},"submitted_at":1.0}'
@@ -327,7 +333,7 @@ class Campaign:
         headers = dict(msg.headers or {})
         if headers.get("Nats-Msg-Id", "").startswith(INJECTED):
             return
-        if msg.subject.startswith("loom.jobs.rejected."):
+        if msg.subject == subjects.job_event("rejected", TENANT):
             with contextlib.suppress(ValueError, TypeError, KeyError):
                 self.rejected_on_bus.add(str(json.loads(msg.data)["job_id"]))
         self.captured.append(Captured(msg.subject, msg.data, headers))
@@ -454,9 +460,7 @@ class Campaign:
         for kind, data in payloads.items():
             msg_id = f"{INJECTED}poison-{fault.index}-{kind}"
             headers = {CHAOS_HEADER: f"poison {kind}", "Nats-Msg-Id": msg_id}
-            if fault.target.startswith(
-                "loom.net.link."
-            ):  # a core subject: placement listens without a stream
+            if fault.target == link_subject(self.args.topology):  # core NATS: placement has no stream here
                 await self.nc.publish(fault.target, data, headers=headers)
             else:
                 await js.publish(fault.target, data, headers=headers)
@@ -694,8 +698,13 @@ class Campaign:
         self.redelivered = {}
         self.client = await LoomClient.connect(self.state["nats_url"], name="loom-bench-chaos")
         subs = [
-            await self.nc.subscribe("loom.jobs.>", cb=self.on_message),
-            await self.nc.subscribe("loom.clusters.*.cmd.*", cb=self.on_message),
+            await self.nc.subscribe(subjects.JOBS_LIFECYCLE_ALL, cb=self.on_message),
+            *[
+                await self.nc.subscribe(
+                    subjects.cluster_commands(agent.removeprefix("agent-")), cb=self.on_message
+                )
+                for agent in self.agents
+            ],
         ]
         stop = asyncio.Event()
         began = time.time()
