@@ -865,13 +865,15 @@ def summarize(measured: dict[str, Any], plan: list[Fault]) -> dict[str, Any]:
 
 
 def not_available() -> list[str]:
-    """Fault sets this build cannot run, each with why."""
+    """Fault sets this campaign does not run, each with why."""
     if nats_cluster_available():
-        return []
-    return [
-        "nats cluster faults (kill one node, kill all three, partition one): not available — "
-        "this build's `loom up` has no --nats-cluster"
-    ]
+        why = (
+            "not in this campaign yet: it runs one nats-server (this build's `loom up --nats-cluster 3` "
+            "exists, but no fault here targets its nodes)"
+        )
+    else:
+        why = "not available: this build's `loom up` has no --nats-cluster"
+    return [f"nats cluster faults (kill one node, kill all three, partition one): {why}"]
 
 
 def run(
