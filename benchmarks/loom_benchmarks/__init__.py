@@ -155,6 +155,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     net.add_argument("--capacity-seconds", type=int, default=20, help="simulated seconds of the capacity run")
     net.add_argument("--emulator-seconds", type=float, default=10.0, help="real loopback run; 0 skips it")
     net.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    chaos = sub.add_parser(
+        "chaos",
+        help="a seeded fault campaign on the real stack while jobs flow: nothing lost, doubled, stuck",
+    )
+    from loom_benchmarks.chaos import add_arguments as chaos_arguments
+
+    chaos_arguments(chaos)
     codec = sub.add_parser(
         "codec", help="strict decode cost per message: bare msgspec vs Loom's guarded codec"
     )
@@ -177,6 +184,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from loom_benchmarks.codec import main as run_codec
 
         return run_codec(args)
+    if args.bench == "chaos":
+        from loom_benchmarks.chaos import main as run_chaos
+
+        return run_chaos(args)
     if args.bench == "e2e":
         from loom_benchmarks.e2e import run
 

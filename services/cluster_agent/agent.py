@@ -201,7 +201,15 @@ class Agent:
         self.report_backoff_s = (0.2, 5.0)
         """First and longest pause between rounds of sending while the bus fails."""
         ctx.stats.update(
-            {"cluster": self.cluster, "running": 0, "completed": 0, "reports_pending": 0, "reports_sent": 0}
+            {
+                "cluster": self.cluster,
+                "running": 0,
+                "running_keys": [],
+                "nodes_over_capacity": [],
+                "completed": 0,
+                "reports_pending": 0,
+                "reports_sent": 0,
+            }
         )
 
     # ---- lifecycle of the agent ------------------------------------------------------------------
@@ -401,13 +409,22 @@ class Agent:
         self.finished.add(key)
         self._record({"op": "finish", "key": key})
 
+    def _note_runs(self) -> None:
+        """The live runs in health answers: their count, their ``job:attempt`` keys, and any node
+        holding more GPUs than it has (never expected; a chaos campaign checks it)."""
+        self.ctx.stats["running"] = len(self.running)
+        self.ctx.stats["running_keys"] = sorted(self.running)
+        self.ctx.stats["nodes_over_capacity"] = sorted(
+            name for name, node in self.sim.nodes.items() if node.gpus_used > node.gpus_total
+        )
+
     def _launch(self, job: RunningJob) -> None:
         # A member part has no clock: it holds its GPUs until stopped.
         if job.lead:
             self.tasks[job.key] = self.ctx.watchdog.supervise(
                 f"job-{job.key}", lambda: self._execute(job), finishes=True, listed=False
             )
-        self.ctx.stats["running"] = len(self.running)
+        self._note_runs()
 
     async def _stop(self, job_id: str, attempt: int, reason: str) -> None:
         key = f"{job_id}:{attempt}"
@@ -613,7 +630,7 @@ class Agent:
         self.finished.add(job.key)
         self.sim.free(job.node_allocations())
         self._changed.set()
-        self.ctx.stats["running"] = len(self.running)
+        self._note_runs()
         self._record({"op": "finish", "key": job.key})
 
     def _report_failed(
