@@ -733,7 +733,8 @@ class SpanGuard:
       otherwise the gang waits for that pool. A gang no pool could ever hold may spread within
       the GPU-hours bound (against the gang in one cluster at its fastest part's speed); beyond it,
       it waits at most what the spread would lose (the ski-rental bound below), then spreads.
-    - *Slower GPUs* (any job in one cluster): waits for a faster option only when that option's
+    - *Slower GPUs* (any batch job in one cluster; not inference, which serves from when it
+      starts): waits for a faster option only when that option's
       wait plus run beats the run now by ``margin``, and never longer in all than the slower start
       would lose, ``steps x (step_now - step_better)`` since submission (ski rental: at most twice
       the better of the two). While other jobs wait (the snapshot's queue), only when the slower
@@ -798,6 +799,8 @@ class SpanGuard:
         holders = whole_gang_pools(state, decision.workers)
         if spread:
             return self._spread(state, decision, chosen, holders, speeds)
+        if job.task_type == "inference":
+            return Status()  # a service serves from when it starts: faster GPUs do not end it sooner
         options = single_cluster_options(state, holders, decision.workers, book=self.book, within_s=run_now)
         if not options:
             return Status()
