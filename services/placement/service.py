@@ -69,6 +69,7 @@ from opentelemetry import propagate
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.errors import InvalidInputError, TransientError
+from loom.migrate.health import Health, classify, link_unreachable, region_reachable, resume_step
 from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
 from loom.model.learn import LearnSettings, SpeedLearner, run_speed
@@ -163,6 +164,8 @@ class PlacementService:
         holder: str | None = None,
         explore_share: float = 0.0,
         region_groups: Mapping[str, Sequence[str]] | None = None,
+        failover_ttl_s: float = 10.0,
+        failover_period_s: float = 0.5,
     ) -> None:
         self.ctx = ctx
         self.pool = ctx.db
@@ -208,6 +211,7 @@ class PlacementService:
         )
         self.confirm_timeout_s = confirm_timeout_s
         self.max_attempts = max_attempts
+        self.failover = _Failover(ttl_s=failover_ttl_s, period_s=failover_period_s)
         self.waiting_reasons: dict[str, str] = {}
         self._sending: set[asyncio.Task[int]] = set()
         self._batches: dict[int, _Batch] = {}
@@ -229,6 +233,7 @@ class PlacementService:
             }
         )
         self.stats["leadership"] = self.leadership
+        self.stats["failover"] = {"health": {}, "failed": {}, "requeued": 0}
         self.stats["shard"] = {"territories": [], "routed_elsewhere": 0, "foreign_events": 0}
 
     # ---- compatibility views -------------------------------------------------------------------
@@ -319,6 +324,7 @@ class PlacementService:
         loops += [
             watchdog.supervise("requeue", self._requeue_loop),
             watchdog.supervise("expiry", self._expiry_loop),
+            watchdog.supervise("failover", self._failover_loop),
         ]
         if self.shard == GLOBAL:
             loops += [
@@ -1138,8 +1144,10 @@ class PlacementService:
         context = q.context
         messages = [outbox.message(subjects.job_placed(lead.cluster), placed, msg_id, context=context)]
         spec = _spec_of(job)
+        resume = resume_step(q.resume_progress, job.work.steps, job.work.checkpoint_every_steps)
         for i, part in enumerate(parts):
             start = StartJob(
+                resume_from_step=resume,
                 job_id=job.job_id,
                 spec=spec,
                 gpu_model=part.gpu_model,
@@ -1168,14 +1176,21 @@ class PlacementService:
         *,
         avoid: Sequence[str],
         result: "Applied",
+        resume_progress: float = 0.0,
     ) -> None:
         """Requeue a run's job (next attempt), release its GPUs and stop it on every cluster it holds.
 
         Nothing happens when the attempt had already moved on (it finished meanwhile).
+        ``resume_progress``: the next run resumes from the last checkpoint at or before this share.
         """
         job = run.job
         released = await repo.requeue(
-            conn, job.job_id, run.attempt, avoid, unstarted_only=cause == "start_timeout"
+            conn,
+            job.job_id,
+            run.attempt,
+            avoid,
+            unstarted_only=cause == "start_timeout",
+            resume_progress=resume_progress,
         )
         if released is None:
             result.vanished.append(job.job_id)
@@ -1207,7 +1222,11 @@ class PlacementService:
                 )
             )
         again = dataclasses.replace(
-            run.queued, attempt=run.attempt + 1, avoid=frozenset(set(avoid) | set(run.queued.avoid)), tries=0
+            run.queued,
+            attempt=run.attempt + 1,
+            avoid=frozenset(set(avoid) | set(run.queued.avoid)),
+            tries=0,
+            resume_progress=resume_progress,
         )
         result.requeued.append((run, again, cause))
 
@@ -1464,6 +1483,99 @@ class PlacementService:
         self._commit(result, [])
         self._send(result.messages)
 
+    # ---- failover ------------------------------------------------------------------------------
+
+    def cluster_health(self, now: float | None = None) -> dict[str, Health]:
+        """Every owned cluster that is not healthy: suspect or failed (:mod:`loom.migrate.health`)."""
+        now = time.time() if now is None else now
+        clusters = set(self.failover.stale_since) | {c.cluster for c in self.book.nodes.values()}
+        out: dict[str, Health] = {}
+        for cluster in clusters:
+            region = self.region_of.get(cluster)
+            since = self.failover.stale_since.get(cluster)
+            health = classify(
+                cluster,
+                # The stale flag says the TTL has passed; the loss has lasted that long and more.
+                heartbeat_lost_s=None if since is None else self.failover.ttl_s + max(now - since, 0.0),
+                ttl_s=self.failover.ttl_s,
+                probes_reach=None if region is None else region_reachable(self.failover.link_down, region),
+                region=region,
+            )
+            if health.state != "healthy":
+                out[cluster] = health
+        return out
+
+    async def _failover_loop(self) -> None:
+        """Re-place the runs of clusters classified failed (heartbeats and probes both lost)."""
+        while True:
+            await asyncio.sleep(self.failover.period_s)
+            try:
+                health = self.cluster_health()
+                self.stats["failover"]["health"] = {
+                    c: f"{h.state}: {h.reason}" for c, h in sorted(health.items())
+                }
+                for cluster, h in health.items():
+                    if h.failed and cluster not in self.failover.failed:
+                        self.failover.failed[cluster] = h
+                        self.stats["failover"]["failed"][cluster] = {"at": time.time(), "reason": h.reason}
+                        log.warning("cluster failed", cluster=cluster, reason=h.reason)
+                if not any(self._runs_on(c) for c in self.failover.failed):
+                    continue
+                async with self.lock:
+                    await self._drain()
+                    await self._retrying(self._fail_over)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("failover cycle failed", error=repr(exc))
+
+    def _runs_on(self, cluster: str) -> list[Run]:
+        """Runs with a part (lead or member) on ``cluster``."""
+        return [r for r in self.book.runs.values() if any(p[0] == cluster for p in r.parts)]
+
+    async def _fail_over(self) -> None:
+        """Requeue (next attempt) every run with a part on a failed cluster, release its GPUs, send
+        its old attempt a stop on every cluster it held; the cycles place it again. Idempotent: a
+        run already given up is no longer in the book, and the store refuses a moved-on attempt."""
+        result = Applied()
+        async with self._tx() as conn:
+            for cluster, health in sorted(self.failover.failed.items()):
+                for run in self._runs_on(cluster):
+                    if any(r is run for r, _, _ in result.requeued):
+                        continue  # a gang with parts on two failed clusters
+                    work = run.job.work
+                    step = resume_step(run.progress, work.steps, work.checkpoint_every_steps)
+                    resume = (
+                        f"resumes from step {step} (last checkpoint at or before reported progress"
+                        f" {run.progress:.3f})"
+                        if step > 0
+                        else "restarts from step 0 ("
+                        + (
+                            "no checkpoint declared"
+                            if not work.checkpoint_every_steps
+                            else "no checkpoint reached"
+                        )
+                        + ")"
+                    )
+                    await self._give_up(
+                        conn,
+                        run,
+                        "cluster_lost",
+                        f"cluster {cluster} failed: {health.reason}; {resume}",
+                        avoid=[],
+                        result=result,
+                        resume_progress=run.progress if step > 0 else 0.0,
+                    )
+            await repo.append_events(conn, result.events)
+            await outbox.add(conn, PRODUCER, result.messages)
+        self._commit(result, [])
+        self._send(result.messages)
+        self.stats["failover"]["requeued"] += len(result.requeued)
+        if result.requeued:
+            log.warning("runs failed over", runs=len(result.requeued))
+            self.capacity_changed = True
+            self.wake.set()
+
     def _send(self, messages: list[outbox.OutboxMessage]) -> None:
         """Publish a committed cycle's messages in the background (the outbox has them anyway)."""
         if not messages:
@@ -1534,6 +1646,7 @@ class PlacementService:
             self.stats["trust"] = dict(sorted(self.book.trust.items()))
         if not self._owns_region(delta.region):
             return  # another shard's cluster: its holder follows it
+        self.failover.follow(delta)
         changed: list[NodeCapacity] = []
         listed = set()
         nodes = self.book.nodes
@@ -1594,6 +1707,9 @@ class PlacementService:
             log.warning("bad link state ignored", subject=msg.subject, error=str(exc))
             return
         self.book.on_link(link)
+        self.failover.link_down[(link.src, link.dst)] = link_unreachable(
+            stale=link.stale, loss_rate=link.loss_rate
+        )
         self.stats["links"] = self.stats.get("links", 0) + 1
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -1908,6 +2024,32 @@ class Applied:
         book adopts only on commit; a stale snapshot must be rebuilt first)."""
         c = self.cycle
         return not (self.stale or c.preempted or c.shrunk or c.grown)
+
+
+@dataclasses.dataclass
+class _Failover:
+    """What placement knows of cluster failures (see :mod:`loom.migrate.health`)."""
+
+    ttl_s: float
+    """The heartbeat TTL the failure rule counts with: a stale view delta says it has passed."""
+    period_s: float
+    stale_since: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Owned clusters the view says are stale (heartbeats lost past their TTL): since when (wall s)."""
+    link_down: dict[tuple[str, str], bool] = dataclasses.field(default_factory=dict)
+    """(src, dst) region links: whether network perception says its probes do not get through."""
+    failed: dict[str, Health] = dataclasses.field(default_factory=dict)
+    """Clusters classified failed (heartbeats and probes both lost) until their heartbeats resume."""
+
+    def follow(self, delta: ViewDelta) -> None:
+        """Track an owned cluster's staleness from its view delta."""
+        if delta.stale:
+            self.stale_since.setdefault(delta.cluster, delta.at)
+        elif delta.cluster in self.stale_since:
+            # Heartbeats resumed: its orphaned runs were sent stops when it was failed over (on the
+            # agent's durable command consumer), and their reports of old attempts are ignored.
+            del self.stale_since[delta.cluster]
+            if self.failed.pop(delta.cluster, None) is not None:
+                log.warning("failed cluster returned", cluster=delta.cluster)
 
 
 class Phases:

@@ -1,0 +1,121 @@
+"""Is a cluster healthy, suspect or failed? A pure classifier over two independent signals.
+
+The signals:
+
+* **heartbeats** — the view ledger marks a cluster stale once no heartbeat came for its TTL;
+  ``heartbeat_lost_s`` is how long ago the last heartbeat came (None: heartbeats are fresh).
+* **probes** — network perception's link states for the cluster's region: ``probes_reach`` is
+  True when at least one link to or from the region is live (not stale), False when every known
+  link of the region is stale (the probes cannot reach it), None when there is no link information
+  about the region at all.
+
+The rule (:func:`classify`):
+
+* heartbeats lost past ``ttl_s`` **and** probes cannot reach the region → ``failed``;
+* heartbeats lost past ``ttl_s`` with no probe information about the region → ``suspect`` until
+  the loss lasts ``unknown_probe_factor`` × ``ttl_s`` (2 × TTL by default), then ``failed`` — the
+  reason says the probe signal was missing;
+* exactly one signal bad (heartbeats lost but probes reach; probes fail but heartbeats fresh)
+  → ``suspect``, the reason naming the signal;
+* otherwise ``healthy``.
+
+Only ``failed`` moves work; ``suspect`` is reported (a lone bad signal is often the observer's
+fault: a probe path down while the cluster runs, a metrics hiccup while probes still answer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+HealthState = Literal["healthy", "suspect", "failed"]
+
+DEFAULT_UNKNOWN_PROBE_FACTOR = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    """A cluster's health and why."""
+
+    cluster: str
+    state: HealthState
+    reason: str
+
+    @property
+    def failed(self) -> bool:
+        """Whether its work must be re-placed."""
+        return self.state == "failed"
+
+
+def classify(
+    cluster: str,
+    *,
+    heartbeat_lost_s: float | None,
+    ttl_s: float,
+    probes_reach: bool | None,
+    region: str | None = None,
+    unknown_probe_factor: float = DEFAULT_UNKNOWN_PROBE_FACTOR,
+) -> Health:
+    """The health of one cluster from its heartbeat age and its region's probe reachability."""
+    if ttl_s <= 0:
+        raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+    if unknown_probe_factor < 1:
+        raise ValueError(f"unknown_probe_factor must be >= 1, got {unknown_probe_factor}")
+    where = f"region {region}" if region else "its region"
+    lost = heartbeat_lost_s is not None and heartbeat_lost_s >= ttl_s
+    if lost:
+        assert heartbeat_lost_s is not None
+        age = f"no heartbeat for {heartbeat_lost_s:.1f} s (TTL {ttl_s:g} s)"
+        if probes_reach is False:
+            return Health(cluster, "failed", f"{age} and probes cannot reach {where}")
+        if probes_reach is None:
+            grace = unknown_probe_factor * ttl_s
+            if heartbeat_lost_s >= grace:
+                return Health(
+                    cluster,
+                    "failed",
+                    f"{age}; no probe information about {where}, so failed after {grace:g} s "
+                    f"({unknown_probe_factor:g} x TTL) of heartbeat loss alone",
+                )
+            return Health(
+                cluster,
+                "suspect",
+                f"{age}; no probe information about {where} (failed at {grace:g} s of heartbeat loss)",
+            )
+        return Health(cluster, "suspect", f"{age} but probes still reach {where}")
+    if probes_reach is False:
+        return Health(cluster, "suspect", f"probes cannot reach {where} but heartbeats are fresh")
+    return Health(cluster, "healthy", "heartbeats fresh" + ("" if probes_reach is None else ", probes reach"))
+
+
+def region_reachable(links: dict[tuple[str, str], bool], region: str) -> bool | None:
+    """Whether probes reach ``region``, from ``{(src, dst): stale}`` link states.
+
+    True when any link to or from the region is live, False when all its known links are stale,
+    None when no link touches the region.
+    """
+    touching = [stale for (src, dst), stale in links.items() if region in (src, dst) and src != dst]
+    if not touching:
+        return None
+    return not all(touching)
+
+
+def link_unreachable(*, stale: bool, loss_rate: float) -> bool:
+    """Whether a link state says the probes do not get through: no fresh sample, or all lost."""
+    return stale or loss_rate >= UNREACHABLE_LOSS
+
+
+UNREACHABLE_LOSS = 0.99
+"""A link losing this share of its probes counts as unreachable (a blackholed endpoint)."""
+
+
+def resume_step(progress: float, steps: int, checkpoint_every_steps: int) -> int:
+    """The step a re-placed run restarts from: the last checkpoint at or before the reported progress.
+
+    A job that declares no checkpoints (``checkpoint_every_steps == 0``) restarts from step 0.
+    """
+    if checkpoint_every_steps <= 0 or steps <= 0:
+        return 0
+    done = int(min(max(progress, 0.0), 1.0) * steps + 1e-9)
+    step = (done // checkpoint_every_steps) * checkpoint_every_steps
+    return min(step, steps - 1)

@@ -1,0 +1,54 @@
+import pytest
+
+from loom.migrate.health import classify, region_reachable
+
+
+def test_both_signals_fail_the_cluster() -> None:
+    h = classify("c1", heartbeat_lost_s=6.0, ttl_s=5.0, probes_reach=False, region="eu")
+    assert h.state == "failed" and h.failed
+    assert "probes cannot reach region eu" in h.reason and "no heartbeat" in h.reason
+
+
+def test_one_signal_alone_is_suspect_with_its_reason() -> None:
+    beat = classify("c1", heartbeat_lost_s=6.0, ttl_s=5.0, probes_reach=True, region="eu")
+    assert beat.state == "suspect" and "probes still reach" in beat.reason
+    probe = classify("c1", heartbeat_lost_s=None, ttl_s=5.0, probes_reach=False, region="eu")
+    assert probe.state == "suspect" and "heartbeats are fresh" in probe.reason
+    young = classify("c1", heartbeat_lost_s=4.9, ttl_s=5.0, probes_reach=False)
+    assert young.state == "suspect"
+
+
+def test_no_probe_information_waits_twice_the_ttl() -> None:
+    early = classify("c1", heartbeat_lost_s=7.0, ttl_s=5.0, probes_reach=None, region="eu")
+    assert early.state == "suspect" and "no probe information" in early.reason
+    late = classify("c1", heartbeat_lost_s=10.0, ttl_s=5.0, probes_reach=None, region="eu")
+    assert late.state == "failed" and "no probe information" in late.reason
+    assert classify("c1", heartbeat_lost_s=None, ttl_s=5.0, probes_reach=None).state == "healthy"
+    assert classify("c1", heartbeat_lost_s=None, ttl_s=5.0, probes_reach=True).state == "healthy"
+
+
+def test_bad_parameters_refused() -> None:
+    with pytest.raises(ValueError):
+        classify("c1", heartbeat_lost_s=1.0, ttl_s=0, probes_reach=None)
+    with pytest.raises(ValueError):
+        classify("c1", heartbeat_lost_s=1.0, ttl_s=1, probes_reach=None, unknown_probe_factor=0.5)
+
+
+def test_region_reachability_from_links() -> None:
+    links = {("eu", "us"): True, ("us", "eu"): True, ("us", "ap"): False}
+    assert region_reachable(links, "eu") is False
+    assert region_reachable(links, "us") is True
+    assert region_reachable(links, "sa") is None
+    assert region_reachable({("eu", "eu"): True}, "eu") is None
+
+
+def test_resume_from_the_last_checkpoint_at_or_before_progress() -> None:
+    from loom.migrate.health import link_unreachable, resume_step
+
+    assert resume_step(0.57, 100, 10) == 50
+    assert resume_step(0.57, 100, 0) == 0  # no checkpoints declared: from the start
+    assert resume_step(0.0, 100, 10) == 0
+    assert resume_step(1.0, 100, 10) == 99  # never past the last step
+    assert link_unreachable(stale=True, loss_rate=0.0)
+    assert link_unreachable(stale=False, loss_rate=1.0)
+    assert not link_unreachable(stale=False, loss_rate=0.02)
