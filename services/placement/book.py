@@ -42,9 +42,9 @@ class QueuedJob:
     """Monotonic time before which a cycle does not retry it (unless capacity changed)."""
     fair_share: float | None = None
     """Its tenant's share of its quota when it was first queued (its place in the queue)."""
-    resume_progress: float = 0.0
-    """Share of the work a lost run had reported done (its cluster failed): the next run resumes
-    from the last checkpoint at or before it (:func:`loom.migrate.health.resume_step`)."""
+    resume_step: int = 0
+    """The step the next run starts from: a run lost with its cluster resumes from its checkpoint
+    (:func:`loom.migrate.resume.resume_point`)."""
 
     @property
     def context(self) -> Context:
@@ -413,7 +413,7 @@ def queued_from_row(row: asyncpg.Record) -> QueuedJob:
         attempt=int(row["attempt"]) + 1,
         avoid=frozenset(row["avoid_clusters"] or ()),
         parent=row["parent"],
-        resume_progress=float(row.get("resume_progress") or 0.0),
+        resume_step=int(row.get("resume_step") or 0),
     )
 
 

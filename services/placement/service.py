@@ -69,10 +69,12 @@ from opentelemetry import propagate
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.errors import InvalidInputError, TransientError
-from loom.migrate.health import Health, classify, link_unreachable, region_reachable, resume_step
+from loom.migrate.health import Health, classify, link_unreachable, region_reachable
+from loom.migrate.resume import resume_point
 from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
 from loom.model.learn import LearnSettings, SpeedLearner, run_speed
+from loom.model.ledger import LedgerCluster
 from loom.model.topology import Topology
 from loom.runtime.leader import Leadership, lead
 from loom.runtime.service import ServiceContext
@@ -96,6 +98,7 @@ from loom.sched.shards import GLOBAL, ShardMap, route
 from loom.sched.snapshot import Economics
 from loom.store import fence, inbox, outbox, speeds
 from loom.store import jobs as repo
+from loom.store import ledger as ledger_store
 from loom.store.fence import FencedError
 from loom.store.pool import ConflictError, transaction, with_retry
 from loom_proto import subjects
@@ -265,6 +268,10 @@ class PlacementService:
             self.book.add_run(
                 run_from_row(row, self.book.nodes, now=now, step_s=self.book.believed_step_s), from_store=True
             )
+        # Clusters the ledger holds stale: the view delta that said so may be acked already.
+        self.failover.restore(
+            [c for c in await ledger_store.load_clusters(self.pool) if self._owns_region(c.region)]
+        )
         self.queue.clear()
         for row in await repo.queued_jobs(self.pool):
             q = queued_from_row(row)
@@ -1144,10 +1151,9 @@ class PlacementService:
         context = q.context
         messages = [outbox.message(subjects.job_placed(lead.cluster), placed, msg_id, context=context)]
         spec = _spec_of(job)
-        resume = resume_step(q.resume_progress, job.work.steps, job.work.checkpoint_every_steps)
         for i, part in enumerate(parts):
             start = StartJob(
-                resume_from_step=resume,
+                resume_from_step=q.resume_step,
                 job_id=job.job_id,
                 spec=spec,
                 gpu_model=part.gpu_model,
@@ -1176,12 +1182,12 @@ class PlacementService:
         *,
         avoid: Sequence[str],
         result: "Applied",
-        resume_progress: float = 0.0,
+        resume_step: int = 0,
     ) -> None:
         """Requeue a run's job (next attempt), release its GPUs and stop it on every cluster it holds.
 
         Nothing happens when the attempt had already moved on (it finished meanwhile).
-        ``resume_progress``: the next run resumes from the last checkpoint at or before this share.
+        ``resume_step``: the step the next run resumes from.
         """
         job = run.job
         released = await repo.requeue(
@@ -1190,7 +1196,7 @@ class PlacementService:
             run.attempt,
             avoid,
             unstarted_only=cause == "start_timeout",
-            resume_progress=resume_progress,
+            resume_step=resume_step,
         )
         if released is None:
             result.vanished.append(job.job_id)
@@ -1226,7 +1232,7 @@ class PlacementService:
             attempt=run.attempt + 1,
             avoid=frozenset(set(avoid) | set(run.queued.avoid)),
             tries=0,
-            resume_progress=resume_progress,
+            resume_step=resume_step,
         )
         result.requeued.append((run, again, cause))
 
@@ -1538,34 +1544,29 @@ class PlacementService:
         its old attempt a stop on every cluster it held; the cycles place it again. Idempotent: a
         run already given up is no longer in the book, and the store refuses a moved-on attempt."""
         result = Applied()
+        lost: dict[str, tuple[Run, str, Health]] = {}
+        for cluster, health in sorted(self.failover.failed.items()):
+            for run in self._runs_on(cluster):
+                lost.setdefault(run.job.job_id, (run, cluster, health))  # a gang on two failed clusters
         async with self._tx() as conn:
-            for cluster, health in sorted(self.failover.failed.items()):
-                for run in self._runs_on(cluster):
-                    if any(r is run for r, _, _ in result.requeued):
-                        continue  # a gang with parts on two failed clusters
-                    work = run.job.work
-                    step = resume_step(run.progress, work.steps, work.checkpoint_every_steps)
-                    resume = (
-                        f"resumes from step {step} (last checkpoint at or before reported progress"
-                        f" {run.progress:.3f})"
-                        if step > 0
-                        else "restarts from step 0 ("
-                        + (
-                            "no checkpoint declared"
-                            if not work.checkpoint_every_steps
-                            else "no checkpoint reached"
-                        )
-                        + ")"
-                    )
-                    await self._give_up(
-                        conn,
-                        run,
-                        "cluster_lost",
-                        f"cluster {cluster} failed: {health.reason}; {resume}",
-                        avoid=[],
-                        result=result,
-                        resume_progress=run.progress if step > 0 else 0.0,
-                    )
+            checkpoints = await repo.latest_checkpoints(conn, sorted(lost))
+            for job_id, (run, cluster, health) in sorted(lost.items()):
+                work = run.job.work
+                resume = resume_point(
+                    steps=work.steps,
+                    checkpoint_every_steps=work.checkpoint_every_steps,
+                    progress=run.progress,
+                    checkpoint_step=checkpoints.get(job_id),
+                )
+                await self._give_up(
+                    conn,
+                    run,
+                    "cluster_lost",
+                    f"cluster {cluster} failed: {health.reason}; {resume.why}",
+                    avoid=[],
+                    result=result,
+                    resume_step=resume.step,
+                )
             await repo.append_events(conn, result.events)
             await outbox.add(conn, PRODUCER, result.messages)
         self._commit(result, [])
@@ -2039,6 +2040,15 @@ class _Failover:
     """(src, dst) region links: whether network perception says its probes do not get through."""
     failed: dict[str, Health] = dataclasses.field(default_factory=dict)
     """Clusters classified failed (heartbeats and probes both lost) until their heartbeats resume."""
+
+    def restore(self, clusters: Sequence[LedgerCluster]) -> None:
+        """On leading: the stale clusters the ledger persisted, stale since their TTL after their
+        last heartbeat (so the loss is timed from that heartbeat)."""
+        self.stale_since.clear()
+        self.failed.clear()
+        for c in clusters:
+            if c.stale:
+                self.stale_since[c.cluster] = c.last_heartbeat_at + self.ttl_s
 
     def follow(self, delta: ViewDelta) -> None:
         """Track an owned cluster's staleness from its view delta."""

@@ -10,6 +10,7 @@ dead cluster's region stale, the others live).
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -156,6 +157,8 @@ async def test_a_failed_cluster_s_runs_are_placed_again_elsewhere_and_its_old_ru
         await asyncio.sleep(1.0)
         assert (await _placement_stats(client))["failover"]["requeued"] == len(JOBS)
 
+        await _placement_restarted(platform, client)
+
         # The old agent returns with its journal: it resumes its attempt-1 runs, then its durable
         # command consumer delivers the stops placement sent for them.
         returned: Agent = await platform.start(f"agent-{DEAD}")
@@ -204,7 +207,36 @@ def _requeued_once(moved: list[dict[str, Any]]) -> dict[str, int]:
         requeued = [e["event"] for e in job["events"] if e["kind"] == "requeued"]
         assert len(requeued) == 1 and requeued[0]["cause"] == "cluster_lost"
         assert requeued[0]["attempt"] == 2
-        assert "resumes from step" in requeued[0]["reason"]
-        resumed[job["job_id"]] = int(requeued[0]["reason"].split("resumes from step ")[1].split()[0])
-        assert resumed[job["job_id"]] >= 10  # at least one checkpoint (15 % of 100 steps passed)
+        # The agent reported checkpoints (every 10 steps; 15 % of 100 steps had passed).
+        found = re.search(r"resumes from its checkpoint at step (\d+) \(recorded\)", requeued[0]["reason"])
+        assert found, requeued[0]["reason"]
+        checkpoints = [
+            e["event"]["step"]
+            for e in job["events"]
+            if e["kind"] == "checkpointed" and e["event"]["attempt"] == 1
+        ]
+        resumed[job["job_id"]] = int(found.group(1))
+        assert resumed[job["job_id"]] >= 10 and resumed[job["job_id"]] == max(checkpoints)
     return resumed
+
+
+async def _placement_restarted(platform: Platform, client: LoomClient) -> None:
+    """A restarted placement knows the cluster failed (from the ledger) and re-queues nothing more."""
+    await platform.stop("placement")
+    await platform.start("placement")
+    await _publish_links(client, dead_reachable=False)
+
+    async def failed_again() -> dict[str, Any] | None:
+        stats = await _placement_stats(client)
+        return stats if DEAD in stats.get("failover", {}).get("failed", {}) else None
+
+    restarted = await until(failed_again, 15, "the restarted placement to know c-weu-a failed")
+    await asyncio.sleep(1.0)
+    assert (await _placement_stats(client))["failover"]["requeued"] == 0
+    for job_id in JOBS:
+        job = await client.job(job_id)
+        assert job and [e["kind"] for e in job["events"]].count("requeued") == 1
+        assert job["attempt"] == 2 and job["state"] == "running"
+    # Failed by both signals, or by heartbeat loss past 2 x TTL if it classified before the links came.
+    reason = restarted["failover"]["failed"][DEAD]["reason"]
+    assert "probes cannot reach" in reason or "2 x TTL" in reason, reason

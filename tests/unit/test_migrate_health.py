@@ -1,6 +1,7 @@
 import pytest
 
-from loom.migrate.health import classify, region_reachable
+from loom.migrate.health import classify, link_unreachable, region_reachable
+from loom.migrate.resume import resume_point
 
 
 def test_both_signals_fail_the_cluster() -> None:
@@ -42,13 +43,20 @@ def test_region_reachability_from_links() -> None:
     assert region_reachable({("eu", "eu"): True}, "eu") is None
 
 
-def test_resume_from_the_last_checkpoint_at_or_before_progress() -> None:
-    from loom.migrate.health import link_unreachable, resume_step
-
-    assert resume_step(0.57, 100, 10) == 50
-    assert resume_step(0.57, 100, 0) == 0  # no checkpoints declared: from the start
-    assert resume_step(0.0, 100, 10) == 0
-    assert resume_step(1.0, 100, 10) == 99  # never past the last step
+def test_links_unreachable_when_stale_or_all_probes_lost() -> None:
     assert link_unreachable(stale=True, loss_rate=0.0)
     assert link_unreachable(stale=False, loss_rate=1.0)
     assert not link_unreachable(stale=False, loss_rate=0.02)
+
+
+def test_resume_from_the_recorded_checkpoint_else_the_interval_else_zero() -> None:
+    recorded = resume_point(steps=100, checkpoint_every_steps=10, progress=0.57, checkpoint_step=40)
+    assert recorded.step == 40 and "recorded" in recorded.why
+    interval = resume_point(steps=100, checkpoint_every_steps=10, progress=0.57, checkpoint_step=None)
+    assert interval.step == 50 and "interval" in interval.why
+    none = resume_point(steps=100, checkpoint_every_steps=0, progress=0.57, checkpoint_step=None)
+    assert none.step == 0 and "declares no checkpoints" in none.why
+    early = resume_point(steps=100, checkpoint_every_steps=10, progress=0.05, checkpoint_step=None)
+    assert early.step == 0 and "no checkpoint reached" in early.why
+    assert resume_point(steps=100, checkpoint_every_steps=10, progress=1.0, checkpoint_step=None).step == 99
+    assert resume_point(steps=100, checkpoint_every_steps=10, progress=0.7, checkpoint_step=None).step == 70

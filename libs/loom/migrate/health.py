@@ -107,15 +107,3 @@ def link_unreachable(*, stale: bool, loss_rate: float) -> bool:
 
 UNREACHABLE_LOSS = 0.99
 """A link losing this share of its probes counts as unreachable (a blackholed endpoint)."""
-
-
-def resume_step(progress: float, steps: int, checkpoint_every_steps: int) -> int:
-    """The step a re-placed run restarts from: the last checkpoint at or before the reported progress.
-
-    A job that declares no checkpoints (``checkpoint_every_steps == 0``) restarts from step 0.
-    """
-    if checkpoint_every_steps <= 0 or steps <= 0:
-        return 0
-    done = int(min(max(progress, 0.0), 1.0) * steps + 1e-9)
-    step = (done // checkpoint_every_steps) * checkpoint_every_steps
-    return min(step, steps - 1)

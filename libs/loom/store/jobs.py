@@ -387,7 +387,7 @@ async def queued_jobs(conn: asyncpg.Connection | asyncpg.Pool) -> list[asyncpg.R
     """Jobs accepted but not yet placed, oldest first (with the attempt they last had)."""
     rows: list[asyncpg.Record] = await conn.fetch(
         """SELECT job_id, spec, trace_context, attempt, avoid_clusters, parent,
-                  resume_progress FROM jobs
+                  resume_step FROM jobs
            WHERE state = 'queued' ORDER BY submitted_at, job_id"""
     )
     return rows
@@ -415,16 +415,16 @@ async def requeue(
     avoid: Sequence[str],
     *,
     unstarted_only: bool = False,
-    resume_progress: float = 0.0,
+    resume_step: int = 0,
 ) -> list[tuple[str, int]] | None:
     """Give up a placed or running attempt: release its GPUs, queue the job again.
 
     Returns the (node, gpus) released, or None when the attempt had moved on (finished, or already
     given up) and nothing changed. ``unstarted_only``: only if the agent never confirmed the start.
-    ``resume_progress``: the share of the work the next run resumes from (0: from step 0).
+    ``resume_step``: the step the next run resumes from (0: from the start).
     """
     row = await conn.fetchrow(
-        """UPDATE jobs SET state = 'queued', updated_at = now(), resume_progress = $5,
+        """UPDATE jobs SET state = 'queued', updated_at = now(), resume_step = $5,
                   avoid_clusters = ARRAY(SELECT DISTINCT unnest(avoid_clusters || $3::text[]))
            WHERE job_id = $1 AND attempt = $2
              AND state = ANY(CASE WHEN $4 THEN ARRAY['placed'] ELSE ARRAY['placed', 'running'] END)
@@ -435,11 +435,23 @@ async def requeue(
         attempt,
         list(avoid),
         unstarted_only,
-        min(max(resume_progress, 0.0), 1.0),
+        max(resume_step, 0),
     )
     if row is None:
         return None
     return await release(conn, job_id, attempt)
+
+
+async def latest_checkpoints(conn: asyncpg.Connection, job_ids: Sequence[str]) -> dict[str, int]:
+    """The highest step each job's agents reported a checkpoint at (any attempt), by job."""
+    if not job_ids:
+        return {}
+    rows = await conn.fetch(
+        """SELECT job_id, max((event->>'step')::bigint) AS step FROM job_events
+           WHERE job_id = ANY($1::text[]) AND kind = 'checkpointed' GROUP BY job_id""",
+        list(job_ids),
+    )
+    return {r["job_id"]: int(r["step"]) for r in rows if r["step"] is not None}
 
 
 async def existing_jobs(conn: asyncpg.Connection, job_ids: Sequence[str]) -> set[str]:
