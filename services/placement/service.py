@@ -69,7 +69,7 @@ from opentelemetry import propagate
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.errors import InvalidInputError, TransientError
-from loom.migrate.health import Health, classify, link_unreachable, region_reachable
+from loom.migrate.health import Health, affected_jobs, classify, link_unreachable, region_reachable
 from loom.migrate.resume import resume_point
 from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
@@ -1544,10 +1544,11 @@ class PlacementService:
         its old attempt a stop on every cluster it held; the cycles place it again. Idempotent: a
         run already given up is no longer in the book, and the store refuses a moved-on attempt."""
         result = Applied()
-        lost: dict[str, tuple[Run, str, Health]] = {}
-        for cluster, health in sorted(self.failover.failed.items()):
-            for run in self._runs_on(cluster):
-                lost.setdefault(run.job.job_id, (run, cluster, health))  # a gang on two failed clusters
+        hit = affected_jobs(
+            {job_id: [p[0] for p in run.parts] for job_id, run in self.book.runs.items()},
+            self.failover.failed,
+        )
+        lost = {j: (self.book.runs[j], c, self.failover.failed[c]) for j, c in hit.items()}
         async with self._tx() as conn:
             checkpoints = await repo.latest_checkpoints(conn, sorted(lost))
             for job_id, (run, cluster, health) in sorted(lost.items()):

@@ -60,3 +60,17 @@ def test_resume_from_the_recorded_checkpoint_else_the_interval_else_zero() -> No
     assert early.step == 0 and "no checkpoint reached" in early.why
     assert resume_point(steps=100, checkpoint_every_steps=10, progress=1.0, checkpoint_step=None).step == 99
     assert resume_point(steps=100, checkpoint_every_steps=10, progress=0.7, checkpoint_step=None).step == 70
+
+
+def test_every_job_with_a_part_on_a_failed_cluster_is_affected_once() -> None:
+    from loom.migrate.health import affected_jobs
+
+    clusters_of = {
+        "single": ["c-a"],
+        "gang": ["c-b", "c-a"],  # a member part on c-a
+        "pipeline": ["c-b", "c-c"],
+        "elsewhere": ["c-d"],
+    }
+    assert affected_jobs(clusters_of, ["c-a"]) == {"single": "c-a", "gang": "c-a"}
+    assert affected_jobs(clusters_of, ["c-c", "c-b"]) == {"gang": "c-b", "pipeline": "c-b"}
+    assert affected_jobs(clusters_of, []) == {}

@@ -25,6 +25,7 @@ fault: a probe path down while the cluster runs, a metrics hiccup while probes s
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -107,3 +108,16 @@ def link_unreachable(*, stale: bool, loss_rate: float) -> bool:
 
 UNREACHABLE_LOSS = 0.99
 """A link losing this share of its probes counts as unreachable (a blackholed endpoint)."""
+
+
+def affected_jobs(clusters_of: Mapping[str, Iterable[str]], failed: Iterable[str]) -> dict[str, str]:
+    """Jobs with any part (lead, gang member, pipeline stage) on a failed cluster: job -> the first
+    failed cluster it holds (sorted), each job once however many of its clusters failed."""
+    down = sorted(set(failed))
+    out: dict[str, str] = {}
+    for job_id, clusters in clusters_of.items():
+        held = set(clusters)
+        hit = next((c for c in down if c in held), None)
+        if hit is not None:
+            out[job_id] = hit
+    return out
