@@ -69,7 +69,7 @@ from opentelemetry import propagate
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.errors import InvalidInputError, TransientError
-from loom.migrate.health import Health, affected_jobs, classify, link_unreachable, region_reachable
+from loom.migrate.health import Health, affected_jobs, classify, link_unreachable, reachability
 from loom.migrate.resume import resume_point
 from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
@@ -1495,6 +1495,7 @@ class PlacementService:
         """Every owned cluster that is not healthy: suspect or failed (:mod:`loom.migrate.health`)."""
         now = time.time() if now is None else now
         clusters = set(self.failover.stale_since) | {c.cluster for c in self.book.nodes.values()}
+        reach = reachability(self.failover.link_down)
         out: dict[str, Health] = {}
         for cluster in clusters:
             region = self.region_of.get(cluster)
@@ -1504,7 +1505,7 @@ class PlacementService:
                 # The stale flag says the TTL has passed; the loss has lasted that long and more.
                 heartbeat_lost_s=None if since is None else self.failover.ttl_s + max(now - since, 0.0),
                 ttl_s=self.failover.ttl_s,
-                probes_reach=None if region is None else region_reachable(self.failover.link_down, region),
+                probes_reach=None if region is None else reach.get(region),
                 region=region,
             )
             if health.state != "healthy":

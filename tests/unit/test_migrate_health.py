@@ -74,3 +74,12 @@ def test_every_job_with_a_part_on_a_failed_cluster_is_affected_once() -> None:
     assert affected_jobs(clusters_of, ["c-a"]) == {"single": "c-a", "gang": "c-a"}
     assert affected_jobs(clusters_of, ["c-c", "c-b"]) == {"gang": "c-b", "pipeline": "c-b"}
     assert affected_jobs(clusters_of, []) == {}
+
+
+def test_reachability_in_one_pass_agrees_with_region_reachable() -> None:
+    from loom.migrate.health import reachability
+
+    links = {("eu", "us"): True, ("us", "eu"): True, ("us", "ap"): False, ("sa", "sa"): True}
+    every = reachability(links)
+    for region in ("eu", "us", "ap", "sa"):
+        assert every.get(region) == region_reachable(links, region)

@@ -121,3 +121,14 @@ def affected_jobs(clusters_of: Mapping[str, Iterable[str]], failed: Iterable[str
         if hit is not None:
             out[job_id] = hit
     return out
+
+
+def reachability(links: Mapping[tuple[str, str], bool]) -> dict[str, bool]:
+    """:func:`region_reachable` for every region some link touches, in one pass over the links."""
+    live: dict[str, bool] = {}
+    for (src, dst), down in links.items():
+        if src == dst:
+            continue
+        for region in (src, dst):
+            live[region] = live.get(region, False) or not down
+    return live
