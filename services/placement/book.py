@@ -42,6 +42,9 @@ class QueuedJob:
     """Monotonic time before which a cycle does not retry it (unless capacity changed)."""
     fair_share: float | None = None
     """Its tenant's share of its quota when it was first queued (its place in the queue)."""
+    resume_step: int = 0
+    """The step the next run starts from: a run lost with its cluster resumes from its checkpoint
+    (:func:`loom.migrate.resume.resume_point`)."""
 
     @property
     def context(self) -> Context:
@@ -410,6 +413,7 @@ def queued_from_row(row: asyncpg.Record) -> QueuedJob:
         attempt=int(row["attempt"]) + 1,
         avoid=frozenset(row["avoid_clusters"] or ()),
         parent=row["parent"],
+        resume_step=int(row.get("resume_step") or 0),
     )
 
 

@@ -69,9 +69,12 @@ from opentelemetry import propagate
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.errors import InvalidInputError, TransientError
+from loom.migrate.health import Health, affected_jobs, classify, link_unreachable, reachability
+from loom.migrate.resume import resume_point
 from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
 from loom.model.learn import LearnSettings, SpeedLearner, run_speed
+from loom.model.ledger import LedgerCluster
 from loom.model.topology import Topology
 from loom.runtime.leader import Leadership, lead
 from loom.runtime.service import ServiceContext
@@ -95,6 +98,7 @@ from loom.sched.shards import GLOBAL, ShardMap, route
 from loom.sched.snapshot import Economics
 from loom.store import fence, inbox, outbox, speeds
 from loom.store import jobs as repo
+from loom.store import ledger as ledger_store
 from loom.store.fence import FencedError
 from loom.store.pool import ConflictError, transaction, with_retry
 from loom_proto import subjects
@@ -163,6 +167,8 @@ class PlacementService:
         holder: str | None = None,
         explore_share: float = 0.0,
         region_groups: Mapping[str, Sequence[str]] | None = None,
+        failover_ttl_s: float = 10.0,
+        failover_period_s: float = 0.5,
     ) -> None:
         self.ctx = ctx
         self.pool = ctx.db
@@ -208,6 +214,7 @@ class PlacementService:
         )
         self.confirm_timeout_s = confirm_timeout_s
         self.max_attempts = max_attempts
+        self.failover = _Failover(ttl_s=failover_ttl_s, period_s=failover_period_s)
         self.waiting_reasons: dict[str, str] = {}
         self._sending: set[asyncio.Task[int]] = set()
         self._batches: dict[int, _Batch] = {}
@@ -229,6 +236,7 @@ class PlacementService:
             }
         )
         self.stats["leadership"] = self.leadership
+        self.stats["failover"] = {"health": {}, "failed": {}, "requeued": 0}
         self.stats["shard"] = {"territories": [], "routed_elsewhere": 0, "foreign_events": 0}
 
     # ---- compatibility views -------------------------------------------------------------------
@@ -260,6 +268,10 @@ class PlacementService:
             self.book.add_run(
                 run_from_row(row, self.book.nodes, now=now, step_s=self.book.believed_step_s), from_store=True
             )
+        # Clusters the ledger holds stale: the view delta that said so may be acked already.
+        self.failover.restore(
+            [c for c in await ledger_store.load_clusters(self.pool) if self._owns_region(c.region)]
+        )
         self.queue.clear()
         for row in await repo.queued_jobs(self.pool):
             q = queued_from_row(row)
@@ -319,6 +331,7 @@ class PlacementService:
         loops += [
             watchdog.supervise("requeue", self._requeue_loop),
             watchdog.supervise("expiry", self._expiry_loop),
+            watchdog.supervise("failover", self._failover_loop),
         ]
         if self.shard == GLOBAL:
             loops += [
@@ -1140,6 +1153,7 @@ class PlacementService:
         spec = _spec_of(job)
         for i, part in enumerate(parts):
             start = StartJob(
+                resume_from_step=q.resume_step,
                 job_id=job.job_id,
                 spec=spec,
                 gpu_model=part.gpu_model,
@@ -1168,14 +1182,21 @@ class PlacementService:
         *,
         avoid: Sequence[str],
         result: "Applied",
+        resume_step: int = 0,
     ) -> None:
         """Requeue a run's job (next attempt), release its GPUs and stop it on every cluster it holds.
 
         Nothing happens when the attempt had already moved on (it finished meanwhile).
+        ``resume_step``: the step the next run resumes from.
         """
         job = run.job
         released = await repo.requeue(
-            conn, job.job_id, run.attempt, avoid, unstarted_only=cause == "start_timeout"
+            conn,
+            job.job_id,
+            run.attempt,
+            avoid,
+            unstarted_only=cause == "start_timeout",
+            resume_step=resume_step,
         )
         if released is None:
             result.vanished.append(job.job_id)
@@ -1207,7 +1228,11 @@ class PlacementService:
                 )
             )
         again = dataclasses.replace(
-            run.queued, attempt=run.attempt + 1, avoid=frozenset(set(avoid) | set(run.queued.avoid)), tries=0
+            run.queued,
+            attempt=run.attempt + 1,
+            avoid=frozenset(set(avoid) | set(run.queued.avoid)),
+            tries=0,
+            resume_step=resume_step,
         )
         result.requeued.append((run, again, cause))
 
@@ -1464,6 +1489,96 @@ class PlacementService:
         self._commit(result, [])
         self._send(result.messages)
 
+    # ---- failover ------------------------------------------------------------------------------
+
+    def cluster_health(self, now: float | None = None) -> dict[str, Health]:
+        """Every owned cluster that is not healthy: suspect or failed (:mod:`loom.migrate.health`)."""
+        now = time.time() if now is None else now
+        clusters = set(self.failover.stale_since) | {c.cluster for c in self.book.nodes.values()}
+        reach = reachability(self.failover.link_down)
+        out: dict[str, Health] = {}
+        for cluster in clusters:
+            region = self.region_of.get(cluster)
+            since = self.failover.stale_since.get(cluster)
+            health = classify(
+                cluster,
+                # The stale flag says the TTL has passed; the loss has lasted that long and more.
+                heartbeat_lost_s=None if since is None else self.failover.ttl_s + max(now - since, 0.0),
+                ttl_s=self.failover.ttl_s,
+                probes_reach=None if region is None else reach.get(region),
+                region=region,
+            )
+            if health.state != "healthy":
+                out[cluster] = health
+        return out
+
+    async def _failover_loop(self) -> None:
+        """Re-place the runs of clusters classified failed (heartbeats and probes both lost)."""
+        while True:
+            await asyncio.sleep(self.failover.period_s)
+            try:
+                health = self.cluster_health()
+                self.stats["failover"]["health"] = {
+                    c: f"{h.state}: {h.reason}" for c, h in sorted(health.items())
+                }
+                for cluster, h in health.items():
+                    if h.failed and cluster not in self.failover.failed:
+                        self.failover.failed[cluster] = h
+                        self.stats["failover"]["failed"][cluster] = {"at": time.time(), "reason": h.reason}
+                        log.warning("cluster failed", cluster=cluster, reason=h.reason)
+                if not any(self._runs_on(c) for c in self.failover.failed):
+                    continue
+                async with self.lock:
+                    await self._drain()
+                    await self._retrying(self._fail_over)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("failover cycle failed", error=repr(exc))
+
+    def _runs_on(self, cluster: str) -> list[Run]:
+        """Runs with a part (lead or member) on ``cluster``."""
+        return [r for r in self.book.runs.values() if any(p[0] == cluster for p in r.parts)]
+
+    async def _fail_over(self) -> None:
+        """Requeue (next attempt) every run with a part on a failed cluster, release its GPUs, send
+        its old attempt a stop on every cluster it held; the cycles place it again. Idempotent: a
+        run already given up is no longer in the book, and the store refuses a moved-on attempt."""
+        result = Applied()
+        hit = affected_jobs(
+            {job_id: [p[0] for p in run.parts] for job_id, run in self.book.runs.items()},
+            self.failover.failed,
+        )
+        lost = {j: (self.book.runs[j], c, self.failover.failed[c]) for j, c in hit.items()}
+        async with self._tx() as conn:
+            checkpoints = await repo.latest_checkpoints(conn, sorted(lost))
+            for job_id, (run, cluster, health) in sorted(lost.items()):
+                work = run.job.work
+                resume = resume_point(
+                    steps=work.steps,
+                    checkpoint_every_steps=work.checkpoint_every_steps,
+                    progress=run.progress,
+                    checkpoint_step=checkpoints.get(job_id),
+                )
+                await self._give_up(
+                    conn,
+                    run,
+                    "cluster_lost",
+                    f"cluster {cluster} failed: {health.reason}; {resume.why}",
+                    avoid=[],
+                    result=result,
+                    resume_step=resume.step,
+                )
+            await repo.append_events(conn, result.events)
+            await outbox.add(conn, PRODUCER, result.messages)
+        self._commit(result, [])
+        self._send(result.messages)
+        self.stats["failover"]["requeued"] += len(result.requeued)
+        if result.requeued:
+            log.warning("runs failed over", runs=len(result.requeued))
+            self.capacity_changed = True
+            self.wake.set()
+
     def _send(self, messages: list[outbox.OutboxMessage]) -> None:
         """Publish a committed cycle's messages in the background (the outbox has them anyway)."""
         if not messages:
@@ -1534,6 +1649,7 @@ class PlacementService:
             self.stats["trust"] = dict(sorted(self.book.trust.items()))
         if not self._owns_region(delta.region):
             return  # another shard's cluster: its holder follows it
+        self.failover.follow(delta)
         changed: list[NodeCapacity] = []
         listed = set()
         nodes = self.book.nodes
@@ -1594,6 +1710,9 @@ class PlacementService:
             log.warning("bad link state ignored", subject=msg.subject, error=str(exc))
             return
         self.book.on_link(link)
+        self.failover.link_down[(link.src, link.dst)] = link_unreachable(
+            stale=link.stale, loss_rate=link.loss_rate
+        )
         self.stats["links"] = self.stats.get("links", 0) + 1
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -1908,6 +2027,41 @@ class Applied:
         book adopts only on commit; a stale snapshot must be rebuilt first)."""
         c = self.cycle
         return not (self.stale or c.preempted or c.shrunk or c.grown)
+
+
+@dataclasses.dataclass
+class _Failover:
+    """What placement knows of cluster failures (see :mod:`loom.migrate.health`)."""
+
+    ttl_s: float
+    """The heartbeat TTL the failure rule counts with: a stale view delta says it has passed."""
+    period_s: float
+    stale_since: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Owned clusters the view says are stale (heartbeats lost past their TTL): since when (wall s)."""
+    link_down: dict[tuple[str, str], bool] = dataclasses.field(default_factory=dict)
+    """(src, dst) region links: whether network perception says its probes do not get through."""
+    failed: dict[str, Health] = dataclasses.field(default_factory=dict)
+    """Clusters classified failed (heartbeats and probes both lost) until their heartbeats resume."""
+
+    def restore(self, clusters: Sequence[LedgerCluster]) -> None:
+        """On leading: the stale clusters the ledger persisted, stale since their TTL after their
+        last heartbeat (so the loss is timed from that heartbeat)."""
+        self.stale_since.clear()
+        self.failed.clear()
+        for c in clusters:
+            if c.stale:
+                self.stale_since[c.cluster] = c.last_heartbeat_at + self.ttl_s
+
+    def follow(self, delta: ViewDelta) -> None:
+        """Track an owned cluster's staleness from its view delta."""
+        if delta.stale:
+            self.stale_since.setdefault(delta.cluster, delta.at)
+        elif delta.cluster in self.stale_since:
+            # Heartbeats resumed: its orphaned runs were sent stops when it was failed over (on the
+            # agent's durable command consumer), and their reports of old attempts are ignored.
+            del self.stale_since[delta.cluster]
+            if self.failed.pop(delta.cluster, None) is not None:
+                log.warning("failed cluster returned", cluster=delta.cluster)
 
 
 class Phases:

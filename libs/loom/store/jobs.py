@@ -386,7 +386,8 @@ async def upsert_nodes(conn: asyncpg.Connection, version: int, nodes: Iterable[N
 async def queued_jobs(conn: asyncpg.Connection | asyncpg.Pool) -> list[asyncpg.Record]:
     """Jobs accepted but not yet placed, oldest first (with the attempt they last had)."""
     rows: list[asyncpg.Record] = await conn.fetch(
-        """SELECT job_id, spec, trace_context, attempt, avoid_clusters, parent FROM jobs
+        """SELECT job_id, spec, trace_context, attempt, avoid_clusters, parent,
+                  resume_step FROM jobs
            WHERE state = 'queued' ORDER BY submitted_at, job_id"""
     )
     return rows
@@ -408,15 +409,22 @@ async def active_runs(conn: asyncpg.Connection | asyncpg.Pool) -> list[asyncpg.R
 
 
 async def requeue(
-    conn: asyncpg.Connection, job_id: str, attempt: int, avoid: Sequence[str], *, unstarted_only: bool = False
+    conn: asyncpg.Connection,
+    job_id: str,
+    attempt: int,
+    avoid: Sequence[str],
+    *,
+    unstarted_only: bool = False,
+    resume_step: int = 0,
 ) -> list[tuple[str, int]] | None:
     """Give up a placed or running attempt: release its GPUs, queue the job again.
 
     Returns the (node, gpus) released, or None when the attempt had moved on (finished, or already
     given up) and nothing changed. ``unstarted_only``: only if the agent never confirmed the start.
+    ``resume_step``: the step the next run resumes from (0: from the start).
     """
     row = await conn.fetchrow(
-        """UPDATE jobs SET state = 'queued', updated_at = now(),
+        """UPDATE jobs SET state = 'queued', updated_at = now(), resume_step = $5,
                   avoid_clusters = ARRAY(SELECT DISTINCT unnest(avoid_clusters || $3::text[]))
            WHERE job_id = $1 AND attempt = $2
              AND state = ANY(CASE WHEN $4 THEN ARRAY['placed'] ELSE ARRAY['placed', 'running'] END)
@@ -427,10 +435,23 @@ async def requeue(
         attempt,
         list(avoid),
         unstarted_only,
+        max(resume_step, 0),
     )
     if row is None:
         return None
     return await release(conn, job_id, attempt)
+
+
+async def latest_checkpoints(conn: asyncpg.Connection, job_ids: Sequence[str]) -> dict[str, int]:
+    """The highest step each job's agents reported a checkpoint at (any attempt), by job."""
+    if not job_ids:
+        return {}
+    rows = await conn.fetch(
+        """SELECT job_id, max((event->>'step')::bigint) AS step FROM job_events
+           WHERE job_id = ANY($1::text[]) AND kind = 'checkpointed' GROUP BY job_id""",
+        list(job_ids),
+    )
+    return {r["job_id"]: int(r["step"]) for r in rows if r["step"] is not None}
 
 
 async def existing_jobs(conn: asyncpg.Connection, job_ids: Sequence[str]) -> set[str]:

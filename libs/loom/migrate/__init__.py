@@ -1,0 +1,1 @@
+"""Migration and failover: pure decisions (cluster health, what to re-place)."""

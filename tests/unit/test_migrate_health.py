@@ -1,0 +1,85 @@
+import pytest
+
+from loom.migrate.health import classify, link_unreachable, region_reachable
+from loom.migrate.resume import resume_point
+
+
+def test_both_signals_fail_the_cluster() -> None:
+    h = classify("c1", heartbeat_lost_s=6.0, ttl_s=5.0, probes_reach=False, region="eu")
+    assert h.state == "failed" and h.failed
+    assert "probes cannot reach region eu" in h.reason and "no heartbeat" in h.reason
+
+
+def test_one_signal_alone_is_suspect_with_its_reason() -> None:
+    beat = classify("c1", heartbeat_lost_s=6.0, ttl_s=5.0, probes_reach=True, region="eu")
+    assert beat.state == "suspect" and "probes still reach" in beat.reason
+    probe = classify("c1", heartbeat_lost_s=None, ttl_s=5.0, probes_reach=False, region="eu")
+    assert probe.state == "suspect" and "heartbeats are fresh" in probe.reason
+    young = classify("c1", heartbeat_lost_s=4.9, ttl_s=5.0, probes_reach=False)
+    assert young.state == "suspect"
+
+
+def test_no_probe_information_waits_twice_the_ttl() -> None:
+    early = classify("c1", heartbeat_lost_s=7.0, ttl_s=5.0, probes_reach=None, region="eu")
+    assert early.state == "suspect" and "no probe information" in early.reason
+    late = classify("c1", heartbeat_lost_s=10.0, ttl_s=5.0, probes_reach=None, region="eu")
+    assert late.state == "failed" and "no probe information" in late.reason
+    assert classify("c1", heartbeat_lost_s=None, ttl_s=5.0, probes_reach=None).state == "healthy"
+    assert classify("c1", heartbeat_lost_s=None, ttl_s=5.0, probes_reach=True).state == "healthy"
+
+
+def test_bad_parameters_refused() -> None:
+    with pytest.raises(ValueError):
+        classify("c1", heartbeat_lost_s=1.0, ttl_s=0, probes_reach=None)
+    with pytest.raises(ValueError):
+        classify("c1", heartbeat_lost_s=1.0, ttl_s=1, probes_reach=None, unknown_probe_factor=0.5)
+
+
+def test_region_reachability_from_links() -> None:
+    links = {("eu", "us"): True, ("us", "eu"): True, ("us", "ap"): False}
+    assert region_reachable(links, "eu") is False
+    assert region_reachable(links, "us") is True
+    assert region_reachable(links, "sa") is None
+    assert region_reachable({("eu", "eu"): True}, "eu") is None
+
+
+def test_links_unreachable_when_stale_or_all_probes_lost() -> None:
+    assert link_unreachable(stale=True, loss_rate=0.0)
+    assert link_unreachable(stale=False, loss_rate=1.0)
+    assert not link_unreachable(stale=False, loss_rate=0.02)
+
+
+def test_resume_from_the_recorded_checkpoint_else_the_interval_else_zero() -> None:
+    recorded = resume_point(steps=100, checkpoint_every_steps=10, progress=0.57, checkpoint_step=40)
+    assert recorded.step == 40 and "recorded" in recorded.why
+    interval = resume_point(steps=100, checkpoint_every_steps=10, progress=0.57, checkpoint_step=None)
+    assert interval.step == 50 and "interval" in interval.why
+    none = resume_point(steps=100, checkpoint_every_steps=0, progress=0.57, checkpoint_step=None)
+    assert none.step == 0 and "declares no checkpoints" in none.why
+    early = resume_point(steps=100, checkpoint_every_steps=10, progress=0.05, checkpoint_step=None)
+    assert early.step == 0 and "no checkpoint reached" in early.why
+    assert resume_point(steps=100, checkpoint_every_steps=10, progress=1.0, checkpoint_step=None).step == 99
+    assert resume_point(steps=100, checkpoint_every_steps=10, progress=0.7, checkpoint_step=None).step == 70
+
+
+def test_every_job_with_a_part_on_a_failed_cluster_is_affected_once() -> None:
+    from loom.migrate.health import affected_jobs
+
+    clusters_of = {
+        "single": ["c-a"],
+        "gang": ["c-b", "c-a"],  # a member part on c-a
+        "pipeline": ["c-b", "c-c"],
+        "elsewhere": ["c-d"],
+    }
+    assert affected_jobs(clusters_of, ["c-a"]) == {"single": "c-a", "gang": "c-a"}
+    assert affected_jobs(clusters_of, ["c-c", "c-b"]) == {"gang": "c-b", "pipeline": "c-b"}
+    assert affected_jobs(clusters_of, []) == {}
+
+
+def test_reachability_in_one_pass_agrees_with_region_reachable() -> None:
+    from loom.migrate.health import reachability
+
+    links = {("eu", "us"): True, ("us", "eu"): True, ("us", "ap"): False, ("sa", "sa"): True}
+    every = reachability(links)
+    for region in ("eu", "us", "ap", "sa"):
+        assert every.get(region) == region_reachable(links, region)
