@@ -38,7 +38,6 @@ import platform
 import random
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -56,6 +55,7 @@ from loom.bus.dlq import DeadLetters
 from loom.client import LoomClient
 from loom.model.topology import load_topology
 from loom.runtime import stack
+from loom_benchmarks.takeover import p50_max_mean
 from loom_proto import subjects
 from loom_proto.jobs import JobSpec, Resources, Work
 
@@ -792,13 +792,7 @@ class Campaign:
 
 
 def _stats(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "max": None, "mean": None}
-    return {
-        "p50": round(statistics.median(values), 2),
-        "max": round(max(values), 2),
-        "mean": round(statistics.fmean(values), 2),
-    }
+    return p50_max_mean(values, digits=2)
 
 
 def summarize(measured: dict[str, Any], plan: list[Fault]) -> dict[str, Any]:

@@ -366,13 +366,14 @@ async def _verify(
     }
 
 
-def _summary(values: list[float]) -> dict[str, float | None]:
+def p50_max_mean(values: list[float], digits: int = 3) -> dict[str, float | None]:
+    """Median, maximum and mean of ``values``, rounded (all None when there are none)."""
     if not values:
         return {"p50": None, "max": None, "mean": None}
     return {
-        "p50": round(statistics.median(values), 3),
-        "max": round(max(values), 3),
-        "mean": round(statistics.fmean(values), 3),
+        "p50": round(statistics.median(values), digits),
+        "max": round(max(values), digits),
+        "mean": round(statistics.fmean(values), digits),
     }
 
 
@@ -467,8 +468,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     return {
         "benchmark": "takeover",
         "headline": {
-            "takeover_s": _summary(takeover),
-            "first_placement_after_kill_s": _summary(first),
+            "takeover_s": p50_max_mean(takeover),
+            "first_placement_after_kill_s": p50_max_mean(first),
             "lost": jobs["lost"],
             "doubled": jobs["doubled"],
             "standby_won": sum(1 for t in trials if t["standby_won"]),
