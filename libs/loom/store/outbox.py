@@ -113,27 +113,11 @@ class OutboxRelay:
         """
         if not messages:
             return 0
-        ids = [m.msg_id for m in messages]
-        self._sending.update(ids)  # a flush meanwhile leaves them alone
-        try:
-            # Sent in commit order, one batch after the other; the acks are awaited outside the
-            # lock, so the next commit's messages go out while this batch's are being stored.
-            async with self._lock:
-                sent = await self._send(messages)
-        except BaseException:
-            self._sending.difference_update(ids)
-            raise
-        try:
-            done = self._acked(messages, await sent.acks())
-            if done:
-                await self._pool.execute(
-                    """UPDATE outbox SET published_at = now()
-                       WHERE msg_id = ANY($1::text[]) AND published_at IS NULL""",
-                    done,
-                )
-        finally:
-            self._sending.difference_update(ids)
-        self.published += len(done)
+        # Sent in commit order, one batch after the other; the acks are awaited outside the lock,
+        # so the next commit's messages go out while this batch's are being stored.
+        async with self._lock:
+            sent = await self._claim_and_send(messages)
+        done = await self._settle(messages, sent)
         if len(done) < len(messages):
             self.kick()
         return len(done)
@@ -162,25 +146,38 @@ class OutboxRelay:
                 ]
                 if not pending:
                     return total
-                ids = [m.msg_id for m in pending]
-                self._sending.update(ids)
-                try:
-                    sent = await self._send(pending)
-                except BaseException:
-                    self._sending.difference_update(ids)
-                    raise
-            try:
-                done = self._acked(pending, await sent.acks())
-                if done:
-                    await self._pool.execute(
-                        "UPDATE outbox SET published_at = now() WHERE msg_id = ANY($1::text[])", done
-                    )
-            finally:
-                self._sending.difference_update(ids)
+                sent = await self._claim_and_send(pending)
+            done = await self._settle(pending, sent)
             total += len(done)
-            self.published += len(done)
             if len(done) < len(rows):
                 return total  # some failed (or were in hand): the next flush tries again
+
+    async def _claim_and_send(self, messages: Sequence[OutboxMessage]) -> SentBatch:
+        """Send (under the caller's lock), the messages marked in hand so no other path sends them
+        meanwhile; on failure they are in nobody's hand again."""
+        ids = [m.msg_id for m in messages]
+        self._sending.update(ids)
+        try:
+            return await self._send(messages)
+        except BaseException:
+            self._sending.difference_update(ids)
+            raise
+
+    async def _settle(self, messages: Sequence[OutboxMessage], sent: SentBatch) -> list[str]:
+        """Await the acks, mark what made it published, and let go of the messages; returns the
+        ids published."""
+        try:
+            done = self._acked(messages, await sent.acks())
+            if done:
+                await self._pool.execute(
+                    """UPDATE outbox SET published_at = now()
+                       WHERE msg_id = ANY($1::text[]) AND published_at IS NULL""",
+                    done,
+                )
+        finally:
+            self._sending.difference_update(m.msg_id for m in messages)
+        self.published += len(done)
+        return done
 
     async def _send(self, messages: Sequence[OutboxMessage]) -> SentBatch:
         """Send at once, each continuing its stored trace (see :meth:`Publisher.send_batch`)."""
