@@ -312,14 +312,18 @@ def test_backfill_keeps_a_claimed_pool_from_a_job_behind_that_would_delay_the_cl
 # ---- best fit over pools --------------------------------------------------------------------------
 
 
-def pool_fit_scores(snap: Snapshot, spec: JobSpec) -> dict[str, float]:
-    framework = Framework([ResourceFit(), PoolFit()])
+def fit_scores(plugin: "PoolFit | FreeFit", snap: Snapshot, spec: JobSpec) -> dict[str, float]:
+    """Per candidate cluster: ``plugin``'s normalised score for ``spec`` on ``snap``."""
+    framework = Framework([ResourceFit(), plugin])
     state = framework.new_state(spec, snap)
     assert framework.run_pre_filters(state).ok
     cands = framework.find_candidates(state)
-    plugin = PoolFit()
     norm = plugin.normalize(state, plugin.score(state, cands))
     return {snap.clusters[int(c)].id: float(v) for c, v in zip(cands.cluster, norm, strict=True)}
+
+
+def pool_fit_scores(snap: Snapshot, spec: JobSpec) -> dict[str, float]:
+    return fit_scores(PoolFit(), snap, spec)
 
 
 def test_pool_fit_keeps_large_pools_for_large_gangs_only_when_the_platform_is_busy() -> None:
@@ -461,13 +465,7 @@ def test_a_gang_no_cluster_holds_spreads_over_clusters_of_unequal_trust_alike() 
 
 
 def free_fit_scores(snap: Snapshot, spec: JobSpec) -> dict[str, float]:
-    framework = Framework([ResourceFit(), FreeFit()])
-    state = framework.new_state(spec, snap)
-    assert framework.run_pre_filters(state).ok
-    cands = framework.find_candidates(state)
-    plugin = FreeFit()
-    norm = plugin.normalize(state, plugin.score(state, cands))
-    return {snap.clusters[int(c)].id: float(v) for c, v in zip(cands.cluster, norm, strict=True)}
+    return fit_scores(FreeFit(), snap, spec)
 
 
 def test_free_fit_fills_the_fullest_of_the_fastest_pools_even_on_an_idle_platform() -> None:
