@@ -1526,7 +1526,7 @@ class PlacementService:
                         self.failover.failed[cluster] = h
                         self.stats["failover"]["failed"][cluster] = {"at": time.time(), "reason": h.reason}
                         log.warning("cluster failed", cluster=cluster, reason=h.reason)
-                if not any(self._runs_on(c) for c in self.failover.failed):
+                if not self._on_failed_clusters():
                     continue
                 async with self.lock:
                     await self._drain()
@@ -1536,19 +1536,19 @@ class PlacementService:
             except Exception as exc:
                 log.warning("failover cycle failed", error=repr(exc))
 
-    def _runs_on(self, cluster: str) -> list[Run]:
-        """Runs with a part (lead or member) on ``cluster``."""
-        return [r for r in self.book.runs.values() if any(p[0] == cluster for p in r.parts)]
+    def _on_failed_clusters(self) -> dict[str, str]:
+        """Job -> the failed cluster it has a part (lead or member) on (:func:`affected_jobs`)."""
+        return affected_jobs(
+            {job_id: [p[0] for p in run.parts] for job_id, run in self.book.runs.items()},
+            self.failover.failed,
+        )
 
     async def _fail_over(self) -> None:
         """Requeue (next attempt) every run with a part on a failed cluster, release its GPUs, send
         its old attempt a stop on every cluster it held; the cycles place it again. Idempotent: a
         run already given up is no longer in the book, and the store refuses a moved-on attempt."""
         result = Applied()
-        hit = affected_jobs(
-            {job_id: [p[0] for p in run.parts] for job_id, run in self.book.runs.items()},
-            self.failover.failed,
-        )
+        hit = self._on_failed_clusters()
         lost = {j: (self.book.runs[j], c, self.failover.failed[c]) for j, c in hit.items()}
         async with self._tx() as conn:
             checkpoints = await repo.latest_checkpoints(conn, sorted(lost))
