@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## start the embedded stack, run the example workload, show progress and a summary
 	$(BIN)/loom demo
 
-test: $(STAMP)  ## the whole suite: unit, integration (real NATS + PostgreSQL), end-to-end
-	$(BIN)/python -m pytest -q
+test: $(STAMP)  ## the whole suite: unit, integration (real NATS + PostgreSQL), end-to-end; 4 processes, a file each
+	$(BIN)/python -m pytest -q -n 4 --dist loadfile
 
 test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/python -m pytest -q tests/unit

@@ -41,6 +41,7 @@ from opentelemetry.util._decorator import _agnosticcontextmanager
 from opentelemetry.util.types import AttributeValue
 
 from loom.telemetry.logs import configure_logging
+from loom_proto.subjects import PREFIX
 
 __all__ = [
     "INFRA_RATIO_ENV",
@@ -80,7 +81,9 @@ DEFAULT_INFRA_RATIO = 0.01
 # Subjects whose traces are about jobs, tenants or operators' actions: every one is kept whole.
 # Everything else (loom.clusters.*.heartbeat|status|profile, loom.view.*, loom.net.*) is periodic
 # infrastructure traffic, sampled by ratio.
-_ALWAYS_TRACED_PREFIXES = ("loom.jobs.", "loom.migrations.", "loom.alerts.", "loom.incidents.")
+_ALWAYS_TRACED_PREFIXES = tuple(
+    f"{PREFIX}.{domain}." for domain in ("jobs", "migrations", "alerts", "incidents")
+)
 _ALWAYS_TRACED_INFIXES = (".cmd.",)  # commands to agents act on jobs
 
 # Subjects are loom.<domain>.<event>[.<key>...]; the keys (tenant, cluster, job) would make span
