@@ -1,0 +1,55 @@
+"""Read-only queries of the web console over placement's tables (the writes stay placement's).
+
+Each takes an optional tenant: a tenant's console sees its own jobs and counts only.
+"""
+
+import json
+import time
+from typing import Any
+
+import asyncpg
+
+
+async def counts_of(conn: asyncpg.Connection | asyncpg.Pool, tenant: str | None) -> dict[str, int]:
+    """How many jobs are in each state, of one tenant or of all."""
+    rows = await conn.fetch(
+        "SELECT state, count(*) AS n FROM jobs WHERE ($1::text IS NULL OR tenant = $1) GROUP BY state", tenant
+    )
+    return {r["state"]: int(r["n"]) for r in rows}
+
+
+async def waiting(
+    conn: asyncpg.Connection | asyncpg.Pool, tenant: str | None, *, limit: int = 500
+) -> list[dict[str, Any]]:
+    """Queued jobs, oldest first as placement takes them, with priority and GPUs asked for."""
+    rows = await conn.fetch(
+        """SELECT job_id, tenant, priority, submitted_at, spec->'resources'->>'gpus' AS gpus FROM jobs
+           WHERE state = 'queued' AND ($1::text IS NULL OR tenant = $1)
+           ORDER BY submitted_at, job_id LIMIT $2""",
+        tenant,
+        limit,
+    )
+    now = time.time()
+    return [
+        {
+            "job_id": r["job_id"],
+            "tenant": r["tenant"],
+            "priority": r["priority"],
+            "gpus": int(r["gpus"]) if r["gpus"] is not None else 0,
+            "submitted_at": r["submitted_at"].timestamp(),
+            "waiting_s": max(now - r["submitted_at"].timestamp(), 0.0),
+        }
+        for r in rows
+    ]
+
+
+async def trace_id_of(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> str | None:
+    """The trace id of a job's submission (from its W3C ``traceparent``), if one was recorded."""
+    raw = await conn.fetchval("SELECT trace_context FROM jobs WHERE job_id = $1", job_id)
+    if raw is None:
+        return None
+    context = json.loads(raw) if isinstance(raw, str) else dict(raw)
+    parts = str(context.get("traceparent", "")).split("-")
+    if len(parts) == 4 and len(parts[1]) == 32 and parts[1] != "0" * 32:
+        return parts[1]
+    return None
