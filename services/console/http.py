@@ -8,7 +8,7 @@ open until the client leaves or the server stops.
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -54,7 +54,8 @@ class Response:
 class EventStream:
     """A ``text/event-stream`` response: each item of ``events`` is written as it comes."""
 
-    events: AsyncIterator[bytes]
+    events: AsyncGenerator[bytes, None]
+    """Started before the response is sent (see :meth:`HttpServer._stream`), closed after."""
     headers: list[tuple[str, str]] = field(default_factory=list)
 
 
@@ -183,8 +184,14 @@ class HttpServer:
             ("Connection", "close"),
             *stream.headers,
         ]
-        writer.write(_head(200, headers))
-        await writer.drain()
-        async for chunk in stream.events:
-            writer.write(chunk)
+        # The first chunk before the headers: once a client sees the stream open, the source
+        # behind it is listening (a page that acts after ``onopen`` misses nothing).
+        try:
+            first = await anext(stream.events)
+            writer.write(_head(200, headers) + first)
             await writer.drain()
+            async for chunk in stream.events:
+                writer.write(chunk)
+                await writer.drain()
+        finally:
+            await stream.events.aclose()

@@ -153,7 +153,8 @@ def map_page(
     parts.append("</svg>")
     legend = (
         "<p class=legend>Links by cost: <span style=color:#2ca02c>■ under 80 ms</span> "
-        "<span style=color:#e6a700>■ under 180 ms</span> <span style=color:#d62728>■ higher, or degraded</span> "
+        "<span style=color:#e6a700>■ under 180 ms</span> "
+        "<span style=color:#d62728>■ higher, or degraded</span> "
         "(dashed: degraded). "
         + (
             "Measured by network-perception."
