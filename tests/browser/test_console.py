@@ -126,6 +126,8 @@ def test_each_page_renders_against_the_real_stack(home: Path, page: Any) -> None
     assert page.locator("tr[data-node]").count() > 0
     assert "water level" in page.inner_text("main")
     assert page.locator("button:has-text('Drain')").is_disabled()
+    drain = page.request.post(page.url.split("/resources/")[0] + "/clusters/c-use2-a/drain")
+    assert drain.status == 501 and "no drain command" in drain.text()
     shot(page, "cluster")
 
     page.click("nav >> text=Queue")
@@ -182,6 +184,7 @@ def test_a_tenant_sees_its_own_jobs_and_gets_403_for_another_tenants(home: Path,
     assert other is not None and other.status == 403
     assert "another tenant" in page.inner_text("main")
     shot(page, "forbidden")
+    assert page.request.post(f"{base}/jobs/{mine}/cancel").status == 403  # a tenant cannot act
 
     page.goto(f"{base}/jobs?tenant=beta")  # a tenant's filter cannot widen its view
     assert page.locator(f"tr[data-job='{mine}']").count() == 1  # `loom submit` waited for its admission
