@@ -36,7 +36,12 @@ def home() -> Iterator[Path]:
         stack.up(
             path,
             stack.StackOptions(
-                topology="small", time_scale=2000.0, heartbeat_s=0.5, max_heartbeat_s=2.0, durable=False
+                topology="small",
+                time_scale=2000.0,
+                heartbeat_s=0.5,
+                max_heartbeat_s=2.0,
+                durable=False,
+                placement_standby=False,  # nothing here needs a takeover: one process less to start
             ),
         )
         yield path
@@ -62,20 +67,32 @@ def console_url(home: Path, tenant: str | None = None) -> str:
     return url
 
 
-def submit(home: Path, tenant: str, *, steps: int = 200) -> str:
-    """Submit one job through the CLI; its id."""
-    job_id = f"web-{uuid.uuid4().hex[:8]}"
-    spec = {
-        "job_id": job_id,
-        "tenant": tenant,
-        "resources": {"gpus": 1},
-        "work": {"steps": steps, "step_time_s": 10.0},
-    }
-    path = home / f"{job_id}.json"
-    path.write_text(json.dumps(spec))
+def submit(home: Path, *tenants: str, steps: int = 200) -> list[str]:
+    """Submit one job per tenant through the CLI (one file, one command); their ids."""
+    specs = [
+        {
+            "job_id": f"web-{uuid.uuid4().hex[:8]}",
+            "tenant": tenant,
+            "resources": {"gpus": 1},
+            "work": {"steps": steps, "step_time_s": 10.0},
+        }
+        for tenant in tenants
+    ]
+    path = home / f"{specs[0]['job_id']}.json"
+    path.write_text(json.dumps({"jobs": specs}))
     done = loom(home, "submit", str(path))
     assert done.returncode == 0, done.stdout + done.stderr
-    return job_id
+    return [str(spec["job_id"]) for spec in specs]
+
+
+@pytest.fixture(scope="module")
+def operator_url(home: Path) -> str:
+    return console_url(home)
+
+
+@pytest.fixture(scope="module")
+def base(operator_url: str) -> str:
+    return operator_url.split("/?", maxsplit=1)[0]
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +121,8 @@ def shot(page: Any, name: str) -> None:
     page.screenshot(path=str(ARTEFACTS / f"{name}.png"), full_page=True)
 
 
-def test_each_page_renders_against_the_real_stack(home: Path, page: Any) -> None:
-    url = console_url(home)
-    page.goto(url)  # the token goes into a cookie, out of the address bar
+def test_each_page_renders_against_the_real_stack(operator_url: str, page: Any) -> None:
+    page.goto(operator_url)  # the token goes into a cookie, out of the address bar
     assert "token=" not in page.url
     assert page.locator("[data-role=operator]").count() == 1
     page.wait_for_function("document.querySelectorAll('svg.map g.region').length === 3")
@@ -138,13 +154,15 @@ def test_each_page_renders_against_the_real_stack(home: Path, page: Any) -> None
     shot(page, "jobs")
 
 
-def test_a_job_submitted_through_the_cli_goes_queued_running_completed_live(home: Path, page: Any) -> None:
-    page.goto(console_url(home))
-    page.goto(console_url(home).split("/?")[0] + "/jobs")
+def test_a_job_submitted_through_the_cli_goes_queued_running_completed_live(
+    home: Path, operator_url: str, base: str, page: Any
+) -> None:
+    page.goto(operator_url)
+    page.goto(f"{base}/jobs")
     page.wait_for_function("document.body.dataset.live === 'on'")
     page.evaluate("window.__samePage = 'yes'")
 
-    job_id = submit(home, "acme")
+    [job_id] = submit(home, "acme")
     row = f"tr[data-job='{job_id}']"
     page.wait_for_function(
         f"(document.querySelector(\"{row}\") || {{dataset: {{}}}}).dataset.history?.endsWith('completed')"
@@ -169,9 +187,10 @@ def test_a_job_submitted_through_the_cli_goes_queued_running_completed_live(home
     shot(page, "job")
 
 
-def test_a_tenant_sees_its_own_jobs_and_gets_403_for_another_tenants(home: Path, page: Any) -> None:
-    mine, theirs = submit(home, "alpha", steps=10), submit(home, "beta", steps=10)
-    base = console_url(home).split("/?")[0]
+def test_a_tenant_sees_its_own_jobs_and_gets_403_for_another_tenants(
+    home: Path, base: str, page: Any
+) -> None:
+    mine, theirs = submit(home, "alpha", "beta", steps=10)
 
     anonymous = page.goto(f"{base}/jobs/{mine}")
     assert anonymous is not None and anonymous.status == 401
