@@ -166,7 +166,8 @@ class Console:
         if "token" in request.query:
             # Keep the token in a cookie, and out of the address bar and the history.
             rest = {k: v for k, v in request.query.items() if k != "token"}
-            location = quote(request.path) + (f"?{urlencode(rest)}" if rest else "")
+            # One leading slash: "//host" would send the browser to another site.
+            location = "/" + quote(request.path.lstrip("/")) + (f"?{urlencode(rest)}" if rest else "")
             cookie = f"{COOKIE}={quote(request.query['token'])}; HttpOnly; SameSite=Strict; Path=/"
             return Response(status=303, headers=[("Location", location), ("Set-Cookie", cookie)])
         try:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from loom.runtime import stack
+from loom.runtime.tokens import load_tokens
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -195,7 +196,7 @@ def test_a_tenant_sees_its_own_jobs_and_gets_403_for_another_tenants(
     anonymous = page.goto(f"{base}/jobs/{mine}")
     assert anonymous is not None and anonymous.status == 401
 
-    page.goto(console_url(home, tenant="alpha"))
+    page.goto(f"{base}/?token={load_tokens(home).tenant_token('alpha')}")  # `loom console --tenant`'s URL
     assert page.inner_text("[data-role=tenant]") == "tenant alpha"
     own = page.goto(f"{base}/jobs/{mine}")
     assert own is not None and own.status == 200
