@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+import structlog
+
+log = structlog.get_logger("console.http")
+
 _MAX_HEADER_BYTES = 16_384
 _MAX_BODY_BYTES = 65_536
 _IDLE_S = 30.0
@@ -149,7 +153,13 @@ class HttpServer:
                     break
                 if request is None:
                     break
-                answer = await self.handler(request)
+                try:
+                    answer = await self.handler(request)
+                except Exception as exc:  # a bug in a page: answer 500, keep serving
+                    log.exception("request failed", method=request.method, path=request.path)
+                    answer = Response(
+                        status=500, body=f"internal error: {exc!r}".encode(), content_type="text/plain"
+                    )
                 if isinstance(answer, EventStream):
                     assert task is not None
                     self._streams.add(task)

@@ -376,6 +376,10 @@ def job_page(
     for heading, lines in explanation:
         items = "".join(f"<li>{esc(line)}</li>" for line in lines)
         blocks.append(f"<h3>{esc(heading)}</h3><ul>{items}</ul>")
+    stages = [str(stage) for stage in job.get("stage_jobs", [])]
+    if not blocks and stages:
+        links = ", ".join(f'<a href="/jobs/{quote(stage)}">{esc(stage)}</a>' for stage in stages)
+        blocks.append(f"<p>A DAG is not placed itself: each stage is a job of its own. Stages: {links}.</p>")
     explain = "<h2>Placement</h2>" + ("".join(blocks) or "<p>No decision recorded yet.</p>")
     spec = (
         f"<details><summary>spec</summary><pre>{esc(json.dumps(job.get('spec'), indent=2))}</pre></details>"

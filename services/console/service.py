@@ -23,6 +23,7 @@ from loom.client import LoomClient, QueryError
 from loom.model.topology import Topology
 from loom.runtime.service import ServiceContext
 from loom.runtime.tokens import Access, Tokens
+from loom.sched.dag import DagError, stage_job_id
 from loom.sched.explain import render
 from loom.sched.framework import DecisionRecord
 from loom.store import console as store
@@ -283,6 +284,11 @@ class Console:
             except (KeyError, TypeError, ValueError) as exc:
                 lines = [f"(this record could not be read: {exc})"]
             explanation.append((f"attempt {decision['attempt']} ({decision['outcome']})", lines))
+        stages = (job.get("spec") or {}).get("stages") or []
+        try:
+            job["stage_jobs"] = [stage_job_id(job_id, str(stage.get("name"))) for stage in stages]
+        except DagError:  # a DAG rejected for its stage ids: it has no stage jobs
+            job["stage_jobs"] = []
         trace_id = await store.trace_id_of(self.ctx.db, job_id)
         trace_url = f"{self.jaeger_url}/trace/{trace_id}" if trace_id and self.jaeger_url else None
         return _page(200, pages.job_page(access, job, explanation, trace_url=trace_url))

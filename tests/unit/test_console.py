@@ -109,6 +109,12 @@ def test_the_operator_sees_a_disabled_cancel_that_says_why_a_tenant_none() -> No
     assert "Cancel job" not in tenant and "no trace context recorded" in tenant
 
 
+def test_a_dag_job_page_points_at_its_stage_jobs() -> None:
+    dag = dict(JOB, stage_jobs=["j-1--prep", "j-1--train"])
+    html = pages.job_page(Access("operator"), dag, [], trace_url=None)
+    assert 'href="/jobs/j-1--prep"' in html and 'href="/jobs/j-1--train"' in html
+
+
 def test_a_tenant_jobs_page_has_no_tenant_filter_and_follows_its_filters() -> None:
     tenant = pages.jobs_page(
         Access("tenant", "alpha"), [JOB], tenant="alpha", state=None, counts={}, limit=100
@@ -207,6 +213,8 @@ async def test_the_server_answers_requests_on_one_connection_and_reads_forms() -
     seen: list[Request] = []
 
     async def handler(request: Request) -> Response | EventStream:
+        if request.path == "/boom":
+            raise RuntimeError("a bug")
         seen.append(request)
         return Response(body=f"{request.method} {request.path} {request.form or request.query}".encode())
 
@@ -222,6 +230,8 @@ async def test_the_server_answers_requests_on_one_connection_and_reads_forms() -
         assert answer.count(b"HTTP/1.1 200 OK") == 2
         assert b"GET /a {'x': '1'}" in answer and b"POST /b {'y': '2'}" in answer
         assert seen[0].cookies == {"k": "v w"}
+        boom = await _exchange(server.port, b"GET /boom HTTP/1.1\r\nConnection: close\r\n\r\n", b"a bug")
+        assert boom.startswith(b"HTTP/1.1 500")
         bad = await _exchange(server.port, b"nonsense\r\n\r\n", b"bad request line")
         assert bad.startswith(b"HTTP/1.1 400")
     finally:
