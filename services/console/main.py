@@ -8,10 +8,8 @@ from loom.model.topology import load_topology
 from loom.runtime.config import loom_home
 from loom.runtime.service import ServiceContext, run
 from loom.runtime.tokens import ensure_tokens
+from loom.telemetry.jaeger import DEFAULT_JAEGER_URL, JAEGER_URL_ENV
 from loom_services.console.service import serve
-
-ENV_JAEGER_URL = "LOOM_JAEGER_URL"
-DEFAULT_JAEGER_URL = "http://localhost:16686"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,8 +20,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8420)
     parser.add_argument(
         "--jaeger-url",
-        default=os.environ.get(ENV_JAEGER_URL, DEFAULT_JAEGER_URL),
-        help=f"base URL of the Jaeger UI for trace links (${ENV_JAEGER_URL}; empty: no links)",
+        default=os.environ.get(JAEGER_URL_ENV, DEFAULT_JAEGER_URL),
+        help=f"base URL of the Jaeger UI for trace links (${JAEGER_URL_ENV}; empty: no links)",
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     topology = load_topology(args.topology)

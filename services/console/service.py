@@ -28,6 +28,7 @@ from loom.sched.explain import render
 from loom.sched.framework import DecisionRecord
 from loom.store import console as store
 from loom.store import jobs as repo
+from loom.telemetry.jaeger import jaeger_link
 from loom_proto import subjects
 from loom_proto.ids import ID_PATTERN
 from loom_services.console import pages
@@ -289,8 +290,8 @@ class Console:
             job["stage_jobs"] = [stage_job_id(job_id, str(stage.get("name"))) for stage in stages]
         except DagError:  # a DAG rejected for its stage ids: it has no stage jobs
             job["stage_jobs"] = []
-        trace_id = await store.trace_id_of(self.ctx.db, job_id)
-        trace_url = f"{self.jaeger_url}/trace/{trace_id}" if trace_id and self.jaeger_url else None
+        trace_id = job.get("trace_id")
+        trace_url = jaeger_link(str(trace_id), self.jaeger_url) if trace_id and self.jaeger_url else None
         return _page(200, pages.job_page(access, job, explanation, trace_url=trace_url))
 
     async def queue_page(self, access: Access) -> Response:

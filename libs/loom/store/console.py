@@ -3,7 +3,6 @@
 Each takes an optional tenant: a tenant's console sees its own jobs and counts only.
 """
 
-import json
 import time
 from typing import Any
 
@@ -41,15 +40,3 @@ async def waiting(
         }
         for r in rows
     ]
-
-
-async def trace_id_of(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> str | None:
-    """The trace id of a job's submission (from its W3C ``traceparent``), if one was recorded."""
-    raw = await conn.fetchval("SELECT trace_context FROM jobs WHERE job_id = $1", job_id)
-    if raw is None:
-        return None
-    context = json.loads(raw) if isinstance(raw, str) else dict(raw)
-    parts = str(context.get("traceparent", "")).split("-")
-    if len(parts) == 4 and len(parts[1]) == 32 and parts[1] != "0" * 32:
-        return parts[1]
-    return None
