@@ -15,7 +15,7 @@ from urllib.parse import quote, urlencode
 from loom.runtime.tokens import Access
 from loom_services.console.geo import Placed
 
-STATES = ("queued", "placed", "running", "completed", "failed", "rejected", "cancelled")
+STATES = ("waiting", "queued", "placed", "running", "completed", "failed", "rejected", "cancelled")
 TERMINAL = frozenset({"completed", "failed", "rejected", "cancelled"})
 
 

@@ -20,11 +20,12 @@ async def counts_of(conn: asyncpg.Connection | asyncpg.Pool, tenant: str | None)
 async def waiting(
     conn: asyncpg.Connection | asyncpg.Pool, tenant: str | None, *, limit: int = 500
 ) -> list[dict[str, Any]]:
-    """Queued jobs, oldest first as placement takes them, with priority and GPUs asked for."""
+    """Queued jobs in the order placement's queue sorts them (higher priority first, then oldest),
+    with the GPUs each asks for."""
     rows = await conn.fetch(
         """SELECT job_id, tenant, priority, submitted_at, spec->'resources'->>'gpus' AS gpus FROM jobs
            WHERE state = 'queued' AND ($1::text IS NULL OR tenant = $1)
-           ORDER BY submitted_at, job_id LIMIT $2""",
+           ORDER BY priority DESC, submitted_at, job_id LIMIT $2""",
         tenant,
         limit,
     )
