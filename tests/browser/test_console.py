@@ -29,7 +29,8 @@ WAIT_MS = 20_000
 
 
 @pytest.fixture(scope="module")
-def home() -> Iterator[Path]:
+def home(browser: Any) -> Iterator[Path]:
+    # Depends on the browser so that a missing Chromium fails the tests before a stack starts.
     path = Path(tempfile.mkdtemp(prefix="loom-console-", dir="/tmp"))
     path.chmod(0o755)  # PostgreSQL runs as an unprivileged user when tests run as root
     saved = {k: os.environ.pop(k, None) for k in ("LOOM_NATS_URL", "LOOM_DATABASE_URL")}
