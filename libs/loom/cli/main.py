@@ -57,6 +57,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     console.print(
         f"{len(state['services'])} services; logs in {loom_home() / 'logs'}; stop with [bold]loom down[/bold]"
     )
+    if state.get("console_url"):
+        console.print(
+            f"web console at {state['console_url']}: [bold]loom console[/bold] prints its URL with a token"
+        )
     return 0
 
 
@@ -878,6 +882,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_dlq_parser(sub)
     add_trace_parser(sub)
+    from loom.cli.console import add_parser as add_console_parser
+
+    add_console_parser(sub)
     p = add("demo", cmd_demo, "start the stack, run the example workload, show progress and a summary")
     p.add_argument(
         "--workload", type=Path, default=None, help="job file (default: examples/demo-workload.yaml)"
