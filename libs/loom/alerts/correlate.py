@@ -200,6 +200,38 @@ class Incident:
         """Open or acknowledged (alerts still attach)."""
         return self.state != "resolved"
 
+    @classmethod
+    def from_change(cls, change: IncidentChange) -> Incident:
+        """An incident back from its persisted record (alerts still firing are learned again as they
+        repeat; until then only a recovery, or ``quiet_s`` without alerts, resolves it)."""
+        root: Resource = (change.root_kind, change.root)  # type: ignore[assignment]  # kinds are ours
+        return cls(
+            incident_id=change.incident_id,
+            root=root,
+            root_known=change.root_known,
+            root_reason=change.root_reason,
+            candidates=[((c.kind, c.name), c.score) for c in change.candidates],  # type: ignore[misc]
+            opened_at=change.opened_at,
+            updated_at=change.updated_at,
+            severity=change.severity,
+            summary=change.summary,
+            state=change.state,
+            resolved_at=change.resolved_at,
+            acked_at=change.acked_at,
+            acked_by=change.acked_by,
+            jobs={j.job_id: j.tenant for j in change.jobs},
+            dags=set(change.dags),
+            alert_count=change.alerts,
+            distinct_alerts=change.distinct_alerts,
+            last_momentary_at=change.updated_at,
+            timeline=deque(change.timeline),
+            reopened=change.reopened,
+            version=change.version,
+            merged_into=change.merged_into,
+            opened_sent=True,
+            notified_at=change.updated_at,
+        )
+
     def change(self, kind: IncidentChangeKind, reason: str) -> IncidentChange:
         """The incident as a notification of ``kind``."""
         listed = sorted(self.jobs.items())[:MAX_JOBS_LISTED]
