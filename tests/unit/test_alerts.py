@@ -107,7 +107,8 @@ def test_jobs_on_several_clusters_degrading_together_across_one_link_point_at_th
         job("other-link", ("c-use2-a", 4), ("c-sea1-a", 0)),
     ]
     c = Correlator(placements(jobs))
-    run(c, [(0.0, alert(1, job_id="g1")), (0.1, alert(2, job_id="g2")), (0.2, alert(3, job_id="g3"))], 2.0)
+    # Three jobs alerting seconds apart: the first waits for company and the link is recognised.
+    run(c, [(0.0, alert(1, job_id="g1")), (3.0, alert(2, job_id="g2")), (6.0, alert(3, job_id="g3"))], 12.0)
     [inc] = c.incidents.values()
     assert inc.root == ("link", link_name(USE, WEU))
     assert set(inc.jobs) == {"g1", "g2", "g3"}
@@ -155,10 +156,15 @@ def test_lifecycle_ack_then_auto_resolve_on_recovery_then_reopen_on_relapse() ->
     assert len(c.incidents) == 1
 
 
-def test_momentary_alerts_resolve_after_the_quiet_period() -> None:
-    c = Correlator(placements([job("a", ("c-use2-a", 0))]), CorrelatorConfig(quiet_s=10.0))
-    kinds = run(c, [(0.0, alert(1, job_id="a", momentary=True))], 12.0)
+def test_a_lone_job_alert_waits_for_company_then_resolves_after_the_quiet_period() -> None:
+    c = Correlator(placements([job("a", ("c-use2-a", 0))]), CorrelatorConfig(quiet_s=10.0, weak_wait_s=2.0))
+    assert run(c, [(0.0, alert(1, job_id="a", momentary=True))], 1.5) == []
+    assert len(c.waiting) == 1
+    c2 = Correlator(placements([job("a", ("c-use2-a", 0))]), CorrelatorConfig(quiet_s=10.0, weak_wait_s=2.0))
+    kinds = run(c2, [(0.0, alert(1, job_id="a", momentary=True))], 14.0)
     assert kinds == ["opened", "resolved"]
+    [inc] = c2.incidents.values()
+    assert inc.root == ("job", "a") and inc.opened_at >= 2.0
 
 
 def test_updates_are_rate_limited_per_incident_and_coalesced() -> None:

@@ -10,7 +10,10 @@ How an alert travels (:meth:`Correlator.ingest`, then :meth:`Correlator.tick` on
    or link incident lands here and notifies nobody unless it adds a job the incident did not hold.
 3. **Group.** Otherwise it waits up to ``group_wait_s`` with the other unexplained alerts; then
    the waiting alerts are split greedily by root cause (:func:`rank`): the best-scoring resource
-   takes every alert it explains, and so on. Each group opens an incident — or, when its root
+   takes every alert it explains, and so on. A group whose best root is a single job (alerts of
+   one job, nothing else like them) waits up to ``weak_wait_s`` for company first: a link or a
+   node is recognised by several jobs alerting together, and they rarely alert in the same second.
+   Each group opens an incident — or, when its root
    stands above the root of an open incident (a cluster above a node), takes that incident over
    (root promoted, one update), or re-opens a recently resolved incident of the same root (relapse).
 
@@ -75,6 +78,12 @@ class CorrelatorConfig:
 
     group_wait_s: float = 0.5
     """How long an unexplained alert waits for others before the waiting ones are grouped."""
+    weak_wait_s: float = 10.0
+    """How long alerts whose best explanation is one job (no resource alert, no other job alike)
+    keep waiting for company before they become that job's own incident."""
+    context_s: float = 60.0
+    """How long an open single-job incident still counts as evidence when later alerts are grouped
+    (its job and a later one share a node: the node takes both)."""
     reopen_s: float = 3_600.0
     """A firing alert of the same root within this long after resolution re-opens the incident."""
     quiet_s: float = 600.0
@@ -335,6 +344,9 @@ def rank(
             shares = [
                 _share(ev.jobs_hit.get(r), len(placements.jobs_on(r))),
                 _share(ev.nodes_hit.get(r), len(nodes_of.get(r[1], ()))) if kind == "cluster" else None,
+                _share(ev.nodes_hit.get(r), sum(len(nodes_of.get(c, ())) for c in clusters_of.get(r, ())))
+                if kind in ("zone", "region")
+                else None,
                 _share(ev.clusters_hit.get(r), len(clusters_of.get(r, ())))
                 if kind in ("zone", "region")
                 else None,
@@ -404,7 +416,7 @@ class Correlator:
         if skewed:
             self.counts["skewed_waiting"] += 1
         if len(self.waiting) >= self.config.max_pending:
-            return self._group(now)
+            return self._group(now, force=True)
         return []
 
     def ack(self, incident_id: str, by: str, now: float) -> Notification | None:
@@ -417,6 +429,13 @@ class Correlator:
         inc.state, inc.acked_at, inc.acked_by = "acknowledged", now, by
         self._timeline(inc, now, f"acknowledged by {by}")
         return self._notify(inc, "updated", f"acknowledged by {by}", now, force=True)
+
+    def resolve(self, incident_id: str, why: str, now: float) -> list[Notification]:
+        """Resolve an incident by hand (an operator, or the end of a benchmark trial)."""
+        inc = self.incidents.get(incident_id)
+        if inc is None:
+            raise KeyError(incident_id)
+        return self._resolve(inc, now, why)
 
     def tick(self, now: float) -> list[Notification]:
         """Group the alerts that waited long enough, resolve quiet incidents, send due updates."""
@@ -470,17 +489,44 @@ class Correlator:
                 best = inc
         return best
 
-    def _group(self, now: float) -> list[Notification]:
+    def _group(self, now: float, *, force: bool = False) -> list[Notification]:
         out: list[Notification] = []
         waiting, self.waiting = self.waiting, []
+        held: list[_Waiting] = []
+        context = self._context(now)
         for component in _components(waiting):
             part = component
             while part:
-                ranked = rank(((w.signal, w.implicated) for w in part), self.placements)
-                root, score = ranked[0]
+                touched = frozenset().union(*(w.implicated for w in part))
+                near = [c for c in context if c[1] & touched]
+                ranked = rank([(w.signal, w.implicated) for w in part] + near, self.placements)
+                # The best root that explains a waiting alert (context alone forms nothing).
+                root, score = next((r, sc) for r, sc in ranked if any(r in w.implicated for w in part))
                 group = [w for w in part if root in w.implicated]
                 part = [w for w in part if root not in w.implicated]
+                if (
+                    root[0] == "job"
+                    and not force
+                    and now - min(w.received_at for w in group) < self.config.weak_wait_s
+                ):
+                    held.extend(group)  # a lone job's alerts wait for company a while longer
+                    continue
                 out.extend(self._form(root, ranked[:5], score, group, now))
+        held.sort(key=lambda w: w.received_at)
+        self.waiting = held + self.waiting
+        return out
+
+    def _context(self, now: float) -> list[tuple[Signal, frozenset[Resource]]]:
+        """Open single-job incidents of the last ``context_s``, as evidence for grouping: jobs that
+        alerted further apart than ``weak_wait_s`` still point at the link or node they share."""
+        out: list[tuple[Signal, frozenset[Resource]]] = []
+        for root, inc_id in self.open_by_root.items():
+            if root[0] != "job":
+                continue
+            inc = self.incidents[inc_id]
+            if now - inc.opened_at <= self.config.context_s:
+                signal = Signal(inc.incident_id, "context", inc.severity, "", None, root[1], True, True, now)
+                out.append((signal, self.placements.implicated(None, root[1])))
         return out
 
     def _form(
