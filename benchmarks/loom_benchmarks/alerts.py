@@ -215,7 +215,7 @@ def _fault_alerts(
         out.append((at(), _alert(n, t0, dedup_key=f"{n}", **kw)))
 
     if kind == "link":
-        spanned = [r for r in placements.by_resource if r[0] == "link"]
+        spanned = sorted(r for r in placements.by_resource if r[0] == "link")
         name = (
             rng.choice(spanned)
             if spanned and rng.random() < 0.9
@@ -236,7 +236,7 @@ def _fault_alerts(
         for node in rng.sample(cluster.nodes, int(len(cluster.nodes) * rng.uniform(0.0, 0.3))):
             add(node=node.id, summary="node down")
     else:
-        busy = [r for r in placements.by_resource if r[0] == "node"]
+        busy = sorted(r for r in placements.by_resource if r[0] == "node")
         root = rng.choice(busy)
         on = sorted(placements.jobs_on(root))
         if rng.random() < 0.6 or not on:

@@ -79,11 +79,15 @@ async def _place(database_url: str) -> None:
 
 
 @pytest.fixture(scope="module")
-async def correlator(
-    nats_url: str, fresh_database: Callable[..., Awaitable[str]]
-) -> AsyncIterator[AlertCorrelator]:
-    database_url = await fresh_database("alerts")
-    await _place(database_url)
+async def database_url(fresh_database: Callable[..., Awaitable[str]]) -> str:
+    """A database of the module's own, with the placements above."""
+    url = await fresh_database("alerts")
+    await _place(url)
+    return url
+
+
+@pytest.fixture(scope="module")
+async def correlator(nats_url: str, database_url: str) -> AsyncIterator[AlertCorrelator]:
     ctx = await open_context("alert-correlator", nats_url=nats_url, database_url=database_url)
     service = AlertCorrelator(
         ctx,
@@ -232,3 +236,38 @@ async def test_a_malformed_payload_is_answered_400_and_dead_lettered(correlator:
     assert {letter.consumer for letter in found} == {"alert-correlator-http"}
     assert any("RFC 3339" in (letter.error or "") for letter in found)
     assert any(letter.data == b"{not json" for letter in found)
+
+
+async def test_the_cli_lists_shows_and_acknowledges_incidents(
+    correlator: AlertCorrelator,
+    nats_url: str,
+    database_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from loom.cli.main import build_parser
+
+    monkeypatch.setenv("LOOM_NATS_URL", nats_url)
+    monkeypatch.setenv("LOOM_DATABASE_URL", database_url)
+
+    def cli(*argv: str) -> int:
+        args = build_parser().parse_args(list(argv))
+        return int(args.fn(args))
+
+    assert await asyncio.to_thread(cli, "incidents", "--open", "--json") == 0
+    listed = json.loads(capsys.readouterr().out)
+    cluster = next(i for i in listed if i["root"] == "c-weu-a")
+    assert cluster["state"] == "open" and cluster["jobs_total"] == 2
+
+    assert await asyncio.to_thread(cli, "ack", cluster["incident_id"], "--by", "oncall") == 0
+    assert "acknowledged" in capsys.readouterr().out
+
+    async def acked() -> IncidentChange | None:
+        i = await store.get_incident(correlator.ctx.db, cluster["incident_id"])
+        return i if i is not None and i.state == "acknowledged" else None
+
+    await until(acked, WAIT_S, "the acknowledgement persisted")
+    assert await asyncio.to_thread(cli, "incident", cluster["incident_id"]) == 0
+    shown = capsys.readouterr().out
+    assert "root cause: cluster c-weu-a" in shown and "gang-1" in shown and "acknowledged by oncall" in shown
+    assert await asyncio.to_thread(cli, "ack", "inc-nope") == 1

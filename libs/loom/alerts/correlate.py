@@ -479,15 +479,11 @@ class Correlator:
     # ---- correlation ---------------------------------------------------------------------------
 
     def _open_incident_over(self, implicated: frozenset[Resource]) -> Incident | None:
-        best: Incident | None = None
-        for r in implicated:
-            inc_id = self.open_by_root.get(r)
-            if inc_id is None:
-                continue
-            inc = self.incidents[inc_id]
-            if best is None or SPECIFICITY.get(inc.root[0], 9) < SPECIFICITY.get(best.root[0], 9):
-                best = inc
-        return best
+        over = [self.incidents[self.open_by_root[r]] for r in implicated if r in self.open_by_root]
+        if not over:
+            return None
+        # The most specific root; between equals, the oldest (the same one on every run).
+        return min(over, key=lambda inc: (SPECIFICITY.get(inc.root[0], 9), inc.opened_at, inc.incident_id))
 
     def _group(self, now: float, *, force: bool = False) -> list[Notification]:
         out: list[Notification] = []
@@ -541,7 +537,7 @@ class Correlator:
         # An open incident this root stands above (a node's, when the root is its cluster): take it over.
         below = [self.incidents[self.open_by_root[r]] for r in self._under.get(root, ())]
         if below:
-            below.sort(key=lambda inc: inc.opened_at)
+            below.sort(key=lambda inc: (inc.opened_at, inc.incident_id))
             return self._take_over(
                 below, root=root, reason=reason, candidates=candidates, group=group, now=now
             )
