@@ -298,3 +298,70 @@ def test_an_alertmanager_v4_payload_becomes_loom_alerts() -> None:
 def test_malformed_alertmanager_payloads_are_refused_with_a_reason(body: bytes) -> None:
     with pytest.raises(MalformedPayloadError):
         parse_payload(body)
+
+
+def test_both_directions_of_a_degraded_link_share_one_fingerprint_and_recovery_resolves_it() -> None:
+    from loom.alerts.sources import from_link_event
+    from loom_proto.net import LinkDegraded, LinkRecovered
+
+    there = from_link_event(
+        LinkDegraded(src=USE, dst=WEU, at=1.0, reason="r", baseline_rtt_ms=90, loss_rate=0.0)
+    )
+    back = from_link_event(
+        LinkDegraded(src=WEU, dst=USE, at=1.0, reason="r", baseline_rtt_ms=90, loss_rate=0.0)
+    )
+    over = from_link_event(
+        LinkRecovered(src=USE, dst=WEU, at=2.0, reason="r", baseline_rtt_ms=90, loss_rate=0.0)
+    )
+    assert there.dedup_key == back.dedup_key == over.dedup_key
+    assert (there.status, over.status) == ("firing", "resolved")
+
+
+def test_only_lost_or_unstarted_runs_become_job_alerts() -> None:
+    from loom.alerts.sources import from_job_requeued
+    from loom_proto.jobs import JobRequeued
+
+    def requeued(cause: str) -> Alert | None:
+        return from_job_requeued(JobRequeued(job_id="j", tenant="t", attempt=2, cause=cause, at=1.0))  # type: ignore[arg-type]
+
+    assert requeued("cluster_lost") is not None and requeued("start_timeout") is not None
+    assert requeued("preempted") is None and requeued("resized") is None
+
+
+def test_stale_views_unhealthy_nodes_and_dead_letters_fire_once_and_resolve() -> None:
+    from loom.alerts.sources import ConditionTracker
+    from loom_proto.view import NodeView, ViewDelta
+
+    track = ConditionTracker(dlq_threshold=3, dlq_window_s=10.0)
+
+    def delta(stale: bool, healthy: bool, version: int) -> ViewDelta:
+        node = NodeView(node="n1", zone="z", healthy=healthy, updated_at=1.0)
+        return ViewDelta(
+            region="r", cluster="c1", version=version, nodes=[node], stale=stale, at=float(version)
+        )
+
+    assert [(a.cluster, a.node, a.status) for a in track.view_delta(delta(True, False, 1))] == [
+        ("c1", None, "firing"),
+        ("c1", "n1", "firing"),
+    ]
+    assert track.view_delta(delta(True, False, 2)) == []  # no change, no alert
+    assert [a.status for a in track.view_delta(delta(False, True, 3))] == ["resolved", "resolved"]
+    fired = [a for t in (0.0, 1.0, 2.0, 3.0) for a in track.dead_letter(t)]
+    assert [a.status for a in fired] == ["firing"]
+    assert [a.status for a in track.tick(20.0)] == ["resolved"]
+
+
+def test_compose_runs_the_alert_correlator_with_arguments_its_parser_accepts() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from loom.runtime.stack import StackOptions, service_argvs
+    from loom_services.alert_correlator.main import parse_args
+
+    compose = yaml.safe_load((Path(__file__).resolve().parents[2] / "docker-compose.yml").read_text())
+    service = compose["services"]["alert-correlator"]
+    args = parse_args(service["command"][1:])
+    assert (args.http_host, args.http_port) == ("0.0.0.0", 9095)
+    assert service["ports"] == ["127.0.0.1:9095:9095"]
+    assert parse_args(service_argvs(StackOptions())["alert-correlator"][3:]).topology == "default"
