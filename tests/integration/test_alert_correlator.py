@@ -29,9 +29,10 @@ from loom.store import incidents as store
 from loom.store import jobs as job_store
 from loom.store.pool import create_pool, transaction
 from loom_proto import subjects
-from loom_proto.alerts import IncidentChange
+from loom_proto.alerts import Alert, IncidentChange
 from loom_proto.jobs import JobFailed
 from loom_proto.net import LinkDegraded, LinkRecovered
+from loom_services.alert_correlator.receiver import Answer, Receiver
 from loom_services.alert_correlator.service import AlertCorrelator
 
 WAIT_S = 15.0
@@ -86,8 +87,26 @@ async def database_url(fresh_database: Callable[..., Awaitable[str]]) -> str:
     return url
 
 
+WEBHOOK_BODIES: list[dict[str, Any]] = []
+"""What the incident webhook (a receiver of the test's own) was sent."""
+
+
 @pytest.fixture(scope="module")
-async def correlator(nats_url: str, database_url: str) -> AsyncIterator[AlertCorrelator]:
+async def webhook() -> AsyncIterator[str]:
+    """An HTTP endpoint collecting the correlator's incident webhooks."""
+
+    async def on_post(body: bytes) -> Answer:
+        WEBHOOK_BODIES.append(json.loads(body))
+        return Answer(200, {})
+
+    receiver = Receiver(on_post, max_body_bytes=1 << 20)
+    port = await receiver.start("127.0.0.1", 0)
+    yield f"http://127.0.0.1:{port}/"
+    await receiver.close()
+
+
+@pytest.fixture(scope="module")
+async def correlator(nats_url: str, database_url: str, webhook: str) -> AsyncIterator[AlertCorrelator]:
     ctx = await open_context("alert-correlator", nats_url=nats_url, database_url=database_url)
     service = AlertCorrelator(
         ctx,
@@ -95,6 +114,7 @@ async def correlator(nats_url: str, database_url: str) -> AsyncIterator[AlertCor
         config=CorrelatorConfig(group_wait_s=0.2, min_update_interval_s=0.5),
         http_port=0,
         refresh_s=0.2,
+        webhooks=[webhook],
     )
     task = asyncio.create_task(service.run())
 
@@ -189,6 +209,12 @@ async def test_an_alertmanager_webhook_becomes_an_incident_attached_to_the_right
 
     record = await until(stored, WAIT_S, "the incident persisted")
     assert record.root == "c-weu-a" and record.jobs_total == 2
+
+    async def hooked() -> dict[str, Any] | None:
+        return next((b for b in WEBHOOK_BODIES if b["incident_id"] == opened.incident_id), None)
+
+    sent = await until(hooked, WAIT_S, "the incident sent to the configured webhook")
+    assert sent["change"] == "opened" and sent["jobs_total"] == 2
     assert not any(i.change == "opened" and i.incident_id != opened.incident_id for i in incidents)
 
 
@@ -233,6 +259,18 @@ async def test_a_malformed_payload_is_answered_400_and_dead_lettered(correlator:
         return found if len(found) >= 2 else []
 
     found = await until(letters, WAIT_S, "both payloads in the dead-letter queue")
+    # Raw alerts on the bus: not an Alert, or not of its subject's source -> dead-lettered too.
+    publisher = correlator.ctx.publisher
+    await publisher.publish_bytes(subjects.alert_raw("bench"), b'{"kind": "alert"}', msg_id="raw-bad-1")
+    lying = Alert(alert_id="x1", source="other", severity="info", summary="s", at=1.0)
+    await publisher.publish(subjects.alert_raw("bench"), lying, msg_id="raw-bad-2")
+
+    async def raw_letters() -> list[Any]:
+        got = await DeadLetters(correlator.ctx.nc).entries(subject=subjects.alert_raw("bench"))
+        return got if len(got) >= 2 else []
+
+    raw = await until(raw_letters, WAIT_S, "both raw alerts in the dead-letter queue")
+    assert {letter.error_type for letter in raw} == {"DecodeError", "SubjectMismatchError"}
     assert {letter.consumer for letter in found} == {"alert-correlator-http"}
     assert any("RFC 3339" in (letter.error or "") for letter in found)
     assert any(letter.data == b"{not json" for letter in found)
