@@ -31,6 +31,7 @@ from typing import Any
 
 import msgspec
 import structlog
+from nats import errors as nats_errors
 from nats.aio.msg import Msg
 
 from loom.alerts import Correlator, CorrelatorConfig, Inventory, JobPlacement, Notification, Part, Placements
@@ -56,6 +57,9 @@ from loom_services.alert_correlator.receiver import Answer, Receiver
 log = structlog.get_logger("alert-correlator")
 
 TICK_S = 0.05
+PATH_TTL_S = 30.0
+MAX_PATH_QUERIES = 20
+"""Path look-ups per placements refresh at most (the rest next time)."""
 _LATENCIES_KEPT = 2_000
 
 
@@ -91,6 +95,8 @@ class AlertCorrelator:
         self.counts: dict[str, int] = {"published": 0, "webhooks_sent": 0, "webhooks_failed": 0}
         self.http_error: str | None = None
         self._sending: set[asyncio.Task[None]] = set()
+        self.paths: dict[tuple[str, str], tuple[tuple[str, ...], float]] = {}
+        """(src, dst) regions -> network perception's chosen path and when it was asked (monotonic)."""
 
     # ---- state ---------------------------------------------------------------------------------
 
@@ -109,7 +115,32 @@ class AlertCorrelator:
             entry = parts.setdefault(r["job_id"], (r["tenant"], r["parent"], []))
             entry[2].append(Part(r["cluster"], tuple(r["nodes"])))
         jobs = [JobPlacement(job_id, t, tuple(p), parent=parent) for job_id, (t, parent, p) in parts.items()]
-        self.core.set_placements(Placements(self.inventory, jobs))
+        pairs: set[tuple[str, str]] = set()
+        for job in jobs:
+            regions = sorted({self.inventory.region_of_cluster.get(p.cluster, "") for p in job.parts} - {""})
+            pairs.update((a, b) for i, a in enumerate(regions) for b in regions[i + 1 :])
+        await self._refresh_paths(pairs)
+        paths = {pair: nodes for pair, (nodes, _) in self.paths.items()}
+        self.core.set_placements(Placements(self.inventory, jobs, paths=paths))
+
+    async def _refresh_paths(self, pairs: set[tuple[str, str]]) -> None:
+        """Network perception's chosen path of each region pair jobs span (cached ``PATH_TTL_S``;
+        no answer: the direct link alone)."""
+        now = time.monotonic()
+        due = sorted(p for p in pairs if now - self.paths.get(p, ((), -PATH_TTL_S))[1] >= PATH_TTL_S)
+        for src, dst in due[:MAX_PATH_QUERIES]:
+            nodes: tuple[str, ...] = ()
+            try:
+                reply = await self.ctx.nc.request(
+                    subjects.NET_QUERY_PATH, json.dumps({"src": src, "dst": dst}).encode(), timeout=0.5
+                )
+                answer = json.loads(reply.data)
+                chosen = (answer.get("result") or {}).get("path") if answer.get("ok") else None
+                if chosen and isinstance(chosen.get("nodes"), list):
+                    nodes = tuple(str(n) for n in chosen["nodes"])
+            except (TimeoutError, nats_errors.Error, json.JSONDecodeError, AttributeError):
+                pass  # network perception not running or not answering: direct links only
+            self.paths[src, dst] = (nodes, now)
 
     def _stats(self) -> None:
         lat = sorted(self.latencies_ms)
@@ -220,8 +251,7 @@ class AlertCorrelator:
             await self.receiver.close()
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-            for runner in runners.values():
-                await runner.stop()
+            await asyncio.gather(*(runner.stop() for runner in runners.values()))
             with contextlib.suppress(Exception):
                 await self.flush()
             if self._sending:

@@ -65,12 +65,13 @@ def test_a_job_is_attributed_to_every_resource_its_parts_use_including_the_link_
     assert p.jobs_on(("link", link_name(WEU, USE))) == {"gang"}
 
 
-def test_a_relayed_path_puts_the_job_on_each_hop() -> None:
+def test_a_relayed_path_puts_the_job_on_each_hop_and_on_the_direct_link() -> None:
     inv = Inventory.from_topology(TOPOLOGY)
-    p = Placements(inv, [job("j", ("c-use2-a", 0), ("c-weu-a", 0))], paths={(USE, WEU): (USE, SEA, WEU)})
-    assert p.jobs_on(("link", link_name(USE, SEA))) == {"j"}
+    jobs = [job("j", ("c-use2-a", 0), ("c-weu-a", 0)), job("k", ("c-use2-a", 1), ("c-sea1-a", 0))]
+    p = Placements(inv, jobs, paths={(USE, WEU): (USE, SEA, WEU)})
+    assert p.jobs_on(("link", link_name(USE, SEA))) == {"j", "k"}
     assert p.jobs_on(("link", link_name(SEA, WEU))) == {"j"}
-    assert p.jobs_on(("link", link_name(USE, WEU))) == set()
+    assert p.jobs_on(("link", link_name(USE, WEU))) == {"j"}
 
 
 def test_a_cluster_storm_makes_one_incident_with_every_job_and_one_notification() -> None:

@@ -9,7 +9,7 @@ traffic both ways and perception reports each direction on its own.
 would explain an alert — the resource the alert names and everything it stands on (a node: its
 cluster, zone and region; a link: its two regions), and, for a job alert, every node, cluster,
 zone and region any part of the job holds plus every link between the regions its parts span
-(each hop of the path between them where the snapshot knows it).
+(the direct link, and each hop of the chosen path between them where the snapshot knows it).
 """
 
 from __future__ import annotations
@@ -147,7 +147,8 @@ class Placements:
     """A snapshot of which jobs run where, indexed by every resource they use.
 
     ``paths`` (optional) maps an ordered region pair to the regions its traffic crosses, ends
-    included (``("a", "c", "b")`` when a→b is relayed through c); pairs it lacks are taken as direct.
+    included (``("a", "c", "b")`` when a→b is relayed through c): a job spanning a and b uses each
+    hop and the direct link a~b too; pairs it lacks are taken as direct.
     """
 
     def __init__(
@@ -167,8 +168,10 @@ class Placements:
             self.add(job)
 
     def _path_links(self, a: str, b: str) -> list[str]:
+        # The direct link always: a path relayed around a degraded link was chosen because of it,
+        # and the job's traffic crossed it until then.
         hops = self.paths.get((a, b)) or self.paths.get((b, a)) or (a, b)
-        return [link_name(x, y) for x, y in itertools.pairwise(hops) if x != y]
+        return sorted({link_name(a, b)} | {link_name(x, y) for x, y in itertools.pairwise(hops) if x != y})
 
     def add(self, job: JobPlacement) -> None:
         """Index one job (replacing what was known of it)."""
