@@ -122,7 +122,7 @@ def test_a_link_alert_names_the_jobs_whose_parts_span_it() -> None:
     [inc] = c.incidents.values()
     assert inc.root == ("link", link_name(USE, WEU)) and set(inc.jobs) == {"g1"}
     assert kinds == ["opened"]
-    assert run(c, [(0.0, alert(2, link=(USE, WEU), status="resolved", dedup_key="link2"))], 0.0) == [
+    assert run(c, [(0.0, alert(2, link=(USE, WEU), status="resolved", dedup_key="link"))], 0.0) == [
         "resolved"
     ]
     assert inc.state == "resolved"
@@ -366,3 +366,20 @@ def test_compose_runs_the_alert_correlator_with_arguments_its_parser_accepts() -
     assert (args.http_host, args.http_port) == ("0.0.0.0", 9095)
     assert service["ports"] == ["127.0.0.1:9095:9095"]
     assert parse_args(service_argvs(StackOptions())["alert-correlator"][3:]).topology == "default"
+
+
+def test_the_root_recovers_only_when_every_alert_naming_it_has_resolved() -> None:
+    c = Correlator(placements([job("a", ("c-use2-a", 0))]))
+    run(
+        c,
+        [
+            (0.0, alert(1, cluster="c-use2-a", dedup_key="down")),
+            (0.1, alert(2, cluster="c-use2-a", dedup_key="cpu")),
+        ],
+        1.0,
+    )
+    [inc] = c.incidents.values()
+    assert c.ingest(alert(3, cluster="c-use2-a", status="resolved", dedup_key="cpu"), 2.0) == []
+    assert inc.state == "open"
+    notes = c.ingest(alert(4, cluster="c-use2-a", status="resolved", dedup_key="down"), 3.0)
+    assert [n.kind for n in notes] == ["resolved"] and "recovered" in notes[0].incident.reason

@@ -191,6 +191,8 @@ class Incident:
     dags: set[str] = field(default_factory=set)
     active: set[str] = field(default_factory=set)
     """Fingerprints of stateful alerts still firing."""
+    active_root: set[str] = field(default_factory=set)
+    """Those of them naming the root itself: the root has recovered when the last one resolves."""
     alerts: dict[str, SeenAlert] = field(default_factory=dict)
     alert_count: int = 0
     distinct_alerts: int = 0
@@ -610,6 +612,7 @@ class Correlator:
             old = inc.root
             self._close_root(old)
             inc.root, inc.root_reason, inc.candidates = root, reason, candidates
+            inc.active_root.clear()
             inc.root_known = self.placements.inventory.knows(root)
             self._open_root(root, inc.incident_id)
             self._mark(inc, f"root cause now {describe(root)} (was {describe(old)})", now)
@@ -696,6 +699,8 @@ class Correlator:
             inc.last_momentary_at = now
         else:
             inc.active.add(signal.fingerprint)
+            if signal.resource == inc.root:
+                inc.active_root.add(signal.fingerprint)
         inc.updated_at = now
         self._changed.add(inc.incident_id)
 
@@ -716,7 +721,14 @@ class Correlator:
         inc_id = self.fingerprints.get(signal.fingerprint)
         inc = self.incidents.get(inc_id) if inc_id is not None else None
         if signal.resource is not None and signal.resource in self.open_by_root:
+            # About the root itself: recovered once no other alert naming it still fires.
             root_inc = self.incidents[self.open_by_root[signal.resource]]
+            root_inc.active.discard(signal.fingerprint)
+            root_inc.active_root.discard(signal.fingerprint)
+            root_inc.updated_at = now
+            self._changed.add(root_inc.incident_id)
+            if root_inc.active_root:
+                return []
             return self._resolve(root_inc, now, f"{describe(signal.resource)} recovered")
         self.waiting = [w for w in self.waiting if w.signal.fingerprint != signal.fingerprint]
         if inc is None or not inc.is_open:
@@ -736,6 +748,7 @@ class Correlator:
         self._close_root(inc.root)
         inc.state, inc.resolved_at, inc.dirty = "resolved", now, ""
         inc.active.clear()
+        inc.active_root.clear()
         if inc.merged_into is None:
             self.resolved_by_root[inc.root] = inc.incident_id
         self._timeline(inc, now, f"resolved: {why}")
