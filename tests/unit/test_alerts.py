@@ -383,3 +383,24 @@ def test_the_root_recovers_only_when_every_alert_naming_it_has_resolved() -> Non
     assert inc.state == "open"
     notes = c.ingest(alert(4, cluster="c-use2-a", status="resolved", dedup_key="down"), 3.0)
     assert [n.kind for n in notes] == ["resolved"] and "recovered" in notes[0].incident.reason
+
+
+def test_a_restored_incident_keeps_attracting_its_alerts_and_relapses_reopen_it() -> None:
+    from loom.alerts import Incident
+
+    p = placements([job("a", ("c-use2-a", 0))])
+    first = Correlator(p)
+    run(first, [(0.0, alert(1, cluster="c-use2-a", dedup_key="down"))], 1.0)
+    [inc] = first.incidents.values()
+    record = inc.change("updated", "persisted")
+
+    again = Correlator(p)  # a restarted correlator
+    again.restore(Incident.from_change(record))
+    assert again.ingest(alert(2, job_id="a", momentary=True), 10.0) == []
+    assert again.incidents[inc.incident_id].alert_count == 2 and len(again.incidents) == 1
+    assert [n.kind for n in again.ingest(alert(3, cluster="c-use2-a", status="resolved"), 11.0)] == [
+        "resolved"
+    ]
+    kinds = [n.kind for n in again.ingest(alert(4, cluster="c-use2-a", dedup_key="down"), 12.0)]
+    kinds += [n.kind for n in again.tick(13.0)]
+    assert kinds == ["opened"] and again.incidents[inc.incident_id].reopened == 1
