@@ -378,10 +378,13 @@ class Correlator:
         self._tokens_at: float | None = None
         self._queued_opens: deque[str] = deque()
         self._changed: set[str] = set()
+        """Incidents changed since the caller last took them (:meth:`take_changed`, to persist)."""
         self._above_of: dict[Resource, frozenset[Resource]] = {}
         """Open roots -> what each stands on; ``_under`` is its inverse (what stands under a resource)."""
         self._under: dict[Resource, set[Resource]] = {}
-        """Incidents changed since the caller last took them (:meth:`take_changed`, to persist)."""
+        self._held = 0
+        """The first ``_held`` waiting alerts are a lone job's, waiting for company until ``_regroup_at``."""
+        self._regroup_at = math.inf
 
     # ---- input ---------------------------------------------------------------------------------
 
@@ -442,7 +445,11 @@ class Correlator:
     def tick(self, now: float) -> list[Notification]:
         """Group the alerts that waited long enough, resolve quiet incidents, send due updates."""
         out: list[Notification] = []
-        if self.waiting and now - self.waiting[0].received_at >= self.config.group_wait_s:
+        held = min(self._held, len(self.waiting))
+        fresh_due = (
+            len(self.waiting) > held and now - self.waiting[held].received_at >= self.config.group_wait_s
+        )
+        if fresh_due or (held and now >= self._regroup_at):
             out.extend(self._group(now))
         for inc_id in list(self.open_by_root.values()):
             inc = self.incidents[inc_id]
@@ -512,6 +519,8 @@ class Correlator:
                 out.extend(self._form(root, ranked[:5], score, group, now))
         held.sort(key=lambda w: w.received_at)
         self.waiting = held + self.waiting
+        self._held = len(held)
+        self._regroup_at = held[0].received_at + self.config.weak_wait_s if held else math.inf
         return out
 
     def _context(self, now: float) -> list[tuple[Signal, frozenset[Resource]]]:
