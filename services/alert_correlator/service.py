@@ -58,6 +58,7 @@ log = structlog.get_logger("alert-correlator")
 
 TICK_S = 0.05
 PATH_TTL_S = 30.0
+PERSIST_EVERY_S = 1.0
 MAX_PATH_QUERIES = 20
 """Path look-ups per placements refresh at most (the rest next time)."""
 _LATENCIES_KEPT = 2_000
@@ -95,6 +96,8 @@ class AlertCorrelator:
         self.counts: dict[str, int] = {"published": 0, "webhooks_sent": 0, "webhooks_failed": 0}
         self.http_error: str | None = None
         self._sending: set[asyncio.Task[None]] = set()
+        self._notified = False
+        self._flushed_at = 0.0
         self.paths: dict[tuple[str, str], tuple[tuple[str, ...], float]] = {}
         """(src, dst) regions -> network perception's chosen path and when it was asked (monotonic)."""
 
@@ -264,7 +267,10 @@ class AlertCorrelator:
             for alert in self.conditions.tick(now):
                 await self._emit(self.core.ingest(alert, now))
             await self._emit(self.core.tick(now))
-            await self.flush()
+            # Persist at once after a notification, else once a second: a storm's alert counts do
+            # not rewrite the incident's row twenty times a second.
+            if self._notified or time.monotonic() - self._flushed_at >= PERSIST_EVERY_S:
+                await self.flush()
             self._stats()
 
     async def _refresh_loop(self) -> None:
@@ -362,6 +368,7 @@ class AlertCorrelator:
     # ---- outputs -------------------------------------------------------------------------------
 
     async def _emit(self, notes: list[Notification]) -> None:
+        self._notified = self._notified or bool(notes)
         for note in notes:
             inc = note.incident
             await self.ctx.publisher.publish(
@@ -392,6 +399,7 @@ class AlertCorrelator:
 
     async def flush(self) -> None:
         """Persist the incidents changed since the last flush."""
+        self._notified, self._flushed_at = False, time.monotonic()
         changed = self.core.take_changed()
         if not changed:
             return
