@@ -81,7 +81,7 @@ class Receiver:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            answer = await asyncio.wait_for(self._answer(reader), timeout=self.timeout_s)
+            answer = await asyncio.wait_for(self._answer(reader, writer), timeout=self.timeout_s)
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
             answer = Answer(400, {"error": f"bad request: {type(exc).__name__}"})
         except Exception as exc:  # never let one request take the receiver down
@@ -95,7 +95,7 @@ class Receiver:
             writer.close()
             await writer.wait_closed()
 
-    async def _answer(self, reader: asyncio.StreamReader) -> Answer:
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Answer:
         head = await reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split(" ")
@@ -122,5 +122,8 @@ class Receiver:
             return Answer(411, {"error": "Content-Length required"})
         if length < 0 or length > self.max_body_bytes:
             return Answer(413, {"error": f"body over {self.max_body_bytes} bytes"})
+        if headers.get("expect", "").lower() == "100-continue":  # curl asks before a large body
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await writer.drain()
         body = await reader.readexactly(length)
         return await self.on_post(body)

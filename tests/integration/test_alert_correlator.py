@@ -8,6 +8,7 @@ task with an HTTP receiver on a free port; what it publishes is read from ``loom
 
 import asyncio
 import json
+import shutil
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -154,6 +155,30 @@ def _post(port: int, body: bytes) -> tuple[int, dict[str, Any]]:
         return exc.code, json.loads(exc.read())
 
 
+async def _curl(port: int, body: bytes) -> tuple[int, dict[str, Any]]:
+    """POST as an operator would, with curl (urllib where curl is not installed)."""
+    if shutil.which("curl") is None:
+        return await asyncio.to_thread(_post, port, body)
+    proc = await asyncio.create_subprocess_exec(
+        "curl",
+        "-sS",
+        "-H",
+        "Content-Type: application/json",
+        "-H",
+        "Expect: 100-continue",
+        "--data-binary",
+        "@-",
+        "-w",
+        "\n%{http_code}",
+        f"http://127.0.0.1:{port}/alertmanager",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(body), timeout=WAIT_S)
+    text, _, code = out.decode().rpartition("\n")
+    return int(code), json.loads(text)
+
+
 def _opened(seen: list[IncidentChange], root: str) -> Callable[[], Awaitable[IncidentChange | None]]:
     async def check() -> IncidentChange | None:
         return next((i for i in seen if i.change == "opened" and i.root == root), None)
@@ -187,7 +212,7 @@ async def test_an_alertmanager_webhook_becomes_an_incident_attached_to_the_right
             }
         ],
     }
-    status, body = await asyncio.to_thread(_post, correlator.receiver.port, json.dumps(payload).encode())
+    status, body = await _curl(correlator.receiver.port, json.dumps(payload).encode())
     assert (status, body) == (200, {"accepted": 1})
     opened = await until(_opened(incidents, "c-weu-a"), WAIT_S, "the cluster incident opened")
     assert opened.root_kind == "cluster" and opened.severity == "critical"
