@@ -885,6 +885,9 @@ def build_parser() -> argparse.ArgumentParser:
     from loom.cli.console import add_parser as add_console_parser
 
     add_console_parser(sub)
+    from loom.cli.incidents import add_parser as add_incidents_parser
+
+    add_incidents_parser(sub)
     p = add("demo", cmd_demo, "start the stack, run the example workload, show progress and a summary")
     p.add_argument(
         "--workload", type=Path, default=None, help="job file (default: examples/demo-workload.yaml)"

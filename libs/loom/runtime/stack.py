@@ -136,6 +136,8 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
     groups = group_options(placement_groups(options))
     argvs = {
         "metrics": [py, "-m", "loom_services.metrics"],
+        # Alerts in, incidents out; its Alertmanager webhook listens on $LOOM_ALERTS_HTTP_PORT (9095).
+        "alert-correlator": [py, "-m", "loom_services.alert_correlator", "--topology", options.topology],
         "placement": [py, "-m", "loom_services.placement", "--topology", options.topology, *groups],
     }
     if options.placement_standby:
