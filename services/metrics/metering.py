@@ -22,6 +22,7 @@ from loom.runtime.service import ServiceContext
 from loom.store import inbox
 from loom.store import usage as usage_store
 from loom.store.pool import transaction
+from loom.telemetry.metrics import METERED_RUNS
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
 from loom_proto.jobs import JobCancelled, JobPlaced, JobRequeued
@@ -29,7 +30,6 @@ from loom_proto.jobs import JobCancelled, JobPlaced, JobRequeued
 log = structlog.get_logger("metrics.metering")
 
 CONSUMER = "metrics-metering"
-METERED_KINDS = ("placed", "started", "resized", "completed", "failed", "cancelled", "requeued")
 
 
 class Metering:
@@ -53,7 +53,11 @@ class Metering:
         return ConsumerRunner(
             self.ctx.nc,
             ConsumerSpec(
-                stream="JOBS", durable=CONSUMER, filter_subjects=subjects.job_events_of(*METERED_KINDS)
+                stream="JOBS",
+                durable=CONSUMER,
+                filter_subjects=subjects.job_events_of(
+                    "placed", "started", "resized", "completed", "failed", "cancelled", "requeued"
+                ),
             ),
             bytes,
             handler=self.on_event,
@@ -95,5 +99,7 @@ class Metering:
                     metered.append(updated.tenant)
         self.counts["events"] += 1
         self.counts["runs_metered"] += len(metered)
+        for tenant in metered:
+            METERED_RUNS.labels(tenant).inc()
         if metered and self.on_metered is not None:
             self.on_metered(metered)

@@ -50,6 +50,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         placement_shards=args.placement_shards,
         services=not args.servers_only,
         nats_cluster=args.nats_cluster,
+        metrics_port_base=args.metrics_port_base,
     )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
@@ -84,7 +85,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps({"status": state.get("status"), "processes": rows}, indent=2))
     else:
         table = Table(title=f"Loom stack: {state.get('status')}")
-        for col in ("process", "pid", "alive", "restarts", "last exit", "health"):
+        for col in ("process", "pid", "alive", "restarts", "last exit", "health", "metrics"):
             table.add_column(col)
         for r in rows:
             h = r["health"]
@@ -102,6 +103,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 str(r["restarts"]),
                 r.get("last_exit") or "-",
                 text,
+                r.get("metrics_url") or "-",
             )
         console.print(table)
     ok = all(r["alive"] for r in rows) and all(
@@ -805,6 +807,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="nats-server processes: 3 runs a JetStream cluster with 3 replicas of every stream",
     )
+    p.add_argument(
+        "--metrics-port-base",
+        type=int,
+        default=0,
+        help="Prometheus /metrics ports: consecutive from this one (default: a free port each)",
+    )
     add("down", cmd_down, "stop the embedded stack")
     p = add("status", cmd_status, "show the stack's processes and their health")
     p.add_argument("--json", action="store_true")
@@ -868,6 +876,9 @@ def build_parser() -> argparse.ArgumentParser:
     from loom.cli.dlq import add_parser as add_dlq_parser
 
     add_dlq_parser(sub)
+    from loom.cli.usage import add_parser as add_usage_parser
+
+    add_usage_parser(sub)
     p = add("demo", cmd_demo, "start the stack, run the example workload, show progress and a summary")
     p.add_argument(
         "--workload", type=Path, default=None, help="job file (default: examples/demo-workload.yaml)"

@@ -120,4 +120,6 @@ def fold(record: RunRecord, event: MeteredEvent) -> RunRecord:
     if isinstance(event, JobCancelled):
         return _ended(record, event.at, "cancelled", event.reason)
     outcome: Outcome = "preempted" if event.cause == "preempted" else "requeued"
-    return _ended(record, event.at, outcome, f"{event.cause}: {event.reason}" if event.reason else event.cause)
+    return _ended(
+        record, event.at, outcome, f"{event.cause}: {event.reason}" if event.reason else event.cause
+    )

@@ -20,6 +20,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ from loom.runtime.servers import (
 )
 from loom.sched.shards import group_options, split_regions
 from loom.store.migrations import migrate_url
+from loom.telemetry.metrics import ENV_METRICS_PORT
 from loom_proto import subjects
 
 _PR_SET_PDEATHSIG = 1
@@ -81,6 +83,8 @@ class ServiceProcess:
     started_at: float = 0.0
     last_exit: str | None = None
     """How the previous process ended (``killed by SIGKILL``), None before any exit."""
+    metrics_port: int | None = None
+    """Where it serves Prometheus ``/metrics`` (the same port across restarts)."""
 
 
 @dataclass
@@ -110,6 +114,21 @@ class StackOptions:
     """Run the services (off: NATS and PostgreSQL only, for running services by hand or tests)."""
     nats_cluster: int = 1
     """nats-server processes: 1, or 3 for a JetStream cluster whose streams have 3 replicas."""
+    metrics_port_base: int = 0
+    """Prometheus ``/metrics`` ports: services get ``base``, ``base + 1``, … in start order; 0 gives
+    each a free port. ``loom status`` lists them; deploy/prometheus/ shows how to scrape them."""
+
+
+def metrics_ports(names: list[str], base: int) -> dict[str, int]:
+    """The ``/metrics`` port of each service: consecutive from ``base``, or free ports when 0."""
+    if base:
+        return {name: base + i for i, name in enumerate(names)}
+    ports: dict[str, int] = {}
+    for name in names:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports[name] = int(probe.getsockname()[1])
+    return ports
 
 
 def placement_groups(options: StackOptions) -> dict[str, list[str]]:
@@ -461,6 +480,8 @@ class Supervisor:
 
     def spawn(self, svc: ServiceProcess, env: dict[str, str]) -> None:
         """Start one service process, its output appended to its log file."""
+        if svc.metrics_port is not None:
+            env = {**env, ENV_METRICS_PORT: str(svc.metrics_port)}
         with open(svc.log, "ab") as log:
             proc = subprocess.Popen(
                 svc.argv,
@@ -492,8 +513,11 @@ class Supervisor:
                 **{ENV_NATS_URL: nats_url, ENV_DATABASE_URL: database_url, ENV_HOME: str(self.home)},
             )
             argvs = service_argvs(self.options) if self.options.services else {}
+            ports = metrics_ports(list(argvs), self.options.metrics_port_base)
             for name, argv in argvs.items():
-                self.services[name] = ServiceProcess(name, argv, str(self.home / "logs" / f"{name}.log"))
+                self.services[name] = ServiceProcess(
+                    name, argv, str(self.home / "logs" / f"{name}.log"), metrics_port=ports[name]
+                )
                 self.spawn(self.services[name], env)
             self.write_state("starting", nats_url=nats_url, database_url=database_url)
             silent = asyncio.run(wait_healthy(nats_url, list(self.services), timeout_s=60.0))
@@ -627,6 +651,8 @@ def up(
         argv.append("--servers-only")
     if options.nats_cluster != 1:
         argv += ["--nats-cluster", str(options.nats_cluster)]
+    if options.metrics_port_base:
+        argv += ["--metrics-port-base", str(options.metrics_port_base)]
     stack_file(home).unlink(missing_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
     with open(home / "logs" / "supervisor.log", "ab") as log:
@@ -703,6 +729,9 @@ def process_table(home: Path | None = None) -> list[dict[str, Any]]:
                 "alive": _alive(svc["pid"]),
                 "restarts": svc["restarts"],
                 "last_exit": svc.get("last_exit"),
+                "metrics_url": f"http://127.0.0.1:{svc['metrics_port']}/metrics"
+                if svc.get("metrics_port")
+                else None,
             }
         )
     return rows
@@ -724,6 +753,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe-period-s", type=float, default=1.0)
     parser.add_argument("--servers-only", action="store_true")
     parser.add_argument("--nats-cluster", type=int, choices=(1, 3), default=1)
+    parser.add_argument("--metrics-port-base", type=int, default=0)
     args = parser.parse_args(argv)
     options = StackOptions(
         topology=args.topology,
@@ -738,6 +768,7 @@ def main(argv: list[str] | None = None) -> int:
         probe_period_s=args.probe_period_s,
         services=not args.servers_only,
         nats_cluster=args.nats_cluster,
+        metrics_port_base=args.metrics_port_base,
     )
     return Supervisor(args.home.resolve(), options).run()
 

@@ -53,7 +53,9 @@ REGISTRY = CollectorRegistry()
 """Every Loom metric (and the process's CPU, memory and file descriptors)."""
 ProcessCollector(registry=REGISTRY)
 
-SERVICE_INFO = Gauge("loom_service_info", "1 for each running Loom service process", ["service"], registry=REGISTRY)
+SERVICE_INFO = Gauge(
+    "loom_service_info", "1 for each running Loom service process", ["service"], registry=REGISTRY
+)
 
 # ---- placement -------------------------------------------------------------------------------------
 QUEUE_DEPTH = Gauge("loom_queue_depth", "Jobs waiting in placement's queue", ["shard"], registry=REGISTRY)
@@ -64,7 +66,10 @@ QUEUE_AGE = Gauge(
     registry=REGISTRY,
 )
 DECISIONS = Counter(
-    "loom_decisions", "Jobs decided by placement cycles (rate() gives decisions/s)", ["shard"], registry=REGISTRY
+    "loom_decisions",
+    "Jobs decided by placement cycles (rate() gives decisions/s)",
+    ["shard"],
+    registry=REGISTRY,
 )
 DECISION_LATENCY = Histogram(
     "loom_decision_latency_seconds",
@@ -97,20 +102,31 @@ CONSUMER_MESSAGES = Counter(
     registry=REGISTRY,
 )
 DEAD_LETTERS = Counter(
-    "loom_dead_letters", "Messages parked in the dead-letter stream", ["consumer", "stream"], registry=REGISTRY
+    "loom_dead_letters",
+    "Messages parked in the dead-letter stream",
+    ["consumer", "stream"],
+    registry=REGISTRY,
 )
 
 # ---- the network -----------------------------------------------------------------------------------
-LINK_RTT = Gauge("loom_link_rtt_ms", "Round-trip time of a region-to-region link", ["src", "dst"], registry=REGISTRY)
+LINK_RTT = Gauge(
+    "loom_link_rtt_ms", "Round-trip time of a region-to-region link", ["src", "dst"], registry=REGISTRY
+)
 LINK_LOSS = Gauge("loom_link_loss_ratio", "Packet loss of a link (0-1)", ["src", "dst"], registry=REGISTRY)
 LINK_COST = Gauge(
-    "loom_link_cost", "Routing cost of a link (what path finding minimises)", ["src", "dst"], registry=REGISTRY
+    "loom_link_cost",
+    "Routing cost of a link (what path finding minimises)",
+    ["src", "dst"],
+    registry=REGISTRY,
 )
 
 # ---- capacity --------------------------------------------------------------------------------------
 CLUSTER_GPUS = Gauge("loom_cluster_gpus", "GPUs of a cluster", ["region", "cluster"], registry=REGISTRY)
 CLUSTER_FREE_GPUS = Gauge(
-    "loom_cluster_free_gpus", "GPUs of a cluster neither used nor reserved", ["region", "cluster"], registry=REGISTRY
+    "loom_cluster_free_gpus",
+    "GPUs of a cluster neither used nor reserved",
+    ["region", "cluster"],
+    registry=REGISTRY,
 )
 CLUSTER_WATER_LEVEL = Gauge(
     "loom_cluster_water_level_ratio",
@@ -135,12 +151,14 @@ USAGE_COST = Gauge(
     ["tenant", "team", "region", "gpu_model"],
     registry=REGISTRY,
 )
-METERED_RUNS = Counter("loom_metered_runs", "Job attempts metered into usage rows", ["tenant"], registry=REGISTRY)
+METERED_RUNS = Counter(
+    "loom_metered_runs", "Job attempts metered into usage rows", ["tenant"], registry=REGISTRY
+)
 
 
 def _sample_names(metric: MetricWrapperBase) -> Iterable[str]:
-    name = metric._name  # noqa: SLF001 - the client keeps the family name only there
-    kind = metric._type  # noqa: SLF001
+    name = metric._name
+    kind = metric._type
     if kind == "counter":
         return (f"{name}_total",)
     if kind == "histogram":
@@ -152,7 +170,7 @@ def exported_names() -> frozenset[str]:
     """Every sample name a Loom ``/metrics`` can show: the families of :data:`REGISTRY` with the
     suffixes their type adds (``_total``; ``_bucket``, ``_sum``, ``_count``)."""
     names: set[str] = set()
-    for collector in list(REGISTRY._collector_to_names):  # noqa: SLF001 - the registry's own list
+    for collector in list(REGISTRY._collector_to_names):
         if isinstance(collector, MetricWrapperBase):
             names.update(_sample_names(collector))
         else:
