@@ -19,12 +19,73 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana" / "dashboards").glob("*.json"))
 
 PROMQL_WORDS = frozenset(
-    """sum min max avg group stddev stdvar count count_values bottomk topk quantile by without on ignoring
-    group_left group_right and or unless offset bool rate irate increase delta idelta deriv predict_linear
-    histogram_quantile abs ceil floor round clamp clamp_min clamp_max label_replace label_join vector
-    scalar time timestamp sort sort_desc absent absent_over_time changes resets sum_over_time avg_over_time
-    max_over_time min_over_time count_over_time last_over_time quantile_over_time exp ln log2 log10 sqrt inf nan
-    label_values""".split()
+    [
+        "sum",
+        "min",
+        "max",
+        "avg",
+        "group",
+        "stddev",
+        "stdvar",
+        "count",
+        "count_values",
+        "bottomk",
+        "topk",
+        "quantile",
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "and",
+        "or",
+        "unless",
+        "offset",
+        "bool",
+        "rate",
+        "irate",
+        "increase",
+        "delta",
+        "idelta",
+        "deriv",
+        "predict_linear",
+        "histogram_quantile",
+        "abs",
+        "ceil",
+        "floor",
+        "round",
+        "clamp",
+        "clamp_min",
+        "clamp_max",
+        "label_replace",
+        "label_join",
+        "vector",
+        "scalar",
+        "time",
+        "timestamp",
+        "sort",
+        "sort_desc",
+        "absent",
+        "absent_over_time",
+        "changes",
+        "resets",
+        "sum_over_time",
+        "avg_over_time",
+        "max_over_time",
+        "min_over_time",
+        "count_over_time",
+        "last_over_time",
+        "quantile_over_time",
+        "exp",
+        "ln",
+        "log2",
+        "log10",
+        "sqrt",
+        "inf",
+        "nan",
+        "label_values",
+    ]
 )
 _STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'')
 _MATCHERS = re.compile(r"\{[^{}]*\}")
@@ -65,7 +126,8 @@ def _queries(dashboard: dict[str, Any]) -> Iterator[tuple[str, str]]:
 
 def test_the_extractor_finds_metric_names_and_nothing_else() -> None:
     expr = (
-        'histogram_quantile(0.99, sum by (le, shard) (rate(loom_decision_latency_seconds_bucket{shard=~"$shard"}[5m])))'
+        "histogram_quantile(0.99, sum by (le, shard) "
+        '(rate(loom_decision_latency_seconds_bucket{shard=~"$shard"}[5m])))'
         ' / on(shard) group_left sum(loom_queue_depth offset 5m) + topk(5, loom_link_rtt_ms{src="a"})'
     )
     assert metric_names(expr) == {
