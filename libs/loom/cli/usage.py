@@ -239,3 +239,23 @@ async def reconcile(conn: asyncpg.Connection) -> dict[str, Any]:
         "differences": differences,
         "at": datetime.now(UTC).isoformat(),
     }
+
+
+async def demo_summary(
+    database_url: str, placed_job_ids: list[str], *, timeout_s: float = 10.0
+) -> list[Group]:
+    """Usage by tenant once every finished job of ``placed_job_ids`` is metered (``loom demo``'s
+    summary); waits at most ``timeout_s`` for the metering consumer to catch up."""
+    conn = await asyncpg.connect(database_url, timeout=5)
+    try:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while asyncio.get_running_loop().time() < deadline:
+            metered = await conn.fetchval(
+                "SELECT count(DISTINCT job_id) FROM usage_rows WHERE job_id = ANY($1::text[])", placed_job_ids
+            )
+            if int(metered) >= len(placed_job_ids):
+                break
+            await asyncio.sleep(0.2)
+        return aggregate(await usage_store.read_rows(conn), "tenant")
+    finally:
+        await conn.close()
