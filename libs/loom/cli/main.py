@@ -85,7 +85,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps({"status": state.get("status"), "processes": rows}, indent=2))
     else:
         table = Table(title=f"Loom stack: {state.get('status')}")
-        for col in ("process", "pid", "alive", "restarts", "last exit", "health", "metrics"):
+        for col in ("process", "pid", "alive", "restarts", "last exit", "health"):
             table.add_column(col)
         for r in rows:
             h = r["health"]
@@ -103,9 +103,13 @@ def cmd_status(args: argparse.Namespace) -> int:
                 str(r["restarts"]),
                 r.get("last_exit") or "-",
                 text,
-                r.get("metrics_url") or "-",
             )
         console.print(table)
+        metrics_endpoints = [(r["name"], r["metrics_url"]) for r in rows if r.get("metrics_url")]
+        if metrics_endpoints:
+            console.print("Prometheus /metrics:")
+            for name, url in metrics_endpoints:
+                console.print(f"  {name:<28} {url}", highlight=False, soft_wrap=True)
     ok = all(r["alive"] for r in rows) and all(
         r["health"] for r in rows if r["name"] != "supervisor" and not stack.is_server(r["name"])
     )
