@@ -225,3 +225,10 @@ def test_a_monthly_statement_takes_only_that_months_hours_of_that_tenant() -> No
     assert month_window_ms("2026-12")[1] == round(new_year * 1000)
     with pytest.raises(InvalidInputError):
         month_window_ms("2026-13")
+
+
+def test_loom_usage_refuses_an_inverted_range_before_connecting(capsys: pytest.CaptureFixture[str]) -> None:
+    from loom.cli.main import main
+
+    assert main(["usage", "--since", "2026-12-02T00:00", "--until", "2026-12-01T00:00"]) == 1
+    assert "inverted" in capsys.readouterr().err

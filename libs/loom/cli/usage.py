@@ -86,7 +86,13 @@ def _ms(text: str | None) -> int | None:
 
 
 async def _connect() -> asyncpg.Connection:
-    return await asyncpg.connect(endpoints().database_url, timeout=5)
+    url = endpoints().database_url
+    try:
+        return await asyncpg.connect(url, timeout=5)
+    except (OSError, TimeoutError) as exc:
+        raise RuntimeError(
+            f"no PostgreSQL answered at {url} ({exc}); start the stack with `loom up`"
+        ) from exc
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
