@@ -8,6 +8,7 @@ independently of the metering consumer and its core.
 
 import asyncio
 import contextlib
+import csv
 import io
 import json
 import urllib.request
@@ -171,6 +172,13 @@ async def test_loom_usage_shows_the_same_figures_and_refuses_an_inverted_range(
             code = await asyncio.to_thread(loom_main, ["usage", "--by", by, "--json"])
         assert code == 0
         assert {g["key"]: g["gpu_ms"] for g in json.loads(out.getvalue())["groups"]} == expected[key]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert await asyncio.to_thread(loom_main, ["usage", "--by", "tenant", "--csv"]) == 0
+    rows = list(csv.DictReader(io.StringIO(out.getvalue())))
+    assert {r["tenant"]: r["gpu_seconds"] for r in rows} == {
+        t: f"{ms // 1000}.{ms % 1000:03d}" for t, ms in expected["tenant"].items()
+    }
     inverted = ["usage", "--since", "2026-12-02T00:00:00", "--until", "2026-12-01T00:00:00"]
     assert await asyncio.to_thread(loom_main, inverted) == 1
     assert await asyncio.to_thread(loom_main, ["usage", "reconcile"]) == 0
