@@ -215,3 +215,53 @@ async def test_metrics_endpoint_answers_with_the_families_the_services_fed(
     )
     placed = [s for s in families["loom_placements"].samples if s.labels.get("outcome") == "placed"]
     assert sum(s.value for s in placed if s.name.endswith("_total")) >= len(JOBS)
+
+
+async def test_the_metering_consumer_counts_each_event_once_in_any_order(
+    fresh_database: Callable[..., Awaitable[str]],
+) -> None:
+    from types import SimpleNamespace
+
+    from loom.store.pool import create_pool
+    from loom_proto.jobs import JobCompleted, JobPlaced, JobRequeued, JobStarted, NodeAllocation
+    from loom_services.metrics.metering import Metering
+
+    t0 = 1_780_000_000.0
+    placed = {
+        a: JobPlaced(
+            job_id="x",
+            tenant="acme",
+            cluster="c1",
+            region="r1",
+            gpu_model="A100",
+            allocations=[NodeAllocation("n1", 4)],
+            attempt=a,
+            placed_at=t0,
+        )
+        for a in (1, 2)
+    }
+    events = [
+        ("x:placed:1", placed[1]),
+        ("x:started:1", JobStarted(job_id="x", tenant="acme", cluster="c1", attempt=1, started_at=t0 + 1)),
+        ("x:requeued:2", JobRequeued(job_id="x", tenant="acme", attempt=2, cause="preempted", at=t0 + 11.5)),
+        ("x:placed:2", placed[2]),
+        ("x:started:2", JobStarted(job_id="x", tenant="acme", cluster="c1", attempt=2, started_at=t0 + 20)),
+        ("x:completed:2", JobCompleted(job_id="x", tenant="acme", cluster="c1", attempt=2, at=t0 + 50.25)),
+    ]
+    pool = await create_pool(await fresh_database("metering-once"), max_size=2)
+    try:
+        metering = Metering(SimpleNamespace(db=pool), lambda _r, _t: 2.0)  # type: ignore[arg-type]
+        # Reversed, in two batches, then everything again (a redelivery, a DLQ replay).
+        await metering._apply(events[::-1][:3])
+        await metering._apply(events[::-1][3:])
+        await metering._apply(events)
+        rows = await pool.fetch(
+            "SELECT attempt, outcome, sum(gpu_ms)::bigint AS gpu_ms FROM usage_rows GROUP BY 1, 2 ORDER BY 1"
+        )
+    finally:
+        await pool.close()
+    assert [(r["attempt"], r["outcome"], r["gpu_ms"]) for r in rows] == [
+        (1, "preempted", 4 * 10_500),
+        (2, "completed", 4 * 30_250),
+    ]
+    assert metering.counts["duplicates"] == len(events)
