@@ -38,6 +38,9 @@ log = structlog.get_logger("metrics")
 PRODUCER = "metrics"
 
 
+USAGE_EVERY = 6
+"""Gauge rounds between two refreshes of the usage gauges (30 s at the default 5 s rounds)."""
+
 ReservationEvent = JobPlaced | JobStarted | JobCompleted | JobFailed | JobCancelled
 
 
@@ -192,17 +195,20 @@ class MetricsService:
             await runner.stop()
 
     async def _gauge_loop(self) -> None:
-        """Refresh the Prometheus gauges every ``gauges_every_s``."""
+        """Refresh the capacity gauges every ``gauges_every_s``, the usage gauges every
+        ``USAGE_EVERY`` rounds (they sum the whole usage table)."""
+        rounds = 0
         while True:
             try:
-                await self.refresh_gauges()
+                await self.refresh_gauges(usage=rounds % USAGE_EVERY == 0)
             except Exception as exc:  # the next round tries again
                 log.warning("gauge refresh failed", error=repr(exc))
+            rounds += 1
             await asyncio.sleep(self.gauges_every_s)
 
-    async def refresh_gauges(self) -> None:
-        """Capacity per cluster from the ledger; usage per tenant, team, region and model from
-        the metered rows."""
+    async def refresh_gauges(self, *, usage: bool = True) -> None:
+        """Capacity per cluster from the ledger; with ``usage``, usage per tenant, team, region
+        and model from the metered rows."""
         for cluster in list(self.ledger.clusters.values()):
             nodes = [self.ledger.nodes[n] for n in cluster.nodes if n in self.ledger.nodes]
             total = sum(n.gpus_total for n in nodes)
@@ -212,11 +218,13 @@ class MetricsService:
             prom.CLUSTER_FREE_GPUS.labels(*labels).set(free)
             prom.CLUSTER_WATER_LEVEL.labels(*labels).set((total - free) / total if total else 0.0)
             prom.CLUSTER_STALE.labels(*labels).set(1 if cluster.stale else 0)
-        for row in await usage_store.usage_totals(self.pool):
-            usage = (row["tenant"], row["team"], row["region"], row["gpu_model"])
-            prom.USAGE_GPU_SECONDS.labels(*usage).set(int(row["gpu_ms"]) / 1000.0)
-            prom.USAGE_COST.labels(*usage).set(float(row["cost"]))
         self.ctx.stats["metering"] = dict(self.metering.counts)
+        if not usage:
+            return
+        for row in await usage_store.usage_totals(self.pool):
+            key = (row["tenant"], row["team"], row["region"], row["gpu_model"])
+            prom.USAGE_GPU_SECONDS.labels(*key).set(int(row["gpu_ms"]) / 1000.0)
+            prom.USAGE_COST.labels(*key).set(float(row["cost"]))
 
     async def on_job_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
         """Placements show as reserved until the run starts (or ends without starting).
