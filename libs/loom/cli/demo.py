@@ -118,18 +118,20 @@ async def _demo(
 
 
 async def _usage_summary(console: Console, database_url: str, done: list[dict[str, Any]]) -> None:
-    """Metered usage per tenant (``loom usage`` has the rest: labels, regions, statements)."""
+    """Metered usage per tenant and team (``loom usage`` has the rest: regions, models, statements)."""
     placed = [j["job_id"] for j in done if j["placed_at"] and j["state"] == "completed"]
     try:
-        groups = await demo_summary(database_url, placed)
+        usage = await demo_summary(database_url, placed, by=("tenant", "label:team"))
     except Exception as exc:  # the summary is a courtesy: never fail the demo on it
         console.print(f"[yellow]usage not available: {exc}[/yellow]")
         return
-    for g in groups:
-        usage = g.as_dict()
+    for way, groups in usage.items():
         console.print(
-            f"usage of tenant {g.key}: {usage['runs']} runs, {usage['gpu_seconds']} GPU-s,"
-            f" {g.scu_seconds / 3600:.2f} SCU-h, cost {g.cost:.2f}",
+            f"usage by {way.removeprefix('label:')}: "
+            + "; ".join(
+                f"{g.key} {len(g.runs)} runs {g.as_dict()['gpu_seconds']} GPU-s cost {g.cost:.2f}"
+                for g in groups
+            ),
             highlight=False,
         )
 

@@ -248,10 +248,14 @@ async def reconcile(conn: asyncpg.Connection) -> dict[str, Any]:
 
 
 async def demo_summary(
-    database_url: str, placed_job_ids: list[str], *, timeout_s: float = 10.0
-) -> list[Group]:
-    """Usage by tenant once every finished job of ``placed_job_ids`` is metered (``loom demo``'s
-    summary); waits at most ``timeout_s`` for the metering consumer to catch up."""
+    database_url: str,
+    placed_job_ids: list[str],
+    *,
+    by: tuple[str, ...] = ("tenant",),
+    timeout_s: float = 10.0,
+) -> dict[str, list[Group]]:
+    """Usage grouped each way of ``by`` once every finished job of ``placed_job_ids`` is metered
+    (``loom demo``'s summary); waits at most ``timeout_s`` for the metering consumer to catch up."""
     conn = await asyncpg.connect(database_url, timeout=5)
     try:
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -262,6 +266,7 @@ async def demo_summary(
             if int(metered) >= len(placed_job_ids):
                 break
             await asyncio.sleep(0.2)
-        return aggregate(await usage_store.read_rows(conn), "tenant")
+        rows = await usage_store.read_rows(conn)
     finally:
         await conn.close()
+    return {way: aggregate(rows, way) for way in by}
