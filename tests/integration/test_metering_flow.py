@@ -182,6 +182,15 @@ async def test_loom_usage_shows_the_same_figures_and_refuses_an_inverted_range(
     inverted = ["usage", "--since", "2026-12-02T00:00:00", "--until", "2026-12-01T00:00:00"]
     assert await asyncio.to_thread(loom_main, inverted) == 1
     assert await asyncio.to_thread(loom_main, ["usage", "reconcile"]) == 0
+    # One millisecond off in one row, and reconcile says so.
+    conn = await asyncpg.connect(platform.database_url)
+    try:
+        bump = "UPDATE usage_rows SET end_ms = end_ms + $1 WHERE (job_id, attempt, seq) = ('m-1', 1, 0)"
+        await conn.execute(bump, 1)
+        assert await asyncio.to_thread(loom_main, ["usage", "reconcile"]) == 1
+        await conn.execute(bump, -1)
+    finally:
+        await conn.close()
 
 
 async def test_metrics_endpoint_answers_with_the_families_the_services_fed(

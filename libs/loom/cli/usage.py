@@ -8,7 +8,7 @@ cost is SCU-hours times the region's price per SCU-hour at each hour.
     loom usage --by label:team --tenant acme    # one tenant's teams
     loom usage --by region --since 2026-12-01 --until 2026-12-02 --csv
     loom usage statement --tenant acme --month 2026-12
-    loom usage reconcile                        # usage == sum(GPUs x duration) of the run records?
+    loom usage reconcile                        # usage == GPUs x duration of placement's run records?
 """
 
 import argparse
@@ -20,14 +20,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
-import msgspec
 from rich.console import Console
 from rich.table import Table
 
 from loom.bus.dlq import parse_since
 from loom.errors import InvalidInputError
-from loom.metering import RunRecord
-from loom.metering.usage import Group, aggregate, gpu_seconds_text, meter, month_window_ms, statement
+from loom.metering.usage import Group, aggregate, gpu_seconds_text, month_window_ms, statement
 from loom.runtime.config import endpoints
 from loom.store import usage as usage_store
 
@@ -66,8 +64,9 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--json", action="store_true")
     r = usage_sub.add_parser(
         "reconcile",
-        help="check usage against the run records (exit 1 on any difference)",
-        description="check usage against the run records (exit 1 on any difference)",
+        help="check usage against placement's run records (exit 1 on any difference)",
+        description="check the usage rows, run by run, against GPUs x duration computed from placement's"
+        " job history (exit 1 on any difference)",
     )
     r.set_defaults(fn=cmd_reconcile)
     r.add_argument("--json", action="store_true")
@@ -187,7 +186,7 @@ def cmd_statement(args: argparse.Namespace) -> int:
 
 
 def cmd_reconcile(args: argparse.Namespace) -> int:
-    """``loom usage reconcile``: metered GPU-ms per tenant against the run records' GPUs x duration."""
+    """``loom usage reconcile``: metered GPU-ms per run and tenant against placement's run records."""
 
     async def go() -> dict[str, Any]:
         conn = await _connect()
@@ -215,32 +214,31 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 async def reconcile(conn: asyncpg.Connection) -> dict[str, Any]:
-    """Stored usage rows against the run records in ``usage_runs`` (GPUs of each part x (ended -
-    started), resizes included): per tenant and per run; lists every run whose rows are missing,
-    doubled or stale."""
+    """Metered GPU-ms per run and per tenant against the run records of placement's job history
+    (:func:`loom.store.usage.recorded_runs`); lists every run that differs (missing, doubled, off)."""
     metered: dict[tuple[str, int], int] = {
         (r["job_id"], r["attempt"]): int(r["gpu_ms"])
         for r in await conn.fetch(
             "SELECT job_id, attempt, sum(gpu_ms)::bigint AS gpu_ms FROM usage_rows GROUP BY 1, 2"
         )
     }
+    recorded = await usage_store.recorded_runs(conn)
     tenants: dict[str, list[int]] = {}
     differences = []
-    runs = 0
-    for row in await conn.fetch("SELECT record FROM usage_runs"):
-        record = msgspec.json.decode(row["record"], type=RunRecord)
-        if not record.complete:
+    for key in sorted(set(recorded) | set(metered)):
+        tenant, expected = recorded.get(key, ("?", 0))
+        got = metered.get(key, 0)
+        if expected == 0 and got == 0:
             continue
-        runs += 1
-        expected = sum(r.gpu_ms for r in meter(record, lambda _r, _t: 0.0, lambda _m, _t, _l: 0.0))
-        got = metered.get((record.job_id, record.attempt), 0)
-        pair = tenants.setdefault(record.tenant, [0, 0])
+        pair = tenants.setdefault(tenant, [0, 0])
         pair[0] += got
         pair[1] += expected
         if got != expected:
-            differences.append({"run": record.key, "metered_gpu_ms": got, "recorded_gpu_ms": expected})
+            differences.append(
+                {"run": f"{key[0]}:{key[1]}", "metered_gpu_ms": got, "recorded_gpu_ms": expected}
+            )
     return {
-        "runs": runs,
+        "runs": sum(1 for v in recorded.values() if v[1] > 0),
         "tenants": {t: tuple(v) for t, v in tenants.items()},
         "differences": differences,
         "at": datetime.now(UTC).isoformat(),

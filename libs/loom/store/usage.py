@@ -6,6 +6,7 @@ Written only by the metrics service's metering consumer (``services/metrics/mete
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import asyncpg
 import msgspec
@@ -13,7 +14,16 @@ import msgspec
 from loom.metering.run import RunRecord
 from loom.metering.usage import UsageRow
 
-__all__ = ["job_spec", "load_run", "open_runs", "read_rows", "replace_rows", "save_run", "usage_totals"]
+__all__ = [
+    "job_spec",
+    "load_run",
+    "open_runs",
+    "read_rows",
+    "recorded_runs",
+    "replace_rows",
+    "save_run",
+    "usage_totals",
+]
 
 
 async def load_run(conn: asyncpg.Connection, job_id: str, attempt: int) -> RunRecord | None:
@@ -126,3 +136,68 @@ async def usage_totals(conn: asyncpg.Connection | asyncpg.Pool) -> list[asyncpg.
                FROM usage_rows GROUP BY 1, 2, 3, 4"""
         )
     )
+
+
+async def recorded_runs(conn: asyncpg.Connection | asyncpg.Pool) -> dict[tuple[str, int], tuple[str, int]]:
+    """``(job, attempt) -> (tenant, GPU-ms)`` of every attempt that ran, computed from placement's
+    own job history (``job_events``), not from metering's records: what ``loom usage reconcile``
+    holds the usage rows against.
+
+    Same rule, derived independently: GPUs of each part as placed (changed by ``resized`` from its
+    time on) times (earliest end - start), in whole milliseconds.
+    """
+    runs: dict[tuple[str, int], dict[str, Any]] = {}
+    cancels: dict[str, int] = {}
+
+    def run(job_id: str, attempt: int) -> dict[str, Any]:
+        return runs.setdefault(
+            (job_id, attempt),
+            {"tenant": "", "parts": {}, "lead": "", "start": None, "end": None, "resizes": []},
+        )
+
+    rows = await conn.fetch(
+        "SELECT job_id, kind, event FROM job_events WHERE kind IN "
+        "('placed', 'started', 'resized', 'completed', 'failed', 'cancelled', 'requeued') ORDER BY id"
+    )
+    for row in rows:
+        event = json.loads(row["event"]) if isinstance(row["event"], str) else dict(row["event"])
+        kind, job_id = row["kind"], row["job_id"]
+        if kind == "cancelled":
+            cancels[job_id] = min(cancels.get(job_id, 1 << 62), round(event["at"] * 1000))
+            continue
+        attempt = int(event.get("attempt", 1)) - (1 if kind == "requeued" else 0)
+        r = run(job_id, attempt)
+        if kind == "placed":
+            parts = event.get("parts") or [event]
+            r["tenant"] = event["tenant"]
+            r["lead"] = parts[0]["cluster"]
+            r["parts"] = {p["cluster"]: sum(a["gpus"] for a in p["allocations"]) for p in parts}
+        elif kind == "started":
+            r["start"] = round(event["started_at"] * 1000)
+        elif kind == "resized":
+            gpus = sum(a["gpus"] for a in event["allocations"])
+            r["resizes"].append((round(event["at"] * 1000), event["cluster"], gpus))
+        else:
+            at = round(event["at"] * 1000)
+            r["end"] = at if r["end"] is None else min(r["end"], at)
+    out: dict[tuple[str, int], tuple[str, int]] = {}
+    for (job_id, attempt), r in runs.items():
+        end = r["end"]
+        if job_id in cancels and r["start"] is not None:
+            end = cancels[job_id] if end is None else min(end, cancels[job_id])
+        if r["start"] is None or end is None or not r["parts"]:
+            continue
+        start, end = r["start"], max(end, r["start"])
+        gpu_ms = 0
+        for cluster, gpus in r["parts"].items():
+            resized = sorted(
+                (at, g)
+                for at, c, g in set(r["resizes"])
+                if c == cluster or (cluster == r["lead"] and c not in r["parts"])
+            )
+            steps = [(start, gpus), *resized]
+            for k, (t_from, g) in enumerate(steps):
+                t_to = steps[k + 1][0] if k + 1 < len(steps) else end
+                gpu_ms += g * max(min(t_to, end) - max(t_from, start), 0)
+        out[(job_id, attempt)] = (r["tenant"], gpu_ms)
+    return out
