@@ -162,6 +162,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     from loom_benchmarks.chaos import add_arguments as chaos_arguments
 
     chaos_arguments(chaos)
+    console_bench = sub.add_parser(
+        "console", help="web console pages: p50/p95/p99 with the default topology and 10,000 jobs stored"
+    )
+    from loom_benchmarks.console import add_arguments as console_arguments
+
+    console_arguments(console_bench)
     codec = sub.add_parser(
         "codec", help="strict decode cost per message: bare msgspec vs Loom's guarded codec"
     )
@@ -178,8 +184,12 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
             print(f"{key:>28}: {value}", file=sys.stderr)
 
 
-def run_benchmark(args: argparse.Namespace) -> int:
+def run_benchmark(args: argparse.Namespace) -> int:  # noqa: PLR0912 - a branch per benchmark
     """Dispatch ``loom bench NAME``."""
+    if args.bench == "console":
+        from loom_benchmarks.console import main as run_console
+
+        return run_console(args)
     if args.bench == "codec":
         from loom_benchmarks.codec import main as run_codec
 

@@ -1933,6 +1933,8 @@ class PlacementService:
         # Jobs that ended in this very transaction show in the rows read (same transaction).
         step = dag.advance(spec.stages, states)
         carrier = json.loads(row["trace_context"])
+        # The DAG's own events continue the DAG's trace, whatever trace settled it (a cycle's).
+        context = propagate.extract(carrier)
         now = time.time()
         messages: list[outbox.OutboxMessage] = []
         if step.failed_stage is not None:
@@ -1955,7 +1957,9 @@ class PlacementService:
                 at=now,
             )
             msg_id = f"{parent}:failed:1"
-            messages.append(outbox.message(subjects.job_event("failed", spec.tenant), event, msg_id))
+            messages.append(
+                outbox.message(subjects.job_event("failed", spec.tenant), event, msg_id, context=context)
+            )
             result.events.append(repo.JobEventRow(parent, "failed", msg_id, encode(event), now))
             return messages
         if step.completed:
@@ -1965,7 +1969,9 @@ class PlacementService:
                 job_id=parent, tenant=spec.tenant, cluster=last["cluster"] or "none", at=now
             )
             msg_id = f"{parent}:completed:1"
-            messages.append(outbox.message(subjects.job_event("completed", spec.tenant), event_c, msg_id))
+            messages.append(
+                outbox.message(subjects.job_event("completed", spec.tenant), event_c, msg_id, context=context)
+            )
             result.events.append(repo.JobEventRow(parent, "completed", msg_id, encode(event_c), now))
             return messages
         moved = await repo.set_state(
