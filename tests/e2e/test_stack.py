@@ -390,6 +390,27 @@ def test_loom_status_reports_every_process_healthy(home: Path) -> None:
     )
 
 
+def test_every_service_serves_prometheus_metrics_at_the_url_status_lists(home: Path) -> None:
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    services = [p for p in stack.process_table(home) if p["name"] not in ("supervisor", "nats", "postgres")]
+    assert services
+    for process in services:
+        url = process["metrics_url"]
+        assert url, f"{process['name']} has no /metrics URL"
+        with urlopen(url, timeout=10) as answer:
+            families = {f.name: f for f in text_string_to_metric_families(answer.read().decode())}
+        (info,) = families["loom_service_info"].samples
+        assert info.labels["service"] == process["name"]
+        assert "process_cpu_seconds" in families
+        if process["name"] == "metrics":
+            assert families["loom_cluster_free_gpus"].samples
+        if process["name"] == "placement":
+            assert families["loom_queue_depth"].samples
+
+
 def _loom(home: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "loom.cli.main", *argv],
