@@ -155,6 +155,13 @@ METERED_RUNS = Counter(
     "loom_metered_runs", "Job attempts metered into usage rows", ["tenant"], registry=REGISTRY
 )
 
+INCIDENTS_OPEN = Gauge(
+    "loom_incidents_open",
+    "Incidents not resolved (open or acknowledged), by severity",
+    ["severity"],
+    registry=REGISTRY,
+)
+
 
 def _sample_names(metric: MetricWrapperBase) -> Iterable[str]:
     name = metric._name
