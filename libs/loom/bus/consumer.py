@@ -43,14 +43,14 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from loom.bus.connection import BusError
 from loom.bus.outage import Dependencies, of_connection
 from loom.bus.publisher import Publisher
 from loom.errors import LoomError
-from loom.telemetry import span_name
+from loom.telemetry import message_context, span_name
 from loom.telemetry.metrics import CONSUMER_LAG, CONSUMER_MESSAGES, CONSUMER_REDELIVERIES, DEAD_LETTERS
 from loom_proto.codec import DecodeError, decode
 from loom_proto.ids import InvalidIdError
@@ -347,8 +347,10 @@ class ConsumerRunner(Generic[T]):
         CONSUMER_LAG.labels(durable).set(msgs[-1].metadata.num_pending or 0)
         for msg in msgs:
             headers = dict(msg.headers or {})
-            parent = propagate.extract(headers)
             meta = msg.metadata
+            parent = message_context(
+                headers, msg.subject, headers.get("Nats-Msg-Id") or f"{meta.stream}:{meta.sequence.stream}"
+            )
             if meta.num_delivered > 1:
                 CONSUMER_REDELIVERIES.labels(durable).inc()
             span = _tracer.start_span(
