@@ -125,20 +125,20 @@ class MigrationSettings:
 
     margin_s: Mapping[JobClass, float] = field(
         default_factory=lambda: {
-            "network_training": 120.0,
-            "training": 300.0,
-            "pipeline": 300.0,
-            "inference": 900.0,
+            "network_training": 30.0,
+            "training": 60.0,
+            "pipeline": 60.0,
+            "inference": 180.0,
         }
     )
     """Seconds the gain must exceed the cost by, per class: network-sensitive training moves most
     readily (its step depends on the links), steady inference least (users see every restart)."""
     margin_fraction: Mapping[JobClass, float] = field(
         default_factory=lambda: {
-            "network_training": 0.10,
-            "training": 0.25,
-            "pipeline": 0.25,
-            "inference": 0.50,
+            "network_training": 0.05,
+            "training": 0.10,
+            "pipeline": 0.10,
+            "inference": 0.25,
         }
     )
     """Plus this share of the cost (a prediction of a long cost is less sure)."""

@@ -659,6 +659,8 @@ class _Simulation:
                 if self.migrator is not None:
                     self.migrator.on_sample()
             self._pass()
+            if self.migrator is not None and self.migrator.after_pass():
+                self._pass()  # the moves freed GPUs the queue may use
             if sample:
                 self._sample()
                 nxt = t + self.sample_every_s

@@ -138,9 +138,12 @@ class Migrator:
         """Job -> (trigger, only this cluster) of a move the budget deferred."""
         self.drained: set[str] = set()
         self.degraded: set[frozenset[str]] = set()
-        self.seen: set[tuple[float, str, frozenset[str]]] = set()
+        self.seen: set[tuple[float, str, frozenset[frozenset[str]]]] = set()
         """Link events already handled at an instant (both directions come as two events)."""
         self.out = _Figures()
+        self.triggered: list[SimEvent] = []
+        """Scripted events of this instant whose moves wait for the scheduling pass."""
+        self.sampled = False
 
     # ---- hooks the engine calls ------------------------------------------------------------------
 
@@ -157,30 +160,24 @@ class Migrator:
         elif kind == "cluster_undrain":
             self.drained.discard(event.cluster)
         elif kind in ("link_degrade", "link_restore"):
-            pair = frozenset((event.src, event.dst))
-            if kind == "link_degrade":
-                self.degraded.add(pair)
-            else:
-                self.degraded.discard(pair)
-            key = (self.sim.t, kind, pair)
-            if key in self.seen or len(pair) != 2:
+            pairs = self._pairs(event)
+            for pair in pairs:
+                (self.degraded.add if kind == "link_degrade" else self.degraded.discard)(pair)
+            key = (self.sim.t, kind, frozenset(pairs))
+            if key in self.seen or not pairs:
                 return
             self.seen.add(key)
-        if self.policy.mode == "never":
-            return
-        if kind == "cluster_up":
-            self._consider(self._allowed_on(event.cluster), "cluster_joined", only=event.cluster)
-        elif kind == "cluster_drain":
-            self._consider(self._on_cluster(event.cluster), "drain")
-        elif kind == "link_degrade":
-            self._consider(self._across(event.src, event.dst), "link_degraded")
-        elif kind == "link_restore":
-            pair = frozenset((event.src, event.dst))
-            left = [j for j, link in sorted(self.left_link.items()) if link == pair]
-            self._consider(left, "link_improved")
+        if self.policy.mode != "never" and kind in (
+            "cluster_up",
+            "cluster_drain",
+            "link_degrade",
+            "link_restore",
+        ):
+            self.triggered.append(event)
 
     def on_sample(self) -> None:
-        """Periodically: finished migrations free the budget; deferred moves and drains go on."""
+        """Periodically: finished migrations free the budget; deferred moves and drains go on
+        (after the pass)."""
         now = self.sim.t
         still = []
         for entry in self.in_flight:
@@ -189,8 +186,41 @@ class Migrator:
             else:
                 still.append(entry)
         self.in_flight = still
+        self.sampled = True
+
+    def after_pass(self) -> bool:
+        """After the scheduling pass of an instant (the queue is served first, migrations take
+        what is left): the triggers of the instant, then at a sample the drains and deferred moves.
+        True when a job moved."""
+        before = self.out.migrations
+        triggered, self.triggered = self.triggered, []
+        sampled, self.sampled = self.sampled, False
         if self.policy.mode == "never":
-            return
+            return False
+        for event in triggered:
+            self._trigger(event)
+        if sampled:
+            self._retry()
+        return self.out.migrations > before
+
+    def _trigger(self, event: SimEvent) -> None:
+        kind = event.kind
+        if kind == "cluster_up":
+            self._consider(self._allowed_on(event.cluster), "cluster_joined", only=event.cluster)
+        elif kind == "cluster_drain":
+            if event.cluster in self.drained:
+                self._consider(self._on_cluster(event.cluster), "drain")
+        elif kind == "link_degrade":
+            hit = {
+                j for pair in self._pairs(event) for j in self._across(*sorted(pair)) if pair in self.degraded
+            }
+            self._consider(sorted(hit), "link_degraded")
+        elif kind == "link_restore":
+            restored = {pair for pair in self._pairs(event) if pair not in self.degraded}
+            left = [j for j, link in sorted(self.left_link.items()) if link in restored]
+            self._consider(left, "link_improved")
+
+    def _retry(self) -> None:
         for cluster in sorted(self.drained):
             self._consider(self._on_cluster(cluster), "drain")
         if self.deferred:
@@ -246,6 +276,13 @@ class Migrator:
         }
 
     # ---- affected jobs ---------------------------------------------------------------------------
+
+    def _pairs(self, event: SimEvent) -> list[frozenset[str]]:
+        """The links (region pairs) a link event changes: one, or every link of ``event.region``."""
+        if event.src and event.dst:
+            return [frozenset((event.src, event.dst))] if event.src != event.dst else []
+        region = event.region or event.src or event.dst
+        return [frozenset((region, other)) for other in self.sim.snap.net.regions if other != region]
 
     def _running(self, job_ids: Any) -> list[str]:
         jobs = self.sim.jobs

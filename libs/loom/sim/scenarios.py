@@ -315,6 +315,25 @@ def cluster_failure_events(
     return events
 
 
+def drain_events(
+    cluster: str, *, at_s: float, duration_s: float | None = None, topology: Topology | None = None
+) -> list[SimEvent]:
+    """``cluster`` is drained at ``at_s`` (closed to new work; a migration policy decides whether
+    its jobs move: :mod:`loom.sim.migration`) and opened again after ``duration_s`` (None: never).
+    Checked against ``topology`` when given."""
+    _check_time(at_s, "at_s")
+    if topology is not None:
+        try:
+            topology.cluster(cluster)
+        except TopologyError as exc:
+            raise ScenarioError(str(exc)) from None
+    events = [SimEvent(at_s=at_s, kind="cluster_drain", cluster=cluster)]
+    if duration_s is not None:
+        _check_duration(duration_s)
+        events.append(SimEvent(at_s=at_s + duration_s, kind="cluster_undrain", cluster=cluster))
+    return events
+
+
 def price_schedule(
     region: str,
     factors: Sequence[float],
