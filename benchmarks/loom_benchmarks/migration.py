@@ -47,8 +47,8 @@ PLATFORMS: Final = {"wide16": 16, "wide32": 32}
 SCENARIOS: Final = ("failure", "degradation", "drain")
 MODES: Final = ("on", "never", "always")
 LOADS: Final = (0.5, 0.8)
-SEEDS: Final = (1, 2, 3)
-UNITS: Final = 60
+SEEDS: Final = (1, 2, 3, 4)
+UNITS: Final = 50
 """Workload units of the mix per run."""
 CHECKPOINT_REFERENCE_S: Final = 300.0
 """Jobs checkpoint every this many seconds of reference-GPU work (steps x step time)."""
@@ -186,13 +186,19 @@ def run_cell(
             for res, _ in results.values()
         )
     )
+    touched = set().union(*((res.migration or {}).get("touched_jobs", []) for res, _ in results.values()))
     out: dict[str, Any] = {}
     for mode, (result, wall_s) in results.items():
-        jcts = [r.jct_s for r in result.records if r.job_id in finished_by_all and r.jct_s is not None]
+        jcts = {
+            r.job_id: r.jct_s for r in result.records if r.job_id in finished_by_all and r.jct_s is not None
+        }
         mig = dict(result.migration or {})
         verdicts = mig.pop("verdicts", [])
+        mig.pop("touched_jobs", None)
+        near = [jct for job_id, jct in jcts.items() if job_id in touched]
         out[mode] = {
-            "jct_mean_s": round(statistics.fmean(jcts), 1) if jcts else None,
+            "jct_mean_s": round(statistics.fmean(jcts.values()), 1) if jcts else None,
+            "jct_mean_touched_s": round(statistics.fmean(near), 1) if near else None,
             "finished": sum(1 for r in result.records if r.end_s is not None),
             "jobs": len(result.records),
             "gpu_hours": _gpu_hours(result),
@@ -209,6 +215,7 @@ def run_cell(
         "scenario": scenario,
         "jobs": len(trace.jobs),
         "compared_jobs": len(finished_by_all),
+        "touched_jobs": len(touched & finished_by_all),
         "arrival_span_h": round(span / 3600.0, 2),
         "modes": out,
     }
@@ -267,6 +274,14 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "seeds": [g["seed"] for g in group],
                 "modes": modes,
                 "on_vs_never": _margin(on, modes.get("never", {}).get("jct_mean_s")),
+                "on_vs_never_touched": _margin(
+                    modes.get("on", {}).get("jct_mean_touched_s"),
+                    modes.get("never", {}).get("jct_mean_touched_s"),
+                ),
+                "on_vs_always_touched": _margin(
+                    modes.get("on", {}).get("jct_mean_touched_s"),
+                    modes.get("always", {}).get("jct_mean_touched_s"),
+                ),
                 "on_vs_always": _margin(on, modes.get("always", {}).get("jct_mean_s")),
                 "on_vs_never_per_seed": per_seed.get("never"),
                 "on_vs_always_per_seed": per_seed.get("always"),
@@ -349,7 +364,7 @@ def print_table(result: dict[str, Any]) -> None:
     print(
         f"{'platform':<8} {'load':>4} {'scenario':<12} "
         + " ".join(f"{m + ' JCT s':>12}" for m in MODES)
-        + f" {'on vs never':>12} {'on vs always':>12} {'moves on/always':>16}"
+        + f" {'on vs never':>12} {'on vs always':>12} {'touched: vs never/always':>25} {'moves on/always':>16}"
         + f" {'GPU-h lost on/never/always':>28}",
         file=sys.stderr,
     )
@@ -364,7 +379,8 @@ def print_table(result: dict[str, Any]) -> None:
         lost = "/".join(f"{modes.get(m, {}).get('gpu_hours_lost') or 0:.2f}" for m in MODES)
         print(
             f"{line['platform']:<8} {line['load']:>4g} {line['scenario']:<12} {jct} "
-            f"{pct(line['on_vs_never']):>12} {pct(line['on_vs_always']):>12} {moves:>16} {lost:>28}",
+            f"{pct(line['on_vs_never']):>12} {pct(line['on_vs_always']):>12} "
+            f"{pct(line['on_vs_never_touched']) + ' / ' + pct(line['on_vs_always_touched']):>25} {moves:>16} {lost:>28}",
             file=sys.stderr,
         )
 

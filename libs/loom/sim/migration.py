@@ -38,7 +38,7 @@ the best-connected other cluster's) to the new one. Then the run is timed by tru
 (:mod:`loom.sim.truth`). Forced restarts after a failure pay the same transfer and restart in every
 mode. Figures (:meth:`Migrator.figures`, in ``SimResult.migration``): migrations, forced restarts,
 bytes moved between regions, GPU-hours lost (progress redone + GPUs held while a checkpoint is
-saved, copied and restarted), deferred moves, verdicts.
+saved, copied and restarted), deferred moves, verdicts, and the jobs a trigger concerned.
 """
 
 from __future__ import annotations
@@ -115,6 +115,8 @@ class _Figures:
     stayed: int = 0
     by_trigger: Counter[str] = field(default_factory=Counter)
     verdicts: list[dict[str, Any]] = field(default_factory=list)
+    touched: set[str] = field(default_factory=set)
+    """Jobs a trigger concerned: evaluated, moved or forced to restart."""
 
 
 class Migrator:
@@ -273,6 +275,7 @@ class Migrator:
             "stayed": out.stayed,
             "by_trigger": dict(out.by_trigger),
             "verdicts": out.verdicts,
+            "touched_jobs": sorted(out.touched),
         }
 
     # ---- affected jobs ---------------------------------------------------------------------------
@@ -397,6 +400,7 @@ class Migrator:
             path = self._path(state.region, lead.region)
         verdict = decide(state, target, path, now_s=self.sim.t, trigger=trigger, settings=self.settings)
         self.out.evaluated += 1
+        self.out.touched.add(job.spec.job_id)
         if len(self.out.verdicts) < _VERDICTS_KEPT:
             self.out.verdicts.append(_summary(verdict, self.sim.t))
         return verdict, d
@@ -506,6 +510,7 @@ class Migrator:
             self.out.lost_steps += lost
             self.out.gpu_hours_lost += lost * job.run.step_s * job.run.gpus / 3600.0
             self.out.forced_restarts += 1
+            self.out.touched.add(job_id)
             self.out.by_trigger["cluster_failed"] += 1
             self.pending[job_id] = _Pending(
                 source_region=replica,
