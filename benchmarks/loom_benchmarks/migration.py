@@ -364,7 +364,8 @@ def print_table(result: dict[str, Any]) -> None:
     print(
         f"{'platform':<8} {'load':>4} {'scenario':<12} "
         + " ".join(f"{m + ' JCT s':>12}" for m in MODES)
-        + f" {'on vs never':>12} {'on vs always':>12} {'touched: vs never/always':>25} {'moves on/always':>16}"
+        + f" {'on vs never':>12} {'on vs always':>12} {'touched: vs never/always':>25}"
+        + f" {'moves on/always':>16}"
         + f" {'GPU-h lost on/never/always':>28}",
         file=sys.stderr,
     )
@@ -380,7 +381,8 @@ def print_table(result: dict[str, Any]) -> None:
         print(
             f"{line['platform']:<8} {line['load']:>4g} {line['scenario']:<12} {jct} "
             f"{pct(line['on_vs_never']):>12} {pct(line['on_vs_always']):>12} "
-            f"{pct(line['on_vs_never_touched']) + ' / ' + pct(line['on_vs_always_touched']):>25} {moves:>16} {lost:>28}",
+            f"{pct(line['on_vs_never_touched']) + ' / ' + pct(line['on_vs_always_touched']):>25} "
+            f"{moves:>16} {lost:>28}",
             file=sys.stderr,
         )
 
