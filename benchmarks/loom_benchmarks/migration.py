@@ -187,6 +187,19 @@ def run_cell(
         )
     )
     touched = set().union(*((res.migration or {}).get("touched_jobs", []) for res, _ in results.values()))
+    jct_of = {
+        mode: {r.job_id: r.jct_s for r in res.records if r.job_id in finished_by_all and r.jct_s is not None}
+        for mode, (res, _) in results.items()
+    }
+    moved_effect: dict[str, Any] = {}
+    for mode, (res, _) in results.items():
+        moved = [j for j in (res.migration or {}).get("moved_jobs", []) if j in finished_by_all]
+        if moved and "never" in jct_of:
+            moved_effect[mode] = {
+                "jobs": len(moved),
+                "jct_mean_s": round(statistics.fmean(jct_of[mode][j] for j in moved), 1),
+                "jct_mean_never_s": round(statistics.fmean(jct_of["never"][j] for j in moved), 1),
+            }
     out: dict[str, Any] = {}
     for mode, (result, wall_s) in results.items():
         jcts = {
@@ -195,6 +208,7 @@ def run_cell(
         mig = dict(result.migration or {})
         verdicts = mig.pop("verdicts", [])
         mig.pop("touched_jobs", None)
+        mig.pop("moved_jobs", None)
         near = [jct for job_id, jct in jcts.items() if job_id in touched]
         out[mode] = {
             "jct_mean_s": round(statistics.fmean(jcts.values()), 1) if jcts else None,
@@ -216,6 +230,7 @@ def run_cell(
         "jobs": len(trace.jobs),
         "compared_jobs": len(finished_by_all),
         "touched_jobs": len(touched & finished_by_all),
+        "moved_jobs_effect": moved_effect,
         "arrival_span_h": round(span / 3600.0, 2),
         "modes": out,
     }
@@ -253,6 +268,7 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 k: mean(k)
                 for k in (
                     "jct_mean_s",
+                    "jct_mean_touched_s",
                     "gpu_hours_lost",
                     "bytes_moved",
                     "migrations",
@@ -266,9 +282,23 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             for other in ("never", "always")
             if other in modes and "on" in modes
         }
+        moved: dict[str, Any] = {}
+        for mode in ("on", "always"):
+            effects = [g["moved_jobs_effect"][mode] for g in group if mode in g.get("moved_jobs_effect", {})]
+            n = sum(e["jobs"] for e in effects)
+            if n:
+                mine = sum(e["jobs"] * e["jct_mean_s"] for e in effects) / n
+                never = sum(e["jobs"] * e["jct_mean_never_s"] for e in effects) / n
+                moved[mode] = {
+                    "jobs": n,
+                    "jct_mean_s": round(mine, 1),
+                    "jct_mean_never_s": round(never, 1),
+                    "vs_never": _margin(mine, never),
+                }
         lines.append(
             {
                 "platform": plat,
+                "moved_jobs": moved,
                 "load": load,
                 "scenario": scenario,
                 "seeds": [g["seed"] for g in group],
@@ -363,6 +393,7 @@ def print_table(result: dict[str, Any]) -> None:
     """One line per cell and scenario on stderr."""
     print(
         f"{'platform':<8} {'load':>4} {'scenario':<12} "
+        + f"{'moved by on: n, vs never':>25} "
         + " ".join(f"{m + ' JCT s':>12}" for m in MODES)
         + f" {'on vs never':>12} {'on vs always':>12} {'touched: vs never/always':>25}"
         + f" {'moves on/always':>16}"
@@ -378,8 +409,10 @@ def print_table(result: dict[str, Any]) -> None:
         jct = " ".join(f"{(modes.get(m, {}).get('jct_mean_s') or 0):>12.0f}" for m in MODES)
         moves = f"{modes.get('on', {}).get('migrations')}/{modes.get('always', {}).get('migrations')}"
         lost = "/".join(f"{modes.get(m, {}).get('gpu_hours_lost') or 0:.2f}" for m in MODES)
+        own = line.get("moved_jobs", {}).get("on")
+        mine = f"{own['jobs']}, {pct(own['vs_never'])}" if own else "-"
         print(
-            f"{line['platform']:<8} {line['load']:>4g} {line['scenario']:<12} {jct} "
+            f"{line['platform']:<8} {line['load']:>4g} {line['scenario']:<12} {mine:>25} {jct} "
             f"{pct(line['on_vs_never']):>12} {pct(line['on_vs_always']):>12} "
             f"{pct(line['on_vs_never_touched']) + ' / ' + pct(line['on_vs_always_touched']):>25} "
             f"{moves:>16} {lost:>28}",

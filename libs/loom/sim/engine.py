@@ -68,11 +68,12 @@ A job that restarts in a region it already copied its dataset to does not copy i
 duration of a run is ``wait + steps_left x step_s`` (+ the reading delay).
 
 **Changes during a run.** A degraded or restored link re-times the running data-parallel jobs whose
-parts span it (work done so far is kept; pipelines keep their planned step). A shrunk elastic job
-is re-timed for its new worker count. A job stopped by preemption or by its cluster failing is
-requeued (``restarts`` + 1) and resumes from its last checkpoint when ``work.checkpoint_every_steps``
-is set, else from scratch. Progress of running jobs is not reported to preemption (it sees 0),
-and elastic jobs are not grown back (only shrunk).
+parts span it, and the running inference jobs served from another region than their users (their
+step waits the users' round trip); work done so far is kept; pipelines keep their planned step. A
+shrunk elastic job is re-timed for its new worker count. A job stopped by preemption or by its
+cluster failing is requeued (``restarts`` + 1) and resumes from its last checkpoint when
+``work.checkpoint_every_steps`` is set, else from scratch. Progress of running jobs is not
+reported to preemption (it sees 0), and elastic jobs are not grown back (only shrunk).
 
 **Records.** ``start_s`` is the first placement (the GPUs are held from then, also while a dataset
 is copied); ``arrival_s`` the time the job entered the queue (a DAG stage: when its last parent
@@ -446,6 +447,9 @@ class _Simulation:
         """The network changed: every waiting shape is retried once (within the budget)."""
         self.by_cluster: dict[str, set[str]] = {}
         self.spanning: set[str] = set()
+        self.serving: set[str] = set()
+        """Running inference jobs whose users are in another region than their lead (their step
+        waits the users' round trip: re-timed when a link changes)."""
         """Running data-parallel jobs whose parts span regions (re-timed when a link changes)."""
         self.freeable: dict[int, IntArray] = {}
         """Priority -> per (cluster, model) pool, GPUs of preemptible running jobs' lead parts
@@ -1048,6 +1052,9 @@ class _Simulation:
             self.by_cluster.setdefault(p.cluster, set()).add(spec.job_id)
         if len(distinct) > 1 and not pipeline:
             self.spanning.add(spec.job_id)
+        users = spec.affinity.prefer_regions
+        if spec.task_type == "inference" and users and any(u != regions[0] for u in users):
+            self.serving.add(spec.job_id)
         self._count(run, +1)
         self._touch(run.pairs)
         self.gpus_used += gpus
@@ -1278,6 +1285,7 @@ class _Simulation:
             if members is not None:
                 members.discard(spec.job_id)
         self.spanning.discard(spec.job_id)
+        self.serving.discard(spec.job_id)
         self._count(run, -1)
         self.gpus_used -= run.gpus
         if self.snap.quota is not None:
@@ -1542,7 +1550,7 @@ class _Simulation:
         for shape in self.waiting.values():
             shape.seen = None
         self.retry_all = bool(self.waiting)
-        for job_id in sorted(self.spanning):
+        for job_id in sorted(self.spanning | self.serving):
             job = self.jobs[job_id]
             run = job.run
             if run is None:

@@ -115,6 +115,8 @@ class _Figures:
     stayed: int = 0
     by_trigger: Counter[str] = field(default_factory=Counter)
     verdicts: list[dict[str, Any]] = field(default_factory=list)
+    moved: set[str] = field(default_factory=set)
+    """Jobs moved proactively (not the forced restarts of a failure)."""
     touched: set[str] = field(default_factory=set)
     """Jobs a trigger concerned: evaluated, moved or forced to restart."""
 
@@ -276,6 +278,7 @@ class Migrator:
             "by_trigger": dict(out.by_trigger),
             "verdicts": out.verdicts,
             "touched_jobs": sorted(out.touched),
+            "moved_jobs": sorted(out.moved),
         }
 
     # ---- affected jobs ---------------------------------------------------------------------------
@@ -383,7 +386,7 @@ class Migrator:
         )
 
     def _verdict(
-        self, job: _Job, trigger: Trigger, only: str | None
+        self, job: _Job, trigger: Trigger, only: str | None, *, again: bool = False
     ) -> tuple[MigrationVerdict, Decision | None]:
         state = self._state(job)
         d = self._candidate(job, only)
@@ -399,6 +402,8 @@ class Migrator:
             )
             path = self._path(state.region, lead.region)
         verdict = decide(state, target, path, now_s=self.sim.t, trigger=trigger, settings=self.settings)
+        if again:  # the same look again just before moving (the snapshot may have changed)
+            return verdict, d
         self.out.evaluated += 1
         self.out.touched.add(job.spec.job_id)
         if len(self.out.verdicts) < _VERDICTS_KEPT:
@@ -432,7 +437,9 @@ class Migrator:
             job = jobs[verdict.job_id]
             assert verdict.target is not None
             src_region, dst_region = regions[verdict.source], regions[verdict.target]
-            fresh, d = self._verdict(job, trigger, only) if job.run is not None else (verdict, None)
+            fresh, d = (
+                self._verdict(job, trigger, only, again=True) if job.run is not None else (verdict, None)
+            )
             if d is None or not fresh.move:
                 self.budget.release(verdict.source, verdict.target, src_region, dst_region)
                 continue
@@ -483,6 +490,7 @@ class Migrator:
         self.moves[spec.job_id] += 1
         self.last_moved[spec.job_id] = self.sim.t
         self.out.migrations += 1
+        self.out.moved.add(spec.job_id)
         self.out.by_trigger[trigger] += 1
         self.deferred.pop(spec.job_id, None)
         self.sim.move(spec.job_id, d, keep_progress=keep)
