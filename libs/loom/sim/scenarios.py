@@ -4,9 +4,10 @@
 training and validation across a cheap, high-latency region and a fast, expensive one) as a
 :class:`~loom.sim.model.Trace` and the :class:`~loom.sim.model.Platform` it runs on.
 
-:func:`degraded_link_events`, :func:`cluster_failure_events` and :func:`price_schedule` return the
-:class:`~loom.sim.model.SimEvent` s that script a link degrading and recovering, a cluster failing
-and returning, and a region's price changing by the hour; add them to any ``Trace.events``.
+:func:`degraded_link_events`, :func:`cluster_failure_events`, :func:`drain_events` and
+:func:`price_schedule` return the :class:`~loom.sim.model.SimEvent` s that script a link degrading
+and recovering, a cluster failing and returning, a cluster drained and opened again, and a
+region's price changing by the hour; add them to any ``Trace.events``.
 """
 
 import dataclasses
@@ -35,6 +36,7 @@ __all__ = [
     "ScenarioError",
     "cluster_failure_events",
     "degraded_link_events",
+    "drain_events",
     "multi_stage_scenario",
     "platform_for_regions",
     "price_schedule",
