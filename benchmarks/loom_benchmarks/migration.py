@@ -19,7 +19,8 @@ checkpointing every ``CHECKPOINT_REFERENCE_S`` of reference-GPU work. **Loads** 
   returns at 0.55 S;
 - ``degradation``: every link of the region whose links carry the most cross-region running jobs
   at 0.25 S (:func:`most_crossed_region`: spanning gangs, inference away from its users; found by
-  a run without events stopped there) gets RTT x 5 and bandwidth x 0.2 from 0.25 S to 0.6 S;
+  a run without events stopped there) gets RTT x 5 and bandwidth x 0.2 from 0.25 S for
+  ``--degradation-s`` (default 1 h);
 - ``drain``: that cluster is drained at 0.25 S and opened again at 0.75 S.
 
 Per run: mean JCT (of the jobs every mode finished), finished jobs, GPU-hours, GPU-hours lost,
@@ -50,6 +51,8 @@ LOADS: Final = (0.5, 0.8)
 SEEDS: Final = (1, 2, 3, 4)
 UNITS: Final = 50
 """Workload units of the mix per run."""
+DEGRADATION_S: Final = 3600.0
+"""How long the degraded links stay degraded."""
 CHECKPOINT_REFERENCE_S: Final = 300.0
 """Jobs checkpoint every this many seconds of reference-GPU work (steps x step time)."""
 
@@ -124,7 +127,14 @@ def most_crossed_region(trace: "Trace", built: "Platform", at_s: float, seed: in
 
 
 def scenario_events(
-    scenario: str, trace: "Trace", built: "Platform", *, first_s: float, span_s: float, seed: int
+    scenario: str,
+    trace: "Trace",
+    built: "Platform",
+    *,
+    first_s: float,
+    span_s: float,
+    seed: int,
+    degradation_s: float = DEGRADATION_S,
 ) -> list["SimEvent"]:
     """The scripted events of a scenario (see the module docstring)."""
     from loom.sim.model import SimEvent
@@ -138,7 +148,7 @@ def scenario_events(
         region = most_crossed_region(trace, built, at, seed) or region
         return [
             SimEvent(at_s=at, kind="link_degrade", region=region, rtt_factor=5.0, bandwidth_factor=0.2),
-            SimEvent(at_s=at + 0.35 * span_s, kind="link_restore", region=region),
+            SimEvent(at_s=at + degradation_s, kind="link_restore", region=region),
         ]
     if scenario == "drain":
         return drain_events(cluster, at_s=at, duration_s=0.5 * span_s)
@@ -153,6 +163,7 @@ def run_cell(
     *,
     modes: Sequence[str] = MODES,
     units: int = UNITS,
+    degradation_s: float = DEGRADATION_S,
 ) -> dict[str, Any]:
     """Every mode over one (platform, load, seed, scenario): per mode its figures."""
     from loom.sim.engine import simulate
@@ -166,7 +177,9 @@ def run_cell(
     trace = with_checkpoints(base)
     arrivals = [j.arrival_s for j in trace.jobs]
     first, span = min(arrivals), max(arrivals) - min(arrivals)
-    events = scenario_events(scenario, trace, built, first_s=first, span_s=span, seed=seed)
+    events = scenario_events(
+        scenario, trace, built, first_s=first, span_s=span, seed=seed, degradation_s=degradation_s
+    )
     trace = Trace(trace.jobs, events=events, source=trace.source)
     results = {}
     for mode in modes:
@@ -332,7 +345,9 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         for load in loads:
             for scenario in scenarios:
                 for seed in seeds:
-                    one = run_cell(plat, load, seed, scenario, units=args.units)
+                    one = run_cell(
+                        plat, load, seed, scenario, units=args.units, degradation_s=args.degradation_s
+                    )
                     runs.append(one)
                     if progress is not None:
                         jct = {m: f["jct_mean_s"] for m, f in one["modes"].items()}
@@ -347,6 +362,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         "seeds": seeds,
         "units": args.units,
         "checkpoint_reference_s": CHECKPOINT_REFERENCE_S,
+        "degradation_s": args.degradation_s,
         "cells": lines,
         "summary": summary(lines),
         "runs": runs,
@@ -427,6 +443,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS))
     parser.add_argument("--seeds", default=",".join(str(s) for s in SEEDS))
     parser.add_argument("--units", type=int, default=UNITS, help="workload units of the mix per run")
+    parser.add_argument(
+        "--degradation-s", type=float, default=DEGRADATION_S, help="how long the degraded links stay degraded"
+    )
     parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
 
 
