@@ -147,3 +147,30 @@ def test_a_failed_clusters_jobs_pay_the_checkpoint_copy_and_restart_in_every_mod
     # The same restart as without a migration policy, later by the copy and restart.
     assert plain.records[0].end_s is not None
     assert ends.pop() >= plain.records[0].end_s + MigrationPolicy().settings.restart_s
+
+
+def test_a_drain_under_on_moves_at_most_the_budgets_concurrency_and_defers_the_rest() -> None:
+    plat = platform({"a": (EU, "H100", 2), "b": (EU, "H100", 2)})
+    events = [
+        SimEvent(at_s=0.0, kind="cluster_down", cluster="b"),
+        SimEvent(at_s=10.0, kind="cluster_up", cluster="b"),
+        *drain_events("a", at_s=50.0),
+    ]
+    trace = Trace(jobs=[job("j1", 20_000), job("j2", 20_000)], events=events)
+    result = simulate(
+        trace,
+        plat,
+        POLICIES["loom"](0),
+        truth=BELIEF,
+        sample_every_s=60.0,
+        migration=MigrationPolicy("on", per_cluster=1),
+    )
+    assert result.migration is not None
+    assert result.migration["by_trigger"] == {"drain": 2}
+    assert result.migration["deferred_by_budget"] >= 1
+    assert all(r.clusters == ("b",) and r.restarts == 1 for r in result.records)
+    moved_at = sorted(v["at_s"] for v in result.migration["verdicts"] if v["decision"] == "move")
+    delay = 16e9 * 8 / 4e9 + (0.5 / 1000 + 16e9 * 8 / 100e9) + 60.0
+    # One in flight at a time: the second starts only after the first's checkpoint is in.
+    assert moved_at[0] == pytest.approx(50.0)
+    assert moved_at[-1] >= 50.0 + delay
