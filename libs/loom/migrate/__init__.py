@@ -1,1 +1,2 @@
-"""Migration and failover: pure decisions (cluster health, what to re-place)."""
+"""Migration and failover: pure decisions (cluster health, what to re-place, where a re-placed run
+resumes, and whether a running job should move: ``benefit``)."""

@@ -78,7 +78,7 @@ FORCED_TRIGGERS: frozenset[Trigger] = frozenset({"cluster_failed", "drain"})
 JobClass = Literal["network_training", "training", "pipeline", "inference"]
 """How sensitive a job is to where it runs; sets its margin."""
 
-Decision = Literal["move", "stay"]
+MoveOrStay = Literal["move", "stay"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +243,7 @@ class MigrationVerdict:
 
     job_id: str
     trigger: Trigger
-    decision: Decision
+    decision: MoveOrStay
     reason: str
     source: str
     target: str | None
