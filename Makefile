@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench lint format up down status clean
+.PHONY: chromium demo test test-fast bench lint format up down status clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## start the embedded stack, run the example workload, show progress and a summary
 	$(BIN)/loom demo
 
-test: $(STAMP)  ## the whole suite: unit, integration (real NATS + PostgreSQL), end-to-end
-	$(BIN)/python -m pytest -q
+test: $(STAMP) chromium  ## the whole suite: unit, integration (real NATS + PostgreSQL), end-to-end, browser; 4 processes, a file each
+	$(BIN)/python -m pytest -q -n 4 --dist loadfile
+
+chromium:  ## the system Chromium the browser tests drive (Debian package; Playwright downloads nothing)
+	@command -v chromium >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
 
 test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/python -m pytest -q tests/unit

@@ -10,12 +10,18 @@ appends ``/v1/traces``), and wait for the spans you expect::
 
 Only protobuf bodies (what opentelemetry-exporter-otlp-proto-http sends) are understood. Logs and
 metrics posted to it are accepted and dropped, so a process exporting them does not log errors.
+
+It also answers ``GET /api/traces/<trace id>`` in the JSON shape of Jaeger's query API (the
+fields ``loom trace`` reads: spans, CHILD_OF references, processes, microsecond times), built
+from the spans it received: no Jaeger binary can run here, and this is what Jaeger would answer
+for the same export.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 import threading
 import zlib
 from collections.abc import Callable
@@ -32,6 +38,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 TRACES_PATH = "/v1/traces"
+JAEGER_TRACES_PATH = "/api/traces/"
 
 
 class ReceivedSpan(TypedDict):
@@ -140,6 +147,41 @@ class OtlpReceiver:
         """The spans received so far of one trace."""
         return [span for span in self.spans if span["trace_id"] == trace_id]
 
+    def jaeger_trace(self, trace_id: str) -> dict[str, Any] | None:
+        """The spans of one trace as Jaeger's ``/api/traces/<id>`` answers them (None: unknown)."""
+        spans = self.trace(trace_id.lower())
+        if not spans:
+            return None
+        processes: dict[str, dict[str, Any]] = {}
+        out = []
+        for span in spans:
+            service = str(span["service_name"])
+            pid = next((k for k, v in processes.items() if v["serviceName"] == service), None)
+            if pid is None:
+                pid = f"p{len(processes) + 1}"
+                processes[pid] = {"serviceName": service, "tags": []}
+            refs = (
+                [{"refType": "CHILD_OF", "traceID": trace_id, "spanID": span["parent_span_id"]}]
+                if span["parent_span_id"]
+                else []
+            )
+            tags = [{"key": k, "type": "string", "value": str(v)} for k, v in span["attributes"].items()]
+            if span["status"] == "ERROR":
+                tags.append({"key": "error", "type": "bool", "value": True})
+            out.append(
+                {
+                    "traceID": trace_id,
+                    "spanID": span["span_id"],
+                    "operationName": span["name"],
+                    "references": refs,
+                    "startTime": span["start_time_unix_nano"] // 1000,
+                    "duration": (span["end_time_unix_nano"] - span["start_time_unix_nano"]) // 1000,
+                    "tags": tags,
+                    "processID": pid,
+                }
+            )
+        return {"data": [{"traceID": trace_id, "spans": out, "processes": processes}]}
+
     def clear(self) -> None:
         """Forget the spans received so far."""
         with self._changed:
@@ -167,9 +209,22 @@ class OtlpReceiver:
                 receiver._record(spans)
                 self._reply(HTTPStatus.OK, ExportTraceServiceResponse().SerializeToString())
 
-            def _reply(self, status: HTTPStatus, payload: bytes) -> None:
+            def do_GET(self) -> None:
+                path = self.path.split("?")[0]
+                if not path.startswith(JAEGER_TRACES_PATH):
+                    self._reply(HTTPStatus.NOT_FOUND, b"", "application/json")
+                    return
+                found = receiver.jaeger_trace(path.removeprefix(JAEGER_TRACES_PATH))
+                if found is None:
+                    self._reply(HTTPStatus.NOT_FOUND, b'{"data": null}', "application/json")
+                    return
+                self._reply(HTTPStatus.OK, json.dumps(found).encode(), "application/json")
+
+            def _reply(
+                self, status: HTTPStatus, payload: bytes, content_type: str = "application/x-protobuf"
+            ) -> None:
                 self.send_response(status)
-                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)

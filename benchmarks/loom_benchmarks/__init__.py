@@ -13,6 +13,18 @@ from typing import Any
 def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     """Sub-commands of ``loom bench``."""
     sub = parser.add_subparsers(dest="bench", required=True)
+    alerts = sub.add_parser(
+        "alerts", help="alert correlation: a cluster storm, injected faults, real-stack latency"
+    )
+    alerts.add_argument("--faults", type=int, default=200, help="injected faults with known roots")
+    alerts.add_argument("--probes", type=int, default=100, help="latency probes on the real stack")
+    alerts.add_argument("--probe-hz", type=float, default=2.0, help="probes per second")
+    alerts.add_argument(
+        "--background-hz", type=float, default=100.0, help="attached repeats per second meanwhile"
+    )
+    alerts.add_argument("--skip-stack", action="store_true", help="leave out the real-stack latency part")
+    alerts.add_argument("--seed", type=int, default=7)
+    alerts.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     e2e = sub.add_parser("e2e", help="submit -> placed through the real bus, database and services")
     e2e.add_argument("--jobs", type=int, default=2000, help="jobs in the throughput phase")
     e2e.add_argument("--rate", type=float, default=50.0, help="jobs per second in the paced phase")
@@ -168,6 +180,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     from loom_benchmarks.chaos import add_arguments as chaos_arguments
 
     chaos_arguments(chaos)
+    console_bench = sub.add_parser(
+        "console", help="web console pages: p50/p95/p99 with the default topology and 10,000 jobs stored"
+    )
+    from loom_benchmarks.console import add_arguments as console_arguments
+
+    console_arguments(console_bench)
     codec = sub.add_parser(
         "codec", help="strict decode cost per message: bare msgspec vs Loom's guarded codec"
     )
@@ -184,9 +202,12 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
             print(f"{key:>28}: {value}", file=sys.stderr)
 
 
-# PLR0912: one branch per benchmark, a flat dispatch.
-def run_benchmark(args: argparse.Namespace) -> int:  # noqa: PLR0912
+def run_benchmark(args: argparse.Namespace) -> int:  # noqa: PLR0912 - a branch per benchmark
     """Dispatch ``loom bench NAME``."""
+    if args.bench == "console":
+        from loom_benchmarks.console import main as run_console
+
+        return run_console(args)
     if args.bench == "codec":
         from loom_benchmarks.codec import main as run_codec
 
@@ -242,5 +263,13 @@ def run_benchmark(args: argparse.Namespace) -> int:  # noqa: PLR0912
         emit(result, True)
         if not args.json:
             net.report(result)
+        return 0
+    if args.bench == "alerts":
+        from loom_benchmarks import alerts
+
+        result = alerts.run(args)
+        emit(result, True)
+        if not args.json:
+            alerts.report(result)
         return 0
     raise SystemExit(f"unknown benchmark {args.bench}")

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from loom_proto.alerts import Alert
+from loom_proto.alerts import Alert, IncidentChange
 from loom_proto.clusters import (
     CheckpointJob,
     ClusterHeartbeat,
@@ -72,6 +72,10 @@ CHANNELS: dict[str, tuple[tuple[str, ...], type[msgspec.Struct], str]] = {
     "loom.net.event.degraded": ((), LinkDegraded, "A link crossed its degrade thresholds."),
     "loom.net.event.recovered": ((), LinkRecovered, "A degraded link is within its thresholds again."),
     "loom.alerts.{source}": (("source",), Alert, "An alert from a monitoring source."),
+    "loom.alerts.raw.{source}": (("source",), Alert, "A raw alert for the alert correlator."),
+    "loom.incidents.opened": ((), IncidentChange, "An incident opened (or re-opened on relapse)."),
+    "loom.incidents.updated": ((), IncidentChange, "An incident changed: root, jobs, severity, ack."),
+    "loom.incidents.resolved": ((), IncidentChange, "An incident resolved (or merged into another)."),
 }
 
 

@@ -156,6 +156,22 @@ def alert(source: str) -> str:
     return f"{PREFIX}.alerts.{validate_id(source, 'source')}"
 
 
+def alert_raw(source: str) -> str:
+    """``loom.alerts.raw.<source>``: raw alerts of a monitoring source, before correlation."""
+    return f"{PREFIX}.alerts.raw.{validate_id(source, 'source')}"
+
+
+IncidentChangeKind = Literal["opened", "updated", "resolved"]
+INCIDENT_CHANGES: tuple[IncidentChangeKind, ...] = ("opened", "updated", "resolved")
+
+
+def incident(change: IncidentChangeKind) -> str:
+    """``loom.incidents.<change>``: an incident opened, updated or resolved (the alert correlator)."""
+    if change not in INCIDENT_CHANGES:
+        raise ValueError(f"unknown incident change {change!r}")
+    return f"{PREFIX}.incidents.{change}"
+
+
 def service_health(instance: str) -> str:
     """``loom.health.<instance>``: request-reply, where one service instance answers health checks."""
     return f"{PREFIX}.health.{validate_id(instance, 'instance')}"
@@ -190,6 +206,10 @@ JOBS_QUERY = f"{PREFIX}.jobs.query"
 NET_QUERY_PATH = f"{PREFIX}.net.query.path"
 NET_QUERY_POINT = f"{PREFIX}.net.query.point"
 NET_EMU_ALL = f"{PREFIX}.net.emu.all"
+ALERTS_RAW_ALL = f"{PREFIX}.alerts.raw.*"
+INCIDENTS_ALL = [f"{PREFIX}.incidents.{change}" for change in INCIDENT_CHANGES]
+INCIDENTS_ACK = f"{PREFIX}.incidents.ack"
+"""Request-reply: the alert correlator acknowledges an incident (``{incident_id, by}``)."""
 """Every collector answers (scatter-gather): used to restore or list every emulated link."""
 
 
@@ -246,7 +266,9 @@ STREAMS: tuple[StreamSpec, ...] = (
     ),
     StreamSpec(
         name="ALERTS",
-        subjects=[f"{PREFIX}.alerts.*", f"{PREFIX}.incidents.*"],
+        # Each incident change listed, not ``loom.incidents.*``: the request-reply subject
+        # ``loom.incidents.ack`` must not be captured by the stream.
+        subjects=[f"{PREFIX}.alerts.*", ALERTS_RAW_ALL, *INCIDENTS_ALL],
         description="raw alerts and the incidents correlated from them",
         max_age_s=7 * 86_400,
     ),

@@ -390,6 +390,27 @@ def test_loom_status_reports_every_process_healthy(home: Path) -> None:
     )
 
 
+def test_every_service_serves_prometheus_metrics_at_the_url_status_lists(home: Path) -> None:
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    services = [p for p in stack.process_table(home) if p["name"] not in ("supervisor", "nats", "postgres")]
+    assert services
+    for process in services:
+        url = process["metrics_url"]
+        assert url, f"{process['name']} has no /metrics URL"
+        with urlopen(url, timeout=10) as answer:
+            families = {f.name: f for f in text_string_to_metric_families(answer.read().decode())}
+        (info,) = families["loom_service_info"].samples
+        assert info.labels["service"] == process["name"]
+        assert "process_cpu_seconds" in families
+        if process["name"] == "metrics":
+            assert families["loom_cluster_free_gpus"].samples
+        if process["name"] == "placement":
+            assert families["loom_queue_depth"].samples
+
+
 def _loom(home: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "loom.cli.main", *argv],
@@ -516,7 +537,9 @@ def test_loom_submit_wait_shows_progress_while_the_job_runs(home: Path, tmp_path
     assert "completed" in done.stdout.splitlines()[-1]
 
 
-def test_loom_job_and_explain_of_a_dag_point_to_its_stage_jobs(home: Path, tmp_path: Path) -> None:
+def test_loom_job_and_explain_of_a_dag_point_to_its_stage_jobs(
+    home: Path, tmp_path: Path, receiver: OtlpReceiver
+) -> None:
     dag_id = f"dag-{uuid.uuid4().hex[:8]}"
     stage = {"resources": {"gpus": 1}, "work": {"steps": 5, "step_time_s": 1.0}}
     spec = {
@@ -537,3 +560,35 @@ def test_loom_job_and_explain_of_a_dag_point_to_its_stage_jobs(home: Path, tmp_p
     # `loom explain` used to say "no decision recorded yet".
     explained = _loom(home, "explain", dag_id)
     assert f"loom explain {dag_id}--train" in explained.stdout, explained.stdout
+    # One trace from `loom submit` to the DAG's own completion: the DAG's `completed` used to
+    # start a new root trace, and `loom submit` emitted no span at all.
+    traced = _loom(home, "trace", dag_id)
+    assert traced.returncode == 0, traced.stderr
+    trace_id = traced.stdout.split()[1]
+    assert f"/trace/{trace_id}" in traced.stdout
+    assert f"trace: {trace_id}" in shown.stdout
+
+    def done_and_whole(spans: list[Any]) -> bool:
+        mine = [s for s in spans if s["trace_id"] == trace_id]
+        ids = {s["span_id"] for s in mine}
+        completed = any(
+            s["name"] == "publish loom.jobs.completed"
+            and s["attributes"].get("messaging.message.id") == f"{dag_id}:completed:1"
+            for s in mine
+        )
+        # Every span hangs from one root (none orphaned), once the parents are exported too.
+        return completed and sum(1 for s in mine if s["parent_span_id"] not in ids) == 1
+
+    receiver.wait_for(done_and_whole, timeout_s=15)
+    mine = receiver.trace(trace_id)
+    roots = [s for s in mine if s["parent_span_id"] is None]
+    assert [(r["service_name"], r["name"]) for r in roots] == [("loom-cli", "loom submit")], roots
+    stage_cluster = as_json["stage_jobs"][0]["cluster"]
+    assert {s["service_name"] for s in mine} >= {"loom-cli", f"agent-{stage_cluster}"}
+    # With Jaeger's query API configured, `loom trace` prints the tree from it.
+    tree = _loom(home, "trace", dag_id, "--jaeger", receiver.url)
+    assert tree.returncode == 0, tree.stderr
+    lines = tree.stdout.splitlines()
+    assert "loom-cli: loom submit" in lines[2] and lines[2].split("loom-cli")[0].strip().startswith("0.000s")
+    assert any("placement" in line and "publish loom.jobs.completed" in line for line in lines[3:])
+    assert len(lines) - 2 >= len(mine)  # every span received is in the tree

@@ -52,9 +52,11 @@ async def nc(nats_url: str) -> AsyncIterator[Client]:
 # -- migrations --------------------------------------------------------------------------------------
 
 
-def test_shipped_migrations_are_numbered_from_one_without_gaps() -> None:
+def test_shipped_migrations_are_numbered_from_one_ascending_without_repeats() -> None:
+    # Numbers are handed out per piece of work, so a branch may hold a later number before an
+    # earlier one lands (loom.store.migrations.available allows the gap, never a repeat).
     versions = [m.version for m in available()]
-    assert versions == list(range(1, len(versions) + 1))
+    assert versions == sorted(set(versions))
     assert versions[0] == 1
 
 

@@ -19,7 +19,7 @@ from loom.bus.connection import BusError
 from loom.client import LoomClient, QueryError, SpecError, load_specs
 from loom.runtime import stack
 from loom.runtime.config import endpoints, loom_home
-from loom.telemetry import configure_logging
+from loom.telemetry import configure_logging, setup_telemetry, shutdown_telemetry
 
 console = Console()
 err = Console(stderr=True)
@@ -50,6 +50,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         placement_shards=args.placement_shards,
         services=not args.servers_only,
         nats_cluster=args.nats_cluster,
+        metrics_port_base=args.metrics_port_base,
     )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
@@ -57,6 +58,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     console.print(
         f"{len(state['services'])} services; logs in {loom_home() / 'logs'}; stop with [bold]loom down[/bold]"
     )
+    if state.get("console_url"):
+        console.print(
+            f"web console at {state['console_url']}: [bold]loom console[/bold] prints its URL with a token"
+        )
     return 0
 
 
@@ -104,6 +109,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                 text,
             )
         console.print(table)
+        metrics_endpoints = [(r["name"], r["metrics_url"]) for r in rows if r.get("metrics_url")]
+        if metrics_endpoints:
+            console.print("Prometheus /metrics:")
+            for name, url in metrics_endpoints:
+                console.print(f"  {name:<28} {url}", highlight=False, soft_wrap=True)
     ok = all(r["alive"] for r in rows) and all(
         r["health"] for r in rows if r["name"] != "supervisor" and not stack.is_server(r["name"])
     )
@@ -164,16 +174,21 @@ def cmd_submit(args: argparse.Namespace) -> int:
         client = await _client()
         refused = False
         follow: set[str] = set()
+        # The submission's span is the root of the job's trace: record it (exported when
+        # OTEL_EXPORTER_OTLP_ENDPOINT is set) so the traceparent says "sampled" downstream.
+        setup_telemetry("loom-cli", log_level=None, always_identify=True)
         try:
             for spec in specs:
                 admission = await client.submit_checked(spec)
                 refused |= _print_admission(spec, admission)
                 if admission.outcome in ("accepted", "duplicate", "unanswered"):
                     follow.add(spec.job_id)
+            shutdown_telemetry()  # flush the submission spans before waiting
             if args.wait and follow:
                 code = await _follow(client, follow, timeout_s=args.timeout)
                 return 1 if refused else code
         finally:
+            shutdown_telemetry()
             await client.close()
         return 1 if refused else 0
 
@@ -184,7 +199,8 @@ def _print_admission(spec: Any, admission: Any) -> bool:
     """One line per submission; True when it was refused (rejected, or its id taken)."""
     name = f"[bold]{escape(spec.job_id)}[/bold] (tenant {escape(spec.tenant)})"
     if admission.outcome == "accepted":
-        console.print(f"submitted {name}: accepted, {admission.state}")
+        trace = f"; trace {admission.trace_id}" if admission.trace_id else ""
+        console.print(f"submitted {name}: accepted, {admission.state}{trace}")
     elif admission.outcome == "duplicate":
         console.print(
             f"{name}: already submitted ({escape(admission.state or admission.reason)}); nothing sent again"
@@ -347,6 +363,8 @@ def cmd_job(args: argparse.Namespace) -> int:
         )
         if job.get("reason"):
             console.print(f"reason: {job['reason']}")
+        if job.get("trace_id"):
+            console.print(f"trace: {job['trace_id']}  (`loom trace {job['job_id']}`)")
         if stages:
             _print_stages(stages)
         table = Table(title="history")
@@ -805,6 +823,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="nats-server processes: 3 runs a JetStream cluster with 3 replicas of every stream",
     )
+    p.add_argument(
+        "--metrics-port-base",
+        type=int,
+        default=0,
+        help="Prometheus /metrics ports: consecutive from this one (default: a free port each)",
+    )
     add("down", cmd_down, "stop the embedded stack")
     p = add("status", cmd_status, "show the stack's processes and their health")
     p.add_argument("--json", action="store_true")
@@ -866,8 +890,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", nargs="?")
     p.add_argument("dst", nargs="?")
     from loom.cli.dlq import add_parser as add_dlq_parser
+    from loom.cli.trace import add_parser as add_trace_parser
 
     add_dlq_parser(sub)
+    add_trace_parser(sub)
+    from loom.cli.console import add_parser as add_console_parser
+
+    add_console_parser(sub)
+    from loom.cli.incidents import add_parser as add_incidents_parser
+
+    add_incidents_parser(sub)
+    from loom.cli.usage import add_parser as add_usage_parser
+
+    add_usage_parser(sub)
     p = add("demo", cmd_demo, "start the stack, run the example workload, show progress and a summary")
     p.add_argument(
         "--workload", type=Path, default=None, help="job file (default: examples/demo-workload.yaml)"

@@ -11,6 +11,9 @@ from typing import Any
 import msgspec
 import yaml
 from nats.aio.client import Client
+from nats.js.api import PubAck
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from loom.bus import Publisher, connect
 from loom.errors import InvalidInputError, LoomError
@@ -19,6 +22,8 @@ from loom_proto.codec import DecodeError, decode
 from loom_proto.ids import plain_words
 from loom_proto.jobs import JobEvent, JobRejected, JobSpec, JobSubmitted
 from loom_proto.view import ViewQuery
+
+_tracer = trace.get_tracer("loom.client")
 
 
 class SpecError(InvalidInputError):
@@ -40,6 +45,8 @@ class Admission:
     code: str = ""
     reason: str = ""
     hint: str = ""
+    trace_id: str | None = None
+    """The trace the submission started (None when the caller records no spans)."""
 
 
 class QueryError(LoomError):
@@ -97,10 +104,22 @@ class LoomClient:
 
     async def submit(self, spec: JobSpec) -> str:
         """Submit a job; resubmitting the same ``job_id`` within two minutes is a no-op."""
+        await self._publish_submission(spec)
+        return spec.job_id
+
+    async def _publish_submission(self, spec: JobSpec) -> tuple[PubAck, str | None]:
+        """Publish one submission under a ``loom submit`` span, the root of the job's trace when
+        the caller set up telemetry (the CLI does); returns the ack and the trace id."""
         fields = {f: getattr(spec, f) for f in JobSpec.__struct_fields__}
         job = JobSubmitted(**fields, submitted_at=time.time())
-        await self.publisher.publish(subjects.job_submitted(spec.tenant), job, msg_id=spec.job_id)
-        return spec.job_id
+        with _tracer.start_as_current_span(
+            "loom submit",
+            kind=SpanKind.CLIENT,
+            attributes={"loom.job_id": spec.job_id, "loom.tenant": spec.tenant},
+        ) as span:
+            ack = await self.publisher.publish(subjects.job_submitted(spec.tenant), job, msg_id=spec.job_id)
+            ctx = span.get_span_context()
+        return ack, (format(ctx.trace_id, "032x") if ctx.is_valid else None)
 
     async def submit_checked(self, spec: JobSpec, *, wait_s: float = 3.0) -> Admission:
         """Submit a job and say what became of it within ``wait_s``: accepted, rejected (with the
@@ -115,9 +134,7 @@ class LoomClient:
             return self._known(spec, existing)
         rejected = await self.nc.subscribe(subjects.job_event("rejected", spec.tenant))
         try:
-            fields = {f: getattr(spec, f) for f in JobSpec.__struct_fields__}
-            job = JobSubmitted(**fields, submitted_at=time.time())
-            ack = await self.publisher.publish(subjects.job_submitted(spec.tenant), job, msg_id=spec.job_id)
+            ack, trace_id = await self._publish_submission(spec)
             if ack.duplicate:
                 return Admission(spec.job_id, "duplicate", reason="the same job id was submitted moments ago")
             deadline = time.monotonic() + wait_s
@@ -130,7 +147,9 @@ class LoomClient:
                     except QueryError:
                         continue
                     if found is not None:
-                        return Admission(spec.job_id, "accepted", state=str(found["state"]))
+                        return Admission(
+                            spec.job_id, "accepted", state=str(found["state"]), trace_id=trace_id
+                        )
                     continue
                 try:
                     event = decode(msg.data, JobRejected)
@@ -142,7 +161,12 @@ class LoomClient:
                     )
         finally:
             await rejected.unsubscribe()
-        return Admission(spec.job_id, "unanswered", reason=f"placement did not answer within {wait_s:g} s")
+        return Admission(
+            spec.job_id,
+            "unanswered",
+            reason=f"placement did not answer within {wait_s:g} s",
+            trace_id=trace_id,
+        )
 
     @staticmethod
     def _known(spec: JobSpec, existing: Mapping[str, Any]) -> Admission:

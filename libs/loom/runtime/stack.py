@@ -20,6 +20,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -41,8 +42,10 @@ from loom.runtime.servers import (
     describe_exit,
     reap_orphans,
 )
+from loom.runtime.tokens import ensure_tokens
 from loom.sched.shards import group_options, split_regions
 from loom.store.migrations import migrate_url
+from loom.telemetry.metrics import ENV_METRICS_PORT
 from loom_proto import subjects
 
 _PR_SET_PDEATHSIG = 1
@@ -81,6 +84,8 @@ class ServiceProcess:
     started_at: float = 0.0
     last_exit: str | None = None
     """How the previous process ended (``killed by SIGKILL``), None before any exit."""
+    metrics_port: int | None = None
+    """Where it serves Prometheus ``/metrics`` (the same port across restarts)."""
 
 
 @dataclass
@@ -110,6 +115,20 @@ class StackOptions:
     """Run the services (off: NATS and PostgreSQL only, for running services by hand or tests)."""
     nats_cluster: int = 1
     """nats-server processes: 1, or 3 for a JetStream cluster whose streams have 3 replicas."""
+    console: bool = True
+    """Run the web console (services/console); ``loom console`` prints its URL with a token."""
+    console_port: int = 0
+    """The console's port on 127.0.0.1; 0: a free port chosen when the stack starts."""
+    metrics_port_base: int = 0
+    """Prometheus ``/metrics`` ports: services get ``base``, ``base + 1``, … in start order; 0 gives
+    each a free port. ``loom status`` lists them; deploy/prometheus/ shows how to scrape them."""
+
+
+def metrics_ports(names: list[str], base: int) -> dict[str, int]:
+    """The ``/metrics`` port of each service: consecutive from ``base``, or free ports when 0."""
+    if base:
+        return {name: base + i for i, name in enumerate(names)}
+    return {name: free_port() for name in names}
 
 
 def placement_groups(options: StackOptions) -> dict[str, list[str]]:
@@ -130,6 +149,8 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
     groups = group_options(placement_groups(options))
     argvs = {
         "metrics": [py, "-m", "loom_services.metrics"],
+        # Alerts in, incidents out; its Alertmanager webhook listens on $LOOM_ALERTS_HTTP_PORT (9095).
+        "alert-correlator": [py, "-m", "loom_services.alert_correlator", "--topology", options.topology],
         "placement": [py, "-m", "loom_services.placement", "--topology", options.topology, *groups],
     }
     if options.placement_standby:
@@ -194,6 +215,16 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
             "--period-s",
             str(options.probe_period_s),
         ]
+    if options.console:
+        argvs["console"] = [
+            py,
+            "-m",
+            "loom_services.console",
+            "--topology",
+            options.topology,
+            "--port",
+            str(options.console_port),
+        ]
     if not options.network:
         return argvs
     argvs["network-perception"] = [
@@ -206,6 +237,13 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
         str(options.probe_period_s),
     ]
     return argvs
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a service told its port on its command line)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def is_server(name: str) -> bool:
@@ -461,6 +499,8 @@ class Supervisor:
 
     def spawn(self, svc: ServiceProcess, env: dict[str, str]) -> None:
         """Start one service process, its output appended to its log file."""
+        if svc.metrics_port is not None:
+            env = {**env, ENV_METRICS_PORT: str(svc.metrics_port)}
         with open(svc.log, "ab") as log:
             proc = subprocess.Popen(
                 svc.argv,
@@ -473,6 +513,16 @@ class Supervisor:
         self.procs[svc.name] = proc
         svc.pid = proc.pid
         svc.started_at = time.time()
+
+    def start_services(self, env: dict[str, str]) -> None:
+        """Spawn every service of the options, each with its own ``/metrics`` port."""
+        argvs = service_argvs(self.options) if self.options.services else {}
+        ports = metrics_ports(list(argvs), self.options.metrics_port_base)
+        for name, argv in argvs.items():
+            self.services[name] = ServiceProcess(
+                name, argv, str(self.home / "logs" / f"{name}.log"), metrics_port=ports[name]
+            )
+            self.spawn(self.services[name], env)
 
     def run(self) -> int:
         """Start everything, watch it, stop on SIGTERM/SIGINT."""
@@ -491,10 +541,13 @@ class Supervisor:
                 os.environ,
                 **{ENV_NATS_URL: nats_url, ENV_DATABASE_URL: database_url, ENV_HOME: str(self.home)},
             )
-            argvs = service_argvs(self.options) if self.options.services else {}
-            for name, argv in argvs.items():
-                self.services[name] = ServiceProcess(name, argv, str(self.home / "logs" / f"{name}.log"))
-                self.spawn(self.services[name], env)
+            if self.options.services and self.options.console:
+                # Tokens before the console starts; a fixed port across its restarts.
+                ensure_tokens(self.home)
+                if not self.options.console_port:
+                    self.options.console_port = free_port()
+                self.state["console_url"] = f"http://127.0.0.1:{self.options.console_port}"
+            self.start_services(env)
             self.write_state("starting", nats_url=nats_url, database_url=database_url)
             silent = asyncio.run(wait_healthy(nats_url, list(self.services), timeout_s=60.0))
             if silent:
@@ -583,21 +636,8 @@ def is_running(home: Path | None = None) -> bool:
     return state.get("status") in ("starting", "ready") and _alive(state.get("supervisor_pid"))
 
 
-def up(
-    home: Path | None = None,
-    options: StackOptions | None = None,
-    *,
-    timeout_s: float = 120.0,
-    progress: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
-    """Start the supervisor in the background and wait until everything is up."""
-    home = home or loom_home()
-    options = options or StackOptions()
-    home.mkdir(parents=True, exist_ok=True)
-    if is_running(home):
-        state = read_state(home)
-        assert state is not None
-        return state
+def supervisor_argv(home: Path, options: StackOptions) -> list[str]:
+    """The supervisor's command line for ``options``."""
     argv = [
         sys.executable,
         "-m",
@@ -627,6 +667,31 @@ def up(
         argv.append("--servers-only")
     if options.nats_cluster != 1:
         argv += ["--nats-cluster", str(options.nats_cluster)]
+    if options.metrics_port_base:
+        argv += ["--metrics-port-base", str(options.metrics_port_base)]
+    if not options.console:
+        argv.append("--no-console")
+    if options.console_port:
+        argv += ["--console-port", str(options.console_port)]
+    return argv
+
+
+def up(
+    home: Path | None = None,
+    options: StackOptions | None = None,
+    *,
+    timeout_s: float = 120.0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Start the supervisor in the background and wait until everything is up."""
+    home = home or loom_home()
+    options = options or StackOptions()
+    home.mkdir(parents=True, exist_ok=True)
+    if is_running(home):
+        state = read_state(home)
+        assert state is not None
+        return state
+    argv = supervisor_argv(home, options)
     stack_file(home).unlink(missing_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
     with open(home / "logs" / "supervisor.log", "ab") as log:
@@ -703,6 +768,9 @@ def process_table(home: Path | None = None) -> list[dict[str, Any]]:
                 "alive": _alive(svc["pid"]),
                 "restarts": svc["restarts"],
                 "last_exit": svc.get("last_exit"),
+                "metrics_url": f"http://127.0.0.1:{svc['metrics_port']}/metrics"
+                if svc.get("metrics_port")
+                else None,
             }
         )
     return rows
@@ -724,6 +792,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe-period-s", type=float, default=1.0)
     parser.add_argument("--servers-only", action="store_true")
     parser.add_argument("--nats-cluster", type=int, choices=(1, 3), default=1)
+    parser.add_argument("--no-console", action="store_true")
+    parser.add_argument("--console-port", type=int, default=0)
+    parser.add_argument("--metrics-port-base", type=int, default=0)
     args = parser.parse_args(argv)
     options = StackOptions(
         topology=args.topology,
@@ -738,6 +809,9 @@ def main(argv: list[str] | None = None) -> int:
         probe_period_s=args.probe_period_s,
         services=not args.servers_only,
         nats_cluster=args.nats_cluster,
+        console=not args.no_console,
+        console_port=args.console_port,
+        metrics_port_base=args.metrics_port_base,
     )
     return Supervisor(args.home.resolve(), options).run()
 

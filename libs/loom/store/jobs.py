@@ -14,6 +14,7 @@ import msgspec
 
 from loom.model.capacity import NodeCapacity
 from loom.store.pool import ConflictError
+from loom.telemetry.jaeger import trace_id_of
 
 
 def ts(unix_s: float) -> datetime:
@@ -653,6 +654,7 @@ async def get_job(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> dict[
         return None
     out = _job_dict(row)
     out["spec"] = json.loads(row["spec"])
+    out["trace_id"] = trace_id_of(json.loads(row["trace_context"] or "{}"))
     events = await conn.fetch(
         # In the order things happened: reports can be stored after later ones (a journalled report
         # sent when the bus returns), so the insertion order is only the tie-break.

@@ -15,6 +15,7 @@ from loom.telemetry.logs import (
     reset_logging,
 )
 from loom.telemetry.tracing import (
+    INFRA_RATIO_ENV,
     MESSAGING_SYSTEM,
     TRACER_NAME,
     consumer_span,
@@ -23,7 +24,9 @@ from loom.telemetry.tracing import (
     current_trace_id,
     current_traceparent,
     extract,
+    infra_ratio_from_env,
     inject,
+    is_infrastructure_subject,
     producer_span,
     reset_for_tests,
     setup_telemetry,
@@ -33,6 +36,7 @@ from loom.telemetry.tracing import (
 )
 
 __all__ = [
+    "INFRA_RATIO_ENV",
     "JOB_ID_ATTRIBUTE",
     "MESSAGING_SYSTEM",
     "TRACER_NAME",
@@ -46,7 +50,9 @@ __all__ = [
     "current_traceparent",
     "extract",
     "get_logger",
+    "infra_ratio_from_env",
     "inject",
+    "is_infrastructure_subject",
     "producer_span",
     "reset_for_tests",
     "reset_logging",

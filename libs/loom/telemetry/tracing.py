@@ -26,7 +26,14 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util import types
@@ -34,17 +41,22 @@ from opentelemetry.util._decorator import _agnosticcontextmanager
 from opentelemetry.util.types import AttributeValue
 
 from loom.telemetry.logs import configure_logging
+from loom_proto.subjects import PREFIX
 
 __all__ = [
+    "INFRA_RATIO_ENV",
     "MESSAGING_SYSTEM",
     "TRACER_NAME",
+    "InfraSampler",
     "consumer_span",
     "context_from_traceparent",
     "current_span_id",
     "current_trace_id",
     "current_traceparent",
     "extract",
+    "infra_ratio_from_env",
     "inject",
+    "is_infrastructure_subject",
     "producer_span",
     "reset_for_tests",
     "setup_telemetry",
@@ -60,6 +72,20 @@ MESSAGING_SYSTEM = "nats"
 
 OTLP_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 
+INFRA_RATIO_ENV = "LOOM_TRACE_INFRA_RATIO"
+"""Share of infrastructure traces (heartbeats, probes, view, link state) kept; jobs are always kept."""
+
+DEFAULT_INFRA_RATIO = 0.01
+"""One heartbeat, probe or view trace in a hundred: enough to see the path, not 200 MB an hour."""
+
+# Subjects whose traces are about jobs, tenants or operators' actions: every one is kept whole.
+# Everything else (loom.clusters.*.heartbeat|status|profile, loom.view.*, loom.net.*) is periodic
+# infrastructure traffic, sampled by ratio.
+_ALWAYS_TRACED_PREFIXES = tuple(
+    f"{PREFIX}.{domain}." for domain in ("jobs", "migrations", "alerts", "incidents")
+)
+_ALWAYS_TRACED_INFIXES = (".cmd.",)  # commands to agents act on jobs
+
 # Subjects are loom.<domain>.<event>[.<key>...]; the keys (tenant, cluster, job) would make span
 # names unbounded, so names keep only the leading tokens.
 _SPAN_NAME_SUBJECT_TOKENS = 3
@@ -68,6 +94,74 @@ _TRACEPARENT = "traceparent"
 _TRACESTATE = "tracestate"
 
 _log = logging.getLogger(__name__)
+
+
+def is_infrastructure_subject(subject: str) -> bool:
+    """Whether a subject carries periodic infrastructure traffic rather than a job's or a person's.
+
+    ``loom.clusters.c1.heartbeat`` is; ``loom.jobs.submitted.acme`` and
+    ``loom.clusters.c1.cmd.start`` are not. An empty subject (a span that is not a message's) is
+    not: unknown work is kept.
+    """
+    if not subject or subject.startswith(_ALWAYS_TRACED_PREFIXES):
+        return False
+    return not any(infix in subject for infix in _ALWAYS_TRACED_INFIXES)
+
+
+def infra_ratio_from_env(environ: Mapping[str, str] | None = None) -> float:
+    """``LOOM_TRACE_INFRA_RATIO`` as a share in [0, 1] (default 0.01); a bad value is an error."""
+    raw = (environ if environ is not None else os.environ).get(INFRA_RATIO_ENV, "").strip()
+    if not raw:
+        return DEFAULT_INFRA_RATIO
+    try:
+        ratio = float(raw)
+    except ValueError:
+        raise ValueError(f"{INFRA_RATIO_ENV}={raw!r} is not a number between 0 and 1") from None
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"{INFRA_RATIO_ENV}={raw!r} is not a number between 0 and 1")
+    return ratio
+
+
+class InfraSampler(Sampler):
+    """Root sampler: every trace about a job is kept; infrastructure traces by ``ratio``.
+
+    Wrapped in :class:`~opentelemetry.sdk.trace.sampling.ParentBased`, so only a trace's first
+    span decides and every later span, in any process, follows the ``sampled`` flag it finds in
+    ``traceparent``: a kept trace stays whole. The decision reads the span's
+    ``messaging.destination.name`` (every span Loom starts is a message's).
+    """
+
+    def __init__(self, ratio: float) -> None:
+        self.ratio = ratio
+        self._ratio_sampler = TraceIdRatioBased(ratio)
+
+    def should_sample(  # noqa: PLR0917 - Sampler's signature
+        self,
+        parent_context: Context | None,
+        trace_id: int,
+        name: str,
+        kind: SpanKind | None = None,
+        attributes: types.Attributes = None,
+        links: Sequence[trace.Link] | None = None,
+        trace_state: trace.TraceState | None = None,
+    ) -> SamplingResult:
+        """Keep job traces; keep infrastructure ones when the trace id falls in the ratio."""
+        subject = str((attributes or {}).get("messaging.destination.name", ""))
+        if is_infrastructure_subject(subject):
+            return self._ratio_sampler.should_sample(
+                parent_context, trace_id, name, kind, attributes, links, trace_state
+            )
+        return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, None)
+
+    def get_description(self) -> str:
+        """How the sampler is configured, for OpenTelemetry's debug output."""
+        return f"LoomInfraSampler{{jobs=always, infrastructure={self.ratio}}}"
+
+
+def loom_sampler(ratio: float | None = None) -> Sampler:
+    """The sampler a Loom process records with: parent-based, infrastructure roots by ratio."""
+    return ParentBased(InfraSampler(infra_ratio_from_env() if ratio is None else ratio))
+
 
 # Always W3C TraceContext, whatever OTEL_PROPAGATORS says: every Loom process must read what the
 # others write.
@@ -180,12 +274,21 @@ def setup_telemetry(
     *,
     exporter: SpanExporter | None = None,
     log_level: str | None = "INFO",
+    always_identify: bool = False,
+    infra_ratio: float | None = None,
 ) -> TracerProvider:
     """Create this process's tracer provider, have every tracer use it, and configure logging.
 
     Spans go to ``exporter`` synchronously when one is given (tests); otherwise to OTLP/HTTP in
     batches when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (the exporter appends ``/v1/traces``);
     otherwise nowhere, though they still get ids so logs carry trace ids.
+
+    When exporting, every trace about a job is kept whole and infrastructure traces (heartbeats,
+    probes, view, link state) are kept at ``infra_ratio`` (default ``LOOM_TRACE_INFRA_RATIO``,
+    else 0.01); see :class:`InfraSampler`. ``always_identify`` samples the same way even with
+    nowhere to export, for a client whose ``traceparent`` must say "sampled" so that services
+    downstream keep the job's trace (``loom submit``): a client recording spans into nothing
+    costs little, a service doing so costs throughput.
 
     OpenTelemetry's global provider becomes one whose tracers follow the latest setup, so
     calling this again (tests do) replaces the previous provider, flushed and shut down, for
@@ -198,7 +301,7 @@ def setup_telemetry(
     # With nowhere to send spans, record none: sampled-out spans still carry (and propagate)
     # valid trace and span ids, so logs and downstream services keep the trace, at a fraction of
     # the cost of building spans nobody reads.
-    sampler = ParentBased(ALWAYS_ON) if exporting else ALWAYS_OFF
+    sampler = loom_sampler(infra_ratio) if exporting or always_identify else ALWAYS_OFF
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: service_name}), sampler=sampler)
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))

@@ -1,0 +1,75 @@
+"""``loom trace JOB``: the job's trace id, its Jaeger link, and its span tree when Jaeger answers.
+
+The parsing lives in :mod:`loom.telemetry.jaeger`; this module asks placement for the job's
+record (its stored trace context) and prints.
+"""
+
+import argparse
+import asyncio
+import os
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+
+from loom.client import LoomClient, QueryError
+from loom.telemetry.jaeger import (
+    DEFAULT_JAEGER_URL,
+    JAEGER_URL_ENV,
+    fetch_trace,
+    jaeger_link,
+    parse_jaeger_trace,
+    render_tree,
+)
+
+console = Console()
+err = Console(stderr=True)
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``loom trace`` on the top-level subparsers."""
+    help_ = "a job's trace: id, Jaeger link, and the span tree from Jaeger's query API"
+    p: argparse.ArgumentParser = sub.add_parser("trace", help=help_, description=help_)
+    p.add_argument("job_id")
+    p.add_argument(
+        "--jaeger",
+        default=os.environ.get(JAEGER_URL_ENV),
+        help=f"Jaeger's base URL (default: ${JAEGER_URL_ENV}; without one only the id and link print)",
+    )
+    p.set_defaults(fn=cmd_trace)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    """Print the job's trace id and link; with Jaeger configured, its span tree."""
+    from loom.cli.main import _client
+
+    async def get() -> dict[str, Any] | None:
+        client: LoomClient = await _client()
+        try:
+            return await client.job(args.job_id)
+        finally:
+            await client.close()
+
+    job = asyncio.run(get())
+    if job is None:
+        err.print(f"[red]no job {escape(args.job_id)}[/red]")
+        return 1
+    trace_id = job.get("trace_id")
+    if not trace_id:
+        err.print(f"[red]{escape(args.job_id)} has no trace context (submitted without one)[/red]")
+        return 1
+    console.print(f"trace {trace_id}")
+    console.print(f"jaeger {jaeger_link(trace_id, args.jaeger)}")
+    if not args.jaeger:
+        console.print(
+            f"(set {JAEGER_URL_ENV} or --jaeger, e.g. {DEFAULT_JAEGER_URL}, to print the span tree)"
+        )
+        return 0
+    try:
+        roots = parse_jaeger_trace(fetch_trace(args.jaeger, trace_id), trace_id)
+    except (OSError, LookupError, ValueError, QueryError) as exc:
+        err.print(f"[red]{escape(str(exc))}[/red]")
+        return 1
+    for line in render_tree(roots):
+        console.print(escape(line), highlight=False)
+    return 0

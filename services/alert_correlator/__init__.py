@@ -1,0 +1,1 @@
+"""The alert correlator service (issue 16)."""

@@ -1,0 +1,3 @@
+from loom_services.alert_correlator.main import main
+
+main()

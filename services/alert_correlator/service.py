@@ -1,0 +1,420 @@
+"""The alert correlator: a thin shell around :class:`loom.alerts.Correlator`.
+
+In:
+
+* raw alerts on ``loom.alerts.raw.<source>`` (stream ALERTS; a payload that is not an
+  :class:`~loom_proto.alerts.Alert`, or whose source is not its subject's, is dead-lettered);
+* Alertmanager's webhook (version 4, unchanged) over HTTP (:mod:`.receiver`): parsed, then
+  published as raw alerts of source ``alertmanager`` (so they are durable before the 200); a
+  malformed payload is answered 400 and dead-lettered on ``loom.dlq.loom.alerts.raw.alertmanager``
+  with the reason in ``Loom-Error``;
+* Loom's own events (:mod:`loom.alerts.sources`): link degraded / recovered, stale clusters and
+  unhealthy nodes from view deltas, failed and lost job runs, dead letters growing. These consumers
+  start at new messages: a correlator started late does not replay a week of history as alerts.
+
+Out: every incident change on ``loom.incidents.{opened,updated,resolved}`` (message id
+``<incident>-v<version>``), to each ``--webhook`` URL (JSON POST, in the core's rate limit), and
+into the ``incidents`` table (restored on start, so open incidents survive a restart).
+``loom.incidents.ack`` (request-reply) acknowledges one.
+
+Which jobs run where is a snapshot of the placements table, refreshed every ``refresh_s``.
+"""
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import time
+import urllib.request
+from collections import deque
+from typing import Any
+
+import msgspec
+import structlog
+from nats import errors as nats_errors
+from nats.aio.msg import Msg
+
+from loom.alerts import Correlator, CorrelatorConfig, Inventory, JobPlacement, Notification, Part, Placements
+from loom.alerts.alertmanager import SOURCE as ALERTMANAGER
+from loom.alerts.alertmanager import MalformedPayloadError, parse_payload
+from loom.alerts.correlate import Incident
+from loom.alerts.sources import ConditionTracker, from_job_failed, from_job_requeued, from_link_event
+from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
+from loom.bus.connection import BusError
+from loom.errors import InvalidInputError
+from loom.model.topology import Topology
+from loom.runtime.service import ServiceContext
+from loom.store import incidents as store
+from loom.store.pool import transaction
+from loom.telemetry.metrics import INCIDENTS_OPEN
+from loom_proto import subjects
+from loom_proto.alerts import Alert
+from loom_proto.codec import MAX_PAYLOAD_BYTES
+from loom_proto.jobs import JobFailed, JobRequeued
+from loom_proto.net import LinkDegraded, LinkRecovered
+from loom_proto.view import ViewDelta
+from loom_services.alert_correlator.receiver import Answer, Receiver
+
+log = structlog.get_logger("alert-correlator")
+
+TICK_S = 0.05
+PATH_TTL_S = 30.0
+PERSIST_EVERY_S = 1.0
+MAX_PATH_QUERIES = 20
+"""Path look-ups per placements refresh at most (the rest next time)."""
+_LATENCIES_KEPT = 2_000
+
+
+class SubjectMismatchError(InvalidInputError):
+    """A raw alert whose ``source`` is not the one its subject names."""
+
+
+class AlertCorrelator:
+    """The service; :meth:`run` is its body."""
+
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        topology: Topology,
+        *,
+        config: CorrelatorConfig | None = None,
+        http_host: str = "127.0.0.1",
+        http_port: int | None = 9095,
+        webhooks: list[str] | None = None,
+        refresh_s: float = 2.0,
+        dlq_threshold: int = 10,
+    ) -> None:
+        self.ctx = ctx
+        self.inventory = Inventory.from_topology(topology)
+        self.core = Correlator(Placements(self.inventory), config)
+        self.conditions = ConditionTracker(dlq_threshold=dlq_threshold)
+        self.http_host = http_host
+        self.http_port = http_port
+        self.webhooks = list(webhooks or [])
+        self.refresh_s = refresh_s
+        self.receiver = Receiver(self.on_webhook, max_body_bytes=MAX_PAYLOAD_BYTES)
+        self.latencies_ms: deque[float] = deque(maxlen=_LATENCIES_KEPT)
+        self.counts: dict[str, int] = {"published": 0, "webhooks_sent": 0, "webhooks_failed": 0}
+        self.http_error: str | None = None
+        self._sending: set[asyncio.Task[None]] = set()
+        self._notified = False
+        self._flushed_at = 0.0
+        self.paths: dict[tuple[str, str], tuple[tuple[str, ...], float]] = {}
+        """(src, dst) regions -> network perception's chosen path and when it was asked (monotonic)."""
+
+    # ---- state ---------------------------------------------------------------------------------
+
+    async def restore(self) -> int:
+        """Open incidents, and those resolved within the re-open window, back into the core."""
+        rows = await store.restorable(self.ctx.db, resolved_since_s=self.core.config.reopen_s)
+        for change in rows:
+            self.core.restore(Incident.from_change(change))
+        return len(rows)
+
+    async def refresh_placements(self) -> None:
+        """A new snapshot of which jobs run where (parts grouped per job)."""
+        rows = await store.placed_parts(self.ctx.db)
+        parts: dict[str, tuple[str, str | None, list[Part]]] = {}
+        for r in rows:
+            entry = parts.setdefault(r["job_id"], (r["tenant"], r["parent"], []))
+            entry[2].append(Part(r["cluster"], tuple(r["nodes"])))
+        jobs = [JobPlacement(job_id, t, tuple(p), parent=parent) for job_id, (t, parent, p) in parts.items()]
+        pairs: set[tuple[str, str]] = set()
+        for job in jobs:
+            regions = sorted({self.inventory.region_of_cluster.get(p.cluster, "") for p in job.parts} - {""})
+            pairs.update((a, b) for i, a in enumerate(regions) for b in regions[i + 1 :])
+        await self._refresh_paths(pairs)
+        paths = {pair: nodes for pair, (nodes, _) in self.paths.items()}
+        self.core.set_placements(Placements(self.inventory, jobs, paths=paths))
+
+    async def _refresh_paths(self, pairs: set[tuple[str, str]]) -> None:
+        """Network perception's chosen path of each region pair jobs span (cached ``PATH_TTL_S``;
+        no answer: the direct link alone)."""
+        now = time.monotonic()
+        due = sorted(p for p in pairs if now - self.paths.get(p, ((), -PATH_TTL_S))[1] >= PATH_TTL_S)
+        for src, dst in due[:MAX_PATH_QUERIES]:
+            nodes: tuple[str, ...] = ()
+            try:
+                reply = await self.ctx.nc.request(
+                    subjects.NET_QUERY_PATH, json.dumps({"src": src, "dst": dst}).encode(), timeout=0.5
+                )
+                answer = json.loads(reply.data)
+                chosen = (answer.get("result") or {}).get("path") if answer.get("ok") else None
+                if chosen and isinstance(chosen.get("nodes"), list):
+                    nodes = tuple(str(n) for n in chosen["nodes"])
+            except (TimeoutError, nats_errors.Error, json.JSONDecodeError, AttributeError):
+                pass  # network perception not running or not answering: direct links only
+            self.paths[src, dst] = (nodes, now)
+
+    def _stats(self) -> None:
+        lat = sorted(self.latencies_ms)
+        self.ctx.stats.update(
+            {
+                "http_port": self.receiver.port,
+                "http_error": self.http_error,
+                "open_incidents": len(self.core.open_by_root),
+                "incidents_in_memory": len(self.core.incidents),
+                "waiting_alerts": len(self.core.waiting),
+                "placed_jobs": len(self.core.placements.jobs),
+                "correlation_ms_p50": round(lat[len(lat) // 2], 2) if lat else None,
+                "correlation_ms_p99": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))], 2) if lat else None,
+                "core": dict(self.core.counts),
+                "http": dict(self.receiver.counts),
+                **self.counts,
+            }
+        )
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Consume, correlate, publish and persist until asked to stop."""
+        restored = await self.restore()
+        await self.refresh_placements()
+        log.info("alert correlator starting", restored=restored, placed_jobs=len(self.core.placements.jobs))
+        nc, pub = self.ctx.nc, self.ctx.publisher
+        runners: dict[str, ConsumerRunner[Any]] = {
+            "raw": ConsumerRunner(
+                nc,
+                ConsumerSpec(
+                    stream="ALERTS", durable="alert-correlator-raw", filter_subjects=[subjects.ALERTS_RAW_ALL]
+                ),
+                Alert,
+                handler=self.on_raw,
+                publisher=pub,
+            ),
+            "net": ConsumerRunner(
+                nc,
+                ConsumerSpec(
+                    stream="NET",
+                    durable="alert-correlator-net",
+                    filter_subjects=[subjects.NET_EVENTS_ALL],
+                    deliver_new_only=True,
+                ),
+                LinkDegraded | LinkRecovered,
+                handler=self.on_link_event,
+                publisher=pub,
+            ),
+            "view": ConsumerRunner(
+                nc,
+                ConsumerSpec(
+                    stream="VIEW",
+                    durable="alert-correlator-view",
+                    filter_subjects=[subjects.VIEW_DELTAS_ALL],
+                    deliver_new_only=True,
+                ),
+                ViewDelta,
+                handler=self.on_view_delta,
+                publisher=pub,
+            ),
+            "jobs": ConsumerRunner(
+                nc,
+                ConsumerSpec(
+                    stream="JOBS",
+                    durable="alert-correlator-jobs",
+                    filter_subjects=subjects.job_events_of("failed", "requeued"),
+                    deliver_new_only=True,
+                ),
+                JobFailed | JobRequeued,
+                handler=self.on_job_event,
+                publisher=pub,
+            ),
+            "dlq": ConsumerRunner(
+                nc,
+                ConsumerSpec(
+                    stream="DLQ",
+                    durable="alert-correlator-dlq",
+                    filter_subjects=[subjects.DEAD_LETTERS],
+                    deliver_new_only=True,
+                ),
+                bytes,
+                handler=self.on_dead_letter,
+                publisher=pub,
+            ),
+        }
+        for runner in runners.values():
+            await runner.start()
+        sub = await nc.subscribe(subjects.INCIDENTS_ACK, cb=self.on_ack)
+        if self.http_port is not None:
+            try:
+                port = await self.receiver.start(self.http_host, self.http_port)
+                log.info("alertmanager webhook receiver listening", host=self.http_host, port=port)
+            except OSError as exc:  # another stack holds the port: correlate the bus, report it
+                self.http_error = f"cannot listen on {self.http_host}:{self.http_port}: {exc}"
+                log.warning("webhook receiver not started", error=self.http_error)
+        watchdog = self.ctx.watchdog
+        loops = [watchdog.watch_consumer(name, r) for name, r in runners.items()]
+        loops.append(watchdog.supervise("tick", self._tick_loop))
+        loops.append(watchdog.supervise("placements", self._refresh_loop))
+        self._stats()
+        try:
+            await self.ctx.stopping.wait()
+        finally:
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+            await self.receiver.close()
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            await asyncio.gather(*(runner.stop() for runner in runners.values()))
+            with contextlib.suppress(Exception):
+                await self.flush()
+            if self._sending:
+                await asyncio.wait(self._sending, timeout=5)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            now = time.time()
+            for alert in self.conditions.tick(now):
+                await self._emit(self.core.ingest(alert, now))
+            await self._emit(self.core.tick(now))
+            # Persist at once after a notification, else once a second: a storm's alert counts do
+            # not rewrite the incident's row twenty times a second.
+            if self._notified or time.monotonic() - self._flushed_at >= PERSIST_EVERY_S:
+                await self.flush()
+            self._stats()
+            self._gauge_open()
+
+    def _gauge_open(self) -> None:
+        """``loom_incidents_open`` by severity, for Prometheus and the overview dashboard."""
+        counts = {"info": 0, "warning": 0, "critical": 0}
+        for inc in self.core.open_incidents():
+            counts[inc.severity] = counts.get(inc.severity, 0) + 1
+        for severity, n in counts.items():
+            INCIDENTS_OPEN.labels(severity=severity).set(n)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh_placements()
+
+    # ---- inputs --------------------------------------------------------------------------------
+
+    async def _ingest(self, alert: Alert) -> None:
+        started = time.perf_counter()
+        notes = self.core.ingest(alert, time.time())
+        self.latencies_ms.append((time.perf_counter() - started) * 1000)
+        await self._emit(notes)
+
+    async def on_raw(self, d: Delivery[Alert]) -> None:
+        """A raw alert; its source must be its subject's."""
+        if d.subject != subjects.alert_raw(d.message.source):
+            raise SubjectMismatchError(f"alert of source {d.message.source!r} on {d.subject}")
+        await self._ingest(d.message)
+
+    async def on_link_event(self, d: Delivery[LinkDegraded | LinkRecovered]) -> None:
+        """A link degraded or recovered."""
+        await self._ingest(from_link_event(d.message))
+
+    async def on_view_delta(self, d: Delivery[ViewDelta]) -> None:
+        """A cluster's ledger change: staleness and node health."""
+        for alert in self.conditions.view_delta(d.message):
+            await self._ingest(alert)
+
+    async def on_job_event(self, d: Delivery[JobFailed | JobRequeued]) -> None:
+        """A job's run failed or was lost."""
+        event = d.message
+        alert = from_job_failed(event) if isinstance(event, JobFailed) else from_job_requeued(event)
+        if alert is not None:
+            await self._ingest(alert)
+
+    async def on_dead_letter(self, d: Delivery[bytes]) -> None:
+        """Count dead letters (the correlator's own included)."""
+        for alert in self.conditions.dead_letter(time.time()):
+            await self._ingest(alert)
+
+    async def on_webhook(self, body: bytes) -> Answer:
+        """Alertmanager's POST: published as raw alerts, or refused with 400 and dead-lettered."""
+        try:
+            alerts = parse_payload(body)
+        except MalformedPayloadError as exc:
+            await self._dead_letter_webhook(body, exc)
+            return Answer(400, {"error": str(exc)[:500]})
+        subject = subjects.alert_raw(ALERTMANAGER)
+        try:
+            await asyncio.gather(*(self.ctx.publisher.publish(subject, a, msg_id=a.alert_id) for a in alerts))
+        except BusError as exc:
+            log.warning("webhook alerts not published", error=str(exc))
+            return Answer(503, {"error": "Loom's bus cannot take the alerts now; retry"})
+        return Answer(200, {"accepted": len(alerts)})
+
+    async def _dead_letter_webhook(self, body: bytes, error: Exception) -> None:
+        original = subjects.alert_raw(ALERTMANAGER)
+        digest = hashlib.sha256(body).hexdigest()[:32]
+        headers = {
+            "Loom-Error": str(error)[:1024],
+            "Loom-Error-Type": type(error).__name__,
+            "Loom-Original-Subject": original,
+            "Loom-Consumer": "alert-correlator-http",
+            "Loom-Failures": "1",
+        }
+        try:
+            await self.ctx.publisher.publish_bytes(
+                subjects.dead_letter(original),
+                body[:MAX_PAYLOAD_BYTES],
+                msg_id=f"dlq-http-{digest}",
+                headers=headers,
+            )
+        except BusError as exc:
+            log.error("malformed webhook payload not dead-lettered", error=str(exc))
+
+    async def on_ack(self, msg: Msg) -> None:
+        """``{incident_id, by}`` -> acknowledge; replies ``{ok, incident}`` or ``{ok: false, error}``."""
+        try:
+            body = json.loads(msg.data or b"{}")
+            incident_id = str(body["incident_id"])
+            note = self.core.ack(incident_id, str(body.get("by") or "someone")[:128], time.time())
+            if note is not None:
+                await self._emit([note])
+            await self.flush()
+            inc = self.core.incidents[incident_id]
+            reply: dict[str, Any] = {"ok": True, "changed": note is not None, "state": inc.state}
+        except KeyError:
+            reply = {"ok": False, "error": "no such incident in the correlator (resolved long ago?)"}
+        except (json.JSONDecodeError, TypeError, ValueError) as exc:
+            reply = {"ok": False, "error": f"bad request: {exc}"}
+        await msg.respond(json.dumps(reply).encode())
+
+    # ---- outputs -------------------------------------------------------------------------------
+
+    async def _emit(self, notes: list[Notification]) -> None:
+        self._notified = self._notified or bool(notes)
+        for note in notes:
+            inc = note.incident
+            await self.ctx.publisher.publish(
+                subjects.incident(note.kind), inc, msg_id=f"{inc.incident_id}-v{inc.version}"
+            )
+            self.counts["published"] += 1
+            if self.webhooks:
+                payload = msgspec.json.encode(inc)
+                for url in self.webhooks:
+                    task = asyncio.create_task(self._post(url, payload))
+                    self._sending.add(task)
+                    task.add_done_callback(self._sending.discard)
+
+    async def _post(self, url: str, payload: bytes) -> None:
+        def send() -> None:
+            request = urllib.request.Request(
+                url, data=payload, headers={"Content-Type": "application/json"}, method="POST"
+            )
+            with urllib.request.urlopen(request, timeout=5):
+                pass
+
+        try:
+            await asyncio.to_thread(send)
+            self.counts["webhooks_sent"] += 1
+        except OSError as exc:
+            self.counts["webhooks_failed"] += 1
+            log.warning("incident webhook failed", url=url, error=str(exc))
+
+    async def flush(self) -> None:
+        """Persist the incidents changed since the last flush."""
+        self._notified, self._flushed_at = False, time.monotonic()
+        changed = self.core.take_changed()
+        if not changed:
+            return
+        records = [
+            inc.change("resolved" if inc.state == "resolved" else "updated", "persisted") for inc in changed
+        ]
+        async with transaction(self.ctx.db) as conn:
+            await store.save_incidents(conn, records)

@@ -1,0 +1,3 @@
+from loom_services.console.main import main
+
+main()

@@ -1,0 +1,212 @@
+"""The web console in a real browser against the real stack (`loom up` processes, NATS, PostgreSQL).
+
+Playwright drives the system's Chromium (/usr/bin/chromium, Debian package ``chromium``; ``make
+test`` installs it). Without it these tests fail: they never skip. One stack and one browser
+serve the module; screenshots of the main pages go to ``artefacts/console/`` for review.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from loom.runtime import stack
+from loom.runtime.tokens import load_tokens
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+CHROMIUM = Path(os.environ.get("LOOM_CHROMIUM", "/usr/bin/chromium"))
+ARTEFACTS = Path(__file__).resolve().parents[2] / "artefacts" / "console"
+LOOM = [sys.executable, "-m", "loom.cli.main"]
+WAIT_MS = 20_000
+
+
+@pytest.fixture(scope="module")
+def home(browser: Any) -> Iterator[Path]:
+    # Depends on the browser so that a missing Chromium fails the tests before a stack starts.
+    path = Path(tempfile.mkdtemp(prefix="loom-console-", dir="/tmp"))
+    path.chmod(0o755)  # PostgreSQL runs as an unprivileged user when tests run as root
+    saved = {k: os.environ.pop(k, None) for k in ("LOOM_NATS_URL", "LOOM_DATABASE_URL")}
+    try:
+        stack.up(
+            path,
+            stack.StackOptions(
+                topology="small",
+                time_scale=2000.0,
+                heartbeat_s=0.5,
+                max_heartbeat_s=2.0,
+                durable=False,
+                placement_standby=False,  # nothing here needs a takeover: one process less to start
+            ),
+        )
+        yield path
+    finally:
+        stack.down(path)
+        for key, value in saved.items():
+            if value is not None:
+                os.environ[key] = value
+
+
+def loom(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run the ``loom`` CLI against the module's stack."""
+    env = dict(os.environ, LOOM_HOME=str(home))
+    return subprocess.run([*LOOM, *args], env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+def console_url(home: Path, tenant: str | None = None) -> str:
+    """The URL `loom console` prints (with the operator's token, or a tenant's)."""
+    done = loom(home, "console", "--json", *(["--tenant", tenant] if tenant else []))
+    assert done.returncode == 0, done.stderr
+    url = json.loads(done.stdout)["url"]
+    assert isinstance(url, str)
+    return url
+
+
+def submit(home: Path, *tenants: str, steps: int = 200) -> list[str]:
+    """Submit one job per tenant through the CLI (one file, one command); their ids."""
+    specs = [
+        {
+            "job_id": f"web-{uuid.uuid4().hex[:8]}",
+            "tenant": tenant,
+            "resources": {"gpus": 1},
+            "work": {"steps": steps, "step_time_s": 10.0},
+        }
+        for tenant in tenants
+    ]
+    path = home / f"{specs[0]['job_id']}.json"
+    path.write_text(json.dumps({"jobs": specs}))
+    done = loom(home, "submit", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [str(spec["job_id"]) for spec in specs]
+
+
+@pytest.fixture(scope="module")
+def operator_url(home: Path) -> str:
+    return console_url(home)
+
+
+@pytest.fixture(scope="module")
+def base(operator_url: str) -> str:
+    return operator_url.split("/?", maxsplit=1)[0]
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not CHROMIUM.exists():
+        pytest.fail(f"no Chromium at {CHROMIUM}: install the Debian package (`make chromium`)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"])
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    tab = context.new_page()
+    tab.set_default_timeout(WAIT_MS)
+    yield tab
+    context.close()
+
+
+def shot(page: Any, name: str) -> None:
+    ARTEFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTEFACTS / f"{name}.png"), full_page=True)
+
+
+def test_each_page_renders_against_the_real_stack(operator_url: str, page: Any) -> None:
+    page.goto(operator_url)  # the token goes into a cookie, out of the address bar
+    assert "token=" not in page.url
+    assert page.locator("[data-role=operator]").count() == 1
+    page.wait_for_function("document.querySelectorAll('svg.map g.region').length === 3")
+    assert page.locator("svg.map line.link").count() == 3  # the small topology's three region pairs
+    shot(page, "map")
+
+    page.click("text=Resources")
+    page.wait_for_selector("tr[data-region]")
+    assert page.locator("tr[data-region]").count() == 3
+    shot(page, "resources")
+    page.click("tr[data-region=aws-us-east-2] a")
+    page.click("tr[data-zone] a >> nth=0")
+    page.wait_for_selector("tr[data-cluster]")
+    assert "trust" in page.inner_text("table")
+    page.click("tr[data-cluster] a >> nth=0")
+    page.wait_for_selector("tr[data-node]")
+    assert page.locator("tr[data-node]").count() > 0
+    assert "water level" in page.inner_text("main")
+    assert page.locator("button:has-text('Drain')").is_disabled()
+    drain = page.request.post(page.url.split("/resources/")[0] + "/clusters/c-use2-a/drain")
+    assert drain.status == 501 and "no drain command" in drain.text()
+    shot(page, "cluster")
+
+    page.click("nav >> text=Queue")
+    page.wait_for_selector("p.counts")
+    shot(page, "queue")
+    page.click("nav >> text=Jobs")
+    page.wait_for_selector("table[data-live-jobs]")
+    shot(page, "jobs")
+
+
+def test_a_job_submitted_through_the_cli_goes_queued_running_completed_live(
+    home: Path, operator_url: str, base: str, page: Any
+) -> None:
+    page.goto(operator_url)
+    page.goto(f"{base}/jobs")
+    page.wait_for_function("document.body.dataset.live === 'on'")
+    page.evaluate("window.__samePage = 'yes'")
+
+    [job_id] = submit(home, "acme")
+    row = f"tr[data-job='{job_id}']"
+    page.wait_for_function(
+        f"(document.querySelector(\"{row}\") || {{dataset: {{}}}}).dataset.history?.endsWith('completed')"
+    )
+    history = page.get_attribute(row, "data-history")
+    assert history is not None
+    seen = history.split()
+    assert seen[0] == "queued", seen
+    assert seen.index("queued") < seen.index("running") < seen.index("completed"), seen
+    assert page.inner_text(f"{row} [data-field=state]") == "completed"
+    # Not reloaded: the same document (its marker kept) and a single navigation.
+    assert page.evaluate("window.__samePage") == "yes"
+    assert page.evaluate("performance.getEntriesByType('navigation').length") == 1
+    shot(page, "jobs-live")
+
+    page.click(f"{row} a")
+    page.wait_for_selector("#timeline li[data-kind=completed]")
+    assert page.inner_text("#job [data-field=state]") == "completed"
+    assert page.locator("h2:has-text('Placement') ~ h3").count() >= 1  # the decision, in words
+    trace = page.get_attribute("a.trace", "href")
+    assert trace is not None and "/trace/" in trace
+    shot(page, "job")
+
+
+def test_a_tenant_sees_its_own_jobs_and_gets_403_for_another_tenants(
+    home: Path, base: str, page: Any
+) -> None:
+    mine, theirs = submit(home, "alpha", "beta", steps=10)
+
+    anonymous = page.goto(f"{base}/jobs/{mine}")
+    assert anonymous is not None and anonymous.status == 401
+
+    page.goto(f"{base}/?token={load_tokens(home).tenant_token('alpha')}")  # `loom console --tenant`'s URL
+    assert page.inner_text("[data-role=tenant]") == "tenant alpha"
+    own = page.goto(f"{base}/jobs/{mine}")
+    assert own is not None and own.status == 200
+    other = page.goto(f"{base}/jobs/{theirs}")
+    assert other is not None and other.status == 403
+    assert "another tenant" in page.inner_text("main")
+    shot(page, "forbidden")
+    assert page.request.post(f"{base}/jobs/{mine}/cancel").status == 403  # a tenant cannot act
+
+    page.goto(f"{base}/jobs?tenant=beta")  # a tenant's filter cannot widen its view
+    assert page.locator(f"tr[data-job='{mine}']").count() == 1  # `loom submit` waited for its admission
+    assert page.locator(f"tr[data-job='{theirs}']").count() == 0

@@ -1,0 +1,406 @@
+"""The pure alert correlator: attribution, grouping, root cause, lifecycle, rate limits, bounds."""
+
+import json
+
+import pytest
+
+from loom.alerts import (
+    Correlator,
+    CorrelatorConfig,
+    Inventory,
+    JobPlacement,
+    MalformedPayloadError,
+    Part,
+    Placements,
+    link_name,
+    parse_payload,
+)
+from loom.model.topology import load_topology
+from loom_proto.alerts import Alert
+
+TOPOLOGY = load_topology("small")
+# small: c-sea1-a (gcp-asia-southeast1), c-use2-a (aws-us-east-2), c-weu-a (azure-westeurope)
+SEA, USE, WEU = "gcp-asia-southeast1", "aws-us-east-2", "azure-westeurope"
+NODES = {c.id: [n.id for n in c.nodes] for c in TOPOLOGY.clusters}
+
+
+def placements(jobs: list[JobPlacement]) -> Placements:
+    return Placements(Inventory.from_topology(TOPOLOGY), jobs)
+
+
+def job(job_id: str, *parts: tuple[str, int], tenant: str = "t1", parent: str | None = None) -> JobPlacement:
+    return JobPlacement(
+        job_id, tenant, tuple(Part(cluster, (NODES[cluster][i],)) for cluster, i in parts), parent=parent
+    )
+
+
+def alert(n: int, at: float = 0.0, **kw: object) -> Alert:
+    fields: dict[str, object] = {"alert_id": f"a{n}", "source": "test", "severity": "warning", "summary": "x"}
+    fields.update(kw)
+    return Alert(at=at, **fields)  # type: ignore[arg-type]
+
+
+def run(c: Correlator, alerts: list[tuple[float, Alert]], until: float) -> list[str]:
+    """Feed alerts at their times, ticking every 0.1 s; the notification kinds in order."""
+    kinds: list[str] = []
+    t = 0.0
+    pending = sorted(alerts, key=lambda x: x[0])
+    i = 0
+    while t <= until:
+        while i < len(pending) and pending[i][0] <= t:
+            kinds.extend(n.kind for n in c.ingest(pending[i][1], t))
+            i += 1
+        kinds.extend(n.kind for n in c.tick(t))
+        t = round(t + 0.1, 3)
+    return kinds
+
+
+def test_a_job_is_attributed_to_every_resource_its_parts_use_including_the_link_between_them() -> None:
+    p = placements([job("gang", ("c-use2-a", 0), ("c-weu-a", 1))])
+    used = p.implicated(None, "gang")
+    assert ("cluster", "c-use2-a") in used and ("cluster", "c-weu-a") in used
+    assert ("node", NODES["c-weu-a"][1]) in used
+    assert ("link", link_name(USE, WEU)) in used
+    assert ("link", link_name(USE, SEA)) not in used
+    assert p.jobs_on(("link", link_name(WEU, USE))) == {"gang"}
+
+
+def test_a_relayed_path_puts_the_job_on_each_hop_and_on_the_direct_link() -> None:
+    inv = Inventory.from_topology(TOPOLOGY)
+    jobs = [job("j", ("c-use2-a", 0), ("c-weu-a", 0)), job("k", ("c-use2-a", 1), ("c-sea1-a", 0))]
+    p = Placements(inv, jobs, paths={(USE, WEU): (USE, SEA, WEU)})
+    assert p.jobs_on(("link", link_name(USE, SEA))) == {"j", "k"}
+    assert p.jobs_on(("link", link_name(SEA, WEU))) == {"j"}
+    assert p.jobs_on(("link", link_name(USE, WEU))) == {"j"}
+
+
+def test_a_cluster_storm_makes_one_incident_with_every_job_and_one_notification() -> None:
+    jobs = [job(f"j{i}", ("c-use2-a", i % 6)) for i in range(60)] + [job("other", ("c-weu-a", 0))]
+    c = Correlator(placements(jobs))
+    storm: list[tuple[float, Alert]] = []
+    n = 0
+    for rep in range(5):
+        for i in range(60):
+            n += 1
+            storm.append((rep * 2 + i * 0.01, alert(n, job_id=f"j{i}", dedup_key=f"job-{i}-{rep}")))
+        for k in range(6):
+            n += 1
+            storm.append((rep * 2 + 0.3, alert(n, node=NODES["c-use2-a"][k], dedup_key=f"node-{k}")))
+        n += 1
+        storm.append((rep * 2 + 0.5, alert(n, cluster="c-use2-a", severity="critical", dedup_key="cl")))
+    kinds = run(c, storm, 12.0)
+    assert len(c.incidents) == 1
+    inc = next(iter(c.incidents.values()))
+    assert inc.root == ("cluster", "c-use2-a")
+    assert set(inc.jobs) == {f"j{i}" for i in range(60)}
+    assert inc.alert_count == len(storm)
+    assert kinds.count("opened") == 1
+    assert len(kinds) <= 3
+
+
+def test_jobs_on_several_clusters_degrading_together_across_one_link_point_at_the_link() -> None:
+    jobs = [
+        job("g1", ("c-use2-a", 0), ("c-weu-a", 0)),
+        job("g2", ("c-use2-a", 1), ("c-weu-a", 2)),
+        job("g3", ("c-use2-a", 2), ("c-weu-a", 3)),
+        job("local-use", ("c-use2-a", 3)),
+        job("local-weu", ("c-weu-a", 4)),
+        job("other-link", ("c-use2-a", 4), ("c-sea1-a", 0)),
+    ]
+    c = Correlator(placements(jobs))
+    # Three jobs alerting seconds apart: the first waits for company and the link is recognised.
+    run(c, [(0.0, alert(1, job_id="g1")), (3.0, alert(2, job_id="g2")), (6.0, alert(3, job_id="g3"))], 12.0)
+    [inc] = c.incidents.values()
+    assert inc.root == ("link", link_name(USE, WEU))
+    assert set(inc.jobs) == {"g1", "g2", "g3"}
+
+
+def test_a_link_alert_names_the_jobs_whose_parts_span_it() -> None:
+    jobs = [job("g1", ("c-use2-a", 0), ("c-weu-a", 0)), job("solo", ("c-use2-a", 1))]
+    c = Correlator(placements(jobs))
+    kinds = run(c, [(0.0, alert(1, link=(WEU, USE), dedup_key="link"))], 1.0)
+    [inc] = c.incidents.values()
+    assert inc.root == ("link", link_name(USE, WEU)) and set(inc.jobs) == {"g1"}
+    assert kinds == ["opened"]
+    assert run(c, [(0.0, alert(2, link=(USE, WEU), status="resolved", dedup_key="link"))], 0.0) == [
+        "resolved"
+    ]
+    assert inc.state == "resolved"
+
+
+def test_a_node_whose_jobs_fail_is_the_root_not_its_cluster() -> None:
+    jobs = [job("a", ("c-use2-a", 0)), job("b", ("c-use2-a", 0)), job("c", ("c-use2-a", 1))]
+    c = Correlator(placements(jobs))
+    run(c, [(0.0, alert(1, job_id="a")), (0.1, alert(2, job_id="b"))], 1.0)
+    [inc] = c.incidents.values()
+    assert inc.root == ("node", NODES["c-use2-a"][0])
+
+
+def test_a_job_alert_under_an_open_cluster_incident_is_attached_not_notified() -> None:
+    c = Correlator(placements([job("a", ("c-use2-a", 0)), job("b", ("c-use2-a", 1))]))
+    kinds = run(c, [(0.0, alert(1, cluster="c-use2-a")), (5.0, alert(2, job_id="b", momentary=True))], 60.0)
+    assert kinds == ["opened"]
+    [inc] = c.incidents.values()
+    assert inc.alert_count == 2 and c.counts["attached"] == 1
+
+
+def test_lifecycle_ack_then_auto_resolve_on_recovery_then_reopen_on_relapse() -> None:
+    c = Correlator(placements([job("a", ("c-use2-a", 0))]))
+    run(c, [(0.0, alert(1, cluster="c-use2-a", dedup_key="cl"))], 1.0)
+    [inc] = c.incidents.values()
+    note = c.ack(inc.incident_id, "ops", 2.0)
+    assert note is not None and note.incident.state == "acknowledged"
+    notes = c.ingest(alert(2, cluster="c-use2-a", status="resolved", dedup_key="cl"), 3.0)
+    assert [n.kind for n in notes] == ["resolved"] and inc.state == "resolved"
+    kinds = run(c, [(4.0, alert(3, cluster="c-use2-a", dedup_key="cl"))], 5.0)
+    assert kinds == ["opened"] and inc.state == "open" and inc.reopened == 1
+    assert len(c.incidents) == 1
+
+
+def test_a_lone_job_alert_waits_for_company_then_resolves_after_the_quiet_period() -> None:
+    c = Correlator(placements([job("a", ("c-use2-a", 0))]), CorrelatorConfig(quiet_s=10.0, weak_wait_s=2.0))
+    assert run(c, [(0.0, alert(1, job_id="a", momentary=True))], 1.5) == []
+    assert len(c.waiting) == 1
+    c2 = Correlator(placements([job("a", ("c-use2-a", 0))]), CorrelatorConfig(quiet_s=10.0, weak_wait_s=2.0))
+    kinds = run(c2, [(0.0, alert(1, job_id="a", momentary=True))], 14.0)
+    assert kinds == ["opened", "resolved"]
+    [inc] = c2.incidents.values()
+    assert inc.root == ("job", "a") and inc.opened_at >= 2.0
+
+
+def test_updates_are_rate_limited_per_incident_and_coalesced() -> None:
+    jobs = [job(f"j{i}", ("c-use2-a", i % 6)) for i in range(20)]
+    c = Correlator(placements(jobs), CorrelatorConfig(min_update_interval_s=10.0))
+    # Severity climbs twice within the interval: one coalesced update, after the interval.
+    kinds = run(
+        c,
+        [
+            (0.0, alert(1, cluster="c-use2-a", severity="info", dedup_key="a")),
+            (1.0, alert(2, cluster="c-use2-a", severity="warning", dedup_key="b")),
+            (2.0, alert(3, cluster="c-use2-a", severity="critical", dedup_key="c")),
+        ],
+        30.0,
+    )
+    assert kinds == ["opened", "updated"]
+
+
+def test_a_storm_of_distinct_unknown_alerts_keeps_memory_and_notifications_bounded() -> None:
+    config = CorrelatorConfig(max_open=50, max_notifications_per_min=20, max_fingerprints=1_000)
+    c = Correlator(placements([]), config)
+    kinds: list[str] = []
+    for i in range(10_000):
+        t = i * 0.006  # 10,000 alerts in a minute
+        kinds.extend(n.kind for n in c.ingest(alert(i, node=f"ghost-{i}", dedup_key=f"g{i}"), t))
+        if i % 10 == 0:
+            kinds.extend(n.kind for n in c.tick(t))
+    kinds.extend(n.kind for n in c.tick(61.0))
+    assert len(c.open_by_root) <= 51
+    assert len(c.fingerprints) <= 1_000
+    assert len(kinds) <= 20 + 20 + 1  # the bucket's burst, a minute's refill, and rounding
+    overflow = c.incidents[c.open_by_root[("service", "overflow")]]
+    assert overflow.alert_count > 9_000
+
+
+def test_unknown_resources_are_kept_unattributed_and_visible() -> None:
+    c = Correlator(placements([job("a", ("c-use2-a", 0))]))
+    run(c, [(0.0, alert(1, cluster="c-nowhere"))], 1.0)
+    [inc] = c.incidents.values()
+    change = inc.change("opened", "x")
+    assert change.root == "c-nowhere" and not change.root_known and change.unattributed and change.jobs == []
+
+
+def test_a_clock_skewed_alert_is_correlated_on_receipt_time_and_flagged() -> None:
+    c = Correlator(placements([job("a", ("c-use2-a", 0))]))
+    kinds = run(c, [(0.0, alert(1, at=10_000_000.0, cluster="c-use2-a"))], 1.0)
+    [inc] = c.incidents.values()
+    assert kinds == ["opened"] and inc.opened_at == pytest.approx(0.5, abs=0.11)
+    assert c.counts["skewed"] == 1 and any("clock skewed" in e.what for e in inc.timeline)
+
+
+def test_a_dag_stage_incident_names_its_dag_and_tenant() -> None:
+    c = Correlator(placements([job("dag-s1", ("c-weu-a", 0), tenant="acme", parent="dag")]))
+    run(c, [(0.0, alert(1, node=NODES["c-weu-a"][0]))], 1.0)
+    [inc] = c.incidents.values()
+    change = inc.change("opened", "x")
+    assert change.dags == ["dag"] and change.tenants == ["acme"]
+
+
+def test_a_narrow_incident_is_promoted_when_its_cluster_turns_out_to_be_the_root() -> None:
+    jobs = [job(f"j{i}", ("c-use2-a", i % 6)) for i in range(12)]
+    c = Correlator(placements(jobs))
+    kinds = run(
+        c,
+        [
+            (0.0, alert(1, node=NODES["c-use2-a"][0])),
+            (3.0, alert(2, cluster="c-use2-a", severity="critical")),
+        ],
+        40.0,
+    )
+    [inc] = c.incidents.values()
+    assert inc.root == ("cluster", "c-use2-a") and len(inc.jobs) == 12
+    assert kinds == ["opened", "updated"]
+
+
+def _am(alerts: list[dict[str, object]], version: str = "4") -> bytes:
+    return json.dumps(
+        {
+            "version": version,
+            "groupKey": "{}:{}",
+            "truncatedAlerts": 0,
+            "status": "firing",
+            "receiver": "loom",
+            "groupLabels": {},
+            "commonLabels": {},
+            "commonAnnotations": {},
+            "externalURL": "http://am:9093",
+            "alerts": alerts,
+        }
+    ).encode()
+
+
+def test_an_alertmanager_v4_payload_becomes_loom_alerts() -> None:
+    body = _am(
+        [
+            {
+                "status": "firing",
+                "labels": {
+                    "alertname": "NodeDown",
+                    "node": "n-1",
+                    "cluster": "c-use2-a",
+                    "severity": "page",
+                    "instance": "10.0.0.1:9100",
+                    "job": "node-exporter",
+                },
+                "annotations": {"summary": "node n-1 down"},
+                "startsAt": "2026-12-01T10:00:00.123456789Z",
+                "endsAt": "0001-01-01T00:00:00Z",
+                "generatorURL": "http://prom/graph",
+                "fingerprint": "a1b2c3d4e5f60718",
+            }
+        ]
+    )
+    [a] = parse_payload(body)
+    assert (a.node, a.cluster, a.severity, a.job_id) == ("n-1", "c-use2-a", "critical", None)
+    assert a.dedup_key == "am-a1b2c3d4e5f60718" and a.summary == "node n-1 down"
+    assert a.at == pytest.approx(1_796_119_200.123456)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json",
+        _am([], version="3"),
+        json.dumps({"version": "4"}).encode(),
+        _am([{"status": "weird", "labels": {}, "startsAt": "2026-12-01T10:00:00Z"}]),
+        _am([{"status": "firing", "labels": {}, "startsAt": "yesterday"}]),
+        _am([{"status": "firing", "labels": "x", "startsAt": "2026-12-01T10:00:00Z"}]),
+    ],
+)
+def test_malformed_alertmanager_payloads_are_refused_with_a_reason(body: bytes) -> None:
+    with pytest.raises(MalformedPayloadError):
+        parse_payload(body)
+
+
+def test_both_directions_of_a_degraded_link_share_one_fingerprint_and_recovery_resolves_it() -> None:
+    from loom.alerts.sources import from_link_event
+    from loom_proto.net import LinkDegraded, LinkRecovered
+
+    there = from_link_event(
+        LinkDegraded(src=USE, dst=WEU, at=1.0, reason="r", baseline_rtt_ms=90, loss_rate=0.0)
+    )
+    back = from_link_event(
+        LinkDegraded(src=WEU, dst=USE, at=1.0, reason="r", baseline_rtt_ms=90, loss_rate=0.0)
+    )
+    over = from_link_event(
+        LinkRecovered(src=USE, dst=WEU, at=2.0, reason="r", baseline_rtt_ms=90, loss_rate=0.0)
+    )
+    assert there.dedup_key == back.dedup_key == over.dedup_key
+    assert (there.status, over.status) == ("firing", "resolved")
+
+
+def test_only_lost_or_unstarted_runs_become_job_alerts() -> None:
+    from loom.alerts.sources import from_job_requeued
+    from loom_proto.jobs import JobRequeued
+
+    def requeued(cause: str) -> Alert | None:
+        return from_job_requeued(JobRequeued(job_id="j", tenant="t", attempt=2, cause=cause, at=1.0))  # type: ignore[arg-type]
+
+    assert requeued("cluster_lost") is not None and requeued("start_timeout") is not None
+    assert requeued("preempted") is None and requeued("resized") is None
+
+
+def test_stale_views_unhealthy_nodes_and_dead_letters_fire_once_and_resolve() -> None:
+    from loom.alerts.sources import ConditionTracker
+    from loom_proto.view import NodeView, ViewDelta
+
+    track = ConditionTracker(dlq_threshold=3, dlq_window_s=10.0)
+
+    def delta(stale: bool, healthy: bool, version: int) -> ViewDelta:
+        node = NodeView(node="n1", zone="z", healthy=healthy, updated_at=1.0)
+        return ViewDelta(
+            region="r", cluster="c1", version=version, nodes=[node], stale=stale, at=float(version)
+        )
+
+    assert [(a.cluster, a.node, a.status) for a in track.view_delta(delta(True, False, 1))] == [
+        ("c1", None, "firing"),
+        ("c1", "n1", "firing"),
+    ]
+    assert track.view_delta(delta(True, False, 2)) == []  # no change, no alert
+    assert [a.status for a in track.view_delta(delta(False, True, 3))] == ["resolved", "resolved"]
+    fired = [a for t in (0.0, 1.0, 2.0, 3.0) for a in track.dead_letter(t)]
+    assert [a.status for a in fired] == ["firing"]
+    assert [a.status for a in track.tick(20.0)] == ["resolved"]
+
+
+def test_compose_runs_the_alert_correlator_with_arguments_its_parser_accepts() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from loom.runtime.stack import StackOptions, service_argvs
+    from loom_services.alert_correlator.main import parse_args
+
+    compose = yaml.safe_load((Path(__file__).resolve().parents[2] / "docker-compose.yml").read_text())
+    service = compose["services"]["alert-correlator"]
+    args = parse_args(service["command"][1:])
+    assert (args.http_host, args.http_port) == ("0.0.0.0", 9095)
+    assert service["ports"] == ["127.0.0.1:9095:9095"]
+    assert parse_args(service_argvs(StackOptions())["alert-correlator"][3:]).topology == "default"
+
+
+def test_the_root_recovers_only_when_every_alert_naming_it_has_resolved() -> None:
+    c = Correlator(placements([job("a", ("c-use2-a", 0))]))
+    run(
+        c,
+        [
+            (0.0, alert(1, cluster="c-use2-a", dedup_key="down")),
+            (0.1, alert(2, cluster="c-use2-a", dedup_key="cpu")),
+        ],
+        1.0,
+    )
+    [inc] = c.incidents.values()
+    assert c.ingest(alert(3, cluster="c-use2-a", status="resolved", dedup_key="cpu"), 2.0) == []
+    assert inc.state == "open"
+    notes = c.ingest(alert(4, cluster="c-use2-a", status="resolved", dedup_key="down"), 3.0)
+    assert [n.kind for n in notes] == ["resolved"] and "recovered" in notes[0].incident.reason
+
+
+def test_a_restored_incident_keeps_attracting_its_alerts_and_relapses_reopen_it() -> None:
+    from loom.alerts import Incident
+
+    p = placements([job("a", ("c-use2-a", 0))])
+    first = Correlator(p)
+    run(first, [(0.0, alert(1, cluster="c-use2-a", dedup_key="down"))], 1.0)
+    [inc] = first.incidents.values()
+    record = inc.change("updated", "persisted")
+
+    again = Correlator(p)  # a restarted correlator
+    again.restore(Incident.from_change(record))
+    assert again.ingest(alert(2, job_id="a", momentary=True), 10.0) == []
+    assert again.incidents[inc.incident_id].alert_count == 2 and len(again.incidents) == 1
+    assert [n.kind for n in again.ingest(alert(3, cluster="c-use2-a", status="resolved"), 11.0)] == [
+        "resolved"
+    ]
+    kinds = [n.kind for n in again.ingest(alert(4, cluster="c-use2-a", dedup_key="down"), 12.0)]
+    kinds += [n.kind for n in again.tick(13.0)]
+    assert kinds == ["opened"] and again.incidents[inc.incident_id].reopened == 1
