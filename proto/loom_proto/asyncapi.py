@@ -37,6 +37,7 @@ from loom_proto.jobs import (
     JobStarted,
     JobSubmitted,
 )
+from loom_proto.migrations import MigrationEvent
 from loom_proto.net import LinkDegraded, LinkRecovered, LinkState, ProbeSample, TransferObserved
 from loom_proto.view import RegionSummary, ViewDelta
 
@@ -72,6 +73,10 @@ CHANNELS: dict[str, tuple[tuple[str, ...], type[msgspec.Struct], str]] = {
     "loom.net.event.degraded": ((), LinkDegraded, "A link crossed its degrade thresholds."),
     "loom.net.event.recovered": ((), LinkRecovered, "A degraded link is within its thresholds again."),
     "loom.alerts.{source}": (("source",), Alert, "An alert from a monitoring source."),
+    "loom.migrations.planned.{tenant}": (("tenant",), MigrationEvent, "A job's move was chosen."),
+    "loom.migrations.started.{tenant}": (("tenant",), MigrationEvent, "A job's old run was given up."),
+    "loom.migrations.completed.{tenant}": (("tenant",), MigrationEvent, "A moved job runs elsewhere."),
+    "loom.migrations.failed.{tenant}": (("tenant",), MigrationEvent, "A job's move did not happen."),
 }
 
 

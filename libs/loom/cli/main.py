@@ -349,6 +349,10 @@ def cmd_job(args: argparse.Namespace) -> int:
             console.print(f"reason: {job['reason']}")
         if stages:
             _print_stages(stages)
+        if job.get("migrations"):
+            from loom.cli.migrations import migrations_table
+
+            console.print(migrations_table(job["migrations"], title="moves"))
         table = Table(title="history")
         for col in ("time", "event", "detail"):
             table.add_column(col)
@@ -868,6 +872,9 @@ def build_parser() -> argparse.ArgumentParser:
     from loom.cli.dlq import add_parser as add_dlq_parser
 
     add_dlq_parser(sub)
+    from loom.cli.migrations import add_parser as add_migrations_parser
+
+    add_migrations_parser(sub)
     p = add("demo", cmd_demo, "start the stack, run the example workload, show progress and a summary")
     p.add_argument(
         "--workload", type=Path, default=None, help="job file (default: examples/demo-workload.yaml)"

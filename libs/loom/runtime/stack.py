@@ -130,6 +130,7 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
     groups = group_options(placement_groups(options))
     argvs = {
         "metrics": [py, "-m", "loom_services.metrics"],
+        "migration": [py, "-m", "loom_services.migration"],
         "placement": [py, "-m", "loom_services.placement", "--topology", options.topology, *groups],
     }
     if options.placement_standby:

@@ -13,6 +13,7 @@ import asyncpg
 import msgspec
 
 from loom.model.capacity import NodeCapacity
+from loom.store.moves import list_migrations
 from loom.store.pool import ConflictError
 
 
@@ -663,6 +664,7 @@ async def get_job(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> dict[
         {"kind": e["kind"], "msg_id": e["msg_id"], "at": e["at"].timestamp(), "event": json.loads(e["event"])}
         for e in events
     ]
+    out["migrations"] = list(reversed(await list_migrations(conn, job_id=job_id)))
     return out
 
 
