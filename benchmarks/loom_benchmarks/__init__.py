@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     takeover.add_argument("--rate", type=float, default=50.0, help="jobs submitted per second throughout")
     takeover.add_argument("--topology", default="default")
     takeover.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    failover = sub.add_parser(
+        "failover", help="SIGKILL a cluster's agent under 50+ jobs: detection, re-placement, lost, doubled"
+    )
+    from loom_benchmarks.failover import add_arguments as failover_arguments
+
+    failover_arguments(failover)
     policies = sub.add_parser(
         "policies", help="Loom's placement against the baselines in the simulator: JCT, cost, traffic, report"
     )
@@ -178,7 +184,7 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
             print(f"{key:>28}: {value}", file=sys.stderr)
 
 
-def run_benchmark(args: argparse.Namespace) -> int:
+def run_benchmark(args: argparse.Namespace) -> int:  # noqa: PLR0912  # one branch per benchmark
     """Dispatch ``loom bench NAME``."""
     if args.bench == "codec":
         from loom_benchmarks.codec import main as run_codec
@@ -206,6 +212,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         from loom_benchmarks.placement import main as run_placement
 
         return run_placement(args)
+    if args.bench == "failover":
+        from loom_benchmarks.failover import main as run_failover
+
+        return run_failover(args)
     if args.bench == "takeover":
         from loom_benchmarks.takeover import main as run_takeover
 
