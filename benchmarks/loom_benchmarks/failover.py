@@ -100,10 +100,17 @@ def _jobs(args: argparse.Namespace, region: str) -> list[JobSpec]:
             resources=Resources(gpus=1, gpu_models=["T4"]),
             pipeline=Pipeline(layers=layers, max_stages=2),
             work=work,
-            affinity=prefer,
+            # Kept to the victim's region and one other (scored, it would go anywhere): it runs
+            # on the victim, or across it, and has somewhere to go when the victim fails.
+            affinity=Affinity(regions=[region, _partner_region(region)], prefer_regions=[region]),
         )
     )
     return jobs
+
+
+def _partner_region(region: str) -> str:
+    """Where the pipeline may go besides the victim's region (its T4s, in the default topology)."""
+    return "gcp-southamerica-east1" if region != "gcp-southamerica-east1" else "azure-westeurope"
 
 
 async def _placement_health(client: LoomClient) -> dict[str, Any]:
