@@ -110,7 +110,7 @@ def _jobs(args: argparse.Namespace, region: str) -> list[JobSpec]:
 
 def _partner_region(region: str) -> str:
     """Where the pipeline may go besides the victim's region (its T4s, in the default topology)."""
-    return "gcp-southamerica-east1" if region != "gcp-southamerica-east1" else "azure-westeurope"
+    return "aws-us-east-2" if region != "aws-us-east-2" else "azure-westeurope"
 
 
 async def _placement_health(client: LoomClient) -> dict[str, Any]:
@@ -264,7 +264,7 @@ async def _measure(state: dict[str, Any], home: Path, args: argparse.Namespace, 
             1 for v in lost.values() if v["lost_steps"] <= v["checkpoint_every_steps"]
         )
         result["resumed_from_step_0"] = sorted(j for j, v in lost.items() if v["resume_step"] == 0)
-        result["jobs_lost"] = sorted(
+        result["not_replaced_by_timeout"] = sorted(
             j
             for j, v in lost.items()
             if not (v["state"] in ("running", "completed") and v["attempt"] > affected[j])
@@ -299,6 +299,15 @@ async def _measure(state: dict[str, Any], home: Path, args: argparse.Namespace, 
                 list(affected),
                 returned_at,
             ),
+        }
+        # Lost: an affected job the platform no longer runs nor queues (failed, cancelled, gone).
+        states = dict(
+            await db.fetch("SELECT job_id, state FROM jobs WHERE job_id = ANY($1::text[])", list(affected))
+        )
+        live = ("queued", "placed", "running", "completed")
+        result["jobs_lost"] = sorted(j for j in affected if states.get(j) not in live)
+        result["final_states"] = {
+            s: sum(1 for v in states.values() if v == s) for s in sorted(set(states.values()))
         }
         result["migrations_recorded"] = await db.fetchval(
             "SELECT count(*) FROM migrations WHERE cause = 'failover' AND from_cluster = $1", victim.id
@@ -356,6 +365,7 @@ def run(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
             "met": replaced is not None and replaced <= TARGET_S,
             "progress_lost_steps_max": measured["progress_lost_steps"]["max"],
             "jobs_lost": len(measured["jobs_lost"]),
+            "not_replaced_by_timeout": len(measured["not_replaced_by_timeout"]),
             "runs_doubled": len(measured["runs_doubled_after_replacement"])
             + len(after.get("runs_doubled", [])),
         },

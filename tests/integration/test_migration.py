@@ -114,6 +114,14 @@ async def test_a_drain_moves_every_job_from_its_checkpoint_two_at_a_time_and_und
         await until(lambda: _progressed(client, jobs, 0.15), 20, "a checkpoint passed on c-weu-a")
         accepted = await _ask(client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED, "concurrency": 2})
         assert accepted["ok"] is True and accepted["jobs"] == 4, accepted
+        # Killed mid-drain, the migration service goes on from its records: nothing lost or doubled.
+        await until(
+            lambda: db.fetchval("SELECT count(*) FROM migrations WHERE state <> 'completed'"),
+            10,
+            "a move in flight",
+        )
+        await platform.stop("migration")
+        await platform.start("migration")
 
         moved = await until(lambda: _running_at(client, jobs, OTHER, 2), 30, "every job moved to c-sea1-a")
         state = await until(
@@ -213,6 +221,7 @@ async def test_a_returning_agent_stops_its_orphaned_runs_and_a_fenced_checkpoint
 
         returned: Agent = await platform.start(f"agent-{DRAINED}")
         back_at = time.time()
+
         async def orphans_stopped() -> bool:
             return bool(returned.ctx.stats.get("orphans_stopped") == 2)
 
