@@ -28,8 +28,9 @@ pytestmark = pytest.mark.slow
 DRAINED, OTHER = "c-weu-a", "c-sea1-a"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # One server per test: a stream that kept the other test's heartbeats would show its clusters.
     from loom.runtime.servers import NatsServer
 
     with NatsServer(tmp_path_factory.mktemp("migration-nats")) as server:
@@ -43,8 +44,7 @@ async def platform(
     p = Platform(nats_url, await fresh_database("migration"), tmp_path_factory.mktemp("agents"))
     p.placement = {"failover_ttl_s": 30.0}
     yield p
-    for name in list(p.tasks):
-        await p.stop(name)
+    await asyncio.gather(*(p.stop(name) for name in list(p.tasks)))  # together: the test's budget
 
 
 def _job(job_id: str, step_time_s: float = 600.0) -> JobSpec:
