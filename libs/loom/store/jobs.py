@@ -443,18 +443,6 @@ async def requeue(
     return await release(conn, job_id, attempt)
 
 
-async def latest_checkpoints(conn: asyncpg.Connection, job_ids: Sequence[str]) -> dict[str, int]:
-    """The highest step each job's agents reported a checkpoint at (any attempt), by job."""
-    if not job_ids:
-        return {}
-    rows = await conn.fetch(
-        """SELECT job_id, max((event->>'step')::bigint) AS step FROM job_events
-           WHERE job_id = ANY($1::text[]) AND kind = 'checkpointed' GROUP BY job_id""",
-        list(job_ids),
-    )
-    return {r["job_id"]: int(r["step"]) for r in rows if r["step"] is not None}
-
-
 async def existing_jobs(conn: asyncpg.Connection, job_ids: Sequence[str]) -> set[str]:
     """Which of these job ids exist already."""
     rows = await conn.fetch("SELECT job_id FROM jobs WHERE job_id = ANY($1::text[])", list(job_ids))
