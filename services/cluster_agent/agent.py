@@ -274,7 +274,7 @@ class Agent:
         job_ids = sorted({j.job_id for j in self.running.values()})
         try:
             reply = await self.ctx.nc.request(
-                subjects.JOBS_QUERY, json.dumps({"op": "attempts", "job_ids": job_ids}).encode(), timeout=2.0
+                subjects.PLACEMENT_ATTEMPTS, json.dumps({"job_ids": job_ids}).encode(), timeout=2.0
             )
             answer = json.loads(reply.data)
             if not answer.get("ok"):

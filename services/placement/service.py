@@ -294,6 +294,9 @@ class PlacementService:
         link_sub = await self.ctx.nc.subscribe(subjects.LINK_STATES_ALL, cb=self.on_link)
         drains_sub = await self.ctx.nc.subscribe(subjects.MIGRATE_DRAINS_CHANGED, cb=self.on_drains_changed)
         migrate_sub = await self.ctx.nc.subscribe(subjects.PLACEMENT_MIGRATE, cb=self.on_migrate)
+        attempts_sub = await self.ctx.nc.subscribe(
+            subjects.PLACEMENT_ATTEMPTS, queue="placement-query", cb=self.on_attempts
+        )
         announcer = (
             self.ctx.watchdog.supervise("standby-announcer", self._announce_standby)
             if self.shard != GLOBAL
@@ -321,6 +324,7 @@ class PlacementService:
             await link_sub.unsubscribe()
             await drains_sub.unsubscribe()
             await migrate_sub.unsubscribe()
+            await attempts_sub.unsubscribe()
 
     async def _lead(self, token: int) -> None:
         """The leader's work: consume submissions, view deltas and lifecycle events until cancelled."""
@@ -1597,6 +1601,17 @@ class PlacementService:
             self.capacity_changed = True
             self.wake.set()
 
+    async def on_attempts(self, msg: Msg) -> None:
+        """``loom.placement.attempts``: job -> [state, current attempt], from the store (a returning
+        agent fences its old runs with it)."""
+        try:
+            request = json.loads(msg.data or b"{}")
+            states = await moves.job_states(self.pool, [str(j) for j in request["job_ids"]][:10_000])
+            reply = {"ok": True, "result": {j: [state, attempt] for j, (state, attempt) in states.items()}}
+        except Exception as exc:  # any bad request gets an answer, never a crash
+            reply = {"ok": False, "error": str(exc)}
+        await msg.respond(json.dumps(reply).encode())
+
     async def on_migrate(self, msg: Msg) -> None:
         """``loom.placement.migrate``: give a run up so that its job is placed again elsewhere, from
         ``resume_step`` (its checkpoint), avoiding ``avoid``. Only the instance holding the run
@@ -2065,10 +2080,6 @@ class PlacementService:
             elif op == "learned":
                 learner = await speeds.load_learner(self.pool, self.learner.settings)
                 result = [msgspec.to_builtins(e) for e in learner.estimates()]
-            elif op == "attempts":
-                # A returning agent fences its old runs: job -> [state, current attempt].
-                states = await moves.job_states(self.pool, [str(j) for j in request["job_ids"]][:10_000])
-                result = {j: [state, attempt] for j, (state, attempt) in states.items()}
             elif op == "leader":
                 result = dataclasses.asdict(self.leadership)
             else:
