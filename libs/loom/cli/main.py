@@ -318,6 +318,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
             console.print(f"\n[bold]attempt {d['attempt']}[/bold] ({d['outcome']})")
             for line in render(DecisionRecord.from_dict(d["record"]), limit=args.limit):
                 console.print(f"  {line}", highlight=False)
+        if job.get("migrations"):
+            from loom.cli.migrations import migrations_table
+
+            console.print(migrations_table(job["migrations"], title="why it moved"))
         return 0
 
     return _run(go())
