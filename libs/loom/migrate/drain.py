@@ -36,22 +36,6 @@ class DrainJob:
         return max(self.steps - self.step, 0) * self.step_time_s * self.gpus
 
 
-def feasible_clusters(
-    job: DrainJob, gpus_by_cluster: Mapping[str, Mapping[str, int]], closed: Collection[str]
-) -> list[str]:
-    """Open clusters holding GPUs the job accepts (``gpus_by_cluster``: cluster -> model -> total GPUs).
-
-    A job fits the platform elsewhere when the open clusters' accepted GPUs together reach its
-    count (a gang may span clusters)."""
-    out = []
-    for cluster, models in sorted(gpus_by_cluster.items()):
-        if cluster in closed:
-            continue
-        if sum(n for model, n in models.items() if not job.gpu_models or model in job.gpu_models) > 0:
-            out.append(cluster)
-    return out
-
-
 def drain_refusal(
     cluster: str,
     jobs: Iterable[DrainJob],
