@@ -12,6 +12,7 @@ from loom_services.cluster_agent.agent import Agent
 from loom_services.cluster_agent.main import library_profile, model_speed
 from loom_services.cluster_agent.sim import SimCluster
 from loom_services.metrics.service import MetricsService
+from loom_services.migration.service import MigrationService, MigrationSettings
 from loom_services.placement.service import PlacementService
 
 
@@ -38,6 +39,8 @@ class Platform:
         if name.startswith("placement"):
             kwargs = {"settle_s": 0.5, "topology": topology, **self.placement}
             service = PlacementService(ctx, holder=name, **kwargs)
+        elif name == "migration":
+            service = MigrationService(ctx, MigrationSettings(poll_s=0.1, checkpoint_timeout_s=3.0))
         elif name == "metrics":
             service = MetricsService(
                 ctx,

@@ -48,6 +48,7 @@ from opentelemetry import propagate
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError
+from loom.migrate.checkpoints import checksum_of
 from loom.model.family import job_family
 from loom.model.heartbeat import next_interval_s
 from loom.runtime.service import ServiceContext
@@ -236,6 +237,7 @@ class Agent:
         sender = watchdog.supervise("reports", self._send_reports)
         await self.heartbeat(full=True)
         await self.publish_profiles()
+        await self._fence_restored()
         await runner.start()
         commands = watchdog.watch_consumer("commands", runner)
         for job in list(self.running.values()):
@@ -261,6 +263,40 @@ class Agent:
             if self._journal is not None:
                 self._journal.close()
                 self._journal = None
+
+    async def _fence_restored(self) -> None:
+        """A returning agent checks its restored runs' attempts with placement before resuming them:
+        a run whose attempt placement gave up while the agent was away (failed over, moved) is an
+        orphan, stopped here without a report, so the job never runs twice. Without an answer the
+        runs resume and the stops placement sent (on the durable command consumer) fence them."""
+        if not self.running:
+            return
+        job_ids = sorted({j.job_id for j in self.running.values()})
+        try:
+            reply = await self.ctx.nc.request(
+                subjects.PLACEMENT_ATTEMPTS, json.dumps({"job_ids": job_ids}).encode(), timeout=2.0
+            )
+            answer = json.loads(reply.data)
+            if not answer.get("ok"):
+                raise ValueError(answer.get("error", "refused"))
+            current: dict[str, list[Any]] = answer["result"]
+        except Exception as exc:  # nats raises several unrelated types; the durable stops fence them
+            log.warning("restored runs' attempts not checked", error=repr(exc))
+            return
+        for job in list(self.running.values()):
+            state, attempt = current.get(job.job_id, (None, None))
+            if attempt is None:
+                continue  # the store does not know the job: nothing says the run is stale
+            if job.attempt < attempt or (job.attempt == attempt and state not in ("placed", "running")):
+                log.warning(
+                    "orphaned run stopped",
+                    job_id=job.job_id,
+                    attempt=job.attempt,
+                    current_attempt=attempt,
+                    state=state,
+                )
+                self._finish(job)
+                self.ctx.stats["orphans_stopped"] = self.ctx.stats.get("orphans_stopped", 0) + 1
 
     async def publish_profiles(self) -> None:
         """Tell the platform what each accelerator model of this cluster delivers."""
@@ -608,6 +644,7 @@ class Agent:
         self.ctx.stats["completed"] = self.ctx.stats.get("completed", 0) + 1
 
     def _checkpoint(self, job: RunningJob) -> None:
+        uri = f"sim://{self.cluster}/{job.job_id}/{job.attempt}/{job.step}"
         self._report(
             subjects.job_event("checkpointed", job.tenant),
             JobCheckpointed(
@@ -616,7 +653,8 @@ class Agent:
                 cluster=self.cluster,
                 attempt=job.attempt,
                 step=job.step,
-                checkpoint_uri=f"sim://{self.cluster}/{job.job_id}/{job.attempt}/{job.step}",
+                checkpoint_uri=uri,
+                checksum=checksum_of(job.job_id, job.attempt, job.step, uri),
                 at=time.time(),
             ),
             msg_id=f"{job.job_id}:checkpointed:{job.attempt}:{job.step}",

@@ -334,6 +334,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
             console.print(f"\n[bold]attempt {d['attempt']}[/bold] ({d['outcome']})")
             for line in render(DecisionRecord.from_dict(d["record"]), limit=args.limit):
                 console.print(f"  {line}", highlight=False)
+        if job.get("migrations"):
+            from loom.cli.migrations import migrations_table
+
+            console.print(migrations_table(job["migrations"], title="why it moved"))
         return 0
 
     return _run(go())
@@ -367,6 +371,10 @@ def cmd_job(args: argparse.Namespace) -> int:
             console.print(f"trace: {job['trace_id']}  (`loom trace {job['job_id']}`)")
         if stages:
             _print_stages(stages)
+        if job.get("migrations"):
+            from loom.cli.migrations import migrations_table
+
+            console.print(migrations_table(job["migrations"], title="moves"))
         table = Table(title="history")
         for col in ("time", "event", "detail"):
             table.add_column(col)
@@ -903,6 +911,9 @@ def build_parser() -> argparse.ArgumentParser:
     from loom.cli.usage import add_parser as add_usage_parser
 
     add_usage_parser(sub)
+    from loom.cli.migrations import add_parser as add_migrations_parser
+
+    add_migrations_parser(sub)
     p = add("demo", cmd_demo, "start the stack, run the example workload, show progress and a summary")
     p.add_argument(
         "--workload", type=Path, default=None, help="job file (default: examples/demo-workload.yaml)"
