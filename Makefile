@@ -16,7 +16,9 @@ demo: $(STAMP)  ## start the embedded stack, run the example workload, show prog
 	$(BIN)/loom demo
 
 test: $(STAMP) chromium  ## the whole suite: unit, integration (real NATS + PostgreSQL), end-to-end, browser; 4 processes, a file each
-	$(BIN)/python -m pytest -q -n 4 --dist loadfile
+	@$(BIN)/python -m pytest -q -n 4 --dist loadfile -m "not timing"; parallel=$$?; \
+	$(BIN)/python -m pytest -q -m timing; alone=$$?; \
+	test $$parallel -eq 0 -a $$alone -eq 0
 
 chromium:  ## the system Chromium the browser tests drive (Debian package; Playwright downloads nothing)
 	@command -v chromium >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
