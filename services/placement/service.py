@@ -1878,6 +1878,9 @@ class PlacementService:
                 for job_id, _, fraction in updates:
                     progress[job_id] = fraction
                 for e in new:
+                    if isinstance(e, JobCancelled):
+                        await self._cancel(conn, e.job_id, e.reason or "cancelled", result, finished)
+                for e in new:
                     if not isinstance(e, JobCompleted | JobFailed):
                         continue
                     run = self.book.runs.get(e.job_id)
@@ -1948,6 +1951,41 @@ class PlacementService:
             log.warning("checkpoint report refused", msg_id=mid, reason=why)
             outcomes[index_of[mid]] = InvalidInputError(why)
         return outcomes
+
+    async def _cancel(
+        self,
+        conn: asyncpg.Connection,
+        job_id: str,
+        reason: str,
+        result: "Applied",
+        finished: list[tuple[str, int]],
+    ) -> None:
+        """End a job on a ``cancelled`` event: a queued job leaves the queue; a running one is told
+        to stop on every cluster it runs on (its attempt fenced) and gives its GPUs back; a DAG's
+        unfinished stages are cancelled with it. A finished job stays as it ended."""
+        run = self.book.runs.get(job_id)
+        if run is not None:
+            if await repo.finish(conn, job_id, run.attempt, "cancelled", reason):
+                await repo.release(conn, job_id, run.attempt)
+                for cluster in dict.fromkeys(part[0] for part in run.parts):
+                    stop = StopJob(job_id=job_id, attempt=run.attempt, reason=f"cancelled: {reason}"[:1024])
+                    result.messages.append(
+                        outbox.message(
+                            subjects.cluster_command(cluster, "stop"),
+                            stop,
+                            f"{job_id}:stop:{run.attempt}:{cluster}",
+                            context=run.queued.context,
+                        )
+                    )
+                finished.append((job_id, run.attempt))
+        elif await repo.set_state(conn, [job_id], "cancelled", ["queued", "waiting"], reason):
+            result.vanished.append(job_id)
+        kids = await repo.children(conn, job_id)
+        for kid in kids:
+            if kid["state"] not in _TERMINAL:
+                await self._cancel(conn, kid["job_id"], f"the DAG {job_id} was cancelled", result, finished)
+        if kids:  # a DAG is "running" while its stages run, with no run of its own
+            await repo.set_state(conn, [job_id], "cancelled", ["running"], reason)
 
     def _speed_observation(
         self, run: Run, done: JobCompleted, event_id: str
@@ -2284,6 +2322,10 @@ async def _refused_checkpoints(
         if why is not None:
             out[mid] = why
     return out
+
+
+_TERMINAL = frozenset({"completed", "failed", "rejected", "cancelled"})
+"""States a job never leaves."""
 
 
 async def _parent_of(conn: asyncpg.Connection, job_id: str) -> str | None:

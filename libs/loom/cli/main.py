@@ -295,6 +295,31 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return _run(go())
 
 
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancel jobs; exit 1 when one is unknown or was not recorded in time."""
+
+    async def go() -> int:
+        client = await _client()
+        code = 0
+        try:
+            for job_id in args.job_ids:
+                try:
+                    state = await client.cancel(job_id, reason=args.reason)
+                except QueryError as exc:
+                    err.print(f"[red]{escape(str(exc))}[/red]")
+                    code = 1
+                    continue
+                if state == "cancelled":
+                    console.print(f"{escape(job_id)}: cancelled")
+                else:
+                    console.print(f"{escape(job_id)}: already {state}; nothing to cancel")
+        finally:
+            await client.close()
+        return code
+
+    return _run(go())
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     """Why a job is where it is (or why it waits, or was rejected): every decision, in plain words."""
     from loom.sched.explain import render
@@ -857,6 +882,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("job", cmd_job, "one job and its event history")
     p.add_argument("job_id")
     p.add_argument("--json", action="store_true")
+    p = add(
+        "cancel",
+        cmd_cancel,
+        "cancel jobs: queued ones leave the queue, running ones stop and free their GPUs",
+    )
+    p.add_argument("job_ids", nargs="+", metavar="JOB_ID")
+    p.add_argument("--reason", default="", help="recorded in the job's history")
     p = add("explain", cmd_explain, "why a job runs where it does, and why not elsewhere")
     p.add_argument("job_id")
     p.add_argument("--limit", type=int, default=10, help="candidates and ruled-out clusters to show")
