@@ -49,7 +49,9 @@ def ensure_installed() -> None:
     subprocess.run(["apt-get", "install", "-y", *SLURM_PACKAGES], env=env, check=False, capture_output=True)
     missing = missing_binaries()
     if missing:
-        raise LocalSlurmError(f"Slurm is not installed (missing {', '.join(missing)}); apt-get install failed")
+        raise LocalSlurmError(
+            f"Slurm is not installed (missing {', '.join(missing)}); apt-get install failed"
+        )
 
 
 def free_port() -> int:
@@ -114,7 +116,9 @@ class LocalMunge:
         deadline = time.monotonic() + timeout_s
         while not self.socket.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise LocalSlurmError(f"munged did not start: {(self.root / 'munged.out').read_text()[-2000:]}")
+                raise LocalSlurmError(
+                    f"munged did not start: {(self.root / 'munged.out').read_text()[-2000:]}"
+                )
             time.sleep(0.05)
 
     def stop(self) -> None:
@@ -246,7 +250,12 @@ class LocalSlurmCluster:
         controller does not answer."""
         try:
             out = subprocess.run(
-                ["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env, capture_output=True, text=True, timeout=10
+                ["sinfo", "-h", "-N", "-o", "%N %t"],
+                check=False,
+                env=self.env,
+                capture_output=True,
+                text=True,
+                timeout=10,
             )
         except subprocess.TimeoutExpired:
             return {}
@@ -266,7 +275,9 @@ class LocalSlurmCluster:
             if len(states) == len(self.nodes) and all(s in ("idle", "mix", "alloc") for s in states.values()):
                 return
             time.sleep(0.1)
-        raise LocalSlurmError(f"{self.name}: nodes not idle after {timeout_s:.0f} s ({states}): {self.logs()}")
+        raise LocalSlurmError(
+            f"{self.name}: nodes not idle after {timeout_s:.0f} s ({states}): {self.logs()}"
+        )
 
     def logs(self, tail_chars: int = 3000) -> str:
         """The end of every daemon's output, for an error message."""
