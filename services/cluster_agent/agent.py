@@ -241,6 +241,7 @@ class Agent:
         watchdog.condition("reports", self.bus_problem)
         watchdog.condition("backend", self.backend.problem)
         await self._refresh()
+        await self._reconcile()
         sender = watchdog.supervise("reports", self._send_reports)
         await self.heartbeat(full=True)
         await self.publish_profiles()
@@ -704,6 +705,26 @@ class Agent:
         except BackendError as exc:
             log.warning("backend inventory unavailable", backend=self.backend.name, error=str(exc))
 
+    async def _reconcile(self) -> None:
+        """After a restart: adopt the parts the backend runs for journalled runs whose launch was
+        not journalled, and stop those it runs for runs this agent does not have (finished or
+        given up while it was down)."""
+        if self.backend.clock:
+            return
+        try:
+            found = await self.backend.running()
+        except BackendError as exc:
+            log.warning("backend parts unknown at start", error=str(exc))
+            return
+        for key, ref in found.items():
+            job = self.running.get(key)
+            if job is None:
+                log.info("backend part with no run here stopped", key=key, ref=ref)
+                await self.backend.stop(ref)
+            elif not job.backend_ref:
+                job.backend_ref = ref
+                self._record({"op": "launched", "key": key, "ref": ref})
+
     def _part(self, job: RunningJob) -> PartLaunch:
         step_s = self.step_seconds(job) / self.time_scale if job.steps else 0.0
         return PartLaunch(
@@ -721,6 +742,25 @@ class Agent:
             labels=job.labels,
         )
 
+    async def _launch_part(self, job: RunningJob) -> bool:
+        """Wait out a delayed start, then launch the part; False when the backend refused it (the
+        refusal is reported)."""
+        if job.waiting:
+            await asyncio.sleep(max(job.start_at - time.time(), 0.0))
+            job.start_at = 0.0
+            self._record({"op": "began", "key": job.key})
+        try:
+            ref = await self.backend.launch(self._part(job))
+        except BackendError as exc:
+            if not exc.non_retryable:
+                raise  # the watchdog runs the task again
+            self._part_failed(job, f"cannot start: {exc}", retryable=True)
+            return False
+        job.backend_ref = ref
+        self._record({"op": "launched", "key": job.key, "ref": ref})
+        log.info("part launched", job_id=job.job_id, attempt=job.attempt, backend=self.backend.name, ref=ref)
+        return True
+
     async def _follow(self, job: RunningJob) -> None:
         """Launch a part on a backend without a clock, then follow it until it ends: report it
         started when the backend runs it where Loom chose, its progress and checkpoints from what
@@ -729,43 +769,33 @@ class Agent:
         Run again by the watchdog (or after a restart), it goes on from the journalled state."""
         if self.running.get(job.key) is not job:
             return
-        if job.waiting:
-            await asyncio.sleep(max(job.start_at - time.time(), 0.0))
-            job.start_at = 0.0
-            self._record({"op": "began", "key": job.key})
-        if not job.backend_ref:
-            try:
-                ref = await self.backend.launch(self._part(job))
-            except BackendError as exc:
-                if not exc.non_retryable:
-                    raise  # the watchdog runs the task again
-                self._part_failed(job, f"cannot start: {exc}", retryable=True)
-                return
-            job.backend_ref = ref
-            self._record({"op": "launched", "key": job.key, "ref": ref})
-            log.info(
-                "part launched", job_id=job.job_id, attempt=job.attempt, backend=self.backend.name, ref=ref
-            )
+        if not job.backend_ref and not await self._launch_part(job):
+            return
         chosen = {node for node, _ in job.allocations}
         checkpoints_seen = 0
         while self.running.get(job.key) is job:
-            status = await self.backend.poll(job.backend_ref, job.key)
+            try:
+                status = await self.backend.poll(job.backend_ref, job.key)
+            except BackendError as exc:
+                if exc.non_retryable:
+                    raise
+                log.warning("part state unknown", key=job.key, error=str(exc))
+                await asyncio.sleep(max(self.backend.poll_s, 1.0))
+                continue
+            if status.phase is Phase.RUNNING and set(status.nodes) - chosen:
+                await self.backend.stop(job.backend_ref)
+                elsewhere = sorted(set(status.nodes) - chosen)
+                self._part_failed(job, f"ran on {elsewhere}, not on {sorted(chosen)}", retryable=True)
+                return
             if status.phase != job.backend_phase:
                 if status.phase is Phase.RUNNING:
                     job.started_at = time.time()
+                    if job.lead:
+                        self._report_started(job)
                 job.backend_phase = status.phase
                 self._record({"op": "phase", "key": job.key, "phase": status.phase})
-            if status.phase is Phase.RUNNING:
-                elsewhere = set(status.nodes) - chosen
-                if elsewhere:
-                    await self.backend.stop(job.backend_ref)
-                    self._part_failed(
-                        job, f"ran on {sorted(elsewhere)}, not on {sorted(chosen)}", retryable=True
-                    )
-                    return
-                if job.lead:
-                    self._report_started(job)  # once per attempt: the id makes a repeat a no-op
-                    checkpoints_seen = self._follow_progress(job, status, checkpoints_seen)
+            if status.phase is Phase.RUNNING and job.lead:
+                checkpoints_seen = self._follow_progress(job, status, checkpoints_seen)
             elif status.phase.terminal:
                 await self._part_ended(job, status, checkpoints_seen)
                 return
@@ -776,6 +806,7 @@ class Agent:
         exit code of work that exited non-zero; the node of a node failure)."""
         if status.phase is Phase.COMPLETED:
             if job.lead:
+                self._report_started(job)  # a short run may end between two looks (a repeat is dropped)
                 self._follow_progress(job, status, checkpoints_seen)
                 self._part_completed(job)
             else:

@@ -106,10 +106,25 @@ class PartLaunch:
 class ClusterNode(Protocol):
     """A node as the agent reads it from a backend's inventory."""
 
-    node: str
-    gpu_model: str | None
-    gpus_total: int
-    gpus_used: int
+    @property
+    def node(self) -> str:
+        """Its name."""
+        ...
+
+    @property
+    def gpu_model(self) -> str | None:
+        """Its GPUs' Loom model (None: no GPUs)."""
+        ...
+
+    @property
+    def gpus_total(self) -> int:
+        """Its GPUs."""
+        ...
+
+    @property
+    def gpus_used(self) -> int:
+        """Its GPUs in use."""
+        ...
 
 
 class ClusterBackend(Protocol):
