@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast bench lint format up down status clean
+.PHONY: demo test slurm-deps test-fast bench lint format up down status clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## start the embedded stack, run the example workload, show progress and a summary
 	$(BIN)/loom demo
 
-test: $(STAMP)  ## the whole suite: unit, integration (real NATS + PostgreSQL), end-to-end
+test: $(STAMP) slurm-deps  ## the whole suite: unit, integration (real NATS + PostgreSQL + local Slurm), end-to-end
 	$(BIN)/python -m pytest -q
+
+slurm-deps:  ## Slurm (slurm-wlm 22.05) and munge for the Slurm tests and `loom up --slurm`, installed when missing
+	@test -x /usr/sbin/slurmctld -a -x /usr/sbin/munged || DEBIAN_FRONTEND=noninteractive apt-get install -y slurm-wlm munge
 
 test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/python -m pytest -q tests/unit

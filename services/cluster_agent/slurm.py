@@ -9,7 +9,7 @@ most one per part per poll (``poll_s``) plus one per heartbeat for the inventory
 
 **Inventory** (:meth:`SlurmBackend.refresh`): ``scontrol -o show node``. GPUs come from ``Gres``
 (``gpu:TYPE:N``), their type mapped to a Loom GPU model (``gres_models``, else the type upper-cased:
-``v100m16`` → ``V100M16``); used GPUs from ``AllocTRES`` (``gres/gpu=N``), or what this agent's
+``v100m16`` → ``V100M16``); used GPUs from ``GresUsed`` (``-d``), or what this agent's
 own parts hold when more (a part pending in Slurm holds its GPUs for Loom already). A node that is
 down, drained, draining, failing or not responding is unavailable. A controller that cannot be
 reached makes every node unavailable and shows in health; the agent goes on.
@@ -310,7 +310,7 @@ class SlurmBackend:
     async def refresh(self) -> None:
         """Read the nodes from ``scontrol``; an unreachable controller makes every node unavailable."""
         try:
-            rc, out, err = await self._command("scontrol", "-o", "show", "node")
+            rc, out, err = await self._command("scontrol", "-o", "-d", "show", "node")
             if rc != 0:
                 raise BackendUnavailable(f"scontrol show node: {err[:500]}")
         except BackendUnavailable as exc:
@@ -337,7 +337,9 @@ class SlurmBackend:
                 cpu_milli=int(rec.get("CPUTot", "0") or 0) * 1000,
                 memory_mib=int(rec.get("RealMemory", "0") or 0),
                 state=rec.get("State", "UNKNOWN"),
-                slurm_used=alloc_gpus(rec.get("AllocTRES", "")),
+                slurm_used=node_gpus(rec["GresUsed"])[1]
+                if "GresUsed" in rec
+                else alloc_gpus(rec.get("AllocTRES", "")),
                 held=self._held.get(name, 0),
             )
         self._nodes = seen

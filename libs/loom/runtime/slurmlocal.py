@@ -24,6 +24,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from loom.model.topology import Cluster
+
 SLURM_PACKAGES = ("slurm-wlm", "munge")
 SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "munged")
 
@@ -139,6 +141,19 @@ class SlurmNode:
     memory_mib: int = 64_000
 
 
+def slurm_nodes(cluster: Cluster, limit: int = 2) -> list[SlurmNode]:
+    """Nodes for a local Slurm cluster standing in for a Loom cluster: up to ``limit`` of its GPU
+    nodes, one of each GPU model first, under their topology names, with their GPUs as GRES of
+    type ``model.lower()`` (the slurm backend maps it back by upper-casing)."""
+    gpu_nodes = [n for n in cluster.nodes if n.gpu_model and n.gpus > 0]
+    firsts = list({n.gpu_model: n for n in reversed(gpu_nodes)}.values())[::-1]
+    chosen = (firsts + [n for n in gpu_nodes if n not in firsts])[:limit]
+    return [
+        SlurmNode(name=n.id, gpu_type=str(n.gpu_model).lower(), gpus=n.gpus)
+        for n in sorted(chosen, key=lambda n: n.id)
+    ]
+
+
 @dataclass
 class LocalSlurmCluster:
     """One independent Slurm cluster under ``root`` (see the module docstring)."""
@@ -192,10 +207,12 @@ class LocalSlurmCluster:
             "SwitchType=switch/none",
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
+            "MailProg=/bin/true",
             "JobCompType=jobcomp/none",
             "SlurmdParameters=config_overrides",
             "ReturnToService=2",
             "SchedulerType=sched/builtin",
+            "SchedulerParameters=sched_min_interval=0,batch_sched_delay=0",
             "MinJobAge=600",
             "KillWait=2",
             "InactiveLimit=0",
@@ -205,6 +222,7 @@ class LocalSlurmCluster:
         gres = []
         for node in self.nodes:
             port = self.node_ports.setdefault(node.name, free_port())
+            (self.root / "spool" / node.name).mkdir(parents=True, exist_ok=True)
             devices = self.root / "dev" / node.name
             devices.mkdir(parents=True, exist_ok=True)
             for i in range(node.gpus):

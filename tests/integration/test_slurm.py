@@ -1,0 +1,181 @@
+"""Jobs placed by Loom run as real Slurm jobs: two local Slurm clusters (real slurmctld and slurmd,
+:mod:`slurm_helpers`) back the small topology's c-weu-a and c-sea1-a; placement, metrics and both
+agents run in this process on real NATS and PostgreSQL.
+
+c-weu-a's Slurm has openb-node-0123 (2 P100) and openb-node-0243 (4 T4); c-sea1-a's has
+openb-node-0233 (4 V100M16) and openb-node-1059 (2 T4). A job asking for P100s can only go to
+openb-node-0123, one asking for V100M16s only to openb-node-0233.
+"""
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from platform_helpers import Platform
+from slurm_helpers import SLURM_CLUSTERS, slurm_backend_factory, slurm_clusters, slurm_job  # noqa: F401
+from waiting import until
+
+from loom.client import LoomClient
+from loom.runtime.servers import NatsServer
+from loom.runtime.service import close_context
+from loom.runtime.slurmlocal import LocalSlurmCluster
+from loom_proto import subjects
+from loom_proto.clusters import CheckpointJob, StopJob
+from loom_proto.jobs import JobSpec, Resources, Work
+
+P100_NODE = "openb-node-0123"
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A NATS of this module's own: the services' durable consumers start from a clean stream."""
+    with NatsServer(tmp_path_factory.mktemp("slurm-nats")) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+async def platform(
+    nats_url: str,
+    fresh_database: Callable[..., Awaitable[str]],
+    slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811 - the imported fixture
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[Platform]:
+    work = tmp_path_factory.mktemp("slurm-work")
+    p = Platform(
+        nats_url,
+        await fresh_database("slurm"),
+        tmp_path_factory.mktemp("agents"),
+        backends={f"agent-{c}": slurm_backend_factory(slurm_clusters[c], work) for c in SLURM_CLUSTERS},
+    )
+    for name in ("metrics", "placement", *(f"agent-{c}" for c in SLURM_CLUSTERS)):
+        await p.start(name)
+    yield p
+    for name in list(p.tasks):
+        await p.stop(name)
+
+
+@pytest.fixture
+async def client(platform: Platform) -> AsyncIterator[LoomClient]:
+    c = await LoomClient.connect(platform.nats_url)
+    yield c
+    await c.close()
+
+
+def job_state(client: LoomClient, job_id: str, *wanted: str) -> Callable[[], Awaitable[Any]]:
+    async def check() -> Any:
+        job = await client.job(job_id)
+        return job if job and job["state"] in wanted else None
+
+    return check
+
+
+def events(job: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    return [e["event"] for e in job["events"] if e["kind"] == kind]
+
+
+async def in_slurm(cluster: LocalSlurmCluster, name: str, *states: str) -> dict[str, str]:
+    async def check() -> dict[str, str] | None:
+        job = await asyncio.to_thread(slurm_job, cluster, name)
+        return job if job is not None and job["JobState"].split()[0] in states else None
+
+    found: dict[str, str] = await until(check, 20, f"Slurm job {name} {'/'.join(states)}", interval_s=0.1)
+    return found
+
+
+def spec(job_id: str, model: str, gpus: int, steps: int, **labels: str) -> JobSpec:
+    # 100 simulated seconds a step at the platform's 2000x: 0.05 wall seconds a step (on the reference).
+    return JobSpec(
+        job_id=job_id,
+        tenant="t1",
+        resources=Resources(gpus=gpus, gpu_models=[model]),
+        work=Work(steps=steps, step_time_s=100.0),
+        labels=labels,
+    )
+
+
+async def test_a_two_gpu_job_placed_by_loom_runs_as_a_slurm_job_on_the_node_loom_chose(
+    client: LoomClient,
+    slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
+) -> None:
+    await client.submit(spec("slurm-two", "P100", 2, 20))
+    job = await until(job_state(client, "slurm-two", "completed"), 30, "slurm-two completed")
+    placed = events(job, "placed")[0]
+    assert placed["cluster"] == "c-weu-a"
+    assert [(a["node"], a["gpus"]) for a in placed["allocations"]] == [(P100_NODE, 2)]
+    ran = await in_slurm(slurm_clusters["c-weu-a"], "loom-slurm-two-1", "COMPLETED")
+    assert ran["NodeList"] == P100_NODE
+    assert ran["TresPerNode"] == "gres:gpu:p100:2"
+    assert ran["ExitCode"] == "0:0"
+    assert [e["step"] for e in events(job, "progress")], "progress came from the job's file"
+    assert len(events(job, "started")) == 1 and len(events(job, "completed")) == 1
+
+
+async def test_a_job_exiting_non_zero_is_reported_failed_with_its_exit_code(
+    client: LoomClient,
+    slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
+) -> None:
+    await client.submit(spec("slurm-exit", "V100M16", 1, 4, exit_code="3"))
+    job = await until(job_state(client, "slurm-exit", "failed"), 30, "slurm-exit failed")
+    failed = events(job, "failed")[0]
+    assert failed["exit_code"] == 3 and failed["retryable"] is False
+    assert "exit code 3" in failed["reason"]
+    ran = await in_slurm(slurm_clusters["c-sea1-a"], "loom-slurm-exit-1", "FAILED")
+    assert ran["ExitCode"] == "3:0"
+
+
+async def test_a_checkpoint_request_reaches_the_job_and_a_stop_reaches_scancel(
+    platform: Platform,
+    client: LoomClient,
+    slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
+) -> None:
+    weu = slurm_clusters["c-weu-a"]
+    await client.submit(spec("slurm-ckpt", "P100", 2, 400))  # 20 s: it is stopped long before
+    await until(job_state(client, "slurm-ckpt", "running"), 20, "slurm-ckpt running")
+    await in_slurm(weu, "loom-slurm-ckpt-1", "RUNNING")
+    await client.publisher.publish(
+        subjects.cluster_command("c-weu-a", "checkpoint"),
+        CheckpointJob(job_id="slurm-ckpt", attempt=1),
+        msg_id=f"test-{uuid.uuid4().hex}",
+    )
+
+    async def checkpointed() -> list[dict[str, Any]]:
+        job = await client.job("slurm-ckpt")
+        return events(job, "checkpointed") if job else []
+
+    ckpt = (await until(checkpointed, 15, "the job's checkpoint to be reported"))[0]
+    uri = ckpt["checkpoint_uri"]
+    assert uri.startswith("file://")
+    written = await asyncio.to_thread(Path(uri.removeprefix("file://")).read_text)
+    assert written.strip() == str(ckpt["step"]), "the job itself wrote the checkpoint it reported"
+    await client.publisher.publish(
+        subjects.cluster_command("c-weu-a", "stop"),
+        StopJob(job_id="slurm-ckpt", attempt=1, reason="preempted by the test"),
+        msg_id=f"test-{uuid.uuid4().hex}",
+    )
+    await in_slurm(weu, "loom-slurm-ckpt-1", "CANCELLED")
+
+
+async def test_a_killed_and_restarted_agent_recovers_its_running_slurm_job(
+    platform: Platform,
+    client: LoomClient,
+    slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
+) -> None:
+    sea = slurm_clusters["c-sea1-a"]
+    await client.submit(spec("slurm-resume", "V100M16", 2, 100))  # 5 s
+    await until(job_state(client, "slurm-resume", "running"), 20, "slurm-resume running")
+    first = await in_slurm(sea, "loom-slurm-resume-1", "RUNNING")
+    task, ctx = platform.tasks.pop("agent-c-sea1-a")
+    task.cancel()  # killed: no orderly stop
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await close_context(ctx)
+    assert (await in_slurm(sea, "loom-slurm-resume-1", "RUNNING"))["JobId"] == first["JobId"]
+    await platform.start("agent-c-sea1-a")
+    job = await until(job_state(client, "slurm-resume", "completed"), 30, "slurm-resume completed")
+    done = await in_slurm(sea, "loom-slurm-resume-1", "COMPLETED")
+    assert done["JobId"] == first["JobId"], "the restarted agent followed the same Slurm job"
+    assert len(events(job, "started")) == 1 and len(events(job, "completed")) == 1
