@@ -9,6 +9,7 @@ openb-node-0123, one asking for V100M16s only to openb-node-0233.
 
 import asyncio
 import contextlib
+import subprocess
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -16,16 +17,25 @@ from typing import Any
 
 import pytest
 from platform_helpers import Platform
-from slurm_helpers import SLURM_CLUSTERS, slurm_backend_factory, slurm_clusters, slurm_job  # noqa: F401
+from slurm_helpers import (  # noqa: F401 - slurm_clusters is a fixture
+    SLURM_CLUSTERS,
+    slurm,
+    slurm_backend_factory,
+    slurm_clusters,
+    slurm_job,
+)
 from waiting import until
 
 from loom.client import LoomClient
+from loom.model.topology import load_topology
 from loom.runtime.servers import NatsServer
 from loom.runtime.service import close_context
-from loom.runtime.slurmlocal import LocalSlurmCluster
+from loom.runtime.slurmlocal import LocalSlurmCluster, free_port
 from loom_proto import subjects
 from loom_proto.clusters import CheckpointJob, StopJob
 from loom_proto.jobs import JobSpec, Resources, Work
+from loom_services.cluster_agent.backend import BackendUnavailable, LaunchRefused, PartLaunch
+from loom_services.cluster_agent.slurm import SlurmBackend
 
 P100_NODE = "openb-node-0123"
 
@@ -179,3 +189,80 @@ async def test_a_killed_and_restarted_agent_recovers_its_running_slurm_job(
     done = await in_slurm(sea, "loom-slurm-resume-1", "COMPLETED")
     assert done["JobId"] == first["JobId"], "the restarted agent followed the same Slurm job"
     assert len(events(job, "started")) == 1 and len(events(job, "completed")) == 1
+
+
+async def test_a_node_set_down_under_a_running_job_fails_it_at_node_scope(
+    client: LoomClient,
+    slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
+) -> None:
+    sea = slurm_clusters["c-sea1-a"]
+    await client.submit(spec("slurm-down", "V100M16", 1, 400))  # 20 s: the node goes down first
+    await until(job_state(client, "slurm-down", "running"), 20, "slurm-down running")
+    await in_slurm(sea, "loom-slurm-down-1", "RUNNING")
+    await asyncio.to_thread(
+        slurm, sea, "scontrol", "update", "NodeName=openb-node-0233", "State=DOWN", "Reason=test"
+    )
+    try:
+
+        async def failed() -> list[dict[str, Any]]:
+            job = await client.job("slurm-down")
+            return events(job, "failed") if job else []
+
+        failure = (await until(failed, 20, "the run on the downed node to be reported failed"))[0]
+        assert failure["attempt"] == 1 and failure["retryable"] is True
+        assert "node failure on openb-node-0233" in failure["reason"]
+        await in_slurm(sea, "loom-slurm-down-1", "NODE_FAIL")
+    finally:
+        # Back to service (unless Slurm put it back already, ReturnToService=2: then this is refused).
+        await asyncio.to_thread(
+            subprocess.run,
+            ["scontrol", "update", "NodeName=openb-node-0233", "State=RESUME"],
+            env=sea.env,
+            check=False,
+            capture_output=True,
+        )
+        await asyncio.to_thread(sea.wait_idle)
+
+
+async def test_slurm_refuses_a_part_it_cannot_run_and_loom_gets_its_reason(
+    slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    weu = slurm_clusters["c-weu-a"]
+    backend = slurm_backend_factory(weu, tmp_path)(load_topology("small").cluster("c-weu-a"))
+    await backend.refresh()
+    assert backend.nodes[P100_NODE].gpu_model == "P100" and backend.nodes[P100_NODE].gpus_total == 2
+    part = PartLaunch(
+        key="slurm-refused:1",
+        job_id="slurm-refused",
+        tenant="t1",
+        attempt=1,
+        role="lead",
+        gpu_model="P100",
+        allocations=((P100_NODE, 8),),  # more GPUs than the node has
+        steps=1,
+        start_step=0,
+        step_time_s=0.01,
+        checkpoint_every_steps=0,
+    )
+    with pytest.raises(LaunchRefused, match="node configuration is not available"):
+        await backend.launch(part)
+
+
+async def test_an_unreachable_slurm_makes_its_nodes_unavailable_without_crashing(
+    slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    weu = slurm_clusters["c-weu-a"]
+    conf = tmp_path / "slurm.conf"
+    text = await asyncio.to_thread(weu.conf.read_text)
+    await asyncio.to_thread(
+        conf.write_text, text.replace(f"SlurmctldPort={weu.ctld_port}", f"SlurmctldPort={free_port()}")
+    )
+    backend = SlurmBackend(
+        cluster="c-weu-a", zone="z", work_dir=tmp_path, slurm_conf=conf, command_timeout_s=10.0
+    )
+    with pytest.raises(BackendUnavailable):
+        await backend.refresh()
+    assert backend.problem() is not None and "slurm unreachable" in backend.problem()  # type: ignore[operator]
+    assert backend.report(full=True) == []
