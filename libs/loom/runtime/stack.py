@@ -41,6 +41,7 @@ from loom.runtime.servers import (
     describe_exit,
     reap_orphans,
 )
+from loom.runtime.slurmlocal import LocalSlurms, slurm_nodes
 from loom.sched.shards import group_options, split_regions
 from loom.store.migrations import migrate_url
 from loom_proto import subjects
@@ -110,6 +111,21 @@ class StackOptions:
     """Run the services (off: NATS and PostgreSQL only, for running services by hand or tests)."""
     nats_cluster: int = 1
     """nats-server processes: 1, or 3 for a JetStream cluster whose streams have 3 replicas."""
+    slurm_clusters: list[str] = field(default_factory=list)
+    """Clusters whose agents run on a local Slurm cluster of their own (``--slurm``) instead of the
+    simulation (:mod:`loom.runtime.slurmlocal`: two of a cluster's nodes, real slurmctld/slurmd)."""
+    slurm_root: str = ""
+    """Where the local Slurm clusters live (set by the supervisor: ``<home>/slurm``)."""
+
+
+SLURM_CLUSTER_COUNT = 2
+"""Clusters ``loom up --slurm`` backs with local Slurm: the first ones of the topology."""
+
+
+def default_slurm_clusters(topology: str, wanted: list[str]) -> list[str]:
+    """The clusters ``--slurm`` puts on Slurm: the first two the stack runs."""
+    ids = wanted or [c.id for c in load_topology(topology).clusters]
+    return ids[:SLURM_CLUSTER_COUNT]
 
 
 def placement_groups(options: StackOptions) -> dict[str, list[str]]:
@@ -180,6 +196,9 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
             "--max-heartbeat-s",
             str(options.max_heartbeat_s),
         ]
+        if cluster_id in options.slurm_clusters:
+            conf = Path(options.slurm_root) / cluster_id / "etc" / "slurm.conf"
+            argvs[f"agent-{cluster_id}"] += ["--backend", "slurm", "--slurm-conf", str(conf)]
     # One collector per region with a cluster: it probes its peers through the in-process WAN
     # emulator, shaped like the topology's links (`loom net degrade` changes them).
     for region in sorted(probed_regions) if options.network else ():
@@ -371,6 +390,7 @@ class Supervisor:
         self.state: dict[str, Any] = {}
         self.stopping = False
         self.watches: dict[str, ServerWatch] = {}
+        self.slurm: LocalSlurms | None = None
         self._checks = 0
         self._reaping_until = 0.0
 
@@ -441,6 +461,22 @@ class Supervisor:
         except Exception as exc:  # the next restart, or the services' own start, tries again
             log.warning("could not check the streams after a NATS restart", error=repr(exc))
 
+    def start_slurm(self) -> None:
+        """Start the local Slurm clusters of ``--slurm`` (their state is kept across stacks)."""
+        if not self.options.slurm_clusters:
+            return
+        topology = load_topology(self.options.topology)
+        self.options.slurm_root = str(self.home / "slurm")
+        self.slurm = LocalSlurms(
+            Path(self.options.slurm_root),
+            {c: slurm_nodes(topology.cluster(c)) for c in self.options.slurm_clusters},
+        )
+        self.slurm.start()
+        self.state["slurm"] = {
+            name: {"slurm_conf": str(c.conf), "nodes": [n.name for n in c.nodes]}
+            for name, c in self.slurm.clusters.items()
+        }
+
     def watch_servers(self) -> bool:
         """Check every owned server once (restarting the dead); True when any state changed."""
         changed = False
@@ -491,6 +527,7 @@ class Supervisor:
                 os.environ,
                 **{ENV_NATS_URL: nats_url, ENV_DATABASE_URL: database_url, ENV_HOME: str(self.home)},
             )
+            self.start_slurm()
             argvs = service_argvs(self.options) if self.options.services else {}
             for name, argv in argvs.items():
                 self.services[name] = ServiceProcess(name, argv, str(self.home / "logs" / f"{name}.log"))
@@ -542,6 +579,8 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.slurm is not None:
+            self.slurm.stop()  # every slurmd, then every slurmctld, then munged
         if self.postgres is not None:
             self.postgres.stop()
         if self.nats is not None:
@@ -627,6 +666,8 @@ def up(
         argv.append("--servers-only")
     if options.nats_cluster != 1:
         argv += ["--nats-cluster", str(options.nats_cluster)]
+    for cluster in options.slurm_clusters:
+        argv += ["--slurm-cluster", cluster]
     stack_file(home).unlink(missing_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
     with open(home / "logs" / "supervisor.log", "ab") as log:
@@ -724,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probe-period-s", type=float, default=1.0)
     parser.add_argument("--servers-only", action="store_true")
     parser.add_argument("--nats-cluster", type=int, choices=(1, 3), default=1)
+    parser.add_argument("--slurm-cluster", action="append", default=[])
     args = parser.parse_args(argv)
     options = StackOptions(
         topology=args.topology,
@@ -738,6 +780,7 @@ def main(argv: list[str] | None = None) -> int:
         probe_period_s=args.probe_period_s,
         services=not args.servers_only,
         nats_cluster=args.nats_cluster,
+        slurm_clusters=args.slurm_cluster,
     )
     return Supervisor(args.home.resolve(), options).run()
 
