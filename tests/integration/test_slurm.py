@@ -191,6 +191,40 @@ async def test_a_killed_and_restarted_agent_recovers_its_running_slurm_job(
     assert len(events(job, "started")) == 1 and len(events(job, "completed")) == 1
 
 
+async def test_a_cross_cluster_gang_runs_one_slurm_job_in_each_cluster(
+    client: LoomClient,
+    slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
+) -> None:
+    # 3 workers x 2 T4: c-weu-a's Slurm has 4 T4 (two workers), c-sea1-a's 2 (one worker).
+    await client.submit(
+        JobSpec(
+            job_id="slurm-gang",
+            tenant="t1",
+            workers=3,
+            allow_multi_cluster=True,
+            resources=Resources(gpus=2, gpu_models=["T4"]),
+            work=Work(steps=40, step_time_s=100.0),  # 2 s
+        )
+    )
+    await until(job_state(client, "slurm-gang", "running"), 20, "slurm-gang running")
+    job = await client.job("slurm-gang")
+    assert job is not None
+    parts = {p["cluster"]: p for p in events(job, "placed")[0]["parts"]}
+    assert set(parts) == {"c-weu-a", "c-sea1-a"}
+    for cluster, part in parts.items():
+        ran = await in_slurm(
+            slurm_clusters[cluster], "loom-slurm-gang-1", "RUNNING", "COMPLETED", "CANCELLED"
+        )
+        (allocation,) = part["allocations"]
+        assert ran["NodeList"] == allocation["node"]
+        assert ran["TresPerNode"].endswith(f":t4:{allocation['gpus']}")
+    await until(job_state(client, "slurm-gang", "completed"), 30, "slurm-gang completed")
+    lead = events(job, "placed")[0]["cluster"]  # the placed event's own cluster is the lead part's
+    member = next(c for c in parts if c != lead)
+    await in_slurm(slurm_clusters[lead], "loom-slurm-gang-1", "COMPLETED")
+    await in_slurm(slurm_clusters[member], "loom-slurm-gang-1", "CANCELLED")  # stopped once the lead ended
+
+
 async def test_a_node_set_down_under_a_running_job_fails_it_at_node_scope(
     client: LoomClient,
     slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811

@@ -72,14 +72,21 @@ def _sbin(name: str) -> str:
 
 
 def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=timeout_s)
+    _stop_all([proc], timeout_s)
+
+
+def _stop_all(procs: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> None:
+    """SIGTERM them all, then wait for each (SIGKILL after ``timeout_s``)."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout_s)
 
 
 class LocalMunge:
@@ -305,9 +312,8 @@ class LocalSlurmCluster:
         return "\n".join(parts)
 
     def stop_nodes(self) -> None:
-        """Stop every ``slurmd``."""
-        for key in [k for k in self.procs if k.startswith("slurmd-")]:
-            _stop(self.procs.pop(key))
+        """Stop every ``slurmd`` (all at once)."""
+        _stop_all([self.procs.pop(k) for k in list(self.procs) if k.startswith("slurmd-")])
 
     def stop_controller(self) -> None:
         """Stop ``slurmctld``."""
@@ -350,10 +356,8 @@ class LocalSlurms:
 
     def stop(self) -> None:
         """Stop every cluster (nodes before controllers), then munge."""
-        for cluster in self.clusters.values():
-            cluster.stop_nodes()
-        for cluster in self.clusters.values():
-            cluster.stop_controller()
+        _stop_all([c.procs.pop(k) for c in self.clusters.values() for k in list(c.procs) if k != "slurmctld"])
+        _stop_all([c.procs.pop("slurmctld") for c in self.clusters.values() if "slurmctld" in c.procs])
         self.munge.stop()
 
     def __enter__(self) -> Self:
