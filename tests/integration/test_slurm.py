@@ -32,7 +32,7 @@ from loom.runtime.servers import NatsServer
 from loom.runtime.service import close_context
 from loom.runtime.slurmlocal import LocalSlurmCluster, free_port
 from loom_proto import subjects
-from loom_proto.clusters import CheckpointJob, StopJob
+from loom_proto.clusters import CheckpointJob
 from loom_proto.jobs import JobSpec, Resources, Work
 from loom_services.cluster_agent.backend import BackendUnavailable, LaunchRefused, PartLaunch
 from loom_services.cluster_agent.slurm import SlurmBackend
@@ -137,7 +137,7 @@ async def test_a_job_exiting_non_zero_is_reported_failed_with_its_exit_code(
     assert ran["ExitCode"] == "3:0"
 
 
-async def test_a_checkpoint_request_reaches_the_job_and_a_stop_reaches_scancel(
+async def test_a_checkpoint_request_reaches_the_job_and_preemption_reaches_scancel(
     platform: Platform,
     client: LoomClient,
     slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
@@ -161,12 +161,20 @@ async def test_a_checkpoint_request_reaches_the_job_and_a_stop_reaches_scancel(
     assert uri.startswith("file://")
     written = await asyncio.to_thread(Path(uri.removeprefix("file://")).read_text)
     assert written.strip() == str(ckpt["step"]), "the job itself wrote the checkpoint it reported"
-    await client.publisher.publish(
-        subjects.cluster_command("c-weu-a", "stop"),
-        StopJob(job_id="slurm-ckpt", attempt=1, reason="preempted by the test"),
-        msg_id=f"test-{uuid.uuid4().hex}",
-    )
+    # A job of higher priority needs the node: placement preempts the checkpointed one (scancel).
+    await client.submit(JobSpec(**{**_fields(spec("slurm-urgent", "P100", 2, 20)), "priority": 900}))
     await in_slurm(weu, "loom-slurm-ckpt-1", "CANCELLED")
+    urgent = await in_slurm(weu, "loom-slurm-urgent-1", "RUNNING", "COMPLETED")
+    assert urgent["NodeList"] == P100_NODE
+    job = await until(
+        job_state(client, "slurm-ckpt", "queued", "placed", "running"), 10, "slurm-ckpt requeued"
+    )
+    requeued = events(job, "requeued")
+    assert requeued and requeued[0]["cause"] == "preempted"
+
+
+def _fields(job: JobSpec) -> dict[str, Any]:
+    return {f: getattr(job, f) for f in JobSpec.__struct_fields__}
 
 
 async def test_a_killed_and_restarted_agent_recovers_its_running_slurm_job(
