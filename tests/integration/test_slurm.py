@@ -299,12 +299,20 @@ async def test_an_unreachable_slurm_makes_its_nodes_unavailable_without_crashing
     conf = tmp_path / "slurm.conf"
     text = await asyncio.to_thread(weu.conf.read_text)
     await asyncio.to_thread(
-        conf.write_text, text.replace(f"SlurmctldPort={weu.ctld_port}", f"SlurmctldPort={free_port()}")
+        conf.write_text,
+        text.replace(f"SlurmctldPort={weu.ctld_port}", f"SlurmctldPort={free_port()}").replace(
+            "MessageTimeout=5", "MessageTimeout=1"
+        ),
     )
     backend = SlurmBackend(
         cluster="c-weu-a", zone="z", work_dir=tmp_path, slurm_conf=conf, command_timeout_s=10.0
     )
     with pytest.raises(BackendUnavailable):
         await backend.refresh()
-    assert backend.problem() is not None and "slurm unreachable" in backend.problem()  # type: ignore[operator]
+    problem = backend.problem()
+    assert (
+        problem is not None
+        and "slurm unreachable" in problem
+        and "Unable to contact slurm controller" in problem
+    )
     assert backend.report(full=True) == []
