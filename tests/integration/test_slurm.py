@@ -177,7 +177,7 @@ def _fields(job: JobSpec) -> dict[str, Any]:
     return {f: getattr(job, f) for f in JobSpec.__struct_fields__}
 
 
-async def test_a_killed_and_restarted_agent_recovers_its_running_slurm_job(
+async def test_a_killed_agent_and_a_restarted_slurmctld_recover_the_running_slurm_job_once(
     platform: Platform,
     client: LoomClient,
     slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
@@ -192,6 +192,10 @@ async def test_a_killed_and_restarted_agent_recovers_its_running_slurm_job(
         await task
     await close_context(ctx)
     assert (await in_slurm(sea, "loom-slurm-resume-1", "RUNNING"))["JobId"] == first["JobId"]
+    # slurmctld restarts meanwhile too: it recovers its jobs from its state directory.
+    await asyncio.to_thread(sea.stop_controller)
+    await asyncio.to_thread(sea.start_controller)
+    await asyncio.to_thread(sea.wait_idle)
     await platform.start("agent-c-sea1-a")
     job = await until(job_state(client, "slurm-resume", "completed"), 30, "slurm-resume completed")
     done = await in_slurm(sea, "loom-slurm-resume-1", "COMPLETED")
