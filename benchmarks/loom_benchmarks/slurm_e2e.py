@@ -69,6 +69,14 @@ async def _measure(nats_url: str, jobs: int, rate: float) -> dict[str, Any]:
             await asyncio.sleep(1 / rate)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(all_ran.wait(), timeout=60)
+        missing = {}
+        for job_id in [j for j in sent if j not in started][:10]:
+            job = await client.job(job_id)
+            missing[job_id] = (
+                {"state": job["state"], "reason": job["reason"], "events": [e["kind"] for e in job["events"]]}
+                if job
+                else None
+            )
     finally:
         await client.close()
     ran = [j for j in sent if j in started]
@@ -77,6 +85,7 @@ async def _measure(nats_url: str, jobs: int, rate: float) -> dict[str, Any]:
         "rate_per_s": rate,
         "ran": len(ran),
         "never_ran": jobs - len(ran),
+        "never_ran_jobs": missing,
         "submit_to_placed": _stats([placed[j] - sent[j] for j in sent if j in placed]),
         "placed_to_running": _stats([started[j] - placed[j] for j in ran if j in placed]),
         "submit_to_running": _stats([started[j] - sent[j] for j in ran]),
