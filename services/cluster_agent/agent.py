@@ -184,6 +184,7 @@ class Agent:
         self._last_beat = 0.0
         self._changed = asyncio.Event()
         self.full_every = full_every
+        self._refreshes = 0
         self.progress_every = progress_every
         self.epoch = time.time_ns() // 1_000_000
         self.seq = 0
@@ -470,8 +471,8 @@ class Agent:
         if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if job.backend_ref:
-            await self.backend.stop(job.backend_ref)
+        if not self.backend.clock:
+            await self._stop_part(job)
 
     async def _resize(self, command: ResizeJob) -> None:
         """Give a run new workers and GPUs; its progress stays, its speed changes from now on."""
@@ -704,11 +705,30 @@ class Agent:
             await self.backend.refresh()
         except BackendError as exc:
             log.warning("backend inventory unavailable", backend=self.backend.name, error=str(exc))
+            return
+        self._refreshes += 1
+        if self._refreshes % self.full_every == 0:
+            await self._reconcile()  # now and then: parts of runs that ended here stop in the backend too
+
+    async def _stop_part(self, job: RunningJob) -> None:
+        """Stop a run's part in the backend; one stopped while its launch was in flight (no id
+        journalled yet) is looked up by its name."""
+        ref = job.backend_ref
+        if not ref:
+            try:
+                ref = (await self.backend.running()).get(job.key, "")
+            except BackendError as exc:
+                log.warning(
+                    "part to stop not found; the next reconciliation stops it", key=job.key, error=str(exc)
+                )
+        if ref:
+            await self.backend.stop(ref)
 
     async def _reconcile(self) -> None:
-        """After a restart: adopt the parts the backend runs for journalled runs whose launch was
-        not journalled, and stop those it runs for runs this agent does not have (finished or
-        given up while it was down)."""
+        """Adopt the parts the backend runs for runs whose launch was not journalled, and stop
+        those it runs for runs this agent does not have (finished or given up: while it was
+        down, or stopped while their launch was in flight). At start, then every ``full_every``
+        heartbeats."""
         if self.backend.clock:
             return
         try:
@@ -793,7 +813,7 @@ class Agent:
                     if job.lead:
                         self._report_started(job)
                 job.backend_phase = status.phase
-                self._record({"op": "phase", "key": job.key, "phase": status.phase})
+                self._record({"op": "phase", "key": job.key, "phase": status.phase, "at": job.started_at})
             if status.phase is Phase.RUNNING and job.lead:
                 checkpoints_seen = self._follow_progress(job, status, checkpoints_seen)
             elif status.phase.terminal:
@@ -1089,6 +1109,7 @@ class Agent:
             self.running[key].backend_ref = entry["ref"]
         elif entry["op"] == "phase" and key in self.running:
             self.running[key].backend_phase = entry["phase"]
+            self.running[key].started_at = entry.get("at", self.running[key].started_at)
         elif entry["op"] == "began" and key in self.running:
             self.running[key].start_at = 0.0
         elif entry["op"] == "step" and key in self.running:

@@ -15,7 +15,8 @@ down, drained, draining, failing or not responding is unavailable. A controller 
 reached makes every node unavailable and shows in health; the agent goes on.
 
 **Parts** (:meth:`SlurmBackend.launch`): one Slurm batch job per part, named ``loom-JOB-ATTEMPT``
-(so a launch repeated after a crash finds the first one), pinned with ``--nodelist`` to the nodes
+with the comment ``loom:CLUSTER:JOB:ATTEMPT`` (so a launch repeated after a crash finds the first
+one, and only this Loom cluster's parts are reconciled), pinned with ``--nodelist`` to the nodes
 Loom chose, ``--gres=gpu:TYPE:N`` per node, ``--signal=B:USR1@grace`` so Slurm asks for a
 checkpoint before a time limit, ``--no-requeue`` (Loom, not Slurm, decides where a failed attempt
 goes). A lead part runs the job script (``examples/slurm/loom_job.sh`` by default) with the
@@ -290,6 +291,9 @@ class SlurmBackend:
             proc.kill()
             await proc.wait()
             raise BackendUnavailable(f"{argv[0]} did not answer in {self.command_timeout_s:.0f} s") from exc
+        except asyncio.CancelledError:
+            proc.kill()  # an sbatch cancelled with its run must not submit behind the agent's back
+            raise
         stderr = err.decode(errors="replace").strip()
         if proc.returncode != 0 and any(m in stderr for m in UNREACHABLE_MARKERS):
             raise BackendUnavailable(f"{argv[0]}: {stderr[:500]}")
@@ -368,7 +372,7 @@ class SlurmBackend:
         return changed
 
     def refusal(self, gpu_model: str, allocations: Sequence[NodeAllocation]) -> str | None:
-        """Why the allocations cannot start here (as Slurm showed the nodes last), or None."""
+        """Why the allocations cannot start here (the nodes as Slurm showed them last), or None."""
         for a in allocations:
             node = self._nodes.get(a.node)
             if node is None:
@@ -377,8 +381,13 @@ class SlurmBackend:
                 return f"node {a.node} has {node.gpu_model}, not {gpu_model}"
             if not node.healthy:
                 return f"node {a.node} is not accepting work (slurm state {node.state})"
-            if node.gpus_total - node.gpus_used < a.gpus:
-                return f"node {a.node} has {node.gpus_total - node.gpus_used} free GPUs, {a.gpus} asked"
+            # Against the agent's own parts only: Slurm's count lags (a part that just ended is
+            # still COMPLETING there, the inventory is a heartbeat old). GPUs busy with work Loom
+            # does not know keep the part pending in Slurm, refused after ``pending_timeout_s``.
+            if node.gpus_total - node.held < a.gpus:
+                return (
+                    f"node {a.node} has {node.gpus_total - node.held} GPUs not held by Loom, {a.gpus} asked"
+                )
         return None
 
     def resize_refusal(
@@ -419,10 +428,18 @@ class SlurmBackend:
         """Where a part's progress file, checkpoints and output are."""
         return self.work_dir / job_name(key)
 
+    def comment(self, key: str) -> str:
+        """The Slurm comment that marks a part as this Loom cluster's (several Loom clusters may
+        share one Slurm cluster: each finds and reconciles only its own parts)."""
+        return f"loom:{self.cluster}:{key}"
+
     async def _find(self, key: str) -> str | None:
-        rc, out, _ = await self._command("squeue", "-h", "-n", job_name(key), "-o", "%i")
-        ids = out.split() if rc == 0 else []
-        return ids[0] if ids else None
+        rc, out, _ = await self._command("squeue", "-h", "-n", job_name(key), "-o", "%i %k")
+        for line in out.splitlines() if rc == 0 else []:
+            ref, _, comment = line.strip().partition(" ")
+            if comment == self.comment(key):
+                return ref
+        return None
 
     async def launch(self, part: PartLaunch) -> str:
         """Submit the part with ``sbatch`` on the nodes Loom chose (or find it submitted already)."""
@@ -464,6 +481,7 @@ class SlurmBackend:
             "sbatch",
             "--parsable",
             f"--job-name={job_name(part.key)}",
+            f"--comment={self.comment(part.key)}",
             f"--nodelist={','.join(sorted(per_node))}",
             f"--nodes={len(per_node)}",
             "--ntasks-per-node=1",
@@ -536,15 +554,15 @@ class SlurmBackend:
 
     async def running(self) -> dict[str, str]:
         """Loom's parts Slurm runs or queues now, ``job:attempt`` → Slurm job id."""
-        rc, out, err = await self._command("squeue", "-h", "-o", "%i %j")
+        rc, out, err = await self._command("squeue", "-h", "-o", "%i %k")
         if rc != 0:
             raise BackendUnavailable(f"squeue: {err[:500]}")
         parts: dict[str, str] = {}
+        mine = self.comment("")
         for line in out.splitlines():
-            ref, _, name = line.strip().partition(" ")
-            m = re.fullmatch(r"loom-(.+)-(\d+)", name)
-            if m:
-                parts[f"{m.group(1)}:{m.group(2)}"] = ref
+            ref, _, comment = line.strip().partition(" ")
+            if comment.startswith(mine) and comment != mine:
+                parts[comment.removeprefix(mine)] = ref
         return parts
 
     # ---- speed (what the profile says: the real hardware decides the rest) ----------------------
