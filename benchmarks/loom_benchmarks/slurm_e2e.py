@@ -6,7 +6,8 @@ jobs of one GPU are submitted at a steady rate, each running about a second in S
 the client times, on one clock, its publish, the arrival of its ``placed`` event, and the arrival
 of its ``started`` event, which the agent sends when Slurm reports the job RUNNING on the node
 Loom chose (it polls ``scontrol`` every ``poll_s``, 0.5 s). Reported: p50 / p99 / max of
-submit → placed, placed → running and submit → running, and how many jobs never ran.
+submit → placed, placed → running and submit → running, and how many jobs never ran; then, for the
+floor under them, Slurm alone (``sbatch`` → RUNNING in ``scontrol``, 10 jobs, no Loom).
 """
 
 import argparse
@@ -15,6 +16,7 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -92,6 +94,34 @@ async def _measure(nats_url: str, jobs: int, rate: float) -> dict[str, Any]:
     }
 
 
+def _slurm_alone(slurm_conf: str, jobs: int) -> dict[str, float]:
+    """Slurm without Loom: ``sbatch`` of a 1-GPU job, then ``scontrol`` every 50 ms until it is
+    RUNNING, one job after another, on the same local cluster (the floor under Loom's figure)."""
+    env = {**os.environ, "SLURM_CONF": slurm_conf}
+    times: list[float] = []
+    for _ in range(jobs):
+        began = time.perf_counter()
+        out = subprocess.run(
+            ["sbatch", "--parsable", "--gres=gpu:1", "--job-name=bench-alone", "--wrap=sleep 1"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        ref = out.stdout.strip().split(";")[0]
+        while (
+            "JobState=RUNNING"
+            not in subprocess.run(
+                ["scontrol", "-o", "show", "job", ref], env=env, capture_output=True, text=True, check=False
+            ).stdout
+        ):
+            if time.perf_counter() - began > 30:
+                break
+            time.sleep(0.05)
+        times.append(time.perf_counter() - began)
+    return _stats(times)
+
+
 def _job_id(data: bytes) -> str:
     job_id: str = json.loads(data)["job_id"]
     return job_id
@@ -117,6 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         state = stack.up(home, options)
         jobs = getattr(args, "slurm_jobs", 40)
         result = asyncio.run(_measure(state["nats_url"], jobs, getattr(args, "slurm_rate", 2.0)))
+        result["slurm_alone_submit_to_running"] = _slurm_alone(state["slurm"][CLUSTERS[0]]["slurm_conf"], 10)
         result.update(
             {
                 "benchmark": "e2e-slurm",
