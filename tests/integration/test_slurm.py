@@ -9,6 +9,7 @@ openb-node-0123, one asking for V100M16s only to openb-node-0233.
 
 import asyncio
 import contextlib
+import json
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.errors import NoRespondersError
 from platform_helpers import Platform
 from slurm_helpers import (  # noqa: F401 - slurm_clusters is a fixture
     SLURM_CLUSTERS,
@@ -29,11 +31,12 @@ from waiting import until
 from loom.client import LoomClient
 from loom.model.topology import load_topology
 from loom.runtime.servers import NatsServer
-from loom.runtime.service import close_context
+from loom.runtime.service import close_context, open_context
 from loom.runtime.slurmlocal import LocalSlurmCluster, free_port
 from loom_proto import subjects
 from loom_proto.clusters import CheckpointJob
 from loom_proto.jobs import JobSpec, Resources, Work
+from loom_services.cluster_agent.agent import Agent
 from loom_services.cluster_agent.backend import BackendUnavailable, LaunchRefused, PartLaunch
 from loom_services.cluster_agent.slurm import SlurmBackend
 
@@ -301,6 +304,7 @@ async def test_slurm_refuses_a_part_it_cannot_run_and_loom_gets_its_reason(
 
 
 async def test_an_unreachable_slurm_makes_its_nodes_unavailable_without_crashing(
+    platform: Platform,
     slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
     tmp_path: Path,
 ) -> None:
@@ -316,6 +320,25 @@ async def test_an_unreachable_slurm_makes_its_nodes_unavailable_without_crashing
     backend = SlurmBackend(
         cluster="c-weu-a", zone="z", work_dir=tmp_path, slurm_conf=conf, command_timeout_s=10.0
     )
+    # An agent on it starts, beats (no nodes) and says why in its health answer.
+    ctx = await open_context("agent-c-use2-a", nats_url=platform.nats_url, database_url=None)
+    agent = Agent(ctx, backend, region="aws-us-east-2", heartbeat_s=0.2, state_dir=tmp_path)
+    task = asyncio.create_task(agent.run())
+    try:
+
+        async def health() -> dict[str, Any] | None:
+            reply = await ctx.nc.request(subjects.service_health("agent-c-use2-a"), b"", timeout=1)
+            answer: dict[str, Any] = json.loads(reply.data)
+            return answer if any("slurm unreachable" in p for p in answer["problems"]) else None
+
+        answer = await until(
+            health, 10, "the agent to report Slurm unreachable", retry_on=(NoRespondersError,)
+        )
+        assert answer["status"].startswith("degraded") and not task.done()
+    finally:
+        ctx.stopping.set()
+        await asyncio.wait_for(task, timeout=15)
+        await close_context(ctx)
     with pytest.raises(BackendUnavailable):
         await backend.refresh()
     problem = backend.problem()

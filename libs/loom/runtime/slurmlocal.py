@@ -311,6 +311,31 @@ class LocalSlurmCluster:
             parts.append(f"--- {path.name}\n{path.read_text(errors='replace')[-tail_chars:]}")
         return "\n".join(parts)
 
+    def cancel_jobs(self, timeout_s: float = 10.0) -> None:
+        """Cancel every job and wait until none is active: a job's ``slurmstepd`` outlives its
+        ``slurmd`` (it is not its child), so jobs must end before the daemons stop."""
+        if "slurmctld" not in self.procs:
+            return
+        try:
+            subprocess.run(
+                ["scancel", "--user=root"], env=self.env, capture_output=True, check=False, timeout=timeout_s
+            )
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                out = subprocess.run(
+                    ["squeue", "-h", "-o", "%i"],
+                    env=self.env,
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                    timeout=10,
+                )
+                if out.returncode != 0 or not out.stdout.strip():
+                    return
+                time.sleep(0.1)
+        except subprocess.TimeoutExpired:
+            return
+
     def stop_nodes(self) -> None:
         """Stop every ``slurmd`` (all at once)."""
         _stop_all([self.procs.pop(k) for k in list(self.procs) if k.startswith("slurmd-")])
@@ -322,7 +347,8 @@ class LocalSlurmCluster:
             _stop(proc)
 
     def stop(self) -> None:
-        """Stop the nodes, then the controller."""
+        """Cancel the jobs, stop the nodes, then the controller."""
+        self.cancel_jobs()
         self.stop_nodes()
         self.stop_controller()
 
@@ -355,7 +381,9 @@ class LocalSlurms:
             raise
 
     def stop(self) -> None:
-        """Stop every cluster (nodes before controllers), then munge."""
+        """Cancel every cluster's jobs, stop the nodes, then the controllers, then munge."""
+        for cluster in self.clusters.values():
+            cluster.cancel_jobs()
         _stop_all([c.procs.pop(k) for c in self.clusters.values() for k in list(c.procs) if k != "slurmctld"])
         _stop_all([c.procs.pop("slurmctld") for c in self.clusters.values() if "slurmctld" in c.procs])
         self.munge.stop()
