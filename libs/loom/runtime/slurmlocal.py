@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -92,8 +93,9 @@ def _stop_all(procs: list[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> 
 class LocalMunge:
     """A ``munged`` with its own key and socket under ``root``."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, preexec: Callable[[], None] | None = None) -> None:
         self.root = root
+        self.preexec = preexec
         self.socket = root / "munge.socket"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -120,6 +122,7 @@ class LocalMunge:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            preexec_fn=self.preexec,  # noqa: PLW1509 - a parent-death signal only, async-signal-safe
         )
         log.close()
         deadline = time.monotonic() + timeout_s
@@ -169,6 +172,8 @@ class LocalSlurmCluster:
     root: Path
     nodes: list[SlurmNode]
     munge_socket: Path
+    preexec: Callable[[], None] | None = None
+    """Run in each daemon before it starts (the stack's parent-death signal)."""
     ctld_port: int = 0
     node_ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -250,7 +255,12 @@ class LocalSlurmCluster:
     def _spawn(self, key: str, argv: list[str]) -> None:
         out = open(self.root / "log" / f"{key}.out", "ab")  # noqa: SIM115 - closed with the process
         self.procs[key] = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            preexec_fn=self.preexec,  # noqa: PLW1509 - a parent-death signal only, async-signal-safe
         )
         out.close()
 
@@ -356,11 +366,15 @@ class LocalSlurmCluster:
 class LocalSlurms:
     """Several independent local Slurm clusters sharing one ``munged``; a context manager."""
 
-    def __init__(self, root: Path, clusters: dict[str, list[SlurmNode]]) -> None:
+    def __init__(
+        self, root: Path, clusters: dict[str, list[SlurmNode]], preexec: Callable[[], None] | None = None
+    ) -> None:
         self.root = root
-        self.munge = LocalMunge(root / "munge")
+        self.munge = LocalMunge(root / "munge", preexec)
         self.clusters = {
-            name: LocalSlurmCluster(name=name, root=root / name, nodes=nodes, munge_socket=self.munge.socket)
+            name: LocalSlurmCluster(
+                name=name, root=root / name, nodes=nodes, munge_socket=self.munge.socket, preexec=preexec
+            )
             for name, nodes in clusters.items()
         }
 

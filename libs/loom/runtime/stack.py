@@ -470,6 +470,7 @@ class Supervisor:
         self.slurm = LocalSlurms(
             Path(self.options.slurm_root),
             {c: slurm_nodes(topology.cluster(c)) for c in self.options.slurm_clusters},
+            preexec=_pdeathsig(),  # like every child: nothing outlives a killed supervisor
         )
         self.slurm.start()
         self.state["slurm"] = {
