@@ -9,6 +9,7 @@ openb-node-0123, one asking for V100M16s only to openb-node-0233.
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import subprocess
 import uuid
@@ -37,7 +38,13 @@ from loom_proto import subjects
 from loom_proto.clusters import CheckpointJob
 from loom_proto.jobs import JobSpec, Resources, Work
 from loom_services.cluster_agent.agent import Agent
-from loom_services.cluster_agent.backend import BackendUnavailable, LaunchRefused, PartLaunch
+from loom_services.cluster_agent.backend import (
+    BackendUnavailable,
+    LaunchRefused,
+    PartLaunch,
+    PartStatus,
+    Phase,
+)
 from loom_services.cluster_agent.slurm import SlurmBackend
 
 P100_NODE = "openb-node-0123"
@@ -301,6 +308,26 @@ async def test_slurm_refuses_a_part_it_cannot_run_and_loom_gets_its_reason(
     )
     with pytest.raises(LaunchRefused, match="node configuration is not available"):
         await backend.launch(part)
+    # Slurm takes a part for a node drained behind Loom's back, but leaves it pending: refused
+    # with Slurm's reason at the first look, and cancelled by the agent (here: by hand).
+    t4 = "openb-node-0243"
+    await asyncio.to_thread(slurm, weu, "scontrol", "update", f"NodeName={t4}", "State=DRAIN", "Reason=test")
+    try:
+        pending = dataclasses.replace(
+            part, key="slurm-pending:1", job_id="slurm-pending", allocations=((t4, 1),)
+        )
+        ref = await backend.launch(pending)
+
+        async def looked_at() -> PartStatus | None:
+            status = await backend.poll(ref, pending.key)
+            return status if status.phase is not Phase.PENDING else None  # Slurm has not judged it yet
+
+        status = await until(looked_at, 10, "Slurm's verdict on the pending part")
+        assert status.phase is Phase.REFUSED and "ReqNodeNotAvail" in status.reason
+        await backend.stop(ref)
+        await in_slurm(weu, "loom-slurm-pending-1", "CANCELLED")
+    finally:
+        await asyncio.to_thread(slurm, weu, "scontrol", "update", f"NodeName={t4}", "State=RESUME")
 
 
 async def test_an_unreachable_slurm_makes_its_nodes_unavailable_without_crashing(
