@@ -102,7 +102,14 @@ def _slurm_alone(slurm_conf: str, jobs: int) -> dict[str, float]:
     for _ in range(jobs):
         began = time.perf_counter()
         out = subprocess.run(
-            ["sbatch", "--parsable", "--gres=gpu:1", "--job-name=bench-alone", "--wrap=sleep 1"],
+            [
+                "sbatch",
+                "--parsable",
+                "--gres=gpu:1",
+                "--job-name=bench-alone",
+                "--output=/dev/null",
+                "--wrap=sleep 1",
+            ],
             env=env,
             capture_output=True,
             text=True,

@@ -208,7 +208,13 @@ async def test_a_killed_agent_and_a_restarted_slurmctld_recover_the_running_slur
     await asyncio.to_thread(sea.wait_idle)
     # A part the agent has no run for (its run ended while the agent was down) is stopped.
     await asyncio.to_thread(
-        slurm, sea, "sbatch", "--job-name=loom-ghost-1", "--comment=loom:c-sea1-a:ghost:1", "--wrap=sleep 60"
+        slurm,
+        sea,
+        "sbatch",
+        "--job-name=loom-ghost-1",
+        "--comment=loom:c-sea1-a:ghost:1",
+        "--output=/dev/null",
+        "--wrap=sleep 60",
     )
     await platform.start("agent-c-sea1-a")
     await in_slurm(sea, "loom-ghost-1", "CANCELLED")
