@@ -6,6 +6,7 @@ end, every slurmd before its slurmctld. When Slurm is not installed the fixture 
 apt (as ``make test`` does); when that fails the tests *fail*: they never skip.
 """
 
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
@@ -30,8 +31,11 @@ def slurm_clusters() -> Iterator[dict[str, LocalSlurmCluster]]:
     # Under the system temp dir: slurmd and munged must traverse every parent directory.
     root = Path(tempfile.mkdtemp(prefix="loom-slurm-"))
     slurms = LocalSlurms(root, {c: slurm_nodes(topology.cluster(c)) for c in SLURM_CLUSTERS})
-    with slurms:
-        yield slurms.clusters
+    try:
+        with slurms:
+            yield slurms.clusters
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def slurm_backend_factory(
