@@ -102,7 +102,7 @@ async def in_slurm(cluster: LocalSlurmCluster, name: str, *states: str) -> dict[
         job = await asyncio.to_thread(slurm_job, cluster, name)
         return job if job is not None and job["JobState"].split()[0] in states else None
 
-    found: dict[str, str] = await until(check, 20, f"Slurm job {name} {'/'.join(states)}", interval_s=0.1)
+    found: dict[str, str] = await until(check, 30, f"Slurm job {name} {'/'.join(states)}", interval_s=0.1)
     return found
 
 
@@ -122,7 +122,7 @@ async def test_a_two_gpu_job_placed_by_loom_runs_as_a_slurm_job_on_the_node_loom
     slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
 ) -> None:
     await client.submit(spec("slurm-two", "P100", 2, 20))
-    job = await until(job_state(client, "slurm-two", "completed"), 30, "slurm-two completed")
+    job = await until(job_state(client, "slurm-two", "completed"), 45, "slurm-two completed")
     placed = events(job, "placed")[0]
     assert placed["cluster"] == "c-weu-a"
     assert [(a["node"], a["gpus"]) for a in placed["allocations"]] == [(P100_NODE, 2)]
@@ -139,7 +139,7 @@ async def test_a_job_exiting_non_zero_is_reported_failed_with_its_exit_code(
     slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
 ) -> None:
     await client.submit(spec("slurm-exit", "V100M16", 1, 4, exit_code="3"))
-    job = await until(job_state(client, "slurm-exit", "failed"), 30, "slurm-exit failed")
+    job = await until(job_state(client, "slurm-exit", "failed"), 45, "slurm-exit failed")
     failed = events(job, "failed")[0]
     assert failed["exit_code"] == 3 and failed["retryable"] is False
     assert "exit code 3" in failed["reason"]
@@ -153,8 +153,8 @@ async def test_a_checkpoint_request_reaches_the_job_and_preemption_reaches_scanc
     slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
 ) -> None:
     weu = slurm_clusters["c-weu-a"]
-    await client.submit(spec("slurm-ckpt", "P100", 2, 400))  # 20 s: it is stopped long before
-    await until(job_state(client, "slurm-ckpt", "running"), 20, "slurm-ckpt running")
+    await client.submit(spec("slurm-ckpt", "P100", 2, 1200))  # 60 s: it is preempted long before
+    await until(job_state(client, "slurm-ckpt", "running"), 45, "slurm-ckpt running")
     await in_slurm(weu, "loom-slurm-ckpt-1", "RUNNING")
     await client.publisher.publish(
         subjects.cluster_command("c-weu-a", "checkpoint"),
@@ -166,7 +166,7 @@ async def test_a_checkpoint_request_reaches_the_job_and_preemption_reaches_scanc
         job = await client.job("slurm-ckpt")
         return events(job, "checkpointed") if job else []
 
-    ckpt = (await until(checkpointed, 15, "the job's checkpoint to be reported"))[0]
+    ckpt = (await until(checkpointed, 30, "the job's checkpoint to be reported"))[0]
     uri = ckpt["checkpoint_uri"]
     assert uri.startswith("file://")
     written = await asyncio.to_thread(Path(uri.removeprefix("file://")).read_text)
@@ -193,8 +193,8 @@ async def test_a_killed_agent_and_a_restarted_slurmctld_recover_the_running_slur
     slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
 ) -> None:
     sea = slurm_clusters["c-sea1-a"]
-    await client.submit(spec("slurm-resume", "V100M16", 2, 100))  # 5 s
-    await until(job_state(client, "slurm-resume", "running"), 20, "slurm-resume running")
+    await client.submit(spec("slurm-resume", "V100M16", 2, 160))  # 8 s: outlives the restarts
+    await until(job_state(client, "slurm-resume", "running"), 45, "slurm-resume running")
     first = await in_slurm(sea, "loom-slurm-resume-1", "RUNNING")
     task, ctx = platform.tasks.pop("agent-c-sea1-a")
     task.cancel()  # killed: no orderly stop
@@ -218,7 +218,7 @@ async def test_a_killed_agent_and_a_restarted_slurmctld_recover_the_running_slur
     )
     await platform.start("agent-c-sea1-a")
     await in_slurm(sea, "loom-ghost-1", "CANCELLED")
-    job = await until(job_state(client, "slurm-resume", "completed"), 30, "slurm-resume completed")
+    job = await until(job_state(client, "slurm-resume", "completed"), 45, "slurm-resume completed")
     done = await in_slurm(sea, "loom-slurm-resume-1", "COMPLETED")
     assert done["JobId"] == first["JobId"], "the restarted agent followed the same Slurm job"
     assert len(events(job, "started")) == 1 and len(events(job, "completed")) == 1
@@ -239,7 +239,7 @@ async def test_a_cross_cluster_gang_runs_one_slurm_job_in_each_cluster(
             work=Work(steps=40, step_time_s=100.0),  # 2 s
         )
     )
-    await until(job_state(client, "slurm-gang", "running"), 20, "slurm-gang running")
+    await until(job_state(client, "slurm-gang", "running"), 45, "slurm-gang running")
     job = await client.job("slurm-gang")
     assert job is not None
     parts = {p["cluster"]: p for p in events(job, "placed")[0]["parts"]}
@@ -251,7 +251,7 @@ async def test_a_cross_cluster_gang_runs_one_slurm_job_in_each_cluster(
         (allocation,) = part["allocations"]
         assert ran["NodeList"] == allocation["node"]
         assert ran["TresPerNode"].endswith(f":t4:{allocation['gpus']}")
-    await until(job_state(client, "slurm-gang", "completed"), 30, "slurm-gang completed")
+    await until(job_state(client, "slurm-gang", "completed"), 45, "slurm-gang completed")
     lead = events(job, "placed")[0]["cluster"]  # the placed event's own cluster is the lead part's
     member = next(c for c in parts if c != lead)
     await in_slurm(slurm_clusters[lead], "loom-slurm-gang-1", "COMPLETED")
@@ -263,8 +263,8 @@ async def test_a_node_set_down_under_a_running_job_fails_it_at_node_scope(
     slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
 ) -> None:
     sea = slurm_clusters["c-sea1-a"]
-    await client.submit(spec("slurm-down", "V100M16", 1, 400))  # 20 s: the node goes down first
-    await until(job_state(client, "slurm-down", "running"), 20, "slurm-down running")
+    await client.submit(spec("slurm-down", "V100M16", 1, 1200))  # 60 s: the node goes down first
+    await until(job_state(client, "slurm-down", "running"), 45, "slurm-down running")
     await in_slurm(sea, "loom-slurm-down-1", "RUNNING")
     await asyncio.to_thread(
         slurm, sea, "scontrol", "update", "NodeName=openb-node-0233", "State=DOWN", "Reason=test"
@@ -275,7 +275,7 @@ async def test_a_node_set_down_under_a_running_job_fails_it_at_node_scope(
             job = await client.job("slurm-down")
             return events(job, "failed") if job else []
 
-        failure = (await until(failed, 20, "the run on the downed node to be reported failed"))[0]
+        failure = (await until(failed, 30, "the run on the downed node to be reported failed"))[0]
         assert failure["attempt"] == 1 and failure["retryable"] is True
         assert "node failure on openb-node-0233" in failure["reason"]
         await in_slurm(sea, "loom-slurm-down-1", "NODE_FAIL")
