@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
         default=None,
         help="placement shards (regions split by GPUs); jobs then carry a one-region affinity, by GPUs",
     )
+    e2e.add_argument(
+        "--slurm",
+        action="store_true",
+        help="submit -> running in Slurm instead: two clusters on local Slurm (slurm-wlm, munge; root)",
+    )
+    e2e.add_argument("--slurm-jobs", type=int, default=40, help="with --slurm: jobs of one GPU, ~1 s each")
+    e2e.add_argument("--slurm-rate", type=float, default=2.0, help="with --slurm: jobs submitted per second")
     e2e.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     view = sub.add_parser("view", help="the resource ledger at scale: delta apply, queries, memory per node")
     view.add_argument("--nodes", type=int, default=100_000)
@@ -228,6 +235,11 @@ def run_benchmark(args: argparse.Namespace) -> int:  # noqa: PLR0912 - a branch 
         from loom_benchmarks.chaos import main as run_chaos
 
         return run_chaos(args)
+    if args.bench == "e2e" and args.slurm:
+        from loom_benchmarks.slurm_e2e import run as run_slurm
+
+        emit(run_slurm(args), args.json)
+        return 0
     if args.bench == "e2e":
         from loom_benchmarks.e2e import run
 

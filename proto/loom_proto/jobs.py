@@ -303,6 +303,8 @@ class JobFailed(
     reason: Reason
     retryable: bool = False
     at: UnixSeconds
+    exit_code: int | None = None
+    """The exit code of work that exited non-zero (a real backend), None otherwise."""
 
 
 RequeueReason = Literal["preempted", "start_timeout", "start_failed", "cluster_lost", "resized", "migrated"]

@@ -51,6 +51,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         services=not args.servers_only,
         nats_cluster=args.nats_cluster,
         metrics_port_base=args.metrics_port_base,
+        slurm_clusters=stack.default_slurm_clusters(args.topology, args.cluster or []) if args.slurm else [],
     )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
@@ -834,6 +835,11 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("up", cmd_up, "start NATS, PostgreSQL and every service in the background")
+    p.add_argument(
+        "--slurm",
+        action="store_true",
+        help="run two of the clusters on local Slurm clusters (slurm-wlm, munge; root), not simulated",
+    )
     p.add_argument("--topology", default="default", help="packaged topology name or file")
     p.add_argument("--cluster", action="append", help="run only these cluster agents (repeatable)")
     p.add_argument("--time-scale", type=float, default=60.0, help="simulated seconds per wall second")
