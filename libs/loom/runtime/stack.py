@@ -42,8 +42,8 @@ from loom.runtime.servers import (
     describe_exit,
     reap_orphans,
 )
-from loom.runtime.tokens import ensure_tokens
 from loom.runtime.slurmlocal import LocalSlurms, slurm_nodes
+from loom.runtime.tokens import ensure_tokens
 from loom.sched.shards import group_options, split_regions
 from loom.store.migrations import migrate_url
 from loom.telemetry.metrics import ENV_METRICS_PORT
