@@ -138,6 +138,11 @@ def metrics_ports(names: list[str], base: int) -> dict[str, int]:
     return {name: free_port() for name in names}
 
 
+HEALTHY_WITHIN_S = 120.0
+"""How long a starting stack's services have to answer their first health check: some 17 Python
+processes importing at once on 2 cores take 20-40 s, much longer on a loaded machine."""
+
+
 SLURM_CLUSTER_COUNT = 2
 """Clusters ``loom up --slurm`` backs with local Slurm: the first ones of the topology."""
 
@@ -589,7 +594,7 @@ class Supervisor:
             self.start_slurm()
             self.start_services(env)
             self.write_state("starting", nats_url=nats_url, database_url=database_url)
-            silent = asyncio.run(wait_healthy(nats_url, list(self.services), timeout_s=60.0))
+            silent = asyncio.run(wait_healthy(nats_url, list(self.services), timeout_s=HEALTHY_WITHIN_S))
             if silent:
                 raise RuntimeError(f"services never answered their health check: {', '.join(silent)}")
             self.write_state("ready")
@@ -724,7 +729,7 @@ def up(
     home: Path | None = None,
     options: StackOptions | None = None,
     *,
-    timeout_s: float = 120.0,
+    timeout_s: float = HEALTHY_WITHIN_S + 60.0,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Start the supervisor in the background and wait until everything is up."""
