@@ -50,6 +50,18 @@ def credentials_path() -> Path | None:
     return default if default.exists() else None
 
 
+def auth_options(creds: Path | None) -> dict[str, str]:
+    """``nats.connect`` keyword arguments for the identity of ``creds`` (none when None): its NKEY
+    seed and its own reply-inbox prefix, the only one its permissions let it read."""
+    if creds is None:
+        return {}
+    try:
+        credential = security.read(creds)
+    except (OSError, ValueError) as exc:
+        raise BusError(f"cannot read the NATS credentials {creds}: {exc}", non_retryable=True) from exc
+    return {"nkeys_seed_str": credential.seed, "inbox_prefix": f"_INBOX.{credential.identity}"}
+
+
 def _follow_rotation(nc: Client, path: Path) -> None:
     """Sign each (re)connection with the seed the file holds *then*, announcing its public key.
 
@@ -89,13 +101,7 @@ async def connect(
     one its permissions let it read.
     """
     creds = creds or credentials_path()
-    auth: dict[str, str] = {}
-    if creds is not None:
-        try:
-            credential = security.read(creds)
-        except (OSError, ValueError) as exc:
-            raise BusError(f"cannot read the NATS credentials {creds}: {exc}", non_retryable=True) from exc
-        auth = {"nkeys_seed_str": credential.seed, "inbox_prefix": f"_INBOX.{credential.identity}"}
+    auth = auth_options(creds)
 
     async def on_error(exc: Exception) -> None:
         if client:

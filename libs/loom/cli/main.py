@@ -50,6 +50,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         placement_shards=args.placement_shards,
         services=not args.servers_only,
         nats_cluster=args.nats_cluster,
+        secure=args.secure,
     )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
@@ -817,6 +818,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="nats-server processes: 3 runs a JetStream cluster with 3 replicas of every stream",
     )
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="authenticated NATS: every process its own NKEY identity and permissions (loom.security)",
+    )
     add("down", cmd_down, "stop the embedded stack")
     p = add("status", cmd_status, "show the stack's processes and their health")
     p.add_argument("--json", action="store_true")
@@ -877,10 +883,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_net("restore", cmd_net_restore, "restore one emulated link (or every link) as measured")
     p.add_argument("src", nargs="?")
     p.add_argument("dst", nargs="?")
+    from loom.cli.credentials import add_parser as add_credentials_parser
     from loom.cli.dlq import add_parser as add_dlq_parser
     from loom.cli.trace import add_parser as add_trace_parser
 
     add_dlq_parser(sub)
+    add_credentials_parser(sub)
     add_trace_parser(sub)
     from loom.cli.console import add_parser as add_console_parser
 

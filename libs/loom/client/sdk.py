@@ -15,7 +15,9 @@ from nats.js.api import PubAck
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from loom import security
 from loom.bus import Publisher, connect
+from loom.bus.connection import credentials_path
 from loom.errors import InvalidInputError, LoomError
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
@@ -85,9 +87,11 @@ def load_specs(path: str | Path, *, default_tenant: str | None = None) -> list[J
 class LoomClient:
     """A connection to Loom over NATS."""
 
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Client, *, identity: str | None = None) -> None:
         self.nc = nc
         self.publisher = Publisher(nc)
+        self.identity = identity
+        """The NATS identity it connected as (``tenant-acme``, ``admin``), None when unsecured."""
 
     @classmethod
     async def connect(
@@ -96,7 +100,11 @@ class LoomClient:
         """Connect to the NATS server of a Loom deployment; with ``first_within_s``, raise
         :class:`~loom.bus.connection.BusError` (saying to start the stack) when no server answers
         by then, instead of waiting for one."""
-        return cls(await connect(nats_url, name, first_within_s=first_within_s))
+        creds = credentials_path()
+        identity = security.read(creds).identity if creds is not None else None
+        return cls(
+            await connect(nats_url, name, first_within_s=first_within_s, creds=creds), identity=identity
+        )
 
     async def close(self) -> None:
         """Flush and close the connection."""
@@ -313,7 +321,11 @@ class LoomClient:
         if tenant is not None:
             subjects.job_submitted(tenant)  # validates the id
         # One subscription for all kinds: placed events are keyed by cluster, the rest by tenant.
-        sub = await self.nc.subscribe(subjects.JOBS_LIFECYCLE_ALL)
+        # A tenant's identity may read only its own subjects: it sees no placed event (issue 18).
+        own = tenant is not None and self.identity == f"tenant-{tenant}"
+        sub = await self.nc.subscribe(
+            f"{subjects.PREFIX}.jobs.*.{tenant}" if own else subjects.JOBS_LIFECYCLE_ALL
+        )
         try:
             async for msg in sub.messages:
                 try:

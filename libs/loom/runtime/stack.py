@@ -44,6 +44,7 @@ from loom.runtime.servers import (
 )
 from loom.runtime.tokens import ensure_tokens
 from loom.sched.shards import group_options, split_regions
+from loom.security import ENV_CREDS, CredentialStore, admin_identity, identity_for_process
 from loom.store.migrations import migrate_url
 from loom_proto import subjects
 
@@ -116,6 +117,9 @@ class StackOptions:
     """Run the web console (services/console); ``loom console`` prints its URL with a token."""
     console_port: int = 0
     """The console's port on 127.0.0.1; 0: a free port chosen when the stack starts."""
+    secure: bool = False
+    """Authenticated, permissioned NATS (issue 18): NKEY credentials for every process under
+    ``<home>/secrets/nats/``, each process connecting as its own identity (``loom.security``)."""
 
 
 def placement_groups(options: StackOptions) -> dict[str, list[str]]:
@@ -398,6 +402,8 @@ class Supervisor:
         self.watches: dict[str, ServerWatch] = {}
         self._checks = 0
         self._reaping_until = 0.0
+        self.credentials: CredentialStore | None = None
+        """The stack's NATS credentials when it is secured."""
 
     def write_state(self, status: str, **extra: Any) -> None:
         """Atomically rewrite the state file."""
@@ -418,8 +424,11 @@ class Supervisor:
         """Start (or adopt external) NATS and PostgreSQL; returns their URLs."""
         nats_url = os.environ.get(ENV_NATS_URL)
         database_url = os.environ.get(ENV_DATABASE_URL)
+        authorization = self._issue_credentials() if self.options.secure and not nats_url else None
         if not nats_url and self.options.nats_cluster > 1:
-            cluster = self.nats_cluster = NatsCluster(self.home / "nats", self.options.nats_cluster)
+            cluster = self.nats_cluster = NatsCluster(
+                self.home / "nats", self.options.nats_cluster, authorization=authorization
+            )
             # The streams (and the KV buckets, and through them the consumers) of this stack and
             # of every service it starts keep one replica per node.
             os.environ[ENV_STREAM_REPLICAS] = str(self.options.nats_cluster)
@@ -434,7 +443,9 @@ class Supervisor:
                 self.watches[node.server_name] = ServerWatch(node.server_name, node)
         elif not nats_url:
             os.environ[ENV_STREAM_REPLICAS] = "1"
-            self.nats = NatsServer(self.home / "nats", port=self.state.get("nats_port"))
+            self.nats = NatsServer(
+                self.home / "nats", port=self.state.get("nats_port"), authorization=authorization
+            )
             self.nats.start()
             nats_url = self.nats.url
             self.state["nats_pid"] = self.nats.pid
@@ -449,6 +460,24 @@ class Supervisor:
             self.state["postgres_pid"] = self.postgres.pid
             self.watches["postgres"] = ServerWatch("postgres", self.postgres)
         return nats_url, database_url
+
+    def _issue_credentials(self) -> Path:
+        """Credentials for the operator and every process (kept across restarts: only missing
+        ones are generated; tenants issued before keep theirs), and the users block for NATS.
+
+        The supervisor connects as the operator from now on (``$LOOM_CREDS`` of this process)."""
+        store = self.credentials = CredentialStore(self.home)
+        names = service_argvs(self.options) if self.options.services else {}
+        store.ensure_all([admin_identity(), *(identity_for_process(name) for name in names)])
+        os.environ[ENV_CREDS] = str(store.path(admin_identity()))
+        self.state["secure"] = True
+        return store.auth_path
+
+    def process_env(self, name: str, env: dict[str, str]) -> dict[str, str]:
+        """The environment of one service process: its own credentials on a secured stack."""
+        if self.credentials is None:
+            return env
+        return {**env, ENV_CREDS: str(self.credentials.path(identity_for_process(name)))}
 
     @staticmethod
     def _ensure_streams(nats_url: str) -> None:
@@ -525,7 +554,7 @@ class Supervisor:
             argvs = service_argvs(self.options) if self.options.services else {}
             for name, argv in argvs.items():
                 self.services[name] = ServiceProcess(name, argv, str(self.home / "logs" / f"{name}.log"))
-                self.spawn(self.services[name], env)
+                self.spawn(self.services[name], self.process_env(name, env))
             self.write_state("starting", nats_url=nats_url, database_url=database_url)
             silent = asyncio.run(wait_healthy(nats_url, list(self.services), timeout_s=60.0))
             if silent:
@@ -551,7 +580,7 @@ class Supervisor:
                         continue
                     del backoff[name]
                     svc.restarts += 1
-                    self.spawn(svc, env)
+                    self.spawn(svc, self.process_env(name, env))
                     self.write_state("ready")
         except Exception as exc:
             self.write_state("failed", error=str(exc))
@@ -649,6 +678,8 @@ def supervisor_argv(home: Path, options: StackOptions) -> list[str]:
         argv.append("--no-console")
     if options.console_port:
         argv += ["--console-port", str(options.console_port)]
+    if options.secure:
+        argv.append("--secure")
     return argv
 
 
@@ -767,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nats-cluster", type=int, choices=(1, 3), default=1)
     parser.add_argument("--no-console", action="store_true")
     parser.add_argument("--console-port", type=int, default=0)
+    parser.add_argument("--secure", action="store_true")
     args = parser.parse_args(argv)
     options = StackOptions(
         topology=args.topology,
@@ -783,6 +815,7 @@ def main(argv: list[str] | None = None) -> int:
         nats_cluster=args.nats_cluster,
         console=not args.no_console,
         console_port=args.console_port,
+        secure=args.secure,
     )
     return Supervisor(args.home.resolve(), options).run()
 

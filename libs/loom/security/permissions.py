@@ -198,6 +198,6 @@ def permissions(identity: Identity) -> Permissions:
     )
 
 
-def may_manage_streams(identity: Identity) -> bool:
-    """Whether the identity creates / updates streams at start (agents and tenants do not)."""
-    return identity.role not in ("agent", "tenant")
+def may_manage_streams(identity: str) -> bool:
+    """Whether the identity (by name) creates / updates streams at start (agents and tenants do not)."""
+    return not identity.startswith(("agent-", "tenant-"))
