@@ -73,6 +73,13 @@ def job_events_of(*kinds: JobEventKind) -> list[str]:
     return [f"{PREFIX}.jobs.{kind}.*" for kind in kinds]
 
 
+def jobs_query(tenant: str) -> str:
+    """``loom.jobs.query.<tenant>``: request-reply, job queries answered with that tenant's jobs only.
+
+    A tenant's credentials may ask here and not on ``loom.jobs.query`` (every tenant's jobs)."""
+    return f"{PREFIX}.jobs.query.{validate_id(tenant, 'tenant')}"
+
+
 def cluster_heartbeat(cluster: str) -> str:
     """``loom.clusters.<cluster>.heartbeat``."""
     return f"{PREFIX}.clusters.{validate_id(cluster, 'cluster')}.heartbeat"
@@ -203,6 +210,8 @@ NET_TRANSFERS_ALL = f"{PREFIX}.net.transfer.*.*"
 # Request-reply subjects (core NATS, no stream).
 VIEW_QUERY = f"{PREFIX}.view.query"
 JOBS_QUERY = f"{PREFIX}.jobs.query"
+JOBS_QUERY_TENANTS = f"{PREFIX}.jobs.query.*"
+"""Every tenant's own query subject (placement answers each only with that tenant's jobs)."""
 NET_QUERY_PATH = f"{PREFIX}.net.query.path"
 NET_QUERY_POINT = f"{PREFIX}.net.query.point"
 NET_EMU_ALL = f"{PREFIX}.net.emu.all"

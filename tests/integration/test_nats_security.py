@@ -131,6 +131,10 @@ async def test_tenant_submits_only_as_itself(
     await acme.nc.publish(subjects.job_submitted("globex"), b"{}")
     assert "loom.jobs.submitted.globex" in await acme.violation()
     assert await _last_on(server, store, "JOBS", subjects.job_submitted("globex")) == before
+    for query in (subjects.JOBS_QUERY, subjects.jobs_query("globex")):  # every tenant's jobs, globex's
+        acme.errors.clear()
+        await acme.nc.publish(query, b'{"op": "list"}', reply="_INBOX.tenant-acme.q")
+        assert query in await acme.violation()
 
 
 async def test_tenant_cannot_read_another_tenants_events(as_identity) -> None:  # type: ignore[no-untyped-def]

@@ -106,6 +106,13 @@ class LoomClient:
             await connect(nats_url, name, first_within_s=first_within_s, creds=creds), identity=identity
         )
 
+    @property
+    def _jobs_query(self) -> str:
+        """Where job queries go: a tenant's identity asks on its own subject (its jobs only)."""
+        if self.identity is not None and self.identity.startswith("tenant-"):
+            return subjects.jobs_query(self.identity.removeprefix("tenant-"))
+        return subjects.JOBS_QUERY
+
     async def close(self) -> None:
         """Flush and close the connection."""
         await self.nc.drain()
@@ -209,7 +216,7 @@ class LoomClient:
     async def job(self, job_id: str, *, timeout_s: float = 5.0) -> dict[str, Any] | None:
         """A job with its event history, or None when placement never accepted it."""
         result: dict[str, Any] | None = await self._query(
-            subjects.JOBS_QUERY, {"op": "get", "job_id": job_id}, timeout_s
+            self._jobs_query, {"op": "get", "job_id": job_id}, timeout_s
         )
         return result
 
@@ -218,26 +225,26 @@ class LoomClient:
     ) -> list[dict[str, Any]]:
         """Newest jobs first."""
         result: list[dict[str, Any]] = await self._query(
-            subjects.JOBS_QUERY, {"op": "list", "tenant": tenant, "state": state, "limit": limit}, timeout_s
+            self._jobs_query, {"op": "list", "tenant": tenant, "state": state, "limit": limit}, timeout_s
         )
         return result
 
     async def explain(self, job_id: str, *, timeout_s: float = 5.0) -> dict[str, Any]:
         """A job and every decision record of it (``{"job": ..., "decisions": [...]}``)."""
         result: dict[str, Any] = await self._query(
-            subjects.JOBS_QUERY, {"op": "explain", "job_id": job_id}, timeout_s
+            self._jobs_query, {"op": "explain", "job_id": job_id}, timeout_s
         )
         return result
 
     async def learned_speeds(self, *, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         """What placement learned of each (job family, GPU model)'s speed: ``family``, ``gpu_model``,
         ``factor`` (times the profile's speed), ``log_sd``, ``runs`` and ``source``."""
-        result: list[dict[str, Any]] = await self._query(subjects.JOBS_QUERY, {"op": "learned"}, timeout_s)
+        result: list[dict[str, Any]] = await self._query(self._jobs_query, {"op": "learned"}, timeout_s)
         return result
 
     async def counts(self, *, timeout_s: float = 5.0) -> dict[str, int]:
         """How many jobs are in each state."""
-        result: dict[str, int] = await self._query(subjects.JOBS_QUERY, {"op": "counts"}, timeout_s)
+        result: dict[str, int] = await self._query(self._jobs_query, {"op": "counts"}, timeout_s)
         return result
 
     async def view(

@@ -157,7 +157,11 @@ def permissions(identity: Identity) -> Permissions:
     if role == "tenant":
         assert scope is not None
         return Permissions(
-            publish=[subjects.job_submitted(scope), *_QUERIES],
+            publish=[
+                subjects.job_submitted(scope),
+                subjects.jobs_query(scope),
+                *(q for q in _QUERIES if q != subjects.JOBS_QUERY),
+            ],
             subscribe=[f"{P}.jobs.*.{scope}", inbox],
         )
     if role == "agent":
