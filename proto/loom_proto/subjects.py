@@ -80,6 +80,12 @@ def jobs_query(tenant: str) -> str:
     return f"{PREFIX}.jobs.query.{validate_id(tenant, 'tenant')}"
 
 
+def tenant_job_events(tenant: str) -> str:
+    """``loom.jobs.*.<tenant>``: every lifecycle event of one tenant's jobs but ``placed`` (keyed by
+    cluster), and its submissions: all a tenant's credentials may read of the job subjects."""
+    return f"{PREFIX}.jobs.*.{validate_id(tenant, 'tenant')}"
+
+
 def cluster_heartbeat(cluster: str) -> str:
     """``loom.clusters.<cluster>.heartbeat``."""
     return f"{PREFIX}.clusters.{validate_id(cluster, 'cluster')}.heartbeat"

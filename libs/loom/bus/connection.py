@@ -40,12 +40,25 @@ def server_urls(url: str) -> list[str]:
     return servers
 
 
-def credentials_path() -> Path | None:
-    """The credential file to connect with: ``$LOOM_CREDS``, else the operator's file of the
-    stack's home (``<home>/secrets/nats/admin.creds``) when that stack is secured, else none."""
+_OPERATOR_CREDS: dict[str, Path] = {}
+"""Operator credentials of the secured stacks this process started, by NATS URL."""
+
+
+def remember_credentials(url: str, path: Path) -> None:
+    """Connect to ``url`` with ``path`` unless told otherwise (``loom.runtime.stack.up`` calls it:
+    whoever starts a secured stack in-process acts as its operator)."""
+    _OPERATOR_CREDS[url] = Path(path)
+
+
+def credentials_path(url: str | None = None) -> Path | None:
+    """The credential file to connect with: ``$LOOM_CREDS``; else the operator's file of a secured
+    stack this process started at ``url``; else that of the stack's home
+    (``<home>/secrets/nats/admin.creds``) when that stack is secured; else none."""
     configured = os.environ.get(security.ENV_CREDS)
     if configured:
         return Path(configured)
+    if url is not None and url in _OPERATOR_CREDS:
+        return _OPERATOR_CREDS[url]
     default = security.CredentialStore(loom_home()).path(security.admin_identity())
     return default if default.exists() else None
 
@@ -100,7 +113,7 @@ async def connect(
     :func:`credentials_path`) and takes its replies on its identity's own inbox prefix, the only
     one its permissions let it read.
     """
-    creds = creds or credentials_path()
+    creds = creds or credentials_path(url)
     auth = auth_options(creds)
 
     async def on_error(exc: Exception) -> None:

@@ -76,7 +76,7 @@ def _with_dead_letters(work: Callable[[DeadLetters], Awaitable[int]]) -> int:
                 name="loom-dlq",
                 connect_timeout=_CONNECT_TIMEOUT_S,
                 allow_reconnect=False,
-                **auth_options(credentials_path()),
+                **auth_options(credentials_path(url)),
             )
         except Exception as exc:  # nats raises several unrelated types for "could not connect"
             err.print(f"[red]cannot reach NATS at {url}: is the Loom stack running? (loom up)[/red] ({exc})")

@@ -100,7 +100,7 @@ class LoomClient:
         """Connect to the NATS server of a Loom deployment; with ``first_within_s``, raise
         :class:`~loom.bus.connection.BusError` (saying to start the stack) when no server answers
         by then, instead of waiting for one."""
-        creds = credentials_path()
+        creds = credentials_path(nats_url)
         identity = security.read(creds).identity if creds is not None else None
         return cls(
             await connect(nats_url, name, first_within_s=first_within_s, creds=creds), identity=identity
@@ -331,7 +331,7 @@ class LoomClient:
         # A tenant's identity may read only its own subjects: it sees no placed event (issue 18).
         own = tenant is not None and self.identity == f"tenant-{tenant}"
         sub = await self.nc.subscribe(
-            f"{subjects.PREFIX}.jobs.*.{tenant}" if own else subjects.JOBS_LIFECYCLE_ALL
+            subjects.tenant_job_events(tenant) if own and tenant else subjects.JOBS_LIFECYCLE_ALL
         )
         try:
             async for msg in sub.messages:

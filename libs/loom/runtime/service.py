@@ -92,7 +92,7 @@ async def open_context(
 ) -> ServiceContext:
     """Connect to NATS (and PostgreSQL), ensure streams, answer health requests."""
     nc = await connect(nats_url, name)
-    creds = credentials_path()
+    creds = credentials_path(nats_url)
     if creds is None or may_manage_streams(security.read(creds).identity):
         # An agent's or tenant's identity may not touch streams: the supervisor made them.
         await ensure_streams(nc.jetstream())

@@ -32,6 +32,7 @@ from typing import Any
 import structlog
 
 from loom.bus import connect, ensure_streams
+from loom.bus.connection import remember_credentials
 from loom.model.topology import load_topology
 from loom.runtime.config import ENV_DATABASE_URL, ENV_HOME, ENV_NATS_URL, loom_home, stack_file
 from loom.runtime.servers import (
@@ -697,7 +698,7 @@ def up(
     if is_running(home):
         state = read_state(home)
         assert state is not None
-        return state
+        return _operator_of(home, state)
     argv = supervisor_argv(home, options)
     stack_file(home).unlink(missing_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
@@ -715,7 +716,7 @@ def up(
             last = status
         if status == "ready":
             assert state is not None
-            return state
+            return _operator_of(home, state)
         if status == "failed" or proc.poll() is not None:
             log_tail = (home / "logs" / "supervisor.log").read_text()[-3000:]
             raise RuntimeError(
@@ -723,6 +724,13 @@ def up(
             )
         time.sleep(0.1)
     raise RuntimeError(f"the stack did not become ready within {timeout_s}s; see {home / 'logs'}")
+
+
+def _operator_of(home: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """This process connects to a secured stack it started as its operator (``admin``)."""
+    if state.get("secure") and state.get("nats_url"):
+        remember_credentials(state["nats_url"], CredentialStore(home).path(admin_identity()))
+    return state
 
 
 def down(home: Path | None = None, *, timeout_s: float = 60.0) -> bool:

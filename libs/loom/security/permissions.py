@@ -162,7 +162,7 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.jobs_query(scope),
                 *(q for q in _QUERIES if q != subjects.JOBS_QUERY),
             ],
-            subscribe=[f"{P}.jobs.*.{scope}", inbox],
+            subscribe=[subjects.tenant_job_events(scope), inbox],
         )
     if role == "agent":
         assert scope is not None
