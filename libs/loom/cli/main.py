@@ -50,7 +50,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         placement_shards=args.placement_shards,
         services=not args.servers_only,
         nats_cluster=args.nats_cluster,
-        secure=args.secure,
+        secure=args.secure or stack.StackOptions().secure,
     )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))

@@ -58,6 +58,8 @@ _REAP_AFTER_CHANGE_S = 5.0
 
 log = structlog.get_logger("loom.supervisor")
 
+ENV_SECURE = "LOOM_SECURE"
+"""``1``: stacks start secured unless their options say otherwise (``StackOptions.secure``)."""
 ENV_STREAM_REPLICAS = "LOOM_STREAM_REPLICAS"
 """Replicas of Loom's streams, KV buckets and (inherited) consumers; read by loom.bus."""
 
@@ -118,9 +120,11 @@ class StackOptions:
     """Run the web console (services/console); ``loom console`` prints its URL with a token."""
     console_port: int = 0
     """The console's port on 127.0.0.1; 0: a free port chosen when the stack starts."""
-    secure: bool = False
+    secure: bool = field(default_factory=lambda: os.environ.get(ENV_SECURE) == "1")
     """Authenticated, permissioned NATS (issue 18): NKEY credentials for every process under
-    ``<home>/secrets/nats/``, each process connecting as its own identity (``loom.security``)."""
+    ``<home>/secrets/nats/``, each process connecting as its own identity (``loom.security``).
+    Off unless ``loom up --secure`` or ``LOOM_SECURE=1`` (which turns it on for every stack
+    started without saying, the demo's and the benchmarks' included)."""
 
 
 def placement_groups(options: StackOptions) -> dict[str, list[str]]:
