@@ -1153,7 +1153,7 @@ class PlacementService:
         )
         msg_id = f"{job.job_id}:placed:{q.attempt}"
         context = q.context
-        messages = [outbox.message(subjects.job_placed(lead.cluster), placed, msg_id, context=context)]
+        messages = [outbox.message(subjects.job_placed(job.tenant), placed, msg_id, context=context)]
         spec = _spec_of(job)
         for i, part in enumerate(parts):
             start = StartJob(

@@ -69,6 +69,9 @@ def test_tenant_submits_and_reads_only_its_own() -> None:
         if kind != "placed":
             assert may_subscribe(acme, subjects.job_event(kind, "acme"))
             assert not may_subscribe(acme, subjects.job_event(kind, "globex"))
+    assert may_subscribe(acme, subjects.job_placed("acme"))  # where its job went
+    assert not may_subscribe(acme, subjects.job_placed("globex"))
+    assert not may_subscribe(acme, subjects.JOBS_PLACED_ALL)
     assert may_subscribe(acme, "_INBOX.tenant-acme.abc")
     assert not may_subscribe(acme, "_INBOX.tenant-globex.abc")
     assert not may_subscribe(acme, "_INBOX.>")

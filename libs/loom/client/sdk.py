@@ -327,8 +327,7 @@ class LoomClient:
         """Yield (subject, event) for every job event from now on, of one tenant or all."""
         if tenant is not None:
             subjects.job_submitted(tenant)  # validates the id
-        # One subscription for all kinds: placed events are keyed by cluster, the rest by tenant.
-        # A tenant's identity may read only its own subjects: it sees no placed event (issue 18).
+        # One subscription for all kinds; a tenant's identity may read only its own tenant's.
         own = tenant is not None and self.identity == f"tenant-{tenant}"
         sub = await self.nc.subscribe(
             subjects.tenant_job_events(tenant) if own and tenant else subjects.JOBS_LIFECYCLE_ALL
