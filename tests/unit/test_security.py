@@ -21,6 +21,8 @@ from loom.security import (
 )
 from loom_proto import subjects
 
+pytestmark = pytest.mark.security
+
 
 def _matches(pattern: str, subject: str) -> bool:
     """NATS subject matching: ``*`` one token, ``>`` one or more trailing tokens."""
