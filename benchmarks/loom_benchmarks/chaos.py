@@ -141,7 +141,7 @@ def consumed_subjects(topology: str) -> list[str]:
     src, dst = regions[0], regions[-1]
     return [
         subjects.job_submitted(TENANT),
-        subjects.job_placed(cluster.id),
+        subjects.job_placed(TENANT),
         *(
             subjects.job_event(kind, TENANT)
             for kind in ("started", "progress", "checkpointed", "completed", "failed", "cancelled")

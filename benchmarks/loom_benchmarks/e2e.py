@@ -30,9 +30,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from loom.bus.connection import credentials_path
 from loom.client import LoomClient
 from loom.model.topology import load_topology
 from loom.runtime import cpu, stack
+from loom.security import ENV_CREDS
 from loom_benchmarks import e2e_baseline
 from loom_proto import subjects
 from loom_proto.codec import decode
@@ -351,6 +353,12 @@ def stack_groups(state: dict[str, Any], extra: dict[str, int] | None = None) -> 
     return groups
 
 
+def _with_credentials(nats_url: str) -> dict[str, str]:
+    """This process's environment, plus the operator's credentials of a secured stack it started."""
+    creds = credentials_path(nats_url)
+    return {**os.environ, ENV_CREDS: str(creds)} if creds is not None else dict(os.environ)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start a private stack, measure, stop it."""
     home = Path(tempfile.mkdtemp(prefix="loom-bench-", dir="/tmp"))
@@ -386,6 +394,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
+                    env=_with_credentials(state["nats_url"]),
                 )
             extra["bench-baseline"] = baseline.pid
         sampler = cpu.CpuSampler(stack_groups(state, extra))

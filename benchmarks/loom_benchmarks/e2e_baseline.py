@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from loom.bus.connection import server_urls, stream_config
+from loom.bus.connection import auth_options, credentials_path, server_urls, stream_config
 from loom.store import outbox
 from loom.store.inbox import claim_many
 from loom_proto.codec import decode, encode
@@ -165,7 +165,9 @@ async def main_async(nats_url: str, database_url: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    nc = await nats.connect(server_urls(nats_url), name="bench-baseline")
+    nc = await nats.connect(
+        server_urls(nats_url), name="bench-baseline", **auth_options(credentials_path(nats_url))
+    )
     pool = await asyncpg.create_pool(database_url, min_size=1, max_size=8, command_timeout=30)
     assert pool is not None
     try:

@@ -48,29 +48,44 @@ def job_submitted(tenant: str) -> str:
     return f"{PREFIX}.jobs.submitted.{validate_id(tenant, 'tenant')}"
 
 
-def job_placed(cluster: str) -> str:
-    """``loom.jobs.placed.<cluster>``: placement decisions, keyed by the chosen cluster."""
-    return f"{PREFIX}.jobs.placed.{validate_id(cluster, 'cluster')}"
+def job_placed(tenant: str) -> str:
+    """``loom.jobs.placed.<tenant>``: placement decisions, keyed by the job's tenant like every other
+    lifecycle event, so a tenant's credentials see where its jobs went (the cluster is in the event).
+
+    Keyed by the chosen cluster before issue 18; built apart from :func:`job_event` so that callers
+    of that time still build a valid subject."""
+    return f"{PREFIX}.jobs.placed.{validate_id(tenant, 'tenant')}"
 
 
 def job_event(kind: JobEventKind, tenant: str) -> str:
     """``loom.jobs.<kind>.<tenant>`` for every lifecycle event but ``placed``."""
     if kind == "placed":
-        raise ValueError("placed events are keyed by cluster: use job_placed(cluster)")
+        raise ValueError("placed events have their own builder: use job_placed(tenant)")
     if kind not in JOB_EVENT_KINDS:
         raise ValueError(f"unknown job event kind {kind!r}")
     return f"{PREFIX}.jobs.{kind}.{validate_id(tenant, 'tenant')}"
 
 
 def job_events_of(*kinds: JobEventKind) -> list[str]:
-    """``loom.jobs.<kind>.*`` for each kind: a consumer's filter for every event of those kinds.
-
-    Whatever the tenant (or the cluster, for ``placed``).
-    """
+    """``loom.jobs.<kind>.*`` for each kind: a consumer's filter for every event of those kinds,
+    whatever the tenant."""
     unknown = [kind for kind in kinds if kind not in JOB_EVENT_KINDS]
     if unknown:
         raise ValueError(f"unknown job event kinds {unknown!r}")
     return [f"{PREFIX}.jobs.{kind}.*" for kind in kinds]
+
+
+def jobs_query(tenant: str) -> str:
+    """``loom.jobs.query.<tenant>``: request-reply, job queries answered with that tenant's jobs only.
+
+    A tenant's credentials may ask here and not on ``loom.jobs.query`` (every tenant's jobs)."""
+    return f"{PREFIX}.jobs.query.{validate_id(tenant, 'tenant')}"
+
+
+def tenant_job_events(tenant: str) -> str:
+    """``loom.jobs.*.<tenant>``: every lifecycle event of one tenant's jobs and its submissions:
+    all a tenant's credentials may read of the job subjects."""
+    return f"{PREFIX}.jobs.*.{validate_id(tenant, 'tenant')}"
 
 
 def cluster_heartbeat(cluster: str) -> str:
@@ -217,7 +232,7 @@ def dead_letter(original_subject: str) -> str:
 JOBS_SUBMITTED_ALL = f"{PREFIX}.jobs.submitted.*"
 JOBS_LIFECYCLE_ALL = f"{PREFIX}.jobs.*.*"
 JOBS_PLACED_ALL = f"{PREFIX}.jobs.placed.*"
-"""Placement decisions of every cluster (``placed`` is keyed by the chosen cluster)."""
+"""Placement decisions of every tenant."""
 HEARTBEATS_ALL = f"{PREFIX}.clusters.*.heartbeat"
 PROFILES_ALL = f"{PREFIX}.clusters.*.profile"
 VIEW_DELTAS_ALL = f"{PREFIX}.view.delta.*"
@@ -229,6 +244,8 @@ NET_TRANSFERS_ALL = f"{PREFIX}.net.transfer.*.*"
 # Request-reply subjects (core NATS, no stream).
 VIEW_QUERY = f"{PREFIX}.view.query"
 JOBS_QUERY = f"{PREFIX}.jobs.query"
+JOBS_QUERY_TENANTS = f"{PREFIX}.jobs.query.*"
+"""Every tenant's own query subject (placement answers each only with that tenant's jobs)."""
 NET_QUERY_PATH = f"{PREFIX}.net.query.path"
 NET_QUERY_POINT = f"{PREFIX}.net.query.point"
 NET_EMU_ALL = f"{PREFIX}.net.emu.all"

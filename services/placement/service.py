@@ -303,6 +303,9 @@ class PlacementService:
         query_sub = await self.ctx.nc.subscribe(
             subjects.JOBS_QUERY, queue="placement-query", cb=self.on_query
         )
+        tenant_query_sub = await self.ctx.nc.subscribe(
+            subjects.JOBS_QUERY_TENANTS, queue="placement-query", cb=self.on_query
+        )
         link_sub = await self.ctx.nc.subscribe(subjects.LINK_STATES_ALL, cb=self.on_link)
         drains_sub = await self.ctx.nc.subscribe(subjects.MIGRATE_DRAINS_CHANGED, cb=self.on_drains_changed)
         migrate_sub = await self.ctx.nc.subscribe(subjects.PLACEMENT_MIGRATE, cb=self.on_migrate)
@@ -333,6 +336,7 @@ class PlacementService:
                 with contextlib.suppress(asyncio.CancelledError):
                     await announcer
             await query_sub.unsubscribe()
+            await tenant_query_sub.unsubscribe()
             await link_sub.unsubscribe()
             await drains_sub.unsubscribe()
             await migrate_sub.unsubscribe()
@@ -1173,7 +1177,7 @@ class PlacementService:
         )
         msg_id = f"{job.job_id}:placed:{q.attempt}"
         context = q.context
-        messages = [outbox.message(subjects.job_placed(lead.cluster), placed, msg_id, context=context)]
+        messages = [outbox.message(subjects.job_placed(job.tenant), placed, msg_id, context=context)]
         spec = _spec_of(job)
         for i, part in enumerate(parts):
             start = StartJob(
@@ -2124,16 +2128,31 @@ class PlacementService:
     # ---- queries -------------------------------------------------------------------------------
 
     async def on_query(self, msg: Msg) -> None:
-        """``loom.jobs.query``: get, list, counts, or explain (every decision record of a job)."""
+        """``loom.jobs.query``: get, list, counts, or explain (every decision record of a job).
+
+        On ``loom.jobs.query.<tenant>`` (the only one a tenant's credentials reach) the answer
+        holds that tenant's jobs only: another tenant's job is not found, counts are refused."""
+        scope = (
+            msg.subject.removeprefix(f"{subjects.JOBS_QUERY}.")
+            if msg.subject != subjects.JOBS_QUERY
+            else None
+        )
         try:
             request = json.loads(msg.data or b"{}")
             op = request.get("op", "list")
+            if scope is not None and op in ("get", "explain"):
+                job = await repo.get_job(self.pool, str(request["job_id"]))
+                if job is None or job.get("tenant") != scope:
+                    await msg.respond(json.dumps({"ok": True, "result": None}).encode())
+                    return
+            if scope is not None and op not in ("get", "list", "explain"):
+                raise ValueError(f"{op!r} is not open to a tenant")
             if op == "get":
                 result: object = await repo.get_job(self.pool, str(request["job_id"]))
             elif op == "list":
                 result = await repo.list_jobs(
                     self.pool,
-                    tenant=request.get("tenant"),
+                    tenant=scope if scope is not None else request.get("tenant"),
                     state=request.get("state"),
                     limit=min(int(request.get("limit", 100)), 10_000),
                 )

@@ -23,6 +23,7 @@ from nats.aio.client import Client
 from otlp_receiver import OtlpReceiver
 from waiting import until
 
+from loom.bus.connection import auth_options, credentials_path
 from loom.client import LoomClient, QueryError
 from loom.runtime import stack
 from loom_proto import subjects
@@ -116,7 +117,9 @@ def _job(job_id: str, *, gpus: int = 1, steps: int = 100, step_time_s: float = 1
 async def test_a_raw_json_job_from_any_nats_client_is_placed_and_completes(
     client: LoomClient, state: dict[str, Any]
 ) -> None:
-    nc = await nats.connect(state["nats_url"])  # a plain NATS client: no Loom code involved
+    nc = await nats.connect(
+        state["nats_url"], **auth_options(credentials_path(state["nats_url"]))
+    )  # no Loom code but the credentials
     js = nc.jetstream()
     payload = json.dumps(
         {
@@ -195,7 +198,7 @@ async def test_every_job_is_one_trace_from_client_publish_to_completion(
 async def test_bad_submissions_are_rejected_with_reasons_and_store_nothing(
     client: LoomClient, state: dict[str, Any]
 ) -> None:
-    nc = await nats.connect(state["nats_url"])
+    nc = await nats.connect(state["nats_url"], **auth_options(credentials_path(state["nats_url"])))
     rejected: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
     async def on_rejected(msg: Any) -> None:
@@ -347,7 +350,7 @@ async def test_sigkill_of_placement_with_queued_jobs_places_every_job_exactly_on
     finally:
         await conn.close()
     # Exactly one JobPlaced per job on the bus, too (the stream is the other half of "exactly once").
-    nc = await nats.connect(state["nats_url"])
+    nc = await nats.connect(state["nats_url"], **auth_options(credentials_path(state["nats_url"])))
     try:
         js = nc.jetstream()
         sub = await js.subscribe("loom.jobs.placed.*", ordered_consumer=True)

@@ -20,6 +20,7 @@ import nats
 import pytest
 from waiting import until
 
+from loom.bus.connection import auth_options, credentials_path
 from loom.runtime import stack
 
 pytestmark = pytest.mark.slow
@@ -93,7 +94,7 @@ async def _write_survivors(database_url: str, nats_url: str) -> int:
         await conn.execute("INSERT INTO survivors VALUES ('before the kill')")
     finally:
         await conn.close()
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url, **auth_options(credentials_path(nats_url)))
     try:
         js = nc.jetstream()
         await js.add_stream(name="SURVIVORS", subjects=["survivors.>"])
@@ -127,7 +128,7 @@ async def test_sigkilled_servers_come_back_on_their_port_with_their_data_and_no_
         await conn.close()
 
     old_nats, _ = await _kill_and_wait(home, "nats")
-    nc = await nats.connect(state["nats_url"])
+    nc = await nats.connect(state["nats_url"], **auth_options(credentials_path(state["nats_url"])))
     try:
         stored = await nc.jetstream().get_msg("SURVIVORS", seq)
         assert stored.data == b"before the kill"

@@ -5,10 +5,13 @@ of a cluster, all of which a client knows from the start so it can connect and f
 """
 
 import asyncio
+import base64
 import os
 import time
+from pathlib import Path
 
 import nats
+import nkeys
 import structlog
 from nats.aio.client import Client
 from nats.errors import NoRespondersError
@@ -17,7 +20,9 @@ from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
+from loom import security
 from loom.errors import LoomError
+from loom.runtime.config import loom_home
 from loom_proto.subjects import STREAMS, StreamSpec
 
 log = structlog.get_logger("loom.bus")
@@ -35,8 +40,67 @@ def server_urls(url: str) -> list[str]:
     return servers
 
 
+_OPERATOR_CREDS: dict[str, Path] = {}
+"""Operator credentials of the secured stacks this process started, by NATS URL."""
+
+
+def remember_credentials(url: str, path: Path) -> None:
+    """Connect to ``url`` with ``path`` unless told otherwise (``loom.runtime.stack.up`` calls it:
+    whoever starts a secured stack in-process acts as its operator)."""
+    _OPERATOR_CREDS[url] = Path(path)
+
+
+def credentials_path(url: str | None = None) -> Path | None:
+    """The credential file to connect with: ``$LOOM_CREDS``; else the operator's file of a secured
+    stack this process started at ``url``; else that of the stack's home
+    (``<home>/secrets/nats/admin.creds``) when that stack is secured; else none."""
+    configured = os.environ.get(security.ENV_CREDS)
+    if configured:
+        return Path(configured)
+    if url is not None and url in _OPERATOR_CREDS:
+        return _OPERATOR_CREDS[url]
+    default = security.CredentialStore(loom_home()).path(security.admin_identity())
+    return default if default.exists() else None
+
+
+def auth_options(creds: Path | None) -> dict[str, str]:
+    """``nats.connect`` keyword arguments for the identity of ``creds`` (none when None): its NKEY
+    seed and its own reply-inbox prefix, the only one its permissions let it read."""
+    if creds is None:
+        return {}
+    try:
+        credential = security.read(creds)
+    except (OSError, ValueError) as exc:
+        raise BusError(f"cannot read the NATS credentials {creds}: {exc}", non_retryable=True) from exc
+    return {"nkeys_seed_str": credential.seed, "inbox_prefix": f"_INBOX.{credential.identity}"}
+
+
+def _follow_rotation(nc: Client, path: Path) -> None:
+    """Sign each (re)connection with the seed the file holds *then*, announcing its public key.
+
+    nats-py reads the seed file at every signature but fixes the public key at the first
+    connection, so after `loom credentials rotate` its reconnections would be refused forever.
+    The CONNECT message is built after the signature, so updating the key there follows a rotation.
+    """
+
+    def sign(nonce: str) -> bytes:
+        pair = nkeys.from_seed(bytearray(security.read(path).seed.encode()))
+        try:
+            nc._public_nkey = pair.public_key.decode()
+            return base64.b64encode(pair.sign(nonce.encode()))
+        finally:
+            pair.wipe()
+
+    nc._signature_cb = sign
+
+
 async def connect(
-    url: str, name: str, *, connect_timeout_s: float = 5.0, first_within_s: float | None = None
+    url: str,
+    name: str,
+    *,
+    connect_timeout_s: float = 5.0,
+    first_within_s: float | None = None,
+    creds: Path | None = None,
 ) -> Client:
     """Connect with unbounded reconnects, so a NATS restart pauses a service instead of ending it.
 
@@ -44,13 +108,22 @@ async def connect(
     and, when its server goes, reconnects to another. A service waits for the first connection as
     long as it takes; a command line gives ``first_within_s`` and gets a :class:`BusError` saying
     what to do when no server answers by then.
+
+    On a secured stack the client authenticates with the NKEY of ``creds`` (default
+    :func:`credentials_path`) and takes its replies on its identity's own inbox prefix, the only
+    one its permissions let it read.
     """
+    creds = creds or credentials_path(url)
+    auth = auth_options(creds)
 
     async def on_error(exc: Exception) -> None:
         if client:
             log.warning("nats error", error=str(exc), client=name)
         else:  # not connected yet: the caller waits (a service) or gives up in time (a command)
             log.info("waiting for nats", error=str(exc), client=name)
+            last_error[:] = [str(exc)]
+
+    last_error: list[str] = []
 
     client: list[Client] = []
 
@@ -75,10 +148,17 @@ async def connect(
         reconnected_cb=on_reconnected,
         # Keep queued publishes while reconnecting rather than failing them at once.
         pending_size=64 * 1024 * 1024,
+        **auth,
     )
     try:
         nc = await (opening if first_within_s is None else asyncio.wait_for(opening, first_within_s))
     except TimeoutError as exc:
+        if last_error and "authorization" in last_error[0].lower():
+            raise BusError(
+                f"NATS at {url} refused the credentials {creds or '(none)'}: {last_error[0]};"
+                f" set {security.ENV_CREDS} to a credential file of this stack (`loom tenant add`)",
+                non_retryable=True,
+            ) from exc
         raise BusError(
             f"no NATS server answered at {url} within {first_within_s:g} s:"
             " is the Loom stack running? Start it with `loom up` (or set LOOM_NATS_URL)"
@@ -86,6 +166,8 @@ async def connect(
     except Exception as exc:  # nats raises several unrelated types for "could not connect"
         raise BusError(f"cannot connect to NATS at {url}: {exc}") from exc
     client.append(nc)
+    if creds is not None:
+        _follow_rotation(nc, creds)
     return nc
 
 

@@ -16,7 +16,7 @@ from nats.aio.client import Client
 from rich.console import Console
 from rich.table import Table
 
-from loom.bus.connection import server_urls
+from loom.bus.connection import auth_options, credentials_path, server_urls
 from loom.bus.dlq import DeadLetter, DeadLetters, parse_since
 from loom.errors import InvalidInputError, LoomError
 from loom.runtime.config import ENV_NATS_URL, endpoints
@@ -76,6 +76,7 @@ def _with_dead_letters(work: Callable[[DeadLetters], Awaitable[int]]) -> int:
                 name="loom-dlq",
                 connect_timeout=_CONNECT_TIMEOUT_S,
                 allow_reconnect=False,
+                **auth_options(credentials_path(url)),
             )
         except Exception as exc:  # nats raises several unrelated types for "could not connect"
             err.print(f"[red]cannot reach NATS at {url}: is the Loom stack running? (loom up)[/red] ({exc})")

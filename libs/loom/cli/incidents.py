@@ -18,7 +18,7 @@ import nats
 from rich.console import Console
 from rich.table import Table
 
-from loom.bus.connection import server_urls
+from loom.bus.connection import auth_options, credentials_path, server_urls
 from loom.runtime.config import endpoints
 from loom.store import incidents as store
 from loom_proto import subjects
@@ -185,6 +185,7 @@ def cmd_ack(args: argparse.Namespace) -> int:
                 name="loom-ack",
                 connect_timeout=_CONNECT_TIMEOUT_S,
                 allow_reconnect=False,
+                **auth_options(credentials_path(url)),
             )
         except Exception as exc:  # nats raises several unrelated types for "could not connect"
             err.print(f"[red]cannot reach NATS at {url}: is the Loom stack running? (loom up)[/red] ({exc})")

@@ -52,6 +52,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         nats_cluster=args.nats_cluster,
         metrics_port_base=args.metrics_port_base,
         slurm_clusters=stack.default_slurm_clusters(args.topology, args.cluster or []) if args.slurm else [],
+        secure=args.secure or stack.StackOptions().secure,
     )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
@@ -868,6 +869,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="Prometheus /metrics ports: consecutive from this one (default: a free port each)",
     )
+    p.add_argument(
+        "--secure",
+        action="store_true",
+        help="authenticated NATS: every process its own NKEY identity and permissions (loom.security)",
+    )
     add("down", cmd_down, "stop the embedded stack")
     p = add("status", cmd_status, "show the stack's processes and their health")
     p.add_argument("--json", action="store_true")
@@ -935,10 +941,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_net("restore", cmd_net_restore, "restore one emulated link (or every link) as measured")
     p.add_argument("src", nargs="?")
     p.add_argument("dst", nargs="?")
+    from loom.cli.credentials import add_parser as add_credentials_parser
     from loom.cli.dlq import add_parser as add_dlq_parser
     from loom.cli.trace import add_parser as add_trace_parser
 
     add_dlq_parser(sub)
+    add_credentials_parser(sub)
     add_trace_parser(sub)
     from loom.cli.console import add_parser as add_console_parser
 

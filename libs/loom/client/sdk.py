@@ -16,7 +16,9 @@ from nats.js.api import PubAck
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from loom import security
 from loom.bus import Publisher, connect
+from loom.bus.connection import credentials_path
 from loom.errors import InvalidInputError, LoomError
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
@@ -86,9 +88,11 @@ def load_specs(path: str | Path, *, default_tenant: str | None = None) -> list[J
 class LoomClient:
     """A connection to Loom over NATS."""
 
-    def __init__(self, nc: Client) -> None:
+    def __init__(self, nc: Client, *, identity: str | None = None) -> None:
         self.nc = nc
         self.publisher = Publisher(nc)
+        self.identity = identity
+        """The NATS identity it connected as (``tenant-acme``, ``admin``), None when unsecured."""
 
     @classmethod
     async def connect(
@@ -97,7 +101,18 @@ class LoomClient:
         """Connect to the NATS server of a Loom deployment; with ``first_within_s``, raise
         :class:`~loom.bus.connection.BusError` (saying to start the stack) when no server answers
         by then, instead of waiting for one."""
-        return cls(await connect(nats_url, name, first_within_s=first_within_s))
+        creds = credentials_path(nats_url)
+        identity = security.read(creds).identity if creds is not None else None
+        return cls(
+            await connect(nats_url, name, first_within_s=first_within_s, creds=creds), identity=identity
+        )
+
+    @property
+    def _jobs_query(self) -> str:
+        """Where job queries go: a tenant's identity asks on its own subject (its jobs only)."""
+        if self.identity is not None and self.identity.startswith("tenant-"):
+            return subjects.jobs_query(self.identity.removeprefix("tenant-"))
+        return subjects.JOBS_QUERY
 
     async def close(self) -> None:
         """Flush and close the connection."""
@@ -202,7 +217,7 @@ class LoomClient:
     async def job(self, job_id: str, *, timeout_s: float = 5.0) -> dict[str, Any] | None:
         """A job with its event history, or None when placement never accepted it."""
         result: dict[str, Any] | None = await self._query(
-            subjects.JOBS_QUERY, {"op": "get", "job_id": job_id}, timeout_s
+            self._jobs_query, {"op": "get", "job_id": job_id}, timeout_s
         )
         return result
 
@@ -243,26 +258,26 @@ class LoomClient:
     ) -> list[dict[str, Any]]:
         """Newest jobs first."""
         result: list[dict[str, Any]] = await self._query(
-            subjects.JOBS_QUERY, {"op": "list", "tenant": tenant, "state": state, "limit": limit}, timeout_s
+            self._jobs_query, {"op": "list", "tenant": tenant, "state": state, "limit": limit}, timeout_s
         )
         return result
 
     async def explain(self, job_id: str, *, timeout_s: float = 5.0) -> dict[str, Any]:
         """A job and every decision record of it (``{"job": ..., "decisions": [...]}``)."""
         result: dict[str, Any] = await self._query(
-            subjects.JOBS_QUERY, {"op": "explain", "job_id": job_id}, timeout_s
+            self._jobs_query, {"op": "explain", "job_id": job_id}, timeout_s
         )
         return result
 
     async def learned_speeds(self, *, timeout_s: float = 5.0) -> list[dict[str, Any]]:
         """What placement learned of each (job family, GPU model)'s speed: ``family``, ``gpu_model``,
         ``factor`` (times the profile's speed), ``log_sd``, ``runs`` and ``source``."""
-        result: list[dict[str, Any]] = await self._query(subjects.JOBS_QUERY, {"op": "learned"}, timeout_s)
+        result: list[dict[str, Any]] = await self._query(self._jobs_query, {"op": "learned"}, timeout_s)
         return result
 
     async def counts(self, *, timeout_s: float = 5.0) -> dict[str, int]:
         """How many jobs are in each state."""
-        result: dict[str, int] = await self._query(subjects.JOBS_QUERY, {"op": "counts"}, timeout_s)
+        result: dict[str, int] = await self._query(self._jobs_query, {"op": "counts"}, timeout_s)
         return result
 
     async def view(
@@ -345,8 +360,11 @@ class LoomClient:
         """Yield (subject, event) for every job event from now on, of one tenant or all."""
         if tenant is not None:
             subjects.job_submitted(tenant)  # validates the id
-        # One subscription for all kinds: placed events are keyed by cluster, the rest by tenant.
-        sub = await self.nc.subscribe(subjects.JOBS_LIFECYCLE_ALL)
+        # One subscription for all kinds; a tenant's identity may read only its own tenant's.
+        own = tenant is not None and self.identity == f"tenant-{tenant}"
+        sub = await self.nc.subscribe(
+            subjects.tenant_job_events(tenant) if own and tenant else subjects.JOBS_LIFECYCLE_ALL
+        )
         try:
             async for msg in sub.messages:
                 try:

@@ -403,8 +403,11 @@ class NatsServer(_ChildServer):
         cluster_name: str = "loom",
         cluster_port: int | None = None,
         route_ports: Sequence[int] = (),
+        authorization: Path | None = None,
     ) -> None:
         super().__init__(data_dir, port)
+        self.authorization = authorization
+        """A users block to include (``loom.security``): clients must then authenticate."""
         self.monitor_port = monitor_port if monitor_port is not None else find_free_port()
         if cluster_port is not None and not server_name:
             raise ValueError("a cluster node needs a server_name")
@@ -442,6 +445,10 @@ class NatsServer(_ChildServer):
             "  sync_interval: always",
             "}",
         ]
+        if self.authorization is not None:
+            # An include path is relative to the including file, even when absolute-looking.
+            auth = os.path.relpath(Path(self.authorization).absolute(), self.data_dir.absolute())
+            lines.append(f"include {json.dumps(auth)}")
         if self.cluster_port is not None:
             routes = [json.dumps(f"nats-route://127.0.0.1:{port}") for port in self.route_ports]
             lines += [
@@ -452,6 +459,12 @@ class NatsServer(_ChildServer):
                 "}",
             ]
         self.config_path.write_text("\n".join([*lines, ""]))
+
+    def reload(self) -> None:
+        """Make the running server re-read its config (new credentials): SIGHUP, as
+        ``nats-server --signal reload`` sends; connections whose key is gone are closed."""
+        if self.pid is not None:
+            os.kill(self.pid, signal.SIGHUP)
 
     def _command(self) -> list[str]:
         binary = _nats_binary()
@@ -498,7 +511,9 @@ class NatsCluster:
     ``LOOM_NATS_URL`` takes (:func:`loom.bus.connection.server_urls` splits it).
     """
 
-    def __init__(self, data_dir: Path, size: int = 3, *, cluster_name: str = "loom") -> None:
+    def __init__(
+        self, data_dir: Path, size: int = 3, *, cluster_name: str = "loom", authorization: Path | None = None
+    ) -> None:
         if size < 1:
             raise ValueError("a cluster needs at least one node")
         self.data_dir = Path(data_dir).absolute()
@@ -510,6 +525,7 @@ class NatsCluster:
                 cluster_name=cluster_name,
                 cluster_port=route_port,
                 route_ports=route_ports,
+                authorization=authorization,
             )
             for index, route_port in enumerate(route_ports, start=1)
         ]

@@ -29,10 +29,13 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from loom import security
 from loom.bus import Publisher, connect, ensure_streams
+from loom.bus.connection import credentials_path
 from loom.bus.outage import Dependencies, Dependency, of_connection
 from loom.runtime.config import endpoints
 from loom.runtime.watchdog import Watchdog
+from loom.security import may_manage_streams
 from loom.store import pool as store_pool
 from loom.store.pool import create_pool
 from loom.telemetry import setup_telemetry, shutdown_telemetry
@@ -90,7 +93,10 @@ async def open_context(
 ) -> ServiceContext:
     """Connect to NATS (and PostgreSQL), ensure streams, answer health requests."""
     nc = await connect(nats_url, name)
-    await ensure_streams(nc.jetstream())
+    creds = credentials_path(nats_url)
+    if creds is None or may_manage_streams(security.read(creds).identity):
+        # An agent's or tenant's identity may not touch streams: the supervisor made them.
+        await ensure_streams(nc.jetstream())
     pool = await create_pool(database_url, max_size=8) if database_url else None
     dependencies = of_connection(nc)
     if pool is not None:

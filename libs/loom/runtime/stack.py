@@ -32,6 +32,7 @@ from typing import Any
 import structlog
 
 from loom.bus import connect, ensure_streams
+from loom.bus.connection import remember_credentials
 from loom.model.topology import load_topology
 from loom.runtime.config import ENV_DATABASE_URL, ENV_HOME, ENV_NATS_URL, loom_home, stack_file
 from loom.runtime.servers import (
@@ -45,6 +46,7 @@ from loom.runtime.servers import (
 from loom.runtime.slurmlocal import LocalSlurms, slurm_nodes
 from loom.runtime.tokens import ensure_tokens
 from loom.sched.shards import group_options, split_regions
+from loom.security import ENV_CREDS, CredentialStore, admin_identity, identity_for_process
 from loom.store.migrations import migrate_url
 from loom.telemetry.metrics import ENV_METRICS_PORT
 from loom_proto import subjects
@@ -58,6 +60,8 @@ _REAP_AFTER_CHANGE_S = 5.0
 
 log = structlog.get_logger("loom.supervisor")
 
+ENV_SECURE = "LOOM_SECURE"
+"""``1``: stacks start secured unless their options say otherwise (``StackOptions.secure``)."""
 ENV_STREAM_REPLICAS = "LOOM_STREAM_REPLICAS"
 """Replicas of Loom's streams, KV buckets and (inherited) consumers; read by loom.bus."""
 
@@ -129,6 +133,11 @@ class StackOptions:
     simulation (:mod:`loom.runtime.slurmlocal`: two of a cluster's nodes, real slurmctld/slurmd)."""
     slurm_root: str = ""
     """Where the local Slurm clusters live (set by the supervisor: ``<home>/slurm``)."""
+    secure: bool = field(default_factory=lambda: os.environ.get(ENV_SECURE) == "1")
+    """Authenticated, permissioned NATS (issue 18): NKEY credentials for every process under
+    ``<home>/secrets/nats/``, each process connecting as its own identity (``loom.security``).
+    Off unless ``loom up --secure`` or ``LOOM_SECURE=1`` (which turns it on for every stack
+    started without saying, the demo's and the benchmarks' included)."""
 
 
 def metrics_ports(names: list[str], base: int) -> dict[str, int]:
@@ -438,6 +447,8 @@ class Supervisor:
         self.slurm: LocalSlurms | None = None
         self._checks = 0
         self._reaping_until = 0.0
+        self.credentials: CredentialStore | None = None
+        """The stack's NATS credentials when it is secured."""
 
     def write_state(self, status: str, **extra: Any) -> None:
         """Atomically rewrite the state file."""
@@ -458,8 +469,11 @@ class Supervisor:
         """Start (or adopt external) NATS and PostgreSQL; returns their URLs."""
         nats_url = os.environ.get(ENV_NATS_URL)
         database_url = os.environ.get(ENV_DATABASE_URL)
+        authorization = self._issue_credentials() if self.options.secure and not nats_url else None
         if not nats_url and self.options.nats_cluster > 1:
-            cluster = self.nats_cluster = NatsCluster(self.home / "nats", self.options.nats_cluster)
+            cluster = self.nats_cluster = NatsCluster(
+                self.home / "nats", self.options.nats_cluster, authorization=authorization
+            )
             # The streams (and the KV buckets, and through them the consumers) of this stack and
             # of every service it starts keep one replica per node.
             os.environ[ENV_STREAM_REPLICAS] = str(self.options.nats_cluster)
@@ -474,7 +488,9 @@ class Supervisor:
                 self.watches[node.server_name] = ServerWatch(node.server_name, node)
         elif not nats_url:
             os.environ[ENV_STREAM_REPLICAS] = "1"
-            self.nats = NatsServer(self.home / "nats", port=self.state.get("nats_port"))
+            self.nats = NatsServer(
+                self.home / "nats", port=self.state.get("nats_port"), authorization=authorization
+            )
             self.nats.start()
             nats_url = self.nats.url
             self.state["nats_pid"] = self.nats.pid
@@ -489,6 +505,24 @@ class Supervisor:
             self.state["postgres_pid"] = self.postgres.pid
             self.watches["postgres"] = ServerWatch("postgres", self.postgres)
         return nats_url, database_url
+
+    def _issue_credentials(self) -> Path:
+        """Credentials for the operator and every process (kept across restarts: only missing
+        ones are generated; tenants issued before keep theirs), and the users block for NATS.
+
+        The supervisor connects as the operator from now on (``$LOOM_CREDS`` of this process)."""
+        store = self.credentials = CredentialStore(self.home)
+        names = service_argvs(self.options) if self.options.services else {}
+        store.ensure_all([admin_identity(), *(identity_for_process(name) for name in names)])
+        os.environ[ENV_CREDS] = str(store.path(admin_identity()))
+        self.state["secure"] = True
+        return store.auth_path
+
+    def process_env(self, name: str, env: dict[str, str]) -> dict[str, str]:
+        """The environment of one service process: its own credentials on a secured stack."""
+        if self.credentials is None:
+            return env
+        return {**env, ENV_CREDS: str(self.credentials.path(identity_for_process(name)))}
 
     @staticmethod
     def _ensure_streams(nats_url: str) -> None:
@@ -566,7 +600,7 @@ class Supervisor:
             self.services[name] = ServiceProcess(
                 name, argv, str(self.home / "logs" / f"{name}.log"), metrics_port=ports[name]
             )
-            self.spawn(self.services[name], env)
+            self.spawn(self.services[name], self.process_env(name, env))
 
     def run(self) -> int:
         """Start everything, watch it, stop on SIGTERM/SIGINT."""
@@ -618,7 +652,7 @@ class Supervisor:
                         continue
                     del backoff[name]
                     svc.restarts += 1
-                    self.spawn(svc, env)
+                    self.spawn(svc, self.process_env(name, env))
                     self.write_state("ready")
         except Exception as exc:
             self.write_state("failed", error=str(exc))
@@ -722,6 +756,8 @@ def supervisor_argv(home: Path, options: StackOptions) -> list[str]:
         argv += ["--console-port", str(options.console_port)]
     for cluster in options.slurm_clusters:
         argv += ["--slurm-cluster", cluster]
+    if options.secure:
+        argv.append("--secure")
     return argv
 
 
@@ -739,7 +775,7 @@ def up(
     if is_running(home):
         state = read_state(home)
         assert state is not None
-        return state
+        return _operator_of(home, state)
     argv = supervisor_argv(home, options)
     stack_file(home).unlink(missing_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
@@ -757,7 +793,7 @@ def up(
             last = status
         if status == "ready":
             assert state is not None
-            return state
+            return _operator_of(home, state)
         if status == "failed" or proc.poll() is not None:
             log_tail = (home / "logs" / "supervisor.log").read_text()[-3000:]
             raise RuntimeError(
@@ -765,6 +801,13 @@ def up(
             )
         time.sleep(0.1)
     raise RuntimeError(f"the stack did not become ready within {timeout_s}s; see {home / 'logs'}")
+
+
+def _operator_of(home: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """This process connects to a secured stack it started as its operator (``admin``)."""
+    if state.get("secure") and state.get("nats_url"):
+        remember_credentials(state["nats_url"], CredentialStore(home).path(admin_identity()))
+    return state
 
 
 def down(home: Path | None = None, *, timeout_s: float = 60.0) -> bool:
@@ -845,6 +888,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--console-port", type=int, default=0)
     parser.add_argument("--metrics-port-base", type=int, default=0)
     parser.add_argument("--slurm-cluster", action="append", default=[])
+    parser.add_argument("--secure", action="store_true")
     args = parser.parse_args(argv)
     options = StackOptions(
         topology=args.topology,
@@ -863,6 +907,7 @@ def main(argv: list[str] | None = None) -> int:
         console_port=args.console_port,
         metrics_port_base=args.metrics_port_base,
         slurm_clusters=args.slurm_cluster,
+        secure=args.secure,
     )
     return Supervisor(args.home.resolve(), options).run()
 

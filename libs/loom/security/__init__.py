@@ -1,0 +1,41 @@
+"""Trust boundaries: NATS identities, their permissions and their credentials (issue 18)."""
+
+from loom.security.credentials import (
+    ENV_CREDS,
+    Credential,
+    CredentialStore,
+    admin_identity,
+    new_seed,
+    parse,
+    read,
+    tenant_identity,
+    users_config,
+    write_secret,
+)
+from loom.security.permissions import (
+    SERVICE_ROLES,
+    Identity,
+    Permissions,
+    identity_for_process,
+    may_manage_streams,
+    permissions,
+)
+
+__all__ = [
+    "ENV_CREDS",
+    "SERVICE_ROLES",
+    "Credential",
+    "CredentialStore",
+    "Identity",
+    "Permissions",
+    "admin_identity",
+    "identity_for_process",
+    "may_manage_streams",
+    "new_seed",
+    "parse",
+    "permissions",
+    "read",
+    "tenant_identity",
+    "users_config",
+    "write_secret",
+]

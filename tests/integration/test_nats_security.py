@@ -1,0 +1,268 @@
+"""Trust boundaries on a secured nats-server (issue 18): every forgery is refused by the server.
+
+The server is the one ``loom up --secure`` runs (:class:`NatsServer` including the users block
+:class:`CredentialStore` writes), with Loom's streams. Each test observes the server's permission
+violation *and* that nothing reached the stream (the state every consumer reads is unchanged).
+On a server without authorization (today's default) each of these forgeries is accepted.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import msgspec
+import nats
+import pytest
+from nats.aio.client import Client
+from nats.js.api import AckPolicy, ConsumerConfig
+
+from loom.bus import BusError, connect, ensure_streams
+from loom.runtime.servers import NatsServer
+from loom.security import CredentialStore, Identity, admin_identity, tenant_identity
+from loom_proto import subjects
+
+pytestmark = pytest.mark.security
+
+IDENTITIES = [
+    admin_identity(),
+    tenant_identity("acme"),
+    tenant_identity("globex"),
+    Identity("agent", "c1"),
+    Identity("agent", "c2"),
+    Identity("placement"),
+    Identity("metrics"),
+    Identity("console"),
+]
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsServer, CredentialStore]]:
+    home = tmp_path_factory.mktemp("secured-home")
+    store = CredentialStore(home)
+    store.ensure_all(IDENTITIES)
+    with NatsServer(home / "nats", authorization=store.auth_path) as server:
+        yield server, store
+
+
+class Session:
+    """A client of one identity that records the server's asynchronous errors."""
+
+    def __init__(self, nc: Client, errors: list[str]) -> None:
+        self.nc = nc
+        self.errors = errors
+
+    async def violation(self, within_s: float = 2.0) -> str:
+        """The first permissions violation the server reported, waiting up to ``within_s``."""
+        for _ in range(int(within_s / 0.05)):
+            found = [e for e in self.errors if "permissions violation" in e.lower()]
+            if found:
+                return found[0]
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"no permissions violation reported; errors: {self.errors}")
+
+
+@pytest.fixture
+async def as_identity(
+    secured: tuple[NatsServer, CredentialStore],
+) -> AsyncIterator[object]:
+    server, store = secured
+    opened: list[Client] = []
+
+    async def open_as(identity: Identity) -> Session:
+        errors: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            errors.append(str(exc))
+
+        from loom.security import read
+
+        credential = read(store.path(identity))
+        nc = await nats.connect(
+            server.url,
+            nkeys_seed_str=credential.seed,
+            inbox_prefix=f"_INBOX.{credential.identity}",
+            error_cb=on_error,
+            allow_reconnect=False,
+        )
+        opened.append(nc)
+        return Session(nc, errors)
+
+    async with asyncio.timeout(30):
+        admin = await connect(server.url, "test-admin", creds=store.path(admin_identity()))
+        await ensure_streams(admin.jetstream())
+        await admin.drain()
+    yield open_as
+    for nc in opened:
+        await nc.close()
+
+
+async def _last_on(server: NatsServer, store: CredentialStore, stream: str, subject: str) -> int:
+    """The sequence of the last message on ``subject`` in ``stream`` (0: none), read as admin."""
+    nc = await connect(server.url, "test-admin", creds=store.path(admin_identity()))
+    try:
+        info = await nc.jetstream().stream_info(stream, subjects_filter=subject)
+        return int((info.state.subjects or {}).get(subject, 0))
+    finally:
+        await nc.close()
+
+
+async def test_anonymous_client_is_refused(secured: tuple[NatsServer, CredentialStore]) -> None:
+    server, _ = secured
+    with pytest.raises(Exception, match=r"(?i)authorization"):
+        await nats.connect(server.url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0)
+
+
+async def test_a_forged_seed_is_refused(secured: tuple[NatsServer, CredentialStore], tmp_path: Path) -> None:
+    server, _ = secured
+    forged = CredentialStore(tmp_path)  # same identity name, a seed the server never saw
+    forged.ensure_all([admin_identity()])
+    with pytest.raises(BusError, match=r"(?i)authorization"):
+        await connect(server.url, "forger", creds=forged.path(admin_identity()), first_within_s=3)
+
+
+async def test_tenant_submits_only_as_itself(
+    secured: tuple[NatsServer, CredentialStore], as_identity
+) -> None:  # type: ignore[no-untyped-def]
+    server, store = secured
+    acme = await as_identity(tenant_identity("acme"))
+    ack = await acme.nc.jetstream().publish(subjects.job_submitted("acme"), b"{}")
+    assert ack.stream == "JOBS"
+    before = await _last_on(server, store, "JOBS", subjects.job_submitted("globex"))
+    await acme.nc.publish(subjects.job_submitted("globex"), b"{}")
+    assert "loom.jobs.submitted.globex" in await acme.violation()
+    assert await _last_on(server, store, "JOBS", subjects.job_submitted("globex")) == before
+    for query in (subjects.JOBS_QUERY, subjects.jobs_query("globex")):  # every tenant's jobs, globex's
+        acme.errors.clear()
+        await acme.nc.publish(query, b'{"op": "list"}', reply="_INBOX.tenant-acme.q")
+        assert query in await acme.violation()
+
+
+async def test_tenant_cannot_read_another_tenants_events(as_identity) -> None:  # type: ignore[no-untyped-def]
+    acme = await as_identity(tenant_identity("acme"))
+    await acme.nc.subscribe(subjects.job_event("completed", "acme"))
+    await acme.nc.flush()
+    assert acme.errors == []
+    await acme.nc.subscribe(subjects.job_event("started", "globex"))
+    assert "subscription" in (await acme.violation()).lower()
+    acme.errors.clear()
+    await acme.nc.subscribe(subjects.JOBS_LIFECYCLE_ALL)  # every tenant's events at once
+    await acme.violation()
+    acme.errors.clear()
+    await acme.nc.subscribe("_INBOX.globex.>")  # nor its replies
+    await acme.violation()
+
+
+async def test_tenant_cannot_forge_a_completion_or_a_heartbeat(
+    secured: tuple[NatsServer, CredentialStore],
+    as_identity,  # type: ignore[no-untyped-def]
+) -> None:
+    server, store = secured
+    acme = await as_identity(tenant_identity("acme"))
+    heartbeat = subjects.cluster_heartbeat("c1")
+    before = await _last_on(server, store, "CLUSTERS", heartbeat)
+    forged = msgspec.json.encode({"cluster": "c1", "agent_epoch": 1 << 40, "free_gpus": 0})
+    await acme.nc.publish(heartbeat, forged)
+    assert heartbeat in await acme.violation()
+    acme.errors.clear()
+    await acme.nc.publish(subjects.job_event("completed", "acme"), b"{}")
+    await acme.violation()
+    assert await _last_on(server, store, "CLUSTERS", heartbeat) == before
+
+
+async def test_agent_speaks_only_for_its_cluster(
+    secured: tuple[NatsServer, CredentialStore],
+    as_identity,  # type: ignore[no-untyped-def]
+) -> None:
+    server, store = secured
+    c1 = await as_identity(Identity("agent", "c1"))
+    ack = await c1.nc.jetstream().publish(subjects.cluster_heartbeat("c1"), b"{}")
+    assert ack.stream == "CLUSTERS"
+    for forged in (
+        subjects.cluster_heartbeat("c2"),
+        subjects.cluster_status("c2"),
+        subjects.cluster_command("c2", "start"),
+        subjects.cluster_command("c1", "start"),  # not even a command to itself
+        subjects.job_submitted("acme"),
+    ):
+        before = await _last_on(server, store, "CLUSTERS" if "clusters" in forged else "JOBS", forged)
+        c1.errors.clear()
+        await c1.nc.publish(forged, b"{}")
+        assert forged in await c1.violation()
+        assert await _last_on(server, store, "CLUSTERS" if "clusters" in forged else "JOBS", forged) == before
+    c1.errors.clear()
+    await c1.nc.subscribe(subjects.net_endpoints("c2"))  # cannot answer probes for another cluster
+    await c1.violation()
+
+
+async def test_agent_consumes_its_commands_under_its_permissions(
+    as_identity,  # type: ignore[no-untyped-def]
+) -> None:
+    """The JetStream API subjects the agent is allowed are enough for its durable pull consumer."""
+    placement = await as_identity(Identity("placement"))
+    c1 = await as_identity(Identity("agent", "c1"))
+    js = c1.nc.jetstream()
+    await js.add_consumer(
+        "CLUSTERS",
+        ConsumerConfig(
+            durable_name="agent-c1",
+            ack_policy=AckPolicy.EXPLICIT,
+            filter_subject=subjects.cluster_commands("c1"),
+        ),
+    )
+    await placement.nc.jetstream().publish(subjects.cluster_command("c1", "start"), b'{"n": 1}')
+    sub = await js.pull_subscribe_bind(durable="agent-c1", stream="CLUSTERS")
+    messages = await sub.fetch(10, timeout=5)
+    assert [m.subject for m in messages][-1] == subjects.cluster_command("c1", "start")
+    for message in messages:
+        await message.ack_sync()
+    assert c1.errors == []
+    c1.errors.clear()
+    # Another cluster's durable is out of reach.
+    await c1.nc.publish("$JS.API.CONSUMER.MSG.NEXT.CLUSTERS.agent-c2", b"{}", reply="_INBOX.agent-c1.x")
+    await c1.violation()
+
+
+async def test_service_publishes_only_within_its_role(
+    secured: tuple[NatsServer, CredentialStore],
+    as_identity,  # type: ignore[no-untyped-def]
+) -> None:
+    server, store = secured
+    metrics = await as_identity(Identity("metrics"))
+    ack = await metrics.nc.jetstream().publish(subjects.view_delta("eu"), b"{}")
+    assert ack.stream == "VIEW"
+    start = subjects.cluster_command("c1", "start")
+    before = await _last_on(server, store, "CLUSTERS", start)
+    await metrics.nc.publish(start, b"{}")
+    assert start in await metrics.violation()
+    console = await as_identity(Identity("console"))
+    for forged in (subjects.job_placed("c1"), subjects.job_event("completed", "acme"), start):
+        console.errors.clear()
+        await console.nc.publish(forged, b"{}")
+        assert forged in await console.violation()
+    assert await _last_on(server, store, "CLUSTERS", start) == before
+
+
+async def test_rotation_refuses_old_seeds_and_clients_follow(
+    secured: tuple[NatsServer, CredentialStore], tmp_path: Path
+) -> None:
+    server, store = secured
+    old = store.path(tenant_identity("acme")).read_text()
+    follower = await connect(server.url, "follower", creds=store.path(tenant_identity("acme")))
+    try:
+        store.rotate()
+        server.reload()
+        stale = tmp_path / "stale.creds"
+        stale.write_text(old)
+        with pytest.raises(BusError):
+            await connect(server.url, "stale", creds=stale, first_within_s=3)
+        # The connected client is dropped by the reload, reconnects with the rotated seed.
+        async with asyncio.timeout(15):
+            while True:
+                try:
+                    await follower.jetstream().publish(subjects.job_submitted("acme"), b"{}", timeout=1)
+                    break
+                except Exception:
+                    await asyncio.sleep(0.2)
+        assert store.path(tenant_identity("acme")).read_text() != old
+    finally:
+        await follower.close()

@@ -1,0 +1,184 @@
+"""The permission table and the credential files of loom.security (issue 18), without a server."""
+
+import json
+import stat
+from pathlib import Path
+
+import nkeys
+import pytest
+
+from loom.security import (
+    CredentialStore,
+    Identity,
+    identity_for_process,
+    may_manage_streams,
+    new_seed,
+    parse,
+    permissions,
+    read,
+    tenant_identity,
+    users_config,
+)
+from loom_proto import subjects
+
+pytestmark = pytest.mark.security
+
+
+def _matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` one token, ``>`` one or more trailing tokens."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p):
+        if token == ">":
+            return len(s) > i
+        if i >= len(s) or (token != "*" and token != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def may_publish(identity: Identity, subject: str) -> bool:
+    perms = permissions(identity)
+    allowed = any(_matches(p, subject) for p in perms.publish)
+    return allowed and not any(_matches(p, subject) for p in perms.publish_deny)
+
+
+def may_subscribe(identity: Identity, subject: str) -> bool:
+    return any(_matches(p, subject) for p in permissions(identity).subscribe)
+
+
+def test_matcher_follows_nats_wildcards() -> None:
+    assert _matches("loom.jobs.*.acme", "loom.jobs.started.acme")
+    assert not _matches("loom.jobs.*.acme", "loom.jobs.started.acme.x")
+    assert _matches("loom.>", "loom.a.b")
+    assert not _matches("loom.>", "loom")
+
+
+def test_tenant_submits_and_reads_only_its_own() -> None:
+    acme = tenant_identity("acme")
+    assert may_publish(acme, subjects.job_submitted("acme"))
+    assert may_publish(acme, subjects.jobs_query("acme"))
+    for forged in (
+        subjects.job_submitted("globex"),
+        subjects.jobs_query("globex"),
+        subjects.JOBS_QUERY,  # every tenant's jobs
+        subjects.job_event("completed", "acme"),
+        subjects.cluster_heartbeat("c1"),
+        subjects.cluster_command("c1", "stop"),
+        subjects.job_placed("c1"),
+        "$JS.API.STREAM.DELETE.JOBS",
+    ):
+        assert not may_publish(acme, forged), forged
+    for kind in subjects.JOB_EVENT_KINDS:
+        if kind != "placed":
+            assert may_subscribe(acme, subjects.job_event(kind, "acme"))
+            assert not may_subscribe(acme, subjects.job_event(kind, "globex"))
+    assert may_subscribe(acme, subjects.job_placed("acme"))  # where its job went
+    assert not may_subscribe(acme, subjects.job_placed("globex"))
+    assert not may_subscribe(acme, subjects.JOBS_PLACED_ALL)
+    assert may_subscribe(acme, "_INBOX.tenant-acme.abc")
+    assert not may_subscribe(acme, "_INBOX.tenant-globex.abc")
+    assert not may_subscribe(acme, "_INBOX.>")
+
+
+def test_agent_speaks_only_for_its_cluster() -> None:
+    c1 = Identity("agent", "c1")
+    for own in (
+        subjects.cluster_heartbeat("c1"),
+        subjects.cluster_profiles("c1"),
+        subjects.cluster_status("c1"),
+    ):
+        assert may_publish(c1, own)
+    for forged in (
+        subjects.cluster_heartbeat("c2"),
+        subjects.cluster_status("c2"),
+        subjects.cluster_command("c1", "start"),
+        subjects.cluster_command("c2", "stop"),
+        subjects.job_submitted("acme"),
+        subjects.job_placed("c1"),
+        subjects.job_event("rejected", "acme"),
+        "$JS.API.CONSUMER.MSG.NEXT.CLUSTERS.agent-c2",
+        "$JS.ACK.CLUSTERS.agent-c2.1.1.1.1.1",
+        "$JS.API.STREAM.UPDATE.CLUSTERS",
+    ):
+        assert not may_publish(c1, forged), forged
+    assert may_publish(c1, "$JS.API.CONSUMER.MSG.NEXT.CLUSTERS.agent-c1")
+    assert may_subscribe(c1, subjects.net_endpoints("c1"))
+    assert not may_subscribe(c1, subjects.net_endpoints("c2"))
+    assert not may_subscribe(c1, subjects.cluster_commands("c2"))
+
+
+def test_each_service_publishes_only_within_its_role() -> None:
+    start = subjects.cluster_command("c1", "start")
+    assert may_publish(Identity("placement"), start)
+    assert may_publish(Identity("placement"), subjects.job_placed("c1"))
+    for role in ("metrics", "console", "network-perception", "alert-correlator", "probe-collector"):
+        service = Identity(role)  # type: ignore[arg-type]
+        assert not may_publish(service, start), role
+        assert not may_publish(service, subjects.job_submitted("acme")), role
+        assert not may_publish(service, subjects.job_event("completed", "acme")), role
+    assert may_publish(Identity("metrics"), subjects.view_delta("eu"))
+    assert not may_publish(Identity("console"), subjects.view_delta("eu"))
+    assert may_publish(Identity("network-perception"), subjects.link_state("a", "b"))
+    assert not may_publish(Identity("probe-collector"), subjects.link_state("a", "b"))
+
+
+def test_permissions_follow_the_subject_map() -> None:
+    """Every kind and command of the subject map is covered by some role, none by a tenant's publish."""
+    for kind in subjects.CLUSTER_COMMAND_KINDS:
+        assert may_publish(Identity("placement"), subjects.cluster_command("x", kind))
+    agent = Identity("agent", "c")
+    agent_kinds = [
+        k
+        for k in subjects.JOB_EVENT_KINDS
+        if may_publish(agent, subjects.job_placed("c") if k == "placed" else subjects.job_event(k, "acme"))
+    ]
+    assert set(agent_kinds) == {"started", "progress", "checkpointed", "completed", "failed"}
+
+
+def test_process_names_map_to_identities() -> None:
+    assert identity_for_process("agent-c-weu-a") == Identity("agent", "c-weu-a")
+    assert identity_for_process("placement-eu-standby") == Identity("placement")
+    assert identity_for_process("probe-aws-us-east-2") == Identity("probe-collector", "aws-us-east-2")
+    assert identity_for_process("network-perception") == Identity("network-perception")
+    with pytest.raises(ValueError, match="no identity"):
+        identity_for_process("mystery")
+    assert not may_manage_streams("agent-c1")
+    assert not may_manage_streams("tenant-acme")
+    assert may_manage_streams("placement")
+
+
+def test_credential_files_are_secret_and_round_trip(tmp_path: Path) -> None:
+    store = CredentialStore(tmp_path)
+    acme = tenant_identity("acme")
+    store.ensure_all([acme, Identity("admin")])
+    path = store.path(acme)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(store.auth_path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(store.dir.stat().st_mode) == 0o700
+    credential = read(path)
+    assert credential.identity == "tenant-acme"
+    assert nkeys.from_seed(bytearray(credential.seed.encode())).public_key.decode() == credential.public_key
+    auth = store.auth_path.read_text()
+    assert credential.public_key in auth and credential.seed not in auth  # only public keys
+    first = path.read_text()
+    store.ensure(acme)  # kept
+    assert path.read_text() == first
+    store.rotate()
+    assert read(path).seed != credential.seed
+    assert read(path).public_key in store.auth_path.read_text()
+    assert credential.public_key not in store.auth_path.read_text()
+
+
+def test_seeds_are_fresh_user_seeds() -> None:
+    seeds = {new_seed() for _ in range(20)}
+    assert len(seeds) == 20
+    assert all(s.startswith("SU") for s in seeds)
+    with pytest.raises(ValueError, match="identity"):
+        parse("seed: SUAAA\n")
+
+
+def test_users_block_is_what_nats_server_reads() -> None:
+    block = users_config([(tenant_identity("acme"), "UABC")])
+    users = json.loads(block[block.index("[") : block.rindex("]") + 1])
+    assert users[0]["nkey"] == "UABC"
+    assert users[0]["permissions"]["publish"]["allow"][0] == subjects.job_submitted("acme")
+    assert users[0]["permissions"]["allow_responses"] is True
