@@ -49,6 +49,7 @@ from loom.model.topology import load_topology
 from loom.runtime import stack
 from loom.runtime.config import ENV_DATABASE_URL, ENV_HOME, ENV_NATS_URL
 from loom_benchmarks.takeover import p50_max_mean
+from loom_proto import subjects
 from loom_proto.jobs import Affinity, JobSpec, Layer, Pipeline, Resources, Work
 
 TARGET_S = 10.0
@@ -121,7 +122,7 @@ def _partner_region(region: str) -> str:
 async def _placement_health(client: LoomClient) -> dict[str, Any]:
     for name in ("placement", "placement-standby"):
         with contextlib.suppress(Exception):
-            reply = await client.nc.request(f"loom.health.{name}", b"", timeout=1.0)
+            reply = await client.nc.request(subjects.service_health(name), b"", timeout=1.0)
             stats: dict[str, Any] = json.loads(reply.data)
             if stats.get("leadership", {}).get("leading") or stats.get("failover", {}).get("failed"):
                 return stats
@@ -133,7 +134,7 @@ async def _running_keys(client: LoomClient, clusters: list[str]) -> dict[str, li
     out: dict[str, list[str]] = {}
     for cluster in clusters:
         with contextlib.suppress(Exception):
-            reply = await client.nc.request(f"loom.health.agent-{cluster}", b"", timeout=1.0)
+            reply = await client.nc.request(subjects.service_health(f"agent-{cluster}"), b"", timeout=1.0)
             out[cluster] = list(json.loads(reply.data).get("running_keys", []))
     return out
 
@@ -304,7 +305,9 @@ async def _measure(state: dict[str, Any], home: Path, args: argparse.Namespace, 
         back: dict[str, Any] = {}
         for _ in range(100):
             with contextlib.suppress(Exception):
-                reply = await client.nc.request(f"loom.health.agent-{victim.id}", b"", timeout=1.0)
+                reply = await client.nc.request(
+                    subjects.service_health(f"agent-{victim.id}"), b"", timeout=1.0
+                )
                 back = json.loads(reply.data)
                 break
             await asyncio.sleep(0.2)
