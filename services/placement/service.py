@@ -1602,8 +1602,7 @@ class PlacementService:
             now = time.time()
             outcomes = await asyncio.gather(*(self._ping(c) for c in clusters))
             self.stats["failover"]["pings"] += len(clusters)
-            for cluster, outcome in zip(clusters, outcomes, strict=True):
-                self.failover.liveness.record(cluster, now, outcome)
+            self.failover.liveness.record_round(now, dict(zip(clusters, outcomes, strict=True)))
 
     async def _ping(self, cluster: str) -> PingOutcome:
         """One liveness ping: answered, no responders (the agent's connection is gone), or timeout

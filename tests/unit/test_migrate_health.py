@@ -147,3 +147,20 @@ def test_reachability_in_one_pass_agrees_with_region_reachable() -> None:
     every = reachability(links)
     for region in ("eu", "us", "ap", "sa"):
         assert every.get(region) == region_reachable(links, region)
+
+
+def test_a_round_where_every_agent_missed_is_no_evidence() -> None:
+    """All agents "gone" at once is the observer's trouble (its reconnection, the bus): no run grows;
+    one agent gone among live ones is counted."""
+    live = Liveness()
+    for i in range(AGENT_GONE_MISSES + 2):
+        live.record_round(float(i), {"a": "no_responders", "b": "no_responders"})
+    assert live.gone_s("a", 10.0) is None and live.gone_s("b", 10.0) is None
+    for i in range(AGENT_GONE_MISSES):
+        live.record_round(20.0 + i, {"a": "no_responders", "b": "answered"})
+    assert live.gone_s("a", 30.0) == pytest.approx(10.0) and live.gone_s("b", 30.0) is None
+    # A single watched cluster (a shard owning one) is judged on its own.
+    solo = Liveness()
+    for i in range(AGENT_GONE_MISSES):
+        solo.record_round(float(i), {"a": "no_responders"})
+    assert solo.gone_s("a", 5.0) == pytest.approx(5.0)

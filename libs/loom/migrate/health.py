@@ -15,7 +15,8 @@ The signals:
   the agent is connected it answers, and once its process is gone the server answers *no
   responders* at once. ``agent_gone_s`` is how long the pings have met no responders, counted from
   the first of ``AGENT_GONE_MISSES`` in a row (None: it answers, or too few misses). A ping that
-  merely times out (a slow, busy agent) is not evidence of anything and breaks the run.
+  merely times out (a slow, busy agent) is not evidence of anything and breaks the run, and so is
+  a round in which every watched agent (two or more) met no responders: the observer's trouble.
 
 The agent side is bad when its heartbeats are lost past ``ttl_s`` **or** its connection is gone
 (see :class:`Liveness`); the rule (:func:`classify`):
@@ -162,6 +163,14 @@ class Liveness:
         self._run.pop(cluster, None)
         if outcome == "answered":
             self.answered_at[cluster] = now
+
+    def record_round(self, now: float, outcomes: Mapping[str, PingOutcome]) -> None:
+        """One ping of every watched cluster. When two or more were watched and *every* one met no
+        responders, the observer (its own reconnection, the bus) is the likelier cause than all the
+        agents dying at once: the round counts as timeouts, evidence of nothing."""
+        everyone_missed = len(outcomes) >= 2 and all(o == "no_responders" for o in outcomes.values())
+        for cluster, outcome in outcomes.items():
+            self.record(cluster, now, "timeout" if everyone_missed else outcome)
 
     def gone_s(self, cluster: str, now: float) -> float | None:
         """How long the agent's connection has been gone (from the run's first miss), or None."""
