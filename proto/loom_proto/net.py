@@ -69,6 +69,9 @@ class LinkState(
     stale: bool = False
     degraded: bool = False
     updated_at: UnixSeconds
+    lost_run: Annotated[int, Meta(ge=0)] = 0
+    """Probes lost in a row up to now (0 once one answers): a blackhole shows here within a couple
+    of probe periods, long before the loss window's rate reaches it."""
 
 
 class LinkDegraded(

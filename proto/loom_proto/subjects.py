@@ -192,6 +192,12 @@ def service_health(instance: str) -> str:
     return f"{PREFIX}.health.{validate_id(instance, 'instance')}"
 
 
+def agent_alive(cluster: str) -> str:
+    """``loom.alive.<cluster>``: request-reply, no stream; the cluster's agent answers (empty) while
+    its NATS connection lives, so placement's ping meets *no responders* as soon as it is gone."""
+    return f"{PREFIX}.alive.{validate_id(cluster, 'cluster')}"
+
+
 MigrationEventKind = Literal["planned", "started", "completed", "failed"]
 MIGRATION_EVENT_KINDS: tuple[MigrationEventKind, ...] = ("planned", "started", "completed", "failed")
 

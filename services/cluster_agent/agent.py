@@ -44,6 +44,7 @@ from typing import IO, Any
 
 import structlog
 from msgspec import Struct
+from nats.aio.msg import Msg
 from opentelemetry import propagate
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
@@ -246,6 +247,8 @@ class Agent:
         await self._reconcile()
         sender = watchdog.supervise("reports", self._send_reports)
         await self.heartbeat(full=True)
+        # Placement's liveness ping (loom.migrate.health): answered while this connection lives.
+        alive = await self.ctx.nc.subscribe(subjects.agent_alive(self.cluster), cb=_answer_alive)
         await self.publish_profiles()
         await self._fence_restored()
         await runner.start()
@@ -256,6 +259,8 @@ class Agent:
         try:
             await self.ctx.stopping.wait()
         finally:
+            with contextlib.suppress(Exception):
+                await alive.unsubscribe()
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beat
@@ -1170,3 +1175,8 @@ def _per_node(allocations: Iterable[tuple[str, int]]) -> dict[str, int]:
     for node, gpus in allocations:
         totals[node] = totals.get(node, 0) + gpus
     return totals
+
+
+async def _answer_alive(msg: Msg) -> None:
+    """Answer a liveness ping (empty): this agent's connection is up."""
+    await msg.respond(b"")

@@ -63,6 +63,7 @@ import msgspec
 import nats.errors
 import structlog
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from opentelemetry import propagate
 
@@ -70,7 +71,15 @@ from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.errors import InvalidInputError, TransientError
 from loom.migrate.checkpoints import Checkpoint, choose, report_refusal
-from loom.migrate.health import Health, affected_jobs, classify, link_unreachable, reachability
+from loom.migrate.health import (
+    Health,
+    Liveness,
+    PingOutcome,
+    affected_jobs,
+    classify,
+    link_unreachable,
+    reachability,
+)
 from loom.migrate.resume import Resume, resume_point
 from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
@@ -171,6 +180,7 @@ class PlacementService:
         region_groups: Mapping[str, Sequence[str]] | None = None,
         failover_ttl_s: float = 10.0,
         failover_period_s: float = 0.5,
+        liveness_period_s: float = 1.0,
     ) -> None:
         self.ctx = ctx
         self.pool = ctx.db
@@ -217,7 +227,9 @@ class PlacementService:
         )
         self.confirm_timeout_s = confirm_timeout_s
         self.max_attempts = max_attempts
-        self.failover = _Failover(ttl_s=failover_ttl_s, period_s=failover_period_s)
+        self.failover = _Failover(
+            ttl_s=failover_ttl_s, period_s=failover_period_s, liveness_period_s=liveness_period_s
+        )
         self.waiting_reasons: dict[str, str] = {}
         self._sending: set[asyncio.Task[int]] = set()
         self._batches: dict[int, _Batch] = {}
@@ -239,7 +251,7 @@ class PlacementService:
             }
         )
         self.stats["leadership"] = self.leadership
-        self.stats["failover"] = {"health": {}, "failed": {}, "requeued": 0}
+        self.stats["failover"] = {"health": {}, "failed": {}, "requeued": 0, "pings": 0}
         self.stats["shard"] = {"territories": [], "routed_elsewhere": 0, "foreign_events": 0}
 
     # ---- compatibility views -------------------------------------------------------------------
@@ -275,7 +287,8 @@ class PlacementService:
         self.failover.restore(
             [c for c in await ledger_store.load_clusters(self.pool) if self._owns_region(c.region)]
         )
-        self.book.close(await moves.drained_clusters(self.pool))
+        self.failover.drained = frozenset(await moves.drained_clusters(self.pool))
+        self.book.close(self.failover.closed())
         self.queue.clear()
         for row in await repo.queued_jobs(self.pool):
             q = queued_from_row(row)
@@ -358,6 +371,7 @@ class PlacementService:
             watchdog.supervise("requeue", self._requeue_loop),
             watchdog.supervise("expiry", self._expiry_loop),
             watchdog.supervise("failover", self._failover_loop),
+            watchdog.supervise("liveness", self._liveness_loop),
         ]
         if self.shard == GLOBAL:
             loops += [
@@ -1547,6 +1561,7 @@ class PlacementService:
                 ttl_s=self.failover.ttl_s,
                 probes_reach=None if region is None else reach.get(region),
                 region=region,
+                agent_gone_s=self.failover.liveness.gone_s(cluster, now),
             )
             if health.state != "healthy":
                 out[cluster] = health
@@ -1564,8 +1579,14 @@ class PlacementService:
                 for cluster, h in health.items():
                     if h.failed and cluster not in self.failover.failed:
                         self.failover.failed[cluster] = h
+                        self.failover.failed_at[cluster] = time.time()
                         self.stats["failover"]["failed"][cluster] = {"at": time.time(), "reason": h.reason}
                         log.warning("cluster failed", cluster=cluster, reason=h.reason)
+                self.failover.returned(self.failover.liveness.answered_at)
+                # A failed cluster takes no new work (the view closes it only once stale).
+                if self.book.close(self.failover.closed()):
+                    self.capacity_changed = True
+                    self.wake.set()
                 if not self._on_failed_clusters():
                     continue
                 async with self.lock:
@@ -1575,6 +1596,30 @@ class PlacementService:
                 raise
             except Exception as exc:
                 log.warning("failover cycle failed", error=repr(exc))
+
+    async def _liveness_loop(self) -> None:
+        """Ping every owned cluster's agent each period (:class:`loom.migrate.health.Liveness`)."""
+        while True:
+            await asyncio.sleep(self.failover.liveness_period_s)
+            clusters = sorted(set(self.failover.stale_since) | {c.cluster for c in self.book.nodes.values()})
+            self.failover.liveness.forget(clusters)
+            now = time.time()
+            outcomes = await asyncio.gather(*(self._ping(c) for c in clusters))
+            self.stats["failover"]["pings"] += len(clusters)
+            self.failover.liveness.record_round(now, dict(zip(clusters, outcomes, strict=True)))
+
+    async def _ping(self, cluster: str) -> PingOutcome:
+        """One liveness ping: answered, no responders (the agent's connection is gone), or timeout
+        (a slow agent, or our own connection in trouble: no evidence either way)."""
+        try:
+            await self.ctx.nc.request(
+                subjects.agent_alive(cluster), b"", timeout=self.failover.liveness_period_s
+            )
+        except NoRespondersError:
+            return "no_responders"
+        except Exception:
+            return "timeout"
+        return "answered"
 
     def _on_failed_clusters(self) -> dict[str, str]:
         """Job -> the failed cluster it has a part (lead or member) on (:func:`affected_jobs`)."""
@@ -1623,7 +1668,8 @@ class PlacementService:
         except Exception as exc:  # the next notice (or a restart) reloads them
             log.warning("drained clusters not reloaded", error=repr(exc))
             return
-        if self.book.close(closed):
+        self.failover.drained = frozenset(closed)
+        if self.book.close(self.failover.closed()):
             log.info("drained clusters changed", closed=sorted(closed))
             self.stats["drained"] = sorted(closed)
             self.capacity_changed = True
@@ -1828,7 +1874,7 @@ class PlacementService:
             return
         self.book.on_link(link)
         self.failover.link_down[(link.src, link.dst)] = link_unreachable(
-            stale=link.stale, loss_rate=link.loss_rate
+            stale=link.stale, loss_rate=link.loss_rate, lost_run=link.lost_run
         )
         self.stats["links"] = self.stats.get("links", 0) + 1
 
@@ -2223,18 +2269,40 @@ class _Failover:
     ttl_s: float
     """The heartbeat TTL the failure rule counts with: a stale view delta says it has passed."""
     period_s: float
+    liveness_period_s: float = 1.0
+    """How often placement pings each owned cluster's agent."""
+    liveness: Liveness = dataclasses.field(default_factory=Liveness)
+    """Runs of *no responders* to each owned cluster's agent ping (the fast agent signal)."""
     stale_since: dict[str, float] = dataclasses.field(default_factory=dict)
     """Owned clusters the view says are stale (heartbeats lost past their TTL): since when (wall s)."""
     link_down: dict[tuple[str, str], bool] = dataclasses.field(default_factory=dict)
     """(src, dst) region links: whether network perception says its probes do not get through."""
     failed: dict[str, Health] = dataclasses.field(default_factory=dict)
     """Clusters classified failed (heartbeats and probes both lost) until their heartbeats resume."""
+    failed_at: dict[str, float] = dataclasses.field(default_factory=dict)
+    """When each failed cluster was classified failed (wall s)."""
+    drained: frozenset[str] = frozenset()
+    """Clusters drained by ``loom drain`` (closed to new work, like failed ones)."""
+
+    def closed(self) -> frozenset[str]:
+        """Clusters that take no new work: drained or failed."""
+        return self.drained | frozenset(self.failed)
+
+    def returned(self, answered_at: Mapping[str, float]) -> None:
+        """A cluster failed on its agent's connection alone (the view never marked it stale) whose
+        agent answers again has returned; one the view holds stale returns with its heartbeats."""
+        for cluster in [c for c in self.failed if c not in self.stale_since]:
+            if answered_at.get(cluster, 0.0) > self.failed_at.get(cluster, 0.0):
+                del self.failed[cluster]
+                self.failed_at.pop(cluster, None)
+                log.warning("failed cluster returned", cluster=cluster)
 
     def restore(self, clusters: Sequence[LedgerCluster]) -> None:
         """On leading: the stale clusters the ledger persisted, stale since their TTL after their
         last heartbeat (so the loss is timed from that heartbeat)."""
         self.stale_since.clear()
         self.failed.clear()
+        self.failed_at.clear()
         for c in clusters:
             if c.stale:
                 self.stale_since[c.cluster] = c.last_heartbeat_at + self.ttl_s
@@ -2247,6 +2315,7 @@ class _Failover:
             # Heartbeats resumed: its orphaned runs were sent stops when it was failed over (on the
             # agent's durable command consumer), and their reports of old attempts are ignored.
             del self.stale_since[delta.cluster]
+            self.failed_at.pop(delta.cluster, None)
             if self.failed.pop(delta.cluster, None) is not None:
                 log.warning("failed cluster returned", cluster=delta.cluster)
 

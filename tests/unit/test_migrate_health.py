@@ -1,6 +1,13 @@
 import pytest
 
-from loom.migrate.health import classify, link_unreachable, region_reachable
+from loom.migrate.health import (
+    AGENT_GONE_MISSES,
+    UNREACHABLE_RUN,
+    Liveness,
+    classify,
+    link_unreachable,
+    region_reachable,
+)
 from loom.migrate.resume import resume_point
 
 
@@ -47,6 +54,63 @@ def test_links_unreachable_when_stale_or_all_probes_lost() -> None:
     assert link_unreachable(stale=True, loss_rate=0.0)
     assert link_unreachable(stale=False, loss_rate=1.0)
     assert not link_unreachable(stale=False, loss_rate=0.02)
+    assert link_unreachable(stale=False, loss_rate=0.3, lost_run=UNREACHABLE_RUN)
+    assert not link_unreachable(stale=False, loss_rate=0.3, lost_run=UNREACHABLE_RUN - 1)
+
+
+def test_agent_gone_and_probes_lost_fail_before_the_heartbeat_ttl() -> None:
+    h = classify("c1", heartbeat_lost_s=None, ttl_s=10.0, probes_reach=False, region="eu", agent_gone_s=2.0)
+    assert h.state == "failed" and h.failed
+    assert "connection gone" in h.reason and "probes cannot reach region eu" in h.reason
+
+
+def test_agent_gone_alone_is_only_suspect() -> None:
+    reach = classify("c1", heartbeat_lost_s=None, ttl_s=10.0, probes_reach=True, agent_gone_s=30.0)
+    assert reach.state == "suspect" and "probes still reach" in reach.reason
+    # No probe information: the unknown-probe grace counts lost heartbeats only, never the ping.
+    unknown = classify("c1", heartbeat_lost_s=None, ttl_s=10.0, probes_reach=None, agent_gone_s=300.0)
+    assert unknown.state == "suspect" and "no probe information" in unknown.reason
+
+
+def test_liveness_needs_consecutive_no_responders() -> None:
+    live = Liveness()
+    for i in range(AGENT_GONE_MISSES - 1):
+        live.record("c1", 100.0 + i, "no_responders")
+    assert live.gone_s("c1", 110.0) is None
+    live.record("c1", 100.0 + AGENT_GONE_MISSES, "no_responders")
+    assert live.gone_s("c1", 110.0) == pytest.approx(10.0)  # timed from the run's first miss
+    live.record("c1", 111.0, "answered")
+    assert live.gone_s("c1", 112.0) is None and live.answered_at["c1"] == 111.0
+    live.forget([])
+    assert live.answered_at == {}
+    with pytest.raises(ValueError):
+        Liveness(misses=0)
+
+
+def test_a_healthy_but_slow_cluster_is_never_failed() -> None:
+    """Pings that time out (a busy agent) break the run of misses; late heartbeats with probes
+    answering stay suspect — whatever the heartbeat age, a slow cluster is never failed."""
+    live = Liveness()
+    t = 0.0
+    for i in range(50):
+        t = float(i)
+        # Mostly timeouts, with the occasional no-responders of a reconnecting client in between.
+        live.record("slow", t, "no_responders" if i % 3 == 0 else "timeout")
+        assert live.gone_s("slow", t) is None
+    for lost in (None, 5.0, 15.0, 120.0):
+        h = classify(
+            "slow", heartbeat_lost_s=lost, ttl_s=10.0, probes_reach=True, agent_gone_s=live.gone_s("slow", t)
+        )
+        assert h.state != "failed"
+    # Even a gone connection, while probes still reach the region, is suspect only.
+    for i in range(AGENT_GONE_MISSES):
+        live.record("slow", t + 1 + i, "no_responders")
+    gone = live.gone_s("slow", t + 10)
+    assert gone is not None
+    assert (
+        classify("slow", heartbeat_lost_s=None, ttl_s=10.0, probes_reach=True, agent_gone_s=gone).state
+        == "suspect"
+    )
 
 
 def test_resume_from_the_recorded_checkpoint_else_the_interval_else_zero() -> None:
@@ -83,3 +147,20 @@ def test_reachability_in_one_pass_agrees_with_region_reachable() -> None:
     every = reachability(links)
     for region in ("eu", "us", "ap", "sa"):
         assert every.get(region) == region_reachable(links, region)
+
+
+def test_a_round_where_every_agent_missed_is_no_evidence() -> None:
+    """All agents "gone" at once is the observer's trouble (its reconnection, the bus): no run grows;
+    one agent gone among live ones is counted."""
+    live = Liveness()
+    for i in range(AGENT_GONE_MISSES + 2):
+        live.record_round(float(i), {"a": "no_responders", "b": "no_responders"})
+    assert live.gone_s("a", 10.0) is None and live.gone_s("b", 10.0) is None
+    for i in range(AGENT_GONE_MISSES):
+        live.record_round(20.0 + i, {"a": "no_responders", "b": "answered"})
+    assert live.gone_s("a", 30.0) == pytest.approx(10.0) and live.gone_s("b", 30.0) is None
+    # A single watched cluster (a shard owning one) is judged on its own.
+    solo = Liveness()
+    for i in range(AGENT_GONE_MISSES):
+        solo.record_round(float(i), {"a": "no_responders"})
+    assert solo.gone_s("a", 5.0) == pytest.approx(5.0)

@@ -200,3 +200,22 @@ def test_a_restored_link_keeps_what_it_learned_and_starts_stale() -> None:
     assert restored.forecast.predict(now) == pytest.approx(link.forecast.predict(now))
     assert restored.view(now).stale
     assert restored.cost(now) == pytest.approx(link.priced_cost * LinkConfig().stale_factor)  # type: ignore[operator]
+
+
+def test_a_blackhole_shows_in_the_lost_run_two_periods_in_while_the_loss_rate_lags() -> None:
+    from loom.migrate.health import UNREACHABLE_LOSS, link_unreachable
+
+    link = tracker()
+    now = run(link, T0, 60, 100.0, lost_every=7)  # a lossy (14 %) but live link
+    state = link.link_state(now)
+    assert state.lost_run < 2 and not link_unreachable(
+        stale=state.stale, loss_rate=state.loss_rate, lost_run=state.lost_run
+    )
+    now = run(link, now, 2, None)  # blackholed: two whole periods lost
+    state = link.link_state(now)
+    assert state.lost_run == 2 * PROBES
+    assert state.loss_rate < UNREACHABLE_LOSS  # the rate alone would not call it unreachable yet
+    assert link_unreachable(stale=state.stale, loss_rate=state.loss_rate, lost_run=state.lost_run)
+    assert msgspec.json.decode(msgspec.json.encode(state), type=LinkState).lost_run == 2 * PROBES
+    now = run(link, now, 1, 100.0)  # one answer ends the run
+    assert link.link_state(now).lost_run == 0

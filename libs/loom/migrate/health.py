@@ -7,16 +7,28 @@ The signals:
 * **probes** — network perception's link states for the cluster's region: ``probes_reach`` is
   True when at least one link to or from the region is live (not stale), False when every known
   link of the region is stale (the probes cannot reach it), None when there is no link information
-  about the region at all.
+  about the region at all. A link is unreachable when it is stale, loses ≥ 99 % over its loss
+  window, or lost its latest ``UNREACHABLE_RUN`` probes in a row (:func:`link_unreachable`: the
+  run shows a blackhole within about two probe periods, the window only after many).
+* **agent liveness** — a faster reading of the same side as the heartbeats: the agent's NATS
+  connection. Placement pings each cluster's agent on a request-reply subject every period; while
+  the agent is connected it answers, and once its process is gone the server answers *no
+  responders* at once. ``agent_gone_s`` is how long the pings have met no responders, counted from
+  the first of ``AGENT_GONE_MISSES`` in a row (None: it answers, or too few misses). A ping that
+  merely times out (a slow, busy agent) is not evidence of anything and breaks the run, and so is
+  a round in which every watched agent (two or more) met no responders: the observer's trouble.
 
-The rule (:func:`classify`):
+The agent side is bad when its heartbeats are lost past ``ttl_s`` **or** its connection is gone
+(see :class:`Liveness`); the rule (:func:`classify`):
 
-* heartbeats lost past ``ttl_s`` **and** probes cannot reach the region → ``failed``;
+* agent side bad **and** probes cannot reach the region → ``failed``;
 * heartbeats lost past ``ttl_s`` with no probe information about the region → ``suspect`` until
   the loss lasts ``unknown_probe_factor`` × ``ttl_s`` (2 × TTL by default), then ``failed`` — the
-  reason says the probe signal was missing;
-* exactly one signal bad (heartbeats lost but probes reach; probes fail but heartbeats fresh)
-  → ``suspect``, the reason naming the signal;
+  reason says the probe signal was missing (an agent gone with no probe information stays
+  ``suspect``: only lost heartbeats count for this grace);
+* exactly one signal bad (agent side bad but probes reach; probes fail but the agent side is fine)
+  → ``suspect``, the reason naming the signal — so a healthy but slow cluster (late heartbeats,
+  pings timing out, probes answering) is never ``failed``;
 * otherwise ``healthy``.
 
 Only ``failed`` moves work; ``suspect`` is reported (a lone bad signal is often the observer's
@@ -31,7 +43,13 @@ from typing import Literal
 
 HealthState = Literal["healthy", "suspect", "failed"]
 
+PingOutcome = Literal["answered", "no_responders", "timeout"]
+"""What one liveness ping of an agent met."""
+
 DEFAULT_UNKNOWN_PROBE_FACTOR = 2.0
+
+AGENT_GONE_MISSES = 3
+"""Pings met by *no responders* in a row before the agent's connection counts as gone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,14 +74,23 @@ def classify(
     probes_reach: bool | None,
     region: str | None = None,
     unknown_probe_factor: float = DEFAULT_UNKNOWN_PROBE_FACTOR,
+    agent_gone_s: float | None = None,
 ) -> Health:
-    """The health of one cluster from its heartbeat age and its region's probe reachability."""
+    """The health of one cluster from its heartbeat age, its agent's connection and its region's
+    probe reachability."""
     if ttl_s <= 0:
         raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
     if unknown_probe_factor < 1:
         raise ValueError(f"unknown_probe_factor must be >= 1, got {unknown_probe_factor}")
     where = f"region {region}" if region else "its region"
     lost = heartbeat_lost_s is not None and heartbeat_lost_s >= ttl_s
+    if not lost and agent_gone_s is not None:
+        gone = f"agent's connection gone (no responders for {agent_gone_s:.1f} s)"
+        if probes_reach is False:
+            return Health(cluster, "failed", f"{gone} and probes cannot reach {where}")
+        if probes_reach is None:
+            return Health(cluster, "suspect", f"{gone}; no probe information about {where}")
+        return Health(cluster, "suspect", f"{gone} but probes still reach {where}")
     if lost:
         assert heartbeat_lost_s is not None
         age = f"no heartbeat for {heartbeat_lost_s:.1f} s (TTL {ttl_s:g} s)"
@@ -101,13 +128,63 @@ def region_reachable(links: dict[tuple[str, str], bool], region: str) -> bool | 
     return not all(touching)
 
 
-def link_unreachable(*, stale: bool, loss_rate: float) -> bool:
-    """Whether a link state says the probes do not get through: no fresh sample, or all lost."""
-    return stale or loss_rate >= UNREACHABLE_LOSS
+def link_unreachable(*, stale: bool, loss_rate: float, lost_run: int = 0) -> bool:
+    """Whether a link state says the probes do not get through: no fresh sample, all lost over the
+    loss window, or the latest ``UNREACHABLE_RUN`` probes all lost in a row."""
+    return stale or loss_rate >= UNREACHABLE_LOSS or lost_run >= UNREACHABLE_RUN
 
 
 UNREACHABLE_LOSS = 0.99
 """A link losing this share of its probes counts as unreachable (a blackholed endpoint)."""
+
+UNREACHABLE_RUN = 10
+"""A link whose latest this-many probes were all lost counts as unreachable: two whole periods of
+the collectors' default five probes (a lossy link at 10 % loses ten in a row once in 10^10)."""
+
+
+class Liveness:
+    """Runs of *no responders* to each cluster's agent pings (see :func:`classify`)."""
+
+    def __init__(self, misses: int = AGENT_GONE_MISSES) -> None:
+        if misses < 1:
+            raise ValueError(f"misses must be >= 1, got {misses}")
+        self.misses = misses
+        self._run: dict[str, tuple[float, int]] = {}
+        """cluster -> (first no-responders of the current run, its length)."""
+        self.answered_at: dict[str, float] = {}
+        """cluster -> when its agent last answered."""
+
+    def record(self, cluster: str, now: float, outcome: PingOutcome) -> None:
+        """One ping's outcome: an answer or a timeout ends the run; no responders extends it."""
+        if outcome == "no_responders":
+            first, n = self._run.get(cluster, (now, 0))
+            self._run[cluster] = (first, n + 1)
+            return
+        self._run.pop(cluster, None)
+        if outcome == "answered":
+            self.answered_at[cluster] = now
+
+    def record_round(self, now: float, outcomes: Mapping[str, PingOutcome]) -> None:
+        """One ping of every watched cluster. When two or more were watched and *every* one met no
+        responders, the observer (its own reconnection, the bus) is the likelier cause than all the
+        agents dying at once: the round counts as timeouts, evidence of nothing."""
+        everyone_missed = len(outcomes) >= 2 and all(o == "no_responders" for o in outcomes.values())
+        for cluster, outcome in outcomes.items():
+            self.record(cluster, now, "timeout" if everyone_missed else outcome)
+
+    def gone_s(self, cluster: str, now: float) -> float | None:
+        """How long the agent's connection has been gone (from the run's first miss), or None."""
+        run = self._run.get(cluster)
+        if run is None or run[1] < self.misses:
+            return None
+        return max(now - run[0], 0.0)
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop clusters no longer watched."""
+        kept = set(keep)
+        for table in (self._run, self.answered_at):
+            for cluster in [c for c in table if c not in kept]:
+                del table[cluster]
 
 
 def affected_jobs(clusters_of: Mapping[str, Iterable[str]], failed: Iterable[str]) -> dict[str, str]:

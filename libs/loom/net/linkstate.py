@@ -525,6 +525,7 @@ class LinkTracker:
             stale=self.is_stale(now),
             degraded=self.degraded,
             updated_at=self.refreshed_at if self.refreshed_at is not None else now,
+            lost_run=self.lost_run,
         )
 
     def record(self, now: float) -> LinkRecord:
