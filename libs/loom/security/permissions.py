@@ -126,10 +126,14 @@ def _service_publish(role: Role) -> list[str]:
             *_events("placed", "rejected", "resized", "requeued", "failed", "completed"),
             *[f"{P}.clusters.*.cmd.{kind}" for kind in subjects.CLUSTER_COMMAND_KINDS],
             "$KV.loom_leases.>",
+            f"{P}.alive.*",  # the leader's liveness ping of each agent (core NATS)
         ]
     if role == "migration":
         return [
             f"{P}.migrations.*",
+            f"{P}.migrations.*.*",
+            subjects.PLACEMENT_MIGRATE,
+            subjects.MIGRATE_DRAINS_CHANGED,
             *_events("requeued", "resized", "failed"),
             *[f"{P}.clusters.*.cmd.{kind}" for kind in subjects.CLUSTER_COMMAND_KINDS],
             "$KV.loom_leases.>",
@@ -177,6 +181,7 @@ def permissions(identity: Identity) -> Permissions:
                 # cluster, so which agent may report a job is checked by the consumer (gap).
                 *_events("started", "progress", "checkpointed", "completed", "failed"),
                 f"{P}.dlq.{own}.cmd.*",
+                subjects.PLACEMENT_ATTEMPTS,  # after a restart: which of its runs are still current
                 f"{JS_API}.INFO",
                 f"{JS_API}.STREAM.INFO.CLUSTERS",
                 f"{JS_API}.CONSUMER.DURABLE.CREATE.CLUSTERS.{durable}",
@@ -186,7 +191,12 @@ def permissions(identity: Identity) -> Permissions:
                 f"{JS_API}.CONSUMER.MSG.NEXT.CLUSTERS.{durable}",
                 f"$JS.ACK.CLUSTERS.{durable}.>",
             ],
-            subscribe=[subjects.net_endpoints(scope), subjects.service_health(f"agent-{scope}"), inbox],
+            subscribe=[
+                subjects.net_endpoints(scope),
+                subjects.service_health(f"agent-{scope}"),
+                subjects.agent_alive(scope),
+                inbox,
+            ],
         )
     return Permissions(
         publish=[
