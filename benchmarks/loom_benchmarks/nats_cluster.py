@@ -12,7 +12,7 @@ role and records a timeline from the kill:
 * ``stream_leader_s`` / ``consumer_leader_s``: the ``LEADER_ELECTED`` advisory of JOBS / of the
   consumer arrived (else a survivor first answered ``$JS.API.STREAM.INFO`` / ``CONSUMER.INFO``
   with a live leader, polled every 50 ms);
-* ``first_ack_s``: the first publish acknowledged after the kill;
+* ``first_ack_s``: the first publish sent after the kill was acknowledged;
 * ``first_consumed_s``: the first message published after the kill that reached the consumer;
 * ``client_after_leaders_s``: what the client side adds: first ack minus the stream's election,
   first consumption minus the later of both elections (the rest of the stall is the server's Raft
@@ -30,6 +30,7 @@ and caught up before the next trial. It measures; it asserts nothing.
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -120,11 +121,14 @@ def _watch_connection(nc: Client, t0_box: list[float], out: dict[str, float | No
 
 def _max_gap(times: list[float], t0: float) -> float:
     around = [t for t in times if t >= t0 - 1.0]
-    gaps = [b - a for a, b in zip(around, around[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(around)]
     return round(max(gaps, default=0.0), 3)
 
 
-async def _trial(cluster: NatsCluster, role: str, rate: float, ttl_s: float) -> dict[str, Any] | None:
+# PLR0912, PLR0915: one trial's script, kill to restore, kept in one piece to read as a timeline.
+async def _trial(  # noqa: PLR0912, PLR0915
+    cluster: NatsCluster, role: str, rate: float, ttl_s: float
+) -> dict[str, Any] | None:
     tenant = f"t-{uuid.uuid4().hex[:8]}"
     subject = s.job_submitted(tenant)
     durable = f"bench-{tenant}"
@@ -210,7 +214,7 @@ async def _trial(cluster: NatsCluster, role: str, rate: float, ttl_s: float) -> 
             elected.setdefault(kind, time.monotonic())
 
         advisories = [
-            await observer.subscribe(f"$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.JOBS", cb=on_elected),
+            await observer.subscribe("$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.JOBS", cb=on_elected),
             await observer.subscribe(
                 f"$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.JOBS.{durable}", cb=on_elected
             ),
@@ -219,12 +223,12 @@ async def _trial(cluster: NatsCluster, role: str, rate: float, ttl_s: float) -> 
         t0 = time.monotonic()
         t0_box.append(t0)
         os.kill(victim.pid, signal.SIGKILL)
-        leaders = await _leader_back(observer, durable, victim.server_name, t0)
+        leaders = await _leader_back(observer, durable, victim.server_name or "", t0)
         await asyncio.sleep(max(0.0, t0 + 10.0 - time.monotonic()))  # past the longest election
         stop.set()
         await asyncio.wait_for(tasks[0], 30.0)
         deadline = time.monotonic() + 30.0
-        while set(sent_at) - set(received) and time.monotonic() < deadline:
+        while set(sent_at) - set(received) and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         for w in watchers:
             w.cancel()
@@ -234,9 +238,9 @@ async def _trial(cluster: NatsCluster, role: str, rate: float, ttl_s: float) -> 
             leaders["stream_leader_s"] = round(elected["stream"] - t0, 3)
         if "consumer" in elected:
             leaders["consumer_leader_s"] = round(elected["consumer"] - t0, 3)
-        moved = [leaders[k] for k in ("stream_leader_s", "consumer_leader_s") if leaders[k] is not None]
+        moved = [v for k in ("stream_leader_s", "consumer_leader_s") if (v := leaders[k]) is not None]
         serving_s = max(moved, default=0.0)
-        after = [t for t in acked_times if t > t0]
+        after = [a for m, a in zip(sent_at, acked_times, strict=False) if sent_at[m] > t0]
         after_sent = [m for m, t in sent_at.items() if t > t0 and m in received]
         lost = sorted(set(sent_at) - set(received))
         return {
@@ -260,6 +264,7 @@ async def _trial(cluster: NatsCluster, role: str, rate: float, ttl_s: float) -> 
             "lease_lost_s": lease_box["lost_s"],
             "lease_back_s": lease_box["back_s"],
             "published": len(acked_times),
+            "pull_requests": runner.pulls,
             "unconsumed": len(lost),
         }
     finally:
@@ -291,9 +296,14 @@ async def _restore(cluster: NatsCluster, nc: Client) -> None:
         try:
             info = await nc.jetstream(timeout=1.0).stream_info("JOBS")
             peers = info.cluster.replicas if info.cluster else None
-            if info.cluster and info.cluster.leader and peers and len(peers) == 2:
-                if all(p.current and not p.offline for p in peers):
-                    return
+            if (
+                info.cluster
+                and info.cluster.leader
+                and peers
+                and len(peers) == 2
+                and all(p.current and not p.offline for p in peers)
+            ):
+                return
         except Exception:  # a leader is still being elected
             pass
         await asyncio.sleep(0.2)

@@ -109,6 +109,7 @@ class Dependencies:
         """Dependency -> outages seen since start (health shows them)."""
         self._up: dict[str, asyncio.Event] = {}
         self._probing: dict[str, asyncio.Task[None]] = {}
+        self._checked_at = float("-inf")
 
     def add(self, dependency: Dependency) -> None:
         """Register (or replace) a dependency."""
@@ -159,6 +160,23 @@ class Dependencies:
                 down.append(name)
         return sorted(down)
 
+    async def check(self, *, timeout_s: float = 0.4, min_interval_s: float = 1.0) -> list[str]:
+        """Probe every dependency not known down (at most once per ``min_interval_s``, each within
+        ``timeout_s``) and mark the silent ones down; the dependencies down now.
+
+        What a health request calls, so that an idle process, whose consumers meet no error, still
+        reports an outage when asked instead of ``ok``.
+        """
+        now = time.monotonic()
+        if now - self._checked_at >= min_interval_s:
+            self._checked_at = now
+            names = [n for n in self._deps if n not in self.down_since]
+            answers = await asyncio.gather(*(self._probe(n, timeout_s) for n in names))
+            for name, error in zip(names, answers, strict=True):
+                if error is not None:
+                    self.mark_down(name, error)
+        return self.unavailable
+
     def mark_down(self, name: str, error: BaseException | str) -> None:
         """Record ``name`` as down (once per outage) and start probing it until it answers."""
         if name in self.down_since or name not in self._deps:
@@ -197,9 +215,9 @@ class Dependencies:
                 await task
         self._probing.clear()
 
-    async def _probe(self, name: str) -> BaseException | None:
+    async def _probe(self, name: str, timeout_s: float | None = None) -> BaseException | None:
         try:
-            await asyncio.wait_for(self._deps[name].probe(), timeout=self.probe_timeout_s)
+            await asyncio.wait_for(self._deps[name].probe(), timeout=timeout_s or self.probe_timeout_s)
         except Exception as exc:  # any failure to answer is "down"
             return exc
         return None
