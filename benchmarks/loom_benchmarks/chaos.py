@@ -967,10 +967,7 @@ def summarize(measured: dict[str, Any], plan: list[Fault]) -> dict[str, Any]:
 def not_available() -> list[str]:
     """Fault sets this campaign does not run, each with why."""
     if nats_cluster_available():
-        why = (
-            "not in this campaign yet: it runs one nats-server (this build's `loom up --nats-cluster 3` "
-            "exists, but no fault here targets its nodes)"
-        )
+        why = "not in this run: it has one nats-server (run it with --nats-cluster 3 for the node kills)"
     else:
         why = "not available: this build's `loom up` has no --nats-cluster"
     return [f"nats cluster faults (kill one node, kill all three, partition one): {why}"]
