@@ -138,3 +138,18 @@ async def test_a_check_probes_at_most_once_per_interval_and_within_its_timeout()
     assert await slow.check(timeout_s=0.05) == ["postgres"]
     assert asyncio.get_running_loop().time() - started < 1.0
     await slow.close()
+
+
+async def test_check_soon_probes_in_the_background_once_per_interval() -> None:
+    pg, nats = Switch(up=False), Switch()
+    d = deps(pg, nats)
+    d.check_soon()  # returns at once: a health answer is not held up by the probes
+    assert d.status() == "ok"
+    d.check_soon()  # one check at a time
+    await asyncio.sleep(0.05)
+    assert d.status() == "degraded: postgres unavailable"
+    assert (pg.probes, nats.probes) >= (1, 1) and nats.probes == 1
+    d.check_soon()  # within the interval: no new check
+    await asyncio.sleep(0.01)
+    assert nats.probes == 1
+    await d.close()
