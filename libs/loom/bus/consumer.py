@@ -49,7 +49,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from loom.bus.connection import BusError, on_reconnected
 from loom.bus.outage import Dependencies, of_connection
 from loom.bus.publisher import Publisher
-from loom.errors import LoomError
+from loom.errors import LoomError, NotLeaderError
 from loom.telemetry import span_name
 from loom.telemetry.metrics import CONSUMER_LAG, CONSUMER_MESSAGES, CONSUMER_REDELIVERIES, DEAD_LETTERS
 from loom_proto.codec import DecodeError, decode
@@ -69,6 +69,22 @@ T = TypeVar("T")
 
 _MAX_TRACKED = 100_000
 """Failure counts kept per consumer at most (each is a few dozen bytes)."""
+
+
+_NOT_OURS_DELAY_S = 0.5
+"""Redelivery delay of a message given back because this instance no longer leads."""
+
+
+def _not_ours(error: BaseException) -> bool:
+    """Whether ``error`` (or its cause) says another instance leads now: :class:`NotLeaderError`."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, NotLeaderError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _never_succeeds(error: BaseException) -> bool:
@@ -591,6 +607,17 @@ class ConsumerRunner(Generic[T]):
         if _never_succeeds(outcome):
             self._failures.pop(delivery.stream_seq, None)
             await self._dead_letter(msg, outcome, span, failures=1)
+            return
+        if _not_ours(outcome):
+            # Another instance leads now (this one was fenced): give it back, uncounted.
+            self.counts["not_ours"] = self.counts.get("not_ours", 0) + 1
+            span.record_exception(outcome)
+            try:
+                await msg.nak(delay=_NOT_OURS_DELAY_S)
+                self.counts["nacked"] += 1
+                CONSUMER_MESSAGES.labels(self.spec.durable, "nacked").inc()
+            finally:
+                span.end()
             return
         failures = self._failures.pop(delivery.stream_seq, 0) + 1
         if failures >= self.spec.max_deliver:
