@@ -106,6 +106,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     from loom_benchmarks.failover import add_arguments as failover_arguments
 
     failover_arguments(failover)
+    cluster = sub.add_parser(
+        "nats-cluster", help="SIGKILL each node role of a 3-node JetStream cluster: where the stall goes"
+    )
+    cluster.add_argument("--trials", type=int, default=3, help="kills per role")
+    cluster.add_argument("--roles", default="stream-leader,consumer-leader,meta-leader,follower")
+    cluster.add_argument("--rate", type=float, default=50.0, help="publishes per second throughout")
+    cluster.add_argument("--lease-ttl", type=float, default=2.0, help="the lease TTL (placement's is 2 s)")
+    cluster.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     policies = sub.add_parser(
         "policies", help="Loom's placement against the baselines in the simulator: JCT, cost, traffic, report"
     )
@@ -221,7 +229,7 @@ def emit(result: dict[str, Any], as_json: bool) -> None:
             print(f"{key:>28}: {value}", file=sys.stderr)
 
 
-def run_benchmark(args: argparse.Namespace) -> int:  # noqa: PLR0912 - a branch per benchmark
+def run_benchmark(args: argparse.Namespace) -> int:  # noqa: PLR0912, PLR0915 - a branch per benchmark
     """Dispatch ``loom bench NAME``."""
     if args.bench == "console":
         from loom_benchmarks.console import main as run_console
@@ -270,6 +278,10 @@ def run_benchmark(args: argparse.Namespace) -> int:  # noqa: PLR0912 - a branch 
         from loom_benchmarks.takeover import main as run_takeover
 
         return run_takeover(args)
+    if args.bench == "nats-cluster":
+        from loom_benchmarks.nats_cluster import main as run_nats_cluster
+
+        return run_nats_cluster(args)
     if args.bench == "policies":
         from loom_benchmarks.policies import main as run_policies
 

@@ -36,11 +36,13 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Final
@@ -52,6 +54,7 @@ from nats.aio.msg import Msg
 
 from loom.bus import BusError
 from loom.bus.dlq import DeadLetters
+from loom.bus.lease import LEASE_BUCKET
 from loom.client import LoomClient
 from loom.model.topology import load_topology
 from loom.runtime import stack
@@ -86,6 +89,10 @@ ROLES: Final = (
 POISON_KINDS: Final = ("nested", "duplicate-keys", "oversized", "garbage")
 REDELIVERY_KINDS: Final = ("same-ids", "new-ids", "out-of-order")
 CONTROLS: Final = 3
+CLUSTER_TARGETS: Final = ("stream-leader", "lease-leader", "meta-leader", "follower")
+"""Which node of a 3-node NATS cluster a ``nats-node-sigkill`` kills: the JOBS stream's leader, the
+placement leases bucket's leader, the JetStream meta leader, or one leading none of them."""
+CATCH_UP_TIMEOUT_S: Final = 60.0
 """Rounds with no fault at all: what recovery_s measures on a healthy stack (placement's own pace)."""
 
 
@@ -100,7 +107,7 @@ class Fault:
     index: int
     kind: str
     """``sigkill``, ``sigstop``, ``postgres-outage``, ``postgres-sigkill``, ``nats-outage``,
-    ``nats-sigkill``, ``poison``, ``redelivery``."""
+    ``nats-sigkill``, ``nats-node-sigkill`` (a 3-node cluster), ``poison``, ``redelivery``."""
     target: str
     """A role (``placement-leader``, ``agent-c-use2-a``...), ``postgres``, ``nats``, a subject, or a
     redelivery kind."""
@@ -113,6 +120,8 @@ class Fault:
             role = "agent" if self.target.startswith("agent-") else self.target
             role = "probe" if role.startswith("probe-") else role
             return f"{self.kind} {role}"
+        if self.kind == "nats-node-sigkill":
+            return f"{self.kind} {self.target}"
         if self.kind.endswith("-outage"):
             return f"{self.kind} {self.hold_s:g}s"
         if self.kind == "poison":
@@ -161,15 +170,45 @@ def nats_cluster_available() -> bool:
     return any(f.name.startswith("nats_cluster") for f in dataclasses.fields(stack.StackOptions))
 
 
-def build_plan(topology: str, seed: int, quick: bool, faults: int | None) -> list[Fault]:
-    """The seeded campaign: every fault kind, shuffled; the first ``faults`` of it."""
+def build_plan(
+    topology: str,
+    seed: int,
+    quick: bool,
+    faults: int | None,
+    *,
+    cluster_kills: int = 0,
+    cluster_only: bool = False,
+) -> list[Fault]:
+    """The seeded campaign: every fault kind, shuffled; the first ``faults`` of it.
+
+    ``cluster_kills`` (a stack with a 3-node NATS cluster) adds that many SIGKILLs of each cluster
+    node role and leaves out the single nats-server's faults; ``cluster_only`` keeps only those
+    (and the controls).
+    """
+    if cluster_kills:
+        plan = [
+            Fault(0, "nats-node-sigkill", target) for target in CLUSTER_TARGETS for _ in range(cluster_kills)
+        ]
+        if cluster_only:
+            plan += [Fault(0, "control", "none") for _ in range(CONTROLS)]
+        else:
+            plan += [
+                f
+                for f in build_plan(topology, seed, quick, None)
+                if f.kind not in ("nats-outage", "nats-sigkill")
+            ]
+        random.Random(seed).shuffle(plan)
+        plan = plan[:faults] if faults is not None else plan
+        for i, fault in enumerate(plan):
+            fault.index = i + 1
+        return plan
     rng = random.Random(seed)
     topo = load_topology(topology)
     agent = f"agent-{rng.choice([c.id for c in topo.clusters])}"
     probe = f"probe-{rng.choice(sorted({c.region for c in topo.clusters}))}"
     hold = QUICK_HOLD_S if quick else SERVICE_HOLD_S
     roles = {"agent": agent, "probe": probe}
-    plan: list[Fault] = []
+    plan = []
     for role in ROLES:
         target = roles.get(role, role)
         plan.append(Fault(0, "sigkill", target))
@@ -187,6 +226,11 @@ def build_plan(topology: str, seed: int, quick: bool, faults: int | None) -> lis
     for i, fault in enumerate(plan):
         fault.index = i + 1
     return plan
+
+
+def _http_get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=2) as reply:
+        return bytes(reply.read())
 
 
 def poison_payloads(subject: str, rng: random.Random) -> dict[str, bytes]:
@@ -423,8 +467,68 @@ class Campaign:
             raise RuntimeError(f"{name} does not answer before the fault")
         return name, int(answer["pid"])
 
+    async def cluster_node(self, target: str) -> str:
+        """The NATS cluster node (``nats-N``) holding ``target`` (see :data:`CLUSTER_TARGETS`)."""
+        js = self.nc.jetstream(timeout=5.0)
+        stream = (await js.stream_info("JOBS")).cluster
+        leases = (await js.stream_info(f"KV_{LEASE_BUCKET}")).cluster
+        leaders = {
+            "stream-leader": stream.leader if stream else None,
+            "lease-leader": leases.leader if leases else None,
+            "meta-leader": await self._meta_leader(),
+        }
+        if target in leaders:
+            name = leaders[target]
+        else:
+            nodes = sorted(n for n in (self.state.get("servers") or {}) if n.startswith("nats-"))
+            name = next((n for n in nodes if n not in leaders.values()), None)
+            name = name or next((n for n in nodes if n != leaders["stream-leader"]), None)
+        if not name:
+            raise RuntimeError(f"no cluster node holds {target}: {leaders}")
+        return name
+
+    async def _meta_leader(self) -> str | None:
+        """The JetStream meta leader, from a live node's monitoring endpoint (its port is in the
+        config ``loom up`` wrote for it)."""
+        for config in sorted((self.home / "nats").glob("nats-*/nats.conf")):
+            found = re.search(r'^\s*http: "127\.0\.0\.1:(\d+)"', config.read_text(), re.MULTILINE)
+            if not found:
+                continue
+            url = f"http://127.0.0.1:{found.group(1)}/jsz"
+            with contextlib.suppress(OSError, ValueError):
+                body = await asyncio.to_thread(_http_get, url)
+                leader = json.loads(body).get("meta_cluster", {}).get("leader")
+                if leader:
+                    return str(leader)
+        return None
+
+    async def cluster_caught_up(self, timeout_s: float) -> bool:
+        """Whether every replica of JOBS and the leases bucket is current (a killed node restarted
+        by the supervisor has rejoined), waiting up to ``timeout_s``: the next kill must not take
+        a second node of a majority."""
+        js = self.nc.jetstream(timeout=2.0)
+        deadline = time.perf_counter() + timeout_s
+        while time.perf_counter() < deadline:
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                infos = [await js.stream_info(name) for name in ("JOBS", f"KV_{LEASE_BUCKET}")]
+                if all(
+                    i.cluster
+                    and i.cluster.leader
+                    and len(i.cluster.replicas or []) == 2
+                    and all(p.current and not p.offline for p in i.cluster.replicas or [])
+                    for i in infos
+                ):
+                    return True
+            await asyncio.sleep(0.5)
+        return False
+
     async def inject(self, fault: Fault) -> dict[str, Any]:
         """Apply the fault; returns what was done. Ends when the fault ends (its ``released`` time)."""
+        if fault.kind == "nats-node-sigkill":
+            name = await self.cluster_node(fault.target)
+            pid = self.server_pid(name)
+            os.kill(pid, signal.SIGKILL)
+            return {"node": name, "pid": pid}
         if fault.kind in ("sigkill", "sigstop"):
             name, pid = await self.service_pid(fault)
             if fault.kind == "sigkill":
@@ -661,6 +765,8 @@ class Campaign:
     async def run_fault(self, fault: Fault) -> dict[str, Any]:
         self.say(f"fault {fault.index}: {fault.kind} {fault.target} {fault.hold_s:g}s")
         settle_s, bad = await self.wait_healthy(SETTLE_TIMEOUT_S)
+        if fault.kind == "nats-node-sigkill" and not await self.cluster_caught_up(CATCH_UP_TIMEOUT_S):
+            self.say("the NATS cluster's replicas did not catch up before the kill")
         start = time.time()
         error = None
         done: dict[str, Any] = {}
@@ -861,10 +967,7 @@ def summarize(measured: dict[str, Any], plan: list[Fault]) -> dict[str, Any]:
 def not_available() -> list[str]:
     """Fault sets this campaign does not run, each with why."""
     if nats_cluster_available():
-        why = (
-            "not in this campaign yet: it runs one nats-server (this build's `loom up --nats-cluster 3` "
-            "exists, but no fault here targets its nodes)"
-        )
+        why = "not in this run: it has one nats-server (run it with --nats-cluster 3 for the node kills)"
     else:
         why = "not available: this build's `loom up` has no --nats-cluster"
     return [f"nats cluster faults (kill one node, kill all three, partition one): {why}"]
@@ -885,14 +988,26 @@ def run(
     if not args.rate > 0:
         raise OptionError(f"--rate must be above 0 jobs/s, got {args.rate!r}")
     say = progress or (lambda _s: None)
-    plan = build_plan(args.topology, args.seed, args.quick, args.faults)
+    plan = build_plan(
+        args.topology,
+        args.seed,
+        args.quick,
+        args.faults,
+        cluster_kills=args.cluster_kills if args.nats_cluster > 1 else 0,
+        cluster_only=args.cluster_only,
+    )
     home = Path(tempfile.mkdtemp(prefix="loom-bench-chaos-", dir="/tmp"))
     os.chmod(home, 0o755)  # PostgreSQL runs as an unprivileged user when we are root
     env_backup = {k: os.environ.pop(k) for k in ("LOOM_NATS_URL", "LOOM_DATABASE_URL") if k in os.environ}
     started = time.perf_counter()
     try:
         options = stack.StackOptions(
-            topology=args.topology, time_scale=60.0, heartbeat_s=1.0, max_heartbeat_s=5.0, durable=True
+            topology=args.topology,
+            time_scale=60.0,
+            heartbeat_s=1.0,
+            max_heartbeat_s=5.0,
+            durable=True,
+            nats_cluster=args.nats_cluster,
         )
         say("starting the stack")
         state = stack.up(home, options, progress=lambda s: say(f"stack: {s}"))
@@ -908,7 +1023,7 @@ def run(
     return {
         "benchmark": "chaos",
         **summary,
-        "not_available": not_available(),
+        "not_available": [] if args.nats_cluster > 1 else not_available(),
         "final_jobs": measured["final_jobs"],
         "final_state": measured["final_state"],
         "dead_letters": measured["dead_letters"],
@@ -934,6 +1049,9 @@ def run(
             "used > total, or an agent's nodes_over_capacity",
             "postgres-outage": "the postmaster and every backend SIGSTOPped, SIGCONT after hold_s",
             "nats-outage": "nats-server SIGSTOPped, SIGCONT after hold_s",
+            "nats-node-sigkill": "with --nats-cluster 3: the node leading JOBS, the leases bucket, the "
+            "JetStream meta group, or none of them SIGKILLed once every replica is current; the supervisor "
+            "restarts it",
             "poison": f"{', '.join(POISON_KINDS)} on the subject, ids {INJECTED}poison-*",
             "redelivery": "the captured lifecycle messages and commands of up to 5 completed jobs "
             "republished: same-ids (their own Nats-Msg-Id), new-ids, out-of-order (new ids, reverse order)",
@@ -943,6 +1061,7 @@ def run(
             "seed": args.seed,
             "quick": args.quick,
             "rate_per_s": args.rate,
+            "nats_cluster": args.nats_cluster,
             "job_steps": args.job_steps,
             "time_scale": 60.0,
             "services": services,
@@ -978,6 +1097,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=STUCK_RECHECK_S,
         help="a stuck run or leaked reservation counts only if still there this much later",
     )
+    parser.add_argument(
+        "--nats-cluster", type=int, default=1, help="3: run on a 3-node NATS cluster (R3) with its node kills"
+    )
+    parser.add_argument(
+        "--cluster-kills", type=int, default=2, help="with --nats-cluster 3: SIGKILLs of each node role"
+    )
+    parser.add_argument(
+        "--cluster-only", action="store_true", help="with --nats-cluster 3: only the node kills and controls"
+    )
     parser.add_argument("--list", action="store_true", help="print the plan and exit")
     parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
 
@@ -1010,7 +1138,14 @@ def print_table(result: dict[str, Any]) -> None:
 def main(args: argparse.Namespace) -> int:
     """``loom bench chaos``: JSON on stdout, a table on stderr unless ``--json``; progress on stderr."""
     if args.list:
-        plan = build_plan(args.topology, args.seed, args.quick, args.faults)
+        plan = build_plan(
+            args.topology,
+            args.seed,
+            args.quick,
+            args.faults,
+            cluster_kills=args.cluster_kills if args.nats_cluster > 1 else 0,
+            cluster_only=args.cluster_only,
+        )
         print(
             json.dumps(
                 {"plan": [f.describe() | {"group": f.group} for f in plan], "not_available": not_available()},

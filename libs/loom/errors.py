@@ -29,6 +29,12 @@ class TransientError(LoomError):
     non_retryable = False
 
 
+class NotLeaderError(TransientError):
+    """This instance no longer leads what the message belongs to (a newer leader claimed the
+    fence): the message is the new leader's to handle. A consumer gives it back (nak with a delay)
+    without counting it toward dead-lettering: it says nothing about the message."""
+
+
 class UnavailableError(TransientError):
     """A server Loom stands on (``dependency``: ``postgres``, ``nats``) did not answer. Not a
     property of the message at hand: a consumer waits the outage out instead of counting it

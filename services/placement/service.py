@@ -69,7 +69,7 @@ from opentelemetry import propagate
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
-from loom.errors import InvalidInputError, TransientError
+from loom.errors import InvalidInputError, NotLeaderError, TransientError
 from loom.migrate.checkpoints import Checkpoint, choose, report_refusal
 from loom.migrate.health import (
     Health,
@@ -476,10 +476,12 @@ class PlacementService:
                 yield conn
         except FencedError as exc:
             # Not the leader any more (a newer one claimed the fence; this instance's lease is lost
-            # or about to be, which stops its consumers): retryable, so the message is redelivered,
-            # normally to the new leader, well within its delivery budget.
+            # or about to be, which stops its consumers): the message is redelivered, normally to
+            # the new leader, and not counted toward dead-lettering (NotLeaderError): a fenced
+            # instance naks whatever it still fetches, and after a NATS cluster's leases leader
+            # died that used up messages' delivery budgets.
             self.stats["fenced"] = self.stats.get("fenced", 0) + 1
-            raise TransientError(f"fenced: {exc}") from exc
+            raise NotLeaderError(f"fenced: {exc}") from exc
 
     # ---- shards and territories ------------------------------------------------------------------
 

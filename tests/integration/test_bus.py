@@ -26,7 +26,7 @@ from waiting import until
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
 from loom.bus.connection import stream_config
 from loom.bus.publisher import Outgoing
-from loom.errors import InvalidInputError, LoomError, TransientError
+from loom.errors import InvalidInputError, LoomError, NotLeaderError, TransientError
 from loom.telemetry import reset_for_tests, setup_telemetry
 from loom_proto import JobSubmitted, Work
 from loom_proto import subjects as s
@@ -657,3 +657,32 @@ async def test_a_dead_letter_continues_the_trace_of_the_poison_message(
     assert parked.context.trace_id == original.context.trace_id
     consumer = _span(finished, SpanKind.CONSUMER, subject)
     assert not consumer.status.is_ok
+
+
+async def test_a_message_given_back_by_a_fenced_instance_is_not_counted_toward_dead_lettering(
+    nc: Client,
+    start_consumer: StartConsumer,
+    watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]],
+) -> None:
+    """A placement instance that lost its fence raises NotLeaderError for whatever it still
+    fetches; those deliveries must not use up the message's budget (max_deliver 2 here), or a
+    leadership change would dead-letter acknowledged submissions."""
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    dead = await watch(s.dead_letter(subject))
+    handled: asyncio.Queue[int] = asyncio.Queue()
+    attempts: list[int] = []
+
+    async def handler(delivery: Delivery[JobSubmitted]) -> None:
+        attempts.append(delivery.num_delivered)
+        if len(attempts) <= 4:
+            raise NotLeaderError("fenced: a newer leader holds token 7") from RuntimeError("fence")
+        await handled.put(delivery.num_delivered)
+
+    spec = consumer_spec([subject], max_deliver=2, first_nak_delay_s=0.05)
+    runner = await start_consumer(spec, JobSubmitted, handler=handler)
+    await Publisher(nc).publish(subject, submitted(tenant), msg_id=f"{tenant}-1")
+    assert await next_item(handled) == 5
+    await runner.stop()
+    assert dead.empty()
+    assert runner.counts["not_ours"] == 4 and runner.counts["dead_lettered"] == 0

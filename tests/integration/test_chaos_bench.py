@@ -46,6 +46,19 @@ def test_plan_is_seeded_and_covers_every_fault_kind() -> None:
     assert all(f.hold_s == chaos.QUICK_HOLD_S for f in chaos.build_plan("small", 7, True, None) if f.hold_s)
 
 
+def test_a_cluster_plan_kills_each_node_role_and_drops_the_single_servers_faults() -> None:
+    full = chaos.build_plan("small", 7, quick=False, faults=None, cluster_kills=2)
+    kills = [f for f in full if f.kind == "nats-node-sigkill"]
+    assert sorted(f.target for f in kills) == sorted(chaos.CLUSTER_TARGETS * 2)
+    assert {f.group for f in kills} == {f"nats-node-sigkill {t}" for t in chaos.CLUSTER_TARGETS}
+    kinds = {f.kind for f in full}
+    assert "nats-outage" not in kinds and "nats-sigkill" not in kinds  # no single nats-server to stop
+    assert {"sigkill", "postgres-outage", "poison", "redelivery"} <= kinds
+    assert [f.index for f in full] == list(range(1, len(full) + 1))
+    only = chaos.build_plan("small", 7, quick=False, faults=None, cluster_kills=1, cluster_only=True)
+    assert sorted(f.kind for f in only) == ["control"] * chaos.CONTROLS + ["nats-node-sigkill"] * 4
+
+
 def test_quick_campaign_reports_every_fault_and_finds_planted_defects() -> None:
     planted: dict[str, str] = {}
 

@@ -253,3 +253,58 @@ def _exited(node: NatsServer) -> Any:
         return node.poll_exit() is not None
 
     return check
+
+
+async def test_a_callback_pull_waits_out_its_consumer_leaders_election_without_a_hot_loop(
+    nats_cluster: NatsCluster, bus: Client
+) -> None:
+    """Placement's submissions consumer pulls with one standing request (``callback_pull``). When the
+    consumer's leader dies, every request is answered "no responders" until another is elected
+    (4-9 s): the runner backs off instead of asking again at once (it sent thousands of requests
+    per election before), and asks the new leader as soon as its election advisory arrives."""
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    spec = ConsumerSpec(stream="JOBS", durable=unique("test"), filter_subjects=[subject], ack_wait_s=5.0)
+    received: set[str] = set()
+
+    async def handle(delivery: Delivery[JobSubmitted]) -> None:
+        assert delivery.msg_id is not None
+        received.add(delivery.msg_id)
+
+    con_nc = await connect(nats_cluster.url, "test-consumer")
+    runner: ConsumerRunner[JobSubmitted] = ConsumerRunner(
+        con_nc, spec, JobSubmitted, handler=handle, callback_pull=True, linger_s=0.0
+    )
+    await runner.start()
+    publisher = Publisher(bus)
+    acked: list[str] = []
+
+    async def publish(n: int) -> None:
+        message = JobSubmitted(job_id=f"job-{n}", tenant=tenant, name="", work=Work(steps=1))
+        await publisher.publish(subject, message, msg_id=f"{tenant}-{n}")
+        acked.append(f"{tenant}-{n}")
+
+    async def all_received() -> bool:
+        return set(acked) <= received
+
+    try:
+        for n in range(10):
+            await publish(n)
+        await until(all_received, HANG_S, "the first messages to be consumed")
+        info = await bus.jetstream().consumer_info("JOBS", spec.durable)
+        assert info.cluster is not None and info.cluster.leader
+        victim = node_by_name(nats_cluster, info.cluster.leader)
+        assert victim.pid is not None
+        pulls_before = runner.pulls
+        os.kill(victim.pid, signal.SIGKILL)
+        for n in range(10, 20):
+            await publish(n)
+        await until(all_received, HANG_S, "every message acknowledged after the kill to be consumed")
+        pulls = runner.pulls - pulls_before
+    finally:
+        await runner.stop()
+        await con_nc.close()
+    print(f"\nconsumer leader {victim.server_name} killed: {pulls} pull requests until consumed again")
+    # Backing off to 0.25 s while nobody leads is a few requests a second; asking again at once
+    # on every "no responders" was over a thousand a second.
+    assert pulls < 300

@@ -109,3 +109,47 @@ def test_loom_status_shows_a_degraded_service() -> None:
     degraded = _health_text({"uptime_s": 3.0, "status": "degraded: postgres unavailable"})
     assert "degraded: postgres unavailable" in degraded
     assert "no answer" in _health_text(None)
+
+
+async def test_a_check_reports_an_outage_no_consumer_met_and_its_end() -> None:
+    pg, nats = Switch(up=False), Switch()
+    d = deps(pg, nats)
+    assert d.status() == "ok"  # nothing failed yet: an idle process knows nothing
+    assert await d.check(min_interval_s=0.0) == ["postgres"]
+    assert d.status() == "degraded: postgres unavailable"
+    pg.up = True
+    assert await d.wait_until_up(["postgres"])
+    assert await d.check(min_interval_s=0.0) == []
+    assert d.status() == "ok"
+
+
+async def test_a_check_probes_at_most_once_per_interval_and_within_its_timeout() -> None:
+    pg, nats = Switch(), Switch()
+    d = deps(pg, nats)
+    await d.check(min_interval_s=60.0)
+    await d.check(min_interval_s=60.0)
+    assert (pg.probes, nats.probes) == (1, 1)
+
+    async def hangs() -> None:
+        await asyncio.sleep(60)
+
+    slow = Dependencies(Dependency("postgres", hangs, is_unavailable), first_backoff_s=10.0)
+    started = asyncio.get_running_loop().time()
+    assert await slow.check(timeout_s=0.05) == ["postgres"]
+    assert asyncio.get_running_loop().time() - started < 1.0
+    await slow.close()
+
+
+async def test_check_soon_probes_in_the_background_once_per_interval() -> None:
+    pg, nats = Switch(up=False), Switch()
+    d = deps(pg, nats)
+    d.check_soon()  # returns at once: a health answer is not held up by the probes
+    assert d.status() == "ok"
+    d.check_soon()  # one check at a time
+    await asyncio.sleep(0.05)
+    assert d.status() == "degraded: postgres unavailable"
+    assert (pg.probes, nats.probes) >= (1, 1) and nats.probes == 1
+    d.check_soon()  # within the interval: no new check
+    await asyncio.sleep(0.01)
+    assert nats.probes == 1
+    await d.close()

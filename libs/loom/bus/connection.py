@@ -8,6 +8,8 @@ import asyncio
 import base64
 import os
 import time
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import nats
@@ -135,6 +137,11 @@ async def connect(
 
     async def on_reconnected() -> None:
         log.info("nats reconnected", client=name)
+        for listener in list(_RECONNECT_LISTENERS.get(client[0], ())) if client else ():
+            try:
+                listener()
+            except Exception:  # one listener's bug must not keep the others from hearing
+                log.exception("reconnect listener failed", client=name)
 
     opening = nats.connect(
         servers=server_urls(url),
@@ -169,6 +176,28 @@ async def connect(
     if creds is not None:
         _follow_rotation(nc, creds)
     return nc
+
+
+_RECONNECT_LISTENERS: "weakref.WeakKeyDictionary[Client, list[Callable[[], None]]]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def on_reconnected(nc: Client, listener: Callable[[], None]) -> Callable[[], None]:
+    """Call ``listener`` each time ``nc`` (made by :func:`connect`) is connected again, to the
+    same server or another node; returns the function that removes it.
+
+    Whatever was waiting for a reply on the lost connection (a pull request, an ack) may never get
+    it: a listener asks again at once instead of waiting out its timeout.
+    """
+    listeners = _RECONNECT_LISTENERS.setdefault(nc, [])
+    listeners.append(listener)
+
+    def remove() -> None:
+        if listener in listeners:
+            listeners.remove(listener)
+
+    return remove
 
 
 def stream_config(spec: StreamSpec) -> StreamConfig:

@@ -46,10 +46,10 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from loom.bus.connection import BusError
+from loom.bus.connection import BusError, on_reconnected
 from loom.bus.outage import Dependencies, of_connection
 from loom.bus.publisher import Publisher
-from loom.errors import LoomError
+from loom.errors import LoomError, NotLeaderError
 from loom.telemetry import message_context, span_name
 from loom.telemetry.metrics import CONSUMER_LAG, CONSUMER_MESSAGES, CONSUMER_REDELIVERIES, DEAD_LETTERS
 from loom_proto.codec import DecodeError, decode
@@ -57,12 +57,34 @@ from loom_proto.ids import InvalidIdError
 from loom_proto.subjects import dead_letter
 
 log = structlog.get_logger("loom.bus")
+
+_RECONNECT_LOOK_S = 0.25
+"""How often a callback pull waiting for messages looks whether its connection was replaced."""
+_LEADERLESS_FIRST_S = 0.02
+_LEADERLESS_MAX_S = 0.25
+"""Backoff between pull requests answered "no responders" (the consumer's leader is being elected)."""
 _tracer = trace.get_tracer("loom.bus")
 
 T = TypeVar("T")
 
 _MAX_TRACKED = 100_000
 """Failure counts kept per consumer at most (each is a few dozen bytes)."""
+
+
+_NOT_OURS_DELAY_S = 0.5
+"""Redelivery delay of a message given back because this instance no longer leads."""
+
+
+def _not_ours(error: BaseException) -> bool:
+    """Whether ``error`` (or its cause) says another instance leads now: :class:`NotLeaderError`."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, NotLeaderError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _never_succeeds(error: BaseException) -> bool:
@@ -177,6 +199,13 @@ class ConsumerRunner(Generic[T]):
         self._pull_left = 0
         self._pull_expires_at = 0.0
         self._cb_sub: Subscription | None = None
+        self._advisory_sub: Subscription | None = None
+        self._stop_listening: Callable[[], None] | None = None
+        self._leader_elected = asyncio.Event()
+        self._pull_reconnects = 0
+        self._leaderless_backoff_s = 0.0
+        """While pulls are answered "no responders" (the consumer has no leader: a NATS cluster is
+        electing one), how long to wait before the next; the election's advisory cuts it short."""
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.dependencies = dependencies or of_connection(nc)
@@ -186,6 +215,8 @@ class ConsumerRunner(Generic[T]):
         """The dependencies this consumer waits for (it fetches nothing meanwhile)."""
         self.counts: dict[str, int] = {"acked": 0, "nacked": 0, "dead_lettered": 0}
         self.held_for_outage = 0
+        self.pulls = 0
+        """Pull requests sent (callback pull)."""
         """Deliveries nakked, uncounted, because a dependency was down."""
 
     async def start(self) -> None:
@@ -200,6 +231,13 @@ class ConsumerRunner(Generic[T]):
             self._inbox = self._nc.new_inbox()
             self._cb_sub = await self._nc.subscribe(self._inbox, cb=self._on_pulled)
             self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.spec.stream}.{self.spec.durable}"
+            # On a cluster the standing pull request lives on the consumer's leader: when that node
+            # dies the request dies with it, and a new one is needed the moment another is elected.
+            self._advisory_sub = await self._nc.subscribe(
+                f"$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.{self.spec.stream}.{self.spec.durable}",
+                cb=self._on_leader_elected,
+            )
+            self._stop_listening = on_reconnected(self._nc, self._on_reconnected)
         else:
             self._sub = await self._js.pull_subscribe_bind(durable=self.spec.durable, stream=self.spec.stream)
         self._task = asyncio.create_task(self._run(), name=f"consumer-{self.spec.durable}")
@@ -211,11 +249,21 @@ class ConsumerRunner(Generic[T]):
         if self._task is not None and not self._task.done():
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        await self._unsubscribe()
+
+    async def _unsubscribe(self) -> None:
         with contextlib.suppress(Exception):
             if self._cb_sub is not None:
                 await self._cb_sub.unsubscribe()
             else:
                 await self._sub.unsubscribe()
+        with contextlib.suppress(Exception):
+            if self._advisory_sub is not None:
+                await self._advisory_sub.unsubscribe()
+        self._advisory_sub = None
+        if self._stop_listening is not None:
+            self._stop_listening()
+            self._stop_listening = None
 
     async def wait(self) -> None:
         """Return when the loop ends (it ends only on stop or a fatal error, which is raised)."""
@@ -231,17 +279,22 @@ class ConsumerRunner(Generic[T]):
         if self._stopping.is_set() or (self._task is not None and not self._task.done()):
             return
         self._task = None
-        with contextlib.suppress(Exception):
-            if self._cb_sub is not None:
-                await self._cb_sub.unsubscribe()
-            else:
-                await self._sub.unsubscribe()
+        await self._unsubscribe()
         self._cb_sub = None
         self._arrived, self._pull_left = [], 0
         await self.start()
 
     async def _on_pulled(self, msg: Msg) -> None:
         self._arrived.append(msg)
+        self._arrival.set()
+
+    def _on_reconnected(self) -> None:
+        self._pull_left = 0  # the request's replies may have gone to the lost connection
+        self._arrival.set()
+
+    async def _on_leader_elected(self, msg: Msg) -> None:
+        self._pull_left = 0  # the request held by the old leader is gone: ask the new one now
+        self._leader_elected.set()
         self._arrival.set()
 
     async def _callback_fetch(self) -> list[Msg]:
@@ -251,17 +304,32 @@ class ConsumerRunner(Generic[T]):
         # work is cheap pays mostly for that. After the first arrival, wait ``linger_s`` once so a
         # batch gathers.
         loop = asyncio.get_running_loop()
-        if self._pull_left <= 0 or loop.time() >= self._pull_expires_at:
+        reconnects = self._nc.stats["reconnects"]
+        if (
+            self._pull_left <= 0
+            or loop.time() >= self._pull_expires_at
+            or reconnects != self._pull_reconnects
+        ):
+            if self._leaderless_backoff_s > 0:
+                self._leader_elected.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._leader_elected.wait(), timeout=self._leaderless_backoff_s)
             expires_s = self._idle_fetch_timeout_s
             request = {"batch": self.spec.batch, "expires": int(expires_s * 1e9)}
+            # A client that reconnected asks again at once: the reply to a request made on the
+            # lost connection may be lost with it.
+            self._pull_reconnects = self._nc.stats["reconnects"]
             await self._nc.publish(self._next_subject, json.dumps(request).encode(), reply=self._inbox)
             self._pull_left = self.spec.batch
+            self.pulls += 1
             # Renew a little before the server's expiry, so there is never a gap without a request.
             self._pull_expires_at = loop.time() + expires_s * 0.9
         if not self._arrived:
+            # In slices, so a reconnect (the request lost with the connection) is noticed soon.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
-                    self._arrival.wait(), timeout=max(self._pull_expires_at - loop.time(), 0.01)
+                    self._arrival.wait(),
+                    timeout=min(max(self._pull_expires_at - loop.time(), 0.01), _RECONNECT_LOOK_S),
                 )
         if self._arrived and self._linger_s > 0:
             await asyncio.sleep(self._linger_s)
@@ -270,9 +338,18 @@ class ConsumerRunner(Generic[T]):
         msgs: list[Msg] = []
         for msg in arrived:
             if JetStreamContext.is_status_msg(msg):
-                # 408 (expired), 409 (limits) or 404: the request is over; ask again next round.
+                # 408 (expired), 409 (limits), 404, or 503 (no responders: no consumer leader, a
+                # cluster electing one): the request is over; ask again next round, after a short
+                # backoff while nobody answers, so an election of several seconds is no hot loop.
                 self._pull_left = 0
+                no_leader = (msg.headers or {}).get("Status") == "503"
+                self._leaderless_backoff_s = (
+                    min(max(self._leaderless_backoff_s * 2, _LEADERLESS_FIRST_S), _LEADERLESS_MAX_S)
+                    if no_leader
+                    else 0.0
+                )
                 continue
+            self._leaderless_backoff_s = 0.0
             msgs.append(msg)
         self._pull_left -= len(msgs)
         return msgs
@@ -532,6 +609,17 @@ class ConsumerRunner(Generic[T]):
         if _never_succeeds(outcome):
             self._failures.pop(delivery.stream_seq, None)
             await self._dead_letter(msg, outcome, span, failures=1)
+            return
+        if _not_ours(outcome):
+            # Another instance leads now (this one was fenced): give it back, uncounted.
+            self.counts["not_ours"] = self.counts.get("not_ours", 0) + 1
+            span.record_exception(outcome)
+            try:
+                await msg.nak(delay=_NOT_OURS_DELAY_S)
+                self.counts["nacked"] += 1
+                CONSUMER_MESSAGES.labels(self.spec.durable, "nacked").inc()
+            finally:
+                span.end()
             return
         failures = self._failures.pop(delivery.stream_seq, 0) + 1
         if failures >= self.spec.max_deliver:

@@ -109,6 +109,8 @@ class Dependencies:
         """Dependency -> outages seen since start (health shows them)."""
         self._up: dict[str, asyncio.Event] = {}
         self._probing: dict[str, asyncio.Task[None]] = {}
+        self._checked_at = float("-inf")
+        self._checker: asyncio.Task[list[str]] | None = None
 
     def add(self, dependency: Dependency) -> None:
         """Register (or replace) a dependency."""
@@ -159,6 +161,35 @@ class Dependencies:
                 down.append(name)
         return sorted(down)
 
+    async def check(self, *, timeout_s: float | None = None, min_interval_s: float = 1.0) -> list[str]:
+        """Probe every dependency not known down (at most once per ``min_interval_s``, each within
+        ``timeout_s``, by default the probe timeout consumers use) and mark the silent ones down;
+        the dependencies down now.
+
+        So that an idle process, whose consumers meet no error, still reports an outage (health
+        requests start it: :meth:`check_soon`).
+        """
+        now = time.monotonic()
+        if now - self._checked_at >= min_interval_s:
+            self._checked_at = now
+            names = [n for n in self._deps if n not in self.down_since]
+            answers = await asyncio.gather(*(self._probe(n, timeout_s) for n in names))
+            for name, error in zip(names, answers, strict=True):
+                if error is not None:
+                    self.mark_down(name, error)
+        return self.unavailable
+
+    def check_soon(self, *, min_interval_s: float = 1.0) -> None:
+        """Start :meth:`check` in the background unless one runs (or ran within
+        ``min_interval_s``): a health answer is not delayed by the probes; the next one shows them."""
+        if self._checker is not None and not self._checker.done():
+            return
+        if time.monotonic() - self._checked_at < min_interval_s:
+            return
+        self._checker = asyncio.create_task(
+            self.check(min_interval_s=min_interval_s), name="dependency-check"
+        )
+
     def mark_down(self, name: str, error: BaseException | str) -> None:
         """Record ``name`` as down (once per outage) and start probing it until it answers."""
         if name in self.down_since or name not in self._deps:
@@ -189,7 +220,7 @@ class Dependencies:
 
     async def close(self) -> None:
         """Stop probing (the process is ending)."""
-        tasks = list(self._probing.values())
+        tasks = list(self._probing.values()) + ([self._checker] if self._checker is not None else [])
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -197,9 +228,9 @@ class Dependencies:
                 await task
         self._probing.clear()
 
-    async def _probe(self, name: str) -> BaseException | None:
+    async def _probe(self, name: str, timeout_s: float | None = None) -> BaseException | None:
         try:
-            await asyncio.wait_for(self._deps[name].probe(), timeout=self.probe_timeout_s)
+            await asyncio.wait_for(self._deps[name].probe(), timeout=timeout_s or self.probe_timeout_s)
         except Exception as exc:  # any failure to answer is "down"
             return exc
         return None

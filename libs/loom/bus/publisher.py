@@ -83,7 +83,7 @@ class Publisher:
         first_backoff_s: float = 0.05,
         max_backoff_s: float = 2.0,
         leader_wait_s: float = 20.0,
-        leader_poll_s: float = 0.1,
+        leader_poll_s: float = 0.025,
     ) -> None:
         self._nc = nc
         # publish_batch sends whole batches before their acks come back: room for many of them.

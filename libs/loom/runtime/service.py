@@ -113,6 +113,9 @@ async def open_context(
     )
 
     async def on_health(msg: Msg) -> None:
+        # Probe the dependencies (in the background, at most once a second): an idle service meets
+        # no error that would reveal an outage; the next health answer shows what the probes found.
+        dependencies.check_soon()
         await msg.respond(msgspec.json.encode(ctx.health()))
 
     await nc.subscribe(subjects.service_health(name), cb=on_health)
