@@ -137,7 +137,8 @@ class _Run:
         await asyncio.gather(*(one(i) for i in range(jobs)))
         t_published = time.perf_counter()
         await asyncio.wait_for(done.wait(), timeout=max(120.0, jobs / 20))
-        shares = cpu.shares(before, sampler.sample())
+        after = sampler.sample()
+        shares = cpu.shares(before, after)
         t_done = max(self.placed[f"{prefix}-{i}"] for i in range(jobs))
         lat = [(self.placed[f"{prefix}-{i}"] - self.sent[f"{prefix}-{i}"]) * 1000 for i in range(jobs)]
         return {
@@ -146,6 +147,7 @@ class _Run:
             "burst_latency_ms_p50": round(_percentile(lat, 50), 2),
             "burst_latency_ms_p99": round(_percentile(lat, 99), 2),
             "cpu": shares,
+            "cpu_ms_per_job": cpu_ms_per_job(before, after, jobs),
         }
 
     async def paced(
@@ -202,6 +204,17 @@ def phases_between(before: dict[str, dict[str, Any]], after: dict[str, dict[str,
         **counts,
         "mean": {phase: round(total / n, 2) for phase, (n, total) in sorted(totals.items()) if n},
         "count": {phase: int(n) for phase, (n, _) in sorted(totals.items()) if n},
+    }
+
+
+def cpu_ms_per_job(before: cpu.Sample, after: cpu.Sample, jobs: int) -> dict[str, float]:
+    """CPU milliseconds (user + system) each process group spent per job between two samples:
+    on a shared machine a steadier figure than the wall-clock rate."""
+    elapsed = after.at - before.at
+    return {
+        name: round(share / 100.0 * elapsed * 1000.0 / jobs, 3)
+        for name, share in _sorted_shares(cpu.shares(before, after)).items()
+        if share > 0
     }
 
 
@@ -305,6 +318,7 @@ async def _measure(
                     "baseline_latency_ms_p50": base["burst_latency_ms_p50"],
                     "baseline_latency_ms_p99": base["burst_latency_ms_p99"],
                     "share_of_baseline": round(tp["placements_per_s"] / base["placements_per_s"], 3),
+                    "cpu_ms_per_job_baseline": base["cpu_ms_per_job"],
                 }
             )
             if paced_jobs:
@@ -321,6 +335,7 @@ async def _measure(
         result["cpu_rest_s"] = rest_s
         result["cpu_at_rest"] = _sorted_shares(at_rest)
         result["cpu_under_load"] = _sorted_shares(tp["cpu"])
+        result["cpu_ms_per_job"] = tp["cpu_ms_per_job"]
         result["neighbours_at_rest_pct"] = neighbours_pct(at_rest)
         result["neighbours_under_load_pct"] = neighbours_pct(tp["cpu"])
         return result

@@ -1625,6 +1625,8 @@ class PlacementService:
 
     def _on_failed_clusters(self) -> dict[str, str]:
         """Job -> the failed cluster it has a part (lead or member) on (:func:`affected_jobs`)."""
+        if not self.failover.failed:
+            return {}  # nothing failed: no need to walk every run (this runs every period)
         return affected_jobs(
             {job_id: [p[0] for p in run.parts] for job_id, run in self.book.runs.items()},
             self.failover.failed,

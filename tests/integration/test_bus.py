@@ -202,6 +202,53 @@ async def test_publish_batch_stores_each_message_once_and_reports_each_failure(n
     assert stored.headers["X-Loom-Test"] == "2"
 
 
+async def test_send_batch_puts_a_whole_batch_on_the_wire_without_yielding_between_messages(
+    nc: Client,
+) -> None:
+    """With room for the batch, no other task runs while it is sent (so nats.py's flusher writes
+    it in one go, not one system call per message); every message is still stored."""
+    publisher = Publisher(nc, timeout_s=2.0)
+    await publisher.publish_batch([])  # nothing to send, nothing awaited
+    subject = s.job_submitted(unique("t"))
+    payload = msgspec.json.encode(submitted("t"))
+    await publisher.publish_batch([Outgoing(subject, payload, unique("warm"), {})])  # reply inbox set up
+    ticks = 0
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    before = ticks
+    sent = await publisher.send_batch([Outgoing(subject, payload, unique("m"), {}) for _ in range(50)])
+    during = ticks - before
+    outcomes = await sent.acks()
+    stop.set()
+    await task
+
+    assert during == 0, f"another task ran {during} times while the batch was being sent"
+    assert outcomes == [None] * 50
+    assert await subject_count(nc, "JOBS", subject) == 51
+
+
+async def test_send_batch_beyond_the_pending_limit_stalls_and_reports_the_rest(nc: Client) -> None:
+    """A batch larger than the room for unacknowledged publishes waits (up to the timeout) for
+    room: what fits is stored, the rest is reported failed, none is lost silently."""
+    publisher = Publisher(nc, timeout_s=0.5)
+    publisher._js = nc.jetstream(timeout=0.5, publish_async_max_pending=3)
+    subject = s.job_submitted(unique("t"))
+    payload = msgspec.json.encode(submitted("t"))
+
+    outcomes = await publisher.publish_batch([Outgoing(subject, payload, unique("m"), {}) for _ in range(5)])
+
+    assert outcomes[:3] == [None, None, None]
+    assert sum(o is None for o in outcomes) == await subject_count(nc, "JOBS", subject)
+
+
 # -- consumer spec -----------------------------------------------------------------------------------
 
 

@@ -523,8 +523,15 @@ async def test_profiles_replace_per_model_and_reservations_read_back_by_run(
             await jobs.reserve(conn, [("j1", 1, "c1", [("n1", 4)])])
         assert await ledger.unconfirmed_reservations(db) == {"j1:1": [("n1", 4)]}
         async with transaction(db) as conn:
+            await jobs.insert_jobs(conn, [jobs.NewJob("j1", "t", b"{}", 1_700_000_000.0, {})])
+            await jobs.mark_placed(conn, [("j1", "c1", 1, 1_700_000_001.0)])
+            await jobs.confirm(conn, [("j1", 2)])  # another attempt: nothing moves
+        assert await ledger.unconfirmed_reservations(db) == {"j1:1": [("n1", 4)]}
+        assert await db.fetchval("SELECT state FROM jobs WHERE job_id = 'j1'") == "placed"
+        async with transaction(db) as conn:
             await jobs.confirm(conn, [("j1", 1)])
         assert await ledger.unconfirmed_reservations(db) == {}
+        assert await db.fetchval("SELECT state FROM jobs WHERE job_id = 'j1'") == "running"
     finally:
         await db.close()
 

@@ -219,6 +219,13 @@ class Publisher:
         order, when this returns; :meth:`SentBatch.acks` waits for the stream's answers."""
         spans: list[trace.Span] = []
         sent: list[asyncio.Future[PubAck] | BaseException] = []
+        # nats.py's publish_async waits for room with ``asyncio.wait_for(..., timeout)``, which
+        # yields to the event loop on every message even when room is free: the client's flusher
+        # then writes each message with a system call of its own. With room for the whole batch
+        # (nothing can take it in between: nothing here yields), no stall timeout is needed, so
+        # the batch is written at once and goes out in one write.
+        room = getattr(self._js, "_publish_async_pending_semaphore", None)
+        free = 0 if room is None or room.locked() else int(getattr(room, "_value", 0))
         for m in messages:
             span = _tracer.start_span(
                 span_name("publish", m.subject),
@@ -236,11 +243,11 @@ class Publisher:
             headers = dict(m.headers)
             headers["Nats-Msg-Id"] = m.msg_id
             propagate.inject(headers, context=trace.set_span_in_context(span, m.parent))
+            stall = None if free > 0 else self._timeout_s
+            free -= 1
             try:
                 sent.append(
-                    await self._js.publish_async(
-                        m.subject, m.payload, headers=headers, wait_stall=self._timeout_s
-                    )
+                    await self._js.publish_async(m.subject, m.payload, headers=headers, wait_stall=stall)
                 )
             except Exception as exc:  # stalled, or the connection is closed: this one failed
                 sent.append(exc)

@@ -261,15 +261,13 @@ async def confirm(conn: asyncpg.Connection, runs: Sequence[tuple[str, int]]) -> 
     if not runs:
         return
     jobs_, attempts = [r[0] for r in runs], [r[1] for r in runs]
+    # Both updates in one statement (one round trip); they touch different tables.
     await conn.execute(
-        """UPDATE reservations r SET state = 'confirmed'
-           FROM unnest($1::text[], $2::int[]) AS u(j, a)
-           WHERE r.job_id = u.j AND r.attempt = u.a AND r.state = 'reserved'""",
-        jobs_,
-        attempts,
-    )
-    await conn.execute(
-        """UPDATE jobs SET state = 'running', updated_at = now()
+        """WITH confirmed AS (
+               UPDATE reservations r SET state = 'confirmed'
+               FROM unnest($1::text[], $2::int[]) AS u(j, a)
+               WHERE r.job_id = u.j AND r.attempt = u.a AND r.state = 'reserved')
+           UPDATE jobs SET state = 'running', updated_at = now()
            FROM unnest($1::text[], $2::int[]) AS u(j, a)
            WHERE jobs.job_id = u.j AND jobs.attempt = u.a AND jobs.state = 'placed'""",
         jobs_,

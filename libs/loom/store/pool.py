@@ -50,10 +50,20 @@ async def probe(pool: asyncpg.Pool, *, timeout_s: float = 2.0) -> None:
         await conn.fetchval("SELECT 1", timeout=timeout_s)
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """A released connection's reset: nothing beyond what asyncpg always does (roll back an open
+    transaction, drop listeners). Loom sets no session state (no SET, LISTEN, cursors held across
+    transactions; the migration lock is unlocked explicitly), so asyncpg's default reset query
+    (``pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL``) would only cost a round trip
+    on every release."""
+
+
 async def create_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> asyncpg.Pool:
     """Open a pool; JSON columns are decoded by the callers, so no codecs are registered."""
     try:
-        pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, command_timeout=30)
+        pool = await asyncpg.create_pool(
+            url, min_size=min_size, max_size=max_size, command_timeout=30, reset=_keep_session
+        )
     except (OSError, asyncpg.PostgresError) as exc:
         raise StoreError(f"cannot connect to PostgreSQL at {redact(url)}: {exc}") from exc
     assert pool is not None
