@@ -54,6 +54,9 @@ from loom_proto.net import LinkEventMessage, LinkRecovered, LinkState
 
 log = structlog.get_logger("migration")
 
+UNMEASURED_PATH = benefit.PathState(rtt_ms=250.0, bandwidth_gbps=1.0)
+"""A path network perception has not measured yet (a region just joined): a slow WAN link."""
+
 PRODUCER = "migration"
 
 JobEvent = JobRequeued | JobStarted
@@ -74,7 +77,7 @@ class MigrationSettings:
     review_delay_s: float = 0.3
     """A link event is reviewed this long after it arrives (placement takes the link's new state
     from the same tick first, so its what-if prices the path as measured now)."""
-    benefit: benefit.MigrationSettings = field(default_factory=benefit.MigrationSettings)
+    rule: benefit.MigrationSettings = field(default_factory=benefit.MigrationSettings)
     """The move-or-stay rule (margins, hysteresis, cool-down)."""
     per_cluster: int = 4
     """Network moves and backflow in flight touching one cluster at most."""
@@ -526,12 +529,14 @@ class MigrationService:
             if candidate is not None and set(answer["candidate"].get("clusters", [])) == set(
                 current.get("clusters", [])
             ):
-                candidate = None  # the framework would place it where it is: nowhere better
-            path = (
-                path_between(self.links, lead_region, candidate.region) if candidate is not None else None
-            ) or benefit.PathState(rtt_ms=100.0, bandwidth_gbps=1.0)
+                path: benefit.PathState | None = benefit.LOCAL_PATH  # it would be placed where it is
+            else:
+                path = (
+                    path_between(self.links, lead_region, candidate.region) if candidate is not None else None
+                )
+            path = path or UNMEASURED_PATH
             verdict = benefit.decide(
-                job, candidate, path, now_s=now, trigger=trigger, settings=self.settings.benefit
+                job, candidate, path, now_s=now, trigger=trigger, settings=self.settings.rule
             )
             verdicts.append(verdict)
             avoid = [c for c in current.get("clusters", []) if candidate is None or c != candidate.cluster]
