@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
+import msgspec
 import structlog
 from nats.aio.msg import Msg
 from opentelemetry import propagate
@@ -509,9 +510,8 @@ class MigrationService:
             current, candidate = answer["current"], candidate_of(answer.get("candidate"))
             lead = (current.get("clusters") or [r["lead"]])[0]
             lead_region = (current.get("regions") or [""])[0]
-            spec = JobSpec(
-                **{k: v for k, v in json.loads(r["spec"]).items() if k in JobSpec.__struct_fields__}
-            )
+            fields = {k: v for k, v in json.loads(r["spec"]).items() if k in JobSpec.__struct_fields__}
+            spec = msgspec.convert(fields, JobSpec)
             recorded = [c for c in checkpoints.get(r["job_id"], []) if c.attempt == r["attempt"]]
             chosen = choose(recorded)
             n_moves, last_moved, _ = history.get(r["job_id"], (0, None, ""))
