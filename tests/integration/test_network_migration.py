@@ -146,7 +146,7 @@ async def test_a_degraded_link_moves_only_the_job_that_gains_more_than_it_costs_
         # P100 ones, c-sea1-a 4 V100M16 ones). Nothing either waits for would free room.
         await client.submit(_gang("long", 5, steps=5000, models=["P100", "V100M16", "G2"]))
         try:
-            long = await until(lambda: _running(client, "long"), 15, "the long gang running")
+            long = await until(lambda: _running(client, "long"), 30, "the long gang running")
         except BaseException:
             open("/tmp/netmig-debug.txt", "w").write(
                 json.dumps(
