@@ -374,6 +374,9 @@ class MigrationService:
                 f"drain of {cluster}: {chosen.why}" if m["cause"] == "drain" else f"{m['why']}; {chosen.why}"
             )
             await self._ask_move(m, cluster, chosen.step, why, avoid=avoid)
+        elif wanted == 0 and m["cause"] in ("network", "backflow"):
+            # No step done yet: nothing to save, it restarts from step 0 losing nothing.
+            await self._ask_move(m, cluster, 0, f"{m['why']}; no step done yet", avoid=avoid)
         elif past_deadline:
             step = chosen.step if chosen is not None else 0
             why = chosen.why if chosen is not None else "restarts from step 0 (no checkpoint recorded)"

@@ -89,7 +89,7 @@ async def stack(
 def _gang(job_id: str, workers: int, *, steps: int, models: list[str]) -> JobSpec:
     # A large model: its checkpoint (100 GB) costs ~200 s to save and ~500 s to send over a WAN
     # link, so a move pays only for a job with much work left. 2 s of reference compute per step
-    # (4.7 s on a T4, 2.9 s on a P100: the agents run in real time), one 10 MB all-reduce a step.
+    # (4.7 s on a T4, 2.9 s on a P100; the agents run at 10x), one 10 MB all-reduce a step.
     return JobSpec(
         job_id=job_id,
         tenant="t1",
@@ -113,7 +113,7 @@ async def test_a_degraded_link_moves_only_the_job_that_gains_more_than_it_costs_
     stack: tuple[Platform, list[tuple[asyncio.Task[None], ServiceContext]]],
 ) -> None:
     platform, _ = stack
-    platform.time_scale = 1.0
+    platform.time_scale = 10.0
     await platform.start("metrics")
     await platform.start("placement")
     await platform.start("migration")
@@ -132,29 +132,11 @@ async def test_a_degraded_link_moves_only_the_job_that_gains_more_than_it_costs_
         # Only c-weu-a and c-sea1-a are up. 6 two-GPU workers of T4 (c-weu-a holds 5, c-sea1-a 2):
         # the short gang spans the link ...
         await client.submit(_gang("short", 6, steps=40, models=["T4", "G2"]))
-        try:
-            short = await until(lambda: _running(client, "short"), 15, "the short gang running")
-        except BaseException:
-            open("/tmp/netmig-debug.txt", "w").write(
-                json.dumps(
-                    [await client.job("short"), await client.job("short"), await client.explain("short")],
-                    default=str,
-                )
-            )
-            raise
+        short = await until(lambda: _running(client, "short"), 15, "the short gang running")
         # ... and so does the long one: 5 two-GPU workers of P100 or V100M16 (c-weu-a holds 2
         # P100 ones, c-sea1-a 4 V100M16 ones). Nothing either waits for would free room.
         await client.submit(_gang("long", 5, steps=5000, models=["P100", "V100M16", "G2"]))
-        try:
-            long = await until(lambda: _running(client, "long"), 30, "the long gang running")
-        except BaseException:
-            open("/tmp/netmig-debug.txt", "w").write(
-                json.dumps(
-                    [await client.job("long"), await client.job("short"), await client.explain("long")],
-                    default=str,
-                )
-            )
-            raise
+        long = await until(lambda: _running(client, "long"), 30, "the long gang running")
         for job in (short, long):
             assert _clusters(job) == {"c-weu-a", "c-sea1-a"}, job
         # G2s appear in us-east-2 while both run; nothing moves without a trigger.
@@ -187,7 +169,8 @@ async def test_a_degraded_link_moves_only_the_job_that_gains_more_than_it_costs_
         moved_s = time.time() - degraded_at
         assert _clusters(moved) == {"c-use2-a"}
         row = await db.fetchrow("SELECT * FROM migrations WHERE job_id = 'long'")
-        assert row["state"] == "completed" and row["resume_step"] > 0
+        # Nothing lost: it resumed from the step its run had reached (the on-demand checkpoint's).
+        assert row["state"] == "completed" and row["lost_steps"] == 0
         assert (await _job(client, "short"))["attempt"] == 1
 
         # Restore: the link recovers; the long gang stays where it went (cool-down), the short
@@ -251,7 +234,7 @@ async def _progressed(client: LoomClient, job_id: str, fraction: float) -> bool:
 def _clusters(job: dict[str, Any]) -> set[str]:
     """The clusters of the job's latest placement."""
     placed = [e["event"] for e in job["events"] if e["kind"] == "placed"]
-    return {p["cluster"] for p in placed[-1]["parts"]}
+    return {p["cluster"] for p in placed[-1]["parts"]} or {placed[-1]["cluster"]}
 
 
 async def _event_at(
