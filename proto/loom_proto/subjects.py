@@ -220,6 +220,9 @@ MIGRATE_DRAINS_CHANGED = f"{PREFIX}.migrate.drains"
 PLACEMENT_MIGRATE = f"{PREFIX}.placement.migrate"
 """Request-reply: give a job's run up so that it is placed again elsewhere from a checkpoint step
 (the placement instance holding the run answers)."""
+PLACEMENT_WHATIF = f"{PREFIX}.placement.whatif"
+"""Request-reply: where the scheduling framework would place a running job now, its own run's GPUs
+counted free (no side effects); with its current placement's predicted step under today's links."""
 PLACEMENT_ATTEMPTS = f"{PREFIX}.placement.attempts"
 """Request-reply: the current attempt and state of jobs (a returning agent fences its old runs)."""
 

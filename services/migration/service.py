@@ -29,27 +29,34 @@ import functools
 import json
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
+import msgspec
 import structlog
 from nats.aio.msg import Msg
 from opentelemetry import propagate
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
+from loom.migrate import benefit
 from loom.migrate.checkpoints import choose
 from loom.migrate.drain import DrainJob, drain_refusal, next_moves, order_moves
+from loom.migrate.network import candidate_of, path_between, running_state, spans
 from loom.runtime.service import ServiceContext
 from loom.store import moves, outbox
 from loom.store.pool import transaction
 from loom_proto import subjects
 from loom_proto.clusters import CheckpointJob
 from loom_proto.codec import DecodeError, decode
-from loom_proto.jobs import JobRequeued, JobStarted
+from loom_proto.jobs import JobRequeued, JobSpec, JobStarted
 from loom_proto.migrations import MigrationEvent, MigrationKind
+from loom_proto.net import LinkEventMessage, LinkRecovered, LinkState
 
 log = structlog.get_logger("migration")
+
+UNMEASURED_PATH = benefit.PathState(rtt_ms=250.0, bandwidth_gbps=1.0)
+"""A path network perception has not measured yet (a region just joined): a slow WAN link."""
 
 PRODUCER = "migration"
 
@@ -68,6 +75,15 @@ class MigrationSettings:
     """How long a request to placement waits for its answer."""
     notice_every_s: float = 5.0
     """While drains exist, placement is reminded of them this often (a lost notice heals)."""
+    review_delay_s: float = 0.3
+    """A link event is reviewed this long after it arrives (placement takes the link's new state
+    from the same tick first, so its what-if prices the path as measured now)."""
+    rule: benefit.MigrationSettings = field(default_factory=benefit.MigrationSettings)
+    """The move-or-stay rule (margins, hysteresis, cool-down)."""
+    per_cluster: int = 4
+    """Network moves and backflow in flight touching one cluster at most."""
+    per_link: int = 4
+    """Network moves and backflow in flight over one region pair at most."""
 
 
 class MigrationService:
@@ -81,6 +97,12 @@ class MigrationService:
         self._noticed_at = 0.0
         self.stats = ctx.stats
         self.stats.update({"planned": 0, "started": 0, "completed": 0, "failed": 0, "drains": []})
+        self.stats.update({"reviews": 0, "verdicts": {"move": 0, "stay": 0, "deferred": 0}})
+        self.links: dict[tuple[str, str], LinkState] = {}
+        """The latest state of every link network perception published."""
+        self._link_events: asyncio.Queue[LinkEventMessage] = asyncio.Queue()
+        self._avoid: dict[str, list[str]] = {}
+        """migration id -> clusters its re-placement avoids (a network move's source parts)."""
 
     async def run(self) -> None:
         """Consume job events, answer drain requests and queries, drive drains, until stopped."""
@@ -99,12 +121,16 @@ class MigrationService:
         )
         drain_sub = await self.ctx.nc.subscribe(subjects.MIGRATE_DRAIN, queue="migration", cb=self.on_drain)
         query_sub = await self.ctx.nc.subscribe(subjects.MIGRATE_QUERY, queue="migration", cb=self.on_query)
+        link_sub = await self.ctx.nc.subscribe(subjects.LINK_STATES_ALL, cb=self.on_link)
+        net_sub = await self.ctx.nc.subscribe(subjects.NET_EVENTS_ALL, cb=self.on_net_event)
         await events.start()
         watchdog = self.ctx.watchdog
         relay_stop = asyncio.Event()
         loops = [
             watchdog.watch_consumer("job-events", events),
             watchdog.supervise("drains", self._drain_loop),
+            watchdog.supervise("network", self._network_loop),
+            watchdog.supervise("network-moves", self._moves_loop),
             watchdog.supervise("outbox-relay", functools.partial(self.relay.run, relay_stop), finishes=True),
         ]
         try:
@@ -116,6 +142,8 @@ class MigrationService:
             await asyncio.gather(*loops, return_exceptions=True)
             await drain_sub.unsubscribe()
             await query_sub.unsubscribe()
+            await link_sub.unsubscribe()
+            await net_sub.unsubscribe()
             await events.stop()
 
     # ---- failovers (recorded from placement's events) -----------------------------------------
@@ -329,7 +357,9 @@ class MigrationService:
         self.stats["planned"] += 1
         await self._publish(messages)
 
-    async def _advance(self, m: asyncpg.Record, cluster: str, *, past_deadline: bool) -> bool:
+    async def _advance(
+        self, m: asyncpg.Record, cluster: str, *, past_deadline: bool, avoid: Sequence[str] | None = None
+    ) -> bool:
         """A planned move: start it once its checkpoint is recorded. Returns whether it is still open."""
         job_id, attempt = m["job_id"], m["from_attempt"]
         state, current = (await moves.job_states(self.pool, [job_id])).get(job_id, ("gone", attempt))
@@ -340,7 +370,13 @@ class MigrationService:
         waited_s = time.time() - float(m["planned_at"].timestamp())
         wanted = int(m["resume_step"])
         if chosen is not None and chosen.checkpoint is not None and chosen.step >= wanted:
-            await self._ask_move(m, cluster, chosen.step, f"drain of {cluster}: {chosen.why}")
+            why = (
+                f"drain of {cluster}: {chosen.why}" if m["cause"] == "drain" else f"{m['why']}; {chosen.why}"
+            )
+            await self._ask_move(m, cluster, chosen.step, why, avoid=avoid)
+        elif wanted == 0 and m["cause"] in ("network", "backflow"):
+            # No step done yet: nothing to save, it restarts from step 0 losing nothing.
+            await self._ask_move(m, cluster, 0, f"{m['why']}; no step done yet", avoid=avoid)
         elif past_deadline:
             step = chosen.step if chosen is not None else 0
             why = chosen.why if chosen is not None else "restarts from step 0 (no checkpoint recorded)"
@@ -380,14 +416,16 @@ class MigrationService:
         await self._publish(messages)
         return still_open
 
-    async def _ask_move(self, m: asyncpg.Record, cluster: str, step: int, why: str) -> None:
+    async def _ask_move(
+        self, m: asyncpg.Record, cluster: str, step: int, why: str, *, avoid: Sequence[str] | None = None
+    ) -> None:
         """Ask placement to give the run up and queue the job again from ``step``, avoiding ``cluster``."""
         request = {
             "job_id": m["job_id"],
             "attempt": m["from_attempt"],
             "resume_step": step,
             "reason": why[:1024],
-            "avoid": [cluster],
+            "avoid": list(avoid) if avoid is not None else [cluster],
             "from_cluster": cluster,
         }
         try:
@@ -412,6 +450,217 @@ class MigrationService:
         self.stats["started"] += len(messages)
         await self._publish(messages)
 
+    # ---- network-driven moves ------------------------------------------------------------------
+
+    async def on_link(self, msg: Msg) -> None:
+        """``loom.net.link.<src>.<dst>``: keep the latest measured state of each link."""
+        try:
+            state = decode(msg.data, LinkState)
+        except DecodeError:
+            return
+        self.links[state.src, state.dst] = state
+
+    async def on_net_event(self, msg: Msg) -> None:
+        """``loom.net.event.degraded`` / ``recovered``: review the jobs the link concerns."""
+        try:
+            event: LinkEventMessage = decode(msg.data, LinkEventMessage)  # type: ignore[arg-type]
+        except DecodeError:
+            return
+        self._link_events.put_nowait(event)
+
+    async def _network_loop(self) -> None:
+        while True:
+            event = await self._link_events.get()
+            await asyncio.sleep(self.settings.review_delay_s)
+            try:
+                await self.review_link(event)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("link review failed", src=event.src, dst=event.dst, error=repr(exc))
+
+    # PLR0915: the review's steps in order (concerned jobs, what-ifs, verdicts, plan, record, start).
+    async def review_link(self, event: LinkEventMessage) -> list[benefit.MigrationVerdict]:  # noqa: PLR0915
+        """Decide, for every running job whose parts span the link, whether it moves (degraded:
+        ``link_degraded``; recovered: ``link_improved``, which also looks at the jobs moved off
+        it, so the cool-down and hysteresis keep them from bouncing back); start the moves the
+        budget allows, through the drains' path (checkpoint, give up, re-place); record every
+        verdict with its numbers."""
+        recovered = isinstance(event, LinkRecovered)
+        trigger: benefit.Trigger = "link_improved" if recovered else "link_degraded"
+        link = f"{event.src}->{event.dst}"
+        rows = await moves.running_spans(self.pool)
+        open_ids = {m["job_id"] for m in await moves.open_migrations(self.pool)}
+        history = await moves.move_history(self.pool, [r["job_id"] for r in rows])
+        concerned = []
+        for r in rows:
+            if r["job_id"] in open_ids:
+                continue
+            moved_off = recovered and history.get(r["job_id"], (0, None, ""))[2] == "network"
+            if spans(set(r["regions"]), event.src, event.dst) or moved_off:
+                concerned.append(r)
+        self.stats["reviews"] += 1
+        if not concerned:
+            return []
+        checkpoints = await moves.checkpoints_of(self.pool, [r["job_id"] for r in concerned])
+        now = time.time()
+        verdicts: list[benefit.MigrationVerdict] = []
+        context: dict[str, tuple[asyncpg.Record, dict[str, Any]]] = {}
+        for r in concerned:
+            answer = await self._whatif(r["job_id"])
+            if answer is None:
+                continue
+            current, candidate = answer["current"], candidate_of(answer.get("candidate"))
+            lead = (current.get("clusters") or [r["lead"]])[0]
+            lead_region = (current.get("regions") or [""])[0]
+            fields = {k: v for k, v in json.loads(r["spec"]).items() if k in JobSpec.__struct_fields__}
+            spec = msgspec.convert(fields, JobSpec)
+            recorded = [c for c in checkpoints.get(r["job_id"], []) if c.attempt == r["attempt"]]
+            chosen = choose(recorded)
+            n_moves, last_moved, _ = history.get(r["job_id"], (0, None, ""))
+            job = running_state(
+                spec,
+                attempt=int(r["attempt"]),
+                progress=float(r["progress"]),
+                cluster=lead,
+                region=lead_region,
+                step_s=float(current.get("step_s") or 0.0),
+                checkpoint_step=chosen.step if chosen is not None and chosen.checkpoint is not None else None,
+                moves=n_moves,
+                last_moved_s=last_moved,
+            )
+            if candidate is not None and set(answer["candidate"].get("clusters", [])) == set(
+                current.get("clusters", [])
+            ):
+                path: benefit.PathState | None = benefit.LOCAL_PATH  # it would be placed where it is
+            else:
+                path = (
+                    path_between(self.links, lead_region, candidate.region) if candidate is not None else None
+                )
+            path = path or UNMEASURED_PATH
+            verdict = benefit.decide(
+                job, candidate, path, now_s=now, trigger=trigger, settings=self.settings.rule
+            )
+            verdicts.append(verdict)
+            avoid = [c for c in current.get("clusters", []) if candidate is None or c != candidate.cluster]
+            context[r["job_id"]] = (r, {"avoid": avoid, "step": int(job.steps_done)})
+        budget = benefit.MigrationBudget(
+            per_cluster=self.settings.per_cluster, per_link=self.settings.per_link
+        )
+        for m in await moves.open_migrations(self.pool):
+            if m["cause"] in ("network", "backflow"):
+                budget.clusters[m["from_cluster"]] += 1
+        regions = {v.source: context[v.job_id][0]["regions"][0] for v in verdicts}
+        plan = benefit.plan_migrations(verdicts, regions, budget)
+        records = [self._verdict_row(v, context[v.job_id][0], "move", link) for v in plan.start]
+        records += [
+            self._verdict_row(v, context[v.job_id][0], "deferred", link, why) for v, why in plan.deferred
+        ]
+        records += [self._verdict_row(v, context[v.job_id][0], "stay", link) for v in plan.stay]
+        async with transaction(self.pool) as conn:
+            await moves.record_verdicts(conn, records)
+        for record in records:
+            self.stats["verdicts"][record.decision] += 1
+        for v in plan.start:
+            r, extra = context[v.job_id]
+            await self._plan_network(v, r, extra["step"], extra["avoid"], link)
+        log.info(
+            "link reviewed",
+            link=link,
+            trigger=trigger,
+            moves=[v.job_id for v in plan.start],
+            stays=[v.job_id for v in plan.stay],
+            deferred=[v.job_id for v, _ in plan.deferred],
+        )
+        return verdicts
+
+    def _verdict_row(
+        self, v: benefit.MigrationVerdict, r: asyncpg.Record, decision: str, link: str, why: str = ""
+    ) -> moves.VerdictRow:
+        return moves.VerdictRow(
+            job_id=v.job_id,
+            attempt=int(r["attempt"]),
+            trigger=v.trigger,
+            decision=decision,
+            source=v.source,
+            target=v.target,
+            reason=v.reason + (f"; deferred: {why}" if why else ""),
+            gain_s=v.gain_s,
+            cost_s=v.cost.total_s if v.cost is not None else None,
+            threshold_s=v.threshold_s,
+            margin_s=v.margin_s,
+            link=link,
+        )
+
+    async def _whatif(self, job_id: str) -> dict[str, Any] | None:
+        """Placement's what-if for a running job (None: no answer, the job is looked at next time)."""
+        try:
+            reply = await self.ctx.nc.request(
+                subjects.PLACEMENT_WHATIF,
+                json.dumps({"job_id": job_id}).encode(),
+                timeout=self.settings.ask_timeout_s,
+            )
+            answer: dict[str, Any] = json.loads(reply.data)
+        except Exception as exc:
+            log.info("what-if not answered", job_id=job_id, error=repr(exc))
+            return None
+        return answer if answer.get("ok") else None
+
+    async def _plan_network(
+        self, v: benefit.MigrationVerdict, run: asyncpg.Record, step: int, avoid: list[str], link: str
+    ) -> None:
+        """Plan a network move: record it and ask the run's lead agent for a checkpoint now (the
+        moves loop then gives the run up once that checkpoint is recorded)."""
+        attempt = int(run["attempt"])
+        migration_id = f"{v.job_id}:{attempt}"
+        context = json.loads(run["trace_context"])
+        steps = int(json.loads(run["spec"]).get("work", {}).get("steps", 0))
+        async with transaction(self.pool) as conn:
+            new = await moves.plan(
+                conn,
+                migration_id=migration_id,
+                job_id=v.job_id,
+                tenant=run["tenant"],
+                cause="network",
+                state="planned",
+                from_cluster=v.source,
+                from_attempt=attempt,
+                steps=steps,
+                why=f"link {link} ({v.trigger}): {v.reason}",
+                trace_context=context,
+                resume_step=step,
+            )
+            if not new:
+                return
+            row = await conn.fetchrow("SELECT * FROM migrations WHERE migration_id = $1", migration_id)
+            messages = [
+                self._message(row, "planned"),
+                outbox.message(
+                    subjects.cluster_command(run["lead"], "checkpoint"),
+                    CheckpointJob(job_id=v.job_id, attempt=attempt),
+                    f"{migration_id}:checkpoint",
+                    context=propagate.extract(context),
+                ),
+            ]
+            await outbox.add(conn, PRODUCER, messages)
+        self._avoid[migration_id] = avoid
+        self.stats["planned"] += 1
+        await self._publish(messages)
+
+    async def _moves_loop(self) -> None:
+        """Advance planned network and backflow moves (a drain's are advanced by its own loop)."""
+        while True:
+            await asyncio.sleep(self.settings.poll_s)
+            try:
+                for m in await moves.open_migrations(self.pool):
+                    if m["cause"] in ("network", "backflow") and m["state"] == "planned":
+                        avoid = self._avoid.get(m["migration_id"], [m["from_cluster"]])
+                        await self._advance(m, m["from_cluster"], past_deadline=False, avoid=avoid)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("moves cycle failed", error=repr(exc))
+
     # ---- queries and events --------------------------------------------------------------------
 
     async def on_query(self, msg: Msg) -> None:
@@ -428,6 +677,10 @@ class MigrationService:
                 )
             elif op == "drains":
                 result = await moves.drains(self.pool)
+            elif op == "verdicts":
+                result = await moves.list_verdicts(
+                    self.pool, job_id=request.get("job_id"), limit=min(int(request.get("limit", 200)), 10_000)
+                )
             else:
                 raise ValueError(f"unknown op {op!r}")
             reply = {"ok": True, "result": result}

@@ -101,7 +101,7 @@ from loom.sched.cycle import (
     run_cycle,
 )
 from loom.sched.framework import Decision, Framework
-from loom.sched.plugins.network import AlphaLearner
+from loom.sched.plugins.network import AlphaLearner, predict_step_s
 from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, TenantConfig
 from loom.sched.shards import GLOBAL, ShardMap, route
@@ -322,6 +322,7 @@ class PlacementService:
         link_sub = await self.ctx.nc.subscribe(subjects.LINK_STATES_ALL, cb=self.on_link)
         drains_sub = await self.ctx.nc.subscribe(subjects.MIGRATE_DRAINS_CHANGED, cb=self.on_drains_changed)
         migrate_sub = await self.ctx.nc.subscribe(subjects.PLACEMENT_MIGRATE, cb=self.on_migrate)
+        whatif_sub = await self.ctx.nc.subscribe(subjects.PLACEMENT_WHATIF, cb=self.on_whatif)
         attempts_sub = await self.ctx.nc.subscribe(
             subjects.PLACEMENT_ATTEMPTS, queue="placement-query", cb=self.on_attempts
         )
@@ -353,6 +354,7 @@ class PlacementService:
             await link_sub.unsubscribe()
             await drains_sub.unsubscribe()
             await migrate_sub.unsubscribe()
+            await whatif_sub.unsubscribe()
             await attempts_sub.unsubscribe()
 
     async def _lead(self, token: int) -> None:
@@ -1745,6 +1747,76 @@ class PlacementService:
             return
         self.stats["migrated"] = self.stats.get("migrated", 0) + sum(moved)
         await msg.respond(json.dumps({"ok": True, "requeued": bool(moved and moved[0])}).encode())
+
+    async def on_whatif(self, msg: Msg) -> None:
+        """``loom.placement.whatif``: where the framework would place a running job now, as a new
+        placement with its own run's GPUs counted free (the migration service's candidate), and its
+        current placement's predicted step under the links known now. No side effects: the
+        snapshot gets the run's GPUs back only for the question. Only the instance holding the run
+        answers."""
+        try:
+            request = json.loads(msg.data or b"{}")
+            job_id = str(request["job_id"])
+            avoid = [str(c) for c in request.get("avoid", [])]
+        except (ValueError, KeyError, TypeError) as exc:
+            await msg.respond(json.dumps({"ok": False, "error": f"bad request: {exc}"}).encode())
+            return
+        run = self.book.runs.get(job_id)
+        if not self.held or run is None:
+            return  # not this instance's run
+        try:
+            async with self.lock:
+                reply = self._whatif(run, avoid)
+        except Exception as exc:  # any question gets an answer, never a crash
+            reply = {"ok": False, "error": repr(exc)}
+        await msg.respond(json.dumps(reply).encode())
+
+    def _whatif(self, run: Run, avoid: Sequence[str]) -> dict[str, Any]:
+        snap = self.book.snapshot(time.time())
+        spec = _spec_of(run.job)
+        per_worker = max(spec.resources.gpus, 1)
+        allocations = [a for _, _, allocs in run.parts for a in allocs]
+        running = snap.running
+        snap.give_back(allocations, per_worker)
+        snap.running = [r for r in running if r.job_id != spec.job_id]
+        try:
+            outcome = self.framework.schedule(spec, snap, avoid_clusters=avoid, apply=False)
+            regions = [
+                snap.clusters[snap.cluster_index[c]].region
+                for c, _, _ in run.parts
+                if c in snap.cluster_index
+            ]
+            speeds = [
+                snap.job_gpu_speed(spec, model) * float(snap.trust[snap.cluster_index[c]])
+                for c, model, _ in run.parts
+                if c in snap.cluster_index
+            ]
+            here = predict_step_s(spec, speeds=speeds, regions=regions, net=snap.net, workers=run.workers)
+        finally:
+            snap.running = running
+            snap.take(allocations, per_worker)
+        current = {
+            "clusters": [c for c, _, _ in run.parts],
+            "regions": regions,
+            "attempt": run.attempt,
+            "step_s": here.step_s,
+            "placed_step_s": run.predicted_step_s,
+        }
+        d = outcome.decision
+        if d is not None and (d.victims or d.shrunk):
+            self.book.invalidate()  # a post-filter gave others' GPUs back: rebuild, keep nothing of it
+            d = None  # a move that needs preemption is no candidate for a voluntary migration
+        if d is None:
+            return {"ok": True, "current": current, "candidate": None, "why": outcome.status.reason}
+        lead = d.lead.cluster
+        candidate = {
+            "cluster": lead,
+            "region": snap.clusters[snap.cluster_index[lead]].region,
+            "clusters": [p.cluster for p in d.parts],
+            "step_s": d.predicted_step_s,
+            "start_after_s": d.start_after_s,
+        }
+        return {"ok": True, "current": current, "candidate": candidate}
 
     def _send(self, messages: list[outbox.OutboxMessage]) -> None:
         """Publish a committed cycle's messages in the background (the outbox has them anyway)."""

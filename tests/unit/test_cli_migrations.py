@@ -3,7 +3,7 @@
 from rich.console import Console
 
 from loom.cli.main import build_parser
-from loom.cli.migrations import migrations_table
+from loom.cli.migrations import migrations_table, verdicts_table
 
 
 def test_drain_takes_its_cluster_deadline_concurrency_and_force() -> None:
@@ -33,3 +33,25 @@ def test_the_migrations_table_shows_why_and_the_numbers() -> None:
     console.print(migrations_table([row]))
     text = console.export_text()
     assert "c-sea1-a" in text and "1 -> 2" in text and "30/100" in text and "step 30 (recorded)" in text
+
+
+def test_the_verdicts_table_shows_a_job_that_stayed_with_its_numbers() -> None:
+    assert build_parser().parse_args(["migrations", "--verdicts"]).verdicts is True
+    row = {
+        "at": 1_700_000_000.0,
+        "job_id": "short",
+        "trigger": "link_degraded",
+        "link": "azure-westeurope->gcp-asia-southeast1",
+        "decision": "stay",
+        "source": "c-weu-a",
+        "target": "c-use2-a",
+        "gain_s": 510.7,
+        "threshold_s": 923.9,
+        "reason": "stays: gain 511 s (here 600 s, on c-use2-a 90 s) vs cost 851 s + margin 73 s",
+    }
+    console = Console(record=True, width=400)
+    console.print(verdicts_table([row]))
+    text = console.export_text()
+    assert (
+        "stay" in text and "511" in text and "924" in text and "c-use2-a" in text and "link_degraded" in text
+    )

@@ -55,6 +55,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--job", help="only this job's")
     p.add_argument("--cluster", help="only those off this cluster")
     p.add_argument("--limit", type=int, default=100)
+    p.add_argument(
+        "--verdicts", action="store_true", help="every job looked at (moved or not), with gain, cost and why"
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -171,10 +174,11 @@ def cmd_migrations(args: argparse.Namespace) -> int:
     """Every migration, newest first, with why and the numbers."""
 
     async def work(client: LoomClient) -> int:
+        op = "verdicts" if getattr(args, "verdicts", False) else "list"
         answer = await ask(
             client,
             subjects.MIGRATE_QUERY,
-            {"op": "list", "job_id": args.job, "cluster": args.cluster, "limit": args.limit},
+            {"op": op, "job_id": args.job, "cluster": args.cluster, "limit": args.limit},
         )
         if not answer.get("ok"):
             err.print(str(answer.get("error")))
@@ -183,7 +187,7 @@ def cmd_migrations(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(rows, indent=2))
             return 0
-        console.print(migrations_table(rows))
+        console.print(verdicts_table(rows) if op == "verdicts" else migrations_table(rows))
         return 0
 
     return _with_client(work)
@@ -217,5 +221,30 @@ def migrations_table(rows: list[dict[str, Any]], title: str = "migrations") -> T
             f"{m['resume_step']}/{m['steps']}",
             str(m["lost_steps"]),
             m["why"],
+        )
+    return table
+
+
+def verdicts_table(rows: list[dict[str, Any]]) -> Table:
+    """A table of migration verdicts (``loom migrations --verdicts``): moved or not, and why."""
+    table = Table(title="migration verdicts")
+    for col in ("at", "job", "trigger", "link", "decision", "from", "to", "gain s", "threshold s", "why"):
+        table.add_column(col)
+
+    def num(value: Any) -> str:
+        return "-" if value is None else f"{float(value):.0f}"
+
+    for v in rows:
+        table.add_row(
+            datetime.fromtimestamp(v["at"]).strftime("%H:%M:%S"),
+            v["job_id"],
+            v["trigger"],
+            v["link"] or "-",
+            v["decision"],
+            v["source"],
+            v.get("target") or "-",
+            num(v.get("gain_s")),
+            num(v.get("threshold_s")),
+            v["reason"],
         )
     return table

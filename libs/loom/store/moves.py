@@ -1,4 +1,4 @@
-"""Checkpoints, drained clusters and migrations in PostgreSQL (migration 008).
+"""Checkpoints, drained clusters and migrations in PostgreSQL (migrations 008 and 011).
 
 Placement records checkpoints (in its lifecycle transaction) and reads drains; the migration
 service writes drains and migrations and reads the rest.
@@ -7,6 +7,7 @@ service writes drains and migrations and reads the rest.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -290,3 +291,100 @@ def _plain(row: asyncpg.Record) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+# ---- network-driven moves (migration 012) ------------------------------------------------------
+
+
+async def running_spans(conn: Conn) -> list[asyncpg.Record]:
+    """Every running job with the clusters and regions its live reservations hold (lead first in
+    ``lead``), for the network review: which jobs a link's change concerns."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """SELECT j.job_id, j.tenant, j.spec, j.attempt, j.progress, j.cluster AS lead, j.trace_context,
+                  array_agg(DISTINCT r.cluster) AS clusters, array_agg(DISTINCT n.region) AS regions
+           FROM jobs j
+           JOIN reservations r ON r.job_id = j.job_id AND r.attempt = j.attempt AND r.state <> 'released'
+           JOIN node_allocations n ON n.node = r.node
+           WHERE j.state = 'running'
+           GROUP BY j.job_id ORDER BY j.job_id"""
+    )
+    return rows
+
+
+async def move_history(conn: Conn, job_ids: Sequence[str]) -> dict[str, tuple[int, float | None, str]]:
+    """job -> (moves started or completed, when the last one started (unix s), its cause)."""
+    if not job_ids:
+        return {}
+    rows = await conn.fetch(
+        """SELECT job_id, count(*) AS n,
+                  max(extract(epoch FROM coalesce(started_at, planned_at))) AS last,
+                  (array_agg(cause ORDER BY planned_at DESC))[1] AS cause
+           FROM migrations WHERE job_id = ANY($1::text[]) AND state IN ('started', 'completed')
+           GROUP BY job_id""",
+        list(job_ids),
+    )
+    return {
+        r["job_id"]: (int(r["n"]), float(r["last"]) if r["last"] is not None else None, r["cause"])
+        for r in rows
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictRow:
+    """One job's migration verdict, moved or not, with its numbers."""
+
+    job_id: str
+    attempt: int
+    trigger: str
+    decision: str
+    source: str
+    target: str | None
+    reason: str
+    gain_s: float | None
+    cost_s: float | None
+    threshold_s: float | None
+    margin_s: float | None
+    link: str
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+async def record_verdicts(conn: Conn, rows: Sequence[VerdictRow]) -> None:
+    """Keep the verdicts (``loom migrations --verdicts``, ``loom explain``)."""
+    if not rows:
+        return
+    await conn.executemany(
+        """INSERT INTO migration_verdicts (job_id, attempt, trigger, decision, source, target, reason,
+                                           gain_s, cost_s, threshold_s, margin_s, link)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)""",
+        [
+            (
+                r.job_id,
+                r.attempt,
+                r.trigger,
+                r.decision,
+                r.source,
+                r.target,
+                r.reason[:2048],
+                _finite(r.gain_s),
+                _finite(r.cost_s),
+                _finite(r.threshold_s),
+                _finite(r.margin_s),
+                r.link,
+            )
+            for r in rows
+        ],
+    )
+
+
+async def list_verdicts(conn: Conn, *, job_id: str | None = None, limit: int = 200) -> list[dict[str, Any]]:
+    """Migration verdicts, newest first (of one job)."""
+    rows = await conn.fetch(
+        """SELECT * FROM migration_verdicts WHERE ($1::text IS NULL OR job_id = $1)
+           ORDER BY at DESC, id DESC LIMIT $2""",
+        job_id,
+        limit,
+    )
+    return [_plain(r) for r in rows]
