@@ -133,6 +133,7 @@ def _service_publish(role: Role) -> list[str]:
             f"{P}.migrations.*",
             f"{P}.migrations.*.*",
             subjects.PLACEMENT_MIGRATE,
+            subjects.PLACEMENT_WHATIF,
             subjects.MIGRATE_DRAINS_CHANGED,
             *_events("requeued", "resized", "failed"),
             *[f"{P}.clusters.*.cmd.{kind}" for kind in subjects.CLUSTER_COMMAND_KINDS],
