@@ -14,7 +14,7 @@ from msgspec import Meta
 from loom_proto.ids import Id
 
 MigrationKind = Literal["planned", "started", "completed", "failed"]
-MigrationCause = Literal["drain", "failover"]
+MigrationCause = Literal["drain", "failover", "network", "backflow"]
 
 
 class MigrationEvent(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

@@ -210,6 +210,8 @@ def migration_event(kind: MigrationEventKind, tenant: str) -> str:
 
 
 MIGRATIONS_ALL = f"{PREFIX}.migrations.*.*"
+MIGRATIONS_FAILED_ALL = f"{PREFIX}.migrations.failed.*"
+"""Every tenant's failed migrations (the alert correlator's source)."""
 """Every migration event (the MIGRATIONS stream's subjects)."""
 MIGRATE_DRAIN = f"{PREFIX}.migrate.drain"
 """Request-reply: drain or undrain a cluster (the migration service answers)."""

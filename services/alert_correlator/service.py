@@ -38,7 +38,13 @@ from loom.alerts import Correlator, CorrelatorConfig, Inventory, JobPlacement, N
 from loom.alerts.alertmanager import SOURCE as ALERTMANAGER
 from loom.alerts.alertmanager import MalformedPayloadError, parse_payload
 from loom.alerts.correlate import Incident
-from loom.alerts.sources import ConditionTracker, from_job_failed, from_job_requeued, from_link_event
+from loom.alerts.sources import (
+    ConditionTracker,
+    from_job_failed,
+    from_job_requeued,
+    from_link_event,
+    from_migration_failed,
+)
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.connection import BusError
 from loom.errors import InvalidInputError
@@ -51,6 +57,7 @@ from loom_proto import subjects
 from loom_proto.alerts import Alert
 from loom_proto.codec import MAX_PAYLOAD_BYTES
 from loom_proto.jobs import JobFailed, JobRequeued
+from loom_proto.migrations import MigrationEvent
 from loom_proto.net import LinkDegraded, LinkRecovered
 from loom_proto.view import ViewDelta
 from loom_services.alert_correlator.receiver import Answer, Receiver
@@ -230,6 +237,18 @@ class AlertCorrelator:
                 handler=self.on_dead_letter,
                 publisher=pub,
             ),
+            "migrations": ConsumerRunner(
+                nc,
+                ConsumerSpec(
+                    stream="MIGRATIONS",
+                    durable="alert-correlator-migrations",
+                    filter_subjects=[subjects.MIGRATIONS_FAILED_ALL],
+                    deliver_new_only=True,
+                ),
+                MigrationEvent,
+                handler=self.on_migration_event,
+                publisher=pub,
+            ),
         }
         for runner in runners.values():
             await runner.start()
@@ -315,6 +334,12 @@ class AlertCorrelator:
         """A job's run failed or was lost."""
         event = d.message
         alert = from_job_failed(event) if isinstance(event, JobFailed) else from_job_requeued(event)
+        if alert is not None:
+            await self._ingest(alert)
+
+    async def on_migration_event(self, d: Delivery[MigrationEvent]) -> None:
+        """A job's move that did not happen (the migration service gave up on it)."""
+        alert = from_migration_failed(d.message)
         if alert is not None:
             await self._ingest(alert)
 

@@ -329,6 +329,31 @@ def test_only_lost_or_unstarted_runs_become_job_alerts() -> None:
     assert requeued("preempted") is None and requeued("resized") is None
 
 
+def test_only_failed_migrations_become_job_alerts_once_per_migration() -> None:
+    from loom.alerts.sources import from_migration_failed
+    from loom_proto.migrations import MigrationEvent
+
+    def event(kind: str) -> MigrationEvent:
+        return MigrationEvent(
+            migration_id="j:1",
+            kind=kind,  # type: ignore[arg-type]
+            job_id="j",
+            tenant="t",
+            cause="drain",
+            from_cluster="c-weu-a",
+            from_attempt=1,
+            why="no checkpoint before the deadline",
+            at=5.0,
+        )
+
+    failed = from_migration_failed(event("failed"))
+    assert failed is not None and failed.job_id == "j" and failed.momentary
+    assert "c-weu-a" in failed.summary and failed.labels["tenant"] == "t"
+    again = from_migration_failed(event("failed"))
+    assert again is not None and again.dedup_key == failed.dedup_key
+    assert all(from_migration_failed(event(k)) is None for k in ("planned", "started", "completed"))
+
+
 def test_stale_views_unhealthy_nodes_and_dead_letters_fire_once_and_resolve() -> None:
     from loom.alerts.sources import ConditionTracker
     from loom_proto.view import NodeView, ViewDelta

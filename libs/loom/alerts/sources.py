@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from loom.alerts.resources import link_name
 from loom_proto.alerts import Alert
 from loom_proto.jobs import JobFailed, JobRequeued
+from loom_proto.migrations import MigrationEvent
 from loom_proto.net import LinkDegraded, LinkRecovered
 from loom_proto.view import ViewDelta
 
@@ -75,6 +76,26 @@ def from_job_failed(event: JobFailed) -> Alert:
         job_id=event.job_id,
         labels={"tenant": event.tenant, "cluster": event.cluster},
         dedup_key=alert_id("job-failed", event.job_id, event.attempt),
+        at=event.at,
+        momentary=True,
+    )
+
+
+def from_migration_failed(event: MigrationEvent) -> Alert | None:
+    """A momentary job alert for a move that did not happen (the migration service's ``failed``);
+    None for the other steps of a migration."""
+    if event.kind != "failed":
+        return None
+    return Alert(
+        alert_id=alert_id("migration-failed", event.migration_id),
+        source=SOURCE,
+        severity="warning",
+        summary=f"moving job {event.job_id} off {event.from_cluster} failed ({event.cause}): {event.why}"[
+            :1024
+        ],
+        job_id=event.job_id,
+        labels={"tenant": event.tenant, "cluster": event.from_cluster, "cause": event.cause},
+        dedup_key=alert_id("migration-failed", event.migration_id),
         at=event.at,
         momentary=True,
     )
