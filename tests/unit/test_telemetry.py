@@ -416,3 +416,29 @@ def test_console_lines_carry_the_trace_id_too(tracer: trace.Tracer) -> None:
 def test_an_unknown_level_is_refused() -> None:
     with pytest.raises(ValueError, match="LOUDEST"):
         configure_logging("test-svc", level="LOUDEST")
+
+
+def test_logging_follows_a_swapped_stderr_and_never_writes_to_a_closed_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The CLI configures logging to stderr once; a test harness (pytest's capture) swaps stderr per
+    # test and closes the old one. Logging used to keep the closed file and raise ValueError
+    # inside whatever merely logged (a lease release, a watchdog), failing unrelated tests.
+    import io
+    import logging
+    import sys
+
+    from loom.telemetry import configure_logging, get_logger, reset_logging
+
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    try:
+        configure_logging("loom-cli", level="WARNING", json=False, stream=sys.stderr)
+        get_logger("t").warning("one")
+        first.close()
+        monkeypatch.setattr(sys, "stderr", second)
+        get_logger("t").warning("two")
+        logging.getLogger("stdlib").warning("three")
+    finally:
+        reset_logging()
+    assert "two" in second.getvalue() and "three" in second.getvalue()

@@ -7,6 +7,7 @@ the standard ``logging`` module (nats, OpenTelemetry's exporter) go through the 
 
 from __future__ import annotations
 
+import io
 import logging
 import sys
 from collections.abc import Iterator
@@ -37,6 +38,24 @@ _root_level_before: list[int] = []
 
 class _LoomHandler(logging.StreamHandler[TextIO]):
     """The root handler configure_logging installs; its type marks it for replacement."""
+
+
+class _CurrentStderr(io.TextIOBase):
+    """Whatever ``sys.stderr`` is when a line is written, not when logging was configured.
+
+    A process that configures logging once and later swaps ``sys.stderr`` (pytest's capture does,
+    per test, and closes the one it swapped out) keeps logging instead of writing to a closed
+    file, which raised ``ValueError`` inside whatever code merely logged.
+    """
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+    def writable(self) -> bool:
+        return True
 
 
 class _NamedPrintLogger(structlog.PrintLogger):
@@ -93,7 +112,7 @@ def configure_logging(
     JSON lines when ``json``, coloured console lines otherwise. Calling it again replaces the
     previous configuration.
     """
-    out = stream if stream is not None else sys.stderr
+    out: TextIO = stream if stream is not None and stream is not sys.stderr else _CurrentStderr()  # type: ignore[assignment]
     threshold = _level_number(level)
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
