@@ -373,7 +373,11 @@ def spanning_penalty(seeds: Sequence[Mapping[str, Any]], policy: str = TARGET) -
     spanning allowed than forbidden, over the jobs that finished both ways in the same seed (the
     same trace but for the flag): ``sum(JCT allowed) / sum(JCT forbidden) - 1`` (positive: spanning
     made it slower). ``only_when_allowed`` counts jobs that finished only when they could span (a
-    gang bigger than any cluster), ``unpaired`` is the ratio of the plain mean JCTs minus 1."""
+    gang bigger than any cluster), ``only_when_forbidden`` the reverse, ``rejected_allowed`` /
+    ``rejected_forbidden`` the jobs ``policy`` rejected each way (a gang no cluster holds is rejected
+    with spanning forbidden, and also allowed when no spread keeps within the span guard's GPU-hours
+    bound), summed over seeds; ``unpaired`` is the ratio of the plain mean JCTs (all jobs that
+    finished each way, so different job sets) minus 1."""
     runs = {(s["cell"], s["seed"]): s for s in seeds if s.get("jct_by_job") is not None}
     pooled: dict[str, list[float]] = {}
     for (cell, seed), run in runs.items():
@@ -383,13 +387,16 @@ def spanning_penalty(seeds: Sequence[Mapping[str, Any]], policy: str = TARGET) -
             continue
         allowed, forbidden = run["jct_by_job"], other["jct_by_job"]
         common = allowed.keys() & forbidden.keys()
-        acc = pooled.setdefault(f"{platform}/{load}/{workload}", [0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+        acc = pooled.setdefault(f"{platform}/{load}/{workload}", [0.0] * 9)
         acc[0] += math.fsum(allowed[j] for j in common)
         acc[1] += math.fsum(forbidden[j] for j in common)
         acc[2] += len(common)
         acc[3] += len(allowed.keys() - forbidden.keys())
         acc[4] += math.fsum(allowed.values()) / max(len(allowed), 1)
         acc[5] += math.fsum(forbidden.values()) / max(len(forbidden), 1)
+        acc[6] += len(forbidden.keys() - allowed.keys())
+        acc[7] += float(run.get("policies", {}).get(policy, {}).get("rejected") or 0)
+        acc[8] += float(other.get("policies", {}).get(policy, {}).get("rejected") or 0)
     return [
         {
             "cells": key,
@@ -397,6 +404,9 @@ def spanning_penalty(seeds: Sequence[Mapping[str, Any]], policy: str = TARGET) -
             "penalty": acc[0] / acc[1] - 1.0 if acc[1] > 0 else None,
             "paired_jobs": int(acc[2]),
             "only_when_allowed": int(acc[3]),
+            "only_when_forbidden": int(acc[6]),
+            "rejected_allowed": int(acc[7]),
+            "rejected_forbidden": int(acc[8]),
             "unpaired": acc[4] / acc[5] - 1.0 if acc[5] > 0 else None,
         }
         for key, acc in pooled.items()

@@ -88,12 +88,24 @@ def test_the_margin_is_over_the_best_comparable_baseline_and_never_over_the_orac
 
 
 def test_the_spanning_penalty_pairs_the_jobs_that_finished_both_ways() -> None:
-    allowed = {"cell": "small/1/span/mix", "seed": 0, "jct_by_job": {"a": 30.0, "b": 10.0, "huge": 1000.0}}
-    forbidden = {"cell": "small/1/nospan/mix", "seed": 0, "jct_by_job": {"a": 20.0, "b": 20.0}}
+    allowed = {
+        "cell": "small/1/span/mix",
+        "seed": 0,
+        "jct_by_job": {"a": 30.0, "b": 10.0, "huge": 1000.0},
+        "policies": {"loom": {"rejected": 1.0}},
+    }
+    forbidden = {
+        "cell": "small/1/nospan/mix",
+        "seed": 0,
+        "jct_by_job": {"a": 20.0, "b": 20.0, "c": 5.0},
+        "policies": {"loom": {"rejected": 2.0}},
+    }
     (item,) = grid.spanning_penalty([allowed, forbidden])
     assert item["cells"] == "small/1/mix" and item["paired_jobs"] == 2 and item["only_when_allowed"] == 1
+    assert item["only_when_forbidden"] == 1
+    assert (item["rejected_allowed"], item["rejected_forbidden"]) == (1, 2)
     assert item["penalty"] == pytest.approx(0.0)  # 40 s both ways over a and b
-    assert item["unpaired"] == pytest.approx((1040.0 / 3) / 20.0 - 1.0)
+    assert item["unpaired"] == pytest.approx((1040.0 / 3) / (45.0 / 3) - 1.0)
 
 
 def test_grid_options_select_a_subset_and_refuse_unknown_values() -> None:
