@@ -442,6 +442,26 @@ def test_node_fit_fills_a_node_already_in_use_before_breaking_a_whole_one() -> N
     assert node_fit_scores(slow, job) == {"whole": 0.0, "broken": 0.0}
 
 
+def test_a_pool_whose_running_job_overran_its_predicted_end_is_not_free_now() -> None:
+    """The fast pool is full with a job predicted to have ended 100 s ago (it runs slower than
+    believed): its GPUs count as released now, but they are not free. A job 3x slower on the free
+    GPUs waits for the fast ones (within the ski-rental bound) instead of taking that as "free now"
+    and starting on the slow ones."""
+    nodes = [node("a0", "ca", used=8), node("b0", "cb", model=SLOW)]
+    snap = snapshot(nodes, [running("late", ("a0", 8), ends_in_s=-100.0)])
+    job = gang(workers=1, gpus=4)
+    outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())]).schedule(
+        job, snap, submitted_at=NOW
+    )
+    assert outcome.decision is None and outcome.status.code == Code.UNSCHEDULABLE
+    assert "waiting for faster GPUs" in outcome.status.reason
+    # Once it has waited what the slow start would lose (1000 steps x (1 - 1/3) s), it starts there.
+    late = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())]).schedule(
+        job, snapshot(nodes, [running("late", ("a0", 8), ends_in_s=-100.0)]), submitted_at=NOW - 700.0
+    )
+    assert late.decision is not None and late.decision.parts[0].cluster == "cb"
+
+
 def test_a_gang_no_cluster_holds_whose_every_spread_inflates_beyond_the_bound_is_rejected() -> None:
     """No cluster will ever hold the gang, and any spread all-reduces over the ocean (the only two
     clusters are in two regions): waiting cannot help, and running holds several times the

@@ -750,7 +750,10 @@ class SpanGuard:
       full load, single jobs of tens of hours ran 6-12x slower than under ``gavel_like`` when only
       gangs with ``comm`` and no queue could wait). The bound was chosen on that grid and on
       ``loom bench contention`` (plugins README). An option free now passes (the scores chose the
-      slower GPUs on purpose, e.g. for the data).
+      slower GPUs on purpose, e.g. for the data); one whose room is expected now only because a
+      running job overran its predicted end is not free: the job waits for it, within the same
+      ski-rental bound (before, such a pool passed as free and single jobs of tens of hours
+      started on P100s 6x slower than the G2 about to free up).
 
     A wait is UNSCHEDULABLE with ``wait_s`` the expected wait (none when unknown: the job is decided
     again when capacity frees) and claims the pool waited for in the shared
@@ -810,7 +813,13 @@ class SpanGuard:
         if not options:
             return Status()
         best = options[0]
-        if best.wait_s < MIN_WAIT_S or best.run_s >= run_now:
+        # A pool "free now" by the running jobs' predicted ends may not be: a job that overran its
+        # prediction counts as released at once (expected_wait_s), yet holds its GPUs. Its wait
+        # is unknown, not nothing: the job is held back for it as for any wait (ski rental below).
+        overdue = best.wait_s < MIN_WAIT_S and not _holds_now(
+            state, best.cluster, best.model, decision.workers
+        )
+        if (best.wait_s < MIN_WAIT_S and not overdue) or best.run_s >= run_now:
             return Status()
         if best.completion_s + MIN_WAIT_S > (1.0 - self.margin) * run_now:
             return Status()
