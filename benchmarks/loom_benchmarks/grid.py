@@ -261,16 +261,18 @@ def run_seed(task: tuple[str, float, bool, str, int, tuple[str, ...], int, str |
     every = max(60.0, span / 200.0)
     out: dict[str, dict[str, Any]] = {}
     jct_by_job: dict[str, float] | None = None
+    jct_by_policy: dict[str, dict[str, float]] = {}
     for name in policies:
         result = simulate(trace, built, make_policy(name, seed), seed=seed, sample_every_s=every, truth=truth)
         window = (trace.jobs[0].arrival_s, trace.jobs[-1].arrival_s) if trace.jobs else None
         out[name] = figures(result, window)
+        jct_by_policy[name] = {
+            r.job_id: round(jct, 1)
+            for r in result.records
+            if r.rejected is None and (jct := r.jct_s) is not None
+        }
         if name == TARGET:
-            jct_by_job = {
-                r.job_id: round(jct, 1)
-                for r in result.records
-                if r.rejected is None and (jct := r.jct_s) is not None
-            }
+            jct_by_job = jct_by_policy[name]
     return {
         "cell": cell_key(platform_name, load, spanning, workload),
         "seed": seed,
@@ -281,6 +283,7 @@ def run_seed(task: tuple[str, float, bool, str, int, tuple[str, ...], int, str |
         "wall_s": round(time.perf_counter() - started, 2),
         "policies": out,
         "jct_by_job": jct_by_job,
+        "jct_by_policy": jct_by_policy,
     }
 
 
@@ -341,6 +344,42 @@ def margin(by_policy: Mapping[str, Mapping[str, Any]], target: str = TARGET) -> 
     return {"best_baseline": best, "margin": result, "not_comparable": fewer, "loom_finished_fewer": more}
 
 
+def common_jobs_margin(seeds: Sequence[Mapping[str, Any]], target: str = TARGET) -> dict[str, Any]:
+    """Loom's margin over each baseline on the jobs both finished (pooled over ``seeds``, from their
+    ``jct_by_policy``): ``(sum baseline JCT - sum Loom JCT) / sum baseline JCT``. The mean-JCT
+    margin (:func:`margin`) has none when a baseline finished more jobs than Loom (e.g. gangs no
+    cluster holds, which Loom rejects when no spread keeps within its GPU-hours bound and the
+    baselines spread at any cost); this one compares like with like, and ``common_jobs`` /
+    ``baseline_only`` say how many jobs it covers and how many finished only under the baseline.
+    ``common_margin`` is the smallest (Loom's worst) over the baselines, ``common_best_baseline``
+    which."""
+    sums: dict[str, list[float]] = {}
+    for run in seeds:
+        by = run.get("jct_by_policy") or {}
+        mine = by.get(target)
+        if mine is None:
+            continue
+        for name, theirs in by.items():
+            if name == target or name in BOUNDS:
+                continue
+            common = mine.keys() & theirs.keys()
+            acc = sums.setdefault(name, [0.0, 0.0, 0.0, 0.0])
+            acc[0] += math.fsum(theirs[j] for j in common)
+            acc[1] += math.fsum(mine[j] for j in common)
+            acc[2] += len(common)
+            acc[3] += len(theirs.keys() - mine.keys())
+    per = {n: (a[0] - a[1]) / a[0] for n, a in sums.items() if a[0] > 0}
+    if not per:
+        return {"common_margin": None, "common_best_baseline": None, "common_jobs": 0, "baseline_only": 0}
+    worst = min(per, key=lambda n: (per[n], n))
+    return {
+        "common_margin": per[worst],
+        "common_best_baseline": worst,
+        "common_jobs": int(sums[worst][2]),
+        "baseline_only": int(sums[worst][3]),
+    }
+
+
 def aggregate(cell: str, seeds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One cell's line: per policy every figure averaged over ``seeds`` (the runs of :func:`run_seed`),
     Loom's margin from those means and per seed."""
@@ -358,6 +397,7 @@ def aggregate(cell: str, seeds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "reference_capacity_gpus": seeds[0].get("reference_capacity_gpus") if seeds else None,
         "policies": means,
         **margin(means),
+        **common_jobs_margin(seeds),
         "margin_per_seed": [m["margin"] for m in per_seed],
         "best_baseline_per_seed": [m["best_baseline"] for m in per_seed],
     }
@@ -512,6 +552,12 @@ def format_line(line: Mapping[str, Any]) -> str:
         + (
             f"; LOOM FINISHED FEWER than {', '.join(line['loom_finished_fewer'])}: no margin"
             if line.get("loom_finished_fewer")
+            else ""
+        )
+        + (
+            f"; on jobs both finished {line['common_margin']:+.1%} vs {line['common_best_baseline']}"
+            f" ({line['common_jobs']} jobs; {line['baseline_only']} finished only under it)"
+            if line.get("common_margin") is not None
             else ""
         )
     )
