@@ -50,6 +50,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         placement_shards=args.placement_shards,
         services=not args.servers_only,
         nats_cluster=args.nats_cluster,
+        secure_db=args.secure_db,
     )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
@@ -816,6 +817,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=(1, 3),
         default=1,
         help="nats-server processes: 3 runs a JetStream cluster with 3 replicas of every stream",
+    )
+    p.add_argument(
+        "--secure-db",
+        action=argparse.BooleanOptionalAction,
+        default=stack.SECURE_DB_DEFAULT,
+        help="PostgreSQL with SCRAM passwords (0600 files under LOOM_HOME/secrets) and a "
+        "least-privilege role per service; --no-secure-db trusts every local connection",
     )
     add("down", cmd_down, "stop the embedded stack")
     p = add("status", cmd_status, "show the stack's processes and their health")

@@ -29,11 +29,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import structlog
 
 from loom.bus import connect, ensure_streams
 from loom.model.topology import load_topology
 from loom.runtime.config import ENV_DATABASE_URL, ENV_HOME, ENV_NATS_URL, loom_home, stack_file
+from loom.runtime.pgsecrets import generate_password, write_pgpass
 from loom.runtime.servers import (
     NatsCluster,
     NatsServer,
@@ -45,6 +47,7 @@ from loom.runtime.servers import (
 from loom.runtime.tokens import ensure_tokens
 from loom.sched.shards import group_options, split_regions
 from loom.store.migrations import migrate_url
+from loom.store.roles import SERVICE_ROLES, role_of, set_password
 from loom_proto import subjects
 
 _PR_SET_PDEATHSIG = 1
@@ -55,6 +58,9 @@ _REAP_AFTER_CHANGE_S = 5.0
 """After a server dies or restarts, scan at every check for this long: its orphans exit then."""
 
 log = structlog.get_logger("loom.supervisor")
+
+SECURE_DB_DEFAULT = False
+"""Whether ``loom up`` secures PostgreSQL unless told (``--secure-db`` / ``--insecure-db``)."""
 
 ENV_STREAM_REPLICAS = "LOOM_STREAM_REPLICAS"
 """Replicas of Loom's streams, KV buckets and (inherited) consumers; read by loom.bus."""
@@ -116,6 +122,10 @@ class StackOptions:
     """Run the web console (services/console); ``loom console`` prints its URL with a token."""
     console_port: int = 0
     """The console's port on 127.0.0.1; 0: a free port chosen when the stack starts."""
+    secure_db: bool = SECURE_DB_DEFAULT
+    """The embedded PostgreSQL demands SCRAM passwords (no trust), generated here into 0600 files
+    under ``<home>/secrets/``, and each service logs in as its own least-privilege role
+    (:mod:`loom.store.roles`); off: every local connection is trusted, as the superuser."""
 
 
 def placement_groups(options: StackOptions) -> dict[str, list[str]]:
@@ -246,6 +256,26 @@ async def prepare(nats_url: str, database_url: str) -> None:
         await ensure_streams(nc.jetstream())
     finally:
         await nc.drain()
+
+
+async def provision_roles(admin_url: str, secrets_dir: Path, postgres: PostgresServer) -> dict[str, str]:
+    """Give every service role a fresh password (0600 file each); returns each role's URL.
+
+    Runs at every start of the stack, so a ``loom up`` also rotates the services' passwords. A
+    role's URL names its own password file, never the password.
+    """
+    urls: dict[str, str] = {}
+    conn = await asyncpg.connect(admin_url)
+    try:
+        for role in sorted(set(SERVICE_ROLES.values())):
+            password = generate_password()
+            passfile = secrets_dir / f"{role}.pgpass"
+            write_pgpass(passfile, role, password)
+            await set_password(conn, role, password)
+            urls[role] = postgres.url_for(role, passfile)
+    finally:
+        await conn.close()
+    return urls
 
 
 async def wait_healthy(nats_url: str, names: list[str], timeout_s: float) -> list[str]:
@@ -398,6 +428,8 @@ class Supervisor:
         self.watches: dict[str, ServerWatch] = {}
         self._checks = 0
         self._reaping_until = 0.0
+        self.role_urls: dict[str, str] = {}
+        """Each service role's database URL when PostgreSQL is secured (:attr:`StackOptions.secure_db`)."""
 
     def write_state(self, status: str, **extra: Any) -> None:
         """Atomically rewrite the state file."""
@@ -443,7 +475,12 @@ class Supervisor:
                 "nats", self.nats, on_restart=lambda: self._ensure_streams(url)
             )
         if not database_url:
-            self.postgres = PostgresServer(self.home / "postgres", durable=self.options.durable)
+            self.postgres = PostgresServer(
+                self.home / "postgres",
+                durable=self.options.durable,
+                auth=self.options.secure_db,
+                secrets_dir=self.home / "secrets",
+            )
             self.postgres.start()
             database_url = self.postgres.url
             self.state["postgres_pid"] = self.postgres.pid
@@ -484,8 +521,24 @@ class Supervisor:
             reap_orphans(known)
         return changed
 
+    def prepare(self, nats_url: str, database_url: str) -> None:
+        """Migrate, create the streams, and (PostgreSQL secured) give each service role a password."""
+        asyncio.run(prepare(nats_url, database_url))
+        if self.postgres is not None and self.postgres.auth:
+            self.role_urls = asyncio.run(provision_roles(database_url, self.home / "secrets", self.postgres))
+
+    def service_env(self, name: str, env: dict[str, str]) -> dict[str, str]:
+        """``env`` with the database URL of the service's own role when PostgreSQL is secured (a
+        process that uses no database gets a URL without credentials)."""
+        if not self.role_urls or self.postgres is None:
+            return env
+        role = role_of(name)
+        url = self.role_urls[role] if role is not None else self.postgres.url_for("loom_none", None)
+        return {**env, ENV_DATABASE_URL: url}
+
     def spawn(self, svc: ServiceProcess, env: dict[str, str]) -> None:
         """Start one service process, its output appended to its log file."""
+        env = self.service_env(svc.name, env)
         with open(svc.log, "ab") as log:
             proc = subprocess.Popen(
                 svc.argv,
@@ -511,7 +564,7 @@ class Supervisor:
         self.write_state("starting")
         try:
             nats_url, database_url = self.start_servers()
-            asyncio.run(prepare(nats_url, database_url))
+            self.prepare(nats_url, database_url)
             env = dict(
                 os.environ,
                 **{ENV_NATS_URL: nats_url, ENV_DATABASE_URL: database_url, ENV_HOME: str(self.home)},
@@ -649,6 +702,7 @@ def supervisor_argv(home: Path, options: StackOptions) -> list[str]:
         argv.append("--no-console")
     if options.console_port:
         argv += ["--console-port", str(options.console_port)]
+    argv.append("--secure-db" if options.secure_db else "--insecure-db")
     return argv
 
 
@@ -767,6 +821,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nats-cluster", type=int, choices=(1, 3), default=1)
     parser.add_argument("--no-console", action="store_true")
     parser.add_argument("--console-port", type=int, default=0)
+    parser.add_argument("--secure-db", action=argparse.BooleanOptionalAction, default=SECURE_DB_DEFAULT)
+    parser.add_argument("--insecure-db", dest="secure_db", action="store_false")
     args = parser.parse_args(argv)
     options = StackOptions(
         topology=args.topology,
@@ -783,6 +839,7 @@ def main(argv: list[str] | None = None) -> int:
         nats_cluster=args.nats_cluster,
         console=not args.no_console,
         console_port=args.console_port,
+        secure_db=args.secure_db,
     )
     return Supervisor(args.home.resolve(), options).run()
 
