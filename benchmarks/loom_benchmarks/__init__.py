@@ -157,6 +157,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     from loom_benchmarks.contention import add_arguments as contention_arguments
 
     contention_arguments(contention)
+    migration = sub.add_parser(
+        "migration", help="failure, link degradation, drain: migration on / never / always, timed by truth"
+    )
+    from loom_benchmarks.migration import add_arguments as migration_arguments
+
+    migration_arguments(migration)
     net = sub.add_parser("net", help="network perception: convergence, stability, accuracy, capacity")
     net.add_argument("--topology", default="default")
     net.add_argument("--seed", type=int, default=7)
@@ -246,6 +252,10 @@ def run_benchmark(args: argparse.Namespace) -> int:  # noqa: PLR0912 - a branch 
         from loom_benchmarks.contention import main as run_contention
 
         return run_contention(args)
+    if args.bench == "migration":
+        from loom_benchmarks.migration import main as run_migration
+
+        return run_migration(args)
     if args.bench == "net":
         from loom_benchmarks import net
 

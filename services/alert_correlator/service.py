@@ -46,6 +46,7 @@ from loom.model.topology import Topology
 from loom.runtime.service import ServiceContext
 from loom.store import incidents as store
 from loom.store.pool import transaction
+from loom.telemetry.metrics import INCIDENTS_OPEN
 from loom_proto import subjects
 from loom_proto.alerts import Alert
 from loom_proto.codec import MAX_PAYLOAD_BYTES
@@ -272,6 +273,15 @@ class AlertCorrelator:
             if self._notified or time.monotonic() - self._flushed_at >= PERSIST_EVERY_S:
                 await self.flush()
             self._stats()
+            self._gauge_open()
+
+    def _gauge_open(self) -> None:
+        """``loom_incidents_open`` by severity, for Prometheus and the overview dashboard."""
+        counts = {"info": 0, "warning": 0, "critical": 0}
+        for inc in self.core.open_incidents():
+            counts[inc.severity] = counts.get(inc.severity, 0) + 1
+        for severity, n in counts.items():
+            INCIDENTS_OPEN.labels(severity=severity).set(n)
 
     async def _refresh_loop(self) -> None:
         while True:

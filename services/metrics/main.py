@@ -8,6 +8,7 @@ from loom.model.profiles import (
     scu_per_gpu,
 )
 from loom.runtime.service import ServiceContext, run
+from loom.sched.plugins.cost import default_economics
 from loom_services.metrics.service import MetricsService
 
 
@@ -20,6 +21,8 @@ async def body(ctx: ServiceContext) -> None:
         known_models=frozenset(library_models()),
         claimed_speed=relative_speed,
         reference_profile=profile_for_model(DEFAULT_REFERENCE_MODEL),
+        # Usage is priced with the table placement's cost plugin scores with.
+        price=default_economics().price,
     ).run()
 
 

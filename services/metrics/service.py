@@ -24,16 +24,22 @@ from loom.model.scu import DecayLearner, DeviceProfile, TrustTracker, scu_by_tas
 from loom.runtime.service import ServiceContext
 from loom.store import inbox, outbox
 from loom.store import ledger as ledger_store
+from loom.store import usage as usage_store
 from loom.store.pool import transaction
+from loom.telemetry import metrics as prom
 from loom_proto import subjects
 from loom_proto.clusters import AcceleratorProfile, ClusterHeartbeat, ClusterProfiles
 from loom_proto.codec import DecodeError, decode, encode
 from loom_proto.jobs import JobCancelled, JobCompleted, JobFailed, JobPlaced, JobStarted
 from loom_proto.view import ModelCapacity, NodeView, RegionSummary, ViewDelta, ViewQuery, ZoneSummary
+from loom_services.metrics.metering import Metering
 
 log = structlog.get_logger("metrics")
 PRODUCER = "metrics"
 
+
+USAGE_EVERY = 6
+"""Gauge rounds between two refreshes of the usage gauges (30 s at the default 5 s rounds)."""
 
 ReservationEvent = JobPlaced | JobStarted | JobCompleted | JobFailed | JobCancelled
 
@@ -85,8 +91,12 @@ class MetricsService:
         known_models: frozenset[str] | None = None,
         claimed_speed: Callable[[str, str], float] | None = None,
         reference_profile: DeviceProfile | None = None,
+        price: Callable[[str, float], float] | None = None,
+        gauges_every_s: float = 5.0,
     ) -> None:
         self.ctx = ctx
+        self.gauges_every_s = gauges_every_s
+        self.metering = Metering(ctx, price or (lambda _region, _at: 0.0))
         self.pool = ctx.db
         self.ledger = Ledger(known_models=known_models)
         self.summary_every_s = summary_every_s
@@ -156,15 +166,19 @@ class MetricsService:
             handler=self.on_profiles,
             publisher=self.ctx.publisher,
         )
+        metering = self.metering.runner()
         query_sub = await self.ctx.nc.subscribe(subjects.VIEW_QUERY, cb=self.on_query)
         await runner.start()
         await lifecycle.start()
         await profiles.start()
+        await metering.start()
         watchdog = self.ctx.watchdog
         loops = [
             watchdog.watch_consumer("heartbeats", runner),
             watchdog.watch_consumer("reservations", lifecycle),
             watchdog.watch_consumer("profiles", profiles),
+            watchdog.watch_consumer("metering", metering),
+            watchdog.supervise("gauges", self._gauge_loop),
             watchdog.supervise("expire", self._expire_loop),
             watchdog.supervise("summaries", self._summary_loop),
         ]
@@ -175,9 +189,42 @@ class MetricsService:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
             await query_sub.unsubscribe()
+            await metering.stop()
             await profiles.stop()
             await lifecycle.stop()
             await runner.stop()
+
+    async def _gauge_loop(self) -> None:
+        """Refresh the capacity gauges every ``gauges_every_s``, the usage gauges every
+        ``USAGE_EVERY`` rounds (they sum the whole usage table)."""
+        rounds = 0
+        while True:
+            try:
+                await self.refresh_gauges(usage=rounds % USAGE_EVERY == 0)
+            except Exception as exc:  # the next round tries again
+                log.warning("gauge refresh failed", error=repr(exc))
+            rounds += 1
+            await asyncio.sleep(self.gauges_every_s)
+
+    async def refresh_gauges(self, *, usage: bool = True) -> None:
+        """Capacity per cluster from the ledger; with ``usage``, usage per tenant, team, region
+        and model from the metered rows."""
+        for cluster in list(self.ledger.clusters.values()):
+            nodes = [self.ledger.nodes[n] for n in cluster.nodes if n in self.ledger.nodes]
+            total = sum(n.gpus_total for n in nodes)
+            free = sum(n.gpus_free for n in nodes)
+            labels = (cluster.region, cluster.cluster)
+            prom.CLUSTER_GPUS.labels(*labels).set(total)
+            prom.CLUSTER_FREE_GPUS.labels(*labels).set(free)
+            prom.CLUSTER_WATER_LEVEL.labels(*labels).set((total - free) / total if total else 0.0)
+            prom.CLUSTER_STALE.labels(*labels).set(1 if cluster.stale else 0)
+        self.ctx.stats["metering"] = dict(self.metering.counts)
+        if not usage:
+            return
+        for row in await usage_store.usage_totals(self.pool):
+            key = (row["tenant"], row["team"], row["region"], row["gpu_model"])
+            prom.USAGE_GPU_SECONDS.labels(*key).set(int(row["gpu_ms"]) / 1000.0)
+            prom.USAGE_COST.labels(*key).set(float(row["cost"]))
 
     async def on_job_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
         """Placements show as reserved until the run starts (or ends without starting).

@@ -44,6 +44,7 @@ from loom.net import (
 from loom.runtime.service import ServiceContext
 from loom.store import links
 from loom.store.pool import transaction
+from loom.telemetry import metrics as prom
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
 from loom_proto.net import LinkDegraded, LinkRecovered, RawProbeSample, TransferObserved
@@ -307,6 +308,10 @@ class NetworkPerception:
         publisher = self.ctx.publisher
         states = self.perception.link_states(now)
         stamp = int(now * 1000)
+        for st in states:
+            prom.LINK_RTT.labels(st.src, st.dst).set(st.rtt_ms_p50)
+            prom.LINK_LOSS.labels(st.src, st.dst).set(st.loss_rate)
+            prom.LINK_COST.labels(st.src, st.dst).set(st.cost)
         await asyncio.gather(
             *(
                 publisher.publish(

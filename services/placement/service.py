@@ -101,6 +101,7 @@ from loom.store import jobs as repo
 from loom.store import ledger as ledger_store
 from loom.store.fence import FencedError
 from loom.store.pool import ConflictError, transaction, with_retry
+from loom.telemetry import metrics as prom
 from loom_proto import subjects
 from loom_proto.clusters import ResizeJob, StartJob, StopJob
 from loom_proto.codec import DecodeError, check_payload, decode, encode
@@ -187,6 +188,7 @@ class PlacementService:
         self.settled_at = time.monotonic() + settle_s
         self.stats = ctx.stats
         self.shard = validate_id(shard, "shard")
+        self._register_gauges()
         self.shard_map = ShardMap.build(region_groups, topology)
         """Region groups: which shard a job routes to and whose territory a region is."""
         if self.shard != GLOBAL and self.shard not in self.shard_map.groups:
@@ -283,6 +285,16 @@ class PlacementService:
         log.info(
             "state rebuilt", nodes=len(self.book.nodes), runs=len(self.book.runs), queued=len(self.queue)
         )
+
+    def _register_gauges(self) -> None:
+        """The queue's Prometheus gauges, read at scrape time only (nothing spent between scrapes)."""
+        prom.QUEUE_DEPTH.labels(self.shard).set_function(lambda: len(self.queue))
+        prom.QUEUE_AGE.labels(self.shard).set_function(self._oldest_queued_age_s)
+
+    def _oldest_queued_age_s(self) -> float:
+        """Seconds since the oldest queued job was submitted (by its submitter's clock); 0 when none."""
+        submitted = [q.job.submitted_at for q in list(self.queue.values()) if q.job.submitted_at > 0]
+        return max(time.time() - min(submitted), 0.0) if submitted else 0.0
 
     async def run(self) -> None:
         """Follow links and answer queries always; lead the shard whenever this instance can."""
@@ -1075,6 +1087,8 @@ class PlacementService:
             self.book.add_pending(run)  # until its transaction commits (or fails)
         if not result.empty:
             self.stats["last_cycle"] = {"jobs": len(jobs), "decide_ms": round(result.decide_ms, 1)}
+            prom.DECISIONS.labels(self.shard).inc(len(jobs))
+            prom.DECISION_LATENCY.labels(self.shard).observe(result.decide_ms / 1000.0)
         # A run taken back had its quota counted in the snapshot: rebuild it after the commit.
         return Applied(cycle=result, runs=runs, stale=bool(taken_back), at=now)
 
@@ -1348,6 +1362,16 @@ class PlacementService:
         self.stats["placed"] += len(cycle.placed)
         self.stats["rejected"] += len(cycle.rejected)
         self.stats["queued"] = len(self.queue)
+        for outcome, count in (
+            ("placed", len(cycle.placed)),
+            ("rejected", len(cycle.rejected)),
+            ("waiting", len(cycle.waiting)),
+            ("requeued", len(applied.requeued)),
+            ("preempted", sum(1 for _, _, cause in applied.requeued if cause == "preempted")),
+            ("resized", len(applied.shrunk) + len(applied.grown)),
+        ):
+            if count:
+                prom.PLACEMENTS.labels(self.shard, outcome).inc(count)
         if cycle.preempted or cycle.shrunk or applied.stale:
             # What the victims gave back beyond the new placement is free now: every queued job
             # gets a look at it in the next cycle (as released capacity always does).

@@ -283,7 +283,7 @@ async def _leading(nc: Client, name: str) -> dict[str, Any] | None:
 
 # PLR0915: one end-to-end scenario, its steps in order.
 async def test_sigkill_of_placement_with_queued_jobs_places_every_job_exactly_once(  # noqa: PLR0915
-    client: LoomClient, state: dict[str, Any], home: Path
+    client: LoomClient, state: dict[str, Any], home: Path, receiver: OtlpReceiver
 ) -> None:
     async def sole_leader() -> tuple[str, dict[str, Any]] | None:
         """The one instance that leads, once both answer (None while that is not so)."""
@@ -366,6 +366,15 @@ async def test_sigkill_of_placement_with_queued_jobs_places_every_job_exactly_on
         assert seen == dict.fromkeys(ids, 1)
     finally:
         await nc.close()
+    # Each job is one trace across the leader change, though this client sends no trace context:
+    # a redelivery to the new leader used to start a second trace for the same job.
+    traces: dict[str, set[str]] = {job_id: set() for job_id in ids}
+    for span in receiver.spans:
+        msg_id = str(span["attributes"].get("messaging.message.id", ""))
+        job_id = msg_id.split(":", 1)[0]
+        if job_id in traces:
+            traces[job_id].add(span["trace_id"])
+    assert {job_id: len(t) for job_id, t in traces.items()} == dict.fromkeys(ids, 1)
 
 
 def test_loom_status_reports_every_process_healthy(home: Path) -> None:
@@ -388,6 +397,27 @@ def test_loom_status_reports_every_process_healthy(home: Path) -> None:
         for p in report["processes"]
         if p["name"] not in ("supervisor", "nats", "postgres")
     )
+
+
+def test_every_service_serves_prometheus_metrics_at_the_url_status_lists(home: Path) -> None:
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    services = [p for p in stack.process_table(home) if p["name"] not in ("supervisor", "nats", "postgres")]
+    assert services
+    for process in services:
+        url = process["metrics_url"]
+        assert url, f"{process['name']} has no /metrics URL"
+        with urlopen(url, timeout=10) as answer:
+            families = {f.name: f for f in text_string_to_metric_families(answer.read().decode())}
+        (info,) = families["loom_service_info"].samples
+        assert info.labels["service"] == process["name"]
+        assert "process_cpu_seconds" in families
+        if process["name"] == "metrics":
+            assert families["loom_cluster_free_gpus"].samples
+        if process["name"] == "placement":
+            assert families["loom_queue_depth"].samples
 
 
 def _loom(home: Path, *argv: str) -> subprocess.CompletedProcess[str]:

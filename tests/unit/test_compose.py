@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
 NATS_CONF = ROOT / "deploy" / "nats" / "nats.conf"
+PROMETHEUS_CONF = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+GRAFANA_DATASOURCES = ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
 NATS_CLUSTER_CONF = ROOT / "deploy" / "nats" / "cluster-3.conf"
 
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -33,6 +35,8 @@ IMAGE_BINARIES = {
     "nats": {"nats-server"},
     "postgres": {"postgres", "docker-entrypoint.sh"},
     "jaegertracing/all-in-one": {"/go/bin/all-in-one-linux"},
+    "prom/prometheus": {"/bin/prometheus"},
+    "grafana/grafana": {"/run.sh"},
 }
 
 NATS_SERVICE, POSTGRES_SERVICE, JAEGER_SERVICE = "nats", "postgres", "jaeger"
@@ -415,3 +419,55 @@ def test_the_cluster_template_needs_its_server_name() -> None:
     )
     assert result.returncode != 0
     assert "NATS_SERVER_NAME" in result.stdout + result.stderr
+
+
+# ---- Prometheus and Grafana -----------------------------------------------------------------------
+
+
+def _scrape_targets() -> dict[str, str]:
+    """``service`` label -> ``host:port`` of every target of the ``loom`` scrape job."""
+    conf = yaml.safe_load(PROMETHEUS_CONF.read_text())
+    (job,) = [j for j in conf["scrape_configs"] if j["job_name"] == "loom"]
+    targets = {}
+    for group in job["static_configs"]:
+        for target in group["targets"]:
+            targets[group["labels"]["service"]] = target
+    return targets
+
+
+def test_prometheus_scrapes_every_loom_service_on_its_metrics_port() -> None:
+    targets = _scrape_targets()
+    long_running = {name: svc for name, svc in LOOM_SERVICES.items() if name != "migrate"}
+    assert set(targets) == set(long_running), "scrape exactly the long-running Loom services"
+    for name, svc in long_running.items():
+        port = _env(svc).get("LOOM_METRICS_PORT")
+        assert port, f"{name}: no LOOM_METRICS_PORT, so no /metrics endpoint"
+        assert targets[name] == f"{name}:{port}", name
+
+
+def test_prometheus_and_grafana_run_the_mounted_config() -> None:
+    prometheus = SERVICES["prometheus"]
+    argv = _argv(prometheus)
+    config = next(w.split("=", 1)[1] for w in argv if w.startswith("--config.file="))
+    mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in prometheus["volumes"] if isinstance(v, str)}
+    assert (ROOT / mounts[config]).resolve() == PROMETHEUS_CONF
+    grafana = SERVICES["grafana"]
+    grafana_mounts = {
+        str(v).split(":")[1]: str(v).split(":")[0] for v in grafana["volumes"] if isinstance(v, str)
+    }
+    provisioning = (ROOT / grafana_mounts["/etc/grafana/provisioning"]).resolve()
+    assert (provisioning / "datasources" / "prometheus.yml").resolve() == GRAFANA_DATASOURCES
+    providers = yaml.safe_load((provisioning / "dashboards" / "loom.yml").read_text())["providers"]
+    dashboards_dir = providers[0]["options"]["path"]
+    assert (ROOT / grafana_mounts[dashboards_dir]).resolve() == ROOT / "deploy" / "grafana" / "dashboards"
+    home = _env(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (ROOT / grafana_mounts[dashboards_dir] / Path(home).name).exists()
+
+
+def test_grafana_queries_the_prometheus_service() -> None:
+    sources = yaml.safe_load(GRAFANA_DATASOURCES.read_text())["datasources"]
+    published = {container for _, _, container in _published(SERVICES["prometheus"])}
+    for source in sources:
+        url = urlsplit(source["url"])
+        assert (url.hostname, url.port) == ("prometheus", 9090)
+        assert url.port in published

@@ -174,3 +174,24 @@ def test_a_jaeger_answer_becomes_an_indented_tree_in_start_order() -> None:
     assert [line.split()[:2] for line in lines[:2]] == [["0.000s", "1.5ms"], ["0.001s", "1.5ms"]]
     with pytest.raises(ValueError, match="no trace"):
         parse_jaeger_trace({"data": []}, "t1")
+
+
+def test_a_job_message_without_trace_context_joins_one_trace_on_every_delivery() -> None:
+    # A raw NATS client submits without traceparent; the leader that took it died before acking,
+    # and the new leader's delivery used to start a second trace for the same job.
+    from loom.telemetry import message_context
+
+    def trace_of(ctx: object) -> trace.SpanContext:
+        return trace.get_current_span(ctx).get_span_context()  # type: ignore[arg-type]
+
+    first = trace_of(message_context({}, "loom.jobs.submitted.acme", "job-1"))
+    again = trace_of(message_context({"Nats-Msg-Id": "job-1"}, "loom.jobs.submitted.acme", "job-1"))
+    other = trace_of(message_context({}, "loom.jobs.submitted.acme", "job-2"))
+    assert first.is_valid and first.trace_flags.sampled
+    assert first.trace_id == again.trace_id and first.trace_id != other.trace_id
+    # A message that carries a trace continues it; infrastructure traffic without one starts anew.
+    tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    carried = trace_of(message_context({"traceparent": tp}, "loom.jobs.submitted.acme", "job-1"))
+    assert format(carried.trace_id, "032x") == "4bf92f3577b34da6a3ce929d0e0e4736"
+    assert not trace_of(message_context({}, "loom.clusters.c1.heartbeat", "hb-1")).is_valid
+    assert not trace_of(message_context({}, "loom.jobs.submitted.acme", "")).is_valid

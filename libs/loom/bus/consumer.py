@@ -43,14 +43,15 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from loom.bus.connection import BusError
 from loom.bus.outage import Dependencies, of_connection
 from loom.bus.publisher import Publisher
 from loom.errors import LoomError
-from loom.telemetry import span_name
+from loom.telemetry import message_context, span_name
+from loom.telemetry.metrics import CONSUMER_LAG, CONSUMER_MESSAGES, CONSUMER_REDELIVERIES, DEAD_LETTERS
 from loom_proto.codec import DecodeError, decode
 from loom_proto.ids import InvalidIdError
 from loom_proto.subjects import dead_letter
@@ -342,10 +343,16 @@ class ConsumerRunner(Generic[T]):
 
     async def _process(self, msgs: list[Msg]) -> None:
         deliveries: list[Delivery[T]] = []
+        durable = self.spec.durable
+        CONSUMER_LAG.labels(durable).set(msgs[-1].metadata.num_pending or 0)
         for msg in msgs:
             headers = dict(msg.headers or {})
-            parent = propagate.extract(headers)
             meta = msg.metadata
+            parent = message_context(
+                headers, msg.subject, headers.get("Nats-Msg-Id") or f"{meta.stream}:{meta.sequence.stream}"
+            )
+            if meta.num_delivered > 1:
+                CONSUMER_REDELIVERIES.labels(durable).inc()
             span = _tracer.start_span(
                 span_name("process", msg.subject),
                 context=parent,
@@ -429,6 +436,7 @@ class ConsumerRunner(Generic[T]):
             # redeliveries to another consumer of the same durable.
             await delivery.msg.nak(delay=self.spec.first_nak_delay_s)
             self.counts["nacked"] += 1
+            CONSUMER_MESSAGES.labels(self.spec.durable, "nacked").inc()
         except Exception as exc:  # NATS may be the one that is down: the ack wait redelivers it
             log.debug("nak failed", consumer=self.spec.durable, error=repr(exc))
         finally:
@@ -517,6 +525,7 @@ class ConsumerRunner(Generic[T]):
             try:
                 await msg.ack()
                 self.counts["acked"] += 1
+                CONSUMER_MESSAGES.labels(self.spec.durable, "acked").inc()
             finally:
                 span.end()
             return
@@ -546,6 +555,7 @@ class ConsumerRunner(Generic[T]):
         try:
             await msg.nak(delay=delay_s)
             self.counts["nacked"] += 1
+            CONSUMER_MESSAGES.labels(self.spec.durable, "nacked").inc()
         finally:
             span.end()
 
@@ -594,5 +604,7 @@ class ConsumerRunner(Generic[T]):
         try:
             await msg.term()
             self.counts["dead_lettered"] += 1
+            CONSUMER_MESSAGES.labels(self.spec.durable, "dead_lettered").inc()
+            DEAD_LETTERS.labels(self.spec.durable, meta.stream).inc()
         finally:
             span.end()

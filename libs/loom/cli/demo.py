@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from loom.cli.usage import demo_summary
 from loom.client import LoomClient, load_specs
 from loom.runtime import stack
 from loom.runtime.config import loom_home
@@ -43,7 +44,9 @@ def _table(jobs: dict[str, dict[str, Any] | None], started: float) -> Table:
     return table
 
 
-async def _demo(args: argparse.Namespace, console: Console, nats_url: str, expected_clusters: int) -> int:
+async def _demo(
+    args: argparse.Namespace, console: Console, nats_url: str, expected_clusters: int, database_url: str = ""
+) -> int:
     specs = load_specs(args.workload or DEFAULT_WORKLOAD)
     client = await LoomClient.connect(nats_url, name="loom-demo")
     try:
@@ -102,6 +105,8 @@ async def _demo(args: argparse.Namespace, console: Console, nats_url: str, expec
                 console.print(f"[bold]loom explain {job_id}[/bold]:")
                 for line in render(DecisionRecord.from_dict(placed[-1]["record"]), limit=2)[:4]:
                     console.print(f"  {line}", highlight=False)
+        if database_url:
+            await _usage_summary(console, database_url, done)
         unfinished = [k for k, j in jobs.items() if j is None or j["state"] not in TERMINAL]
         if unfinished:
             console.print(
@@ -110,6 +115,25 @@ async def _demo(args: argparse.Namespace, console: Console, nats_url: str, expec
         return 0 if not unfinished and by_state.get("completed", 0) > 0 else 1
     finally:
         await client.close()
+
+
+async def _usage_summary(console: Console, database_url: str, done: list[dict[str, Any]]) -> None:
+    """Metered usage per tenant and team (``loom usage`` has the rest: regions, models, statements)."""
+    placed = [j["job_id"] for j in done if j["placed_at"] and j["state"] == "completed"]
+    try:
+        usage = await demo_summary(database_url, placed, by=("tenant", "label:team"))
+    except Exception as exc:  # the summary is a courtesy: never fail the demo on it
+        console.print(f"[yellow]usage not available: {exc}[/yellow]")
+        return
+    for way, groups in usage.items():
+        console.print(
+            f"usage by {way.removeprefix('label:')}: "
+            + "; ".join(
+                f"{g.key} {len(g.runs)} runs {g.as_dict()['gpu_seconds']} GPU-s cost {g.cost:.2f}"
+                for g in groups
+            ),
+            highlight=False,
+        )
 
 
 def run_demo(args: argparse.Namespace, console: Console) -> int:
@@ -124,7 +148,7 @@ def run_demo(args: argparse.Namespace, console: Console) -> int:
     console.print(f"[green]Loom is up[/green]: {len(state['services'])} services, logs in {home / 'logs'}")
     try:
         agents = sum(1 for name in state["services"] if name.startswith("agent-"))
-        code = asyncio.run(_demo(args, console, state["nats_url"], agents))
+        code = asyncio.run(_demo(args, console, state["nats_url"], agents, state.get("database_url", "")))
     finally:
         if args.down:
             stack.down(home)

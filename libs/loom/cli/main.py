@@ -51,6 +51,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         services=not args.servers_only,
         nats_cluster=args.nats_cluster,
         secure_db=args.secure_db,
+        metrics_port_base=args.metrics_port_base,
     )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
@@ -109,6 +110,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                 text,
             )
         console.print(table)
+        metrics_endpoints = [(r["name"], r["metrics_url"]) for r in rows if r.get("metrics_url")]
+        if metrics_endpoints:
+            console.print("Prometheus /metrics:")
+            for name, url in metrics_endpoints:
+                console.print(f"  {name:<28} {url}", highlight=False, soft_wrap=True)
     ok = all(r["alive"] for r in rows) and all(
         r["health"] for r in rows if r["name"] != "supervisor" and not stack.is_server(r["name"])
     )
@@ -825,6 +831,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="PostgreSQL with SCRAM passwords (0600 files under LOOM_HOME/secrets) and a "
         "least-privilege role per service; --no-secure-db trusts every local connection",
     )
+    p.add_argument(
+        "--metrics-port-base",
+        type=int,
+        default=0,
+        help="Prometheus /metrics ports: consecutive from this one (default: a free port each)",
+    )
     add("down", cmd_down, "stop the embedded stack")
     p = add("status", cmd_status, "show the stack's processes and their health")
     p.add_argument("--json", action="store_true")
@@ -896,6 +908,9 @@ def build_parser() -> argparse.ArgumentParser:
     from loom.cli.incidents import add_parser as add_incidents_parser
 
     add_incidents_parser(sub)
+    from loom.cli.usage import add_parser as add_usage_parser
+
+    add_usage_parser(sub)
     p = add("demo", cmd_demo, "start the stack, run the example workload, show progress and a summary")
     p.add_argument(
         "--workload", type=Path, default=None, help="job file (default: examples/demo-workload.yaml)"

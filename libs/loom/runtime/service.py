@@ -36,6 +36,7 @@ from loom.runtime.watchdog import Watchdog
 from loom.store import pool as store_pool
 from loom.store.pool import create_pool
 from loom.telemetry import setup_telemetry, shutdown_telemetry
+from loom.telemetry.metrics import serve_metrics
 from loom_proto import subjects
 
 
@@ -128,6 +129,7 @@ def run(name: str, body: Callable[[ServiceContext], Awaitable[None]], *, needs_d
     """Run a service process until SIGTERM / SIGINT, then shut down cleanly."""
     setup_telemetry(name)  # also configures JSON logs with trace ids
     log = structlog.get_logger(name)
+    metrics_port = serve_metrics(name)  # /metrics on $LOOM_METRICS_PORT, when set
 
     async def main() -> None:
         stopping = asyncio.Event()
@@ -144,9 +146,11 @@ def run(name: str, body: Callable[[ServiceContext], Awaitable[None]], *, needs_d
         # Everything loaded so far lives as long as the process: keep it out of the collector's
         # scans, and collect young objects less often, so a busy service does not stall for a
         # full collection in the middle of a decision.
+        if metrics_port is not None:
+            ctx.stats["metrics_port"] = metrics_port
         gc.freeze()
         gc.set_threshold(50_000, 20, 50)
-        log.info("service started", pid=os.getpid())
+        log.info("service started", pid=os.getpid(), metrics_port=metrics_port)
         try:
             await body(ctx)
         finally:

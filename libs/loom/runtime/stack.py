@@ -48,6 +48,7 @@ from loom.runtime.tokens import ensure_tokens
 from loom.sched.shards import group_options, split_regions
 from loom.store.migrations import migrate_url
 from loom.store.roles import SERVICE_ROLES, role_of, set_password
+from loom.telemetry.metrics import ENV_METRICS_PORT
 from loom_proto import subjects
 
 _PR_SET_PDEATHSIG = 1
@@ -89,6 +90,8 @@ class ServiceProcess:
     started_at: float = 0.0
     last_exit: str | None = None
     """How the previous process ended (``killed by SIGKILL``), None before any exit."""
+    metrics_port: int | None = None
+    """Where it serves Prometheus ``/metrics`` (the same port across restarts)."""
 
 
 @dataclass
@@ -126,6 +129,16 @@ class StackOptions:
     """The embedded PostgreSQL demands SCRAM passwords (no trust), generated here into 0600 files
     under ``<home>/secrets/``, and each service logs in as its own least-privilege role
     (:mod:`loom.store.roles`); off: every local connection is trusted, as the superuser."""
+    metrics_port_base: int = 0
+    """Prometheus ``/metrics`` ports: services get ``base``, ``base + 1``, … in start order; 0 gives
+    each a free port. ``loom status`` lists them; deploy/prometheus/ shows how to scrape them."""
+
+
+def metrics_ports(names: list[str], base: int) -> dict[str, int]:
+    """The ``/metrics`` port of each service: consecutive from ``base``, or free ports when 0."""
+    if base:
+        return {name: base + i for i, name in enumerate(names)}
+    return {name: free_port() for name in names}
 
 
 def placement_groups(options: StackOptions) -> dict[str, list[str]]:
@@ -539,6 +552,8 @@ class Supervisor:
     def spawn(self, svc: ServiceProcess, env: dict[str, str]) -> None:
         """Start one service process, its output appended to its log file."""
         env = self.service_env(svc.name, env)
+        if svc.metrics_port is not None:
+            env = {**env, ENV_METRICS_PORT: str(svc.metrics_port)}
         with open(svc.log, "ab") as log:
             proc = subprocess.Popen(
                 svc.argv,
@@ -551,6 +566,16 @@ class Supervisor:
         self.procs[svc.name] = proc
         svc.pid = proc.pid
         svc.started_at = time.time()
+
+    def start_services(self, env: dict[str, str]) -> None:
+        """Spawn every service of the options, each with its own ``/metrics`` port."""
+        argvs = service_argvs(self.options) if self.options.services else {}
+        ports = metrics_ports(list(argvs), self.options.metrics_port_base)
+        for name, argv in argvs.items():
+            self.services[name] = ServiceProcess(
+                name, argv, str(self.home / "logs" / f"{name}.log"), metrics_port=ports[name]
+            )
+            self.spawn(self.services[name], env)
 
     def run(self) -> int:
         """Start everything, watch it, stop on SIGTERM/SIGINT."""
@@ -575,10 +600,7 @@ class Supervisor:
                 if not self.options.console_port:
                     self.options.console_port = free_port()
                 self.state["console_url"] = f"http://127.0.0.1:{self.options.console_port}"
-            argvs = service_argvs(self.options) if self.options.services else {}
-            for name, argv in argvs.items():
-                self.services[name] = ServiceProcess(name, argv, str(self.home / "logs" / f"{name}.log"))
-                self.spawn(self.services[name], env)
+            self.start_services(env)
             self.write_state("starting", nats_url=nats_url, database_url=database_url)
             silent = asyncio.run(wait_healthy(nats_url, list(self.services), timeout_s=60.0))
             if silent:
@@ -698,6 +720,8 @@ def supervisor_argv(home: Path, options: StackOptions) -> list[str]:
         argv.append("--servers-only")
     if options.nats_cluster != 1:
         argv += ["--nats-cluster", str(options.nats_cluster)]
+    if options.metrics_port_base:
+        argv += ["--metrics-port-base", str(options.metrics_port_base)]
     if not options.console:
         argv.append("--no-console")
     if options.console_port:
@@ -798,6 +822,9 @@ def process_table(home: Path | None = None) -> list[dict[str, Any]]:
                 "alive": _alive(svc["pid"]),
                 "restarts": svc["restarts"],
                 "last_exit": svc.get("last_exit"),
+                "metrics_url": f"http://127.0.0.1:{svc['metrics_port']}/metrics"
+                if svc.get("metrics_port")
+                else None,
             }
         )
     return rows
@@ -823,6 +850,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--console-port", type=int, default=0)
     parser.add_argument("--secure-db", action=argparse.BooleanOptionalAction, default=SECURE_DB_DEFAULT)
     parser.add_argument("--insecure-db", dest="secure_db", action="store_false")
+    parser.add_argument("--metrics-port-base", type=int, default=0)
     args = parser.parse_args(argv)
     options = StackOptions(
         topology=args.topology,
@@ -840,6 +868,7 @@ def main(argv: list[str] | None = None) -> int:
         console=not args.no_console,
         console_port=args.console_port,
         secure_db=args.secure_db,
+        metrics_port_base=args.metrics_port_base,
     )
     return Supervisor(args.home.resolve(), options).run()
 

@@ -68,11 +68,12 @@ A job that restarts in a region it already copied its dataset to does not copy i
 duration of a run is ``wait + steps_left x step_s`` (+ the reading delay).
 
 **Changes during a run.** A degraded or restored link re-times the running data-parallel jobs whose
-parts span it (work done so far is kept; pipelines keep their planned step). A shrunk elastic job
-is re-timed for its new worker count. A job stopped by preemption or by its cluster failing is
-requeued (``restarts`` + 1) and resumes from its last checkpoint when ``work.checkpoint_every_steps``
-is set, else from scratch. Progress of running jobs is not reported to preemption (it sees 0),
-and elastic jobs are not grown back (only shrunk).
+parts span it, and the running inference jobs served from another region than their users (their
+step waits the users' round trip); work done so far is kept; pipelines keep their planned step. A
+shrunk elastic job is re-timed for its new worker count. A job stopped by preemption or by its
+cluster failing is requeued (``restarts`` + 1) and resumes from its last checkpoint when
+``work.checkpoint_every_steps`` is set, else from scratch. Progress of running jobs is not
+reported to preemption (it sees 0), and elastic jobs are not grown back (only shrunk).
 
 **Records.** ``start_s`` is the first placement (the GPUs are held from then, also while a dataset
 is copied); ``arrival_s`` the time the job entered the queue (a DAG stage: when its last parent
@@ -118,6 +119,7 @@ from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s
 from loom.sched.quota import OPEN, QuotaBook
 from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob, Snapshot
+from loom.sim.migration import MigrationPolicy, Migrator
 from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob, SimResult, Trace
 from loom.sim.policies import FrameworkPolicy, OraclePolicy
 from loom.sim.truth import BELIEF, BeliefTiming, Truth, load_truth
@@ -397,6 +399,7 @@ class _Simulation:
         learner: SpeedLearner | None = None,
         truth: Truth | None = None,
         seed: int = 0,
+        migration: MigrationPolicy | None = None,
     ) -> None:
         self.truth = truth
         """Where true speeds come from; None: time by the scheduler's belief."""
@@ -444,6 +447,9 @@ class _Simulation:
         """The network changed: every waiting shape is retried once (within the budget)."""
         self.by_cluster: dict[str, set[str]] = {}
         self.spanning: set[str] = set()
+        self.serving: set[str] = set()
+        """Running inference jobs whose users are in another region than their lead (their step
+        waits the users' round trip: re-timed when a link changes)."""
         """Running data-parallel jobs whose parts span regions (re-timed when a link changes)."""
         self.freeable: dict[int, IntArray] = {}
         """Priority -> per (cluster, model) pool, GPUs of preemptible running jobs' lead parts
@@ -475,6 +481,8 @@ class _Simulation:
         """Running lists replaced, emptied but kept alive (see :meth:`_drop_running`)."""
         self.trust = {c.id: float(self.snap.trust[i]) for i, c in enumerate(self.snap.clusters)}
         self._expand(trace)
+        self.migrator = Migrator(self, migration) if migration is not None else None
+        """Moves running jobs at failures, link changes and drains (None: the engine as before)."""
         if self.fast is not None:
             self.fast.prepare(self.snap, [job.spec for job in self.order], truth, seed)
         for job in self.order:
@@ -652,7 +660,11 @@ class _Simulation:
                     self._arrive(self.jobs[event.job_id])
             if sample:
                 self.retry_post = True
+                if self.migrator is not None:
+                    self.migrator.on_sample()
             self._pass()
+            if self.migrator is not None and self.migrator.after_pass():
+                self._pass()  # the moves freed GPUs the queue may use
             if sample:
                 self._sample()
                 nxt = t + self.sample_every_s
@@ -982,6 +994,11 @@ class _Simulation:
         wait_s, extra_s, copy_bytes, belief_extra_s = self._data(
             job, regions[0], job.steps_left * step_s, d, job.steps_left * belief_step_s * scale
         )
+        if self.migrator is not None:
+            # A moved or re-placed run first gets its checkpoint (saved, copied, restarted).
+            wait_s += self.migrator.start_delay(
+                job, d, gpus=sum(sum(g for _, g in p.allocations) for p in parts)
+            )
         gpus_by_part = [sum(g for _, g in p.allocations) for p in parts]
         gpus = sum(gpus_by_part)
         distinct = list(dict.fromkeys(regions))
@@ -1035,6 +1052,9 @@ class _Simulation:
             self.by_cluster.setdefault(p.cluster, set()).add(spec.job_id)
         if len(distinct) > 1 and not pipeline:
             self.spanning.add(spec.job_id)
+        users = spec.affinity.prefer_regions
+        if spec.task_type == "inference" and users and any(u != regions[0] for u in users):
+            self.serving.add(spec.job_id)
         self._count(run, +1)
         self._touch(run.pairs)
         self.gpus_used += gpus
@@ -1265,6 +1285,7 @@ class _Simulation:
             if members is not None:
                 members.discard(spec.job_id)
         self.spanning.discard(spec.job_id)
+        self.serving.discard(spec.job_id)
         self._count(run, -1)
         self.gpus_used -= run.gpus
         if self.snap.quota is not None:
@@ -1475,14 +1496,20 @@ class _Simulation:
     # ---- scripted events -------------------------------------------------------------------------
 
     def _scripted(self, event: SimEvent) -> None:
+        if self.migrator is not None:
+            self.migrator.before_event(event)
         if event.kind in ("link_degrade", "link_restore"):
             self._link(event)
         elif event.kind == "cluster_down":
             self._cluster(event.cluster, up=False)
         elif event.kind == "cluster_up":
             self._cluster(event.cluster, up=True)
+        elif event.kind in ("cluster_drain", "cluster_undrain"):
+            self._drain(event.cluster, drained=event.kind == "cluster_drain")
         elif event.kind == "price":
             self._price(event)
+        if self.migrator is not None:
+            self.migrator.after_event(event)
 
     def _link_pairs(self, event: SimEvent) -> list[tuple[str, str]]:
         if event.src and event.dst:
@@ -1523,7 +1550,7 @@ class _Simulation:
         for shape in self.waiting.values():
             shape.seen = None
         self.retry_all = bool(self.waiting)
-        for job_id in sorted(self.spanning):
+        for job_id in sorted(self.spanning | self.serving):
             job = self.jobs[job_id]
             run = job.run
             if run is None:
@@ -1556,6 +1583,68 @@ class _Simulation:
             if up and pool.stop > pool.start:
                 self.dirty.add((c, m))
         self._touch([(c, m) for m in range(len(snap.models))])
+
+    def _drain(self, cluster: str, *, drained: bool) -> None:
+        """Close a cluster to new work (its runs go on) or open it again."""
+        snap = self.snap
+        c = snap.cluster_index.get(cluster)
+        if c is None:
+            self.notes.append(f"scripted event for unknown cluster {cluster} ignored")
+            return
+        start, stop = snap.slices[c]
+        snap.set_schedulable(c, False if drained else self.schedulable0[start:stop])
+        if not drained:
+            self.dirty.update(
+                (c, m) for m in range(len(snap.models)) if snap.pool(c, m).stop > snap.pool(c, m).start
+            )
+        self._touch([(c, m) for m in range(len(snap.models))])
+
+    def believed_step_s(self, spec: JobSpec, d: Decision) -> float:
+        """Seconds per step the scheduler expects of ``spec`` on ``d`` now (its speeds x trust,
+        the links as they are now, an elastic job's worker count): what a migration is weighed by."""
+        speeds = [
+            self.snap.job_gpu_speed(spec, p.gpu_model) * self.trust.get(p.cluster, 1.0) for p in d.parts
+        ]
+        _, wall = self._step(spec, d, speeds, [p.region for p in d.parts], False)
+        scale = spec.workers / d.workers if 0 < d.workers != spec.workers else 1.0
+        return wall * scale
+
+    def data_wait_s(self, job_id: str, region: str) -> float:
+        """Seconds a start in ``region`` would wait for the job's dataset (0 where it is, was
+        copied, or is read while it syncs)."""
+        job = self.jobs[job_id]
+        data = job.spec.data
+        if data is None or data.start != "after_sync":
+            return 0.0
+        holders = [data.region, *data.replicas]
+        if region in holders or region in job.data_regions:
+            return 0.0
+        return min(self.snap.net.transfer_s(h, region, data.size_gb) for h in holders)
+
+    def move(self, job_id: str, d: Decision, *, keep_progress: bool) -> None:
+        """Move a running job to ``d`` (a decision taken without applying it): its run stops, the
+        steps since its last checkpoint are lost unless ``keep_progress`` (an on-demand save), and
+        it starts at once on ``d``'s GPUs (the migration policy adds the checkpoint's delay)."""
+        job = self.jobs[job_id]
+        run = job.run
+        if run is None:
+            return
+        self._settle(job, run, self.t)
+        if not keep_progress:
+            steps = job.spec.work.steps
+            every = job.spec.work.checkpoint_every_steps
+            done = steps - job.steps_left
+            kept = math.floor(done / every) * every if every > 0 else 0
+            job.steps_left = float(steps - min(kept, steps))
+        self._release(job, run, given_back=False)
+        job.record.restarts += 1
+        job.item = dataclasses.replace(job.item, attempts=job.record.restarts)
+        res = job.spec.resources
+        for part in d.parts:
+            self.snap.take(part.allocations, res.gpus, res.cpu_milli, res.memory_mib)
+        if self.snap.quota is not None:
+            self.snap.quota.take(job.spec.tenant, sum(g for _, g in d.allocations))
+        self._start(job, d)
 
     def _price(self, event: SimEvent) -> None:
         snap = self.snap
@@ -1595,6 +1684,7 @@ def simulate(
     horizon_s: float | None = None,
     learner: SpeedLearner | None = None,
     truth: Truth | BeliefTiming | None = None,
+    migration: MigrationPolicy | None = None,
 ) -> SimResult:
     """Replay ``trace`` on ``platform`` under ``policy``; one :class:`JobRecord` per job (in trace
     order, DAG jobs as their stages) and a sample of GPU use every ``sample_every_s``.
@@ -1619,6 +1709,11 @@ def simulate(
     the policy's own (``FrameworkPolicy.speed_learner``: ``loom`` and ``gavel_like`` learn, the
     other baselines do not). Nothing is learned when jobs are timed by belief (``truth=BELIEF``: a
     run delivers what was believed) nor by the ``oracle`` (its learned table is the truth).
+
+    ``migration``: move running jobs at failures, link changes and drains by a
+    :class:`~loom.sim.migration.MigrationPolicy` (``on``: the benefit rule of
+    :mod:`loom.migrate.benefit`; ``never``; ``always``); its figures are in ``SimResult.migration``.
+    None: the engine as before (a failed cluster's jobs are requeued and restart at once).
     """
     check_regions(trace, {*platform.net.regions, *(c.region for c in platform.clusters.values())})
     started = time.perf_counter()
@@ -1632,6 +1727,7 @@ def simulate(
         learner=learner,
         truth=None if truth is BELIEF else (truth if isinstance(truth, Truth) else load_truth()),
         seed=seed,
+        migration=migration,
     )
     sim.run()
     wall_s = time.perf_counter() - started
@@ -1653,4 +1749,5 @@ def simulate(
             f" of waiting jobs; {sim.skipped} arrivals queued without one (no room and none to make)",
             *sim.notes,
         ],
+        migration=sim.migrator.figures() if sim.migrator is not None else None,
     )

@@ -9,7 +9,7 @@ timeline of samples, from which :mod:`loom.sim.metrics` computes the figures.
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from loom.model.capacity import NodeCapacity
 from loom.sched.framework import Outcome, QueueItem
@@ -20,7 +20,11 @@ JobClass = Literal["net_training", "training", "inference", "pipeline", "dag", "
 """How results are grouped: network-sensitive distributed training, other training, inference
 services, pipeline-parallel models, DAG stages, and everything else from a production trace."""
 
-EventKind = Literal["link_degrade", "link_restore", "cluster_down", "cluster_up", "price"]
+EventKind = Literal[
+    "link_degrade", "link_restore", "cluster_down", "cluster_up", "cluster_drain", "cluster_undrain", "price"
+]
+"""``cluster_drain`` closes a cluster to new work (its running jobs stay unless a migration policy
+moves them: :mod:`loom.sim.migration`); ``cluster_undrain`` opens it again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +42,8 @@ class SimJob:
 
 @dataclass(frozen=True, slots=True)
 class SimEvent:
-    """A scripted change at ``at_s``: a link degrades or recovers, a cluster fails or returns,
-    or a region's price changes (``factor`` multiplies its base price)."""
+    """A scripted change at ``at_s``: a link degrades or recovers, a cluster fails or returns, is
+    drained or opened again, or a region's price changes (``factor`` multiplies its base price)."""
 
     at_s: float
     kind: EventKind
@@ -129,6 +133,8 @@ class SimResult:
     decisions: int = 0
     peak_rss_mib: float = 0.0
     notes: list[str] = field(default_factory=list)
+    migration: dict[str, Any] | None = None
+    """The migration policy's figures (:meth:`loom.sim.migration.Migrator.figures`); None without one."""
 
     def finished(self) -> Sequence[JobRecord]:
         """Jobs that completed."""

@@ -4,9 +4,10 @@
 training and validation across a cheap, high-latency region and a fast, expensive one) as a
 :class:`~loom.sim.model.Trace` and the :class:`~loom.sim.model.Platform` it runs on.
 
-:func:`degraded_link_events`, :func:`cluster_failure_events` and :func:`price_schedule` return the
-:class:`~loom.sim.model.SimEvent` s that script a link degrading and recovering, a cluster failing
-and returning, and a region's price changing by the hour; add them to any ``Trace.events``.
+:func:`degraded_link_events`, :func:`cluster_failure_events`, :func:`drain_events` and
+:func:`price_schedule` return the :class:`~loom.sim.model.SimEvent` s that script a link degrading
+and recovering, a cluster failing and returning, a cluster drained and opened again, and a
+region's price changing by the hour; add them to any ``Trace.events``.
 """
 
 import dataclasses
@@ -35,6 +36,7 @@ __all__ = [
     "ScenarioError",
     "cluster_failure_events",
     "degraded_link_events",
+    "drain_events",
     "multi_stage_scenario",
     "platform_for_regions",
     "price_schedule",
@@ -312,6 +314,25 @@ def cluster_failure_events(
     if duration_s is not None:
         _check_duration(duration_s)
         events.append(SimEvent(at_s=at_s + duration_s, kind="cluster_up", cluster=cluster))
+    return events
+
+
+def drain_events(
+    cluster: str, *, at_s: float, duration_s: float | None = None, topology: Topology | None = None
+) -> list[SimEvent]:
+    """``cluster`` is drained at ``at_s`` (closed to new work; a migration policy decides whether
+    its jobs move: :mod:`loom.sim.migration`) and opened again after ``duration_s`` (None: never).
+    Checked against ``topology`` when given."""
+    _check_time(at_s, "at_s")
+    if topology is not None:
+        try:
+            topology.cluster(cluster)
+        except TopologyError as exc:
+            raise ScenarioError(str(exc)) from None
+    events = [SimEvent(at_s=at_s, kind="cluster_drain", cluster=cluster)]
+    if duration_s is not None:
+        _check_duration(duration_s)
+        events.append(SimEvent(at_s=at_s + duration_s, kind="cluster_undrain", cluster=cluster))
     return events
 
 

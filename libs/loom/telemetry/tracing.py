@@ -14,6 +14,7 @@ as they like.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -57,6 +58,7 @@ __all__ = [
     "infra_ratio_from_env",
     "inject",
     "is_infrastructure_subject",
+    "message_context",
     "producer_span",
     "reset_for_tests",
     "setup_telemetry",
@@ -372,6 +374,29 @@ def extract(headers: Mapping[str, str] | None) -> Context:
     """
     carrier = {key.lower(): value for key, value in (headers or {}).items()}
     return _propagator.extract(carrier)
+
+
+def message_context(headers: Mapping[str, str] | None, subject: str, message_key: str) -> Context:
+    """The trace context a consumed message continues.
+
+    Its ``traceparent`` when it has one. A message about a job published without one (any NATS
+    client may submit) continues a trace whose ids are derived from ``message_key`` (its message
+    id, else its stream and sequence): every delivery of it, to whichever process (a new leader
+    after a takeover), joins the same trace instead of starting one each. Infrastructure messages
+    without a ``traceparent`` start a new trace, sampled by ratio.
+    """
+    if headers and _TRACEPARENT in headers:
+        return extract(headers)
+    if not message_key or is_infrastructure_subject(subject):
+        return Context()
+    digest = hashlib.sha256(f"{subject}|{message_key}".encode()).digest()
+    parent = trace.SpanContext(
+        trace_id=int.from_bytes(digest[:16], "big") or 1,
+        span_id=int.from_bytes(digest[16:24], "big") or 1,
+        is_remote=True,
+        trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED),
+    )
+    return trace.set_span_in_context(trace.NonRecordingSpan(parent), Context())
 
 
 def context_from_traceparent(traceparent: str, tracestate: str | None = None) -> Context:

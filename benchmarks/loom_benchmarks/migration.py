@@ -1,0 +1,462 @@
+"""``loom bench migration``: failure, link degradation and drain, with migration on / never / always.
+
+Every run is Loom's placement policy on the same trace, timed by the simulator's truth
+(:mod:`loom.sim.truth`); only the migration mode differs (:mod:`loom.sim.migration`):
+
+- ``on``: the benefit rule (:mod:`loom.migrate.benefit`), with its margins, cool-down and budget;
+- ``never``: only the forced re-placement of a failed cluster's jobs; nothing moves proactively;
+- ``always``: every affected job with a candidate placement moves at every trigger.
+
+**Platforms**: the default topology sampled to 16 nodes (``wide16``: 82 GPUs, 8 clusters in 6
+regions) and to 32 nodes (``wide32``). **Workload**: the contention benchmark's trace
+(:func:`loom_benchmarks.contention.contention_trace`: the training mix with gangs of 4-16 one-GPU
+workers that may span clusters, work x 1/8, arrivals set for the offered load), every job
+checkpointing every ``CHECKPOINT_REFERENCE_S`` of reference-GPU work. **Loads** 0.5 and 0.8.
+
+**Scenarios**, times as shares of the arrival span ``S`` (first to last arrival):
+
+- ``failure``: the cluster with the most reference capacity (GPUs x SCU) fails at 0.25 S and
+  returns at 0.55 S;
+- ``degradation``: every link of the region whose links carry the most cross-region running jobs
+  at 0.25 S (:func:`most_crossed_region`: spanning gangs, inference away from its users; found by
+  a run without events stopped there) gets RTT x 5 and bandwidth x 0.2 from 0.25 S for
+  ``--degradation-s`` (default 1 h);
+- ``drain``: that cluster is drained at 0.25 S and opened again at 0.75 S.
+
+Per run: mean JCT (of the jobs every mode finished), finished jobs, GPU-hours, GPU-hours lost,
+bytes moved, migrations and forced restarts. Per cell and scenario: each mode's mean over seeds,
+and ``on``'s margin against ``never`` and ``always`` (positive: ``on`` is faster). The JSON
+(stdout) holds every run; the table (stderr) every cell. Wins and losses are both listed.
+"""
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import msgspec
+
+if TYPE_CHECKING:
+    from loom.sim.model import Platform, SimEvent, Trace
+
+PLATFORMS: Final = {"wide16": 16, "wide32": 32}
+"""Platform name -> nodes the default topology is sampled to."""
+SCENARIOS: Final = ("failure", "degradation", "drain")
+MODES: Final = ("on", "never", "always")
+LOADS: Final = (0.5, 0.8)
+SEEDS: Final = (1, 2, 3, 4)
+UNITS: Final = 50
+"""Workload units of the mix per run."""
+DEGRADATION_S: Final = 3600.0
+"""How long the degraded links stay degraded."""
+CHECKPOINT_REFERENCE_S: Final = 300.0
+"""Jobs checkpoint every this many seconds of reference-GPU work (steps x step time)."""
+
+
+def platform(name: str) -> tuple["Platform", Any]:
+    """The named platform and its topology."""
+    from loom.model.topology import load_topology
+    from loom.sim.engine import platform_from_topology
+
+    if name not in PLATFORMS:
+        raise ValueError(f"unknown platform {name!r}; known: {', '.join(PLATFORMS)}")
+    topology = load_topology()
+    return platform_from_topology(topology, nodes=PLATFORMS[name], seed=0, name=name), topology
+
+
+def with_checkpoints(trace: "Trace", every_reference_s: float = CHECKPOINT_REFERENCE_S) -> "Trace":
+    """Every job checkpoints every ``every_reference_s`` of reference-GPU work (at least every step)."""
+    from loom.sim.model import Trace
+
+    jobs = []
+    for sim in trace.jobs:
+        work = sim.spec.work
+        every = max(1, round(every_reference_s / work.step_time_s))
+        spec = msgspec.structs.replace(
+            sim.spec, work=msgspec.structs.replace(work, checkpoint_every_steps=every)
+        )
+        jobs.append(dataclasses.replace(sim, spec=spec))
+    return Trace(
+        jobs, events=list(trace.events), source=f"{trace.source}; checkpoints every {every_reference_s:g} s"
+    )
+
+
+def busiest(built: "Platform") -> tuple[str, str]:
+    """(cluster, region) with the most reference capacity (GPUs x SCU for training_compute)."""
+    by_cluster: dict[str, float] = {}
+    for node in built.nodes:
+        if node.gpu_model is None:
+            continue
+        speed = built.speed.get((node.gpu_model, "training_compute"), 1.0)
+        by_cluster[node.cluster] = by_cluster.get(node.cluster, 0.0) + node.gpus_total * speed
+    cluster = max(sorted(by_cluster), key=lambda c: by_cluster[c])
+    by_region: dict[str, float] = {}
+    for cid, cap in by_cluster.items():
+        region = built.clusters[cid].region
+        by_region[region] = by_region.get(region, 0.0) + cap
+    region = max(sorted(by_region), key=lambda r: by_region[r])
+    return cluster, region
+
+
+def most_crossed_region(trace: "Trace", built: "Platform", at_s: float, seed: int) -> str | None:
+    """The region whose links carry the most cross-region running jobs at ``at_s`` (a run of Loom
+    without events stopped there): gangs spanning regions, and inference served away from its
+    users. None: no job crosses a region boundary then."""
+    from loom.sim.engine import simulate
+    from loom.sim.policies import make_policy
+
+    result = simulate(trace, built, make_policy("loom", seed), seed=seed, horizon_s=at_s, sample_every_s=0)
+    specs = {j.spec.job_id: j.spec for j in trace.jobs}
+    count: dict[str, int] = {}
+    for record in result.records:
+        if record.start_s is None or record.end_s is not None or not record.regions:
+            continue
+        crossed = set(record.regions) if len(set(record.regions)) > 1 else set()
+        spec = specs.get(record.job_id)
+        if spec is not None and spec.task_type == "inference":
+            users = set(spec.affinity.prefer_regions) - {record.regions[0]}
+            if users:
+                crossed |= users | {record.regions[0]}
+        for region in crossed:
+            count[region] = count.get(region, 0) + 1
+    return max(sorted(count), key=lambda r: count[r]) if count else None
+
+
+def scenario_events(
+    scenario: str,
+    trace: "Trace",
+    built: "Platform",
+    *,
+    first_s: float,
+    span_s: float,
+    seed: int,
+    degradation_s: float = DEGRADATION_S,
+) -> list["SimEvent"]:
+    """The scripted events of a scenario (see the module docstring)."""
+    from loom.sim.model import SimEvent
+    from loom.sim.scenarios import cluster_failure_events, drain_events
+
+    cluster, region = busiest(built)
+    at = first_s + 0.25 * span_s
+    if scenario == "failure":
+        return cluster_failure_events(cluster, at_s=at, duration_s=0.30 * span_s)
+    if scenario == "degradation":
+        region = most_crossed_region(trace, built, at, seed) or region
+        return [
+            SimEvent(at_s=at, kind="link_degrade", region=region, rtt_factor=5.0, bandwidth_factor=0.2),
+            SimEvent(at_s=at + degradation_s, kind="link_restore", region=region),
+        ]
+    if scenario == "drain":
+        return drain_events(cluster, at_s=at, duration_s=0.5 * span_s)
+    raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+
+
+def run_cell(
+    platform_name: str,
+    load: float,
+    seed: int,
+    scenario: str,
+    *,
+    modes: Sequence[str] = MODES,
+    units: int = UNITS,
+    degradation_s: float = DEGRADATION_S,
+) -> dict[str, Any]:
+    """Every mode over one (platform, load, seed, scenario): per mode its figures."""
+    from loom.sim.engine import simulate
+    from loom.sim.migration import MigrationPolicy
+    from loom.sim.model import Trace
+    from loom.sim.policies import make_policy
+    from loom_benchmarks.contention import contention_trace
+
+    built, topology = platform(platform_name)
+    base = contention_trace(topology, built, workload="mix", load=load, seed=seed, span=True, units=units)
+    trace = with_checkpoints(base)
+    arrivals = [j.arrival_s for j in trace.jobs]
+    first, span = min(arrivals), max(arrivals) - min(arrivals)
+    events = scenario_events(
+        scenario, trace, built, first_s=first, span_s=span, seed=seed, degradation_s=degradation_s
+    )
+    trace = Trace(trace.jobs, events=events, source=trace.source)
+    results = {}
+    for mode in modes:
+        started = time.perf_counter()
+        result = simulate(
+            trace,
+            built,
+            make_policy("loom", seed),
+            seed=seed,
+            sample_every_s=max(span / 100.0, 60.0),
+            migration=MigrationPolicy(mode),  # type: ignore[arg-type]
+        )
+        results[mode] = (result, time.perf_counter() - started)
+    finished_by_all = set.intersection(
+        *(
+            {r.job_id for r in res.records if r.end_s is not None and r.rejected is None}
+            for res, _ in results.values()
+        )
+    )
+    touched = set().union(*((res.migration or {}).get("touched_jobs", []) for res, _ in results.values()))
+    jct_of = {
+        mode: {r.job_id: r.jct_s for r in res.records if r.job_id in finished_by_all and r.jct_s is not None}
+        for mode, (res, _) in results.items()
+    }
+    moved_effect: dict[str, Any] = {}
+    for mode, (res, _) in results.items():
+        moved = [j for j in (res.migration or {}).get("moved_jobs", []) if j in finished_by_all]
+        if moved and "never" in jct_of:
+            moved_effect[mode] = {
+                "jobs": len(moved),
+                "jct_mean_s": round(statistics.fmean(jct_of[mode][j] for j in moved), 1),
+                "jct_mean_never_s": round(statistics.fmean(jct_of["never"][j] for j in moved), 1),
+            }
+    out: dict[str, Any] = {}
+    for mode, (result, wall_s) in results.items():
+        jcts = {
+            r.job_id: r.jct_s for r in result.records if r.job_id in finished_by_all and r.jct_s is not None
+        }
+        mig = dict(result.migration or {})
+        verdicts = mig.pop("verdicts", [])
+        mig.pop("touched_jobs", None)
+        mig.pop("moved_jobs", None)
+        near = [jct for job_id, jct in jcts.items() if job_id in touched]
+        out[mode] = {
+            "jct_mean_s": round(statistics.fmean(jcts.values()), 1) if jcts else None,
+            "jct_mean_touched_s": round(statistics.fmean(near), 1) if near else None,
+            "finished": sum(1 for r in result.records if r.end_s is not None),
+            "jobs": len(result.records),
+            "gpu_hours": _gpu_hours(result),
+            **mig,
+            "verdicts_moved": sum(1 for v in verdicts if v["decision"] == "move"),
+            "verdicts_stayed": sum(1 for v in verdicts if v["decision"] == "stay"),
+            "example_verdicts": verdicts[:3],
+            "wall_s": round(wall_s, 2),
+        }
+    return {
+        "platform": platform_name,
+        "load": load,
+        "seed": seed,
+        "scenario": scenario,
+        "jobs": len(trace.jobs),
+        "compared_jobs": len(finished_by_all),
+        "touched_jobs": len(touched & finished_by_all),
+        "moved_jobs_effect": moved_effect,
+        "arrival_span_h": round(span / 3600.0, 2),
+        "modes": out,
+    }
+
+
+def _gpu_hours(result: Any) -> float:
+    from loom.sim import metrics
+
+    return round(metrics.gpu_hours(result.records), 2)
+
+
+def _margin(on: float | None, other: float | None) -> float | None:
+    """(other - on) / other: positive when ``on`` is faster."""
+    if on is None or other is None or other <= 0:
+        return None
+    return round((other - on) / other, 4)
+
+
+def aggregate(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (platform, load, scenario): each mode's mean over seeds, and ``on``'s margins."""
+    cells: dict[tuple[str, float, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        cells.setdefault((run["platform"], run["load"], run["scenario"]), []).append(run)
+    lines = []
+    for (plat, load, scenario), group in cells.items():
+        modes: dict[str, dict[str, Any]] = {}
+        for mode in group[0]["modes"]:
+
+            def mean(key: str, mode: str = mode, group: list[dict[str, Any]] = group) -> float | None:
+                values = [g["modes"][mode].get(key) for g in group]
+                kept = [v for v in values if v is not None]
+                return round(statistics.fmean(kept), 3) if kept else None
+
+            modes[mode] = {
+                k: mean(k)
+                for k in (
+                    "jct_mean_s",
+                    "jct_mean_touched_s",
+                    "gpu_hours_lost",
+                    "bytes_moved",
+                    "migrations",
+                    "forced_restarts",
+                    "deferred_by_budget",
+                )
+            }
+        on = modes.get("on", {}).get("jct_mean_s")
+        per_seed = {
+            other: [_margin(g["modes"]["on"]["jct_mean_s"], g["modes"][other]["jct_mean_s"]) for g in group]
+            for other in ("never", "always")
+            if other in modes and "on" in modes
+        }
+        moved: dict[str, Any] = {}
+        for mode in ("on", "always"):
+            effects = [g["moved_jobs_effect"][mode] for g in group if mode in g.get("moved_jobs_effect", {})]
+            n = sum(e["jobs"] for e in effects)
+            if n:
+                mine = sum(e["jobs"] * e["jct_mean_s"] for e in effects) / n
+                never = sum(e["jobs"] * e["jct_mean_never_s"] for e in effects) / n
+                moved[mode] = {
+                    "jobs": n,
+                    "jct_mean_s": round(mine, 1),
+                    "jct_mean_never_s": round(never, 1),
+                    "vs_never": _margin(mine, never),
+                }
+        lines.append(
+            {
+                "platform": plat,
+                "moved_jobs": moved,
+                "load": load,
+                "scenario": scenario,
+                "seeds": [g["seed"] for g in group],
+                "modes": modes,
+                "on_vs_never": _margin(on, modes.get("never", {}).get("jct_mean_s")),
+                "on_vs_never_touched": _margin(
+                    modes.get("on", {}).get("jct_mean_touched_s"),
+                    modes.get("never", {}).get("jct_mean_touched_s"),
+                ),
+                "on_vs_always_touched": _margin(
+                    modes.get("on", {}).get("jct_mean_touched_s"),
+                    modes.get("always", {}).get("jct_mean_touched_s"),
+                ),
+                "on_vs_always": _margin(on, modes.get("always", {}).get("jct_mean_s")),
+                "on_vs_never_per_seed": per_seed.get("never"),
+                "on_vs_always_per_seed": per_seed.get("always"),
+            }
+        )
+    return lines
+
+
+def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The whole benchmark (see the module docstring)."""
+    platforms = _names(args.platforms, tuple(PLATFORMS))
+    scenarios = _names(args.scenarios, SCENARIOS)
+    loads = [float(x) for x in args.loads.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    started = time.perf_counter()
+    runs = []
+    for plat in platforms:
+        for load in loads:
+            for scenario in scenarios:
+                for seed in seeds:
+                    one = run_cell(
+                        plat, load, seed, scenario, units=args.units, degradation_s=args.degradation_s
+                    )
+                    runs.append(one)
+                    if progress is not None:
+                        jct = {m: f["jct_mean_s"] for m, f in one["modes"].items()}
+                        progress(f"{plat}/{load:g}/{scenario}/seed {seed}: mean JCT s {jct}")
+    lines = aggregate(runs)
+    return {
+        "benchmark": "migration",
+        "timed_by": "truth (the packaged measured tables)",
+        "policy": "loom",
+        "platforms": {p: PLATFORMS[p] for p in platforms},
+        "loads": loads,
+        "seeds": seeds,
+        "units": args.units,
+        "checkpoint_reference_s": CHECKPOINT_REFERENCE_S,
+        "degradation_s": args.degradation_s,
+        "cells": lines,
+        "summary": summary(lines),
+        "runs": runs,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+
+
+def summary(lines: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per scenario: cells where ``on`` beats both other modes on mean JCT, and where it loses."""
+    out: dict[str, Any] = {}
+    for scenario in SCENARIOS:
+        mine = [line for line in lines if line["scenario"] == scenario]
+        if not mine:
+            continue
+        beats = [line for line in mine if (line["on_vs_never"] or 0) > 0 and (line["on_vs_always"] or 0) > 0]
+        out[scenario] = {
+            "cells": len(mine),
+            "on_beats_both": len(beats),
+            "on_loses_to_never": [
+                f"{line['platform']}/{line['load']:g}: {line['on_vs_never']:+.1%}"
+                for line in mine
+                if line["on_vs_never"] is not None and line["on_vs_never"] < 0
+            ],
+            "on_loses_to_always": [
+                f"{line['platform']}/{line['load']:g}: {line['on_vs_always']:+.1%}"
+                for line in mine
+                if line["on_vs_always"] is not None and line["on_vs_always"] < 0
+            ],
+        }
+    return out
+
+
+def _names(given: str | None, known: Sequence[str]) -> list[str]:
+    if given is None:
+        return list(known)
+    names = [n.strip() for n in given.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    return names
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """One line per cell and scenario on stderr."""
+    print(
+        f"{'platform':<8} {'load':>4} {'scenario':<12} "
+        + f"{'moved by on: n, vs never':>25} "
+        + " ".join(f"{m + ' JCT s':>12}" for m in MODES)
+        + f" {'on vs never':>12} {'on vs always':>12} {'touched: vs never/always':>25}"
+        + f" {'moves on/always':>16}"
+        + f" {'GPU-h lost on/never/always':>28}",
+        file=sys.stderr,
+    )
+    for line in result["cells"]:
+        modes = line["modes"]
+
+        def pct(x: float | None) -> str:
+            return "-" if x is None else f"{x:+.1%}"
+
+        jct = " ".join(f"{(modes.get(m, {}).get('jct_mean_s') or 0):>12.0f}" for m in MODES)
+        moves = f"{modes.get('on', {}).get('migrations')}/{modes.get('always', {}).get('migrations')}"
+        lost = "/".join(f"{modes.get(m, {}).get('gpu_hours_lost') or 0:.2f}" for m in MODES)
+        own = line.get("moved_jobs", {}).get("on")
+        mine = f"{own['jobs']}, {pct(own['vs_never'])}" if own else "-"
+        print(
+            f"{line['platform']:<8} {line['load']:>4g} {line['scenario']:<12} {mine:>25} {jct} "
+            f"{pct(line['on_vs_never']):>12} {pct(line['on_vs_always']):>12} "
+            f"{pct(line['on_vs_never_touched']) + ' / ' + pct(line['on_vs_always_touched']):>25} "
+            f"{moves:>16} {lost:>28}",
+            file=sys.stderr,
+        )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``loom bench migration``."""
+    parser.add_argument("--platforms", default=None, help=f"comma-separated, of {', '.join(PLATFORMS)}")
+    parser.add_argument("--scenarios", default=None, help=f"comma-separated, of {', '.join(SCENARIOS)}")
+    parser.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS))
+    parser.add_argument("--seeds", default=",".join(str(s) for s in SEEDS))
+    parser.add_argument("--units", type=int, default=UNITS, help="workload units of the mix per run")
+    parser.add_argument(
+        "--degradation-s", type=float, default=DEGRADATION_S, help="how long the degraded links stay degraded"
+    )
+    parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``loom bench migration``: JSON on stdout, a table on stderr unless ``--json``."""
+    try:
+        result = run(args, progress=lambda s: print(s, file=sys.stderr) if not args.json else None)
+    except ValueError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2))
+    if not args.json:
+        print_table(result)
+    return 0

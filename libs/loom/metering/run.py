@@ -1,0 +1,125 @@
+"""Run records: one attempt of one job, folded from its lifecycle events in any order.
+
+The record is what metering charges for: the parts placement gave the attempt (cluster, region,
+GPU model, GPUs), the resizes of an elastic run, when it started and when and how it ended. Folding
+is order-free and idempotent: the start is the agent's ``started_at``; the end is the *earliest*
+end event (``completed``, ``failed``, ``cancelled``, or the ``requeued`` that gave the attempt
+up), so a run both failed and requeued ends, and is marked, at whichever happened first. Ties go
+to the first outcome of :data:`END_OUTCOMES`.
+"""
+
+from typing import Literal
+
+import msgspec
+
+from loom_proto.jobs import (
+    JobCancelled,
+    JobCompleted,
+    JobFailed,
+    JobPlaced,
+    JobRequeued,
+    JobResized,
+    JobStarted,
+)
+
+__all__ = ["END_OUTCOMES", "MeteredEvent", "Outcome", "Part", "Resize", "RunRecord", "fold", "to_ms"]
+
+Outcome = Literal["failed", "preempted", "requeued", "cancelled", "completed"]
+END_OUTCOMES: tuple[Outcome, ...] = ("failed", "preempted", "requeued", "cancelled", "completed")
+"""How a run can end; on equal times the earlier one in this tuple is the mark."""
+
+MeteredEvent = JobPlaced | JobStarted | JobCompleted | JobFailed | JobCancelled | JobRequeued | JobResized
+"""The lifecycle events a run record is folded from."""
+
+
+def to_ms(unix_s: float) -> int:
+    """Seconds since the epoch as whole milliseconds: the unit every duration is counted in."""
+    return round(unix_s * 1000)
+
+
+class Part(msgspec.Struct, frozen=True):
+    """GPUs of one model on one cluster given to the attempt (a job on several clusters has several)."""
+
+    cluster: str
+    region: str
+    gpu_model: str
+    gpus: int
+
+
+class Resize(msgspec.Struct, frozen=True):
+    """From ``at_ms`` on, the part on ``cluster`` holds ``gpus`` GPUs (an elastic grow or shrink)."""
+
+    at_ms: int
+    cluster: str
+    gpus: int
+
+
+class RunRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One attempt of one job as its events tell it (see the module docstring)."""
+
+    job_id: str
+    attempt: int
+    tenant: str = ""
+    labels: dict[str, str] = {}
+    task_type: str = "training_compute"
+    parts: tuple[Part, ...] = ()
+    resizes: tuple[Resize, ...] = ()
+    started_ms: int | None = None
+    ended_ms: int | None = None
+    outcome: Outcome | None = None
+    reason: str = ""
+
+    @property
+    def complete(self) -> bool:
+        """Placed, started and ended: ready to be metered."""
+        return bool(self.parts) and self.started_ms is not None and self.ended_ms is not None
+
+    @property
+    def key(self) -> str:
+        """``job:attempt``."""
+        return f"{self.job_id}:{self.attempt}"
+
+
+def _ended(record: RunRecord, at_s: float, outcome: Outcome, reason: str) -> RunRecord:
+    at_ms = to_ms(at_s)
+    current = record.ended_ms
+    if current is not None and record.outcome is not None:
+        if at_ms > current:
+            return record
+        if at_ms == current and END_OUTCOMES.index(record.outcome) <= END_OUTCOMES.index(outcome):
+            return record
+    return msgspec.structs.replace(record, ended_ms=at_ms, outcome=outcome, reason=reason[:256])
+
+
+def _gpus(allocations: list[object]) -> int:
+    return sum(int(getattr(a, "gpus", 0)) for a in allocations)
+
+
+def fold(record: RunRecord, event: MeteredEvent) -> RunRecord:
+    """The record after ``event``; the caller routes a ``requeued`` to attempt ``event.attempt - 1``
+    and a ``cancelled`` (which names no attempt) to the job's runs that had not ended."""
+    if isinstance(event, JobPlaced):
+        parts = tuple(
+            Part(p.cluster, p.region, p.gpu_model, _gpus(list(p.allocations))) for p in event.parts
+        ) or (Part(event.cluster, event.region, event.gpu_model, _gpus(list(event.allocations))),)
+        return msgspec.structs.replace(record, tenant=record.tenant or event.tenant, parts=parts)
+    if isinstance(event, JobStarted):
+        return msgspec.structs.replace(
+            record, tenant=record.tenant or event.tenant, started_ms=to_ms(event.started_at)
+        )
+    if isinstance(event, JobResized):
+        resize = Resize(to_ms(event.at), event.cluster, _gpus(list(event.allocations)))
+        if resize in record.resizes:
+            return record
+        resizes = tuple(sorted((*record.resizes, resize), key=lambda r: (r.at_ms, r.cluster, r.gpus)))
+        return msgspec.structs.replace(record, resizes=resizes)
+    if isinstance(event, JobCompleted):
+        return _ended(record, event.at, "completed", "")
+    if isinstance(event, JobFailed):
+        return _ended(record, event.at, "failed", event.reason)
+    if isinstance(event, JobCancelled):
+        return _ended(record, event.at, "cancelled", event.reason)
+    outcome: Outcome = "preempted" if event.cause == "preempted" else "requeued"
+    return _ended(
+        record, event.at, outcome, f"{event.cause}: {event.reason}" if event.reason else event.cause
+    )

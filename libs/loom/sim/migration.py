@@ -1,0 +1,549 @@
+"""Migration in the simulator: failures, link changes and drains move running jobs, by a policy.
+
+:func:`loom.sim.engine.simulate` takes ``migration=MigrationPolicy(mode)``. Three modes:
+
+* ``on`` — the benefit rule of :mod:`loom.migrate.benefit`, as the migration service applies it:
+  at each trigger every affected job gets a candidate from the policy's own scheduling framework
+  (a new placement, not applied: ``Framework.schedule(..., apply=False)``, no preemption), a
+  :class:`~loom.migrate.benefit.MigrationVerdict` from the scheduler's *beliefs* (its speeds, the
+  links as measured now), and the moves are started largest net benefit first within a
+  :class:`~loom.migrate.benefit.MigrationBudget`; moves the budget defers are looked at again at
+  each sample;
+* ``never`` — no proactive move ever: only the forced re-placement of a failed cluster's jobs (the
+  engine requeues them, they restart elsewhere from their last checkpoint, or where they were once
+  the cluster returns if the scheduler places them there); a degraded link is lived with; a
+  drained cluster only takes no new work, its jobs finish in place;
+* ``always`` — every affected job with a candidate placement moves at every trigger, whatever it
+  costs (no margin, cool-down or budget).
+
+**Triggers and the jobs they affect** (the same for ``on`` and ``always``):
+
+* ``cluster_down`` → ``cluster_failed``: every job with a part there is re-placed by the engine
+  (forced, in every mode) wherever the scheduler puts it when it is requeued;
+* ``cluster_up`` → ``cluster_joined``: running jobs (not pipelines) allowed on that cluster, the
+  candidate on that cluster only (backflow);
+* ``link_degrade`` → ``link_degraded``: data-parallel jobs with parts at both ends, and inference
+  whose users are at one end and lead at the other; candidate anywhere;
+* ``link_restore`` → ``link_improved``: jobs that left because that link degraded; anywhere;
+* ``cluster_drain`` → ``drain`` (forced): jobs with a part there; anywhere else, looked at again at
+  every sample until the cluster is empty.
+
+**What a move costs, by the simulator's truth.** A moved job's run stops; with checkpoints
+(``work.checkpoint_every_steps`` > 0) and ``save_on_demand`` it saves one first and loses nothing,
+else it resumes from its last periodic checkpoint (no checkpoints: from step 0). Its new run holds
+its GPUs from the move and starts computing after ``save + transfer + restart``: the transfer is the
+checkpoint (``benefit.checkpoint_bytes_of``) over the simulator's network *as it is at that time*
+from the old lead region (a failed cluster's jobs: from the region holding the checkpoint's replica,
+the best-connected other cluster's) to the new one. Then the run is timed by truth like any other
+(:mod:`loom.sim.truth`). Forced restarts after a failure pay the same transfer and restart in every
+mode. Figures (:meth:`Migrator.figures`, in ``SimResult.migration``): migrations, forced restarts,
+bytes moved between regions, GPU-hours lost (progress redone + GPUs held while a checkpoint is
+saved, copied and restarted), deferred moves, verdicts, and the jobs a trigger concerned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from loom.migrate.benefit import (
+    Candidate,
+    MigrationBudget,
+    MigrationSettings,
+    MigrationVerdict,
+    PathState,
+    RunningJobState,
+    Trigger,
+    checkpoint_bytes_of,
+    decide,
+    job_class_of,
+    plan_migrations,
+)
+
+if TYPE_CHECKING:
+    from loom.sched.framework import Decision
+    from loom.sim.engine import _Job, _Simulation
+    from loom.sim.model import SimEvent
+
+__all__ = ["MODES", "MigrationMode", "MigrationPolicy", "Migrator"]
+
+MigrationMode = Literal["on", "never", "always"]
+MODES: tuple[MigrationMode, ...] = ("on", "never", "always")
+
+_VERDICTS_KEPT = 200
+"""Verdicts kept for the report (the first ones)."""
+
+
+@dataclass(frozen=True)
+class MigrationPolicy:
+    """How the simulator moves running jobs (see the module docstring)."""
+
+    mode: MigrationMode = "on"
+    settings: MigrationSettings = field(default_factory=MigrationSettings)
+    per_cluster: int = 4
+    """``on``: migrations in flight per cluster (source or target)."""
+    per_link: int = 4
+    """``on``: migrations in flight per region pair."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown migration mode {self.mode!r}; known: {', '.join(MODES)}")
+
+
+@dataclass
+class _Pending:
+    """A move (or forced restart) whose new run has not started yet."""
+
+    source_region: str
+    save_s: float
+    nbytes: float
+    source_cluster: str
+    budgeted: bool = False
+
+
+@dataclass
+class _Figures:
+    migrations: int = 0
+    forced_restarts: int = 0
+    bytes_moved: float = 0.0
+    gpu_hours_lost: float = 0.0
+    lost_steps: float = 0.0
+    deferred: int = 0
+    evaluated: int = 0
+    stayed: int = 0
+    by_trigger: Counter[str] = field(default_factory=Counter)
+    verdicts: list[dict[str, Any]] = field(default_factory=list)
+    moved: set[str] = field(default_factory=set)
+    """Jobs moved proactively (not the forced restarts of a failure)."""
+    touched: set[str] = field(default_factory=set)
+    """Jobs a trigger concerned: evaluated, moved or forced to restart."""
+
+
+class Migrator:
+    """Applies a :class:`MigrationPolicy` to one simulation (the engine calls its hooks)."""
+
+    def __init__(self, sim: _Simulation, policy: MigrationPolicy) -> None:
+        if sim.fast is None:
+            raise ValueError("migration needs a policy with a scheduling framework (FrameworkPolicy)")
+        self.sim = sim
+        self.policy = policy
+        self.settings = policy.settings
+        self.budget = MigrationBudget(policy.per_cluster, policy.per_link)
+        self.in_flight: list[tuple[float, str, str, str, str]] = []
+        """(compute starts at, source cluster, target cluster, source region, target region)."""
+        self.pending: dict[str, _Pending] = {}
+        self.moves: Counter[str] = Counter()
+        self.last_moved: dict[str, float] = {}
+        self.left_link: dict[str, frozenset[str]] = {}
+        """Job -> the link (region pair) it left when that link degraded."""
+        self.deferred: dict[str, tuple[Trigger, str | None]] = {}
+        """Job -> (trigger, only this cluster) of a move the budget deferred."""
+        self.drained: set[str] = set()
+        self.degraded: set[frozenset[str]] = set()
+        self.seen: set[tuple[float, str, frozenset[frozenset[str]]]] = set()
+        """Link events already handled at an instant (both directions come as two events)."""
+        self.out = _Figures()
+        self.triggered: list[SimEvent] = []
+        """Scripted events of this instant whose moves wait for the scheduling pass."""
+        self.sampled = False
+
+    # ---- hooks the engine calls ------------------------------------------------------------------
+
+    def before_event(self, event: SimEvent) -> None:
+        """Before the engine applies a scripted event: note what a failure loses."""
+        if event.kind == "cluster_down":
+            self._failing(event.cluster)
+
+    def after_event(self, event: SimEvent) -> None:
+        """After the engine applied a scripted event: the triggers."""
+        kind = event.kind
+        if kind == "cluster_drain":
+            self.drained.add(event.cluster)
+        elif kind == "cluster_undrain":
+            self.drained.discard(event.cluster)
+        elif kind in ("link_degrade", "link_restore"):
+            pairs = self._pairs(event)
+            for pair in pairs:
+                (self.degraded.add if kind == "link_degrade" else self.degraded.discard)(pair)
+            key = (self.sim.t, kind, frozenset(pairs))
+            if key in self.seen or not pairs:
+                return
+            self.seen.add(key)
+        if self.policy.mode != "never" and kind in (
+            "cluster_up",
+            "cluster_drain",
+            "link_degrade",
+            "link_restore",
+        ):
+            self.triggered.append(event)
+
+    def on_sample(self) -> None:
+        """Periodically: finished migrations free the budget; deferred moves and drains go on
+        (after the pass)."""
+        now = self.sim.t
+        still = []
+        for entry in self.in_flight:
+            if entry[0] <= now:
+                self.budget.release(*entry[1:])
+            else:
+                still.append(entry)
+        self.in_flight = still
+        self.sampled = True
+
+    def after_pass(self) -> bool:
+        """After the scheduling pass of an instant (the queue is served first, migrations take
+        what is left): the triggers of the instant, then at a sample the drains and deferred moves.
+        True when a job moved."""
+        before = self.out.migrations
+        triggered, self.triggered = self.triggered, []
+        sampled, self.sampled = self.sampled, False
+        if self.policy.mode == "never":
+            return False
+        for event in triggered:
+            self._trigger(event)
+        if sampled:
+            self._retry()
+        return self.out.migrations > before
+
+    def _trigger(self, event: SimEvent) -> None:
+        kind = event.kind
+        if kind == "cluster_up":
+            self._consider(self._allowed_on(event.cluster), "cluster_joined", only=event.cluster)
+        elif kind == "cluster_drain":
+            if event.cluster in self.drained:
+                self._consider(self._on_cluster(event.cluster), "drain")
+        elif kind == "link_degrade":
+            hit = {
+                j for pair in self._pairs(event) for j in self._across(*sorted(pair)) if pair in self.degraded
+            }
+            self._consider(sorted(hit), "link_degraded")
+        elif kind == "link_restore":
+            restored = {pair for pair in self._pairs(event) if pair not in self.degraded}
+            left = [j for j, link in sorted(self.left_link.items()) if link in restored]
+            self._consider(left, "link_improved")
+
+    def _retry(self) -> None:
+        for cluster in sorted(self.drained):
+            self._consider(self._on_cluster(cluster), "drain")
+        if self.deferred:
+            retry, self.deferred = self.deferred, {}
+            by: dict[tuple[Trigger, str | None], list[str]] = {}
+            for job_id, key in retry.items():
+                by.setdefault(key, []).append(job_id)
+            for (trigger, only), jobs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
+                keep = [j for j in jobs if trigger != "link_degraded" or self._still_across(j)]
+                self._consider(keep, trigger, only=only)
+
+    def start_delay(self, job: _Job, d: Decision, *, gpus: int) -> float:
+        """Seconds before a moved or re-placed run computes (save + checkpoint transfer + restart);
+        0 for a job that did not move."""
+        pending = self.pending.pop(job.spec.job_id, None)
+        if pending is None:
+            return 0.0
+        target_region = d.parts[0].region
+        transfer_s = self._path(pending.source_region, target_region).transfer_s(pending.nbytes)
+        if math.isinf(transfer_s):
+            transfer_s = 0.0
+        delay = pending.save_s + transfer_s + self.settings.restart_s
+        if pending.source_region != target_region:
+            self.out.bytes_moved += pending.nbytes
+        self.out.gpu_hours_lost += delay * gpus / 3600.0
+        if pending.budgeted:
+            self.in_flight.append(
+                (
+                    self.sim.t + delay,
+                    pending.source_cluster,
+                    d.parts[0].cluster,
+                    pending.source_region,
+                    target_region,
+                )
+            )
+        return delay
+
+    def figures(self) -> dict[str, Any]:
+        """What migration did in this run."""
+        out = self.out
+        return {
+            "mode": self.policy.mode,
+            "migrations": out.migrations,
+            "forced_restarts": out.forced_restarts,
+            "bytes_moved": out.bytes_moved,
+            "gpu_hours_lost": round(out.gpu_hours_lost, 3),
+            "lost_steps": round(out.lost_steps, 1),
+            "deferred_by_budget": out.deferred,
+            "evaluated": out.evaluated,
+            "stayed": out.stayed,
+            "by_trigger": dict(out.by_trigger),
+            "verdicts": out.verdicts,
+            "touched_jobs": sorted(out.touched),
+            "moved_jobs": sorted(out.moved),
+        }
+
+    # ---- affected jobs ---------------------------------------------------------------------------
+
+    def _pairs(self, event: SimEvent) -> list[frozenset[str]]:
+        """The links (region pairs) a link event changes: one, or every link of ``event.region``."""
+        if event.src and event.dst:
+            return [frozenset((event.src, event.dst))] if event.src != event.dst else []
+        region = event.region or event.src or event.dst
+        return [frozenset((region, other)) for other in self.sim.snap.net.regions if other != region]
+
+    def _running(self, job_ids: Any) -> list[str]:
+        jobs = self.sim.jobs
+        return [
+            j
+            for j in sorted(job_ids)
+            if (job := jobs.get(j)) is not None and job.run is not None and not job.run.pipeline
+        ]
+
+    def _on_cluster(self, cluster: str) -> list[str]:
+        return self._running(self.sim.by_cluster.get(cluster, set()))
+
+    def _allowed_on(self, cluster: str) -> list[str]:
+        c = self.sim.snap.cluster_index.get(cluster)
+        if c is None:
+            return []
+        return self._running(
+            job_id
+            for job_id, job in self.sim.jobs.items()
+            if job.run is not None and bool(job.shape.pools[c].any()) and cluster not in job.record.clusters
+        )
+
+    def _across(self, a: str, b: str) -> list[str]:
+        out = []
+        for job_id, job in self.sim.jobs.items():
+            run = job.run
+            if run is None or run.pipeline:
+                continue
+            regions = set(run.regions)
+            users = set(job.spec.affinity.prefer_regions) if job.spec.task_type == "inference" else set()
+            if {a, b} <= regions or (regions & {a, b} and users & ({a, b} - regions)):
+                out.append(job_id)
+        return sorted(out)
+
+    def _still_across(self, job_id: str) -> bool:
+        job = self.sim.jobs.get(job_id)
+        if job is None or job.run is None:
+            return False
+        return any(job_id in self._across(*sorted(pair)) for pair in self.degraded)
+
+    # ---- deciding --------------------------------------------------------------------------------
+
+    def _path(self, src: str, dst: str) -> PathState:
+        net = self.sim.snap.net
+        rtt_ms, bandwidth_gbps = net.link(src, dst)
+        i, j = net.index.get(src), net.index.get(dst)
+        loss = float(net.loss[i, j]) if i is not None and j is not None else 0.0
+        return PathState(rtt_ms=rtt_ms, bandwidth_gbps=bandwidth_gbps, loss_rate=loss)
+
+    def _candidate(self, job: _Job, only: str | None) -> Decision | None:
+        """Where the framework would place the job now as a new placement (nothing applied, no
+        preemption or shrink); None: nowhere, or where it already is."""
+        sim = self.sim
+        assert sim.fast is not None
+        snap = sim.snap
+        snap.now = sim.t
+        avoid = [c.id for c in snap.clusters if c.id != only] if only is not None else []
+        waiting = job.spec.job_id in snap.waiting
+        outcome = sim.fast.framework.schedule(job.spec, snap, avoid_clusters=avoid, apply=False)
+        if not waiting:
+            snap.waiting.discard(job.spec.job_id)
+        d = outcome.decision
+        if d is None:
+            return None
+        if d.victims or d.shrunk:
+            if d.undo is not None:
+                d.undo()
+            return None
+        run = job.run
+        assert run is not None
+        here = sorted((p.cluster, p.gpu_model) for p in run.decision.parts)
+        if sorted((p.cluster, p.gpu_model) for p in d.parts) == here:
+            return None
+        return d
+
+    def _state(self, job: _Job) -> RunningJobState:
+        run = job.run
+        assert run is not None
+        spec = job.spec
+        steps = spec.work.steps
+        done = steps - max(job.steps_left - run.progress(self.sim.t), 0.0)
+        return RunningJobState(
+            job_id=spec.job_id,
+            job_class=job_class_of(spec),
+            cluster=run.decision.parts[0].cluster,
+            region=run.regions[0],
+            steps=steps,
+            steps_done=done,
+            step_s=self.sim.believed_step_s(spec, run.decision),
+            checkpoint_every_steps=spec.work.checkpoint_every_steps,
+            checkpoint_bytes=checkpoint_bytes_of(spec),
+            attempt=job.record.restarts + 1,
+            moves=self.moves[spec.job_id],
+            last_moved_s=self.last_moved.get(spec.job_id),
+        )
+
+    def _verdict(
+        self, job: _Job, trigger: Trigger, only: str | None, *, again: bool = False
+    ) -> tuple[MigrationVerdict, Decision | None]:
+        state = self._state(job)
+        d = self._candidate(job, only)
+        target = None
+        path = PathState(rtt_ms=0.0, bandwidth_gbps=1.0)
+        if d is not None:
+            lead = d.parts[0]
+            target = Candidate(
+                cluster=lead.cluster,
+                region=lead.region,
+                step_s=self.sim.believed_step_s(job.spec, d),
+                start_after_s=d.start_after_s + self.sim.data_wait_s(job.spec.job_id, lead.region),
+            )
+            path = self._path(state.region, lead.region)
+        verdict = decide(state, target, path, now_s=self.sim.t, trigger=trigger, settings=self.settings)
+        if again:  # the same look again just before moving (the snapshot may have changed)
+            return verdict, d
+        self.out.evaluated += 1
+        self.out.touched.add(job.spec.job_id)
+        if len(self.out.verdicts) < _VERDICTS_KEPT:
+            self.out.verdicts.append(_summary(verdict, self.sim.t))
+        return verdict, d
+
+    def _consider(self, job_ids: list[str], trigger: Trigger, *, only: str | None = None) -> None:
+        """Look at the affected jobs for one trigger and move those the mode moves."""
+        if not job_ids:
+            return
+        jobs = self.sim.jobs
+        if self.policy.mode == "always":
+            self._move_all(job_ids, trigger, only)
+            return
+        verdicts = []
+        for job_id in job_ids:
+            job = jobs[job_id]
+            if job.run is None:
+                continue
+            verdict, d = self._verdict(job, trigger, only)
+            if d is not None and d.undo is not None:
+                d.undo()
+            verdicts.append(verdict)
+        regions = {c.id: c.region for c in self.sim.snap.clusters}
+        plan = plan_migrations(verdicts, regions, self.budget)
+        self.out.stayed += len(plan.stay)
+        for verdict, _why in plan.deferred:
+            self.deferred[verdict.job_id] = (trigger, only)
+            self.out.deferred += 1
+        for verdict in plan.start:
+            job = jobs[verdict.job_id]
+            assert verdict.target is not None
+            src_region, dst_region = regions[verdict.source], regions[verdict.target]
+            fresh, d = (
+                self._verdict(job, trigger, only, again=True) if job.run is not None else (verdict, None)
+            )
+            if d is None or not fresh.move:
+                self.budget.release(verdict.source, verdict.target, src_region, dst_region)
+                continue
+            if d.parts[0].cluster != verdict.target:
+                # The budget was taken for another target: count the one it goes to.
+                self.budget.release(verdict.source, verdict.target, src_region, dst_region)
+                if not self.budget.acquire(verdict.source, d.parts[0].cluster, src_region, d.parts[0].region):
+                    self.deferred[verdict.job_id] = (trigger, only)
+                    self.out.deferred += 1
+                    continue
+            self._move(job, d, trigger, budgeted=True)
+
+    def _move_all(self, job_ids: list[str], trigger: Trigger, only: str | None) -> None:
+        """``always``: every affected job with a candidate moves there."""
+        for job_id in job_ids:
+            job = self.sim.jobs[job_id]
+            if job.run is None:
+                continue
+            _, d = self._verdict(job, trigger, only)
+            if d is not None:
+                self._move(job, d, trigger, budgeted=False)
+
+    def _move(self, job: _Job, d: Decision, trigger: Trigger, *, budgeted: bool) -> None:
+        run = job.run
+        assert run is not None
+        spec = job.spec
+        every = spec.work.checkpoint_every_steps
+        keep = self.settings.save_on_demand and every > 0
+        state = self._state(job)
+        nbytes = checkpoint_bytes_of(spec) if (keep or state.last_checkpoint_step > 0) else 0.0
+        if not keep:
+            lost = max(state.steps_done - state.last_checkpoint_step, 0.0)
+            self.out.lost_steps += lost
+            self.out.gpu_hours_lost += lost * run.step_s * run.gpus / 3600.0
+        self.pending[spec.job_id] = _Pending(
+            source_region=run.regions[0],
+            save_s=nbytes / (self.settings.save_gbps * 1e9 / 8.0) if keep else 0.0,
+            nbytes=nbytes,
+            source_cluster=run.decision.parts[0].cluster,
+            budgeted=budgeted,
+        )
+        if trigger == "link_degraded":
+            for pair in self.degraded:
+                if job.spec.job_id in self._across(*sorted(pair)):
+                    self.left_link[spec.job_id] = pair
+        elif trigger == "link_improved":
+            self.left_link.pop(spec.job_id, None)
+        self.moves[spec.job_id] += 1
+        self.last_moved[spec.job_id] = self.sim.t
+        self.out.migrations += 1
+        self.out.moved.add(spec.job_id)
+        self.out.by_trigger[trigger] += 1
+        self.deferred.pop(spec.job_id, None)
+        self.sim.move(spec.job_id, d, keep_progress=keep)
+
+    def _failing(self, cluster: str) -> None:
+        """A cluster fails: its jobs' runs are lost; each restarts (wherever the scheduler puts it)
+        from its last checkpoint, read from the replica (the best-connected other cluster)."""
+        sim = self.sim
+        snap = sim.snap
+        info = next((c for c in snap.clusters if c.id == cluster), None)
+        if info is None:
+            return
+        others = [c for c in snap.clusters if c.id != cluster]
+        replica = (
+            max(others, key=lambda c: (self._path(info.region, c.region).bandwidth_gbps, c.id)).region
+            if others
+            else info.region
+        )
+        for job_id in sorted(sim.by_cluster.get(cluster, set())):
+            job = sim.jobs.get(job_id)
+            if job is None or job.run is None:
+                continue
+            state = self._state(job)
+            lost = max(state.steps_done - state.last_checkpoint_step, 0.0)
+            self.out.lost_steps += lost
+            self.out.gpu_hours_lost += lost * job.run.step_s * job.run.gpus / 3600.0
+            self.out.forced_restarts += 1
+            self.out.touched.add(job_id)
+            self.out.by_trigger["cluster_failed"] += 1
+            self.pending[job_id] = _Pending(
+                source_region=replica,
+                save_s=0.0,
+                nbytes=checkpoint_bytes_of(job.spec) if state.last_checkpoint_step > 0 else 0.0,
+                source_cluster=cluster,
+            )
+            self.deferred.pop(job_id, None)
+
+
+def _summary(verdict: MigrationVerdict, now: float) -> dict[str, Any]:
+    def num(x: float) -> float | None:
+        return None if math.isinf(x) or math.isnan(x) else round(x, 1)
+
+    return {
+        "at_s": round(now, 1),
+        "job_id": verdict.job_id,
+        "trigger": verdict.trigger,
+        "decision": verdict.decision,
+        "source": verdict.source,
+        "target": verdict.target,
+        "remaining_here_s": num(verdict.remaining_here_s),
+        "remaining_there_s": num(verdict.remaining_there_s),
+        "cost_s": num(verdict.cost.total_s) if verdict.cost is not None else None,
+        "gain_s": num(verdict.gain_s),
+        "threshold_s": num(verdict.threshold_s),
+        "reason": verdict.reason,
+    }

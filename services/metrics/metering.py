@@ -1,0 +1,145 @@
+"""Metering inside the metrics service: job lifecycle events -> run records -> priced usage rows.
+
+One durable consumer (``metrics-metering``) reads ``placed``, ``started``, ``resized``,
+``completed``, ``failed``, ``cancelled`` and ``requeued``. Each fetched batch is handled in one
+PostgreSQL transaction that claims the message ids in the inbox (a redelivery changes nothing),
+folds each event into its attempt's run record (:func:`loom.metering.fold`) and, for every record
+that is complete, replaces the attempt's usage rows with :func:`loom.metering.meter`'s. Folding
+is order-free, so events that arrive out of order (a redelivered ``started`` after its
+``completed``) meter the same rows.
+"""
+
+from collections.abc import Callable, Sequence
+
+import asyncpg
+import msgspec
+import structlog
+
+from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
+from loom.errors import InvalidInputError
+from loom.metering import RunRecord, fold, meter
+from loom.metering.run import MeteredEvent
+from loom.metering.usage import PriceFn, ScuFn, scu_of
+from loom.runtime.service import ServiceContext
+from loom.store import inbox
+from loom.store import usage as usage_store
+from loom.store.pool import transaction
+from loom.telemetry.metrics import METERED_RUNS
+from loom_proto import subjects
+from loom_proto.codec import DecodeError, decode
+from loom_proto.jobs import JobCancelled, JobPlaced, JobRequeued
+
+log = structlog.get_logger("metrics.metering")
+
+CONSUMER = "metrics-metering"
+
+
+class Metering:
+    """The metering consumer; :meth:`runner` builds its :class:`ConsumerRunner`."""
+
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        price: PriceFn,
+        scu: ScuFn = scu_of,
+        on_metered: Callable[[list[str]], None] | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.price = price
+        self.scu = scu
+        self.on_metered = on_metered
+        self.counts = {"events": 0, "duplicates": 0, "runs_metered": 0}
+
+    def runner(self) -> ConsumerRunner[bytes]:
+        """The durable consumer of the metered lifecycle events."""
+        return ConsumerRunner(
+            self.ctx.nc,
+            ConsumerSpec(
+                stream="JOBS",
+                durable=CONSUMER,
+                filter_subjects=subjects.job_events_of(
+                    "placed", "started", "resized", "completed", "failed", "cancelled", "requeued"
+                ),
+                batch=200,
+            ),
+            bytes,
+            batch_handler=self.on_events,
+            publisher=self.ctx.publisher,
+        )
+
+    async def on_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
+        """Fold a fetched batch into run records in one transaction, each message exactly once.
+
+        An event that does not decode is refused alone (dead-lettered); if the transaction fails,
+        the runner retries the messages one by one.
+        """
+        outcomes: list[BaseException | None] = [None] * len(deliveries)
+        decoded: list[tuple[str, MeteredEvent]] = []
+        for i, d in enumerate(deliveries):
+            try:
+                # A union is not a ``type[T]`` to mypy; decode takes it (msgspec decodes tagged unions).
+                event: MeteredEvent = decode(d.message, MeteredEvent)  # type: ignore[arg-type]
+            except DecodeError as exc:
+                outcomes[i] = InvalidInputError(f"not a metered job event: {exc}")
+                continue
+            decoded.append((d.msg_id or f"seq-{d.stream_seq}", event))
+        if decoded:
+            metered = await self._apply(decoded)
+            self.counts["runs_metered"] += len(metered)
+            for tenant in metered:
+                METERED_RUNS.labels(tenant).inc()
+            if metered and self.on_metered is not None:
+                self.on_metered(metered)
+        return outcomes
+
+    async def _apply(self, decoded: list[tuple[str, MeteredEvent]]) -> list[str]:
+        """Claim, fold, save and meter; returns the tenant of each run metered (afresh)."""
+        metered: list[str] = []
+        async with transaction(self.ctx.db) as conn:
+            new = await inbox.claim_many(conn, CONSUMER, [msg_id for msg_id, _ in decoded])
+            records: dict[tuple[str, int], RunRecord] = {}
+            specs: dict[str, tuple[dict[str, str], str] | None] = {}
+            changed: list[tuple[str, int]] = []
+            for msg_id, event in decoded:
+                if msg_id not in new:
+                    self.counts["duplicates"] += 1
+                    continue
+                new.discard(msg_id)  # the same message twice in one batch counts once
+                self.counts["events"] += 1
+                for key in await self._runs_of(conn, event, records):
+                    updated = fold(records[key], event)
+                    if isinstance(event, JobPlaced) or not updated.labels:
+                        if event.job_id not in specs:
+                            specs[event.job_id] = await usage_store.job_spec(conn, event.job_id)
+                        spec = specs[event.job_id]
+                        if spec is not None:
+                            updated = msgspec.structs.replace(updated, labels=spec[0], task_type=spec[1])
+                    records[key] = updated
+                    if key not in changed:
+                        changed.append(key)
+            for key in changed:
+                record = records[key]
+                await usage_store.save_run(conn, record)
+                if record.complete:
+                    rows = meter(record, self.price, self.scu)
+                    await usage_store.replace_rows(conn, record.job_id, record.attempt, rows)
+                    metered.append(record.tenant)
+        return metered
+
+    async def _runs_of(
+        self, conn: asyncpg.Connection, event: MeteredEvent, records: dict[tuple[str, int], RunRecord]
+    ) -> list[tuple[str, int]]:
+        """The runs an event folds into (loaded into ``records``): its attempt; the attempt a
+        ``requeued`` gave up; every run of the job not yet ended for a ``cancelled``."""
+        if isinstance(event, JobCancelled):
+            for record in await usage_store.open_runs(conn, event.job_id):
+                records.setdefault((record.job_id, record.attempt), record)
+            return sorted(k for k, r in records.items() if k[0] == event.job_id and r.ended_ms is None)
+        attempt = event.attempt - 1 if isinstance(event, JobRequeued) else event.attempt
+        if attempt < 1:
+            return []
+        key = (event.job_id, attempt)
+        if key not in records:
+            found = await usage_store.load_run(conn, event.job_id, attempt)
+            records[key] = found or RunRecord(job_id=event.job_id, attempt=attempt, tenant=event.tenant)
+        return [key]

@@ -1,0 +1,276 @@
+"""Metering on the real services (in this process) with real NATS and PostgreSQL.
+
+The must-show: after a run of jobs, metered usage equals the sum over the run records of
+GPUs x duration, exactly, by tenant and by label. The run records here are placement's own
+history (``job_events``: placed, started and the event that ended each attempt), read
+independently of the metering consumer and its core.
+"""
+
+import asyncio
+import contextlib
+import csv
+import io
+import json
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import asyncpg
+import pytest
+from platform_helpers import Platform
+from prometheus_client.parser import text_string_to_metric_families
+from waiting import until
+
+from loom.cli.main import main as loom_main
+from loom.client import LoomClient
+from loom.runtime.config import ENV_DATABASE_URL, ENV_NATS_URL
+from loom.runtime.servers import NatsServer
+from loom.telemetry.metrics import serve_metrics
+from loom_proto.jobs import JobSpec, Resources, Work
+
+JOBS = [
+    # (job, tenant, team, project, gpus per worker, workers, steps)
+    ("m-1", "acme", "ml", "llm", 2, 1, 60),
+    ("m-2", "acme", "search", "rank", 1, 2, 90),
+    ("m-3", "acme", "ml", "vision", 4, 1, 40),
+    ("m-4", "globex", "ads", "ctr", 1, 1, 120),
+    ("m-5", "globex", "ml", "llm", 2, 2, 50),
+    ("m-6", "globex", "ads", "ctr", 1, 3, 30),
+]
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with NatsServer(tmp_path_factory.mktemp("metering-nats")) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+async def stack(
+    nats_url: str,
+    fresh_database: Callable[..., Awaitable[str]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[tuple[Platform, Any]]:
+    p = Platform(nats_url, await fresh_database("metering"), tmp_path_factory.mktemp("agents"))
+    metrics = await p.start("metrics")
+    for name in ("placement", "agent-c-use2-a", "agent-c-weu-a", "agent-c-sea1-a"):
+        await p.start(name)
+    yield p, metrics
+    for name in list(p.tasks):
+        await p.stop(name)
+
+
+async def _run_records(conn: asyncpg.Connection) -> dict[tuple[str, int], dict[str, Any]]:
+    """Per attempt, from placement's job history: GPUs placed, start and earliest end, in ms."""
+    runs: dict[tuple[str, int], dict[str, Any]] = {}
+    for row in await conn.fetch("SELECT job_id, kind, event FROM job_events ORDER BY id"):
+        event = json.loads(row["event"]) if isinstance(row["event"], str) else row["event"]
+        kind = row["kind"]
+        if kind == "requeued":
+            key = (row["job_id"], event["attempt"] - 1)
+        elif kind in ("placed", "started", "completed", "failed"):
+            key = (row["job_id"], event.get("attempt", 1))
+        else:
+            continue
+        run = runs.setdefault(key, {"gpus": 0, "start": None, "end": None})
+        if kind == "placed":
+            parts = event.get("parts") or [event]
+            run["gpus"] = sum(a["gpus"] for part in parts for a in part["allocations"])
+        elif kind == "started":
+            run["start"] = round(event["started_at"] * 1000)
+        else:
+            at = round(event["at"] * 1000)
+            run["end"] = at if run["end"] is None else min(run["end"], at)
+    return runs
+
+
+@pytest.fixture(scope="module")
+async def expected(stack: tuple[Platform, Any], nats_url: str) -> dict[str, dict[str, int]]:
+    """Run the jobs to completion; GPU-ms by tenant and by team from the run records, once metered."""
+    platform, _ = stack
+    client = await LoomClient.connect(nats_url)
+    try:
+        for job_id, tenant, team, project, gpus, workers, steps in JOBS:
+            await client.submit(
+                JobSpec(
+                    job_id=job_id,
+                    tenant=tenant,
+                    workers=workers,
+                    resources=Resources(gpus=gpus),
+                    work=Work(steps=steps, step_time_s=10.0),
+                    labels={"team": team, "project": project},
+                )
+            )
+
+        async def all_completed() -> bool:
+            jobs = [await client.job(j[0]) for j in JOBS]
+            return all(j is not None and j["state"] == "completed" for j in jobs)
+
+        await until(all_completed, 30, "every job to complete")
+    finally:
+        await client.close()
+    conn = await asyncpg.connect(platform.database_url)
+    try:
+        records = await _run_records(conn)
+        finished = {k: r for k, r in records.items() if r["start"] is not None and r["end"] is not None}
+        assert {job for job, _ in finished} == {j[0] for j in JOBS}
+
+        async def metered() -> bool:
+            count = await conn.fetchval("SELECT count(DISTINCT (job_id, attempt)) FROM usage_rows")
+            return int(count) == len(finished)
+
+        await until(metered, 15, "every attempt to be metered")
+    finally:
+        await conn.close()
+    spec_of = {j[0]: j for j in JOBS}
+    by: dict[str, dict[str, int]] = {"tenant": {}, "team": {}}
+    for (job_id, _), r in finished.items():
+        gpu_ms = r["gpus"] * (r["end"] - r["start"])
+        assert gpu_ms > 0
+        _, tenant, team, *_ = spec_of[job_id]
+        by["tenant"][tenant] = by["tenant"].get(tenant, 0) + gpu_ms
+        by["team"][team] = by["team"].get(team, 0) + gpu_ms
+    return by
+
+
+async def test_usage_of_a_completed_run_equals_gpus_times_duration_by_tenant_and_label(
+    stack: tuple[Platform, Any], expected: dict[str, dict[str, int]]
+) -> None:
+    platform, _ = stack
+    conn = await asyncpg.connect(platform.database_url)
+    try:
+        by_tenant = {
+            r["tenant"]: int(r["gpu_ms"])
+            for r in await conn.fetch(
+                "SELECT tenant, sum(gpu_ms)::bigint AS gpu_ms FROM usage_rows GROUP BY 1"
+            )
+        }
+        by_team = {
+            r["team"]: int(r["gpu_ms"])
+            for r in await conn.fetch(
+                "SELECT labels->>'team' AS team, sum(gpu_ms)::bigint AS gpu_ms FROM usage_rows GROUP BY 1"
+            )
+        }
+    finally:
+        await conn.close()
+    assert by_tenant == expected["tenant"]
+    assert by_team == expected["team"]
+
+
+async def test_loom_usage_shows_the_same_figures_and_refuses_an_inverted_range(
+    stack: tuple[Platform, Any],
+    expected: dict[str, dict[str, int]],
+    nats_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    platform, _ = stack
+    monkeypatch.setenv(ENV_DATABASE_URL, platform.database_url)
+    monkeypatch.setenv(ENV_NATS_URL, nats_url)
+    for by, key in (("label:team", "team"), ("tenant", "tenant")):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = await asyncio.to_thread(loom_main, ["usage", "--by", by, "--json"])
+        assert code == 0
+        assert {g["key"]: g["gpu_ms"] for g in json.loads(out.getvalue())["groups"]} == expected[key]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert await asyncio.to_thread(loom_main, ["usage", "--by", "tenant", "--csv"]) == 0
+    rows = list(csv.DictReader(io.StringIO(out.getvalue())))
+    assert {r["tenant"]: r["gpu_seconds"] for r in rows} == {
+        t: f"{ms // 1000}.{ms % 1000:03d}" for t, ms in expected["tenant"].items()
+    }
+    inverted = ["usage", "--since", "2026-12-02T00:00:00", "--until", "2026-12-01T00:00:00"]
+    assert await asyncio.to_thread(loom_main, inverted) == 1
+    assert await asyncio.to_thread(loom_main, ["usage", "reconcile"]) == 0
+    # One millisecond off in one row, and reconcile says so.
+    conn = await asyncpg.connect(platform.database_url)
+    try:
+        bump = "UPDATE usage_rows SET end_ms = end_ms + $1 WHERE (job_id, attempt, seq) = ('m-1', 1, 0)"
+        await conn.execute(bump, 1)
+        assert await asyncio.to_thread(loom_main, ["usage", "reconcile"]) == 1
+        await conn.execute(bump, -1)
+    finally:
+        await conn.close()
+
+
+async def test_metrics_endpoint_answers_with_the_families_the_services_fed(
+    stack: tuple[Platform, Any], expected: dict[str, dict[str, int]]
+) -> None:
+    _, metrics = stack
+    await metrics.refresh_gauges()
+    port = serve_metrics("test", 0)
+    assert port is not None
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    for name in (
+        "loom_consumer_messages",
+        "loom_consumer_lag_messages",
+        "loom_decisions",
+        "loom_decision_latency_seconds",
+        "loom_placements",
+        "loom_queue_depth",
+        "loom_cluster_free_gpus",
+        "loom_cluster_water_level_ratio",
+        "loom_usage_gpu_seconds",
+        "loom_metered_runs",
+    ):
+        assert name in families and families[name].samples, f"{name} missing or empty in /metrics"
+    usage: dict[str, float] = {}
+    for s in families["loom_usage_gpu_seconds"].samples:
+        usage[s.labels["tenant"]] = usage.get(s.labels["tenant"], 0.0) + s.value
+    # The registry is the process's: services of other test modules may have fed other tenants.
+    assert {t: usage.get(t) for t in expected["tenant"]} == pytest.approx(
+        {t: v / 1000 for t, v in expected["tenant"].items()}
+    )
+    placed = [s for s in families["loom_placements"].samples if s.labels.get("outcome") == "placed"]
+    assert sum(s.value for s in placed if s.name.endswith("_total")) >= len(JOBS)
+
+
+async def test_the_metering_consumer_counts_each_event_once_in_any_order(
+    fresh_database: Callable[..., Awaitable[str]],
+) -> None:
+    from types import SimpleNamespace
+
+    from loom.store.pool import create_pool
+    from loom_proto.jobs import JobCompleted, JobPlaced, JobRequeued, JobStarted, NodeAllocation
+    from loom_services.metrics.metering import Metering
+
+    t0 = 1_780_000_000.0
+    placed = {
+        a: JobPlaced(
+            job_id="x",
+            tenant="acme",
+            cluster="c1",
+            region="r1",
+            gpu_model="A100",
+            allocations=[NodeAllocation("n1", 4)],
+            attempt=a,
+            placed_at=t0,
+        )
+        for a in (1, 2)
+    }
+    events = [
+        ("x:placed:1", placed[1]),
+        ("x:started:1", JobStarted(job_id="x", tenant="acme", cluster="c1", attempt=1, started_at=t0 + 1)),
+        ("x:requeued:2", JobRequeued(job_id="x", tenant="acme", attempt=2, cause="preempted", at=t0 + 11.5)),
+        ("x:placed:2", placed[2]),
+        ("x:started:2", JobStarted(job_id="x", tenant="acme", cluster="c1", attempt=2, started_at=t0 + 20)),
+        ("x:completed:2", JobCompleted(job_id="x", tenant="acme", cluster="c1", attempt=2, at=t0 + 50.25)),
+    ]
+    pool = await create_pool(await fresh_database("metering-once"), max_size=2)
+    try:
+        metering = Metering(SimpleNamespace(db=pool), lambda _r, _t: 2.0)  # type: ignore[arg-type]
+        # Reversed, in two batches, then everything again (a redelivery, a DLQ replay).
+        await metering._apply(events[::-1][:3])
+        await metering._apply(events[::-1][3:])
+        await metering._apply(events)
+        rows = await pool.fetch(
+            "SELECT attempt, outcome, sum(gpu_ms)::bigint AS gpu_ms FROM usage_rows GROUP BY 1, 2 ORDER BY 1"
+        )
+    finally:
+        await pool.close()
+    assert [(r["attempt"], r["outcome"], r["gpu_ms"]) for r in rows] == [
+        (1, "preempted", 4 * 10_500),
+        (2, "completed", 4 * 30_250),
+    ]
+    assert metering.counts["duplicates"] == len(events)

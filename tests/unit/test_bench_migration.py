@@ -1,0 +1,54 @@
+"""``loom bench migration``: its margins and summary, and the checkpoints it gives every job."""
+
+from typing import Any
+
+import pytest
+
+from loom.sim.model import SimJob, Trace
+from loom_benchmarks.migration import aggregate, summary, with_checkpoints
+from loom_proto.jobs import JobSpec, Work
+
+
+def run(seed: int, scenario: str, jct: dict[str, float]) -> dict[str, Any]:
+    return {
+        "platform": "wide16",
+        "load": 0.5,
+        "seed": seed,
+        "scenario": scenario,
+        "modes": {m: {"jct_mean_s": v, "migrations": 1} for m, v in jct.items()},
+        "moved_jobs_effect": {"on": {"jobs": 2, "jct_mean_s": 50.0, "jct_mean_never_s": 100.0}},
+    }
+
+
+def test_margins_are_pooled_over_seeds_and_losses_are_listed() -> None:
+    runs = [
+        run(1, "failure", {"on": 90.0, "never": 100.0, "always": 120.0}),
+        run(2, "failure", {"on": 110.0, "never": 100.0, "always": 80.0}),
+        run(1, "degradation", {"on": 100.0, "never": 90.0, "always": 110.0}),
+    ]
+    cells = {c["scenario"]: c for c in aggregate(runs)}
+    failure = cells["failure"]
+    assert failure["modes"]["on"]["jct_mean_s"] == pytest.approx(100.0)
+    assert failure["on_vs_never"] == pytest.approx(0.0)
+    assert failure["on_vs_always"] == pytest.approx(0.0)
+    assert failure["on_vs_never_per_seed"] == [pytest.approx(0.1), pytest.approx(-0.1)]
+    assert failure["moved_jobs"]["on"] == {
+        "jobs": 4,
+        "jct_mean_s": 50.0,
+        "jct_mean_never_s": 100.0,
+        "vs_never": pytest.approx(0.5),
+    }
+    out = summary(list(cells.values()))
+    assert out["failure"]["on_beats_both"] == 0
+    assert out["degradation"]["on_loses_to_never"] == ["wide16/0.5: -11.1%"]
+    assert out["degradation"]["on_loses_to_always"] == []
+
+
+def test_every_job_checkpoints_every_300_reference_seconds_at_least_every_step() -> None:
+    jobs = [
+        SimJob(spec=JobSpec(job_id="a", tenant="t", work=Work(steps=1000, step_time_s=0.5)), arrival_s=0.0),
+        SimJob(spec=JobSpec(job_id="b", tenant="t", work=Work(steps=10, step_time_s=900.0)), arrival_s=1.0),
+    ]
+    out = with_checkpoints(Trace(jobs=jobs))
+    assert [j.spec.work.checkpoint_every_steps for j in out.jobs] == [600, 1]
+    assert "checkpoints every 300 s" in out.source

@@ -1,0 +1,176 @@
+"""Migration in the simulator: on / never / always on small cases, timed by belief (exact arithmetic)."""
+
+from typing import Any
+
+import pytest
+
+from loom.model.capacity import NodeCapacity
+from loom.model.profiles import relative_speed
+from loom.model.topology import load_topology
+from loom.sched.plugins.cost import default_economics
+from loom.sched.snapshot import ClusterInfo, NetMatrix
+from loom.sim.engine import simulate
+from loom.sim.migration import MigrationPolicy
+from loom.sim.model import Platform, SimEvent, SimJob, SimResult, Trace
+from loom.sim.policies import POLICIES
+from loom.sim.scenarios import drain_events
+from loom.sim.truth import BELIEF
+from loom_proto.jobs import JobSpec, Resources, Work
+
+EU = "aws-eu-central-1"
+TASKS = ("training_compute", "training_memory", "training_comm", "inference")
+RETURN_S = 1_000.0
+
+
+def platform(clusters: dict[str, tuple[str, str, int]]) -> Platform:
+    """``cluster -> (region, gpu_model, nodes)`` of 8 GPUs, on the packaged measured network."""
+    nodes = [
+        NodeCapacity(
+            node=f"{cid}-n{i}", cluster=cid, region=region, zone=f"{region}-a", gpu_model=model, gpus_total=8
+        )
+        for cid, (region, model, count) in clusters.items()
+        for i in range(count)
+    ]
+    models = sorted({m for _, m, _ in clusters.values()})
+    return Platform(
+        name="test",
+        nodes=nodes,
+        clusters={cid: ClusterInfo(id=cid, region=r, zone=f"{r}-a") for cid, (r, _, _) in clusters.items()},
+        net=NetMatrix.from_topology(load_topology()),
+        economics=default_economics(),
+        speed={(m, t): relative_speed(m, t) for m in models for t in TASKS},
+        gpu_memory_gib=dict.fromkeys(models, 80.0),
+    )
+
+
+def job(job_id: str, steps: int) -> SimJob:
+    spec = JobSpec(
+        job_id=job_id,
+        tenant="t",
+        resources=Resources(gpus=8),
+        work=Work(steps=steps, step_time_s=0.5, checkpoint_every_steps=100),
+    )
+    return SimJob(spec=spec, arrival_s=0.0)
+
+
+SLOW_STEP_S = 0.5 / relative_speed("P100", "training_compute")
+FAST_STEP_S = 0.5 / relative_speed("H100", "training_compute")
+LONG_STEPS = 20_000
+SHORT_STEPS = round((RETURN_S + 80.0) / SLOW_STEP_S)
+"""Done 80 s (on the slow GPUs) after the fast cluster returns: moving gains less than it costs."""
+
+
+def run(mode: str) -> tuple[dict[str, Any], SimResult]:
+    """Both jobs start on the slow cluster (the fast one is down); the fast one returns at 1,000 s."""
+    plat = platform({"slow": (EU, "P100", 2), "fast": (EU, "H100", 2)})
+    events = [
+        SimEvent(at_s=0.0, kind="cluster_down", cluster="fast"),
+        SimEvent(at_s=RETURN_S, kind="cluster_up", cluster="fast"),
+    ]
+    trace = Trace(jobs=[job("long", LONG_STEPS), job("short", SHORT_STEPS)], events=events)
+    result = simulate(trace, plat, POLICIES["loom"](0), truth=BELIEF, migration=MigrationPolicy(mode))  # type: ignore[arg-type]
+    return {r.job_id: r for r in result.records}, result
+
+
+def test_on_moves_the_job_whose_gain_exceeds_its_cost_and_leaves_the_other() -> None:
+    records, result = run("on")
+    assert records["long"].restarts == 1
+    assert records["long"].clusters == ("fast",)
+    assert records["short"].restarts == 0
+    assert records["short"].clusters == ("slow",)
+    verdicts = {v["job_id"]: v for v in result.migration["verdicts"]}  # type: ignore[index]
+    assert verdicts["long"]["decision"] == "move"
+    assert verdicts["long"]["gain_s"] > verdicts["long"]["threshold_s"]
+    assert verdicts["short"]["decision"] == "stay"
+    assert 0 < verdicts["short"]["gain_s"] < verdicts["short"]["cost_s"] < verdicts["short"]["threshold_s"]
+    assert result.migration["migrations"] == 1  # type: ignore[index]
+    # The moved job: its progress kept (on-demand checkpoint), then save + copy + restart, then
+    # the rest at the fast pace.
+    done = RETURN_S / SLOW_STEP_S
+    delay = 16e9 * 8 / 4e9 + (0.5 / 1000 + 16e9 * 8 / 100e9) + 60.0  # in-region copy
+    assert records["long"].end_s is not None
+    assert records["long"].end_s == pytest.approx(
+        RETURN_S + delay + (LONG_STEPS - done) * FAST_STEP_S, rel=0.02
+    )
+    assert records["short"].end_s == pytest.approx(SHORT_STEPS * SLOW_STEP_S)
+
+
+def test_never_moves_neither_and_always_moves_both() -> None:
+    never, never_result = run("never")
+    always, always_result = run("always")
+    assert never["long"].restarts == never["short"].restarts == 0
+    assert never_result.migration["migrations"] == 0  # type: ignore[index]
+    assert always["long"].restarts == always["short"].restarts == 1
+    assert always_result.migration["migrations"] == 2  # type: ignore[index]
+    on, _ = run("on")
+    # Moving the short job costs it more than it gains; moving the long one pays.
+    assert always["short"].jct_s > on["short"].jct_s  # type: ignore[operator]
+    assert on["long"].jct_s < never["long"].jct_s  # type: ignore[operator]
+
+
+def test_a_drain_moves_jobs_off_the_cluster_under_on_and_leaves_them_under_never() -> None:
+    plat = platform({"a": (EU, "H100", 1), "b": (EU, "H100", 1)})
+    first = simulate(Trace(jobs=[job("j", 5_000)]), plat, POLICIES["loom"](0), truth=BELIEF)
+    home = first.records[0].clusters[0]
+    other = "b" if home == "a" else "a"
+    trace = Trace(jobs=[job("j", 5_000)], events=drain_events(home, at_s=50.0, duration_s=500.0))
+    on = simulate(trace, plat, POLICIES["loom"](0), truth=BELIEF, migration=MigrationPolicy("on"))
+    never = simulate(trace, plat, POLICIES["loom"](0), truth=BELIEF, migration=MigrationPolicy("never"))
+    assert on.records[0].clusters == (other,)
+    assert on.migration is not None
+    assert on.migration["by_trigger"] == {"drain": 1}
+    assert never.records[0].clusters == (home,)
+    assert never.records[0].restarts == 0
+
+
+def test_a_failed_clusters_jobs_pay_the_checkpoint_copy_and_restart_in_every_mode() -> None:
+    plat = platform({"a": (EU, "H100", 1), "b": (EU, "H100", 1)})
+    first = simulate(Trace(jobs=[job("j", 5_000)]), plat, POLICIES["loom"](0), truth=BELIEF)
+    home = first.records[0].clusters[0]
+    events = [SimEvent(at_s=120.0, kind="cluster_down", cluster=home)]
+    plain = simulate(Trace(jobs=[job("j", 5_000)], events=events), plat, POLICIES["loom"](0), truth=BELIEF)
+    ends = set()
+    for mode in ("on", "never", "always"):
+        result = simulate(
+            Trace(jobs=[job("j", 5_000)], events=events),
+            plat,
+            POLICIES["loom"](0),
+            truth=BELIEF,
+            migration=MigrationPolicy(mode),  # type: ignore[arg-type]
+        )
+        assert result.migration is not None
+        assert result.migration["forced_restarts"] == 1
+        assert result.migration["lost_steps"] > 0
+        assert result.records[0].end_s is not None
+        ends.add(round(result.records[0].end_s, 6))
+    assert len(ends) == 1
+    # The same restart as without a migration policy, later by the copy and restart.
+    assert plain.records[0].end_s is not None
+    assert ends.pop() >= plain.records[0].end_s + MigrationPolicy().settings.restart_s
+
+
+def test_a_drain_under_on_moves_at_most_the_budgets_concurrency_and_defers_the_rest() -> None:
+    plat = platform({"a": (EU, "H100", 2), "b": (EU, "H100", 2)})
+    events = [
+        SimEvent(at_s=0.0, kind="cluster_down", cluster="b"),
+        SimEvent(at_s=10.0, kind="cluster_up", cluster="b"),
+        *drain_events("a", at_s=50.0),
+    ]
+    trace = Trace(jobs=[job("j1", 20_000), job("j2", 20_000)], events=events)
+    result = simulate(
+        trace,
+        plat,
+        POLICIES["loom"](0),
+        truth=BELIEF,
+        sample_every_s=60.0,
+        migration=MigrationPolicy("on", per_cluster=1),
+    )
+    assert result.migration is not None
+    assert result.migration["by_trigger"] == {"drain": 2}
+    assert result.migration["deferred_by_budget"] >= 1
+    assert all(r.clusters == ("b",) and r.restarts == 1 for r in result.records)
+    moved_at = sorted(v["at_s"] for v in result.migration["verdicts"] if v["decision"] == "move")
+    delay = 16e9 * 8 / 4e9 + (0.5 / 1000 + 16e9 * 8 / 100e9) + 60.0
+    # One in flight at a time: the second starts only after the first's checkpoint is in.
+    assert moved_at[0] == pytest.approx(50.0)
+    assert moved_at[-1] >= 50.0 + delay
