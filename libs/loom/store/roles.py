@@ -172,7 +172,9 @@ async def ensure_roles(conn: asyncpg.Connection) -> bool:
                 END $$"""
         )
     for member in TENANT_MEMBERS:
-        await conn.execute(f"GRANT {_ident(TENANT_ROLE)} TO {_ident(member)}")
+        # SET only, no INHERIT: the member may switch to the tenant role (in tenant_scope) but holds
+        # none of its privileges, nor falls under its policies, as itself.
+        await conn.execute(f"GRANT {_ident(TENANT_ROLE)} TO {_ident(member)} WITH INHERIT FALSE, SET TRUE")
     existing = {
         r["tablename"]
         for r in await conn.fetch("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
