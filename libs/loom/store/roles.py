@@ -142,9 +142,9 @@ def role_of(service: str) -> str | None:
 
 
 def _ident(name: str) -> str:
-    if not name.replace("_", "").isalnum():
-        raise ValueError(f"not a plain identifier: {name!r}")
-    return f'"{name}"'
+    """``name`` quoted as an SQL identifier."""
+    escaped = name.replace('"', '""')
+    return f'"{escaped}"'
 
 
 async def can_manage_roles(conn: asyncpg.Connection) -> bool:
