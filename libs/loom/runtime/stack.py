@@ -60,8 +60,10 @@ _REAP_AFTER_CHANGE_S = 5.0
 
 log = structlog.get_logger("loom.supervisor")
 
-SECURE_DB_DEFAULT = False
-"""Whether ``loom up`` secures PostgreSQL unless told (``--secure-db`` / ``--insecure-db``)."""
+ENV_SECURE_DB = "LOOM_SECURE_DB"
+SECURE_DB_DEFAULT = os.environ.get(ENV_SECURE_DB, "1") != "0"
+"""Whether ``loom up`` secures PostgreSQL unless told (``--secure-db`` / ``--no-secure-db``): yes,
+unless ``LOOM_SECURE_DB=0`` (e.g. to measure a benchmark without it)."""
 
 ENV_STREAM_REPLICAS = "LOOM_STREAM_REPLICAS"
 """Replicas of Loom's streams, KV buckets and (inherited) consumers; read by loom.bus."""
