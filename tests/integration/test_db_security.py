@@ -16,7 +16,8 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from loom.runtime import stack
+from loom.runtime import dbcreds
+from loom.runtime.pgsecrets import pgpass_password
 from loom.runtime.servers import PostgresServer
 from loom.store import usage
 from loom.store.migrations import migrate_url
@@ -39,7 +40,7 @@ def secured(postgres_dir_factory: Callable[[str], Path]) -> Iterator[PostgresSer
 async def role_urls(secured: PostgresServer) -> dict[str, str]:
     """Every service role's URL after ``loom up``'s steps: migrate, then a password per role."""
     await migrate_url(secured.url)
-    return await stack.provision_roles(secured.url, secured.secrets_dir, secured)
+    return await dbcreds.provision_roles(secured.url, secured.secrets_dir, secured.port, secured.database)
 
 
 @pytest.fixture
@@ -243,6 +244,7 @@ def test_service_role_of_each_process() -> None:
     assert role_of("probe-aws-us-east-2") is None
 
 
+@pytest.mark.slow  # `loom up --servers-only` as the user runs it
 def test_loom_up_secure_db_keeps_passwords_out_of_state_and_logs(
     postgres_dir_factory: Callable[[str], Path],
 ) -> None:
@@ -277,3 +279,31 @@ def test_loom_up_secure_db_keeps_passwords_out_of_state_and_logs(
         assert "passfile=" in state["database_url"]
     finally:
         subprocess.run([_LOOM, "down"], env=env, capture_output=True, timeout=60, check=False)
+
+
+async def test_rotation_replaces_every_password_and_the_urls_keep_working(
+    secured: PostgresServer, role_urls: dict[str, str]
+) -> None:
+    files = {
+        role: dbcreds.service_role_passfile(secured.secrets_dir, role) for role in [*role_urls, "postgres"]
+    }
+    old = {role: pgpass_password(path) for role, path in files.items()}
+    held = await asyncpg.connect(role_urls["loom_placement"])  # open across the rotation
+    try:
+        rotated = await dbcreds.rotate_passwords(secured.url, secured.secrets_dir)
+        assert sorted(rotated) == sorted(files)
+        for role, path in files.items():
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+            new = pgpass_password(path)
+            assert new is not None and new != old[role]
+            with pytest.raises(asyncpg.InvalidPasswordError):
+                await asyncpg.connect(
+                    f"postgresql://{role}@127.0.0.1:{secured.port}/{secured.database}", password=old[role]
+                )
+        for url in [secured.url, *role_urls.values()]:  # same files, new passwords
+            conn = await asyncpg.connect(url)
+            await conn.close()
+        assert await held.fetchval("SELECT 1") == 1
+        assert not list(secured.secrets_dir.glob("*.new"))
+    finally:
+        await held.close()

@@ -29,13 +29,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import structlog
 
 from loom.bus import connect, ensure_streams
 from loom.model.topology import load_topology
 from loom.runtime.config import ENV_DATABASE_URL, ENV_HOME, ENV_NATS_URL, loom_home, stack_file
-from loom.runtime.pgsecrets import generate_password, write_pgpass
+from loom.runtime.dbcreds import provision_roles
 from loom.runtime.servers import (
     NatsCluster,
     NatsServer,
@@ -47,7 +46,7 @@ from loom.runtime.servers import (
 from loom.runtime.tokens import ensure_tokens
 from loom.sched.shards import group_options, split_regions
 from loom.store.migrations import migrate_url
-from loom.store.roles import SERVICE_ROLES, role_of, set_password
+from loom.store.roles import role_of
 from loom.telemetry.metrics import ENV_METRICS_PORT
 from loom_proto import subjects
 
@@ -271,26 +270,6 @@ async def prepare(nats_url: str, database_url: str) -> None:
         await ensure_streams(nc.jetstream())
     finally:
         await nc.drain()
-
-
-async def provision_roles(admin_url: str, secrets_dir: Path, postgres: PostgresServer) -> dict[str, str]:
-    """Give every service role a fresh password (0600 file each); returns each role's URL.
-
-    Runs at every start of the stack, so a ``loom up`` also rotates the services' passwords. A
-    role's URL names its own password file, never the password.
-    """
-    urls: dict[str, str] = {}
-    conn = await asyncpg.connect(admin_url)
-    try:
-        for role in sorted(set(SERVICE_ROLES.values())):
-            password = generate_password()
-            passfile = secrets_dir / f"{role}.pgpass"
-            write_pgpass(passfile, role, password)
-            await set_password(conn, role, password)
-            urls[role] = postgres.url_for(role, passfile)
-    finally:
-        await conn.close()
-    return urls
 
 
 async def wait_healthy(nats_url: str, names: list[str], timeout_s: float) -> list[str]:
@@ -540,7 +519,10 @@ class Supervisor:
         """Migrate, create the streams, and (PostgreSQL secured) give each service role a password."""
         asyncio.run(prepare(nats_url, database_url))
         if self.postgres is not None and self.postgres.auth:
-            self.role_urls = asyncio.run(provision_roles(database_url, self.home / "secrets", self.postgres))
+            pg = self.postgres
+            self.role_urls = asyncio.run(
+                provision_roles(database_url, self.home / "secrets", pg.port, pg.database)
+            )
 
     def service_env(self, name: str, env: dict[str, str]) -> dict[str, str]:
         """``env`` with the database URL of the service's own role when PostgreSQL is secured (a

@@ -64,7 +64,6 @@ GRANTS: dict[str, dict[str, str]] = {
         # The migration branch: checkpoints recorded by placement, drained clusters read.
         "checkpoints": _APPEND,
         "cluster_drains": _R,
-        "migrations": _R,
     },
     "loom_metrics": {
         "ledger_clusters": _RW,
@@ -94,14 +93,15 @@ GRANTS: dict[str, dict[str, str]] = {
         "jobs": _R,
         "reservations": _R,
     },
+    # The migration service (its own branch, loom.store.moves): its migrations and drains, the
+    # checkpoints placement records, jobs and capacity read, events out through its outbox.
     "loom_migration": {
         "migrations": _RW,
-        "checkpoints": _APPEND,
+        "checkpoints": _R,
         "cluster_drains": _RWD,
         "jobs": _R,
         "node_allocations": _R,
         "reservations": _R,
-        "inbox": _APPEND,
         "outbox": _RW,
     },
     TENANT_ROLE: {
