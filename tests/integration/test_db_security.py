@@ -307,3 +307,24 @@ async def test_rotation_replaces_every_password_and_the_urls_keep_working(
         assert not list(secured.secrets_dir.glob("*.new"))
     finally:
         await held.close()
+
+
+async def test_a_trust_cluster_is_converted_and_a_lost_password_file_replaced(
+    postgres_dir_factory: Callable[[str], Path], tmp_path: Path
+) -> None:
+    no_passwords = tmp_path / "empty.pgpass"
+    no_passwords.touch(mode=0o600)
+    data_dir = postgres_dir_factory("pg-convert")
+    with PostgresServer(data_dir, durable=False) as trusting:  # as `loom up` made it before
+        port = trusting.port
+        conn = await asyncpg.connect(trusting.url, passfile=str(no_passwords))
+        await conn.close()
+    for _ in range(2):
+        with PostgresServer(data_dir, port, durable=False, auth=True) as server:
+            conn = await asyncpg.connect(server.url)
+            await conn.close()
+            with pytest.raises(asyncpg.InvalidAuthorizationSpecificationError):
+                await asyncpg.connect(
+                    f"postgresql://postgres@127.0.0.1:{port}/loom", passfile=str(no_passwords)
+                )
+        server.admin_passfile.unlink()  # lost: the next start gives the superuser a new one

@@ -724,15 +724,17 @@ class PostgresServer(_ChildServer):
             if self.pgdata.stat().st_uid != uid:
                 _chown_tree(self.pgdata, uid, gid)
         password: str | None = None
+        new_password = False
         if self.auth:
             password = pgpass_password(self.admin_passfile)
             if password is None:
-                password = generate_password()
+                password, new_password = generate_password(), True
                 write_pgpass(self.admin_passfile, "postgres", password)
         if not (self.pgdata / "PG_VERSION").exists():
             self._initdb(deadline, password)
-        elif password is not None and self._hba_trusts():
-            # A cluster made without auth: give the superuser its password before anyone can connect.
+        elif password is not None and (new_password or self._hba_trusts()):
+            # A cluster made without auth, or whose password file was lost: give the superuser its
+            # (new) password before anyone can connect.
             self._set_superuser_password(deadline, password)
         if self.auth:
             self._write_hba()
