@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: chromium demo test test-fast bench lint format up down status clean
+.PHONY: chromium slurm-deps demo test test-fast bench lint format up down status clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,11 +15,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## start the embedded stack, run the example workload, show progress and a summary
 	$(BIN)/loom demo
 
-test: $(STAMP) chromium  ## the whole suite: unit, integration (real NATS + PostgreSQL), end-to-end, browser; 4 processes, a file each
-	$(BIN)/python -m pytest -q -n 4 --dist loadfile
+test: $(STAMP) chromium slurm-deps  ## the whole suite: unit, integration (real NATS + PostgreSQL + local Slurm), end-to-end, browser; 4 processes, a file each
+	@$(BIN)/python -m pytest -q -n 4 --dist loadfile -m "not timing"; parallel=$$?; \
+	$(BIN)/python -m pytest -q -m timing; alone=$$?; \
+	test $$parallel -eq 0 -a $$alone -eq 0
 
 chromium:  ## the system Chromium the browser tests drive (Debian package; Playwright downloads nothing)
 	@command -v chromium >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
+
+slurm-deps:  ## Slurm (slurm-wlm 22.05) and munge for the Slurm tests and `loom up --slurm`, installed when missing
+	@test -x /usr/sbin/slurmctld -a -x /usr/sbin/munged || DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge \
+		|| (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge)
 
 test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/python -m pytest -q tests/unit

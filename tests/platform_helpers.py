@@ -1,17 +1,20 @@
 """Loom's services as asyncio tasks in the test process, on real NATS and PostgreSQL."""
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loom.model.profiles import library_models, profile_for_model, relative_speed, scu_per_gpu
-from loom.model.topology import load_topology
+from loom.model.topology import Cluster, load_topology
 from loom.runtime.service import ServiceContext, close_context, open_context
 from loom_services.cluster_agent.agent import Agent
+from loom_services.cluster_agent.backend import ClusterBackend
 from loom_services.cluster_agent.main import library_profile, model_speed
 from loom_services.cluster_agent.sim import SimCluster
 from loom_services.metrics.service import MetricsService
+from loom_services.migration.service import MigrationService, MigrationSettings
 from loom_services.placement.service import PlacementService
 
 
@@ -26,6 +29,8 @@ class Platform:
     placement: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for PlacementService."""
     time_scale: float = 2000.0
+    backends: dict[str, Callable[[Cluster], ClusterBackend]] = field(default_factory=dict)
+    """Per agent name, the backend it runs on instead of the simulation (a Slurm cluster)."""
 
     async def start(
         self, name: str, *, efficiency: float = 1.0, true_speed: dict[tuple[str, str], float] | None = None
@@ -38,6 +43,8 @@ class Platform:
         if name.startswith("placement"):
             kwargs = {"settle_s": 0.5, "topology": topology, **self.placement}
             service = PlacementService(ctx, holder=name, **kwargs)
+        elif name == "migration":
+            service = MigrationService(ctx, MigrationSettings(poll_s=0.1, checkpoint_timeout_s=3.0))
         elif name == "metrics":
             service = MetricsService(
                 ctx,
@@ -48,9 +55,12 @@ class Platform:
             )
         else:
             cluster = topology.cluster(name.removeprefix("agent-"))
+            make = self.backends.get(name)
             service = Agent(
                 ctx,
-                SimCluster(
+                make(cluster)
+                if make is not None
+                else SimCluster(
                     cluster, speed=model_speed, efficiency=efficiency, true_speed=dict(true_speed or {})
                 ),
                 profile_of=library_profile,

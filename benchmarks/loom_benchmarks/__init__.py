@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
         default=None,
         help="placement shards (regions split by GPUs); jobs then carry a one-region affinity, by GPUs",
     )
+    e2e.add_argument(
+        "--slurm",
+        action="store_true",
+        help="submit -> running in Slurm instead: two clusters on local Slurm (slurm-wlm, munge; root)",
+    )
+    e2e.add_argument("--slurm-jobs", type=int, default=40, help="with --slurm: jobs of one GPU, ~1 s each")
+    e2e.add_argument("--slurm-rate", type=float, default=2.0, help="with --slurm: jobs submitted per second")
     e2e.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     view = sub.add_parser("view", help="the resource ledger at scale: delta apply, queries, memory per node")
     view.add_argument("--nodes", type=int, default=100_000)
@@ -87,6 +94,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     takeover.add_argument("--rate", type=float, default=50.0, help="jobs submitted per second throughout")
     takeover.add_argument("--topology", default="default")
     takeover.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    drain = sub.add_parser(
+        "drain", help="drain a cluster under 20 jobs: empties it, concurrency held, no step 0"
+    )
+    from loom_benchmarks.drain import add_arguments as drain_arguments
+
+    drain_arguments(drain)
+    failover = sub.add_parser(
+        "failover", help="SIGKILL a cluster's agent under 50+ jobs: detection, re-placement, lost, doubled"
+    )
+    from loom_benchmarks.failover import add_arguments as failover_arguments
+
+    failover_arguments(failover)
     policies = sub.add_parser(
         "policies", help="Loom's placement against the baselines in the simulator: JCT, cost, traffic, report"
     )
@@ -216,6 +235,11 @@ def run_benchmark(args: argparse.Namespace) -> int:  # noqa: PLR0912 - a branch 
         from loom_benchmarks.chaos import main as run_chaos
 
         return run_chaos(args)
+    if args.bench == "e2e" and args.slurm:
+        from loom_benchmarks.slurm_e2e import run as run_slurm
+
+        emit(run_slurm(args), args.json)
+        return 0
     if args.bench == "e2e":
         from loom_benchmarks.e2e import run
 
@@ -234,6 +258,14 @@ def run_benchmark(args: argparse.Namespace) -> int:  # noqa: PLR0912 - a branch 
         from loom_benchmarks.placement import main as run_placement
 
         return run_placement(args)
+    if args.bench == "drain":
+        from loom_benchmarks.drain import main as run_drain
+
+        return run_drain(args)
+    if args.bench == "failover":
+        from loom_benchmarks.failover import main as run_failover
+
+        return run_failover(args)
     if args.bench == "takeover":
         from loom_benchmarks.takeover import main as run_takeover
 

@@ -37,6 +37,7 @@ from loom_proto.jobs import (
     JobStarted,
     JobSubmitted,
 )
+from loom_proto.migrations import MigrationEvent
 from loom_proto.net import LinkDegraded, LinkRecovered, LinkState, ProbeSample, TransferObserved
 from loom_proto.view import RegionSummary, ViewDelta
 
@@ -76,6 +77,10 @@ CHANNELS: dict[str, tuple[tuple[str, ...], type[msgspec.Struct], str]] = {
     "loom.incidents.opened": ((), IncidentChange, "An incident opened (or re-opened on relapse)."),
     "loom.incidents.updated": ((), IncidentChange, "An incident changed: root, jobs, severity, ack."),
     "loom.incidents.resolved": ((), IncidentChange, "An incident resolved (or merged into another)."),
+    "loom.migrations.planned.{tenant}": (("tenant",), MigrationEvent, "A job's move was chosen."),
+    "loom.migrations.started.{tenant}": (("tenant",), MigrationEvent, "A job's old run was given up."),
+    "loom.migrations.completed.{tenant}": (("tenant",), MigrationEvent, "A moved job runs elsewhere."),
+    "loom.migrations.failed.{tenant}": (("tenant",), MigrationEvent, "A job's move did not happen."),
 }
 
 

@@ -263,6 +263,9 @@ class JobCheckpointed(
     checkpoint_uri: Annotated[str, Meta(max_length=1024)]
     checkpoint_bytes: Annotated[int, Meta(ge=0)] = 0
     at: UnixSeconds
+    checksum: Annotated[str, Meta(max_length=128)] = ""
+    """Digest of the checkpoint's content as written (empty: the agent did not say); a resume
+    verifies it before trusting the checkpoint (:mod:`loom.migrate.checkpoints`)."""
 
 
 class JobCompleted(
@@ -300,9 +303,11 @@ class JobFailed(
     reason: Reason
     retryable: bool = False
     at: UnixSeconds
+    exit_code: int | None = None
+    """The exit code of work that exited non-zero (a real backend), None otherwise."""
 
 
-RequeueReason = Literal["preempted", "start_timeout", "start_failed", "cluster_lost", "resized"]
+RequeueReason = Literal["preempted", "start_timeout", "start_failed", "cluster_lost", "resized", "migrated"]
 
 
 class JobRequeued(
@@ -317,6 +322,8 @@ class JobRequeued(
     reason: Reason = ""
     avoid_clusters: list[Id] = []
     """Clusters the next placement avoids (the one that failed to start it)."""
+    from_cluster: Annotated[str, Meta(max_length=128)] = ""
+    """The cluster the given-up run was lost on (``cluster_lost``) or moved off (``migrated``)."""
     at: UnixSeconds
 
 

@@ -177,6 +177,32 @@ def service_health(instance: str) -> str:
     return f"{PREFIX}.health.{validate_id(instance, 'instance')}"
 
 
+MigrationEventKind = Literal["planned", "started", "completed", "failed"]
+MIGRATION_EVENT_KINDS: tuple[MigrationEventKind, ...] = ("planned", "started", "completed", "failed")
+
+
+def migration_event(kind: MigrationEventKind, tenant: str) -> str:
+    """``loom.migrations.<kind>.<tenant>``: a job's migration planned, started, completed or failed."""
+    if kind not in MIGRATION_EVENT_KINDS:
+        raise ValueError(f"unknown migration event kind {kind!r}")
+    return f"{PREFIX}.migrations.{kind}.{validate_id(tenant, 'tenant')}"
+
+
+MIGRATIONS_ALL = f"{PREFIX}.migrations.*.*"
+"""Every migration event (the MIGRATIONS stream's subjects)."""
+MIGRATE_DRAIN = f"{PREFIX}.migrate.drain"
+"""Request-reply: drain or undrain a cluster (the migration service answers)."""
+MIGRATE_QUERY = f"{PREFIX}.migrate.query"
+"""Request-reply: migrations and drains (the migration service answers)."""
+MIGRATE_DRAINS_CHANGED = f"{PREFIX}.migrate.drains"
+"""Core NATS notice that the set of drained clusters changed: placement reloads it from the store."""
+PLACEMENT_MIGRATE = f"{PREFIX}.placement.migrate"
+"""Request-reply: give a job's run up so that it is placed again elsewhere from a checkpoint step
+(the placement instance holding the run answers)."""
+PLACEMENT_ATTEMPTS = f"{PREFIX}.placement.attempts"
+"""Request-reply: the current attempt and state of jobs (a returning agent fences its old runs)."""
+
+
 DEAD_LETTERS = f"{PREFIX}.dlq.>"
 """Every dead letter (the DLQ stream's subjects)."""
 
@@ -260,7 +286,7 @@ STREAMS: tuple[StreamSpec, ...] = (
     ),
     StreamSpec(
         name="MIGRATIONS",
-        subjects=[f"{PREFIX}.migrations.*"],
+        subjects=[MIGRATIONS_ALL],
         description="migrations planned, started, completed, failed",
         max_age_s=7 * 86_400,
     ),

@@ -48,6 +48,7 @@ from opentelemetry import propagate
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError
+from loom.migrate.checkpoints import checksum_of
 from loom.model.family import job_family
 from loom.model.heartbeat import next_interval_s
 from loom.runtime.service import ServiceContext
@@ -66,7 +67,7 @@ from loom_proto.clusters import (
 )
 from loom_proto.codec import encode
 from loom_proto.jobs import JobCheckpointed, JobCompleted, JobFailed, JobProgress, JobStarted, NodeAllocation
-from loom_services.cluster_agent.sim import SimCluster
+from loom_services.cluster_agent.backend import BackendError, ClusterBackend, PartLaunch, PartStatus, Phase
 
 log = structlog.get_logger("cluster_agent")
 
@@ -117,6 +118,12 @@ class RunningJob:
     run that never waited). Absolute, so a restarted agent waits only what is left."""
     family: str = ""
     """The job's family (:func:`loom.model.family.job_family`): picks a sim true speed."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """The job's labels (a backend that runs real work passes them on)."""
+    backend_ref: str = ""
+    """The backend's id of this part (a Slurm job id); empty until launched (or for ``sim``)."""
+    backend_phase: str = ""
+    """The last :class:`~loom_services.cluster_agent.backend.Phase` the backend reported."""
 
     @property
     def key(self) -> str:
@@ -154,7 +161,7 @@ class Agent:
     def __init__(
         self,
         ctx: ServiceContext,
-        sim: SimCluster,
+        backend: ClusterBackend,
         *,
         region: str,
         time_scale: float = 60.0,
@@ -166,8 +173,8 @@ class Agent:
         profile_of: Callable[[str], AcceleratorProfile | None] = lambda _model: None,
     ) -> None:
         self.ctx = ctx
-        self.sim = sim
-        self.cluster = sim.cluster.id
+        self.backend = backend
+        self.cluster = backend.cluster_id
         self.region = region
         self.time_scale = time_scale
         self.profile_of = profile_of
@@ -178,6 +185,7 @@ class Agent:
         self._last_beat = 0.0
         self._changed = asyncio.Event()
         self.full_every = full_every
+        self._refreshes = 0
         self.progress_every = progress_every
         self.epoch = time.time_ns() // 1_000_000
         self.seq = 0
@@ -233,9 +241,13 @@ class Agent:
         )
         watchdog = self.ctx.watchdog
         watchdog.condition("reports", self.bus_problem)
+        watchdog.condition("backend", self.backend.problem)
+        await self._refresh()
+        await self._reconcile()
         sender = watchdog.supervise("reports", self._send_reports)
         await self.heartbeat(full=True)
         await self.publish_profiles()
+        await self._fence_restored()
         await runner.start()
         commands = watchdog.watch_consumer("commands", runner)
         for job in list(self.running.values()):
@@ -258,13 +270,48 @@ class Agent:
             sender.cancel()
             await asyncio.gather(sender, commands, return_exceptions=True)
             watchdog.drop_condition("reports")
+            watchdog.drop_condition("backend")
             if self._journal is not None:
                 self._journal.close()
                 self._journal = None
 
+    async def _fence_restored(self) -> None:
+        """A returning agent checks its restored runs' attempts with placement before resuming them:
+        a run whose attempt placement gave up while the agent was away (failed over, moved) is an
+        orphan, stopped here without a report, so the job never runs twice. Without an answer the
+        runs resume and the stops placement sent (on the durable command consumer) fence them."""
+        if not self.running:
+            return
+        job_ids = sorted({j.job_id for j in self.running.values()})
+        try:
+            reply = await self.ctx.nc.request(
+                subjects.PLACEMENT_ATTEMPTS, json.dumps({"job_ids": job_ids}).encode(), timeout=2.0
+            )
+            answer = json.loads(reply.data)
+            if not answer.get("ok"):
+                raise ValueError(answer.get("error", "refused"))
+            current: dict[str, list[Any]] = answer["result"]
+        except Exception as exc:  # nats raises several unrelated types; the durable stops fence them
+            log.warning("restored runs' attempts not checked", error=repr(exc))
+            return
+        for job in list(self.running.values()):
+            state, attempt = current.get(job.job_id, (None, None))
+            if attempt is None:
+                continue  # the store does not know the job: nothing says the run is stale
+            if job.attempt < attempt or (job.attempt == attempt and state not in ("placed", "running")):
+                log.warning(
+                    "orphaned run stopped",
+                    job_id=job.job_id,
+                    attempt=job.attempt,
+                    current_attempt=attempt,
+                    state=state,
+                )
+                self._finish(job)
+                self.ctx.stats["orphans_stopped"] = self.ctx.stats.get("orphans_stopped", 0) + 1
+
     async def publish_profiles(self) -> None:
         """Tell the platform what each accelerator model of this cluster delivers."""
-        models = sorted({n.gpu_model for n in self.sim.nodes.values() if n.gpu_model})
+        models = sorted({n.gpu_model for n in self.backend.nodes.values() if n.gpu_model})
         profiles = [p for p in (self.profile_of(m) for m in models) if p is not None]
         await self.ctx.publisher.publish(
             subjects.cluster_profiles(self.cluster),
@@ -285,8 +332,9 @@ class Agent:
                 await asyncio.wait_for(self._changed.wait(), timeout=self.interval_s)
             await asyncio.sleep(max(self.heartbeat_s - (time.monotonic() - self._last_beat), 0.0))
             self._changed.clear()
+            await self._refresh()
             self.interval_s = next_interval_s(
-                self.interval_s, bool(self.sim.dirty), min_s=self.heartbeat_s, max_s=self.max_heartbeat_s
+                self.interval_s, self.backend.changed(), min_s=self.heartbeat_s, max_s=self.max_heartbeat_s
             )
             try:
                 await self.heartbeat(full=self.seq % self.full_every == 0)
@@ -304,7 +352,7 @@ class Agent:
             seq=self.seq,
             sent_at=time.time(),
             full=full or self.seq == 1,
-            nodes=self.sim.report(full or self.seq == 1),
+            nodes=self.backend.report(full or self.seq == 1),
             running_jobs=sorted({j.job_id for j in self.running.values()}),
             interval_s=self.interval_s,
         )
@@ -328,9 +376,12 @@ class Agent:
         elif isinstance(command, CheckpointJob):
             job = self.running.get(f"{command.job_id}:{command.attempt}")
             if job is not None and job.lead and not job.waiting:
-                self._checkpoint(job)
+                if self.backend.clock:
+                    self._checkpoint(job)
+                elif job.backend_ref:
+                    await self.backend.signal_checkpoint(job.backend_ref)  # the job reports it
         elif isinstance(command, DrainCluster):
-            self.sim.drain(command.nodes)
+            await self.backend.drain(command.nodes)
             self._changed.set()
 
     async def _start(self, command: StartJob) -> None:
@@ -344,7 +395,7 @@ class Agent:
         spec = command.spec
         if spec.job_id != command.job_id:
             raise InvalidInputError(f"start command for {command.job_id} carries the spec of {spec.job_id}")
-        refusal = self.sim.refusal(command.gpu_model, command.allocations)
+        refusal = self.backend.refusal(command.gpu_model, command.allocations)
         if refusal is not None:
             await self._refuse_start(command, refusal)
             return
@@ -370,13 +421,15 @@ class Agent:
             spec_workers=spec.workers,
             start_at=time.time() + wait_s if wait_s > 0 else 0.0,
             family=job_family(spec),
+            labels=dict(spec.labels),
         )
-        self.sim.allocate(command.allocations)
+        self.backend.allocate(command.allocations)
         self._changed.set()
         self.running[key] = job
         self._record({"op": "start", "key": key, "job": asdict(job)})
-        # A waiting run reports ``started`` from its task, when the wait ends.
-        if job.lead and not job.waiting:
+        # A waiting run reports ``started`` from its task, when the wait ends; a backend without a
+        # clock, when it says the part runs.
+        if job.lead and not job.waiting and self.backend.clock:
             self._report_started(job)
         self._launch(job)
 
@@ -415,12 +468,16 @@ class Agent:
         self.ctx.stats["running"] = len(self.running)
         self.ctx.stats["running_keys"] = sorted(self.running)
         self.ctx.stats["nodes_over_capacity"] = sorted(
-            name for name, node in self.sim.nodes.items() if node.gpus_used > node.gpus_total
+            name for name, node in self.backend.nodes.items() if node.gpus_used > node.gpus_total
         )
 
     def _launch(self, job: RunningJob) -> None:
+        if not self.backend.clock:  # the backend runs the part (a member's too); the agent follows it
+            self.tasks[job.key] = self.ctx.watchdog.supervise(
+                f"job-{job.key}", lambda: self._follow(job), finishes=True, listed=False
+            )
         # A member part has no clock: it holds its GPUs until stopped.
-        if job.lead:
+        elif job.lead:
             self.tasks[job.key] = self.ctx.watchdog.supervise(
                 f"job-{job.key}", lambda: self._execute(job), finishes=True, listed=False
             )
@@ -450,6 +507,8 @@ class Agent:
         if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if not self.backend.clock:
+            await self._stop_part(job)
 
     async def _resize(self, command: ResizeJob) -> None:
         """Give a run new workers and GPUs; its progress stays, its speed changes from now on."""
@@ -461,15 +520,15 @@ class Agent:
         wanted = _per_node((a.node, a.gpus) for a in command.allocations)
         if command.workers == job.workers and wanted == _per_node(job.allocations):
             return  # already this size: a repeated resize changes nothing
-        refusal = self.sim.resize_refusal(job.gpu_model, job.node_allocations(), command.allocations)
+        refusal = self.backend.resize_refusal(job.gpu_model, job.node_allocations(), command.allocations)
         if refusal is not None:
             log.warning("resize refused", job_id=job.job_id, attempt=job.attempt, reason=refusal)
             self._report_refusal(job.job_id, job.attempt, f"cannot resize: {refusal}")
             return
-        self.sim.free(job.node_allocations())
+        self.backend.free(job.node_allocations())
         job.allocations = sorted(wanted.items())
         job.workers = command.workers
-        self.sim.allocate(job.node_allocations())
+        self.backend.allocate(job.node_allocations())
         self._changed.set()
         self._record({"op": "resize", "key": key, "workers": job.workers, "allocations": job.allocations})
         wakeup = self._resized.get(key)
@@ -481,7 +540,7 @@ class Agent:
 
     def step_seconds(self, job: RunningJob) -> float:
         """Simulated seconds one step of the run takes here now (slowdown and workers included)."""
-        return self.sim.step_seconds(
+        return self.backend.step_seconds(
             job.step_time_s,
             job.gpu_model,
             job.task_type,
@@ -579,10 +638,10 @@ class Agent:
             self._record({"op": "step", "key": job.key, "step": job.step, "gpu_seconds": job.gpu_seconds})
         # Per-GPU compute speed, without slowdown or worker share: metrics compares it with the
         # model's claimed SCU to learn how much this cluster really delivers.
-        speed = self.sim.delivered_speed(job.gpu_model, job.task_type)
+        speed = self.backend.delivered_speed(job.gpu_model, job.task_type)
         # Compute seconds per step on this model with all workers: what the job's family really
         # gets here, for placement's speed learner.
-        observed_step_s = self.sim.compute_step_seconds(
+        observed_step_s = self.backend.compute_step_seconds(
             job.step_time_s, job.gpu_model, job.task_type, job.family
         )
         self._report(
@@ -608,6 +667,7 @@ class Agent:
         self.ctx.stats["completed"] = self.ctx.stats.get("completed", 0) + 1
 
     def _checkpoint(self, job: RunningJob) -> None:
+        uri = f"sim://{self.cluster}/{job.job_id}/{job.attempt}/{job.step}"
         self._report(
             subjects.job_event("checkpointed", job.tenant),
             JobCheckpointed(
@@ -616,7 +676,8 @@ class Agent:
                 cluster=self.cluster,
                 attempt=job.attempt,
                 step=job.step,
-                checkpoint_uri=f"sim://{self.cluster}/{job.job_id}/{job.attempt}/{job.step}",
+                checkpoint_uri=uri,
+                checksum=checksum_of(job.job_id, job.attempt, job.step, uri),
                 at=time.time(),
             ),
             msg_id=f"{job.job_id}:checkpointed:{job.attempt}:{job.step}",
@@ -628,7 +689,7 @@ class Agent:
             return  # already finished (a stop and the run's own end can race)
         self.running.pop(job.key)
         self.finished.add(job.key)
-        self.sim.free(job.node_allocations())
+        self.backend.free(job.node_allocations())
         self._changed.set()
         self._note_runs()
         self._record({"op": "finish", "key": job.key})
@@ -643,6 +704,7 @@ class Agent:
         retryable: bool,
         carrier: dict[str, str] | None = None,
         msg_id: str | None = None,
+        exit_code: int | None = None,
     ) -> None:
         self._report(
             subjects.job_event("failed", tenant),
@@ -651,9 +713,10 @@ class Agent:
                 tenant=tenant,
                 cluster=self.cluster,
                 attempt=attempt,
-                reason=reason,
+                reason=reason[:1024],
                 retryable=retryable,
                 at=time.time(),
+                exit_code=exit_code,
             ),
             msg_id=msg_id or f"{job_id}:failed:{attempt}",
             carrier=carrier or {},
@@ -670,6 +733,249 @@ class Agent:
             msg_id=f"refused-{self.cluster}-{job_id}-{attempt}-{self.epoch}-{time.time_ns()}",
             carrier={},
         )
+
+    # ---- following a part a backend runs --------------------------------------------------------
+
+    async def _refresh(self) -> None:
+        """Read the backend's inventory again; one that cannot be read shows in health, and the
+        agent goes on (its nodes are reported unavailable until it can)."""
+        try:
+            await self.backend.refresh()
+        except BackendError as exc:
+            log.warning("backend inventory unavailable", backend=self.backend.name, error=str(exc))
+            return
+        self._refreshes += 1
+        if self._refreshes % self.full_every == 0:
+            await self._reconcile()  # now and then: parts of runs that ended here stop in the backend too
+
+    async def _stop_part(self, job: RunningJob) -> None:
+        """Stop a run's part in the backend; one stopped while its launch was in flight (no id
+        journalled yet) is looked up by its name."""
+        ref = job.backend_ref
+        if not ref:
+            try:
+                ref = (await self.backend.running()).get(job.key, "")
+            except BackendError as exc:
+                log.warning(
+                    "part to stop not found; the next reconciliation stops it", key=job.key, error=str(exc)
+                )
+        if ref:
+            await self.backend.stop(ref)
+
+    async def _reconcile(self) -> None:
+        """Adopt the parts the backend runs for runs whose launch was not journalled, and stop
+        those it runs for runs this agent does not have (finished or given up: while it was
+        down, or stopped while their launch was in flight). At start, then every ``full_every``
+        heartbeats."""
+        if self.backend.clock:
+            return
+        try:
+            found = await self.backend.running()
+        except BackendError as exc:
+            log.warning("backend parts unknown at start", error=str(exc))
+            return
+        for key, ref in found.items():
+            job = self.running.get(key)
+            if job is None:
+                log.info("backend part with no run here stopped", key=key, ref=ref)
+                await self.backend.stop(ref)
+            elif not job.backend_ref:
+                job.backend_ref = ref
+                self._record({"op": "launched", "key": key, "ref": ref})
+
+    def _part(self, job: RunningJob) -> PartLaunch:
+        step_s = self.step_seconds(job) / self.time_scale if job.steps else 0.0
+        return PartLaunch(
+            key=job.key,
+            job_id=job.job_id,
+            tenant=job.tenant,
+            attempt=job.attempt,
+            role=job.role,
+            gpu_model=job.gpu_model,
+            allocations=tuple(job.allocations),
+            steps=job.steps,
+            start_step=job.step,
+            step_time_s=step_s,
+            checkpoint_every_steps=job.checkpoint_every_steps,
+            labels=job.labels,
+        )
+
+    async def _launch_part(self, job: RunningJob) -> bool:
+        """Wait out a delayed start, then launch the part; False when the backend refused it (the
+        refusal is reported)."""
+        if job.waiting:
+            await asyncio.sleep(max(job.start_at - time.time(), 0.0))
+            job.start_at = 0.0
+            self._record({"op": "began", "key": job.key})
+        try:
+            ref = await self.backend.launch(self._part(job))
+        except BackendError as exc:
+            if not exc.non_retryable:
+                raise  # the watchdog runs the task again
+            self._part_failed(job, f"cannot start: {exc}", retryable=True)
+            return False
+        job.backend_ref = ref
+        self._record({"op": "launched", "key": job.key, "ref": ref})
+        log.info("part launched", job_id=job.job_id, attempt=job.attempt, backend=self.backend.name, ref=ref)
+        return True
+
+    async def _follow(self, job: RunningJob) -> None:
+        """Launch a part on a backend without a clock, then follow it until it ends: report it
+        started when the backend runs it where Loom chose, its progress and checkpoints from what
+        the work reports, and its end. A part the backend refuses, runs elsewhere, loses or
+        leaves pending for a reason of its own is stopped and reported failed, never left running.
+        Run again by the watchdog (or after a restart), it goes on from the journalled state."""
+        if self.running.get(job.key) is not job:
+            return
+        if not job.backend_ref and not await self._launch_part(job):
+            return
+        chosen = {node for node, _ in job.allocations}
+        checkpoints_seen = 0
+        while self.running.get(job.key) is job:
+            try:
+                status = await self.backend.poll(job.backend_ref, job.key)
+            except BackendError as exc:
+                if exc.non_retryable:
+                    raise
+                log.warning("part state unknown", key=job.key, error=str(exc))
+                await asyncio.sleep(max(self.backend.poll_s, 1.0))
+                continue
+            if status.phase is Phase.RUNNING and set(status.nodes) - chosen:
+                await self.backend.stop(job.backend_ref)
+                elsewhere = sorted(set(status.nodes) - chosen)
+                self._part_failed(job, f"ran on {elsewhere}, not on {sorted(chosen)}", retryable=True)
+                return
+            if status.phase != job.backend_phase:
+                if status.phase is Phase.RUNNING:
+                    job.started_at = time.time()
+                    if job.lead:
+                        self._report_started(job)
+                job.backend_phase = status.phase
+                self._record({"op": "phase", "key": job.key, "phase": status.phase, "at": job.started_at})
+            if status.phase is Phase.RUNNING and job.lead:
+                checkpoints_seen = self._follow_progress(job, status, checkpoints_seen)
+            elif status.phase.terminal:
+                await self._part_ended(job, status, checkpoints_seen)
+                return
+            await asyncio.sleep(self.backend.poll_s)
+
+    async def _part_ended(self, job: RunningJob, status: PartStatus, checkpoints_seen: int) -> None:
+        """Report how a followed part ended: completed, or failed with the backend's reason (the
+        exit code of work that exited non-zero; the node of a node failure)."""
+        if status.phase is Phase.COMPLETED:
+            if job.lead:
+                self._report_started(job)  # a short run may end between two looks (a repeat is dropped)
+                self._follow_progress(job, status, checkpoints_seen)
+                self._part_completed(job)
+            else:
+                self._part_failed(job, "member part ended on its own", retryable=True)
+            return
+        detail = status.reason or status.phase.value
+        if status.phase is Phase.FAILED and status.exit_code is not None:
+            detail = f"exit code {status.exit_code} ({detail})"
+        elif status.phase is Phase.NODE_FAIL:
+            detail = f"node failure on {', '.join(status.nodes) or 'its node'}: {detail}"
+        # Work that failed by itself would fail again; anything else may run elsewhere.
+        retryable = status.phase is not Phase.FAILED
+        await self.backend.stop(job.backend_ref)
+        self._part_failed(
+            job,
+            f"{self.backend.name} {status.phase.value}: {detail}",
+            retryable=retryable,
+            exit_code=status.exit_code,
+        )
+
+    def _follow_progress(self, job: RunningJob, status: PartStatus, checkpoints_seen: int) -> int:
+        """Report the steps and checkpoints the work reported since the last look; returns how
+        many checkpoints are reported now."""
+        if status.step is not None and status.step > job.step:
+            job.step = min(status.step, job.steps)
+            self._record({"op": "step", "key": job.key, "step": job.step, "gpu_seconds": job.gpu_seconds})
+            if job.step < job.steps:
+                self._report(
+                    subjects.job_event("progress", job.tenant),
+                    JobProgress(
+                        job_id=job.job_id,
+                        tenant=job.tenant,
+                        cluster=self.cluster,
+                        attempt=job.attempt,
+                        step=job.step,
+                        steps=job.steps,
+                        at=time.time(),
+                    ),
+                    msg_id=f"{job.job_id}:progress:{job.attempt}:{job.step}",
+                    carrier=job.carrier,
+                )
+        for step, uri in status.checkpoints[checkpoints_seen:]:
+            self._report(
+                subjects.job_event("checkpointed", job.tenant),
+                JobCheckpointed(
+                    job_id=job.job_id,
+                    tenant=job.tenant,
+                    cluster=self.cluster,
+                    attempt=job.attempt,
+                    step=step,
+                    checkpoint_uri=uri,
+                    at=time.time(),
+                ),
+                msg_id=f"{job.job_id}:checkpointed:{job.attempt}:{step}",
+                carrier=job.carrier,
+            )
+        return len(status.checkpoints)
+
+    def _part_completed(self, job: RunningJob) -> None:
+        """A followed lead part ended well: report it completed with what it really took."""
+        elapsed_s = max(time.time() - job.started_at, 1e-6) * self.time_scale
+        job.gpu_seconds = elapsed_s * job.gpus
+        observed_step_s = elapsed_s / max(job.steps, 1)
+        self._report(
+            subjects.job_event("completed", job.tenant),
+            JobCompleted(
+                job_id=job.job_id,
+                tenant=job.tenant,
+                cluster=self.cluster,
+                attempt=job.attempt,
+                gpu_seconds=job.gpu_seconds,
+                at=time.time(),
+                gpu_model=job.gpu_model,
+                task_type=job.task_type,  # type: ignore[arg-type]  # validated when the job was accepted
+                delivered_speed=round(self.backend.delivered_speed(job.gpu_model, job.task_type), 6),
+                observed_step_s=min(max(observed_step_s, 1e-9), 86_400.0),
+            ),
+            msg_id=f"{job.job_id}:completed:{job.attempt}",
+            carrier=job.carrier,
+        )
+        self._finish(job)
+        self.tasks.pop(job.key, None)
+        self.ctx.stats["completed"] = self.ctx.stats.get("completed", 0) + 1
+
+    def _part_failed(
+        self, job: RunningJob, reason: str, *, retryable: bool, exit_code: int | None = None
+    ) -> None:
+        """A followed part ended badly (or could not start): report it (a member under its own id,
+        so placement gives the attempt up) and free its GPUs."""
+        log.warning("part failed", job_id=job.job_id, attempt=job.attempt, role=job.role, reason=reason)
+        if job.lead:
+            self._report_failed(
+                job.job_id,
+                job.tenant,
+                job.attempt,
+                reason,
+                retryable=retryable,
+                carrier=job.carrier,
+                exit_code=exit_code,
+            )
+        else:
+            self._report_failed(
+                job.job_id,
+                job.tenant,
+                job.attempt,
+                f"member part on {self.cluster}: {reason}",
+                retryable=True,
+                msg_id=f"{job.job_id}:failed:{job.attempt}:{self.cluster}",
+            )
+        self._finish(job)
+        self.tasks.pop(job.key, None)
 
     # ---- reports -------------------------------------------------------------------------------
 
@@ -797,7 +1103,7 @@ class Agent:
                     continue  # a torn last line from a crash
                 self._replay(entry)
             for job in self.running.values():
-                self.sim.allocate(job.node_allocations())
+                self.backend.allocate(job.node_allocations())
             log.info(
                 "state restored",
                 running=len(self.running),
@@ -837,6 +1143,11 @@ class Agent:
             job = entry["job"]
             job["allocations"] = [tuple(a) for a in job["allocations"]]
             self.running[key] = RunningJob(**job)
+        elif entry["op"] == "launched" and key in self.running:
+            self.running[key].backend_ref = entry["ref"]
+        elif entry["op"] == "phase" and key in self.running:
+            self.running[key].backend_phase = entry["phase"]
+            self.running[key].started_at = entry.get("at", self.running[key].started_at)
         elif entry["op"] == "began" and key in self.running:
             self.running[key].start_at = 0.0
         elif entry["op"] == "step" and key in self.running:

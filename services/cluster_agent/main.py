@@ -10,8 +10,10 @@ from loom.runtime.config import loom_home
 from loom.runtime.service import ServiceContext, run
 from loom_proto.clusters import AcceleratorProfile
 from loom_services.cluster_agent.agent import Agent
+from loom_services.cluster_agent.backend import ClusterBackend
 from loom_services.cluster_agent.probes import ProbeResponder
 from loom_services.cluster_agent.sim import SimCluster, parse_true_speeds
+from loom_services.cluster_agent.slurm import DEFAULT_SCRIPT, SlurmBackend
 
 
 def model_speed(gpu_model: str, task_type: str) -> float:
@@ -37,11 +39,28 @@ def library_profile(gpu_model: str) -> AcceleratorProfile | None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(
-        prog="loom-cluster-agent", description="Loom cluster agent (sim backend)"
+        prog="loom-cluster-agent", description="Loom cluster agent (sim or slurm backend)"
     )
     parser.add_argument("--cluster", required=True, help="cluster id in the topology")
     parser.add_argument("--topology", default=None, help="topology file or packaged name (default: default)")
-    parser.add_argument("--backend", choices=["sim"], default="sim")
+    parser.add_argument("--backend", choices=["sim", "slurm"], default="sim")
+    parser.add_argument(
+        "--slurm-conf", type=Path, default=None, help="slurm backend: the cluster's slurm.conf (SLURM_CONF)"
+    )
+    parser.add_argument(
+        "--slurm-script",
+        type=Path,
+        default=DEFAULT_SCRIPT,
+        help="slurm backend: the job script a lead part runs",
+    )
+    parser.add_argument("--slurm-partition", default=None, help="slurm backend: partition (default: Slurm's)")
+    parser.add_argument(
+        "--gres-model",
+        action="append",
+        default=[],
+        metavar="TYPE=MODEL",
+        help="slurm backend: GRES type TYPE is Loom GPU model MODEL (default: the type upper-cased)",
+    )
     parser.add_argument("--time-scale", type=float, default=60.0, help="simulated seconds per wall second")
     parser.add_argument("--heartbeat-s", type=float, default=2.0, help="shortest heartbeat interval")
     parser.add_argument(
@@ -96,14 +115,28 @@ def main(argv: list[str] | None = None) -> None:
             tcp_port=args.probe_tcp_port,
             advertise_host=args.probe_advertise_host,
         ).start()
-        agent = Agent(
-            ctx,
-            SimCluster(
+        backend: ClusterBackend
+        if args.backend == "slurm":
+            backend = SlurmBackend(
+                cluster=cluster.id,
+                zone=cluster.zone,
+                work_dir=state_dir / f"slurm-{cluster.id}",
+                slurm_conf=args.slurm_conf,
+                script=args.slurm_script,
+                gres_models={t.lower(): m for t, _, m in (item.partition("=") for item in args.gres_model)},
+                speed=model_speed,
+                partition=args.slurm_partition,
+            )
+        else:
+            backend = SimCluster(
                 cluster,
                 speed=model_speed,
                 efficiency=args.efficiency,
                 true_speed=parse_true_speeds(args.true_speed),
-            ),
+            )
+        agent = Agent(
+            ctx,
+            backend,
             profile_of=library_profile,
             region=cluster.region,
             time_scale=args.time_scale,

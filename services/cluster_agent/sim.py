@@ -28,6 +28,7 @@ from loom.model.family import fold_family
 from loom.model.topology import Cluster
 from loom_proto.clusters import NodeState
 from loom_proto.jobs import NodeAllocation
+from loom_services.cluster_agent.backend import ClusterBackend, PartLaunch, PartStatus, Phase
 
 SpeedFn = Callable[[str, str], float]
 
@@ -67,7 +68,11 @@ class SimNode:
 
 @dataclass
 class SimCluster:
-    """The simulated hardware of one cluster; tracks which nodes changed since the last report."""
+    """The simulated hardware of one cluster; tracks which nodes changed since the last report.
+
+    The ``sim`` :class:`~loom_services.cluster_agent.backend.ClusterBackend`: it has a clock (the
+    agent advances each run's steps itself), so launching, stopping and polling a part do nothing.
+    """
 
     cluster: Cluster
     speed: SpeedFn = reference_speed
@@ -76,6 +81,9 @@ class SimCluster:
     """(job family, gpu_model) -> factor on the profile's speed that jobs of the family really get."""
     nodes: dict[str, SimNode] = field(init=False)
     dirty: set[str] = field(init=False, default_factory=set)
+    name: str = field(init=False, default="sim")
+    clock: bool = field(init=False, default=True)
+    poll_s: float = field(init=False, default=1.0)
 
     def __post_init__(self) -> None:
         self.nodes = {
@@ -138,12 +146,46 @@ class SimCluster:
                 node.gpus_used = max(node.gpus_used - a.gpus, 0)
                 self.dirty.add(a.node)
 
-    def drain(self, nodes: Sequence[str]) -> None:
+    async def drain(self, nodes: Sequence[str]) -> None:
         """Stop offering the nodes (all nodes when empty)."""
         for name in nodes or list(self.nodes):
             if name in self.nodes:
                 self.nodes[name].draining = True
                 self.dirty.add(name)
+
+    @property
+    def cluster_id(self) -> str:
+        """The cluster simulated."""
+        return self.cluster.id
+
+    def changed(self) -> bool:
+        """Whether a node changed since the last report."""
+        return bool(self.dirty)
+
+    async def refresh(self) -> None:
+        """Nothing to read: the simulation is its own inventory."""
+
+    def problem(self) -> str | None:
+        """A simulation is always there."""
+        return None
+
+    async def launch(self, part: PartLaunch) -> str:
+        """Nothing to start: the agent's clock runs the part."""
+        return f"sim:{part.key}"
+
+    async def stop(self, ref: str) -> None:
+        """Nothing to stop: cancelling the agent's run task stops the part."""
+
+    async def signal_checkpoint(self, ref: str) -> None:
+        """Nothing to signal: the agent reports the checkpoint itself."""
+
+    async def poll(self, ref: str, key: str) -> PartStatus:
+        """A simulated part runs as long as the agent runs it."""
+        return PartStatus(phase=Phase.RUNNING)
+
+    async def running(self) -> dict[str, str]:
+        """Nothing outlives the agent here: its journal is the whole truth."""
+        return {}
 
     def report(self, full: bool) -> list[NodeState]:
         """Node states for a heartbeat: all of them, or those changed since the last report."""
@@ -221,3 +263,7 @@ def parse_true_speeds(items: Iterable[str]) -> dict[tuple[str, str], float]:
         name = fold_family(folded[0]) + (f"@{folded[2]}" if folded[1] else "")
         table[(name, gpu)] = factor
     return table
+
+
+def _conforms(sim: SimCluster) -> ClusterBackend:
+    return sim  # mypy checks that SimCluster satisfies the backend protocol

@@ -163,6 +163,8 @@ class Book:
         while the next one decides): a rebuilt snapshot lists them too, so no later cycle offers
         their GPUs again. :meth:`add_run` adopts one on commit; :meth:`forget_pending` drops those
         of a batch whose write failed."""
+        self.closed: frozenset[str] = frozenset()
+        """Drained clusters (``loom drain``): their nodes take no new work; change with :meth:`close`."""
         self.learned: dict[tuple[str, str], float] = {}
         """(job family, gpu_model) -> learned speed factor the snapshot applies (see
         :mod:`loom.model.learn`); change it with :meth:`set_learned`."""
@@ -364,6 +366,15 @@ class Book:
         if self._snap is not None:
             self._snap.set_learned(self.learned)
 
+    def close(self, clusters: Iterable[str]) -> bool:
+        """Set the drained clusters; True when that changed them (the next cycle rebuilds its snapshot)."""
+        closed = frozenset(clusters)
+        if closed == self.closed:
+            return False
+        self.closed = closed
+        self.invalidate()
+        return True
+
     def snapshot(self, now: float) -> Snapshot:
         """The cycle's input: nodes, clusters with trust, runs, network, prices and speeds.
 
@@ -386,8 +397,14 @@ class Book:
         for region in {c.region for c in clusters.values()}:
             if region not in self.net.index:
                 self._add_region(region)
+        nodes = [
+            dataclasses.replace(cap, schedulable=False)
+            if cap.schedulable and cap.cluster in self.closed
+            else cap
+            for cap in self.nodes.values()
+        ]
         self._snap = Snapshot(
-            self.nodes.values(),
+            nodes,
             clusters=clusters,
             running=[r.running_job() for r in self.runs.values()],
             net=self.net,

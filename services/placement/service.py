@@ -69,8 +69,9 @@ from opentelemetry import propagate
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.errors import InvalidInputError, TransientError
+from loom.migrate.checkpoints import Checkpoint, choose, report_refusal
 from loom.migrate.health import Health, affected_jobs, classify, link_unreachable, reachability
-from loom.migrate.resume import resume_point
+from loom.migrate.resume import Resume, resume_point
 from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
 from loom.model.learn import LearnSettings, SpeedLearner, run_speed
@@ -96,7 +97,7 @@ from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, TenantConfig
 from loom.sched.shards import GLOBAL, ShardMap, route
 from loom.sched.snapshot import Economics
-from loom.store import fence, inbox, outbox, speeds
+from loom.store import fence, inbox, moves, outbox, speeds
 from loom.store import jobs as repo
 from loom.store import ledger as ledger_store
 from loom.store.fence import FencedError
@@ -275,6 +276,7 @@ class PlacementService:
         self.failover.restore(
             [c for c in await ledger_store.load_clusters(self.pool) if self._owns_region(c.region)]
         )
+        self.book.close(await moves.drained_clusters(self.pool))
         self.queue.clear()
         for row in await repo.queued_jobs(self.pool):
             q = queued_from_row(row)
@@ -303,6 +305,11 @@ class PlacementService:
             subjects.JOBS_QUERY, queue="placement-query", cb=self.on_query
         )
         link_sub = await self.ctx.nc.subscribe(subjects.LINK_STATES_ALL, cb=self.on_link)
+        drains_sub = await self.ctx.nc.subscribe(subjects.MIGRATE_DRAINS_CHANGED, cb=self.on_drains_changed)
+        migrate_sub = await self.ctx.nc.subscribe(subjects.PLACEMENT_MIGRATE, cb=self.on_migrate)
+        attempts_sub = await self.ctx.nc.subscribe(
+            subjects.PLACEMENT_ATTEMPTS, queue="placement-query", cb=self.on_attempts
+        )
         announcer = (
             self.ctx.watchdog.supervise("standby-announcer", self._announce_standby)
             if self.shard != GLOBAL
@@ -328,6 +335,9 @@ class PlacementService:
                     await announcer
             await query_sub.unsubscribe()
             await link_sub.unsubscribe()
+            await drains_sub.unsubscribe()
+            await migrate_sub.unsubscribe()
+            await attempts_sub.unsubscribe()
 
     async def _lead(self, token: int) -> None:
         """The leader's work: consume submissions, view deltas and lifecycle events until cancelled."""
@@ -1198,6 +1208,7 @@ class PlacementService:
         avoid: Sequence[str],
         result: "Applied",
         resume_step: int = 0,
+        from_cluster: str = "",
     ) -> None:
         """Requeue a run's job (next attempt), release its GPUs and stop it on every cluster it holds.
 
@@ -1223,6 +1234,7 @@ class PlacementService:
             cause=cause,
             reason=reason[:2048],
             avoid_clusters=sorted(set(avoid) | set(run.queued.avoid)),
+            from_cluster=from_cluster,
             at=time.time(),
         )
         msg_id = f"{job.job_id}:requeued:{run.attempt + 1}"
@@ -1576,15 +1588,9 @@ class PlacementService:
         hit = self._on_failed_clusters()
         lost = {j: (self.book.runs[j], c, self.failover.failed[c]) for j, c in hit.items()}
         async with self._tx() as conn:
-            checkpoints = await repo.latest_checkpoints(conn, sorted(lost))
+            recorded = await moves.checkpoints_of(conn, sorted(lost))
             for job_id, (run, cluster, health) in sorted(lost.items()):
-                work = run.job.work
-                resume = resume_point(
-                    steps=work.steps,
-                    checkpoint_every_steps=work.checkpoint_every_steps,
-                    progress=run.progress,
-                    checkpoint_step=checkpoints.get(job_id),
-                )
+                resume = _resume_of(run, recorded.get(job_id, []))
                 await self._give_up(
                     conn,
                     run,
@@ -1593,6 +1599,7 @@ class PlacementService:
                     avoid=[],
                     result=result,
                     resume_step=resume.step,
+                    from_cluster=cluster,
                 )
             await repo.append_events(conn, result.events)
             await outbox.add(conn, PRODUCER, result.messages)
@@ -1603,6 +1610,88 @@ class PlacementService:
             log.warning("runs failed over", runs=len(result.requeued))
             self.capacity_changed = True
             self.wake.set()
+
+    # ---- drains and moves (the migration service asks) ------------------------------------------
+
+    async def on_drains_changed(self, _msg: Msg) -> None:
+        """The drained clusters changed (``loom drain`` / ``undrain``): reload them from the store."""
+        try:
+            closed = await moves.drained_clusters(self.pool)
+        except Exception as exc:  # the next notice (or a restart) reloads them
+            log.warning("drained clusters not reloaded", error=repr(exc))
+            return
+        if self.book.close(closed):
+            log.info("drained clusters changed", closed=sorted(closed))
+            self.stats["drained"] = sorted(closed)
+            self.capacity_changed = True
+            self.wake.set()
+
+    async def on_attempts(self, msg: Msg) -> None:
+        """``loom.placement.attempts``: job -> [state, current attempt], from the store (a returning
+        agent fences its old runs with it)."""
+        try:
+            request = json.loads(msg.data or b"{}")
+            states = await moves.job_states(self.pool, [str(j) for j in request["job_ids"]][:10_000])
+            reply = {"ok": True, "result": {j: [state, attempt] for j, (state, attempt) in states.items()}}
+        except Exception as exc:  # any bad request gets an answer, never a crash
+            reply = {"ok": False, "error": str(exc)}
+        await msg.respond(json.dumps(reply).encode())
+
+    async def on_migrate(self, msg: Msg) -> None:
+        """``loom.placement.migrate``: give a run up so that its job is placed again elsewhere, from
+        ``resume_step`` (its checkpoint), avoiding ``avoid``. Only the instance holding the run
+        answers; the attempt fences it (an attempt that moved on changes nothing)."""
+        try:
+            request = json.loads(msg.data or b"{}")
+            job_id = str(request["job_id"])
+            attempt = int(request["attempt"])
+            resume_step = max(int(request.get("resume_step", 0)), 0)
+            reason = str(request.get("reason", "migrated"))
+            avoid = [str(c) for c in request.get("avoid", [])]
+            from_cluster = str(request.get("from_cluster", ""))
+        except (ValueError, KeyError, TypeError) as exc:
+            await msg.respond(json.dumps({"ok": False, "error": f"bad request: {exc}"}).encode())
+            return
+        run = self.book.runs.get(job_id)
+        if not self.held or run is None or run.attempt != attempt:
+            return  # not this instance's run (or not a live one): the store tells the asker
+        moved: list[bool] = []
+
+        async def move() -> None:
+            moved.clear()
+            result = Applied()
+            current = self.book.runs.get(job_id)
+            if current is None or current.attempt != attempt:
+                return
+            async with self._tx() as conn:
+                await self._give_up(
+                    conn,
+                    current,
+                    "migrated",
+                    reason,
+                    avoid=avoid,
+                    result=result,
+                    resume_step=resume_step,
+                    from_cluster=from_cluster,
+                )
+                await repo.append_events(conn, result.events)
+                await outbox.add(conn, PRODUCER, result.messages)
+            self._commit(result, [])
+            self._send(result.messages)
+            moved.append(bool(result.requeued))
+            if result.requeued:
+                self.capacity_changed = True
+                self.wake.set()
+
+        try:
+            async with self.lock:
+                await self._drain()
+                await self._retrying(move)
+        except Exception as exc:
+            await msg.respond(json.dumps({"ok": False, "error": repr(exc)}).encode())
+            return
+        self.stats["migrated"] = self.stats.get("migrated", 0) + sum(moved)
+        await msg.respond(json.dumps({"ok": True, "requeued": bool(moved and moved[0])}).encode())
 
     def _send(self, messages: list[outbox.OutboxMessage]) -> None:
         """Publish a committed cycle's messages in the background (the outbox has them anyway)."""
@@ -1749,6 +1838,9 @@ class PlacementService:
         """Record what agents report; a finished run gives its GPUs back; a retryable failure is re-placed."""
         outcomes: list[BaseException | None] = [None] * len(deliveries)
         events: list[tuple[LifecycleEvent, str]] = []
+        index_of: dict[str, int] = {}
+        refused: dict[str, str] = {}
+        """Checkpoint reports refused (message id -> why): dead-lettered once the rest commits."""
         for i, d in enumerate(deliveries):
             try:
                 event: LifecycleEvent = decode(d.message, LifecycleEvent)  # type: ignore[arg-type]
@@ -1759,10 +1851,11 @@ class PlacementService:
                 self.stats["shard"]["foreign_events"] += 1
                 continue  # acked: the holder of the event's cluster records it
             events.append((event, d.msg_id or f"JOBS-{d.stream_seq}"))
+            index_of[events[-1][1]] = i
         if not events:
             return outcomes
 
-        async def apply() -> None:  # noqa: PLR0912
+        async def apply() -> None:  # noqa: PLR0912, PLR0915
             result = Applied()
             finished: list[tuple[str, int]] = []
             progress: dict[str, float] = {}
@@ -1770,17 +1863,24 @@ class PlacementService:
                 # Again here: a territory handed back meanwhile is not written for (its shard has
                 # these events in its own consumer).
                 mine = [(e, mid) for e, mid in events if self._handles(e)]
+                refused.clear()
+                refused.update(await _refused_checkpoints(conn, mine))
+                mine = [(e, mid) for e, mid in mine if mid not in refused]
                 fresh = await repo.append_events(
                     conn,
                     [repo.JobEventRow(e.job_id, _kind(e), mid, encode(e), _at(e)) for e, mid in mine],
                 )
                 new = [e for e, mid in mine if mid in fresh]
                 mid_of = {id(e): mid for e, mid in mine}
+                await moves.record_checkpoints(conn, _checkpoint_rows(new))
                 await repo.confirm(conn, [(e.job_id, e.attempt) for e in new if isinstance(e, JobStarted)])
                 updates = [(e.job_id, e.attempt, e.step / e.steps) for e in new if isinstance(e, JobProgress)]
                 await repo.set_progress(conn, updates)
                 for job_id, _, fraction in updates:
                     progress[job_id] = fraction
+                for e in new:
+                    if isinstance(e, JobCancelled):
+                        await self._cancel(conn, e.job_id, e.reason or "cancelled", result, finished)
                 for e in new:
                     if not isinstance(e, JobCompleted | JobFailed):
                         continue
@@ -1848,7 +1948,45 @@ class PlacementService:
             await with_retry(apply)
         except Exception as exc:
             return [o if o is not None else exc for o in outcomes]
+        for mid, why in refused.items():
+            log.warning("checkpoint report refused", msg_id=mid, reason=why)
+            outcomes[index_of[mid]] = InvalidInputError(why)
         return outcomes
+
+    async def _cancel(
+        self,
+        conn: asyncpg.Connection,
+        job_id: str,
+        reason: str,
+        result: "Applied",
+        finished: list[tuple[str, int]],
+    ) -> None:
+        """End a job on a ``cancelled`` event: a queued job leaves the queue; a running one is told
+        to stop on every cluster it runs on (its attempt fenced) and gives its GPUs back; a DAG's
+        unfinished stages are cancelled with it. A finished job stays as it ended."""
+        run = self.book.runs.get(job_id)
+        if run is not None:
+            if await repo.finish(conn, job_id, run.attempt, "cancelled", reason):
+                await repo.release(conn, job_id, run.attempt)
+                for cluster in dict.fromkeys(part[0] for part in run.parts):
+                    stop = StopJob(job_id=job_id, attempt=run.attempt, reason=f"cancelled: {reason}"[:1024])
+                    result.messages.append(
+                        outbox.message(
+                            subjects.cluster_command(cluster, "stop"),
+                            stop,
+                            f"{job_id}:stop:{run.attempt}:{cluster}",
+                            context=run.queued.context,
+                        )
+                    )
+                finished.append((job_id, run.attempt))
+        elif await repo.set_state(conn, [job_id], "cancelled", ["queued", "waiting"], reason):
+            result.vanished.append(job_id)
+        kids = await repo.children(conn, job_id)
+        for kid in kids:
+            if kid["state"] not in _TERMINAL:
+                await self._cancel(conn, kid["job_id"], f"the DAG {job_id} was cancelled", result, finished)
+        if kids:  # a DAG is "running" while its stages run, with no run of its own
+            await repo.set_state(conn, [job_id], "cancelled", ["running"], reason)
 
     def _speed_observation(
         self, run: Run, done: JobCompleted, event_id: str
@@ -2150,6 +2288,61 @@ class _Batch:
     runs: set[str]
     """Jobs its cycle placed (pending in the book until it commits)."""
     doomed: bool = False
+
+
+def _checkpoint_rows(events: Iterable["LifecycleEvent"]) -> list[moves.CheckpointRow]:
+    """The checkpoint records of the checkpoint reports among ``events``."""
+    return [
+        moves.CheckpointRow(
+            e.job_id, e.attempt, e.step, e.cluster, e.checkpoint_uri, e.checkpoint_bytes, e.checksum, e.at
+        )
+        for e in events
+        if isinstance(e, JobCheckpointed)
+    ]
+
+
+def _resume_of(run: Run, recorded: Sequence[Checkpoint]) -> Resume:
+    """Where a run lost with its cluster resumes: its newest checkpoint that verifies, the previous
+    one, step 0 (:func:`loom.migrate.checkpoints.choose`); with none recorded, from its progress."""
+    work = run.job.work
+    chosen = choose(recorded, last_step=max(work.steps - 1, 0))
+    if chosen is not None:
+        return Resume(chosen.step, chosen.why)
+    return resume_point(
+        steps=work.steps,
+        checkpoint_every_steps=work.checkpoint_every_steps,
+        progress=run.progress,
+        checkpoint_step=None,
+    )
+
+
+async def _refused_checkpoints(
+    conn: asyncpg.Connection, events: Sequence[tuple["LifecycleEvent", str]]
+) -> dict[str, str]:
+    """New checkpoint reports that must not be recorded (unknown job, an attempt that is not the
+    live one, a finished run): message id -> why (:func:`loom.migrate.checkpoints.report_refusal`)."""
+    reports = [(e, mid) for e, mid in events if isinstance(e, JobCheckpointed)]
+    if not reports:
+        return {}
+    known = {
+        r["msg_id"]
+        for r in await conn.fetch(
+            "SELECT msg_id FROM job_events WHERE msg_id = ANY($1::text[])", [mid for _, mid in reports]
+        )
+    }
+    fresh = [(e, mid) for e, mid in reports if mid not in known]
+    states = await moves.job_states(conn, sorted({e.job_id for e, _ in fresh}))
+    out: dict[str, str] = {}
+    for e, mid in fresh:
+        state, attempt = states.get(e.job_id, (None, None))
+        why = report_refusal(job_state=state, current_attempt=attempt, attempt=e.attempt)
+        if why is not None:
+            out[mid] = why
+    return out
+
+
+_TERMINAL = frozenset({"completed", "failed", "rejected", "cancelled"})
+"""States a job never leaves."""
 
 
 async def _parent_of(conn: asyncpg.Connection, job_id: str) -> str | None:

@@ -327,7 +327,7 @@ async def test_a_resize_moves_gpus_changes_speed_keeps_progress_and_a_repeat_cha
 
     await h.handled(await h.command(grow))  # the same resize again
     assert run.workers == 4 and run.allocations == [(T4_A, 2), (T4_B, 2)]
-    assert h.agent.sim.nodes[T4_A].gpus_used == 2 and h.agent.sim.nodes[T4_B].gpus_used == 2
+    assert h.agent.backend.nodes[T4_A].gpus_used == 2 and h.agent.backend.nodes[T4_B].gpus_used == 2
     resizes = [e for e in h.journal() if e["op"] == "resize" and e["key"] == f"{job_id}:1"]
     assert len(resizes) == 1, "a repeated resize is not even journaled"
 
@@ -379,7 +379,7 @@ async def test_a_resize_of_an_unknown_run_is_ignored_and_one_that_does_not_fit_l
         )
     ignored = [e for e in logs if e["event"] == "resize of a run not here ignored"]
     assert [(e["job_id"], e["attempt"]) for e in ignored] == [("nobody", 1), (job_id, 2)]
-    assert h.agent is not None and h.agent.sim.nodes[T4_B].gpus_used == 0
+    assert h.agent is not None and h.agent.backend.nodes[T4_B].gpus_used == 0
 
     # P100s are not the run's model: the agent refuses and says so on the cluster's status subject.
     onto_p100 = ResizeJob(
@@ -395,7 +395,7 @@ async def test_a_resize_of_an_unknown_run_is_ignored_and_one_that_does_not_fit_l
     assert "P100" in refused[0]["reason"]
     run = h.agent.running[f"{job_id}:1"]
     assert run.workers == 1 and run.allocations == [(T4_A, 2)]
-    assert h.agent.sim.nodes[P100].gpus_used == 0
+    assert h.agent.backend.nodes[P100].gpus_used == 0
     await h.handled(await h.command(StopJob(job_id=job_id)))
 
 
@@ -425,7 +425,7 @@ async def test_a_member_part_that_cannot_start_fails_its_attempt_retryably_under
         assert h.seen.ids(job_id, "failed") == [f"{job_id}:failed:{attempt}:{CLUSTER}"]
         await until(lambda j=job_id: _true(any(s["job_id"] == j for s in h.seen.statuses)), 10, "the status")
         assert h.seen.kinds(job_id) == ["failed"]
-    assert h.agent is not None and h.agent.sim.nodes[BIG_T4].gpus_used == 4, "the holder keeps its GPUs"
+    assert h.agent is not None and h.agent.backend.nodes[BIG_T4].gpus_used == 4, "the holder keeps its GPUs"
     await h.handled(await h.command(StopJob(job_id=holder)))
     await h.heartbeat_shows({BIG_T4: 0}, running=set(), absent={holder, busy, lost})
 
@@ -450,7 +450,7 @@ async def test_a_lead_that_cannot_start_fails_its_attempt_retryably_and_stays_re
     await h.command(start(sentinel, {T4_A: 2}, steps=10, step_time_s=20.0))
     await completed(h, sentinel)
     assert h.seen.kinds(lead) == ["failed"], "a refused attempt is refused without a word"
-    assert agent.sim.nodes[P100].gpus_used == 0
+    assert agent.backend.nodes[P100].gpus_used == 0
 
 
 async def test_a_stop_for_a_run_not_here_is_remembered_across_a_restart_and_refuses_its_late_start(
@@ -468,7 +468,7 @@ async def test_a_stop_for_a_run_not_here_is_remembered_across_a_restart_and_refu
         await h.handled(await h.command(start(job_id, {T4_A: 2}, attempt=2)))
     refused = [e for e in logs if e["event"] == "start of a finished run refused"]
     assert [(e["job_id"], e["attempt"]) for e in refused] == [(job_id, 2)]
-    assert f"{job_id}:2" not in agent.running and agent.sim.nodes[T4_A].gpus_used == 0
+    assert f"{job_id}:2" not in agent.running and agent.backend.nodes[T4_A].gpus_used == 0
     await h.command(start(sentinel, {T4_B: 2}, steps=10, step_time_s=20.0))
     await completed(h, sentinel)
     assert h.seen.kinds(job_id) == [], "the given-up attempt neither starts nor fails"

@@ -83,7 +83,7 @@ async def test_a_job_that_finishes_while_nats_is_down_is_reported_completed_once
 
         # The run goes on without the bus, ends, and frees its GPUs here at once.
         await until(
-            lambda: _true(agent.sim.nodes[P100].gpus_used == 0), 15, "the run to end during the outage"
+            lambda: _true(agent.backend.nodes[P100].gpus_used == 0), 15, "the run to end during the outage"
         )
         assert f"{job_id}:1" not in agent.running
         health = agent.ctx.watchdog.health()

@@ -21,6 +21,9 @@ from loom.netemu import (
     udp_ping,
 )
 
+# Measures wall-clock delays and rates: runs after the parallel part of `make test`, alone.
+pytestmark = pytest.mark.timing
+
 SLACK_MS = 50.0
 """Loopback relays add scheduling delay (about a millisecond a hop); a test allows this much."""
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+from nats.errors import NoRespondersError
 from platform_helpers import Platform
 from waiting import until
 
@@ -230,7 +231,10 @@ async def _placement_restarted(platform: Platform, client: LoomClient) -> None:
         stats = await _placement_stats(client)
         return stats if DEAD in stats.get("failover", {}).get("failed", {}) else None
 
-    restarted = await until(failed_again, 15, "the restarted placement to know c-weu-a failed")
+    # Right after the start its health subscription may not have reached the server yet.
+    restarted = await until(
+        failed_again, 15, "the restarted placement to know c-weu-a failed", retry_on=(NoRespondersError,)
+    )
     await asyncio.sleep(1.0)
     assert (await _placement_stats(client))["failover"]["requeued"] == 0
     for job_id in JOBS:

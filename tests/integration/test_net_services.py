@@ -28,6 +28,9 @@ from loom_services.cluster_agent.probes import ProbeResponder
 from loom_services.network_perception.service import NetworkPerception
 from loom_services.probe_collector.collector import CollectorConfig, ProbeCollector
 
+# Measures wall-clock delays and rates: runs after the parallel part of `make test`, alone.
+pytestmark = pytest.mark.timing
+
 PERIOD_S = 0.2
 USE2, WEU, SEA1 = "aws-us-east-2", "azure-westeurope", "gcp-asia-southeast1"
 

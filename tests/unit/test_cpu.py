@@ -10,6 +10,9 @@ import pytest
 
 from loom.runtime import cpu
 
+# Measures wall-clock delays and rates: runs after the parallel part of `make test`, alone.
+pytestmark = pytest.mark.timing
+
 
 def _stat(pid: int, comm: str, ppid: int, utime: int, stime: int) -> str:
     # 52 fields as in man proc(5): pid (comm) state ppid ... utime(14) stime(15) ...

@@ -52,6 +52,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         nats_cluster=args.nats_cluster,
         secure_db=args.secure_db,
         metrics_port_base=args.metrics_port_base,
+        slurm_clusters=stack.default_slurm_clusters(args.topology, args.cluster or []) if args.slurm else [],
     )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
@@ -296,6 +297,31 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return _run(go())
 
 
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancel jobs; exit 1 when one is unknown or was not recorded in time."""
+
+    async def go() -> int:
+        client = await _client()
+        code = 0
+        try:
+            for job_id in args.job_ids:
+                try:
+                    state = await client.cancel(job_id, reason=args.reason)
+                except QueryError as exc:
+                    err.print(f"[red]{escape(str(exc))}[/red]")
+                    code = 1
+                    continue
+                if state == "cancelled":
+                    console.print(f"{escape(job_id)}: cancelled")
+                else:
+                    console.print(f"{escape(job_id)}: already {state}; nothing to cancel")
+        finally:
+            await client.close()
+        return code
+
+    return _run(go())
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     """Why a job is where it is (or why it waits, or was rejected): every decision, in plain words."""
     from loom.sched.explain import render
@@ -335,6 +361,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
             console.print(f"\n[bold]attempt {d['attempt']}[/bold] ({d['outcome']})")
             for line in render(DecisionRecord.from_dict(d["record"]), limit=args.limit):
                 console.print(f"  {line}", highlight=False)
+        if job.get("migrations"):
+            from loom.cli.migrations import migrations_table
+
+            console.print(migrations_table(job["migrations"], title="why it moved"))
         return 0
 
     return _run(go())
@@ -368,6 +398,10 @@ def cmd_job(args: argparse.Namespace) -> int:
             console.print(f"trace: {job['trace_id']}  (`loom trace {job['job_id']}`)")
         if stages:
             _print_stages(stages)
+        if job.get("migrations"):
+            from loom.cli.migrations import migrations_table
+
+            console.print(migrations_table(job["migrations"], title="moves"))
         table = Table(title="history")
         for col in ("time", "event", "detail"):
             table.add_column(col)
@@ -802,6 +836,11 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("up", cmd_up, "start NATS, PostgreSQL and every service in the background")
+    p.add_argument(
+        "--slurm",
+        action="store_true",
+        help="run two of the clusters on local Slurm clusters (slurm-wlm, munge; root), not simulated",
+    )
     p.add_argument("--topology", default="default", help="packaged topology name or file")
     p.add_argument("--cluster", action="append", help="run only these cluster agents (repeatable)")
     p.add_argument("--time-scale", type=float, default=60.0, help="simulated seconds per wall second")
@@ -857,6 +896,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("job", cmd_job, "one job and its event history")
     p.add_argument("job_id")
     p.add_argument("--json", action="store_true")
+    p = add(
+        "cancel",
+        cmd_cancel,
+        "cancel jobs: queued ones leave the queue, running ones stop and free their GPUs",
+    )
+    p.add_argument("job_ids", nargs="+", metavar="JOB_ID")
+    p.add_argument("--reason", default="", help="recorded in the job's history")
     p = add("explain", cmd_explain, "why a job runs where it does, and why not elsewhere")
     p.add_argument("job_id")
     p.add_argument("--limit", type=int, default=10, help="candidates and ruled-out clusters to show")
@@ -911,6 +957,9 @@ def build_parser() -> argparse.ArgumentParser:
     from loom.cli.usage import add_parser as add_usage_parser
 
     add_usage_parser(sub)
+    from loom.cli.migrations import add_parser as add_migrations_parser
+
+    add_migrations_parser(sub)
     p = add("demo", cmd_demo, "start the stack, run the example workload, show progress and a summary")
     p.add_argument(
         "--workload", type=Path, default=None, help="job file (default: examples/demo-workload.yaml)"

@@ -1,5 +1,6 @@
 """Client of a running Loom: submit, watch, query."""
 
+import asyncio
 import json
 import secrets
 import time
@@ -20,7 +21,7 @@ from loom.errors import InvalidInputError, LoomError
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
 from loom_proto.ids import plain_words
-from loom_proto.jobs import JobEvent, JobRejected, JobSpec, JobSubmitted
+from loom_proto.jobs import JobCancelled, JobEvent, JobRejected, JobSpec, JobSubmitted
 from loom_proto.view import ViewQuery
 
 _tracer = trace.get_tracer("loom.client")
@@ -204,6 +205,38 @@ class LoomClient:
             subjects.JOBS_QUERY, {"op": "get", "job_id": job_id}, timeout_s
         )
         return result
+
+    async def cancel(self, job_id: str, *, reason: str = "", wait_s: float = 10.0) -> str:
+        """Cancel a job: publish its ``cancelled`` event (the bus is the contract) and wait until
+        placement has recorded it. A queued job leaves the queue; a running one is stopped on
+        every cluster and gives its GPUs back; a DAG's unfinished stages go with it.
+
+        Returns the job's state afterwards (``cancelled``, or how it had already ended). Raises
+        :class:`QueryError` for an unknown job or when placement does not record it in time.
+        """
+        job = await self.job(job_id)
+        if job is None:
+            raise QueryError(f"no job {job_id!r}")
+        if job["state"] in ("completed", "failed", "rejected", "cancelled"):
+            return str(job["state"])
+        event = JobCancelled(
+            job_id=job_id,
+            tenant=str(job["tenant"]),
+            reason=(reason or "cancelled by request")[:1024],
+            at=time.time(),
+        )
+        await self.publisher.publish(
+            subjects.job_event("cancelled", event.tenant),
+            event,
+            msg_id=f"{job_id}:cancelled:{job['attempt']}",
+        )
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            now = await self.job(job_id)
+            if now is not None and now["state"] in ("completed", "failed", "rejected", "cancelled"):
+                return str(now["state"])
+            await asyncio.sleep(0.2)
+        raise QueryError(f"placement did not record the cancellation of {job_id} within {wait_s:g} s")
 
     async def jobs(
         self, *, tenant: str | None = None, state: str | None = None, limit: int = 100, timeout_s: float = 5.0

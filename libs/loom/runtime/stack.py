@@ -43,6 +43,7 @@ from loom.runtime.servers import (
     describe_exit,
     reap_orphans,
 )
+from loom.runtime.slurmlocal import LocalSlurms, slurm_nodes
 from loom.runtime.tokens import ensure_tokens
 from loom.sched.shards import group_options, split_regions
 from loom.store.migrations import migrate_url
@@ -134,12 +135,28 @@ class StackOptions:
     """Prometheus ``/metrics`` ports: services get ``base``, ``base + 1``, … in start order; 0 gives
     each a free port. ``loom status`` lists them; deploy/prometheus/ shows how to scrape them."""
 
+    slurm_clusters: list[str] = field(default_factory=list)
+    """Clusters whose agents run on a local Slurm cluster of their own (``--slurm``) instead of the
+    simulation (:mod:`loom.runtime.slurmlocal`: two of a cluster's nodes, real slurmctld/slurmd)."""
+    slurm_root: str = ""
+    """Where the local Slurm clusters live (set by the supervisor: ``<home>/slurm``)."""
+
 
 def metrics_ports(names: list[str], base: int) -> dict[str, int]:
     """The ``/metrics`` port of each service: consecutive from ``base``, or free ports when 0."""
     if base:
         return {name: base + i for i, name in enumerate(names)}
     return {name: free_port() for name in names}
+
+
+SLURM_CLUSTER_COUNT = 2
+"""Clusters ``loom up --slurm`` backs with local Slurm: the first ones of the topology."""
+
+
+def default_slurm_clusters(topology: str, wanted: list[str]) -> list[str]:
+    """The clusters ``--slurm`` puts on Slurm: the first two the stack runs."""
+    ids = wanted or [c.id for c in load_topology(topology).clusters]
+    return ids[:SLURM_CLUSTER_COUNT]
 
 
 def placement_groups(options: StackOptions) -> dict[str, list[str]]:
@@ -162,6 +179,7 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
         "metrics": [py, "-m", "loom_services.metrics"],
         # Alerts in, incidents out; its Alertmanager webhook listens on $LOOM_ALERTS_HTTP_PORT (9095).
         "alert-correlator": [py, "-m", "loom_services.alert_correlator", "--topology", options.topology],
+        "migration": [py, "-m", "loom_services.migration"],
         "placement": [py, "-m", "loom_services.placement", "--topology", options.topology, *groups],
     }
     if options.placement_standby:
@@ -212,6 +230,9 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
             "--max-heartbeat-s",
             str(options.max_heartbeat_s),
         ]
+        if cluster_id in options.slurm_clusters:
+            conf = Path(options.slurm_root) / cluster_id / "etc" / "slurm.conf"
+            argvs[f"agent-{cluster_id}"] += ["--backend", "slurm", "--slurm-conf", str(conf)]
     # One collector per region with a cluster: it probes its peers through the in-process WAN
     # emulator, shaped like the topology's links (`loom net degrade` changes them).
     for region in sorted(probed_regions) if options.network else ():
@@ -420,6 +441,7 @@ class Supervisor:
         self.state: dict[str, Any] = {}
         self.stopping = False
         self.watches: dict[str, ServerWatch] = {}
+        self.slurm: LocalSlurms | None = None
         self._checks = 0
         self._reaping_until = 0.0
         self.role_urls: dict[str, str] = {}
@@ -496,6 +518,23 @@ class Supervisor:
             asyncio.run(ensure())
         except Exception as exc:  # the next restart, or the services' own start, tries again
             log.warning("could not check the streams after a NATS restart", error=repr(exc))
+
+    def start_slurm(self) -> None:
+        """Start the local Slurm clusters of ``--slurm`` (their state is kept across stacks)."""
+        if not self.options.slurm_clusters:
+            return
+        topology = load_topology(self.options.topology)
+        self.options.slurm_root = str(self.home / "slurm")
+        self.slurm = LocalSlurms(
+            Path(self.options.slurm_root),
+            {c: slurm_nodes(topology.cluster(c)) for c in self.options.slurm_clusters},
+            preexec=_pdeathsig(),  # like every child: nothing outlives a killed supervisor
+        )
+        self.slurm.start()
+        self.state["slurm"] = {
+            name: {"slurm_conf": str(c.conf), "nodes": [n.name for n in c.nodes]}
+            for name, c in self.slurm.clusters.items()
+        }
 
     def watch_servers(self) -> bool:
         """Check every owned server once (restarting the dead); True when any state changed."""
@@ -584,6 +623,7 @@ class Supervisor:
                 if not self.options.console_port:
                     self.options.console_port = free_port()
                 self.state["console_url"] = f"http://127.0.0.1:{self.options.console_port}"
+            self.start_slurm()
             self.start_services(env)
             self.write_state("starting", nats_url=nats_url, database_url=database_url)
             silent = asyncio.run(wait_healthy(nats_url, list(self.services), timeout_s=60.0))
@@ -632,6 +672,8 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.slurm is not None:
+            self.slurm.stop()  # every slurmd, then every slurmctld, then munged
         if self.postgres is not None:
             self.postgres.stop()
         if self.nats is not None:
@@ -711,6 +753,8 @@ def supervisor_argv(home: Path, options: StackOptions) -> list[str]:
     if options.console_port:
         argv += ["--console-port", str(options.console_port)]
     argv.append("--secure-db" if options.secure_db else "--insecure-db")
+    for cluster in options.slurm_clusters:
+        argv += ["--slurm-cluster", cluster]
     return argv
 
 
@@ -835,6 +879,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--secure-db", action=argparse.BooleanOptionalAction, default=SECURE_DB_DEFAULT)
     parser.add_argument("--insecure-db", dest="secure_db", action="store_false")
     parser.add_argument("--metrics-port-base", type=int, default=0)
+    parser.add_argument("--slurm-cluster", action="append", default=[])
     args = parser.parse_args(argv)
     options = StackOptions(
         topology=args.topology,
@@ -853,6 +898,7 @@ def main(argv: list[str] | None = None) -> int:
         console_port=args.console_port,
         secure_db=args.secure_db,
         metrics_port_base=args.metrics_port_base,
+        slurm_clusters=args.slurm_cluster,
     )
     return Supervisor(args.home.resolve(), options).run()
 

@@ -13,6 +13,7 @@ import asyncpg
 import msgspec
 
 from loom.model.capacity import NodeCapacity
+from loom.store.moves import list_migrations
 from loom.store.pool import ConflictError
 from loom.telemetry.jaeger import trace_id_of
 
@@ -443,18 +444,6 @@ async def requeue(
     return await release(conn, job_id, attempt)
 
 
-async def latest_checkpoints(conn: asyncpg.Connection, job_ids: Sequence[str]) -> dict[str, int]:
-    """The highest step each job's agents reported a checkpoint at (any attempt), by job."""
-    if not job_ids:
-        return {}
-    rows = await conn.fetch(
-        """SELECT job_id, max((event->>'step')::bigint) AS step FROM job_events
-           WHERE job_id = ANY($1::text[]) AND kind = 'checkpointed' GROUP BY job_id""",
-        list(job_ids),
-    )
-    return {r["job_id"]: int(r["step"]) for r in rows if r["step"] is not None}
-
-
 async def existing_jobs(conn: asyncpg.Connection, job_ids: Sequence[str]) -> set[str]:
     """Which of these job ids exist already."""
     rows = await conn.fetch("SELECT job_id FROM jobs WHERE job_id = ANY($1::text[])", list(job_ids))
@@ -665,6 +654,7 @@ async def get_job(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> dict[
         {"kind": e["kind"], "msg_id": e["msg_id"], "at": e["at"].timestamp(), "event": json.loads(e["event"])}
         for e in events
     ]
+    out["migrations"] = list(reversed(await list_migrations(conn, job_id=job_id)))
     return out
 
 

@@ -1,0 +1,193 @@
+"""``loom bench drain``: drain a cluster running ``--jobs`` jobs on the real stack; does it empty,
+with at most ``--concurrency`` moves in flight, and does any job restart from step 0?
+
+A private stack (``loom up``'s services, without the probe collectors) runs every cluster of the
+topology; one-GPU T4 jobs (and four-worker gangs) that prefer the drained cluster's region run
+until they have passed a checkpoint, then the cluster is drained through the migration service
+(the request ``loom drain`` sends). Measured from the store: the drain's duration, the most moves
+in flight at any instant (from the migrations' planned/finished times), each job's resume step
+against the step it had reached, and a new job submitted during the drain (it must not land on
+the drained cluster).
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from loom.client import LoomClient
+from loom.model.topology import load_topology
+from loom.runtime import stack
+from loom.runtime.config import ENV_DATABASE_URL, ENV_NATS_URL
+from loom_benchmarks.takeover import p50_max_mean
+from loom_proto import subjects
+from loom_proto.jobs import Affinity, JobSpec, Resources, Work
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``loom bench drain``."""
+    parser.add_argument("--cluster", default="c-aue-a", help="the cluster drained")
+    parser.add_argument("--topology", default="default")
+    parser.add_argument("--jobs", type=int, default=20, help="jobs on the cluster (4 of them gangs of 4)")
+    parser.add_argument("--concurrency", type=int, default=3, help="moves in flight at once")
+    parser.add_argument("--time-scale", type=float, default=60.0)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the drain")
+    parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+
+
+async def _measure(state: dict[str, Any], args: argparse.Namespace, say: Any) -> dict[str, Any]:
+    region = load_topology(args.topology).cluster(args.cluster).region
+    client = await LoomClient.connect(state["nats_url"])
+    db = await asyncpg.connect(state["database_url"])
+    try:
+        # 200 steps of one wall second each; a checkpoint every 10.
+        work = Work(steps=200, step_time_s=float(args.time_scale), checkpoint_every_steps=10)
+        t4 = Resources(gpus=1, gpu_models=["T4"])
+        prefer = Affinity(prefer_regions=[region])
+        gangs = min(4, args.jobs)
+        jobs = [
+            JobSpec(
+                job_id=f"dr-gang-{i}", tenant="bench", workers=4, resources=t4, work=work, affinity=prefer
+            )
+            for i in range(gangs)
+        ]
+        jobs += [
+            JobSpec(job_id=f"dr-{i}", tenant="bench", resources=t4, work=work, affinity=prefer)
+            for i in range(args.jobs - gangs)
+        ]
+        for spec in jobs:
+            await client.submit(spec)
+        ids = [j.job_id for j in jobs]
+        say(f"{len(jobs)} jobs submitted; waiting for them to pass a checkpoint")
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            rows = await db.fetch("SELECT state, progress FROM jobs WHERE job_id = ANY($1::text[])", ids)
+            if len(rows) == len(ids) and all(r["state"] == "running" and r["progress"] >= 0.06 for r in rows):
+                break
+            await asyncio.sleep(0.5)
+        on = await db.fetch(
+            """SELECT DISTINCT j.job_id, j.attempt, j.progress FROM jobs j JOIN reservations r
+                 ON r.job_id = j.job_id AND r.attempt = j.attempt AND r.state <> 'released'
+               WHERE j.state = 'running' AND r.cluster = $1""",
+            args.cluster,
+        )
+        reached = {r["job_id"]: int(r["progress"] * 200 + 1e-6) for r in on}
+        say(f"draining {args.cluster} ({len(on)} jobs), {args.concurrency} at a time")
+        started = time.time()
+        reply = await client.nc.request(
+            subjects.MIGRATE_DRAIN,
+            json.dumps({"cluster": args.cluster, "concurrency": args.concurrency}).encode(),
+            timeout=10,
+        )
+        answer = json.loads(reply.data)
+        await client.submit(
+            JobSpec(job_id="dr-late", tenant="bench", resources=t4, work=work, affinity=prefer)
+        )
+        sampled_in_flight = 0
+        drained_s: float | None = None
+        while time.time() - started < args.timeout:
+            open_now = await db.fetchval(
+                "SELECT count(*) FROM migrations WHERE state IN ('planned', 'started')"
+            )
+            sampled_in_flight = max(sampled_in_flight, int(open_now))
+            state_now = await db.fetchval("SELECT state FROM cluster_drains WHERE cluster = $1", args.cluster)
+            if state_now == "drained":
+                drained_s = time.time() - started
+                break
+            await asyncio.sleep(0.1)
+        rows = await db.fetch("SELECT * FROM migrations WHERE cause = 'drain' ORDER BY planned_at")
+        overlap = _max_overlap(rows)
+        per_move = [
+            (r["finished_at"] - r["planned_at"]).total_seconds() for r in rows if r["finished_at"] is not None
+        ]
+        late = await db.fetchrow("SELECT state, cluster FROM jobs WHERE job_id = 'dr-late'")
+        resumed = {r["job_id"]: r["resume_step"] for r in rows}
+        return {
+            "drain_answer": answer,
+            "jobs_on_cluster": len(on),
+            "moved": sum(1 for r in rows if r["state"] == "completed"),
+            "states": {s: sum(1 for r in rows if r["state"] == s) for s in {r["state"] for r in rows}},
+            "drained_s": None if drained_s is None else round(drained_s, 3),
+            "max_in_flight_from_records": overlap,
+            "max_in_flight_sampled": sampled_in_flight,
+            "concurrency": args.concurrency,
+            "move_s": p50_max_mean(per_move),
+            "resumed_from_step_0": sorted(j for j, s in resumed.items() if s == 0),
+            "resume_step_minus_reached": p50_max_mean(
+                [float(resumed[j] - reached[j]) for j in resumed if j in reached]
+            ),
+            "late_job": dict(late) if late else None,
+            "late_job_on_drained_cluster": bool(late and late["cluster"] == args.cluster),
+        }
+    finally:
+        await db.close()
+        await client.close()
+
+
+def _max_overlap(rows: list[asyncpg.Record]) -> int:
+    """The most moves open (planned, not yet finished) at any move's planning instant."""
+    best = 0
+    for r in rows:
+        t = r["planned_at"]
+        best = max(
+            best,
+            sum(
+                1 for o in rows if o["planned_at"] <= t and (o["finished_at"] is None or o["finished_at"] > t)
+            ),
+        )
+    return best
+
+
+def run(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
+    """Start a private stack, drain, stop it; the JSON result."""
+    say = progress or (lambda _s: None)
+    home = Path(tempfile.mkdtemp(prefix="loom-bench-drain-", dir="/tmp"))
+    os.chmod(home, 0o755)  # PostgreSQL runs as an unprivileged user when we are root
+    env_backup = {k: os.environ.pop(k) for k in (ENV_NATS_URL, ENV_DATABASE_URL) if k in os.environ}
+    t0 = time.perf_counter()
+    try:
+        options = stack.StackOptions(topology=args.topology, time_scale=args.time_scale, network=False)
+        say("starting the stack")
+        state = stack.up(home, options, progress=lambda s: say(f"stack: {s}"))
+        measured = asyncio.run(_measure(state, args, say))
+    finally:
+        say("stopping the stack")
+        stack.down(home)
+        os.environ.update(env_backup)
+        shutil.rmtree(home, ignore_errors=True)
+    return {
+        "benchmark": "drain",
+        "headline": {
+            "jobs_on_cluster": measured["jobs_on_cluster"],
+            "moved": measured["moved"],
+            "drained_s": measured["drained_s"],
+            "max_in_flight": measured["max_in_flight_from_records"],
+            "concurrency": args.concurrency,
+            "restarted_from_step_0": len(measured["resumed_from_step_0"]),
+        },
+        **measured,
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    """``loom bench drain``: JSON on stdout; progress on stderr."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    with console.status("drain benchmark…") as status:
+        result = run(args, progress=lambda s: status.update(f"drain benchmark: {s}"))
+    print(json.dumps(result, indent=2, default=str))
+    if not args.json:
+        console.print(result["headline"])
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,221 @@
+"""``loom drain`` / ``loom undrain`` / ``loom migrations``: close a cluster and move its jobs, see every move.
+
+The migration service does the work (request-reply on ``loom.migrate.drain`` and
+``loom.migrate.query``); this module parses arguments and prints.
+"""
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from loom.client import LoomClient
+from loom.runtime.config import endpoints
+from loom_proto import subjects
+
+console = Console()
+err = Console(stderr=True)
+
+_CONNECT_WITHIN_S = 2.5
+_TIMEOUT_S = 10.0
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``loom drain``, ``loom undrain`` and ``loom migrations`` on the top-level subparsers."""
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = sub.add_parser(name, help=help_, description=help_)
+        p.set_defaults(fn=fn)
+        return p
+
+    p = add("drain", cmd_drain, "close a cluster to new work and move its jobs off at checkpoint boundaries")
+    p.add_argument("cluster")
+    p.add_argument(
+        "--deadline", type=float, default=0.0, help="seconds; past it every job left moves at once (0: none)"
+    )
+    p.add_argument("--concurrency", type=int, default=2, help="moves in flight at once")
+    p.add_argument(
+        "--force", action="store_true", help="drain even where a job has no feasible GPUs on other clusters"
+    )
+    p.add_argument("--wait", action="store_true", help="follow the drain until the cluster is empty")
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="with --wait: give up after this many seconds"
+    )
+    p.add_argument("--json", action="store_true")
+    p = add("undrain", cmd_undrain, "open a drained cluster to new work again")
+    p.add_argument("cluster")
+    p.add_argument("--json", action="store_true")
+    p = add("migrations", cmd_migrations, "migrations (drains' moves and failovers) with why and the numbers")
+    p.add_argument("--job", help="only this job's")
+    p.add_argument("--cluster", help="only those off this cluster")
+    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--json", action="store_true")
+
+
+async def ask(client: LoomClient, subject: str, request: dict[str, Any]) -> dict[str, Any]:
+    """One request to the migration service; a missing service is a clear error."""
+    try:
+        reply = await client.nc.request(subject, json.dumps(request).encode(), timeout=_TIMEOUT_S)
+    except Exception as exc:  # nats raises several unrelated types for "no answer"
+        return {
+            "ok": False,
+            "code": "unavailable",
+            "error": f"the migration service did not answer ({exc!r})",
+        }
+    answer: dict[str, Any] = json.loads(reply.data)
+    return answer
+
+
+def _with_client(work: Callable[[LoomClient], Any]) -> int:
+    async def go() -> int:
+        try:
+            client = await LoomClient.connect(endpoints().nats_url, first_within_s=_CONNECT_WITHIN_S)
+        except Exception as exc:  # no server: say so, exit 1
+            err.print(f"cannot reach NATS: {exc}")
+            return 1
+        try:
+            code: int = await work(client)
+            return code
+        finally:
+            await client.close()
+
+    return asyncio.run(go())
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    """Drain a cluster (refused with the reason for an unknown cluster or a job with nowhere to go)."""
+
+    async def work(client: LoomClient) -> int:
+        answer = await ask(
+            client,
+            subjects.MIGRATE_DRAIN,
+            {
+                "op": "drain",
+                "cluster": args.cluster,
+                "concurrency": args.concurrency,
+                "deadline_s": args.deadline,
+                "force": args.force,
+            },
+        )
+        if not answer.get("ok"):
+            if args.json:
+                print(json.dumps(answer))
+            err.print(f"drain refused: {answer.get('error')}")
+            return 1
+        if not args.wait:
+            if args.json:
+                print(json.dumps(answer))
+            else:
+                console.print(
+                    f"{args.cluster} draining: {answer['jobs']} job(s) to move,"
+                    f" {answer['concurrency']} at a time (`loom migrations --cluster {args.cluster}`)"
+                )
+            return 0
+        return await _follow(client, args, answer)
+
+    return _with_client(work)
+
+
+async def _follow(client: LoomClient, args: argparse.Namespace, answer: dict[str, Any]) -> int:
+    """Show the drain's progress until its cluster is empty (or the timeout)."""
+    start = time.monotonic()
+    total = int(answer["jobs"])
+    state = "draining"
+    moves: list[dict[str, Any]] = []
+    while time.monotonic() - start < args.timeout:
+        drains = await ask(client, subjects.MIGRATE_QUERY, {"op": "drains"})
+        listed = await ask(client, subjects.MIGRATE_QUERY, {"op": "list", "cluster": args.cluster})
+        mine = [d for d in drains.get("result", []) if d["cluster"] == args.cluster]
+        moves = [m for m in listed.get("result", []) if m["cause"] == "drain"]
+        state = mine[0]["state"] if mine else "undrained"
+        done = sum(1 for m in moves if m["state"] == "completed")
+        moving = sum(1 for m in moves if m["state"] in ("planned", "started"))
+        if not args.json:
+            console.print(
+                f"[{time.monotonic() - start:6.1f}s] {args.cluster} {state}:"
+                f" {done} moved, {moving} in flight (of {total} at the start)"
+            )
+        if state != "draining":
+            break
+        await asyncio.sleep(1.0)
+    if args.json:
+        print(json.dumps({**answer, "state": state, "moves": moves}))
+    return 0 if state == "drained" else 1
+
+
+def cmd_undrain(args: argparse.Namespace) -> int:
+    """Open a drained cluster again."""
+
+    async def work(client: LoomClient) -> int:
+        answer = await ask(client, subjects.MIGRATE_DRAIN, {"op": "undrain", "cluster": args.cluster})
+        if args.json:
+            print(json.dumps(answer))
+        if not answer.get("ok"):
+            err.print(f"undrain refused: {answer.get('error')}")
+            return 1
+        if not args.json:
+            was = "" if answer.get("was_drained") else " (it was not drained)"
+            console.print(f"{args.cluster} open to new work{was}")
+        return 0
+
+    return _with_client(work)
+
+
+def cmd_migrations(args: argparse.Namespace) -> int:
+    """Every migration, newest first, with why and the numbers."""
+
+    async def work(client: LoomClient) -> int:
+        answer = await ask(
+            client,
+            subjects.MIGRATE_QUERY,
+            {"op": "list", "job_id": args.job, "cluster": args.cluster, "limit": args.limit},
+        )
+        if not answer.get("ok"):
+            err.print(str(answer.get("error")))
+            return 1
+        rows: list[dict[str, Any]] = answer["result"]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        console.print(migrations_table(rows))
+        return 0
+
+    return _with_client(work)
+
+
+def migrations_table(rows: list[dict[str, Any]], title: str = "migrations") -> Table:
+    """A table of migration rows (``loom migrations``, ``loom job ID``)."""
+    table = Table(title=title)
+    for col in (
+        "planned",
+        "job",
+        "cause",
+        "state",
+        "from",
+        "to",
+        "attempt",
+        "resume step",
+        "lost steps",
+        "why",
+    ):
+        table.add_column(col)
+    for m in rows:
+        table.add_row(
+            datetime.fromtimestamp(m["planned_at"]).strftime("%H:%M:%S"),
+            m["job_id"],
+            m["cause"],
+            m["state"],
+            m["from_cluster"],
+            m.get("to_cluster") or "-",
+            f"{m['from_attempt']} -> {m['from_attempt'] + 1}",
+            f"{m['resume_step']}/{m['steps']}",
+            str(m["lost_steps"]),
+            m["why"],
+        )
+    return table

@@ -1,0 +1,106 @@
+"""Checkpoints as records: their checksums, whether a report may be recorded, which one a resume uses.
+
+Agents report every checkpoint they write (job, attempt, step, cluster, where, size, checksum).
+Placement records each in the store (``checkpoints``) in the transaction that records the event,
+after :func:`report_refusal` accepted it; a report it refuses (unknown job, an attempt that is not
+the live one, a finished run) goes to the dead letters with that reason. A resume
+(:func:`choose`) takes the latest checkpoint whose checksum verifies, else the previous one, else
+step 0, and says which and why (the job's history shows it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+CHECKSUM_PREFIX = "sha256:"
+
+
+def checksum_of(job_id: str, attempt: int, step: int, uri: str) -> str:
+    """The digest of a simulated checkpoint's content (its identity: the run, the step, where it lies)."""
+    digest = hashlib.sha256(f"{job_id}\x00{attempt}\x00{step}\x00{uri}".encode()).hexdigest()
+    return CHECKSUM_PREFIX + digest[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """One recorded checkpoint."""
+
+    job_id: str
+    attempt: int
+    step: int
+    cluster: str
+    uri: str
+    checksum: str = ""
+    corrupt: bool = False
+    """Marked unreadable (a failed read or copy): never resumed from."""
+
+    def problem(self) -> str | None:
+        """Why this checkpoint cannot be resumed from, or None when it verifies."""
+        if self.corrupt:
+            return "marked corrupt"
+        if not self.checksum:
+            return None  # an agent that reports no checksum: nothing to verify, trusted as written
+        if self.checksum != checksum_of(self.job_id, self.attempt, self.step, self.uri):
+            return "checksum mismatch"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The checkpoint a resume uses (None: step 0) and why, for the job's history."""
+
+    step: int
+    checkpoint: Checkpoint | None
+    why: str
+
+
+def choose(checkpoints: Iterable[Checkpoint], *, last_step: int | None = None) -> Choice | None:
+    """The newest checkpoint that verifies, falling back to older ones, then to step 0.
+
+    None when no checkpoint was recorded at all (the caller may then estimate from progress,
+    :func:`loom.migrate.resume.resume_point`). ``last_step``: a resume never starts at or past
+    the job's end (clamped to it).
+    """
+    ordered = sorted(checkpoints, key=lambda c: (c.step, c.attempt), reverse=True)
+    ordered = [c for c in ordered if c.step > 0]
+    if not ordered:
+        return None
+    rejected: list[str] = []
+    for c in ordered:
+        problem = c.problem()
+        if problem is not None:
+            rejected.append(f"step {c.step} ({problem})")
+            continue
+        step = c.step if last_step is None else min(c.step, last_step)
+        if not rejected:
+            return Choice(step, c, f"resumes from its checkpoint at step {step} (recorded)")
+        return Choice(
+            step,
+            c,
+            f"resumes from the previous checkpoint at step {step} (recorded);"
+            f" rejected: {', '.join(rejected)}",
+        )
+    return Choice(0, None, f"restarts from step 0: no checkpoint verifies (rejected: {', '.join(rejected)})")
+
+
+TERMINAL = frozenset({"completed", "failed", "cancelled", "rejected"})
+
+
+def report_refusal(*, job_state: str | None, current_attempt: int | None, attempt: int) -> str | None:
+    """Why a checkpoint report must not be recorded (it goes to the dead letters), or None.
+
+    ``job_state`` / ``current_attempt``: the job's row as the store has it (None: no such job).
+    """
+    if job_state is None or current_attempt is None:
+        return "checkpoint of an unknown job"
+    if attempt > current_attempt:
+        return f"checkpoint of unknown attempt {attempt} (the job is at attempt {current_attempt})"
+    if attempt < current_attempt:
+        return f"checkpoint of fenced attempt {attempt} (the job moved on to attempt {current_attempt})"
+    if job_state in TERMINAL:
+        return f"checkpoint of a finished run (attempt {attempt}, job {job_state})"
+    if job_state == "queued":
+        return f"checkpoint of attempt {attempt}, which was given up (the job is queued again)"
+    return None

@@ -1,0 +1,292 @@
+"""Checkpoints, drained clusters and migrations in PostgreSQL (migration 008).
+
+Placement records checkpoints (in its lifecycle transaction) and reads drains; the migration
+service writes drains and migrations and reads the rest.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, TypeAlias
+
+import asyncpg
+
+from loom.migrate.checkpoints import Checkpoint
+
+Conn: TypeAlias = asyncpg.Connection | asyncpg.Pool
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRow:
+    """A checkpoint report to record."""
+
+    job_id: str
+    attempt: int
+    step: int
+    cluster: str
+    uri: str
+    checkpoint_bytes: int
+    checksum: str
+    at: float
+
+
+async def record_checkpoints(conn: asyncpg.Connection, rows: Sequence[CheckpointRow]) -> None:
+    """Record checkpoint reports; one already recorded (same run and step) is kept as it was."""
+    if not rows:
+        return
+    await conn.executemany(
+        """INSERT INTO checkpoints (job_id, attempt, step, cluster, uri, bytes, checksum, at)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, to_timestamp($8))
+           ON CONFLICT (job_id, attempt, step) DO NOTHING""",
+        [(r.job_id, r.attempt, r.step, r.cluster, r.uri, r.checkpoint_bytes, r.checksum, r.at) for r in rows],
+    )
+
+
+async def checkpoints_of(conn: Conn, job_ids: Sequence[str]) -> dict[str, list[Checkpoint]]:
+    """Every recorded checkpoint of these jobs (any attempt), by job."""
+    if not job_ids:
+        return {}
+    rows = await conn.fetch(
+        """SELECT job_id, attempt, step, cluster, uri, checksum, corrupt FROM checkpoints
+           WHERE job_id = ANY($1::text[]) ORDER BY job_id, step DESC""",
+        list(job_ids),
+    )
+    out: dict[str, list[Checkpoint]] = {}
+    for r in rows:
+        out.setdefault(r["job_id"], []).append(
+            Checkpoint(
+                job_id=r["job_id"],
+                attempt=r["attempt"],
+                step=r["step"],
+                cluster=r["cluster"],
+                uri=r["uri"],
+                checksum=r["checksum"],
+                corrupt=r["corrupt"],
+            )
+        )
+    return out
+
+
+async def checkpoint_since(conn: Conn, job_id: str, attempt: int, since: float) -> int | None:
+    """The highest step of the run's checkpoints written at or after ``since`` (wall s), if any."""
+    step: int | None = await conn.fetchval(
+        """SELECT max(step) FROM checkpoints
+           WHERE job_id = $1 AND attempt = $2 AND at >= to_timestamp($3) AND NOT corrupt""",
+        job_id,
+        attempt,
+        since,
+    )
+    return step
+
+
+async def job_states(conn: Conn, job_ids: Sequence[str]) -> dict[str, tuple[str, int]]:
+    """Job -> (state, attempt) as the store has it."""
+    if not job_ids:
+        return {}
+    rows = await conn.fetch(
+        "SELECT job_id, state, attempt FROM jobs WHERE job_id = ANY($1::text[])", list(job_ids)
+    )
+    return {r["job_id"]: (r["state"], r["attempt"]) for r in rows}
+
+
+# ---- drains ------------------------------------------------------------------------------------
+
+
+async def drained_clusters(conn: Conn) -> set[str]:
+    """Clusters closed to new placements."""
+    rows = await conn.fetch("SELECT cluster FROM cluster_drains")
+    return {r["cluster"] for r in rows}
+
+
+async def drains(conn: Conn) -> list[dict[str, Any]]:
+    """Every drain, oldest first."""
+    rows = await conn.fetch("SELECT * FROM cluster_drains ORDER BY started_at, cluster")
+    return [_plain(r) for r in rows]
+
+
+async def start_drain(conn: Conn, cluster: str, *, concurrency: int, deadline_s: float, forced: bool) -> bool:
+    """Close a cluster (a repeated drain updates its settings and drains again); True when new."""
+    existed = await conn.fetchval("SELECT 1 FROM cluster_drains WHERE cluster = $1", cluster)
+    await conn.execute(
+        """INSERT INTO cluster_drains (cluster, concurrency, deadline_s, forced, state)
+           VALUES ($1, $2, $3, $4, 'draining')
+           ON CONFLICT (cluster) DO UPDATE SET concurrency = $2, deadline_s = $3, forced = $4,
+                 state = 'draining', updated_at = now()""",
+        cluster,
+        concurrency,
+        deadline_s,
+        forced,
+    )
+    return existed is None
+
+
+async def end_drain(conn: Conn, cluster: str) -> bool:
+    """Open a drained cluster again; False when it was not drained."""
+    status: str = await conn.execute("DELETE FROM cluster_drains WHERE cluster = $1", cluster)
+    return status.endswith(" 1")
+
+
+async def mark_drained(conn: Conn, cluster: str) -> None:
+    """The drain emptied the cluster (it stays closed until undrained)."""
+    await conn.execute(
+        """UPDATE cluster_drains SET state = 'drained', updated_at = now()
+           WHERE cluster = $1 AND state = 'draining'""",
+        cluster,
+    )
+
+
+async def known_clusters(conn: Conn) -> dict[str, dict[str, int]]:
+    """Every cluster the capacity book knows: cluster -> GPU model -> total GPUs (schedulable nodes)."""
+    rows = await conn.fetch(
+        """SELECT cluster, coalesce(gpu_model, '') AS model, sum(gpus_total)::int AS gpus
+           FROM node_allocations WHERE schedulable GROUP BY cluster, gpu_model"""
+    )
+    out: dict[str, dict[str, int]] = {}
+    for r in rows:
+        out.setdefault(r["cluster"], {})[r["model"]] = r["gpus"]
+    listed = await conn.fetch("SELECT DISTINCT cluster FROM node_allocations")
+    for r in listed:
+        out.setdefault(r["cluster"], {})
+    return out
+
+
+async def runs_on(conn: Conn, cluster: str) -> list[asyncpg.Record]:
+    """Running jobs with a live reservation on ``cluster``: job row fields and the lead cluster."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """SELECT j.job_id, j.tenant, j.spec, j.attempt, j.progress, j.cluster AS lead, j.state,
+                  j.trace_context
+           FROM jobs j
+           WHERE j.state IN ('placed', 'running')
+             AND EXISTS (SELECT 1 FROM reservations r WHERE r.job_id = j.job_id AND r.attempt = j.attempt
+                         AND r.cluster = $1 AND r.state <> 'released')
+           ORDER BY j.job_id""",
+        cluster,
+    )
+    return rows
+
+
+# ---- migrations --------------------------------------------------------------------------------
+
+
+OPEN_STATES = ("planned", "started")
+
+
+async def plan(
+    conn: asyncpg.Connection,
+    *,
+    migration_id: str,
+    job_id: str,
+    tenant: str,
+    cause: str,
+    state: str,
+    from_cluster: str,
+    from_attempt: int,
+    steps: int,
+    why: str,
+    trace_context: Mapping[str, str],
+    resume_step: int = 0,
+    lost_steps: int = 0,
+) -> bool:
+    """Record a migration; False when it was recorded already (nothing changes then)."""
+    status: str = await conn.execute(
+        """INSERT INTO migrations (migration_id, job_id, tenant, cause, state, from_cluster, from_attempt,
+                                   steps, why, trace_context, resume_step, lost_steps, started_at)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10::jsonb, $11, $12,
+                   CASE WHEN $5 = 'started' THEN now() END)
+           ON CONFLICT (migration_id) DO NOTHING""",
+        migration_id,
+        job_id,
+        tenant,
+        cause,
+        state,
+        from_cluster,
+        from_attempt,
+        steps,
+        why[:2048],
+        json.dumps(dict(trace_context)),
+        resume_step,
+        lost_steps,
+    )
+    return status.endswith(" 1")
+
+
+async def mark_started(
+    conn: asyncpg.Connection, migration_id: str, *, resume_step: int, lost_steps: int, why: str
+) -> asyncpg.Record | None:
+    """planned -> started; None when it was not planned any more."""
+    row: asyncpg.Record | None = await conn.fetchrow(
+        """UPDATE migrations SET state = 'started', started_at = now(), resume_step = $2, lost_steps = $3,
+                  why = $4
+           WHERE migration_id = $1 AND state = 'planned' RETURNING *""",
+        migration_id,
+        resume_step,
+        lost_steps,
+        why[:2048],
+    )
+    return row
+
+
+async def complete(conn: asyncpg.Connection, job_id: str, attempt: int, cluster: str) -> list[asyncpg.Record]:
+    """The job's run ``attempt`` started on ``cluster``: its open migrations from earlier attempts end."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """UPDATE migrations SET state = 'completed', to_cluster = $3, finished_at = now()
+           WHERE job_id = $1 AND from_attempt < $2 AND state IN ('planned', 'started') RETURNING *""",
+        job_id,
+        attempt,
+        cluster,
+    )
+    return rows
+
+
+async def fail(conn: asyncpg.Connection, migration_id: str, why: str) -> asyncpg.Record | None:
+    """An open migration did not happen, and why."""
+    row: asyncpg.Record | None = await conn.fetchrow(
+        """UPDATE migrations SET state = 'failed', why = $2, finished_at = now()
+           WHERE migration_id = $1 AND state IN ('planned', 'started') RETURNING *""",
+        migration_id,
+        why[:2048],
+    )
+    return row
+
+
+async def open_migrations(conn: Conn, cluster: str | None = None) -> list[asyncpg.Record]:
+    """Migrations planned or started (of one source cluster)."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """SELECT * FROM migrations WHERE state IN ('planned', 'started')
+             AND ($1::text IS NULL OR from_cluster = $1) ORDER BY planned_at""",
+        cluster,
+    )
+    return rows
+
+
+async def list_migrations(
+    conn: Conn, *, job_id: str | None = None, cluster: str | None = None, limit: int = 200
+) -> list[dict[str, Any]]:
+    """Migrations, newest first (of one job, or from one cluster)."""
+    rows = await conn.fetch(
+        """SELECT * FROM migrations WHERE ($1::text IS NULL OR job_id = $1)
+             AND ($2::text IS NULL OR from_cluster = $2)
+           ORDER BY planned_at DESC, migration_id LIMIT $3""",
+        job_id,
+        cluster,
+        limit,
+    )
+    return [_plain(r) for r in rows]
+
+
+def _plain(row: asyncpg.Record) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in row.items():
+        if isinstance(value, datetime):
+            out[key] = value.replace(tzinfo=value.tzinfo or UTC).timestamp()
+        elif key == "trace_context":
+            continue
+        else:
+            out[key] = value
+    return out

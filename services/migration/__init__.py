@@ -1,0 +1,1 @@
+"""The migration service: drains, checkpoint-boundary moves and the record of every migration."""

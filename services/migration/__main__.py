@@ -1,0 +1,3 @@
+from loom_services.migration.main import main
+
+main()

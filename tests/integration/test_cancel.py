@@ -1,0 +1,100 @@
+"""Cancelling jobs on real NATS and PostgreSQL: a queued job leaves the queue and is never placed;
+a running one is stopped on its cluster (its attempt fenced), gives its GPUs back and is not
+placed again; a finished one stays as it ended.
+
+Before, a ``cancelled`` event was only recorded: the agent kept running the job while the view
+showed its GPUs free, and a queued job could still be placed.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import asyncpg
+import pytest
+from platform_helpers import Platform
+from waiting import until
+
+from loom.client import LoomClient, QueryError
+from loom_proto.jobs import JobSpec, Resources, Work
+from loom_services.cluster_agent.agent import Agent
+
+CLUSTER = "c-weu-a"
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from loom.runtime.servers import NatsServer
+
+    with NatsServer(tmp_path_factory.mktemp("cancel-nats")) as server:
+        yield server.url
+
+
+@pytest.fixture
+async def platform(
+    nats_url: str, fresh_database: Callable[..., Awaitable[str]], tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Platform]:
+    p = Platform(nats_url, await fresh_database("cancel"), tmp_path_factory.mktemp("agents"))
+    yield p
+    for name in list(p.tasks):
+        await p.stop(name)
+
+
+def _spec(job_id: str, gpus: int) -> JobSpec:
+    # 100 steps of 200 s each at the agents' 2000x time scale: about 10 s of running.
+    return JobSpec(
+        job_id=job_id,
+        tenant="t1",
+        resources=Resources(gpus=gpus, gpu_models=["T4"]),
+        work=Work(steps=100, step_time_s=200.0, checkpoint_every_steps=10),
+    )
+
+
+async def test_cancel_stops_a_running_job_frees_its_gpus_and_drops_a_queued_one(platform: Platform) -> None:
+    await platform.start("metrics")
+    await platform.start("placement")
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    try:
+        # No cluster yet: the first job waits in the queue.
+        await client.submit(_spec("cx-queued", 1))
+        await until(lambda: _state(client, "cx-queued", "queued"), 10, "cx-queued queued")
+        assert await client.cancel("cx-queued", reason="not needed") == "cancelled"
+
+        agent: Agent = await platform.start(f"agent-{CLUSTER}")
+        await client.submit(_spec("cx-run", 2))
+
+        async def running() -> dict[str, Any] | None:
+            job = await client.job("cx-run")
+            return job if job and job["state"] == "running" else None
+
+        await until(running, 30, "cx-run running")
+        assert await client.cancel("cx-run", reason="wrong data") == "cancelled"
+
+        async def stopped() -> bool:
+            return "cx-run:1" in agent.finished and "cx-run:1" not in agent.running
+
+        await until(stopped, 10, "the agent to stop cx-run")
+        reserved = await db.fetchval("SELECT COALESCE(sum(gpus_reserved), 0) FROM node_allocations")
+        assert reserved == 0
+        # Neither is placed (again) afterwards, though the cluster has room for both.
+        await asyncio.sleep(2.0)
+        run_job, queued_job = await client.job("cx-run"), await client.job("cx-queued")
+        assert run_job is not None and queued_job is not None
+        assert (run_job["state"], run_job["attempt"]) == ("cancelled", 1)
+        assert queued_job["state"] == "cancelled" and queued_job["cluster"] is None
+        assert [e["kind"] for e in run_job["events"]].count("placed") == 1
+        assert "placed" not in [e["kind"] for e in queued_job["events"]]
+        assert not agent.running
+        # A cancelled job stays cancelled; an unknown one is an error.
+        assert await client.cancel("cx-run") == "cancelled"
+        with pytest.raises(QueryError, match="no job"):
+            await client.cancel("cx-nowhere")
+    finally:
+        await db.close()
+        await client.close()
+
+
+async def _state(client: LoomClient, job_id: str, wanted: str) -> bool:
+    job = await client.job(job_id)
+    return bool(job and job["state"] == wanted)

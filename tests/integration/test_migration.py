@@ -1,0 +1,257 @@
+"""The migration service on real NATS and PostgreSQL: drains move jobs at checkpoint boundaries with
+bounded concurrency and reopen on undrain; a returning agent stops its orphaned runs itself; a
+checkpoint report of a fenced attempt is dead-lettered with its reason.
+
+Metrics, placement, the migration service and two agents of the small topology run in this
+process (tests/platform_helpers.py). Only c-weu-a and c-sea1-a have T4 GPUs (8 and 4).
+"""
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import asyncpg
+import pytest
+from platform_helpers import Platform
+from waiting import until
+
+from loom.client import LoomClient
+from loom_proto import subjects
+from loom_proto.codec import encode
+from loom_proto.jobs import JobCheckpointed, JobSpec, Resources, Work
+from loom_services.cluster_agent.agent import Agent
+
+pytestmark = pytest.mark.slow
+
+DRAINED, OTHER = "c-weu-a", "c-sea1-a"
+
+
+@pytest.fixture
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # One server per test: a stream that kept the other test's heartbeats would show its clusters.
+    from loom.runtime.servers import NatsServer
+
+    with NatsServer(tmp_path_factory.mktemp("migration-nats")) as server:
+        yield server.url
+
+
+@pytest.fixture
+async def platform(
+    nats_url: str, fresh_database: Callable[..., Awaitable[str]], tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Platform]:
+    p = Platform(nats_url, await fresh_database("migration"), tmp_path_factory.mktemp("agents"))
+    p.placement = {"failover_ttl_s": 30.0}
+    yield p
+    await asyncio.gather(*(p.stop(name) for name in list(p.tasks)))  # together: the test's budget
+
+
+def _job(job_id: str, step_time_s: float = 600.0) -> JobSpec:
+    # 100 steps of 600 s at 2000x: 30 s of wall time, a checkpoint every 10 steps (3 s).
+    return JobSpec(
+        job_id=job_id,
+        tenant="t1",
+        resources=Resources(gpus=1, gpu_models=["T4"]),
+        work=Work(steps=100, step_time_s=step_time_s, checkpoint_every_steps=10),
+    )
+
+
+async def _ask(client: LoomClient, subject: str, request: dict[str, Any]) -> dict[str, Any]:
+    reply = await client.nc.request(subject, json.dumps(request).encode(), timeout=5)
+    answer: dict[str, Any] = json.loads(reply.data)
+    return answer
+
+
+async def _health(client: LoomClient, name: str, key: str) -> dict[str, Any] | None:
+    stats: dict[str, Any] = json.loads((await client.nc.request(f"loom.health.{name}", b"", timeout=2)).data)
+    return stats if stats.get(key) else None
+
+
+async def _running_at(
+    client: LoomClient, jobs: list[str], cluster: str, attempt: int
+) -> list[dict[str, Any]] | None:
+    found = [await client.job(j) for j in jobs]
+    ok = all(
+        j and j["state"] == "running" and j["cluster"] == cluster and j["attempt"] == attempt for j in found
+    )
+    return found if ok else None  # type: ignore[return-value]
+
+
+async def _progressed(client: LoomClient, jobs: list[str], fraction: float) -> bool:
+    found = [await client.job(j) for j in jobs]
+    return all(j and j["progress"] >= fraction for j in found)
+
+
+async def test_a_drain_moves_every_job_from_its_checkpoint_two_at_a_time_and_undrain_reopens(
+    platform: Platform,
+) -> None:
+    jobs = [f"dr-{i}" for i in range(4)]
+    await platform.start("metrics")
+    await platform.start("placement")
+    await platform.start("migration")
+    await platform.start(f"agent-{DRAINED}")
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    try:
+        for job_id in jobs:
+            await client.submit(_job(job_id))
+        await until(lambda: _running_at(client, jobs, DRAINED, 1), 20, "the jobs running on c-weu-a")
+
+        unknown = await _ask(client, subjects.MIGRATE_DRAIN, {"cluster": "c-nowhere"})
+        assert unknown["ok"] is False and unknown["code"] == "unknown_cluster"
+        # c-sea1-a is not up yet: c-weu-a holds the jobs' only T4 GPUs.
+        refused = await _ask(client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED, "concurrency": 2})
+        assert refused["ok"] is False and refused["code"] == "refused"
+        assert "without feasible GPUs elsewhere" in refused["error"] and "dr-0" in refused["error"]
+
+        await platform.start(f"agent-{OTHER}")
+        await until(
+            lambda: db.fetchval("SELECT count(*) FROM node_allocations WHERE cluster = $1", OTHER),
+            10,
+            "c-sea1-a known",
+        )
+        await until(lambda: _progressed(client, jobs, 0.15), 20, "a checkpoint passed on c-weu-a")
+        accepted = await _ask(client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED, "concurrency": 2})
+        assert accepted["ok"] is True and accepted["jobs"] == 4, accepted
+        # Killed mid-drain, the migration service goes on from its records: nothing lost or doubled.
+        await until(
+            lambda: db.fetchval("SELECT count(*) FROM migrations WHERE state <> 'completed'"),
+            10,
+            "a move in flight",
+        )
+        await platform.stop("migration")
+        await platform.start("migration")
+
+        moved = await until(lambda: _running_at(client, jobs, OTHER, 2), 30, "every job moved to c-sea1-a")
+        state = await until(
+            lambda: db.fetchval(
+                "SELECT state FROM cluster_drains WHERE cluster = $1 AND state = 'drained'", DRAINED
+            ),
+            10,
+            "the drain to end",
+        )
+        assert state == "drained"
+        rows = await db.fetch("SELECT * FROM migrations ORDER BY planned_at")
+        assert [r["state"] for r in rows] == ["completed"] * 4
+        assert all(r["cause"] == "drain" and r["to_cluster"] == OTHER for r in rows)
+        # At most two in flight: no instant is inside more than two [planned, finished] intervals.
+        for r in rows:
+            inside = sum(1 for o in rows if o["planned_at"] <= r["planned_at"] < o["finished_at"])
+            assert inside <= 2, [(o["job_id"], o["planned_at"], o["finished_at"]) for o in rows]
+        # None restarted from step 0: each resumed from the checkpoint asked for, past its progress.
+        for job in moved:
+            row = next(r for r in rows if r["job_id"] == job["job_id"])
+            assert row["resume_step"] >= 10
+            requeued = [e["event"] for e in job["events"] if e["kind"] == "requeued"]
+            assert len(requeued) == 1 and requeued[0]["cause"] == "migrated"
+            assert requeued[0]["from_cluster"] == DRAINED
+            steps = [
+                e["event"]["step"]
+                for e in job["events"]
+                if e["kind"] == "progress" and e["event"]["attempt"] == 2
+            ]
+            assert not steps or min(steps) > row["resume_step"]
+            assert [m["migration_id"] for m in job["migrations"]] == [f"{job['job_id']}:1"]
+
+        # Closed: a new T4 job waits (c-sea1-a is full) rather than land on c-weu-a ...
+        await client.submit(_job("dr-late"))
+        await asyncio.sleep(1.5)
+        late = await client.job("dr-late")
+        assert late is not None and late["state"] == "queued"
+        # ... until the drain ends.
+        undrained = await _ask(client, subjects.MIGRATE_DRAIN, {"op": "undrain", "cluster": DRAINED})
+        assert undrained == {"ok": True, "cluster": DRAINED, "was_drained": True}
+        await until(
+            lambda: _running_at(client, ["dr-late"], DRAINED, 1), 15, "the late job placed on c-weu-a"
+        )
+    finally:
+        await db.close()
+        await client.close()
+
+
+async def test_a_returning_agent_stops_its_orphaned_runs_and_a_fenced_checkpoint_is_dead_lettered(
+    platform: Platform,
+) -> None:
+    jobs = [f"or-{i}" for i in range(2)]
+    await platform.start("metrics")
+    await platform.start("placement")
+    await platform.start(f"agent-{DRAINED}")
+    client = await LoomClient.connect(platform.nats_url)
+    dlq = await client.nc.subscribe(subjects.dead_letter(subjects.job_event("checkpointed", "t1")))
+    try:
+        for job_id in jobs:
+            await client.submit(_job(job_id, step_time_s=300.0))
+        await until(lambda: _running_at(client, jobs, DRAINED, 1), 20, "the jobs running on c-weu-a")
+        await until(lambda: _progressed(client, jobs, 0.15), 20, "a checkpoint passed on c-weu-a")
+        # The agent goes away with its journal; placement gives its runs up meanwhile (the
+        # failover's and a drain's path) and the jobs run elsewhere at attempt 2.
+        await platform.stop(f"agent-{DRAINED}")
+        # Closed to new work as a drain closes it (placement offers none of its nodes).
+        db = await asyncpg.connect(platform.database_url)
+        try:
+            await db.execute(
+                "INSERT INTO cluster_drains (cluster, concurrency, state) VALUES ($1, 1, 'drained')", DRAINED
+            )
+        finally:
+            await db.close()
+        await client.nc.publish(subjects.MIGRATE_DRAINS_CHANGED, b"")
+        stats = await until(
+            lambda: _health(client, "placement", "drained"), 5, "placement to know c-weu-a is closed"
+        )
+        assert stats["drained"] == [DRAINED]
+        for job_id in jobs:
+            answer = await _ask(
+                client,
+                subjects.PLACEMENT_MIGRATE,
+                {
+                    "job_id": job_id,
+                    "attempt": 1,
+                    "resume_step": 10,
+                    "avoid": [DRAINED],
+                    "from_cluster": DRAINED,
+                },
+            )
+            assert answer == {"ok": True, "requeued": True}
+        # The stops placement sent the old runs are lost: only the agent's own attempt check fences them.
+        js = client.nc.jetstream()
+        await js.purge_stream("CLUSTERS", subject=subjects.cluster_command(DRAINED, "stop"))
+        await platform.start(f"agent-{OTHER}")
+        await until(lambda: _running_at(client, jobs, OTHER, 2), 20, "the jobs running on c-sea1-a")
+
+        returned: Agent = await platform.start(f"agent-{DRAINED}")
+        back_at = time.time()
+
+        async def orphans_stopped() -> bool:
+            return bool(returned.ctx.stats.get("orphans_stopped") == 2)
+
+        await until(orphans_stopped, 10, "the orphans stopped")
+        assert not returned.running and {f"{j}:1" for j in jobs} <= returned.finished
+
+        # A checkpoint report of the fenced attempt: dead-lettered with the reason, not recorded.
+        await client.nc.publish(
+            subjects.job_event("checkpointed", "t1"),
+            encode(
+                JobCheckpointed(
+                    job_id=jobs[0],
+                    tenant="t1",
+                    cluster=DRAINED,
+                    attempt=1,
+                    step=95,
+                    checkpoint_uri="sim://x",
+                    at=time.time(),
+                )
+            ),
+            headers={"Nats-Msg-Id": f"{jobs[0]}:checkpointed:1:95"},
+        )
+        letter = await dlq.next_msg(timeout=10)
+        assert "fenced attempt 1" in (letter.headers or {}).get("Loom-Error", "")
+        await asyncio.sleep(1.0)
+        for job_id in jobs:
+            job = await client.job(job_id)
+            assert job is not None and job["attempt"] == 2
+            late_old = [e for e in job["events"] if e["event"].get("attempt") == 1 and e["at"] >= back_at]
+            assert late_old == [], "the orphaned run reported nothing after the agent returned"
+    finally:
+        await dlq.unsubscribe()
+        await client.close()

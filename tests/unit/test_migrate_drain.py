@@ -1,0 +1,53 @@
+"""Drains (pure): refusal when a job has nowhere to go, largest benefit first, bounded concurrency."""
+
+from loom.migrate.drain import DrainJob, drain_refusal, next_moves, order_moves
+
+
+def _job(
+    job_id: str, *, gpus: int = 1, models: tuple[str, ...] = ("T4",), step: int = 0, every: int = 10
+) -> DrainJob:
+    return DrainJob(
+        job_id, 1, gpus, models, steps=100, step=step, step_time_s=10.0, checkpoint_every_steps=every
+    )
+
+
+GPUS = {"a": {"T4": 8, "P100": 2}, "b": {"T4": 4}, "c": {"G2": 8}}
+
+
+def test_a_drain_is_refused_when_a_job_would_have_no_feasible_gpus_elsewhere() -> None:
+    why = drain_refusal("a", [_job("t4"), _job("p100", models=("P100",))], GPUS, closed=set())
+    assert why is not None and "p100 (1 x P100: 0 on other open clusters)" in why and "--force" in why
+    assert "1 job(s)" in why  # the T4 job has c-b's T4s
+
+
+def test_a_drain_is_allowed_when_other_open_clusters_hold_enough() -> None:
+    assert drain_refusal("a", [_job("t4", gpus=4), _job("any", models=())], GPUS, closed=set()) is None
+
+
+def test_closed_clusters_do_not_count_as_somewhere_to_go() -> None:
+    assert drain_refusal("a", [_job("t4")], GPUS, closed={"b"}) is not None
+    assert drain_refusal("a", [_job("big", gpus=5)], GPUS, closed=set()) is not None
+
+
+def test_the_job_with_the_most_work_left_moves_first() -> None:
+    jobs = [_job("small", step=90), _job("wide", gpus=4, step=50), _job("long", step=0)]
+    assert [j.job_id for j in order_moves(jobs)] == ["wide", "long", "small"]
+
+
+def test_at_most_concurrency_moves_are_in_flight() -> None:
+    ordered = order_moves([_job(f"j{i}", step=i) for i in range(5)])
+    assert [j.job_id for j in next_moves(ordered, in_flight=0, concurrency=2, past_deadline=False)] == [
+        "j0",
+        "j1",
+    ]
+    assert [j.job_id for j in next_moves(ordered, in_flight=1, concurrency=2, past_deadline=False)] == ["j0"]
+    assert next_moves(ordered, in_flight=2, concurrency=2, past_deadline=False) == []
+
+
+def test_jobs_without_checkpoints_wait_for_the_deadline_then_everything_moves() -> None:
+    ordered = order_moves([_job("ck"), _job("nock", every=0)])
+    assert [j.job_id for j in next_moves(ordered, in_flight=0, concurrency=5, past_deadline=False)] == ["ck"]
+    assert {j.job_id for j in next_moves(ordered, in_flight=5, concurrency=1, past_deadline=True)} == {
+        "ck",
+        "nock",
+    }
