@@ -19,7 +19,7 @@ import pytest
 from loom.runtime import dbcreds
 from loom.runtime.pgsecrets import pgpass_password
 from loom.runtime.servers import PostgresServer
-from loom.store import usage
+from loom.store import moves, outbox, usage
 from loom.store.migrations import migrate_url
 from loom.store.roles import GRANTS, SERVICE_ROLES, TENANT_ROLE, TENANT_TABLES, role_of, tenant_scope
 
@@ -328,3 +328,55 @@ async def test_a_trust_cluster_is_converted_and_a_lost_password_file_replaced(
                     f"postgresql://postgres@127.0.0.1:{port}/loom", passfile=str(no_passwords)
                 )
         server.admin_passfile.unlink()  # lost: the next start gives the superuser a new one
+
+
+async def test_the_migration_role_can_do_its_work_and_no_more(role_urls: dict[str, str]) -> None:
+    """Every statement of loom.store.moves the migration service runs, as its own role."""
+    conn = await asyncpg.connect(role_urls["loom_migration"])
+    try:
+        async with conn.transaction():
+            await moves.start_drain(conn, "c-sec", concurrency=1, deadline_s=60.0, forced=False)
+            await moves.mark_drained(conn, "c-sec")
+            assert "c-sec" in await moves.drained_clusters(conn)
+            assert [d["cluster"] for d in await moves.drains(conn)] == ["c-sec"]
+            assert await moves.end_drain(conn, "c-sec")
+            await moves.known_clusters(conn)
+            await moves.runs_on(conn, "c-sec")
+            assert await moves.job_states(conn, ["sec-acme-0"]) == {"sec-acme-0": ("queued", 0)}
+            await moves.checkpoints_of(conn, ["sec-acme-0"])
+            assert await moves.plan(
+                conn,
+                migration_id="sec-m1",
+                job_id="sec-acme-0",
+                tenant="acme",
+                cause="drain",
+                state="planned",
+                from_cluster="c-sec",
+                from_attempt=1,
+                steps=10,
+                why="test",
+                trace_context={},
+            )
+            await moves.mark_started(conn, "sec-m1", resume_step=0, lost_steps=0, why="test")
+            await moves.fail(conn, "sec-m1", "test")
+            assert [m["migration_id"] for m in await moves.list_migrations(conn, job_id="sec-acme-0")] == [
+                "sec-m1"
+            ]
+            await moves.open_migrations(conn)
+            await outbox.add(
+                conn, "migration", [outbox.OutboxMessage("sec-out-1", "loom.test.sec", b"{}", {})]
+            )
+            raise _Rollback
+    except _Rollback:
+        pass
+    try:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("UPDATE jobs SET state = 'failed' WHERE job_id = 'sec-acme-0'")
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await conn.execute("DELETE FROM checkpoints")
+    finally:
+        await conn.close()
+
+
+class _Rollback(Exception):
+    """Leaves the transaction without keeping what the test wrote."""
