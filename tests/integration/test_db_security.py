@@ -19,6 +19,7 @@ import pytest
 from loom.runtime import dbcreds
 from loom.runtime.pgsecrets import pgpass_password
 from loom.runtime.servers import PostgresServer
+from loom.store import jobs as jobs_repo
 from loom.store import moves, outbox, usage
 from loom.store.migrations import migrate_url
 from loom.store.roles import GRANTS, SERVICE_ROLES, TENANT_ROLE, TENANT_TABLES, role_of, tenant_scope
@@ -194,7 +195,7 @@ async def test_under_rls_a_tenant_sees_only_its_rows(
     admin: asyncpg.Connection, role_urls: dict[str, str]
 ) -> None:
     await _seed(admin)
-    assert set(TENANT_TABLES) == {"jobs", "job_events", "decisions", "usage_rows", "usage_runs"}
+    assert set(TENANT_TABLES) == {"jobs", "job_events", "decisions", "usage_rows", "usage_runs", "migrations"}
     pool = await asyncpg.create_pool(role_urls["loom_console"], min_size=1, max_size=2)
     assert pool is not None
     try:
@@ -210,6 +211,10 @@ async def test_under_rls_a_tenant_sees_only_its_rows(
                 f"sec-acme-{n}" for n in range(3)
             }
             assert await conn.fetchval("SELECT count(*) FROM jobs WHERE tenant = 'globex'") == 0
+            # What `loom job ID` shows (job, events, moves): a job of another tenant is not there.
+            mine = await jobs_repo.get_job(conn, "sec-acme-0")
+            assert mine is not None and mine["tenant"] == "acme"
+            assert await jobs_repo.get_job(conn, "sec-globex-0") is None
             assert {r["tenant"] for r in await conn.fetch("SELECT tenant FROM usage_rows")} == {"acme"}
             assert await conn.fetchval("SELECT count(*) FROM usage_runs WHERE job_id LIKE 'sec-globex%'") == 0
             with pytest.raises(asyncpg.InsufficientPrivilegeError):

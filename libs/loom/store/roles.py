@@ -64,6 +64,7 @@ GRANTS: dict[str, dict[str, str]] = {
         # The migration branch: checkpoints recorded by placement, drained clusters read.
         "checkpoints": _APPEND,
         "cluster_drains": _R,
+        "migrations": _R,  # a job's moves, shown with it (loom.store.jobs.get_job)
     },
     "loom_metrics": {
         "ledger_clusters": _RW,
@@ -87,6 +88,7 @@ GRANTS: dict[str, dict[str, str]] = {
         "jobs": _R,
         "job_events": _R,
         "decisions": _R,
+        "migrations": _R,
     },
     "loom_alerts": {
         "incidents": _RW,
@@ -108,6 +110,7 @@ GRANTS: dict[str, dict[str, str]] = {
         "jobs": _R,
         "job_events": _R,
         "decisions": _R,
+        "migrations": _R,
         "usage_rows": _R,
         "usage_runs": _R,
     },
@@ -126,6 +129,7 @@ TENANT_TABLES: dict[str, str] = {
     "decisions": _VIA_JOB.format(table="decisions"),
     "usage_rows": f"tenant = {_OWN_TENANT}",
     "usage_runs": _VIA_JOB.format(table="usage_runs"),
+    "migrations": f"tenant = {_OWN_TENANT}",
 }
 """Tables under row-level security, with the condition a tenant's row meets (its own tenant)."""
 
