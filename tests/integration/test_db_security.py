@@ -219,6 +219,11 @@ async def test_under_rls_a_tenant_sees_only_its_rows(
             assert await conn.fetchval("SELECT count(*) FROM usage_runs WHERE job_id LIKE 'sec-globex%'") == 0
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await conn.execute("UPDATE jobs SET state = 'cancelled'")
+        # A tenant id is data, never SQL.
+        async with tenant_scope(pool, "x'; RESET ROLE; --") as conn:
+            assert await conn.fetchval("SELECT current_user") == TENANT_ROLE
+            assert await conn.fetchval("SELECT current_setting('loom.tenant')") == "x'; RESET ROLE; --"
+            assert await conn.fetchval("SELECT count(*) FROM jobs") == 0
         # The scope ends with its transaction: the connection is the service's again.
         assert await pool.fetchval("SELECT current_user") == "loom_console"
         # No tenant named: nothing at all.

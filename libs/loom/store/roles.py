@@ -252,5 +252,9 @@ async def tenant_scope(
 
 
 async def _enter_tenant(conn: asyncpg.Connection, tenant: str) -> None:
-    await conn.execute(f"SET LOCAL ROLE {_ident(TENANT_ROLE)}")
-    await conn.execute("SELECT set_config('loom.tenant', $1, true)", tenant)
+    # One round trip (a parameterless execute may hold two statements); the tenant is quoted as an
+    # SQL literal (standard_conforming_strings: doubling the quotes is the whole escaping).
+    if "\0" in tenant:
+        raise ValueError("a tenant id cannot hold a NUL character")
+    literal = "'" + tenant.replace("'", "''") + "'"
+    await conn.execute(f"SET LOCAL ROLE {_ident(TENANT_ROLE)}; SET LOCAL loom.tenant = {literal}")
