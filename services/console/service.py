@@ -11,11 +11,12 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlencode
 
+import asyncpg
 import structlog
 from nats.aio.msg import Msg
 
@@ -28,6 +29,7 @@ from loom.sched.explain import render
 from loom.sched.framework import DecisionRecord
 from loom.store import console as store
 from loom.store import jobs as repo
+from loom.store.roles import tenant_scope
 from loom.telemetry.jaeger import jaeger_link
 from loom_proto import subjects
 from loom_proto.ids import ID_PATTERN
@@ -250,6 +252,16 @@ class Console:
         except KeyError:
             return _page(404, pages.error_page(404, f"nothing at {'/'.join(path)} in the view", access))
 
+    @contextlib.asynccontextmanager
+    async def _reader(self, access: Access) -> AsyncIterator[asyncpg.Pool | asyncpg.Connection]:
+        """Where a page reads: the pool for the operator; for a tenant, a transaction under
+        row-level security as that tenant (:func:`loom.store.roles.tenant_scope`)."""
+        if access.is_operator or access.tenant is None:
+            yield self.ctx.db
+            return
+        async with tenant_scope(self.ctx.db, access.tenant) as conn:
+            yield conn
+
     def _tenant_filter(self, request: Request, access: Access) -> str | None:
         if not access.is_operator:
             return access.tenant
@@ -265,21 +277,30 @@ class Console:
             limit = min(max(int(request.query.get("limit") or 100), 1), _MAX_LIMIT)
         except ValueError:
             return _page(400, pages.error_page(400, "limit must be a number", access))
-        jobs = await repo.list_jobs(self.ctx.db, tenant=tenant, state=state, limit=limit)
-        counts = await store.counts_of(self.ctx.db, tenant)
+        async with self._reader(access) as db:
+            jobs = await repo.list_jobs(db, tenant=tenant, state=state, limit=limit)
+            counts = await store.counts_of(db, tenant)
         return _page(
             200, pages.jobs_page(access, jobs, tenant=tenant, state=state, counts=counts, limit=limit)
         )
 
     async def job_page(self, access: Access, job_id: str) -> Response:
         """One job (403 for another tenant's)."""
-        job = await repo.get_job(self.ctx.db, job_id) if _is_id(job_id) else None
+        job, decisions = None, []
+        if _is_id(job_id):
+            async with self._reader(access) as db:
+                job = await repo.get_job(db, job_id)
+                decisions = await repo.decisions_of(db, job_id) if job is not None else []
         if job is None:
+            if _is_id(job_id) and not access.is_operator:
+                async with self.ctx.db.acquire() as conn:
+                    if await repo.existing_jobs(conn, [job_id]):
+                        return _page(403, pages.error_page(403, "this job belongs to another tenant", access))
             return _page(404, pages.error_page(404, f"no job {job_id!r}", access))
         if not access.can_see(str(job["tenant"])):
             return _page(403, pages.error_page(403, "this job belongs to another tenant", access))
         explanation = []
-        for decision in await repo.decisions_of(self.ctx.db, job_id):
+        for decision in decisions:
             try:
                 lines = render(DecisionRecord.from_dict(decision["record"]))
             except (KeyError, TypeError, ValueError) as exc:
@@ -297,8 +318,9 @@ class Console:
     async def queue_page(self, access: Access) -> Response:
         """The queue."""
         tenant = None if access.is_operator else access.tenant
-        queued = await store.waiting(self.ctx.db, tenant)
-        counts = await store.counts_of(self.ctx.db, tenant)
+        async with self._reader(access) as db:
+            queued = await store.waiting(db, tenant)
+            counts = await store.counts_of(db, tenant)
         return _page(200, pages.queue_page(access, queued, counts))
 
 
