@@ -7,6 +7,9 @@ import time
 from typing import Any
 
 import asyncpg
+import msgspec
+
+from loom_proto.alerts import IncidentChange
 
 
 async def counts_of(conn: asyncpg.Connection | asyncpg.Pool, tenant: str | None) -> dict[str, int]:
@@ -41,3 +44,24 @@ async def waiting(
         }
         for r in rows
     ]
+
+
+async def incidents_of(
+    conn: asyncpg.Connection | asyncpg.Pool, tenant: str | None, *, open_only: bool = False, limit: int = 200
+) -> list[IncidentChange]:
+    """Incidents newest first: every one, or those whose affected tenants include ``tenant``."""
+    rows = await conn.fetch(
+        """SELECT record FROM incidents
+           WHERE ($1::text IS NULL OR record->'tenants' ? $1) AND (NOT $2 OR state <> 'resolved')
+           ORDER BY opened_at DESC, incident_id LIMIT $3""",
+        tenant,
+        open_only,
+        limit,
+    )
+    out = []
+    for row in rows:
+        try:
+            out.append(msgspec.json.decode(row["record"], type=IncidentChange))
+        except msgspec.ValidationError:  # written by another version: `loom incidents` skips it too
+            continue
+    return out
