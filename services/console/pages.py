@@ -676,6 +676,17 @@ def usage_csv(groups: Sequence[Group], by: str) -> str:
     return out.getvalue()
 
 
+def amount(value: float) -> str:
+    """A usage figure with the digits that matter: ``1,234``, ``12.35``, ``0.00123``."""
+    if value == 0:
+        return "0"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 1:
+        return f"{value:,.2f}"
+    return f"{value:.3g}"
+
+
 def bar_chart(title: str, items: Sequence[tuple[str, float]], unit: str) -> str:
     """A horizontal bar chart as inline SVG (one bar per item, longest = the largest value)."""
     top = max((v for _k, v in items), default=0.0)
@@ -691,7 +702,7 @@ def bar_chart(title: str, items: Sequence[tuple[str, float]], unit: str) -> str:
             f'<g class=bar-row data-key="{esc(key)}"><text x="{label_w - 6}" y="{y + 15}" text-anchor=end>'
             f'{esc(key[:28])}</text><rect x="{label_w}" y="{y + 3}" width="{width:.1f}" height="{row_h - 6}">'
             f"<title>{esc(key)}: {value:,.3f} {esc(unit)}</title></rect>"
-            f'<text x="{label_w + width + 6:.1f}" y="{y + 15}">{value:,.2f}</text></g>'
+            f'<text x="{label_w + width + 6:.1f}" y="{y + 15}">{amount(value)}</text></g>'
         )
     parts.append("</svg>")
     return f"<figure><figcaption>{esc(title)}</figcaption>{''.join(parts)}</figure>"
@@ -727,15 +738,16 @@ def usage_page(
     csv_link = f'<p><a class=csv href="/usage.csv?{esc(urlencode(query))}" download>Download CSV</a></p>'
     rows = "".join(
         f'<tr data-key="{esc(g.key)}"><td>{esc(g.key)}</td><td>{len(g.runs)}</td>'
-        f"<td>{g.gpu_ms / 3_600_000:,.3f}</td><td>{g.scu_seconds / 3600:,.3f}</td><td>{g.cost:,.4f}</td></tr>"
+        f"<td>{amount(g.gpu_ms / 3_600_000)}</td><td>{amount(g.scu_seconds / 3600)}</td>"
+        f"<td>{amount(g.cost)}</td></tr>"
         for g in groups
     )
     total_gpu_h = sum(g.gpu_ms for g in groups) / 3_600_000
     total_cost = sum(g.cost for g in groups)
     table = (
         f"<table class=usage><tr><th>{esc(by)}</th><th>runs</th><th>GPU-hours</th><th>SCU-hours</th>"
-        f"<th>cost</th></tr>{rows}<tr class=total><td>total</td><td></td><td>{total_gpu_h:,.3f}</td><td></td>"
-        f"<td>{total_cost:,.4f}</td></tr></table>"
+        f"<th>cost</th></tr>{rows}<tr class=total><td>total</td><td></td>"
+        f"<td>{amount(total_gpu_h)}</td><td></td><td>{amount(total_cost)}</td></tr></table>"
     )
     shown = sorted(groups, key=lambda g: -g.gpu_ms)[:25]
     charts = ""

@@ -168,8 +168,8 @@ def test_usage_is_charted_and_exported_by_the_chosen_key() -> None:
         OPERATOR, groups, by="model", tenant=None, since="30d", until="", by_choices=("tenant", "model")
     )
     assert html.count("<svg class=chart") == 2 and 'data-key="A100"' in html
-    assert "7.000" in html  # A100: 2 GPUs x 3.5 h
-    assert "10.500" in html  # SCU-hours: 7 GPU-h x 1.5
+    assert "<td>7.00</td><td>10.50</td><td>21.00</td>" in html  # A100: 2 GPUs x 3.5 h, x 1.5 SCU, x 2/SCU-h
+    assert pages.amount(0.0012345) == "0.00123" and pages.amount(1234.5) == "1,234"
     assert 'href="/usage.csv?by=model&amp;since=30d&amp;until="' in html and "name=tenant" in html
     parsed = list(csv.DictReader(io.StringIO(pages.usage_csv(groups, "model"))))
     assert [(r["model"], r["gpu_hours"], r["cost"]) for r in parsed] == [
