@@ -330,8 +330,10 @@ def _drain_button(access: Access, cluster: str, *, drained: bool) -> str:
     )
 
 
-def confirm_drain(access: Access, cluster: str, verb: str, running: int, form_key: str) -> str:
-    """The confirmation step of a drain or an undrain."""
+def confirm_drain(
+    access: Access, cluster: str, verb: str, running: int, form_key: str, *, back: str = "/resources"
+) -> str:
+    """The confirmation step of a drain or an undrain (``back``: the cluster's page)."""
     if verb == "undrain":
         text = f"Open {cluster} to new work again? Moves planned by its drain and not started are dropped."
         options = ""
@@ -350,7 +352,7 @@ def confirm_drain(access: Access, cluster: str, verb: str, running: int, form_ke
         access,
         f'<p>{esc(text)}</p><form method=post action="/clusters/{quote(cluster)}/{verb}">'
         f"{_key_field(form_key)}{options}<button class=danger>Yes, {verb} {esc(cluster)}</button></form>"
-        f'<p><a href="javascript:history.back()">No, go back</a></p>',
+        f'<p><a href="{esc(back)}">No, back to {esc(cluster)}</a></p>',
         active="resources",
     )
 

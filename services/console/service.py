@@ -331,10 +331,13 @@ class Console:
             if job is None:
                 return _page(404, pages.error_page(404, f"no job {target!r}", access))
             return _page(200, pages.confirm_cancel(access, job, self.form_key(request)))
-        if self.cluster_path(target) is None:
+        back = self.cluster_path(target)
+        if back is None:
             return _page(404, pages.error_page(404, f"no cluster {target!r} in the topology", access))
         runs = await moves.runs_on(self.ctx.db, target)
-        return _page(200, pages.confirm_drain(access, target, verb, len(runs), self.form_key(request)))
+        return _page(
+            200, pages.confirm_drain(access, target, verb, len(runs), self.form_key(request), back=back)
+        )
 
     def events(self, request: Request, access: Access) -> Response | EventStream:
         """The job event stream: the viewer's tenant only (the operator may pick one, or a job)."""
