@@ -17,8 +17,9 @@ from urllib.parse import quote, urlencode
 
 import msgspec
 
-from loom.metering.usage import Group
+from loom.metering.usage import gpu_seconds_text
 from loom.runtime.tokens import Access
+from loom.store.console import UsageTotal
 from loom_proto.alerts import IncidentChange
 from loom_services.console.geo import Placed
 
@@ -658,21 +659,20 @@ def incident_page(access: Access, i: IncidentChange, *, form_key: str, notice: s
 # ---- usage ----------------------------------------------------------------------------------------
 
 
-def usage_csv(groups: Sequence[Group], by: str) -> str:
+def usage_csv(groups: Sequence[UsageTotal], by: str) -> str:
     """The usage table as CSV: exact GPU-seconds, SCU-hours, cost."""
     out = io.StringIO()
     writer = csv.writer(out)
     writer.writerow([by.replace(":", "_"), "runs", "gpu_seconds", "gpu_hours", "scu_hours", "cost"])
     for g in groups:
-        row = g.as_dict()
         writer.writerow(
             [
                 g.key,
-                row["runs"],
-                row["gpu_seconds"],
+                g.runs,
+                gpu_seconds_text(g.gpu_ms),
                 f"{g.gpu_ms / 3_600_000:.6f}",
                 f"{g.scu_seconds / 3600:.6f}",
-                row["cost"],
+                round(g.cost, 6),
             ]
         )
     return out.getvalue()
@@ -712,7 +712,7 @@ def bar_chart(title: str, items: Sequence[tuple[str, float]], unit: str) -> str:
 
 def usage_page(
     access: Access,
-    groups: Sequence[Group],
+    groups: Sequence[UsageTotal],
     *,
     by: str,
     tenant: str | None,
@@ -739,7 +739,7 @@ def usage_page(
         query["tenant"] = tenant
     csv_link = f'<p><a class=csv href="/usage.csv?{esc(urlencode(query))}" download>Download CSV</a></p>'
     rows = "".join(
-        f'<tr data-key="{esc(g.key)}"><td>{esc(g.key)}</td><td>{len(g.runs)}</td>'
+        f'<tr data-key="{esc(g.key)}"><td>{esc(g.key)}</td><td>{g.runs}</td>'
         f"<td>{amount(g.gpu_ms / 3_600_000)}</td><td>{amount(g.scu_seconds / 3600)}</td>"
         f"<td>{amount(g.cost)}</td></tr>"
         for g in groups

@@ -24,7 +24,6 @@ from nats.aio.msg import Msg
 from loom.bus.dlq import parse_since
 from loom.client import LoomClient, QueryError
 from loom.errors import InvalidInputError
-from loom.metering.usage import aggregate
 from loom.model.topology import Topology
 from loom.runtime.service import ServiceContext
 from loom.runtime.tokens import Access, Tokens
@@ -35,7 +34,6 @@ from loom.store import console as store
 from loom.store import incidents as incident_store
 from loom.store import jobs as repo
 from loom.store import moves
-from loom.store import usage as usage_store
 from loom.telemetry.jaeger import jaeger_link
 from loom_proto import subjects
 from loom_proto.ids import ID_PATTERN
@@ -52,8 +50,9 @@ _KEEPALIVE_S = 15.0
 _LISTENER_BACKLOG = 1000
 _MAX_LIMIT = 1000
 _CANCEL_WAIT_S = 5.0
+_INCIDENTS_LISTED = 100
 _ACTION_TIMEOUT_S = 5.0
-USAGE_BY = ("tenant", "label:team", "label:project", "region", "model", "cluster")
+USAGE_BY = store.USAGE_KEYS
 DEFAULT_USAGE_SINCE = "30d"
 
 
@@ -453,7 +452,12 @@ class Console:
         """Incidents, newest first; a tenant's: those that touch its jobs."""
         open_only = request.query.get("open") == "1"
         tenant = None if access.is_operator else access.tenant
-        found = await store.incidents_of(self.ctx.db, tenant, open_only=open_only, limit=200)
+        if tenant is None:
+            found = await store.incident_briefs(self.ctx.db, open_only=open_only, limit=_INCIDENTS_LISTED)
+        else:
+            found = await store.incidents_of(
+                self.ctx.db, tenant, open_only=open_only, limit=_INCIDENTS_LISTED
+            )
         shown = [pages.scoped_incident(i, tenant) for i in found]
         return _page(200, pages.incidents_page(access, shown, open_only=open_only))
 
@@ -488,10 +492,11 @@ class Console:
         try:
             since_ms = _ms(since) if since else None
             until_ms = _ms(until) if until else None
-            rows = await usage_store.read_rows(
-                self.ctx.db, tenant=tenant, since_ms=since_ms, until_ms=until_ms
+            if since_ms is not None and until_ms is not None and until_ms <= since_ms:
+                raise InvalidInputError("the range is empty or inverted: until must be after since")
+            groups = await store.usage_totals(
+                self.ctx.db, by, tenant=tenant, since_ms=since_ms, until_ms=until_ms
             )
-            groups = aggregate(rows, by, since_ms=since_ms, until_ms=until_ms)
         except InvalidInputError as exc:
             return _page(400, pages.error_page(400, str(exc), access))
         if csv_out:

@@ -12,6 +12,7 @@ from typing import Any
 import asyncpg
 import msgspec
 import nats
+import pytest
 
 from loom.bus import Publisher
 from loom.metering.usage import UsageRow, aggregate
@@ -20,6 +21,7 @@ from loom.runtime.service import ServiceContext
 from loom.runtime.tokens import Access, Tokens, ensure_tokens
 from loom.store import console as console_store
 from loom.store import usage as usage_store
+from loom.store.console import UsageTotal
 from loom.store.incidents import save_incidents
 from loom_proto import subjects
 from loom_proto.alerts import AffectedJob, IncidentChange, TimelineEntry
@@ -163,7 +165,9 @@ def test_usage_is_charted_and_exported_by_the_chosen_key() -> None:
         _row("a-2", "alpha", team="nlp", model="T4", hours=1.0),
         _row("b-1", "beta", team="cv", model="A100", hours=0.5),
     ]
-    groups = aggregate(rows, "model")
+    groups = [
+        UsageTotal(g.key, len(g.runs), g.gpu_ms, g.scu_seconds, g.cost) for g in aggregate(rows, "model")
+    ]
     html = pages.usage_page(
         OPERATOR, groups, by="model", tenant=None, since="30d", until="", by_choices=("tenant", "model")
     )
@@ -268,6 +272,13 @@ async def test_incidents_and_usage_pages_show_a_tenant_its_own_only(
                 await usage_store.replace_rows(conn, row.job_id, 1, [row])
         assert [i.incident_id for i in await console_store.incidents_of(pool, "alpha")] == ["inc-1"]
         assert len(await console_store.incidents_of(pool, None)) == 2
+        briefs = await console_store.incident_briefs(pool, open_only=True, limit=10)
+        assert {i.incident_id: (i.incident_id, i.jobs, i.jobs_total, i.tenants) for i in briefs}["inc-1"] == (
+            "inc-1",
+            [],
+            2,
+            ["alpha", "beta"],
+        )
 
         tokens = ensure_tokens(tmp_path)
         ctx = ServiceContext(
@@ -313,4 +324,58 @@ async def test_incidents_and_usage_pages_show_a_tenant_its_own_only(
         assert isinstance(refused, Response) and refused.status == 409 and b"did not answer" in refused.body
     finally:
         await nc.close()
+        await pool.close()
+
+
+async def test_the_usage_sums_of_the_database_are_those_of_metering(
+    fresh_database: Callable[..., Awaitable[str]],
+) -> None:
+    pool = await asyncpg.create_pool(await fresh_database("usage"), min_size=1, max_size=2)
+    now_ms = round(time.time() * 1000)
+    try:
+        async with pool.acquire() as conn:
+            for n in range(30):  # rows of several hours, labels and models, for the sums below
+                tenant, team = ("alpha", "beta", "gamma")[n % 3], ("cv", None, "nlp")[n % 3]
+                start = now_ms - 40 * 3_600_000 + n * 1_234_567
+                await usage_store.replace_rows(
+                    conn,
+                    f"sum-{n}",
+                    1 + n % 2,
+                    [
+                        UsageRow(
+                            job_id=f"sum-{n}",
+                            attempt=1 + n % 2,
+                            seq=k,
+                            tenant=tenant,
+                            labels={"team": team} if team else {},
+                            cluster=f"c-{n % 4}",
+                            region=f"r-{n % 2}",
+                            gpu_model=("A100", "T4", "H100")[n % 3],
+                            start_ms=start + k * 3_600_000,
+                            end_ms=start + k * 3_600_000 + 1_000 + n * 77_777,
+                            gpus=1 + n % 8,
+                            scu_per_gpu=0.5 + n / 10,
+                            price_per_scu_hour=1.0 + n % 5,
+                            outcome="completed" if n % 5 else "preempted",
+                        )
+                        for k in range(3)
+                    ],
+                )
+        every = await usage_store.read_rows(pool)
+        since, until = now_ms - 30 * 3_600_000, now_ms - 3 * 3_600_000
+        for by in console_store.USAGE_KEYS:  # the database's sums are aggregate()'s, window cut alike
+            for tenant, window in ((None, (None, None)), ("gamma", (since, until)), (None, (since, None))):
+                mine = [r for r in every if tenant is None or r.tenant == tenant]
+                expected = aggregate(mine, by, since_ms=window[0], until_ms=window[1])
+                got = await console_store.usage_totals(
+                    pool, by, tenant=tenant, since_ms=window[0], until_ms=window[1]
+                )
+                assert [(t.key, t.runs, t.gpu_ms) for t in got] == [
+                    (g.key, len(g.runs), g.gpu_ms) for g in expected
+                ]
+                assert [t.cost for t in got] == pytest.approx([g.cost for g in expected], rel=1e-9)
+                assert [t.scu_seconds for t in got] == pytest.approx(
+                    [g.scu_seconds for g in expected], rel=1e-9
+                )
+    finally:
         await pool.close()
