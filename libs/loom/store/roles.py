@@ -89,6 +89,9 @@ GRANTS: dict[str, dict[str, str]] = {
         "job_events": _R,
         "decisions": _R,
         "migrations": _R,
+        "cluster_drains": _R,  # drained clusters marked on the resources page
+        "incidents": _R,  # the incidents pages (a tenant's scoped by the console)
+        "usage_rows": _R,  # the usage page (a tenant's own only)
     },
     "loom_alerts": {
         "incidents": _RW,
