@@ -90,6 +90,7 @@ GRANTS: dict[str, dict[str, str]] = {
         "decisions": _R,
         "migrations": _R,
         "cluster_drains": _R,  # drained clusters marked on the resources page
+        "reservations": _R,  # the jobs a drain would move (its confirmation page)
         "incidents": _R,  # the incidents pages (a tenant's scoped by the console)
         "usage_rows": _R,  # the usage page (a tenant's own only)
     },
