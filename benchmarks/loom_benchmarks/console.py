@@ -2,10 +2,12 @@
 
 Starts a private stack (`loom up` processes: every service of the topology, the console among
 them), stores ``--jobs`` finished jobs of ``--tenants`` tenants with their event histories
-straight into PostgreSQL (as placement would have left them), submits a few real jobs through the
-bus so the job page has real decision records, then requests each page ``--requests`` times over
-one keep-alive connection, as the operator (and the jobs list as a tenant), and reports
-p50/p95/p99/max per page. It measures; it asserts nothing.
+straight into PostgreSQL (as placement would have left them), a metered usage row per job (as
+metering would have), ``--incidents`` incidents over those jobs and one drained cluster, submits
+a few real jobs through the bus so the job page has real decision records, then requests each
+page ``--requests`` times over one keep-alive connection, as the operator (and the jobs,
+incidents and usage pages as a tenant too), and reports p50/p95/p99/max per page. It measures;
+it asserts nothing.
 """
 
 import argparse
@@ -30,6 +32,9 @@ from loom.model.topology import load_topology
 from loom.runtime import stack
 from loom.runtime.tokens import load_tokens
 from loom.store import jobs as repo
+from loom.store import moves
+from loom.store.incidents import save_incidents
+from loom_proto.alerts import AffectedJob, IncidentChange, TimelineEntry
 from loom_proto.jobs import JobSpec, Resources, Work
 
 TARGET_P95_MS = 200.0
@@ -42,13 +47,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``loom bench console``."""
     parser.add_argument("--jobs", type=int, default=10_000, help="finished jobs stored before measuring")
     parser.add_argument("--tenants", type=int, default=20)
+    parser.add_argument("--incidents", type=int, default=200, help="incidents stored before measuring")
     parser.add_argument("--requests", type=int, default=200, help="requests per page")
     parser.add_argument("--topology", default="default")
     parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
 
 
-async def _fill(database_url: str, jobs: int, tenants: int, clusters: list[str]) -> None:
-    """Store finished jobs with their submitted/placed/started/completed events."""
+async def _fill(
+    database_url: str, jobs: int, tenants: int, clusters: list[str], where: dict[str, tuple[str, str]]
+) -> None:
+    """Store finished jobs with their submitted/placed/started/completed events and a usage row
+    each (``where``: cluster -> region, GPU model)."""
     conn = await asyncpg.connect(database_url)
     now = time.time()
     try:
@@ -78,8 +87,37 @@ async def _fill(database_url: str, jobs: int, tenants: int, clusters: list[str])
                             job_id, kind, f"{job_id}:{kind}", json.dumps(body).encode(), at + k + 1
                         )
                     )
+            usage = []
+            for i in batch:
+                cluster = clusters[i % len(clusters)]
+                region, model = where[cluster]
+                start_ms = round((now - (jobs - i) * 6.0 + 2) * 1000)
+                usage.append(
+                    (
+                        f"bench-{i:06d}",
+                        1,
+                        0,
+                        f"tenant-{i % tenants:02d}",
+                        json.dumps({"team": f"team-{i % 7}"}),
+                        cluster,
+                        region,
+                        model,
+                        start_ms,
+                        start_ms + 60_000 * (1 + i % 120),
+                        1 + i % 4,
+                        1.0,
+                        2.5,
+                        "failed" if i % 100 == 7 else "completed",
+                    )
+                )
             async with conn.transaction():
                 await repo.insert_jobs(conn, new, submitted_events=True)
+                await conn.executemany(
+                    """INSERT INTO usage_rows (job_id, attempt, seq, tenant, labels, cluster, region,
+                           gpu_model, start_ms, end_ms, gpus, scu_per_gpu, price_per_scu_hour, outcome)
+                       VALUES ($1, $2, $3, $4, $5::jsonb, $6, $7, $8, $9, $10, $11, $12, $13, $14)""",
+                    usage,
+                )
                 await repo.append_events(conn, events)
                 await conn.execute(
                     """UPDATE jobs SET
@@ -92,9 +130,48 @@ async def _fill(database_url: str, jobs: int, tenants: int, clusters: list[str])
                     [j.job_id for j in new],
                     clusters,
                 )
-        await conn.execute("ANALYZE jobs; ANALYZE job_events")
+        await conn.execute("ANALYZE jobs; ANALYZE job_events; ANALYZE usage_rows")
     finally:
         await conn.close()
+
+
+async def _incidents(database_url: str, count: int, jobs: int, tenants: int, drained: str) -> str:
+    """Store ``count`` incidents, each over 50 of the stored jobs, and drain one cluster; the
+    newest incident's id."""
+    now = time.time()
+    records = []
+    for n in range(count):
+        hit = [(n * 37 + k * 11) % max(jobs, 1) for k in range(50)]
+        affected = [AffectedJob(job_id=f"bench-{i:06d}", tenant=f"tenant-{i % tenants:02d}") for i in hit]
+        records.append(
+            IncidentChange(
+                incident_id=f"inc-{n:05d}",
+                change="resolved" if n < count - 5 else "opened",
+                reason="bench",
+                state="resolved" if n < count - 5 else "open",
+                root_kind="cluster",
+                root=drained,
+                root_reason="every alert names it",
+                severity="warning",
+                summary=f"{drained} unhealthy",
+                jobs=affected,
+                jobs_total=len(affected),
+                tenants=sorted({j.tenant for j in affected if j.tenant}),
+                alerts=3,
+                distinct_alerts=2,
+                opened_at=now - (count - n) * 300.0,
+                updated_at=now - (count - n) * 300.0 + 60,
+                resolved_at=now - (count - n) * 300.0 + 120 if n < count - 5 else None,
+                timeline=[TimelineEntry(at=now - (count - n) * 300.0, what=f"opened: {drained} unhealthy")],
+            )
+        )
+    conn = await asyncpg.connect(database_url)
+    try:
+        await save_incidents(conn, records)
+        await moves.start_drain(conn, drained, concurrency=2, deadline_s=0.0, forced=True)
+    finally:
+        await conn.close()
+    return records[-1].incident_id if records else "inc-none"
 
 
 def _encode(spec: JobSpec) -> bytes:
@@ -167,9 +244,17 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         say("starting the stack")
         state = stack.up(home, stack.StackOptions(topology=args.topology, time_scale=600.0), timeout_s=300.0)
         say(f"storing {args.jobs} jobs")
-        asyncio.run(_fill(state["database_url"], args.jobs, args.tenants, clusters))
+        where = {
+            c.id: (c.region, next((n.gpu_model for n in c.nodes if n.gpu_model), "none"))
+            for c in topology.clusters
+        }
+        asyncio.run(_fill(state["database_url"], args.jobs, args.tenants, clusters, where))
         say("submitting real jobs")
         real = asyncio.run(_submit_real(state["nats_url"], _REAL_JOBS))
+        say(f"storing {args.incidents} incidents, draining {biggest.id}")
+        incident = asyncio.run(
+            _incidents(state["database_url"], args.incidents, args.jobs, args.tenants, biggest.id)
+        )
         tokens = load_tokens(home)
         url = state["console_url"]
         job = real[0] if real else "bench-000000"
@@ -182,16 +267,24 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
             "jobs, 1000 rows": "/jobs?limit=1000",
             "job": f"/jobs/{job}",
             "queue": "/queue",
+            "cancel confirmation": f"/jobs/{job}/cancel",
+            "drain confirmation": f"/clusters/{biggest.id}/undrain",
+            "incidents": "/incidents",
+            "incident": f"/incidents/{incident}",
+            "usage": "/usage",
+            "usage by model": "/usage?by=model",
+            "usage CSV": "/usage.csv?by=label:team",
         }
         measured: dict[str, Any] = {}
         for name, path in pages.items():
             say(f"page {name}")
             measured[name] = {"path": path, **_measure(url, tokens.operator, path, args.requests)}
-        say("page jobs (tenant)")
-        measured["jobs (tenant)"] = {
-            "path": "/jobs",
-            **_measure(url, tokens.tenant_token("tenant-03"), "/jobs", args.requests),
-        }
+        for name, path in (("jobs", "/jobs"), ("incidents", "/incidents"), ("usage", "/usage")):
+            say(f"page {name} (tenant)")
+            measured[f"{name} (tenant)"] = {
+                "path": path,
+                **_measure(url, tokens.tenant_token("tenant-03"), path, args.requests),
+            }
         services = len(state["services"])
     finally:
         say("stopping the stack")
@@ -205,6 +298,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         "topology": args.topology,
         "services": services,
         "jobs_in_store": args.jobs + len(real),
+        "usage_rows_in_store": args.jobs,
+        "incidents_in_store": args.incidents,
         "tenants": args.tenants,
         "requests_per_page": args.requests,
         "cpus": os.cpu_count(),

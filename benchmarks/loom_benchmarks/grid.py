@@ -261,16 +261,18 @@ def run_seed(task: tuple[str, float, bool, str, int, tuple[str, ...], int, str |
     every = max(60.0, span / 200.0)
     out: dict[str, dict[str, Any]] = {}
     jct_by_job: dict[str, float] | None = None
+    jct_by_policy: dict[str, dict[str, float]] = {}
     for name in policies:
         result = simulate(trace, built, make_policy(name, seed), seed=seed, sample_every_s=every, truth=truth)
         window = (trace.jobs[0].arrival_s, trace.jobs[-1].arrival_s) if trace.jobs else None
         out[name] = figures(result, window)
+        jct_by_policy[name] = {
+            r.job_id: round(jct, 1)
+            for r in result.records
+            if r.rejected is None and (jct := r.jct_s) is not None
+        }
         if name == TARGET:
-            jct_by_job = {
-                r.job_id: round(jct, 1)
-                for r in result.records
-                if r.rejected is None and (jct := r.jct_s) is not None
-            }
+            jct_by_job = jct_by_policy[name]
     return {
         "cell": cell_key(platform_name, load, spanning, workload),
         "seed": seed,
@@ -281,6 +283,7 @@ def run_seed(task: tuple[str, float, bool, str, int, tuple[str, ...], int, str |
         "wall_s": round(time.perf_counter() - started, 2),
         "policies": out,
         "jct_by_job": jct_by_job,
+        "jct_by_policy": jct_by_policy,
     }
 
 
@@ -341,6 +344,42 @@ def margin(by_policy: Mapping[str, Mapping[str, Any]], target: str = TARGET) -> 
     return {"best_baseline": best, "margin": result, "not_comparable": fewer, "loom_finished_fewer": more}
 
 
+def common_jobs_margin(seeds: Sequence[Mapping[str, Any]], target: str = TARGET) -> dict[str, Any]:
+    """Loom's margin over each baseline on the jobs both finished (pooled over ``seeds``, from their
+    ``jct_by_policy``): ``(sum baseline JCT - sum Loom JCT) / sum baseline JCT``. The mean-JCT
+    margin (:func:`margin`) has none when a baseline finished more jobs than Loom (e.g. gangs no
+    cluster holds, which Loom rejects when no spread keeps within its GPU-hours bound and the
+    baselines spread at any cost); this one compares like with like, and ``common_jobs`` /
+    ``baseline_only`` say how many jobs it covers and how many finished only under the baseline.
+    ``common_margin`` is the smallest (Loom's worst) over the baselines, ``common_best_baseline``
+    which."""
+    sums: dict[str, list[float]] = {}
+    for run in seeds:
+        by = run.get("jct_by_policy") or {}
+        mine = by.get(target)
+        if mine is None:
+            continue
+        for name, theirs in by.items():
+            if name == target or name in BOUNDS:
+                continue
+            common = mine.keys() & theirs.keys()
+            acc = sums.setdefault(name, [0.0, 0.0, 0.0, 0.0])
+            acc[0] += math.fsum(theirs[j] for j in common)
+            acc[1] += math.fsum(mine[j] for j in common)
+            acc[2] += len(common)
+            acc[3] += len(theirs.keys() - mine.keys())
+    per = {n: (a[0] - a[1]) / a[0] for n, a in sums.items() if a[0] > 0}
+    if not per:
+        return {"common_margin": None, "common_best_baseline": None, "common_jobs": 0, "baseline_only": 0}
+    worst = min(per, key=lambda n: (per[n], n))
+    return {
+        "common_margin": per[worst],
+        "common_best_baseline": worst,
+        "common_jobs": int(sums[worst][2]),
+        "baseline_only": int(sums[worst][3]),
+    }
+
+
 def aggregate(cell: str, seeds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One cell's line: per policy every figure averaged over ``seeds`` (the runs of :func:`run_seed`),
     Loom's margin from those means and per seed."""
@@ -358,6 +397,7 @@ def aggregate(cell: str, seeds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "reference_capacity_gpus": seeds[0].get("reference_capacity_gpus") if seeds else None,
         "policies": means,
         **margin(means),
+        **common_jobs_margin(seeds),
         "margin_per_seed": [m["margin"] for m in per_seed],
         "best_baseline_per_seed": [m["best_baseline"] for m in per_seed],
     }
@@ -373,7 +413,11 @@ def spanning_penalty(seeds: Sequence[Mapping[str, Any]], policy: str = TARGET) -
     spanning allowed than forbidden, over the jobs that finished both ways in the same seed (the
     same trace but for the flag): ``sum(JCT allowed) / sum(JCT forbidden) - 1`` (positive: spanning
     made it slower). ``only_when_allowed`` counts jobs that finished only when they could span (a
-    gang bigger than any cluster), ``unpaired`` is the ratio of the plain mean JCTs minus 1."""
+    gang bigger than any cluster), ``only_when_forbidden`` the reverse, ``rejected_allowed`` /
+    ``rejected_forbidden`` the jobs ``policy`` rejected each way (a gang no cluster holds is rejected
+    with spanning forbidden, and also allowed when no spread keeps within the span guard's GPU-hours
+    bound), summed over seeds; ``unpaired`` is the ratio of the plain mean JCTs (all jobs that
+    finished each way, so different job sets) minus 1."""
     runs = {(s["cell"], s["seed"]): s for s in seeds if s.get("jct_by_job") is not None}
     pooled: dict[str, list[float]] = {}
     for (cell, seed), run in runs.items():
@@ -383,13 +427,16 @@ def spanning_penalty(seeds: Sequence[Mapping[str, Any]], policy: str = TARGET) -
             continue
         allowed, forbidden = run["jct_by_job"], other["jct_by_job"]
         common = allowed.keys() & forbidden.keys()
-        acc = pooled.setdefault(f"{platform}/{load}/{workload}", [0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+        acc = pooled.setdefault(f"{platform}/{load}/{workload}", [0.0] * 9)
         acc[0] += math.fsum(allowed[j] for j in common)
         acc[1] += math.fsum(forbidden[j] for j in common)
         acc[2] += len(common)
         acc[3] += len(allowed.keys() - forbidden.keys())
         acc[4] += math.fsum(allowed.values()) / max(len(allowed), 1)
         acc[5] += math.fsum(forbidden.values()) / max(len(forbidden), 1)
+        acc[6] += len(forbidden.keys() - allowed.keys())
+        acc[7] += float(run.get("policies", {}).get(policy, {}).get("rejected") or 0)
+        acc[8] += float(other.get("policies", {}).get(policy, {}).get("rejected") or 0)
     return [
         {
             "cells": key,
@@ -397,6 +444,9 @@ def spanning_penalty(seeds: Sequence[Mapping[str, Any]], policy: str = TARGET) -
             "penalty": acc[0] / acc[1] - 1.0 if acc[1] > 0 else None,
             "paired_jobs": int(acc[2]),
             "only_when_allowed": int(acc[3]),
+            "only_when_forbidden": int(acc[6]),
+            "rejected_allowed": int(acc[7]),
+            "rejected_forbidden": int(acc[8]),
             "unpaired": acc[4] / acc[5] - 1.0 if acc[5] > 0 else None,
         }
         for key, acc in pooled.items()
@@ -502,6 +552,12 @@ def format_line(line: Mapping[str, Any]) -> str:
         + (
             f"; LOOM FINISHED FEWER than {', '.join(line['loom_finished_fewer'])}: no margin"
             if line.get("loom_finished_fewer")
+            else ""
+        )
+        + (
+            f"; on jobs both finished {line['common_margin']:+.1%} vs {line['common_best_baseline']}"
+            f" ({line['common_jobs']} jobs; {line['baseline_only']} finished only under it)"
+            if line.get("common_margin") is not None
             else ""
         )
     )

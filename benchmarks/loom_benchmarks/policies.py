@@ -722,7 +722,9 @@ def run_grid_command(args: argparse.Namespace) -> int:
             f"loom, spanning allowed vs forbidden, {item['cells']}: "
             + ("n/a" if paired is None else f"{paired:+.1%}")
             + f" over {item['paired_jobs']} jobs finished both ways; {item['only_when_allowed']} finished"
-            " only when allowed; plain means " + ("n/a" if unpaired is None else f"{unpaired:+.1%}"),
+            f" only when allowed, {item.get('only_when_forbidden', 0)} only when forbidden; rejected"
+            f" {item.get('rejected_allowed', 0)} allowed / {item.get('rejected_forbidden', 0)} forbidden;"
+            " plain means over all finished jobs " + ("n/a" if unpaired is None else f"{unpaired:+.1%}"),
             markup=False,
             highlight=False,
         )

@@ -21,7 +21,13 @@ svg.map{width:100%;max-width:1000px;background:#fff}.sea{fill:#eef3fa}.grid{stro
 .link{stroke-width:2.5;opacity:.85}.region circle{fill:#1d2433}.region text{font-size:12px;fill:#1d2433}
 dl{display:grid;grid-template-columns:8em 1fr;gap:.2em 1em}dt{color:#66708a}
 #timeline time{color:#66708a;font-variant-numeric:tabular-nums}.filters{margin-bottom:.6em}
-button[disabled]{opacity:.6}
+button[disabled]{opacity:.6}.notice{background:#e7f4e4;border:1px solid #9fd19a;padding:.5em .8em}
+a.button{display:inline-block;padding:.3em .8em;border:1px solid #1d2433;border-radius:3px}
+a.button{text-decoration:none;color:#1d2433;background:#fff}
+button.danger{background:#d62728;color:#fff;border:0;padding:.4em 1em;border-radius:3px}
+.drain{color:#8a6d00;font-weight:600}.chart rect{fill:#3b7dd8}.chart text{font-size:12px}
+.inc.open{color:#d62728}
+
 """
 
 JS = b"""

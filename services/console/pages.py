@@ -5,14 +5,22 @@ Every value shown goes through :func:`esc`. Live parts carry ``data-*`` attribut
 timeline); everything else is rendered on the server.
 """
 
+import csv
 import html
+import io
 import json
+import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote, urlencode
 
+import msgspec
+
+from loom.metering.usage import gpu_seconds_text
 from loom.runtime.tokens import Access
+from loom.store.console import UsageTotal
+from loom_proto.alerts import IncidentChange
 from loom_services.console.geo import Placed
 
 STATES = ("waiting", "queued", "placed", "running", "completed", "failed", "rejected", "cancelled")
@@ -36,7 +44,11 @@ def layout(title: str, access: Access | None, body: str, *, active: str = "", ev
     nav = ""
     if access is not None:
         links = [("map", "/", "Map"), ("resources", "/resources", "Resources"), ("jobs", "/jobs", "Jobs")]
-        links.append(("queue", "/queue", "Queue"))
+        links += [
+            ("queue", "/queue", "Queue"),
+            ("incidents", "/incidents", "Incidents"),
+            ("usage", "/usage", "Usage"),
+        ]
         items = "".join(
             f'<a href="{href}"{" class=active" if key == active else ""}>{label}</a>'
             for key, href, label in links
@@ -57,10 +69,42 @@ def layout(title: str, access: Access | None, body: str, *, active: str = "", ev
 
 def error_page(status: int, message: str, access: Access | None = None) -> str:
     """A page that says what went wrong (401, 403, 404, 501, 503)."""
-    titles = {401: "Sign in", 403: "Not yours", 404: "Not found", 501: "Not available", 503: "Unavailable"}
+    titles = {
+        400: "Bad request",
+        401: "Sign in",
+        403: "Not yours",
+        404: "Not found",
+        409: "Not done",
+        501: "Not available",
+        503: "Unavailable",
+    }
     return layout(
         titles.get(status, "Error"), access, f'<p class="error" data-status="{status}">{esc(message)}</p>'
     )
+
+
+FORM_STALE = "This form is stale or did not come from this console: reload the page and try again."
+
+NOTICES = {
+    "cancel": "Cancelled: placement took the job off the queue or stopped it, and freed its GPUs.",
+    "cancel-pending": "Cancel requested: placement has not recorded it yet; this page shows it when it does.",
+    "drain": "Draining: the cluster takes no new work; its jobs move elsewhere at checkpoint boundaries.",
+    "undrain": "Open again: the cluster takes new work.",
+    "ack": "Acknowledged.",
+}
+
+
+def notice_of(done: str | None) -> str | None:
+    """The sentence an action's redirect asks for (``?done=``): only these, never the query's text."""
+    return NOTICES.get(done or "")
+
+
+def _notice(notice: str | None) -> str:
+    return f"<p class=notice role=status>{esc(notice)}</p>" if notice else ""
+
+
+def _key_field(form_key: str) -> str:
+    return f'<input type=hidden name=form_key value="{esc(form_key)}">'
 
 
 # ---- map ------------------------------------------------------------------------------------------
@@ -191,9 +235,16 @@ def _crumbs(path: Sequence[str]) -> str:
     return "<p class=crumbs>" + " › ".join(items) + "</p>"
 
 
-def _level_table(kind: str, base: str, children: Mapping[str, Any], *, trust: bool = False) -> str:
+def _level_table(
+    kind: str,
+    base: str,
+    children: Mapping[str, Any],
+    *,
+    trust: bool = False,
+    drains: Mapping[str, str] | None = None,
+) -> str:
     head = f"<tr><th>{kind}</th><th>GPUs</th><th>free</th><th>water level</th>"
-    head += "<th>trust</th><th>heartbeat age</th></tr>" if trust else "</tr>"
+    head += "<th>trust</th><th>heartbeat age</th><th>drain</th></tr>" if trust else "</tr>"
     rows = []
     for name, totals in sorted(children.items()):
         href = f"{base}/{quote(name)}"
@@ -207,22 +258,36 @@ def _level_table(kind: str, base: str, children: Mapping[str, Any], *, trust: bo
             stale = " <span class=bad>stale</span>" if totals.get("stale") else ""
             trust_now, age_s = float(totals.get("trust", 1.0)), float(totals.get("age_s", 0))
             row += f"<td>{trust_now:.2f}</td><td>{age_s:.1f} s{stale}</td>"
+            drain = (drains or {}).get(name)
+            row += f'<td class=drain data-drain="{esc(drain)}">{esc(drain)}</td>' if drain else "<td>-</td>"
         rows.append(row + "</tr>")
     return f"<table>{head}{''.join(rows)}</table>"
 
 
-def resources_page(access: Access, view: Mapping[str, Any], path: Sequence[str]) -> str:
-    """Region → zone → cluster → node, each level with its GPUs, water level and (clusters) trust."""
+def resources_page(
+    access: Access,
+    view: Mapping[str, Any],
+    path: Sequence[str],
+    *,
+    drains: Mapping[str, str] | None = None,
+    form_key: str = "",
+    notice: str | None = None,
+) -> str:
+    """Region → zone → cluster → node, each level with its GPUs, water level and (clusters) trust
+    and drain state (``drains``: cluster → draining / drained)."""
+    drains = drains or {}
     regions = view.get("regions", {})
     title = "Resources" if not path else " / ".join(path)
-    body = _crumbs(path)
+    body = _notice(notice) + _crumbs(path)
     if not path:
         body += _level_table("region", "/resources", regions)
     elif len(path) == 1:
         body += _level_table("zone", f"/resources/{quote(path[0])}", regions[path[0]]["zones"])
     elif len(path) == 2:
         clusters = regions[path[0]]["zones"][path[1]]["clusters"]
-        body += _level_table("cluster", f"/resources/{quote(path[0])}/{quote(path[1])}", clusters, trust=True)
+        body += _level_table(
+            "cluster", f"/resources/{quote(path[0])}/{quote(path[1])}", clusters, trust=True, drains=drains
+        )
     else:
         cluster = regions[path[0]]["zones"][path[1]]["clusters"][path[2]]
         total = float(cluster.get("gpus_total", 0))
@@ -233,7 +298,13 @@ def resources_page(access: Access, view: Mapping[str, Any], path: Sequence[str])
             f" (stale after {float(cluster.get('ttl_s', 0)):.0f} s)"
             f"{stale} · water level {water_bar(_used(cluster), total)}</p>"
         )
-        body += _drain_button(access, path[2])
+        drain = drains.get(path[2])
+        if drain:
+            body += (
+                f'<p class=drain data-drain="{esc(drain)}">This cluster is <b>{esc(drain)}</b>:'
+                " it takes no new work.</p>"
+            )
+        body += _drain_button(access, path[2], drained=drain is not None)
         rows = "".join(
             f'<tr data-node="{esc(n["node"])}"><td>{esc(n["node"])}</td>'
             f"<td>{esc(n.get('gpu_model') or '-')}</td>"
@@ -249,21 +320,60 @@ def resources_page(access: Access, view: Mapping[str, Any], path: Sequence[str])
     return layout(title, access, body, active="resources")
 
 
-DRAIN_MISSING = "Drain is not available: this build of Loom has no drain command yet."
-CANCEL_MISSING = (
-    "Cancel is not available: this build of Loom has no cancel command yet"
-    " (placement does not act on a cancellation)."
-)
-
-
-def _drain_button(access: Access, cluster: str) -> str:
+def _drain_button(access: Access, cluster: str, *, drained: bool) -> str:
+    """The operator's way to the drain (or undrain) confirmation."""
     if not access.is_operator:
         return ""
+    verb = "undrain" if drained else "drain"
+    label = f"Undrain {cluster}…" if drained else f"Drain {cluster}…"
     return (
-        f'<form method=post action="/clusters/{quote(cluster)}/drain">'
-        f'<button disabled title="{esc(DRAIN_MISSING)}">Drain {esc(cluster)}</button> '
-        f"<small>{esc(DRAIN_MISSING)}</small></form>"
+        f'<p><a class=button data-action={verb} href="/clusters/{quote(cluster)}/{verb}">{esc(label)}</a></p>'
     )
+
+
+def confirm_drain(
+    access: Access, cluster: str, verb: str, running: int, form_key: str, *, back: str = "/resources"
+) -> str:
+    """The confirmation step of a drain or an undrain (``back``: the cluster's page)."""
+    if verb == "undrain":
+        text = f"Open {cluster} to new work again? Moves planned by its drain and not started are dropped."
+        options = ""
+    else:
+        text = (
+            f"Drain {cluster}? It takes no new work, and its {running} running job(s) move to other"
+            " clusters at their checkpoint boundaries. Refused when a job has nowhere else to go,"
+            " unless forced."
+        )
+        options = (
+            "<label>moves at a time <input name=concurrency type=number min=1 max=64 value=2></label> "
+            "<label><input name=force type=checkbox> force</label> "
+        )
+    return layout(
+        f"{verb.capitalize()} {cluster}",
+        access,
+        f'<p>{esc(text)}</p><form method=post action="/clusters/{quote(cluster)}/{verb}">'
+        f"{_key_field(form_key)}{options}<button class=danger>Yes, {verb} {esc(cluster)}</button></form>"
+        f'<p><a href="{esc(back)}">No, back to {esc(cluster)}</a></p>',
+        active="resources",
+    )
+
+
+def confirm_cancel(access: Access, job: Mapping[str, Any], form_key: str) -> str:
+    """The confirmation step of a cancel."""
+    jid = str(job["job_id"])
+    state = str(job["state"])
+    if state in TERMINAL:
+        body = f"<p>{esc(jid)} has already ended ({esc(state)}): nothing to cancel.</p>"
+    else:
+        body = (
+            f"<p>Cancel {esc(jid)} of tenant {esc(job['tenant'])}, now {esc(state)}? A queued job leaves"
+            " the queue; a running one is stopped on every cluster and its GPUs are freed. It cannot be"
+            " undone.</p>"
+            f'<form method=post action="/jobs/{quote(jid)}/cancel">{_key_field(form_key)}'
+            f"<button class=danger>Yes, cancel {esc(jid)}</button></form>"
+        )
+    body += f'<p><a href="/jobs/{quote(jid)}">No, back to the job</a></p>'
+    return layout(f"Cancel {jid}", access, body, active="jobs")
 
 
 # ---- jobs -----------------------------------------------------------------------------------------
@@ -341,8 +451,10 @@ def job_page(
     explanation: Iterable[tuple[str, Sequence[str]]],
     *,
     trace_url: str | None,
+    notice: str | None = None,
 ) -> str:
-    """One job: state (live), timeline (live), placement explanation per attempt, trace link."""
+    """One job: state (live), timeline (live), migrations, placement explanation per attempt,
+    trace link; the operator's cancel while it has not ended."""
     jid = str(job["job_id"])
     state = str(job["state"])
     facts = (
@@ -365,9 +477,7 @@ def job_page(
     actions = ""
     if access.is_operator and state not in TERMINAL:
         actions = (
-            f'<form method=post action="/jobs/{quote(jid)}/cancel">'
-            f'<button disabled title="{esc(CANCEL_MISSING)}">Cancel job</button> '
-            f"<small>{esc(CANCEL_MISSING)}</small></form>"
+            f'<p><a class=button data-action=cancel href="/jobs/{quote(jid)}/cancel">Cancel job…</a></p>'
         )
     timeline = (
         "<h2>Timeline</h2><ol id=timeline>" + "".join(_event_line(e) for e in job.get("events", [])) + "</ol>"
@@ -387,9 +497,31 @@ def job_page(
     return layout(
         f"Job {jid}",
         access,
-        facts + actions + timeline + explain + spec,
+        _notice(notice)
+        + facts
+        + actions
+        + timeline
+        + _migrations(job.get("migrations") or [])
+        + explain
+        + spec,
         active="jobs",
         events="/events?" + urlencode({"job": jid}),
+    )
+
+
+def _migrations(migrations: Sequence[Mapping[str, Any]]) -> str:
+    if not migrations:
+        return ""
+    rows = "".join(
+        f'<tr data-migration="{esc(m.get("migration_id"))}"><td>{_when(m.get("planned_at"))}</td>'
+        f'<td>{esc(m.get("cause"))}</td><td class="state {esc(m.get("state"))}">{esc(m.get("state"))}</td>'
+        f"<td>{esc(m.get('from_cluster'))} → {esc(m.get('to_cluster') or '?')}</td>"
+        f"<td>{esc(m.get('resume_step'))}</td><td>{esc(m.get('lost_steps'))}</td><td>{esc(m.get('why'))}</td></tr>"
+        for m in migrations
+    )
+    return (
+        "<h2>Migrations</h2><table class=migrations><tr><th>planned (UTC)</th><th>cause</th><th>state</th>"
+        f"<th>from → to</th><th>resume step</th><th>lost steps</th><th>why</th></tr>{rows}</table>"
     )
 
 
@@ -410,3 +542,228 @@ def queue_page(access: Access, queued: Sequence[Mapping[str, Any]], counts: Mapp
     if not queued:
         table += "<p class=empty>Nothing is waiting.</p>"
     return layout("Queue", access, f"<p class=counts>{esc(summary)}</p>{table}", active="queue")
+
+
+# ---- incidents ------------------------------------------------------------------------------------
+
+_WORDS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
+WITHHELD = "(withheld: it names other tenants' jobs)"
+
+
+def scoped_incident(incident: IncidentChange, tenant: str | None) -> IncidentChange:
+    """What a viewer may see of an incident: all of it for the operator (``tenant`` None); for a
+    tenant, its own jobs only, itself as the only tenant, no DAG list, and any text that names
+    another tenant or another tenant's job withheld."""
+    if tenant is None:
+        return incident
+    own = [j for j in incident.jobs if j.tenant == tenant]
+    others = {j.job_id for j in incident.jobs if j.tenant != tenant} | {
+        t for t in incident.tenants if t != tenant
+    }
+
+    def clean(text: str) -> str:
+        return WITHHELD if others.intersection(_WORDS.findall(text)) else text
+
+    timeline = [msgspec.structs.replace(e, what=clean(e.what)) for e in incident.timeline]
+    return msgspec.structs.replace(
+        incident,
+        jobs=own,
+        jobs_total=len(own),
+        tenants=[tenant] if tenant in incident.tenants else [],
+        dags=[],
+        summary=clean(incident.summary),
+        reason=clean(incident.reason),
+        root_reason=clean(incident.root_reason),
+        timeline=timeline,
+    )
+
+
+def _root(i: IncidentChange) -> str:
+    name = i.root.replace("~", " ↔ ") if i.root_kind == "link" else i.root
+    return f"{i.root_kind} {name}" + ("" if i.root_known else " (unknown)")
+
+
+def incidents_page(access: Access, incidents: Sequence[IncidentChange], *, open_only: bool) -> str:
+    """Incidents newest first: state, severity, root cause, jobs and tenants hit."""
+    rows = "".join(
+        f'<tr data-incident="{esc(i.incident_id)}"><td><a href="/incidents/{quote(i.incident_id)}">'
+        f'{esc(i.incident_id)}</a></td><td class="inc {esc(i.state)}">{esc(i.state)}</td>'
+        f"<td>{esc(i.severity)}</td><td>{esc(_root(i))}</td><td>{i.jobs_total}</td>"
+        f"<td>{esc(', '.join(i.tenants[:5]) + ('…' if len(i.tenants) > 5 else ''))}</td>"
+        f"<td>{i.alerts}</td><td>{_when(i.opened_at)}</td><td>{esc(i.summary[:120])}</td></tr>"
+        for i in incidents
+    )
+    switch = (
+        '<p><a href="/incidents">all incidents</a></p>'
+        if open_only
+        else '<p><a href="/incidents?open=1">open and acknowledged only</a></p>'
+    )
+    table = (
+        "<table class=incidents><tr><th>incident</th><th>state</th><th>severity</th><th>root cause</th>"
+        "<th>jobs</th><th>tenants</th><th>alerts</th><th>opened (UTC)</th><th>summary</th></tr>"
+        f"{rows}</table>"
+    )
+    if not incidents:
+        table += "<p class=empty>No incident" + ("" if access.is_operator else " touches your jobs") + ".</p>"
+    return layout("Incidents", access, switch + table, active="incidents")
+
+
+def incident_page(access: Access, i: IncidentChange, *, form_key: str, notice: str | None = None) -> str:
+    """One incident (already scoped to the viewer): root cause and why, ranked candidates,
+    affected jobs and tenants, timeline; the operator's acknowledge while it is open."""
+    facts = (
+        f'<dl id=incident data-incident-id="{esc(i.incident_id)}">'
+        f'<dt>state</dt><dd class="inc {esc(i.state)}">{esc(i.state)}'
+        + (f" (by {esc(i.acked_by)} at {_when(i.acked_at)})" if i.acked_by else "")
+        + "</dd>"
+        f"<dt>severity</dt><dd>{esc(i.severity)}</dd>"
+        f"<dt>root cause</dt><dd class=root>{esc(_root(i))}</dd>"
+        f"<dt>why</dt><dd>{esc(i.root_reason or '-')}</dd>"
+        f"<dt>summary</dt><dd>{esc(i.summary or '-')}</dd>"
+        f"<dt>opened</dt><dd>{_when(i.opened_at)}</dd>"
+        f"<dt>resolved</dt><dd>{_when(i.resolved_at)}</dd>"
+        f"<dt>alerts</dt><dd>{i.alerts} ({i.distinct_alerts} distinct), re-opened {i.reopened}</dd>"
+        + (f"<dt>merged into</dt><dd>{esc(i.merged_into)}</dd>" if i.merged_into else "")
+        + "</dl>"
+    )
+    if len(i.candidates) > 1:
+        facts += (
+            "<p>Ranked causes: "
+            + esc(", ".join(f"{c.kind} {c.name} ({c.score:.2f})" for c in i.candidates[:5]))
+            + "</p>"
+        )
+    action = ""
+    if access.is_operator and i.state == "open":
+        action = (
+            f'<form method=post action="/incidents/{quote(i.incident_id)}/ack">{_key_field(form_key)}'
+            "<button>Acknowledge</button></form>"
+        )
+    if i.unattributed:
+        affected = "<h2>Affected</h2><p>No job known (unattributed).</p>"
+    else:
+        jobs = "".join(
+            f'<tr data-job="{esc(j.job_id)}"><td><a href="/jobs/{quote(j.job_id)}">{esc(j.job_id)}</a></td>'
+            f"<td>{esc(j.tenant or '-')}</td></tr>"
+            for j in i.jobs[:200]
+        )
+        affected = (
+            f"<h2>Affected</h2><p>{i.jobs_total} job(s); tenants: {esc(', '.join(i.tenants) or '-')}"
+            + (f"; DAGs: {esc(', '.join(i.dags[:20]))}" if i.dags else "")
+            + f"</p><table class=affected><tr><th>job</th><th>tenant</th></tr>{jobs}</table>"
+        )
+    timeline = "".join(f"<li><time>+{e.at - i.opened_at:.1f} s</time> {esc(e.what)}</li>" for e in i.timeline)
+    body = _notice(notice) + facts + action + affected + f"<h2>Timeline</h2><ol id=timeline>{timeline}</ol>"
+    return layout(f"Incident {i.incident_id}", access, body, active="incidents")
+
+
+# ---- usage ----------------------------------------------------------------------------------------
+
+
+def usage_csv(groups: Sequence[UsageTotal], by: str) -> str:
+    """The usage table as CSV: exact GPU-seconds, SCU-hours, cost."""
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow([by.replace(":", "_"), "runs", "gpu_seconds", "gpu_hours", "scu_hours", "cost"])
+    for g in groups:
+        writer.writerow(
+            [
+                g.key,
+                g.runs,
+                gpu_seconds_text(g.gpu_ms),
+                f"{g.gpu_ms / 3_600_000:.6f}",
+                f"{g.scu_seconds / 3600:.6f}",
+                round(g.cost, 6),
+            ]
+        )
+    return out.getvalue()
+
+
+def amount(value: float) -> str:
+    """A usage figure with the digits that matter: ``1,234``, ``12.35``, ``0.00123``."""
+    if value == 0:
+        return "0"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 1:
+        return f"{value:,.2f}"
+    return f"{value:.3g}"
+
+
+def bar_chart(title: str, items: Sequence[tuple[str, float]], unit: str) -> str:
+    """A horizontal bar chart as inline SVG (one bar per item, longest = the largest value)."""
+    top = max((v for _k, v in items), default=0.0)
+    row_h, label_w, bar_w = 22, 180, 560
+    parts = [
+        f'<svg class=chart role=img aria-label="{esc(title)}" width="{label_w + bar_w + 110}" '
+        f'height="{row_h * len(items) + 8}">'
+    ]
+    for n, (key, value) in enumerate(items):
+        y = 4 + n * row_h
+        width = bar_w * value / top if top > 0 else 0.0
+        parts.append(
+            f'<g class=bar-row data-key="{esc(key)}"><text x="{label_w - 6}" y="{y + 15}" text-anchor=end>'
+            f'{esc(key[:28])}</text><rect x="{label_w}" y="{y + 3}" width="{width:.1f}" height="{row_h - 6}">'
+            f"<title>{esc(key)}: {value:,.3f} {esc(unit)}</title></rect>"
+            f'<text x="{label_w + width + 6:.1f}" y="{y + 15}">{amount(value)}</text></g>'
+        )
+    parts.append("</svg>")
+    return f"<figure><figcaption>{esc(title)}</figcaption>{''.join(parts)}</figure>"
+
+
+def usage_page(
+    access: Access,
+    groups: Sequence[UsageTotal],
+    *,
+    by: str,
+    tenant: str | None,
+    since: str,
+    until: str,
+    by_choices: Sequence[str],
+) -> str:
+    """GPU-hours, SCU-hours and cost by the chosen key over a range, charted, with a CSV link."""
+    options = "".join(f"<option{' selected' if b == by else ''}>{esc(b)}</option>" for b in by_choices)
+    tenant_field = (
+        f'<label>tenant <input name=tenant value="{esc(tenant or "")}"></label> '
+        if access.is_operator
+        else ""
+    )
+    form = (
+        f"<form class=filters method=get action=/usage>{tenant_field}"
+        f"<label>by <select name=by>{options}</select></label> "
+        f'<label>since <input name=since value="{esc(since)}" placeholder="7d or 2026-12-01"></label> '
+        f'<label>until <input name=until value="{esc(until)}" placeholder="now"></label> '
+        "<button>Show</button></form>"
+    )
+    query = {"by": by, "since": since, "until": until}
+    if access.is_operator and tenant:
+        query["tenant"] = tenant
+    csv_link = f'<p><a class=csv href="/usage.csv?{esc(urlencode(query))}" download>Download CSV</a></p>'
+    rows = "".join(
+        f'<tr data-key="{esc(g.key)}"><td>{esc(g.key)}</td><td>{g.runs}</td>'
+        f"<td>{amount(g.gpu_ms / 3_600_000)}</td><td>{amount(g.scu_seconds / 3600)}</td>"
+        f"<td>{amount(g.cost)}</td></tr>"
+        for g in groups
+    )
+    total_gpu_h = sum(g.gpu_ms for g in groups) / 3_600_000
+    total_cost = sum(g.cost for g in groups)
+    table = (
+        f"<table class=usage><tr><th>{esc(by)}</th><th>runs</th><th>GPU-hours</th><th>SCU-hours</th>"
+        f"<th>cost</th></tr>{rows}<tr class=total><td>total</td><td></td>"
+        f"<td>{amount(total_gpu_h)}</td><td></td><td>{amount(total_cost)}</td></tr></table>"
+    )
+    shown = sorted(groups, key=lambda g: -g.gpu_ms)[:25]
+    charts = ""
+    if groups:
+        charts = bar_chart(
+            f"GPU-hours by {by}" + (" (top 25)" if len(groups) > 25 else ""),
+            [(g.key, g.gpu_ms / 3_600_000) for g in shown],
+            "GPU-hours",
+        ) + bar_chart(f"cost by {by}", [(g.key, g.cost) for g in shown], "")
+    else:
+        table += (
+            "<p class=empty>No metered usage in this range"
+            + ("" if access.is_operator else " for you")
+            + ".</p>"
+        )
+    scope = "" if access.is_operator else f"<p>Tenant {esc(access.tenant)}: your own usage only.</p>"
+    return layout("Usage", access, scope + form + csv_link + charts + table, active="usage")

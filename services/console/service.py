@@ -8,18 +8,23 @@ fanned out to each open event stream (filtered by the viewer's tenant).
 
 import asyncio
 import contextlib
+import hmac
 import json
 import re
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC
 from typing import Any
 from urllib.parse import quote, urlencode
 
+import asyncpg
 import structlog
 from nats.aio.msg import Msg
 
+from loom.bus.dlq import parse_since
 from loom.client import LoomClient, QueryError
+from loom.errors import InvalidInputError
 from loom.model.topology import Topology
 from loom.runtime.service import ServiceContext
 from loom.runtime.tokens import Access, Tokens
@@ -27,7 +32,10 @@ from loom.sched.dag import DagError, stage_job_id
 from loom.sched.explain import render
 from loom.sched.framework import DecisionRecord
 from loom.store import console as store
+from loom.store import incidents as incident_store
 from loom.store import jobs as repo
+from loom.store.roles import tenant_scope
+from loom.store import moves
 from loom.telemetry.jaeger import jaeger_link
 from loom_proto import subjects
 from loom_proto.ids import ID_PATTERN
@@ -43,6 +51,11 @@ _QUERY_TIMEOUT_S = 1.0
 _KEEPALIVE_S = 15.0
 _LISTENER_BACKLOG = 1000
 _MAX_LIMIT = 1000
+_CANCEL_WAIT_S = 5.0
+_INCIDENTS_LISTED = 100
+_ACTION_TIMEOUT_S = 5.0
+USAGE_BY = store.USAGE_KEYS
+DEFAULT_USAGE_SINCE = "30d"
 
 
 @dataclass(eq=False)
@@ -138,15 +151,32 @@ class Console:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def access_of(self, request: Request) -> Access | None:
-        """Who is asking: the token in the query, an ``Authorization: Bearer`` header or the cookie."""
+    @staticmethod
+    def token_of(request: Request) -> str | None:
+        """The token of a request: in the query, an ``Authorization: Bearer`` header or the cookie."""
         auth = request.headers.get("authorization", "")
-        token = (
+        return (
             request.query.get("token")
             or (auth[7:].strip() if auth.lower().startswith("bearer ") else None)
             or request.cookies.get(COOKIE)
         )
-        return self.tokens.check(token)
+
+    def access_of(self, request: Request) -> Access | None:
+        """Who is asking (None: no token, or a wrong one)."""
+        return self.tokens.check(self.token_of(request))
+
+    def form_key(self, request: Request) -> str:
+        """The anti-forgery key of this request's session, for the forms of its pages."""
+        return self.tokens.form_key(self.token_of(request) or "")
+
+    def form_is_ours(self, request: Request) -> bool:
+        """Whether a POST came from one of our pages: its form carries the session's key. A request
+        with an ``Authorization`` header needs none (a browser never adds that header on its own
+        to another site's form; the cookie alone is what a forged form would ride on)."""
+        if request.headers.get("authorization", "").lower().startswith("bearer "):
+            return True
+        given = request.form.get("form_key", "")
+        return hmac.compare_digest(given.encode(), self.form_key(request).encode())
 
     async def handle(self, request: Request) -> Response | EventStream:
         """Answer one request; errors become pages with their status."""
@@ -181,33 +211,134 @@ class Console:
         """Dispatch by method and path."""
         parts = [p for p in request.path.split("/") if p]
         if request.method == "POST":
-            return await self.action(parts, access)
+            return await self.action(request, parts, access)
         if request.method != "GET":
             return _page(405, pages.error_page(405, "only GET and POST", access))
         if not parts:
             return await self.map_page(access)
         head, rest = parts[0], parts[1:]
         if head == "resources" and len(rest) <= 3:
-            return await self.resources_page(access, rest)
+            return await self.resources_page(request, access, rest)
         if head == "jobs" and not rest:
             return await self.jobs_page(request, access)
         if head == "jobs" and len(rest) == 1:
-            return await self.job_page(access, rest[0])
+            return await self.job_page(request, access, rest[0])
+        if head in ("jobs", "clusters") and len(rest) == 2 and rest[1] in ("cancel", "drain", "undrain"):
+            return await self.confirm_page(request, access, head, rest[0], rest[1])
+        if head == "incidents" and not rest:
+            return await self.incidents_page(request, access)
+        if head == "incidents" and len(rest) == 1:
+            return await self.incident_page(request, access, rest[0])
+        if head in ("usage", "usage.csv") and not rest:
+            return await self.usage_page(request, access, csv_out=head == "usage.csv")
         if head == "queue" and not rest:
             return await self.queue_page(access)
         if head == "events" and not rest:
             return self.events(request, access)
         return _page(404, pages.error_page(404, f"no page {request.path}", access))
 
-    async def action(self, parts: list[str], access: Access) -> Response:
-        """Operator actions; on this build both say what is missing."""
+    async def action(self, request: Request, parts: list[str], access: Access) -> Response:
+        """Operator actions: cancel a job, drain or undrain a cluster, acknowledge an incident.
+        Tenants are read-only (403), a form without this session's key is refused (403); a done
+        action answers 303 to the page it acted on, which says what happened."""
         if not access.is_operator:
             return _page(403, pages.error_page(403, "only the operator token can act", access))
-        if len(parts) == 3 and parts[0] == "jobs" and parts[2] == "cancel":
-            return _page(501, pages.error_page(501, pages.CANCEL_MISSING, access))
-        if len(parts) == 3 and parts[0] == "clusters" and parts[2] == "drain":
-            return _page(501, pages.error_page(501, pages.DRAIN_MISSING, access))
+        if not self.form_is_ours(request):
+            return _page(403, pages.error_page(403, pages.FORM_STALE, access))
+        if len(parts) == 3 and parts[0] == "jobs" and parts[2] == "cancel" and _is_id(parts[1]):
+            return await self.cancel(access, parts[1])
+        if len(parts) == 3 and parts[0] == "clusters" and parts[2] in ("drain", "undrain"):
+            return await self.drain(request, access, parts[1], undrain=parts[2] == "undrain")
+        if len(parts) == 3 and parts[0] == "incidents" and parts[2] == "ack" and _is_id(parts[1]):
+            return await self.ack(access, parts[1])
         return _page(404, pages.error_page(404, "no such action", access))
+
+    async def cancel(self, access: Access, job_id: str) -> Response:
+        """Cancel a job the way `loom cancel` does (its ``cancelled`` event on the bus)."""
+        job = await repo.get_job(self.ctx.db, job_id)
+        if job is None:
+            return _page(404, pages.error_page(404, f"no job {job_id!r}", access))
+        if job["state"] in pages.TERMINAL:
+            return _page(
+                409,
+                pages.error_page(
+                    409, f"{job_id} had already ended ({job['state']}): nothing to cancel", access
+                ),
+            )
+        try:
+            state = await self.client.cancel(
+                job_id, reason="cancelled from the console", wait_s=_CANCEL_WAIT_S
+            )
+        except QueryError:  # published, not recorded yet: the job page shows it when it is
+            return _see_other(f"/jobs/{quote(job_id)}?done=cancel-pending")
+        if state != "cancelled":
+            return _page(409, pages.error_page(409, f"{job_id} ended ({state}) before the cancel", access))
+        return _see_other(f"/jobs/{quote(job_id)}?done=cancel")
+
+    def cluster_path(self, cluster: str) -> str | None:
+        """The resources page of a cluster of the topology."""
+        for c in self.topology.clusters:
+            if c.id == cluster:
+                return f"/resources/{quote(c.region)}/{quote(c.zone)}/{quote(c.id)}"
+        return None
+
+    async def drain(self, request: Request, access: Access, cluster: str, *, undrain: bool) -> Response:
+        """Drain (or open again) a cluster through the migration service, as `loom drain` does."""
+        where = self.cluster_path(cluster)
+        if where is None:
+            return _page(404, pages.error_page(404, f"no cluster {cluster!r} in the topology", access))
+        ask: dict[str, Any] = {"op": "undrain" if undrain else "drain", "cluster": cluster}
+        if not undrain:
+            try:
+                ask["concurrency"] = int(request.form.get("concurrency") or 2)
+            except ValueError:
+                return _page(400, pages.error_page(400, "concurrency must be a number", access))
+            ask["force"] = request.form.get("force") == "on"
+        answer = await self._request(subjects.MIGRATE_DRAIN, ask, "the migration service")
+        if not answer.get("ok"):
+            verb = "undrain" if undrain else "drain"
+            return _page(409, pages.error_page(409, f"{verb} refused: {answer.get('error')}", access))
+        return _see_other(f"{where}?done={'undrain' if undrain else 'drain'}")
+
+    async def ack(self, access: Access, incident_id: str) -> Response:
+        """Acknowledge an incident through the alert correlator, as `loom ack` does."""
+        answer = await self._request(
+            subjects.INCIDENTS_ACK,
+            {"incident_id": incident_id, "by": "console operator"},
+            "the alert correlator",
+        )
+        if not answer.get("ok"):
+            return _page(409, pages.error_page(409, f"ack refused: {answer.get('error')}", access))
+        return _see_other(f"/incidents/{quote(incident_id)}?done=ack")
+
+    async def _request(self, subject: str, body: Mapping[str, Any], who: str) -> dict[str, Any]:
+        try:
+            reply = await self.ctx.nc.request(subject, json.dumps(body).encode(), timeout=_ACTION_TIMEOUT_S)
+        except Exception as exc:  # nats raises several unrelated types for "no answer"
+            return {"ok": False, "error": f"{who} did not answer ({type(exc).__name__}); is it running?"}
+        answer = json.loads(reply.data)
+        return answer if isinstance(answer, dict) else {"ok": False, "error": "an unreadable answer"}
+
+    async def confirm_page(
+        self, request: Request, access: Access, kind: str, target: str, verb: str
+    ) -> Response:
+        """The confirmation step before an action (its form posts the action)."""
+        if not access.is_operator:
+            return _page(403, pages.error_page(403, "only the operator token can act", access))
+        if (kind == "jobs") != (verb == "cancel") or not _is_id(target):
+            return _page(404, pages.error_page(404, f"no page {request.path}", access))
+        if kind == "jobs":
+            job = await repo.get_job(self.ctx.db, target)
+            if job is None:
+                return _page(404, pages.error_page(404, f"no job {target!r}", access))
+            return _page(200, pages.confirm_cancel(access, job, self.form_key(request)))
+        back = self.cluster_path(target)
+        if back is None:
+            return _page(404, pages.error_page(404, f"no cluster {target!r} in the topology", access))
+        runs = await moves.runs_on(self.ctx.db, target)
+        return _page(
+            200, pages.confirm_drain(access, target, verb, len(runs), self.form_key(request), back=back)
+        )
 
     def events(self, request: Request, access: Access) -> Response | EventStream:
         """The job event stream: the viewer's tenant only (the operator may pick one, or a job)."""
@@ -240,15 +371,34 @@ class Console:
         body = pages.map_page(access, self.regions, self.placed, view, links, links_measured=measured)
         return _page(200, body)
 
-    async def resources_page(self, access: Access, path: list[str]) -> Response:
-        """A level of the resource tree."""
+    async def resources_page(self, request: Request, access: Access, path: list[str]) -> Response:
+        """A level of the resource tree; drained clusters marked."""
         view = await self.client.view(
             region=path[0] if path else None, nodes=len(path) == 3, timeout_s=_QUERY_TIMEOUT_S
         )
+        drains = {str(d["cluster"]): str(d["state"]) for d in await moves.drains(self.ctx.db)}
         try:
-            return _page(200, pages.resources_page(access, view, path))
+            body = pages.resources_page(
+                access,
+                view,
+                path,
+                drains=drains,
+                form_key=self.form_key(request),
+                notice=pages.notice_of(request.query.get("done")),
+            )
         except KeyError:
             return _page(404, pages.error_page(404, f"nothing at {'/'.join(path)} in the view", access))
+        return _page(200, body)
+
+    @contextlib.asynccontextmanager
+    async def _reader(self, access: Access) -> AsyncIterator[asyncpg.Pool | asyncpg.Connection]:
+        """Where a page reads: the pool for the operator; for a tenant, a transaction under
+        row-level security as that tenant (:func:`loom.store.roles.tenant_scope`)."""
+        if access.is_operator or access.tenant is None:
+            yield self.ctx.db
+            return
+        async with tenant_scope(self.ctx.db, access.tenant) as conn:
+            yield conn
 
     def _tenant_filter(self, request: Request, access: Access) -> str | None:
         if not access.is_operator:
@@ -265,21 +415,30 @@ class Console:
             limit = min(max(int(request.query.get("limit") or 100), 1), _MAX_LIMIT)
         except ValueError:
             return _page(400, pages.error_page(400, "limit must be a number", access))
-        jobs = await repo.list_jobs(self.ctx.db, tenant=tenant, state=state, limit=limit)
-        counts = await store.counts_of(self.ctx.db, tenant)
+        async with self._reader(access) as db:
+            jobs = await repo.list_jobs(db, tenant=tenant, state=state, limit=limit)
+            counts = await store.counts_of(db, tenant)
         return _page(
             200, pages.jobs_page(access, jobs, tenant=tenant, state=state, counts=counts, limit=limit)
         )
 
-    async def job_page(self, access: Access, job_id: str) -> Response:
+    async def job_page(self, request: Request, access: Access, job_id: str) -> Response:
         """One job (403 for another tenant's)."""
-        job = await repo.get_job(self.ctx.db, job_id) if _is_id(job_id) else None
+        job, decisions = None, []
+        if _is_id(job_id):
+            async with self._reader(access) as db:
+                job = await repo.get_job(db, job_id)
+                decisions = await repo.decisions_of(db, job_id) if job is not None else []
         if job is None:
+            if _is_id(job_id) and not access.is_operator:
+                async with self.ctx.db.acquire() as conn:
+                    if await repo.existing_jobs(conn, [job_id]):
+                        return _page(403, pages.error_page(403, "this job belongs to another tenant", access))
             return _page(404, pages.error_page(404, f"no job {job_id!r}", access))
         if not access.can_see(str(job["tenant"])):
             return _page(403, pages.error_page(403, "this job belongs to another tenant", access))
         explanation = []
-        for decision in await repo.decisions_of(self.ctx.db, job_id):
+        for decision in decisions:
             try:
                 lines = render(DecisionRecord.from_dict(decision["record"]))
             except (KeyError, TypeError, ValueError) as exc:
@@ -292,18 +451,104 @@ class Console:
             job["stage_jobs"] = []
         trace_id = job.get("trace_id")
         trace_url = jaeger_link(str(trace_id), self.jaeger_url) if trace_id and self.jaeger_url else None
-        return _page(200, pages.job_page(access, job, explanation, trace_url=trace_url))
+        return _page(
+            200,
+            pages.job_page(
+                access,
+                job,
+                explanation,
+                trace_url=trace_url,
+                notice=pages.notice_of(request.query.get("done")),
+            ),
+        )
 
     async def queue_page(self, access: Access) -> Response:
         """The queue."""
         tenant = None if access.is_operator else access.tenant
-        queued = await store.waiting(self.ctx.db, tenant)
-        counts = await store.counts_of(self.ctx.db, tenant)
+        async with self._reader(access) as db:
+            queued = await store.waiting(db, tenant)
+            counts = await store.counts_of(db, tenant)
         return _page(200, pages.queue_page(access, queued, counts))
+
+    async def incidents_page(self, request: Request, access: Access) -> Response:
+        """Incidents, newest first; a tenant's: those that touch its jobs."""
+        open_only = request.query.get("open") == "1"
+        tenant = None if access.is_operator else access.tenant
+        if tenant is None:
+            found = await store.incident_briefs(self.ctx.db, open_only=open_only, limit=_INCIDENTS_LISTED)
+        else:
+            found = await store.incidents_of(
+                self.ctx.db, tenant, open_only=open_only, limit=_INCIDENTS_LISTED
+            )
+        shown = [pages.scoped_incident(i, tenant) for i in found]
+        return _page(200, pages.incidents_page(access, shown, open_only=open_only))
+
+    async def incident_page(self, request: Request, access: Access, incident_id: str) -> Response:
+        """One incident: root cause, affected jobs and tenants, timeline (a tenant: its jobs only)."""
+        found = await incident_store.get_incident(self.ctx.db, incident_id) if _is_id(incident_id) else None
+        if found is None:
+            return _page(404, pages.error_page(404, f"no incident {incident_id!r}", access))
+        if not access.is_operator and access.tenant not in found.tenants:
+            return _page(403, pages.error_page(403, "this incident does not touch your jobs", access))
+        shown = pages.scoped_incident(found, None if access.is_operator else access.tenant)
+        return _page(
+            200,
+            pages.incident_page(
+                access,
+                shown,
+                form_key=self.form_key(request),
+                notice=pages.notice_of(request.query.get("done")),
+            ),
+        )
+
+    async def usage_page(self, request: Request, access: Access, *, csv_out: bool) -> Response:
+        """Metered usage over a range, grouped; a tenant's own only. ``/usage.csv``: the same as CSV."""
+        tenant = access.tenant if not access.is_operator else (request.query.get("tenant") or None)
+        if tenant is not None and not _is_id(tenant):
+            return _page(400, pages.error_page(400, "tenant must be an id", access))
+        by = request.query.get("by") or ("tenant" if access.is_operator else "model")
+        if by not in USAGE_BY:
+            return _page(400, pages.error_page(400, f"group by one of {', '.join(USAGE_BY)}", access))
+        since = request.query.get("since", DEFAULT_USAGE_SINCE).strip()
+        until = request.query.get("until", "").strip()
+        try:
+            since_ms = _ms(since) if since else None
+            until_ms = _ms(until) if until else None
+            if since_ms is not None and until_ms is not None and until_ms <= since_ms:
+                raise InvalidInputError("the range is empty or inverted: until must be after since")
+            groups = await store.usage_totals(
+                self.ctx.db, by, tenant=tenant, since_ms=since_ms, until_ms=until_ms
+            )
+        except InvalidInputError as exc:
+            return _page(400, pages.error_page(400, str(exc), access))
+        if csv_out:
+            return Response(
+                body=pages.usage_csv(groups, by).encode(),
+                content_type="text/csv; charset=utf-8",
+                headers=[("Content-Disposition", 'attachment; filename="loom-usage.csv"')],
+            )
+        return _page(
+            200,
+            pages.usage_page(
+                access, groups, by=by, tenant=tenant, since=since, until=until, by_choices=USAGE_BY
+            ),
+        )
 
 
 def _page(status: int, body: str) -> Response:
     return Response(status=status, body=body.encode())
+
+
+def _see_other(location: str) -> Response:
+    return Response(status=303, headers=[("Location", location)])
+
+
+def _ms(text: str) -> int:
+    """A time of the usage form (a duration back such as ``7d``, or an ISO time, UTC) in ms."""
+    moment = parse_since(text)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return round(moment.timestamp() * 1000)
 
 
 async def serve(

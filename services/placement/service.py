@@ -111,6 +111,7 @@ from loom.store import jobs as repo
 from loom.store import ledger as ledger_store
 from loom.store.fence import FencedError
 from loom.store.pool import ConflictError, transaction, with_retry
+from loom.store.roles import tenant_scope
 from loom.telemetry import metrics as prom
 from loom_proto import subjects
 from loom_proto.clusters import ResizeJob, StartJob, StopJob
@@ -2249,6 +2250,34 @@ class PlacementService:
 
     # ---- queries -------------------------------------------------------------------------------
 
+    @contextlib.asynccontextmanager
+    async def _reader(self, tenant: str | None) -> AsyncIterator[asyncpg.Pool | asyncpg.Connection]:
+        """The pool, or for a tenant a transaction under row-level security as that tenant."""
+        if tenant is None:
+            yield self.pool
+            return
+        async with tenant_scope(self.pool, tenant) as conn:
+            yield conn
+
+    @staticmethod
+    async def _tenant_query(
+        db: asyncpg.Pool | asyncpg.Connection, op: str, request: dict[str, Any]
+    ) -> object:
+        """The job queries: get, list, counts, explain."""
+        if op == "get":
+            return await repo.get_job(db, str(request["job_id"]))
+        if op == "list":
+            return await repo.list_jobs(
+                db,
+                tenant=request.get("tenant"),
+                state=request.get("state"),
+                limit=min(int(request.get("limit", 100)), 10_000),
+            )
+        if op == "counts":
+            return await repo.count_by_state(db)
+        job_id = str(request["job_id"])
+        return {"job": await repo.get_job(db, job_id), "decisions": await repo.decisions_of(db, job_id)}
+
     async def on_query(self, msg: Msg) -> None:
         """``loom.jobs.query``: get, list, counts, or explain (every decision record of a job).
 
@@ -2262,30 +2291,14 @@ class PlacementService:
         try:
             request = json.loads(msg.data or b"{}")
             op = request.get("op", "list")
-            if scope is not None and op in ("get", "explain"):
-                job = await repo.get_job(self.pool, str(request["job_id"]))
-                if job is None or job.get("tenant") != scope:
-                    await msg.respond(json.dumps({"ok": True, "result": None}).encode())
-                    return
+            tenant = scope if scope is not None else request.get("tenant")
             if scope is not None and op not in ("get", "list", "explain"):
                 raise ValueError(f"{op!r} is not open to a tenant")
-            if op == "get":
-                result: object = await repo.get_job(self.pool, str(request["job_id"]))
-            elif op == "list":
-                result = await repo.list_jobs(
-                    self.pool,
-                    tenant=scope if scope is not None else request.get("tenant"),
-                    state=request.get("state"),
-                    limit=min(int(request.get("limit", 100)), 10_000),
-                )
-            elif op == "counts":
-                result = await repo.count_by_state(self.pool)
-            elif op == "explain":
-                job_id = str(request["job_id"])
-                result = {
-                    "job": await repo.get_job(self.pool, job_id),
-                    "decisions": await repo.decisions_of(self.pool, job_id),
-                }
+            if op in ("get", "list", "counts", "explain"):
+                # For a tenant (its own query subject, or a request naming one): row-level
+                # security shows that tenant's rows only, another tenant's job is not found.
+                async with self._reader(None if tenant is None else str(tenant)) as db:
+                    result: object = await self._tenant_query(db, op, {**request, "tenant": tenant})
             elif op == "learned":
                 learner = await speeds.load_learner(self.pool, self.learner.settings)
                 result = [msgspec.to_builtins(e) for e in learner.estimates()]

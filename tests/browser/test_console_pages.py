@@ -143,10 +143,23 @@ def test_each_page_renders_against_the_real_stack(operator_url: str, page: Any) 
     page.wait_for_selector("tr[data-node]")
     assert page.locator("tr[data-node]").count() > 0
     assert "water level" in page.inner_text("main")
-    assert page.locator("button:has-text('Drain')").is_disabled()
-    drain = page.request.post(page.url.split("/resources/")[0] + "/clusters/c-use2-a/drain")
-    assert drain.status == 501 and "no drain command" in drain.text()
     shot(page, "cluster")
+    # Drain through the confirmation step: the cluster is marked, then opened again.
+    cluster_url = page.url
+    page.click("a[data-action=drain]")
+    page.wait_for_selector("form[method=post] button.danger")
+    assert page.locator("input[name=form_key]").count() == 1
+    shot(page, "drain-confirm")
+    page.click("button.danger")
+    page.wait_for_selector("p.notice")
+    assert "Draining" in page.inner_text("p.notice") and page.url.startswith(cluster_url)
+    assert page.locator("p.drain[data-drain]").count() == 1
+    forged = page.request.post(page.url.split("/resources/")[0] + "/clusters/c-use2-a/undrain")
+    assert forged.status == 403 and "stale" in forged.text()  # no form key: not from our page
+    page.click("a[data-action=undrain]")
+    page.click("button.danger")
+    page.wait_for_selector("p.notice")
+    assert "Open again" in page.inner_text("p.notice") and page.locator("p.drain").count() == 0
 
     page.click("nav >> text=Queue")
     page.wait_for_selector("p.counts")
@@ -154,6 +167,9 @@ def test_each_page_renders_against_the_real_stack(operator_url: str, page: Any) 
     page.click("nav >> text=Jobs")
     page.wait_for_selector("table[data-live-jobs]")
     shot(page, "jobs")
+    page.click("nav >> text=Incidents")
+    page.wait_for_selector("table.incidents")
+    shot(page, "incidents")
 
 
 def test_a_job_submitted_through_the_cli_goes_queued_running_completed_live(
@@ -210,3 +226,47 @@ def test_a_tenant_sees_its_own_jobs_and_gets_403_for_another_tenants(
     page.goto(f"{base}/jobs?tenant=beta")  # a tenant's filter cannot widen its view
     assert page.locator(f"tr[data-job='{mine}']").count() == 1  # `loom submit` waited for its admission
     assert page.locator(f"tr[data-job='{theirs}']").count() == 0
+
+
+def test_the_operator_cancels_a_running_job_from_its_page(
+    home: Path, operator_url: str, base: str, page: Any
+) -> None:
+    [job_id] = submit(home, "acme", steps=1_000_000)  # far longer than the test
+    page.goto(operator_url)
+    page.goto(f"{base}/jobs/{job_id}")
+    page.wait_for_function("document.body.dataset.live === 'on'")
+    page.wait_for_function("document.querySelector('#job [data-field=state]').textContent === 'running'")
+    page.click("a[data-action=cancel]")
+    assert "cannot be undone" in page.inner_text("main")
+    page.click("button.danger")
+    page.wait_for_selector("#timeline li[data-kind=cancelled]")
+    assert page.url.endswith(f"/jobs/{job_id}?done=cancel")
+    assert page.inner_text("#job [data-field=state]") == "cancelled"
+    assert "Cancelled" in page.inner_text("p.notice")
+    assert page.locator("a[data-action=cancel]").count() == 0  # nothing left to cancel
+    shot(page, "job-cancelled")
+
+
+def test_usage_shows_metered_jobs_with_a_chart_and_a_tenant_its_own_only(
+    home: Path, operator_url: str, base: str, page: Any
+) -> None:
+    page.goto(operator_url)
+    # The jobs of the tests above ran: metering's rows arrive within seconds of their end.
+    for _ in range(40):
+        page.goto(f"{base}/usage?by=tenant&since=1d")
+        if page.locator("table.usage tr[data-key=acme]").count():
+            break
+        page.wait_for_timeout(500)
+    assert page.locator("table.usage tr[data-key=acme]").count() == 1
+    assert page.locator("svg.chart g.bar-row[data-key=acme]").count() == 2  # GPU-hours and cost
+    shot(page, "usage")
+    csv_text = page.request.get(f"{base}/usage.csv?by=tenant&since=1d").text()
+    assert csv_text.startswith("tenant,runs,gpu_seconds") and "\nacme," in csv_text
+
+    page.goto(f"{base}/?token={load_tokens(home).tenant_token('alpha')}")
+    page.goto(f"{base}/usage?by=tenant&tenant=acme&since=1d")  # its filter cannot widen its view
+    assert page.locator("table.usage tr[data-key=acme]").count() == 0
+    assert "your own usage only" in page.inner_text("main")
+    page.goto(f"{base}/incidents")
+    assert page.locator("table.incidents").count() == 1
+    shot(page, "usage-tenant")

@@ -88,12 +88,24 @@ def test_the_margin_is_over_the_best_comparable_baseline_and_never_over_the_orac
 
 
 def test_the_spanning_penalty_pairs_the_jobs_that_finished_both_ways() -> None:
-    allowed = {"cell": "small/1/span/mix", "seed": 0, "jct_by_job": {"a": 30.0, "b": 10.0, "huge": 1000.0}}
-    forbidden = {"cell": "small/1/nospan/mix", "seed": 0, "jct_by_job": {"a": 20.0, "b": 20.0}}
+    allowed = {
+        "cell": "small/1/span/mix",
+        "seed": 0,
+        "jct_by_job": {"a": 30.0, "b": 10.0, "huge": 1000.0},
+        "policies": {"loom": {"rejected": 1.0}},
+    }
+    forbidden = {
+        "cell": "small/1/nospan/mix",
+        "seed": 0,
+        "jct_by_job": {"a": 20.0, "b": 20.0, "c": 5.0},
+        "policies": {"loom": {"rejected": 2.0}},
+    }
     (item,) = grid.spanning_penalty([allowed, forbidden])
     assert item["cells"] == "small/1/mix" and item["paired_jobs"] == 2 and item["only_when_allowed"] == 1
+    assert item["only_when_forbidden"] == 1
+    assert (item["rejected_allowed"], item["rejected_forbidden"]) == (1, 2)
     assert item["penalty"] == pytest.approx(0.0)  # 40 s both ways over a and b
-    assert item["unpaired"] == pytest.approx((1040.0 / 3) / 20.0 - 1.0)
+    assert item["unpaired"] == pytest.approx((1040.0 / 3) / (45.0 / 3) - 1.0)
 
 
 def test_grid_options_select_a_subset_and_refuse_unknown_values() -> None:
@@ -180,3 +192,24 @@ def test_no_margin_when_a_baseline_finished_more_jobs_than_loom() -> None:
     m = margin(figures)
     assert m["margin"] == pytest.approx(0.5 / 1.5) and m["best_baseline"] == "first_fit"
     assert m["loom_finished_fewer"] == []
+
+
+def test_the_common_jobs_margin_compares_loom_with_each_baseline_on_the_jobs_both_finished() -> None:
+    # Loom rejected "huge" (a spread beyond its bound); gavel_like ran it for 1000 s. On the two
+    # jobs both finished Loom is 25 % faster than gavel_like and 50 % faster than random; the oracle
+    # is a bound, never a baseline.
+    seeds = [
+        {
+            "jct_by_policy": {
+                "loom": {"a": 10.0, "b": 20.0},
+                "gavel_like": {"a": 20.0, "b": 20.0, "huge": 1000.0},
+                "random": {"a": 30.0, "b": 30.0},
+                "oracle": {"a": 1.0, "b": 1.0},
+            }
+        }
+    ]
+    found = grid.common_jobs_margin(seeds)
+    assert found["common_best_baseline"] == "gavel_like"
+    assert found["common_margin"] == pytest.approx(0.25)
+    assert (found["common_jobs"], found["baseline_only"]) == (2, 1)
+    assert grid.common_jobs_margin([{"jct_by_policy": {"loom": {"a": 1.0}}}])["common_margin"] is None

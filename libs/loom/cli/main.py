@@ -50,6 +50,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         placement_shards=args.placement_shards,
         services=not args.servers_only,
         nats_cluster=args.nats_cluster,
+        secure_db=args.secure_db,
         metrics_port_base=args.metrics_port_base,
         slurm_clusters=stack.default_slurm_clusters(args.topology, args.cluster or []) if args.slurm else [],
         secure=args.secure or stack.StackOptions().secure,
@@ -862,6 +863,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=(1, 3),
         default=1,
         help="nats-server processes: 3 runs a JetStream cluster with 3 replicas of every stream",
+    )
+    p.add_argument(
+        "--secure-db",
+        action=argparse.BooleanOptionalAction,
+        default=stack.SECURE_DB_DEFAULT,
+        help="PostgreSQL with SCRAM passwords (0600 files under LOOM_HOME/secrets) and a "
+        "least-privilege role per service; --no-secure-db trusts every local connection",
     )
     p.add_argument(
         "--metrics-port-base",

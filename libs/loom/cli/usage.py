@@ -106,9 +106,12 @@ def cmd_usage(args: argparse.Namespace) -> int:
         async def go() -> list[Group]:
             conn = await _connect()
             try:
-                rows = await usage_store.read_rows(
-                    conn, tenant=args.tenant, since_ms=since_ms, until_ms=until_ms
-                )
+                if args.tenant:  # row-level security too, not only the WHERE
+                    rows = await usage_store.read_tenant_rows(
+                        conn, args.tenant, since_ms=since_ms, until_ms=until_ms
+                    )
+                else:
+                    rows = await usage_store.read_rows(conn, since_ms=since_ms, until_ms=until_ms)
             finally:
                 await conn.close()
             return aggregate(rows, args.by, since_ms=since_ms, until_ms=until_ms)
@@ -152,8 +155,8 @@ def cmd_statement(args: argparse.Namespace) -> int:
         async def go() -> Any:
             conn = await _connect()
             try:
-                rows = await usage_store.read_rows(
-                    conn, tenant=args.tenant, since_ms=since_ms, until_ms=until_ms
+                rows = await usage_store.read_tenant_rows(
+                    conn, args.tenant, since_ms=since_ms, until_ms=until_ms
                 )
             finally:
                 await conn.close()

@@ -37,6 +37,7 @@ from types import TracebackType
 from typing import IO, ClassVar, Self
 
 from loom.errors import LoomError
+from loom.runtime.pgsecrets import generate_password, pgpass_password, role_url, scram_verifier, write_pgpass
 
 __all__ = [
     "NatsCluster",
@@ -665,16 +666,42 @@ class PostgresServer(_ChildServer):
     _stop_signal = signal.SIGINT
     database = "loom"
 
-    def __init__(self, data_dir: Path, port: int | None = None, *, durable: bool = True) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        *,
+        durable: bool = True,
+        auth: bool = False,
+        secrets_dir: Path | None = None,
+    ) -> None:
         super().__init__(data_dir, port)
         self.durable = durable
+        self.auth = auth
+        self.secrets_dir = (
+            Path(secrets_dir).absolute() if secrets_dir is not None else self.data_dir / "secrets"
+        )
         self._bin_dir = _postgres_bin_dir()
         self._run_as: tuple[int, int] | None = None
 
     @property
     def url(self) -> str:
-        """``postgresql://postgres@127.0.0.1:PORT/loom`` (trust auth, no password)."""
-        return f"postgresql://postgres@127.0.0.1:{self.port}/{self.database}"
+        """The superuser's URL: ``postgresql://postgres@127.0.0.1:PORT/loom``.
+
+        Without ``auth`` every local connection is trusted (no password). With ``auth`` every
+        connection must prove a password (SCRAM-SHA-256, no ``trust`` line in ``pg_hba.conf``);
+        the URL then names the 0600 password file (``?passfile=``) rather than carrying it.
+        """
+        return role_url("postgres", self.port, self.database, self.admin_passfile if self.auth else None)
+
+    @property
+    def admin_passfile(self) -> Path:
+        """The superuser's password file (``auth`` only), readable by its owner alone."""
+        return self.secrets_dir / "postgres.pgpass"
+
+    def url_for(self, user: str, passfile: Path | None) -> str:
+        """The URL of another role of this server, naming its password file."""
+        return role_url(user, self.port, self.database, passfile)
 
     @property
     def pgdata(self) -> Path:
@@ -712,20 +739,94 @@ class PostgresServer(_ChildServer):
             os.chown(socket_dir, uid, gid)
             if self.pgdata.stat().st_uid != uid:
                 _chown_tree(self.pgdata, uid, gid)
+        password: str | None = None
+        new_password = False
+        if self.auth:
+            password = pgpass_password(self.admin_passfile)
+            if password is None:
+                password, new_password = generate_password(), True
+                write_pgpass(self.admin_passfile, "postgres", password)
         if not (self.pgdata / "PG_VERSION").exists():
-            self._initdb(deadline)
+            self._initdb(deadline, password)
+        elif password is not None and (new_password or self._hba_trusts()):
+            # A cluster made without auth, or whose password file was lost: give the superuser its
+            # (new) password before anyone can connect.
+            self._set_superuser_password(deadline, password)
+        if self.auth:
+            self._write_hba()
 
-    def _initdb(self, deadline: float) -> None:
+    def _hba_trusts(self) -> bool:
+        try:
+            lines = (self.pgdata / "pg_hba.conf").read_text().splitlines()
+        except FileNotFoundError:
+            return True
+        return any(line.split()[-1:] == ["trust"] for line in lines if not line.lstrip().startswith("#"))
+
+    def _write_hba(self) -> None:
+        """Every connection, local socket or TCP, proves a password with SCRAM; nothing is trusted."""
+        hba = self.pgdata / "pg_hba.conf"
+        hba.write_text(
+            "# Written by Loom (PostgresServer auth=True): SCRAM passwords for everyone, no trust.\n"
+            "local all all scram-sha-256\n"
+            "host all all 127.0.0.1/32 scram-sha-256\n"
+            "host all all ::1/128 scram-sha-256\n"
+        )
+        hba.chmod(0o600)
+        if self._run_as is not None:
+            os.chown(hba, *self._run_as)
+
+    def _set_superuser_password(self, deadline: float, password: str) -> None:
+        """Set the superuser's password in single-user mode (no listener: no window to exploit)."""
+        statement = f"ALTER ROLE postgres PASSWORD '{scram_verifier(password)}';\n"
+        command = [str(self._bin_dir / "postgres"), "--single", "-D", str(self.pgdata), "postgres"]
+        try:
+            result = subprocess.run(
+                command,
+                input=statement.encode(),
+                capture_output=True,  # never into the log: it would echo nothing secret, but still
+                cwd=self.data_dir,
+                timeout=max(1.0, deadline - time.monotonic()),
+                check=False,
+                user=self._uid,
+                group=self._gid,
+                extra_groups=self._extra_groups,
+            )
+        except subprocess.TimeoutExpired as error:
+            raise self._fail("setting the superuser password timed out") from error
+        if result.returncode != 0:
+            raise self._fail(f"setting the superuser password failed (status {result.returncode})")
+
+    def _initdb(self, deadline: float, password: str | None = None) -> None:
         command = [
             str(self._bin_dir / "initdb"),
             "-D", str(self.pgdata),
             "-U", "postgres",
-            "--auth=trust",
             "--encoding=utf8",
             "--no-locale",
         ]  # fmt: skip
+        pwfile: Path | None = None
+        if password is None:
+            command.append("--auth=trust")
+        else:
+            # initdb stores what the file holds: a SCRAM verifier, so the password never reaches
+            # a file the server's user can read.
+            pwfile = self.data_dir / ".initdb-pw"
+            pwfile.unlink(missing_ok=True)
+            fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(scram_verifier(password) + "\n")
+            if self._run_as is not None:
+                os.chown(pwfile, *self._run_as)
+            command += ["--auth=scram-sha-256", f"--pwfile={pwfile}"]
         if not self.durable:
             command.append("--no-sync")
+        try:
+            self._run_initdb(command, deadline)
+        finally:
+            if pwfile is not None:
+                pwfile.unlink(missing_ok=True)
+
+    def _run_initdb(self, command: list[str], deadline: float) -> None:
         with self.log_path.open("ab") as log:
             log.write(f"--- running: {' '.join(command)}\n".encode())
             log.flush()
@@ -831,9 +932,10 @@ class PostgresServer(_ChildServer):
             "-X", "-q", "-v", "ON_ERROR_STOP=1",
             "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-d", "postgres",
         ]  # fmt: skip
+        env = dict(os.environ, PGPASSFILE=str(self.admin_passfile)) if self.auth else None
         try:
             result = subprocess.run(
-                command, input=sql.encode(), capture_output=True, timeout=timeout_s, check=False
+                command, input=sql.encode(), capture_output=True, timeout=timeout_s, check=False, env=env
             )
         except subprocess.TimeoutExpired as error:
             raise self._fail(f"creating database {self.database!r} timed out") from error

@@ -35,6 +35,7 @@ from loom.bus import connect, ensure_streams
 from loom.bus.connection import remember_credentials
 from loom.model.topology import load_topology
 from loom.runtime.config import ENV_DATABASE_URL, ENV_HOME, ENV_NATS_URL, loom_home, stack_file
+from loom.runtime.dbcreds import provision_roles
 from loom.runtime.servers import (
     NatsCluster,
     NatsServer,
@@ -48,6 +49,7 @@ from loom.runtime.tokens import ensure_tokens
 from loom.sched.shards import group_options, split_regions
 from loom.security import ENV_CREDS, CredentialStore, admin_identity, identity_for_process
 from loom.store.migrations import migrate_url
+from loom.store.roles import role_of
 from loom.telemetry.metrics import ENV_METRICS_PORT
 from loom_proto import subjects
 
@@ -62,6 +64,11 @@ log = structlog.get_logger("loom.supervisor")
 
 ENV_SECURE = "LOOM_SECURE"
 """``1``: stacks start secured unless their options say otherwise (``StackOptions.secure``)."""
+ENV_SECURE_DB = "LOOM_SECURE_DB"
+SECURE_DB_DEFAULT = os.environ.get(ENV_SECURE_DB, "1") != "0"
+"""Whether ``loom up`` secures PostgreSQL unless told (``--secure-db`` / ``--no-secure-db``): yes,
+unless ``LOOM_SECURE_DB=0`` (e.g. to measure a benchmark without it)."""
+
 ENV_STREAM_REPLICAS = "LOOM_STREAM_REPLICAS"
 """Replicas of Loom's streams, KV buckets and (inherited) consumers; read by loom.bus."""
 
@@ -124,6 +131,10 @@ class StackOptions:
     """Run the web console (services/console); ``loom console`` prints its URL with a token."""
     console_port: int = 0
     """The console's port on 127.0.0.1; 0: a free port chosen when the stack starts."""
+    secure_db: bool = SECURE_DB_DEFAULT
+    """The embedded PostgreSQL demands SCRAM passwords (no trust), generated here into 0600 files
+    under ``<home>/secrets/``, and each service logs in as its own least-privilege role
+    (:mod:`loom.store.roles`); off: every local connection is trusted, as the superuser."""
     metrics_port_base: int = 0
     """Prometheus ``/metrics`` ports: services get ``base``, ``base + 1``, … in start order; 0 gives
     each a free port. ``loom status`` lists them; deploy/prometheus/ shows how to scrape them."""
@@ -449,6 +460,8 @@ class Supervisor:
         self._reaping_until = 0.0
         self.credentials: CredentialStore | None = None
         """The stack's NATS credentials when it is secured."""
+        self.role_urls: dict[str, str] = {}
+        """Each service role's database URL when PostgreSQL is secured (:attr:`StackOptions.secure_db`)."""
 
     def write_state(self, status: str, **extra: Any) -> None:
         """Atomically rewrite the state file."""
@@ -499,7 +512,12 @@ class Supervisor:
                 "nats", self.nats, on_restart=lambda: self._ensure_streams(url)
             )
         if not database_url:
-            self.postgres = PostgresServer(self.home / "postgres", durable=self.options.durable)
+            self.postgres = PostgresServer(
+                self.home / "postgres",
+                durable=self.options.durable,
+                auth=self.options.secure_db,
+                secrets_dir=self.home / "secrets",
+            )
             self.postgres.start()
             database_url = self.postgres.url
             self.state["postgres_pid"] = self.postgres.pid
@@ -575,8 +593,27 @@ class Supervisor:
             reap_orphans(known)
         return changed
 
+    def prepare(self, nats_url: str, database_url: str) -> None:
+        """Migrate, create the streams, and (PostgreSQL secured) give each service role a password."""
+        asyncio.run(prepare(nats_url, database_url))
+        if self.postgres is not None and self.postgres.auth:
+            pg = self.postgres
+            self.role_urls = asyncio.run(
+                provision_roles(database_url, self.home / "secrets", pg.port, pg.database)
+            )
+
+    def service_env(self, name: str, env: dict[str, str]) -> dict[str, str]:
+        """``env`` with the database URL of the service's own role when PostgreSQL is secured (a
+        process that uses no database gets a URL without credentials)."""
+        if not self.role_urls or self.postgres is None:
+            return env
+        role = role_of(name)
+        url = self.role_urls[role] if role is not None else self.postgres.url_for("loom_none", None)
+        return {**env, ENV_DATABASE_URL: url}
+
     def spawn(self, svc: ServiceProcess, env: dict[str, str]) -> None:
         """Start one service process, its output appended to its log file."""
+        env = self.service_env(svc.name, env)
         if svc.metrics_port is not None:
             env = {**env, ENV_METRICS_PORT: str(svc.metrics_port)}
         with open(svc.log, "ab") as log:
@@ -614,7 +651,7 @@ class Supervisor:
         self.write_state("starting")
         try:
             nats_url, database_url = self.start_servers()
-            asyncio.run(prepare(nats_url, database_url))
+            self.prepare(nats_url, database_url)
             env = dict(
                 os.environ,
                 **{ENV_NATS_URL: nats_url, ENV_DATABASE_URL: database_url, ENV_HOME: str(self.home)},
@@ -754,6 +791,7 @@ def supervisor_argv(home: Path, options: StackOptions) -> list[str]:
         argv.append("--no-console")
     if options.console_port:
         argv += ["--console-port", str(options.console_port)]
+    argv.append("--secure-db" if options.secure_db else "--insecure-db")
     for cluster in options.slurm_clusters:
         argv += ["--slurm-cluster", cluster]
     if options.secure:
@@ -886,6 +924,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nats-cluster", type=int, choices=(1, 3), default=1)
     parser.add_argument("--no-console", action="store_true")
     parser.add_argument("--console-port", type=int, default=0)
+    parser.add_argument("--secure-db", action=argparse.BooleanOptionalAction, default=SECURE_DB_DEFAULT)
+    parser.add_argument("--insecure-db", dest="secure_db", action="store_false")
     parser.add_argument("--metrics-port-base", type=int, default=0)
     parser.add_argument("--slurm-cluster", action="append", default=[])
     parser.add_argument("--secure", action="store_true")
@@ -905,6 +945,7 @@ def main(argv: list[str] | None = None) -> int:
         nats_cluster=args.nats_cluster,
         console=not args.no_console,
         console_port=args.console_port,
+        secure_db=args.secure_db,
         metrics_port_base=args.metrics_port_base,
         slurm_clusters=args.slurm_cluster,
         secure=args.secure,

@@ -74,6 +74,12 @@ class Tokens:
             return Access("tenant", tenant)
         return None
 
+    def form_key(self, token: str) -> str:
+        """The anti-forgery key the console puts in its forms for one session (one token): an
+        HMAC of the token, so another site, which cannot read the page, cannot post a form."""
+        digest = hmac.new(self.secret.encode(), b"form:" + token.encode(), hashlib.sha256).hexdigest()
+        return digest[:_MAC_CHARS]
+
 
 def tokens_path(home: Path) -> Path:
     """Where a stack's console tokens live."""

@@ -5,6 +5,8 @@ from importlib import resources
 
 import asyncpg
 
+from loom.store.roles import ensure_roles
+
 # Any constant works; it only has to be the same in every process that migrates.
 _MIGRATION_LOCK_KEY = 0x10_0A_11
 
@@ -38,7 +40,11 @@ def available() -> list[Migration]:
 
 
 async def migrate(conn: asyncpg.Connection) -> list[int]:
-    """Apply every pending migration, each in its own transaction; return the versions applied."""
+    """Apply every pending migration, each in its own transaction; return the versions applied.
+
+    Then, as a superuser, (re)apply the service roles' grants and the tenant row-level security
+    (:func:`loom.store.roles.ensure_roles`), so they cover every table that exists now.
+    """
     applied_now: list[int] = []
     await conn.execute("SELECT pg_advisory_lock($1)", _MIGRATION_LOCK_KEY)
     try:
@@ -60,6 +66,8 @@ async def migrate(conn: asyncpg.Connection) -> list[int]:
                     migration.name,
                 )
             applied_now.append(migration.version)
+        # Roles, grants and row-level security follow the tables, including ones just created.
+        await ensure_roles(conn)
     finally:
         await conn.execute("SELECT pg_advisory_unlock($1)", _MIGRATION_LOCK_KEY)
     return applied_now

@@ -13,12 +13,14 @@ import msgspec
 
 from loom.metering.run import RunRecord
 from loom.metering.usage import UsageRow
+from loom.store.roles import tenant_scope
 
 __all__ = [
     "job_spec",
     "load_run",
     "open_runs",
     "read_rows",
+    "read_tenant_rows",
     "recorded_runs",
     "replace_rows",
     "save_run",
@@ -95,6 +97,19 @@ async def job_spec(conn: asyncpg.Connection, job_id: str) -> tuple[dict[str, str
     spec = json.loads(row["spec"]) if isinstance(row["spec"], str) else dict(row["spec"])
     labels = {str(k): str(v) for k, v in (spec.get("labels") or {}).items()}
     return labels, str(spec.get("task_type") or "training_compute")
+
+
+async def read_tenant_rows(
+    conn: asyncpg.Connection | asyncpg.Pool,
+    tenant: str,
+    *,
+    since_ms: int | None = None,
+    until_ms: int | None = None,
+) -> list[UsageRow]:
+    """:func:`read_rows` of one tenant inside :func:`loom.store.roles.tenant_scope`: row-level
+    security, not only the ``WHERE``, keeps every other tenant's rows out."""
+    async with tenant_scope(conn, tenant) as scoped:
+        return await read_rows(scoped, tenant=tenant, since_ms=since_ms, until_ms=until_ms)
 
 
 async def read_rows(
