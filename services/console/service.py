@@ -34,8 +34,8 @@ from loom.sched.framework import DecisionRecord
 from loom.store import console as store
 from loom.store import incidents as incident_store
 from loom.store import jobs as repo
-from loom.store.roles import tenant_scope
 from loom.store import moves
+from loom.store.roles import tenant_scope
 from loom.telemetry.jaeger import jaeger_link
 from loom_proto import subjects
 from loom_proto.ids import ID_PATTERN
