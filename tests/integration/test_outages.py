@@ -224,7 +224,7 @@ async def test_submissions_and_completions_acknowledged_during_a_postgres_outage
         while time.monotonic() - stopped_at < OUTAGE_S:
             for service in ("placement", "metrics"):
                 try:
-                    reply = await client.nc.request(s.service_health(service), b"", timeout=1.0)
+                    reply = await client.nc.request(s.service_health(service), b"", timeout=3.0)
                     statuses.add(f"{service}: {msgspec.json.decode(reply.data).get('status')}")
                 except Exception:  # a busy service may not answer in time; the next round will
                     continue
