@@ -626,20 +626,7 @@ class Agent:
             ):
                 self._checkpoint(job)
             if job.step < job.steps:
-                self._report(
-                    subjects.job_event("progress", job.tenant),
-                    JobProgress(
-                        job_id=job.job_id,
-                        tenant=job.tenant,
-                        cluster=self.cluster,
-                        attempt=job.attempt,
-                        step=job.step,
-                        steps=job.steps,
-                        at=time.time(),
-                    ),
-                    msg_id=f"{job.job_id}:progress:{job.attempt}:{job.step}",
-                    carrier=job.carrier,
-                )
+                self._report_progress(job)
             self._record({"op": "step", "key": job.key, "step": job.step, "gpu_seconds": job.gpu_seconds})
         # Per-GPU compute speed, without slowdown or worker share: metrics compares it with the
         # model's claimed SCU to learn how much this cluster really delivers.
@@ -670,6 +657,23 @@ class Agent:
         self._finish(job)
         self.tasks.pop(job.key, None)
         self.ctx.stats["completed"] = self.ctx.stats.get("completed", 0) + 1
+
+    def _report_progress(self, job: RunningJob) -> None:
+        """Report the run's step (one message id per attempt and step: a repeat is a duplicate)."""
+        self._report(
+            subjects.job_event("progress", job.tenant),
+            JobProgress(
+                job_id=job.job_id,
+                tenant=job.tenant,
+                cluster=self.cluster,
+                attempt=job.attempt,
+                step=job.step,
+                steps=job.steps,
+                at=time.time(),
+            ),
+            msg_id=f"{job.job_id}:progress:{job.attempt}:{job.step}",
+            carrier=job.carrier,
+        )
 
     def _checkpoint(self, job: RunningJob) -> None:
         uri = f"sim://{self.cluster}/{job.job_id}/{job.attempt}/{job.step}"
@@ -897,20 +901,7 @@ class Agent:
             job.step = min(status.step, job.steps)
             self._record({"op": "step", "key": job.key, "step": job.step, "gpu_seconds": job.gpu_seconds})
             if job.step < job.steps:
-                self._report(
-                    subjects.job_event("progress", job.tenant),
-                    JobProgress(
-                        job_id=job.job_id,
-                        tenant=job.tenant,
-                        cluster=self.cluster,
-                        attempt=job.attempt,
-                        step=job.step,
-                        steps=job.steps,
-                        at=time.time(),
-                    ),
-                    msg_id=f"{job.job_id}:progress:{job.attempt}:{job.step}",
-                    carrier=job.carrier,
-                )
+                self._report_progress(job)
         for step, uri in status.checkpoints[checkpoints_seen:]:
             self._report(
                 subjects.job_event("checkpointed", job.tenant),
