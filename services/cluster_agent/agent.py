@@ -636,6 +636,14 @@ class Agent:
         observed_step_s = self.backend.compute_step_seconds(
             job.step_time_s, job.gpu_model, job.task_type, job.family
         )
+        self._report_completed(job, speed, observed_step_s)
+        # Journalled: the run is over here whether or not the bus takes the report now.
+        self._finish(job)
+        self.tasks.pop(job.key, None)
+        self.ctx.stats["completed"] = self.ctx.stats.get("completed", 0) + 1
+
+    def _report_completed(self, job: RunningJob, delivered_speed: float, observed_step_s: float) -> None:
+        """Report the run completed, with the speed the cluster delivered and the step it took."""
         self._report(
             subjects.job_event("completed", job.tenant),
             JobCompleted(
@@ -647,16 +655,12 @@ class Agent:
                 at=time.time(),
                 gpu_model=job.gpu_model,
                 task_type=job.task_type,  # type: ignore[arg-type]  # validated when the job was accepted
-                delivered_speed=round(speed, 6),
+                delivered_speed=round(delivered_speed, 6),
                 observed_step_s=min(max(observed_step_s, 1e-9), 86_400.0),
             ),
             msg_id=f"{job.job_id}:completed:{job.attempt}",
             carrier=job.carrier,
         )
-        # Journalled: the run is over here whether or not the bus takes the report now.
-        self._finish(job)
-        self.tasks.pop(job.key, None)
-        self.ctx.stats["completed"] = self.ctx.stats.get("completed", 0) + 1
 
     def _report_progress(self, job: RunningJob) -> None:
         """Report the run's step (one message id per attempt and step: a repeat is a duplicate)."""
@@ -924,22 +928,8 @@ class Agent:
         elapsed_s = max(time.time() - job.started_at, 1e-6) * self.time_scale
         job.gpu_seconds = elapsed_s * job.gpus
         observed_step_s = elapsed_s / max(job.steps, 1)
-        self._report(
-            subjects.job_event("completed", job.tenant),
-            JobCompleted(
-                job_id=job.job_id,
-                tenant=job.tenant,
-                cluster=self.cluster,
-                attempt=job.attempt,
-                gpu_seconds=job.gpu_seconds,
-                at=time.time(),
-                gpu_model=job.gpu_model,
-                task_type=job.task_type,  # type: ignore[arg-type]  # validated when the job was accepted
-                delivered_speed=round(self.backend.delivered_speed(job.gpu_model, job.task_type), 6),
-                observed_step_s=min(max(observed_step_s, 1e-9), 86_400.0),
-            ),
-            msg_id=f"{job.job_id}:completed:{job.attempt}",
-            carrier=job.carrier,
+        self._report_completed(
+            job, self.backend.delivered_speed(job.gpu_model, job.task_type), observed_step_s
         )
         self._finish(job)
         self.tasks.pop(job.key, None)
