@@ -22,7 +22,7 @@ from loom.model.topology import Topology, TopologyError, load_topology
 from loom.sched.plugins.cost import PRICE_PER_GPU_HOUR, default_economics
 from loom.sched.snapshot import Economics
 from loom.sim.engine import platform_from_topology
-from loom.sim.model import Platform, SimEvent, SimJob, Trace
+from loom.sim.model import EventKind, Platform, SimEvent, SimJob, Trace
 from loom.sim.workloads import ALLREDUCE_ROUNDS, BYTES_PER_PARAM_FP16, FORWARD_SHARE, net_model
 from loom_proto.jobs import Affinity, Communication, DataSpec, JobSpec, Resources, Work
 
@@ -304,17 +304,7 @@ def cluster_failure_events(
 ) -> list[SimEvent]:
     """``cluster`` fails at ``at_s`` (its jobs are lost back to the queue) and returns after
     ``duration_s`` (None: never). Checked against ``topology`` when given."""
-    _check_time(at_s, "at_s")
-    if topology is not None:
-        try:
-            topology.cluster(cluster)
-        except TopologyError as exc:
-            raise ScenarioError(str(exc)) from None
-    events = [SimEvent(at_s=at_s, kind="cluster_down", cluster=cluster)]
-    if duration_s is not None:
-        _check_duration(duration_s)
-        events.append(SimEvent(at_s=at_s + duration_s, kind="cluster_up", cluster=cluster))
-    return events
+    return _cluster_window(cluster, ("cluster_down", "cluster_up"), at_s, duration_s, topology)
 
 
 def drain_events(
@@ -323,16 +313,27 @@ def drain_events(
     """``cluster`` is drained at ``at_s`` (closed to new work; a migration policy decides whether
     its jobs move: :mod:`loom.sim.migration`) and opened again after ``duration_s`` (None: never).
     Checked against ``topology`` when given."""
+    return _cluster_window(cluster, ("cluster_drain", "cluster_undrain"), at_s, duration_s, topology)
+
+
+def _cluster_window(
+    cluster: str,
+    kinds: tuple[EventKind, EventKind],
+    at_s: float,
+    duration_s: float | None,
+    topology: Topology | None,
+) -> list[SimEvent]:
+    """The event ``kinds[0]`` on ``cluster`` at ``at_s`` and, after ``duration_s``, ``kinds[1]``."""
     _check_time(at_s, "at_s")
     if topology is not None:
         try:
             topology.cluster(cluster)
         except TopologyError as exc:
             raise ScenarioError(str(exc)) from None
-    events = [SimEvent(at_s=at_s, kind="cluster_drain", cluster=cluster)]
+    events = [SimEvent(at_s=at_s, kind=kinds[0], cluster=cluster)]
     if duration_s is not None:
         _check_duration(duration_s)
-        events.append(SimEvent(at_s=at_s + duration_s, kind="cluster_undrain", cluster=cluster))
+        events.append(SimEvent(at_s=at_s + duration_s, kind=kinds[1], cluster=cluster))
     return events
 
 
