@@ -179,75 +179,40 @@ class AlertCorrelator:
         await self.refresh_placements()
         log.info("alert correlator starting", restored=restored, placed_jobs=len(self.core.placements.jobs))
         nc, pub = self.ctx.nc, self.ctx.publisher
+
+        def follow(
+            name: str, stream: str, filters: list[str], kind: Any, handler: Any, *, new_only: bool = True
+        ) -> ConsumerRunner[Any]:
+            """The durable consumer ``alert-correlator-<name>`` of ``filters`` on ``stream``: Loom's
+            own events from now on (``new_only``); raw alerts from where it left off."""
+            spec = ConsumerSpec(
+                stream=stream,
+                durable=f"alert-correlator-{name}",
+                filter_subjects=filters,
+                deliver_new_only=new_only,
+            )
+            return ConsumerRunner(nc, spec, kind, handler=handler, publisher=pub)
+
         runners: dict[str, ConsumerRunner[Any]] = {
-            "raw": ConsumerRunner(
-                nc,
-                ConsumerSpec(
-                    stream="ALERTS", durable="alert-correlator-raw", filter_subjects=[subjects.ALERTS_RAW_ALL]
-                ),
-                Alert,
-                handler=self.on_raw,
-                publisher=pub,
+            "raw": follow("raw", "ALERTS", [subjects.ALERTS_RAW_ALL], Alert, self.on_raw, new_only=False),
+            "net": follow(
+                "net", "NET", [subjects.NET_EVENTS_ALL], LinkDegraded | LinkRecovered, self.on_link_event
             ),
-            "net": ConsumerRunner(
-                nc,
-                ConsumerSpec(
-                    stream="NET",
-                    durable="alert-correlator-net",
-                    filter_subjects=[subjects.NET_EVENTS_ALL],
-                    deliver_new_only=True,
-                ),
-                LinkDegraded | LinkRecovered,
-                handler=self.on_link_event,
-                publisher=pub,
-            ),
-            "view": ConsumerRunner(
-                nc,
-                ConsumerSpec(
-                    stream="VIEW",
-                    durable="alert-correlator-view",
-                    filter_subjects=[subjects.VIEW_DELTAS_ALL],
-                    deliver_new_only=True,
-                ),
-                ViewDelta,
-                handler=self.on_view_delta,
-                publisher=pub,
-            ),
-            "jobs": ConsumerRunner(
-                nc,
-                ConsumerSpec(
-                    stream="JOBS",
-                    durable="alert-correlator-jobs",
-                    filter_subjects=subjects.job_events_of("failed", "requeued"),
-                    deliver_new_only=True,
-                ),
+            "view": follow("view", "VIEW", [subjects.VIEW_DELTAS_ALL], ViewDelta, self.on_view_delta),
+            "jobs": follow(
+                "jobs",
+                "JOBS",
+                subjects.job_events_of("failed", "requeued"),
                 JobFailed | JobRequeued,
-                handler=self.on_job_event,
-                publisher=pub,
+                self.on_job_event,
             ),
-            "dlq": ConsumerRunner(
-                nc,
-                ConsumerSpec(
-                    stream="DLQ",
-                    durable="alert-correlator-dlq",
-                    filter_subjects=[subjects.DEAD_LETTERS],
-                    deliver_new_only=True,
-                ),
-                bytes,
-                handler=self.on_dead_letter,
-                publisher=pub,
-            ),
-            "migrations": ConsumerRunner(
-                nc,
-                ConsumerSpec(
-                    stream="MIGRATIONS",
-                    durable="alert-correlator-migrations",
-                    filter_subjects=[subjects.MIGRATIONS_FAILED_ALL],
-                    deliver_new_only=True,
-                ),
+            "dlq": follow("dlq", "DLQ", [subjects.DEAD_LETTERS], bytes, self.on_dead_letter),
+            "migrations": follow(
+                "migrations",
+                "MIGRATIONS",
+                [subjects.MIGRATIONS_FAILED_ALL],
                 MigrationEvent,
-                handler=self.on_migration_event,
-                publisher=pub,
+                self.on_migration_event,
             ),
         }
         for runner in runners.values():
