@@ -371,6 +371,10 @@ class JobCancelled(
     at: UnixSeconds
 
 
+TERMINAL_STATES: frozenset[str] = frozenset({"completed", "failed", "rejected", "cancelled"})
+"""A job's states it never leaves (the store's ``jobs.state``)."""
+
+
 JobEvent = (
     JobSubmitted
     | JobPlaced

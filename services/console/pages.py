@@ -21,10 +21,10 @@ from loom.metering.usage import gpu_seconds_text
 from loom.runtime.tokens import Access
 from loom.store.console import UsageTotal
 from loom_proto.alerts import IncidentChange
+from loom_proto.jobs import TERMINAL_STATES
 from loom_services.console.geo import Placed
 
 STATES = ("waiting", "queued", "placed", "running", "completed", "failed", "rejected", "cancelled")
-TERMINAL = frozenset({"completed", "failed", "rejected", "cancelled"})
 
 
 def esc(value: object) -> str:
@@ -362,7 +362,7 @@ def confirm_cancel(access: Access, job: Mapping[str, Any], form_key: str) -> str
     """The confirmation step of a cancel."""
     jid = str(job["job_id"])
     state = str(job["state"])
-    if state in TERMINAL:
+    if state in TERMINAL_STATES:
         body = f"<p>{esc(jid)} has already ended ({esc(state)}): nothing to cancel.</p>"
     else:
         body = (
@@ -475,7 +475,7 @@ def job_page(
         + "</dd></dl>"
     )
     actions = ""
-    if access.is_operator and state not in TERMINAL:
+    if access.is_operator and state not in TERMINAL_STATES:
         actions = (
             f'<p><a class=button data-action=cancel href="/jobs/{quote(jid)}/cancel">Cancel job…</a></p>'
         )

@@ -39,6 +39,7 @@ from loom.store.roles import tenant_scope
 from loom.telemetry.jaeger import jaeger_link
 from loom_proto import subjects
 from loom_proto.ids import ID_PATTERN
+from loom_proto.jobs import TERMINAL_STATES
 from loom_services.console import pages
 from loom_services.console.assets import CSS, JS
 from loom_services.console.geo import project
@@ -258,7 +259,7 @@ class Console:
         job = await repo.get_job(self.ctx.db, job_id)
         if job is None:
             return _page(404, pages.error_page(404, f"no job {job_id!r}", access))
-        if job["state"] in pages.TERMINAL:
+        if job["state"] in TERMINAL_STATES:
             return _page(
                 409,
                 pages.error_page(

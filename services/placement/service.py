@@ -118,6 +118,7 @@ from loom_proto.clusters import ResizeJob, StartJob, StopJob
 from loom_proto.codec import DecodeError, check_payload, decode, encode
 from loom_proto.ids import InvalidIdError, validate_id
 from loom_proto.jobs import (
+    TERMINAL_STATES,
     JobCancelled,
     JobCheckpointed,
     JobCompleted,
@@ -2109,7 +2110,7 @@ class PlacementService:
             result.vanished.append(job_id)
         kids = await repo.children(conn, job_id)
         for kid in kids:
-            if kid["state"] not in _TERMINAL:
+            if kid["state"] not in TERMINAL_STATES:
                 await self._cancel(conn, kid["job_id"], f"the DAG {job_id} was cancelled", result, finished)
         if kids:  # a DAG is "running" while its stages run, with no run of its own
             await repo.set_state(conn, [job_id], "cancelled", ["running"], reason)
@@ -2499,10 +2500,6 @@ async def _refused_checkpoints(
         if why is not None:
             out[mid] = why
     return out
-
-
-_TERMINAL = frozenset({"completed", "failed", "rejected", "cancelled"})
-"""States a job never leaves."""
 
 
 async def _parent_of(conn: asyncpg.Connection, job_id: str) -> str | None:

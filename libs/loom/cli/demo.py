@@ -17,9 +17,9 @@ from loom.runtime import stack
 from loom.runtime.config import loom_home
 from loom.sched.explain import render
 from loom.sched.framework import DecisionRecord
+from loom_proto.jobs import TERMINAL_STATES
 
 DEFAULT_WORKLOAD = Path("examples/demo-workload.yaml")
-TERMINAL = {"completed", "failed", "rejected", "cancelled"}
 
 
 def _table(jobs: dict[str, dict[str, Any] | None], started: float) -> Table:
@@ -68,10 +68,10 @@ async def _demo(
         with Live(_table(jobs, started), console=console, refresh_per_second=4) as live:
             while time.time() - started < args.timeout:
                 for job_id, known in list(jobs.items()):
-                    if known is None or known["state"] not in TERMINAL:
+                    if known is None or known["state"] not in TERMINAL_STATES:
                         jobs[job_id] = await client.job(job_id)
                 live.update(_table(jobs, started))
-                if all(j is not None and j["state"] in TERMINAL for j in jobs.values()):
+                if all(j is not None and j["state"] in TERMINAL_STATES for j in jobs.values()):
                     break
                 await asyncio.sleep(0.5)
         done = [j for j in jobs.values() if j is not None]
@@ -107,7 +107,7 @@ async def _demo(
                     console.print(f"  {line}", highlight=False)
         if database_url:
             await _usage_summary(console, database_url, done)
-        unfinished = [k for k, j in jobs.items() if j is None or j["state"] not in TERMINAL]
+        unfinished = [k for k, j in jobs.items() if j is None or j["state"] not in TERMINAL_STATES]
         if unfinished:
             console.print(
                 f"[yellow]not finished within {args.timeout:.0f}s: {', '.join(unfinished)}[/yellow]"

@@ -20,6 +20,7 @@ from loom.client import LoomClient, QueryError, SpecError, load_specs
 from loom.runtime import stack
 from loom.runtime.config import endpoints, loom_home
 from loom.telemetry import configure_logging, setup_telemetry, shutdown_telemetry
+from loom_proto.jobs import TERMINAL_STATES
 
 console = Console()
 err = Console(stderr=True)
@@ -220,9 +221,6 @@ def _print_admission(spec: Any, admission: Any) -> bool:
     return False
 
 
-TERMINAL = {"completed", "failed", "rejected", "cancelled"}
-
-
 async def _follow(client: LoomClient, job_ids: set[str], *, timeout_s: float) -> int:
     """Poll until every job is terminal; print one line per state change, and while a job runs, its
     progress every tenth of the way (or every 10 s) with its rate and an ETA."""
@@ -249,7 +247,7 @@ async def _follow(client: LoomClient, job_ids: set[str], *, timeout_s: float) ->
                         f"{job_id}: {_progress_line(progress, start, now)} on {job.get('cluster') or '-'}"
                     )
                     shown[job_id] = (progress, now)
-        if all(seen.get(j) in TERMINAL for j in job_ids):
+        if all(seen.get(j) in TERMINAL_STATES for j in job_ids):
             return 0 if all(seen[j] == "completed" for j in job_ids) else 1
         await asyncio.sleep(0.5)
     err.print("[yellow]timed out waiting for the jobs[/yellow]")

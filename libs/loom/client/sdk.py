@@ -23,7 +23,7 @@ from loom.errors import InvalidInputError, LoomError
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
 from loom_proto.ids import plain_words
-from loom_proto.jobs import JobCancelled, JobEvent, JobRejected, JobSpec, JobSubmitted
+from loom_proto.jobs import TERMINAL_STATES, JobCancelled, JobEvent, JobRejected, JobSpec, JobSubmitted
 from loom_proto.view import ViewQuery
 
 _tracer = trace.get_tracer("loom.client")
@@ -232,7 +232,7 @@ class LoomClient:
         job = await self.job(job_id)
         if job is None:
             raise QueryError(f"no job {job_id!r}")
-        if job["state"] in ("completed", "failed", "rejected", "cancelled"):
+        if job["state"] in TERMINAL_STATES:
             return str(job["state"])
         event = JobCancelled(
             job_id=job_id,
@@ -248,7 +248,7 @@ class LoomClient:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             now = await self.job(job_id)
-            if now is not None and now["state"] in ("completed", "failed", "rejected", "cancelled"):
+            if now is not None and now["state"] in TERMINAL_STATES:
                 return str(now["state"])
             await asyncio.sleep(0.2)
         raise QueryError(f"placement did not record the cancellation of {job_id} within {wait_s:g} s")

@@ -14,6 +14,8 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from loom_proto.jobs import TERMINAL_STATES
+
 CHECKSUM_PREFIX = "sha256:"
 
 
@@ -85,9 +87,6 @@ def choose(checkpoints: Iterable[Checkpoint], *, last_step: int | None = None) -
     return Choice(0, None, f"restarts from step 0: no checkpoint verifies (rejected: {', '.join(rejected)})")
 
 
-TERMINAL = frozenset({"completed", "failed", "cancelled", "rejected"})
-
-
 def report_refusal(*, job_state: str | None, current_attempt: int | None, attempt: int) -> str | None:
     """Why a checkpoint report must not be recorded (it goes to the dead letters), or None.
 
@@ -99,7 +98,7 @@ def report_refusal(*, job_state: str | None, current_attempt: int | None, attemp
         return f"checkpoint of unknown attempt {attempt} (the job is at attempt {current_attempt})"
     if attempt < current_attempt:
         return f"checkpoint of fenced attempt {attempt} (the job moved on to attempt {current_attempt})"
-    if job_state in TERMINAL:
+    if job_state in TERMINAL_STATES:
         return f"checkpoint of a finished run (attempt {attempt}, job {job_state})"
     if job_state == "queued":
         return f"checkpoint of attempt {attempt}, which was given up (the job is queued again)"

@@ -16,6 +16,7 @@ from loom.model.capacity import NodeCapacity
 from loom.store.moves import list_migrations
 from loom.store.pool import ConflictError
 from loom.telemetry.jaeger import trace_id_of
+from loom_proto.jobs import TERMINAL_STATES
 
 
 def ts(unix_s: float) -> datetime:
@@ -598,7 +599,7 @@ async def set_state(
     """Move jobs in one of ``from_states`` to ``state``; returns the ids moved."""
     if not job_ids:
         return []
-    terminal = state in ("completed", "failed", "rejected", "cancelled")
+    terminal = state in TERMINAL_STATES
     rows = await conn.fetch(
         """UPDATE jobs SET state = $2, reason = COALESCE($4, reason), updated_at = now(),
                   finished_at = CASE WHEN $5 THEN now() ELSE finished_at END,
