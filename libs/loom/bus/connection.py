@@ -6,11 +6,13 @@ of a cluster, all of which a client knows from the start so it can connect and f
 
 import asyncio
 import base64
+import contextlib
 import os
 import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import nats
 import nkeys
@@ -123,9 +125,12 @@ async def connect(
             log.warning("nats error", error=str(exc), client=name)
         else:  # not connected yet: the caller waits (a service) or gives up in time (a command)
             log.info("waiting for nats", error=str(exc), client=name)
-            last_error[:] = [str(exc)]
+            # Sticky: the retries after a refusal fail with other errors (a closed connection),
+            # which must not hide that the server refused these credentials.
+            if "authorization" in str(exc).lower() and not refused.done():
+                refused.set_result(str(exc))
 
-    last_error: list[str] = []
+    refused: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     client: list[Client] = []
 
@@ -158,18 +163,30 @@ async def connect(
         **auth,
     )
     try:
-        nc = await (opening if first_within_s is None else asyncio.wait_for(opening, first_within_s))
-    except TimeoutError as exc:
-        if last_error and "authorization" in last_error[0].lower():
-            raise BusError(
-                f"NATS at {url} refused the credentials {creds or '(none)'}: {last_error[0]};"
-                f" set {security.ENV_CREDS} to a credential file of this stack (`loom tenant add`)",
-                non_retryable=True,
-            ) from exc
-        raise BusError(
-            f"no NATS server answered at {url} within {first_within_s:g} s:"
-            " is the Loom stack running? Start it with `loom up` (or set LOOM_NATS_URL)"
-        ) from exc
+        if first_within_s is None:
+            nc = await opening
+        else:
+            # A command gives up in time, and at once when the server refuses its credentials.
+            opened = asyncio.ensure_future(opening)
+            either: set[asyncio.Future[Any]] = {opened, refused}
+            await asyncio.wait(either, timeout=first_within_s, return_when=asyncio.FIRST_COMPLETED)
+            if not opened.done():
+                opened.cancel()
+                with contextlib.suppress(BaseException):
+                    await opened
+                if refused.done():
+                    raise BusError(
+                        f"NATS at {url} refused the credentials {creds or '(none)'}: {refused.result()};"
+                        f" set {security.ENV_CREDS} to a credential file of this stack (`loom tenant add`)",
+                        non_retryable=True,
+                    )
+                raise BusError(
+                    f"no NATS server answered at {url} within {first_within_s:g} s:"
+                    " is the Loom stack running? Start it with `loom up` (or set LOOM_NATS_URL)"
+                )
+            nc = opened.result()
+    except BusError:
+        raise
     except Exception as exc:  # nats raises several unrelated types for "could not connect"
         raise BusError(f"cannot connect to NATS at {url}: {exc}") from exc
     client.append(nc)

@@ -461,11 +461,28 @@ class NatsServer(_ChildServer):
             ]
         self.config_path.write_text("\n".join([*lines, ""]))
 
-    def reload(self) -> None:
+    def reload(self, timeout_s: float = 10.0) -> None:
         """Make the running server re-read its config (new credentials): SIGHUP, as
-        ``nats-server --signal reload`` sends; connections whose key is gone are closed."""
-        if self.pid is not None:
-            os.kill(self.pid, signal.SIGHUP)
+        ``nats-server --signal reload`` sends; connections whose key is gone are closed.
+
+        Returns once the server's log says the configuration was reloaded, so a refused seed is
+        refused when this returns (the signal alone is handled whenever the server gets to it).
+        Raises RuntimeError when it does not say so within ``timeout_s``."""
+        if self.pid is None:
+            return
+        start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        os.kill(self.pid, signal.SIGHUP)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.log_path.open("rb") as log:
+                log.seek(start)
+                if b"Reloaded server configuration" in log.read():
+                    return
+            time.sleep(_POLL_INTERVAL_S)
+        raise RuntimeError(
+            f"nats-server on port {self.port} did not reload its configuration within {timeout_s:g} s;"
+            f" last lines of {self.log_path}:\n{_tail(self.log_path)}"
+        )
 
     def _command(self) -> list[str]:
         binary = _nats_binary()
