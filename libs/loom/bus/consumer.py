@@ -15,8 +15,14 @@ What happens to a message is decided here, from the handler's outcome, never fro
 Failures are counted by this loop, per stream sequence, in memory; the server's own
 ``max_deliver`` is unlimited, so redeliveries caused by outages (or by restarts, or ack waits
 running out while NATS was away) can never exhaust a budget the server enforces by dropping the
-message. A process that restarts counts a message's failures afresh: a message that keeps failing
-gets ``max_deliver`` tries per process life, never fewer.
+message. In-memory counts start afresh in a new process, so a message delivered more than
+``suspect_after`` times is handled alone and its attempt written down first
+(:mod:`loom.bus.attempts`): an attempt that never came back means the process handling it died,
+and ``max_crashes`` of those dead-letter it (``Loom-Error-Type: CrashLoop``) once every dependency
+answers; its ordinary failures are counted across process lives there too. So a message that
+kills its process, or keeps failing across restarts, is dead-lettered by delivery
+``suspect_after + max_crashes + max_deliver`` at the latest, while one held by outages
+never is (an outage ends the attempt as any outcome does).
 
 When a batch handler raises, or returns one error object for several messages, and that error is
 no outage and would dead-letter them, those messages are handled again one by one, so the message
@@ -35,6 +41,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+import msgspec
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -46,10 +53,12 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
+from loom.bus.attempts import TRANSIENT as ATTEMPTS_TRANSIENT
+from loom.bus.attempts import AttemptLog, Attempts
 from loom.bus.connection import BusError, on_reconnected
 from loom.bus.outage import Dependencies, of_connection
 from loom.bus.publisher import Publisher
-from loom.errors import LoomError, NotLeaderError
+from loom.errors import LoomError, NotLeaderError, UnavailableError
 from loom.telemetry import message_context, span_name
 from loom.telemetry.metrics import CONSUMER_LAG, CONSUMER_MESSAGES, CONSUMER_REDELIVERIES, DEAD_LETTERS
 from loom_proto.codec import DecodeError, decode
@@ -87,6 +96,12 @@ def _not_ours(error: BaseException) -> bool:
     return False
 
 
+class CrashLoopError(LoomError):
+    """The processes handling a message kept dying before they settled it."""
+
+    non_retryable = True
+
+
 def _never_succeeds(error: BaseException) -> bool:
     """Whether a retry of the same message cannot help: it is the message, not the moment."""
     if isinstance(error, LoomError):
@@ -110,6 +125,12 @@ class ConsumerSpec:
     first_nak_delay_s: float = 0.2
     max_nak_delay_s: float = 10.0
     max_ack_pending: int = 20_000
+    suspect_after: int = 3
+    """A delivery whose count (JetStream's ``num_delivered``) is above this is a suspect: it is
+    handled alone, with its attempt recorded in ``LOOM_ATTEMPTS`` first (:mod:`loom.bus.attempts`)."""
+    max_crashes: int = 3
+    """Attempts at one message that never came back (the process died) after which it is
+    dead-lettered, provided every dependency answers then."""
     deliver_new_only: bool = False
     """Start at messages published after the consumer is created (e.g. live views)."""
 
@@ -209,6 +230,7 @@ class ConsumerRunner(Generic[T]):
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.dependencies = dependencies or of_connection(nc)
+        self._attempts: AttemptLog | None = None
         self._failures: dict[int, int] = {}
         """Stream sequence -> failures so far (outages not counted), while the message is unsettled."""
         self.waiting_for: list[str] = []
@@ -464,8 +486,17 @@ class ConsumerRunner(Generic[T]):
                     context=trace.set_span_in_context(span, parent),
                 )
             )
-        if not deliveries:
-            return
+        # Delivered many times: maybe a message that kills its process. Each is handled alone,
+        # after the others, with its attempt written down first.
+        suspects = [d for d in deliveries if d.num_delivered > self.spec.suspect_after]
+        if suspects:
+            deliveries = [d for d in deliveries if d.num_delivered <= self.spec.suspect_after]
+        if deliveries:
+            await self._process_decoded(deliveries)
+        for d in suspects:
+            await self._process_suspect(d)
+
+    async def _process_decoded(self, deliveries: list[Delivery[T]]) -> None:
         # While the handler works, tell the server the batch is in progress, so a short ack wait
         # (quick redelivery after a crash) never redelivers a batch that is merely slow.
         keepalive = asyncio.create_task(self._keep_alive([d.msg for d in deliveries]))
@@ -488,6 +519,73 @@ class ConsumerRunner(Generic[T]):
             await asyncio.gather(*failed)
         if down:
             self.waiting_for = down
+
+    async def _process_suspect(self, delivery: Delivery[T]) -> None:
+        """Handle a much-redelivered message alone, its attempt recorded before and closed after.
+
+        Without the record (NATS does not answer the bucket) it is handled as any other message.
+        """
+        seq = delivery.stream_seq
+        if self.waiting_for:  # an earlier message of the batch met an outage: give this one back
+            await self._hold(delivery, UnavailableError(",".join(self.waiting_for)), self.waiting_for)
+            return
+        if self._attempts is None:
+            self._attempts = AttemptLog(self._js, self.spec.stream, self.spec.durable)
+        try:
+            before = await self._attempts.get(seq)
+            if before.open >= self.spec.max_crashes:
+                # Only when every dependency answers: a process killed while it waited on one
+                # that was down did not die of the message.
+                down = await self.dependencies.confirm(self.dependencies.names)
+                if down:
+                    self.waiting_for = down
+                    await self._hold(delivery, UnavailableError(",".join(down)), down)
+                    return
+                crash = CrashLoopError(
+                    f"the process handling it ended {before.open} times before settling it "
+                    f"(delivery {delivery.num_delivered})"
+                    + (f"; last error: {before.error}" if before.error else "")
+                )
+                await self._dead_letter(delivery.msg, crash, delivery.span, failures=before.failures)
+                await self._forget(seq)
+                return
+            await self._attempts.put(seq, msgspec.structs.replace(before, open=before.open + 1))
+        except ATTEMPTS_TRANSIENT as exc:
+            log.warning(
+                "attempt record unavailable; handling without it", consumer=self.spec.durable, error=repr(exc)
+            )
+            await self._process_decoded([delivery])
+            return
+        if before.failures > self._failures.get(seq, 0):
+            self._failures[seq] = before.failures
+        outcome = (await self._handle([delivery]))[0]
+        down = await self._outages([outcome])
+        if outcome is not None and (suspects := self._outage_of(outcome, down)) is not None:
+            await self._hold(delivery, outcome, suspects)
+            self.waiting_for = down
+            settled = False
+        else:
+            await self._settle(delivery, outcome)
+            settled = (
+                outcome is None
+                or _never_succeeds(outcome)
+                or (not _not_ours(outcome) and seq not in self._failures)
+            )
+        # The attempt came back: close it (the record goes once the message is settled for good).
+        if settled:
+            await self._forget(seq)
+            return
+        failures = self._failures.get(seq, before.failures)
+        last = repr(outcome)[:512] if outcome is not None else before.error
+        with contextlib.suppress(*ATTEMPTS_TRANSIENT):
+            await self._attempts.put(seq, Attempts(open=before.open, failures=failures, error=last))
+
+    async def _forget(self, seq: int) -> None:
+        assert self._attempts is not None
+        try:
+            await self._attempts.forget(seq)
+        except ATTEMPTS_TRANSIENT as exc:  # it expires on its own; a stale one only costs a look
+            log.debug("attempt record not removed", consumer=self.spec.durable, error=repr(exc))
 
     async def _outages(self, outcomes: Sequence[BaseException | None]) -> list[str]:
         """The dependencies that the failures point at and that are down now (probed)."""

@@ -1,0 +1,162 @@
+"""A message that kills the process handling it is dead-lettered after a bounded number of lives;
+one held back by outages never is. On real NATS.
+
+A "process life" here is a fresh connection and a fresh ConsumerRunner (nothing carried over in
+memory); it "dies" mid-handler: its loop is cancelled and its connection closed without settling
+the message, which JetStream redelivers after the ack wait, as after a SIGKILL.
+"""
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from loom.bus import ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
+from loom.bus.outage import Dependencies, Dependency
+from loom.errors import UnavailableError
+from loom_proto import subjects as s
+
+ACK_WAIT_S = 0.6
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="module")
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    client = await connect(nats_url, "test-crash-loop")
+    await ensure_streams(client.jetstream())
+    yield client
+    await client.close()
+
+
+def spec_for(subject: str, **kwargs: Any) -> ConsumerSpec:
+    return ConsumerSpec(
+        stream="CLUSTERS",
+        durable=unique("crash"),
+        filter_subjects=[subject],
+        ack_wait_s=ACK_WAIT_S,
+        first_nak_delay_s=0.05,
+        max_nak_delay_s=0.2,
+        **kwargs,
+    )
+
+
+async def dead_letters(nc: Client, subject: str) -> "asyncio.Queue[Msg]":
+    queue: asyncio.Queue[Msg] = asyncio.Queue()
+
+    async def on_msg(msg: Msg) -> None:
+        queue.put_nowait(msg)
+
+    await nc.subscribe(s.dead_letter(subject), cb=on_msg)
+    await nc.flush()
+    return queue
+
+
+async def test_a_message_that_kills_its_process_every_time_is_dead_lettered_after_max_crashes(
+    nc: Client, nats_url: str
+) -> None:
+    subject = s.cluster_command(unique("c"), "stop")
+    spec = spec_for(subject, suspect_after=1, max_crashes=2)
+    dead = await dead_letters(nc, subject)
+    await Publisher(nc).publish_bytes(subject, b'{"kind":"stop","job_id":"j"}', msg_id=unique("m"))
+    deliveries: list[int] = []
+    lives = 0
+    try:
+        # Delivery 1 (not suspect) and 2, 3 (suspects, attempts recorded) kill their process; the
+        # 4th finds 2 attempts that never came back and dead-letters the message unhandled.
+        while dead.empty() and lives < 8:
+            lives += 1
+            client = await connect(nats_url, f"test-crash-life-{lives}")
+            entered = asyncio.Event()
+
+            async def crash(d: Delivery[bytes], entered: asyncio.Event = entered) -> None:
+                deliveries.append(d.num_delivered)
+                entered.set()
+                await asyncio.Event().wait()  # the process "hangs" here until it is killed
+
+            runner: ConsumerRunner[bytes] = ConsumerRunner(
+                client, spec, bytes, handler=crash, idle_fetch_timeout_s=0.2
+            )
+            await runner.start()
+            dead_wait = asyncio.ensure_future(dead.get())
+            entered_wait = asyncio.ensure_future(entered.wait())
+            done, _ = await asyncio.wait(
+                {dead_wait, entered_wait}, timeout=10.0, return_when=asyncio.FIRST_COMPLETED
+            )
+            entered_wait.cancel()
+            if dead_wait in done:
+                dead.put_nowait(dead_wait.result())
+                for _ in range(100):  # the dead letter is out; the term follows it
+                    if runner.counts["dead_lettered"]:
+                        break
+                    await asyncio.sleep(0.05)
+            else:
+                dead_wait.cancel()
+            assert done, f"life {lives}: neither handled nor dead-lettered within 10 s"
+            # Killed: the loop is cancelled mid-handler, the connection dropped, nothing settled.
+            assert runner._task is not None
+            runner._task.cancel()
+            await asyncio.gather(runner._task, return_exceptions=True)
+            await client.close()
+        assert not dead.empty(), f"still redelivered after {lives} process lives (deliveries {deliveries})"
+        letter = dead.get_nowait()
+        headers = letter.headers or {}
+        assert headers["Loom-Error-Type"] == "CrashLoopError"
+        assert "ended 2 times" in headers["Loom-Error"]
+        assert headers["Loom-Deliveries"] == "4"
+        assert deliveries == [1, 2, 3], "the handler must not run again once the crashes are counted"
+        assert lives == 4
+        info = await nc.jetstream().consumer_info(spec.stream, spec.durable)
+        assert info.num_ack_pending == 0 and info.num_pending == 0, "the message is settled (terminated)"
+    finally:
+        await nc.jetstream().delete_consumer(spec.stream, spec.durable)
+
+
+async def test_outages_never_count_as_crashes_nor_failures_of_a_much_redelivered_message(
+    nc: Client,
+) -> None:
+    subject = s.cluster_command(unique("c"), "stop")
+    # One unfinished attempt would already dead-letter it: every outage must close its attempt.
+    spec = spec_for(subject, suspect_after=1, max_crashes=1, max_deliver=1)
+    dead = await dead_letters(nc, subject)
+    state = {"down": False, "outages_left": 5}
+
+    async def probe() -> None:
+        if state["down"]:
+            state["down"] = False  # back at the next probe
+            raise OSError("fake database refused the connection")
+
+    dependencies = Dependencies(
+        Dependency("fakedb", probe, lambda exc: isinstance(exc, UnavailableError)), first_backoff_s=0.05
+    )
+    handled: list[int] = []
+
+    async def handler(d: Delivery[bytes]) -> None:
+        handled.append(d.num_delivered)
+        if state["outages_left"] > 0:
+            state["outages_left"] -= 1
+            state["down"] = True
+            raise UnavailableError("fake database down", dependency="fakedb")
+
+    runner: ConsumerRunner[bytes] = ConsumerRunner(
+        nc, spec, bytes, handler=handler, idle_fetch_timeout_s=0.2, dependencies=dependencies
+    )
+    await runner.start()
+    try:
+        await Publisher(nc).publish_bytes(subject, b"{}", msg_id=unique("m"))
+        deadline = asyncio.get_running_loop().time() + 15.0
+        while runner.counts["acked"] < 1:
+            assert asyncio.get_running_loop().time() < deadline, f"not acked; handled at deliveries {handled}"
+            await asyncio.sleep(0.05)
+        assert handled == [1, 2, 3, 4, 5, 6]
+        assert runner.held_for_outage == 5
+        assert runner.counts["dead_lettered"] == 0 and dead.empty()
+    finally:
+        await runner.stop()
+        await nc.jetstream().delete_consumer(spec.stream, spec.durable)
