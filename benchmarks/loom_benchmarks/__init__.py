@@ -110,9 +110,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
         "nats-cluster", help="SIGKILL each node role of a 3-node JetStream cluster: where the stall goes"
     )
     cluster.add_argument("--trials", type=int, default=3, help="kills per role")
-    cluster.add_argument("--roles", default="stream-leader,consumer-leader,meta-leader,follower")
+    cluster.add_argument("--roles", default="stream-leader,consumer-leader,lease-leader,meta-leader,follower")
     cluster.add_argument("--rate", type=float, default=50.0, help="publishes per second throughout")
     cluster.add_argument("--lease-ttl", type=float, default=2.0, help="the lease TTL (placement's is 2 s)")
+    cluster.add_argument(
+        "--lease-grace",
+        type=float,
+        default=10.0,
+        help="how long past its TTL the lease holder keeps leading while the bucket has no leader "
+        "(placement's is 10 s; 0: none)",
+    )
     cluster.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     policies = sub.add_parser(
         "policies", help="Loom's placement against the baselines in the simulator: JCT, cost, traffic, report"

@@ -20,9 +20,11 @@ role and records a timeline from the kill:
 * ``publish_stall_s``: the longest gap between two acks; ``consume_stall_s``: the longest gap
   between two messages reaching the consumer (placement's stall: nothing placed meanwhile);
 * ``lease_lost`` / ``lease_back_s``: whether the lease holder lost its lease, and when it held one
-  again.
+  again; ``lease_recreated``: times it kept the lease by re-creating the key after a leaderless
+  spell of the bucket (``--lease-grace``, placement's 10 s; see :mod:`loom.bus.lease`, "Grace").
 
-Roles: ``stream-leader`` (of JOBS), ``consumer-leader`` (of the durable consumer), ``meta-leader``
+Roles: ``stream-leader`` (of JOBS), ``consumer-leader`` (of the durable consumer), ``lease-leader``
+(of the ``loom_leases`` bucket's stream), ``meta-leader``
 (the JetStream meta group) and ``follower`` (none of them, when some node holds none). A node often
 holds several roles: each trial lists what its victim held. The victim is restarted on its port
 and caught up before the next trial. It measures; it asserts nothing.
@@ -46,12 +48,12 @@ from typing import Any
 from nats.aio.client import Client
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
-from loom.bus.lease import LeaderLease
+from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.runtime.servers import NatsCluster, NatsServer
 from loom_proto import JobSubmitted, Work
 from loom_proto import subjects as s
 
-ROLES = ("stream-leader", "consumer-leader", "meta-leader", "follower")
+ROLES = ("stream-leader", "consumer-leader", "lease-leader", "meta-leader", "follower")
 POLL_S = 0.05
 
 
@@ -68,10 +70,12 @@ async def _roles(cluster: NatsCluster, nc: Client, durable: str) -> dict[str, st
     js = nc.jetstream(timeout=2.0)
     stream = await js.stream_info("JOBS")
     consumer = await js.consumer_info("JOBS", durable)
+    leases = await js.stream_info(f"KV_{LEASE_BUCKET}")
     meta = next((m for n in cluster.nodes if n.running and (m := _meta_leader(n))), None)
     return {
         "stream-leader": stream.cluster.leader if stream.cluster else None,
         "consumer-leader": consumer.cluster.leader if consumer.cluster else None,
+        "lease-leader": leases.cluster.leader if leases.cluster else None,
         "meta-leader": meta,
     }
 
@@ -127,7 +131,7 @@ def _max_gap(times: list[float], t0: float) -> float:
 
 # PLR0912, PLR0915: one trial's script, kill to restore, kept in one piece to read as a timeline.
 async def _trial(  # noqa: PLR0912, PLR0915
-    cluster: NatsCluster, role: str, rate: float, ttl_s: float
+    cluster: NatsCluster, role: str, rate: float, ttl_s: float, grace_s: float
 ) -> dict[str, Any] | None:
     tenant = f"t-{uuid.uuid4().hex[:8]}"
     subject = s.job_submitted(tenant)
@@ -151,7 +155,15 @@ async def _trial(  # noqa: PLR0912, PLR0915
         con_nc, spec, JobSubmitted, handler=handle, callback_pull=True, linger_s=0.0
     )
     await runner.start()
-    lease = LeaderLease(lease_nc.jetstream(), f"bench{tenant[2:]}", "bench", ttl_s=ttl_s, renew_s=ttl_s / 4)
+    lease = LeaderLease(
+        lease_nc.jetstream(),
+        f"bench{tenant[2:]}",
+        "bench",
+        ttl_s=ttl_s,
+        renew_s=ttl_s / 4,
+        poll_s=min(0.2, ttl_s / 10),
+        grace_s=grace_s,
+    )
     await lease.acquire()
     publisher = Publisher(pub_nc)
     sent_at: dict[str, float] = {}
@@ -263,6 +275,7 @@ async def _trial(  # noqa: PLR0912, PLR0915
             "lease_lost": lease_box["lost_s"] is not None,
             "lease_lost_s": lease_box["lost_s"],
             "lease_back_s": lease_box["back_s"],
+            "lease_recreated": lease.recreated,
             "published": len(acked_times),
             "pull_requests": getattr(runner, "pulls", None),  # None: a runner that does not count them
             "unconsumed": len(lost),
@@ -329,7 +342,7 @@ async def _run(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
         for trial in range(args.trials):
             for role in roles:
                 progress(f"trial {trial + 1}/{args.trials}: killing the {role}")
-                result = await _trial(cluster, role, args.rate, args.lease_ttl)
+                result = await _trial(cluster, role, args.rate, args.lease_ttl, args.lease_grace)
                 if result is None:
                     skipped.append(role)
                 else:
@@ -358,6 +371,7 @@ async def _run(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
         "bench": "nats-cluster",
         "rate": args.rate,
         "lease_ttl_s": args.lease_ttl,
+        "lease_grace_s": args.lease_grace,
         "by_role": by_role,
         "all": {key: _summary(trials, key) for key in keys},
         "skipped": skipped,

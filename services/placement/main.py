@@ -32,6 +32,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--confirm-timeout-s", type=float, default=60.0, help="start confirmation timeout")
     parser.add_argument("--lease-ttl-s", type=float, default=2.0, help="leader lease time to live")
     parser.add_argument(
+        "--lease-grace-s",
+        type=float,
+        default=10.0,
+        help="how long past its ttl the leader keeps leading while the lease bucket has no leader",
+    )
+    parser.add_argument(
         "--explore-share",
         type=float,
         default=0.0,
@@ -79,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
             economics=default_economics(),
             confirm_timeout_s=args.confirm_timeout_s,
             lease_ttl_s=args.lease_ttl_s,
+            lease_grace_s=args.lease_grace_s,
             holder=args.name,
             explore_share=args.explore_share,
             region_groups=groups,

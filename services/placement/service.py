@@ -177,6 +177,7 @@ class PlacementService:
         confirm_timeout_s: float = 60.0,
         max_attempts: int = 3,
         lease_ttl_s: float = 2.0,
+        lease_grace_s: float = 10.0,
         holder: str | None = None,
         explore_share: float = 0.0,
         region_groups: Mapping[str, Sequence[str]] | None = None,
@@ -219,7 +220,10 @@ class PlacementService:
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
         self.token = 0
         self.leadership = Leadership(shard=self.shard, holder=self.holder)
-        self.lease_ttl_s = lease_ttl_s
+        # lease_grace_s: how long past its TTL the leader keeps leading while the lease bucket has
+        # no leader (a NATS cluster electing one: 4-9 s); fenced writes make it safe
+        # (loom.bus.lease, "Grace").
+        self.lease_ttl_s, self.lease_grace_s = lease_ttl_s, lease_grace_s
         self.learner = SpeedLearner(LearnSettings(explore_share=explore_share))
         """What each job family really gets on each GPU model (rebuilt from the store on leading)."""
         self.alpha = AlphaLearner()
@@ -345,6 +349,7 @@ class PlacementService:
                 ttl_s=self.lease_ttl_s,
                 renew_s=self.lease_ttl_s / 4,
                 poll_s=min(0.2, self.lease_ttl_s / 10),
+                grace_s=self.lease_grace_s,
             )
         finally:
             if announcer is not None:

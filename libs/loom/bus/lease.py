@@ -15,6 +15,25 @@ The leader of shard ``s`` is whoever holds key ``placement.<s>`` of bucket ``loo
   leads, clock rates permitting. The fence in PostgreSQL (:mod:`loom.store.fence`) is what makes
   a stale leader harmless when that assumption breaks (a paused process, a partition).
 * **Release** deletes the key only if we still hold it, so a standby takes over at once.
+* **Grace** (``grace_s``, off by default; placement uses 10 s). On a NATS cluster the bucket is an
+  R3 stream; when the node leading it dies, the bucket has no leader until the survivors' Raft
+  election ends, 4 to 9 s later (nats-server's ``minElectionTimeout``..``maxElectionTimeout``,
+  fixed). Every renewal fails meanwhile, and a 2 s lease would be lost although nobody else can
+  have it. So while *every* failure since the last good renewal says the bucket has no leader
+  (:func:`is_leaderless`: no responders, 503, a timeout; never a rival's revision), the leader
+  keeps leading until ``ttl_s + grace_s`` after that renewal was sent, retrying every ``poll_s``.
+  Why it is safe: (1) while the bucket has no leader nobody can write it, so no rival can acquire
+  the lease either; (2) when a leader is elected, the key has usually expired (each replica ages
+  it out on its own clock); the first write that lands decides: ours (``update`` if the key
+  survived, else ``create`` followed by ``confirm``, a fence claim with our *unchanged* token that
+  succeeds only if no newer token was claimed meanwhile) keeps the lease, a rival's ``create``
+  makes ours fail with a wrong revision and we lose it at once; (3) whatever the cause of the
+  failures (a client cut off from every node also sees timeouts while a rival may acquire), the
+  fence in PostgreSQL refuses every write of ours once a rival has claimed a newer token, and the
+  leader's effects on other services go through its fenced outbox. The cost of a wrong guess is
+  bounded: at most ``ttl_s + grace_s`` of a leader that believes it leads without a lease, whose
+  writes the fence refuses. A failure of another kind (a closed connection, a bad request) ends
+  the grace: the plain ``ttl_s`` applies.
 
 What we learned about nats-py (2.16) and nats-server (2.11+) KV, which shaped this module:
 
@@ -33,16 +52,25 @@ What we learned about nats-py (2.16) and nats-server (2.11+) KV, which shaped th
 """
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import nats.errors
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
-from nats.js.errors import APIError, BadRequestError, BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import (
+    APIError,
+    BadRequestError,
+    BucketNotFoundError,
+    KeyNotFoundError,
+    NoStreamResponseError,
+    ServiceUnavailableError,
+)
 from nats.js.errors import KeyWrongLastSequenceError as WrongRevisionError
 from nats.js.kv import KeyValue
 
@@ -66,6 +94,18 @@ class LeaseError(BusError):
 _TRANSIENT = (nats.errors.Error, TimeoutError, OSError)
 
 
+def is_leaderless(error: BaseException) -> bool:
+    """Whether a failed write says the bucket's stream has no leader right now: nobody answered
+    (no responders, no stream response), JetStream answered 503, or the request timed out (a
+    Raft election: the request waits for a leader that is not there). Not a rival's revision
+    (``KeyWrongLastSequenceError``), not a closed or refused connection."""
+    if isinstance(error, nats.errors.NoRespondersError | NoStreamResponseError | ServiceUnavailableError):
+        return True
+    if isinstance(error, APIError):
+        return getattr(error, "code", None) == 503
+    return isinstance(error, TimeoutError)  # nats.errors.TimeoutError is one too
+
+
 class LeaderLease:
     """One contender for the leadership of one shard; see the module docstring for the protocol.
 
@@ -83,6 +123,8 @@ class LeaderLease:
         ttl_s: float = 2.0,
         renew_s: float = 0.5,
         poll_s: float = 0.2,
+        grace_s: float = 0.0,
+        confirm: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         try:
             validate_id(shard, "shard")
@@ -94,12 +136,22 @@ class LeaderLease:
             raise LeaseError(f"renew_s must be above 0 and below ttl_s, got {renew_s} and {ttl_s}")
         if poll_s <= 0:
             raise LeaseError(f"poll_s must be above 0, got {poll_s}")
+        if grace_s < 0:
+            raise LeaseError(f"grace_s must not be negative, got {grace_s}")
         self.shard = shard
         self.holder_id = holder_id
         self.key = f"placement.{shard}"
         self.ttl_s = ttl_s
         self.renew_s = renew_s
         self.poll_s = poll_s
+        self.grace_s = grace_s
+        """How long past ``ttl_s`` a leader whose renewals fail only because the bucket has no
+        leader keeps leading (see "Grace"); 0 turns it off."""
+        self._confirm = confirm
+        """Asked after the key was re-created following a leaderless spell: True if this holder's
+        token is still the newest fence claimed (nobody led in between)."""
+        self.recreated = 0
+        """How many times the key was re-created after a leaderless spell and leadership kept."""
         self.lost = asyncio.Event()
         """Set when leadership ended without :meth:`release`: another revision, or no renewal."""
         self._js = js
@@ -177,30 +229,93 @@ class LeaderLease:
                 return
 
     async def _renew(self, kv: KeyValue, last_ok_at: float) -> None:
-        """Renew until the lease is lost; ``last_ok_at`` is when the last good write was *sent*."""
+        """Renew until the lease is lost; ``last_ok_at`` is when the last good write was *sent*.
+
+        While every failure since the last good write says the bucket has no leader
+        (:func:`leaderless`), the deadline is ``ttl_s + grace_s`` instead of ``ttl_s``, renewals
+        are retried every ``poll_s``, and the first write the re-elected bucket accepts restores
+        the lease: see "Grace" in the module docstring.
+        """
+        leaderless = False
+        """Whether every renewal since the last good one failed because the bucket had no leader."""
+        other_failure = False
         while True:
-            remaining_s = last_ok_at + self.ttl_s - time.monotonic()
-            await asyncio.sleep(min(self.renew_s, max(remaining_s, 0.0)))  # the renewal period
-            remaining_s = last_ok_at + self.ttl_s - time.monotonic()
+            deadline = last_ok_at + self.ttl_s + (self.grace_s if leaderless else 0.0)
+            period_s = self.poll_s if leaderless else self.renew_s
+            await asyncio.sleep(min(period_s, max(deadline - time.monotonic(), 0.0)))  # the renewal period
+            remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
-                self._lose("no renewal succeeded within the lease ttl")
+                self._lose(
+                    f"no renewal within the lease ttl and the leaderless grace ({self.grace_s}s)"
+                    if leaderless
+                    else "no renewal succeeded within the lease ttl"
+                )
                 return
             sent_at = time.monotonic()
             try:
-                async with asyncio.timeout(remaining_s):
+                async with asyncio.timeout(min(remaining_s, self.ttl_s)):
                     self._revision = await kv.update(self.key, self._value, last=self._revision)
             except WrongRevisionError:
-                left_s = last_ok_at + self.ttl_s - time.monotonic()
+                left_s = deadline - time.monotonic()
                 revision = await self._our_revision(kv, timeout_s=left_s) if left_s > 0 else None
+                if revision is None and leaderless:
+                    revision = await self._recreate(kv, timeout_s=deadline - time.monotonic())
+                    if revision is not None:
+                        last_ok_at, leaderless, other_failure = sent_at, False, False
                 if revision is None:
                     self._lose("the lease key was taken over or removed")
                     return
                 # Our previous update landed but its reply was lost; we still hold the key.
                 self._revision = revision
             except _TRANSIENT as exc:
-                log.warning("lease renewal failed", shard=self.shard, holder=self.holder_id, error=str(exc))
+                other_failure = other_failure or not is_leaderless(exc)
+                leaderless = not other_failure
+                log.warning(
+                    "lease renewal failed",
+                    shard=self.shard,
+                    holder=self.holder_id,
+                    error=repr(exc),
+                    leaderless=leaderless,
+                )
             else:
-                last_ok_at = sent_at
+                if leaderless:
+                    log.info(
+                        "lease kept through a leaderless bucket", shard=self.shard, holder=self.holder_id
+                    )
+                last_ok_at, leaderless, other_failure = sent_at, False, False
+
+    async def _recreate(self, kv: KeyValue, *, timeout_s: float) -> int | None:
+        """After a leaderless spell the key may have expired on the new bucket leader: create it
+        again, and keep leading only if the fence still holds our token (``confirm``); None if
+        another holder has the key, the fence moved on, or the bucket does not answer."""
+        if timeout_s <= 0:
+            return None
+        try:
+            async with asyncio.timeout(timeout_s):
+                revision = await kv.create(self.key, self._value)
+        except (WrongRevisionError, *_TRANSIENT) as exc:
+            log.warning("lease re-creation failed", shard=self.shard, holder=self.holder_id, error=repr(exc))
+            return None
+        try:
+            confirmed = True if self._confirm is None else await self._confirm()
+        except Exception as exc:  # the fence cannot be read: do not lead unconfirmed
+            log.warning(
+                "lease re-creation not confirmed", shard=self.shard, holder=self.holder_id, error=repr(exc)
+            )
+            confirmed = False
+        if not confirmed:
+            with contextlib.suppress(BadRequestError, *_TRANSIENT):  # else it expires within ttl_s
+                await kv.delete(self.key, last=revision)
+            return None
+        self.recreated += 1
+        log.info(
+            "lease re-created after a leaderless bucket",
+            shard=self.shard,
+            holder=self.holder_id,
+            token=self._token,
+            revision=revision,
+        )
+        return revision
 
     def _renewer_ended(self, task: asyncio.Task[None]) -> None:
         """A renewer that died leaves the lease to expire: say so and count the lease lost at once,

@@ -54,6 +54,7 @@ async def lead(
     ttl_s: float = 2.0,
     renew_s: float = 0.5,
     poll_s: float = 0.2,
+    grace_s: float = 0.0,
 ) -> None:
     """Lead ``shard`` whenever possible until ``stopping`` is set; run ``body(token)`` meanwhile.
 
@@ -62,7 +63,16 @@ async def lead(
     propagates. On every way out the lease is released, so a standby takes over at once.
     """
     status = leadership if leadership is not None else Leadership(shard=shard, holder=holder)
-    lease = LeaderLease(js, shard, holder, ttl_s=ttl_s, renew_s=renew_s, poll_s=poll_s)
+
+    async def still_newest() -> bool:
+        """After the lease key was re-created (a leaderless bucket, ``grace_s``): whether our
+        token is still the newest fence claimed, i.e. nobody led in between."""
+        token = lease.token
+        return token is not None and await fence.claim(pool, shard, token, holder)
+
+    lease = LeaderLease(
+        js, shard, holder, ttl_s=ttl_s, renew_s=renew_s, poll_s=poll_s, grace_s=grace_s, confirm=still_newest
+    )
     try:
         while not stopping.is_set():
             log.info("standby", shard=shard, holder=holder)
