@@ -25,6 +25,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from waiting import until
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
+from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.runtime.servers import NatsCluster, NatsServer
 from loom_proto import JobSubmitted, Work
 from loom_proto import subjects as s
@@ -308,3 +309,55 @@ async def test_a_callback_pull_waits_out_its_consumer_leaders_election_without_a
     # Backing off to 0.25 s while nobody leads is a few requests a second; asking again at once
     # on every "no responders" was over a thousand a second.
     assert pulls < 300
+
+
+async def test_the_lease_survives_the_death_of_the_node_leading_its_bucket(
+    nats_cluster: NatsCluster, bus: Client
+) -> None:
+    """Placement's 2 s lease, with its 10 s grace for a leaderless bucket (loom.bus.lease, "Grace"):
+    when the node leading ``loom_leases`` dies, every renewal fails for the 4-9 s of the election,
+    the lease is kept, and afterwards the key holds the holder's value again (renewed or re-created),
+    under the same fencing token. Without the grace the lease was lost on every such kill."""
+    lease_nc = await connect(nats_cluster.url, "test-lease")
+    lease = LeaderLease(
+        lease_nc.jetstream(), "s1", "holder", ttl_s=2.0, renew_s=0.5, poll_s=0.2, grace_s=10.0
+    )
+    try:
+        token = await lease.acquire()
+        await until(lambda: all_replicas_current(bus, f"KV_{LEASE_BUCKET}"), HANG_S, "the bucket's replicas")
+        info = await bus.jetstream().stream_info(f"KV_{LEASE_BUCKET}")
+        assert info.cluster is not None and info.cluster.leader
+        victim = node_by_name(nats_cluster, info.cluster.leader)
+        if node_of(nats_cluster, lease_nc) is victim:  # the holder's own node dying is another case
+            await lease.release()
+            await lease_nc.close()
+            lease_nc = await connection_off_the_leader(nats_cluster, victim.server_name or "", "test-lease")
+            lease = LeaderLease(
+                lease_nc.jetstream(), "s1", "holder", ttl_s=2.0, renew_s=0.5, poll_s=0.2, grace_s=10.0
+            )
+            token = await lease.acquire()
+        survivor = await connection_off_the_leader(nats_cluster, victim.server_name or "", "test-lease-look")
+        kv = await survivor.jetstream(timeout=0.5).key_value(LEASE_BUCKET)
+        await asyncio.sleep(1.0)  # renewing steadily
+        assert victim.pid is not None
+        revision_at_kill = (await kv.get(lease.key)).revision
+        os.kill(victim.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        held_again: float | None = None
+        while time.monotonic() - killed_at < 14.0 and not lease.lost.is_set():
+            if held_again is None:
+                try:
+                    entry = await kv.get(lease.key)
+                    if entry.value == lease._value and entry.revision > revision_at_kill:
+                        held_again = time.monotonic() - killed_at
+                except Exception:  # no leader yet, or the key expired and is not back yet
+                    pass
+            await asyncio.sleep(0.2)
+        await survivor.close()
+        print(f"\nleases bucket leader {victim.server_name} killed: key ours again after {held_again} s")
+        assert not lease.lost.is_set(), "the lease was lost although nobody else could take it"
+        assert lease.token == token
+        assert held_again is not None, "the key never held the holder's value again"
+    finally:
+        await lease.release()
+        await lease_nc.close()
