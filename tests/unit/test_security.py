@@ -182,3 +182,15 @@ def test_users_block_is_what_nats_server_reads() -> None:
     assert users[0]["nkey"] == "UABC"
     assert users[0]["permissions"]["publish"]["allow"][0] == subjects.job_submitted("acme")
     assert users[0]["permissions"]["allow_responses"] is True
+
+
+def test_the_attempts_bucket_is_writable_by_services_and_by_an_agent_for_its_own_consumer_only() -> None:
+    from loom.bus.attempts import ATTEMPTS_BUCKET
+    from loom.security.permissions import ATTEMPTS_BUCKET as NAMED
+
+    assert NAMED == ATTEMPTS_BUCKET
+    service = permissions(Identity("metrics"))
+    assert f"$KV.{ATTEMPTS_BUCKET}.>" in service.publish
+    agent = permissions(Identity("agent", "c1"))
+    assert f"$KV.{ATTEMPTS_BUCKET}.CLUSTERS.agent-c1.>" in agent.publish
+    assert not any(p.startswith(f"$KV.{ATTEMPTS_BUCKET}.") and "agent-c1" not in p for p in agent.publish)

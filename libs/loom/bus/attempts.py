@@ -89,11 +89,17 @@ class AttemptLog:
             try:
                 self._kv = await self._js.key_value(ATTEMPTS_BUCKET)
             except (NotFoundError, BadRequestError):
-                self._kv = await self._js.create_key_value(
-                    bucket=ATTEMPTS_BUCKET,
-                    description="unfinished attempts and failures of redelivered messages (crash loops)",
-                    history=1,
-                    ttl=_KEEP_S,
-                    replicas=int(os.environ.get("LOOM_STREAM_REPLICAS", "1")),
-                )
+                self._kv = await ensure_bucket(self._js)
         return self._kv
+
+
+async def ensure_bucket(js: JetStreamContext) -> KeyValue:
+    """Create ``LOOM_ATTEMPTS`` if absent (with :func:`loom.bus.ensure_streams`, by whoever may
+    manage streams, so an agent, which may not, finds it there)."""
+    return await js.create_key_value(
+        bucket=ATTEMPTS_BUCKET,
+        description="unfinished attempts and failures of redelivered messages (crash loops)",
+        history=1,
+        ttl=_KEEP_S,
+        replicas=int(os.environ.get("LOOM_STREAM_REPLICAS", "1")),
+    )

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import nats.errors
 import nkeys
 import structlog
 from nats.aio.client import Client
@@ -25,6 +26,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from loom import security
+from loom.bus.attempts import ensure_bucket
 from loom.errors import LoomError
 from loom.runtime.config import loom_home
 from loom_proto.subjects import STREAMS, StreamSpec
@@ -261,6 +263,12 @@ async def ensure_streams(
                 log.info("jetstream not ready, retrying", stream=spec.name, error=repr(exc))
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 1.0)
+    if specs is STREAMS:
+        # The consumers' attempt records (crash-loop detection); agents may not create it.
+        try:
+            await ensure_bucket(js)
+        except (nats.errors.Error, TimeoutError, OSError) as exc:  # consumers create it lazily too
+            log.warning("attempts bucket not ensured", error=repr(exc))
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:

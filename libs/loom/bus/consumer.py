@@ -80,6 +80,11 @@ _MAX_TRACKED = 100_000
 """Failure counts kept per consumer at most (each is a few dozen bytes)."""
 
 
+_ATTEMPTS_TIMEOUT_S = 2.0
+"""Longest wait on the attempt-record bucket per operation."""
+_ATTEMPTS_OFF_S = 30.0
+"""After the bucket failed, suspects are handled without records this long."""
+
 _NOT_OURS_DELAY_S = 0.5
 """Redelivery delay of a message given back because this instance no longer leads."""
 
@@ -231,6 +236,7 @@ class ConsumerRunner(Generic[T]):
         self._task: asyncio.Task[None] | None = None
         self.dependencies = dependencies or of_connection(nc)
         self._attempts: AttemptLog | None = None
+        self._attempts_off_until = float("-inf")
         self._failures: dict[int, int] = {}
         """Stream sequence -> failures so far (outages not counted), while the message is unsettled."""
         self.waiting_for: list[str] = []
@@ -531,8 +537,13 @@ class ConsumerRunner(Generic[T]):
             return
         if self._attempts is None:
             self._attempts = AttemptLog(self._js, self.spec.stream, self.spec.durable)
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._attempts_off_until:
+            await self._process_decoded([delivery])
+            return
         try:
-            before = await self._attempts.get(seq)
+            async with asyncio.timeout(_ATTEMPTS_TIMEOUT_S):
+                before = await self._attempts.get(seq)
             if before.open >= self.spec.max_crashes:
                 # Only when every dependency answers: a process killed while it waited on one
                 # that was down did not die of the message.
@@ -549,10 +560,17 @@ class ConsumerRunner(Generic[T]):
                 await self._dead_letter(delivery.msg, crash, delivery.span, failures=before.failures)
                 await self._forget(seq)
                 return
-            await self._attempts.put(seq, msgspec.structs.replace(before, open=before.open + 1))
+            async with asyncio.timeout(_ATTEMPTS_TIMEOUT_S):
+                await self._attempts.put(seq, msgspec.structs.replace(before, open=before.open + 1))
         except ATTEMPTS_TRANSIENT as exc:
+            # Not per message: a bucket that does not answer (or that permissions keep from us)
+            # would cost every suspect its timeout.
+            self._attempts_off_until = loop.time() + _ATTEMPTS_OFF_S
             log.warning(
-                "attempt record unavailable; handling without it", consumer=self.spec.durable, error=repr(exc)
+                "attempt records unavailable; handling suspects without them for a while",
+                consumer=self.spec.durable,
+                error=repr(exc),
+                off_s=_ATTEMPTS_OFF_S,
             )
             await self._process_decoded([delivery])
             return
@@ -578,12 +596,14 @@ class ConsumerRunner(Generic[T]):
         failures = self._failures.get(seq, before.failures)
         last = repr(outcome)[:512] if outcome is not None else before.error
         with contextlib.suppress(*ATTEMPTS_TRANSIENT):
-            await self._attempts.put(seq, Attempts(open=before.open, failures=failures, error=last))
+            async with asyncio.timeout(_ATTEMPTS_TIMEOUT_S):
+                await self._attempts.put(seq, Attempts(open=before.open, failures=failures, error=last))
 
     async def _forget(self, seq: int) -> None:
         assert self._attempts is not None
         try:
-            await self._attempts.forget(seq)
+            async with asyncio.timeout(_ATTEMPTS_TIMEOUT_S):
+                await self._attempts.forget(seq)
         except ATTEMPTS_TRANSIENT as exc:  # it expires on its own; a stale one only costs a look
             log.debug("attempt record not removed", consumer=self.spec.durable, error=repr(exc))
 

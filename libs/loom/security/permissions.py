@@ -48,6 +48,8 @@ SERVICE_ROLES: tuple[Role, ...] = (
 
 P = subjects.PREFIX
 JS_API = "$JS.API"
+ATTEMPTS_BUCKET = "LOOM_ATTEMPTS"
+"""The consumers' attempt records (``loom.bus.attempts.ATTEMPTS_BUCKET``; this module imports no bus)."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,10 @@ def permissions(identity: Identity) -> Permissions:
                 f"{JS_API}.CONSUMER.INFO.CLUSTERS.{durable}",
                 f"{JS_API}.CONSUMER.MSG.NEXT.CLUSTERS.{durable}",
                 f"$JS.ACK.CLUSTERS.{durable}.>",
+                # Its consumer's attempt records (crash-loop detection, loom.bus.attempts) only.
+                f"{JS_API}.STREAM.INFO.KV_{ATTEMPTS_BUCKET}",
+                f"{JS_API}.STREAM.MSG.GET.KV_{ATTEMPTS_BUCKET}",  # read from the stream's leader
+                f"$KV.{ATTEMPTS_BUCKET}.CLUSTERS.{durable}.>",
             ],
             subscribe=[
                 subjects.net_endpoints(scope),
@@ -207,6 +213,7 @@ def permissions(identity: Identity) -> Permissions:
             f"{P}.health.*",
             f"{JS_API}.>",
             "$JS.ACK.>",
+            f"$KV.{ATTEMPTS_BUCKET}.>",  # consumers' attempt records (loom.bus.attempts)
         ],
         # Services are trusted readers of the whole bus; what they may say is what is narrowed.
         subscribe=[f"{P}.>", inbox],
