@@ -17,6 +17,7 @@ from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from loom.bus import BusError, connect, ensure_streams
+from loom.bus.attempts import AttemptLog, Attempts
 from loom.runtime.servers import NatsServer
 from loom.security import CredentialStore, Identity, admin_identity, tenant_identity
 from loom_proto import subjects
@@ -266,3 +267,17 @@ async def test_rotation_refuses_old_seeds_and_clients_follow(
         assert store.path(tenant_identity("acme")).read_text() != old
     finally:
         await follower.close()
+
+
+async def test_an_agent_keeps_its_own_consumers_attempt_records_and_no_one_elses(as_identity: object) -> None:
+    assert callable(as_identity)
+    agent: Session = await as_identity(Identity("agent", "c1"))
+    own = AttemptLog(agent.nc.jetstream(timeout=2.0), "CLUSTERS", "agent-c1")
+    await own.put(7, Attempts(open=1))
+    assert (await own.get(7)).open == 1
+    await own.forget(7)
+    assert (await own.get(7)).open == 0
+    other = AttemptLog(agent.nc.jetstream(timeout=1.0), "CLUSTERS", "agent-c2")
+    with pytest.raises((nats.errors.Error, TimeoutError)):  # refused: the client gets no ack
+        await other.put(7, Attempts(open=1))
+    assert "loom_attempts.clusters.agent-c2" in (await agent.violation()).lower()
