@@ -576,7 +576,11 @@ class ConsumerRunner(Generic[T]):
             return
         if before.failures > self._failures.get(seq, 0):
             self._failures[seq] = before.failures
-        outcome = (await self._handle([delivery]))[0]
+        keepalive = asyncio.create_task(self._keep_alive([delivery.msg]))
+        try:
+            outcome = (await self._handle([delivery]))[0]
+        finally:
+            keepalive.cancel()
         down = await self._outages([outcome])
         if outcome is not None and (suspects := self._outage_of(outcome, down)) is not None:
             await self._hold(delivery, outcome, suspects)
