@@ -36,14 +36,10 @@ async def nc(nats_url: str) -> AsyncIterator[Client]:
 
 
 def spec_for(subject: str, **kwargs: Any) -> ConsumerSpec:
+    kwargs.setdefault("first_nak_delay_s", 0.05)
+    kwargs.setdefault("max_nak_delay_s", 0.2)
     return ConsumerSpec(
-        stream="CLUSTERS",
-        durable=unique("crash"),
-        filter_subjects=[subject],
-        ack_wait_s=ACK_WAIT_S,
-        first_nak_delay_s=0.05,
-        max_nak_delay_s=0.2,
-        **kwargs,
+        stream="CLUSTERS", durable=unique("crash"), filter_subjects=[subject], ack_wait_s=ACK_WAIT_S, **kwargs
     )
 
 
@@ -159,4 +155,44 @@ async def test_outages_never_count_as_crashes_nor_failures_of_a_much_redelivered
         assert runner.counts["dead_lettered"] == 0 and dead.empty()
     finally:
         await runner.stop()
+        await nc.jetstream().delete_consumer(spec.stream, spec.durable)
+
+
+async def test_a_handler_that_fails_once_per_process_life_is_dead_lettered_after_max_deliver_failures(
+    nc: Client, nats_url: str
+) -> None:
+    """Each life fails the message once and then restarts (a supervisor restarting a service that
+    exits after an error): in-memory counts alone would start afresh every time."""
+    subject = s.cluster_command(unique("c"), "stop")
+    # The redelivery after a failure comes 1 s later: in the next life.
+    spec = spec_for(subject, suspect_after=1, max_deliver=2, first_nak_delay_s=1.0, max_nak_delay_s=1.0)
+    dead = await dead_letters(nc, subject)
+    await Publisher(nc).publish_bytes(subject, b"{}", msg_id=unique("m"))
+    deliveries: list[int] = []
+    lives = 0
+    try:
+        while dead.empty() and lives < 6:
+            lives += 1
+            client = await connect(nats_url, f"test-fail-life-{lives}")
+
+            async def fail(d: Delivery[bytes]) -> None:
+                deliveries.append(d.num_delivered)
+                raise ValueError("this message always breaks the handler")
+
+            runner: ConsumerRunner[bytes] = ConsumerRunner(
+                client, spec, bytes, handler=fail, idle_fetch_timeout_s=0.2
+            )
+            await runner.start()
+            for _ in range(200):  # until this life has settled the delivery one way or the other
+                if runner.counts["nacked"] or runner.counts["dead_lettered"]:
+                    break
+                await asyncio.sleep(0.05)
+            await runner.stop()
+            await client.close()
+        letter = await asyncio.wait_for(dead.get(), 5.0)
+        headers = letter.headers or {}
+        assert headers["Loom-Error-Type"] == "ValueError"
+        assert headers["Loom-Failures"] == "2"
+        assert deliveries == [1, 2, 3], "failed in lives 1 (not yet a suspect) and 2, dead-lettered in 3"
+    finally:
         await nc.jetstream().delete_consumer(spec.stream, spec.durable)
