@@ -164,6 +164,21 @@ async def test_a_recreated_key_whose_fence_moved_on_loses_the_lease_and_is_remov
     assert kv.key is None and kv.deletes == 1, "the key we wrote is removed so a standby need not wait"
 
 
+async def test_a_fence_that_does_not_answer_in_time_loses_the_lease_within_the_bound() -> None:
+    kv = ScriptedKV()
+
+    async def hangs() -> bool:
+        await asyncio.Event().wait()
+        return True
+
+    lease = await leading(kv, grace_s=GRACE_S, confirm=hangs)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await election(kv, nats.errors.NoRespondersError(), hold_s=2.5 * TTL_S)
+    await asyncio.wait_for(lease.lost.wait(), TTL_S + GRACE_S + 1.0)
+    assert loop.time() - started <= TTL_S + GRACE_S + 0.5
+
+
 async def test_a_mixed_spell_gets_no_grace() -> None:
     kv = ScriptedKV()
     lease = await leading(kv, grace_s=GRACE_S)

@@ -290,6 +290,7 @@ class LeaderLease:
         another holder has the key, the fence moved on, or the bucket does not answer."""
         if timeout_s <= 0:
             return None
+        deadline = time.monotonic() + timeout_s
         try:
             async with asyncio.timeout(timeout_s):
                 revision = await kv.create(self.key, self._value)
@@ -297,7 +298,9 @@ class LeaderLease:
             log.warning("lease re-creation failed", shard=self.shard, holder=self.holder_id, error=repr(exc))
             return None
         try:
-            confirmed = True if self._confirm is None else await self._confirm()
+            # Within the same bound: a fence that cannot be read in time leaves us unconfirmed.
+            async with asyncio.timeout(max(deadline - time.monotonic(), 0.0)):
+                confirmed = True if self._confirm is None else await self._confirm()
         except Exception as exc:  # the fence cannot be read: do not lead unconfirmed
             log.warning(
                 "lease re-creation not confirmed", shard=self.shard, holder=self.holder_id, error=repr(exc)
