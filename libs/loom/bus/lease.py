@@ -268,9 +268,11 @@ class LeaderLease:
                 # Our previous update landed but its reply was lost; we still hold the key.
                 self._revision = revision
             except _TRANSIENT as exc:
+                first = not leaderless and not other_failure
                 other_failure = other_failure or not is_leaderless(exc)
                 leaderless = not other_failure
-                log.warning(
+                # Retried every poll_s while leaderless: the first failure of a spell is enough.
+                (log.warning if first or not leaderless else log.debug)(
                     "lease renewal failed",
                     shard=self.shard,
                     holder=self.holder_id,
