@@ -8,7 +8,9 @@ hand, so a subject that moves moves its permission with it. Pure: no I/O here.
 What nats-server enforces with it (and what it cannot):
 
 * an agent publishes only its own cluster's subjects (``loom.clusters.<c>.{heartbeat,profile,
-  status}``), never a command, and consumes only its own durable on ``CLUSTERS``;
+  status}`` and its reports ``loom.jobs.<kind>.<tenant>.<c>``), never a command, and consumes
+  only its own durable on ``CLUSTERS``; placement records a report only when ``<c>`` is a
+  cluster of that attempt's run (else it is dead-lettered with the reason, the job unchanged);
 * a tenant publishes only ``loom.jobs.submitted.<its tenant>`` and reads only
   ``loom.jobs.<kind>.<its tenant>`` (plus its replies);
 * a service publishes only its role's subjects (metrics cannot command an agent, the console
@@ -18,6 +20,7 @@ Every identity gets its own reply-inbox prefix (``_INBOX.<identity>``) and may s
 it, so no one can read another's replies; responders answer through ``allow_responses``.
 """
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -167,7 +170,7 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.jobs_query(scope),
                 *(q for q in _QUERIES if q != subjects.JOBS_QUERY),
             ],
-            subscribe=[subjects.tenant_job_events(scope), inbox],
+            subscribe=[subjects.tenant_job_events(scope), subjects.tenant_job_reports(scope), inbox],
         )
     if role == "agent":
         assert scope is not None
@@ -178,9 +181,10 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.cluster_heartbeat(scope),
                 subjects.cluster_profiles(scope),
                 subjects.cluster_status(scope),
-                # Reports of the jobs it runs: the subject names the job's tenant, not the
-                # cluster, so which agent may report a job is checked by the consumer (gap).
-                *_events("started", "progress", "checkpointed", "completed", "failed"),
+                # Reports of the runs it carries out, on subjects that name its own cluster
+                # (``loom.jobs.<kind>.<tenant>.<cluster>``): placement checks that cluster
+                # against the attempt's run, so another cluster's job cannot be reported.
+                *subjects.cluster_reports(scope),
                 f"{P}.dlq.{own}.cmd.*",
                 subjects.PLACEMENT_ATTEMPTS,  # after a restart: which of its runs are still current
                 f"{JS_API}.INFO",
@@ -211,6 +215,25 @@ def permissions(identity: Identity) -> Permissions:
         # Services are trusted readers of the whole bus; what they may say is what is narrowed.
         subscribe=[f"{P}.>", inbox],
     )
+
+
+def foreign_report(
+    reporter: str | None, event_cluster: str | None, run_clusters: Collection[str] | None = None
+) -> str | None:
+    """Why a job report must not be recorded, or None.
+
+    ``reporter`` is the cluster named by the report's subject (None: a service published it on a
+    subject without one, which agents may not); ``event_cluster`` the cluster its payload names;
+    ``run_clusters`` the clusters holding a part of that attempt's run (None: not looked up yet).
+    nats-server lets only the reporter's agent publish on its subject, so this is what makes an
+    agent's credentials unable to speak of another cluster's job."""
+    if reporter is None:
+        return None
+    if event_cluster != reporter:
+        return f"a report on cluster {reporter}'s subject about a run on {event_cluster or 'no cluster'}"
+    if run_clusters is not None and reporter not in run_clusters:
+        return f"cluster {reporter} holds no part of that attempt's run: only its own agent may report it"
+    return None
 
 
 def may_manage_streams(identity: str) -> bool:
