@@ -470,19 +470,7 @@ class NatsServer(_ChildServer):
         Raises RuntimeError when it does not say so within ``timeout_s``."""
         if self.pid is None:
             return
-        start = self.log_path.stat().st_size if self.log_path.exists() else 0
-        os.kill(self.pid, signal.SIGHUP)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self.log_path.open("rb") as log:
-                log.seek(start)
-                if b"Reloaded server configuration" in log.read():
-                    return
-            time.sleep(_POLL_INTERVAL_S)
-        raise RuntimeError(
-            f"nats-server on port {self.port} did not reload its configuration within {timeout_s:g} s;"
-            f" last lines of {self.log_path}:\n{_tail(self.log_path)}"
-        )
+        reload_nats_server(self.pid, self.log_path, timeout_s)
 
     def _command(self) -> list[str]:
         binary = _nats_binary()
@@ -516,6 +504,27 @@ class NatsServer(_ChildServer):
         except (OSError, ValueError, urllib.error.URLError):
             return False
         return isinstance(body, dict) and body.get("status") == "ok"
+
+
+def reload_nats_server(pid: int, log_path: Path, timeout_s: float = 10.0) -> None:
+    """SIGHUP the nats-server ``pid`` and return once ``log_path`` (its log) says it reloaded its
+    configuration: what :meth:`NatsServer.reload` does, for a server another process started
+    (``loom credentials rotate`` reloads the servers of a running stack). Raises
+    ProcessLookupError when it is gone, RuntimeError when it does not say so within ``timeout_s``."""
+    start = log_path.stat().st_size if log_path.exists() else 0
+    os.kill(pid, signal.SIGHUP)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if log_path.exists():
+            with log_path.open("rb") as log:
+                log.seek(start)
+                if b"Reloaded server configuration" in log.read():
+                    return
+        time.sleep(_POLL_INTERVAL_S)
+    raise RuntimeError(
+        f"nats-server {pid} did not reload its configuration within {timeout_s:g} s;"
+        f" last lines of {log_path}:\n{_tail(log_path)}"
+    )
 
 
 class NatsCluster:
