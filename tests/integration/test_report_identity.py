@@ -1,5 +1,6 @@
 """An agent's credentials cannot report another cluster's job (issue 18), on a secured nats-server
-with placement, metrics and the agent that runs the job.
+with placement, metrics and the agent that runs the job, each connected as its own identity (so
+their narrowed permissions, JetStream API included, are enough to place and run a job).
 
 nats-server lets an agent publish its reports only on subjects naming its own cluster
 (``loom.jobs.<kind>.<tenant>.<cluster>``); placement records a report only when that cluster
@@ -33,15 +34,21 @@ pytestmark = pytest.mark.security
 RUNS_ON = "c-weu-a"  # the only cluster with T4s in the small topology
 FORGER = "c-sea1-a"
 TENANT = "t1"
+SERVICES = {
+    "metrics": Identity("metrics"),
+    "placement": Identity("placement"),
+    f"agent-{RUNS_ON}": Identity("agent", RUNS_ON),
+}
+IDENTITIES = [admin_identity(), *SERVICES.values(), Identity("agent", FORGER)]
 
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsServer, CredentialStore]]:
     home = tmp_path_factory.mktemp("report-identity")
     store = CredentialStore(home)
-    store.ensure_all([admin_identity(), Identity("agent", RUNS_ON), Identity("agent", FORGER)])
+    store.ensure_all(IDENTITIES)
     with NatsServer(home / "nats", authorization=store.auth_path) as server:
-        # The in-process services connect as the operator; the forger below as agent-c-sea1-a.
+        # The test itself (its client) connects as the operator; each service as its own role.
         remember_credentials(server.url, store.path(admin_identity()))
         yield server, store
 
@@ -52,9 +59,10 @@ async def platform(
     fresh_database: Callable[..., Awaitable[str]],
     tmp_path: Path,
 ) -> AsyncIterator[Platform]:
-    server, _ = secured
+    server, store = secured
     (tmp_path / "agents").mkdir()
     p = Platform(server.url, await fresh_database("report_identity"), tmp_path / "agents")
+    p.creds = {name: store.path(identity) for name, identity in SERVICES.items()}
     yield p
     for name in list(p.tasks):
         await p.stop(name)

@@ -208,3 +208,36 @@ def test_users_block_is_what_nats_server_reads() -> None:
     assert users[0]["nkey"] == "UABC"
     assert users[0]["permissions"]["publish"]["allow"][0] == subjects.job_submitted("acme")
     assert users[0]["permissions"]["allow_responses"] is True
+
+
+def test_services_call_only_the_jetstream_api_of_their_streams() -> None:
+    for role in ("placement", "metrics", "network-perception", "migration", "alert-correlator", "console"):
+        service = Identity(role)  # type: ignore[arg-type]
+        for stream in subjects.STREAMS:  # every service makes sure the streams exist
+            assert may_publish(service, f"$JS.API.STREAM.INFO.{stream.name}"), role
+            assert may_publish(service, f"$JS.API.STREAM.UPDATE.{stream.name}"), role
+            for forbidden in ("DELETE", "PURGE", "MSG.DELETE"):
+                assert not may_publish(service, f"$JS.API.STREAM.{forbidden}.{stream.name}"), role
+        assert not may_publish(service, "$JS.API.STREAM.CREATE.ELSEWHERE"), role
+        assert not may_publish(service, "$JS.API.ACCOUNT.PURGE.x"), role
+    metrics = Identity("metrics")
+    assert may_publish(
+        metrics, "$JS.API.CONSUMER.CREATE.CLUSTERS.metrics-heartbeats.loom.clusters.*.heartbeat"
+    )
+    assert may_publish(metrics, "$JS.API.CONSUMER.MSG.NEXT.JOBS.metrics-metering")
+    assert may_publish(metrics, "$JS.ACK.CLUSTERS.metrics-heartbeats.1.2.3.4.5")
+    assert not may_publish(metrics, "$JS.API.CONSUMER.CREATE.NET.x")  # it reads no NET stream
+    assert not may_publish(metrics, "$JS.ACK.NET.network-perception-probes.1.2.3.4.5")
+    assert not may_publish(metrics, "$JS.API.CONSUMER.DELETE.CLUSTERS.agent-c1")
+    console = Identity("console")
+    assert not any(
+        may_publish(console, f"$JS.API.CONSUMER.CREATE.{stream.name}.x") for stream in subjects.STREAMS
+    )
+    placement = Identity("placement")
+    assert may_publish(placement, "$JS.API.CONSUMER.CREATE.JOBS.placement-lifecycle-eu.loom.jobs.started.>")
+    assert may_publish(placement, "$JS.API.STREAM.INFO.KV_loom_leases")
+    assert may_publish(placement, "$JS.API.DIRECT.GET.KV_loom_leases.$KV.loom_leases.global")
+    assert not may_publish(metrics, "$JS.API.STREAM.INFO.KV_loom_leases")
+    assert not may_publish(placement, "$JS.API.STREAM.DELETE.KV_loom_leases")
+    assert may_subscribe(placement, "$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.JOBS.placement-submitted")
+    assert not may_subscribe(console, "$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.JOBS.placement-submitted")

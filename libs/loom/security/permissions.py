@@ -14,7 +14,9 @@ What nats-server enforces with it (and what it cannot):
 * a tenant publishes only ``loom.jobs.submitted.<its tenant>`` and reads only
   ``loom.jobs.<kind>.<its tenant>`` (plus its replies);
 * a service publishes only its role's subjects (metrics cannot command an agent, the console
-  cannot place a job, a probe collector cannot report a heartbeat).
+  cannot place a job, a probe collector cannot report a heartbeat), and calls only the JetStream
+  API of Loom's streams and of the consumers on the streams it reads
+  (:func:`service_jetstream_api`: no stream deletes or purges, no consumers elsewhere).
 
 Every identity gets its own reply-inbox prefix (``_INBOX.<identity>``) and may subscribe only to
 it, so no one can read another's replies; responders answer through ``allow_responses``.
@@ -209,12 +211,72 @@ def permissions(identity: Identity) -> Permissions:
             *_QUERIES,
             f"{P}.dlq.>",
             f"{P}.health.*",
-            f"{JS_API}.>",
-            "$JS.ACK.>",
+            *service_jetstream_api(role),
         ],
         # Services are trusted readers of the whole bus; what they may say is what is narrowed.
-        subscribe=[f"{P}.>", inbox],
+        # Their consumers also follow their leader's election (a standing pull request dies with
+        # the node that held it: loom.bus.consumer asks again when another is elected).
+        subscribe=[
+            f"{P}.>",
+            *(f"$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.{name}.*" for name in CONSUMED_STREAMS[role]),
+            inbox,
+        ],
     )
+
+
+CONSUMED_STREAMS: dict[Role, tuple[str, ...]] = {
+    "placement": ("VIEW", "JOBS"),
+    "metrics": ("CLUSTERS", "JOBS"),
+    "network-perception": ("NET",),
+    "migration": ("JOBS",),
+    "alert-correlator": ("ALERTS", "DLQ", "JOBS", "MIGRATIONS", "NET", "VIEW"),
+    "console": (),
+    "probe-collector": (),
+}
+"""The streams each service role holds durable consumers on (its ``ConsumerSpec``s): a service
+that starts consuming another stream adds it here, or nats-server refuses its consumer."""
+
+LEASE_STREAM = "KV_loom_leases"
+"""The stream behind the leader-lease bucket (:data:`loom.bus.lease.LEASE_BUCKET`)."""
+LEASE_HOLDERS: tuple[Role, ...] = ("placement", "migration")
+
+
+def service_jetstream_api(role: Role) -> list[str]:
+    """The JetStream API subjects a service role may call (issue 18: no more ``$JS.API.>``).
+
+    * Every service makes sure Loom's streams exist at start (``ensure_streams``): it may read,
+      create and update them (never delete or purge them, nor touch a stream Loom does not define).
+    * It creates, reads and pulls from consumers only on the streams it consumes
+      (:data:`CONSUMED_STREAMS`), and acks only there. The consumer's *name* stays a wildcard:
+      placement's durables carry its shard (``placement-view-<shard>``), which the supervisor's
+      options decide and the table does not know; a service could thus create or drain another
+      role's durable on a stream it also reads, which no role's subjects would let it forge.
+    * Placement and migration hold the lease bucket (``KV_loom_leases``): its stream's info,
+      creation and direct gets, besides publishing on ``$KV.loom_leases.>``.
+    The operator (``admin``: the CLI, the DLQ commands) keeps ``$JS.API.>``.
+    """
+    if role not in CONSUMED_STREAMS:
+        raise ValueError(f"{role} is not a service role")
+    allowed = [f"{JS_API}.INFO"]
+    for stream in subjects.STREAMS:
+        allowed += [f"{JS_API}.STREAM.{op}.{stream.name}" for op in ("INFO", "CREATE", "UPDATE")]
+    for name in CONSUMED_STREAMS[role]:
+        allowed += [
+            f"{JS_API}.CONSUMER.CREATE.{name}.>",
+            f"{JS_API}.CONSUMER.DURABLE.CREATE.{name}.*",
+            f"{JS_API}.CONSUMER.INFO.{name}.*",
+            f"{JS_API}.CONSUMER.MSG.NEXT.{name}.*",
+            f"$JS.ACK.{name}.>",
+        ]
+    if role in LEASE_HOLDERS:
+        allowed += [
+            f"{JS_API}.STREAM.INFO.{LEASE_STREAM}",
+            f"{JS_API}.STREAM.CREATE.{LEASE_STREAM}",
+            f"{JS_API}.STREAM.MSG.GET.{LEASE_STREAM}",
+            f"{JS_API}.DIRECT.GET.{LEASE_STREAM}.>",
+            f"{JS_API}.DIRECT.GET.{LEASE_STREAM}",
+        ]
+    return allowed
 
 
 def foreign_report(
