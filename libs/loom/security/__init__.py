@@ -2,6 +2,7 @@
 
 from loom.security.credentials import (
     ENV_CREDS,
+    ENV_NATS_CA,
     Credential,
     CredentialStore,
     admin_identity,
@@ -24,6 +25,7 @@ from loom.security.permissions import (
 
 __all__ = [
     "ENV_CREDS",
+    "ENV_NATS_CA",
     "SERVICE_ROLES",
     "Credential",
     "CredentialStore",
