@@ -1,13 +1,14 @@
 """TLS for listeners off the loopback interface: a generated CA, a server certificate, client trust.
 
 A stack that binds NATS to an address other machines can reach (``loom up --nats-host``) requires
-TLS on it: ``loom up`` generates a private CA once (``<home>/secrets/tls/ca.pem``, its key 0600)
-and a server certificate for the bound address (and the loopback names), signed by it. Clients
-trust that CA only (:func:`client_context`): a client without it does not get past the
+TLS there: ``loom up`` generates a private CA once (``<home>/secrets/tls/ca.pem``, its key 0600)
+and a certificate for the bound address (and the loopback names) per server, signed by it.
+Clients trust that CA only (:func:`client_context`): a client without it does not get past the
 handshake, and a server that is not the stack's cannot pass for it. On loopback only, nothing
-changes (the traffic never leaves the machine).
+changes (the traffic never leaves the machine). PostgreSQL stays on loopback: the embedded build
+Loom runs has no SSL ("FATAL: SSL is not supported by this build").
 
-The keys are ECDSA P-256; the server certificate lasts ``SERVER_DAYS`` and is reissued at every
+The keys are ECDSA P-256; a server certificate lasts ``SERVER_DAYS`` and is reissued at every
 start, the CA lasts ``CA_DAYS`` and is kept (clients keep trusting it across restarts).
 """
 
@@ -68,11 +69,14 @@ def _names(hosts: list[str]) -> list[x509.GeneralName]:
     return names
 
 
-def ensure_tls(directory: Path, hosts: list[str], *, now: datetime.datetime | None = None) -> TlsFiles:
-    """The CA under ``directory`` (generated when missing) and a fresh server certificate for
-    ``hosts`` signed by it; keys are written 0600 (:func:`write_secret`)."""
+def ensure_tls(
+    directory: Path, hosts: list[str], *, server: str = "server", now: datetime.datetime | None = None
+) -> TlsFiles:
+    """The CA under ``directory`` (generated when missing) and a fresh certificate for ``hosts``
+    signed by it, in ``<server>.pem`` and ``<server>-key.pem`` (one pair per server: NATS re-reads
+    its own at every reload); keys are written 0600 (:func:`write_secret`)."""
     now = now or datetime.datetime.now(datetime.UTC)
-    files = TlsFiles(directory / "ca.pem", directory / "server.pem", directory / "server-key.pem")
+    files = TlsFiles(directory / "ca.pem", directory / f"{server}.pem", directory / f"{server}-key.pem")
     ca_key_path = directory / "ca-key.pem"
     if files.ca.exists() and ca_key_path.exists():
         ca_cert = x509.load_pem_x509_certificate(files.ca.read_bytes())

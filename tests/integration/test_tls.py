@@ -1,4 +1,4 @@
-"""TLS on a NATS listener off the loopback interface (issue 18): the stack's generated CA.
+"""TLS on listeners off the loopback interface (issue 18): the stack's generated CA.
 
 A nats-server bound to this machine's non-loopback address with a certificate from
 :func:`loom.security.tls.ensure_tls` refuses a client that does not trust the stack's CA (the
