@@ -25,7 +25,7 @@ from waiting import until
 from loom.bus.connection import remember_credentials
 from loom.client import LoomClient
 from loom.runtime.servers import NatsServer
-from loom.security import CredentialStore, Identity, admin_identity, read
+from loom.security import ENV_CREDS, CredentialStore, Identity, admin_identity, read, tenant_identity
 from loom_proto import subjects
 from loom_proto.jobs import JobCompleted, JobSpec, Resources, Work
 
@@ -34,12 +34,13 @@ pytestmark = pytest.mark.security
 RUNS_ON = "c-weu-a"  # the only cluster with T4s in the small topology
 FORGER = "c-sea1-a"
 TENANT = "t1"
+JOB_ID = "ri-long"
 SERVICES = {
     "metrics": Identity("metrics"),
     "placement": Identity("placement"),
     f"agent-{RUNS_ON}": Identity("agent", RUNS_ON),
 }
-IDENTITIES = [admin_identity(), *SERVICES.values(), Identity("agent", FORGER)]
+IDENTITIES = [admin_identity(), *SERVICES.values(), Identity("agent", FORGER), tenant_identity(TENANT)]
 
 
 @pytest.fixture(scope="module")
@@ -88,17 +89,29 @@ async def _connect_as(
 
 
 async def test_another_clusters_agent_cannot_report_a_job(
-    secured: tuple[NatsServer, CredentialStore], platform: Platform
+    secured: tuple[NatsServer, CredentialStore], platform: Platform, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server, store = secured
     await platform.start("metrics")
     await platform.start("placement")
     await platform.start(f"agent-{RUNS_ON}")
     client = await LoomClient.connect(server.url)
+    with monkeypatch.context() as patch:
+        patch.setenv(ENV_CREDS, str(store.path(tenant_identity(TENANT))))
+        tenant = await LoomClient.connect(server.url, name="tenant")
+    # The tenant watches its own events: the agent's reports (the cluster as a fifth token) too.
+    seen: list[str] = []
+
+    async def watch() -> None:
+        async for subject, event in tenant.watch(TENANT):
+            if event.job_id == JOB_ID:
+                seen.append(subject)
+
+    watcher = asyncio.create_task(watch())
     forger, errors = await _connect_as(server, store, Identity("agent", FORGER))
     db = await asyncpg.connect(platform.database_url)
     try:
-        job_id = "ri-long"
+        job_id = JOB_ID
         # 1000 steps of 200 s at the agents' 2000x time scale: about 100 s, longer than the test.
         await client.submit(
             JobSpec(
@@ -115,6 +128,13 @@ async def test_another_clusters_agent_cannot_report_a_job(
 
         job = await until(running, 30, f"{job_id} running")
         assert job["cluster"] == RUNS_ON
+        started = subjects.job_report("started", TENANT, RUNS_ON)
+
+        async def reported() -> bool:
+            return started in seen
+
+        await until(reported, 10, "the tenant's watch to see its job's started report")
+        assert subjects.job_placed(TENANT) in seen
         dead = await client.nc.subscribe(
             subjects.dead_letter(subjects.job_report("completed", TENANT, FORGER))
         )
@@ -130,19 +150,7 @@ async def test_another_clusters_agent_cannot_report_a_job(
 
         # The consumer: on its own subject, about the job running on another cluster.
         for named in (FORGER, RUNS_ON):
-            forged = JobCompleted(
-                job_id=job_id, tenant=TENANT, cluster=named, attempt=1, gpu_seconds=1.0, at=1.0
-            )
-            ack = await forger.jetstream().publish(
-                subjects.job_report("completed", TENANT, FORGER),
-                msgspec.json.encode(forged),
-                headers={"Nats-Msg-Id": f"forged-{named}"},
-            )
-            assert ack.stream == "JOBS", "the agent may publish on its own report subject"
-            letter = await dead.next_msg(timeout=15)
-            assert letter.headers is not None
-            assert "InvalidInputError" in letter.headers.get("Loom-Error-Type", "")
-            reason = letter.headers.get("Loom-Error", "")
+            reason = await _report_refused(forger, dead, named)
             assert FORGER in reason and (named == RUNS_ON or "no part" in reason), reason
 
         # State unchanged: still running on its cluster, its GPUs still held, nothing recorded.
@@ -157,9 +165,28 @@ async def test_another_clusters_agent_cannot_report_a_job(
         )
         assert recorded == 0
     finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
         await db.close()
         await forger.close()
+        await tenant.close()
         await client.close()
+
+
+async def _report_refused(forger: Client, dead: Any, named: str) -> str:
+    """Publish, as the forger's agent on its own report subject, a completion of the job naming
+    ``named`` as its cluster; return the reason of the dead letter placement made of it."""
+    forged = JobCompleted(job_id=JOB_ID, tenant=TENANT, cluster=named, attempt=1, gpu_seconds=1.0, at=1.0)
+    ack = await forger.jetstream().publish(
+        subjects.job_report("completed", TENANT, FORGER),
+        msgspec.json.encode(forged),
+        headers={"Nats-Msg-Id": f"forged-{named}"},
+    )
+    assert ack.stream == "JOBS", "the agent may publish on its own report subject"
+    letter = await dead.next_msg(timeout=15)
+    assert letter.headers is not None
+    assert "InvalidInputError" in letter.headers.get("Loom-Error-Type", "")
+    return str(letter.headers.get("Loom-Error", ""))
 
 
 async def _violation(errors: list[str]) -> bool:
