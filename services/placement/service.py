@@ -1977,15 +1977,15 @@ class PlacementService:
             except DecodeError as exc:
                 outcomes[i] = InvalidInputError(f"lifecycle event on {d.subject}: {exc}")
                 continue
+            if not self._handles(event):
+                self.stats["shard"]["foreign_events"] += 1
+                continue  # acked: the holder of the event's cluster records it (or refuses it)
             reporter = subjects.report_cluster(d.subject)
             why = foreign_report(reporter, getattr(event, "cluster", None))
             if why is not None:
                 log.warning("report refused", subject=d.subject, job_id=event.job_id, reason=why)
                 outcomes[i] = InvalidInputError(why)
                 continue
-            if not self._handles(event):
-                self.stats["shard"]["foreign_events"] += 1
-                continue  # acked: the holder of the event's cluster records it
             events.append((event, d.msg_id or f"JOBS-{d.stream_seq}"))
             index_of[events[-1][1]] = i
             if reporter is not None:

@@ -16,7 +16,10 @@ What nats-server enforces with it (and what it cannot):
 * a service publishes only its role's subjects (metrics cannot command an agent, the console
   cannot place a job, a probe collector cannot report a heartbeat), and calls only the JetStream
   API of Loom's streams and of the consumers on the streams it reads
-  (:func:`service_jetstream_api`: no stream deletes or purges, no consumers elsewhere).
+  (:func:`service_jetstream_api`: no stream deletes or purges, no consumers elsewhere). What
+  stays broad, and why: services still *read* all of ``loom.>`` (they are trusted readers; their
+  consumers' filters span tenants and clusters), and a consumer's *name* is a wildcard on the
+  streams a service reads, because placement's durables carry a shard the table does not know.
 
 Every identity gets its own reply-inbox prefix (``_INBOX.<identity>``) and may subscribe only to
 it, so no one can read another's replies; responders answer through ``allow_responses``.
