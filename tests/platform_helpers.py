@@ -6,9 +6,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from loom.model.profiles import library_models, profile_for_model, relative_speed, scu_per_gpu
 from loom.model.topology import Cluster, load_topology
 from loom.runtime.service import ServiceContext, close_context, open_context
+from loom.security import ENV_CREDS
 from loom_services.cluster_agent.agent import Agent
 from loom_services.cluster_agent.backend import ClusterBackend
 from loom_services.cluster_agent.main import library_profile, model_speed
@@ -31,13 +34,20 @@ class Platform:
     time_scale: float = 2000.0
     backends: dict[str, Callable[[Cluster], ClusterBackend]] = field(default_factory=dict)
     """Per agent name, the backend it runs on instead of the simulation (a Slurm cluster)."""
+    creds: dict[str, Path] = field(default_factory=dict)
+    """Per service name, the NATS credential file it connects with (a secured server)."""
 
     async def start(
         self, name: str, *, efficiency: float = 1.0, true_speed: dict[tuple[str, str], float] | None = None
     ) -> Any:
-        ctx = await open_context(
-            name, nats_url=self.nats_url, database_url=None if name.startswith("agent") else self.database_url
-        )
+        database_url = None if name.startswith("agent") else self.database_url
+        if name in self.creds:
+            # Read when the connection is opened: the service keeps this identity afterwards.
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv(ENV_CREDS, str(self.creds[name]))
+                ctx = await open_context(name, nats_url=self.nats_url, database_url=database_url)
+        else:
+            ctx = await open_context(name, nats_url=self.nats_url, database_url=database_url)
         topology = load_topology("small")
         service: Any
         if name.startswith("placement"):

@@ -152,9 +152,10 @@ def consumed_subjects(topology: str) -> list[str]:
         subjects.job_submitted(TENANT),
         subjects.job_placed(TENANT),
         *(
-            subjects.job_event(kind, TENANT)
-            for kind in ("started", "progress", "checkpointed", "completed", "failed", "cancelled")
+            subjects.job_report(kind, TENANT, cluster.id)
+            for kind in ("started", "progress", "checkpointed", "completed", "failed")
         ),
+        subjects.job_event("cancelled", TENANT),
         subjects.cluster_heartbeat(cluster.id),
         subjects.cluster_profiles(cluster.id),
         subjects.cluster_command(cluster.id, "start"),
@@ -805,6 +806,7 @@ class Campaign:
         self.client = await LoomClient.connect(self.state["nats_url"], name="loom-bench-chaos")
         subs = [
             await self.nc.subscribe(subjects.JOBS_LIFECYCLE_ALL, cb=self.on_message),
+            await self.nc.subscribe(subjects.JOBS_REPORTS_ALL, cb=self.on_message),
             *[
                 await self.nc.subscribe(
                     subjects.cluster_commands(agent.removeprefix("agent-")), cb=self.on_message

@@ -58,7 +58,7 @@ async def _measure(nats_url: str, jobs: int, rate: float) -> dict[str, Any]:
 
     try:
         await client.nc.subscribe(subjects.JOBS_PLACED_ALL, cb=recorder(placed))
-        await client.nc.subscribe(subjects.job_event("started", "bench"), cb=recorder(started))
+        await client.nc.subscribe(subjects.job_reports("started", "bench"), cb=recorder(started))
         for i in range(jobs):
             spec = JobSpec(
                 job_id=f"slurm-{i}",

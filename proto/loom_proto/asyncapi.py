@@ -47,12 +47,19 @@ HERE = Path(__file__).resolve().parent.parent
 # channel address -> (parameters, message type, description)
 CHANNELS: dict[str, tuple[tuple[str, ...], type[msgspec.Struct], str]] = {
     "loom.jobs.submitted.{tenant}": (("tenant",), JobSubmitted, "Submit a job; set Nats-Msg-Id to job_id."),
-    "loom.jobs.placed.{cluster}": (("cluster",), JobPlaced, "Placement reserved capacity on a cluster."),
-    "loom.jobs.started.{tenant}": (("tenant",), JobStarted, "A job's run started."),
-    "loom.jobs.progress.{tenant}": (("tenant",), JobProgress, "Steps done so far."),
-    "loom.jobs.checkpointed.{tenant}": (("tenant",), JobCheckpointed, "A checkpoint was written."),
-    "loom.jobs.completed.{tenant}": (("tenant",), JobCompleted, "A job finished."),
-    "loom.jobs.failed.{tenant}": (("tenant",), JobFailed, "A job's run failed."),
+    "loom.jobs.placed.{tenant}": (("tenant",), JobPlaced, "Placement reserved capacity on a cluster."),
+    # Agents' reports name the reporting cluster last: only its agent may publish there.
+    "loom.jobs.started.{tenant}.{cluster}": (("tenant", "cluster"), JobStarted, "A job's run started."),
+    "loom.jobs.progress.{tenant}.{cluster}": (("tenant", "cluster"), JobProgress, "Steps done so far."),
+    "loom.jobs.checkpointed.{tenant}.{cluster}": (
+        ("tenant", "cluster"),
+        JobCheckpointed,
+        "A checkpoint was written.",
+    ),
+    "loom.jobs.completed.{tenant}.{cluster}": (("tenant", "cluster"), JobCompleted, "A job's run finished."),
+    "loom.jobs.failed.{tenant}.{cluster}": (("tenant", "cluster"), JobFailed, "A job's run failed."),
+    "loom.jobs.completed.{tenant}": (("tenant",), JobCompleted, "A service recorded a job as finished."),
+    "loom.jobs.failed.{tenant}": (("tenant",), JobFailed, "A service gave a job up as failed."),
     "loom.jobs.rejected.{tenant}": (("tenant",), JobRejected, "Loom will not run the job, and why."),
     "loom.jobs.cancelled.{tenant}": (("tenant",), JobCancelled, "A job was cancelled."),
     "loom.jobs.requeued.{tenant}": (("tenant",), JobRequeued, "A placed job went back to the queue."),

@@ -66,13 +66,53 @@ def job_event(kind: JobEventKind, tenant: str) -> str:
     return f"{PREFIX}.jobs.{kind}.{validate_id(tenant, 'tenant')}"
 
 
+ReportKind = Literal["started", "progress", "checkpointed", "completed", "failed"]
+REPORT_KINDS: tuple[ReportKind, ...] = ("started", "progress", "checkpointed", "completed", "failed")
+"""What a cluster's agent reports of the runs it carries out (issue 18: on :func:`job_report`)."""
+
+
+def job_report(kind: ReportKind, tenant: str, cluster: str) -> str:
+    """``loom.jobs.<kind>.<tenant>.<cluster>``: an agent's report of a run on its cluster.
+
+    The job's tenant stays the fourth token (a tenant's credentials read its reports as they read
+    its other events); the fifth names the reporting cluster, so nats-server lets only that
+    cluster's agent publish it and the consumer checks it against the cluster of the attempt's run.
+    ``completed`` and ``failed`` also exist without the cluster token: those are decided by a
+    service (placement, migration), which only services may publish."""
+    if kind not in REPORT_KINDS:
+        raise ValueError(f"{kind!r} is not an agent report kind")
+    return f"{PREFIX}.jobs.{kind}.{validate_id(tenant, 'tenant')}.{validate_id(cluster, 'cluster')}"
+
+
+def job_reports(kind: ReportKind, tenant: str) -> str:
+    """``loom.jobs.<kind>.<tenant>.*``: one tenant's reports of a kind, from every cluster."""
+    if kind not in REPORT_KINDS:
+        raise ValueError(f"{kind!r} is not an agent report kind")
+    return f"{PREFIX}.jobs.{kind}.{validate_id(tenant, 'tenant')}.*"
+
+
+def cluster_reports(cluster: str) -> list[str]:
+    """``loom.jobs.<kind>.*.<cluster>`` for every report kind: what one cluster's agent may publish."""
+    validate_id(cluster, "cluster")
+    return [f"{PREFIX}.jobs.{kind}.*.{cluster}" for kind in REPORT_KINDS]
+
+
+def report_cluster(subject: str) -> str | None:
+    """The reporting cluster named by a job event's subject (its fifth token), or None when the
+    subject has none (an event published by a service)."""
+    tokens = subject.split(".")
+    if len(tokens) == 5 and tokens[0] == PREFIX and tokens[1] == "jobs" and tokens[2] in REPORT_KINDS:
+        return tokens[4]
+    return None
+
+
 def job_events_of(*kinds: JobEventKind) -> list[str]:
-    """``loom.jobs.<kind>.*`` for each kind: a consumer's filter for every event of those kinds,
-    whatever the tenant."""
+    """A consumer's filter for every event of those kinds, whatever the tenant: ``loom.jobs.<kind>.*``,
+    or ``loom.jobs.<kind>.>`` for a kind agents report (with and without the cluster token)."""
     unknown = [kind for kind in kinds if kind not in JOB_EVENT_KINDS]
     if unknown:
         raise ValueError(f"unknown job event kinds {unknown!r}")
-    return [f"{PREFIX}.jobs.{kind}.*" for kind in kinds]
+    return [f"{PREFIX}.jobs.{kind}.{'>' if kind in REPORT_KINDS else '*'}" for kind in kinds]
 
 
 def jobs_query(tenant: str) -> str:
@@ -86,6 +126,12 @@ def tenant_job_events(tenant: str) -> str:
     """``loom.jobs.*.<tenant>``: every lifecycle event of one tenant's jobs and its submissions:
     all a tenant's credentials may read of the job subjects."""
     return f"{PREFIX}.jobs.*.{validate_id(tenant, 'tenant')}"
+
+
+def tenant_job_reports(tenant: str) -> str:
+    """``loom.jobs.*.<tenant>.*``: the agents' reports of one tenant's jobs (what
+    :func:`tenant_job_events` misses: reports carry the cluster as a fifth token)."""
+    return f"{PREFIX}.jobs.*.{validate_id(tenant, 'tenant')}.*"
 
 
 def cluster_heartbeat(cluster: str) -> str:
@@ -242,6 +288,9 @@ def dead_letter(original_subject: str) -> str:
 
 JOBS_SUBMITTED_ALL = f"{PREFIX}.jobs.submitted.*"
 JOBS_LIFECYCLE_ALL = f"{PREFIX}.jobs.*.*"
+"""Every job event published by a client or a service (four tokens)."""
+JOBS_REPORTS_ALL = f"{PREFIX}.jobs.*.*.*"
+"""Every agent's report of every job (five tokens: the cluster last); subscribe to both."""
 JOBS_PLACED_ALL = f"{PREFIX}.jobs.placed.*"
 """Placement decisions of every tenant."""
 HEARTBEATS_ALL = f"{PREFIX}.clusters.*.heartbeat"

@@ -584,7 +584,7 @@ class Agent:
 
     def _report_started(self, job: RunningJob) -> None:
         self._report(
-            subjects.job_event("started", job.tenant),
+            subjects.job_report("started", job.tenant, self.cluster),
             JobStarted(
                 job_id=job.job_id,
                 tenant=job.tenant,
@@ -645,7 +645,7 @@ class Agent:
     def _report_completed(self, job: RunningJob, delivered_speed: float, observed_step_s: float) -> None:
         """Report the run completed, with the speed the cluster delivered and the step it took."""
         self._report(
-            subjects.job_event("completed", job.tenant),
+            subjects.job_report("completed", job.tenant, self.cluster),
             JobCompleted(
                 job_id=job.job_id,
                 tenant=job.tenant,
@@ -665,7 +665,7 @@ class Agent:
     def _report_progress(self, job: RunningJob) -> None:
         """Report the run's step (one message id per attempt and step: a repeat is a duplicate)."""
         self._report(
-            subjects.job_event("progress", job.tenant),
+            subjects.job_report("progress", job.tenant, self.cluster),
             JobProgress(
                 job_id=job.job_id,
                 tenant=job.tenant,
@@ -682,7 +682,7 @@ class Agent:
     def _checkpoint(self, job: RunningJob) -> None:
         uri = f"sim://{self.cluster}/{job.job_id}/{job.attempt}/{job.step}"
         self._report(
-            subjects.job_event("checkpointed", job.tenant),
+            subjects.job_report("checkpointed", job.tenant, self.cluster),
             JobCheckpointed(
                 job_id=job.job_id,
                 tenant=job.tenant,
@@ -720,7 +720,7 @@ class Agent:
         exit_code: int | None = None,
     ) -> None:
         self._report(
-            subjects.job_event("failed", tenant),
+            subjects.job_report("failed", tenant, self.cluster),
             JobFailed(
                 job_id=job_id,
                 tenant=tenant,
@@ -908,7 +908,7 @@ class Agent:
                 self._report_progress(job)
         for step, uri in status.checkpoints[checkpoints_seen:]:
             self._report(
-                subjects.job_event("checkpointed", job.tenant),
+                subjects.job_report("checkpointed", job.tenant, self.cluster),
                 JobCheckpointed(
                     job_id=job.job_id,
                     tenant=job.tenant,

@@ -563,7 +563,10 @@ async def serve(
 ) -> None:
     """Run the console until the service stops."""
     console = Console(ctx, topology, tokens, jaeger_url=jaeger_url)
-    sub = await ctx.nc.subscribe(subjects.JOBS_LIFECYCLE_ALL, cb=console.on_event)
+    subs = [
+        await ctx.nc.subscribe(subject, cb=console.on_event)
+        for subject in (subjects.JOBS_LIFECYCLE_ALL, subjects.JOBS_REPORTS_ALL)
+    ]
     server = HttpServer(console.handle, host, port)
     await server.start()
     ctx.stats["console"]["url"] = f"http://{host}:{server.port}"
@@ -572,5 +575,6 @@ async def serve(
         await ctx.stopping.wait()
     finally:
         await server.stop()
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()

@@ -106,6 +106,7 @@ from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, TenantConfig
 from loom.sched.shards import GLOBAL, ShardMap, route
 from loom.sched.snapshot import Economics
+from loom.security import foreign_report
 from loom.store import fence, inbox, moves, outbox, speeds
 from loom.store import jobs as repo
 from loom.store import ledger as ledger_store
@@ -1972,7 +1973,9 @@ class PlacementService:
         events: list[tuple[LifecycleEvent, str]] = []
         index_of: dict[str, int] = {}
         refused: dict[str, str] = {}
-        """Checkpoint reports refused (message id -> why): dead-lettered once the rest commits."""
+        """Reports refused (message id -> why): dead-lettered once the rest commits."""
+        reporter_of: dict[str, str] = {}
+        """The reporting cluster named by a report's subject (message id -> cluster)."""
         for i, d in enumerate(deliveries):
             try:
                 event: LifecycleEvent = decode(d.message, LifecycleEvent)  # type: ignore[arg-type]
@@ -1981,9 +1984,17 @@ class PlacementService:
                 continue
             if not self._handles(event):
                 self.stats["shard"]["foreign_events"] += 1
-                continue  # acked: the holder of the event's cluster records it
+                continue  # acked: the holder of the event's cluster records it (or refuses it)
+            reporter = subjects.report_cluster(d.subject)
+            why = foreign_report(reporter, getattr(event, "cluster", None))
+            if why is not None:
+                log.warning("report refused", subject=d.subject, job_id=event.job_id, reason=why)
+                outcomes[i] = InvalidInputError(why)
+                continue
             events.append((event, d.msg_id or f"JOBS-{d.stream_seq}"))
             index_of[events[-1][1]] = i
+            if reporter is not None:
+                reporter_of[events[-1][1]] = reporter
         if not events:
             return outcomes
 
@@ -1996,6 +2007,8 @@ class PlacementService:
                 # these events in its own consumer).
                 mine = [(e, mid) for e, mid in events if self._handles(e)]
                 refused.clear()
+                refused.update(await _foreign_reports(conn, mine, reporter_of))
+                mine = [(e, mid) for e, mid in mine if mid not in refused]
                 refused.update(await _refused_checkpoints(conn, mine))
                 mine = [(e, mid) for e, mid in mine if mid not in refused]
                 fresh = await repo.append_events(
@@ -2081,7 +2094,7 @@ class PlacementService:
         except Exception as exc:
             return [o if o is not None else exc for o in outcomes]
         for mid, why in refused.items():
-            log.warning("checkpoint report refused", msg_id=mid, reason=why)
+            log.warning("report refused", msg_id=mid, reason=why)
             outcomes[index_of[mid]] = InvalidInputError(why)
         return outcomes
 
@@ -2480,6 +2493,32 @@ def _resume_of(run: Run, recorded: Sequence[Checkpoint]) -> Resume:
         progress=run.progress,
         checkpoint_step=None,
     )
+
+
+async def _foreign_reports(
+    conn: asyncpg.Connection, events: Sequence[tuple["LifecycleEvent", str]], reporter_of: Mapping[str, str]
+) -> dict[str, str]:
+    """Agent reports whose subject's cluster holds no part of that attempt's run (issue 18: an
+    agent's credentials may report only on its own cluster's subjects, so this is where another
+    cluster's job is told apart): message id -> why (:func:`loom.security.foreign_report`)."""
+    reports = [(e, mid) for e, mid in events if mid in reporter_of]
+    if not reports:
+        return {}
+    rows = await conn.fetch(
+        """SELECT job_id, attempt, array_agg(DISTINCT cluster) AS clusters FROM reservations
+           WHERE job_id = ANY($1::text[]) GROUP BY job_id, attempt""",
+        sorted({e.job_id for e, _ in reports}),
+    )
+    run_clusters = {(r["job_id"], r["attempt"]): set(r["clusters"]) for r in rows}
+    out: dict[str, str] = {}
+    for e, mid in reports:
+        attempt = getattr(e, "attempt", None)
+        why = foreign_report(
+            reporter_of[mid], getattr(e, "cluster", None), run_clusters.get((e.job_id, attempt), set())
+        )
+        if why is not None:
+            out[mid] = why
+    return out
 
 
 async def _refused_checkpoints(

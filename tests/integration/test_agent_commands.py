@@ -551,7 +551,7 @@ async def test_reports_journalled_but_not_sent_before_a_restart_are_sent_after_i
             report = {
                 "op": "report",
                 "msg_id": f"{job_id}:completed:1",
-                "subject": subjects.job_event("completed", "t1"),
+                "subject": subjects.job_report("completed", "t1", CLUSTER),
                 "payload": encode(
                     JobCompleted(
                         job_id=job_id, tenant="t1", cluster=CLUSTER, attempt=1, gpu_seconds=1.0, at=1.0

@@ -100,7 +100,7 @@ def test_quick_campaign_reports_every_fault_and_finds_planted_defects() -> None:
     plan = result["config"]["plan"]
     assert [(f["kind"], f["target"]) for f in plan] == [
         ("postgres-outage", "postgres"),
-        ("poison", "loom.jobs.started.chaos"),
+        ("poison", "loom.jobs.started.chaos.c-sea1-a"),  # an agent's report: the cluster last
         ("sigkill", "agent-c-sea1-a"),
     ]
     faults = result["faults"]

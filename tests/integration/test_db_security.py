@@ -4,6 +4,8 @@ On a real PostgreSQL started with ``auth=True`` (SCRAM, no trust line), migrated
 service roles given passwords the way ``loom up --secure-db`` does it.
 """
 
+import argparse
+import asyncio
 import json
 import os
 import stat
@@ -16,6 +18,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from loom.cli.credentials import cmd_rotate
 from loom.runtime import dbcreds
 from loom.runtime.pgsecrets import pgpass_password
 from loom.runtime.servers import PostgresServer
@@ -315,6 +318,34 @@ async def test_rotation_replaces_every_password_and_the_urls_keep_working(
             await conn.close()
         assert await held.fetchval("SELECT 1") == 1
         assert not list(secured.secrets_dir.glob("*.new"))
+    finally:
+        await held.close()
+
+
+async def test_loom_credentials_rotate_rotates_the_stacks_postgres_passwords(
+    secured: PostgresServer, role_urls: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``loom credentials rotate`` on a stack whose PostgreSQL is secured (and NATS is not)."""
+    home = secured.secrets_dir.parent  # the stack keeps its password files in <home>/secrets
+    (home / "stack.json").write_text(json.dumps({"database_url": secured.url}))
+    monkeypatch.setenv("LOOM_HOME", str(home))
+    files = {
+        role: dbcreds.service_role_passfile(secured.secrets_dir, role) for role in [*role_urls, "postgres"]
+    }
+    old = {role: pgpass_password(path) for role, path in files.items()}
+    held = await asyncpg.connect(role_urls["loom_placement"])  # a service's open connection
+    try:
+        assert await asyncio.to_thread(cmd_rotate, argparse.Namespace()) == 0
+        for role, path in files.items():
+            assert pgpass_password(path) != old[role], role
+            with pytest.raises(asyncpg.InvalidPasswordError):
+                await asyncpg.connect(
+                    f"postgresql://{role}@127.0.0.1:{secured.port}/{secured.database}", password=old[role]
+                )
+        for url in role_urls.values():  # a service's next connection: same URL, the new password
+            conn = await asyncpg.connect(url)
+            await conn.close()
+        assert await held.fetchval("SELECT 1") == 1
     finally:
         await held.close()
 

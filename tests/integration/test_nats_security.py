@@ -6,7 +6,9 @@ violation *and* that nothing reached the stream (the state every consumer reads 
 On a server without authorization (today's default) each of these forgeries is accepted.
 """
 
+import argparse
 import asyncio
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from loom.bus import BusError, connect, ensure_streams
 from loom.bus.attempts import AttemptLog, Attempts
+from loom.cli.credentials import cmd_rotate
 from loom.runtime.servers import NatsServer
 from loom.security import CredentialStore, Identity, admin_identity, tenant_identity
 from loom_proto import subjects
@@ -244,17 +247,21 @@ async def test_service_publishes_only_within_its_role(
 
 
 async def test_rotation_refuses_old_seeds_and_clients_follow(
-    secured: tuple[NatsServer, CredentialStore], tmp_path: Path
+    secured: tuple[NatsServer, CredentialStore], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server, store = secured
+    home = store.dir.parent.parent  # the server's files are under <home>/nats, as `loom up` puts them
+    (home / "stack.json").write_text(json.dumps({"servers": {"nats": {"pid": server.pid}}}))
+    monkeypatch.setenv("LOOM_HOME", str(home))
     old = store.path(tenant_identity("acme")).read_text()
     follower = await connect(server.url, "follower", creds=store.path(tenant_identity("acme")))
     try:
-        store.rotate()
-        server.reload()
+        # `loom credentials rotate` returns once the server has reloaded: the old seed is refused
+        # by the very next connection (before the server got to the SIGHUP, it was accepted).
+        assert await asyncio.to_thread(cmd_rotate, argparse.Namespace()) == 0
         stale = tmp_path / "stale.creds"
         stale.write_text(old)
-        with pytest.raises(BusError):
+        with pytest.raises(BusError, match=r"(?i)authorization"):
             await connect(server.url, "stale", creds=stale, first_within_s=3)
         # The connected client is dropped by the reload, reconnects with the rotated seed.
         async with asyncio.timeout(15):

@@ -356,6 +356,7 @@ def test_built_subjects_land_in_the_expected_streams() -> None:
         s.job_submitted("t"): "JOBS",
         s.job_placed("c"): "JOBS",
         s.job_event("progress", "t"): "JOBS",
+        s.job_report("progress", "t", "c"): "JOBS",
         s.cluster_heartbeat("c"): "CLUSTERS",
         s.cluster_command("c", "drain"): "CLUSTERS",
         s.cluster_status("c"): "CLUSTERS",
@@ -387,7 +388,7 @@ def test_consumer_filters_are_held_by_their_stream() -> None:
 
 
 def test_job_events_of_refuses_an_unknown_kind() -> None:
-    assert s.job_events_of("placed", "failed") == ["loom.jobs.placed.*", "loom.jobs.failed.*"]
+    assert s.job_events_of("placed", "failed") == ["loom.jobs.placed.*", "loom.jobs.failed.>"]
     with pytest.raises(ValueError, match="unknown job event kinds"):
         s.job_events_of("placed", "exploded")  # type: ignore[arg-type]
 

@@ -10,6 +10,7 @@ import pytest
 from loom.security import (
     CredentialStore,
     Identity,
+    foreign_report,
     identity_for_process,
     may_manage_streams,
     new_seed,
@@ -71,6 +72,12 @@ def test_tenant_submits_and_reads_only_its_own() -> None:
         if kind != "placed":
             assert may_subscribe(acme, subjects.job_event(kind, "acme"))
             assert not may_subscribe(acme, subjects.job_event(kind, "globex"))
+    for kind in subjects.REPORT_KINDS:  # the agents' reports of its jobs, from any cluster
+        assert may_subscribe(acme, subjects.job_report(kind, "acme", "c1"))
+        assert may_subscribe(acme, subjects.job_reports(kind, "acme"))
+        assert not may_subscribe(acme, subjects.job_report(kind, "globex", "c1"))
+        assert not may_publish(acme, subjects.job_report(kind, "acme", "c1"))
+    assert not may_subscribe(acme, subjects.JOBS_REPORTS_ALL)
     assert may_subscribe(acme, subjects.job_placed("acme"))  # where its job went
     assert not may_subscribe(acme, subjects.job_placed("globex"))
     assert not may_subscribe(acme, subjects.JOBS_PLACED_ALL)
@@ -85,6 +92,7 @@ def test_agent_speaks_only_for_its_cluster() -> None:
         subjects.cluster_heartbeat("c1"),
         subjects.cluster_profiles("c1"),
         subjects.cluster_status("c1"),
+        subjects.job_report("completed", "acme", "c1"),
     ):
         assert may_publish(c1, own)
     for forged in (
@@ -95,6 +103,8 @@ def test_agent_speaks_only_for_its_cluster() -> None:
         subjects.job_submitted("acme"),
         subjects.job_placed("c1"),
         subjects.job_event("rejected", "acme"),
+        subjects.job_event("completed", "acme"),  # a report without its cluster
+        subjects.job_report("completed", "acme", "c2"),  # another cluster's report
         "$JS.API.CONSUMER.MSG.NEXT.CLUSTERS.agent-c2",
         "$JS.ACK.CLUSTERS.agent-c2.1.1.1.1.1",
         "$JS.API.STREAM.UPDATE.CLUSTERS",
@@ -126,12 +136,28 @@ def test_permissions_follow_the_subject_map() -> None:
     for kind in subjects.CLUSTER_COMMAND_KINDS:
         assert may_publish(Identity("placement"), subjects.cluster_command("x", kind))
     agent = Identity("agent", "c")
-    agent_kinds = [
-        k
+    assert not any(
+        may_publish(agent, subjects.job_placed("c") if k == "placed" else subjects.job_event(k, "acme"))
         for k in subjects.JOB_EVENT_KINDS
-        if may_publish(agent, subjects.job_placed("c") if k == "placed" else subjects.job_event(k, "acme"))
+    ), "an agent reports only on subjects naming its cluster"
+    agent_kinds = [
+        k for k in subjects.REPORT_KINDS if may_publish(agent, subjects.job_report(k, "acme", "c"))
     ]
-    assert set(agent_kinds) == {"started", "progress", "checkpointed", "completed", "failed"}
+    assert agent_kinds == list(subjects.REPORT_KINDS)
+    assert not any(may_publish(agent, subjects.job_report(k, "acme", "c2")) for k in subjects.REPORT_KINDS)
+
+
+def test_a_report_is_recorded_only_from_the_cluster_of_its_run() -> None:
+    assert foreign_report(None, "c1") is None, "a service's event (no cluster token) is not checked here"
+    assert foreign_report("c1", "c1") is None
+    assert foreign_report("c1", "c1", {"c1", "c2"}) is None  # a multi-cluster run's member part
+    assert "c2" in (foreign_report("c1", "c2") or ""), "the payload names another cluster"
+    assert foreign_report("c1", None) is not None
+    assert "no part" in (foreign_report("c1", "c1", {"c2"}) or ""), "c1's agent reports c2's run"
+    assert foreign_report("c1", "c1", set()) is not None, "no run of that attempt at all"
+    assert subjects.report_cluster(subjects.job_report("completed", "acme", "c1")) == "c1"
+    assert subjects.report_cluster(subjects.job_event("completed", "acme")) is None
+    assert subjects.report_cluster(subjects.jobs_query("acme")) is None
 
 
 def test_process_names_map_to_identities() -> None:
@@ -194,3 +220,36 @@ def test_the_attempts_bucket_is_writable_by_services_and_by_an_agent_for_its_own
     agent = permissions(Identity("agent", "c1"))
     assert f"$KV.{ATTEMPTS_BUCKET}.CLUSTERS.agent-c1.>" in agent.publish
     assert not any(p.startswith(f"$KV.{ATTEMPTS_BUCKET}.") and "agent-c1" not in p for p in agent.publish)
+
+
+def test_services_call_only_the_jetstream_api_of_their_streams() -> None:
+    for role in ("placement", "metrics", "network-perception", "migration", "alert-correlator", "console"):
+        service = Identity(role)  # type: ignore[arg-type]
+        for stream in subjects.STREAMS:  # every service makes sure the streams exist
+            assert may_publish(service, f"$JS.API.STREAM.INFO.{stream.name}"), role
+            assert may_publish(service, f"$JS.API.STREAM.UPDATE.{stream.name}"), role
+            for forbidden in ("DELETE", "PURGE", "MSG.DELETE"):
+                assert not may_publish(service, f"$JS.API.STREAM.{forbidden}.{stream.name}"), role
+        assert not may_publish(service, "$JS.API.STREAM.CREATE.ELSEWHERE"), role
+        assert not may_publish(service, "$JS.API.ACCOUNT.PURGE.x"), role
+    metrics = Identity("metrics")
+    assert may_publish(
+        metrics, "$JS.API.CONSUMER.CREATE.CLUSTERS.metrics-heartbeats.loom.clusters.*.heartbeat"
+    )
+    assert may_publish(metrics, "$JS.API.CONSUMER.MSG.NEXT.JOBS.metrics-metering")
+    assert may_publish(metrics, "$JS.ACK.CLUSTERS.metrics-heartbeats.1.2.3.4.5")
+    assert not may_publish(metrics, "$JS.API.CONSUMER.CREATE.NET.x")  # it reads no NET stream
+    assert not may_publish(metrics, "$JS.ACK.NET.network-perception-probes.1.2.3.4.5")
+    assert not may_publish(metrics, "$JS.API.CONSUMER.DELETE.CLUSTERS.agent-c1")
+    console = Identity("console")
+    assert not any(
+        may_publish(console, f"$JS.API.CONSUMER.CREATE.{stream.name}.x") for stream in subjects.STREAMS
+    )
+    placement = Identity("placement")
+    assert may_publish(placement, "$JS.API.CONSUMER.CREATE.JOBS.placement-lifecycle-eu.loom.jobs.started.>")
+    assert may_publish(placement, "$JS.API.STREAM.INFO.KV_loom_leases")
+    assert may_publish(placement, "$JS.API.DIRECT.GET.KV_loom_leases.$KV.loom_leases.global")
+    assert not may_publish(metrics, "$JS.API.STREAM.INFO.KV_loom_leases")
+    assert not may_publish(placement, "$JS.API.STREAM.DELETE.KV_loom_leases")
+    assert may_subscribe(placement, "$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.JOBS.placement-submitted")
+    assert not may_subscribe(console, "$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.JOBS.placement-submitted")

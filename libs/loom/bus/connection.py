@@ -29,6 +29,7 @@ from loom import security
 from loom.bus.attempts import ensure_bucket
 from loom.errors import LoomError
 from loom.runtime.config import loom_home
+from loom.security.tls import client_context
 from loom_proto.subjects import STREAMS, StreamSpec
 
 log = structlog.get_logger("loom.bus")
@@ -81,6 +82,19 @@ def auth_options(creds: Path | None) -> dict[str, str]:
     return {"nkeys_seed_str": credential.seed, "inbox_prefix": f"_INBOX.{credential.identity}"}
 
 
+def tls_options() -> dict[str, Any]:
+    """``nats.connect``'s ``tls`` for a stack serving TLS: a context trusting only its CA
+    (``$LOOM_NATS_CA``, else ``<home>/secrets/tls/ca.pem`` when the stack generated one). The
+    client upgrades only when the server requires TLS, so a loopback server is unaffected."""
+    configured = os.environ.get(security.ENV_NATS_CA)
+    ca = Path(configured) if configured else loom_home() / "secrets" / "tls" / "ca.pem"
+    if not ca.exists():
+        if configured:
+            raise BusError(f"no CA certificate at {ca} (${security.ENV_NATS_CA})", non_retryable=True)
+        return {}
+    return {"tls": client_context(ca)}
+
+
 def _follow_rotation(nc: Client, path: Path) -> None:
     """Sign each (re)connection with the seed the file holds *then*, announcing its public key.
 
@@ -117,7 +131,8 @@ async def connect(
 
     On a secured stack the client authenticates with the NKEY of ``creds`` (default
     :func:`credentials_path`) and takes its replies on its identity's own inbox prefix, the only
-    one its permissions let it read.
+    one its permissions let it read; a server that requires TLS is trusted only when the stack's
+    CA signed its certificate (:func:`tls_options`).
     """
     creds = creds or credentials_path(url)
     auth = auth_options(creds)
@@ -163,6 +178,7 @@ async def connect(
         # Keep queued publishes while reconnecting rather than failing them at once.
         pending_size=64 * 1024 * 1024,
         **auth,
+        **tls_options(),
     )
     try:
         if first_within_s is None:

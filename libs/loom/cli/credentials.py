@@ -1,20 +1,25 @@
-"""``loom tenant add NAME`` and ``loom credentials rotate``: the NATS credentials of a secured stack.
+"""``loom tenant add NAME`` and ``loom credentials rotate``: the credentials of a secured stack.
 
 The files live under ``<home>/secrets/nats/`` (0600, directory 0700); their seeds are never
 printed. After a change the running nats-server re-reads its users (SIGHUP, what
-``nats-server --signal reload`` sends): a new tenant can connect at once, and after a rotation
-every old seed is refused while Loom's own processes reconnect with their new one.
+``nats-server --signal reload`` sends, and the command waits until its log says it reloaded): a
+new tenant can connect at once, and after a rotation every old seed is refused while Loom's own
+processes reconnect with their new one. ``rotate`` also gives every PostgreSQL role of the stack's
+own secured database a new password (:func:`loom.runtime.dbcreds.rotate_passwords`: the password
+files keep their names, so each service's next connection uses the new one).
 """
 
 import argparse
-import os
-import signal
+import asyncio
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 from rich.console import Console
 
+from loom.runtime import dbcreds
 from loom.runtime.config import loom_home
+from loom.runtime.servers import NatsServer, reload_nats_server
 from loom.runtime.stack import read_state
 from loom.security import CredentialStore, tenant_identity, write_secret
 from loom_proto.ids import InvalidIdError
@@ -33,24 +38,34 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(fn=cmd_tenant_add)
     creds = sub.add_parser("credentials", help="NATS credentials of a secured stack")
     creds_sub = creds.add_subparsers(dest="credentials_command", required=True)
-    p = creds_sub.add_parser("rotate", help="new seeds for every identity; NATS reloads, old seeds refused")
+    p = creds_sub.add_parser(
+        "rotate",
+        help="new NATS seeds and PostgreSQL passwords for every identity and role; old ones refused",
+    )
     p.set_defaults(fn=cmd_rotate)
 
 
-def nats_pids(home: Path) -> list[int]:
-    """The running nats-server processes of the stack at ``home`` (one, or a cluster's nodes)."""
+def nats_servers(home: Path) -> list[tuple[int, Path]]:
+    """The running nats-server processes of the stack at ``home`` (one, or a cluster's nodes):
+    each one's pid and log file (``nats-i`` of a cluster keeps its files under ``nats/nats-i``)."""
     state = read_state(home) or {}
     servers = state.get("servers", {})
-    pids = [s.get("pid") for name, s in servers.items() if name == "nats" or name.startswith("nats-")]
-    return [int(pid) for pid in pids if pid]
+    out: list[tuple[int, Path]] = []
+    for name, server in servers.items():
+        if not (name == "nats" or name.startswith("nats-")) or not server.get("pid"):
+            continue
+        data_dir = home / "nats" if name == "nats" else home / "nats" / name
+        out.append((int(server["pid"]), NatsServer(data_dir).log_path))
+    return out
 
 
-def reload_nats(home: Path) -> int:
-    """Ask every nats-server of the stack to re-read its config; returns how many were told."""
+def reload_nats(home: Path, timeout_s: float = 10.0) -> int:
+    """Make every nats-server of the stack re-read its config and return once each has said so
+    in its log (a rotated seed is refused when this returns); returns how many reloaded."""
     told = 0
-    for pid in nats_pids(home):
+    for pid, log_path in nats_servers(home):
         try:
-            os.kill(pid, signal.SIGHUP)
+            reload_nats_server(pid, log_path, timeout_s)
             told += 1
         except ProcessLookupError:
             continue
@@ -89,19 +104,51 @@ def cmd_tenant_add(args: argparse.Namespace) -> int:
     return 0
 
 
+def database_admin_url(home: Path) -> str | None:
+    """The superuser URL of the stack's own secured PostgreSQL (its password in a file under
+    ``<home>/secrets/``), or None when the stack has none (an external database, or no auth)."""
+    state = read_state(home) or {}
+    url = state.get("database_url")
+    if not url or not dbcreds.service_role_passfile(home / "secrets", dbcreds.ADMIN_ROLE).exists():
+        return None
+    return str(url)
+
+
 def cmd_rotate(_args: argparse.Namespace) -> int:
-    """New seeds for every identity, then NATS reloads its users."""
+    """New seeds for every NATS identity (NATS reloads its users) and new passwords for every
+    PostgreSQL role of the stack (the old ones refused at once)."""
     home = loom_home()
-    store = _store(home)
-    if store is None:
+    store = CredentialStore(home)
+    admin_url = database_admin_url(home)
+    if not store.registry_path.exists() and admin_url is None:
+        err.print(
+            f"[red]no secured stack at {home}[/red]: start one with [bold]loom up --secure[/bold]"
+            " (NATS) or [bold]--secure-db[/bold] (PostgreSQL)"
+        )
         return 1
-    identities = store.rotate()
-    reloaded = reload_nats(home)
-    tenants = [i.scope for i in identities if i.role == "tenant"]
-    console.print(
-        f"rotated {len(identities)} credentials under {store.dir}; NATS servers reloaded: {reloaded}"
-    )
-    console.print("Loom's processes reconnect with their new seeds; old seeds are refused from now on.")
-    if tenants:
-        console.print(f"hand the tenants their new files again: {', '.join(str(t) for t in tenants)}")
-    return 0
+    status = 0
+    if store.registry_path.exists():
+        identities = store.rotate()
+        try:
+            reloaded = reload_nats(home)
+        except RuntimeError as exc:
+            err.print(f"[red]{exc}[/red]")
+            reloaded, status = 0, 1
+        tenants = [i.scope for i in identities if i.role == "tenant"]
+        console.print(
+            f"rotated {len(identities)} NATS credentials under {store.dir}; NATS servers reloaded: {reloaded}"
+        )
+        console.print("Loom's processes reconnect with their new seeds; old seeds are refused from now on.")
+        if tenants:
+            console.print(f"hand the tenants their new files again: {', '.join(str(t) for t in tenants)}")
+    if admin_url is not None:
+        try:
+            roles = asyncio.run(dbcreds.rotate_passwords(admin_url, home / "secrets"))
+        except (OSError, asyncpg.PostgresError) as exc:
+            err.print(f"[red]PostgreSQL passwords not rotated: {exc}[/red]")
+            return 1
+        console.print(
+            f"rotated {len(roles)} PostgreSQL passwords ({', '.join(roles)}) under {home / 'secrets'}:"
+            " new connections use them, the old ones are refused from now on"
+        )
+    return status

@@ -55,6 +55,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         metrics_port_base=args.metrics_port_base,
         slurm_clusters=stack.default_slurm_clusters(args.topology, args.cluster or []) if args.slurm else [],
         secure=args.secure or stack.StackOptions().secure,
+        nats_host=args.nats_host,
     )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
@@ -879,6 +880,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--secure",
         action="store_true",
         help="authenticated NATS: every process its own NKEY identity and permissions (loom.security)",
+    )
+    p.add_argument(
+        "--nats-host",
+        default=stack.StackOptions.nats_host,
+        help="address NATS listens on; off loopback it requires TLS with a CA generated under secrets/tls",
     )
     add("down", cmd_down, "stop the embedded stack")
     p = add("status", cmd_status, "show the stack's processes and their health")

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import yaml
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js.api import PubAck
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
@@ -360,13 +361,19 @@ class LoomClient:
         """Yield (subject, event) for every job event from now on, of one tenant or all."""
         if tenant is not None:
             subjects.job_submitted(tenant)  # validates the id
-        # One subscription for all kinds; a tenant's identity may read only its own tenant's.
+        # A tenant's identity may read only its own tenant's events; two subscriptions into one
+        # queue, since agents' reports carry the reporting cluster as a fifth token.
         own = tenant is not None and self.identity == f"tenant-{tenant}"
-        sub = await self.nc.subscribe(
-            subjects.tenant_job_events(tenant) if own and tenant else subjects.JOBS_LIFECYCLE_ALL
+        queue: asyncio.Queue[Msg] = asyncio.Queue()
+        watched = (
+            [subjects.tenant_job_events(tenant), subjects.tenant_job_reports(tenant)]
+            if own and tenant
+            else [subjects.JOBS_LIFECYCLE_ALL, subjects.JOBS_REPORTS_ALL]
         )
+        subs = [await self.nc.subscribe(subject, cb=queue.put) for subject in watched]
         try:
-            async for msg in sub.messages:
+            while True:
+                msg = await queue.get()
                 try:
                     event: JobEvent = decode(msg.data, JobEvent)  # type: ignore[arg-type]
                 except DecodeError:
@@ -375,4 +382,5 @@ class LoomClient:
                     continue
                 yield msg.subject, event
         finally:
-            await sub.unsubscribe()
+            for sub in subs:
+                await sub.unsubscribe()

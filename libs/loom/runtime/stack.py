@@ -47,7 +47,8 @@ from loom.runtime.servers import (
 from loom.runtime.slurmlocal import LocalSlurms, slurm_nodes
 from loom.runtime.tokens import ensure_tokens
 from loom.sched.shards import group_options, split_regions
-from loom.security import ENV_CREDS, CredentialStore, admin_identity, identity_for_process
+from loom.security import ENV_CREDS, ENV_NATS_CA, CredentialStore, admin_identity, identity_for_process
+from loom.security.tls import TlsFiles, ensure_tls, is_loopback
 from loom.store.migrations import migrate_url
 from loom.store.roles import role_of
 from loom.telemetry.metrics import ENV_METRICS_PORT
@@ -149,6 +150,10 @@ class StackOptions:
     ``<home>/secrets/nats/``, each process connecting as its own identity (``loom.security``).
     Off unless ``loom up --secure`` or ``LOOM_SECURE=1`` (which turns it on for every stack
     started without saying, the demo's and the benchmarks' included)."""
+    nats_host: str = "127.0.0.1"
+    """The address NATS listens on (``loom up --nats-host``). Off the loopback interface, the
+    server requires TLS: a CA (``<home>/secrets/tls/ca.pem``, kept) and a server certificate for
+    that address are generated, and every Loom process trusts that CA only (``$LOOM_NATS_CA``)."""
 
 
 def metrics_ports(names: list[str], base: int) -> dict[str, int]:
@@ -502,7 +507,11 @@ class Supervisor:
         elif not nats_url:
             os.environ[ENV_STREAM_REPLICAS] = "1"
             self.nats = NatsServer(
-                self.home / "nats", port=self.state.get("nats_port"), authorization=authorization
+                self.home / "nats",
+                port=self.state.get("nats_port"),
+                authorization=authorization,
+                host=self.options.nats_host,
+                tls=self._issue_tls(),
             )
             self.nats.start()
             nats_url = self.nats.url
@@ -523,6 +532,19 @@ class Supervisor:
             self.state["postgres_pid"] = self.postgres.pid
             self.watches["postgres"] = ServerWatch("postgres", self.postgres)
         return nats_url, database_url
+
+    def _issue_tls(self) -> TlsFiles | None:
+        """TLS for a NATS listener off the loopback interface (none on loopback): the stack's CA
+        (generated once) and a server certificate for the address; every process started from
+        here trusts that CA (``$LOOM_NATS_CA``)."""
+        host = self.options.nats_host
+        if is_loopback(host):
+            return None
+        names = [socket.gethostname()] if host in ("0.0.0.0", "::") else [host]
+        files = ensure_tls(self.home / "secrets" / "tls", names)
+        os.environ[ENV_NATS_CA] = str(files.ca)
+        self.state["nats_ca"] = str(files.ca)
+        return files
 
     def _issue_credentials(self) -> Path:
         """Credentials for the operator and every process (kept across restarts: only missing
@@ -796,6 +818,8 @@ def supervisor_argv(home: Path, options: StackOptions) -> list[str]:
         argv += ["--slurm-cluster", cluster]
     if options.secure:
         argv.append("--secure")
+    if options.nats_host != StackOptions.nats_host:
+        argv += ["--nats-host", options.nats_host]
     return argv
 
 
@@ -929,6 +953,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics-port-base", type=int, default=0)
     parser.add_argument("--slurm-cluster", action="append", default=[])
     parser.add_argument("--secure", action="store_true")
+    parser.add_argument("--nats-host", default=StackOptions.nats_host)
     args = parser.parse_args(argv)
     options = StackOptions(
         topology=args.topology,
@@ -949,6 +974,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_port_base=args.metrics_port_base,
         slurm_clusters=args.slurm_cluster,
         secure=args.secure,
+        nats_host=args.nats_host,
     )
     return Supervisor(args.home.resolve(), options).run()
 

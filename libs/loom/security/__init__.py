@@ -2,6 +2,7 @@
 
 from loom.security.credentials import (
     ENV_CREDS,
+    ENV_NATS_CA,
     Credential,
     CredentialStore,
     admin_identity,
@@ -16,6 +17,7 @@ from loom.security.permissions import (
     SERVICE_ROLES,
     Identity,
     Permissions,
+    foreign_report,
     identity_for_process,
     may_manage_streams,
     permissions,
@@ -23,12 +25,14 @@ from loom.security.permissions import (
 
 __all__ = [
     "ENV_CREDS",
+    "ENV_NATS_CA",
     "SERVICE_ROLES",
     "Credential",
     "CredentialStore",
     "Identity",
     "Permissions",
     "admin_identity",
+    "foreign_report",
     "identity_for_process",
     "may_manage_streams",
     "new_seed",

@@ -23,6 +23,8 @@ from loom.security.permissions import Identity, Role, permissions
 
 ENV_CREDS = "LOOM_CREDS"
 """Path of the credential file a process connects with (set by the supervisor, or by a user)."""
+ENV_NATS_CA = "LOOM_NATS_CA"
+"""Path of the CA certificate a client trusts for NATS over TLS (:mod:`loom.security.tls`)."""
 
 
 @dataclass(frozen=True)

@@ -8,16 +8,24 @@ hand, so a subject that moves moves its permission with it. Pure: no I/O here.
 What nats-server enforces with it (and what it cannot):
 
 * an agent publishes only its own cluster's subjects (``loom.clusters.<c>.{heartbeat,profile,
-  status}``), never a command, and consumes only its own durable on ``CLUSTERS``;
+  status}`` and its reports ``loom.jobs.<kind>.<tenant>.<c>``), never a command, and consumes
+  only its own durable on ``CLUSTERS``; placement records a report only when ``<c>`` is a
+  cluster of that attempt's run (else it is dead-lettered with the reason, the job unchanged);
 * a tenant publishes only ``loom.jobs.submitted.<its tenant>`` and reads only
   ``loom.jobs.<kind>.<its tenant>`` (plus its replies);
 * a service publishes only its role's subjects (metrics cannot command an agent, the console
-  cannot place a job, a probe collector cannot report a heartbeat).
+  cannot place a job, a probe collector cannot report a heartbeat), and calls only the JetStream
+  API of Loom's streams and of the consumers on the streams it reads
+  (:func:`service_jetstream_api`: no stream deletes or purges, no consumers elsewhere). What
+  stays broad, and why: services still *read* all of ``loom.>`` (they are trusted readers; their
+  consumers' filters span tenants and clusters), and a consumer's *name* is a wildcard on the
+  streams a service reads, because placement's durables carry a shard the table does not know.
 
 Every identity gets its own reply-inbox prefix (``_INBOX.<identity>``) and may subscribe only to
 it, so no one can read another's replies; responders answer through ``allow_responses``.
 """
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -169,7 +177,7 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.jobs_query(scope),
                 *(q for q in _QUERIES if q != subjects.JOBS_QUERY),
             ],
-            subscribe=[subjects.tenant_job_events(scope), inbox],
+            subscribe=[subjects.tenant_job_events(scope), subjects.tenant_job_reports(scope), inbox],
         )
     if role == "agent":
         assert scope is not None
@@ -180,9 +188,10 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.cluster_heartbeat(scope),
                 subjects.cluster_profiles(scope),
                 subjects.cluster_status(scope),
-                # Reports of the jobs it runs: the subject names the job's tenant, not the
-                # cluster, so which agent may report a job is checked by the consumer (gap).
-                *_events("started", "progress", "checkpointed", "completed", "failed"),
+                # Reports of the runs it carries out, on subjects that name its own cluster
+                # (``loom.jobs.<kind>.<tenant>.<cluster>``): placement checks that cluster
+                # against the attempt's run, so another cluster's job cannot be reported.
+                *subjects.cluster_reports(scope),
                 f"{P}.dlq.{own}.cmd.*",
                 subjects.PLACEMENT_ATTEMPTS,  # after a restart: which of its runs are still current
                 f"{JS_API}.INFO",
@@ -211,13 +220,102 @@ def permissions(identity: Identity) -> Permissions:
             *_QUERIES,
             f"{P}.dlq.>",
             f"{P}.health.*",
-            f"{JS_API}.>",
-            "$JS.ACK.>",
+            *service_jetstream_api(role),
             f"$KV.{ATTEMPTS_BUCKET}.>",  # consumers' attempt records (loom.bus.attempts)
         ],
         # Services are trusted readers of the whole bus; what they may say is what is narrowed.
-        subscribe=[f"{P}.>", inbox],
+        # Their consumers also follow their leader's election (a standing pull request dies with
+        # the node that held it: loom.bus.consumer asks again when another is elected).
+        subscribe=[
+            f"{P}.>",
+            *(f"$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.{name}.*" for name in CONSUMED_STREAMS[role]),
+            inbox,
+        ],
     )
+
+
+CONSUMED_STREAMS: dict[Role, tuple[str, ...]] = {
+    "placement": ("VIEW", "JOBS"),
+    "metrics": ("CLUSTERS", "JOBS"),
+    "network-perception": ("NET",),
+    "migration": ("JOBS",),
+    "alert-correlator": ("ALERTS", "DLQ", "JOBS", "MIGRATIONS", "NET", "VIEW"),
+    "console": (),
+    "probe-collector": (),
+}
+"""The streams each service role holds durable consumers on (its ``ConsumerSpec``s): a service
+that starts consuming another stream adds it here, or nats-server refuses its consumer."""
+
+LEASE_STREAM = "KV_loom_leases"
+"""The stream behind the leader-lease bucket (:data:`loom.bus.lease.LEASE_BUCKET`)."""
+LEASE_HOLDERS: tuple[Role, ...] = ("placement", "migration")
+
+
+def service_jetstream_api(role: Role) -> list[str]:
+    """The JetStream API subjects a service role may call (issue 18: no more ``$JS.API.>``).
+
+    * Every service makes sure Loom's streams exist at start (``ensure_streams``): it may read,
+      create and update them (never delete or purge them, nor touch a stream Loom does not define).
+    * It creates, reads and pulls from consumers only on the streams it consumes
+      (:data:`CONSUMED_STREAMS`), and acks only there. The consumer's *name* stays a wildcard:
+      placement's durables carry its shard (``placement-view-<shard>``), which the supervisor's
+      options decide and the table does not know; a service could thus create or drain another
+      role's durable on a stream it also reads, which no role's subjects would let it forge.
+    * Placement and migration hold the lease bucket (``KV_loom_leases``): its stream's info,
+      creation and direct gets, besides publishing on ``$KV.loom_leases.>``.
+    The operator (``admin``: the CLI, the DLQ commands) keeps ``$JS.API.>``.
+    """
+    if role not in CONSUMED_STREAMS:
+        raise ValueError(f"{role} is not a service role")
+    allowed = [f"{JS_API}.INFO"]
+    for stream in subjects.STREAMS:
+        allowed += [f"{JS_API}.STREAM.{op}.{stream.name}" for op in ("INFO", "CREATE", "UPDATE")]
+    for name in CONSUMED_STREAMS[role]:
+        allowed += [
+            f"{JS_API}.CONSUMER.CREATE.{name}.>",
+            f"{JS_API}.CONSUMER.DURABLE.CREATE.{name}.*",
+            f"{JS_API}.CONSUMER.INFO.{name}.*",
+            f"{JS_API}.CONSUMER.MSG.NEXT.{name}.*",
+            f"$JS.ACK.{name}.>",
+        ]
+    # Every service's consumers keep attempt records (crash-loop detection, loom.bus.attempts):
+    # the bucket's stream is created with the streams at start, read by direct or leader gets.
+    attempts = f"KV_{ATTEMPTS_BUCKET}"
+    allowed += [
+        f"{JS_API}.STREAM.INFO.{attempts}",
+        f"{JS_API}.STREAM.CREATE.{attempts}",
+        f"{JS_API}.STREAM.MSG.GET.{attempts}",
+        f"{JS_API}.DIRECT.GET.{attempts}.>",
+        f"{JS_API}.DIRECT.GET.{attempts}",
+    ]
+    if role in LEASE_HOLDERS:
+        allowed += [
+            f"{JS_API}.STREAM.INFO.{LEASE_STREAM}",
+            f"{JS_API}.STREAM.CREATE.{LEASE_STREAM}",
+            f"{JS_API}.STREAM.MSG.GET.{LEASE_STREAM}",
+            f"{JS_API}.DIRECT.GET.{LEASE_STREAM}.>",
+            f"{JS_API}.DIRECT.GET.{LEASE_STREAM}",
+        ]
+    return allowed
+
+
+def foreign_report(
+    reporter: str | None, event_cluster: str | None, run_clusters: Collection[str] | None = None
+) -> str | None:
+    """Why a job report must not be recorded, or None.
+
+    ``reporter`` is the cluster named by the report's subject (None: a service published it on a
+    subject without one, which agents may not); ``event_cluster`` the cluster its payload names;
+    ``run_clusters`` the clusters holding a part of that attempt's run (None: not looked up yet).
+    nats-server lets only the reporter's agent publish on its subject, so this is what makes an
+    agent's credentials unable to speak of another cluster's job."""
+    if reporter is None:
+        return None
+    if event_cluster != reporter:
+        return f"a report on cluster {reporter}'s subject about a run on {event_cluster or 'no cluster'}"
+    if run_clusters is not None and reporter not in run_clusters:
+        return f"cluster {reporter} holds no part of that attempt's run: only its own agent may report it"
+    return None
 
 
 def may_manage_streams(identity: str) -> bool:
