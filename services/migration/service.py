@@ -101,9 +101,9 @@ class MigrationSettings:
     """Replica copies in flight at most."""
     replicas: ReplicaSettings = field(default_factory=ReplicaSettings)
     """Where replicas go (byte budgets) and the incremental rule."""
-    time_scale: float = 1.0
+    time_scale: float = 60.0
     """The agents' simulated seconds per wall second: a copy's transfer time is waited divided by
-    it (``loom up`` passes its ``--time-scale``)."""
+    it (the agents' default; ``loom up`` passes its ``--time-scale``; 1 for real clusters)."""
 
 
 class MigrationService:
