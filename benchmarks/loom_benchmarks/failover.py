@@ -210,10 +210,11 @@ async def _measure(state: dict[str, Any], home: Path, args: argparse.Namespace, 
         }
         # A failed cluster's checkpoints go with it: a job resumes from its replica in another
         # cluster (the migration service copies each latest checkpoint in the background). Wait
-        # for every affected job to hold one, as a cluster that has run a while does.
+        # for every affected job to hold one (60 s at most: a wide gang's first full copy over a
+        # slow link takes a while), as a cluster that has run a while does.
         waited = time.monotonic()
         replicated = 0
-        while time.monotonic() - waited < 30:
+        while time.monotonic() - waited < 60:
             replicated = await db.fetchval(
                 """SELECT count(DISTINCT r.job_id) FROM checkpoint_replicas r JOIN jobs j
                      ON j.job_id = r.job_id AND j.attempt = r.attempt

@@ -737,7 +737,11 @@ class MigrationService:
             if (c.job_id, c.attempt, c.step) in have or c.job_id in busy:
                 continue
             fields = {k: v for k, v in c.spec.items() if k in JobSpec.__struct_fields__}
-            spec = msgspec.convert(fields, JobSpec)
+            try:
+                spec = msgspec.convert(fields, JobSpec)
+            except msgspec.ValidationError as exc:  # one odd row must not stop every job's copies
+                unplaced[c.job_id] = f"spec not read: {exc}"
+                continue
             source = Site(c.cluster, regions.get(c.cluster, ""))
             plan, skipped = plan_copy(
                 job_id=c.job_id,

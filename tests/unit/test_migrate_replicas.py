@@ -208,6 +208,13 @@ def test_paths_come_from_the_latest_link_states_and_a_stale_link_is_no_path() ->
     assert path_of(links, "eu", "eu") == LOCAL_PATH
     assert path_of(links, "eu", "africa") == UNMEASURED_PATH
     assert path_of({("eu", "us"): _link("eu", "us", loss=1.0)}, "eu", "us") is None
+    # One direction stale, the other live (measured from that side only): the live one is used.
+    one_sided = {
+        ("asia", "eu"): _link("asia", "eu", stale=True),
+        ("eu", "asia"): _link("eu", "asia", gbps=2.0),
+    }
+    path = path_of(one_sided, "asia", "eu")
+    assert path is not None and path.bandwidth_gbps == 2.0
     assert math.isfinite(UNMEASURED_PATH.transfer_s(GB))
 
 

@@ -176,17 +176,20 @@ def delta_bytes(
 
 
 def path_of(links: Mapping[tuple[str, str], LinkState], src: str, dst: str) -> PathState | None:
-    """The measured path between two regions for a copy: local inside one region; the direct link's
-    latest state (the reverse's when only it is known); :data:`UNMEASURED_PATH` when neither is.
-    None when the link is stale (its probes go unanswered) or loses everything: no copy can pass."""
+    """The measured path between two regions for a copy: local inside one region; else the direct
+    link's latest live state, the reverse direction's when only it is live (a region without a
+    probe collector is measured from the other side only); :data:`UNMEASURED_PATH` when neither
+    direction is known. None when every known direction is stale (its probes go unanswered) or
+    loses everything: no copy can pass."""
     if src == dst:
         return LOCAL_PATH
-    link = links.get((src, dst)) or links.get((dst, src))
-    if link is None:
+    known = [link for link in (links.get((src, dst)), links.get((dst, src))) if link is not None]
+    if not known:
         return UNMEASURED_PATH
-    if link.stale or link.loss_rate >= 1.0:
+    live = [link for link in known if not link.stale and link.loss_rate < 1.0]
+    if not live:
         return None
-    return PathState.of([link])
+    return PathState.of([live[0]])
 
 
 def plan_copy(
