@@ -54,7 +54,13 @@ class Platform:
             kwargs = {"settle_s": 0.5, "topology": topology, **self.placement}
             service = PlacementService(ctx, holder=name, **kwargs)
         elif name == "migration":
-            service = MigrationService(ctx, MigrationSettings(poll_s=0.1, checkpoint_timeout_s=3.0))
+            service = MigrationService(
+                ctx,
+                # Replica copies timed on the agents' clock, as `loom up` runs it.
+                MigrationSettings(
+                    poll_s=0.1, checkpoint_timeout_s=3.0, replica_poll_s=0.2, time_scale=self.time_scale
+                ),
+            )
         elif name == "metrics":
             service = MetricsService(
                 ctx,

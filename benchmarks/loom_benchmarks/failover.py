@@ -208,6 +208,26 @@ async def _measure(state: dict[str, Any], home: Path, args: argparse.Namespace, 
             "affected_kinds": kinds,
             "clusters_of": {r["job_id"]: sorted(r["clusters"]) for r in spans},
         }
+        # A failed cluster's checkpoints go with it: a job resumes from its replica in another
+        # cluster (the migration service copies each latest checkpoint in the background). Wait
+        # for every affected job to hold one (60 s at most: a wide gang's first full copy over a
+        # slow link takes a while), as a cluster that has run a while does.
+        waited = time.monotonic()
+        replicated = 0
+        while time.monotonic() - waited < 60:
+            replicated = await db.fetchval(
+                """SELECT count(DISTINCT r.job_id) FROM checkpoint_replicas r JOIN jobs j
+                     ON j.job_id = r.job_id AND j.attempt = r.attempt
+                   WHERE r.job_id = ANY($1::text[]) AND r.state = 'ready'""",
+                list(affected),
+            )
+            if replicated >= len(affected):
+                break
+            await asyncio.sleep(0.5)
+        result["replicas_before_kill"] = {
+            "jobs_with_a_replica": replicated,
+            "waited_s": round(time.monotonic() - waited, 2),
+        }
         say(f"{len(affected)} jobs on {victim.id}: SIGKILL its agent, blackhole {region}")
         killed = time.time()
         os.kill(agent.pid, signal.SIGKILL)

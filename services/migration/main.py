@@ -2,6 +2,7 @@
 
 import argparse
 
+from loom.migrate.replicas import ReplicaSettings
 from loom.runtime.service import ServiceContext, run
 from loom_services.migration.service import MigrationService, MigrationSettings
 
@@ -17,13 +18,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=defaults.checkpoint_timeout_s,
         help="how long a move waits for the checkpoint it asked for before asking again",
     )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=defaults.time_scale,
+        help="the agents' simulated seconds per wall second (replica copies are timed on their clock)",
+    )
+    parser.add_argument(
+        "--replica-budget-gb",
+        type=float,
+        default=defaults.replicas.budget_bytes / 1e9,
+        help="checkpoint replica bytes each cluster holds at most (GB)",
+    )
+    parser.add_argument(
+        "--replica-concurrency",
+        type=int,
+        default=defaults.replica_concurrency,
+        help="replica copies in flight",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
     args = parse_args(argv)
-    settings = MigrationSettings(poll_s=args.poll_s, checkpoint_timeout_s=args.checkpoint_timeout_s)
+    settings = MigrationSettings(
+        poll_s=args.poll_s,
+        checkpoint_timeout_s=args.checkpoint_timeout_s,
+        time_scale=args.time_scale,
+        replica_concurrency=args.replica_concurrency,
+        replicas=ReplicaSettings(budget_bytes=args.replica_budget_gb * 1e9),
+    )
 
     async def body(ctx: ServiceContext) -> None:
         await MigrationService(ctx, settings).run()

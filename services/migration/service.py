@@ -16,6 +16,15 @@ Thin around the pure core (:mod:`loom.migrate.drain`, :mod:`loom.migrate.checkpo
   service that owns reservations); this service records each as a migration (cause
   ``failover``) from the ``requeued`` event and completes it when the next attempt starts.
 
+* **Checkpoint replicas** (:mod:`loom.migrate.replicas`): each running job's latest checkpoint
+  is copied, in the background and at most ``replica_concurrency`` copies at once, to another
+  cluster chosen by the measured path from its cluster and that cluster's byte budget; the first
+  copy sends the full checkpoint, later ones the delta. A copy is timed, not moved: it waits the
+  path's transfer time (RTT + bytes at the measured bandwidth less loss) divided by
+  ``time_scale``, the agents' simulated seconds per wall second, so that it runs on the same clock
+  as the work that wrote the checkpoint; it fails when its path goes down meanwhile. Each is a row
+  of ``checkpoint_replicas``; a lost run resumes from it (placement, :func:`choose`).
+
 Every step is a row in ``migrations`` written in one transaction with the outbox row of its
 ``loom.migrations.<kind>.<tenant>`` event (in the job's trace), so a restarted service resumes
 from its records: a planned move whose checkpoint came meanwhile is started, one whose run was
@@ -43,8 +52,10 @@ from loom.migrate import benefit
 from loom.migrate.checkpoints import choose
 from loom.migrate.drain import DrainJob, drain_refusal, next_moves, order_moves
 from loom.migrate.network import candidate_of, path_between, running_state, spans
+from loom.migrate.replicas import Held, ReplicaSettings, Site, changed_fraction_of, path_of, plan_copy
 from loom.runtime.service import ServiceContext
 from loom.store import moves, outbox
+from loom.store import replicas as replica_store
 from loom.store.pool import transaction
 from loom_proto import subjects
 from loom_proto.clusters import CheckpointJob
@@ -84,6 +95,15 @@ class MigrationSettings:
     """Network moves and backflow in flight touching one cluster at most."""
     per_link: int = 4
     """Network moves and backflow in flight over one region pair at most."""
+    replica_poll_s: float = 0.5
+    """Checkpoint replica loop period."""
+    replica_concurrency: int = 8
+    """Replica copies in flight at most."""
+    replicas: ReplicaSettings = field(default_factory=ReplicaSettings)
+    """Where replicas go (byte budgets) and the incremental rule."""
+    time_scale: float = 60.0
+    """The agents' simulated seconds per wall second: a copy's transfer time is waited divided by
+    it (the agents' default; ``loom up`` passes its ``--time-scale``; 1 for real clusters)."""
 
 
 class MigrationService:
@@ -103,6 +123,9 @@ class MigrationService:
         self._link_events: asyncio.Queue[LinkEventMessage] = asyncio.Queue()
         self._avoid: dict[str, list[str]] = {}
         """migration id -> clusters its re-placement avoids (a network move's source parts)."""
+        self._copies: dict[tuple[str, int, int, str], asyncio.Task[None]] = {}
+        """Replica copies in flight: (job, attempt, step, target cluster) -> its timed task."""
+        self.stats["replicas"] = {"started": 0, "ready": 0, "failed": 0, "bytes_sent": 0, "unplaced": {}}
 
     async def run(self) -> None:
         """Consume job events, answer drain requests and queries, drive drains, until stopped."""
@@ -131,6 +154,7 @@ class MigrationService:
             watchdog.supervise("drains", self._drain_loop),
             watchdog.supervise("network", self._network_loop),
             watchdog.supervise("network-moves", self._moves_loop),
+            watchdog.supervise("replicas", self._replica_loop),
             watchdog.supervise("outbox-relay", functools.partial(self.relay.run, relay_stop), finishes=True),
         ]
         try:
@@ -140,6 +164,9 @@ class MigrationService:
             for task in loops:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
+            for copy in list(self._copies.values()):
+                copy.cancel()  # recorded as copying: a restarted service times it again
+            await asyncio.gather(*self._copies.values(), return_exceptions=True)
             await drain_sub.unsubscribe()
             await query_sub.unsubscribe()
             await link_sub.unsubscribe()
@@ -661,6 +688,132 @@ class MigrationService:
             except Exception as exc:
                 log.warning("moves cycle failed", error=repr(exc))
 
+    # ---- checkpoint replicas -------------------------------------------------------------------
+
+    async def _replica_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.replica_poll_s)
+            try:
+                await self.replicate()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("replica cycle failed", error=repr(exc))
+
+    async def replicate(self) -> int:
+        """Start the replica copies that are due, up to the concurrency left; returns how many.
+
+        Copies recorded in flight but not timed by this process (it restarted) are timed again
+        first; then every running job whose latest checkpoint has no replica yet (those with no
+        replica at all first), one copy per job at a time."""
+        free = self.settings.replica_concurrency - len(self._copies)
+        if free <= 0:
+            return 0
+        regions = await replica_store.cluster_regions(self.pool)
+        started = 0
+        for row in await replica_store.copying(self.pool):
+            key = (row["job_id"], row["attempt"], row["step"], row["cluster"])
+            if key in self._copies or started >= free:
+                continue
+            self._time_copy(
+                key,
+                float(row["transfer_s"]),
+                regions.get(row["source_cluster"], ""),
+                regions.get(row["cluster"], ""),
+            )
+            started += 1
+        latest = await replica_store.latest_checkpoints(self.pool)
+        if not latest or started >= free:
+            return started
+        sites = await replica_store.live_sites(self.pool)
+        held = await replica_store.held(self.pool)
+        have = {(h.job_id, h.attempt, h.step) for h in held}
+        replicated = {h.job_id for h in held}
+        busy = {key[0] for key in self._copies}
+        unplaced: dict[str, str] = {}
+        for c in sorted(latest, key=lambda c: (c.job_id in replicated, c.job_id)):
+            if started >= free:
+                break
+            if (c.job_id, c.attempt, c.step) in have or c.job_id in busy:
+                continue
+            fields = {k: v for k, v in c.spec.items() if k in JobSpec.__struct_fields__}
+            try:
+                spec = msgspec.convert(fields, JobSpec)
+            except msgspec.ValidationError as exc:  # one odd row must not stop every job's copies
+                unplaced[c.job_id] = f"spec not read: {exc}"
+                continue
+            source = Site(c.cluster, regions.get(c.cluster, ""))
+            plan, skipped = plan_copy(
+                job_id=c.job_id,
+                attempt=c.attempt,
+                step=c.step,
+                source=source,
+                full_bytes=float(c.checkpoint_bytes) or benefit.checkpoint_bytes_of(spec),
+                checkpoint_every_steps=spec.work.checkpoint_every_steps,
+                changed_fraction=changed_fraction_of(spec.labels, self.settings.replicas.changed_fraction),
+                sites=sites,
+                path=functools.partial(path_of, self.links),
+                held=held,
+                settings=self.settings.replicas,
+            )
+            if plan is None:
+                unplaced[c.job_id] = "; ".join(skipped) or "no other cluster"
+                continue
+            uri = f"replica://{plan.target}/{c.job_id}/{c.attempt}/{c.step}"
+            async with transaction(self.pool) as conn:
+                recorded = await replica_store.start_copy(conn, plan, c, uri)
+            if not recorded:
+                continue
+            held.append(
+                Held(
+                    c.job_id,
+                    c.attempt,
+                    c.step,
+                    plan.target,
+                    plan.stored_bytes,
+                    time.time(),
+                    False,
+                    ready=False,
+                )
+            )
+            held = [h for h in held if h not in plan.evict]
+            key = (c.job_id, c.attempt, c.step, plan.target)
+            self._time_copy(key, plan.transfer_s, source.region, regions.get(plan.target, ""))
+            self.stats["replicas"]["started"] += 1
+            self.stats["replicas"]["bytes_sent"] += round(plan.transfer_bytes)
+            log.info("replica copy started", job_id=c.job_id, step=c.step, to=plan.target, why=plan.why)
+            started += 1
+        self.stats["replicas"]["unplaced"] = unplaced
+        return started
+
+    def _time_copy(
+        self, key: tuple[str, int, int, str], transfer_s: float, src_region: str, dst_region: str
+    ) -> None:
+        """Wait the copy's transfer time on the agents' clock, then record it ready (or failed when
+        its path went down meanwhile)."""
+
+        async def copy() -> None:
+            try:
+                await asyncio.sleep(max(transfer_s, 0.0) / max(self.settings.time_scale, 1e-9))
+                ok = (
+                    not src_region
+                    or not dst_region
+                    or path_of(self.links, src_region, dst_region) is not None
+                )
+                why = "" if ok else f"the path {src_region}->{dst_region} went down during the copy"
+                async with transaction(self.pool) as conn:
+                    done = await replica_store.finish_copy(conn, *key, ok=ok, why=why)
+                if done:
+                    self.stats["replicas"]["ready" if ok else "failed"] += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # left copying: the loop times it again
+                log.warning("replica copy not recorded", key=key, error=repr(exc))
+            finally:
+                self._copies.pop(key, None)
+
+        self._copies[key] = asyncio.create_task(copy())
+
     # ---- queries and events --------------------------------------------------------------------
 
     async def on_query(self, msg: Msg) -> None:
@@ -677,6 +830,13 @@ class MigrationService:
                 )
             elif op == "drains":
                 result = await moves.drains(self.pool)
+            elif op == "replicas":
+                result = await replica_store.list_replicas(
+                    self.pool,
+                    job_id=request.get("job_id"),
+                    cluster=request.get("cluster"),
+                    limit=min(int(request.get("limit", 200)), 10_000),
+                )
             elif op == "verdicts":
                 result = await moves.list_verdicts(
                     self.pool, job_id=request.get("job_id"), limit=min(int(request.get("limit", 200)), 10_000)

@@ -55,7 +55,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import asyncpg
@@ -80,6 +80,7 @@ from loom.migrate.health import (
     link_unreachable,
     reachability,
 )
+from loom.migrate.replicas import Replica
 from loom.migrate.resume import Resume, resume_point
 from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
@@ -110,6 +111,7 @@ from loom.security import foreign_report
 from loom.store import fence, inbox, moves, outbox, speeds
 from loom.store import jobs as repo
 from loom.store import ledger as ledger_store
+from loom.store import replicas as replica_store
 from loom.store.fence import FencedError
 from loom.store.pool import ConflictError, transaction, with_retry
 from loom.store.roles import tenant_scope
@@ -1651,8 +1653,12 @@ class PlacementService:
         lost = {j: (self.book.runs[j], c, self.failover.failed[c]) for j, c in hit.items()}
         async with self._tx() as conn:
             recorded = await moves.checkpoints_of(conn, sorted(lost))
+            copies = await replica_store.ready_replicas(conn, sorted(lost))
             for job_id, (run, cluster, health) in sorted(lost.items()):
-                resume = _resume_of(run, recorded.get(job_id, []))
+                # A failed cluster's checkpoints went with it: its replicas elsewhere are read.
+                resume = _resume_of(
+                    run, recorded.get(job_id, []), copies.get(job_id, []), unreachable=self.failover.failed
+                )
                 await self._give_up(
                     conn,
                     run,
@@ -2480,11 +2486,18 @@ def _checkpoint_rows(events: Iterable["LifecycleEvent"]) -> list[moves.Checkpoin
     ]
 
 
-def _resume_of(run: Run, recorded: Sequence[Checkpoint]) -> Resume:
-    """Where a run lost with its cluster resumes: its newest checkpoint that verifies, the previous
-    one, step 0 (:func:`loom.migrate.checkpoints.choose`); with none recorded, from its progress."""
+def _resume_of(
+    run: Run,
+    recorded: Sequence[Checkpoint],
+    replicas: Sequence[Replica] = (),
+    *,
+    unreachable: Collection[str] = (),
+) -> Resume:
+    """Where a run lost with its cluster resumes: its newest checkpoint that verifies and can be
+    read (not on an ``unreachable`` cluster), its replica elsewhere, the previous one, step 0
+    (:func:`loom.migrate.checkpoints.choose`); with none recorded, from its progress."""
     work = run.job.work
-    chosen = choose(recorded, last_step=max(work.steps - 1, 0))
+    chosen = choose(recorded, last_step=max(work.steps - 1, 0), replicas=replicas, unreachable=unreachable)
     if chosen is not None:
         return Resume(chosen.step, chosen.why)
     return resume_point(

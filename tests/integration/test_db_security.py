@@ -19,11 +19,14 @@ import asyncpg
 import pytest
 
 from loom.cli.credentials import cmd_rotate
+from loom.migrate.benefit import LOCAL_PATH
+from loom.migrate.replicas import CopyPlan
 from loom.runtime import dbcreds
 from loom.runtime.pgsecrets import pgpass_password
 from loom.runtime.servers import PostgresServer
 from loom.store import jobs as jobs_repo
 from loom.store import moves, outbox, usage
+from loom.store import replicas as replica_store
 from loom.store.migrations import migrate_url
 from loom.store.roles import GRANTS, SERVICE_ROLES, TENANT_ROLE, TENANT_TABLES, role_of, tenant_scope
 
@@ -198,7 +201,15 @@ async def test_under_rls_a_tenant_sees_only_its_rows(
     admin: asyncpg.Connection, role_urls: dict[str, str]
 ) -> None:
     await _seed(admin)
-    assert set(TENANT_TABLES) == {"jobs", "job_events", "decisions", "usage_rows", "usage_runs", "migrations"}
+    assert set(TENANT_TABLES) == {
+        "jobs",
+        "job_events",
+        "decisions",
+        "usage_rows",
+        "usage_runs",
+        "migrations",
+        "checkpoint_replicas",
+    }
     pool = await asyncpg.create_pool(role_urls["loom_console"], min_size=1, max_size=2)
     assert pool is not None
     try:
@@ -404,6 +415,31 @@ async def test_the_migration_role_can_do_its_work_and_no_more(role_urls: dict[st
                 "sec-m1"
             ]
             await moves.open_migrations(conn)
+            # Checkpoint replicas (migration 013): the copy loop's reads and writes.
+            await replica_store.latest_checkpoints(conn)
+            await replica_store.live_sites(conn)
+            await replica_store.held(conn)
+            await replica_store.copying(conn)
+            latest = replica_store.Latest("sec-acme-0", "acme", 1, 10, "c-sec", "sim://c-sec/x", 0, "", {})
+            plan = CopyPlan(
+                job_id="sec-acme-0",
+                attempt=1,
+                step=10,
+                source="c-sec",
+                target="c-sec-2",
+                full=True,
+                base_step=None,
+                transfer_bytes=1e9,
+                stored_bytes=1e9,
+                path=LOCAL_PATH,
+                transfer_s=0.1,
+                evict=(),
+                why="test",
+            )
+            assert await replica_store.start_copy(conn, plan, latest, "replica://c-sec-2/x")
+            assert await replica_store.finish_copy(conn, "sec-acme-0", 1, 10, "c-sec-2", ok=True)
+            assert [r["step"] for r in await replica_store.list_replicas(conn, job_id="sec-acme-0")] == [10]
+            assert await replica_store.ready_replicas(conn, ["sec-acme-0"])
             await outbox.add(
                 conn, "migration", [outbox.OutboxMessage("sec-out-1", "loom.test.sec", b"{}", {})]
             )

@@ -90,6 +90,7 @@ async def test_a_failed_cluster_s_runs_are_placed_again_elsewhere_and_its_old_ru
 ) -> None:
     await platform.start("metrics")
     await platform.start("placement")
+    await platform.start("migration")  # keeps the checkpoint replicas a failover resumes from
     await platform.start(f"agent-{DEAD}")
     client = await LoomClient.connect(platform.nats_url)
     db = await asyncpg.connect(platform.database_url)
@@ -123,6 +124,18 @@ async def test_a_failed_cluster_s_runs_are_placed_again_elsewhere_and_its_old_ru
             return all(j and j["progress"] >= 0.15 for j in jobs)
 
         await until(progressed, 20, "some progress (a checkpoint passed) on c-weu-a")
+
+        async def replicated() -> bool:
+            held = await db.fetchval(
+                """SELECT count(DISTINCT job_id) FROM checkpoint_replicas
+                   WHERE job_id = ANY($1::text[]) AND cluster = $2 AND state = 'ready'""",
+                JOBS,
+                ALIVE,
+            )
+            return bool(held == len(JOBS))
+
+        # A failed cluster's checkpoints go with it: the jobs resume from their replicas.
+        await until(replicated, 20, "a checkpoint replica of every job on c-sea1-a")
 
         # The kill: c-weu-a's heartbeats end and its region's probes go stale.
         await platform.stop(f"agent-{DEAD}")
@@ -208,8 +221,9 @@ def _requeued_once(moved: list[dict[str, Any]]) -> dict[str, int]:
         requeued = [e["event"] for e in job["events"] if e["kind"] == "requeued"]
         assert len(requeued) == 1 and requeued[0]["cause"] == "cluster_lost"
         assert requeued[0]["attempt"] == 2
-        # The agent reported checkpoints (every 10 steps; 15 % of 100 steps had passed).
-        found = re.search(r"resumes from its checkpoint at step (\d+) \(recorded\)", requeued[0]["reason"])
+        # The agent reported checkpoints (every 10 steps; 15 % of 100 steps had passed); those on
+        # the failed cluster are gone, their replicas on c-sea1-a are read.
+        found = re.search(r"resumes from replica in c-sea1-a at step (\d+)", requeued[0]["reason"])
         assert found, requeued[0]["reason"]
         checkpoints = [
             e["event"]["step"]
@@ -217,7 +231,8 @@ def _requeued_once(moved: list[dict[str, Any]]) -> dict[str, int]:
             if e["kind"] == "checkpointed" and e["event"]["attempt"] == 1
         ]
         resumed[job["job_id"]] = int(found.group(1))
-        assert resumed[job["job_id"]] >= 10 and resumed[job["job_id"]] == max(checkpoints)
+        # At most one checkpoint interval behind the latest checkpoint (a copy may be in flight).
+        assert resumed[job["job_id"]] >= 10 and resumed[job["job_id"]] >= max(checkpoints) - 10
     return resumed
 
 

@@ -402,6 +402,10 @@ def cmd_job(args: argparse.Namespace) -> int:
             from loom.cli.migrations import migrations_table
 
             console.print(migrations_table(job["migrations"], title="moves"))
+        if job.get("replicas"):
+            from loom.cli.migrations import replicas_table
+
+            console.print(replicas_table(job["replicas"], title="checkpoint replicas"))
         table = Table(title="history")
         for col in ("time", "event", "detail"):
             table.add_column(col)

@@ -58,6 +58,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--verdicts", action="store_true", help="every job looked at (moved or not), with gain, cost and why"
     )
+    p.add_argument(
+        "--replicas",
+        action="store_true",
+        help="checkpoint replicas (where, step, bytes; --cluster: those held there)",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -175,6 +180,7 @@ def cmd_migrations(args: argparse.Namespace) -> int:
 
     async def work(client: LoomClient) -> int:
         op = "verdicts" if getattr(args, "verdicts", False) else "list"
+        op = "replicas" if getattr(args, "replicas", False) else op
         answer = await ask(
             client,
             subjects.MIGRATE_QUERY,
@@ -187,7 +193,8 @@ def cmd_migrations(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(rows, indent=2))
             return 0
-        console.print(verdicts_table(rows) if op == "verdicts" else migrations_table(rows))
+        tables = {"verdicts": verdicts_table, "replicas": replicas_table}
+        console.print(tables.get(op, migrations_table)(rows))
         return 0
 
     return _with_client(work)
@@ -246,5 +253,40 @@ def verdicts_table(rows: list[dict[str, Any]]) -> Table:
             num(v.get("gain_s")),
             num(v.get("threshold_s")),
             v["reason"],
+        )
+    return table
+
+
+def replicas_table(rows: list[dict[str, Any]], title: str = "checkpoint replicas") -> Table:
+    """A table of checkpoint replicas (``loom migrations --replicas``, ``loom job ID``): where each
+    lies, of which step, the bytes its copy sent (full or delta) and what it holds."""
+    table = Table(title=title)
+    for col in (
+        "requested",
+        "job",
+        "attempt",
+        "step",
+        "from",
+        "in",
+        "state",
+        "copy",
+        "sent GB",
+        "held GB",
+        "s",
+    ):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(
+            datetime.fromtimestamp(r["requested_at"]).strftime("%H:%M:%S"),
+            r["job_id"],
+            str(r["attempt"]),
+            str(r["step"]),
+            r["source_cluster"],
+            r["cluster"],
+            r["state"] + (" (corrupt)" if r.get("corrupt") else ""),
+            "full" if r["full_copy"] else f"delta on {r['base_step']}",
+            f"{r['transfer_bytes'] / 1e9:.3g}",
+            f"{r['stored_bytes'] / 1e9:.3g}",
+            f"{float(r['transfer_s']):.2f}",
         )
     return table

@@ -4,17 +4,22 @@ Agents report every checkpoint they write (job, attempt, step, cluster, where, s
 Placement records each in the store (``checkpoints``) in the transaction that records the event,
 after :func:`report_refusal` accepted it; a report it refuses (unknown job, an attempt that is not
 the live one, a finished run) goes to the dead letters with that reason. A resume
-(:func:`choose`) takes the latest checkpoint whose checksum verifies, else the previous one, else
-step 0, and says which and why (the job's history shows it).
+(:func:`choose`) takes the latest checkpoint whose checksum verifies and whose cluster can be read
+(not failed), else its replica in another cluster (:mod:`loom.migrate.replicas`), else the
+previous one, else step 0, and says which and why (the job's history shows it).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from loom_proto.jobs import TERMINAL_STATES
+
+if TYPE_CHECKING:
+    from loom.migrate.replicas import Replica
 
 CHECKSUM_PREFIX = "sha256:"
 
@@ -56,34 +61,50 @@ class Choice:
     step: int
     checkpoint: Checkpoint | None
     why: str
+    replica: Replica | None = None
+    """The replica resumed from (the original could not be read), if any."""
 
 
-def choose(checkpoints: Iterable[Checkpoint], *, last_step: int | None = None) -> Choice | None:
-    """The newest checkpoint that verifies, falling back to older ones, then to step 0.
+def choose(
+    checkpoints: Iterable[Checkpoint],
+    *,
+    last_step: int | None = None,
+    replicas: Iterable[Replica] = (),
+    unreachable: Collection[str] = (),
+) -> Choice | None:
+    """The newest checkpoint that verifies and can be read, falling back to its replica, then to
+    older ones, then to step 0.
 
-    None when no checkpoint was recorded at all (the caller may then estimate from progress,
-    :func:`loom.migrate.resume.resume_point`). ``last_step``: a resume never starts at or past
-    the job's end (clamped to it).
+    Every copy (the originals and their ``replicas`` in other clusters) is tried newest step first,
+    the original before its replica at the same step. A copy is passed over when it is marked
+    corrupt, its checksum fails, or it lies in a cluster of ``unreachable`` (failed: its storage
+    went with it). None when no checkpoint was recorded at all (the caller may then estimate from
+    progress, :func:`loom.migrate.resume.resume_point`). ``last_step``: a resume never starts at or
+    past the job's end (clamped to it).
     """
-    ordered = sorted(checkpoints, key=lambda c: (c.step, c.attempt), reverse=True)
-    ordered = [c for c in ordered if c.step > 0]
-    if not ordered:
+    copies: list[tuple[int, int, int, Checkpoint | Replica]] = [
+        (c.step, c.attempt, 1, c) for c in checkpoints if c.step > 0
+    ]
+    copies += [(r.step, r.attempt, 0, r) for r in replicas if r.step > 0]
+    if not copies:
         return None
+    copies.sort(key=lambda item: item[:3], reverse=True)
     rejected: list[str] = []
-    for c in ordered:
+    for *_, c in copies:
         problem = c.problem()
+        if problem is None and c.cluster in unreachable:
+            problem = f"cluster {c.cluster} unreachable"
+        name = f"step {c.step}" if isinstance(c, Checkpoint) else f"replica in {c.cluster} at step {c.step}"
         if problem is not None:
-            rejected.append(f"step {c.step} ({problem})")
+            rejected.append(f"{name} ({problem})")
             continue
         step = c.step if last_step is None else min(c.step, last_step)
+        but = f"; rejected: {', '.join(rejected)}" if rejected else ""
+        if not isinstance(c, Checkpoint):
+            return Choice(step, None, f"resumes from replica in {c.cluster} at step {step}{but}", replica=c)
         if not rejected:
             return Choice(step, c, f"resumes from its checkpoint at step {step} (recorded)")
-        return Choice(
-            step,
-            c,
-            f"resumes from the previous checkpoint at step {step} (recorded);"
-            f" rejected: {', '.join(rejected)}",
-        )
+        return Choice(step, c, f"resumes from the previous checkpoint at step {step} (recorded){but}")
     return Choice(0, None, f"restarts from step 0: no checkpoint verifies (rejected: {', '.join(rejected)})")
 
 

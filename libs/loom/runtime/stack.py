@@ -198,7 +198,8 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
         "metrics": [py, "-m", "loom_services.metrics"],
         # Alerts in, incidents out; its Alertmanager webhook listens on $LOOM_ALERTS_HTTP_PORT (9095).
         "alert-correlator": [py, "-m", "loom_services.alert_correlator", "--topology", options.topology],
-        "migration": [py, "-m", "loom_services.migration"],
+        # Replica copies are timed on the agents' clock.
+        "migration": [py, "-m", "loom_services.migration", "--time-scale", str(options.time_scale)],
         "placement": [py, "-m", "loom_services.placement", "--topology", options.topology, *groups],
     }
     if options.placement_standby:

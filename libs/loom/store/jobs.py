@@ -15,6 +15,7 @@ import msgspec
 from loom.model.capacity import NodeCapacity
 from loom.store.moves import list_migrations
 from loom.store.pool import ConflictError
+from loom.store.replicas import list_replicas
 from loom.telemetry.jaeger import trace_id_of
 from loom_proto.jobs import TERMINAL_STATES
 
@@ -654,6 +655,7 @@ async def get_job(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> dict[
         for e in events
     ]
     out["migrations"] = list(reversed(await list_migrations(conn, job_id=job_id)))
+    out["replicas"] = await list_replicas(conn, job_id=job_id, limit=20)
     return out
 
 

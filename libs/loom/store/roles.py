@@ -65,6 +65,7 @@ GRANTS: dict[str, dict[str, str]] = {
         "checkpoints": _APPEND,
         "cluster_drains": _R,
         "migrations": _R,  # a job's moves, shown with it (loom.store.jobs.get_job)
+        "checkpoint_replicas": _R,  # a failover resumes from a replica; shown with the job
     },
     "loom_metrics": {
         "ledger_clusters": _RW,
@@ -89,6 +90,7 @@ GRANTS: dict[str, dict[str, str]] = {
         "job_events": _R,
         "decisions": _R,
         "migrations": _R,
+        "checkpoint_replicas": _R,  # a job's replicas, shown with it (loom.store.jobs.get_job)
         "cluster_drains": _R,  # drained clusters marked on the resources page
         "reservations": _R,  # the jobs a drain would move (its confirmation page)
         "incidents": _R,  # the incidents pages (a tenant's scoped by the console)
@@ -110,12 +112,16 @@ GRANTS: dict[str, dict[str, str]] = {
         "node_allocations": _R,
         "reservations": _R,
         "outbox": _RW,
+        # Checkpoint replicas (migration 013): copies recorded and advanced; live clusters read.
+        "checkpoint_replicas": _RW,
+        "ledger_clusters": _R,
     },
     TENANT_ROLE: {
         "jobs": _R,
         "job_events": _R,
         "decisions": _R,
         "migrations": _R,
+        "checkpoint_replicas": _R,
         "usage_rows": _R,
         "usage_runs": _R,
     },
@@ -135,6 +141,7 @@ TENANT_TABLES: dict[str, str] = {
     "usage_rows": f"tenant = {_OWN_TENANT}",
     "usage_runs": _VIA_JOB.format(table="usage_runs"),
     "migrations": f"tenant = {_OWN_TENANT}",
+    "checkpoint_replicas": f"tenant = {_OWN_TENANT}",
 }
 """Tables under row-level security, with the condition a tenant's row meets (its own tenant)."""
 

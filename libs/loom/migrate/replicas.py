@@ -1,0 +1,287 @@
+"""Checkpoint replicas in another cluster: where a copy goes, how many bytes it sends, how long (pure).
+
+The migration service keeps a replica of each running job's latest checkpoint in another cluster,
+so that a whole cluster can vanish without losing more than one checkpoint interval (a resume then
+reads the replica: :func:`loom.migrate.checkpoints.choose`). This module decides each copy:
+
+* **Where** (:func:`plan_copy`): any cluster but the checkpoint's own, reachable over a measured
+  path (a stale link or one losing everything is no path), with room under its byte budget. A
+  cluster in another region comes first (a region is a shared failure domain: its links, its
+  probes); among those, the shortest transfer of *this* copy over the measured path (RTT + bytes
+  at the bandwidth the loss leaves, :meth:`~loom.migrate.benefit.PathState.transfer_s`). The
+  cluster that already holds the job's previous replica copies only the delta, so it usually
+  keeps winning: copies stay incremental unless its path or budget fails.
+* **Budget**: each cluster holds at most its byte budget of replicas (``stored_bytes``: a replica
+  always occupies the checkpoint's full size, the delta being applied onto the previous copy in
+  place). The job's own previous replica there is replaced, so it does not count. When a copy
+  does not fit, replicas of *finished* jobs are evicted there, oldest first; replicas of running
+  jobs never are: a cluster that cannot make room is not a candidate.
+* **How many bytes** (:func:`delta_bytes`), the incremental rule: the first copy to a cluster
+  sends the full checkpoint; a later one sends ``changed_fraction`` of it per checkpoint interval
+  since the step the cluster's copy holds (at least one interval, at most the full size). The
+  fraction is the job's ``checkpoint_changed_fraction`` label when it has one (a sparse optimiser
+  state changes less than a dense one), else :attr:`ReplicaSettings.changed_fraction`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from loom.migrate.benefit import LOCAL_PATH, PathState
+from loom.migrate.checkpoints import checksum_of
+from loom_proto.net import LinkState
+
+__all__ = [
+    "DEFAULT_CHANGED_FRACTION",
+    "CopyPlan",
+    "Held",
+    "Replica",
+    "ReplicaSettings",
+    "Site",
+    "changed_fraction_of",
+    "delta_bytes",
+    "path_of",
+    "plan_copy",
+]
+
+DEFAULT_CHANGED_FRACTION = 0.25
+"""Share of a checkpoint's bytes that change per checkpoint interval when the job does not say
+(a dense model's weights and optimiser moments all move; compressed deltas keep about a quarter)."""
+
+UNMEASURED_PATH = PathState(rtt_ms=250.0, bandwidth_gbps=1.0)
+"""A path network perception has not measured yet: priced as a slow WAN link."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSettings:
+    """How replicas are placed and sized."""
+
+    budget_bytes: float = 2e12
+    """Replica bytes one cluster holds at most (2 TB), unless :attr:`budgets_bytes` names it."""
+    budgets_bytes: Mapping[str, float] = field(default_factory=dict)
+    """Per-cluster byte budgets overriding :attr:`budget_bytes`."""
+    changed_fraction: float = DEFAULT_CHANGED_FRACTION
+    """Incremental rule: share of the checkpoint that changes per checkpoint interval."""
+
+    def budget_of(self, cluster: str) -> float:
+        """The byte budget of ``cluster``."""
+        return float(self.budgets_bytes.get(cluster, self.budget_bytes))
+
+
+@dataclass(frozen=True, slots=True)
+class Site:
+    """A cluster a replica may be written to."""
+
+    cluster: str
+    region: str
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A replica a cluster holds (or is being copied there): it takes budget."""
+
+    job_id: str
+    attempt: int
+    step: int
+    cluster: str
+    stored_bytes: float
+    at_s: float
+    """When it was copied (eviction takes the oldest first)."""
+    finished: bool
+    """Its job is finished: the replica may be evicted to make room."""
+    ready: bool = True
+    """Copied in full (False: the copy is in flight; it takes budget but is no base for a delta)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """A replica, as a resume reads it (:func:`loom.migrate.checkpoints.choose`)."""
+
+    job_id: str
+    attempt: int
+    step: int
+    cluster: str
+    """Where the replica lies."""
+    source_cluster: str
+    source_uri: str
+    """The original's location: the content's identity, which its checksum covers."""
+    checksum: str = ""
+    corrupt: bool = False
+
+    def problem(self) -> str | None:
+        """Why this replica cannot be resumed from, or None when it verifies."""
+        if self.corrupt:
+            return "marked corrupt"
+        if self.checksum and self.checksum != checksum_of(
+            self.job_id, self.attempt, self.step, self.source_uri
+        ):
+            return "checksum mismatch"
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class CopyPlan:
+    """One replica copy: where, what it sends, how long over the measured path, what it evicts."""
+
+    job_id: str
+    attempt: int
+    step: int
+    source: str
+    target: str
+    full: bool
+    """The first copy to ``target`` (else incremental onto the replica at ``base_step``)."""
+    base_step: int | None
+    transfer_bytes: float
+    stored_bytes: float
+    path: PathState
+    transfer_s: float
+    evict: tuple[Held, ...]
+    why: str
+
+
+def changed_fraction_of(labels: Mapping[str, str], default: float = DEFAULT_CHANGED_FRACTION) -> float:
+    """The job's ``checkpoint_changed_fraction`` label (0-1), else ``default``."""
+    raw = labels.get("checkpoint_changed_fraction")
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            return default
+        if 0.0 <= value <= 1.0:
+            return value
+    return default
+
+
+def delta_bytes(
+    full_bytes: float,
+    *,
+    base_step: int | None,
+    step: int,
+    checkpoint_every_steps: int,
+    changed_fraction: float,
+) -> float:
+    """Bytes a copy of the checkpoint at ``step`` sends to a cluster whose replica is at ``base_step``.
+
+    No base: the full checkpoint. Else ``changed_fraction`` of it per checkpoint interval since the
+    base (at least one interval: a base of another attempt at the same step differs too), capped at
+    the full size."""
+    if base_step is None:
+        return full_bytes
+    intervals = 1.0
+    if checkpoint_every_steps > 0:
+        intervals = max((step - base_step) / checkpoint_every_steps, 1.0)
+    return min(full_bytes, full_bytes * max(changed_fraction, 0.0) * intervals)
+
+
+def path_of(links: Mapping[tuple[str, str], LinkState], src: str, dst: str) -> PathState | None:
+    """The measured path between two regions for a copy: local inside one region; else the direct
+    link's latest live state, the reverse direction's when only it is live (a region without a
+    probe collector is measured from the other side only); :data:`UNMEASURED_PATH` when neither
+    direction is known. None when every known direction is stale (its probes go unanswered) or
+    loses everything: no copy can pass."""
+    if src == dst:
+        return LOCAL_PATH
+    known = [link for link in (links.get((src, dst)), links.get((dst, src))) if link is not None]
+    if not known:
+        return UNMEASURED_PATH
+    live = [link for link in known if not link.stale and link.loss_rate < 1.0]
+    if not live:
+        return None
+    return PathState.of([live[0]])
+
+
+def plan_copy(
+    *,
+    job_id: str,
+    attempt: int,
+    step: int,
+    source: Site,
+    full_bytes: float,
+    checkpoint_every_steps: int,
+    changed_fraction: float,
+    sites: Sequence[Site],
+    path: Callable[[str, str], PathState | None],
+    held: Sequence[Held],
+    unreachable: Collection[str] = (),
+    settings: ReplicaSettings | None = None,
+) -> tuple[CopyPlan | None, list[str]]:
+    """The copy of the checkpoint ``job_id`` wrote at ``step`` on ``source``, and why each other
+    cluster was passed over (None: no cluster can take it now; the reasons say why).
+
+    ``path(src_region, dst_region)``: the measured path (None: unreachable). ``held``: every
+    replica held or in flight, any job. ``unreachable``: clusters known down (failed, stale)."""
+    settings = settings or ReplicaSettings()
+    skipped: list[str] = []
+    ranked: list[tuple[tuple[bool, float, int, str], CopyPlan]] = []
+    for site in sites:
+        if site.cluster == source.cluster:
+            continue
+        if site.cluster in unreachable:
+            skipped.append(f"{site.cluster}: unreachable")
+            continue
+        measured = path(source.region, site.region)
+        if measured is None:
+            skipped.append(f"{site.cluster}: no path from {source.region}")
+            continue
+        here = [h for h in held if h.cluster == site.cluster]
+        mine = [h for h in here if h.job_id == job_id]
+        if any(h.step >= step and h.attempt == attempt for h in mine):
+            skipped.append(f"{site.cluster}: holds step {step} already")
+            continue
+        bases = [h.step for h in mine if h.ready and h.step < step]
+        base_step = max(bases) if bases else None
+        used = sum(h.stored_bytes for h in here if h.job_id != job_id)
+        room = settings.budget_of(site.cluster) - used
+        evict: list[Held] = []
+        if full_bytes > room:
+            for h in sorted((h for h in here if h.finished and h.job_id != job_id), key=lambda h: h.at_s):
+                if full_bytes <= room:
+                    break
+                evict.append(h)
+                room += h.stored_bytes
+            if full_bytes > room:
+                skipped.append(
+                    f"{site.cluster}: over its byte budget ({settings.budget_of(site.cluster):.3g} B,"
+                    f" {used:.3g} B held by running jobs' replicas)"
+                )
+                continue
+        nbytes = delta_bytes(
+            full_bytes,
+            base_step=base_step,
+            step=step,
+            checkpoint_every_steps=checkpoint_every_steps,
+            changed_fraction=changed_fraction,
+        )
+        transfer_s = measured.transfer_s(nbytes)
+        if not math.isfinite(transfer_s):
+            skipped.append(f"{site.cluster}: the path from {source.region} delivers nothing")
+            continue
+        kind = "full copy" if base_step is None else f"delta onto its replica at step {base_step}"
+        why = (
+            f"{kind}: {nbytes / 1e9:.3g} GB over {source.region}->{site.region}"
+            f" ({measured.rtt_ms:.0f} ms, {measured.bandwidth_gbps:.3g} Gbps) in {transfer_s:.2f} s"
+        )
+        if evict:
+            why += f"; evicts {len(evict)} replica(s) of finished jobs"
+        plan = CopyPlan(
+            job_id=job_id,
+            attempt=attempt,
+            step=step,
+            source=source.cluster,
+            target=site.cluster,
+            full=base_step is None,
+            base_step=base_step,
+            transfer_bytes=nbytes,
+            stored_bytes=full_bytes,
+            path=measured,
+            transfer_s=transfer_s,
+            evict=tuple(evict),
+            why=why,
+        )
+        ranked.append(((site.region == source.region, transfer_s, len(evict), site.cluster), plan))
+    if not ranked:
+        return None, skipped
+    ranked.sort(key=lambda item: item[0])
+    return ranked[0][1], skipped
