@@ -65,6 +65,7 @@ GRANTS: dict[str, dict[str, str]] = {
         "checkpoints": _APPEND,
         "cluster_drains": _R,
         "migrations": _R,  # a job's moves, shown with it (loom.store.jobs.get_job)
+        "migration_verdicts": _R,  # why it moved or not, shown with it (get_job, loom explain)
     },
     "loom_metrics": {
         "ledger_clusters": _RW,
@@ -89,6 +90,7 @@ GRANTS: dict[str, dict[str, str]] = {
         "job_events": _R,
         "decisions": _R,
         "migrations": _R,
+        "migration_verdicts": _R,  # a job's verdicts, on its page (loom.store.jobs.get_job)
         "cluster_drains": _R,  # drained clusters marked on the resources page
         "reservations": _R,  # the jobs a drain would move (its confirmation page)
         "incidents": _R,  # the incidents pages (a tenant's scoped by the console)
@@ -116,6 +118,7 @@ GRANTS: dict[str, dict[str, str]] = {
         "job_events": _R,
         "decisions": _R,
         "migrations": _R,
+        "migration_verdicts": _R,
         "usage_rows": _R,
         "usage_runs": _R,
     },
@@ -135,6 +138,7 @@ TENANT_TABLES: dict[str, str] = {
     "usage_rows": f"tenant = {_OWN_TENANT}",
     "usage_runs": _VIA_JOB.format(table="usage_runs"),
     "migrations": f"tenant = {_OWN_TENANT}",
+    "migration_verdicts": _VIA_JOB.format(table="migration_verdicts"),
 }
 """Tables under row-level security, with the condition a tenant's row meets (its own tenant)."""
 
