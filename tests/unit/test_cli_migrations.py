@@ -74,7 +74,7 @@ def test_loom_explain_shows_the_verdicts_with_gain_cost_margin_and_a_refusal() -
         "cost_s": 700.0,
         "threshold_s": 830.0,
         "margin_s": 3170.0,
-        "reason": "moves: gain 4000 s; deferred: 4 migrations already in flight at cluster c-use2-a (limit 4)",
+        "reason": "moves: gain 4000 s; deferred: 4 migrations already in flight at c-use2-a (limit 4)",
     }
     job = {"job_id": "j1", "state": "running", "cluster": "c-weu-a", "spec": {}, "verdicts": [verdict]}
 

@@ -54,8 +54,14 @@ def test_jobs_without_checkpoints_wait_for_the_deadline_then_everything_moves() 
 
 
 def test_drains_rank_by_the_planners_net_benefit_and_jobs_without_a_verdict_come_after() -> None:
-    from loom.migrate.benefit import Candidate, PathState, RunningJobState, decide, plan_migrations
-    from loom.migrate.benefit import MigrationBudget
+    from loom.migrate.benefit import (
+        Candidate,
+        MigrationBudget,
+        PathState,
+        RunningJobState,
+        decide,
+        plan_migrations,
+    )
 
     def verdict(job_id: str, here_s: float) -> object:
         state = RunningJobState(
