@@ -792,9 +792,10 @@ class MigrationService:
         """Read the schedulable GPUs per cluster every few seconds; review the running jobs on each
         join, return or growth, and after each undrain. A review whose moves the budget deferred
         is done again at the next reading: work flows back a few moves at a time."""
-        seen: dict[str, int] | None = None
+        seen: dict[str, int] | None = None  # the first reading is the baseline: nothing joined
         while True:
-            await asyncio.sleep(self.settings.clusters_every_s)
+            if seen is not None:
+                await asyncio.sleep(self.settings.clusters_every_s)
             try:
                 known = await moves.known_clusters(self.pool)
                 gpus = {cluster: sum(models.values()) for cluster, models in known.items()}
@@ -818,6 +819,7 @@ class MigrationService:
                 raise
             except Exception as exc:
                 log.warning("cluster review failed", error=repr(exc))
+                await asyncio.sleep(self.settings.clusters_every_s)
 
     async def review_cluster(self, cluster: str, trigger: benefit.Trigger, about: str) -> benefit.Plan:
         """Decide, for every running job with no part on ``cluster`` (and no move open), whether it

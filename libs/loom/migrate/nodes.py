@@ -6,9 +6,9 @@ and which nodes are suspect for new placements (pure, no I/O).
   (:func:`runs_on_nodes`). Placement gives each up like a failed-over cluster's run (next attempt,
   the old one fenced, restarted from its best checkpoint, placed again through the framework).
 * **A slow run** — its lead agent reports, with each progress report, the seconds of the job's
-  clock one step took (``observed_step_s``). :class:`Pace` keeps the reports of a window; a run
-  whose mean observed step over at least ``min_reports`` reports spanning ``window_s`` delivers
-  less than ``slow_fraction`` (half) of its predicted step rate is slow (:meth:`Pace.slow`).
+  clock one step took (``observed_step_s``). :class:`Pace` keeps the reports covering a window; a
+  run whose mean observed step over at least ``min_reports`` reports spanning ``window_s``
+  delivers less than ``slow_fraction`` (half) of its predicted step rate is slow (:meth:`Pace.slow`).
   Its nodes become suspect (:class:`SuspectNodes`: no new placements there for ``suspect_s``)
   and the migration service decides whether it moves with the benefit rule (trigger
   ``node_slow``, its step here the observed one).
@@ -44,7 +44,7 @@ class PaceSettings:
     window_s: float = 20.0
     """Wall seconds of progress reports judged together (the oldest kept must be this old)."""
     min_reports: int = 3
-    """Reports needed in the window before a run is judged."""
+    """Reports (covering the window) needed before a run is judged."""
     suspect_s: float = 600.0
     """Wall seconds a slow run's nodes stay suspect (no new placements on them)."""
 
@@ -113,14 +113,14 @@ class Pace:
         if not reports or not predicted_step_s or predicted_step_s <= 0:
             return None
         s = self.settings
-        recent = [(at, step_s) for at, step_s in reports if at >= now_s - s.window_s]
+        # The kept reports cover the window (one is at or before its start, see record).
         span_s = now_s - reports[0][0]
-        if len(recent) < s.min_reports or span_s < s.window_s:
+        if len(reports) < s.min_reports or span_s < s.window_s:
             return None
-        observed = sum(step_s for _, step_s in recent) / len(recent)
+        observed = sum(step_s for _, step_s in reports) / len(reports)
         if predicted_step_s / observed >= s.slow_fraction:
             return None
-        return SlowRun(job_id, attempt, observed, predicted_step_s, len(recent), span_s)
+        return SlowRun(job_id, attempt, observed, predicted_step_s, len(reports), span_s)
 
     def forget(self, job_id: str) -> None:
         """The run ended or moved: drop its reports."""
