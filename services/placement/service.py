@@ -1932,6 +1932,7 @@ class PlacementService:
         # Only what placement decides on: a delta that just moves used or reserved GPUs changes nothing here.
         changed = [cap for cap in changed if _book_differs(nodes.get(cap.node), cap)]
         if not changed:
+            await self._nodes_lost(delta)  # a closed node (drained) may still fail under its runs
             return
         async with self._tx() as conn:
             if not self._owns_region(delta.region):

@@ -36,7 +36,7 @@ def test_too_few_reports_or_a_window_not_yet_covered_judges_nothing() -> None:
     pace = _pace()
     pace.record("j", 1, 0.0, 10.0)
     pace.record("j", 1, 1.0, 10.0)
-    assert pace.slow("j", 1, 1.0, now_s=11.0) is None  # two reports only in the window
+    assert pace.slow("j", 1, 1.0, now_s=11.0) is None  # two reports only
     pace.record("j", 1, 2.0, 10.0)
     assert pace.slow("j", 1, 1.0, now_s=5.0) is None  # first report 5 s ago: window not covered
     assert pace.slow("j", 1, None, now_s=11.0) is None  # nothing predicted to compare with
@@ -62,3 +62,18 @@ def test_suspect_nodes_expire_and_marking_again_extends_never_shortens() -> None
     assert suspect.mark(["n1"], until_s=50.0, why="slow again") == []
     assert suspect.active(99.0) == {"n1", "n2"}
     assert suspect.active(100.0) == frozenset()
+
+
+def test_the_judgement_covers_the_window_only_and_a_repeated_report_counts_once() -> None:
+    pace = _pace()
+    for at in range(0, 30, 2):
+        pace.record("j", 1, float(at), 1.0)  # on pace for a long time ...
+    for at in range(30, 42, 2):
+        pace.record("j", 1, float(at), 4.0)  # ... then a quarter of it for the last 12 s
+    slow = pace.slow("j", 1, predicted_step_s=1.0, now_s=41.0)
+    assert slow is not None and slow.observed_step_s == pytest.approx(4.0) and slow.reports == 6
+    fresh = _pace()
+    for _ in range(3):
+        fresh.record("j", 1, 0.0, 3.0)  # one report delivered three times
+    fresh.record("j", 1, 10.0, 3.0)
+    assert fresh.slow("j", 1, 1.0, now_s=11.0) is None  # two distinct reports: too few

@@ -92,7 +92,8 @@ class Pace:
     _reports: dict[tuple[str, int], deque[tuple[float, float]]] = field(default_factory=dict)
 
     def record(self, job_id: str, attempt: int, at_s: float, observed_step_s: float) -> None:
-        """One progress report's observed step (reports of an earlier attempt are dropped)."""
+        """One progress report's observed step (reports of an earlier attempt are dropped, a report
+        not newer than the run's latest is a repeat)."""
         if observed_step_s <= 0:
             return
         for key in [k for k in self._reports if k[0] == job_id and k[1] != attempt]:
@@ -101,6 +102,8 @@ class Pace:
             else:
                 return  # a late report of an attempt that has moved on
         reports = self._reports.setdefault((job_id, attempt), deque())
+        if reports and at_s <= reports[-1][0]:
+            return  # a redelivered (or reordered) report: counted once
         reports.append((at_s, observed_step_s))
         # Keep one report older than the window, so a window's span can be judged complete.
         while len(reports) > 2 and reports[1][0] <= at_s - self.settings.window_s:
