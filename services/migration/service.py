@@ -350,7 +350,7 @@ class MigrationService:
         records = [
             self._verdict_row(verdicts[job.job_id], runs[job.job_id], "move", "")
             for job in chosen
-            if job.job_id in verdicts
+            if job.job_id in verdicts and verdicts[job.job_id].move
         ]
         if records:
             async with transaction(self.pool) as conn:

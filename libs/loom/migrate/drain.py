@@ -73,14 +73,14 @@ def order_moves(
     jobs: Iterable[DrainJob], verdicts: Mapping[str, MigrationVerdict] | None = None
 ) -> list[DrainJob]:
     """Largest benefit first, by the planners' one ranking (:func:`loom.migrate.benefit.rank_key`):
-    the jobs with a verdict (the service asks placement's what-if for each and decides with the
-    ``drain`` trigger) by net benefit, largest first; then those without one (no answer, no room
-    elsewhere now) by the GPU-seconds they still need, most first (they lose the most if the
+    the jobs with a verdict that names a target (the service asks placement's what-if for each and
+    decides with the ``drain`` trigger) by net benefit, largest first; then the others (no answer,
+    no room elsewhere now) by the GPU-seconds they still need, most first (they lose the most if the
     drain's deadline catches them); ties by id."""
-    verdicts = verdicts or {}
-    judged = [j for j in jobs if j.job_id in verdicts]
-    unjudged = [j for j in jobs if j.job_id not in verdicts]
-    judged.sort(key=lambda j: rank_key(verdicts[j.job_id]))
+    placed = {job_id: v for job_id, v in (verdicts or {}).items() if v.target is not None}
+    judged = [j for j in jobs if j.job_id in placed]
+    unjudged = [j for j in jobs if j.job_id not in placed]
+    judged.sort(key=lambda j: rank_key(placed[j.job_id]))
     unjudged.sort(key=lambda j: (-j.remaining_gpu_s, j.job_id))
     return judged + unjudged
 
