@@ -136,7 +136,7 @@ async def test_a_failed_node_loses_its_run_which_resumes_elsewhere_and_a_slow_ru
         after = await until(lambda: _running(client, "slow", attempt=2), 20, "slow moved")
         assert slow_node not in _nodes(after)  # the suspect node takes no new work
         row = await db.fetchrow("SELECT * FROM migrations WHERE job_id = 'slow'")
-        assert row["cause"] == "slow_node" and row["lost_steps"] == 0
+        assert row["cause"] == "slow_node" and row["resume_step"] > 0 and row["lost_steps"] <= 20, dict(row)
         # `loom explain slow`: the verdict with its numbers (its next run, as slow, may be
         # reviewed again: the cool-down keeps it there).
         shown = (await client.explain("slow"))["job"]["verdicts"]
@@ -175,7 +175,10 @@ async def test_a_joining_cluster_draws_back_only_the_job_whose_gain_beats_its_co
         back = await until(lambda: _running(client, "long", attempt=2), 20, "long moved to the new cluster")
         assert back["cluster"] == "c-use2-a"
         row = await db.fetchrow("SELECT * FROM migrations WHERE job_id = 'long'")
-        assert row["cause"] == "backflow" and row["state"] == "completed" and row["lost_steps"] == 0
+        assert row["cause"] == "backflow" and row["state"] == "completed"
+        # Resumed from the checkpoint it was asked for; only the steps made between that save and
+        # the stop (well under a second here) are done again.
+        assert row["resume_step"] > 0 and row["lost_steps"] <= 20, dict(row)
         assert (await client.job("short"))["attempt"] == 1  # type: ignore[index]
         # `loom explain short`: why it did not move, with the numbers.
         shown = (await client.explain("short"))["job"]["verdicts"]
