@@ -31,6 +31,10 @@ class Platform:
     tasks: dict[str, tuple[asyncio.Task[None], ServiceContext]] = field(default_factory=dict)
     placement: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for PlacementService."""
+    migration: dict[str, Any] = field(default_factory=dict)
+    """Fields of the migration service's MigrationSettings (besides the fast polls)."""
+    progress_every: float = 0.1
+    """Share of a run's steps between two progress reports of an agent."""
     time_scale: float = 2000.0
     backends: dict[str, Callable[[Cluster], ClusterBackend]] = field(default_factory=dict)
     """Per agent name, the backend it runs on instead of the simulation (a Slurm cluster)."""
@@ -54,13 +58,15 @@ class Platform:
             kwargs = {"settle_s": 0.5, "topology": topology, **self.placement}
             service = PlacementService(ctx, holder=name, **kwargs)
         elif name == "migration":
-            service = MigrationService(
-                ctx,
-                # Replica copies timed on the agents' clock, as `loom up` runs it.
-                MigrationSettings(
-                    poll_s=0.1, checkpoint_timeout_s=3.0, replica_poll_s=0.2, time_scale=self.time_scale
-                ),
-            )
+            # Replica copies timed on the agents' clock, as `loom up` runs it.
+            settings = {
+                "poll_s": 0.1,
+                "checkpoint_timeout_s": 3.0,
+                "replica_poll_s": 0.2,
+                "time_scale": self.time_scale,
+                **self.migration,
+            }
+            service = MigrationService(ctx, MigrationSettings(**settings))
         elif name == "metrics":
             service = MetricsService(
                 ctx,
@@ -82,6 +88,7 @@ class Platform:
                 profile_of=library_profile,
                 region=cluster.region,
                 time_scale=self.time_scale,
+                progress_every=self.progress_every,
                 heartbeat_s=0.3,
                 max_heartbeat_s=1.0,
                 state_dir=self.state_dir,

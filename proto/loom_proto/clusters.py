@@ -39,6 +39,9 @@ class NodeState(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     cpu_milli: Annotated[int, Meta(ge=0, le=1_024_000)] = 0
     memory_mib: Annotated[int, Meta(ge=0, le=16 * 1024 * 1024)] = 0
     healthy: bool = True
+    down: bool = False
+    """The node failed (hardware, lost to its scheduler): the parts running on it are lost. An
+    unhealthy node that is not down (drained, cordoned) only takes no new work."""
 
 
 class ClusterHeartbeat(

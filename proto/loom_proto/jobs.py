@@ -243,6 +243,9 @@ class JobProgress(
     step: Annotated[int, Meta(ge=0)]
     steps: Annotated[int, Meta(ge=1)]
     at: UnixSeconds
+    observed_step_s: Annotated[float, Meta(gt=0, le=1e9)] | None = None
+    """Seconds of the job's clock one step took since the previous progress report (None: the
+    first report of the run); placement compares it with its prediction (slow nodes)."""
 
 
 class JobCheckpointed(
@@ -307,7 +310,9 @@ class JobFailed(
     """The exit code of work that exited non-zero (a real backend), None otherwise."""
 
 
-RequeueReason = Literal["preempted", "start_timeout", "start_failed", "cluster_lost", "resized", "migrated"]
+RequeueReason = Literal[
+    "preempted", "start_timeout", "start_failed", "cluster_lost", "resized", "migrated", "node_lost"
+]
 
 
 class JobRequeued(
@@ -323,7 +328,8 @@ class JobRequeued(
     avoid_clusters: list[Id] = []
     """Clusters the next placement avoids (the one that failed to start it)."""
     from_cluster: Annotated[str, Meta(max_length=128)] = ""
-    """The cluster the given-up run was lost on (``cluster_lost``) or moved off (``migrated``)."""
+    """The cluster the given-up run was lost on (``cluster_lost``, ``node_lost``: a node of it failed)
+    or moved off (``migrated``)."""
     at: UnixSeconds
 
 

@@ -273,6 +273,9 @@ PLACEMENT_WHATIF = f"{PREFIX}.placement.whatif"
 counted free (no side effects); with its current placement's predicted step under today's links."""
 PLACEMENT_ATTEMPTS = f"{PREFIX}.placement.attempts"
 """Request-reply: the current attempt and state of jobs (a returning agent fences its old runs)."""
+PLACEMENT_SLOW = f"{PREFIX}.placement.slow"
+"""Core NATS, placement to the migration service: a run delivers less than half its predicted step
+rate over a window; its nodes are suspect (the migration service decides whether it moves)."""
 
 
 DEAD_LETTERS = f"{PREFIX}.dlq.>"

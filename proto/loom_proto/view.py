@@ -23,6 +23,8 @@ class NodeView(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
     updated_at: UnixSeconds
     gpus_reserved: Annotated[int, Meta(ge=0)] = 0
     """Promised by placement and not yet confirmed started by the agent."""
+    down: bool = False
+    """Its agent reports it failed: the parts running on it are lost (placement re-places them)."""
 
 
 class ViewDelta(

@@ -125,6 +125,10 @@ class RunningJob:
     """The backend's id of this part (a Slurm job id); empty until launched (or for ``sim``)."""
     backend_phase: str = ""
     """The last :class:`~loom_services.cluster_agent.backend.Phase` the backend reported."""
+    paced_at: float = 0.0
+    """Wall time of the previous progress report (0: none yet), for its observed step."""
+    paced_step: int = -1
+    """Step of the previous progress report (-1: none yet)."""
 
     @property
     def key(self) -> str:
@@ -663,7 +667,13 @@ class Agent:
         )
 
     def _report_progress(self, job: RunningJob) -> None:
-        """Report the run's step (one message id per attempt and step: a repeat is a duplicate)."""
+        """Report the run's step (one message id per attempt and step: a repeat is a duplicate),
+        with the seconds of the job's clock each step took since the previous report."""
+        now = time.time()
+        observed_step_s = None
+        if 0 <= job.paced_step < job.step and now > job.paced_at:
+            observed_step_s = (now - job.paced_at) * self.time_scale / (job.step - job.paced_step)
+        job.paced_at, job.paced_step = now, job.step
         self._report(
             subjects.job_report("progress", job.tenant, self.cluster),
             JobProgress(
@@ -673,7 +683,8 @@ class Agent:
                 attempt=job.attempt,
                 step=job.step,
                 steps=job.steps,
-                at=time.time(),
+                at=now,
+                observed_step_s=observed_step_s,
             ),
             msg_id=f"{job.job_id}:progress:{job.attempt}:{job.step}",
             carrier=job.carrier,

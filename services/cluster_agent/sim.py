@@ -51,6 +51,8 @@ class SimNode:
     gpus_used: int = 0
     healthy: bool = True
     draining: bool = False
+    down: bool = False
+    """Failed (fault injection, :meth:`SimCluster.fail_node`): reported down, its parts lost."""
 
     def state(self) -> NodeState:
         """The node as a heartbeat reports it."""
@@ -62,7 +64,8 @@ class SimNode:
             gpus_used=self.gpus_used,
             cpu_milli=self.cpu_milli,
             memory_mib=self.memory_mib,
-            healthy=self.healthy and not self.draining,
+            healthy=self.healthy and not self.draining and not self.down,
+            down=self.down,
         )
 
 
@@ -106,7 +109,7 @@ class SimCluster:
                 return f"node {a.node} is not part of cluster {self.cluster.id}"
             if node.gpu_model != gpu_model:
                 return f"node {a.node} has {node.gpu_model}, not {gpu_model}"
-            if not node.healthy or node.draining:
+            if not node.healthy or node.draining or node.down:
                 return f"node {a.node} is not accepting work"
             if node.gpus_total - node.gpus_used < a.gpus:
                 return f"node {a.node} has {node.gpus_total - node.gpus_used} free GPUs, {a.gpus} asked"
@@ -152,6 +155,12 @@ class SimCluster:
             if name in self.nodes:
                 self.nodes[name].draining = True
                 self.dirty.add(name)
+
+    def fail_node(self, name: str, *, down: bool = True) -> None:
+        """Fault injection: the node fails (its heartbeat reports it down) or, with ``down=False``,
+        comes back."""
+        self.nodes[name].down = down
+        self.dirty.add(name)
 
     @property
     def cluster_id(self) -> str:

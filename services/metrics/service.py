@@ -67,6 +67,7 @@ def delta_of(change: Change, now: float, trust: float | None = None) -> ViewDelt
                 healthy=n.healthy,
                 updated_at=n.updated_at,
                 gpus_reserved=n.gpus_reserved,
+                down=n.down,
             )
             for n in change.nodes
         ],

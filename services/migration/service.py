@@ -12,9 +12,15 @@ Thin around the pure core (:mod:`loom.migrate.drain`, :mod:`loom.migrate.checkpo
   gives the run up, ``loom.placement.migrate``, and queues the job again from the checkpoint's
   step, avoiding the drained cluster) and *completed* when the next attempt starts elsewhere.
   Jobs that declare no checkpoints would restart from step 0: they move only at the deadline.
-* **Failovers**: placement re-places the runs of a failed cluster itself (one path, in the
-  service that owns reservations); this service records each as a migration (cause
-  ``failover``) from the ``requeued`` event and completes it when the next attempt starts.
+* **Failovers**: placement re-places the runs of a failed cluster, or of a failed node, itself
+  (one path, in the service that owns reservations); this service records each as a migration
+  (cause ``failover``) from the ``requeued`` event and completes it when the next attempt starts.
+* **Voluntary moves** — the benefit rule (:mod:`loom.migrate.benefit`) decides each, with every
+  verdict recorded (``migration_verdicts``: ``loom explain``, ``loom job``, ``loom migrations
+  --verdicts``): a link degraded or recovered (cause ``network``); a cluster joined, returned
+  from a failure, grew, or its drain ended (``backflow``: only moves *to* it count,
+  :mod:`loom.migrate.backflow`); a run placement reports slow (``slow_node``: its observed step
+  where it is). The budget bounds them per cluster and link; cool-down and hysteresis apply.
 
 * **Checkpoint replicas** (:mod:`loom.migrate.replicas`): each running job's latest checkpoint
   is copied, in the background and at most ``replica_concurrency`` copies at once, to another
@@ -48,8 +54,8 @@ from nats.aio.msg import Msg
 from opentelemetry import propagate
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
-from loom.migrate import benefit
-from loom.migrate.checkpoints import choose
+from loom.migrate import backflow, benefit
+from loom.migrate.checkpoints import Checkpoint, choose
 from loom.migrate.drain import DrainJob, drain_refusal, next_moves, order_moves
 from loom.migrate.network import candidate_of, path_between, running_state, spans
 from loom.migrate.replicas import Held, ReplicaSettings, Site, changed_fraction_of, path_of, plan_copy
@@ -70,6 +76,9 @@ UNMEASURED_PATH = benefit.PathState(rtt_ms=250.0, bandwidth_gbps=1.0)
 """A path network perception has not measured yet (a region just joined): a slow WAN link."""
 
 PRODUCER = "migration"
+
+VOLUNTARY_CAUSES = ("network", "backflow", "slow_node")
+"""Moves the benefit rule chose (not forced): the budget counts them, the moves loop advances them."""
 
 JobEvent = JobRequeued | JobStarted
 
@@ -104,6 +113,13 @@ class MigrationSettings:
     time_scale: float = 60.0
     """The agents' simulated seconds per wall second: a copy's transfer time is waited divided by
     it (the agents' default; ``loom up`` passes its ``--time-scale``; 1 for real clusters)."""
+    review_clusters: bool = True
+    """Review running jobs when a cluster joins, returns (after a failure) or grows, and when a
+    drain ends (backflow); off: only links, slow nodes, failures and drains move work."""
+    clusters_every_s: float = 2.0
+    """How often the schedulable GPUs per cluster are read (a join is seen within this)."""
+    improve_share: float = backflow.DEFAULT_IMPROVE_SHARE
+    """A cluster whose schedulable GPUs grew by this share improved."""
 
 
 class MigrationService:
@@ -126,6 +142,12 @@ class MigrationService:
         self._copies: dict[tuple[str, int, int, str], asyncio.Task[None]] = {}
         """Replica copies in flight: (job, attempt, step, target cluster) -> its timed task."""
         self.stats["replicas"] = {"started": 0, "ready": 0, "failed": 0, "bytes_sent": 0, "unplaced": {}}
+        self._drain_judged: dict[str, dict[tuple[str, int], benefit.MigrationVerdict]] = {}
+        """drained cluster -> (job, attempt) -> its ``drain`` verdict (the drain's order)."""
+        self._cluster_reviews: dict[str, tuple[benefit.Trigger, str]] = {}
+        """cluster -> (trigger, what happened) still to review: joined, returned, improved, undrained."""
+        self._slow: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.stats.update({"cluster_reviews": 0, "slow_reviews": 0})
 
     async def run(self) -> None:
         """Consume job events, answer drain requests and queries, drive drains, until stopped."""
@@ -146,6 +168,7 @@ class MigrationService:
         query_sub = await self.ctx.nc.subscribe(subjects.MIGRATE_QUERY, queue="migration", cb=self.on_query)
         link_sub = await self.ctx.nc.subscribe(subjects.LINK_STATES_ALL, cb=self.on_link)
         net_sub = await self.ctx.nc.subscribe(subjects.NET_EVENTS_ALL, cb=self.on_net_event)
+        slow_sub = await self.ctx.nc.subscribe(subjects.PLACEMENT_SLOW, cb=self.on_slow)
         await events.start()
         watchdog = self.ctx.watchdog
         relay_stop = asyncio.Event()
@@ -155,6 +178,8 @@ class MigrationService:
             watchdog.supervise("network", self._network_loop),
             watchdog.supervise("network-moves", self._moves_loop),
             watchdog.supervise("replicas", self._replica_loop),
+            watchdog.supervise("clusters", self._clusters_loop),
+            watchdog.supervise("slow-runs", self._slow_loop),
             watchdog.supervise("outbox-relay", functools.partial(self.relay.run, relay_stop), finishes=True),
         ]
         try:
@@ -171,6 +196,7 @@ class MigrationService:
             await query_sub.unsubscribe()
             await link_sub.unsubscribe()
             await net_sub.unsubscribe()
+            await slow_sub.unsubscribe()
             await events.stop()
 
     # ---- failovers (recorded from placement's events) -----------------------------------------
@@ -187,7 +213,7 @@ class MigrationService:
         messages: list[outbox.OutboxMessage] = []
         async with transaction(self.pool) as conn:
             for e in decoded:
-                if isinstance(e, JobRequeued) and e.cause == "cluster_lost":
+                if isinstance(e, JobRequeued) and e.cause in ("cluster_lost", "node_lost"):
                     messages += await self._record_failover(conn, e)
                 elif isinstance(e, JobStarted):
                     for row in await moves.complete(conn, e.job_id, e.attempt, e.cluster):
@@ -260,6 +286,9 @@ class MigrationService:
                 await outbox.add(conn, PRODUCER, messages)
             await self._publish(messages)
             await self._notice()
+            self._drain_judged.pop(cluster, None)
+            if was:  # work may flow back, gradually and where the benefit rule says so
+                self._cluster_reviews[cluster] = ("cluster_joined", f"drain of {cluster} ended")
             log.info("cluster undrained", cluster=cluster, was_drained=was)
             return {"ok": True, "cluster": cluster, "was_drained": was}
         if op != "drain":
@@ -337,14 +366,52 @@ class MigrationService:
                 await moves.mark_drained(conn, cluster)
             log.info("cluster drained", cluster=cluster)
             return
+        free = past_deadline or in_flight < int(drain["concurrency"])
+        verdicts = await self._drain_verdicts(cluster, [runs[j.job_id] for j in candidates]) if free else {}
         chosen = next_moves(
-            order_moves(candidates),
+            order_moves(candidates, verdicts),
             in_flight=in_flight,
             concurrency=int(drain["concurrency"]),
             past_deadline=past_deadline,
         )
+        records = [
+            self._verdict_row(verdicts[job.job_id], runs[job.job_id], "move", "")
+            for job in chosen
+            if job.job_id in verdicts and verdicts[job.job_id].move
+        ]
+        if records:
+            async with transaction(self.pool) as conn:
+                await moves.record_verdicts(conn, records)
         for job in chosen:
             await self._plan(job, runs[job.job_id], cluster)
+
+    async def _drain_verdicts(
+        self, cluster: str, rows: Sequence[asyncpg.Record]
+    ) -> dict[str, benefit.MigrationVerdict]:
+        """The ``drain`` verdict of each candidate of a drain (placement's what-if, the benefit
+        rule's numbers), judged once per run while the drain lasts: the drain moves them largest
+        net benefit first, ranked like every other plan (:func:`loom.migrate.benefit.rank_key`)."""
+        judged = self._drain_judged.setdefault(cluster, {})
+        live = {(r["job_id"], int(r["attempt"])) for r in rows}
+        for key in [k for k in judged if k not in live]:
+            del judged[key]
+        todo = [r for r in rows if (r["job_id"], int(r["attempt"])) not in judged]
+        if todo:
+            checkpoints = await moves.checkpoints_of(self.pool, [r["job_id"] for r in todo])
+            history = await moves.move_history(self.pool, [r["job_id"] for r in todo])
+            now = time.time()
+            for r in todo:
+                found = await self._judge(
+                    r,
+                    "drain",
+                    checkpoints=checkpoints.get(r["job_id"], []),
+                    history=history.get(r["job_id"], (0, None, "")),
+                    now=now,
+                    step_s=None,
+                )
+                if found is not None:
+                    judged[r["job_id"], int(r["attempt"])] = found[0]
+        return {job_id: v for (job_id, _), v in judged.items()}
 
     async def _plan(self, job: DrainJob, run: asyncpg.Record, cluster: str) -> None:
         """Plan one move: record it and ask the run's lead agent for a checkpoint now."""
@@ -401,7 +468,7 @@ class MigrationService:
                 f"drain of {cluster}: {chosen.why}" if m["cause"] == "drain" else f"{m['why']}; {chosen.why}"
             )
             await self._ask_move(m, cluster, chosen.step, why, avoid=avoid)
-        elif wanted == 0 and m["cause"] in ("network", "backflow"):
+        elif wanted == 0 and m["cause"] in VOLUNTARY_CAUSES:
             # No step done yet: nothing to save, it restarts from step 0 losing nothing.
             await self._ask_move(m, cluster, 0, f"{m['why']}; no step done yet", avoid=avoid)
         elif past_deadline:
@@ -506,8 +573,7 @@ class MigrationService:
             except Exception as exc:
                 log.warning("link review failed", src=event.src, dst=event.dst, error=repr(exc))
 
-    # PLR0915: the review's steps in order (concerned jobs, what-ifs, verdicts, plan, record, start).
-    async def review_link(self, event: LinkEventMessage) -> list[benefit.MigrationVerdict]:  # noqa: PLR0915
+    async def review_link(self, event: LinkEventMessage) -> list[benefit.MigrationVerdict]:
         """Decide, for every running job whose parts span the link, whether it moves (degraded:
         ``link_degraded``; recovered: ``link_improved``, which also looks at the jobs moved off
         it, so the cool-down and hysteresis keep them from bouncing back); start the moves the
@@ -527,57 +593,57 @@ class MigrationService:
             if spans(set(r["regions"]), event.src, event.dst) or moved_off:
                 concerned.append(r)
         self.stats["reviews"] += 1
+        plan = await self._review(concerned, trigger, about=f"link {link}", link=link, cause="network")
+        return [*plan.start, *(v for v, _ in plan.deferred), *plan.stay]
+
+    async def _review(
+        self,
+        concerned: Sequence[asyncpg.Record],
+        trigger: benefit.Trigger,
+        *,
+        about: str,
+        cause: str,
+        link: str = "",
+        toward: str | None = None,
+        observed_step_s: Mapping[str, float] | None = None,
+    ) -> benefit.Plan:
+        """Decide with the benefit rule, for each of the ``concerned`` running jobs (``running_spans``
+        rows), whether it moves on ``trigger``; plan the moves the budget allows (largest net
+        benefit first), record every verdict, and plan each move to start (checkpoint, give up,
+        re-place). ``toward``: only a move to that cluster counts (a cluster joined or improved).
+        ``observed_step_s``: job -> its step as observed (a slow node), instead of the predicted one."""
+        empty = benefit.Plan(start=[], deferred=[], stay=[])
         if not concerned:
-            return []
+            return empty
         checkpoints = await moves.checkpoints_of(self.pool, [r["job_id"] for r in concerned])
+        history = await moves.move_history(self.pool, [r["job_id"] for r in concerned])
         now = time.time()
         verdicts: list[benefit.MigrationVerdict] = []
         context: dict[str, tuple[asyncpg.Record, dict[str, Any]]] = {}
+        regions: dict[str, str] = {}
         for r in concerned:
-            answer = await self._whatif(r["job_id"])
-            if answer is None:
+            judged = await self._judge(
+                r,
+                trigger,
+                checkpoints=checkpoints.get(r["job_id"], []),
+                history=history.get(r["job_id"], (0, None, "")),
+                now=now,
+                step_s=(observed_step_s or {}).get(r["job_id"]),
+            )
+            if judged is None:
                 continue
-            current, candidate = answer["current"], candidate_of(answer.get("candidate"))
-            lead = (current.get("clusters") or [r["lead"]])[0]
-            lead_region = (current.get("regions") or [""])[0]
-            fields = {k: v for k, v in json.loads(r["spec"]).items() if k in JobSpec.__struct_fields__}
-            spec = msgspec.convert(fields, JobSpec)
-            recorded = [c for c in checkpoints.get(r["job_id"], []) if c.attempt == r["attempt"]]
-            chosen = choose(recorded)
-            n_moves, last_moved, _ = history.get(r["job_id"], (0, None, ""))
-            job = running_state(
-                spec,
-                attempt=int(r["attempt"]),
-                progress=float(r["progress"]),
-                cluster=lead,
-                region=lead_region,
-                step_s=float(current.get("step_s") or 0.0),
-                checkpoint_step=chosen.step if chosen is not None and chosen.checkpoint is not None else None,
-                moves=n_moves,
-                last_moved_s=last_moved,
-            )
-            if candidate is not None and set(answer["candidate"].get("clusters", [])) == set(
-                current.get("clusters", [])
-            ):
-                path: benefit.PathState | None = benefit.LOCAL_PATH  # it would be placed where it is
-            else:
-                path = (
-                    path_between(self.links, lead_region, candidate.region) if candidate is not None else None
-                )
-            path = path or UNMEASURED_PATH
-            verdict = benefit.decide(
-                job, candidate, path, now_s=now, trigger=trigger, settings=self.settings.rule
-            )
+            verdict, avoid, step, where = judged
+            if toward is not None:
+                verdict = backflow.toward(verdict, toward)
             verdicts.append(verdict)
-            avoid = [c for c in current.get("clusters", []) if candidate is None or c != candidate.cluster]
-            context[r["job_id"]] = (r, {"avoid": avoid, "step": int(job.steps_done)})
+            context[r["job_id"]] = (r, {"avoid": avoid, "step": step})
+            regions.update(where)
         budget = benefit.MigrationBudget(
             per_cluster=self.settings.per_cluster, per_link=self.settings.per_link
         )
         for m in await moves.open_migrations(self.pool):
-            if m["cause"] in ("network", "backflow"):
+            if m["cause"] in VOLUNTARY_CAUSES:
                 budget.clusters[m["from_cluster"]] += 1
-        regions = {v.source: context[v.job_id][0]["regions"][0] for v in verdicts}
         plan = benefit.plan_migrations(verdicts, regions, budget)
         records = [self._verdict_row(v, context[v.job_id][0], "move", link) for v in plan.start]
         records += [
@@ -590,16 +656,67 @@ class MigrationService:
             self.stats["verdicts"][record.decision] += 1
         for v in plan.start:
             r, extra = context[v.job_id]
-            await self._plan_network(v, r, extra["step"], extra["avoid"], link)
+            await self._plan_network(v, r, extra["step"], extra["avoid"], about, cause=cause)
         log.info(
-            "link reviewed",
-            link=link,
+            "jobs reviewed",
+            about=about,
             trigger=trigger,
             moves=[v.job_id for v in plan.start],
             stays=[v.job_id for v in plan.stay],
             deferred=[v.job_id for v, _ in plan.deferred],
         )
-        return verdicts
+        return plan
+
+    async def _judge(
+        self,
+        r: asyncpg.Record,
+        trigger: benefit.Trigger,
+        *,
+        checkpoints: Sequence[Checkpoint],
+        history: tuple[int, float | None, str],
+        now: float,
+        step_s: float | None,
+    ) -> tuple[benefit.MigrationVerdict, list[str], int, dict[str, str]] | None:
+        """One job's verdict from placement's what-if (None: no answer, looked at next time), with
+        the clusters its re-placement avoids, the step it is at and cluster -> region of both ends."""
+        answer = await self._whatif(r["job_id"])
+        if answer is None:
+            return None
+        current, candidate = answer["current"], candidate_of(answer.get("candidate"))
+        lead = (current.get("clusters") or [r["lead"]])[0]
+        lead_region = (current.get("regions") or [""])[0]
+        fields = {k: v for k, v in json.loads(r["spec"]).items() if k in JobSpec.__struct_fields__}
+        spec = msgspec.convert(fields, JobSpec)
+        chosen = choose([c for c in checkpoints if c.attempt == r["attempt"]])
+        n_moves, last_moved, _ = history
+        job = running_state(
+            spec,
+            attempt=int(r["attempt"]),
+            progress=float(r["progress"]),
+            cluster=lead,
+            region=lead_region,
+            step_s=step_s if step_s is not None else float(current.get("step_s") or 0.0),
+            checkpoint_step=chosen.step if chosen is not None and chosen.checkpoint is not None else None,
+            moves=n_moves,
+            last_moved_s=last_moved,
+        )
+        if candidate is not None and set(answer["candidate"].get("clusters", [])) == set(
+            current.get("clusters", [])
+        ):
+            path: benefit.PathState | None = benefit.LOCAL_PATH  # it would be placed where it is
+        else:
+            path = path_between(self.links, lead_region, candidate.region) if candidate is not None else None
+        verdict = benefit.decide(
+            job, candidate, path or UNMEASURED_PATH, now_s=now, trigger=trigger, settings=self.settings.rule
+        )
+        if trigger == "node_slow":
+            avoid: list[str] = []  # its suspect nodes are closed; the rest of its cluster is not
+        else:
+            avoid = [c for c in current.get("clusters", []) if candidate is None or c != candidate.cluster]
+        where = {lead: lead_region}
+        if candidate is not None:
+            where[candidate.cluster] = candidate.region
+        return verdict, avoid, int(job.steps_done), where
 
     def _verdict_row(
         self, v: benefit.MigrationVerdict, r: asyncpg.Record, decision: str, link: str, why: str = ""
@@ -634,9 +751,17 @@ class MigrationService:
         return answer if answer.get("ok") else None
 
     async def _plan_network(
-        self, v: benefit.MigrationVerdict, run: asyncpg.Record, step: int, avoid: list[str], link: str
+        self,
+        v: benefit.MigrationVerdict,
+        run: asyncpg.Record,
+        step: int,
+        avoid: list[str],
+        about: str,
+        *,
+        cause: str = "network",
     ) -> None:
-        """Plan a network move: record it and ask the run's lead agent for a checkpoint now (the
+        """Plan a voluntary move (``network``: a link or a slow node; ``backflow``: a cluster joined,
+        returned or improved): record it and ask the run's lead agent for a checkpoint now (the
         moves loop then gives the run up once that checkpoint is recorded)."""
         attempt = int(run["attempt"])
         migration_id = f"{v.job_id}:{attempt}"
@@ -648,12 +773,12 @@ class MigrationService:
                 migration_id=migration_id,
                 job_id=v.job_id,
                 tenant=run["tenant"],
-                cause="network",
+                cause=cause,
                 state="planned",
                 from_cluster=v.source,
                 from_attempt=attempt,
                 steps=steps,
-                why=f"link {link} ({v.trigger}): {v.reason}",
+                why=f"{about} ({v.trigger}): {v.reason}",
                 trace_context=context,
                 resume_step=step,
             )
@@ -680,7 +805,7 @@ class MigrationService:
             await asyncio.sleep(self.settings.poll_s)
             try:
                 for m in await moves.open_migrations(self.pool):
-                    if m["cause"] in ("network", "backflow") and m["state"] == "planned":
+                    if m["cause"] in VOLUNTARY_CAUSES and m["state"] == "planned":
                         avoid = self._avoid.get(m["migration_id"], [m["from_cluster"]])
                         await self._advance(m, m["from_cluster"], past_deadline=False, avoid=avoid)
             except asyncio.CancelledError:
@@ -813,6 +938,101 @@ class MigrationService:
                 self._copies.pop(key, None)
 
         self._copies[key] = asyncio.create_task(copy())
+
+    # ---- clusters joining, returning, improving; drains ending (backflow) ---------------------
+
+    async def _clusters_loop(self) -> None:
+        """Read the schedulable GPUs per cluster every few seconds; review the running jobs on each
+        join, return or growth, and after each undrain. A review whose moves the budget deferred
+        is done again at the next reading: work flows back a few moves at a time."""
+        seen: dict[str, int] | None = None  # the first reading is the baseline: nothing joined
+        while True:
+            if seen is not None:
+                await asyncio.sleep(self.settings.clusters_every_s)
+            try:
+                known = await moves.known_clusters(self.pool)
+                gpus = {cluster: sum(models.values()) for cluster, models in known.items()}
+                if seen is not None and self.settings.review_clusters:
+                    for cluster, trigger in backflow.cluster_triggers(
+                        seen, gpus, improve_share=self.settings.improve_share
+                    ).items():
+                        what = "joined" if trigger == "cluster_joined" else "improved"
+                        what += f" ({seen.get(cluster, 0)} -> {gpus[cluster]} schedulable GPUs)"
+                        self._cluster_reviews.setdefault(cluster, (trigger, f"cluster {cluster} {what}"))
+                seen = gpus
+                closed = await moves.drained_clusters(self.pool)
+                for cluster, (trigger, about) in list(self._cluster_reviews.items()):
+                    del self._cluster_reviews[cluster]
+                    if cluster in closed or not self.settings.review_clusters:
+                        continue
+                    plan = await self.review_cluster(cluster, trigger, about)
+                    if plan.deferred:
+                        self._cluster_reviews.setdefault(cluster, (trigger, about))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("cluster review failed", error=repr(exc))
+                await asyncio.sleep(self.settings.clusters_every_s)
+
+    async def review_cluster(self, cluster: str, trigger: benefit.Trigger, about: str) -> benefit.Plan:
+        """Decide, for every running job with no part on ``cluster`` (and no move open), whether it
+        moves there (``cluster_joined`` / ``cluster_improved``): the benefit rule against the
+        framework's placement now, a move elsewhere counting as a stay (:func:`backflow.toward`);
+        the moves start as backflow under the budget, the cool-down and the hysteresis."""
+        rows = await moves.running_spans(self.pool)
+        open_ids = {m["job_id"] for m in await moves.open_migrations(self.pool)}
+        elsewhere = set(backflow.not_on({r["job_id"]: r["clusters"] for r in rows}, cluster))
+        concerned = [r for r in rows if r["job_id"] in elsewhere and r["job_id"] not in open_ids]
+        self.stats["cluster_reviews"] += 1
+        return await self._review(concerned, trigger, about=about, cause="backflow", toward=cluster)
+
+    # ---- slow nodes (placement tells) -----------------------------------------------------------
+
+    async def on_slow(self, msg: Msg) -> None:
+        """``loom.placement.slow``: a run delivers under half its predicted step rate; review it."""
+        try:
+            report = json.loads(msg.data)
+            self._slow.put_nowait(
+                {
+                    "job_id": str(report["job_id"]),
+                    "attempt": int(report["attempt"]),
+                    "observed_step_s": float(report["observed_step_s"]),
+                    "nodes": [str(n) for n in report.get("nodes", [])],
+                    "reason": str(report.get("reason", ""))[:512],
+                }
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            log.info("bad slow-run report ignored", error=repr(exc))
+
+    async def _slow_loop(self) -> None:
+        while True:
+            report = await self._slow.get()
+            try:
+                await self.review_slow(report)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("slow-run review failed", job_id=report["job_id"], error=repr(exc))
+
+    async def review_slow(self, report: Mapping[str, Any]) -> benefit.Plan:
+        """A slow run (trigger ``node_slow``): the benefit rule with its observed step where it runs
+        (its suspect nodes closed to the what-if), moved when that pays, by the same path."""
+        rows = [
+            r
+            for r in await moves.running_spans(self.pool)
+            if r["job_id"] == report["job_id"] and int(r["attempt"]) == report["attempt"]
+        ]
+        if rows and any(m["job_id"] == report["job_id"] for m in await moves.open_migrations(self.pool)):
+            rows = []
+        self.stats["slow_reviews"] += 1
+        nodes = ", ".join(report["nodes"]) or "its nodes"
+        return await self._review(
+            rows,
+            "node_slow",
+            about=f"slow node(s) {nodes}: {report['reason']}",
+            cause="slow_node",
+            observed_step_s={report["job_id"]: report["observed_step_s"]},
+        )
 
     # ---- queries and events --------------------------------------------------------------------
 

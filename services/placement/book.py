@@ -165,6 +165,8 @@ class Book:
         of a batch whose write failed."""
         self.closed: frozenset[str] = frozenset()
         """Drained clusters (``loom drain``): their nodes take no new work; change with :meth:`close`."""
+        self.suspect_nodes: frozenset[str] = frozenset()
+        """Nodes a slow run made suspect: no new work there for a while; change with :meth:`suspect`."""
         self.learned: dict[tuple[str, str], float] = {}
         """(job family, gpu_model) -> learned speed factor the snapshot applies (see
         :mod:`loom.model.learn`); change it with :meth:`set_learned`."""
@@ -375,6 +377,15 @@ class Book:
         self.invalidate()
         return True
 
+    def suspect(self, nodes: Iterable[str]) -> bool:
+        """Set the suspect nodes (:class:`loom.migrate.nodes.SuspectNodes`); True when that changed them."""
+        suspect = frozenset(nodes)
+        if suspect == self.suspect_nodes:
+            return False
+        self.suspect_nodes = suspect
+        self.invalidate()
+        return True
+
     def snapshot(self, now: float) -> Snapshot:
         """The cycle's input: nodes, clusters with trust, runs, network, prices and speeds.
 
@@ -399,7 +410,7 @@ class Book:
                 self._add_region(region)
         nodes = [
             dataclasses.replace(cap, schedulable=False)
-            if cap.schedulable and cap.cluster in self.closed
+            if cap.schedulable and (cap.cluster in self.closed or cap.node in self.suspect_nodes)
             else cap
             for cap in self.nodes.values()
         ]

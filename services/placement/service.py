@@ -80,6 +80,7 @@ from loom.migrate.health import (
     link_unreachable,
     reachability,
 )
+from loom.migrate.nodes import Pace, PaceSettings, SuspectNodes, runs_on_nodes
 from loom.migrate.replicas import Replica
 from loom.migrate.resume import Resume, resume_point
 from loom.model.capacity import NodeCapacity
@@ -187,6 +188,7 @@ class PlacementService:
         failover_ttl_s: float = 10.0,
         failover_period_s: float = 0.5,
         liveness_period_s: float = 1.0,
+        pace: PaceSettings | None = None,
     ) -> None:
         self.ctx = ctx
         self.pool = ctx.db
@@ -237,7 +239,10 @@ class PlacementService:
         self.confirm_timeout_s = confirm_timeout_s
         self.max_attempts = max_attempts
         self.failover = _Failover(
-            ttl_s=failover_ttl_s, period_s=failover_period_s, liveness_period_s=liveness_period_s
+            ttl_s=failover_ttl_s,
+            period_s=failover_period_s,
+            liveness_period_s=liveness_period_s,
+            nodes=_NodeWatch(Pace(pace or PaceSettings())),
         )
         self.waiting_reasons: dict[str, str] = {}
         self._sending: set[asyncio.Task[int]] = set()
@@ -257,6 +262,7 @@ class PlacementService:
                 "requeued": 0,
                 "preempted": 0,
                 "resized": 0,
+                "nodes": {"lost": {}, "requeued": 0, "slow": 0, "suspect": {}},
             }
         )
         self.stats["leadership"] = self.leadership
@@ -1597,8 +1603,12 @@ class PlacementService:
                         self.stats["failover"]["failed"][cluster] = {"at": time.time(), "reason": h.reason}
                         log.warning("cluster failed", cluster=cluster, reason=h.reason)
                 self.failover.returned(self.failover.liveness.answered_at)
-                # A failed cluster takes no new work (the view closes it only once stale).
-                if self.book.close(self.failover.closed()):
+                # A failed cluster takes no new work (the view closes it only once stale); nor
+                # does a suspect node until its time runs out.
+                changed = self.book.close(self.failover.closed())
+                changed |= self.book.suspect(self.failover.nodes.suspects.active(time.time()))
+                if changed:
+                    self.stats["nodes"]["suspect"] = dict(self.failover.nodes.suspects.why)
                     self.capacity_changed = True
                     self.wake.set()
                 if not self._on_failed_clusters():
@@ -1934,6 +1944,7 @@ class PlacementService:
         # Only what placement decides on: a delta that just moves used or reserved GPUs changes nothing here.
         changed = [cap for cap in changed if _book_differs(nodes.get(cap.node), cap)]
         if not changed:
+            await self._nodes_lost(delta)  # a closed node (drained) may still fail under its runs
             return
         async with self._tx() as conn:
             if not self._owns_region(delta.region):
@@ -1954,6 +1965,102 @@ class PlacementService:
         self.stats.setdefault("unschedulable_nodes", {})[delta.cluster] = closed
         self.capacity_changed = True
         self.wake.set()
+        await self._nodes_lost(delta)
+
+    async def _nodes_lost(self, delta: ViewDelta) -> None:
+        """Nodes the delta reports down, or dropped from a cluster that still heartbeats, lose
+        the runs on them: each is given up like a failed-over cluster's run (next attempt, the old
+        one fenced and stopped, resumed from its best checkpoint, placed again by the cycles)."""
+        if delta.stale:
+            return  # the whole cluster is silent: the failover path decides (heartbeats and probes)
+        lost = {n.node: "reported down by its agent" for n in delta.nodes if n.down}
+        lost.update(dict.fromkeys(delta.removed, "dropped from its cluster's inventory"))
+        if not lost:
+            return
+        nodes_of = {
+            job_id: [node for _, _, allocs in run.parts for node, _ in allocs]
+            for job_id, run in self.book.runs.items()
+        }
+        hit = runs_on_nodes(nodes_of, lost)
+        if not hit:
+            return
+        self.stats["nodes"]["lost"].update({node: lost[node] for node in set(hit.values())})
+        async with self.lock:
+            await self._drain()
+            await self._retrying(functools.partial(self._fail_nodes, hit, lost, delta.cluster))
+
+    async def _fail_nodes(self, hit: Mapping[str, str], why: Mapping[str, str], cluster: str) -> None:
+        """Give up each run of ``hit`` (job -> its failed node), as :meth:`_fail_over` does for a
+        cluster. Idempotent: a run already given up is no longer in the book, or another attempt."""
+        result = Applied()
+        lost = {j: self.book.runs[j] for j in hit if j in self.book.runs}
+        async with self._tx() as conn:
+            recorded = await moves.checkpoints_of(conn, sorted(lost))
+            for job_id, run in sorted(lost.items()):
+                node = hit[job_id]
+                resume = _resume_of(run, recorded.get(job_id, []))
+                await self._give_up(
+                    conn,
+                    run,
+                    "node_lost",
+                    f"node {node} of {cluster} failed ({why[node]}); {resume.why}",
+                    avoid=[],
+                    result=result,
+                    resume_step=resume.step,
+                    from_cluster=cluster,
+                )
+            await repo.append_events(conn, result.events)
+            await outbox.add(conn, PRODUCER, result.messages)
+        self._commit(result, [])
+        self._send(result.messages)
+        self.stats["nodes"]["requeued"] += len(result.requeued)
+        if result.requeued:
+            log.warning("runs lost with their node", runs=len(result.requeued), cluster=cluster)
+            self.capacity_changed = True
+            self.wake.set()
+
+    async def _watch_pace(self, events: Sequence[LifecycleEvent]) -> None:
+        """Progress reports with an observed step feed :class:`Pace`; a run delivering under half
+        its predicted step rate over the window makes its nodes suspect (no new placements there
+        for a while) and is reported once per attempt on ``loom.placement.slow`` for the
+        migration service to decide, with the benefit rule, whether it moves."""
+        now = time.time()
+        for e in events:
+            if not isinstance(e, JobProgress) or e.observed_step_s is None:
+                continue
+            run = self.book.runs.get(e.job_id)
+            if run is None or run.attempt != e.attempt:
+                continue
+            self.failover.nodes.pace.record(e.job_id, e.attempt, e.at, e.observed_step_s)
+            if (e.job_id, e.attempt) in self.failover.nodes.told:
+                continue
+            # A run with fewer workers than asked runs slower by that share, as expected.
+            scale = max(run.job.workers, 1) / max(run.workers, 1) if run.job.pipeline is None else 1.0
+            predicted = run.predicted_step_s * scale if run.predicted_step_s else None
+            slow = self.failover.nodes.pace.slow(e.job_id, e.attempt, predicted, now)
+            if slow is None:
+                continue
+            self.failover.nodes.told.add((e.job_id, e.attempt))
+            nodes = sorted({node for _, _, allocs in run.parts for node, _ in allocs})
+            self.failover.nodes.suspects.mark(
+                nodes, now + self.failover.nodes.pace.settings.suspect_s, f"{e.job_id}: {slow.reason}"
+            )
+            if self.book.suspect(self.failover.nodes.suspects.active(now)):
+                self.capacity_changed = True
+                self.wake.set()
+            self.stats["nodes"]["slow"] += 1
+            self.stats["nodes"]["suspect"] = dict(self.failover.nodes.suspects.why)
+            log.warning("slow run", job_id=e.job_id, attempt=e.attempt, nodes=nodes, reason=slow.reason)
+            report = {
+                "job_id": e.job_id,
+                "attempt": e.attempt,
+                "observed_step_s": slow.observed_step_s,
+                "predicted_step_s": slow.predicted_step_s,
+                "nodes": nodes,
+                "reason": slow.reason,
+            }
+            with contextlib.suppress(Exception):  # a lost report: the nodes are suspect anyway
+                await self.ctx.nc.publish(subjects.PLACEMENT_SLOW, json.dumps(report).encode())
 
     async def on_link(self, msg: Msg) -> None:
         """A link-state event from network perception: the network every cycle scores with."""
@@ -2099,6 +2206,7 @@ class PlacementService:
             await with_retry(apply)
         except Exception as exc:
             return [o if o is not None else exc for o in outcomes]
+        await self._watch_pace([e for e, _ in events])
         for mid, why in refused.items():
             log.warning("report refused", msg_id=mid, reason=why)
             outcomes[index_of[mid]] = InvalidInputError(why)
@@ -2385,6 +2493,8 @@ class _Failover:
     period_s: float
     liveness_period_s: float = 1.0
     """How often placement pings each owned cluster's agent."""
+    nodes: "_NodeWatch" = dataclasses.field(default_factory=lambda: _NodeWatch(Pace()))
+    """Node scope: failed nodes' runs are given up; slow runs make their nodes suspect."""
     liveness: Liveness = dataclasses.field(default_factory=Liveness)
     """Runs of *no responders* to each owned cluster's agent ping (the fast agent signal)."""
     stale_since: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -2432,6 +2542,16 @@ class _Failover:
             self.failed_at.pop(delta.cluster, None)
             if self.failed.pop(delta.cluster, None) is not None:
                 log.warning("failed cluster returned", cluster=delta.cluster)
+
+
+@dataclasses.dataclass
+class _NodeWatch:
+    """Node scope: the runs' observed pace, the suspect nodes, the runs already reported slow."""
+
+    pace: Pace
+    suspects: SuspectNodes = dataclasses.field(default_factory=SuspectNodes)
+    told: set[tuple[str, int]] = dataclasses.field(default_factory=set)
+    """Runs reported slow to the migration service (once per attempt)."""
 
 
 class Phases:

@@ -182,6 +182,14 @@ async def _seed(admin: asyncpg.Connection) -> None:
                    ON CONFLICT DO NOTHING""",
                 job_id,
             )
+            if n == 0 and not await admin.fetchval(
+                "SELECT 1 FROM migration_verdicts WHERE job_id = $1", job_id
+            ):
+                await admin.execute(
+                    """INSERT INTO migration_verdicts (job_id, attempt, trigger, decision, source, gain_s)
+                       VALUES ($1, 1, 'cluster_joined', 'stay', 'c', 12.0)""",
+                    job_id,
+                )
             await admin.execute(
                 """INSERT INTO usage_rows (job_id, attempt, seq, tenant, cluster, region, gpu_model, start_ms,
                        end_ms, gpus, scu_per_gpu, price_per_scu_hour, outcome)
@@ -209,6 +217,7 @@ async def test_under_rls_a_tenant_sees_only_its_rows(
         "usage_runs",
         "migrations",
         "checkpoint_replicas",
+        "migration_verdicts",
     }
     pool = await asyncpg.create_pool(role_urls["loom_console"], min_size=1, max_size=2)
     assert pool is not None
@@ -228,6 +237,10 @@ async def test_under_rls_a_tenant_sees_only_its_rows(
             # What `loom job ID` shows (job, events, moves): a job of another tenant is not there.
             mine = await jobs_repo.get_job(conn, "sec-acme-0")
             assert mine is not None and mine["tenant"] == "acme"
+            # ... nor its migration verdicts (`loom explain`): its own are, with their numbers.
+            assert [v["gain_s"] for v in mine["verdicts"]] == [12.0]
+            seen = await conn.fetch("SELECT job_id FROM migration_verdicts WHERE job_id LIKE 'sec-%'")
+            assert {r["job_id"] for r in seen} == {"sec-acme-0"}
             assert await jobs_repo.get_job(conn, "sec-globex-0") is None
             assert {r["tenant"] for r in await conn.fetch("SELECT tenant FROM usage_rows")} == {"acme"}
             assert await conn.fetchval("SELECT count(*) FROM usage_runs WHERE job_id LIKE 'sec-globex%'") == 0

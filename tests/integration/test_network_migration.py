@@ -56,6 +56,9 @@ async def stack(
     # bound against V100s alone), and this test needs two gangs that span one link.
     plugins = [name for name in DEFAULT_PLUGINS if name != "span_guard"]
     p.placement = {"failover_ttl_s": 30.0, "profile": {"plugins": plugins}}
+    # Links only: c-use2-a joins mid-test, and its G2s would draw the long gang by themselves
+    # (backflow, tests/integration/test_migration_triggers.py); here nothing moves but for the link.
+    p.migration = {"review_clusters": False}
     topology = load_topology("small")
     net: list[tuple[asyncio.Task[None], ServiceContext]] = []
     probes = await open_context("probes", nats_url=nats_url, database_url=None)

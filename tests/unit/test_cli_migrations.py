@@ -55,3 +55,44 @@ def test_the_verdicts_table_shows_a_job_that_stayed_with_its_numbers() -> None:
     assert (
         "stay" in text and "511" in text and "924" in text and "c-use2-a" in text and "link_degraded" in text
     )
+
+
+def test_loom_explain_shows_the_verdicts_with_gain_cost_margin_and_a_refusal() -> None:
+    from unittest import mock
+
+    from loom.cli import main
+
+    verdict = {
+        "at": 1_700_000_000.0,
+        "job_id": "j1",
+        "trigger": "cluster_joined",
+        "link": "",
+        "decision": "deferred",
+        "source": "c-weu-a",
+        "target": "c-use2-a",
+        "gain_s": 4000.0,
+        "cost_s": 700.0,
+        "threshold_s": 830.0,
+        "margin_s": 3170.0,
+        "reason": "moves: gain 4000 s; deferred: 4 migrations already in flight at c-use2-a (limit 4)",
+    }
+    job = {"job_id": "j1", "state": "running", "cluster": "c-weu-a", "spec": {}, "verdicts": [verdict]}
+
+    class Client:
+        async def explain(self, job_id: str) -> dict[str, object]:
+            return {"job": job, "decisions": []}
+
+        async def close(self) -> None:
+            return None
+
+    async def client() -> Client:
+        return Client()
+
+    recorded = Console(record=True, width=400)
+    with mock.patch.object(main, "_client", client), mock.patch.object(main, "console", recorded):
+        code = main.cmd_explain(build_parser().parse_args(["explain", "j1"]))
+    text = recorded.export_text()
+    assert code == 0
+    assert "why it moved or did not" in text and "cluster_joined" in text and "deferred" in text
+    assert "4000" in text and "700" in text and "830" in text and "3170" in text
+    assert "limit 4" in text

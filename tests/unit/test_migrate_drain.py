@@ -51,3 +51,53 @@ def test_jobs_without_checkpoints_wait_for_the_deadline_then_everything_moves() 
         "ck",
         "nock",
     }
+
+
+def test_drains_rank_by_the_planners_net_benefit_and_jobs_without_a_verdict_come_after() -> None:
+    from loom.migrate.benefit import (
+        Candidate,
+        MigrationBudget,
+        PathState,
+        RunningJobState,
+        decide,
+        plan_migrations,
+    )
+
+    def verdict(job_id: str, here_s: float) -> object:
+        state = RunningJobState(
+            job_id=job_id,
+            job_class="training",
+            cluster="a",
+            region="r",
+            steps=100,
+            steps_done=10.0,
+            step_s=here_s,
+            checkpoint_every_steps=10,
+            checkpoint_bytes=1e9,
+        )
+        return decide(state, Candidate("b", "r", 1.0), PathState(1.0, 10.0), now_s=0.0, trigger="drain")
+
+    verdicts = {"slow": verdict("slow", 5.0), "fast": verdict("fast", 1.0), "mid": verdict("mid", 2.0)}
+    nowhere = decide(
+        RunningJobState(
+            job_id="nowhere",
+            job_class="training",
+            cluster="a",
+            region="r",
+            steps=100,
+            steps_done=0.0,
+            step_s=9.0,
+        ),
+        None,
+        PathState(1.0, 10.0),
+        now_s=0.0,
+        trigger="drain",
+    )
+    jobs = [_job("fast"), _job("mid"), _job("slow"), _job("unknown", gpus=8), _job("small", step=90)]
+    jobs.append(_job("nowhere", step=95))
+    ordered = [j.job_id for j in order_moves(jobs, {**verdicts, "nowhere": nowhere})]  # type: ignore[dict-item]
+    # The same order plan_migrations starts them in (one ranking), then the rest by work left.
+    plan = plan_migrations(verdicts.values(), {}, MigrationBudget(per_cluster=10))  # type: ignore[arg-type]
+    assert ordered[:3] == [v.job_id for v in plan.start] == ["slow", "mid", "fast"]
+    # No room elsewhere now (no target): after those that have one, by the work left.
+    assert ordered[3:] == ["unknown", "small", "nowhere"]

@@ -31,7 +31,7 @@ from loom_proto.net import LinkDegraded, LinkRecovered
 from loom_proto.view import ViewDelta
 
 SOURCE = "loom"
-FAULT_REQUEUES = frozenset({"cluster_lost", "start_failed", "start_timeout"})
+FAULT_REQUEUES = frozenset({"cluster_lost", "node_lost", "start_failed", "start_timeout"})
 _MAX_ID = 64
 """Ids keep to [A-Za-z0-9_-]{1,64} (loom_proto.ids)."""
 

@@ -365,6 +365,12 @@ def cmd_explain(args: argparse.Namespace) -> int:
             from loom.cli.migrations import migrations_table
 
             console.print(migrations_table(job["migrations"], title="why it moved"))
+        if job.get("verdicts"):
+            from loom.cli.migrations import verdicts_table
+
+            console.print(
+                verdicts_table(job["verdicts"], title="why it moved or did not (migration verdicts)")
+            )
         return 0
 
     return _run(go())
@@ -406,6 +412,10 @@ def cmd_job(args: argparse.Namespace) -> int:
             from loom.cli.migrations import replicas_table
 
             console.print(replicas_table(job["replicas"], title="checkpoint replicas"))
+        if job.get("verdicts"):
+            from loom.cli.migrations import verdicts_table
+
+            console.print(verdicts_table(job["verdicts"], title="migration verdicts (moved or not, and why)"))
         table = Table(title="history")
         for col in ("time", "event", "detail"):
             table.add_column(col)

@@ -232,10 +232,25 @@ def migrations_table(rows: list[dict[str, Any]], title: str = "migrations") -> T
     return table
 
 
-def verdicts_table(rows: list[dict[str, Any]]) -> Table:
-    """A table of migration verdicts (``loom migrations --verdicts``): moved or not, and why."""
-    table = Table(title="migration verdicts")
-    for col in ("at", "job", "trigger", "link", "decision", "from", "to", "gain s", "threshold s", "why"):
+def verdicts_table(rows: list[dict[str, Any]], title: str = "migration verdicts") -> Table:
+    """A table of migration verdicts (``loom migrations --verdicts``, ``loom job ID``, ``loom
+    explain ID``): moved or not, the trigger, gain, cost, threshold (cost + margin), the margin
+    left (gain − threshold) and why — a cool-down or a rate-limit refusal says so."""
+    table = Table(title=title)
+    for col in (
+        "at",
+        "job",
+        "trigger",
+        "link",
+        "decision",
+        "from",
+        "to",
+        "gain s",
+        "cost s",
+        "threshold s",
+        "margin s",
+        "why",
+    ):
         table.add_column(col)
 
     def num(value: Any) -> str:
@@ -251,7 +266,9 @@ def verdicts_table(rows: list[dict[str, Any]]) -> Table:
             v["source"],
             v.get("target") or "-",
             num(v.get("gain_s")),
+            num(v.get("cost_s")),
             num(v.get("threshold_s")),
+            num(v.get("margin_s")),
             v["reason"],
         )
     return table

@@ -54,14 +54,22 @@ __all__ = [
     "link_trigger",
     "migration_cost",
     "plan_migrations",
+    "rank_key",
 ]
 
 Trigger = Literal[
-    "cluster_failed", "link_degraded", "link_improved", "cluster_improved", "cluster_joined", "drain"
+    "cluster_failed",
+    "link_degraded",
+    "link_improved",
+    "cluster_improved",
+    "cluster_joined",
+    "drain",
+    "node_slow",
 ]
 """Why a job is looked at: its cluster failed; a link it uses degraded (RTT ≥ 2× its baseline or
-loss > 1 %); a better link or cluster appeared (a link recovered, a cluster got free fast GPUs);
-a new cluster joined (or a failed one returned); its cluster is drained."""
+loss > 1 %); a better link or cluster appeared (a link recovered, a cluster got more GPUs);
+a new cluster joined (or a failed or drained one returned); its cluster is drained; a node it
+runs on delivers less than half its predicted step rate (its step here is then the observed one)."""
 
 TRIGGERS: tuple[Trigger, ...] = (
     "cluster_failed",
@@ -70,6 +78,7 @@ TRIGGERS: tuple[Trigger, ...] = (
     "cluster_improved",
     "cluster_joined",
     "drain",
+    "node_slow",
 )
 
 FORCED_TRIGGERS: frozenset[Trigger] = frozenset({"cluster_failed", "drain"})
@@ -496,6 +505,15 @@ class MigrationBudget:
         return sum(self.clusters.values())
 
 
+def rank_key(verdict: MigrationVerdict) -> tuple[float, float, str]:
+    """The order moves start in (smallest first): largest net benefit (gain − cost) first, an
+    unbounded one (a failed cluster's job) before all, ties by the cheaper move, then by id. The
+    one ranking of every planner: :func:`plan_migrations`, drains (:mod:`loom.migrate.drain`)."""
+    cost = verdict.cost.total_s if verdict.cost is not None else 0.0
+    net = verdict.net_s
+    return (-net if not math.isinf(net) else -math.inf, cost, verdict.job_id)
+
+
 @dataclass(frozen=True, slots=True)
 class Plan:
     """What :func:`plan_migrations` decided: moves to start now (largest net benefit first),
@@ -519,12 +537,7 @@ def plan_migrations(
     for verdict in verdicts:
         (moving if verdict.move and verdict.target is not None else stay).append(verdict)
 
-    def rank(v: MigrationVerdict) -> tuple[float, float, str]:
-        cost = v.cost.total_s if v.cost is not None else 0.0
-        net = v.net_s
-        return (-net if not math.isinf(net) else -math.inf, cost, v.job_id)
-
-    moving.sort(key=rank)
+    moving.sort(key=rank_key)
     start: list[MigrationVerdict] = []
     deferred: list[tuple[MigrationVerdict, str]] = []
     for verdict in moving:

@@ -5,7 +5,8 @@ time, each at a checkpoint boundary. This module holds the decisions:
 
 * :func:`drain_refusal` — a drain is refused when some job on the cluster has no feasible GPUs
   on any other open cluster (``--force`` overrides it);
-* :func:`order_moves` — which jobs move first: the largest benefit first;
+* :func:`order_moves` — which jobs move first: the largest net benefit first, ranked like every
+  other migration plan (:func:`loom.migrate.benefit.rank_key`);
 * :func:`next_moves` — how many more may start now, under the drain's concurrency.
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+from loom.migrate.benefit import MigrationVerdict, rank_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +69,20 @@ def drain_refusal(
     )
 
 
-def order_moves(jobs: Iterable[DrainJob]) -> list[DrainJob]:
-    """Largest benefit first: the job with the most GPU-seconds still to run leaves first (it loses
-    the most if the drain's deadline catches it); ties by id.
-
-    TODO(issue 15): swap for ``loom.migrate.benefit.plan_migrations`` (migcore's benefit/cost
-    decision) once it is on main, keeping this signature's role: drain candidates in, order out.
-    """
-    return sorted(jobs, key=lambda j: (-j.remaining_gpu_s, j.job_id))
+def order_moves(
+    jobs: Iterable[DrainJob], verdicts: Mapping[str, MigrationVerdict] | None = None
+) -> list[DrainJob]:
+    """Largest benefit first, by the planners' one ranking (:func:`loom.migrate.benefit.rank_key`):
+    the jobs with a verdict that names a target (the service asks placement's what-if for each and
+    decides with the ``drain`` trigger) by net benefit, largest first; then the others (no answer,
+    no room elsewhere now) by the GPU-seconds they still need, most first (they lose the most if the
+    drain's deadline catches them); ties by id."""
+    placed = {job_id: v for job_id, v in (verdicts or {}).items() if v.target is not None}
+    judged = [j for j in jobs if j.job_id in placed]
+    unjudged = [j for j in jobs if j.job_id not in placed]
+    judged.sort(key=lambda j: rank_key(placed[j.job_id]))
+    unjudged.sort(key=lambda j: (-j.remaining_gpu_s, j.job_id))
+    return judged + unjudged
 
 
 def next_moves(

@@ -42,6 +42,8 @@ class LedgerNode:
     updated_at: float
     gpus_reserved: int = 0
     """Promised by placement, not yet confirmed started by the agent."""
+    down: bool = False
+    """Its agent reports it failed: the runs on it are lost (not merely closed to new work)."""
 
     @property
     def gpus_free(self) -> int:
@@ -110,6 +112,7 @@ def _refresh(owner: LedgerNode, n: NodeState) -> bool:
     if (
         owner.gpus_used == n.gpus_used
         and owner.healthy == n.healthy
+        and owner.down == n.down
         and owner.gpus_total == n.gpus_total
         and owner.gpu_model == n.gpu_model
         and owner.zone == n.zone
@@ -124,6 +127,7 @@ def _refresh(owner: LedgerNode, n: NodeState) -> bool:
     owner.cpu_milli = n.cpu_milli
     owner.memory_mib = n.memory_mib
     owner.healthy = n.healthy
+    owner.down = n.down
     return True
 
 
@@ -192,6 +196,7 @@ class Ledger:
                 memory_mib=n.memory_mib,
                 healthy=n.healthy,
                 updated_at=now,
+                down=n.down,
             )
             changed.append(entry)
             self.nodes[n.node] = entry

@@ -137,6 +137,7 @@ def _service_publish(role: Role) -> list[str]:
             *[f"{P}.clusters.*.cmd.{kind}" for kind in subjects.CLUSTER_COMMAND_KINDS],
             "$KV.loom_leases.>",
             f"{P}.alive.*",  # the leader's liveness ping of each agent (core NATS)
+            subjects.PLACEMENT_SLOW,  # a slow run, for the migration service (core NATS)
         ]
     if role == "migration":
         return [

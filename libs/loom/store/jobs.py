@@ -13,7 +13,7 @@ import asyncpg
 import msgspec
 
 from loom.model.capacity import NodeCapacity
-from loom.store.moves import list_migrations
+from loom.store.moves import list_migrations, list_verdicts
 from loom.store.pool import ConflictError
 from loom.store.replicas import list_replicas
 from loom.telemetry.jaeger import trace_id_of
@@ -656,6 +656,8 @@ async def get_job(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> dict[
     ]
     out["migrations"] = list(reversed(await list_migrations(conn, job_id=job_id)))
     out["replicas"] = await list_replicas(conn, job_id=job_id, limit=20)
+    # Why it moved, or did not: every migration verdict of it, with the numbers (oldest first).
+    out["verdicts"] = list(reversed(await list_verdicts(conn, job_id=job_id, limit=50)))
     return out
 
 

@@ -66,6 +66,7 @@ GRANTS: dict[str, dict[str, str]] = {
         "cluster_drains": _R,
         "migrations": _R,  # a job's moves, shown with it (loom.store.jobs.get_job)
         "checkpoint_replicas": _R,  # a failover resumes from a replica; shown with the job
+        "migration_verdicts": _R,  # why it moved or not, shown with it (get_job, loom explain)
     },
     "loom_metrics": {
         "ledger_clusters": _RW,
@@ -91,6 +92,7 @@ GRANTS: dict[str, dict[str, str]] = {
         "decisions": _R,
         "migrations": _R,
         "checkpoint_replicas": _R,  # a job's replicas, shown with it (loom.store.jobs.get_job)
+        "migration_verdicts": _R,  # a job's verdicts, on its page (loom.store.jobs.get_job)
         "cluster_drains": _R,  # drained clusters marked on the resources page
         "reservations": _R,  # the jobs a drain would move (its confirmation page)
         "incidents": _R,  # the incidents pages (a tenant's scoped by the console)
@@ -122,6 +124,7 @@ GRANTS: dict[str, dict[str, str]] = {
         "decisions": _R,
         "migrations": _R,
         "checkpoint_replicas": _R,
+        "migration_verdicts": _R,
         "usage_rows": _R,
         "usage_runs": _R,
     },
@@ -142,6 +145,7 @@ TENANT_TABLES: dict[str, str] = {
     "usage_runs": _VIA_JOB.format(table="usage_runs"),
     "migrations": f"tenant = {_OWN_TENANT}",
     "checkpoint_replicas": f"tenant = {_OWN_TENANT}",
+    "migration_verdicts": _VIA_JOB.format(table="migration_verdicts"),
 }
 """Tables under row-level security, with the condition a tenant's row meets (its own tenant)."""
 

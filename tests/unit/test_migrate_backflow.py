@@ -1,0 +1,67 @@
+"""Clusters joining, returning and growing (pure): the triggers, the jobs concerned, moves only toward it."""
+
+from dataclasses import replace
+
+import pytest
+
+from loom.migrate.backflow import cluster_triggers, not_on, toward
+from loom.migrate.benefit import Candidate, PathState, RunningJobState, decide
+
+PATH = PathState(rtt_ms=100.0, bandwidth_gbps=8.0)
+
+
+def test_a_new_cluster_or_one_back_from_nothing_joined_and_a_grown_one_improved() -> None:
+    before = {"a": 16, "b": 0, "c": 8, "d": 8}
+    after = {"a": 16, "b": 8, "c": 9, "d": 12, "e": 4, "f": 0}
+    assert cluster_triggers(before, after) == {
+        "b": "cluster_joined",
+        "d": "cluster_improved",
+        "e": "cluster_joined",
+    }
+    # Shrinking, or vanishing, is no trigger here (failures have their own).
+    assert cluster_triggers(after, before) == {}
+
+
+def test_the_improvement_share_is_a_setting_and_one_gpu_at_least() -> None:
+    assert cluster_triggers({"a": 2}, {"a": 3}, improve_share=0.0) == {"a": "cluster_improved"}
+    assert cluster_triggers({"a": 2}, {"a": 2}, improve_share=0.0) == {}
+    with pytest.raises(ValueError, match="improve_share"):
+        cluster_triggers({}, {}, improve_share=-1)
+
+
+def test_a_change_concerns_the_jobs_with_no_part_on_that_cluster() -> None:
+    assert not_on({"x": ["a"], "y": ["b", "a"], "z": ["c"]}, "a") == ["z"]
+
+
+def _running(step_s: float) -> RunningJobState:
+    return RunningJobState(
+        job_id="j",
+        job_class="training",
+        cluster="a",
+        region="r-a",
+        steps=10_000,
+        steps_done=100.0,
+        step_s=step_s,
+        checkpoint_every_steps=100,
+        checkpoint_bytes=1e9,
+    )
+
+
+def test_a_move_elsewhere_than_the_joined_cluster_becomes_a_stay_with_its_numbers() -> None:
+    verdict = decide(_running(2.0), Candidate("c", "r-c", 1.0), PATH, now_s=0.0, trigger="cluster_joined")
+    assert verdict.move
+    kept = toward(verdict, "b")
+    assert not kept.move and kept.gain_s == verdict.gain_s and kept.threshold_s == verdict.threshold_s
+    assert kept.reason.startswith("stays: the framework's choice now is c, not b; gain")
+    assert toward(verdict, "c") is verdict
+
+
+def test_backflow_moves_only_when_the_gain_beats_cost_and_margin() -> None:
+    gains = decide(_running(2.0), Candidate("b", "r-b", 1.0), PATH, now_s=0.0, trigger="cluster_joined")
+    small = decide(_running(1.01), Candidate("b", "r-b", 1.0), PATH, now_s=0.0, trigger="cluster_joined")
+    assert gains.move and gains.gain_s > gains.threshold_s
+    assert not small.move and small.gain_s < small.threshold_s
+    # Inside the cool-down a job that just failed over (or drained off) does not flow back yet.
+    cooled = replace(_running(2.0), moves=1, last_moved_s=-10.0)
+    moved = decide(cooled, Candidate("b", "r-b", 1.0), PATH, now_s=0.0, trigger="cluster_joined")
+    assert not moved.move and "cool-down" in moved.reason
