@@ -220,7 +220,9 @@ class LocalSlurmCluster:
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
             "MailProg=/bin/true",
-            "JobCompType=jobcomp/none",
+            # Accounting without slurmdbd: every ended job's record in a file, for `sacct -c`.
+            "JobCompType=jobcomp/filetxt",
+            f"JobCompLoc={self.root / 'log' / 'jobcomp.txt'}",
             "SlurmdParameters=config_overrides",
             "ReturnToService=2",
             "SchedulerType=sched/builtin",
