@@ -1,4 +1,5 @@
-"""The console's stylesheet and script, served from memory (written here: nothing vendored).
+"""The console's stylesheet and script, served from memory (written here; the only vendored asset
+is the map's land outline, :mod:`loom_services.console.land`, with its licence).
 
 The script follows the page's event stream (``body[data-events]``, server-sent events) and
 updates rows of the jobs table and the job page in place; ``data-history`` on each job keeps
@@ -20,6 +21,7 @@ td,th{padding:.25em .7em;border-bottom:1px solid #e3e6eb;text-align:left}
 .state.running{color:#3b7dd8}.state.completed{color:#2ca02c}.state.failed,.state.rejected{color:#d62728}
 .state.queued,.state.placed{color:#8a6d00}.bad{color:#d62728}.error{color:#d62728;font-weight:600}
 svg.map{width:100%;max-width:1000px;background:#fff}.sea{fill:#eef3fa}.grid{stroke:#d5deeb;stroke-width:.5}
+.land{fill:#e2e6dc;stroke:#b7bfae;stroke-width:.6;stroke-linejoin:round}
 .link{stroke-width:2.5;opacity:.85}.region circle{fill:#1d2433}.region text{font-size:12px;fill:#1d2433}
 dl{display:grid;grid-template-columns:8em 1fr;gap:.2em 1em}dt{color:#66708a}
 #timeline time{color:#66708a;font-variant-numeric:tabular-nums}.filters{margin-bottom:.6em}

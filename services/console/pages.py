@@ -23,6 +23,7 @@ from loom.store.console import UsageTotal
 from loom_proto.alerts import IncidentChange
 from loom_proto.jobs import TERMINAL_STATES
 from loom_services.console.geo import Placed
+from loom_services.console.land import LAND_PATH
 
 STATES = ("waiting", "queued", "placed", "running", "completed", "failed", "rejected", "cancelled")
 
@@ -160,6 +161,7 @@ def map_page(
     parts = [
         '<svg class=map viewBox="0 0 1000 500" role=img aria-label="regions and links">',
         "<rect width=1000 height=500 class=sea />",
+        f'<path class=land d="{LAND_PATH}" />',  # Natural Earth 1:110m (public domain)
     ]
     for lon in range(-150, 180, 30):
         x = (lon + 180) / 360 * 1000

@@ -132,6 +132,7 @@ def test_each_page_renders_against_the_real_stack(operator_url: str, page: Any) 
     assert page.locator("[data-role=operator]").count() == 1
     page.wait_for_function("document.querySelectorAll('svg.map g.region').length === 3")
     assert page.locator("svg.map line.link").count() == 3  # the small topology's three region pairs
+    assert page.locator("svg.map path.land").count() == 1  # coastlines under them (Natural Earth)
     shot(page, "map")
 
     page.click("text=Resources")
@@ -330,8 +331,8 @@ def test_an_incident_opens_with_the_jobs_it_hits_and_the_operator_acknowledges_i
     try:
         page.goto(operator_url)
         page.goto(f"{base}/jobs/{job_id}")
-        page.wait_for_function("document.querySelector('#job [data-field=state]').textContent === 'running'")
-        cluster = page.inner_text("#job [data-field=cluster]")
+        page.wait_for_function("document.querySelector('#job [data-field=cluster]').textContent !== '-'")
+        cluster = page.inner_text("#job [data-field=cluster]")  # placed there (the page follows it live)
         page.wait_for_timeout(2_500)  # the correlator's snapshot of placements refreshes every 2 s
         raise_cluster_alert(home, cluster)
 
