@@ -195,6 +195,20 @@ async def test_a_checkpoint_request_reaches_the_job_and_preemption_reaches_scanc
     assert requeued and requeued[0]["cause"] == "preempted"
 
 
+async def test_a_cancel_reaches_scancel(
+    client: LoomClient,
+    slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
+) -> None:
+    sea = slurm_clusters["c-sea1-a"]
+    await client.submit(spec("slurm-cancel", "V100M16", 2, 1200))  # 60 s: cancelled long before
+    await until(job_state(client, "slurm-cancel", "running"), 45, "slurm-cancel running")
+    await in_slurm(sea, "loom-slurm-cancel-1", "RUNNING")
+    assert await client.cancel("slurm-cancel", wait_s=10) == "cancelled"
+    await in_slurm(sea, "loom-slurm-cancel-1", "CANCELLED")
+    job = await client.job("slurm-cancel")
+    assert job is not None and job["state"] == "cancelled" and events(job, "completed") == []
+
+
 def _fields(job: JobSpec) -> dict[str, Any]:
     return {f: getattr(job, f) for f in JobSpec.__struct_fields__}
 
