@@ -529,6 +529,13 @@ def test_loom_submit_says_what_became_of_each_job(home: Path, tmp_path: Path) ->
     refused = _loom(home, "submit", str(path), "--wait", "--timeout", "30")
     assert refused.returncode == 1, refused.stdout + refused.stderr
     assert "rejected" in refused.stderr and "cycle" in refused.stderr
+    # `loom jobs` used to cut reasons at 80 characters, mid-word: this one's last word went.
+    listed = _loom(home, "jobs", "--state", "rejected", "--limit", "500", "--json")
+    rows = json.loads(listed.stdout)
+    reason = next(r["reason"] for r in rows if r["job_id"] == cyclic["job_id"])
+    assert reason.rstrip().endswith("dependencies") and len(reason.rstrip()) > 80, reason
+    table = _loom(home, "jobs", "--state", "rejected", "--limit", "500").stdout
+    assert "dependencies" in table, table
 
 
 def test_loom_submit_wait_shows_progress_while_the_job_runs(home: Path, tmp_path: Path) -> None:
