@@ -415,10 +415,11 @@ async def test_a_part_slurm_leaves_pending_for_a_reason_of_its_own_is_cancelled_
 ) -> None:
     # The partition is DOWN behind Loom's back: the nodes look idle, sbatch takes the part, and
     # Slurm leaves it pending ("PartitionDown") for good. The agent must not wait on it.
-    weu = slurm_clusters["c-weu-a"]
-    await asyncio.to_thread(slurm, weu, "scontrol", "update", "PartitionName=gpu", "State=DOWN")
+    # On c-sea1-a's V100M16 node (4 GPUs; earlier tests leave at most one of them busy).
+    sea = slurm_clusters["c-sea1-a"]
+    await asyncio.to_thread(slurm, sea, "scontrol", "update", "PartitionName=gpu", "State=DOWN")
     try:
-        await client.submit(spec("slurm-stuck", "P100", 1, 4))
+        await client.submit(spec("slurm-stuck", "V100M16", 1, 4))
 
         async def failed() -> list[dict[str, Any]]:
             job = await client.job("slurm-stuck")
@@ -427,10 +428,10 @@ async def test_a_part_slurm_leaves_pending_for_a_reason_of_its_own_is_cancelled_
         failure = (await until(failed, 30, "the part Slurm will not run to be reported failed"))[0]
         assert failure["attempt"] == 1 and failure["retryable"] is True
         assert "refused" in failure["reason"] and "PartitionDown" in failure["reason"]
-        await in_slurm(weu, "loom-slurm-stuck-1", "CANCELLED")  # the agent took it out of Slurm's queue
+        await in_slurm(sea, "loom-slurm-stuck-1", "CANCELLED")  # the agent took it out of Slurm's queue
         job = await client.job("slurm-stuck")
         assert job is not None and events(job, "started") == []  # never "running" in Loom
     finally:
         with contextlib.suppress(Exception):  # not placed again once the partition is back
             await client.cancel("slurm-stuck", wait_s=5)
-        await asyncio.to_thread(slurm, weu, "scontrol", "update", "PartitionName=gpu", "State=UP")
+        await asyncio.to_thread(slurm, sea, "scontrol", "update", "PartitionName=gpu", "State=UP")
