@@ -340,6 +340,27 @@ async def test_slurm_refuses_a_part_it_cannot_run_and_loom_gets_its_reason(
     )
     with pytest.raises(LaunchRefused, match="node configuration is not available"):
         await backend.launch(part)
+    # Over a partition limit (at most one node per job, set behind Loom's back): Slurm takes the
+    # two-node part and leaves it pending; refused with Slurm's reason at the first look.
+    await asyncio.to_thread(slurm, weu, "scontrol", "update", "PartitionName=gpu", "MaxNodes=1")
+    try:
+        wide = dataclasses.replace(
+            part,
+            key="slurm-wide:1",
+            job_id="slurm-wide",
+            allocations=((P100_NODE, 1), ("openb-node-0243", 1)),
+        )
+        wide_ref = await backend.launch(wide)
+
+        async def judged() -> PartStatus | None:
+            status = await backend.poll(wide_ref, wide.key)
+            return status if status.phase is not Phase.PENDING else None
+
+        over = await until(judged, 10, "Slurm's verdict on the part over the partition limit")
+        assert over.phase is Phase.REFUSED and "PartitionConfig" in over.reason  # Slurm 22.05's word for it
+        await backend.stop(wide_ref)
+    finally:
+        await asyncio.to_thread(slurm, weu, "scontrol", "update", "PartitionName=gpu", "MaxNodes=UNLIMITED")
     # Slurm takes a part for a node drained behind Loom's back, but leaves it pending: refused
     # with Slurm's reason at the first look, and cancelled by the agent (here: by hand).
     t4 = "openb-node-0243"
