@@ -3,7 +3,8 @@
 Input: ``land-110m.json`` of the npm package ``world-atlas`` 2.0.2 (Natural Earth 4.1.0 land,
 1:110m, as TopoJSON; ``npm pack world-atlas@2.0.2``). Output: one SVG path in the map's
 equirectangular 1000 x 500 frame, rounded to whole units, points that round to the previous one
-dropped. Natural Earth is in the public domain; world-atlas is ISC-licensed (both texts in
+dropped, rings across the antimeridian made continuous and drawn at both edges. Natural Earth is
+in the public domain; world-atlas is ISC-licensed (both texts in
 ``services/console/LICENSE-land.txt``).
 
 Usage: ``python tools/console_land.py package/land-110m.json``
@@ -48,10 +49,31 @@ def rings(topology: dict[str, Any]) -> list[list[tuple[float, float]]]:
     return found
 
 
+def unwrapped(ring: list[tuple[float, float]]) -> list[list[tuple[float, float]]]:
+    """A ring that crosses the antimeridian (Chukotka, Fiji) made continuous (longitudes past
+    ±180), plus a copy shifted by 360° so the part past the map's edge shows at the other edge
+    (the SVG clips both to the frame). Drawn as it is, such a ring's jump from +180 to -180 would
+    be a line across the whole map."""
+    points = [ring[0]]
+    for raw, lat in ring[1:]:
+        lon, previous = raw, points[-1][0]
+        while lon - previous > 180.0:
+            lon -= 360.0
+        while lon - previous < -180.0:
+            lon += 360.0
+        points.append((lon, lat))
+    copies = [points]
+    if min(lon for lon, _ in points) < -180.0:
+        copies.append([(lon + 360.0, lat) for lon, lat in points])
+    if max(lon for lon, _ in points) > 180.0:
+        copies.append([(lon - 360.0, lat) for lon, lat in points])
+    return copies
+
+
 def path(topology: dict[str, Any]) -> str:
     """The land as one SVG path in the map's frame."""
     parts = []
-    for ring in rings(topology):
+    for ring in (copy for found in rings(topology) for copy in unwrapped(found)):
         xy: list[tuple[int, int]] = []
         for lon, lat in ring:
             p = (round((lon + 180.0) / 360.0 * WIDTH), round((90.0 - lat) / 180.0 * HEIGHT))

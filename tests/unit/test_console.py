@@ -308,6 +308,15 @@ def test_the_world_map_draws_the_land_under_the_regions_in_the_same_projection()
     html = pages.map_page(Access("operator"), regions, placed, {"regions": {}}, [], links_measured=False)
     assert html.count("<path class=land d=") == 1 and LAND_PATH in html
     assert len(_land_rings()) > 100  # continents and islands, not a placeholder
+    # No edge runs across the map: rings over the antimeridian (Chukotka, Fiji) are drawn at both
+    # edges instead of jumping from one to the other (only Antarctica's southern edge spans it).
+    across = [
+        (a, b)
+        for ring in _land_rings()
+        for a, b in zip(ring, ring[1:] + ring[:1], strict=True)
+        if abs(a[0] - b[0]) > 500
+    ]
+    assert all(a[1] > 480 and b[1] > 480 for a, b in across), across[:3]
     for rid, _ in regions:  # Frankfurt, Ohio and Singapore are on land where the map puts them
         assert _on_land(placed[rid].x, placed[rid].y), rid
     for lat, lon in ((30.0, -40.0), (-30.0, 80.0), (0.0, -150.0)):  # mid-Atlantic, Indian, Pacific
