@@ -27,11 +27,14 @@ its steps and checkpoints in a progress file (see the script) that :meth:`SlurmB
 :class:`~loom_services.cluster_agent.backend.Phase`: PENDING/CONFIGURING/REQUEUED → pending,
 RUNNING/COMPLETING/SUSPENDED → running, COMPLETED → completed, FAILED/OUT_OF_MEMORY → failed with
 the exit code, CANCELLED/TIMEOUT/PREEMPTED/DEADLINE/BOOT_FAIL → cancelled, NODE_FAIL → node fail;
-a job Slurm no longer knows → vanished. A part pending for a reason Slurm will not get over by
-itself (``REFUSING_REASONS``: a down or drained node, a partition limit, bad GRES...) is refused at
-once; one pending for any other reason longer than ``pending_timeout_s`` is refused with Slurm's
-reason. The agent stops (``scancel``) and reports every refused, vanished or misplaced part, so no
-part stays "running" in Loom that does not run in Slurm.
+a job the controller no longer remembers (``MinJobAge`` after its end, or state lost) is looked
+up in accounting (:meth:`SlurmBackend.accounted`: ``sacct`` with slurmdbd, else ``sacct -c``, the
+job completion log of ``JobCompType=jobcomp/filetxt``) for its final state and exit code, and is
+vanished only when accounting does not know how it ended either. A part pending for a reason
+Slurm will not get over by itself (``REFUSING_REASONS``: a down or drained node, a partition
+limit, bad GRES...) is refused at once; one pending for any other reason longer than
+``pending_timeout_s`` is refused with Slurm's reason. The agent stops (``scancel``) and reports
+every refused, vanished or misplaced part, so no part stays "running" in Loom that does not run in Slurm.
 
 Errors of the commands are mapped once, here: the messages Slurm's client library prints when
 the controller cannot be reached (``UNREACHABLE_MARKERS``) raise
@@ -44,7 +47,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -171,6 +174,14 @@ def alloc_gpus(tres: str) -> int:
 def job_phase(state: str) -> Phase:
     """Loom's phase of a Slurm job state (``CANCELLED by 0`` reads as CANCELLED)."""
     return _PHASES.get(state.split(maxsplit=1)[0].split("+", maxsplit=1)[0] if state else "", Phase.FAILED)
+
+
+def exit_status(field: str) -> tuple[int | None, str]:
+    """A Slurm ``ExitCode`` (``code:signal``): the non-zero exit code (else None) and, when a
+    signal ended it, ``killed by signal N`` (else empty)."""
+    code, _, sig = field.partition(":")
+    exit_code = int(code) if code.isdigit() and int(code) != 0 else None
+    return exit_code, f"killed by signal {sig}" if sig.isdigit() and int(sig) else ""
 
 
 def read_progress(path: Path) -> tuple[int | None, tuple[tuple[int, str], ...]]:
@@ -515,22 +526,56 @@ class SlurmBackend:
         if rc != 0:
             log.info("checkpoint signal refused", ref=ref, error=err)
 
+    async def accounted(self, ref: str, key: str) -> PartStatus | None:
+        """How a part the controller no longer remembers ended, from Slurm's accounting: ``sacct``
+        (slurmdbd) or, where that is disabled, ``sacct -c`` (the job completion log). None when
+        neither has an ended record of that job under the part's name."""
+        fields = ("-X", "-n", "-P", "-j", ref, "-o", "JobID,JobName,State,ExitCode,NodeList")
+        for source in ((), ("-c",)):
+            rc, out, _ = await self._command("sacct", *source, *fields)
+            if rc != 0:
+                continue  # "Slurm accounting storage is disabled": try the completion log
+            records = [line.split("|") for line in out.splitlines() if line.count("|") == 4]
+            mine = [r for r in records if r[0] == ref and r[1] == job_name(key)]
+            if not mine:
+                continue
+            _, _, state, exit_field, nodelist = mine[-1]
+            phase = job_phase(state)
+            if not phase.terminal:
+                return None  # accounting thinks it runs, the controller does not know it: gone
+            exit_code, killed = exit_status(exit_field)
+            reason = f"{state} (from Slurm accounting{'' if not source else ': job completion log'})"
+            return PartStatus(
+                phase=phase,
+                nodes=tuple(expand_hostlist(nodelist)),
+                reason=f"{killed}, {reason}" if phase is Phase.FAILED and killed else reason,
+                exit_code=exit_code,
+            )
+        return None
+
     async def poll(self, ref: str, key: str) -> PartStatus:
-        """The part's phase from ``scontrol show job``, its progress from its progress file."""
+        """The part's phase from ``scontrol show job`` (from accounting once the controller has
+        forgotten it), its progress from its progress file."""
         rc, out, err = await self._command("scontrol", "-o", "show", "job", ref)
         step, checkpoints = read_progress(self.part_dir(key) / "progress")
         if rc != 0 or not out.strip():
             if "Invalid job id" in err:
-                return PartStatus(phase=Phase.VANISHED, reason=f"Slurm job {ref} is gone", step=step)
+                ended = await self.accounted(ref, key)
+                if ended is not None:
+                    return replace(ended, step=step, checkpoints=checkpoints)
+                return PartStatus(
+                    phase=Phase.VANISHED,
+                    reason=f"Slurm job {ref} is gone (and not in Slurm's accounting)",
+                    step=step,
+                )
             raise BackendUnavailable(f"scontrol show job {ref}: {err[:500]}")
         rec = parse_record(out.splitlines()[0])
         phase = job_phase(rec.get("JobState", ""))
         nodes = tuple(expand_hostlist(rec.get("NodeList", "")))
         reason = rec.get("Reason", "None")
-        code, _, sig = rec.get("ExitCode", "0:0").partition(":")
-        exit_code = int(code) if code.isdigit() and int(code) != 0 else None
-        if phase is Phase.FAILED and exit_code is None and sig.isdigit() and int(sig):
-            reason = f"killed by signal {sig}"
+        exit_code, killed = exit_status(rec.get("ExitCode", "0:0"))
+        if phase is Phase.FAILED and exit_code is None and killed:
+            reason = killed
         if phase is Phase.PENDING:
             since = self._pending_since.setdefault(ref, time.monotonic())
             waited_s = time.monotonic() - since

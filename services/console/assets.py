@@ -1,8 +1,11 @@
-"""The console's stylesheet and script, served from memory (written here: nothing vendored).
+"""The console's stylesheet and script, served from memory (written here; the only vendored asset
+is the map's land outline, :mod:`loom_services.console.land`, with its licence).
 
 The script follows the page's event stream (``body[data-events]``, server-sent events) and
 updates rows of the jobs table and the job page in place; ``data-history`` on each job keeps
-the states the page has shown, in order (what the browser tests read).
+the states the page has shown, in order (what the browser tests read). On a job page that
+follows its job live, the operator's cancel is confirmed and sent from the page itself (a POST
+with ``live=1``, answered at once), and the ``cancelled`` event shows the outcome in place.
 """
 
 CSS = b"""
@@ -18,6 +21,7 @@ td,th{padding:.25em .7em;border-bottom:1px solid #e3e6eb;text-align:left}
 .state.running{color:#3b7dd8}.state.completed{color:#2ca02c}.state.failed,.state.rejected{color:#d62728}
 .state.queued,.state.placed{color:#8a6d00}.bad{color:#d62728}.error{color:#d62728;font-weight:600}
 svg.map{width:100%;max-width:1000px;background:#fff}.sea{fill:#eef3fa}.grid{stroke:#d5deeb;stroke-width:.5}
+.land{fill:#e2e6dc;stroke:#b7bfae;stroke-width:.6;stroke-linejoin:round}
 .link{stroke-width:2.5;opacity:.85}.region circle{fill:#1d2433}.region text{font-size:12px;fill:#1d2433}
 dl{display:grid;grid-template-columns:8em 1fr;gap:.2em 1em}dt{color:#66708a}
 #timeline time{color:#66708a;font-variant-numeric:tabular-nums}.filters{margin-bottom:.6em}
@@ -36,6 +40,7 @@ JS = b"""
   var STATE_OF = {submitted: "queued", requeued: "queued", placed: "placed", started: "running",
     progress: "running", checkpointed: "running", resized: "running", completed: "completed",
     failed: "failed", rejected: "rejected", cancelled: "cancelled"};
+  var FINAL = ["completed", "rejected", "cancelled"];
   var live = window.loomConsole = {events: 0, connected: false};
   var src = document.body.dataset.events;
   if (!src || !window.EventSource) return;
@@ -49,6 +54,10 @@ JS = b"""
   function apply(holder, ev) {
     var state = STATE_OF[ev.kind];
     if (!state) return;
+    var seen = (holder.dataset.history || "").split(" ");
+    // A job that completed, was rejected or cancelled stays so: the run stopped by a cancel is
+    // still reported (failed) after it. A failure is not final (a retry requeues the job).
+    if (FINAL.indexOf(seen[seen.length - 1]) >= 0) return;
     var cell = holder.querySelector("[data-field=state]");
     if (cell) { cell.textContent = state; cell.className = "state " + state; }
     if (ev.cluster) text(holder.querySelector("[data-field=cluster]"), ev.cluster);
@@ -57,6 +66,21 @@ JS = b"""
     if (state === "completed") text(holder.querySelector("[data-field=progress]"), "100%");
     if (ev.reason) text(holder.querySelector("[data-field=reason]"), ev.reason);
     remember(holder, state);
+    if (holder.id === "job" && FINAL.indexOf(state) >= 0) {
+      var button = document.querySelector("a[data-action=cancel]");
+      if (button) button.parentNode.remove();  // nothing left to cancel
+    }
+  }
+  function say(message, ok) {
+    var p = document.querySelector("p.notice");
+    if (!p) {
+      p = document.createElement("p");
+      var h1 = document.querySelector("main h1");
+      h1.parentNode.insertBefore(p, h1.nextSibling);
+    }
+    p.className = ok ? "notice" : "notice error";
+    p.setAttribute("role", "status");
+    p.textContent = message;
   }
   function newRow(table, ev) {
     var wantState = table.dataset.filterState, wantTenant = table.dataset.filterTenant;
@@ -110,6 +134,21 @@ JS = b"""
     });
     if (!row && ev.kind === "submitted") row = newRow(table, ev);
     if (row) apply(row, ev);
+  });
+
+  // The operator's cancel on a job page that follows its job: confirmed and sent from the page,
+  // whose event stream then shows the job cancelled (without it: the confirmation page).
+  var cancel = document.querySelector("a[data-action=cancel][data-form-key]");
+  if (cancel) cancel.addEventListener("click", function (e) {
+    if (!live.connected) return;
+    e.preventDefault();
+    if (!window.confirm(cancel.dataset.confirm)) return;
+    var body = new URLSearchParams();
+    body.set("form_key", cancel.dataset.formKey);
+    body.set("live", "1");
+    fetch(cancel.href, {method: "POST", body: body, credentials: "same-origin"})
+      .then(function (r) { return r.json().then(function (a) { say(a.message, r.ok); }); })
+      .catch(function () { say("The cancel could not be sent: try again.", false); });
   });
 })();
 """

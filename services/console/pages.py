@@ -23,6 +23,7 @@ from loom.store.console import UsageTotal
 from loom_proto.alerts import IncidentChange
 from loom_proto.jobs import TERMINAL_STATES
 from loom_services.console.geo import Placed
+from loom_services.console.land import LAND_PATH
 
 STATES = ("waiting", "queued", "placed", "running", "completed", "failed", "rejected", "cancelled")
 
@@ -88,6 +89,7 @@ FORM_STALE = "This form is stale or did not come from this console: reload the p
 NOTICES = {
     "cancel": "Cancelled: placement took the job off the queue or stopped it, and freed its GPUs.",
     "cancel-pending": "Cancel requested: placement has not recorded it yet; this page shows it when it does.",
+    "cancel-live": "Cancel requested: this page shows the job cancelled as soon as placement records it.",
     "drain": "Draining: the cluster takes no new work; its jobs move elsewhere at checkpoint boundaries.",
     "undrain": "Open again: the cluster takes new work.",
     "ack": "Acknowledged.",
@@ -159,6 +161,7 @@ def map_page(
     parts = [
         '<svg class=map viewBox="0 0 1000 500" role=img aria-label="regions and links">',
         "<rect width=1000 height=500 class=sea />",
+        f'<path class=land d="{LAND_PATH}" />',  # Natural Earth 1:110m (public domain)
     ]
     for lon in range(-150, 180, 30):
         x = (lon + 180) / 360 * 1000
@@ -452,9 +455,12 @@ def job_page(
     *,
     trace_url: str | None,
     notice: str | None = None,
+    form_key: str = "",
 ) -> str:
     """One job: state (live), timeline (live), migrations, placement explanation per attempt,
-    trace link; the operator's cancel while it has not ended."""
+    trace link; the operator's cancel while it has not ended: a link to the confirmation page,
+    which the page's script turns into an in-page confirmation and request (``form_key``) whose
+    outcome, the ``cancelled`` event, arrives live on this page."""
     jid = str(job["job_id"])
     state = str(job["state"])
     facts = (
@@ -476,8 +482,10 @@ def job_page(
     )
     actions = ""
     if access.is_operator and state not in TERMINAL_STATES:
+        question = f"Cancel {jid}? A running job is stopped and its GPUs freed. It cannot be undone."
         actions = (
-            f'<p><a class=button data-action=cancel href="/jobs/{quote(jid)}/cancel">Cancel job…</a></p>'
+            f'<p><a class=button data-action=cancel href="/jobs/{quote(jid)}/cancel"'
+            f' data-form-key="{esc(form_key)}" data-confirm="{esc(question)}">Cancel job…</a></p>'
         )
     timeline = (
         "<h2>Timeline</h2><ol id=timeline>" + "".join(_event_line(e) for e in job.get("events", [])) + "</ol>"

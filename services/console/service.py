@@ -247,6 +247,8 @@ class Console:
         if not self.form_is_ours(request):
             return _page(403, pages.error_page(403, pages.FORM_STALE, access))
         if len(parts) == 3 and parts[0] == "jobs" and parts[2] == "cancel" and _is_id(parts[1]):
+            if request.form.get("live") == "1":
+                return await self.cancel_live(access, parts[1])
             return await self.cancel(access, parts[1])
         if len(parts) == 3 and parts[0] == "clusters" and parts[2] in ("drain", "undrain"):
             return await self.drain(request, access, parts[1], undrain=parts[2] == "undrain")
@@ -275,6 +277,19 @@ class Console:
         if state != "cancelled":
             return _page(409, pages.error_page(409, f"{job_id} ended ({state}) before the cancel", access))
         return _see_other(f"/jobs/{quote(job_id)}?done=cancel")
+
+    async def cancel_live(self, access: Access, job_id: str) -> Response:
+        """A cancel asked by the job page's script: publish it and answer at once (202, JSON);
+        the page follows the job's events and shows it cancelled when placement records it."""
+        job = await repo.get_job(self.ctx.db, job_id)
+        if job is None or job["state"] in TERMINAL_STATES:
+            message = f"no job {job_id!r}" if job is None else f"{job_id} had already ended ({job['state']})"
+            return _json(404 if job is None else 409, {"job_id": job_id, "message": message})
+        try:
+            state = await self.client.cancel(job_id, reason="cancelled from the console", wait_s=0.0)
+        except QueryError:  # published; not recorded yet (no wait): the event stream brings it
+            state = str(job["state"])
+        return _json(202, {"job_id": job_id, "state": state, "message": pages.NOTICES["cancel-live"]})
 
     def cluster_path(self, cluster: str) -> str | None:
         """The resources page of a cluster of the topology."""
@@ -460,6 +475,7 @@ class Console:
                 explanation,
                 trace_url=trace_url,
                 notice=pages.notice_of(request.query.get("done")),
+                form_key=self.form_key(request) if access.is_operator else "",
             ),
         )
 
@@ -538,6 +554,12 @@ class Console:
 
 def _page(status: int, body: str) -> Response:
     return Response(status=status, body=body.encode())
+
+
+def _json(status: int, body: Mapping[str, Any]) -> Response:
+    return Response(
+        status=status, body=json.dumps(body).encode(), content_type="application/json; charset=utf-8"
+    )
 
 
 def _see_other(location: str) -> Response:

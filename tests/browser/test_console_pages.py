@@ -5,13 +5,16 @@ test`` installs it). Without it these tests fail: they never skip. One stack and
 serve the module; screenshots of the main pages go to ``artefacts/console/`` for review.
 """
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +132,7 @@ def test_each_page_renders_against_the_real_stack(operator_url: str, page: Any) 
     assert page.locator("[data-role=operator]").count() == 1
     page.wait_for_function("document.querySelectorAll('svg.map g.region').length === 3")
     assert page.locator("svg.map line.link").count() == 3  # the small topology's three region pairs
+    assert page.locator("svg.map path.land").count() == 1  # coastlines under them (Natural Earth)
     shot(page, "map")
 
     page.click("text=Resources")
@@ -236,15 +240,33 @@ def test_the_operator_cancels_a_running_job_from_its_page(
     page.goto(f"{base}/jobs/{job_id}")
     page.wait_for_function("document.body.dataset.live === 'on'")
     page.wait_for_function("document.querySelector('#job [data-field=state]').textContent === 'running'")
+    page.evaluate("window.__samePage = 'yes'")
+    questions: list[str] = []
+
+    def confirm(dialog: Any) -> None:
+        questions.append(dialog.message)
+        dialog.accept()
+
+    page.once("dialog", confirm)
     page.click("a[data-action=cancel]")
+    # The page itself confirms and sends the cancel; the cancelled event arrives on it live.
+    page.wait_for_selector("#timeline li[data-kind=cancelled]")
+    assert questions and "cannot be undone" in questions[0]
+    assert page.inner_text("#job [data-field=state]") == "cancelled"
+    assert page.get_attribute("#job", "data-history") == "running cancelled"
+    assert "Cancel requested" in page.inner_text("p.notice")
+    assert page.locator("a[data-action=cancel]").count() == 0  # nothing left to cancel
+    assert page.url.endswith(f"/jobs/{job_id}")  # not reloaded, not redirected
+    assert page.evaluate("window.__samePage") == "yes"
+    assert page.evaluate("performance.getEntriesByType('navigation').length") == 1
+    shot(page, "job-cancelled")
+    # Without the page's script, the confirmation page does the same (and says so on return).
+    [other] = submit(home, "acme", steps=1_000_000)
+    page.goto(f"{base}/jobs/{other}/cancel")
     assert "cannot be undone" in page.inner_text("main")
     page.click("button.danger")
     page.wait_for_selector("#timeline li[data-kind=cancelled]")
-    assert page.url.endswith(f"/jobs/{job_id}?done=cancel")
-    assert page.inner_text("#job [data-field=state]") == "cancelled"
-    assert "Cancelled" in page.inner_text("p.notice")
-    assert page.locator("a[data-action=cancel]").count() == 0  # nothing left to cancel
-    shot(page, "job-cancelled")
+    assert page.url.endswith(f"/jobs/{other}?done=cancel") or page.url.endswith("done=cancel-pending")
 
 
 def test_usage_shows_metered_jobs_with_a_chart_and_a_tenant_its_own_only(
@@ -270,3 +292,75 @@ def test_usage_shows_metered_jobs_with_a_chart_and_a_tenant_its_own_only(
     page.goto(f"{base}/incidents")
     assert page.locator("table.incidents").count() == 1
     shot(page, "usage-tenant")
+
+
+def raise_cluster_alert(home: Path, cluster: str) -> str:
+    """A monitoring source says the cluster is down (a raw alert on the stack's bus, as any
+    source sends it); the alert's id."""
+    from loom.bus import Publisher, connect
+    from loom_proto import subjects
+    from loom_proto.alerts import Alert
+
+    state = stack.read_state(home)
+    assert state is not None
+    alert = Alert(
+        alert_id=f"browser-{uuid.uuid4().hex[:8]}",
+        source="prometheus",
+        severity="critical",
+        summary=f"{cluster} API unreachable",
+        cluster=cluster,
+        at=time.time(),
+    )
+
+    async def send() -> None:
+        nc = await connect(state["nats_url"], "browser-test-alerts")
+        try:
+            await Publisher(nc).publish(subjects.alert_raw("prometheus"), alert, msg_id=alert.alert_id)
+        finally:
+            await nc.drain()
+
+    with ThreadPoolExecutor(1) as pool:  # Playwright's sync API holds this thread's event loop
+        pool.submit(asyncio.run, send()).result(timeout=30)
+    return alert.alert_id
+
+
+def test_an_incident_opens_with_the_jobs_it_hits_and_the_operator_acknowledges_it(
+    home: Path, operator_url: str, base: str, page: Any
+) -> None:
+    [job_id] = submit(home, "acme", steps=1_000_000)  # runs until cancelled below
+    try:
+        page.goto(operator_url)
+        page.goto(f"{base}/jobs/{job_id}")
+        page.wait_for_function("document.querySelector('#job [data-field=cluster]').textContent !== '-'")
+        cluster = page.inner_text("#job [data-field=cluster]")  # placed there (the page follows it live)
+        page.wait_for_timeout(2_500)  # the correlator's snapshot of placements refreshes every 2 s
+        raise_cluster_alert(home, cluster)
+
+        row = f"table.incidents tr[data-incident]:has-text('cluster {cluster}')"
+        for _ in range(40):  # grouped, correlated and stored within a second or two
+            page.goto(f"{base}/incidents")
+            if page.locator(row).count():
+                break
+            page.wait_for_timeout(500)
+        assert page.locator(row).count() == 1
+        assert "open" in page.inner_text(f"{row} td.inc")
+        page.click(f"{row} a")
+        page.wait_for_selector("#incident")
+        assert page.inner_text("#incident dd.root") == f"cluster {cluster}"
+        assert "API unreachable" in page.inner_text("#incident")
+        affected = f"table.affected tr[data-job='{job_id}']"
+        assert page.locator(affected).count() == 1, page.inner_text("main")
+        assert page.inner_text(f"{affected} td >> nth=1") == "acme"
+        assert "acme" in page.inner_text("h2:has-text('Affected') + p")
+        assert page.locator("#timeline li").count() >= 1
+        shot(page, "incident")
+
+        page.click("form[action$='/ack'] button")  # the operator acknowledges it
+        page.wait_for_selector("p.notice")
+        assert "Acknowledged" in page.inner_text("p.notice")
+        assert page.inner_text("#incident dd.inc").startswith("acknowledged")
+        page.click(f"{affected} a")  # and goes from the incident to the job it hits
+        page.wait_for_selector("#job")
+        assert page.url.endswith(f"/jobs/{job_id}")
+    finally:
+        loom(home, "cancel", job_id)

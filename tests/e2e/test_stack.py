@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -529,6 +530,23 @@ def test_loom_submit_says_what_became_of_each_job(home: Path, tmp_path: Path) ->
     refused = _loom(home, "submit", str(path), "--wait", "--timeout", "30")
     assert refused.returncode == 1, refused.stdout + refused.stderr
     assert "rejected" in refused.stderr and "cycle" in refused.stderr
+    # `loom jobs` used to cut reasons at 80 characters, mid-word. A job that can never fit is
+    # rejected by placement with a long, actionable reason.
+    big = {**spec, "job_id": f"big-{uuid.uuid4().hex[:8]}", "workers": 40}
+    big["resources"] = {"gpus": 8, "gpu_models": ["G2"]}
+    path.write_text(json.dumps(big))
+    _loom(home, "submit", str(path))
+    reason = ""
+    for _ in range(30):
+        listed = _loom(home, "jobs", "--state", "rejected", "--limit", "500", "--json")
+        reason = next((r["reason"] for r in json.loads(listed.stdout) if r["job_id"] == big["job_id"]), "")
+        if reason:
+            break
+        time.sleep(0.5)
+    last = reason.split()[-1] if reason else ""
+    assert len(reason) > 80 and last not in reason[:80], reason  # the old cut lost its last word
+    table = _loom(home, "jobs", "--state", "rejected", "--limit", "500").stdout
+    assert last in table, table
 
 
 def test_loom_submit_wait_shows_progress_while_the_job_runs(home: Path, tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from waiting import until
 
 from loom.bus import Delivery, Publisher
 from loom.bus.connection import connect
-from loom.model.topology import load_topology
+from loom.model.topology import Cluster, load_topology
 from loom.runtime.servers import NatsServer
 from loom.runtime.service import ServiceContext, close_context, open_context
 from loom_proto import subjects
@@ -36,6 +36,7 @@ from loom_proto.codec import encode
 from loom_proto.jobs import JobCompleted, JobSpec, NodeAllocation, Work
 from loom_proto.subjects import ClusterCommandKind
 from loom_services.cluster_agent.agent import Agent
+from loom_services.cluster_agent.backend import PartLaunch, PartStatus, Phase
 from loom_services.cluster_agent.sim import SimCluster
 
 CLUSTER = "c-weu-a"
@@ -87,12 +88,12 @@ class Harness:
     task: asyncio.Task[None] | None = None
     ctx: ServiceContext | None = None
 
-    async def start_agent(self, agent_class: type[Agent] = Agent) -> Agent:
+    async def start_agent(self, agent_class: type[Agent] = Agent, backend: SimCluster | None = None) -> Agent:
         self.ctx = await open_context(f"agent-{CLUSTER}", nats_url=self.nats_url, database_url=None)
         cluster = load_topology("small").cluster(CLUSTER)
         self.agent = agent_class(
             self.ctx,
-            SimCluster(cluster),
+            backend or SimCluster(cluster),
             region=cluster.region,
             time_scale=TIME_SCALE,
             heartbeat_s=0.05,
@@ -641,3 +642,54 @@ async def test_a_command_consumer_whose_loop_dies_is_logged_restarted_and_shown_
 
 async def _true(value: object) -> bool:
     return bool(value)
+
+
+class Misreporting(SimCluster):
+    """A backend without a clock (as Slurm) whose parts do not run as Loom chose: what each job's
+    part looks like is scripted; what the agent stops is recorded."""
+
+    def __init__(self, cluster: Cluster, answers: dict[str, PartStatus]) -> None:
+        super().__init__(cluster)
+        self.clock = False
+        self.poll_s = 0.02
+        self.answers = answers
+        self.stopped: list[str] = []
+
+    async def launch(self, part: PartLaunch) -> str:
+        return f"ref-{part.job_id}"
+
+    async def poll(self, ref: str, key: str) -> PartStatus:
+        return self.answers[key.rpartition(":")[0]]
+
+    async def stop(self, ref: str) -> None:
+        self.stopped.append(ref)
+
+    async def running(self) -> dict[str, str]:
+        return {}
+
+
+async def test_a_part_the_backend_runs_elsewhere_or_loses_is_stopped_and_reported_failed_never_started(
+    h: Harness,
+) -> None:
+    elsewhere, gone = unique("elsewhere"), unique("gone")
+    other = "openb-node-0123"
+    backend = Misreporting(
+        load_topology("small").cluster(CLUSTER),
+        {
+            elsewhere: PartStatus(phase=Phase.RUNNING, nodes=(other,)),
+            gone: PartStatus(
+                phase=Phase.VANISHED, reason="Slurm job 7 is gone (and not in Slurm's accounting)"
+            ),
+        },
+    )
+    await h.stop_agent()
+    await h.start_agent(backend=backend)
+    for job_id in (elsewhere, gone):
+        await h.handled(await h.command(start(job_id, {BIG_T4: 1})))
+    moved = await failed(h, elsewhere)
+    assert f"ran on ['{other}'], not on ['{BIG_T4}']" in moved["reason"] and moved["retryable"] is True
+    lost = await failed(h, gone)
+    assert "vanished" in lost["reason"] and "is gone" in lost["reason"] and lost["retryable"] is True
+    assert h.seen.kinds(elsewhere) == ["failed"] and h.seen.kinds(gone) == ["failed"]  # never "running"
+    assert {f"ref-{elsewhere}", f"ref-{gone}"} <= set(backend.stopped)  # taken out of the backend too
+    await h.heartbeat_shows({BIG_T4: 0}, running=set(), absent={elsewhere, gone})

@@ -137,6 +137,7 @@ async def test_a_two_gpu_job_placed_by_loom_runs_as_a_slurm_job_on_the_node_loom
 async def test_a_job_exiting_non_zero_is_reported_failed_with_its_exit_code(
     client: LoomClient,
     slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     await client.submit(spec("slurm-exit", "V100M16", 1, 4, exit_code="3"))
     job = await until(job_state(client, "slurm-exit", "failed"), 45, "slurm-exit failed")
@@ -145,6 +146,17 @@ async def test_a_job_exiting_non_zero_is_reported_failed_with_its_exit_code(
     assert "exit code 3" in failed["reason"]
     ran = await in_slurm(slurm_clusters["c-sea1-a"], "loom-slurm-exit-1", "FAILED")
     assert ran["ExitCode"] == "3:0"
+    # Once the controller forgets it, Slurm's accounting (here the job completion log, no
+    # slurmdbd) still tells how it ended: what the backend reads for a job gone from squeue.
+    backend = slurm_backend_factory(slurm_clusters["c-sea1-a"], tmp_path)(
+        load_topology("small").cluster("c-sea1-a")
+    )
+    ended = await until(
+        lambda: backend.accounted(ran["JobId"], "slurm-exit:1"), 10, "the job's record in accounting"
+    )
+    assert (ended.phase, ended.exit_code) == (Phase.FAILED, 3)
+    assert ended.nodes == (ran["NodeList"],) and "job completion log" in ended.reason
+    assert await backend.accounted(ran["JobId"], "another-job:1") is None
 
 
 async def test_a_checkpoint_request_reaches_the_job_and_preemption_reaches_scancel(
@@ -181,6 +193,20 @@ async def test_a_checkpoint_request_reaches_the_job_and_preemption_reaches_scanc
     )
     requeued = events(job, "requeued")
     assert requeued and requeued[0]["cause"] == "preempted"
+
+
+async def test_a_cancel_reaches_scancel(
+    client: LoomClient,
+    slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
+) -> None:
+    sea = slurm_clusters["c-sea1-a"]
+    await client.submit(spec("slurm-cancel", "V100M16", 2, 1200))  # 60 s: cancelled long before
+    await until(job_state(client, "slurm-cancel", "running"), 45, "slurm-cancel running")
+    await in_slurm(sea, "loom-slurm-cancel-1", "RUNNING")
+    assert await client.cancel("slurm-cancel", wait_s=10) == "cancelled"
+    await in_slurm(sea, "loom-slurm-cancel-1", "CANCELLED")
+    job = await client.job("slurm-cancel")
+    assert job is not None and job["state"] == "cancelled" and events(job, "completed") == []
 
 
 def _fields(job: JobSpec) -> dict[str, Any]:
@@ -314,6 +340,27 @@ async def test_slurm_refuses_a_part_it_cannot_run_and_loom_gets_its_reason(
     )
     with pytest.raises(LaunchRefused, match="node configuration is not available"):
         await backend.launch(part)
+    # Over a partition limit (at most one node per job, set behind Loom's back): Slurm takes the
+    # two-node part and leaves it pending; refused with Slurm's reason at the first look.
+    await asyncio.to_thread(slurm, weu, "scontrol", "update", "PartitionName=gpu", "MaxNodes=1")
+    try:
+        wide = dataclasses.replace(
+            part,
+            key="slurm-wide:1",
+            job_id="slurm-wide",
+            allocations=((P100_NODE, 1), ("openb-node-0243", 1)),
+        )
+        wide_ref = await backend.launch(wide)
+
+        async def judged() -> PartStatus | None:
+            status = await backend.poll(wide_ref, wide.key)
+            return status if status.phase is not Phase.PENDING else None
+
+        over = await until(judged, 10, "Slurm's verdict on the part over the partition limit")
+        assert over.phase is Phase.REFUSED and "PartitionConfig" in over.reason  # Slurm 22.05's word for it
+        await backend.stop(wide_ref)
+    finally:
+        await asyncio.to_thread(slurm, weu, "scontrol", "update", "PartitionName=gpu", "MaxNodes=UNLIMITED")
     # Slurm takes a part for a node drained behind Loom's back, but leaves it pending: refused
     # with Slurm's reason at the first look, and cancelled by the agent (here: by hand).
     t4 = "openb-node-0243"
@@ -381,3 +428,31 @@ async def test_an_unreachable_slurm_makes_its_nodes_unavailable_without_crashing
         and "Unable to contact slurm controller" in problem
     )
     assert backend.report(full=True) == []
+
+
+async def test_a_part_slurm_leaves_pending_for_a_reason_of_its_own_is_cancelled_and_reported(
+    client: LoomClient,
+    slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
+) -> None:
+    # The partition is DOWN behind Loom's back: the nodes look idle, sbatch takes the part, and
+    # Slurm leaves it pending ("PartitionDown") for good. The agent must not wait on it.
+    # On c-sea1-a's V100M16 node (4 GPUs; earlier tests leave at most one of them busy).
+    sea = slurm_clusters["c-sea1-a"]
+    await asyncio.to_thread(slurm, sea, "scontrol", "update", "PartitionName=gpu", "State=DOWN")
+    try:
+        await client.submit(spec("slurm-stuck", "V100M16", 1, 4))
+
+        async def failed() -> list[dict[str, Any]]:
+            job = await client.job("slurm-stuck")
+            return events(job, "failed") if job else []
+
+        failure = (await until(failed, 30, "the part Slurm will not run to be reported failed"))[0]
+        assert failure["attempt"] == 1 and failure["retryable"] is True
+        assert "refused" in failure["reason"] and "PartitionDown" in failure["reason"]
+        await in_slurm(sea, "loom-slurm-stuck-1", "CANCELLED")  # the agent took it out of Slurm's queue
+        job = await client.job("slurm-stuck")
+        assert job is not None and events(job, "started") == []  # never "running" in Loom
+    finally:
+        with contextlib.suppress(Exception):  # not placed again once the partition is back
+            await client.cancel("slurm-stuck", wait_s=5)
+        await asyncio.to_thread(slurm, sea, "scontrol", "update", "PartitionName=gpu", "State=UP")

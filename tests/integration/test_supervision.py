@@ -1,9 +1,12 @@
-"""The supervisor owns its servers: a SIGKILLed nats-server or PostgreSQL comes back by itself.
+"""The supervisor owns its servers: a SIGKILLed nats-server, PostgreSQL, or local Slurm daemon
+(slurmctld, slurmd, munged of ``--slurm``) comes back by itself.
 
-``loom up --servers-only`` runs the real supervisor process with its two servers and no services
-(the services would only slow the start on a small machine; the server watching is the same).
+``loom up --servers-only --slurm`` runs the real supervisor process with its two servers, one
+local Slurm cluster and no services (the services would only slow the start on a small machine;
+the server watching is the same).
 """
 
+import asyncio
 import json
 import os
 import shutil
@@ -26,13 +29,18 @@ from loom.runtime import stack
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
+SLURM_CLUSTER = "c-weu-a"
+"""The cluster ``--slurm`` backs with a local Slurm here (its daemons are watched too)."""
+
+
+@pytest.fixture(scope="module")
 def home() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="loom-supervision-", dir="/tmp"))
     path.chmod(0o755)  # PostgreSQL runs as an unprivileged user when tests run as root
     saved = {k: os.environ.pop(k, None) for k in ("LOOM_NATS_URL", "LOOM_DATABASE_URL")}
     try:
-        stack.up(path, stack.StackOptions(services=False), timeout_s=90)
+        options = stack.StackOptions(services=False, topology="small", slurm_clusters=[SLURM_CLUSTER])
+        stack.up(path, options, timeout_s=90)
         yield path
     finally:
         stack.down(path)
@@ -143,3 +151,73 @@ async def test_sigkilled_servers_come_back_on_their_port_with_their_data_and_no_
         assert rows[name]["restarts"] == 1
         assert rows[name]["last_exit"] == "killed by SIGKILL"
         assert rows[name]["alive"]
+
+
+def _slurm(home: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    conf = _state(home)["slurm"][SLURM_CLUSTER]["slurm_conf"]
+    env = dict(os.environ, SLURM_CONF=conf)
+    return subprocess.run(list(argv), env=env, capture_output=True, text=True, check=False, timeout=15)
+
+
+async def _back(home: Path, name: str, old_pid: int) -> dict[str, Any] | None:
+    server = _state(home)["servers"][name]
+    if server["restarts"] == 1 and server["status"] == "up" and server["pid"] not in (None, old_pid):
+        return dict(server)
+    return None
+
+
+async def _kill_daemon(home: Path, name: str) -> dict[str, Any]:
+    before = _state(home)["servers"][name]
+    os.kill(int(before["pid"]), signal.SIGKILL)
+    after: dict[str, Any] = await until(lambda: _back(home, name, before["pid"]), 30, f"{name} back")
+    assert after["port"] == before["port"] and after["last_exit"] == "killed by SIGKILL"
+    assert _reaped(int(before["pid"])), f"the killed {name} was never reaped"
+    return after
+
+
+async def _job_state(home: Path, job: str, *states: str) -> str | None:
+    done = _slurm(home, "squeue", "-h", "-t", "all", "-j", job, "-o", "%T %N")
+    return (
+        done.stdout.strip()
+        if done.returncode == 0 and done.stdout.split()[:1] in [[s] for s in states]
+        else None
+    )
+
+
+async def test_sigkilled_slurm_daemons_come_back_and_the_running_job_goes_on_once(home: Path) -> None:
+    state = _state(home)
+    servers = state["servers"]
+    node = state["slurm"][SLURM_CLUSTER]["nodes"][0]
+    ctld, slurmd = f"slurmctld-{SLURM_CLUSTER}", f"slurmd-{SLURM_CLUSTER}-{node}"
+    assert {"munged", ctld, slurmd} <= set(servers)
+    submitted = _slurm(
+        home, "sbatch", "--parsable", f"--nodelist={node}", "--output=/dev/null", "--wrap=sleep 120"
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    await until(lambda: _job_state(home, job, "RUNNING"), 20, "the job running")
+
+    after = await _kill_daemon(home, ctld)
+    # The restarted controller wrote its own pid file (the dead one's was removed first).
+    pid_file = Path(state["slurm"][SLURM_CLUSTER]["slurm_conf"]).parents[1] / "slurmctld.pid"
+    await until(
+        lambda: asyncio.to_thread(_pid_file_names, pid_file, after["pid"]), 20, "slurmctld's pid file"
+    )
+    await _kill_daemon(home, slurmd)
+    await _kill_daemon(home, "munged")
+    # All three answer again (munged authenticates every request), and the job runs on, once.
+    ran = await until(lambda: _job_state(home, job, "RUNNING"), 30, "the job still running")
+    assert ran == f"RUNNING {node}"
+    listed = _slurm(home, "squeue", "-h", "-o", "%i").stdout.split()
+    assert listed == [job]
+    assert _zombie_children(int(state["supervisor_pid"])) == []
+    rows = {r["name"]: r for r in stack.process_table(home)}
+    assert all(rows[n]["alive"] and rows[n]["restarts"] == 1 for n in ("munged", ctld, slurmd))
+    assert stack.is_server(ctld) and stack.is_server(slurmd) and stack.is_server("munged")
+
+
+def _pid_file_names(path: Path, pid: int) -> bool:
+    try:
+        return path.read_text().split()[0] == str(pid)
+    except (OSError, IndexError):
+        return False

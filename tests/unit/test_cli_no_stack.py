@@ -17,8 +17,16 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("argv", [["jobs"], ["view"], ["job", "some-job"], ["net", "links"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["jobs"], ["view"], ["job", "some-job"], ["explain", "some-job"], ["net", "links"], ["submit", "JOB"]],
+)
 def test_a_command_without_a_stack_says_to_start_one(argv: list[str], tmp_path: Path) -> None:
+    job = tmp_path / "job.json"
+    job.write_text(
+        json.dumps({"job_id": "j-1", "tenant": "acme", "resources": {"gpus": 1}, "work": {"steps": 1}})
+    )
+    argv = [str(job) if a == "JOB" else a for a in argv]
     # A stack that was started once and is gone: its state file names servers nobody answers on.
     port = _closed_port()
     (tmp_path / "stack.json").write_text(

@@ -15,6 +15,7 @@ from loom.runtime.tokens import Access, Tokens, ensure_tokens, load_tokens, toke
 from loom_services.console import pages
 from loom_services.console.geo import project
 from loom_services.console.http import EventStream, HttpServer, Request, Response
+from loom_services.console.land import LAND_PATH
 from loom_services.console.service import Listener, event_item
 
 # ---- tokens ---------------------------------------------------------------------------------------
@@ -103,7 +104,7 @@ def test_values_are_escaped() -> None:
 
 def test_the_operator_sees_a_cancel_a_tenant_none() -> None:
     operator = pages.job_page(Access("operator"), JOB, [], trace_url="http://jaeger/trace/ab")
-    assert 'href="/jobs/j-1/cancel">Cancel job…</a>' in operator
+    assert 'href="/jobs/j-1/cancel"' in operator and ">Cancel job…</a>" in operator
     assert 'href="http://jaeger/trace/ab"' in operator
     tenant = pages.job_page(Access("tenant", "alpha"), JOB, [], trace_url=None)
     assert "Cancel job" not in tenant and "no trace context recorded" in tenant
@@ -281,3 +282,42 @@ def test_loom_console_prints_the_url_with_the_operator_or_a_tenant_token(tmp_pat
     assert url.startswith("http://127.0.0.1:9/?token=")
     assert tokens.check(url.split("token=")[1]) == Access("operator")
     assert tokens.check(console_url(tmp_path, "alpha").split("token=")[1]) == Access("tenant", "alpha")
+
+
+def _land_rings() -> list[list[tuple[float, float]]]:
+    rings = []
+    for part in LAND_PATH.split("M")[1:]:
+        points = [p.split() for p in part.rstrip("Z").split("L")]
+        rings.append([(float(x), float(y)) for x, y in points])
+    return rings
+
+
+def _on_land(x: float, y: float) -> bool:
+    """Even-odd point in polygon over every ring of the land path."""
+    inside = False
+    for ring in _land_rings():
+        for (x1, y1), (x2, y2) in zip(ring, ring[1:] + ring[:1], strict=True):
+            if (y1 > y) != (y2 > y) and x < x1 + (y - y1) * (x2 - x1) / (y2 - y1):
+                inside = not inside
+    return inside
+
+
+def test_the_world_map_draws_the_land_under_the_regions_in_the_same_projection() -> None:
+    regions = [("eu", "aws:eu-central-1"), ("us", "aws:us-east-2"), ("sg", "aws:ap-southeast-1")]
+    placed = project(regions)
+    html = pages.map_page(Access("operator"), regions, placed, {"regions": {}}, [], links_measured=False)
+    assert html.count("<path class=land d=") == 1 and LAND_PATH in html
+    assert len(_land_rings()) > 100  # continents and islands, not a placeholder
+    # No edge runs across the map: rings over the antimeridian (Chukotka, Fiji) are drawn at both
+    # edges instead of jumping from one to the other (only Antarctica's southern edge spans it).
+    across = [
+        (a, b)
+        for ring in _land_rings()
+        for a, b in zip(ring, ring[1:] + ring[:1], strict=True)
+        if abs(a[0] - b[0]) > 500
+    ]
+    assert all(a[1] > 480 and b[1] > 480 for a, b in across), across[:3]
+    for rid, _ in regions:  # Frankfurt, Ohio and Singapore are on land where the map puts them
+        assert _on_land(placed[rid].x, placed[rid].y), rid
+    for lat, lon in ((30.0, -40.0), (-30.0, 80.0), (0.0, -150.0)):  # mid-Atlantic, Indian, Pacific
+        assert not _on_land((lon + 180) / 360 * 1000, (90 - lat) / 180 * 500), (lat, lon)

@@ -138,6 +138,9 @@ def test_the_job_page_leads_the_operator_to_a_confirmation_and_lists_migrations(
     assert 'data-migration="m-1"' in html and "c-a → c-b" in html and "c-a draining" in html
     assert "has not recorded it yet" in html
     assert "/cancel" not in pages.job_page(ALPHA, job, [], trace_url=None)
+    # The page's script confirms and sends the cancel itself, with the session's form key.
+    live = pages.job_page(OPERATOR, job, [], trace_url=None, form_key="key-9")
+    assert 'data-form-key="key-9"' in live and 'data-confirm="Cancel j-1?' in live
     confirm = pages.confirm_cancel(OPERATOR, job, "key-9")
     assert 'action="/jobs/j-1/cancel"' in confirm and 'value="key-9"' in confirm
     ended = pages.confirm_cancel(OPERATOR, dict(job, state="completed"), "key-9")
@@ -231,6 +234,8 @@ async def test_an_operator_form_without_this_sessions_key_is_refused(tmp_path: P
         answer = await console.handle(_request("POST", "/clusters/c-use2-a/drain", op, form=form))
         assert isinstance(answer, Response) and answer.status == 403
         assert b"stale" in answer.body
+        live = await console.handle(_request("POST", "/jobs/j-1/cancel", op, form={**form, "live": "1"}))
+        assert isinstance(live, Response) and live.status == 403  # the page's own cancel too
     assert tokens.form_key(op) != tokens.form_key(op + "x") and op not in tokens.form_key(op)
     await nc.close()
 

@@ -1,5 +1,6 @@
 """The slurm backend's reading of Slurm's output: records, host lists, GRES, states, progress files."""
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ from loom.model.topology import load_topology
 from loom.runtime.slurmlocal import slurm_nodes
 from loom_services.cluster_agent.backend import Phase
 from loom_services.cluster_agent.slurm import (
+    SlurmBackend,
     SlurmNodeState,
     alloc_gpus,
     expand_hostlist,
@@ -110,3 +112,83 @@ def test_a_part_is_named_by_job_and_attempt() -> None:
 def test_local_slurm_nodes_take_one_node_of_each_gpu_model_first() -> None:
     nodes = slurm_nodes(load_topology("small").cluster("c-weu-a"), limit=2)
     assert {(n.gpu_type, n.gpus) for n in nodes} == {("p100", 2), ("t4", 4)}
+
+
+class ScriptedSlurm(SlurmBackend):
+    """A slurm backend whose commands answer from a script (command name → (rc, stdout, stderr))."""
+
+    answers: dict[str, tuple[int, str, str]]
+    calls: list[tuple[str, ...]]
+
+    async def _command(self, *argv: str, env: Mapping[str, str] | None = None) -> tuple[int, str, str]:
+        self.calls.append(argv)
+        key = " ".join(a for a in argv[:2] if a in ("scontrol", "sacct", "-c"))
+        return self.answers.get(key, (1, "", f"no answer scripted for {argv}"))
+
+
+def _scripted(tmp_path: Path, answers: dict[str, tuple[int, str, str]]) -> ScriptedSlurm:
+    backend = ScriptedSlurm(cluster="c1", zone="z1", work_dir=tmp_path)
+    backend.answers, backend.calls = answers, []
+    return backend
+
+
+FORGOTTEN = (1, "", "slurm_load_jobs error: Invalid job id specified")
+NO_DBD = (1, "", "Slurm accounting storage is disabled")
+
+
+@pytest.mark.parametrize(
+    ("answers", "phase", "exit_code", "reason"),
+    [
+        # slurmdbd knows it: completed.
+        ({"sacct": (0, "41|loom-j-1|COMPLETED|0:0|n1\n", "")}, Phase.COMPLETED, None, "COMPLETED"),
+        # No slurmdbd: the job completion log has it, failed with its exit code.
+        (
+            {"sacct": NO_DBD, "sacct -c": (0, "41|loom-j-1|FAILED|3:0|n[1-2]\n", "")},
+            Phase.FAILED,
+            3,
+            "job completion log",
+        ),
+        (
+            {"sacct": NO_DBD, "sacct -c": (0, "41|loom-j-1|FAILED|0:9|n1\n", "")},
+            Phase.FAILED,
+            None,
+            "signal 9",
+        ),
+        # Neither knows it, or only another job of that id (a cluster whose ids started again), or
+        # accounting still thinks it runs: vanished, reported failed by the agent, never "running".
+        ({"sacct": NO_DBD, "sacct -c": (0, "", "")}, Phase.VANISHED, None, "not in Slurm's accounting"),
+        ({"sacct": (0, "41|other|COMPLETED|0:0|n1\n", "")}, Phase.VANISHED, None, "is gone"),
+        ({"sacct": (0, "41|loom-j-1|RUNNING|0:0|n1\n", "")}, Phase.VANISHED, None, "is gone"),
+    ],
+)
+async def test_a_job_the_controller_forgot_gets_its_end_from_accounting(
+    tmp_path: Path, answers: dict[str, tuple[int, str, str]], phase: Phase, exit_code: int | None, reason: str
+) -> None:
+    backend = _scripted(tmp_path, {"scontrol": FORGOTTEN, **answers})
+    backend.part_dir("j:1").mkdir(parents=True)
+    (backend.part_dir("j:1") / "progress").write_text("step 7\n")
+    status = await backend.poll("41", "j:1")
+    assert (status.phase, status.exit_code, status.step) == (phase, exit_code, 7)
+    assert reason in status.reason
+    if phase is Phase.FAILED:
+        assert status.nodes and status.nodes[0] == "n1"
+    assert (
+        "sacct",
+        "-X",
+        "-n",
+        "-P",
+        "-j",
+        "41",
+        "-o",
+        "JobID,JobName,State,ExitCode,NodeList",
+    ) in backend.calls
+
+
+async def test_a_job_the_controller_still_knows_is_not_looked_up_in_accounting(tmp_path: Path) -> None:
+    backend = _scripted(
+        tmp_path,
+        {"scontrol": (0, "JobId=41 JobState=FAILED Reason=NonZeroExitCode ExitCode=2:0 NodeList=n1\n", "")},
+    )
+    status = await backend.poll("41", "j:1")
+    assert (status.phase, status.exit_code, status.nodes) == (Phase.FAILED, 2, ("n1",))
+    assert [c[0] for c in backend.calls] == ["scontrol"]

@@ -140,6 +140,65 @@ class LocalMunge:
             self.proc = None
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@dataclass
+class LocalDaemon:
+    """One daemon of local Slurm (``munged``, a ``slurmctld``, a ``slurmd``) in the shape the
+    stack's supervisor keeps a server up (:class:`loom.runtime.stack.ServerWatch`): its pid, its
+    exit once it died on its own, cleaning up after it, starting it again."""
+
+    name: str
+    port: int
+    process: Callable[[], subprocess.Popen[bytes] | None]
+    """The daemon's process now (None: never started, or stopped on purpose)."""
+    launch: Callable[[], None]
+    """Start it again (same configuration, port and state directory)."""
+    pid_file: Path
+    stale: tuple[Path, ...] = ()
+    """Other files a dead daemon leaves that its next start must not find (munged's socket)."""
+
+    @property
+    def pid(self) -> int | None:
+        """The daemon's process id while it runs, else None."""
+        proc = self.process()
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def poll_exit(self) -> int | None:
+        """The exit status of a daemon that died (reaping it), else None."""
+        proc = self.process()
+        return proc.poll() if proc is not None else None
+
+    def clean_after_exit(self) -> None:
+        """Remove the dead daemon's pid file (never one naming a live process). Its children end
+        with it (slurmctld's slurmscriptd; a slurmd's jobs run on under their own slurmstepd,
+        which the next slurmd finds again in its spool directory)."""
+        try:
+            pid = int(self.pid_file.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pid = 0
+        if pid and _pid_alive(pid) and pid != self.pid:
+            raise LocalSlurmError(f"{self.name}: {self.pid_file} names process {pid}, still alive")
+        for path in (self.pid_file, *self.stale):
+            path.unlink(missing_ok=True)
+
+    def start(self) -> None:
+        """Start the daemon again (a no-op while it runs)."""
+        if self.pid is None:
+            self.launch()
+
+
 @dataclass(frozen=True)
 class SlurmNode:
     """One node of a local cluster: its name, GPU type (Slurm's GRES type) and GPU count."""
@@ -220,7 +279,9 @@ class LocalSlurmCluster:
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
             "MailProg=/bin/true",
-            "JobCompType=jobcomp/none",
+            # Accounting without slurmdbd: every ended job's record in a file, for `sacct -c`.
+            "JobCompType=jobcomp/filetxt",
+            f"JobCompLoc={self.root / 'log' / 'jobcomp.txt'}",
             "SlurmdParameters=config_overrides",
             "ReturnToService=2",
             "SchedulerType=sched/builtin",
@@ -271,6 +332,30 @@ class LocalSlurmCluster:
     def start_node(self, node: str) -> None:
         """Start the ``slurmd`` of one node."""
         self._spawn(f"slurmd-{node}", [_sbin("slurmd"), "-D", "-N", node, "-f", str(self.conf)])
+
+    def daemons(self) -> list[LocalDaemon]:
+        """The cluster's daemons for the supervisor to keep up: slurmctld, then each slurmd."""
+        found = [
+            LocalDaemon(
+                name=f"slurmctld-{self.name}",
+                port=self.ctld_port,
+                process=lambda: self.procs.get("slurmctld"),
+                launch=self.start_controller,
+                pid_file=self.root / "slurmctld.pid",
+            )
+        ]
+        for node in self.nodes:
+            key = f"slurmd-{node.name}"
+            found.append(
+                LocalDaemon(
+                    name=f"slurmd-{self.name}-{node.name}",
+                    port=self.node_ports.get(node.name, 0),
+                    process=lambda key=key: self.procs.get(key),  # type: ignore[misc]
+                    launch=lambda name=node.name: self.start_node(name),  # type: ignore[misc]
+                    pid_file=self.root / "spool" / f"slurmd-{node.name}.pid",
+                )
+            )
+        return found
 
     def start(self, timeout_s: float = 30.0) -> None:
         """Write the configuration, start the controller and every node, wait until all are idle."""
@@ -393,6 +478,18 @@ class LocalSlurms:
         except BaseException:
             self.stop()
             raise
+
+    def daemons(self) -> list[LocalDaemon]:
+        """Every daemon for the supervisor to keep up: munged, then each cluster's."""
+        munge = LocalDaemon(
+            name="munged",
+            port=0,
+            process=lambda: self.munge.proc,
+            launch=self.munge.start,
+            pid_file=self.munge.root / "munged.pid",
+            stale=(self.munge.socket,),
+        )
+        return [munge, *(d for c in self.clusters.values() for d in c.daemons())]
 
     def stop(self) -> None:
         """Cancel every cluster's jobs, stop the nodes, then the controllers, then munge."""

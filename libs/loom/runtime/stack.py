@@ -9,7 +9,8 @@ ones), migrates the database, launches each service as its own OS process with i
 in reverse order. It owns its servers the same way: a nats-server or PostgreSQL that dies is
 reaped, what is left of it killed, its stale pid and lock files removed, and it is started again
 on the same port and data directory (:class:`ServerWatch`; each node of a NATS cluster is watched
-on its own and rejoins the cluster when it comes back). Every child gets a parent-death
+on its own and rejoins the cluster when it comes back; the local Slurm daemons of ``--slurm``,
+munged, each slurmctld and each slurmd, are kept up the same way). Every child gets a parent-death
 signal, so nothing outlives a killed supervisor. The state file ``<home>/stack.json`` tells other
 commands where everything is, with each process's restarts and last exit.
 """
@@ -27,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -44,7 +45,7 @@ from loom.runtime.servers import (
     describe_exit,
     reap_orphans,
 )
-from loom.runtime.slurmlocal import LocalSlurms, slurm_nodes
+from loom.runtime.slurmlocal import LocalSlurmError, LocalSlurms, slurm_nodes
 from loom.runtime.tokens import ensure_tokens
 from loom.sched.shards import group_options, split_regions
 from loom.security import ENV_CREDS, ENV_NATS_CA, CredentialStore, admin_identity, identity_for_process
@@ -299,8 +300,9 @@ def free_port() -> int:
 
 
 def is_server(name: str) -> bool:
-    """Whether a process-table row names a server the supervisor owns (``nats-2`` included)."""
-    return name in ("nats", "postgres") or name.startswith("nats-")
+    """Whether a process-table row names a server the supervisor owns (``nats-2`` and the local
+    Slurm daemons of ``--slurm`` included)."""
+    return name in ("nats", "postgres", "munged") or name.startswith(("nats-", "slurmctld-", "slurmd-"))
 
 
 async def prepare(nats_url: str, database_url: str) -> None:
@@ -348,7 +350,31 @@ class ServerState:
     """It restarted ``crash_loop_restarts`` times within ``crash_loop_window_s``."""
 
 
-Server = NatsServer | PostgresServer
+class Server(Protocol):
+    """What :class:`ServerWatch` keeps up: a NATS server, PostgreSQL, or a local Slurm daemon
+    (:class:`~loom.runtime.slurmlocal.LocalDaemon`)."""
+
+    @property
+    def pid(self) -> int | None:
+        """Its process id while it runs."""
+        ...
+
+    @property
+    def port(self) -> int:
+        """The port it serves on (0: none)."""
+        ...
+
+    def poll_exit(self) -> int | None:
+        """Its exit status once it died on its own (reaping it), else None."""
+        ...
+
+    def clean_after_exit(self) -> None:
+        """Kill what is left of it and remove its stale files."""
+        ...
+
+    def start(self) -> None:
+        """Start it again."""
+        ...
 
 
 class ServerWatch:
@@ -421,7 +447,7 @@ class ServerWatch:
         try:
             self.server.clean_after_exit()
             self.server.start()
-        except (ServerStartError, OSError) as exc:  # e.g. a full disk: retried like a failed start
+        except (ServerStartError, LocalSlurmError, OSError) as exc:  # e.g. a full disk: retried
             self._failures += 1
             self.state.last_exit = f"restart failed: {str(exc).splitlines()[0]}"
             self._next_attempt = self._clock() + self.delay_s(self._failures)
@@ -597,6 +623,10 @@ class Supervisor:
             name: {"slurm_conf": str(c.conf), "nodes": [n.name for n in c.nodes]}
             for name, c in self.slurm.clusters.items()
         }
+        # Kept up like NATS and PostgreSQL: a dead munged, slurmctld or slurmd is reaped, its
+        # stale pid file removed, and it starts again on its port with its state directory.
+        for daemon in self.slurm.daemons():
+            self.watches[daemon.name] = ServerWatch(daemon.name, daemon)
 
     def watch_servers(self) -> bool:
         """Check every owned server once (restarting the dead); True when any state changed."""
