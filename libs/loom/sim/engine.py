@@ -18,13 +18,17 @@ then one scheduling pass runs, in queue order (the policy's queue sort):
   jobs that could use them are retried, at most ``max_decisions_per_event`` of them. Waiting jobs
   are grouped by *shape* (priority, GPUs per worker, minimum workers, whether it may span, allowed
   models and clusters, anti-affinity; for spanning gangs also task type, size and a traffic
-  class) and the jobs of a shape are taken as alike for feasibility. A shape is retried only if a
+  class; a spanning gang no pool can ever hold is a shape of its own, since whether any spread of
+  it keeps within the span guard's GPU-hours bound hangs on its own compute and traffic, so it is
+  decided, and rejected if not, on arrival) and the jobs of a shape are taken as alike for
+  feasibility. A shape is retried only if a
   released (cluster, model) pool of it now holds its minimum workers (whole workers per node, and
   for the job retried its CPU and RAM too; spanning gangs: over all its pools) and holds more than
   when a job of the shape last failed; once a job of a shape fails in a pass the rest of it waits.
   These are necessary conditions read from the snapshot, so a retry is skipped only where the
   decision could not have placed the job by free capacity. A pass that ran out of budget while
-  still placing jobs goes on at the same instant. So waiting jobs are not re-scored on every event;
+  still placing (or rejecting) jobs goes on at the same instant. So waiting jobs are not re-scored
+  on every event;
 * an arriving job whose shape is known to be possible on this platform, that no pool could hold,
   and for which preemption or elastic shrink could not make room (free GPUs plus those of
   lower-priority preemptible jobs and of shrinkable elastic jobs, per pool: the bound both

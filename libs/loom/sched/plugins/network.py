@@ -734,9 +734,10 @@ class SpanGuard:
       the GPU-hours bound (against the gang in one cluster at its fastest part's speed). Beyond it,
       it never waits for one cluster (none will ever hold it): when no spread over the allowed
       clusters could keep within the bound even on an idle platform
-      (:func:`idle_spread_floor`), the gang is rejected (UNRESOLVABLE, ``impossible``: it would
-      hold its GPUs far longer than its work needs, slowing every job behind it); otherwise it
-      waits for a better spread at most what this one would lose against the best possible one
+      (:func:`idle_spread_floor`), :meth:`pre_filter` rejects the gang at its first cycle, busy
+      platform or not (UNRESOLVABLE, ``span_inflation``, with the factor: it would hold its GPUs
+      far longer than its work needs, slowing every job behind it); otherwise the permit (which
+      never rejects) makes it wait for a spread within the bound at most what this one would lose
       (the ski-rental bound below), then spreads.
     - *Slower GPUs* (any batch job in one cluster; not inference, which serves from when it
       starts): waits for a faster option only when that option's
