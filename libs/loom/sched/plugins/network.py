@@ -796,7 +796,8 @@ class SpanGuard:
         cluster even on an idle platform (:func:`idle_spread_floor` over every node): waiting
         cannot help it, and running it would hold its GPUs that many times longer than its work
         needs while the jobs behind it queue. Judged from the platform's capacity and links, never
-        from which GPUs are free now, so the verdict is the same on every later cycle."""
+        from which GPUs are free now, so the verdict stands on every later cycle while nodes, links
+        and learned speeds stay as they are (a changed link or speed may turn it, either way)."""
         job = state.job
         if not job.allow_multi_cluster or job.pipeline is not None:
             return SUCCESS
