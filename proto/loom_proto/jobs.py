@@ -348,7 +348,12 @@ class JobResized(
     at: UnixSeconds
 
 
-RejectCode = Literal["invalid", "impossible", "quota", "duplicate", "internal", "unknown_tenant", "cyclic"]
+RejectCode = Literal[
+    "invalid", "impossible", "quota", "duplicate", "internal", "unknown_tenant", "cyclic", "span_inflation"
+]
+"""Why a job is refused. ``span_inflation``: a gang no cluster can hold whose every spread over the
+allowed clusters would cost more GPU-hours than the span guard's bound allows (the hint says how many
+times one cluster's)."""
 
 
 class JobRejected(

@@ -462,6 +462,45 @@ def test_a_pool_whose_running_job_overran_its_predicted_end_is_not_free_now() ->
     assert late.decision is not None and late.decision.parts[0].cluster == "cb"
 
 
+def test_a_gang_no_cluster_holds_whose_every_spread_inflates_beyond_the_bound_is_rejected() -> None:
+    """No cluster will ever hold the gang, and any spread all-reduces over the ocean (the only two
+    clusters are in two regions): waiting cannot help, and running holds several times the
+    GPU-hours its work needs, so the gang is rejected at its first cycle, busy platform or not
+    (it used to wait up to the spread's whole loss and then spread anyway)."""
+    for used in (0, 8):
+        snap = snapshot([node("a0", "ca", used=used), node("b0", "cb", "r2")], net=ocean())
+        outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())]).schedule(
+            gang(span=True, workers=4), snap, submitted_at=NOW
+        )
+        assert outcome.decision is None and outcome.status.code == Code.UNRESOLVABLE
+        assert (
+            outcome.status.reject == "span_inflation"
+            and "the GPU-hours of one cluster" in outcome.status.reason
+        )
+        assert int(snap.free.sum()) == 16 - used  # nothing taken
+    # With nothing to exchange the same spread costs nothing extra: it runs.
+    quiet = snapshot([node("a0", "ca"), node("b0", "cb", "r2")], net=ocean())
+    outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())]).schedule(
+        msgspec.structs.replace(gang(span=True, workers=4), comm=None), quiet, submitted_at=NOW
+    )
+    assert outcome.decision is not None
+
+
+def test_a_gang_no_cluster_holds_waits_for_a_spread_within_the_bound_when_one_is_possible() -> None:
+    """Two clusters of r1 hold the gang together (a spread within the region keeps within the
+    bound) but one of them is busy: spread over the ocean now, it waits for the regional spread
+    instead (within the ski-rental bound), and is not rejected; once it has waited what the ocean
+    spread loses, it takes it."""
+    nodes = [node("a0", "ca"), node("b0", "cb", used=8), node("c0", "cc", "r2")]
+    snap = snapshot(nodes, [running("busy", ("b0", 8), ends_in_s=100.0)], net=ocean())
+    guard = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())])
+    outcome = guard.schedule(gang(span=True, workers=4), snap, submitted_at=NOW)
+    assert outcome.decision is None and outcome.status.code == Code.UNSCHEDULABLE
+    assert "within r1" in outcome.status.reason and outcome.status.wait_s > 0
+    late = guard.schedule(gang(span=True, workers=4), snap, submitted_at=NOW - 2 * outcome.status.wait_s)
+    assert late.decision is not None and {p.cluster for p in late.decision.parts} == {"ca", "cc"}
+
+
 def test_a_gang_no_cluster_holds_spreads_over_clusters_of_unequal_trust_alike() -> None:
     """Trust is placement's caution about a new cluster's claim, not speed lost by spreading: a gang
     no cluster can hold spreads over two clusters of the same GPUs even when one is trusted more

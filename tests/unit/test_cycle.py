@@ -25,8 +25,8 @@ from loom.sched.plugins.elastic import ElasticShrink
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.profile import build_framework
 from loom.sched.quota import QuotaBook, TenantConfig, TenantQuota
-from loom.sched.snapshot import RunningJob
-from loom_proto.jobs import JobSpec, Layer, Pipeline, Stage, Work
+from loom.sched.snapshot import RunningJob, Snapshot
+from loom_proto.jobs import Communication, JobSpec, Layer, Pipeline, Stage, Work
 from tests.unit.test_framework import job, two_clusters
 
 
@@ -62,6 +62,27 @@ def test_a_cycle_places_rejects_with_a_typed_code_and_leaves_the_rest_waiting() 
     assert waiting.retry_in_s == backoff_s(3, CycleSettings()) == 2.0
     assert snap.quota.held("t") == 8  # the placement counts against the quota at once
     assert snap.waiting == {"later"}  # the queue the contention plugins read
+
+
+def test_a_gang_whose_every_spread_breaks_the_gpu_hours_bound_is_rejected_as_span_inflation() -> None:
+    # No cluster holds 5 workers of 4 GPUs (ca 4, cb 3), and any spread all-reduces 1 GB a step
+    # over a 1 Gbit/s ocean link: the cycle rejects it with its own code and the factor, once the
+    # clusters settled (before that it waits, as "can never fit" does).
+    def ocean() -> Snapshot:
+        snap = two_clusters()
+        for a, b in (("r1", "r2"), ("r2", "r1")):
+            snap.net.set_link(a, b, rtt_ms=100.0, bandwidth_gbps=1.0)
+        return snap
+
+    wasteful = job(
+        "wasteful", gpus=4, workers=5, allow_multi_cluster=True, comm=Communication(bytes_per_step=10**9)
+    )
+    result = run_cycle(build_framework(), [Q(wasteful)], ocean())
+    [rejected] = result.rejected
+    assert rejected.code == "span_inflation" and not result.placed
+    assert "x the GPU-hours of one cluster" in rejected.reason and "fewer or smaller workers" in rejected.hint
+    early = run_cycle(build_framework(), [Q(wasteful)], ocean(), settings=CycleSettings(settled=False))
+    assert not early.rejected and [w.pending.job.job_id for w in early.waiting] == ["wasteful"]
 
 
 def test_before_the_clusters_settle_only_the_quota_rejects() -> None:

@@ -575,14 +575,24 @@ def test_a_comm_heavy_gang_waits_for_one_cluster_rather_than_span_a_slow_link() 
     # the spread holds more than 1.25x the GPU-hours of the gang in one cluster: it is refused.
     assert "GPU-hours" in outcome.status.reason and outcome.status.wait_s == 0.0
     assert int(snap.free.sum()) == 16  # nothing taken
-    # A gang no single cluster could ever hold spans, beyond the GPU-hours bound only once it has
-    # waited what the spread would lose (steps x (spread step - step in one cluster)).
+    # A gang no single cluster could ever hold, whose every spread crosses the ocean beyond the
+    # GPU-hours bound: waiting cannot help it, so it is rejected, however long it waited and
+    # whether the GPUs are free now or not (the verdict is read from the idle platform).
     huge = job("huge", gpus=8, workers=3, allow_multi_cluster=True, comm=Communication(bytes_per_step=10**9))
-    idle = Snapshot([node("a0", "ca", "r1"), node("a1", "ca", "r1"), node("b0", "cb", "r2")], net=snap.net)
-    fresh = framework.schedule(huge, idle, submitted_at=idle.now)
-    assert fresh.decision is None and fresh.status.wait_s > 0
-    spanned = framework.schedule(huge, idle, submitted_at=idle.now - 2 * fresh.status.wait_s)
-    assert spanned.decision is not None and len(spanned.decision.parts) == 2
+    nodes = [node("a0", "ca", "r1"), node("a1", "ca", "r1"), node("b0", "cb", "r2")]
+    busy = [node("a0", "ca", "r1", reserved=8), node("a1", "ca", "r1"), node("b0", "cb", "r2", reserved=8)]
+    for waited, where in ((0.0, nodes), (10**7, nodes), (0.0, busy)):
+        platform = Snapshot(where, net=snap.net)
+        refused = framework.schedule(huge, platform, submitted_at=platform.now - waited)
+        assert refused.decision is None and refused.status.code == Code.UNRESOLVABLE
+        assert refused.status.plugin == "span_guard" and refused.status.reject == "span_inflation"
+        # One step: compute 1 s / A100's speed; over the ocean 2 x 8 Gbit / 1 Gbit/s + one 100 ms
+        # round, in one cluster 2 x 8 Gbit / 100 Gbit/s + 0.1 ms.
+        compute = 1.0 / float(platform.job_speeds(huge)[platform.models.index("A100")])
+        inflation = (compute + 16.0 + 0.1) / (compute + 0.16 + 0.0001)
+        assert f"would cost at least {inflation:.1f}x the GPU-hours of one cluster" in refused.status.reason
+        assert f"{inflation:.1f}x the GPU-hours" in refused.status.hint
+        assert "fewer or smaller workers" in refused.status.hint
     # Without communication the spread costs nothing: permitted.
     light = job("light", gpus=8, workers=2, allow_multi_cluster=True)
     assert framework.schedule(light, snap).decision is not None

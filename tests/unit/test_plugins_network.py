@@ -131,12 +131,16 @@ def test_comm_heavy_gang_that_must_span_clusters_takes_the_pair_with_the_best_li
         comm=Communication(bytes_per_step=10**9),
     )
     # No cluster holds 6 workers; the best spread (b and c, 10 Gbit/s) holds 2.2x the GPU-hours of
-    # the gang in one cluster, beyond the span guard's bound: a fresh gang waits at most what the
-    # spread would lose (steps x (2.6 - 1.16) s), then spans.
-    fresh = build_framework().schedule(spec, snap, submitted_at=snap.now)
-    assert fresh.decision is None and fresh.status.plugin == "span_guard"
-    assert fresh.status.wait_s == pytest.approx(spec.work.steps * (2.602 - 1.16), rel=0.01)
-    outcome = build_framework().schedule(spec, snap, submitted_at=snap.now - 10 * fresh.status.wait_s)
+    # the gang in one cluster (2.602 s a step against 1.16 s), beyond the span guard's bound, and
+    # no cluster will ever hold it: rejected with the figure, however long it waited.
+    for waited in (0.0, 10**7):
+        refused = build_framework().schedule(spec, snap, submitted_at=snap.now - waited)
+        assert refused.decision is None and refused.status.plugin == "span_guard"
+        assert refused.status.code == Code.UNRESOLVABLE and refused.status.reject == "span_inflation"
+        assert f"at least {2.602 / 1.16:.1f}x the GPU-hours" in refused.status.reason
+    # Under a looser bound the spread goes ahead at once, over the pair with the best link.
+    loose = {"config": {"span_guard": {"gpu_hours_bound": 3.0}}}
+    outcome = build_framework(loose).schedule(spec, snap, submitted_at=snap.now)
     assert sorted(placed(outcome)) == ["b", "c"]
     decision = outcome.decision
     assert decision is not None

@@ -77,6 +77,19 @@ def gang(job_id: str, **kw: object) -> JobSpec:
     return spec(job_id, workers=2, allow_multi_cluster=True, **kw)
 
 
+def light_gang(job_id: str, **kw: object) -> JobSpec:
+    """Two 8-GPU workers allowed to span clusters, whose traffic (20 MB per step, two rounds) is
+    small against the compute (8 s per step on the reference GPU): spread within Europe or across
+    the Atlantic it keeps within the span guard's GPU-hours bound (the 1 GB gang would cost 13x
+    the GPU-hours of one cluster across Europe, and is rejected)."""
+    kw.setdefault("comm", Communication(bytes_per_step=LIGHT_BYTES, rounds_per_step=2))
+    kw.setdefault("step_time_s", 8.0)
+    return spec(job_id, workers=2, allow_multi_cluster=True, **kw)
+
+
+LIGHT_BYTES = 20_000_000
+
+
 def synthetic(count: int, seed: int, *, gap_s: float = 20.0) -> Trace:
     """A seeded mix: single GPUs, multi-GPU jobs, spanning gangs with all-reduce traffic, datasets,
     elastic gangs, checkpoints, three priorities (so preemption happens)."""
@@ -261,34 +274,51 @@ def test_timed_by_belief_a_jobs_duration_is_its_steps_times_the_scu_step_time() 
 
 
 def test_a_cross_region_gang_is_slower_than_the_same_gang_in_one_cluster() -> None:
-    # Timed by belief: the step is checked against the SCU model's arithmetic.
-    job = SimJob(spec=gang("g"), arrival_s=0.0)
+    # Timed by belief: the step is checked against the SCU model's arithmetic. The gang's traffic
+    # is light enough that Loom spreads it (within the GPU-hours bound); the heavy one it rejects.
+    job = SimJob(spec=light_gang("g"), arrival_s=0.0)
     split = platform({"c-eu": (EU, "A100", 1), "c-weu": (WEU, "A100", 1)})
     together = platform({"c-eu": (EU, "A100", 2)})
     (far,) = simulate(Trace(jobs=[job]), split, POLICIES["loom"](0), truth=BELIEF).records
     (near,) = simulate(Trace(jobs=[job]), together, POLICIES["greedy_compute"](0), truth=BELIEF).records
-    compute = 0.5 / relative_speed("A100", "training_compute")
+    compute = 8.0 / relative_speed("A100", "training_compute")
     net = split.net
     rtt = max(net.link(EU, WEU)[0], net.link(WEU, EU)[0])
     gbps = min(net.link(EU, WEU)[1], net.link(WEU, EU)[1])
     assert set(far.regions) == {EU, WEU}
-    assert far.step_s == pytest.approx(compute + 2 * 1e9 * 8 / (gbps * 1e9) + 2 * rtt / 1000)
+    assert far.step_s == pytest.approx(compute + 2 * LIGHT_BYTES * 8 / (gbps * 1e9) + 2 * rtt / 1000)
     assert near.clusters == ("c-eu",)
     assert near.step_s == pytest.approx(
-        compute + 2 * 1e9 * 8 / (INTRA_CLUSTER_GBPS * 1e9) + 2 * INTRA_CLUSTER_RTT_MS / 1000
+        compute + 2 * LIGHT_BYTES * 8 / (INTRA_CLUSTER_GBPS * 1e9) + 2 * INTRA_CLUSTER_RTT_MS / 1000
     )
-    assert far.step_s > 2 * near.step_s
-    assert far.cross_region_bytes == pytest.approx(1000 * 2 * 1e9 * 2)
+    assert far.step_s > near.step_s + 0.05
+    assert far.cross_region_bytes == pytest.approx(1000 * 2 * LIGHT_BYTES * 2)
     assert near.cross_region_bytes == 0.0
+    # The heavy gang (1 GB per step) would cost 13x the GPU-hours of one cluster spread over
+    # Europe: Loom rejects it with that figure; a baseline without the span guard runs it.
+    heavy = SimJob(spec=gang("heavy"), arrival_s=0.0)
+    (refused,) = simulate(Trace(jobs=[heavy]), split, POLICIES["loom"](0), truth=BELIEF).records
+    assert refused.rejected is not None and "13.1x the GPU-hours of one cluster" in refused.rejected
+    (spread,) = simulate(Trace(jobs=[heavy]), split, POLICIES["greedy_compute"](0), truth=BELIEF).records
+    assert spread.step_s == pytest.approx(compute / 16 + 2 * 1e9 * 8 / (gbps * 1e9) + 2 * rtt / 1000)
 
 
 def test_communication_without_rounds_overlaps_the_compute() -> None:
     plat = platform({"c-eu": (EU, "A100", 1), "c-weu": (WEU, "A100", 1)})
-    overlapped = gang("g", comm=Communication(bytes_per_step=100_000_000, rounds_per_step=0))
-    (r,) = simulate(Trace(jobs=[SimJob(spec=overlapped, arrival_s=0.0)]), plat, POLICIES["loom"](0)).records
     gbps = min(plat.net.link(EU, WEU)[1], plat.net.link(WEU, EU)[1])
+    # Loom spreads a gang whose traffic is hidden under its compute: the step is the compute alone.
+    hidden = light_gang("hidden", comm=Communication(bytes_per_step=LIGHT_BYTES, rounds_per_step=0))
+    (r,) = simulate(Trace(jobs=[SimJob(spec=hidden, arrival_s=0.0)]), plat, POLICIES["loom"](0)).records
+    assert r.step_s == pytest.approx(r.compute_step_s) and r.compute_step_s > 2 * LIGHT_BYTES * 8 / (
+        gbps * 1e9
+    )
+    # Traffic longer than the compute (a baseline spreads it; Loom would reject it): the step is it.
+    overlapped = gang("g", comm=Communication(bytes_per_step=100_000_000, rounds_per_step=0))
+    (r,) = simulate(
+        Trace(jobs=[SimJob(spec=overlapped, arrival_s=0.0)]), plat, POLICIES["greedy_compute"](0)
+    ).records
     comm = 2 * 1e8 * 8 / (gbps * 1e9)
-    assert r.step_s == pytest.approx(max(r.compute_step_s, comm))
+    assert comm > r.compute_step_s and r.step_s == pytest.approx(comm)
 
 
 def test_a_dataset_in_another_region_is_copied_before_an_after_sync_job_starts() -> None:
@@ -341,24 +371,34 @@ def test_a_failed_cluster_requeues_its_jobs_which_restart_elsewhere() -> None:
 
 
 def test_a_degraded_link_makes_loom_avoid_it_for_new_comm_heavy_gangs() -> None:
+    # The gangs exchange 1 GB per step: any spread here costs several times the GPU-hours of one
+    # cluster, so under the default bound Loom rejects them. What is checked is how Loom ranks
+    # links, so its span guard is given a bound loose enough to let them spread.
     plat = platform({"c-eu": (EU, "A100", 1), "c-weu": (WEU, "A100", 1), "c-use": (USE, "A100", 1)})
     before = SimJob(spec=gang("before", steps=200), arrival_s=0.0)
     after = SimJob(spec=gang("after", steps=200), arrival_s=10_000.0)
     degrade = SimEvent(
         at_s=5_000.0, kind="link_degrade", src=EU, dst=WEU, rtt_factor=40.0, bandwidth_factor=0.02
     )
-    plain = by_id(simulate(Trace(jobs=[before, after]), plat, POLICIES["loom"](0)))
+
+    def loose() -> FrameworkPolicy:
+        profile = {"config": {"span_guard": {"gpu_hours_bound": 1000.0}}}
+        return FrameworkPolicy("loom", build_framework(profile))
+
+    refused = by_id(simulate(Trace(jobs=[before, after]), plat, POLICIES["loom"](0)))
+    assert refused["before"].rejected is not None and "GPU-hours" in refused["before"].rejected
+    plain = by_id(simulate(Trace(jobs=[before, after]), plat, loose()))
     assert set(plain["before"].regions) == {EU, WEU}
     assert set(plain["after"].regions) == {EU, WEU}
-    result = by_id(simulate(Trace(jobs=[before, after], events=[degrade]), plat, POLICIES["loom"](0)))
+    result = by_id(simulate(Trace(jobs=[before, after], events=[degrade]), plat, loose()))
     assert set(result["before"].regions) == {EU, WEU}
-    assert set(result["after"].regions) != {EU, WEU}
+    assert result["after"].end_s is not None and set(result["after"].regions) != {EU, WEU}
     assert result["after"].step_s < plain["after"].step_s * 40
 
 
 def test_a_degraded_link_slows_the_gangs_running_over_it() -> None:
     plat = platform({"c-eu": (EU, "A100", 1), "c-weu": (WEU, "A100", 1)})
-    job = SimJob(spec=gang("g", steps=1000), arrival_s=0.0)
+    job = SimJob(spec=light_gang("g", steps=1000), arrival_s=0.0)
     (plain,) = simulate(Trace(jobs=[job]), plat, POLICIES["loom"](0)).records
     assert plain.end_s is not None
     half = plain.end_s / 2
@@ -435,6 +475,25 @@ def test_a_spanning_gang_restricted_to_regions_where_it_can_never_fit_is_rejecte
     assert result["stuck"].rejected is not None and "can never fit" in result["stuck"].rejected
     assert result["stuck"].end_s is None and result["stuck"].start_s is None
     assert result["fits"].end_s is not None and result["fits"].regions == (EU,)
+
+
+def test_a_gang_whose_every_spread_breaks_the_gpu_hours_bound_is_rejected_on_arrival_under_load() -> None:
+    # No cluster holds two 8-GPU workers. Both gangs exchange 1 GB a step (alike for the
+    # simulator's shapes); the slow one computes 100 s a step, so its spread keeps within the span
+    # guard's bound and it waits for the busy node; the other (13x the GPU-hours of one cluster
+    # spread) is rejected on arrival, though no spread is possible then either.
+    plat = platform({"c-eu": (EU, "A100", 1), "c-weu": (WEU, "A100", 1)})
+    jobs = [
+        SimJob(spec=spec("busy", steps=20_000), arrival_s=0.0),
+        SimJob(spec=gang("light", steps=100, step_time_s=100.0), arrival_s=1.0),
+        SimJob(spec=gang("heavy"), arrival_s=2.0),
+    ]
+    early = by_id(simulate(Trace(jobs=jobs), plat, POLICIES["loom"](0), horizon_s=10.0))
+    assert early["heavy"].rejected is not None and "GPU-hours of one cluster" in early["heavy"].rejected
+    assert early["light"].rejected is None and early["light"].start_s is None
+    full = by_id(simulate(Trace(jobs=jobs), plat, POLICIES["loom"](0)))
+    assert full["light"].end_s is not None and set(full["light"].regions) == {EU, WEU}
+    assert full["heavy"].rejected is not None and full["heavy"].start_s is None
 
 
 def test_a_trace_with_a_home_region_the_platform_lacks_is_refused_naming_the_job_and_the_regions() -> None:

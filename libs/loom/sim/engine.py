@@ -18,13 +18,17 @@ then one scheduling pass runs, in queue order (the policy's queue sort):
   jobs that could use them are retried, at most ``max_decisions_per_event`` of them. Waiting jobs
   are grouped by *shape* (priority, GPUs per worker, minimum workers, whether it may span, allowed
   models and clusters, anti-affinity; for spanning gangs also task type, size and a traffic
-  class) and the jobs of a shape are taken as alike for feasibility. A shape is retried only if a
+  class; a spanning gang no pool can ever hold is a shape of its own, since whether any spread of
+  it keeps within the span guard's GPU-hours bound hangs on its own compute and traffic, so it is
+  decided, and rejected if not, on arrival) and the jobs of a shape are taken as alike for
+  feasibility. A shape is retried only if a
   released (cluster, model) pool of it now holds its minimum workers (whole workers per node, and
   for the job retried its CPU and RAM too; spanning gangs: over all its pools) and holds more than
   when a job of the shape last failed; once a job of a shape fails in a pass the rest of it waits.
   These are necessary conditions read from the snapshot, so a retry is skipped only where the
   decision could not have placed the job by free capacity. A pass that ran out of budget while
-  still placing jobs goes on at the same instant. So waiting jobs are not re-scored on every event;
+  still placing (or rejecting) jobs goes on at the same instant. So waiting jobs are not re-scored
+  on every event;
 * an arriving job whose shape is known to be possible on this platform, that no pool could hold,
   and for which preemption or elastic shrink could not make room (free GPUs plus those of
   lower-priority preemptible jobs and of shrinkable elastic jobs, per pool: the bound both
@@ -434,6 +438,8 @@ class _Simulation:
         self.jobs: dict[str, _Job] = {}
         self.order: list[_Job] = []
         self.shapes: dict[tuple[Any, ...], _Shape] = {}
+        self.beyond: dict[tuple[Any, ...], bool] = {}
+        """Per spanning gang shape: no pool it may use can ever hold it (:meth:`_beyond_every_pool`)."""
         self.waiting: dict[tuple[Any, ...], _Shape] = {}
         """Shapes with jobs waiting."""
         self.fresh: list[_Job] = []
@@ -583,6 +589,12 @@ class _Simulation:
             tuple(aff.avoid_regions),
             tuple(sorted(aff.apart_from_jobs.items())),
         )
+        if spans and spec.pipeline is None and self._beyond_every_pool(key, spec, res.gpus, min_workers):
+            # No pool can ever hold the gang: whether any spread keeps within the span guard's
+            # GPU-hours bound (else it is rejected, span_inflation) hangs on the job's own compute,
+            # traffic and learned speeds, not only its shape. Each such job is its own shape, so it
+            # is decided on arrival (a verdict for one job never stands in for another's).
+            key += ("own", spec.job_id)
         shape = self.shapes.get(key)
         if shape is None:
             shape = _Shape(
@@ -597,6 +609,21 @@ class _Simulation:
             )
             self.shapes[key] = shape
         return shape
+
+    def _beyond_every_pool(self, key: tuple[Any, ...], spec: JobSpec, per_worker: int, workers: int) -> bool:
+        """Whether no pool the (spanning) shape ``key`` may use holds ``workers`` of ``per_worker``
+        GPUs on its nodes, every node counted (what the span guard's pre-filter judges from)."""
+        known = self.beyond.get(key)
+        if known is None:
+            snap = self.snap
+            table = np.zeros_like(snap.free_sum)
+            if snap.node_ids:
+                np.add.at(table, (snap.cluster_of, snap.model_of), snap.total // max(per_worker, 1))
+            pools = self._pools(spec)
+            known = self.beyond[key] = pools.shape != table.shape or not bool(
+                (pools & (table >= workers)).any()
+            )
+        return known
 
     def _pools(self, spec: JobSpec) -> BoolArray:
         snap = self.snap
@@ -721,6 +748,8 @@ class _Simulation:
         failed: set[int] = set()
         """Shapes a job of which failed in this pass: the rest of them wait."""
         budget = self.budget
+        # A job was placed or rejected in this pass: the queue moved, so shapes the budget left
+        # over are owed their decision in a pass at the same instant.
         placed = False
         leftover = False
         while heap:
@@ -761,7 +790,9 @@ class _Simulation:
             if self._decide(job):
                 placed = True
                 shape.seen = None
-            elif not job.done:
+            elif job.done:
+                placed = True  # rejected (e.g. a spread the span guard now finds too costly)
+            else:
                 failed.add(shape.index)
                 shape.seen = self._workers(shape.per_worker).copy()
                 continue

@@ -27,7 +27,7 @@ import numpy as np
 
 from loom.net.linkstate import CostWeights
 from loom.sched.availability import MIN_RESERVATION_S, Reservation, WaitBook, expected_wait_s
-from loom.sched.framework import Candidates, Code, CycleState, Decision, StateKey, Status
+from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, Decision, StateKey, Status
 from loom.sched.plugins.compute import delivered_speed, speed_key
 from loom.sched.plugins.data import data_delay_s, data_key, data_placement
 from loom.sched.snapshot import (
@@ -731,8 +731,14 @@ class SpanGuard:
       ``margin`` sooner than the best option's wait plus run, **and** it holds at most
       ``gpu_hours_bound`` times the GPU-hours of the gang in the fastest pool that could hold it;
       otherwise the gang waits for that pool. A gang no pool could ever hold may spread within
-      the GPU-hours bound (against the gang in one cluster at its fastest part's speed); beyond it,
-      it waits at most what the spread would lose (the ski-rental bound below), then spreads.
+      the GPU-hours bound (against the gang in one cluster at its fastest part's speed). Beyond it,
+      it never waits for one cluster (none will ever hold it): when no spread over the allowed
+      clusters could keep within the bound even on an idle platform
+      (:func:`idle_spread_floor`), :meth:`pre_filter` rejects the gang at its first cycle, busy
+      platform or not (UNRESOLVABLE, ``span_inflation``, with the factor: it would hold its GPUs
+      far longer than its work needs, slowing every job behind it); otherwise the permit (which
+      never rejects) makes it wait for a spread within the bound at most what this one would lose
+      (the ski-rental bound below), then spreads.
     - *Slower GPUs* (any batch job in one cluster; not inference, which serves from when it
       starts): waits for a faster option only when that option's
       wait plus run beats the run now by ``margin``, and never longer in all than the slower start
@@ -745,7 +751,10 @@ class SpanGuard:
       full load, single jobs of tens of hours ran 6-12x slower than under ``gavel_like`` when only
       gangs with ``comm`` and no queue could wait). The bound was chosen on that grid and on
       ``loom bench contention`` (plugins README). An option free now passes (the scores chose the
-      slower GPUs on purpose, e.g. for the data).
+      slower GPUs on purpose, e.g. for the data); one whose room is expected now only because a
+      running job overran its predicted end is not free: the job waits for it, within the same
+      ski-rental bound (before, such a pool passed as free and single jobs of tens of hours
+      started on P100s 6x slower than the G2 about to free up).
 
     A wait is UNSCHEDULABLE with ``wait_s`` the expected wait (none when unknown: the job is decided
     again when capacity frees) and claims the pool waited for in the shared
@@ -779,6 +788,42 @@ class SpanGuard:
         if not queue_slowdown >= 1.0:
             raise ValueError(f"queue_slowdown must be at least 1, got {queue_slowdown}")
         self.queue_slowdown = queue_slowdown
+
+    def pre_filter(self, state: CycleState) -> Status:
+        """UNRESOLVABLE (``span_inflation``) for a gang that may span clusters, that no allowed
+        cluster could ever hold at any size it may run with, and whose every spread over the
+        allowed clusters would hold more than ``gpu_hours_bound`` times the GPU-hours of it in one
+        cluster even on an idle platform (:func:`idle_spread_floor` over every node): waiting
+        cannot help it, and running it would hold its GPUs that many times longer than its work
+        needs while the jobs behind it queue. Judged from the platform's capacity and links, never
+        from which GPUs are free now, so the verdict stands on every later cycle while nodes, links
+        and learned speeds stay as they are (a changed link or speed may turn it, either way)."""
+        job = state.job
+        if not job.allow_multi_cluster or job.pipeline is not None:
+            return SUCCESS
+        holders = _idle_workers(state, every_node=True) * _allowed_pools(state, avoided=False)
+        low, high = state.min_workers, state.target_workers
+        if float(holders.max(initial=0.0)) >= low:
+            return SUCCESS  # a cluster could hold it (the permit decides whether to wait for one)
+        floors = [idle_spread_floor(state, w, every_node=True) for w in range(low, high + 1)]
+        known = [f for f in floors if f is not None]
+        if not known or min(f.inflation for f in known) <= self.gpu_hours_bound:
+            return SUCCESS  # cannot fit at all (the framework says so), or a spread keeps within it
+        best = min(known, key=lambda f: f.inflation)
+        cost = f"{best.inflation:.1f}x the GPU-hours of one cluster"
+        most = int(holders.max(initial=0.0))
+        hint = (
+            f"a spread would cost at least {cost}: ask for fewer or smaller workers (one cluster"
+            f" holds at most {most} of {state.per_worker} GPU(s)), or less traffic per step"
+        )
+        return Status(
+            Code.UNRESOLVABLE,
+            f"no allowed cluster can ever hold {low} worker(s) x {state.per_worker} GPU(s), and spread"
+            f" over the allowed clusters ({best.where}) the gang would cost at least {cost}, beyond the"
+            f" {self.gpu_hours_bound:g}x bound",
+            reject="span_inflation",
+            hint=hint,
+        )
 
     def permit(self, state: CycleState, decision: Decision) -> Status:
         job = state.job
@@ -859,12 +904,23 @@ class SpanGuard:
             )
             if chosen.step_s <= self.gpu_hours_bound * ideal.step_s:
                 return Status()
+            # Never rejected here (the pre-filter did that, from the idle platform alone): a
+            # verdict that hung on which GPUs are free now would not be final. The gang waits for
+            # a spread within the bound when one is possible on the schedulable nodes, else at
+            # most what this one would lose against one cluster (ski rental), then spreads.
+            floor = idle_spread_floor(state, decision.workers)
+            better = floor if floor is not None and floor.inflation <= self.gpu_hours_bound else None
             return wait_unless_lost(
                 state,
                 chosen.step_s,
-                ideal.step_s,
+                ideal.step_s if better is None else max(better.best_step_s, ideal.step_s),
                 f"spread over {where} a step would take {chosen.step_s:.2f} s against"
-                f" {ideal.step_s:.2f} s in one cluster, more than {self.gpu_hours_bound:g}x its GPU-hours",
+                f" {ideal.step_s:.2f} s in one cluster, more than {self.gpu_hours_bound:g}x its GPU-hours"
+                + (
+                    ""
+                    if better is None
+                    else f"; a spread within it is possible ({better.where}); waiting for one"
+                ),
             )
         options = single_cluster_options(state, holders, decision.workers, book=self.book)
         fastest = float(np.min([o.run_s for o in options])) if options else math.inf
@@ -917,29 +973,109 @@ _WORKERS: "weakref.WeakKeyDictionary[Snapshot, dict[int, tuple[bytes, FloatArray
     weakref.WeakKeyDictionary()
 )
 """Per snapshot and GPUs per worker: the workers each (cluster, model) pool's schedulable nodes hold
-when idle, with the schedulable flags it was counted for (totals never change within a snapshot)."""
+when idle, with the schedulable flags it was counted for (totals never change within a snapshot);
+under minus the GPUs per worker, what all its nodes hold."""
 
 
-def whole_gang_pools(state: CycleState, workers: int) -> BoolArray:
-    """(cluster, model) pools, allowed by policy and not avoided, that hold ``workers`` when idle."""
+@dataclass(frozen=True, slots=True)
+class SpreadFloor:
+    """What the best spread of a gang over the allowed clusters could reach on an idle platform."""
+
+    inflation: float
+    """A lower bound of any spread's step over the gang's step in one cluster at the same speed
+    (the GPU-hours ratio the span guard bounds)."""
+    best_step_s: float
+    """A lower bound of any spread's step (the fastest pool's compute and the best link)."""
+    where: str
+    """The regions the best link joins, in words."""
+
+
+def idle_spread_floor(state: CycleState, workers: int, *, every_node: bool = False) -> SpreadFloor | None:
+    """Lower bounds of what spreading ``workers`` over the allowed clusters (each cluster's one GPU
+    model, as :meth:`~loom.sched.framework.Framework.spread` takes them) could reach on an idle
+    platform; None when the clusters cannot hold them at all. With ``every_node`` the platform is
+    every node whatever its state (unschedulable ones may come back) and avoided clusters count
+    (avoiding is a preference): what no later cycle can improve on.
+
+    The link: the best of the links a spread must use, i.e. within one region when one region's
+    clusters hold the gang, else between the best pair of regions that together hold it, else the
+    best link between any two regions. The compute: the slowest allowed pool's speed for the
+    inflation (a slower step dilutes the network's share, so this bounds every spread's inflation
+    from below), the fastest pool's for the step."""
+    snap = state.snapshot
+    job = state.job
+    counts = _idle_workers(state, every_node=every_node) * _allowed_pools(state, avoided=not every_node)
+    per_cluster = counts.max(axis=1, initial=0.0)
+    if float(per_cluster.sum()) < workers:
+        return None
+    c_idx, m_idx = np.nonzero(counts > 0)
+    speed = snap.job_speeds(job)[m_idx] * snap.trust[c_idx]
+    s_min, s_max = max(float(speed.min()), 1e-9), max(float(speed.max()), 1e-9)
+    region_workers: dict[str, float] = {}
+    for c in np.nonzero(per_cluster > 0)[0].tolist():
+        region = snap.clusters[c].region
+        region_workers[region] = region_workers.get(region, 0.0) + float(per_cluster[c])
+    regions = sorted(region_workers)
+    bytes_per_step, rounds = _comm_of(job)
+    sets = [[r, r] for r in regions if region_workers[r] >= workers]
+    if not sets:
+        pairs = [[a, b] for i, a in enumerate(regions) for b in regions[i + 1 :]]
+        sets = [p for p in pairs if region_workers[p[0]] + region_workers[p[1]] >= workers] or pairs
+    best_comm, best_set = math.inf, regions[:1]
+    for members in sets:
+        rtt, bw = slowest_link(snap.net, members)
+        comm = _allreduce_one(bytes_per_step, rounds, rtt, bw, workers)
+        if comm < best_comm:
+            best_comm, best_set = comm, members
+    if not math.isfinite(best_comm):
+        return None
+    intra = _allreduce_one(bytes_per_step, rounds, INTRA_CLUSTER_RTT_MS, INTRA_CLUSTER_GBPS, workers)
+    slow = job.work.step_time_s / s_min
+    where = f"within {best_set[0]}" if best_set[0] == best_set[-1] else f"{best_set[0]} with {best_set[-1]}"
+    return SpreadFloor(
+        inflation=(slow + best_comm) / max(slow + intra, 1e-12),
+        best_step_s=job.work.step_time_s / s_max + best_comm,
+        where=where,
+    )
+
+
+def _idle_workers(state: CycleState, *, every_node: bool = False) -> FloatArray:
+    """Per (cluster, model) pool: the workers of ``state``'s GPUs its schedulable nodes (with
+    ``every_node``, all its nodes) hold idle."""
     snap = state.snapshot
     g = state.per_worker
     c_count, m_count = snap.total_sum.shape
     per_g = _WORKERS.setdefault(snap, {})
-    flags = snap.schedulable.tobytes()
-    cached = per_g.get(g)
+    usable = np.ones_like(snap.schedulable) if every_node else snap.schedulable
+    flags = usable.tobytes()
+    key = -g if every_node else g
+    cached = per_g.get(key)
     if cached is None or cached[0] != flags:
         counts = np.bincount(
-            snap.pool_of, weights=np.where(snap.schedulable, snap.total // g, 0), minlength=c_count * m_count
+            snap.pool_of, weights=np.where(usable, snap.total // g, 0), minlength=c_count * m_count
         )
-        cached = per_g[g] = (flags, counts.astype(np.float64).reshape(c_count, m_count))
+        cached = per_g[key] = (flags, counts.astype(np.float64).reshape(c_count, m_count))
+    return cached[1]
+
+
+def _allowed_pools(state: CycleState, *, avoided: bool = True) -> BoolArray:
+    """(cluster, model) pools allowed by policy and the job's models, not avoided (unless
+    ``avoided`` is False: then clusters an earlier attempt failed in count too)."""
+    snap = state.snapshot
+    m_count = snap.total_sum.shape[1]
     allowed = (state.policy_mask if state.policy_mask is not None else state.cluster_mask).copy()
-    for cid in state.avoid_clusters:
+    for cid in state.avoid_clusters if avoided else ():
         index = snap.cluster_index.get(cid)
         if index is not None:
             allowed[index] = False
     models = state.model_mask[:m_count]
-    result: BoolArray = allowed[:, None] & models[None, :] & (cached[1] >= workers)
+    result: BoolArray = allowed[:, None] & models[None, :]
+    return result
+
+
+def whole_gang_pools(state: CycleState, workers: int) -> BoolArray:
+    """(cluster, model) pools, allowed by policy and not avoided, that hold ``workers`` when idle."""
+    result: BoolArray = _allowed_pools(state) & (_idle_workers(state) >= workers)
     return result
 
 
