@@ -1,7 +1,8 @@
 """Placement policies for the simulator: Loom's default profile and the baselines it is measured against.
 
 Every policy is a :class:`~loom.sched.framework.Framework` with a plugin profile, so all of them
-share the scheduling core: the queue order (``priority_fair_share``), what fits (``resource_fit``,
+share the scheduling core: the queue order (``priority_fair_share`` for the baselines; Loom's
+profile orders by ``fair_share_srsf``, shortest predicted service first with aging), what fits (``resource_fit``,
 gangs, quotas, the job's hard affinity rules), elastic shrink and priority preemption. They differ
 only in how they *choose* among the candidates that fit, which is what the comparison is about:
 
