@@ -11,7 +11,7 @@ from typing import Any
 from loom.model.profiles import library_models
 from loom.sched.availability import WaitBook
 from loom.sched.framework import Framework, Registry
-from loom.sched.plugins import network, patience
+from loom.sched.plugins import network, patience, queue_order
 from loom.sched.plugins.affinity import Affinity
 from loom.sched.plugins.backfill import Backfill, WaitingJobs
 from loom.sched.plugins.compute import FreeFit, NodeFit, PoolFit, PriorityFairShare, ScuFit, Trust, WaterLevel
@@ -20,12 +20,15 @@ from loom.sched.plugins.data import DataLocality
 from loom.sched.plugins.elastic import ElasticShrink
 from loom.sched.plugins.network import AlphaLearner, Jct, Joint, SpanGuard
 from loom.sched.plugins.patience import PipelinePatience
+from loom.sched.plugins.queue_order import ShortestServiceFirst
 from loom.sched.plugins.quota import Preempt, Quota
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.snapshot import Economics
 
 DEFAULT_PLUGINS: tuple[str, ...] = (
-    "priority_fair_share",
+    # The queue: priority, the tenant's quota band, then shortest predicted service first with aging
+    # (a bounded wait); "priority_fair_share" (fair share, then arrival) is still registered.
+    "fair_share_srsf",
     "resource_fit",
     "quota",
     "affinity",
@@ -69,6 +72,14 @@ def default_registry() -> Registry:
     """Every plugin Loom ships, by name."""
     registry = Registry()
     registry.register("priority_fair_share", lambda _cfg: PriorityFairShare())
+    registry.register(
+        "fair_share_srsf",
+        lambda cfg: ShortestServiceFirst(
+            aging_s=float(cfg.get("aging_s", queue_order.DEFAULT_AGING_S)),
+            band=float(cfg.get("band", queue_order.DEFAULT_BAND)),
+            share_s=float(cfg.get("share_s", queue_order.DEFAULT_SHARE_S)),
+        ),
+    )
     registry.register("resource_fit", lambda _cfg: ResourceFit(library_models()))
     registry.register("scu_fit", lambda _cfg: ScuFit())
     registry.register("trust", lambda _cfg: Trust())

@@ -1,9 +1,11 @@
 """Placement policies for the simulator: Loom's default profile and the baselines it is measured against.
 
 Every policy is a :class:`~loom.sched.framework.Framework` with a plugin profile, so all of them
-share the scheduling core: the queue order (``priority_fair_share``), what fits (``resource_fit``,
-gangs, quotas, the job's hard affinity rules), elastic shrink and priority preemption. They differ
-only in how they *choose* among the candidates that fit, which is what the comparison is about:
+share the scheduling core: what fits (``resource_fit``, gangs, quotas, the job's hard affinity
+rules), elastic shrink and priority preemption. The baselines queue by ``priority_fair_share``
+(fair share, then arrival); Loom's profile by ``fair_share_srsf`` (quota band, then shortest
+predicted service first with aging), a decision of Loom's own. Otherwise they differ only in how
+they *choose* among the candidates that fit, which is what the comparison is about:
 
 ========================  ====================================================================
 ``loom``                  the default profile (:func:`loom.sched.profile.build_framework`):
