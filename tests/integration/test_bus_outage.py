@@ -137,7 +137,10 @@ async def _reports_in_stream(client: LoomClient, job_id: str) -> list[tuple[str,
     dedup is not there)."""
     js = client.nc.jetstream()
     sub = await js.pull_subscribe(
-        f"{subjects.PREFIX}.jobs.*.t1", config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL), stream="JOBS"
+        # Agents' reports carry their cluster as a fifth token (loom.jobs.<kind>.<tenant>.<cluster>).
+        f"{subjects.PREFIX}.jobs.>",
+        config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
+        stream="JOBS",
     )
     found: list[tuple[str, int | None]] = []
     try:
