@@ -142,6 +142,7 @@ class MetricsService:
             ClusterHeartbeat,
             handler=self.on_heartbeat,
             publisher=self.ctx.publisher,
+            callback_pull=True,
         )
         lifecycle: ConsumerRunner[bytes] = ConsumerRunner(
             self.ctx.nc,
@@ -156,6 +157,7 @@ class MetricsService:
             bytes,
             batch_handler=self.on_job_events,
             publisher=self.ctx.publisher,
+            callback_pull=True,
         )
         profiles: ConsumerRunner[ClusterProfiles] = ConsumerRunner(
             self.ctx.nc,
