@@ -65,6 +65,7 @@ class Metering:
             bytes,
             batch_handler=self.on_events,
             publisher=self.ctx.publisher,
+            callback_pull=True,
         )
 
     async def on_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
@@ -93,20 +94,37 @@ class Metering:
         return outcomes
 
     async def _apply(self, decoded: list[tuple[str, MeteredEvent]]) -> list[str]:
-        """Claim, fold, save and meter; returns the tenant of each run metered (afresh)."""
+        """Claim, fold, save and meter; returns the tenant of each run metered (afresh).
+
+        A fixed number of statements per batch, whatever its size: the claim, the run records
+        and the job specs the batch needs (each read in one statement), the records written back
+        in one; only a ``cancelled`` (the job's open runs) and a complete record (its usage rows)
+        cost statements of their own.
+        """
         metered: list[str] = []
         async with transaction(self.ctx.db) as conn:
             new = await inbox.claim_many(conn, CONSUMER, [msg_id for msg_id, _ in decoded])
-            records: dict[tuple[str, int], RunRecord] = {}
-            specs: dict[str, tuple[dict[str, str], str] | None] = {}
-            changed: list[tuple[str, int]] = []
+            fresh: list[MeteredEvent] = []
             for msg_id, event in decoded:
                 if msg_id not in new:
                     self.counts["duplicates"] += 1
                     continue
                 new.discard(msg_id)  # the same message twice in one batch counts once
+                fresh.append(event)
+            loaded = await usage_store.load_runs(conn, [k for e in fresh if (k := _run_key(e)) is not None])
+            # The specs folding will ask for: a placement's job, and a job whose record has no labels.
+            wanted = {
+                e.job_id
+                for e in fresh
+                if isinstance(e, JobPlaced)
+                or ((k := _run_key(e)) is not None and (k not in loaded or not loaded[k].labels))
+            }
+            specs = await usage_store.job_specs(conn, sorted(wanted))
+            records: dict[tuple[str, int], RunRecord] = {}
+            changed: list[tuple[str, int]] = []
+            for event in fresh:
                 self.counts["events"] += 1
-                for key in await self._runs_of(conn, event, records):
+                for key in await self._runs_of(conn, event, records, loaded):
                     updated = fold(records[key], event)
                     if isinstance(event, JobPlaced) or not updated.labels:
                         if event.job_id not in specs:
@@ -117,9 +135,9 @@ class Metering:
                     records[key] = updated
                     if key not in changed:
                         changed.append(key)
+            await usage_store.save_runs(conn, [records[key] for key in changed])
             for key in changed:
                 record = records[key]
-                await usage_store.save_run(conn, record)
                 if record.complete:
                     rows = meter(record, self.price, self.scu)
                     await usage_store.replace_rows(conn, record.job_id, record.attempt, rows)
@@ -127,19 +145,32 @@ class Metering:
         return metered
 
     async def _runs_of(
-        self, conn: asyncpg.Connection, event: MeteredEvent, records: dict[tuple[str, int], RunRecord]
+        self,
+        conn: asyncpg.Connection,
+        event: MeteredEvent,
+        records: dict[tuple[str, int], RunRecord],
+        loaded: dict[tuple[str, int], RunRecord],
     ) -> list[tuple[str, int]]:
-        """The runs an event folds into (loaded into ``records``): its attempt; the attempt a
-        ``requeued`` gave up; every run of the job not yet ended for a ``cancelled``."""
+        """The runs an event folds into (put into ``records``): its attempt; the attempt a
+        ``requeued`` gave up; every run of the job not yet ended for a ``cancelled``. ``loaded``
+        holds the stored records read ahead for the batch (:func:`_run_key`)."""
         if isinstance(event, JobCancelled):
             for record in await usage_store.open_runs(conn, event.job_id):
                 records.setdefault((record.job_id, record.attempt), record)
             return sorted(k for k, r in records.items() if k[0] == event.job_id and r.ended_ms is None)
-        attempt = event.attempt - 1 if isinstance(event, JobRequeued) else event.attempt
-        if attempt < 1:
+        key = _run_key(event)
+        if key is None:
             return []
-        key = (event.job_id, attempt)
         if key not in records:
-            found = await usage_store.load_run(conn, event.job_id, attempt)
-            records[key] = found or RunRecord(job_id=event.job_id, attempt=attempt, tenant=event.tenant)
+            found = loaded.get(key)
+            records[key] = found or RunRecord(job_id=event.job_id, attempt=key[1], tenant=event.tenant)
         return [key]
+
+
+def _run_key(event: MeteredEvent) -> tuple[str, int] | None:
+    """The one attempt an event folds into (the one a ``requeued`` gave up); None for a
+    ``cancelled`` (the job's open runs) and for an attempt below 1."""
+    if isinstance(event, JobCancelled):
+        return None
+    attempt = event.attempt - 1 if isinstance(event, JobRequeued) else event.attempt
+    return (event.job_id, attempt) if attempt >= 1 else None

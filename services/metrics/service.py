@@ -143,6 +143,7 @@ class MetricsService:
             ClusterHeartbeat,
             handler=self.on_heartbeat,
             publisher=self.ctx.publisher,
+            callback_pull=True,
         )
         lifecycle: ConsumerRunner[bytes] = ConsumerRunner(
             self.ctx.nc,
@@ -157,6 +158,7 @@ class MetricsService:
             bytes,
             batch_handler=self.on_job_events,
             publisher=self.ctx.publisher,
+            callback_pull=True,
         )
         profiles: ConsumerRunner[ClusterProfiles] = ConsumerRunner(
             self.ctx.nc,

@@ -163,6 +163,7 @@ class MigrationService:
             bytes,
             batch_handler=self.on_job_events,
             publisher=self.ctx.publisher,
+            callback_pull=True,
         )
         drain_sub = await self.ctx.nc.subscribe(subjects.MIGRATE_DRAIN, queue="migration", cb=self.on_drain)
         query_sub = await self.ctx.nc.subscribe(subjects.MIGRATE_QUERY, queue="migration", cb=self.on_query)
@@ -212,15 +213,41 @@ class MigrationService:
                 continue  # placement dead-letters bad lifecycle events; nothing to record here
         messages: list[outbox.OutboxMessage] = []
         async with transaction(self.pool) as conn:
+            # Consecutive starts end their migrations in one statement per round (a job's second
+            # start in the run is in the next round), in event order; a failover between them is
+            # recorded in its place.
+            starts: list[JobStarted] = []
             for e in decoded:
                 if isinstance(e, JobRequeued) and e.cause in ("cluster_lost", "node_lost"):
+                    messages += await self._complete_moves(conn, starts)
+                    starts = []
                     messages += await self._record_failover(conn, e)
                 elif isinstance(e, JobStarted):
-                    for row in await moves.complete(conn, e.job_id, e.attempt, e.cluster):
-                        messages.append(self._message(row, "completed"))
-            await outbox.add(conn, PRODUCER, messages)
+                    starts.append(e)
+            messages += await self._complete_moves(conn, starts)
+            if messages:
+                await outbox.add(conn, PRODUCER, messages)
         await self._publish(messages)
         return [None] * len(deliveries)
+
+    async def _complete_moves(
+        self, conn: asyncpg.Connection, starts: list[JobStarted]
+    ) -> list[outbox.OutboxMessage]:
+        """The migrations that ``starts`` (in order) end, and their ``completed`` messages."""
+        rounds: list[dict[str, JobStarted]] = []
+        for e in starts:
+            for taken in rounds:
+                if e.job_id not in taken:
+                    break
+            else:
+                taken = {}
+                rounds.append(taken)
+            taken[e.job_id] = e
+        messages: list[outbox.OutboxMessage] = []
+        for taken in rounds:
+            rows = await moves.complete_many(conn, [(e.job_id, e.attempt, e.cluster) for e in taken.values()])
+            messages += [self._message(row, "completed") for row in rows]
+        return messages
 
     async def _record_failover(self, conn: asyncpg.Connection, e: JobRequeued) -> list[outbox.OutboxMessage]:
         job = await conn.fetchrow(

@@ -450,6 +450,7 @@ class PlacementService:
                 batch_handler=self.on_lifecycle,
                 publisher=self.ctx.publisher,
                 idle_fetch_timeout_s=idle_fetch_timeout_s,
+                callback_pull=True,
             ),
             ConsumerRunner(
                 self.ctx.nc,

@@ -274,3 +274,100 @@ async def test_the_metering_consumer_counts_each_event_once_in_any_order(
         (2, "completed", 4 * 30_250),
     ]
     assert metering.counts["duplicates"] == len(events)
+
+
+async def test_a_metering_batch_with_one_poison_message_meters_the_others_with_a_fixed_number_of_statements(
+    fresh_database: Callable[..., Awaitable[str]],
+) -> None:
+    from types import SimpleNamespace
+
+    from opentelemetry import trace
+
+    from loom.bus import Delivery
+    from loom.store.pool import create_pool
+    from loom_proto.codec import encode
+    from loom_proto.jobs import JobCompleted, JobPlaced, JobStarted, NodeAllocation
+    from loom_services.metrics.metering import Metering
+
+    t0 = 1_780_000_000.0
+    jobs = [f"b-{i}" for i in range(5)]
+    events: list[tuple[str, object]] = []
+    for i, job in enumerate(jobs):
+        events += [
+            (
+                f"{job}:placed:1",
+                JobPlaced(
+                    job_id=job,
+                    tenant="acme",
+                    cluster="c1",
+                    region="r1",
+                    gpu_model="A100",
+                    allocations=[NodeAllocation("n1", i + 1)],
+                    attempt=1,
+                    placed_at=t0,
+                ),
+            ),
+            (
+                f"{job}:started:1",
+                JobStarted(job_id=job, tenant="acme", cluster="c1", attempt=1, started_at=t0),
+            ),
+            (
+                f"{job}:completed:1",
+                JobCompleted(job_id=job, tenant="acme", cluster="c1", attempt=1, at=t0 + 10),
+            ),
+        ]
+    bodies = [(mid, encode(e)) for mid, e in events]
+    bodies.insert(7, ("poison", b'{"kind": "placed", "job_id": 7}'))  # not a metered event
+
+    def delivery(i: int, mid: str, body: bytes) -> Delivery[bytes]:
+        span = trace.get_tracer("test").start_span("x")
+        return Delivery(
+            msg=None,
+            subject="loom.jobs.x.acme",
+            message=body,
+            headers={},
+            msg_id=mid,
+            num_delivered=1,
+            stream_seq=i + 1,
+            span=span,
+        )  # type: ignore[arg-type]
+
+    pool = await create_pool(await fresh_database("metering-batch"), max_size=1)
+    statements: list[str] = []
+    try:
+        # The jobs' labels come from their records in ``jobs`` (read for the batch in one go).
+        await pool.executemany(
+            "INSERT INTO jobs (job_id, tenant, state, spec, submitted_at) "
+            "VALUES ($1, 'acme', 'running', $2::jsonb, now())",
+            [
+                (job, json.dumps({"labels": {"team": f"t{i}"}, "task_type": "inference"}))
+                for i, job in enumerate(jobs)
+            ],
+        )
+        metering = Metering(SimpleNamespace(db=pool), lambda _r, _t: 2.0)  # type: ignore[arg-type]
+
+        def logged(q: Any) -> None:
+            statements.append(q.query)
+
+        async with pool.acquire() as conn:  # the pool's one connection: what metering uses
+            conn.add_query_logger(logged)
+        outcomes = await metering.on_events([delivery(i, mid, body) for i, (mid, body) in enumerate(bodies)])
+        async with pool.acquire() as conn:
+            conn.remove_query_logger(logged)
+        rows = await pool.fetch(
+            "SELECT job_id, outcome, labels->>'team' AS team, sum(gpu_ms)::bigint AS gpu_ms "
+            "FROM usage_rows GROUP BY 1, 2, 3 ORDER BY 1"
+        )
+        runs = await pool.fetchval("SELECT count(*) FROM usage_runs")
+    finally:
+        await pool.close()
+    assert [type(o).__name__ if o else None for o in outcomes] == [
+        "InvalidInputError" if mid == "poison" else None for mid, _ in bodies
+    ]
+    assert [(r["job_id"], r["outcome"], r["team"], r["gpu_ms"]) for r in rows] == [
+        (job, "completed", f"t{i}", (i + 1) * 10_000) for i, job in enumerate(jobs)
+    ]
+    assert runs == len(jobs) and metering.counts["events"] == len(events)
+    # One read and one write of run records, one read of specs, for the whole batch.
+    assert sum("usage_runs" in q for q in statements) == 2
+    assert sum("FROM jobs" in q for q in statements) == 1

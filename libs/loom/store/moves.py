@@ -245,6 +245,34 @@ async def complete(conn: asyncpg.Connection, job_id: str, attempt: int, cluster:
     return rows
 
 
+async def complete_many(
+    conn: asyncpg.Connection, starts: Sequence[tuple[str, int, str]]
+) -> list[asyncpg.Record]:
+    """:func:`complete` of several ``(job, attempt, cluster)`` starts, of distinct jobs, in one
+    statement; the rows in the order of ``starts``."""
+    if len({job_id for job_id, _, _ in starts}) != len(starts):
+        raise ValueError("complete_many takes one start per job")
+    if not starts:
+        return []
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """WITH s AS (
+               SELECT * FROM unnest($1::text[], $2::int[], $3::text[]) WITH ORDINALITY
+                 AS s(job_id, attempt, cluster, pos)
+           ), done AS (
+               UPDATE migrations m SET state = 'completed', to_cluster = s.cluster, finished_at = now()
+               FROM s
+               WHERE m.job_id = s.job_id AND m.from_attempt < s.attempt
+                 AND m.state IN ('planned', 'started')
+               RETURNING m.*, s.pos
+           )
+           SELECT * FROM done ORDER BY pos, migration_id""",
+        [j for j, _, _ in starts],
+        [a for _, a, _ in starts],
+        [c for _, _, c in starts],
+    )
+    return rows
+
+
 async def fail(conn: asyncpg.Connection, migration_id: str, why: str) -> asyncpg.Record | None:
     """An open migration did not happen, and why."""
     row: asyncpg.Record | None = await conn.fetchrow(

@@ -17,13 +17,16 @@ from loom.store.roles import tenant_scope
 
 __all__ = [
     "job_spec",
+    "job_specs",
     "load_run",
+    "load_runs",
     "open_runs",
     "read_rows",
     "read_tenant_rows",
     "recorded_runs",
     "replace_rows",
     "save_run",
+    "save_runs",
     "usage_totals",
 ]
 
@@ -34,6 +37,25 @@ async def load_run(conn: asyncpg.Connection, job_id: str, attempt: int) -> RunRe
         "SELECT record FROM usage_runs WHERE job_id = $1 AND attempt = $2 FOR UPDATE", job_id, attempt
     )
     return None if row is None else msgspec.json.decode(row["record"], type=RunRecord)
+
+
+async def load_runs(
+    conn: asyncpg.Connection, keys: Sequence[tuple[str, int]]
+) -> dict[tuple[str, int], RunRecord]:
+    """:func:`load_run` of many attempts in one statement (locked, in key order so two writers
+    never lock in opposite orders); attempts without a record are left out."""
+    if not keys:
+        return {}
+    ordered = sorted(set(keys))
+    rows = await conn.fetch(
+        """SELECT r.job_id, r.attempt, r.record FROM usage_runs r
+           JOIN unnest($1::text[], $2::int[]) AS k(job_id, attempt)
+             ON r.job_id = k.job_id AND r.attempt = k.attempt
+           ORDER BY r.job_id, r.attempt FOR UPDATE OF r""",
+        [k[0] for k in ordered],
+        [k[1] for k in ordered],
+    )
+    return {(r["job_id"], r["attempt"]): msgspec.json.decode(r["record"], type=RunRecord) for r in rows}
 
 
 async def open_runs(conn: asyncpg.Connection, job_id: str) -> list[RunRecord]:
@@ -54,6 +76,20 @@ async def save_run(conn: asyncpg.Connection, record: RunRecord) -> None:
         record.job_id,
         record.attempt,
         msgspec.json.encode(record).decode(),
+    )
+
+
+async def save_runs(conn: asyncpg.Connection, records: Sequence[RunRecord]) -> None:
+    """:func:`save_run` of many records in one statement (one record per attempt)."""
+    if not records:
+        return
+    await conn.execute(
+        """INSERT INTO usage_runs (job_id, attempt, record)
+           SELECT * FROM unnest($1::text[], $2::int[], $3::jsonb[])
+           ON CONFLICT (job_id, attempt) DO UPDATE SET record = EXCLUDED.record, updated_at = now()""",
+        [r.job_id for r in records],
+        [r.attempt for r in records],
+        [msgspec.json.encode(r).decode() for r in records],
     )
 
 
@@ -92,11 +128,25 @@ async def job_spec(conn: asyncpg.Connection, job_id: str) -> tuple[dict[str, str
     """A job's labels and task type from its record in ``jobs`` (stage jobs of a DAG have no
     submission event of their own, so this is where every job's labels are); None when unknown."""
     row = await conn.fetchrow("SELECT spec FROM jobs WHERE job_id = $1", job_id)
-    if row is None:
-        return None
-    spec = json.loads(row["spec"]) if isinstance(row["spec"], str) else dict(row["spec"])
+    return None if row is None else _spec_fields(row["spec"])
+
+
+def _spec_fields(raw: Any) -> tuple[dict[str, str], str]:
+    spec = json.loads(raw) if isinstance(raw, str) else dict(raw)
     labels = {str(k): str(v) for k, v in (spec.get("labels") or {}).items()}
     return labels, str(spec.get("task_type") or "training_compute")
+
+
+async def job_specs(
+    conn: asyncpg.Connection, job_ids: Sequence[str]
+) -> dict[str, tuple[dict[str, str], str] | None]:
+    """:func:`job_spec` of many jobs in one statement: every id asked for is a key (None when unknown)."""
+    out: dict[str, tuple[dict[str, str], str] | None] = dict.fromkeys(job_ids)
+    if not out:
+        return out
+    for row in await conn.fetch("SELECT job_id, spec FROM jobs WHERE job_id = ANY($1::text[])", list(out)):
+        out[row["job_id"]] = _spec_fields(row["spec"])
+    return out
 
 
 async def read_tenant_rows(
