@@ -24,6 +24,7 @@ from loom.bus import Delivery
 from loom.runtime.servers import PostgresServer
 from loom.store.migrations import migrate_url
 from loom.store.pool import create_pool
+from loom_proto import subjects
 from loom_proto.codec import encode
 from loom_proto.jobs import JobPlaced, JobStarted, NodeAllocation
 from loom_services.metrics.metering import Metering
@@ -53,7 +54,7 @@ def _deliveries(events: list[tuple[str, Any]], first_seq: int) -> list[Delivery[
     return [
         Delivery(
             msg=None,  # type: ignore[arg-type]  # the handlers never touch the NATS message
-            subject="loom.jobs.bench",
+            subject=subjects.job_event("started", "bench"),  # the handlers read the payload only
             message=encode(event),
             headers={},
             msg_id=msg_id,

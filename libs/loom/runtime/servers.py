@@ -21,6 +21,7 @@ import importlib.util
 import json
 import os
 import pwd
+import random
 import shutil
 import signal
 import socket
@@ -64,12 +65,45 @@ class ServerStartError(LoomError):
     """A server did not come up; the message ends with the last lines of its log."""
 
 
+_PORT_RANDOM = random.SystemRandom()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux), else IANA's."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[:2]
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def find_free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now.
+
+    Picked below the kernel's ephemeral range when there is room there: a port the OS hands out
+    for ``bind(0)`` comes from that range, which is also where every outgoing connection's local
+    port comes from, so between this pick and the server's own bind another process's connection
+    could take it ("address already in use"; seen with a 3-node cluster's route ports under a
+    parallel test run). Below the range only another listener can take it."""
+    low, _ = _ephemeral_range()
+    if low > 12000:
+        for _ in range(50):
+            port = _PORT_RANDOM.randrange(10000, low)
+            if _bindable(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        chosen: int = sock.getsockname()[1]
+        return chosen
 
 
 def _tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:

@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import Self
 
 from loom.model.topology import Cluster
+from loom.runtime.servers import find_free_port
 
 SLURM_PACKAGES = ("slurm-wlm", "munge")
 SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo", "munged")
@@ -58,11 +59,8 @@ def ensure_installed() -> None:
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A TCP port free on 127.0.0.1 now (:func:`loom.runtime.servers.find_free_port`)."""
+    return find_free_port()
 
 
 def _sbin(name: str) -> str:

@@ -43,6 +43,7 @@ from loom.runtime.servers import (
     PostgresServer,
     ServerStartError,
     describe_exit,
+    find_free_port,
     reap_orphans,
 )
 from loom.runtime.slurmlocal import LocalSlurmError, LocalSlurms, slurm_nodes
@@ -293,10 +294,8 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a service told its port on its command line)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port free on 127.0.0.1 now (:func:`loom.runtime.servers.find_free_port`)."""
+    return find_free_port()
 
 
 def is_server(name: str) -> bool:
