@@ -54,7 +54,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         secure_db=args.secure_db,
         metrics_port_base=args.metrics_port_base,
         slurm_clusters=stack.default_slurm_clusters(args.topology, args.cluster or []) if args.slurm else [],
-        secure=args.secure or stack.StackOptions().secure,
+        secure=stack.StackOptions().secure if args.secure is None else args.secure,
         nats_host=args.nats_host,
     )
     with console.status("starting Loom…") as status:
@@ -892,8 +892,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--secure",
-        action="store_true",
-        help="authenticated NATS: every process its own NKEY identity and permissions (loom.security)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="authenticated NATS: every process its own NKEY identity and permissions (loom.security);"
+        " on unless --no-secure or LOOM_SECURE=0",
     )
     p.add_argument(
         "--nats-host",

@@ -66,7 +66,8 @@ _REAP_AFTER_CHANGE_S = 5.0
 log = structlog.get_logger("loom.supervisor")
 
 ENV_SECURE = "LOOM_SECURE"
-"""``1``: stacks start secured unless their options say otherwise (``StackOptions.secure``)."""
+"""``0``: stacks start with unauthenticated NATS unless their options say otherwise
+(``StackOptions.secure``; secured is the default)."""
 ENV_SECURE_DB = "LOOM_SECURE_DB"
 SECURE_DB_DEFAULT = os.environ.get(ENV_SECURE_DB, "1") != "0"
 """Whether ``loom up`` secures PostgreSQL unless told (``--secure-db`` / ``--no-secure-db``): yes,
@@ -147,10 +148,10 @@ class StackOptions:
     simulation (:mod:`loom.runtime.slurmlocal`: two of a cluster's nodes, real slurmctld/slurmd)."""
     slurm_root: str = ""
     """Where the local Slurm clusters live (set by the supervisor: ``<home>/slurm``)."""
-    secure: bool = field(default_factory=lambda: os.environ.get(ENV_SECURE) == "1")
+    secure: bool = field(default_factory=lambda: os.environ.get(ENV_SECURE, "1") != "0")
     """Authenticated, permissioned NATS (issue 18): NKEY credentials for every process under
     ``<home>/secrets/nats/``, each process connecting as its own identity (``loom.security``).
-    Off unless ``loom up --secure`` or ``LOOM_SECURE=1`` (which turns it on for every stack
+    On unless ``loom up --no-secure`` or ``LOOM_SECURE=0`` (which turns it off for every stack
     started without saying, the demo's and the benchmarks' included)."""
     nats_host: str = "127.0.0.1"
     """The address NATS listens on (``loom up --nats-host``). Off the loopback interface, the

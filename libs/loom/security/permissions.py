@@ -160,7 +160,9 @@ def _service_publish(role: Role) -> list[str]:
     if role == "alert-correlator":
         return [f"{P}.alerts.*", subjects.ALERTS_RAW_ALL, *subjects.INCIDENTS_ALL]
     if role == "console":
-        return [subjects.INCIDENTS_ACK, f"{P}.net.emu.>"]
+        # An operator's actions on the console: cancel a job (its ``cancelled`` event, as `loom
+        # cancel`), drain or open a cluster (the migration service's drain request), ack an incident.
+        return [subjects.INCIDENTS_ACK, f"{P}.net.emu.>", *_events("cancelled"), subjects.MIGRATE_DRAIN]
     raise ValueError(f"{role} is not a service role")
 
 
