@@ -96,6 +96,22 @@ def test_nats_start_on_a_taken_port_raises_with_the_log_tail(tmp_path: Path) -> 
     assert not server.running
 
 
+def test_nats_whose_own_picked_port_is_taken_before_it_binds_starts_on_another(tmp_path: Path) -> None:
+    server = NatsServer(tmp_path / "nats")  # port picked free now ...
+    picked = server.port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", picked))  # ... and taken by someone else before the start
+        squatter.listen()
+        server.start(timeout_s=10)
+        try:
+            assert server.running and server.port != picked
+            with socket.create_connection(("127.0.0.1", server.port), timeout=2) as conn:
+                assert conn.recv(4) == b"INFO"  # nats-server greets on the new port
+        finally:
+            server.stop()
+    assert "address already in use" in server.log_path.read_text()  # the refused bind is logged
+
+
 async def test_postgres_answers_queries_in_the_loom_database(database_url: str) -> None:
     conn = await asyncpg.connect(database_url)
     try:

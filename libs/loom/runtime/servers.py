@@ -66,6 +66,8 @@ class ServerStartError(LoomError):
 
 
 _PORT_RANDOM = random.SystemRandom()
+_PORT_RETRIES = 3
+"""Further starts of a server whose self-picked port another process took first."""
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -219,7 +221,14 @@ class _ChildServer:
     def __init__(self, data_dir: Path, port: int | None) -> None:
         self.data_dir = Path(data_dir).absolute()
         self.port = port if port is not None else find_free_port()
+        self._port_picked = port is None
+        """Whether the port was picked here (free when picked: another process may take it before
+        the server binds it; a first start then retries on another)."""
         self._process: subprocess.Popen[bytes] | None = None
+
+    def _repick_ports(self) -> None:
+        """Pick free ports again for those picked here (after one was taken before the bind)."""
+        self.port = find_free_port()
 
     @property
     def log_path(self) -> Path:
@@ -252,8 +261,15 @@ class _ChildServer:
         if self.running:
             return
         deadline = time.monotonic() + timeout_s
-        self._launch(deadline)
-        self._finish_start(deadline)
+        for tries_left in range(_PORT_RETRIES, -1, -1):
+            try:
+                self._launch(deadline)
+                self._finish_start(deadline)
+                return
+            except ServerStartError as exc:
+                if not (self._port_picked and tries_left and "address already in use" in str(exc).lower()):
+                    raise
+                self._repick_ports()  # its log keeps the refused bind
 
     def _launch(self, deadline: float) -> None:
         """Prepare and spawn the process, without waiting for it to serve."""
@@ -453,6 +469,8 @@ class NatsServer(_ChildServer):
         self.tls = tls
         """Certificate, key and CA: clients must then speak TLS and trust that CA."""
         self.monitor_port = monitor_port if monitor_port is not None else find_free_port()
+        self._monitor_picked = monitor_port is None
+        self._port_picked = self._port_picked and cluster_port is None  # a node's URL is its peers'
         if cluster_port is not None and not server_name:
             raise ValueError("a cluster node needs a server_name")
         self.server_name = server_name
@@ -464,6 +482,11 @@ class NatsServer(_ChildServer):
     def client_host(self) -> str:
         """Where a client on this machine reaches the server."""
         return "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+
+    def _repick_ports(self) -> None:
+        super()._repick_ports()
+        if self._monitor_picked:
+            self.monitor_port = find_free_port()
 
     @property
     def url(self) -> str:
