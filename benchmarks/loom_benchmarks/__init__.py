@@ -25,12 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     alerts.add_argument("--skip-stack", action="store_true", help="leave out the real-stack latency part")
     alerts.add_argument("--seed", type=int, default=7)
     alerts.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
-    consumers = sub.add_parser(
-        "consumers", help="CPU per job of metering's and migration's job-event handlers"
-    )
-    consumers.add_argument("--jobs", type=int, default=2000)
-    consumers.add_argument("--batch", type=int, default=50, help="events per handled batch")
-    consumers.add_argument("--json", action="store_true", help="print the JSON result on one line")
     e2e = sub.add_parser("e2e", help="submit -> placed through the real bus, database and services")
     e2e.add_argument("--jobs", type=int, default=2000, help="jobs in the throughput phase")
     e2e.add_argument("--rate", type=float, default=50.0, help="jobs per second in the paced phase")
@@ -256,10 +250,6 @@ def run_benchmark(args: argparse.Namespace) -> int:  # noqa: PLR0912, PLR0915 - 
         from loom_benchmarks.chaos import main as run_chaos
 
         return run_chaos(args)
-    if args.bench == "consumers":
-        from loom_benchmarks.consumers import main as run_consumers
-
-        return run_consumers(args)
     if args.bench == "e2e" and args.slurm:
         from loom_benchmarks.slurm_e2e import run as run_slurm
 

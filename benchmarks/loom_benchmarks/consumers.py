@@ -1,4 +1,4 @@
-"""``loom bench consumers``: CPU per job of the job-event consumers outside placement.
+"""``python -m loom_benchmarks.consumers``: CPU per job of the job-event consumers outside placement.
 
 The handlers of metrics' metering consumer (``placed`` and ``started`` of every job) and of
 migration's job-event consumer (``started``) are called directly, in this process, on batches of
@@ -126,7 +126,19 @@ async def _run(jobs: int, batch: int) -> dict[str, Any]:
     return {"benchmark": "consumers", "jobs": jobs, "batch": batch, **out}
 
 
-def main(args: argparse.Namespace) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loom_benchmarks.consumers [--jobs N] [--batch B] [--json]``: not under ``loom
+    bench``, because it calls the services' handlers in-process and the CLI (a library) may not
+    import services (the import contract)."""
+    parser = argparse.ArgumentParser(prog="python -m loom_benchmarks.consumers", description=__doc__)
+    parser.add_argument("--jobs", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=50, help="events per handled batch")
+    parser.add_argument("--json", action="store_true", help="print the JSON result on one line")
+    args = parser.parse_args(argv)
     result = asyncio.run(_run(args.jobs, args.batch))
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
