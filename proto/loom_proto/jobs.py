@@ -308,6 +308,9 @@ class JobFailed(
     at: UnixSeconds
     exit_code: int | None = None
     """The exit code of work that exited non-zero (a real backend), None otherwise."""
+    stopped: bool = False
+    """The run ended because Loom stopped it (a cancel, a preemption, a move): not a fault of the
+    run or of its cluster, so no alert is raised for it."""
 
 
 RequeueReason = Literal[

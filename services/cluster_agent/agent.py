@@ -508,7 +508,7 @@ class Agent:
             task.cancel()
         if job.lead:
             self._report_failed(
-                job.job_id, job.tenant, job.attempt, reason, retryable=True, carrier=job.carrier
+                job.job_id, job.tenant, job.attempt, reason, retryable=True, carrier=job.carrier, stopped=True
             )
         # GPUs are free from here on, before any await: a command handled alongside this one (a
         # resize growing into them) sees them free.
@@ -729,6 +729,7 @@ class Agent:
         carrier: dict[str, str] | None = None,
         msg_id: str | None = None,
         exit_code: int | None = None,
+        stopped: bool = False,
     ) -> None:
         self._report(
             subjects.job_report("failed", tenant, self.cluster),
@@ -741,6 +742,7 @@ class Agent:
                 retryable=retryable,
                 at=time.time(),
                 exit_code=exit_code,
+                stopped=stopped,
             ),
             msg_id=msg_id or f"{job_id}:failed:{attempt}",
             carrier=carrier or {},

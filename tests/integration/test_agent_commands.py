@@ -264,6 +264,7 @@ async def test_a_stopped_lead_frees_its_gpus_and_reports_failed_once_and_nothing
     await completed(h, sentinel)
     assert h.seen.kinds(lead) == ["started", "failed"]
     assert h.seen.event(lead, "failed")["retryable"] is True  # type: ignore[index]
+    assert h.seen.event(lead, "failed")["stopped"] is True  # type: ignore[index]  # Loom stopped it: no fault
 
 
 async def test_a_run_takes_slowdown_times_longer_and_speeds_with_its_share_of_workers(h: Harness) -> None:

@@ -429,3 +429,16 @@ def test_a_restored_incident_keeps_attracting_its_alerts_and_relapses_reopen_it(
     kinds = [n.kind for n in again.ingest(alert(4, cluster="c-use2-a", dedup_key="down"), 12.0)]
     kinds += [n.kind for n in again.tick(13.0)]
     assert kinds == ["opened"] and again.incidents[inc.incident_id].reopened == 1
+
+
+def test_a_run_loom_stopped_raises_no_alert_but_a_failed_run_does() -> None:
+    from loom.alerts.sources import from_job_failed
+    from loom_proto.jobs import JobFailed
+
+    failed = JobFailed(job_id="j1", tenant="acme", cluster="c1", reason="exit 3", at=1.0, exit_code=3)
+    alert = from_job_failed(failed)
+    assert alert is not None and alert.job_id == "j1" and "exit 3" in alert.summary
+    stopped = JobFailed(
+        job_id="j1", tenant="acme", cluster="c1", reason="cancelled: by the operator", at=1.0, stopped=True
+    )
+    assert from_job_failed(stopped) is None

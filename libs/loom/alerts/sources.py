@@ -65,8 +65,11 @@ def from_link_event(event: LinkDegraded | LinkRecovered) -> Alert:
     )
 
 
-def from_job_failed(event: JobFailed) -> Alert:
-    """A momentary job alert for a failed run."""
+def from_job_failed(event: JobFailed) -> Alert | None:
+    """A momentary job alert for a failed run; none for a run Loom stopped itself (a cancel, a
+    preemption, a move: its agent reports it ``stopped``)."""
+    if event.stopped:
+        return None
     return Alert(
         alert_id=alert_id("job-failed", event.job_id, event.attempt),
         source=SOURCE,
