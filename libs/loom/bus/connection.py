@@ -35,6 +35,27 @@ from loom_proto.subjects import STREAMS, StreamSpec
 log = structlog.get_logger("loom.bus")
 
 
+async def _process_pong(self: Client) -> None:
+    """nats-py's PONG handling, minus its dead-connection bug (nats-py 2.16.0).
+
+    ``Client.flush`` that times out cancels its PONG future but leaves it first in ``_pongs``; the
+    server's late PONG (a server frozen a few seconds: SIGSTOP, a stalled disk) then meets
+    ``future.set_result`` on a cancelled future, ``InvalidStateError`` ends the client's read loop
+    ("nats: encountered error") and the connection is never read again nor reconnected: every
+    request after it times out for good. Found by ``loom bench chaos`` (a 2 s SIGSTOP of
+    nats-server left metrics, migration and the placement standby deaf). The late PONG answers the
+    PING of the cancelled future; it is consumed and ignored, as the library means it to be."""
+    if len(self._pongs) > 0:
+        future = self._pongs.pop(0)
+        if not future.done():
+            future.set_result(True)
+        self._pongs_received += 1
+        self._pings_outstanding = 0
+
+
+Client._process_pong = _process_pong  # type: ignore[method-assign]
+
+
 class BusError(LoomError):
     """The bus could not do what was asked (connection lost, stream misconfigured)."""
 
