@@ -34,8 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--lease-grace-s",
         type=float,
-        default=10.0,
-        help="how long past its ttl the leader keeps leading while the lease bucket has no leader",
+        default=None,
+        help="how long past its ttl the leader keeps leading while the lease bucket has no leader"
+        " (default: 10 s on a replicated bus, LOOM_STREAM_REPLICAS > 1; 0 on a single server)",
     )
     parser.add_argument(
         "--explore-share",

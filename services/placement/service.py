@@ -146,6 +146,14 @@ from loom_services.placement.book import Book, QueuedJob, Run, queued_from_row, 
 
 log = structlog.get_logger("placement")
 
+
+def _default_grace(grace_s: float | None) -> float:
+    """The lease grace asked for, else 10 s on a replicated bus and none on a single server."""
+    if grace_s is not None:
+        return grace_s
+    return 10.0 if int(os.environ.get("LOOM_STREAM_REPLICAS", "1") or "1") > 1 else 0.0
+
+
 PRODUCER = "placement"
 LIFECYCLE_SUBJECTS = subjects.job_events_of(
     "started", "progress", "checkpointed", "completed", "failed", "cancelled"
@@ -181,7 +189,7 @@ class PlacementService:
         confirm_timeout_s: float = 60.0,
         max_attempts: int = 3,
         lease_ttl_s: float = 2.0,
-        lease_grace_s: float = 10.0,
+        lease_grace_s: float | None = None,
         holder: str | None = None,
         explore_share: float = 0.0,
         region_groups: Mapping[str, Sequence[str]] | None = None,
@@ -228,7 +236,11 @@ class PlacementService:
         # lease_grace_s: how long past its TTL the leader keeps leading while the lease bucket has
         # no leader (a NATS cluster electing one: 4-9 s); fenced writes make it safe
         # (loom.bus.lease, "Grace").
-        self.lease_ttl_s, self.lease_grace_s = lease_ttl_s, lease_grace_s
+        # Default: 10 s on a replicated bus (LOOM_STREAM_REPLICAS > 1: the bucket's leader can die
+        # with its node), none on a single server, whose bucket has no leader only while the server
+        # itself is gone (the grace then delayed a cut-off shard's territory hand-over in
+        # test_placement_shards).
+        self.lease_ttl_s, self.lease_grace_s = lease_ttl_s, _default_grace(lease_grace_s)
         self.learner = SpeedLearner(LearnSettings(explore_share=explore_share))
         """What each job family really gets on each GPU model (rebuilt from the store on leading)."""
         self.alpha = AlphaLearner()
