@@ -27,7 +27,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ from typing import Any
 from loom.alerts import Correlator, Inventory, JobPlacement, Part, Placements, link_name
 from loom.alerts.resources import Resource
 from loom.model.topology import Topology, load_topology
+from loom.runtime.servers import find_free_port
 from loom_proto.alerts import Alert
 
 FAILED_CLUSTER = "c-use2-a"
@@ -342,12 +342,6 @@ class _Shifted:
 # ---- (c) the real stack -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -463,7 +457,7 @@ def latency(args: argparse.Namespace) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="loom-bench-alerts-", dir="/tmp"))
     os.chmod(home, 0o755)  # PostgreSQL runs as an unprivileged user when we are root
     saved = {k: os.environ.pop(k) for k in ("LOOM_NATS_URL", "LOOM_DATABASE_URL") if k in os.environ}
-    port = _free_port()
+    port = find_free_port()
     os.environ["LOOM_ALERTS_HTTP_PORT"] = str(port)
     try:
         _say("stack: starting (small topology)")

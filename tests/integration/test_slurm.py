@@ -31,9 +31,9 @@ from waiting import until
 
 from loom.client import LoomClient
 from loom.model.topology import load_topology
-from loom.runtime.servers import NatsServer
+from loom.runtime.servers import NatsServer, find_free_port
 from loom.runtime.service import close_context, open_context
-from loom.runtime.slurmlocal import LocalSlurmCluster, free_port
+from loom.runtime.slurmlocal import LocalSlurmCluster
 from loom_proto import subjects
 from loom_proto.clusters import CheckpointJob
 from loom_proto.jobs import JobSpec, Resources, Work
@@ -393,7 +393,7 @@ async def test_an_unreachable_slurm_makes_its_nodes_unavailable_without_crashing
     text = await asyncio.to_thread(weu.conf.read_text)
     await asyncio.to_thread(
         conf.write_text,
-        text.replace(f"SlurmctldPort={weu.ctld_port}", f"SlurmctldPort={free_port()}").replace(
+        text.replace(f"SlurmctldPort={weu.ctld_port}", f"SlurmctldPort={find_free_port()}").replace(
             "MessageTimeout=5", "MessageTimeout=1"
         ),
     )

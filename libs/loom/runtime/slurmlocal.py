@@ -58,11 +58,6 @@ def ensure_installed() -> None:
         )
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (:func:`loom.runtime.servers.find_free_port`)."""
-    return find_free_port()
-
-
 def _sbin(name: str) -> str:
     found = shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
     if found is None:
@@ -250,7 +245,7 @@ class LocalSlurmCluster:
         etc = self.root / "etc"
         for d in (etc, self.root / "state", self.root / "spool", self.root / "log", self.root / "dev"):
             d.mkdir(parents=True, exist_ok=True)
-        self.ctld_port = self.ctld_port or free_port()
+        self.ctld_port = self.ctld_port or find_free_port()
         host = socket.gethostname()
         lines = [
             f"ClusterName={self.name}",
@@ -292,7 +287,7 @@ class LocalSlurmCluster:
         ]
         gres = []
         for node in self.nodes:
-            port = self.node_ports.setdefault(node.name, free_port())
+            port = self.node_ports.setdefault(node.name, find_free_port())
             (self.root / "spool" / node.name).mkdir(parents=True, exist_ok=True)
             devices = self.root / "dev" / node.name
             devices.mkdir(parents=True, exist_ok=True)

@@ -163,7 +163,7 @@ def metrics_ports(names: list[str], base: int) -> dict[str, int]:
     """The ``/metrics`` port of each service: consecutive from ``base``, or free ports when 0."""
     if base:
         return {name: base + i for i, name in enumerate(names)}
-    return {name: free_port() for name in names}
+    return {name: find_free_port() for name in names}
 
 
 HEALTHY_WITHIN_S = 120.0
@@ -292,11 +292,6 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
         str(options.probe_period_s),
     ]
     return argvs
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (:func:`loom.runtime.servers.find_free_port`)."""
-    return find_free_port()
 
 
 def is_server(name: str) -> bool:
@@ -713,7 +708,7 @@ class Supervisor:
                 # Tokens before the console starts; a fixed port across its restarts.
                 ensure_tokens(self.home)
                 if not self.options.console_port:
-                    self.options.console_port = free_port()
+                    self.options.console_port = find_free_port()
                 self.state["console_url"] = f"http://127.0.0.1:{self.options.console_port}"
             self.start_slurm()
             self.start_services(env)
