@@ -28,6 +28,11 @@ Roles: ``stream-leader`` (of JOBS), ``consumer-leader`` (of the durable consumer
 (the JetStream meta group) and ``follower`` (none of them, when some node holds none). A node often
 holds several roles: each trial lists what its victim held. The victim is restarted on its port
 and caught up before the next trial. It measures; it asserts nothing.
+
+Secured as ``loom up`` secures a cluster (issue 18): the nodes include the users block of
+:mod:`loom.security` and every client connects as the identity whose permissions it needs, none
+as the operator except the observer: the publisher as the trial's tenant (it may publish only
+``loom.jobs.submitted.<tenant>``), the consumer and the lease as placement.
 """
 
 import argparse
@@ -50,6 +55,7 @@ from nats.aio.client import Client
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.runtime.servers import NatsCluster, NatsServer
+from loom.security import CredentialStore, Identity, admin_identity, tenant_identity
 from loom_proto import JobSubmitted, Work
 from loom_proto import subjects as s
 
@@ -131,15 +137,22 @@ def _max_gap(times: list[float], t0: float) -> float:
 
 # PLR0912, PLR0915: one trial's script, kill to restore, kept in one piece to read as a timeline.
 async def _trial(  # noqa: PLR0912, PLR0915
-    cluster: NatsCluster, role: str, rate: float, ttl_s: float, grace_s: float
+    cluster: NatsCluster,
+    role: str,
+    rate: float,
+    ttl_s: float,
+    grace_s: float,
+    *,
+    store: CredentialStore,
+    tenant: str,
 ) -> dict[str, Any] | None:
-    tenant = f"t-{uuid.uuid4().hex[:8]}"
     subject = s.job_submitted(tenant)
     durable = f"bench-{tenant}"
-    observer = await connect(cluster.url, "bench-observer")
-    pub_nc = await connect(cluster.url, "bench-publisher")
-    con_nc = await connect(cluster.url, "bench-consumer")
-    lease_nc = await connect(cluster.url, "bench-lease")
+    admin, placement = store.path(admin_identity()), store.path(PLACEMENT)
+    observer = await connect(cluster.url, "bench-observer", creds=admin)
+    pub_nc = await connect(cluster.url, "bench-publisher", creds=store.path(tenant_identity(tenant)))
+    con_nc = await connect(cluster.url, "bench-consumer", creds=placement)
+    lease_nc = await connect(cluster.url, "bench-lease", creds=placement)
     received: dict[str, float] = {}
     received_times: list[float] = []
 
@@ -209,7 +222,7 @@ async def _trial(  # noqa: PLR0912, PLR0915
         if observer.connected_url is not None and observer.connected_url.port == victim.port:
             await observer.close()
             observer = await connect(
-                ",".join(n.url for n in cluster.nodes if n is not victim), "bench-observer"
+                ",".join(n.url for n in cluster.nodes if n is not victim), "bench-observer", creds=admin
             )
         conns = {"publisher": pub_nc, "consumer": con_nc, "lease": lease_nc}
         on_victim = [
@@ -329,25 +342,46 @@ def _summary(trials: list[dict[str, Any]], key: str) -> dict[str, float | None]:
     return {"p50": round(statistics.median(values), 3), "max": round(max(values), 3)}
 
 
+PLACEMENT = Identity("placement")
+VIOLATIONS = ("Publish Violation", "Subscription Violation")
+"""What nats-server logs when it refuses a client a subject its permissions do not allow."""
+
+
 async def _run(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
     os.environ["LOOM_STREAM_REPLICAS"] = "3"
     data = Path(tempfile.mkdtemp(prefix="loom-bench-cluster-"))
     trials: list[dict[str, Any]] = []
     skipped: list[str] = []
-    with NatsCluster(data / "nats", 3) as cluster:
-        nc = await connect(cluster.url, "bench-setup")
+    roles = [r for r in args.roles.split(",") if r]
+    # One tenant per trial (its own subject and durable), each with its credentials, issued
+    # before the nodes start: the same users block `loom up --nats-cluster 3` includes.
+    tenants = [f"t-{uuid.uuid4().hex[:8]}" for _ in range(args.trials * len(roles))]
+    store = CredentialStore(data)
+    store.ensure_all([admin_identity(), PLACEMENT, *(tenant_identity(t) for t in tenants)])
+    with NatsCluster(data / "nats", 3, authorization=store.auth_path) as cluster:
+        nc = await connect(cluster.url, "bench-setup", creds=store.path(admin_identity()))
         await ensure_streams(nc.jetstream())
         await nc.close()
-        roles = [r for r in args.roles.split(",") if r]
         for trial in range(args.trials):
             for role in roles:
                 progress(f"trial {trial + 1}/{args.trials}: killing the {role}")
-                result = await _trial(cluster, role, args.rate, args.lease_ttl, args.lease_grace)
+                result = await _trial(
+                    cluster,
+                    role,
+                    args.rate,
+                    args.lease_ttl,
+                    args.lease_grace,
+                    store=store,
+                    tenant=tenants.pop(),
+                )
                 if result is None:
                     skipped.append(role)
                 else:
                     trials.append(result)
                     progress(json.dumps(result))
+        # What the servers refused: a client of the bench lacking a permission it needs.
+        logs = [n.log_path.read_text(errors="replace") for n in cluster.nodes if n.log_path.exists()]
+        violations = sum(log.count(kind) for log in logs for kind in VIOLATIONS)
     keys = (
         "stream_leader_s",
         "consumer_leader_s",
@@ -369,6 +403,8 @@ async def _run(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
     }
     return {
         "bench": "nats-cluster",
+        "secured": True,  # NKEY users with per-role permissions (loom.security), as `loom up`
+        "permission_violations": violations,
         "rate": args.rate,
         "lease_ttl_s": args.lease_ttl,
         "lease_grace_s": args.lease_grace,
