@@ -18,11 +18,11 @@ import pytest
 import yaml
 
 from loom.model.topology import load_topology
+from loom.security.compose import NATS_MOUNT, compose_nats_config
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
-NATS_CONF = ROOT / "deploy" / "nats" / "nats.conf"
 PROMETHEUS_CONF = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 GRAFANA_DATASOURCES = ROOT / "deploy" / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
 NATS_CLUSTER_CONF = ROOT / "deploy" / "nats" / "cluster-3.conf"
@@ -33,7 +33,7 @@ SCRIPTS: dict[str, str] = PYPROJECT["project"]["scripts"]
 # Third-party images and the binaries their `command`/`entrypoint` may start.
 IMAGE_BINARIES = {
     "nats": {"nats-server"},
-    "postgres": {"postgres", "docker-entrypoint.sh"},
+    "postgres": {"postgres", "docker-entrypoint.sh", "sh"},  # sh: copies its TLS files, then exec
     "jaegertracing/all-in-one": {"/go/bin/all-in-one-linux"},
     "prom/prometheus": {"/bin/prometheus"},
     "grafana/grafana": {"/run.sh"},
@@ -56,6 +56,11 @@ def _compose() -> dict[str, Any]:
 COMPOSE = _compose()
 SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
 LOOM_SERVICES = {name: svc for name, svc in SERVICES.items() if "build" in svc}
+INIT, MIGRATE = "init", "migrate"
+RUNNING = {name: svc for name, svc in LOOM_SERVICES.items() if name not in (INIT, MIGRATE)}
+"""The long-running Loom services: each connects to NATS as its own identity."""
+CONNECTED = {name: svc for name, svc in LOOM_SERVICES.items() if name != INIT}
+"""Every Loom container with endpoints (init connects to nothing: it writes the secrets)."""
 
 
 def _words(value: str | list[str] | None) -> list[str]:
@@ -127,6 +132,17 @@ def _nats_server() -> Path:
     return binary
 
 
+def _secrets_mount(svc: dict[str, Any]) -> tuple[Path, str]:
+    """Where a container mounts the secrets volume, and which directory of it (its subpath)."""
+    mounts = [
+        v for v in svc.get("volumes") or [] if isinstance(v, dict) and v.get("source") == "loom-secrets"
+    ]
+    assert len(mounts) == 1, "one mount of the secrets volume"
+    (mount,) = mounts
+    assert mount.get("read_only") is True, "secrets are mounted read-only"
+    return Path(mount["target"]), str(mount["volume"]["subpath"])
+
+
 AGENTS = {name: svc for name, svc in LOOM_SERVICES.items() if _agent_cluster(_argv(svc)) is not None}
 
 
@@ -134,7 +150,15 @@ AGENTS = {name: svc for name, svc in LOOM_SERVICES.items() if _agent_cluster(_ar
 
 
 def test_the_stack_has_the_expected_services() -> None:
-    expected = {NATS_SERVICE, POSTGRES_SERVICE, JAEGER_SERVICE, "migrate", "metrics", *PLACEMENT_INSTANCES}
+    expected = {
+        NATS_SERVICE,
+        POSTGRES_SERVICE,
+        JAEGER_SERVICE,
+        INIT,
+        MIGRATE,
+        "metrics",
+        *PLACEMENT_INSTANCES,
+    }
     assert expected <= set(SERVICES)
     assert len(AGENTS) >= 3
 
@@ -183,9 +207,16 @@ def test_placement_runs_the_instances_the_stack_runs_each_under_its_own_name() -
 
 def test_migrations_run_once_before_the_services_that_use_the_database() -> None:
     migrate = SERVICES["migrate"]
-    assert _argv(migrate) == ["loom", "migrate"]
+    argv = _argv(migrate)
+    assert argv[:2] == ["loom", "migrate"]
+    from loom.cli.main import build_parser
+
+    args = build_parser().parse_args(argv[1:])  # the real parser: unknown flags fail here
+    # It gives each service role its password, from the files init wrote into its own mount.
+    assert args.role_passwords is not None
+    assert Path(args.role_passwords).is_relative_to(_secrets_mount(migrate)[0])
     assert str(migrate.get("restart", "no")) == "no", "a one-shot job must not be restarted"
-    assert _depends(migrate) == {POSTGRES_SERVICE: "service_healthy"}
+    assert _depends(migrate) == {POSTGRES_SERVICE: "service_healthy", INIT: "service_completed_successfully"}
     for name in ("metrics", *PLACEMENT_INSTANCES):
         assert _depends(SERVICES[name]).get("migrate") == "service_completed_successfully", name
 
@@ -223,23 +254,23 @@ def test_agents_keep_their_state_on_a_volume() -> None:
 # ---- URLs ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(LOOM_SERVICES))
+@pytest.mark.parametrize("name", sorted(CONNECTED))
 def test_loom_services_get_every_endpoint(name: str) -> None:
-    env = _env(LOOM_SERVICES[name])
+    env = _env(CONNECTED[name])
     # endpoints() (libs/loom/runtime/config.py) wants both URLs, even in processes that skip the DB.
     missing = [key for key in LOOM_ENV if not env.get(key)]
     assert not missing, f"{name}: missing {missing}"
 
 
 def test_service_names_in_traces_are_distinct() -> None:
-    names = [_env(svc)["OTEL_SERVICE_NAME"] for svc in LOOM_SERVICES.values()]
+    names = [_env(svc)["OTEL_SERVICE_NAME"] for svc in CONNECTED.values()]
     assert len(names) == len(set(names))
 
 
 def test_nats_url_points_at_the_nats_service_and_its_client_port() -> None:
-    conf = NATS_CONF.read_text()
+    conf = compose_nats_config()
     client_port = _conf_port(conf, "listen")
-    for name, svc in LOOM_SERVICES.items():
+    for name, svc in CONNECTED.items():
         url = urlsplit(_env(svc)["LOOM_NATS_URL"])
         assert (url.scheme, url.hostname, url.port) == ("nats", NATS_SERVICE, client_port), name
 
@@ -247,24 +278,16 @@ def test_nats_url_points_at_the_nats_service_and_its_client_port() -> None:
 def test_database_url_matches_the_postgres_service() -> None:
     pg = SERVICES[POSTGRES_SERVICE]
     pg_env = _env(pg)
-    argv = _argv(pg)
-    port = 5432
-    for i, word in enumerate(argv[:-1]):
-        if word == "-c" and argv[i + 1].startswith("port="):
-            port = int(argv[i + 1].split("=", 1)[1])
-    user = pg_env.get("POSTGRES_USER", "postgres")
-    database = pg_env.get("POSTGRES_DB", user)
-    password = pg_env.get("POSTGRES_PASSWORD")
-    for name, svc in LOOM_SERVICES.items():
+    database = pg_env["POSTGRES_DB"]
+    for name, svc in CONNECTED.items():
         url = urlsplit(_env(svc)["LOOM_DATABASE_URL"])
         assert url.scheme in ("postgresql", "postgres"), name
-        assert (url.hostname, url.port or 5432) == (POSTGRES_SERVICE, port), name
+        assert (url.hostname, url.port or 5432) == (POSTGRES_SERVICE, 5432), name
         assert url.path == f"/{database}", name
-        assert url.username == user, name
-        assert url.password == password, f"{name}: password differs from POSTGRES_PASSWORD"
+        assert url.password is None, f"{name}: a password in the URL (it belongs in a 0600 passfile)"
     health = _words(pg["healthcheck"]["test"])
     assert "pg_isready" in health
-    assert health[health.index("-U") + 1] == user
+    assert health[health.index("-U") + 1] == pg_env["POSTGRES_USER"]
     assert health[health.index("-d") + 1] == database
 
 
@@ -273,7 +296,7 @@ def test_traces_go_to_jaeger_over_otlp_http() -> None:
     assert _env(jaeger).get("COLLECTOR_OTLP_ENABLED") == "true"
     published = {container: host for _, host, container in _published(jaeger)}
     assert published.get(16686) == 16686, "the Jaeger UI is documented at http://localhost:16686"
-    for name, svc in LOOM_SERVICES.items():
+    for name, svc in CONNECTED.items():
         url = urlsplit(_env(svc)["OTEL_EXPORTER_OTLP_ENDPOINT"])
         # The HTTP exporter appends /v1/traces itself, so the endpoint has no path.
         assert (url.scheme, url.hostname, url.port, url.path.strip("/")) == (
@@ -300,9 +323,8 @@ def test_every_dependency_exists_with_a_condition_it_can_meet(name: str) -> None
 
 
 def test_loom_services_wait_for_nats() -> None:
-    for name, svc in LOOM_SERVICES.items():
-        if name != "migrate":
-            assert _depends(svc).get(NATS_SERVICE) == "service_healthy", name
+    for name, svc in RUNNING.items():
+        assert _depends(svc).get(NATS_SERVICE) == "service_healthy", name
 
 
 @pytest.mark.parametrize("name", sorted(SERVICES))
@@ -371,36 +393,34 @@ def test_the_dockerfile_installs_the_project() -> None:
 # ---- NATS ------------------------------------------------------------------------------------------
 
 
-def test_nats_runs_the_mounted_config_with_durable_jetstream() -> None:
+def test_nats_runs_the_config_init_generates_with_durable_jetstream() -> None:
     nats = SERVICES[NATS_SERVICE]
     argv = _argv(nats)
     config_flag = next(i for i, word in enumerate(argv) if word in ("-c", "--config"))
-    target = argv[config_flag + 1]
-    mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in nats["volumes"] if isinstance(v, str)}
-    assert (ROOT / mounts[target]).resolve() == NATS_CONF, "nats must run deploy/nats/nats.conf"
-    conf = NATS_CONF.read_text()
+    target = Path(argv[config_flag + 1])
+    mount, subpath = _secrets_mount(nats)
+    assert (subpath, target) == ("nats", mount / "nats.conf"), "nats must run the config init wrote"
+    assert str(mount) == NATS_MOUNT
+    assert _depends(nats) == {INIT: "service_completed_successfully"}
+    conf = compose_nats_config()
     assert re.search(r"^\s*sync_interval\s*:\s*always\s*$", conf, re.MULTILINE), "fsync every ack"
     store = re.search(r"^\s*store_dir\s*:\s*\"?([^\s\"]+)\"?\s*$", conf, re.MULTILINE)
     assert store, "JetStream needs an explicit store_dir"
+    mounts = {str(v).split(":")[1]: str(v).split(":")[0] for v in nats["volumes"] if isinstance(v, str)}
     assert store.group(1) in mounts, f"store_dir {store.group(1)} is not on a volume"
     # The healthcheck asks the monitoring port the config opens.
     health = " ".join(_words(nats["healthcheck"]["test"]))
     assert f":{_conf_port(conf, 'http')}/healthz" in health
 
 
-@pytest.mark.parametrize(
-    ("conf", "env"),
-    [(NATS_CONF, {}), (NATS_CLUSTER_CONF, {"NATS_SERVER_NAME": "nats-1"})],
-    ids=["single-node", "cluster-3"],
-)
-def test_the_real_nats_server_accepts_the_config(conf: Path, env: dict[str, str]) -> None:
+def test_the_real_nats_server_accepts_the_cluster_template() -> None:
     # `-t` parses and checks the file, rejecting unknown fields, without touching store_dir.
     result = subprocess.run(
-        [str(_nats_server()), "-c", str(conf), "-t"],
+        [str(_nats_server()), "-c", str(NATS_CLUSTER_CONF), "-t"],
         capture_output=True,
         text=True,
         timeout=30,
-        env={**os.environ, **env},
+        env={**os.environ, "NATS_SERVER_NAME": "nats-1"},
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -437,7 +457,7 @@ def _scrape_targets() -> dict[str, str]:
 
 def test_prometheus_scrapes_every_loom_service_on_its_metrics_port() -> None:
     targets = _scrape_targets()
-    long_running = {name: svc for name, svc in LOOM_SERVICES.items() if name != "migrate"}
+    long_running = RUNNING
     assert set(targets) == set(long_running), "scrape exactly the long-running Loom services"
     for name, svc in long_running.items():
         port = _env(svc).get("LOOM_METRICS_PORT")

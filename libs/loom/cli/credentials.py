@@ -1,4 +1,7 @@
-"""``loom tenant add NAME`` and ``loom credentials rotate``: the credentials of a secured stack.
+"""``loom tenant add NAME``, ``loom credentials rotate`` and ``loom credentials init --compose``.
+
+``init --compose`` writes docker-compose's secrets (:mod:`loom.security.compose`) with the same
+code ``loom up`` uses; the compose service ``init`` runs it.
 
 The files live under ``<home>/secrets/nats/`` (0600, directory 0700); their seeds are never
 printed. After a change the running nats-server re-reads its users (SIGHUP, what
@@ -43,6 +46,21 @@ def add_parser(sub: Any) -> None:
         help="new NATS seeds and PostgreSQL passwords for every identity and role; old ones refused",
     )
     p.set_defaults(fn=cmd_rotate)
+    p = creds_sub.add_parser(
+        "init",
+        help="write docker-compose's secrets: NATS config, users and credentials, PostgreSQL passwords, TLS",
+    )
+    p.add_argument("--dir", type=Path, required=True, help="the secrets volume (loom-secrets)")
+    p.add_argument(
+        "--compose",
+        action="store_true",
+        required=True,
+        help="the layout docker-compose.yml mounts: one directory per container (loom.security.compose)",
+    )
+    p.add_argument("--tenant", action="append", default=[], help="also issue this tenant's credentials")
+    p.add_argument("--rotate", action="store_true", help="new seeds, passwords, CA and certificates")
+    p.add_argument("process", nargs="+", help="every long-running Loom service, by its compose name")
+    p.set_defaults(fn=cmd_init)
 
 
 def nats_servers(home: Path) -> list[tuple[int, Path]]:
@@ -152,3 +170,19 @@ def cmd_rotate(_args: argparse.Namespace) -> int:
             " new connections use them, the old ones are refused from now on"
         )
     return status
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    """Write docker-compose's secrets; print where, never what."""
+    from loom.security.compose import init_compose
+
+    try:
+        written = init_compose(args.dir, args.process, tenants=args.tenant, rotate=args.rotate)
+    except (InvalidIdError, ValueError) as exc:
+        err.print(f"[red]{exc}[/red]")
+        return 2
+    for name, identity in written.identities.items():
+        role = written.db_roles.get(name, "no database")
+        console.print(f"{name}: NATS identity {identity.name}, PostgreSQL {role}")
+    console.print(f"secrets under {written.root} (0600 files, 0700 directories), one directory per container")
+    return 0

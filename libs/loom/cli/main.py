@@ -56,6 +56,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         slurm_clusters=stack.default_slurm_clusters(args.topology, args.cluster or []) if args.slurm else [],
         secure=stack.StackOptions().secure if args.secure is None else args.secure,
         nats_host=args.nats_host,
+        postgres_host=args.postgres_host,
     )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
@@ -155,12 +156,18 @@ def _run_health(nats_url: str, names: list[str]) -> dict[str, dict[str, Any]]:
     return asyncio.run(ask())
 
 
-def cmd_migrate(_args: argparse.Namespace) -> int:
+def cmd_migrate(args: argparse.Namespace) -> int:
     """Apply pending database migrations to LOOM_DATABASE_URL (or the running stack's)."""
     from loom.store.migrations import migrate_url
 
-    applied = asyncio.run(migrate_url(endpoints().database_url))
+    url = endpoints().database_url
+    applied = asyncio.run(migrate_url(url))
     console.print(f"applied migrations: {applied}" if applied else "database is up to date")
+    if args.role_passwords is not None:
+        from loom.runtime.dbcreds import apply_role_passwords
+
+        roles = asyncio.run(apply_role_passwords(url, args.role_passwords))
+        console.print(f"passwords set for {len(roles)} roles: {', '.join(roles)}")
     return 0
 
 
@@ -902,10 +909,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=stack.StackOptions.nats_host,
         help="address NATS listens on; off loopback it requires TLS with a CA generated under secrets/tls",
     )
+    p.add_argument(
+        "--postgres-host",
+        default=stack.StackOptions.postgres_host,
+        help="address the embedded PostgreSQL listens on: loopback only (its build has no SSL)",
+    )
     add("down", cmd_down, "stop the embedded stack")
     p = add("status", cmd_status, "show the stack's processes and their health")
     p.add_argument("--json", action="store_true")
-    add("migrate", cmd_migrate, "apply database migrations")
+    p = add("migrate", cmd_migrate, "apply database migrations")
+    p.add_argument(
+        "--role-passwords",
+        type=Path,
+        help="a directory of <role>.pgpass files: give each service role its password (docker-compose)",
+    )
     p = add("submit", cmd_submit, "submit the jobs in a YAML or JSON file")
     p.add_argument("file", type=Path)
     p.add_argument("--tenant", help="tenant for specs that name none")

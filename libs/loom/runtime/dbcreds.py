@@ -13,7 +13,7 @@ import asyncpg
 from loom.runtime.pgsecrets import generate_password, pgpass_password, role_url, scram_verifier, write_pgpass
 from loom.store.roles import SERVICE_ROLES, set_password
 
-__all__ = ["provision_roles", "rotate_passwords", "service_role_passfile"]
+__all__ = ["apply_role_passwords", "provision_roles", "rotate_passwords", "service_role_passfile"]
 
 ADMIN_ROLE = "postgres"
 
@@ -71,3 +71,23 @@ async def rotate_passwords(admin_url: str, secrets_dir: Path) -> list[str]:
     finally:
         await conn.close()
     return rotated
+
+
+async def apply_role_passwords(admin_url: str, directory: Path) -> list[str]:
+    """Let every service role with a password file ``<directory>/<role>.pgpass`` log in with that
+    password (its SCRAM verifier only); returns the roles given one.
+
+    docker-compose's ``migrate`` runs it (``loom migrate --role-passwords``) with the files
+    ``loom credentials init --compose`` generated, after the migrations created the roles."""
+    given: list[str] = []
+    conn = await asyncpg.connect(admin_url)
+    try:
+        for role in sorted(set(SERVICE_ROLES.values())):
+            password = pgpass_password(service_role_passfile(directory, role))
+            if password is None:
+                continue
+            await set_password(conn, role, password)
+            given.append(role)
+    finally:
+        await conn.close()
+    return given

@@ -42,6 +42,7 @@ from loom.runtime.servers import (
     NatsServer,
     PostgresServer,
     ServerStartError,
+    check_postgres_listen,
     describe_exit,
     find_free_port,
     reap_orphans,
@@ -153,6 +154,10 @@ class StackOptions:
     ``<home>/secrets/nats/``, each process connecting as its own identity (``loom.security``).
     On unless ``loom up --no-secure`` or ``LOOM_SECURE=0`` (which turns it off for every stack
     started without saying, the demo's and the benchmarks' included)."""
+    postgres_host: str = "127.0.0.1"
+    """The address the embedded PostgreSQL listens on (``loom up --postgres-host``): loopback only,
+    anything else is refused (:func:`loom.runtime.servers.check_postgres_listen`: no SSL in the
+    embedded build)."""
     nats_host: str = "127.0.0.1"
     """The address NATS listens on (``loom up --nats-host``). Off the loopback interface, the
     server requires TLS: a CA (``<home>/secrets/tls/ca.pem``, kept) and a server certificate for
@@ -548,6 +553,7 @@ class Supervisor:
                 durable=self.options.durable,
                 auth=self.options.secure_db,
                 secrets_dir=self.home / "secrets",
+                host=self.options.postgres_host,
             )
             self.postgres.start()
             database_url = self.postgres.url
@@ -846,6 +852,7 @@ def supervisor_argv(home: Path, options: StackOptions) -> list[str]:
         argv.append("--secure")
     if options.nats_host != StackOptions.nats_host:
         argv += ["--nats-host", options.nats_host]
+    argv += ["--postgres-host", options.postgres_host]  # loopback only (check_postgres_listen)
     return argv
 
 
@@ -859,6 +866,8 @@ def up(
     """Start the supervisor in the background and wait until everything is up."""
     home = home or loom_home()
     options = options or StackOptions()
+    if not os.environ.get(ENV_DATABASE_URL):
+        check_postgres_listen(options.postgres_host)  # refused before anything starts
     home.mkdir(parents=True, exist_ok=True)
     if is_running(home):
         state = read_state(home)
@@ -980,6 +989,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slurm-cluster", action="append", default=[])
     parser.add_argument("--secure", action="store_true")
     parser.add_argument("--nats-host", default=StackOptions.nats_host)
+    parser.add_argument("--postgres-host", default=StackOptions.postgres_host)
     args = parser.parse_args(argv)
     options = StackOptions(
         topology=args.topology,
@@ -1001,6 +1011,7 @@ def main(argv: list[str] | None = None) -> int:
         slurm_clusters=args.slurm_cluster,
         secure=args.secure,
         nats_host=args.nats_host,
+        postgres_host=args.postgres_host,
     )
     return Supervisor(args.home.resolve(), options).run()
 
