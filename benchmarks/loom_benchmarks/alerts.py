@@ -40,6 +40,7 @@ from loom.alerts import Correlator, Inventory, JobPlacement, Part, Placements, l
 from loom.alerts.resources import Resource
 from loom.model.topology import Topology, load_topology
 from loom.runtime.servers import find_free_port
+from loom_benchmarks.secured import stack_security
 from loom_proto.alerts import Alert
 
 FAILED_CLUSTER = "c-use2-a"
@@ -463,7 +464,8 @@ def latency(args: argparse.Namespace) -> dict[str, Any]:
         _say("stack: starting (small topology)")
         state = stack.up(home, stack.StackOptions(topology="small", placement_standby=False))
         _say("stack: ready; measuring")
-        return asyncio.run(_measure(state["nats_url"], port, args.probes, args.probe_hz, args.background_hz))
+        out = asyncio.run(_measure(state["nats_url"], port, args.probes, args.probe_hz, args.background_hz))
+        return {**out, "security": stack_security(home)}
     finally:
         stack.down(home)
         os.environ.pop("LOOM_ALERTS_HTTP_PORT", None)

@@ -56,6 +56,7 @@ from loom.bus import ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect,
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.runtime.servers import NatsCluster, NatsServer
 from loom.security import CredentialStore, Identity, admin_identity, tenant_identity
+from loom_benchmarks.secured import nats_violations
 from loom_proto import JobSubmitted, Work
 from loom_proto import subjects as s
 
@@ -343,8 +344,6 @@ def _summary(trials: list[dict[str, Any]], key: str) -> dict[str, float | None]:
 
 
 PLACEMENT = Identity("placement")
-VIOLATIONS = ("Publish Violation", "Subscription Violation")
-"""What nats-server logs when it refuses a client a subject its permissions do not allow."""
 
 
 async def _run(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
@@ -380,8 +379,7 @@ async def _run(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
                     trials.append(result)
                     progress(json.dumps(result))
         # What the servers refused: a client of the bench lacking a permission it needs.
-        logs = [n.log_path.read_text(errors="replace") for n in cluster.nodes if n.log_path.exists()]
-        violations = sum(log.count(kind) for log in logs for kind in VIOLATIONS)
+        violations = nats_violations([node.log_path for node in cluster.nodes])
     keys = (
         "stream_leader_s",
         "consumer_leader_s",

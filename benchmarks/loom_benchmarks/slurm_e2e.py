@@ -25,6 +25,7 @@ from typing import Any
 from loom.client import LoomClient
 from loom.runtime import stack
 from loom_benchmarks.e2e import _percentile
+from loom_benchmarks.secured import stack_security
 from loom_proto import subjects
 from loom_proto.jobs import JobSpec, Resources, Work
 
@@ -155,6 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         jobs = getattr(args, "slurm_jobs", 40)
         result = asyncio.run(_measure(state["nats_url"], jobs, getattr(args, "slurm_rate", 2.0)))
         result["slurm_alone_submit_to_running"] = _slurm_alone(state["slurm"][CLUSTERS[0]]["slurm_conf"], 10)
+        result["security"] = stack_security(home)
         result.update(
             {
                 "benchmark": "e2e-slurm",
