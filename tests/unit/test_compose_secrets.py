@@ -39,6 +39,7 @@ from loom.security.compose import (
 )
 from loom.security.tls import client_context, ensure_tls
 from loom.store.roles import role_of
+from loom_benchmarks.secured import nats_violations
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -209,12 +210,15 @@ def test_a_real_nats_server_on_init_s_config_refuses_the_anonymous_and_enforces_
 ) -> None:
     root, port, _ = generated
     binary = Path(sys.executable).parent / "nats-server"
-    proc = subprocess.Popen([str(binary), "-c", str(root / "nats" / "nats.conf")], stderr=subprocess.DEVNULL)
+    log = root / "nats.log"
+    proc = subprocess.Popen([str(binary), "-c", str(root / "nats" / "nats.conf"), "-l", str(log)])
     try:
         asyncio.run(_exercise(root, port))
     finally:
         proc.terminate()
         proc.wait(10)
+    # What the benchmarks count to say a secured run was refused nothing (loom_benchmarks.secured).
+    assert nats_violations([log]) == 1
 
 
 async def _exercise(root: Path, port: int) -> None:
