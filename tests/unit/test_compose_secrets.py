@@ -363,3 +363,23 @@ def test_loopback_postgres_addresses_are_accepted_and_passed_to_the_supervisor(
     assert urlsplit(server.url).hostname == host.strip("[]")
     argv = stack.supervisor_argv(tmp_path, stack.StackOptions(postgres_host=host))
     assert argv[argv.index("--postgres-host") + 1] == host
+
+
+def test_nats_conf_is_what_loom_up_writes_for_the_same_listener_tls_and_users(tmp_path: Path) -> None:
+    from loom.runtime.servers import NatsServer
+    from loom.security.compose import NATS_MOUNT, compose_nats_config
+    from loom.security.tls import TlsFiles
+
+    mount = Path(NATS_MOUNT)
+    tls = TlsFiles(mount / CA_FILE, mount / "server.pem", mount / "server-key.pem")
+    # `loom up --nats-host 0.0.0.0` on port 4222, its users block beside its config.
+    server = NatsServer(
+        tmp_path, 4222, monitor_port=8222, server_name="loom-nats-1", authorization=tmp_path / "auth.conf",
+        host="0.0.0.0", tls=tls,
+    )  # fmt: skip
+    server._prepare(0.0)
+    loom_up = server.config_path.read_text().splitlines()[1:]  # without the header comment
+    # Compose differs only where a container must: monitoring reachable from the host's port
+    # mapping, JetStream on the nats-data volume.
+    compose = compose_nats_config(http="127.0.0.1:8222", store_dir=str(tmp_path)).splitlines()[1:]
+    assert compose == loom_up
