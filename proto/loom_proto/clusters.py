@@ -17,12 +17,14 @@ __all__ = [
     "AcceleratorProfile",
     "CheckpointJob",
     "ClusterCommand",
+    "ClusterHealthChanged",
     "ClusterHeartbeat",
     "ClusterProfiles",
     "ClusterStatus",
     "DrainCluster",
     "NodeAllocation",
     "NodeState",
+    "SlowRun",
     "StartJob",
     "StopJob",
 ]
@@ -166,3 +168,33 @@ class ClusterProfiles(
     """``library``: the model's reference numbers; ``calibrated``: measured by ``loom calibrate``."""
     profiles: Annotated[list[AcceleratorProfile], Meta(max_length=64)]
     measured_at: UnixSeconds
+
+
+ClusterHealthState = Literal["healthy", "suspect", "failed"]
+
+
+class ClusterHealthChanged(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Placement's classification of a cluster changed (core NATS, ``loom.placement.cluster_health``):
+    ``suspect`` when one signal is lost (heartbeats past the TTL, or its region's probes), ``failed``
+    when both are (its work is re-placed), ``healthy`` again when neither is."""
+
+    cluster: Id
+    state: ClusterHealthState
+    reason: Annotated[str, Meta(max_length=512)] = ""
+    region: Id | None = None
+    at: UnixSeconds
+
+
+class SlowRun(msgspec.Struct, frozen=True, kw_only=True):
+    """A run delivering under half its predicted step rate over a window (core NATS,
+    ``loom.placement.slow``): its nodes are suspect; the migration service reviews the move."""
+
+    job_id: Id
+    attempt: Annotated[int, Meta(ge=0)]
+    observed_step_s: Annotated[float, Meta(gt=0)]
+    predicted_step_s: Annotated[float, Meta(gt=0)] | None = None
+    nodes: Annotated[list[Id], Meta(max_length=4096)] = []
+    reason: Annotated[str, Meta(max_length=512)] = ""
+    tenant: Id | None = None
+    cluster: Id | None = None
+    at: UnixSeconds | None = None

@@ -276,6 +276,9 @@ PLACEMENT_ATTEMPTS = f"{PREFIX}.placement.attempts"
 PLACEMENT_SLOW = f"{PREFIX}.placement.slow"
 """Core NATS, placement to the migration service: a run delivers less than half its predicted step
 rate over a window; its nodes are suspect (the migration service decides whether it moves)."""
+PLACEMENT_CLUSTER_HEALTH = f"{PREFIX}.placement.cluster_health"
+"""Core NATS, placement to the alert correlator: a cluster's classification changed (suspect,
+failed, healthy again)."""
 
 
 DEAD_LETTERS = f"{PREFIX}.dlq.>"

@@ -10,6 +10,8 @@ from loom.runtime.service import ServiceContext, run
 from loom_services.alert_correlator.service import AlertCorrelator
 
 ENV_HTTP_PORT = "LOOM_ALERTS_HTTP_PORT"
+ENV_WATCH_HEALTH = "LOOM_WATCH_HEALTH"
+"""Comma-separated service instances whose health the correlator watches (docker-compose)."""
 DEFAULT_HTTP_PORT = 9095
 
 
@@ -44,6 +46,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--refresh-s", type=float, default=2.0, help="how often the placements snapshot is re-read"
     )
+    parser.add_argument(
+        "--watch-health",
+        action="append",
+        default=[n for n in os.environ.get(ENV_WATCH_HEALTH, "").split(",") if n],
+        metavar="INSTANCE",
+        help=f"a Loom service instance whose health answers are watched (repeat; also ${ENV_WATCH_HEALTH})",
+    )
+    parser.add_argument("--health-period-s", type=float, default=5.0, help="how often each is asked")
+    parser.add_argument("--health-timeout-s", type=float, default=2.0, help="how long an answer may take")
+    parser.add_argument(
+        "--health-misses", type=int, default=3, help="answers missed in a row before the alert fires"
+    )
     return parser.parse_args(argv)
 
 
@@ -66,6 +80,10 @@ def main(argv: list[str] | None = None) -> None:
             http_port=None if args.http_port < 0 else args.http_port,
             webhooks=args.webhook,
             refresh_s=args.refresh_s,
+            watch_health=args.watch_health,
+            health_period_s=args.health_period_s,
+            health_timeout_s=args.health_timeout_s,
+            health_misses=args.health_misses,
         ).run()
 
     run("alert-correlator", body)

@@ -9,8 +9,13 @@ In:
   malformed payload is answered 400 and dead-lettered on ``loom.dlq.loom.alerts.raw.alertmanager``
   with the reason in ``Loom-Error``;
 * Loom's own events (:mod:`loom.alerts.sources`): link degraded / recovered, stale clusters and
-  unhealthy nodes from view deltas, failed and lost job runs, dead letters growing. These consumers
-  start at new messages: a correlator started late does not replay a week of history as alerts.
+  unhealthy nodes from view deltas, failed and lost job runs, failed migrations, dead letters
+  growing. These consumers start at new messages: a correlator started late does not replay a week
+  of history as alerts. Placement's cluster classification (suspect / failed / healthy) and slow
+  runs arrive as core NATS notices (``loom.placement.cluster_health``, ``loom.placement.slow``);
+* the health of every watched Loom service (``--watch-health``): asked on ``loom.health.<instance>``
+  every ``health_period_s``; missing answers or a ``degraded`` one become alerts
+  (:class:`loom.alerts.sources.HealthWatch`).
 
 Out: every incident change on ``loom.incidents.{opened,updated,resolved}`` (message id
 ``<incident>-v<version>``), to each ``--webhook`` URL (JSON POST, in the core's rate limit), and
@@ -40,10 +45,13 @@ from loom.alerts.alertmanager import MalformedPayloadError, parse_payload
 from loom.alerts.correlate import Incident
 from loom.alerts.sources import (
     ConditionTracker,
+    HealthWatch,
+    from_cluster_health,
     from_job_failed,
     from_job_requeued,
     from_link_event,
     from_migration_failed,
+    from_slow_run,
 )
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.connection import BusError
@@ -55,6 +63,7 @@ from loom.store.pool import transaction
 from loom.telemetry.metrics import INCIDENTS_OPEN
 from loom_proto import subjects
 from loom_proto.alerts import Alert
+from loom_proto.clusters import ClusterHealthChanged, SlowRun
 from loom_proto.codec import MAX_PAYLOAD_BYTES
 from loom_proto.jobs import JobFailed, JobRequeued
 from loom_proto.migrations import MigrationEvent
@@ -90,11 +99,19 @@ class AlertCorrelator:
         webhooks: list[str] | None = None,
         refresh_s: float = 2.0,
         dlq_threshold: int = 10,
+        watch_health: list[str] | None = None,
+        health_period_s: float = 5.0,
+        health_timeout_s: float = 2.0,
+        health_misses: int = 3,
     ) -> None:
         self.ctx = ctx
         self.inventory = Inventory.from_topology(topology)
         self.core = Correlator(Placements(self.inventory), config)
         self.conditions = ConditionTracker(dlq_threshold=dlq_threshold)
+        self.watch_health = sorted(set(watch_health or []) - {ctx.name})
+        self.health = HealthWatch(misses=health_misses)
+        self.health_period_s = health_period_s
+        self.health_timeout_s = health_timeout_s
         self.http_host = http_host
         self.http_port = http_port
         self.webhooks = list(webhooks or [])
@@ -217,7 +234,11 @@ class AlertCorrelator:
         }
         for runner in runners.values():
             await runner.start()
-        sub = await nc.subscribe(subjects.INCIDENTS_ACK, cb=self.on_ack)
+        subs = [
+            await nc.subscribe(subjects.INCIDENTS_ACK, cb=self.on_ack),
+            await nc.subscribe(subjects.PLACEMENT_CLUSTER_HEALTH, cb=self.on_cluster_health),
+            await nc.subscribe(subjects.PLACEMENT_SLOW, cb=self.on_slow_run),
+        ]
         if self.http_port is not None:
             try:
                 port = await self.receiver.start(self.http_host, self.http_port)
@@ -229,6 +250,8 @@ class AlertCorrelator:
         loops = [watchdog.watch_consumer(name, r) for name, r in runners.items()]
         loops.append(watchdog.supervise("tick", self._tick_loop))
         loops.append(watchdog.supervise("placements", self._refresh_loop))
+        if self.watch_health:
+            loops.append(watchdog.supervise("health", self._health_loop))
         self._stats()
         try:
             await self.ctx.stopping.wait()
@@ -237,8 +260,9 @@ class AlertCorrelator:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
             await self.receiver.close()
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
             await asyncio.gather(*(runner.stop() for runner in runners.values()))
             with contextlib.suppress(Exception):
                 await self.flush()
@@ -307,6 +331,53 @@ class AlertCorrelator:
         alert = from_migration_failed(d.message)
         if alert is not None:
             await self._ingest(alert)
+
+    async def on_cluster_health(self, msg: Msg) -> None:
+        """Placement's classification of a cluster changed (core NATS); a bad notice is logged."""
+        try:
+            event = msgspec.json.decode(msg.data, type=ClusterHealthChanged)
+        except msgspec.ValidationError as exc:
+            log.info("bad cluster health notice ignored", error=str(exc))
+            return
+        await self._ingest(from_cluster_health(event))
+
+    async def on_slow_run(self, msg: Msg) -> None:
+        """A run delivering under half its predicted rate (core NATS); a bad notice is logged."""
+        try:
+            event = msgspec.json.decode(msg.data, type=SlowRun)
+        except msgspec.ValidationError as exc:
+            log.info("bad slow-run notice ignored", error=str(exc))
+            return
+        await self._ingest(from_slow_run(event, time.time()))
+
+    async def _health_loop(self) -> None:
+        """Ask every watched instance for its health each period, all at once."""
+        while True:
+            await asyncio.sleep(self.health_period_s)
+            await self.check_health()
+
+    async def check_health(self) -> None:
+        """One round of health questions; answers and misses go through :class:`HealthWatch`."""
+        answers = await asyncio.gather(*(self._ask_health(name) for name in self.watch_health))
+        now = time.time()
+        for name, status in zip(self.watch_health, answers, strict=True):
+            if status is None:
+                alerts = self.health.missed(name, now, self.health_timeout_s)
+            else:
+                alerts = self.health.answered(name, status, now)
+            for alert in alerts:
+                await self._ingest(alert)
+
+    async def _ask_health(self, name: str) -> str | None:
+        """The instance's status (``ok``, ``degraded: ...``), or None when it did not answer."""
+        try:
+            reply = await self.ctx.nc.request(
+                subjects.service_health(name), b"", timeout=self.health_timeout_s
+            )
+            answer = json.loads(reply.data)
+        except (TimeoutError, nats_errors.Error, ValueError):
+            return None
+        return str(answer.get("status", "ok")) if isinstance(answer, dict) else None
 
     async def on_dead_letter(self, d: Delivery[bytes]) -> None:
         """Count dead letters (the correlator's own included)."""

@@ -118,7 +118,7 @@ from loom.store.pool import ConflictError, transaction, with_retry
 from loom.store.roles import tenant_scope
 from loom.telemetry import metrics as prom
 from loom_proto import subjects
-from loom_proto.clusters import ResizeJob, StartJob, StopJob
+from loom_proto.clusters import ClusterHealthChanged, ResizeJob, SlowRun, StartJob, StopJob
 from loom_proto.codec import DecodeError, check_payload, decode, encode
 from loom_proto.ids import InvalidIdError, validate_id
 from loom_proto.jobs import (
@@ -1609,6 +1609,7 @@ class PlacementService:
                 self.stats["failover"]["health"] = {
                     c: f"{h.state}: {h.reason}" for c, h in sorted(health.items())
                 }
+                await self._announce_health(health)
                 for cluster, h in health.items():
                     if h.failed and cluster not in self.failover.failed:
                         self.failover.failed[cluster] = h
@@ -1633,6 +1634,38 @@ class PlacementService:
                 raise
             except Exception as exc:
                 log.warning("failover cycle failed", error=repr(exc))
+
+    async def _announce_health(self, health: Mapping[str, Health]) -> None:
+        """Tell the alert correlator (core NATS ``loom.placement.cluster_health``) each cluster whose
+        classification changed since the last cycle: suspect, failed, or healthy again."""
+        now = time.time()
+        changes = [
+            ClusterHealthChanged(
+                cluster=c, state=h.state, reason=h.reason[:512], region=self.region_of.get(c), at=now
+            )
+            for c, h in sorted(health.items())
+            if self.failover.announced.get(c) != h.state
+        ]
+        changes += [
+            ClusterHealthChanged(
+                cluster=c,
+                state="healthy",
+                reason="heartbeats and probes back",
+                region=self.region_of.get(c),
+                at=now,
+            )
+            for c in sorted(set(self.failover.announced) - set(health))
+        ]
+        for change in changes:
+            try:
+                await self.ctx.nc.publish(subjects.PLACEMENT_CLUSTER_HEALTH, msgspec.json.encode(change))
+            except Exception as exc:  # retried next cycle: the state is not recorded as told
+                log.info("cluster health notice not sent", cluster=change.cluster, error=repr(exc))
+                continue
+            if change.state == "healthy":
+                self.failover.announced.pop(change.cluster, None)
+            else:
+                self.failover.announced[change.cluster] = change.state
 
     async def _liveness_loop(self) -> None:
         """Ping every owned cluster's agent each period (:class:`loom.migrate.health.Liveness`)."""
@@ -2064,16 +2097,19 @@ class PlacementService:
             self.stats["nodes"]["slow"] += 1
             self.stats["nodes"]["suspect"] = dict(self.failover.nodes.suspects.why)
             log.warning("slow run", job_id=e.job_id, attempt=e.attempt, nodes=nodes, reason=slow.reason)
-            report = {
-                "job_id": e.job_id,
-                "attempt": e.attempt,
-                "observed_step_s": slow.observed_step_s,
-                "predicted_step_s": slow.predicted_step_s,
-                "nodes": nodes,
-                "reason": slow.reason,
-            }
+            report = SlowRun(
+                job_id=e.job_id,
+                attempt=e.attempt,
+                observed_step_s=slow.observed_step_s,
+                predicted_step_s=slow.predicted_step_s or None,
+                nodes=nodes,
+                reason=slow.reason[:512],
+                tenant=run.job.tenant,
+                cluster=run.parts[0][0] if run.parts else None,
+                at=now,
+            )
             with contextlib.suppress(Exception):  # a lost report: the nodes are suspect anyway
-                await self.ctx.nc.publish(subjects.PLACEMENT_SLOW, json.dumps(report).encode())
+                await self.ctx.nc.publish(subjects.PLACEMENT_SLOW, msgspec.json.encode(report))
 
     async def on_link(self, msg: Msg) -> None:
         """A link-state event from network perception: the network every cycle scores with."""
@@ -2520,6 +2556,8 @@ class _Failover:
     """When each failed cluster was classified failed (wall s)."""
     drained: frozenset[str] = frozenset()
     """Clusters drained by ``loom drain`` (closed to new work, like failed ones)."""
+    announced: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Cluster -> the unhealthy state last told on ``loom.placement.cluster_health``."""
 
     def closed(self) -> frozenset[str]:
         """Clusters that take no new work: drained or failed."""

@@ -334,3 +334,81 @@ async def test_the_cli_lists_shows_and_acknowledges_incidents(
     shown = capsys.readouterr().out
     assert "root cause: cluster c-weu-a" in shown and "gang-1" in shown and "acknowledged by oncall" in shown
     assert await asyncio.to_thread(cli, "ack", "inc-nope") == 1
+
+
+async def test_a_service_that_stops_answering_health_opens_an_incident_resolved_when_it_answers(
+    nats_url: str, correlator: AlertCorrelator, incidents: list[IncidentChange]
+) -> None:
+    from loom.alerts.sources import HealthWatch
+
+    answering = True
+    nc: Client = await connect(nats_url, "fake-service")
+
+    async def on_health(msg: Msg) -> None:
+        if answering:
+            await msg.respond(json.dumps({"status": "ok"}).encode())
+
+    await nc.subscribe(subjects.service_health("fake-svc"), cb=on_health)
+    await nc.flush()
+    correlator.watch_health = ["fake-svc"]
+    correlator.health = HealthWatch(misses=2)
+    correlator.health_timeout_s = 0.3
+    try:
+        await correlator.check_health()
+        assert correlator.health.firing == {}
+        answering = False
+        await correlator.check_health()
+        assert not any(i.root == "fake-svc" for i in incidents)  # one miss is not an outage
+        await correlator.check_health()
+        opened = await until(_opened(incidents, "fake-svc"), WAIT_S, "the service incident opened")
+        assert opened.root_kind == "service" and opened.severity == "critical"
+        answering = True
+        await correlator.check_health()
+
+        async def resolved() -> IncidentChange | None:
+            return next((i for i in incidents if i.change == "resolved" and i.root == "fake-svc"), None)
+
+        done = await until(resolved, WAIT_S, "the service incident resolved once it answers")
+        assert done.incident_id == opened.incident_id
+    finally:
+        correlator.watch_health = []
+        await nc.drain()
+
+
+async def test_placements_cluster_classification_and_a_slow_run_reach_the_correlator(
+    nats_url: str, correlator: AlertCorrelator, incidents: list[IncidentChange]
+) -> None:
+    from loom_proto.clusters import ClusterHealthChanged, SlowRun
+
+    nc: Client = await connect(nats_url, "fake-placement")
+    try:
+        failed = ClusterHealthChanged(
+            cluster="c-sea1-a", state="failed", reason="no heartbeat, probes lost", region=SEA, at=10.0
+        )
+        await nc.publish(subjects.PLACEMENT_CLUSTER_HEALTH, msgspec.json.encode(failed))
+        await nc.publish(subjects.PLACEMENT_CLUSTER_HEALTH, b'{"cluster": 3}')  # bad: logged, ignored
+        opened = await until(_opened(incidents, "c-sea1-a"), WAIT_S, "the failed cluster's incident")
+        assert opened.severity == "critical" and [j.job_id for j in opened.jobs] == ["gang-2"]
+        slow = SlowRun(
+            job_id="local-1",
+            attempt=1,
+            observed_step_s=5.0,
+            predicted_step_s=1.0,
+            nodes=[NODES["c-use2-a"][2]],
+        )
+        before = correlator.core.counts["received"]
+        await nc.publish(subjects.PLACEMENT_SLOW, msgspec.json.encode(slow))
+
+        async def slow_seen() -> bool:
+            return correlator.core.counts["received"] == before + 1
+
+        await until(slow_seen, WAIT_S, "the slow run received as one job alert")
+        healthy = ClusterHealthChanged(cluster="c-sea1-a", state="healthy", region=SEA, at=11.0)
+        await nc.publish(subjects.PLACEMENT_CLUSTER_HEALTH, msgspec.json.encode(healthy))
+
+        async def resolved() -> IncidentChange | None:
+            return next((i for i in incidents if i.change == "resolved" and i.root == "c-sea1-a"), None)
+
+        assert (await until(resolved, WAIT_S, "resolved when healthy")).incident_id == opened.incident_id
+    finally:
+        await nc.drain()

@@ -442,3 +442,92 @@ def test_a_run_loom_stopped_raises_no_alert_but_a_failed_run_does() -> None:
         job_id="j1", tenant="acme", cluster="c1", reason="cancelled: by the operator", at=1.0, stopped=True
     )
     assert from_job_failed(stopped) is None
+
+
+def test_a_service_missing_its_health_answers_fires_once_after_the_misses_and_resolves_on_ok() -> None:
+    from loom.alerts.sources import HealthWatch
+
+    watch = HealthWatch(misses=3, startup_grace_s=60.0)
+    # Still starting: an instance that never answered fires only after the grace.
+    assert [watch.missed("placement", t, 2.0) for t in (0.0, 5.0, 10.0, 55.0)] == [[], [], [], []]
+    assert [a.status for a in watch.missed("placement", 60.0, 2.0)] == ["firing"]
+    assert watch.answered("migration", "ok", 0.0) == []
+    assert watch.missed("migration", 5.0, 2.0) == [] and watch.missed("migration", 10.0, 2.0) == []
+    [fired] = watch.missed("migration", 15.0, 2.0)
+    assert (fired.status, fired.severity, fired.labels["service"]) == ("firing", "critical", "migration")
+    assert "3 times in a row" in fired.summary
+    assert watch.missed("migration", 20.0, 2.0) == []  # still missing: no repeat
+    [resolved] = watch.answered("migration", "ok", 25.0)
+    assert resolved.status == "resolved" and resolved.dedup_key == fired.dedup_key
+    # One late answer between misses starts the count again: not an outage.
+    for t in (30.0, 35.0):
+        assert watch.missed("migration", t, 2.0) == []
+    assert watch.answered("migration", "ok", 40.0) == []
+    assert watch.missed("migration", 45.0, 2.0) == []
+
+
+def test_a_degraded_answer_fires_a_warning_and_a_silent_agent_names_its_cluster() -> None:
+    from loom.alerts.correlate import signal_of
+    from loom.alerts.sources import HealthWatch
+
+    watch = HealthWatch(misses=1, startup_grace_s=0.0)
+    [degraded] = watch.answered("placement", "degraded: postgres unavailable", 0.0)
+    assert degraded.severity == "warning" and "postgres unavailable" in degraded.summary
+    assert watch.answered("placement", "degraded: postgres unavailable", 5.0) == []
+    assert [a.status for a in watch.answered("placement", "ok", 10.0)] == ["resolved"]
+    [agent] = watch.missed("agent-c-use2-a", 0.0, 2.0)
+    assert signal_of(agent).resource == ("cluster", "c-use2-a")
+    assert signal_of(degraded).resource == ("service", "placement")
+
+
+def test_a_silent_agent_and_its_stale_cluster_make_one_cluster_incident_with_its_jobs() -> None:
+    from loom.alerts.sources import HealthWatch, from_cluster_health
+    from loom_proto.clusters import ClusterHealthChanged
+
+    c = Correlator(
+        placements([job("a", ("c-use2-a", 0)), job("b", ("c-use2-a", 1)), job("x", ("c-weu-a", 0))])
+    )
+    [silent] = HealthWatch(misses=1, startup_grace_s=0.0).missed("agent-c-use2-a", 0.0, 2.0)
+    suspect = from_cluster_health(
+        ClusterHealthChanged(cluster="c-use2-a", state="suspect", reason="no heartbeat", at=0.2)
+    )
+    failed = from_cluster_health(
+        ClusterHealthChanged(cluster="c-use2-a", state="failed", reason="no heartbeat, probes lost", at=3.0)
+    )
+    kinds = run(c, [(0.0, silent), (0.2, suspect), (3.0, failed)], 40.0)
+    [inc] = c.incidents.values()
+    assert inc.root == ("cluster", "c-use2-a") and set(inc.jobs) == {"a", "b"}
+    assert inc.severity == "critical"  # failed raised it
+    assert kinds[0] == "opened" and len(kinds) <= 3
+    healthy = from_cluster_health(ClusterHealthChanged(cluster="c-use2-a", state="healthy", at=50.0))
+    assert healthy.status == "resolved" and healthy.dedup_key == failed.dedup_key == suspect.dedup_key
+
+
+def test_a_slow_run_on_one_node_points_at_the_node_and_one_on_several_at_its_job() -> None:
+    from loom.alerts.correlate import signal_of
+    from loom.alerts.sources import from_slow_run
+    from loom_proto.clusters import SlowRun
+
+    node = NODES["c-use2-a"][0]
+    one = from_slow_run(
+        SlowRun(job_id="a", attempt=1, observed_step_s=4.0, predicted_step_s=1.0, nodes=[node], tenant="t1"),
+        7.0,
+    )
+    assert one.momentary and one.at == 7.0 and signal_of(one).resource == ("node", node)
+    assert "4 s a step (predicted 1 s)" in one.summary and one.labels["tenant"] == "t1"
+    many = from_slow_run(
+        SlowRun(job_id="b", attempt=2, observed_step_s=3.0, nodes=NODES["c-use2-a"][:2], cluster="c-use2-a"),
+        8.0,
+    )
+    assert signal_of(many).resource == ("cluster", "c-use2-a") and many.job_id == "b"
+    c = Correlator(placements([job("a", ("c-use2-a", 0)), job("b", ("c-use2-a", 0))]))
+    run(
+        c,
+        [
+            (0.0, one),
+            (0.1, from_slow_run(SlowRun(job_id="b", attempt=1, observed_step_s=3.0, nodes=[node]), 0.1)),
+        ],
+        2.0,
+    )
+    [inc] = c.incidents.values()
+    assert inc.root == ("node", node) and set(inc.jobs) == {"a", "b"}

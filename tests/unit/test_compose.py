@@ -491,3 +491,19 @@ def test_grafana_queries_the_prometheus_service() -> None:
         url = urlsplit(source["url"])
         assert (url.hostname, url.port) == ("prometheus", 9090)
         assert url.port in published
+
+
+def test_the_correlator_watches_the_health_of_every_other_long_running_loom_service(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from loom_services.alert_correlator.main import parse_args
+
+    svc = SERVICES["alert-correlator"]
+    monkeypatch.setenv("LOOM_WATCH_HEALTH", _env(svc)["LOOM_WATCH_HEALTH"])
+    watched = set(parse_args(_argv(svc)[1:]).watch_health)
+    long_running = {name for name, s in LOOM_SERVICES.items() if str(s.get("restart", "no")) != "no"} - {
+        "alert-correlator"
+    }
+    # Each compose service answers health under its own name (OTEL_SERVICE_NAME is the same name).
+    assert watched == long_running
+    assert all(_env(LOOM_SERVICES[name])["OTEL_SERVICE_NAME"] == name for name in watched)

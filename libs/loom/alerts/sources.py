@@ -10,11 +10,17 @@ What exists today and becomes an alert here:
   started (``loom.jobs.requeued.*`` with cause ``cluster_lost``, ``start_failed``,
   ``start_timeout``; preemption and resizing are decisions, not faults): momentary job alerts;
 * dead letters growing: at least ``threshold`` in ``window_s`` (``loom.dlq.>``) fires a ``service``
-  alert on ``dead-letters``, resolved when the window holds none.
-
-Not published by any service today, so not consumed: placement's ``suspect`` / ``failed`` cluster
-classification (internal to placement; the stale view delta is the signal it starts from), a job
-running slowly, migrations failing, a service missing its health answer.
+  alert on ``dead-letters``, resolved when the window holds none;
+* a migration the migration service gave up on (``loom.migrations.failed.*``): a momentary job alert;
+* placement's classification of a cluster (``loom.placement.cluster_health``): ``suspect`` (one of
+  heartbeats and probes lost) fires a warning, ``failed`` (both) a critical alert on the cluster,
+  ``healthy`` resolves it;
+* a run delivering under half its predicted step rate (``loom.placement.slow``): a momentary job
+  alert naming its nodes;
+* a Loom service missing its health answer (:class:`HealthWatch`, the correlator asks each watched
+  instance on ``loom.health.<instance>``): after ``misses`` answers missed in a row a critical alert
+  (an agent's on its cluster, any other on the ``service`` resource of its name), a warning while it
+  answers ``degraded: ...``, resolved when it answers ``ok`` again.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass, field
 
 from loom.alerts.resources import link_name
 from loom_proto.alerts import Alert
+from loom_proto.clusters import ClusterHealthChanged, SlowRun
 from loom_proto.jobs import JobFailed, JobRequeued
 from loom_proto.migrations import MigrationEvent
 from loom_proto.net import LinkDegraded, LinkRecovered
@@ -119,6 +126,116 @@ def from_job_requeued(event: JobRequeued) -> Alert | None:
         at=event.at,
         momentary=True,
     )
+
+
+def from_slow_run(event: SlowRun, now: float) -> Alert:
+    """A momentary job alert for a run delivering under half its predicted step rate; a run on one
+    node names it (a slow node is the likely root), a run on several names its cluster."""
+    nodes = sorted(set(event.nodes))
+    predicted = f" (predicted {event.predicted_step_s:.3g} s)" if event.predicted_step_s else ""
+    labels = {"nodes": ",".join(nodes)[:256]}
+    if event.tenant:
+        labels["tenant"] = event.tenant
+    return Alert(
+        alert_id=alert_id("job-slow", event.job_id, event.attempt),
+        source=SOURCE,
+        severity="warning",
+        summary=f"job {event.job_id} runs slowly: {event.observed_step_s:.3g} s a step{predicted}"
+        f" on {', '.join(nodes) or 'unknown nodes'}"[:1024],
+        job_id=event.job_id,
+        cluster=event.cluster,
+        node=nodes[0] if len(nodes) == 1 else None,
+        labels=labels,
+        dedup_key=alert_id("job-slow", event.job_id, event.attempt),
+        at=event.at if event.at is not None else now,
+        momentary=True,
+    )
+
+
+def from_cluster_health(event: ClusterHealthChanged) -> Alert:
+    """A cluster alert from placement's classification: suspect (warning), failed (critical),
+    healthy (resolved); one fingerprint per cluster, so failed after suspect raises its severity."""
+    healthy = event.state == "healthy"
+    return Alert(
+        alert_id=alert_id("health", event.cluster, event.state, int(event.at * 1000)),
+        source=SOURCE,
+        severity="critical" if event.state == "failed" else "warning",
+        summary=f"cluster {event.cluster} {event.state}: {event.reason}"[:1024],
+        region=event.region,
+        cluster=event.cluster,
+        labels={"state": event.state},
+        dedup_key=f"loom-health-{event.cluster}",
+        at=event.at,
+        status="resolved" if healthy else "firing",
+    )
+
+
+AGENT_PREFIX = "agent-"
+
+
+@dataclass(slots=True)
+class HealthWatch:
+    """A Loom service missing its health answer, or answering ``degraded``, as a condition.
+
+    The service asks each watched instance and reports :meth:`answered` or :meth:`missed`; the
+    watch fires after ``misses`` missed answers in a row (one late answer on a busy machine is not
+    an outage; one that never answered yet, after ``startup_grace_s``) and resolves at the first
+    ``ok``. An agent (``agent-<cluster>``) is named by its
+    cluster, so a silent agent joins its cluster's incident; any other by the ``service`` resource.
+    """
+
+    misses: int = 3
+    startup_grace_s: float = 60.0
+    """An instance that never answered yet (still starting) fires only this long after it was
+    first asked."""
+    missed_in_row: dict[str, int] = field(default_factory=dict)
+    firing: dict[str, str] = field(default_factory=dict)
+    """instance -> what fires: ``missing`` or the degraded status it answered."""
+    first_asked: dict[str, float] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)
+    """Instances that answered at least once."""
+
+    def answered(self, instance: str, status: str, now: float) -> list[Alert]:
+        """An answer: ``ok`` resolves, anything else (``degraded: postgres unavailable``) fires."""
+        self.missed_in_row[instance] = 0
+        self.seen.add(instance)
+        if status == "ok":
+            if instance not in self.firing:
+                return []
+            del self.firing[instance]
+            return [self._alert(instance, "answers ok again", now, firing=False, severity="warning")]
+        if self.firing.get(instance) == status:
+            return []
+        self.firing[instance] = status
+        return [self._alert(instance, f"answers {status}", now, firing=True, severity="warning")]
+
+    def missed(self, instance: str, now: float, timeout_s: float) -> list[Alert]:
+        """No answer within ``timeout_s``."""
+        count = self.missed_in_row.get(instance, 0) + 1
+        self.missed_in_row[instance] = count
+        first = self.first_asked.setdefault(instance, now)
+        if instance not in self.seen and now - first < self.startup_grace_s:
+            return []
+        if count < self.misses or self.firing.get(instance) == "missing":
+            return []
+        self.firing[instance] = "missing"
+        summary = f"no health answer {count} times in a row (each within {timeout_s:g} s)"
+        return [self._alert(instance, summary, now, firing=True, severity="critical")]
+
+    @staticmethod
+    def _alert(instance: str, what: str, now: float, *, firing: bool, severity: str) -> Alert:
+        cluster = instance.removeprefix(AGENT_PREFIX) if instance.startswith(AGENT_PREFIX) else None
+        return Alert(
+            alert_id=alert_id("health", instance, int(now * 1000)),
+            source=SOURCE,
+            severity="critical" if severity == "critical" else "warning",
+            summary=f"Loom service {instance}: {what}"[:1024],
+            cluster=cluster,
+            labels={"instance": instance} if cluster else {"service": instance, "instance": instance},
+            dedup_key=alert_id("loom-svc", instance),
+            at=now,
+            status="firing" if firing else "resolved",
+        )
 
 
 @dataclass(slots=True)

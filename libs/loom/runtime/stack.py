@@ -286,7 +286,7 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
             str(options.console_port),
         ]
     if not options.network:
-        return argvs
+        return _watch_health(argvs)
     argvs["network-perception"] = [
         py,
         "-m",
@@ -296,6 +296,15 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
         "--period-s",
         str(options.probe_period_s),
     ]
+    return _watch_health(argvs)
+
+
+def _watch_health(argvs: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The alert correlator watches every other service's health answers (an alert when one stops
+    answering)."""
+    for name in argvs:
+        if name != "alert-correlator":
+            argvs["alert-correlator"] += ["--watch-health", name]
     return argvs
 
 

@@ -138,6 +138,7 @@ def _service_publish(role: Role) -> list[str]:
             "$KV.loom_leases.>",
             f"{P}.alive.*",  # the leader's liveness ping of each agent (core NATS)
             subjects.PLACEMENT_SLOW,  # a slow run, for the migration service (core NATS)
+            subjects.PLACEMENT_CLUSTER_HEALTH,  # a cluster's classification, for the alert correlator
         ]
     if role == "migration":
         return [
@@ -158,7 +159,8 @@ def _service_publish(role: Role) -> list[str]:
     if role == "probe-collector":
         return [subjects.PROBE_SAMPLES_ALL, f"{P}.net.endpoints.*"]
     if role == "alert-correlator":
-        return [f"{P}.alerts.*", subjects.ALERTS_RAW_ALL, *subjects.INCIDENTS_ALL]
+        # ... and asks every watched service for its health (request-reply, core NATS).
+        return [f"{P}.alerts.*", subjects.ALERTS_RAW_ALL, *subjects.INCIDENTS_ALL, f"{P}.health.*"]
     if role == "console":
         # An operator's actions on the console: cancel a job (its ``cancelled`` event, as `loom
         # cancel`), drain or open a cluster (the migration service's drain request), ack an incident.
