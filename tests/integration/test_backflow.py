@@ -197,9 +197,15 @@ async def _flowed_back_gradually_and_only_where_it_pays(
 ) -> None:
     """The long jobs moved back one after the other (cause ``backflow``, from their checkpoints);
     the heavy one stayed; every ``cluster_joined`` verdict since the return says why."""
-    rows = await db.fetch(
-        "SELECT * FROM migrations WHERE cause = 'backflow' AND state = 'completed' ORDER BY planned_at"
-    )
+
+    async def completed() -> list[asyncpg.Record] | None:
+        # A move completes when the migration service reads the next attempt's start (just after).
+        rows = await db.fetch(
+            "SELECT * FROM migrations WHERE cause = 'backflow' AND state = 'completed' ORDER BY planned_at"
+        )
+        return rows if len(rows) >= len(LONG) else None
+
+    rows = await until(completed, 10, "both backflow moves completed")
     assert sorted(r["job_id"] for r in rows) == LONG
     assert all(r["from_cluster"] == SLOW and r["from_attempt"] == 2 for r in rows)
     # Resumed from the checkpoint each was asked for: nothing much redone, never step 0.
