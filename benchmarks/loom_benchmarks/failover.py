@@ -70,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-heartbeat-s", type=float, default=10.0, help="agents' longest (calm) interval")
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for the re-placement")
     parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    parser.add_argument(
+        "--keep-logs", default="", help="copy the stack's logs here before its home is removed (diagnosis)"
+    )
 
 
 def _jobs(args: argparse.Namespace, region: str) -> list[JobSpec]:
@@ -315,6 +318,7 @@ async def _measure(state: dict[str, Any], home: Path, args: argparse.Namespace, 
         )
         clusters = [c.id for c in topology.clusters]
         result["runs_doubled_after_replacement"] = _doubled(await _running_keys(client, clusters))
+        result["not_replaced_detail"] = await _stuck_detail(db, result["not_replaced_by_timeout"])
 
         say("the victim's agent returns with its journal")
         for other in blackholed:
@@ -370,6 +374,36 @@ async def _measure(state: dict[str, Any], home: Path, args: argparse.Namespace, 
     return result
 
 
+async def _stuck_detail(db: asyncpg.Connection, job_ids: list[str]) -> dict[str, Any]:
+    """For each job not running again by the timeout: its row, its reservations and its latest
+    events (the store goes with the benchmark's home; this is what a diagnosis needs)."""
+    out: dict[str, Any] = {}
+    for job_id in job_ids:
+        row = await db.fetchrow(
+            "SELECT state, attempt, cluster, resume_step, progress, reason FROM jobs WHERE job_id = $1",
+            job_id,
+        )
+        reservations = await db.fetch(
+            """SELECT attempt, cluster, state, count(*) AS parts FROM reservations WHERE job_id = $1
+               GROUP BY attempt, cluster, state ORDER BY attempt, cluster""",
+            job_id,
+        )
+        events = await db.fetch(
+            """SELECT kind, at, event FROM job_events WHERE job_id = $1 AND kind <> 'progress'
+               ORDER BY id DESC LIMIT 12""",
+            job_id,
+        )
+        out[job_id] = {
+            "job": None if row is None else dict(row),
+            "reservations": [dict(r) for r in reservations],
+            "events": [
+                {"kind": e["kind"], "at": e["at"].timestamp(), "event": json.loads(e["event"])}
+                for e in reversed(events)
+            ],
+        }
+    return out
+
+
 def _options(args: argparse.Namespace, clusters: list[str]) -> stack.StackOptions:
     return stack.StackOptions(
         topology=args.topology,
@@ -397,6 +431,8 @@ def run(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     finally:
         say("stopping the stack")
         stack.down(home)
+        if args.keep_logs:
+            shutil.copytree(home / "logs", Path(args.keep_logs), dirs_exist_ok=True)
         os.environ.update(env_backup)
         shutil.rmtree(home, ignore_errors=True)
     replaced = measured.get("all_replaced_s")

@@ -404,9 +404,31 @@ class Agent:
         spec = command.spec
         if spec.job_id != command.job_id:
             raise InvalidInputError(f"start command for {command.job_id} carries the spec of {spec.job_id}")
+        if any(r.job_id == command.job_id and r.attempt > command.attempt for r in self.running.values()):
+            # A later attempt runs here: placement gave this one up before placing that one.
+            log.info("start of a superseded attempt refused", job_id=command.job_id, attempt=command.attempt)
+            self.finished.add(key)
+            self._record({"op": "finish", "key": key})
+            return
+        # Placement gives an attempt up before it places the next one, so a start of attempt N
+        # supersedes this job's older attempts here: their stops may not have come yet (published
+        # after it when their first publish failed, or redelivered). Stopped first, their GPUs are
+        # free for it; before, the start was refused against them and the next attempt avoided
+        # this cluster (a failed-over cross-cluster gang then waited for the failed cluster).
+        halted = [
+            (old, self._halt(old, f"superseded by attempt {command.attempt} (its own stop not here yet)"))
+            for old in list(self.running.values())
+            if old.job_id == command.job_id and old.attempt < command.attempt
+        ]
+        for old, _ in halted:
+            log.warning(
+                "older attempt superseded", job_id=old.job_id, attempt=old.attempt, by=command.attempt
+            )
         refusal = self.backend.refusal(command.gpu_model, command.allocations)
         if refusal is not None:
             await self._refuse_start(command, refusal)
+            for old, task in halted:
+                await self._halted(old, task)
             return
         # Only a lead waits: a member has no clock, it just holds its GPUs from now on.
         wait_s = command.start_after_s / self.time_scale if command.role == "lead" else 0.0
@@ -441,6 +463,8 @@ class Agent:
         if job.lead and not job.waiting and self.backend.clock:
             self._report_started(job)
         self._launch(job)
+        for old, task in halted:
+            await self._halted(old, task)
 
     async def _refuse_start(self, command: StartJob, refusal: str) -> None:
         """Tell placement a part cannot start here, so it gives the attempt up and places it elsewhere.
@@ -503,16 +527,23 @@ class Agent:
                 self.finished.add(key)
                 self._record({"op": "finish", "key": key})
             return
-        task = self.tasks.pop(key, None)
+        await self._halted(job, self._halt(job, reason))
+
+    def _halt(self, job: RunningJob, reason: str) -> "asyncio.Task[None] | None":
+        """Stop a run's task and free its GPUs, before any await (a command handled alongside, a
+        resize growing into them or a start of its next attempt, sees them free); its task to await."""
+        task = self.tasks.pop(job.key, None)
         if task is not None:
             task.cancel()
         if job.lead:
             self._report_failed(
                 job.job_id, job.tenant, job.attempt, reason, retryable=True, carrier=job.carrier, stopped=True
             )
-        # GPUs are free from here on, before any await: a command handled alongside this one (a
-        # resize growing into them) sees them free.
         self._finish(job)
+        return task
+
+    async def _halted(self, job: RunningJob, task: "asyncio.Task[None] | None") -> None:
+        """The rest of a stop: its task ended, its part stopped in the backend (no clock)."""
         if task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task

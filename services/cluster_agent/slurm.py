@@ -11,7 +11,9 @@ most one per part per poll (``poll_s``) plus one per heartbeat for the inventory
 (``gpu:TYPE:N``), their type mapped to a Loom GPU model (``gres_models``, else the type upper-cased:
 ``v100m16`` → ``V100M16``); used GPUs from ``GresUsed`` (``-d``), or what this agent's
 own parts hold when more (a part pending in Slurm holds its GPUs for Loom already). A node that is
-down, drained, draining, failing or not responding is unavailable. A controller that cannot be
+down, drained, draining, failing or not responding is unavailable; one DOWN, FAIL or FAILING is
+also reported ``down`` (its parts are lost: placement's node-scope failover gives them up), one
+drained is not (Slurm lets its jobs end). A controller that cannot be
 reached makes every node unavailable and shows in health; the agent goes on.
 
 **Parts** (:meth:`SlurmBackend.launch`): one Slurm batch job per part, named ``loom-JOB-ATTEMPT``
@@ -98,6 +100,13 @@ REFUSING_REASONS = frozenset(
 """Pending reasons Slurm does not get over by itself: the part is refused at once."""
 
 _UNAVAILABLE_FLAGS = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWERED_DOWN", "INVAL", "MAINT", "REBOOT")
+
+_DOWN_FLAGS = frozenset({"DOWN", "FAIL", "FAILING"})
+"""Node states whose running parts are lost (reported ``down``: node-scope failover). DOWN: Slurm
+kills the node's jobs (NODE_FAIL); FAIL/FAILING: an administrator says the node is failing. DRAIN,
+DRAINING and DRAINED are not among them: Slurm lets a draining node's jobs run to their end, so a
+drained node only takes no new work (as a cordoned node on the sim backend). NOT_RESPONDING (``*``)
+alone is not either: a slurmd that stays silent past ``SlurmdTimeout`` is set DOWN by Slurm."""
 
 _PHASES = {
     "PENDING": Phase.PENDING,
@@ -238,6 +247,13 @@ class SlurmNodeState:
         flags = self.state.replace("*", "+NOT_RESPONDING").split("+")
         return self.reachable and not any(f.startswith(_UNAVAILABLE_FLAGS) for f in flags)
 
+    @property
+    def down(self) -> bool:
+        """Whether the node has failed (``_DOWN_FLAGS``): the parts on it are lost. Not when the
+        controller cannot be reached: that says nothing of the node."""
+        flags = self.state.replace("*", "").split("+")
+        return self.reachable and any(f in _DOWN_FLAGS for f in flags)
+
     def report(self) -> NodeState:
         """The node in a heartbeat."""
         return NodeState(
@@ -249,6 +265,7 @@ class SlurmNodeState:
             cpu_milli=self.cpu_milli,
             memory_mib=self.memory_mib,
             healthy=self.healthy,
+            down=self.down,
         )
 
 

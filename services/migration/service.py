@@ -145,6 +145,8 @@ class MigrationService:
         self._drain_judged: dict[str, dict[tuple[str, int], benefit.MigrationVerdict]] = {}
         """drained cluster -> (job, attempt) -> its ``drain`` verdict (the drain's order)."""
         self._cluster_reviews: dict[str, tuple[benefit.Trigger, str]] = {}
+        self._review_after: dict[str, float] = {}
+        """cluster -> when its pending review is due (a cool-down holding back a move there ends)."""
         """cluster -> (trigger, what happened) still to review: joined, returned, improved, undrained."""
         self._slow: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.stats.update({"cluster_reviews": 0, "slow_reviews": 0})
@@ -971,7 +973,9 @@ class MigrationService:
     async def _clusters_loop(self) -> None:
         """Read the schedulable GPUs per cluster every few seconds; review the running jobs on each
         join, return or growth, and after each undrain. A review whose moves the budget deferred
-        is done again at the next reading: work flows back a few moves at a time."""
+        is done again at the next reading: work flows back a few moves at a time; one whose jobs
+        a cool-down held back (they just failed over or drained off, and the move would pay) is
+        done again when the earliest such cool-down ends."""
         seen: dict[str, int] | None = None  # the first reading is the baseline: nothing joined
         while True:
             if seen is not None:
@@ -989,12 +993,20 @@ class MigrationService:
                 seen = gpus
                 closed = await moves.drained_clusters(self.pool)
                 for cluster, (trigger, about) in list(self._cluster_reviews.items()):
+                    if self._review_after.get(cluster, 0.0) > time.time():
+                        continue  # a cool-down holds its jobs back yet
                     del self._cluster_reviews[cluster]
+                    self._review_after.pop(cluster, None)
                     if cluster in closed or not self.settings.review_clusters:
                         continue
                     plan = await self.review_cluster(cluster, trigger, about)
-                    if plan.deferred:
+                    held = backflow.held_until(plan.stay, cluster)
+                    if plan.deferred or held is not None:
+                        # Deferred by the budget: again at the next reading; held by a cool-down
+                        # (a job that just failed over or drained off): again when it ends.
                         self._cluster_reviews.setdefault(cluster, (trigger, about))
+                        if not plan.deferred and held is not None:
+                            self._review_after[cluster] = held
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -109,6 +109,7 @@ from loom.sched.quota import OPEN, TenantConfig
 from loom.sched.shards import GLOBAL, ShardMap, route
 from loom.sched.snapshot import Economics
 from loom.security import foreign_report
+from loom.store import failed as failed_store
 from loom.store import fence, inbox, moves, outbox, speeds
 from loom.store import jobs as repo
 from loom.store import ledger as ledger_store
@@ -315,6 +316,15 @@ class PlacementService:
             [c for c in await ledger_store.load_clusters(self.pool) if self._owns_region(c.region)]
         )
         self.failover.drained = frozenset(await moves.drained_clusters(self.pool))
+        # Clusters a previous leader classified failed: closed at once, not when this leader's
+        # pings and the view say so again (meanwhile it would place the jobs just failed over
+        # back there). Each returns as any failed cluster does (its agent answers again, or its
+        # heartbeats resume).
+        recorded = [c for c in await failed_store.failed_clusters(self.pool) if self._owns_cluster(c.cluster)]
+        self.failover.adopt(recorded)
+        for c in recorded:
+            reason = self.failover.failed[c.cluster].reason
+            self.stats["failover"]["failed"][c.cluster] = {"at": c.failed_at, "reason": reason}
         self.book.close(self.failover.closed())
         self.queue.clear()
         for row in await repo.queued_jobs(self.pool):
@@ -1617,6 +1627,7 @@ class PlacementService:
                         self.stats["failover"]["failed"][cluster] = {"at": time.time(), "reason": h.reason}
                         log.warning("cluster failed", cluster=cluster, reason=h.reason)
                 self.failover.returned(self.failover.liveness.answered_at)
+                await self._persist_failed()
                 # A failed cluster takes no new work (the view closes it only once stale); nor
                 # does a suspect node until its time runs out.
                 changed = self.book.close(self.failover.closed())
@@ -1666,6 +1677,26 @@ class PlacementService:
                 self.failover.announced.pop(change.cluster, None)
             else:
                 self.failover.announced[change.cluster] = change.state
+
+    async def _persist_failed(self) -> None:
+        """Record the clusters newly classified failed, forget those that returned (for the next
+        leader: :mod:`loom.store.failed`); a write that fails is done at the next period."""
+        failover = self.failover
+        new = [
+            failed_store.FailedCluster(c, h.reason, failover.failed_at.get(c, time.time()))
+            for c, h in failover.failed.items()
+            if c not in failover.persisted
+        ]
+        gone = sorted(failover.persisted - set(failover.failed))
+        if not new and not gone:
+            return
+        try:
+            await failed_store.record_failed(self.pool, new)
+            await failed_store.forget_failed(self.pool, gone)
+        except Exception as exc:
+            log.warning("failed clusters not recorded", error=repr(exc))
+            return
+        failover.persisted = (failover.persisted - set(gone)) | {c.cluster for c in new}
 
     async def _liveness_loop(self) -> None:
         """Ping every owned cluster's agent each period (:class:`loom.migrate.health.Liveness`)."""
@@ -2558,6 +2589,8 @@ class _Failover:
     """Clusters drained by ``loom drain`` (closed to new work, like failed ones)."""
     announced: dict[str, str] = dataclasses.field(default_factory=dict)
     """Cluster -> the unhealthy state last told on ``loom.placement.cluster_health``."""
+    persisted: set[str] = dataclasses.field(default_factory=set)
+    """Failed clusters recorded in the store for the next leader (:mod:`loom.store.failed`)."""
 
     def closed(self) -> frozenset[str]:
         """Clusters that take no new work: drained or failed."""
@@ -2581,6 +2614,15 @@ class _Failover:
         for c in clusters:
             if c.stale:
                 self.stale_since[c.cluster] = c.last_heartbeat_at + self.ttl_s
+
+    def adopt(self, recorded: Sequence[failed_store.FailedCluster]) -> None:
+        """On leading, after :meth:`restore`: the clusters a previous leader classified failed."""
+        self.persisted = {c.cluster for c in recorded}
+        for c in recorded:
+            self.failed[c.cluster] = Health(
+                c.cluster, "failed", f"{c.reason} (classified by the previous leader)"
+            )
+            self.failed_at[c.cluster] = c.failed_at
 
     def follow(self, delta: ViewDelta) -> None:
         """Track an owned cluster's staleness from its view delta."""

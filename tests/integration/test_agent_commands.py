@@ -480,6 +480,52 @@ async def test_a_stop_for_a_run_not_here_is_remembered_across_a_restart_and_refu
     assert (await completed(h, job_id))["attempt"] == 3
 
 
+async def test_a_start_of_the_next_attempt_before_the_old_ones_stop_supersedes_it_and_is_not_refused(
+    h: Harness,
+) -> None:
+    """A failover re-places a cross-cluster gang on the same GPUs its old attempt's member part
+    holds on a live cluster; the old attempt's stop can come after the new start (its first
+    publish failed and the outbox sent it later). Placement gives an attempt up before it places
+    the next, so the start stops the older attempt here and starts (before: refused against the
+    old part's GPUs, and the next attempt avoided this cluster)."""
+    gang, sentinel = unique("gang"), unique("sentinel")
+    await h.handled(await h.command(start(gang, {BIG_T4: 4}, role="member", attempt=1)))
+    await h.heartbeat_shows({BIG_T4: 4}, running={gang})
+    await h.handled(await h.command(start(gang, {BIG_T4: 4}, role="member", attempt=2)))
+    assert h.agent is not None
+    assert set(h.agent.running) == {f"{gang}:2"} and f"{gang}:1" in h.agent.finished
+    assert h.agent.backend.nodes[BIG_T4].gpus_used == 4  # attempt 2's, not both
+    # The late stop of attempt 1 changes nothing; a late start of attempt 1 is refused too.
+    await h.handled(await h.command(StopJob(job_id=gang, attempt=1, reason="cluster failed")))
+    with capture_logs() as logs:
+        await h.handled(await h.command(start(gang, {T4_C: 2}, role="member", attempt=1)))
+    assert {k for k in h.agent.running if k.startswith(gang)} == {f"{gang}:2"}
+    assert [e["event"] for e in logs if e.get("job_id") == gang] == ["start of a finished run refused"]
+    await h.command(start(sentinel, {P100: 2}, gpu_model="P100", steps=10, step_time_s=20.0))
+    await completed(h, sentinel)
+    assert h.seen.kinds(gang) == [], "no refusal reported: attempt 2 was never refused"
+    await h.handled(await h.command(StopJob(job_id=gang, attempt=2)))
+    await h.heartbeat_shows({BIG_T4: 0}, running=set(), absent={gang})
+
+
+async def test_a_start_of_an_attempt_older_than_the_one_running_here_is_refused_without_a_word(
+    h: Harness,
+) -> None:
+    job_id, sentinel = unique("late"), unique("sentinel")
+    await h.handled(await h.command(start(job_id, {T4_A: 2}, role="member", attempt=3)))
+    with capture_logs() as logs:
+        await h.handled(await h.command(start(job_id, {T4_B: 2}, role="member", attempt=2)))
+    assert [e["event"] for e in logs if e.get("job_id") == job_id] == [
+        "start of a superseded attempt refused"
+    ]
+    assert h.agent is not None and {k for k in h.agent.running if k.startswith(job_id)} == {f"{job_id}:3"}
+    assert h.agent.backend.nodes[T4_B].gpus_used == 0
+    await h.command(start(sentinel, {P100: 2}, gpu_model="P100", steps=10, step_time_s=20.0))
+    await completed(h, sentinel)
+    assert h.seen.kinds(job_id) == []
+    await h.handled(await h.command(StopJob(job_id=job_id, attempt=3)))
+
+
 async def test_a_delayed_start_holds_its_gpus_reports_started_when_the_wait_ends_and_times_only_the_work(
     h: Harness,
 ) -> None:

@@ -33,8 +33,10 @@ DEAD_REGION, ALIVE_REGION, OTHER_REGION = "azure-westeurope", "gcp-asia-southeas
 JOBS = [f"fo-{i}" for i in range(3)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    # One per test: a fresh database's metrics numbers its view deltas from 1 again, and the
+    # stream would drop them as duplicates of the previous test's.
     from loom.runtime.servers import NatsServer
 
     with NatsServer(tmp_path_factory.mktemp("failover-nats")) as server:
@@ -259,3 +261,85 @@ async def _placement_restarted(platform: Platform, client: LoomClient) -> None:
     # Failed by both signals, or by heartbeat loss past 2 x TTL if it classified before the links came.
     reason = restarted["failover"]["failed"][DEAD]["reason"]
     assert "probes cannot reach" in reason or "2 x TTL" in reason, reason
+
+
+async def test_a_new_leader_keeps_a_cluster_its_predecessor_failed_closed_until_it_returns(
+    platform: Platform,
+) -> None:
+    """A takeover or restart right after a failover: the new leader has not seen the failure
+    itself (its pings need a few periods, and here neither the view nor the probes will tell it:
+    metrics is stopped, the probes get through again), yet places nothing there."""
+    await platform.start("metrics")
+    await platform.start("placement")
+    await platform.start(f"agent-{DEAD}")
+    await platform.start(f"agent-{ALIVE}")
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    try:
+        await _publish_links(client, dead_reachable=True)
+
+        async def both_known() -> bool:
+            n = await db.fetchval(
+                """SELECT count(DISTINCT cluster) FROM node_allocations
+                   WHERE schedulable AND cluster = ANY($1::text[])""",
+                [DEAD, ALIVE],
+            )
+            return bool(n == 2)
+
+        await until(both_known, 20, "both clusters' nodes known")
+        await platform.stop("metrics")  # the view will not say the dead cluster is stale
+        await platform.stop(f"agent-{DEAD}")
+        await _publish_links(client, dead_reachable=False)
+
+        async def classified() -> bool:
+            return DEAD in (await _placement_stats(client))["failover"]["failed"]
+
+        await until(classified, 15, "the leader to classify c-weu-a failed (agent gone, probes lost)")
+        recorded = await until(
+            lambda: db.fetchrow("SELECT * FROM failed_clusters WHERE cluster = $1", DEAD), 5, "its record"
+        )
+        assert "probes cannot reach region azure-westeurope" in recorded["reason"]
+
+        # The probes get through again (the link states are kept on the bus: a new leader reads
+        # them), so the new leader alone would find the cluster only suspect, never failed.
+        await _publish_links(client, dead_reachable=True)
+        await platform.stop("placement")
+        await platform.start("placement")
+        # A job only the dead cluster's GPUs fit (P100s): only the record keeps it from going there.
+        await client.submit(
+            JobSpec(
+                job_id="after-takeover",
+                tenant="t1",
+                resources=Resources(gpus=1, gpu_models=["P100"]),
+                work=Work(steps=100, step_time_s=200.0, checkpoint_every_steps=10),
+            )
+        )
+        decided = await until(
+            lambda: db.fetchrow("SELECT outcome FROM decisions WHERE job_id = 'after-takeover'"),
+            20,
+            "the new leader's decision",
+        )
+        assert decided["outcome"] == "waiting"
+        job = await client.job("after-takeover")
+        assert job is not None and job["state"] == "queued"
+        stats = await _placement_stats(client)
+        assert "classified by the previous leader" in stats["failover"]["failed"][DEAD]["reason"]
+        assert stats["failover"]["failed"][DEAD]["at"] == pytest.approx(recorded["failed_at"])
+
+        # It returns: its agent answers the new leader's pings; the record goes, the job runs there.
+        await platform.start(f"agent-{DEAD}")
+
+        async def running() -> dict[str, Any] | None:
+            job = await client.job("after-takeover")
+            return job if job and job["state"] == "running" else None
+
+        job = await until(running, 20, "the job running on the returned cluster")
+        assert job["cluster"] == DEAD and job["attempt"] == 1
+
+        async def forgotten() -> bool:
+            return not await db.fetchval("SELECT count(*) FROM failed_clusters")
+
+        await until(forgotten, 5, "the record of the failure gone")
+    finally:
+        await db.close()
+        await client.close()

@@ -178,8 +178,13 @@ async def test_a_joining_cluster_draws_back_only_the_job_whose_gain_beats_its_co
         assert verdicts["short"]["gain_s"] < verdicts["short"]["threshold_s"]
         back = await until(lambda: _running(client, "long", attempt=2), 20, "long moved to the new cluster")
         assert back["cluster"] == "c-use2-a"
-        row = await db.fetchrow("SELECT * FROM migrations WHERE job_id = 'long'")
-        assert row["cause"] == "backflow" and row["state"] == "completed"
+        # The move completes when the migration service reads the next attempt's start (just after).
+        row = await until(
+            lambda: db.fetchrow("SELECT * FROM migrations WHERE job_id = 'long' AND state = 'completed'"),
+            10,
+            "the move completed",
+        )
+        assert row["cause"] == "backflow"
         # Resumed from the checkpoint it was asked for; only the steps made between that save and
         # the stop (well under a second here) are done again.
         assert row["resume_step"] > 0 and row["lost_steps"] <= 20, dict(row)

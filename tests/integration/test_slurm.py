@@ -284,6 +284,28 @@ async def test_a_cross_cluster_gang_runs_one_slurm_job_in_each_cluster(
     await in_slurm(slurm_clusters[member], "loom-slurm-gang-1", "CANCELLED")  # stopped once the lead ended
 
 
+@contextlib.asynccontextmanager
+async def node_reports(client: LoomClient, cluster: str) -> AsyncIterator[list[dict[str, Any]]]:
+    """Every node state the cluster's heartbeats carry while the block runs."""
+    seen: list[dict[str, Any]] = []
+
+    async def on_beat(msg: Any) -> None:
+        seen.extend(json.loads(msg.data).get("nodes", []))
+
+    sub = await client.nc.subscribe(subjects.cluster_heartbeat(cluster), cb=on_beat)
+    try:
+        yield seen
+    finally:
+        await sub.unsubscribe()
+
+
+def reported(seen: list[dict[str, Any]], node: str, *, down: bool) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return any(n["node"] == node and bool(n.get("down", False)) is down for n in seen)
+
+    return check
+
+
 async def test_a_node_set_down_under_a_running_job_fails_it_at_node_scope(
     client: LoomClient,
     slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
@@ -292,6 +314,8 @@ async def test_a_node_set_down_under_a_running_job_fails_it_at_node_scope(
     await client.submit(spec("slurm-down", "V100M16", 1, 1200))  # 60 s: the node goes down first
     await until(job_state(client, "slurm-down", "running"), 45, "slurm-down running")
     await in_slurm(sea, "loom-slurm-down-1", "RUNNING")
+    # (Local Slurm's ReturnToService=2 puts the node back within about a second, before a
+    # heartbeat need see it: the FAIL test below follows ``down`` through the heartbeat.)
     await asyncio.to_thread(
         slurm, sea, "scontrol", "update", "NodeName=openb-node-0233", "State=DOWN", "Reason=test"
     )
@@ -310,6 +334,52 @@ async def test_a_node_set_down_under_a_running_job_fails_it_at_node_scope(
         await asyncio.to_thread(
             subprocess.run,
             ["scontrol", "update", "NodeName=openb-node-0233", "State=RESUME"],
+            env=sea.env,
+            check=False,
+            capture_output=True,
+        )
+        await asyncio.to_thread(sea.wait_idle)
+
+
+async def test_a_node_set_failing_under_a_running_job_is_reported_down_and_its_run_moves_at_node_scope(
+    client: LoomClient,
+    slurm_clusters: dict[str, LocalSlurmCluster],  # noqa: F811
+) -> None:
+    """Slurm keeps a job running on a node set FAIL (FAILING): only Loom's node-scope failover,
+    from the heartbeat's ``down``, gives the run up (``node_lost``) and stops it in Slurm."""
+    sea = slurm_clusters["c-sea1-a"]
+    node = "openb-node-0233"  # the only V100M16 node: the next attempt waits for it
+    await client.submit(spec("slurm-failing", "V100M16", 1, 2400))  # 120 s: far from done
+    await until(job_state(client, "slurm-failing", "running"), 45, "slurm-failing running")
+    await in_slurm(sea, "loom-slurm-failing-1", "RUNNING")
+    try:
+        async with node_reports(client, "c-sea1-a") as seen:
+            await asyncio.to_thread(
+                slurm, sea, "scontrol", "update", f"NodeName={node}", "State=FAIL", "Reason=test-failing"
+            )
+            await until(reported(seen, node, down=True), 20, "a heartbeat reporting the failing node down")
+
+            async def requeued() -> list[dict[str, Any]]:
+                job = await client.job("slurm-failing")
+                return events(job, "requeued") if job else []
+
+            event = (await until(requeued, 20, "the run on the failing node to be given up"))[0]
+            assert event["cause"] == "node_lost" and event["attempt"] == 2
+            assert f"node {node} of c-sea1-a failed (reported down by its agent)" in event["reason"]
+            job = await client.job("slurm-failing")
+            assert job is not None and events(job, "failed") == []  # Slurm did not end it: Loom did
+            await in_slurm(sea, "loom-slurm-failing-1", "CANCELLED")  # the stop reached scancel
+            assert job["state"] == "queued"  # nowhere else to go while its node fails
+            seen.clear()
+            await asyncio.to_thread(slurm, sea, "scontrol", "update", f"NodeName={node}", "State=RESUME")
+            await until(reported(seen, node, down=False), 20, "a heartbeat reporting the node back")
+        await until(job_state(client, "slurm-failing", "running"), 30, "slurm-failing running again")
+        await in_slurm(sea, "loom-slurm-failing-2", "RUNNING")
+        assert await client.cancel("slurm-failing", wait_s=10) == "cancelled"
+    finally:
+        await asyncio.to_thread(
+            subprocess.run,
+            ["scontrol", "update", f"NodeName={node}", "State=RESUME"],
             env=sea.env,
             check=False,
             capture_output=True,

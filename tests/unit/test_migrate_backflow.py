@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from loom.migrate.backflow import cluster_triggers, not_on, toward
-from loom.migrate.benefit import Candidate, PathState, RunningJobState, decide
+from loom.migrate.backflow import cluster_triggers, held_until, not_on, toward
+from loom.migrate.benefit import Candidate, MigrationSettings, PathState, RunningJobState, decide
 
 PATH = PathState(rtt_ms=100.0, bandwidth_gbps=8.0)
 
@@ -65,3 +65,26 @@ def test_backflow_moves_only_when_the_gain_beats_cost_and_margin() -> None:
     cooled = replace(_running(2.0), moves=1, last_moved_s=-10.0)
     moved = decide(cooled, Candidate("b", "r-b", 1.0), PATH, now_s=0.0, trigger="cluster_joined")
     assert not moved.move and "cool-down" in moved.reason
+
+
+def test_a_stay_held_only_by_the_cool_down_says_when_to_look_again() -> None:
+    settings = MigrationSettings(cooldown_s=1800.0)
+    back = Candidate("b", "r-b", 1.0)
+    # Failed over 10 s ago; flowing back would pay: held until its cool-down ends.
+    held = decide(
+        replace(_running(2.0), moves=1, last_moved_s=-10.0), back, PATH, now_s=0.0, trigger="cluster_joined"
+    )
+    assert not held.move and held.held_until_s == pytest.approx(-10.0 + settings.cooldown_s)
+    # Moved 20 s ago and would not pay anyway: nothing to come back for.
+    never = decide(
+        replace(_running(1.01), moves=1, last_moved_s=-20.0), back, PATH, now_s=0.0, trigger="cluster_joined"
+    )
+    assert not never.move and "cool-down" in never.reason and never.held_until_s is None
+    # A move that pays, and a stay for another reason, carry no such time either.
+    assert decide(_running(2.0), back, PATH, now_s=0.0, trigger="cluster_joined").held_until_s is None
+    other = replace(held, target="c", held_until_s=held.held_until_s)
+    earlier = replace(held, job_id="k", held_until_s=held.held_until_s - 5.0)  # type: ignore[operator]
+    assert held_until([held, never], "b") == held.held_until_s
+    assert held_until([held, earlier, never], "b") == earlier.held_until_s  # the earliest
+    assert held_until([other, never], "b") is None  # held back from another cluster: not this review
+    assert held_until([], "b") is None

@@ -91,6 +91,30 @@ def test_drained_down_and_silent_nodes_are_unavailable(state: str, healthy: bool
     assert node.healthy is healthy and node.report().healthy is healthy
 
 
+@pytest.mark.parametrize(
+    ("state", "down"),
+    [
+        ("IDLE", False),
+        ("MIXED+DRAIN", False),
+        ("IDLE+DRAIN", False),
+        ("IDLE*", False),
+        ("DOWN", True),
+        ("DOWN*", True),
+        ("DOWN+NOT_RESPONDING", True),
+        ("DOWN+DRAIN", True),
+        ("IDLE+FAIL", True),
+        ("ALLOCATED+FAILING", True),
+    ],
+)
+def test_down_and_failing_nodes_are_reported_down_and_drained_ones_are_not(state: str, down: bool) -> None:
+    node = SlurmNodeState("n", "z", "T4", "t4", 4, 16000, 1000, state)
+    assert node.down is down and node.report().down is down
+    if down:
+        assert node.report().healthy is False
+    node.reachable = False  # an unreachable controller says nothing of the node
+    assert node.report().down is False and node.report().healthy is False
+
+
 def test_a_node_counts_the_gpus_the_agent_holds_before_slurm_does() -> None:
     node = SlurmNodeState("n", "z", "T4", "t4", 4, 16000, 1000, "IDLE", slurm_used=1, held=3)
     assert node.gpus_used == 3

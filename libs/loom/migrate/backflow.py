@@ -9,17 +9,19 @@ change is a review: every running job without a part there is decided by
 now, and a move counts only when it goes *to* that cluster (:func:`toward`): a better place
 elsewhere is not what the change offered, and is left to its own trigger. Work then flows back
 gradually — the budget, the cool-down and the hysteresis apply as for link moves — and only where
-the benefit rule says so.
+the benefit rule says so. A job held back only by its cool-down (it just failed over or drained
+off: the move would pay) is looked at again when the cool-down ends (:func:`held_until`): a
+review is done again while moves are deferred by the budget or held by a cool-down.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import replace
 
 from loom.migrate.benefit import MigrationVerdict, Trigger
 
-__all__ = ["DEFAULT_IMPROVE_SHARE", "cluster_triggers", "not_on", "toward"]
+__all__ = ["DEFAULT_IMPROVE_SHARE", "cluster_triggers", "held_until", "not_on", "toward"]
 
 DEFAULT_IMPROVE_SHARE = 0.25
 """A cluster whose schedulable GPUs grew by this share (and at least one GPU) improved."""
@@ -61,3 +63,11 @@ def toward(verdict: MigrationVerdict, cluster: str) -> MigrationVerdict:
         reason=f"stays: the framework's choice now is {verdict.target}, not {cluster}; "
         + verdict.reason.removeprefix("moves: "),
     )
+
+
+def held_until(stays: Iterable[MigrationVerdict], cluster: str) -> float | None:
+    """When the review about ``cluster`` should be done again for the jobs its cool-downs held
+    back: the earliest end of a cool-down that kept a job from a move there that would pay
+    (:attr:`MigrationVerdict.held_until_s`); None when no stay was only the cool-down's."""
+    ends = [v.held_until_s for v in stays if v.held_until_s is not None and v.target == cluster]
+    return min(ends) if ends else None

@@ -264,6 +264,9 @@ class MigrationVerdict:
     margin_s: float
     """gain − threshold: positive means the move pays by that much beyond its margin."""
     forced: bool = False
+    held_until_s: float | None = None
+    """A stay only because of the cool-down, the move otherwise paying: when the cool-down ends
+    (on the ``now_s`` clock). None otherwise."""
 
     @property
     def move(self) -> bool:
@@ -417,6 +420,7 @@ def decide(
             verdict,
             reason=f"stays: moved {_fmt(now_s - job.last_moved_s)} ago, "
             f"cool-down {_fmt(left)} left; {numbers}",
+            held_until_s=job.last_moved_s + settings.cooldown_s if gain_s > threshold_s else None,
         )
     if gain_s > threshold_s:
         return replace(verdict, decision="move", reason=f"moves: {numbers}")

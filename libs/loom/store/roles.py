@@ -67,6 +67,7 @@ GRANTS: dict[str, dict[str, str]] = {
         "migrations": _R,  # a job's moves, shown with it (loom.store.jobs.get_job)
         "checkpoint_replicas": _R,  # a failover resumes from a replica; shown with the job
         "migration_verdicts": _R,  # why it moved or not, shown with it (get_job, loom explain)
+        "failed_clusters": _RWD,  # its failure classification, for the next leader
     },
     "loom_metrics": {
         "ledger_clusters": _RW,
