@@ -763,7 +763,9 @@ class SpanGuard:
       starts): waits for a faster option only when that option's
       wait plus run beats the run now by ``margin``, and never longer in all than the slower start
       would lose, ``steps x (step_now - step_better)`` since submission (ski rental: at most twice
-      the better of the two). While other jobs wait (the snapshot's queue), only when the slower
+      the better of the two). While other jobs wait (the snapshot's queue), a gang (more than one
+      worker) never waits (:func:`waits_under_queue`: its room must come whole, and the queue takes
+      each release first), and a single worker only when the slower
       GPUs would also take at least ``queue_slowdown`` times as long: a moderately slower start
       costs the platform nothing then (the GPUs left free are taken by the jobs waiting, and a
       reference-GPU second is the same on either), but a long job on GPUs several times slower
