@@ -757,12 +757,14 @@ class SpanGuard:
       started on P100s 6x slower than the G2 about to free up).
 
     A wait is UNSCHEDULABLE with ``wait_s`` the expected wait (none when unknown: the job is decided
-    again when capacity frees) and claims the pool waited for in the shared
-    :class:`~loom.sched.availability.WaitBook` (jobs behind it count its GPUs first; the opt-in
-    backfill plugin keeps the pool for it). "Other jobs waiting" are the jobs nothing fits now
-    (noted by ``waiting_jobs``), not the ones held back by choice, so a gang refused a spread counts
-    the same whether spanning was allowed or not.
-    Pipelines pass.
+    again when capacity frees). A job that waits for faster GPUs claims the pool waited for in the
+    shared :class:`~loom.sched.availability.WaitBook` (jobs behind it count its GPUs first; the
+    opt-in backfill plugin keeps the pool for it). A refused spread claims nothing: the gang is then
+    exactly where spanning forbidden leaves it (the framework queues it, as nothing fits it in one
+    cluster now, and goes on to preemption and backfill as for any such job), so allowing spanning
+    changes a run only through the spreads it accepts. "Other jobs waiting" are the jobs nothing
+    fits in one cluster now (``Snapshot.waiting``), not the ones held back by choice while a
+    cluster holds them now. Pipelines pass.
     """
 
     name = "span_guard"
@@ -931,7 +933,11 @@ class SpanGuard:
             return Status()
         if best is None:
             return Status()
-        claim(state, self.book, best, decision.workers)
+        # No claim in the wait book: a refused spread leaves the gang exactly where spanning
+        # forbidden would (queued, as nothing fits it in one cluster now, and claiming nothing).
+        # A claim made jobs behind count its GPUs ahead and start on GPUs several times slower
+        # (wide6 mix, load 0.8: a single job on T4 for 1,611 s instead of a G2 72 s later for
+        # 289 s), and allowed spanning lost 6.8 % to forbidden while no gang spread at all.
         c, m = best.cluster, best.model
         why = (
             f"more than {self.gpu_hours_bound:g}x the GPU-hours of one cluster"
