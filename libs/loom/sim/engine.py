@@ -899,15 +899,24 @@ class _Simulation:
         if pools.shape != workers.shape:
             return True
         need = max(shape.need // max(shape.per_worker, 1), 1)
+        whole = bool((pools & (workers >= need)).any())
+        # A gang is spread only while no pool holds it (the framework's rule): while one does, a
+        # gang that may span is retried on the events a one-cluster gang is (else spanning allowed
+        # would change when its decisions are taken, not only what they may choose).
+        spread = shape.spans and (shape.pipeline or not whole)
         if pairs is None:
-            if shape.spans:
-                return self._span_workers(shape, workers) >= need
-            return bool((pools & (workers >= need)).any())
+            return whole or (spread and self._span_workers(shape, workers) >= need)
         for c, m in pairs:
-            if not pools[c, m] or workers[c, m] < (1 if shape.spans else need):
+            if not pools[c, m] or workers[c, m] < (1 if spread else need):
                 continue
-            return not shape.spans or self._span_workers(shape, workers) >= need
+            return not spread or self._span_workers(shape, workers) >= need
         return False
+
+    def _whole(self, shape: _Shape) -> bool:
+        """Whether one pool of the shape holds its minimum workers on its free GPUs now."""
+        workers = self._workers(shape.per_worker)
+        need = max(shape.need // max(shape.per_worker, 1), 1)
+        return shape.pools.shape == workers.shape and bool((shape.pools & (workers >= need)).any())
 
     @staticmethod
     def _span_workers(shape: _Shape, workers: IntArray) -> int:
@@ -956,9 +965,10 @@ class _Simulation:
     def _holds(self, job: _Job, pairs: Iterable[Pair]) -> bool:
         """Whether one of the released pools ``pairs`` now has free room for all of ``job``'s
         minimum workers, counted node by node with their CPU and RAM as the framework counts them
-        (a necessary condition; always True for jobs that may span clusters or are pipelines)."""
+        (a necessary condition; always True for pipelines, and for gangs that may span clusters
+        while no pool of theirs holds them: a spread, not one of ``pairs``, is what they get)."""
         shape = job.shape
-        if shape.spans:
+        if shape.spans and (shape.pipeline or not self._whole(shape)):
             return True
         snap = self.snap
         res = job.spec.resources
