@@ -23,7 +23,8 @@ then one scheduling pass runs, in queue order (the policy's queue sort):
   decided, and rejected if not, on arrival) and the jobs of a shape are taken as alike for
   feasibility. A shape is retried only if a
   released (cluster, model) pool of it now holds its minimum workers (whole workers per node, and
-  for the job retried its CPU and RAM too; spanning gangs: over all its pools) and holds more than
+  for the job retried its CPU and RAM too; gangs that may span: over all its pools, but only while
+  no pool of it holds them, as the framework spreads only then; pipelines: over all) and holds more than
   when a job of the shape last failed; once a job of a shape fails in a pass the rest of it waits.
   These are necessary conditions read from the snapshot, so a retry is skipped only where the
   decision could not have placed the job by free capacity. A pass that ran out of budget while
