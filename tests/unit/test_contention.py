@@ -9,10 +9,10 @@ import pytest
 
 from loom.model.capacity import NodeCapacity
 from loom.sched.availability import Reservation, WaitBook, expected_wait_s, room_at_s
-from loom.sched.framework import Code, CycleState, Framework
+from loom.sched.framework import Code, CycleState, Decision, Framework
 from loom.sched.plugins.backfill import Backfill, WaitingJobs
 from loom.sched.plugins.compute import FreeFit, PoolFit, ScuFit
-from loom.sched.plugins.network import SpanGuard, waits_under_queue
+from loom.sched.plugins.network import PoolOption, SpanGuard, spread_cost_s, waits_under_queue
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.snapshot import NetMatrix, RunningJob, Snapshot
 from loom.sim.engine import simulate
@@ -172,7 +172,9 @@ def test_a_gang_that_could_fit_one_cluster_soon_waits_instead_of_spanning() -> N
     assert outcome.decision is None and outcome.status.code == Code.UNSCHEDULABLE
     assert "waiting for one cluster" in outcome.status.reason and "in ca" in outcome.status.reason
     assert outcome.status.wait_s == pytest.approx(100.0)
-    assert book.claims["g"].cluster == "ca" and book.claims["g"].start_s == pytest.approx(NOW + 100.0)
+    # Refused, the gang is where spanning forbidden leaves it: queued (nothing fits it in one
+    # cluster now) and claiming nothing that jobs behind it would count first.
+    assert "g" not in book.claims and snap.waiting == {"g"}
     assert int(snap.free.sum()) == 16  # nothing taken
 
 
@@ -208,6 +210,97 @@ def test_a_spread_within_the_bound_that_ends_sooner_than_waiting_goes_ahead() ->
         gang(span=True, workers=4), soon, submitted_at=NOW
     )
     assert waits.decision is None and waits.status.wait_s == pytest.approx(10.0)
+
+
+def test_while_jobs_wait_a_spread_is_charged_the_time_it_holds_its_gpus_beyond_one_clusters_run() -> None:
+    # ca (r1) has room for the gang of 16 in 150 s; spread now with cb (r2, 20 Gbit/s away) it
+    # would end in 418 s against 349 s in ca: within the GPU-hours bound, and 10 % sooner than
+    # the 499 s of waiting. Alone it spreads; while another job waits, the 69 s its GPUs are held
+    # beyond ca's run count against it (487 s is not 10 % sooner than 499 s): it waits.
+    link = NetMatrix(["r1", "r2"])
+    for a, b in (("r1", "r2"), ("r2", "r1")):
+        link.set_link(a, b, rtt_ms=5.0, bandwidth_gbps=20.0)
+    nodes = [
+        node("a0", "ca", used=8),
+        node("a1", "ca"),
+        node("b0", "cb", "r2"),
+        node("b1", "cb", "r2", used=8),
+    ]
+    outcomes = []
+    for queue in ((), ("someone-else",)):
+        snap = snapshot(nodes, [running("busy", ("a0", 8), ends_in_s=150.0)], net=link)
+        snap.waiting.update(queue)
+        framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())])
+        outcomes.append(framework.schedule(gang(span=True, workers=4), snap, submitted_at=NOW))
+    alone, queued = outcomes
+    assert alone.decision is not None and {p.cluster for p in alone.decision.parts} == {"ca", "cb"}
+    assert queued.decision is None and queued.status.wait_s == pytest.approx(150.0)
+    assert "held beyond one cluster's run while jobs wait" in queued.status.reason
+
+
+def test_the_spread_cost_adds_the_extra_hold_only_while_jobs_wait() -> None:
+    best = PoolOption(cluster=0, model=0, step_s=1.0, wait_s=100.0, run_s=300.0)
+    assert spread_cost_s(400.0, best, queued=False) == 400.0
+    assert spread_cost_s(400.0, best, queued=True) == 500.0
+    assert spread_cost_s(250.0, best, queued=True) == 250.0  # faster spread: nothing held longer
+    assert spread_cost_s(400.0, None, queued=True) == 400.0
+
+
+def test_a_refused_spread_leaves_the_queue_and_the_wait_book_as_spanning_forbidden_does() -> None:
+    # The gang of 16 fits no cluster now; a job of one 4-GPU worker comes next. Spanning allowed,
+    # every spread is refused (waiting 100 s for ca ends sooner than over the ocean): the next job
+    # must see the same queue, wait book and free GPUs, and be placed alike, as with it forbidden.
+    nodes = [
+        node("a0", "ca", used=8),
+        node("a1", "ca"),
+        node("b0", "cb", "r2"),
+        node("b1", "cb", "r2", used=8),
+    ]
+    seen = []
+    for span in (True, False):
+        snap = snapshot(nodes, [running("busy", ("a0", 8), ends_in_s=100.0)], net=ocean())
+        book = WaitBook()
+        framework = Framework([ResourceFit(), ScuFit(), WaitingJobs(book), SpanGuard(book=book)])
+        first = framework.schedule(gang(span=span, workers=4), snap, submitted_at=NOW)
+        assert first.decision is None and first.status.code == Code.UNSCHEDULABLE
+        nxt = framework.schedule(gang("next", workers=1), snap, submitted_at=NOW)
+        assert nxt.decision is not None
+        seen.append(
+            (
+                sorted(snap.waiting),
+                sorted(book.claims),
+                int(snap.free.sum()),
+                [(p.cluster, p.gpu_model) for p in nxt.decision.parts],
+            )
+        )
+    assert seen[0] == seen[1]
+    assert seen[0][0] == ["g"] and seen[0][1] == []
+
+
+def test_a_refused_spread_may_still_preempt_as_a_gang_with_spanning_forbidden_does() -> None:
+    # A post-filter (preemption's extension point) that makes room for the gang in ca: with spanning
+    # allowed and the spread refused, it is asked as when spanning is forbidden.
+    asked: list[str] = []
+
+    class MakeRoom:
+        name = "make_room"
+
+        def post_filter(self, state: CycleState, framework: Framework) -> "Decision | None":
+            asked.append(state.job.job_id)
+            return None
+
+    nodes = [
+        node("a0", "ca", used=8),
+        node("a1", "ca"),
+        node("b0", "cb", "r2"),
+        node("b1", "cb", "r2", used=8),
+    ]
+    for span in (True, False):
+        snap = snapshot(nodes, [running("busy", ("a0", 8), ends_in_s=100.0)], net=ocean())
+        framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook()), MakeRoom()])
+        outcome = framework.schedule(gang(f"g-{span}", span=span, workers=4), snap, submitted_at=NOW)
+        assert outcome.decision is None
+    assert asked == ["g-True", "g-False"]
 
 
 def test_the_span_guard_refuses_a_gpu_hours_bound_below_one() -> None:

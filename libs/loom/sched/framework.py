@@ -725,6 +725,12 @@ class Framework:
             self.prune_hierarchically(state)
             candidates = self.find_candidates(state)
         decision: Decision | None = None
+        if len(candidates) == 0 and apply:
+            # Nothing fits it in one cluster now: it is part of the queue, whether a spread is
+            # tried or not (placed, schedule() takes it out). A gang the span guard refuses every
+            # spread thus waits exactly as with spanning forbidden; a job held back by a permit's
+            # choice while a cluster holds it now (waiting for faster GPUs) is not queued.
+            snap.waiting.add(job.job_id)
         if len(candidates) == 0 and job.allow_multi_cluster and job.pipeline is None:
             partial = self.find_candidates(state, min_capacity=1)
             if len(partial):
@@ -736,24 +742,37 @@ class Framework:
                     record.notes.append(
                         f"no single cluster holds the gang; spread over {len(decision.parts)} clusters"
                     )
+        refused: Outcome | None = None
+        if decision is not None:
+            # A spread: no single cluster holds the gang now.
+            outcome = self.finish(state, decision, record, apply=apply)
+            if outcome.decision is not None or outcome.status.code != Code.UNSCHEDULABLE:
+                return self._settled(decision, outcome)
+            # Refused for now (the span guard: waiting for one cluster ends sooner, or the spread
+            # holds too many GPU-hours): the gang goes on as it would with spanning forbidden
+            # (preemption, a backfill claim), keeping the refusal's reason and wait if nothing else.
+            self._settled(decision, outcome)
+            refused, decision = outcome, None
         if decision is None and len(candidates) == 0:
             why = self.why_nothing_fits(state)
             if why.code == Code.UNRESOLVABLE:
-                return self._fail(record, why)  # preemption cannot help either
-            if apply:
-                # Nothing fits it now: it is part of the queue (a job held back by a permit's
-                # choice, the span guard's, is not: counting those made spanning look worse).
-                snap.waiting.add(job.job_id)
+                # Preemption cannot help either; a gang only a spread can ever hold waits for one.
+                return refused if refused is not None else self._fail(record, why)
             decision = self.run_post_filters(state, record)
             if decision is None:
-                return self._fail(record, why)
+                return refused if refused is not None else self._fail(record, why)
         elif decision is None:
             totals = self.score(state, candidates, record)
             decision = self.choose(state, candidates, totals)
-        outcome = self.finish(state, decision, record, apply=apply)
+        return self._settled(decision, self.finish(state, decision, record, apply=apply))
+
+    @staticmethod
+    def _settled(decision: Decision, outcome: Outcome) -> Outcome:
+        """``outcome`` once ``decision`` is settled: undone when refused, its undo dropped either way
+        (no old snapshot state kept alive)."""
         if outcome.decision is None and decision.undo is not None:
             decision.undo()
-        decision.undo = None  # settled either way; do not keep the old snapshot state alive
+        decision.undo = None
         return outcome
 
     def pipeline_sites(

@@ -23,7 +23,8 @@ then one scheduling pass runs, in queue order (the policy's queue sort):
   decided, and rejected if not, on arrival) and the jobs of a shape are taken as alike for
   feasibility. A shape is retried only if a
   released (cluster, model) pool of it now holds its minimum workers (whole workers per node, and
-  for the job retried its CPU and RAM too; spanning gangs: over all its pools) and holds more than
+  for the job retried its CPU and RAM too; gangs that may span: over all its pools, but only while
+  no pool of it holds them, as the framework spreads only then; pipelines: over all) and holds more than
   when a job of the shape last failed; once a job of a shape fails in a pass the rest of it waits.
   These are necessary conditions read from the snapshot, so a retry is skipped only where the
   decision could not have placed the job by free capacity. A pass that ran out of budget while
@@ -899,15 +900,24 @@ class _Simulation:
         if pools.shape != workers.shape:
             return True
         need = max(shape.need // max(shape.per_worker, 1), 1)
+        whole = bool((pools & (workers >= need)).any())
+        # A gang is spread only while no pool holds it (the framework's rule): while one does, a
+        # gang that may span is retried on the events a one-cluster gang is (else spanning allowed
+        # would change when its decisions are taken, not only what they may choose).
+        spread = shape.spans and (shape.pipeline or not whole)
         if pairs is None:
-            if shape.spans:
-                return self._span_workers(shape, workers) >= need
-            return bool((pools & (workers >= need)).any())
+            return whole or (spread and self._span_workers(shape, workers) >= need)
         for c, m in pairs:
-            if not pools[c, m] or workers[c, m] < (1 if shape.spans else need):
+            if not pools[c, m] or workers[c, m] < (1 if spread else need):
                 continue
-            return not shape.spans or self._span_workers(shape, workers) >= need
+            return not spread or self._span_workers(shape, workers) >= need
         return False
+
+    def _whole(self, shape: _Shape) -> bool:
+        """Whether one pool of the shape holds its minimum workers on its free GPUs now."""
+        workers = self._workers(shape.per_worker)
+        need = max(shape.need // max(shape.per_worker, 1), 1)
+        return shape.pools.shape == workers.shape and bool((shape.pools & (workers >= need)).any())
 
     @staticmethod
     def _span_workers(shape: _Shape, workers: IntArray) -> int:
@@ -956,9 +966,10 @@ class _Simulation:
     def _holds(self, job: _Job, pairs: Iterable[Pair]) -> bool:
         """Whether one of the released pools ``pairs`` now has free room for all of ``job``'s
         minimum workers, counted node by node with their CPU and RAM as the framework counts them
-        (a necessary condition; always True for jobs that may span clusters or are pipelines)."""
+        (a necessary condition; always True for pipelines, and for gangs that may span clusters
+        while no pool of theirs holds them: a spread, not one of ``pairs``, is what they get)."""
         shape = job.shape
-        if shape.spans:
+        if shape.spans and (shape.pipeline or not self._whole(shape)):
             return True
         snap = self.snap
         res = job.spec.resources

@@ -750,7 +750,10 @@ class SpanGuard:
     - *Spread* (the decision spans clusters): allowed only when its run finishes at least
       ``margin`` sooner than the best option's wait plus run, **and** it holds at most
       ``gpu_hours_bound`` times the GPU-hours of the gang in the fastest pool that could hold it;
-      otherwise the gang waits for that pool. A gang no pool could ever hold may spread within
+      otherwise the gang waits for that pool. While other jobs wait (``Snapshot.waiting``), the
+      spread is also charged the time it holds its GPUs beyond the run in that pool (the
+      opportunity cost: at least one waiting job gets those GPUs that much later), so it must end,
+      plus that, ``margin`` sooner than waiting. A gang no pool could ever hold may spread within
       the GPU-hours bound (against the gang in one cluster at its fastest part's speed). Beyond it,
       it never waits for one cluster (none will ever hold it): when no spread over the allowed
       clusters could keep within the bound even on an idle platform
@@ -779,12 +782,14 @@ class SpanGuard:
       started on P100s 6x slower than the G2 about to free up).
 
     A wait is UNSCHEDULABLE with ``wait_s`` the expected wait (none when unknown: the job is decided
-    again when capacity frees) and claims the pool waited for in the shared
-    :class:`~loom.sched.availability.WaitBook` (jobs behind it count its GPUs first; the opt-in
-    backfill plugin keeps the pool for it). "Other jobs waiting" are the jobs nothing fits now
-    (noted by ``waiting_jobs``), not the ones held back by choice, so a gang refused a spread counts
-    the same whether spanning was allowed or not.
-    Pipelines pass.
+    again when capacity frees). A job that waits for faster GPUs claims the pool waited for in the
+    shared :class:`~loom.sched.availability.WaitBook` (jobs behind it count its GPUs first; the
+    opt-in backfill plugin keeps the pool for it). A refused spread claims nothing: the gang is then
+    exactly where spanning forbidden leaves it (the framework queues it, as nothing fits it in one
+    cluster now, and goes on to preemption and backfill as for any such job), so allowing spanning
+    changes a run only through the spreads it accepts. "Other jobs waiting" are the jobs nothing
+    fits in one cluster now (``Snapshot.waiting``), not the ones held back by choice while a
+    cluster holds them now. Pipelines pass.
     """
 
     name = "span_guard"
@@ -951,16 +956,24 @@ class SpanGuard:
         best = options[0] if options else None
         # The spread and the single-cluster gang hold the same GPUs: GPU-hours compare as runs.
         within = run_now <= self.gpu_hours_bound * fastest
-        if within and (best is None or run_now < (1.0 - self.margin) * best.completion_s):
+        cost = spread_cost_s(run_now, best, queued=snap.waiting_count(exclude=job.job_id) > 0)
+        if within and (best is None or cost < (1.0 - self.margin) * best.completion_s):
             return Status()
         if best is None:
             return Status()
-        claim(state, self.book, best, decision.workers)
+        # No claim in the wait book: a refused spread leaves the gang exactly where spanning
+        # forbidden would (queued, as nothing fits it in one cluster now, and claiming nothing).
+        # A claim made jobs behind count its GPUs ahead and start on GPUs several times slower
+        # (wide6 mix, load 0.8: a single job on T4 for 1,611 s instead of a G2 72 s later for
+        # 289 s), and allowed spanning lost 6.8 % to forbidden while no gang spread at all.
         c, m = best.cluster, best.model
         why = (
             f"more than {self.gpu_hours_bound:g}x the GPU-hours of one cluster"
             if not within
             else f"later than waiting for one cluster ({best.completion_s:.0f} s)"
+            if cost == run_now
+            else f"{cost:.0f} s with the {cost - run_now:.0f} s its GPUs are held beyond one cluster's run"
+            f" while jobs wait, later than waiting for one cluster ({best.completion_s:.0f} s)"
         )
         when = (
             f"room expected in {best.wait_s:.0f} s"
@@ -973,6 +986,17 @@ class SpanGuard:
             f" {snap.models[m]} in {snap.clusters[c].id} ({when})",
             wait_s=best.wait_s if math.isfinite(best.wait_s) and best.wait_s >= MIN_WAIT_S else 0.0,
         )
+
+
+def spread_cost_s(run_s: float, best: PoolOption | None, *, queued: bool) -> float:
+    """What a spread running ``run_s`` costs, in seconds of completion time, against the gang in
+    one cluster (``best``, its wait and run there): its own run, plus, while other jobs wait
+    (``queued``), the time it holds its GPUs beyond the run in that cluster (those GPUs reach a
+    waiting job that much later). Both from the scheduler's beliefs (predicted steps and the
+    running jobs' predicted ends), never from what a run will really take."""
+    if best is None or not queued:
+        return run_s
+    return run_s + max(run_s - best.run_s, 0.0)
 
 
 def _waited_s(state: CycleState) -> float:
