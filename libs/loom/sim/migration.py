@@ -61,6 +61,8 @@ from loom.migrate.benefit import (
     job_class_of,
     plan_migrations,
 )
+from loom.migrate.replicas import ReplicaSettings
+from loom.sim.replicas import SimReplicas
 
 if TYPE_CHECKING:
     from loom.sched.framework import Decision
@@ -86,6 +88,10 @@ class MigrationPolicy:
     """``on``: migrations in flight per cluster (source or target)."""
     per_link: int = 4
     """``on``: migrations in flight per region pair."""
+    replicas: ReplicaSettings | None = field(default_factory=ReplicaSettings)
+    """Checkpoint replicas as the migration service keeps them (:mod:`loom.sim.replicas`): a failed
+    cluster's jobs resume from the newest replica that was ready. None: an ideal replica, always at
+    the latest checkpoint, in the best-connected other cluster (the model before replicas)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -145,6 +151,9 @@ class Migrator:
         self.seen: set[tuple[float, str, frozenset[frozenset[str]]]] = set()
         """Link events already handled at an instant (both directions come as two events)."""
         self.out = _Figures()
+        self.replicas = SimReplicas(sim, policy.replicas, self._path) if policy.replicas is not None else None
+        self.resume_steps: dict[str, int] = {}
+        """A failed cluster's jobs -> the step they resume from (set after the engine stopped them)."""
         self.triggered: list[SimEvent] = []
         """Scripted events of this instant whose moves wait for the scheduling pass."""
         self.sampled = False
@@ -152,13 +161,24 @@ class Migrator:
     # ---- hooks the engine calls ------------------------------------------------------------------
 
     def before_event(self, event: SimEvent) -> None:
-        """Before the engine applies a scripted event: note what a failure loses."""
+        """Before the engine applies a scripted event: the replicas up to now; what a failure loses."""
+        if self.replicas is not None:
+            self.replicas.advance(self.sim.t)
         if event.kind == "cluster_down":
             self._failing(event.cluster)
 
     def after_event(self, event: SimEvent) -> None:
         """After the engine applied a scripted event: the triggers."""
         kind = event.kind
+        if kind == "cluster_down":
+            jobs = self.sim.jobs
+            for job_id, step in sorted(self.resume_steps.items()):
+                job = jobs.get(job_id)
+                if job is not None and job.run is None:
+                    job.steps_left = float(job.spec.work.steps - step)
+            self.resume_steps.clear()
+        elif kind == "cluster_up" and self.replicas is not None:
+            self.replicas.cluster_up(event.cluster)
         if kind == "cluster_drain":
             self.drained.add(event.cluster)
         elif kind == "cluster_undrain":
@@ -191,6 +211,8 @@ class Migrator:
                 still.append(entry)
         self.in_flight = still
         self.sampled = True
+        if self.replicas is not None:
+            self.replicas.advance(now)
 
     def after_pass(self) -> bool:
         """After the scheduling pass of an instant (the queue is served first, migrations take
@@ -239,6 +261,8 @@ class Migrator:
     def start_delay(self, job: _Job, d: Decision, *, gpus: int) -> float:
         """Seconds before a moved or re-placed run computes (save + checkpoint transfer + restart);
         0 for a job that did not move."""
+        if self.replicas is not None:
+            self.replicas.started(job)
         pending = self.pending.pop(job.spec.job_id, None)
         if pending is None:
             return 0.0
@@ -279,6 +303,7 @@ class Migrator:
             "verdicts": out.verdicts,
             "touched_jobs": sorted(out.touched),
             "moved_jobs": sorted(out.moved),
+            "replicas": self.replicas.figures() if self.replicas is not None else None,
         }
 
     # ---- affected jobs ---------------------------------------------------------------------------
@@ -497,33 +522,42 @@ class Migrator:
 
     def _failing(self, cluster: str) -> None:
         """A cluster fails: its jobs' runs are lost; each restarts (wherever the scheduler puts it)
-        from its last checkpoint, read from the replica (the best-connected other cluster)."""
+        from the newest replica of its checkpoints outside the cluster (:mod:`loom.sim.replicas`;
+        without the replica model: its last checkpoint, in the best-connected other cluster)."""
         sim = self.sim
         snap = sim.snap
         info = next((c for c in snap.clusters if c.id == cluster), None)
         if info is None:
             return
         others = [c for c in snap.clusters if c.id != cluster]
-        replica = (
+        ideal = (
             max(others, key=lambda c: (self._path(info.region, c.region).bandwidth_gbps, c.id)).region
             if others
             else info.region
         )
+        if self.replicas is not None:
+            self.replicas.cluster_down(cluster, sim.t)
         for job_id in sorted(sim.by_cluster.get(cluster, set())):
             job = sim.jobs.get(job_id)
             if job is None or job.run is None:
                 continue
             state = self._state(job)
-            lost = max(state.steps_done - state.last_checkpoint_step, 0.0)
+            if self.replicas is not None:
+                resume = self.replicas.resume(job, cluster)
+                step, source = resume.step, resume.region or ideal
+                self.resume_steps[job_id] = step
+            else:
+                step, source = state.last_checkpoint_step, ideal
+            lost = max(state.steps_done - step, 0.0)
             self.out.lost_steps += lost
             self.out.gpu_hours_lost += lost * job.run.step_s * job.run.gpus / 3600.0
             self.out.forced_restarts += 1
             self.out.touched.add(job_id)
             self.out.by_trigger["cluster_failed"] += 1
             self.pending[job_id] = _Pending(
-                source_region=replica,
+                source_region=source,
                 save_s=0.0,
-                nbytes=checkpoint_bytes_of(job.spec) if state.last_checkpoint_step > 0 else 0.0,
+                nbytes=checkpoint_bytes_of(job.spec) if step > 0 else 0.0,
                 source_cluster=cluster,
             )
             self.deferred.pop(job_id, None)
