@@ -8,7 +8,10 @@
   :class:`~loom.migrate.benefit.MigrationVerdict` from the scheduler's *beliefs* (its speeds, the
   links as measured now), and the moves are started largest net benefit first within a
   :class:`~loom.migrate.benefit.MigrationBudget`; moves the budget defers are looked at again at
-  each sample;
+  each sample. Just before each move its verdict is taken again (the moves before it changed the
+  snapshot), its placement avoiding the clusters the job runs on, as the service's re-placement
+  does (else GPUs an earlier move of the same review freed there made "where it is" the candidate
+  and dropped the move);
 * ``never`` — no proactive move ever: only the forced re-placement of a failed cluster's jobs (the
   engine requeues them, they restart elsewhere from their last checkpoint, or where they were once
   the cluster returns if the scheduler places them there); a degraded link is lived with; a
@@ -363,14 +366,18 @@ class Migrator:
         loss = float(net.loss[i, j]) if i is not None and j is not None else 0.0
         return PathState(rtt_ms=rtt_ms, bandwidth_gbps=bandwidth_gbps, loss_rate=loss)
 
-    def _candidate(self, job: _Job, only: str | None) -> Decision | None:
+    def _candidate(self, job: _Job, only: str | None, *, leaving_for: str | None = None) -> Decision | None:
         """Where the framework would place the job now as a new placement (nothing applied, no
-        preemption or shrink); None: nowhere, or where it already is."""
+        preemption or shrink); None: nowhere, or where it already is. ``leaving_for``: the job is
+        being moved (its verdict's target): like the migration service's re-placement, it avoids
+        the clusters it runs on but that one."""
         sim = self.sim
         assert sim.fast is not None
         snap = sim.snap
         snap.now = sim.t
         avoid = [c.id for c in snap.clusters if c.id != only] if only is not None else []
+        if leaving_for is not None and job.run is not None:
+            avoid += [p.cluster for p in job.run.decision.parts if p.cluster != leaving_for]
         waiting = job.spec.job_id in snap.waiting
         outcome = sim.fast.framework.schedule(job.spec, snap, avoid_clusters=avoid, apply=False)
         if not waiting:
@@ -411,10 +418,14 @@ class Migrator:
         )
 
     def _verdict(
-        self, job: _Job, trigger: Trigger, only: str | None, *, again: bool = False
+        self, job: _Job, trigger: Trigger, only: str | None, *, again: str | None = None
     ) -> tuple[MigrationVerdict, Decision | None]:
+        """The verdict on moving ``job`` now, with the framework's candidate. ``again``: the look
+        just before moving it, toward this target (the job's own clusters are avoided, as the
+        service's re-placement avoids them: a move of the same review may have freed GPUs there,
+        which would otherwise make "where it is" the candidate and drop the move)."""
         state = self._state(job)
-        d = self._candidate(job, only)
+        d = self._candidate(job, only, leaving_for=again)
         target = None
         path = PathState(rtt_ms=0.0, bandwidth_gbps=1.0)
         if d is not None:
@@ -427,7 +438,7 @@ class Migrator:
             )
             path = self._path(state.region, lead.region)
         verdict = decide(state, target, path, now_s=self.sim.t, trigger=trigger, settings=self.settings)
-        if again:  # the same look again just before moving (the snapshot may have changed)
+        if again is not None:  # the same look again just before moving (the snapshot may have changed)
             return verdict, d
         self.out.evaluated += 1
         self.out.touched.add(job.spec.job_id)
@@ -463,7 +474,9 @@ class Migrator:
             assert verdict.target is not None
             src_region, dst_region = regions[verdict.source], regions[verdict.target]
             fresh, d = (
-                self._verdict(job, trigger, only, again=True) if job.run is not None else (verdict, None)
+                self._verdict(job, trigger, only, again=verdict.target)
+                if job.run is not None
+                else (verdict, None)
             )
             if d is None or not fresh.move:
                 self.budget.release(verdict.source, verdict.target, src_region, dst_region)
