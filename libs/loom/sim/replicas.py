@@ -14,9 +14,10 @@ module runs the same core over the simulated runs:
   copy slowly); failed clusters are unreachable;
 * a copy is ready ``transfer_s`` after it started (a checkpoint written at ``t`` is safe from
   ``t + transfer_s``); a copy whose source or target cluster fails meanwhile is lost;
-* at a cluster failure (:meth:`SimReplicas.resume`), each of its jobs resumes from the newest
-  ready replica outside it (``choose``), else from step 0, its checkpoint read from that
-  replica's region.
+* at a cluster failure (:meth:`SimReplicas.resume`), each of its jobs resumes from its newest
+  checkpoint that can be read (``choose``): the original where the run leads if that cluster
+  survived (a pipeline or spanning gang that lost another part), else the newest ready replica
+  outside the failed cluster, else step 0; read from that copy's region.
 
 :meth:`SimReplicas.advance` brings the copies up to an instant; the migration policy calls it
 before every scripted event and at every sample (links only change at scripted events, so the
@@ -66,6 +67,8 @@ class _Figures:
     lost_copies: int = 0
     unplaced: int = 0
     resumed_from_replica: int = 0
+    resumed_from_original: int = 0
+    """Its lead's cluster survived (a pipeline or spanning gang lost another part)."""
     resumed_from_zero: int = 0
     steps_behind: float = 0.0
     """Checkpoint steps a failure lost because the newest checkpoint's replica was not ready."""
@@ -244,28 +247,33 @@ class SimReplicas:
         attempt = job.record.restarts + 1
         regions = {c.id: c.region for c in self.sim.snap.clusters}
         latest = self._checkpoint_at(job, self.sim.t) if job.run is not None else 0
+        # The run writes its checkpoints where it leads (a pipeline or a spanning gang whose lead
+        # survives keeps them); a copy's identity is the original's location.
+        home = job.run.decision.parts[0].cluster if job.run is not None else failed
         originals = []
         if latest > 0:
-            uri = f"sim://{failed}/{job_id}/{attempt}/{latest}"
-            originals.append(Checkpoint(job_id, attempt, latest, failed, uri))
-        replicas = [
-            Replica(
-                job_id, h.attempt, h.step, h.cluster, failed, f"sim://{failed}/{job_id}/{h.attempt}/{h.step}"
+            originals.append(
+                Checkpoint(job_id, attempt, latest, home, f"sim://{home}/{job_id}/{attempt}/{latest}")
             )
+        replicas = [
+            Replica(job_id, h.attempt, h.step, h.cluster, home, f"sim://{home}/{job_id}/{h.attempt}/{h.step}")
             for h in self.held
             if h.job_id == job_id and h.ready
         ]
         choice = choose(
             originals, last_step=max(spec.work.steps - 1, 0), replicas=replicas, unreachable=self.down
         )
-        if choice is None or choice.replica is None:
-            self.out.resumed_from_zero += 1
-            self.out.steps_behind += latest
-            why = choice.why if choice is not None else "restarts from step 0: no checkpoint recorded"
-            return ResumeFrom(0, None, why)
-        self.out.resumed_from_replica += 1
-        self.out.steps_behind += max(latest - choice.step, 0)
-        return ResumeFrom(choice.step, regions.get(choice.replica.cluster), choice.why)
+        if choice is not None and choice.replica is not None:
+            self.out.resumed_from_replica += 1
+            self.out.steps_behind += max(latest - choice.step, 0)
+            return ResumeFrom(choice.step, regions.get(choice.replica.cluster), choice.why)
+        if choice is not None and choice.checkpoint is not None:
+            self.out.resumed_from_original += 1
+            return ResumeFrom(choice.step, regions.get(home), choice.why)
+        self.out.resumed_from_zero += 1
+        self.out.steps_behind += latest
+        why = choice.why if choice is not None else "restarts from step 0: no checkpoint recorded"
+        return ResumeFrom(0, None, why)
 
     def figures(self) -> dict[str, Any]:
         """What the replicas did in this run."""
@@ -277,6 +285,7 @@ class SimReplicas:
             "lost_copies": out.lost_copies,
             "unplaced": out.unplaced,
             "resumed_from_replica": out.resumed_from_replica,
+            "resumed_from_original": out.resumed_from_original,
             "resumed_from_zero": out.resumed_from_zero,
             "steps_behind": round(out.steps_behind, 1),
         }
