@@ -36,12 +36,14 @@
 else it resumes from its last periodic checkpoint (no checkpoints: from step 0). Its new run holds
 its GPUs from the move and starts computing after ``save + transfer + restart``: the transfer is the
 checkpoint (``benefit.checkpoint_bytes_of``) over the simulator's network *as it is at that time*
-from the old lead region (a failed cluster's jobs: from the region holding the checkpoint's replica,
-the best-connected other cluster's) to the new one. Then the run is timed by truth like any other
-(:mod:`loom.sim.truth`). Forced restarts after a failure pay the same transfer and restart in every
-mode. Figures (:meth:`Migrator.figures`, in ``SimResult.migration``): migrations, forced restarts,
-bytes moved between regions, GPU-hours lost (progress redone + GPUs held while a checkpoint is
-saved, copied and restarted), deferred moves, verdicts, and the jobs a trigger concerned.
+from the old lead region (a failed cluster's jobs: from the region of the copy they resume from,
+:mod:`loom.sim.replicas`, with ``MigrationPolicy.replicas``; without it, an ideal replica of the
+latest checkpoint in the best-connected other cluster) to the new one. Then the run is timed by
+truth like any other (:mod:`loom.sim.truth`). Forced restarts after a failure pay the same
+transfer and restart in every mode. Figures (:meth:`Migrator.figures`, in ``SimResult.migration``):
+migrations, forced restarts, bytes moved between regions, GPU-hours lost (progress redone + GPUs
+held while a checkpoint is saved, copied and restarted), deferred moves, verdicts, the jobs a
+trigger concerned, and the replicas' figures.
 """
 
 from __future__ import annotations
