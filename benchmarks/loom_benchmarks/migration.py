@@ -25,7 +25,10 @@ checkpointing every ``CHECKPOINT_REFERENCE_S`` of reference-GPU work. **Loads** 
 
 Per run: mean JCT (of the jobs every mode finished), finished jobs, GPU-hours, GPU-hours lost,
 bytes moved, migrations and forced restarts. Per cell and scenario: each mode's mean over seeds,
-and ``on``'s margin against ``never`` and ``always`` (positive: ``on`` is faster). The JSON
+and ``on``'s margin against ``never`` and ``always`` (positive: ``on`` is faster), and the paired
+split of each margin (:func:`paired_difference`: the jobs either mode moved vs the knock-on rest).
+Failed clusters' jobs resume from checkpoint replicas (:mod:`loom.sim.replicas`;
+``--ideal-replicas``: from their latest checkpoint, the model before). The JSON
 (stdout) holds every run; the table (stderr) every cell. Wins and losses are both listed.
 """
 
