@@ -25,7 +25,10 @@ checkpointing every ``CHECKPOINT_REFERENCE_S`` of reference-GPU work. **Loads** 
 
 Per run: mean JCT (of the jobs every mode finished), finished jobs, GPU-hours, GPU-hours lost,
 bytes moved, migrations and forced restarts. Per cell and scenario: each mode's mean over seeds,
-and ``on``'s margin against ``never`` and ``always`` (positive: ``on`` is faster). The JSON
+and ``on``'s margin against ``never`` and ``always`` (positive: ``on`` is faster), and the paired
+split of each margin (:func:`paired_difference`: the jobs either mode moved vs the knock-on rest).
+Failed clusters' jobs resume from checkpoint replicas (:mod:`loom.sim.replicas`;
+``--ideal-replicas``: from their latest checkpoint, the model before). The JSON
 (stdout) holds every run; the table (stderr) every cell. Wins and losses are both listed.
 """
 
@@ -164,8 +167,11 @@ def run_cell(
     modes: Sequence[str] = MODES,
     units: int = UNITS,
     degradation_s: float = DEGRADATION_S,
+    ideal_replicas: bool = False,
 ) -> dict[str, Any]:
-    """Every mode over one (platform, load, seed, scenario): per mode its figures."""
+    """Every mode over one (platform, load, seed, scenario): per mode its figures. ``ideal_replicas``:
+    a failed cluster's jobs resume from their latest checkpoint (no replica copies modelled)."""
+    from loom.migrate.replicas import ReplicaSettings
     from loom.sim.engine import simulate
     from loom.sim.migration import MigrationPolicy
     from loom.sim.model import Trace
@@ -190,7 +196,10 @@ def run_cell(
             make_policy("loom", seed),
             seed=seed,
             sample_every_s=max(span / 100.0, 60.0),
-            migration=MigrationPolicy(mode),  # type: ignore[arg-type]
+            migration=MigrationPolicy(
+                mode,  # type: ignore[arg-type]
+                replicas=None if ideal_replicas else ReplicaSettings(),
+            ),
         )
         results[mode] = (result, time.perf_counter() - started)
     finished_by_all = set.intersection(
@@ -214,6 +223,12 @@ def run_cell(
                 "jct_mean_never_s": round(statistics.fmean(jct_of["never"][j] for j in moved), 1),
             }
     out: dict[str, Any] = {}
+    moved_by = {mode: set((res.migration or {}).get("moved_jobs", [])) for mode, (res, _) in results.items()}
+    paired = {
+        other: paired_difference(jct_of["on"], jct_of[other], moved_by["on"] | moved_by[other])
+        for other in ("never", "always")
+        if "on" in jct_of and other in jct_of
+    }
     for mode, (result, wall_s) in results.items():
         jcts = {
             r.job_id: r.jct_s for r in result.records if r.job_id in finished_by_all and r.jct_s is not None
@@ -244,8 +259,29 @@ def run_cell(
         "compared_jobs": len(finished_by_all),
         "touched_jobs": len(touched & finished_by_all),
         "moved_jobs_effect": moved_effect,
+        "paired": paired,
         "arrival_span_h": round(span / 3600.0, 2),
         "modes": out,
+    }
+
+
+def paired_difference(on: dict[str, float], other: dict[str, float], moved: set[str]) -> dict[str, Any]:
+    """``on`` against another mode, job by job (both dicts: job -> JCT over the same jobs): the
+    jobs either mode moved proactively (where the two decided differently, or alike), and the
+    rest, whose JCT differs only by knock-on placement. Each part as seconds of the overall mean
+    JCT difference (other − on: positive when ``on`` is faster), and the moved jobs' own mean."""
+    jobs = sorted(set(on) & set(other))
+    if not jobs:
+        return {"moved": 0, "moved_s": 0.0, "knock_on_s": 0.0, "moved_own_s": None, "changed": 0}
+    mine = [j for j in jobs if j in moved]
+    diff = {j: other[j] - on[j] for j in jobs}
+    n = len(jobs)
+    return {
+        "moved": len(mine),
+        "moved_s": round(sum(diff[j] for j in mine) / n, 1),
+        "knock_on_s": round(sum(diff[j] for j in jobs if j not in moved) / n, 1),
+        "moved_own_s": round(statistics.fmean(diff[j] for j in mine), 1) if mine else None,
+        "changed": sum(1 for j in jobs if j not in moved and abs(diff[j]) > 1.0),
     }
 
 
@@ -308,10 +344,23 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     "jct_mean_never_s": round(never, 1),
                     "vs_never": _margin(mine, never),
                 }
+        paired: dict[str, Any] = {}
+        for other in ("never", "always"):
+            parts = [g["paired"][other] for g in group if other in g.get("paired", {})]
+            if parts:
+                paired[other] = {
+                    "moved": sum(p["moved"] for p in parts),
+                    "moved_s": round(statistics.fmean(p["moved_s"] for p in parts), 1),
+                    "knock_on_s": round(statistics.fmean(p["knock_on_s"] for p in parts), 1),
+                    "seeds_moved_jobs_win": sum(1 for p in parts if p["moved"] and p["moved_s"] > 0),
+                    "seeds_moved_jobs_lose": sum(1 for p in parts if p["moved"] and p["moved_s"] < 0),
+                    "seeds_alike": sum(1 for p in parts if not p["moved"]),
+                }
         lines.append(
             {
                 "platform": plat,
                 "moved_jobs": moved,
+                "paired": paired,
                 "load": load,
                 "scenario": scenario,
                 "seeds": [g["seed"] for g in group],
@@ -346,7 +395,13 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
             for scenario in scenarios:
                 for seed in seeds:
                     one = run_cell(
-                        plat, load, seed, scenario, units=args.units, degradation_s=args.degradation_s
+                        plat,
+                        load,
+                        seed,
+                        scenario,
+                        units=args.units,
+                        degradation_s=args.degradation_s,
+                        ideal_replicas=getattr(args, "ideal_replicas", False),
                     )
                     runs.append(one)
                     if progress is not None:
@@ -363,6 +418,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         "units": args.units,
         "checkpoint_reference_s": CHECKPOINT_REFERENCE_S,
         "degradation_s": args.degradation_s,
+        "replicas": "ideal" if getattr(args, "ideal_replicas", False) else "modelled (loom.sim.replicas)",
         "cells": lines,
         "summary": summary(lines),
         "runs": runs,
@@ -381,6 +437,16 @@ def summary(lines: Sequence[dict[str, Any]]) -> dict[str, Any]:
         out[scenario] = {
             "cells": len(mine),
             "on_beats_both": len(beats),
+            "paired_on_beats_both": sum(
+                1
+                for line in mine
+                if all(line.get("paired", {}).get(o, {}).get("moved_s", 0) > 0 for o in ("never", "always"))
+            ),
+            "paired_on_not_worse_than_either": sum(
+                1
+                for line in mine
+                if all(line.get("paired", {}).get(o, {}).get("moved_s", 0) >= 0 for o in ("never", "always"))
+            ),
             "on_loses_to_never": [
                 f"{line['platform']}/{line['load']:g}: {line['on_vs_never']:+.1%}"
                 for line in mine
@@ -413,7 +479,8 @@ def print_table(result: dict[str, Any]) -> None:
         + " ".join(f"{m + ' JCT s':>12}" for m in MODES)
         + f" {'on vs never':>12} {'on vs always':>12} {'touched: vs never/always':>25}"
         + f" {'moves on/always':>16}"
-        + f" {'GPU-h lost on/never/always':>28}",
+        + f" {'GPU-h lost on/never/always':>28}"
+        + f" {'paired vs never/always: moved s, knock-on s':>44}",
         file=sys.stderr,
     )
     for line in result["cells"]:
@@ -431,9 +498,17 @@ def print_table(result: dict[str, Any]) -> None:
             f"{line['platform']:<8} {line['load']:>4g} {line['scenario']:<12} {mine:>25} {jct} "
             f"{pct(line['on_vs_never']):>12} {pct(line['on_vs_always']):>12} "
             f"{pct(line['on_vs_never_touched']) + ' / ' + pct(line['on_vs_always_touched']):>25} "
-            f"{moves:>16} {lost:>28}",
+            f"{moves:>16} {lost:>28} {_paired(line):>44}",
             file=sys.stderr,
         )
+
+
+def _paired(line: dict[str, Any]) -> str:
+    parts = []
+    for other in ("never", "always"):
+        p = line.get("paired", {}).get(other)
+        parts.append("-" if p is None else f"{p['moved_s']:+.0f}, {p['knock_on_s']:+.0f}")
+    return " / ".join(parts)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -445,6 +520,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--units", type=int, default=UNITS, help="workload units of the mix per run")
     parser.add_argument(
         "--degradation-s", type=float, default=DEGRADATION_S, help="how long the degraded links stay degraded"
+    )
+    parser.add_argument(
+        "--ideal-replicas",
+        action="store_true",
+        help="a failed cluster's jobs resume from their latest checkpoint (no replica copies modelled)",
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
 

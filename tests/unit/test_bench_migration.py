@@ -5,7 +5,7 @@ from typing import Any
 import pytest
 
 from loom.sim.model import SimJob, Trace
-from loom_benchmarks.migration import aggregate, summary, with_checkpoints
+from loom_benchmarks.migration import aggregate, paired_difference, summary, with_checkpoints
 from loom_proto.jobs import JobSpec, Work
 
 
@@ -52,3 +52,20 @@ def test_every_job_checkpoints_every_300_reference_seconds_at_least_every_step()
     out = with_checkpoints(Trace(jobs=jobs))
     assert [j.spec.work.checkpoint_every_steps for j in out.jobs] == [600, 1]
     assert "checkpoints every 300 s" in out.source
+
+
+def test_the_paired_difference_splits_moved_jobs_from_knock_on() -> None:
+    on = {"a": 100.0, "b": 200.0, "c": 300.0, "d": 400.0}
+    never = {"a": 160.0, "b": 200.0, "c": 340.0, "d": 300.0}
+    out = paired_difference(on, never, {"a", "x"})  # "x" did not finish in both: not compared
+    assert out == {
+        "moved": 1,
+        "moved_s": pytest.approx(60.0 / 4),
+        "knock_on_s": pytest.approx((40.0 - 100.0) / 4),
+        "moved_own_s": pytest.approx(60.0),
+        "changed": 2,
+    }
+    # The parts add up to the difference of the two means.
+    total = sum(never.values()) / 4 - sum(on.values()) / 4
+    assert out["moved_s"] + out["knock_on_s"] == pytest.approx(total)
+    assert paired_difference(on, never, set())["moved_own_s"] is None

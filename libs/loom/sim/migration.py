@@ -8,7 +8,10 @@
   :class:`~loom.migrate.benefit.MigrationVerdict` from the scheduler's *beliefs* (its speeds, the
   links as measured now), and the moves are started largest net benefit first within a
   :class:`~loom.migrate.benefit.MigrationBudget`; moves the budget defers are looked at again at
-  each sample;
+  each sample. Just before each move its verdict is taken again (the moves before it changed the
+  snapshot), its placement avoiding the clusters the job runs on, as the service's re-placement
+  does (else GPUs an earlier move of the same review freed there made "where it is" the candidate
+  and dropped the move);
 * ``never`` — no proactive move ever: only the forced re-placement of a failed cluster's jobs (the
   engine requeues them, they restart elsewhere from their last checkpoint, or where they were once
   the cluster returns if the scheduler places them there); a degraded link is lived with; a
@@ -33,12 +36,14 @@
 else it resumes from its last periodic checkpoint (no checkpoints: from step 0). Its new run holds
 its GPUs from the move and starts computing after ``save + transfer + restart``: the transfer is the
 checkpoint (``benefit.checkpoint_bytes_of``) over the simulator's network *as it is at that time*
-from the old lead region (a failed cluster's jobs: from the region holding the checkpoint's replica,
-the best-connected other cluster's) to the new one. Then the run is timed by truth like any other
-(:mod:`loom.sim.truth`). Forced restarts after a failure pay the same transfer and restart in every
-mode. Figures (:meth:`Migrator.figures`, in ``SimResult.migration``): migrations, forced restarts,
-bytes moved between regions, GPU-hours lost (progress redone + GPUs held while a checkpoint is
-saved, copied and restarted), deferred moves, verdicts, and the jobs a trigger concerned.
+from the old lead region (a failed cluster's jobs: from the region of the copy they resume from,
+:mod:`loom.sim.replicas`, with ``MigrationPolicy.replicas``; without it, an ideal replica of the
+latest checkpoint in the best-connected other cluster) to the new one. Then the run is timed by
+truth like any other (:mod:`loom.sim.truth`). Forced restarts after a failure pay the same
+transfer and restart in every mode. Figures (:meth:`Migrator.figures`, in ``SimResult.migration``):
+migrations, forced restarts, bytes moved between regions, GPU-hours lost (progress redone + GPUs
+held while a checkpoint is saved, copied and restarted), deferred moves, verdicts, the jobs a
+trigger concerned, and the replicas' figures.
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ from loom.migrate.benefit import (
     job_class_of,
     plan_migrations,
 )
+from loom.migrate.replicas import ReplicaSettings
+from loom.sim.replicas import SimReplicas
 
 if TYPE_CHECKING:
     from loom.sched.framework import Decision
@@ -86,6 +93,10 @@ class MigrationPolicy:
     """``on``: migrations in flight per cluster (source or target)."""
     per_link: int = 4
     """``on``: migrations in flight per region pair."""
+    replicas: ReplicaSettings | None = field(default_factory=ReplicaSettings)
+    """Checkpoint replicas as the migration service keeps them (:mod:`loom.sim.replicas`): a failed
+    cluster's jobs resume from the newest replica that was ready. None: an ideal replica, always at
+    the latest checkpoint, in the best-connected other cluster (the model before replicas)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -145,6 +156,9 @@ class Migrator:
         self.seen: set[tuple[float, str, frozenset[frozenset[str]]]] = set()
         """Link events already handled at an instant (both directions come as two events)."""
         self.out = _Figures()
+        self.replicas = SimReplicas(sim, policy.replicas, self._path) if policy.replicas is not None else None
+        self.resume_steps: dict[str, int] = {}
+        """A failed cluster's jobs -> the step they resume from (set after the engine stopped them)."""
         self.triggered: list[SimEvent] = []
         """Scripted events of this instant whose moves wait for the scheduling pass."""
         self.sampled = False
@@ -152,13 +166,24 @@ class Migrator:
     # ---- hooks the engine calls ------------------------------------------------------------------
 
     def before_event(self, event: SimEvent) -> None:
-        """Before the engine applies a scripted event: note what a failure loses."""
+        """Before the engine applies a scripted event: the replicas up to now; what a failure loses."""
+        if self.replicas is not None:
+            self.replicas.advance(self.sim.t)
         if event.kind == "cluster_down":
             self._failing(event.cluster)
 
     def after_event(self, event: SimEvent) -> None:
         """After the engine applied a scripted event: the triggers."""
         kind = event.kind
+        if kind == "cluster_down":
+            jobs = self.sim.jobs
+            for job_id, step in sorted(self.resume_steps.items()):
+                job = jobs.get(job_id)
+                if job is not None and job.run is None:
+                    job.steps_left = float(job.spec.work.steps - step)
+            self.resume_steps.clear()
+        elif kind == "cluster_up" and self.replicas is not None:
+            self.replicas.cluster_up(event.cluster)
         if kind == "cluster_drain":
             self.drained.add(event.cluster)
         elif kind == "cluster_undrain":
@@ -191,6 +216,8 @@ class Migrator:
                 still.append(entry)
         self.in_flight = still
         self.sampled = True
+        if self.replicas is not None:
+            self.replicas.advance(now)
 
     def after_pass(self) -> bool:
         """After the scheduling pass of an instant (the queue is served first, migrations take
@@ -239,6 +266,8 @@ class Migrator:
     def start_delay(self, job: _Job, d: Decision, *, gpus: int) -> float:
         """Seconds before a moved or re-placed run computes (save + checkpoint transfer + restart);
         0 for a job that did not move."""
+        if self.replicas is not None:
+            self.replicas.started(job)
         pending = self.pending.pop(job.spec.job_id, None)
         if pending is None:
             return 0.0
@@ -279,6 +308,7 @@ class Migrator:
             "verdicts": out.verdicts,
             "touched_jobs": sorted(out.touched),
             "moved_jobs": sorted(out.moved),
+            "replicas": self.replicas.figures() if self.replicas is not None else None,
         }
 
     # ---- affected jobs ---------------------------------------------------------------------------
@@ -338,14 +368,18 @@ class Migrator:
         loss = float(net.loss[i, j]) if i is not None and j is not None else 0.0
         return PathState(rtt_ms=rtt_ms, bandwidth_gbps=bandwidth_gbps, loss_rate=loss)
 
-    def _candidate(self, job: _Job, only: str | None) -> Decision | None:
+    def _candidate(self, job: _Job, only: str | None, *, leaving_for: str | None = None) -> Decision | None:
         """Where the framework would place the job now as a new placement (nothing applied, no
-        preemption or shrink); None: nowhere, or where it already is."""
+        preemption or shrink); None: nowhere, or where it already is. ``leaving_for``: the job is
+        being moved (its verdict's target): like the migration service's re-placement, it avoids
+        the clusters it runs on but that one."""
         sim = self.sim
         assert sim.fast is not None
         snap = sim.snap
         snap.now = sim.t
         avoid = [c.id for c in snap.clusters if c.id != only] if only is not None else []
+        if leaving_for is not None and job.run is not None:
+            avoid += [p.cluster for p in job.run.decision.parts if p.cluster != leaving_for]
         waiting = job.spec.job_id in snap.waiting
         outcome = sim.fast.framework.schedule(job.spec, snap, avoid_clusters=avoid, apply=False)
         if not waiting:
@@ -386,10 +420,14 @@ class Migrator:
         )
 
     def _verdict(
-        self, job: _Job, trigger: Trigger, only: str | None, *, again: bool = False
+        self, job: _Job, trigger: Trigger, only: str | None, *, again: str | None = None
     ) -> tuple[MigrationVerdict, Decision | None]:
+        """The verdict on moving ``job`` now, with the framework's candidate. ``again``: the look
+        just before moving it, toward this target (the job's own clusters are avoided, as the
+        service's re-placement avoids them: a move of the same review may have freed GPUs there,
+        which would otherwise make "where it is" the candidate and drop the move)."""
         state = self._state(job)
-        d = self._candidate(job, only)
+        d = self._candidate(job, only, leaving_for=again)
         target = None
         path = PathState(rtt_ms=0.0, bandwidth_gbps=1.0)
         if d is not None:
@@ -402,7 +440,7 @@ class Migrator:
             )
             path = self._path(state.region, lead.region)
         verdict = decide(state, target, path, now_s=self.sim.t, trigger=trigger, settings=self.settings)
-        if again:  # the same look again just before moving (the snapshot may have changed)
+        if again is not None:  # the same look again just before moving (the snapshot may have changed)
             return verdict, d
         self.out.evaluated += 1
         self.out.touched.add(job.spec.job_id)
@@ -438,7 +476,9 @@ class Migrator:
             assert verdict.target is not None
             src_region, dst_region = regions[verdict.source], regions[verdict.target]
             fresh, d = (
-                self._verdict(job, trigger, only, again=True) if job.run is not None else (verdict, None)
+                self._verdict(job, trigger, only, again=verdict.target)
+                if job.run is not None
+                else (verdict, None)
             )
             if d is None or not fresh.move:
                 self.budget.release(verdict.source, verdict.target, src_region, dst_region)
@@ -497,33 +537,42 @@ class Migrator:
 
     def _failing(self, cluster: str) -> None:
         """A cluster fails: its jobs' runs are lost; each restarts (wherever the scheduler puts it)
-        from its last checkpoint, read from the replica (the best-connected other cluster)."""
+        from the newest replica of its checkpoints outside the cluster (:mod:`loom.sim.replicas`;
+        without the replica model: its last checkpoint, in the best-connected other cluster)."""
         sim = self.sim
         snap = sim.snap
         info = next((c for c in snap.clusters if c.id == cluster), None)
         if info is None:
             return
         others = [c for c in snap.clusters if c.id != cluster]
-        replica = (
+        ideal = (
             max(others, key=lambda c: (self._path(info.region, c.region).bandwidth_gbps, c.id)).region
             if others
             else info.region
         )
+        if self.replicas is not None:
+            self.replicas.cluster_down(cluster, sim.t)
         for job_id in sorted(sim.by_cluster.get(cluster, set())):
             job = sim.jobs.get(job_id)
             if job is None or job.run is None:
                 continue
             state = self._state(job)
-            lost = max(state.steps_done - state.last_checkpoint_step, 0.0)
+            if self.replicas is not None:
+                resume = self.replicas.resume(job, cluster)
+                step, source = resume.step, resume.region or ideal
+                self.resume_steps[job_id] = step
+            else:
+                step, source = state.last_checkpoint_step, ideal
+            lost = max(state.steps_done - step, 0.0)
             self.out.lost_steps += lost
             self.out.gpu_hours_lost += lost * job.run.step_s * job.run.gpus / 3600.0
             self.out.forced_restarts += 1
             self.out.touched.add(job_id)
             self.out.by_trigger["cluster_failed"] += 1
             self.pending[job_id] = _Pending(
-                source_region=replica,
+                source_region=source,
                 save_s=0.0,
-                nbytes=checkpoint_bytes_of(job.spec) if state.last_checkpoint_step > 0 else 0.0,
+                nbytes=checkpoint_bytes_of(job.spec) if step > 0 else 0.0,
                 source_cluster=cluster,
             )
             self.deferred.pop(job_id, None)

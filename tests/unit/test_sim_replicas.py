@@ -1,0 +1,72 @@
+"""Checkpoint replicas in the simulator (``loom.sim.replicas``): a failed cluster's job resumes from
+the newest replica that was copied in time, with the migration service's core."""
+
+from typing import Any
+
+import pytest
+from test_sim_migration import platform
+
+from loom.sim.engine import simulate
+from loom.sim.migration import MigrationPolicy
+from loom.sim.model import SimEvent, SimJob, Trace
+from loom.sim.policies import POLICIES
+from loom.sim.truth import BELIEF
+from loom_proto.jobs import Affinity, JobSpec, Resources, Work
+
+EU = "aws-eu-central-1"
+US = "aws-us-east-2"
+EVERY = 100
+FAIL_S = 600.0
+
+
+def run(checkpoint_bytes: float, *, replicas: bool) -> tuple[dict[str, Any], float]:
+    """One 8-GPU job on the EU cluster (the US one is busy-free but slower to reach); the EU
+    cluster fails at 600 s. Returns the migration figures and the job's end."""
+    plat = platform({"eu": (EU, "H100", 1), "us": (US, "H100", 1)})
+    spec = JobSpec(
+        job_id="j",
+        tenant="t",
+        resources=Resources(gpus=8),
+        work=Work(steps=20_000, step_time_s=0.5, checkpoint_every_steps=EVERY),
+        labels={"checkpoint_bytes": f"{checkpoint_bytes:g}"},
+        affinity=Affinity(prefer_regions=[EU]),
+    )
+    events = [SimEvent(at_s=FAIL_S, kind="cluster_down", cluster="eu")]
+    policy = MigrationPolicy("never") if replicas else MigrationPolicy("never", replicas=None)
+    result = simulate(
+        Trace(jobs=[SimJob(spec=spec, arrival_s=0.0)], events=events),
+        plat,
+        POLICIES["loom"](0),
+        truth=BELIEF,
+        migration=policy,
+    )
+    assert result.migration is not None
+    record = result.records[0]
+    assert record.clusters == ("us",) and record.end_s is not None
+    return result.migration, record.end_s
+
+
+def test_a_small_checkpoint_is_replicated_in_time_and_resumed_from_another_region() -> None:
+    mig, end = run(1e6, replicas=True)
+    rep = mig["replicas"]
+    assert rep["copies"] > 1 and rep["full_copies"] == 1  # then deltas onto the US replica
+    assert rep["resumed_from_replica"] == 1 and rep["resumed_from_zero"] == 0
+    assert rep["steps_behind"] <= EVERY  # at most the checkpoint whose copy was still in flight
+    ideal, ideal_end = run(1e6, replicas=False)
+    assert ideal["replicas"] is None
+    assert mig["lost_steps"] == pytest.approx(ideal["lost_steps"] + rep["steps_behind"])
+    assert end >= ideal_end
+
+
+def test_a_checkpoint_too_big_to_copy_before_the_failure_restarts_from_step_0() -> None:
+    # 1 TB over a 0.1-1 Gbps WAN link: hours, the cluster fails after 600 s.
+    mig, end = run(1e12, replicas=True)
+    rep = mig["replicas"]
+    assert rep["copies"] == 1 and rep["resumed_from_zero"] == 1 and rep["resumed_from_replica"] == 0
+    assert rep["lost_copies"] == 1  # its source failed mid-copy
+    assert rep["steps_behind"] >= EVERY
+    ideal, ideal_end = run(1e12, replicas=False)
+    # Every step done before the failure is redone; the ideal replica loses under one interval.
+    assert ideal["lost_steps"] < EVERY < mig["lost_steps"]
+    assert mig["lost_steps"] == pytest.approx(ideal["lost_steps"] + rep["steps_behind"])
+    assert end > ideal_end
