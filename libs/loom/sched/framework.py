@@ -427,7 +427,9 @@ class CandidateTable:
         """Per scorer, each candidate's raw value (non-finite ones as 0); made lists when first read
         (placement stores records without them)."""
         if not isinstance(self._raw, list):
-            self._raw = self._raw.tolist()
+            values = self._raw.copy()
+            values[~np.isfinite(values)] = 0.0
+            self._raw = values.tolist()
         return self._raw
 
     def records(self) -> list[CandidateRecord]:
@@ -1429,19 +1431,18 @@ class Framework:
         raw: FloatArray | list[list[float]] = []
         if p:
             both = np.concatenate(norms + raws).reshape(2 * p, k)[:, top]
-            raw = both[p:]
-            raw[~np.isfinite(raw)] = 0.0
+            raw = both[p:]  # non-finite values become 0 when first read (CandidateTable.raw)
             scores = both[:p].round(2).tolist()
         ids, regions = self._cluster_names(snap)
-        cluster_top = candidates.cluster[top].tolist()
+        where = np.stack((candidates.cluster, candidates.model, candidates.capacity))[:, top].tolist()
         models = snap.models
         record.add_table(
             CandidateTable(
                 tuple(names),
-                [ids[c] for c in cluster_top],
-                [regions[c] for c in cluster_top],
-                [models[m] for m in candidates.model[top].tolist()],
-                candidates.capacity[top].tolist(),
+                [ids[c] for c in where[0]],
+                [regions[c] for c in where[0]],
+                [models[m] for m in where[1]],
+                where[2],
                 totals[top].round(2).tolist(),
                 scores,
                 raw,
