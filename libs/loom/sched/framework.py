@@ -426,11 +426,14 @@ class CandidateTable:
     def raw(self) -> list[list[float]]:
         """Per scorer, each candidate's raw value (non-finite ones as 0); made lists when first read
         (placement stores records without them)."""
-        if not isinstance(self._raw, list):
-            values = self._raw.copy()
-            values[~np.isfinite(values)] = 0.0
-            self._raw = values.tolist()
-        return self._raw
+        held = self._raw
+        if isinstance(held, list):
+            return held
+        values = held.copy()
+        values[~np.isfinite(values)] = 0.0
+        listed: list[list[float]] = values.tolist()
+        self._raw = listed
+        return listed
 
     def records(self) -> list[CandidateRecord]:
         """The candidates as :class:`CandidateRecord` objects."""
