@@ -166,7 +166,7 @@ def _one_pass(topology: Topology, built: Any, jobs: int, batch: int) -> tuple[di
         outcomes["rejected"] += len(result.rejected)
     digest.update(snap.free.tobytes())
     decided = max(sum(outcomes.values()), 1)
-    figures = {
+    figures: dict[str, Any] = {
         "nodes": int(snap.free.size),
         "clusters": len(snap.clusters),
         "gpus": int(snap.total.sum()),
@@ -180,7 +180,7 @@ def _one_pass(topology: Topology, built: Any, jobs: int, batch: int) -> tuple[di
         "record_bytes_per_job": round(record_bytes / decided, 1),
         "digest": digest.hexdigest(),
     }
-    return figures, per_cycle, figures["digest"]
+    return figures, per_cycle, str(figures["digest"])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
