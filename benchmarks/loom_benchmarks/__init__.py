@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     scu = sub.add_parser("scu", help="SCU speed ratios to the V100 vs measured (Gavel + Lambda), held out")
     scu.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     scu.add_argument("--rows", action="store_true", help="include every predicted and measured ratio")
+    from loom_benchmarks.decide import add_parser as add_decide
+
+    add_decide(sub)
     placement = sub.add_parser(
         "placement",
         help="scheduling decision latency of the pure core (no bus, no database) by platform size",
@@ -269,6 +272,11 @@ def run_benchmark(args: argparse.Namespace) -> int:  # noqa: PLR0912, PLR0915 - 
         from loom_benchmarks.scu import main
 
         return main(args)
+    if args.bench == "decide":
+        from loom_benchmarks.decide import run as run_decide
+
+        emit(run_decide(args), args.json)
+        return 0
     if args.bench == "placement":
         from loom_benchmarks.placement import main as run_placement
 

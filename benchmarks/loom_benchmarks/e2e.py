@@ -63,6 +63,11 @@ def _job(prefix: str, i: int, regions: list[str] | None = None) -> JobSpec:
     )
 
 
+def job_spec(prefix: str, i: int) -> JobSpec:
+    """Job ``i`` of a phase as the benchmark submits it (what ``loom bench decide`` decides too)."""
+    return _job(prefix, i)
+
+
 def _regions(topology: str) -> list[str]:
     """Regions in proportion to their GPUs (one entry per 50 GPUs, at least one), interleaved:
     job ``i`` is allowed in entry ``i % len`` (``--shards``: the jobs spread over the shards)."""

@@ -392,24 +392,185 @@ class CandidateRecord:
     total: float
 
 
-@dataclass
-class DecisionRecord:
-    """What a cycle saw and why it chose: the basis of ``loom explain``."""
+class CandidateTable:
+    """The candidates a record keeps, column-wise, as scoring produced them: the record's
+    :class:`CandidateRecord` objects (two dicts each) are built only when someone reads
+    ``DecisionRecord.candidates`` (``loom explain``, tests); storing a record
+    (:meth:`DecisionRecord.to_dict`) reads the columns directly."""
 
-    job_id: str
-    at: float
-    outcome: str
-    """"placed", "waiting" or "rejected"."""
-    reason: str
-    weights: dict[str, float]
-    candidates: list[CandidateRecord]
-    pruned: dict[str, str]
-    chosen: list[str]
-    """Cluster ids of the decision's parts, lead first."""
-    victims: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    considered: int = 0
-    """How many candidates were scored (the record keeps the best of them)."""
+    __slots__ = ("_raw", "capacity", "cluster", "gpu_model", "names", "region", "scores", "total")
+
+    def __init__(  # noqa: PLR0917
+        self,
+        names: tuple[str, ...],
+        cluster: list[str],
+        region: list[str],
+        gpu_model: list[str],
+        capacity: list[int],
+        total: list[float],
+        scores: list[list[float]],
+        raw: "FloatArray | list[list[float]]",
+    ) -> None:
+        self.names = names
+        """The scorers, in the framework's order (every candidate has a score of each)."""
+        self.cluster = cluster
+        self.region = region
+        self.gpu_model = gpu_model
+        self.capacity = capacity
+        self.total = total
+        self.scores = scores
+        """Per scorer (``names`` order), each candidate's normalised score, rounded to 2 places."""
+        self._raw = raw
+
+    @property
+    def raw(self) -> list[list[float]]:
+        """Per scorer, each candidate's raw value (non-finite ones as 0); made lists when first read
+        (placement stores records without them)."""
+        held = self._raw
+        if isinstance(held, list):
+            return held
+        values = held.copy()
+        values[~np.isfinite(values)] = 0.0
+        listed: list[list[float]] = values.tolist()
+        self._raw = listed
+        return listed
+
+    def records(self) -> list[CandidateRecord]:
+        """The candidates as :class:`CandidateRecord` objects."""
+        names = self.names
+        if not names:
+            return [
+                CandidateRecord(
+                    self.cluster[i], self.region[i], self.gpu_model[i], self.capacity[i], {}, {}, t
+                )
+                for i, t in enumerate(self.total)
+            ]
+        scores = list(zip(*self.scores, strict=True))
+        raw = list(zip(*self.raw, strict=True))
+        return [
+            CandidateRecord(
+                self.cluster[i],
+                self.region[i],
+                self.gpu_model[i],
+                self.capacity[i],
+                dict(zip(names, scores[i], strict=True)),
+                dict(zip(names, raw[i], strict=True)),
+                t,
+            )
+            for i, t in enumerate(self.total)
+        ]
+
+
+class DecisionRecord:
+    """What a cycle saw and why it chose: the basis of ``loom explain``.
+
+    ``candidates`` are kept as :class:`CandidateTable` columns while scoring adds them
+    (:meth:`add_table`) and become :class:`CandidateRecord` objects the first time they are read."""
+
+    __slots__ = (
+        "_candidates",
+        "_tables",
+        "at",
+        "chosen",
+        "considered",
+        "job_id",
+        "notes",
+        "outcome",
+        "pruned",
+        "reason",
+        "victims",
+        "weights",
+    )
+
+    def __init__(  # noqa: PLR0917
+        self,
+        job_id: str,
+        at: float,
+        outcome: str,
+        reason: str,
+        weights: dict[str, float],
+        candidates: list[CandidateRecord],
+        pruned: dict[str, str],
+        chosen: list[str],
+        victims: list[str] | None = None,
+        notes: list[str] | None = None,
+        considered: int = 0,
+    ) -> None:
+        self.job_id = job_id
+        self.at = at
+        self.outcome = outcome
+        """"placed", "waiting" or "rejected"."""
+        self.reason = reason
+        self.weights = weights
+        self._candidates = candidates
+        self._tables: list[CandidateTable] = []
+        self.pruned = pruned
+        self.chosen = chosen
+        """Cluster ids of the decision's parts, lead first."""
+        self.victims: list[str] = victims if victims is not None else []
+        self.notes: list[str] = notes if notes is not None else []
+        self.considered = considered
+        """How many candidates were scored (the record keeps the best of them)."""
+
+    @property
+    def candidates(self) -> list[CandidateRecord]:
+        """The candidates kept, best first per scoring pass."""
+        if self._tables:
+            for table in self._tables:
+                self._candidates += table.records()
+            self._tables = []
+        return self._candidates
+
+    @candidates.setter
+    def candidates(self, value: list[CandidateRecord]) -> None:
+        self._candidates = value
+        self._tables = []
+
+    def add_table(self, table: CandidateTable) -> None:
+        """Candidates of one scoring pass, after those kept already."""
+        self._tables.append(table)
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (
+            self.job_id,
+            self.at,
+            self.outcome,
+            self.reason,
+            self.weights,
+            self.candidates,
+            self.pruned,
+            self.chosen,
+            self.victims,
+            self.notes,
+            self.considered,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DecisionRecord):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass it replaces
+
+    def __repr__(self) -> str:
+        names = (
+            "job_id",
+            "at",
+            "outcome",
+            "reason",
+            "weights",
+            "candidates",
+            "pruned",
+            "chosen",
+            "victims",
+            "notes",
+            "considered",
+        )
+        return (
+            "DecisionRecord("
+            + ", ".join(f"{n}={v!r}" for n, v in zip(names, self._fields(), strict=True))
+            + ")"
+        )
 
     def to_dict(self, *, raw: bool = True) -> dict[str, Any]:
         """Plain JSON-able form for storage, column-wise (a record is written with every decision).
@@ -417,18 +578,35 @@ class DecisionRecord:
         ``raw=False`` leaves the plugins' raw values out: what placement stores, since ``loom
         explain`` shows the normalised scores only, and the raw values are nearly half the record
         (:meth:`from_dict` reads either form)."""
-        plugins = sorted({p for c in self.candidates for p in c.scores})
-        cands = self.candidates
-        columns: dict[str, Any] = {
-            "cluster": [c.cluster for c in cands],
-            "region": [c.region for c in cands],
-            "gpu_model": [c.gpu_model for c in cands],
-            "capacity": [c.capacity for c in cands],
-            "total": [c.total for c in cands],
-            "scores": [[c.scores.get(p) for c in cands] for p in plugins],
-        }
-        if raw:
-            columns["raw"] = [[c.raw.get(p) for c in cands] for p in plugins]
+        columns: dict[str, Any]
+        if len(self._tables) == 1 and not self._candidates:
+            # straight from the one scoring pass's columns (the same values, no objects built)
+            table = self._tables[0]
+            plugins = sorted(table.names)
+            where = [table.names.index(p) for p in plugins]
+            columns = {
+                "cluster": list(table.cluster),
+                "region": list(table.region),
+                "gpu_model": list(table.gpu_model),
+                "capacity": list(table.capacity),
+                "total": list(table.total),
+                "scores": [list(table.scores[j]) for j in where],
+            }
+            if raw:
+                columns["raw"] = [list(table.raw[j]) for j in where]
+        else:
+            cands = self.candidates
+            plugins = sorted({p for c in cands for p in c.scores})
+            columns = {
+                "cluster": [c.cluster for c in cands],
+                "region": [c.region for c in cands],
+                "gpu_model": [c.gpu_model for c in cands],
+                "capacity": [c.capacity for c in cands],
+                "total": [c.total for c in cands],
+                "scores": [[c.scores.get(p) for c in cands] for p in plugins],
+            }
+            if raw:
+                columns["raw"] = [[c.raw.get(p) for c in cands] for p in plugins]
         return {
             "job_id": self.job_id,
             "at": self.at,
@@ -1263,59 +1441,48 @@ class Framework:
         norms: list[FloatArray],
         record: DecisionRecord,
     ) -> None:
-        """The best ``record_top`` candidates into the record, with every plugin's scores.
-
-        Within :meth:`schedule_many` a candidate whose scores are bit for bit those it had for an
-        earlier job of the cycle gets copies of the dicts built then (building them is the cost)."""
+        """The best ``record_top`` candidates into the record, with every plugin's scores, as
+        columns (:class:`CandidateTable`; the per-candidate objects are built only if read)."""
         snap = state.snapshot
         k = len(candidates)
         order = np.lexsort((candidates.model, candidates.cluster, -totals.round(9)))
         self._order = (totals, order)
         top = order[: self.record_top]
         p = len(names)
-        rows: FloatArray | None = None
+        scores: list[list[float]] = []
+        raw: FloatArray | list[list[float]] = []
         if p:
             both = np.concatenate(norms + raws).reshape(2 * p, k)[:, top]
-            both[:p] = both[:p].round(2)
-            raw_top = both[p:]
-            raw_top[~np.isfinite(raw_top)] = 0.0
-            rows = np.ascontiguousarray(both.T)
-        tots = totals[top].round(2).tolist()
-        caps = candidates.capacity[top].tolist()
-        clusters = snap.clusters
+            raw = both[p:]  # non-finite values become 0 when first read (CandidateTable.raw)
+            scores = both[:p].round(2).tolist()
+        ids, regions = self._cluster_names(snap)
+        where = np.stack((candidates.cluster, candidates.model, candidates.capacity))[:, top].tolist()
         models = snap.models
-        append = record.candidates.append
-        shared = self._shared
-        kept: dict[Hashable, tuple[bytes, dict[str, float], dict[str, float]]] | None = None
-        if shared is not None and rows is not None:
-            kept = shared.setdefault(("record_rows", tuple(names)), {})
-        pairs = zip(candidates.cluster[top].tolist(), candidates.model[top].tolist(), strict=True)
-        every = rows.tolist() if rows is not None and kept is None else None
-        packed = rows.tobytes() if rows is not None and kept is not None else b""
-        width = 16 * p  # bytes of one row: p normalised and p raw float64 scores
-        for i, (c, m) in enumerate(pairs):
-            info = clusters[c]
-            scores: dict[str, float]
-            raw: dict[str, float]
-            if rows is None:
-                scores, raw = {}, {}
-            elif every is not None:
-                values = every[i]
-                scores = dict(zip(names, values[:p], strict=False))
-                raw = dict(zip(names, values[p:], strict=False))
-            else:
-                data = packed[i * width : (i + 1) * width]
-                held = kept.get((c, m)) if kept is not None else None
-                if held is not None and held[0] == data:
-                    scores, raw = held[1].copy(), held[2].copy()
-                else:
-                    values = rows[i].tolist()
-                    scores = dict(zip(names, values[:p], strict=False))
-                    raw = dict(zip(names, values[p:], strict=False))
-                    if kept is not None:
-                        kept[(c, m)] = (data, scores.copy(), raw.copy())
-            append(CandidateRecord(info.id, info.region, models[m], caps[i], scores, raw, tots[i]))
+        record.add_table(
+            CandidateTable(
+                tuple(names),
+                [ids[c] for c in where[0]],
+                [regions[c] for c in where[0]],
+                [models[m] for m in where[1]],
+                where[2],
+                totals[top].round(2).tolist(),
+                scores,
+                raw,
+            )
+        )
         record.considered = max(record.considered, k)
+
+    def _cluster_names(self, snap: Snapshot) -> tuple[list[str], list[str]]:
+        """The snapshot's cluster ids and regions by index (kept within a cycle)."""
+        shared = self._shared
+        held = shared.get("record.cluster_names") if shared is not None else None
+        if held is not None and held[0] is snap.clusters:
+            names: tuple[list[str], list[str]] = held[1]
+            return names
+        names = ([c.id for c in snap.clusters], [c.region for c in snap.clusters])
+        if shared is not None:
+            shared["record.cluster_names"] = (snap.clusters, names)
+        return names
 
     def choose(self, state: CycleState, candidates: Candidates, totals: FloatArray) -> Decision:
         """The best candidate (ties: lowest cluster id, then model), packed onto its nodes.

@@ -857,6 +857,10 @@ class SpanGuard:
         spread = len(decision.parts) > 1
         if any(p.layers is not None for p in decision.parts):
             return Status()
+        if not spread and job.task_type == "inference":
+            # A service serves from when it starts: faster GPUs do not end it sooner (decided
+            # before the step-time prediction and the pools, which only the cases below read).
+            return Status()
         snap = state.snapshot
         speeds = part_speeds(state, decision)
         chosen = predict_step_s(
@@ -871,8 +875,6 @@ class SpanGuard:
         holders = whole_gang_pools(state, decision.workers)
         if spread:
             return self._spread(state, decision, chosen, holders, speeds)
-        if job.task_type == "inference":
-            return Status()  # a service serves from when it starts: faster GPUs do not end it sooner
         options = single_cluster_options(state, holders, decision.workers, book=self.book, within_s=run_now)
         if not options:
             return Status()
