@@ -361,3 +361,58 @@ async def test_the_lease_survives_the_death_of_the_node_leading_its_bucket(
     finally:
         await lease.release()
         await lease_nc.close()
+
+
+def meta_leader(cluster: NatsCluster) -> str:
+    for node in cluster.nodes:
+        with urllib.request.urlopen(f"{node.monitor_url}/jsz", timeout=5) as reply:
+            leader = json.loads(reply.read()).get("meta_cluster", {}).get("leader")
+        if leader:
+            return str(leader)
+    raise AssertionError("no node names a JetStream meta leader")
+
+
+async def test_a_consumer_starts_while_the_meta_leader_is_being_elected(
+    nats_cluster: NatsCluster, bus: Client
+) -> None:
+    """A service taking the lead creates or updates its durable consumers, and on a cluster the
+    JetStream meta leader answers that. When its node has just died nobody answers for the 4-9 s
+    of the election: the start rides it out (short tries; a durable consumer that exists is used
+    as it is) instead of failing, which made placement exit and wait for the supervisor's restart."""
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    spec = ConsumerSpec(stream="JOBS", durable=unique("test"), filter_subjects=[subject], ack_wait_s=5.0)
+    received: set[str] = set()
+
+    async def handle(delivery: Delivery[JobSubmitted]) -> None:
+        assert delivery.msg_id is not None
+        received.add(delivery.msg_id)
+
+    first: ConsumerRunner[JobSubmitted] = ConsumerRunner(bus, spec, JobSubmitted, handler=handle)
+    await first.start()  # the durable consumer exists from here on
+    await first.stop()
+    leader = meta_leader(nats_cluster)
+    con_nc = await connection_off_the_leader(nats_cluster, leader, "test-consumer")
+    victim = node_by_name(nats_cluster, leader)
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    runner: ConsumerRunner[JobSubmitted] = ConsumerRunner(
+        con_nc, spec, JobSubmitted, handler=handle, callback_pull=True, linger_s=0.0
+    )
+    try:
+        await runner.start()  # raised BusError("cannot create consumer ...: nats: timeout") before
+        publisher = Publisher(con_nc)
+        for n in range(5):
+            message = JobSubmitted(job_id=f"job-{n}", tenant=tenant, name="", work=Work(steps=1))
+            await publisher.publish(subject, message, msg_id=f"{tenant}-{n}")
+
+        async def all_received() -> bool:
+            return {f"{tenant}-{n}" for n in range(5)} <= received
+
+        await until(all_received, HANG_S, "the messages published after the kill to be consumed")
+    finally:
+        await runner.stop()
+        await con_nc.close()
+    print(
+        f"\nmeta leader {leader} killed: started without the update {runner.created_without_update} time(s)"
+    )

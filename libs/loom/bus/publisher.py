@@ -62,6 +62,16 @@ _RECONNECT_CHECK_S = 0.05
 """How often a publish waiting for its ack looks whether its connection was lost meanwhile."""
 
 
+_MSG_ID_IN_PROCESS = 10158
+"""nats-server's error code for a publish whose ``Nats-Msg-Id`` an earlier, not yet stored, publish
+holds (``409 duplicate message id is in process``): a resend right after a reconnect or an election
+meets the first send still being replicated."""
+
+
+def _in_process(error: BaseException | None) -> bool:
+    return isinstance(error, APIError) and error.err_code == _MSG_ID_IN_PROCESS
+
+
 class _ConnectionLost(Exception):
     """The connection a publish went out on was lost before its ack came back."""
 
@@ -178,8 +188,10 @@ class Publisher:
                 except _RETRYABLE as exc:
                     last_error = exc
                 except APIError as exc:
-                    # 503 and similar are transient; anything else (e.g. no stream) will not heal.
-                    if exc.code is not None and exc.code >= 500:
+                    # 503 and similar are transient, and so is "duplicate message id is in process"
+                    # (an earlier send of this id is being stored: the next one gets its ack as a
+                    # duplicate); anything else (e.g. no stream) will not heal.
+                    if (exc.code is not None and exc.code >= 500) or exc.err_code == _MSG_ID_IN_PROCESS:
                         last_error = exc
                     else:
                         span.record_exception(exc)
@@ -190,7 +202,7 @@ class Publisher:
                     span.set_attribute("messaging.nats.duplicate", bool(ack.duplicate))
                     span.set_attribute("messaging.nats.stream_sequence", ack.seq)
                     return ack
-                if clustered and isinstance(last_error, _AWAITING_LEADER):
+                if _in_process(last_error) or (clustered and isinstance(last_error, _AWAITING_LEADER)):
                     now = time.monotonic()
                     awaiting_leader_since = awaiting_leader_since or now
                     if now - awaiting_leader_since < self._leader_wait_s:
