@@ -26,6 +26,7 @@ from waiting import until
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
+from loom.bus.publisher import Outgoing
 from loom.runtime.servers import NatsCluster, NatsServer
 from loom_proto import JobSubmitted, Work
 from loom_proto import subjects as s
@@ -416,3 +417,39 @@ async def test_a_consumer_starts_while_the_meta_leader_is_being_elected(
     print(
         f"\nmeta leader {leader} killed: started without the update {runner.created_without_update} time(s)"
     )
+
+
+async def test_a_batch_whose_connection_died_reports_its_acks_lost_at_once(
+    nats_cluster: NatsCluster, bus: Client
+) -> None:
+    """The outbox sends a batch and awaits its acks; when the node it went to dies, the client
+    reconnects to another and those acks never come. They count as failed as soon as the client is
+    back (the outbox sends them again then), not after the whole ack timeout; sent again under the
+    same ids, each message is stored once."""
+    info = await bus.jetstream().stream_info("JOBS")
+    assert info.cluster is not None and info.cluster.leader
+    pub_nc = await connection_off_the_leader(nats_cluster, info.cluster.leader, "test-batch")
+    victim = node_of(nats_cluster, pub_nc)
+    assert victim.pid is not None
+    publisher = Publisher(pub_nc, timeout_s=HANG_S)
+    subject = s.job_submitted(unique("t"))
+    batch = [Outgoing(subject, b"{}", unique("b"), {}) for _ in range(5)]
+    try:
+        await pub_nc.flush(timeout=2)
+        os.kill(victim.pid, signal.SIGSTOP)  # what is sent now is never answered
+        sent = await publisher.send_batch(batch)
+        os.kill(victim.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        outcomes = await sent.acks()
+        waited = time.monotonic() - t0
+        assert all(isinstance(o, Exception) for o in outcomes), outcomes
+        # Not one of them waited out the ack timeout.
+        assert not any(isinstance(o, NatsTimeoutError) for o in outcomes), outcomes
+        assert waited < HANG_S
+        again = await publisher.publish_batch(batch)
+        assert again == [None] * len(batch)
+        stored = await bus.jetstream().stream_info("JOBS", subjects_filter=subject)
+        assert stored.state.messages == len(batch)
+    finally:
+        await pub_nc.close()
+    print(f"\nbatch's node {victim.server_name} killed: acks reported lost after {waited:.2f} s")

@@ -236,6 +236,7 @@ class Publisher:
         # then writes each message with a system call of its own. With room for the whole batch
         # (nothing can take it in between: nothing here yields), no stall timeout is needed, so
         # the batch is written at once and goes out in one write.
+        reconnects = self._nc.stats["reconnects"]
         room = getattr(self._js, "_publish_async_pending_semaphore", None)
         free = 0 if room is None or room.locked() else int(getattr(room, "_value", 0))
         for m in messages:
@@ -263,7 +264,7 @@ class Publisher:
                 )
             except Exception as exc:  # stalled, or the connection is closed: this one failed
                 sent.append(exc)
-        return SentBatch(spans, sent, self._timeout_s)
+        return SentBatch(spans, sent, self._timeout_s, self._nc, reconnects)
 
     async def publish_core(
         self, subject: str, payload: bytes, headers: Mapping[str, str] | None = None
@@ -276,18 +277,36 @@ class SentBatch:
     """Messages :meth:`Publisher.send_batch` sent, their acks still to come."""
 
     def __init__(
-        self, spans: list[trace.Span], sent: list[asyncio.Future[PubAck] | BaseException], timeout_s: float
+        self,
+        spans: list[trace.Span],
+        sent: list[asyncio.Future[PubAck] | BaseException],
+        timeout_s: float,
+        nc: Client | None = None,
+        reconnects: int = 0,
     ) -> None:
         self._spans = spans
         self._sent = sent
         self._timeout_s = timeout_s
+        self._nc = nc
+        self._reconnects = reconnects
 
     async def acks(self) -> list[BaseException | None]:
         """Per message, None once the stream acknowledged it, else the error (no ack within the
-        timeout counts as one); every span ends here."""
-        waiting = [f for f in self._sent if isinstance(f, asyncio.Future)]
-        if waiting:
-            await asyncio.wait(waiting, timeout=self._timeout_s)
+        timeout counts as one; so does the connection being replaced meanwhile: the acks still
+        missing then went to the lost one, and the caller sends those again at once instead of
+        after the timeout); every span ends here."""
+        waiting: set[asyncio.Future[PubAck]] = {f for f in self._sent if not isinstance(f, BaseException)}
+        deadline = asyncio.get_running_loop().time() + self._timeout_s
+        while waiting:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                break
+            _, waiting = await asyncio.wait(waiting, timeout=min(left, _RECONNECT_CHECK_S))
+            if self._nc is not None and self._nc.stats["reconnects"] != self._reconnects:
+                for lost in waiting:
+                    if not lost.done():
+                        lost.set_exception(_ConnectionLost())
+                break
         outcomes: list[BaseException | None] = []
         for span, f in zip(self._spans, self._sent, strict=True):
             error: BaseException | None
