@@ -84,8 +84,8 @@ def read_cluster_logs(home: Path) -> list[LeaderEvent]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Election:
-    """One group the killed node led: how long after the kill a survivor took over (None: not
-    within the logs), and which."""
+    """One group the killed node led: how long after the kill a node took over (None: not within
+    the logs), and which."""
 
     group: str
     elected_s: float | None
@@ -104,11 +104,14 @@ def leaders_at(events: Iterable[LeaderEvent], at: float) -> dict[str, str]:
 
 def elections_after(events: list[LeaderEvent], victim: str, t0: float) -> dict[str, Election]:
     """For a kill of ``victim`` at ``t0`` (``events`` in time order): every group it led then, with
-    the first leader other than the victim named after ``t0``."""
+    the first leader named after ``t0``. That may be the victim itself once restarted (the
+    supervisor restarts a killed node within a second or two, before the survivors' election
+    timeout, and it can win the election): the dead process logs nothing, so every later line is a
+    real new leadership."""
     led = [g for g, leader in leaders_at(events, t0).items() if leader == victim]
     out: dict[str, Election] = {}
     for group in led:
-        after = next((e for e in events if e.at >= t0 and e.group == group and e.leader != victim), None)
+        after = next((e for e in events if e.at >= t0 and e.group == group), None)
         out[group] = Election(
             group,
             round(after.at - t0, 3) if after is not None else None,

@@ -29,6 +29,9 @@ NODE2 = [
 NODE3 = [
     _line("01:00:12.000000", "JetStream cluster new stream leader for '$G > KV_loom_leases'"),
     _line("01:00:12.000001", "JetStream cluster new metadata leader: nats-1/loom"),
+    # nats-3 killed at 01:00:20 and restarted: it wins the VIEW election itself.
+    _line("01:00:19.000000", "JetStream cluster new stream leader for '$G > VIEW'"),
+    _line("01:00:27.500000", "JetStream cluster new stream leader for '$G > VIEW'"),
 ]
 
 
@@ -72,3 +75,6 @@ def test_elections_after_a_kill_name_the_groups_the_victim_led_and_their_new_lea
     assert ne.path_election_s(other, path) == float("inf")
     # A node leading nothing on the path: the path had no election to wait for.
     assert ne.path_election_s(ne.elections_after(events, "nats-3", t0), path) == 0.0
+    # The restarted victim itself won the election: that is when the group had a leader again.
+    restarted = ne.elections_after(events, "nats-3", _at("01:00:20.000000"))
+    assert restarted["stream:VIEW"] == ne.Election("stream:VIEW", 7.5, "nats-3")
