@@ -530,6 +530,17 @@ class Campaign:
             await asyncio.sleep(0.5)
         return False
 
+    async def placement_stall(self, result: dict[str, Any], start: float) -> float | None:
+        """From the fault's start (a node kill: the kill itself, a few look-ups later) until the
+        first placement of a job acknowledged after it."""
+        since = float(result["done"].get("killed_at", start))
+        first = await self.db(
+            "SELECT min(placed_at) AS at FROM jobs WHERE job_id = ANY($1::text[])",
+            [j for j, at in self.acked.items() if at >= since],
+        )
+        placed_at = first[0]["at"] if first else None
+        return round(placed_at.timestamp() - since, 2) if placed_at is not None else None
+
     def split_stalls(self, results: list[dict[str, Any]]) -> None:
         """Adds :meth:`election_split` to every node kill's result (the NATS logs are still there)."""
         events = nats_elections.read_cluster_logs(self.home)
@@ -545,8 +556,7 @@ class Campaign:
         victim, killed_at = result["done"]["node"], float(result["done"]["killed_at"])
         elections = nats_elections.elections_after(events, victim, killed_at)
         path = nats_elections.path_election_s(elections, PLACEMENT_PATH)
-        stall = result.get("placement_stall_s")
-        from_kill = None if stall is None else round(stall - (killed_at - result["start"]), 2)
+        from_kill = result.get("placement_stall_s")  # counted from the kill
         return {
             "elections": {
                 g: {"elected_s": e.elected_s, "new_leader": e.new_leader} for g, e in elections.items()
@@ -897,15 +907,7 @@ class Campaign:
             lo, hi = bounds[i], bounds[i + 1]
             window = [j for j, at in self.acked.items() if lo <= at < hi]
             outcome = await self.jobs_outcome(window)
-            # Placement's stall: from the fault's start until a job acknowledged after it is placed.
-            first = await self.db(
-                "SELECT min(placed_at) AS at FROM jobs WHERE job_id = ANY($1::text[])",
-                [j for j, at in self.acked.items() if at >= lo],
-            )
-            placed_at = first[0]["at"] if first else None
-            result["placement_stall_s"] = (
-                round(placed_at.timestamp() - lo, 2) if placed_at is not None else None
-            )
+            result["placement_stall_s"] = await self.placement_stall(result, lo)
             result["jobs"] = {k: outcome[k] for k in ("acknowledged", "lost", "doubled")} | {
                 "lost_examples": outcome["lost_examples"],
                 "doubled_examples": outcome["doubled_examples"],
@@ -1079,13 +1081,14 @@ def run(
         "method": {
             "recovery_s": "from the fault's end (the kill, the SIGCONT, the last message sent) until a job "
             "acknowledged after it is placed in PostgreSQL and every service answers health with status ok",
-            "placement_stall_s": "from the fault's start until the first placement of a job acknowledged "
-            "after the start (placed_at in PostgreSQL): what the fault cost placement, holds included",
+            "placement_stall_s": "from the fault's start (a node kill: the kill) until the first placement "
+            "of a job acknowledged after it (placed_at in PostgreSQL): what the fault cost placement, holds "
+            "included",
             "path_election_s": "nats-node-sigkill: from the kill until the last of the JOBS stream and "
             "placement's submissions consumer that the dead node led had a new leader (the nodes' logs); 0 "
             "when it led neither: the server's Raft election, 4-9 s after the last heartbeat",
-            "loom_part_s": "nats-node-sigkill: placement stall counted from the kill minus path_election_s: "
-            "what Loom (clients, placement) adds after the elections",
+            "loom_part_s": "nats-node-sigkill: placement stall (counted from the kill) minus "
+            "path_election_s: what Loom (clients, placement) adds after the elections",
             "elections": "nats-node-sigkill: every Raft group the dead node led, seconds until a survivor "
             "led it",
             "control": f"{CONTROLS} rounds with no fault, measured the same way: the pace of a healthy stack "

@@ -27,3 +27,18 @@ def test_a_publish_meeting_its_own_id_in_process_is_sent_again() -> None:
     assert not _in_process(APIError(code=409, err_code=10071, description="wrong last sequence"))
     assert not _in_process(NatsTimeoutError())
     assert not _in_process(None)
+
+
+async def test_on_a_cluster_an_unanswered_send_is_repeated_with_short_ack_timeouts() -> None:
+    from nats.aio.client import Client
+
+    from loom.bus.publisher import Publisher
+
+    publisher = Publisher(Client(), timeout_s=5.0, cluster_timeout_s=2.0, leaderless_timeout_s=0.5)
+    assert publisher._attempt_timeout_s(clustered=False, awaiting_leader=False) == 5.0
+    assert publisher._attempt_timeout_s(clustered=False, awaiting_leader=True) == 5.0
+    assert publisher._attempt_timeout_s(clustered=True, awaiting_leader=False) == 2.0
+    assert publisher._attempt_timeout_s(clustered=True, awaiting_leader=True) == 0.5
+    # Never longer than the publisher's own timeout.
+    short = Publisher(Client(), timeout_s=0.3)
+    assert short._attempt_timeout_s(clustered=True, awaiting_leader=False) == 0.3
