@@ -453,3 +453,42 @@ async def test_a_batch_whose_connection_died_reports_its_acks_lost_at_once(
     finally:
         await pub_nc.close()
     print(f"\nbatch's node {victim.server_name} killed: acks reported lost after {waited:.2f} s")
+
+
+async def test_a_batch_nobody_answers_on_a_cluster_counts_as_failed_after_the_silence_bound(
+    nats_cluster: NatsCluster, bus: Client
+) -> None:
+    """While a stream elects a leader its replicas drop what they get without a word. A batch (the
+    outbox's) whose acks do not start coming within the cluster bound (2 s) counts as failed then,
+    not after the whole ack timeout: a new placement leader flushes the outbox before it starts, and
+    waited 5 s on that. Sent again once the stream answers, each message is stored once."""
+    info = await bus.jetstream().stream_info("JOBS")
+    assert info.cluster is not None and info.cluster.leader
+    leader = node_by_name(nats_cluster, info.cluster.leader)
+    pub_nc = await connection_off_the_leader(nats_cluster, info.cluster.leader, "test-silent")
+    publisher = Publisher(pub_nc, timeout_s=HANG_S, cluster_timeout_s=2.0)
+    subject = s.job_submitted(unique("t"))
+    batch = [Outgoing(subject, b"{}", unique("b"), {}) for _ in range(5)]
+    assert leader.pid is not None
+    try:
+        os.kill(leader.pid, signal.SIGSTOP)  # the stream's leader answers nothing meanwhile
+        t0 = time.monotonic()
+        try:
+            outcomes = await publisher.publish_batch(batch)
+        finally:
+            os.kill(leader.pid, signal.SIGCONT)
+        waited = time.monotonic() - t0
+        assert all(isinstance(o, NatsTimeoutError) for o in outcomes), outcomes
+        # Given up at the silence bound (2 s, loaded machine permitting), not after the 30 s timeout.
+        assert waited < HANG_S / 2
+        again: list[BaseException | None] = []
+
+        async def all_acked() -> bool:
+            again[:] = await publisher.publish_batch(batch)
+            return again == [None] * len(batch)
+
+        await until(all_acked, HANG_S, "the batch to be acked once the leader answers again")
+        stored = await bus.jetstream().stream_info("JOBS", subjects_filter=subject)
+        assert stored.state.messages == len(batch)
+    finally:
+        await pub_nc.close()

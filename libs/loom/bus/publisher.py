@@ -301,7 +301,9 @@ class Publisher:
                 )
             except Exception as exc:  # stalled, or the connection is closed: this one failed
                 sent.append(exc)
-        return SentBatch(spans, sent, self._timeout_s, self._nc, reconnects)
+        clustered = len(self._nc.servers) > 1
+        silent_s = self._cluster_timeout_s if clustered else None
+        return SentBatch(spans, sent, self._timeout_s, self._nc, reconnects, silent_s=silent_s)
 
     async def publish_core(
         self, subject: str, payload: bytes, headers: Mapping[str, str] | None = None
@@ -320,23 +322,32 @@ class SentBatch:
         timeout_s: float,
         nc: Client | None = None,
         reconnects: int = 0,
+        *,
+        silent_s: float | None = None,
     ) -> None:
         self._spans = spans
         self._sent = sent
         self._timeout_s = timeout_s
         self._nc = nc
         self._reconnects = reconnects
+        self._silent_s = silent_s
+        """On a cluster: when not one ack came back this long, the stream is taken to be electing
+        a leader (its replicas drop what they get meanwhile) and the rest count as failed now."""
 
     async def acks(self) -> list[BaseException | None]:
         """Per message, None once the stream acknowledged it, else the error (no ack within the
         timeout counts as one; so does the connection being replaced meanwhile: the acks still
         missing then went to the lost one, and the caller sends those again at once instead of
-        after the timeout); every span ends here."""
+        after the timeout; on a cluster, so does no ack at all within ``silent_s``); every span
+        ends here."""
         waiting: set[asyncio.Future[PubAck]] = {f for f in self._sent if not isinstance(f, BaseException)}
-        deadline = asyncio.get_running_loop().time() + self._timeout_s
+        sent_n = len(waiting)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        silent_until = loop.time() + self._silent_s if self._silent_s is not None else float("inf")
         while waiting:
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
+            left = deadline - loop.time()
+            if left <= 0 or (len(waiting) == sent_n and loop.time() >= silent_until):
                 break
             _, waiting = await asyncio.wait(waiting, timeout=min(left, _RECONNECT_CHECK_S))
             if self._nc is not None and self._nc.stats["reconnects"] != self._reconnects:
