@@ -419,76 +419,64 @@ async def test_a_consumer_starts_while_the_meta_leader_is_being_elected(
     )
 
 
-async def test_a_batch_whose_connection_died_reports_its_acks_lost_at_once(
+async def test_a_batch_on_a_cluster_is_not_held_for_the_ack_timeout_by_a_silent_stream_or_a_dead_node(
     nats_cluster: NatsCluster, bus: Client
 ) -> None:
-    """The outbox sends a batch and awaits its acks; when the node it went to dies, the client
-    reconnects to another and those acks never come. They count as failed as soon as the client is
-    back (the outbox sends them again then), not after the whole ack timeout; sent again under the
-    same ids, each message is stored once."""
-    info = await bus.jetstream().stream_info("JOBS")
-    assert info.cluster is not None and info.cluster.leader
-    pub_nc = await connection_off_the_leader(nats_cluster, info.cluster.leader, "test-batch")
-    victim = node_of(nats_cluster, pub_nc)
-    assert victim.pid is not None
-    publisher = Publisher(pub_nc, timeout_s=HANG_S)
-    subject = s.job_submitted(unique("t"))
-    batch = [Outgoing(subject, b"{}", unique("b"), {}) for _ in range(5)]
-    try:
-        await pub_nc.flush(timeout=2)
-        os.kill(victim.pid, signal.SIGSTOP)  # what is sent now is never answered
-        sent = await publisher.send_batch(batch)
-        os.kill(victim.pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        outcomes = await sent.acks()
-        waited = time.monotonic() - t0
-        assert all(isinstance(o, Exception) for o in outcomes), outcomes
-        # Not one of them waited out the ack timeout.
-        assert not any(isinstance(o, NatsTimeoutError) for o in outcomes), outcomes
-        assert waited < HANG_S
-        again = await publisher.publish_batch(batch)
-        assert again == [None] * len(batch)
-        stored = await bus.jetstream().stream_info("JOBS", subjects_filter=subject)
-        assert stored.state.messages == len(batch)
-    finally:
-        await pub_nc.close()
-    print(f"\nbatch's node {victim.server_name} killed: acks reported lost after {waited:.2f} s")
-
-
-async def test_a_batch_nobody_answers_on_a_cluster_counts_as_failed_after_the_silence_bound(
-    nats_cluster: NatsCluster, bus: Client
-) -> None:
-    """While a stream elects a leader its replicas drop what they get without a word. A batch (the
-    outbox's) whose acks do not start coming within the cluster bound (2 s) counts as failed then,
-    not after the whole ack timeout: a new placement leader flushes the outbox before it starts, and
-    waited 5 s on that. Sent again once the stream answers, each message is stored once."""
+    """The outbox sends batches and awaits their acks. (1) While a stream elects a leader its
+    replicas drop what they get without a word: a batch whose acks do not start coming within the
+    cluster bound (2 s) counts as failed then, not after the whole ack timeout (a new placement
+    leader flushes the outbox before it starts, and waited 5 s on that). (2) When the node a batch
+    went to dies, the client reconnects to another and those acks never come: they count as failed
+    as soon as the client is back. Sent again under the same ids, each message is stored once."""
     info = await bus.jetstream().stream_info("JOBS")
     assert info.cluster is not None and info.cluster.leader
     leader = node_by_name(nats_cluster, info.cluster.leader)
-    pub_nc = await connection_off_the_leader(nats_cluster, info.cluster.leader, "test-silent")
+    pub_nc = await connection_off_the_leader(nats_cluster, info.cluster.leader, "test-batch")
     publisher = Publisher(pub_nc, timeout_s=HANG_S, cluster_timeout_s=2.0)
     subject = s.job_submitted(unique("t"))
-    batch = [Outgoing(subject, b"{}", unique("b"), {}) for _ in range(5)]
+    silent = [Outgoing(subject, b"{}", unique("b"), {}) for _ in range(5)]
     assert leader.pid is not None
     try:
         os.kill(leader.pid, signal.SIGSTOP)  # the stream's leader answers nothing meanwhile
         t0 = time.monotonic()
         try:
-            outcomes = await publisher.publish_batch(batch)
+            outcomes = await publisher.publish_batch(silent)
         finally:
             os.kill(leader.pid, signal.SIGCONT)
-        waited = time.monotonic() - t0
+        waited_silent = time.monotonic() - t0
         assert all(isinstance(o, NatsTimeoutError) for o in outcomes), outcomes
         # Given up at the silence bound (2 s, loaded machine permitting), not after the 30 s timeout.
-        assert waited < HANG_S / 2
+        assert waited_silent < HANG_S / 2
         again: list[BaseException | None] = []
 
         async def all_acked() -> bool:
-            again[:] = await publisher.publish_batch(batch)
-            return again == [None] * len(batch)
+            again[:] = await publisher.publish_batch(silent)
+            return again == [None] * len(silent)
 
         await until(all_acked, HANG_S, "the batch to be acked once the leader answers again")
+
+        victim = node_of(nats_cluster, pub_nc)  # not the stream's leader
+        assert victim.pid is not None
+        lost = [Outgoing(subject, b"{}", unique("b"), {}) for _ in range(5)]
+        await pub_nc.flush(timeout=2)
+        os.kill(victim.pid, signal.SIGSTOP)  # what is sent now is never answered
+        sent = await publisher.send_batch(lost)
+        os.kill(victim.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        outcomes = await sent.acks()
+        waited_dead = time.monotonic() - t0
+        assert all(isinstance(o, Exception) for o in outcomes), outcomes
+        # Not one of them waited out the ack timeout (nor the silence bound: the client was back).
+        assert not any(isinstance(o, NatsTimeoutError) for o in outcomes), outcomes
+        await until(lambda: _acked(publisher, lost), HANG_S, "the lost batch to be acked once sent again")
         stored = await bus.jetstream().stream_info("JOBS", subjects_filter=subject)
-        assert stored.state.messages == len(batch)
+        assert stored.state.messages == len(silent) + len(lost)
     finally:
         await pub_nc.close()
+    print(
+        f"\nsilent stream: failed after {waited_silent:.2f} s; dead node: acks lost after {waited_dead:.2f} s"
+    )
+
+
+async def _acked(publisher: Publisher, batch: list[Outgoing]) -> bool:
+    return await publisher.publish_batch(batch) == [None] * len(batch)
