@@ -58,6 +58,7 @@ from loom.bus.lease import LEASE_BUCKET
 from loom.client import LoomClient
 from loom.model.topology import load_topology
 from loom.runtime import stack
+from loom_benchmarks import nats_elections
 from loom_benchmarks.takeover import p50_max_mean
 from loom_proto import subjects
 from loom_proto.jobs import JobSpec, Resources, Work
@@ -92,6 +93,12 @@ CONTROLS: Final = 3
 CLUSTER_TARGETS: Final = ("stream-leader", "lease-leader", "meta-leader", "follower")
 """Which node of a 3-node NATS cluster a ``nats-node-sigkill`` kills: the JOBS stream's leader, the
 placement leases bucket's leader, the JetStream meta leader, or one leading none of them."""
+PLACEMENT_PATH: Final = (
+    nats_elections.stream_group("JOBS"),
+    nats_elections.consumer_group("JOBS", "placement-submitted"),
+)
+"""The Raft groups a job submitted after a node kill needs before placement sees it: the JOBS stream
+(its publish is acknowledged) and placement's submissions consumer (it is delivered)."""
 CATCH_UP_TIMEOUT_S: Final = 60.0
 """Rounds with no fault at all: what recovery_s measures on a healthy stack (placement's own pace)."""
 
@@ -523,13 +530,48 @@ class Campaign:
             await asyncio.sleep(0.5)
         return False
 
+    async def placement_stall(self, result: dict[str, Any], start: float) -> float | None:
+        """From the fault's start (a node kill: the kill itself, a few look-ups later) until the
+        first placement of a job acknowledged after it."""
+        since = float(result["done"].get("killed_at", start))
+        first = await self.db(
+            "SELECT min(placed_at) AS at FROM jobs WHERE job_id = ANY($1::text[])",
+            [j for j, at in self.acked.items() if at >= since],
+        )
+        placed_at = first[0]["at"] if first else None
+        return round(placed_at.timestamp() - since, 2) if placed_at is not None else None
+
+    def split_stalls(self, results: list[dict[str, Any]]) -> None:
+        """Adds :meth:`election_split` to every node kill's result (the NATS logs are still there)."""
+        events = nats_elections.read_cluster_logs(self.home)
+        for result in results:
+            if result["kind"] == "nats-node-sigkill" and result["done"].get("node"):
+                result.update(self.election_split(result, events))
+
+    @staticmethod
+    def election_split(result: dict[str, Any], events: list[nats_elections.LeaderEvent]) -> dict[str, Any]:
+        """A node kill's placement stall split into the server's part (the Raft elections of the
+        groups a new job needs, JOBS and placement's submissions consumer, that the dead node led,
+        from the nodes' logs) and Loom's part after them; plus every group the node led."""
+        victim, killed_at = result["done"]["node"], float(result["done"]["killed_at"])
+        elections = nats_elections.elections_after(events, victim, killed_at)
+        path = nats_elections.path_election_s(elections, PLACEMENT_PATH)
+        from_kill = result.get("placement_stall_s")  # counted from the kill
+        return {
+            "elections": {
+                g: {"elected_s": e.elected_s, "new_leader": e.new_leader} for g, e in elections.items()
+            },
+            "path_election_s": None if path == float("inf") else round(path, 2),
+            "loom_part_s": None if from_kill is None or path == float("inf") else round(from_kill - path, 2),
+        }
+
     async def inject(self, fault: Fault) -> dict[str, Any]:
         """Apply the fault; returns what was done. Ends when the fault ends (its ``released`` time)."""
         if fault.kind == "nats-node-sigkill":
             name = await self.cluster_node(fault.target)
             pid = self.server_pid(name)
             os.kill(pid, signal.SIGKILL)
-            return {"node": name, "pid": pid}
+            return {"node": name, "pid": pid, "killed_at": time.time()}
         if fault.kind in ("sigkill", "sigstop"):
             name, pid = await self.service_pid(fault)
             if fault.kind == "sigkill":
@@ -865,15 +907,7 @@ class Campaign:
             lo, hi = bounds[i], bounds[i + 1]
             window = [j for j, at in self.acked.items() if lo <= at < hi]
             outcome = await self.jobs_outcome(window)
-            # Placement's stall: from the fault's start until a job acknowledged after it is placed.
-            first = await self.db(
-                "SELECT min(placed_at) AS at FROM jobs WHERE job_id = ANY($1::text[])",
-                [j for j, at in self.acked.items() if at >= lo],
-            )
-            placed_at = first[0]["at"] if first else None
-            result["placement_stall_s"] = (
-                round(placed_at.timestamp() - lo, 2) if placed_at is not None else None
-            )
+            result["placement_stall_s"] = await self.placement_stall(result, lo)
             result["jobs"] = {k: outcome[k] for k in ("acknowledged", "lost", "doubled")} | {
                 "lost_examples": outcome["lost_examples"],
                 "doubled_examples": outcome["doubled_examples"],
@@ -884,6 +918,7 @@ class Campaign:
                 "injected": sum(d["injected"] for d in mine),
                 "not_injected": [d for d in mine if not d["injected"]][:10],
             }
+        self.split_stalls(results)
         return {
             "faults": results,
             "final_jobs": final_jobs,
@@ -919,6 +954,10 @@ def summarize(measured: dict[str, Any], plan: list[Fault]) -> dict[str, Any]:
             g["recovery"].append(f["recovery_s"])
         if f.get("placement_stall_s") is not None:
             g["stall"].append(f["placement_stall_s"])
+        if f.get("path_election_s") is not None:
+            g.setdefault("election", []).append(f["path_election_s"])
+        if f.get("loom_part_s") is not None:
+            g.setdefault("loom_part", []).append(f["loom_part_s"])
         g["lost"] += f["jobs"]["lost"]
         g["doubled"] += f["jobs"]["doubled"]
         for key in ("stuck", "leaked", "overbooked"):
@@ -928,6 +967,10 @@ def summarize(measured: dict[str, Any], plan: list[Fault]) -> dict[str, Any]:
     for g in by_group.values():
         g["recovery_s"] = _stats(g.pop("recovery"))
         g["placement_stall_s"] = _stats(g.pop("stall"))
+        if "election" in g:
+            g["path_election_s"] = _stats(g.pop("election"))
+        if "loom_part" in g:
+            g["loom_part_s"] = _stats(g.pop("loom_part"))
     final_jobs, final_state = measured["final_jobs"], measured["final_state"]
     real = [f for f in faults if f["kind"] != "control"]
     controls = [f for f in faults if f["kind"] == "control"]
@@ -1020,7 +1063,10 @@ def run(
         say("stopping the stack")
         stack.down(home)
         os.environ.update(env_backup)
-        shutil.rmtree(home, ignore_errors=True)
+        if getattr(args, "keep_home", False):
+            say(f"kept the stack's home (logs, NATS stores): {home}")
+        else:
+            shutil.rmtree(home, ignore_errors=True)
     summary = summarize(measured, plan)
     return {
         "benchmark": "chaos",
@@ -1035,8 +1081,16 @@ def run(
         "method": {
             "recovery_s": "from the fault's end (the kill, the SIGCONT, the last message sent) until a job "
             "acknowledged after it is placed in PostgreSQL and every service answers health with status ok",
-            "placement_stall_s": "from the fault's start until the first placement of a job acknowledged "
-            "after the start (placed_at in PostgreSQL): what the fault cost placement, holds included",
+            "placement_stall_s": "from the fault's start (a node kill: the kill) until the first placement "
+            "of a job acknowledged after it (placed_at in PostgreSQL): what the fault cost placement, holds "
+            "included",
+            "path_election_s": "nats-node-sigkill: from the kill until the last of the JOBS stream and "
+            "placement's submissions consumer that the dead node led had a new leader (the nodes' logs); 0 "
+            "when it led neither: the server's Raft election, 4-9 s after the last heartbeat",
+            "loom_part_s": "nats-node-sigkill: placement stall (counted from the kill) minus "
+            "path_election_s: what Loom (clients, placement) adds after the elections",
+            "elections": "nats-node-sigkill: every Raft group the dead node led, seconds until a survivor "
+            "led it",
             "control": f"{CONTROLS} rounds with no fault, measured the same way: the pace of a healthy stack "
             "(control_recovery_s); not counted in faults",
             "lost": "an acknowledged submission with no jobs row, or rejected/cancelled with no rejection "
@@ -1110,6 +1164,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--list", action="store_true", help="print the plan and exit")
     parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    parser.add_argument(
+        "--keep-home", action="store_true", help="keep the stack's temporary home (its logs) after the run"
+    )
 
 
 def print_table(result: dict[str, Any]) -> None:

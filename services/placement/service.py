@@ -423,8 +423,15 @@ class PlacementService:
         self._territory_stats()
         await self.load()
         runners = self._consumers(self.shard)
-        for runner in runners:
-            await runner.start()
+        # Together: on a NATS cluster a consumer whose Raft leader just died cannot be updated
+        # until its group elects another (4-9 s); the others need not wait for it.
+        started = await asyncio.gather(*(runner.start() for runner in runners), return_exceptions=True)
+        failed = [outcome for outcome in started if isinstance(outcome, BaseException)]
+        if failed:
+            for runner, outcome in zip(runners, started, strict=True):
+                if outcome is None:
+                    await runner.stop()
+            raise failed[0]
         # Supervised (loom.runtime.watchdog): a loop that dies is logged, restarted, shown in health.
         watchdog = self.ctx.watchdog
         loops = [watchdog.watch_consumer(runner.spec.durable, runner) for runner in runners]

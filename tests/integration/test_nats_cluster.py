@@ -26,6 +26,7 @@ from waiting import until
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
+from loom.bus.publisher import Outgoing
 from loom.runtime.servers import NatsCluster, NatsServer
 from loom_proto import JobSubmitted, Work
 from loom_proto import subjects as s
@@ -361,3 +362,121 @@ async def test_the_lease_survives_the_death_of_the_node_leading_its_bucket(
     finally:
         await lease.release()
         await lease_nc.close()
+
+
+def meta_leader(cluster: NatsCluster) -> str:
+    for node in cluster.nodes:
+        with urllib.request.urlopen(f"{node.monitor_url}/jsz", timeout=5) as reply:
+            leader = json.loads(reply.read()).get("meta_cluster", {}).get("leader")
+        if leader:
+            return str(leader)
+    raise AssertionError("no node names a JetStream meta leader")
+
+
+async def test_a_consumer_starts_while_the_meta_leader_is_being_elected(
+    nats_cluster: NatsCluster, bus: Client
+) -> None:
+    """A service taking the lead creates or updates its durable consumers, and on a cluster the
+    JetStream meta leader answers that. When its node has just died nobody answers for the 4-9 s
+    of the election: the start rides it out (short tries; a durable consumer that exists is used
+    as it is) instead of failing, which made placement exit and wait for the supervisor's restart."""
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    spec = ConsumerSpec(stream="JOBS", durable=unique("test"), filter_subjects=[subject], ack_wait_s=5.0)
+    received: set[str] = set()
+
+    async def handle(delivery: Delivery[JobSubmitted]) -> None:
+        assert delivery.msg_id is not None
+        received.add(delivery.msg_id)
+
+    first: ConsumerRunner[JobSubmitted] = ConsumerRunner(bus, spec, JobSubmitted, handler=handle)
+    await first.start()  # the durable consumer exists from here on
+    await first.stop()
+    leader = meta_leader(nats_cluster)
+    con_nc = await connection_off_the_leader(nats_cluster, leader, "test-consumer")
+    victim = node_by_name(nats_cluster, leader)
+    assert victim.pid is not None
+    os.kill(victim.pid, signal.SIGKILL)
+    runner: ConsumerRunner[JobSubmitted] = ConsumerRunner(
+        con_nc, spec, JobSubmitted, handler=handle, callback_pull=True, linger_s=0.0
+    )
+    try:
+        await runner.start()  # raised BusError("cannot create consumer ...: nats: timeout") before
+        publisher = Publisher(con_nc)
+        for n in range(5):
+            message = JobSubmitted(job_id=f"job-{n}", tenant=tenant, name="", work=Work(steps=1))
+            await publisher.publish(subject, message, msg_id=f"{tenant}-{n}")
+
+        async def all_received() -> bool:
+            return {f"{tenant}-{n}" for n in range(5)} <= received
+
+        await until(all_received, HANG_S, "the messages published after the kill to be consumed")
+    finally:
+        await runner.stop()
+        await con_nc.close()
+    print(
+        f"\nmeta leader {leader} killed: started without the update {runner.created_without_update} time(s)"
+    )
+
+
+async def test_a_batch_on_a_cluster_is_not_held_for_the_ack_timeout_by_a_silent_stream_or_a_dead_node(
+    nats_cluster: NatsCluster, bus: Client
+) -> None:
+    """The outbox sends batches and awaits their acks. (1) While a stream elects a leader its
+    replicas drop what they get without a word: a batch whose acks do not start coming within the
+    cluster bound (2 s) counts as failed then, not after the whole ack timeout (a new placement
+    leader flushes the outbox before it starts, and waited 5 s on that). (2) When the node a batch
+    went to dies, the client reconnects to another and those acks never come: they count as failed
+    as soon as the client is back. Sent again under the same ids, each message is stored once."""
+    info = await bus.jetstream().stream_info("JOBS")
+    assert info.cluster is not None and info.cluster.leader
+    leader = node_by_name(nats_cluster, info.cluster.leader)
+    pub_nc = await connection_off_the_leader(nats_cluster, info.cluster.leader, "test-batch")
+    publisher = Publisher(pub_nc, timeout_s=HANG_S, cluster_timeout_s=2.0)
+    subject = s.job_submitted(unique("t"))
+    silent = [Outgoing(subject, b"{}", unique("b"), {}) for _ in range(5)]
+    assert leader.pid is not None
+    try:
+        os.kill(leader.pid, signal.SIGSTOP)  # the stream's leader answers nothing meanwhile
+        t0 = time.monotonic()
+        try:
+            outcomes = await publisher.publish_batch(silent)
+        finally:
+            os.kill(leader.pid, signal.SIGCONT)
+        waited_silent = time.monotonic() - t0
+        assert all(isinstance(o, NatsTimeoutError) for o in outcomes), outcomes
+        # Given up at the silence bound (2 s, loaded machine permitting), not after the 30 s timeout.
+        assert waited_silent < HANG_S / 2
+        again: list[BaseException | None] = []
+
+        async def all_acked() -> bool:
+            again[:] = await publisher.publish_batch(silent)
+            return again == [None] * len(silent)
+
+        await until(all_acked, HANG_S, "the batch to be acked once the leader answers again")
+
+        victim = node_of(nats_cluster, pub_nc)  # not the stream's leader
+        assert victim.pid is not None
+        lost = [Outgoing(subject, b"{}", unique("b"), {}) for _ in range(5)]
+        await pub_nc.flush(timeout=2)
+        os.kill(victim.pid, signal.SIGSTOP)  # what is sent now is never answered
+        sent = await publisher.send_batch(lost)
+        os.kill(victim.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        outcomes = await sent.acks()
+        waited_dead = time.monotonic() - t0
+        assert all(isinstance(o, Exception) for o in outcomes), outcomes
+        # Not one of them waited out the ack timeout (nor the silence bound: the client was back).
+        assert not any(isinstance(o, NatsTimeoutError) for o in outcomes), outcomes
+        await until(lambda: _acked(publisher, lost), HANG_S, "the lost batch to be acked once sent again")
+        stored = await bus.jetstream().stream_info("JOBS", subjects_filter=subject)
+        assert stored.state.messages == len(silent) + len(lost)
+    finally:
+        await pub_nc.close()
+    print(
+        f"\nsilent stream: failed after {waited_silent:.2f} s; dead node: acks lost after {waited_dead:.2f} s"
+    )
+
+
+async def _acked(publisher: Publisher, batch: list[Outgoing]) -> bool:
+    return await publisher.publish_batch(batch) == [None] * len(batch)

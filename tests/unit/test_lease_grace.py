@@ -204,3 +204,26 @@ def test_which_errors_say_the_bucket_has_no_leader() -> None:
 def test_a_negative_grace_is_refused() -> None:
     with pytest.raises(LeaseError):
         LeaderLease(None, "s1", "me", grace_s=-1.0)  # type: ignore[arg-type]
+
+
+async def test_a_standby_gives_the_holder_a_head_start_after_a_leaderless_bucket() -> None:
+    """Both ride out the same election: the holder under its grace, a standby polling ``create``
+    (faster than the holder retries, here). When the bucket answers again the key has expired; the
+    holder must re-create it first (a standby winning that race made a needless takeover)."""
+    for _ in range(3):  # the race went either way before; each round must go to the holder
+        kv = ScriptedKV()
+        holder = await leading(kv, grace_s=GRACE_S, confirm=None)
+        token = holder.token
+        standby = LeaderLease(None, "s1", "standby", ttl_s=TTL_S, renew_s=0.1, poll_s=0.01, grace_s=GRACE_S)  # type: ignore[arg-type]
+        standby._kv = kv  # type: ignore[assignment]
+        contender = asyncio.create_task(standby.acquire())
+        await asyncio.sleep(0.1)  # the standby finds the key held
+        await election(kv, nats.errors.NoRespondersError(), hold_s=2.5 * TTL_S)
+        await asyncio.sleep(0.5)
+        assert not holder.lost.is_set() and holder.token == token
+        assert holder.recreated == 1
+        assert not contender.done(), "the standby took the lease from a holder riding the election out"
+        contender.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await contender
+        await holder.release()

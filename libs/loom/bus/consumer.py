@@ -46,9 +46,11 @@ import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import ConnectionReconnectingError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import APIError, NoStreamResponseError
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
@@ -87,6 +89,28 @@ _ATTEMPTS_OFF_S = 30.0
 
 _NOT_OURS_DELAY_S = 0.5
 """Redelivery delay of a message given back because this instance no longer leads."""
+
+
+_CREATE_TRY_TIMEOUT_S = 2.0
+"""One consumer create / info request's timeout while starting (its reply may be lost with a
+connection to a node that died)."""
+_CREATE_RETRY_S = 0.1
+"""Pause between tries of a consumer create that failed transiently."""
+
+
+def _transient_api_error(error: BaseException) -> bool:
+    """Whether a JetStream API request failed for the moment only: no reply, no responders, or a
+    5xx answer (no meta leader; a cluster electing one), or the connection went meanwhile."""
+    if isinstance(error, APIError):
+        return error.code is not None and error.code >= 500
+    return isinstance(
+        error,
+        NatsTimeoutError
+        | TimeoutError
+        | NoRespondersError
+        | NoStreamResponseError
+        | ConnectionReconnectingError,
+    )
 
 
 def _not_ours(error: BaseException) -> bool:
@@ -205,6 +229,7 @@ class ConsumerRunner(Generic[T]):
         callback_pull: bool = False,
         pipeline: int = 1,
         dependencies: Dependencies | None = None,
+        create_wait_s: float = 30.0,
     ) -> None:
         if (handler is None) == (batch_handler is None):
             raise ValueError("give exactly one of handler and batch_handler")
@@ -220,6 +245,9 @@ class ConsumerRunner(Generic[T]):
         self._concurrent = concurrent
         self._callback_pull = callback_pull
         self._pipeline = max(pipeline, 1)
+        self._create_wait_s = create_wait_s
+        self.created_without_update = 0
+        """Starts that found the consumer but could not update it (no JetStream meta leader)."""
         self._arrived: list[Msg] = []
         self._arrival = asyncio.Event()
         self._pull_left = 0
@@ -249,12 +277,7 @@ class ConsumerRunner(Generic[T]):
 
     async def start(self) -> None:
         """Create or update the durable consumer and start the loop in a task."""
-        try:
-            await self._js.add_consumer(self.spec.stream, config=self.spec.config())
-        except Exception as exc:
-            raise BusError(
-                f"cannot create consumer {self.spec.durable} on {self.spec.stream}: {exc}"
-            ) from exc
+        await self._create()
         if self._callback_pull:
             self._inbox = self._nc.new_inbox()
             self._cb_sub = await self._nc.subscribe(self._inbox, cb=self._on_pulled)
@@ -269,6 +292,44 @@ class ConsumerRunner(Generic[T]):
         else:
             self._sub = await self._js.pull_subscribe_bind(durable=self.spec.durable, stream=self.spec.stream)
         self._task = asyncio.create_task(self._run(), name=f"consumer-{self.spec.durable}")
+
+    async def _create(self) -> None:
+        """Create or update the durable consumer, riding out a JetStream meta-leader election.
+
+        On a cluster the request is answered by the meta leader; after its node died nobody answers
+        until the survivors elect another (nats-server waits 4-9 s before a follower campaigns), and
+        a request sent on a connection to the dead node gets no reply at all. Each try has a short
+        timeout and a transient failure is tried again, up to ``create_wait_s``. When the consumer
+        exists already (a durable one survives its node: the consumer's own Raft group answers its
+        info and its pulls), the loop starts on it at once and the update waits for the next start.
+        Anything else (no such stream, a config the server refuses) raises :class:`BusError`.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._create_wait_s
+        while True:
+            try:
+                await self._js.add_consumer(
+                    self.spec.stream, config=self.spec.config(), timeout=_CREATE_TRY_TIMEOUT_S
+                )
+                return
+            except Exception as exc:
+                if not _transient_api_error(exc) or loop.time() >= deadline:
+                    raise BusError(
+                        f"cannot create consumer {self.spec.durable} on {self.spec.stream}: {exc!r}"
+                    ) from exc
+                error = exc
+            with contextlib.suppress(Exception):
+                await self._js.consumer_info(
+                    self.spec.stream, self.spec.durable, timeout=_CREATE_TRY_TIMEOUT_S
+                )
+                log.warning(
+                    "consumer exists; started without updating it (no JetStream meta leader answered)",
+                    consumer=self.spec.durable,
+                    error=repr(error),
+                )
+                self.created_without_update += 1
+                return
+            await asyncio.sleep(_CREATE_RETRY_S)
 
     async def stop(self) -> None:
         """Finish the batch in hand, then stop fetching; unacked messages are redelivered later."""

@@ -32,7 +32,11 @@ The leader of shard ``s`` is whoever holds key ``placement.<s>`` of bucket ``loo
   fence in PostgreSQL refuses every write of ours once a rival has claimed a newer token, and the
   leader's effects on other services go through its fenced outbox. The cost of a wrong guess is
   bounded: at most ``ttl_s + grace_s`` of a leader that believes it leads without a lease, whose
-  writes the fence refuses. A failure of another kind (a closed connection, a bad request) ends
+  writes the fence refuses. A contender with a grace whose last ``create`` found the bucket
+  leaderless reads the key until the bucket answers, and finding it gone waits ``ttl_s / 2``
+  before its ``create``, so the holder riding the election out re-creates its key first (a
+  standby winning that race cost a needless takeover: a state rebuild).
+  A failure of another kind (a closed connection, a bad request) ends
   the grace: the plain ``ttl_s`` applies.
 
 What we learned about nats-py (2.16) and nats-server (2.11+) KV, which shaped this module:
@@ -182,19 +186,35 @@ class LeaderLease:
         # When a create's reply was lost, it may have landed: the key would then hold our value,
         # written no earlier than that create was sent.
         unconfirmed_at: float | None = None
+        after_leaderless = False
         while True:
             sent_at = time.monotonic()
             revision: int | None = None
             try:
                 kv = await self._bucket()
+                if after_leaderless and self.grace_s > 0:
+                    # The holder, if any, is riding the same election out under its grace and
+                    # re-creates its key as soon as the bucket answers: once it answers, give the
+                    # holder that head start, or the first create after the election may be ours
+                    # and cost a needless takeover.
+                    with contextlib.suppress(KeyNotFoundError):
+                        await kv.get(self.key)
+                        after_leaderless = False  # held: poll on as usual
+                        await asyncio.sleep(self.poll_s)
+                        continue
+                    await asyncio.sleep(self.ttl_s / 2)
+                    after_leaderless = False
+                sent_at = time.monotonic()
                 revision = await kv.create(self.key, self._value)
             except WrongRevisionError:
+                after_leaderless = False  # the bucket answers, and someone holds the key
                 if unconfirmed_at is not None:
                     revision = await self._our_revision(kv)
                     sent_at, unconfirmed_at = unconfirmed_at, None
             except _TRANSIENT as exc:
                 log.warning("lease acquire failed", shard=self.shard, holder=self.holder_id, error=str(exc))
                 unconfirmed_at = sent_at if unconfirmed_at is None else unconfirmed_at
+                after_leaderless = is_leaderless(exc)
             if revision is not None:
                 break
             await asyncio.sleep(self.poll_s)  # the holder's key expires on the server's clock

@@ -4,10 +4,13 @@ The id goes in ``Nats-Msg-Id`` so the stream drops a repeat inside its duplicate
 after a timeout (when the first attempt may have landed) never doubles the message.
 
 On a NATS cluster two failures of a node are waited out rather than counted as failed attempts:
-a stream whose leader died answers "no responders" until its surviving replicas elect another
-(nats-server waits 4-9 s, a constant of its Raft code, before a follower campaigns), and a publish
-in flight on a connection to the dead node gets no ack at all; it is sent again, under the same
-id, as soon as the client has reconnected to another node instead of after the full timeout.
+a stream whose leader died answers "no responders", or nothing at all (its followers, and the old
+leader once restarted, take its subjects but drop what arrives), until its replicas elect another
+(nats-server waits 4-9 s, a constant of its Raft code, before a follower campaigns): sends are
+repeated meanwhile with short ack timeouts (see ``Publisher._attempt_timeout_s``), not counted and
+without a growing backoff, so the first one after the election is acked at once. A publish in
+flight on a connection to the dead node gets no ack at all; it is sent again, under the same id,
+as soon as the client has reconnected to another node instead of after the full timeout.
 """
 
 import asyncio
@@ -58,8 +61,23 @@ class Outgoing:
 
 _AWAITING_LEADER = (NoStreamResponseError, ServiceUnavailableError)
 """What a stream answers while it has no leader (also what a subject no stream captures gets)."""
+_AWAITING_LEADER_OR_SILENT = (*_AWAITING_LEADER, NatsTimeoutError, asyncio.TimeoutError)
+"""On a cluster also no answer at all: a stream's followers take its subjects but drop what arrives
+while no leader is elected (they do not answer "no responders"), so a publish then times out."""
+_IN_PROCESS_WAIT_S = 0.1
+"""Pause before resending a publish whose id the server still has in process."""
 _RECONNECT_CHECK_S = 0.05
 """How often a publish waiting for its ack looks whether its connection was lost meanwhile."""
+
+
+_MSG_ID_IN_PROCESS = 10158
+"""nats-server's error code for a publish whose ``Nats-Msg-Id`` an earlier, not yet stored, publish
+holds (``409 duplicate message id is in process``): a resend right after a reconnect or an election
+meets the first send still being replicated."""
+
+
+def _in_process(error: BaseException | None) -> bool:
+    return isinstance(error, APIError) and error.err_code == _MSG_ID_IN_PROCESS
 
 
 class _ConnectionLost(Exception):
@@ -84,6 +102,8 @@ class Publisher:
         max_backoff_s: float = 2.0,
         leader_wait_s: float = 20.0,
         leader_poll_s: float = 0.025,
+        cluster_timeout_s: float = 2.0,
+        leaderless_timeout_s: float = 0.5,
     ) -> None:
         self._nc = nc
         # publish_batch sends whole batches before their acks come back: room for many of them.
@@ -94,8 +114,23 @@ class Publisher:
         self._max_backoff_s = max_backoff_s
         self._leader_wait_s = leader_wait_s
         self._leader_poll_s = leader_poll_s
+        self._cluster_timeout_s = min(cluster_timeout_s, timeout_s)
+        self._leaderless_timeout_s = min(leaderless_timeout_s, timeout_s)
 
-    async def _publish_once(self, subject: str, payload: bytes, headers: dict[str, str]) -> PubAck:
+    def _attempt_timeout_s(self, *, clustered: bool, awaiting_leader: bool) -> float:
+        """How long one send waits for its ack. On a cluster a send can go unanswered because the
+        stream is electing a leader (its followers, the restarted old leader among them, take its
+        subjects but drop what arrives meanwhile, answering nothing): the first send waits
+        ``cluster_timeout_s``, and once one went unanswered the next ones ``leaderless_timeout_s``
+        each, so the first send after the election is acked at once. Resending is safe: the same
+        ``Nats-Msg-Id`` is stored once."""
+        if not clustered:
+            return self._timeout_s
+        return self._leaderless_timeout_s if awaiting_leader else self._cluster_timeout_s
+
+    async def _publish_once(
+        self, subject: str, payload: bytes, headers: dict[str, str], timeout_s: float | None = None
+    ) -> PubAck:
         """One publish and its ack; :class:`_ConnectionLost` when the connection drops meanwhile.
 
         nats.py leaves a request pending across a reconnect although its reply, if any, went to the
@@ -103,7 +138,7 @@ class Publisher:
         """
         reconnects = self._nc.stats["reconnects"]
         request = asyncio.ensure_future(
-            self._js.publish(subject, payload, timeout=self._timeout_s, headers=headers)
+            self._js.publish(subject, payload, timeout=timeout_s or self._timeout_s, headers=headers)
         )
         try:
             while True:
@@ -168,7 +203,14 @@ class Publisher:
             clustered = len(self._nc.servers) > 1
             while attempt < self._attempts:
                 try:
-                    ack = await self._publish_once(subject, payload, all_headers)
+                    ack = await self._publish_once(
+                        subject,
+                        payload,
+                        all_headers,
+                        self._attempt_timeout_s(
+                            clustered=clustered, awaiting_leader=awaiting_leader_since is not None
+                        ),
+                    )
                 except _ConnectionLost as exc:
                     # The client is connected again (to another node): send again at once.
                     last_error = exc
@@ -178,8 +220,10 @@ class Publisher:
                 except _RETRYABLE as exc:
                     last_error = exc
                 except APIError as exc:
-                    # 503 and similar are transient; anything else (e.g. no stream) will not heal.
-                    if exc.code is not None and exc.code >= 500:
+                    # 503 and similar are transient, and so is "duplicate message id is in process"
+                    # (an earlier send of this id is being stored: the next one gets its ack as a
+                    # duplicate); anything else (e.g. no stream) will not heal.
+                    if (exc.code is not None and exc.code >= 500) or exc.err_code == _MSG_ID_IN_PROCESS:
                         last_error = exc
                     else:
                         span.record_exception(exc)
@@ -190,11 +234,16 @@ class Publisher:
                     span.set_attribute("messaging.nats.duplicate", bool(ack.duplicate))
                     span.set_attribute("messaging.nats.stream_sequence", ack.seq)
                     return ack
-                if clustered and isinstance(last_error, _AWAITING_LEADER):
+                if _in_process(last_error) or (
+                    clustered and isinstance(last_error, _AWAITING_LEADER_OR_SILENT)
+                ):
                     now = time.monotonic()
                     awaiting_leader_since = awaiting_leader_since or now
                     if now - awaiting_leader_since < self._leader_wait_s:
-                        await asyncio.sleep(self._leader_poll_s)
+                        # An id in process: the first send is being stored; give it a moment.
+                        await asyncio.sleep(
+                            _IN_PROCESS_WAIT_S if _in_process(last_error) else self._leader_poll_s
+                        )
                         continue
                 attempt += 1
                 span.add_event("retry", {"attempt": attempt, "error": repr(last_error)})
@@ -224,6 +273,7 @@ class Publisher:
         # then writes each message with a system call of its own. With room for the whole batch
         # (nothing can take it in between: nothing here yields), no stall timeout is needed, so
         # the batch is written at once and goes out in one write.
+        reconnects = self._nc.stats["reconnects"]
         room = getattr(self._js, "_publish_async_pending_semaphore", None)
         free = 0 if room is None or room.locked() else int(getattr(room, "_value", 0))
         for m in messages:
@@ -251,7 +301,9 @@ class Publisher:
                 )
             except Exception as exc:  # stalled, or the connection is closed: this one failed
                 sent.append(exc)
-        return SentBatch(spans, sent, self._timeout_s)
+        clustered = len(self._nc.servers) > 1
+        silent_s = self._cluster_timeout_s if clustered else None
+        return SentBatch(spans, sent, self._timeout_s, self._nc, reconnects, silent_s=silent_s)
 
     async def publish_core(
         self, subject: str, payload: bytes, headers: Mapping[str, str] | None = None
@@ -264,18 +316,45 @@ class SentBatch:
     """Messages :meth:`Publisher.send_batch` sent, their acks still to come."""
 
     def __init__(
-        self, spans: list[trace.Span], sent: list[asyncio.Future[PubAck] | BaseException], timeout_s: float
+        self,
+        spans: list[trace.Span],
+        sent: list[asyncio.Future[PubAck] | BaseException],
+        timeout_s: float,
+        nc: Client | None = None,
+        reconnects: int = 0,
+        *,
+        silent_s: float | None = None,
     ) -> None:
         self._spans = spans
         self._sent = sent
         self._timeout_s = timeout_s
+        self._nc = nc
+        self._reconnects = reconnects
+        self._silent_s = silent_s
+        """On a cluster: when not one ack came back this long, the stream is taken to be electing
+        a leader (its replicas drop what they get meanwhile) and the rest count as failed now."""
 
     async def acks(self) -> list[BaseException | None]:
         """Per message, None once the stream acknowledged it, else the error (no ack within the
-        timeout counts as one); every span ends here."""
-        waiting = [f for f in self._sent if isinstance(f, asyncio.Future)]
-        if waiting:
-            await asyncio.wait(waiting, timeout=self._timeout_s)
+        timeout counts as one; so does the connection being replaced meanwhile: the acks still
+        missing then went to the lost one, and the caller sends those again at once instead of
+        after the timeout; on a cluster, so does no ack at all within ``silent_s``); every span
+        ends here."""
+        waiting: set[asyncio.Future[PubAck]] = {f for f in self._sent if not isinstance(f, BaseException)}
+        sent_n = len(waiting)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout_s
+        silent_until = loop.time() + self._silent_s if self._silent_s is not None else float("inf")
+        while waiting:
+            left = deadline - loop.time()
+            if left <= 0 or (len(waiting) == sent_n and loop.time() >= silent_until):
+                break
+            _, waiting = await asyncio.wait(waiting, timeout=min(left, _RECONNECT_CHECK_S))
+            if self._nc is not None and self._nc.stats["reconnects"] != self._reconnects:
+                for lost in waiting:
+                    if not lost.done():
+                        lost.set_exception(_ConnectionLost())
+                break
         outcomes: list[BaseException | None] = []
         for span, f in zip(self._spans, self._sent, strict=True):
             error: BaseException | None
