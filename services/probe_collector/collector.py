@@ -78,6 +78,13 @@ class CollectorConfig:
     """How often to ask again for a peer's endpoints while none answers."""
     rediscover_after_s: float = 10.0
     """Every probe lost for this long: ask again where the peer's endpoints are (an agent restarted)."""
+    shift_ratio: float = 2.0
+    """A round closes early, and its sample goes out at once, when its last ``shift_probes``
+    answers are all at least this many times (or at most the inverse of) the last sample's RTT
+    and agree with each other (see :func:`shift_in_round`): a level shift is reported after
+    that many probes, not after a round that also holds probes from before it."""
+    shift_probes: int = 3
+    """Answers that make a shift within a round (a majority of a round: one spike never does)."""
 
 
 class EmulatorRequest:
@@ -119,6 +126,30 @@ def round_sample(src: str, dst: str, results: Sequence[ProbeResult]) -> ProbeSam
     )
 
 
+SHIFT_SPREAD = 0.35
+"""Answers that make a shift agree: each within this fraction of their median's distance from the
+reference (the same consistency the outlier filter asks of a level shift)."""
+
+
+def shift_in_round(
+    results: Sequence[ProbeResult], reference_ms: float | None, ratio: float, probes: int
+) -> bool:
+    """The last ``probes`` results of a round are all answers, all ``ratio`` times the reference
+    or more (or all at most its inverse), and agree with each other: a level shift in progress."""
+    if reference_ms is None or reference_ms <= 0 or ratio <= 1.0 or probes < 2 or len(results) < probes:
+        return False
+    rtts = [r.rtt_ms for r in results[-probes:]]
+    values = sorted(v for v in rtts if v is not None)
+    if len(values) < probes:
+        return False
+    high = all(v >= ratio * reference_ms for v in values)
+    low = all(v * ratio <= reference_ms for v in values)
+    if not (high or low):
+        return False
+    centre = values[len(values) // 2]
+    return max(centre - values[0], values[-1] - centre) <= SHIFT_SPREAD * abs(centre - reference_ms)
+
+
 def degraded(
     base_forward: LinkParams, base_reverse: LinkParams, request: EmulatorRequest, bandwidth_scale: float
 ) -> tuple[LinkParams, LinkParams]:
@@ -157,6 +188,11 @@ class PeerLink:
         self.udp_relay: UdpRelay | None = None
         self.tcp_relay: TcpRelay | None = None
         self.srtt_ms: float | None = None
+        self.last_rtt_ms: float | None = None
+        """The RTT of the last round sample (what a shift within a round is measured against)."""
+        self.short_round = False
+        """The last round closed on a shift: the next one closes after ``shift_probes`` answers
+        too, so the second sample at the new level follows quickly."""
         self.last_answer_at = 0.0
         self.seq = 0
 
@@ -205,6 +241,8 @@ class ProbeCollector:
         self.links: dict[str, PeerLink] = {}
         self.probing: dict[str, UdpProber] = {}
         self._ticked = asyncio.Event()
+        self._urgent = asyncio.Event()
+        """Set when a sample showing a level shift is queued: the batch goes out at once."""
         """Set by each send tick: the samples completed since the last one go out together."""
         """The probers of the links being probed now (their peer found), by peer region."""
         for peer in sorted(r.id for r in topology.regions):
@@ -224,6 +262,7 @@ class ProbeCollector:
             "probes_lost": 0,
             "samples_published": 0,
             "samples_dropped_queue_full": 0,
+            "shift_rounds": 0,
             "publish_failures": 0,
             "bulk_probes": 0,
             "bulk_bytes": 0,
@@ -370,9 +409,21 @@ class ProbeCollector:
                 srtt = link.srtt_ms
                 link.srtt_ms = result.rtt_ms if srtt is None else srtt + _SRTT_GAIN * (result.rtt_ms - srtt)
             round_.append(result)
-            if len(round_) >= max(self.config.probes_per_period, 1):
-                self._enqueue(round_sample(link.src, link.dst, round_))
-                round_ = []
+            config = self.config
+            full = len(round_) >= max(config.probes_per_period, 1)
+            # A round also closes once a majority of probes shows a level shift (against the last
+            # sample), and the round after it once as many answers are in: two samples at the new
+            # level sooner, each still a median of several probes.
+            shift = shift_in_round(round_, link.last_rtt_ms, config.shift_ratio, config.shift_probes)
+            follow = link.short_round and len(round_) >= config.shift_probes
+            if not (full or shift or follow):
+                return
+            sample = round_sample(link.src, link.dst, round_)
+            link.short_round = shift
+            if sample.rtt_ms is not None:
+                link.last_rtt_ms = sample.rtt_ms
+            self._enqueue(sample, urgent=shift or follow)
+            round_ = []
 
         return on_result
 
@@ -422,11 +473,15 @@ class ProbeCollector:
         self._enqueue(sample)
         return sample
 
-    def _enqueue(self, sample: ProbeSample) -> None:
+    def _enqueue(self, sample: ProbeSample, *, urgent: bool = False) -> None:
         try:
             self.samples.put_nowait(sample)
         except asyncio.QueueFull:
             self.counts["samples_dropped_queue_full"] += 1
+            return
+        if urgent:
+            self.counts["shift_rounds"] += 1
+            self._urgent.set()  # a shift goes out now, not at the next send tick
 
     async def _publish_loop(self) -> None:
         # The samples completed since the last send tick go out together at the next one (at most
@@ -434,8 +489,14 @@ class ProbeCollector:
         # whose acks come back together instead of one wake-up each.
         while True:
             batch = [await self.samples.get()]
-            self._ticked.clear()
-            await self._ticked.wait()
+            if not self._urgent.is_set():
+                self._ticked.clear()
+                ticked = asyncio.ensure_future(self._ticked.wait())
+                urgent = asyncio.ensure_future(self._urgent.wait())
+                await asyncio.wait((ticked, urgent), return_when=asyncio.FIRST_COMPLETED)
+                ticked.cancel()
+                urgent.cancel()
+            self._urgent.clear()
             while not self.samples.empty():
                 batch.append(self.samples.get_nowait())
             await asyncio.gather(*(self._publish(sample) for sample in batch))

@@ -8,7 +8,9 @@ they are all admitted, the estimator re-centres on them, and :attr:`OutlierFilte
 records when, so the caller can restart its short window there and see the new level at once.
 Suspects must also agree with each other (spread within ``consistency`` of their distance
 from the old level): a run of unrelated spikes is not a new level; its oldest is dropped and
-the filter keeps waiting.
+the filter keeps waiting. A *large* shift (suspects at least ``large_ratio`` times, or at most
+``1 / large_ratio`` of, the smoothed RTT) is confirmed after ``confirm_large`` suspects: a link
+whose RTT doubles is seen a sample sooner, while one lone sample, however far off, never is.
 """
 
 from dataclasses import dataclass, field
@@ -31,6 +33,11 @@ class OutlierConfig:
     """... nor narrower than this fraction of the smoothed RTT."""
     confirm_after: int = 3
     """Consecutive suspects on the same side that make a level shift."""
+    confirm_large: int = 2
+    """... or this many, when every one of them is a *large* departure (see ``large_ratio``);
+    never below 2, so a single sample cannot shift the level."""
+    large_ratio: float = 2.0
+    """A suspect at least this many times the smoothed RTT (or at most its inverse) is large."""
     consistency: float = 0.35
     """Suspects make a level shift only if none is further from their median than this fraction
     of the median's distance from the smoothed RTT."""
@@ -49,6 +56,10 @@ class OutlierFilter:
     rttvar_ms: float = 0.0
     shift_at: float | None = None
     """Arrival time of the first sample of the last confirmed level shift."""
+    shift_samples: int = 0
+    """How many samples the last confirmed level shift admitted at once."""
+    shifts: int = 0
+    """Level shifts confirmed so far."""
     _suspects: Admitted = field(default_factory=list)
     _suspect_high: bool = False
 
@@ -77,7 +88,10 @@ class OutlierFilter:
             suspects.clear()
         suspects.append((t, rtt_ms))
         self._suspect_high = high
-        if len(suspects) < config.confirm_after:
+        needed = config.confirm_after
+        if len(suspects) >= max(config.confirm_large, 2) and _all_large(suspects, srtt, config.large_ratio):
+            needed = max(config.confirm_large, 2)
+        if len(suspects) < needed:
             return [], dropped
         values = sorted(value for _, value in suspects)
         centre = values[len(values) // 2]
@@ -87,6 +101,16 @@ class OutlierFilter:
         self.srtt_ms = centre
         self.rttvar_ms = max(sum(abs(v - centre) for v in values) / len(values), centre * 0.01)
         self.shift_at = suspects[0][0]
+        self.shift_samples = len(suspects)
+        self.shifts += 1
         admitted = list(suspects)
         suspects.clear()
         return admitted, dropped
+
+
+def _all_large(suspects: Admitted, srtt: float, ratio: float) -> bool:
+    """Every suspect is at least ``ratio`` times ``srtt``, or every one at most its inverse."""
+    if srtt <= 0 or ratio <= 1.0:
+        return False
+    values = [value for _, value in suspects]
+    return all(v >= ratio * srtt for v in values) or all(v * ratio <= srtt for v in values)

@@ -5,7 +5,8 @@ directed link, the link-state graph and the path selector. The service feeds it:
 
 * ``ingest(sample, now)`` for every probe sample (O(1); refused samples counted by reason),
 * ``tick(now)`` once per probe period (re-evaluates every link, updates the graph, returns the
-  degraded / recovered events to publish),
+  degraded / recovered events to publish), and ``evaluate_shifted(now)`` after a batch of
+  samples (only the links whose filter just confirmed a level shift: a step is seen at once),
 * ``observe_transfer(...)`` when a job reports a transfer's throughput,
 
 and answers ``point`` (a link or a region: now and forecast) and ``path`` (least-cost path with
@@ -184,6 +185,22 @@ class Perception:
             if event is not None:
                 events.append(event)
             graph.update(tracker.view(now))
+        return events
+
+    def shifted(self) -> list[tuple[str, str]]:
+        """Links whose outlier filter confirmed a level shift since their last evaluation."""
+        return [key for key in sorted(self.links) if self.links[key].shift_pending]
+
+    def evaluate_shifted(self, now: float) -> list[LinkEvent]:
+        """Evaluate now only the links with a newly confirmed level shift (event-driven, between
+        periods: a step is reported on the sample that confirms it); their events, in link order."""
+        events = []
+        for key in self.shifted():
+            tracker = self.links[key]
+            event = tracker.evaluate(now)
+            if event is not None:
+                events.append(event)
+            self.graph.update(tracker.view(now))
         return events
 
     # ---- queries -------------------------------------------------------------------------------
