@@ -150,6 +150,44 @@ def shift_in_round(
     return max(centre - values[0], values[-1] - centre) <= SHIFT_SPREAD * abs(centre - reference_ms)
 
 
+class RoundBuilder:
+    """Groups a link's probe results into rounds, one sample each (:func:`round_sample`).
+
+    A round is ``probes`` results; it also closes once its last ``shift_probes`` answers show a
+    level shift against the last sample's RTT (:func:`shift_in_round`), and the round after such
+    a one closes after ``shift_probes`` answers too: two samples at the new level sooner, each
+    still the median of several probes. Such samples are *urgent* (published at once)."""
+
+    def __init__(self, src: str, dst: str, probes: int, shift_ratio: float, shift_probes: int) -> None:
+        self.src, self.dst = src, dst
+        self.probes = max(probes, 1)
+        self.shift_ratio = shift_ratio
+        self.shift_probes = shift_probes
+        self.results: list[ProbeResult] = []
+        self.last_rtt_ms: float | None = None
+        """The RTT of the last round's sample (what a shift within a round is measured against)."""
+        self.short_round = False
+        """The last round closed on a shift."""
+
+    def add(self, result: ProbeResult) -> tuple[ProbeSample, bool] | None:
+        """Add one result; the round's sample and whether it is urgent, when the round closes."""
+        results = self.results
+        results.append(result)
+        full = len(results) >= self.probes
+        shift = self.shift_probes >= 2 and shift_in_round(
+            results, self.last_rtt_ms, self.shift_ratio, self.shift_probes
+        )
+        follow = self.short_round and len(results) >= self.shift_probes
+        if not (full or shift or follow):
+            return None
+        sample = round_sample(self.src, self.dst, results)
+        self.results = []
+        self.short_round = shift
+        if sample.rtt_ms is not None:
+            self.last_rtt_ms = sample.rtt_ms
+        return sample, shift or follow
+
+
 def degraded(
     base_forward: LinkParams, base_reverse: LinkParams, request: EmulatorRequest, bandwidth_scale: float
 ) -> tuple[LinkParams, LinkParams]:
@@ -188,11 +226,6 @@ class PeerLink:
         self.udp_relay: UdpRelay | None = None
         self.tcp_relay: TcpRelay | None = None
         self.srtt_ms: float | None = None
-        self.last_rtt_ms: float | None = None
-        """The RTT of the last round sample (what a shift within a round is measured against)."""
-        self.short_round = False
-        """The last round closed on a shift: the next one closes after ``shift_probes`` answers
-        too, so the second sample at the new level follows quickly."""
         self.last_answer_at = 0.0
         self.seq = 0
 
@@ -396,10 +429,15 @@ class ProbeCollector:
         # One sample per round of ``probes_per_period`` probes (median RTT, the round's jitter and
         # loss): a fifth of the messages of one sample per probe, and a single spike in a round does
         # not move the RTT. Called by the prober as each result completes (no task per link).
-        round_: list[ProbeResult] = []
+        rounds = RoundBuilder(
+            link.src,
+            link.dst,
+            self.config.probes_per_period,
+            self.config.shift_ratio,
+            self.config.shift_probes,
+        )
 
         def on_result(result: ProbeResult) -> None:
-            nonlocal round_
             if link.dst not in self.probing:
                 return  # the prober is closing: its outstanding probes are not the link's losses
             if result.rtt_ms is None:
@@ -408,22 +446,10 @@ class ProbeCollector:
                 link.last_answer_at = time.monotonic()
                 srtt = link.srtt_ms
                 link.srtt_ms = result.rtt_ms if srtt is None else srtt + _SRTT_GAIN * (result.rtt_ms - srtt)
-            round_.append(result)
-            config = self.config
-            full = len(round_) >= max(config.probes_per_period, 1)
-            # A round also closes once a majority of probes shows a level shift (against the last
-            # sample), and the round after it once as many answers are in: two samples at the new
-            # level sooner, each still a median of several probes.
-            shift = shift_in_round(round_, link.last_rtt_ms, config.shift_ratio, config.shift_probes)
-            follow = link.short_round and len(round_) >= config.shift_probes
-            if not (full or shift or follow):
-                return
-            sample = round_sample(link.src, link.dst, round_)
-            link.short_round = shift
-            if sample.rtt_ms is not None:
-                link.last_rtt_ms = sample.rtt_ms
-            self._enqueue(sample, urgent=shift or follow)
-            round_ = []
+            done = rounds.add(result)
+            if done is not None:
+                sample, urgent = done
+                self._enqueue(sample, urgent=urgent)
 
         return on_result
 
