@@ -13,8 +13,8 @@ confirms a shift), then the migration service's ``review_delay_s`` and a what-if
   → degraded event, → decision.
 * **false positives**: every measured link of ``wan/region_rtt_ms.csv`` (min/avg/max/mdev of
   real pings) for ``periods`` periods: RTT ~ N(avg, mdev) clipped to [min, max], plus 1 % (and
-  10 %, a harsh case) of probes spiking 2-5x (the noise model of ``loom bench net``); the truth never degrades, so
-  every degraded event (and every confirmed level shift) is a false positive.
+  10 %, a harsh case) of probes spiking 2-5x (the noise model of ``loom bench net``); the truth
+  never degrades, so every degraded event (and every confirmed level shift) is a false positive.
 
 ``before`` is the chain as it was (rounds of 5 only, 3 suspects for any shift, evaluation at
 the tick, review 0.3 s); ``after`` the current defaults.
@@ -70,7 +70,7 @@ def _perception(chain: Chain, rtt_ms: float, mdev_ms: float) -> Perception:
     return Perception(["a", "b"], expected={("a", "b"): Expected(rtt_ms, mdev_ms)}, link_config=config)
 
 
-def _simulate(
+def _simulate(  # noqa: PLR0912 (one event loop, its branches are the stages)
     chain: Chain,
     rng: random.Random,
     *,
