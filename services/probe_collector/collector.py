@@ -155,8 +155,9 @@ class RoundBuilder:
 
     A round is ``probes`` results; it also closes once its last ``shift_probes`` answers show a
     level shift against the last sample's RTT (:func:`shift_in_round`), and the round after such
-    a one closes after ``shift_probes`` answers too: two samples at the new level sooner, each
-    still the median of several probes. Such samples are *urgent* (published at once)."""
+    a one closes after ``shift_probes`` answers too if they again show the shift (against the
+    level before it): two samples at the new level sooner, each still the median of several
+    probes. Such samples are *urgent* (published at once)."""
 
     def __init__(self, src: str, dst: str, probes: int, shift_ratio: float, shift_probes: int) -> None:
         self.src, self.dst = src, dst
@@ -168,6 +169,8 @@ class RoundBuilder:
         """The RTT of the last round's sample (what a shift within a round is measured against)."""
         self.short_round = False
         """The last round closed on a shift."""
+        self.before_shift_ms: float | None = None
+        """The last sample's RTT before that shift."""
 
     def add(self, result: ProbeResult) -> tuple[ProbeSample, bool] | None:
         """Add one result; the round's sample and whether it is urgent, when the round closes."""
@@ -177,12 +180,21 @@ class RoundBuilder:
         shift = self.shift_probes >= 2 and shift_in_round(
             results, self.last_rtt_ms, self.shift_ratio, self.shift_probes
         )
-        follow = self.short_round and len(results) >= self.shift_probes
+        # The round after a shift closes early only if the shift goes on: its answers again all
+        # far from the level before it (and agreeing), so two early samples are 2 x shift_probes
+        # answers in a row, never one burst and whatever follows it.
+        follow = self.short_round and shift_in_round(
+            results, self.before_shift_ms, self.shift_ratio, self.shift_probes
+        )
+        if follow:
+            shift = False
         if not (full or shift or follow):
             return None
         sample = round_sample(self.src, self.dst, results)
         self.results = []
         self.short_round = shift
+        if shift:
+            self.before_shift_ms = self.last_rtt_ms
         if sample.rtt_ms is not None:
             self.last_rtt_ms = sample.rtt_ms
         return sample, shift or follow

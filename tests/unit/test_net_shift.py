@@ -89,3 +89,30 @@ def test_one_sample_at_five_times_never_degrades_a_link_two_do_at_once() -> None
             degraded.extend(e for e in perception.evaluate_shifted(T0 + now) if e.kind == "degraded")
     assert [e.kind for e in degraded] == ["degraded"]
     assert degraded[0].rtt_ms > 2.0 * degraded[0].baseline_rtt_ms
+
+
+def test_the_round_after_a_shift_closes_early_only_if_the_shift_goes_on() -> None:
+    rounds = RoundBuilder("a", "b", 5, 2.0, 3)
+    _feed(rounds, [100.0] * 5)
+    # A burst of three high answers closes a round; the next three are back at the old level (a
+    # shift down against the burst, closed early too): one high sample, never two.
+    samples = _feed(rounds, [500.0, 505.0, 498.0, 100.0, 101.0, 99.0], 5)
+    assert samples == [(500.0, 3, True), (100.0, 3, True)]
+    # Three high answers, then two normal ones: the round after the early one does not close on
+    # three answers that do not continue the shift; it runs its five probes.
+    rounds = RoundBuilder("a", "b", 5, 2.0, 3)
+    _feed(rounds, [100.0] * 5)
+    samples = _feed(rounds, [500.0, 505.0, 498.0, 500.0, 100.0, 100.0, 500.0, 100.0], 5)
+    assert samples == [(500.0, 3, True), (100.0, 5, False)]
+
+
+def test_two_large_suspects_that_spread_wait_for_a_third() -> None:
+    from loom.net.outliers import OutlierFilter
+
+    flt = OutlierFilter()
+    for i in range(20):
+        flt.offer(T0 + i, 100.0)
+    assert flt.offer(T0 + 20, 380.0) == ([], 0)
+    assert flt.offer(T0 + 21, 450.0) == ([], 0)  # both large, but 70 ms apart: not one level yet
+    admitted, _ = flt.offer(T0 + 22, 430.0)
+    assert [v for _, v in admitted] == [380.0, 450.0, 430.0]

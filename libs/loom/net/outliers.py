@@ -38,6 +38,9 @@ class OutlierConfig:
     never below 2, so a single sample cannot shift the level."""
     large_ratio: float = 2.0
     """A suspect at least this many times the smoothed RTT (or at most its inverse) is large."""
+    large_consistency: float = 0.15
+    """... and the ``confirm_large`` suspects must agree this closely (as ``consistency``): a
+    step is one level, a run of spikes is spread over their range."""
     consistency: float = 0.35
     """Suspects make a level shift only if none is further from their median than this fraction
     of the median's distance from the smoothed RTT."""
@@ -89,7 +92,11 @@ class OutlierFilter:
         suspects.append((t, rtt_ms))
         self._suspect_high = high
         needed = config.confirm_after
-        if len(suspects) >= max(config.confirm_large, 2) and _all_large(suspects, srtt, config.large_ratio):
+        if (
+            len(suspects) >= max(config.confirm_large, 2)
+            and _all_large(suspects, srtt, config.large_ratio)
+            and _agree(suspects, srtt, config.large_consistency)
+        ):
             needed = max(config.confirm_large, 2)
         if len(suspects) < needed:
             return [], dropped
@@ -114,3 +121,10 @@ def _all_large(suspects: Admitted, srtt: float, ratio: float) -> bool:
         return False
     values = [value for _, value in suspects]
     return all(v >= ratio * srtt for v in values) or all(v * ratio <= srtt for v in values)
+
+
+def _agree(suspects: Admitted, srtt: float, consistency: float) -> bool:
+    """No suspect is further from their median than ``consistency`` of its distance from ``srtt``."""
+    values = sorted(value for _, value in suspects)
+    centre = values[len(values) // 2]
+    return max(centre - values[0], values[-1] - centre) <= consistency * abs(centre - srtt)
