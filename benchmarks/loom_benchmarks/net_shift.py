@@ -118,10 +118,11 @@ def _simulate(  # noqa: PLR0912 (one event loop, its branches are the stages)
         if at > end:
             break
         if kind == "result":
-            done = rounds.add(what)
-            if done is not None:
-                sample, urgent = done
-                publish = at if urgent else (int(at / interval) + 1) * interval  # next send tick
+            closed = rounds.add(what)
+            # Queued samples go out at the next send tick, or at once with an urgent one.
+            urgent = any(u for _, u in closed)
+            publish = at if urgent else (int(at / interval) + 1) * interval
+            for sample, _ in closed:
                 push(publish + linger, "ingest", sample)
         elif kind == "ingest":
             if (

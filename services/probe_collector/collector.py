@@ -172,8 +172,10 @@ class RoundBuilder:
         self.before_shift_ms: float | None = None
         """The last sample's RTT before that shift."""
 
-    def add(self, result: ProbeResult) -> tuple[ProbeSample, bool] | None:
-        """Add one result; the round's sample and whether it is urgent, when the round closes."""
+    def add(self, result: ProbeResult) -> list[tuple[ProbeSample, bool]]:
+        """Add one result; the samples of the rounds it closes, each with whether it is urgent
+        (a round that closes on a shift goes out as two: the answers before the shift, then the
+        ``shift_probes`` answers that show it, so that their jitter is the new level's)."""
         results = self.results
         results.append(result)
         full = len(results) >= self.probes
@@ -189,15 +191,20 @@ class RoundBuilder:
         if follow:
             shift = False
         if not (full or shift or follow):
-            return None
+            return []
+        out = []
+        if shift and len(results) > self.shift_probes:
+            out.append((round_sample(self.src, self.dst, results[: -self.shift_probes]), False))
+            results = results[-self.shift_probes :]
         sample = round_sample(self.src, self.dst, results)
+        out.append((sample, shift or follow))
         self.results = []
         self.short_round = shift
         if shift:
             self.before_shift_ms = self.last_rtt_ms
         if sample.rtt_ms is not None:
             self.last_rtt_ms = sample.rtt_ms
-        return sample, shift or follow
+        return out
 
 
 def degraded(
@@ -458,9 +465,7 @@ class ProbeCollector:
                 link.last_answer_at = time.monotonic()
                 srtt = link.srtt_ms
                 link.srtt_ms = result.rtt_ms if srtt is None else srtt + _SRTT_GAIN * (result.rtt_ms - srtt)
-            done = rounds.add(result)
-            if done is not None:
-                sample, urgent = done
+            for sample, urgent in rounds.add(result):
                 self._enqueue(sample, urgent=urgent)
 
         return on_result

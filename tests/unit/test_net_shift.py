@@ -18,9 +18,7 @@ def _feed(
 ) -> list[tuple[float | None, int, bool]]:
     out = []
     for result in _results(rtts, start):
-        done = rounds.add(result)
-        if done is not None:
-            sample, urgent = done
+        for sample, urgent in rounds.add(result):
             out.append((sample.rtt_ms, sample.sent, urgent))
     return out
 
@@ -29,9 +27,10 @@ def test_rounds_close_early_on_a_shift_and_once_more_after_it() -> None:
     rounds = RoundBuilder("a", "b", 5, 2.0, 3)
     assert _feed(rounds, [100.0, 101.0, 99.0, 100.0, 102.0]) == [(100.0, 5, False)]
     # Two probes before the change, then five times the RTT: the round closes on the third high
-    # answer, the next after three answers, then rounds of five again.
+    # answer, as two samples (the two answers before the shift, the three that show it), the
+    # next round after three answers, then rounds of five again.
     samples = _feed(rounds, [100.0, 101.0, 500.0, 505.0, 498.0, 502.0, 499.0, 501.0, *[500.0] * 5], 5)
-    assert samples == [(498.0, 5, True), (501.0, 3, True), (500.0, 5, False)]
+    assert samples == [(100.5, 2, False), (500.0, 3, True), (501.0, 3, True), (500.0, 5, False)]
 
 
 def test_one_spike_or_unrelated_spikes_do_not_close_a_round() -> None:
@@ -64,9 +63,8 @@ def test_one_sample_at_five_times_never_degrades_a_link_two_do_at_once() -> None
         for rtt in rtts:
             now += 0.2
             seq += 1
-            done = rounds.add(_sample(now, rtt, seq))
-            if done is not None:
-                perception.ingest(done[0], T0 + now)
+            for sample, _ in rounds.add(_sample(now, rtt, seq)):
+                perception.ingest(sample, T0 + now)
                 degraded.extend(e for e in perception.evaluate_shifted(T0 + now) if e.kind == "degraded")
         degraded.extend(e for e in perception.tick(T0 + now) if e.kind == "degraded")
 
@@ -83,9 +81,8 @@ def test_one_sample_at_five_times_never_degrades_a_link_two_do_at_once() -> None
     for rtt in [500.0, 505.0, 498.0, 502.0, 499.0, 501.0]:
         now += 0.2
         seq += 1
-        done = rounds.add(_sample(now, rtt, seq))
-        if done is not None:
-            perception.ingest(done[0], T0 + now)
+        for sample, _ in rounds.add(_sample(now, rtt, seq)):
+            perception.ingest(sample, T0 + now)
             degraded.extend(e for e in perception.evaluate_shifted(T0 + now) if e.kind == "degraded")
     assert [e.kind for e in degraded] == ["degraded"]
     assert degraded[0].rtt_ms > 2.0 * degraded[0].baseline_rtt_ms
@@ -112,7 +109,7 @@ def test_two_large_suspects_that_spread_wait_for_a_third() -> None:
     flt = OutlierFilter()
     for i in range(20):
         flt.offer(T0 + i, 100.0)
-    assert flt.offer(T0 + 20, 380.0) == ([], 0)
-    assert flt.offer(T0 + 21, 450.0) == ([], 0)  # both large, but 70 ms apart: not one level yet
+    assert flt.offer(T0 + 20, 380.0, 5.0) == ([], 0)
+    assert flt.offer(T0 + 21, 450.0, 5.0) == ([], 0)  # both large, but 70 ms apart: not one level yet
     admitted, _ = flt.offer(T0 + 22, 430.0)
     assert [v for _, v in admitted] == [380.0, 450.0, 430.0]

@@ -292,7 +292,7 @@ class LinkTracker:
                 self.loss_since = now
             self.lost_run = 0
             shifts = self.filter.shifts
-            admitted, dropped = self.filter.offer(now, rtt_ms)
+            admitted, dropped = self.filter.offer(now, rtt_ms, jitter_ms)
             if self.filter.shifts != shifts:
                 self.shift_pending = True
             for t, value in admitted:
