@@ -109,7 +109,7 @@ def test_two_large_suspects_that_spread_wait_for_a_third() -> None:
     flt = OutlierFilter()
     for i in range(20):
         flt.offer(T0 + i, 100.0)
-    assert flt.offer(T0 + 20, 380.0, 5.0) == ([], 0)
-    assert flt.offer(T0 + 21, 450.0, 5.0) == ([], 0)  # both large, but 70 ms apart: not one level yet
+    assert flt.offer(T0 + 20, 330.0, 5.0) == ([], 0)
+    assert flt.offer(T0 + 21, 450.0, 5.0) == ([], 0)  # both large, but 120 ms apart: not one level yet
     admitted, _ = flt.offer(T0 + 22, 430.0)
-    assert [v for _, v in admitted] == [380.0, 450.0, 430.0]
+    assert [v for _, v in admitted] == [330.0, 450.0, 430.0]

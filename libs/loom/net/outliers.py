@@ -40,7 +40,7 @@ class OutlierConfig:
     never below 2, so a single sample cannot shift the level."""
     large_ratio: float = 2.0
     """A suspect at least this many times the smoothed RTT (or at most its inverse) is large."""
-    large_consistency: float = 0.15
+    large_consistency: float = 0.25
     """... and the ``confirm_large`` suspects must agree this closely (as ``consistency``): a
     step is one level, a run of spikes is spread over their range."""
     large_spread: float = 0.2

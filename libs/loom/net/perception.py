@@ -102,6 +102,7 @@ class Perception:
         self.graph = LinkGraph(sorted(self.regions))
         self.selector = PathSelector(self.graph, selector)
         self.transfers_refused = 0
+        self._shifted: set[tuple[str, str]] = set()
         for (src, dst), prior in self.expected.items():
             if src in self.regions and dst in self.regions and src != dst:
                 tracker = LinkTracker(src, dst, self.link_config, prior)
@@ -161,6 +162,8 @@ class Perception:
         )
         if outliers:
             self.validator.dropped[DropReason.OUTLIER] += outliers
+        if tracker.shift_pending:
+            self._shifted.add((sample.src, sample.dst))
         return None
 
     def observe_transfer(
@@ -179,6 +182,7 @@ class Perception:
         """Evaluate every link at ``now``, refresh the graph; the events to publish, in link order."""
         events = []
         graph = self.graph
+        self._shifted.clear()
         for key in sorted(self.links):
             tracker = self.links[key]
             event = tracker.evaluate(now)
@@ -189,13 +193,15 @@ class Perception:
 
     def shifted(self) -> list[tuple[str, str]]:
         """Links whose outlier filter confirmed a level shift since their last evaluation."""
-        return [key for key in sorted(self.links) if self.links[key].shift_pending]
+        return sorted(key for key in self._shifted if self.links[key].shift_pending)
 
     def evaluate_shifted(self, now: float) -> list[LinkEvent]:
         """Evaluate now only the links with a newly confirmed level shift (event-driven, between
         periods: a step is reported on the sample that confirms it); their events, in link order."""
         events = []
-        for key in self.shifted():
+        keys = self.shifted()
+        self._shifted.clear()
+        for key in keys:
             tracker = self.links[key]
             event = tracker.evaluate(now)
             if event is not None:
