@@ -43,7 +43,7 @@ class OutlierConfig:
     large_consistency: float = 0.25
     """... and the ``confirm_large`` suspects must agree this closely (as ``consistency``): a
     step is one level, a run of spikes is spread over their range."""
-    large_spread: float = 0.2
+    large_spread: float = 0.3
     """... and each must come with the spread of the probes behind it (a round's jitter), at most
     this fraction of its distance from the smoothed RTT: the probes of a round taken over by a
     shift agree with each other, a round that is mostly spikes does not (without a spread, only
