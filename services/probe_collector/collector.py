@@ -174,8 +174,8 @@ class RoundBuilder:
 
     def add(self, result: ProbeResult) -> list[tuple[ProbeSample, bool]]:
         """Add one result; the samples of the rounds it closes, each with whether it is urgent
-        (a round that closes on a shift goes out as two: the answers before the shift, then the
-        ``shift_probes`` answers that show it, so that their jitter is the new level's)."""
+        (a round that closes on a shift reports the median and jitter of the ``shift_probes``
+        answers that show it, and the probes and losses of the whole round)."""
         results = self.results
         results.append(result)
         full = len(results) >= self.probes
@@ -192,12 +192,14 @@ class RoundBuilder:
             shift = False
         if not (full or shift or follow):
             return []
-        out = []
-        if shift and len(results) > self.shift_probes:
-            out.append((round_sample(self.src, self.dst, results[: -self.shift_probes]), False))
-            results = results[-self.shift_probes :]
         sample = round_sample(self.src, self.dst, results)
-        out.append((sample, shift or follow))
+        if shift and len(results) > self.shift_probes:
+            # The RTT and jitter are the shift's answers' (the ones before it are the old level,
+            # already reported); the probe and loss counts are the whole round's. Never a sample
+            # of its own for the one or two answers before a shift: a lone probe is no median.
+            shifted = round_sample(self.src, self.dst, results[-self.shift_probes :])
+            sample = msgspec.structs.replace(sample, rtt_ms=shifted.rtt_ms, jitter_ms=shifted.jitter_ms)
+        out = [(sample, shift or follow)]
         self.results = []
         self.short_round = shift
         if shift:

@@ -27,10 +27,10 @@ def test_rounds_close_early_on_a_shift_and_once_more_after_it() -> None:
     rounds = RoundBuilder("a", "b", 5, 2.0, 3)
     assert _feed(rounds, [100.0, 101.0, 99.0, 100.0, 102.0]) == [(100.0, 5, False)]
     # Two probes before the change, then five times the RTT: the round closes on the third high
-    # answer, as two samples (the two answers before the shift, the three that show it), the
+    # answer (its RTT that of the three answers that show the shift, its probes all five), the
     # next round after three answers, then rounds of five again.
     samples = _feed(rounds, [100.0, 101.0, 500.0, 505.0, 498.0, 502.0, 499.0, 501.0, *[500.0] * 5], 5)
-    assert samples == [(100.5, 2, False), (500.0, 3, True), (501.0, 3, True), (500.0, 5, False)]
+    assert samples == [(500.0, 5, True), (501.0, 3, True), (500.0, 5, False)]
 
 
 def test_one_spike_or_unrelated_spikes_do_not_close_a_round() -> None:
