@@ -29,7 +29,7 @@ from loom.runtime.service import ServiceContext, close_context, open_context
 from loom.sched.profile import DEFAULT_PLUGINS
 from loom_proto import subjects
 from loom_proto.jobs import Communication, JobSpec, Resources, Work
-from loom_proto.net import LinkDegraded, LinkEventMessage, LinkRecovered
+from loom_proto.net import LinkDegraded, LinkEventMessage, LinkRecovered, LinkState
 from loom_services.cluster_agent.probes import ProbeResponder
 from loom_services.network_perception.service import NetworkPerception
 from loom_services.probe_collector.collector import CollectorConfig, ProbeCollector
@@ -133,9 +133,12 @@ async def test_a_degraded_link_moves_only_the_job_that_gains_more_than_it_costs_
 
     await client.nc.subscribe(subjects.NET_EVENTS_ALL, cb=on_event)
     ticks: list[float] = []  # perception's link states of the degraded link: the stack's own clock
+    measured: list[float] = []  # ... those of them that were measured (not stale)
 
     async def on_tick(msg: Msg) -> None:
         ticks.append(time.time())
+        if not msgspec.json.decode(msg.data, type=LinkState).stale:
+            measured.append(ticks[-1])
 
     await client.nc.subscribe(subjects.link_state(WEU, SEA1), cb=on_tick)
     try:
@@ -154,6 +157,9 @@ async def test_a_degraded_link_moves_only_the_job_that_gains_more_than_it_costs_
         await platform.start("agent-c-use2-a")
         await until(lambda: _known(db, 3), 15, "c-use2-a known")
 
+        # The link has been measured for a few periods (a step shows against a known level; the
+        # jobs can be placed before the probes of a fresh stack have seen the link at all).
+        await until(lambda: _enough(measured, 3), 10 * PERIOD_S + 10, "the link measured")
         degraded_at = time.time()
         changed = await client.net_emulate(WEU, SEA1, {"op": "degrade", "rtt_factor": 5})
         assert changed[0]["degraded"]
@@ -233,6 +239,10 @@ async def test_a_degraded_link_moves_only_the_job_that_gains_more_than_it_costs_
     finally:
         await db.close()
         await client.close()
+
+
+async def _enough(items: list[float], count: int) -> bool:
+    return len(items) >= count
 
 
 async def _known(db: asyncpg.Connection, clusters: int) -> bool:
