@@ -95,7 +95,7 @@ class MigrationSettings:
     """How long a request to placement waits for its answer."""
     notice_every_s: float = 5.0
     """While drains exist, placement is reminded of them this often (a lost notice heals)."""
-    review_delay_s: float = 0.3
+    review_delay_s: float = 0.1
     """A link event is reviewed this long after it arrives (placement takes the link's new state
     from the same tick first, so its what-if prices the path as measured now)."""
     rule: benefit.MigrationSettings = field(default_factory=benefit.MigrationSettings)

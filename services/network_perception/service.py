@@ -8,7 +8,9 @@ A thin shell around the pure core :class:`loom.net.Perception`:
 * once per probe period the core evaluates every link: each link's :class:`LinkState` goes out
   on ``loom.net.link.<src>.<dst>``, degraded / recovered events on ``loom.net.event.<kind>``
   (and into ``net_link_events``), and the chosen path of every region pair is re-selected, so
-  path hysteresis runs on the period's clock rather than on whoever asks;
+  path hysteresis runs on the period's clock rather than on whoever asks; a link whose filter
+  confirms a level shift in a batch of samples is evaluated (state, then event) right after that
+  batch, without waiting for the tick;
 * every ``persist_every_s`` (and on stop) each link's learned record goes to
   ``net_link_records``; on start they are restored, so a restart keeps the learned baselines;
 * ``loom.net.query.point`` and ``loom.net.query.path`` are answered from memory (JSON).
@@ -149,7 +151,13 @@ class NetworkPerception:
         self.regions = sorted(self.perception.regions)
         self.paths: dict[tuple[str, str], PathTrack] = {}
         self.refused = {"undecodable": 0, "subject_mismatch": 0}
-        self.counts = {"ticks": 0, "events": 0, "path_changes": 0, "states_published": 0}
+        self.counts = {
+            "ticks": 0,
+            "events": 0,
+            "path_changes": 0,
+            "states_published": 0,
+            "shift_evaluations": 0,
+        }
         self.restored = 0
         self.transfers = 0
         self.persisted_at = 0.0
@@ -266,7 +274,47 @@ class NetworkPerception:
                 self.refused["subject_mismatch"] += 1
                 continue
             self.perception.ingest(sample, now, source=tokens[3])
+        if self.perception.shifted():
+            await self.on_shift(now)
         return [None] * len(deliveries)
+
+    async def on_shift(self, now: float) -> list[LinkEvent]:
+        """Links whose level shift was just confirmed are evaluated at once, not at the next tick:
+        their new state goes out first (placement prices the path as measured now), then the
+        events."""
+        keys = self.perception.shifted()
+        events = self.perception.evaluate_shifted(now)
+        self.counts["shift_evaluations"] += len(keys)
+        for event in events:
+            log.info(
+                f"link {event.kind}", src=event.src, dst=event.dst, reason=event.reason, rtt_ms=event.rtt_ms
+            )
+        if events:
+            await self._record_events(events)
+        publisher = self.ctx.publisher
+        stamp = int(now * 1000)
+        states = [self.perception.links[key].link_state(now) for key in keys]
+        await asyncio.gather(
+            *(
+                publisher.publish(
+                    subjects.link_state(s.src, s.dst), s, msg_id=f"link-{s.src}-{s.dst}-{self.epoch}-{stamp}"
+                )
+                for s in states
+            )
+        )
+        await asyncio.gather(
+            *(
+                publisher.publish(
+                    subjects.net_event(e.kind),
+                    event_message(e),
+                    msg_id=f"net-{e.kind}-{e.src}-{e.dst}-{int(e.at * 1000)}",
+                )
+                for e in events
+            )
+        )
+        self.counts["states_published"] += len(states)
+        self.counts["events"] += len(events)
+        return events
 
     async def on_transfer(self, d: Delivery[TransferObserved]) -> None:
         """A job's transfer between regions: what the link really carried weighs on its cost."""

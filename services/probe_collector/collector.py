@@ -78,6 +78,13 @@ class CollectorConfig:
     """How often to ask again for a peer's endpoints while none answers."""
     rediscover_after_s: float = 10.0
     """Every probe lost for this long: ask again where the peer's endpoints are (an agent restarted)."""
+    shift_ratio: float = 2.0
+    """A round closes early, and its sample goes out at once, when its last ``shift_probes``
+    answers are all at least this many times (or at most the inverse of) the last sample's RTT
+    and agree with each other (see :func:`shift_in_round`): a level shift is reported after
+    that many probes, not after a round that also holds probes from before it."""
+    shift_probes: int = 3
+    """Answers that make a shift within a round (a majority of a round: one spike never does)."""
 
 
 class EmulatorRequest:
@@ -117,6 +124,89 @@ def round_sample(src: str, dst: str, results: Sequence[ProbeResult]) -> ProbeSam
         lost=len(results) - len(rtts),
         jitter_ms=jitter,
     )
+
+
+SHIFT_SPREAD = 0.35
+"""Answers that make a shift agree: each within this fraction of their median's distance from the
+reference (the same consistency the outlier filter asks of a level shift)."""
+
+
+def shift_in_round(
+    results: Sequence[ProbeResult], reference_ms: float | None, ratio: float, probes: int
+) -> bool:
+    """The last ``probes`` results of a round are all answers, all ``ratio`` times the reference
+    or more (or all at most its inverse), and agree with each other: a level shift in progress."""
+    if reference_ms is None or reference_ms <= 0 or ratio <= 1.0 or probes < 2 or len(results) < probes:
+        return False
+    rtts = [r.rtt_ms for r in results[-probes:]]
+    values = sorted(v for v in rtts if v is not None)
+    if len(values) < probes:
+        return False
+    high = all(v >= ratio * reference_ms for v in values)
+    low = all(v * ratio <= reference_ms for v in values)
+    if not (high or low):
+        return False
+    centre = values[len(values) // 2]
+    return max(centre - values[0], values[-1] - centre) <= SHIFT_SPREAD * abs(centre - reference_ms)
+
+
+class RoundBuilder:
+    """Groups a link's probe results into rounds, one sample each (:func:`round_sample`).
+
+    A round is ``probes`` results; it also closes once its last ``shift_probes`` answers show a
+    level shift against the last sample's RTT (:func:`shift_in_round`), and the round after such
+    a one closes after ``shift_probes`` answers too if they again show the shift (against the
+    level before it): two samples at the new level sooner, each still the median of several
+    probes. Such samples are *urgent* (published at once)."""
+
+    def __init__(self, src: str, dst: str, probes: int, shift_ratio: float, shift_probes: int) -> None:
+        self.src, self.dst = src, dst
+        self.probes = max(probes, 1)
+        self.shift_ratio = shift_ratio
+        self.shift_probes = shift_probes
+        self.results: list[ProbeResult] = []
+        self.last_rtt_ms: float | None = None
+        """The RTT of the last round's sample (what a shift within a round is measured against)."""
+        self.short_round = False
+        """The last round closed on a shift."""
+        self.before_shift_ms: float | None = None
+        """The last sample's RTT before that shift."""
+
+    def add(self, result: ProbeResult) -> list[tuple[ProbeSample, bool]]:
+        """Add one result; the samples of the rounds it closes, each with whether it is urgent
+        (a round that closes on a shift reports the median and jitter of the ``shift_probes``
+        answers that show it, and the probes and losses of the whole round)."""
+        results = self.results
+        results.append(result)
+        full = len(results) >= self.probes
+        shift = self.shift_probes >= 2 and shift_in_round(
+            results, self.last_rtt_ms, self.shift_ratio, self.shift_probes
+        )
+        # The round after a shift closes early only if the shift goes on: its answers again all
+        # far from the level before it (and agreeing), so two early samples are 2 x shift_probes
+        # answers in a row, never one burst and whatever follows it.
+        follow = self.short_round and shift_in_round(
+            results, self.before_shift_ms, self.shift_ratio, self.shift_probes
+        )
+        if follow:
+            shift = False
+        if not (full or shift or follow):
+            return []
+        sample = round_sample(self.src, self.dst, results)
+        if shift and len(results) > self.shift_probes:
+            # The RTT and jitter are the shift's answers' (the ones before it are the old level,
+            # already reported); the probe and loss counts are the whole round's. Never a sample
+            # of its own for the one or two answers before a shift: a lone probe is no median.
+            shifted = round_sample(self.src, self.dst, results[-self.shift_probes :])
+            sample = msgspec.structs.replace(sample, rtt_ms=shifted.rtt_ms, jitter_ms=shifted.jitter_ms)
+        out = [(sample, shift or follow)]
+        self.results = []
+        self.short_round = shift
+        if shift:
+            self.before_shift_ms = self.last_rtt_ms
+        if sample.rtt_ms is not None:
+            self.last_rtt_ms = sample.rtt_ms
+        return out
 
 
 def degraded(
@@ -205,6 +295,8 @@ class ProbeCollector:
         self.links: dict[str, PeerLink] = {}
         self.probing: dict[str, UdpProber] = {}
         self._ticked = asyncio.Event()
+        self._urgent = asyncio.Event()
+        """Set when a sample showing a level shift is queued: the batch goes out at once."""
         """Set by each send tick: the samples completed since the last one go out together."""
         """The probers of the links being probed now (their peer found), by peer region."""
         for peer in sorted(r.id for r in topology.regions):
@@ -224,6 +316,7 @@ class ProbeCollector:
             "probes_lost": 0,
             "samples_published": 0,
             "samples_dropped_queue_full": 0,
+            "shift_rounds": 0,
             "publish_failures": 0,
             "bulk_probes": 0,
             "bulk_bytes": 0,
@@ -357,10 +450,15 @@ class ProbeCollector:
         # One sample per round of ``probes_per_period`` probes (median RTT, the round's jitter and
         # loss): a fifth of the messages of one sample per probe, and a single spike in a round does
         # not move the RTT. Called by the prober as each result completes (no task per link).
-        round_: list[ProbeResult] = []
+        rounds = RoundBuilder(
+            link.src,
+            link.dst,
+            self.config.probes_per_period,
+            self.config.shift_ratio,
+            self.config.shift_probes,
+        )
 
         def on_result(result: ProbeResult) -> None:
-            nonlocal round_
             if link.dst not in self.probing:
                 return  # the prober is closing: its outstanding probes are not the link's losses
             if result.rtt_ms is None:
@@ -369,10 +467,8 @@ class ProbeCollector:
                 link.last_answer_at = time.monotonic()
                 srtt = link.srtt_ms
                 link.srtt_ms = result.rtt_ms if srtt is None else srtt + _SRTT_GAIN * (result.rtt_ms - srtt)
-            round_.append(result)
-            if len(round_) >= max(self.config.probes_per_period, 1):
-                self._enqueue(round_sample(link.src, link.dst, round_))
-                round_ = []
+            for sample, urgent in rounds.add(result):
+                self._enqueue(sample, urgent=urgent)
 
         return on_result
 
@@ -422,11 +518,15 @@ class ProbeCollector:
         self._enqueue(sample)
         return sample
 
-    def _enqueue(self, sample: ProbeSample) -> None:
+    def _enqueue(self, sample: ProbeSample, *, urgent: bool = False) -> None:
         try:
             self.samples.put_nowait(sample)
         except asyncio.QueueFull:
             self.counts["samples_dropped_queue_full"] += 1
+            return
+        if urgent:
+            self.counts["shift_rounds"] += 1
+            self._urgent.set()  # a shift goes out now, not at the next send tick
 
     async def _publish_loop(self) -> None:
         # The samples completed since the last send tick go out together at the next one (at most
@@ -434,8 +534,14 @@ class ProbeCollector:
         # whose acks come back together instead of one wake-up each.
         while True:
             batch = [await self.samples.get()]
-            self._ticked.clear()
-            await self._ticked.wait()
+            if not self._urgent.is_set():
+                self._ticked.clear()
+                ticked = asyncio.ensure_future(self._ticked.wait())
+                urgent = asyncio.ensure_future(self._urgent.wait())
+                await asyncio.wait((ticked, urgent), return_when=asyncio.FIRST_COMPLETED)
+                ticked.cancel()
+                urgent.cancel()
+            self._urgent.clear()
             while not self.samples.empty():
                 batch.append(self.samples.get_nowait())
             await asyncio.gather(*(self._publish(sample) for sample in batch))

@@ -104,13 +104,53 @@ def test_outlier_filter_admits_a_level_shift_after_three_consistent_samples() ->
     flt = OutlierFilter()
     for i in range(20):
         flt.offer(T0 + i, 100.0 + (i % 3))
-    assert flt.offer(T0 + 20, 300.0) == ([], 0)
-    assert flt.offer(T0 + 21, 302.0) == ([], 0)
-    admitted, dropped = flt.offer(T0 + 22, 301.0)
-    assert [v for _, v in admitted] == [300.0, 302.0, 301.0]
+    # Up by half: a small shift needs three suspects.
+    assert flt.offer(T0 + 20, 150.0) == ([], 0)
+    assert flt.offer(T0 + 21, 152.0) == ([], 0)
+    admitted, dropped = flt.offer(T0 + 22, 151.0)
+    assert [v for _, v in admitted] == [150.0, 152.0, 151.0]
     assert dropped == 0
     assert flt.shift_at == T0 + 20
-    assert flt.srtt_ms == pytest.approx(301.0)
+    assert flt.shift_samples == 3
+    assert flt.srtt_ms == pytest.approx(151.0)
+
+
+def test_a_large_shift_is_confirmed_on_its_second_sample_but_never_on_one() -> None:
+    flt = OutlierFilter()
+    for i in range(20):
+        flt.offer(T0 + i, 100.0 + (i % 3))
+    # One sample five times the level: held, and a normal one after it drops it.
+    assert flt.offer(T0 + 20, 500.0) == ([], 0)
+    assert flt.offer(T0 + 21, 101.0) == ([(T0 + 21, 101.0)], 1)
+    assert flt.shift_at is None
+    # Two in a row, both at least twice the level, agreeing, and each from probes that agree
+    # (a round's jitter well under its distance from the level): a shift.
+    assert flt.offer(T0 + 22, 500.0, 8.0) == ([], 0)
+    admitted, dropped = flt.offer(T0 + 23, 510.0, 6.0)
+    assert [v for _, v in admitted] == [500.0, 510.0]
+    assert dropped == 0
+    assert (flt.shift_at, flt.shift_samples, flt.shifts) == (T0 + 22, 2, 1)
+    assert flt.srtt_ms == pytest.approx(510.0)
+
+
+def test_two_large_samples_from_scattered_or_unknown_probes_wait_for_a_third() -> None:
+    for spreads in ((8.0, 150.0), (None, None)):  # a round mostly of spikes; no jitter reported
+        flt = OutlierFilter()
+        for i in range(20):
+            flt.offer(T0 + i, 100.0)
+        assert flt.offer(T0 + 20, 500.0, spreads[0]) == ([], 0)
+        assert flt.offer(T0 + 21, 505.0, spreads[1]) == ([], 0)
+        admitted, _ = flt.offer(T0 + 22, 502.0)
+        assert [v for _, v in admitted] == [500.0, 505.0, 502.0]
+
+
+def test_a_large_suspect_followed_by_a_small_one_waits_for_the_third() -> None:
+    flt = OutlierFilter()
+    for i in range(20):
+        flt.offer(T0 + i, 100.0)
+    assert flt.offer(T0 + 20, 250.0) == ([], 0)
+    assert flt.offer(T0 + 21, 180.0) == ([], 0)  # above the band, below twice the level
+    assert flt.shift_at is None
 
 
 def test_unrelated_spikes_in_a_row_are_not_a_level_shift() -> None:

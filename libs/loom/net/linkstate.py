@@ -255,6 +255,8 @@ class LinkTracker:
         self._good_since: float | None = None
         self.feedback = 1.0
         self.feedback_at: float | None = None
+        self.shift_pending = False
+        """A level shift was confirmed since the last evaluation (evaluate it now, not next period)."""
 
     # ---- per sample --------------------------------------------------------------------------
 
@@ -289,7 +291,10 @@ class LinkTracker:
                 # An outage just ended: its losses say nothing about the link from now on.
                 self.loss_since = now
             self.lost_run = 0
-            admitted, dropped = self.filter.offer(now, rtt_ms)
+            shifts = self.filter.shifts
+            admitted, dropped = self.filter.offer(now, rtt_ms, jitter_ms)
+            if self.filter.shifts != shifts:
+                self.shift_pending = True
             for t, value in admitted:
                 window.add_rtt(t, value)
         if bandwidth_gbps is not None and bandwidth_gbps > 0:
@@ -334,7 +339,13 @@ class LinkTracker:
             return None
         short = self.window.rtt_stats(now, self.window.horizons_s[0], since=self.filter.shift_at)
         self.short = short
-        if short.samples >= config.min_rtt_samples or (short.samples and self.rtt_ms is None):
+        self.shift_pending = False
+        # Since a confirmed level shift, the samples that confirmed it are enough: they agree.
+        shift_at = self.filter.shift_at
+        needed = config.min_rtt_samples
+        if shift_at is not None and now - shift_at <= self.window.horizons_s[0]:
+            needed = min(needed, max(self.filter.shift_samples, 1))
+        if short.samples >= needed or (short.samples and self.rtt_ms is None):
             self.rtt_ms = short.p50_ms
             if short.samples >= 2:
                 self.jitter_ms = short.jitter_ms

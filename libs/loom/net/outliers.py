@@ -8,7 +8,11 @@ they are all admitted, the estimator re-centres on them, and :attr:`OutlierFilte
 records when, so the caller can restart its short window there and see the new level at once.
 Suspects must also agree with each other (spread within ``consistency`` of their distance
 from the old level): a run of unrelated spikes is not a new level; its oldest is dropped and
-the filter keeps waiting.
+the filter keeps waiting. A *large* shift (suspects at least ``large_ratio`` times, or at most
+``1 / large_ratio`` of, the smoothed RTT) is confirmed after ``confirm_large`` suspects if
+they agree closely and so do the probes behind each (the caller passes a round's jitter as its
+spread): a link whose RTT doubles is seen a sample sooner, while one lone sample, however far
+off, never is, nor two rounds that are mostly spikes.
 """
 
 from dataclasses import dataclass, field
@@ -31,6 +35,19 @@ class OutlierConfig:
     """... nor narrower than this fraction of the smoothed RTT."""
     confirm_after: int = 3
     """Consecutive suspects on the same side that make a level shift."""
+    confirm_large: int = 2
+    """... or this many, when every one of them is a *large* departure (see ``large_ratio``);
+    never below 2, so a single sample cannot shift the level."""
+    large_ratio: float = 2.0
+    """A suspect at least this many times the smoothed RTT (or at most its inverse) is large."""
+    large_consistency: float = 0.25
+    """... and the ``confirm_large`` suspects must agree this closely (as ``consistency``): a
+    step is one level, a run of spikes is spread over their range."""
+    large_spread: float = 0.3
+    """... and each must come with the spread of the probes behind it (a round's jitter), at most
+    this fraction of its distance from the smoothed RTT: the probes of a round taken over by a
+    shift agree with each other, a round that is mostly spikes does not (without a spread, only
+    ``confirm_after`` suspects make a shift)."""
     consistency: float = 0.35
     """Suspects make a level shift only if none is further from their median than this fraction
     of the median's distance from the smoothed RTT."""
@@ -49,11 +66,18 @@ class OutlierFilter:
     rttvar_ms: float = 0.0
     shift_at: float | None = None
     """Arrival time of the first sample of the last confirmed level shift."""
+    shift_samples: int = 0
+    """How many samples the last confirmed level shift admitted at once."""
+    shifts: int = 0
+    """Level shifts confirmed so far."""
     _suspects: Admitted = field(default_factory=list)
+    _tight: list[bool] = field(default_factory=list)
+    """Per suspect: its probes agreed (see ``large_spread``)."""
     _suspect_high: bool = False
 
-    def offer(self, t: float, rtt_ms: float) -> tuple[Admitted, int]:
-        """Offer one sample; returns what to admit now and how many earlier suspects were dropped."""
+    def offer(self, t: float, rtt_ms: float, spread_ms: float | None = None) -> tuple[Admitted, int]:
+        """Offer one sample (``spread_ms``: the jitter of the probes behind it, if known); returns
+        what to admit now and how many earlier suspects were dropped."""
         srtt = self.srtt_ms
         config = self.config
         if srtt is None:
@@ -67,6 +91,7 @@ class OutlierFilter:
             dropped = len(suspects)
             if dropped:
                 suspects.clear()
+                self._tight.clear()
             self.srtt_ms = srtt + config.gain * deviation
             self.rttvar_ms += config.var_gain * (abs(deviation) - self.rttvar_ms)
             return [(t, rtt_ms)], dropped
@@ -75,18 +100,47 @@ class OutlierFilter:
         if suspects and high != self._suspect_high:
             dropped = len(suspects)
             suspects.clear()
+            self._tight.clear()
         suspects.append((t, rtt_ms))
+        self._tight.append(spread_ms is not None and spread_ms <= config.large_spread * abs(deviation))
         self._suspect_high = high
-        if len(suspects) < config.confirm_after:
+        needed = config.confirm_after
+        if (
+            len(suspects) >= max(config.confirm_large, 2)
+            and _all_large(suspects, srtt, config.large_ratio)
+            and _agree(suspects, srtt, config.large_consistency)
+            and all(self._tight)
+        ):
+            needed = max(config.confirm_large, 2)
+        if len(suspects) < needed:
             return [], dropped
         values = sorted(value for _, value in suspects)
         centre = values[len(values) // 2]
         if max(centre - values[0], values[-1] - centre) > config.consistency * abs(centre - srtt):
             del suspects[0]
+            del self._tight[0]
             return [], dropped + 1
         self.srtt_ms = centre
         self.rttvar_ms = max(sum(abs(v - centre) for v in values) / len(values), centre * 0.01)
         self.shift_at = suspects[0][0]
+        self.shift_samples = len(suspects)
+        self.shifts += 1
         admitted = list(suspects)
         suspects.clear()
+        self._tight.clear()
         return admitted, dropped
+
+
+def _all_large(suspects: Admitted, srtt: float, ratio: float) -> bool:
+    """Every suspect is at least ``ratio`` times ``srtt``, or every one at most its inverse."""
+    if srtt <= 0 or ratio <= 1.0:
+        return False
+    values = [value for _, value in suspects]
+    return all(v >= ratio * srtt for v in values) or all(v * ratio <= srtt for v in values)
+
+
+def _agree(suspects: Admitted, srtt: float, consistency: float) -> bool:
+    """No suspect is further from their median than ``consistency`` of its distance from ``srtt``."""
+    values = sorted(value for _, value in suspects)
+    centre = values[len(values) // 2]
+    return max(centre - values[0], values[-1] - centre) <= consistency * abs(centre - srtt)

@@ -5,7 +5,8 @@ directed link, the link-state graph and the path selector. The service feeds it:
 
 * ``ingest(sample, now)`` for every probe sample (O(1); refused samples counted by reason),
 * ``tick(now)`` once per probe period (re-evaluates every link, updates the graph, returns the
-  degraded / recovered events to publish),
+  degraded / recovered events to publish), and ``evaluate_shifted(now)`` after a batch of
+  samples (only the links whose filter just confirmed a level shift: a step is seen at once),
 * ``observe_transfer(...)`` when a job reports a transfer's throughput,
 
 and answers ``point`` (a link or a region: now and forecast) and ``path`` (least-cost path with
@@ -101,6 +102,7 @@ class Perception:
         self.graph = LinkGraph(sorted(self.regions))
         self.selector = PathSelector(self.graph, selector)
         self.transfers_refused = 0
+        self._shifted: set[tuple[str, str]] = set()
         for (src, dst), prior in self.expected.items():
             if src in self.regions and dst in self.regions and src != dst:
                 tracker = LinkTracker(src, dst, self.link_config, prior)
@@ -160,6 +162,8 @@ class Perception:
         )
         if outliers:
             self.validator.dropped[DropReason.OUTLIER] += outliers
+        if tracker.shift_pending:
+            self._shifted.add((sample.src, sample.dst))
         return None
 
     def observe_transfer(
@@ -178,12 +182,31 @@ class Perception:
         """Evaluate every link at ``now``, refresh the graph; the events to publish, in link order."""
         events = []
         graph = self.graph
+        self._shifted.clear()
         for key in sorted(self.links):
             tracker = self.links[key]
             event = tracker.evaluate(now)
             if event is not None:
                 events.append(event)
             graph.update(tracker.view(now))
+        return events
+
+    def shifted(self) -> list[tuple[str, str]]:
+        """Links whose outlier filter confirmed a level shift since their last evaluation."""
+        return sorted(key for key in self._shifted if self.links[key].shift_pending)
+
+    def evaluate_shifted(self, now: float) -> list[LinkEvent]:
+        """Evaluate now only the links with a newly confirmed level shift (event-driven, between
+        periods: a step is reported on the sample that confirms it); their events, in link order."""
+        events = []
+        keys = self.shifted()
+        self._shifted.clear()
+        for key in keys:
+            tracker = self.links[key]
+            event = tracker.evaluate(now)
+            if event is not None:
+                events.append(event)
+            self.graph.update(tracker.view(now))
         return events
 
     # ---- queries -------------------------------------------------------------------------------

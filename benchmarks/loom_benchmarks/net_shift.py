@@ -1,0 +1,271 @@
+"""How fast a degraded link is seen, and how often a healthy one is taken for degraded.
+
+``python -m loom_benchmarks.net_shift [--json]``: a discrete-event model of the chain from an
+emulator change to the migration decision, on a simulated clock, through the real code of each
+stage: the probe collector's rounds (:class:`loom_services.probe_collector.collector.RoundBuilder`),
+network perception's core (:class:`loom.net.Perception`: admission, outlier filter, windows,
+per-period ticks and, when enabled, the event-driven evaluation of a link on the sample that
+confirms a shift), then the migration service's ``review_delay_s`` and a what-if answer time.
+
+* **timing**: probes every ``period / 5`` at the link's RTT (normal, its measured deviation); at a
+  random phase the RTT becomes ``factor`` times the base; the first probe sent after the change
+  sees it. Reported per stage in probe periods: change → first sample showing it (published),
+  → degraded event, → decision.
+* **false positives**: every measured link of ``wan/region_rtt_ms.csv`` (min/avg/max/mdev of
+  real pings) for ``periods`` periods: RTT ~ N(avg, mdev) clipped to [min, max], plus 1 % (and
+  10 %, a harsh case) of probes spiking 2-5x (the noise model of ``loom bench net``); the truth
+  never degrades, so every degraded event (and every confirmed level shift) is a false positive.
+
+``before`` is the chain as it was (rounds of 5 only, 3 suspects for any shift, evaluation at
+the tick, review 0.3 s); ``after`` the current defaults.
+"""
+
+import argparse
+import csv
+import heapq
+import json
+import random
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from loom.net import Expected, LinkConfig, Perception
+from loom.net.outliers import OutlierConfig
+from loom.netemu.probes import ProbeResult
+from loom_services.probe_collector.collector import CollectorConfig, RoundBuilder
+
+T0 = 1_767_225_600.0
+PROBES = 5
+WHATIF_S = 0.18
+"""Placement's what-if and the verdict's write, measured on the real stack (decision 0.47-0.49 s
+after the event with a 0.3 s review delay)."""
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "wan" / "region_rtt_ms.csv"
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One version of the chain."""
+
+    name: str
+    shift_probes: int
+    confirm_large: int
+    event_driven: bool
+    review_delay_s: float
+
+
+BEFORE = Chain("before", shift_probes=0, confirm_large=3, event_driven=False, review_delay_s=0.3)
+AFTER = Chain(
+    "after",
+    shift_probes=CollectorConfig().shift_probes,
+    confirm_large=OutlierConfig().confirm_large,
+    event_driven=True,
+    review_delay_s=0.1,
+)
+
+
+def _perception(chain: Chain, rtt_ms: float, mdev_ms: float) -> Perception:
+    config = LinkConfig()
+    config = replace(config, outliers=replace(config.outliers, confirm_large=chain.confirm_large))
+    return Perception(["a", "b"], expected={("a", "b"): Expected(rtt_ms, mdev_ms)}, link_config=config)
+
+
+def _simulate(  # noqa: PLR0912 (one event loop, its branches are the stages)
+    chain: Chain,
+    rng: random.Random,
+    *,
+    period_s: float,
+    base_ms: float,
+    mdev_ms: float,
+    periods: int,
+    change_at: float | None,
+    factor: float,
+    spikes: float = 0.0,
+    low_ms: float = 0.0,
+    high_ms: float = float("inf"),
+) -> dict[str, Any]:
+    """Run one link; the times (from the start) of the first shifted sample, the first event."""
+    perception = _perception(chain, base_ms, mdev_ms)
+    rounds = RoundBuilder("a", "b", PROBES, CollectorConfig().shift_ratio, chain.shift_probes)
+    interval = period_s / PROBES
+    linger = period_s / 10
+    tick_phase = rng.random() * period_s
+    events: list[tuple[float, int, str, Any]] = []
+    order = 0
+
+    def push(at: float, kind: str, what: Any) -> None:
+        nonlocal order
+        order += 1
+        heapq.heappush(events, (at, order, kind, what))
+
+    end = periods * period_s
+    for i in range(int(end / interval)):
+        sent = i * interval
+        level = base_ms * (factor if change_at is not None and sent >= change_at else 1.0)
+        rtt = min(max(rng.gauss(level, mdev_ms * (level / base_ms)), low_ms * level / base_ms), high_ms)
+        if spikes and rng.random() < spikes:
+            rtt *= rng.uniform(2.0, 5.0)
+        push(sent + rtt / 1000.0, "result", ProbeResult(seq=i, sent_at=T0 + sent, rtt_ms=rtt))
+    tick = tick_phase
+    while tick < end + period_s:
+        push(tick, "tick", None)
+        tick += period_s
+    first_sample: float | None = None
+    degraded: list[float] = []
+    shifts = 0
+    while events:
+        at, _, kind, what = heapq.heappop(events)
+        if at > end:
+            break
+        if kind == "result":
+            closed = rounds.add(what)
+            # Queued samples go out at the next send tick, or at once with an urgent one.
+            urgent = any(u for _, u in closed)
+            publish = at if urgent else (int(at / interval) + 1) * interval
+            for sample, _ in closed:
+                push(publish + linger, "ingest", sample)
+        elif kind == "ingest":
+            if (
+                first_sample is None
+                and change_at is not None
+                and what.rtt_ms is not None
+                and what.rtt_ms >= 1.5 * base_ms
+            ):
+                first_sample = at - linger
+            perception.ingest(what, T0 + at)
+            if chain.event_driven and perception.shifted():
+                for event in perception.evaluate_shifted(T0 + at):
+                    if event.kind == "degraded":
+                        degraded.append(at)
+        else:
+            for event in perception.tick(T0 + at):
+                if event.kind == "degraded":
+                    degraded.append(at)
+    shifts = perception.links["a", "b"].filter.shifts
+    return {"first_sample": first_sample, "degraded": degraded, "shifts": shifts}
+
+
+def timing(
+    chain: Chain, *, trials: int, seed: int, period_s: float, base_ms: float, mdev_ms: float
+) -> dict[str, Any]:
+    """Change → sample → event → decision, in probe periods, over ``trials`` random phases."""
+    rng = random.Random(seed)
+    sample_p, event_p, decision_p = [], [], []
+    missed = 0
+    for _ in range(trials):
+        change_at = 30 * period_s + rng.random() * period_s
+        out = _simulate(
+            chain,
+            rng,
+            period_s=period_s,
+            base_ms=base_ms,
+            mdev_ms=mdev_ms,
+            periods=45,
+            change_at=change_at,
+            factor=5.0,
+        )
+        after = [t for t in out["degraded"] if t >= change_at]
+        if not after or out["first_sample"] is None:
+            missed += 1
+            continue
+        sample_p.append((out["first_sample"] - change_at) / period_s)
+        event_p.append((after[0] - change_at) / period_s)
+        decision_p.append((after[0] + chain.review_delay_s + WHATIF_S - change_at) / period_s)
+    return {
+        "chain": chain.name,
+        "period_s": period_s,
+        "base_rtt_ms": base_ms,
+        "trials": trials,
+        "missed": missed,
+        "first_sample_periods": _summary(sample_p),
+        "event_periods": _summary(event_p),
+        "decision_periods": _summary(decision_p),
+        "decision_within_3_periods": sum(d <= 3.0 for d in decision_p) / max(len(decision_p), 1),
+    }
+
+
+def false_positives(chain: Chain, *, links: int, periods: int, seed: int, spikes: float) -> dict[str, Any]:
+    """Degraded events and confirmed shifts on measured links whose truth never changes."""
+    keys = ("min_rtt_ms", "avg_rtt_ms", "max_rtt_ms", "mdev_rtt_ms")
+    rows = [r for r in csv.DictReader(DATA.open()) if all(r[k] for k in keys) and float(r["avg_rtt_ms"]) > 0]
+    rng = random.Random(seed)
+    chosen = rng.sample(rows, min(links, len(rows)))
+    events = shifts = 0
+    flagged = 0
+    for row in chosen:
+        avg, mdev = float(row["avg_rtt_ms"]), float(row["mdev_rtt_ms"])
+        low, high = float(row["min_rtt_ms"]), float(row["max_rtt_ms"])
+        out = _simulate(
+            chain,
+            random.Random(rng.random()),
+            period_s=1.0,
+            base_ms=avg,
+            mdev_ms=mdev,
+            periods=periods,
+            change_at=None,
+            factor=1.0,
+            spikes=spikes,
+            low_ms=low,
+            high_ms=high,
+        )
+        events += len(out["degraded"])
+        shifts += out["shifts"]
+        flagged += bool(out["degraded"])
+    hours = len(chosen) * periods / 3600.0
+    return {
+        "chain": chain.name,
+        "links": len(chosen),
+        "periods_per_link": periods,
+        "spike_rate": spikes,
+        "degraded_events": events,
+        "links_with_an_event": flagged,
+        "degraded_per_link_hour": events / hours,
+        "level_shifts": shifts,
+    }
+
+
+def _summary(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p95": None, "max": None}
+    ordered = sorted(values)
+    return {
+        "mean": round(statistics.fmean(values), 2),
+        "p50": round(ordered[len(ordered) // 2], 2),
+        "p95": round(ordered[min(int(0.95 * len(ordered)), len(ordered) - 1)], 2),
+        "max": round(ordered[-1], 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=100)
+    parser.add_argument("--links", type=int, default=200)
+    parser.add_argument("--periods", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=15)
+    parser.add_argument("--rtt-ms", type=float, default=167.4, help="base RTT (westeurope - asia-southeast1)")
+    parser.add_argument("--mdev-ms", type=float, default=10.1)
+    parser.add_argument("--spikes", type=float, nargs="+", default=[0.01, 0.1], help="probe spike rates")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    result: dict[str, Any] = {"timing": [], "false_positives": []}
+    for chain in (BEFORE, AFTER):
+        result["timing"].append(
+            timing(
+                chain,
+                trials=args.trials,
+                seed=args.seed,
+                period_s=1.0,
+                base_ms=args.rtt_ms,
+                mdev_ms=args.mdev_ms,
+            )
+        )
+        for spikes in args.spikes:
+            result["false_positives"].append(
+                false_positives(chain, links=args.links, periods=args.periods, seed=args.seed, spikes=spikes)
+            )
+    print(json.dumps(result, indent=None if args.json else 2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
