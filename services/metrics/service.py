@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError, LoomError
+from loom.metering.run import MeteredEvent
 from loom.model.ledger import Change, Ledger, LedgerCluster, LedgerNode
 from loom.model.profiles import device_profile
 from loom.model.scu import DecayLearner, DeviceProfile, TrustTracker, scu_by_task_type
@@ -29,7 +30,7 @@ from loom.store.pool import transaction
 from loom.telemetry import metrics as prom
 from loom_proto import subjects
 from loom_proto.clusters import AcceleratorProfile, ClusterHeartbeat, ClusterProfiles
-from loom_proto.codec import DecodeError, decode, encode
+from loom_proto.codec import encode
 from loom_proto.jobs import JobCancelled, JobCompleted, JobFailed, JobPlaced, JobStarted
 from loom_proto.view import ModelCapacity, NodeView, RegionSummary, ViewDelta, ViewQuery, ZoneSummary
 from loom_services.metrics.metering import Metering
@@ -40,8 +41,6 @@ PRODUCER = "metrics"
 
 USAGE_EVERY = 6
 """Gauge rounds between two refreshes of the usage gauges (30 s at the default 5 s rounds)."""
-
-ReservationEvent = JobPlaced | JobStarted | JobCompleted | JobFailed | JobCancelled
 
 
 def _models(models: dict[str, dict[str, int]]) -> list[ModelCapacity]:
@@ -97,7 +96,9 @@ class MetricsService:
     ) -> None:
         self.ctx = ctx
         self.gauges_every_s = gauges_every_s
-        self.metering = Metering(ctx, price or (lambda _region, _at: 0.0))
+        # The reservation overlay and the learning follow the metering consumer's deliveries
+        # (one consumer of the lifecycle events, not two).
+        self.metering = Metering(ctx, price or (lambda _region, _at: 0.0), on_folded=self.on_job_events)
         self.pool = ctx.db
         self.ledger = Ledger(known_models=known_models)
         self.summary_every_s = summary_every_s
@@ -145,21 +146,6 @@ class MetricsService:
             publisher=self.ctx.publisher,
             callback_pull=True,
         )
-        lifecycle: ConsumerRunner[bytes] = ConsumerRunner(
-            self.ctx.nc,
-            ConsumerSpec(
-                stream="JOBS",
-                durable="metrics-reservations",
-                filter_subjects=subjects.job_events_of(
-                    "placed", "started", "completed", "failed", "cancelled"
-                ),
-                batch=500,
-            ),
-            bytes,
-            batch_handler=self.on_job_events,
-            publisher=self.ctx.publisher,
-            callback_pull=True,
-        )
         profiles: ConsumerRunner[ClusterProfiles] = ConsumerRunner(
             self.ctx.nc,
             ConsumerSpec(
@@ -172,13 +158,11 @@ class MetricsService:
         metering = self.metering.runner()
         query_sub = await self.ctx.nc.subscribe(subjects.VIEW_QUERY, cb=self.on_query)
         await runner.start()
-        await lifecycle.start()
         await profiles.start()
         await metering.start()
         watchdog = self.ctx.watchdog
         loops = [
             watchdog.watch_consumer("heartbeats", runner),
-            watchdog.watch_consumer("reservations", lifecycle),
             watchdog.watch_consumer("profiles", profiles),
             watchdog.watch_consumer("metering", metering),
             watchdog.supervise("gauges", self._gauge_loop),
@@ -194,7 +178,6 @@ class MetricsService:
             await query_sub.unsubscribe()
             await metering.stop()
             await profiles.stop()
-            await lifecycle.stop()
             await runner.stop()
 
     async def _gauge_loop(self) -> None:
@@ -229,20 +212,21 @@ class MetricsService:
             prom.USAGE_GPU_SECONDS.labels(*key).set(int(row["gpu_ms"]) / 1000.0)
             prom.USAGE_COST.labels(*key).set(float(row["cost"]))
 
-    async def on_job_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
-        """Placements show as reserved until the run starts (or ends without starting).
+    async def on_job_events(self, events: Sequence[MeteredEvent], fresh: Sequence[MeteredEvent]) -> None:
+        """Placements show as reserved until the run starts (or ends without starting); a
+        completed run teaches trust and decay.
+
+        Fed by the metering consumer (:attr:`Metering.on_folded`) once a batch committed:
+        ``fresh`` (the events new to the inbox) changes the reservation overlay, so a redelivered
+        ``placed`` cannot reserve again a run that started meanwhile (what an earlier run of this
+        service applied before it stopped, :meth:`load` rebuilds from placement's reservations);
+        every completion in ``events`` is offered to :meth:`_learn`, which claims it in its own
+        inbox (a learning that failed is retried with the redelivery).
 
         Reserved GPUs are an overlay on the ledger, shown by queries and region summaries; they
         are not sent as view deltas, whose readers (placement) keep their own reservations.
         """
-        for d in deliveries:
-            try:
-                # A union is not a ``type[T]`` to mypy; decode takes it (msgspec decodes tagged unions).
-                event: ReservationEvent = decode(d.message, ReservationEvent)  # type: ignore[arg-type]
-            except DecodeError:
-                continue  # placement's business, not the ledger's: it dead-letters bad lifecycle events
-            if isinstance(event, JobCompleted):
-                await self._learn(event)
+        for event in fresh:
             if isinstance(event, JobPlaced):
                 self.ledger.reserve(
                     f"{event.job_id}:{event.attempt}", [(a.node, a.gpus) for a in event.allocations]
@@ -250,9 +234,11 @@ class MetricsService:
             elif isinstance(event, JobCancelled):
                 for run in [r for r in self.ledger.reservations if r.startswith(f"{event.job_id}:")]:
                     self.ledger.settle(run)
-            else:
+            elif isinstance(event, JobStarted | JobCompleted | JobFailed):
                 self.ledger.settle(f"{event.job_id}:{event.attempt}")
-        return [None] * len(deliveries)
+        for event in events:
+            if isinstance(event, JobCompleted):
+                await self._learn(event)
 
     async def on_profiles(self, d: Delivery[ClusterProfiles]) -> None:
         """Store what a cluster's accelerators deliver and derive their SCU per task type."""
