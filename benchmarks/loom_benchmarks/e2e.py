@@ -30,6 +30,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from loom.bus.connection import credentials_path
 from loom.client import LoomClient
 from loom.model.topology import load_topology
@@ -37,8 +39,7 @@ from loom.runtime import cpu, stack
 from loom.security import ENV_CREDS
 from loom_benchmarks import e2e_baseline
 from loom_proto import subjects
-from loom_proto.codec import decode
-from loom_proto.jobs import Affinity, JobPlaced, JobSpec, JobSubmitted, Resources, Work
+from loom_proto.jobs import Affinity, JobSpec, JobSubmitted, Resources, Work
 
 NEIGHBOUR_PREFIXES = ("probe-", "agent-", "network-perception", "metrics")
 """The non-scheduling Loom services whose CPU at rest ``neighbours_at_rest_pct`` sums."""
@@ -77,6 +78,15 @@ def _regions(topology: str) -> list[str]:
     return [region for _, region in slots]
 
 
+class _PlacedId(msgspec.Struct):
+    """What the bench reads of a ``JobPlaced`` (any other field is skipped unparsed)."""
+
+    job_id: str
+
+
+_PLACED_ID = msgspec.json.Decoder(_PlacedId)
+
+
 class _Run:
     """What one bench run observes: when each job was sent and when its placed event arrived."""
 
@@ -99,11 +109,13 @@ class _Run:
 
     async def on_placed(self, msg: Any) -> None:
         now = time.perf_counter()
-        event = decode(msg.data, JobPlaced)
-        if event.job_id in self.placed:
+        # Only the job id: the bench client's own CPU counts in the figures, and the placed
+        # events are placement's (decoded strictly by every consumer that acts on them).
+        job_id = _PLACED_ID.decode(msg.data).job_id
+        if job_id in self.placed:
             return
-        self.placed[event.job_id] = now
-        prefix = event.job_id.split("-", 1)[0]
+        self.placed[job_id] = now
+        prefix = job_id.split("-", 1)[0]
         self.seen[prefix] = self.seen.get(prefix, 0) + 1
         if self.seen[prefix] == self.expected.get(prefix) and prefix in self.waiter:
             self.waiter[prefix].set()
@@ -136,7 +148,8 @@ class _Run:
         t0 = time.perf_counter()
         await asyncio.gather(*(one(i) for i in range(jobs)))
         t_published = time.perf_counter()
-        await asyncio.wait_for(done.wait(), timeout=max(120.0, jobs / 20))
+        # Generous: on a shared machine (load average 30+) a burst can take minutes.
+        await asyncio.wait_for(done.wait(), timeout=max(600.0, jobs / 5))
         after = sampler.sample()
         shares = cpu.shares(before, after)
         t_done = max(self.placed[f"{prefix}-{i}"] for i in range(jobs))
