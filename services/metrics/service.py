@@ -6,11 +6,12 @@ PostgreSQL, publishes view deltas through the outbox, marks silent clusters stal
 """
 
 import asyncio
-import copy
 import hashlib
+import itertools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import msgspec
 import structlog
@@ -19,7 +20,7 @@ from nats.aio.msg import Msg
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError, LoomError
 from loom.metering.run import MeteredEvent
-from loom.model.ledger import Change, Ledger, LedgerCluster, LedgerNode
+from loom.model.ledger import Change, Ledger, LedgerNode
 from loom.model.profiles import device_profile
 from loom.model.scu import DecayLearner, DeviceProfile, TrustTracker, scu_by_task_type
 from loom.runtime.service import ServiceContext
@@ -366,7 +367,7 @@ class MetricsService:
             log.warning("heartbeat refused", reason="cluster differs from subject", subject=d.subject)
             return
         async with self.lock:
-            snapshot = _snapshot(self.ledger, hb.cluster)
+            snapshot = _snapshot(self.ledger, hb)
             applied = self.ledger.apply(hb, time.time())
             self.ctx.stats["heartbeats"] += 1
             if applied.ignored:
@@ -429,22 +430,70 @@ class MetricsService:
         await msg.respond(json.dumps(reply).encode())
 
 
-def _snapshot(ledger: Ledger, cluster_id: str) -> tuple[LedgerCluster | None, dict[str, LedgerNode]]:
-    cluster = ledger.clusters.get(cluster_id)
-    nodes = {n: copy.copy(ledger.nodes[n]) for n in (cluster.nodes if cluster else ()) if n in ledger.nodes}
-    return (copy.deepcopy(cluster), nodes)
+_NODE_FIELDS = (
+    "zone",
+    "gpu_model",
+    "gpus_total",
+    "gpus_used",
+    "cpu_milli",
+    "memory_mib",
+    "healthy",
+    "down",
+    "updated_at",
+)
+"""What :meth:`Ledger.apply` may change on a node it already holds."""
+
+_CLUSTER_FIELDS = (
+    "agent_epoch",
+    "last_seq",
+    "interval_s",
+    "last_heartbeat_at",
+    "stale",
+    "volatility",
+    "version",
+)
+"""What :meth:`Ledger.apply` may change on a cluster it already holds (besides its node set)."""
+
+_NodeUndo = tuple[LedgerNode, tuple[Any, ...]]
+_Undo = tuple[tuple[Any, ...] | None, set[str], dict[str, _NodeUndo]]
 
 
-def _restore(
-    ledger: Ledger, cluster_id: str, snapshot: tuple[LedgerCluster | None, dict[str, LedgerNode]]
-) -> None:
-    """Undo an apply whose persistence failed, so the redelivery is applied afresh."""
-    cluster, nodes = snapshot
-    current = ledger.clusters.get(cluster_id)
-    for name in current.nodes if current else ():
-        ledger.nodes.pop(name, None)
+def _snapshot(ledger: Ledger, hb: ClusterHeartbeat) -> _Undo:
+    """What undoing ``hb``'s apply needs: the cluster's fields and node set, and the fields of
+    each node the heartbeat can change (those it names; every node of the cluster for a full
+    heartbeat, which removes the nodes it does not list). Nothing else changes in an apply, so a
+    delta heartbeat of a 1,000-node cluster saves a handful of nodes, not the whole cluster."""
+    cluster = ledger.clusters.get(hb.cluster)
     if cluster is None:
-        ledger.clusters.pop(cluster_id, None)
+        return (None, set(), {})
+    if hb.full:
+        names: Iterable[str] = cluster.nodes
     else:
-        ledger.clusters[cluster_id] = cluster
-    ledger.nodes.update(nodes)
+        names = itertools.chain((n.node for n in hb.nodes), hb.removed)
+    nodes: dict[str, _NodeUndo] = {}
+    for name in names:
+        node = ledger.nodes.get(name)
+        if node is not None and node.cluster == hb.cluster:
+            nodes[name] = (node, tuple(getattr(node, f) for f in _NODE_FIELDS))
+    fields = tuple(getattr(cluster, f) for f in _CLUSTER_FIELDS)
+    return (fields, set(cluster.nodes), nodes)
+
+
+def _restore(ledger: Ledger, cluster_id: str, snapshot: _Undo) -> None:
+    """Undo an apply whose persistence failed, so the redelivery is applied afresh."""
+    fields, node_set, nodes = snapshot
+    current = ledger.clusters.get(cluster_id)
+    if current is None:
+        return
+    for name in current.nodes - node_set:  # added by the apply
+        ledger.nodes.pop(name, None)
+    if fields is None:  # the apply created the cluster
+        ledger.clusters.pop(cluster_id, None)
+        return
+    for name, (node, values) in nodes.items():
+        for f, v in zip(_NODE_FIELDS, values, strict=True):
+            setattr(node, f, v)
+        ledger.nodes[name] = node  # back, if the apply removed it
+    for f, v in zip(_CLUSTER_FIELDS, fields, strict=True):
+        setattr(current, f, v)
+    current.nodes = node_set
