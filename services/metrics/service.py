@@ -217,21 +217,24 @@ class MetricsService:
         """Placements show as reserved until the run starts (or ends without starting); a
         completed run teaches trust and decay.
 
-        Fed by the metering consumer (:attr:`Metering.on_folded`) once a batch committed:
-        ``fresh`` (the events new to the inbox) changes the reservation overlay, so a redelivered
-        ``placed`` cannot reserve again a run that started meanwhile (what an earlier run of this
-        service applied before it stopped, :meth:`load` rebuilds from placement's reservations);
-        every completion in ``events`` is offered to :meth:`_learn`, which claims it in its own
-        inbox (a learning that failed is retried with the redelivery).
+        Fed by the metering consumer (:attr:`Metering.on_folded`) once a batch committed. Only a
+        ``placed`` new to the inbox (in ``fresh``) reserves, so a placement delivered again after
+        its run started cannot reserve its GPUs a second time; a start or an end settles whether
+        new or not (settling is idempotent, and a run :meth:`load` restored from placement's
+        reservations is settled by the redelivered start that metering had already counted).
+        Every completion is offered to :meth:`_learn`, which claims it in its own inbox (a
+        learning that failed is retried with the redelivery).
 
         Reserved GPUs are an overlay on the ledger, shown by queries and region summaries; they
         are not sent as view deltas, whose readers (placement) keep their own reservations.
         """
-        for event in fresh:
+        new = {id(e) for e in fresh}
+        for event in events:
             if isinstance(event, JobPlaced):
-                self.ledger.reserve(
-                    f"{event.job_id}:{event.attempt}", [(a.node, a.gpus) for a in event.allocations]
-                )
+                if id(event) in new:
+                    self.ledger.reserve(
+                        f"{event.job_id}:{event.attempt}", [(a.node, a.gpus) for a in event.allocations]
+                    )
             elif isinstance(event, JobCancelled):
                 for run in [r for r in self.ledger.reservations if r.startswith(f"{event.job_id}:")]:
                     self.ledger.settle(run)

@@ -377,8 +377,8 @@ async def test_the_reservation_overlay_follows_the_metering_deliveries_and_a_red
     fresh_database: Callable[..., Awaitable[str]],
 ) -> None:
     """One consumer feeds metering and the metrics service's reservation overlay: a placement
-    reserves its GPUs until the run starts, and a ``placed`` delivered again after the start
-    (a lost ack) does not reserve them a second time."""
+    reserves its GPUs until the run starts, a ``placed`` delivered again after the start (a lost
+    ack) does not reserve them a second time, and a start delivered again still settles."""
     from types import SimpleNamespace
 
     from opentelemetry import trace
@@ -429,7 +429,13 @@ async def test_the_reservation_overlay_follows_the_metering_deliveries_and_a_red
         # The placement again, alone, after the start (its ack was lost): nothing changes.
         await on_events([delivery(1, "r:placed:1", encode(placed))])
         reserved_after_redelivery = service.ledger.nodes["n1"].gpus_reserved
+        # A restarted service rebuilds the reservation from placement's table (not yet confirmed
+        # there); the start metering already counted, delivered again, still settles it.
+        service.ledger.reserve("r:1", [("n1", 3)])
+        await on_events([delivery(2, "r:started:1", encode(started))])
+        reserved_after_restart = service.ledger.nodes["n1"].gpus_reserved
     finally:
         await pool.close()
     assert (reserved_after_placed, reserved_after_started, reserved_after_redelivery) == (3, 0, 0)
-    assert service.metering.counts["duplicates"] == 1
+    assert reserved_after_restart == 0
+    assert service.metering.counts["duplicates"] == 2
