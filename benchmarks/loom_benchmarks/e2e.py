@@ -175,7 +175,7 @@ class _Run:
             if delay > 0:
                 await asyncio.sleep(delay)
             await submit(_job(prefix, i, self.regions))
-        await asyncio.wait_for(done.wait(), timeout=60)
+        await asyncio.wait_for(done.wait(), timeout=max(60.0, jobs / 5))
         lat = [(self.placed[f"{prefix}-{i}"] - self.sent[f"{prefix}-{i}"]) * 1000 for i in range(jobs)]
         return {
             "latency_ms_p50": round(_percentile(lat, 50), 2),
