@@ -38,7 +38,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
 
@@ -213,12 +213,10 @@ class Agent:
         """Why the last attempt to send reports failed; None once one succeeds."""
         self.report_backoff_s = (0.2, 5.0)
         """First and longest pause between rounds of sending while the bus fails."""
+        ctx.live_stats.append(self._run_stats)
         ctx.stats.update(
             {
                 "cluster": self.cluster,
-                "running": 0,
-                "running_keys": [],
-                "nodes_over_capacity": [],
                 "completed": 0,
                 "reports_pending": 0,
                 "reports_sent": 0,
@@ -457,7 +455,7 @@ class Agent:
         self.backend.allocate(command.allocations)
         self._changed.set()
         self.running[key] = job
-        self._record({"op": "start", "key": key, "job": asdict(job)})
+        self._record({"op": "start", "key": key, "job": _fields(job)})
         # A waiting run reports ``started`` from its task, when the wait ends; a backend without a
         # clock, when it says the part runs.
         if job.lead and not job.waiting and self.backend.clock:
@@ -495,14 +493,18 @@ class Agent:
         self.finished.add(key)
         self._record({"op": "finish", "key": key})
 
-    def _note_runs(self) -> None:
+    def _run_stats(self) -> dict[str, Any]:
         """The live runs in health answers: their count, their ``job:attempt`` keys, and any node
-        holding more GPUs than it has (never expected; a chaos campaign checks it)."""
-        self.ctx.stats["running"] = len(self.running)
-        self.ctx.stats["running_keys"] = sorted(self.running)
-        self.ctx.stats["nodes_over_capacity"] = sorted(
-            name for name, node in self.backend.nodes.items() if node.gpus_used > node.gpus_total
-        )
+        holding more GPUs than it has (never expected; a chaos campaign checks it). Computed when
+        asked (:attr:`ServiceContext.live_stats`): sorting every run on each start and end cost
+        a burst of thousands of starts time quadratic in the runs."""
+        return {
+            "running": len(self.running),
+            "running_keys": sorted(self.running),
+            "nodes_over_capacity": sorted(
+                name for name, node in self.backend.nodes.items() if node.gpus_used > node.gpus_total
+            ),
+        }
 
     def _launch(self, job: RunningJob) -> None:
         if not self.backend.clock:  # the backend runs the part (a member's too); the agent follows it
@@ -514,7 +516,6 @@ class Agent:
             self.tasks[job.key] = self.ctx.watchdog.supervise(
                 f"job-{job.key}", lambda: self._execute(job), finishes=True, listed=False
             )
-        self._note_runs()
 
     async def _stop(self, job_id: str, attempt: int, reason: str) -> None:
         key = f"{job_id}:{attempt}"
@@ -746,7 +747,6 @@ class Agent:
         self.finished.add(job.key)
         self.backend.free(job.node_allocations())
         self._changed.set()
-        self._note_runs()
         self._record({"op": "finish", "key": job.key})
 
     def _report_failed(
@@ -1020,7 +1020,7 @@ class Agent:
             carrier = {}
             propagate.inject(carrier)
         report = Report(msg_id=msg_id, subject=subject, payload=encode(message).decode(), carrier=carrier)
-        self._record({"op": "report", **asdict(report)})
+        self._record({"op": "report", **_fields(report)})
         self._queue(report)
 
     def _queue(self, report: Report) -> None:
@@ -1152,9 +1152,9 @@ class Agent:
             for key in sorted(self.finished)[-10_000:]:
                 out.write(json.dumps({"op": "finish", "key": key}) + "\n")
             for job in self.running.values():
-                out.write(json.dumps({"op": "start", "key": job.key, "job": asdict(job)}) + "\n")
+                out.write(json.dumps({"op": "start", "key": job.key, "job": _fields(job)}) + "\n")
             for report in self.reports.values():
-                out.write(json.dumps({"op": "report", **asdict(report)}) + "\n")
+                out.write(json.dumps({"op": "report", **_fields(report)}) + "\n")
         os.replace(tmp, self.state_file)
         self._journal = open(self.state_file, "a")  # noqa: SIM115 - held for the agent's lifetime
         self._journal_lines = 0
@@ -1192,6 +1192,18 @@ class Agent:
         elif entry["op"] == "forget":
             self.running.pop(key, None)
             self.finished.discard(key)
+
+
+def _fields(record: "RunningJob | Report") -> dict[str, Any]:
+    """A journal record's fields, for ``json.dumps`` (which walks the lists and dicts itself: no
+    deep copy first, as :func:`dataclasses.asdict` makes)."""
+    return {name: getattr(record, name) for name in _FIELD_NAMES[type(record)]}
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {
+    RunningJob: tuple(f.name for f in fields(RunningJob)),
+    Report: tuple(f.name for f in fields(Report)),
+}
 
 
 def _per_node(allocations: Iterable[tuple[str, int]]) -> dict[str, int]:

@@ -1,6 +1,7 @@
 """Entry point: ``loom-cluster-agent --cluster ID [--topology FILE] [--time-scale X] [--probe-...]``."""
 
 import argparse
+import functools
 from pathlib import Path
 
 from loom.model.profiles import profile_for_model, relative_speed, wire_profile
@@ -16,11 +17,15 @@ from loom_services.cluster_agent.sim import SimCluster, parse_true_speeds
 from loom_services.cluster_agent.slurm import DEFAULT_SCRIPT, SlurmBackend
 
 
+@functools.lru_cache(maxsize=1024)
 def model_speed(gpu_model: str, task_type: str) -> float:
     """The speed this *simulated* cluster delivers on a node, relative to the reference: its SCU for
     the task type. This is the simulated hardware's truth, not placement's belief: a model without
     a profile delivers the reference's speed here, while the metrics service refuses its nodes
-    (no library profile, no calibrated one) and placement would count it as unprofiled."""
+    (no library profile, no calibrated one) and placement would count it as unprofiled.
+
+    Cached: the library's profiles do not change while the agent runs, and every run's step
+    asks for it (a burst of starts asked thousands of times for the same few pairs)."""
     try:
         return relative_speed(gpu_model, task_type)
     except ScuError:

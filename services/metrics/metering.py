@@ -1,15 +1,16 @@
 """Metering inside the metrics service: job lifecycle events -> run records -> priced usage rows.
 
 One durable consumer (``metrics-metering``) reads ``placed``, ``started``, ``resized``,
-``completed``, ``failed``, ``cancelled`` and ``requeued``. Each fetched batch is handled in one
-PostgreSQL transaction that claims the message ids in the inbox (a redelivery changes nothing),
-folds each event into its attempt's run record (:func:`loom.metering.fold`) and, for every record
-that is complete, replaces the attempt's usage rows with :func:`loom.metering.meter`'s. Folding
-is order-free, so events that arrive out of order (a redelivered ``started`` after its
-``completed``) meter the same rows.
+``completed``, ``failed``, ``cancelled`` and ``requeued`` (the metrics service's reservation
+overlay and its learning are fed from the same deliveries: :attr:`Metering.on_folded`).
+Each fetched batch is handled in one PostgreSQL transaction that claims the message ids in the
+inbox (a redelivery changes nothing), folds each event into its attempt's run record
+(:func:`loom.metering.fold`) and, for every record that is complete, replaces the attempt's
+usage rows with :func:`loom.metering.meter`'s. Folding is order-free, so events that arrive out
+of order (a redelivered ``started`` after its ``completed``) meter the same rows.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import asyncpg
 import msgspec
@@ -43,11 +44,17 @@ class Metering:
         price: PriceFn,
         scu: ScuFn = scu_of,
         on_metered: Callable[[list[str]], None] | None = None,
+        on_folded: Callable[[list[MeteredEvent], list[MeteredEvent]], Awaitable[None]] | None = None,
     ) -> None:
         self.ctx = ctx
         self.price = price
         self.scu = scu
         self.on_metered = on_metered
+        self.on_folded = on_folded
+        """Told, once a batch's transaction committed, every event of the batch that decoded and
+        those among them that were new (claimed in the inbox by this batch): the metrics service
+        keeps its reservation overlay from the same deliveries (no second consumer of the same
+        messages). A redelivery of an event already folded is in the first list only."""
         self.counts = {"events": 0, "duplicates": 0, "runs_metered": 0}
 
     def runner(self) -> ConsumerRunner[bytes]:
@@ -85,16 +92,19 @@ class Metering:
                 continue
             decoded.append((d.msg_id or f"seq-{d.stream_seq}", event))
         if decoded:
-            metered = await self._apply(decoded)
+            metered, fresh = await self._apply(decoded)
             self.counts["runs_metered"] += len(metered)
             for tenant in metered:
                 METERED_RUNS.labels(tenant).inc()
             if metered and self.on_metered is not None:
                 self.on_metered(metered)
+            if self.on_folded is not None:
+                await self.on_folded([event for _, event in decoded], fresh)
         return outcomes
 
-    async def _apply(self, decoded: list[tuple[str, MeteredEvent]]) -> list[str]:
-        """Claim, fold, save and meter; returns the tenant of each run metered (afresh).
+    async def _apply(self, decoded: list[tuple[str, MeteredEvent]]) -> tuple[list[str], list[MeteredEvent]]:
+        """Claim, fold, save and meter; returns the tenant of each run metered (afresh) and the
+        events that were new.
 
         A fixed number of statements per batch, whatever its size: the claim, the run records
         and the job specs the batch needs (each read in one statement), the records written back
@@ -142,7 +152,7 @@ class Metering:
                     rows = meter(record, self.price, self.scu)
                     await usage_store.replace_rows(conn, record.job_id, record.attempt, rows)
                     metered.append(record.tenant)
-        return metered
+        return metered, fresh
 
     async def _runs_of(
         self,

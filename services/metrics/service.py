@@ -6,11 +6,12 @@ PostgreSQL, publishes view deltas through the outbox, marks silent clusters stal
 """
 
 import asyncio
-import copy
 import hashlib
+import itertools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import msgspec
 import structlog
@@ -18,7 +19,8 @@ from nats.aio.msg import Msg
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.errors import InvalidInputError, LoomError
-from loom.model.ledger import Change, Ledger, LedgerCluster, LedgerNode
+from loom.metering.run import MeteredEvent
+from loom.model.ledger import Change, Ledger, LedgerNode
 from loom.model.profiles import device_profile
 from loom.model.scu import DecayLearner, DeviceProfile, TrustTracker, scu_by_task_type
 from loom.runtime.service import ServiceContext
@@ -29,7 +31,7 @@ from loom.store.pool import transaction
 from loom.telemetry import metrics as prom
 from loom_proto import subjects
 from loom_proto.clusters import AcceleratorProfile, ClusterHeartbeat, ClusterProfiles
-from loom_proto.codec import DecodeError, decode, encode
+from loom_proto.codec import encode
 from loom_proto.jobs import JobCancelled, JobCompleted, JobFailed, JobPlaced, JobStarted
 from loom_proto.view import ModelCapacity, NodeView, RegionSummary, ViewDelta, ViewQuery, ZoneSummary
 from loom_services.metrics.metering import Metering
@@ -40,8 +42,6 @@ PRODUCER = "metrics"
 
 USAGE_EVERY = 6
 """Gauge rounds between two refreshes of the usage gauges (30 s at the default 5 s rounds)."""
-
-ReservationEvent = JobPlaced | JobStarted | JobCompleted | JobFailed | JobCancelled
 
 
 def _models(models: dict[str, dict[str, int]]) -> list[ModelCapacity]:
@@ -97,7 +97,9 @@ class MetricsService:
     ) -> None:
         self.ctx = ctx
         self.gauges_every_s = gauges_every_s
-        self.metering = Metering(ctx, price or (lambda _region, _at: 0.0))
+        # The reservation overlay and the learning follow the metering consumer's deliveries
+        # (one consumer of the lifecycle events, not two).
+        self.metering = Metering(ctx, price or (lambda _region, _at: 0.0), on_folded=self.on_job_events)
         self.pool = ctx.db
         self.ledger = Ledger(known_models=known_models)
         self.summary_every_s = summary_every_s
@@ -145,21 +147,6 @@ class MetricsService:
             publisher=self.ctx.publisher,
             callback_pull=True,
         )
-        lifecycle: ConsumerRunner[bytes] = ConsumerRunner(
-            self.ctx.nc,
-            ConsumerSpec(
-                stream="JOBS",
-                durable="metrics-reservations",
-                filter_subjects=subjects.job_events_of(
-                    "placed", "started", "completed", "failed", "cancelled"
-                ),
-                batch=500,
-            ),
-            bytes,
-            batch_handler=self.on_job_events,
-            publisher=self.ctx.publisher,
-            callback_pull=True,
-        )
         profiles: ConsumerRunner[ClusterProfiles] = ConsumerRunner(
             self.ctx.nc,
             ConsumerSpec(
@@ -172,13 +159,11 @@ class MetricsService:
         metering = self.metering.runner()
         query_sub = await self.ctx.nc.subscribe(subjects.VIEW_QUERY, cb=self.on_query)
         await runner.start()
-        await lifecycle.start()
         await profiles.start()
         await metering.start()
         watchdog = self.ctx.watchdog
         loops = [
             watchdog.watch_consumer("heartbeats", runner),
-            watchdog.watch_consumer("reservations", lifecycle),
             watchdog.watch_consumer("profiles", profiles),
             watchdog.watch_consumer("metering", metering),
             watchdog.supervise("gauges", self._gauge_loop),
@@ -194,7 +179,6 @@ class MetricsService:
             await query_sub.unsubscribe()
             await metering.stop()
             await profiles.stop()
-            await lifecycle.stop()
             await runner.stop()
 
     async def _gauge_loop(self) -> None:
@@ -229,30 +213,36 @@ class MetricsService:
             prom.USAGE_GPU_SECONDS.labels(*key).set(int(row["gpu_ms"]) / 1000.0)
             prom.USAGE_COST.labels(*key).set(float(row["cost"]))
 
-    async def on_job_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
-        """Placements show as reserved until the run starts (or ends without starting).
+    async def on_job_events(self, events: Sequence[MeteredEvent], fresh: Sequence[MeteredEvent]) -> None:
+        """Placements show as reserved until the run starts (or ends without starting); a
+        completed run teaches trust and decay.
+
+        Fed by the metering consumer (:attr:`Metering.on_folded`) once a batch committed. Only a
+        ``placed`` new to the inbox (in ``fresh``) reserves, so a placement delivered again after
+        its run started cannot reserve its GPUs a second time; a start or an end settles whether
+        new or not (settling is idempotent, and a run :meth:`load` restored from placement's
+        reservations is settled by the redelivered start that metering had already counted).
+        Every completion is offered to :meth:`_learn`, which claims it in its own inbox (a
+        learning that failed is retried with the redelivery).
 
         Reserved GPUs are an overlay on the ledger, shown by queries and region summaries; they
         are not sent as view deltas, whose readers (placement) keep their own reservations.
         """
-        for d in deliveries:
-            try:
-                # A union is not a ``type[T]`` to mypy; decode takes it (msgspec decodes tagged unions).
-                event: ReservationEvent = decode(d.message, ReservationEvent)  # type: ignore[arg-type]
-            except DecodeError:
-                continue  # placement's business, not the ledger's: it dead-letters bad lifecycle events
-            if isinstance(event, JobCompleted):
-                await self._learn(event)
+        new = {id(e) for e in fresh}
+        for event in events:
             if isinstance(event, JobPlaced):
-                self.ledger.reserve(
-                    f"{event.job_id}:{event.attempt}", [(a.node, a.gpus) for a in event.allocations]
-                )
+                if id(event) in new:
+                    self.ledger.reserve(
+                        f"{event.job_id}:{event.attempt}", [(a.node, a.gpus) for a in event.allocations]
+                    )
             elif isinstance(event, JobCancelled):
                 for run in [r for r in self.ledger.reservations if r.startswith(f"{event.job_id}:")]:
                     self.ledger.settle(run)
-            else:
+            elif isinstance(event, JobStarted | JobCompleted | JobFailed):
                 self.ledger.settle(f"{event.job_id}:{event.attempt}")
-        return [None] * len(deliveries)
+        for event in events:
+            if isinstance(event, JobCompleted):
+                await self._learn(event)
 
     async def on_profiles(self, d: Delivery[ClusterProfiles]) -> None:
         """Store what a cluster's accelerators deliver and derive their SCU per task type."""
@@ -380,7 +370,7 @@ class MetricsService:
             log.warning("heartbeat refused", reason="cluster differs from subject", subject=d.subject)
             return
         async with self.lock:
-            snapshot = _snapshot(self.ledger, hb.cluster)
+            snapshot = _snapshot(self.ledger, hb)
             applied = self.ledger.apply(hb, time.time())
             self.ctx.stats["heartbeats"] += 1
             if applied.ignored:
@@ -443,22 +433,70 @@ class MetricsService:
         await msg.respond(json.dumps(reply).encode())
 
 
-def _snapshot(ledger: Ledger, cluster_id: str) -> tuple[LedgerCluster | None, dict[str, LedgerNode]]:
-    cluster = ledger.clusters.get(cluster_id)
-    nodes = {n: copy.copy(ledger.nodes[n]) for n in (cluster.nodes if cluster else ()) if n in ledger.nodes}
-    return (copy.deepcopy(cluster), nodes)
+_NODE_FIELDS = (
+    "zone",
+    "gpu_model",
+    "gpus_total",
+    "gpus_used",
+    "cpu_milli",
+    "memory_mib",
+    "healthy",
+    "down",
+    "updated_at",
+)
+"""What :meth:`Ledger.apply` may change on a node it already holds."""
+
+_CLUSTER_FIELDS = (
+    "agent_epoch",
+    "last_seq",
+    "interval_s",
+    "last_heartbeat_at",
+    "stale",
+    "volatility",
+    "version",
+)
+"""What :meth:`Ledger.apply` may change on a cluster it already holds (besides its node set)."""
+
+_NodeUndo = tuple[LedgerNode, tuple[Any, ...]]
+_Undo = tuple[tuple[Any, ...] | None, set[str], dict[str, _NodeUndo]]
 
 
-def _restore(
-    ledger: Ledger, cluster_id: str, snapshot: tuple[LedgerCluster | None, dict[str, LedgerNode]]
-) -> None:
-    """Undo an apply whose persistence failed, so the redelivery is applied afresh."""
-    cluster, nodes = snapshot
-    current = ledger.clusters.get(cluster_id)
-    for name in current.nodes if current else ():
-        ledger.nodes.pop(name, None)
+def _snapshot(ledger: Ledger, hb: ClusterHeartbeat) -> _Undo:
+    """What undoing ``hb``'s apply needs: the cluster's fields and node set, and the fields of
+    each node the heartbeat can change (those it names; every node of the cluster for a full
+    heartbeat, which removes the nodes it does not list). Nothing else changes in an apply, so a
+    delta heartbeat of a 1,000-node cluster saves a handful of nodes, not the whole cluster."""
+    cluster = ledger.clusters.get(hb.cluster)
     if cluster is None:
-        ledger.clusters.pop(cluster_id, None)
+        return (None, set(), {})
+    if hb.full:
+        names: Iterable[str] = cluster.nodes
     else:
-        ledger.clusters[cluster_id] = cluster
-    ledger.nodes.update(nodes)
+        names = itertools.chain((n.node for n in hb.nodes), hb.removed)
+    nodes: dict[str, _NodeUndo] = {}
+    for name in names:
+        node = ledger.nodes.get(name)
+        if node is not None and node.cluster == hb.cluster:
+            nodes[name] = (node, tuple(getattr(node, f) for f in _NODE_FIELDS))
+    fields = tuple(getattr(cluster, f) for f in _CLUSTER_FIELDS)
+    return (fields, set(cluster.nodes), nodes)
+
+
+def _restore(ledger: Ledger, cluster_id: str, snapshot: _Undo) -> None:
+    """Undo an apply whose persistence failed, so the redelivery is applied afresh."""
+    fields, node_set, nodes = snapshot
+    current = ledger.clusters.get(cluster_id)
+    if current is None:
+        return
+    for name in current.nodes - node_set:  # added by the apply
+        ledger.nodes.pop(name, None)
+    if fields is None:  # the apply created the cluster
+        ledger.clusters.pop(cluster_id, None)
+        return
+    for name, (node, values) in nodes.items():
+        for f, v in zip(_NODE_FIELDS, values, strict=True):
+            setattr(node, f, v)
+        ledger.nodes[name] = node  # back, if the apply removed it
+    for f, v in zip(_CLUSTER_FIELDS, fields, strict=True):
+        setattr(current, f, v)
+    current.nodes = node_set

@@ -210,9 +210,16 @@ class MigrationService:
         decoded: list[JobEvent] = []
         for d in deliveries:
             try:
-                decoded.append(decode(d.message, JobEvent))  # type: ignore[arg-type]
+                event: JobEvent = decode(d.message, JobEvent)  # type: ignore[arg-type]
             except DecodeError:
                 continue  # placement dead-letters bad lifecycle events; nothing to record here
+            # A first attempt's start ends no migration (a migration leaves an attempt >= 1 for a
+            # later one: migrations.from_attempt >= 1): most starts need no transaction at all.
+            if isinstance(event, JobStarted) and event.attempt <= 1:
+                continue
+            decoded.append(event)
+        if not decoded:
+            return [None] * len(deliveries)
         messages: list[outbox.OutboxMessage] = []
         async with transaction(self.pool) as conn:
             # Consecutive starts end their migrations in one statement per round (a job's second

@@ -248,9 +248,19 @@ async def test_a_restarted_agent_keeps_holding_a_member_parts_gpus(h: Harness) -
     agent = await h.start_agent()
     await until(lambda: _true(h.seen.epoch == agent.epoch), 10, "a heartbeat of the restarted agent")
     await h.heartbeat_shows({T4_C: 2}, running={member})
+    # Its health answer lists the restored run (computed when asked).
+    reply = await h.nc.request(subjects.service_health(f"agent-{CLUSTER}"), b"", timeout=2.0)
+    health = json.loads(reply.data)
+    assert (health["running"], health["running_keys"], health["nodes_over_capacity"]) == (
+        1,
+        [f"{member}:1"],
+        [],
+    )
     await h.handled(await h.command(StopJob(job_id=member)))
     await h.heartbeat_shows({T4_C: 0}, running=set(), absent={member})
     assert h.seen.kinds(member) == []
+    reply = await h.nc.request(subjects.service_health(f"agent-{CLUSTER}"), b"", timeout=2.0)
+    assert json.loads(reply.data)["running_keys"] == []
 
 
 async def test_a_stopped_lead_frees_its_gpus_and_reports_failed_once_and_nothing_after(h: Harness) -> None:

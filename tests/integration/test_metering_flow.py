@@ -371,3 +371,71 @@ async def test_a_metering_batch_with_one_poison_message_meters_the_others_with_a
     # One read and one write of run records, one read of specs, for the whole batch.
     assert sum("usage_runs" in q for q in statements) == 2
     assert sum("FROM jobs" in q for q in statements) == 1
+
+
+async def test_the_reservation_overlay_follows_the_metering_deliveries_and_a_redelivery_changes_nothing(
+    fresh_database: Callable[..., Awaitable[str]],
+) -> None:
+    """One consumer feeds metering and the metrics service's reservation overlay: a placement
+    reserves its GPUs until the run starts, a ``placed`` delivered again after the start (a lost
+    ack) does not reserve them a second time, and a start delivered again still settles."""
+    from types import SimpleNamespace
+
+    from opentelemetry import trace
+
+    from loom.bus import Delivery
+    from loom.model.ledger import LedgerCluster, LedgerNode
+    from loom.store.pool import create_pool
+    from loom_proto.codec import encode
+    from loom_proto.jobs import JobPlaced, JobStarted, NodeAllocation
+    from loom_services.metrics.service import MetricsService
+
+    t0 = 1_780_000_000.0
+    placed = JobPlaced(
+        job_id="r",
+        tenant="acme",
+        cluster="c1",
+        region="r1",
+        gpu_model="A100",
+        allocations=[NodeAllocation("n1", 3)],
+        attempt=1,
+        placed_at=t0,
+    )
+    started = JobStarted(job_id="r", tenant="acme", cluster="c1", attempt=1, started_at=t0 + 1)
+
+    def delivery(seq: int, mid: str, body: bytes) -> Delivery[bytes]:
+        return Delivery(
+            msg=None,
+            subject="loom.jobs.x.acme",
+            message=body,
+            headers={},
+            msg_id=mid,
+            num_delivered=1,
+            stream_seq=seq,
+            span=trace.get_tracer("test").start_span("x"),
+        )  # type: ignore[arg-type]
+
+    pool = await create_pool(await fresh_database("metering-overlay"), max_size=2)
+    try:
+        ctx = SimpleNamespace(db=pool, publisher=None, stats={})
+        service = MetricsService(ctx)  # type: ignore[arg-type]
+        node = LedgerNode("n1", "c1", "r1", "z1", "A100", 8, 0, 0, 0, True, t0)
+        service.ledger.load([LedgerCluster(cluster="c1", region="r1")], [node])
+        on_events = service.metering.on_events
+        await on_events([delivery(1, "r:placed:1", encode(placed))])
+        reserved_after_placed = service.ledger.nodes["n1"].gpus_reserved
+        await on_events([delivery(2, "r:started:1", encode(started))])
+        reserved_after_started = service.ledger.nodes["n1"].gpus_reserved
+        # The placement again, alone, after the start (its ack was lost): nothing changes.
+        await on_events([delivery(1, "r:placed:1", encode(placed))])
+        reserved_after_redelivery = service.ledger.nodes["n1"].gpus_reserved
+        # A restarted service rebuilds the reservation from placement's table (not yet confirmed
+        # there); the start metering already counted, delivered again, still settles it.
+        service.ledger.reserve("r:1", [("n1", 3)])
+        await on_events([delivery(2, "r:started:1", encode(started))])
+        reserved_after_restart = service.ledger.nodes["n1"].gpus_reserved
+    finally:
+        await pool.close()
+    assert (reserved_after_placed, reserved_after_started, reserved_after_redelivery) == (3, 0, 0)
+    assert reserved_after_restart == 0
+    assert service.metering.counts["duplicates"] == 2

@@ -46,3 +46,71 @@ async def test_a_batch_of_starts_ends_each_migration_at_the_first_start_that_fol
         ("b:1", "completed", "z"),
         ("c:3", "started", None),
     ]
+
+
+async def test_first_attempt_starts_cost_migration_no_statement_and_a_later_start_still_ends_its_move(
+    fresh_database: Callable[..., Awaitable[str]],
+) -> None:
+    """A first attempt's start can end no migration (``from_attempt >= 1``): a batch of them is
+    acknowledged without touching PostgreSQL; a second attempt's start in a batch still ends the
+    migration of the first."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from opentelemetry import trace
+
+    from loom.bus import Delivery
+    from loom_proto.codec import encode
+    from loom_proto.jobs import JobStarted
+    from loom_services.migration.service import MigrationService
+
+    def delivery(seq: int, event: JobStarted) -> Delivery[bytes]:
+        return Delivery(
+            msg=None,
+            subject="loom.jobs.started.acme",
+            message=encode(event),
+            headers={},
+            msg_id=f"{event.job_id}:started:{event.attempt}",
+            num_delivered=1,
+            stream_seq=seq,
+            span=trace.get_tracer("test").start_span("x"),
+        )  # type: ignore[arg-type]
+
+    def started(job: str, attempt: int) -> JobStarted:
+        return JobStarted(job_id=job, tenant="acme", cluster="c2", attempt=attempt, started_at=1.0)
+
+    pool = await create_pool(await fresh_database("migration-first-starts"), max_size=1)
+    statements: list[str] = []
+    try:
+        async with transaction(pool) as conn:
+            await moves.plan(
+                conn,
+                migration_id="m:1",
+                job_id="m",
+                tenant="acme",
+                cause="drain",
+                state="started",
+                from_cluster="c1",
+                from_attempt=1,
+                steps=10,
+                why="drained",
+                trace_context={},
+            )
+        service = MigrationService(SimpleNamespace(db=pool, publisher=None, stats={}))  # type: ignore[arg-type]
+
+        def logged(q: Any) -> None:
+            statements.append(q.query)
+
+        async with pool.acquire() as conn:  # the pool's one connection
+            conn.add_query_logger(logged)
+        first = await service.on_job_events([delivery(i, started(f"f{i}", 1)) for i in range(50)])
+        statements_for_first = len(statements)
+        second = await service.on_job_events([delivery(60, started("f0", 1)), delivery(61, started("m", 2))])
+        async with pool.acquire() as conn:
+            conn.remove_query_logger(logged)
+        row = await pool.fetchrow("SELECT state, to_cluster FROM migrations WHERE migration_id = 'm:1'")
+    finally:
+        await pool.close()
+    assert first == [None] * 50 and second == [None, None]
+    assert statements_for_first == 0
+    assert row is not None and (row["state"], row["to_cluster"]) == ("completed", "c2")

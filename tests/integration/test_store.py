@@ -471,6 +471,18 @@ async def test_the_ledger_round_trips_and_an_older_cluster_version_never_overwri
         [cluster] = await ledger.load_clusters(db)
         assert (cluster.cluster, cluster.version, cluster.last_heartbeat_at) == ("c1", 5, 1_700_000_000.0)
         assert await ledger.load_nodes(db) == [node]
+        # One statement for many nodes; a node listed twice is written as its last entry.
+        busier = LedgerNode(**{**asdict(node), "gpus_used": 6})
+        many = [LedgerNode(**{**asdict(node), "node": f"m{i}", "gpus_used": i % 8}) for i in range(300)]
+        async with transaction(db) as conn:
+            await ledger.write_nodes(conn, [node, *many, busier])
+            await ledger.write_nodes(conn, [])
+        stored = {n.node: n for n in await ledger.load_nodes(db)}
+        assert stored["n1"] == busier and len(stored) == 301
+        assert [stored[f"m{i}"].gpus_used for i in range(300)] == [i % 8 for i in range(300)]
+        await db.execute("DELETE FROM ledger_nodes WHERE node LIKE 'm%'")
+        async with transaction(db) as conn:
+            await ledger.write_nodes(conn, [node])
 
         async with transaction(db) as conn:
             await ledger.save_learning(

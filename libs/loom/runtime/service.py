@@ -54,6 +54,9 @@ class ServiceContext:
     stopping: asyncio.Event
     started_at: float = field(default_factory=time.time)
     stats: dict[str, Any] = field(default_factory=dict)
+    live_stats: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
+    """Stats computed when a health answer asks for them (what would cost too much to keep up to
+    date on every change, e.g. an agent's sorted list of runs); merged over :attr:`stats`."""
     watchdog: Watchdog = field(init=False)
     """Supervises the service's long-lived tasks; its health joins every health answer."""
     dependencies: Dependencies | None = None
@@ -74,6 +77,7 @@ class ServiceContext:
             "pid": os.getpid(),
             "uptime_s": round(time.time() - self.started_at, 3),
             **self.stats,
+            **{k: v for live in self.live_stats for k, v in live().items()},
             "status": "degraded: " + "; ".join(problems) if problems else "ok",
             "problems": problems,
             "unavailable": unavailable,

@@ -86,32 +86,32 @@ async def write_cluster(conn: asyncpg.Connection, c: LedgerCluster) -> None:
 
 
 async def write_nodes(conn: asyncpg.Connection, nodes: Sequence[LedgerNode]) -> None:
-    """Insert or replace nodes."""
-    await conn.executemany(
+    """Insert or replace nodes, in one statement whatever their number (a heartbeat after a burst
+    of starts changes hundreds); a node listed twice is written as its last entry."""
+    if not nodes:
+        return
+    latest = list({n.node: n for n in nodes}.values())
+    await conn.execute(
         """INSERT INTO ledger_nodes (node, cluster, region, zone, gpu_model, gpus_total, gpus_used, cpu_milli,
                                      memory_mib, healthy, updated_at)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
+           SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::int[],
+                                $7::int[], $8::int[], $9::bigint[], $10::bool[], $11::timestamptz[])
            ON CONFLICT (node) DO UPDATE SET cluster = EXCLUDED.cluster, region = EXCLUDED.region,
                zone = EXCLUDED.zone, gpu_model = EXCLUDED.gpu_model, gpus_total = EXCLUDED.gpus_total,
                gpus_used = EXCLUDED.gpus_used, cpu_milli = EXCLUDED.cpu_milli,
                memory_mib = EXCLUDED.memory_mib,
                healthy = EXCLUDED.healthy, updated_at = EXCLUDED.updated_at""",
-        [
-            (
-                n.node,
-                n.cluster,
-                n.region,
-                n.zone,
-                n.gpu_model,
-                n.gpus_total,
-                n.gpus_used,
-                n.cpu_milli,
-                n.memory_mib,
-                n.healthy,
-                ts(n.updated_at),
-            )
-            for n in nodes
-        ],
+        [n.node for n in latest],
+        [n.cluster for n in latest],
+        [n.region for n in latest],
+        [n.zone for n in latest],
+        [n.gpu_model for n in latest],
+        [n.gpus_total for n in latest],
+        [n.gpus_used for n in latest],
+        [n.cpu_milli for n in latest],
+        [n.memory_mib for n in latest],
+        [n.healthy for n in latest],
+        [ts(n.updated_at) for n in latest],
     )
 
 
