@@ -120,6 +120,13 @@ class MigrationSettings:
     """How often the schedulable GPUs per cluster are read (a join is seen within this)."""
     improve_share: float = backflow.DEFAULT_IMPROVE_SHARE
     """A cluster whose schedulable GPUs grew by this share improved."""
+    join_settle_s: float = 12.0
+    join_recheck_s: float = 3.0
+    """A cluster that joined (or returned) is reviewed again every ``join_recheck_s`` for
+    ``join_settle_s`` while the framework places its candidates elsewhere: its GPUs show in the
+    view from its first heartbeat, but placement may still hold it closed for a moment (a failed
+    cluster reopens on its own reading of the agent), and a review then would find nothing
+    moving there, for good."""
 
 
 class MigrationService:
@@ -147,6 +154,8 @@ class MigrationService:
         self._cluster_reviews: dict[str, tuple[benefit.Trigger, str]] = {}
         self._review_after: dict[str, float] = {}
         """cluster -> when its pending review is due (a cool-down holding back a move there ends)."""
+        self._joined_at: dict[str, float] = {}
+        """cluster -> when it was last seen joining or returning (wall s): rechecked while settling."""
         """cluster -> (trigger, what happened) still to review: joined, returned, improved, undrained."""
         self._slow: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.stats.update({"cluster_reviews": 0, "slow_reviews": 0})
@@ -997,6 +1006,8 @@ class MigrationService:
                         what = "joined" if trigger == "cluster_joined" else "improved"
                         what += f" ({seen.get(cluster, 0)} -> {gpus[cluster]} schedulable GPUs)"
                         self._cluster_reviews.setdefault(cluster, (trigger, f"cluster {cluster} {what}"))
+                        if trigger == "cluster_joined":
+                            self._joined_at[cluster] = time.time()
                 seen = gpus
                 closed = await moves.drained_clusters(self.pool)
                 for cluster, (trigger, about) in list(self._cluster_reviews.items()):
@@ -1008,17 +1019,30 @@ class MigrationService:
                         continue
                     plan = await self.review_cluster(cluster, trigger, about)
                     held = backflow.held_until(plan.stay, cluster)
-                    if plan.deferred or held is not None:
+                    recheck = self._settling_recheck(cluster, trigger, plan)
+                    if plan.deferred or held is not None or recheck is not None:
                         # Deferred by the budget: again at the next reading; held by a cool-down
-                        # (a job that just failed over or drained off): again when it ends.
+                        # (a job that just failed over or drained off): again when it ends; a
+                        # cluster just back that placement may not have reopened yet: again soon.
                         self._cluster_reviews.setdefault(cluster, (trigger, about))
-                        if not plan.deferred and held is not None:
-                            self._review_after[cluster] = held
+                        if not plan.deferred:
+                            self._review_after[cluster] = min(t for t in (held, recheck) if t is not None)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("cluster review failed", error=repr(exc))
                 await asyncio.sleep(self.settings.clusters_every_s)
+
+    def _settling_recheck(self, cluster: str, trigger: benefit.Trigger, plan: benefit.Plan) -> float | None:
+        """When to review a cluster that joined moments ago again: while it settles, if the
+        framework placed some candidate elsewhere (:func:`backflow.toward`'s stays)."""
+        joined = self._joined_at.get(cluster)
+        now = time.time()
+        if trigger != "cluster_joined" or joined is None or now - joined >= self.settings.join_settle_s:
+            return None
+        if not any(backflow.placed_elsewhere(v, cluster) for v in plan.stay):
+            return None
+        return now + self.settings.join_recheck_s
 
     async def review_cluster(self, cluster: str, trigger: benefit.Trigger, about: str) -> benefit.Plan:
         """Decide, for every running job with no part on ``cluster`` (and no move open), whether it

@@ -175,7 +175,7 @@ async def test_a_failed_cluster_that_returns_stops_its_orphans_and_draws_back_on
             )
             return jobs if back else None  # type: ignore[return-value]
 
-        await until(flowed_back, 30, "the long jobs back on the returned cluster", interval_s=0.02)
+        await until(flowed_back, 60, "the long jobs back on the returned cluster", interval_s=0.02)
         print(f", both long jobs back {time.time() - returned_at:.2f} s after it returned")
         assert resurrected == [], "an orphaned attempt-1 run was live again"
 

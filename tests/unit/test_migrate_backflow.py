@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from loom.migrate.backflow import cluster_triggers, held_until, not_on, toward
+from loom.migrate.backflow import cluster_triggers, held_until, not_on, placed_elsewhere, toward
 from loom.migrate.benefit import Candidate, MigrationSettings, PathState, RunningJobState, decide
 
 PATH = PathState(rtt_ms=100.0, bandwidth_gbps=8.0)
@@ -54,6 +54,18 @@ def test_a_move_elsewhere_than_the_joined_cluster_becomes_a_stay_with_its_number
     assert not kept.move and kept.gain_s == verdict.gain_s and kept.threshold_s == verdict.threshold_s
     assert kept.reason.startswith("stays: the framework's choice now is c, not b; gain")
     assert toward(verdict, "c") is verdict
+    # A returning cluster's review is done again while it settles only for such stays.
+    assert placed_elsewhere(kept, "b") and not placed_elsewhere(verdict, "c")
+    cooled = decide(
+        replace(_running(2.0), moves=1, last_moved_s=-10.0),
+        Candidate("b", "r-b", 1.0),
+        PATH,
+        now_s=0.0,
+        trigger="cluster_joined",
+    )
+    assert not placed_elsewhere(toward(cooled, "b"), "b")  # held there by its cool-down
+    # The framework's choice is where the job runs now (the cluster not open to it yet).
+    assert placed_elsewhere(toward(replace(cooled, target="a"), "b"), "b")
 
 
 def test_backflow_moves_only_when_the_gain_beats_cost_and_margin() -> None:

@@ -52,6 +52,16 @@ def not_on(clusters_of: Mapping[str, Collection[str]], cluster: str) -> list[str
     return sorted(job for job, held in clusters_of.items() if cluster not in held)
 
 
+ELSEWHERE = "stays: the framework's choice now is "
+
+
+def placed_elsewhere(verdict: MigrationVerdict, cluster: str) -> bool:
+    """Whether a review about ``cluster`` kept the job because the framework would place it on
+    another cluster (where it runs now, or a third one: :func:`toward`'s stays), not for its
+    numbers there."""
+    return not verdict.move and (verdict.target != cluster or verdict.reason.startswith(ELSEWHERE))
+
+
 def toward(verdict: MigrationVerdict, cluster: str) -> MigrationVerdict:
     """A verdict of a review about ``cluster``: a move elsewhere becomes a stay, saying so (the
     numbers are kept). A stay, or a move there, is returned as it is."""
@@ -60,8 +70,7 @@ def toward(verdict: MigrationVerdict, cluster: str) -> MigrationVerdict:
     return replace(
         verdict,
         decision="stay",
-        reason=f"stays: the framework's choice now is {verdict.target}, not {cluster}; "
-        + verdict.reason.removeprefix("moves: "),
+        reason=f"{ELSEWHERE}{verdict.target}, not {cluster}; " + verdict.reason.removeprefix("moves: "),
     )
 
 
