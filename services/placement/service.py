@@ -162,6 +162,8 @@ LIFECYCLE_SUBJECTS = subjects.job_events_of(
 LifecycleEvent = JobStarted | JobProgress | JobCheckpointed | JobCompleted | JobFailed | JobCancelled
 MAX_BACKOFF_S = 30.0
 ACK_WAIT_S = 5.0
+SUSPECT_ANNOUNCE_S = 5.0
+"""How long a cluster stays suspect before the alert correlator is told (``failed``: at once)."""
 MIN_DECIDE_SLICE = 8
 """The fewest submissions one slice decides (see :func:`decide_slice`)."""
 
@@ -1684,12 +1686,23 @@ class PlacementService:
         """Tell the alert correlator (core NATS ``loom.placement.cluster_health``) each cluster whose
         classification changed since the last cycle: suspect, failed, or healthy again."""
         now = time.time()
+        since = self.failover.unhealthy_since
+        for c in [c for c in since if c not in health]:
+            del since[c]
+        for c in health:
+            since.setdefault(c, now)
+        # A suspect state is told once it has lasted SUSPECT_ANNOUNCE_S (links not measured yet at
+        # start-up, a late heartbeat under load: placement copes, nobody needs paging), and
+        # nothing before the settle time after taking the lead; a failed state at once.
+        settled = time.monotonic() >= self.settled_at
         changes = [
             ClusterHealthChanged(
                 cluster=c, state=h.state, reason=h.reason[:512], region=self.region_of.get(c), at=now
             )
             for c, h in sorted(health.items())
             if self.failover.announced.get(c) != h.state
+            and settled
+            and (h.failed or now - since[c] >= SUSPECT_ANNOUNCE_S)
         ]
         changes += [
             ClusterHealthChanged(
@@ -2621,6 +2634,8 @@ class _Failover:
     """When each failed cluster was classified failed (wall s)."""
     drained: frozenset[str] = frozenset()
     """Clusters drained by ``loom drain`` (closed to new work, like failed ones)."""
+    unhealthy_since: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Cluster -> since when it has been suspect or failed without a break (wall s)."""
     announced: dict[str, str] = dataclasses.field(default_factory=dict)
     """Cluster -> the unhealthy state last told on ``loom.placement.cluster_health``."""
     persisted: set[str] = dataclasses.field(default_factory=set)

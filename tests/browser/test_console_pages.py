@@ -339,7 +339,9 @@ def test_an_incident_opens_with_the_jobs_it_hits_and_the_operator_acknowledges_i
         row = f"table.incidents tr[data-incident]:has-text('cluster {cluster}')"
         for _ in range(40):  # grouped, correlated and stored within a second or two
             page.goto(f"{base}/incidents")
-            if page.locator(row).count():
+            # An earlier incident on that cluster (its agent late under load: placement's suspect
+            # notice, resolved since) shows until our alert re-opens it.
+            if page.locator(row).count() and "open" in page.inner_text(f"{row} td.inc"):
                 break
             page.wait_for_timeout(500)
         assert page.locator(row).count() == 1
