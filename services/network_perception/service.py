@@ -24,7 +24,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,7 +49,7 @@ from loom.store.pool import transaction
 from loom.telemetry import metrics as prom
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
-from loom_proto.net import LinkDegraded, LinkRecovered, RawProbeSample, TransferObserved
+from loom_proto.net import LinkDegraded, LinkRecovered, LinkState, RawProbeSample, TransferObserved
 
 log = structlog.get_logger("network-perception")
 
@@ -285,36 +285,42 @@ class NetworkPerception:
         keys = self.perception.shifted()
         events = self.perception.evaluate_shifted(now)
         self.counts["shift_evaluations"] += len(keys)
+        await self._log_and_record(events)
+        states = [self.perception.links[key].link_state(now) for key in keys]
+        await asyncio.gather(*self._state_sends(states, now))
+        await asyncio.gather(*self._event_sends(events))
+        self.counts["states_published"] += len(states)
+        self.counts["events"] += len(events)
+        return events
+
+    async def _log_and_record(self, events: list[LinkEvent]) -> None:
         for event in events:
             log.info(
                 f"link {event.kind}", src=event.src, dst=event.dst, reason=event.reason, rtt_ms=event.rtt_ms
             )
         if events:
             await self._record_events(events)
-        publisher = self.ctx.publisher
+
+    def _state_sends(self, states: list[LinkState], now: float) -> list[Awaitable[Any]]:
+        """The publishes of link states stamped ``now`` (one message id per link and tick)."""
         stamp = int(now * 1000)
-        states = [self.perception.links[key].link_state(now) for key in keys]
-        await asyncio.gather(
-            *(
-                publisher.publish(
-                    subjects.link_state(s.src, s.dst), s, msg_id=f"link-{s.src}-{s.dst}-{self.epoch}-{stamp}"
-                )
-                for s in states
+        return [
+            self.ctx.publisher.publish(
+                subjects.link_state(s.src, s.dst), s, msg_id=f"link-{s.src}-{s.dst}-{self.epoch}-{stamp}"
             )
-        )
-        await asyncio.gather(
-            *(
-                publisher.publish(
-                    subjects.net_event(e.kind),
-                    event_message(e),
-                    msg_id=f"net-{e.kind}-{e.src}-{e.dst}-{int(e.at * 1000)}",
-                )
-                for e in events
+            for s in states
+        ]
+
+    def _event_sends(self, events: list[LinkEvent]) -> list[Awaitable[Any]]:
+        """The publishes of degraded / recovered events (one message id per event)."""
+        return [
+            self.ctx.publisher.publish(
+                subjects.net_event(e.kind),
+                event_message(e),
+                msg_id=f"net-{e.kind}-{e.src}-{e.dst}-{int(e.at * 1000)}",
             )
-        )
-        self.counts["states_published"] += len(states)
-        self.counts["events"] += len(events)
-        return events
+            for e in events
+        ]
 
     async def on_transfer(self, d: Delivery[TransferObserved]) -> None:
         """A job's transfer between regions: what the link really carried weighs on its cost."""
@@ -343,39 +349,17 @@ class NetworkPerception:
         """One period: evaluate links, publish states and events, re-select paths, persist."""
         events = self.perception.tick(now)
         self.counts["ticks"] += 1
-        for event in events:
-            log.info(
-                f"link {event.kind}", src=event.src, dst=event.dst, reason=event.reason, rtt_ms=event.rtt_ms
-            )
-        if events:
-            await self._record_events(events)
+        await self._log_and_record(events)
         for src in self.regions:
             for dst in self.regions:
                 if src != dst:
                     self.select(src, dst, now)
-        publisher = self.ctx.publisher
         states = self.perception.link_states(now)
-        stamp = int(now * 1000)
         for st in states:
             prom.LINK_RTT.labels(st.src, st.dst).set(st.rtt_ms_p50)
             prom.LINK_LOSS.labels(st.src, st.dst).set(st.loss_rate)
             prom.LINK_COST.labels(st.src, st.dst).set(st.cost)
-        await asyncio.gather(
-            *(
-                publisher.publish(
-                    subjects.link_state(s.src, s.dst), s, msg_id=f"link-{s.src}-{s.dst}-{self.epoch}-{stamp}"
-                )
-                for s in states
-            ),
-            *(
-                publisher.publish(
-                    subjects.net_event(e.kind),
-                    event_message(e),
-                    msg_id=f"net-{e.kind}-{e.src}-{e.dst}-{int(e.at * 1000)}",
-                )
-                for e in events
-            ),
-        )
+        await asyncio.gather(*self._state_sends(states, now), *self._event_sends(events))
         self.counts["states_published"] += len(states)
         self.counts["events"] += len(events)
         if now - self.persisted_at >= self.persist_every_s:
