@@ -17,6 +17,22 @@ import pytest
 from loom.runtime.servers import NatsCluster, NatsServer, PostgresServer
 
 
+@pytest.fixture(autouse=True)
+def _logging_left_as_found() -> Iterator[None]:
+    """A test that configures logging in this process (the CLI's ``main`` does, at WARNING) puts it
+    back: a later test on the same worker that captures log events (``structlog.testing.capture_logs``)
+    would otherwise see its info events filtered out, depending on which files share the worker."""
+    import structlog
+
+    before = structlog.get_config()
+    yield
+    if structlog.get_config() != before:
+        from loom.telemetry.logs import reset_logging
+
+        reset_logging()
+        structlog.configure(**before)
+
+
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     """A JetStream-enabled ``nats-server`` on free ports, stopped at the end of the session."""
