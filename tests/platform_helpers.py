@@ -96,8 +96,8 @@ class Platform:
         self.tasks[name] = (asyncio.create_task(service.run()), ctx)
         return service
 
-    async def stop(self, name: str) -> None:
+    async def stop(self, name: str, timeout_s: float = 15.0) -> None:
         task, ctx = self.tasks.pop(name)
         ctx.stopping.set()
-        await asyncio.wait_for(task, timeout=15)
+        await asyncio.wait_for(task, timeout=timeout_s)
         await close_context(ctx)

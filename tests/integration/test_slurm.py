@@ -75,7 +75,9 @@ async def platform(
         await p.start(name)
     yield p
     for name in list(p.tasks):
-        await p.stop(name)
+        # A Slurm agent's stop waits on sbatch / scontrol / scancel calls still running, each slow
+        # on a loaded machine (15 s was once not enough in a parallel CI run).
+        await p.stop(name, timeout_s=60.0)
 
 
 @pytest.fixture
