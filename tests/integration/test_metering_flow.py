@@ -17,10 +17,12 @@ from typing import Any
 
 import asyncpg
 import pytest
+from opentelemetry import trace
 from platform_helpers import Platform
 from prometheus_client.parser import text_string_to_metric_families
 from waiting import until
 
+from loom.bus import Delivery
 from loom.cli.main import main as loom_main
 from loom.client import LoomClient
 from loom.runtime.config import ENV_DATABASE_URL, ENV_NATS_URL
@@ -131,6 +133,20 @@ async def expected(stack: tuple[Platform, Any], nats_url: str) -> dict[str, dict
         by["tenant"][tenant] = by["tenant"].get(tenant, 0) + gpu_ms
         by["team"][team] = by["team"].get(team, 0) + gpu_ms
     return by
+
+
+def _delivery(seq: int, mid: str, body: bytes) -> Delivery[bytes]:
+    """A delivery of ``body`` as the consumer would hand it to a handler (no NATS message needed)."""
+    return Delivery(
+        msg=None,
+        subject="loom.jobs.x.acme",
+        message=body,
+        headers={},
+        msg_id=mid,
+        num_delivered=1,
+        stream_seq=seq,
+        span=trace.get_tracer("test").start_span("x"),
+    )  # type: ignore[arg-type]
 
 
 async def test_usage_of_a_completed_run_equals_gpus_times_duration_by_tenant_and_label(
@@ -281,9 +297,6 @@ async def test_a_metering_batch_with_one_poison_message_meters_the_others_with_a
 ) -> None:
     from types import SimpleNamespace
 
-    from opentelemetry import trace
-
-    from loom.bus import Delivery
     from loom.store.pool import create_pool
     from loom_proto.codec import encode
     from loom_proto.jobs import JobCompleted, JobPlaced, JobStarted, NodeAllocation
@@ -319,19 +332,6 @@ async def test_a_metering_batch_with_one_poison_message_meters_the_others_with_a
     bodies = [(mid, encode(e)) for mid, e in events]
     bodies.insert(7, ("poison", b'{"kind": "placed", "job_id": 7}'))  # not a metered event
 
-    def delivery(i: int, mid: str, body: bytes) -> Delivery[bytes]:
-        span = trace.get_tracer("test").start_span("x")
-        return Delivery(
-            msg=None,
-            subject="loom.jobs.x.acme",
-            message=body,
-            headers={},
-            msg_id=mid,
-            num_delivered=1,
-            stream_seq=i + 1,
-            span=span,
-        )  # type: ignore[arg-type]
-
     pool = await create_pool(await fresh_database("metering-batch"), max_size=1)
     statements: list[str] = []
     try:
@@ -351,7 +351,9 @@ async def test_a_metering_batch_with_one_poison_message_meters_the_others_with_a
 
         async with pool.acquire() as conn:  # the pool's one connection: what metering uses
             conn.add_query_logger(logged)
-        outcomes = await metering.on_events([delivery(i, mid, body) for i, (mid, body) in enumerate(bodies)])
+        outcomes = await metering.on_events(
+            [_delivery(i + 1, mid, body) for i, (mid, body) in enumerate(bodies)]
+        )
         async with pool.acquire() as conn:
             conn.remove_query_logger(logged)
         rows = await pool.fetch(
@@ -381,9 +383,6 @@ async def test_the_reservation_overlay_follows_the_metering_deliveries_and_a_red
     ack) does not reserve them a second time, and a start delivered again still settles."""
     from types import SimpleNamespace
 
-    from opentelemetry import trace
-
-    from loom.bus import Delivery
     from loom.model.ledger import LedgerCluster, LedgerNode
     from loom.store.pool import create_pool
     from loom_proto.codec import encode
@@ -403,18 +402,6 @@ async def test_the_reservation_overlay_follows_the_metering_deliveries_and_a_red
     )
     started = JobStarted(job_id="r", tenant="acme", cluster="c1", attempt=1, started_at=t0 + 1)
 
-    def delivery(seq: int, mid: str, body: bytes) -> Delivery[bytes]:
-        return Delivery(
-            msg=None,
-            subject="loom.jobs.x.acme",
-            message=body,
-            headers={},
-            msg_id=mid,
-            num_delivered=1,
-            stream_seq=seq,
-            span=trace.get_tracer("test").start_span("x"),
-        )  # type: ignore[arg-type]
-
     pool = await create_pool(await fresh_database("metering-overlay"), max_size=2)
     try:
         ctx = SimpleNamespace(db=pool, publisher=None, stats={})
@@ -422,17 +409,17 @@ async def test_the_reservation_overlay_follows_the_metering_deliveries_and_a_red
         node = LedgerNode("n1", "c1", "r1", "z1", "A100", 8, 0, 0, 0, True, t0)
         service.ledger.load([LedgerCluster(cluster="c1", region="r1")], [node])
         on_events = service.metering.on_events
-        await on_events([delivery(1, "r:placed:1", encode(placed))])
+        await on_events([_delivery(1, "r:placed:1", encode(placed))])
         reserved_after_placed = service.ledger.nodes["n1"].gpus_reserved
-        await on_events([delivery(2, "r:started:1", encode(started))])
+        await on_events([_delivery(2, "r:started:1", encode(started))])
         reserved_after_started = service.ledger.nodes["n1"].gpus_reserved
         # The placement again, alone, after the start (its ack was lost): nothing changes.
-        await on_events([delivery(1, "r:placed:1", encode(placed))])
+        await on_events([_delivery(1, "r:placed:1", encode(placed))])
         reserved_after_redelivery = service.ledger.nodes["n1"].gpus_reserved
         # A restarted service rebuilds the reservation from placement's table (not yet confirmed
         # there); the start metering already counted, delivered again, still settles it.
         service.ledger.reserve("r:1", [("n1", 3)])
-        await on_events([delivery(2, "r:started:1", encode(started))])
+        await on_events([_delivery(2, "r:started:1", encode(started))])
         reserved_after_restart = service.ledger.nodes["n1"].gpus_reserved
     finally:
         await pool.close()
