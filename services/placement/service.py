@@ -73,6 +73,7 @@ from loom.errors import InvalidInputError, NotLeaderError, TransientError
 from loom.migrate.checkpoints import Checkpoint, choose, report_refusal
 from loom.migrate.health import (
     Health,
+    HealthNotices,
     Liveness,
     PingOutcome,
     affected_jobs,
@@ -162,8 +163,6 @@ LIFECYCLE_SUBJECTS = subjects.job_events_of(
 LifecycleEvent = JobStarted | JobProgress | JobCheckpointed | JobCompleted | JobFailed | JobCancelled
 MAX_BACKOFF_S = 30.0
 ACK_WAIT_S = 5.0
-SUSPECT_ANNOUNCE_S = 5.0
-"""How long a cluster stays suspect before the alert correlator is told (``failed``: at once)."""
 MIN_DECIDE_SLICE = 8
 """The fewest submissions one slice decides (see :func:`decide_slice`)."""
 
@@ -1684,46 +1683,24 @@ class PlacementService:
 
     async def _announce_health(self, health: Mapping[str, Health]) -> None:
         """Tell the alert correlator (core NATS ``loom.placement.cluster_health``) each cluster whose
-        classification changed since the last cycle: suspect, failed, or healthy again."""
+        classification changed: suspect, failed, or healthy again (:class:`HealthNotices` says
+        which, and when)."""
         now = time.time()
-        since = self.failover.unhealthy_since
-        for c in [c for c in since if c not in health]:
-            del since[c]
-        for c in health:
-            since.setdefault(c, now)
-        # A suspect state is told once it has lasted SUSPECT_ANNOUNCE_S (links not measured yet at
-        # start-up, a late heartbeat under load: placement copes, nobody needs paging), and
-        # nothing before the settle time after taking the lead; a failed state at once.
-        settled = time.monotonic() >= self.settled_at
-        changes = [
-            ClusterHealthChanged(
-                cluster=c, state=h.state, reason=h.reason[:512], region=self.region_of.get(c), at=now
-            )
-            for c, h in sorted(health.items())
-            if self.failover.announced.get(c) != h.state
-            and settled
-            and (h.failed or now - since[c] >= SUSPECT_ANNOUNCE_S)
-        ]
-        changes += [
-            ClusterHealthChanged(
-                cluster=c,
-                state="healthy",
-                reason="heartbeats and probes back",
-                region=self.region_of.get(c),
+        notices = self.failover.notices.due(health, now, settled=time.monotonic() >= self.settled_at)
+        for h in notices:
+            change = ClusterHealthChanged(
+                cluster=h.cluster,
+                state=h.state,
+                reason=h.reason[:512],
+                region=self.region_of.get(h.cluster),
                 at=now,
             )
-            for c in sorted(set(self.failover.announced) - set(health))
-        ]
-        for change in changes:
             try:
                 await self.ctx.nc.publish(subjects.PLACEMENT_CLUSTER_HEALTH, msgspec.json.encode(change))
             except Exception as exc:  # retried next cycle: the state is not recorded as told
-                log.info("cluster health notice not sent", cluster=change.cluster, error=repr(exc))
+                log.info("cluster health notice not sent", cluster=h.cluster, error=repr(exc))
                 continue
-            if change.state == "healthy":
-                self.failover.announced.pop(change.cluster, None)
-            else:
-                self.failover.announced[change.cluster] = change.state
+            self.failover.notices.told(h)
 
     async def _persist_failed(self) -> None:
         """Record the clusters newly classified failed, forget those that returned (for the next
@@ -2634,10 +2611,8 @@ class _Failover:
     """When each failed cluster was classified failed (wall s)."""
     drained: frozenset[str] = frozenset()
     """Clusters drained by ``loom drain`` (closed to new work, like failed ones)."""
-    unhealthy_since: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Cluster -> since when it has been suspect or failed without a break (wall s)."""
-    announced: dict[str, str] = dataclasses.field(default_factory=dict)
-    """Cluster -> the unhealthy state last told on ``loom.placement.cluster_health``."""
+    notices: HealthNotices = dataclasses.field(default_factory=HealthNotices)
+    """What ``loom.placement.cluster_health`` has told of each cluster."""
     persisted: set[str] = dataclasses.field(default_factory=set)
     """Failed clusters recorded in the store for the next leader (:mod:`loom.store.failed`)."""
 

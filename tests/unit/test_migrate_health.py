@@ -164,3 +164,33 @@ def test_a_round_where_every_agent_missed_is_no_evidence() -> None:
     for i in range(AGENT_GONE_MISSES):
         solo.record_round(float(i), {"a": "no_responders"})
     assert solo.gone_s("a", 5.0) == pytest.approx(5.0)
+
+
+def test_notices_tell_failed_at_once_suspect_only_when_it_lasts_and_healthy_only_after_a_notice() -> None:
+    from loom.migrate.health import Health, HealthNotices
+
+    notices = HealthNotices(suspect_after_s=5.0)
+    suspect = {"a": Health("a", "suspect", "probes cannot reach its region")}
+    # Before placement settled after taking the lead: nothing.
+    assert notices.due(suspect, 0.0, settled=False) == []
+    assert notices.due(suspect, 4.9, settled=True) == []  # a brief blip: nobody paged
+    [told] = notices.due(suspect, 5.0, settled=True)
+    assert told.state == "suspect"
+    notices.told(told)
+    assert notices.due(suspect, 6.0, settled=True) == []  # told once
+    [failed] = notices.due(
+        {"a": Health("a", "failed", "both lost"), "b": Health("b", "failed", "x")}, 6.5, settled=True
+    )[:1]
+    assert (failed.cluster, failed.state) == ("a", "failed")
+    notices.told(failed)
+    [back] = notices.due({}, 7.0, settled=True)
+    assert (back.cluster, back.state) == ("a", "healthy")
+    notices.told(back)
+    assert notices.due({}, 8.0, settled=True) == []
+    # A cluster suspect for a moment, never told, is never told healthy either; a new spell restarts.
+    assert notices.due({"c": Health("c", "suspect", "late")}, 9.0, settled=True) == []
+    assert notices.due({}, 10.0, settled=True) == []
+    assert notices.due({"c": Health("c", "suspect", "late")}, 13.0, settled=True) == []
+    # Not sent (publish failed): due again next cycle.
+    [again] = notices.due({"c": Health("c", "suspect", "late")}, 18.0, settled=True)
+    assert notices.due({"c": Health("c", "suspect", "late")}, 19.0, settled=True) == [again]

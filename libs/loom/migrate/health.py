@@ -38,7 +38,7 @@ fault: a probe path down while the cluster runs, a metrics hiccup while probes s
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 HealthState = Literal["healthy", "suspect", "failed"]
@@ -209,3 +209,51 @@ def reachability(links: Mapping[tuple[str, str], bool]) -> dict[str, bool]:
         for region in (src, dst):
             live[region] = live.get(region, False) or not down
     return live
+
+
+SUSPECT_ANNOUNCE_S = 5.0
+"""How long a cluster stays suspect before it is told to the alert correlator (failed: at once)."""
+
+
+@dataclass(slots=True)
+class HealthNotices:
+    """Which clusters' classification to tell (placement to the alert correlator), and when.
+
+    A failed state is told at once; a suspect state once it has lasted ``suspect_after_s`` (links
+    not measured yet at start-up, a late heartbeat under load: placement copes, nobody needs
+    paging); nothing before placement has ``settled`` after taking the lead; ``healthy`` only for a
+    cluster told unhealthy before. A notice counts as told only once :meth:`told` says it went out.
+    """
+
+    suspect_after_s: float = SUSPECT_ANNOUNCE_S
+    unhealthy_since: dict[str, float] = field(default_factory=dict)
+    """Cluster -> since when it has been suspect or failed without a break (wall s)."""
+    announced: dict[str, HealthState] = field(default_factory=dict)
+    """Cluster -> the unhealthy state last told."""
+
+    def due(self, health: Mapping[str, Health], now: float, *, settled: bool) -> list[Health]:
+        """The notices to send now: changed unhealthy states, then clusters healthy again."""
+        since = self.unhealthy_since
+        for cluster in [c for c in since if c not in health]:
+            del since[cluster]
+        for cluster in health:
+            since.setdefault(cluster, now)
+        out = [
+            h
+            for c, h in sorted(health.items())
+            if self.announced.get(c) != h.state
+            and settled
+            and (h.failed or now - since[c] >= self.suspect_after_s)
+        ]
+        out += [
+            Health(c, "healthy", "heartbeats and probes back")
+            for c in sorted(set(self.announced) - set(health))
+        ]
+        return out
+
+    def told(self, notice: Health) -> None:
+        """``notice`` went out."""
+        if notice.state == "healthy":
+            self.announced.pop(notice.cluster, None)
+        else:
+            self.announced[notice.cluster] = notice.state
