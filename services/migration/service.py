@@ -1019,7 +1019,14 @@ class MigrationService:
                         continue
                     plan = await self.review_cluster(cluster, trigger, about)
                     held = backflow.held_until(plan.stay, cluster)
-                    recheck = self._settling_recheck(cluster, trigger, plan)
+                    recheck = backflow.settling_recheck(
+                        plan.stay,
+                        cluster,
+                        joined_at=self._joined_at.get(cluster) if trigger == "cluster_joined" else None,
+                        now=time.time(),
+                        settle_s=self.settings.join_settle_s,
+                        recheck_s=self.settings.join_recheck_s,
+                    )
                     if plan.deferred or held is not None or recheck is not None:
                         # Deferred by the budget: again at the next reading; held by a cool-down
                         # (a job that just failed over or drained off): again when it ends; a
@@ -1032,17 +1039,6 @@ class MigrationService:
             except Exception as exc:
                 log.warning("cluster review failed", error=repr(exc))
                 await asyncio.sleep(self.settings.clusters_every_s)
-
-    def _settling_recheck(self, cluster: str, trigger: benefit.Trigger, plan: benefit.Plan) -> float | None:
-        """When to review a cluster that joined moments ago again: while it settles, if the
-        framework placed some candidate elsewhere (:func:`backflow.toward`'s stays)."""
-        joined = self._joined_at.get(cluster)
-        now = time.time()
-        if trigger != "cluster_joined" or joined is None or now - joined >= self.settings.join_settle_s:
-            return None
-        if not any(backflow.placed_elsewhere(v, cluster) for v in plan.stay):
-            return None
-        return now + self.settings.join_recheck_s
 
     async def review_cluster(self, cluster: str, trigger: benefit.Trigger, about: str) -> benefit.Plan:
         """Decide, for every running job with no part on ``cluster`` (and no move open), whether it

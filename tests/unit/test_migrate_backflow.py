@@ -100,3 +100,16 @@ def test_a_stay_held_only_by_the_cool_down_says_when_to_look_again() -> None:
     assert held_until([held, earlier, never], "b") == earlier.held_until_s  # the earliest
     assert held_until([other, never], "b") is None  # held back from another cluster: not this review
     assert held_until([], "b") is None
+
+
+def test_a_cluster_just_back_is_rechecked_while_it_settles_only_if_the_framework_chose_elsewhere() -> None:
+    from loom.migrate.backflow import settling_recheck
+
+    verdict = decide(_running(2.0), Candidate("c", "r-c", 1.0), PATH, now_s=0.0, trigger="cluster_joined")
+    elsewhere = [toward(verdict, "b")]
+    kw = {"now": 105.0, "settle_s": 12.0, "recheck_s": 3.0}
+    assert settling_recheck(elsewhere, "b", joined_at=100.0, **kw) == 108.0
+    assert settling_recheck(elsewhere, "b", joined_at=90.0, **kw) is None  # settled: done
+    assert settling_recheck(elsewhere, "b", joined_at=None, **kw) is None  # not a join
+    moved_there = decide(_running(2.0), Candidate("b", "r-b", 1.0), PATH, now_s=0.0, trigger="cluster_joined")
+    assert settling_recheck([moved_there], "b", joined_at=100.0, **kw) is None

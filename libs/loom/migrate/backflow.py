@@ -62,6 +62,27 @@ def placed_elsewhere(verdict: MigrationVerdict, cluster: str) -> bool:
     return not verdict.move and (verdict.target != cluster or verdict.reason.startswith(ELSEWHERE))
 
 
+def settling_recheck(
+    stays: Iterable[MigrationVerdict],
+    cluster: str,
+    *,
+    joined_at: float | None,
+    now: float,
+    settle_s: float,
+    recheck_s: float,
+) -> float | None:
+    """When to review a cluster that joined (or returned) at ``joined_at`` again: ``recheck_s``
+    from ``now`` while it settles (``settle_s``), if the framework placed some job elsewhere
+    (:func:`placed_elsewhere`): its GPUs show in the view from its first heartbeat, but placement
+    may still hold it closed for a moment, and a review then finds nothing moving there. None
+    otherwise (a joined cluster's review is then done)."""
+    if joined_at is None or now - joined_at >= settle_s:
+        return None
+    if not any(placed_elsewhere(v, cluster) for v in stays):
+        return None
+    return now + recheck_s
+
+
 def toward(verdict: MigrationVerdict, cluster: str) -> MigrationVerdict:
     """A verdict of a review about ``cluster``: a move elsewhere becomes a stay, saying so (the
     numbers are kept). A stay, or a move there, is returned as it is."""
