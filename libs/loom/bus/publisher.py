@@ -223,7 +223,7 @@ class Publisher:
                     # 503 and similar are transient, and so is "duplicate message id is in process"
                     # (an earlier send of this id is being stored: the next one gets its ack as a
                     # duplicate); anything else (e.g. no stream) will not heal.
-                    if (exc.code is not None and exc.code >= 500) or exc.err_code == _MSG_ID_IN_PROCESS:
+                    if (exc.code is not None and exc.code >= 500) or _in_process(exc):
                         last_error = exc
                     else:
                         span.record_exception(exc)
