@@ -16,6 +16,11 @@ confirms a shift), then the migration service's ``review_delay_s`` and a what-if
   10 %, a harsh case) of probes spiking 2-5x (the noise model of ``loom bench net``); the truth
   never degrades, so every degraded event (and every confirmed level shift) is a false positive.
 
+Options: ``--factors`` (RTT factors of the change, default 5), ``--losses`` (a change that loses
+that share of the probes instead; its lost probes come at the collector's probe timeout),
+``--base-losses`` (healthy links' own probe loss in the false-positive runs), ``--probes``
+(probes per period), ``--chains``.
+
 ``before`` is the chain as it was (rounds of 5 only, 3 suspects for any shift, evaluation at
 the tick, review 0.3 s); ``after`` the current defaults.
 """
