@@ -16,6 +16,11 @@ confirms a shift), then the migration service's ``review_delay_s`` and a what-if
   10 %, a harsh case) of probes spiking 2-5x (the noise model of ``loom bench net``); the truth
   never degrades, so every degraded event (and every confirmed level shift) is a false positive.
 
+Options: ``--factors`` (RTT factors of the change, default 5), ``--losses`` (a change that loses
+that share of the probes instead; its lost probes come at the collector's probe timeout),
+``--base-losses`` (healthy links' own probe loss in the false-positive runs), ``--probes``
+(probes per period), ``--chains``.
+
 ``before`` is the chain as it was (rounds of 5 only, 3 suspects for any shift, evaluation at
 the tick, review 0.3 s); ``after`` the current defaults.
 """
@@ -52,6 +57,8 @@ class Chain:
     confirm_large: int
     event_driven: bool
     review_delay_s: float
+    shift_ratio: float = 0.0
+    """The collector's ratio for a shift within a round (0: its default)."""
 
 
 BEFORE = Chain("before", shift_probes=0, confirm_large=3, event_driven=False, review_delay_s=0.3)
@@ -70,7 +77,7 @@ def _perception(chain: Chain, rtt_ms: float, mdev_ms: float) -> Perception:
     return Perception(["a", "b"], expected={("a", "b"): Expected(rtt_ms, mdev_ms)}, link_config=config)
 
 
-def _simulate(  # noqa: PLR0912 (one event loop, its branches are the stages)
+def _simulate(  # noqa: PLR0912, PLR0915 (one event loop, its branches are the stages)
     chain: Chain,
     rng: random.Random,
     *,
@@ -83,10 +90,17 @@ def _simulate(  # noqa: PLR0912 (one event loop, its branches are the stages)
     spikes: float = 0.0,
     low_ms: float = 0.0,
     high_ms: float = float("inf"),
+    loss: float = 0.0,
+    base_loss: float = 0.0,
 ) -> dict[str, Any]:
-    """Run one link; the times (from the start) of the first shifted sample, the first event."""
+    """Run one link; the times (from the start) of the first shifted sample, the first event.
+
+    ``loss``: from the change on, each probe is lost with this probability (the emulator's
+    ``--loss``: forward direction only); a lost probe's result comes ``probe_timeout_s`` after
+    it was sent, as the collector's. ``base_loss``: the probes' loss before (and under) it."""
     perception = _perception(chain, base_ms, mdev_ms)
-    rounds = RoundBuilder("a", "b", PROBES, CollectorConfig().shift_ratio, chain.shift_probes)
+    collector = CollectorConfig()
+    rounds = RoundBuilder("a", "b", PROBES, chain.shift_ratio or collector.shift_ratio, chain.shift_probes)
     interval = period_s / PROBES
     linger = period_s / 10
     tick_phase = rng.random() * period_s
@@ -105,6 +119,12 @@ def _simulate(  # noqa: PLR0912 (one event loop, its branches are the stages)
         rtt = min(max(rng.gauss(level, mdev_ms * (level / base_ms)), low_ms * level / base_ms), high_ms)
         if spikes and rng.random() < spikes:
             rtt *= rng.uniform(2.0, 5.0)
+        lost = base_loss + (loss if change_at is not None and sent >= change_at else 0.0)
+        if lost and rng.random() < lost:
+            push(
+                sent + collector.probe_timeout_s, "result", ProbeResult(seq=i, sent_at=T0 + sent, rtt_ms=None)
+            )
+            continue
         push(sent + rtt / 1000.0, "result", ProbeResult(seq=i, sent_at=T0 + sent, rtt_ms=rtt))
     tick = tick_phase
     while tick < end + period_s:
@@ -128,8 +148,7 @@ def _simulate(  # noqa: PLR0912 (one event loop, its branches are the stages)
             if (
                 first_sample is None
                 and change_at is not None
-                and what.rtt_ms is not None
-                and what.rtt_ms >= 1.5 * base_ms
+                and (what.lost if loss else what.rtt_ms is not None and what.rtt_ms >= 1.5 * base_ms)
             ):
                 first_sample = at - linger
             perception.ingest(what, T0 + at)
@@ -146,9 +165,20 @@ def _simulate(  # noqa: PLR0912 (one event loop, its branches are the stages)
 
 
 def timing(
-    chain: Chain, *, trials: int, seed: int, period_s: float, base_ms: float, mdev_ms: float
+    chain: Chain,
+    *,
+    trials: int,
+    seed: int,
+    period_s: float,
+    base_ms: float,
+    mdev_ms: float,
+    factor: float = 5.0,
+    loss: float = 0.0,
+    periods_after: int = 15,
 ) -> dict[str, Any]:
-    """Change → sample → event → decision, in probe periods, over ``trials`` random phases."""
+    """Change → sample → event → decision, in probe periods, over ``trials`` random phases: the
+    RTT ``factor`` times the base, or (``loss`` > 0) that share of the probes lost, the RTT as
+    before. A trial with no event within ``periods_after`` periods of the change is *missed*."""
     rng = random.Random(seed)
     sample_p, event_p, decision_p = [], [], []
     missed = 0
@@ -160,9 +190,10 @@ def timing(
             period_s=period_s,
             base_ms=base_ms,
             mdev_ms=mdev_ms,
-            periods=45,
+            periods=31 + periods_after,
             change_at=change_at,
-            factor=5.0,
+            factor=factor,
+            loss=loss,
         )
         after = [t for t in out["degraded"] if t >= change_at]
         if not after or out["first_sample"] is None:
@@ -173,6 +204,7 @@ def timing(
         decision_p.append((after[0] + chain.review_delay_s + WHATIF_S - change_at) / period_s)
     return {
         "chain": chain.name,
+        "change": f"loss {loss:g}" if loss else f"rtt x{factor:g}",
         "period_s": period_s,
         "base_rtt_ms": base_ms,
         "trials": trials,
@@ -184,8 +216,11 @@ def timing(
     }
 
 
-def false_positives(chain: Chain, *, links: int, periods: int, seed: int, spikes: float) -> dict[str, Any]:
-    """Degraded events and confirmed shifts on measured links whose truth never changes."""
+def false_positives(
+    chain: Chain, *, links: int, periods: int, seed: int, spikes: float, base_loss: float = 0.0
+) -> dict[str, Any]:
+    """Degraded events and confirmed shifts on measured links whose truth never changes (each
+    probe lost with probability ``base_loss``: a healthy WAN link's own loss)."""
     keys = ("min_rtt_ms", "avg_rtt_ms", "max_rtt_ms", "mdev_rtt_ms")
     rows = [r for r in csv.DictReader(DATA.open()) if all(r[k] for k in keys) and float(r["avg_rtt_ms"]) > 0]
     rng = random.Random(seed)
@@ -207,6 +242,7 @@ def false_positives(chain: Chain, *, links: int, periods: int, seed: int, spikes
             spikes=spikes,
             low_ms=low,
             high_ms=high,
+            base_loss=base_loss,
         )
         events += len(out["degraded"])
         shifts += out["shifts"]
@@ -217,6 +253,7 @@ def false_positives(chain: Chain, *, links: int, periods: int, seed: int, spikes
         "links": len(chosen),
         "periods_per_link": periods,
         "spike_rate": spikes,
+        "base_loss": base_loss,
         "degraded_events": events,
         "links_with_an_event": flagged,
         "degraded_per_link_hour": events / hours,
@@ -237,6 +274,7 @@ def _summary(values: list[float]) -> dict[str, float | None]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    global PROBES  # noqa: PLW0603 (the model's one knob for the probe rate)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--links", type=int, default=200)
@@ -244,25 +282,48 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=15)
     parser.add_argument("--rtt-ms", type=float, default=167.4, help="base RTT (westeurope - asia-southeast1)")
     parser.add_argument("--mdev-ms", type=float, default=10.1)
-    parser.add_argument("--spikes", type=float, nargs="+", default=[0.01, 0.1], help="probe spike rates")
+    parser.add_argument("--spikes", type=float, nargs="*", default=[0.01, 0.1], help="probe spike rates")
+    parser.add_argument("--factors", type=float, nargs="*", default=[5.0], help="RTT factors of the change")
+    parser.add_argument("--losses", type=float, nargs="*", default=[], help="probe loss rates of the change")
+    parser.add_argument(
+        "--base-losses", type=float, nargs="*", default=[0.0], help="healthy links' probe loss"
+    )
+    parser.add_argument(
+        "--probes", type=int, default=5, help="probes per period (the collector's probes_per_period)"
+    )
+    parser.add_argument("--chains", nargs="+", default=["before", "after"], choices=["before", "after"])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    result: dict[str, Any] = {"timing": [], "false_positives": []}
-    for chain in (BEFORE, AFTER):
-        result["timing"].append(
-            timing(
-                chain,
-                trials=args.trials,
-                seed=args.seed,
-                period_s=1.0,
-                base_ms=args.rtt_ms,
-                mdev_ms=args.mdev_ms,
+    PROBES = args.probes
+    result: dict[str, Any] = {"probes_per_period": PROBES, "timing": [], "false_positives": []}
+    changes = [(factor, 0.0) for factor in args.factors] + [(1.0, loss) for loss in args.losses]
+    for chain in (c for c in (BEFORE, AFTER) if c.name in args.chains):
+        for factor, loss in changes:
+            result["timing"].append(
+                timing(
+                    chain,
+                    trials=args.trials,
+                    seed=args.seed,
+                    period_s=1.0,
+                    base_ms=args.rtt_ms,
+                    mdev_ms=args.mdev_ms,
+                    factor=factor,
+                    loss=loss,
+                    periods_after=60 if loss else 15,
+                )
             )
-        )
         for spikes in args.spikes:
-            result["false_positives"].append(
-                false_positives(chain, links=args.links, periods=args.periods, seed=args.seed, spikes=spikes)
-            )
+            for base_loss in args.base_losses:
+                result["false_positives"].append(
+                    false_positives(
+                        chain,
+                        links=args.links,
+                        periods=args.periods,
+                        seed=args.seed,
+                        spikes=spikes,
+                        base_loss=base_loss,
+                    )
+                )
     print(json.dumps(result, indent=None if args.json else 2))
     return result
 

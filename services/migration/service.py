@@ -58,7 +58,15 @@ from loom.migrate import backflow, benefit
 from loom.migrate.checkpoints import Checkpoint, choose
 from loom.migrate.drain import DrainJob, drain_refusal, next_moves, order_moves
 from loom.migrate.network import candidate_of, path_between, running_state, spans
-from loom.migrate.replicas import Held, ReplicaSettings, Site, changed_fraction_of, path_of, plan_copy
+from loom.migrate.replicas import (
+    Held,
+    ReplicaSettings,
+    Site,
+    changed_fraction_of,
+    checkpoint_interval_s,
+    path_of,
+    plan_copy,
+)
 from loom.runtime.service import ServiceContext
 from loom.store import moves, outbox
 from loom.store import replicas as replica_store
@@ -925,6 +933,14 @@ class MigrationService:
                 path=functools.partial(path_of, self.links),
                 held=held,
                 settings=self.settings.replicas,
+                interval_s=checkpoint_interval_s(
+                    step=c.step,
+                    at_s=c.at_s,
+                    previous_step=c.previous_step,
+                    previous_at_s=c.previous_at_s,
+                    checkpoint_every_steps=spec.work.checkpoint_every_steps,
+                    time_scale=self.settings.time_scale,
+                ),
             )
             if plan is None:
                 unplaced[c.job_id] = "; ".join(skipped) or "no other cluster"

@@ -78,11 +78,12 @@ class CollectorConfig:
     """How often to ask again for a peer's endpoints while none answers."""
     rediscover_after_s: float = 10.0
     """Every probe lost for this long: ask again where the peer's endpoints are (an agent restarted)."""
-    shift_ratio: float = 2.0
+    shift_ratio: float = 1.5
     """A round closes early, and its sample goes out at once, when its last ``shift_probes``
     answers are all at least this many times (or at most the inverse of) the last sample's RTT
     and agree with each other (see :func:`shift_in_round`): a level shift is reported after
-    that many probes, not after a round that also holds probes from before it."""
+    that many probes, not after a round that also holds probes from before it. The outlier
+    filter's ``large_ratio`` (1.5, a link's degrade ratio): an RTT that doubles shows at once."""
     shift_probes: int = 3
     """Answers that make a shift within a round (a majority of a round: one spike never does)."""
 
@@ -113,12 +114,18 @@ def _optional_number(body: dict[str, Any], key: str, low: float, high: float) ->
 
 
 def round_sample(src: str, dst: str, results: Sequence[ProbeResult]) -> ProbeSample:
-    """One sample for a round of UDP echo probes: median RTT, mean successive RTT difference, loss."""
+    """One sample for a round of UDP echo probes: median RTT, mean successive RTT difference, loss.
+
+    Stamped with the round's newest probe (its sequence number and send time): a lost probe's
+    result comes only at its timeout, after answers to later probes, so a round holding it may
+    also hold probes older than the last round's; stamped with its oldest, such a round would be
+    "not newer" than the last one and network perception would drop it — and with it the loss,
+    which is why losses were seen so late."""
     rtts = [r.rtt_ms for r in results if r.rtt_ms is not None]
     jitter = statistics.fmean(abs(b - a) for a, b in itertools.pairwise(rtts)) if len(rtts) >= 2 else None
-    first = min(results, key=lambda r: r.seq)
+    newest = max(results, key=lambda r: r.seq)
     return msgspec.structs.replace(
-        to_sample(src, dst, first),
+        to_sample(src, dst, newest),
         rtt_ms=statistics.median(rtts) if rtts else None,
         sent=len(results),
         lost=len(results) - len(rtts),

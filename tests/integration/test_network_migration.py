@@ -37,6 +37,8 @@ from loom_services.probe_collector.collector import CollectorConfig, ProbeCollec
 pytestmark = pytest.mark.slow
 
 PERIOD_S = float(os.environ.get("LOOM_NETMIG_PERIOD_S", "0.2"))
+RTT_FACTOR = float(os.environ.get("LOOM_NETMIG_RTT_FACTOR", "5"))
+"""The degradation (``loom net degrade … --rtt-factor``); 5 unless measuring another."""
 """Probe period of the test (0.2 s; set the variable to 1.0 to measure at the default)."""
 WEU, SEA1, USE2 = "azure-westeurope", "gcp-asia-southeast1", "aws-us-east-2"
 
@@ -161,7 +163,7 @@ async def test_a_degraded_link_moves_only_the_job_that_gains_more_than_it_costs_
         # jobs can be placed before the probes of a fresh stack have seen the link at all).
         await until(lambda: _enough(measured, 3), 10 * PERIOD_S + 10, "the link measured")
         degraded_at = time.time()
-        changed = await client.net_emulate(WEU, SEA1, {"op": "degrade", "rtt_factor": 5})
+        changed = await client.net_emulate(WEU, SEA1, {"op": "degrade", "rtt_factor": RTT_FACTOR})
         assert changed[0]["degraded"]
         event_at = await until(
             lambda: _event_at(events, LinkDegraded, WEU, SEA1), 10, "the link's degraded event"
@@ -196,7 +198,13 @@ async def test_a_degraded_link_moves_only_the_job_that_gains_more_than_it_costs_
         moved = await until(lambda: _running(client, "long", attempt=2), 20, "the long gang moved")
         moved_s = time.time() - degraded_at
         assert _clusters(moved) == {"c-use2-a"}
-        row = await db.fetchrow("SELECT * FROM migrations WHERE job_id = 'long'")
+        # The move completes on the next attempt's start (the migration service hears it a moment
+        # after the job runs there).
+        row = await until(
+            lambda: db.fetchrow("SELECT * FROM migrations WHERE job_id = 'long' AND state = 'completed'"),
+            10,
+            "the move completed",
+        )
         # Nothing lost: it resumed from the step its run had reached (the on-demand checkpoint's).
         assert row["state"] == "completed" and row["lost_steps"] == 0
         assert (await _job(client, "short"))["attempt"] == 1
@@ -225,6 +233,7 @@ async def test_a_degraded_link_moves_only_the_job_that_gains_more_than_it_costs_
                 {
                     "decided_after_event_s": round(decided_s, 3),
                     "period_s": PERIOD_S,
+                    "rtt_factor": RTT_FACTOR,
                     "new_rtt_s": round(new_rtt_s, 3),
                     "event_periods_after_rtt": round(probing, 2),
                     "verdict_after_change_periods": round(elapsed_s / PERIOD_S, 2),

@@ -15,6 +15,7 @@ from loom.migrate.replicas import (
     ReplicaSettings,
     Site,
     changed_fraction_of,
+    checkpoint_interval_s,
     delta_bytes,
     path_of,
     plan_copy,
@@ -91,6 +92,63 @@ def test_an_unreachable_cluster_or_a_dead_path_is_passed_over_with_its_reason() 
 def test_no_other_cluster_means_no_copy() -> None:
     plan, skipped = _plan(sites=[SRC])
     assert plan is None and skipped == []
+
+
+# ---- keeping up: the increment of one interval over the measured path within the interval -------
+# One interval's increment is 2 GB (8 GB x 0.25): to NEAR 0.08 + 1.6 = 1.68 s, to FAR 0.2 + 16 =
+# 16.2 s, to SAME_REGION 0.0005 + 0.16 s.
+
+
+def test_a_slow_other_region_that_would_lag_loses_to_a_same_region_cluster_that_keeps_up() -> None:
+    sites = [SRC, FAR, SAME_REGION]
+    plan, _ = _plan(sites=sites, interval_s=10.0)
+    assert plan is not None and plan.target == SAME_REGION.cluster and plan.keeps_up is True
+    assert plan.increment_s == pytest.approx(0.0005 + 2 * GB * 8 / 100e9)
+    assert "keeps up" in plan.why and "another region would lag: c-sea1-a" in plan.why
+    # Without a known interval nothing is judged: another region first, as before.
+    plan, _ = _plan(sites=sites)
+    assert plan is not None and plan.target == FAR.cluster and plan.keeps_up is None
+
+
+def test_another_region_that_keeps_up_comes_first_even_when_slower() -> None:
+    plan, _ = _plan(sites=[SRC, FAR, SAME_REGION], interval_s=20.0)  # 16.2 s <= 20 s
+    assert plan is not None and plan.target == FAR.cluster and plan.keeps_up is True
+    assert plan.increment_s == pytest.approx(16.2)
+    assert "keeps up: an interval's increment takes 16.2 s <= the 20 s interval" in plan.why
+
+
+def test_among_other_regions_that_keep_up_the_fastest_wins_and_a_lagging_one_is_not_taken() -> None:
+    plan, _ = _plan(interval_s=20.0)  # both keep up: the faster
+    assert plan is not None and plan.target == NEAR.cluster
+    plan, _ = _plan(sites=[SRC, FAR, NEAR], interval_s=10.0)
+    assert plan is not None and plan.target == NEAR.cluster
+    # FAR holds the job's previous replica (a 2 GB delta, 16.2 s): it lags, so NEAR gets a full
+    # copy (6.48 s, longer than this 5 s interval: keeping up is judged on the increment).
+    far_base = Held("j1", 1, 20, FAR.cluster, 8 * GB, 10.0, False)
+    plan, _ = _plan([far_base], sites=[SRC, FAR, NEAR], interval_s=5.0)
+    assert plan is not None and plan.target == NEAR.cluster and plan.full and plan.keeps_up is True
+    assert plan.transfer_s == pytest.approx(6.48)
+
+
+def test_when_every_target_lags_the_least_lagging_one_is_taken_in_any_region() -> None:
+    plan, _ = _plan(interval_s=0.1)  # even the local copy (0.16 s) lags
+    assert plan is not None and plan.target == SAME_REGION.cluster and plan.keeps_up is False
+    assert "lags" in plan.why and "every target lags" in plan.why
+    plan, _ = _plan(sites=[SRC, NEAR, FAR], interval_s=1.0)  # NEAR 1.68 s, FAR 16.2 s
+    assert plan is not None and plan.target == NEAR.cluster and plan.keeps_up is False
+
+
+def test_the_interval_is_measured_from_the_two_latest_checkpoints() -> None:
+    args = {"step": 30, "at_s": 160.0, "previous_step": 20, "previous_at_s": 100.0}
+    assert checkpoint_interval_s(**args, checkpoint_every_steps=10) == pytest.approx(60.0)  # type: ignore[arg-type]
+    # An on-demand checkpoint off the grid: seconds per step times the steps of an interval.
+    assert checkpoint_interval_s(
+        step=25, at_s=130.0, previous_step=20, previous_at_s=100.0, checkpoint_every_steps=10, time_scale=2.0
+    ) == pytest.approx(120.0)
+    assert checkpoint_interval_s(**{**args, "previous_step": None}, checkpoint_every_steps=10) is None  # type: ignore[arg-type]
+    assert checkpoint_interval_s(**{**args, "previous_at_s": 160.0}, checkpoint_every_steps=10) is None  # type: ignore[arg-type]
+    assert checkpoint_interval_s(**{**args, "previous_step": 30}, checkpoint_every_steps=10) is None  # type: ignore[arg-type]
+    assert checkpoint_interval_s(**args, checkpoint_every_steps=0) is None  # type: ignore[arg-type]
 
 
 # ---- byte budget -------------------------------------------------------------------------------

@@ -5,12 +5,31 @@ so that a whole cluster can vanish without losing more than one checkpoint inter
 reads the replica: :func:`loom.migrate.checkpoints.choose`). This module decides each copy:
 
 * **Where** (:func:`plan_copy`): any cluster but the checkpoint's own, reachable over a measured
-  path (a stale link or one losing everything is no path), with room under its byte budget. A
-  cluster in another region comes first (a region is a shared failure domain: its links, its
-  probes); among those, the shortest transfer of *this* copy over the measured path (RTT + bytes
-  at the bandwidth the loss leaves, :meth:`~loom.migrate.benefit.PathState.transfer_s`). The
-  cluster that already holds the job's previous replica copies only the delta, so it usually
-  keeps winning: copies stay incremental unless its path or budget fails.
+  path (a stale link or one losing everything is no path), with room under its byte budget.
+  Among those, a replica must **keep up**: the increment of one checkpoint interval
+  (:func:`delta_bytes` over one interval) must cross the measured path (RTT + bytes at the
+  bandwidth the loss leaves, :meth:`~loom.migrate.benefit.PathState.transfer_s`) within the
+  checkpoint interval ``interval_s``; a target that cannot *lags*: each copy ends after the next
+  checkpoint is written, so the replica falls further behind and a cluster's loss costs more
+  than one interval. The choice, in order:
+
+  1. targets that keep up before targets that lag;
+  2. among those that keep up, a cluster in **another region** first, then the shortest
+     transfer of *this* copy: a region is a shared failure domain (its power, its uplinks, its
+     probes), and a replica in the source's own region does not cover the loss of that whole
+     region — when it is the only one that keeps up, it is chosen (a replica that keeps up in
+     the region beats one that lags outside it: the common failure, one cluster, then loses at
+     most one interval plus the copy time) and the choice says which regions would lag;
+  3. when every target lags, the one whose increment crosses fastest (the least lag), in any
+     region.
+
+  When the interval is not known (``interval_s`` None: a job with fewer than two checkpoints),
+  nothing is judged lagging. The cluster that already holds the job's previous replica copies
+  only the delta, so it usually keeps winning: copies stay incremental unless its path, its
+  budget or its keeping up fails. What a cluster's loss costs with a replica that keeps up:
+  the time since the latest checkpoint, plus one interval if the failure comes while that
+  checkpoint's copy is still in flight — one interval and the copy time at most, on average
+  half an interval plus the copy time.
 * **Budget**: each cluster holds at most its byte budget of replicas (``stored_bytes``: a replica
   always occupies the checkpoint's full size, the delta being applied onto the previous copy in
   place). The job's own previous replica there is replaced, so it does not count. When a copy
@@ -27,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from loom.migrate.benefit import LOCAL_PATH, PathState
 from loom.migrate.checkpoints import checksum_of
@@ -41,6 +60,7 @@ __all__ = [
     "ReplicaSettings",
     "Site",
     "changed_fraction_of",
+    "checkpoint_interval_s",
     "delta_bytes",
     "path_of",
     "plan_copy",
@@ -139,6 +159,10 @@ class CopyPlan:
     transfer_s: float
     evict: tuple[Held, ...]
     why: str
+    increment_s: float = 0.0
+    """Seconds one checkpoint interval's increment takes over :attr:`path` (what keeping up needs)."""
+    keeps_up: bool | None = None
+    """``increment_s`` ≤ the checkpoint interval (None: the interval is not known)."""
 
 
 def changed_fraction_of(labels: Mapping[str, str], default: float = DEFAULT_CHANGED_FRACTION) -> float:
@@ -175,6 +199,29 @@ def delta_bytes(
     return min(full_bytes, full_bytes * max(changed_fraction, 0.0) * intervals)
 
 
+def checkpoint_interval_s(
+    *,
+    step: int,
+    at_s: float,
+    previous_step: int | None,
+    previous_at_s: float | None,
+    checkpoint_every_steps: int,
+    time_scale: float = 1.0,
+) -> float | None:
+    """A job's checkpoint interval in seconds, measured from its two latest checkpoints (``at_s``:
+    when each was reported, wall clock): seconds per step between them times the steps of one
+    interval, times ``time_scale`` (the agents' seconds per wall second, the clock replica copies
+    are timed on). None when it cannot be measured: no earlier checkpoint, no step or no time
+    between them, or no interval."""
+    if previous_step is None or previous_at_s is None or checkpoint_every_steps <= 0:
+        return None
+    steps = step - previous_step
+    elapsed = at_s - previous_at_s
+    if steps <= 0 or not elapsed > 0:
+        return None
+    return elapsed / steps * checkpoint_every_steps * time_scale
+
+
 def path_of(links: Mapping[tuple[str, str], LinkState], src: str, dst: str) -> PathState | None:
     """The measured path between two regions for a copy: local inside one region; else the direct
     link's latest live state, the reverse direction's when only it is live (a region without a
@@ -206,15 +253,20 @@ def plan_copy(
     held: Sequence[Held],
     unreachable: Collection[str] = (),
     settings: ReplicaSettings | None = None,
+    interval_s: float | None = None,
 ) -> tuple[CopyPlan | None, list[str]]:
     """The copy of the checkpoint ``job_id`` wrote at ``step`` on ``source``, and why each other
     cluster was passed over (None: no cluster can take it now; the reasons say why).
 
     ``path(src_region, dst_region)``: the measured path (None: unreachable). ``held``: every
-    replica held or in flight, any job. ``unreachable``: clusters known down (failed, stale)."""
+    replica held or in flight, any job. ``unreachable``: clusters known down (failed, stale).
+    ``interval_s``: the job's checkpoint interval in seconds, on the clock ``transfer_s`` is
+    counted on (None: not known; no target is judged lagging). The order of choice: the module's
+    docstring."""
     settings = settings or ReplicaSettings()
     skipped: list[str] = []
-    ranked: list[tuple[tuple[bool, float, int, str], CopyPlan]] = []
+    ranked: list[tuple[tuple[bool, bool, float, int, str], CopyPlan]] = []
+    judged = interval_s is not None and math.isfinite(interval_s) and interval_s > 0
     for site in sites:
         if site.cluster == source.cluster:
             continue
@@ -232,21 +284,10 @@ def plan_copy(
             continue
         bases = [h.step for h in mine if h.ready and h.step < step]
         base_step = max(bases) if bases else None
-        used = sum(h.stored_bytes for h in here if h.job_id != job_id)
-        room = settings.budget_of(site.cluster) - used
-        evict: list[Held] = []
-        if full_bytes > room:
-            for h in sorted((h for h in here if h.finished and h.job_id != job_id), key=lambda h: h.at_s):
-                if full_bytes <= room:
-                    break
-                evict.append(h)
-                room += h.stored_bytes
-            if full_bytes > room:
-                skipped.append(
-                    f"{site.cluster}: over its byte budget ({settings.budget_of(site.cluster):.3g} B,"
-                    f" {used:.3g} B held by running jobs' replicas)"
-                )
-                continue
+        evict = _make_room(here, job_id, full_bytes, settings.budget_of(site.cluster))
+        if isinstance(evict, str):
+            skipped.append(f"{site.cluster}: {evict}")
+            continue
         nbytes = delta_bytes(
             full_bytes,
             base_step=base_step,
@@ -258,11 +299,27 @@ def plan_copy(
         if not math.isfinite(transfer_s):
             skipped.append(f"{site.cluster}: the path from {source.region} delivers nothing")
             continue
+        increment_s = measured.transfer_s(
+            delta_bytes(
+                full_bytes,
+                base_step=step,
+                step=step,
+                checkpoint_every_steps=checkpoint_every_steps,
+                changed_fraction=changed_fraction,
+            )
+        )
+        keeps_up = (increment_s <= interval_s) if judged and interval_s is not None else None
         kind = "full copy" if base_step is None else f"delta onto its replica at step {base_step}"
         why = (
             f"{kind}: {nbytes / 1e9:.3g} GB over {source.region}->{site.region}"
             f" ({measured.rtt_ms:.0f} ms, {measured.bandwidth_gbps:.3g} Gbps) in {transfer_s:.2f} s"
         )
+        if keeps_up is not None:
+            verb, sign = ("keeps up", "<=") if keeps_up else ("lags", ">")
+            why += (
+                f"; {verb}: an interval's increment takes {increment_s:.3g} s {sign} the {interval_s:.3g} s"
+            )
+            why += " interval"
         if evict:
             why += f"; evicts {len(evict)} replica(s) of finished jobs"
         plan = CopyPlan(
@@ -279,9 +336,57 @@ def plan_copy(
             transfer_s=transfer_s,
             evict=tuple(evict),
             why=why,
+            increment_s=increment_s,
+            keeps_up=keeps_up,
         )
-        ranked.append(((site.region == source.region, transfer_s, len(evict), site.cluster), plan))
+        lags = keeps_up is False
+        # Keeping up first; then another region (only among those that keep up); then speed:
+        # this copy's time among those that keep up, the increment's (the lag) among the others.
+        key = (
+            lags,
+            not lags and site.region == source.region,
+            increment_s if lags else transfer_s,
+            len(evict),
+            site.cluster,
+        )
+        ranked.append((key, plan))
     if not ranked:
         return None, skipped
+    return _choose(ranked, sites, source), skipped
+
+
+def _make_room(here: Sequence[Held], job_id: str, full_bytes: float, budget: float) -> list[Held] | str:
+    """The finished jobs' replicas to evict (oldest first) so that ``full_bytes`` fit a cluster's
+    ``budget`` beside what it holds (``here``; the job's own replica there is replaced), or why
+    they cannot."""
+    used = sum(h.stored_bytes for h in here if h.job_id != job_id)
+    room = budget - used
+    evict: list[Held] = []
+    if full_bytes > room:
+        for h in sorted((h for h in here if h.finished and h.job_id != job_id), key=lambda h: h.at_s):
+            if full_bytes <= room:
+                break
+            evict.append(h)
+            room += h.stored_bytes
+        if full_bytes > room:
+            return f"over its byte budget ({budget:.3g} B, {used:.3g} B held by running jobs' replicas)"
+    return evict
+
+
+def _choose(
+    ranked: list[tuple[tuple[bool, bool, float, int, str], CopyPlan]], sites: Sequence[Site], source: Site
+) -> CopyPlan:
+    """The first of the ranked copies, its reason saying what lagged when that shaped the choice."""
     ranked.sort(key=lambda item: item[0])
-    return ranked[0][1], skipped
+    chosen = ranked[0][1]
+    regions = {s.cluster: s.region for s in sites}
+    if chosen.keeps_up is False:
+        return replace(chosen, why=f"{chosen.why} (every target lags; this one least)")
+    if chosen.keeps_up and regions.get(chosen.target) == source.region:
+        lagging = [
+            p.target for _, p in ranked if p.keeps_up is False and regions.get(p.target) != source.region
+        ]
+        if lagging:
+            note = f"another region would lag: {', '.join(sorted(lagging))}"
+            return replace(chosen, why=f"{chosen.why}; in {source.region}, {note}")
+    return chosen

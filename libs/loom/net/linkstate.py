@@ -16,7 +16,10 @@ the raw cost, and from it
   significantly (``loss_z_rise`` / ``loss_z_fall`` standard errors, and for a rise at least
   ``min_short_lost`` lost probes), so a loss episode is seen as soon as the probes can show
   it, and its end as well, while single losses do not move it; after an outage the windows
-  restart;
+  restart. Loss degrades a link only when it is *significant* as well (:func:`binomial_tail`):
+  the window's lost probes would come with probability below ``loss_alpha`` were the link
+  losing only ``recover_loss`` — a 1 % threshold read off a few hundred probes is otherwise
+  crossed by chance on a healthy link losing 0.2 %;
 * **degraded / recovered** events with separate enter and exit thresholds and a hold time on
   exit, so a link hovering at the threshold does not flap;
 * **staleness** (soft state): a link not refreshed within ``ttl_s`` keeps its last price times
@@ -52,6 +55,7 @@ __all__ = [
     "LinkRecord",
     "LinkTracker",
     "LinkView",
+    "binomial_tail",
 ]
 
 # E|X1 - X2| for two independent normal samples is 2σ/√π: the jitter a link of deviation σ shows.
@@ -139,6 +143,9 @@ class LinkConfig:
     (strict: a rise is priced at once, so a noisy one would stick)."""
     loss_z_fall: float = 1.5
     """Standard errors by which the shortest horizon's loss must be below the long window's."""
+    loss_alpha: float = 1e-3
+    """Loss degrades a link only if a link losing ``recover_loss`` would show as many lost probes
+    in that window with at most this probability (the window is looked at every period)."""
     burst_lost: int = 3
     """This many consecutive lost probes count as an outage in progress, whatever the window says."""
     outage_probes: int = 10
@@ -146,7 +153,8 @@ class LinkConfig:
     outage says nothing about the link after it (shorter runs are ordinary loss and stay)."""
     degrade_rtt_ratio: float = 1.5
     recover_rtt_ratio: float = 1.2
-    degrade_loss: float = 0.02
+    degrade_loss: float = 0.01
+    """Loss at or above this (and significant: ``loss_alpha``) degrades a link (issue 15: > 1 %)."""
     recover_loss: float = 0.005
     recover_hold_s: float = 10.0
     """A degraded link must meet the exit thresholds this long before it is recovered."""
@@ -353,9 +361,17 @@ class LinkTracker:
         if reported_at is not None and now - reported_at <= self.window.horizons_s[0]:
             self.jitter_ms = statistics.median(self.reported_jitter)
         loss = self.window.loss_stats(now, config.loss_horizon_s, config.min_loss_probes, self.loss_since)
-        loss_rate = self._loss_rate(now, loss)
+        used = self._loss_window(now, loss)
+        loss_rate = used.loss_rate
+        # Loss speaks for degradation only once enough probes back it (the rate of a handful is
+        # noise) and they would be improbable at the recover threshold.
+        significant = (
+            loss.sent >= config.short_loss_probes
+            and binomial_tail(used.lost, used.sent, config.recover_loss) < config.loss_alpha
+        )
         if self.lost_run >= config.burst_lost:
             loss_rate = max(loss_rate, self.lost_run / (self.lost_run + 2.0))
+            significant = True
         self.loss_rate = loss_rate
         raw = self._raw_cost()
         self.usable = math.isfinite(raw)
@@ -373,12 +389,11 @@ class LinkTracker:
             self.usable_price = self.priced_cost
         if self.rtt_ms is not None and short.samples:
             self.forecast.observe(now, self.rtt_ms)
-        # Loss speaks for degradation only once enough probes back it (the rate of a handful is noise).
-        enough_probes = loss.sent >= config.short_loss_probes
-        return self._condition(now, dt, loss_rate if enough_probes else 0.0)
+        return self._condition(now, dt, loss_rate if significant else 0.0)
 
-    def _loss_rate(self, now: float, long: LossStats) -> float:
-        """The long window's loss rate, unless a recent one differs from it significantly.
+    def _loss_window(self, now: float, long: LossStats) -> LossStats:
+        """The window the loss rate is read off: the long one, unless a recent one differs from it
+        significantly.
 
         A rise is read off the latest ``short_loss_probes`` probes (fast: an episode shows within
         a period when probes come in rounds), a fall off the shortest horizon (at least as many
@@ -393,12 +408,12 @@ class LinkTracker:
             and latest.lost >= config.min_short_lost
             and rise > config.loss_z_rise * _standard_error(long, latest.sent)
         ):
-            return latest.loss_rate
+            return latest
         recent = self.window.loss_stats(now, self.window.horizons_s[0], config.short_loss_probes, since)
         fall = long.loss_rate - recent.loss_rate
         if 0 < recent.sent < long.sent and fall > config.loss_z_fall * _standard_error(long, recent.sent):
-            return recent.loss_rate
-        return long.loss_rate
+            return recent
+        return long
 
     def _price(self, raw: float, dt: float) -> None:
         """Asymmetric hysteresis with flap damping: up at once, down slowly, slower after flaps."""
@@ -577,6 +592,33 @@ class LinkTracker:
             tracker.raw_cost = record.priced_cost
             tracker.usable = True
         return tracker
+
+
+def binomial_tail(lost: int, probes: int, rate: float) -> float:
+    """P(at least ``lost`` of ``probes`` probes lost) when each is lost with probability ``rate``
+    (exact above the mean ``rate × probes``; 1.0 at or below it)."""
+    if lost <= 0:
+        return 1.0
+    if lost > probes or rate <= 0.0:
+        return 0.0
+    if rate >= 1.0 or lost <= rate * probes:
+        return 1.0  # at or below the mean: no significance test needs more than "not small"
+    return _tail_terms(lost, probes, rate)
+
+
+def _tail_terms(lost: int, probes: int, rate: float) -> float:
+    """The binomial upper tail summed term by term in log space (no overflow for long windows)."""
+    log_p, log_q = math.log(rate), math.log1p(-rate)
+    log_n = math.lgamma(probes + 1)
+    total = 0.0
+    for i in range(lost, probes + 1):
+        term = math.exp(
+            log_n - math.lgamma(i + 1) - math.lgamma(probes - i + 1) + i * log_p + (probes - i) * log_q
+        )
+        total += term
+        if term < total * 1e-12:
+            break
+    return min(total, 1.0)
 
 
 def _standard_error(reference: LossStats, probes: int) -> float:

@@ -38,8 +38,13 @@ class OutlierConfig:
     confirm_large: int = 2
     """... or this many, when every one of them is a *large* departure (see ``large_ratio``);
     never below 2, so a single sample cannot shift the level."""
-    large_ratio: float = 2.0
-    """A suspect at least this many times the smoothed RTT (or at most its inverse) is large."""
+    large_ratio: float = 1.5
+    """A suspect at least this many times the smoothed RTT (or at most its inverse) is large: the
+    link's degrade ratio (``LinkConfig.degrade_rtt_ratio``), so that an RTT that doubles (issue
+    15's trigger) takes the fast path; at 2.0 half the samples of a doubled RTT fell below it and
+    waited for a third suspect (``python -m loom_benchmarks.net_shift --factors 2``: change to
+    decision 3.41 periods on average, 16 % within 3; at 1.5, 2.01 and 96 %; no false shift on
+    measured links with 1 % or 10 % of probes spiking 2-5x either way)."""
     large_consistency: float = 0.25
     """... and the ``confirm_large`` suspects must agree this closely (as ``consistency``): a
     step is one level, a run of spikes is spread over their range."""

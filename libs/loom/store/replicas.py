@@ -35,15 +35,22 @@ class Latest:
     checkpoint_bytes: int
     checksum: str
     spec: dict[str, Any]
+    at_s: float = 0.0
+    """When it was reported (wall clock)."""
+    previous_step: int | None = None
+    """The step of the checkpoint before it in this attempt (None: it is the first)."""
+    previous_at_s: float | None = None
 
 
 async def latest_checkpoints(conn: Conn) -> list[Latest]:
     """Each running job's newest checkpoint of its live attempt (not marked corrupt, past step 0)."""
     rows = await conn.fetch(
         """SELECT DISTINCT ON (c.job_id) c.job_id, j.tenant, c.attempt, c.step, c.cluster, c.uri, c.bytes,
-                  c.checksum, j.spec
+                  c.checksum, j.spec, extract(epoch FROM c.at) AS at_s,
+                  lag(c.step) OVER w AS previous_step, extract(epoch FROM lag(c.at) OVER w) AS previous_at_s
            FROM checkpoints c JOIN jobs j ON j.job_id = c.job_id AND j.attempt = c.attempt
            WHERE j.state = 'running' AND NOT c.corrupt AND c.step > 0
+           WINDOW w AS (PARTITION BY c.job_id, c.attempt ORDER BY c.step)
            ORDER BY c.job_id, c.step DESC"""
     )
     return [
@@ -57,6 +64,9 @@ async def latest_checkpoints(conn: Conn) -> list[Latest]:
             checkpoint_bytes=int(r["bytes"]),
             checksum=r["checksum"],
             spec=json.loads(r["spec"]),
+            at_s=float(r["at_s"]),
+            previous_step=r["previous_step"],
+            previous_at_s=None if r["previous_at_s"] is None else float(r["previous_at_s"]),
         )
         for r in rows
     ]
