@@ -42,8 +42,8 @@ NODES = [
 ]
 
 
-def snapshot() -> Snapshot:
-    return Snapshot(NODES, net=net(), speed=SPEED, now=0.0)
+def snapshot(nodes: list[NodeCapacity] = NODES) -> Snapshot:
+    return Snapshot(nodes, net=net(), speed=SPEED, now=0.0)
 
 
 def job(
@@ -134,3 +134,17 @@ def test_a_queued_jobs_copy_runs_while_it_waits_not_on_its_gpus() -> None:
     assert s_start == pytest.approx(start)
     # Staged from 10 s, the copy was done long before: it runs at once.
     assert s_end - s_start == pytest.approx(100.0, rel=0.05)
+
+
+def test_placement_waits_only_for_what_is_left_of_a_staged_copy() -> None:
+    framework = Framework([ResourceFit(), DataLocality()])
+    spec = job(workers=8)
+    fast = NODES[:2]  # only the fast pool: the job goes there
+    full = framework.schedule(spec, snapshot(fast)).decision
+    assert full is not None and full.start_after_s == pytest.approx(100.0)  # the whole copy
+    snap = snapshot(fast)
+    snap.now = 50.0
+    snap.staged[spec.job_id] = {"r-fast": 80.0}  # begun earlier, done at 80 s
+    staged = framework.schedule(spec, snap).decision
+    assert staged is not None and staged.start_after_s == pytest.approx(30.0)
+    assert staged.sync is not None and staged.sync.dst == "r-fast"

@@ -1043,6 +1043,7 @@ class _Simulation:
             compute_s, raw_step_s = self._true_step(spec, d, speeds, true_speeds, regions, pipeline, noise)
         scale = spec.workers / d.workers if (not pipeline and 0 < d.workers != spec.workers) else 1.0
         step_s = raw_step_s * scale
+        snap.staged.pop(spec.job_id, None)  # its copies are job.data_regions' from here on
         wait_s, extra_s, copy_bytes, belief_extra_s = self._data(
             job, regions[0], job.steps_left * step_s, d, job.steps_left * belief_step_s * scale
         )
@@ -1227,6 +1228,7 @@ class _Simulation:
         if plan is None:
             return
         job.staged[plan.dst] = self.t + plan.sync_s
+        self.snap.staged[job.spec.job_id] = job.staged  # the data plugin's copy times read it
         copied = plan.size_gb * 1e9
         job.record.cross_region_bytes += copied
         self.cross_bytes += copied
