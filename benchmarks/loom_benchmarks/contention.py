@@ -61,6 +61,8 @@ DURATION_SCALE: Final = 1 / 8
 """Work and dataset sizes of the mix scaled by this (jobs of minutes to an hour)."""
 DEFAULT_UNITS: Final = 100
 """Workload units of the mix per run (a DAG unit is three jobs)."""
+STAGING_POLICIES: Final = (TARGET, "oracle")
+"""The policies that stage data with ``--stage-data`` (Loom's rule; the baselines have none)."""
 WIDE_NODES: Final = 16
 """Nodes the default topology is sampled to for ``wide6`` (82 GPUs)."""
 
@@ -218,8 +220,12 @@ def run_cell(
     *,
     units: int = DEFAULT_UNITS,
     truth: Any = None,
+    stage_data: bool = False,
 ) -> dict[str, Any]:
     """Every policy over the cell's trace: per policy :func:`figures`, and Loom's margins.
+
+    ``stage_data``: Loom (and the oracle, Loom knowing the truth) copy a queued job's dataset while
+    it waits (:mod:`loom.sched.staging`; the simulator's ``stage_data``); the baselines never do.
 
     ``truth``: what times the jobs (:func:`resolve_truth`; None: the simulator's default, the
     packaged measured tables)."""
@@ -248,6 +254,7 @@ def run_cell(
             seed=cell.seed,
             sample_every_s=max(span_s / 200.0, 30.0),
             truth=truth,
+            stage_data=stage_data and name in STAGING_POLICIES,
         )
         out[name] = figures(result, gangs)
     return {"cell": dataclasses.asdict(cell), "label": cell.label, "policies": out, **margins(out)}
@@ -347,7 +354,9 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     results = []
     for i, cell in enumerate(grid):
         say(f"cell {i + 1} of {len(grid)}: {cell.label}")
-        results.append(run_cell(cell, policies, units=args.units, truth=truth))
+        results.append(
+            run_cell(cell, policies, units=args.units, truth=truth, stage_data=bool(args.stage_data))
+        )
     return {
         "benchmark": "contention",
         "method": {
@@ -360,6 +369,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
             "duration_scale": DURATION_SCALE,
             "timed_by": args.truth or "truth (packaged Gavel + Lambda tables)",
             "gang_workers": GANG_WORKERS,
+            "stage_data": bool(args.stage_data),
             "margin": "(best baseline - loom) / best baseline on mean JCT: positive, Loom is better",
         },
         "rows": aggregate(results),
@@ -417,6 +427,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--truth",
         default=None,
         help="truth file timing the jobs (default the packaged tables); 'belief': the scheduler's belief",
+    )
+    parser.add_argument(
+        "--stage-data",
+        action="store_true",
+        help="Loom and oracle copy a queued job's dataset while it waits (loom.sched.staging)",
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
 

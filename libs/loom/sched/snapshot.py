@@ -230,6 +230,9 @@ class Snapshot:
         """The queue: jobs decided at least once and neither placed nor rejected since (kept by
         :meth:`~loom.sched.framework.Framework.schedule`; the caller removes jobs that leave the
         queue otherwise). What the plugins that price a queue read (:meth:`waiting_count`)."""
+        self.staged: dict[str, dict[str, float]] = {}
+        """Job id -> region -> when a copy of its dataset begun while it queued is there (the data
+        plugin counts only what is left of it: :mod:`loom.sched.staging`). Kept by the caller."""
         self.quota: QuotaBook | None = None
         """GPUs each tenant holds against its quota, kept with the snapshot: the quota plugin checks
         and takes from it, so a cycle's decisions count against the next job's quota at once. None:

@@ -124,6 +124,7 @@ from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s
 from loom.sched.quota import OPEN, QuotaBook
 from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob, Snapshot
+from loom.sched.staging import staging_plan
 from loom.sim.migration import MigrationPolicy, Migrator
 from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob, SimResult, Trace
 from loom.sim.policies import FrameworkPolicy, OraclePolicy
@@ -332,6 +333,8 @@ class _Job:
     run: _Run | None = None
     generation: int = 0
     data_regions: set[str] = field(default_factory=set)
+    staged: dict[str, float] = field(default_factory=dict)
+    """Region -> when the dataset's staging copy there is done (``stage_data``: begun when queued)."""
     done: bool = False
 
     # What a cycle reads of a queued job (loom.sched.cycle.Pending).
@@ -405,8 +408,11 @@ class _Simulation:
         truth: Truth | None = None,
         seed: int = 0,
         migration: MigrationPolicy | None = None,
+        stage_data: bool = False,
     ) -> None:
         self.truth = truth
+        self.stage_data = stage_data
+        """Copy a queued job's dataset while it waits (:func:`loom.sched.staging.staging_plan`)."""
         """Where true speeds come from; None: time by the scheduler's belief."""
         self.seed = seed
         self.policy = policy
@@ -472,6 +478,7 @@ class _Simulation:
         self.elastic = 0
         """Elastic runs holding GPUs (growth is looked for only when there are some)."""
         self.cross_bytes = 0.0
+        self.staged_copies = 0
         self.timeline: list[Sample] = []
         first = min([j.arrival_s for j in trace.jobs] + [e.at_s for e in trace.events], default=0.0)
         self.t = first
@@ -770,6 +777,7 @@ class _Simulation:
                         # The skipped decision would have found nothing fits: the job is queued as
                         # the framework counts the queue (Snapshot.waiting), as placement's is.
                         self.snap.waiting.add(job.spec.job_id)
+                        self._stage(job)
                     self._wait(job)
                     continue
             else:
@@ -827,6 +835,8 @@ class _Simulation:
             return False
         job.shape.resolvable = True
         job.shape.queued = job.spec.job_id in snap.waiting  # nothing fitted (not a permit's choice)
+        if job.shape.queued:
+            self._stage(job)
         for waiting in result.waiting:
             if waiting.error:
                 self.notes.append(f"{job.spec.job_id}: {waiting.record.reason}")
@@ -1033,6 +1043,7 @@ class _Simulation:
             compute_s, raw_step_s = self._true_step(spec, d, speeds, true_speeds, regions, pipeline, noise)
         scale = spec.workers / d.workers if (not pipeline and 0 < d.workers != spec.workers) else 1.0
         step_s = raw_step_s * scale
+        snap.staged.pop(spec.job_id, None)  # its copies are job.data_regions' from here on
         wait_s, extra_s, copy_bytes, belief_extra_s = self._data(
             job, regions[0], job.steps_left * step_s, d, job.steps_left * belief_step_s * scale
         )
@@ -1207,6 +1218,22 @@ class _Simulation:
             wall += sum(self.snap.net.link(u, regions[0])[0] for u in users) / len(users) / 1000.0
         return compute, wall
 
+    def _stage(self, job: _Job) -> None:
+        """``stage_data``: a queued job's dataset is copied to where it will most likely run, from
+        now (:func:`loom.sched.staging.staging_plan`; once per job and region). The bytes count
+        when the copy begins, used or not."""
+        if not self.stage_data or job.spec.data is None:
+            return
+        plan = staging_plan(job.spec, self.snap, copied=frozenset(job.staged) | frozenset(job.data_regions))
+        if plan is None:
+            return
+        job.staged[plan.dst] = self.t + plan.sync_s
+        self.snap.staged[job.spec.job_id] = job.staged  # the data plugin's copy times read it
+        copied = plan.size_gb * 1e9
+        job.record.cross_region_bytes += copied
+        self.cross_bytes += copied
+        self.staged_copies += 1
+
     def _data(
         self, job: _Job, lead: str, run_s: float, d: Decision, belief_run_s: float
     ) -> tuple[float, float, float, float]:
@@ -1222,6 +1249,12 @@ class _Simulation:
         job.data_regions.add(lead)
         sync_s = min(self.snap.net.transfer_s(h, lead, data.size_gb) for h in holders)
         copied = data.size_gb * 1e9
+        if lead in job.staged:  # staged while it queued: what is left of that copy (counted then)
+            left = max(job.staged[lead] - self.t, 0.0)
+            if data.start == "after_sync":
+                # The permit's wait is the whole copy (data_locality, the only WAIT): it began earlier.
+                return left, 0.0, 0.0, 0.0
+            sync_s, copied = left, 0.0
         if data.start == "after_sync":
             return max(sync_s, d.start_after_s), 0.0, copied, 0.0
         extra = float(data_delay_s(run_s, np.array(sync_s), "while_syncing"))
@@ -1661,6 +1694,8 @@ class _Simulation:
         holders = [data.region, *data.replicas]
         if region in holders or region in job.data_regions:
             return 0.0
+        if region in job.staged:
+            return max(job.staged[region] - self.t, 0.0)
         return min(self.snap.net.transfer_s(h, region, data.size_gb) for h in holders)
 
     def move(self, job_id: str, d: Decision, *, keep_progress: bool) -> None:
@@ -1727,6 +1762,7 @@ def simulate(
     learner: SpeedLearner | None = None,
     truth: Truth | BeliefTiming | None = None,
     migration: MigrationPolicy | None = None,
+    stage_data: bool = False,
 ) -> SimResult:
     """Replay ``trace`` on ``platform`` under ``policy``; one :class:`JobRecord` per job (in trace
     order, DAG jobs as their stages) and a sample of GPU use every ``sample_every_s``.
@@ -1756,6 +1792,10 @@ def simulate(
     :class:`~loom.sim.migration.MigrationPolicy` (``on``: the benefit rule of
     :mod:`loom.migrate.benefit`; ``never``; ``always``); its figures are in ``SimResult.migration``.
     None: the engine as before (a failed cluster's jobs are requeued and restart at once).
+
+    ``stage_data``: a job queued with its dataset elsewhere has it copied, from then, to the region
+    :func:`loom.sched.staging.staging_plan` names; a start there waits only for what is left of the
+    copy (the placement service does not stage yet: off by default, so runs measure what it does).
     """
     check_regions(trace, {*platform.net.regions, *(c.region for c in platform.clusters.values())})
     started = time.perf_counter()
@@ -1770,6 +1810,7 @@ def simulate(
         truth=None if truth is BELIEF else (truth if isinstance(truth, Truth) else load_truth()),
         seed=seed,
         migration=migration,
+        stage_data=stage_data,
     )
     sim.run()
     wall_s = time.perf_counter() - started
@@ -1789,6 +1830,7 @@ def simulate(
             else f"timed by truth: {sim.truth.source or 'a Truth given by the caller'}",
             f"decisions: {sim.decisions - sim.retries} for arriving or requeued jobs, {sim.retries} retries"
             f" of waiting jobs; {sim.skipped} arrivals queued without one (no room and none to make)",
+            *([f"staging: {sim.staged_copies} dataset copies begun while jobs queued"] if stage_data else []),
             *sim.notes,
         ],
         migration=sim.migrator.figures() if sim.migrator is not None else None,

@@ -86,6 +86,7 @@ def _place(state: CycleState) -> DataPlacement | None:
         return None
     snap = state.snapshot
     holders = [data.region, *(r for r in data.replicas if r != data.region)]
+    staged = snap.staged.get(state.job.job_id, {})
     sync_s = np.zeros(len(snap.regions))
     source: list[str] = []
     for i, region in enumerate(snap.regions):
@@ -93,6 +94,8 @@ def _place(state: CycleState) -> DataPlacement | None:
             source.append(region)
             continue
         seconds, src = min((snap.net.transfer_s(h, region, data.size_gb), h) for h in holders)
+        if region in staged:  # a copy begun while it queued (loom.sched.staging): what is left
+            seconds = min(seconds, max(staged[region] - snap.now, 0.0))
         sync_s[i] = seconds
         source.append(src)
     return DataPlacement(
@@ -112,8 +115,10 @@ class DataLocality:
     Score: raw = first-copy seconds; normalised ``100 x (R + d_min) / (R + d)`` with R the job's
     run time on the reference GPU (``steps x step_time_s``) and d the delay the copy adds
     (:func:`data_delay_s`), so a copy that adds 10 % to the job costs about 9 points, and a copy
-    short next to the job costs next to nothing. Permit: a lead region without the data gets a
-    :class:`~loom_proto.jobs.SyncPlan` from the best holder; ``after_sync`` jobs WAIT for the copy.
+    short next to the job costs next to nothing (a copy begun while the job queued,
+    ``Snapshot.staged``, :mod:`loom.sched.staging`, counts what is left of it). Permit: a lead
+    region without the data gets a :class:`~loom_proto.jobs.SyncPlan` from the best holder;
+    ``after_sync`` jobs WAIT for the copy.
     SKIP for jobs that read no dataset.
     """
 
@@ -124,9 +129,11 @@ class DataLocality:
         return ()
 
     def score_key(self, state: CycleState) -> tuple[object, ...]:
-        """The job's dataset and run (all that scoring and normalising read of the job)."""
+        """The job's dataset and run, and the copies staged for it (all that scoring and
+        normalising read of the job)."""
         work = state.job.work
-        return (data_key(state.job), work.steps, work.step_time_s)
+        staged = state.snapshot.staged.get(state.job.job_id, {})
+        return (data_key(state.job), work.steps, work.step_time_s, tuple(sorted(staged.items())))
 
     def pre_filter(self, state: CycleState) -> Status:
         if state.job.data is None:
