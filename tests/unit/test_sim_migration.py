@@ -15,7 +15,7 @@ from loom.sim.model import Platform, SimEvent, SimJob, SimResult, Trace
 from loom.sim.policies import POLICIES
 from loom.sim.scenarios import drain_events
 from loom.sim.truth import BELIEF
-from loom_proto.jobs import JobSpec, Resources, Work
+from loom_proto.jobs import Affinity, JobSpec, Resources, Work
 
 EU = "aws-eu-central-1"
 TASKS = ("training_compute", "training_memory", "training_comm", "inference")
@@ -174,3 +174,37 @@ def test_a_drain_under_on_moves_at_most_the_budgets_concurrency_and_defers_the_r
     # One in flight at a time: the second starts only after the first's checkpoint is in.
     assert moved_at[0] == pytest.approx(50.0)
     assert moved_at[-1] >= 50.0 + delay
+
+
+def test_backflow_moves_a_job_only_onto_the_returning_cluster_never_elsewhere() -> None:
+    """The framework's ``avoid_clusters`` is a preference (an avoided cluster is tried again when
+    nothing else fits): when the returning cluster is full again, the backflow candidate must not
+    fall back to another cluster that has room (``home`` or ``other``, whichever ``j`` did not
+    take). ``always`` moved every job with a candidate there before."""
+    plat = platform({"home": (EU, "H100", 1), "other": (EU, "H100", 1), "back": (EU, "H100", 1)})
+    pinned = JobSpec(
+        job_id="b",
+        tenant="t",
+        resources=Resources(gpus=8),
+        work=Work(steps=LONG_STEPS, step_time_s=0.5, checkpoint_every_steps=100),
+        affinity=Affinity(clusters=["back"]),
+    )
+    jobs = [SimJob(spec=pinned, arrival_s=0.0), SimJob(spec=job("j", LONG_STEPS).spec, arrival_s=1.0)]
+    events = [
+        SimEvent(at_s=100.0, kind="cluster_down", cluster="back"),
+        SimEvent(at_s=200.0, kind="cluster_up", cluster="back"),  # b takes it again first
+    ]
+    for mode in ("on", "always"):
+        result = simulate(
+            Trace(jobs=jobs, events=events),
+            plat,
+            POLICIES["loom"](0),
+            truth=BELIEF,
+            migration=MigrationPolicy(mode),  # type: ignore[arg-type]
+        )
+        assert result.migration is not None
+        assert result.migration["migrations"] == 0, mode
+        j = next(r for r in result.records if r.job_id == "j")
+        assert j.restarts == 0, mode  # it never moved (from home or other, where it started)
+        b = next(r for r in result.records if r.job_id == "b")
+        assert b.clusters == ("back",) and b.restarts == 1

@@ -387,7 +387,10 @@ class Migrator:
         d = outcome.decision
         if d is None:
             return None
-        if d.victims or d.shrunk:
+        if d.victims or d.shrunk or (only is not None and any(p.cluster != only for p in d.parts)):
+            # ``avoid_clusters`` is a preference of the framework (an avoided cluster is tried
+            # again when nothing else fits): a backflow candidate off the returning cluster is no
+            # backflow, it is none.
             if d.undo is not None:
                 d.undo()
             return None
