@@ -59,6 +59,7 @@ from loom.migrate.benefit import (
     MigrationSettings,
     MigrationVerdict,
     PathState,
+    QueuedOption,
     RunningJobState,
     Trigger,
     checkpoint_bytes_of,
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     from loom.sched.framework import Decision
     from loom.sim.engine import _Job, _Simulation
     from loom.sim.model import SimEvent
+    from loom_proto.jobs import JobSpec
 
 __all__ = ["MODES", "MigrationMode", "MigrationPolicy", "Migrator"]
 
@@ -442,7 +444,10 @@ class Migrator:
                 start_after_s=d.start_after_s + self.sim.data_wait_s(job.spec.job_id, lead.region),
             )
             path = self._path(state.region, lead.region)
-        verdict = decide(state, target, path, now_s=self.sim.t, trigger=trigger, settings=self.settings)
+        queued = self._queued(job, d) if d is not None else []
+        verdict = decide(
+            state, target, path, now_s=self.sim.t, trigger=trigger, settings=self.settings, queued=queued
+        )
         if again is not None:  # the same look again just before moving (the snapshot may have changed)
             return verdict, d
         self.out.evaluated += 1
@@ -450,6 +455,51 @@ class Migrator:
         if len(self.out.verdicts) < _VERDICTS_KEPT:
             self.out.verdicts.append(_summary(verdict, self.sim.t))
         return verdict, d
+
+    def _queued(self, job: _Job, d: Decision) -> list[QueuedOption]:
+        """The waiting jobs (``Snapshot.waiting``: nothing fits them now) that the candidate's lead
+        pool could hold when free (their hard rules allow it; its schedulable GPUs are enough), as
+        the scheduler predicts them there and on their fastest other pool that could hold them
+        (compute steps: the scheduler's speed x trust; a gang's exchange is left out)."""
+        sim = self.sim
+        snap = sim.snap
+        lead = d.parts[0]
+        c, m = snap.cluster_index.get(lead.cluster), snap.model_index.get(lead.gpu_model)
+        if c is None or m is None or not snap.waiting:
+            return []
+        capacity: dict[tuple[int, int], int] = {}
+
+        def holds(ci: int, mi: int) -> int:
+            if (ci, mi) not in capacity:
+                pool = snap.pool(ci, mi)
+                capacity[ci, mi] = int((snap.total[pool] * snap.schedulable[pool]).sum())
+            return capacity[ci, mi]
+
+        out = []
+        for job_id in sorted(snap.waiting):
+            other = sim.jobs.get(job_id)
+            if other is None or job_id == job.spec.job_id or other.run is not None:
+                continue
+            spec = other.spec
+            gpus = spec.resources.gpus * max(spec.workers, 1)
+            pools = other.shape.pools
+            if not pools[c, m] or holds(c, m) < gpus:
+                continue
+
+            def step(ci: int, mi: int, spec: JobSpec = spec) -> float:
+                speed = snap.job_gpu_speed(spec, snap.models[mi]) * sim.trust.get(snap.clusters[ci].id, 1.0)
+                return spec.work.step_time_s / speed if speed > 0 else math.inf
+
+            elsewhere = min(
+                (
+                    step(int(ci), int(mi))
+                    for ci, mi in zip(*pools.nonzero(), strict=True)
+                    if (int(ci), int(mi)) != (c, m) and holds(int(ci), int(mi)) >= gpus
+                ),
+                default=math.inf,
+            )
+            out.append(QueuedOption(job_id, other.steps_left, step(c, m), elsewhere))
+        return out
 
     def _consider(self, job_ids: list[str], trigger: Trigger, *, only: str | None = None) -> None:
         """Look at the affected jobs for one trigger and move those the mode moves."""
@@ -597,5 +647,6 @@ def _summary(verdict: MigrationVerdict, now: float) -> dict[str, Any]:
         "cost_s": num(verdict.cost.total_s) if verdict.cost is not None else None,
         "gain_s": num(verdict.gain_s),
         "threshold_s": num(verdict.threshold_s),
+        "queue_s": num(verdict.queue_s),
         "reason": verdict.reason,
     }
