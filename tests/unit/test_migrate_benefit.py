@@ -286,6 +286,15 @@ def test_the_queues_loss_is_the_expected_loss_of_the_waiting_job_that_would_have
     assert displacement_s([faster_there, as_fast_elsewhere, only_there], 2_000.0) == pytest.approx(
         (1_000.0 + 0.0 + 2_000.0) / 3
     )
+    # Room on the target expected after the move ends anyway: the move delays nobody.
+    late = QueuedOption("q4", 1_000, 0.5, 1.5, wait_free_s=6_000.0, wait_taken_s=9_000.0)
+    assert displacement_s([late], 5_000.0) == 0.0
+    # Room expected at 1,000 s, at 1,500 s once the move took its GPUs: 500 s later.
+    delayed = QueuedOption("q5", 1_000, 0.5, 1.5, wait_free_s=1_000.0, wait_taken_s=1_500.0)
+    assert displacement_s([delayed], 5_000.0) == pytest.approx(500.0)
+    # ... and never later than the move's end, when its GPUs come back.
+    never_room = QueuedOption("q6", 1_000, 0.5, 9.5, wait_free_s=1_000.0, wait_taken_s=math.inf)
+    assert displacement_s([never_room], 5_000.0) == pytest.approx(4_000.0)
 
 
 def test_a_voluntary_move_pays_the_queues_loss_too_a_forced_one_does_not() -> None:

@@ -245,24 +245,32 @@ class QueuedOption:
     """Predicted seconds per step on the target's pool."""
     step_elsewhere_s: float
     """Predicted seconds per step on the fastest other pool it may use (math.inf: none)."""
+    wait_free_s: float = 0.0
+    """When the target's pool is expected to have room for it without the move
+    (:func:`loom.sched.availability.expected_wait_s`: the running jobs' predicted ends)."""
+    wait_taken_s: float = math.inf
+    """The same once the move has taken its GPUs there (``ahead_gpus``; math.inf: the known
+    releases never make room then)."""
 
 
 def displacement_s(queued: Sequence[QueuedOption], held_s: float) -> float:
     """What a move that holds the target's GPUs ``held_s`` (its cost + its remaining time there)
     costs the queue, in seconds of one waiting job's completion: the expected loss of the job that
-    would have had those GPUs, each job the target could hold equally likely. A job loses what
-    running elsewhere costs it, ``steps_left x (step elsewhere − step on the target)`` (nothing
-    when another pool is as fast), or waiting for the target until the move leaves it, whichever
-    is less (``held_s``; a job only the target can hold waits). 0 when no job waits: then the GPUs
-    taken were idle. Beliefs only (the scheduler's predicted steps), as the rest of the rule."""
+    would have had those GPUs, each job the target could hold equally likely.
+
+    A job's room on the target comes ``delay`` later: from ``wait_free_s`` to ``wait_taken_s``, and
+    never later than the move's end (``held_s``, when its GPUs come back); nothing when its room was
+    not expected before the move ends anyway. It loses that delay, or what running elsewhere costs
+    it, ``steps_left x (step elsewhere − step on the target)`` (nothing when another pool is as
+    fast), whichever is less. 0 when no job waits: the GPUs taken were idle. Beliefs only (the
+    scheduler's predicted steps and ends), as the rest of the rule."""
     if not queued or held_s <= 0 or math.isinf(held_s):
         return 0.0
-    losses = [
-        min(held_s, max(q.steps_left, 0.0) * max(q.step_elsewhere_s - q.step_target_s, 0.0))
-        if math.isfinite(q.step_elsewhere_s)
-        else held_s
-        for q in queued
-    ]
+    losses = []
+    for q in queued:
+        delay = max(min(q.wait_taken_s, held_s) - q.wait_free_s, 0.0)
+        elsewhere = max(q.steps_left, 0.0) * max(q.step_elsewhere_s - q.step_target_s, 0.0)
+        losses.append(min(delay, elsewhere) if math.isfinite(elsewhere) else delay)
     return sum(losses) / len(losses)
 
 

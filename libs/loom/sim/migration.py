@@ -68,6 +68,7 @@ from loom.migrate.benefit import (
     plan_migrations,
 )
 from loom.migrate.replicas import ReplicaSettings
+from loom.sched.availability import expected_wait_s
 from loom.sim.replicas import SimReplicas
 
 if TYPE_CHECKING:
@@ -460,7 +461,10 @@ class Migrator:
         """The waiting jobs (``Snapshot.waiting``: nothing fits them now) that the candidate's lead
         pool could hold when free (their hard rules allow it; its schedulable GPUs are enough), as
         the scheduler predicts them there and on their fastest other pool that could hold them
-        (compute steps: the scheduler's speed x trust; a gang's exchange is left out)."""
+        (compute steps: the scheduler's speed x trust; a gang's exchange is left out), and when
+        that pool is expected to have room for them without the move and once the move has taken
+        its GPUs there (:func:`loom.sched.availability.expected_wait_s`, ``ahead_gpus``). The
+        snapshot does not hold the candidate (``apply=False``)."""
         sim = self.sim
         snap = sim.snap
         lead = d.parts[0]
@@ -468,6 +472,8 @@ class Migrator:
         if c is None or m is None or not snap.waiting:
             return []
         capacity: dict[tuple[int, int], int] = {}
+        per_worker = job.spec.resources.gpus
+        taken = sum(w for _, w in lead.allocations) * per_worker
 
         def holds(ci: int, mi: int) -> int:
             if (ci, mi) not in capacity:
@@ -498,7 +504,17 @@ class Migrator:
                 ),
                 default=math.inf,
             )
-            out.append(QueuedOption(job_id, other.steps_left, step(c, m), elsewhere))
+            workers, each = max(spec.workers, 1), spec.resources.gpus
+            out.append(
+                QueuedOption(
+                    job_id,
+                    other.steps_left,
+                    step(c, m),
+                    elsewhere,
+                    wait_free_s=expected_wait_s(snap, c, m, workers, each),
+                    wait_taken_s=expected_wait_s(snap, c, m, workers, each, ahead_gpus=taken),
+                )
+            )
         return out
 
     def _consider(self, job_ids: list[str], trigger: Trigger, *, only: str | None = None) -> None:
