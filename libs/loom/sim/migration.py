@@ -6,7 +6,9 @@
   at each trigger every affected job gets a candidate from the policy's own scheduling framework
   (a new placement, not applied: ``Framework.schedule(..., apply=False)``, no preemption), a
   :class:`~loom.migrate.benefit.MigrationVerdict` from the scheduler's *beliefs* (its speeds, the
-  links as measured now), and the moves are started largest net benefit first within a
+  links as measured now, the waiting jobs the target's pool could hold: :meth:`Migrator._queued`,
+  priced by :func:`~loom.migrate.benefit.displacement_s`), and the moves are started largest net
+  benefit first within a
   :class:`~loom.migrate.benefit.MigrationBudget`; moves the budget defers are looked at again at
   each sample. Just before each move its verdict is taken again (the moves before it changed the
   snapshot), its placement avoiding the clusters the job runs on, as the service's re-placement
@@ -24,7 +26,8 @@
 * ``cluster_down`` → ``cluster_failed``: every job with a part there is re-placed by the engine
   (forced, in every mode) wherever the scheduler puts it when it is requeued;
 * ``cluster_up`` → ``cluster_joined``: running jobs (not pipelines) allowed on that cluster, the
-  candidate on that cluster only (backflow);
+  candidate on that cluster only (backflow: a candidate elsewhere, which the framework falls back
+  to when that cluster is full, is none);
 * ``link_degrade`` → ``link_degraded``: data-parallel jobs with parts at both ends, and inference
   whose users are at one end and lead at the other; candidate anywhere;
 * ``link_restore`` → ``link_improved``: jobs that left because that link degraded; anywhere;
