@@ -380,6 +380,7 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     "migrations",
                     "forced_restarts",
                     "deferred_by_budget",
+                    "held_by_queue",
                 )
             }
         on = modes.get("on", {}).get("jct_mean_s")

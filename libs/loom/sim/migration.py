@@ -130,6 +130,8 @@ class _Figures:
     deferred: int = 0
     evaluated: int = 0
     stayed: int = 0
+    held_by_queue: int = 0
+    """Verdicts that stayed only because of the queue's loss (the move paid without it)."""
     by_trigger: Counter[str] = field(default_factory=Counter)
     verdicts: list[dict[str, Any]] = field(default_factory=list)
     moved: set[str] = field(default_factory=set)
@@ -310,6 +312,7 @@ class Migrator:
             "deferred_by_budget": out.deferred,
             "evaluated": out.evaluated,
             "stayed": out.stayed,
+            "held_by_queue": out.held_by_queue,
             "by_trigger": dict(out.by_trigger),
             "verdicts": out.verdicts,
             "touched_jobs": sorted(out.touched),
@@ -455,6 +458,8 @@ class Migrator:
         if again is not None:  # the same look again just before moving (the snapshot may have changed)
             return verdict, d
         self.out.evaluated += 1
+        if _held_by_queue(verdict):
+            self.out.held_by_queue += 1
         self.out.touched.add(job.spec.job_id)
         if len(self.out.verdicts) < _VERDICTS_KEPT:
             self.out.verdicts.append(_summary(verdict, self.sim.t))
@@ -648,6 +653,16 @@ class Migrator:
                 source_cluster=cluster,
             )
             self.deferred.pop(job_id, None)
+
+
+def _held_by_queue(verdict: MigrationVerdict) -> bool:
+    """A voluntary stay that the move would have paid for without the queue's loss (not a cool-down)."""
+    return (
+        not verdict.move
+        and verdict.queue_s > 0
+        and verdict.margin_s + verdict.queue_s > 0
+        and "cool-down" not in verdict.reason
+    )
 
 
 def _summary(verdict: MigrationVerdict, now: float) -> dict[str, Any]:
