@@ -18,9 +18,12 @@ checkpointing every ``CHECKPOINT_REFERENCE_S`` of reference-GPU work. **Loads** 
 - ``failure``: the cluster with the most reference capacity (GPUs x SCU) fails at 0.25 S and
   returns at 0.55 S;
 - ``degradation``: every link of the region whose links carry the most cross-region running jobs
-  at 0.25 S (:func:`most_crossed_region`: spanning gangs, inference away from its users; found by
-  a run without events stopped there) gets RTT x 5 and bandwidth x 0.2 from 0.25 S for
-  ``--degradation-s`` (default 1 h);
+  at 0.25 S (:func:`degradation_point`: spanning gangs, inference away from its users; found by
+  a run without events or migration stopped there, the same for every mode) gets RTT x 5 and
+  bandwidth x 0.2 from 0.25 S for ``--degradation-s`` (default 1 h). When no running job crosses
+  a region boundary at 0.25 S, the degradation comes at the first job start after it (up to the
+  last arrival) at which one does: a degraded link no job uses tests nothing (before, it then fell
+  back to the busiest region's links, which no job used);
 - ``drain``: that cluster is drained at 0.25 S and opened again at 0.75 S.
 
 Per run: mean JCT (of the jobs every mode finished), finished jobs, GPU-hours, GPU-hours lost,
@@ -105,28 +108,76 @@ def busiest(built: "Platform") -> tuple[str, str]:
     return cluster, region
 
 
-def most_crossed_region(trace: "Trace", built: "Platform", at_s: float, seed: int) -> str | None:
-    """The region whose links carry the most cross-region running jobs at ``at_s`` (a run of Loom
-    without events stopped there): gangs spanning regions, and inference served away from its
-    users. None: no job crosses a region boundary then."""
-    from loom.sim.engine import simulate
-    from loom.sim.policies import make_policy
-
-    result = simulate(trace, built, make_policy("loom", seed), seed=seed, horizon_s=at_s, sample_every_s=0)
-    specs = {j.spec.job_id: j.spec for j in trace.jobs}
+def crossings(records: Sequence[Any], specs: dict[str, Any], at_s: float) -> dict[str, int]:
+    """Per region: the jobs running at ``at_s`` (by ``records``: started at or before, not ended
+    by then) whose steps cross its links: gangs spanning regions, and inference served away from
+    its users: the jobs :class:`loom.sim.migration.Migrator` counts as affected by a link (not
+    pipelines: the simulator keeps their planned step when a link changes, and they never move)."""
     count: dict[str, int] = {}
-    for record in result.records:
-        if record.start_s is None or record.end_s is not None or not record.regions:
+    for record in records:
+        if record.start_s is None or record.start_s > at_s or not record.regions:
+            continue
+        if record.end_s is not None and record.end_s <= at_s:
+            continue
+        spec = specs.get(record.job_id)
+        if spec is not None and spec.pipeline is not None:
             continue
         crossed = set(record.regions) if len(set(record.regions)) > 1 else set()
-        spec = specs.get(record.job_id)
         if spec is not None and spec.task_type == "inference":
             users = set(spec.affinity.prefer_regions) - {record.regions[0]}
             if users:
                 crossed |= users | {record.regions[0]}
         for region in crossed:
             count[region] = count.get(region, 0) + 1
-    return max(sorted(count), key=lambda r: count[r]) if count else None
+    return count
+
+
+def most_crossed_region(trace: "Trace", built: "Platform", at_s: float, seed: int) -> str | None:
+    """The region whose links carry the most cross-region running jobs at ``at_s`` (a run of Loom
+    without events stopped there): gangs spanning regions, and inference served away from its
+    users. None: no job crosses a region boundary then."""
+    point = degradation_point(trace, built, at_s, at_s, seed)
+    return point[1] if point is not None else None
+
+
+def degradation_point(
+    trace: "Trace", built: "Platform", at_s: float, until_s: float, seed: int
+) -> tuple[float, str, int] | None:
+    """(when, region, jobs crossing its links) for the degradation scenario, from a run of Loom
+    without events or migration (the same for every mode: it never looks at one): at ``at_s`` the
+    region whose links carry the most cross-region running jobs (:func:`crossings`); when no job
+    crosses a region boundary at ``at_s``, the first job start after it, up to ``until_s``, at
+    which one does (a degraded link no job uses tests nothing). None: none does until then.
+
+    The run is stopped at ``at_s`` first (as before this rule); only when nothing crosses then is
+    it run on to ``until_s``. A job's placement there is its last one (the run has no events or
+    migrations; a preempted job's earlier placement is not seen)."""
+    from loom.sim.engine import simulate
+    from loom.sim.policies import make_policy
+
+    specs = {j.spec.job_id: j.spec for j in trace.jobs}
+
+    def best(count: dict[str, int]) -> tuple[str, int] | None:
+        if not count:
+            return None
+        region = max(sorted(count), key=lambda r: count[r])
+        return region, count[region]
+
+    result = simulate(trace, built, make_policy("loom", seed), seed=seed, horizon_s=at_s, sample_every_s=0)
+    found = best(crossings(result.records, specs, at_s))
+    if found is not None:
+        return at_s, found[0], found[1]
+    if until_s <= at_s:
+        return None
+    result = simulate(trace, built, make_policy("loom", seed), seed=seed, horizon_s=until_s, sample_every_s=0)
+    starts = sorted(
+        {r.start_s for r in result.records if r.start_s is not None and at_s < r.start_s <= until_s}
+    )
+    for t in starts:
+        found = best(crossings(result.records, specs, t))
+        if found is not None:
+            return t, found[0], found[1]
+    return None
 
 
 def scenario_events(
@@ -148,7 +199,9 @@ def scenario_events(
     if scenario == "failure":
         return cluster_failure_events(cluster, at_s=at, duration_s=0.30 * span_s)
     if scenario == "degradation":
-        region = most_crossed_region(trace, built, at, seed) or region
+        point = degradation_point(trace, built, at, first_s + span_s, seed)
+        if point is not None:
+            at, region, _ = point
         return [
             SimEvent(at_s=at, kind="link_degrade", region=region, rtt_factor=5.0, bandwidth_factor=0.2),
             SimEvent(at_s=at + degradation_s, kind="link_restore", region=region),
@@ -261,6 +314,10 @@ def run_cell(
         "moved_jobs_effect": moved_effect,
         "paired": paired,
         "arrival_span_h": round(span / 3600.0, 2),
+        "scripted": [
+            {"at_s": round(e.at_s, 1), "kind": e.kind, "where": e.cluster or e.region or f"{e.src}-{e.dst}"}
+            for e in events
+        ],
         "modes": out,
     }
 
@@ -323,6 +380,7 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     "migrations",
                     "forced_restarts",
                     "deferred_by_budget",
+                    "held_by_queue",
                 )
             }
         on = modes.get("on", {}).get("jct_mean_s")

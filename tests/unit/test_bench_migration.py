@@ -69,3 +69,56 @@ def test_the_paired_difference_splits_moved_jobs_from_knock_on() -> None:
     total = sum(never.values()) / 4 - sum(on.values()) / 4
     assert out["moved_s"] + out["knock_on_s"] == pytest.approx(total)
     assert paired_difference(on, never, set())["moved_own_s"] is None
+
+
+def test_crossings_count_spanning_gangs_and_inference_away_from_users_not_pipelines_or_ended() -> None:
+    from loom.sim.model import JobRecord
+    from loom_benchmarks.migration import crossings
+    from loom_proto.jobs import Affinity, Layer, Pipeline
+
+    specs = {
+        "gang": JobSpec(job_id="gang", tenant="t", work=Work(steps=1)),
+        "inf": JobSpec(
+            job_id="inf",
+            tenant="t",
+            work=Work(steps=1),
+            task_type="inference",
+            affinity=Affinity(prefer_regions=["c"]),
+        ),
+        "home": JobSpec(
+            job_id="home",
+            tenant="t",
+            work=Work(steps=1),
+            task_type="inference",
+            affinity=Affinity(prefer_regions=["a"]),
+        ),
+        "pipe": JobSpec(
+            job_id="pipe",
+            tenant="t",
+            work=Work(steps=1),
+            pipeline=Pipeline(layers=[Layer(name="l0", compute_s=1.0)]),
+        ),
+        "done": JobSpec(job_id="done", tenant="t", work=Work(steps=1)),
+    }
+
+    def rec(job_id: str, regions: tuple[str, ...], start: float, end: float | None = None) -> JobRecord:
+        return JobRecord(
+            job_id=job_id,
+            job_class="batch",
+            tenant="t",
+            arrival_s=0.0,
+            start_s=start,
+            end_s=end,
+            regions=regions,
+        )
+
+    records = [
+        rec("gang", ("a", "b"), 10.0),
+        rec("inf", ("a",), 10.0),  # served in a, its users in c
+        rec("home", ("a",), 10.0),  # served where its users are
+        rec("pipe", ("a", "b", "d"), 10.0),  # the simulator keeps a pipeline's step on a link change
+        rec("done", ("a", "b"), 10.0, end=50.0),
+    ]
+    assert crossings(records, specs, 100.0) == {"a": 2, "b": 1, "c": 1}
+    assert crossings(records, specs, 5.0) == {}  # nothing started yet
+    assert crossings(records, specs, 20.0)["b"] == 2  # "done" still runs

@@ -9,9 +9,11 @@ from loom.migrate.benefit import (
     MigrationBudget,
     MigrationSettings,
     PathState,
+    QueuedOption,
     RunningJobState,
     checkpoint_bytes_of,
     decide,
+    displacement_s,
     job_class_of,
     link_trigger,
     migration_cost,
@@ -270,3 +272,42 @@ def test_settings_refuse_nonsense() -> None:
         MigrationSettings(hysteresis_factor=0.5)
     with pytest.raises(ValueError, match="save_gbps"):
         MigrationSettings(save_gbps=0)
+
+
+def test_the_queues_loss_is_the_expected_loss_of_the_waiting_job_that_would_have_had_the_gpus() -> None:
+    faster_there = QueuedOption("q1", steps_left=1_000, step_target_s=0.5, step_elsewhere_s=1.5)  # 1,000 s
+    as_fast_elsewhere = QueuedOption("q2", steps_left=1_000, step_target_s=0.5, step_elsewhere_s=0.5)  # 0
+    only_there = QueuedOption("q3", steps_left=10, step_target_s=0.5, step_elsewhere_s=math.inf)  # waits
+    assert displacement_s([], 5_000.0) == 0.0  # nobody waits: the GPUs taken were idle
+    assert displacement_s([faster_there], 5_000.0) == pytest.approx(1_000.0)
+    assert displacement_s([faster_there], 300.0) == pytest.approx(300.0)  # waiting out the move costs less
+    assert displacement_s([as_fast_elsewhere], 5_000.0) == 0.0
+    assert displacement_s([only_there], 5_000.0) == pytest.approx(5_000.0)
+    assert displacement_s([faster_there, as_fast_elsewhere, only_there], 2_000.0) == pytest.approx(
+        (1_000.0 + 0.0 + 2_000.0) / 3
+    )
+    # Room on the target expected after the move ends anyway: the move delays nobody.
+    late = QueuedOption("q4", 1_000, 0.5, 1.5, wait_free_s=6_000.0, wait_taken_s=9_000.0)
+    assert displacement_s([late], 5_000.0) == 0.0
+    # Room expected at 1,000 s, at 1,500 s once the move took its GPUs: 500 s later.
+    delayed = QueuedOption("q5", 1_000, 0.5, 1.5, wait_free_s=1_000.0, wait_taken_s=1_500.0)
+    assert displacement_s([delayed], 5_000.0) == pytest.approx(500.0)
+    # ... and never later than the move's end, when its GPUs come back.
+    never_room = QueuedOption("q6", 1_000, 0.5, 9.5, wait_free_s=1_000.0, wait_taken_s=math.inf)
+    assert displacement_s([never_room], 5_000.0) == pytest.approx(4_000.0)
+
+
+def test_a_voluntary_move_pays_the_queues_loss_too_a_forced_one_does_not() -> None:
+    free = decide(job(), target(step_s=0.5), PATH, now_s=0.0, trigger="link_degraded")
+    assert free.move and free.queue_s == 0.0
+    # A waiting job that runs 4,000 steps 1.5 s slower elsewhere, longer than the move holds the
+    # target (its cost + its 4,475 s there): it would wait, losing that hold.
+    waiting = [QueuedOption("q", steps_left=4_000, step_target_s=0.5, step_elsewhere_s=2.0)]
+    held = free.cost.total_s + free.remaining_there_s if free.cost is not None else 0.0
+    queued = decide(job(), target(step_s=0.5), PATH, now_s=0.0, trigger="link_degraded", queued=waiting)
+    assert queued.queue_s == pytest.approx(min(held, 4_000 * 1.5))
+    assert queued.threshold_s == pytest.approx(free.threshold_s + queued.queue_s)
+    assert not queued.move  # gain 4,475 s < cost + margin + 4,565 s
+    assert "the queue's loss" in queued.reason
+    forced = decide(job(), target(step_s=0.5), PATH, now_s=0.0, trigger="cluster_failed", queued=waiting)
+    assert forced.move and forced.queue_s == 0.0

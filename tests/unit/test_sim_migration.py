@@ -15,7 +15,7 @@ from loom.sim.model import Platform, SimEvent, SimJob, SimResult, Trace
 from loom.sim.policies import POLICIES
 from loom.sim.scenarios import drain_events
 from loom.sim.truth import BELIEF
-from loom_proto.jobs import JobSpec, Resources, Work
+from loom_proto.jobs import Affinity, JobSpec, Resources, Work
 
 EU = "aws-eu-central-1"
 TASKS = ("training_compute", "training_memory", "training_comm", "inference")
@@ -174,3 +174,88 @@ def test_a_drain_under_on_moves_at_most_the_budgets_concurrency_and_defers_the_r
     # One in flight at a time: the second starts only after the first's checkpoint is in.
     assert moved_at[0] == pytest.approx(50.0)
     assert moved_at[-1] >= 50.0 + delay
+
+
+def test_backflow_moves_a_job_only_onto_the_returning_cluster_never_elsewhere() -> None:
+    """The framework's ``avoid_clusters`` is a preference (an avoided cluster is tried again when
+    nothing else fits): when the returning cluster is full again, the backflow candidate must not
+    fall back to another cluster that has room (``home`` or ``other``, whichever ``j`` did not
+    take). ``always`` moved every job with a candidate there before."""
+    plat = platform({"home": (EU, "H100", 1), "other": (EU, "H100", 1), "back": (EU, "H100", 1)})
+    pinned = JobSpec(
+        job_id="b",
+        tenant="t",
+        resources=Resources(gpus=8),
+        work=Work(steps=LONG_STEPS, step_time_s=0.5, checkpoint_every_steps=100),
+        affinity=Affinity(clusters=["back"]),
+    )
+    jobs = [SimJob(spec=pinned, arrival_s=0.0), SimJob(spec=job("j", LONG_STEPS).spec, arrival_s=1.0)]
+    events = [
+        SimEvent(at_s=100.0, kind="cluster_down", cluster="back"),
+        SimEvent(at_s=200.0, kind="cluster_up", cluster="back"),  # b takes it again first
+    ]
+    for mode in ("on", "always"):
+        result = simulate(
+            Trace(jobs=jobs, events=events),
+            plat,
+            POLICIES["loom"](0),
+            truth=BELIEF,
+            migration=MigrationPolicy(mode),  # type: ignore[arg-type]
+        )
+        assert result.migration is not None
+        assert result.migration["migrations"] == 0, mode
+        j = next(r for r in result.records if r.job_id == "j")
+        assert j.restarts == 0, mode  # it never moved (from home or other, where it started)
+        b = next(r for r in result.records if r.job_id == "b")
+        assert b.clusters == ("back",) and b.restarts == 1
+
+
+def _queue_case(with_waiting_gang: bool) -> SimResult:
+    """``j`` runs on A100s while the H100 cluster is down; when it returns, a short job pinned
+    there takes half of it and (optionally) a 2 x 8-GPU gang pinned there waits for the rest,
+    expected to have room when the short job ends a minute later."""
+    plat = platform({"slow": (EU, "A100", 1), "fast": (EU, "H100", 2)})
+
+    def pinned(job_id: str, steps: int, workers: int, at: float) -> SimJob:
+        spec = JobSpec(
+            job_id=job_id,
+            tenant="t",
+            workers=workers,
+            resources=Resources(gpus=8),
+            work=Work(steps=steps, step_time_s=0.5, checkpoint_every_steps=100),
+            affinity=Affinity(clusters=["fast"]),
+        )
+        return SimJob(spec=spec, arrival_s=at)
+
+    jobs = [job("j", 10_000), pinned("r", round(60.0 / FAST_STEP_S), 1, 1.0)]
+    if with_waiting_gang:
+        jobs.append(pinned("q", LONG_STEPS, 2, 2.0))
+    events = [
+        SimEvent(at_s=0.0, kind="cluster_down", cluster="fast"),
+        SimEvent(at_s=100.0, kind="cluster_up", cluster="fast"),
+    ]
+    return simulate(
+        Trace(jobs=jobs, events=events),
+        plat,
+        POLICIES["loom"](0),
+        truth=BELIEF,
+        migration=MigrationPolicy("on"),
+    )
+
+
+def test_on_does_not_take_the_gpus_a_waiting_job_is_about_to_get_but_moves_when_nobody_waits() -> None:
+    alone = _queue_case(with_waiting_gang=False)
+    assert alone.migration is not None
+    assert alone.migration["migrations"] == 1  # backflow onto the H100s: 2.3x faster
+    assert alone.migration["held_by_queue"] == 0
+    queued = _queue_case(with_waiting_gang=True)
+    assert queued.migration is not None
+    # The gang would wait for j's whole run there instead of a minute: the queue's loss outweighs
+    # j's gain, and j stays.
+    assert queued.migration["migrations"] == 0
+    assert queued.migration["held_by_queue"] >= 1
+    verdict = next(v for v in queued.migration["verdicts"] if v["trigger"] == "cluster_joined")
+    assert verdict["queue_s"] > 0 and verdict["decision"] == "stay"
+    q = next(r for r in queued.records if r.job_id == "q")
+    r = next(r for r in queued.records if r.job_id == "r")
+    assert q.start_s is not None and r.end_s is not None and q.start_s == pytest.approx(r.end_s)

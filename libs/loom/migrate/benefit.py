@@ -14,7 +14,11 @@ A job is moved only when what it would gain exceeds what moving costs, by a marg
   target's pace);
 * **gain** = remaining here − remaining there; **threshold** = cost + margin, the margin per job
   class (network-sensitive training lowest, steady inference highest), times the hysteresis factor
-  for a job that moved before. ``move`` iff gain > threshold (margin = gain − threshold > 0).
+  for a job that moved before, + the **queue's loss** (:func:`displacement_s`, 0 when no job
+  waits): while jobs wait that the target's pool could hold, the GPUs the move takes there are not
+  idle — one of those jobs would have had them — so a voluntary move only changes which job gets
+  them, and must also pay what that job loses by running elsewhere (or waiting) instead. ``move``
+  iff gain > threshold (margin = gain − threshold > 0).
 
 Forced triggers (the job's cluster failed, or is drained) move the job whatever the margin: the
 verdict still carries the numbers, which :func:`plan_migrations` ranks by. A job moved less than
@@ -46,10 +50,12 @@ __all__ = [
     "MigrationVerdict",
     "PathState",
     "Plan",
+    "QueuedOption",
     "RunningJobState",
     "Trigger",
     "checkpoint_bytes_of",
     "decide",
+    "displacement_s",
     "job_class_of",
     "link_trigger",
     "migration_cost",
@@ -229,6 +235,46 @@ class Candidate:
 
 
 @dataclass(frozen=True, slots=True)
+class QueuedOption:
+    """A waiting job (the scheduler's queue: nothing fits it now) that the move's target pool could
+    hold when free, as the scheduler predicts it there and elsewhere."""
+
+    job_id: str
+    steps_left: float
+    step_target_s: float
+    """Predicted seconds per step on the target's pool."""
+    step_elsewhere_s: float
+    """Predicted seconds per step on the fastest other pool it may use (math.inf: none)."""
+    wait_free_s: float = 0.0
+    """When the target's pool is expected to have room for it without the move
+    (:func:`loom.sched.availability.expected_wait_s`: the running jobs' predicted ends)."""
+    wait_taken_s: float = math.inf
+    """The same once the move has taken its GPUs there (``ahead_gpus``; math.inf: the known
+    releases never make room then)."""
+
+
+def displacement_s(queued: Sequence[QueuedOption], held_s: float) -> float:
+    """What a move that holds the target's GPUs ``held_s`` (its cost + its remaining time there)
+    costs the queue, in seconds of one waiting job's completion: the expected loss of the job that
+    would have had those GPUs, each job the target could hold equally likely.
+
+    A job's room on the target comes ``delay`` later: from ``wait_free_s`` to ``wait_taken_s``, and
+    never later than the move's end (``held_s``, when its GPUs come back); nothing when its room was
+    not expected before the move ends anyway. It loses that delay, or what running elsewhere costs
+    it, ``steps_left x (step elsewhere − step on the target)`` (nothing when another pool is as
+    fast), whichever is less. 0 when no job waits: the GPUs taken were idle. Beliefs only (the
+    scheduler's predicted steps and ends), as the rest of the rule."""
+    if not queued or held_s <= 0 or math.isinf(held_s):
+        return 0.0
+    losses = []
+    for q in queued:
+        delay = max(min(q.wait_taken_s, held_s) - q.wait_free_s, 0.0)
+        elsewhere = max(q.steps_left, 0.0) * max(q.step_elsewhere_s - q.step_target_s, 0.0)
+        losses.append(min(delay, elsewhere) if math.isfinite(elsewhere) else delay)
+    return sum(losses) / len(losses)
+
+
+@dataclass(frozen=True, slots=True)
 class MigrationCost:
     """What a move costs, in seconds of the job's completion, and the bytes it sends."""
 
@@ -267,6 +313,9 @@ class MigrationVerdict:
     held_until_s: float | None = None
     """A stay only because of the cool-down, the move otherwise paying: when the cool-down ends
     (on the ``now_s`` clock). None otherwise."""
+    queue_s: float = 0.0
+    """The queue's loss included in the threshold (:func:`displacement_s`; 0: no job waits that the
+    target could hold, or none was given)."""
 
     @property
     def move(self) -> bool:
@@ -358,9 +407,12 @@ def decide(
     now_s: float,
     trigger: Trigger,
     settings: MigrationSettings | None = None,
+    queued: Sequence[QueuedOption] = (),
 ) -> MigrationVerdict:
     """Move or stay, with the numbers (see the module docstring). ``target`` None: the framework
-    found no placement for the job now; ``path``: from where its checkpoint is to the target."""
+    found no placement for the job now; ``path``: from where its checkpoint is to the target;
+    ``queued``: the waiting jobs the target's pool could hold (:func:`displacement_s`; none given:
+    the rule without the queue's loss)."""
     settings = settings or MigrationSettings()
     forced = trigger in FORCED_TRIGGERS
     here_s = _remaining(job.steps_left, job.step_s)
@@ -387,7 +439,8 @@ def decide(
     moves = min(job.moves, 3)
     margin = settings.margin_s[job.job_class] + settings.margin_fraction[job.job_class] * cost.total_s
     margin *= settings.hysteresis_factor**moves
-    threshold_s = cost.total_s + margin
+    queue_s = 0.0 if forced else displacement_s(queued, cost.total_s + there_s)
+    threshold_s = cost.total_s + margin + queue_s
     verdict = MigrationVerdict(
         job_id=job.job_id,
         trigger=trigger,
@@ -402,12 +455,18 @@ def decide(
         gain_s=gain_s,
         threshold_s=threshold_s,
         margin_s=gain_s - threshold_s,
+        queue_s=queue_s,
     )
     numbers = (
         f"gain {_fmt(gain_s)} (here {_fmt(here_s)}, on {target.cluster} {_fmt(there_s)}) vs cost "
         f"{_fmt(cost.total_s)} + margin {_fmt(margin)} ({job.job_class}"
         + (f", x{settings.hysteresis_factor**moves:g} after {job.moves} move(s)" if moves else "")
         + ")"
+        + (
+            f" + the queue's loss {_fmt(queue_s)} ({len(queued)} waiting job(s) it could hold)"
+            if queue_s
+            else ""
+        )
     )
     if forced:
         why = "its cluster failed" if run_lost else "its cluster is drained"

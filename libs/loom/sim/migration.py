@@ -6,7 +6,9 @@
   at each trigger every affected job gets a candidate from the policy's own scheduling framework
   (a new placement, not applied: ``Framework.schedule(..., apply=False)``, no preemption), a
   :class:`~loom.migrate.benefit.MigrationVerdict` from the scheduler's *beliefs* (its speeds, the
-  links as measured now), and the moves are started largest net benefit first within a
+  links as measured now, the waiting jobs the target's pool could hold: :meth:`Migrator._queued`,
+  priced by :func:`~loom.migrate.benefit.displacement_s`), and the moves are started largest net
+  benefit first within a
   :class:`~loom.migrate.benefit.MigrationBudget`; moves the budget defers are looked at again at
   each sample. Just before each move its verdict is taken again (the moves before it changed the
   snapshot), its placement avoiding the clusters the job runs on, as the service's re-placement
@@ -24,7 +26,8 @@
 * ``cluster_down`` → ``cluster_failed``: every job with a part there is re-placed by the engine
   (forced, in every mode) wherever the scheduler puts it when it is requeued;
 * ``cluster_up`` → ``cluster_joined``: running jobs (not pipelines) allowed on that cluster, the
-  candidate on that cluster only (backflow);
+  candidate on that cluster only (backflow: a candidate elsewhere, which the framework falls back
+  to when that cluster is full, is none);
 * ``link_degrade`` → ``link_degraded``: data-parallel jobs with parts at both ends, and inference
   whose users are at one end and lead at the other; candidate anywhere;
 * ``link_restore`` → ``link_improved``: jobs that left because that link degraded; anywhere;
@@ -59,6 +62,7 @@ from loom.migrate.benefit import (
     MigrationSettings,
     MigrationVerdict,
     PathState,
+    QueuedOption,
     RunningJobState,
     Trigger,
     checkpoint_bytes_of,
@@ -67,12 +71,14 @@ from loom.migrate.benefit import (
     plan_migrations,
 )
 from loom.migrate.replicas import ReplicaSettings
+from loom.sched.availability import expected_wait_s
 from loom.sim.replicas import SimReplicas
 
 if TYPE_CHECKING:
     from loom.sched.framework import Decision
     from loom.sim.engine import _Job, _Simulation
     from loom.sim.model import SimEvent
+    from loom_proto.jobs import JobSpec
 
 __all__ = ["MODES", "MigrationMode", "MigrationPolicy", "Migrator"]
 
@@ -124,6 +130,8 @@ class _Figures:
     deferred: int = 0
     evaluated: int = 0
     stayed: int = 0
+    held_by_queue: int = 0
+    """Verdicts that stayed only because of the queue's loss (the move paid without it)."""
     by_trigger: Counter[str] = field(default_factory=Counter)
     verdicts: list[dict[str, Any]] = field(default_factory=list)
     moved: set[str] = field(default_factory=set)
@@ -304,6 +312,7 @@ class Migrator:
             "deferred_by_budget": out.deferred,
             "evaluated": out.evaluated,
             "stayed": out.stayed,
+            "held_by_queue": out.held_by_queue,
             "by_trigger": dict(out.by_trigger),
             "verdicts": out.verdicts,
             "touched_jobs": sorted(out.touched),
@@ -387,7 +396,10 @@ class Migrator:
         d = outcome.decision
         if d is None:
             return None
-        if d.victims or d.shrunk:
+        if d.victims or d.shrunk or (only is not None and any(p.cluster != only for p in d.parts)):
+            # ``avoid_clusters`` is a preference of the framework (an avoided cluster is tried
+            # again when nothing else fits): a backflow candidate off the returning cluster is no
+            # backflow, it is none.
             if d.undo is not None:
                 d.undo()
             return None
@@ -439,14 +451,79 @@ class Migrator:
                 start_after_s=d.start_after_s + self.sim.data_wait_s(job.spec.job_id, lead.region),
             )
             path = self._path(state.region, lead.region)
-        verdict = decide(state, target, path, now_s=self.sim.t, trigger=trigger, settings=self.settings)
+        queued = self._queued(job, d) if d is not None else []
+        verdict = decide(
+            state, target, path, now_s=self.sim.t, trigger=trigger, settings=self.settings, queued=queued
+        )
         if again is not None:  # the same look again just before moving (the snapshot may have changed)
             return verdict, d
         self.out.evaluated += 1
+        if _held_by_queue(verdict):
+            self.out.held_by_queue += 1
         self.out.touched.add(job.spec.job_id)
         if len(self.out.verdicts) < _VERDICTS_KEPT:
             self.out.verdicts.append(_summary(verdict, self.sim.t))
         return verdict, d
+
+    def _queued(self, job: _Job, d: Decision) -> list[QueuedOption]:
+        """The waiting jobs (``Snapshot.waiting``: nothing fits them now) that the candidate's lead
+        pool could hold when free (their hard rules allow it; its schedulable GPUs are enough), as
+        the scheduler predicts them there and on their fastest other pool that could hold them
+        (compute steps: the scheduler's speed x trust; a gang's exchange is left out), and when
+        that pool is expected to have room for them without the move and once the move has taken
+        its GPUs there (:func:`loom.sched.availability.expected_wait_s`, ``ahead_gpus``). The
+        snapshot does not hold the candidate (``apply=False``)."""
+        sim = self.sim
+        snap = sim.snap
+        lead = d.parts[0]
+        c, m = snap.cluster_index.get(lead.cluster), snap.model_index.get(lead.gpu_model)
+        if c is None or m is None or not snap.waiting:
+            return []
+        capacity: dict[tuple[int, int], int] = {}
+        per_worker = job.spec.resources.gpus
+        taken = sum(w for _, w in lead.allocations) * per_worker
+
+        def holds(ci: int, mi: int) -> int:
+            if (ci, mi) not in capacity:
+                pool = snap.pool(ci, mi)
+                capacity[ci, mi] = int((snap.total[pool] * snap.schedulable[pool]).sum())
+            return capacity[ci, mi]
+
+        out = []
+        for job_id in sorted(snap.waiting):
+            other = sim.jobs.get(job_id)
+            if other is None or job_id == job.spec.job_id or other.run is not None:
+                continue
+            spec = other.spec
+            gpus = spec.resources.gpus * max(spec.workers, 1)
+            pools = other.shape.pools
+            if not pools[c, m] or holds(c, m) < gpus:
+                continue
+
+            def step(ci: int, mi: int, spec: JobSpec = spec) -> float:
+                speed = snap.job_gpu_speed(spec, snap.models[mi]) * sim.trust.get(snap.clusters[ci].id, 1.0)
+                return spec.work.step_time_s / speed if speed > 0 else math.inf
+
+            elsewhere = min(
+                (
+                    step(int(ci), int(mi))
+                    for ci, mi in zip(*pools.nonzero(), strict=True)
+                    if (int(ci), int(mi)) != (c, m) and holds(int(ci), int(mi)) >= gpus
+                ),
+                default=math.inf,
+            )
+            workers, each = max(spec.workers, 1), spec.resources.gpus
+            out.append(
+                QueuedOption(
+                    job_id,
+                    other.steps_left,
+                    step(c, m),
+                    elsewhere,
+                    wait_free_s=expected_wait_s(snap, c, m, workers, each),
+                    wait_taken_s=expected_wait_s(snap, c, m, workers, each, ahead_gpus=taken),
+                )
+            )
+        return out
 
     def _consider(self, job_ids: list[str], trigger: Trigger, *, only: str | None = None) -> None:
         """Look at the affected jobs for one trigger and move those the mode moves."""
@@ -578,6 +655,16 @@ class Migrator:
             self.deferred.pop(job_id, None)
 
 
+def _held_by_queue(verdict: MigrationVerdict) -> bool:
+    """A voluntary stay that the move would have paid for without the queue's loss (not a cool-down)."""
+    return (
+        not verdict.move
+        and verdict.queue_s > 0
+        and verdict.margin_s + verdict.queue_s > 0
+        and "cool-down" not in verdict.reason
+    )
+
+
 def _summary(verdict: MigrationVerdict, now: float) -> dict[str, Any]:
     def num(x: float) -> float | None:
         return None if math.isinf(x) or math.isnan(x) else round(x, 1)
@@ -594,5 +681,6 @@ def _summary(verdict: MigrationVerdict, now: float) -> dict[str, Any]:
         "cost_s": num(verdict.cost.total_s) if verdict.cost is not None else None,
         "gain_s": num(verdict.gain_s),
         "threshold_s": num(verdict.threshold_s),
+        "queue_s": num(verdict.queue_s),
         "reason": verdict.reason,
     }
