@@ -11,13 +11,11 @@
 """
 
 import asyncio
-import contextlib
-import socket
 import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 from loom_proto.net import ProbeSample
 
@@ -39,58 +37,41 @@ _MAX_HEADER_BYTES = 64
 _CHUNK_BYTES = 64 * 1024
 
 
-_ECHO_READS_PER_WAKEUP = 64
-"""Datagrams an echo server answers per wake-up before it lets the event loop run again."""
+class _Echo(asyncio.DatagramProtocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # The selector loop's datagram transport does not subclass DatagramTransport; it behaves as one.
+        self.transport = cast(asyncio.DatagramTransport, transport)
+
+    def datagram_received(self, data: bytes, addr: Address) -> None:
+        if self.transport is not None:
+            self.transport.sendto(data, addr)
 
 
 class UdpEchoServer:
-    """Echoes datagrams on ``host:port`` (port 0 picks a free one; see :attr:`address`).
-
-    A plain non-blocking socket read by the event loop (``add_reader``), each datagram sent back
-    from the same wake-up: no transport and protocol objects between the socket and the echo
-    (an agent answers every collector's probes, 25 a second at rest)."""
+    """Echoes datagrams on ``host:port`` (port 0 picks a free one; see :attr:`address`)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self._host = host
         self._port = port
-        self._sock: socket.socket | None = None
+        self._transport: asyncio.DatagramTransport | None = None
         self.address: Address = (host, port)
 
     async def start(self) -> "UdpEchoServer":
         """Bind and start echoing."""
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_DGRAM)
-        family, kind, proto, _, sockaddr = infos[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setblocking(False)
-            sock.bind(sockaddr)
-        except OSError:
-            sock.close()
-            raise
-        self._sock = sock
-        self.address = sock.getsockname()[:2]
-        loop.add_reader(sock.fileno(), self._echo, sock)
+        transport, _ = await loop.create_datagram_endpoint(_Echo, local_addr=(self._host, self._port))
+        self._transport = transport
+        self.address = transport.get_extra_info("sockname")[:2]
         return self
-
-    @staticmethod
-    def _echo(sock: socket.socket) -> None:
-        for _ in range(_ECHO_READS_PER_WAKEUP):
-            try:
-                data, addr = sock.recvfrom(65536)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                continue  # an error queued on the socket (an ICMP unreachable): read on
-            with contextlib.suppress(OSError):  # no room to send: lost, as a datagram may be
-                sock.sendto(data, addr)
 
     async def close(self) -> None:
         """Stop echoing."""
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            asyncio.get_running_loop().remove_reader(sock.fileno())
-            sock.close()
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
 
     async def __aenter__(self) -> "UdpEchoServer":
         return await self.start()
