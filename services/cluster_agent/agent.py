@@ -48,6 +48,7 @@ from nats.aio.msg import Msg
 from opentelemetry import propagate
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
+from loom.bus.publisher import Outgoing, refused
 from loom.errors import InvalidInputError
 from loom.migrate.checkpoints import checksum_of
 from loom.model.family import job_family
@@ -1052,20 +1053,20 @@ class Agent:
             # While the bus fails, one report probes it: a batch would only pile up retries.
             size = REPORT_BATCH if self.send_error is None else 1
             batch = list(itertools.islice(self.reports.values(), size))
-            outcomes = await asyncio.gather(*(self._send(r) for r in batch), return_exceptions=True)
+            # While the bus works: one attempt each, the batch written at once and its acks
+            # awaited together (Publisher.publish_batch: no task and timer per report); what
+            # failed stays in the journal and goes again, under its id, after the backoff. The
+            # one report that probes a failing bus keeps the retrying publish (which waits out a
+            # cluster's leader election and resends as soon as one is elected).
+            batched = self.send_error is None
+            outcomes: list[BaseException | None]
+            if batched:
+                outcomes = await self._send_batch(batch)
+            else:
+                outcomes = await asyncio.gather(*(self._send(r) for r in batch), return_exceptions=True)
             failure: BusError | None = None
             for report, outcome in zip(batch, outcomes, strict=True):
-                if outcome is None:
-                    self._sent(report)
-                elif isinstance(outcome, BusError) and outcome.non_retryable:
-                    # Refused by the stream (no such subject, too large): no retry can deliver it.
-                    log.error("report refused by the bus; dropped", msg_id=report.msg_id, error=str(outcome))
-                    self._sent(report)
-                    self.ctx.stats["reports_dropped"] = self.ctx.stats.get("reports_dropped", 0) + 1
-                elif isinstance(outcome, BusError):
-                    failure = outcome
-                else:
-                    raise outcome  # not the bus: a bug for the watchdog to report
+                failure = self._settle_report(report, outcome, batched=batched) or failure
             if failure is None:
                 if self.send_error is not None:
                     log.info("reports flowing again", pending=len(self.reports))
@@ -1082,6 +1083,26 @@ class Agent:
             await asyncio.sleep(backoff_s)  # the bus is failing: pause before the next round
             backoff_s = min(backoff_s * 2, max_backoff_s)
 
+    def _settle_report(
+        self, report: Report, outcome: BaseException | None, *, batched: bool
+    ) -> BusError | None:
+        """A sent report's outcome: sent (or refused for good, then dropped) leaves the journal;
+        a failure of the bus is returned (the report stays for the next round)."""
+        if outcome is None:
+            self._sent(report)
+        elif refused(outcome):
+            # Refused by the stream (no such subject, too large): no retry can deliver it.
+            log.error("report refused by the bus; dropped", msg_id=report.msg_id, error=str(outcome))
+            self._sent(report)
+            self.ctx.stats["reports_dropped"] = self.ctx.stats.get("reports_dropped", 0) + 1
+        elif isinstance(outcome, BusError):
+            return outcome
+        elif batched:
+            return BusError(f"report {report.msg_id} not acknowledged: {outcome!r}")
+        else:
+            raise outcome  # not the bus: a bug for the watchdog to report
+        return None
+
     async def _send(self, report: Report) -> None:
         await self.ctx.publisher.publish_bytes(
             report.subject,
@@ -1089,6 +1110,24 @@ class Agent:
             msg_id=report.msg_id,
             parent=propagate.extract(report.carrier) if report.carrier else None,
         )
+
+    async def _send_batch(self, batch: list[Report]) -> list[BaseException | None]:
+        """Send reports at once, in order; per report None once the stream acknowledged it."""
+        try:
+            return await self.ctx.publisher.publish_batch(
+                [
+                    Outgoing(
+                        r.subject,
+                        r.payload.encode(),
+                        r.msg_id,
+                        {},
+                        propagate.extract(r.carrier) if r.carrier else None,
+                    )
+                    for r in batch
+                ]
+            )
+        except Exception as exc:  # the connection is closed: every one failed
+            return [exc] * len(batch)
 
     def _sent(self, report: Report) -> None:
         if self.reports.pop(report.msg_id, None) is None:

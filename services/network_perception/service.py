@@ -33,6 +33,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
+from loom.bus.publisher import Outgoing
 from loom.model.topology import Topology
 from loom.net import (
     LinkConfig,
@@ -48,7 +49,7 @@ from loom.store import links
 from loom.store.pool import transaction
 from loom.telemetry import metrics as prom
 from loom_proto import subjects
-from loom_proto.codec import DecodeError, decode
+from loom_proto.codec import DecodeError, decode, encode
 from loom_proto.net import LinkDegraded, LinkRecovered, LinkState, RawProbeSample, TransferObserved
 
 log = structlog.get_logger("network-perception")
@@ -157,6 +158,7 @@ class NetworkPerception:
             "path_changes": 0,
             "states_published": 0,
             "shift_evaluations": 0,
+            "state_publish_failures": 0,
         }
         self.restored = 0
         self.transfers = 0
@@ -311,6 +313,26 @@ class NetworkPerception:
             for s in states
         ]
 
+    async def _send_states(self, states: list[LinkState], now: float) -> int:
+        """Publish one period's link states as a batch (:meth:`Publisher.publish_batch`): the same
+        subjects and message ids as :meth:`_state_sends`; how many the stream acknowledged."""
+        stamp = int(now * 1000)
+        outcomes = await self.ctx.publisher.publish_batch(
+            [
+                Outgoing(
+                    subjects.link_state(s.src, s.dst),
+                    encode(s),
+                    f"link-{s.src}-{s.dst}-{self.epoch}-{stamp}",
+                    {},
+                )
+                for s in states
+            ]
+        )
+        failed = [error for error in outcomes if error is not None]
+        if failed:
+            log.warning("link states not published", failed=len(failed), error=repr(failed[0]))
+        return len(outcomes) - len(failed)
+
     def _event_sends(self, events: list[LinkEvent]) -> list[Awaitable[Any]]:
         """The publishes of degraded / recovered events (one message id per event)."""
         return [
@@ -359,8 +381,13 @@ class NetworkPerception:
             prom.LINK_RTT.labels(st.src, st.dst).set(st.rtt_ms_p50)
             prom.LINK_LOSS.labels(st.src, st.dst).set(st.loss_rate)
             prom.LINK_COST.labels(st.src, st.dst).set(st.cost)
-        await asyncio.gather(*self._state_sends(states, now), *self._event_sends(events))
-        self.counts["states_published"] += len(states)
+        # The period's states go out as one batch, their acks awaited together (one attempt: a
+        # state that fails is superseded by the next period's); events keep retrying publishes.
+        sent, _ = await asyncio.gather(
+            self._send_states(states, now), asyncio.gather(*self._event_sends(events))
+        )
+        self.counts["state_publish_failures"] += len(states) - sent
+        self.counts["states_published"] += sent
         self.counts["events"] += len(events)
         if now - self.persisted_at >= self.persist_every_s:
             await self.persist(now)

@@ -31,6 +31,7 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
+from loom.bus.publisher import Outgoing
 from loom.model.topology import Topology
 from loom.net.samples import TokenBucket
 from loom.netemu import (
@@ -46,7 +47,7 @@ from loom.netemu import (
 )
 from loom.runtime.service import ServiceContext
 from loom_proto import subjects
-from loom_proto.codec import DecodeError, decode
+from loom_proto.codec import DecodeError, decode, encode
 from loom_proto.net import ProbeEndpoints, ProbeSample
 
 log = structlog.get_logger("probe-collector")
@@ -412,8 +413,12 @@ class ProbeCollector:
             link.last_answer_at = time.monotonic()
             self._refresh_stats()
             log.info("probing peer", src=link.src, dst=link.dst, udp=udp, tcp=tcp)
+            # Emulated, the prober sends through the link's relay in this process (no socket hop).
             async with UdpProber(
-                udp, timeout_s=config.probe_timeout_s, on_result=self._result_handler(link)
+                udp,
+                timeout_s=config.probe_timeout_s,
+                on_result=self._result_handler(link),
+                relay=link.udp_relay,
             ) as prober:
                 self.probing[link.dst] = prober
                 jobs = [asyncio.create_task(self._bulk_loop(link, tcp))]
@@ -551,19 +556,29 @@ class ProbeCollector:
             self._urgent.clear()
             while not self.samples.empty():
                 batch.append(self.samples.get_nowait())
-            await asyncio.gather(*(self._publish(sample) for sample in batch))
+            await self._publish(batch)
 
-    async def _publish(self, sample: ProbeSample) -> None:
-        msg_id = f"probe-{sample.src}-{sample.dst}-{sample.probe}-{self.epoch}-{sample.seq}"
-        try:
-            await self.ctx.publisher.publish(
-                subjects.probe_sample(sample.src, sample.dst), sample, msg_id=msg_id
+    async def _publish(self, samples: list[ProbeSample]) -> None:
+        # One batch, the acks awaited together (Publisher.publish_batch), one attempt each: a
+        # sample is worth little later, so one that fails is counted and not sent again.
+        messages = [
+            Outgoing(
+                subjects.probe_sample(sample.src, sample.dst),
+                encode(sample),
+                f"probe-{sample.src}-{sample.dst}-{sample.probe}-{self.epoch}-{sample.seq}",
+                {},
             )
-        except Exception as exc:  # a sample is worth little later: count it and go on
-            self.counts["publish_failures"] += 1
-            log.warning("sample publish failed", error=repr(exc))
-            return
-        self.counts["samples_published"] += 1
+            for sample in samples
+        ]
+        try:
+            outcomes = await self.ctx.publisher.publish_batch(messages)
+        except Exception as exc:
+            outcomes = [exc] * len(messages)
+        failed = [error for error in outcomes if error is not None]
+        if failed:
+            self.counts["publish_failures"] += len(failed)
+            log.warning("sample publish failed", failed=len(failed), error=repr(failed[0]))
+        self.counts["samples_published"] += len(outcomes) - len(failed)
 
     # ---- emulator control ---------------------------------------------------------------------
 

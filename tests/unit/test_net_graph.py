@@ -282,3 +282,37 @@ def test_perception_from_the_default_topology_routes_every_pair() -> None:
             if src != dst:
                 answer = p.path(src, dst, T0)
                 assert answer.chosen is not None and answer.chosen.stale
+
+
+def test_least_cost_from_one_search_per_source_equals_a_search_per_pair_as_links_change() -> None:
+    # The graph keeps one Dijkstra per source until a link changes: every pair's path and cost
+    # must be what a search for that pair alone finds, before and after each change.
+    import random
+
+    import networkx as nx
+
+    rng = random.Random(7)
+    regions = [f"r{i}" for i in range(7)]
+    graph = LinkGraph(regions)
+    for _ in range(200):
+        src, dst = rng.sample(regions, 2)
+        roll = rng.random()
+        if roll < 0.15:
+            graph.remove(src, dst)
+        else:
+            cost = rng.choice([5.0, 10.0, 20.0, rng.uniform(1.0, 80.0)])  # ties included
+            graph.update(view(src, dst, cost, usable=roll > 0.25))
+        for a in regions:
+            for b in regions:
+                got = graph.least_cost(a, b)
+                if a == b:
+                    assert got is None
+                    continue
+                try:
+                    length, nodes = nx.single_source_dijkstra(graph.graph, a, b, weight="cost")
+                except nx.NetworkXNoPath:
+                    assert got is None
+                    continue
+                assert got is not None
+                assert got.nodes == tuple(nodes)
+                assert got.cost == pytest.approx(length)

@@ -80,6 +80,19 @@ def _in_process(error: BaseException | None) -> bool:
     return isinstance(error, APIError) and error.err_code == _MSG_ID_IN_PROCESS
 
 
+def refused(error: BaseException) -> bool:
+    """An outcome of :meth:`Publisher.publish_batch` that no resend can change: the stream refused
+    the message (no stream for the subject, too large), as :meth:`Publisher.publish_bytes` raises
+    a non-retryable :class:`BusError` for; 5xx answers and "id in process" are transient."""
+    if isinstance(error, BusError):
+        return error.non_retryable
+    if isinstance(error, _RETRYABLE):
+        return False
+    return isinstance(error, APIError) and not (
+        (error.code is not None and error.code >= 500) or _in_process(error)
+    )
+
+
 class _ConnectionLost(Exception):
     """The connection a publish went out on was lost before its ack came back."""
 

@@ -59,6 +59,9 @@ class LinkGraph:
     def __init__(self, regions: Iterable[str] = ()) -> None:
         self.graph = nx.DiGraph()
         self.graph.add_nodes_from(regions)
+        self._paths: dict[str, dict[str, list[str]]] = {}
+        """Least-cost paths from each source asked about since the graph last changed: one
+        Dijkstra per source serves every destination (a period selects every pair)."""
 
     def has_region(self, region: str) -> bool:
         """Whether the region is a node of the graph."""
@@ -66,6 +69,7 @@ class LinkGraph:
 
     def update(self, view: LinkView) -> None:
         """Put a link's latest view in the graph; an unusable (or unpriced) link leaves it."""
+        self._paths.clear()
         if not view.usable or not math.isfinite(view.cost):
             if self.graph.has_edge(view.src, view.dst):
                 self.graph.remove_edge(view.src, view.dst)
@@ -83,6 +87,7 @@ class LinkGraph:
 
     def remove(self, src: str, dst: str) -> None:
         """Take a link out of the graph (no-op if absent)."""
+        self._paths.clear()
         if self.graph.has_edge(src, dst):
             self.graph.remove_edge(src, dst)
 
@@ -90,9 +95,14 @@ class LinkGraph:
         """The least-cost path from ``src`` to ``dst``; None if there is none or an end is unknown."""
         if src == dst or not (self.graph.has_node(src) and self.graph.has_node(dst)):
             return None
-        try:
-            _, nodes = nx.single_source_dijkstra(self.graph, src, dst, weight="cost")
-        except nx.NetworkXNoPath:
+        paths = self._paths.get(src)
+        if paths is None:
+            # Every destination's path at once: a path is final when Dijkstra reaches its end,
+            # so each is the one a search stopping there finds.
+            _, paths = nx.single_source_dijkstra(self.graph, src, weight="cost")
+            self._paths[src] = paths
+        nodes = paths.get(dst)
+        if nodes is None:
             return None
         return self.describe(nodes)
 

@@ -36,6 +36,7 @@ __all__ = [
     "BANDWIDTH_SCALE",
     "MIN_RTO_S",
     "TCP_SEGMENT_BYTES",
+    "InProcessClient",
     "LinkParams",
     "RelayCounters",
     "Shaper",
@@ -58,6 +59,9 @@ _TCP_QUEUE_CHUNKS = 64
 _CONNECT_TIMEOUT_S = 10.0
 
 Address = tuple[str, int]
+
+_IN_PROCESS_HOST = "in-process"
+"""The host part of an in-process client's address (:meth:`UdpRelay.attach`); never a socket's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +262,9 @@ class UdpRelay(_RelayBase):
         self._pending: dict[Address, list[tuple[float, bytes]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._timers: set[asyncio.TimerHandle] = set()
+        self._local: dict[Address, Callable[[bytes], None]] = {}
+        """In-process clients (:meth:`attach`): where their answers are handed over, by client."""
+        self._attached = 0
 
     async def start(self) -> "UdpRelay":
         """Bind the listening socket; :attr:`address` is then the real one."""
@@ -291,6 +298,26 @@ class UdpRelay(_RelayBase):
         if self._transport is not None:
             self._transport.close()
             self._transport = None
+
+    def attach(self, deliver: Callable[[bytes], None]) -> "InProcessClient":
+        """An in-process client of the relay: its :meth:`InProcessClient.send` sends one datagram
+        through the relay (as a client's ``sendto`` to :attr:`address` would), and ``deliver`` is
+        called with each answer when it would have reached that client's socket.
+
+        The shaping, the counters and the socket to the target are the same as for a client on
+        the loopback; only the two hops between the client and the relay's listening socket are
+        gone (a system call and an event-loop round each way, per datagram)."""
+        self._attached += 1
+        client = InProcessClient(self, (_IN_PROCESS_HOST, self._attached))
+        self._local[client.address] = deliver
+        return client
+
+    def _detach(self, client: Address) -> None:
+        if self._local.pop(client, None) is None:
+            return
+        upstream = self._upstreams.pop(client, None)
+        if upstream is not None:
+            upstream.close()
 
     def _later(self, at: float, send: Callable[[], None]) -> None:
         loop = asyncio.get_running_loop()
@@ -363,6 +390,17 @@ class UdpRelay(_RelayBase):
             self.counters.reverse_dropped += 1
             return
 
+        local = self._local.get(client)
+        if local is not None:
+
+            def hand_over() -> None:
+                if self._local.get(client) is local:
+                    self.counters.returned += 1
+                    local(data)
+
+            self._later(at, hand_over)
+            return
+
         def send() -> None:
             transport = self._transport
             if transport is not None and not transport.is_closing():
@@ -370,6 +408,27 @@ class UdpRelay(_RelayBase):
                 self.counters.returned += 1
 
         self._later(at, send)
+
+
+class InProcessClient:
+    """A client of a :class:`UdpRelay` in the relay's own process (:meth:`UdpRelay.attach`)."""
+
+    def __init__(self, relay: UdpRelay, address: Address) -> None:
+        self.relay = relay
+        self.address = address
+        """Its key in the relay (never a socket's address)."""
+
+    def send(self, data: bytes) -> None:
+        """Send one datagram through the relay (dropped once the relay or this client is closed)."""
+        relay = self.relay
+        if relay._transport is None or self.address not in relay._local:
+            relay.counters.forward_dropped += 1
+            return
+        relay._from_client(data, self.address)
+
+    def detach(self) -> None:
+        """End this client: answers still in flight are dropped, its socket to the target closed."""
+        self.relay._detach(self.address)
 
 
 class _Listener(asyncio.DatagramProtocol):

@@ -15,7 +15,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, cast
 
 from loom_proto.net import ProbeSample
 
@@ -155,6 +155,25 @@ class ProbeResult:
     rtt_ms: float | None
 
 
+class RelayClient(Protocol):
+    """An in-process client of a relay (:class:`loom.netemu.emulator.InProcessClient`)."""
+
+    def send(self, data: bytes) -> None:
+        """Send one datagram through the relay."""
+
+    def detach(self) -> None:
+        """Stop being a client of the relay."""
+
+
+class Relay(Protocol):
+    """A relay a prober in the same process can send through without a socket of its own
+    (:meth:`loom.netemu.emulator.UdpRelay.attach`)."""
+
+    def attach(self, deliver: Callable[[bytes], None]) -> RelayClient:
+        """A client whose answers are handed to ``deliver``."""
+        ...
+
+
 class _ProberProtocol(asyncio.DatagramProtocol):
     def __init__(self, prober: "UdpProber") -> None:
         self.prober = prober
@@ -173,8 +192,12 @@ class UdpProber:
         timeout_s: float = 1.0,
         payload_bytes: int = 64,
         on_result: Callable[[ProbeResult], None] | None = None,
+        relay: Relay | None = None,
     ) -> None:
         self.target = target
+        self.relay = relay
+        """With a relay in this process (in front of ``target``), probes go through it directly
+        (:meth:`Relay.attach`): the same shaping and timing, without the loopback hops to it."""
         self.timeout_s = timeout_s
         self.payload_bytes = max(payload_bytes, _HEADER.size)
         self.results: asyncio.Queue[ProbeResult] = asyncio.Queue()
@@ -182,11 +205,15 @@ class UdpProber:
         self._deliver: Callable[[ProbeResult], None] = on_result or self.results.put_nowait
         self._payload_tail = bytes(self.payload_bytes - _HEADER.size)
         self._transport: asyncio.DatagramTransport | None = None
+        self._via: RelayClient | None = None
         self._outstanding: dict[int, tuple[float, float, asyncio.TimerHandle]] = {}
         self._next_seq = 0
 
     async def start(self) -> "UdpProber":
-        """Open the probing socket."""
+        """Open the probing socket (or attach to the relay)."""
+        if self.relay is not None:
+            self._via = self.relay.attach(self._answered)
+            return self
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(
             lambda: _ProberProtocol(self), remote_addr=self.target
@@ -198,6 +225,9 @@ class UdpProber:
         """Close the socket; outstanding probes are reported lost."""
         for seq in list(self._outstanding):
             self._expire(seq)
+        if self._via is not None:
+            self._via.detach()
+            self._via = None
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -215,7 +245,8 @@ class UdpProber:
 
     def send(self) -> int:
         """Send the next probe now; returns its sequence number."""
-        if self._transport is None:
+        via = self._via
+        if self._transport is None and via is None:
             raise RuntimeError("prober is not started")
         loop = asyncio.get_running_loop()
         seq = self._next_seq
@@ -223,7 +254,10 @@ class UdpProber:
         payload = _HEADER.pack(seq) + self._payload_tail
         timer = loop.call_later(self.timeout_s, self._expire, seq)
         self._outstanding[seq] = (loop.time(), time.time(), timer)
-        self._transport.sendto(payload)
+        if via is not None:
+            via.send(payload)
+        elif self._transport is not None:
+            self._transport.sendto(payload)
         return seq
 
     def _answered(self, data: bytes) -> None:
