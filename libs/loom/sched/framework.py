@@ -1466,9 +1466,9 @@ class Framework:
         record.add_table(
             CandidateTable(
                 tuple(names),
-                [ids[c] for c in clusters],
-                [regions[c] for c in clusters],
-                [models[m] for m in candidates.model[top].tolist()],
+                list(map(ids.__getitem__, clusters)),
+                list(map(regions.__getitem__, clusters)),
+                list(map(models.__getitem__, candidates.model[top].tolist())),
                 candidates.capacity[top].tolist(),
                 totals[top].round(2).tolist(),
                 scores,
