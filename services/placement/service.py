@@ -107,7 +107,7 @@ from loom.sched.framework import Decision, Framework
 from loom.sched.plugins.network import AlphaLearner, predict_step_s
 from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, TenantConfig
-from loom.sched.shards import GLOBAL, ShardMap, route
+from loom.sched.shards import GLOBAL, ShardMap, route, route_of
 from loom.sched.snapshot import Economics
 from loom.security import foreign_report
 from loom.store import failed as failed_store
@@ -125,6 +125,7 @@ from loom_proto.codec import DecodeError, check_payload, decode, encode
 from loom_proto.ids import InvalidIdError, validate_id
 from loom_proto.jobs import (
     TERMINAL_STATES,
+    Affinity,
     JobCancelled,
     JobCheckpointed,
     JobCompleted,
@@ -565,6 +566,19 @@ class PlacementService:
         job's shard is one whose territory it holds."""
         return route(job, self.shard_map) in self.held
 
+    def _routed_elsewhere(self, payload: bytes) -> bool:
+        """Whether a submission's payload routes it to a shard this instance does not hold, read
+        from its affinities alone (:class:`_RouteFields`). False when that cannot be read: then
+        the strict decode decides, so a regional shard skips exactly what it skipped after
+        decoding it all (what it cannot decode, or what is routed elsewhere; the global shard
+        refuses what is unreadable, and never takes this path)."""
+        try:
+            fields = _ROUTE_FIELDS.decode(payload)
+        except (msgspec.DecodeError, RecursionError):
+            return False
+        shard = route_of(fields.affinity, [stage.affinity for stage in fields.stages], self.shard_map)
+        return shard not in self.held
+
     def _owns_region(self, region: str | None) -> bool:
         """Whether a region's territory is held by this instance (only while it leads)."""
         return self.shard_map.shard_of_region(region) in self.held
@@ -746,6 +760,11 @@ class PlacementService:
                     outcomes[i] = InvalidInputError(f"submission on subject {d.subject!r}: {exc}")
                 continue
             job: JobSubmitted | None = None
+            if self.shard != GLOBAL and self._routed_elsewhere(d.message):
+                # A regional shard reads (and acks) every submission: one routed to another
+                # shard is recognised from its affinities alone, without the strict decode.
+                self.stats["shard"]["routed_elsewhere"] += 1
+                continue
             try:
                 job = decode(d.message, JobSubmitted)
                 if not self._routed_here(job):
@@ -2820,6 +2839,24 @@ def _kind(event: LifecycleEvent) -> str:
 
 def _at(event: LifecycleEvent) -> float:
     return event.started_at if isinstance(event, JobStarted) else event.at
+
+
+class _StageRoute(msgspec.Struct):
+    """What routing reads of a DAG stage."""
+
+    affinity: Affinity = Affinity()
+
+
+class _RouteFields(msgspec.Struct):
+    """What routing reads of a submission (:func:`loom.sched.shards.route_of`); every other field
+    is skipped unparsed. Any payload :class:`JobSubmitted` decodes, this decodes, to the same
+    route (a subset of its fields, of the same types)."""
+
+    affinity: Affinity = Affinity()
+    stages: list[_StageRoute] = []
+
+
+_ROUTE_FIELDS = msgspec.json.Decoder(_RouteFields)
 
 
 def _payload_job_id(payload: bytes) -> str | None:
