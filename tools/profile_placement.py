@@ -2,8 +2,9 @@
 
 Runs ``loom bench e2e`` with the given options (its JSON result goes to ``OUT.json``), attaches
 py-spy (in the dev extras' environment: ``.venv/bin/py-spy``; needs ptrace, e.g. root) to the
-placement *leader* (``loom_services.placement`` started by this interpreter, not a standby) as soon
-as it runs, and records until the stack stops (``OUT.folded``, py-spy's raw collapsed stacks).
+global shard's two placement instances (``loom_services.placement`` started by this interpreter;
+either may win the lease, the one that did the work is reported) as soon as they run, and
+records until the stack stops (``OUT.folded``, py-spy's raw collapsed stacks).
 Only the samples under the service's event loop count (imports at start-up do not), and each is
 put in one category, the first that matches in this order: tracing (OpenTelemetry), logging,
 Prometheus, the decide phase (``run_cycle``), the write (``_write``/``apply_cycle``), publishing
@@ -21,6 +22,7 @@ import argparse
 import collections
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -73,11 +75,13 @@ def categorise(folded: Path) -> dict[str, float]:
     return {k: round(v / total, 4) for k, v in counts.most_common()} if total else {}
 
 
-def _leader_pid(timeout_s: float) -> int | None:
-    """The placement leader this interpreter's bench started (a standby has ``--name ...standby``)."""
+def _global_instances(timeout_s: float) -> list[int]:
+    """The global shard's two placement instances this interpreter's bench started (either may win
+    the lease: both are recorded, the busier one is reported)."""
     needle = f"{sys.executable} -m loom_services.placement"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        found = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -85,10 +89,21 @@ def _leader_pid(timeout_s: float) -> int | None:
                 cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if cmdline.startswith(needle) and "standby" not in cmdline and "--shard" not in cmdline:
-                return int(entry.name)
+            if cmdline.startswith(needle) and "--shard" not in cmdline:
+                found.append(int(entry.name))
+        if len(found) >= 2:
+            return sorted(found)
         time.sleep(0.5)
-    return None
+    return []
+
+
+def _loop_samples(folded: Path) -> int:
+    total = 0
+    for line in folded.read_text().splitlines():
+        stack, _, n_text = line.rpartition(" ")
+        if n_text.isdigit() and "Runner.run " in stack:
+            total += int(n_text)
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,10 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         bench = subprocess.Popen(
             [str(bin_dir / "loom"), "bench", "e2e", "--json", *bench_args], stdout=result, cwd=ROOT
         )
-        pid = _leader_pid(120.0)
-        spy = None
-        if pid is not None:
-            spy = subprocess.Popen(
+        pids = _global_instances(120.0)
+        spies = [
+            subprocess.Popen(
                 [
                     str(bin_dir / "py-spy"),
                     "record",
@@ -119,24 +133,34 @@ def main(argv: list[str] | None = None) -> int:
                     "--format",
                     "raw",
                     "-o",
-                    f"{out}.folded",
+                    f"{out}.{pid}.folded",
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
+            for pid in pids
+        ]
         code = bench.wait()
-        if spy is not None:
-            spy.wait(timeout=60)  # it stops when the leader exits, with the stack
-    report: dict[str, Any] = {"bench_exit": code, "leader_pid": pid}
-    folded = Path(f"{out}.folded")
-    if folded.exists():
-        shares = categorise(folded)
+        for spy in spies:
+            try:
+                spy.wait(timeout=30)  # it stops when its process exits, with the stack
+            except subprocess.TimeoutExpired:
+                spy.send_signal(signal.SIGINT)  # writes what it has
+                spy.wait(timeout=30)
+    report: dict[str, Any] = {"bench_exit": code, "instances": pids}
+    recorded = [Path(f"{out}.{pid}.folded") for pid in pids if Path(f"{out}.{pid}.folded").exists()]
+    if recorded:
+        folded = max(recorded, key=_loop_samples)  # the leader: the instance that did the work
+        folded.replace(f"{out}.folded")
+        report["leader_pid"] = int(folded.name.rsplit(".", 2)[-2])
+        shares = categorise(Path(f"{out}.folded"))
         report["share_of_loop"] = shares
         try:
             bench_result = json.loads(Path(f"{out}.json").read_text())
         except ValueError:
             bench_result = {}
-        per_job = bench_result.get("cpu_ms_per_job", {}).get("placement")
+        cpu = bench_result.get("cpu_ms_per_job", {})
+        per_job = max(cpu.get("placement", 0.0), cpu.get("placement-standby", 0.0)) or None
         if per_job is not None:
             report["placement_cpu_ms_per_job"] = per_job
             report["cpu_ms_per_job"] = {k: round(v * per_job, 3) for k, v in shares.items()}
