@@ -107,7 +107,7 @@ from loom.sched.framework import Decision, Framework
 from loom.sched.plugins.network import AlphaLearner, predict_step_s
 from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, TenantConfig
-from loom.sched.shards import GLOBAL, ShardMap, route
+from loom.sched.shards import GLOBAL, ShardMap, route, route_of
 from loom.sched.snapshot import Economics
 from loom.security import foreign_report
 from loom.store import failed as failed_store
@@ -125,6 +125,7 @@ from loom_proto.codec import DecodeError, check_payload, decode, encode
 from loom_proto.ids import InvalidIdError, validate_id
 from loom_proto.jobs import (
     TERMINAL_STATES,
+    Affinity,
     JobCancelled,
     JobCheckpointed,
     JobCompleted,
@@ -196,6 +197,9 @@ def rejection(job_id: str, tenant: str, code: RejectCode, reason: str, hint: str
 class PlacementService:
     """The placement service's state and handlers; :meth:`run` is the service body."""
 
+    region_of: dict[str, str]
+    stale_closed: dict[str, set[str]]
+
     decide_ms_per_job: float | None = None
     """Recent wall milliseconds a cycle took per job (smoothed): how big a slice of submissions
     to decide at once (:func:`decide_slice`)."""
@@ -253,7 +257,8 @@ class PlacementService:
         shard's, and regional ones the global shard took over)."""
         self.fenced_territories: set[str] = set()
         """Held territories whose fence refused a transaction: their watcher hands them back."""
-        self.region_of: dict[str, str] = dict(self.shard_map.cluster_regions)
+        # stale_closed: per stale cluster, the nodes staleness closed (view_changes reopens them)
+        self.region_of, self.stale_closed = dict(self.shard_map.cluster_regions), {}
         """Cluster -> region, from the topology, the store and the view (whose territory a cluster is)."""
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
         self.token = 0
@@ -323,6 +328,7 @@ class PlacementService:
     async def load(self) -> None:
         """Rebuild the book and the queue from PostgreSQL, then publish leftovers."""
         self.book.nodes = self._owned_nodes(await repo.load_nodes(self.pool))
+        self.stale_closed.clear()  # what this leadership sees go stale (see view_changes)
         self.book.pending.clear()
         self.book.invalidate()
         self.learner = await speeds.load_learner(self.pool, self.learner.settings)
@@ -567,6 +573,19 @@ class PlacementService:
         job's shard is one whose territory it holds."""
         return route(job, self.shard_map) in self.held
 
+    def _routed_elsewhere(self, payload: bytes) -> bool:
+        """Whether a submission's payload routes it to a shard this instance does not hold, read
+        from its affinities alone (:class:`_RouteFields`). False when that cannot be read: then
+        the strict decode decides, so a regional shard skips exactly what it skipped after
+        decoding it all (what it cannot decode, or what is routed elsewhere; the global shard
+        refuses what is unreadable, and never takes this path)."""
+        try:
+            fields = _ROUTE_FIELDS.decode(payload)
+        except (msgspec.DecodeError, RecursionError):
+            return False
+        shard = route_of(fields.affinity, [stage.affinity for stage in fields.stages], self.shard_map)
+        return shard not in self.held
+
     def _owns_region(self, region: str | None) -> bool:
         """Whether a region's territory is held by this instance (only while it leads)."""
         return self.shard_map.shard_of_region(region) in self.held
@@ -748,6 +767,11 @@ class PlacementService:
                     outcomes[i] = InvalidInputError(f"submission on subject {d.subject!r}: {exc}")
                 continue
             job: JobSubmitted | None = None
+            if self.shard != GLOBAL and self._routed_elsewhere(d.message):
+                # A regional shard reads (and acks) every submission: one routed to another
+                # shard is recognised from its affinities alone, without the strict decode.
+                self.stats["shard"]["routed_elsewhere"] += 1
+                continue
             try:
                 job = decode(d.message, JobSubmitted)
                 if not self._routed_here(job):
@@ -2024,36 +2048,10 @@ class PlacementService:
         if not self._owns_region(delta.region):
             return  # another shard's cluster: its holder follows it
         self.failover.follow(delta)
-        changed: list[NodeCapacity] = []
-        listed = set()
         nodes = self.book.nodes
-        for n in delta.nodes:
-            listed.add(n.node)
-            old = nodes.get(n.node)
-            changed.append(
-                NodeCapacity(
-                    node=n.node,
-                    cluster=delta.cluster,
-                    region=delta.region,
-                    zone=n.zone,
-                    gpu_model=n.gpu_model,
-                    gpus_total=n.gpus_total,
-                    gpus_reserved=old.gpus_reserved if old else 0,
-                    schedulable=n.healthy and not delta.stale,
-                    cpu_milli=n.cpu_milli,
-                    memory_mib=n.memory_mib,
-                )
-            )
         if not any(c.cluster == delta.cluster for c in nodes.values()):
             self.settled_at = time.monotonic() + self.settle_s
-        gone = set(delta.removed)
-        for cap in nodes.values():
-            if cap.cluster != delta.cluster or cap.node in listed:
-                continue
-            if delta.stale or cap.node in gone or delta.full:
-                changed.append(dataclasses.replace(cap, schedulable=False))
-        # Only what placement decides on: a delta that just moves used or reserved GPUs changes nothing here.
-        changed = [cap for cap in changed if _book_differs(nodes.get(cap.node), cap)]
+        changed = view_changes(nodes, delta, self.stale_closed)
         if not changed:
             await self._nodes_lost(delta)  # a closed node (drained) may still fail under its runs
             return
@@ -2830,6 +2828,79 @@ def _kind(event: LifecycleEvent) -> str:
 
 def _at(event: LifecycleEvent) -> float:
     return event.started_at if isinstance(event, JobStarted) else event.at
+
+
+def view_changes(
+    nodes: Mapping[str, NodeCapacity], delta: ViewDelta, stale_closed: dict[str, set[str]]
+) -> list[NodeCapacity]:
+    """The book's nodes a view delta changes (totals, model, schedulability; reservations kept).
+
+    Listed nodes take the delta's values (schedulable when healthy and the cluster is not stale);
+    unlisted nodes of the cluster close when the delta is stale, removes them or is a full list.
+    A cluster that comes back from stale is announced with only the nodes its first heartbeat
+    changed (often none): the nodes staleness closed, and that nothing reported unhealthy or
+    removed since, open again then (``stale_closed``: per cluster, the nodes open when it went
+    stale; kept by the caller across deltas). Without that, they stayed closed until each
+    happened to be listed again, and the jobs allowed only there waited for good."""
+    changed: list[NodeCapacity] = []
+    listed = set()
+    for n in delta.nodes:
+        listed.add(n.node)
+        old = nodes.get(n.node)
+        changed.append(
+            NodeCapacity(
+                node=n.node,
+                cluster=delta.cluster,
+                region=delta.region,
+                zone=n.zone,
+                gpu_model=n.gpu_model,
+                gpus_total=n.gpus_total,
+                gpus_reserved=old.gpus_reserved if old else 0,
+                schedulable=n.healthy and not delta.stale,
+                cpu_milli=n.cpu_milli,
+                memory_mib=n.memory_mib,
+            )
+        )
+    gone = set(delta.removed)
+    if delta.stale:
+        closed = stale_closed.setdefault(delta.cluster, set())
+        closed.update(
+            cap.node
+            for cap in nodes.values()
+            if cap.cluster == delta.cluster and cap.schedulable and cap.node not in listed
+        )
+        closed.update(n.node for n in delta.nodes if n.healthy)
+        closed.difference_update([n.node for n in delta.nodes if not n.healthy] + list(gone))
+        reopen: set[str] = set()
+    else:
+        reopen = stale_closed.pop(delta.cluster, set())
+    for cap in nodes.values():
+        if cap.cluster != delta.cluster or cap.node in listed:
+            continue
+        if delta.stale or cap.node in gone or delta.full:
+            changed.append(dataclasses.replace(cap, schedulable=False))
+        elif cap.node in reopen and not cap.schedulable:
+            changed.append(dataclasses.replace(cap, schedulable=True))
+    # Only what placement decides on: a delta that just moves used or reserved GPUs changes nothing here.
+    return [cap for cap in changed if _book_differs(nodes.get(cap.node), cap)]
+
+
+class _StageRoute(msgspec.Struct):
+    """What routing reads of a DAG stage."""
+
+    affinity: Affinity = Affinity()
+
+
+class _RouteFields(msgspec.Struct):
+    """What routing reads of a submission (:func:`loom.sched.shards.route_of`); every other field
+    is skipped unparsed. Any payload :class:`JobSubmitted` decodes, this decodes, to the same
+    route (a subset of its fields, of the same types)."""
+
+    affinity: Affinity = Affinity()
+    stages: list[_StageRoute] = []
+
+
+_ROUTE_FIELDS = msgspec.json.Decoder(_RouteFields)
 
 
 def _payload_job_id(payload: bytes) -> str | None:

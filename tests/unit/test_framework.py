@@ -138,6 +138,28 @@ def test_a_score_outside_0_to_100_is_refused() -> None:
         Framework([Broken()]).schedule(job("j"), two_clusters())
 
 
+class NotANumber:
+    name = "nan"
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        return np.zeros(len(candidates))
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        return raw * np.nan
+
+
+def test_the_range_check_names_the_first_plugin_out_of_range() -> None:
+    # The scores are checked at once after every plugin scored: a plugin in range before it does
+    # not hide a broken one, and of two broken ones the first in order is named.
+    with pytest.raises(ValueError, match="plugin broken produced"):
+        Framework([ScuFit(), Broken()]).schedule(job("j"), two_clusters())
+    with pytest.raises(ValueError, match="plugin nan produced"):
+        Framework([NotANumber(), Broken()]).schedule(job("j"), two_clusters())
+    with pytest.raises(ValueError, match="plugin broken produced"):
+        Framework([Broken(), NotANumber()]).schedule(job("j"), two_clusters())
+    assert Framework([ScuFit(), Always("ca")]).schedule(job("j"), two_clusters()).decision is not None
+
+
 def test_hierarchical_pruning_records_why_each_cluster_was_ruled_out() -> None:
     outcome = Framework([ResourceFit(), ScuFit()]).schedule(job("big", gpus=8, workers=2), two_clusters())
     assert outcome.decision is not None and outcome.decision.lead.cluster == "ca"

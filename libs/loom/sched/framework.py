@@ -1370,6 +1370,8 @@ class Framework:
         norms: list[FloatArray] = []
         total: FloatArray | None = None
         weight_sum = 0.0
+        fresh: list[tuple[str, FloatArray]] = []
+        """The scores normalised afresh for this job (not reused from an earlier job's)."""
         for plugin, key_of, norm_key_of in self._scorer_info:
             name = plugin.name
             if name in state.skipped:
@@ -1402,9 +1404,9 @@ class Framework:
                 else:
                     raw = np.asarray(plugin.score(state, candidates), dtype=np.float64)
                 norm = np.asarray(plugin.normalize(state, raw), dtype=np.float64)
-                # NaN fails both comparisons, so two reductions check finiteness and range at once.
-                if norm.shape != (k,) or (k and not (_min(norm) >= -1e-9 and _max(norm) <= 100 + 1e-9)):
+                if norm.shape != (k,):
                     raise ValueError(f"plugin {name} produced scores outside 0-100: {norm!r}")
+                fresh.append((name, norm))  # their range is checked at once, after the loop
                 weighted = w * norm if w > 0 else None
                 if key is not None and cycle is not None and signature is not None:
                     kept = norm_key is not None
@@ -1423,6 +1425,8 @@ class Framework:
                 # one plugin after another, as a running sum (the order of the additions is kept)
                 total = weighted + 0.0 if total is None else np.add(total, weighted, out=total)
                 weight_sum += w
+        if k and fresh:
+            _check_range(fresh)
         if total is not None and weight_sum > 0:
             totals: FloatArray = total / weight_sum
         else:
@@ -1456,15 +1460,16 @@ class Framework:
             raw = both[p:]  # non-finite values become 0 when first read (CandidateTable.raw)
             scores = both[:p].round(2).tolist()
         ids, regions = self._cluster_names(snap)
-        where = np.stack((candidates.cluster, candidates.model, candidates.capacity))[:, top].tolist()
+        # a column at a time: cheaper than stacking the three and indexing once
+        clusters = candidates.cluster[top].tolist()
         models = snap.models
         record.add_table(
             CandidateTable(
                 tuple(names),
-                [ids[c] for c in where[0]],
-                [regions[c] for c in where[0]],
-                [models[m] for m in where[1]],
-                where[2],
+                list(map(ids.__getitem__, clusters)),
+                list(map(regions.__getitem__, clusters)),
+                list(map(models.__getitem__, candidates.model[top].tolist())),
+                candidates.capacity[top].tolist(),
                 totals[top].round(2).tolist(),
                 scores,
                 raw,
@@ -1722,6 +1727,19 @@ class _ScoreEntry:
     weighted: FloatArray | None
     """``weight x norm`` (None unless ``norm`` is kept and the weight is positive)."""
     weight: float
+
+
+def _check_range(fresh: list[tuple[str, FloatArray]]) -> None:
+    """Every score in 0-100, else a ValueError naming the first plugin (in order) out of range.
+
+    All at once (one pass over every plugin's scores): NaN fails both comparisons, so two
+    reductions check finiteness and range together; only a failure looks at each plugin."""
+    every = fresh[0][1] if len(fresh) == 1 else np.concatenate([norm for _, norm in fresh])
+    if _min(every) >= -1e-9 and _max(every) <= 100 + 1e-9:
+        return
+    for name, norm in fresh:
+        if not (_min(norm) >= -1e-9 and _max(norm) <= 100 + 1e-9):
+            raise ValueError(f"plugin {name} produced scores outside 0-100: {norm!r}")
 
 
 def _named(status: Status, name: str) -> Status:

@@ -155,12 +155,18 @@ def _route_affinity(affinity: Affinity, shard_map: ShardMap) -> str:
 
 def route(job: JobSubmitted, shard_map: ShardMap) -> str:
     """The shard that admits and places ``job`` (see the module docstring)."""
+    return route_of(job.affinity, [stage.affinity for stage in job.stages], shard_map)
+
+
+def route_of(affinity: Affinity, stage_affinities: Sequence[Affinity], shard_map: ShardMap) -> str:
+    """:func:`route` from the only fields it reads: the job's affinity and, for a DAG, each of
+    its stages' (a placement shard routes a submission before decoding all of it)."""
     if not shard_map.groups:
         return GLOBAL
-    if job.stages:
-        shards = {_route_affinity(stage.affinity, shard_map) for stage in job.stages}
+    if stage_affinities:
+        shards = {_route_affinity(a, shard_map) for a in stage_affinities}
         return shards.pop() if len(shards) == 1 else GLOBAL
-    return _route_affinity(job.affinity, shard_map)
+    return _route_affinity(affinity, shard_map)
 
 
 def parse_group(text: str) -> tuple[str, list[str]]:
