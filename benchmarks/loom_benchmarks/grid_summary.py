@@ -119,7 +119,7 @@ def markdown(verdicts: Sequence[CellVerdict], threshold: float = THRESHOLD) -> s
     """The table: one row per cell, flagged cells marked, then a count."""
     rows = [
         "| cell | seeds | Loom mean JCT | margin vs best baseline | best baseline | per seed | "
-        "on jobs both finished | spanning penalty | flag |",
+        "on jobs both finished (closest baseline) | spanning penalty | flag |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for v in verdicts:
