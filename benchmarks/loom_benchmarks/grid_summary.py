@@ -4,7 +4,7 @@ Reads the JSON of one or more ``loom bench policies --grid --json`` runs (a grid
 or workload into several runs reads as one) and prints a Markdown table: per cell Loom's mean JCT,
 its margin over the best baseline (positive: Loom faster) and which baseline, the margin's range
 over the seeds, and, for a cell with spanning allowed, Loom's spanning penalty against itself with
-spanning forbidden (the same jobs, from the JSON's ``spanning_penalty``; positive: slower when
+spanning forbidden (the same jobs, paired over every file's seeds; positive: slower when
 allowed). A cell is **flagged** when Loom is more than ``--threshold`` (3 %) worse than the best
 baseline, when Loom finished fewer jobs than a baseline (no mean-JCT margin: the margin on the
 jobs both finished is shown instead), or when its spanning penalty is above the threshold.
@@ -56,11 +56,21 @@ def _pct(value: float | None) -> str:
 
 
 def _penalties(results: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
-    """``platform/load/workload`` -> Loom's paired spanning penalty (the last run that has it)."""
+    """``platform/load/workload`` -> Loom's paired spanning penalty, from every run's seeds together
+    (so a cell with spanning allowed pairs with its forbidden twin run in another file; a
+    (cell, seed) in several files keeps its last); a result without seeds gives its own
+    ``spanning_penalty``."""
+    from loom_benchmarks.grid import spanning_penalty
+
     found: dict[str, float | None] = {}
+    runs: dict[tuple[str, int], Mapping[str, Any]] = {}
     for result in results:
         for item in result.get("spanning_penalty") or []:
             found[str(item["cells"])] = item.get("penalty")
+        for run in result.get("seeds") or []:
+            runs[(str(run["cell"]), int(run["seed"]))] = run
+    for item in spanning_penalty(list(runs.values())):
+        found[str(item["cells"])] = item.get("penalty")
     return found
 
 

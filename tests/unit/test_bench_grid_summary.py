@@ -87,3 +87,18 @@ def test_the_command_reads_grid_json_files_and_refuses_others(
     other.write_text(json.dumps({"benchmark": "scu"}))
     assert grid_summary.main(argparse.Namespace(files=[str(other)], threshold=3.0, json=False)) == 2
     assert "not the JSON of" in capsys.readouterr().err
+
+
+def test_the_spanning_penalty_pairs_seeds_across_files() -> None:
+    # Loom's jobs with spanning allowed (one file) took 10 % longer than forbidden (another file).
+    def run(span: str, jct: dict[str, float]) -> dict[str, object]:
+        return {"cell": f"small/1/{span}/philly", "seed": 0, "jct_by_job": jct, "policies": {"loom": {}}}
+
+    allowed = _result([_line("small/1/span/philly", 0.1, [0.1])])
+    allowed["seeds"] = [run("span", {"a": 110.0, "b": 220.0})]
+    forbidden = _result([_line("small/1/nospan/philly", 0.1, [0.1])])
+    forbidden["seeds"] = [run("nospan", {"a": 100.0, "b": 200.0})]
+    by = {v.cell: v for v in grid_summary.summarize([allowed, forbidden])}
+    assert by["small/1/span/philly"].spanning_penalty == pytest.approx(0.10)
+    assert by["small/1/span/philly"].flags == ("spanning penalty +10.0%",)
+    assert grid_summary.summarize([allowed])[0].spanning_penalty is None  # no twin: no penalty
