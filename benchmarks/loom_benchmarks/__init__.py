@@ -194,6 +194,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     from loom_benchmarks.contention import add_arguments as contention_arguments
 
     contention_arguments(contention)
+    grid_summary = sub.add_parser(
+        "grid-summary", help="the evaluation grid's JSON files as one table: margins, spanning penalty, flags"
+    )
+    from loom_benchmarks.grid_summary import add_arguments as grid_summary_arguments
+
+    grid_summary_arguments(grid_summary)
     migration = sub.add_parser(
         "migration", help="failure, link degradation, drain: migration on / never / always, timed by truth"
     )
@@ -307,6 +313,10 @@ def run_benchmark(args: argparse.Namespace) -> int:  # noqa: PLR0912, PLR0915 - 
         result = run_learn(args)
         print(json.dumps(result, indent=2))
         return 0
+    if args.bench == "grid-summary":
+        from loom_benchmarks.grid_summary import main as run_grid_summary
+
+        return run_grid_summary(args)
     if args.bench == "contention":
         from loom_benchmarks.contention import main as run_contention
 

@@ -740,10 +740,18 @@ class _Simulation:
             # freed GPU may complete what preemption or a shrink would make room for).
             return (retry_post or bool(pairs)) and self._may_make_room(shape)
 
+        def chosen(shape: _Shape) -> bool:
+            # Its last decision held it back by a permit's choice while room was there (e.g. the
+            # span guard waiting for faster GPUs, without a wake): placement retries every queued
+            # job when capacity changes, and for this one the retry is no foregone failure (the
+            # pool it waited for may have gone to another job, the wait no longer pay).
+            return bool(pairs) and not shape.queued
+
         def due(shape: _Shape) -> bool:
             return bool(shape.heap) and (
                 retry_all
                 or shape.index in woken
+                or chosen(shape)
                 or (bool(pairs) and self._fits(shape, pairs) and self._improved(shape, pairs))
                 or room(shape)
             )
@@ -788,7 +796,13 @@ class _Simulation:
                     leftover = True
                     continue
                 job = self.jobs[shape.heap[0][2]]
-                if not (retry_all or shape.index in woken or room(shape) or self._holds(job, pairs)):
+                if not (
+                    retry_all
+                    or shape.index in woken
+                    or chosen(shape)
+                    or room(shape)
+                    or self._holds(job, pairs)
+                ):
                     failed.add(shape.index)
                     continue
                 budget -= 1

@@ -1,0 +1,181 @@
+"""``loom bench grid-summary FILE...``: the evaluation grid's verdict, one line per cell.
+
+Reads the JSON of one or more ``loom bench policies --grid --json`` runs (a grid split by platform
+or workload into several runs reads as one) and prints a Markdown table: per cell Loom's mean JCT,
+its margin over the best baseline (positive: Loom faster) and which baseline, the margin's range
+over the seeds, and, for a cell with spanning allowed, Loom's spanning penalty against itself with
+spanning forbidden (the same jobs, paired over every file's seeds; positive: slower when
+allowed). A cell is **flagged** when Loom is more than ``--threshold`` (3 %) worse than the best
+baseline, when Loom finished fewer jobs than a baseline (no mean-JCT margin: the margin on the
+jobs both finished is shown instead), or when its spanning penalty is above the threshold.
+
+:func:`summarize` is pure (no I/O): tests call it on hand-made grid results.
+"""
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+PLATFORM_ORDER: Final = ("small", "medium", "default")
+THRESHOLD: Final = 0.03
+"""The issue's bound: Loom no more than 3 % worse than the best baseline, or than itself forbidden."""
+
+
+@dataclass(frozen=True)
+class CellVerdict:
+    """One cell of the grid, judged."""
+
+    cell: str
+    seeds: int
+    loom_jct_s: float | None
+    margin: float | None
+    best_baseline: str | None
+    margin_min: float | None
+    margin_max: float | None
+    common_margin: float | None
+    common_baseline: str | None
+    finished_fewer_than: tuple[str, ...]
+    spanning_penalty: float | None
+    flags: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON form (``--json``)."""
+        return {
+            **self.__dict__,
+            "finished_fewer_than": list(self.finished_fewer_than),
+            "flags": list(self.flags),
+        }
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.1%}"
+
+
+def _penalties(results: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
+    """``platform/load/workload`` -> Loom's paired spanning penalty, from every run's seeds together
+    (so a cell with spanning allowed pairs with its forbidden twin run in another file; a
+    (cell, seed) in several files keeps its last); a result without seeds gives its own
+    ``spanning_penalty``."""
+    from loom_benchmarks.grid import spanning_penalty
+
+    found: dict[str, float | None] = {}
+    runs: dict[tuple[str, int], Mapping[str, Any]] = {}
+    for result in results:
+        for item in result.get("spanning_penalty") or []:
+            found[str(item["cells"])] = item.get("penalty")
+        for run in result.get("seeds") or []:
+            runs[(str(run["cell"]), int(run["seed"]))] = run
+    for item in spanning_penalty(list(runs.values())):
+        found[str(item["cells"])] = item.get("penalty")
+    return found
+
+
+def _order(cell: str) -> tuple[int, str, float, str]:
+    """Cells by platform (small, medium, default, then others), workload, load, forbidden first."""
+    platform, load, span, workload = cell.split("/")
+    rank = PLATFORM_ORDER.index(platform) if platform in PLATFORM_ORDER else len(PLATFORM_ORDER)
+    return (rank, workload, float(load), "" if span == "nospan" else span)
+
+
+def summarize(results: Sequence[Mapping[str, Any]], threshold: float = THRESHOLD) -> list[CellVerdict]:
+    """Every cell of ``results`` (grid JSONs; a cell in several keeps its last), judged against
+    ``threshold``: Loom's margin worse than ``-threshold``, Loom finishing fewer jobs than a
+    baseline, or a spanning penalty above ``threshold`` flag the cell."""
+    lines: dict[str, Mapping[str, Any]] = {}
+    for result in results:
+        for line in result.get("lines") or []:
+            lines[str(line["cell"])] = line
+    penalties = _penalties(results)
+    verdicts = []
+    for cell, line in sorted(lines.items(), key=lambda item: _order(item[0])):
+        platform, load, span, workload = cell.split("/")
+        per_seed = [m for m in line.get("margin_per_seed") or [] if m is not None]
+        penalty = penalties.get(f"{platform}/{load}/{workload}") if span == "span" else None
+        fewer = tuple(line.get("loom_finished_fewer") or ())
+        m = line.get("margin")
+        flags = []
+        if m is not None and m < -threshold:
+            flags.append(f"loom {-m:.1%} worse than {line.get('best_baseline')}")
+        if fewer:
+            flags.append(f"loom finished fewer than {', '.join(fewer)}")
+        if m is None and not fewer:
+            flags.append("no margin")
+        if penalty is not None and penalty > threshold:
+            flags.append(f"spanning penalty {penalty:+.1%}")
+        verdicts.append(
+            CellVerdict(
+                cell=cell,
+                seeds=len(line.get("seeds") or []),
+                loom_jct_s=(line.get("policies") or {}).get("loom", {}).get("jct_mean_s"),
+                margin=m,
+                best_baseline=line.get("best_baseline"),
+                margin_min=min(per_seed) if per_seed else None,
+                margin_max=max(per_seed) if per_seed else None,
+                common_margin=line.get("common_margin"),
+                common_baseline=line.get("common_best_baseline"),
+                finished_fewer_than=fewer,
+                spanning_penalty=penalty,
+                flags=tuple(flags),
+            )
+        )
+    return verdicts
+
+
+def markdown(verdicts: Sequence[CellVerdict], threshold: float = THRESHOLD) -> str:
+    """The table: one row per cell, flagged cells marked, then a count."""
+    rows = [
+        "| cell | seeds | Loom mean JCT | margin vs best baseline | best baseline | per seed | "
+        "on jobs both finished (closest baseline) | spanning penalty | flag |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for v in verdicts:
+        seeds = "" if v.margin_min is None else f"{_pct(v.margin_min)} .. {_pct(v.margin_max)}"
+        common = "" if v.common_margin is None else f"{_pct(v.common_margin)} vs {v.common_baseline}"
+        jct = "n/a" if v.loom_jct_s is None else f"{v.loom_jct_s:,.0f} s"
+        flag = ("**FLAG**: " + "; ".join(v.flags)) if v.flags else ""
+        penalty = "" if v.spanning_penalty is None else _pct(v.spanning_penalty)
+        best = v.best_baseline or ""
+        cells = (v.cell, str(v.seeds), jct, _pct(v.margin), best, seeds, common, penalty, flag)
+        rows.append("| " + " | ".join(cells) + " |")
+    flagged = [v for v in verdicts if v.flags]
+    rows.append("")
+    rows.append(
+        f"{len(verdicts)} cells, {len(flagged)} flagged (threshold {threshold:.0%}): "
+        + (", ".join(v.cell for v in flagged) if flagged else "none")
+    )
+    return "\n".join(rows) + "\n"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``loom bench grid-summary``'s options."""
+    parser.add_argument("files", nargs="+", help="JSON files of `loom bench policies --grid --json` runs")
+    parser.add_argument(
+        "--threshold", type=float, default=THRESHOLD * 100, help="flag cells worse by more than this %% (3)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the verdicts as JSON, not Markdown")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Read the files, print the table (or ``--json``); 2 on a file that is not a grid's JSON."""
+    results = []
+    for name in args.files:
+        try:
+            data = json.loads(Path(name).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"{name}: {exc}", file=sys.stderr)
+            return 2
+        if not isinstance(data, dict) or data.get("mode") != "grid":
+            print(f"{name}: not the JSON of `loom bench policies --grid --json`", file=sys.stderr)
+            return 2
+        results.append(data)
+    threshold = float(args.threshold) / 100.0
+    verdicts = summarize(results, threshold)
+    if args.json:
+        print(json.dumps([v.as_dict() for v in verdicts], indent=2))
+    else:
+        print(markdown(verdicts, threshold), end="")
+    return 0
