@@ -14,18 +14,14 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import asyncpg
 
 from loom.client import LoomClient
-from loom.runtime import stack
-from loom.runtime.config import ENV_DATABASE_URL, ENV_NATS_URL
+from loom_benchmarks.private_stack import measure_on_private_stack
 from loom_proto import subjects
 from loom_proto.jobs import JobSpec, Resources, Work
 
@@ -138,20 +134,8 @@ async def _measure(state: dict[str, Any], args: argparse.Namespace, say: Any) ->
 def run(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     """Start a private stack, measure, stop it; the JSON result."""
     say = progress or (lambda _s: None)
-    home = Path(tempfile.mkdtemp(prefix="loom-bench-whatif-", dir="/tmp"))
-    os.chmod(home, 0o755)  # PostgreSQL runs as an unprivileged user when we are root
-    env_backup = {k: os.environ.pop(k) for k in (ENV_NATS_URL, ENV_DATABASE_URL) if k in os.environ}
     t0 = time.perf_counter()
-    try:
-        options = stack.StackOptions(topology=args.topology, time_scale=args.time_scale, network=False)
-        say("starting the stack")
-        state = stack.up(home, options, progress=lambda s: say(f"stack: {s}"))
-        measured = asyncio.run(_measure(state, args, say))
-    finally:
-        say("stopping the stack")
-        stack.down(home)
-        os.environ.update(env_backup)
-        shutil.rmtree(home, ignore_errors=True)
+    measured = measure_on_private_stack("whatif", args, _measure, say)
     load = os.getloadavg()
     return {
         "benchmark": "whatif_load",

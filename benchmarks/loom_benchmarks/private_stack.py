@@ -1,0 +1,38 @@
+"""A benchmark's private stack: started in a fresh home, measured, always stopped and removed."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from loom.runtime import stack
+from loom.runtime.config import ENV_DATABASE_URL, ENV_NATS_URL
+
+Measure = Callable[[dict[str, Any], argparse.Namespace, Any], Coroutine[Any, Any, dict[str, Any]]]
+
+
+def measure_on_private_stack(
+    name: str, args: argparse.Namespace, measure: Measure, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """Start the default stack without the network services (``args.topology``, ``args.time_scale``)
+    in a fresh home, run ``measure(state, args, say)`` on it, then stop it and remove the home,
+    whatever happened; the caller's NATS / database URLs are set aside meanwhile."""
+    home = Path(tempfile.mkdtemp(prefix=f"loom-bench-{name}-", dir="/tmp"))
+    os.chmod(home, 0o755)  # PostgreSQL runs as an unprivileged user when we are root
+    env_backup = {k: os.environ.pop(k) for k in (ENV_NATS_URL, ENV_DATABASE_URL) if k in os.environ}
+    try:
+        options = stack.StackOptions(topology=args.topology, time_scale=args.time_scale, network=False)
+        say("starting the stack")
+        state = stack.up(home, options, progress=lambda s: say(f"stack: {s}"))
+        return asyncio.run(measure(state, args, say))
+    finally:
+        say("stopping the stack")
+        stack.down(home)
+        os.environ.update(env_backup)
+        shutil.rmtree(home, ignore_errors=True)
