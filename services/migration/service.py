@@ -100,7 +100,7 @@ class MigrationSettings:
     idle_poll_s: float = 2.0
     """Their period with nothing to do: this process wakes them at once when it opens a drain or
     plans a move; this slow poll only finds what another process wrote to the store. Also the
-    replica loop's period while no running job has a checkpoint."""
+    replica loop's period while no job runs (a job's start wakes it)."""
     checkpoint_timeout_s: float = 10.0
     """A move waits this long for the checkpoint it asked for, then asks again."""
     ask_timeout_s: float = 3.0
@@ -174,8 +174,9 @@ class MigrationService:
         self._wake_drains = asyncio.Event()
         """Set when this process opens or ends a drain: the idle drain loop looks at once."""
         self._replicas_idle = False
-        """The last replica pass found no running job with a checkpoint and no copy: the loop
-        waits ``idle_poll_s`` (a first checkpoint's replica starts that much later at most)."""
+        """The last replica pass found no running job and no copy: the loop waits ``idle_poll_s``
+        or until a job starts (``_wake_replicas``)."""
+        self._wake_replicas = asyncio.Event()
         self._wake_moves = asyncio.Event()
         """Set when this process records a move: the idle moves loop looks at once."""
 
@@ -243,6 +244,8 @@ class MigrationService:
                 continue  # placement dead-letters bad lifecycle events; nothing to record here
             # A first attempt's start ends no migration (a migration leaves an attempt >= 1 for a
             # later one: migrations.from_attempt >= 1): most starts need no transaction at all.
+            if isinstance(event, JobStarted):
+                self._wake_replicas.set()  # a running job checkpoints: the replica loop keeps pace
             if isinstance(event, JobStarted) and event.attempt <= 1:
                 continue
             decoded.append(event)
@@ -904,8 +907,12 @@ class MigrationService:
 
     async def _replica_loop(self) -> None:
         while True:
-            idle = self._replicas_idle and not self._copies
-            await asyncio.sleep(self.settings.idle_poll_s if idle else self.settings.replica_poll_s)
+            if self._replicas_idle and not self._copies:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake_replicas.wait(), self.settings.idle_poll_s)
+            else:
+                await asyncio.sleep(self.settings.replica_poll_s)
+            self._wake_replicas.clear()
             self._replicas_idle = False  # a failed pass polls again soon
             try:
                 await self.replicate()
@@ -947,7 +954,9 @@ class MigrationService:
         if started >= free:
             return started
         latest = await replica_store.latest_checkpoints(self.pool)
-        self._replicas_idle = not copying and not latest and not self._copies
+        self._replicas_idle = (
+            not latest and not copying and not self._copies and not await replica_store.any_running(self.pool)
+        )
         if not latest:
             return started
         regions = regions or await replica_store.cluster_regions(self.pool)
