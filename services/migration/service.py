@@ -100,7 +100,7 @@ class MigrationSettings:
     idle_poll_s: float = 2.0
     """Their period with nothing to do: this process wakes them at once when it opens a drain or
     plans a move; this slow poll only finds what another process wrote to the store. Also the
-    replica loop's period while no job runs (a job's start wakes it)."""
+    replica loop's period while no running job has a checkpoint (a checkpoint report wakes it)."""
     checkpoint_timeout_s: float = 10.0
     """A move waits this long for the checkpoint it asked for, then asks again."""
     ask_timeout_s: float = 3.0
@@ -174,9 +174,12 @@ class MigrationService:
         self._wake_drains = asyncio.Event()
         """Set when this process opens or ends a drain: the idle drain loop looks at once."""
         self._replicas_idle = False
-        """The last replica pass found no running job and no copy: the loop waits ``idle_poll_s``
-        or until a job starts (``_wake_replicas``)."""
+        """The last replica pass found no running job with a checkpoint and no copy: the loop
+        waits ``idle_poll_s`` or until a checkpoint is reported (``_wake_replicas``)."""
         self._wake_replicas = asyncio.Event()
+        self._replicas_due_until = 0.0
+        """After a checkpoint report the replica loop keeps its pace this long (monotonic s):
+        placement records the checkpoint a moment after the report this service hears."""
         self._wake_moves = asyncio.Event()
         """Set when this process records a move: the idle moves loop looks at once."""
 
@@ -201,6 +204,10 @@ class MigrationService:
         link_sub = await self.ctx.nc.subscribe(subjects.LINK_STATES_ALL, cb=self.on_link)
         net_sub = await self.ctx.nc.subscribe(subjects.NET_EVENTS_ALL, cb=self.on_net_event)
         slow_sub = await self.ctx.nc.subscribe(subjects.PLACEMENT_SLOW, cb=self.on_slow)
+        checkpoint_subs = [
+            await self.ctx.nc.subscribe(subject, cb=self.on_checkpointed)
+            for subject in subjects.job_events_of("checkpointed")
+        ]
         await events.start()
         watchdog = self.ctx.watchdog
         relay_stop = asyncio.Event()
@@ -229,6 +236,8 @@ class MigrationService:
             await link_sub.unsubscribe()
             await net_sub.unsubscribe()
             await slow_sub.unsubscribe()
+            for sub in checkpoint_subs:
+                await sub.unsubscribe()
             await events.stop()
 
     # ---- failovers (recorded from placement's events) -----------------------------------------
@@ -244,8 +253,6 @@ class MigrationService:
                 continue  # placement dead-letters bad lifecycle events; nothing to record here
             # A first attempt's start ends no migration (a migration leaves an attempt >= 1 for a
             # later one: migrations.from_attempt >= 1): most starts need no transaction at all.
-            if isinstance(event, JobStarted):
-                self._wake_replicas.set()  # a running job checkpoints: the replica loop keeps pace
             if isinstance(event, JobStarted) and event.attempt <= 1:
                 continue
             decoded.append(event)
@@ -628,6 +635,11 @@ class MigrationService:
 
     # ---- network-driven moves ------------------------------------------------------------------
 
+    async def on_checkpointed(self, _msg: Msg) -> None:
+        """An agent reported a checkpoint (core NATS, unread): the replica loop looks soon."""
+        self._replicas_due_until = time.monotonic() + self.settings.idle_poll_s
+        self._wake_replicas.set()
+
     async def on_link(self, msg: Msg) -> None:
         """``loom.net.link.<src>.<dst>``: keep the latest measured state of each link."""
         try:
@@ -907,7 +919,7 @@ class MigrationService:
 
     async def _replica_loop(self) -> None:
         while True:
-            if self._replicas_idle and not self._copies:
+            if self._replicas_idle and not self._copies and time.monotonic() >= self._replicas_due_until:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake_replicas.wait(), self.settings.idle_poll_s)
             else:
@@ -954,9 +966,7 @@ class MigrationService:
         if started >= free:
             return started
         latest = await replica_store.latest_checkpoints(self.pool)
-        self._replicas_idle = (
-            not latest and not copying and not self._copies and not await replica_store.any_running(self.pool)
-        )
+        self._replicas_idle = not latest and not copying and not self._copies
         if not latest:
             return started
         regions = regions or await replica_store.cluster_regions(self.pool)

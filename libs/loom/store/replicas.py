@@ -78,12 +78,6 @@ async def live_sites(conn: Conn) -> list[Site]:
     return [Site(r["cluster"], r["region"]) for r in rows]
 
 
-async def any_running(conn: Conn) -> bool:
-    """Whether some job runs (one may checkpoint soon: the replica loop keeps its pace)."""
-    found: bool = await conn.fetchval("SELECT EXISTS (SELECT 1 FROM jobs WHERE state = 'running')")
-    return found
-
-
 async def cluster_regions(conn: Conn) -> dict[str, str]:
     """Every cluster the ledger knows, with its region (a checkpoint's source included)."""
     rows = await conn.fetch("SELECT cluster, region FROM ledger_clusters")
