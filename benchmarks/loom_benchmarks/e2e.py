@@ -52,6 +52,9 @@ PACED_SETTLE_S = 10.0
 NEIGHBOUR_PREFIXES = ("probe-", "agent-", "network-perception", "metrics")
 """The non-scheduling Loom services whose CPU at rest ``neighbours_at_rest_pct`` sums."""
 
+NON_PLACEMENT_PREFIXES = (*NEIGHBOUR_PREFIXES, "migration", "alert-correlator", "console")
+"""Every Loom service but placement (leader and standbys): what ``non_placement_at_rest_pct`` sums."""
+
 
 def _percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
@@ -274,6 +277,13 @@ def neighbours_pct(shares: dict[str, float]) -> float:
     return round(sum(v for k, v in shares.items() if k.startswith(NEIGHBOUR_PREFIXES)), 2)
 
 
+def non_placement_pct(shares: dict[str, float]) -> float:
+    """The summed share of every Loom service but placement: the neighbours of
+    :func:`neighbours_pct` and migration, the alert correlator and the console (not NATS,
+    PostgreSQL, the supervisor nor the bench's own processes)."""
+    return round(sum(v for k, v in shares.items() if k.startswith(NON_PLACEMENT_PREFIXES)), 2)
+
+
 async def _paced_phase(
     run: _Run, paced_jobs: int, rate: float, *, running: int, placement: list[str]
 ) -> dict[str, Any]:
@@ -387,6 +397,8 @@ async def _measure(
         result["cpu_ms_per_job"] = tp["cpu_ms_per_job"]
         result["neighbours_at_rest_pct"] = neighbours_pct(at_rest)
         result["neighbours_under_load_pct"] = neighbours_pct(tp["cpu"])
+        result["non_placement_at_rest_pct"] = non_placement_pct(at_rest)
+        result["non_placement_under_load_pct"] = non_placement_pct(tp["cpu"])
         return result
     finally:
         for sub in subs:

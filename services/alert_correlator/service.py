@@ -74,6 +74,9 @@ from loom_services.alert_correlator.receiver import Answer, Receiver
 log = structlog.get_logger("alert-correlator")
 
 TICK_S = 0.05
+IDLE_TICK_S = 0.5
+"""The tick period with nothing near to do (:meth:`Correlator.busy`): every input wakes the loop at
+once, and the slow tick only resolves long-quiet incidents and refreshes the stats."""
 PATH_TTL_S = 30.0
 PERSIST_EVERY_S = 1.0
 MAX_PATH_QUERIES = 20
@@ -123,6 +126,8 @@ class AlertCorrelator:
         self._sending: set[asyncio.Task[None]] = set()
         self._notified = False
         self._flushed_at = 0.0
+        self._wake = asyncio.Event()
+        """Set by every input: the tick loop runs at once, then at ``TICK_S`` while busy."""
         self.paths: dict[tuple[str, str], tuple[tuple[str, ...], float]] = {}
         """(src, dst) regions -> network perception's chosen path and when it was asked (monotonic)."""
 
@@ -269,9 +274,18 @@ class AlertCorrelator:
             if self._sending:
                 await asyncio.wait(self._sending, timeout=5)
 
+    def busy(self) -> bool:
+        """Whether the next ticks have work (else the loop ticks every ``IDLE_TICK_S``)."""
+        return self._notified or self.core.busy() or self.conditions.busy()
+
     async def _tick_loop(self) -> None:
         while True:
-            await asyncio.sleep(TICK_S)
+            if self.busy():
+                await asyncio.sleep(TICK_S)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), IDLE_TICK_S)
+            self._wake.clear()
             now = time.time()
             for alert in self.conditions.tick(now):
                 await self._emit(self.core.ingest(alert, now))
@@ -302,6 +316,7 @@ class AlertCorrelator:
         started = time.perf_counter()
         notes = self.core.ingest(alert, time.time())
         self.latencies_ms.append((time.perf_counter() - started) * 1000)
+        self._wake.set()
         await self._emit(notes)
 
     async def on_raw(self, d: Delivery[Alert]) -> None:
@@ -383,6 +398,7 @@ class AlertCorrelator:
         """Count dead letters (the correlator's own included)."""
         for alert in self.conditions.dead_letter(time.time()):
             await self._ingest(alert)
+        self._wake.set()  # the dead-letter window now needs ticking
 
     async def on_webhook(self, body: bytes) -> Answer:
         """Alertmanager's POST: published as raw alerts, or refused with 400 and dead-lettered."""

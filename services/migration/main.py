@@ -13,6 +13,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="loom-migration", description="Loom migration service")
     parser.add_argument("--poll-s", type=float, default=defaults.poll_s, help="drain loop period")
     parser.add_argument(
+        "--idle-poll-s",
+        type=float,
+        default=defaults.idle_poll_s,
+        help="the drain, moves and replica loops' period with nothing to do (this process wakes them)",
+    )
+    parser.add_argument(
         "--checkpoint-timeout-s",
         type=float,
         default=defaults.checkpoint_timeout_s,
@@ -44,6 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     settings = MigrationSettings(
         poll_s=args.poll_s,
+        idle_poll_s=args.idle_poll_s,
         checkpoint_timeout_s=args.checkpoint_timeout_s,
         time_scale=args.time_scale,
         replica_concurrency=args.replica_concurrency,

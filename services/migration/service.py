@@ -96,7 +96,11 @@ class MigrationSettings:
     """How the service paces drains."""
 
     poll_s: float = 0.25
-    """Drain loop period."""
+    """Drain loop period (and the network-moves loop's) while there is work: a drain, a planned move."""
+    idle_poll_s: float = 2.0
+    """Their period with nothing to do: this process wakes them at once when it opens a drain or
+    plans a move; this slow poll only finds what another process wrote to the store. Also the
+    replica loop's period while no running job has a checkpoint (a checkpoint report wakes it)."""
     checkpoint_timeout_s: float = 10.0
     """A move waits this long for the checkpoint it asked for, then asks again."""
     ask_timeout_s: float = 3.0
@@ -167,6 +171,17 @@ class MigrationService:
         """cluster -> (trigger, what happened) still to review: joined, returned, improved, undrained."""
         self._slow: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.stats.update({"cluster_reviews": 0, "slow_reviews": 0})
+        self._wake_drains = asyncio.Event()
+        """Set when this process opens or ends a drain: the idle drain loop looks at once."""
+        self._replicas_idle = False
+        """The last replica pass found no running job with a checkpoint and no copy: the loop
+        waits ``idle_poll_s`` or until a checkpoint is reported (``_wake_replicas``)."""
+        self._wake_replicas = asyncio.Event()
+        self._replicas_due_until = 0.0
+        """After a checkpoint report the replica loop keeps its pace this long (monotonic s):
+        placement records the checkpoint a moment after the report this service hears."""
+        self._wake_moves = asyncio.Event()
+        """Set when this process records a move: the idle moves loop looks at once."""
 
     async def run(self) -> None:
         """Consume job events, answer drain requests and queries, drive drains, until stopped."""
@@ -189,6 +204,10 @@ class MigrationService:
         link_sub = await self.ctx.nc.subscribe(subjects.LINK_STATES_ALL, cb=self.on_link)
         net_sub = await self.ctx.nc.subscribe(subjects.NET_EVENTS_ALL, cb=self.on_net_event)
         slow_sub = await self.ctx.nc.subscribe(subjects.PLACEMENT_SLOW, cb=self.on_slow)
+        checkpoint_subs = [
+            await self.ctx.nc.subscribe(subject, cb=self.on_checkpointed)
+            for subject in subjects.job_events_of("checkpointed")
+        ]
         await events.start()
         watchdog = self.ctx.watchdog
         relay_stop = asyncio.Event()
@@ -217,6 +236,8 @@ class MigrationService:
             await link_sub.unsubscribe()
             await net_sub.unsubscribe()
             await slow_sub.unsubscribe()
+            for sub in checkpoint_subs:
+                await sub.unsubscribe()
             await events.stop()
 
     # ---- failovers (recorded from placement's events) -----------------------------------------
@@ -376,13 +397,28 @@ class MigrationService:
     async def _notice(self) -> None:
         """Tell placement the drained clusters changed (it reloads them from the store)."""
         self._noticed_at = time.monotonic()
+        self._wake_drains.set()
         await self.ctx.nc.publish(subjects.MIGRATE_DRAINS_CHANGED, b"")
 
-    async def _drain_loop(self) -> None:
-        while True:
+    async def _pause(self, wake: asyncio.Event, busy: bool) -> None:
+        """A loop's wait between passes: ``poll_s`` while it has work, else until ``wake`` is set
+        or ``idle_poll_s`` passed (a store poll at 4 Hz with nothing to do is most of this
+        service's CPU at rest). The caller clears ``wake`` before reading the store."""
+        if busy:
             await asyncio.sleep(self.settings.poll_s)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), self.settings.idle_poll_s)
+
+    async def _drain_loop(self) -> None:
+        busy = True
+        while True:
+            await self._pause(self._wake_drains, busy)
+            self._wake_drains.clear()
+            busy = True  # a failed pass polls again soon
             try:
                 drains = await moves.drains(self.pool)
+                busy = bool(drains)
                 self.stats["drains"] = [
                     {k: d[k] for k in ("cluster", "state", "concurrency", "deadline_s")} for d in drains
                 ]
@@ -598,6 +634,11 @@ class MigrationService:
         await self._publish(messages)
 
     # ---- network-driven moves ------------------------------------------------------------------
+
+    async def on_checkpointed(self, _msg: Msg) -> None:
+        """An agent reported a checkpoint (core NATS, unread): the replica loop looks soon."""
+        self._replicas_due_until = time.monotonic() + self.settings.idle_poll_s
+        self._wake_replicas.set()
 
     async def on_link(self, msg: Msg) -> None:
         """``loom.net.link.<src>.<dst>``: keep the latest measured state of each link."""
@@ -854,13 +895,21 @@ class MigrationService:
 
     async def _moves_loop(self) -> None:
         """Advance planned network and backflow moves (a drain's are advanced by its own loop)."""
+        busy = True
         while True:
-            await asyncio.sleep(self.settings.poll_s)
+            await self._pause(self._wake_moves, busy)
+            self._wake_moves.clear()
+            busy = True  # a failed pass polls again soon
             try:
-                for m in await moves.open_migrations(self.pool):
-                    if m["cause"] in VOLUNTARY_CAUSES and m["state"] == "planned":
-                        avoid = self._avoid.get(m["migration_id"], [m["from_cluster"]])
-                        await self._advance(m, m["from_cluster"], past_deadline=False, avoid=avoid)
+                planned = [
+                    m
+                    for m in await moves.open_migrations(self.pool)
+                    if m["cause"] in VOLUNTARY_CAUSES and m["state"] == "planned"
+                ]
+                busy = bool(planned)
+                for m in planned:
+                    avoid = self._avoid.get(m["migration_id"], [m["from_cluster"]])
+                    await self._advance(m, m["from_cluster"], past_deadline=False, avoid=avoid)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -870,13 +919,37 @@ class MigrationService:
 
     async def _replica_loop(self) -> None:
         while True:
-            await asyncio.sleep(self.settings.replica_poll_s)
+            if self._replicas_idle and not self._copies and time.monotonic() >= self._replicas_due_until:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake_replicas.wait(), self.settings.idle_poll_s)
+            else:
+                await asyncio.sleep(self.settings.replica_poll_s)
+            self._wake_replicas.clear()
+            self._replicas_idle = False  # a failed pass polls again soon
             try:
                 await self.replicate()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("replica cycle failed", error=repr(exc))
+
+    async def _time_recorded(self, copying: list[asyncpg.Record], free: int) -> tuple[dict[str, str], int]:
+        """Time the copies recorded in flight that this process does not time (it restarted), up
+        to ``free``; returns the cluster regions (read only if one was due) and how many started."""
+        untimed = [
+            row
+            for row in copying
+            if (row["job_id"], row["attempt"], row["step"], row["cluster"]) not in self._copies
+        ][:free]
+        regions = await replica_store.cluster_regions(self.pool) if untimed else {}
+        for row in untimed:
+            self._time_copy(
+                (row["job_id"], row["attempt"], row["step"], row["cluster"]),
+                float(row["transfer_s"]),
+                regions.get(row["source_cluster"], ""),
+                regions.get(row["cluster"], ""),
+            )
+        return regions, len(untimed)
 
     async def replicate(self) -> int:
         """Start the replica copies that are due, up to the concurrency left; returns how many.
@@ -887,22 +960,16 @@ class MigrationService:
         free = self.settings.replica_concurrency - len(self._copies)
         if free <= 0:
             return 0
-        regions = await replica_store.cluster_regions(self.pool)
-        started = 0
-        for row in await replica_store.copying(self.pool):
-            key = (row["job_id"], row["attempt"], row["step"], row["cluster"])
-            if key in self._copies or started >= free:
-                continue
-            self._time_copy(
-                key,
-                float(row["transfer_s"]),
-                regions.get(row["source_cluster"], ""),
-                regions.get(row["cluster"], ""),
-            )
-            started += 1
-        latest = await replica_store.latest_checkpoints(self.pool)
-        if not latest or started >= free:
+        copying = await replica_store.copying(self.pool)
+        # The regions are read only when a copy may start: an idle pass is two cheap reads.
+        regions, started = await self._time_recorded(copying, free)
+        if started >= free:
             return started
+        latest = await replica_store.latest_checkpoints(self.pool)
+        self._replicas_idle = not latest and not copying and not self._copies
+        if not latest:
+            return started
+        regions = regions or await replica_store.cluster_regions(self.pool)
         sites = await replica_store.live_sites(self.pool)
         held = await replica_store.held(self.pool)
         have = {(h.job_id, h.attempt, h.step) for h in held}
@@ -1178,6 +1245,8 @@ class MigrationService:
         )
 
     async def _publish(self, messages: list[outbox.OutboxMessage]) -> None:
+        # Every move this process records is published here: the moves loop looks at once.
+        self._wake_moves.set()
         if messages:
             with contextlib.suppress(Exception):  # the relay sends what did not go now
                 await self.relay.publish_now(messages)

@@ -531,3 +531,76 @@ def test_a_slow_run_on_one_node_points_at_the_node_and_one_on_several_at_its_job
     )
     [inc] = c.incidents.values()
     assert inc.root == ("node", node) and set(inc.jobs) == {"a", "b"}
+
+
+def test_busy_says_when_a_tick_has_near_work_and_clears_once_it_is_done() -> None:
+    c = Correlator(placements([job("a", ("c-use2-a", 0))]), CorrelatorConfig(min_update_interval_s=10.0))
+    assert not c.busy()  # nothing ingested: the service may tick slowly
+    c.ingest(alert(1, cluster="c-use2-a", severity="info", dedup_key="a"), 0.0)
+    assert c.busy()  # waiting to be grouped
+    assert [n.kind for n in c.tick(1.0)] == ["opened"]
+    assert c.busy()  # changed, not yet persisted
+    c.take_changed()
+    assert not c.busy()  # open, nothing to send: only the quiet period can resolve it
+    c.ingest(alert(2, cluster="c-use2-a", severity="critical", dedup_key="b"), 2.0)
+    c.tick(3.0)
+    c.take_changed()
+    assert c.busy()  # an update held back by the rate limit
+    assert [n.kind for n in c.tick(12.0)] == ["updated"]
+    c.take_changed()
+    assert not c.busy()
+
+
+def test_ticking_slowly_while_not_busy_sends_the_same_notifications_as_soon() -> None:
+    """The service ticks every 0.05 s while busy, else every 0.5 s, and at once on an input: the
+    notifications are a steady tick's, opens and updates as soon, quiet resolves within 0.5 s."""
+
+    def drive(
+        c: Correlator, alerts: list[tuple[float, Alert]], until: float, adaptive: bool
+    ) -> list[tuple[str, float]]:
+        sent: list[tuple[str, float]] = []
+        pending = sorted(alerts, key=lambda x: x[0])
+        t, i = 0.0, 0
+        while t <= until:
+            while i < len(pending) and pending[i][0] <= t:
+                sent.extend((n.kind, t) for n in c.ingest(pending[i][1], t))
+                i += 1
+            sent.extend((n.kind, t) for n in c.tick(t))
+            c.take_changed()  # the service persists at least once a second
+            step = 0.05 if c.busy() or not adaptive else 0.5
+            nxt = pending[i][0] if i < len(pending) else until + 1
+            t = round(min(t + step, max(nxt, t + 0.01)), 3)
+        return sent
+
+    def config() -> CorrelatorConfig:
+        return CorrelatorConfig(quiet_s=10.0, weak_wait_s=2.0, min_update_interval_s=5.0)
+
+    jobs = [job(f"j{i}", ("c-use2-a", i % 6)) for i in range(10)] + [job("a", ("c-weu-a", 0))]
+    alerts = [
+        (0.3, alert(1, cluster="c-use2-a", severity="info", dedup_key="a")),
+        (1.2, alert(2, cluster="c-use2-a", severity="warning", dedup_key="b")),
+        (2.0, alert(3, cluster="c-use2-a", severity="critical", dedup_key="c")),
+        (4.1, alert(4, job_id="a", momentary=True)),
+    ]
+    steady = drive(Correlator(placements(jobs), config()), alerts, 30.0, adaptive=False)
+    slow = drive(Correlator(placements(jobs), config()), alerts, 30.0, adaptive=True)
+    kinds = [k for k, _ in steady]
+    assert kinds.count("opened") == 2 and "updated" in kinds and "resolved" in kinds
+    assert [k for k, _ in slow] == kinds
+    for (kind, at), (_, slow_at) in zip(steady, slow, strict=True):
+        assert at <= slow_at <= at + (0.5 if kind == "resolved" else 0.06), (kind, at, slow_at)
+
+
+def test_the_condition_tracker_is_busy_while_dead_letters_are_in_its_window_or_its_alert_fires() -> None:
+    from loom.alerts.sources import ConditionTracker
+
+    track = ConditionTracker(dlq_threshold=2, dlq_window_s=10.0)
+    assert not track.busy()
+    track.dead_letter(0.0)
+    assert track.busy()  # below the threshold, but the window must be ticked empty
+    assert track.tick(11.0) == [] and not track.busy()
+    track.dead_letter(20.0)
+    track.dead_letter(21.0)
+    assert track.busy()
+    assert [a.status for a in track.tick(40.0)] == ["resolved"]
+    assert not track.busy()

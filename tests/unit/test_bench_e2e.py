@@ -2,7 +2,7 @@
 
 import os
 
-from loom_benchmarks.e2e import neighbours_pct, stack_groups
+from loom_benchmarks.e2e import neighbours_pct, non_placement_pct, stack_groups
 
 
 def test_stack_groups_name_every_process_and_put_the_parents_last() -> None:
@@ -42,3 +42,24 @@ def test_neighbours_are_the_non_scheduling_services() -> None:
         "bench-baseline": 2.0,
     }
     assert neighbours_pct(shares) == 5.25
+
+
+def test_non_placement_adds_migration_the_correlator_and_the_console() -> None:
+    shares = {
+        "probe-aws-us-east-2": 1.5,
+        "network-perception": 2.0,
+        "agent-c-aue-a": 0.5,
+        "metrics": 0.25,
+        "migration": 1.0,
+        "alert-correlator": 0.5,
+        "console": 0.125,
+        "placement": 40.0,
+        "placement-standby": 1.0,
+        "placement-eu-standby": 1.0,
+        "nats": 10.0,
+        "postgres": 5.0,
+        "supervisor": 0.1,
+        "bench-client": 3.0,
+    }
+    assert neighbours_pct(shares) == 4.25
+    assert non_placement_pct(shares) == 5.88  # 4.25 + 1.625, rounded to hundredths

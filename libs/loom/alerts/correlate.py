@@ -475,6 +475,18 @@ class Correlator:
         self._evict()
         return out
 
+    def busy(self) -> bool:
+        """Whether :meth:`tick` has near work: alerts waiting to be grouped, opens queued behind
+        the rate limit, incidents changed since the last :meth:`take_changed`, or an open
+        incident with an update to send. Otherwise a tick can only resolve an incident quiet for
+        ``quiet_s`` or evict resolved ones, and the caller may tick slowly."""
+        return bool(
+            self.waiting
+            or self._queued_opens
+            or self._changed
+            or any(self.incidents[i].dirty for i in self.open_by_root.values())
+        )
+
     def take_changed(self) -> list[Incident]:
         """Incidents changed since the last call (for the service to persist)."""
         changed = [self.incidents[i] for i in sorted(self._changed) if i in self.incidents]

@@ -301,6 +301,10 @@ class ConditionTracker:
         self.dead_letters.append(now)
         return self._dlq(now)
 
+    def busy(self) -> bool:
+        """Whether :meth:`tick` may change something: dead letters in the window, or the alert firing."""
+        return bool(self.dead_letters) or self.dlq_firing
+
     def tick(self, now: float) -> list[Alert]:
         """The dead-letter alert resolves once its window holds none."""
         return self._dlq(now)
