@@ -356,6 +356,17 @@ def test_a_heartbeat_after_staleness_yields_a_fresh_change_even_when_nothing_cha
     assert applied.change.version == 3
 
 
+def test_a_cluster_back_from_stale_is_republished_whole(ledger: Ledger) -> None:
+    """Readers closed its nodes when it went stale; a heartbeat that changes nothing must still
+    tell them every node's state, or the unlisted nodes stay closed for good."""
+    ledger.expire(NOW + 100)
+    applied = ledger.apply(hb(2, []), NOW + 101)
+    assert applied.change is not None and applied.change.full and not applied.change.stale
+    assert [n.node for n in applied.change.nodes] == ["n1", "n2"]
+    again = ledger.apply(hb(3, []), NOW + 102)
+    assert again.change is None, "once fresh, an unchanged heartbeat publishes nothing"
+
+
 def test_expire_leaves_fresh_clusters_alone(ledger: Ledger) -> None:
     ledger.apply(hb(1, [ns("m1")], cluster="c2", region="r2", full=True, interval_s=60), NOW)
     changes = ledger.expire(NOW + 20)

@@ -162,13 +162,17 @@ class Ledger:
         if isinstance(admitted, Applied):
             return admitted
         cluster = admitted
-        # A full snapshot is re-published whole only when readers need the whole list: the
-        # cluster is new or its agent restarted. Otherwise only what changed goes out.
-        republish_all = hb.full and (cluster.last_seq == 0 or hb.agent_epoch != cluster.agent_epoch)
+        # The whole list is re-published only when readers need it: the cluster is new, its agent
+        # restarted, or it comes back from stale (a reader that closed its nodes when it went stale,
+        # or a new leader that loaded them closed, must see every node's state again, not only
+        # what this heartbeat changed). Otherwise only what changed goes out.
+        was_stale, cluster.stale = cluster.stale, False
+        republish_all = was_stale or (
+            hb.full and (cluster.last_seq == 0 or hb.agent_epoch != cluster.agent_epoch)
+        )
         cluster.agent_epoch, cluster.last_seq = hb.agent_epoch, hb.seq
         cluster.interval_s = hb.interval_s
         cluster.last_heartbeat_at = now
-        was_stale, cluster.stale = cluster.stale, False
 
         changed: list[LedgerNode] = []
         errors: list[str] = []
