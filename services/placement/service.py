@@ -197,9 +197,6 @@ def rejection(job_id: str, tenant: str, code: RejectCode, reason: str, hint: str
 class PlacementService:
     """The placement service's state and handlers; :meth:`run` is the service body."""
 
-    region_of: dict[str, str]
-    stale_closed: dict[str, set[str]]
-
     decide_ms_per_job: float | None = None
     """Recent wall milliseconds a cycle took per job (smoothed): how big a slice of submissions
     to decide at once (:func:`decide_slice`)."""
@@ -257,8 +254,7 @@ class PlacementService:
         shard's, and regional ones the global shard took over)."""
         self.fenced_territories: set[str] = set()
         """Held territories whose fence refused a transaction: their watcher hands them back."""
-        # stale_closed: per stale cluster, the nodes staleness closed (view_changes reopens them)
-        self.region_of, self.stale_closed = dict(self.shard_map.cluster_regions), {}
+        self.region_of: dict[str, str] = dict(self.shard_map.cluster_regions)
         """Cluster -> region, from the topology, the store and the view (whose territory a cluster is)."""
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
         self.token = 0
@@ -328,7 +324,6 @@ class PlacementService:
     async def load(self) -> None:
         """Rebuild the book and the queue from PostgreSQL, then publish leftovers."""
         self.book.nodes = self._owned_nodes(await repo.load_nodes(self.pool))
-        self.stale_closed.clear()  # what this leadership sees go stale (see view_changes)
         self.book.pending.clear()
         self.book.invalidate()
         self.learner = await speeds.load_learner(self.pool, self.learner.settings)
@@ -2051,7 +2046,7 @@ class PlacementService:
         nodes = self.book.nodes
         if not any(c.cluster == delta.cluster for c in nodes.values()):
             self.settled_at = time.monotonic() + self.settle_s
-        changed = view_changes(nodes, delta, self.stale_closed)
+        changed = view_changes(nodes, delta)
         if not changed:
             await self._nodes_lost(delta)  # a closed node (drained) may still fail under its runs
             return
@@ -2830,18 +2825,13 @@ def _at(event: LifecycleEvent) -> float:
     return event.started_at if isinstance(event, JobStarted) else event.at
 
 
-def view_changes(
-    nodes: Mapping[str, NodeCapacity], delta: ViewDelta, stale_closed: dict[str, set[str]]
-) -> list[NodeCapacity]:
+def view_changes(nodes: Mapping[str, NodeCapacity], delta: ViewDelta) -> list[NodeCapacity]:
     """The book's nodes a view delta changes (totals, model, schedulability; reservations kept).
 
     Listed nodes take the delta's values (schedulable when healthy and the cluster is not stale);
     unlisted nodes of the cluster close when the delta is stale, removes them or is a full list.
-    A cluster that comes back from stale is announced with only the nodes its first heartbeat
-    changed (often none): the nodes staleness closed, and that nothing reported unhealthy or
-    removed since, open again then (``stale_closed``: per cluster, the nodes open when it went
-    stale; kept by the caller across deltas). Without that, they stayed closed until each
-    happened to be listed again, and the jobs allowed only there waited for good."""
+    A cluster that comes back from stale is announced whole (the ledger republishes every node
+    then), so the nodes staleness closed open again, by their own health, for any leader."""
     changed: list[NodeCapacity] = []
     listed = set()
     for n in delta.nodes:
@@ -2862,25 +2852,11 @@ def view_changes(
             )
         )
     gone = set(delta.removed)
-    if delta.stale:
-        closed = stale_closed.setdefault(delta.cluster, set())
-        closed.update(
-            cap.node
-            for cap in nodes.values()
-            if cap.cluster == delta.cluster and cap.schedulable and cap.node not in listed
-        )
-        closed.update(n.node for n in delta.nodes if n.healthy)
-        closed.difference_update([n.node for n in delta.nodes if not n.healthy] + list(gone))
-        reopen: set[str] = set()
-    else:
-        reopen = stale_closed.pop(delta.cluster, set())
     for cap in nodes.values():
         if cap.cluster != delta.cluster or cap.node in listed:
             continue
         if delta.stale or cap.node in gone or delta.full:
             changed.append(dataclasses.replace(cap, schedulable=False))
-        elif cap.node in reopen and not cap.schedulable:
-            changed.append(dataclasses.replace(cap, schedulable=True))
     # Only what placement decides on: a delta that just moves used or reserved GPUs changes nothing here.
     return [cap for cap in changed if _book_differs(nodes.get(cap.node), cap)]
 

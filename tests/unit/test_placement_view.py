@@ -1,8 +1,8 @@
 """How placement's book follows view deltas (``view_changes``): in particular a cluster that
-comes back from stale offers the nodes staleness closed again, although the ledger announces its
-return with only the nodes its first heartbeat changed (seen under load with 4 shards: a cluster
-marked stale for a moment kept 235 of its 249 nodes closed, and 354 jobs allowed only in its
-region waited until the bench gave up)."""
+comes back from stale, which the ledger announces whole, offers the nodes staleness closed again by
+their own health (seen under load with 4 shards, when the return listed only what its first
+heartbeat changed: a cluster marked stale for a moment kept 235 of its 249 nodes closed, and 354
+jobs allowed only in its region waited until the bench gave up)."""
 
 import dataclasses
 
@@ -44,37 +44,32 @@ def _open(book: dict[str, NodeCapacity]) -> set[str]:
     return {n for n, cap in book.items() if cap.schedulable}
 
 
-def test_a_cluster_back_from_stale_opens_what_staleness_closed_and_nothing_else() -> None:
+def test_a_cluster_back_from_stale_opens_its_healthy_nodes_and_nothing_else() -> None:
     book = {n: _node(n, reserved=2 if n == "a" else 0) for n in ("a", "b", "c", "d")}
     book["d"] = _node("d", schedulable=False)  # closed before: unhealthy
-    closed: dict[str, set[str]] = {}
-    _apply(book, view_changes(book, _delta(2, stale=True), closed))
+    _apply(book, view_changes(book, _delta(2, stale=True)))
     assert _open(book) == set()
-    # while stale, a heartbeat-less delta reports b unhealthy: b stays closed afterwards
-    _apply(book, view_changes(book, _delta(3, [_view("b", healthy=False)], stale=True), closed))
-    # back: the first fresh delta lists no node at all (nothing changed in its heartbeat)
-    _apply(book, view_changes(book, _delta(4), closed))
+    # back: the ledger republishes the cluster whole; b turned unhealthy meanwhile, d still is
+    back = [_view("a"), _view("b", healthy=False), _view("c"), _view("d", healthy=False)]
+    _apply(book, view_changes(book, _delta(3, back, full=True)))
     assert _open(book) == {"a", "c"}
     assert book["a"].gpus_reserved == 2  # reservations are placement's: kept
-    assert closed == {}
 
 
 def test_without_staleness_unlisted_nodes_keep_their_state() -> None:
     book = {"a": _node("a"), "b": _node("b", schedulable=False)}
-    closed: dict[str, set[str]] = {}
-    _apply(book, view_changes(book, _delta(2, [_view("a")]), closed))
-    assert _open(book) == {"a"}  # b was not closed by staleness: a fresh delta does not open it
+    _apply(book, view_changes(book, _delta(2, [_view("a")])))
+    assert _open(book) == {"a"}  # b is not listed: a fresh delta does not open it
     # a full list closes what it leaves out; removed nodes close
-    _apply(book, view_changes(book, _delta(3, [_view("b")], full=True), closed))
+    _apply(book, view_changes(book, _delta(3, [_view("b")], full=True)))
     assert _open(book) == {"b"}
-    _apply(book, view_changes(book, _delta(4, removed=["b"]), closed))
+    _apply(book, view_changes(book, _delta(4, removed=["b"])))
     assert _open(book) == set()
 
 
 def test_a_node_removed_while_stale_does_not_come_back() -> None:
     book = {n: _node(n) for n in ("a", "b")}
-    closed: dict[str, set[str]] = {}
-    _apply(book, view_changes(book, _delta(2, stale=True), closed))
-    _apply(book, view_changes(book, _delta(3, removed=["b"], stale=True), closed))
-    _apply(book, view_changes(book, _delta(4), closed))
+    _apply(book, view_changes(book, _delta(2, stale=True)))
+    _apply(book, view_changes(book, _delta(3, removed=["b"], stale=True)))
+    _apply(book, view_changes(book, _delta(4, [_view("a")], full=True)))  # the ledger's whole list
     assert _open(book) == {"a"}
