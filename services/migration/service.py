@@ -400,12 +400,12 @@ class MigrationService:
         self._wake_drains.set()
         await self.ctx.nc.publish(subjects.MIGRATE_DRAINS_CHANGED, b"")
 
-    async def _pause(self, wake: asyncio.Event, busy: bool) -> None:
-        """A loop's wait between passes: ``poll_s`` while it has work, else until ``wake`` is set
-        or ``idle_poll_s`` passed (a store poll at 4 Hz with nothing to do is most of this
-        service's CPU at rest). The caller clears ``wake`` before reading the store."""
+    async def _pause(self, wake: asyncio.Event, busy: bool, period_s: float | None = None) -> None:
+        """A loop's wait between passes: ``period_s`` (default ``poll_s``) while it has work, else
+        until ``wake`` is set or ``idle_poll_s`` passed (a store poll at 4 Hz with nothing to do is
+        most of this service's CPU at rest). The caller clears ``wake`` before reading the store."""
         if busy:
-            await asyncio.sleep(self.settings.poll_s)
+            await asyncio.sleep(self.settings.poll_s if period_s is None else period_s)
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(wake.wait(), self.settings.idle_poll_s)
@@ -919,11 +919,8 @@ class MigrationService:
 
     async def _replica_loop(self) -> None:
         while True:
-            if self._replicas_idle and not self._copies and time.monotonic() >= self._replicas_due_until:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake_replicas.wait(), self.settings.idle_poll_s)
-            else:
-                await asyncio.sleep(self.settings.replica_poll_s)
+            idle = self._replicas_idle and not self._copies and time.monotonic() >= self._replicas_due_until
+            await self._pause(self._wake_replicas, not idle, self.settings.replica_poll_s)
             self._wake_replicas.clear()
             self._replicas_idle = False  # a failed pass polls again soon
             try:
