@@ -303,28 +303,23 @@ class NetworkPerception:
         if events:
             await self._record_events(events)
 
+    def _state_id(self, state: LinkState, now: float) -> str:
+        """A link state's message id: one per link and tick (stamped ``now``) of this epoch."""
+        return f"link-{state.src}-{state.dst}-{self.epoch}-{int(now * 1000)}"
+
     def _state_sends(self, states: list[LinkState], now: float) -> list[Awaitable[Any]]:
-        """The publishes of link states stamped ``now`` (one message id per link and tick)."""
-        stamp = int(now * 1000)
+        """The retrying publishes of link states stamped ``now``."""
         return [
-            self.ctx.publisher.publish(
-                subjects.link_state(s.src, s.dst), s, msg_id=f"link-{s.src}-{s.dst}-{self.epoch}-{stamp}"
-            )
+            self.ctx.publisher.publish(subjects.link_state(s.src, s.dst), s, msg_id=self._state_id(s, now))
             for s in states
         ]
 
     async def _send_states(self, states: list[LinkState], now: float) -> int:
         """Publish one period's link states as a batch (:meth:`Publisher.publish_batch`): the same
         subjects and message ids as :meth:`_state_sends`; how many the stream acknowledged."""
-        stamp = int(now * 1000)
         outcomes = await self.ctx.publisher.publish_batch(
             [
-                Outgoing(
-                    subjects.link_state(s.src, s.dst),
-                    encode(s),
-                    f"link-{s.src}-{s.dst}-{self.epoch}-{stamp}",
-                    {},
-                )
+                Outgoing(subjects.link_state(s.src, s.dst), encode(s), self._state_id(s, now), {})
                 for s in states
             ]
         )
