@@ -317,9 +317,9 @@ def plan_copy(
         if keeps_up is not None:
             verb, sign = ("keeps up", "<=") if keeps_up else ("lags", ">")
             why += (
-                f"; {verb}: an interval's increment takes {increment_s:.3g} s {sign} the {interval_s:.3g} s"
+                f"; {verb}: an interval's increment takes {increment_s:.3g} s"
+                f" {sign} the {interval_s:.3g} s interval"
             )
-            why += " interval"
         if evict:
             why += f"; evicts {len(evict)} replica(s) of finished jobs"
         plan = CopyPlan(
