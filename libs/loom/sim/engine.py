@@ -411,9 +411,9 @@ class _Simulation:
         stage_data: bool = False,
     ) -> None:
         self.truth = truth
+        """Where true speeds come from; None: time by the scheduler's belief."""
         self.stage_data = stage_data
         """Copy a queued job's dataset while it waits (:func:`loom.sched.staging.staging_plan`)."""
-        """Where true speeds come from; None: time by the scheduler's belief."""
         self.seed = seed
         self.policy = policy
         self.fast = policy if isinstance(policy, FrameworkPolicy) else None
