@@ -5,9 +5,12 @@ or workload into several runs reads as one) and prints a Markdown table: per cel
 its margin over the best baseline (positive: Loom faster) and which baseline, the margin's range
 over the seeds, and, for a cell with spanning allowed, Loom's spanning penalty against itself with
 spanning forbidden (the same jobs, paired over every file's seeds; positive: slower when
-allowed). A cell is **flagged** when Loom is more than ``--threshold`` (3 %) worse than the best
-baseline, when Loom finished fewer jobs than a baseline (no mean-JCT margin: the margin on the
-jobs both finished is shown instead), or when its spanning penalty is above the threshold.
+allowed), and Loom's margin over compute-only greedy on network-sensitive training (the
+``mix``'s class; :func:`loom_benchmarks.grid.class_margin`). A cell is **flagged** when Loom is
+more than ``--threshold`` (3 %) worse than the best baseline, when Loom finished fewer jobs than a
+baseline (no mean-JCT margin: the margin on the jobs both finished is shown instead), when its
+spanning penalty is above the threshold, or, in a contended cell (load >= 1.0), when that class's
+margin is below ``--class-target`` (25 %).
 
 :func:`summarize` is pure (no I/O): tests call it on hand-made grid results.
 """
@@ -23,6 +26,8 @@ from typing import Any, Final
 PLATFORM_ORDER: Final = ("small", "medium", "default")
 THRESHOLD: Final = 0.03
 """The issue's bound: Loom no more than 3 % worse than the best baseline, or than itself forbidden."""
+CLASS_TARGET: Final = 0.25
+"""The issue's bound on network-sensitive training against compute-only greedy, contended cells."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,9 @@ class CellVerdict:
     finished_fewer_than: tuple[str, ...]
     spanning_penalty: float | None
     flags: tuple[str, ...]
+    class_margin: float | None = None
+    class_margin_min: float | None = None
+    class_margin_max: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form (``--json``)."""
@@ -81,10 +89,17 @@ def _order(cell: str) -> tuple[int, str, float, str]:
     return (rank, workload, float(load), "" if span == "nospan" else span)
 
 
-def summarize(results: Sequence[Mapping[str, Any]], threshold: float = THRESHOLD) -> list[CellVerdict]:
+def summarize(
+    results: Sequence[Mapping[str, Any]],
+    threshold: float = THRESHOLD,
+    class_target: float = CLASS_TARGET,
+) -> list[CellVerdict]:
     """Every cell of ``results`` (grid JSONs; a cell in several keeps its last), judged against
     ``threshold``: Loom's margin worse than ``-threshold``, Loom finishing fewer jobs than a
-    baseline, or a spanning penalty above ``threshold`` flag the cell."""
+    baseline, or a spanning penalty above ``threshold`` flag the cell; so does, in a contended
+    cell (load >= 1.0), a network-sensitive-training margin over greedy below ``class_target``."""
+    from loom_benchmarks.grid import CONTENDED_LOAD
+
     lines: dict[str, Mapping[str, Any]] = {}
     for result in results:
         for line in result.get("lines") or []:
@@ -106,6 +121,10 @@ def summarize(results: Sequence[Mapping[str, Any]], threshold: float = THRESHOLD
             flags.append("no margin")
         if penalty is not None and penalty > threshold:
             flags.append(f"spanning penalty {penalty:+.1%}")
+        klass = line.get("class_margin")
+        class_seeds = [m for m in line.get("class_margin_per_seed") or [] if m is not None]
+        if klass is not None and float(load) >= CONTENDED_LOAD and klass < class_target:
+            flags.append(f"net-training {klass:+.1%} vs greedy (< {class_target:.0%})")
         verdicts.append(
             CellVerdict(
                 cell=cell,
@@ -120,6 +139,9 @@ def summarize(results: Sequence[Mapping[str, Any]], threshold: float = THRESHOLD
                 finished_fewer_than=fewer,
                 spanning_penalty=penalty,
                 flags=tuple(flags),
+                class_margin=klass,
+                class_margin_min=min(class_seeds) if class_seeds else None,
+                class_margin_max=max(class_seeds) if class_seeds else None,
             )
         )
     return verdicts
@@ -129,8 +151,9 @@ def markdown(verdicts: Sequence[CellVerdict], threshold: float = THRESHOLD) -> s
     """The table: one row per cell, flagged cells marked, then a count."""
     rows = [
         "| cell | seeds | Loom mean JCT | margin vs best baseline | best baseline | per seed | "
-        "on jobs both finished (closest baseline) | spanning penalty | flag |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "on jobs both finished (closest baseline) | spanning penalty | "
+        "net-training vs greedy (per seed) | flag |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in verdicts:
         seeds = "" if v.margin_min is None else f"{_pct(v.margin_min)} .. {_pct(v.margin_max)}"
@@ -139,7 +162,12 @@ def markdown(verdicts: Sequence[CellVerdict], threshold: float = THRESHOLD) -> s
         flag = ("**FLAG**: " + "; ".join(v.flags)) if v.flags else ""
         penalty = "" if v.spanning_penalty is None else _pct(v.spanning_penalty)
         best = v.best_baseline or ""
-        cells = (v.cell, str(v.seeds), jct, _pct(v.margin), best, seeds, common, penalty, flag)
+        klass = (
+            ""
+            if v.class_margin is None
+            else f"{_pct(v.class_margin)} ({_pct(v.class_margin_min)} .. {_pct(v.class_margin_max)})"
+        )
+        cells = (v.cell, str(v.seeds), jct, _pct(v.margin), best, seeds, common, penalty, klass, flag)
         rows.append("| " + " | ".join(cells) + " |")
     flagged = [v for v in verdicts if v.flags]
     rows.append("")
@@ -155,6 +183,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", help="JSON files of `loom bench policies --grid --json` runs")
     parser.add_argument(
         "--threshold", type=float, default=THRESHOLD * 100, help="flag cells worse by more than this %% (3)"
+    )
+    parser.add_argument(
+        "--class-target",
+        type=float,
+        default=CLASS_TARGET * 100,
+        help="flag contended cells where network-sensitive training beats greedy by less than this %% (25)",
     )
     parser.add_argument("--json", action="store_true", help="print the verdicts as JSON, not Markdown")
 
@@ -173,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
             return 2
         results.append(data)
     threshold = float(args.threshold) / 100.0
-    verdicts = summarize(results, threshold)
+    verdicts = summarize(results, threshold, float(args.class_target) / 100.0)
     if args.json:
         print(json.dumps([v.as_dict() for v in verdicts], indent=2))
     else:

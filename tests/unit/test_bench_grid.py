@@ -213,3 +213,52 @@ def test_the_common_jobs_margin_compares_loom_with_each_baseline_on_the_jobs_bot
     assert found["common_margin"] == pytest.approx(0.25)
     assert (found["common_jobs"], found["baseline_only"]) == (2, 1)
     assert grid.common_jobs_margin([{"jct_by_policy": {"loom": {"a": 1.0}}}])["common_margin"] is None
+
+
+def test_the_class_margin_pools_the_class_jobs_both_finished_over_seeds() -> None:
+    # Seed 0: the class's jobs took 100 + 100 s under greedy, 60 + 80 s under Loom (+30 %); "x" is
+    # not of the class. Seed 1: Loom rejected "c"; on "d" greedy 100 s, Loom 120 s (-20 %).
+    seeds = [
+        {
+            "class_jobs": {"net_training": ["a", "b"]},
+            "jct_by_policy": {
+                "loom": {"a": 60.0, "b": 80.0, "x": 1.0},
+                "greedy_compute": {"a": 100.0, "b": 100.0, "x": 1000.0},
+            },
+        },
+        {
+            "class_jobs": {"net_training": ["c", "d"]},
+            "jct_by_policy": {"loom": {"d": 120.0}, "greedy_compute": {"c": 50.0, "d": 100.0}},
+        },
+    ]
+    found = grid.class_margin(seeds)
+    assert found["class_margin"] == pytest.approx((300.0 - 260.0) / 300.0)
+    assert found["class_jobs"] == 3
+    assert found["class_margin_per_seed"] == [pytest.approx(0.3), pytest.approx(-0.2)]
+    # A workload without the class (or a run from before it was recorded) has no class margin.
+    assert grid.class_margin([{"jct_by_policy": seeds[0]["jct_by_policy"]}])["class_margin"] is None
+
+
+def test_a_mix_cell_reports_network_sensitive_training_against_greedy() -> None:
+    spec = grid.GridSpec(
+        platforms=("small",),
+        loads=(1.0,),
+        spanning=(False,),
+        workloads=("mix",),
+        seeds=(1,),
+        policies=("loom", "greedy_compute"),
+        jobs={"mix": 40},
+    )
+    result = grid.run_grid(spec)
+    (line,) = result["lines"]
+    (seed,) = result["seeds"]
+    members = seed["class_jobs"]["net_training"]
+    assert members, "the mix has network-sensitive training"
+    loom, greedy = seed["jct_by_policy"]["loom"], seed["jct_by_policy"]["greedy_compute"]
+    common = [j for j in members if j in loom and j in greedy]
+    expected = (sum(greedy[j] for j in common) - sum(loom[j] for j in common)) / sum(
+        greedy[j] for j in common
+    )
+    assert line["class_margin"] == pytest.approx(expected)
+    assert line["class_jobs"] == len(common)
+    assert "net_training" in grid.format_line(line)

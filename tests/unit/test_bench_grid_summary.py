@@ -77,15 +77,23 @@ def test_the_command_reads_grid_json_files_and_refuses_others(
 ) -> None:
     good = tmp_path / "grid.json"
     good.write_text(json.dumps(_result([_line("medium/0.8/nospan/mix", -0.05, [-0.05])])))
-    args = argparse.Namespace(files=[str(good)], threshold=3.0, json=True)
+    args = argparse.Namespace(files=[str(good)], threshold=3.0, class_target=25.0, json=True)
     assert grid_summary.main(args) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["cell"] == "medium/0.8/nospan/mix" and row["flags"] == ["loom 5.0% worse than gavel_like"]
-    assert grid_summary.main(argparse.Namespace(files=[str(good)], threshold=6.0, json=True)) == 0
+    assert (
+        grid_summary.main(argparse.Namespace(files=[str(good)], threshold=6.0, class_target=25.0, json=True))
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)[0]["flags"] == []
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"benchmark": "scu"}))
-    assert grid_summary.main(argparse.Namespace(files=[str(other)], threshold=3.0, json=False)) == 2
+    assert (
+        grid_summary.main(
+            argparse.Namespace(files=[str(other)], threshold=3.0, class_target=25.0, json=False)
+        )
+        == 2
+    )
     assert "not the JSON of" in capsys.readouterr().err
 
 
@@ -102,3 +110,24 @@ def test_the_spanning_penalty_pairs_seeds_across_files() -> None:
     assert by["small/1/span/philly"].spanning_penalty == pytest.approx(0.10)
     assert by["small/1/span/philly"].flags == ("spanning penalty +10.0%",)
     assert grid_summary.summarize([allowed])[0].spanning_penalty is None  # no twin: no penalty
+
+
+def test_a_contended_cell_is_flagged_when_the_class_beats_greedy_by_less_than_the_target() -> None:
+    result = _result(
+        [
+            _line("small/1.2/nospan/mix", 0.1, [0.1], class_margin=0.20, class_margin_per_seed=[0.1, 0.3]),
+            _line("small/1/nospan/mix", 0.1, [0.1], class_margin=0.26, class_margin_per_seed=[0.26]),
+            # Below the target but not contended (load 0.8): not flagged for it.
+            _line("small/0.8/nospan/mix", 0.1, [0.1], class_margin=0.05, class_margin_per_seed=[0.05]),
+        ]
+    )
+    by = {v.cell: v for v in grid_summary.summarize([result])}
+    assert by["small/1.2/nospan/mix"].flags == ("net-training +20.0% vs greedy (< 25%)",)
+    assert (by["small/1.2/nospan/mix"].class_margin_min, by["small/1.2/nospan/mix"].class_margin_max) == (
+        0.1,
+        0.3,
+    )
+    assert by["small/1/nospan/mix"].flags == ()
+    assert by["small/0.8/nospan/mix"].flags == ()
+    assert grid_summary.summarize([result], class_target=0.15)[2].flags == ()  # 1.2 sorts last
+    assert "+20.0% (+10.0% .. +30.0%)" in grid_summary.markdown(list(by.values()))
