@@ -515,3 +515,30 @@ def test_the_oracle_keeps_the_truth_when_a_learner_is_passed() -> None:
     ).records
     assert [r.gpu_model for r in records] == ["H100"] * 3  # knows from the start: H100 is truly 2x
     assert learner.estimates() == []  # and learns nothing that could overwrite the truth
+
+
+def test_a_perturbed_truth_scales_each_family_gpu_pair_by_one_factor_and_keeps_the_reference() -> None:
+    from loom.sim.truth import load_truth, perturbed
+
+    base = load_truth()
+    truth, factors = perturbed(base, 0.5, seed=3)
+    assert factors and all(gpu != base.reference_gpu for _family, gpu in factors)
+    assert len(set(factors.values())) == len(factors)  # each pair its own draw
+    assert perturbed(base, 0.5, seed=3)[1] == factors  # deterministic in the seed
+    assert perturbed(base, 0.5, seed=4)[1] != factors
+    for before, after in zip(base.cells, truth.cells, strict=True):
+        factor = factors.get((before.family, before.gpu_model), 1.0)
+        assert after.throughput == pytest.approx(before.throughput * factor)
+    # One factor per pair: a family's 1-GPU speed on a GPU moves by it, its intra-node scaling not.
+    gpu = "A100"
+    family = next(
+        c.family for c in base.cells if c.gpu_model == gpu and c.gpus_per_node == 8 and c.precision == "fp32"
+    )
+    was, now = (t.speed(family, gpu, precision="fp32") for t in (base, truth))
+    assert now.rule == was.rule == "measured"
+    assert now.single == pytest.approx(was.single * factors[(family, gpu)])
+    eight = [t.speed(family, gpu, precision="fp32", gpus_per_node=8) for t in (base, truth)]
+    assert eight[1].scaling == pytest.approx(eight[0].scaling) and eight[0].scaling < 1.0
+    assert perturbed(base, 0.0, seed=1)[0].cells == base.cells
+    with pytest.raises(ValueError, match="sigma"):
+        perturbed(base, -0.1, seed=1)

@@ -84,6 +84,7 @@ import hashlib
 import importlib.resources
 import json
 import math
+import random
 import re
 import statistics
 from collections import defaultdict
@@ -111,6 +112,7 @@ __all__ = [
     "job_batch",
     "load_truth",
     "parse_truth",
+    "perturbed",
 ]
 
 FORMAT: Final = "loom-truth"
@@ -663,6 +665,32 @@ def dump_truth(truth: Truth) -> dict[str, Any]:
             for c in truth.cells
         ],
     }
+
+
+def perturbed(truth: Truth, sigma: float, seed: int) -> tuple[Truth, dict[tuple[str, str], float]]:
+    """``truth`` with each (family, measured GPU) pair's throughput multiplied by its own factor,
+    and the factors: lognormal of mean 1 and log standard deviation ``sigma``
+    (``exp(sigma z - sigma^2 / 2)``, ``z`` drawn from ``random.Random(seed)`` over the sorted pairs),
+    the same for every GPU count, precision, batch and series of the pair, so intra-node scaling
+    and the tables' structure stay as measured. The reference GPU's cells are left alone (speeds are
+    relative to it); GPUs the tables derive move with the GPUs they are derived from.
+
+    A robustness check (``tools/perturb_truth.py``): a truth that disagrees with the profiles per
+    (family, GPU), as a real fleet's measurements would, which only learning can correct."""
+    if not sigma >= 0:
+        raise ValueError(f"sigma must be >= 0, got {sigma}")
+    rng = random.Random(seed)
+    factors: dict[tuple[str, str], float] = {}
+    for pair in sorted({(c.family, c.gpu_model) for c in truth.cells}):
+        z = rng.gauss(0.0, 1.0)
+        if pair[1] != truth.reference_gpu:
+            factors[pair] = math.exp(sigma * z - sigma * sigma / 2.0)
+    document = dump_truth(truth)
+    for cell in document["cells"]:
+        cell["throughput"] *= factors.get((cell["family"], cell["gpu_model"]), 1.0)
+    document["description"] = f"perturbed: each (family, GPU) x lognormal(sigma={sigma:g}), seed {seed}"
+    rebuilt = parse_truth(document, f"(perturbed, sigma {sigma:g}, seed {seed})")
+    return rebuilt, factors
 
 
 @functools.cache
