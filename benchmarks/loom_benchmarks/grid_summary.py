@@ -9,8 +9,9 @@ allowed), and Loom's margin over compute-only greedy on network-sensitive traini
 ``mix``'s class; :func:`loom_benchmarks.grid.class_margin`). A cell is **flagged** when Loom is
 more than ``--threshold`` (3 %) worse than the best baseline, when Loom finished fewer jobs than a
 baseline (no mean-JCT margin: the margin on the jobs both finished is shown instead), when its
-spanning penalty is above the threshold, or, in a contended cell (load >= 1.0), when that class's
-margin is below ``--class-target`` (25 %).
+spanning penalty is above the threshold, or, in a contended cell (:func:`loom_benchmarks.grid.contended`:
+load >= 1.0 and jobs queue under greedy; a line without greedy's figures counts by its load alone),
+when that class's margin is below ``--class-target`` (25 %).
 
 :func:`summarize` is pure (no I/O): tests call it on hand-made grid results.
 """
@@ -49,6 +50,7 @@ class CellVerdict:
     class_margin: float | None = None
     class_margin_min: float | None = None
     class_margin_max: float | None = None
+    contended: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form (``--json``)."""
@@ -97,8 +99,9 @@ def summarize(
     """Every cell of ``results`` (grid JSONs; a cell in several keeps its last), judged against
     ``threshold``: Loom's margin worse than ``-threshold``, Loom finishing fewer jobs than a
     baseline, or a spanning penalty above ``threshold`` flag the cell; so does, in a contended
-    cell (load >= 1.0), a network-sensitive-training margin over greedy below ``class_target``."""
-    from loom_benchmarks.grid import CONTENDED_LOAD
+    cell (:func:`loom_benchmarks.grid.contended`), a network-sensitive-training margin over greedy
+    below ``class_target``."""
+    from loom_benchmarks.grid import CONTENDED_LOAD, contended
 
     lines: dict[str, Mapping[str, Any]] = {}
     for result in results:
@@ -123,7 +126,9 @@ def summarize(
             flags.append(f"spanning penalty {penalty:+.1%}")
         klass = line.get("class_margin")
         class_seeds = [m for m in line.get("class_margin_per_seed") or [] if m is not None]
-        if klass is not None and float(load) >= CONTENDED_LOAD and klass < class_target:
+        busy = contended(cell, line.get("policies") or {})
+        busy = float(load) >= CONTENDED_LOAD if busy is None else busy
+        if klass is not None and busy and klass < class_target:
             flags.append(f"net-training {klass:+.1%} vs greedy (< {class_target:.0%})")
         verdicts.append(
             CellVerdict(
@@ -142,6 +147,7 @@ def summarize(
                 class_margin=klass,
                 class_margin_min=min(class_seeds) if class_seeds else None,
                 class_margin_max=max(class_seeds) if class_seeds else None,
+                contended=busy,
             )
         )
     return verdicts
@@ -166,6 +172,7 @@ def markdown(verdicts: Sequence[CellVerdict], threshold: float = THRESHOLD) -> s
             ""
             if v.class_margin is None
             else f"{_pct(v.class_margin)} ({_pct(v.class_margin_min)} .. {_pct(v.class_margin_max)})"
+            + (" contended" if v.contended else "")
         )
         cells = (v.cell, str(v.seeds), jct, _pct(v.margin), best, seeds, common, penalty, klass, flag)
         rows.append("| " + " | ".join(cells) + " |")

@@ -131,3 +131,22 @@ def test_a_contended_cell_is_flagged_when_the_class_beats_greedy_by_less_than_th
     assert by["small/0.8/nospan/mix"].flags == ()
     assert grid_summary.summarize([result], class_target=0.15)[2].flags == ()  # 1.2 sorts last
     assert "+20.0% (+10.0% .. +30.0%)" in grid_summary.markdown(list(by.values()))
+
+
+def test_a_cell_where_nothing_queues_under_greedy_is_not_contended_whatever_its_load() -> None:
+    def policies(queue_s: float) -> dict[str, object]:
+        return {
+            "loom": {"jct_mean_s": 900.0},
+            "greedy_compute": {"jct_mean_s": 1000.0, "queue_mean_s": queue_s},
+        }
+
+    result = _result(
+        [
+            _line("default/1.2/nospan/mix", 0.1, [0.1], class_margin=0.06, policies=policies(0.0)),
+            _line("medium/1.2/nospan/mix", 0.1, [0.1], class_margin=0.06, policies=policies(150.0)),
+        ]
+    )
+    by = {v.cell: v for v in grid_summary.summarize([result])}
+    assert by["default/1.2/nospan/mix"].flags == () and not by["default/1.2/nospan/mix"].contended
+    assert by["medium/1.2/nospan/mix"].flags == ("net-training +6.0% vs greedy (< 25%)",)
+    assert by["medium/1.2/nospan/mix"].contended
