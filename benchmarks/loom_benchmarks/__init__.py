@@ -128,7 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
         "policies", help="Loom's placement against the baselines in the simulator: JCT, cost, traffic, report"
     )
     policies.add_argument(
-        "--workload", default="mix", help="mix, alibaba, scenario, or a path to a .jsonl trace (default mix)"
+        "--workload",
+        default="mix",
+        help="mix, alibaba, scenario, or a path to a .jsonl or .csv trace (default mix)",
     )
     policies.add_argument("--topology", default="default", help="packaged topology name or JSON path")
     policies.add_argument(

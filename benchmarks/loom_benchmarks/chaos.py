@@ -1009,8 +1009,10 @@ def summarize(measured: dict[str, Any], plan: list[Fault]) -> dict[str, Any]:
     return {"headline": headline, "by_kind": dict(sorted(by_group.items()))}
 
 
-def not_available() -> list[str]:
-    """Fault sets this campaign does not run, each with why."""
+def not_available(nats_servers: int = 1) -> list[str]:
+    """Fault sets a campaign on ``nats_servers`` nats-servers does not run, each with why."""
+    if nats_servers > 1:
+        return []
     if nats_cluster_available():
         why = "not in this run: it has one nats-server (run it with --nats-cluster 3 for the node kills)"
     else:
@@ -1071,7 +1073,7 @@ def run(
     return {
         "benchmark": "chaos",
         **summary,
-        "not_available": [] if args.nats_cluster > 1 else not_available(),
+        "not_available": not_available(args.nats_cluster),
         "final_jobs": measured["final_jobs"],
         "final_state": measured["final_state"],
         "dead_letters": measured["dead_letters"],
@@ -1207,7 +1209,10 @@ def main(args: argparse.Namespace) -> int:
         )
         print(
             json.dumps(
-                {"plan": [f.describe() | {"group": f.group} for f in plan], "not_available": not_available()},
+                {
+                    "plan": [f.describe() | {"group": f.group} for f in plan],
+                    "not_available": not_available(args.nats_cluster),
+                },
                 indent=2,
             )
         )

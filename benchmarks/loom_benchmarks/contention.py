@@ -421,7 +421,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default=None, help=f"comma-separated, of {', '.join(WORKLOADS)}")
     parser.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS))
     parser.add_argument("--seeds", default=",".join(str(s) for s in SEEDS))
-    parser.add_argument("--policies", default=None, help="comma-separated policy names (default all six)")
+    parser.add_argument(
+        "--policies",
+        default=None,
+        help="comma-separated policy names (default all eight: loom, the six baselines, oracle)",
+    )
     parser.add_argument("--units", type=int, default=DEFAULT_UNITS, help="workload units of the mix per run")
     parser.add_argument(
         "--truth",

@@ -285,6 +285,15 @@ def test_an_alertmanager_v4_payload_becomes_loom_alerts() -> None:
     assert a.at == pytest.approx(1_796_119_200.123456)
 
 
+def test_the_readmes_example_alertmanager_payload_is_one_critical_alert_on_a_cluster() -> None:
+    """README's ``curl ... --data @examples/alertmanager-payload.json`` sends a payload the receiver takes."""
+    from pathlib import Path
+
+    body = (Path(__file__).parents[2] / "examples" / "alertmanager-payload.json").read_bytes()
+    [a] = parse_payload(body)
+    assert (a.cluster, a.node, a.severity, a.source) == ("c-weu-a", None, "critical", "alertmanager")
+
+
 @pytest.mark.parametrize(
     "body",
     [

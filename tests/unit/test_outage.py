@@ -153,3 +153,14 @@ async def test_check_soon_probes_in_the_background_once_per_interval() -> None:
     await asyncio.sleep(0.01)
     assert nats.probes == 1
     await d.close()
+
+
+def test_loom_status_says_down_for_a_server_that_is_gone() -> None:
+    from loom.cli.main import _server_health_text
+
+    assert _server_health_text({"alive": True, "server_status": "up"}) == "up"
+    assert _server_health_text({"alive": False, "server_status": "up"}) == "[red]down[/red]"
+    assert _server_health_text({"alive": False}) == "[red]down[/red]"
+    assert (
+        _server_health_text({"alive": False, "server_status": "crash-looping"}) == "[red]crash-looping[/red]"
+    )

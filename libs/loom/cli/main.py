@@ -102,8 +102,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             if r["name"] == "supervisor":
                 text = "-"
             elif stack.is_server(r["name"]):
-                server_status = r.get("server_status", "up")
-                text = "up" if server_status == "up" else f"[red]{server_status}[/red]"
+                text = _server_health_text(r)
             else:
                 text = _health_text(h) if h else "[red]no answer[/red]"
             table.add_row(
@@ -124,6 +123,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         r["health"] for r in rows if r["name"] != "supervisor" and not stack.is_server(r["name"])
     )
     return 0 if ok else 1
+
+
+def _server_health_text(row: dict[str, Any]) -> str:
+    """A server's health cell: the supervisor's word for it (``up``, ``restarting``,
+    ``crash-looping``), but ``down`` for a process that is gone while that word still says ``up``
+    (after ``loom down``, or before the supervisor noticed)."""
+    server_status = str(row.get("server_status", "up"))
+    if server_status == "up" and not row.get("alive"):
+        server_status = "down"
+    return "up" if server_status == "up" else f"[red]{server_status}[/red]"
 
 
 def _health_text(health: dict[str, Any] | None) -> str:

@@ -51,7 +51,11 @@ def add_parser(sub: Any) -> None:
     p = add("undrain", cmd_undrain, "open a drained cluster to new work again")
     p.add_argument("cluster")
     p.add_argument("--json", action="store_true")
-    p = add("migrations", cmd_migrations, "migrations (drains' moves and failovers) with why and the numbers")
+    p = add(
+        "migrations",
+        cmd_migrations,
+        "migrations (drains, failovers, network, backflow and slow-node moves) with why and the numbers",
+    )
     p.add_argument("--job", help="only this job's")
     p.add_argument("--cluster", help="only those off this cluster")
     p.add_argument("--limit", type=int, default=100)
