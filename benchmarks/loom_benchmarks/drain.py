@@ -21,7 +21,7 @@ from typing import Any
 import asyncpg
 
 from loom.client import LoomClient
-from loom.model.topology import load_topology
+from loom.model.topology import TopologyError, load_topology
 from loom_benchmarks.private_stack import measure_on_private_stack
 from loom_benchmarks.takeover import p50_max_mean
 from loom_proto import subjects
@@ -168,6 +168,11 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
+    try:
+        load_topology(args.topology).cluster(args.cluster)  # before any stack starts
+    except TopologyError as exc:
+        console.print(f"{exc}: name one with --cluster")
+        return 2
     with console.status("drain benchmark…") as status:
         result = run(args, progress=lambda s: status.update(f"drain benchmark: {s}"))
     print(json.dumps(result, indent=2, default=str))
