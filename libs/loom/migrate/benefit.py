@@ -458,7 +458,8 @@ def decide(
         queue_s=queue_s,
     )
     numbers = (
-        f"gain {_fmt(gain_s)} (here {_fmt(here_s)}, on {target.cluster} {_fmt(there_s)}) vs cost "
+        f"gain {_fmt(gain_s)} (here {_fmt(here_s)}, on {target.cluster}, the best candidate now,"
+        f" {_fmt(there_s)}) vs cost "
         f"{_fmt(cost.total_s)} + margin {_fmt(margin)} ({job.job_class}"
         + (f", x{settings.hysteresis_factor**moves:g} after {job.moves} move(s)" if moves else "")
         + ")"
