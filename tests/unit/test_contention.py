@@ -376,6 +376,37 @@ def test_a_job_without_communication_waits_for_faster_gpus_too() -> None:
     assert late.decision is not None and late.decision.parts[0].gpu_model == SLOW
 
 
+def test_a_job_waits_for_gpus_where_its_data_is_when_the_copy_elsewhere_would_take_longer() -> None:
+    from loom.sched.plugins.data import DataLocality
+    from loom_proto.jobs import DataSpec
+
+    # The same GPUs in two regions; the job's 1 TB dataset is in r1, whose GPUs are busy for
+    # another 100 s; r2's are free but 1 TB takes 8,000 s to copy there at 1 Gbit/s.
+    nodes = [node("a0", "ca", "r1", used=8), node("b0", "cb", "r2")]
+    runs = [running("busy", ("a0", 8), ends_in_s=100.0)]
+
+    def snap() -> Snapshot:
+        net = NetMatrix(["r1", "r2"])
+        net.set_link("r1", "r2", rtt_ms=50.0, bandwidth_gbps=1.0)
+        net.set_link("r2", "r1", rtt_ms=50.0, bandwidth_gbps=1.0)
+        return snapshot(nodes, runs, net=net)
+
+    def job(size_gb: float) -> JobSpec:
+        data = DataSpec(dataset="d", region="r1", size_gb=size_gb)
+        return msgspec.structs.replace(gang(workers=1), comm=None, data=data)
+
+    framework = Framework([ResourceFit(), ScuFit(), DataLocality(), SpanGuard(book=WaitBook())])
+    waits = framework.schedule(job(1000.0), snap(), submitted_at=NOW)
+    assert waits.decision is None and waits.status.wait_s == pytest.approx(100.0)
+    assert "nearer its data" in waits.status.reason and "dataset's copy" in waits.status.reason
+    # A small dataset copies in 8 s: the job starts in r2 at once.
+    small = framework.schedule(job(1.0), snap(), submitted_at=NOW)
+    assert small.decision is not None and small.decision.parts[0].cluster == "cb"
+    # Having waited as long as the copy would lose against the wait, it starts in r2 anyway.
+    late = framework.schedule(job(1000.0), snap(), submitted_at=NOW - 8_001.0)
+    assert late.decision is not None and late.decision.parts[0].cluster == "cb"
+
+
 def test_the_queue_counts_jobs_nothing_fits_until_placed() -> None:
     framework = Framework([ResourceFit(), ScuFit(), WaitingJobs(WaitBook())])
     full = snapshot([node("a0", "ca", used=8)])

@@ -658,18 +658,25 @@ def waits_under_queue(workers: int, run_now_s: float, run_better_s: float, queue
 @dataclass(frozen=True, slots=True)
 class PoolOption:
     """The gang in one (cluster, GPU model) pool: its step there, when the pool is expected to have
-    room for it (:func:`loom.sched.availability.expected_wait_s`) and its run."""
+    room for it (:func:`loom.sched.availability.expected_wait_s`), its run, and what its dataset's
+    first copy to the pool's region adds to the run (``data_s``; 0 when not asked for)."""
 
     cluster: int
     model: int
     step_s: float
     wait_s: float
     run_s: float
+    data_s: float = 0.0
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds from its start to its end there: the run plus the data delay."""
+        return self.run_s + self.data_s
 
     @property
     def completion_s(self) -> float:
-        """Seconds from now to the end: the wait plus the run."""
-        return self.wait_s + self.run_s
+        """Seconds from now to the end: the wait, the data delay and the run."""
+        return self.wait_s + self.busy_s
 
 
 def single_cluster_options(
@@ -679,11 +686,14 @@ def single_cluster_options(
     *,
     book: WaitBook | None = None,
     within_s: float = math.inf,
+    with_data: bool = False,
 ) -> list[PoolOption]:
     """The gang alone in each of ``pools``, sooner completion first; only pools whose run alone is
     shorter than ``within_s`` are looked at, and a pool's wait is computed only while it can still
     beat the best completion found (waits are the costly part). On a pool that jobs ahead in queue
-    order wait for (their claims in ``book``), their GPUs count before this one's."""
+    order wait for (their claims in ``book``), their GPUs count before this one's. ``with_data``:
+    each option's run carries the delay of its dataset's first copy to the pool's region
+    (:func:`~loom.sched.plugins.data.data_delay_s`; ``within_s`` then bounds run plus delay)."""
     snap = state.snapshot
     job = state.job
     c_idx, m_idx = np.nonzero(pools)
@@ -694,6 +704,11 @@ def single_cluster_options(
     comm = float(allreduce_s(bytes_per_step, rounds, INTRA_CLUSTER_RTT_MS, INTRA_CLUSTER_GBPS, workers))
     step = job.work.step_time_s / np.maximum(speed, 1e-9) + comm
     run = job.work.steps * step
+    data = np.zeros(run.shape)
+    placement = data_placement(state) if with_data else None
+    if placement is not None:
+        data = data_delay_s(run, placement.sync_s[snap.cluster_region[c_idx]], placement.start)
+    busy = run + data
     claims: dict[tuple[str, str], int] = {}
     if book is not None:
         for claim in book.ahead(job.priority, state.submitted_at, job.job_id):
@@ -701,16 +716,16 @@ def single_cluster_options(
             claims[key] = claims.get(key, 0) + claim.gpus
     options: list[PoolOption] = []
     best = math.inf
-    for k in np.argsort(run, kind="stable").tolist():
-        if run[k] >= min(best, within_s):
+    for k in np.argsort(busy, kind="stable").tolist():
+        if busy[k] >= min(best, within_s):
             break
         c, m = int(c_idx[k]), int(m_idx[k])
         ahead = claims.get((snap.clusters[c].id, snap.models[m]), 0)
         wait = expected_wait_s(snap, c, m, workers, state.per_worker, ahead_gpus=ahead)
-        option = PoolOption(c, m, float(step[k]), wait, float(run[k]))
+        option = PoolOption(c, m, float(step[k]), wait, float(run[k]), float(data[k]))
         options.append(option)
         best = min(best, option.completion_s)
-    options.sort(key=lambda o: (o.completion_s, o.run_s))
+    options.sort(key=lambda o: (o.completion_s, o.busy_s))
     return options
 
 
@@ -779,7 +794,10 @@ class SpanGuard:
       slower GPUs on purpose, e.g. for the data); one whose room is expected now only because a
       running job overran its predicted end is not free: the job waits for it, within the same
       ski-rental bound (before, such a pool passed as free and single jobs of tens of hours
-      started on P100s 6x slower than the G2 about to free up).
+      started on P100s 6x slower than the G2 about to free up). Each side's run carries what its
+      dataset's first copy to the region adds (:func:`~loom.sched.plugins.data.data_delay_s`), so a
+      job may also wait for GPUs where its data is rather than start now where a long copy must
+      come first, under the same rules (the ski-rental bound then counts the copy time saved).
 
     A wait is UNSCHEDULABLE with ``wait_s`` the expected wait (none when unknown: the job is decided
     again when capacity frees). A job that waits for faster GPUs claims the pool waited for in the
@@ -875,7 +893,13 @@ class SpanGuard:
         holders = whole_gang_pools(state, decision.workers)
         if spread:
             return self._spread(state, decision, chosen, holders, speeds)
-        options = single_cluster_options(state, holders, decision.workers, book=self.book, within_s=run_now)
+        # Here and in every option: the run plus what the dataset's first copy to the region adds
+        # (a pool where the data is may end sooner after a wait than one far from it now).
+        data_now = _data_delay_s(state, decision.lead.region, run_now)
+        busy_now = run_now + data_now
+        options = single_cluster_options(
+            state, holders, decision.workers, book=self.book, within_s=busy_now, with_data=True
+        )
         if not options:
             return Status()
         best = options[0]
@@ -885,25 +909,27 @@ class SpanGuard:
         overdue = best.wait_s < MIN_WAIT_S and not _holds_now(
             state, best.cluster, best.model, decision.workers
         )
-        if (best.wait_s < MIN_WAIT_S and not overdue) or best.run_s >= run_now:
+        if (best.wait_s < MIN_WAIT_S and not overdue) or best.busy_s >= busy_now:
             return Status()
-        if best.completion_s + MIN_WAIT_S > (1.0 - self.margin) * run_now:
+        if best.completion_s + MIN_WAIT_S > (1.0 - self.margin) * busy_now:
             return Status()
         if snap.waiting_count(exclude=job.job_id) > 0 and not waits_under_queue(
-            decision.workers, run_now, best.run_s, self.queue_slowdown
+            decision.workers, busy_now, best.busy_s, self.queue_slowdown
         ):
             return Status()  # a queue: a gang never waits, a worker only beyond queue_slowdown x (docstring)
         waited = _waited_s(state)
-        if waited >= steps * (chosen.step_s - best.step_s):
+        if waited >= busy_now - best.busy_s:
             return Status()
         claim(state, self.book, best, decision.workers)
         models = ", ".join(sorted({p.gpu_model for p in decision.parts}))
         c, m = best.cluster, best.model
+        data = f" (with {data_now:.0f} s for its dataset's copy)" if data_now > 0 else ""
+        why = "faster GPUs" if best.run_s < run_now else "GPUs nearer its data"
         return Status(
             Code.UNSCHEDULABLE,
-            f"on {models} it would end in {run_now:.0f} s; {snap.models[m]} in {snap.clusters[c].id}"
-            f" is expected to have room in {best.wait_s:.0f} s and end it {best.completion_s:.0f} s"
-            " from now; waiting for faster GPUs",
+            f"on {models} it would end in {busy_now:.0f} s{data}; {snap.models[m]} in"
+            f" {snap.clusters[c].id} is expected to have room in {best.wait_s:.0f} s and end it"
+            f" {best.completion_s:.0f} s from now; waiting for {why}",
             wait_s=best.wait_s,
         )
 
@@ -999,6 +1025,17 @@ def spread_cost_s(run_s: float, best: PoolOption | None, *, queued: bool) -> flo
     if best is None or not queued:
         return run_s
     return run_s + max(run_s - best.run_s, 0.0)
+
+
+def _data_delay_s(state: CycleState, region: str, run_s: float) -> float:
+    """What the job's dataset's first copy to ``region`` adds to a run of ``run_s`` (0 without a
+    dataset, or where a copy is)."""
+    placement = data_placement(state)
+    snap = state.snapshot
+    if placement is None or region not in snap.region_index:
+        return 0.0
+    sync = placement.sync_s[snap.region_index[region] : snap.region_index[region] + 1]
+    return float(data_delay_s(run_s, sync, placement.start)[0])
 
 
 def _waited_s(state: CycleState) -> float:
