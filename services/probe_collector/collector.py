@@ -21,7 +21,6 @@ import contextlib
 import functools
 import itertools
 import json
-import math
 import statistics
 import time
 from collections import deque
@@ -384,7 +383,7 @@ class ProbeCollector:
         self.budget = TokenBucket(budget / 3600.0, budget, budget, time.time())
         self.links: dict[str, PeerLink] = {}
         self.probing: dict[str, UdpProber] = {}
-        self.burst = BurstPlanner(self.config.burst)
+        self.burst = BurstPlanner(self.config.burst.for_period(self.config.period_s))
         self.burst_rounds: dict[str, BurstRounds] = {}
         """The burst probes of the links being probed now, by peer region."""
         self._burst_left: dict[str, int] = {}

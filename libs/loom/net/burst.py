@@ -35,7 +35,7 @@ sent and :meth:`BurstPlanner.on_result` for every probe result, and passes the t
 
 import bisect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from loom.net.linkstate import LinkConfig, LossEvidence, binomial_tail, loss_evidence
@@ -53,6 +53,9 @@ __all__ = [
 
 BURST_PROBE = "udp_burst"
 """The probe kind of a burst's samples: network perception takes their probe counts, not their RTTs."""
+
+DESIGN_PERIOD_S = 1.0
+"""The probe period the defaults are tuned for."""
 
 EndReason = Literal["bad", "good", "capped"]
 
@@ -94,6 +97,27 @@ class BurstConfig:
     """An episode starts only with at least this many tokens."""
     link: LinkConfig = field(default_factory=LinkConfig)
     """Network perception's link configuration: the loss rule's windows and thresholds."""
+
+    def for_period(self, period_s: float) -> "BurstConfig":
+        """The same policy for probe periods of ``period_s`` (the defaults are for 1 s): every
+        time constant, the loss rule's windows among them, keeps its length in periods, as
+        network perception scales its own (``configs_for_period``)."""
+        f = period_s / DESIGN_PERIOD_S
+        if f == 1.0:
+            return self
+        link = replace(
+            self.link,
+            horizons_s=tuple(h * f for h in self.link.horizons_s),
+            loss_horizon_s=self.link.loss_horizon_s * f,
+        )
+        return replace(
+            self,
+            budget_per_s=self.budget_per_s / f,
+            cooldown_s=self.cooldown_s * f,
+            backoff_s=self.backoff_s * f,
+            backoff_max_s=self.backoff_max_s * f,
+            link=link,
+        )
 
 
 def binomial_head(lost: int, probes: int, rate: float) -> float:
