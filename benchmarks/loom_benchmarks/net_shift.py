@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.net import Expected, LinkConfig, Perception
-from loom.net.burst import BurstConfig, BurstPlanner
+from loom.net.burst import BurstPlanner
 from loom.net.outliers import OutlierConfig
 from loom.netemu.probes import ProbeResult
 from loom_services.probe_collector.collector import BurstRounds, CollectorConfig, RoundBuilder

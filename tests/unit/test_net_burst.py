@@ -3,6 +3,7 @@ network perception's loss rule, and stops as soon as the verdict is clear either
 
 import math
 import random
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,7 @@ from loom.net.burst import (
 )
 from loom.net.linkstate import LinkConfig, binomial_tail, loss_evidence
 from loom.netemu.probes import ProbeResult
+from loom_benchmarks import net_shift
 from loom_proto.net import ProbeSample
 from loom_services.probe_collector.collector import BurstRounds
 
@@ -222,3 +224,25 @@ def test_disabled_bursts_send_nothing() -> None:
     planner = BurstPlanner(BurstConfig(enabled=False, link=LinkConfig()))
     planner.on_result("x", T0, True)
     assert planner.plan(T0 + 1, 0.5) == {}
+
+
+def test_the_model_of_the_chain_sees_3_percent_loss_sooner_with_bursts() -> None:
+    # The same trials (seed) through the chain with and without bursts (net_shift's model: the
+    # collector's rounds and burst policy, network perception's core, on a simulated clock).
+    kwargs: dict[str, Any] = {
+        "trials": 6,
+        "seed": 4,
+        "period_s": 1.0,
+        "base_ms": 100.0,
+        "mdev_ms": 2.0,
+        "factor": 1.0,
+        "loss": 0.03,
+        "periods_after": 40,
+    }
+    steady = net_shift.timing(net_shift.STEADY, **kwargs)
+    burst = net_shift.timing(net_shift.AFTER, **kwargs)
+    assert steady["burst_probes_per_trial"]["max"] == 0
+    assert burst["missed"] == 0 and burst["burst_probes_per_trial"]["mean"] > 0
+    assert burst["event_periods"]["mean"] < steady["event_periods"]["mean"] or steady["missed"] > 0
+    # Once a probe is lost, the burst's verdict comes within a few periods (two probe timeouts).
+    assert burst["event_after_first_lost_probe_periods"]["max"] < 10
