@@ -22,7 +22,13 @@ that share of the probes instead; its lost probes come at the collector's probe 
 (probes per period), ``--chains``.
 
 ``before`` is the chain as it was (rounds of 5 only, 3 suspects for any shift, evaluation at
-the tick, review 0.3 s); ``after`` the current defaults.
+the tick, review 0.3 s); ``steady`` the current defaults without loss bursts; ``after`` the
+current defaults: the collector's burst policy (:class:`loom.net.burst.BurstPlanner`, the same
+code) sends extra probes on a link it suspects of loss, all in the period it plans them (a WAN
+link: no bandwidth cap), their results as one ``udp_burst`` sample per period
+(:class:`~loom_services.probe_collector.collector.BurstRounds`). Loss trials also report the
+periods from the change to the first lost probe sent, and from it to the event; false-positive
+runs the burst probes per link-hour (and over the steady probes) and how the bursts ended.
 """
 
 import argparse
