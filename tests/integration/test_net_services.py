@@ -317,6 +317,20 @@ async def test_a_link_losing_3_percent_is_degraded_soon_after_its_first_lost_pro
     first lost probe after ~7 periods, and its steady probes alone take ~38 periods on average to
     make that loss significant (a quarter not within 60); the collector's burst makes it within a
     few periods of the first lost probe, through the same loss rule."""
+    # LOOM_NET_REST_S: first leave the stack at rest this long and print what the collectors sent.
+    rest_s = float(os.environ.get("LOOM_NET_REST_S", "0"))
+    if rest_s > 0:
+        started = {r.id: (await health(client, f"probe-{r.id}"))["counts"] for r in net.topology.regions}
+        await asyncio.sleep(rest_s)  # the rest being measured, not a synchronisation
+        for region, counts in started.items():
+            now = (await health(client, f"probe-{region}"))["counts"]
+            print(
+                f"at rest {rest_s:.0f} s, probe-{region}: "
+                + ", ".join(
+                    f"{key} {now[key] - counts[key]}"
+                    for key in ("probes_sent", "probes_lost", "burst_episodes", "burst_probes_sent")
+                )
+            )
     name = f"probe-{WEU}"
     before = (await health(client, name))["counts"]
     seen = len(net.events)
