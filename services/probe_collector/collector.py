@@ -540,7 +540,8 @@ class ProbeCollector:
     async def _send_loop(self) -> None:
         # One clock for every link: each tick sends the next probe to every peer being probed, so
         # the collector wakes ``probes_per_period`` times a period, not that many times per link.
-        # A period's burst probes (if any link has one) go out over its ticks, after the steady ones.
+        # A period's burst probes (if a link has one) go out after the steady ones, from its first
+        # tick on, as many per tick as the link passes (``burst_queue_ms``).
         loop = asyncio.get_running_loop()
         ticks = max(self.config.probes_per_period, 1)
         interval_s = self.config.period_s / ticks
