@@ -103,7 +103,7 @@ def test_a_lost_probe_starts_a_burst_that_ends_good_when_its_probes_come_back() 
     assert burst.want(T0 + 81, 0.5) == 0 and burst.episodes == 1  # 30 s back-off after one good
     # ... after it, one does, and starts with just enough probes to find nothing again.
     burst.on_result(T0 + 100, True)
-    assert burst.want(T0 + 101, 0.5) == burst.clear_probes() == math.ceil(math.log(0.01) / math.log(0.97))
+    assert burst.want(T0 + 101, 0.5) == burst.clear_probes() == math.ceil(math.log(0.01) / math.log(0.98))
     assert burst.episodes == 2
 
 

@@ -19,7 +19,7 @@ collector instead sends a bounded **burst** of extra probes on one link when it 
   collector's own copy of the window (the same function network perception applies; its
   window gets the same probes a moment later), *good* when the burst's own probes (those overdue
   counted lost) would show so few losses with probability below ``clear_beta`` were the link
-  losing ``target_loss`` (:func:`binomial_head`), and *capped* at ``max_per_episode`` probes;
+  losing ``clear_loss`` (:func:`binomial_head`), and *capped* at ``max_per_episode`` probes;
   then a ``cooldown_s`` before the link can burst again;
 * **limits**: ``max_per_period`` probes a period per link, a token bucket per link
   (``budget_per_s`` probes a second on average, ``max_per_episode`` at most at once) and
@@ -66,7 +66,7 @@ class BurstConfig:
 
     enabled: bool = True
     target_loss: float = 0.03
-    """The loss a burst is sized to show (and to rule out before it ends as *good*)."""
+    """The loss a burst is sized to show."""
     power_z: float = 1.0
     """The burst is sized so that ``target_loss`` would be significant with this many standard
     deviations of the lost count to spare (1.0: about 84 % of the time)."""
@@ -92,7 +92,10 @@ class BurstConfig:
     """The longest back-off; a link that lost no probe for this long starts afresh."""
     clear_beta: float = 0.01
     """An episode ends as *good* when its probes would show this few losses with at most this
-    probability were the link losing ``target_loss``."""
+    probability were the link losing ``clear_loss``."""
+    clear_loss: float = 0.02
+    """The loss an episode must rule out to end *good* (twice ``degrade_loss``: a link losing 2 %
+    should not be let go as healthy; ruling out only ``target_loss`` let a fifth of them go)."""
     min_tokens: int = 100
     """An episode starts only with at least this many tokens."""
     link: LinkConfig = field(default_factory=LinkConfig)
@@ -312,7 +315,7 @@ class LinkBurst:
             if evidence.degrading(link):
                 return self._end(now, "bad")
             done, lost = self.clear_evidence(now - overdue_s)
-            if done and binomial_head(lost, done, config.target_loss) < config.clear_beta:
+            if done and binomial_head(lost, done, config.clear_loss) < config.clear_beta:
                 return self._end(now, "good")
             if self.episode_sent >= config.max_per_episode:
                 return self._end(now, "capped")
@@ -331,7 +334,7 @@ class LinkBurst:
     def clear_probes(self) -> int:
         """Burst probes that end an episode *good* when none of them is lost."""
         config = self.config
-        return math.ceil(math.log(config.clear_beta) / math.log1p(-config.target_loss))
+        return math.ceil(math.log(config.clear_beta) / math.log1p(-config.clear_loss))
 
     def _flush(self, now: float) -> bool:
         """Move the results since the last period into the window; whether a probe was lost."""
