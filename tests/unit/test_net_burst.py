@@ -220,6 +220,14 @@ def test_burst_rounds_go_out_in_the_order_they_were_sent() -> None:
     assert not rounds.owns(4) and rounds.add(ProbeResult(9, T0, 1.0)) == []
 
 
+def test_the_policy_keeps_its_length_in_periods_at_other_periods() -> None:
+    fast = BurstConfig().for_period(0.2)
+    assert fast.cooldown_s == pytest.approx(2.0) and fast.backoff_max_s == pytest.approx(120.0)
+    assert fast.link.loss_horizon_s == pytest.approx(12.0) and fast.budget_per_s == pytest.approx(5.0)
+    assert fast.link.horizons_s == pytest.approx((2.0, 12.0, 60.0))
+    assert BurstConfig().for_period(1.0) == BurstConfig()
+
+
 def test_disabled_bursts_send_nothing() -> None:
     planner = BurstPlanner(BurstConfig(enabled=False, link=LinkConfig()))
     planner.on_result("x", T0, True)

@@ -14,7 +14,8 @@ collector instead sends a bounded **burst** of extra probes on one link when it 
 * **size**: each period the burst sends what the loss rule still needs: the fewest extra probes
   ``m`` such that, were the link losing ``target_loss``, the window with them (and with the
   burst probes still in flight) would be significant with ``power_z`` standard deviations to
-  spare (:func:`probes_needed`), spread over ``spread_periods``;
+  spare (:func:`probes_needed`), spread over ``spread_periods``; on a link whose last burst
+  found nothing, first only enough to find nothing again (:meth:`LinkBurst.clear_probes`);
 * **end**, as soon as the verdict is clear either way: *bad* when the loss rule holds on the
   collector's own copy of the window (the same function network perception applies; its
   window gets the same probes a moment later), *good* when the burst's own probes (those overdue
