@@ -22,7 +22,13 @@ that share of the probes instead; its lost probes come at the collector's probe 
 (probes per period), ``--chains``.
 
 ``before`` is the chain as it was (rounds of 5 only, 3 suspects for any shift, evaluation at
-the tick, review 0.3 s); ``after`` the current defaults.
+the tick, review 0.3 s); ``steady`` the current defaults without loss bursts; ``after`` the
+current defaults: the collector's burst policy (:class:`loom.net.burst.BurstPlanner`, the same
+code) sends extra probes on a link it suspects of loss, all in the period it plans them (a WAN
+link: no bandwidth cap), their results as one ``udp_burst`` sample per period
+(:class:`~loom_services.probe_collector.collector.BurstRounds`). Loss trials also report the
+periods from the change to the first lost probe sent, and from it to the event; false-positive
+runs the burst probes per link-hour (and over the steady probes) and how the bursts ended.
 """
 
 import argparse
@@ -36,9 +42,10 @@ from pathlib import Path
 from typing import Any
 
 from loom.net import Expected, LinkConfig, Perception
+from loom.net.burst import BurstPlanner
 from loom.net.outliers import OutlierConfig
 from loom.netemu.probes import ProbeResult
-from loom_services.probe_collector.collector import CollectorConfig, RoundBuilder
+from loom_services.probe_collector.collector import BurstRounds, CollectorConfig, RoundBuilder
 
 T0 = 1_767_225_600.0
 PROBES = 5
@@ -59,16 +66,23 @@ class Chain:
     review_delay_s: float
     shift_ratio: float = 0.0
     """The collector's ratio for a shift within a round (0: its default)."""
+    burst: bool = False
+    """The collector bursts extra probes on a link it suspects of loss (:mod:`loom.net.burst`)."""
 
 
 BEFORE = Chain("before", shift_probes=0, confirm_large=3, event_driven=False, review_delay_s=0.3)
-AFTER = Chain(
-    "after",
+STEADY = Chain(
+    "steady",
     shift_probes=CollectorConfig().shift_probes,
     confirm_large=OutlierConfig().confirm_large,
     event_driven=True,
     review_delay_s=0.1,
 )
+"""The chain before burst probing: only the steady probes."""
+AFTER = replace(STEADY, name="after", burst=CollectorConfig().burst.enabled)
+CHAINS = {chain.name: chain for chain in (BEFORE, STEADY, AFTER)}
+BURST_SEQ = 10**9
+"""Burst probes are numbered from here (the collector's share one counter; only order matters)."""
 
 
 def _perception(chain: Chain, rtt_ms: float, mdev_ms: float) -> Perception:
@@ -101,6 +115,12 @@ def _simulate(  # noqa: PLR0912, PLR0915 (one event loop, its branches are the s
     perception = _perception(chain, base_ms, mdev_ms)
     collector = CollectorConfig()
     rounds = RoundBuilder("a", "b", PROBES, chain.shift_ratio or collector.shift_ratio, chain.shift_probes)
+    bursts = BurstRounds("a", "b")
+    planner = BurstPlanner(collector.burst) if chain.burst else None
+    overdue_s = min(
+        max(collector.burst_overdue_rtts * base_ms / 1000.0, collector.burst_overdue_min_s),
+        collector.probe_timeout_s,
+    )
     interval = period_s / PROBES
     linger = period_s / 10
     tick_phase = rng.random() * period_s
@@ -112,20 +132,29 @@ def _simulate(  # noqa: PLR0912, PLR0915 (one event loop, its branches are the s
         order += 1
         heapq.heappush(events, (at, order, kind, what))
 
-    end = periods * period_s
-    for i in range(int(end / interval)):
-        sent = i * interval
+    def probe(seq: int, sent: float, kind: str) -> bool:
+        """Send one probe at ``sent``: its result comes back as an event; whether it is lost."""
         level = base_ms * (factor if change_at is not None and sent >= change_at else 1.0)
         rtt = min(max(rng.gauss(level, mdev_ms * (level / base_ms)), low_ms * level / base_ms), high_ms)
         if spikes and rng.random() < spikes:
             rtt *= rng.uniform(2.0, 5.0)
         lost = base_loss + (loss if change_at is not None and sent >= change_at else 0.0)
         if lost and rng.random() < lost:
-            push(
-                sent + collector.probe_timeout_s, "result", ProbeResult(seq=i, sent_at=T0 + sent, rtt_ms=None)
-            )
-            continue
-        push(sent + rtt / 1000.0, "result", ProbeResult(seq=i, sent_at=T0 + sent, rtt_ms=rtt))
+            push(sent + collector.probe_timeout_s, kind, ProbeResult(seq=seq, sent_at=T0 + sent, rtt_ms=None))
+            return True
+        push(sent + rtt / 1000.0, kind, ProbeResult(seq=seq, sent_at=T0 + sent, rtt_ms=rtt))
+        return False
+
+    end = periods * period_s
+    first_loss: float | None = None
+    for i in range(int(end / interval)):
+        sent = i * interval
+        if probe(i, sent, "result") and first_loss is None and change_at is not None and sent >= change_at:
+            first_loss = sent
+    if planner is not None:
+        for k in range(periods):
+            push(k * period_s, "period", None)
+    burst_seq = BURST_SEQ
     tick = tick_phase
     while tick < end + period_s:
         push(tick, "tick", None)
@@ -137,7 +166,29 @@ def _simulate(  # noqa: PLR0912, PLR0915 (one event loop, its branches are the s
         at, _, kind, what = heapq.heappop(events)
         if at > end:
             break
-        if kind == "result":
+        if kind == "period":
+            # The collector's period starts: last period's burst batch closes, the policy plans this one's.
+            assert planner is not None
+            for sample in bursts.seal():
+                push((int(at / interval) + 1) * interval + linger, "ingest", sample)
+            left = planner.plan(T0 + at, overdue_s).get("b", 0)
+            if left:
+                push(at, "burst", left)  # all at once, as the collector on a WAN link (no bandwidth cap)
+        elif kind == "burst":
+            assert planner is not None
+            for _ in range(what):
+                bursts.sent(burst_seq)
+                probe(burst_seq, at, "bresult")
+                burst_seq += 1
+            planner.on_sent("b", T0 + at, what)
+        elif kind == "bresult":
+            assert planner is not None
+            planner.on_result("b", T0 + at, what.rtt_ms is None, True, what.sent_at)
+            for sample in bursts.add(what):
+                push((int(at / interval) + 1) * interval + linger, "ingest", sample)
+        elif kind == "result":
+            if planner is not None:
+                planner.on_result("b", T0 + at, what.rtt_ms is None)
             closed = rounds.add(what)
             # Queued samples go out at the next send tick, or at once with an urgent one.
             urgent = any(u for _, u in closed)
@@ -161,7 +212,17 @@ def _simulate(  # noqa: PLR0912, PLR0915 (one event loop, its branches are the s
                 if event.kind == "degraded":
                     degraded.append(at)
     shifts = perception.links["a", "b"].filter.shifts
-    return {"first_sample": first_sample, "degraded": degraded, "shifts": shifts}
+    counts = planner.counts() if planner is not None else {}
+    return {
+        "first_sample": first_sample,
+        "first_loss": first_loss,
+        "degraded": degraded,
+        "shifts": shifts,
+        "steady_probes": int(end / interval),
+        "burst_probes": counts.get("burst_probes", 0),
+        "burst_episodes": counts.get("burst_episodes", 0),
+        "burst_ends": {r: counts.get(f"burst_ended_{r}", 0) for r in ("bad", "good", "capped")},
+    }
 
 
 def timing(
@@ -181,6 +242,7 @@ def timing(
     before. A trial with no event within ``periods_after`` periods of the change is *missed*."""
     rng = random.Random(seed)
     sample_p, event_p, decision_p = [], [], []
+    first_loss_p, after_loss_p, bursts = [], [], []
     missed = 0
     for _ in range(trials):
         change_at = 30 * period_s + rng.random() * period_s
@@ -196,9 +258,13 @@ def timing(
             loss=loss,
         )
         after = [t for t in out["degraded"] if t >= change_at]
+        bursts.append(out["burst_probes"])
         if not after or out["first_sample"] is None:
             missed += 1
             continue
+        if out["first_loss"] is not None and out["first_loss"] <= after[0]:
+            first_loss_p.append((out["first_loss"] - change_at) / period_s)
+            after_loss_p.append((after[0] - out["first_loss"]) / period_s)
         sample_p.append((out["first_sample"] - change_at) / period_s)
         event_p.append((after[0] - change_at) / period_s)
         decision_p.append((after[0] + chain.review_delay_s + WHATIF_S - change_at) / period_s)
@@ -213,6 +279,18 @@ def timing(
         "event_periods": _summary(event_p),
         "decision_periods": _summary(decision_p),
         "decision_within_3_periods": sum(d <= 3.0 for d in decision_p) / max(len(decision_p), 1),
+        "detected_within_periods": {
+            str(n): sum(d <= n for d in event_p) / trials for n in (3, 5, 10, 15, 20, 30)
+        },
+        **(
+            {
+                "first_lost_probe_periods": _summary(first_loss_p),
+                "event_after_first_lost_probe_periods": _summary(after_loss_p),
+            }
+            if loss
+            else {}
+        ),
+        "burst_probes_per_trial": _summary([float(b) for b in bursts]),
     }
 
 
@@ -227,6 +305,8 @@ def false_positives(
     chosen = rng.sample(rows, min(links, len(rows)))
     events = shifts = 0
     flagged = 0
+    burst_probes = episodes = steady = 0
+    ends = {"bad": 0, "good": 0, "capped": 0}
     for row in chosen:
         avg, mdev = float(row["avg_rtt_ms"]), float(row["mdev_rtt_ms"])
         low, high = float(row["min_rtt_ms"]), float(row["max_rtt_ms"])
@@ -247,6 +327,11 @@ def false_positives(
         events += len(out["degraded"])
         shifts += out["shifts"]
         flagged += bool(out["degraded"])
+        burst_probes += out["burst_probes"]
+        episodes += out["burst_episodes"]
+        steady += out["steady_probes"]
+        for reason, n in out["burst_ends"].items():
+            ends[reason] += n
     hours = len(chosen) * periods / 3600.0
     return {
         "chain": chain.name,
@@ -258,6 +343,10 @@ def false_positives(
         "links_with_an_event": flagged,
         "degraded_per_link_hour": events / hours,
         "level_shifts": shifts,
+        "burst_episodes_per_link_hour": round(episodes / hours, 2),
+        "burst_probes_per_link_hour": round(burst_probes / hours, 1),
+        "burst_probes_over_steady": round(burst_probes / max(steady, 1), 4),
+        "burst_ends": ends,
     }
 
 
@@ -291,13 +380,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--probes", type=int, default=5, help="probes per period (the collector's probes_per_period)"
     )
-    parser.add_argument("--chains", nargs="+", default=["before", "after"], choices=["before", "after"])
+    parser.add_argument("--chains", nargs="+", default=["before", "after"], choices=sorted(CHAINS))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     PROBES = args.probes
     result: dict[str, Any] = {"probes_per_period": PROBES, "timing": [], "false_positives": []}
     changes = [(factor, 0.0) for factor in args.factors] + [(1.0, loss) for loss in args.losses]
-    for chain in (c for c in (BEFORE, AFTER) if c.name in args.chains):
+    for chain in (c for c in CHAINS.values() if c.name in args.chains):
         for factor, loss in changes:
             result["timing"].append(
                 timing(

@@ -8,7 +8,9 @@ from msgspec import Meta
 from loom_proto.ids import Id
 from loom_proto.jobs import UnixSeconds
 
-ProbeKind = Literal["udp_echo", "tcp_echo", "tcp_bulk"]
+ProbeKind = Literal["udp_echo", "tcp_echo", "tcp_bulk", "udp_burst"]
+"""``udp_burst``: the extra UDP echo probes of a loss burst (:mod:`loom.net.burst`), one sample per
+period of a link's burst; network perception counts their probes and ignores their RTT."""
 
 NonNegative = Annotated[float, Meta(ge=0)]
 

@@ -23,8 +23,9 @@ import itertools
 import json
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -33,6 +34,7 @@ from nats.aio.msg import Msg
 
 from loom.bus.publisher import Outgoing
 from loom.model.topology import Topology
+from loom.net.burst import BURST_PROBE, BurstConfig, BurstPlanner
 from loom.net.samples import TokenBucket
 from loom.netemu import (
     BANDWIDTH_SCALE,
@@ -87,6 +89,16 @@ class CollectorConfig:
     filter's ``large_ratio`` (1.5, a link's degrade ratio): an RTT that doubles shows at once."""
     shift_probes: int = 3
     """Answers that make a shift within a round (a majority of a round: one spike never does)."""
+    burst: BurstConfig = field(default_factory=BurstConfig)
+    """When a link may be lossy, extra probes on it for a moment (:mod:`loom.net.burst`)."""
+    burst_queue_ms: float = 20.0
+    """Burst probes sent at one tick on one link never take longer than this to pass its
+    (emulated) bandwidth: on loopback a 1 Gbps link is emulated at 1 Mbps, and a burst must not
+    queue behind itself into losses of its own making."""
+    burst_overdue_rtts: float = 3.0
+    """A burst probe unanswered after this many smoothed RTTs (at least ``burst_overdue_min_s``)
+    counts as lost when the burst policy asks whether the loss is clearly low."""
+    burst_overdue_min_s: float = 0.3
 
 
 class EmulatorRequest:
@@ -217,6 +229,75 @@ class RoundBuilder:
         return out
 
 
+def burst_sample(src: str, dst: str, results: Sequence[ProbeResult]) -> ProbeSample:
+    """One sample for a period's burst probes of a link (:data:`~loom.net.burst.BURST_PROBE`):
+    their probe and loss counts, stamped with the newest; the RTT is their median (network
+    perception takes only the counts) and no jitter (probes sent back to back have none to tell)."""
+    sample = round_sample(src, dst, results)
+    return msgspec.structs.replace(sample, probe=BURST_PROBE, jitter_ms=None)
+
+
+class _BurstBatch:
+    __slots__ = ("expected", "results", "sealed")
+
+    def __init__(self) -> None:
+        self.expected = 0
+        self.results: list[ProbeResult] = []
+        self.sealed = False
+
+
+class BurstRounds:
+    """A link's burst probes, one sample for each period's (:func:`burst_sample`).
+
+    A period's batch closes (:meth:`seal`) when the next period starts, and its sample goes out
+    once every probe of it is answered or timed out, in the order the periods were sent: each
+    sample is stamped with its newest probe, so a later period's sample never overtakes an
+    earlier one (network perception drops a sample not newer than the last of its kind)."""
+
+    def __init__(self, src: str, dst: str) -> None:
+        self.src, self.dst = src, dst
+        self._open: _BurstBatch | None = None
+        self._batches: deque[_BurstBatch] = deque()
+        self._owner: dict[int, _BurstBatch] = {}
+
+    def sent(self, seq: int) -> None:
+        """Probe ``seq`` went out as part of this period's burst."""
+        batch = self._open
+        if batch is None:
+            batch = self._open = _BurstBatch()
+            self._batches.append(batch)
+        batch.expected += 1
+        self._owner[seq] = batch
+
+    def owns(self, seq: int) -> bool:
+        """``seq`` is a burst probe still waiting for its result."""
+        return seq in self._owner
+
+    def add(self, result: ProbeResult) -> list[ProbeSample]:
+        """A burst probe's result; the samples it completes."""
+        batch = self._owner.pop(result.seq, None)
+        if batch is None:
+            return []
+        batch.results.append(result)
+        return self._ready()
+
+    def seal(self) -> list[ProbeSample]:
+        """The period is over: no more probes join its batch; the samples now complete."""
+        if self._open is not None:
+            self._open.sealed = True
+            self._open = None
+        return self._ready()
+
+    def _ready(self) -> list[ProbeSample]:
+        out = []
+        batches = self._batches
+        while batches and batches[0].sealed and len(batches[0].results) >= batches[0].expected:
+            batch = batches.popleft()
+            if batch.results:
+                out.append(burst_sample(self.src, self.dst, batch.results))
+        return out
+
+
 def degraded(
     base_forward: LinkParams, base_reverse: LinkParams, request: EmulatorRequest, bandwidth_scale: float
 ) -> tuple[LinkParams, LinkParams]:
@@ -302,6 +383,11 @@ class ProbeCollector:
         self.budget = TokenBucket(budget / 3600.0, budget, budget, time.time())
         self.links: dict[str, PeerLink] = {}
         self.probing: dict[str, UdpProber] = {}
+        self.burst = BurstPlanner(self.config.burst.for_period(self.config.period_s))
+        self.burst_rounds: dict[str, BurstRounds] = {}
+        """The burst probes of the links being probed now, by peer region."""
+        self._burst_left: dict[str, int] = {}
+        """Burst probes still to send this period, by peer region."""
         self._ticked = asyncio.Event()
         self._urgent = asyncio.Event()
         """Set when a sample showing a level shift is queued: the batch goes out at once."""
@@ -330,6 +416,13 @@ class ProbeCollector:
             "bulk_bytes": 0,
             "bulk_skipped_budget": 0,
             "bulk_failures": 0,
+            "burst_probes_sent": 0,
+            "burst_probes_lost": 0,
+            "burst_samples": 0,
+            "burst_episodes": 0,
+            "burst_ended_bad": 0,
+            "burst_ended_good": 0,
+            "burst_ended_capped": 0,
         }
         ctx.stats.update({"region": region, "counts": self.counts, "links": {}})
 
@@ -447,16 +540,73 @@ class ProbeCollector:
     async def _send_loop(self) -> None:
         # One clock for every link: each tick sends the next probe to every peer being probed, so
         # the collector wakes ``probes_per_period`` times a period, not that many times per link.
+        # A period's burst probes (if a link has one) go out after the steady ones, from its first
+        # tick on, as many per tick as the link passes (``burst_queue_ms``).
         loop = asyncio.get_running_loop()
-        interval_s = self.config.period_s / max(self.config.probes_per_period, 1)
+        ticks = max(self.config.probes_per_period, 1)
+        interval_s = self.config.period_s / ticks
         due = loop.time()
-        while True:
+        for tick in itertools.count():
+            if tick % ticks == 0:
+                self._plan_bursts()
             for prober in list(self.probing.values()):
                 prober.send()
                 self.counts["probes_sent"] += 1
+            if self._burst_left:
+                self._send_bursts(ticks - tick % ticks)
             self._ticked.set()
             due += interval_s
             await asyncio.sleep(max(due - loop.time(), 0.0))  # pacing the probes
+
+    def _plan_bursts(self) -> None:
+        """At a period's start: close the last period's burst batches, ask the policy for this one's."""
+        config = self.config
+        self._burst_left = {}
+        for rounds in self.burst_rounds.values():
+            for sample in rounds.seal():
+                self._enqueue_burst(sample)
+        overdue: dict[str, float] = {}
+        for dst in self.probing:
+            srtt = self.links[dst].srtt_ms
+            wait = config.probe_timeout_s if srtt is None else config.burst_overdue_rtts * srtt / 1000.0
+            overdue[dst] = min(max(wait, config.burst_overdue_min_s), config.probe_timeout_s)
+        plan = self.burst.plan(time.time(), overdue)
+        self._burst_left = {dst: n for dst, n in plan.items() if dst in self.probing}
+        self.counts.update(self.burst.counts())
+
+    def _send_bursts(self, ticks_left: int) -> None:
+        """This tick's share of each link's burst, at most what its bandwidth passes in ``burst_queue_ms``."""
+        for dst, left in list(self._burst_left.items()):
+            prober, rounds = self.probing.get(dst), self.burst_rounds.get(dst)
+            if prober is None or rounds is None:
+                del self._burst_left[dst]
+                continue
+            # As many as the link passes at once: the burst's verdict comes one probe timeout
+            # after its last probe, so sooner sent is sooner known.
+            count = min(left, self._burst_per_tick(self.links[dst]))
+            at = time.time()
+            for _ in range(count):
+                rounds.sent(prober.send())
+            self.burst.on_sent(dst, at, count)
+            self.counts["burst_probes_sent"] += count
+            if left > count and ticks_left > 1:
+                self._burst_left[dst] = left - count
+            else:
+                del self._burst_left[dst]
+
+    def _burst_per_tick(self, link: PeerLink) -> int:
+        mbps = min(
+            (m for m in (link.forward.bandwidth_mbps, link.reverse.bandwidth_mbps) if m is not None),
+            default=None,
+        )
+        if mbps is None or not self.config.emulate:
+            return self.config.burst.max_per_period
+        bits = 8.0 * 64  # a probe's payload (UdpProber's default)
+        return max(int(mbps * 1e6 * self.config.burst_queue_ms / 1000.0 / bits), 1)
+
+    def _enqueue_burst(self, sample: ProbeSample) -> None:
+        self.counts["burst_samples"] += 1
+        self._enqueue(sample)
 
     def _result_handler(self, link: PeerLink) -> Callable[[ProbeResult], None]:
         # One sample per round of ``probes_per_period`` probes (median RTT, the round's jitter and
@@ -469,14 +619,27 @@ class ProbeCollector:
             self.config.shift_ratio,
             self.config.shift_probes,
         )
+        # A new prober numbers its probes from 0: its bursts start afresh too.
+        bursts = self.burst_rounds[link.dst] = BurstRounds(link.src, link.dst)
+        self.burst.reset(link.dst)
+        self._burst_left.pop(link.dst, None)
+        planner = self.burst
 
         def on_result(result: ProbeResult) -> None:
             if link.dst not in self.probing:
                 return  # the prober is closing: its outstanding probes are not the link's losses
-            if result.rtt_ms is None:
-                self.counts["probes_lost"] += 1
+            lost = result.rtt_ms is None
+            burst = bursts.owns(result.seq)
+            if lost:
+                self.counts["burst_probes_lost" if burst else "probes_lost"] += 1
             else:
                 link.last_answer_at = time.monotonic()
+            planner.on_result(link.dst, time.time(), lost, burst, result.sent_at)
+            if burst:
+                for sample in bursts.add(result):
+                    self._enqueue_burst(sample)
+                return
+            if result.rtt_ms is not None:
                 srtt = link.srtt_ms
                 link.srtt_ms = result.rtt_ms if srtt is None else srtt + _SRTT_GAIN * (result.rtt_ms - srtt)
             for sample, urgent in rounds.add(result):

@@ -55,7 +55,10 @@ __all__ = [
     "LinkRecord",
     "LinkTracker",
     "LinkView",
+    "LossEvidence",
     "binomial_tail",
+    "loss_evidence",
+    "loss_window",
 ]
 
 # E|X1 - X2| for two independent normal samples is 2σ/√π: the jitter a link of deviation σ shows.
@@ -277,14 +280,27 @@ class LinkTracker:
         *,
         bandwidth_gbps: float | None = None,
         jitter_ms: float | None = None,
+        counts_only: bool = False,
     ) -> int:
         """Fold in one admitted sample arriving at ``now``; how many RTTs were dropped as outliers.
 
         ``jitter_ms`` is the jitter a prober measured within a round of packets; where samples
         carry it, the median of the last few is used instead of the jitter between samples
         (which a round's summary hides). The median, because one spike in a round inflates it.
+        ``counts_only`` (a burst of extra probes, :mod:`loom.net.burst`): only the sample's probe
+        counts go in (its RTT says only that some probes were answered): probes sent back to
+        back queue behind each other, so their RTTs are not the link's.
         """
         self.refreshed_at = now
+        if counts_only:
+            self.window.add_probes(now, sent, lost)
+            if rtt_ms is None:
+                self.lost_run += lost
+            else:
+                if self.lost_run >= self.config.outage_probes:
+                    self.loss_since = now
+                self.lost_run = 0
+            return 0
         if jitter_ms is not None:
             self.reported_jitter.append(jitter_ms)
             self.reported_jitter_at = now
@@ -360,15 +376,9 @@ class LinkTracker:
         reported_at = self.reported_jitter_at
         if reported_at is not None and now - reported_at <= self.window.horizons_s[0]:
             self.jitter_ms = statistics.median(self.reported_jitter)
-        loss = self.window.loss_stats(now, config.loss_horizon_s, config.min_loss_probes, self.loss_since)
-        used = self._loss_window(now, loss)
-        loss_rate = used.loss_rate
-        # Loss speaks for degradation only once enough probes back it (the rate of a handful is
-        # noise) and they would be improbable at the recover threshold.
-        significant = (
-            loss.sent >= config.short_loss_probes
-            and binomial_tail(used.lost, used.sent, config.recover_loss) < config.loss_alpha
-        )
+        evidence = loss_evidence(self.window, now, config, self.loss_since)
+        loss_rate = evidence.used.loss_rate
+        significant = evidence.significant
         if self.lost_run >= config.burst_lost:
             loss_rate = max(loss_rate, self.lost_run / (self.lost_run + 2.0))
             significant = True
@@ -392,28 +402,8 @@ class LinkTracker:
         return self._condition(now, dt, loss_rate if significant else 0.0)
 
     def _loss_window(self, now: float, long: LossStats) -> LossStats:
-        """The window the loss rate is read off: the long one, unless a recent one differs from it
-        significantly.
-
-        A rise is read off the latest ``short_loss_probes`` probes (fast: an episode shows within
-        a period when probes come in rounds), a fall off the shortest horizon (at least as many
-        probes: saying "the loss is over" needs more evidence than "it has started").
-        """
-        config = self.config
-        since = self.loss_since
-        latest = self.window.loss_stats(now, 0.0, config.short_loss_probes, since)
-        rise = latest.loss_rate - long.loss_rate
-        if (
-            0 < latest.sent < long.sent
-            and latest.lost >= config.min_short_lost
-            and rise > config.loss_z_rise * _standard_error(long, latest.sent)
-        ):
-            return latest
-        recent = self.window.loss_stats(now, self.window.horizons_s[0], config.short_loss_probes, since)
-        fall = long.loss_rate - recent.loss_rate
-        if 0 < recent.sent < long.sent and fall > config.loss_z_fall * _standard_error(long, recent.sent):
-            return recent
-        return long
+        """The window the loss rate is read off (see :func:`loss_window`)."""
+        return loss_window(self.window, now, long, self.config, self.loss_since)
 
     def _price(self, raw: float, dt: float) -> None:
         """Asymmetric hysteresis with flap damping: up at once, down slowly, slower after flaps."""
@@ -592,6 +582,63 @@ class LinkTracker:
             tracker.raw_cost = record.priced_cost
             tracker.usable = True
         return tracker
+
+
+@dataclass(frozen=True, slots=True)
+class LossEvidence:
+    """What a link's loss windows say at one evaluation: the long window, the window the rate is
+    read off (:func:`loss_window`), and whether that rate is significant."""
+
+    long: LossStats
+    used: LossStats
+    significant: bool
+    """Enough probes (``short_loss_probes`` in the long window) and the used window's lost probes
+    would come with probability below ``loss_alpha`` were the link losing only ``recover_loss``."""
+
+    def degrading(self, config: "LinkConfig") -> bool:
+        """The loss alone degrades the link: significant and at least ``degrade_loss``."""
+        return self.significant and self.used.loss_rate >= config.degrade_loss
+
+
+def loss_evidence(
+    window: LinkWindow, now: float, config: LinkConfig, since: float | None = None
+) -> LossEvidence:
+    """The loss rule of :meth:`LinkTracker.evaluate` on a window of probe counts (one rule for
+    network perception and for the probe collector's burst policy, :mod:`loom.net.burst`)."""
+    long = window.loss_stats(now, config.loss_horizon_s, config.min_loss_probes, since)
+    used = loss_window(window, now, long, config, since)
+    # Loss speaks for degradation only once enough probes back it (the rate of a handful is
+    # noise) and they would be improbable at the recover threshold.
+    significant = (
+        long.sent >= config.short_loss_probes
+        and binomial_tail(used.lost, used.sent, config.recover_loss) < config.loss_alpha
+    )
+    return LossEvidence(long, used, significant)
+
+
+def loss_window(
+    window: LinkWindow, now: float, long: LossStats, config: LinkConfig, since: float | None = None
+) -> LossStats:
+    """The window the loss rate is read off: the long one, unless a recent one differs from it
+    significantly.
+
+    A rise is read off the latest ``short_loss_probes`` probes (fast: an episode shows within
+    a period when probes come in rounds), a fall off the shortest horizon (at least as many
+    probes: saying "the loss is over" needs more evidence than "it has started").
+    """
+    latest = window.loss_stats(now, 0.0, config.short_loss_probes, since)
+    rise = latest.loss_rate - long.loss_rate
+    if (
+        0 < latest.sent < long.sent
+        and latest.lost >= config.min_short_lost
+        and rise > config.loss_z_rise * _standard_error(long, latest.sent)
+    ):
+        return latest
+    recent = window.loss_stats(now, window.horizons_s[0], config.short_loss_probes, since)
+    fall = long.loss_rate - recent.loss_rate
+    if 0 < recent.sent < long.sent and fall > config.loss_z_fall * _standard_error(long, recent.sent):
+        return recent
+    return long
 
 
 def binomial_tail(lost: int, probes: int, rate: float) -> float:

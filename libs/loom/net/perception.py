@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from loom.model.topology import Topology
+from loom.net.burst import BURST_PROBE
 from loom.net.errors import UnknownEndpointError
 from loom.net.graph import LinkGraph, PathInfo, PathSelector, Selection, SelectorConfig
 from loom.net.linkstate import Expected, LinkConfig, LinkEvent, LinkRecord, LinkTracker
@@ -159,6 +160,7 @@ class Perception:
             sample.lost,
             bandwidth_gbps=sample.bandwidth_gbps,
             jitter_ms=sample.jitter_ms,
+            counts_only=sample.probe == BURST_PROBE,
         )
         if outliers:
             self.validator.dropped[DropReason.OUTLIER] += outliers
