@@ -168,8 +168,13 @@ def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     console = Console(stderr=True)
+    try:  # before any stack starts
+        topology = load_topology(args.topology)
+    except (OSError, TopologyError) as exc:
+        console.print(f"--topology {args.topology}: {exc}")
+        return 2
     try:
-        load_topology(args.topology).cluster(args.cluster)  # before any stack starts
+        topology.cluster(args.cluster)
     except TopologyError as exc:
         console.print(f"{exc}: name one with --cluster")
         return 2

@@ -164,3 +164,22 @@ def test_loom_status_says_down_for_a_server_that_is_gone() -> None:
     assert (
         _server_health_text({"alive": False, "server_status": "crash-looping"}) == "[red]crash-looping[/red]"
     )
+
+
+def test_loom_status_json_says_down_for_a_server_that_is_gone_as_the_table_does(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+    import json
+
+    from loom.cli import main as cli
+
+    rows = [
+        {"name": "nats", "pid": 1, "alive": False, "server_status": "up"},
+        {"name": "postgres", "pid": 2, "alive": True, "server_status": "up"},
+    ]
+    monkeypatch.setattr(cli.stack, "read_state", lambda _home: {"status": "stopped"})
+    monkeypatch.setattr(cli.stack, "process_table", lambda _home: [dict(r) for r in rows])
+    assert cli.cmd_status(argparse.Namespace(json=True)) == 1
+    shown = {p["name"]: p["server_status"] for p in json.loads(capsys.readouterr().out)["processes"]}
+    assert shown == {"nats": "down", "postgres": "up"}

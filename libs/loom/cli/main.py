@@ -91,6 +91,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         health = _run_health(state["nats_url"], [r["name"] for r in rows])
     for r in rows:
         r["health"] = health.get(r["name"])
+        if stack.is_server(r["name"]):
+            r["server_status"] = _server_status(r)  # the table and --json say the same
     if args.json:
         print(json.dumps({"status": state.get("status"), "processes": rows}, indent=2))
     else:
@@ -125,13 +127,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _server_health_text(row: dict[str, Any]) -> str:
-    """A server's health cell: the supervisor's word for it (``up``, ``restarting``,
-    ``crash-looping``), but ``down`` for a process that is gone while that word still says ``up``
-    (after ``loom down``, or before the supervisor noticed)."""
+def _server_status(row: dict[str, Any]) -> str:
+    """A server's state: the supervisor's word for it (``up``, ``restarting``, ``crash-looping``),
+    but ``down`` for a process that is gone while that word still says ``up`` (after ``loom down``,
+    or before the supervisor noticed)."""
     server_status = str(row.get("server_status", "up"))
     if server_status == "up" and not row.get("alive"):
         server_status = "down"
+    return server_status
+
+
+def _server_health_text(row: dict[str, Any]) -> str:
+    """A server's health cell (:func:`_server_status`, in red unless up)."""
+    server_status = _server_status(row)
     return "up" if server_status == "up" else f"[red]{server_status}[/red]"
 
 

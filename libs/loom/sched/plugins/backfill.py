@@ -128,11 +128,14 @@ class Backfill(WaitingJobs):
     # ---- claiming ------------------------------------------------------------------------------
 
     def post_filter(self, state: CycleState, framework: Framework) -> Decision | None:
-        """Nothing fits now: claim the pool the job is expected to finish soonest in. Places nothing."""
+        """Nothing fits now: claim the pool the job is expected to finish soonest in (its dataset's
+        copy there counted, as the span guard counts it). Places nothing."""
         if state.job.pipeline is not None:
             return None
         workers = state.min_workers
-        options = single_cluster_options(state, whole_gang_pools(state, workers), workers, book=self.book)
+        options = single_cluster_options(
+            state, whole_gang_pools(state, workers), workers, book=self.book, with_data=True
+        )
         if options:
             claim(state, self.book, options[0], workers)
         return None

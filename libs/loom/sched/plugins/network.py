@@ -1032,9 +1032,12 @@ def _data_delay_s(state: CycleState, region: str, run_s: float) -> float:
     dataset, or where a copy is)."""
     placement = data_placement(state)
     snap = state.snapshot
-    if placement is None or region not in snap.region_index:
+    if placement is None:
         return 0.0
-    sync = placement.sync_s[snap.region_index[region] : snap.region_index[region] + 1]
+    if region in snap.region_index:
+        sync = placement.sync_s[snap.region_index[region] : snap.region_index[region] + 1]
+    else:  # as DataLocality.permit plans it: from the holder that delivers soonest
+        sync = np.array([min(snap.net.transfer_s(h, region, placement.size_gb) for h in placement.holders)])
     return float(data_delay_s(run_s, sync, placement.start)[0])
 
 
