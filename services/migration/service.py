@@ -12,6 +12,9 @@ Thin around the pure core (:mod:`loom.migrate.drain`, :mod:`loom.migrate.checkpo
   gives the run up, ``loom.placement.migrate``, and queues the job again from the checkpoint's
   step, avoiding the drained cluster) and *completed* when the next attempt starts elsewhere.
   Jobs that declare no checkpoints would restart from step 0: they move only at the deadline.
+  A job placement's what-if finds no room for off the drained cluster keeps running there and
+  waits for capacity (asked again every ``drain_retry_s``; listed with what it needs in the
+  ``drains`` query and as a ``stay`` verdict): it moves when room appears, or at the deadline.
 * **Failovers**: placement re-places the runs of a failed cluster, or of a failed node, itself
   (one path, in the service that owns reservations); this service records each as a migration
   (cause ``failover``) from the ``requeued`` event and completes it when the next attempt starts.
