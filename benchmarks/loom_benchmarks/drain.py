@@ -7,7 +7,10 @@ until they have passed a checkpoint, then the cluster is drained through the mig
 (the request ``loom drain`` sends). Measured from the store: the drain's duration, the most moves
 in flight at any instant (from the migrations' planned/finished times), each job's resume step
 against the step it had reached, and a new job submitted during the drain (it must not land on
-the drained cluster).
+the drained cluster). A drain that has not emptied by ``--timeout`` says why: ``outcome`` is
+``drained``, ``waiting_for_capacity`` (jobs no placement on another open cluster has room for stay
+running where they are, each listed in ``waiting_for_capacity`` with what it needs and the
+migration service's reason) or ``timeout`` (moves still in flight).
 """
 
 import argparse
@@ -104,10 +107,21 @@ async def _measure(state: dict[str, Any], args: argparse.Namespace, say: Any) ->
         per_move = [
             (r["finished_at"] - r["planned_at"]).total_seconds() for r in rows if r["finished_at"] is not None
         ]
+        drains = await client.nc.request(
+            subjects.MIGRATE_QUERY, json.dumps({"op": "drains"}).encode(), timeout=10
+        )
+        mine = [d for d in json.loads(drains.data).get("result", []) if d["cluster"] == args.cluster]
+        waiting = [
+            {k: w[k] for k in ("job_id", "needs", "why")}
+            for w in (mine[0].get("waiting", []) if mine else [])
+        ]
+        outcome = "drained" if drained_s is not None else "waiting_for_capacity" if waiting else "timeout"
         late = await db.fetchrow("SELECT state, cluster FROM jobs WHERE job_id = 'dr-late'")
         resumed = {r["job_id"]: r["resume_step"] for r in rows}
         return {
             "drain_answer": answer,
+            "outcome": outcome,
+            "waiting_for_capacity": waiting,
             "jobs_on_cluster": len(on),
             "moved": sum(1 for r in rows if r["state"] == "completed"),
             "states": {s: sum(1 for r in rows if r["state"] == s) for s in {r["state"] for r in rows}},
@@ -152,6 +166,8 @@ def run(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
         "headline": {
             "jobs_on_cluster": measured["jobs_on_cluster"],
             "moved": measured["moved"],
+            "outcome": measured["outcome"],
+            "waiting_for_capacity": len(measured["waiting_for_capacity"]),
             "drained_s": measured["drained_s"],
             "max_in_flight": measured["max_in_flight_from_records"],
             "concurrency": args.concurrency,

@@ -12,6 +12,9 @@ Thin around the pure core (:mod:`loom.migrate.drain`, :mod:`loom.migrate.checkpo
   gives the run up, ``loom.placement.migrate``, and queues the job again from the checkpoint's
   step, avoiding the drained cluster) and *completed* when the next attempt starts elsewhere.
   Jobs that declare no checkpoints would restart from step 0: they move only at the deadline.
+  A job placement's what-if finds no room for off the drained cluster keeps running there and
+  waits for capacity (asked again every ``drain_retry_s``; listed with what it needs in the
+  ``drains`` query and as a ``stay`` verdict): it moves when room appears, or at the deadline.
 * **Failovers**: placement re-places the runs of a failed cluster, or of a failed node, itself
   (one path, in the service that owns reservations); this service records each as a migration
   (cause ``failover``) from the ``requeued`` event and completes it when the next attempt starts.
@@ -56,7 +59,15 @@ from opentelemetry import propagate
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.migrate import backflow, benefit
 from loom.migrate.checkpoints import Checkpoint, choose
-from loom.migrate.drain import DrainJob, drain_refusal, next_moves, order_moves
+from loom.migrate.drain import (
+    DrainJob,
+    drain_refusal,
+    needs,
+    next_moves,
+    order_moves,
+    placeable,
+    waiting_for_capacity,
+)
 from loom.migrate.network import candidate_of, path_between, running_state, spans
 from loom.migrate.replicas import (
     Held,
@@ -106,6 +117,9 @@ class MigrationSettings:
     ask_timeout_s: float = 3.0
     """How long a request to placement waits for its answer."""
     notice_every_s: float = 5.0
+    drain_retry_s: float = 2.0
+    """A drained cluster's job that no placement elsewhere had room for (it waits for capacity,
+    running where it is) is asked about again this often: it moves as soon as room appears."""
     """While drains exist, placement is reminded of them this often (a lost notice heals)."""
     review_delay_s: float = 0.1
     """A link event is reviewed this long after it arrives (placement takes the link's new state
@@ -163,6 +177,12 @@ class MigrationService:
         self.stats["replicas"] = {"started": 0, "ready": 0, "failed": 0, "bytes_sent": 0, "unplaced": {}}
         self._drain_judged: dict[str, dict[tuple[str, int], benefit.MigrationVerdict]] = {}
         """drained cluster -> (job, attempt) -> its ``drain`` verdict (the drain's order)."""
+        self._drain_judged_at: dict[tuple[str, str, int], float] = {}
+        """(drained cluster, job, attempt) -> when its verdict was judged (monotonic s): a verdict
+        without room elsewhere is judged again after ``drain_retry_s``."""
+        self._drain_waiting: dict[str, dict[tuple[str, int], dict[str, Any]]] = {}
+        """drained cluster -> (job, attempt) -> why it waits for capacity (``loom drain``,
+        ``drains`` query): job_id, needs, why, since."""
         self._cluster_reviews: dict[str, tuple[benefit.Trigger, str]] = {}
         self._review_after: dict[str, float] = {}
         """cluster -> when its pending review is due (a cool-down holding back a move there ends)."""
@@ -361,6 +381,7 @@ class MigrationService:
             await self._publish(messages)
             await self._notice()
             self._drain_judged.pop(cluster, None)
+            self._drain_waiting.pop(cluster, None)
             if was:  # work may flow back, gradually and where the benefit rule says so
                 self._cluster_reviews[cluster] = ("cluster_joined", f"drain of {cluster} ended")
             log.info("cluster undrained", cluster=cluster, was_drained=was)
@@ -457,12 +478,18 @@ class MigrationService:
             return
         free = past_deadline or in_flight < int(drain["concurrency"])
         verdicts = await self._drain_verdicts(cluster, [runs[j.job_id] for j in candidates]) if free else {}
+        room = placeable(cluster, verdicts)
         chosen = next_moves(
             order_moves(candidates, verdicts),
             in_flight=in_flight,
             concurrency=int(drain["concurrency"]),
             past_deadline=past_deadline,
+            room=room,
         )
+        if free:
+            await self._note_waiting(
+                cluster, candidates=candidates, chosen=chosen, room=room, verdicts=verdicts
+            )
         records = [
             self._verdict_row(verdicts[job.job_id], runs[job.job_id], "move", "")
             for job in chosen
@@ -484,7 +511,15 @@ class MigrationService:
         live = {(r["job_id"], int(r["attempt"])) for r in rows}
         for key in [k for k in judged if k not in live]:
             del judged[key]
-        todo = [r for r in rows if (r["job_id"], int(r["attempt"])) not in judged]
+            self._drain_judged_at.pop((cluster, *key), None)
+        now_m = time.monotonic()
+        retry = {  # no room elsewhere when judged: asked again, room may have appeared
+            key
+            for key, v in judged.items()
+            if (v.target is None or v.target == cluster)
+            and now_m - self._drain_judged_at.get((cluster, *key), 0.0) >= self.settings.drain_retry_s
+        }
+        todo = [r for r in rows if (key := (r["job_id"], int(r["attempt"]))) not in judged or key in retry]
         if todo:
             checkpoints = await moves.checkpoints_of(self.pool, [r["job_id"] for r in todo])
             history = await moves.move_history(self.pool, [r["job_id"] for r in todo])
@@ -500,7 +535,68 @@ class MigrationService:
                 )
                 if found is not None:
                     judged[r["job_id"], int(r["attempt"])] = found[0]
+                    self._drain_judged_at[cluster, r["job_id"], int(r["attempt"])] = now_m
         return {job_id: v for (job_id, _), v in judged.items()}
+
+    async def _note_waiting(
+        self,
+        cluster: str,
+        *,
+        candidates: Sequence[DrainJob],
+        chosen: Sequence[DrainJob],
+        room: set[str],
+        verdicts: Mapping[str, benefit.MigrationVerdict],
+    ) -> None:
+        """Say which of a drain's jobs wait for capacity (no placement elsewhere has room for them
+        now): kept for ``loom drain`` (the ``drains`` query), logged, and recorded once per run as
+        a ``drain`` verdict (``stay``, no target, the reason with what it needs) for ``loom
+        migrations --verdicts`` and ``loom explain``. A job that found room leaves the list."""
+        moving = {j.job_id for j in chosen}
+        left = [j for j in candidates if j.job_id not in moving]
+        if all(j.job_id in room for j in left):
+            self._drain_waiting[cluster] = {}
+            return
+        known = await moves.known_clusters(self.pool)
+        closed = await moves.drained_clusters(self.pool)
+        why = waiting_for_capacity(cluster, left, room, known, closed)
+        waiting = self._drain_waiting.setdefault(cluster, {})
+        now = time.time()
+        kept: dict[tuple[str, int], dict[str, Any]] = {}
+        records = []
+        for job in left:
+            if job.job_id not in why:
+                continue
+            key = (job.job_id, job.attempt)
+            before = waiting.get(key)
+            kept[key] = {
+                "job_id": job.job_id,
+                "attempt": job.attempt,
+                "needs": needs(job),
+                "why": why[job.job_id],
+                "since": before["since"] if before else now,
+            }
+            if before is None and job.job_id in verdicts:  # judged: placement answered, no room
+                records.append(
+                    moves.VerdictRow(
+                        job_id=job.job_id,
+                        attempt=job.attempt,
+                        trigger="drain",
+                        decision="stay",
+                        source=cluster,
+                        target=None,
+                        reason=why[job.job_id],
+                        gain_s=None,
+                        cost_s=None,
+                        threshold_s=None,
+                        margin_s=None,
+                        link="",
+                    )
+                )
+                log.info("drain waits for capacity", cluster=cluster, job_id=job.job_id, needs=needs(job))
+        self._drain_waiting[cluster] = kept
+        if records:
+            async with transaction(self.pool) as conn:
+                await moves.record_verdicts(conn, records)
 
     async def _plan(self, job: DrainJob, run: asyncpg.Record, cluster: str) -> None:
         """Plan one move: record it and ask the run's lead agent for a checkpoint now."""
@@ -1195,7 +1291,10 @@ class MigrationService:
                     limit=min(int(request.get("limit", 200)), 10_000),
                 )
             elif op == "drains":
-                result = await moves.drains(self.pool)
+                result = [
+                    {**d, "waiting": list(self._drain_waiting.get(d["cluster"], {}).values())}
+                    for d in await moves.drains(self.pool)
+                ]
             elif op == "replicas":
                 result = await replica_store.list_replicas(
                     self.pool,

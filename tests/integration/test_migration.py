@@ -255,3 +255,63 @@ async def test_a_returning_agent_stops_its_orphaned_runs_and_a_fenced_checkpoint
     finally:
         await dlq.unsubscribe()
         await client.close()
+
+
+async def test_a_drain_job_with_no_room_elsewhere_keeps_running_says_so_and_moves_when_room_appears(
+    platform: Platform,
+) -> None:
+    # c-sea1-a's 4 T4 GPUs are taken: c-weu-a's job has feasible GPUs elsewhere (the drain is not
+    # refused) but no room there now. It must keep running, say it waits for capacity and what it
+    # needs, and move once a blocker ends (before: its run was given up and it sat queued).
+    await platform.start("metrics")
+    await platform.start("placement")
+    await platform.start("migration")
+    await platform.start(f"agent-{OTHER}")
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    try:
+        blockers = [f"blk-{i}" for i in range(4)]
+        for job_id in blockers:
+            await client.submit(_job(job_id, step_time_s=2400.0))
+        await until(lambda: _running_at(client, blockers, OTHER, 1), 10, "c-sea1-a full")
+        await platform.start(f"agent-{DRAINED}")
+        await client.submit(_job("stuck"))
+        await until(lambda: _running_at(client, ["stuck"], DRAINED, 1), 10, "the job on c-weu-a")
+        await until(lambda: _progressed(client, ["stuck"], 0.1), 15, "a checkpoint passed")
+
+        accepted = await _ask(client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED, "concurrency": 2})
+        assert accepted["ok"] is True and accepted["jobs"] == 1, accepted
+
+        async def waiting() -> list[dict[str, Any]] | None:
+            drains = await _ask(client, subjects.MIGRATE_QUERY, {"op": "drains"})
+            mine = [d for d in drains["result"] if d["cluster"] == DRAINED]
+            return mine[0]["waiting"] or None if mine else None
+
+        listed = await until(waiting, 5, "the drain to say the job waits for capacity")
+        assert [(w["job_id"], w["needs"]) for w in listed] == [("stuck", "1 x T4")]
+        assert "waits for capacity" in listed[0]["why"] and f"{OTHER} 4" in listed[0]["why"]
+        await asyncio.sleep(1.0)  # a few drain passes: it stays put, nothing given up
+        assert await _running_at(client, ["stuck"], DRAINED, 1)
+        assert await db.fetchval("SELECT count(*) FROM migrations") == 0
+        verdict = await db.fetchrow(
+            "SELECT * FROM migration_verdicts WHERE job_id = 'stuck' AND trigger = 'drain'"
+        )
+        assert verdict["decision"] == "stay" and verdict["target"] is None
+        assert verdict["reason"].startswith("waits for capacity: needs 1 x T4")
+
+        await client.cancel("blk-0")  # room appears: the drain asks again and moves it there
+        await until(lambda: _running_at(client, ["stuck"], OTHER, 2), 15, "the job moved to c-sea1-a")
+        state = await until(
+            lambda: db.fetchval(
+                "SELECT state FROM cluster_drains WHERE cluster = $1 AND state = 'drained'", DRAINED
+            ),
+            10,
+            "the drain to end",
+        )
+        assert state == "drained"
+        row = await db.fetchrow("SELECT * FROM migrations WHERE job_id = 'stuck'")
+        assert row["state"] == "completed" and row["to_cluster"] == OTHER and row["resume_step"] >= 10
+        assert await waiting() is None
+    finally:
+        await db.close()
+        await client.close()

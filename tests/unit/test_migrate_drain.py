@@ -101,3 +101,55 @@ def test_drains_rank_by_the_planners_net_benefit_and_jobs_without_a_verdict_come
     assert ordered[:3] == [v.job_id for v in plan.start] == ["slow", "mid", "fast"]
     # No room elsewhere now (no target): after those that have one, by the work left.
     assert ordered[3:] == ["unknown", "small", "nowhere"]
+
+
+def _verdict(job_id: str, target: str | None) -> object:
+    from loom.migrate.benefit import Candidate, PathState, RunningJobState, decide
+
+    state = RunningJobState(
+        job_id=job_id, job_class="training", cluster="a", region="r", steps=100, steps_done=10.0, step_s=1.0
+    )
+    candidate = Candidate(target, "r", 1.0) if target is not None else None
+    return decide(state, candidate, PathState(1.0, 10.0), now_s=0.0, trigger="drain")
+
+
+def test_a_job_no_placement_elsewhere_has_room_for_stays_running_until_room_appears_or_the_deadline() -> None:
+    from loom.migrate.drain import placeable, waiting_for_capacity
+
+    jobs = [_job("room", step=20), _job("full", gpus=4, step=50), _job("stale", step=10), _job("unasked")]
+    verdicts = {
+        "room": _verdict("room", "b"),
+        "full": _verdict("full", None),
+        "stale": _verdict("stale", "a"),
+    }
+    # A target on the drained cluster itself is a what-if from before placement heard of the drain.
+    room = placeable("a", verdicts)  # type: ignore[arg-type]
+    assert room == {"room"}
+    ordered = order_moves(jobs, verdicts)  # type: ignore[arg-type]
+    # Before the deadline only the job with room elsewhere moves: giving the others' runs up would
+    # only queue them, their GPUs lost, with nowhere to go. Past the deadline every job goes.
+    now = next_moves(ordered, in_flight=0, concurrency=3, past_deadline=False, room=room)
+    assert [j.job_id for j in now] == ["room"]
+    late = next_moves(ordered, in_flight=0, concurrency=3, past_deadline=True, room=room)
+    assert {j.job_id for j in late} == {"room", "full", "stale", "unasked"}
+    # Room appears (placement's next answer names a target): it moves on the next pass.
+    again = placeable("a", {**verdicts, "full": _verdict("full", "b")})  # type: ignore[dict-item]
+    assert [
+        j.job_id for j in next_moves(ordered, in_flight=0, concurrency=3, past_deadline=False, room=again)
+    ] == [
+        "room",
+        "full",
+    ]
+
+    waiting = waiting_for_capacity("a", jobs, room, GPUS, closed=set())
+    assert set(waiting) == {"full", "stale", "unasked"}
+    why = waiting["full"]
+    assert why.startswith("waits for capacity: needs 4 x T4 on another open cluster")
+    assert "4 such GPU(s) on other open clusters in all: b 4" in why and "keeps running" in why
+    # A closed cluster's GPUs are not counted; a job that takes any GPU counts every model.
+    assert (
+        "0 such GPU(s) on other open clusters in all: none"
+        in waiting_for_capacity("a", [_job("x")], set(), GPUS, closed={"b"})["x"]
+    )
+    anyg = waiting_for_capacity("a", [_job("any", models=())], set(), GPUS, closed=set())["any"]
+    assert "needs 1 x any GPU" in anyg and "12 such GPU(s)" in anyg and "b 4, c 8" in anyg

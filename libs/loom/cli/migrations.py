@@ -126,7 +126,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
             else:
                 console.print(
                     f"{args.cluster} draining: {answer['jobs']} job(s) to move,"
-                    f" {answer['concurrency']} at a time (`loom migrations --cluster {args.cluster}`)"
+                    f" {answer['concurrency']} at a time (`loom migrations --cluster {args.cluster}`"
+                    " lists the moves and any job that waits for capacity elsewhere)"
                 )
             return 0
         return await _follow(client, args, answer)
@@ -140,24 +141,37 @@ async def _follow(client: LoomClient, args: argparse.Namespace, answer: dict[str
     total = int(answer["jobs"])
     state = "draining"
     moves: list[dict[str, Any]] = []
+    waiting: list[dict[str, Any]] = []
+    told: set[str] = set()
     while time.monotonic() - start < args.timeout:
         drains = await ask(client, subjects.MIGRATE_QUERY, {"op": "drains"})
         listed = await ask(client, subjects.MIGRATE_QUERY, {"op": "list", "cluster": args.cluster})
         mine = [d for d in drains.get("result", []) if d["cluster"] == args.cluster]
         moves = [m for m in listed.get("result", []) if m["cause"] == "drain"]
         state = mine[0]["state"] if mine else "undrained"
+        waiting = mine[0].get("waiting", []) if mine else []
         done = sum(1 for m in moves if m["state"] == "completed")
         moving = sum(1 for m in moves if m["state"] in ("planned", "started"))
         if not args.json:
             console.print(
                 f"[{time.monotonic() - start:6.1f}s] {args.cluster} {state}:"
-                f" {done} moved, {moving} in flight (of {total} at the start)"
+                f" {done} moved, {moving} in flight, {len(waiting)} waiting for capacity"
+                f" (of {total} at the start)"
             )
+            for w in waiting:
+                if w["job_id"] not in told:
+                    told.add(w["job_id"])
+                    console.print(f"  {w['job_id']} {w['why']}")
         if state != "draining":
             break
         await asyncio.sleep(1.0)
     if args.json:
-        print(json.dumps({**answer, "state": state, "moves": moves}))
+        print(json.dumps({**answer, "state": state, "moves": moves, "waiting_for_capacity": waiting}))
+    elif waiting and state == "draining":
+        err.print(
+            f"{args.cluster} not empty: {len(waiting)} job(s) wait for capacity elsewhere (they keep"
+            " running here and move when room appears; --deadline moves them anyway)"
+        )
     return 0 if state == "drained" else 1
 
 
@@ -199,6 +213,12 @@ def cmd_migrations(args: argparse.Namespace) -> int:
             return 0
         tables = {"verdicts": verdicts_table, "replicas": replicas_table}
         console.print(tables.get(op, migrations_table)(rows))
+        if op == "list":  # a drain's jobs that have not moved yet, and why
+            drains = await ask(client, subjects.MIGRATE_QUERY, {"op": "drains"})
+            for d in drains.get("result", []) if drains.get("ok") else []:
+                for w in d.get("waiting", []):
+                    if args.cluster in (None, d["cluster"]) and args.job in (None, w["job_id"]):
+                        console.print(f"drain of {d['cluster']}: {w['job_id']} not moved, {w['why']}")
         return 0
 
     return _with_client(work)

@@ -7,7 +7,10 @@ time, each at a checkpoint boundary. This module holds the decisions:
   on any other open cluster (``--force`` overrides it);
 * :func:`order_moves` — which jobs move first: the largest net benefit first, ranked like every
   other migration plan (:func:`loom.migrate.benefit.rank_key`);
-* :func:`next_moves` — how many more may start now, under the drain's concurrency.
+* :func:`next_moves` — how many more may start now, under the drain's concurrency;
+* :func:`waiting_for_capacity` — the jobs that stay where they are for now, because no placement on
+  another open cluster has room for them (they keep running and are asked about again each pass;
+  past the drain's deadline they move anyway), each with what it needs.
 """
 
 from __future__ import annotations
@@ -85,13 +88,73 @@ def order_moves(
     return judged + unjudged
 
 
+def placeable(cluster: str, verdicts: Mapping[str, MigrationVerdict]) -> set[str]:
+    """The jobs whose ``drain`` verdict names a target off ``cluster``: placement found room for
+    them elsewhere now. (A target on the drained cluster itself is a what-if answered before
+    placement heard of the drain: no room elsewhere, as far as anyone knows.)"""
+    return {job_id for job_id, v in verdicts.items() if v.target is not None and v.target != cluster}
+
+
 def next_moves(
-    ordered: Sequence[DrainJob], *, in_flight: int, concurrency: int, past_deadline: bool
+    ordered: Sequence[DrainJob],
+    *,
+    in_flight: int,
+    concurrency: int,
+    past_deadline: bool,
+    room: Collection[str] | None = None,
 ) -> list[DrainJob]:
     """The moves to start now: up to ``concurrency`` in flight, all at once past the deadline.
 
-    A job that declares no checkpoints would restart from step 0: it waits for the deadline."""
-    movable = [j for j in ordered if j.checkpoint_every_steps > 0 or past_deadline]
+    A job that declares no checkpoints would restart from step 0: it waits for the deadline.
+    ``room``: the jobs placement found room for elsewhere (:func:`placeable`); before the deadline
+    the others stay and keep running (giving their run up would only queue them, their GPUs lost
+    and nowhere to go): :func:`waiting_for_capacity`. None: every job may move."""
+    movable = [
+        j
+        for j in ordered
+        if past_deadline or (j.checkpoint_every_steps > 0 and (room is None or j.job_id in room))
+    ]
     if past_deadline:
         return movable
     return movable[: max(concurrency - in_flight, 0)]
+
+
+def needs(job: DrainJob) -> str:
+    """What a job needs elsewhere, in words: ``4 x T4`` (``4 x any GPU`` when it accepts any)."""
+    return f"{job.gpus} x {'/'.join(job.gpu_models) or 'any GPU'}"
+
+
+def waiting_for_capacity(
+    cluster: str,
+    jobs: Iterable[DrainJob],
+    room: Collection[str],
+    gpus_by_cluster: Mapping[str, Mapping[str, int]],
+    closed: Collection[str],
+) -> dict[str, str]:
+    """Job id -> why it stays on ``cluster`` for now: no placement on another open cluster has
+    room for it (it is not in ``room``), with what it needs and how many such GPUs the other open
+    clusters have in all (taken now: it moves as soon as some are free, or at the deadline)."""
+    shut = set(closed) | {cluster}
+    out: dict[str, str] = {}
+    for job in jobs:
+        if job.job_id in room:
+            continue
+        where = {
+            c: n
+            for c, models in sorted(gpus_by_cluster.items())
+            if c not in shut
+            and (n := sum(k for m, k in models.items() if not job.gpu_models or m in job.gpu_models)) > 0
+        }
+        total = sum(where.values())
+        held = ", ".join(f"{c} {n}" for c, n in where.items()) or "none"
+        out[job.job_id] = (
+            f"waits for capacity: needs {needs(job)} on another open cluster; no placement has room"
+            f" for it now ({total} such GPU(s) on other open clusters in all: {held}); it keeps"
+            " running here and is asked about again until room appears"
+            + (
+                ""
+                if job.checkpoint_every_steps > 0
+                else " (and declares no checkpoints: it moves at the deadline)"
+            )
+        )
+    return out
