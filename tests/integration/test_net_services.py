@@ -22,6 +22,7 @@ from waiting import until as _until
 from loom.client import LoomClient
 from loom.model.topology import Topology, load_topology
 from loom.net.burst import BurstConfig
+from loom.netemu import UdpEchoServer, UdpProber
 from loom.runtime.servers import NatsServer
 from loom.runtime.service import ServiceContext, close_context, open_context
 from loom_proto import subjects
@@ -362,3 +363,51 @@ async def test_a_link_losing_3_percent_is_degraded_soon_after_its_first_lost_pro
 
 async def _ready(value: list[Any]) -> list[Any] | None:
     return value or None
+
+
+async def test_an_unemulated_burst_on_a_healthy_link_loses_almost_nothing_and_ends_good(
+    nats_url: str,
+) -> None:
+    """Probing a real echo endpoint directly (no emulator): a burst goes out at most
+    ``burst_max_per_tick`` probes a tick, so a healthy link's burst does not overflow the echo
+    socket's receive buffer (600 back to back lost more than half) and ends *good*."""
+    per_tick = int(os.environ.get("LOOM_BURST_MAX_PER_TICK", CollectorConfig().burst_max_per_tick))
+    config = CollectorConfig(
+        period_s=PERIOD_S,
+        probe_timeout_s=1.5,
+        emulate=False,
+        bandwidth_every_s=0,
+        burst_max_per_tick=per_tick,
+    )
+    ctx = await open_context("probe-direct-test", nats_url=nats_url, database_url=None)
+    sender: asyncio.Task[None] | None = None
+    try:
+        collector = ProbeCollector(ctx, load_topology("small"), WEU, config)
+        link = collector.links[SEA1]
+        async with (
+            UdpEchoServer() as echo,
+            UdpProber(
+                echo.address, timeout_s=config.probe_timeout_s, on_result=collector._result_handler(link)
+            ) as prober,
+        ):
+            collector.probing[SEA1] = prober
+            sender = asyncio.create_task(collector._send_loop())
+            await asyncio.sleep(3 * PERIOD_S)  # some steady probes first: a healthy window
+            collector.burst.on_result(SEA1, time.time(), True)  # one lost probe: suspicion
+
+            async def ended() -> dict[str, int] | None:
+                counts = collector.burst.counts()
+                done = sum(counts[f"burst_ended_{r}"] for r in ("bad", "good", "capped"))
+                return counts if done else None
+
+            counts = await until(ended, 40 * PERIOD_S + 5.0, "the burst to end")
+            sent, lost = collector.counts["burst_probes_sent"], collector.counts["burst_probes_lost"]
+            print(f"direct burst, {per_tick} a tick: {sent} sent, {lost} lost, ends {counts}")
+            assert sent >= BurstConfig().for_period(PERIOD_S).link.short_loss_probes
+            assert lost <= max(2, sent // 100), (sent, lost)
+            assert counts["burst_ended_good"] == 1 and counts["burst_ended_bad"] == 0
+    finally:
+        if sender is not None:
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+        await close_context(ctx)
