@@ -24,11 +24,12 @@ that share of the probes instead; its lost probes come at the collector's probe 
 ``before`` is the chain as it was (rounds of 5 only, 3 suspects for any shift, evaluation at
 the tick, review 0.3 s); ``steady`` the current defaults without loss bursts; ``after`` the
 current defaults: the collector's burst policy (:class:`loom.net.burst.BurstPlanner`, the same
-code) sends extra probes on a link it suspects of loss, all in the period it plans them (a WAN
-link: no bandwidth cap), their results as one ``udp_burst`` sample per period
-(:class:`~loom_services.probe_collector.collector.BurstRounds`). Loss trials also report the
-periods from the change to the first lost probe sent, and from it to the event; false-positive
-runs the burst probes per link-hour (and over the steady probes) and how the bursts ended.
+code) sends extra probes on a link it suspects of loss, at most ``burst_max_per_tick`` a send
+tick of the period it plans them (a WAN link: no bandwidth cap), their results as one
+``udp_burst`` sample per period (:class:`~loom_services.probe_collector.collector.BurstRounds`).
+Loss trials also report the periods from the change to the first lost probe sent, and from it
+to the event; false-positive runs the burst probes per link-hour (and over the steady probes) and
+how the bursts ended.
 """
 
 import argparse
@@ -171,9 +172,14 @@ def _simulate(  # noqa: PLR0912, PLR0915 (one event loop, its branches are the s
             assert planner is not None
             for sample in bursts.seal():
                 push((int(at / interval) + 1) * interval + linger, "ingest", sample)
-            left = planner.plan(T0 + at, overdue_s).get("b", 0)
-            if left:
-                push(at, "burst", left)  # all at once, as the collector on a WAN link (no bandwidth cap)
+            # As the collector: at most burst_max_per_tick a send tick (a WAN link: no bandwidth cap).
+            per_tick = max(collector.burst_max_per_tick, 1)
+            left = planner.plan(T0 + at, overdue_s, limits={"b": per_tick * PROBES}).get("b", 0)
+            for j in range(PROBES):
+                if left <= 0:
+                    break
+                push(at + j * interval, "burst", min(per_tick, left))
+                left -= per_tick
         elif kind == "burst":
             assert planner is not None
             for _ in range(what):

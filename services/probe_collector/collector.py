@@ -99,6 +99,16 @@ class CollectorConfig:
     """A burst probe unanswered after this many smoothed RTTs (at least ``burst_overdue_min_s``)
     counts as lost when the burst policy asks whether the loss is clearly low."""
     burst_overdue_min_s: float = 0.3
+    burst_max_per_tick: int = 40
+    """Burst probes sent back to back on one link at one tick, emulated or not: probing a real
+    echo endpoint directly, 600 back to back overflow a default socket receive buffer (83 of 735
+    lost in the direct-burst test here, 344 of 600 in review) and the burst finds loss of its own
+    making. A period's burst is at
+    most this many per tick, the rest at the period's next ticks."""
+    burst_stall_s: float = 0.25
+    """A loop lag beyond this (a probe's timeout reported this late, or a send tick missed by
+    it) holds new burst episodes for the next period: answers still unread in the socket were
+    counted lost, on every link at once."""
 
 
 class EmulatorRequest:
@@ -388,6 +398,8 @@ class ProbeCollector:
         """The burst probes of the links being probed now, by peer region."""
         self._burst_left: dict[str, int] = {}
         """Burst probes still to send this period, by peer region."""
+        self._stalled = False
+        """The loop lagged beyond ``burst_stall_s`` since the last period's burst plan."""
         self._ticked = asyncio.Event()
         self._urgent = asyncio.Event()
         """Set when a sample showing a level shift is queued: the batch goes out at once."""
@@ -423,6 +435,10 @@ class ProbeCollector:
             "burst_ended_bad": 0,
             "burst_ended_good": 0,
             "burst_ended_capped": 0,
+            "burst_active": 0,
+            "burst_held": 0,
+            "send_ticks_late": 0,
+            "probes_lost_late": 0,
         }
         ctx.stats.update({"region": region, "counts": self.counts, "links": {}})
 
@@ -541,18 +557,27 @@ class ProbeCollector:
         # One clock for every link: each tick sends the next probe to every peer being probed, so
         # the collector wakes ``probes_per_period`` times a period, not that many times per link.
         # A period's burst probes (if a link has one) go out after the steady ones, from its first
-        # tick on, as many per tick as the link passes (``burst_queue_ms``).
+        # tick on, as many per tick as the link passes (``burst_queue_ms``, ``burst_max_per_tick``).
+        # After a stall the missed ticks are not made up: the clock restarts from now, and that
+        # tick sends no burst probes (back-to-back ticks would each send a burst share at once).
         loop = asyncio.get_running_loop()
         ticks = max(self.config.probes_per_period, 1)
         interval_s = self.config.period_s / ticks
         due = loop.time()
         for tick in itertools.count():
+            lag = loop.time() - due
+            late = lag > interval_s
+            if late:
+                due = loop.time()
+                self.counts["send_ticks_late"] += 1
+            if lag > self.config.burst_stall_s:
+                self._stalled = True
             if tick % ticks == 0:
                 self._plan_bursts()
             for prober in list(self.probing.values()):
                 prober.send()
                 self.counts["probes_sent"] += 1
-            if self._burst_left:
+            if self._burst_left and not late:
                 self._send_bursts(ticks - tick % ticks)
             self._ticked.set()
             due += interval_s
@@ -570,8 +595,12 @@ class ProbeCollector:
             srtt = self.links[dst].srtt_ms
             wait = config.probe_timeout_s if srtt is None else config.burst_overdue_rtts * srtt / 1000.0
             overdue[dst] = min(max(wait, config.burst_overdue_min_s), config.probe_timeout_s)
-        plan = self.burst.plan(time.time(), overdue)
+        ticks = max(config.probes_per_period, 1)
+        limits = {dst: self._burst_per_tick(self.links[dst]) * ticks for dst in self.probing}
+        lagging, self._stalled = self._stalled, False
+        plan = self.burst.plan(time.time(), overdue, lagging=lagging, limits=limits)
         self._burst_left = {dst: n for dst, n in plan.items() if dst in self.probing}
+        # The planner's totals survive a link's reset: cumulative, never backwards.
         self.counts.update(self.burst.counts())
 
     def _send_bursts(self, ticks_left: int) -> None:
@@ -595,14 +624,17 @@ class ProbeCollector:
                 del self._burst_left[dst]
 
     def _burst_per_tick(self, link: PeerLink) -> int:
+        """Burst probes one tick sends on ``link``: ``burst_max_per_tick``, and emulated no more
+        than the link passes in ``burst_queue_ms``."""
+        most = max(self.config.burst_max_per_tick, 1)
         mbps = min(
             (m for m in (link.forward.bandwidth_mbps, link.reverse.bandwidth_mbps) if m is not None),
             default=None,
         )
         if mbps is None or not self.config.emulate:
-            return self.config.burst.max_per_period
+            return most
         bits = 8.0 * 64  # a probe's payload (UdpProber's default)
-        return max(int(mbps * 1e6 * self.config.burst_queue_ms / 1000.0 / bits), 1)
+        return min(max(int(mbps * 1e6 * self.config.burst_queue_ms / 1000.0 / bits), 1), most)
 
     def _enqueue_burst(self, sample: ProbeSample) -> None:
         self.counts["burst_samples"] += 1
@@ -632,6 +664,10 @@ class ProbeCollector:
             burst = bursts.owns(result.seq)
             if lost:
                 self.counts["burst_probes_lost" if burst else "probes_lost"] += 1
+                if time.time() - result.sent_at - self.config.probe_timeout_s > self.config.burst_stall_s:
+                    # Its timeout fired late: the loop stalled, and an answer may be in the socket.
+                    self._stalled = True
+                    self.counts["probes_lost_late"] += 1
             else:
                 link.last_answer_at = time.monotonic()
             planner.on_result(link.dst, time.time(), lost, burst, result.sent_at)

@@ -22,6 +22,7 @@ from waiting import until as _until
 from loom.client import LoomClient
 from loom.model.topology import Topology, load_topology
 from loom.net.burst import BurstConfig
+from loom.netemu import UdpEchoServer, UdpProber
 from loom.runtime.servers import NatsServer
 from loom.runtime.service import ServiceContext, close_context, open_context
 from loom_proto import subjects
@@ -362,3 +363,96 @@ async def test_a_link_losing_3_percent_is_degraded_soon_after_its_first_lost_pro
 
 async def _ready(value: list[Any]) -> list[Any] | None:
     return value or None
+
+
+async def test_an_unemulated_burst_on_a_healthy_link_loses_almost_nothing_and_ends_good(
+    nats_url: str,
+) -> None:
+    """Probing a real echo endpoint directly (no emulator): a burst goes out at most
+    ``burst_max_per_tick`` probes a tick, so a healthy link's burst does not overflow the echo
+    socket's receive buffer (600 back to back lost more than half) and ends *good*."""
+    per_tick = int(os.environ.get("LOOM_BURST_MAX_PER_TICK", CollectorConfig().burst_max_per_tick))
+    config = CollectorConfig(
+        period_s=PERIOD_S,
+        probe_timeout_s=1.5,
+        emulate=False,
+        bandwidth_every_s=0,
+        burst_max_per_tick=per_tick,
+    )
+    ctx = await open_context("probe-direct-test", nats_url=nats_url, database_url=None)
+    sender: asyncio.Task[None] | None = None
+    try:
+        collector = ProbeCollector(ctx, load_topology("small"), WEU, config)
+        link = collector.links[SEA1]
+        async with (
+            UdpEchoServer() as echo,
+            UdpProber(
+                echo.address, timeout_s=config.probe_timeout_s, on_result=collector._result_handler(link)
+            ) as prober,
+        ):
+            collector.probing[SEA1] = prober
+            sender = asyncio.create_task(collector._send_loop())
+            await asyncio.sleep(3 * PERIOD_S)  # some steady probes first: a healthy window
+
+            async def started() -> bool:
+                # One lost probe: suspicion (again if a lagging loop held the period).
+                if not collector.burst.counts()["burst_episodes"]:
+                    collector.burst.on_result(SEA1, time.time(), True)
+                    return False
+                return True
+
+            await until(started, 20 * PERIOD_S, "an episode to start")
+
+            async def ended() -> dict[str, int] | None:
+                counts = collector.burst.counts()
+                done = sum(counts[f"burst_ended_{r}"] for r in ("bad", "good", "capped"))
+                return counts if done else None
+
+            counts = await until(ended, 40 * PERIOD_S + 5.0, "the burst to end")
+            sent, lost = collector.counts["burst_probes_sent"], collector.counts["burst_probes_lost"]
+            print(f"direct burst, {per_tick} a tick: {sent} sent, {lost} lost, ends {counts}")
+            assert sent >= BurstConfig().for_period(PERIOD_S).link.short_loss_probes
+            assert lost <= max(2, sent // 100), (sent, lost)
+            assert counts["burst_ended_good"] == 1 and counts["burst_ended_bad"] == 0
+    finally:
+        if sender is not None:
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+        await close_context(ctx)
+
+
+async def test_a_loop_stall_neither_bursts_back_to_back_nor_starts_an_episode(nats_url: str) -> None:
+    """A stall of the collector's loop longer than the probe timeout: the probes' answers wait in
+    the sockets while their timers fire late, counted lost. The send clock restarts instead of
+    firing the missed ticks back to back, and the next period holds new burst episodes."""
+    config = CollectorConfig(period_s=PERIOD_S, probe_timeout_s=1.0, emulate=False, bandwidth_every_s=0)
+    ctx = await open_context("probe-stall-test", nats_url=nats_url, database_url=None)
+    sender: asyncio.Task[None] | None = None
+    try:
+        collector = ProbeCollector(ctx, load_topology("small"), WEU, config)
+        link = collector.links[SEA1]
+        async with (
+            UdpEchoServer() as echo,
+            UdpProber(
+                echo.address, timeout_s=config.probe_timeout_s, on_result=collector._result_handler(link)
+            ) as prober,
+        ):
+            collector.probing[SEA1] = prober
+            sender = asyncio.create_task(collector._send_loop())
+            await asyncio.sleep(3 * PERIOD_S)  # a healthy window first
+            sent = collector.counts["probes_sent"]
+            for _ in range(3):
+                prober.send()
+            time.sleep(config.probe_timeout_s + 0.5)  # noqa: ASYNC251 -- the stall under test: the loop blocked
+            await asyncio.sleep(5 * PERIOD_S)
+            counts = collector.counts
+            ticks = counts["probes_sent"] - sent
+            assert counts["probes_lost_late"] >= 1 and counts["send_ticks_late"] >= 1
+            assert ticks <= 5 * config.probes_per_period + 3, ticks  # no missed ticks made up
+            burst = collector.burst.counts()
+            assert burst["burst_held"] >= 1 and burst["burst_episodes"] == 0, burst
+    finally:
+        if sender is not None:
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+        await close_context(ctx)

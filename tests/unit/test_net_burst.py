@@ -190,6 +190,8 @@ def test_the_collector_share_and_the_token_bucket_bound_bursts() -> None:
     planner = BurstPlanner(config)
     for key in ("x", "y", "z"):
         planner.on_result(key, T0, True)
+    for key in ("q", "u", "v", "w"):  # most links lost nothing (all losing at once holds bursts)
+        planner.on_result(key, T0, False)
     plan = planner.plan(T0 + 1, 0.5)
     assert sum(plan.values()) <= 500 and set(plan) == {"x", "y", "z"}
     # The bucket: what a link sent is gone from it, refilled at budget_per_s.
@@ -254,3 +256,63 @@ def test_the_model_of_the_chain_sees_3_percent_loss_sooner_with_bursts() -> None
     assert burst["event_periods"]["mean"] < steady["event_periods"]["mean"] or steady["missed"] > 0
     # Once a probe is lost, the burst's verdict comes within a few periods (two probe timeouts).
     assert burst["event_after_first_lost_probe_periods"]["max"] < 10
+
+
+def test_no_episode_starts_while_the_collector_lags_or_most_links_lose_a_probe() -> None:
+    planner = BurstPlanner(BurstConfig())
+    keys = ("x", "y", "z")
+    for key in keys:
+        planner.on_result(key, T0, False)
+    # A stall: the probe timers of every link fired late, each link "lost" a probe.
+    for key in keys:
+        planner.on_result(key, T0 + 0.5, True)
+    assert planner.plan(T0 + 1, dict.fromkeys(keys, 0.5)) == {}  # most links at once: the host
+    assert planner.held == 1 and planner.counts()["burst_episodes"] == 0
+    # One link alone losing a probe starts one, unless the collector says it is lagging.
+    planner.on_result("x", T0 + 1.5, True)
+    assert planner.plan(T0 + 2, dict.fromkeys(keys, 0.5), lagging=True) == {}
+    assert planner.counts()["burst_held"] == 2 and not planner.links["x"].active
+    planner.on_result("x", T0 + 2.5, True)
+    plan = planner.plan(T0 + 3, dict.fromkeys(keys, 0.5))
+    assert set(plan) == {"x"} and planner.counts()["burst_episodes"] == 1
+    # An episode going on goes on while the collector lags; none starts elsewhere.
+    planner.on_result("y", T0 + 3.5, True)
+    again = planner.plan(T0 + 4, dict.fromkeys(keys, 0.5), lagging=True)
+    assert planner.links["x"].active and "y" not in again and not planner.links["y"].active
+
+
+def test_only_the_links_being_probed_are_planned_and_the_limits_hold() -> None:
+    config = BurstConfig(max_per_collector_period=300)
+    planner = BurstPlanner(config)
+    for key in ("gone", "x"):
+        planner.on_result(key, T0, True)
+    # "gone" has no prober (not in overdue_s): not planned, and takes none of the collector's budget.
+    plan = planner.plan(T0 + 1, {"x": 0.5})
+    assert set(plan) == {"x"} and plan["x"] == 300
+    assert not planner.links["gone"].active and planner.links["gone"].bucket.tokens == config.max_per_episode
+    # A per-period limit (what the collector can send on the link) caps the grant and the tokens taken.
+    other = BurstPlanner(config)
+    other.on_result("x", T0, True)
+    assert other.plan(T0 + 1, {"x": 0.5}, limits={"x": 120}) == {"x": 120}
+    assert other.links["x"].bucket.tokens == pytest.approx(config.max_per_episode - 120)
+
+
+def test_burst_counts_never_go_backwards_when_a_link_is_reset() -> None:
+    planner = BurstPlanner(BurstConfig())
+    planner.on_result("x", T0, True)
+    plan = planner.plan(T0 + 1, {"x": 0.5})
+    planner.on_sent("x", T0 + 1, plan["x"])
+    for _ in range(plan["x"]):
+        planner.on_result("x", T0 + 1.2, False, burst=True, sent_at=T0 + 1)
+    planner.plan(T0 + 2, {"x": 0.5})
+    before = planner.counts()
+    assert before["burst_episodes"] == 1 and before["burst_ended_good"] == 1
+    assert before["burst_probes"] == plan["x"]
+    planner.reset("x")  # a new prober for the link
+    after = planner.counts()
+    assert {k: after[k] for k in before if k != "burst_active"} == {
+        k: before[k] for k in before if k != "burst_active"
+    }
+    planner.on_result("x", T0 + 100, True)
+    planner.plan(T0 + 101, {"x": 0.5})
+    assert planner.counts()["burst_episodes"] == 2

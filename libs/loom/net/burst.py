@@ -22,9 +22,14 @@ collector instead sends a bounded **burst** of extra probes on one link when it 
   counted lost) would show so few losses with probability below ``clear_beta`` were the link
   losing ``clear_loss`` (:func:`binomial_head`), and *capped* at ``max_per_episode`` probes;
   then a ``cooldown_s`` before the link can burst again;
-* **limits**: ``max_per_period`` probes a period per link, a token bucket per link
-  (``budget_per_s`` probes a second on average, ``max_per_episode`` at most at once) and
-  ``max_per_collector_period`` per collector, shared evenly among the links that want more.
+* **limits**: ``max_per_period`` probes a period per link (and what the collector can send on
+  it, ``limits``), a token bucket per link (``budget_per_s`` probes a second on average,
+  ``max_per_episode`` at most at once) and ``max_per_collector_period`` per collector, shared
+  evenly among the links being probed that want more;
+* **hold**: no episode starts in a period the collector marks as lagging (its loop stalled, so
+  probe timers fired late and answers still in the socket counted lost), nor on any link when
+  most of the links (two at least) lost a steady probe since the last period: that is the
+  collector's host, not a link.
 
 The burst's probes are ordinary probes: their results go into the same loss window and the same
 significance rule on network perception's side, weighed by their sent / lost counts (the
@@ -295,10 +300,16 @@ class LinkBurst:
 
     # ---- per period ----------------------------------------------------------------------------
 
-    def want(self, now: float, overdue_s: float) -> int:
+    def steady_lost(self) -> int:
+        """Steady probes lost since the last period."""
+        return self._steady[1]
+
+    def want(self, now: float, overdue_s: float, hold: bool = False, limit: int | None = None) -> int:
         """Burst probes this link asks for in the period starting at ``now`` (before the
         collector's cap); starts and ends episodes. ``overdue_s``: a burst probe unanswered this
-        long counts as lost when deciding whether the loss is clearly low, and when sizing the burst."""
+        long counts as lost when deciding whether the loss is clearly low, and when sizing the burst.
+        ``hold``: start no episode this period (one going on goes on); ``limit``: at most this many
+        (what the collector can send on the link in a period)."""
         config = self.config
         link = config.link
         new_loss = self._flush(now)
@@ -320,7 +331,7 @@ class LinkBurst:
                 return self._end(now, "good")
             if self.episode_sent >= config.max_per_episode:
                 return self._end(now, "capped")
-        elif not self._start(now, evidence, new_loss):
+        elif hold or not self._start(now, evidence, new_loss):
             return 0
         remaining = config.max_per_episode - self.episode_sent
         needed = self._needed(evidence.long.sent, evidence.long.lost, now - overdue_s, remaining)
@@ -330,7 +341,8 @@ class LinkBurst:
         if needed <= 0:
             return 0  # what is in flight should do: wait for it
         spread = max(config.spread_periods - self.periods, 1.0)
-        return min(math.ceil(needed / spread), config.max_per_period, remaining)
+        cap = config.max_per_period if limit is None else min(limit, config.max_per_period)
+        return min(math.ceil(needed / spread), cap, remaining)
 
     def clear_probes(self) -> int:
         """Burst probes that end an episode *good* when none of them is lost."""
@@ -416,6 +428,10 @@ class BurstPlanner:
     def __init__(self, config: BurstConfig | None = None) -> None:
         self.config = config or BurstConfig()
         self.links: dict[str, LinkBurst] = {}
+        self.retired: dict[str, int] = dict.fromkeys(_TOTALS, 0)
+        """The totals of the links forgotten by :meth:`reset` (counts never go backwards)."""
+        self.held = 0
+        """Periods in which episodes were held (:meth:`plan`'s ``lagging``, or most links lost a probe)."""
 
     def link(self, key: str, now: float) -> LinkBurst:
         """The burst state of link ``key`` (created on first use)."""
@@ -425,8 +441,12 @@ class BurstPlanner:
         return state
 
     def reset(self, key: str) -> None:
-        """Forget link ``key`` (its prober was replaced: probes in flight will not come back)."""
-        self.links.pop(key, None)
+        """Forget link ``key`` (its prober was replaced: probes in flight will not come back);
+        its episodes and probes stay in :meth:`counts`."""
+        state = self.links.pop(key, None)
+        if state is not None:
+            for name, value in _link_totals(state).items():
+                self.retired[name] += value
 
     def on_result(
         self, key: str, now: float, lost: bool, burst: bool = False, sent_at: float | None = None
@@ -438,13 +458,32 @@ class BurstPlanner:
         """Burst probes sent on link ``key``."""
         self.link(key, now).on_sent(now, count)
 
-    def plan(self, now: float, overdue_s: dict[str, float] | float) -> dict[str, int]:
+    def plan(
+        self,
+        now: float,
+        overdue_s: dict[str, float] | float,
+        *,
+        lagging: bool = False,
+        limits: dict[str, int] | None = None,
+    ) -> dict[str, int]:
         """Burst probes to send on each link in the period starting at ``now`` (links with none
-        left out). ``overdue_s``: per link (or for all), when an unanswered probe counts as lost."""
+        left out). ``overdue_s``: per link being probed (only those are planned), or one for all
+        links, when an unanswered probe counts as lost. ``lagging``: the collector's loop lagged
+        since the last period (probe timers fired late): no episode starts. ``limits``: per link,
+        the most burst probes the collector can send on it in a period."""
+        if isinstance(overdue_s, int | float):
+            keys = sorted(self.links)
+        else:
+            keys = sorted(key for key in overdue_s if key in self.links)
+        # Most links losing a probe in the same period: the collector's host, not the links.
+        lost = sum(1 for key in keys if self.links[key].steady_lost())
+        hold = lagging or (lost >= 2 and 2 * lost > len(keys))
+        self.held += hold
         wants: dict[str, int] = {}
-        for key in sorted(self.links):
-            wait = overdue_s if isinstance(overdue_s, int | float) else overdue_s.get(key, 2.0)
-            want = self.links[key].want(now, wait)
+        for key in keys:
+            wait = overdue_s if isinstance(overdue_s, int | float) else overdue_s[key]
+            limit = None if limits is None else limits.get(key)
+            want = self.links[key].want(now, wait, hold, limit)
             if want > 0:
                 wants[key] = want
         if not wants:
@@ -454,16 +493,26 @@ class BurstPlanner:
         return {key: n for key, n in granted.items() if n > 0}
 
     def counts(self) -> dict[str, int]:
-        """Episodes, how they ended, burst probes sent: over all links."""
-        states = self.links.values()
-        out = {
-            "burst_episodes": sum(s.episodes for s in states),
-            "burst_probes": sum(s.probes for s in states),
-            "burst_active": sum(s.active for s in states),
-        }
-        for reason in ("bad", "good", "capped"):
-            out[f"burst_ended_{reason}"] = sum(s.ends[reason] for s in states)
+        """Episodes, how they ended, burst probes sent: over all links, those forgotten by
+        :meth:`reset` included (these never go backwards); episodes going on now; periods held."""
+        out = dict(self.retired)
+        for state in self.links.values():
+            for name, value in _link_totals(state).items():
+                out[name] += value
+        out["burst_active"] = sum(s.active for s in self.links.values())
+        out["burst_held"] = self.held
         return out
+
+
+_TOTALS = ("burst_episodes", "burst_probes", "burst_ended_bad", "burst_ended_good", "burst_ended_capped")
+
+
+def _link_totals(state: LinkBurst) -> dict[str, int]:
+    return {
+        "burst_episodes": state.episodes,
+        "burst_probes": state.probes,
+        **{f"burst_ended_{reason}": state.ends[reason] for reason in ("bad", "good", "capped")},
+    }
 
 
 def _share(wants: dict[str, int], cap: int) -> dict[str, int]:
