@@ -83,6 +83,18 @@ async def _progressed(client: LoomClient, jobs: list[str], fraction: float) -> b
     return all(j and j["progress"] >= fraction for j in found)
 
 
+async def _drained(db: asyncpg.Connection) -> None:
+    """Wait for the drain of ``DRAINED`` to end."""
+    state = await until(
+        lambda: db.fetchval(
+            "SELECT state FROM cluster_drains WHERE cluster = $1 AND state = 'drained'", DRAINED
+        ),
+        10,
+        "the drain to end",
+    )
+    assert state == "drained"
+
+
 async def test_a_drain_moves_every_job_from_its_checkpoint_two_at_a_time_and_undrain_reopens(
     platform: Platform,
 ) -> None:
@@ -124,14 +136,7 @@ async def test_a_drain_moves_every_job_from_its_checkpoint_two_at_a_time_and_und
         await platform.start("migration")
 
         moved = await until(lambda: _running_at(client, jobs, OTHER, 2), 30, "every job moved to c-sea1-a")
-        state = await until(
-            lambda: db.fetchval(
-                "SELECT state FROM cluster_drains WHERE cluster = $1 AND state = 'drained'", DRAINED
-            ),
-            10,
-            "the drain to end",
-        )
-        assert state == "drained"
+        await _drained(db)
         rows = await db.fetch("SELECT * FROM migrations ORDER BY planned_at")
         assert [r["state"] for r in rows] == ["completed"] * 4
         assert all(r["cause"] == "drain" and r["to_cluster"] == OTHER for r in rows)
@@ -301,14 +306,7 @@ async def test_a_drain_job_with_no_room_elsewhere_keeps_running_says_so_and_move
 
         await client.cancel("blk-0")  # room appears: the drain asks again and moves it there
         await until(lambda: _running_at(client, ["stuck"], OTHER, 2), 15, "the job moved to c-sea1-a")
-        state = await until(
-            lambda: db.fetchval(
-                "SELECT state FROM cluster_drains WHERE cluster = $1 AND state = 'drained'", DRAINED
-            ),
-            10,
-            "the drain to end",
-        )
-        assert state == "drained"
+        await _drained(db)
         row = await db.fetchrow("SELECT * FROM migrations WHERE job_id = 'stuck'")
         assert row["state"] == "completed" and row["to_cluster"] == OTHER and row["resume_step"] >= 10
         assert await waiting() is None

@@ -6,6 +6,7 @@ time constants to the period, so "periods" below mean the same as with 1 s perio
 """
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -365,6 +366,32 @@ async def _ready(value: list[Any]) -> list[Any] | None:
     return value or None
 
 
+@contextlib.asynccontextmanager
+async def _direct_probing(
+    nats_url: str, name: str, config: CollectorConfig
+) -> AsyncIterator[tuple[ProbeCollector, UdpProber]]:
+    """A collector probing a real echo endpoint directly (no emulator) on its send loop."""
+    ctx = await open_context(name, nats_url=nats_url, database_url=None)
+    sender: asyncio.Task[None] | None = None
+    try:
+        collector = ProbeCollector(ctx, load_topology("small"), WEU, config)
+        link = collector.links[SEA1]
+        async with (
+            UdpEchoServer() as echo,
+            UdpProber(
+                echo.address, timeout_s=config.probe_timeout_s, on_result=collector._result_handler(link)
+            ) as prober,
+        ):
+            collector.probing[SEA1] = prober
+            sender = asyncio.create_task(collector._send_loop())
+            yield collector, prober
+    finally:
+        if sender is not None:
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+        await close_context(ctx)
+
+
 async def test_an_unemulated_burst_on_a_healthy_link_loses_almost_nothing_and_ends_good(
     nats_url: str,
 ) -> None:
@@ -379,46 +406,29 @@ async def test_an_unemulated_burst_on_a_healthy_link_loses_almost_nothing_and_en
         bandwidth_every_s=0,
         burst_max_per_tick=per_tick,
     )
-    ctx = await open_context("probe-direct-test", nats_url=nats_url, database_url=None)
-    sender: asyncio.Task[None] | None = None
-    try:
-        collector = ProbeCollector(ctx, load_topology("small"), WEU, config)
-        link = collector.links[SEA1]
-        async with (
-            UdpEchoServer() as echo,
-            UdpProber(
-                echo.address, timeout_s=config.probe_timeout_s, on_result=collector._result_handler(link)
-            ) as prober,
-        ):
-            collector.probing[SEA1] = prober
-            sender = asyncio.create_task(collector._send_loop())
-            await asyncio.sleep(3 * PERIOD_S)  # some steady probes first: a healthy window
+    async with _direct_probing(nats_url, "probe-direct-test", config) as (collector, _prober):
+        await asyncio.sleep(3 * PERIOD_S)  # some steady probes first: a healthy window
 
-            async def started() -> bool:
-                # One lost probe: suspicion (again if a lagging loop held the period).
-                if not collector.burst.counts()["burst_episodes"]:
-                    collector.burst.on_result(SEA1, time.time(), True)
-                    return False
-                return True
+        async def started() -> bool:
+            # One lost probe: suspicion (again if a lagging loop held the period).
+            if not collector.burst.counts()["burst_episodes"]:
+                collector.burst.on_result(SEA1, time.time(), True)
+                return False
+            return True
 
-            await until(started, 20 * PERIOD_S, "an episode to start")
+        await until(started, 20 * PERIOD_S, "an episode to start")
 
-            async def ended() -> dict[str, int] | None:
-                counts = collector.burst.counts()
-                done = sum(counts[f"burst_ended_{r}"] for r in ("bad", "good", "capped"))
-                return counts if done else None
+        async def ended() -> dict[str, int] | None:
+            counts = collector.burst.counts()
+            done = sum(counts[f"burst_ended_{r}"] for r in ("bad", "good", "capped"))
+            return counts if done else None
 
-            counts = await until(ended, 40 * PERIOD_S + 5.0, "the burst to end")
-            sent, lost = collector.counts["burst_probes_sent"], collector.counts["burst_probes_lost"]
-            print(f"direct burst, {per_tick} a tick: {sent} sent, {lost} lost, ends {counts}")
-            assert sent >= BurstConfig().for_period(PERIOD_S).link.short_loss_probes
-            assert lost <= max(2, sent // 100), (sent, lost)
-            assert counts["burst_ended_good"] == 1 and counts["burst_ended_bad"] == 0
-    finally:
-        if sender is not None:
-            sender.cancel()
-            await asyncio.gather(sender, return_exceptions=True)
-        await close_context(ctx)
+        counts = await until(ended, 40 * PERIOD_S + 5.0, "the burst to end")
+        sent, lost = collector.counts["burst_probes_sent"], collector.counts["burst_probes_lost"]
+        print(f"direct burst, {per_tick} a tick: {sent} sent, {lost} lost, ends {counts}")
+        assert sent >= BurstConfig().for_period(PERIOD_S).link.short_loss_probes
+        assert lost <= max(2, sent // 100), (sent, lost)
+        assert counts["burst_ended_good"] == 1 and counts["burst_ended_bad"] == 0
 
 
 async def test_a_loop_stall_neither_bursts_back_to_back_nor_starts_an_episode(nats_url: str) -> None:
@@ -426,33 +436,16 @@ async def test_a_loop_stall_neither_bursts_back_to_back_nor_starts_an_episode(na
     the sockets while their timers fire late, counted lost. The send clock restarts instead of
     firing the missed ticks back to back, and the next period holds new burst episodes."""
     config = CollectorConfig(period_s=PERIOD_S, probe_timeout_s=1.0, emulate=False, bandwidth_every_s=0)
-    ctx = await open_context("probe-stall-test", nats_url=nats_url, database_url=None)
-    sender: asyncio.Task[None] | None = None
-    try:
-        collector = ProbeCollector(ctx, load_topology("small"), WEU, config)
-        link = collector.links[SEA1]
-        async with (
-            UdpEchoServer() as echo,
-            UdpProber(
-                echo.address, timeout_s=config.probe_timeout_s, on_result=collector._result_handler(link)
-            ) as prober,
-        ):
-            collector.probing[SEA1] = prober
-            sender = asyncio.create_task(collector._send_loop())
-            await asyncio.sleep(3 * PERIOD_S)  # a healthy window first
-            sent = collector.counts["probes_sent"]
-            for _ in range(3):
-                prober.send()
-            time.sleep(config.probe_timeout_s + 0.5)  # noqa: ASYNC251 -- the stall under test: the loop blocked
-            await asyncio.sleep(5 * PERIOD_S)
-            counts = collector.counts
-            ticks = counts["probes_sent"] - sent
-            assert counts["probes_lost_late"] >= 1 and counts["send_ticks_late"] >= 1
-            assert ticks <= 5 * config.probes_per_period + 3, ticks  # no missed ticks made up
-            burst = collector.burst.counts()
-            assert burst["burst_held"] >= 1 and burst["burst_episodes"] == 0, burst
-    finally:
-        if sender is not None:
-            sender.cancel()
-            await asyncio.gather(sender, return_exceptions=True)
-        await close_context(ctx)
+    async with _direct_probing(nats_url, "probe-stall-test", config) as (collector, prober):
+        await asyncio.sleep(3 * PERIOD_S)  # a healthy window first
+        sent = collector.counts["probes_sent"]
+        for _ in range(3):
+            prober.send()
+        time.sleep(config.probe_timeout_s + 0.5)  # noqa: ASYNC251 -- the stall under test: the loop blocked
+        await asyncio.sleep(5 * PERIOD_S)
+        counts = collector.counts
+        ticks = counts["probes_sent"] - sent
+        assert counts["probes_lost_late"] >= 1 and counts["send_ticks_late"] >= 1
+        assert ticks <= 5 * config.probes_per_period + 3, ticks  # no missed ticks made up
+        burst = collector.burst.counts()
+        assert burst["burst_held"] >= 1 and burst["burst_episodes"] == 0, burst

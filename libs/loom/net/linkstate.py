@@ -294,12 +294,7 @@ class LinkTracker:
         self.refreshed_at = now
         if counts_only:
             self.window.add_probes(now, sent, lost)
-            if rtt_ms is None:
-                self.lost_run += lost
-            else:
-                if self.lost_run >= self.config.outage_probes:
-                    self.loss_since = now
-                self.lost_run = 0
+            self._count_run(now, rtt_ms, lost)
             return 0
         if jitter_ms is not None:
             self.reported_jitter.append(jitter_ms)
@@ -308,13 +303,8 @@ class LinkTracker:
         if rtt_ms is not None or lost:
             window.add_probes(now, sent, lost)
         dropped = 0
-        if rtt_ms is None:
-            self.lost_run += lost
-        else:
-            if self.lost_run >= self.config.outage_probes:
-                # An outage just ended: its losses say nothing about the link from now on.
-                self.loss_since = now
-            self.lost_run = 0
+        self._count_run(now, rtt_ms, lost)
+        if rtt_ms is not None:
             shifts = self.filter.shifts
             admitted, dropped = self.filter.offer(now, rtt_ms, jitter_ms)
             if self.filter.shifts != shifts:
@@ -325,6 +315,16 @@ class LinkTracker:
             previous = self.bandwidth_gbps
             self.bandwidth_gbps = bandwidth_gbps if previous is None else 0.5 * (previous + bandwidth_gbps)
         return dropped
+
+    def _count_run(self, now: float, rtt_ms: float | None, lost: int) -> None:
+        """The run of lost probes: longer by a sample without an RTT, ended by one with (and an
+        outage that ended so says nothing of the link's loss from now on: ``loss_since``)."""
+        if rtt_ms is None:
+            self.lost_run += lost
+            return
+        if self.lost_run >= self.config.outage_probes:
+            self.loss_since = now
+        self.lost_run = 0
 
     def observe_transfer(self, now: float, observed_gbps: float, expected_gbps: float | None = None) -> bool:
         """Fold in a job transfer's observed throughput; False (and nothing changes) if it is unusable."""
