@@ -62,7 +62,6 @@ from loom.migrate.checkpoints import Checkpoint, choose
 from loom.migrate.drain import (
     DrainJob,
     drain_refusal,
-    due_again,
     needs,
     next_moves,
     order_moves,
@@ -121,10 +120,6 @@ class MigrationSettings:
     drain_retry_s: float = 2.0
     """A drained cluster's job that no placement elsewhere had room for (it waits for capacity,
     running where it is) is asked about again this often: it moves as soon as room appears."""
-    drain_verdict_fresh_s: float = 10.0
-    """A drained cluster's job that had room elsewhere but waits for its turn under the drain's
-    concurrency is asked about again once its verdict is this old: it moves on room found no longer
-    ago than that (``loom.migrate.drain.due_again``)."""
     """While drains exist, placement is reminded of them this often (a lost notice heals)."""
     review_delay_s: float = 0.1
     """A link event is reviewed this long after it arrives (placement takes the link's new state
@@ -518,16 +513,11 @@ class MigrationService:
             del judged[key]
             self._drain_judged_at.pop((cluster, *key), None)
         now_m = time.monotonic()
-        retry = {  # no room when judged: asked again soon; room found: again once it is not fresh
+        retry = {  # no room elsewhere when judged: asked again, room may have appeared
             key
             for key, v in judged.items()
-            if due_again(
-                v,
-                cluster,
-                age_s=now_m - self._drain_judged_at.get((cluster, *key), 0.0),
-                retry_s=self.settings.drain_retry_s,
-                fresh_s=self.settings.drain_verdict_fresh_s,
-            )
+            if (v.target is None or v.target == cluster)
+            and now_m - self._drain_judged_at.get((cluster, *key), 0.0) >= self.settings.drain_retry_s
         }
         todo = [r for r in rows if (key := (r["job_id"], int(r["attempt"]))) not in judged or key in retry]
         if todo:

@@ -153,16 +153,3 @@ def test_a_job_no_placement_elsewhere_has_room_for_stays_running_until_room_appe
     )
     anyg = waiting_for_capacity("a", [_job("any", models=())], set(), GPUS, closed=set())["any"]
     assert "needs 1 x any GPU" in anyg and "12 such GPU(s)" in anyg and "b 4, c 8" in anyg
-
-
-def test_a_verdict_is_asked_again_soon_without_room_and_once_stale_with_room() -> None:
-    from loom.migrate.drain import due_again
-
-    def due(target: str | None, age_s: float) -> bool:
-        return due_again(_verdict("j", target), "a", age_s=age_s, retry_s=2.0, fresh_s=10.0)  # type: ignore[arg-type]
-
-    # No room elsewhere (no target, or only the drained cluster itself): again after 2 s.
-    assert not due(None, 1.9) and due(None, 2.0)
-    assert not due("a", 1.9) and due("a", 2.0)
-    # Room on b: kept while fresh, asked again once 10 s old (the room may be gone by its turn).
-    assert not due("b", 9.9) and due("b", 10.0)

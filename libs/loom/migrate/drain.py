@@ -8,9 +8,6 @@ time, each at a checkpoint boundary. This module holds the decisions:
 * :func:`order_moves` — which jobs move first: the largest net benefit first, ranked like every
   other migration plan (:func:`loom.migrate.benefit.rank_key`);
 * :func:`next_moves` — how many more may start now, under the drain's concurrency;
-* :func:`due_again` — when a job's verdict is asked for again: soon when it found no room, and
-  after a while even when it did (room found a while ago may be gone by the time the job's turn
-  comes under the drain's concurrency);
 * :func:`waiting_for_capacity` — the jobs that stay where they are for now, because no placement on
   another open cluster has room for them (they keep running and are asked about again each pass;
   past the drain's deadline they move anyway), each with what it needs.
@@ -120,23 +117,6 @@ def next_moves(
     if past_deadline:
         return movable
     return movable[: max(concurrency - in_flight, 0)]
-
-
-def due_again(
-    verdict: MigrationVerdict,
-    cluster: str,
-    *,
-    age_s: float,
-    retry_s: float,
-    fresh_s: float,
-) -> bool:
-    """Whether a drain asks placement again about a job judged ``age_s`` ago: after ``retry_s``
-    when it had no room elsewhere (no target, or only the drained cluster itself), after
-    ``fresh_s`` when it had: a job that waits for its turn under the drain's concurrency is then
-    moved on a verdict no older than that, not on room that other work may have taken since (the
-    move would stop the job and leave it queued without GPUs)."""
-    room = verdict.target is not None and verdict.target != cluster
-    return age_s >= (fresh_s if room else retry_s)
 
 
 def needs(job: DrainJob) -> str:
