@@ -688,7 +688,6 @@ def perturbed(truth: Truth, sigma: float, seed: int) -> tuple[Truth, dict[tuple[
     document = dump_truth(truth)
     for cell in document["cells"]:
         cell["throughput"] *= factors.get((cell["family"], cell["gpu_model"]), 1.0)
-    document["description"] = f"perturbed: each (family, GPU) x lognormal(sigma={sigma:g}), seed {seed}"
     rebuilt = parse_truth(document, f"(perturbed, sigma {sigma:g}, seed {seed})")
     return rebuilt, factors
 

@@ -15,7 +15,7 @@ from typing import Literal
 import numpy as np
 
 from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, Decision, StateKey, Status
-from loom.sched.snapshot import FloatArray
+from loom.sched.snapshot import FloatArray, Snapshot
 from loom_proto.jobs import JobSpec, SyncPlan
 
 __all__ = ["READ_SLOWDOWN", "DataLocality", "DataPlacement", "data_delay_s", "data_key", "data_placement"]
@@ -56,6 +56,14 @@ class DataPlacement:
     """Per ``snapshot.regions``: seconds of the first copy there (0 where a holder is)."""
     source: tuple[str, ...]
     """Per ``snapshot.regions``: the holder the copy comes from."""
+
+    def copy_to(self, snap: Snapshot, region: str) -> tuple[float, str]:
+        """Seconds of the first copy to ``region`` and the holder it comes from: the snapshot's
+        region from ``sync_s``, any other from the holder that delivers it soonest."""
+        i = snap.region_index.get(region)
+        if i is not None:
+            return float(self.sync_s[i]), self.source[i]
+        return min((snap.net.transfer_s(h, region, self.size_gb), h) for h in self.holders)
 
 
 def data_key(job: JobSpec) -> tuple[object, ...] | None:
@@ -164,14 +172,7 @@ class DataLocality:
         lead = decision.lead.region
         if lead in placement.holders:
             return SUCCESS
-        snap = state.snapshot
-        if lead in snap.region_index:
-            i = snap.region_index[lead]
-            src, seconds = placement.source[i], float(placement.sync_s[i])
-        else:
-            seconds, src = min(
-                (snap.net.transfer_s(h, lead, placement.size_gb), h) for h in placement.holders
-            )
+        seconds, src = placement.copy_to(state.snapshot, lead)
         decision.sync = SyncPlan(
             dataset=placement.dataset,
             src=src,

@@ -1031,14 +1031,10 @@ def _data_delay_s(state: CycleState, region: str, run_s: float) -> float:
     """What the job's dataset's first copy to ``region`` adds to a run of ``run_s`` (0 without a
     dataset, or where a copy is)."""
     placement = data_placement(state)
-    snap = state.snapshot
     if placement is None:
         return 0.0
-    if region in snap.region_index:
-        sync = placement.sync_s[snap.region_index[region] : snap.region_index[region] + 1]
-    else:  # as DataLocality.permit plans it: from the holder that delivers soonest
-        sync = np.array([min(snap.net.transfer_s(h, region, placement.size_gb) for h in placement.holders)])
-    return float(data_delay_s(run_s, sync, placement.start)[0])
+    seconds, _src = placement.copy_to(state.snapshot, region)  # as DataLocality.permit plans it
+    return float(data_delay_s(run_s, np.array([seconds]), placement.start)[0])
 
 
 def _waited_s(state: CycleState) -> float:
