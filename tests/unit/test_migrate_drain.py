@@ -153,3 +153,57 @@ def test_a_job_no_placement_elsewhere_has_room_for_stays_running_until_room_appe
     )
     anyg = waiting_for_capacity("a", [_job("any", models=())], set(), GPUS, closed=set())["any"]
     assert "needs 1 x any GPU" in anyg and "12 such GPU(s)" in anyg and "b 4, c 8" in anyg
+
+
+def test_a_job_whose_room_was_taken_while_it_waited_for_its_turn_is_asked_again_and_does_not_move() -> None:
+    from loom.migrate.drain import Pick, pick_moves, placeable, waiting_for_capacity
+
+    def pick(jobs: list[DrainJob], verdicts: dict[str, object], fresh: set[str], in_flight: int = 0) -> Pick:
+        return pick_moves(
+            "a",
+            jobs,
+            verdicts,  # type: ignore[arg-type]
+            fresh=fresh,
+            in_flight=in_flight,
+            concurrency=1,
+            past_deadline=False,
+        )
+
+    def ids(found: list[DrainJob]) -> list[str]:
+        return [j.job_id for j in found]
+
+    jobs = [_job("first"), _job("second"), _job("third")]
+    # Pass 1: placement finds room for all three (equal benefit: ranked by id); one may move.
+    pass1 = {
+        "first": _verdict("first", "b"),
+        "second": _verdict("second", "b"),
+        "third": _verdict("third", "c"),
+    }
+    p = pick(jobs, pass1, fresh=set(pass1))
+    assert ids(p.move) == ["first"] and p.ask_again == []
+    # While "second" waits for its turn, other work takes b's room. The slot frees; its verdict,
+    # from pass 1, still names b: ranked on it alone it would move now, onto room that is gone
+    # (its run given up, the job queued without GPUs) -- the stale verdict.
+    left = jobs[1:]
+    stale = {k: v for k, v in pass1.items() if k != "first"}
+    assert "second" in placeable("a", stale)  # type: ignore[arg-type]
+    # The pick moves nothing on it: placement is asked again about the job whose turn it is.
+    p = pick(left, stale, fresh=set())
+    assert p.move == [] and ids(p.ask_again) == ["second"]
+    # Asked now, placement has no room for it: it waits for capacity, and the next in rank has
+    # its turn -- asked again too, since its room was found in pass 1 as well.
+    now = {**stale, "second": _verdict("second", None)}
+    p = pick(left, now, fresh={"second"})
+    assert p.move == [] and ids(p.ask_again) == ["third"]
+    # Its room on c is still there (found now): it moves; "second" stays, waiting for capacity.
+    p = pick(left, now, fresh={"second", "third"})
+    assert ids(p.move) == ["third"] and p.ask_again == []
+    assert set(waiting_for_capacity("a", left, placeable("a", now), GPUS, closed=set())) == {"second"}  # type: ignore[arg-type]
+    # Had c's room gone too, nothing would move.
+    gone = {**now, "third": _verdict("third", None)}
+    assert pick(left, gone, fresh={"second", "third"}) == Pick(move=[], ask_again=[])
+    # The concurrency holds: with the slot taken nothing is asked or moved.
+    assert pick(left, stale, fresh=set(), in_flight=1) == Pick(move=[], ask_again=[])
+    # Past the deadline every job moves, room or not, without asking again.
+    late = pick_moves("a", left, gone, fresh=set(), in_flight=1, concurrency=1, past_deadline=True)  # type: ignore[arg-type]
+    assert ids(late.move) == ["second", "third"] and late.ask_again == []
