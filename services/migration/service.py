@@ -9,7 +9,8 @@ Thin around the pure core (:mod:`loom.migrate.drain`, :mod:`loom.migrate.checkpo
   answers the drain once placement confirms; again every few seconds while drains exist). The
   drain loop then moves the cluster's running jobs, largest benefit first, at most
   ``concurrency`` in flight, each only on room placement's what-if finds in that pass (a verdict
-  from an earlier pass is asked for again in the job's turn): each move is *planned* (a
+  from an earlier pass is asked for again in the job's turn, and once more as the move is about
+  to start): each move is *planned* (a
   checkpoint asked of the run's lead agent), *started* once that checkpoint is recorded (placement
   gives the run up, ``loom.placement.migrate``, and queues the job again from the checkpoint's
   step, avoiding the drained cluster) and *completed* when the next attempt starts elsewhere.
@@ -67,6 +68,7 @@ from loom.migrate.drain import (
     needs,
     pick_moves,
     placeable,
+    room_off,
     waiting_for_capacity,
 )
 from loom.migrate.network import candidate_of, path_between, running_state, spans
@@ -184,6 +186,9 @@ class MigrationService:
         self._drain_judged_at: dict[tuple[str, str, int], float] = {}
         """(drained cluster, job, attempt) -> when its verdict was judged (monotonic s): a verdict
         without room elsewhere is judged again after ``drain_retry_s``."""
+        self._start_held_at: dict[str, float] = {}
+        """migration id -> when its drain move, about to start, found no room elsewhere (monotonic
+        s): it is asked again after ``drain_retry_s``."""
         self._drain_waiting: dict[str, dict[tuple[str, int], dict[str, Any]]] = {}
         """drained cluster -> (job, attempt) -> why it waits for capacity (``loom drain``,
         ``drains`` query): job_id, needs, why, since."""
@@ -703,6 +708,8 @@ class MigrationService:
         waited_s = time.time() - float(m["planned_at"].timestamp())
         wanted = int(m["resume_step"])
         if chosen is not None and chosen.checkpoint is not None and chosen.step >= wanted:
+            if m["cause"] == "drain" and not past_deadline and not await self._room_elsewhere(m, cluster):
+                return True  # its room went while its checkpoint was taken: it keeps running, and waits
             why = (
                 f"drain of {cluster}: {chosen.why}" if m["cause"] == "drain" else f"{m['why']}; {chosen.why}"
             )
@@ -725,6 +732,27 @@ class MigrationService:
                     msg_id=f"{m['migration_id']}:checkpoint:{n}",
                 )
         return True
+
+    async def _room_elsewhere(self, m: asyncpg.Record, cluster: str) -> bool:
+        """Whether placement's what-if places a drain move's job off ``cluster`` now, asked as the
+        move is about to start (its checkpoint recorded): room found when the move was picked may
+        have been taken while the checkpoint was written. Without room (or without an answer) the
+        planned move waits, the job running where it is, and is asked about again after
+        ``drain_retry_s``; it holds its slot under the drain's concurrency, and past the deadline
+        it starts anyway."""
+        job_id, migration_id = m["job_id"], m["migration_id"]
+        held_at = self._start_held_at.get(migration_id)
+        if held_at is not None and time.monotonic() - held_at < self.settings.drain_retry_s:
+            return False
+        answer = await self._whatif(job_id)
+        candidate = (answer or {}).get("candidate")
+        if candidate is not None and room_off(cluster, candidate.get("clusters") or [candidate["cluster"]]):
+            self._start_held_at.pop(migration_id, None)
+            return True
+        self._start_held_at[migration_id] = time.monotonic()
+        self.stats["drain_start_held"] = self.stats.get("drain_start_held", 0) + 1
+        log.info("drain move waits for room elsewhere", job_id=job_id, cluster=cluster)
+        return False
 
     async def _settle_moved_on(self, m: asyncpg.Record, state: str, current: int) -> bool:
         """The run of a planned move is no longer live: it was given up (by our request, whose

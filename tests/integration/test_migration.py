@@ -411,3 +411,63 @@ async def test_a_drain_job_whose_room_was_taken_while_it_waited_for_its_turn_sta
     finally:
         await db.close()
         await client.close()
+
+
+async def test_a_drain_move_whose_room_went_before_its_checkpoint_waits_and_starts_once_room_returns(
+    platform: Platform,
+) -> None:
+    # One job on c-weu-a finds room on c-sea1-a and its move is planned (a checkpoint asked for).
+    # Before the move starts, other work takes c-sea1-a's 4 T4s. With its checkpoint recorded the
+    # move would give the run up now: it must not (the job would sit queued without GPUs); it
+    # keeps running and the move starts once a blocker ends. Passes driven by the test.
+    platform.migration = {"poll_s": 3600.0}
+    await platform.start("metrics")
+    await platform.start("placement")
+    migration = await platform.start("migration")
+    await platform.start(f"agent-{DRAINED}")
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    try:
+        await client.submit(_job("solo"))
+        await until(lambda: _running_at(client, ["solo"], DRAINED, 1), 10, "the job on c-weu-a")
+        await platform.start(f"agent-{OTHER}")
+        await until(
+            lambda: db.fetchval("SELECT count(*) FROM node_allocations WHERE cluster = $1", OTHER),
+            10,
+            "c-sea1-a known",
+        )
+        await until(lambda: _progressed(client, ["solo"], 0.1), 15, "a checkpoint passed on c-weu-a")
+        accepted = await _ask(client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED, "concurrency": 1})
+        assert accepted["ok"] is True and accepted["jobs"] == 1, accepted
+        await migration.drain_pass()  # room on c-sea1-a: planned, a checkpoint asked for
+        planned = await db.fetchrow("SELECT * FROM migrations WHERE job_id = 'solo'")
+        assert planned["state"] == "planned"
+
+        blockers = [f"blk-{i}" for i in range(4)]
+        for job_id in blockers:
+            await client.submit(_job(job_id, step_time_s=2400.0))
+        await until(lambda: _running_at(client, blockers, OTHER, 1), 10, "c-sea1-a full")
+        await until(
+            lambda: db.fetchval(
+                "SELECT count(*) FROM checkpoints WHERE job_id = 'solo' AND attempt = 1 AND step >= $1",
+                max(int(planned["resume_step"]), 1),
+            ),
+            10,
+            "the checkpoint the move asked for",
+        )
+        await migration.drain_pass()  # the move could start now: placement is asked, no room
+        assert await db.fetchval("SELECT state FROM migrations WHERE job_id = 'solo'") == "planned"
+        assert await _running_at(client, ["solo"], DRAINED, 1)
+        assert migration.stats.get("drain_start_held", 0) >= 1
+
+        await client.cancel("blk-0")
+        await until(
+            lambda: _after_a_pass(migration, lambda: _running_at(client, ["solo"], OTHER, 2)),
+            20,
+            "the move started once room returned",
+        )
+        row = await db.fetchrow("SELECT * FROM migrations WHERE job_id = 'solo'")
+        assert row["state"] in ("started", "completed") and row["resume_step"] >= 10
+    finally:
+        await db.close()
+        await client.close()

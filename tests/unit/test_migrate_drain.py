@@ -207,3 +207,11 @@ def test_a_job_whose_room_was_taken_while_it_waited_for_its_turn_is_asked_again_
     # Past the deadline every job moves, room or not, without asking again.
     late = pick_moves("a", left, gone, fresh=set(), in_flight=1, concurrency=1, past_deadline=True)  # type: ignore[arg-type]
     assert ids(late.move) == ["second", "third"] and late.ask_again == []
+
+
+def test_a_what_if_answer_is_room_off_the_drained_cluster_only_when_no_part_lands_there() -> None:
+    from loom.migrate.drain import room_off
+
+    assert room_off("a", ["b"]) and room_off("a", ["b", "c"])
+    assert not room_off("a", ["a"]) and not room_off("a", ["b", "a"])  # a part on the drained one
+    assert not room_off("a", [])  # no candidate: no room anywhere

@@ -11,6 +11,8 @@ time, each at a checkpoint boundary. This module holds the decisions:
 * :func:`pick_moves` — the moves a pass starts: those two, on room found on the current snapshot
   only (a verdict from an earlier pass is asked for again first: the room it found may have been
   taken by other work while the job waited for its turn);
+* :func:`room_off` — whether a what-if's answer is room off the drained cluster (asked again as a
+  planned move is about to start: room can go while its checkpoint is written);
 * :func:`waiting_for_capacity` — the jobs that stay where they are for now, because no placement on
   another open cluster has room for them (they keep running and are asked about again each pass;
   past the drain's deadline they move anyway), each with what it needs.
@@ -96,6 +98,12 @@ def placeable(cluster: str, verdicts: Mapping[str, MigrationVerdict]) -> set[str
     them elsewhere now. (A target on the drained cluster itself is a what-if answered before
     placement heard of the drain: no room elsewhere, as far as anyone knows.)"""
     return {job_id for job_id, v in verdicts.items() if v.target is not None and v.target != cluster}
+
+
+def room_off(cluster: str, candidate_clusters: Collection[str]) -> bool:
+    """Whether a what-if's candidate (the clusters its parts would run on) is room off the drained
+    ``cluster``: some cluster, none of them the drained one."""
+    return bool(candidate_clusters) and cluster not in candidate_clusters
 
 
 def next_moves(
