@@ -66,6 +66,7 @@ from loom.migrate.drain import (
     DrainJob,
     drain_refusal,
     needs,
+    next_move_id,
     pick_moves,
     placeable,
     room_off,
@@ -335,7 +336,13 @@ class MigrationService:
         steps = int(json.loads(job["spec"]).get("work", {}).get("steps", 0))
         done = int(float(job["progress"]) * steps + 1e-6)
         resume_step = int(job["resume_step"])
-        migration_id = f"{e.job_id}:{e.attempt - 1}"
+        # None while a move of that run is open (it is marked started when its pass sees the run
+        # given up); after failed ones (an undrain's) the next id: a replayed event records nothing.
+        migration_id = next_move_id(
+            e.job_id, e.attempt - 1, await moves.moves_of_run(conn, e.job_id, e.attempt - 1)
+        )
+        if migration_id is None:
+            return []
         new = await moves.plan(
             conn,
             migration_id=migration_id,
@@ -386,10 +393,13 @@ class MigrationService:
                         failed = await moves.fail(conn, row["migration_id"], f"the drain of {cluster} ended")
                         if failed is not None:
                             messages.append(self._message(failed, "failed"))
+                        self._start_held_at.pop(row["migration_id"], None)
                 await outbox.add(conn, PRODUCER, messages)
             await self._publish(messages)
             confirmed = await self._notice(confirm=True)
             self._drain_judged.pop(cluster, None)
+            for key in [k for k in self._drain_judged_at if k[0] == cluster]:
+                del self._drain_judged_at[key]
             self._drain_waiting.pop(cluster, None)
             if was:  # work may flow back, gradually and where the benefit rule says so
                 self._cluster_reviews[cluster] = ("cluster_joined", f"drain of {cluster} ended")
@@ -658,10 +668,16 @@ class MigrationService:
                 await moves.record_verdicts(conn, records)
 
     async def _plan(self, job: DrainJob, run: asyncpg.Record, cluster: str) -> None:
-        """Plan one move: record it and ask the run's lead agent for a checkpoint now."""
-        migration_id = f"{job.job_id}:{job.attempt}"
+        """Plan one move: record it and ask the run's lead agent for a checkpoint now. A run whose
+        earlier moves failed (an undrain failed them while planned) is planned again under the next
+        id (:func:`loom.migrate.drain.next_move_id`): a cluster drained again empties."""
         context = json.loads(run["trace_context"])
         async with transaction(self.pool) as conn:
+            migration_id = next_move_id(
+                job.job_id, job.attempt, await moves.moves_of_run(conn, job.job_id, job.attempt)
+            )
+            if migration_id is None:
+                return
             new = await moves.plan(
                 conn,
                 migration_id=migration_id,
@@ -758,6 +774,7 @@ class MigrationService:
         """The run of a planned move is no longer live: it was given up (by our request, whose
         answer was lost, or a failover) or it ended."""
         attempt = m["from_attempt"]
+        self._start_held_at.pop(m["migration_id"], None)  # it starts no more: no hold to keep
         messages: list[outbox.OutboxMessage] = []
         async with transaction(self.pool) as conn:
             if current > attempt or state == "queued":
@@ -808,6 +825,7 @@ class MigrationService:
             )
             messages = [self._message(row, "started")] if row is not None else []
             await outbox.add(conn, PRODUCER, messages)
+        self._start_held_at.pop(m["migration_id"], None)  # started (past a deadline, too)
         self.stats["started"] += len(messages)
         await self._publish(messages)
 
@@ -1036,10 +1054,13 @@ class MigrationService:
         returned or improved): record it and ask the run's lead agent for a checkpoint now (the
         moves loop then gives the run up once that checkpoint is recorded)."""
         attempt = int(run["attempt"])
-        migration_id = f"{v.job_id}:{attempt}"
         context = json.loads(run["trace_context"])
         steps = int(json.loads(run["spec"]).get("work", {}).get("steps", 0))
         async with transaction(self.pool) as conn:
+            # After a failed move of this run (a drain's, undrained) the next id: see _plan.
+            migration_id = next_move_id(v.job_id, attempt, await moves.moves_of_run(conn, v.job_id, attempt))
+            if migration_id is None:
+                return
             new = await moves.plan(
                 conn,
                 migration_id=migration_id,

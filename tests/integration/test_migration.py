@@ -471,3 +471,83 @@ async def test_a_drain_move_whose_room_went_before_its_checkpoint_waits_and_star
     finally:
         await db.close()
         await client.close()
+
+
+async def test_a_cluster_drained_again_after_an_undrain_failed_its_planned_moves_moves_every_job_once(
+    platform: Platform,
+) -> None:
+    # Two jobs on c-weu-a; a drain plans both moves, then `loom undrain` fails them before their
+    # checkpoints start them. Draining c-weu-a again must plan both jobs again (under new ids: the
+    # failed moves keep theirs) and move each exactly once; a repeated drain request and repeated
+    # passes plan nothing twice. Passes driven by the test.
+    platform.migration = {"poll_s": 3600.0}
+    await platform.start("metrics")
+    await platform.start("placement")
+    migration = await platform.start("migration")
+    await platform.start(f"agent-{DRAINED}")
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    try:
+        jobs = ["again-a", "again-b"]
+        for job_id in jobs:
+            await client.submit(_job(job_id))
+        await until(lambda: _running_at(client, jobs, DRAINED, 1), 10, "the jobs on c-weu-a")
+        await platform.start(f"agent-{OTHER}")
+        await until(
+            lambda: db.fetchval("SELECT count(*) FROM node_allocations WHERE cluster = $1", OTHER),
+            10,
+            "c-sea1-a known",
+        )
+        await until(lambda: _progressed(client, jobs, 0.1), 20, "a checkpoint passed on c-weu-a")
+        drain = {"cluster": DRAINED, "concurrency": 2}
+        assert (await _ask(client, subjects.MIGRATE_DRAIN, drain))["ok"] is True
+        await migration.drain_pass()  # both planned, their checkpoints asked for
+        first = await db.fetch("SELECT migration_id, state FROM migrations ORDER BY migration_id")
+        assert [(r["migration_id"], r["state"]) for r in first] == [
+            ("again-a:1", "planned"),
+            ("again-b:1", "planned"),
+        ]
+        migration._start_held_at["again-a:1"] = time.monotonic()  # as if its start had been held
+
+        undrained = await _ask(client, subjects.MIGRATE_DRAIN, {"op": "undrain", "cluster": DRAINED})
+        assert undrained["ok"] is True and undrained["was_drained"] is True
+        failed = await db.fetch("SELECT migration_id, state FROM migrations ORDER BY migration_id")
+        assert [(r["migration_id"], r["state"]) for r in failed] == [
+            ("again-a:1", "failed"),
+            ("again-b:1", "failed"),
+        ]
+        assert "again-a:1" not in migration._start_held_at  # the undrain leaves no hold behind
+        assert not [k for k in migration._drain_judged_at if k[0] == DRAINED]  # nor a verdict's age
+
+        assert (await _ask(client, subjects.MIGRATE_DRAIN, drain))["ok"] is True
+        await migration.drain_pass()
+        assert (await _ask(client, subjects.MIGRATE_DRAIN, drain))["ok"] is True  # repeated: same drain
+        await migration.drain_pass()
+        replanned = await db.fetch(
+            "SELECT migration_id FROM migrations WHERE state <> 'failed' ORDER BY migration_id"
+        )
+        assert [r["migration_id"] for r in replanned] == ["again-a:1:2", "again-b:1:2"]
+
+        await until(
+            lambda: _after_a_pass(migration, lambda: _running_at(client, jobs, OTHER, 2)),
+            25,
+            "both jobs moved to c-sea1-a",
+        )
+        drained = "SELECT state = 'drained' FROM cluster_drains WHERE cluster = $1"
+        await until(
+            lambda: _after_a_pass(migration, lambda: db.fetchval(drained, DRAINED)), 10, "the drain ended"
+        )
+        rows = await db.fetch("SELECT migration_id, state, to_cluster FROM migrations ORDER BY migration_id")
+        assert [(r["migration_id"], r["state"], r["to_cluster"]) for r in rows] == [
+            ("again-a:1", "failed", None),
+            ("again-a:1:2", "completed", OTHER),
+            ("again-b:1", "failed", None),
+            ("again-b:1:2", "completed", OTHER),
+        ]
+        planned_events = await db.fetchval(
+            "SELECT count(*) FROM outbox WHERE subject LIKE 'loom.migrations.planned.%'"
+        )
+        assert planned_events == 4  # two per job: the failed move's and the one that moved it
+    finally:
+        await db.close()
+        await client.close()

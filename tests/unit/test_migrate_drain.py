@@ -1,6 +1,6 @@
 """Drains (pure): refusal when a job has nowhere to go, largest benefit first, bounded concurrency."""
 
-from loom.migrate.drain import DrainJob, drain_refusal, next_moves, order_moves
+from loom.migrate.drain import DrainJob, drain_refusal, next_move_id, next_moves, order_moves
 
 
 def _job(
@@ -215,3 +215,17 @@ def test_a_what_if_answer_is_room_off_the_drained_cluster_only_when_no_part_land
     assert room_off("a", ["b"]) and room_off("a", ["b", "c"])
     assert not room_off("a", ["a"]) and not room_off("a", ["b", "a"])  # a part on the drained one
     assert not room_off("a", [])  # no candidate: no room anywhere
+
+
+def test_a_runs_first_move_keeps_the_plain_id_and_one_after_failed_moves_takes_the_next_free_one() -> None:
+    assert next_move_id("j", 3, {}) == "j:3"
+    assert next_move_id("j", 3, {"j:3": "failed"}) == "j:3:2"  # undrained, then drained again
+    assert next_move_id("j", 3, {"j:3": "failed", "j:3:2": "failed"}) == "j:3:3"
+    assert next_move_id("j", 3, {"j:3:2": "failed"}) == "j:3"  # the plain id is free: it is taken
+
+
+def test_no_move_is_named_while_one_of_the_run_is_open_or_done() -> None:
+    # A replayed pass (or a second instance) that reads the move it planned plans nothing more.
+    for state in ("planned", "started", "completed"):
+        assert next_move_id("j", 1, {"j:1": "failed", "j:1:2": state}) is None
+        assert next_move_id("j", 1, {"j:1": state}) is None

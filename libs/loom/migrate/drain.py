@@ -13,6 +13,9 @@ time, each at a checkpoint boundary. This module holds the decisions:
   taken by other work while the job waited for its turn);
 * :func:`room_off` — whether a what-if's answer is room off the drained cluster (asked again as a
   planned move is about to start: room can go while its checkpoint is written);
+* :func:`next_move_id` — the id of a job's next move from a run: ``job:attempt``, and after moves
+  of that run that failed (an undrain fails a drain's planned moves), ``job:attempt:2``, ``:3``…,
+  so a cluster drained again plans its jobs again while a replayed pass plans nothing twice;
 * :func:`waiting_for_capacity` — the jobs that stay where they are for now, because no placement on
   another open cluster has room for them (they keep running and are asked about again each pass;
   past the drain's deadline they move anyway), each with what it needs.
@@ -212,3 +215,23 @@ def waiting_for_capacity(
             )
         )
     return out
+
+
+def next_move_id(job_id: str, attempt: int, earlier: Mapping[str, str]) -> str | None:
+    """The migration id of a new move of ``job_id``'s run ``attempt``, or None when none may be
+    planned. ``earlier``: that run's recorded migrations, id -> state.
+
+    None while one of them is not ``failed`` (a move planned or started: a second would double
+    it; completed: the run moved already). Otherwise ``job:attempt`` when it is free, else the
+    first of ``job:attempt:2``, ``job:attempt:3``, … not taken: a function of the records only,
+    so two passes that read the same records name the same move, and the store keeps one.
+    """
+    if any(state != "failed" for state in earlier.values()):
+        return None
+    base = f"{job_id}:{attempt}"
+    if base not in earlier:
+        return base
+    n = 2
+    while f"{base}:{n}" in earlier:
+        n += 1
+    return f"{base}:{n}"
