@@ -5,12 +5,13 @@ A private stack (``loom up``'s services, without the probe collectors) runs ever
 topology; one-GPU T4 jobs (and four-worker gangs) that prefer the drained cluster's region run
 until they have passed a checkpoint, then the cluster is drained through the migration service
 (the request ``loom drain`` sends). Measured from the store: the drain's duration, the most moves
-in flight at any instant (from the migrations' planned/finished times), each job's resume step
-against the step it had reached, and a new job submitted during the drain (it must not land on
-the drained cluster). A drain that has not emptied by ``--timeout`` says why: ``outcome`` is
-``drained``, ``waiting_for_capacity`` (jobs no placement on another open cluster has room for stay
-running where they are, each listed in ``waiting_for_capacity`` with what it needs and the
-migration service's reason) or ``timeout`` (moves still in flight).
+in flight at any instant (from the migrations' planned/finished times), each move's record
+(``moves``), each job's resume step against the step it had reached, and a new job submitted
+right after the drain's answer (it must never be placed on the drained cluster, at any attempt).
+A drain that has not emptied by ``--timeout`` says why: ``outcome`` is ``drained``,
+``waiting_for_capacity`` (jobs no placement on another open cluster has room for stay running
+where they are, each listed in ``waiting_for_capacity`` with what it needs and the migration
+service's reason) or ``timeout`` (moves still in flight).
 """
 
 import argparse
@@ -40,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-scale", type=float, default=60.0)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the drain")
     parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    parser.add_argument(
+        "--keep-logs", default="", help="copy the stack's logs here before its home is removed (diagnosis)"
+    )
 
 
 async def _measure(state: dict[str, Any], args: argparse.Namespace, say: Any) -> dict[str, Any]:
@@ -117,6 +121,9 @@ async def _measure(state: dict[str, Any], args: argparse.Namespace, say: Any) ->
         ]
         outcome = "drained" if drained_s is not None else "waiting_for_capacity" if waiting else "timeout"
         late = await db.fetchrow("SELECT state, cluster FROM jobs WHERE job_id = 'dr-late'")
+        late_there = await db.fetchval(  # placed there at any attempt (a drain would have moved it off)
+            "SELECT count(*) > 0 FROM reservations WHERE job_id = 'dr-late' AND cluster = $1", args.cluster
+        )
         resumed = {r["job_id"]: r["resume_step"] for r in rows}
         return {
             "drain_answer": answer,
@@ -124,6 +131,8 @@ async def _measure(state: dict[str, Any], args: argparse.Namespace, say: Any) ->
             "waiting_for_capacity": waiting,
             "jobs_on_cluster": len(on),
             "moved": sum(1 for r in rows if r["state"] == "completed"),
+            "jobs_moved": len({r["job_id"] for r in rows if r["state"] == "completed"}),
+            "moves": [_move_record(r, started) for r in rows],
             "states": {s: sum(1 for r in rows if r["state"] == s) for s in {r["state"] for r in rows}},
             "drained_s": None if drained_s is None else round(drained_s, 3),
             "max_in_flight_from_records": overlap,
@@ -135,11 +144,31 @@ async def _measure(state: dict[str, Any], args: argparse.Namespace, say: Any) ->
                 [float(resumed[j] - reached[j]) for j in resumed if j in reached]
             ),
             "late_job": dict(late) if late else None,
-            "late_job_on_drained_cluster": bool(late and late["cluster"] == args.cluster),
+            "late_job_on_drained_cluster": bool(late_there),
         }
     finally:
         await db.close()
         await client.close()
+
+
+def _move_record(row: asyncpg.Record, t0: float) -> dict[str, Any]:
+    """One drain move as the store has it, its times in seconds after the drain request."""
+
+    def at(column: str) -> float | None:
+        value = row[column]
+        return None if value is None else round(value.timestamp() - t0, 3)
+
+    return {
+        "job_id": row["job_id"],
+        "from_attempt": row["from_attempt"],
+        "state": row["state"],
+        "to_cluster": row["to_cluster"],
+        "resume_step": row["resume_step"],
+        "planned_s": at("planned_at"),
+        "started_s": at("started_at"),
+        "finished_s": at("finished_at"),
+        "why": row["why"],
+    }
 
 
 def _max_overlap(rows: list[asyncpg.Record]) -> int:
@@ -160,12 +189,13 @@ def run(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     """Start a private stack, drain, stop it; the JSON result."""
     say = progress or (lambda _s: None)
     t0 = time.perf_counter()
-    measured = measure_on_private_stack("drain", args, _measure, say)
+    measured = measure_on_private_stack("drain", args, _measure, say, keep_logs=args.keep_logs)
     return {
         "benchmark": "drain",
         "headline": {
             "jobs_on_cluster": measured["jobs_on_cluster"],
             "moved": measured["moved"],
+            "jobs_moved": measured["jobs_moved"],
             "outcome": measured["outcome"],
             "waiting_for_capacity": len(measured["waiting_for_capacity"]),
             "drained_s": measured["drained_s"],

@@ -18,11 +18,17 @@ Measure = Callable[[dict[str, Any], argparse.Namespace, Any], Coroutine[Any, Any
 
 
 def measure_on_private_stack(
-    name: str, args: argparse.Namespace, measure: Measure, say: Callable[[str], None]
+    name: str,
+    args: argparse.Namespace,
+    measure: Measure,
+    say: Callable[[str], None],
+    *,
+    keep_logs: str = "",
 ) -> dict[str, Any]:
     """Start the default stack without the network services (``args.topology``, ``args.time_scale``)
     in a fresh home, run ``measure(state, args, say)`` on it, then stop it and remove the home,
-    whatever happened; the caller's NATS / database URLs are set aside meanwhile."""
+    whatever happened; the caller's NATS / database URLs are set aside meanwhile. ``keep_logs``: a
+    folder the stack's logs are copied to before the home is removed (diagnosis)."""
     home = Path(tempfile.mkdtemp(prefix=f"loom-bench-{name}-", dir="/tmp"))
     os.chmod(home, 0o755)  # PostgreSQL runs as an unprivileged user when we are root
     env_backup = {k: os.environ.pop(k) for k in (ENV_NATS_URL, ENV_DATABASE_URL) if k in os.environ}
@@ -34,5 +40,7 @@ def measure_on_private_stack(
     finally:
         say("stopping the stack")
         stack.down(home)
+        if keep_logs:
+            shutil.copytree(home / "logs", Path(keep_logs), dirs_exist_ok=True)
         os.environ.update(env_backup)
         shutil.rmtree(home, ignore_errors=True)

@@ -264,7 +264,9 @@ MIGRATE_DRAIN = f"{PREFIX}.migrate.drain"
 MIGRATE_QUERY = f"{PREFIX}.migrate.query"
 """Request-reply: migrations and drains (the migration service answers)."""
 MIGRATE_DRAINS_CHANGED = f"{PREFIX}.migrate.drains"
-"""Core NATS notice that the set of drained clusters changed: placement reloads it from the store."""
+"""Core NATS notice that the set of drained clusters changed: placement reloads it from the store.
+Sent as a request when a drain or undrain is asked for: a leading placement instance answers once
+it has reloaded them (the drain is answered after that)."""
 PLACEMENT_MIGRATE = f"{PREFIX}.placement.migrate"
 """Request-reply: give a job's run up so that it is placed again elsewhere from a checkpoint step
 (the placement instance holding the run answers)."""

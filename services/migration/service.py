@@ -5,9 +5,12 @@ Thin around the pure core (:mod:`loom.migrate.drain`, :mod:`loom.migrate.checkpo
 * **Drains** (``loom drain`` / ``loom undrain``, request-reply on ``loom.migrate.drain``): an
   unknown cluster is refused, and so is a drain that would leave some job without feasible GPUs
   elsewhere (unless forced). A drain is a row in ``cluster_drains``; placement loads the drained
-  clusters and offers none of their nodes (this service tells it on ``loom.migrate.drains``,
-  again every few seconds while drains exist). The drain loop then moves the cluster's running
-  jobs, largest benefit first, at most ``concurrency`` in flight: each move is *planned* (a
+  clusters and offers none of their nodes (this service tells it on ``loom.migrate.drains``, and
+  answers the drain once placement confirms; again every few seconds while drains exist). The
+  drain loop then moves the cluster's running jobs, largest benefit first, at most
+  ``concurrency`` in flight, each only on room placement's what-if finds in that pass (a verdict
+  from an earlier pass is asked for again in the job's turn, and once more as the move is about
+  to start): each move is *planned* (a
   checkpoint asked of the run's lead agent), *started* once that checkpoint is recorded (placement
   gives the run up, ``loom.placement.migrate``, and queues the job again from the checkpoint's
   step, avoiding the drained cluster) and *completed* when the next attempt starts elsewhere.
@@ -46,7 +49,7 @@ import contextlib
 import functools
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,9 +66,10 @@ from loom.migrate.drain import (
     DrainJob,
     drain_refusal,
     needs,
-    next_moves,
-    order_moves,
+    next_move_id,
+    pick_moves,
     placeable,
+    room_off,
     waiting_for_capacity,
 )
 from loom.migrate.network import candidate_of, path_between, running_state, spans
@@ -117,10 +121,13 @@ class MigrationSettings:
     ask_timeout_s: float = 3.0
     """How long a request to placement waits for its answer."""
     notice_every_s: float = 5.0
+    """While drains exist, placement is reminded of them this often (a lost notice heals)."""
+    notice_confirm_s: float = 1.0
+    """A drain or undrain is answered once placement confirms it reloaded the drained clusters,
+    or after this long without its answer (placement down: it loads them when it starts)."""
     drain_retry_s: float = 2.0
     """A drained cluster's job that no placement elsewhere had room for (it waits for capacity,
     running where it is) is asked about again this often: it moves as soon as room appears."""
-    """While drains exist, placement is reminded of them this often (a lost notice heals)."""
     review_delay_s: float = 0.1
     """A link event is reviewed this long after it arrives (placement takes the link's new state
     from the same tick first, so its what-if prices the path as measured now)."""
@@ -180,6 +187,9 @@ class MigrationService:
         self._drain_judged_at: dict[tuple[str, str, int], float] = {}
         """(drained cluster, job, attempt) -> when its verdict was judged (monotonic s): a verdict
         without room elsewhere is judged again after ``drain_retry_s``."""
+        self._start_held_at: dict[str, float] = {}
+        """migration id -> when its drain move, about to start, found no room elsewhere (monotonic
+        s): it is asked again after ``drain_retry_s``."""
         self._drain_waiting: dict[str, dict[tuple[str, int], dict[str, Any]]] = {}
         """drained cluster -> (job, attempt) -> why it waits for capacity (``loom drain``,
         ``drains`` query): job_id, needs, why, since."""
@@ -326,7 +336,13 @@ class MigrationService:
         steps = int(json.loads(job["spec"]).get("work", {}).get("steps", 0))
         done = int(float(job["progress"]) * steps + 1e-6)
         resume_step = int(job["resume_step"])
-        migration_id = f"{e.job_id}:{e.attempt - 1}"
+        # None while a move of that run is open (it is marked started when its pass sees the run
+        # given up); after failed ones (an undrain's) the next id: a replayed event records nothing.
+        migration_id = next_move_id(
+            e.job_id, e.attempt - 1, await moves.moves_of_run(conn, e.job_id, e.attempt - 1)
+        )
+        if migration_id is None:
+            return []
         new = await moves.plan(
             conn,
             migration_id=migration_id,
@@ -377,15 +393,18 @@ class MigrationService:
                         failed = await moves.fail(conn, row["migration_id"], f"the drain of {cluster} ended")
                         if failed is not None:
                             messages.append(self._message(failed, "failed"))
+                        self._start_held_at.pop(row["migration_id"], None)
                 await outbox.add(conn, PRODUCER, messages)
             await self._publish(messages)
-            await self._notice()
+            confirmed = await self._notice(confirm=True)
             self._drain_judged.pop(cluster, None)
+            for key in [k for k in self._drain_judged_at if k[0] == cluster]:
+                del self._drain_judged_at[key]
             self._drain_waiting.pop(cluster, None)
             if was:  # work may flow back, gradually and where the benefit rule says so
                 self._cluster_reviews[cluster] = ("cluster_joined", f"drain of {cluster} ended")
             log.info("cluster undrained", cluster=cluster, was_drained=was)
-            return {"ok": True, "cluster": cluster, "was_drained": was}
+            return {"ok": True, "cluster": cluster, "was_drained": was, "placement_confirmed": confirmed}
         if op != "drain":
             return {"ok": False, "code": "bad_request", "error": f"unknown op {op!r}"}
         concurrency = int(request.get("concurrency", 2))
@@ -403,7 +422,7 @@ class MigrationService:
             new = await moves.start_drain(
                 conn, cluster, concurrency=concurrency, deadline_s=deadline_s, forced=force
             )
-        await self._notice()
+        confirmed = await self._notice(confirm=True)
         log.info("cluster draining", cluster=cluster, jobs=len(jobs), concurrency=concurrency, forced=force)
         return {
             "ok": True,
@@ -413,13 +432,31 @@ class MigrationService:
             "concurrency": concurrency,
             "deadline_s": deadline_s,
             "forced_past": refusal,
+            "placement_confirmed": confirmed,
         }
 
-    async def _notice(self) -> None:
-        """Tell placement the drained clusters changed (it reloads them from the store)."""
+    async def _notice(self, *, confirm: bool = False) -> bool:
+        """Tell placement the drained clusters changed (it reloads them from the store).
+
+        ``confirm``: ask, and wait up to ``notice_confirm_s`` for a leading placement instance to
+        answer that it has them, so that a drain's answer means the cluster is closed: a job
+        submitted after ``loom drain`` returned is not placed there. (A plain notice raced the
+        next submission: the bench's late job could land on the drained cluster and be moved
+        off it at its first checkpoint, a move more than the cluster held.) Returns whether
+        placement confirmed."""
         self._noticed_at = time.monotonic()
         self._wake_drains.set()
-        await self.ctx.nc.publish(subjects.MIGRATE_DRAINS_CHANGED, b"")
+        if not confirm:
+            await self.ctx.nc.publish(subjects.MIGRATE_DRAINS_CHANGED, b"")
+            return False
+        try:
+            await self.ctx.nc.request(
+                subjects.MIGRATE_DRAINS_CHANGED, b"", timeout=self.settings.notice_confirm_s
+            )
+        except Exception as exc:  # no placement answered: it loads the drains when it starts
+            log.info("placement did not confirm the drained clusters", error=repr(exc))
+            return False
+        return True
 
     async def _pause(self, wake: asyncio.Event, busy: bool, period_s: float | None = None) -> None:
         """A loop's wait between passes: ``period_s`` (default ``poll_s``) while it has work, else
@@ -445,13 +482,18 @@ class MigrationService:
                 ]
                 if drains and time.monotonic() - self._noticed_at >= self.settings.notice_every_s:
                     await self._notice()
-                for d in drains:
-                    if d["state"] == "draining":
-                        await self._drain_step(d)
+                await self.drain_pass(drains)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("drain cycle failed", error=repr(exc))
+
+    async def drain_pass(self, drains: Sequence[Mapping[str, Any]] | None = None) -> None:
+        """One pass over every draining cluster (``drains``: their rows, read from the store when
+        None): the drain loop's body, each ``poll_s`` while drains exist."""
+        for d in await moves.drains(self.pool) if drains is None else drains:
+            if d["state"] == "draining":
+                await self._drain_step(d)
 
     async def _drain_step(self, drain: Mapping[str, Any]) -> None:
         """One pass over a draining cluster: advance its moves, plan more up to its concurrency."""
@@ -477,15 +519,35 @@ class MigrationService:
             log.info("cluster drained", cluster=cluster)
             return
         free = past_deadline or in_flight < int(drain["concurrency"])
-        verdicts = await self._drain_verdicts(cluster, [runs[j.job_id] for j in candidates]) if free else {}
+        rows = [runs[j.job_id] for j in candidates]
+        pass_at = time.monotonic()
+        verdicts = await self._drain_verdicts(cluster, rows) if free else {}
+        # A move starts only on room placement finds now: a verdict from an earlier pass (a job
+        # that waited for its turn) is asked for again first; each round asks about one job at
+        # least, and a job asked in this pass is fresh, so this ends.
+        chosen: list[DrainJob] = []
+        for _ in range(len(candidates) + 1):
+            judged_at = self._drain_judged_at
+            pick = pick_moves(
+                cluster,
+                candidates,
+                verdicts,
+                fresh={
+                    j.job_id
+                    for j in candidates
+                    if judged_at.get((cluster, j.job_id, j.attempt), -1.0) >= pass_at
+                },
+                in_flight=in_flight,
+                concurrency=int(drain["concurrency"]),
+                past_deadline=past_deadline,
+            )
+            chosen = pick.move
+            if not pick.ask_again:
+                break
+            again = {(j.job_id, j.attempt) for j in pick.ask_again}
+            self.stats["drain_asked_again"] = self.stats.get("drain_asked_again", 0) + len(again)
+            verdicts = await self._drain_verdicts(cluster, rows, again=again)
         room = placeable(cluster, verdicts)
-        chosen = next_moves(
-            order_moves(candidates, verdicts),
-            in_flight=in_flight,
-            concurrency=int(drain["concurrency"]),
-            past_deadline=past_deadline,
-            room=room,
-        )
         if free:
             await self._note_waiting(
                 cluster, candidates=candidates, chosen=chosen, room=room, verdicts=verdicts
@@ -502,11 +564,14 @@ class MigrationService:
             await self._plan(job, runs[job.job_id], cluster)
 
     async def _drain_verdicts(
-        self, cluster: str, rows: Sequence[asyncpg.Record]
+        self, cluster: str, rows: Sequence[asyncpg.Record], *, again: Collection[tuple[str, int]] = ()
     ) -> dict[str, benefit.MigrationVerdict]:
         """The ``drain`` verdict of each candidate of a drain (placement's what-if, the benefit
-        rule's numbers), judged once per run while the drain lasts: the drain moves them largest
-        net benefit first, ranked like every other plan (:func:`loom.migrate.benefit.rank_key`)."""
+        rule's numbers): the drain moves them largest net benefit first, ranked like every other
+        plan (:func:`loom.migrate.benefit.rank_key`). A run is judged once, asked again after
+        ``drain_retry_s`` when it had no room elsewhere, and asked again when ``again`` names it
+        (its turn came: it moves on room found now, :func:`loom.migrate.drain.pick_moves`); a run
+        asked again without an answer loses its verdict (it does not move on the old one)."""
         judged = self._drain_judged.setdefault(cluster, {})
         live = {(r["job_id"], int(r["attempt"])) for r in rows}
         for key in [k for k in judged if k not in live]:
@@ -518,7 +583,7 @@ class MigrationService:
             for key, v in judged.items()
             if (v.target is None or v.target == cluster)
             and now_m - self._drain_judged_at.get((cluster, *key), 0.0) >= self.settings.drain_retry_s
-        }
+        } | (set(again) & live)
         todo = [r for r in rows if (key := (r["job_id"], int(r["attempt"]))) not in judged or key in retry]
         if todo:
             checkpoints = await moves.checkpoints_of(self.pool, [r["job_id"] for r in todo])
@@ -533,9 +598,13 @@ class MigrationService:
                     now=now,
                     step_s=None,
                 )
+                key = (r["job_id"], int(r["attempt"]))
                 if found is not None:
-                    judged[r["job_id"], int(r["attempt"])] = found[0]
-                    self._drain_judged_at[cluster, r["job_id"], int(r["attempt"])] = now_m
+                    judged[key] = found[0]
+                    self._drain_judged_at[cluster, *key] = now_m
+                elif key in again:
+                    judged.pop(key, None)
+                    self._drain_judged_at.pop((cluster, *key), None)
         return {job_id: v for (job_id, _), v in judged.items()}
 
     async def _note_waiting(
@@ -599,10 +668,16 @@ class MigrationService:
                 await moves.record_verdicts(conn, records)
 
     async def _plan(self, job: DrainJob, run: asyncpg.Record, cluster: str) -> None:
-        """Plan one move: record it and ask the run's lead agent for a checkpoint now."""
-        migration_id = f"{job.job_id}:{job.attempt}"
+        """Plan one move: record it and ask the run's lead agent for a checkpoint now. A run whose
+        earlier moves failed (an undrain failed them while planned) is planned again under the next
+        id (:func:`loom.migrate.drain.next_move_id`): a cluster drained again empties."""
         context = json.loads(run["trace_context"])
         async with transaction(self.pool) as conn:
+            migration_id = next_move_id(
+                job.job_id, job.attempt, await moves.moves_of_run(conn, job.job_id, job.attempt)
+            )
+            if migration_id is None:
+                return
             new = await moves.plan(
                 conn,
                 migration_id=migration_id,
@@ -649,6 +724,8 @@ class MigrationService:
         waited_s = time.time() - float(m["planned_at"].timestamp())
         wanted = int(m["resume_step"])
         if chosen is not None and chosen.checkpoint is not None and chosen.step >= wanted:
+            if m["cause"] == "drain" and not past_deadline and not await self._room_elsewhere(m, cluster):
+                return True  # its room went while its checkpoint was taken: it keeps running, and waits
             why = (
                 f"drain of {cluster}: {chosen.why}" if m["cause"] == "drain" else f"{m['why']}; {chosen.why}"
             )
@@ -672,10 +749,32 @@ class MigrationService:
                 )
         return True
 
+    async def _room_elsewhere(self, m: asyncpg.Record, cluster: str) -> bool:
+        """Whether placement's what-if places a drain move's job off ``cluster`` now, asked as the
+        move is about to start (its checkpoint recorded): room found when the move was picked may
+        have been taken while the checkpoint was written. Without room (or without an answer) the
+        planned move waits, the job running where it is, and is asked about again after
+        ``drain_retry_s``; it holds its slot under the drain's concurrency, and past the deadline
+        it starts anyway."""
+        job_id, migration_id = m["job_id"], m["migration_id"]
+        held_at = self._start_held_at.get(migration_id)
+        if held_at is not None and time.monotonic() - held_at < self.settings.drain_retry_s:
+            return False
+        answer = await self._whatif(job_id)
+        candidate = (answer or {}).get("candidate")
+        if candidate is not None and room_off(cluster, candidate.get("clusters") or [candidate["cluster"]]):
+            self._start_held_at.pop(migration_id, None)
+            return True
+        self._start_held_at[migration_id] = time.monotonic()
+        self.stats["drain_start_held"] = self.stats.get("drain_start_held", 0) + 1
+        log.info("drain move waits for room elsewhere", job_id=job_id, cluster=cluster)
+        return False
+
     async def _settle_moved_on(self, m: asyncpg.Record, state: str, current: int) -> bool:
         """The run of a planned move is no longer live: it was given up (by our request, whose
         answer was lost, or a failover) or it ended."""
         attempt = m["from_attempt"]
+        self._start_held_at.pop(m["migration_id"], None)  # it starts no more: no hold to keep
         messages: list[outbox.OutboxMessage] = []
         async with transaction(self.pool) as conn:
             if current > attempt or state == "queued":
@@ -726,6 +825,7 @@ class MigrationService:
             )
             messages = [self._message(row, "started")] if row is not None else []
             await outbox.add(conn, PRODUCER, messages)
+        self._start_held_at.pop(m["migration_id"], None)  # started (past a deadline, too)
         self.stats["started"] += len(messages)
         await self._publish(messages)
 
@@ -956,10 +1056,13 @@ class MigrationService:
         returned or improved): record it and ask the run's lead agent for a checkpoint now (the
         moves loop then gives the run up once that checkpoint is recorded)."""
         attempt = int(run["attempt"])
-        migration_id = f"{v.job_id}:{attempt}"
         context = json.loads(run["trace_context"])
         steps = int(json.loads(run["spec"]).get("work", {}).get("steps", 0))
         async with transaction(self.pool) as conn:
+            # After a failed move of this run (a drain's, undrained) the next id: see _plan.
+            migration_id = next_move_id(v.job_id, attempt, await moves.moves_of_run(conn, v.job_id, attempt))
+            if migration_id is None:
+                return
             new = await moves.plan(
                 conn,
                 migration_id=migration_id,

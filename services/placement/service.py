@@ -1813,8 +1813,13 @@ class PlacementService:
 
     # ---- drains and moves (the migration service asks) ------------------------------------------
 
-    async def on_drains_changed(self, _msg: Msg) -> None:
-        """The drained clusters changed (``loom drain`` / ``undrain``): reload them from the store."""
+    async def on_drains_changed(self, msg: Msg) -> None:
+        """The drained clusters changed (``loom drain`` / ``undrain``): reload them from the store.
+
+        Asked as a request (the migration service does before it answers a drain or undrain), a
+        leading instance answers once its book has them: a decision made after the answer offers
+        none of a drained cluster's nodes, so a job submitted after ``loom drain`` returned is not
+        placed there (it was, in the moment before this reload, and the drain then moved it)."""
         try:
             closed = await moves.drained_clusters(self.pool)
         except Exception as exc:  # the next notice (or a restart) reloads them
@@ -1826,6 +1831,8 @@ class PlacementService:
             self.stats["drained"] = sorted(closed)
             self.capacity_changed = True
             self.wake.set()
+        if msg.reply and self.held:
+            await msg.respond(json.dumps({"ok": True, "drained": sorted(closed)}).encode())
 
     async def on_attempts(self, msg: Msg) -> None:
         """``loom.placement.attempts``: job -> [state, current attempt], from the store (a returning

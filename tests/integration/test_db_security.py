@@ -424,6 +424,7 @@ async def test_the_migration_role_can_do_its_work_and_no_more(role_urls: dict[st
             )
             await moves.mark_started(conn, "sec-m1", resume_step=0, lost_steps=0, why="test")
             await moves.fail(conn, "sec-m1", "test")
+            assert await moves.moves_of_run(conn, "sec-acme-0", 1) == {"sec-m1": "failed"}
             assert [m["migration_id"] for m in await moves.list_migrations(conn, job_id="sec-acme-0")] == [
                 "sec-m1"
             ]

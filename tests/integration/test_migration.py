@@ -95,6 +95,12 @@ async def _drained(db: asyncpg.Connection) -> None:
     assert state == "drained"
 
 
+async def _after_a_pass(migration: Any, check: Callable[[], Awaitable[Any]]) -> Any:
+    """One drain pass of the migration service (a test that drives them), then ``check()``."""
+    await migration.drain_pass()
+    return await check()
+
+
 async def test_a_drain_moves_every_job_from_its_checkpoint_two_at_a_time_and_undrain_reopens(
     platform: Platform,
 ) -> None:
@@ -126,6 +132,8 @@ async def test_a_drain_moves_every_job_from_its_checkpoint_two_at_a_time_and_und
         await until(lambda: _progressed(client, jobs, 0.15), 20, "a checkpoint passed on c-weu-a")
         accepted = await _ask(client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED, "concurrency": 2})
         assert accepted["ok"] is True and accepted["jobs"] == 4, accepted
+        # Answered once placement had closed it: nothing submitted from here on lands there.
+        assert accepted["placement_confirmed"] is True
         # Killed mid-drain, the migration service goes on from its records: nothing lost or doubled.
         await until(
             lambda: db.fetchval("SELECT count(*) FROM migrations WHERE state <> 'completed'"),
@@ -166,7 +174,7 @@ async def test_a_drain_moves_every_job_from_its_checkpoint_two_at_a_time_and_und
         assert late is not None and late["state"] == "queued"
         # ... until the drain ends.
         undrained = await _ask(client, subjects.MIGRATE_DRAIN, {"op": "undrain", "cluster": DRAINED})
-        assert undrained == {"ok": True, "cluster": DRAINED, "was_drained": True}
+        assert undrained == {"ok": True, "cluster": DRAINED, "was_drained": True, "placement_confirmed": True}
         await until(
             lambda: _running_at(client, ["dr-late"], DRAINED, 1), 15, "the late job placed on c-weu-a"
         )
@@ -310,6 +318,236 @@ async def test_a_drain_job_with_no_room_elsewhere_keeps_running_says_so_and_move
         row = await db.fetchrow("SELECT * FROM migrations WHERE job_id = 'stuck'")
         assert row["state"] == "completed" and row["to_cluster"] == OTHER and row["resume_step"] >= 10
         assert await waiting() is None
+    finally:
+        await db.close()
+        await client.close()
+
+
+async def test_a_drain_job_whose_room_was_taken_while_it_waited_for_its_turn_stays_and_waits_for_capacity(
+    platform: Platform,
+) -> None:
+    # Two jobs on c-weu-a, drained one at a time. Both find room on c-sea1-a (4 T4) when the drain
+    # starts; while the second waits for its turn, other work takes that room. When its turn comes
+    # it must not move on the verdict it had (its run given up, the job queued without GPUs): the
+    # drain asks placement again, finds no room, and it keeps running and waits for capacity.
+    # The test drives the drain's passes itself (the loop's own period is an hour), so the room is
+    # taken between two passes, not raced against one.
+    platform.migration = {"poll_s": 3600.0}
+    await platform.start("metrics")
+    await platform.start("placement")
+    migration = await platform.start("migration")
+    await platform.start(f"agent-{DRAINED}")
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    try:
+        jobs = ["first", "second"]
+        for job_id in jobs:
+            await client.submit(_job(job_id))
+        await until(lambda: _running_at(client, jobs, DRAINED, 1), 10, "the jobs on c-weu-a")
+        await platform.start(f"agent-{OTHER}")
+        await until(
+            lambda: db.fetchval("SELECT count(*) FROM node_allocations WHERE cluster = $1", OTHER),
+            10,
+            "c-sea1-a known",
+        )
+        await until(lambda: _progressed(client, jobs, 0.1), 20, "a checkpoint passed on c-weu-a")
+        accepted = await _ask(client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED, "concurrency": 1})
+        assert accepted["ok"] is True and accepted["jobs"] == 2, accepted
+
+        await migration.drain_pass()  # both judged with room on c-sea1-a; one planned
+        planned = await db.fetch("SELECT job_id FROM migrations")
+        assert len(planned) == 1, planned
+        mover = planned[0]["job_id"]
+        waiter = next(j for j in jobs if j != mover)
+
+        started = "SELECT state IN ('started', 'completed') FROM migrations WHERE job_id = $1"
+        await until(
+            lambda: _after_a_pass(migration, lambda: db.fetchval(started, mover)),
+            15,
+            "the first move started",
+        )
+        # No pass from here until the room is taken: the slot frees when the move completes.
+        await until(lambda: _running_at(client, [mover], OTHER, 2), 15, "the first job moved to c-sea1-a")
+        await until(
+            lambda: db.fetchval("SELECT state = 'completed' FROM migrations WHERE job_id = $1", mover),
+            10,
+            "the first move completed",
+        )
+        blockers = [f"blk-{i}" for i in range(3)]
+        for job_id in blockers:
+            await client.submit(_job(job_id, step_time_s=2400.0))
+        await until(lambda: _running_at(client, blockers, OTHER, 1), 10, "c-sea1-a full")
+
+        asked_before = migration.stats.get("drain_asked_again", 0)
+        await migration.drain_pass()  # its turn: asked again, no room now
+        assert await db.fetchval("SELECT count(*) FROM migrations WHERE job_id = $1", waiter) == 0
+        assert migration.stats.get("drain_asked_again", 0) > asked_before
+        assert await _running_at(client, [waiter], DRAINED, 1)
+        drains = await _ask(client, subjects.MIGRATE_QUERY, {"op": "drains"})
+        waiting = next(d for d in drains["result"] if d["cluster"] == DRAINED)["waiting"]
+        assert [(w["job_id"], w["needs"]) for w in waiting] == [(waiter, "1 x T4")]
+        assert "waits for capacity" in waiting[0]["why"]
+        verdicts = await db.fetch(
+            "SELECT decision, target FROM migration_verdicts WHERE job_id = $1 AND trigger = 'drain'", waiter
+        )
+        assert [(v["decision"], v["target"]) for v in verdicts] == [("stay", None)]
+
+        await client.cancel("blk-0")  # room appears: a later pass finds it and moves the job there
+
+        await until(
+            lambda: _after_a_pass(migration, lambda: _running_at(client, [waiter], OTHER, 2)),
+            20,
+            "the waiting job moved to c-sea1-a once room appeared",
+        )
+        drained = "SELECT state = 'drained' FROM cluster_drains WHERE cluster = $1"
+        await until(
+            lambda: _after_a_pass(migration, lambda: db.fetchval(drained, DRAINED)), 10, "the drain ended"
+        )
+        rows = await db.fetch("SELECT job_id, state, to_cluster FROM migrations ORDER BY planned_at")
+        assert [(r["job_id"], r["state"], r["to_cluster"]) for r in rows] == [
+            (mover, "completed", OTHER),
+            (waiter, "completed", OTHER),
+        ]
+    finally:
+        await db.close()
+        await client.close()
+
+
+async def test_a_drain_move_whose_room_went_before_its_checkpoint_waits_and_starts_once_room_returns(
+    platform: Platform,
+) -> None:
+    # One job on c-weu-a finds room on c-sea1-a and its move is planned (a checkpoint asked for).
+    # Before the move starts, other work takes c-sea1-a's 4 T4s. With its checkpoint recorded the
+    # move would give the run up now: it must not (the job would sit queued without GPUs); it
+    # keeps running and the move starts once a blocker ends. Passes driven by the test.
+    platform.migration = {"poll_s": 3600.0}
+    await platform.start("metrics")
+    await platform.start("placement")
+    migration = await platform.start("migration")
+    await platform.start(f"agent-{DRAINED}")
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    try:
+        await client.submit(_job("solo"))
+        await until(lambda: _running_at(client, ["solo"], DRAINED, 1), 10, "the job on c-weu-a")
+        await platform.start(f"agent-{OTHER}")
+        await until(
+            lambda: db.fetchval("SELECT count(*) FROM node_allocations WHERE cluster = $1", OTHER),
+            10,
+            "c-sea1-a known",
+        )
+        await until(lambda: _progressed(client, ["solo"], 0.1), 15, "a checkpoint passed on c-weu-a")
+        accepted = await _ask(client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED, "concurrency": 1})
+        assert accepted["ok"] is True and accepted["jobs"] == 1, accepted
+        await migration.drain_pass()  # room on c-sea1-a: planned, a checkpoint asked for
+        planned = await db.fetchrow("SELECT * FROM migrations WHERE job_id = 'solo'")
+        assert planned["state"] == "planned"
+
+        blockers = [f"blk-{i}" for i in range(4)]
+        for job_id in blockers:
+            await client.submit(_job(job_id, step_time_s=2400.0))
+        await until(lambda: _running_at(client, blockers, OTHER, 1), 10, "c-sea1-a full")
+        await until(
+            lambda: db.fetchval(
+                "SELECT count(*) FROM checkpoints WHERE job_id = 'solo' AND attempt = 1 AND step >= $1",
+                max(int(planned["resume_step"]), 1),
+            ),
+            10,
+            "the checkpoint the move asked for",
+        )
+        await migration.drain_pass()  # the move could start now: placement is asked, no room
+        assert await db.fetchval("SELECT state FROM migrations WHERE job_id = 'solo'") == "planned"
+        assert await _running_at(client, ["solo"], DRAINED, 1)
+        assert migration.stats.get("drain_start_held", 0) >= 1
+
+        await client.cancel("blk-0")
+        await until(
+            lambda: _after_a_pass(migration, lambda: _running_at(client, ["solo"], OTHER, 2)),
+            20,
+            "the move started once room returned",
+        )
+        row = await db.fetchrow("SELECT * FROM migrations WHERE job_id = 'solo'")
+        assert row["state"] in ("started", "completed") and row["resume_step"] >= 10
+    finally:
+        await db.close()
+        await client.close()
+
+
+async def test_a_cluster_drained_again_after_an_undrain_failed_its_planned_moves_moves_every_job_once(
+    platform: Platform,
+) -> None:
+    # Two jobs on c-weu-a; a drain plans both moves, then `loom undrain` fails them before their
+    # checkpoints start them. Draining c-weu-a again must plan both jobs again (under new ids: the
+    # failed moves keep theirs) and move each exactly once; a repeated drain request and repeated
+    # passes plan nothing twice. Passes driven by the test.
+    platform.migration = {"poll_s": 3600.0}
+    await platform.start("metrics")
+    await platform.start("placement")
+    migration = await platform.start("migration")
+    await platform.start(f"agent-{DRAINED}")
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    try:
+        jobs = ["again-a", "again-b"]
+        for job_id in jobs:
+            await client.submit(_job(job_id))
+        await until(lambda: _running_at(client, jobs, DRAINED, 1), 10, "the jobs on c-weu-a")
+        await platform.start(f"agent-{OTHER}")
+        await until(
+            lambda: db.fetchval("SELECT count(*) FROM node_allocations WHERE cluster = $1", OTHER),
+            10,
+            "c-sea1-a known",
+        )
+        await until(lambda: _progressed(client, jobs, 0.1), 20, "a checkpoint passed on c-weu-a")
+        drain = {"cluster": DRAINED, "concurrency": 2}
+        assert (await _ask(client, subjects.MIGRATE_DRAIN, drain))["ok"] is True
+        await migration.drain_pass()  # both planned, their checkpoints asked for
+        first = await db.fetch("SELECT migration_id, state FROM migrations ORDER BY migration_id")
+        assert [(r["migration_id"], r["state"]) for r in first] == [
+            ("again-a:1", "planned"),
+            ("again-b:1", "planned"),
+        ]
+        migration._start_held_at["again-a:1"] = time.monotonic()  # as if its start had been held
+
+        undrained = await _ask(client, subjects.MIGRATE_DRAIN, {"op": "undrain", "cluster": DRAINED})
+        assert undrained["ok"] is True and undrained["was_drained"] is True
+        failed = await db.fetch("SELECT migration_id, state FROM migrations ORDER BY migration_id")
+        assert [(r["migration_id"], r["state"]) for r in failed] == [
+            ("again-a:1", "failed"),
+            ("again-b:1", "failed"),
+        ]
+        assert "again-a:1" not in migration._start_held_at  # the undrain leaves no hold behind
+        assert not [k for k in migration._drain_judged_at if k[0] == DRAINED]  # nor a verdict's age
+
+        assert (await _ask(client, subjects.MIGRATE_DRAIN, drain))["ok"] is True
+        await migration.drain_pass()
+        assert (await _ask(client, subjects.MIGRATE_DRAIN, drain))["ok"] is True  # repeated: same drain
+        await migration.drain_pass()
+        replanned = await db.fetch(
+            "SELECT migration_id FROM migrations WHERE state <> 'failed' ORDER BY migration_id"
+        )
+        assert [r["migration_id"] for r in replanned] == ["again-a:1:2", "again-b:1:2"]
+
+        await until(
+            lambda: _after_a_pass(migration, lambda: _running_at(client, jobs, OTHER, 2)),
+            25,
+            "both jobs moved to c-sea1-a",
+        )
+        drained = "SELECT state = 'drained' FROM cluster_drains WHERE cluster = $1"
+        await until(
+            lambda: _after_a_pass(migration, lambda: db.fetchval(drained, DRAINED)), 10, "the drain ended"
+        )
+        rows = await db.fetch("SELECT migration_id, state, to_cluster FROM migrations ORDER BY migration_id")
+        assert [(r["migration_id"], r["state"], r["to_cluster"]) for r in rows] == [
+            ("again-a:1", "failed", None),
+            ("again-a:1:2", "completed", OTHER),
+            ("again-b:1", "failed", None),
+            ("again-b:1:2", "completed", OTHER),
+        ]
+        planned_events = await db.fetchval(
+            "SELECT count(*) FROM outbox WHERE subject LIKE 'loom.migrations.planned.%'"
+        )
+        assert planned_events == 4  # two per job: the failed move's and the one that moved it
     finally:
         await db.close()
         await client.close()

@@ -1,6 +1,6 @@
 """Drains (pure): refusal when a job has nowhere to go, largest benefit first, bounded concurrency."""
 
-from loom.migrate.drain import DrainJob, drain_refusal, next_moves, order_moves
+from loom.migrate.drain import DrainJob, drain_refusal, next_move_id, next_moves, order_moves
 
 
 def _job(
@@ -153,3 +153,79 @@ def test_a_job_no_placement_elsewhere_has_room_for_stays_running_until_room_appe
     )
     anyg = waiting_for_capacity("a", [_job("any", models=())], set(), GPUS, closed=set())["any"]
     assert "needs 1 x any GPU" in anyg and "12 such GPU(s)" in anyg and "b 4, c 8" in anyg
+
+
+def test_a_job_whose_room_was_taken_while_it_waited_for_its_turn_is_asked_again_and_does_not_move() -> None:
+    from loom.migrate.drain import Pick, pick_moves, placeable, waiting_for_capacity
+
+    def pick(jobs: list[DrainJob], verdicts: dict[str, object], fresh: set[str], in_flight: int = 0) -> Pick:
+        return pick_moves(
+            "a",
+            jobs,
+            verdicts,  # type: ignore[arg-type]
+            fresh=fresh,
+            in_flight=in_flight,
+            concurrency=1,
+            past_deadline=False,
+        )
+
+    def ids(found: list[DrainJob]) -> list[str]:
+        return [j.job_id for j in found]
+
+    jobs = [_job("first"), _job("second"), _job("third")]
+    # Pass 1: placement finds room for all three (equal benefit: ranked by id); one may move.
+    pass1 = {
+        "first": _verdict("first", "b"),
+        "second": _verdict("second", "b"),
+        "third": _verdict("third", "c"),
+    }
+    p = pick(jobs, pass1, fresh=set(pass1))
+    assert ids(p.move) == ["first"] and p.ask_again == []
+    # While "second" waits for its turn, other work takes b's room. The slot frees; its verdict,
+    # from pass 1, still names b: ranked on it alone it would move now, onto room that is gone
+    # (its run given up, the job queued without GPUs) -- the stale verdict.
+    left = jobs[1:]
+    stale = {k: v for k, v in pass1.items() if k != "first"}
+    assert "second" in placeable("a", stale)  # type: ignore[arg-type]
+    # The pick moves nothing on it: placement is asked again about the job whose turn it is.
+    p = pick(left, stale, fresh=set())
+    assert p.move == [] and ids(p.ask_again) == ["second"]
+    # Asked now, placement has no room for it: it waits for capacity, and the next in rank has
+    # its turn -- asked again too, since its room was found in pass 1 as well.
+    now = {**stale, "second": _verdict("second", None)}
+    p = pick(left, now, fresh={"second"})
+    assert p.move == [] and ids(p.ask_again) == ["third"]
+    # Its room on c is still there (found now): it moves; "second" stays, waiting for capacity.
+    p = pick(left, now, fresh={"second", "third"})
+    assert ids(p.move) == ["third"] and p.ask_again == []
+    assert set(waiting_for_capacity("a", left, placeable("a", now), GPUS, closed=set())) == {"second"}  # type: ignore[arg-type]
+    # Had c's room gone too, nothing would move.
+    gone = {**now, "third": _verdict("third", None)}
+    assert pick(left, gone, fresh={"second", "third"}) == Pick(move=[], ask_again=[])
+    # The concurrency holds: with the slot taken nothing is asked or moved.
+    assert pick(left, stale, fresh=set(), in_flight=1) == Pick(move=[], ask_again=[])
+    # Past the deadline every job moves, room or not, without asking again.
+    late = pick_moves("a", left, gone, fresh=set(), in_flight=1, concurrency=1, past_deadline=True)  # type: ignore[arg-type]
+    assert ids(late.move) == ["second", "third"] and late.ask_again == []
+
+
+def test_a_what_if_answer_is_room_off_the_drained_cluster_only_when_no_part_lands_there() -> None:
+    from loom.migrate.drain import room_off
+
+    assert room_off("a", ["b"]) and room_off("a", ["b", "c"])
+    assert not room_off("a", ["a"]) and not room_off("a", ["b", "a"])  # a part on the drained one
+    assert not room_off("a", [])  # no candidate: no room anywhere
+
+
+def test_a_runs_first_move_keeps_the_plain_id_and_one_after_failed_moves_takes_the_next_free_one() -> None:
+    assert next_move_id("j", 3, {}) == "j:3"
+    assert next_move_id("j", 3, {"j:3": "failed"}) == "j:3:2"  # undrained, then drained again
+    assert next_move_id("j", 3, {"j:3": "failed", "j:3:2": "failed"}) == "j:3:3"
+    assert next_move_id("j", 3, {"j:3:2": "failed"}) == "j:3"  # the plain id is free: it is taken
+
+
+def test_no_move_is_named_while_one_of_the_run_is_open_or_done() -> None:
+    # A replayed pass (or a second instance) that reads the move it planned plans nothing more.
+    for state in ("planned", "started", "completed"):
+        assert next_move_id("j", 1, {"j:1": "failed", "j:1:2": state}) is None
+        assert next_move_id("j", 1, {"j:1": state}) is None

@@ -8,6 +8,14 @@ time, each at a checkpoint boundary. This module holds the decisions:
 * :func:`order_moves` — which jobs move first: the largest net benefit first, ranked like every
   other migration plan (:func:`loom.migrate.benefit.rank_key`);
 * :func:`next_moves` — how many more may start now, under the drain's concurrency;
+* :func:`pick_moves` — the moves a pass starts: those two, on room found on the current snapshot
+  only (a verdict from an earlier pass is asked for again first: the room it found may have been
+  taken by other work while the job waited for its turn);
+* :func:`room_off` — whether a what-if's answer is room off the drained cluster (asked again as a
+  planned move is about to start: room can go while its checkpoint is written);
+* :func:`next_move_id` — the id of a job's next move from a run: ``job:attempt``, and after moves
+  of that run that failed (an undrain fails a drain's planned moves), ``job:attempt:2``, ``:3``…,
+  so a cluster drained again plans its jobs again while a replayed pass plans nothing twice;
 * :func:`waiting_for_capacity` — the jobs that stay where they are for now, because no placement on
   another open cluster has room for them (they keep running and are asked about again each pass;
   past the drain's deadline they move anyway), each with what it needs.
@@ -95,6 +103,12 @@ def placeable(cluster: str, verdicts: Mapping[str, MigrationVerdict]) -> set[str
     return {job_id for job_id, v in verdicts.items() if v.target is not None and v.target != cluster}
 
 
+def room_off(cluster: str, candidate_clusters: Collection[str]) -> bool:
+    """Whether a what-if's candidate (the clusters its parts would run on) is room off the drained
+    ``cluster``: some cluster, none of them the drained one."""
+    return bool(candidate_clusters) and cluster not in candidate_clusters
+
+
 def next_moves(
     ordered: Sequence[DrainJob],
     *,
@@ -117,6 +131,49 @@ def next_moves(
     if past_deadline:
         return movable
     return movable[: max(concurrency - in_flight, 0)]
+
+
+@dataclass(frozen=True, slots=True)
+class Pick:
+    """What a drain pass does next: start ``move``, or first ask placement again about ``ask_again``."""
+
+    move: list[DrainJob]
+    """Moves to start now; each job's room elsewhere was found on the current snapshot."""
+    ask_again: list[DrainJob]
+    """Jobs that would move now on a verdict from an earlier pass: ask placement's what-if again
+    about them and pick again (nothing moves until then)."""
+
+
+def pick_moves(
+    cluster: str,
+    candidates: Iterable[DrainJob],
+    verdicts: Mapping[str, MigrationVerdict],
+    *,
+    fresh: Collection[str],
+    in_flight: int,
+    concurrency: int,
+    past_deadline: bool,
+) -> Pick:
+    """The moves a drain pass of ``cluster`` starts: largest benefit first (:func:`order_moves`), up
+    to the concurrency (:func:`next_moves`), each only on room that exists now.
+
+    ``fresh``: the jobs whose verdict placement answered in this pass (its current snapshot,
+    reservations included). A verdict from an earlier pass may be stale: its room may have been
+    taken by other work while the job waited for a slot, and a move on it would give the run up
+    and leave the job queued without GPUs. So when any job that would move now has a stale
+    verdict, nothing moves yet: :attr:`Pick.ask_again` names them, the caller asks again and picks
+    again. A job whose room is gone then waits for capacity (:func:`waiting_for_capacity`) and the
+    next in rank takes its turn. Past the deadline every job moves, room or not."""
+    ordered = order_moves(candidates, verdicts)
+    chosen = next_moves(
+        ordered,
+        in_flight=in_flight,
+        concurrency=concurrency,
+        past_deadline=past_deadline,
+        room=placeable(cluster, verdicts),
+    )
+    stale = [] if past_deadline else [j for j in chosen if j.job_id not in fresh]
+    return Pick(move=[], ask_again=stale) if stale else Pick(move=chosen, ask_again=[])
 
 
 def needs(job: DrainJob) -> str:
@@ -158,3 +215,23 @@ def waiting_for_capacity(
             )
         )
     return out
+
+
+def next_move_id(job_id: str, attempt: int, earlier: Mapping[str, str]) -> str | None:
+    """The migration id of a new move of ``job_id``'s run ``attempt``, or None when none may be
+    planned. ``earlier``: that run's recorded migrations, id -> state.
+
+    None while one of them is not ``failed`` (a move planned or started: a second would double
+    it; completed: the run moved already). Otherwise ``job:attempt`` when it is free, else the
+    first of ``job:attempt:2``, ``job:attempt:3``, … not taken: a function of the records only,
+    so two passes that read the same records name the same move, and the store keeps one.
+    """
+    if any(state != "failed" for state in earlier.values()):
+        return None
+    base = f"{job_id}:{attempt}"
+    if base not in earlier:
+        return base
+    n = 2
+    while f"{base}:{n}" in earlier:
+        n += 1
+    return f"{base}:{n}"

@@ -217,6 +217,16 @@ async def plan(
     return status.endswith(" 1")
 
 
+async def moves_of_run(conn: Conn, job_id: str, attempt: int) -> dict[str, str]:
+    """The migrations recorded from the job's run ``attempt``: migration id -> state."""
+    rows = await conn.fetch(
+        "SELECT migration_id, state FROM migrations WHERE job_id = $1 AND from_attempt = $2",
+        job_id,
+        attempt,
+    )
+    return {r["migration_id"]: r["state"] for r in rows}
+
+
 async def mark_started(
     conn: asyncpg.Connection, migration_id: str, *, resume_step: int, lost_steps: int, why: str
 ) -> asyncpg.Record | None:
