@@ -768,10 +768,10 @@ async def test_a_batch_of_starts_starts_each_once_and_the_same_batch_again_chang
             start(b, {T4_A: 2}, steps=100, step_time_s=1000.0),
         ]
     )
-    await h.handled(await h.command(batch))
+    await h.command(batch)
     await h.heartbeat_shows({BIG_T4: 4, T4_A: 2}, running={a, b})
     await until(lambda: _true(h.seen.event(b, "started")), 10, "both started")
-    await h.handled(await h.command(batch))  # delivered again, under another id
+    await h.command(batch)  # delivered again, under another id
     sentinel = unique("sentinel")
     await h.command(start(sentinel, {T4_B: 2}, steps=10, step_time_s=20.0))
     await completed(h, sentinel)
@@ -779,7 +779,7 @@ async def test_a_batch_of_starts_starts_each_once_and_the_same_batch_again_chang
     assert h.seen.ids(a, "started") == [f"{a}:started:1"]
     assert h.agent is not None and h.agent.backend.nodes[BIG_T4].gpus_used == 4, "started once, not twice"
     for job_id in (a, b):
-        await h.handled(await h.command(StopJob(job_id=job_id)))
+        await h.command(StopJob(job_id=job_id))
     await h.heartbeat_shows({BIG_T4: 0, T4_A: 0}, running=set(), absent={a, b})
 
 
@@ -795,25 +795,22 @@ async def test_a_start_in_a_batch_that_cannot_start_fails_alone_and_a_malformed_
     async def on_dead(msg: Msg) -> None:
         dead.append(msg)
 
-    sub = await h.nc.subscribe(f"{subjects.PREFIX}.dlq.>", cb=on_dead)
-    await h.handled(
-        await h.command(
-            StartJobs(
-                starts=[
-                    start(no_room, {P100: 2}),  # asks for T4 on a P100 node
-                    broken,
-                    start(ok, {T4_A: 2}, steps=100, step_time_s=1000.0),
-                ]
-            )
+    sub = await h.nc.subscribe(subjects.dead_letter(subjects.cluster_command(CLUSTER, "starts")), cb=on_dead)
+    await h.command(
+        StartJobs(
+            starts=[
+                start(no_room, {P100: 2}),  # asks for T4 on a P100 node
+                broken,
+                start(ok, {T4_A: 2}, steps=100, step_time_s=1000.0),
+            ]
         )
     )
     await until(lambda: _true(h.seen.event(ok, "started")), 10, "the good start to run")
     event = await failed(h, no_room)
     assert event["retryable"] is True and event["reason"].startswith("cannot start: ")
     await until(lambda: _true(dead), 10, "the batch to be dead-lettered")
-    assert dead[0].subject == subjects.dead_letter(subjects.cluster_command(CLUSTER, "starts"))
     assert malformed in (dead[0].headers or {}).get("Loom-Error", "")
     assert h.seen.kinds(malformed) == [] and h.seen.kinds(ok) == ["started"]
     await sub.unsubscribe()
-    await h.handled(await h.command(StopJob(job_id=ok)))
+    await h.command(StopJob(job_id=ok))
     await h.heartbeat_shows({T4_A: 0}, running=set(), absent={ok})
