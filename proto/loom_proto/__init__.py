@@ -15,6 +15,7 @@ from loom_proto.clusters import (
     NodeAllocation,
     NodeState,
     StartJob,
+    StartJobs,
     StopJob,
 )
 from loom_proto.codec import DecodeError, decode, encode
@@ -83,6 +84,7 @@ __all__ = [
     "Resources",
     "Severity",
     "StartJob",
+    "StartJobs",
     "StopJob",
     "TaskType",
     "ViewDelta",

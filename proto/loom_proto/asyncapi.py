@@ -22,6 +22,7 @@ from loom_proto.clusters import (
     DrainCluster,
     ResizeJob,
     StartJob,
+    StartJobs,
     StopJob,
 )
 from loom_proto.jobs import (
@@ -66,6 +67,11 @@ CHANNELS: dict[str, tuple[tuple[str, ...], type[msgspec.Struct], str]] = {
     "loom.jobs.resized.{tenant}": (("tenant",), JobResized, "An elastic job grew or shrank."),
     "loom.clusters.{cluster}.heartbeat": (("cluster",), ClusterHeartbeat, "An agent's heartbeat."),
     "loom.clusters.{cluster}.cmd.start": (("cluster",), StartJob, "Start a job on given nodes."),
+    "loom.clusters.{cluster}.cmd.starts": (
+        ("cluster",),
+        StartJobs,
+        "Start several jobs placement decided in one cycle (one message per cluster and cycle).",
+    ),
     "loom.clusters.{cluster}.cmd.stop": (("cluster",), StopJob, "Stop a job's run."),
     "loom.clusters.{cluster}.cmd.checkpoint": (("cluster",), CheckpointJob, "Checkpoint a job now."),
     "loom.clusters.{cluster}.cmd.drain": (("cluster",), DrainCluster, "Stop accepting work."),

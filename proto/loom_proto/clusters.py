@@ -26,6 +26,7 @@ __all__ = [
     "NodeState",
     "SlowRun",
     "StartJob",
+    "StartJobs",
     "StopJob",
 ]
 
@@ -87,6 +88,29 @@ class StartJob(
     """Simulated seconds to wait before starting (the dataset's first copy is still on its way)."""
 
 
+MAX_STARTS_PER_MESSAGE = 64
+"""The most starts one :class:`StartJobs` carries (placement splits a larger cycle)."""
+
+
+class StartJobs(
+    msgspec.Struct, tag_field="kind", tag="starts", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
+    """Several starts placement decided for one cluster in one cycle, in one message: each is
+    carried out as its own :class:`StartJob` would be (a repeated one changes nothing), so a
+    burst costs one command message per cluster and cycle instead of one per job.
+
+    ``traces[i]`` is the W3C trace context (``traceparent``, ``tracestate``) that ``starts[i]``
+    continues, so every job's trace goes on through its own start; the message's own headers
+    carry the trace of the batch. Published on ``loom.clusters.<cluster>.cmd.starts`` (agents of
+    this version and later; a lone start still goes as a :class:`StartJob`)."""
+
+    starts: Annotated[list[StartJob], Meta(min_length=1, max_length=MAX_STARTS_PER_MESSAGE)]
+    traces: Annotated[
+        list[Annotated[dict[str, Annotated[str, Meta(max_length=512)]], Meta(max_length=8)]],
+        Meta(max_length=MAX_STARTS_PER_MESSAGE),
+    ] = []
+
+
 class StopJob(
     msgspec.Struct, tag_field="kind", tag="stop", forbid_unknown_fields=True, frozen=True, kw_only=True
 ):
@@ -126,7 +150,7 @@ class DrainCluster(
     reason: Annotated[str, Meta(max_length=1024)] = ""
 
 
-ClusterCommand = StartJob | StopJob | CheckpointJob | DrainCluster | ResizeJob
+ClusterCommand = StartJob | StartJobs | StopJob | CheckpointJob | DrainCluster | ResizeJob
 """Any command to an agent, discriminated by ``kind``."""
 
 

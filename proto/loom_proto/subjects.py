@@ -25,7 +25,7 @@ JobEventKind = Literal[
     "requeued",
     "resized",
 ]
-ClusterCommandKind = Literal["start", "stop", "checkpoint", "drain", "resize"]
+ClusterCommandKind = Literal["start", "starts", "stop", "checkpoint", "drain", "resize"]
 
 JOB_EVENT_KINDS: tuple[JobEventKind, ...] = (
     "submitted",
@@ -40,7 +40,14 @@ JOB_EVENT_KINDS: tuple[JobEventKind, ...] = (
     "requeued",
     "resized",
 )
-CLUSTER_COMMAND_KINDS: tuple[ClusterCommandKind, ...] = ("start", "stop", "checkpoint", "drain", "resize")
+CLUSTER_COMMAND_KINDS: tuple[ClusterCommandKind, ...] = (
+    "start",
+    "starts",
+    "stop",
+    "checkpoint",
+    "drain",
+    "resize",
+)
 
 
 def job_submitted(tenant: str) -> str:

@@ -45,15 +45,17 @@ from typing import IO, Any
 import structlog
 from msgspec import Struct
 from nats.aio.msg import Msg
-from opentelemetry import propagate
+from opentelemetry import propagate, trace
+from opentelemetry.trace import Link, SpanKind
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.publisher import Outgoing, refused
-from loom.errors import InvalidInputError
+from loom.errors import InvalidInputError, LoomError
 from loom.migrate.checkpoints import checksum_of
 from loom.model.family import job_family
 from loom.model.heartbeat import next_interval_s
 from loom.runtime.service import ServiceContext
+from loom.telemetry import span_name
 from loom_proto import subjects
 from loom_proto.clusters import (
     AcceleratorProfile,
@@ -65,6 +67,7 @@ from loom_proto.clusters import (
     DrainCluster,
     ResizeJob,
     StartJob,
+    StartJobs,
     StopJob,
 )
 from loom_proto.codec import encode
@@ -72,6 +75,7 @@ from loom_proto.jobs import JobCheckpointed, JobCompleted, JobFailed, JobProgres
 from loom_services.cluster_agent.backend import BackendError, ClusterBackend, PartLaunch, PartStatus, Phase
 
 log = structlog.get_logger("cluster_agent")
+_tracer = trace.get_tracer("loom.cluster_agent")
 
 REPORT_BATCH = 64
 """Reports sent at once: written to the connection in order, acknowledged together."""
@@ -377,6 +381,8 @@ class Agent:
         command = d.message
         if isinstance(command, StartJob):
             await self._start(command)
+        elif isinstance(command, StartJobs):
+            await self._start_all(command, d)
         elif isinstance(command, StopJob):
             await self._stop(command.job_id, command.attempt, command.reason or "stopped by command")
         elif isinstance(command, ResizeJob):
@@ -391,6 +397,47 @@ class Agent:
         elif isinstance(command, DrainCluster):
             await self.backend.drain(command.nodes)
             self._changed.set()
+
+    async def _start_all(self, command: StartJobs, d: Delivery[ClusterCommand]) -> None:
+        """Carry out each start of a batch as its own command would be, under a CONSUMER span in
+        its own job's trace (linked to the batch's delivery). A start that fails does not keep
+        the others from starting; afterwards the batch fails with it (a start that cannot
+        succeed: dead-lettered; anything else: redelivered, and the starts carried out already
+        change nothing the second time)."""
+        refused: list[str] = []
+        retry: Exception | None = None
+        link = [Link(d.span.get_span_context())]
+        for i, start in enumerate(command.starts):
+            carrier = command.traces[i] if i < len(command.traces) else {}
+            with _tracer.start_as_current_span(
+                span_name("process", d.subject),
+                context=propagate.extract(carrier) if carrier else d.context,
+                kind=SpanKind.CONSUMER,
+                links=link,
+                attributes={
+                    "messaging.system": "nats",
+                    "messaging.operation.type": "process",
+                    "messaging.destination.name": d.subject,
+                    "messaging.message.id": d.msg_id or "",
+                    "loom.job_id": start.job_id,
+                },
+            ):
+                try:
+                    await self._start(start)
+                except LoomError as exc:
+                    if not exc.non_retryable:
+                        retry = retry or exc
+                        continue
+                    log.error("start in a batch refused", job_id=start.job_id, error=str(exc))
+                    refused.append(f"{start.job_id}: {exc}")
+                except Exception as exc:  # the batch is redelivered; what started stays started
+                    retry = retry or exc
+        if retry is not None:
+            raise retry
+        if refused:
+            raise InvalidInputError(
+                f"{len(refused)} of {len(command.starts)} starts refused: {'; '.join(refused)}"
+            )
 
     async def _start(self, command: StartJob) -> None:
         key = f"{command.job_id}:{command.attempt}"

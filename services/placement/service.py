@@ -65,7 +65,9 @@ import structlog
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
-from opentelemetry import propagate
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
@@ -119,8 +121,17 @@ from loom.store.fence import FencedError
 from loom.store.pool import ConflictError, transaction, with_retry
 from loom.store.roles import tenant_scope
 from loom.telemetry import metrics as prom
+from loom.telemetry import span_name
 from loom_proto import subjects
-from loom_proto.clusters import ClusterHealthChanged, ResizeJob, SlowRun, StartJob, StopJob
+from loom_proto.clusters import (
+    MAX_STARTS_PER_MESSAGE,
+    ClusterHealthChanged,
+    ResizeJob,
+    SlowRun,
+    StartJob,
+    StartJobs,
+    StopJob,
+)
 from loom_proto.codec import DecodeError, check_payload, decode, encode
 from loom_proto.ids import InvalidIdError, validate_id
 from loom_proto.jobs import (
@@ -148,6 +159,7 @@ from loom_proto.view import ViewDelta
 from loom_services.placement.book import Book, QueuedJob, Run, queued_from_row, run_from_row
 
 log = structlog.get_logger("placement")
+_tracer = trace.get_tracer("loom.placement")
 
 
 def _default_grace(grace_s: float | None) -> float:
@@ -1143,10 +1155,14 @@ class PlacementService:
         """The messages and events of a cycle's placements and rejections (settling the DAG of a
         rejected stage), and its growth written."""
         result = applied.cycle
+        starts: list[PendingStart] = []
         for p in result.placed:
-            msgs, placed_event = self._placement_messages(p.pending, p.decision, now)
-            applied.messages += msgs
+            placed_message, job_starts, placed_event = self._placement_messages(p.pending, p.decision, now)
+            applied.messages.append(placed_message)
+            starts += job_starts
             applied.events.append(placed_event)
+        # The cycle's starts after its placed events: one message per cluster (StartJobs).
+        applied.messages += start_messages(starts)
         for r in result.rejected:
             q = r.pending
             event = rejection(q.job.job_id, q.job.tenant, r.code, r.reason, r.hint)
@@ -1259,7 +1275,9 @@ class PlacementService:
 
     def _placement_messages(
         self, q: QueuedJob, d: Decision, now: float
-    ) -> tuple[list[outbox.OutboxMessage], repo.JobEventRow]:
+    ) -> tuple[outbox.OutboxMessage, list["PendingStart"], repo.JobEventRow]:
+        """A placement's ``placed`` event, its start commands (one per part, sent by
+        :func:`start_messages`) and its event row."""
         job = q.job
         parts = [
             PlacedPart(
@@ -1290,8 +1308,9 @@ class PlacementService:
         )
         msg_id = f"{job.job_id}:placed:{q.attempt}"
         context = q.context
-        messages = [outbox.message(subjects.job_placed(job.tenant), placed, msg_id, context=context)]
+        message = outbox.message(subjects.job_placed(job.tenant), placed, msg_id, context=context)
         spec = _spec_of(job)
+        starts = []
         for i, part in enumerate(parts):
             start = StartJob(
                 resume_from_step=q.resume_step,
@@ -1306,13 +1325,9 @@ class PlacementService:
                 start_after_s=d.start_after_s,
             )
             start_id = f"{job.job_id}:start:{q.attempt}" + ("" if i == 0 else f":{part.cluster}")
-            messages.append(
-                outbox.message(
-                    subjects.cluster_command(part.cluster, "start"), start, start_id, context=context
-                )
-            )
+            starts.append(PendingStart(part.cluster, start, start_id, context))
         # The event row holds the placed message's own bytes (encoded once).
-        return messages, repo.JobEventRow(job.job_id, "placed", msg_id, messages[0].payload, now)
+        return message, starts, repo.JobEventRow(job.job_id, "placed", msg_id, message.payload, now)
 
     async def _give_up(
         self,
@@ -2561,6 +2576,73 @@ class PlacementService:
         except Exception as exc:  # any bad request gets an answer, never a crash
             reply = {"ok": False, "error": str(exc)}
         await msg.respond(json.dumps(reply).encode())
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingStart:
+    """One part's start command, decided in a cycle and not yet sent (:func:`start_messages`)."""
+
+    cluster: str
+    command: StartJob
+    msg_id: str
+    """The id a lone start goes under (``<job>:start:<attempt>[:<cluster>]``)."""
+    context: Context
+    """The job's trace context."""
+
+
+def start_messages(starts: Sequence[PendingStart]) -> list[outbox.OutboxMessage]:
+    """A cycle's start commands as outbox messages: a cluster's lone start as a :class:`StartJob`
+    under its own id (as always); several as :class:`StartJobs` of at most
+    ``MAX_STARTS_PER_MESSAGE`` each, in decision order, under an id derived from the ids of the
+    starts it carries (a cycle decided again after a rollback sends the same batch under the same
+    id; any other batch carrying a start again is harmless: agents carry out a start once).
+
+    Every start in a batch continues its own job's trace: a PRODUCER span of its own (named as
+    the lone start's publish would be) is recorded in that trace, and its context travels in
+    ``traces``. The batch message itself carries no job's trace."""
+    by_cluster: dict[str, list[PendingStart]] = {}
+    for start in starts:
+        by_cluster.setdefault(start.cluster, []).append(start)
+    messages = []
+    for cluster, pending in by_cluster.items():
+        if len(pending) == 1:
+            one = pending[0]
+            messages.append(
+                outbox.message(
+                    subjects.cluster_command(cluster, "start"), one.command, one.msg_id, context=one.context
+                )
+            )
+            continue
+        subject = subjects.cluster_command(cluster, "starts")
+        for first in range(0, len(pending), MAX_STARTS_PER_MESSAGE):
+            chunk = pending[first : first + MAX_STARTS_PER_MESSAGE]
+            traces = []
+            for one in chunk:
+                carrier: dict[str, str] = {}
+                span = _tracer.start_span(
+                    span_name("publish", subject),
+                    context=one.context,
+                    kind=SpanKind.PRODUCER,
+                    attributes={
+                        "messaging.system": "nats",
+                        "messaging.operation.type": "publish",
+                        "messaging.destination.name": subject,
+                        "messaging.message.id": one.msg_id,
+                    },
+                )
+                propagate.inject(carrier, context=trace.set_span_in_context(span, one.context))
+                span.end()
+                traces.append(carrier)
+            digest = hashlib.sha256("\n".join(one.msg_id for one in chunk).encode()).hexdigest()[:32]
+            messages.append(
+                outbox.message(
+                    subject,
+                    StartJobs(starts=[one.command for one in chunk], traces=traces),
+                    f"{cluster}:starts:{digest}",
+                    context=Context(),
+                )
+            )
+    return messages
 
 
 @dataclasses.dataclass

@@ -31,7 +31,7 @@ from loom.model.topology import Cluster, load_topology
 from loom.runtime.servers import NatsServer
 from loom.runtime.service import ServiceContext, close_context, open_context
 from loom_proto import subjects
-from loom_proto.clusters import ClusterCommand, ClusterHeartbeat, ResizeJob, StartJob, StopJob
+from loom_proto.clusters import ClusterCommand, ClusterHeartbeat, ResizeJob, StartJob, StartJobs, StopJob
 from loom_proto.codec import encode
 from loom_proto.jobs import JobCompleted, JobSpec, NodeAllocation, Work
 from loom_proto.subjects import ClusterCommandKind
@@ -110,11 +110,15 @@ class Harness:
         await close_context(self.ctx)
         self.task = self.ctx = None
 
-    async def command(self, message: StartJob | StopJob | ResizeJob) -> PubAck:
+    async def command(self, message: StartJob | StartJobs | StopJob | ResizeJob) -> PubAck:
         """Publish a command (each under a new id: a repeat is the agent's to ignore, not the stream's)."""
-        kind: ClusterCommandKind = (
-            "start" if isinstance(message, StartJob) else "stop" if isinstance(message, StopJob) else "resize"
-        )
+        kinds: dict[type[Any], ClusterCommandKind] = {
+            StartJob: "start",
+            StartJobs: "starts",
+            StopJob: "stop",
+            ResizeJob: "resize",
+        }
+        kind = kinds[type(message)]
         return await self.publisher.publish(
             subjects.cluster_command(CLUSTER, kind),
             message,
@@ -752,3 +756,61 @@ async def test_a_part_the_backend_runs_elsewhere_or_loses_is_stopped_and_reporte
     assert h.seen.kinds(elsewhere) == ["failed"] and h.seen.kinds(gone) == ["failed"]  # never "running"
     assert {f"ref-{elsewhere}", f"ref-{gone}"} <= set(backend.stopped)  # taken out of the backend too
     await h.heartbeat_shows({BIG_T4: 0}, running=set(), absent={elsewhere, gone})
+
+
+async def test_a_batch_of_starts_starts_each_once_and_the_same_batch_again_changes_nothing(
+    h: Harness,
+) -> None:
+    a, b = unique("batched"), unique("batched")
+    batch = StartJobs(
+        starts=[
+            start(a, {BIG_T4: 4}, steps=100, step_time_s=1000.0),
+            start(b, {T4_A: 2}, steps=100, step_time_s=1000.0),
+        ]
+    )
+    await h.command(batch)
+    await h.heartbeat_shows({BIG_T4: 4, T4_A: 2}, running={a, b})
+    await until(lambda: _true(h.seen.event(b, "started")), 10, "both started")
+    await h.command(batch)  # delivered again, under another id
+    sentinel = unique("sentinel")
+    await h.command(start(sentinel, {T4_B: 2}, steps=10, step_time_s=20.0))
+    await completed(h, sentinel)
+    assert (h.seen.kinds(a), h.seen.kinds(b)) == (["started"], ["started"])
+    assert h.seen.ids(a, "started") == [f"{a}:started:1"]
+    assert h.agent is not None and h.agent.backend.nodes[BIG_T4].gpus_used == 4, "started once, not twice"
+    for job_id in (a, b):
+        await h.command(StopJob(job_id=job_id))
+    await h.heartbeat_shows({BIG_T4: 0, T4_A: 0}, running=set(), absent={a, b})
+
+
+async def test_a_start_in_a_batch_that_cannot_start_fails_alone_and_a_malformed_one_dead_letters_the_batch(
+    h: Harness,
+) -> None:
+    ok, no_room, malformed = unique("ok"), unique("noroom"), unique("malformed")
+    broken = msgspec.structs.replace(
+        start(malformed, {T4_C: 2}), job_id=unique("other")
+    )  # another job's spec
+    dead: list[Msg] = []
+
+    async def on_dead(msg: Msg) -> None:
+        dead.append(msg)
+
+    sub = await h.nc.subscribe(subjects.dead_letter(subjects.cluster_command(CLUSTER, "starts")), cb=on_dead)
+    await h.command(
+        StartJobs(
+            starts=[
+                start(no_room, {P100: 2}),  # asks for T4 on a P100 node
+                broken,
+                start(ok, {T4_A: 2}, steps=100, step_time_s=1000.0),
+            ]
+        )
+    )
+    await until(lambda: _true(h.seen.event(ok, "started")), 10, "the good start to run")
+    event = await failed(h, no_room)
+    assert event["retryable"] is True and event["reason"].startswith("cannot start: ")
+    await until(lambda: _true(dead), 10, "the batch to be dead-lettered")
+    assert malformed in (dead[0].headers or {}).get("Loom-Error", "")
+    assert h.seen.kinds(malformed) == [] and h.seen.kinds(ok) == ["started"]
+    await sub.unsubscribe()
+    await h.command(StopJob(job_id=ok))
+    await h.heartbeat_shows({T4_A: 0}, running=set(), absent={ok})

@@ -680,6 +680,35 @@ async def test_the_consumer_span_continues_the_publishers_trace(
     assert in_handler.span_id == consumer.context.span_id, "the handler runs under the consumer span"
 
 
+async def test_recorded_batch_publish_and_consumer_spans_carry_their_messaging_attributes(
+    nc: Client, start_consumer: StartConsumer, spans: InMemorySpanExporter
+) -> None:
+    subject = s.job_submitted(unique("t"))
+    msg_id = unique("m")
+    handled: asyncio.Queue[int] = asyncio.Queue()
+
+    async def handler(delivery: Delivery[JobSubmitted]) -> None:
+        handled.put_nowait(delivery.stream_seq)
+
+    runner = await start_consumer(consumer_spec([subject]), JobSubmitted, handler=handler)
+    payload = msgspec.json.encode(submitted("t"))
+    assert await Publisher(nc).publish_batch([Outgoing(subject, payload, msg_id, {})]) == [None]
+    seq = await next_item(handled)
+    await runner.stop()
+
+    finished = spans.get_finished_spans()
+    producer = _span(finished, SpanKind.PRODUCER, subject).attributes or {}
+    consumer = _span(finished, SpanKind.CONSUMER, subject).attributes or {}
+    assert (producer["messaging.message.id"], producer["messaging.message.body.size"]) == (
+        msg_id,
+        len(payload),
+    )
+    assert producer["messaging.operation.type"] == "publish"
+    assert (consumer["messaging.message.id"], consumer["messaging.nats.stream_sequence"]) == (msg_id, seq)
+    assert consumer["messaging.nats.delivery_count"] == 1
+    assert consumer["messaging.operation.type"] == "process"
+
+
 async def test_a_dead_letter_continues_the_trace_of_the_poison_message(
     nc: Client,
     start_consumer: StartConsumer,

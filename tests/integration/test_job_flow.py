@@ -11,16 +11,21 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from platform_helpers import Platform
 from waiting import until
 
+from loom.bus.publisher import Outgoing
 from loom.client import LoomClient, QueryError
 from loom.model.profiles import relative_speed
 from loom.runtime.servers import NatsServer
 from loom.telemetry import current_trace_id, reset_for_tests, setup_telemetry
-from loom_proto.jobs import JobSpec, Resources, Work
+from loom_proto import subjects
+from loom_proto.clusters import StartJobs
+from loom_proto.codec import decode, encode
+from loom_proto.jobs import Affinity, JobSpec, JobSubmitted, Resources, Work
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +112,66 @@ async def test_a_job_is_one_trace_from_submission_to_completion(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_jobs_started_together_on_one_cluster_are_one_command_and_each_stays_one_trace(
+    client: LoomClient, exporter: InMemorySpanExporter
+) -> None:
+    batches: list[int] = []
+
+    async def on_batch(msg: Any) -> None:
+        batches.append(len(decode(msg.data, StartJobs).starts))
+
+    sub = await client.nc.subscribe("loom.clusters.*.cmd.starts", cb=on_batch)
+    tracer = trace.get_tracer("test")
+    ids = [f"flow-batched-{i}" for i in range(8)]
+    trace_ids: dict[str, str] = {}
+    messages = []
+    for job_id in ids:
+        spec = JobSpec(
+            job_id=job_id,
+            tenant="t1",
+            resources=Resources(gpus=1),
+            work=Work(steps=5, step_time_s=10.0),
+            affinity=Affinity(regions=["aws-us-east-2"]),  # all on c-use2-a
+        )
+        fields = {f: getattr(spec, f) for f in JobSpec.__struct_fields__}
+        with tracer.start_as_current_span(f"client submits {job_id}") as span:
+            trace_ids[job_id] = format(span.get_span_context().trace_id, "032x")
+            messages.append(
+                Outgoing(
+                    subjects.job_submitted("t1"),
+                    encode(JobSubmitted(**fields, submitted_at=time.time())),
+                    job_id,
+                    {},
+                    otel_context.get_current(),
+                )
+            )
+    # At once: the first is placed alone, the ones that arrive meanwhile in the next cycle.
+    assert await client.publisher.publish_batch(messages) == [None] * len(ids)
+    for job_id in ids:
+        await until(job_state(client, job_id, "completed"), 30, f"{job_id} completed")
+    await sub.unsubscribe()
+    assert sum(batches) >= 2, "several starts went as one command"
+
+    def names(job_id: str) -> set[str]:
+        return {
+            s.name
+            for s in exporter.get_finished_spans()
+            if format(s.context.trace_id, "032x") == trace_ids[job_id]
+        }
+
+    needed = {
+        "publish loom.jobs.submitted",
+        "process loom.jobs.submitted",
+        "publish loom.jobs.placed",
+        "publish loom.clusters.c-use2-a",
+        "process loom.clusters.c-use2-a",
+        "publish loom.jobs.started",
+        "publish loom.jobs.completed",
+    }
+    for job_id in ids:
+        await until(lambda j=job_id: _true(needed <= names(j)), 10, f"{job_id}'s trace whole")
 
 
 async def test_a_restarted_metrics_service_rebuilds_the_same_view(

@@ -270,6 +270,8 @@ class ConsumerRunner(Generic[T]):
         self.waiting_for: list[str] = []
         """The dependencies this consumer waits for (it fetches nothing meanwhile)."""
         self.counts: dict[str, int] = {"acked": 0, "nacked": 0, "dead_lettered": 0}
+        self._acked_metric = CONSUMER_MESSAGES.labels(spec.durable, "acked")
+        """The acked counter's child, looked up once rather than per message."""
         self.held_for_outage = 0
         self.pulls = 0
         """Pull requests sent (callback pull)."""
@@ -519,20 +521,25 @@ class ConsumerRunner(Generic[T]):
             )
             if meta.num_delivered > 1:
                 CONSUMER_REDELIVERIES.labels(durable).inc()
+            # Only what the sampler reads goes in at the start; the rest only into a span that
+            # records (with nowhere to export, none does, and building them cost every delivery).
             span = _tracer.start_span(
                 span_name("process", msg.subject),
                 context=parent,
                 kind=SpanKind.CONSUMER,
-                attributes={
-                    "messaging.system": "nats",
-                    "messaging.operation.type": "process",
-                    "messaging.destination.name": msg.subject,
-                    "messaging.consumer.group.name": self.spec.durable,
-                    "messaging.message.id": headers.get("Nats-Msg-Id", ""),
-                    "messaging.nats.stream_sequence": meta.sequence.stream,
-                    "messaging.nats.delivery_count": meta.num_delivered,
-                },
+                attributes={"messaging.destination.name": msg.subject},
             )
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "messaging.system": "nats",
+                        "messaging.operation.type": "process",
+                        "messaging.consumer.group.name": self.spec.durable,
+                        "messaging.message.id": headers.get("Nats-Msg-Id", ""),
+                        "messaging.nats.stream_sequence": meta.sequence.stream,
+                        "messaging.nats.delivery_count": meta.num_delivered,
+                    }
+                )
             try:
                 # ``bytes`` hands the payload over untouched, for handlers that answer bad input
                 # themselves (placement tells a submitter why a job was refused).
@@ -575,13 +582,18 @@ class ConsumerRunner(Generic[T]):
         # An ack is a publish without a reply (it never waits on the server): acknowledge in line,
         # and give only failures (a dead letter waits for its stream's ack) a task each.
         failed = []
+        acked = 0
         for d, o in zip(deliveries, outcomes, strict=True):
             if o is None:
-                await self._settle(d, o)
+                await self._ack(d)
+                acked += 1
             elif (suspects := self._outage_of(o, down)) is not None:
                 failed.append(self._hold(d, o, suspects))
             else:
                 failed.append(self._settle(d, o))
+        if acked:
+            self.counts["acked"] += acked
+            self._acked_metric.inc(acked)
         if failed:
             await asyncio.gather(*failed)
         if down:
@@ -778,16 +790,21 @@ class ConsumerRunner(Generic[T]):
             return [error] * len(deliveries)
         return outcomes
 
+    async def _ack(self, delivery: Delivery[T]) -> None:
+        """Acknowledge a delivery its handler succeeded with (the caller counts it)."""
+        if self._failures:
+            self._failures.pop(delivery.stream_seq, None)
+        try:
+            await delivery.msg.ack()
+        finally:
+            delivery.span.end()
+
     async def _settle(self, delivery: Delivery[T], outcome: BaseException | None) -> None:
         msg, span = delivery.msg, delivery.span
         if outcome is None:
-            self._failures.pop(delivery.stream_seq, None)
-            try:
-                await msg.ack()
-                self.counts["acked"] += 1
-                CONSUMER_MESSAGES.labels(self.spec.durable, "acked").inc()
-            finally:
-                span.end()
+            await self._ack(delivery)
+            self.counts["acked"] += 1
+            self._acked_metric.inc()
             return
         if _never_succeeds(outcome):
             self._failures.pop(delivery.stream_seq, None)

@@ -290,18 +290,22 @@ class Publisher:
         room = getattr(self._js, "_publish_async_pending_semaphore", None)
         free = 0 if room is None or room.locked() else int(getattr(room, "_value", 0))
         for m in messages:
+            # The sampler reads the subject only; the rest goes only into a span that records.
             span = _tracer.start_span(
                 span_name("publish", m.subject),
                 context=m.parent,
                 kind=SpanKind.PRODUCER,
-                attributes={
-                    "messaging.system": "nats",
-                    "messaging.operation.type": "publish",
-                    "messaging.destination.name": m.subject,
-                    "messaging.message.id": m.msg_id,
-                    "messaging.message.body.size": len(m.payload),
-                },
+                attributes={"messaging.destination.name": m.subject},
             )
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "messaging.system": "nats",
+                        "messaging.operation.type": "publish",
+                        "messaging.message.id": m.msg_id,
+                        "messaging.message.body.size": len(m.payload),
+                    }
+                )
             spans.append(span)
             headers = dict(m.headers)
             headers["Nats-Msg-Id"] = m.msg_id
