@@ -989,8 +989,6 @@ class MigrationService:
             checkpoint_step=chosen.step if chosen is not None and chosen.checkpoint is not None else None,
             moves=n_moves,
             last_moved_s=last_moved,
-            # An observed step (a slow node) is already measured; else the what-if's pace.
-            pace=float(current["pace"]) if step_s is None and current.get("pace") else None,
         )
         if candidate is not None and set(answer["candidate"].get("clusters", [])) == set(
             current.get("clusters", [])

@@ -1977,13 +1977,6 @@ class PlacementService:
             "attempt": run.attempt,
             "step_s": here.step_s,
             "placed_step_s": run.predicted_step_s,
-            # Its progress reports' step over the one predicted for it (None: not observed yet):
-            # the benefit rule's remaining time here is the prediction at that pace. Judged
-            # against the placement's prediction, as a slow run is: a link that changed since the
-            # run was placed and before the window counts in the pace as well as in "step_s".
-            "pace": self.failover.nodes.pace.pace(
-                spec.job_id, run.attempt, _predicted_step_s(run), time.time()
-            ),
         }
         d = outcome.decision
         if d is not None and (d.victims or d.shrunk):
@@ -2167,7 +2160,10 @@ class PlacementService:
             self.failover.nodes.pace.record(e.job_id, e.attempt, e.at, e.observed_step_s)
             if (e.job_id, e.attempt) in self.failover.nodes.told:
                 continue
-            slow = self.failover.nodes.pace.slow(e.job_id, e.attempt, _predicted_step_s(run), now)
+            # A run with fewer workers than asked runs slower by that share, as expected.
+            scale = max(run.job.workers, 1) / max(run.workers, 1) if run.job.pipeline is None else 1.0
+            predicted = run.predicted_step_s * scale if run.predicted_step_s else None
+            slow = self.failover.nodes.pace.slow(e.job_id, e.attempt, predicted, now)
             if slow is None:
                 continue
             self.failover.nodes.told.add((e.job_id, e.attempt))
@@ -2903,15 +2899,6 @@ def _book_differs(old: Any, new: Any) -> bool:
         return True
     keys = ("cluster", "region", "zone", "gpu_model", "gpus_total", "schedulable", "cpu_milli", "memory_mib")
     return any(getattr(old, k) != getattr(new, k) for k in keys)
-
-
-def _predicted_step_s(run: Run) -> float | None:
-    """The step placement predicted for a run, as its progress reports measure it: a run with
-    fewer workers than asked runs slower by that share, as expected."""
-    if not run.predicted_step_s:
-        return None
-    scale = max(run.job.workers, 1) / max(run.workers, 1) if run.job.pipeline is None else 1.0
-    return run.predicted_step_s * scale
 
 
 def _spec_of(job: JobSubmitted) -> JobSpec:

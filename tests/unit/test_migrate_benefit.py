@@ -118,30 +118,6 @@ def test_a_start_wait_at_the_target_counts_against_the_gain() -> None:
     assert not later.move
 
 
-def test_remaining_here_is_the_prediction_at_the_runs_measured_pace() -> None:
-    # Predicted 1 s a step here and 0.99 s there: 89.5 s to gain, under cost + margin (159 s).
-    prior = decide(job(), target(step_s=0.99), PATH, now_s=0.0, trigger="link_degraded")
-    assert not prior.move
-    # Its progress reports show it at 1.5x the predicted step: 1.5 s a step here.
-    measured = decide(job(pace=1.5), target(step_s=0.99), PATH, now_s=0.0, trigger="link_degraded")
-    assert measured.remaining_here_s == pytest.approx(8_950.0 * 1.5)
-    assert measured.remaining_there_s == pytest.approx(prior.remaining_there_s)
-    assert measured.move
-    assert "measured pace x1.50" in measured.reason
-    # A run faster than predicted gains less by leaving.
-    quick = decide(job(pace=0.5), target(step_s=0.5), PATH, now_s=0.0, trigger="link_degraded")
-    assert quick.remaining_here_s == pytest.approx(8_950.0 * 0.5)
-    assert not quick.move
-
-
-def test_a_pace_never_makes_a_lost_run_finite_and_nonsense_paces_count_as_unmeasured() -> None:
-    lost = job(step_s=math.inf, pace=0.5)
-    assert lost.here_step_s == math.inf
-    assert decide(lost, target(), PATH, now_s=0.0, trigger="cluster_failed").remaining_here_s == math.inf
-    for pace in (0.0, -1.0, math.nan, math.inf):
-        assert job(pace=pace).here_step_s == 1.0
-
-
 def _gain_needed(job_class: str) -> float:
     """Steps left such that the gain (half the remaining time) sits between the network-training
     and inference thresholds."""

@@ -4,8 +4,6 @@ bounce back inside its cool-down."""
 
 import math
 
-import pytest
-
 from loom.migrate.benefit import LOCAL_PATH, MigrationSettings, RunningJobState, decide, link_trigger
 from loom.migrate.network import candidate_of, path_between, running_state, spans
 from loom_proto.jobs import Communication, JobSpec, Resources, Work
@@ -73,24 +71,6 @@ def test_the_running_state_reads_progress_checkpoints_and_history() -> None:
     assert job.job_class == "network_training"
     assert (job.steps_done, job.steps_left, job.last_checkpoint_step) == (250.0, 750.0, 240)
     assert job.checkpoint_bytes == 8e8 and job.attempt == 2 and job.moves == 1
-    assert job.pace == 1.0  # not measured
-
-    def paced(pace: float) -> float:
-        return running_state(
-            _spec("a"),
-            attempt=2,
-            progress=0.25,
-            cluster="c",
-            region=WEU,
-            step_s=80.0,
-            checkpoint_step=None,
-            moves=0,
-            last_moved_s=None,
-            pace=pace,
-        ).here_step_s
-
-    assert paced(1.5) == pytest.approx(120.0)  # measured at 1.5x the predicted step
-    assert paced(math.nan) == paced(-1.0) == 80.0  # nonsense: as not measured
     assert math.isinf(
         running_state(
             _spec("b"),

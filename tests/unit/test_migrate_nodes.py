@@ -77,16 +77,3 @@ def test_the_judgement_covers_the_window_only_and_a_repeated_report_counts_once(
         fresh.record("j", 1, 0.0, 3.0)  # one report delivered three times
     fresh.record("j", 1, 10.0, 3.0)
     assert fresh.slow("j", 1, 1.0, now_s=11.0) is None  # two distinct reports: too few
-
-
-def test_the_observed_step_and_pace_come_once_the_window_is_covered() -> None:
-    pace = _pace()
-    for at in (0.0, 2.0, 4.0):
-        pace.record("j", 1, at, observed_step_s=3.0)
-    assert pace.observed("j", 1, now_s=5.0) is None  # the window is not covered yet
-    assert pace.pace("j", 1, predicted_step_s=2.0, now_s=5.0) is None
-    pace.record("j", 1, 11.0, observed_step_s=1.0)
-    assert pace.observed("j", 1, now_s=11.0) == pytest.approx(2.5)  # (3 + 3 + 3 + 1) / 4
-    assert pace.pace("j", 1, predicted_step_s=2.0, now_s=11.0) == pytest.approx(1.25)
-    assert pace.pace("j", 1, predicted_step_s=None, now_s=11.0) is None
-    assert pace.pace("j", 2, predicted_step_s=2.0, now_s=11.0) is None  # another attempt

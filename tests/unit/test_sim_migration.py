@@ -259,17 +259,3 @@ def test_on_does_not_take_the_gpus_a_waiting_job_is_about_to_get_but_moves_when_
     q = next(r for r in queued.records if r.job_id == "q")
     r = next(r for r in queued.records if r.job_id == "r")
     assert q.start_s is not None and r.end_s is not None and q.start_s == pytest.approx(r.end_s)
-
-
-def test_a_runs_pace_is_its_true_step_over_the_believed_one_once_it_has_computed_a_window() -> None:
-    from types import SimpleNamespace
-
-    from loom.sim.migration import Migrator
-
-    migrator: Any = SimpleNamespace(sim=SimpleNamespace(t=100.0), pace_window_s=20.0)
-    run: Any = SimpleNamespace(compute_start_s=90.0, raw_step_s=3.0, belief_step_s=2.0)
-    assert Migrator._pace(migrator, run) == 1.0  # computed 10 s only: not measured yet
-    migrator.sim.t = 110.0
-    assert Migrator._pace(migrator, run) == pytest.approx(1.5)
-    run.belief_step_s = 0.0
-    assert Migrator._pace(migrator, run) == 1.0

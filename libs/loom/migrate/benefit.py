@@ -3,10 +3,8 @@
 A job is moved only when what it would gain exceeds what moving costs, by a margin:
 
 * **remaining here** — steps left × its predicted step where it runs now (the scheduler's speeds
-  from the :class:`~loom.sched.snapshot.Snapshot` and the measured links) × its measured **pace**
-  there (its progress reports' step over the predicted one; 1 until measured): what the run has
-  delivered is known, the prediction is only the prior; infinite when it cannot continue there
-  (its cluster failed);
+  from the :class:`~loom.sched.snapshot.Snapshot` and the measured links); infinite when it cannot
+  continue there (its cluster failed);
 * **remaining there** — the wait before the candidate placement can start (a dataset copy, a
   permit) + steps left × the predicted step there. The candidate is the placement the scheduling
   framework would choose for the job as a new placement;
@@ -209,17 +207,6 @@ class RunningJobState:
     """Migrations so far (hysteresis)."""
     last_moved_s: float | None = None
     """When it last moved (cool-down); None: never."""
-    pace: float = 1.0
-    """Its run's measured step over the step predicted for it under the same conditions (its
-    progress reports against the scheduler's prediction); 1.0: not measured yet. A run's measured
-    pace is what it will keep delivering where it is; the prediction is only a prior there."""
-
-    @property
-    def here_step_s(self) -> float:
-        """Seconds per step it will take where it runs: the prediction times its measured pace."""
-        if math.isinf(self.step_s) or not (self.pace > 0 and math.isfinite(self.pace)):
-            return self.step_s
-        return self.step_s * self.pace
 
     @property
     def steps_left(self) -> float:
@@ -428,7 +415,7 @@ def decide(
     the rule without the queue's loss)."""
     settings = settings or MigrationSettings()
     forced = trigger in FORCED_TRIGGERS
-    here_s = _remaining(job.steps_left, job.here_step_s)
+    here_s = _remaining(job.steps_left, job.step_s)
     if target is None:
         return MigrationVerdict(
             job_id=job.job_id,
@@ -470,9 +457,8 @@ def decide(
         margin_s=gain_s - threshold_s,
         queue_s=queue_s,
     )
-    paced = f" at its measured pace x{job.pace:.2f}" if job.here_step_s != job.step_s else ""
     numbers = (
-        f"gain {_fmt(gain_s)} (here {_fmt(here_s)}{paced}, on {target.cluster}, the best candidate now,"
+        f"gain {_fmt(gain_s)} (here {_fmt(here_s)}, on {target.cluster}, the best candidate now,"
         f" {_fmt(there_s)}) vs cost "
         f"{_fmt(cost.total_s)} + margin {_fmt(margin)} ({job.job_class}"
         + (f", x{settings.hysteresis_factor**moves:g} after {job.moves} move(s)" if moves else "")

@@ -64,11 +64,9 @@ def running_state(
     checkpoint_step: int | None,
     moves: int,
     last_moved_s: float | None,
-    pace: float | None = None,
 ) -> RunningJobState:
     """A running job as the decision reads it: its predicted step ``step_s`` where it runs now
-    (the what-if's, under the links known now) and its measured ``pace`` against the prediction
-    (None: not measured), its progress and checkpoints, its move history."""
+    (the what-if's, under the links known now), its progress and checkpoints, its move history."""
     steps = spec.work.steps
     return RunningJobState(
         job_id=spec.job_id,
@@ -84,7 +82,6 @@ def running_state(
         attempt=attempt,
         moves=moves,
         last_moved_s=last_moved_s,
-        pace=pace if pace is not None and pace > 0 and math.isfinite(pace) else 1.0,
     )
 
 

@@ -109,37 +109,21 @@ class Pace:
         while len(reports) > 2 and reports[1][0] <= at_s - self.settings.window_s:
             reports.popleft()
 
-    def observed(self, job_id: str, attempt: int, now_s: float) -> float | None:
-        """The run's mean observed step over the window: None while it has too few reports or
-        they do not cover the window yet."""
-        reports = self._reports.get((job_id, attempt))
-        if not reports:
-            return None
-        s = self.settings
-        # The kept reports cover the window (one is at or before its start, see record).
-        if len(reports) < s.min_reports or now_s - reports[0][0] < s.window_s:
-            return None
-        return sum(step_s for _, step_s in reports) / len(reports)
-
-    def pace(self, job_id: str, attempt: int, predicted_step_s: float | None, now_s: float) -> float | None:
-        """The run's observed step over its predicted one (the benefit rule's
-        :attr:`~loom.migrate.benefit.RunningJobState.pace`): None while not observed over the
-        window or without a prediction."""
-        observed = self.observed(job_id, attempt, now_s)
-        if observed is None or not predicted_step_s or predicted_step_s <= 0:
-            return None
-        return observed / predicted_step_s
-
     def slow(self, job_id: str, attempt: int, predicted_step_s: float | None, now_s: float) -> SlowRun | None:
         """The run's verdict: slow (with the numbers) or None (fast enough, too few reports, a
         window not yet covered, or no prediction to compare with)."""
-        observed = self.observed(job_id, attempt, now_s)
-        if observed is None or not predicted_step_s or predicted_step_s <= 0:
+        reports = self._reports.get((job_id, attempt))
+        if not reports or not predicted_step_s or predicted_step_s <= 0:
             return None
-        if predicted_step_s / observed >= self.settings.slow_fraction:
+        s = self.settings
+        # The kept reports cover the window (one is at or before its start, see record).
+        span_s = now_s - reports[0][0]
+        if len(reports) < s.min_reports or span_s < s.window_s:
             return None
-        reports = self._reports[(job_id, attempt)]
-        return SlowRun(job_id, attempt, observed, predicted_step_s, len(reports), now_s - reports[0][0])
+        observed = sum(step_s for _, step_s in reports) / len(reports)
+        if predicted_step_s / observed >= s.slow_fraction:
+            return None
+        return SlowRun(job_id, attempt, observed, predicted_step_s, len(reports), span_s)
 
     def forget(self, job_id: str) -> None:
         """The run ended or moved: drop its reports."""

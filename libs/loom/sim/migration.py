@@ -6,9 +6,7 @@
   at each trigger every affected job gets a candidate from the policy's own scheduling framework
   (a new placement, not applied: ``Framework.schedule(..., apply=False)``, no preemption), a
   :class:`~loom.migrate.benefit.MigrationVerdict` from the scheduler's *beliefs* (its speeds, the
-  links as measured now, a run's measured pace where it runs once it has computed for the
-  service's progress window: :meth:`Migrator._pace`, the waiting jobs the target's pool could
-  hold: :meth:`Migrator._queued`,
+  links as measured now, the waiting jobs the target's pool could hold: :meth:`Migrator._queued`,
   priced by :func:`~loom.migrate.benefit.displacement_s`), and the moves are started largest net
   benefit first within a
   :class:`~loom.migrate.benefit.MigrationBudget`; moves the budget defers are looked at again at
@@ -72,14 +70,13 @@ from loom.migrate.benefit import (
     job_class_of,
     plan_migrations,
 )
-from loom.migrate.nodes import PaceSettings
 from loom.migrate.replicas import ReplicaSettings
 from loom.sched.availability import expected_wait_s
 from loom.sim.replicas import SimReplicas
 
 if TYPE_CHECKING:
     from loom.sched.framework import Decision
-    from loom.sim.engine import _Job, _Run, _Simulation
+    from loom.sim.engine import _Job, _Simulation
     from loom.sim.model import SimEvent
     from loom_proto.jobs import JobSpec
 
@@ -173,8 +170,6 @@ class Migrator:
         self.triggered: list[SimEvent] = []
         """Scripted events of this instant whose moves wait for the scheduling pass."""
         self.sampled = False
-        self.pace_window_s = PaceSettings().window_s
-        """A run's pace is known once it has computed this long (the service's progress window)."""
 
     # ---- hooks the engine calls ------------------------------------------------------------------
 
@@ -434,16 +429,7 @@ class Migrator:
             attempt=job.record.restarts + 1,
             moves=self.moves[spec.job_id],
             last_moved_s=self.last_moved.get(spec.job_id),
-            pace=self._pace(run),
         )
-
-    def _pace(self, run: _Run) -> float:
-        """The run's measured step over its predicted one, both as it is placed now (what its
-        progress reports show against the scheduler's prediction): measured once it has computed
-        for a pace window (:class:`loom.migrate.nodes.PaceSettings`), else 1.0 (not yet known)."""
-        if self.sim.t - run.compute_start_s < self.pace_window_s or run.belief_step_s <= 0:
-            return 1.0
-        return run.raw_step_s / run.belief_step_s
 
     def _verdict(
         self, job: _Job, trigger: Trigger, only: str | None, *, again: str | None = None
