@@ -406,6 +406,9 @@ class Agent:
         change nothing the second time)."""
         refused: list[str] = []
         retry: Exception | None = None
+        halts: list[
+            tuple[RunningJob, asyncio.Task[None] | None]
+        ] = []  # awaited once every start of the batch is in
         link = [Link(d.span.get_span_context())]
         for i, start in enumerate(command.starts):
             carrier = command.traces[i] if i < len(command.traces) else {}
@@ -423,7 +426,7 @@ class Agent:
                 },
             ):
                 try:
-                    await self._start(start)
+                    await self._start(start, halts)
                 except LoomError as exc:
                     if not exc.non_retryable:
                         retry = retry or exc
@@ -432,6 +435,7 @@ class Agent:
                     refused.append(f"{start.job_id}: {exc}")
                 except Exception as exc:  # the batch is redelivered; what started stays started
                     retry = retry or exc
+        await self._await_halts(halts, None)
         if retry is not None:
             raise retry
         if refused:
@@ -439,7 +443,12 @@ class Agent:
                 f"{len(refused)} of {len(command.starts)} starts refused: {'; '.join(refused)}"
             )
 
-    async def _start(self, command: StartJob) -> None:
+    async def _start(
+        self, command: StartJob, halts: list[tuple[RunningJob, "asyncio.Task[None] | None"]] | None = None
+    ) -> None:
+        """Carry out one start. The older attempts it supersedes are halted; their halts are
+        awaited here, or, given ``halts``, added to it for the caller to await (a batch starts every
+        run first, so a command behind it that names a later start finds it here)."""
         key = f"{command.job_id}:{command.attempt}"
         if key in self.running:
             return
@@ -473,8 +482,7 @@ class Agent:
         refusal = self.backend.refusal(command.gpu_model, command.allocations)
         if refusal is not None:
             await self._refuse_start(command, refusal)
-            for old, task in halted:
-                await self._halted(old, task)
+            await self._await_halts(halted, halts)
             return
         # Only a lead waits: a member has no clock, it just holds its GPUs from now on.
         wait_s = command.start_after_s / self.time_scale if command.role == "lead" else 0.0
@@ -509,6 +517,16 @@ class Agent:
         if job.lead and not job.waiting and self.backend.clock:
             self._report_started(job)
         self._launch(job)
+        await self._await_halts(halted, halts)
+
+    async def _await_halts(
+        self,
+        halted: list[tuple[RunningJob, "asyncio.Task[None] | None"]],
+        halts: list[tuple[RunningJob, "asyncio.Task[None] | None"]] | None,
+    ) -> None:
+        if halts is not None:
+            halts.extend(halted)
+            return
         for old, task in halted:
             await self._halted(old, task)
 

@@ -673,6 +673,8 @@ class MigrationService:
         id (:func:`loom.migrate.drain.next_move_id`): a cluster drained again empties."""
         context = json.loads(run["trace_context"])
         async with transaction(self.pool) as conn:
+            if not await moves.hold_drain(conn, cluster):
+                return  # undrained since this pass read the drains: nothing to plan, nothing left open
             migration_id = next_move_id(
                 job.job_id, job.attempt, await moves.moves_of_run(conn, job.job_id, job.attempt)
             )

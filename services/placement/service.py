@@ -159,7 +159,7 @@ from loom_proto.view import ViewDelta
 from loom_services.placement.book import Book, QueuedJob, Run, queued_from_row, run_from_row
 
 log = structlog.get_logger("placement")
-_tracer = trace.get_tracer("loom.placement")
+_tracer = trace.get_tracer("loom_services.placement")
 
 
 def _default_grace(grace_s: float | None) -> float:
@@ -2586,10 +2586,44 @@ class PendingStart:
     """The job's trace context."""
 
 
+MAX_BATCH_BYTES = 128 * 1024
+"""The most encoded start commands one :class:`StartJobs` carries, half the agents' decode limit
+(``loom_proto.codec.MAX_PAYLOAD_BYTES``): the traces and the envelope fit in the rest."""
+
+TRACE_KEYS = ("traceparent", "tracestate")
+
+
+def batch_carrier(carrier: Mapping[str, str]) -> dict[str, str]:
+    """A start's W3C trace context as a batch carries it: ``traceparent`` and ``tracestate`` only,
+    each only within the contract's 512 characters (a tenant's long ``tracestate`` is dropped
+    here, so it can never make a batch, and the other tenants' starts in it, unreadable)."""
+    return {k: v for k in TRACE_KEYS if (v := carrier.get(k)) is not None and len(v) <= 512}
+
+
+def start_chunks(pending: Sequence[PendingStart]) -> list[list[PendingStart]]:
+    """One cluster's starts of a cycle in order, cut into batches of at most
+    ``MAX_STARTS_PER_MESSAGE`` starts and ``MAX_BATCH_BYTES`` of encoded commands; a start larger
+    than that on its own is a chunk of one (it goes as a lone :class:`StartJob`)."""
+    chunks: list[list[PendingStart]] = []
+    current: list[PendingStart] = []
+    size = 0
+    for one in pending:
+        n = len(msgspec.json.encode(one.command))
+        if current and (len(current) >= MAX_STARTS_PER_MESSAGE or size + n > MAX_BATCH_BYTES):
+            chunks.append(current)
+            current, size = [], 0
+        current.append(one)
+        size += n
+    if current:
+        chunks.append(current)
+    return chunks
+
+
 def start_messages(starts: Sequence[PendingStart]) -> list[outbox.OutboxMessage]:
     """A cycle's start commands as outbox messages: a cluster's lone start as a :class:`StartJob`
     under its own id (as always); several as :class:`StartJobs` of at most
-    ``MAX_STARTS_PER_MESSAGE`` each, in decision order, under an id derived from the ids of the
+    ``MAX_STARTS_PER_MESSAGE`` starts and ``MAX_BATCH_BYTES`` each (:func:`start_chunks`; a start
+    too large to share one goes alone), in decision order, under an id derived from the ids of the
     starts it carries (a cycle decided again after a rollback sends the same batch under the same
     id; any other batch carrying a start again is harmless: agents carry out a start once).
 
@@ -2601,17 +2635,19 @@ def start_messages(starts: Sequence[PendingStart]) -> list[outbox.OutboxMessage]
         by_cluster.setdefault(start.cluster, []).append(start)
     messages = []
     for cluster, pending in by_cluster.items():
-        if len(pending) == 1:
-            one = pending[0]
-            messages.append(
-                outbox.message(
-                    subjects.cluster_command(cluster, "start"), one.command, one.msg_id, context=one.context
-                )
-            )
-            continue
         subject = subjects.cluster_command(cluster, "starts")
-        for first in range(0, len(pending), MAX_STARTS_PER_MESSAGE):
-            chunk = pending[first : first + MAX_STARTS_PER_MESSAGE]
+        for chunk in start_chunks(pending):
+            if len(chunk) == 1:
+                one = chunk[0]
+                messages.append(
+                    outbox.message(
+                        subjects.cluster_command(cluster, "start"),
+                        one.command,
+                        one.msg_id,
+                        context=one.context,
+                    )
+                )
+                continue
             traces = []
             for one in chunk:
                 carrier: dict[str, str] = {}
@@ -2628,7 +2664,7 @@ def start_messages(starts: Sequence[PendingStart]) -> list[outbox.OutboxMessage]
                 )
                 propagate.inject(carrier, context=trace.set_span_in_context(span, one.context))
                 span.end()
-                traces.append(carrier)
+                traces.append(batch_carrier(carrier))
             digest = hashlib.sha256("\n".join(one.msg_id for one in chunk).encode()).hexdigest()[:32]
             messages.append(
                 outbox.message(

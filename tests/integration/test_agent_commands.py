@@ -814,3 +814,43 @@ async def test_a_start_in_a_batch_that_cannot_start_fails_alone_and_a_malformed_
     await sub.unsubscribe()
     await h.command(StopJob(job_id=ok))
     await h.heartbeat_shows({T4_A: 0}, running=set(), absent={ok})
+
+
+async def test_a_batch_starts_every_run_before_it_waits_for_the_attempts_one_of_them_supersedes(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Attempt 1 of `old` runs; a batch brings attempt 2 of it (superseding attempt 1, whose stop
+    # is not here) and a start of `other`. While the superseded run's halt is still being waited
+    # for, `other` must already run here: a command behind the batch (a resize of it) finds it.
+    old, other = unique("superseded"), unique("other")
+    await h.handled(await h.command(start(old, {T4_A: 2}, steps=100, step_time_s=1000.0)))
+    await h.heartbeat_shows({T4_A: 2}, running={old})
+    assert h.agent is not None
+    agent = h.agent
+    release = asyncio.Event()
+    real_halted = agent._halted
+
+    async def slow_halted(job: Any, task: Any) -> None:
+        await release.wait()
+        await real_halted(job, task)
+
+    monkeypatch.setattr(agent, "_halted", slow_halted)
+    ack = await h.command(
+        StartJobs(
+            starts=[
+                start(old, {T4_A: 2}, steps=100, step_time_s=1000.0, attempt=2),
+                start(other, {T4_B: 2}, steps=100, step_time_s=1000.0),
+            ]
+        )
+    )
+
+    async def both_in() -> bool:
+        return f"{old}:2" in agent.running and f"{other}:1" in agent.running
+
+    await until(both_in, 10, "both starts of the batch in while the halt is still awaited")
+    assert f"{old}:1" not in agent.running and not release.is_set()
+    release.set()
+    await h.handled(ack)
+    for job_id in (old, other):
+        await h.command(StopJob(job_id=job_id, attempt=2 if job_id == old else 1))
+    await h.heartbeat_shows({T4_A: 0, T4_B: 0}, running=set(), absent={old, other})

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import asyncpg
 import pytest
+from waiting import until
 
 from loom.cli.credentials import cmd_rotate
 from loom.migrate.benefit import LOCAL_PATH
@@ -402,9 +403,11 @@ async def test_the_migration_role_can_do_its_work_and_no_more(role_urls: dict[st
         async with conn.transaction():
             await moves.start_drain(conn, "c-sec", concurrency=1, deadline_s=60.0, forced=False)
             await moves.mark_drained(conn, "c-sec")
+            assert await moves.hold_drain(conn, "c-sec")
             assert "c-sec" in await moves.drained_clusters(conn)
             assert [d["cluster"] for d in await moves.drains(conn)] == ["c-sec"]
             assert await moves.end_drain(conn, "c-sec")
+            assert not await moves.hold_drain(conn, "c-sec")
             await moves.known_clusters(conn)
             await moves.runs_on(conn, "c-sec")
             assert await moves.job_states(conn, ["sec-acme-0"]) == {"sec-acme-0": ("queued", 0)}
@@ -471,3 +474,32 @@ async def test_the_migration_role_can_do_its_work_and_no_more(role_urls: dict[st
 
 class _Rollback(Exception):
     """Leaves the transaction without keeping what the test wrote."""
+
+
+async def test_an_undrain_waits_for_a_move_being_planned_under_the_drain(role_urls: dict[str, str]) -> None:
+    """A drain pass planning a move holds the drain row (``hold_drain``): an undrain's delete waits
+    until that plan commits (then fails it with the drain's other planned moves); a plan after the
+    undrain finds no drain and plans nothing."""
+    planner = await asyncpg.connect(role_urls["loom_migration"])
+    undrain = await asyncpg.connect(role_urls["loom_migration"])
+    try:
+        await moves.start_drain(planner, "c-hold", concurrency=1, deadline_s=0.0, forced=False)
+        pid = undrain.get_server_pid()
+        tx = planner.transaction()
+        await tx.start()
+        assert await moves.hold_drain(planner, "c-hold")
+        ending = asyncio.ensure_future(moves.end_drain(undrain, "c-hold"))
+
+        async def waits_on_the_lock() -> bool:
+            event = await planner.fetchval("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1", pid)
+            return event == "Lock"
+
+        await until(waits_on_the_lock, 10, "the undrain waiting for the planning transaction")
+        assert not ending.done()
+        await tx.commit()
+        assert await ending  # the drain row is gone once the plan committed
+        async with planner.transaction():
+            assert not await moves.hold_drain(planner, "c-hold")
+    finally:
+        await planner.close()
+        await undrain.close()

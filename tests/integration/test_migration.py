@@ -101,6 +101,32 @@ async def _after_a_pass(migration: Any, check: Callable[[], Awaitable[Any]]) -> 
     return await check()
 
 
+async def _driven_drain_setup(
+    platform: Platform, jobs: list[str], progressed_within_s: float = 20.0
+) -> tuple[Any, LoomClient, asyncpg.Connection]:
+    """The driven-drain tests' start: a migration service whose loop never runs by itself (the
+    test drives its passes), ``jobs`` running on c-weu-a, then c-sea1-a known, and a checkpoint
+    passed on c-weu-a. Returns (migration service, client, database connection)."""
+    platform.migration = {"poll_s": 3600.0}
+    await platform.start("metrics")
+    await platform.start("placement")
+    migration = await platform.start("migration")
+    await platform.start(f"agent-{DRAINED}")
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    for job_id in jobs:
+        await client.submit(_job(job_id))
+    await until(lambda: _running_at(client, jobs, DRAINED, 1), 10, "the jobs on c-weu-a")
+    await platform.start(f"agent-{OTHER}")
+    await until(
+        lambda: db.fetchval("SELECT count(*) FROM node_allocations WHERE cluster = $1", OTHER),
+        10,
+        "c-sea1-a known",
+    )
+    await until(lambda: _progressed(client, jobs, 0.1), progressed_within_s, "a checkpoint passed on c-weu-a")
+    return migration, client, db
+
+
 async def test_a_drain_moves_every_job_from_its_checkpoint_two_at_a_time_and_undrain_reopens(
     platform: Platform,
 ) -> None:
@@ -332,25 +358,9 @@ async def test_a_drain_job_whose_room_was_taken_while_it_waited_for_its_turn_sta
     # drain asks placement again, finds no room, and it keeps running and waits for capacity.
     # The test drives the drain's passes itself (the loop's own period is an hour), so the room is
     # taken between two passes, not raced against one.
-    platform.migration = {"poll_s": 3600.0}
-    await platform.start("metrics")
-    await platform.start("placement")
-    migration = await platform.start("migration")
-    await platform.start(f"agent-{DRAINED}")
-    client = await LoomClient.connect(platform.nats_url)
-    db = await asyncpg.connect(platform.database_url)
+    jobs = ["first", "second"]
+    migration, client, db = await _driven_drain_setup(platform, jobs)
     try:
-        jobs = ["first", "second"]
-        for job_id in jobs:
-            await client.submit(_job(job_id))
-        await until(lambda: _running_at(client, jobs, DRAINED, 1), 10, "the jobs on c-weu-a")
-        await platform.start(f"agent-{OTHER}")
-        await until(
-            lambda: db.fetchval("SELECT count(*) FROM node_allocations WHERE cluster = $1", OTHER),
-            10,
-            "c-sea1-a known",
-        )
-        await until(lambda: _progressed(client, jobs, 0.1), 20, "a checkpoint passed on c-weu-a")
         accepted = await _ask(client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED, "concurrency": 1})
         assert accepted["ok"] is True and accepted["jobs"] == 2, accepted
 
@@ -420,23 +430,8 @@ async def test_a_drain_move_whose_room_went_before_its_checkpoint_waits_and_star
     # Before the move starts, other work takes c-sea1-a's 4 T4s. With its checkpoint recorded the
     # move would give the run up now: it must not (the job would sit queued without GPUs); it
     # keeps running and the move starts once a blocker ends. Passes driven by the test.
-    platform.migration = {"poll_s": 3600.0}
-    await platform.start("metrics")
-    await platform.start("placement")
-    migration = await platform.start("migration")
-    await platform.start(f"agent-{DRAINED}")
-    client = await LoomClient.connect(platform.nats_url)
-    db = await asyncpg.connect(platform.database_url)
+    migration, client, db = await _driven_drain_setup(platform, ["solo"], progressed_within_s=15.0)
     try:
-        await client.submit(_job("solo"))
-        await until(lambda: _running_at(client, ["solo"], DRAINED, 1), 10, "the job on c-weu-a")
-        await platform.start(f"agent-{OTHER}")
-        await until(
-            lambda: db.fetchval("SELECT count(*) FROM node_allocations WHERE cluster = $1", OTHER),
-            10,
-            "c-sea1-a known",
-        )
-        await until(lambda: _progressed(client, ["solo"], 0.1), 15, "a checkpoint passed on c-weu-a")
         accepted = await _ask(client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED, "concurrency": 1})
         assert accepted["ok"] is True and accepted["jobs"] == 1, accepted
         await migration.drain_pass()  # room on c-sea1-a: planned, a checkpoint asked for
@@ -480,25 +475,9 @@ async def test_a_cluster_drained_again_after_an_undrain_failed_its_planned_moves
     # checkpoints start them. Draining c-weu-a again must plan both jobs again (under new ids: the
     # failed moves keep theirs) and move each exactly once; a repeated drain request and repeated
     # passes plan nothing twice. Passes driven by the test.
-    platform.migration = {"poll_s": 3600.0}
-    await platform.start("metrics")
-    await platform.start("placement")
-    migration = await platform.start("migration")
-    await platform.start(f"agent-{DRAINED}")
-    client = await LoomClient.connect(platform.nats_url)
-    db = await asyncpg.connect(platform.database_url)
+    jobs = ["again-a", "again-b"]
+    migration, client, db = await _driven_drain_setup(platform, jobs)
     try:
-        jobs = ["again-a", "again-b"]
-        for job_id in jobs:
-            await client.submit(_job(job_id))
-        await until(lambda: _running_at(client, jobs, DRAINED, 1), 10, "the jobs on c-weu-a")
-        await platform.start(f"agent-{OTHER}")
-        await until(
-            lambda: db.fetchval("SELECT count(*) FROM node_allocations WHERE cluster = $1", OTHER),
-            10,
-            "c-sea1-a known",
-        )
-        await until(lambda: _progressed(client, jobs, 0.1), 20, "a checkpoint passed on c-weu-a")
         drain = {"cluster": DRAINED, "concurrency": 2}
         assert (await _ask(client, subjects.MIGRATE_DRAIN, drain))["ok"] is True
         await migration.drain_pass()  # both planned, their checkpoints asked for

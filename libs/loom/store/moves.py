@@ -133,6 +133,15 @@ async def end_drain(conn: Conn, cluster: str) -> bool:
     return status.endswith(" 1")
 
 
+async def hold_drain(conn: Conn, cluster: str) -> bool:
+    """Whether ``cluster`` is still drained, holding its drain row (``FOR SHARE``) until ``conn``'s
+    transaction ends: an undrain's :func:`end_drain` waits for a move planned under it, and then
+    fails it with the drain's other planned moves; a move planned after an undrain sees none."""
+    return (
+        await conn.fetchval("SELECT 1 FROM cluster_drains WHERE cluster = $1 FOR SHARE", cluster) is not None
+    )
+
+
 async def mark_drained(conn: Conn, cluster: str) -> None:
     """The drain emptied the cluster (it stays closed until undrained)."""
     await conn.execute(
