@@ -278,7 +278,14 @@ async def test_an_elastic_job_grows_into_freed_gpus_and_shrinks_under_pressure(c
     job = await client.job("elastic")
     assert job is not None and job["state"] in ("running", "completed")
     resized = events_of(job, "resized")
-    assert resized[-1]["workers"] == 8 and "pressing" in resized[-1]["reason"]
+    shrinks = [i for i, e in enumerate(resized) if e["workers"] == 8 and "pressing" in e["reason"]]
+    assert shrinks, resized
+    # "pressing" runs for seconds in the stack's time: the job may already have grown back once it
+    # ended; any resize after the shrink is that growth, never a further shrink.
+    after = resized[shrinks[-1] + 1 :]
+    assert all(e["workers"] > 8 for e in after), resized
+    if after:
+        assert (await client.job("pressing") or {})["state"] == "completed"
     assert not events_of(job, "requeued")  # shrunk, never stopped
 
 
