@@ -91,6 +91,10 @@ class StartJob(
 MAX_STARTS_PER_MESSAGE = 64
 """The most starts one :class:`StartJobs` carries (placement splits a larger cycle)."""
 
+MAX_TRACE_VALUE_CHARS = 512
+"""The longest trace-context value (``traceparent``, ``tracestate``) a :class:`StartJobs` carries
+per start (placement leaves a longer one out)."""
+
 
 class StartJobs(
     msgspec.Struct, tag_field="kind", tag="starts", forbid_unknown_fields=True, frozen=True, kw_only=True
@@ -100,13 +104,15 @@ class StartJobs(
     burst costs one command message per cluster and cycle instead of one per job.
 
     ``traces[i]`` is the W3C trace context (``traceparent``, ``tracestate``) that ``starts[i]``
-    continues, so every job's trace goes on through its own start; the message's own headers
-    carry the trace of the batch. Published on ``loom.clusters.<cluster>.cmd.starts`` (agents of
+    continues, so every job's trace goes on through its own start; the message itself is in no
+    job's trace. Published on ``loom.clusters.<cluster>.cmd.starts`` (agents of
     this version and later; a lone start still goes as a :class:`StartJob`)."""
 
     starts: Annotated[list[StartJob], Meta(min_length=1, max_length=MAX_STARTS_PER_MESSAGE)]
     traces: Annotated[
-        list[Annotated[dict[str, Annotated[str, Meta(max_length=512)]], Meta(max_length=8)]],
+        list[
+            Annotated[dict[str, Annotated[str, Meta(max_length=MAX_TRACE_VALUE_CHARS)]], Meta(max_length=8)]
+        ],
         Meta(max_length=MAX_STARTS_PER_MESSAGE),
     ] = []
 

@@ -165,6 +165,10 @@ class RunningJob:
         return [NodeAllocation(node=n, gpus=g) for n, g in self.allocations]
 
 
+Halt = tuple[RunningJob, "asyncio.Task[None] | None"]
+"""A superseded run being halted, and its task to await (:meth:`Agent._halted`)."""
+
+
 class Agent:
     """One cluster's agent; :meth:`run` is the service body."""
 
@@ -406,9 +410,7 @@ class Agent:
         change nothing the second time)."""
         refused: list[str] = []
         retry: Exception | None = None
-        halts: list[
-            tuple[RunningJob, asyncio.Task[None] | None]
-        ] = []  # awaited once every start of the batch is in
+        halts: list[Halt] = []  # awaited once every start of the batch is in
         link = [Link(d.span.get_span_context())]
         for i, start in enumerate(command.starts):
             carrier = command.traces[i] if i < len(command.traces) else {}
@@ -417,14 +419,17 @@ class Agent:
                 context=propagate.extract(carrier) if carrier else d.context,
                 kind=SpanKind.CONSUMER,
                 links=link,
-                attributes={
-                    "messaging.system": "nats",
-                    "messaging.operation.type": "process",
-                    "messaging.destination.name": d.subject,
-                    "messaging.message.id": d.msg_id or "",
-                    "loom.job_id": start.job_id,
-                },
-            ):
+                attributes={"messaging.destination.name": d.subject},
+            ) as span:
+                if span.is_recording():  # as the bus's own spans: the rest only where it records
+                    span.set_attributes(
+                        {
+                            "messaging.system": "nats",
+                            "messaging.operation.type": "process",
+                            "messaging.message.id": d.msg_id or "",
+                            "loom.job_id": start.job_id,
+                        }
+                    )
                 try:
                     await self._start(start, halts)
                 except LoomError as exc:
@@ -443,9 +448,7 @@ class Agent:
                 f"{len(refused)} of {len(command.starts)} starts refused: {'; '.join(refused)}"
             )
 
-    async def _start(
-        self, command: StartJob, halts: list[tuple[RunningJob, "asyncio.Task[None] | None"]] | None = None
-    ) -> None:
+    async def _start(self, command: StartJob, halts: list[Halt] | None = None) -> None:
         """Carry out one start. The older attempts it supersedes are halted; their halts are
         awaited here, or, given ``halts``, added to it for the caller to await (a batch starts every
         run first, so a command behind it that names a later start finds it here)."""
@@ -519,11 +522,8 @@ class Agent:
         self._launch(job)
         await self._await_halts(halted, halts)
 
-    async def _await_halts(
-        self,
-        halted: list[tuple[RunningJob, "asyncio.Task[None] | None"]],
-        halts: list[tuple[RunningJob, "asyncio.Task[None] | None"]] | None,
-    ) -> None:
+    async def _await_halts(self, halted: list[Halt], halts: list[Halt] | None) -> None:
+        """Await the halts of superseded runs, or hand them to a batch's ``halts`` to await later."""
         if halts is not None:
             halts.extend(halted)
             return

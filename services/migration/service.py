@@ -55,6 +55,7 @@ from typing import Any
 
 import asyncpg
 import msgspec
+import nats.errors
 import structlog
 from nats.aio.msg import Msg
 from opentelemetry import propagate
@@ -453,7 +454,7 @@ class MigrationService:
             await self.ctx.nc.request(
                 subjects.MIGRATE_DRAINS_CHANGED, b"", timeout=self.settings.notice_confirm_s
             )
-        except Exception as exc:  # no placement answered: it loads the drains when it starts
+        except nats.errors.Error as exc:  # no placement answered: it loads the drains when it starts
             log.info("placement did not confirm the drained clusters", error=repr(exc))
             return False
         return True

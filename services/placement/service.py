@@ -125,6 +125,7 @@ from loom.telemetry import span_name
 from loom_proto import subjects
 from loom_proto.clusters import (
     MAX_STARTS_PER_MESSAGE,
+    MAX_TRACE_VALUE_CHARS,
     ClusterHealthChanged,
     ResizeJob,
     SlowRun,
@@ -2595,9 +2596,9 @@ TRACE_KEYS = ("traceparent", "tracestate")
 
 def batch_carrier(carrier: Mapping[str, str]) -> dict[str, str]:
     """A start's W3C trace context as a batch carries it: ``traceparent`` and ``tracestate`` only,
-    each only within the contract's 512 characters (a tenant's long ``tracestate`` is dropped
-    here, so it can never make a batch, and the other tenants' starts in it, unreadable)."""
-    return {k: v for k in TRACE_KEYS if (v := carrier.get(k)) is not None and len(v) <= 512}
+    each only within the contract's ``MAX_TRACE_VALUE_CHARS`` (a tenant's long ``tracestate`` is
+    dropped here, so it can never make a batch, and the other tenants' starts in it, unreadable)."""
+    return {k: v for k in TRACE_KEYS if (v := carrier.get(k)) is not None and len(v) <= MAX_TRACE_VALUE_CHARS}
 
 
 def start_chunks(pending: Sequence[PendingStart]) -> list[list[PendingStart]]:
