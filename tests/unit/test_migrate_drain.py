@@ -1,5 +1,6 @@
 """Drains (pure): refusal when a job has nowhere to go, largest benefit first, bounded concurrency."""
 
+from loom.migrate.benefit import MigrationVerdict
 from loom.migrate.drain import DrainJob, drain_refusal, next_move_id, next_moves, order_moves
 
 
@@ -63,7 +64,7 @@ def test_drains_rank_by_the_planners_net_benefit_and_jobs_without_a_verdict_come
         plan_migrations,
     )
 
-    def verdict(job_id: str, here_s: float) -> object:
+    def verdict(job_id: str, here_s: float) -> MigrationVerdict:
         state = RunningJobState(
             job_id=job_id,
             job_class="training",
@@ -95,15 +96,15 @@ def test_drains_rank_by_the_planners_net_benefit_and_jobs_without_a_verdict_come
     )
     jobs = [_job("fast"), _job("mid"), _job("slow"), _job("unknown", gpus=8), _job("small", step=90)]
     jobs.append(_job("nowhere", step=95))
-    ordered = [j.job_id for j in order_moves(jobs, {**verdicts, "nowhere": nowhere})]  # type: ignore[dict-item]
+    ordered = [j.job_id for j in order_moves(jobs, {**verdicts, "nowhere": nowhere})]
     # The same order plan_migrations starts them in (one ranking), then the rest by work left.
-    plan = plan_migrations(verdicts.values(), {}, MigrationBudget(per_cluster=10))  # type: ignore[arg-type]
+    plan = plan_migrations(verdicts.values(), {}, MigrationBudget(per_cluster=10))
     assert ordered[:3] == [v.job_id for v in plan.start] == ["slow", "mid", "fast"]
     # No room elsewhere now (no target): after those that have one, by the work left.
     assert ordered[3:] == ["unknown", "small", "nowhere"]
 
 
-def _verdict(job_id: str, target: str | None) -> object:
+def _verdict(job_id: str, target: str | None) -> MigrationVerdict:
     from loom.migrate.benefit import Candidate, PathState, RunningJobState, decide
 
     state = RunningJobState(
@@ -123,9 +124,9 @@ def test_a_job_no_placement_elsewhere_has_room_for_stays_running_until_room_appe
         "stale": _verdict("stale", "a"),
     }
     # A target on the drained cluster itself is a what-if from before placement heard of the drain.
-    room = placeable("a", verdicts)  # type: ignore[arg-type]
+    room = placeable("a", verdicts)
     assert room == {"room"}
-    ordered = order_moves(jobs, verdicts)  # type: ignore[arg-type]
+    ordered = order_moves(jobs, verdicts)
     # Before the deadline only the job with room elsewhere moves: giving the others' runs up would
     # only queue them, their GPUs lost, with nowhere to go. Past the deadline every job goes.
     now = next_moves(ordered, in_flight=0, concurrency=3, past_deadline=False, room=room)
@@ -133,7 +134,7 @@ def test_a_job_no_placement_elsewhere_has_room_for_stays_running_until_room_appe
     late = next_moves(ordered, in_flight=0, concurrency=3, past_deadline=True, room=room)
     assert {j.job_id for j in late} == {"room", "full", "stale", "unasked"}
     # Room appears (placement's next answer names a target): it moves on the next pass.
-    again = placeable("a", {**verdicts, "full": _verdict("full", "b")})  # type: ignore[dict-item]
+    again = placeable("a", {**verdicts, "full": _verdict("full", "b")})
     assert [
         j.job_id for j in next_moves(ordered, in_flight=0, concurrency=3, past_deadline=False, room=again)
     ] == [
@@ -158,11 +159,13 @@ def test_a_job_no_placement_elsewhere_has_room_for_stays_running_until_room_appe
 def test_a_job_whose_room_was_taken_while_it_waited_for_its_turn_is_asked_again_and_does_not_move() -> None:
     from loom.migrate.drain import Pick, pick_moves, placeable, waiting_for_capacity
 
-    def pick(jobs: list[DrainJob], verdicts: dict[str, object], fresh: set[str], in_flight: int = 0) -> Pick:
+    def pick(
+        jobs: list[DrainJob], verdicts: dict[str, MigrationVerdict], fresh: set[str], in_flight: int = 0
+    ) -> Pick:
         return pick_moves(
             "a",
             jobs,
-            verdicts,  # type: ignore[arg-type]
+            verdicts,
             fresh=fresh,
             in_flight=in_flight,
             concurrency=1,
@@ -186,7 +189,7 @@ def test_a_job_whose_room_was_taken_while_it_waited_for_its_turn_is_asked_again_
     # (its run given up, the job queued without GPUs) -- the stale verdict.
     left = jobs[1:]
     stale = {k: v for k, v in pass1.items() if k != "first"}
-    assert "second" in placeable("a", stale)  # type: ignore[arg-type]
+    assert "second" in placeable("a", stale)
     # The pick moves nothing on it: placement is asked again about the job whose turn it is.
     p = pick(left, stale, fresh=set())
     assert p.move == [] and ids(p.ask_again) == ["second"]
@@ -198,14 +201,14 @@ def test_a_job_whose_room_was_taken_while_it_waited_for_its_turn_is_asked_again_
     # Its room on c is still there (found now): it moves; "second" stays, waiting for capacity.
     p = pick(left, now, fresh={"second", "third"})
     assert ids(p.move) == ["third"] and p.ask_again == []
-    assert set(waiting_for_capacity("a", left, placeable("a", now), GPUS, closed=set())) == {"second"}  # type: ignore[arg-type]
+    assert set(waiting_for_capacity("a", left, placeable("a", now), GPUS, closed=set())) == {"second"}
     # Had c's room gone too, nothing would move.
     gone = {**now, "third": _verdict("third", None)}
     assert pick(left, gone, fresh={"second", "third"}) == Pick(move=[], ask_again=[])
     # The concurrency holds: with the slot taken nothing is asked or moved.
     assert pick(left, stale, fresh=set(), in_flight=1) == Pick(move=[], ask_again=[])
     # Past the deadline every job moves, room or not, without asking again.
-    late = pick_moves("a", left, gone, fresh=set(), in_flight=1, concurrency=1, past_deadline=True)  # type: ignore[arg-type]
+    late = pick_moves("a", left, gone, fresh=set(), in_flight=1, concurrency=1, past_deadline=True)
     assert ids(late.move) == ["second", "third"] and late.ask_again == []
 
 
