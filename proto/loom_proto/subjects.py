@@ -272,8 +272,9 @@ MIGRATE_QUERY = f"{PREFIX}.migrate.query"
 """Request-reply: migrations and drains (the migration service answers)."""
 MIGRATE_DRAINS_CHANGED = f"{PREFIX}.migrate.drains"
 """Core NATS notice that the set of drained clusters changed: placement reloads it from the store.
-Sent as a request when a drain or undrain is asked for: a leading placement instance answers once
-it has reloaded them (the drain is answered after that)."""
+Sent as a request when a drain or undrain is asked for: every leading placement instance answers
+once it has reloaded them, with its shard, holder and the territories it holds with their fence
+tokens (the drain is answered once the leader of every live shard did, or after a short wait)."""
 PLACEMENT_MIGRATE = f"{PREFIX}.placement.migrate"
 """Request-reply: give a job's run up so that it is placed again elsewhere from a checkpoint step
 (the placement instance holding the run answers)."""

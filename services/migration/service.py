@@ -6,7 +6,8 @@ Thin around the pure core (:mod:`loom.migrate.drain`, :mod:`loom.migrate.checkpo
   unknown cluster is refused, and so is a drain that would leave some job without feasible GPUs
   elsewhere (unless forced). A drain is a row in ``cluster_drains``; placement loads the drained
   clusters and offers none of their nodes (this service tells it on ``loom.migrate.drains``, and
-  answers the drain once placement confirms; again every few seconds while drains exist). The
+  answers the drain once the leader of every placement shard leading now confirms, naming any
+  that did not; again every few seconds while drains exist). The
   drain loop then moves the cluster's running jobs, largest benefit first, at most
   ``concurrency`` in flight, each only on room placement's what-if finds in that pass (a verdict
   from an earlier pass is asked for again in the job's turn, and once more as the move is about
@@ -61,16 +62,20 @@ from nats.aio.msg import Msg
 from opentelemetry import propagate
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
+from loom.bus.lease import lease_holders
 from loom.migrate import backflow, benefit
 from loom.migrate.checkpoints import Checkpoint, choose
 from loom.migrate.drain import (
     DrainJob,
+    ShardConfirmation,
+    ShardReply,
     drain_refusal,
     needs,
     next_move_id,
     pick_moves,
     placeable,
     room_off,
+    shard_confirmation,
     waiting_for_capacity,
 )
 from loom.migrate.network import candidate_of, path_between, running_state, spans
@@ -84,7 +89,7 @@ from loom.migrate.replicas import (
     plan_copy,
 )
 from loom.runtime.service import ServiceContext
-from loom.store import moves, outbox
+from loom.store import fence, moves, outbox
 from loom.store import replicas as replica_store
 from loom.store.pool import transaction
 from loom_proto import subjects
@@ -124,8 +129,9 @@ class MigrationSettings:
     notice_every_s: float = 5.0
     """While drains exist, placement is reminded of them this often (a lost notice heals)."""
     notice_confirm_s: float = 1.0
-    """A drain or undrain is answered once placement confirms it reloaded the drained clusters,
-    or after this long without its answer (placement down: it loads them when it starts)."""
+    """A drain or undrain is answered once the leader of every placement shard that leads now
+    confirms it reloaded the drained clusters, or after this long without all their answers (the
+    answer names the shards that did not; placement down: it loads them when it starts)."""
     drain_retry_s: float = 2.0
     """A drained cluster's job that no placement elsewhere had room for (it waits for capacity,
     running where it is) is asked about again this often: it moves as soon as room appears."""
@@ -397,7 +403,7 @@ class MigrationService:
                         self._start_held_at.pop(row["migration_id"], None)
                 await outbox.add(conn, PRODUCER, messages)
             await self._publish(messages)
-            confirmed = await self._notice(confirm=True)
+            confirmation = await self._confirm()
             self._drain_judged.pop(cluster, None)
             for key in [k for k in self._drain_judged_at if k[0] == cluster]:
                 del self._drain_judged_at[key]
@@ -405,7 +411,13 @@ class MigrationService:
             if was:  # work may flow back, gradually and where the benefit rule says so
                 self._cluster_reviews[cluster] = ("cluster_joined", f"drain of {cluster} ended")
             log.info("cluster undrained", cluster=cluster, was_drained=was)
-            return {"ok": True, "cluster": cluster, "was_drained": was, "placement_confirmed": confirmed}
+            return {
+                "ok": True,
+                "cluster": cluster,
+                "was_drained": was,
+                "placement_confirmed": confirmation.complete,
+                "shards": confirmation.to_json(),
+            }
         if op != "drain":
             return {"ok": False, "code": "bad_request", "error": f"unknown op {op!r}"}
         concurrency = int(request.get("concurrency", 2))
@@ -423,7 +435,7 @@ class MigrationService:
             new = await moves.start_drain(
                 conn, cluster, concurrency=concurrency, deadline_s=deadline_s, forced=force
             )
-        confirmed = await self._notice(confirm=True)
+        confirmation = await self._confirm()
         log.info("cluster draining", cluster=cluster, jobs=len(jobs), concurrency=concurrency, forced=force)
         return {
             "ok": True,
@@ -433,31 +445,81 @@ class MigrationService:
             "concurrency": concurrency,
             "deadline_s": deadline_s,
             "forced_past": refusal,
-            "placement_confirmed": confirmed,
+            "placement_confirmed": confirmation.complete,
+            "shards": confirmation.to_json(),
         }
 
-    async def _notice(self, *, confirm: bool = False) -> bool:
-        """Tell placement the drained clusters changed (it reloads them from the store).
-
-        ``confirm``: ask, and wait up to ``notice_confirm_s`` for a leading placement instance to
-        answer that it has them, so that a drain's answer means the cluster is closed: a job
-        submitted after ``loom drain`` returned is not placed there. (A plain notice raced the
-        next submission: the bench's late job could land on the drained cluster and be moved
-        off it at its first checkpoint, a move more than the cluster held.) Returns whether
-        placement confirmed."""
+    async def _notice(self) -> None:
+        """Tell placement the drained clusters changed (it reloads them from the store); a plain
+        reminder, answered by nobody (:meth:`_confirm` is the one a drain's answer waits for)."""
         self._noticed_at = time.monotonic()
         self._wake_drains.set()
-        if not confirm:
-            await self.ctx.nc.publish(subjects.MIGRATE_DRAINS_CHANGED, b"")
-            return False
+        await self.ctx.nc.publish(subjects.MIGRATE_DRAINS_CHANGED, b"")
+
+    async def _confirm(self) -> ShardConfirmation:
+        """Tell placement the drained clusters changed and wait, up to ``notice_confirm_s``, until
+        the leader of *every* placement shard that leads now has reloaded them, so that a drain's
+        answer means the cluster is closed: a job submitted after ``loom drain`` returned is placed
+        there by no shard. (A plain notice raced the next submission: the bench's late job could
+        land on the drained cluster and be moved off it at its first checkpoint. The first answer
+        alone was not enough either with several shards: another shard's leader, the one holding
+        the cluster perhaps, could still place there.)
+
+        The shards are those a fence was ever claimed for (``fences``); the live ones, those whose
+        lease is held now. The request goes out after both are read, and so after the drain was
+        committed: a shard whose leader starts later loads the drains when it starts, and one
+        with no leader needs no answer (listed as leaderless). Each leader answers with the
+        territories it holds and their fence tokens (:func:`shard_confirmation` counts an answer
+        only from a token at least the one read, not a deposed leader's)."""
+        self._noticed_at = time.monotonic()
+        self._wake_drains.set()
+        live: dict[str, int] | None
+        leaderless: list[str] = []
         try:
-            await self.ctx.nc.request(
-                subjects.MIGRATE_DRAINS_CHANGED, b"", timeout=self.settings.notice_confirm_s
+            tokens = await fence.tokens(self.pool)
+            holders = await lease_holders(self.ctx.nc.jetstream(), tokens)
+            live = {t: token for t, token in tokens.items() if holders.get(t) is not None}
+            leaderless = [t for t in tokens if holders.get(t) is None]
+        except Exception as exc:  # the store or the bus: wait for whoever answers, confirm nothing
+            log.warning("placement shards leading now not read", error=repr(exc))
+            live = None
+        replies: list[ShardReply] = []
+        done = asyncio.Event()
+
+        async def on_reply(msg: Msg) -> None:
+            try:
+                answer = json.loads(msg.data or b"{}")
+            except ValueError:
+                return
+            reply = ShardReply.parse(answer) if isinstance(answer, dict) else None
+            if reply is None:
+                return
+            replies.append(reply)
+            if live is not None and not shard_confirmation(live, leaderless, replies).unconfirmed:
+                done.set()
+
+        inbox = self.ctx.nc.new_inbox()
+        sub = await self.ctx.nc.subscribe(inbox, cb=on_reply)
+        try:
+            await self.ctx.nc.publish(subjects.MIGRATE_DRAINS_CHANGED, b"", reply=inbox)
+            if live is None or live:  # with no live leader, nobody will answer: no wait
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(done.wait(), self.settings.notice_confirm_s)
+        except nats.errors.Error as exc:  # the notice did not go out: nobody confirmed
+            log.warning("drains notice not sent", error=repr(exc))
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        confirmation = shard_confirmation(live, leaderless, replies)
+        if not confirmation.complete:
+            log.info(
+                "placement did not confirm the drained clusters everywhere",
+                confirmed=confirmation.confirmed,
+                unconfirmed=confirmation.unconfirmed,
+                leaderless=confirmation.leaderless,
+                known=confirmation.known,
             )
-        except nats.errors.Error as exc:  # no placement answered: it loads the drains when it starts
-            log.info("placement did not confirm the drained clusters", error=repr(exc))
-            return False
-        return True
+        return confirmation
 
     async def _pause(self, wake: asyncio.Event, busy: bool, period_s: float | None = None) -> None:
         """A loop's wait between passes: ``period_s`` (default ``poll_s``) while it has work, else

@@ -181,6 +181,9 @@ MIN_DECIDE_SLICE = 8
 """The fewest submissions one slice decides (see :func:`decide_slice`)."""
 WHATIF_SHARE = 0.25
 """What-ifs take at most about this share of the event loop (``on_whatif`` paces them)."""
+LOAD_WAIT_S = 10.0
+"""How long a drains request waits for a new leader's state to be rebuilt before it reloads the
+drains anyway (a load that fails or outlasts this is not waited for longer: the reminder heals)."""
 
 
 def decide_slice(
@@ -214,7 +217,8 @@ class PlacementService:
     """Recent wall milliseconds a cycle took per job (smoothed): how big a slice of submissions
     to decide at once (:func:`decide_slice`)."""
 
-    def __init__(
+    # PLR0915: the service's state, each piece named and documented where it is made.
+    def __init__(  # noqa: PLR0915
         self,
         ctx: ServiceContext,
         *,
@@ -267,6 +271,8 @@ class PlacementService:
         shard's, and regional ones the global shard took over)."""
         self.fenced_territories: set[str] = set()
         """Held territories whose fence refused a transaction: their watcher hands them back."""
+        self._loaded = asyncio.Event()
+        """Set once this leader's state is rebuilt from the store (cleared as it starts leading)."""
         self.region_of: dict[str, str] = dict(self.shard_map.cluster_regions)
         """Cluster -> region, from the topology, the store and the view (whose territory a cluster is)."""
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
@@ -436,9 +442,11 @@ class PlacementService:
     async def _lead(self, token: int) -> None:
         """The leader's work: consume submissions, view deltas and lifecycle events until cancelled."""
         self.token = token
+        self._loaded.clear()
         self.held = {self.shard: token}
         self._territory_stats()
         await self.load()
+        self._loaded.set()
         runners = self._consumers(self.shard)
         # Together: on a NATS cluster a consumer whose Raft leader just died cannot be updated
         # until its group elects another (4-9 s); the others need not wait for it.
@@ -1833,9 +1841,15 @@ class PlacementService:
         """The drained clusters changed (``loom drain`` / ``undrain``): reload them from the store.
 
         Asked as a request (the migration service does before it answers a drain or undrain), a
-        leading instance answers once its book has them: a decision made after the answer offers
-        none of a drained cluster's nodes, so a job submitted after ``loom drain`` returned is not
-        placed there (it was, in the moment before this reload, and the drain then moved it)."""
+        leading instance answers once its book has them, with its shard, its holder id and the
+        territories it holds with their fence tokens: the migration service waits for the leader
+        of every live shard (a decision made after the answer offers none of a drained cluster's
+        nodes, so a job submitted after ``loom drain`` returned is placed there by no shard). A
+        leader still loading its state is waited for first: its load may have read the drains
+        before the change, and this reload must come after it."""
+        if msg.reply and self.held and not self._loaded.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._loaded.wait(), LOAD_WAIT_S)
         try:
             closed = await moves.drained_clusters(self.pool)
         except Exception as exc:  # the next notice (or a restart) reloads them
@@ -1847,8 +1861,16 @@ class PlacementService:
             self.stats["drained"] = sorted(closed)
             self.capacity_changed = True
             self.wake.set()
-        if msg.reply and self.held:
-            await msg.respond(json.dumps({"ok": True, "drained": sorted(closed)}).encode())
+        held = dict(self.held)
+        if msg.reply and held:
+            answer = {
+                "ok": True,
+                "shard": self.shard,
+                "holder": self.holder,
+                "territories": held,
+                "drained": sorted(closed),
+            }
+            await msg.respond(json.dumps(answer).encode())
 
     async def on_attempts(self, msg: Msg) -> None:
         """``loom.placement.attempts``: job -> [state, current attempt], from the store (a returning

@@ -159,7 +159,7 @@ async def test_a_drain_moves_every_job_from_its_checkpoint_two_at_a_time_and_und
         accepted = await _ask(client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED, "concurrency": 2})
         assert accepted["ok"] is True and accepted["jobs"] == 4, accepted
         # Answered once placement had closed it: nothing submitted from here on lands there.
-        assert accepted["placement_confirmed"] is True
+        assert accepted["placement_confirmed"] is True and accepted["shards"]["confirmed"] == ["global"]
         # Killed mid-drain, the migration service goes on from its records: nothing lost or doubled.
         await until(
             lambda: db.fetchval("SELECT count(*) FROM migrations WHERE state <> 'completed'"),
@@ -200,7 +200,16 @@ async def test_a_drain_moves_every_job_from_its_checkpoint_two_at_a_time_and_und
         assert late is not None and late["state"] == "queued"
         # ... until the drain ends.
         undrained = await _ask(client, subjects.MIGRATE_DRAIN, {"op": "undrain", "cluster": DRAINED})
-        assert undrained == {"ok": True, "cluster": DRAINED, "was_drained": True, "placement_confirmed": True}
+        assert [undrained[k] for k in ("ok", "was_drained", "placement_confirmed", "shards")] == [
+            *[True] * 3,
+            {
+                "confirmed": ["global"],
+                "unconfirmed": [],
+                "leaderless": [],
+                "by": {"global": "placement (global)"},
+                "known": True,
+            },
+        ]
         await until(
             lambda: _running_at(client, ["dr-late"], DRAINED, 1), 15, "the late job placed on c-weu-a"
         )

@@ -3,7 +3,7 @@
 from rich.console import Console
 
 from loom.cli.main import build_parser
-from loom.cli.migrations import migrations_table, verdicts_table
+from loom.cli.migrations import confirmation_line, migrations_table, verdicts_table
 
 
 def test_drain_takes_its_cluster_deadline_concurrency_and_force() -> None:
@@ -96,3 +96,17 @@ def test_loom_explain_shows_the_verdicts_with_gain_cost_margin_and_a_refusal() -
     assert "why it moved or did not" in text and "cluster_joined" in text and "deferred" in text
     assert "4000" in text and "700" in text and "830" in text and "3170" in text
     assert "limit 4" in text
+
+
+def test_loom_drain_prints_which_placement_shards_confirmed_and_which_did_not() -> None:
+    shards = {"confirmed": ["global"], "unconfirmed": ["eu"], "leaderless": ["old"], "known": True}
+    line = confirmation_line({"placement_confirmed": False, "shards": shards})
+    assert "confirmed by shard(s) global" in line
+    assert "NOT confirmed by shard(s) eu" in line
+    assert "old lead nowhere now" in line
+    everyone = {"confirmed": ["eu", "global"], "unconfirmed": [], "leaderless": [], "known": True}
+    assert confirmation_line({"shards": everyone}) == "placement confirmed by shard(s) eu, global"
+    down = confirmation_line({"shards": {"confirmed": [], "unconfirmed": [], "leaderless": ["global"]}})
+    assert "no placement leader is running" in down
+    unknown = confirmation_line({"shards": {"confirmed": ["global"], "known": False}})
+    assert "could not be read" in unknown and "nothing is confirmed" in unknown

@@ -1,7 +1,15 @@
 """Drains (pure): refusal when a job has nowhere to go, largest benefit first, bounded concurrency."""
 
 from loom.migrate.benefit import MigrationVerdict
-from loom.migrate.drain import DrainJob, drain_refusal, next_move_id, next_moves, order_moves
+from loom.migrate.drain import (
+    DrainJob,
+    ShardReply,
+    drain_refusal,
+    next_move_id,
+    next_moves,
+    order_moves,
+    shard_confirmation,
+)
 
 
 def _job(
@@ -232,3 +240,58 @@ def test_no_move_is_named_while_one_of_the_run_is_open_or_done() -> None:
     for state in ("planned", "started", "completed"):
         assert next_move_id("j", 1, {"j:1": "failed", "j:1:2": state}) is None
         assert next_move_id("j", 1, {"j:1": state}) is None
+
+
+def _reply(shard: str, **territories: int) -> ShardReply:
+    return ShardReply(shard=shard, holder=f"placement-{shard}", territories=territories)
+
+
+def test_a_drain_is_confirmed_only_when_every_live_shard_leader_answered() -> None:
+    live = {"global": 5, "eu": 7}
+    first = shard_confirmation(live, [], [_reply("global", **{"global": 5})])
+    assert first.confirmed == ("global",) and first.unconfirmed == ("eu",)
+    assert not first.complete
+    both = shard_confirmation(live, [], [_reply("global", **{"global": 5}), _reply("eu", eu=7)])
+    assert both.confirmed == ("eu", "global") and both.unconfirmed == () and both.complete
+    assert both.by == {"eu": "placement-eu (eu)", "global": "placement-global (global)"}
+
+
+def test_a_deposed_leaders_answer_does_not_confirm_its_territory() -> None:
+    stale = shard_confirmation({"eu": 9}, [], [_reply("eu", eu=7)])
+    assert stale.unconfirmed == ("eu",) and not stale.complete
+    # A newer leader than the one read (it took the lease after the read) confirms it.
+    newer = shard_confirmation({"eu": 9}, [], [_reply("eu", eu=7), _reply("eu", eu=11)])
+    assert newer.complete and newer.confirmed == ("eu",)
+
+
+def test_a_territory_taken_over_is_confirmed_by_its_holder() -> None:
+    # The global leader holds eu's territory (eu's lease and fence token 12) besides its own.
+    got = shard_confirmation({"global": 5, "eu": 12}, [], [_reply("global", **{"global": 5, "eu": 12})])
+    assert got.complete and got.confirmed == ("eu", "global")
+    assert got.by["eu"] == "placement-global (global)"
+
+
+def test_a_shard_without_a_leader_need_not_confirm_and_is_named() -> None:
+    got = shard_confirmation({"global": 5}, ["retired"], [_reply("global", **{"global": 5})])
+    assert got.complete and got.leaderless == ("retired",)
+    assert got.to_json() == {
+        "confirmed": ["global"],
+        "unconfirmed": [],
+        "leaderless": ["retired"],
+        "by": {"global": "placement-global (global)"},
+        "known": True,
+    }
+
+
+def test_no_live_leader_or_unknown_shards_is_never_a_confirmation() -> None:
+    nobody = shard_confirmation({}, ["global"], [])
+    assert not nobody.complete and nobody.leaderless == ("global",) and nobody.unconfirmed == ()
+    unknown = shard_confirmation(None, [], [_reply("global", **{"global": 5})])
+    assert not unknown.complete and unknown.confirmed == ("global",) and not unknown.known
+
+
+def test_a_reply_without_territories_counts_for_nothing() -> None:
+    assert ShardReply.parse({"ok": True, "drained": ["c-weu-a"]}) is None  # an older placement
+    assert ShardReply.parse({"ok": True, "territories": {"eu": "x"}}) is None
+    parsed = ShardReply.parse({"ok": True, "shard": "global", "holder": "h", "territories": {"global": 3}})
+    assert parsed == ShardReply(shard="global", holder="h", territories={"global": 3})

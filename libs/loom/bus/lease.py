@@ -60,7 +60,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import msgspec
 import nats.errors
@@ -397,3 +397,33 @@ class LeaderLease:
             )
         self._kv = kv
         return kv
+
+
+async def lease_holders(js: JetStreamContext, shards: Iterable[str]) -> dict[str, str | None]:
+    """Each shard -> the holder of its lease now, or None where nobody holds it (expired, released,
+    never acquired, or no bucket yet). Read only: another service (migration) asks which shards
+    lead before it waits for their answers. Raises :class:`BusError` when NATS does not answer."""
+    names = list(shards)
+    try:
+        kv = await js.key_value(LEASE_BUCKET)
+    except BucketNotFoundError:
+        return dict.fromkeys(names)
+    except _TRANSIENT as exc:
+        raise BusError(f"the lease bucket did not answer: {exc!r}") from exc
+    holders: dict[str, str | None] = {}
+    for shard in names:
+        try:
+            entry = await kv.get(f"placement.{validate_id(shard, 'shard')}")
+        except KeyNotFoundError:
+            holders[shard] = None
+            continue
+        except InvalidIdError:
+            holders[shard] = None  # no lease can have that name
+            continue
+        except _TRANSIENT as exc:
+            raise BusError(f"the lease of shard {shard} could not be read: {exc!r}") from exc
+        try:
+            holders[shard] = msgspec.json.decode(entry.value or b"", type=LeaseValue).holder
+        except msgspec.DecodeError:
+            holders[shard] = "?"  # held, by a value this version cannot read: it leads all the same
+    return holders

@@ -26,6 +26,36 @@ _CONNECT_WITHIN_S = 2.5
 _TIMEOUT_S = 10.0
 
 
+def confirmation_line(answer: dict[str, Any]) -> str:
+    """What ``loom drain`` / ``loom undrain`` print of the placement shards' confirmation in the
+    answer: which shards confirmed, which did not answer in time, which have no leader (truthful:
+    what the migration service gathered, nothing more)."""
+    shards = answer.get("shards")
+    if not isinstance(shards, dict):
+        confirmed = answer.get("placement_confirmed")
+        return f"placement confirmed: {'yes' if confirmed else 'no'} (no per-shard answer)"
+    confirmed = list(shards.get("confirmed", []))
+    unconfirmed = list(shards.get("unconfirmed", []))
+    leaderless = list(shards.get("leaderless", []))
+    parts = []
+    if not shards.get("known", True):
+        parts.append("the placement shards leading now could not be read, so nothing is confirmed")
+    if confirmed:
+        parts.append(f"placement confirmed by shard(s) {', '.join(confirmed)}")
+    if unconfirmed:
+        parts.append(
+            f"NOT confirmed by shard(s) {', '.join(unconfirmed)} (no answer in time; each reloads the"
+            " drains within seconds and may act on the old state until then)"
+        )
+    if leaderless:
+        parts.append(
+            f"shard(s) {', '.join(leaderless)} lead nowhere now (they load the drains when one starts)"
+        )
+    if not confirmed and not unconfirmed and shards.get("known", True):
+        parts.append("no placement leader is running (each loads the drains when it starts)")
+    return "; ".join(parts)
+
+
 def add_parser(sub: Any) -> None:
     """Register ``loom drain``, ``loom undrain`` and ``loom migrations`` on the top-level subparsers."""
 
@@ -129,6 +159,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
                     f" {answer['concurrency']} at a time (`loom migrations --cluster {args.cluster}`"
                     " lists the moves and any job that waits for capacity elsewhere)"
                 )
+                console.print(confirmation_line(answer))
             return 0
         return await _follow(client, args, answer)
 
@@ -139,6 +170,8 @@ async def _follow(client: LoomClient, args: argparse.Namespace, answer: dict[str
     """Show the drain's progress until its cluster is empty (or the timeout)."""
     start = time.monotonic()
     total = int(answer["jobs"])
+    if not args.json:
+        console.print(confirmation_line(answer))
     state = "draining"
     moves: list[dict[str, Any]] = []
     waiting: list[dict[str, Any]] = []
@@ -188,6 +221,7 @@ def cmd_undrain(args: argparse.Namespace) -> int:
         if not args.json:
             was = "" if answer.get("was_drained") else " (it was not drained)"
             console.print(f"{args.cluster} open to new work{was}")
+            console.print(confirmation_line(answer))
         return 0
 
     return _with_client(work)

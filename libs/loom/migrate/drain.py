@@ -18,13 +18,19 @@ time, each at a checkpoint boundary. This module holds the decisions:
   so a cluster drained again plans its jobs again while a replayed pass plans nothing twice;
 * :func:`waiting_for_capacity` — the jobs that stay where they are for now, because no placement on
   another open cluster has room for them (they keep running and are asked about again each pass;
-  past the drain's deadline they move anyway), each with what it needs.
+  past the drain's deadline they move anyway), each with what it needs;
+* :func:`shard_confirmation` — whether every placement shard that leads now has reloaded the
+  drained clusters (a drain or undrain is answered once all have, or after a short wait naming
+  those that did not): only the territory's holder places on a cluster, but the migration service
+  does not know the region groups, and a territory changes holders (a take-over, a hand-back), so
+  it asks every live leader rather than guess the one that matters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from loom.migrate.benefit import MigrationVerdict, rank_key
 
@@ -235,3 +241,92 @@ def next_move_id(job_id: str, attempt: int, earlier: Mapping[str, str]) -> str |
     while f"{base}:{n}" in earlier:
         n += 1
     return f"{base}:{n}"
+
+
+@dataclass(frozen=True, slots=True)
+class ShardReply:
+    """One leading placement instance's answer to the drains notice, after it reloaded them."""
+
+    shard: str
+    """The instance's own shard."""
+    holder: str
+    """The instance (its lease holder id)."""
+    territories: Mapping[str, int]
+    """Each territory it holds (its own shard's, and any it took over) -> its fence token."""
+
+    @classmethod
+    def parse(cls, answer: Mapping[str, Any]) -> ShardReply | None:
+        """A reply from its JSON, or None for one that names no territory (an older placement
+        answers ``{"ok": true, "drained": [...]}`` only: it counts for nothing here)."""
+        territories = answer.get("territories")
+        if not answer.get("ok") or not isinstance(territories, Mapping) or not territories:
+            return None
+        try:
+            held = {str(t): int(token) for t, token in territories.items()}
+        except (TypeError, ValueError):
+            return None
+        return cls(shard=str(answer.get("shard", "")), holder=str(answer.get("holder", "")), territories=held)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardConfirmation:
+    """Which placement shards confirmed a change of the drained clusters (the drain's answer)."""
+
+    confirmed: tuple[str, ...] = ()
+    """Territories whose current leader reloaded the drained clusters and said so."""
+    unconfirmed: tuple[str, ...] = ()
+    """Territories with a live leader that did not answer (in time): it may still place on a
+    cluster just drained (or keep one just undrained closed) until it reloads (a reminder comes
+    every few seconds)."""
+    leaderless: tuple[str, ...] = ()
+    """Territories with no live leader now: whoever leads one next loads the drains from the store
+    when it starts, so none needs to confirm."""
+    by: Mapping[str, str] = field(default_factory=dict)
+    """Confirmed territory -> the instance that confirmed it (``holder`` of ``shard``)."""
+    known: bool = True
+    """False when the live leaders could not be read (store or bus error): nothing is complete."""
+
+    @property
+    def complete(self) -> bool:
+        """Every live leader confirmed, and there was at least one (with none, placement is down:
+        it loads the drains when it starts, but nobody has confirmed anything)."""
+        return self.known and not self.unconfirmed and bool(self.confirmed)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``shards`` part of a drain's (or undrain's) answer."""
+        return {
+            "confirmed": list(self.confirmed),
+            "unconfirmed": list(self.unconfirmed),
+            "leaderless": list(self.leaderless),
+            "by": dict(self.by),
+            "known": self.known,
+        }
+
+
+def shard_confirmation(
+    live: Mapping[str, int] | None, leaderless: Collection[str], replies: Iterable[ShardReply]
+) -> ShardConfirmation:
+    """Which territories' leaders confirmed, from the replies gathered so far.
+
+    ``live``: territory -> the newest fence token claimed for it, for every territory whose lease
+    was held when the drain was committed and asked about (None: unknown). ``leaderless``: the
+    territories known (a fence was ever claimed) whose lease nobody held then. A territory counts
+    as confirmed by a reply that holds it with a token at least that fence's: an older token is a
+    deposed leader that has not noticed yet, whose answer says nothing of the one that places now.
+    A reply for a territory not in ``live`` (a leader that took it after the read, so it loaded the
+    drains after the change) confirms it too."""
+    best: dict[str, tuple[int, str]] = {}
+    for reply in replies:
+        who = f"{reply.holder} ({reply.shard})" if reply.holder else reply.shard
+        for territory, token in reply.territories.items():
+            if territory not in best or token > best[territory][0]:
+                best[territory] = (token, who)
+    wanted = dict(live or {})
+    confirmed = {t for t, (token, _) in best.items() if token >= wanted.get(t, 0)}
+    return ShardConfirmation(
+        confirmed=tuple(sorted(confirmed)),
+        unconfirmed=tuple(sorted(set(wanted) - confirmed)),
+        leaderless=tuple(sorted(set(leaderless) - confirmed - set(wanted))),
+        by={t: best[t][1] for t in sorted(confirmed)},
+        known=live is not None,
+    )

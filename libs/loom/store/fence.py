@@ -64,3 +64,10 @@ async def check(conn: asyncpg.Connection, shard: str, token: int) -> None:
         raise FencedError(f"shard {shard} has no claimed leader; token {token} is not current")
     if current != token:
         raise FencedError(f"shard {shard} is led by token {current}; token {token} is fenced off")
+
+
+async def tokens(pool: asyncpg.Pool) -> dict[str, int]:
+    """Every shard (territory) a leader ever claimed -> its newest token: the shards that exist,
+    whether they lead now or not (their leases say that, :func:`loom.bus.lease.lease_holders`)."""
+    rows = await pool.fetch("SELECT shard, token FROM fences")
+    return {str(r["shard"]): int(r["token"]) for r in rows}

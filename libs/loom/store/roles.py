@@ -118,6 +118,8 @@ GRANTS: dict[str, dict[str, str]] = {
         # Checkpoint replicas (migration 013): copies recorded and advanced; live clusters read.
         "checkpoint_replicas": _RW,
         "ledger_clusters": _R,
+        # A drain's answer waits for every placement shard leading now: the shards are read here.
+        "fences": _R,
     },
     TENANT_ROLE: {
         "jobs": _R,
