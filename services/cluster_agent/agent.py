@@ -206,6 +206,8 @@ class Agent:
         self.running: dict[str, RunningJob] = {}
         self.finished: set[str] = set()
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self._closing = False
+        """Set as the agent stops: a run's task (restarted by the watchdog, say) follows no more."""
         self._resized: dict[str, asyncio.Event] = {}
         """Per run: set when a resize changes its speed, so the sleeping run recomputes it."""
         self.state_file = (state_dir / f"agent-{self.cluster}.jsonl") if state_dir else None
@@ -270,16 +272,14 @@ class Agent:
         try:
             await self.ctx.stopping.wait()
         finally:
+            self._closing = True
             with contextlib.suppress(Exception):
                 await alive.unsubscribe()
             beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
+            await asyncio.wait([beat])  # not ``await beat``: a cancellation of this stop propagates
             commands.cancel()
             await runner.stop()
-            for task in self.tasks.values():
-                task.cancel()
-            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+            await _cancel_all(self.tasks.values())
             # What is still unsent stays in the journal for the next start; give it a moment.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._all_sent.wait(), timeout=2.0)
@@ -612,8 +612,7 @@ class Agent:
     async def _halted(self, job: RunningJob, task: "asyncio.Task[None] | None") -> None:
         """The rest of a stop: its task ended, its part stopped in the backend (no clock)."""
         if task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await _cancel_all([task])  # its end, whatever it was; a cancellation of this one propagates
         if not self.backend.clock:
             await self._stop_part(job)
 
@@ -660,8 +659,8 @@ class Agent:
         """Wait out a delayed start, then advance the job in chunks of ``progress_every`` of its
         work, reporting each chunk. Run again by the watchdog if it died, it goes on from the
         run's last step."""
-        if self.running.get(job.key) is not job:
-            return  # ended (stopped) while its task was down
+        if self.running.get(job.key) is not job or self._closing:
+            return  # ended (stopped) while its task was down, or the agent stops
         chunk = max(int(job.steps * self.progress_every), 1)
         wakeup = self._resized.setdefault(job.key, asyncio.Event())
         try:
@@ -948,18 +947,20 @@ class Agent:
         the work reports, and its end. A part the backend refuses, runs elsewhere, loses or
         leaves pending for a reason of its own is stopped and reported failed, never left running.
         Run again by the watchdog (or after a restart), it goes on from the journalled state."""
-        if self.running.get(job.key) is not job:
+        if self.running.get(job.key) is not job or self._closing:
             return
         if not job.backend_ref and not await self._launch_part(job):
             return
         chosen = {node for node, _ in job.allocations}
         checkpoints_seen = 0
-        while self.running.get(job.key) is job:
+        while self.running.get(job.key) is job and not self._closing:
             try:
                 status = await self.backend.poll(job.backend_ref, job.key)
             except BackendError as exc:
                 if exc.non_retryable:
                     raise
+                # A failed poll (the backend unreachable, a command timed out): tried again later.
+                self.ctx.stats["poll_failures"] = self.ctx.stats.get("poll_failures", 0) + 1
                 log.warning("part state unknown", key=job.key, error=str(exc))
                 await asyncio.sleep(max(self.backend.poll_s, 1.0))
                 continue
@@ -1316,6 +1317,19 @@ def _per_node(allocations: Iterable[tuple[str, int]]) -> dict[str, int]:
     for node, gpus in allocations:
         totals[node] = totals.get(node, 0) + gpus
     return totals
+
+
+async def _cancel_all(tasks: Iterable["asyncio.Task[None]"], grace_s: float = 1.0) -> None:
+    """Cancel the tasks and wait until every one has ended. One still running ``grace_s`` after
+    its cancellation lost it (caught and turned into an error its supervisor restarts it for, say)
+    and is cancelled again: a stop waits for no task's next round of work."""
+    pending = set(tasks)
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=grace_s)
+        for task in pending:
+            log.warning("task still running after its cancellation; cancelled again", task=task.get_name())
 
 
 async def _answer_alive(msg: Msg) -> None:

@@ -60,6 +60,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--slurm-partition", default=None, help="slurm backend: partition (default: Slurm's)")
     parser.add_argument(
+        "--slurm-bin",
+        type=Path,
+        default=None,
+        help="slurm backend: where sbatch, scontrol... are (default: PATH)",
+    )
+    parser.add_argument(
+        "--slurm-command-timeout-s",
+        type=float,
+        default=15.0,
+        help="slurm backend: longest a Slurm command may run; past it, it is killed and the call"
+        " fails (a poll is retried)",
+    )
+    parser.add_argument(
         "--gres-model",
         action="append",
         default=[],
@@ -131,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
                 gres_models={t.lower(): m for t, _, m in (item.partition("=") for item in args.gres_model)},
                 speed=model_speed,
                 partition=args.slurm_partition,
+                bin_dir=args.slurm_bin,
+                command_timeout_s=args.slurm_command_timeout_s,
             )
         else:
             backend = SimCluster(

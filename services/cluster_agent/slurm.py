@@ -42,11 +42,16 @@ Errors of the commands are mapped once, here: the messages Slurm's client librar
 the controller cannot be reached (``UNREACHABLE_MARKERS``) raise
 :class:`~loom_services.cluster_agent.backend.BackendUnavailable` (retried), any other failure of
 ``sbatch`` raises :class:`~loom_services.cluster_agent.backend.LaunchRefused` with Slurm's reason.
+A command still running after ``command_timeout_s`` is killed with its process group, reaped, and
+raises ``BackendUnavailable`` too; one whose caller is cancelled (the agent stops) is killed and
+reaped before the cancellation goes on (:func:`run_command`).
 """
 
 import asyncio
+import contextlib
 import os
 import re
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -219,6 +224,77 @@ def job_name(key: str) -> str:
     return f"loom-{job_id}-{attempt}"
 
 
+REAP_TIMEOUT_S = 5.0
+"""How long a killed command may take to exit and be reaped (SIGKILL: at once, unless the machine
+is overloaded); past it, it is left to asyncio's child watcher and logged."""
+
+
+async def run_command(
+    argv: Sequence[str], *, env: Mapping[str, str], timeout_s: float, reap_s: float = REAP_TIMEOUT_S
+) -> tuple[int, bytes, bytes]:
+    """Run a command to its end: its exit status, stdout and stderr. Raises :class:`TimeoutError`
+    when it runs past ``timeout_s`` and :class:`OSError` when it cannot start.
+
+    A command that times out, or whose caller is cancelled (an agent stopping), does not outlive
+    the call: it runs in a session of its own, its whole process group is SIGKILLed (a wrapper
+    script's children too, which would hold its pipes open) and the call waits, at most
+    ``reap_s``, until it is reaped; then the timeout or the cancellation propagates.
+
+    Killed on a cancellation so that an ``sbatch`` cancelled with its run does not submit behind
+    the agent's back. Not ``proc.kill()``: it raises ProcessLookupError for a child that has just
+    ended, and that error, not the cancellation, left the call: the watchdog restarted the poll
+    loop it killed (a stopping agent polled on, and a CI teardown waited 60 s for it). Not
+    ``asyncio.wait_for``: on Python 3.11 it returns the result of a command that ends just as its
+    caller is cancelled and drops the cancellation (CPython gh-86296). And
+    ``create_subprocess_exec`` itself is never cancelled (shielded; it takes milliseconds):
+    cancelled while it connects the child's pipes, it can wait forever for the exit of the child
+    it kills (CPython gh-103847, gh-125502).
+    """
+    spawning = asyncio.ensure_future(
+        asyncio.create_subprocess_exec(
+            *argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            stdin=asyncio.subprocess.DEVNULL,
+            env=dict(env),
+            start_new_session=True,
+        )
+    )
+    try:
+        async with asyncio.timeout(timeout_s):
+            proc = await asyncio.shield(spawning)
+            out, err = await proc.communicate()
+    except BaseException:  # timed out, cancelled or not started: nothing of it may be left running
+        await _end(spawning, argv[0], reap_s)
+        raise
+    return proc.returncode or 0, out, err
+
+
+async def _end(spawning: "asyncio.Task[asyncio.subprocess.Process]", name: str, reap_s: float) -> None:
+    """Kill the process group ``spawning`` started and wait, at most ``reap_s``, until it is
+    reaped. A spawn in flight ends first; one that failed left nothing to kill."""
+    spawning.add_done_callback(_kill_group)  # also when this wait is cut short (cancelled again)
+    try:
+        async with asyncio.timeout(reap_s):
+            proc = await asyncio.shield(spawning)
+            # Reads the pipes to their end: on Python 3.11 ``wait()`` returns only once they are
+            # closed, and a pipe paused with unread output never sees its end.
+            await proc.communicate()
+    except TimeoutError:
+        log.error("killed command not reaped", command=name, reap_s=reap_s)
+    except OSError:
+        return  # it never started
+
+
+def _kill_group(spawning: "asyncio.Task[asyncio.subprocess.Process]") -> None:
+    """SIGKILL the process group of a spawned command (its own session: the command and its children)."""
+    if spawning.cancelled() or spawning.exception() is not None:
+        return
+    # Linux does not reuse a group's id while a member lives: the group is the command's.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(spawning.result().pid, signal.SIGKILL)
+
+
 @dataclass
 class SlurmNodeState:
     """A Slurm node as the agent reports it."""
@@ -288,6 +364,10 @@ class SlurmBackend:
     checkpoint_grace_s: int = 60
     pending_timeout_s: float = 60.0
     command_timeout_s: float = 15.0
+    """Longest a Slurm command (``sbatch``, ``squeue``, ``scontrol``, ``sacct``, ``scancel``) may run:
+    past it, it is killed and reaped and the call fails as unavailable (a poll is retried)."""
+    bin_dir: Path | None = None
+    """Where Slurm's commands are (None: found on the ``PATH``)."""
     poll_s: float = 0.5
     name: str = field(init=False, default="slurm")
     clock: bool = field(init=False, default=False)
@@ -303,29 +383,25 @@ class SlurmBackend:
         full_env = {**os.environ, **(env or {})}
         if self.slurm_conf is not None:
             full_env["SLURM_CONF"] = str(self.slurm_conf)
+        program = str(self.bin_dir / argv[0]) if self.bin_dir is not None else argv[0]
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                stdin=asyncio.subprocess.DEVNULL,
-                env=full_env,
+            rc, out, err = await run_command(
+                (program, *argv[1:]), env=full_env, timeout_s=self.command_timeout_s
             )
+        except TimeoutError as exc:
+            log.warning(
+                "slurm command timed out; killed",
+                command=argv[0],
+                args=argv[1:4],
+                timeout_s=self.command_timeout_s,
+            )
+            raise BackendUnavailable(f"{argv[0]} did not answer in {self.command_timeout_s:g} s") from exc
         except OSError as exc:
             raise BackendUnavailable(f"cannot run {argv[0]}: {exc}") from exc
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), timeout=self.command_timeout_s)
-        except TimeoutError as exc:
-            proc.kill()
-            await proc.wait()
-            raise BackendUnavailable(f"{argv[0]} did not answer in {self.command_timeout_s:.0f} s") from exc
-        except asyncio.CancelledError:
-            proc.kill()  # an sbatch cancelled with its run must not submit behind the agent's back
-            raise
         stderr = err.decode(errors="replace").strip()
-        if proc.returncode != 0 and any(m in stderr for m in UNREACHABLE_MARKERS):
+        if rc != 0 and any(m in stderr for m in UNREACHABLE_MARKERS):
             raise BackendUnavailable(f"{argv[0]}: {stderr[:500]}")
-        return proc.returncode or 0, out.decode(errors="replace"), stderr
+        return rc, out.decode(errors="replace"), stderr
 
     # ---- inventory -----------------------------------------------------------------------------
 

@@ -75,8 +75,8 @@ async def platform(
         await p.start(name)
     yield p
     for name in list(p.tasks):
-        # A Slurm agent's stop waits on sbatch / scontrol / scancel calls still running, each slow
-        # on a loaded machine (15 s was once not enough in a parallel CI run).
+        # A Slurm agent's stop kills its polls in flight, but finishes the commands in hand (a
+        # stop's scancel: at most ``command_timeout_s`` each), slow on a loaded machine.
         await p.stop(name, timeout_s=60.0)
 
 
