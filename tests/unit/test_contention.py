@@ -1,5 +1,6 @@
 """Decisions under contention: expected waits from running jobs' ends, spanning only when it pays
-within a GPU-hours bound, no waiting for faster GPUs while a queue waits, best fit over pools."""
+within a GPU-hours bound, waiting for faster GPUs under a queue only behind the queued jobs ahead
+(a gang) or beyond the slowdown bound (a single worker), best fit over pools."""
 
 import math
 
@@ -8,13 +9,19 @@ import numpy as np
 import pytest
 
 from loom.model.capacity import NodeCapacity
-from loom.sched.availability import Reservation, WaitBook, expected_wait_s, room_at_s
+from loom.sched.availability import Reservation, WaitBook, expected_wait_s, queue_for_pool, room_at_s
 from loom.sched.framework import Code, CycleState, Decision, Framework
 from loom.sched.plugins.backfill import Backfill, WaitingJobs
 from loom.sched.plugins.compute import FreeFit, PoolFit, ScuFit
-from loom.sched.plugins.network import PoolOption, SpanGuard, spread_cost_s, waits_under_queue
+from loom.sched.plugins.network import (
+    PoolOption,
+    SpanGuard,
+    gang_waits_under_queue,
+    spread_cost_s,
+    waits_under_queue,
+)
 from loom.sched.plugins.resources import ResourceFit
-from loom.sched.snapshot import NetMatrix, RunningJob, Snapshot
+from loom.sched.snapshot import NetMatrix, QueuedShape, RunningJob, Snapshot
 from loom.sim.engine import simulate
 from loom.sim.model import Platform, SimJob, Trace
 from loom.sim.policies import FrameworkPolicy
@@ -102,6 +109,72 @@ def test_expected_wait_comes_from_the_running_jobs_predicted_ends() -> None:
     assert expected_wait_s(snap, c, m, workers=1, per_worker=4, ahead_gpus=4) == pytest.approx(100.0)
     assert room_at_s(snap, c, m, NOW + 150.0, per_worker=4) == 2
     assert room_at_s(snap, c, m, NOW + 1e6, per_worker=4) == 3
+
+
+def two_nodes_busy() -> Snapshot:
+    """Pool (ca, A100): a0's 8 GPUs free in 100 s, a1's 8 in 300 s."""
+    return snapshot(
+        [node("a0", "ca", used=8), node("a1", "ca", used=8)],
+        [running("j1", ("a0", 8), ends_in_s=100.0), running("j2", ("a1", 8), ends_in_s=300.0)],
+    )
+
+
+def test_queued_jobs_ahead_take_the_releases_they_fit_before_the_job_behind_them() -> None:
+    snap = two_nodes_busy()
+    c, m = snap.cluster_index["ca"], snap.model_index[FAST]
+    assert expected_wait_s(snap, c, m, workers=1, per_worker=8) == pytest.approx(100.0)
+    # One queued job of 8 GPUs ahead takes a0's release and holds it (its run unknown): a1's is next.
+    assert expected_wait_s(snap, c, m, 1, 8, queue=[(1, 8, math.inf)]) == pytest.approx(300.0)
+    # Two such jobs ahead: nothing is left for this one.
+    assert math.isinf(expected_wait_s(snap, c, m, 1, 8, queue=[(1, 8, math.inf), (1, 8, math.inf)]))
+    # A job ahead that needs both nodes does not fit a0 alone: the room goes to the job behind it.
+    assert expected_wait_s(snap, c, m, 1, 8, queue=[(2, 8, math.inf)]) == pytest.approx(100.0)
+    # A job ahead that runs 50 s gives a0 back at 150 s, before a1 frees.
+    assert expected_wait_s(snap, c, m, 1, 8, queue=[(1, 8, 50.0)]) == pytest.approx(150.0)
+    # Whole workers per node: two 4-GPU workers ahead fill a0; a 4-GPU worker behind waits for a1.
+    assert expected_wait_s(snap, c, m, 1, 4, queue=[(2, 4, math.inf)]) == pytest.approx(300.0)
+    assert expected_wait_s(snap, c, m, 1, 4, queue=[(1, 4, math.inf)]) == pytest.approx(100.0)
+
+
+def test_the_queue_ahead_is_the_waiting_jobs_with_a_lower_key_in_queue_order() -> None:
+    snap = two_nodes_busy()
+    pools = np.ones((len(snap.clusters), len(snap.models)), dtype=np.bool_)
+    for job_id, at in (("a", 5.0), ("b", 1.0), ("c", 9.0), ("gone", 0.5), ("me", 0.0)):
+        snap.queued[job_id] = QueuedShape(job_id, (0, at, job_id), 1, 8, pools)
+    snap.waiting |= {"a", "b", "c", "me"}  # "gone" left the queue
+    assert [s.job_id for s in snap.queue_ahead((0, 6.0, "x"), "x")] == ["me", "b", "a"]
+    assert [s.job_id for s in snap.queue_ahead((0, 6.0, "me"), "me")] == ["b", "a"]  # not itself
+    assert [s.job_id for s in snap.queue_ahead((0, 0.1, "x"), "x")] == ["me"]
+    assert snap.queue_ahead((-1, 99.0, "x"), "x") == []  # a higher priority goes first
+
+
+def test_a_queued_job_counts_on_the_pool_where_its_room_comes_first() -> None:
+    snap = snapshot(
+        [node("a0", "ca", used=8), node("b0", "cb", "r2", used=8), node("c0", "cc", model=SLOW, used=8)],
+        [
+            running("j1", ("a0", 8), ends_in_s=100.0),
+            running("j2", ("b0", 8), ends_in_s=50.0),
+            running("j3", ("c0", 8), ends_in_s=10.0),
+        ],
+    )
+    ca, cb, cc = (snap.cluster_index[c] for c in ("ca", "cb", "cc"))
+    fast, slow = snap.model_index[FAST], snap.model_index[SLOW]
+    both = np.zeros((len(snap.clusters), len(snap.models)), dtype=np.bool_)
+    both[ca, fast] = both[cb, fast] = True
+    only_a = np.zeros_like(both)
+    only_a[ca, fast] = True
+    only_slow = np.zeros_like(both)
+    only_slow[cc, slow] = True
+    spec = gang("q", workers=1, gpus=8)
+    roams = QueuedShape("roams", (0,), 1, 8, both, spec, 1000.0)
+    stays = QueuedShape("stays", (1,), 1, 8, only_a, spec, 1000.0)
+    elsewhere = QueuedShape("elsewhere", (2,), 1, 8, only_slow, spec, 1000.0)
+    # "roams" gets room on cb at 50 s, before ca's at 100 s: ca's releases are not its.
+    run_a = 1000.0 / (snap.job_gpu_speed(spec, FAST) * float(snap.trust[ca]))
+    assert queue_for_pool(snap, [roams, stays, elsewhere], ca, fast) == [(1, 8, pytest.approx(run_a))]
+    assert queue_for_pool(snap, [roams, stays, elsewhere], cb, fast) == [(1, 8, pytest.approx(run_a))]
+    # Without its job, a queued job's run there is not known: it holds what it takes.
+    assert queue_for_pool(snap, [QueuedShape("x", (0,), 1, 8, only_a)], ca, fast) == [(1, 8, math.inf)]
 
 
 def test_a_job_past_its_predicted_end_frees_its_gpus_now_in_the_estimate() -> None:
@@ -313,7 +386,7 @@ def test_the_span_guard_refuses_a_gpu_hours_bound_below_one() -> None:
 # ---- waiting for faster GPUs while others wait --------------------------------------------------
 
 
-def test_while_other_jobs_wait_a_gang_never_waits_for_faster_gpus() -> None:
+def test_while_other_jobs_wait_a_gang_whose_queue_order_is_not_known_never_waits_for_faster_gpus() -> None:
     nodes = [node("a0", "ca", used=8), node("b0", "cb", model=SLOW)]
     runs = [running("busy", ("a0", 8), ends_in_s=100.0)]
     # Alone: 100 s + 333 s on A100 beats 1,000 s on T4, so the gang waits.
@@ -322,8 +395,8 @@ def test_while_other_jobs_wait_a_gang_never_waits_for_faster_gpus() -> None:
     alone = framework.schedule(gang(), snapshot(nodes, runs), submitted_at=NOW)
     assert alone.decision is None and book.claims["g"].gpu_model == FAST
     book.drop("g")
-    # With a queue the gang starts on T4 now, whatever the slowdown bound: its room on A100 would
-    # have to come whole, and nothing keeps the GPUs of each release for it.
+    # With a queue and no queue key (so no jobs ahead known) the gang starts on T4 now, whatever
+    # the slowdown bound: its room on A100 must come whole, and nothing keeps each release for it.
     busy = snapshot(nodes, runs)
     busy.waiting.add("someone-else")
     queued = framework.schedule(gang(), busy, submitted_at=NOW)
@@ -336,6 +409,46 @@ def test_while_other_jobs_wait_a_gang_never_waits_for_faster_gpus() -> None:
     assert held.decision is not None and held.decision.parts[0].gpu_model == SLOW
     with pytest.raises(ValueError, match="queue_slowdown"):
         SpanGuard(queue_slowdown=0.5)
+
+
+def test_under_a_queue_a_gang_waits_only_when_its_wait_behind_the_queued_jobs_ahead_pays() -> None:
+    nodes = [node("a0", "ca", used=8), node("b0", "cb", model=SLOW)]
+    runs = [running("busy", ("a0", 8), ends_in_s=100.0)]
+    me = (0, NOW, "g")
+
+    def decide(ahead_key: tuple[object, ...]) -> tuple[WaitBook, object]:
+        busy = snapshot(nodes, runs, fast_speed=10.0)
+        pools = np.zeros((len(busy.clusters), len(busy.models)), dtype=np.bool_)
+        pools[busy.cluster_index["ca"], busy.model_index[FAST]] = True
+        # A queued job of 8 GPUs that may run only on A100 in ca, for long.
+        busy.queued["big"] = QueuedShape("big", ahead_key, 1, 8, pools, gang("big", 1, 8), 10**7)
+        busy.waiting.add("big")
+        book = WaitBook()
+        framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book)])
+        return book, framework.schedule(gang(), busy, submitted_at=NOW, queue_key=me)
+
+    # Queued behind the gang: the A100s free in 100 s are the gang's; 100 + 100 s is under a third
+    # of 1,000 s on T4 (the bound under a queue).
+    book, behind = decide((0, NOW + 10.0, "big"))
+    assert behind.decision is None and behind.status.wait_s == pytest.approx(100.0)  # type: ignore[attr-defined]
+    assert book.claims["g"].gpu_model == FAST
+    # Queued ahead of it: the release is the big job's, and no later one is known: T4 now.
+    book, ahead = decide((0, NOW - 10.0, "big"))
+    assert ahead.decision is not None and ahead.decision.parts[0].gpu_model == SLOW  # type: ignore[attr-defined]
+    assert "g" not in book.claims
+
+
+def test_a_job_nothing_fits_is_queued_with_its_shape_and_queue_key() -> None:
+    framework = Framework([ResourceFit(), ScuFit()])
+    full = snapshot([node("a0", "ca", used=8), node("b0", "cb", model=SLOW, used=8)])
+    job = gang(workers=2, gpus=4)
+    assert framework.schedule(job, full, submitted_at=NOW, queue_key=(0, NOW, "g")).decision is None
+    shape = full.queued["g"]
+    assert (shape.key, shape.workers, shape.per_worker, shape.work_s) == ((0, NOW, "g"), 2, 4, 1000.0)
+    assert shape.pools.all()
+    full.give_back([("a0", 8)])
+    assert framework.schedule(job, full, submitted_at=NOW, queue_key=(0, NOW, "g")).decision is not None
+    assert "g" not in full.queued and "g" not in full.waiting
 
 
 def test_while_other_jobs_wait_a_single_worker_waits_only_when_the_slower_are_much_slower() -> None:
@@ -362,6 +475,29 @@ def test_waits_under_queue_lets_only_a_single_worker_wait_beyond_the_bound() -> 
     assert not waits_under_queue(1, 299.0, 100.0, 3.0)
     assert not waits_under_queue(2, 10_000.0, 100.0, 3.0)
     assert not waits_under_queue(16, 10_000.0, 100.0, 1.0)
+
+
+def test_a_gang_waits_under_a_queue_only_when_starting_now_takes_the_bound_times_its_wait_plus_run() -> None:
+    assert gang_waits_under_queue(3000.0, 1000.0, 3.0)
+    assert not gang_waits_under_queue(2999.0, 1000.0, 3.0)
+    assert gang_waits_under_queue(1100.0, 1000.0, 1.0)
+    assert not gang_waits_under_queue(1000.0, math.inf, 1.0)
+
+
+def test_without_queue_awareness_a_gang_never_waits_under_a_queue() -> None:
+    nodes = [node("a0", "ca", used=8), node("b0", "cb", model=SLOW)]
+    runs = [running("busy", ("a0", 8), ends_in_s=100.0)]
+    busy = snapshot(nodes, runs, fast_speed=10.0)  # 100 s wait + 100 s on A100 against 1,000 s on T4
+    busy.waiting.add("someone-else")  # queued behind it, shape unknown: nothing ahead of the gang
+    book = WaitBook()
+    aware = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book)])
+    assert aware.schedule(gang(), busy, submitted_at=NOW, queue_key=(0, NOW, "g")).decision is None
+    book.drop("g")
+    again = snapshot(nodes, runs, fast_speed=10.0)
+    again.waiting.add("someone-else")
+    blind = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook(), queue_aware=False)])
+    starts = blind.schedule(gang(), again, submitted_at=NOW, queue_key=(0, NOW, "g"))
+    assert starts.decision is not None and starts.decision.parts[0].gpu_model == SLOW
 
 
 def test_a_job_without_communication_waits_for_faster_gpus_too() -> None:

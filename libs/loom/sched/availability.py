@@ -6,7 +6,9 @@ RunningJob` may carry ``expected_end_s``, the snapshot clock's second at which i
 end (the simulator and the placement service's book fill it from the run's start, steps and
 predicted step). :func:`releases` turns them into one time-ordered list of node releases per pool;
 :func:`expected_wait_s` walks it until a pool's schedulable nodes have room for a gang (whole
-workers per node, as :meth:`Snapshot.room` counts GPUs) plus what jobs queued ahead of it claim.
+workers per node, as :meth:`Snapshot.room` counts GPUs) plus what jobs queued ahead of it claim;
+given the queued jobs ahead of it (``queue``, from :func:`queue_for_pool`), each of them takes its
+room first at each release, and gives it back after its run.
 
 Rules of the estimate, each a plain choice:
 
@@ -21,15 +23,25 @@ preemption plugin keys its table) and reused by every decision of the cycle; a j
 looked up once while its running record stays the same object.
 """
 
+import heapq
 import math
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from loom.sched.snapshot import FloatArray, IntArray, RunningJob, Snapshot
+from loom.sched.snapshot import BoolArray, FloatArray, IntArray, QueuedShape, RunningJob, Snapshot
 
-__all__ = ["Releases", "Reservation", "WaitBook", "expected_wait_s", "releases", "room_at_s"]
+__all__ = [
+    "Releases",
+    "Reservation",
+    "WaitBook",
+    "expected_wait_s",
+    "queue_for_pool",
+    "releases",
+    "room_at_s",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,16 +116,31 @@ def releases(snap: Snapshot) -> Releases:
 
 
 def expected_wait_s(
-    snap: Snapshot, cluster: int, model: int, workers: int, per_worker: int = 1, *, ahead_gpus: int = 0
+    snap: Snapshot,
+    cluster: int,
+    model: int,
+    workers: int,
+    per_worker: int = 1,
+    *,
+    ahead_gpus: int = 0,
+    queue: Sequence[tuple[int, int, float]] = (),
 ) -> float:
     """Seconds from ``snap.now`` until pool (``cluster``, ``model``) has room for ``workers`` workers
     of ``per_worker`` GPUs each (whole workers per node), after ``ahead_gpus`` GPUs have gone to jobs
-    queued ahead; 0 when it has room now, ``inf`` when the known releases never make enough."""
+    waiting ahead (claims), and after the queued jobs ahead, ``queue`` (each its workers, GPUs per
+    worker and run there, in queue order), have taken what fits them: at now and at each release,
+    each of them still unserved takes its room (whole workers per node, nodes in order) where the
+    pool has it, in queue order, before this job looks (as the scheduler's passes go: a job ahead
+    that does not fit leaves the room to the jobs behind it), and gives it back after its run
+    (never, when its run is ``inf``). 0 when it has room now, ``inf`` when the known releases never
+    make enough."""
     per_worker = max(per_worker, 1)
     need = workers + math.ceil(max(ahead_gpus, 0) / per_worker)
     pool = snap.pool(cluster, model)
     schedulable = snap.schedulable[pool]
     free = np.where(schedulable, snap.free[pool], 0).astype(np.int64)
+    if queue:
+        return _wait_behind_queue(snap, (cluster, model), (free, schedulable), (need, per_worker), queue)
     room = int((free // per_worker).sum())
     if room >= need:
         return 0.0
@@ -131,6 +158,104 @@ def expected_wait_s(
         if room >= need:
             return max(float(rel.at_s[k]) - snap.now, 0.0)
     return math.inf
+
+
+def _serve(
+    free: IntArray, pending: list[tuple[int, int, float]], at_s: float, ends: list[tuple[float, int, int]]
+) -> list[tuple[int, int, float]]:
+    """Give each pending job (workers, GPUs per worker, run), in order, its room in ``free`` where
+    it fits whole (taken from ``free``; its nodes' GPUs pushed on the heap ``ends`` as releases at
+    ``at_s`` + its run, when finite); the jobs still pending."""
+    left: list[tuple[int, int, float]] = []
+    for workers, each, run_s in pending:
+        fits = free // each
+        if int(fits.sum()) < workers:
+            left.append((workers, each, run_s))
+            continue
+        take = np.minimum(fits, np.maximum(workers - (np.cumsum(fits) - fits), 0)) * each
+        free -= take
+        if math.isfinite(run_s):
+            for node in np.flatnonzero(take).tolist():
+                heapq.heappush(ends, (at_s + run_s, node, int(take[node])))
+    return left
+
+
+def _wait_behind_queue(
+    snap: Snapshot,
+    where: tuple[int, int],
+    nodes: tuple[IntArray, BoolArray],
+    gang: tuple[int, int],
+    queue: Sequence[tuple[int, int, float]],
+) -> float:
+    """:func:`expected_wait_s` with queued jobs ahead served first at now and at each release:
+    pool ``where`` (cluster, model), its ``nodes`` (free GPUs, schedulable), ``gang`` (workers
+    needed, GPUs per worker)."""
+    cluster, model = where
+    free, schedulable = nodes
+    need, per_worker = gang
+    now = snap.now
+    ends: list[tuple[float, int, int]] = []
+    pending = _serve(free, [(max(w, 1), max(g, 1), r) for w, g, r in queue], now, ends)
+    if int((free // per_worker).sum()) >= need:
+        return 0.0
+    pool = snap.pool(cluster, model)
+    rel = releases(snap)
+    p = cluster * snap.free_sum.shape[1] + model
+    lo, hi = int(rel.start[p]), int(rel.start[p + 1])
+    offset = pool.start
+    events = ends
+    events += [
+        (max(float(rel.at_s[k]), now), int(rel.node[k]) - offset, int(rel.gpus[k]))
+        for k in range(lo, hi)
+        if schedulable[int(rel.node[k]) - offset]
+    ]
+    heapq.heapify(events)
+    total = snap.total[pool]
+    while events:
+        at_s, j, gpus = heapq.heappop(events)
+        free[j] = min(int(free[j]) + gpus, int(total[j]))
+        if events and events[0][0] == at_s:
+            continue  # releases at one instant are seen together
+        if pending:
+            pending = _serve(free, pending, at_s, events)
+        if int((free // per_worker).sum()) >= need:
+            return max(at_s - now, 0.0)
+    return math.inf
+
+
+def queue_for_pool(
+    snap: Snapshot, ahead: Sequence[QueuedShape], cluster: int, model: int
+) -> list[tuple[int, int, float]]:
+    """Of the queued jobs ``ahead`` (in queue order), the ones pool (``cluster``, ``model``) would
+    serve: their rules allow it and no other pool they may use is expected to have room for them
+    sooner (:func:`expected_wait_s`, each alone; a queued job takes the first room it fits, so one
+    with room due elsewhere first does not take this pool's releases); each as (workers, GPUs per
+    worker, its run there: work over the job's speed on the model times the cluster's trust, ``inf``
+    when not known), for ``expected_wait_s(queue=...)``."""
+    served: list[tuple[int, int, float]] = []
+    model_name = snap.models[model]
+    for shape in ahead:
+        if not shape.pools[cluster, model]:
+            continue
+        here = expected_wait_s(snap, cluster, model, shape.workers, shape.per_worker)
+        if not math.isfinite(here):
+            continue  # never room here for it: it takes none of this pool's releases
+        sooner = False
+        if here > 0.0:
+            for c, m in zip(*np.nonzero(shape.pools), strict=True):
+                if (int(c), int(m)) == (cluster, model):
+                    continue
+                if expected_wait_s(snap, int(c), int(m), shape.workers, shape.per_worker) < here:
+                    sooner = True
+                    break
+        if sooner:
+            continue
+        run_s = math.inf
+        if shape.job is not None and math.isfinite(shape.work_s):
+            speed = snap.job_gpu_speed(shape.job, model_name) * float(snap.trust[cluster])
+            run_s = shape.work_s / speed if speed > 0 else math.inf
+        served.append((shape.workers, shape.per_worker, run_s))
+    return served
 
 
 def room_at_s(snap: Snapshot, cluster: int, model: int, at_s: float, per_worker: int = 1) -> int:

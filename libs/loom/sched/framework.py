@@ -29,7 +29,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 from loom.sched import pipeline
-from loom.sched.snapshot import BoolArray, FloatArray, IntArray, Snapshot
+from loom.sched.snapshot import BoolArray, FloatArray, IntArray, QueuedShape, Snapshot
 from loom_proto.jobs import JobSpec, RejectCode, SyncPlan
 
 T = TypeVar("T")
@@ -160,6 +160,9 @@ class CycleState:
     """Clusters allowed by policy (pre-filters), before free capacity pruned any: where preemption looks."""
     submitted_at: float | None = None
     """When the job was submitted (the queue's clock, like ``snapshot.now``); None: not known."""
+    queue_key: tuple[Any, ...] | None = None
+    """The job's key in the framework's queue order (:meth:`Framework.queue_key`; lower first);
+    None: not known (the jobs queued ahead of it are then not known either)."""
     shared: dict[Hashable, Any] | None = None
     """Within :meth:`Framework.schedule_many`: one store shared by every job of the cycle (None
     outside one), for figures a plugin can reuse from job to job of the cycle. What is kept must be
@@ -183,6 +186,13 @@ class CycleState:
     def min_workers(self) -> int:
         """The fewest workers the job can start with (its gang size unless elastic)."""
         return min(self.job.min_workers or self.job.workers, self.job.workers)
+
+    def allowed_pools(self) -> BoolArray:
+        """(cluster, GPU model) pools the job's rules allow (the pre-filters' clusters and models,
+        before free capacity pruned any)."""
+        clusters = self.policy_mask if self.policy_mask is not None else self.cluster_mask
+        models = self.model_mask[: len(self.snapshot.models)]
+        return np.asarray(clusters[:, None] & models[None, :], dtype=np.bool_)
 
     def write(self, key: StateKey[T], value: T) -> None:
         """Store a plugin's per-job state."""
@@ -775,6 +785,13 @@ class Framework:
 
     # ---- queue ---------------------------------------------------------------------------------
 
+    def queue_key(self, item: QueueItem) -> tuple[Any, ...]:
+        """The item's key in the queue order (lower first): the queue-sort plugin's, else
+        priority, then submission, then the job id."""
+        if not self.queue_sort:
+            return (-item.job.priority, item.submitted_at, item.job.job_id)
+        return tuple(self.queue_sort[0].sort_key(item))
+
     def sort(self, items: Iterable[QueueItem]) -> list[QueueItem]:
         """The queue in the order jobs get their cycles."""
         if not self.queue_sort:
@@ -812,6 +829,7 @@ class Framework:
                     snap,
                     avoid_clusters=(avoid or {}).get(job_id, ()),
                     submitted_at=item.submitted_at,
+                    queue_key=self.queue_key(item),
                 )
                 results.append((item, outcome))
                 if placed is not None and outcome.decision is not None:
@@ -850,13 +868,16 @@ class Framework:
         avoid_clusters: Iterable[str] = (),
         apply: bool = True,
         submitted_at: float | None = None,
+        queue_key: tuple[Any, ...] | None = None,
     ) -> Outcome:
         """One scheduling cycle for ``job``; with ``apply`` the snapshot takes the decision's GPUs,
         and its queue (``Snapshot.waiting``) counts the job from when nothing fits it until it is
-        placed or rejected."""
-        outcome = self._schedule_one(job, snap, avoid_clusters, apply, submitted_at)
+        placed or rejected, with its shape and ``queue_key`` (``Snapshot.queued``: the jobs
+        behind it count it ahead of them)."""
+        outcome = self._schedule_one(job, snap, avoid_clusters, apply, submitted_at, queue_key=queue_key)
         if apply and (outcome.decision is not None or outcome.status.code == Code.UNRESOLVABLE):
             snap.waiting.discard(job.job_id)
+            snap.queued.pop(job.job_id, None)
         return outcome
 
     def _schedule_one(  # noqa: PLR0912
@@ -866,8 +887,11 @@ class Framework:
         avoid_clusters: Iterable[str],
         apply: bool,
         submitted_at: float | None,
+        *,
+        queue_key: tuple[Any, ...] | None = None,
     ) -> Outcome:
         state = self.new_state(job, snap, avoid_clusters, submitted_at)
+        state.queue_key = queue_key
         record = DecisionRecord(
             job_id=job.job_id,
             at=snap.now,
@@ -909,6 +933,16 @@ class Framework:
             # spread thus waits exactly as with spanning forbidden; a job held back by a permit's
             # choice while a cluster holds it now (waiting for faster GPUs) is not queued.
             snap.waiting.add(job.job_id)
+            if queue_key is not None:
+                snap.queued[job.job_id] = QueuedShape(
+                    job.job_id,
+                    queue_key,
+                    state.min_workers,
+                    state.per_worker,
+                    state.allowed_pools(),
+                    job,
+                    float(job.work.steps) * float(job.work.step_time_s),
+                )
         if len(candidates) == 0 and job.allow_multi_cluster and job.pipeline is None:
             partial = self.find_candidates(state, min_capacity=1)
             if len(partial):

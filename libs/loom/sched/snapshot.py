@@ -10,6 +10,7 @@ decision so the next job of the same cycle sees the GPUs as used; aggregates are
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -202,6 +203,24 @@ def job_precision(job: HasLabels) -> Precision:
     return "fp16" if is_half_precision(job.labels.get("precision", "")) else "fp32"
 
 
+@dataclass(frozen=True, slots=True)
+class QueuedShape:
+    """A queued job as the jobs behind it see it: its queue key (the framework's queue order, lower
+    first), the workers it starts with and GPUs per worker, the (cluster, GPU model) pools its
+    rules allow (``pools[c, m]``; the free capacity of now not counted), and its work (to time its
+    run where it would start)."""
+
+    job_id: str
+    key: tuple[Any, ...]
+    workers: int
+    per_worker: int
+    pools: BoolArray
+    job: HasLabels | None = None
+    """The job (its speeds per GPU model: :meth:`Snapshot.job_speeds`); None: its run is not known."""
+    work_s: float = math.inf
+    """Its steps x reference step time: a run of ``work_s / speed`` on GPUs of that speed."""
+
+
 class Snapshot:
     """Nodes as arrays sorted by cluster, their clusters, what runs where, the network and prices."""
 
@@ -230,6 +249,10 @@ class Snapshot:
         """The queue: jobs decided at least once and neither placed nor rejected since (kept by
         :meth:`~loom.sched.framework.Framework.schedule`; the caller removes jobs that leave the
         queue otherwise). What the plugins that price a queue read (:meth:`waiting_count`)."""
+        self.queued: dict[str, QueuedShape] = {}
+        """Job id -> what a queued job needs and may use, in queue order (:class:`QueuedShape`),
+        recorded by the framework when nothing fits the job; read only for jobs still in
+        :attr:`waiting` (an entry may outlive its job's place in the queue: :meth:`queue_ahead`)."""
         self.staged: dict[str, dict[str, float]] = {}
         """Job id -> region -> when a copy of its dataset begun while it queued is there (the data
         plugin counts only what is left of it: :mod:`loom.sched.staging`). Kept by the caller."""
@@ -417,6 +440,27 @@ class Snapshot:
     def waiting_count(self, exclude: str = "") -> int:
         """Jobs in the queue (:attr:`waiting`) other than ``exclude``."""
         return len(self.waiting) - (exclude in self.waiting)
+
+    def queue_ahead(self, key: tuple[Any, ...], job_id: str) -> list["QueuedShape"]:
+        """The queued jobs (:attr:`waiting`, with a :attr:`queued` shape) whose queue key comes
+        before ``key``, in queue order (not the job ``job_id`` itself). Keys of another order (a
+        different tuple shape) never compare: such entries count as not ahead. Forgets entries
+        whose job left the queue."""
+        queued = self.queued
+        if len(queued) > 2 * len(self.waiting) + 64:
+            for stale in [j for j in queued if j not in self.waiting]:
+                del queued[stale]
+        ahead: list[QueuedShape] = []
+        for other, shape in queued.items():
+            if other == job_id or other not in self.waiting:
+                continue
+            try:
+                if shape.key < key:
+                    ahead.append(shape)
+            except TypeError:
+                continue
+        ahead.sort(key=lambda s: s.key)
+        return ahead
 
     def take(
         self,

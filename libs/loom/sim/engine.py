@@ -123,7 +123,7 @@ from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s
 from loom.sched.quota import OPEN, QuotaBook
-from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob, Snapshot
+from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, QueuedShape, RunningJob, Snapshot
 from loom.sched.staging import staging_plan
 from loom.sim.migration import MigrationPolicy, Migrator
 from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob, SimResult, Trace
@@ -785,6 +785,16 @@ class _Simulation:
                         # The skipped decision would have found nothing fits: the job is queued as
                         # the framework counts the queue (Snapshot.waiting), as placement's is.
                         self.snap.waiting.add(job.spec.job_id)
+                        spec = job.spec
+                        self.snap.queued[spec.job_id] = QueuedShape(
+                            spec.job_id,
+                            job.key,
+                            min(spec.min_workers or spec.workers, spec.workers),
+                            shape.per_worker,
+                            shape.pools,
+                            spec,
+                            float(spec.work.steps) * float(spec.work.step_time_s),
+                        )
                         self._stage(job)
                     self._wait(job)
                     continue
@@ -910,6 +920,7 @@ class _Simulation:
         job.record.rejected = reason
         job.done = True
         self.snap.waiting.discard(job.spec.job_id)
+        self.snap.queued.pop(job.spec.job_id, None)
         for child in job.children:
             kid = self.jobs[child]
             if not kid.done:

@@ -124,13 +124,13 @@ class FrameworkPolicy:
     def decide_one(self, item: QueueItem, snap: Snapshot) -> Outcome:
         """One job's cycle: what :meth:`decide` does for a one-job queue whose job holds no GPUs,
         without the per-call set of running job ids (the simulator never offers a running job)."""
-        return self.framework.schedule(item.job, snap, submitted_at=item.submitted_at)
+        return self.framework.schedule(
+            item.job, snap, submitted_at=item.submitted_at, queue_key=self.framework.queue_key(item)
+        )
 
     def sort_key(self, item: QueueItem) -> tuple[Any, ...]:
         """The queue order of the framework (lower first)."""
-        if self.framework.queue_sort:
-            return tuple(self.framework.queue_sort[0].sort_key(item))
-        return (-item.job.priority, item.submitted_at, item.job.job_id)
+        return self.framework.queue_key(item)
 
     def admit(self, job: SimJob) -> JobSpec:
         """The spec this policy schedules for a trace job (unchanged unless the policy adds rules)."""

@@ -18,6 +18,7 @@ cycle as region x region arrays (:func:`region_links`) and price, per candidate:
 The step-time model is plain functions so the simulator predicts with the same numbers.
 """
 
+import dataclasses
 import math
 import weakref
 from collections.abc import Mapping, Sequence
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from loom.net.linkstate import CostWeights
-from loom.sched.availability import MIN_RESERVATION_S, Reservation, WaitBook, expected_wait_s
+from loom.sched.availability import MIN_RESERVATION_S, Reservation, WaitBook, expected_wait_s, queue_for_pool
 from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, Decision, StateKey, Status
 from loom.sched.plugins.compute import delivered_speed, speed_key
 from loom.sched.plugins.data import data_delay_s, data_key, data_placement
@@ -631,28 +632,49 @@ WAIT_MARGIN = 0.1
 """Waiting must promise to finish at least this share sooner than starting now."""
 
 QUEUE_SLOWDOWN = 3.0
-"""While other jobs wait, a job waits for faster GPUs only when the slower would take at least this
-many times as long to run (see :class:`SpanGuard`)."""
+"""While other jobs wait, a single worker waits for faster GPUs only when the slower would take at
+least this many times as long to run, and a gang only when starting now would take at least this
+many times as long as its wait behind the queue plus its run there (see :class:`SpanGuard`)."""
 
 
 def waits_under_queue(workers: int, run_now_s: float, run_better_s: float, queue_slowdown: float) -> bool:
-    """Whether a job in one cluster may still wait for faster GPUs while other jobs wait (the
-    snapshot's queue): only a single worker, and only when the slower GPUs would take at least
-    ``queue_slowdown`` times as long. A gang (more than one worker) starts on the GPUs it has.
+    """Whether a single worker in one cluster may still wait for faster GPUs while other jobs wait
+    (the snapshot's queue): only when the slower GPUs would take at least ``queue_slowdown`` times
+    as long. A gang (more than one worker) is judged by :func:`gang_waits_under_queue` instead,
+    with its queue-aware wait; here it never waits (as with ``SpanGuard(queue_aware=False)``, or
+    when its queue order is not known).
 
-    Why a gang never waits under a queue: its room in the faster pool must come whole, from several
-    releases (its expected wait is the last of them), and nothing keeps the GPUs of the earlier
-    releases for it (no reservation: the opt-in backfill plugin, which keeps them, loses), so they
-    go to the queue's jobs ahead of it in order (under shortest-first, jobs queued after it too) and
-    to smaller jobs behind it that fit. Measured on ``loom bench contention`` ``small3`` net at
-    loads 1.0 and 1.2 (seeds 1-3, 108 gangs held back): predicted wait 251 s on average, actual 686
-    s, and 28 % never got the pool they waited for; meanwhile the slower GPUs they declined stayed
-    idle (nothing in the queue fits them: that is what being queued means). A single worker needs
-    one release, which its expected wait prices (the Philly-like trace's long single jobs).
+    A single worker needs one release, which its expected wait prices (the Philly-like trace's long
+    single jobs). Letting single workers use the gang's queue-aware rule instead was measured (grid
+    seeds 0-4, small and medium, loads 0.8-1.2): overall margins within -0.5..+2.8 points of this
+    rule, but the network class on small/1.2/philly fell from -5.4 % to -12.0 %: not taken.
     """
     if workers > 1:
         return False
     return run_now_s >= queue_slowdown * run_better_s
+
+
+def gang_waits_under_queue(busy_now_s: float, completion_behind_s: float, queue_slowdown: float) -> bool:
+    """Whether a gang in one cluster may wait for faster GPUs while other jobs wait: when starting
+    now would take at least ``queue_slowdown`` times as long as waiting behind the queue and then
+    running there (``completion_behind_s``: the pool's expected wait once the queued jobs ahead of
+    the gang have taken their room, :func:`behind_queue`, plus the run there).
+
+    Why a wait behind a queue, and why by that factor: the gang's room in the faster pool must come
+    whole, from several releases, and nothing keeps the earlier ones for it (no reservation: the
+    opt-in backfill plugin, which keeps them, loses), so they go to the queue's jobs ahead of it
+    (measured on ``loom bench contention`` ``small3`` net at loads 1.0 and 1.2, seeds 1-3, 108
+    gangs held back when the wait left the queue out: predicted wait 251 s on average, actual 686
+    s, 28 % never got the pool). The queue-aware wait counts the jobs ahead; the factor covers what
+    it still cannot see (jobs behind that fit a partial release, arrivals that the queue order puts
+    ahead). Chosen on grid seeds 0-4 and contention seeds 1-3 (margins against greedy_compute,
+    gavel_like and first_fit): with the plain margin (wait plus run 10 % sooner) the contention
+    bench lost 2.8 points on average (-27 on small3/net/0.5), with 2x 0.7, with 3x it gained 0.2
+    (worst cell -4.6, wide6/net/1.0) and kept most of the grid's gain. Held out (contention seeds
+    4-6): -0.5 points on average, -5.6 at worst (wide6/mix/0.8); grid seeds 5-9 in the plugins
+    README.
+    """
+    return busy_now_s >= queue_slowdown * completion_behind_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -709,11 +731,7 @@ def single_cluster_options(
     if placement is not None:
         data = data_delay_s(run, placement.sync_s[snap.cluster_region[c_idx]], placement.start)
     busy = run + data
-    claims: dict[tuple[str, str], int] = {}
-    if book is not None:
-        for claim in book.ahead(job.priority, state.submitted_at, job.job_id):
-            key = (claim.cluster, claim.gpu_model)
-            claims[key] = claims.get(key, 0) + claim.gpus
+    claims = claimed_ahead(state, book)
     options: list[PoolOption] = []
     best = math.inf
     for k in np.argsort(busy, kind="stable").tolist():
@@ -727,6 +745,54 @@ def single_cluster_options(
         best = min(best, option.completion_s)
     options.sort(key=lambda o: (o.completion_s, o.busy_s))
     return options
+
+
+def claimed_ahead(state: CycleState, book: WaitBook | None) -> dict[tuple[str, str], int]:
+    """GPUs claimed in ``book`` by jobs ahead of this one in queue order, per (cluster id, GPU
+    model)."""
+    claims: dict[tuple[str, str], int] = {}
+    if book is not None:
+        job = state.job
+        for held in book.ahead(job.priority, state.submitted_at, job.job_id):
+            key = (held.cluster, held.gpu_model)
+            claims[key] = claims.get(key, 0) + held.gpus
+    return claims
+
+
+MAX_QUEUE_AHEAD = 64
+"""At most this many queued jobs ahead are served before a gang in its queue-aware wait (the
+first in queue order; the rest would come after any room a wait worth taking finds)."""
+
+
+def behind_queue(
+    state: CycleState, options: Sequence[PoolOption], workers: int, book: WaitBook | None
+) -> PoolOption | None:
+    """The option that ends soonest when each pool's wait also lets the queued jobs ahead of this
+    one (``Snapshot.queue_ahead`` by its ``queue_key``; the ones with a claim in ``book`` are
+    counted as claims) take their room first where their rules allow the pool
+    (:func:`~loom.sched.availability.expected_wait_s` with ``queue``); None without options.
+    ``options`` sorted by completion (:func:`single_cluster_options`): a queue only lengthens a
+    wait, so the walk stops at the first option whose wait without it cannot beat the best."""
+    snap, job = state.snapshot, state.job
+    ahead = snap.queue_ahead(state.queue_key, job.job_id) if state.queue_key is not None else []
+    if book is not None and book.claims:
+        ahead = [a for a in ahead if a.job_id not in book.claims]
+    ahead = ahead[:MAX_QUEUE_AHEAD]
+    claims = claimed_ahead(state, book)
+    best: PoolOption | None = None
+    for option in options:
+        if best is not None and option.completion_s >= best.completion_s:
+            break
+        c, m = option.cluster, option.model
+        queue = queue_for_pool(snap, ahead, c, m)
+        seen = option
+        if queue:
+            ahead_gpus = claims.get((snap.clusters[c].id, snap.models[m]), 0)
+            wait = expected_wait_s(snap, c, m, workers, state.per_worker, ahead_gpus=ahead_gpus, queue=queue)
+            seen = dataclasses.replace(option, wait_s=wait)
+        if best is None or seen.completion_s < best.completion_s:
+            best = seen
+    return best
 
 
 def claim(state: CycleState, book: WaitBook, option: PoolOption, workers: int) -> None:
@@ -782,8 +848,15 @@ class SpanGuard:
       wait plus run beats the run now by ``margin``, and never longer in all than the slower start
       would lose, ``steps x (step_now - step_better)`` since submission (ski rental: at most twice
       the better of the two). While other jobs wait (the snapshot's queue), a gang (more than one
-      worker) never waits (:func:`waits_under_queue`: its room must come whole, and the queue takes
-      each release first), and a single worker only when the slower
+      worker) waits only when starting now would take at least ``queue_slowdown`` times as long as
+      its wait behind the queue plus its run there (:func:`gang_waits_under_queue`): the wait lets
+      the queued jobs ahead of it in queue order (``Snapshot.queue_ahead``, by the cycle's
+      ``queue_key``; each counted on the pool where its own room comes first) take their room from
+      each release before it (:func:`behind_queue`, which passes them to
+      :func:`~loom.sched.availability.expected_wait_s` as ``queue``), as its room must come whole
+      and nothing keeps the earlier releases for it. Without a queue order (``queue_key`` None)
+      or with ``queue_aware`` False, a gang never waits under a queue. A single worker waits only
+      when the slower
       GPUs would also take at least ``queue_slowdown`` times as long: a moderately slower start
       costs the platform nothing then (the GPUs left free are taken by the jobs waiting, and a
       reference-GPU second is the same on either), but a long job on GPUs several times slower
@@ -820,6 +893,7 @@ class SpanGuard:
         gpu_hours_bound: float = SPAN_GPU_HOURS_BOUND,
         margin: float = WAIT_MARGIN,
         queue_slowdown: float = QUEUE_SLOWDOWN,
+        queue_aware: bool = True,
     ) -> None:
         if not gpu_hours_bound >= 1.0:
             raise ValueError(f"gpu_hours_bound must be at least 1, got {gpu_hours_bound}")
@@ -833,6 +907,9 @@ class SpanGuard:
         if not queue_slowdown >= 1.0:
             raise ValueError(f"queue_slowdown must be at least 1, got {queue_slowdown}")
         self.queue_slowdown = queue_slowdown
+        self.queue_aware = queue_aware
+        """False: a gang never waits for faster GPUs under a queue (the rule before the
+        queue-aware wait; kept to measure one against the other)."""
 
     def pre_filter(self, state: CycleState) -> Status:
         """UNRESOLVABLE (``span_inflation``) for a gang that may span clusters, that no allowed
@@ -913,10 +990,11 @@ class SpanGuard:
             return Status()
         if best.completion_s + MIN_WAIT_S > (1.0 - self.margin) * busy_now:
             return Status()
-        if snap.waiting_count(exclude=job.job_id) > 0 and not waits_under_queue(
-            decision.workers, busy_now, best.busy_s, self.queue_slowdown
-        ):
-            return Status()  # a queue: a gang never waits, a worker only beyond queue_slowdown x (docstring)
+        if snap.waiting_count(exclude=job.job_id) > 0:
+            queued = self._under_queue(state, decision.workers, options, busy_now)
+            if queued is None:
+                return Status()  # a queue: waiting would not pay by queue_slowdown x (docstring)
+            best = queued
         waited = _waited_s(state)
         if waited >= busy_now - best.busy_s:
             return Status()
@@ -932,6 +1010,25 @@ class SpanGuard:
             f" {best.completion_s:.0f} s from now; waiting for {why}",
             wait_s=best.wait_s,
         )
+
+    def _under_queue(
+        self, state: CycleState, workers: int, options: Sequence[PoolOption], busy_now: float
+    ) -> PoolOption | None:
+        """While other jobs wait: the option to wait for, or None (start now). A single worker
+        keeps the best option when the slower GPUs take ``queue_slowdown`` x as long
+        (:func:`waits_under_queue`); a gang, the best option behind the queue ahead of it when it
+        pays by ``queue_slowdown`` x (:func:`behind_queue`, :func:`gang_waits_under_queue`)."""
+        best = options[0]
+        if workers == 1:
+            return best if waits_under_queue(workers, busy_now, best.busy_s, self.queue_slowdown) else None
+        if not self.queue_aware or state.queue_key is None:
+            return None
+        behind = behind_queue(state, options, workers, self.book)
+        if behind is None or behind.busy_s >= busy_now:
+            return None
+        if behind.wait_s < MIN_WAIT_S and _holds_now(state, behind.cluster, behind.model, workers):
+            return None  # room now behind the queue too: the scores chose the slower GPUs
+        return behind if gang_waits_under_queue(busy_now, behind.completion_s, self.queue_slowdown) else None
 
     def _spread(
         self,
