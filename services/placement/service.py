@@ -1667,11 +1667,12 @@ class PlacementService:
                     except BaseException:
                         self.capacity_changed = self.capacity_changed or changed  # not seen yet
                         raise
+                    # What a failed publish left goes out with the relay's next round, soon.
+                    self.relay.kick()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("requeue cycle failed", error=repr(exc))
-            self.relay.kick()
 
     async def _requeue_cycle(self, *, everyone: bool = False) -> None:
         """A cycle over the queued jobs whose backoff ended; after capacity changed (``everyone``),
