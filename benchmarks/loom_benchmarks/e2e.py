@@ -267,14 +267,19 @@ def path_breakdown(
     then placement's steps to ``decided``, ``decided_to_committed`` (the batch before it ending,
     the write, the commit), ``committed_to_sent`` (the book, the relay), ``sent_to_observed``
     (NATS to the bench); ``ack`` is the client's publish until JetStream's ack (beside the path).
-    ``order`` lists the stamps as they came."""
+    ``order`` lists the stamps as they came; ``missing`` counts the jobs left out for want of a
+    stamp (``sent`` when a relay round, not the fast path after the commit, published the job's
+    events; any when placement no longer kept the job or did not answer)."""
+    missing = {
+        k: n for k in PATH if (n := sum(1 for job_id in latency_ms if not (timings.get(job_id) or {}).get(k)))
+    }
     complete = {
         job_id: stamps
         for job_id, stamps in timings.items()
         if job_id in client and job_id in placed and all(stamps.get(k) for k in PATH)
     }
     if not complete:
-        return {"jobs": 0}
+        return {"jobs": 0, "missing": missing}
     order = sorted(PATH, key=lambda k: statistics.fmean(s[k] - s["stored"] for s in complete.values()))
     names = ["publish_to_stored", *(f"{a}_to_{b}" for a, b in itertools.pairwise(order)), "sent_to_observed"]
     rows: dict[str, dict[str, float]] = {}
@@ -295,7 +300,7 @@ def path_breakdown(
             "max": round(max(values), 2),
             "tail": round(statistics.fmean(rows[j][name] for j in tail), 2),
         }
-    return {"jobs": len(rows), "tail_jobs": len(tail), "order": order, "ms": segments}
+    return {"jobs": len(rows), "tail_jobs": len(tail), "order": order, "missing": missing, "ms": segments}
 
 
 async def _pipeline_stats(client: LoomClient, names: list[str]) -> dict[str, dict[str, Any]]:

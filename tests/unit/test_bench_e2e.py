@@ -3,7 +3,7 @@ and where a paced job's time went (its path through placement)."""
 
 import os
 
-from loom_benchmarks.e2e import neighbours_pct, non_placement_pct, path_breakdown, stack_groups
+from loom_benchmarks.e2e import PATH, neighbours_pct, non_placement_pct, path_breakdown, stack_groups
 
 
 def test_stack_groups_name_every_process_and_put_the_parents_last() -> None:
@@ -89,6 +89,7 @@ def test_path_breakdown_splits_each_jobs_latency_into_segments_in_the_order_the_
     timings["paced-x"] = {"stored": 1.0}  # incomplete: left out
     out = path_breakdown(latency, client, placed, timings)
     assert out["jobs"] == 100
+    assert out["missing"] == {}
     assert out["order"] == order
     ms = out["ms"]
     assert list(ms) == [
@@ -116,4 +117,6 @@ def test_path_breakdown_splits_each_jobs_latency_into_segments_in_the_order_the_
 
 
 def test_path_breakdown_without_any_complete_job_says_so() -> None:
-    assert path_breakdown({}, {}, {}, {"paced-0": {"stored": 1.0}}) == {"jobs": 0}
+    latency = {"paced-0": 5.0}
+    out = path_breakdown(latency, {"paced-0": (1.0, 1.001)}, {"paced-0": 1.005}, {"paced-0": {"stored": 1.0}})
+    assert out == {"jobs": 0, "missing": dict.fromkeys(PATH[1:], 1)}
