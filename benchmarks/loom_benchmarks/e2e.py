@@ -18,6 +18,7 @@ in the same stack, and Loom's rate as a share of it.
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -115,6 +116,9 @@ class _Run:
         self.expected: dict[str, int] = {}
         self.seen: dict[str, int] = {}
         self.waiter: dict[str, asyncio.Event] = {}
+        self.wall: dict[str, tuple[float, float]] = {}
+        """Paced submissions one by one: wall-clock seconds sent and acked (:func:`path_breakdown`)."""
+        self.placed_wall: dict[str, float] = {}
 
     def expect(self, prefix: str, count: int) -> asyncio.Event:
         self.expected[prefix] = count
@@ -125,20 +129,24 @@ class _Run:
 
     async def on_placed(self, msg: Any) -> None:
         now = time.perf_counter()
+        wall = time.time()
         # Only the job id: the bench client's own CPU counts in the figures, and the placed
         # events are placement's (decoded strictly by every consumer that acts on them).
         job_id = _PLACED_ID.decode(msg.data).job_id
         if job_id in self.placed:
             return
         self.placed[job_id] = now
+        self.placed_wall[job_id] = wall
         prefix = job_id.split("-", 1)[0]
         self.seen[prefix] = self.seen.get(prefix, 0) + 1
         if self.seen[prefix] == self.expected.get(prefix) and prefix in self.waiter:
             self.waiter[prefix].set()
 
     async def submit_loom(self, spec: JobSpec) -> None:
+        sent = time.time()
         self.sent[spec.job_id] = time.perf_counter()
         await self.client.submit(spec)
+        self.wall[spec.job_id] = (sent, time.time())
 
     async def submit_baseline(self, spec: JobSpec) -> None:
         # The same record and the same publish call as LoomClient.submit, on the baseline's subject.
@@ -212,12 +220,87 @@ class _Run:
                 await asyncio.sleep(delay)
             await submit(_job(prefix, i, self.regions))
         await asyncio.wait_for(done.wait(), timeout=max(60.0, jobs / 5))
-        lat = [(self.placed[f"{prefix}-{i}"] - self.sent[f"{prefix}-{i}"]) * 1000 for i in range(jobs)]
+        by_job = {
+            f"{prefix}-{i}": (self.placed[f"{prefix}-{i}"] - self.sent[f"{prefix}-{i}"]) * 1000
+            for i in range(jobs)
+        }
+        lat = list(by_job.values())
         return {
             "latency_ms_p50": round(_percentile(lat, 50), 2),
             "latency_ms_p99": round(_percentile(lat, 99), 2),
             "latency_ms_mean": round(statistics.fmean(lat), 2),
+            "by_job": by_job,
         }
+
+
+PATH = ("stored", "received", "handled", "admitted", "cycle", "decided", "committed", "sent")
+"""Placement's stamps of a job's path (its ``job_timings`` debug section)."""
+
+
+async def _job_timings(client: LoomClient, names: list[str], prefix: str) -> dict[str, dict[str, float]]:
+    """Each placement instance's kept path of the jobs whose id starts with ``prefix``."""
+    out: dict[str, dict[str, float]] = {}
+    for name in names:
+        try:
+            reply = await client.nc.request(
+                subjects.service_health(name), f"job_timings:{prefix}".encode(), timeout=5.0
+            )
+        except Exception:  # an instance that does not answer has nothing to report
+            continue
+        out.update(json.loads(reply.data).get("job_timings") or {})
+    return out
+
+
+def path_breakdown(
+    latency_ms: dict[str, float],
+    client: dict[str, tuple[float, float]],
+    placed: dict[str, float],
+    timings: dict[str, dict[str, float]],
+) -> dict[str, Any]:
+    """Where each job's submit -> placed time went, from the client's clock and placement's stamps
+    (one host, one wall clock): per segment p50, p99 and max, and the mean of each over the jobs
+    at or above the latency p99 (``tail``). A segment runs from one stamp to the next, the stamps
+    in the order they happen (:data:`PATH`; a placement that stamps ``cycle``, the lock taken,
+    before ``admitted`` gives ``handled_to_cycle``, ``cycle_to_admitted``, ``admitted_to_decided``):
+    ``publish_to_stored`` (the client's publish until JetStream stored it), ``stored_to_received``
+    (delivered to placement's consumer), ``received_to_handled`` (waiting for a pipeline slot),
+    then placement's steps to ``decided``, ``decided_to_committed`` (the batch before it ending,
+    the write, the commit), ``committed_to_sent`` (the book, the relay), ``sent_to_observed``
+    (NATS to the bench); ``ack`` is the client's publish until JetStream's ack (beside the path).
+    ``order`` lists the stamps as they came; ``missing`` counts the jobs left out for want of a
+    stamp (``sent`` when a relay round, not the fast path after the commit, published the job's
+    events; any when placement no longer kept the job or did not answer)."""
+    missing = {
+        k: n for k in PATH if (n := sum(1 for job_id in latency_ms if not (timings.get(job_id) or {}).get(k)))
+    }
+    complete = {
+        job_id: stamps
+        for job_id, stamps in timings.items()
+        if job_id in client and job_id in placed and all(stamps.get(k) for k in PATH)
+    }
+    if not complete:
+        return {"jobs": 0, "missing": missing}
+    order = sorted(PATH, key=lambda k: statistics.fmean(s[k] - s["stored"] for s in complete.values()))
+    names = ["publish_to_stored", *(f"{a}_to_{b}" for a, b in itertools.pairwise(order)), "sent_to_observed"]
+    rows: dict[str, dict[str, float]] = {}
+    for job_id, stamps in complete.items():
+        sent, acked = client[job_id]
+        points = [sent, *(stamps[k] for k in order), placed[job_id]]
+        row = {n: (b - a) * 1000 for n, (a, b) in zip(names, itertools.pairwise(points), strict=True)}
+        row["ack"] = (acked - sent) * 1000
+        rows[job_id] = row
+    cut = _percentile([latency_ms[j] for j in rows], 99)
+    tail = [j for j in rows if latency_ms[j] >= cut]
+    segments = {}
+    for name in [*names, "ack"]:
+        values = [row[name] for row in rows.values()]
+        segments[name] = {
+            "p50": round(_percentile(values, 50), 2),
+            "p99": round(_percentile(values, 99), 2),
+            "max": round(max(values), 2),
+            "tail": round(statistics.fmean(rows[j][name] for j in tail), 2),
+        }
+    return {"jobs": len(rows), "tail_jobs": len(tail), "order": order, "missing": missing, "ms": segments}
 
 
 async def _pipeline_stats(client: LoomClient, names: list[str]) -> dict[str, dict[str, Any]]:
@@ -304,6 +387,7 @@ async def _paced_phase(
     await asyncio.sleep(PACED_SETTLE_S)
     stats0 = await _pipeline_stats(client, placement)
     paced = await run.paced("paced", paced_jobs, rate, run.submit_loom)
+    timings = await _job_timings(client, placement, "paced-")
     return {
         "settle_s": settle_s,
         "paced_rate_per_s": rate,
@@ -312,6 +396,7 @@ async def _paced_phase(
         "paced_latency_ms_p99": paced["latency_ms_p99"],
         "paced_latency_ms_mean": paced["latency_ms_mean"],
         "placement_phases_paced": phases_between(stats0, await _pipeline_stats(client, placement)),
+        "paced_path": path_breakdown(paced["by_job"], run.wall, run.placed_wall, timings),
     }
 
 

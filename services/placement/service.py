@@ -55,6 +55,7 @@ import json
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -186,6 +187,10 @@ LOAD_WAIT_S = 10.0
 drains anyway (a load that fails or outlasts this is not waited for longer: the reminder heals)."""
 
 
+JOB_TIMINGS_KEPT = 4096
+"""Admitted jobs whose path placement keeps for the ``job_timings`` debug section (``loom bench e2e``)."""
+
+
 def decide_slice(
     jobs: int, per_job_ms: float | None, budget_ms: float, minimum: int = MIN_DECIDE_SLICE
 ) -> int:
@@ -310,6 +315,10 @@ class PlacementService:
         self.stats["pipeline"] = {"batches": 0, "overlapped": 0, "discarded": 0, "ms": {}}
         self.phases = Phases(self.stats["pipeline"]["ms"])
         """Where a submission batch's time goes (``loom bench e2e`` reports it)."""
+        self.job_timings: deque[tuple[str, float, float, dict[str, float]]] = deque(maxlen=JOB_TIMINGS_KEPT)
+        """The path of the last admitted jobs: (job id, stored in the stream, received by the
+        consumer, its batch's stamps), wall-clock seconds; the ``job_timings`` debug section."""
+        ctx.debug["job_timings"] = self.job_timings_of
         self.stats.update(
             {
                 "placed": 0,
@@ -772,6 +781,7 @@ class PlacementService:
 
     async def on_submitted(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
         """Validate a batch of submissions, then admit and place the valid ones in one transaction."""
+        handled_at = time.time()
         outcomes: list[BaseException | None] = [None] * len(deliveries)
         accepted: list[tuple[Delivery[bytes], JobSubmitted]] = []
         for i, d in enumerate(deliveries):
@@ -810,7 +820,7 @@ class PlacementService:
         for start in range(0, len(accepted), size):
             part = accepted[start : start + size]
             try:
-                await self._retrying(functools.partial(self._admit, part), locked=False)
+                await self._retrying(functools.partial(self._admit, part, handled_at), locked=False)
             except Exception as exc:
                 for d, _ in part:
                     outcomes[deliveries.index(d)] = exc
@@ -835,7 +845,9 @@ class PlacementService:
         self.stats["rejected"] += 1
         return None
 
-    async def _admit(self, accepted: list[tuple[Delivery[bytes], JobSubmitted]]) -> None:
+    async def _admit(
+        self, accepted: list[tuple[Delivery[bytes], JobSubmitted]], handled_at: float = 0.0
+    ) -> None:
         """One batch of submissions in one transaction: claim, insert, decide, write, commit.
 
         Pipelined (:class:`_Batch`): the in-memory lock is held from the start until the cycle has
@@ -845,8 +857,14 @@ class PlacementService:
         writes and commits. A batch writes its decisions only once the batch decided before it
         has ended (so batches commit in the order they decided), and is rolled back (its messages
         naked by the consumer) when that one failed.
+
+        ``handled_at``: when the consumer handed the batch over; it and the batch's later stamps
+        (``cycle``: the lock taken, ``admitted``: claimed and inserted, ``decided``,
+        ``committed``, ``sent``: its messages handed to NATS) go to :attr:`job_timings` for every
+        job of a batch that committed.
         """
         batch: _Batch | None = None
+        stamps = {"handled": handled_at}
         phases = self.phases
         t = time.perf_counter()
         with contextlib.suppress(AttributeError, TypeError):  # how long the oldest waited in the stream
@@ -854,10 +872,12 @@ class PlacementService:
             phases.add("stream_to_handler", time.time() - oldest)
         await self.lock.acquire()
         t = phases.since("lock_wait", t)
+        stamps["cycle"] = time.time()
         locked = True
 
         def decided(applied: "Applied", considered: list[QueuedJob]) -> None:
             nonlocal batch, locked
+            stamps["decided"] = time.time()
             batch = self._open_batch(applied, considered)
             if locked and applied.pipelinable:
                 self.lock.release()
@@ -868,9 +888,10 @@ class PlacementService:
             # jobs itself (they wait in its own consumer).
             accepted = [(d, job) for d, job in accepted if self._routed_here(job)]
             if accepted:
-                await self._admit_batch(accepted, decided, lambda: self._turn(batch))
+                await self._admit_batch(accepted, decided, lambda: self._turn(batch), stamps)
                 if batch is not None:
                     self._close_batch(batch, ok=True)
+                self._note_timings(accepted, stamps)
         except BaseException:
             if batch is not None:
                 self._fail_batch(batch)
@@ -884,69 +905,20 @@ class PlacementService:
         accepted: list[tuple[Delivery[bytes], JobSubmitted]],
         decided: Callable[["Applied", list[QueuedJob]], None],
         turn: Callable[[], Awaitable[None]],
+        stamps: dict[str, float],
     ) -> None:
         now = time.time()
-        queued_children: list[QueuedJob] = []
         phases = self.phases
         t = time.perf_counter()
         async with self._tx() as conn:
             t = phases.since("begin", t)
-            msg_ids = [d.msg_id or f"JOBS-{d.stream_seq}" for d, _ in accepted]
-            fresh = await inbox.claim_many(conn, PRODUCER, msg_ids)
-            candidates: list[QueuedJob] = []
-            dup_rejects: list[outbox.OutboxMessage] = []
-            new_rows: list[repo.NewJob] = []
-            for (d, submitted), msg_id in zip(accepted, msg_ids, strict=True):
-                if msg_id not in fresh:
-                    continue  # handled before: its decision and messages are already durable
-                job = (
-                    submitted
-                    if submitted.submitted_at
-                    else msgspec.structs.replace(submitted, submitted_at=now)
-                )
-                carrier: dict[str, str] = {}
-                propagate.inject(carrier, context=d.context)
-                state = "running" if job.stages else "queued"
-                new_rows.append(
-                    repo.NewJob(
-                        job.job_id,
-                        job.tenant,
-                        encode(job),
-                        job.submitted_at,
-                        carrier,
-                        state,
-                        None,
-                        job.priority,
-                    )
-                )
-                candidates.append(QueuedJob(job, carrier))
-            # With each new job's submitted event.
-            inserted = await repo.insert_jobs(conn, new_rows, submitted_events=True)
-            admitted: list[QueuedJob] = []
-            for q in candidates:
-                if q.job.job_id in inserted:
-                    admitted.append(q)
-                else:
-                    reason = f"job id {q.job.job_id!r} was already submitted; choose a new job id"
-                    dup_rejects.append(
-                        outbox.message(
-                            subjects.job_event("rejected", q.job.tenant),
-                            rejection(q.job.job_id, q.job.tenant, "duplicate", reason),
-                            f"{q.job.job_id}:rejected:duplicate:{hash_carrier(q)}",
-                            context=q.context,
-                        )
-                    )
-            plain = [q for q in admitted if not q.job.stages]
-            for q in admitted:
-                if q.job.stages:
-                    queued_children += await self._expand_dag(conn, q)
-            await outbox.add(conn, PRODUCER, dup_rejects)
-            fresh_jobs = plain + queued_children
+            fresh_jobs, dup_rejects = await self._insert_batch(conn, accepted, now)
+            t = phases.since("admit", t)
+            stamps["admitted"] = time.time()
             # One cycle over the new jobs and the queued ones whose backoff ended, in queue order
             # (a newcomer does not jump a waiting job of higher priority).
             due = self._due(besides=[q.job.job_id for q in fresh_jobs])
             considered = fresh_jobs + due
-            t = phases.since("admit", t)
 
             def on_decided(applied: Applied) -> None:
                 nonlocal t
@@ -969,10 +941,69 @@ class PlacementService:
             )
             t = phases.since("write", t)
         t = phases.since("commit", t)
+        stamps["committed"] = time.time()
         self._commit(applied, considered)
-        self._send(dup_rejects + applied.messages)
+        self._send(dup_rejects + applied.messages, lambda: stamps.__setitem__("sent", time.time()))
         phases.since("adopt", t)
         phases.add("jobs", len(considered))
+
+    async def _insert_batch(
+        self, conn: asyncpg.Connection, accepted: list[tuple[Delivery[bytes], JobSubmitted]], now: float
+    ) -> tuple[list[QueuedJob], list[outbox.OutboxMessage]]:
+        """A batch's admission in its transaction (no in-memory state read or changed): claim the
+        messages, insert the new jobs with their submitted events and a DAG's stages. Returns the
+        jobs to decide (new plain jobs, ready stages) and the rejections of duplicate job ids."""
+        queued_children: list[QueuedJob] = []
+        msg_ids = [d.msg_id or f"JOBS-{d.stream_seq}" for d, _ in accepted]
+        fresh = await inbox.claim_many(conn, PRODUCER, msg_ids)
+        candidates: list[QueuedJob] = []
+        dup_rejects: list[outbox.OutboxMessage] = []
+        new_rows: list[repo.NewJob] = []
+        for (d, submitted), msg_id in zip(accepted, msg_ids, strict=True):
+            if msg_id not in fresh:
+                continue  # handled before: its decision and messages are already durable
+            job = (
+                submitted if submitted.submitted_at else msgspec.structs.replace(submitted, submitted_at=now)
+            )
+            carrier: dict[str, str] = {}
+            propagate.inject(carrier, context=d.context)
+            state = "running" if job.stages else "queued"
+            new_rows.append(
+                repo.NewJob(
+                    job.job_id,
+                    job.tenant,
+                    encode(job),
+                    job.submitted_at,
+                    carrier,
+                    state,
+                    None,
+                    job.priority,
+                )
+            )
+            candidates.append(QueuedJob(job, carrier))
+        # With each new job's submitted event.
+        inserted = await repo.insert_jobs(conn, new_rows, submitted_events=True)
+        admitted: list[QueuedJob] = []
+        for q in candidates:
+            if q.job.job_id in inserted:
+                admitted.append(q)
+            else:
+                reason = f"job id {q.job.job_id!r} was already submitted; choose a new job id"
+                dup_rejects.append(
+                    outbox.message(
+                        subjects.job_event("rejected", q.job.tenant),
+                        rejection(q.job.job_id, q.job.tenant, "duplicate", reason),
+                        f"{q.job.job_id}:rejected:duplicate:{hash_carrier(q)}",
+                        context=q.context,
+                    )
+                )
+        plain = [q for q in admitted if not q.job.stages]
+        for q in admitted:
+            if q.job.stages:
+                queued_children += await self._expand_dag(conn, q)
+        await outbox.add(conn, PRODUCER, dup_rejects)
+        fresh_jobs = plain + queued_children
+        return fresh_jobs, dup_rejects
 
     async def _expand_dag(self, conn: asyncpg.Connection, q: QueuedJob) -> list[QueuedJob]:
         """Insert a DAG job's stages: those without dependencies are queued, the rest wait."""
@@ -1593,6 +1624,28 @@ class PlacementService:
         while self._batches:
             await asyncio.wait([b.done for b in self._batches.values()])
 
+    def _note_timings(
+        self, accepted: list[tuple[Delivery[bytes], JobSubmitted]], stamps: dict[str, float]
+    ) -> None:
+        """Keep the path of a committed batch's jobs (``sent`` is added when its messages go out)."""
+        for d, job in accepted:
+            try:
+                stored = d.msg.metadata.timestamp.timestamp()
+            except (AttributeError, TypeError, ValueError):  # a delivery not from JetStream (tests)
+                stored = 0.0
+            self.job_timings.append((job.job_id, stored, d.received_at, stamps))
+
+    def job_timings_of(self, prefix: str) -> dict[str, dict[str, float]]:
+        """The ``job_timings`` debug section: each kept job whose id starts with ``prefix``, its
+        stamps (wall-clock seconds): ``stored`` (in the stream), ``received`` (by the consumer),
+        ``handled`` (its batch handed to placement), ``admitted``, ``cycle``, ``decided``,
+        ``committed``, ``sent`` (see :meth:`_admit`)."""
+        return {
+            job_id: {"stored": stored, "received": received, **stamps}
+            for job_id, stored, received, stamps in list(self.job_timings)
+            if job_id.startswith(prefix)
+        }
+
     async def _requeue_loop(self) -> None:
         """Retry queued jobs when capacity changed, and each job when its backoff ends."""
         while True:
@@ -1603,18 +1656,23 @@ class PlacementService:
                 # Freed capacity goes to queued jobs first; elastic jobs grow into what is left.
                 changed, self.capacity_changed = self.capacity_changed, False
                 if self.queue or changed:
+                    t = time.perf_counter()
                     try:
                         async with self.lock:
+                            # Submission batches wait from here: timed as ``requeue_locked``.
+                            t = self.phases.since("requeue_lock_wait", t)
                             await self._drain()
                             await self._retrying(functools.partial(self._requeue_cycle, everyone=changed))
+                            self.phases.since("requeue_locked", t)
                     except BaseException:
                         self.capacity_changed = self.capacity_changed or changed  # not seen yet
                         raise
+                    # What a failed publish left goes out with the relay's next round, soon.
+                    self.relay.kick()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("requeue cycle failed", error=repr(exc))
-            self.relay.kick()
 
     async def _requeue_cycle(self, *, everyone: bool = False) -> None:
         """A cycle over the queued jobs whose backoff ended; after capacity changed (``everyone``),
@@ -2017,17 +2075,20 @@ class PlacementService:
         }
         return {"ok": True, "current": current, "candidate": candidate}
 
-    def _send(self, messages: list[outbox.OutboxMessage]) -> None:
-        """Publish a committed cycle's messages in the background (the outbox has them anyway)."""
+    def _send(self, messages: list[outbox.OutboxMessage], on_sent: Callable[[], None] | None = None) -> None:
+        """Publish a committed cycle's messages in the background (the outbox has them anyway);
+        ``on_sent`` is called once they are handed to NATS (before their acks)."""
         if not messages:
             return
-        task = asyncio.create_task(self._publish(messages))
+        task = asyncio.create_task(self._publish(messages, on_sent))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
-    async def _publish(self, messages: list[outbox.OutboxMessage]) -> int:
+    async def _publish(
+        self, messages: list[outbox.OutboxMessage], on_sent: Callable[[], None] | None = None
+    ) -> int:
         t = time.perf_counter()
-        sent = await self.relay.publish_now(messages)
+        sent = await self.relay.publish_now(messages, on_sent=on_sent)
         self.phases.since("publish", t)
         return sent
 

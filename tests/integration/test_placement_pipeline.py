@@ -10,6 +10,7 @@ exactly what the same batches decide one after the other.
 """
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -227,3 +228,27 @@ async def test_pipelined_batches_decide_what_the_same_batches_decide_one_after_t
     assert len(expected) == 2 * BATCH
     assert await placements(pipelined.pool) == expected
     assert pipelined.book.pending == {}
+
+
+async def test_a_health_request_naming_job_timings_gets_each_admitted_jobs_path_in_order(
+    services: Callable[[], Awaitable[PlacementService]],
+) -> None:
+    svc = await services()
+    prefix = f"t{uuid.uuid4().hex[:6]}"
+    assert await svc.on_submitted(batch(prefix, 0)) == [None] * BATCH
+    await asyncio.gather(*svc._sending)  # the placed events handed to NATS
+    health = subjects.service_health(svc.ctx.name)
+
+    plain = json.loads((await svc.ctx.nc.request(health, b"", timeout=10)).data)
+    assert "job_timings" not in plain, "only a request that names the section gets it"
+    reply = await svc.ctx.nc.request(health, f"job_timings:{prefix}".encode(), timeout=10)
+    timings = json.loads(reply.data)["job_timings"]
+
+    assert set(timings) == {f"{prefix}-{i}" for i in range(BATCH)}
+    for stamps in timings.values():
+        # Handed over, the lock taken, claimed and inserted, decided, committed, sent: in that order.
+        path = [stamps[k] for k in ("handled", "cycle", "admitted", "decided", "committed", "sent")]
+        assert path == sorted(path)
+        assert path[0] > 0
+    other = await svc.ctx.nc.request(health, b"job_timings:nobody-", timeout=10)
+    assert json.loads(other.data)["job_timings"] == {}

@@ -203,6 +203,26 @@ async def test_a_background_flush_leaves_rows_younger_than_its_age_to_the_fast_p
     assert await subject_count(nc, s.job_event("started", tenant)) == 2
 
 
+async def test_a_background_round_with_nothing_old_does_not_wait_for_the_fast_paths_lock(
+    pool: asyncpg.Pool, nc: Client
+) -> None:
+    producer, tenant = unique("producer"), unique("t")
+    await add_messages(pool, producer, tenant, 2)
+    relay = outbox.OutboxRelay(pool, Publisher(nc), producer)
+    async with relay._lock:  # the fast path (publish_now) is sending a committed batch
+        # Only young rows (publish_now's): the round finds nothing without taking the lock.
+        assert await asyncio.wait_for(relay.flush(min_age_s=60.0), timeout=10) == 0
+        await pool.execute(
+            "UPDATE outbox SET created_at = now() - interval '2 minutes' WHERE producer = $1", producer
+        )
+        # Rows left over: this round reads and sends them under the lock, so it waits for it.
+        round_ = asyncio.create_task(relay.flush(min_age_s=60.0))
+        done, _ = await asyncio.wait([round_], timeout=0.5)
+        assert not done
+    assert await asyncio.wait_for(round_, timeout=10) == 2
+    assert await subject_count(nc, s.job_event("started", tenant)) == 2
+
+
 async def test_outbox_republish_after_a_lost_mark_is_absorbed_by_dedup(
     pool: asyncpg.Pool, nc: Client
 ) -> None:

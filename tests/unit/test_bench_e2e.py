@@ -1,8 +1,9 @@
-"""loom bench e2e's CPU bookkeeping: which processes form which group, what counts as a neighbour."""
+"""loom bench e2e: CPU bookkeeping (which processes form which group, what counts as a neighbour)
+and where a paced job's time went (its path through placement)."""
 
 import os
 
-from loom_benchmarks.e2e import neighbours_pct, non_placement_pct, stack_groups
+from loom_benchmarks.e2e import PATH, neighbours_pct, non_placement_pct, path_breakdown, stack_groups
 
 
 def test_stack_groups_name_every_process_and_put_the_parents_last() -> None:
@@ -63,3 +64,59 @@ def test_non_placement_adds_migration_the_correlator_and_the_console() -> None:
     }
     assert neighbours_pct(shares) == 4.25
     assert non_placement_pct(shares) == 5.88  # 4.25 + 1.625, rounded to hundredths
+
+
+def _stamps(base: float, order: list[str], gaps_ms: list[float]) -> dict[str, float]:
+    at, out = base, {}
+    for name, gap in zip(order, gaps_ms, strict=True):
+        at += gap / 1000
+        out[name] = at
+    return out
+
+
+def test_path_breakdown_splits_each_jobs_latency_into_segments_in_the_order_the_stamps_came() -> None:
+    # A placement that takes the lock before admitting: cycle comes before admitted.
+    order = ["stored", "received", "handled", "cycle", "admitted", "decided", "committed", "sent"]
+    client, placed, timings, latency = {}, {}, {}, {}
+    for i in range(100):
+        job = f"paced-{i}"
+        slow = i == 99  # the one job at the p99: it waited 500 ms for the lock
+        gaps = [1.0, 2.0, 3.0, 500.0 if slow else 4.0, 5.0, 6.0, 7.0, 8.0]
+        timings[job] = _stamps(1000.0 + i, order, gaps)
+        client[job] = (1000.0 + i, 1000.0 + i + 0.0015)
+        placed[job] = timings[job]["sent"] + 0.009 + i * 1e-6  # latencies all differ
+        latency[job] = (placed[job] - client[job][0]) * 1000
+    timings["paced-x"] = {"stored": 1.0}  # incomplete: left out
+    out = path_breakdown(latency, client, placed, timings)
+    assert out["jobs"] == 100
+    assert out["missing"] == {}
+    assert out["order"] == order
+    ms = out["ms"]
+    assert list(ms) == [
+        "publish_to_stored",
+        "stored_to_received",
+        "received_to_handled",
+        "handled_to_cycle",
+        "cycle_to_admitted",
+        "admitted_to_decided",
+        "decided_to_committed",
+        "committed_to_sent",
+        "sent_to_observed",
+        "ack",
+    ]
+    assert abs(ms["publish_to_stored"]["p50"] - 1.0) < 0.01
+    assert abs(ms["handled_to_cycle"]["p50"] - 4.0) < 0.01
+    assert abs(ms["handled_to_cycle"]["max"] - 500.0) < 0.01
+    assert abs(ms["sent_to_observed"]["p50"] - 9.05) < 0.01
+    assert abs(ms["ack"]["p50"] - 1.5) < 0.01
+    # The tail (jobs at or above the latency p99 of 100: the two slowest): the slow job's lock
+    # wait shows in its mean, the other segments stay what they were.
+    assert out["tail_jobs"] == 2
+    assert abs(ms["handled_to_cycle"]["tail"] - (500.0 + 4.0) / 2) < 0.01
+    assert abs(ms["cycle_to_admitted"]["tail"] - 5.0) < 0.01
+
+
+def test_path_breakdown_without_any_complete_job_says_so() -> None:
+    latency = {"paced-0": 5.0}
+    out = path_breakdown(latency, {"paced-0": (1.0, 1.001)}, {"paced-0": 1.005}, {"paced-0": {"stored": 1.0}})
+    assert out == {"jobs": 0, "missing": dict.fromkeys(PATH[1:], 1)}

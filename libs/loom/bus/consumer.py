@@ -37,6 +37,7 @@ stream sequence so a redelivered poison message is dead-lettered once.
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -197,6 +198,9 @@ class Delivery(Generic[T]):
     stream_seq: int
     span: Span
     context: otel_context.Context = field(default_factory=otel_context.Context)
+    received_at: float = 0.0
+    """Wall-clock seconds when this client got the message (callback pull: when it landed, even
+    while earlier batches were still being handled; else when its fetch returned)."""
 
 
 MessageHandler = Callable[[Delivery[T]], Awaitable[None]]
@@ -249,6 +253,8 @@ class ConsumerRunner(Generic[T]):
         self.created_without_update = 0
         """Starts that found the consumer but could not update it (no JetStream meta leader)."""
         self._arrived: list[Msg] = []
+        self._arrived_at: list[float] = []
+        """Wall-clock seconds each of ``_arrived`` landed (:attr:`Delivery.received_at`)."""
         self._arrival = asyncio.Event()
         self._pull_left = 0
         self._pull_expires_at = 0.0
@@ -372,11 +378,12 @@ class ConsumerRunner(Generic[T]):
         self._task = None
         await self._unsubscribe()
         self._cb_sub = None
-        self._arrived, self._pull_left = [], 0
+        self._arrived, self._arrived_at, self._pull_left = [], [], 0
         await self.start()
 
     async def _on_pulled(self, msg: Msg) -> None:
         self._arrived.append(msg)
+        self._arrived_at.append(time.time())
         self._arrival.set()
 
     def _on_reconnected(self) -> None:
@@ -388,7 +395,7 @@ class ConsumerRunner(Generic[T]):
         self._leader_elected.set()
         self._arrival.set()
 
-    async def _callback_fetch(self) -> list[Msg]:
+    async def _callback_fetch(self) -> tuple[list[Msg], list[float]]:
         # One standing pull request of ``batch`` messages, renewed when it is used up or expires;
         # messages land in a plain callback. nats-py's ``fetch`` spends two tasks and a timer on
         # every message it hands over (and a chain of event-loop rounds): a low-rate consumer whose
@@ -426,8 +433,10 @@ class ConsumerRunner(Generic[T]):
             await asyncio.sleep(self._linger_s)
         self._arrival.clear()
         arrived, self._arrived = self._arrived, []
+        arrived_at, self._arrived_at = self._arrived_at, []
         msgs: list[Msg] = []
-        for msg in arrived:
+        received: list[float] = []
+        for msg, at in zip(arrived, arrived_at, strict=True):
             if JetStreamContext.is_status_msg(msg):
                 # 408 (expired), 409 (limits), 404, or 503 (no responders: no consumer leader, a
                 # cluster electing one): the request is over; ask again next round, after a short
@@ -442,10 +451,11 @@ class ConsumerRunner(Generic[T]):
                 continue
             self._leaderless_backoff_s = 0.0
             msgs.append(msg)
+            received.append(at)
         self._pull_left -= len(msgs)
-        return msgs
+        return msgs, received
 
-    async def _fetch(self) -> list[Msg]:
+    async def _fetch(self) -> tuple[list[Msg], list[float]]:
         if self._callback_pull:
             return await self._callback_fetch()
         # A lone lingering pull returns the moment one message arrives; then take whatever else is
@@ -454,11 +464,11 @@ class ConsumerRunner(Generic[T]):
         try:
             msgs: list[Msg] = await self._sub.fetch(1, timeout=self._idle_fetch_timeout_s)
         except (TimeoutError, NatsTimeoutError):
-            return []
+            return [], []
         if self.spec.batch > 1:
             with contextlib.suppress(NatsTimeoutError, asyncio.TimeoutError):
                 msgs.extend(await self._sub.fetch(self.spec.batch - 1, timeout=self._linger_s))
-        return msgs
+        return msgs, [time.time()] * len(msgs)
 
     async def _run(self) -> None:
         in_flight: set[asyncio.Task[None]] = set()
@@ -474,7 +484,7 @@ class ConsumerRunner(Generic[T]):
                     log.info("consumer resumed", consumer=self.spec.durable, waited_for=self.waiting_for)
                     self.waiting_for = []
                 try:
-                    msgs = await self._fetch()
+                    msgs, received = await self._fetch()
                 except Exception as exc:  # connection trouble: the client reconnects, we retry
                     if self._stopping.is_set():
                         break
@@ -487,11 +497,11 @@ class ConsumerRunner(Generic[T]):
                 if not msgs:
                     continue
                 if self._pipeline == 1:
-                    await self._process_guarded(msgs)
+                    await self._process_guarded(msgs, received)
                     continue
                 # Pipelined: the next batch is fetched and its handler started (in fetch order)
                 # while earlier ones are still handled; each batch is settled after its handler.
-                task = asyncio.create_task(self._process_guarded(msgs))
+                task = asyncio.create_task(self._process_guarded(msgs, received))
                 in_flight.add(task)
                 while len(in_flight) >= self._pipeline:
                     done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
@@ -500,20 +510,20 @@ class ConsumerRunner(Generic[T]):
             if in_flight:
                 await asyncio.gather(*in_flight, return_exceptions=True)
 
-    async def _process_guarded(self, msgs: list[Msg]) -> None:
+    async def _process_guarded(self, msgs: list[Msg], received: list[float]) -> None:
         try:
-            await self._process(msgs)
+            await self._process(msgs, received)
         except Exception as exc:
             # Never let one batch end the loop: what was not settled is redelivered after the
             # ack wait.
             log.exception("consumer batch failed", consumer=self.spec.durable, error=repr(exc))
             await asyncio.sleep(0.5)
 
-    async def _process(self, msgs: list[Msg]) -> None:
+    async def _process(self, msgs: list[Msg], received: list[float]) -> None:
         deliveries: list[Delivery[T]] = []
         durable = self.spec.durable
         CONSUMER_LAG.labels(durable).set(msgs[-1].metadata.num_pending or 0)
-        for msg in msgs:
+        for msg, received_at in zip(msgs, received, strict=True):
             headers = dict(msg.headers or {})
             meta = msg.metadata
             parent = message_context(
@@ -558,6 +568,7 @@ class ConsumerRunner(Generic[T]):
                     stream_seq=meta.sequence.stream,
                     span=span,
                     context=trace.set_span_in_context(span, parent),
+                    received_at=received_at,
                 )
             )
         # Delivered many times: maybe a message that kills its process. Each is handled alone,

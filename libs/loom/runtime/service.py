@@ -9,7 +9,8 @@ Health replies carry ``status``: ``ok``, or ``degraded: `` and every problem, e.
 ``degraded: postgres unavailable`` while a dependency a consumer needs is down
 (:mod:`loom.bus.outage`) or ``degraded: task commands restarting (...)``; ``problems`` lists them,
 ``unavailable`` the dependencies down, ``outages`` counts them per dependency since start, and
-``tasks`` shows each supervised loop.
+``tasks`` shows each supervised loop. A request whose body names a debug section
+(:attr:`ServiceContext.debug`) gets that section too.
 """
 
 import asyncio
@@ -57,6 +58,10 @@ class ServiceContext:
     live_stats: list[Callable[[], dict[str, Any]]] = field(default_factory=list)
     """Stats computed when a health answer asks for them (what would cost too much to keep up to
     date on every change, e.g. an agent's sorted list of runs); merged over :attr:`stats`."""
+    debug: dict[str, Callable[[str], Any]] = field(default_factory=dict)
+    """Sections only a health request that names one in its body gets (``name`` or
+    ``name:argument``; the answer gains ``name``): debug figures too large for every answer, e.g.
+    placement's per-job timings (``job_timings:<job id prefix>``)."""
     watchdog: Watchdog = field(init=False)
     """Supervises the service's long-lived tasks; its health joins every health answer."""
     dependencies: Dependencies | None = None
@@ -120,7 +125,13 @@ async def open_context(
         # Probe the dependencies (in the background, at most once a second): an idle service meets
         # no error that would reveal an outage; the next health answer shows what the probes found.
         dependencies.check_soon()
-        await msg.respond(msgspec.json.encode(ctx.health()))
+        answer = ctx.health()
+        if msg.data:
+            name, _, argument = msg.data.decode(errors="replace").partition(":")
+            section = ctx.debug.get(name)
+            if section is not None:
+                answer[name] = section(argument)
+        await msg.respond(msgspec.json.encode(answer))
 
     await nc.subscribe(subjects.service_health(name), cb=on_health)
     return ctx

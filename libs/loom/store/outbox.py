@@ -10,7 +10,7 @@ message published twice because the mark did not commit.
 import asyncio
 import contextlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import asyncpg
@@ -106,10 +106,13 @@ class OutboxRelay:
         with contextlib.suppress(Exception):
             await self.flush()
 
-    async def publish_now(self, messages: Sequence[OutboxMessage]) -> int:
+    async def publish_now(
+        self, messages: Sequence[OutboxMessage], *, on_sent: Callable[[], None] | None = None
+    ) -> int:
         """Publish messages just committed to the outbox, without reading them back, and mark them.
 
         The fast path after a commit; whatever fails here stays pending for :meth:`flush`.
+        ``on_sent`` is called once they are handed to NATS, before their acks are awaited.
         """
         if not messages:
             return 0
@@ -117,6 +120,8 @@ class OutboxRelay:
         # so the next commit's messages go out while this batch's are being stored.
         async with self._lock:
             sent = await self._claim_and_send(messages)
+        if on_sent is not None:
+            on_sent()
         done = await self._settle(messages, sent)
         if len(done) < len(messages):
             self.kick()
@@ -126,8 +131,19 @@ class OutboxRelay:
         """Publish everything pending (at least ``min_age_s`` old); returns how many were published.
 
         A chunk at a time: the lock is held while a chunk is read and sent, not while its acks
-        come back."""
+        come back. A round for old rows only (``min_age_s`` above 0, the background rounds) first
+        looks without the lock whether there is any: the usual round finds none, and holding the
+        lock over that query held up the fast path (:meth:`publish_now` sends under it) after
+        every commit that fell in it."""
         total = 0
+        if min_age_s > 0 and not await self._pool.fetchval(
+            """SELECT EXISTS (SELECT 1 FROM outbox
+                 WHERE producer = $1 AND published_at IS NULL
+                   AND created_at <= now() - make_interval(secs => $2))""",
+            self._producer,
+            min_age_s,
+        ):
+            return 0
         while True:
             async with self._lock:
                 rows = await self._pool.fetch(
