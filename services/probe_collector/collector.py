@@ -202,6 +202,19 @@ class RoundBuilder:
         self.before_shift_ms: float | None = None
         """The last sample's RTT before that shift."""
 
+    def steady(self, rtt_ms: float) -> bool:
+        """An answer of ``rtt_ms`` cannot close the round early: no shift is going on (the last
+        round was not a shift's) and it is within ``shift_ratio`` of the last sample's RTT either
+        way (or there is no last sample yet: no shift without one), so :func:`shift_in_round`
+        cannot hold for any run of answers that ends with it."""
+        if self.short_round:
+            return False
+        reference = self.last_rtt_ms
+        if reference is None or reference <= 0:
+            return True
+        ratio = self.shift_ratio
+        return rtt_ms < ratio * reference and rtt_ms * ratio > reference
+
     def add(self, result: ProbeResult) -> list[tuple[ProbeSample, bool]]:
         """Add one result; the samples of the rounds it closes, each with whether it is urgent
         (a round that closes on a shift reports the median and jitter of the ``shift_probes``
@@ -398,6 +411,8 @@ class ProbeCollector:
         """The burst probes of the links being probed now, by peer region."""
         self._burst_left: dict[str, int] = {}
         """Burst probes still to send this period, by peer region."""
+        self._holds: dict[str, Callable[[int, float], bool]] = {}
+        """Each new prober's ``hold`` (:class:`UdpProber`), made with its result handler."""
         self._stalled = False
         """The loop lagged beyond ``burst_stall_s`` since the last period's burst plan."""
         self._ticked = asyncio.Event()
@@ -522,12 +537,16 @@ class ProbeCollector:
             link.last_answer_at = time.monotonic()
             self._refresh_stats()
             log.info("probing peer", src=link.src, dst=link.dst, udp=udp, tcp=tcp)
-            # Emulated, the prober sends through the link's relay in this process (no socket hop).
+            # Emulated, the prober sends through the link's relay in this process (no socket hop),
+            # and an answer that cannot close a round early waits for the link's next send tick
+            # instead of waking the collector when it arrives (its RTT is the same; see _holds).
+            on_result = self._result_handler(link)
             async with UdpProber(
                 udp,
                 timeout_s=config.probe_timeout_s,
-                on_result=self._result_handler(link),
+                on_result=on_result,
                 relay=link.udp_relay,
+                hold=self._holds.pop(link.dst, None),
             ) as prober:
                 self.probing[link.dst] = prober
                 jobs = [asyncio.create_task(self._bulk_loop(link, tcp))]
@@ -572,6 +591,8 @@ class ProbeCollector:
                 self.counts["send_ticks_late"] += 1
             if lag > self.config.burst_stall_s:
                 self._stalled = True
+            for prober in list(self.probing.values()):
+                prober.flush()  # answers held for this tick come first, as had they woken the loop
             if tick % ticks == 0:
                 self._plan_bursts()
             for prober in list(self.probing.values()):
@@ -656,6 +677,13 @@ class ProbeCollector:
         self.burst.reset(link.dst)
         self._burst_left.pop(link.dst, None)
         planner = self.burst
+
+        def hold(seq: int, rtt_ms: float) -> bool:
+            # A burst probe's answer, or one that cannot close its round early: it only joins a
+            # sample that goes out at a send tick anyway, so it waits for the link's next tick.
+            return bursts.owns(seq) or rounds.steady(rtt_ms)
+
+        self._holds[link.dst] = hold
 
         def on_result(result: ProbeResult) -> None:
             if link.dst not in self.probing:

@@ -43,6 +43,28 @@ def test_one_spike_or_unrelated_spikes_do_not_close_a_round() -> None:
     assert shift_in_round(_results([40.0, 45.0, 42.0]), 100.0, 2.0, 3)  # down by more than half
 
 
+def test_only_an_answer_that_cannot_close_a_round_early_is_steady() -> None:
+    """What the collector lets wait for its next send tick (``RoundBuilder.steady``): never an
+    answer that could be part of a shift, nor any while a shift is going on."""
+    rounds = RoundBuilder("a", "b", 5, 2.0, 3)
+    assert rounds.steady(900.0)  # no sample yet: no reference, no shift
+    _feed(rounds, [100.0] * 5)
+    assert rounds.steady(100.0) and rounds.steady(199.0) and rounds.steady(51.0)
+    assert not rounds.steady(200.0) and not rounds.steady(500.0) and not rounds.steady(50.0)
+    # Every answer the shift's round is made of was not steady when it came.
+    answers = [100.0, 101.0, 500.0, 505.0, 498.0]
+    verdicts = []
+    for result in _results(answers, 5):
+        verdicts.append(rounds.steady(result.rtt_ms or 0.0))
+        rounds.add(result)
+    assert verdicts == [True, True, False, False, False]
+    assert rounds.short_round
+    # The round after a shift may close early too: nothing is steady until it has closed.
+    assert not rounds.steady(500.0) and not rounds.steady(100.0)
+    _feed(rounds, [502.0, 499.0, 501.0], 10)
+    assert not rounds.short_round and rounds.steady(500.0) and not rounds.steady(100.0)
+
+
 def _perception() -> Perception:
     return Perception(["a", "b"], expected={("a", "b"): Expected(100.0, 2.0)})
 

@@ -11,6 +11,7 @@
 """
 
 import asyncio
+import heapq
 import struct
 import time
 from collections.abc import Callable
@@ -169,8 +170,11 @@ class Relay(Protocol):
     """A relay a prober in the same process can send through without a socket of its own
     (:meth:`loom.netemu.emulator.UdpRelay.attach`)."""
 
-    def attach(self, deliver: Callable[[bytes], None]) -> RelayClient:
-        """A client whose answers are handed to ``deliver``."""
+    def attach(
+        self, deliver: Callable[[bytes], None], *, take: Callable[[bytes, float], bool] | None = None
+    ) -> RelayClient:
+        """A client whose answers are handed to ``deliver``, unless ``take`` (offered each answer
+        with the loop time it arrives at, as soon as that is known) takes it over."""
         ...
 
 
@@ -193,11 +197,20 @@ class UdpProber:
         payload_bytes: int = 64,
         on_result: Callable[[ProbeResult], None] | None = None,
         relay: Relay | None = None,
+        hold: Callable[[int, float], bool] | None = None,
     ) -> None:
         self.target = target
         self.relay = relay
         """With a relay in this process (in front of ``target``), probes go through it directly
         (:meth:`Relay.attach`): the same shaping and timing, without the loopback hops to it."""
+        self.hold = hold
+        """With a relay: ``hold(seq, rtt_ms)`` says whether the answer to probe ``seq``, known to
+        arrive after ``rtt_ms``, may wait for the next :meth:`send` (or :meth:`flush`, or a probe's
+        timeout) instead of waking the loop when it arrives. A held answer keeps its RTT (from the
+        time it arrived, not the time it is handed over) and its order among the answers; it is
+        handed over before any probe sent later and before any loss reported later."""
+        self._held: list[tuple[float, int, bytes]] = []
+        """Answers taken over from the relay: (arrival loop time, seq, payload), a heap."""
         self.timeout_s = timeout_s
         self.payload_bytes = max(payload_bytes, _HEADER.size)
         self.results: asyncio.Queue[ProbeResult] = asyncio.Queue()
@@ -212,7 +225,7 @@ class UdpProber:
     async def start(self) -> "UdpProber":
         """Open the probing socket (or attach to the relay)."""
         if self.relay is not None:
-            self._via = self.relay.attach(self._answered)
+            self._via = self.relay.attach(self._answered, take=self._take if self.hold is not None else None)
             return self
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(
@@ -222,7 +235,9 @@ class UdpProber:
         return self
 
     async def close(self) -> None:
-        """Close the socket; outstanding probes are reported lost."""
+        """Close the socket; held answers already arrived are handed over, outstanding probes
+        reported lost."""
+        self.flush()
         for seq in list(self._outstanding):
             self._expire(seq)
         if self._via is not None:
@@ -244,10 +259,13 @@ class UdpProber:
         return len(self._outstanding)
 
     def send(self) -> int:
-        """Send the next probe now; returns its sequence number."""
+        """Send the next probe now (after handing over the held answers that have arrived);
+        returns its sequence number."""
         via = self._via
         if self._transport is None and via is None:
             raise RuntimeError("prober is not started")
+        if self._held:
+            self.flush()
         loop = asyncio.get_running_loop()
         seq = self._next_seq
         self._next_seq += 1
@@ -260,7 +278,29 @@ class UdpProber:
             self._transport.sendto(payload)
         return seq
 
-    def _answered(self, data: bytes) -> None:
+    def flush(self) -> None:
+        """Hand over the held answers that have arrived by now, in the order they arrived."""
+        held = self._held
+        if not held:
+            return
+        now = asyncio.get_running_loop().time()
+        while held and held[0][0] <= now:
+            at, _, data = heapq.heappop(held)
+            self._answered(data, at)
+
+    def _take(self, data: bytes, at: float) -> bool:
+        # Offered by the relay as soon as it knows when the answer arrives: keep it for the next
+        # send (no timer, no wake-up of its own) when ``hold`` allows.
+        if self.hold is None or len(data) < _HEADER.size:
+            return False
+        (seq,) = _HEADER.unpack_from(data)
+        entry = self._outstanding.get(seq)
+        if entry is None or not self.hold(seq, (at - entry[0]) * 1000.0):
+            return False
+        heapq.heappush(self._held, (at, seq, data))
+        return True
+
+    def _answered(self, data: bytes, at: float | None = None) -> None:
         if len(data) < _HEADER.size:
             return
         (seq,) = _HEADER.unpack_from(data)
@@ -269,10 +309,13 @@ class UdpProber:
             return  # late (already counted lost) or duplicated
         sent_mono, sent_wall, timer = entry
         timer.cancel()
-        rtt_ms = (asyncio.get_running_loop().time() - sent_mono) * 1000.0
-        self._deliver(ProbeResult(seq, sent_wall, rtt_ms))
+        if at is None:
+            at = asyncio.get_running_loop().time()
+        self._deliver(ProbeResult(seq, sent_wall, (at - sent_mono) * 1000.0))
 
     def _expire(self, seq: int) -> None:
+        if self._held:
+            self.flush()  # an answer that arrived before this timeout is no loss
         entry = self._outstanding.pop(seq, None)
         if entry is not None:
             entry[2].cancel()
