@@ -156,6 +156,14 @@ def round_sample(src: str, dst: str, results: Sequence[ProbeResult]) -> ProbeSam
     )
 
 
+def send_grid(now_s: float, interval_s: float) -> float:
+    """Seconds from the wall-clock time ``now_s`` to the next multiple of ``interval_s`` (0 on one):
+    where every collector's send ticks fall, whenever it started."""
+    if interval_s <= 0:
+        return 0.0
+    return (-now_s) % interval_s
+
+
 SHIFT_SPREAD = 0.35
 """Answers that make a shift agree: each within this fraction of their median's distance from the
 reference (the same consistency the outlier filter asks of a level shift)."""
@@ -579,15 +587,19 @@ class ProbeCollector:
         # tick on, as many per tick as the link passes (``burst_queue_ms``, ``burst_max_per_tick``).
         # After a stall the missed ticks are not made up: the clock restarts from now, and that
         # tick sends no burst probes (back-to-back ticks would each send a burst share at once).
+        # Ticks fall on a grid of the wall clock (send_grid), the same in every collector: a peer's
+        # probe endpoint gets the probes of all the collectors at once, and is woken once for them.
         loop = asyncio.get_running_loop()
         ticks = max(self.config.probes_per_period, 1)
         interval_s = self.config.period_s / ticks
-        due = loop.time()
+        due = loop.time() + send_grid(time.time(), interval_s)
         for tick in itertools.count():
             lag = loop.time() - due
             late = lag > interval_s
+            next_due = due + interval_s
             if late:
-                due = loop.time()
+                # This tick goes now; the next one back on the grid, at least half a tick later.
+                next_due = loop.time() + interval_s / 2 + send_grid(time.time() + interval_s / 2, interval_s)
                 self.counts["send_ticks_late"] += 1
             if lag > self.config.burst_stall_s:
                 self._stalled = True
@@ -601,7 +613,7 @@ class ProbeCollector:
             if self._burst_left and not late:
                 self._send_bursts(ticks - tick % ticks)
             self._ticked.set()
-            due += interval_s
+            due = next_due
             await asyncio.sleep(max(due - loop.time(), 0.0))  # pacing the probes
 
     def _plan_bursts(self) -> None:

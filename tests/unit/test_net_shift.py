@@ -4,7 +4,7 @@ second sample, and the link is evaluated on the sample that confirms it."""
 
 from loom.net import Expected, Perception
 from loom.netemu.probes import ProbeResult
-from loom_services.probe_collector.collector import RoundBuilder, shift_in_round
+from loom_services.probe_collector.collector import RoundBuilder, send_grid, shift_in_round
 
 T0 = 1_767_225_600.0
 
@@ -135,3 +135,15 @@ def test_two_large_suspects_that_spread_wait_for_a_third() -> None:
     assert flt.offer(T0 + 21, 450.0, 5.0) == ([], 0)  # both large, but 120 ms apart: not one level yet
     admitted, _ = flt.offer(T0 + 22, 430.0)
     assert [v for _, v in admitted] == [330.0, 450.0, 430.0]
+
+
+def test_collectors_started_at_any_time_send_on_the_same_grid() -> None:
+    """``send_grid``: the wait from any start to the next multiple of the tick interval, so every
+    collector's ticks fall together (a probed endpoint is woken once for all of them)."""
+    interval_s = 0.2
+    for start in (T0, T0 + 0.05, T0 + 0.199, T0 + 0.2, T0 + 1234.567):
+        wait = send_grid(start, interval_s)
+        assert 0.0 <= wait < interval_s
+        tick = round((start + wait) / interval_s)
+        assert abs(start + wait - tick * interval_s) < 1e-6
+    assert send_grid(T0 + 0.05, 0.0) == 0.0
