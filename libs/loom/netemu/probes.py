@@ -11,8 +11,11 @@
 """
 
 import asyncio
+import contextlib
 import heapq
+import socket
 import struct
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,27 +55,75 @@ class _Echo(asyncio.DatagramProtocol):
 
 
 class UdpEchoServer:
-    """Echoes datagrams on ``host:port`` (port 0 picks a free one; see :attr:`address`)."""
+    """Echoes datagrams on ``host:port`` (port 0 picks a free one; see :attr:`address`).
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    With ``threaded`` a thread of its own answers, blocked in ``recvfrom`` between datagrams: an
+    answer costs a wake-up of that thread and two system calls, not a round of the event loop
+    (on a shared two-core host a third of the CPU per probe, measured at 25 probes a second), and
+    a busy event loop does not delay it. The thread takes the GIL only for the few bytecodes of
+    each answer."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, threaded: bool = False) -> None:
         self._host = host
         self._port = port
+        self.threaded = threaded
         self._transport: asyncio.DatagramTransport | None = None
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
         self.address: Address = (host, port)
 
     async def start(self) -> "UdpEchoServer":
         """Bind and start echoing."""
+        if self.threaded:
+            family, kind, proto, _, sockaddr = socket.getaddrinfo(
+                self._host, self._port, type=socket.SOCK_DGRAM
+            )[0]
+            sock = socket.socket(family, kind, proto)
+            sock.bind(sockaddr)
+            self._sock = sock
+            self.address = sock.getsockname()[:2]
+            self._stopping = False
+            self._thread = threading.Thread(
+                target=self._echo_forever, args=(sock,), name="udp-echo", daemon=True
+            )
+            self._thread.start()
+            return self
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(_Echo, local_addr=(self._host, self._port))
         self._transport = transport
         self.address = transport.get_extra_info("sockname")[:2]
         return self
 
+    def _echo_forever(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                data, addr = sock.recvfrom(65535)
+            except OSError:
+                return  # closed
+            if self._stopping:
+                return
+            # A client gone (ICMP port unreachable) fails a later send: ignored, as the
+            # event loop's transport ignores it.
+            with contextlib.suppress(OSError):
+                sock.sendto(data, addr)
+
     async def close(self) -> None:
         """Stop echoing."""
         if self._transport is not None:
             self._transport.close()
             self._transport = None
+        sock, thread = self._sock, self._thread
+        if sock is not None and thread is not None:
+            self._stopping = True
+            host, port = self.address
+            wildcard = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}  # bound to any: say loopback
+            # An empty datagram to itself wakes the thread out of recvfrom to see it must stop.
+            with contextlib.suppress(OSError):
+                sock.sendto(b"", (wildcard.get(host, host), port))
+            await asyncio.to_thread(thread.join, 2.0)
+            sock.close()
+            self._sock = self._thread = None
 
     async def __aenter__(self) -> "UdpEchoServer":
         return await self.start()
