@@ -57,6 +57,8 @@ log = structlog.get_logger("probe-collector")
 Address = tuple[str, int]
 
 _SRTT_GAIN = 0.125
+_MAX_PENDING = 10_000
+"""Samples waiting to be published at most (more are dropped and counted: the bus is away)."""
 _MAX_BANDWIDTH_GBPS = 10_000.0
 
 
@@ -409,7 +411,8 @@ class ProbeCollector:
         self.region = region
         self.config = config or CollectorConfig()
         self.epoch = int(time.time() * 1000)
-        self.samples: asyncio.Queue[ProbeSample] = asyncio.Queue(maxsize=10_000)
+        self.pending: list[ProbeSample] = []
+        """Samples completed and not published yet (at most ``_MAX_PENDING`` of them)."""
         budget = float(self.config.bulk_budget_bytes_per_hour)
         self.budget = TokenBucket(budget / 3600.0, budget, budget, time.time())
         self.links: dict[str, PeerLink] = {}
@@ -423,11 +426,9 @@ class ProbeCollector:
         """Each new prober's ``hold`` (:class:`UdpProber`), made with its result handler."""
         self._stalled = False
         """The loop lagged beyond ``burst_stall_s`` since the last period's burst plan."""
-        self._ticked = asyncio.Event()
-        self._urgent = asyncio.Event()
-        """Set when a sample showing a level shift is queued: the batch goes out at once."""
-        """Set by each send tick: the samples completed since the last one go out together."""
-        """The probers of the links being probed now (their peer found), by peer region."""
+        self._flush = asyncio.Event()
+        """Set by a send tick with samples pending (the samples completed by then go out together),
+        or at once by a sample showing a level shift."""
         for peer in sorted(r.id for r in topology.regions):
             link = topology.link(region, peer)
             if peer == region or link is None or not self._clusters_of(peer):
@@ -612,7 +613,8 @@ class ProbeCollector:
                 self.counts["probes_sent"] += 1
             if self._burst_left and not late:
                 self._send_bursts(ticks - tick % ticks)
-            self._ticked.set()
+            if self.pending:
+                self._flush.set()
             due = next_due
             await asyncio.sleep(max(due - loop.time(), 0.0))  # pacing the probes
 
@@ -770,32 +772,25 @@ class ProbeCollector:
         return sample
 
     def _enqueue(self, sample: ProbeSample, *, urgent: bool = False) -> None:
-        try:
-            self.samples.put_nowait(sample)
-        except asyncio.QueueFull:
+        if len(self.pending) >= _MAX_PENDING:
             self.counts["samples_dropped_queue_full"] += 1
             return
+        self.pending.append(sample)
         if urgent:
             self.counts["shift_rounds"] += 1
-            self._urgent.set()  # a shift goes out now, not at the next send tick
+            self._flush.set()  # a shift goes out now, not at the next send tick
 
     async def _publish_loop(self) -> None:
-        # The samples completed since the last send tick go out together at the next one (at most
-        # a tick, a fifth of a period by default, later): concurrent publishes, each acknowledged,
-        # whose acks come back together instead of one wake-up each.
+        # The samples completed by a send tick (those of the answers it hands over included) go
+        # out together at that tick (at most a tick, a fifth of a period by default, after they
+        # completed): concurrent publishes, each acknowledged, whose acks come back together
+        # instead of one wake-up each. One event, so a batch costs the loop one round to start.
         while True:
-            batch = [await self.samples.get()]
-            if not self._urgent.is_set():
-                self._ticked.clear()
-                ticked = asyncio.ensure_future(self._ticked.wait())
-                urgent = asyncio.ensure_future(self._urgent.wait())
-                await asyncio.wait((ticked, urgent), return_when=asyncio.FIRST_COMPLETED)
-                ticked.cancel()
-                urgent.cancel()
-            self._urgent.clear()
-            while not self.samples.empty():
-                batch.append(self.samples.get_nowait())
-            await self._publish(batch)
+            await self._flush.wait()
+            self._flush.clear()
+            batch, self.pending = self.pending, []
+            if batch:
+                await self._publish(batch)
 
     async def _publish(self, samples: list[ProbeSample]) -> None:
         # One batch, the acks awaited together (Publisher.publish_batch), one attempt each: a
