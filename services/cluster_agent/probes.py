@@ -34,7 +34,8 @@ class ProbeResponder:
         self.ctx = ctx
         self.cluster = cluster
         self.region = region
-        self.udp = UdpEchoServer(host, udp_port)
+        # Its own thread answers the probes: no event-loop round per probe (UdpEchoServer's threaded).
+        self.udp = UdpEchoServer(host, udp_port, threaded=True)
         self.tcp = TcpProbeServer(host, tcp_port)
         # A wildcard bind is reached under the machine's name (a container's service name in compose).
         self.advertise_host = advertise_host or (socket.gethostname() if host in ("0.0.0.0", "::") else host)

@@ -57,6 +57,8 @@ log = structlog.get_logger("probe-collector")
 Address = tuple[str, int]
 
 _SRTT_GAIN = 0.125
+_MAX_PENDING = 10_000
+"""Samples waiting to be published at most (more are dropped and counted: the bus is away)."""
 _MAX_BANDWIDTH_GBPS = 10_000.0
 
 
@@ -156,6 +158,14 @@ def round_sample(src: str, dst: str, results: Sequence[ProbeResult]) -> ProbeSam
     )
 
 
+def send_grid(now_s: float, interval_s: float) -> float:
+    """Seconds from the wall-clock time ``now_s`` to the next multiple of ``interval_s`` (0 on one):
+    where every collector's send ticks fall, whenever it started."""
+    if interval_s <= 0:
+        return 0.0
+    return (-now_s) % interval_s
+
+
 SHIFT_SPREAD = 0.35
 """Answers that make a shift agree: each within this fraction of their median's distance from the
 reference (the same consistency the outlier filter asks of a level shift)."""
@@ -201,6 +211,19 @@ class RoundBuilder:
         """The last round closed on a shift."""
         self.before_shift_ms: float | None = None
         """The last sample's RTT before that shift."""
+
+    def steady(self, rtt_ms: float) -> bool:
+        """An answer of ``rtt_ms`` cannot close the round early: no shift is going on (the last
+        round was not a shift's) and it is within ``shift_ratio`` of the last sample's RTT either
+        way (or there is no last sample yet: no shift without one), so :func:`shift_in_round`
+        cannot hold for any run of answers that ends with it."""
+        if self.short_round:
+            return False
+        reference = self.last_rtt_ms
+        if reference is None or reference <= 0:
+            return True
+        ratio = self.shift_ratio
+        return rtt_ms < ratio * reference and rtt_ms * ratio > reference
 
     def add(self, result: ProbeResult) -> list[tuple[ProbeSample, bool]]:
         """Add one result; the samples of the rounds it closes, each with whether it is urgent
@@ -388,7 +411,8 @@ class ProbeCollector:
         self.region = region
         self.config = config or CollectorConfig()
         self.epoch = int(time.time() * 1000)
-        self.samples: asyncio.Queue[ProbeSample] = asyncio.Queue(maxsize=10_000)
+        self.pending: list[ProbeSample] = []
+        """Samples completed and not published yet (at most ``_MAX_PENDING`` of them)."""
         budget = float(self.config.bulk_budget_bytes_per_hour)
         self.budget = TokenBucket(budget / 3600.0, budget, budget, time.time())
         self.links: dict[str, PeerLink] = {}
@@ -398,13 +422,13 @@ class ProbeCollector:
         """The burst probes of the links being probed now, by peer region."""
         self._burst_left: dict[str, int] = {}
         """Burst probes still to send this period, by peer region."""
+        self._holds: dict[str, Callable[[int, float], bool]] = {}
+        """Each new prober's ``hold`` (:class:`UdpProber`), made with its result handler."""
         self._stalled = False
         """The loop lagged beyond ``burst_stall_s`` since the last period's burst plan."""
-        self._ticked = asyncio.Event()
-        self._urgent = asyncio.Event()
-        """Set when a sample showing a level shift is queued: the batch goes out at once."""
-        """Set by each send tick: the samples completed since the last one go out together."""
-        """The probers of the links being probed now (their peer found), by peer region."""
+        self._flush = asyncio.Event()
+        """Set by a send tick with samples pending (the samples completed by then go out together),
+        or at once by a sample showing a level shift."""
         for peer in sorted(r.id for r in topology.regions):
             link = topology.link(region, peer)
             if peer == region or link is None or not self._clusters_of(peer):
@@ -522,12 +546,16 @@ class ProbeCollector:
             link.last_answer_at = time.monotonic()
             self._refresh_stats()
             log.info("probing peer", src=link.src, dst=link.dst, udp=udp, tcp=tcp)
-            # Emulated, the prober sends through the link's relay in this process (no socket hop).
+            # Emulated, the prober sends through the link's relay in this process (no socket hop),
+            # and an answer that cannot close a round early waits for the link's next send tick
+            # instead of waking the collector when it arrives (its RTT is the same; see _holds).
+            on_result = self._result_handler(link)
             async with UdpProber(
                 udp,
                 timeout_s=config.probe_timeout_s,
-                on_result=self._result_handler(link),
+                on_result=on_result,
                 relay=link.udp_relay,
+                hold=self._holds.pop(link.dst, None),
             ) as prober:
                 self.probing[link.dst] = prober
                 jobs = [asyncio.create_task(self._bulk_loop(link, tcp))]
@@ -560,18 +588,24 @@ class ProbeCollector:
         # tick on, as many per tick as the link passes (``burst_queue_ms``, ``burst_max_per_tick``).
         # After a stall the missed ticks are not made up: the clock restarts from now, and that
         # tick sends no burst probes (back-to-back ticks would each send a burst share at once).
+        # Ticks fall on a grid of the wall clock (send_grid), the same in every collector: a peer's
+        # probe endpoint gets the probes of all the collectors at once, and is woken once for them.
         loop = asyncio.get_running_loop()
         ticks = max(self.config.probes_per_period, 1)
         interval_s = self.config.period_s / ticks
-        due = loop.time()
+        due = loop.time() + send_grid(time.time(), interval_s)
         for tick in itertools.count():
             lag = loop.time() - due
             late = lag > interval_s
+            next_due = due + interval_s
             if late:
-                due = loop.time()
+                # This tick goes now; the next one back on the grid, at least half a tick later.
+                next_due = loop.time() + interval_s / 2 + send_grid(time.time() + interval_s / 2, interval_s)
                 self.counts["send_ticks_late"] += 1
             if lag > self.config.burst_stall_s:
                 self._stalled = True
+            for prober in list(self.probing.values()):
+                prober.flush()  # answers held for this tick come first, as had they woken the loop
             if tick % ticks == 0:
                 self._plan_bursts()
             for prober in list(self.probing.values()):
@@ -579,8 +613,9 @@ class ProbeCollector:
                 self.counts["probes_sent"] += 1
             if self._burst_left and not late:
                 self._send_bursts(ticks - tick % ticks)
-            self._ticked.set()
-            due += interval_s
+            if self.pending:
+                self._flush.set()
+            due = next_due
             await asyncio.sleep(max(due - loop.time(), 0.0))  # pacing the probes
 
     def _plan_bursts(self) -> None:
@@ -657,6 +692,13 @@ class ProbeCollector:
         self._burst_left.pop(link.dst, None)
         planner = self.burst
 
+        def hold(seq: int, rtt_ms: float) -> bool:
+            # A burst probe's answer, or one that cannot close its round early: it only joins a
+            # sample that goes out at a send tick anyway, so it waits for the link's next tick.
+            return bursts.owns(seq) or rounds.steady(rtt_ms)
+
+        self._holds[link.dst] = hold
+
         def on_result(result: ProbeResult) -> None:
             if link.dst not in self.probing:
                 return  # the prober is closing: its outstanding probes are not the link's losses
@@ -730,32 +772,25 @@ class ProbeCollector:
         return sample
 
     def _enqueue(self, sample: ProbeSample, *, urgent: bool = False) -> None:
-        try:
-            self.samples.put_nowait(sample)
-        except asyncio.QueueFull:
+        if len(self.pending) >= _MAX_PENDING:
             self.counts["samples_dropped_queue_full"] += 1
             return
+        self.pending.append(sample)
         if urgent:
             self.counts["shift_rounds"] += 1
-            self._urgent.set()  # a shift goes out now, not at the next send tick
+            self._flush.set()  # a shift goes out now, not at the next send tick
 
     async def _publish_loop(self) -> None:
-        # The samples completed since the last send tick go out together at the next one (at most
-        # a tick, a fifth of a period by default, later): concurrent publishes, each acknowledged,
-        # whose acks come back together instead of one wake-up each.
+        # The samples completed by a send tick (those of the answers it hands over included) go
+        # out together at that tick (at most a tick, a fifth of a period by default, after they
+        # completed): concurrent publishes, each acknowledged, whose acks come back together
+        # instead of one wake-up each. One event, so a batch costs the loop one round to start.
         while True:
-            batch = [await self.samples.get()]
-            if not self._urgent.is_set():
-                self._ticked.clear()
-                ticked = asyncio.ensure_future(self._ticked.wait())
-                urgent = asyncio.ensure_future(self._urgent.wait())
-                await asyncio.wait((ticked, urgent), return_when=asyncio.FIRST_COMPLETED)
-                ticked.cancel()
-                urgent.cancel()
-            self._urgent.clear()
-            while not self.samples.empty():
-                batch.append(self.samples.get_nowait())
-            await self._publish(batch)
+            await self._flush.wait()
+            self._flush.clear()
+            batch, self.pending = self.pending, []
+            if batch:
+                await self._publish(batch)
 
     async def _publish(self, samples: list[ProbeSample]) -> None:
         # One batch, the acks awaited together (Publisher.publish_batch), one attempt each: a

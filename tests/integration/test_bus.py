@@ -565,6 +565,31 @@ async def test_a_callback_pull_consumer_renews_its_pull_request_and_keeps_receiv
     assert info.num_ack_pending == 0 and info.num_pending == 0
 
 
+async def test_an_idle_callback_pull_asks_again_only_as_its_own_request_runs_out(
+    nc: Client, start_consumer: StartConsumer
+) -> None:
+    """A standing pull request is renewed a little before it expires; the request it replaced still
+    ends with its own "408 expired" a moment later. That status belongs to the old request, so it
+    must not make the runner ask again (it did, every time: twice the requests while idle)."""
+    spec = consumer_spec([s.job_submitted(unique("t"))])
+
+    async def handle(delivery: Delivery[JobSubmitted]) -> None:
+        raise AssertionError(f"nothing was published, yet {delivery.msg_id} came")
+
+    runner = await start_consumer(
+        spec, JobSubmitted, handler=handle, callback_pull=True, idle_fetch_timeout_s=0.3
+    )
+    pulls_before = runner.pulls
+    idle_s = 3.0
+    await asyncio.sleep(idle_s)  # the idle period measured: its pull requests and their expiries
+    pulls = runner.pulls - pulls_before
+    assert pulls >= 3, "the request was renewed while idle"
+    # One request per renewal (at 0.9 of the 0.3 s expiry, or later on a slow loop), never one more
+    # per expired request: that would be about twice as many.
+    assert pulls <= idle_s / (0.9 * 0.3) + 2
+    assert runner.counts == {"acked": 0, "nacked": 0, "dead_lettered": 0}
+
+
 async def test_a_batch_handler_that_raises_fails_every_message_of_the_batch(
     nc: Client, start_consumer: StartConsumer
 ) -> None:

@@ -2,6 +2,7 @@
 changes at run time, and probe samples through it feeding network perception."""
 
 import asyncio
+import socket
 import statistics
 import time
 
@@ -166,3 +167,31 @@ async def test_relays_close_cleanly_with_connections_open() -> None:
     await asyncio.wait_for(server.close(), 5.0)
     assert await asyncio.wait_for(reader.read(), 5.0) == b""
     writer.close()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
+async def test_a_threaded_udp_echo_answers_with_the_loop_blocked_and_its_thread_ends_on_close(
+    host: str,
+) -> None:
+    """The cluster agents' echo (``threaded``): its own thread answers, so a probe is answered
+    while the event loop is blocked; closing wakes the thread out of ``recvfrom`` and ends it."""
+    echo = await UdpEchoServer(host, threaded=True).start()
+    target = ("127.0.0.1", echo.address[1])
+    thread = echo._thread
+    assert thread is not None and thread.is_alive()
+    client = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        results = await udp_ping(target, count=20, interval_s=0.001, timeout_s=1.0)
+        assert [r.seq for r in results] == list(range(20))
+        assert all(r.rtt_ms is not None for r in results)
+        client.settimeout(2.0)
+        # Blocking this loop (no await until the answer is read): only the echo's thread can answer.
+        client.sendto(b"while the loop is blocked", target)
+        assert client.recv(64) == b"while the loop is blocked"
+    finally:
+        client.close()
+        await echo.close()
+    assert not thread.is_alive()
+    # Closed: the port answers no more.
+    lost = await udp_ping(target, count=2, interval_s=0.001, timeout_s=0.2)
+    assert all(r.rtt_ms is None for r in lost)

@@ -4,7 +4,7 @@ second sample, and the link is evaluated on the sample that confirms it."""
 
 from loom.net import Expected, Perception
 from loom.netemu.probes import ProbeResult
-from loom_services.probe_collector.collector import RoundBuilder, shift_in_round
+from loom_services.probe_collector.collector import RoundBuilder, send_grid, shift_in_round
 
 T0 = 1_767_225_600.0
 
@@ -41,6 +41,28 @@ def test_one_spike_or_unrelated_spikes_do_not_close_a_round() -> None:
     # A lost probe is not evidence of a shift either.
     assert not shift_in_round(_results([500.0, None, 500.0]), 100.0, 2.0, 3)
     assert shift_in_round(_results([40.0, 45.0, 42.0]), 100.0, 2.0, 3)  # down by more than half
+
+
+def test_only_an_answer_that_cannot_close_a_round_early_is_steady() -> None:
+    """What the collector lets wait for its next send tick (``RoundBuilder.steady``): never an
+    answer that could be part of a shift, nor any while a shift is going on."""
+    rounds = RoundBuilder("a", "b", 5, 2.0, 3)
+    assert rounds.steady(900.0)  # no sample yet: no reference, no shift
+    _feed(rounds, [100.0] * 5)
+    assert rounds.steady(100.0) and rounds.steady(199.0) and rounds.steady(51.0)
+    assert not rounds.steady(200.0) and not rounds.steady(500.0) and not rounds.steady(50.0)
+    # Every answer the shift's round is made of was not steady when it came.
+    answers = [100.0, 101.0, 500.0, 505.0, 498.0]
+    verdicts = []
+    for result in _results(answers, 5):
+        verdicts.append(rounds.steady(result.rtt_ms or 0.0))
+        rounds.add(result)
+    assert verdicts == [True, True, False, False, False]
+    assert rounds.short_round
+    # The round after a shift may close early too: nothing is steady until it has closed.
+    assert not rounds.steady(500.0) and not rounds.steady(100.0)
+    _feed(rounds, [502.0, 499.0, 501.0], 10)
+    assert not rounds.short_round and rounds.steady(500.0) and not rounds.steady(100.0)
 
 
 def _perception() -> Perception:
@@ -113,3 +135,15 @@ def test_two_large_suspects_that_spread_wait_for_a_third() -> None:
     assert flt.offer(T0 + 21, 450.0, 5.0) == ([], 0)  # both large, but 120 ms apart: not one level yet
     admitted, _ = flt.offer(T0 + 22, 430.0)
     assert [v for _, v in admitted] == [330.0, 450.0, 430.0]
+
+
+def test_collectors_started_at_any_time_send_on_the_same_grid() -> None:
+    """``send_grid``: the wait from any start to the next multiple of the tick interval, so every
+    collector's ticks fall together (a probed endpoint is woken once for all of them)."""
+    interval_s = 0.2
+    for start in (T0, T0 + 0.05, T0 + 0.199, T0 + 0.2, T0 + 1234.567):
+        wait = send_grid(start, interval_s)
+        assert 0.0 <= wait < interval_s
+        tick = round((start + wait) / interval_s)
+        assert abs(start + wait - tick * interval_s) < 1e-6
+    assert send_grid(T0 + 0.05, 0.0) == 0.0

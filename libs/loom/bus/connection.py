@@ -229,6 +229,7 @@ async def connect(
     except Exception as exc:  # nats raises several unrelated types for "could not connect"
         raise BusError(f"cannot connect to NATS at {url}: {exc}") from exc
     client.append(nc)
+    _ANNOUNCING.add(nc)
     if creds is not None:
         _follow_rotation(nc, creds)
     return nc
@@ -237,6 +238,14 @@ async def connect(
 _RECONNECT_LISTENERS: "weakref.WeakKeyDictionary[Client, list[Callable[[], None]]]" = (
     weakref.WeakKeyDictionary()
 )
+_ANNOUNCING: "weakref.WeakSet[Client]" = weakref.WeakSet()
+"""The clients made by :func:`connect`: the ones whose reconnects reach :func:`on_reconnected`'s listeners."""
+
+
+def announces_reconnects(nc: Client) -> bool:
+    """Whether :func:`on_reconnected`'s listeners hear ``nc``'s reconnects (it was made by
+    :func:`connect`); a client made otherwise never calls them, so whoever waits on one must look."""
+    return nc in _ANNOUNCING
 
 
 def on_reconnected(nc: Client, listener: Callable[[], None]) -> Callable[[], None]:

@@ -58,7 +58,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from loom.bus.attempts import TRANSIENT as ATTEMPTS_TRANSIENT
 from loom.bus.attempts import AttemptLog, Attempts
-from loom.bus.connection import BusError, on_reconnected
+from loom.bus.connection import BusError, announces_reconnects, on_reconnected
 from loom.bus.outage import Dependencies, of_connection
 from loom.bus.publisher import Publisher
 from loom.errors import LoomError, NotLeaderError, UnavailableError
@@ -71,7 +71,8 @@ from loom_proto.subjects import dead_letter
 log = structlog.get_logger("loom.bus")
 
 _RECONNECT_LOOK_S = 0.25
-"""How often a callback pull waiting for messages looks whether its connection was replaced."""
+"""How often a callback pull waiting for messages looks whether its connection was replaced, on a
+client whose reconnects no listener hears (not made by :func:`loom.bus.connection.connect`)."""
 _LEADERLESS_FIRST_S = 0.02
 _LEADERLESS_MAX_S = 0.25
 """Backoff between pull requests answered "no responders" (the consumer's leader is being elected)."""
@@ -258,6 +259,9 @@ class ConsumerRunner(Generic[T]):
         self._arrival = asyncio.Event()
         self._pull_left = 0
         self._pull_expires_at = 0.0
+        self._reply = ""
+        """The reply subject of the current pull request (callback pull)."""
+        self._reconnect_look_s: float | None = _RECONNECT_LOOK_S
         self._cb_sub: Subscription | None = None
         self._advisory_sub: Subscription | None = None
         self._stop_listening: Callable[[], None] | None = None
@@ -287,9 +291,16 @@ class ConsumerRunner(Generic[T]):
         """Create or update the durable consumer and start the loop in a task."""
         await self._create()
         if self._callback_pull:
+            # Each pull request has its own reply subject under one inbox: a request renewed before
+            # it expired still gets its "408 expired" later, and only the current request's status
+            # ends the current request (an old one's made the runner ask again at once, every time).
             self._inbox = self._nc.new_inbox()
-            self._cb_sub = await self._nc.subscribe(self._inbox, cb=self._on_pulled)
+            self._reply = f"{self._inbox}.0"
+            self._cb_sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_pulled)
             self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{self.spec.stream}.{self.spec.durable}"
+            # Reconnects of a client made by ``connect`` reach _on_reconnected at once; any other
+            # client is looked at every _RECONNECT_LOOK_S while the loop waits.
+            self._reconnect_look_s = None if announces_reconnects(self._nc) else _RECONNECT_LOOK_S
             # On a cluster the standing pull request lives on the consumer's leader: when that node
             # dies the request dies with it, and a new one is needed the moment another is elected.
             self._advisory_sub = await self._nc.subscribe(
@@ -417,18 +428,20 @@ class ConsumerRunner(Generic[T]):
             # A client that reconnected asks again at once: the reply to a request made on the
             # lost connection may be lost with it.
             self._pull_reconnects = self._nc.stats["reconnects"]
-            await self._nc.publish(self._next_subject, json.dumps(request).encode(), reply=self._inbox)
-            self._pull_left = self.spec.batch
             self.pulls += 1
+            self._reply = f"{self._inbox}.{self.pulls}"
+            await self._nc.publish(self._next_subject, json.dumps(request).encode(), reply=self._reply)
+            self._pull_left = self.spec.batch
             # Renew a little before the server's expiry, so there is never a gap without a request.
             self._pull_expires_at = loop.time() + expires_s * 0.9
         if not self._arrived:
-            # In slices, so a reconnect (the request lost with the connection) is noticed soon.
+            # Until the request is due for renewal (in slices on a client whose reconnects are not
+            # announced, so a reconnect, the request lost with the connection, is noticed soon).
+            wait_s = max(self._pull_expires_at - loop.time(), 0.01)
+            if self._reconnect_look_s is not None:
+                wait_s = min(wait_s, self._reconnect_look_s)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._arrival.wait(),
-                    timeout=min(max(self._pull_expires_at - loop.time(), 0.01), _RECONNECT_LOOK_S),
-                )
+                await asyncio.wait_for(self._arrival.wait(), timeout=wait_s)
         if self._arrived and self._linger_s > 0:
             await asyncio.sleep(self._linger_s)
         self._arrival.clear()
@@ -438,6 +451,8 @@ class ConsumerRunner(Generic[T]):
         received: list[float] = []
         for msg, at in zip(arrived, arrived_at, strict=True):
             if JetStreamContext.is_status_msg(msg):
+                if msg.subject != self._reply:
+                    continue  # the end of a request already renewed: the current one stands
                 # 408 (expired), 409 (limits), 404, or 503 (no responders: no consumer leader, a
                 # cluster electing one): the request is over; ask again next round, after a short
                 # backoff while nobody answers, so an election of several seconds is no hot loop.

@@ -264,6 +264,8 @@ class UdpRelay(_RelayBase):
         self._timers: set[asyncio.TimerHandle] = set()
         self._local: dict[Address, Callable[[bytes], None]] = {}
         """In-process clients (:meth:`attach`): where their answers are handed over, by client."""
+        self._take: dict[Address, Callable[[bytes, float], bool]] = {}
+        """In-process clients that may take an answer over before it is due (:meth:`attach`'s ``take``)."""
         self._attached = 0
 
     async def start(self) -> "UdpRelay":
@@ -299,20 +301,30 @@ class UdpRelay(_RelayBase):
             self._transport.close()
             self._transport = None
 
-    def attach(self, deliver: Callable[[bytes], None]) -> "InProcessClient":
+    def attach(
+        self, deliver: Callable[[bytes], None], *, take: Callable[[bytes, float], bool] | None = None
+    ) -> "InProcessClient":
         """An in-process client of the relay: its :meth:`InProcessClient.send` sends one datagram
         through the relay (as a client's ``sendto`` to :attr:`address` would), and ``deliver`` is
         called with each answer when it would have reached that client's socket.
 
         The shaping, the counters and the socket to the target are the same as for a client on
         the loopback; only the two hops between the client and the relay's listening socket are
-        gone (a system call and an event-loop round each way, per datagram)."""
+        gone (a system call and an event-loop round each way, per datagram).
+
+        With ``take``, each answer is first offered to it, with the loop time at which it reaches
+        the client, as soon as the relay has shaped it: ``take`` returning True takes it over
+        (counted returned; handing it over at that time or later is then the client's), so the
+        relay sets no timer for it; False leaves it to ``deliver`` at that time, as without ``take``."""
         self._attached += 1
         client = InProcessClient(self, (_IN_PROCESS_HOST, self._attached))
         self._local[client.address] = deliver
+        if take is not None:
+            self._take[client.address] = take
         return client
 
     def _detach(self, client: Address) -> None:
+        self._take.pop(client, None)
         if self._local.pop(client, None) is None:
             return
         upstream = self._upstreams.pop(client, None)
@@ -392,6 +404,10 @@ class UdpRelay(_RelayBase):
 
         local = self._local.get(client)
         if local is not None:
+            take = self._take.get(client)
+            if take is not None and take(data, at):
+                self.counters.returned += 1
+                return
 
             def hand_over() -> None:
                 if self._local.get(client) is local:
