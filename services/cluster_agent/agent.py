@@ -37,7 +37,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
@@ -45,6 +45,7 @@ from typing import IO, Any
 import structlog
 from msgspec import Struct
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, SpanKind
 
@@ -273,23 +274,40 @@ class Agent:
             await self.ctx.stopping.wait()
         finally:
             self._closing = True
-            with contextlib.suppress(Exception):
-                await alive.unsubscribe()
-            beat.cancel()
-            await asyncio.wait([beat])  # not ``await beat``: a cancellation of this stop propagates
-            commands.cancel()
-            await runner.stop()
-            await _cancel_all(self.tasks.values())
-            # What is still unsent stays in the journal for the next start; give it a moment.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._all_sent.wait(), timeout=2.0)
-            sender.cancel()
-            await asyncio.gather(sender, commands, return_exceptions=True)
-            watchdog.drop_condition("reports")
-            watchdog.drop_condition("backend")
-            if self._journal is not None:
-                self._journal.close()
-                self._journal = None
+            # In a task of its own, shielded: a cancellation of this stop (a second one, or one
+            # arriving while it runs) cannot cut the cleanup short (the command consumer left
+            # running, runs and their Slurm polls never cancelled); it is re-raised once done.
+            await _complete(self._shut_down(alive, beat, commands, runner, sender))
+
+    async def _shut_down(
+        self,
+        alive: Subscription,
+        beat: "asyncio.Task[None]",
+        commands: "asyncio.Task[None]",
+        runner: ConsumerRunner[ClusterCommand],
+        sender: "asyncio.Task[None]",
+    ) -> None:
+        """The stop's cleanup (:meth:`run`): the heartbeat, the commands, the runs, the reports."""
+        watchdog = self.ctx.watchdog
+        with contextlib.suppress(Exception):
+            await alive.unsubscribe()
+        beat.cancel()
+        await asyncio.wait([beat])
+        if not beat.cancelled() and beat.exception() is not None:  # retrieved: never "never retrieved"
+            log.warning("heartbeat ended with an error", error=repr(beat.exception()))
+        commands.cancel()
+        await runner.stop()
+        await _cancel_all(self.tasks.values())
+        # What is still unsent stays in the journal for the next start; give it a moment.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._all_sent.wait(), timeout=2.0)
+        sender.cancel()
+        await asyncio.gather(sender, commands, return_exceptions=True)
+        watchdog.drop_condition("reports")
+        watchdog.drop_condition("backend")
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
 
     async def _fence_restored(self) -> None:
         """A returning agent checks its restored runs' attempts with placement before resuming them:
@@ -1317,6 +1335,26 @@ def _per_node(allocations: Iterable[tuple[str, int]]) -> dict[str, int]:
     for node, gpus in allocations:
         totals[node] = totals.get(node, 0) + gpus
     return totals
+
+
+async def _complete(work: Awaitable[None]) -> None:
+    """Run ``work`` to its end even if the caller is cancelled meanwhile (once or more), then
+    re-raise that cancellation; an error of ``work`` propagates (after any cancellation: a
+    cancelled caller ends cancelled)."""
+    task = asyncio.ensure_future(work)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():  # the work itself was cancelled (not by us): nothing left to wait for
+                raise
+            cancelled = True
+    if cancelled:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("stop cleanup failed", error=repr(task.exception()))
+        raise asyncio.CancelledError
+    task.result()
 
 
 async def _cancel_all(tasks: Iterable["asyncio.Task[None]"], grace_s: float = 1.0) -> None:

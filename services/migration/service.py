@@ -59,6 +59,7 @@ import msgspec
 import nats.errors
 import structlog
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from opentelemetry import propagate
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
@@ -498,18 +499,21 @@ class MigrationService:
             if live is not None and not shard_confirmation(live, leaderless, replies).unconfirmed:
                 done.set()
 
-        inbox = self.ctx.nc.new_inbox()
-        sub = await self.ctx.nc.subscribe(inbox, cb=on_reply)
+        sub: Subscription | None = None
         try:
-            await self.ctx.nc.publish(subjects.MIGRATE_DRAINS_CHANGED, b"", reply=inbox)
+            # Inside: with the connection closed or draining the subscription fails too, and the
+            # drain (committed already) is answered as not confirmed, not with an error.
+            sub = await self.ctx.nc.subscribe(self.ctx.nc.new_inbox(), cb=on_reply)
+            await self.ctx.nc.publish(subjects.MIGRATE_DRAINS_CHANGED, b"", reply=sub.subject)
             if live is None or live:  # with no live leader, nobody will answer: no wait
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(done.wait(), self.settings.notice_confirm_s)
         except nats.errors.Error as exc:  # the notice did not go out: nobody confirmed
             log.warning("drains notice not sent", error=repr(exc))
         finally:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
+            if sub is not None:
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()
         confirmation = shard_confirmation(live, leaderless, replies)
         if not confirmation.complete:
             log.info(

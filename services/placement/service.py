@@ -277,7 +277,8 @@ class PlacementService:
         self.fenced_territories: set[str] = set()
         """Held territories whose fence refused a transaction: their watcher hands them back."""
         self._loaded = asyncio.Event()
-        """Set once this leader's state is rebuilt from the store (cleared as it starts leading)."""
+        """Set once this leader's state is rebuilt from the store (cleared as it starts leading; set
+        again as a term ends, its load cut short or not: nobody waits for a load that stopped)."""
         self.region_of: dict[str, str] = dict(self.shard_map.cluster_regions)
         """Cluster -> region, from the topology, the store and the view (whose territory a cluster is)."""
         self.holder = holder or f"{socket.gethostname()}-{os.getpid()}"
@@ -453,9 +454,22 @@ class PlacementService:
         self.token = token
         self._loaded.clear()
         self.held = {self.shard: token}
-        self._territory_stats()
-        await self.load()
-        self._loaded.set()
+        try:
+            self._territory_stats()
+            await self.load()
+            self._loaded.set()
+            await self._lead_loaded()
+        finally:
+            # On every way out, a load cut short by the lease's loss included: this instance holds
+            # nothing, and a drain confirmation waiting for the load (on_drains_changed) stops
+            # waiting (and answers nothing: it leads nothing now).
+            self.held = {}
+            self.fenced_territories.clear()
+            self._territory_stats()
+            self._loaded.set()
+
+    async def _lead_loaded(self) -> None:
+        """The leader's work once its state is loaded: its consumers and loops until cancelled."""
         runners = self._consumers(self.shard)
         # Together: on a NATS cluster a consumer whose Raft leader just died cannot be updated
         # until its group elects another (4-9 s); the others need not wait for it.
@@ -499,9 +513,6 @@ class PlacementService:
             self.relay.kick()
             with contextlib.suppress(asyncio.CancelledError):
                 await relay
-            self.held = {}
-            self.fenced_territories.clear()
-            self._territory_stats()
 
     def _consumers(self, shard: str, *, idle_fetch_timeout_s: float = 2.0) -> list[ConsumerRunner[Any]]:
         """The durable consumers of ``shard``: view deltas, lifecycle events, submissions (the
@@ -1904,8 +1915,10 @@ class PlacementService:
         of every live shard (a decision made after the answer offers none of a drained cluster's
         nodes, so a job submitted after ``loom drain`` returned is placed there by no shard). A
         leader still loading its state is waited for first: its load may have read the drains
-        before the change, and this reload must come after it."""
+        before the change, and this reload must come after it. Only a leader with its state loaded
+        answers (one still loading after ``LOAD_WAIT_S``, or whose term ended meanwhile, does not)."""
         if msg.reply and self.held and not self._loaded.is_set():
+            # Set once the load ended either way (a lost lease's cut-short load too).
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._loaded.wait(), LOAD_WAIT_S)
         try:
@@ -1920,7 +1933,9 @@ class PlacementService:
             self.capacity_changed = True
             self.wake.set()
         held = dict(self.held)
-        if msg.reply and held:
+        # Only a leader answers for territories: one whose load failed, or whose lease went while it
+        # waited, answers nothing (the migration service names its shard as not confirmed).
+        if msg.reply and held and self.leadership.is_leader and self._loaded.is_set():
             answer = {
                 "ok": True,
                 "shard": self.shard,

@@ -17,6 +17,7 @@ import pytest
 from platform_helpers import Platform
 from waiting import until
 
+from loom.bus.connection import connect
 from loom.client import LoomClient
 from loom_proto import subjects
 from loom_proto.codec import encode
@@ -539,3 +540,38 @@ async def test_a_cluster_drained_again_after_an_undrain_failed_its_planned_moves
     finally:
         await db.close()
         await client.close()
+
+
+async def test_a_drain_asked_while_the_bus_connection_is_closed_is_committed_and_answered_unconfirmed(
+    platform: Platform,
+) -> None:
+    """The drain row is committed before placement is asked: with the migration service's NATS
+    connection closed (or draining) the ask fails, and the answer says the drain was not confirmed
+    rather than failing the whole request."""
+    platform.migration = {"poll_s": 3600.0}  # no loop of its own uses the connection meanwhile
+    await platform.start("metrics")
+    await platform.start("placement")  # it records the clusters' nodes (node_allocations)
+    migration = await platform.start("migration")
+    await platform.start(f"agent-{DRAINED}")
+    db = await asyncpg.connect(platform.database_url)
+    closed = await connect(platform.nats_url, "migration-closed-test")
+    await closed.close()
+    live = migration.ctx.nc
+    try:
+        await until(
+            lambda: db.fetchval("SELECT count(*) FROM node_allocations WHERE cluster = $1", DRAINED),
+            10,
+            "c-weu-a known",
+        )
+        migration.ctx.nc = closed
+        try:
+            answer = await migration._drain_request({"op": "drain", "cluster": DRAINED})
+        finally:
+            migration.ctx.nc = live
+        assert answer["ok"] is True, answer
+        assert answer["placement_confirmed"] is False
+        state = await db.fetchval("SELECT state FROM cluster_drains WHERE cluster = $1", DRAINED)
+        assert state == "draining"
+    finally:
+        migration.ctx.nc = live
+        await db.close()

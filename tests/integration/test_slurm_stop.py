@@ -207,3 +207,65 @@ async def test_a_command_cancelled_at_any_moment_ends_cancelled_never_with_a_res
         outcome = "cancelled" if call.cancelled() else repr(call.exception() or call.result())
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     assert set(outcomes) <= {"cancelled"}, outcomes
+
+
+async def test_a_stop_cancelled_while_it_runs_still_cancels_the_runs_and_ends_cancelled(
+    nats_url: str, tmp_path: Path, fake_bin: Path
+) -> None:
+    """The agent's task is cancelled while its stop waits for the heartbeat to end (held here
+    until the cancellation came): the stop still stops the command consumer and cancels the runs,
+    killing the Slurm poll in flight, and the agent's task then ends cancelled."""
+    cluster = f"{CLUSTER}-{uuid.uuid4().hex[:8]}"
+    slurm = backend(tmp_path, fake_bin, command_timeout_s=3600.0, cluster=cluster)  # a poll hangs
+    ctx = await open_context(f"agent-{cluster}", nats_url=nats_url, database_url=None)
+    agent = Agent(ctx, slurm, region="r", heartbeat_s=0.2, state_dir=tmp_path)
+    beat_stopping, beat_may_end = asyncio.Event(), asyncio.Event()
+
+    async def heartbeat_slow_to_stop() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            beat_stopping.set()
+            await beat_may_end.wait()
+            raise
+
+    agent._heartbeat_loop = heartbeat_slow_to_stop  # type: ignore[method-assign]
+    task = asyncio.create_task(agent.run())
+    nc = await connect(nats_url, "slurm-stop-cancel-test")
+    try:
+        await Publisher(nc).publish(
+            subjects.cluster_command(cluster, "start"),
+            StartJob(
+                job_id="job-d",
+                spec=JobSpec(job_id="job-d", tenant="t1", work=Work(steps=10, step_time_s=10.0)),
+                gpu_model="T4",
+                allocations=[NodeAllocation(node=NODE, gpus=1)],
+            ),
+            msg_id=f"test-{uuid.uuid4().hex}",
+        )
+
+        async def polling() -> bool:
+            started = [pid for role, pid in hung(fake_bin) if role == "leader"]
+            return bool(started) and lives(started[-1])
+
+        await until(polling, 30, "the part to be polled")
+        ctx.stopping.set()
+        await asyncio.wait_for(beat_stopping.wait(), timeout=30)
+        task.cancel()  # the stop itself is cancelled while it waits for the heartbeat
+        await asyncio.sleep(0)  # the cancellation reaches the stop before the heartbeat ends
+        beat_may_end.set()
+        await asyncio.wait_for(asyncio.wait([task]), timeout=30)
+        assert task.cancelled(), "the cancellation was re-raised once the stop was done"
+        assert_gone(fake_bin)  # the runs were cancelled, their poll's command killed
+        assert agent.tasks == {} or all(t.done() for t in agent.tasks.values())
+    finally:
+        beat_may_end.set()
+        ctx.stopping.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.wait([task]), timeout=30)
+        left = list(agent.tasks.values())
+        if left:  # on a failure: leave nothing running
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(_cancel_all(left), timeout=30)
+        await close_context(ctx)
+        await nc.close()
