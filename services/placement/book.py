@@ -22,7 +22,16 @@ from loom.model.topology import Topology
 from loom.sched.cycle import expected_end_s
 from loom.sched.elastic import resized_end_s
 from loom.sched.quota import OPEN, QuotaBook, TenantConfig
-from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, RunningJob, Snapshot, job_precision
+from loom.sched.snapshot import (
+    ClusterInfo,
+    Economics,
+    NetMatrix,
+    QueuedShapes,
+    RunningJob,
+    Snapshot,
+    job_precision,
+    remap_queued,
+)
 from loom_proto.jobs import JobSubmitted
 from loom_proto.net import LinkState
 
@@ -145,6 +154,12 @@ class Book:
         """The queue as the scheduling core counts it (``Snapshot.waiting``): jobs nothing fitted,
         until placed or rejected; the service discards a job that leaves the queue otherwise
         (cancelled, finished, or its territory handed back)."""
+        self.queued = QueuedShapes()
+        """The queued jobs' shapes (``Snapshot.queued``), kept across snapshots as :attr:`waiting`
+        is (a rebuilt snapshot re-indexes their pools by its clusters and models: ``_queued_order``);
+        dropped with a job's place in :attr:`waiting`."""
+        self._queued_order: tuple[list[str], list[str]] = ([], [])
+        """The cluster ids and GPU models the shapes' pools are indexed by (the last snapshot's)."""
         self.tenants = tenants or OPEN
         """Tenant quotas: every snapshot carries a book of them with what each tenant holds."""
         self.runs: dict[str, Run] = {}
@@ -205,6 +220,13 @@ class Book:
     def add_pending(self, run: Run) -> None:
         """A run a cycle just placed in the kept snapshot, its transaction still to commit."""
         self.pending[run.job.job_id] = run
+
+    def leave_queue(self, job_ids: Iterable[str]) -> None:
+        """These jobs left the queue otherwise than by a decision (cancelled, finished, handed
+        back): out of :attr:`waiting` and their shapes out of :attr:`queued`."""
+        for job_id in job_ids:
+            self.waiting.discard(job_id)
+            self.queued.pop(job_id, None)
 
     def forget_pending(self, job_ids: Iterable[str]) -> None:
         """A batch's write failed: its placements are not taken; the next cycle rebuilds the snapshot."""
@@ -428,6 +450,10 @@ class Book:
         )
         self._snap.quota = QuotaBook(self.tenants, self.usage_by_tenant())
         self._snap.waiting = self.waiting  # the same set: the framework keeps it across snapshots
+        # The same shapes, re-indexed by this snapshot's pools (the framework adds to them).
+        remap_queued(self.queued, *self._queued_order, self._snap)
+        self._queued_order = ([c.id for c in self._snap.clusters], list(self._snap.models))
+        self._snap.queued = self.queued
         for run in self.pending.values():
             self._list(self._snap, run)
         return self._snap

@@ -1513,7 +1513,7 @@ class PlacementService:
         gone = set(applied.vanished)
         for job_id in gone:
             self.queue.pop(job_id, None)
-            self.book.waiting.discard(job_id)
+            self.book.leave_queue((job_id,))
         considered = [q for q in considered if q.job.job_id not in gone]
         for run, done in applied.learned:
             self._learn_alpha(run, done)
@@ -1626,7 +1626,7 @@ class PlacementService:
         self.book.forget_pending(job_id for b in gone for job_id in b.runs)
         for b in gone:
             # A fresh job of a discarded batch is not queued here: it comes back with its message.
-            self.book.waiting.difference_update(j for j in b.jobs if j not in self.queue)
+            self.book.leave_queue([j for j in b.jobs if j not in self.queue])
         self.stats["pipeline"]["discarded"] += len(doomed)
         self._close_batch(batch, ok=False)
 

@@ -23,6 +23,7 @@ preemption plugin keys its table) and reused by every decision of the cycle; a j
 looked up once while its running record stays the same object.
 """
 
+import dataclasses
 import heapq
 import math
 import weakref
@@ -223,6 +224,69 @@ def _wait_behind_queue(
     return math.inf
 
 
+_ALONE: "weakref.WeakKeyDictionary[Snapshot, dict[tuple[int, int], _AloneTable]]" = (
+    weakref.WeakKeyDictionary()
+)
+"""Per snapshot and (workers, GPUs per worker): each pool's :func:`expected_wait_s` alone."""
+
+
+@dataclass(slots=True)
+class _AloneTable:
+    """A job shape's wait alone in every pool, as of the releases, clock and pool versions held."""
+
+    releases: Releases
+    now: float
+    versions: IntArray
+    waits: FloatArray
+    stamp: int = 0
+    """Bumped whenever a wait changes: the per-job soonest waits read from it (``best``) hold while
+    it stays."""
+    best: dict[str, tuple[int, bytes, float]] = dataclasses.field(default_factory=dict)
+    """Job id -> (stamp, its pools' bytes, its soonest wait over its pools)."""
+
+
+def alone_waits(snap: Snapshot, workers: int, per_worker: int) -> tuple[FloatArray, _AloneTable]:
+    """Each pool's :func:`expected_wait_s` for ``workers`` of ``per_worker`` GPUs, no one ahead, as a
+    (cluster, model) array; kept per snapshot and recomputed only for the pools whose nodes changed
+    (``Snapshot.pool_version``), all of them when the running jobs or the clock moved."""
+    tables = _ALONE.get(snap)
+    if tables is None:
+        tables = _ALONE[snap] = {}
+    rel = releases(snap)
+    shape = snap.free_sum.shape
+    table = tables.get((workers, per_worker))
+    if table is None or table.releases is not rel or table.now != snap.now or table.waits.shape != shape:
+        table = tables[(workers, per_worker)] = _AloneTable(
+            rel, snap.now, snap.pool_version.copy(), np.full(shape, np.nan), stamp=0
+        )
+        stale = np.arange(snap.pool_version.size)
+    else:
+        stale = np.flatnonzero(table.versions != snap.pool_version)
+    if stale.size:
+        m_count = shape[1]
+        for p in stale.tolist():
+            c, m = divmod(p, m_count)
+            table.waits[c, m] = expected_wait_s(snap, c, m, workers, per_worker)
+        table.versions[stale] = snap.pool_version[stale]
+        table.stamp += 1
+    return table.waits, table
+
+
+def _soonest_alone(snap: Snapshot, shape: QueuedShape) -> tuple[FloatArray, float]:
+    """``shape``'s wait alone per pool and the soonest over the pools its rules allow."""
+    waits, table = alone_waits(snap, shape.workers, max(shape.per_worker, 1))
+    pools = shape.pools
+    if pools.shape != waits.shape:
+        return waits, math.inf
+    held = table.best.get(shape.job_id)
+    raw = pools.tobytes()
+    if held is not None and held[0] == table.stamp and held[1] == raw:
+        return waits, held[2]
+    best = float(waits[pools].min()) if pools.any() else math.inf
+    table.best[shape.job_id] = (table.stamp, raw, best)
+    return waits, best
+
+
 def queue_for_pool(
     snap: Snapshot, ahead: Sequence[QueuedShape], cluster: int, model: int
 ) -> list[tuple[int, int, float]]:
@@ -231,25 +295,19 @@ def queue_for_pool(
     sooner (:func:`expected_wait_s`, each alone; a queued job takes the first room it fits, so one
     with room due elsewhere first does not take this pool's releases); each as (workers, GPUs per
     worker, its run there: work over the job's speed on the model times the cluster's trust, ``inf``
-    when not known), for ``expected_wait_s(queue=...)``."""
+    when not known), for ``expected_wait_s(queue=...)``. The waits alone are kept per snapshot
+    (:func:`alone_waits`): they do not hang on the job being decided."""
     served: list[tuple[int, int, float]] = []
     model_name = snap.models[model]
     for shape in ahead:
-        if not shape.pools[cluster, model]:
+        if shape.pools.shape != snap.free_sum.shape or not shape.pools[cluster, model]:
             continue
-        here = expected_wait_s(snap, cluster, model, shape.workers, shape.per_worker)
+        waits, soonest = _soonest_alone(snap, shape)
+        here = float(waits[cluster, model])
         if not math.isfinite(here):
             continue  # never room here for it: it takes none of this pool's releases
-        sooner = False
-        if here > 0.0:
-            for c, m in zip(*np.nonzero(shape.pools), strict=True):
-                if (int(c), int(m)) == (cluster, model):
-                    continue
-                if expected_wait_s(snap, int(c), int(m), shape.workers, shape.per_worker) < here:
-                    sooner = True
-                    break
-        if sooner:
-            continue
+        if here > 0.0 and soonest < here:
+            continue  # room sooner in another pool it may use
         run_s = math.inf
         if shape.job is not None and math.isfinite(shape.work_s):
             speed = snap.job_gpu_speed(shape.job, model_name) * float(snap.trust[cluster])

@@ -859,6 +859,37 @@ class Framework:
             shared=self._shared,
         )
 
+    def queued_shape(
+        self,
+        job: JobSpec,
+        snap: Snapshot,
+        queue_key: tuple[Any, ...],
+        *,
+        state: CycleState | None = None,
+        avoid_clusters: Iterable[str] = (),
+        submitted_at: float | None = None,
+    ) -> QueuedShape | None:
+        """What the jobs behind ``job`` see of it queued (``Snapshot.queued``): its minimum workers,
+        GPUs per worker and the pools its pre-filters allow (``state``'s, after them; without one,
+        they are run on a fresh state); None for a pipeline (never queued as one shape) or when its
+        pre-filters refuse it now. The one rule for the framework and the simulator's skipped
+        decisions."""
+        if job.pipeline is not None:
+            return None
+        if state is None:
+            state = self.new_state(job, snap, avoid_clusters, submitted_at)
+            if not self.run_pre_filters(state).ok:
+                return None
+        return QueuedShape(
+            job.job_id,
+            queue_key,
+            state.min_workers,
+            state.per_worker,
+            state.allowed_pools(),
+            job,
+            float(job.work.steps) * float(job.work.step_time_s),
+        )
+
     # PLR0912: the extension points in order, each may end the cycle.
     def schedule(
         self,
@@ -934,15 +965,9 @@ class Framework:
             # choice while a cluster holds it now (waiting for faster GPUs) is not queued.
             snap.waiting.add(job.job_id)
             if queue_key is not None:
-                snap.queued[job.job_id] = QueuedShape(
-                    job.job_id,
-                    queue_key,
-                    state.min_workers,
-                    state.per_worker,
-                    state.allowed_pools(),
-                    job,
-                    float(job.work.steps) * float(job.work.step_time_s),
-                )
+                shape = self.queued_shape(job, snap, queue_key, state=state)
+                if shape is not None:
+                    snap.queued[job.job_id] = shape
         if len(candidates) == 0 and job.allow_multi_cluster and job.pipeline is None:
             partial = self.find_candidates(state, min_capacity=1)
             if len(partial):

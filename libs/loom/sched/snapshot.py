@@ -7,8 +7,10 @@ and then look only at the nodes of the pools left. :meth:`Snapshot.take` applies
 decision so the next job of the same cycle sees the GPUs as used; aggregates are kept in step.
 """
 
+import bisect
+import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -221,6 +223,66 @@ class QueuedShape:
     """Its steps x reference step time: a run of ``work_s / speed`` on GPUs of that speed."""
 
 
+class QueuedShapes(dict[str, QueuedShape]):
+    """``Snapshot.queued``: job id -> :class:`QueuedShape`, with a counter of its changes (``version``)
+    so that its queue order is sorted once per change, not once per reader
+    (:meth:`Snapshot.queue_ahead`)."""
+
+    version: int = 0
+
+    def __setitem__(self, key: str, value: QueuedShape) -> None:
+        self.version += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self.version += 1
+        super().__delitem__(key)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        self.version += 1
+        return super().pop(key, *default)
+
+    def popitem(self) -> tuple[str, QueuedShape]:
+        self.version += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        self.version += 1
+        super().clear()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self.version += 1
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key: str, default: QueuedShape) -> QueuedShape:
+        self.version += 1
+        return super().setdefault(key, default)
+
+
+def remap_queued(
+    queued: "QueuedShapes", clusters: Sequence[str], models: Sequence[str], snap: "Snapshot"
+) -> None:
+    """Re-index in place each shape's ``pools``, indexed by ``clusters`` (ids) x ``models`` (the order
+    of the snapshot they were recorded in), by ``snap``'s order: a pool kept keeps its flag, a pool
+    new to ``snap`` is not allowed (the job's next decision records it anew)."""
+    new_c = [c.id for c in snap.clusters]
+    new_m = list(snap.models)
+    if list(clusters) == new_c and list(models) == new_m:
+        return
+    c_at = {cid: i for i, cid in enumerate(clusters)}
+    m_at = {m: i for i, m in enumerate(models)}
+    rows = np.array([c_at.get(cid, -1) for cid in new_c], dtype=np.int64)
+    cols = np.array([m_at.get(m, -1) for m in new_m], dtype=np.int64)
+    for job_id, shape in list(queued.items()):
+        old = shape.pools
+        pools = np.zeros((len(new_c), len(new_m)), dtype=np.bool_)
+        if old.shape == (len(clusters), len(models)) and rows.size and cols.size:
+            keep_r, keep_c = rows >= 0, cols >= 0
+            sub = old[np.ix_(rows[keep_r], cols[keep_c])]
+            pools[np.ix_(np.flatnonzero(keep_r), np.flatnonzero(keep_c))] = sub
+        queued[job_id] = dataclasses.replace(shape, pools=pools)
+
+
 class Snapshot:
     """Nodes as arrays sorted by cluster, their clusters, what runs where, the network and prices."""
 
@@ -249,10 +311,14 @@ class Snapshot:
         """The queue: jobs decided at least once and neither placed nor rejected since (kept by
         :meth:`~loom.sched.framework.Framework.schedule`; the caller removes jobs that leave the
         queue otherwise). What the plugins that price a queue read (:meth:`waiting_count`)."""
-        self.queued: dict[str, QueuedShape] = {}
+        self.queued: QueuedShapes = QueuedShapes()
         """Job id -> what a queued job needs and may use, in queue order (:class:`QueuedShape`),
         recorded by the framework when nothing fits the job; read only for jobs still in
         :attr:`waiting` (an entry may outlive its job's place in the queue: :meth:`queue_ahead`)."""
+        self._queue_order: (
+            tuple[Mapping[str, QueuedShape], int, tuple[list[tuple[Any, ...]], list[QueuedShape]] | None]
+            | None
+        ) = None
         self.staged: dict[str, dict[str, float]] = {}
         """Job id -> region -> when a copy of its dataset begun while it queued is there (the data
         plugin counts only what is left of it: :mod:`loom.sched.staging`). Kept by the caller."""
@@ -441,26 +507,75 @@ class Snapshot:
         """Jobs in the queue (:attr:`waiting`) other than ``exclude``."""
         return len(self.waiting) - (exclude in self.waiting)
 
-    def queue_ahead(self, key: tuple[Any, ...], job_id: str) -> list["QueuedShape"]:
+    def queue_ahead(
+        self,
+        key: tuple[Any, ...],
+        job_id: str,
+        *,
+        limit: int | None = None,
+        skip: Container[str] = (),
+    ) -> list["QueuedShape"]:
         """The queued jobs (:attr:`waiting`, with a :attr:`queued` shape) whose queue key comes
-        before ``key``, in queue order (not the job ``job_id`` itself). Keys of another order (a
-        different tuple shape) never compare: such entries count as not ahead. Forgets entries
-        whose job left the queue."""
+        before ``key``, in queue order (not the job ``job_id`` itself, nor those in ``skip``), the
+        first ``limit`` of them. Keys of another order (a different tuple shape) never compare: such
+        entries count as not ahead. Forgets entries whose job left the queue. The queue's order is
+        sorted once per change of :attr:`queued` (a bisection finds what is ahead)."""
         queued = self.queued
         if len(queued) > 2 * len(self.waiting) + 64:
             for stale in [j for j in queued if j not in self.waiting]:
                 del queued[stale]
-        ahead: list[QueuedShape] = []
-        for other, shape in queued.items():
-            if other == job_id or other not in self.waiting:
-                continue
+        order = self._queue_sorted()
+        shapes: Iterable[QueuedShape]
+        try:
+            if order is None:
+                raise TypeError
+            keys, ordered = order
+            shapes = ordered[: bisect.bisect_left(keys, key)]
+        except TypeError:
+            # Keys of different shapes: only those comparable to ``key`` (sorted among themselves).
+            comparable: list[QueuedShape] = []
+            for shape in queued.values():
+                try:
+                    if shape.key < key:
+                        comparable.append(shape)
+                except TypeError:
+                    continue
             try:
-                if shape.key < key:
-                    ahead.append(shape)
+                comparable.sort(key=lambda s: s.key)
             except TypeError:
+                comparable = [s for s in comparable if len(s.key) == len(key) and type(s.key) is type(key)]
+                try:
+                    comparable.sort(key=lambda s: s.key)
+                except TypeError:
+                    comparable = []
+            shapes = comparable
+        waiting = self.waiting
+        ahead: list[QueuedShape] = []
+        for shape in shapes:
+            if limit is not None and len(ahead) >= limit:
+                break
+            other = shape.job_id
+            if other == job_id or other not in waiting or other in skip:
                 continue
-        ahead.sort(key=lambda s: s.key)
+            ahead.append(shape)
         return ahead
+
+    def _queue_sorted(self) -> tuple[list[tuple[Any, ...]], list["QueuedShape"]] | None:
+        """:attr:`queued` in queue order (keys, shapes), kept until it changes; None when its keys
+        do not all compare."""
+        queued = self.queued
+        version = getattr(queued, "version", -1)  # a plain dict (assigned by a caller): never kept
+        held = self._queue_order
+        if held is not None and held[0] is queued and held[1] == version >= 0:
+            return held[2]
+        built: tuple[list[tuple[Any, ...]], list[QueuedShape]] | None
+        try:
+            ordered = sorted(queued.values(), key=lambda s: s.key)
+            built = ([s.key for s in ordered], ordered)
+        except TypeError:
+            built = None
+        self._queue_order = (queued, version, built)
+        return built
 
     def take(
         self,

@@ -123,7 +123,7 @@ from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s
 from loom.sched.quota import OPEN, QuotaBook
-from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, QueuedShape, RunningJob, Snapshot
+from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob, Snapshot
 from loom.sched.staging import staging_plan
 from loom.sim.migration import MigrationPolicy, Migrator
 from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob, SimResult, Trace
@@ -785,16 +785,7 @@ class _Simulation:
                         # The skipped decision would have found nothing fits: the job is queued as
                         # the framework counts the queue (Snapshot.waiting), as placement's is.
                         self.snap.waiting.add(job.spec.job_id)
-                        spec = job.spec
-                        self.snap.queued[spec.job_id] = QueuedShape(
-                            spec.job_id,
-                            job.key,
-                            min(spec.min_workers or spec.workers, spec.workers),
-                            shape.per_worker,
-                            shape.pools,
-                            spec,
-                            float(spec.work.steps) * float(spec.work.step_time_s),
-                        )
+                        self._record_queued(job)
                         self._stage(job)
                     self._wait(job)
                     continue
@@ -839,6 +830,17 @@ class _Simulation:
             self._push(_Event(self.t, _CONTINUE, 0))
         elif pairs and not self.waiting and self.elastic:
             self._grow()
+
+    def _record_queued(self, job: _Job) -> None:
+        """A skipped job's shape in the queue (``Snapshot.queued``), by the framework's own rule
+        (:meth:`~loom.sched.framework.Framework.queued_shape`: its pre-filters' pools; none for a
+        pipeline), as its decision would have recorded it."""
+        if self.fast is None:
+            return
+        item = job.item
+        shape = self.fast.framework.queued_shape(job.spec, self.snap, job.key, submitted_at=item.submitted_at)
+        if shape is not None:
+            self.snap.queued[job.spec.job_id] = shape
 
     def _decide(self, job: _Job) -> bool:
         """One decision for ``job`` by the cycle the service runs (:func:`loom.sched.cycle.run_cycle`,

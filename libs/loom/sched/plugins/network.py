@@ -709,13 +709,18 @@ def single_cluster_options(
     book: WaitBook | None = None,
     within_s: float = math.inf,
     with_data: bool = False,
+    claims: Mapping[tuple[str, str], int] | None = None,
+    prune: bool = True,
 ) -> list[PoolOption]:
     """The gang alone in each of ``pools``, sooner completion first; only pools whose run alone is
     shorter than ``within_s`` are looked at, and a pool's wait is computed only while it can still
     beat the best completion found (waits are the costly part). On a pool that jobs ahead in queue
     order wait for (their claims in ``book``), their GPUs count before this one's. ``with_data``:
     each option's run carries the delay of its dataset's first copy to the pool's region
-    (:func:`~loom.sched.plugins.data.data_delay_s`; ``within_s`` then bounds run plus delay)."""
+    (:func:`~loom.sched.plugins.data.data_delay_s`; ``within_s`` then bounds run plus delay).
+    ``claims``: the GPUs claimed ahead per (cluster id, GPU model), instead of ``book``'s
+    (:func:`claimed_ahead`). ``prune=False``: every pool within ``within_s`` is an option, not only
+    those that can beat the best completion found (for a wait that a queue may lengthen)."""
     snap = state.snapshot
     job = state.job
     c_idx, m_idx = np.nonzero(pools)
@@ -731,11 +736,12 @@ def single_cluster_options(
     if placement is not None:
         data = data_delay_s(run, placement.sync_s[snap.cluster_region[c_idx]], placement.start)
     busy = run + data
-    claims = claimed_ahead(state, book)
+    if claims is None:
+        claims = claimed_ahead(state, book)
     options: list[PoolOption] = []
     best = math.inf
     for k in np.argsort(busy, kind="stable").tolist():
-        if busy[k] >= min(best, within_s):
+        if busy[k] >= (min(best, within_s) if prune else within_s):
             break
         c, m = int(c_idx[k]), int(m_idx[k])
         ahead = claims.get((snap.clusters[c].id, snap.models[m]), 0)
@@ -764,21 +770,57 @@ MAX_QUEUE_AHEAD = 64
 first in queue order; the rest would come after any room a wait worth taking finds)."""
 
 
+def queue_claims(state: CycleState, book: WaitBook | None) -> tuple[dict[tuple[str, str], int], set[str]]:
+    """GPUs claimed in ``book`` by the jobs ahead of this one in the framework's queue order, per
+    (cluster id, GPU model), and those jobs' ids: a claimant with a queued shape
+    (``Snapshot.queued``, still in ``Snapshot.waiting``) is ahead when its queue key comes before
+    ``state.queue_key``, the order :meth:`~loom.sched.snapshot.Snapshot.queue_ahead` walks; one
+    without (held back by choice, not queued) by the book's order (priority, then submission)."""
+    claims: dict[tuple[str, str], int] = {}
+    ids: set[str] = set()
+    if book is None or not book.claims:
+        return claims, ids
+    snap, job, key = state.snapshot, state.job, state.queue_key
+    for held in book.claims.values():
+        if held.job_id == job.job_id:
+            continue
+        shape = snap.queued.get(held.job_id)
+        if key is not None and shape is not None and held.job_id in snap.waiting:
+            try:
+                ahead = bool(shape.key < key)
+            except TypeError:
+                ahead = False
+        else:
+            ahead = held.ahead_of(job.priority, state.submitted_at, job.job_id)
+        if ahead:
+            ids.add(held.job_id)
+            pool = (held.cluster, held.gpu_model)
+            claims[pool] = claims.get(pool, 0) + held.gpus
+    return claims, ids
+
+
 def behind_queue(
-    state: CycleState, options: Sequence[PoolOption], workers: int, book: WaitBook | None
+    state: CycleState,
+    options: Sequence[PoolOption],
+    workers: int,
+    book: WaitBook | None,
+    *,
+    claims: tuple[dict[tuple[str, str], int], set[str]] | None = None,
 ) -> PoolOption | None:
     """The option that ends soonest when each pool's wait also lets the queued jobs ahead of this
     one (``Snapshot.queue_ahead`` by its ``queue_key``; the ones with a claim in ``book`` are
-    counted as claims) take their room first where their rules allow the pool
+    counted as claims, :func:`queue_claims`) take their room first where their rules allow the pool
     (:func:`~loom.sched.availability.expected_wait_s` with ``queue``); None without options.
-    ``options`` sorted by completion (:func:`single_cluster_options`): a queue only lengthens a
-    wait, so the walk stops at the first option whose wait without it cannot beat the best."""
+    ``options`` sorted by completion (:func:`single_cluster_options`, best with the same claims:
+    ``claims``, as :func:`queue_claims` gives them): a queue only lengthens a wait, so the walk
+    stops at the first option whose wait without it cannot beat the best."""
     snap, job = state.snapshot, state.job
-    ahead = snap.queue_ahead(state.queue_key, job.job_id) if state.queue_key is not None else []
-    if book is not None and book.claims:
-        ahead = [a for a in ahead if a.job_id not in book.claims]
-    ahead = ahead[:MAX_QUEUE_AHEAD]
-    claims = claimed_ahead(state, book)
+    by_pool, claimed = claims if claims is not None else queue_claims(state, book)
+    ahead = (
+        snap.queue_ahead(state.queue_key, job.job_id, limit=MAX_QUEUE_AHEAD, skip=claimed)
+        if state.queue_key is not None
+        else []
+    )
     best: PoolOption | None = None
     for option in options:
         if best is not None and option.completion_s >= best.completion_s:
@@ -786,8 +828,8 @@ def behind_queue(
         c, m = option.cluster, option.model
         queue = queue_for_pool(snap, ahead, c, m)
         seen = option
-        if queue:
-            ahead_gpus = claims.get((snap.clusters[c].id, snap.models[m]), 0)
+        if queue or claims is None:
+            ahead_gpus = by_pool.get((snap.clusters[c].id, snap.models[m]), 0)
             wait = expected_wait_s(snap, c, m, workers, state.per_worker, ahead_gpus=ahead_gpus, queue=queue)
             seen = dataclasses.replace(option, wait_s=wait)
         if best is None or seen.completion_s < best.completion_s:
@@ -991,7 +1033,7 @@ class SpanGuard:
         if best.completion_s + MIN_WAIT_S > (1.0 - self.margin) * busy_now:
             return Status()
         if snap.waiting_count(exclude=job.job_id) > 0:
-            queued = self._under_queue(state, decision.workers, options, busy_now)
+            queued = self._under_queue(state, decision.workers, options, busy_now, holders)
             if queued is None:
                 return Status()  # a queue: waiting would not pay by queue_slowdown x (docstring)
             best = queued
@@ -1012,7 +1054,12 @@ class SpanGuard:
         )
 
     def _under_queue(
-        self, state: CycleState, workers: int, options: Sequence[PoolOption], busy_now: float
+        self,
+        state: CycleState,
+        workers: int,
+        options: Sequence[PoolOption],
+        busy_now: float,
+        holders: BoolArray,
     ) -> PoolOption | None:
         """While other jobs wait: the option to wait for, or None (start now). A single worker
         keeps the best option when the slower GPUs take ``queue_slowdown`` x as long
@@ -1023,7 +1070,14 @@ class SpanGuard:
             return best if waits_under_queue(workers, busy_now, best.busy_s, self.queue_slowdown) else None
         if not self.queue_aware or state.queue_key is None:
             return None
-        behind = behind_queue(state, options, workers, self.book)
+        # Every pool that ends sooner than starting now is a candidate (a queue may lengthen the
+        # best queue-blind option past one that ``options`` left out), with the claims of the jobs
+        # ahead in the queue's order.
+        claims = queue_claims(state, self.book)
+        options = single_cluster_options(
+            state, holders, workers, within_s=busy_now, with_data=True, claims=claims[0], prune=False
+        )
+        behind = behind_queue(state, options, workers, self.book, claims=claims)
         if behind is None or behind.busy_s >= busy_now:
             return None
         if behind.wait_s < MIN_WAIT_S and _holds_now(state, behind.cluster, behind.model, workers):
