@@ -64,7 +64,7 @@ def traces(draw: Any) -> list[SimJob]:
 
 
 def service() -> PlacementService:
-    ctx = SimpleNamespace(db=None, publisher=None, stats={}, nc=None)
+    ctx = SimpleNamespace(db=None, publisher=None, stats={}, nc=None, debug={})
     svc = PlacementService(ctx, topology=TOPOLOGY, economics=PLATFORM.economics)  # type: ignore[arg-type]
     svc.book.nodes = {n.node: n for n in PLATFORM.nodes}
     svc.book.invalidate()
