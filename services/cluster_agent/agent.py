@@ -81,6 +81,10 @@ _tracer = trace.get_tracer("loom.cluster_agent")
 REPORT_BATCH = 64
 """Reports sent at once: written to the connection in order, acknowledged together."""
 
+RUNNER_STOP_S = 30.0
+"""A stop waits at most this long for the command consumer's in-flight handlers (each Slurm
+command is bounded by its own timeout; this bounds a handler hung elsewhere, on the bus say)."""
+
 
 @dataclass
 class Report:
@@ -296,7 +300,11 @@ class Agent:
         if not beat.cancelled() and beat.exception() is not None:  # retrieved: never "never retrieved"
             log.warning("heartbeat ended with an error", error=repr(beat.exception()))
         commands.cancel()
-        await runner.stop()
+        try:  # bounded: a command handler hung on the bus must not hold the stop for ever
+            async with asyncio.timeout(RUNNER_STOP_S):
+                await runner.stop()
+        except TimeoutError:
+            log.warning("command consumer did not stop in time", timeout_s=RUNNER_STOP_S)
         await _cancel_all(self.tasks.values())
         # What is still unsent stays in the journal for the next start; give it a moment.
         with contextlib.suppress(TimeoutError):
@@ -1345,10 +1353,8 @@ async def _complete(work: Awaitable[None]) -> None:
     cancelled = False
     while not task.done():
         try:
-            await asyncio.shield(task)
+            await asyncio.wait([task])  # raises only the caller's cancellation, never the work's error
         except asyncio.CancelledError:
-            if task.cancelled():  # the work itself was cancelled (not by us): nothing left to wait for
-                raise
             cancelled = True
     if cancelled:
         if not task.cancelled() and task.exception() is not None:

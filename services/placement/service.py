@@ -380,6 +380,9 @@ class PlacementService:
             reason = self.failover.failed[c.cluster].reason
             self.stats["failover"]["failed"][c.cluster] = {"at": c.failed_at, "reason": reason}
         self.book.close(self.failover.closed())
+        # Jobs queued under an earlier lead may have been placed or cancelled by another leader
+        # meanwhile: the queue, what waits and the queued shapes all come from the store again.
+        self.book.leave_queue([*self.book.waiting, *self.book.queued])
         self.queue.clear()
         for row in await repo.queued_jobs(self.pool):
             q = queued_from_row(row)
@@ -781,7 +784,7 @@ class PlacementService:
             if route(q.job, self.shard_map) == territory:
                 del self.queue[job_id]  # its shard reloads it from the store
                 self.waiting_reasons.pop(job_id, None)
-                self.book.waiting.discard(job_id)  # no longer part of this instance's queue
+                self.book.leave_queue((job_id,))  # no longer part of this instance's queue
         self.stats["queued"] = len(self.queue)
         self.book.invalidate()
         self._territory_stats()

@@ -22,7 +22,7 @@ from loom.runtime.service import close_context, open_context
 from loom_proto import subjects
 from loom_proto.clusters import StartJob
 from loom_proto.jobs import JobSpec, NodeAllocation, Work
-from loom_services.cluster_agent.agent import Agent, _cancel_all
+from loom_services.cluster_agent.agent import Agent, _cancel_all, _complete
 from loom_services.cluster_agent.backend import BackendUnavailable
 from loom_services.cluster_agent.slurm import SlurmBackend
 
@@ -187,6 +187,35 @@ async def test_a_task_that_loses_its_cancellation_is_cancelled_again() -> None:
     await asyncio.sleep(0)  # it starts sleeping
     await asyncio.wait_for(_cancel_all([task], grace_s=0.05), timeout=30)
     assert swallowed.is_set() and task.cancelled()
+
+
+async def test_a_stop_cancelled_before_its_cleanup_fails_still_ends_cancelled() -> None:
+    finish = asyncio.Event()
+
+    async def cleanup() -> None:
+        await finish.wait()
+        raise RuntimeError("runner.stop failed")
+
+    async def stop() -> None:
+        await _complete(cleanup())
+
+    task = asyncio.create_task(stop())
+    await asyncio.sleep(0)
+    task.cancel()  # the caller gives up on the stop: the cleanup still runs to its end
+    await asyncio.sleep(0)
+    assert not task.done(), "the cleanup is still running"
+    finish.set()  # ... and then fails
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, timeout=30)
+    assert task.cancelled(), "a cancelled stop ends cancelled, not with the cleanup's error"
+
+
+async def test_a_cleanup_error_without_a_cancellation_propagates() -> None:
+    async def cleanup() -> None:
+        raise RuntimeError("runner.stop failed")
+
+    with pytest.raises(RuntimeError, match=r"runner\.stop failed"):
+        await asyncio.wait_for(_complete(cleanup()), timeout=30)
 
 
 async def test_a_command_cancelled_at_any_moment_ends_cancelled_never_with_a_result_or_another_error(
