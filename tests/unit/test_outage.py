@@ -155,6 +155,34 @@ async def test_check_soon_probes_in_the_background_once_per_interval() -> None:
     await d.close()
 
 
+async def test_close_ends_a_probe_loop_that_lost_its_cancellation() -> None:
+    d = deps(Switch(up=False), Switch())
+    entered = asyncio.Event()
+    swallowed = 0
+
+    async def lossy_probe(name: str, timeout_s: float | None = None) -> BaseException | None:
+        # As Python 3.11's wait_for can: a cancel landing as the probe completes is lost, and the
+        # probe's own answer (refused) comes back instead.
+        nonlocal swallowed
+        entered.set()
+        try:
+            await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            swallowed += 1
+        return ConnectionRefusedError("refused")
+
+    d._probe = lossy_probe  # type: ignore[method-assign]
+    d.mark_down("postgres", "refused")
+    probing = d._probing["postgres"]
+    await entered.wait()
+    probing.cancel()
+    await asyncio.sleep(0.05)
+    assert swallowed == 1 and not probing.done(), "the loop lives on past the lost cancel"
+    closing = asyncio.ensure_future(d.close())
+    await asyncio.wait([closing], timeout=20)  # never cancels the close (wait_for's cancel would)
+    assert closing.done() and probing.done(), "the close ends the loop that lost its cancel"
+
+
 def test_loom_status_says_down_for_a_server_that_is_gone() -> None:
     from loom.cli.main import _server_health_text
 

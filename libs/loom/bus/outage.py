@@ -15,7 +15,6 @@ registered for its NATS client (with PostgreSQL when it has a pool), or a NATS-o
 """
 
 import asyncio
-import contextlib
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
@@ -38,6 +37,9 @@ from loom.bus.connection import BusError
 from loom.errors import LoomError, UnavailableError
 
 log = structlog.get_logger("loom.bus")
+
+CLOSE_GRACE_S = 0.5
+"""How long :meth:`Dependencies.close` waits for a cancelled probe loop before cancelling it again."""
 
 Probe = Callable[[], Awaitable[None]]
 """Returns when the dependency answers; raises (or times out) when it does not."""
@@ -111,6 +113,7 @@ class Dependencies:
         self._probing: dict[str, asyncio.Task[None]] = {}
         self._checked_at = float("-inf")
         self._checker: asyncio.Task[list[str]] | None = None
+        self._closed = False
 
     def add(self, dependency: Dependency) -> None:
         """Register (or replace) a dependency."""
@@ -219,13 +222,20 @@ class Dependencies:
         return True
 
     async def close(self) -> None:
-        """Stop probing (the process is ending)."""
+        """Stop probing (the process is ending). A probe loop that lost its cancellation (Python
+        3.11's ``wait_for`` returns the inner result when a cancel lands just as it completes) ends
+        at its next round all the same (``_closed``), and is cancelled again meanwhile."""
+        self._closed = True
         tasks = list(self._probing.values()) + ([self._checker] if self._checker is not None else [])
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            while not task.done():
+                await asyncio.wait([task], timeout=CLOSE_GRACE_S)
+                if not task.done():
+                    task.cancel()
+            if not task.cancelled():
+                task.exception()  # retrieved: a probe's end is no error of the close
         self._probing.clear()
 
     async def _probe(self, name: str, timeout_s: float | None = None) -> BaseException | None:
@@ -239,6 +249,8 @@ class Dependencies:
         backoff_s = self.first_backoff_s
         while True:
             await asyncio.sleep(backoff_s)
+            if self._closed:
+                return
             if await self._probe(name) is None:
                 break
             backoff_s = min(backoff_s * 2, self.max_backoff_s)
