@@ -227,3 +227,33 @@ async def test_a_standby_gives_the_holder_a_head_start_after_a_leaderless_bucket
         with pytest.raises(asyncio.CancelledError):
             await contender
         await holder.release()
+
+
+class LossyKV(ScriptedKV):
+    """A renewal that swallows a cancel landing in it, as a request through Python 3.11's
+    ``wait_for`` can when the cancel lands just as the reply arrives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_update = asyncio.Event()
+        self.swallowed = 0
+
+    async def update(self, key: str, value: bytes, last: int) -> int:
+        self.in_update.set()
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            self.swallowed += 1
+        return await super().update(key, value, last)
+
+
+async def test_a_release_ends_a_renewer_that_lost_its_cancel_and_deletes_the_key() -> None:
+    kv = LossyKV()
+    lease = await leading(kv)
+    kv.in_update.clear()
+    await kv.in_update.wait()  # a renewal is in flight: the release's cancel lands in it
+    releasing = asyncio.ensure_future(lease.release())
+    await asyncio.wait([releasing], timeout=20)  # never cancels the release (wait_for would)
+    assert kv.swallowed >= 1, "the cancel was lost in the renewal"
+    assert releasing.done() and releasing.exception() is None, "the release ends all the same"
+    assert kv.key is None and kv.deletes == 1, "and removes the key"

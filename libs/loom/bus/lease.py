@@ -164,6 +164,8 @@ class LeaderLease:
         self._revision = 0
         self._value = b""
         self._renewer: asyncio.Task[None] | None = None
+        self._stopping = False
+        """Set while :meth:`_stop_renewing` ends the renewer: it renews no more."""
 
     @property
     def token(self) -> int | None:
@@ -263,6 +265,8 @@ class LeaderLease:
             deadline = last_ok_at + self.ttl_s + (self.grace_s if leaderless else 0.0)
             period_s = self.poll_s if leaderless else self.renew_s
             await asyncio.sleep(min(period_s, max(deadline - time.monotonic(), 0.0)))  # the renewal period
+            if self._stopping:
+                return
             remaining_s = deadline - time.monotonic()
             if remaining_s <= 0:
                 self._lose(
@@ -365,10 +369,20 @@ class LeaderLease:
 
     async def _stop_renewing(self) -> None:
         if self._renewer is not None:
-            self._renewer.cancel()
+            renewer = self._renewer
+            self._stopping = True
+            renewer.cancel()
+            # A cancel can be lost where it lands as a request completes (``wait_for`` in Python
+            # 3.11, used by the NATS client): the renewer then ends at its next round
+            # (``_stopping``), and is cancelled again meanwhile.
+            while not renewer.done():
+                await asyncio.wait([renewer], timeout=0.5)
+                if not renewer.done():
+                    renewer.cancel()
             # A renewer that died was logged (and lost the lease) already: its error is not ours.
-            await asyncio.gather(self._renewer, return_exceptions=True)
+            await asyncio.gather(renewer, return_exceptions=True)
             self._renewer = None
+            self._stopping = False
 
     async def _bucket(self) -> KeyValue:
         """Open ``loom_leases``, creating it with ``ttl = ttl_s`` when absent; refuse another TTL."""
