@@ -56,6 +56,7 @@ from loom.migrate.checkpoints import checksum_of
 from loom.model.family import job_family
 from loom.model.heartbeat import next_interval_s
 from loom.runtime.service import ServiceContext
+from loom.tasks import cancel_and_wait
 from loom.telemetry import span_name
 from loom_proto import subjects
 from loom_proto.clusters import (
@@ -305,7 +306,7 @@ class Agent:
                 await runner.stop()
         except TimeoutError:
             log.warning("command consumer did not stop in time", timeout_s=RUNNER_STOP_S)
-        await _cancel_all(self.tasks.values())
+        await cancel_and_wait(self.tasks.values())
         # What is still unsent stays in the journal for the next start; give it a moment.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._all_sent.wait(), timeout=2.0)
@@ -638,7 +639,7 @@ class Agent:
     async def _halted(self, job: RunningJob, task: "asyncio.Task[None] | None") -> None:
         """The rest of a stop: its task ended, its part stopped in the backend (no clock)."""
         if task is not None:
-            await _cancel_all([task])  # its end, whatever it was; a cancellation of this one propagates
+            await cancel_and_wait([task])  # its end, whatever it was; a cancellation of this one propagates
         if not self.backend.clock:
             await self._stop_part(job)
 
@@ -1361,19 +1362,6 @@ async def _complete(work: Awaitable[None]) -> None:
             log.warning("stop cleanup failed", error=repr(task.exception()))
         raise asyncio.CancelledError
     task.result()
-
-
-async def _cancel_all(tasks: Iterable["asyncio.Task[None]"], grace_s: float = 1.0) -> None:
-    """Cancel the tasks and wait until every one has ended. One still running ``grace_s`` after
-    its cancellation lost it (caught and turned into an error its supervisor restarts it for, say)
-    and is cancelled again: a stop waits for no task's next round of work."""
-    pending = set(tasks)
-    while pending:
-        for task in pending:
-            task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=grace_s)
-        for task in pending:
-            log.warning("task still running after its cancellation; cancelled again", task=task.get_name())
 
 
 async def _answer_alive(msg: Msg) -> None:

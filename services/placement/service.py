@@ -121,6 +121,7 @@ from loom.store import replicas as replica_store
 from loom.store.fence import FencedError
 from loom.store.pool import ConflictError, transaction, with_retry
 from loom.store.roles import tenant_scope
+from loom.tasks import cancel_and_wait
 from loom.telemetry import metrics as prom
 from loom.telemetry import span_name
 from loom_proto import subjects
@@ -441,9 +442,7 @@ class PlacementService:
             )
         finally:
             if announcer is not None:
-                announcer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await announcer
+                await cancel_and_wait([announcer])
             await query_sub.unsubscribe()
             await tenant_query_sub.unsubscribe()
             await link_sub.unsubscribe()
@@ -504,11 +503,7 @@ class PlacementService:
         try:
             await asyncio.Event().wait()  # until cancelled: the lease was lost or we are stopping
         finally:
-            for task in loops:
-                task.cancel()
-            for task in loops:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await cancel_and_wait(loops)
             for runner in reversed(runners):
                 await runner.stop()
             await asyncio.gather(*self._sending, return_exceptions=True)

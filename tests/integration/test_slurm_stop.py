@@ -19,10 +19,11 @@ from waiting import until
 from loom.bus import Publisher
 from loom.bus.connection import connect
 from loom.runtime.service import close_context, open_context
+from loom.tasks import cancel_and_wait
 from loom_proto import subjects
 from loom_proto.clusters import StartJob
 from loom_proto.jobs import JobSpec, NodeAllocation, Work
-from loom_services.cluster_agent.agent import Agent, _cancel_all, _complete
+from loom_services.cluster_agent.agent import Agent, _complete
 from loom_services.cluster_agent.backend import BackendUnavailable
 from loom_services.cluster_agent.slurm import SlurmBackend
 
@@ -185,7 +186,7 @@ async def test_a_task_that_loses_its_cancellation_is_cancelled_again() -> None:
 
     task = asyncio.create_task(stubborn())
     await asyncio.sleep(0)  # it starts sleeping
-    await asyncio.wait_for(_cancel_all([task], grace_s=0.05), timeout=30)
+    await asyncio.wait_for(cancel_and_wait([task], grace_s=0.05), timeout=30)
     assert swallowed.is_set() and task.cancelled()
 
 
@@ -295,6 +296,6 @@ async def test_a_stop_cancelled_while_it_runs_still_cancels_the_runs_and_ends_ca
         left = list(agent.tasks.values())
         if left:  # on a failure: leave nothing running
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(_cancel_all(left), timeout=30)
+                await asyncio.wait_for(cancel_and_wait(left), timeout=30)
         await close_context(ctx)
         await nc.close()

@@ -353,11 +353,15 @@ class ConsumerRunner(Generic[T]):
     async def stop(self) -> None:
         """Finish the batch in hand, then stop fetching; unacked messages are redelivered later."""
         self._stopping.set()
-        # A loop that died already was reported by whoever waited on it (a watchdog).
-        if self._task is not None and not self._task.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self._unsubscribe()
+        # A loop that died already was reported by whoever waited on it (a watchdog). A cancellation
+        # of the caller propagates (after the unsubscribe); the loop's own is no error of the stop.
+        try:
+            if self._task is not None and not self._task.done():
+                await asyncio.wait([self._task])
+                if not self._task.cancelled():
+                    self._task.result()
+        finally:
+            await self._unsubscribe()
 
     async def _unsubscribe(self) -> None:
         with contextlib.suppress(Exception):

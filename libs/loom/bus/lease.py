@@ -79,6 +79,7 @@ from nats.js.errors import KeyWrongLastSequenceError as WrongRevisionError
 from nats.js.kv import KeyValue
 
 from loom.bus.connection import BusError
+from loom.tasks import cancel_and_wait
 from loom_proto.ids import InvalidIdError, validate_id
 from loom_proto.lease import LeaseValue
 
@@ -371,16 +372,11 @@ class LeaderLease:
         if self._renewer is not None:
             renewer = self._renewer
             self._stopping = True
-            renewer.cancel()
             # A cancel can be lost where it lands as a request completes (``wait_for`` in Python
             # 3.11, used by the NATS client): the renewer then ends at its next round
-            # (``_stopping``), and is cancelled again meanwhile.
-            while not renewer.done():
-                await asyncio.wait([renewer], timeout=0.5)
-                if not renewer.done():
-                    renewer.cancel()
-            # A renewer that died was logged (and lost the lease) already: its error is not ours.
-            await asyncio.gather(renewer, return_exceptions=True)
+            # (``_stopping``), and is cancelled again meanwhile. A renewer that died was logged
+            # (and lost the lease) already: its error is not ours.
+            await cancel_and_wait([renewer])
             self._renewer = None
             self._stopping = False
 

@@ -35,6 +35,7 @@ from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
 from loom.bus.connection import BusError
 from loom.errors import LoomError, UnavailableError
+from loom.tasks import cancel_and_wait
 
 log = structlog.get_logger("loom.bus")
 
@@ -227,15 +228,7 @@ class Dependencies:
         at its next round all the same (``_closed``), and is cancelled again meanwhile."""
         self._closed = True
         tasks = list(self._probing.values()) + ([self._checker] if self._checker is not None else [])
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            while not task.done():
-                await asyncio.wait([task], timeout=CLOSE_GRACE_S)
-                if not task.done():
-                    task.cancel()
-            if not task.cancelled():
-                task.exception()  # retrieved: a probe's end is no error of the close
+        await cancel_and_wait(tasks, CLOSE_GRACE_S)  # a probe's end is no error of the close
         self._probing.clear()
 
     async def _probe(self, name: str, timeout_s: float | None = None) -> BaseException | None:

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from loom.model.topology import Link
+from loom.tasks import cancel_and_wait
 
 __all__ = [
     "BANDWIDTH_SCALE",
@@ -289,11 +290,7 @@ class UdpRelay(_RelayBase):
         for timer in self._timers:
             timer.cancel()
         self._timers.clear()
-        for task in self._tasks:
-            task.cancel()
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(list(self._tasks))
         for upstream in self._upstreams.values():
             upstream.close()
         self._upstreams.clear()

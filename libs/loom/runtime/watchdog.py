@@ -30,6 +30,8 @@ from typing import Any, Literal, Protocol
 
 import structlog
 
+from loom.tasks import cancel_and_wait
+
 log = structlog.get_logger("loom.watchdog")
 
 TaskState = Literal["running", "recovering", "restarting"]
@@ -184,10 +186,7 @@ class Watchdog:
 
     async def stop(self) -> None:
         """Cancel every supervised task and wait for them to end."""
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(list(self._tasks.values()))
 
     # ---- health ---------------------------------------------------------------------------------
 
