@@ -8,7 +8,6 @@ import math
 import numpy as np
 import pytest
 
-from loom.model.capacity import NodeCapacity
 from loom.sched.availability import Reservation, WaitBook, alone_waits, expected_wait_s, queue_for_pool
 from loom.sched.framework import CycleState, Framework
 from loom.sched.plugins.affinity import Affinity as AffinityRule
@@ -21,41 +20,10 @@ from loom.sched.plugins.network import (
     single_cluster_options,
 )
 from loom.sched.plugins.resources import ResourceFit
-from loom.sched.snapshot import NetMatrix, QueuedShape, RunningJob, Snapshot
+from loom.sched.snapshot import QueuedShape
 from loom_proto.jobs import Affinity, Communication, JobSpec, Layer, Pipeline, Resources, Work
 from loom_services.placement.book import Book
-
-NOW = 1000.0
-FAST, SLOW = "A100", "T4"
-
-
-def node(name: str, cluster: str, *, model: str = FAST, used: int = 0) -> NodeCapacity:
-    return NodeCapacity(
-        node=name,
-        cluster=cluster,
-        region="r1",
-        zone="r1-a",
-        gpu_model=model,
-        gpus_total=8,
-        gpus_reserved=used,
-    )
-
-
-def running(job_id: str, *allocations: tuple[str, int], ends_in_s: float) -> RunningJob:
-    return RunningJob(
-        job_id=job_id,
-        tenant="t",
-        priority=100,
-        cluster="ca",
-        gpu_model=FAST,
-        allocations=tuple(allocations),
-        expected_end_s=NOW + ends_in_s,
-    )
-
-
-def snapshot(nodes: list[NodeCapacity], runs: list[RunningJob] = ()) -> Snapshot:  # type: ignore[assignment]
-    speed = {(m, "training_compute"): s for m, s in ((FAST, 3.0), (SLOW, 1.0))}
-    return Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=NOW, running=list(runs))
+from tests.unit.test_contention import FAST, NOW, SLOW, node, running, snapshot
 
 
 def gang(
