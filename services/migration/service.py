@@ -80,6 +80,7 @@ from loom.migrate.drain import (
     waiting_for_capacity,
 )
 from loom.migrate.network import candidate_of, path_between, running_state, spans
+from loom.migrate.queue import options_from_wire
 from loom.migrate.replicas import (
     Held,
     ReplicaSettings,
@@ -1065,8 +1066,16 @@ class MigrationService:
             path: benefit.PathState | None = benefit.LOCAL_PATH  # it would be placed where it is
         else:
             path = path_between(self.links, lead_region, candidate.region) if candidate is not None else None
+        # The queue the move would deprive there (the queue's loss), as placement sees it.
+        queued = options_from_wire((answer.get("candidate") or {}).get("queued"))
         verdict = benefit.decide(
-            job, candidate, path or UNMEASURED_PATH, now_s=now, trigger=trigger, settings=self.settings.rule
+            job,
+            candidate,
+            path or UNMEASURED_PATH,
+            now_s=now,
+            trigger=trigger,
+            settings=self.settings.rule,
+            queued=queued,
         )
         if trigger == "node_slow":
             avoid: list[str] = []  # its suspect nodes are closed; the rest of its cluster is not

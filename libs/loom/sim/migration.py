@@ -70,15 +70,14 @@ from loom.migrate.benefit import (
     job_class_of,
     plan_migrations,
 )
+from loom.migrate.queue import queued_options
 from loom.migrate.replicas import ReplicaSettings
-from loom.sched.availability import expected_wait_s
 from loom.sim.replicas import SimReplicas
 
 if TYPE_CHECKING:
     from loom.sched.framework import Decision
     from loom.sim.engine import _Job, _Simulation
     from loom.sim.model import SimEvent
-    from loom_proto.jobs import JobSpec
 
 __all__ = ["MODES", "MigrationMode", "MigrationPolicy", "Migrator"]
 
@@ -466,64 +465,13 @@ class Migrator:
         return verdict, d
 
     def _queued(self, job: _Job, d: Decision) -> list[QueuedOption]:
-        """The waiting jobs (``Snapshot.waiting``: nothing fits them now) that the candidate's lead
-        pool could hold when free (their hard rules allow it; its schedulable GPUs are enough), as
-        the scheduler predicts them there and on their fastest other pool that could hold them
-        (compute steps: the scheduler's speed x trust; a gang's exchange is left out), and when
-        that pool is expected to have room for them without the move and once the move has taken
-        its GPUs there (:func:`loom.sched.availability.expected_wait_s`, ``ahead_gpus``). The
-        snapshot does not hold the candidate (``apply=False``)."""
-        sim = self.sim
-        snap = sim.snap
+        """The waiting jobs the candidate's lead pool could hold, by the rule placement's what-if
+        answers the migration service with (:func:`loom.migrate.queue.queued_options`: the queue
+        and its shapes as the framework recorded them). The snapshot does not hold the candidate
+        (``apply=False``)."""
         lead = d.parts[0]
-        c, m = snap.cluster_index.get(lead.cluster), snap.model_index.get(lead.gpu_model)
-        if c is None or m is None or not snap.waiting:
-            return []
-        capacity: dict[tuple[int, int], int] = {}
-        per_worker = job.spec.resources.gpus
-        taken = sum(w for _, w in lead.allocations) * per_worker
-
-        def holds(ci: int, mi: int) -> int:
-            if (ci, mi) not in capacity:
-                pool = snap.pool(ci, mi)
-                capacity[ci, mi] = int((snap.total[pool] * snap.schedulable[pool]).sum())
-            return capacity[ci, mi]
-
-        out = []
-        for job_id in sorted(snap.waiting):
-            other = sim.jobs.get(job_id)
-            if other is None or job_id == job.spec.job_id or other.run is not None:
-                continue
-            spec = other.spec
-            gpus = spec.resources.gpus * max(spec.workers, 1)
-            pools = other.shape.pools
-            if not pools[c, m] or holds(c, m) < gpus:
-                continue
-
-            def step(ci: int, mi: int, spec: JobSpec = spec) -> float:
-                speed = snap.job_gpu_speed(spec, snap.models[mi]) * sim.trust.get(snap.clusters[ci].id, 1.0)
-                return spec.work.step_time_s / speed if speed > 0 else math.inf
-
-            elsewhere = min(
-                (
-                    step(int(ci), int(mi))
-                    for ci, mi in zip(*pools.nonzero(), strict=True)
-                    if (int(ci), int(mi)) != (c, m) and holds(int(ci), int(mi)) >= gpus
-                ),
-                default=math.inf,
-            )
-            workers, each = max(spec.workers, 1), spec.resources.gpus
-            out.append(
-                QueuedOption(
-                    job_id,
-                    other.steps_left,
-                    step(c, m),
-                    elsewhere,
-                    wait_free_s=expected_wait_s(snap, c, m, workers, each),
-                    wait_taken_s=expected_wait_s(snap, c, m, workers, each, ahead_gpus=taken),
-                )
-            )
-        return out
+        taken = sum(w for _, w in lead.allocations) * job.spec.resources.gpus
+        return queued_options(self.sim.snap, job.spec.job_id, lead.cluster, lead.gpu_model, taken)
 
     def _consider(self, job_ids: list[str], trigger: Trigger, *, only: str | None = None) -> None:
         """Look at the affected jobs for one trigger and move those the mode moves."""
