@@ -17,7 +17,7 @@ import msgspec
 import structlog
 from nats.aio.msg import Msg
 
-from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
+from loom.bus import ConsumerRunner, ConsumerSpec, Delivery, stop_runners
 from loom.errors import InvalidInputError, LoomError
 from loom.metering.run import MeteredEvent
 from loom.model.ledger import Change, Ledger, LedgerNode
@@ -28,6 +28,7 @@ from loom.store import inbox, outbox
 from loom.store import ledger as ledger_store
 from loom.store import usage as usage_store
 from loom.store.pool import transaction
+from loom.tasks import cancel_and_wait
 from loom.telemetry import metrics as prom
 from loom_proto import subjects
 from loom_proto.clusters import AcceleratorProfile, ClusterHeartbeat, ClusterProfiles
@@ -173,13 +174,9 @@ class MetricsService:
         try:
             await self.ctx.stopping.wait()
         finally:
-            for task in loops:
-                task.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+            await cancel_and_wait(loops)
             await query_sub.unsubscribe()
-            await metering.stop()
-            await profiles.stop()
-            await runner.stop()
+            await stop_runners([metering, profiles, runner])
 
     async def _gauge_loop(self) -> None:
         """Refresh the capacity gauges every ``gauges_every_s``, the usage gauges every

@@ -70,7 +70,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
-from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
+from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, stop_runners
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.errors import InvalidInputError, NotLeaderError, TransientError
 from loom.migrate.checkpoints import Checkpoint, choose, report_refusal
@@ -184,6 +184,10 @@ MIN_DECIDE_SLICE = 8
 """The fewest submissions one slice decides (see :func:`decide_slice`)."""
 WHATIF_SHARE = 0.25
 """What-ifs take at most about this share of the event loop (``on_whatif`` paces them)."""
+LOOPS_STOP_GRACE_S = 5.0
+"""How long the lead's loops have to end once cancelled before they are cancelled again
+(:func:`loom.tasks.cancel_and_wait`): a territory watcher's cleanup stops consumers and hands a
+lease back."""
 LOAD_WAIT_S = 10.0
 """How long a drains request waits for a new leader's state to be rebuilt before it reloads the
 drains anyway (a load that fails or outlasts this is not waited for longer: the reminder heals)."""
@@ -504,14 +508,17 @@ class PlacementService:
         try:
             await asyncio.Event().wait()  # until cancelled: the lease was lost or we are stopping
         finally:
-            await cancel_and_wait(loops)
-            for runner in reversed(runners):
-                await runner.stop()
-            await asyncio.gather(*self._sending, return_exceptions=True)
-            relay_stop.set()
-            self.relay.kick()
-            with contextlib.suppress(asyncio.CancelledError):
-                await relay
+            try:
+                # A grace long enough for a territory watcher's own cleanup (its consumers'
+                # stops, the territory's lease handed back) before a loop is cancelled again.
+                await cancel_and_wait(loops, grace_s=LOOPS_STOP_GRACE_S)
+                await stop_runners(reversed(runners))
+                await asyncio.gather(*self._sending, return_exceptions=True)
+            finally:
+                # Whatever cut the above short, the relay sends what was committed and ends.
+                relay_stop.set()
+                self.relay.kick()
+                await asyncio.wait([relay])
 
     def _consumers(self, shard: str, *, idle_fetch_timeout_s: float = 2.0) -> list[ConsumerRunner[Any]]:
         """The durable consumers of ``shard``: view deltas, lifecycle events, submissions (the
@@ -719,11 +726,9 @@ class PlacementService:
                             break
                         await asyncio.sleep(poll_s)
                 finally:
-                    for watcher in watchers:
-                        watcher.cancel()
-                    await asyncio.gather(*watchers, return_exceptions=True)
-                    for runner in reversed(runners):
-                        await runner.stop()
+                    await cancel_and_wait(watchers)
+                    # Together and shielded: a cancellation cuts none of the territory's stops short.
+                    await stop_runners(reversed(runners))
                 async with self.lock:
                     await self._drain()
                     self._drop_territory(territory)

@@ -28,13 +28,15 @@ def spec(job_id: str, gpus: int, workers: int = 1, steps: int = 1000) -> JobSpec
     )
 
 
-def shape(job: JobSpec, pools: list[tuple[int, int]], n_clusters: int = 2, n_models: int = 2) -> QueuedShape:
+def shape(
+    job: JobSpec, pools: list[tuple[int, int]], n_clusters: int = 2, n_models: int = 2, *, rank: int = 0
+) -> QueuedShape:
     allowed = np.zeros((n_clusters, n_models), dtype=bool)
     for c, m in pools:
         allowed[c, m] = True
     work_s = float(job.work.steps) * job.work.step_time_s
     return QueuedShape(
-        job.job_id, (0, job.job_id), max(job.workers, 1), job.resources.gpus, allowed, job, work_s
+        job.job_id, (rank, job.job_id), max(job.workers, 1), job.resources.gpus, allowed, job, work_s
     )
 
 
@@ -73,7 +75,8 @@ def test_only_waiting_jobs_the_target_pool_could_hold_are_counted_with_runs_ther
 
 def test_options_cross_the_wire_unchanged_and_malformed_ones_read_as_no_queue() -> None:
     options = [QueuedOption("q", 1.0, 20.0, math.inf, wait_free_s=5.0)]
-    assert options_from_wire(json.loads(json.dumps(options_to_wire(options)))) == options
+    strict = json.dumps(options_to_wire(options), allow_nan=False)  # no Infinity: any client reads it
+    assert options_from_wire(json.loads(strict)) == options
     assert options_from_wire(None) == []
     assert options_from_wire({"job_id": "q"}) == []
     assert options_from_wire([{"job_id": "q", "steps_left": "many"}]) == []
@@ -110,3 +113,22 @@ def test_placements_what_if_answers_the_queue_the_candidate_would_deprive() -> N
         (o.job_id, o.step_target_s, o.step_elsewhere_s) for o in queued
     ]
     assert [o.wait_free_s for o in same] == pytest.approx([o.wait_free_s for o in queued], abs=5.0)
+
+
+def test_the_first_waiting_jobs_in_queue_order_are_counted_up_to_the_limit() -> None:
+    """The GPUs a move takes would go to the first waiting job that fits: the front of the queue
+    (its keys' order, not the ids'), at most ``limit`` of it."""
+    snap = snapshot([node("a0", "ca", used=8)], [running("r1", ("a0", 8), ends_in_s=100.0)])
+    ca, fast = snap.cluster_index["ca"], snap.model_index[FAST]
+    for rank, job_id in enumerate(["z-first", "m-second", "a-third"]):
+        snap.queued[job_id] = shape(spec(job_id, 2), [(ca, fast)], n_clusters=1, n_models=1, rank=rank)
+    snap.waiting = {"z-first", "m-second", "a-third"}
+    assert [o.job_id for o in queued_options(snap, "mover", "ca", FAST, 4)] == [
+        "z-first",
+        "m-second",
+        "a-third",
+    ]
+    assert [o.job_id for o in queued_options(snap, "mover", "ca", FAST, 4, limit=2)] == [
+        "z-first",
+        "m-second",
+    ]

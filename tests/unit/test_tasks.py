@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from loom.bus.consumer import ConsumerRunner, ConsumerSpec
+from loom.bus.consumer import ConsumerRunner, ConsumerSpec, stop_runners
 from loom.tasks import cancel_and_wait
 
 
@@ -64,25 +64,48 @@ class _FakeNats:
         return object()
 
 
-async def test_a_consumer_stop_keeps_its_callers_cancellation() -> None:
-    """``ConsumerRunner.stop`` waits for the batch in hand; a caller cancelled meanwhile ends
-    cancelled (it used to swallow the cancel, and cancel the runner's loop with it)."""
-
+def _runner() -> ConsumerRunner[Any]:
     async def handler(_: Any) -> None:
         return None
 
-    runner: ConsumerRunner[Any] = ConsumerRunner(
+    return ConsumerRunner(
         _FakeNats(),  # type: ignore[arg-type]
         ConsumerSpec(stream="S", durable="d", filter_subjects=["s.>"]),
         bytes,
         handler=handler,
     )
-    loop = asyncio.create_task(_forever())  # a batch that takes its time
+
+
+async def test_a_consumer_stop_cancelled_by_its_caller_ends_the_loop_and_stays_cancelled() -> None:
+    """``ConsumerRunner.stop`` waits for the batch in hand; a caller cancelled meanwhile (a stop
+    under a timeout: a handler hung on the bus) ends the loop there and then, and stays cancelled
+    (it used to swallow the cancel)."""
+    runner = _runner()
+    loop = asyncio.create_task(_forever())  # a batch that never ends
     runner._task = loop
     stopper = asyncio.create_task(runner.stop())
     await asyncio.sleep(0.01)
     stopper.cancel()
     with pytest.raises(asyncio.CancelledError):
         await stopper
-    assert not loop.done()  # the loop is the runner's to end, not the cancelled caller's
-    await cancel_and_wait([loop])
+    assert loop.cancelled()
+
+
+async def test_stopping_runners_together_is_not_cut_short_by_a_cancel() -> None:
+    runners = [_runner(), _runner()]
+    finished: list[int] = []
+
+    async def batch(runner: ConsumerRunner[Any], i: int) -> None:
+        await runner._stopping.wait()
+        await asyncio.sleep(0.05)  # the batch in hand
+        finished.append(i)
+
+    for i, runner in enumerate(runners):
+        runner._task = asyncio.create_task(batch(runner, i))
+    stopper = asyncio.create_task(stop_runners(runners))
+    await asyncio.sleep(0.01)
+    stopper.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await stopper
+    await asyncio.wait_for(asyncio.gather(*(r._task for r in runners if r._task is not None)), timeout=10)
+    assert sorted(finished) == [0, 1]  # both finished their batch: the stops went on, shielded

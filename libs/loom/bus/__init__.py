@@ -5,7 +5,7 @@ and dead-lettering work the same way everywhere.
 """
 
 from loom.bus.connection import BusError, connect, ensure_streams, server_urls, stream_config
-from loom.bus.consumer import ConsumerRunner, ConsumerSpec, Delivery
+from loom.bus.consumer import ConsumerRunner, ConsumerSpec, Delivery, stop_runners
 from loom.bus.publisher import Publisher
 
 __all__ = [
@@ -17,5 +17,6 @@ __all__ = [
     "connect",
     "ensure_streams",
     "server_urls",
+    "stop_runners",
     "stream_config",
 ]

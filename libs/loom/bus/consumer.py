@@ -38,7 +38,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -62,6 +62,7 @@ from loom.bus.connection import BusError, announces_reconnects, on_reconnected
 from loom.bus.outage import Dependencies, of_connection
 from loom.bus.publisher import Publisher
 from loom.errors import LoomError, NotLeaderError, UnavailableError
+from loom.tasks import cancel_and_wait
 from loom.telemetry import message_context, span_name
 from loom.telemetry.metrics import CONSUMER_LAG, CONSUMER_MESSAGES, CONSUMER_REDELIVERIES, DEAD_LETTERS
 from loom_proto.codec import DecodeError, decode
@@ -353,13 +354,20 @@ class ConsumerRunner(Generic[T]):
     async def stop(self) -> None:
         """Finish the batch in hand, then stop fetching; unacked messages are redelivered later."""
         self._stopping.set()
-        # A loop that died already was reported by whoever waited on it (a watchdog). A cancellation
-        # of the caller propagates (after the unsubscribe); the loop's own is no error of the stop.
+        # A loop that died already was reported by whoever waited on it (a watchdog). A caller
+        # cancelled while the batch finishes (a stop under a timeout: a handler hung on the bus)
+        # ends the loop there and then, and stays cancelled; the loop's own cancellation is no
+        # error of the stop.
+        task = self._task
         try:
-            if self._task is not None and not self._task.done():
-                await asyncio.wait([self._task])
-                if not self._task.cancelled():
-                    self._task.result()
+            if task is not None and not task.done():
+                try:
+                    await asyncio.wait([task])
+                except asyncio.CancelledError:
+                    await cancel_and_wait([task])
+                    raise
+                if not task.cancelled():
+                    task.result()
         finally:
             await self._unsubscribe()
 
@@ -926,3 +934,14 @@ class ConsumerRunner(Generic[T]):
             DEAD_LETTERS.labels(self.spec.durable, meta.stream).inc()
         finally:
             span.end()
+
+
+async def stop_runners(runners: Iterable[ConsumerRunner[Any]]) -> None:
+    """Stop ``runners`` together (each finishes its batch in hand). A cancellation of the caller
+    does not cut the stops short: they go on, shielded, and the cancellation propagates. The first
+    error a stop raised (a loop that died while stopping) is raised once all have stopped."""
+    stops = asyncio.gather(*(runner.stop() for runner in runners), return_exceptions=True)
+    outcomes = await asyncio.shield(stops)
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            raise outcome

@@ -560,6 +560,15 @@ class Snapshot:
             ahead.append(shape)
         return ahead
 
+    def queue_order(self) -> list["QueuedShape"]:
+        """The queued jobs (:attr:`waiting`, with a :attr:`queued` shape) in queue order (job-id
+        order when their keys do not all compare)."""
+        order = self._queue_sorted()
+        waiting = self.waiting
+        if order is None:
+            return [self.queued[j] for j in sorted(waiting) if j in self.queued]
+        return [shape for shape in order[1] if shape.job_id in waiting]
+
     def _queue_sorted(self) -> tuple[list[tuple[Any, ...]], list["QueuedShape"]] | None:
         """:attr:`queued` in queue order (keys, shapes), kept until it changes; None when its keys
         do not all compare."""
