@@ -7,7 +7,9 @@ partitioned or slow to notice its loss from writing afterwards. The fence makes 
    raises the stored token only when the new one is larger, and it takes the row's exclusive
    lock (``UPDATE``) to do so.
 2. Every write of a leader runs in a transaction that first calls :func:`check`, which reads the
-   row ``FOR SHARE`` and refuses (:class:`FencedError`) unless the token is still the stored one.
+   row ``FOR SHARE`` and refuses (:class:`FencedError`) unless the token is still the stored one;
+   or in a :func:`fenced_transaction`, whose ``BEGIN`` and checks of every fence it holds are one
+   statement (one round trip): the rows with its tokens, share-locked, must all come back.
 
 Why that is enough: the share lock is held until the leader's transaction ends and conflicts with
 the claim's update. So a claim waits for every leader transaction that already passed its check,
