@@ -86,6 +86,72 @@ async def insert_jobs(
     return {r["job_id"] for r in rows}
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """What :func:`admit_jobs` did: the message ids it claimed, the job ids it inserted, and the
+    queued jobs whose rows it locked."""
+
+    claimed: set[str]
+    inserted: set[str]
+    locked: set[str]
+
+
+async def admit_jobs(
+    conn: asyncpg.Connection,
+    consumer: str,
+    jobs: Sequence[tuple[str, NewJob]],
+    *,
+    lock_queued: Sequence[str] = (),
+) -> Admitted:
+    """A submission batch's admission in one statement (one round trip): :func:`loom.store.inbox.
+    claim_many` of the messages, :func:`insert_jobs` (with ``submitted_events``) of the jobs they
+    carry, and :func:`lock_queued` of the waiting jobs the same cycle will consider.
+
+    ``jobs``: (message id, job) pairs. A job is inserted only when its message was claimed here
+    (a message handled before leaves its job alone) and its id is new. ``lock_queued``: job ids
+    whose rows are locked for this transaction when still queued (the others left the queue).
+    """
+    if not jobs and not lock_queued:
+        return Admitted(set(), set(), set())
+    rows = await conn.fetch(
+        """WITH claimed AS (
+               INSERT INTO inbox (consumer, msg_id) SELECT $1, unnest($2::text[])
+               ON CONFLICT DO NOTHING RETURNING msg_id
+           ), ins AS (
+               INSERT INTO jobs (job_id, tenant, state, spec, submitted_at, trace_context, parent, priority)
+               SELECT j, t, st, s::jsonb, a, c::jsonb, p, pr
+               FROM unnest($2::text[], $3::text[], $4::text[], $5::text[], $6::timestamptz[], $7::text[],
+                           $8::text[], $9::text[], $10::int[]) AS u(m, j, t, s, a, c, st, p, pr)
+               WHERE u.m IN (SELECT msg_id FROM claimed)
+               ON CONFLICT (job_id) DO NOTHING RETURNING job_id, spec, submitted_at
+           ), events AS (
+               INSERT INTO job_events (job_id, kind, msg_id, event, at)
+               SELECT job_id, 'submitted', job_id || ':submitted', spec, submitted_at FROM ins
+               ON CONFLICT (msg_id) DO NOTHING
+           ), locked AS (
+               SELECT job_id FROM jobs WHERE job_id = ANY($11::text[]) AND state = 'queued' FOR UPDATE
+           )
+           SELECT 'claimed' AS kind, msg_id AS id FROM claimed
+           UNION ALL SELECT 'inserted', job_id FROM ins
+           UNION ALL SELECT 'locked', job_id FROM locked""",
+        consumer,
+        [m for m, _ in jobs],
+        [j.job_id for _, j in jobs],
+        [j.tenant for _, j in jobs],
+        [j.spec_json.decode() for _, j in jobs],
+        [ts(j.submitted_at) for _, j in jobs],
+        [json.dumps(dict(j.trace_context)) for _, j in jobs],
+        [j.state for _, j in jobs],
+        [j.parent for _, j in jobs],
+        [j.priority for _, j in jobs],
+        list(lock_queued),
+    )
+    found: dict[str, set[str]] = {"claimed": set(), "inserted": set(), "locked": set()}
+    for r in rows:
+        found[r["kind"]].add(r["id"])
+    return Admitted(found["claimed"], found["inserted"], found["locked"])
+
+
 async def append_events(conn: asyncpg.Connection, events: Sequence[JobEventRow]) -> set[str]:
     """Append events of known jobs; returns the message ids that were new.
 
