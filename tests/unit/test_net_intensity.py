@@ -11,7 +11,10 @@ from loom.net.burst import BURST_PROBE
 from loom.net.intensity import UseConfig, dense_overdue_s, dense_plan, links_in_use
 from loom.net.linkstate import cusum_weights, loss_evidence
 from loom.net.window import LinkWindow
-from loom_proto.net import ProbeSample
+from loom.netemu.probes import ProbeResult
+from loom_proto.codec import DecodeError, decode, encode
+from loom_proto.net import LinkInUse, LinksInUse, ProbeSample
+from loom_services.probe_collector.collector import BurstRounds
 
 T0 = 1_767_225_600.0
 
@@ -134,3 +137,26 @@ def test_a_counts_only_sample_that_lost_probes_is_evaluated_at_once() -> None:
     # Degraded already: further lossy samples wait for the tick.
     assert perception.ingest(dense(9, 4, t + 0.8), t + 0.8) is None
     assert perception.shifted() == []
+
+
+def test_a_dropped_extra_probe_counts_neither_sent_nor_lost() -> None:
+    rounds = BurstRounds("a", "b")
+    for seq in range(4):
+        rounds.sent(seq)
+    assert rounds.seal() == []  # nothing answered yet
+    assert rounds.add(ProbeResult(seq=0, sent_at=T0, rtt_ms=100.0)) == []
+    assert rounds.add(ProbeResult(seq=1, sent_at=T0, rtt_ms=None)) == []
+    assert rounds.drop(2) == []  # its timeout fired late: no evidence either way
+    assert rounds.drop(2) == []  # dropping twice changes nothing
+    (sample,) = rounds.add(ProbeResult(seq=3, sent_at=T0 + 0.01, rtt_ms=101.0))
+    assert (sample.probe, sample.sent, sample.lost) == (BURST_PROBE, 3, 1)
+    assert not rounds.owns(2)
+
+
+def test_links_in_use_travel_as_a_strict_contract() -> None:
+    use = LinksInUse(links=[LinkInUse(src="weu", dst="sea1", jobs=2)], ttl_s=20.0, at=T0)
+    assert decode(encode(use), LinksInUse) == use
+    with pytest.raises(DecodeError):  # unknown fields are refused, as every contract's
+        decode(b'{"kind": "links_in_use", "links": [], "ttl_s": 20, "at": 1, "extra": 1}', LinksInUse)
+    with pytest.raises(DecodeError):
+        decode(b'{"kind": "links_in_use", "links": [], "ttl_s": 0, "at": 1}', LinksInUse)
