@@ -957,8 +957,7 @@ class MigrationService:
         while True:
             self._wake_use.clear()
             try:
-                rows = await moves.running_spans(self.pool)
-                use = links_in_use(r["regions"] for r in rows)
+                use = links_in_use(await moves.spanned_regions(self.pool))
                 if use or announced:
                     message = LinksInUse(
                         links=[LinkInUse(src=s, dst=d, jobs=n) for (s, d), n in sorted(use.items())],
