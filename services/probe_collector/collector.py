@@ -112,14 +112,14 @@ class CollectorConfig:
     use: UseConfig = field(default_factory=UseConfig)
     """How hard the links running jobs span are probed (:mod:`loom.net.intensity`)."""
     burst_stall_s: float = 0.25
+    """A loop lag beyond this (a probe's timeout reported this late, or a send tick missed by
+    it) holds new burst episodes for the next period: answers still unread in the socket were
+    counted lost, on every link at once."""
     dense_stall_s: float = 0.1
     """An extra probe of a link in use (:mod:`loom.net.intensity`) lost while the loop was late
     for a send tick by more than this (or whose timeout fired ``burst_stall_s`` late) is not
     reported: its answer may have waited unread (or overflowed the socket) while the loop was
     busy. Its deadline is a few RTTs, not the probe timeout, so a stall eats into it."""
-    """A loop lag beyond this (a probe's timeout reported this late, or a send tick missed by
-    it) holds new burst episodes for the next period: answers still unread in the socket were
-    counted lost, on every link at once."""
 
 
 class EmulatorRequest:
