@@ -36,17 +36,22 @@ import argparse
 import csv
 import heapq
 import json
+import math
 import random
 import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from loom.net import Expected, LinkConfig, Perception
 from loom.net.burst import BurstPlanner
+from loom.net.intensity import dense_overdue_s, dense_plan
 from loom.net.outliers import OutlierConfig
 from loom.netemu.probes import ProbeResult
-from loom_services.probe_collector.collector import BurstRounds, CollectorConfig, RoundBuilder
+from loom_proto.net import ProbeSample
+from loom_services.probe_collector.collector import BurstRounds, CollectorConfig, RoundBuilder, round_sample
 
 T0 = 1_767_225_600.0
 PROBES = 5
@@ -69,6 +74,9 @@ class Chain:
     """The collector's ratio for a shift within a round (0: its default)."""
     burst: bool = False
     """The collector bursts extra probes on a link it suspects of loss (:mod:`loom.net.burst`)."""
+    dense: bool = False
+    """The link is in use: the collector sends it ``UseConfig.probes_per_period`` extra probes a
+    period at its send ticks (:mod:`loom.net.intensity`; a link in use gets no loss bursts)."""
 
 
 BEFORE = Chain("before", shift_probes=0, confirm_large=3, event_driven=False, review_delay_s=0.3)
@@ -81,9 +89,13 @@ STEADY = Chain(
 )
 """The chain before burst probing: only the steady probes."""
 AFTER = replace(STEADY, name="after", burst=CollectorConfig().burst.enabled)
-CHAINS = {chain.name: chain for chain in (BEFORE, STEADY, AFTER)}
+USED = replace(STEADY, name="used", dense=CollectorConfig().use.enabled)
+"""A link in use (a running job spans it): densely probed, no bursts."""
+CHAINS = {chain.name: chain for chain in (BEFORE, STEADY, AFTER, USED)}
 BURST_SEQ = 10**9
 """Burst probes are numbered from here (the collector's share one counter; only order matters)."""
+DENSE_SEQ = 2 * 10**9
+"""... and the dense probes of a link in use from here."""
 
 
 def _perception(chain: Chain, rtt_ms: float, mdev_ms: float) -> Perception:
@@ -118,6 +130,13 @@ def _simulate(  # noqa: PLR0912, PLR0915 (one event loop, its branches are the s
     rounds = RoundBuilder("a", "b", PROBES, chain.shift_ratio or collector.shift_ratio, chain.shift_probes)
     bursts = BurstRounds("a", "b")
     planner = BurstPlanner(collector.burst) if chain.burst else None
+    dense = BurstRounds("a", "b")
+    dense_per_tick = 0
+    if chain.dense:
+        planned = dense_plan(["b"], collector.use, period_s).get("b", 0)
+        dense_per_tick = min(math.ceil(planned / PROBES), collector.use.max_per_tick)
+    # As the collector, from the link's smoothed RTT (here its base).
+    dense_overdue = dense_overdue_s(base_ms, collector.use, collector.probe_timeout_s)
     overdue_s = min(
         max(collector.burst_overdue_rtts * base_ms / 1000.0, collector.burst_overdue_min_s),
         collector.probe_timeout_s,
@@ -133,15 +152,16 @@ def _simulate(  # noqa: PLR0912, PLR0915 (one event loop, its branches are the s
         order += 1
         heapq.heappush(events, (at, order, kind, what))
 
-    def probe(seq: int, sent: float, kind: str) -> bool:
-        """Send one probe at ``sent``: its result comes back as an event; whether it is lost."""
+    def probe(seq: int, sent: float, kind: str, timeout_s: float = collector.probe_timeout_s) -> bool:
+        """Send one probe at ``sent``: its result comes back as an event; whether it is lost
+        (or answered after ``timeout_s``: counted lost then)."""
         level = base_ms * (factor if change_at is not None and sent >= change_at else 1.0)
         rtt = min(max(rng.gauss(level, mdev_ms * (level / base_ms)), low_ms * level / base_ms), high_ms)
         if spikes and rng.random() < spikes:
             rtt *= rng.uniform(2.0, 5.0)
         lost = base_loss + (loss if change_at is not None and sent >= change_at else 0.0)
-        if lost and rng.random() < lost:
-            push(sent + collector.probe_timeout_s, kind, ProbeResult(seq=seq, sent_at=T0 + sent, rtt_ms=None))
+        if (lost and rng.random() < lost) or rtt / 1000.0 > timeout_s:
+            push(sent + timeout_s, kind, ProbeResult(seq=seq, sent_at=T0 + sent, rtt_ms=None))
             return True
         push(sent + rtt / 1000.0, kind, ProbeResult(seq=seq, sent_at=T0 + sent, rtt_ms=rtt))
         return False
@@ -156,6 +176,11 @@ def _simulate(  # noqa: PLR0912, PLR0915 (one event loop, its branches are the s
         for k in range(periods):
             push(k * period_s, "period", None)
     burst_seq = BURST_SEQ
+    dense_seq = DENSE_SEQ
+    dense_probes = 0
+    if dense_per_tick:
+        for i in range(int(end / interval)):
+            push(i * interval, "dense", dense_per_tick)
     tick = tick_phase
     while tick < end + period_s:
         push(tick, "tick", None)
@@ -187,6 +212,18 @@ def _simulate(  # noqa: PLR0912, PLR0915 (one event loop, its branches are the s
                 probe(burst_seq, at, "bresult")
                 burst_seq += 1
             planner.on_sent("b", T0 + at, what)
+        elif kind == "dense":
+            # This send tick's extra probes: one batch, one counts-only sample once all are in.
+            for _ in range(what):
+                dense.sent(dense_seq)
+                probe(dense_seq, at, "dresult", dense_overdue)
+                dense_seq += 1
+            dense_probes += what
+            for sample in dense.seal():
+                push((int(at / interval) + 1) * interval + linger, "ingest", sample)
+        elif kind == "dresult":
+            for sample in dense.add(what):
+                push((int(at / interval) + 1) * interval + linger, "ingest", sample)
         elif kind == "bresult":
             assert planner is not None
             planner.on_result("b", T0 + at, what.rtt_ms is None, True, what.sent_at)
@@ -225,7 +262,7 @@ def _simulate(  # noqa: PLR0912, PLR0915 (one event loop, its branches are the s
         "degraded": degraded,
         "shifts": shifts,
         "steady_probes": int(end / interval),
-        "burst_probes": counts.get("burst_probes", 0),
+        "burst_probes": counts.get("burst_probes", 0) + dense_probes,
         "burst_episodes": counts.get("burst_episodes", 0),
         "burst_ends": {r: counts.get(f"burst_ended_{r}", 0) for r in ("bad", "good", "capped")},
     }
@@ -297,6 +334,85 @@ def timing(
             else {}
         ),
         "burst_probes_per_trial": _summary([float(b) for b in bursts]),
+    }
+
+
+def dense_false_positives(
+    chain: Chain, *, links: int, periods: int, seed: int, spikes: float, base_loss: float = 0.0
+) -> dict[str, Any]:
+    """:func:`false_positives` for a link in use, at the level of samples (a heap event per probe
+    is too slow for hundreds of probes a period over link-hours): each period one steady round
+    and, at each send tick, one counts-only sample of the tick's extra probes, each lost with
+    ``base_loss`` or when its RTT (the same noise model: N(avg, mdev) clipped to [min, max],
+    ``spikes`` of them 2-5x) is past the deadline; ingested at the deadline, evaluated at once
+    when it lost some (as network perception) and at every period's tick."""
+    keys = ("min_rtt_ms", "avg_rtt_ms", "max_rtt_ms", "mdev_rtt_ms")
+    rows = [r for r in csv.DictReader(DATA.open()) if all(r[k] for k in keys) and float(r["avg_rtt_ms"]) > 0]
+    rng = random.Random(seed)
+    chosen = rng.sample(rows, min(links, len(rows)))
+    collector = CollectorConfig()
+    per_tick = min(
+        math.ceil(dense_plan(["b"], collector.use, 1.0).get("b", 0) / PROBES), collector.use.max_per_tick
+    )
+    events = flagged = late = dense_probes = 0
+    for row in chosen:
+        avg, mdev = float(row["avg_rtt_ms"]), float(row["mdev_rtt_ms"])
+        low, high = float(row["min_rtt_ms"]), float(row["max_rtt_ms"])
+        link_rng = np.random.default_rng(int(rng.random() * 2**32))
+        perception = _perception(chain, avg, mdev)
+        overdue = dense_overdue_s(avg, collector.use, collector.probe_timeout_s)
+        found = 0
+        for k in range(periods):
+            start = k * 1.0
+            rtts = np.clip(link_rng.normal(avg, mdev, PROBES), low, high)
+            lost = link_rng.random(PROBES) < base_loss
+            results = [
+                ProbeResult(
+                    seq=k * PROBES + i, sent_at=T0 + start + i / PROBES, rtt_ms=None if lost[i] else rtt
+                )
+                for i, rtt in enumerate(rtts.tolist())
+            ]
+            perception.ingest(round_sample("a", "b", results), T0 + start + 1.0)
+            for j in range(PROBES):
+                sent = start + j / PROBES
+                rtts = np.clip(link_rng.normal(avg, mdev, per_tick), low, high)
+                spiking = link_rng.random(per_tick) < spikes
+                rtts = np.where(spiking, rtts * link_rng.uniform(2.0, 5.0, per_tick), rtts)
+                past = rtts / 1000.0 > overdue
+                gone = (link_rng.random(per_tick) < base_loss) | past
+                late += int(past.sum())
+                dense_probes += per_tick
+                n_lost = int(gone.sum())
+                sample = ProbeSample(
+                    src="a",
+                    dst="b",
+                    probe="udp_burst",  # loom.net.burst.BURST_PROBE, as the contract spells it
+                    seq=k * PROBES + j,
+                    sent_at=T0 + sent,
+                    rtt_ms=None if n_lost == per_tick else avg,
+                    sent=per_tick,
+                    lost=n_lost,
+                )
+                perception.ingest(sample, T0 + sent + overdue)
+                if perception.shifted():
+                    found += sum(
+                        e.kind == "degraded" for e in perception.evaluate_shifted(T0 + sent + overdue)
+                    )
+            found += sum(e.kind == "degraded" for e in perception.tick(T0 + start + 1.0))
+        events += found
+        flagged += bool(found)
+    hours = len(chosen) * periods / 3600.0
+    return {
+        "chain": chain.name,
+        "links": len(chosen),
+        "periods_per_link": periods,
+        "spike_rate": spikes,
+        "base_loss": base_loss,
+        "degraded_events": events,
+        "links_with_an_event": flagged,
+        "degraded_per_link_hour": events / hours,
+        "dense_probes_per_link_hour": round(dense_probes / hours, 1),
+        "dense_probes_past_deadline": late,
     }
 
 
@@ -410,7 +526,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for spikes in args.spikes:
             for base_loss in args.base_losses:
                 result["false_positives"].append(
-                    false_positives(
+                    (dense_false_positives if chain.dense else false_positives)(
                         chain,
                         links=args.links,
                         periods=args.periods,

@@ -142,3 +142,28 @@ class TransferObserved(
     def observed_gbps(self) -> float:
         """Throughput achieved, in gigabits per second."""
         return self.transfer_bytes * 8 / self.seconds / 1e9
+
+
+class LinkInUse(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """One directed link a running job's parts span, and how many such jobs."""
+
+    src: Id
+    dst: Id
+    jobs: Annotated[int, Meta(ge=1)] = 1
+
+
+class LinksInUse(
+    msgspec.Struct,
+    tag_field="kind",
+    tag="links_in_use",
+    forbid_unknown_fields=True,
+    frozen=True,
+    kw_only=True,
+):
+    """The links running jobs depend on now (``loom.net.use``): probe collectors probe them
+    densely (``loom.net.intensity``). Repeated while any is in use, once empty when none is left;
+    a link not repeated within ``ttl_s`` is no longer in use."""
+
+    links: Annotated[list[LinkInUse], Meta(max_length=10_000)]
+    ttl_s: Annotated[float, Meta(gt=0, le=3_600)]
+    at: UnixSeconds

@@ -325,6 +325,8 @@ JOBS_QUERY_TENANTS = f"{PREFIX}.jobs.query.*"
 NET_QUERY_PATH = f"{PREFIX}.net.query.path"
 NET_QUERY_POINT = f"{PREFIX}.net.query.point"
 NET_EMU_ALL = f"{PREFIX}.net.emu.all"
+NET_USE = f"{PREFIX}.net.use"
+"""The links running jobs span (core NATS: a collector needs only the latest)."""
 ALERTS_RAW_ALL = f"{PREFIX}.alerts.raw.*"
 INCIDENTS_ALL = [f"{PREFIX}.incidents.{change}" for change in INCIDENT_CHANGES]
 INCIDENTS_ACK = f"{PREFIX}.incidents.ack"

@@ -90,16 +90,17 @@ from loom.migrate.replicas import (
     path_of,
     plan_copy,
 )
+from loom.net.intensity import links_in_use
 from loom.runtime.service import ServiceContext
 from loom.store import fence, moves, outbox
 from loom.store import replicas as replica_store
 from loom.store.pool import transaction
 from loom_proto import subjects
 from loom_proto.clusters import CheckpointJob
-from loom_proto.codec import DecodeError, decode
+from loom_proto.codec import DecodeError, decode, encode
 from loom_proto.jobs import JobRequeued, JobSpec, JobStarted
 from loom_proto.migrations import MigrationEvent, MigrationKind
-from loom_proto.net import LinkEventMessage, LinkRecovered, LinkState
+from loom_proto.net import LinkEventMessage, LinkInUse, LinkRecovered, LinksInUse, LinkState
 
 log = structlog.get_logger("migration")
 
@@ -137,6 +138,16 @@ class MigrationSettings:
     drain_retry_s: float = 2.0
     """A drained cluster's job that no placement elsewhere had room for (it waits for capacity,
     running where it is) is asked about again this often: it moves as soon as room appears."""
+    use_every_s: float = 5.0
+    """While running jobs span links, the links in use (``loom.net.use``) are announced this
+    often (jobs that ended are noticed by then); a job's start announces at once."""
+    use_ttl_s: float = 20.0
+    """An announced link stays in use this long unless announced again (a lost message heals)."""
+    use_gap_s: float = 1.0
+    """At least this long between two looks at the running jobs' links."""
+    use_idle_s: float = 60.0
+    """With no link in use, the store is looked at only this often (a start wakes it at once):
+    the platform at rest pays nothing for dense probing."""
     review_delay_s: float = 0.1
     """A link event is reviewed this long after it arrives (placement takes the link's new state
     from the same tick first, so its what-if prices the path as measured now)."""
@@ -221,6 +232,8 @@ class MigrationService:
         placement records the checkpoint a moment after the report this service hears."""
         self._wake_moves = asyncio.Event()
         """Set when this process records a move: the idle moves loop looks at once."""
+        self._wake_use = asyncio.Event()
+        """Set by a job's start: the links in use are announced again at once."""
 
     async def run(self) -> None:
         """Consume job events, answer drain requests and queries, drive drains, until stopped."""
@@ -258,6 +271,7 @@ class MigrationService:
             watchdog.supervise("replicas", self._replica_loop),
             watchdog.supervise("clusters", self._clusters_loop),
             watchdog.supervise("slow-runs", self._slow_loop),
+            watchdog.supervise("links-in-use", self._use_loop),
             watchdog.supervise("outbox-relay", functools.partial(self.relay.run, relay_stop), finishes=True),
         ]
         try:
@@ -290,6 +304,8 @@ class MigrationService:
                 event: JobEvent = decode(d.message, JobEvent)  # type: ignore[arg-type]
             except DecodeError:
                 continue  # placement dead-letters bad lifecycle events; nothing to record here
+            if isinstance(event, JobStarted):
+                self._wake_use.set()  # a job may span a link now: announce it
             # A first attempt's start ends no migration (a migration leaves an attempt >= 1 for a
             # later one: migrations.from_attempt >= 1): most starts need no transaction at all.
             if isinstance(event, JobStarted) and event.attempt <= 1:
@@ -932,6 +948,36 @@ class MigrationService:
                 raise
             except Exception as exc:
                 log.warning("link review failed", src=event.src, dst=event.dst, error=repr(exc))
+
+    async def _use_loop(self) -> None:
+        """Announce the links running jobs span (``loom.net.use``, :func:`links_in_use`): every
+        ``use_every_s`` while any is, once empty when the last job spanning one is gone; with
+        none, look again only on a job's start or after ``use_idle_s``."""
+        settings = self.settings
+        announced = False
+        while True:
+            self._wake_use.clear()
+            try:
+                use = links_in_use(await moves.spanned_regions(self.pool))
+                if use or announced:
+                    message = LinksInUse(
+                        links=[LinkInUse(src=s, dst=d, jobs=n) for (s, d), n in sorted(use.items())],
+                        ttl_s=settings.use_ttl_s,
+                        at=time.time(),
+                    )
+                    await self.ctx.nc.publish(subjects.NET_USE, encode(message))
+                announced = bool(use)
+                self.stats["links_in_use"] = len(use)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("links in use not announced", error=repr(exc))
+                announced = True  # look again soon
+            # A burst of starts costs one look a ``use_gap_s``, not one each.
+            await asyncio.sleep(settings.use_gap_s)  # pacing the store's reads
+            wait = (settings.use_every_s if announced else settings.use_idle_s) - settings.use_gap_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake_use.wait(), max(wait, 0.0))
 
     async def review_link(self, event: LinkEventMessage) -> list[benefit.MigrationVerdict]:
         """Decide, for every running job whose parts span the link, whether it moves (degraded:

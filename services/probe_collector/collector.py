@@ -21,6 +21,7 @@ import contextlib
 import functools
 import itertools
 import json
+import math
 import statistics
 import time
 from collections import deque
@@ -35,6 +36,7 @@ from nats.aio.msg import Msg
 from loom.bus.publisher import Outgoing
 from loom.model.topology import Topology
 from loom.net.burst import BURST_PROBE, BurstConfig, BurstPlanner
+from loom.net.intensity import UseConfig, dense_overdue_s, dense_plan
 from loom.net.samples import TokenBucket
 from loom.netemu import (
     BANDWIDTH_SCALE,
@@ -50,7 +52,7 @@ from loom.netemu import (
 from loom.runtime.service import ServiceContext
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode, encode
-from loom_proto.net import ProbeEndpoints, ProbeSample
+from loom_proto.net import LinksInUse, ProbeEndpoints, ProbeSample
 
 log = structlog.get_logger("probe-collector")
 
@@ -107,10 +109,17 @@ class CollectorConfig:
     lost in the direct-burst test here, 344 of 600 in review) and the burst finds loss of its own
     making. A period's burst is at
     most this many per tick, the rest at the period's next ticks."""
+    use: UseConfig = field(default_factory=UseConfig)
+    """How hard the links running jobs span are probed (:mod:`loom.net.intensity`)."""
     burst_stall_s: float = 0.25
     """A loop lag beyond this (a probe's timeout reported this late, or a send tick missed by
     it) holds new burst episodes for the next period: answers still unread in the socket were
     counted lost, on every link at once."""
+    dense_stall_s: float = 0.1
+    """An extra probe of a link in use (:mod:`loom.net.intensity`) lost while the loop was late
+    for a send tick by more than this (or whose timeout fired ``burst_stall_s`` late) is not
+    reported: its answer may have waited unread (or overflowed the socket) while the loop was
+    busy. Its deadline is a few RTTs, not the probe timeout, so a stall eats into it."""
 
 
 class EmulatorRequest:
@@ -314,6 +323,15 @@ class BurstRounds:
         batch.results.append(result)
         return self._ready()
 
+    def drop(self, seq: int) -> list[ProbeSample]:
+        """Probe ``seq``'s result says nothing (its timeout fired late: its answer may be waiting
+        unread); its batch counts it neither sent nor lost. The samples this completes."""
+        batch = self._owner.pop(seq, None)
+        if batch is None:
+            return []
+        batch.expected -= 1
+        return self._ready()
+
     def seal(self) -> list[ProbeSample]:
         """The period is over: no more probes join its batch; the samples now complete."""
         if self._open is not None:
@@ -422,6 +440,17 @@ class ProbeCollector:
         """The burst probes of the links being probed now, by peer region."""
         self._burst_left: dict[str, int] = {}
         """Burst probes still to send this period, by peer region."""
+        self.in_use: dict[str, float] = {}
+        """Peer regions whose link running jobs span (``loom.net.use``), until when (monotonic)."""
+        self.dense_rounds: dict[str, BurstRounds] = {}
+        """The extra probes of the links in use being probed now, by peer region."""
+        self._dense: dict[str, tuple[int, float]] = {}
+        """This period's extra probes a tick on each link in use, and their deadline (s)."""
+        self._tick_due: float | None = None
+        """When the next send tick is due (loop time)."""
+        self._stalls: deque[tuple[float, float]] = deque(maxlen=64)
+        """The latest stretches (wall s) in which the loop was late for a send tick by more
+        than ``dense_stall_s``: an extra probe lost across one is no evidence."""
         self._holds: dict[str, Callable[[int, float], bool]] = {}
         """Each new prober's ``hold`` (:class:`UdpProber`), made with its result handler."""
         self._stalled = False
@@ -463,6 +492,11 @@ class ProbeCollector:
             "burst_held": 0,
             "send_ticks_late": 0,
             "probes_lost_late": 0,
+            "dense_probes_sent": 0,
+            "dense_probes_lost": 0,
+            "dense_probes_dropped_late": 0,
+            "dense_samples": 0,
+            "links_in_use": 0,
         }
         ctx.stats.update({"region": region, "counts": self.counts, "links": {}})
 
@@ -475,6 +509,7 @@ class ProbeCollector:
         subs = [
             await nc.subscribe(subjects.net_emulator_region(self.region), cb=self.on_control),
             await nc.subscribe(subjects.NET_EMU_ALL, cb=self.on_control),
+            await nc.subscribe(subjects.NET_USE, cb=self.on_use),
         ]
         watchdog = self.ctx.watchdog
         tasks = [
@@ -604,18 +639,24 @@ class ProbeCollector:
                 self.counts["send_ticks_late"] += 1
             if lag > self.config.burst_stall_s:
                 self._stalled = True
+            if lag > self.config.dense_stall_s:
+                now = time.time()
+                self._stalls.append((now - lag, now))
             for prober in list(self.probing.values()):
                 prober.flush()  # answers held for this tick come first, as had they woken the loop
             if tick % ticks == 0:
+                self._plan_dense()
                 self._plan_bursts()
             for prober in list(self.probing.values()):
                 prober.send()
                 self.counts["probes_sent"] += 1
             if self._burst_left and not late:
                 self._send_bursts(ticks - tick % ticks)
+            if self._dense and not late:
+                self._send_dense()
             if self.pending:
                 self._flush.set()
-            due = next_due
+            due = self._tick_due = next_due
             await asyncio.sleep(max(due - loop.time(), 0.0))  # pacing the probes
 
     def _plan_bursts(self) -> None:
@@ -627,11 +668,13 @@ class ProbeCollector:
                 self._enqueue_burst(sample)
         overdue: dict[str, float] = {}
         for dst in self.probing:
+            if dst in self._dense:
+                continue  # probed densely: its verdict needs no burst
             srtt = self.links[dst].srtt_ms
             wait = config.probe_timeout_s if srtt is None else config.burst_overdue_rtts * srtt / 1000.0
             overdue[dst] = min(max(wait, config.burst_overdue_min_s), config.probe_timeout_s)
         ticks = max(config.probes_per_period, 1)
-        limits = {dst: self._burst_per_tick(self.links[dst]) * ticks for dst in self.probing}
+        limits = {dst: self._burst_per_tick(self.links[dst]) * ticks for dst in overdue}
         lagging, self._stalled = self._stalled, False
         plan = self.burst.plan(time.time(), overdue, lagging=lagging, limits=limits)
         self._burst_left = {dst: n for dst, n in plan.items() if dst in self.probing}
@@ -658,10 +701,63 @@ class ProbeCollector:
             else:
                 del self._burst_left[dst]
 
-    def _burst_per_tick(self, link: PeerLink) -> int:
-        """Burst probes one tick sends on ``link``: ``burst_max_per_tick``, and emulated no more
-        than the link passes in ``burst_queue_ms``."""
-        most = max(self.config.burst_max_per_tick, 1)
+    def _plan_dense(self) -> None:
+        """At a period's start: the extra probes a tick of each link in use being probed
+        (:func:`~loom.net.intensity.dense_plan`, within the collector's budget) and their deadline."""
+        config = self.config
+        now = time.monotonic()
+        self.in_use = {dst: until for dst, until in self.in_use.items() if until > now}
+        self.counts["links_in_use"] = len(self.in_use)
+        used = [dst for dst in self.in_use if dst in self.probing and dst in self.dense_rounds]
+        ticks = max(config.probes_per_period, 1)
+        limits = {dst: self._burst_per_tick(self.links[dst], config.use.max_per_tick) * ticks for dst in used}
+        plan = dense_plan(used, config.use, config.period_s, limits)
+        self._dense = {
+            dst: (
+                math.ceil(count / ticks),
+                dense_overdue_s(self.links[dst].srtt_ms, config.use, config.probe_timeout_s),
+            )
+            for dst, count in plan.items()
+        }
+
+    def _send_dense(self) -> None:
+        """This tick's extra probes on each link in use: one batch, one sample once all are in."""
+        for dst, (count, overdue_s) in self._dense.items():
+            prober, rounds = self.probing.get(dst), self.dense_rounds.get(dst)
+            if prober is None or rounds is None:
+                continue
+            for _ in range(count):
+                rounds.sent(prober.send(timeout_s=overdue_s))
+            self.counts["dense_probes_sent"] += count
+            for sample in rounds.seal():
+                self._enqueue_dense(sample)
+
+    def _stalled_since(self, at: float) -> bool:
+        """The loop was late for a send tick at some time since ``at`` (wall s), or is now
+        (the tick not yet run: a timeout due before it runs first when the loop resumes)."""
+        if self._stalls and self._stalls[-1][1] >= at:
+            return True
+        due = self._tick_due
+        return due is not None and asyncio.get_running_loop().time() - due > self.config.dense_stall_s
+
+    def _enqueue_dense(self, sample: ProbeSample) -> None:
+        self.counts["dense_samples"] += 1
+        self._enqueue(sample)
+
+    async def on_use(self, msg: Msg) -> None:
+        """``loom.net.use``: the links running jobs span now; this collector's are probed densely."""
+        try:
+            use = decode(msg.data, LinksInUse)
+        except DecodeError:
+            return
+        until = time.monotonic() + use.ttl_s
+        self.in_use = {u.dst: until for u in use.links if u.src == self.region and u.dst in self.links}
+        self.counts["links_in_use"] = len(self.in_use)
+
+    def _burst_per_tick(self, link: PeerLink, most: int | None = None) -> int:
+        """Burst probes one tick sends on ``link``: ``burst_max_per_tick`` (or ``most``), and
+        emulated no more than the link passes in ``burst_queue_ms``."""
+        most = max(self.config.burst_max_per_tick if most is None else most, 1)
         mbps = min(
             (m for m in (link.forward.bandwidth_mbps, link.reverse.bandwidth_mbps) if m is not None),
             default=None,
@@ -688,6 +784,7 @@ class ProbeCollector:
         )
         # A new prober numbers its probes from 0: its bursts start afresh too.
         bursts = self.burst_rounds[link.dst] = BurstRounds(link.src, link.dst)
+        dense = self.dense_rounds[link.dst] = BurstRounds(link.src, link.dst)
         self.burst.reset(link.dst)
         self._burst_left.pop(link.dst, None)
         planner = self.burst
@@ -695,7 +792,7 @@ class ProbeCollector:
         def hold(seq: int, rtt_ms: float) -> bool:
             # A burst probe's answer, or one that cannot close its round early: it only joins a
             # sample that goes out at a send tick anyway, so it waits for the link's next tick.
-            return bursts.owns(seq) or rounds.steady(rtt_ms)
+            return bursts.owns(seq) or dense.owns(seq) or rounds.steady(rtt_ms)
 
         self._holds[link.dst] = hold
 
@@ -703,6 +800,9 @@ class ProbeCollector:
             if link.dst not in self.probing:
                 return  # the prober is closing: its outstanding probes are not the link's losses
             lost = result.rtt_ms is None
+            if dense.owns(result.seq):
+                self._dense_result(link, dense, result)
+                return
             burst = bursts.owns(result.seq)
             if lost:
                 self.counts["burst_probes_lost" if burst else "probes_lost"] += 1
@@ -724,6 +824,26 @@ class ProbeCollector:
                 self._enqueue(sample, urgent=urgent)
 
         return on_result
+
+    def _dense_result(self, link: PeerLink, dense: BurstRounds, result: ProbeResult) -> None:
+        """An extra probe's result on a link in use: counted (not timed: its deadline is its own)."""
+        config = self.config
+        if result.rtt_ms is not None:
+            samples = dense.add(result)
+            link.last_answer_at = time.monotonic()
+        elif self._stalled_since(result.sent_at) or (
+            time.time() - result.sent_at - self._dense.get(link.dst, (0, config.probe_timeout_s))[1]
+            > config.burst_stall_s
+        ):
+            # The loop stalled in its lifetime (or its timeout fired late): its answer may be unread
+            # in the socket, so it is no evidence of loss; a stall is the collector's, not the link's.
+            samples = dense.drop(result.seq)
+            self.counts["dense_probes_dropped_late"] += 1
+        else:
+            samples = dense.add(result)
+            self.counts["dense_probes_lost"] += 1
+        for sample in samples:
+            self._enqueue_dense(sample)
 
     async def _bulk_loop(self, link: PeerLink, target: Address) -> None:
         config = self.config

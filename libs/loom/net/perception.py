@@ -164,7 +164,7 @@ class Perception:
         )
         if outliers:
             self.validator.dropped[DropReason.OUTLIER] += outliers
-        if tracker.shift_pending:
+        if tracker.shift_pending or tracker.loss_pending:
             self._shifted.add((sample.src, sample.dst))
         return None
 
@@ -194,8 +194,10 @@ class Perception:
         return events
 
     def shifted(self) -> list[tuple[str, str]]:
-        """Links whose outlier filter confirmed a level shift since their last evaluation."""
-        return sorted(key for key in self._shifted if self.links[key].shift_pending)
+        """Links whose outlier filter confirmed a level shift, or whose extra probes lost some
+        (``LinkTracker.loss_pending``), since their last evaluation."""
+        links = self.links
+        return sorted(key for key in self._shifted if links[key].shift_pending or links[key].loss_pending)
 
     def evaluate_shifted(self, now: float) -> list[LinkEvent]:
         """Evaluate now only the links with a newly confirmed level shift (event-driven, between

@@ -179,6 +179,34 @@ class LinkWindow:
         lost = float(ring.column(2)[first:].sum())
         return LossStats(horizon_s, int(sent), int(lost))
 
+    def loss_cusum(
+        self, now: float, horizon_s: float, lost_llr: float, kept_llr: float, since: float | None = None
+    ) -> tuple[float, LossStats]:
+        """The largest log-likelihood ratio over any run of the latest rows within ``horizon_s``
+        (not before ``since``), each lost probe counting ``lost_llr`` and each answered one
+        ``kept_llr``, and that run's probe counts; ``(0.0, empty)`` when no run scores above 0.
+
+        This is a CUSUM statistic (Page's test) restricted to the window: the run that ends now
+        and speaks most for the higher loss rate against the lower one."""
+        ring = self._loss
+        if ring.size == 0:
+            return 0.0, LossStats(horizon_s, 0, 0)
+        times = ring.column(0)
+        first = int(np.searchsorted(times, now - horizon_s, side="right"))
+        if since is not None:
+            first = max(first, int(np.searchsorted(times, since, side="left")))
+        sent = ring.column(1)[first:]
+        if sent.shape[0] == 0:
+            return 0.0, LossStats(horizon_s, 0, 0)
+        lost = ring.column(2)[first:]
+        scores = np.cumsum((lost * lost_llr + (sent - lost) * kept_llr)[::-1])
+        best = int(np.argmax(scores))
+        score = float(scores[best])
+        if score <= 0.0:
+            return 0.0, LossStats(horizon_s, 0, 0)
+        rows = best + 1
+        return score, LossStats(horizon_s, int(sent[-rows:].sum()), int(lost[-rows:].sum()))
+
     def all_stats(self, now: float) -> list[tuple[RttStats, LossStats]]:
         """RTT and loss statistics at every configured horizon, shortest first."""
         return [(self.rtt_stats(now, h), self.loss_stats(now, h)) for h in self.horizons_s]

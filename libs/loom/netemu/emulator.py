@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from loom.model.topology import Link
+from loom.netemu.probes import grow_receive_buffer
 from loom.tasks import cancel_and_wait
 
 __all__ = [
@@ -275,6 +276,7 @@ class UdpRelay(_RelayBase):
         transport, _ = await loop.create_datagram_endpoint(
             lambda: _Listener(self), local_addr=(self._host, self._port)
         )
+        grow_receive_buffer(transport.get_extra_info("socket"))
         self._transport = transport
         self.address = transport.get_extra_info("sockname")[:2]
         return self
@@ -382,6 +384,7 @@ class UdpRelay(_RelayBase):
             upstream, _ = await loop.create_datagram_endpoint(
                 lambda: _Upstream(self, client), remote_addr=self.target
             )
+            grow_receive_buffer(upstream.get_extra_info("socket"))
         except OSError:
             self.counters.forward_dropped += len(self._pending.pop(client, []))
             return

@@ -54,6 +54,22 @@ class _Echo(asyncio.DatagramProtocol):
             self.transport.sendto(data, addr)
 
 
+RECEIVE_BUFFER_BYTES = 1 << 20
+"""Receive buffer asked for on probe sockets (the kernel caps it at ``net.core.rmem_max``): a
+link in use gets a hundred probes or more at one send tick (:mod:`loom.net.intensity`), from
+several collectors at once, and the default buffer (208 KiB: under 200 small datagrams) overflows
+while the reader waits for the GIL or its event loop: losses of the probing's own making."""
+
+
+def grow_receive_buffer(sock: socket.socket | None, size: int = RECEIVE_BUFFER_BYTES) -> None:
+    """Ask for a receive buffer of ``size`` bytes on ``sock`` (best effort: never smaller than it was)."""
+    if sock is None:
+        return
+    with contextlib.suppress(OSError):
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) < size:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+
+
 class UdpEchoServer:
     """Echoes datagrams on ``host:port`` (port 0 picks a free one; see :attr:`address`).
 
@@ -80,6 +96,7 @@ class UdpEchoServer:
                 self._host, self._port, type=socket.SOCK_DGRAM
             )[0]
             sock = socket.socket(family, kind, proto)
+            grow_receive_buffer(sock)
             sock.bind(sockaddr)
             self._sock = sock
             self.address = sock.getsockname()[:2]
@@ -91,6 +108,7 @@ class UdpEchoServer:
             return self
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(_Echo, local_addr=(self._host, self._port))
+        grow_receive_buffer(transport.get_extra_info("socket"))
         self._transport = transport
         self.address = transport.get_extra_info("sockname")[:2]
         return self
@@ -282,6 +300,7 @@ class UdpProber:
         transport, _ = await loop.create_datagram_endpoint(
             lambda: _ProberProtocol(self), remote_addr=self.target
         )
+        grow_receive_buffer(transport.get_extra_info("socket"))
         self._transport = transport
         return self
 
@@ -309,9 +328,10 @@ class UdpProber:
         """Probes sent and neither answered nor timed out."""
         return len(self._outstanding)
 
-    def send(self) -> int:
+    def send(self, timeout_s: float | None = None) -> int:
         """Send the next probe now (after handing over the held answers that have arrived);
-        returns its sequence number."""
+        returns its sequence number. ``timeout_s``: this probe's timeout, if not the prober's
+        (an answer after it is late and ignored: the probe was reported lost)."""
         via = self._via
         if self._transport is None and via is None:
             raise RuntimeError("prober is not started")
@@ -321,7 +341,7 @@ class UdpProber:
         seq = self._next_seq
         self._next_seq += 1
         payload = _HEADER.pack(seq) + self._payload_tail
-        timer = loop.call_later(self.timeout_s, self._expire, seq)
+        timer = loop.call_later(self.timeout_s if timeout_s is None else timeout_s, self._expire, seq)
         self._outstanding[seq] = (loop.time(), time.time(), timer)
         if via is not None:
             via.send(payload)

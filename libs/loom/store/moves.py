@@ -358,6 +358,20 @@ async def running_spans(conn: Conn) -> list[asyncpg.Record]:
     return rows
 
 
+async def spanned_regions(conn: Conn) -> list[list[str]]:
+    """The regions of each running job whose live reservations span more than one (the links in
+    use, :mod:`loom.net.intensity`): one short array a cross-region job, nothing for the others."""
+    rows = await conn.fetch(
+        """SELECT array_agg(DISTINCT n.region) AS regions
+           FROM jobs j
+           JOIN reservations r ON r.job_id = j.job_id AND r.attempt = j.attempt AND r.state <> 'released'
+           JOIN node_allocations n ON n.node = r.node
+           WHERE j.state = 'running'
+           GROUP BY j.job_id HAVING count(DISTINCT n.region) > 1 ORDER BY j.job_id"""
+    )
+    return [list(r["regions"]) for r in rows]
+
+
 async def move_history(conn: Conn, job_ids: Sequence[str]) -> dict[str, tuple[int, float | None, str]]:
     """job -> (moves started or completed, when the last one started (unix s), its cause)."""
     if not job_ids:

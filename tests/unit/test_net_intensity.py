@@ -1,0 +1,162 @@
+"""Probe intensity follows use (the links running jobs span are probed densely, within a budget),
+and the loss rule's sequential test that turns those probes into a verdict within periods."""
+
+import math
+import random
+
+import pytest
+
+from loom.net import Expected, LinkConfig, Perception
+from loom.net.burst import BURST_PROBE
+from loom.net.intensity import UseConfig, dense_overdue_s, dense_plan, links_in_use
+from loom.net.linkstate import cusum_weights, loss_evidence
+from loom.net.window import LinkWindow
+from loom.netemu.probes import ProbeResult
+from loom_proto.codec import DecodeError, decode, encode
+from loom_proto.net import LinkInUse, LinksInUse, ProbeSample
+from loom_services.probe_collector.collector import BurstRounds
+
+T0 = 1_767_225_600.0
+
+
+def test_links_in_use_are_both_directions_between_the_regions_of_each_job() -> None:
+    use = links_in_use([["weu", "sea1", "weu"], ["use2"], ["sea1", "weu"], ["a", "b", "c"]])
+    assert use[("weu", "sea1")] == use[("sea1", "weu")] == 2  # two jobs span it
+    assert ("use2", "use2") not in use and not any("use2" in key for key in use)  # one region: no link
+    assert {key for key, n in use.items() if n == 1} == {
+        ("a", "b"), ("b", "a"), ("a", "c"), ("c", "a"), ("b", "c"), ("c", "b"),
+    }  # fmt: skip
+    assert links_in_use([]) == {}
+
+
+def test_dense_plan_gives_each_link_in_use_its_rate_within_the_collectors_budget() -> None:
+    config = UseConfig(probes_per_period=600, budget_per_s=1200.0)
+    assert dense_plan(["b", "a"], config, 1.0) == {"a": 600, "b": 600}
+    # Three links share the budget evenly: 400 each, whatever their order.
+    assert dense_plan(["c", "a", "b"], config, 1.0) == {"a": 400, "b": 400, "c": 400}
+    # The budget is a rate: shorter periods get proportionally fewer probes a period.
+    assert dense_plan(["a"], config, 0.2) == {"a": 240}
+    # At most what the collector can send on a link; nothing with no link in use, or disabled.
+    assert dense_plan(["a", "b"], config, 1.0, limits={"a": 100}) == {"a": 100, "b": 600}
+    assert dense_plan([], config, 1.0) == {}
+    assert dense_plan(["a"], UseConfig(enabled=False), 1.0) == {}
+    # A budget too small for one probe each sends none (not a share of zero).
+    assert dense_plan(["a", "b", "c"], UseConfig(budget_per_s=2.0), 1.0) == {}
+
+
+def test_the_total_never_exceeds_the_budget() -> None:
+    rng = random.Random(3)
+    for _ in range(200):
+        config = UseConfig(probes_per_period=rng.randint(1, 1000), budget_per_s=rng.uniform(1, 5000))
+        links = [f"r{i}" for i in range(rng.randint(1, 12))]
+        period_s = rng.choice([0.2, 0.5, 1.0])
+        plan = dense_plan(links, config, period_s)
+        assert sum(plan.values()) <= config.budget_per_s * period_s
+        assert all(n <= config.probes_per_period for n in plan.values())
+
+
+def test_dense_overdue_is_six_rtts_within_its_bounds() -> None:
+    config = UseConfig()
+    assert dense_overdue_s(167.0, config, 2.0) == pytest.approx(1.002)
+    assert dense_overdue_s(20.0, config, 2.0) == config.overdue_min_s  # short links: the floor
+    assert dense_overdue_s(900.0, config, 2.0) == 2.0  # never past the probe timeout
+    assert dense_overdue_s(None, config, 2.0) == 2.0  # no RTT yet: the probe timeout
+
+
+def _window(rows: list[tuple[float, int, int]]) -> LinkWindow:
+    window = LinkWindow()
+    for t, sent, lost in rows:
+        window.add_probes(T0 + t, sent, lost)
+    return window
+
+
+def test_loss_cusum_is_the_best_scoring_run_ending_now() -> None:
+    lost_llr, kept_llr = cusum_weights(0.03, 0.005)
+    assert lost_llr == pytest.approx(math.log(6.0)) and kept_llr == pytest.approx(math.log(0.97 / 0.995))
+    # Clean probes, then a lossy stretch of the last two rows: the run is those two rows.
+    window = _window([(float(t), 5, 0) for t in range(40)] + [(40.0, 100, 6), (41.0, 100, 5)])
+    score, run = window.loss_cusum(T0 + 41, 60.0, lost_llr, kept_llr)
+    assert (run.sent, run.lost) == (200, 11)
+    assert score == pytest.approx(11 * lost_llr + 189 * kept_llr)
+    # Clean probes after the stretch pull the score down, and a run must end now.
+    window.add_probes(T0 + 42, 200, 0)
+    later, run = window.loss_cusum(T0 + 42, 60.0, lost_llr, kept_llr)
+    assert later == pytest.approx(score + 200 * kept_llr) and run.sent == 400
+    # No loss at all: nothing scores.
+    assert _window([(1.0, 300, 0)]).loss_cusum(T0 + 1, 60.0, lost_llr, kept_llr)[0] == 0.0
+    # Rows older than the horizon, or before ``since``, are not looked at.
+    assert window.loss_cusum(T0 + 200, 60.0, lost_llr, kept_llr)[0] == 0.0
+    assert window.loss_cusum(T0 + 42, 60.0, lost_llr, kept_llr, since=T0 + 41.5)[0] == 0.0
+
+
+def test_a_dense_stretch_at_three_percent_is_significant_and_one_at_half_a_percent_is_not() -> None:
+    config = LinkConfig()
+    steady = [(float(t), 5, 0) for t in range(60)]
+    # 600 probes losing 3 % (18): the sequential test holds, the long window alone would not yet.
+    bad = _window([*steady, (60.0, 600, 18)])
+    evidence = loss_evidence(bad, T0 + 60, config)
+    assert evidence.cusum >= config.cusum_h
+    assert evidence.significant and evidence.degrading(config)
+    assert evidence.used.sent == 600 and evidence.used.loss_rate == pytest.approx(0.03)
+    # The same probes losing 0.5 % (3), or 1 % (6): no verdict.
+    for lost in (3, 6):
+        evidence = loss_evidence(_window([*steady, (60.0, 600, lost)]), T0 + 60, config)
+        assert evidence.cusum < config.cusum_h and not evidence.significant, lost
+    # A short run of bad luck (5 of the latest 50 lost) is no verdict either: the fixed short
+    # window alone no longer makes one (it alarmed on every such stretch).
+    unlucky = _window([*steady[:-10], *[(float(t), 5, int(t % 2 == 0)) for t in range(50, 60)]])
+    evidence = loss_evidence(unlucky, T0 + 60, config)
+    assert evidence.long.lost == 5 and not evidence.significant
+
+
+def test_a_counts_only_sample_that_lost_probes_is_evaluated_at_once() -> None:
+    perception = Perception(["a", "b"], expected={("a", "b"): Expected(100.0, 5.0)})
+    t = T0
+    for k in range(60):  # a minute of clean steady rounds, the link known
+        t = T0 + k
+        perception.ingest(
+            ProbeSample(src="a", dst="b", probe="udp_echo", seq=k, sent_at=t - 0.5, rtt_ms=100.0, sent=5), t
+        )
+        perception.tick(t)
+
+    def dense(seq: int, lost: int, at: float) -> ProbeSample:
+        return ProbeSample(
+            src="a", dst="b", probe=BURST_PROBE, seq=seq, sent_at=at - 1, rtt_ms=100.0, sent=120, lost=lost
+        )
+
+    assert perception.ingest(dense(1, 0, t + 0.1), t + 0.1) is None
+    assert perception.shifted() == []  # nothing lost: waits for the period's tick
+    events = []
+    for j in range(3):  # ticks of 120 probes losing 3 %: the third makes the run score 12.6
+        at = t + 0.2 * (j + 1)
+        assert perception.ingest(dense(2 + j, 4, at), at) is None
+        assert perception.shifted() == [("a", "b")]
+        events.append(perception.evaluate_shifted(at))
+    assert [[e.kind for e in tick] for tick in events] == [[], [], ["degraded"]]
+    assert "loss" in events[2][0].reason
+    # Degraded already: further lossy samples wait for the tick.
+    assert perception.ingest(dense(9, 4, t + 0.8), t + 0.8) is None
+    assert perception.shifted() == []
+
+
+def test_a_dropped_extra_probe_counts_neither_sent_nor_lost() -> None:
+    rounds = BurstRounds("a", "b")
+    for seq in range(4):
+        rounds.sent(seq)
+    assert rounds.seal() == []  # nothing answered yet
+    assert rounds.add(ProbeResult(seq=0, sent_at=T0, rtt_ms=100.0)) == []
+    assert rounds.add(ProbeResult(seq=1, sent_at=T0, rtt_ms=None)) == []
+    assert rounds.drop(2) == []  # its timeout fired late: no evidence either way
+    assert rounds.drop(2) == []  # dropping twice changes nothing
+    (sample,) = rounds.add(ProbeResult(seq=3, sent_at=T0 + 0.01, rtt_ms=101.0))
+    assert (sample.probe, sample.sent, sample.lost) == (BURST_PROBE, 3, 1)
+    assert not rounds.owns(2)
+
+
+def test_links_in_use_travel_as_a_strict_contract() -> None:
+    use = LinksInUse(links=[LinkInUse(src="weu", dst="sea1", jobs=2)], ttl_s=20.0, at=T0)
+    assert decode(encode(use), LinksInUse) == use
+    with pytest.raises(DecodeError):  # unknown fields are refused, as every contract's
+        decode(b'{"kind": "links_in_use", "links": [], "ttl_s": 20, "at": 1, "extra": 1}', LinksInUse)
+    with pytest.raises(DecodeError):
+        decode(b'{"kind": "links_in_use", "links": [], "ttl_s": 0, "at": 1}', LinksInUse)
