@@ -1009,8 +1009,12 @@ class PlacementService:
             q for (msg_id, _), q in zip(rows, carried, strict=True) if msg_id in admitted_rows.claimed
         ]
         admitted: list[QueuedJob] = []
+        seen: set[str] = set()
         for q in candidates:
-            if q.job.job_id in inserted:
+            # One job id twice in one batch (two messages, distinct ids): the first is the job,
+            # the other a duplicate, never a second admission of the same row.
+            if q.job.job_id in inserted and q.job.job_id not in seen:
+                seen.add(q.job.job_id)
                 admitted.append(q)
             else:
                 reason = f"job id {q.job.job_id!r} was already submitted; choose a new job id"

@@ -291,3 +291,43 @@ async def test_a_batch_is_refused_when_a_held_territorys_fence_moved_on_and_that
     assert svc.fenced_territories == {"eu"}
     assert await pool.fetchval("SELECT count(*) FROM jobs") == BATCH, "only the first batch's jobs"
     assert await pool.fetchval("SELECT count(*) FROM inbox") == BATCH
+
+
+async def test_one_job_id_twice_in_a_batch_is_admitted_once_and_the_other_rejected_as_a_duplicate(
+    services: Callable[[], Awaitable[PlacementService]],
+) -> None:
+    """Two messages of one batch (distinct message ids) carry the same job id: the first is the
+    job, placed once; the second is answered as a duplicate, never a second admission."""
+    svc = await services()
+    prefix = f"d{uuid.uuid4().hex[:6]}"
+    deliveries = batch(prefix, 0)[:3]
+    again = deliveries[0]
+    deliveries.append(
+        Delivery(
+            msg=None,  # type: ignore[arg-type]
+            subject=again.subject,
+            message=again.message,
+            headers={},
+            msg_id=f"{prefix}-0:submit-again",
+            num_delivered=1,
+            stream_seq=99,
+            span=trace.INVALID_SPAN,
+            context=Context(),
+        )
+    )
+
+    assert await svc.on_submitted(deliveries) == [None] * 4
+    await asyncio.gather(*svc._sending)
+
+    pool = svc.pool
+    assert await pool.fetchval("SELECT count(*) FROM jobs") == 3
+    assert await pool.fetchval("SELECT count(*) FROM inbox") == 4, (
+        "both messages claimed: neither redelivered"
+    )
+    assert await pool.fetchval("SELECT count(*) FROM reservations WHERE job_id = $1", f"{prefix}-0") == 1
+    assert set(svc.book.runs) | set(svc.book.pending) == {f"{prefix}-{i}" for i in range(3)}
+    rejected = await pool.fetch(
+        "SELECT subject FROM outbox WHERE msg_id LIKE $1",
+        f"{prefix}-0:rejected:duplicate:%",
+    )
+    assert len(rejected) == 1
