@@ -115,12 +115,12 @@ from loom.sched.shards import GLOBAL, ShardMap, route, route_of
 from loom.sched.snapshot import Economics
 from loom.security import foreign_report
 from loom.store import failed as failed_store
-from loom.store import fence, moves, outbox, speeds
+from loom.store import fence, inbox, moves, outbox, speeds
 from loom.store import jobs as repo
 from loom.store import ledger as ledger_store
 from loom.store import replicas as replica_store
 from loom.store.fence import FencedError
-from loom.store.pool import ConflictError, with_retry
+from loom.store.pool import ConflictError, transaction, with_retry
 from loom.store.roles import tenant_scope
 from loom.tasks import cancel_and_wait
 from loom.telemetry import metrics as prom
@@ -578,18 +578,23 @@ class PlacementService:
 
     @contextlib.asynccontextmanager
     async def _tx(self) -> AsyncIterator[asyncpg.Connection]:
-        """A transaction that first proves this instance still leads (the fence): its own shard's
-        and every held territory's, checked by the statement that begins it (one round trip)."""
-        fences = {self.shard: self.token} | {t: tok for t, tok in self.held.items() if t != self.shard}
+        """A transaction that first proves this instance still leads (the fence)."""
         try:
-            async with fence.fenced_transaction(self.pool, fences) as conn:
+            async with transaction(self.pool) as conn:
+                await fence.check(conn, self.shard, self.token)
+                for territory, token in list(self.held.items()):
+                    if territory == self.shard:
+                        continue
+                    try:
+                        await fence.check(conn, territory, token)
+                    except FencedError:
+                        # Its shard is back (a newer token): the territory is not ours any more.
+                        # Its watcher stops that shard's consumers first, then drops it (dropped
+                        # at once, those consumers would ack the shard's messages unhandled).
+                        self.fenced_territories.add(territory)
+                        raise
                 yield conn
         except FencedError as exc:
-            if exc.shard is not None and exc.shard != self.shard:
-                # Its shard is back (a newer token): the territory is not ours any more. Its
-                # watcher stops that shard's consumers first, then drops it (dropped at once,
-                # those consumers would ack the shard's messages unhandled).
-                self.fenced_territories.add(exc.shard)
             # Not the leader any more (a newer one claimed the fence; this instance's lease is lost
             # or about to be, which stops its consumers): the message is redelivered, normally to
             # the new leader, and not counted toward dead-lettering (NotLeaderError): a fenced
@@ -922,15 +927,12 @@ class PlacementService:
         t = time.perf_counter()
         async with self._tx() as conn:
             t = phases.since("begin", t)
-            # One cycle over the new jobs and the queued ones whose backoff ended, in queue order
-            # (a newcomer does not jump a waiting job of higher priority); the admission's
-            # statement locks the rows of those still queued in the store.
-            waiting = self._due()
-            fresh_jobs, dup_rejects, locked = await self._insert_batch(conn, accepted, now, waiting)
+            fresh_jobs, dup_rejects = await self._insert_batch(conn, accepted, now)
             t = phases.since("admit", t)
             stamps["admitted"] = time.time()
-            fresh = frozenset(q.job.job_id for q in fresh_jobs)
-            due = [q for q in waiting if q.job.job_id not in fresh]
+            # One cycle over the new jobs and the queued ones whose backoff ended, in queue order
+            # (a newcomer does not jump a waiting job of higher priority).
+            due = self._due(besides=[q.job.job_id for q in fresh_jobs])
             considered = fresh_jobs + due
 
             def on_decided(applied: Applied) -> None:
@@ -950,7 +952,7 @@ class PlacementService:
                 grow=False,
                 decided=on_decided,
                 turn=on_turn,
-                still_queued=fresh | locked,
+                inserted=frozenset(q.job.job_id for q in fresh_jobs),
             )
             t = phases.since("write", t)
         t = phases.since("commit", t)
@@ -961,53 +963,41 @@ class PlacementService:
         phases.add("jobs", len(considered))
 
     async def _insert_batch(
-        self,
-        conn: asyncpg.Connection,
-        accepted: list[tuple[Delivery[bytes], JobSubmitted]],
-        now: float,
-        waiting: Sequence[QueuedJob] = (),
-    ) -> tuple[list[QueuedJob], list[outbox.OutboxMessage], frozenset[str]]:
+        self, conn: asyncpg.Connection, accepted: list[tuple[Delivery[bytes], JobSubmitted]], now: float
+    ) -> tuple[list[QueuedJob], list[outbox.OutboxMessage]]:
         """A batch's admission in its transaction (no in-memory state read or changed): claim the
-        messages, insert the new jobs with their submitted events, lock the rows of the
-        ``waiting`` jobs still queued (one statement, :func:`loom.store.jobs.admit_jobs`), and
-        insert a DAG's stages. Returns the jobs to decide (new plain jobs, ready stages), the
-        rejections of duplicate job ids and the waiting jobs locked."""
+        messages, insert the new jobs with their submitted events and a DAG's stages. Returns the
+        jobs to decide (new plain jobs, ready stages) and the rejections of duplicate job ids."""
         queued_children: list[QueuedJob] = []
+        msg_ids = [d.msg_id or f"JOBS-{d.stream_seq}" for d, _ in accepted]
+        fresh = await inbox.claim_many(conn, PRODUCER, msg_ids)
+        candidates: list[QueuedJob] = []
         dup_rejects: list[outbox.OutboxMessage] = []
-        rows: list[tuple[str, repo.NewJob]] = []
-        carried: list[QueuedJob] = []
-        for d, submitted in accepted:
+        new_rows: list[repo.NewJob] = []
+        for (d, submitted), msg_id in zip(accepted, msg_ids, strict=True):
+            if msg_id not in fresh:
+                continue  # handled before: its decision and messages are already durable
             job = (
                 submitted if submitted.submitted_at else msgspec.structs.replace(submitted, submitted_at=now)
             )
             carrier: dict[str, str] = {}
             propagate.inject(carrier, context=d.context)
             state = "running" if job.stages else "queued"
-            rows.append(
-                (
-                    d.msg_id or f"JOBS-{d.stream_seq}",
-                    repo.NewJob(
-                        job.job_id,
-                        job.tenant,
-                        encode(job),
-                        job.submitted_at,
-                        carrier,
-                        state,
-                        None,
-                        job.priority,
-                    ),
+            new_rows.append(
+                repo.NewJob(
+                    job.job_id,
+                    job.tenant,
+                    encode(job),
+                    job.submitted_at,
+                    carrier,
+                    state,
+                    None,
+                    job.priority,
                 )
             )
-            carried.append(QueuedJob(job, carrier))
-        # The messages claimed and their new jobs inserted (with each one's submitted event) in
-        # one statement; a message handled before has its decision and messages durable already.
-        admitted_rows = await repo.admit_jobs(
-            conn, PRODUCER, rows, lock_queued=[q.job.job_id for q in waiting]
-        )
-        inserted = admitted_rows.inserted
-        candidates = [
-            q for (msg_id, _), q in zip(rows, carried, strict=True) if msg_id in admitted_rows.claimed
-        ]
+            candidates.append(QueuedJob(job, carrier))
+        # With each new job's submitted event.
+        inserted = await repo.insert_jobs(conn, new_rows, submitted_events=True)
         admitted: list[QueuedJob] = []
         seen: set[str] = set()
         for q in candidates:
@@ -1032,7 +1022,7 @@ class PlacementService:
                 queued_children += await self._expand_dag(conn, q)
         await outbox.add(conn, PRODUCER, dup_rejects)
         fresh_jobs = plain + queued_children
-        return fresh_jobs, dup_rejects, frozenset(admitted_rows.locked)
+        return fresh_jobs, dup_rejects
 
     async def _expand_dag(self, conn: asyncpg.Connection, q: QueuedJob) -> list[QueuedJob]:
         """Insert a DAG job's stages: those without dependencies are queued, the rest wait."""
@@ -1094,7 +1084,7 @@ class PlacementService:
         grow: bool = True,
         decided: Callable[["Applied"], None] = lambda _: None,
         turn: Callable[[], Awaitable[None]] = lambda: asyncio.sleep(0),
-        still_queued: frozenset[str] | None = None,
+        inserted: frozenset[str] = frozenset(),
     ) -> "Applied":
         """One cycle (:func:`loom.sched.cycle.run_cycle`) over ``jobs`` on the kept snapshot, and all
         it implies written in this transaction: batched statements for jobs, reservations, decision
@@ -1103,17 +1093,14 @@ class PlacementService:
         ``decided`` is told the cycle's outcome as soon as it is decided; then ``turn`` is awaited
         before anything is written (a pipelined batch waits there for the batch before it to end:
         written earlier, this batch's row locks, on nodes both reserve, could block that batch's
-        writes while this one waits for it). ``still_queued``: which of ``jobs`` this transaction
-        already holds as queued (inserted, or locked by the admission's statement); the others
-        are gone. Without it, the rows of ``jobs`` still queued are locked here."""
+        writes while this one waits for it). ``inserted``: jobs this transaction inserted (no one
+        else sees them: nothing to lock)."""
         vanished: list[str] = []
         if jobs:
             # Only jobs still queued in the store take part (a stage cancelled or a job finished while
             # it waited here is dropped); their rows stay locked until this cycle commits.
-            still = (
-                still_queued
-                if still_queued is not None
-                else await repo.lock_queued(conn, [q.job.job_id for q in jobs])
+            still = inserted | await repo.lock_queued(
+                conn, [q.job.job_id for q in jobs if q.job.job_id not in inserted]
             )
             vanished = [q.job.job_id for q in jobs if q.job.job_id not in still]
             jobs = [q for q in jobs if q.job.job_id in still]

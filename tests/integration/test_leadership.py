@@ -6,7 +6,6 @@ the server: renewals stop, nothing is released, the key expires.
 """
 
 import asyncio
-import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -22,7 +21,7 @@ from loom.bus.lease import LEASE_BUCKET, LeaderLease, LeaseError
 from loom.runtime.leader import Leadership, lead
 from loom.store import fence
 from loom.store.fence import FencedError
-from loom.store.pool import StoreError, create_pool, literal, transaction
+from loom.store.pool import StoreError, create_pool, transaction
 
 TTL_S = 2.0
 """The bucket's TTL; every lease of the session must use it, since the TTL belongs to the bucket."""
@@ -307,125 +306,6 @@ async def test_check_refuses_an_unclaimed_shard_and_a_call_outside_a_transaction
         with pytest.raises(StoreError, match="inside the transaction") as caught:
             await fence.check(conn, shard, 3)
     assert caught.value.non_retryable
-
-
-# -- the fenced transaction (BEGIN and every fence check in one round trip) --------------------------
-
-
-async def fenced_write(pool: asyncpg.Pool, fences: dict[str, int]) -> list[str]:
-    """A leader's write through :func:`fence.fenced_transaction`: one row per fence; returns the
-    shards the body ran for (none when the fence refused before it)."""
-    ran: list[str] = []
-    async with fence.fenced_transaction(pool, fences) as conn:
-        for shard, token in fences.items():
-            ran.append(shard)
-            await conn.execute("INSERT INTO leader_writes (shard, token) VALUES ($1, $2)", shard, token)
-    return ran
-
-
-async def test_a_fenced_transaction_writes_while_every_fence_holds_and_nothing_once_one_moved_on(
-    pool: asyncpg.Pool,
-) -> None:
-    home, territory = unique("shard"), unique("territory")
-    assert await fence.claim(pool, home, 4, "a")
-    assert await fence.claim(pool, territory, 7, "a")
-    assert await fenced_write(pool, {home: 4, territory: 7}) == [home, territory]
-    assert await writes_by(pool, home, 4) == 1
-    assert await writes_by(pool, territory, 7) == 1
-
-    assert await fence.claim(pool, territory, 8, "b")  # the territory's shard is back elsewhere
-    with pytest.raises(FencedError) as caught:
-        await fenced_write(pool, {home: 4, territory: 7})
-    assert caught.value.shard == territory, "the refusal names the fence that moved on"
-    assert caught.value.non_retryable
-    assert await writes_by(pool, home, 4) == 1, "nothing of the refused transaction was written"
-    assert await writes_by(pool, territory, 7) == 1
-    with pytest.raises(FencedError, match="no claimed leader") as unclaimed:
-        await fenced_write(pool, {unique("shard"): 1})
-    assert unclaimed.value.shard is not None
-
-
-async def test_a_claim_waits_for_an_open_fenced_transaction_then_fences_off_the_next(
-    pool: asyncpg.Pool,
-) -> None:
-    shard = unique("shard")
-    assert await fence.claim(pool, shard, 1, "old")
-    async with fence.fenced_transaction(pool, {shard: 1}) as conn:
-        await conn.execute("INSERT INTO leader_writes (shard, token) VALUES ($1, 1)", shard)
-        claim = asyncio.create_task(fence.claim(pool, shard, 2, "new"))
-
-        async def claim_waits_on_a_lock() -> bool:
-            waiting: bool = await pool.fetchval(
-                """SELECT count(*) > 0 FROM pg_stat_activity
-                   WHERE datname = current_database() AND wait_event_type = 'Lock'"""
-            )
-            return waiting
-
-        await until(claim_waits_on_a_lock, WAIT_S, "the claim to wait for the fenced transaction's lock")
-        assert not claim.done()
-    assert await asyncio.wait_for(claim, WAIT_S)
-    assert await writes_by(pool, shard, 1) == 1, "checked before the claim: it committed"
-    with pytest.raises(FencedError):
-        await fenced_write(pool, {shard: 1})
-    assert await writes_by(pool, shard, 1) == 1
-
-
-async def test_a_fenced_transaction_begun_during_a_claim_waits_for_it_and_then_refuses(
-    pool: asyncpg.Pool,
-) -> None:
-    shard = unique("shard")
-    assert await fence.claim(pool, shard, 1, "old")
-    async with pool.acquire() as conn:
-        tx = conn.transaction()
-        await tx.start()
-        # The new leader's claim, in progress: the row is updated, not yet committed.
-        await conn.execute("UPDATE fences SET token = 2, holder = 'new' WHERE shard = $1", shard)
-        write = asyncio.create_task(fenced_write(pool, {shard: 1}))
-
-        async def write_waits_on_a_lock() -> bool:
-            waiting: bool = await pool.fetchval(
-                """SELECT count(*) > 0 FROM pg_stat_activity
-                   WHERE datname = current_database() AND wait_event_type = 'Lock'"""
-            )
-            return waiting
-
-        await until(write_waits_on_a_lock, WAIT_S, "the fenced transaction to wait for the claim")
-        assert not write.done()
-        await tx.commit()
-    with pytest.raises(FencedError) as caught:
-        await asyncio.wait_for(write, WAIT_S)
-    assert caught.value.shard == shard
-    assert await writes_by(pool, shard, 1) == 0, "the old leader's body never ran"
-
-
-async def test_a_fenced_transaction_rolls_back_a_body_that_raises_or_kept_a_failure_to_itself(
-    pool: asyncpg.Pool,
-) -> None:
-    shard = unique("shard")
-    assert await fence.claim(pool, shard, 5, "a")
-    with pytest.raises(RuntimeError):
-        async with fence.fenced_transaction(pool, {shard: 5}) as conn:
-            await conn.execute("INSERT INTO leader_writes (shard, token) VALUES ($1, 5)", shard)
-            raise RuntimeError("the body failed")
-    assert await writes_by(pool, shard, 5) == 0
-    with pytest.raises(StoreError, match="rolled back at its commit"):
-        async with fence.fenced_transaction(pool, {shard: 5}) as conn:
-            await conn.execute("INSERT INTO leader_writes (shard, token) VALUES ($1, 5)", shard)
-            with contextlib.suppress(asyncpg.PostgresError):
-                await conn.execute("SELECT 1 / 0")
-    assert await writes_by(pool, shard, 5) == 0
-    async with pool.acquire() as conn:
-        assert not conn.is_in_transaction(), "the connection went back to the pool clean"
-
-
-def test_a_fence_literal_quotes_names_and_refuses_what_it_cannot_quote() -> None:
-    assert literal("eu-west") == "'eu-west'"
-    assert literal("it's") == "'it''s'"
-    assert literal(12) == "12"
-    with pytest.raises(ValueError, match="backslash"):
-        literal("a\\b")
-    with pytest.raises(TypeError):
-        literal(True)
 
 
 # -- lead() ------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 
 from loom.bus import Delivery
-from loom.errors import LoomError, NotLeaderError
+from loom.errors import LoomError
 from loom.model.topology import load_topology
 from loom.runtime.service import ServiceContext, close_context, open_context
 from loom.sim.engine import platform_from_topology
@@ -252,45 +252,6 @@ async def test_a_health_request_naming_job_timings_gets_each_admitted_jobs_path_
         assert path[0] > 0
     other = await svc.ctx.nc.request(health, b"job_timings:nobody-", timeout=10)
     assert json.loads(other.data)["job_timings"] == {}
-
-
-async def test_a_fenced_out_leaders_batch_writes_nothing_and_is_given_back_for_the_new_leader(
-    services: Callable[[], Awaitable[PlacementService]],
-) -> None:
-    svc = await services()
-    pool = svc.pool
-    assert await fence.claim(pool, "global", 2, "newer-leader")  # this instance still holds token 1
-
-    outcomes = await svc.on_submitted(batch(f"f{uuid.uuid4().hex[:6]}", 0))
-
-    # Handed back (the consumer naks a NotLeaderError, not counting it toward dead-lettering).
-    assert all(isinstance(o, NotLeaderError) for o in outcomes), outcomes
-    assert svc.stats["fenced"] == 1
-    for table in ("jobs", "inbox", "job_events", "reservations", "decisions", "outbox"):
-        assert await pool.fetchval(f"SELECT count(*) FROM {table}") == 0, table
-    assert await pool.fetchval("SELECT coalesce(sum(gpus_reserved), 0) FROM node_allocations") == 0
-    assert svc.book.runs == {}
-    assert svc.book.pending == {}
-    assert svc.queue == {}
-
-
-async def test_a_batch_is_refused_when_a_held_territorys_fence_moved_on_and_that_territory_is_marked(
-    services: Callable[[], Awaitable[PlacementService]],
-) -> None:
-    svc = await services()
-    pool = svc.pool
-    assert await fence.claim(pool, "eu", 3, "pipeline-test")
-    svc.held["eu"] = 3
-    prefix = f"e{uuid.uuid4().hex[:6]}"
-    assert await svc.on_submitted(batch(prefix, 0)) == [None] * BATCH, "every fence holds"
-    assert await fence.claim(pool, "eu", 4, "eu-leader")  # the territory's own shard is back
-
-    outcomes = await svc.on_submitted(batch(prefix, BATCH))
-
-    assert all(isinstance(o, NotLeaderError) for o in outcomes), outcomes
-    assert svc.fenced_territories == {"eu"}
-    assert await pool.fetchval("SELECT count(*) FROM jobs") == BATCH, "only the first batch's jobs"
-    assert await pool.fetchval("SELECT count(*) FROM inbox") == BATCH
 
 
 async def test_one_job_id_twice_in_a_batch_is_admitted_once_and_the_other_rejected_as_a_duplicate(

@@ -122,68 +122,6 @@ async def test_inbox_claim_many_returns_only_the_new_ids(pool: asyncpg.Pool) -> 
         assert await inbox.claim_many(conn, "placement", []) == set()
 
 
-async def test_admit_jobs_inserts_a_job_only_for_a_message_claimed_here_and_an_id_that_is_new(
-    pool: asyncpg.Pool,
-) -> None:
-    a, b = unique("job-a"), unique("job-b")
-    ma, mb, mb2 = unique("m"), unique("m"), unique("m")
-    async with transaction(pool) as conn:
-        assert await jobs.admit_jobs(conn, "placement", [(ma, new_job(a))]) == jobs.Admitted({ma}, {a}, set())
-    async with transaction(pool) as conn:
-        admitted = await jobs.admit_jobs(
-            conn, "placement", [(ma, new_job(a)), (mb, new_job(b)), (mb2, new_job(a))]
-        )
-    # ``ma`` was handled before; ``mb2`` is new but its job id is taken: claimed, not inserted.
-    assert (admitted.claimed, admitted.inserted) == ({mb, mb2}, {b})
-    rows = await pool.fetch(
-        """SELECT job_id, count(*) AS n FROM job_events
-           WHERE kind = 'submitted' AND job_id = ANY($1) GROUP BY 1""",
-        [a, b],
-    )
-    assert {r["job_id"]: r["n"] for r in rows} == {a: 1, b: 1}, "one submitted event per job inserted"
-    row = await pool.fetchrow("SELECT state, trace_context FROM jobs WHERE job_id = $1", b)
-    assert row["state"] == "queued"
-    assert msgspec.json.decode(row["trace_context"]) == {"k": "v"}
-    mc, c = unique("m"), unique("job-c")
-    with pytest.raises(RuntimeError):
-        async with transaction(pool) as conn:
-            assert (await jobs.admit_jobs(conn, "placement", [(mc, new_job(c))])).inserted == {c}
-            raise RuntimeError("the cycle failed after admitting")
-    async with transaction(pool) as conn:
-        again = await jobs.admit_jobs(conn, "placement", [(mc, new_job(c))])
-        assert (again.claimed, again.inserted) == ({mc}, {c}), (
-            "rolled back: the redelivery is admitted afresh"
-        )
-        assert await jobs.admit_jobs(conn, "placement", []) == jobs.Admitted(set(), set(), set())
-
-
-async def test_admit_jobs_locks_the_waiting_jobs_still_queued_until_its_transaction_ends(
-    pool: asyncpg.Pool,
-) -> None:
-    waiting, placed, gone = unique("job-w"), unique("job-p"), unique("job-gone")
-    async with transaction(pool) as conn:
-        await jobs.insert_jobs(conn, [new_job(waiting), new_job(placed)])
-        await conn.execute("UPDATE jobs SET state = 'placed' WHERE job_id = $1", placed)
-    new = unique("job-n")
-    async with transaction(pool) as conn:
-        admitted = await jobs.admit_jobs(
-            conn, "placement", [(unique("m"), new_job(new))], lock_queued=[waiting, placed, gone]
-        )
-        assert admitted.locked == {waiting}, "only the rows still queued"
-        assert admitted.inserted == {new}
-        async with pool.acquire() as other:
-            with pytest.raises(asyncpg.LockNotAvailableError):
-                await other.fetch("SELECT 1 FROM jobs WHERE job_id = $1 FOR UPDATE NOWAIT", waiting)
-            assert await other.fetch("SELECT 1 FROM jobs WHERE job_id = $1 FOR UPDATE NOWAIT", placed)
-    async with transaction(pool) as conn:
-        assert (await jobs.admit_jobs(conn, "placement", [], lock_queued=[waiting])).locked == {waiting}
-
-
-def new_job(job_id: str) -> jobs.NewJob:
-    """A queued job row to insert."""
-    return jobs.NewJob(job_id, "t1", b'{"job_id": "%s"}' % job_id.encode(), 1_700_000_000.0, {"k": "v"})
-
-
 # -- outbox ------------------------------------------------------------------------------------------
 
 

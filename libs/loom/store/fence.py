@@ -7,9 +7,7 @@ partitioned or slow to notice its loss from writing afterwards. The fence makes 
    raises the stored token only when the new one is larger, and it takes the row's exclusive
    lock (``UPDATE``) to do so.
 2. Every write of a leader runs in a transaction that first calls :func:`check`, which reads the
-   row ``FOR SHARE`` and refuses (:class:`FencedError`) unless the token is still the stored one;
-   or in a :func:`fenced_transaction`, whose ``BEGIN`` and checks of every fence it holds are one
-   statement (one round trip): the rows with its tokens, share-locked, must all come back.
+   row ``FOR SHARE`` and refuses (:class:`FencedError`) unless the token is still the stored one.
 
 Why that is enough: the share lock is held until the leader's transaction ends and conflicts with
 the claim's update. So a claim waits for every leader transaction that already passed its check,
@@ -22,23 +20,15 @@ its writes are rolled back with its check. Tokens grow with every acquisition, s
 "newer".
 """
 
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
-
 import asyncpg
 
-from loom.store.pool import StoreError, literal, transaction, transaction_begun_with
+from loom.store.pool import StoreError, transaction
 
 
 class FencedError(StoreError):
     """A newer leader has claimed the shard; this leader's write was refused. Not retryable."""
 
     non_retryable = True
-
-    def __init__(self, message: str, *, shard: str | None = None) -> None:
-        super().__init__(message)
-        self.shard = shard
-        """The shard (territory) whose fence refused, where known."""
 
 
 async def claim(pool: asyncpg.Pool, shard: str, token: int, holder: str) -> bool:
@@ -71,42 +61,9 @@ async def check(conn: asyncpg.Connection, shard: str, token: int) -> None:
         raise StoreError("fence.check must run inside the transaction it guards", non_retryable=True)
     current = await conn.fetchval("SELECT token FROM fences WHERE shard = $1 FOR SHARE", shard)
     if current is None:
-        raise FencedError(f"shard {shard} has no claimed leader; token {token} is not current", shard=shard)
+        raise FencedError(f"shard {shard} has no claimed leader; token {token} is not current")
     if current != token:
-        raise FencedError(
-            f"shard {shard} is led by token {current}; token {token} is fenced off", shard=shard
-        )
-
-
-@asynccontextmanager
-async def fenced_transaction(
-    pool: asyncpg.Pool, fences: Mapping[str, int]
-) -> AsyncIterator[asyncpg.Connection]:
-    """A transaction that has passed :func:`check` for every ``shard -> token`` of ``fences``,
-    in one round trip with its ``BEGIN``: the same statement that begins it share-locks each fence
-    row whose token is the given one (and only such rows).
-
-    The guarantee is :func:`check`'s: those share locks last until the transaction ends, and a
-    row whose token moved on (a claim committed, or one in progress that the lock waited for and
-    whose new row READ COMMITTED then re-reads) is not returned. When fewer rows come back than
-    fences were given, the body never runs: :func:`check` names the first fence that refused
-    (:class:`FencedError`, with its ``shard``) and the transaction rolls back having written
-    nothing. Raises ``ValueError`` for no fences (nothing would guard the writes)."""
-    if not fences:
-        raise ValueError("a fenced transaction needs at least one fence")
-    wanted = " OR ".join(
-        f"(shard = {literal(shard)} AND token = {literal(int(token))})" for shard, token in fences.items()
-    )
-    async with transaction_begun_with(pool, f"SELECT 1 FROM fences WHERE {wanted} FOR SHARE") as (
-        conn,
-        status,
-    ):
-        if status != f"SELECT {len(fences)}":
-            for shard, token in fences.items():
-                await check(conn, shard, token)
-            # Tokens only grow, so a fence that refused refuses again; should none, still refuse.
-            raise FencedError(f"fences {dict(fences)} did not all hold (status {status!r})")
-        yield conn
+        raise FencedError(f"shard {shard} is led by token {current}; token {token} is fenced off")
 
 
 async def tokens(pool: asyncpg.Pool) -> dict[str, int]:

@@ -1,6 +1,5 @@
 """The asyncpg pool, and mapping of database errors to Loom's retryable / non-retryable errors."""
 
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
@@ -103,52 +102,6 @@ async def transaction(pool: asyncpg.Pool) -> AsyncIterator[asyncpg.Connection]:
         raise
     except (TimeoutError, asyncpg.PostgresError, OSError, asyncpg.InterfaceError) as exc:
         raise map_error(exc) from exc
-
-
-@asynccontextmanager
-async def transaction_begun_with(
-    pool: asyncpg.Pool, statement: str
-) -> AsyncIterator[tuple[asyncpg.Connection, str]]:
-    """A transaction whose ``BEGIN`` travels with its first ``statement`` in one round trip; yields
-    the connection and the statement's command status (``"SELECT 2"``: the rows it returned).
-
-    ``statement`` goes as a simple query, so it takes no parameters: literals only (see
-    :func:`literal`). The transaction commits when the body ends, and rolls back when it raises
-    (the statement's failure included); database errors leave as :class:`StoreError`, as in
-    :func:`transaction`."""
-    try:
-        async with pool.acquire() as conn:
-            try:
-                status = await conn.execute(f"BEGIN; {statement}")
-                yield conn, status
-            except BaseException:
-                if not conn.is_closed() and conn.is_in_transaction():
-                    # What failed is raised; a rollback that fails too leaves it to the pool's
-                    # reset (which rolls back an open transaction) or to the connection's end.
-                    with contextlib.suppress(Exception):
-                        await conn.execute("ROLLBACK")
-                raise
-            if await conn.execute("COMMIT") != "COMMIT":
-                # The body went on in a transaction that had failed (an error it kept to itself):
-                # PostgreSQL ends such a transaction with a rollback and no error.
-                raise StoreError("the transaction had failed and was rolled back at its commit")
-    except StoreError:
-        raise
-    except (TimeoutError, asyncpg.PostgresError, OSError, asyncpg.InterfaceError) as exc:
-        raise map_error(exc) from exc
-
-
-def literal(value: str | int) -> str:
-    """``value`` as an SQL literal, for a statement without parameters: an integer as itself, a
-    string quoted. A string with a backslash or NUL is refused (how a backslash reads depends on
-    the server's standard_conforming_strings); Loom's names (shards, territories) hold neither."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise TypeError(f"no SQL literal for {type(value).__name__}")
-    if isinstance(value, int):
-        return str(value)
-    if "\\" in value or "\x00" in value:
-        raise ValueError(f"no SQL literal for {value!r} (a backslash or NUL)")
-    return "'" + value.replace("'", "''") + "'"
 
 
 async def with_retry(fn: Callable[[], Awaitable[T]], *, attempts: int = 5) -> T:
