@@ -40,12 +40,14 @@ from loom.net.intensity import UseConfig, dense_overdue_s, dense_plan
 from loom.net.samples import TokenBucket
 from loom.netemu import (
     BANDWIDTH_SCALE,
+    RECEIVE_BUFFER_BYTES,
     LinkParams,
     ProbeResult,
     TcpRelay,
     UdpProber,
     UdpRelay,
     params_from_link,
+    receive_buffer_bytes,
     tcp_bulk,
     to_sample,
 )
@@ -165,6 +167,14 @@ def round_sample(src: str, dst: str, results: Sequence[ProbeResult]) -> ProbeSam
         lost=len(results) - len(rtts),
         jitter_ms=jitter,
     )
+
+
+def dense_phase_s(region: str, regions: Sequence[str], interval_s: float) -> float:
+    """How long after a send tick a collector sends its extra probes (:mod:`loom.net.intensity`):
+    the collectors share the first half of the tick in turn, by region, so their extra probes
+    reach a peer's endpoint one collector's batch at a time, and before the next tick."""
+    ordered = sorted(set(regions) | {region})
+    return 0.5 * interval_s * ordered.index(region) / len(ordered)
 
 
 def send_grid(now_s: float, interval_s: float) -> float:
@@ -301,15 +311,23 @@ class BurstRounds:
         self._open: _BurstBatch | None = None
         self._batches: deque[_BurstBatch] = deque()
         self._owner: dict[int, _BurstBatch] = {}
+        self._deadline: dict[int, float] = {}
 
-    def sent(self, seq: int) -> None:
-        """Probe ``seq`` went out as part of this period's burst."""
+    def sent(self, seq: int, deadline_s: float | None = None) -> None:
+        """Probe ``seq`` went out as part of this period's burst (counted lost ``deadline_s``
+        after it was sent, where given)."""
         batch = self._open
         if batch is None:
             batch = self._open = _BurstBatch()
             self._batches.append(batch)
         batch.expected += 1
         self._owner[seq] = batch
+        if deadline_s is not None:
+            self._deadline[seq] = deadline_s
+
+    def deadline_s(self, seq: int) -> float | None:
+        """The deadline probe ``seq`` went out with (None: none given, or no longer waiting)."""
+        return self._deadline.get(seq)
 
     def owns(self, seq: int) -> bool:
         """``seq`` is a burst probe still waiting for its result."""
@@ -318,6 +336,7 @@ class BurstRounds:
     def add(self, result: ProbeResult) -> list[ProbeSample]:
         """A burst probe's result; the samples it completes."""
         batch = self._owner.pop(result.seq, None)
+        self._deadline.pop(result.seq, None)
         if batch is None:
             return []
         batch.results.append(result)
@@ -327,6 +346,7 @@ class BurstRounds:
         """Probe ``seq``'s result says nothing (its timeout fired late: its answer may be waiting
         unread); its batch counts it neither sent nor lost. The samples this completes."""
         batch = self._owner.pop(seq, None)
+        self._deadline.pop(seq, None)
         if batch is None:
             return []
         batch.expected -= 1
@@ -506,6 +526,13 @@ class ProbeCollector:
     async def run(self) -> None:
         """Probe every peer until asked to stop."""
         nc = self.ctx.nc
+        effective = receive_buffer_bytes()
+        if effective is not None and effective < RECEIVE_BUFFER_BYTES:
+            log.warning(
+                "probe receive buffers capped (net.core.rmem_max): dense probes may overflow them",
+                asked_bytes=RECEIVE_BUFFER_BYTES,
+                so_rcvbuf=effective,
+            )
         subs = [
             await nc.subscribe(subjects.net_emulator_region(self.region), cb=self.on_control),
             await nc.subscribe(subjects.NET_EMU_ALL, cb=self.on_control),
@@ -628,6 +655,7 @@ class ProbeCollector:
         loop = asyncio.get_running_loop()
         ticks = max(self.config.probes_per_period, 1)
         interval_s = self.config.period_s / ticks
+        phase_s = dense_phase_s(self.region, [r.id for r in self.topology.regions], interval_s)
         due = loop.time() + send_grid(time.time(), interval_s)
         for tick in itertools.count():
             lag = loop.time() - due
@@ -653,7 +681,9 @@ class ProbeCollector:
             if self._burst_left and not late:
                 self._send_bursts(ticks - tick % ticks)
             if self._dense and not late:
-                self._send_dense()
+                # At this collector's own phase of the tick: every collector's extra probes on
+                # the grid itself would land on a peer's endpoint at once (fan-in).
+                loop.call_later(phase_s, self._send_dense)
             if self.pending:
                 self._flush.set()
             due = self._tick_due = next_due
@@ -727,7 +757,7 @@ class ProbeCollector:
             if prober is None or rounds is None:
                 continue
             for _ in range(count):
-                rounds.sent(prober.send(timeout_s=overdue_s))
+                rounds.sent(prober.send(timeout_s=overdue_s), overdue_s)
             self.counts["dense_probes_sent"] += count
             for sample in rounds.seal():
                 self._enqueue_dense(sample)
@@ -828,17 +858,22 @@ class ProbeCollector:
     def _dense_result(self, link: PeerLink, dense: BurstRounds, result: ProbeResult) -> None:
         """An extra probe's result on a link in use: counted (not timed: its deadline is its own)."""
         config = self.config
+        deadline_s = dense.deadline_s(result.seq)
         if result.rtt_ms is not None:
-            samples = dense.add(result)
             link.last_answer_at = time.monotonic()
-        elif self._stalled_since(result.sent_at) or (
-            time.time() - result.sent_at - self._dense.get(link.dst, (0, config.probe_timeout_s))[1]
+        if self._stalled_since(result.sent_at) or (
+            result.rtt_ms is None
+            and time.time() - result.sent_at - (config.probe_timeout_s if deadline_s is None else deadline_s)
             > config.burst_stall_s
         ):
-            # The loop stalled in its lifetime (or its timeout fired late): its answer may be unread
-            # in the socket, so it is no evidence of loss; a stall is the collector's, not the link's.
+            # The loop stalled in its lifetime (or its timeout fired late): a lost one's answer may
+            # be unread in the socket, so it is no evidence of loss; a stall is the collector's, not
+            # the link's. The answered ones sent across it go too: keeping them alone would bias
+            # the loss of the probes that stall saw down.
             samples = dense.drop(result.seq)
             self.counts["dense_probes_dropped_late"] += 1
+        elif result.rtt_ms is not None:
+            samples = dense.add(result)
         else:
             samples = dense.add(result)
             self.counts["dense_probes_lost"] += 1

@@ -1,20 +1,31 @@
 """Probe intensity follows use (the links running jobs span are probed densely, within a budget),
 and the loss rule's sequential test that turns those probes into a verdict within periods."""
 
+import functools
 import math
 import random
+import time
+from collections import Counter
+from collections.abc import Callable
 
 import pytest
 
 from loom.net import Expected, LinkConfig, Perception
 from loom.net.burst import BURST_PROBE
 from loom.net.intensity import UseConfig, dense_overdue_s, dense_plan, links_in_use
-from loom.net.linkstate import cusum_weights, loss_evidence
+from loom.net.linkstate import LinkTracker, cusum_weights, loss_evidence
 from loom.net.window import LinkWindow
-from loom.netemu.probes import ProbeResult
+from loom.netemu.emulator import LinkParams
+from loom.netemu.probes import ProbeResult, receive_buffer_bytes
 from loom_proto.codec import DecodeError, decode, encode
 from loom_proto.net import LinkInUse, LinksInUse, ProbeSample
-from loom_services.probe_collector.collector import BurstRounds
+from loom_services.probe_collector.collector import (
+    BurstRounds,
+    CollectorConfig,
+    PeerLink,
+    ProbeCollector,
+    dense_phase_s,
+)
 
 T0 = 1_767_225_600.0
 
@@ -160,3 +171,86 @@ def test_links_in_use_travel_as_a_strict_contract() -> None:
         decode(b'{"kind": "links_in_use", "links": [], "ttl_s": 20, "at": 1, "extra": 1}', LinksInUse)
     with pytest.raises(DecodeError):
         decode(b'{"kind": "links_in_use", "links": [], "ttl_s": 0, "at": 1}', LinksInUse)
+
+
+def _dense_tracker(
+    tracker: LinkTracker, seconds: int, lost_of_row: Callable[[int], int], start: int = 0
+) -> list[float]:
+    """Not a test: feed ``tracker`` 5 ticks a second, each a steady probe and a row of 120 extra
+    probes losing ``lost_of_row(tick)``, evaluating after each; the loss rates read."""
+    rates = []
+    for k in range(start, start + seconds * 5):
+        now = T0 + k * 0.2
+        tracker.add(now, 100.0)
+        tracker.add(now, 100.0, 120, lost_of_row(k), counts_only=True)  # some were answered
+        tracker.evaluate(now)
+        rates.append(tracker.loss_rate)
+    return rates
+
+
+def test_a_dense_link_below_the_threshold_is_neither_degraded_nor_priced_up_by_one_unlucky_tick() -> None:
+    # 0.5 % (0.6 of a row of 120 on average): one tick losing 3 is no rise (before: priced at 2.5 %).
+    tracker = LinkTracker("a", "b", expected=Expected(100.0, 5.0))
+    rates = _dense_tracker(tracker, 120, lambda k: int(k % 5 < 3))[-100:]
+    rates += _dense_tracker(tracker, 1, lambda k: 3 if k == 600 else 0, start=600)
+    assert max(rates) < 0.007 and not tracker.degraded
+    # 0.7 %: the long window (36,000 probes) is significant against 0.5 %, but its rate is below
+    # the 1 % threshold, and one tick losing 4 (3.3 %) does not make it a verdict (before: degraded).
+    tracker = LinkTracker("a", "b", expected=Expected(100.0, 5.0))
+    _dense_tracker(tracker, 120, lambda k: int(k % 6 != 0))
+    assert loss_evidence(tracker.window, T0 + 119.8, LinkConfig()).significant
+    rates = _dense_tracker(tracker, 1, lambda k: 4 if k == 600 else 1, start=600)
+    assert not tracker.degraded and max(rates) < 0.01
+    # 3 % from there (18 of a period's 600): degraded within the second, and priced so.
+    rates = _dense_tracker(tracker, 1, lambda k: (4, 4, 3, 4, 3)[k % 5], start=605)
+    assert tracker.degraded and rates[-1] >= 0.02
+
+
+class _StallingCollector:
+    """Not a test: what ``ProbeCollector._dense_result`` reads of its collector, the loop having
+    stalled after ``stall_at`` (wall s)."""
+
+    def __init__(self, stall_at: float) -> None:
+        self.config = CollectorConfig()
+        self.counts: Counter[str] = Counter()
+        self.stall_at = stall_at
+        self._dense = {"b": (120, 30.0)}  # this period's deadline: not the one the probes went out with
+        self.samples: list[ProbeSample] = []
+
+    def _stalled_since(self, at: float) -> bool:
+        return at <= self.stall_at
+
+    def _enqueue_dense(self, sample: ProbeSample) -> None:
+        self.samples.append(sample)
+
+
+def test_extra_probes_sent_across_a_stall_are_dropped_answered_or_not_by_their_own_deadline() -> None:
+    now = time.time()
+    collector = _StallingCollector(stall_at=now - 10.0)
+    link = PeerLink("a", "b", LinkParams(delay_ms=50.0), LinkParams(delay_ms=50.0))
+    dense = BurstRounds("a", "b")
+    for seq in range(5):
+        dense.sent(seq, 0.5)
+    assert dense.deadline_s(0) == 0.5 and dense.deadline_s(9) is None
+    dense.seal()
+    handle = functools.partial(ProbeCollector._dense_result, collector, link, dense)  # type: ignore[arg-type]
+    handle(ProbeResult(seq=0, sent_at=now - 11.0, rtt_ms=100.0))  # answered, but sent before the stall
+    handle(ProbeResult(seq=1, sent_at=now - 11.0, rtt_ms=None))  # lost across the stall
+    handle(ProbeResult(seq=2, sent_at=now - 5.0, rtt_ms=None))  # its 0.5 s deadline fired 4.5 s late
+    handle(ProbeResult(seq=3, sent_at=now - 0.6, rtt_ms=None))  # lost, on time
+    assert collector.counts["dense_probes_dropped_late"] == 3 and collector.counts["dense_probes_lost"] == 1
+    handle(ProbeResult(seq=4, sent_at=now - 0.2, rtt_ms=101.0))
+    (sample,) = collector.samples
+    assert (sample.sent, sample.lost) == (2, 1) and dense.deadline_s(4) is None
+
+
+def test_each_collector_sends_its_extra_probes_at_its_own_phase_of_the_tick() -> None:
+    regions = ["weu", "sea1", "use2", "aue"]
+    phases = [dense_phase_s(region, regions, 0.2) for region in regions]
+    assert sorted(phases) == pytest.approx([0.0, 0.025, 0.05, 0.075])  # the first half, in turn
+    assert dense_phase_s("aue", ["weu", "aue"], 0.2) == 0.0 == dense_phase_s("solo", [], 0.2)
+
+
+def test_a_probe_socket_reports_the_receive_buffer_it_got() -> None:
+    got = receive_buffer_bytes(4096)
+    assert got is not None and got >= 4096  # a small buffer is never capped (Linux reports twice it)

@@ -12,13 +12,15 @@ the raw cost, and from it
   time constant ``decay_tau_s × max(1, flaps)``, the flap count fading over ``flap_tau_s`` —
   route flap damping, so a slow oscillation cannot pull traffic back and forth either;
 * the **loss rate** from two windows: the long one (``loss_horizon_s``, at least
-  ``min_loss_probes`` probes) unless the latest ``short_loss_probes`` probes differ from it
-  significantly (``loss_z_rise`` / ``loss_z_fall`` standard errors, and for a rise at least
-  ``min_short_lost`` lost probes), so a loss episode is seen as soon as the probes can show
+  ``min_loss_probes`` probes) unless the latest ``short_loss_probes`` probes (or the last
+  ``short_loss_horizon_s``'s, where more) differ from it significantly (``loss_z_rise`` /
+  ``loss_z_fall`` standard errors, and for a rise at least ``min_short_lost`` lost probes and a
+  binomial tail below ``loss_alpha``), so a loss episode is seen as soon as the probes can show
   it, and its end as well, while single losses do not move it; after an outage the windows
-  restart. Loss degrades a link only when it is *significant* as well (:func:`binomial_tail`):
-  the window's lost probes would come with probability below ``loss_alpha`` were the link
-  losing only ``recover_loss`` — a 1 % threshold read off a few hundred probes is otherwise
+  restart. Loss degrades a link only when a window is *significant* (:func:`binomial_tail`, or
+  the sequential test of :func:`loss_evidence`), and by that window's rate (``tested``): its
+  lost probes would come with probability below ``loss_alpha`` were the link losing only
+  ``recover_loss`` — a 1 % threshold read off a few hundred probes is otherwise
   crossed by chance on a healthy link losing 0.2 %;
 * **degraded / recovered** events with separate enter and exit thresholds and a hold time on
   exit, so a link hovering at the threshold does not flap;
@@ -139,7 +141,10 @@ class LinkConfig:
     """The long loss window is widened back until it holds this many probes."""
     short_loss_probes: int = 50
     """The short loss window is the latest this-many probes (10 s of single probes at 5 Hz, one
-    second of rounds of ten)."""
+    second of rounds of ten) ..."""
+    short_loss_horizon_s: float = 1.0
+    """... or the probes of this latest stretch where they are more (a densely probed link,
+    :mod:`loom.net.intensity`: about a period's 600, not one tick's row of 120)."""
     min_short_lost: int = 3
     """The short window can raise the loss estimate only with at least this many losses."""
     loss_z_rise: float = 3.0
@@ -395,10 +400,10 @@ class LinkTracker:
             self.jitter_ms = statistics.median(self.reported_jitter)
         evidence = loss_evidence(self.window, now, config, self.loss_since)
         loss_rate = evidence.used.loss_rate
-        significant = evidence.significant
+        condition = evidence.tested if evidence.significant else 0.0
         if self.lost_run >= config.burst_lost:
-            loss_rate = max(loss_rate, self.lost_run / (self.lost_run + 2.0))
-            significant = True
+            burst = self.lost_run / (self.lost_run + 2.0)
+            loss_rate, condition = max(loss_rate, burst), max(condition, burst)
         self.loss_rate = loss_rate
         raw = self._raw_cost()
         self.usable = math.isfinite(raw)
@@ -416,7 +421,7 @@ class LinkTracker:
             self.usable_price = self.priced_cost
         if self.rtt_ms is not None and short.samples:
             self.forecast.observe(now, self.rtt_ms)
-        return self._condition(now, dt, loss_rate if significant else 0.0)
+        return self._condition(now, dt, condition)
 
     def _loss_window(self, now: float, long: LossStats) -> LossStats:
         """The window the loss rate is read off (see :func:`loss_window`)."""
@@ -614,10 +619,16 @@ class LossEvidence:
     ``recover_loss``, or the sequential test reached ``cusum_h`` (``used`` is then its run)."""
     cusum: float = 0.0
     """The sequential test's score: the largest log-likelihood ratio of a run of the latest probes."""
+    tested: float = 0.0
+    """The loss rate of the window that was found significant (0 where none was): the long
+    window's (or the shortest horizon's where that reads lower: the loss is over), or the
+    sequential test's run. The link's condition is judged on it, never on ``used`` alone: on a
+    densely probed link ``used`` can be one tick's row, whose rate says little (4 of 120 lost
+    at a steady 0.7 %, 1 % of ticks), while the long window's 36,000 probes are significant."""
 
     def degrading(self, config: "LinkConfig") -> bool:
-        """The loss alone degrades the link: significant and at least ``degrade_loss``."""
-        return self.significant and self.used.loss_rate >= config.degrade_loss
+        """The loss alone degrades the link: a significant window's rate at least ``degrade_loss``."""
+        return self.significant and self.tested >= config.degrade_loss
 
 
 def loss_evidence(
@@ -636,12 +647,14 @@ def loss_evidence(
     # alarms on every stretch of bad luck, and on a densely probed link every period brings a
     # fresh one (0.43 false alarms per link-hour at 0.5 % loss with 5 probes a period).
     significant = binomial_tail(long.lost, long.sent, config.recover_loss) < config.loss_alpha
+    tested = min(long.loss_rate, used.loss_rate) if significant else 0.0
     cusum, run = window.loss_cusum(
         now, config.loss_horizon_s, *cusum_weights(config.cusum_loss, config.recover_loss), since
     )
     if cusum >= config.cusum_h and run.loss_rate >= config.degrade_loss:
-        return LossEvidence(long, run if run.loss_rate > used.loss_rate else used, True, cusum)
-    return LossEvidence(long, used, significant, cusum)
+        used = run if run.loss_rate > used.loss_rate else used
+        return LossEvidence(long, used, True, cusum, max(tested, run.loss_rate))
+    return LossEvidence(long, used, significant, cusum, tested)
 
 
 def cusum_weights(high: float, low: float) -> tuple[float, float]:
@@ -655,16 +668,23 @@ def loss_window(
     """The window the loss rate is read off: the long one, unless a recent one differs from it
     significantly.
 
-    A rise is read off the latest ``short_loss_probes`` probes (fast: an episode shows within
-    a period when probes come in rounds), a fall off the shortest horizon (at least as many
-    probes: saying "the loss is over" needs more evidence than "it has started").
+    A rise is read off the latest ``short_loss_probes`` probes, or the last
+    ``short_loss_horizon_s`` where they hold more (fast: an episode shows within a period when
+    probes come in rounds), if improbable at the long window's rate (``loss_alpha``); a fall
+    off the shortest horizon (at least as many probes: saying "the loss is over" needs more
+    evidence than "it has started").
     """
-    latest = window.loss_stats(now, 0.0, config.short_loss_probes, since)
+    latest = window.loss_stats(now, config.short_loss_horizon_s, config.short_loss_probes, since)
     rise = latest.loss_rate - long.loss_rate
     if (
         0 < latest.sent < long.sent
         and latest.lost >= config.min_short_lost
         and rise > config.loss_z_rise * _standard_error(long, latest.sent)
+        # A rise is priced at once and decays slowly: it must be improbable at the long
+        # window's rate (at least ``recover_loss``), not merely a few standard errors off it
+        # (3 of 120 lost at a steady 0.5 %: 2 % of a dense link's ticks, 5 ticks a second).
+        and binomial_tail(latest.lost, latest.sent, max(long.loss_rate, config.recover_loss))
+        < config.loss_alpha
     ):
         return latest
     recent = window.loss_stats(now, window.horizons_s[0], config.short_loss_probes, since)

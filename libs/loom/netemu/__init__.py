@@ -16,11 +16,13 @@ from loom.netemu.emulator import (
     params_from_link,
 )
 from loom.netemu.probes import (
+    RECEIVE_BUFFER_BYTES,
     BulkResult,
     ProbeResult,
     TcpProbeServer,
     UdpEchoServer,
     UdpProber,
+    receive_buffer_bytes,
     tcp_bulk,
     to_sample,
     udp_ping,
@@ -29,6 +31,7 @@ from loom.netemu.wan import WanEmulator
 
 __all__ = [
     "BANDWIDTH_SCALE",
+    "RECEIVE_BUFFER_BYTES",
     "BulkResult",
     "LinkParams",
     "ProbeResult",
@@ -41,6 +44,7 @@ __all__ = [
     "UdpRelay",
     "WanEmulator",
     "params_from_link",
+    "receive_buffer_bytes",
     "tcp_bulk",
     "to_sample",
     "udp_ping",

@@ -61,13 +61,24 @@ several collectors at once, and the default buffer (208 KiB: under 200 small dat
 while the reader waits for the GIL or its event loop: losses of the probing's own making."""
 
 
-def grow_receive_buffer(sock: socket.socket | None, size: int = RECEIVE_BUFFER_BYTES) -> None:
-    """Ask for a receive buffer of ``size`` bytes on ``sock`` (best effort: never smaller than it was)."""
+def grow_receive_buffer(sock: socket.socket | None, size: int = RECEIVE_BUFFER_BYTES) -> int | None:
+    """Ask for a receive buffer of ``size`` bytes on ``sock`` (best effort: never smaller than it
+    was); the size the kernel reports then (Linux: twice what it grants), None if unknown."""
     if sock is None:
-        return
+        return None
     with contextlib.suppress(OSError):
         if sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) < size:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+        return int(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF))
+    return None
+
+
+def receive_buffer_bytes(size: int = RECEIVE_BUFFER_BYTES) -> int | None:
+    """The receive buffer a probe socket gets when it asks for ``size`` (as the kernel reports it):
+    below ``size``, the kernel capped it (``net.core.rmem_max``)."""
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        return grow_receive_buffer(sock, size)
+    return None
 
 
 class UdpEchoServer:
