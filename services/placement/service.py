@@ -974,9 +974,13 @@ class PlacementService:
         candidates: list[QueuedJob] = []
         dup_rejects: list[outbox.OutboxMessage] = []
         new_rows: list[repo.NewJob] = []
+        taken: set[str] = set()
         for (d, submitted), msg_id in zip(accepted, msg_ids, strict=True):
-            if msg_id not in fresh:
-                continue  # handled before: its decision and messages are already durable
+            if msg_id not in fresh or msg_id in taken:
+                # Handled before (its decision and messages are already durable), or the same
+                # message twice in this batch (a redelivery): nothing to answer.
+                continue
+            taken.add(msg_id)
             job = (
                 submitted if submitted.submitted_at else msgspec.structs.replace(submitted, submitted_at=now)
             )

@@ -292,3 +292,22 @@ async def test_one_job_id_twice_in_a_batch_is_admitted_once_and_the_other_reject
         f"{prefix}-0:rejected:duplicate:%",
     )
     assert len(rejected) == 1
+
+
+async def test_the_same_message_twice_in_a_batch_is_admitted_once_and_answered_once(
+    services: Callable[[], Awaitable[PlacementService]],
+) -> None:
+    """A redelivery inside one batch (the same message id twice) is no duplicate submission: the
+    job is placed once and no rejection is sent for its own message."""
+    svc = await services()
+    prefix = f"r{uuid.uuid4().hex[:6]}"
+    deliveries = batch(prefix, 0)[:2]
+    deliveries.append(deliveries[0])
+
+    assert await svc.on_submitted(deliveries) == [None] * 3
+    await asyncio.gather(*svc._sending)
+
+    pool = svc.pool
+    assert await pool.fetchval("SELECT count(*) FROM jobs") == 2
+    assert await pool.fetchval("SELECT count(*) FROM reservations WHERE job_id = $1", f"{prefix}-0") == 1
+    assert await pool.fetchval("SELECT count(*) FROM outbox WHERE msg_id LIKE '%:rejected:%'") == 0
