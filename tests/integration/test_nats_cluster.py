@@ -428,6 +428,9 @@ async def test_a_batch_on_a_cluster_is_not_held_for_the_ack_timeout_by_a_silent_
     leader flushes the outbox before it starts, and waited 5 s on that). (2) When the node a batch
     went to dies, the client reconnects to another and those acks never come: they count as failed
     as soon as the client is back. Sent again under the same ids, each message is stored once."""
+    # Settled first: an earlier test of the module killed nodes, and a leader read mid-election
+    # (stale a moment later) would be the wrong one to stop (seen once in CI).
+    await until(lambda: all_replicas_current(bus, "JOBS"), HANG_S, "JOBS to settle")
     info = await bus.jetstream().stream_info("JOBS")
     assert info.cluster is not None and info.cluster.leader
     leader = node_by_name(nats_cluster, info.cluster.leader)
