@@ -95,6 +95,7 @@ from loom.runtime.service import ServiceContext
 from loom.store import fence, moves, outbox
 from loom.store import replicas as replica_store
 from loom.store.pool import transaction
+from loom.tasks import cancel_and_wait
 from loom_proto import subjects
 from loom_proto.clusters import CheckpointJob
 from loom_proto.codec import DecodeError, decode, encode
@@ -278,9 +279,7 @@ class MigrationService:
             await self.ctx.stopping.wait()
         finally:
             relay_stop.set()
-            for task in loops:
-                task.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+            await cancel_and_wait(loops)
             for copy in list(self._copies.values()):
                 copy.cancel()  # recorded as copying: a restarted service times it again
             await asyncio.gather(*self._copies.values(), return_exceptions=True)
