@@ -2,12 +2,21 @@
 
 import json
 import os
+import socket
+import sys
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from loom.runtime.stack import metrics_ports, process_table
+from loom.runtime.servers import find_free_port
+from loom.runtime.stack import (
+    ServiceProcess,
+    StackOptions,
+    Supervisor,
+    metrics_ports,
+    process_table,
+)
 from loom.telemetry.metrics import ENV_METRICS_PORT, serve_metrics
 
 
@@ -23,6 +32,44 @@ def test_without_a_base_every_service_gets_a_free_port_of_its_own() -> None:
     ports = metrics_ports([f"s{i}" for i in range(5)], 0)
     assert len(set(ports.values())) == 5
     assert all(1024 <= p <= 65535 for p in ports.values())
+
+
+_PRINT_PORT = f"import os; print(os.environ[{ENV_METRICS_PORT!r}])"
+
+
+def _spawn_and_read_port(tmp_path: Path, options: StackOptions, port: int) -> tuple[int, str]:
+    """Spawn a process that prints its metrics port, as the supervisor spawns a service."""
+    supervisor = Supervisor(tmp_path, options)
+    log = tmp_path / f"svc-{port}.log"
+    svc = ServiceProcess("svc", [sys.executable, "-c", _PRINT_PORT], str(log), metrics_port=port)
+    supervisor.spawn(svc, dict(os.environ))
+    assert supervisor.procs["svc"].wait(timeout=30) == 0
+    assert svc.metrics_port is not None
+    return svc.metrics_port, log.read_text().strip()
+
+
+def test_a_picked_port_another_listener_took_is_picked_again_at_spawn(tmp_path: Path) -> None:
+    """A free port picked for a service and taken before it bound it: restarting on it would die
+    on "address already in use" for ever (an e2e stack crash-looped so until its start timeout)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        got, seen = _spawn_and_read_port(tmp_path, StackOptions(), port)
+        assert got != port
+        assert seen == str(got)
+    free = find_free_port()
+    assert _spawn_and_read_port(tmp_path, StackOptions(), free) == (free, str(free))
+
+
+def test_a_configured_base_port_is_kept_even_when_taken(tmp_path: Path) -> None:
+    """An operator's --metrics-port-base is what Prometheus scrapes: never moved behind its back."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        options = StackOptions(metrics_port_base=port)
+        assert _spawn_and_read_port(tmp_path, options, port) == (port, str(port))
 
 
 def test_status_lists_each_services_metrics_url(tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ __all__ = [
     "ServerStartError",
     "describe_exit",
     "find_free_port",
+    "port_bindable",
     "reap_orphans",
 ]
 
@@ -80,7 +81,8 @@ def _ephemeral_range() -> tuple[int, int]:
         return 49152, 65535
 
 
-def _bindable(port: int) -> bool:
+def port_bindable(port: int) -> bool:
+    """Whether a TCP listener could bind ``port`` on 127.0.0.1 now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind(("127.0.0.1", port))
@@ -101,7 +103,7 @@ def find_free_port() -> int:
     if low > 12000:
         for _ in range(50):
             port = _PORT_RANDOM.randrange(10000, low)
-            if _bindable(port):
+            if port_bindable(port):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -45,6 +45,7 @@ from loom.runtime.servers import (
     check_postgres_listen,
     describe_exit,
     find_free_port,
+    port_bindable,
     reap_orphans,
 )
 from loom.runtime.slurmlocal import LocalSlurmError, LocalSlurms, slurm_nodes
@@ -102,7 +103,8 @@ class ServiceProcess:
     last_exit: str | None = None
     """How the previous process ended (``killed by SIGKILL``), None before any exit."""
     metrics_port: int | None = None
-    """Where it serves Prometheus ``/metrics`` (the same port across restarts)."""
+    """Where it serves Prometheus ``/metrics``: the same port across restarts, unless it was a free
+    port picked for it that another listener has taken since (then a new one)."""
 
 
 @dataclass
@@ -677,6 +679,15 @@ class Supervisor:
     def spawn(self, svc: ServiceProcess, env: dict[str, str]) -> None:
         """Start one service process, its output appended to its log file."""
         env = self.service_env(svc.name, env)
+        if (
+            svc.metrics_port is not None
+            and not self.options.metrics_port_base
+            and not port_bindable(svc.metrics_port)
+        ):
+            # A free port picked for it, taken since by another listener: a restart on the same
+            # port would die on "address already in use" again and again, so it gets a new one
+            # (written to the state with the new pid, where `loom status` reads it).
+            svc.metrics_port = find_free_port()
         if svc.metrics_port is not None:
             env = {**env, ENV_METRICS_PORT: str(svc.metrics_port)}
         with open(svc.log, "ab") as log:
