@@ -578,6 +578,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "topology": args.topology,
                 "services": len(state["services"]),
                 "placement_shards": options.placement_shards,
+                "neighbour_nice": options.neighbour_nice,
                 "placement_groups": stack.placement_groups(options),
                 "network_services": not args.without_network,
                 "cpu_cores": os.cpu_count(),

@@ -205,6 +205,18 @@ def test_placement_runs_the_instances_the_stack_runs_each_under_its_own_name() -
     assert len(shards) == 1, "every instance must contend for the same shard with the same lease TTL"
 
 
+def test_placement_gets_three_times_a_neighbours_cpu_weight_as_in_the_embedded_stack() -> None:
+    from loom.runtime.stack import NEIGHBOUR_NICE, StackOptions, service_nice
+
+    options = StackOptions(neighbour_nice=NEIGHBOUR_NICE)
+    for name, svc in RUNNING.items():
+        if service_nice(name, options) == 0:
+            assert "cpu_shares" not in svc, name  # the default weight, 1024
+        else:
+            assert svc.get("cpu_shares") == 340, name  # CFS weight of niceness 5: 335
+    assert any(service_nice(name, options) == 0 for name in RUNNING)
+
+
 def test_migrations_run_once_before_the_services_that_use_the_database() -> None:
     migrate = SERVICES["migrate"]
     argv = _argv(migrate)

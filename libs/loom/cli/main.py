@@ -43,6 +43,7 @@ async def _client() -> LoomClient:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Start the embedded stack in the background."""
+    defaults = stack.StackOptions()
     options = stack.StackOptions(
         topology=args.topology,
         clusters=args.cluster or [],
@@ -53,8 +54,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         nats_cluster=args.nats_cluster,
         secure_db=args.secure_db,
         metrics_port_base=args.metrics_port_base,
+        neighbour_nice=stack.StackOptions().neighbour_nice
+        if args.neighbour_nice is None
+        else args.neighbour_nice,
         slurm_clusters=stack.default_slurm_clusters(args.topology, args.cluster or []) if args.slurm else [],
-        secure=stack.StackOptions().secure if args.secure is None else args.secure,
+        secure=defaults.secure if args.secure is None else args.secure,
         nats_host=args.nats_host,
         postgres_host=args.postgres_host,
     )
@@ -913,6 +917,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="Prometheus /metrics ports: consecutive from this one (default: a free port each)",
+    )
+    p.add_argument(
+        "--neighbour-nice",
+        type=int,
+        default=None,
+        help="niceness added to every service but placement, so that placement gets the cores when"
+        f" both want them (default {stack.NEIGHBOUR_NICE}, or $LOOM_NEIGHBOUR_NICE; 0: all alike)",
     )
     p.add_argument(
         "--secure",

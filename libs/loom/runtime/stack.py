@@ -68,6 +68,11 @@ _REAP_AFTER_CHANGE_S = 5.0
 log = structlog.get_logger("loom.supervisor")
 
 ENV_SECURE = "LOOM_SECURE"
+ENV_NEIGHBOUR_NICE = "LOOM_NEIGHBOUR_NICE"
+"""The default of ``loom up --neighbour-nice`` (:attr:`StackOptions.neighbour_nice`)."""
+NEIGHBOUR_NICE = 5
+"""Niceness of every service but placement: under a burst the kernel gives placement (and the
+NATS and PostgreSQL servers it waits on, left at 0) about 3x their CPU share (weight 1024 vs 335)."""
 """``0``: stacks start with unauthenticated NATS unless their options say otherwise
 (``StackOptions.secure``; secured is the default)."""
 ENV_SECURE_DB = "LOOM_SECURE_DB"
@@ -79,13 +84,19 @@ ENV_STREAM_REPLICAS = "LOOM_STREAM_REPLICAS"
 """Replicas of Loom's streams, KV buckets and (inherited) consumers; read by loom.bus."""
 
 
-def _pdeathsig() -> Callable[[], None] | None:
-    if not sys.platform.startswith("linux"):
+def _pdeathsig(nice: int = 0) -> Callable[[], None] | None:
+    """The child's pre-exec: SIGTERM when the supervisor dies (Linux), and ``nice`` added to its
+    niceness."""
+    linux = sys.platform.startswith("linux")
+    if not linux and not nice:
         return None
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True) if linux else None
 
     def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if libc is not None:
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if nice:
+            os.nice(nice)
 
     return preexec
 
@@ -105,6 +116,8 @@ class ServiceProcess:
     metrics_port: int | None = None
     """Where it serves Prometheus ``/metrics``: the same port across restarts, unless it was a free
     port picked for it that another listener has taken since (then a new one)."""
+    nice: int = 0
+    """Added to its niceness at start (:func:`service_nice`)."""
 
 
 @dataclass
@@ -145,6 +158,13 @@ class StackOptions:
     metrics_port_base: int = 0
     """Prometheus ``/metrics`` ports: services get ``base``, ``base + 1``, … in start order; 0 gives
     each a free port. ``loom status`` lists them; deploy/prometheus/ shows how to scrape them."""
+    neighbour_nice: int = field(
+        default_factory=lambda: int(os.environ.get(ENV_NEIGHBOUR_NICE, str(NEIGHBOUR_NICE)))
+    )
+    """Niceness added to every service but placement (agents, probe collectors, network perception,
+    metrics, migration, alerts, console): they leave the cores to placement when both want them, and
+    get them all when placement is idle. 0: every service alike. ``$LOOM_NEIGHBOUR_NICE`` sets the
+    default."""
 
     slurm_clusters: list[str] = field(default_factory=list)
     """Clusters whose agents run on a local Slurm cluster of their own (``--slurm``) instead of the
@@ -164,6 +184,12 @@ class StackOptions:
     """The address NATS listens on (``loom up --nats-host``). Off the loopback interface, the
     server requires TLS: a CA (``<home>/secrets/tls/ca.pem``, kept) and a server certificate for
     that address are generated, and every Loom process trusts that CA only (``$LOOM_NATS_CA``)."""
+
+
+def service_nice(name: str, options: StackOptions) -> int:
+    """The niceness a service is started with: 0 for placement (leaders and standbys, every shard),
+    :attr:`StackOptions.neighbour_nice` for the rest."""
+    return 0 if name == "placement" or name.startswith("placement-") else options.neighbour_nice
 
 
 def metrics_ports(names: list[str], base: int) -> dict[str, int]:
@@ -697,7 +723,7 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                preexec_fn=_pdeathsig(),  # noqa: PLW1509 - prctl only, async-signal-safe
+                preexec_fn=_pdeathsig(svc.nice),  # noqa: PLW1509 - prctl and nice, async-signal-safe
             )
         self.procs[svc.name] = proc
         svc.pid = proc.pid
@@ -709,7 +735,11 @@ class Supervisor:
         ports = metrics_ports(list(argvs), self.options.metrics_port_base)
         for name, argv in argvs.items():
             self.services[name] = ServiceProcess(
-                name, argv, str(self.home / "logs" / f"{name}.log"), metrics_port=ports[name]
+                name,
+                argv,
+                str(self.home / "logs" / f"{name}.log"),
+                metrics_port=ports[name],
+                nice=service_nice(name, self.options),
             )
             self.spawn(self.services[name], self.process_env(name, env))
 
@@ -861,6 +891,7 @@ def supervisor_argv(home: Path, options: StackOptions) -> list[str]:
         argv += ["--nats-cluster", str(options.nats_cluster)]
     if options.metrics_port_base:
         argv += ["--metrics-port-base", str(options.metrics_port_base)]
+    argv += ["--neighbour-nice", str(options.neighbour_nice)]
     if not options.console:
         argv.append("--no-console")
     if options.console_port:
@@ -985,8 +1016,8 @@ def process_table(home: Path | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The supervisor process's entry point (started by :func:`up`)."""
+def parse_supervisor_argv(argv: list[str] | None = None) -> tuple[Path, StackOptions]:
+    """The home and options a supervisor command line (:func:`supervisor_argv`) carries."""
     parser = argparse.ArgumentParser(prog="python -m loom.runtime.stack")
     parser.add_argument("--home", type=Path, required=True)
     parser.add_argument("--topology", default="default")
@@ -1006,6 +1037,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--secure-db", action=argparse.BooleanOptionalAction, default=SECURE_DB_DEFAULT)
     parser.add_argument("--insecure-db", dest="secure_db", action="store_false")
     parser.add_argument("--metrics-port-base", type=int, default=0)
+    parser.add_argument("--neighbour-nice", type=int, default=NEIGHBOUR_NICE)
     parser.add_argument("--slurm-cluster", action="append", default=[])
     parser.add_argument("--secure", action="store_true")
     parser.add_argument("--nats-host", default=StackOptions.nats_host)
@@ -1028,12 +1060,19 @@ def main(argv: list[str] | None = None) -> int:
         console_port=args.console_port,
         secure_db=args.secure_db,
         metrics_port_base=args.metrics_port_base,
+        neighbour_nice=args.neighbour_nice,
         slurm_clusters=args.slurm_cluster,
         secure=args.secure,
         nats_host=args.nats_host,
         postgres_host=args.postgres_host,
     )
-    return Supervisor(args.home.resolve(), options).run()
+    return args.home.resolve(), options
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The supervisor process's entry point (started by :func:`up`)."""
+    home, options = parse_supervisor_argv(argv)
+    return Supervisor(home, options).run()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,80 @@
+"""Every service but placement starts niced, so placement gets the cores when both want them."""
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from loom.runtime.stack import (
+    NEIGHBOUR_NICE,
+    ServiceProcess,
+    StackOptions,
+    Supervisor,
+    parse_supervisor_argv,
+    service_argvs,
+    service_nice,
+    supervisor_argv,
+)
+
+
+def test_placement_runs_at_the_supervisors_niceness_and_every_other_service_niced() -> None:
+    options = StackOptions(placement_shards=2, neighbour_nice=7)
+    names = list(service_argvs(options))
+    placement = [n for n in names if n.startswith("placement")]
+    assert "placement" in placement and "placement-standby" in placement
+    assert any(n.endswith("-standby") and n != "placement-standby" for n in placement)  # a shard's
+    assert {service_nice(n, options) for n in placement} == {0}
+    others = [n for n in names if n not in placement]
+    assert any(n.startswith("agent-") for n in others) and "metrics" in others
+    assert {service_nice(n, options) for n in others} == {7}
+    assert {service_nice(n, StackOptions(neighbour_nice=0)) for n in names} == {0}
+
+
+def test_the_default_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOOM_NEIGHBOUR_NICE", raising=False)
+    assert StackOptions().neighbour_nice == NEIGHBOUR_NICE
+    monkeypatch.setenv("LOOM_NEIGHBOUR_NICE", "2")
+    assert StackOptions().neighbour_nice == 2
+
+
+def test_a_spawned_service_runs_at_its_niceness(tmp_path: Path) -> None:
+    supervisor = Supervisor(tmp_path, StackOptions())
+    seen = {}
+    for nice in (0, 4):
+        log = tmp_path / f"svc-{nice}.log"
+        argv = [sys.executable, "-c", "import os; print(os.nice(0))"]
+        svc = ServiceProcess(f"svc-{nice}", argv, str(log), nice=nice)
+        supervisor.spawn(svc, dict(os.environ))
+        assert supervisor.procs[svc.name].wait(timeout=30) == 0
+        seen[nice] = int(log.read_text().strip())
+    assert seen[4] - seen[0] == min(4, 19 - seen[0])  # niceness tops out at 19
+
+
+def test_the_supervisor_command_line_carries_the_options() -> None:
+    """What `loom up` chose reaches the supervisor process (its own command line)."""
+    options = StackOptions(
+        topology="small",
+        clusters=["c-a"],
+        time_scale=30.0,
+        heartbeat_s=1.5,
+        max_heartbeat_s=8.0,
+        durable=False,
+        network=False,
+        placement_standby=False,
+        placement_shards=2,
+        probe_period_s=0.5,
+        nats_cluster=3,
+        console=False,
+        console_port=9999,
+        secure_db=False,
+        metrics_port_base=9500,
+        neighbour_nice=3,
+        secure=True,
+    )
+    argv = supervisor_argv(Path("/tmp/loom-home"), options)
+    assert argv[1:3] == ["-m", "loom.runtime.stack"]
+    home, parsed = parse_supervisor_argv(argv[3:])
+    assert home == Path("/tmp/loom-home")
+    assert dataclasses.asdict(parsed) == dataclasses.asdict(options)
