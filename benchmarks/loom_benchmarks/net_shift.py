@@ -19,7 +19,8 @@ confirms a shift), then the migration service's ``review_delay_s`` and a what-if
 Options: ``--factors`` (RTT factors of the change, default 5), ``--losses`` (a change that loses
 that share of the probes instead; its lost probes come at the collector's probe timeout),
 ``--base-losses`` (healthy links' own probe loss in the false-positive runs), ``--probes``
-(probes per period), ``--chains``.
+(probes per period), ``--chains``; the loss rule's ``--cusum-h`` and ``--null-loss`` and a link in
+use's ``--dense-probes`` (extra probes a period), to compare settings without editing defaults.
 
 ``before`` is the chain as it was (rounds of 5 only, 3 suspects for any shift, evaluation at
 the tick, review 0.3 s); ``steady`` the current defaults without loss bursts; ``after`` the
@@ -47,7 +48,7 @@ import numpy as np
 
 from loom.net import Expected, LinkConfig, Perception
 from loom.net.burst import BurstPlanner
-from loom.net.intensity import dense_overdue_s, dense_plan
+from loom.net.intensity import UseConfig, dense_overdue_s, dense_plan
 from loom.net.outliers import OutlierConfig
 from loom.netemu.probes import ProbeResult
 from loom_proto.net import ProbeSample
@@ -59,6 +60,16 @@ WHATIF_S = 0.18
 """Placement's what-if and the verdict's write, measured on the real stack (decision 0.47-0.49 s
 after the event with a 0.3 s review delay)."""
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "wan" / "region_rtt_ms.csv"
+LINK = LinkConfig()
+"""The loss rule network perception and the burst planner run (``--cusum-h``, ``--null-loss``)."""
+USE = UseConfig()
+"""How hard a link in use is probed (``--dense-probes``)."""
+
+
+def _collector() -> CollectorConfig:
+    """The collector's defaults with the model's :data:`LINK` and :data:`USE`."""
+    collector = CollectorConfig()
+    return replace(collector, use=USE, burst=replace(collector.burst, link=LINK))
 
 
 @dataclass(frozen=True)
@@ -99,7 +110,7 @@ DENSE_SEQ = 2 * 10**9
 
 
 def _perception(chain: Chain, rtt_ms: float, mdev_ms: float) -> Perception:
-    config = LinkConfig()
+    config = LINK
     config = replace(config, outliers=replace(config.outliers, confirm_large=chain.confirm_large))
     return Perception(["a", "b"], expected={("a", "b"): Expected(rtt_ms, mdev_ms)}, link_config=config)
 
@@ -126,7 +137,7 @@ def _simulate(  # noqa: PLR0912, PLR0915 (one event loop, its branches are the s
     ``--loss``: forward direction only); a lost probe's result comes ``probe_timeout_s`` after
     it was sent, as the collector's. ``base_loss``: the probes' loss before (and under) it."""
     perception = _perception(chain, base_ms, mdev_ms)
-    collector = CollectorConfig()
+    collector = _collector()
     rounds = RoundBuilder("a", "b", PROBES, chain.shift_ratio or collector.shift_ratio, chain.shift_probes)
     bursts = BurstRounds("a", "b")
     planner = BurstPlanner(collector.burst) if chain.burst else None
@@ -350,7 +361,7 @@ def dense_false_positives(
     rows = [r for r in csv.DictReader(DATA.open()) if all(r[k] for k in keys) and float(r["avg_rtt_ms"]) > 0]
     rng = random.Random(seed)
     chosen = rng.sample(rows, min(links, len(rows)))
-    collector = CollectorConfig()
+    collector = _collector()
     per_tick = min(
         math.ceil(dense_plan(["b"], collector.use, 1.0).get("b", 0) / PROBES), collector.use.max_per_tick
     )
@@ -485,7 +496,7 @@ def _summary(values: list[float]) -> dict[str, float | None]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    global PROBES  # noqa: PLW0603 (the model's one knob for the probe rate)
+    global PROBES, LINK, USE  # noqa: PLW0603 (the model's knobs: probe rate, loss rule, use)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--links", type=int, default=200)
@@ -503,10 +514,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--probes", type=int, default=5, help="probes per period (the collector's probes_per_period)"
     )
     parser.add_argument("--chains", nargs="+", default=["before", "after"], choices=sorted(CHAINS))
+    parser.add_argument("--cusum-h", type=float, default=LinkConfig().cusum_h, help="the loss rule's cusum_h")
+    parser.add_argument(
+        "--null-loss", type=float, default=LinkConfig().null_loss, help="the loss rule's null_loss"
+    )
+    parser.add_argument(
+        "--dense-probes",
+        type=int,
+        default=UseConfig().probes_per_period,
+        help="extra probes a period on a link in use (a fifth of them a tick; the budget at least as many)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     PROBES = args.probes
-    result: dict[str, Any] = {"probes_per_period": PROBES, "timing": [], "false_positives": []}
+    LINK = replace(LinkConfig(), cusum_h=args.cusum_h, null_loss=args.null_loss)
+    default_use = UseConfig()
+    USE = replace(
+        default_use,
+        probes_per_period=args.dense_probes,
+        max_per_tick=max(default_use.max_per_tick, math.ceil(args.dense_probes / PROBES)),
+        budget_per_s=max(default_use.budget_per_s, float(args.dense_probes)),
+    )
+    result: dict[str, Any] = {
+        "probes_per_period": PROBES,
+        "dense_probes_per_period": USE.probes_per_period,
+        "cusum_h": LINK.cusum_h,
+        "null_loss": LINK.null_loss,
+        "timing": [],
+        "false_positives": [],
+    }
     changes = [(factor, 0.0) for factor in args.factors] + [(1.0, loss) for loss in args.losses]
     for chain in (c for c in CHAINS.values() if c.name in args.chains):
         for factor, loss in changes:

@@ -1,6 +1,6 @@
 """Suspicion-triggered burst probing: when a link may be lossy, probe it harder for a moment.
 
-At ``probes_per_period`` steady probes a link losing 3 % cannot be told from one losing 0.5 %
+At ``probes_per_period`` steady probes a link losing 3 % cannot be told from one losing 1 %
 for tens of periods (network perception's loss rule, :func:`loom.net.linkstate.loss_evidence`,
 needs hundreds of probes). Raising the steady rate costs CPU on every link at rest, so a
 collector instead sends a bounded **burst** of extra probes on one link when it has reason:
@@ -162,7 +162,7 @@ def probes_needed(sent: int, lost: float, config: BurstConfig, limit: int) -> in
             n >= link.short_loss_probes
             and k >= 1
             and k >= link.degrade_loss * n
-            and binomial_tail(k, n, link.recover_loss) < link.loss_alpha
+            and binomial_tail(k, n, link.null_loss) < link.loss_alpha
         )
 
     if enough(0):

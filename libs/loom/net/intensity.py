@@ -1,12 +1,12 @@
 """Probe intensity follows use: the links running jobs depend on are probed densely, within a budget.
 
 A link losing 3 % must be seen, and its jobs moved, within 3 probe periods (issue 15). The loss
-rule's sequential test (:func:`loom.net.linkstate.loss_evidence`, ``cusum_h``) needs about 400
-probes of a 3 % link on average (780 at p95) to tell it from one losing 0.5 % with about 0.14
-false alarms per link-hour; a lost probe counts only at its deadline, and the verdict must then
-be published and reviewed, so they must be sent within the first period or two: a few hundred
-probes a period, where the steady rate is 5. Doing that on every link would cost the platform
-at rest what it cannot pay, so only a link **in use** gets them:
+rule's sequential test (:func:`loom.net.linkstate.loss_evidence`, ``cusum_h``) needs about 970
+probes of a 3 % link on average (1,700 at p95) to tell it from one losing the 1 % threshold with
+a few hundredths of a false alarm per link-hour at 0.9 %; a lost probe counts only at its
+deadline, and the verdict must then be published and reviewed, so they must be sent within the
+first period or so: a thousand probes a period, where the steady rate is 5. Doing that on every
+link would cost the platform at rest what it cannot pay, so only a link **in use** gets them:
 
 * **in use**: a running job's parts span the link's two regions (a cross-region gang, a
   pipeline): :func:`links_in_use` turns the regions of each running job into directed links
@@ -37,15 +37,16 @@ class UseConfig:
     """How hard a collector probes the links in use; the defaults suit 5 send ticks a 1 s period."""
 
     enabled: bool = True
-    probes_per_period: int = 600
-    """Extra probes a period on one link in use (the sequential test's 400 on average at 3 %
-    within about 1.3 periods)."""
-    max_per_tick: int = 120
+    probes_per_period: int = 1200
+    """Extra probes a period on one link in use: the sequential test needs about 970 probes on
+    average at 3 % (1,700 at p95) to tell it from the 1 % threshold, within about 0.8 periods
+    (at 600 a period, 3 % was decided within 3 periods in only 59-76 of 100 model trials)."""
+    max_per_tick: int = 240
     """Extra probes sent back to back on one link at one tick (a probed echo socket's buffer
     holds a few hundred; 600 at once lost 83 in the collector's test)."""
     budget_per_s: float = 1200.0
-    """Extra probes a second over all links in use of one collector, shared evenly: four links
-    at the full rate."""
+    """Extra probes a second over all links in use of one collector, shared evenly: one link at
+    the full rate, two at 600 a period each."""
     overdue_rtts: float = 6.0
     """An extra probe is lost when unanswered this many smoothed RTTs after it was sent ..."""
     overdue_min_s: float = 0.5
