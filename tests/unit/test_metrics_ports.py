@@ -62,6 +62,25 @@ def test_a_picked_port_another_listener_took_is_picked_again_at_spawn(tmp_path: 
     assert _spawn_and_read_port(tmp_path, StackOptions(), free) == (free, str(free))
 
 
+def test_a_port_its_own_answered_scrapes_left_in_time_wait_is_kept(tmp_path: Path) -> None:
+    """The service's server closes each scrape's connection first, leaving it in TIME_WAIT on the
+    port for a minute; the server binds with SO_REUSEADDR, so a restart there works: no move."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("0.0.0.0", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    answered, _ = listener.accept()
+    answered.close()  # the server closes first: its side of the connection goes to TIME_WAIT
+    client.close()
+    listener.close()
+    # The state the test needs: a plain bind (no SO_REUSEADDR) is refused now.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as plain, pytest.raises(OSError):
+        plain.bind(("0.0.0.0", port))
+    assert _spawn_and_read_port(tmp_path, StackOptions(), port) == (port, str(port))
+
+
 def test_a_configured_base_port_is_kept_even_when_taken(tmp_path: Path) -> None:
     """An operator's --metrics-port-base is what Prometheus scrapes: never moved behind its back."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:

@@ -39,6 +39,41 @@ def test_the_default_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     assert StackOptions().neighbour_nice == 2
 
 
+def test_a_niceness_outside_0_to_19_is_refused_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match="within 0-19"):
+            StackOptions(neighbour_nice=bad)
+    monkeypatch.setenv("LOOM_NEIGHBOUR_NICE", "high")
+    with pytest.raises(ValueError, match=r"\$LOOM_NEIGHBOUR_NICE: .*integer 0-19, got 'high'"):
+        StackOptions()
+    with pytest.raises(SystemExit):
+        parse_supervisor_argv(["--home", "/tmp/x", "--neighbour-nice", "-3"])
+
+
+def test_loom_up_refuses_a_bad_niceness_before_starting_anything(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loom.cli.main import main
+
+    monkeypatch.setenv("LOOM_HOME", str(tmp_path))
+    monkeypatch.setenv("LOOM_NEIGHBOUR_NICE", "-2")
+    assert main(["up"]) == 2
+    assert "within 0-19" in capsys.readouterr().err
+    assert not (tmp_path / "stack.json").exists()
+    with pytest.raises(SystemExit):
+        main(["up", "--neighbour-nice", "42"])
+
+
+def test_start_services_gives_each_service_its_niceness(tmp_path: Path) -> None:
+    options = StackOptions(neighbour_nice=6)
+    supervisor = Supervisor(tmp_path, options)
+    spawned: dict[str, int] = {}
+    supervisor.spawn = lambda svc, env: spawned.__setitem__(svc.name, svc.nice)  # type: ignore[method-assign]
+    supervisor.start_services({})
+    assert spawned == {name: (0 if name.startswith("placement") else 6) for name in service_argvs(options)}
+    assert spawned["placement"] == 0 and spawned["metrics"] == 6
+
+
 def test_a_spawned_service_runs_at_its_niceness(tmp_path: Path) -> None:
     supervisor = Supervisor(tmp_path, StackOptions())
     seen = {}
@@ -71,10 +106,18 @@ def test_the_supervisor_command_line_carries_the_options() -> None:
         secure_db=False,
         metrics_port_base=9500,
         neighbour_nice=3,
-        secure=True,
+        slurm_clusters=["c-a"],
+        services=False,
+        secure=not StackOptions().secure,
+        nats_host="10.1.2.3",
+        postgres_host="::1",
     )
+    defaults = StackOptions()
+    carried = [f.name for f in dataclasses.fields(StackOptions) if f.name != "slurm_root"]
+    # Every field the command line carries differs from its default here, so a lost one shows.
+    assert [n for n in carried if getattr(options, n) == getattr(defaults, n)] == []
     argv = supervisor_argv(Path("/tmp/loom-home"), options)
     assert argv[1:3] == ["-m", "loom.runtime.stack"]
     home, parsed = parse_supervisor_argv(argv[3:])
     assert home == Path("/tmp/loom-home")
-    assert dataclasses.asdict(parsed) == dataclasses.asdict(options)
+    assert {n: getattr(parsed, n) for n in carried} == {n: getattr(options, n) for n in carried}

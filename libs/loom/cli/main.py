@@ -43,7 +43,11 @@ async def _client() -> LoomClient:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Start the embedded stack in the background."""
-    defaults = stack.StackOptions()
+    try:
+        nice = stack.default_neighbour_nice() if args.neighbour_nice is None else args.neighbour_nice
+    except ValueError as exc:
+        err.print(f"[red]{escape(str(exc))}[/red]")
+        return 2
     options = stack.StackOptions(
         topology=args.topology,
         clusters=args.cluster or [],
@@ -54,11 +58,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         nats_cluster=args.nats_cluster,
         secure_db=args.secure_db,
         metrics_port_base=args.metrics_port_base,
-        neighbour_nice=stack.StackOptions().neighbour_nice
-        if args.neighbour_nice is None
-        else args.neighbour_nice,
+        neighbour_nice=nice,
         slurm_clusters=stack.default_slurm_clusters(args.topology, args.cluster or []) if args.slurm else [],
-        secure=defaults.secure if args.secure is None else args.secure,
+        secure=stack.default_secure() if args.secure is None else args.secure,
         nats_host=args.nats_host,
         postgres_host=args.postgres_host,
     )
@@ -920,7 +922,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--neighbour-nice",
-        type=int,
+        type=stack.neighbour_nice_value,
         default=None,
         help="niceness added to every service but placement, so that placement gets the cores when"
         f" both want them (default {stack.NEIGHBOUR_NICE}, or $LOOM_NEIGHBOUR_NICE; 0: all alike)",

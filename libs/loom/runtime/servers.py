@@ -81,11 +81,15 @@ def _ephemeral_range() -> tuple[int, int]:
         return 49152, 65535
 
 
-def port_bindable(port: int) -> bool:
-    """Whether a TCP listener could bind ``port`` on 127.0.0.1 now."""
+def port_bindable(port: int, host: str = "127.0.0.1", *, reuse: bool = False) -> bool:
+    """Whether a TCP listener could bind ``port`` on ``host`` now; with ``reuse``, as a server
+    setting ``SO_REUSEADDR`` would (connections in TIME_WAIT on the port do not stop it then,
+    another listener still does)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind((host, port))
         except OSError:
             return False
         return True

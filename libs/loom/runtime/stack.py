@@ -68,13 +68,15 @@ _REAP_AFTER_CHANGE_S = 5.0
 log = structlog.get_logger("loom.supervisor")
 
 ENV_SECURE = "LOOM_SECURE"
+"""``0``: stacks start with unauthenticated NATS unless their options say otherwise
+(``StackOptions.secure``; secured is the default)."""
 ENV_NEIGHBOUR_NICE = "LOOM_NEIGHBOUR_NICE"
 """The default of ``loom up --neighbour-nice`` (:attr:`StackOptions.neighbour_nice`)."""
 NEIGHBOUR_NICE = 5
 """Niceness of every service but placement: under a burst the kernel gives placement (and the
-NATS and PostgreSQL servers it waits on, left at 0) about 3x their CPU share (weight 1024 vs 335)."""
-"""``0``: stacks start with unauthenticated NATS unless their options say otherwise
-(``StackOptions.secure``; secured is the default)."""
+NATS and PostgreSQL servers it waits on, left at 0) about 3x a neighbour's CPU share (CFS
+weights 1024 vs 335)."""
+MAX_NICE = 19
 ENV_SECURE_DB = "LOOM_SECURE_DB"
 SECURE_DB_DEFAULT = os.environ.get(ENV_SECURE_DB, "1") != "0"
 """Whether ``loom up`` secures PostgreSQL unless told (``--secure-db`` / ``--no-secure-db``): yes,
@@ -120,6 +122,34 @@ class ServiceProcess:
     """Added to its niceness at start (:func:`service_nice`)."""
 
 
+def neighbour_nice_value(text: str) -> int:
+    """A ``--neighbour-nice`` / ``$LOOM_NEIGHBOUR_NICE`` value: an integer 0-19 (raising a niceness
+    needs no privilege; lowering one does), else ``ValueError`` saying so."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"neighbour niceness must be an integer 0-{MAX_NICE}, got {text!r}") from None
+    if not 0 <= value <= MAX_NICE:
+        raise ValueError(f"neighbour niceness must be within 0-{MAX_NICE}, got {value}")
+    return value
+
+
+def default_secure() -> bool:
+    """Whether stacks are secured unless their options say: yes, unless ``$LOOM_SECURE`` is 0."""
+    return os.environ.get(ENV_SECURE, "1") != "0"
+
+
+def default_neighbour_nice() -> int:
+    """``$LOOM_NEIGHBOUR_NICE`` when set (checked), else :data:`NEIGHBOUR_NICE`."""
+    text = os.environ.get(ENV_NEIGHBOUR_NICE, "").strip()
+    if not text:
+        return NEIGHBOUR_NICE
+    try:
+        return neighbour_nice_value(text)
+    except ValueError as exc:
+        raise ValueError(f"${ENV_NEIGHBOUR_NICE}: {exc}") from None
+
+
 @dataclass
 class StackOptions:
     """What `loom up` starts."""
@@ -158,9 +188,7 @@ class StackOptions:
     metrics_port_base: int = 0
     """Prometheus ``/metrics`` ports: services get ``base``, ``base + 1``, … in start order; 0 gives
     each a free port. ``loom status`` lists them; deploy/prometheus/ shows how to scrape them."""
-    neighbour_nice: int = field(
-        default_factory=lambda: int(os.environ.get(ENV_NEIGHBOUR_NICE, str(NEIGHBOUR_NICE)))
-    )
+    neighbour_nice: int = field(default_factory=default_neighbour_nice)
     """Niceness added to every service but placement (agents, probe collectors, network perception,
     metrics, migration, alerts, console): they leave the cores to placement when both want them, and
     get them all when placement is idle. 0: every service alike. ``$LOOM_NEIGHBOUR_NICE`` sets the
@@ -171,7 +199,7 @@ class StackOptions:
     simulation (:mod:`loom.runtime.slurmlocal`: two of a cluster's nodes, real slurmctld/slurmd)."""
     slurm_root: str = ""
     """Where the local Slurm clusters live (set by the supervisor: ``<home>/slurm``)."""
-    secure: bool = field(default_factory=lambda: os.environ.get(ENV_SECURE, "1") != "0")
+    secure: bool = field(default_factory=default_secure)
     """Authenticated, permissioned NATS (issue 18): NKEY credentials for every process under
     ``<home>/secrets/nats/``, each process connecting as its own identity (``loom.security``).
     On unless ``loom up --no-secure`` or ``LOOM_SECURE=0`` (which turns it off for every stack
@@ -184,6 +212,9 @@ class StackOptions:
     """The address NATS listens on (``loom up --nats-host``). Off the loopback interface, the
     server requires TLS: a CA (``<home>/secrets/tls/ca.pem``, kept) and a server certificate for
     that address are generated, and every Loom process trusts that CA only (``$LOOM_NATS_CA``)."""
+
+    def __post_init__(self) -> None:
+        neighbour_nice_value(str(self.neighbour_nice))  # 0-19, else a clear ValueError
 
 
 def service_nice(name: str, options: StackOptions) -> int:
@@ -708,7 +739,9 @@ class Supervisor:
         if (
             svc.metrics_port is not None
             and not self.options.metrics_port_base
-            and not port_bindable(svc.metrics_port)
+            # As the service binds it (prometheus_client: every address, SO_REUSEADDR): the
+            # TIME_WAIT of its own answered scrapes does not move it.
+            and not port_bindable(svc.metrics_port, "0.0.0.0", reuse=True)
         ):
             # A free port picked for it, taken since by another listener: a restart on the same
             # port would die on "address already in use" again and again, so it gets a new one
@@ -1037,7 +1070,7 @@ def parse_supervisor_argv(argv: list[str] | None = None) -> tuple[Path, StackOpt
     parser.add_argument("--secure-db", action=argparse.BooleanOptionalAction, default=SECURE_DB_DEFAULT)
     parser.add_argument("--insecure-db", dest="secure_db", action="store_false")
     parser.add_argument("--metrics-port-base", type=int, default=0)
-    parser.add_argument("--neighbour-nice", type=int, default=NEIGHBOUR_NICE)
+    parser.add_argument("--neighbour-nice", type=neighbour_nice_value, default=NEIGHBOUR_NICE)
     parser.add_argument("--slurm-cluster", action="append", default=[])
     parser.add_argument("--secure", action="store_true")
     parser.add_argument("--nats-host", default=StackOptions.nats_host)
