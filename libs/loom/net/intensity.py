@@ -3,7 +3,7 @@
 A link losing 3 % must be seen, and its jobs moved, within 3 probe periods (issue 15). The loss
 rule's sequential test (:func:`loom.net.linkstate.loss_evidence`, ``cusum_h``) needs about 970
 probes of a 3 % link on average (1,700 at p95) to tell it from one losing the 1 % threshold with
-a few hundredths of a false alarm per link-hour at 0.9 %; a lost probe counts only at its
+about 0.01 false alarms per link-hour at 0.9 %; a lost probe counts only at its
 deadline, and the verdict must then be published and reviewed, so they must be sent within the
 first period or so: a thousand probes a period, where the steady rate is 5. Doing that on every
 link would cost the platform at rest what it cannot pay, so only a link **in use** gets them:

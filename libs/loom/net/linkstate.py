@@ -145,7 +145,7 @@ class LinkConfig:
     second of rounds of ten) ..."""
     short_loss_horizon_s: float = 1.0
     """... or the probes of this latest stretch where they are more (a densely probed link,
-    :mod:`loom.net.intensity`: about a period's 600, not one tick's row of 120)."""
+    :mod:`loom.net.intensity`: about a period's 1,200, not one tick's row of 240)."""
     min_short_lost: int = 3
     """The short window can raise the loss estimate only with at least this many losses."""
     loss_z_rise: float = 3.0
@@ -200,6 +200,17 @@ class LinkConfig:
     weights: CostWeights = field(default_factory=CostWeights)
     outliers: OutlierConfig = field(default_factory=OutlierConfig)
     forecast: ForecastConfig = field(default_factory=ForecastConfig)
+
+    def __post_init__(self) -> None:
+        # The loss rule's thresholds in order: below it the sequential test weighs nothing (a
+        # lost probe's weight ln(cusum_loss / null_loss) <= 0) or divides by zero.
+        if not 0.0 < self.recover_loss <= self.null_loss <= self.degrade_loss < self.cusum_loss < 1.0:
+            raise ValueError(
+                "loss thresholds must satisfy 0 < recover_loss <= null_loss <= degrade_loss < cusum_loss"
+                f" < 1, got {self.recover_loss} / {self.null_loss} / {self.degrade_loss} / {self.cusum_loss}"
+            )
+        if not self.cusum_h > 0.0:
+            raise ValueError(f"cusum_h must be positive, got {self.cusum_h}")
 
 
 EventKind = Literal["degraded", "recovered"]
@@ -411,9 +422,11 @@ class LinkTracker:
         evidence = loss_evidence(self.window, now, config, self.loss_since)
         loss_rate = evidence.used.loss_rate
         condition = evidence.tested if evidence.significant else 0.0
+        lingering = evidence.lingering
         if self.lost_run >= config.burst_lost:
             burst = self.lost_run / (self.lost_run + 2.0)
             loss_rate, condition = max(loss_rate, burst), max(condition, burst)
+            lingering = max(lingering, burst)
         self.loss_rate = loss_rate
         raw = self._raw_cost()
         self.usable = math.isfinite(raw)
@@ -431,7 +444,7 @@ class LinkTracker:
             self.usable_price = self.priced_cost
         if self.rtt_ms is not None and short.samples:
             self.forecast.observe(now, self.rtt_ms)
-        return self._condition(now, dt, condition)
+        return self._condition(now, dt, condition, lingering)
 
     def _loss_window(self, now: float, long: LossStats) -> LossStats:
         """The window the loss rate is read off (see :func:`loss_window`)."""
@@ -471,7 +484,10 @@ class LinkTracker:
             self.bandwidth_gbps,
         )
 
-    def _condition(self, now: float, dt: float, loss_rate: float) -> LinkEvent | None:
+    def _condition(self, now: float, dt: float, loss_rate: float, lingering: float) -> LinkEvent | None:
+        """Degrade on ``loss_rate`` (significant against ``null_loss``) at least ``degrade_loss``;
+        recover once ``lingering`` (significant against ``recover_loss``) is at most
+        ``recover_loss``, held ``recover_hold_s``."""
         config = self.config
         rtt = self.rtt_ms
         baseline = self.baseline_rtt_ms
@@ -495,7 +511,7 @@ class LinkTracker:
             self.degraded = True
             self._good_since = None
             return self._event("degraded", now, reason, baseline)
-        good = self.usable and ratio <= config.recover_rtt_ratio and loss_rate <= config.recover_loss
+        good = self.usable and ratio <= config.recover_rtt_ratio and lingering <= config.recover_loss
         if not good:
             self._good_since = None
             return None
@@ -636,6 +652,14 @@ class LossEvidence:
     densely probed link ``used`` can be one tick's row, whose rate says little (4 of 120 lost
     at a steady 0.7 %, 1 % of ticks), while the long window's 36,000 probes are significant."""
 
+    lingering: float = 0.0
+    """The loss rate a degraded link is held at until it recovers (0 where none is significant):
+    like ``tested``, but significant against ``recover_loss``, the exit threshold, not
+    ``null_loss``, the entry one. A link degrades on loss shown to exceed 1 % and recovers only
+    once its loss is no longer shown to exceed 0.5 %: without the second test a degraded link
+    losing a steady 0.8 % recovered (its windows not significant against 1 % read as 0), and one
+    at 1.1 % went degraded / recovered about ten times in 20 minutes."""
+
     def degrading(self, config: "LinkConfig") -> bool:
         """The loss alone degrades the link: a significant window's rate at least ``degrade_loss``."""
         return self.significant and self.tested >= config.degrade_loss
@@ -656,15 +680,19 @@ def loss_evidence(
     # are bounded per probe: a fixed short window (the latest 50 probes), tested every period,
     # alarms on every stretch of bad luck, and on a densely probed link every period brings a
     # fresh one (0.43 false alarms per link-hour at 0.5 % loss with 5 probes a period).
+    measured = min(long.loss_rate, used.loss_rate)
     significant = binomial_tail(long.lost, long.sent, config.null_loss) < config.loss_alpha
-    tested = min(long.loss_rate, used.loss_rate) if significant else 0.0
+    tested = measured if significant else 0.0
+    above_exit = binomial_tail(long.lost, long.sent, config.recover_loss) < config.loss_alpha
+    lingering = measured if above_exit else 0.0
     cusum, run = window.loss_cusum(
         now, config.loss_horizon_s, *cusum_weights(config.cusum_loss, config.null_loss), since
     )
     if cusum >= config.cusum_h and run.loss_rate >= config.degrade_loss:
         used = run if run.loss_rate > used.loss_rate else used
-        return LossEvidence(long, used, True, cusum, max(tested, run.loss_rate))
-    return LossEvidence(long, used, significant, cusum, tested)
+        rate = max(tested, run.loss_rate)
+        return LossEvidence(long, used, True, cusum, rate, max(lingering, rate))
+    return LossEvidence(long, used, significant, cusum, tested, max(lingering, tested))
 
 
 def cusum_weights(high: float, low: float) -> tuple[float, float]:
