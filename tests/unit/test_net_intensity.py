@@ -56,6 +56,17 @@ def test_dense_plan_gives_each_link_in_use_its_rate_within_the_collectors_budget
     assert dense_plan(["a", "b", "c"], UseConfig(budget_per_s=2.0), 1.0) == {}
 
 
+def test_the_default_plan_gives_one_link_in_use_the_rate_the_loss_test_needs() -> None:
+    # The shipped defaults: one link in use per collector gets 1,200 a 1 s period (3 % against 1 %
+    # needs ~970 probes on average), at most 240 a tick; a second link halves both (the stated limit:
+    # 3 % then takes ~2.8 periods), a 0.2 s period gets a fifth.
+    config = UseConfig()
+    assert dense_plan(["a"], config, 1.0) == {"a": 1200}
+    assert config.max_per_tick * 5 == 1200
+    assert dense_plan(["a", "b"], config, 1.0) == {"a": 600, "b": 600}
+    assert dense_plan(["a"], config, 0.2) == {"a": 240}
+
+
 def test_the_total_never_exceeds_the_budget() -> None:
     rng = random.Random(3)
     for _ in range(200):
