@@ -872,11 +872,10 @@ class ProbeCollector:
             # the loss of the probes that stall saw down.
             samples = dense.drop(result.seq)
             self.counts["dense_probes_dropped_late"] += 1
-        elif result.rtt_ms is not None:
-            samples = dense.add(result)
         else:
             samples = dense.add(result)
-            self.counts["dense_probes_lost"] += 1
+            if result.rtt_ms is None:
+                self.counts["dense_probes_lost"] += 1
         for sample in samples:
             self._enqueue_dense(sample)
 

@@ -683,6 +683,7 @@ def loss_evidence(
     measured = min(long.loss_rate, used.loss_rate)
     significant = binomial_tail(long.lost, long.sent, config.null_loss) < config.loss_alpha
     tested = measured if significant else 0.0
+    # Significant against null_loss is significant against the lower recover_loss too.
     above_exit = binomial_tail(long.lost, long.sent, config.recover_loss) < config.loss_alpha
     lingering = measured if above_exit else 0.0
     cusum, run = window.loss_cusum(
@@ -692,7 +693,7 @@ def loss_evidence(
         used = run if run.loss_rate > used.loss_rate else used
         rate = max(tested, run.loss_rate)
         return LossEvidence(long, used, True, cusum, rate, max(lingering, rate))
-    return LossEvidence(long, used, significant, cusum, tested, max(lingering, tested))
+    return LossEvidence(long, used, significant, cusum, tested, lingering)
 
 
 def cusum_weights(high: float, low: float) -> tuple[float, float]:

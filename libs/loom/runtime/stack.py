@@ -86,7 +86,7 @@ ENV_STREAM_REPLICAS = "LOOM_STREAM_REPLICAS"
 """Replicas of Loom's streams, KV buckets and (inherited) consumers; read by loom.bus."""
 
 
-def _pdeathsig(nice: int = 0) -> Callable[[], None] | None:
+def _child_preexec(nice: int = 0) -> Callable[[], None] | None:
     """The child's pre-exec: SIGTERM when the supervisor dies (Linux), and ``nice`` added to its
     niceness."""
     linux = sys.platform.startswith("linux")
@@ -122,16 +122,21 @@ class ServiceProcess:
     """Added to its niceness at start (:func:`service_nice`)."""
 
 
+def check_neighbour_nice(value: int) -> int:
+    """``value`` if it is a neighbour niceness, 0-19 (raising a niceness needs no privilege;
+    lowering one does), else ``ValueError`` saying so."""
+    if not 0 <= value <= MAX_NICE:
+        raise ValueError(f"neighbour niceness must be within 0-{MAX_NICE}, got {value}")
+    return value
+
+
 def neighbour_nice_value(text: str) -> int:
-    """A ``--neighbour-nice`` / ``$LOOM_NEIGHBOUR_NICE`` value: an integer 0-19 (raising a niceness
-    needs no privilege; lowering one does), else ``ValueError`` saying so."""
+    """A ``--neighbour-nice`` / ``$LOOM_NEIGHBOUR_NICE`` value (:func:`check_neighbour_nice`)."""
     try:
         value = int(text)
     except ValueError:
         raise ValueError(f"neighbour niceness must be an integer 0-{MAX_NICE}, got {text!r}") from None
-    if not 0 <= value <= MAX_NICE:
-        raise ValueError(f"neighbour niceness must be within 0-{MAX_NICE}, got {value}")
-    return value
+    return check_neighbour_nice(value)
 
 
 def default_secure() -> bool:
@@ -214,13 +219,13 @@ class StackOptions:
     that address are generated, and every Loom process trusts that CA only (``$LOOM_NATS_CA``)."""
 
     def __post_init__(self) -> None:
-        neighbour_nice_value(str(self.neighbour_nice))  # 0-19, else a clear ValueError
+        check_neighbour_nice(self.neighbour_nice)
 
 
 def service_nice(name: str, options: StackOptions) -> int:
     """The niceness a service is started with: 0 for placement (leaders and standbys, every shard),
     :attr:`StackOptions.neighbour_nice` for the rest."""
-    return 0 if name == "placement" or name.startswith("placement-") else options.neighbour_nice
+    return 0 if role_of(name) == role_of("placement") else options.neighbour_nice
 
 
 def metrics_ports(names: list[str], base: int) -> dict[str, int]:
@@ -685,7 +690,7 @@ class Supervisor:
         self.slurm = LocalSlurms(
             Path(self.options.slurm_root),
             {c: slurm_nodes(topology.cluster(c)) for c in self.options.slurm_clusters},
-            preexec=_pdeathsig(),  # like every child: nothing outlives a killed supervisor
+            preexec=_child_preexec(),  # like every child: nothing outlives a killed supervisor
         )
         self.slurm.start()
         self.state["slurm"] = {
@@ -756,7 +761,7 @@ class Supervisor:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                preexec_fn=_pdeathsig(svc.nice),  # noqa: PLW1509 - prctl and nice, async-signal-safe
+                preexec_fn=_child_preexec(svc.nice),  # noqa: PLW1509 - prctl and nice, async-signal-safe
             )
         self.procs[svc.name] = proc
         svc.pid = proc.pid
