@@ -130,7 +130,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     policies.add_argument(
         "--workload",
         default="mix",
-        help="mix, alibaba, scenario, or a path to a .jsonl or .csv trace (default mix)",
+        help="mix, alibaba, scenario, or a trace file: the generic format (.jsonl, .csv) or a public"
+        " trace as published (Alibaba 2023 pod list, Philly cluster_job_log, Helios / Acme job log;"
+        " told by content) (default mix)",
     )
     policies.add_argument("--topology", default="default", help="packaged topology name or JSON path")
     policies.add_argument(
@@ -165,6 +167,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
         "by the scheduler's own belief",
     )
     policies.add_argument(
+        "--load",
+        type=float,
+        default=None,
+        help="spread arrivals to offer this share of the platform's reference capacity (as the grid's"
+        " loads; default the workload's own arrivals)",
+    )
+    policies.add_argument(
+        "--trace-gpu",
+        default=None,
+        help="a Philly or Helios / Acme trace file: the GPU its durations were measured on (default"
+        " P100, V100M16 and A100 respectively)",
+    )
+    policies.add_argument(
         "--scale", action="store_true", help="Loom alone at 100,000 nodes and jobs: wall time and peak RSS"
     )
     policies.add_argument(
@@ -179,7 +194,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     policies.add_argument(
         "--grid-seeds", default=None, help="grid: seeds, e.g. 0,1 or a count like 5 (default 5)"
     )
-    policies.add_argument("--grid-workloads", default=None, help="grid: alibaba,mix,philly (default all)")
+    policies.add_argument(
+        "--grid-workloads",
+        default=None,
+        help="grid: alibaba,mix,philly and/or trace files (default alibaba,mix,philly)",
+    )
     policies.add_argument("--grid-spanning", default=None, help="grid: allowed,forbidden (default both)")
     policies.add_argument("--grid-processes", type=int, default=2, help="grid: worker processes (default 2)")
     policies.add_argument("--json", action="store_true", help="print only the JSON result on stdout")

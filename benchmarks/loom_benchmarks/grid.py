@@ -21,6 +21,11 @@ A **cell** is one (platform, load, spanning, workload); it is run once per seed 
 - **Workloads**: ``alibaba`` (the packaged sample, :func:`~loom.sim.workloads.load_alibaba`), ``mix``
   (:func:`~loom.sim.workloads.training_mix`) and ``philly`` (:func:`~loom.sim.workloads.philly_like`),
   :data:`CELL_JOBS` jobs each (``--jobs`` overrides), home regions over the platform's regions.
+  A workload may also be a **file**: a public trace as published (the Alibaba 2023 pod lists,
+  Philly's ``cluster_job_log``, Helios / Acme job logs: :mod:`loom.sim.public_traces`) or the
+  generic format, read by :func:`loom.sim.workloads.load_workload` (its first :data:`FILE_JOBS` jobs
+  of a public trace unless ``--jobs`` says otherwise; the seed draws home regions and the models a
+  public trace does not name); its cells are named by the file's stem.
 
 Per cell and policy the figures are averaged over seeds: mean / p50 / p99 JCT (the seeds' own
 figures averaged), mean queueing, time-weighted utilisation over the run and, in brackets on the
@@ -48,6 +53,7 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
@@ -78,6 +84,17 @@ cell with spanning allowed copies the run with it forbidden (``copied_from`` in 
 SPANNING: Final = (False, True)
 CELL_JOBS: Final[Mapping[str, int]] = {"alibaba": 200, "mix": 150, "philly": 200}
 """Jobs per cell and workload (the mix's DAG units are three jobs: 150 jobs is about 115 units)."""
+FILE_JOBS: Final = 200
+"""Jobs per cell of a public trace file (the first, by submission), unless ``--jobs`` says otherwise."""
+
+
+def workload_label(workload: str) -> str:
+    """A workload's name in cell keys: a named workload as is, a file by its stem (no ``/``)."""
+    if workload in WORKLOADS:
+        return workload
+    return (Path(workload).stem or "file").replace("/", "_")
+
+
 CLASS: Final = "net_training"
 """The class whose margin over compute-only greedy the grid reports (issue 12: >= 25 % in contended
 cells): network-sensitive training, present in the ``mix`` workload."""
@@ -220,8 +237,12 @@ def reference_capacity(platform: "Platform", truth: "Truth | None") -> float:
     return total
 
 
-def grid_trace(workload: str, jobs: int, seed: int, topology: "Topology") -> "Trace":
-    """A workload's trace for the grid (before load and spanning are applied)."""
+def grid_trace(
+    workload: str, jobs: int, seed: int, topology: "Topology", truth: "Truth | None" = None
+) -> "Trace":
+    """A workload's trace for the grid (before load and spanning are applied): a named workload, or
+    a file (:func:`loom.sim.workloads.load_workload`; ``truth`` turns a public trace's measured
+    durations into work)."""
     from loom.sim import workloads
 
     if workload == "alibaba":
@@ -232,6 +253,15 @@ def grid_trace(workload: str, jobs: int, seed: int, topology: "Topology") -> "Tr
         return workloads.training_mix(topology=topology, jobs=mix_units(jobs), seed=seed)
     if workload == "philly":
         return workloads.philly_like(jobs, seed, topology=topology)
+    if Path(workload).is_file():
+        return workloads.load_workload(
+            workload,
+            regions={r.id for r in topology.regions},
+            topology=topology,
+            limit=jobs,
+            seed=seed,
+            truth=truth,
+        )
     raise ValueError(f"unknown grid workload {workload!r}; known: {', '.join(WORKLOADS)}")
 
 
@@ -265,7 +295,7 @@ def run_seed(task: tuple[str, float, bool, str, int, tuple[str, ...], int, str |
     gpus = platform_gpus(built)
     truth = BELIEF if truth_path == "belief" else load_truth(truth_path)
     capacity = reference_capacity(built, truth if isinstance(truth, Truth) else None)
-    base = grid_trace(workload, jobs, seed, topology)
+    base = grid_trace(workload, jobs, seed, topology, truth if isinstance(truth, Truth) else None)
     if workload in WITHOUT_GANGS and any(j.spec.workers > 1 for j in base.jobs):
         raise ValueError(f"{workload} was taken to have no gangs (its spanning cells are copies)")
     trace = with_spanning(at_load(base, load, capacity), spanning)
@@ -313,7 +343,7 @@ def _platform_cached(name: str) -> tuple["Topology", "Platform"]:
 
 def cell_key(platform: str, load: float, spanning: bool, workload: str) -> str:
     """A cell's name: ``small/0.8/span/philly`` (``nospan`` when spanning is forbidden)."""
-    return f"{platform}/{load:g}/{'span' if spanning else 'nospan'}/{workload}"
+    return f"{platform}/{load:g}/{'span' if spanning else 'nospan'}/{workload_label(workload)}"
 
 
 # ---- aggregation --------------------------------------------------------------------------------
@@ -528,7 +558,7 @@ def run_grid(
     say = progress or (lambda _s: None)
     cells = set(spec.cells())
     tasks = [
-        (p, load, span, w, seed, tuple(spec.policies), int(spec.jobs[w]), spec.truth_path)
+        (p, load, span, w, seed, tuple(spec.policies), int(spec.jobs.get(w, FILE_JOBS)), spec.truth_path)
         for p, load, span, w in spec.cells()
         for seed in spec.seeds
         # A trace without gangs is the same with spanning allowed: its run is copied, not repeated.

@@ -104,6 +104,11 @@ class Options:
     """``--rate``: the mix's arrivals per hour; None: the mix's default."""
     truth: str | None = None
     """``--truth``: a truth file, ``belief``, or None for the packaged tables."""
+    load: float | None = None
+    """``--load``: arrivals spread to offer this share of the platform's reference capacity (None:
+    the workload's own arrivals)."""
+    trace_gpu: str | None = None
+    """``--trace-gpu``: the GPU a public trace's durations were measured on (None: the format's)."""
 
 
 def parse_policies(text: str | None, known: Sequence[str]) -> list[str]:
@@ -152,6 +157,14 @@ def resolve(args: argparse.Namespace, known: Sequence[str] | None = None) -> Opt
     truth = getattr(args, "truth", None)
     if truth is not None and truth != BELIEF_NAME and not Path(truth).is_file():
         raise OptionError(f"--truth is a truth file or {BELIEF_NAME!r}, got {truth!r} (no such file)")
+    load = getattr(args, "load", None)
+    if load is not None and not (load > 0 and np.isfinite(load)):
+        raise OptionError(f"--load must be a positive share of the platform's capacity, got {load}")
+    if load is not None and workload == "scenario":
+        raise OptionError("--load does not apply to --workload scenario (its own two-region platform)")
+    trace_gpu = getattr(args, "trace_gpu", None)
+    if trace_gpu is not None and workload in WORKLOADS:
+        raise OptionError(f"--trace-gpu applies to a public trace file, not --workload {workload}")
     policies = [TARGET] if scale and args.policies is None else parse_policies(args.policies, known)
     out = Path(args.out) if args.out is not None else (None if scale else DEFAULT_OUT)
     return Options(
@@ -166,6 +179,8 @@ def resolve(args: argparse.Namespace, known: Sequence[str] | None = None) -> Opt
         sample_every_s=args.sample_every,
         rate_per_h=None if rate is None else float(rate),
         truth=None if truth is None else str(truth),
+        load=None if load is None else float(load),
+        trace_gpu=None if trace_gpu is None else str(trace_gpu),
     )
 
 
@@ -188,6 +203,10 @@ def command_line(options: Options) -> str:
         parts.append(f"--sample-every {options.sample_every_s:g}")
     if options.truth is not None:
         parts.append(f"--truth {options.truth}")
+    if options.load is not None:
+        parts.append(f"--load {options.load:g}")
+    if options.trace_gpu is not None:
+        parts.append(f"--trace-gpu {options.trace_gpu}")
     if options.scale:
         parts.append("--scale")
     if options.out is not None:
@@ -268,10 +287,42 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
         from loom.sim.workloads import load_alibaba
 
         return Workload(built, load_alibaba(topology=topology, limit=options.jobs, seed=options.seed), {})
+    from loom.sim.public_traces import sniff_format
+    from loom.sim.truth import load_truth
     from loom.sim.workloads import load_workload
 
     regions = {r.id for r in topology.regions}
-    return Workload(built, load_workload(Path(options.workload), regions=regions), {"path": options.workload})
+    fmt = sniff_format(options.workload)
+    if options.trace_gpu is not None and fmt in (None, "openb"):
+        raise OptionError(
+            f"--trace-gpu applies to a Philly or Helios / Acme trace, not to {options.workload}"
+            f" ({fmt or 'the generic format'})"
+        )
+    trace = load_workload(
+        Path(options.workload),
+        regions=regions,
+        topology=topology,
+        limit=options.jobs,
+        seed=options.seed,
+        trace_gpu=options.trace_gpu,
+        truth=None if options.truth in (None, BELIEF_NAME) else load_truth(options.truth),
+    )
+    return Workload(built, trace, {"path": options.workload, "format": fmt or "generic"})
+
+
+def at_option_load(workload: Workload, options: Options, truth: object) -> Workload:
+    """``workload`` with its arrivals spread to ``--load`` of the platform's reference capacity (the
+    grid's rule: :func:`loom_benchmarks.grid.reference_capacity`, by ``truth``'s speeds unless it
+    times by belief); unchanged without ``--load``."""
+    if options.load is None:
+        return workload
+    from loom.sim.truth import Truth
+    from loom.sim.workloads import at_load
+    from loom_benchmarks.grid import reference_capacity
+
+    capacity = reference_capacity(workload.platform, truth if isinstance(truth, Truth) else None)
+    about = {**workload.about, "load": {"share": options.load, "reference_capacity_gpus": round(capacity, 1)}}
+    return Workload(workload.platform, at_load(workload.trace, options.load, capacity), about)
 
 
 def sample_every_s(trace: "Trace", options: Options) -> float:
@@ -379,7 +430,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     started = time.perf_counter()
     say(f"building the platform and the {options.workload} workload")
     topology = load_topology(options.topology)
-    workload = build_workload(options, topology)
+    workload = at_option_load(build_workload(options, topology), options, truth)
     built, trace = workload.platform, workload.trace
     build_s = time.perf_counter() - started
     every_s = sample_every_s(trace, options)
@@ -654,6 +705,24 @@ def _grid_seeds(text: str | None) -> tuple[int, ...] | None:
     return tuple(range(numbers[0])) if one_count else tuple(numbers)
 
 
+def _grid_workloads(text: str | None) -> tuple[str, ...] | None:
+    """``--grid-workloads``: named workloads or trace files (told apart in cells by their stems)."""
+    from loom_benchmarks import grid
+
+    workloads = _csv_list(text, "--grid-workloads")
+    if workloads is None:
+        return None
+    unknown = [w for w in workloads if w not in grid.WORKLOADS and not Path(w).is_file()]
+    if unknown:
+        raise OptionError(
+            f"unknown --grid-workloads {unknown}; known: {', '.join(grid.WORKLOADS)}, or a trace file"
+        )
+    labels = [grid.workload_label(w) for w in workloads]
+    if len(set(labels)) != len(labels):
+        raise OptionError(f"--grid-workloads names two workloads alike: {labels}")
+    return tuple(workloads)
+
+
 def grid_spec(args: argparse.Namespace, known: Sequence[str] | None = None) -> "GridSpec":
     """The grid ``--grid-*`` (and ``--policies``, ``--jobs``) ask for; :class:`OptionError` if not valid."""
     from loom_benchmarks import grid
@@ -669,7 +738,7 @@ def grid_spec(args: argparse.Namespace, known: Sequence[str] | None = None) -> "
     seeds = _grid_seeds(args.grid_seeds)
     if seeds is not None:
         fields["seeds"] = seeds
-    workloads = _choices(args.grid_workloads, "--grid-workloads", grid.WORKLOADS)
+    workloads = _grid_workloads(args.grid_workloads)
     if workloads is not None:
         fields["workloads"] = workloads
     spanning = _csv_list(getattr(args, "grid_spanning", None), "--grid-spanning")
@@ -684,7 +753,7 @@ def grid_spec(args: argparse.Namespace, known: Sequence[str] | None = None) -> "
     if args.jobs is not None:
         if args.jobs < 1:
             raise OptionError(f"--jobs must be at least 1, got {args.jobs}")
-        fields["jobs"] = dict.fromkeys(grid.WORKLOADS, int(args.jobs))
+        fields["jobs"] = dict.fromkeys((*grid.WORKLOADS, *fields.get("workloads", ())), int(args.jobs))
     truth = getattr(args, "truth", None)
     if truth is not None:
         fields["truth_path"] = str(truth)

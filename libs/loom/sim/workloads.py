@@ -66,6 +66,7 @@ __all__ = [
     "DEFAULT_MIX",
     "MIX_CLASSES",
     "NET_MODELS",
+    "PHILLY_FAMILIES",
     "PHILLY_GANG_SIZES",
     "TRAINING_MODELS",
     "EventRow",
@@ -76,6 +77,7 @@ __all__ = [
     "apportion",
     "at_load",
     "check_regions",
+    "family_step_s",
     "gpu_seconds",
     "job_to_row",
     "load_alibaba",
@@ -937,15 +939,39 @@ def _first_record(path: str | Path) -> tuple[int, str] | None:
     return None
 
 
-def load_workload(path: str | Path, *, regions: Collection[str] | None = None) -> Trace:
-    """A workload file in the generic format, read by its name: ``.csv`` with :func:`load_csv`,
-    ``.jsonl`` / ``.ndjson`` / ``.json`` with :func:`load_jsonl`.
+def load_workload(
+    path: str | Path,
+    *,
+    regions: Collection[str] | None = None,
+    topology: Topology | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+    trace_gpu: str | None = None,
+    truth: Any = None,
+) -> Trace:
+    """A workload file: a public trace as published, or the generic format.
 
-    Any other name is read as JSON lines only when its first record is a JSON object; otherwise the
-    format cannot be told (a CSV header is not recognisable for sure) and :class:`WorkloadError` asks
-    for a ``.jsonl`` or ``.csv`` name. A ``.csv`` whose first record is a JSON object is refused
-    too (a JSON-lines file misnamed). ``regions`` as for :func:`load_jsonl`.
+    A public trace is told by its content, whatever its name (:func:`loom.sim.public_traces.sniff_format`:
+    the Alibaba 2023 pod lists, Philly's ``cluster_job_log``, Helios / Acme job logs) and read by
+    :func:`loom.sim.public_traces.load_public` on ``topology`` (its regions draw home regions),
+    keeping the first ``limit`` jobs, with ``seed``, ``trace_gpu`` and ``truth`` (a
+    :class:`~loom.sim.truth.Truth`: the GPU speeds turning measured durations into work).
+
+    Otherwise the generic format, read by its name: ``.csv`` with :func:`load_csv`,
+    ``.jsonl`` / ``.ndjson`` / ``.json`` with :func:`load_jsonl` (``limit`` and ``seed`` do not
+    apply: the file is the workload). Any other name is read as JSON lines only when its first
+    record is a JSON object; otherwise the format cannot be told (a CSV header is not recognisable
+    for sure) and :class:`WorkloadError` asks for a ``.jsonl`` or ``.csv`` name. A ``.csv`` whose
+    first record is a JSON object is refused too (a JSON-lines file misnamed). ``regions`` as for
+    :func:`load_jsonl`.
     """
+    from loom.sim import public_traces  # noqa: PLC0415 - it imports this module
+
+    fmt = public_traces.sniff_format(path)
+    if fmt is not None:
+        return public_traces.load_public(
+            path, fmt, topology=topology, limit=limit, seed=seed, trace_gpu=trace_gpu, truth=truth
+        )
     suffix = Path(path).suffix.lower()
     first = _first_record(path)
     looks_json = first is not None and first[1].lstrip().startswith("{")
@@ -1460,7 +1486,7 @@ distributions, they are not fitted to the raw trace (which is not in ``shared/da
 PHILLY_LARGER_RUN_LONGER: Final = 0.25
 """Log-duration added per doubling of the GPU count (Jeon et al.: larger jobs run longer)."""
 
-_PHILLY_FAMILIES: Final[Mapping[str, tuple[float, str | None]]] = {
+PHILLY_FAMILIES: Final[Mapping[str, tuple[float, str | None]]] = {
     # family (as the truth tables name it): (parameters, Gavel job type timing it on a V100 or None)
     "resnet-18": (11.7e6, "ResNet-18 (batch size 64)"),
     "resnet-50": (25.6e6, "ResNet-50 (batch size 64)"),
@@ -1476,6 +1502,20 @@ _PHILLY_FAMILIES: Final[Mapping[str, tuple[float, str | None]]] = {
 """Model families of :func:`philly_like`, all known to the packaged truth tables. Parameter counts
 are approximate (papers' figures) and only set the bytes a multi-node gang all-reduces; a step
 without a Gavel measurement is Transformer's x parameters / 65M (an estimate)."""
+
+
+def family_step_s(family: str) -> tuple[float, float]:
+    """(parameters, V100 step time in s) of one of :data:`PHILLY_FAMILIES`: Gavel's measured step,
+    or Transformer's scaled by parameters where Gavel did not measure the family."""
+    try:
+        params, gavel_job = PHILLY_FAMILIES[family]
+    except KeyError:
+        raise WorkloadError(
+            f"unknown family {family!r}; known: {', '.join(sorted(PHILLY_FAMILIES))}"
+        ) from None
+    return params, (
+        _gavel(gavel_job) if gavel_job else _gavel(_TRANSFORMER_JOB) * params / _TRANSFORMER_PARAMS
+    )
 
 
 def philly_like(
@@ -1494,7 +1534,7 @@ def philly_like(
       three; 16 GPUs are 2 x 8 or 4 x 4 (Philly ran jobs over 8 GPUs on several servers).
     - **Durations** on reference GPUs: log-normal (:data:`PHILLY_MEDIAN_S`, :data:`PHILLY_SIGMA`),
       plus :data:`PHILLY_LARGER_RUN_LONGER` per doubling of GPUs, cut to 1 min - 7 days.
-    - **Models**: a family of ``_PHILLY_FAMILIES`` (labels ``family``), uniformly; its task type is
+    - **Models**: a family of :data:`PHILLY_FAMILIES` (labels ``family``), uniformly; its task type is
       the truth table's. Steps of its V100 step time (Gavel's, or estimated).
     - **Communication**: gangs of several workers all-reduce ``parameters x 2`` bytes per step
       (fp16 gradients), two rounds; they are ``net_training``, single workers ``training``.
@@ -1513,7 +1553,7 @@ def philly_like(
     topology = topology if topology is not None else load_topology()
     regions = sorted(r.id for r in topology.regions)
     rng = random.Random(seed)
-    families = sorted(_PHILLY_FAMILIES)
+    families = sorted(PHILLY_FAMILIES)
     counts, weights = list(sizes), list(sizes.values())
     width = max(5, len(str(max(jobs - 1, 0))))
     out: list[SimJob] = []
@@ -1530,8 +1570,7 @@ def philly_like(
         )
         duration_s = min(max(math.exp(log_s), PHILLY_MIN_S), PHILLY_MAX_S)
         family = rng.choice(families)
-        params, gavel_job = _PHILLY_FAMILIES[family]
-        step_s = _gavel(gavel_job) if gavel_job else _gavel(_TRANSFORMER_JOB) * params / _TRANSFORMER_PARAMS
+        params, step_s = family_step_s(family)
         task_type = task_types.get(family) or "training_compute"
         comm = Communication(bytes_per_step=int(params * 2), rounds_per_step=2) if workers > 1 else None
         spec = JobSpec(

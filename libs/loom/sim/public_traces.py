@@ -1,0 +1,487 @@
+"""Public GPU-cluster job traces, read as they are published, replayed as a :class:`Trace`.
+
+A new user holds real traces, not Loom's generic format. ``loom bench policies --workload FILE``
+(and the grid's ``--grid-workloads FILE``) recognise these by their content
+(:func:`sniff_format`), whatever the file is called:
+
+- ``openb``: the Alibaba GPU cluster trace 2023 (``openb_pod_list_*.csv`` of alibaba/clusterdata
+  ``cluster-trace-gpu-v2023``), read by :func:`loom.sim.workloads.load_alibaba`.
+- ``philly``: Microsoft's Philly trace (``cluster_job_log`` of msr-fiddle/philly-traces; Jeon et
+  al., ATC 2019): a JSON array of jobs with ``jobid``, ``vc``, ``user``, ``status``,
+  ``submitted_time`` and ``attempts`` (each with ``start_time``, ``end_time`` and ``detail``: the
+  servers and the GPUs it ran on).
+- ``helios``: a Slurm-style job log with a header: SenseTime's Helios traces (``cluster_log.csv``
+  of S-Lab-System-Group/HeliosData; Hu et al., SC 2021: ``job_id, user, vc, gpu_num, cpu_num,
+  node_num, state, submit_time, start_time, end_time, duration, queue``) and Shanghai AI Lab's
+  Acme traces (``trace_seren.csv``, ``trace_kalos.csv`` of InternLM/AcmeTrace; Hu et al., NSDI
+  2024), which add ``type`` and ``gpu_time`` and leave out ``vc``. Required: ``gpu_num``,
+  ``submit_time`` and either ``duration`` or ``start_time`` and ``end_time``.
+
+**How a job becomes a simulated job** (the same rules for ``philly`` and ``helios``; every count of
+what was skipped or assumed goes to ``Trace.source``):
+
+- **Which jobs.** Jobs without GPUs are skipped, and so are jobs that never ran (no attempt, no
+  start or end time, a duration not above 0) and, in Philly, jobs still running when the trace was
+  taken (no end time on the last attempt): the trace does not say how much work they were. Every
+  end state is kept (completed, failed, killed, cancelled): the job held its GPUs that long.
+  ``limit`` keeps the first ``limit`` jobs by submission that remain; ``start_s`` skips jobs
+  submitted earlier than that many seconds after the trace's first submission.
+- **Arrival**: the submission time, from the first kept job's.
+- **Shape.** Philly: one worker per server of the job's last attempt with servers, each with the
+  most GPUs any of its servers had (a job on 2 servers with 8 GPUs each is 2 workers x 8 GPUs).
+  Helios / Acme: ``node_num`` workers of ``gpu_num / node_num`` GPUs; when that does not divide,
+  or a one-node job asks for more than :data:`MAX_GPUS_PER_WORKER`, the GPUs are cut into workers of
+  at most that many (rounded up: counted as ``reshaped``).
+- **Model.** No trace says which model a job trained: each job draws one (seeded) uniformly from
+  ``families`` (default: the Philly-like families, all known to the truth tables), labelled
+  ``family``; its V100 step time is Gavel's, or Transformer's scaled by parameters, as in
+  :func:`loom.sim.workloads.philly_like`.
+- **Work.** The trace measured how long the job ran on *its* GPUs; the rule is that work in
+  reference-GPU seconds is ``duration x the truth's speed of the job's family on trace_gpu`` (so
+  on ``trace_gpu`` the simulator, timed by the same truth, runs it exactly as long as the trace
+  says). Philly: the sum of its attempts (each attempt held its GPUs; a retry redoes work).
+  ``trace_gpu`` defaults per format (:data:`TRACE_GPUS`: Philly's servers were P100 and P40, of
+  which the tables hold P100; Helios ran V100; Acme's clusters are A100) and can be set.
+- **Communication**: a gang of several workers all-reduces ``parameters x 2`` bytes a step, two
+  rounds (``net_training``); a single worker is ``training``.
+- **Tenant**: the trace's virtual cluster (``vc``), else its user, as ``vc-<id>`` / ``u-<id>``;
+  **home region** drawn (seeded) uniformly from the topology's regions.
+"""
+
+import csv
+import json
+import math
+import random
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from loom.model.topology import Topology, load_topology
+from loom.sim.model import SimJob, Trace
+from loom.sim.truth import Truth, load_truth
+from loom.sim.workloads import PHILLY_FAMILIES, WorkloadError, family_step_s, load_alibaba
+from loom_proto.ids import InvalidIdError, validate_id
+from loom_proto.jobs import Communication, JobSpec, Resources, Work
+
+__all__ = [
+    "FORMATS",
+    "MAX_GPUS_PER_WORKER",
+    "TRACE_GPUS",
+    "PublicFormat",
+    "load_helios",
+    "load_philly",
+    "load_public",
+    "sniff_format",
+]
+
+PublicFormat = Literal["openb", "philly", "helios"]
+FORMATS: Final[tuple[PublicFormat, ...]] = ("openb", "philly", "helios")
+
+TRACE_GPUS: Final[Mapping[str, str]] = {"philly": "P100", "helios": "V100M16", "acme": "A100"}
+"""The GPU each format's durations were measured on, unless ``trace_gpu`` says otherwise (Acme is
+the ``helios`` format with a ``type`` column)."""
+
+MAX_GPUS_PER_WORKER: Final = 8
+"""The most GPUs one worker (one node) takes when a trace's job must be cut into workers."""
+
+_SNIFF_BYTES: Final = 65_536
+_OPENB_COLUMNS: Final = frozenset({"name", "num_gpu", "gpu_milli"})
+_HELIOS_COLUMNS: Final = frozenset({"gpu_num", "submit_time"})
+
+
+def sniff_format(path: str | Path) -> PublicFormat | None:
+    """Which public trace format ``path`` holds, told from its first bytes (None: none of them)."""
+    try:
+        with Path(path).open(encoding="utf-8", errors="replace") as handle:
+            head = handle.read(_SNIFF_BYTES)
+    except OSError as exc:
+        raise WorkloadError(f"cannot read: {exc}", path=str(path)) from exc
+    text = head.lstrip()
+    if text.startswith("["):
+        # Philly's cluster_job_log: a JSON array of job objects, with attempts and a submission.
+        window = text[:4096]
+        if '"attempts"' in window and '"submitted_time"' in window:
+            return "philly"
+        return None
+    first = next((line for line in text.splitlines() if line.strip() and not line.startswith("#")), "")
+    if first.lstrip().startswith("{"):
+        return None
+    header = {c.strip() for c in next(csv.reader([first]), [])}
+    if header >= _OPENB_COLUMNS:
+        return "openb"
+    if header >= _HELIOS_COLUMNS and ("duration" in header or {"start_time", "end_time"} <= header):
+        return "helios"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One job of a public trace as read: where it is, what it asked for, how long it ran."""
+
+    line: int
+    job_id: str
+    tenant: str
+    submit_s: float
+    workers: int
+    gpus: int
+    duration_s: float
+    state: str
+
+
+def load_public(
+    path: str | Path,
+    fmt: PublicFormat | None = None,
+    *,
+    topology: Topology | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+    start_s: float = 0.0,
+    trace_gpu: str | None = None,
+    families: Sequence[str] | None = None,
+    truth: Truth | None = None,
+) -> Trace:
+    """A public trace (``fmt``, or sniffed) as a :class:`Trace`; :class:`WorkloadError` when the file
+    holds none of :data:`FORMATS`. ``trace_gpu``, ``families`` and ``truth`` do not apply to
+    ``openb`` (its own rule: :func:`loom.sim.workloads.load_alibaba`)."""
+    fmt = fmt or sniff_format(path)
+    if fmt == "openb":
+        return load_alibaba(path, topology=topology, limit=limit, seed=seed, start_s=start_s)
+    if fmt == "philly":
+        return load_philly(
+            path,
+            topology=topology,
+            limit=limit,
+            seed=seed,
+            start_s=start_s,
+            trace_gpu=trace_gpu,
+            families=families,
+            truth=truth,
+        )
+    if fmt == "helios":
+        return load_helios(
+            path,
+            topology=topology,
+            limit=limit,
+            seed=seed,
+            start_s=start_s,
+            trace_gpu=trace_gpu,
+            families=families,
+            truth=truth,
+        )
+    raise WorkloadError(f"not a known public trace (known: {', '.join(FORMATS)})", path=str(path))
+
+
+def _time(value: Any, what: str, where: str, line: int) -> float | None:
+    """Seconds since the epoch of a trace's time (``2017-10-07 01:12:09``, with or without a UTC
+    offset; a time without one is read as UTC), None when absent."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    if not text or text.lower() in {"none", "null", "nan", "nat"}:
+        return None
+    try:
+        stamp = datetime.fromisoformat(text)
+    except ValueError:
+        try:
+            return float(text)  # seconds already
+        except ValueError:
+            raise WorkloadError(f"{what} is not a time: {text!r}", path=where, line=line) from None
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=UTC)
+    return stamp.timestamp()
+
+
+def _number(value: Any, what: str, where: str, line: int) -> float | None:
+    if value is None:
+        return None
+    text = str(value).strip()
+    if not text or text.lower() in {"none", "null", "nan"}:
+        return None
+    try:
+        number = float(text)
+    except ValueError:
+        raise WorkloadError(f"{what} is not a number: {text!r}", path=where, line=line) from None
+    if not math.isfinite(number) or number < 0:
+        raise WorkloadError(f"{what} must be a finite number >= 0, got {text!r}", path=where, line=line)
+    return number
+
+
+def _tenant(prefix: str, value: Any) -> str:
+    """``<prefix>-<id>`` of a trace's hashed vc or user (cut to the id rule's 64 characters)."""
+    raw = "".join(c if c.isalnum() or c in "_-" else "_" for c in str(value or "").strip())
+    return f"{prefix}-{raw or 'unknown'}"[:64]
+
+
+def _shape(gpus: int, nodes: int) -> tuple[int, int, bool]:
+    """(workers, GPUs per worker, reshaped) for ``gpus`` GPUs over ``nodes`` nodes."""
+    nodes = max(nodes, 1)
+    if gpus % nodes == 0 and gpus // nodes <= MAX_GPUS_PER_WORKER:
+        return nodes, gpus // nodes, False
+    workers = max(nodes, math.ceil(gpus / MAX_GPUS_PER_WORKER))
+    return workers, math.ceil(gpus / workers), True
+
+
+def load_philly(
+    path: str | Path,
+    *,
+    topology: Topology | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+    start_s: float = 0.0,
+    trace_gpu: str | None = None,
+    families: Sequence[str] | None = None,
+    truth: Truth | None = None,
+) -> Trace:
+    """Philly's ``cluster_job_log`` (JSON) as a :class:`Trace` (the rules: the module docstring)."""
+    where = str(path)
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"cannot read: {exc}", path=where) from exc
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"malformed JSON: {exc}", path=where, line=exc.lineno) from None
+    if not isinstance(data, list):
+        raise WorkloadError("a Philly job log is a JSON array of jobs", path=where)
+    counts: Counter[str] = Counter()
+    jobs: list[_Job] = []
+    for index, entry in enumerate(data):
+        line = index + 1  # the job's position in the array
+        if not isinstance(entry, dict):
+            raise WorkloadError(f"job {line} is not a JSON object", path=where, line=line)
+        job = _philly_job(entry, line, where, counts)
+        if job is not None:
+            jobs.append(job)
+    return _trace(
+        jobs,
+        "philly",
+        path,
+        counts,
+        topology=topology,
+        limit=limit,
+        seed=seed,
+        start_s=start_s,
+        trace_gpu=trace_gpu or TRACE_GPUS["philly"],
+        families=families,
+        truth=truth,
+        citation="msr-fiddle/philly-traces cluster_job_log (Jeon et al., ATC 2019)",
+        position="job",
+    )
+
+
+def _philly_job(entry: Mapping[str, Any], line: int, where: str, counts: Counter[str]) -> _Job | None:
+    job_id = str(entry.get("jobid") or "").strip()
+    if not job_id:
+        raise WorkloadError("a job without a jobid", path=where, line=line)
+    submitted = _time(entry.get("submitted_time"), "submitted_time", where, line)
+    attempts = entry.get("attempts") or []
+    if not isinstance(attempts, list):
+        raise WorkloadError(f"job {job_id}: attempts is not a list", path=where, line=line)
+    if submitted is None or not attempts:
+        counts["never_ran"] += 1
+        return None
+    total = 0.0
+    servers: list[Any] = []
+    for attempt in attempts:
+        if not isinstance(attempt, dict):
+            raise WorkloadError(f"job {job_id}: an attempt is not a JSON object", path=where, line=line)
+        start = _time(attempt.get("start_time"), "start_time", where, line)
+        end = _time(attempt.get("end_time"), "end_time", where, line)
+        if start is not None and end is not None and end > start:
+            total += end - start
+        if attempt.get("detail"):
+            servers = list(attempt["detail"])
+    last_end = attempts[-1].get("end_time") if isinstance(attempts[-1], dict) else None
+    if _time(last_end, "end_time", where, line) is None and attempts[-1].get("start_time"):
+        counts["still_running"] += 1
+        return None
+    per_server = [len(s.get("gpus") or []) for s in servers if isinstance(s, dict)]
+    gpus = sum(per_server)
+    if gpus == 0:
+        counts["no_gpus"] += 1
+        return None
+    if total <= 0:
+        counts["never_ran"] += 1
+        return None
+    workers = len(per_server)
+    per_worker = max(per_server)
+    reshaped = False
+    if per_worker > MAX_GPUS_PER_WORKER or any(g != per_worker for g in per_server):
+        workers, per_worker, reshaped = _shape(gpus, workers)
+    counts["reshaped"] += reshaped
+    tenant = _tenant("vc", entry.get("vc")) if entry.get("vc") else _tenant("u", entry.get("user"))
+    return _Job(line, job_id, tenant, submitted, workers, per_worker, total, str(entry.get("status") or ""))
+
+
+def load_helios(
+    path: str | Path,
+    *,
+    topology: Topology | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+    start_s: float = 0.0,
+    trace_gpu: str | None = None,
+    families: Sequence[str] | None = None,
+    truth: Truth | None = None,
+) -> Trace:
+    """A Helios ``cluster_log.csv`` or an Acme ``trace_*.csv`` as a :class:`Trace` (the rules: the
+    module docstring). Lines starting with ``#`` are comments."""
+    where = str(path)
+    try:
+        with Path(path).open(encoding="utf-8", newline="") as handle:
+            rows = [
+                (n, text) for n, text in enumerate(handle, 1) if text.strip() and not text.startswith("#")
+            ]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"cannot read: {exc}", path=where) from exc
+    if not rows:
+        raise WorkloadError("no header row", path=where)
+    header = [c.strip() for c in next(csv.reader([rows[0][1]]))]
+    missing = sorted(_HELIOS_COLUMNS - set(header))
+    if missing or not ("duration" in header or {"start_time", "end_time"} <= set(header)):
+        raise WorkloadError(
+            "not a Helios / Acme job log: it needs gpu_num, submit_time and duration (or start_time"
+            f" and end_time); missing {', '.join(missing) or 'duration'}",
+            path=where,
+            line=rows[0][0],
+        )
+    acme = "type" in header
+    counts: Counter[str] = Counter()
+    jobs: list[_Job] = []
+    for (line, _), cells in zip(rows[1:], csv.reader(t for _, t in rows[1:]), strict=True):
+        if len(cells) != len(header):
+            raise WorkloadError(f"{len(cells)} cells for {len(header)} columns", path=where, line=line)
+        row = dict(zip(header, (c.strip() for c in cells), strict=True))
+        job = _helios_job(row, line, where, counts)
+        if job is not None:
+            jobs.append(job)
+    fmt = "acme" if acme else "helios"
+    return _trace(
+        jobs,
+        "helios",
+        path,
+        counts,
+        topology=topology,
+        limit=limit,
+        seed=seed,
+        start_s=start_s,
+        trace_gpu=trace_gpu or TRACE_GPUS[fmt],
+        families=families,
+        truth=truth,
+        citation=(
+            "InternLM/AcmeTrace (Hu et al., NSDI 2024)"
+            if acme
+            else "S-Lab-System-Group/HeliosData (Hu et al., SC 2021)"
+        ),
+        position="line",
+    )
+
+
+def _helios_job(row: Mapping[str, str], line: int, where: str, counts: Counter[str]) -> _Job | None:
+    job_id = row.get("job_id", "").strip() or f"line{line}"
+    gpus = _number(row.get("gpu_num"), "gpu_num", where, line) or 0.0
+    if gpus <= 0:
+        counts["cpu_only"] += 1
+        return None
+    submitted = _time(row.get("submit_time"), "submit_time", where, line)
+    duration = _number(row.get("duration"), "duration", where, line)
+    if duration is None:
+        start = _time(row.get("start_time"), "start_time", where, line)
+        end = _time(row.get("end_time"), "end_time", where, line)
+        duration = end - start if start is not None and end is not None else None
+    if submitted is None or duration is None or duration <= 0:
+        counts["never_ran"] += 1
+        return None
+    nodes = int(_number(row.get("node_num"), "node_num", where, line) or 1)
+    workers, per_worker, reshaped = _shape(math.ceil(gpus), nodes)
+    counts["reshaped"] += reshaped
+    tenant = _tenant("vc", row["vc"]) if row.get("vc") else _tenant("u", row.get("user"))
+    return _Job(line, job_id, tenant, submitted, workers, per_worker, duration, row.get("state", ""))
+
+
+def _trace(
+    jobs: list[_Job],
+    fmt: str,
+    path: str | Path,
+    counts: Counter[str],
+    *,
+    topology: Topology | None,
+    limit: int | None,
+    seed: int,
+    start_s: float,
+    trace_gpu: str,
+    families: Sequence[str] | None,
+    truth: Truth | None,
+    citation: str,
+    position: str,
+) -> Trace:
+    """The kept jobs as simulated jobs, in submission order, with what was skipped in the source."""
+    where = str(path)
+    if limit is not None and limit < 0:
+        raise WorkloadError(f"limit must not be negative, got {limit}")
+    if not (math.isfinite(start_s) and start_s >= 0):
+        raise WorkloadError(f"start_s must be a finite number >= 0, got {start_s}")
+    truth = truth if truth is not None else load_truth()
+    chosen = sorted(families) if families is not None else sorted(PHILLY_FAMILIES)
+    unknown = [f for f in chosen if f not in PHILLY_FAMILIES]
+    if not chosen or unknown:
+        raise WorkloadError(
+            f"families must be among {', '.join(sorted(PHILLY_FAMILIES))}; got {', '.join(unknown) or 'none'}"
+        )
+    if truth.speed(chosen[0], trace_gpu).rule == "unknown-gpu":
+        raise WorkloadError(f"trace GPU {trace_gpu!r} is not known to the truth tables", path=where)
+    topology = topology if topology is not None else load_topology()
+    regions = sorted(r.id for r in topology.regions)
+    rng = random.Random(seed)
+    jobs.sort(key=lambda j: (j.submit_s, j.line))
+    first = jobs[0].submit_s if jobs else 0.0
+    kept = [j for j in jobs if j.submit_s - first >= start_s]
+    counts["before_start"] = len(jobs) - len(kept)
+    if limit is not None:
+        counts["beyond_limit"] = max(len(kept) - limit, 0)
+        kept = kept[:limit]
+    origin = kept[0].submit_s if kept else 0.0
+    out: list[SimJob] = []
+    seen: set[str] = set()
+    states: Counter[str] = Counter()
+    for job in kept:
+        job_id = job.job_id if job.job_id not in seen else f"{job.job_id}-{job.line}"
+        try:
+            validate_id(job_id, "job id")
+            validate_id(job.tenant, "tenant")
+        except InvalidIdError as exc:
+            raise WorkloadError(str(exc), path=where, line=job.line) from None
+        seen.add(job_id)
+        states[job.state or "unknown"] += 1
+        family = rng.choice(chosen)
+        params, step_s = family_step_s(family)
+        speed = truth.speed(family, trace_gpu).speed
+        work_s = job.duration_s * speed
+        steps = max(1, round(work_s / step_s))
+        gang = job.workers > 1
+        spec = JobSpec(
+            job_id=job_id,
+            tenant=job.tenant,
+            name=family,
+            task_type=truth.task_types.get(family) or "training_compute",  # type: ignore[arg-type]
+            workers=job.workers,
+            resources=Resources(gpus=job.gpus),
+            work=Work(steps=steps, step_time_s=work_s / steps),
+            labels={"family": family, "trace_state": job.state[:64]} if job.state else {"family": family},
+            comm=Communication(bytes_per_step=int(params * 2), rounds_per_step=2) if gang else None,
+        )
+        out.append(
+            SimJob(spec, job.submit_s - origin, "net_training" if gang else "training", rng.choice(regions))
+        )
+    gpu_rule = truth.speed(chosen[0], trace_gpu)
+    skipped = ", ".join(f"{counts[k]} {k.replace('_', ' ')}" for k in sorted(counts) if k != "reshaped")
+    source = (
+        f"{Path(path).name} ({fmt}): {citation}; {len(out)} jobs kept (by {position} order of submission);"
+        f" skipped {skipped or 'none'}; {counts['reshaped']} reshaped into workers of <= "
+        f"{MAX_GPUS_PER_WORKER} GPUs; end states {dict(sorted(states.items()))}; family drawn per job from "
+        f"{', '.join(chosen)}; work = duration x truth speed on {trace_gpu}"
+        f" ({gpu_rule.rule}{', derived' if gpu_rule.derived else ''}); seed={seed}"
+    )
+    return Trace(out, [], source)
