@@ -131,8 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
         "--workload",
         default="mix",
         help="mix, alibaba, scenario, or a trace file: the generic format (.jsonl, .csv) or a public"
-        " trace as published (Alibaba 2023 pod list, Philly cluster_job_log, Helios / Acme job log;"
-        " told by content) (default mix)",
+        " trace as published (Alibaba 2023 pod list, Philly cluster_job_log, Helios / Acme job log,"
+        " PAI task table; told by content) (default mix)",
     )
     policies.add_argument("--topology", default="default", help="packaged topology name or JSON path")
     policies.add_argument(
@@ -176,8 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     policies.add_argument(
         "--trace-gpu",
         default=None,
-        help="a Philly or Helios / Acme trace file: the GPU its durations were measured on (default"
-        " P100, V100M16 and A100 respectively)",
+        help="a Philly, Helios / Acme or PAI trace file: the GPU its durations were measured on"
+        " (default P100, V100M16, A100, and PAI's own gpu_type per task)",
     )
     policies.add_argument(
         "--scale", action="store_true", help="Loom alone at 100,000 nodes and jobs: wall time and peak RSS"

@@ -295,7 +295,7 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
     fmt = sniff_format(options.workload)
     if options.trace_gpu is not None and fmt in (None, "openb"):
         raise OptionError(
-            f"--trace-gpu applies to a Philly or Helios / Acme trace, not to {options.workload}"
+            f"--trace-gpu applies to a Philly, Helios / Acme or PAI trace, not to {options.workload}"
             f" ({fmt or 'the generic format'})"
         )
     trace = load_workload(

@@ -342,3 +342,55 @@ def test_the_grid_takes_trace_files_named_by_their_stem(tmp_path: Path) -> None:
     assert math.isfinite(line["policies"]["loom"]["jct_mean_s"])
     with pytest.raises(OptionError, match="unknown --grid-workloads"):
         grid_spec(_policies_args("--grid", "--grid-workloads", str(tmp_path / "missing.csv")))
+
+
+PAI_ROWS = [  # pai_task_table.csv rows (headerless as published): the README's example, and more of its shape
+    "4f057009a5d481acec67b088,tensorflow,1.0,Terminated,1739162.0,1739200.0,600.0,29.296875,50.0,MISC",
+    "af724763f4f5d0beef445849,worker,4.0,Terminated,2081336.0,2083889.0,400.0,30.0,100.0,V100",
+    "af724763f4f5d0beef445849,ps,2.0,Terminated,2081336.0,2083889.0,600.0,30.0,0.0,",
+    "b1,worker,1.0,Running,2081400.0,,400.0,30.0,800.0,V100M32",
+    "b2,worker,1.0,Failed,2081500.0,2085500.0,400.0,30.0,200.0,T4",
+    "b3,worker,1.0,Waiting,,,400.0,30.0,100.0,",
+]
+
+
+def test_pai_tasks_run_on_the_gpu_type_the_trace_names(tmp_path: Path) -> None:
+    from loom.sim.public_traces import PAI_COLUMNS
+
+    truth = load_truth()
+    path = _write(tmp_path, "pai_task_table.csv", "\n".join(PAI_ROWS) + "\n")
+    with_header = _write(
+        tmp_path, "with_header.csv", ",".join(PAI_COLUMNS) + "\n" + "\n".join(PAI_ROWS) + "\n"
+    )
+    assert sniff_format(path) == "pai" and sniff_format(with_header) == "pai"
+    trace = load_public(path, seed=1)
+    assert load_public(with_header, seed=1).jobs == trace.jobs
+    by_id = {j.spec.job_id: j for j in trace.jobs}
+    assert set(by_id) == {
+        "4f057009a5d481acec67b088-tensorflow",
+        "af724763f4f5d0beef445849-worker",
+        "b2-worker",
+    }
+    for part in ("1 cpu only", "1 never ran", "1 still running", "1 fractional-GPU tasks given whole GPUs"):
+        assert part in trace.source
+    gang = by_id["af724763f4f5d0beef445849-worker"]
+    assert (gang.spec.workers, gang.spec.resources.gpus, gang.job_class) == (4, 1, "net_training")
+    assert gang.arrival_s == 2081336.0 - 1739162.0 and gang.spec.tenant == "pai"
+    # Each task's work is its duration at the true speed of the GPU it ran on (MISC as a K80).
+    for job_id, model, ran_s in (
+        ("4f057009a5d481acec67b088-tensorflow", "K80", 38.0),
+        ("af724763f4f5d0beef445849-worker", "V100M16", 2553.0),
+        ("b2-worker", "T4", 4000.0),
+    ):
+        job = by_id[job_id]
+        work = job.spec.work.steps * job.spec.work.step_time_s
+        assert work == pytest.approx(ran_s * truth.speed(job.spec.labels["family"], model).speed, rel=1e-9)
+    # --trace-gpu puts every task on one GPU instead
+    forced = {j.spec.job_id: j for j in load_public(path, seed=1, trace_gpu="A100").jobs}
+    t4 = forced["b2-worker"]
+    work = t4.spec.work.steps * t4.spec.work.step_time_s
+    assert work == pytest.approx(4000.0 * truth.speed(t4.spec.labels["family"], "A100").speed, rel=1e-9)
+    bad = _write(tmp_path, "bad.csv", PAI_ROWS[1].replace("V100", "Z80") + "\n")
+    with pytest.raises(WorkloadError, match="unknown gpu_type 'Z80'") as caught:
+        load_public(bad, "pai")
+    assert f"{bad}:1" in str(caught.value)

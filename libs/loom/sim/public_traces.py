@@ -10,6 +10,9 @@ A new user holds real traces, not Loom's generic format. ``loom bench policies -
   al., ATC 2019): a JSON array of jobs with ``jobid``, ``vc``, ``user``, ``status``,
   ``submitted_time`` and ``attempts`` (each with ``start_time``, ``end_time`` and ``detail``: the
   servers and the GPUs it ran on).
+- ``pai``: Alibaba PAI's task table (``pai_task_table.csv`` of alibaba/clusterdata
+  ``cluster-trace-gpu-v2020``; Weng et al., NSDI 2022), published without a header (one is
+  accepted): each task with GPUs is a job on the GPU type the trace names (:func:`load_pai`).
 - ``helios``: a Slurm-style job log with a header: SenseTime's Helios traces (``cluster_log.csv``
   of S-Lab-System-Group/HeliosData; Hu et al., SC 2021: ``job_id, user, vc, gpu_num, cpu_num,
   node_num, state, submit_time, start_time, end_time, duration, queue``) and Shanghai AI Lab's
@@ -69,16 +72,43 @@ from loom_proto.jobs import Communication, JobSpec, Resources, Work
 __all__ = [
     "FORMATS",
     "MAX_GPUS_PER_WORKER",
+    "PAI_COLUMNS",
+    "PAI_GPUS",
     "TRACE_GPUS",
     "PublicFormat",
     "load_helios",
+    "load_pai",
     "load_philly",
     "load_public",
     "sniff_format",
 ]
 
-PublicFormat = Literal["openb", "philly", "helios"]
-FORMATS: Final[tuple[PublicFormat, ...]] = ("openb", "philly", "helios")
+PublicFormat = Literal["openb", "philly", "helios", "pai"]
+FORMATS: Final[tuple[PublicFormat, ...]] = ("openb", "philly", "helios", "pai")
+
+PAI_COLUMNS: Final = (
+    "job_name",
+    "task_name",
+    "inst_num",
+    "status",
+    "start_time",
+    "end_time",
+    "plan_cpu",
+    "plan_mem",
+    "plan_gpu",
+    "gpu_type",
+)
+"""``pai_task_table.csv``'s columns (published without a header; ``pai_task_table.header``)."""
+PAI_STATES: Final = frozenset({"Terminated", "Failed", "Running", "Waiting"})
+PAI_GPUS: Final[Mapping[str, str]] = {
+    "V100": "V100M16",
+    "V100M32": "V100M32",
+    "P100": "P100",
+    "T4": "T4",
+    "MISC": "K80",
+}
+"""PAI's ``gpu_type`` -> the model the truth tables time it as (``MISC``: "older generations, e.g.
+K40m, K80, M60", taken as K80)."""
 
 TRACE_GPUS: Final[Mapping[str, str]] = {"philly": "P100", "helios": "V100M16", "acme": "A100"}
 """The GPU each format's durations were measured on, unless ``trace_gpu`` says otherwise (Acme is
@@ -109,9 +139,12 @@ def sniff_format(path: str | Path) -> PublicFormat | None:
     first = next((line for line in text.splitlines() if line.strip() and not line.startswith("#")), "")
     if first.lstrip().startswith("{"):
         return None
-    header = {c.strip() for c in next(csv.reader([first]), [])}
+    cells = [c.strip() for c in next(csv.reader([first]), [])]
+    header = set(cells)
     if header >= _OPENB_COLUMNS:
         return "openb"
+    if cells == list(PAI_COLUMNS) or _pai_row(cells):
+        return "pai"
     if header >= _HELIOS_COLUMNS and ("duration" in header or {"start_time", "end_time"} <= header):
         return "helios"
     return None
@@ -129,6 +162,8 @@ class _Job:
     gpus: int
     duration_s: float
     state: str
+    gpu_model: str | None = None
+    """The GPU the trace says the job ran on (PAI's ``gpu_type``); None: the format's ``trace_gpu``."""
 
 
 def load_public(
@@ -151,6 +186,17 @@ def load_public(
         return load_alibaba(path, topology=topology, limit=limit, seed=seed, start_s=start_s)
     if fmt == "philly":
         return load_philly(
+            path,
+            topology=topology,
+            limit=limit,
+            seed=seed,
+            start_s=start_s,
+            trace_gpu=trace_gpu,
+            families=families,
+            truth=truth,
+        )
+    if fmt == "pai":
+        return load_pai(
             path,
             topology=topology,
             limit=limit,
@@ -401,6 +447,97 @@ def _helios_job(row: Mapping[str, str], line: int, where: str, counts: Counter[s
     return _Job(line, job_id, tenant, submitted, workers, per_worker, duration, row.get("state", ""))
 
 
+def _pai_row(cells: Sequence[str]) -> bool:
+    """Whether ``cells`` look like a row of PAI's headerless task table."""
+    if len(cells) != len(PAI_COLUMNS) or cells[3] not in PAI_STATES:
+        return False
+    try:
+        for i in (2, 6, 8):
+            float(cells[i] or 0)
+    except ValueError:
+        return False
+    return True
+
+
+def load_pai(
+    path: str | Path,
+    *,
+    topology: Topology | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+    start_s: float = 0.0,
+    trace_gpu: str | None = None,
+    families: Sequence[str] | None = None,
+    truth: Truth | None = None,
+) -> Trace:
+    """Alibaba PAI's ``pai_task_table.csv`` (cluster-trace-gpu-v2020; Weng et al., NSDI 2022) as a
+    :class:`Trace`, with or without its header row. Each task that asked for GPUs (``plan_gpu`` > 0)
+    is one job (``<job_name>-<task_name>``): ``inst_num`` workers of ``ceil(plan_gpu / 100)`` GPUs
+    (a fractional GPU is a whole one: sharing is not modelled; counted), arriving at its launch
+    (``start_time``: the task table holds no submission), running ``end_time - start_time`` on its
+    ``gpu_type`` (:data:`PAI_GPUS`), unless ``trace_gpu`` sets one GPU for all. Tasks without an end
+    (running, waiting) are skipped and counted. Tenant: ``pai``. Otherwise the module's rules."""
+    where = str(path)
+    try:
+        with Path(path).open(encoding="utf-8", newline="") as handle:
+            lines = [(n, t) for n, t in enumerate(handle, 1) if t.strip() and not t.startswith("#")]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"cannot read: {exc}", path=where) from exc
+    counts: Counter[str] = Counter()
+    jobs: list[_Job] = []
+    for (line, _), raw in zip(lines, csv.reader(t for _, t in lines), strict=True):
+        cells = [c.strip() for c in raw]
+        if cells == list(PAI_COLUMNS):
+            continue  # the header, when the user put it back
+        if len(cells) != len(PAI_COLUMNS):
+            raise WorkloadError(
+                f"{len(cells)} cells for the task table's {len(PAI_COLUMNS)} columns", path=where, line=line
+            )
+        job = _pai_job(dict(zip(PAI_COLUMNS, cells, strict=True)), line, where, counts)
+        if job is not None:
+            jobs.append(job)
+    return _trace(
+        jobs,
+        "pai",
+        path,
+        counts,
+        topology=topology,
+        limit=limit,
+        seed=seed,
+        start_s=start_s,
+        trace_gpu=trace_gpu or PAI_GPUS["V100"],
+        families=families,
+        truth=truth,
+        citation="alibaba/clusterdata cluster-trace-gpu-v2020 pai_task_table (Weng et al., NSDI 2022)",
+        position="line",
+        forced_gpu=trace_gpu is not None,
+    )
+
+
+def _pai_job(row: Mapping[str, str], line: int, where: str, counts: Counter[str]) -> _Job | None:
+    plan = _number(row["plan_gpu"], "plan_gpu", where, line) or 0.0
+    if plan <= 0:
+        counts["cpu_only"] += 1
+        return None
+    start = _number(row["start_time"], "start_time", where, line)
+    end = _number(row["end_time"], "end_time", where, line)
+    if start is None or end is None or end <= start:
+        counts["still_running" if start is not None and row["status"] == "Running" else "never_ran"] += 1
+        return None
+    gpu_type = row["gpu_type"]
+    if gpu_type and gpu_type not in PAI_GPUS:
+        raise WorkloadError(
+            f"unknown gpu_type {gpu_type!r}; known: {', '.join(PAI_GPUS)}", path=where, line=line
+        )
+    counts["fractional"] += plan % 100 != 0
+    instances = max(int(_number(row["inst_num"], "inst_num", where, line) or 1), 1)
+    workers, gpus, reshaped = _shape(instances * math.ceil(plan / 100), instances)
+    counts["reshaped"] += reshaped
+    job_id = f"{row['job_name'][:40]}-{row['task_name'][:23]}"
+    model = PAI_GPUS.get(gpu_type) if gpu_type else None
+    return _Job(line, job_id, "pai", start, workers, gpus, end - start, row["status"], model)
+
+
 def _trace(
     jobs: list[_Job],
     fmt: str,
@@ -416,6 +553,7 @@ def _trace(
     truth: Truth | None,
     citation: str,
     position: str,
+    forced_gpu: bool = True,
 ) -> Trace:
     """The kept jobs as simulated jobs, in submission order, with what was skipped in the source."""
     where = str(path)
@@ -457,7 +595,8 @@ def _trace(
         states[job.state or "unknown"] += 1
         family = rng.choice(chosen)
         params, step_s = family_step_s(family)
-        speed = truth.speed(family, trace_gpu).speed
+        ran_on = trace_gpu if forced_gpu or job.gpu_model is None else job.gpu_model
+        speed = truth.speed(family, ran_on).speed
         work_s = job.duration_s * speed
         steps = max(1, round(work_s / step_s))
         gang = job.workers > 1
@@ -476,12 +615,18 @@ def _trace(
             SimJob(spec, job.submit_s - origin, "net_training" if gang else "training", rng.choice(regions))
         )
     gpu_rule = truth.speed(chosen[0], trace_gpu)
-    skipped = ", ".join(f"{counts[k]} {k.replace('_', ' ')}" for k in sorted(counts) if k != "reshaped")
+    ran_on_text = (
+        f"on {trace_gpu} ({gpu_rule.rule}{', derived' if gpu_rule.derived else ''})"
+        if forced_gpu
+        else f"on each job's GPU type ({', '.join(f'{k} as {v}' for k, v in PAI_GPUS.items())})"
+    )
+    noted = ("reshaped", "fractional")
+    skipped = ", ".join(f"{counts[k]} {k.replace('_', ' ')}" for k in sorted(counts) if k not in noted)
     source = (
         f"{Path(path).name} ({fmt}): {citation}; {len(out)} jobs kept (by {position} order of submission);"
         f" skipped {skipped or 'none'}; {counts['reshaped']} reshaped into workers of <= "
-        f"{MAX_GPUS_PER_WORKER} GPUs; end states {dict(sorted(states.items()))}; family drawn per job from "
-        f"{', '.join(chosen)}; work = duration x truth speed on {trace_gpu}"
-        f" ({gpu_rule.rule}{', derived' if gpu_rule.derived else ''}); seed={seed}"
+        f"{MAX_GPUS_PER_WORKER} GPUs; {counts['fractional']} fractional-GPU tasks given whole GPUs;"
+        f" end states {dict(sorted(states.items()))}; family drawn per job from "
+        f"{', '.join(chosen)}; work = duration x truth speed {ran_on_text}; seed={seed}"
     )
     return Trace(out, [], source)

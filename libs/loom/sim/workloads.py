@@ -951,8 +951,9 @@ def load_workload(
 ) -> Trace:
     """A workload file: a public trace as published, or the generic format.
 
-    A public trace is told by its content, whatever its name (:func:`loom.sim.public_traces.sniff_format`:
-    the Alibaba 2023 pod lists, Philly's ``cluster_job_log``, Helios / Acme job logs) and read by
+    A public trace is told by its content, whatever its name
+    (:func:`loom.sim.public_traces.sniff_format`: the Alibaba 2023 pod lists, Philly's
+    ``cluster_job_log``, Helios / Acme job logs, PAI's task table) and read by
     :func:`loom.sim.public_traces.load_public` on ``topology`` (its regions draw home regions),
     keeping the first ``limit`` jobs, with ``seed``, ``trace_gpu`` and ``truth`` (a
     :class:`~loom.sim.truth.Truth`: the GPU speeds turning measured durations into work).
