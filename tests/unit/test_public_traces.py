@@ -394,3 +394,19 @@ def test_pai_tasks_run_on_the_gpu_type_the_trace_names(tmp_path: Path) -> None:
     with pytest.raises(WorkloadError, match="unknown gpu_type 'Z80'") as caught:
         load_public(bad, "pai")
     assert f"{bad}:1" in str(caught.value)
+
+
+def test_a_byte_order_mark_and_windows_line_ends_change_nothing(tmp_path: Path) -> None:
+    plain = load_public(_write(tmp_path, "plain.csv", HELIOS), seed=3)
+    path = tmp_path / "excel.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + HELIOS.replace("\n", "\r\n").encode())
+    assert sniff_format(path) == "helios"
+    assert load_public(path, seed=3).jobs == plain.jobs
+    pods = tmp_path / "pods.csv"
+    pods.write_bytes(b"\xef\xbb\xbf" + alibaba_sample_path().read_bytes())
+    assert sniff_format(pods) == "openb"
+    topology = load_topology()
+    got = load_workload(pods, topology=topology, limit=20, seed=1)
+    assert [j.spec.job_id for j in got.jobs] == [
+        j.spec.job_id for j in load_alibaba(alibaba_sample_path(), topology=topology, limit=20, seed=1).jobs
+    ]

@@ -125,15 +125,15 @@ _HELIOS_COLUMNS: Final = frozenset({"gpu_num", "submit_time"})
 def sniff_format(path: str | Path) -> PublicFormat | None:
     """Which public trace format ``path`` holds, told from its first bytes (None: none of them)."""
     try:
-        with Path(path).open(encoding="utf-8", errors="replace") as handle:
+        with Path(path).open(encoding="utf-8-sig", errors="replace") as handle:
             head = handle.read(_SNIFF_BYTES)
     except OSError as exc:
         raise WorkloadError(f"cannot read: {exc}", path=str(path)) from exc
     text = head.lstrip()
     if text.startswith("["):
         # Philly's cluster_job_log: a JSON array of job objects, with attempts and a submission.
-        window = text[:4096]
-        if '"attempts"' in window and '"submitted_time"' in window:
+        # (the first job's attempts may run long before its submitted_time: the whole head is read)
+        if '"attempts"' in text and '"submitted_time"' in text:
             return "philly"
         return None
     first = next((line for line in text.splitlines() if line.strip() and not line.startswith("#")), "")
@@ -284,7 +284,7 @@ def load_philly(
     """Philly's ``cluster_job_log`` (JSON) as a :class:`Trace` (the rules: the module docstring)."""
     where = str(path)
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
     except (OSError, UnicodeDecodeError) as exc:
         raise WorkloadError(f"cannot read: {exc}", path=where) from exc
     except json.JSONDecodeError as exc:
@@ -376,7 +376,7 @@ def load_helios(
     module docstring). Lines starting with ``#`` are comments."""
     where = str(path)
     try:
-        with Path(path).open(encoding="utf-8", newline="") as handle:
+        with Path(path).open(encoding="utf-8-sig", newline="") as handle:
             rows = [
                 (n, text) for n, text in enumerate(handle, 1) if text.strip() and not text.startswith("#")
             ]
@@ -479,7 +479,7 @@ def load_pai(
     (running, waiting) are skipped and counted. Tenant: ``pai``. Otherwise the module's rules."""
     where = str(path)
     try:
-        with Path(path).open(encoding="utf-8", newline="") as handle:
+        with Path(path).open(encoding="utf-8-sig", newline="") as handle:
             lines = [(n, t) for n, t in enumerate(handle, 1) if t.strip() and not t.startswith("#")]
     except (OSError, UnicodeDecodeError) as exc:
         raise WorkloadError(f"cannot read: {exc}", path=where) from exc

@@ -261,7 +261,7 @@ def alibaba_sample_path() -> Path:
 def _read_lines(path: str | Path) -> list[tuple[int, str]]:
     """(1-based line number, text) of every line that is neither blank nor a ``#`` comment."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise WorkloadError(f"cannot read: {exc}", path=str(path)) from exc
     return [
@@ -271,7 +271,7 @@ def _read_lines(path: str | Path) -> list[tuple[int, str]]:
 
 def _source_comment(path: str | Path) -> str:
     """The text of the file's first ``# source:`` comment, or ''."""
-    with Path(path).open(encoding="utf-8") as handle:
+    with Path(path).open(encoding="utf-8-sig") as handle:
         for line in handle:
             if line.lower().startswith("# source:"):
                 return line.split(":", 1)[1].strip()
@@ -930,7 +930,7 @@ _JSONL_SUFFIXES: Final = frozenset({".jsonl", ".ndjson", ".json"})
 def _first_record(path: str | Path) -> tuple[int, str] | None:
     """The first line that is neither blank nor a comment, with its number."""
     try:
-        with Path(path).open(encoding="utf-8") as handle:
+        with Path(path).open(encoding="utf-8-sig") as handle:
             for n, line in enumerate(handle, 1):
                 if line.strip() and not line.startswith("#"):
                     return n, line
