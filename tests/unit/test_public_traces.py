@@ -248,9 +248,9 @@ def test_limit_start_and_seed(philly: Path, tmp_path: Path) -> None:
         ),
         ("short.csv", "job_id,gpu_num,submit_time,duration\n1,1\n", "2 cells for 4 columns"),
         (
-            "bad_id.csv",
-            "job_id,gpu_num,submit_time,duration\nno spaces,1,2020-01-01 00:00:00,5\n",
-            "invalid job id",
+            "quote.csv",
+            'job_id,gpu_num,submit_time,duration\n1,1,"2020-01-01 00:00:00,5\n',
+            "malformed CSV",
         ),
     ],
 )
@@ -410,3 +410,38 @@ def test_a_byte_order_mark_and_windows_line_ends_change_nothing(tmp_path: Path) 
     assert [j.spec.job_id for j in got.jobs] == [
         j.spec.job_id for j in load_alibaba(alibaba_sample_path(), topology=topology, limit=20, seed=1).jobs
     ]
+
+
+def test_odd_ids_shapes_and_owners_are_mended_and_counted(tmp_path: Path) -> None:
+    text = (
+        "job_id,user,vc,gpu_num,node_num,submit_time,duration\n"
+        "123_[1-3],u1,None,1,4,2020-06-09 18:00:00,60\n"  # a Slurm array id; 1 GPU over 4 nodes
+        "7,u1,vc1,3,2,2020-06-09 18:00:01,60\n"  # 3 GPUs over 2 nodes
+        "7,u1,vc1,1,1,2020-06-09 18:00:02,60\n"  # the same id again
+        "7-4,u1,vc1,1,1,2020-06-09 18:00:03,60\n"  # the name the repeat would have taken
+        '"with, a comma\nand a line end",u2,vc2,2,1,2020-06-09 18:00:04,60\n'
+    )
+    trace = load_public(_write(tmp_path, "log.csv", text))
+    ids = [j.spec.job_id for j in trace.jobs]
+    assert ids == ["123__1-3_", "7", "7-4", "7-4-5", "with__a_comma_and_a_line_end"]
+    assert len(set(ids)) == len(ids) and "4 job ids renamed" in trace.source
+    shapes = [(j.spec.workers, j.spec.resources.gpus) for j in trace.jobs]
+    assert shapes == [(1, 1), (2, 2), (1, 1), (1, 1), (1, 2)]
+    assert trace.jobs[0].spec.tenant == "u-u1"  # vc "None" is no vc
+    long = _write(tmp_path, "long.csv", "job_id,gpu_num,submit_time,duration\n" + "x" * 80 + ",1,0,5\n")
+    (job,) = load_public(long).jobs
+    assert len(job.spec.job_id) == 64
+
+
+def test_a_philly_log_is_known_by_its_keys_however_long_its_first_job(tmp_path: Path) -> None:
+    jobs = _philly_jobs()
+    jobs[0]["attempts"] = jobs[0]["attempts"] * 400  # type: ignore[operator]
+    path = _write(tmp_path, "cluster_job_log", json.dumps(jobs, indent=4))
+    assert path.stat().st_size > 65_536
+    assert sniff_format(path) == "philly"
+    # servers of unequal GPU counts share the job's GPUs evenly, counted as reshaped
+    one = _philly_jobs()[:1]
+    one[0]["attempts"][-1]["detail"] = [{"ip": "m1", "gpus": GPUS8}, {"ip": "m2", "gpus": GPUS8[:4]}]  # type: ignore[index]
+    trace = load_public(_write(tmp_path, "uneven.json", json.dumps(one)))
+    (job,) = trace.jobs
+    assert (job.spec.workers, job.spec.resources.gpus) == (2, 6) and "1 reshaped" in trace.source

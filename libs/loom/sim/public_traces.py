@@ -28,13 +28,14 @@ what was skipped or assumed goes to ``Trace.source``):
   taken (no end time on the last attempt): the trace does not say how much work they were. Every
   end state is kept (completed, failed, killed, cancelled): the job held its GPUs that long.
   ``limit`` keeps the first ``limit`` jobs by submission that remain; ``start_s`` skips jobs
-  submitted earlier than that many seconds after the trace's first submission.
+  submitted earlier than that many seconds after the first of them (the first GPU job that ran).
 - **Arrival**: the submission time, from the first kept job's.
 - **Shape.** Philly: one worker per server of the job's last attempt with servers, each with the
-  most GPUs any of its servers had (a job on 2 servers with 8 GPUs each is 2 workers x 8 GPUs).
+  server's GPUs (a job on 2 servers with 8 GPUs each is 2 workers x 8 GPUs); servers with unequal
+  GPU counts share the job's GPUs evenly, rounded up (counted as ``reshaped``).
   Helios / Acme: ``node_num`` workers of ``gpu_num / node_num`` GPUs; when that does not divide,
   or a one-node job asks for more than :data:`MAX_GPUS_PER_WORKER`, the GPUs are cut into workers of
-  at most that many (rounded up: counted as ``reshaped``).
+  at most that many (rounded up: counted as ``reshaped``); never more workers than GPUs.
 - **Model.** No trace says which model a job trained: each job draws one (seeded) uniformly from
   ``families`` (default: the Philly-like families, all known to the truth tables), labelled
   ``family``; its V100 step time is Gavel's, or Transformer's scaled by parameters, as in
@@ -52,6 +53,7 @@ what was skipped or assumed goes to ``Trace.source``):
 """
 
 import csv
+import hashlib
 import json
 import math
 import random
@@ -118,6 +120,7 @@ MAX_GPUS_PER_WORKER: Final = 8
 """The most GPUs one worker (one node) takes when a trace's job must be cut into workers."""
 
 _SNIFF_BYTES: Final = 65_536
+_ABSENT: Final = frozenset({"", "none", "null", "nan", "nat"})
 _OPENB_COLUMNS: Final = frozenset({"name", "num_gpu", "gpu_milli"})
 _HELIOS_COLUMNS: Final = frozenset({"gpu_num", "submit_time"})
 
@@ -132,8 +135,8 @@ def sniff_format(path: str | Path) -> PublicFormat | None:
     text = head.lstrip()
     if text.startswith("["):
         # Philly's cluster_job_log: a JSON array of job objects, with attempts and a submission.
-        # (the first job's attempts may run long before its submitted_time: the whole head is read)
-        if '"attempts"' in text and '"submitted_time"' in text:
+        # Keys as published: jobid, then attempts (which may run long), then submitted_time.
+        if '"jobid"' in text and '"attempts"' in text:
             return "philly"
         return None
     first = next((line for line in text.splitlines() if line.strip() and not line.startswith("#")), "")
@@ -223,10 +226,8 @@ def load_public(
 def _time(value: Any, what: str, where: str, line: int) -> float | None:
     """Seconds since the epoch of a trace's time (``2017-10-07 01:12:09``, with or without a UTC
     offset; a time without one is read as UTC), None when absent."""
-    if value is None:
-        return None
-    text = str(value).strip()
-    if not text or text.lower() in {"none", "null", "nan", "nat"}:
+    text = _present(value)
+    if not text:
         return None
     try:
         stamp = datetime.fromisoformat(text)
@@ -241,10 +242,8 @@ def _time(value: Any, what: str, where: str, line: int) -> float | None:
 
 
 def _number(value: Any, what: str, where: str, line: int) -> float | None:
-    if value is None:
-        return None
-    text = str(value).strip()
-    if not text or text.lower() in {"none", "null", "nan"}:
+    text = _present(value)
+    if not text:
         return None
     try:
         number = float(text)
@@ -255,15 +254,35 @@ def _number(value: Any, what: str, where: str, line: int) -> float | None:
     return number
 
 
+def _present(value: Any) -> str:
+    """A cell's text, or '' when it stands for nothing (empty, ``None``, ``null``, ``NaN``)."""
+    text = "" if value is None else str(value).strip()
+    return "" if text.lower() in _ABSENT else text
+
+
+def _safe_id(text: str) -> str:
+    """``text`` as an id (letters, digits, ``_``, ``-``; others become ``_``), at most 64 characters
+    (a longer one keeps its first 55 and a digest of the whole, so distinct ids stay distinct)."""
+    raw = "".join(c if c.isascii() and (c.isalnum() or c in "_-") else "_" for c in text)
+    if len(raw) <= 64:
+        return raw
+    return f"{raw[:55]}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+
+
 def _tenant(prefix: str, value: Any) -> str:
-    """``<prefix>-<id>`` of a trace's hashed vc or user (cut to the id rule's 64 characters)."""
-    raw = "".join(c if c.isalnum() or c in "_-" else "_" for c in str(value or "").strip())
-    return f"{prefix}-{raw or 'unknown'}"[:64]
+    """``<prefix>-<id>`` of a trace's hashed vc or user (as an id)."""
+    return _safe_id(f"{prefix}-{_present(value) or 'unknown'}")
+
+
+def _owner(vc: Any, user: Any) -> str:
+    """The tenant of a job: its virtual cluster, else its user."""
+    return _tenant("vc", vc) if _present(vc) else _tenant("u", user)
 
 
 def _shape(gpus: int, nodes: int) -> tuple[int, int, bool]:
-    """(workers, GPUs per worker, reshaped) for ``gpus`` GPUs over ``nodes`` nodes."""
-    nodes = max(nodes, 1)
+    """(workers, GPUs per worker, reshaped) for ``gpus`` GPUs over ``nodes`` nodes (never more
+    workers than GPUs: a job of 1 GPU on 4 nodes is 1 worker of 1 GPU)."""
+    nodes = max(min(nodes, gpus), 1)  # a node without a GPU of the job is not a worker of it
     if gpus % nodes == 0 and gpus // nodes <= MAX_GPUS_PER_WORKER:
         return nodes, gpus // nodes, False
     workers = max(nodes, math.ceil(gpus / MAX_GPUS_PER_WORKER))
@@ -351,13 +370,12 @@ def _philly_job(entry: Mapping[str, Any], line: int, where: str, counts: Counter
     if total <= 0:
         counts["never_ran"] += 1
         return None
-    workers = len(per_server)
-    per_worker = max(per_server)
-    reshaped = False
+    workers, per_worker = len(per_server), max(per_server)
     if per_worker > MAX_GPUS_PER_WORKER or any(g != per_worker for g in per_server):
-        workers, per_worker, reshaped = _shape(gpus, workers)
-    counts["reshaped"] += reshaped
-    tenant = _tenant("vc", entry.get("vc")) if entry.get("vc") else _tenant("u", entry.get("user"))
+        # Servers with unequal GPU counts: the job's GPUs evenly over its servers (rounded up).
+        workers, per_worker, _ = _shape(gpus, workers)
+        counts["reshaped"] += 1
+    tenant = _owner(entry.get("vc"), entry.get("user"))
     return _Job(line, job_id, tenant, submitted, workers, per_worker, total, str(entry.get("status") or ""))
 
 
@@ -375,16 +393,10 @@ def load_helios(
     """A Helios ``cluster_log.csv`` or an Acme ``trace_*.csv`` as a :class:`Trace` (the rules: the
     module docstring). Lines starting with ``#`` are comments."""
     where = str(path)
-    try:
-        with Path(path).open(encoding="utf-8-sig", newline="") as handle:
-            rows = [
-                (n, text) for n, text in enumerate(handle, 1) if text.strip() and not text.startswith("#")
-            ]
-    except (OSError, UnicodeDecodeError) as exc:
-        raise WorkloadError(f"cannot read: {exc}", path=where) from exc
+    rows = _csv_rows(path)
     if not rows:
         raise WorkloadError("no header row", path=where)
-    header = [c.strip() for c in next(csv.reader([rows[0][1]]))]
+    header = rows[0][1]
     missing = sorted(_HELIOS_COLUMNS - set(header))
     if missing or not ("duration" in header or {"start_time", "end_time"} <= set(header)):
         raise WorkloadError(
@@ -396,10 +408,10 @@ def load_helios(
     acme = "type" in header
     counts: Counter[str] = Counter()
     jobs: list[_Job] = []
-    for (line, _), cells in zip(rows[1:], csv.reader(t for _, t in rows[1:]), strict=True):
+    for line, cells in rows[1:]:
         if len(cells) != len(header):
             raise WorkloadError(f"{len(cells)} cells for {len(header)} columns", path=where, line=line)
-        row = dict(zip(header, (c.strip() for c in cells), strict=True))
+        row = dict(zip(header, cells, strict=True))
         job = _helios_job(row, line, where, counts)
         if job is not None:
             jobs.append(job)
@@ -443,8 +455,29 @@ def _helios_job(row: Mapping[str, str], line: int, where: str, counts: Counter[s
     nodes = int(_number(row.get("node_num"), "node_num", where, line) or 1)
     workers, per_worker, reshaped = _shape(math.ceil(gpus), nodes)
     counts["reshaped"] += reshaped
-    tenant = _tenant("vc", row["vc"]) if row.get("vc") else _tenant("u", row.get("user"))
+    tenant = _owner(row.get("vc"), row.get("user"))
     return _Job(line, job_id, tenant, submitted, workers, per_worker, duration, row.get("state", ""))
+
+
+def _csv_rows(path: str | Path) -> list[tuple[int, list[str]]]:
+    """Every CSV record of ``path`` that is neither blank nor a ``#`` comment: (the line it starts
+    on, its cells stripped). A quoted cell may hold line ends; a malformed record raises
+    :class:`WorkloadError` naming its line."""
+    where = str(path)
+    rows: list[tuple[int, list[str]]] = []
+    try:
+        with Path(path).open(encoding="utf-8-sig", newline="") as handle:
+            reader = csv.reader(handle, strict=True)
+            line = 1
+            for cells in reader:
+                if cells and any(c.strip() for c in cells) and not cells[0].startswith("#"):
+                    rows.append((line, [c.strip() for c in cells]))
+                line = reader.line_num + 1
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"cannot read: {exc}", path=where) from exc
+    except csv.Error as exc:
+        raise WorkloadError(f"malformed CSV: {exc}", path=where, line=line) from None
+    return rows
 
 
 def _pai_row(cells: Sequence[str]) -> bool:
@@ -478,15 +511,9 @@ def load_pai(
     ``gpu_type`` (:data:`PAI_GPUS`), unless ``trace_gpu`` sets one GPU for all. Tasks without an end
     (running, waiting) are skipped and counted. Tenant: ``pai``. Otherwise the module's rules."""
     where = str(path)
-    try:
-        with Path(path).open(encoding="utf-8-sig", newline="") as handle:
-            lines = [(n, t) for n, t in enumerate(handle, 1) if t.strip() and not t.startswith("#")]
-    except (OSError, UnicodeDecodeError) as exc:
-        raise WorkloadError(f"cannot read: {exc}", path=where) from exc
     counts: Counter[str] = Counter()
     jobs: list[_Job] = []
-    for (line, _), raw in zip(lines, csv.reader(t for _, t in lines), strict=True):
-        cells = [c.strip() for c in raw]
+    for line, cells in _csv_rows(path):
         if cells == list(PAI_COLUMNS):
             continue  # the header, when the user put it back
         if len(cells) != len(PAI_COLUMNS):
@@ -538,6 +565,28 @@ def _pai_job(row: Mapping[str, str], line: int, where: str, counts: Counter[str]
     return _Job(line, job_id, "pai", start, workers, gpus, end - start, row["status"], model)
 
 
+def _unique_ids(jobs: Sequence[_Job], where: str) -> list[str]:
+    """Each job's id as an id, distinct: an id seen before is named by its line (or array
+    position) too. :class:`WorkloadError` for a tenant that is no id (it never is after
+    :func:`_tenant`; kept as a check)."""
+    seen: set[str] = set()
+    ids: list[str] = []
+    for job in jobs:
+        job_id = _safe_id(job.job_id)
+        n = 0
+        while job_id in seen:
+            n += 1
+            job_id = _safe_id(f"{job.job_id}-{job.line}" + (f"-{n}" if n > 1 else ""))
+        try:
+            validate_id(job_id, "job id")
+            validate_id(job.tenant, "tenant")
+        except InvalidIdError as exc:
+            raise WorkloadError(str(exc), path=where, line=job.line) from None
+        seen.add(job_id)
+        ids.append(job_id)
+    return ids
+
+
 def _trace(
     jobs: list[_Job],
     fmt: str,
@@ -582,21 +631,18 @@ def _trace(
         kept = kept[:limit]
     origin = kept[0].submit_s if kept else 0.0
     out: list[SimJob] = []
-    seen: set[str] = set()
+    ids = _unique_ids(kept, where)
+    counts["renamed"] = sum(job_id != job.job_id for job_id, job in zip(ids, kept, strict=True))
     states: Counter[str] = Counter()
-    for job in kept:
-        job_id = job.job_id if job.job_id not in seen else f"{job.job_id}-{job.line}"
-        try:
-            validate_id(job_id, "job id")
-            validate_id(job.tenant, "tenant")
-        except InvalidIdError as exc:
-            raise WorkloadError(str(exc), path=where, line=job.line) from None
-        seen.add(job_id)
+    for job_id, job in zip(ids, kept, strict=True):
         states[job.state or "unknown"] += 1
         family = rng.choice(chosen)
         params, step_s = family_step_s(family)
         ran_on = trace_gpu if forced_gpu or job.gpu_model is None else job.gpu_model
-        speed = truth.speed(family, ran_on).speed
+        true = truth.speed(family, ran_on)
+        if true.rule == "unknown-gpu":
+            raise WorkloadError(f"GPU {ran_on!r} is not known to the truth tables", path=where, line=job.line)
+        speed = true.speed
         work_s = job.duration_s * speed
         steps = max(1, round(work_s / step_s))
         gang = job.workers > 1
@@ -620,12 +666,13 @@ def _trace(
         if forced_gpu
         else f"on each job's GPU type ({', '.join(f'{k} as {v}' for k, v in PAI_GPUS.items())})"
     )
-    noted = ("reshaped", "fractional")
+    noted = ("reshaped", "fractional", "renamed")
     skipped = ", ".join(f"{counts[k]} {k.replace('_', ' ')}" for k in sorted(counts) if k not in noted)
     source = (
         f"{Path(path).name} ({fmt}): {citation}; {len(out)} jobs kept (by {position} order of submission);"
         f" skipped {skipped or 'none'}; {counts['reshaped']} reshaped into workers of <= "
         f"{MAX_GPUS_PER_WORKER} GPUs; {counts['fractional']} fractional-GPU tasks given whole GPUs;"
+        f" {counts['renamed']} job ids renamed (repeated, or not letters, digits, _ and -);"
         f" end states {dict(sorted(states.items()))}; family drawn per job from "
         f"{', '.join(chosen)}; work = duration x truth speed {ran_on_text}; seed={seed}"
     )
