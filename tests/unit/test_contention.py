@@ -9,14 +9,7 @@ import numpy as np
 import pytest
 
 from loom.model.capacity import NodeCapacity
-from loom.sched.availability import (
-    Reservation,
-    WaitBook,
-    expected_wait_s,
-    queue_for_pool,
-    release_at_s,
-    room_at_s,
-)
+from loom.sched.availability import Reservation, WaitBook, expected_wait_s, queue_for_pool, room_at_s
 from loom.sched.framework import Code, CycleState, Decision, Framework
 from loom.sched.plugins.backfill import Backfill, WaitingJobs
 from loom.sched.plugins.compute import FreeFit, PoolFit, ScuFit
@@ -184,25 +177,9 @@ def test_a_queued_job_counts_on_the_pool_where_its_room_comes_first() -> None:
     assert queue_for_pool(snap, [QueuedShape("x", (0,), 1, 8, only_a)], ca, fast) == [(1, 8, math.inf)]
 
 
-def test_a_job_past_its_predicted_end_is_expected_to_overrun_as_much_again() -> None:
+def test_a_job_past_its_predicted_end_frees_its_gpus_now_in_the_estimate() -> None:
     snap = snapshot([node("a0", "ca", used=8)], [running("late", ("a0", 8), ends_in_s=-50.0)])
-    assert expected_wait_s(snap, 0, 0, workers=1, per_worker=8) == pytest.approx(50.0)
-    # The longer overdue comes later than a job still predicted to end in 60 s, whatever the
-    # predicted order: a node each, room for one 8-GPU worker at the first release expected.
-    snap = snapshot(
-        [node("a0", "ca", used=8), node("a1", "ca", used=8)],
-        [running("long-overdue", ("a0", 8), ends_in_s=-100.0), running("soon", ("a1", 8), ends_in_s=60.0)],
-    )
-    assert expected_wait_s(snap, 0, 0, workers=1, per_worker=8) == pytest.approx(60.0)
-    assert expected_wait_s(snap, 0, 0, workers=2, per_worker=8) == pytest.approx(100.0)
-    # A claim asks room_at_s by the predicted ends: the overdue release counts from now on, so a
-    # claim made on it holds while the clock moves (its expected release keeps moving later).
-    assert room_at_s(snap, 0, 0, snap.now, per_worker=8) == 1
-    assert room_at_s(snap, 0, 0, snap.now + 60.0, per_worker=8) == 2
-    # With a queued job ahead (served at each release first), the same expected order.
-    behind = expected_wait_s(snap, 0, 0, workers=1, per_worker=8, queue=[(1, 8, math.inf)])
-    assert behind == pytest.approx(100.0)
-    assert release_at_s(10.0, 40.0) == 70.0 and release_at_s(50.0, 40.0) == 50.0
+    assert expected_wait_s(snap, 0, 0, workers=1, per_worker=8) == 0.0
 
 
 def test_the_simulator_gives_running_jobs_the_end_placement_predicted() -> None:

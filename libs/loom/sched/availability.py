@@ -14,11 +14,7 @@ Rules of the estimate, each a plain choice:
 
 * a running job without ``expected_end_s`` never releases (nothing is known; waiting for it is
   priced as forever, so no decision waits on it);
-* a job past its predicted end is expected to overrun as much again: it releases at ``now +
-  (now - predicted end)`` (:func:`release_at_s`). Run times are heavy-tailed (the traces' jobs run
-  from seconds to weeks), and under such tails the longer a job has outlived its prediction, the
-  longer it is likely to go on; before, an overdue job counted as ending now, so a job waiting for
-  its GPUs was priced on a wait of nothing however long the holder had overrun;
+* a job past its predicted end releases now (it is about to end);
 * an unschedulable node never counts;
 * CPU and RAM are not counted (a lower bound on the wait, like the simulator's retry test).
 
@@ -44,7 +40,6 @@ __all__ = [
     "WaitBook",
     "expected_wait_s",
     "queue_for_pool",
-    "release_at_s",
     "releases",
     "room_at_s",
 ]
@@ -80,8 +75,7 @@ list costs a pass over its jobs, not over every allocation again."""
 def releases(snap: Snapshot) -> Releases:
     """The snapshot's running jobs' releases per pool (cached per running list: the same list
     object, held by the cache, at the same length, as the preemption plugin keys its table). Ends
-    are as predicted; where a wait is computed one already past is expected after as long again
-    (:func:`release_at_s`)."""
+    are as predicted; one already past counts as now where a wait is computed."""
     running = snap.running
     held = _CACHE.get(snap)
     if held is not None and held[0] is running and held[1] == len(running):
@@ -122,27 +116,6 @@ def releases(snap: Snapshot) -> Releases:
     return built
 
 
-OVERRUN_AGAIN: float = 1.0
-"""How much longer than it has already overrun its predicted end a running job is expected to go on
-(1: as long again)."""
-
-
-def release_at_s(at_s: float, now: float) -> float:
-    """When a release predicted at ``at_s`` is expected, seen at ``now``: as predicted while ahead,
-    else after the job has overrun as much again (:data:`OVERRUN_AGAIN`)."""
-    return at_s if at_s >= now else now + OVERRUN_AGAIN * (now - at_s)
-
-
-def _pool_releases(rel: Releases, lo: int, hi: int, now: float) -> tuple[IntArray, FloatArray]:
-    """A pool's releases ``lo:hi`` in expected order: (indexes into ``rel``, expected times)."""
-    ats = rel.at_s[lo:hi]
-    if hi <= lo or ats[0] >= now:
-        return np.arange(lo, hi, dtype=np.int64), ats
-    expected = np.where(ats < now, now + OVERRUN_AGAIN * (now - ats), ats)
-    order = np.argsort(expected, kind="stable")
-    return order.astype(np.int64) + lo, expected[order]
-
-
 def expected_wait_s(
     snap: Snapshot,
     cluster: int,
@@ -176,8 +149,7 @@ def expected_wait_s(
     p = cluster * snap.free_sum.shape[1] + model
     lo, hi = int(rel.start[p]), int(rel.start[p + 1])
     offset = pool.start
-    order, expected = _pool_releases(rel, lo, hi, snap.now)
-    for k, at_s in zip(order.tolist(), expected.tolist(), strict=True):
+    for k in range(lo, hi):
         j = int(rel.node[k]) - offset
         if not schedulable[j]:
             continue
@@ -185,7 +157,7 @@ def expected_wait_s(
         free[j] = min(int(free[j]) + int(rel.gpus[k]), int(snap.total[offset + j]))
         room += int(free[j]) // per_worker - before
         if room >= need:
-            return max(at_s - snap.now, 0.0)
+            return max(float(rel.at_s[k]) - snap.now, 0.0)
     return math.inf
 
 
@@ -234,7 +206,7 @@ def _wait_behind_queue(
     offset = pool.start
     events = ends
     events += [
-        (release_at_s(float(rel.at_s[k]), now), int(rel.node[k]) - offset, int(rel.gpus[k]))
+        (max(float(rel.at_s[k]), now), int(rel.node[k]) - offset, int(rel.gpus[k]))
         for k in range(lo, hi)
         if schedulable[int(rel.node[k]) - offset]
     ]
@@ -346,10 +318,7 @@ def queue_for_pool(
 
 def room_at_s(snap: Snapshot, cluster: int, model: int, at_s: float, per_worker: int = 1) -> int:
     """Workers of ``per_worker`` GPUs pool (``cluster``, ``model``)'s schedulable nodes will have
-    room for at ``at_s`` (the snapshot's clock): free now plus every release predicted by then. By
-    the predicted ends, not :func:`release_at_s`: the backfill plugin asks whether a claim made
-    at ``at_s`` still holds, and an overdue release, expected ever later as the clock moves, would
-    otherwise fall out of every claim made on it."""
+    room for at ``at_s`` (the snapshot's clock): free now plus every known release by then."""
     per_worker = max(per_worker, 1)
     pool = snap.pool(cluster, model)
     schedulable = snap.schedulable[pool]

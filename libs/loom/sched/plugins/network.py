@@ -906,15 +906,13 @@ class SpanGuard:
       full load, single jobs of tens of hours ran 6-12x slower than under ``gavel_like`` when only
       gangs with ``comm`` and no queue could wait). The bound was chosen on that grid and on
       ``loom bench contention`` (plugins README). An option free now passes (the scores chose the
-      slower GPUs on purpose, e.g. for the data); one held by a running job that overran its
-      predicted end is not free: its wait is the overrun again
-      (:func:`~loom.sched.availability.release_at_s`), so the job waits for it only when that
-      pays, and within the same ski-rental bound (before, such a pool passed as free and single
-      jobs of tens of hours started on P100s 6x slower than the G2 about to free up). Each
-      side's run carries what its dataset's first copy to the region adds
-      (:func:`~loom.sched.plugins.data.data_delay_s`), so a job may also wait for GPUs where its
-      data is rather than start now where a long copy must come first, under the same rules (the
-      ski-rental bound then counts the copy time saved).
+      slower GPUs on purpose, e.g. for the data); one whose room is expected now only because a
+      running job overran its predicted end is not free: the job waits for it, within the same
+      ski-rental bound (before, such a pool passed as free and single jobs of tens of hours
+      started on P100s 6x slower than the G2 about to free up). Each side's run carries what its
+      dataset's first copy to the region adds (:func:`~loom.sched.plugins.data.data_delay_s`), so a
+      job may also wait for GPUs where its data is rather than start now where a long copy must
+      come first, under the same rules (the ski-rental bound then counts the copy time saved).
 
     A wait is UNSCHEDULABLE with ``wait_s`` the expected wait (none when unknown: the job is decided
     again when capacity frees). A job that waits for faster GPUs claims the pool waited for in the
@@ -1024,10 +1022,9 @@ class SpanGuard:
         if not options:
             return Status()
         best = options[0]
-        # A pool "free now" by the running jobs' predicted ends may not be: a job that has just
-        # overrun its prediction is expected to release within a moment (the overrun again,
-        # expected_wait_s), yet holds its GPUs. Its wait is short, not nothing: the job is held
-        # back for it as for any wait (ski rental below).
+        # A pool "free now" by the running jobs' predicted ends may not be: a job that overran its
+        # prediction counts as released at once (expected_wait_s), yet holds its GPUs. Its wait
+        # is unknown, not nothing: the job is held back for it as for any wait (ski rental below).
         overdue = best.wait_s < MIN_WAIT_S and not _holds_now(
             state, best.cluster, best.model, decision.workers
         )
