@@ -244,8 +244,9 @@ def replicate(topology: Topology, nodes: int, seed: int) -> list[NodeCapacity]:
 
 @dataclass(eq=False)
 class _Shape:
-    """Waiting jobs that are alike for placement: same priority, GPUs per worker, minimum workers,
-    spanning, allowed models and clusters. Their feasibility is read from the snapshot's aggregates."""
+    """Waiting jobs that are alike for placement: same priority, GPUs, CPU and RAM per worker,
+    minimum workers, spanning, allowed models and clusters. Their feasibility is read from the
+    snapshot's aggregates."""
 
     key: tuple[Any, ...]
     pools: BoolArray
@@ -591,6 +592,11 @@ class _Simulation:
             *what,
             tuple(sorted(m.upper() for m in res.gpu_models)),
             res.gpu_memory_gib,
+            # A worker's CPU and RAM: the pools' free GPUs say nothing of them, so a job that failed
+            # for want of a node with 120 cores must not hold back one of the same GPUs that needs
+            # 8 (on Alibaba's multi-GPU trace such jobs waited days while dozens of nodes were free).
+            res.cpu_milli,
+            res.memory_mib,
             tuple(aff.clusters),
             tuple(aff.regions),
             tuple(aff.avoid_clusters),
