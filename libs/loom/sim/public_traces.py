@@ -187,30 +187,9 @@ def load_public(
     fmt = fmt or sniff_format(path)
     if fmt == "openb":
         return load_alibaba(path, topology=topology, limit=limit, seed=seed, start_s=start_s)
-    if fmt == "philly":
-        return load_philly(
-            path,
-            topology=topology,
-            limit=limit,
-            seed=seed,
-            start_s=start_s,
-            trace_gpu=trace_gpu,
-            families=families,
-            truth=truth,
-        )
-    if fmt == "pai":
-        return load_pai(
-            path,
-            topology=topology,
-            limit=limit,
-            seed=seed,
-            start_s=start_s,
-            trace_gpu=trace_gpu,
-            families=families,
-            truth=truth,
-        )
-    if fmt == "helios":
-        return load_helios(
+    loader = {"philly": load_philly, "pai": load_pai, "helios": load_helios}.get(fmt or "")
+    if loader is not None:
+        return loader(
             path,
             topology=topology,
             limit=limit,
