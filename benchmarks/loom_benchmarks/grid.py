@@ -93,7 +93,8 @@ def workload_label(workload: str) -> str:
     """A workload's name in cell keys: a named workload as is, a file by its stem (no ``/``)."""
     if workload in WORKLOADS:
         return workload
-    return (Path(workload).stem or "file").replace("/", "_")
+    stem = (Path(workload).stem or "file").replace("/", "_")
+    return f"file-{stem}" if stem in WORKLOADS else stem  # never the label of a named workload
 
 
 CLASS: Final = "net_training"

@@ -445,3 +445,31 @@ def test_a_philly_log_is_known_by_its_keys_however_long_its_first_job(tmp_path: 
     trace = load_public(_write(tmp_path, "uneven.json", json.dumps(one)))
     (job,) = trace.jobs
     assert (job.spec.workers, job.spec.resources.gpus) == (2, 6) and "1 reshaped" in trace.source
+
+
+def test_review_cases_numbers_comments_servers_and_labels(tmp_path: Path) -> None:
+    from loom_benchmarks import grid
+
+    # A plain number is seconds, never a date (20000101 is not 2000-01-01).
+    text = "job_id,gpu_num,submit_time,duration\n1,1,0,5\n2,1,20000101,5\n"
+    second = load_public(_write(tmp_path, "secs.csv", text)).jobs[1]
+    assert second.arrival_s == 20_000_101.0
+    # A comment line with a quote in it does not open a cell.
+    commented = '# a comment, "with a quote\n' + text
+    assert len(load_public(_write(tmp_path, "c.csv", commented)).jobs) == 2
+    # A Philly server listed without GPUs is no worker.
+    one = _philly_jobs()[4:]
+    one[0]["attempts"][0]["detail"] = [{"ip": "m1", "gpus": GPUS8[:4]}, {"ip": "m2", "gpus": []}]  # type: ignore[index]
+    (job,) = load_public(_write(tmp_path, "p.json", json.dumps(one))).jobs
+    assert (job.spec.workers, job.spec.resources.gpus) == (1, 4)
+    # A Philly error names the job's place in the array, not a line of the file.
+    bad = _philly_jobs()[:2]
+    bad[1]["submitted_time"] = "soon"
+    with pytest.raises(WorkloadError, match=r"job 2 of the array: submitted_time is not a time") as caught:
+        load_public(_write(tmp_path, "b.json", json.dumps(bad, indent=2)))
+    assert f"{tmp_path / 'b.json'}:" in str(caught.value) and f"{tmp_path / 'b.json'}:2" not in str(
+        caught.value
+    )
+    # A file named like a named workload gets its own label.
+    assert grid.workload_label(str(tmp_path / "philly.csv")) == "file-philly"
+    assert grid.workload_label("philly") == "philly"

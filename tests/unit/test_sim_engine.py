@@ -567,3 +567,17 @@ def test_a_job_needing_a_rare_big_node_does_not_hold_back_one_of_its_gpus_that_n
     assert starts["holder"] == pytest.approx(0.0, abs=1.0)
     assert starts["small-cpu"] == pytest.approx(20.0, abs=1.0)
     assert starts["big-cpu"] is not None and starts["big-cpu"] >= 100_000.0
+    # The waiting big job is retried when the big node frees, though the pool's count of free
+    # 8-GPU workers is no higher than when it failed (the small job still holds a small node).
+    assert starts["big-cpu"] == pytest.approx(100_000.0, abs=5.0)
+    long_small = Trace(
+        [
+            SimJob(job("holder", 120_000, 100_000), 0.0),
+            SimJob(job("big-cpu", 120_000, 100), 10.0),
+            SimJob(job("filler", 8_000, 500_000), 20.0),  # holds a small node past the holder's end
+        ]
+    )
+    result = simulate(long_small, built, POLICIES["loom"](0), seed=0, truth=BELIEF)
+    starts = {r.job_id: r.start_s for r in result.records}
+    assert starts["filler"] == pytest.approx(20.0, abs=1.0)
+    assert starts["big-cpu"] == pytest.approx(100_000.0, abs=5.0)

@@ -758,7 +758,7 @@ class _Simulation:
                 retry_all
                 or shape.index in woken
                 or chosen(shape)
-                or (bool(pairs) and self._fits(shape, pairs) and self._improved(shape, pairs))
+                or (bool(pairs) and self._fits(shape, pairs) and self._better(shape, pairs))
                 or room(shape)
             )
 
@@ -783,7 +783,7 @@ class _Simulation:
                 shape = job.shape
                 if shape.index in failed or (
                     shape.resolvable
-                    and not (self._fits(shape, None) and self._improved(shape, None))
+                    and not (self._fits(shape, None) and self._better(shape, None, job))
                     and not self._may_make_room(shape)
                 ):
                     self.skipped += 1
@@ -979,6 +979,25 @@ class _Simulation:
         if pairs is None:
             return bool((shape.pools & (workers > seen)).any())
         return any(shape.pools[c, m] and workers[c, m] > seen[c, m] for c, m in pairs)
+
+    def _better(self, shape: _Shape, pairs: Iterable[Pair] | None, job: "_Job | None" = None) -> bool:
+        """Whether a job of the shape (``job``, else the first waiting) may fit now where it did not
+        when one last failed: a pool holds more whole workers by GPUs (:meth:`_improved`), or, for
+        a job asking CPU or RAM, a pool (one of ``pairs`` when given) has room for it counted with
+        them (:meth:`_holds`): whole-worker counts say nothing of which node freed, so a node of
+        enough cores may come free while the count stays where it was."""
+        if self._improved(shape, pairs):
+            return True
+        if job is None:
+            if not shape.heap:
+                return False
+            job = self.jobs[shape.heap[0][2]]
+        res = job.spec.resources
+        if not (res.cpu_milli or res.memory_mib):
+            return False
+        if pairs is None:
+            pairs = [(int(c), int(m)) for c, m in zip(*np.nonzero(shape.pools), strict=True)]
+        return self._holds(job, pairs)
 
     def _workers(self, per_worker: int) -> IntArray:
         """Per pool, how many workers of ``per_worker`` GPUs its free GPUs hold, node by node (kept

@@ -42,8 +42,10 @@ what was skipped or assumed goes to ``Trace.source``):
   :func:`loom.sim.workloads.philly_like`.
 - **Work.** The trace measured how long the job ran on *its* GPUs; the rule is that work in
   reference-GPU seconds is ``duration x the truth's speed of the job's family on trace_gpu`` (so
-  on ``trace_gpu`` the simulator, timed by the same truth, runs it exactly as long as the trace
-  says). Philly: the sum of its attempts (each attempt held its GPUs; a retry redoes work).
+  on ``trace_gpu`` the simulator, timed by the same truth, computes it exactly as long as the trace
+  says; a gang's all-reduce over the links it gets comes on top, as the trace's duration already
+  held its own: a gang replays somewhat longer than recorded). Philly: the sum of its attempts
+  (each attempt held its GPUs; a retry redoes work).
   ``trace_gpu`` defaults per format (:data:`TRACE_GPUS`: Philly's servers were P100 and P40, of
   which the tables hold P100; Helios ran V100; Acme's clusters are A100) and can be set.
 - **Communication**: a gang of several workers all-reduces ``parameters x 2`` bytes a step, two
@@ -57,6 +59,7 @@ import hashlib
 import json
 import math
 import random
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -121,6 +124,7 @@ MAX_GPUS_PER_WORKER: Final = 8
 
 _SNIFF_BYTES: Final = 65_536
 _ABSENT: Final = frozenset({"", "none", "null", "nan", "nat"})
+_SECONDS: Final = re.compile(r"\d+(\.\d*)?")
 _OPENB_COLUMNS: Final = frozenset({"name", "num_gpu", "gpu_milli"})
 _HELIOS_COLUMNS: Final = frozenset({"gpu_num", "submit_time"})
 
@@ -202,25 +206,24 @@ def load_public(
     raise WorkloadError(f"not a known public trace (known: {', '.join(FORMATS)})", path=str(path))
 
 
-def _time(value: Any, what: str, where: str, line: int) -> float | None:
+def _time(value: Any, what: str, where: str, line: int | None) -> float | None:
     """Seconds since the epoch of a trace's time (``2017-10-07 01:12:09``, with or without a UTC
     offset; a time without one is read as UTC), None when absent."""
     text = _present(value)
     if not text:
         return None
+    if _SECONDS.fullmatch(text):
+        return float(text)  # seconds already (a plain number is never read as a date)
     try:
         stamp = datetime.fromisoformat(text)
     except ValueError:
-        try:
-            return float(text)  # seconds already
-        except ValueError:
-            raise WorkloadError(f"{what} is not a time: {text!r}", path=where, line=line) from None
+        raise WorkloadError(f"{what} is not a time: {text!r}", path=where, line=line) from None
     if stamp.tzinfo is None:
         stamp = stamp.replace(tzinfo=UTC)
     return stamp.timestamp()
 
 
-def _number(value: Any, what: str, where: str, line: int) -> float | None:
+def _number(value: Any, what: str, where: str, line: int | None) -> float | None:
     text = _present(value)
     if not text:
         return None
@@ -292,10 +295,13 @@ def load_philly(
     counts: Counter[str] = Counter()
     jobs: list[_Job] = []
     for index, entry in enumerate(data):
-        line = index + 1  # the job's position in the array
-        if not isinstance(entry, dict):
-            raise WorkloadError(f"job {line} is not a JSON object", path=where, line=line)
-        job = _philly_job(entry, line, where, counts)
+        position = index + 1  # the job's position in the array (its line in the file is not known)
+        try:
+            if not isinstance(entry, dict):
+                raise WorkloadError("not a JSON object")
+            job = _philly_job(entry, position, "", counts)
+        except WorkloadError as exc:
+            raise WorkloadError(f"job {position} of the array: {exc}", path=where) from None
         if job is not None:
             jobs.append(job)
     return _trace(
@@ -318,11 +324,11 @@ def load_philly(
 def _philly_job(entry: Mapping[str, Any], line: int, where: str, counts: Counter[str]) -> _Job | None:
     job_id = str(entry.get("jobid") or "").strip()
     if not job_id:
-        raise WorkloadError("a job without a jobid", path=where, line=line)
-    submitted = _time(entry.get("submitted_time"), "submitted_time", where, line)
+        raise WorkloadError("a job without a jobid", path=where)
+    submitted = _time(entry.get("submitted_time"), "submitted_time", where, None)
     attempts = entry.get("attempts") or []
     if not isinstance(attempts, list):
-        raise WorkloadError(f"job {job_id}: attempts is not a list", path=where, line=line)
+        raise WorkloadError(f"job {job_id}: attempts is not a list", path=where)
     if submitted is None or not attempts:
         counts["never_ran"] += 1
         return None
@@ -330,18 +336,19 @@ def _philly_job(entry: Mapping[str, Any], line: int, where: str, counts: Counter
     servers: list[Any] = []
     for attempt in attempts:
         if not isinstance(attempt, dict):
-            raise WorkloadError(f"job {job_id}: an attempt is not a JSON object", path=where, line=line)
-        start = _time(attempt.get("start_time"), "start_time", where, line)
-        end = _time(attempt.get("end_time"), "end_time", where, line)
+            raise WorkloadError(f"job {job_id}: an attempt is not a JSON object", path=where)
+        start = _time(attempt.get("start_time"), "start_time", where, None)
+        end = _time(attempt.get("end_time"), "end_time", where, None)
         if start is not None and end is not None and end > start:
             total += end - start
         if attempt.get("detail"):
             servers = list(attempt["detail"])
     last_end = attempts[-1].get("end_time") if isinstance(attempts[-1], dict) else None
-    if _time(last_end, "end_time", where, line) is None and attempts[-1].get("start_time"):
+    if _time(last_end, "end_time", where, None) is None and attempts[-1].get("start_time"):
         counts["still_running"] += 1
         return None
-    per_server = [len(s.get("gpus") or []) for s in servers if isinstance(s, dict)]
+    # A server listed without GPUs of the job is not one of its workers.
+    per_server = [n for s in servers if isinstance(s, dict) and (n := len(s.get("gpus") or [])) > 0]
     gpus = sum(per_server)
     if gpus == 0:
         counts["no_gpus"] += 1
@@ -446,10 +453,12 @@ def _csv_rows(path: str | Path) -> list[tuple[int, list[str]]]:
     rows: list[tuple[int, list[str]]] = []
     try:
         with Path(path).open(encoding="utf-8-sig", newline="") as handle:
-            reader = csv.reader(handle, strict=True)
+            # A comment line is blanked before the parser sees it (a quote in it must not open a
+            # cell); blanked, it still counts as a line.
+            reader = csv.reader(("\n" if text.startswith("#") else text for text in handle), strict=True)
             line = 1
             for cells in reader:
-                if cells and any(c.strip() for c in cells) and not cells[0].startswith("#"):
+                if cells and any(c.strip() for c in cells):
                     rows.append((line, [c.strip() for c in cells]))
                 line = reader.line_num + 1
     except (OSError, UnicodeDecodeError) as exc:
