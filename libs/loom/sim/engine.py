@@ -16,8 +16,8 @@ then one scheduling pass runs, in queue order (the policy's queue sort):
 * jobs that arrived (or were requeued) at this instant get one decision each;
 * if GPUs were released (a completion, a cluster coming back, preemption leaving room), waiting
   jobs that could use them are retried, at most ``max_decisions_per_event`` of them. Waiting jobs
-  are grouped by *shape* (priority, GPUs per worker, minimum workers, whether it may span, allowed
-  models and clusters, anti-affinity; for spanning gangs also task type, size and a traffic
+  are grouped by *shape* (priority, GPUs, CPU and RAM per worker, minimum workers, whether it may
+  span, allowed models and clusters, anti-affinity; for spanning gangs also task type, size and a traffic
   class; a spanning gang no pool can ever hold is a shape of its own, since whether any spread of
   it keeps within the span guard's GPU-hours bound hangs on its own compute and traffic, so it is
   decided, and rejected if not, on arrival) and the jobs of a shape are taken as alike for
@@ -25,7 +25,9 @@ then one scheduling pass runs, in queue order (the policy's queue sort):
   released (cluster, model) pool of it now holds its minimum workers (whole workers per node, and
   for the job retried its CPU and RAM too; gangs that may span: over all its pools, but only while
   no pool of it holds them, as the framework spreads only then; pipelines: over all) and holds more than
-  when a job of the shape last failed; once a job of a shape fails in a pass the rest of it waits.
+  when a job of the shape last failed, or, for a job asking CPU or RAM, a released pool has room for
+  it counted with them (whole-worker counts do not say which node freed); once a job of a shape
+  fails in a pass the rest of it waits.
   These are necessary conditions read from the snapshot, so a retry is skipped only where the
   decision could not have placed the job by free capacity. A pass that ran out of budget while
   still placing (or rejecting) jobs goes on at the same instant. So waiting jobs are not re-scored
