@@ -174,6 +174,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
         " loads; default the workload's own arrivals)",
     )
     policies.add_argument(
+        "--trace-start",
+        type=float,
+        default=None,
+        help="a public trace file: skip the jobs submitted in its first this many seconds (Alibaba"
+        " pod lists: by the trace's own creation_time)",
+    )
+    policies.add_argument(
         "--trace-gpu",
         default=None,
         help="a Philly, Helios / Acme or PAI trace file: the GPU its durations were measured on"

@@ -109,6 +109,8 @@ class Options:
     the workload's own arrivals)."""
     trace_gpu: str | None = None
     """``--trace-gpu``: the GPU a public trace's durations were measured on (None: the format's)."""
+    trace_start_s: float = 0.0
+    """``--trace-start``: a public trace's jobs submitted in its first this many seconds are skipped."""
 
 
 def parse_policies(text: str | None, known: Sequence[str]) -> list[str]:
@@ -122,6 +124,19 @@ def parse_policies(text: str | None, known: Sequence[str]) -> list[str]:
         if name not in known:
             raise OptionError(f"unknown policy {name!r}; known: {', '.join(known)}")
     return names
+
+
+def _trace_options(args: argparse.Namespace, workload: str) -> tuple[str | None, float]:
+    """``--trace-gpu`` and ``--trace-start``, which apply to a trace file only."""
+    trace_gpu = getattr(args, "trace_gpu", None)
+    if trace_gpu is not None and workload in WORKLOADS:
+        raise OptionError(f"--trace-gpu applies to a public trace file, not --workload {workload}")
+    trace_start = float(getattr(args, "trace_start", None) or 0.0)
+    if trace_start and workload in WORKLOADS:
+        raise OptionError(f"--trace-start applies to a public trace file, not --workload {workload}")
+    if not (trace_start >= 0 and np.isfinite(trace_start)):
+        raise OptionError(f"--trace-start must be seconds >= 0, got {trace_start}")
+    return (None if trace_gpu is None else str(trace_gpu)), trace_start
 
 
 def resolve(args: argparse.Namespace, known: Sequence[str] | None = None) -> Options:
@@ -162,9 +177,7 @@ def resolve(args: argparse.Namespace, known: Sequence[str] | None = None) -> Opt
         raise OptionError(f"--load must be a positive share of the platform's capacity, got {load}")
     if load is not None and workload == "scenario":
         raise OptionError("--load does not apply to --workload scenario (its own two-region platform)")
-    trace_gpu = getattr(args, "trace_gpu", None)
-    if trace_gpu is not None and workload in WORKLOADS:
-        raise OptionError(f"--trace-gpu applies to a public trace file, not --workload {workload}")
+    trace_gpu, trace_start = _trace_options(args, workload)
     policies = [TARGET] if scale and args.policies is None else parse_policies(args.policies, known)
     out = Path(args.out) if args.out is not None else (None if scale else DEFAULT_OUT)
     return Options(
@@ -180,7 +193,8 @@ def resolve(args: argparse.Namespace, known: Sequence[str] | None = None) -> Opt
         rate_per_h=None if rate is None else float(rate),
         truth=None if truth is None else str(truth),
         load=None if load is None else float(load),
-        trace_gpu=None if trace_gpu is None else str(trace_gpu),
+        trace_gpu=trace_gpu,
+        trace_start_s=trace_start,
     )
 
 
@@ -207,6 +221,8 @@ def command_line(options: Options) -> str:
         parts.append(f"--load {options.load:g}")
     if options.trace_gpu is not None:
         parts.append(f"--trace-gpu {options.trace_gpu}")
+    if options.trace_start_s:
+        parts.append(f"--trace-start {options.trace_start_s:g}")
     if options.scale:
         parts.append("--scale")
     if options.out is not None:
@@ -293,6 +309,10 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
 
     regions = {r.id for r in topology.regions}
     fmt = sniff_format(options.workload)
+    if options.trace_start_s and fmt is None:
+        raise OptionError(
+            f"--trace-start applies to a public trace, not to {options.workload} (the generic format)"
+        )
     if options.trace_gpu is not None and fmt in (None, "openb"):
         raise OptionError(
             f"--trace-gpu applies to a Philly, Helios / Acme or PAI trace, not to {options.workload}"
@@ -305,6 +325,7 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
         limit=options.jobs,
         seed=options.seed,
         trace_gpu=options.trace_gpu,
+        start_s=options.trace_start_s,
         truth=None if options.truth in (None, BELIEF_NAME) else load_truth(options.truth),
     )
     return Workload(built, trace, {"path": options.workload, "format": fmt or "generic"})

@@ -473,3 +473,22 @@ def test_review_cases_numbers_comments_servers_and_labels(tmp_path: Path) -> Non
     # A file named like a named workload gets its own label.
     assert grid.workload_label(str(tmp_path / "philly.csv")) == "file-philly"
     assert grid.workload_label("philly") == "philly"
+
+
+def test_trace_start_skips_the_first_seconds_of_a_public_trace(tmp_path: Path) -> None:
+    from loom_benchmarks.policies import OptionError, build_workload, command_line, resolve
+
+    path = _write(tmp_path, "cluster_log.csv", HELIOS)
+    options = resolve(_policies_args("--workload", str(path), "--trace-start", "27", "--policies", "loom"))
+    assert options.trace_start_s == 27.0 and "--trace-start 27" in command_line(options)
+    workload = build_workload(options, load_topology())
+    assert [j.spec.job_id for j in workload.trace.jobs] == ["1425513", "1425515", "1425516"]
+    with pytest.raises(OptionError, match="--trace-start applies to a public trace file"):
+        resolve(_policies_args("--workload", "mix", "--trace-start", "5"))
+    with pytest.raises(OptionError, match="--trace-start must be seconds"):
+        resolve(_policies_args("--workload", str(path), "--trace-start", "-1"))
+    mix = training_mix(jobs=5, seed=1)
+    write_jsonl(mix, tmp_path / "mix.jsonl")
+    generic = resolve(_policies_args("--workload", str(tmp_path / "mix.jsonl"), "--trace-start", "5"))
+    with pytest.raises(OptionError, match="the generic format"):
+        build_workload(generic, load_topology())

@@ -948,6 +948,7 @@ def load_workload(
     seed: int = 0,
     trace_gpu: str | None = None,
     truth: Any = None,
+    start_s: float = 0.0,
 ) -> Trace:
     """A workload file: a public trace as published, or the generic format.
 
@@ -955,7 +956,7 @@ def load_workload(
     (:func:`loom.sim.public_traces.sniff_format`: the Alibaba 2023 pod lists, Philly's
     ``cluster_job_log``, Helios / Acme job logs, PAI's task table) and read by
     :func:`loom.sim.public_traces.load_public` on ``topology`` (its regions draw home regions),
-    keeping the first ``limit`` jobs, with ``seed``, ``trace_gpu`` and ``truth`` (a
+    keeping the first ``limit`` jobs from ``start_s`` on, with ``seed``, ``trace_gpu`` and ``truth`` (a
     :class:`~loom.sim.truth.Truth`: the GPU speeds turning measured durations into work).
 
     Otherwise the generic format, read by its name: ``.csv`` with :func:`load_csv`,
@@ -971,7 +972,14 @@ def load_workload(
     fmt = public_traces.sniff_format(path)
     if fmt is not None:
         return public_traces.load_public(
-            path, fmt, topology=topology, limit=limit, seed=seed, trace_gpu=trace_gpu, truth=truth
+            path,
+            fmt,
+            topology=topology,
+            limit=limit,
+            seed=seed,
+            start_s=start_s,
+            trace_gpu=trace_gpu,
+            truth=truth,
         )
     suffix = Path(path).suffix.lower()
     first = _first_record(path)
