@@ -762,6 +762,9 @@ def grid_spec(args: argparse.Namespace, known: Sequence[str] | None = None) -> "
     workloads = _grid_workloads(args.grid_workloads)
     if workloads is not None:
         fields["workloads"] = workloads
+        # a trace file's jobs per cell, shown with the named workloads' (--jobs overrides both)
+        files = [w for w in workloads if w not in grid.WORKLOADS]
+        fields["jobs"] = {**grid.CELL_JOBS, **dict.fromkeys(files, grid.FILE_JOBS)}
     spanning = _csv_list(getattr(args, "grid_spanning", None), "--grid-spanning")
     if spanning is not None:
         ways = {"allowed": True, "forbidden": False}

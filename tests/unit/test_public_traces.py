@@ -325,6 +325,8 @@ def test_the_grid_takes_trace_files_named_by_their_stem(tmp_path: Path) -> None:
         )
     )  # fmt: skip
     assert spec.workloads == ("philly", str(path)) and spec.jobs[str(path)] == 4
+    default_jobs = grid_spec(_policies_args("--grid", "--grid-workloads", f"mix,{path}")).jobs
+    assert default_jobs[str(path)] == grid.FILE_JOBS and default_jobs["mix"] == grid.CELL_JOBS["mix"]
     result = grid.run_grid(
         grid.GridSpec(
             platforms=("small",),
