@@ -539,7 +539,11 @@ class Campaign:
             [j for j, at in self.acked.items() if at >= since],
         )
         placed_at = first[0]["at"] if first else None
-        return round(placed_at.timestamp() - since, 2) if placed_at is not None else None
+        if placed_at is None:
+            return None
+        # A fault that does not hold placement back (a poison message, an agent elsewhere) may see
+        # a job decided a few milliseconds before the client read its acknowledgement: no stall.
+        return max(round(float(placed_at.timestamp()) - since, 2), 0.0)
 
     def split_stalls(self, results: list[dict[str, Any]]) -> None:
         """Adds :meth:`election_split` to every node kill's result (the NATS logs are still there)."""

@@ -110,7 +110,9 @@ def test_quick_campaign_reports_every_fault_and_finds_planted_defects() -> None:
         assert fault["recovered"], fault
         assert fault["recovery_s"] is not None and fault["recovery_s"] >= fault["first_placement_s"] >= 0
         assert set(fault["jobs"]) >= {"acknowledged", "lost", "doubled"}
-        assert fault["placement_stall_s"] is not None and fault["placement_stall_s"] > 0
+        assert fault["placement_stall_s"] is not None and fault["placement_stall_s"] >= 0
+        if fault["kind"] == "postgres-outage":  # nothing is placed while the database is away
+            assert fault["placement_stall_s"] > 0, fault
         assert set(fault["state_after"]) >= {"stuck", "leaked", "overbooked"}
         assert fault["dead_letters"]["count"] == fault["dead_letters"]["injected"]
     assert faults[0]["done"]["pids_stopped"] >= 2  # the postmaster and its backends
