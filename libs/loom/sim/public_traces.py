@@ -12,7 +12,7 @@ A new user holds real traces, not Loom's generic format. ``loom bench policies -
   servers and the GPUs it ran on).
 - ``pai``: Alibaba PAI's task table (``pai_task_table.csv`` of alibaba/clusterdata
   ``cluster-trace-gpu-v2020``; Weng et al., NSDI 2022), published without a header (one is
-  accepted): each task with GPUs is a job on the GPU type the trace names (:func:`load_pai`).
+  accepted): each task with GPUs is a job on the GPU type the trace names (:func:`_read_pai`).
 - ``helios``: a Slurm-style job log with a header: SenseTime's Helios traces (``cluster_log.csv``
   of S-Lab-System-Group/HeliosData; Hu et al., SC 2021: ``job_id, user, vc, gpu_num, cpu_num,
   node_num, state, submit_time, start_time, end_time, duration, queue``) and Shanghai AI Lab's
@@ -81,9 +81,6 @@ __all__ = [
     "PAI_GPUS",
     "TRACE_GPUS",
     "PublicFormat",
-    "load_helios",
-    "load_pai",
-    "load_philly",
     "load_public",
     "sniff_format",
 ]
@@ -173,6 +170,22 @@ class _Job:
     """The GPU the trace says the job ran on (PAI's ``gpu_type``); None: the format's ``trace_gpu``."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """A public trace file as read: its jobs, what was skipped or reshaped, and how to cite it."""
+
+    jobs: list[_Job]
+    counts: Counter[str]
+    fmt: str
+    default_gpu: str
+    """The GPU its durations were measured on, unless ``trace_gpu`` says otherwise."""
+    citation: str
+    position: str
+    """What orders the jobs in the file: ``line`` or (Philly) ``job`` in the array."""
+    own_gpus: bool = False
+    """Each job names its own GPU (PAI's ``gpu_type``), used unless ``trace_gpu`` is given."""
+
+
 def load_public(
     path: str | Path,
     fmt: PublicFormat | None = None,
@@ -191,9 +204,10 @@ def load_public(
     fmt = fmt or sniff_format(path)
     if fmt == "openb":
         return load_alibaba(path, topology=topology, limit=limit, seed=seed, start_s=start_s)
-    loader = {"philly": load_philly, "pai": load_pai, "helios": load_helios}.get(fmt or "")
-    if loader is not None:
-        return loader(
+    reader = {"philly": _read_philly, "pai": _read_pai, "helios": _read_helios}.get(fmt or "")
+    if reader is not None:
+        return _trace(
+            reader(path),
             path,
             topology=topology,
             limit=limit,
@@ -271,18 +285,8 @@ def _shape(gpus: int, nodes: int) -> tuple[int, int, bool]:
     return workers, math.ceil(gpus / workers), True
 
 
-def load_philly(
-    path: str | Path,
-    *,
-    topology: Topology | None = None,
-    limit: int | None = None,
-    seed: int = 0,
-    start_s: float = 0.0,
-    trace_gpu: str | None = None,
-    families: Sequence[str] | None = None,
-    truth: Truth | None = None,
-) -> Trace:
-    """Philly's ``cluster_job_log`` (JSON) as a :class:`Trace` (the rules: the module docstring)."""
+def _read_philly(path: str | Path) -> _Read:
+    """Philly's ``cluster_job_log`` (JSON): its jobs as read (the rules: the module docstring)."""
     where = str(path)
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8-sig"))
@@ -304,21 +308,8 @@ def load_philly(
             raise WorkloadError(f"job {position} of the array: {exc}", path=where) from None
         if job is not None:
             jobs.append(job)
-    return _trace(
-        jobs,
-        "philly",
-        path,
-        counts,
-        topology=topology,
-        limit=limit,
-        seed=seed,
-        start_s=start_s,
-        trace_gpu=trace_gpu or TRACE_GPUS["philly"],
-        families=families,
-        truth=truth,
-        citation="msr-fiddle/philly-traces cluster_job_log (Jeon et al., ATC 2019)",
-        position="job",
-    )
+    citation = "msr-fiddle/philly-traces cluster_job_log (Jeon et al., ATC 2019)"
+    return _Read(jobs, counts, "philly", TRACE_GPUS["philly"], citation, "job")
 
 
 def _philly_job(entry: Mapping[str, Any], line: int, where: str, counts: Counter[str]) -> _Job | None:
@@ -365,18 +356,8 @@ def _philly_job(entry: Mapping[str, Any], line: int, where: str, counts: Counter
     return _Job(line, job_id, tenant, submitted, workers, per_worker, total, str(entry.get("status") or ""))
 
 
-def load_helios(
-    path: str | Path,
-    *,
-    topology: Topology | None = None,
-    limit: int | None = None,
-    seed: int = 0,
-    start_s: float = 0.0,
-    trace_gpu: str | None = None,
-    families: Sequence[str] | None = None,
-    truth: Truth | None = None,
-) -> Trace:
-    """A Helios ``cluster_log.csv`` or an Acme ``trace_*.csv`` as a :class:`Trace` (the rules: the
+def _read_helios(path: str | Path) -> _Read:
+    """A Helios ``cluster_log.csv`` or an Acme ``trace_*.csv``: its jobs as read (the rules: the
     module docstring). Lines starting with ``#`` are comments."""
     where = str(path)
     rows = _csv_rows(path)
@@ -401,26 +382,12 @@ def load_helios(
         job = _helios_job(row, line, where, counts)
         if job is not None:
             jobs.append(job)
-    fmt = "acme" if acme else "helios"
-    return _trace(
-        jobs,
-        "helios",
-        path,
-        counts,
-        topology=topology,
-        limit=limit,
-        seed=seed,
-        start_s=start_s,
-        trace_gpu=trace_gpu or TRACE_GPUS[fmt],
-        families=families,
-        truth=truth,
-        citation=(
-            "InternLM/AcmeTrace (Hu et al., NSDI 2024)"
-            if acme
-            else "S-Lab-System-Group/HeliosData (Hu et al., SC 2021)"
-        ),
-        position="line",
-    )
+    if acme:
+        return _Read(
+            jobs, counts, "helios", TRACE_GPUS["acme"], "InternLM/AcmeTrace (Hu et al., NSDI 2024)", "line"
+        )
+    citation = "S-Lab-System-Group/HeliosData (Hu et al., SC 2021)"
+    return _Read(jobs, counts, "helios", TRACE_GPUS["helios"], citation, "line")
 
 
 def _helios_job(row: Mapping[str, str], line: int, where: str, counts: Counter[str]) -> _Job | None:
@@ -480,19 +447,9 @@ def _pai_row(cells: Sequence[str]) -> bool:
     return True
 
 
-def load_pai(
-    path: str | Path,
-    *,
-    topology: Topology | None = None,
-    limit: int | None = None,
-    seed: int = 0,
-    start_s: float = 0.0,
-    trace_gpu: str | None = None,
-    families: Sequence[str] | None = None,
-    truth: Truth | None = None,
-) -> Trace:
-    """Alibaba PAI's ``pai_task_table.csv`` (cluster-trace-gpu-v2020; Weng et al., NSDI 2022) as a
-    :class:`Trace`, with or without its header row. Each task that asked for GPUs (``plan_gpu`` > 0)
+def _read_pai(path: str | Path) -> _Read:
+    """Alibaba PAI's ``pai_task_table.csv`` (cluster-trace-gpu-v2020; Weng et al., NSDI 2022), with
+    or without its header row: its tasks as read. Each task that asked for GPUs (``plan_gpu`` > 0)
     is one job (``<job_name>-<task_name>``): ``inst_num`` workers of ``ceil(plan_gpu / 100)`` GPUs
     (a fractional GPU is a whole one: sharing is not modelled; counted), arriving at its launch
     (``start_time``: the task table holds no submission), running ``end_time - start_time`` on its
@@ -511,22 +468,8 @@ def load_pai(
         job = _pai_job(dict(zip(PAI_COLUMNS, cells, strict=True)), line, where, counts)
         if job is not None:
             jobs.append(job)
-    return _trace(
-        jobs,
-        "pai",
-        path,
-        counts,
-        topology=topology,
-        limit=limit,
-        seed=seed,
-        start_s=start_s,
-        trace_gpu=trace_gpu or PAI_GPUS["V100"],
-        families=families,
-        truth=truth,
-        citation="alibaba/clusterdata cluster-trace-gpu-v2020 pai_task_table (Weng et al., NSDI 2022)",
-        position="line",
-        forced_gpu=trace_gpu is not None,
-    )
+    citation = "alibaba/clusterdata cluster-trace-gpu-v2020 pai_task_table (Weng et al., NSDI 2022)"
+    return _Read(jobs, counts, "pai", PAI_GPUS["V100"], citation, "line", own_gpus=True)
 
 
 def _pai_job(row: Mapping[str, str], line: int, where: str, counts: Counter[str]) -> _Job | None:
@@ -576,24 +519,23 @@ def _unique_ids(jobs: Sequence[_Job], where: str) -> list[str]:
 
 
 def _trace(
-    jobs: list[_Job],
-    fmt: str,
+    read: _Read,
     path: str | Path,
-    counts: Counter[str],
     *,
     topology: Topology | None,
     limit: int | None,
     seed: int,
     start_s: float,
-    trace_gpu: str,
+    trace_gpu: str | None,
     families: Sequence[str] | None,
     truth: Truth | None,
-    citation: str,
-    position: str,
-    forced_gpu: bool = True,
 ) -> Trace:
-    """The kept jobs as simulated jobs, in submission order, with what was skipped in the source."""
+    """The kept jobs as simulated jobs, in submission order, with what was skipped in the source;
+    ``trace_gpu`` (None: the format's) sets the GPU every duration was measured on."""
     where = str(path)
+    jobs, counts, fmt, citation, position = read.jobs, read.counts, read.fmt, read.citation, read.position
+    forced_gpu = trace_gpu is not None or not read.own_gpus
+    trace_gpu = trace_gpu or read.default_gpu
     if limit is not None and limit < 0:
         raise WorkloadError(f"limit must not be negative, got {limit}")
     if not (math.isfinite(start_s) and start_s >= 0):
@@ -610,7 +552,7 @@ def _trace(
     topology = topology if topology is not None else load_topology()
     regions = sorted(r.id for r in topology.regions)
     rng = random.Random(seed)
-    jobs.sort(key=lambda j: (j.submit_s, j.line))
+    jobs = sorted(jobs, key=lambda j: (j.submit_s, j.line))
     first = jobs[0].submit_s if jobs else 0.0
     kept = [j for j in jobs if j.submit_s - first >= start_s]
     counts["before_start"] = len(jobs) - len(kept)
