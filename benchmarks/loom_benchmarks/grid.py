@@ -239,6 +239,10 @@ def reference_capacity(platform: "Platform", truth: "Truth | None") -> float:
     return total
 
 
+_FILE_TRACES: dict[tuple[Any, ...], "Trace"] = {}
+"""Trace files read in this process (:func:`grid_trace`), by path, version and what drew from them."""
+
+
 def grid_trace(
     workload: str, jobs: int, seed: int, topology: "Topology", truth: "Truth | None" = None
 ) -> "Trace":
@@ -256,14 +260,29 @@ def grid_trace(
     if workload == "philly":
         return workloads.philly_like(jobs, seed, topology=topology)
     if Path(workload).is_file():
-        return workloads.load_workload(
-            workload,
-            regions={r.id for r in topology.regions},
-            topology=topology,
-            limit=jobs,
-            seed=seed,
-            truth=truth,
+        # Read once per worker process and (seed, jobs, platform, truth), not once per cell: a
+        # published trace may be tens of megabytes, and only load and spanning differ per cell.
+        stat = Path(workload).stat()
+        key = (
+            str(Path(workload).resolve()),
+            stat.st_mtime_ns,
+            stat.st_size,
+            jobs,
+            seed,
+            topology.name,
+            None if truth is None else truth.source,
         )
+        trace = _FILE_TRACES.get(key)
+        if trace is None:
+            trace = _FILE_TRACES[key] = workloads.load_workload(
+                workload,
+                regions={r.id for r in topology.regions},
+                topology=topology,
+                limit=jobs,
+                seed=seed,
+                truth=truth,
+            )
+        return trace
     raise ValueError(f"unknown grid workload {workload!r}; known: {', '.join(WORKLOADS)}")
 
 

@@ -340,6 +340,11 @@ def test_the_grid_takes_trace_files_named_by_their_stem(tmp_path: Path) -> None:
     )
     (line,) = result["lines"]
     assert line["cell"] == "small/1/nospan/cluster_log"
+    # a trace file is read once per process and what was drawn from it, not once per cell
+    topology = grid.grid_topology("small")
+    first = grid.grid_trace(str(path), 4, 0, topology)
+    assert grid.grid_trace(str(path), 4, 0, topology) is first
+    assert grid.grid_trace(str(path), 4, 1, topology) is not first
     assert all(f["finished"] + f["rejected"] + f["unfinished"] == 4 for f in line["policies"].values())
     assert math.isfinite(line["policies"]["loom"]["jct_mean_s"])
     with pytest.raises(OptionError, match="unknown --grid-workloads"):

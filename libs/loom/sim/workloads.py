@@ -45,7 +45,7 @@ from loom.model.profiles import DEFAULT_REFERENCE_MODEL, UnknownGpuModelError, r
 from loom.model.topology import Topology, load_topology
 from loom.sched.pipeline import DEFAULT_USABLE_FRACTION
 from loom.sim.model import EventKind, JobClass, SimEvent, SimJob, Trace
-from loom.sim.truth import load_truth
+from loom.sim.truth import Truth, load_truth
 from loom_proto.ids import InvalidIdError, validate_id
 from loom_proto.jobs import (
     Affinity,
@@ -947,7 +947,7 @@ def load_workload(
     limit: int | None = None,
     seed: int = 0,
     trace_gpu: str | None = None,
-    truth: Any = None,
+    truth: Truth | None = None,
     start_s: float = 0.0,
 ) -> Trace:
     """A workload file: a public trace as published, or the generic format.
