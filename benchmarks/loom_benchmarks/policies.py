@@ -303,7 +303,7 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
         from loom.sim.workloads import load_alibaba
 
         return Workload(built, load_alibaba(topology=topology, limit=options.jobs, seed=options.seed), {})
-    from loom.sim.public_traces import sniff_format
+    from loom.sim.public_traces import load_public, sniff_format
     from loom.sim.truth import load_truth
     from loom.sim.workloads import load_workload
 
@@ -318,16 +318,19 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
             f"--trace-gpu applies to a Philly, Helios / Acme or PAI trace, not to {options.workload}"
             f" ({fmt or 'the generic format'})"
         )
-    trace = load_workload(
-        Path(options.workload),
-        regions=regions,
-        topology=topology,
-        limit=options.jobs,
-        seed=options.seed,
-        trace_gpu=options.trace_gpu,
-        start_s=options.trace_start_s,
-        truth=None if options.truth in (None, BELIEF_NAME) else load_truth(options.truth),
-    )
+    if fmt is None:
+        trace = load_workload(Path(options.workload), regions=regions)
+    else:  # told once, here: read as that format
+        trace = load_public(
+            Path(options.workload),
+            fmt,
+            topology=topology,
+            limit=options.jobs,
+            seed=options.seed,
+            start_s=options.trace_start_s,
+            trace_gpu=options.trace_gpu,
+            truth=None if options.truth in (None, BELIEF_NAME) else load_truth(options.truth),
+        )
     return Workload(built, trace, {"path": options.workload, "format": fmt or "generic"})
 
 
