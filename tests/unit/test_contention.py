@@ -702,7 +702,7 @@ def test_a_run_restored_from_the_store_is_timed_for_the_work_left() -> None:
 
 
 def node_fit_scores(snap: Snapshot, spec: JobSpec) -> dict[str, float]:
-    from loom.sched.plugins.compute import NodeFit
+    from loom.sched.plugins.node_fit import NodeFit
 
     framework = Framework([ResourceFit()])
     state = framework.new_state(spec, snap)
@@ -729,6 +729,33 @@ def test_node_fit_fills_a_node_already_in_use_before_breaking_a_whole_one() -> N
     # A broken pool of much slower GPUs is no fit: a job's speed is not traded for a node's shape.
     slow = snapshot([node("w0", "whole"), node("b0", "broken", model=SLOW, used=3)], fast_speed=3.0)
     assert node_fit_scores(slow, job) == {"whole": 0.0, "broken": 0.0}
+
+
+def test_node_fit_trades_no_speed_for_a_nodes_shape_on_a_quiet_platform() -> None:
+    """A broken pool 15 % slower than a whole one: on a quiet platform whole nodes abound, so
+    node fit gives it no preference (within FREE_FIT_TIE only, as free fit); once another job
+    waits (full contention), keeping the whole node is worth up to 2x speed, as before."""
+    job = JobSpec(job_id="j", tenant="t", resources=Resources(gpus=1), work=Work(steps=10, step_time_s=1.0))
+    nodes = [node("w0", "whole"), node("b0", "broken", model=SLOW, used=3)]
+    quiet = snapshot(nodes, fast_speed=1.15)
+    assert node_fit_scores(quiet, job) == {"whole": 0.0, "broken": 0.0}
+    busy = snapshot(nodes, fast_speed=1.15)
+    busy.waiting.add("someone-else")
+    assert node_fit_scores(busy, job) == {"whole": 0.0, "broken": 100.0}
+    # Within the tie (4 % slower), the broken node is preferred even on a quiet platform.
+    tied = snapshot(nodes, fast_speed=1.04)
+    assert node_fit_scores(tied, job) == {"whole": 0.0, "broken": 100.0}
+
+
+def test_node_fit_tolerance_grows_with_contention() -> None:
+    from loom.sched.plugins.compute import FREE_FIT_TIE, POOL_FIT_MAX_SLOWDOWN
+    from loom.sched.plugins.node_fit import node_fit_tolerance
+
+    assert node_fit_tolerance(0.0) == pytest.approx(1.0 + FREE_FIT_TIE)
+    assert node_fit_tolerance(1.0) == pytest.approx(POOL_FIT_MAX_SLOWDOWN)
+    assert node_fit_tolerance(0.0) < node_fit_tolerance(0.5) < node_fit_tolerance(1.0)
+    assert node_fit_tolerance(-1.0) == node_fit_tolerance(0.0)
+    assert node_fit_tolerance(2.0) == node_fit_tolerance(1.0)
 
 
 def test_a_pool_whose_running_job_overran_its_predicted_end_is_not_free_now() -> None:

@@ -1,12 +1,12 @@
 """Compute plugins: SCU fit by task type, trust of newly joined clusters, water-level balance, and
-fragmentation (pool, free and node fit)."""
+fragmentation over pools (pool and free fit; node fit is :mod:`loom.sched.plugins.node_fit`)."""
 
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from loom.sched.framework import Candidates, CycleState, QueueItem, StateKey, min_max
-from loom.sched.snapshot import BoolArray, FloatArray, IntArray
+from loom.sched.snapshot import FloatArray, IntArray
 
 if TYPE_CHECKING:
     pass
@@ -126,6 +126,26 @@ POOL_FIT_SPARE = 4.0
 """A pool of at least this many times the job's GPUs is not fragmented by it (no preference)."""
 
 
+def contention_level(state: CycleState) -> float:
+    """How contended the platform is for this job, 0-1: 1 while other jobs wait (the snapshot's
+    queue, ``Snapshot.waiting``), else growing from 0 to 1 as the share of the platform's GPUs in use
+    goes from :data:`POOL_FIT_FROM` to :data:`POOL_FIT_FULL_AT`. Packing (:class:`PoolFit`,
+    :class:`NodeFit`) has its say in proportion: on a quiet platform whole pools and nodes abound,
+    and keeping them whole is worth no speed."""
+    snap = state.snapshot
+    shared = state.shared
+    total = shared.get("pool_fit.total") if shared is not None else None
+    if total is None:
+        total = float(snap.total_sum.sum())  # nodes' totals never change
+        if shared is not None:
+            shared["pool_fit.total"] = total
+    used = 1.0 - float(snap.free_sum.sum()) / total if total > 0 else 0.0
+    level = min(max((used - POOL_FIT_FROM) / (POOL_FIT_FULL_AT - POOL_FIT_FROM), 0.0), 1.0)
+    if snap.waiting_count(exclude=state.job.job_id) > 0:
+        level = 1.0  # a queue: contention whatever the share in use
+    return level
+
+
 class PoolFit:
     """Under contention, a pool the job does not fragment: large pools stay whole for large gangs.
 
@@ -159,19 +179,8 @@ class PoolFit:
         return np.where(slow, 1.0, share)
 
     def level(self, state: CycleState) -> float:
-        """How much pool fit has its say now, 0-1 (see the class docstring)."""
-        snap = state.snapshot
-        shared = state.shared
-        total = shared.get("pool_fit.total") if shared is not None else None
-        if total is None:
-            total = float(snap.total_sum.sum())  # nodes' totals never change
-            if shared is not None:
-                shared["pool_fit.total"] = total
-        used = 1.0 - float(snap.free_sum.sum()) / total if total > 0 else 0.0
-        level = min(max((used - POOL_FIT_FROM) / (POOL_FIT_FULL_AT - POOL_FIT_FROM), 0.0), 1.0)
-        if snap.waiting_count(exclude=state.job.job_id) > 0:
-            level = 1.0  # a queue: contention whatever the share in use
-        return level
+        """How much pool fit has its say now, 0-1: :func:`contention_level`."""
+        return contention_level(state)
 
     def normalize_key(self, state: CycleState) -> float:
         """Normalising reads the raw scores and :meth:`level` only."""
@@ -219,82 +228,6 @@ class FreeFit:
         return scores
 
 
-class NodeFit:
-    """Fill nodes already broken before breaking a whole one: whole free nodes stay for big workers.
-
-    Raw: the share of the job's GPUs the candidate pool could place on nodes that are already in
-    use (some but not all of their GPUs free, room for a whole worker, schedulable), from 0 (every
-    worker would break a whole free node) to 1. This is the node-level half of fragmentation (as
-    Alibaba's "Beware of Fragmentation", ATC 2023, measures it); :class:`PoolFit` is the pool-level
-    half. A pool more than ``POOL_FIT_MAX_SLOWDOWN`` times slower for the job than the fastest
-    candidate gets no preference (a job's speed is not traded for a node's shape). Normalised
-    ``100 x raw``: absolute, so candidates that would all break whole nodes stay alike.
-    """
-
-    name = "node_fit"
-
-    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
-        by_pool = _broken_room(state)
-        pools, gpus, slow = self._per_candidate(state, candidates)
-        share: FloatArray = np.minimum(by_pool[pools] / gpus, 1.0)
-        return np.where(slow, 0.0, share)
-
-    def _per_candidate(
-        self, state: CycleState, candidates: Candidates
-    ) -> tuple[IntArray, FloatArray, BoolArray]:
-        """The candidates' pools, GPUs and whether they are too slow: within a cycle, kept for the
-        last candidates and job speeds seen (they read nothing else)."""
-        shared = state.shared
-        key = (candidates.signature(), speed_key(state), state.per_worker) if shared is not None else None
-        if shared is not None:
-            held = shared.get("node_fit.candidates")
-            if held is not None and held[0] == key:
-                found: tuple[IntArray, FloatArray, BoolArray] = held[1]
-                return found
-        snap = state.snapshot
-        pools = candidates.cluster * snap.total_sum.shape[1] + candidates.model
-        gpus = np.maximum(candidates.workers * state.per_worker, 1).astype(np.float64)
-        speed = delivered_speed(state, candidates)
-        slow = speed * POOL_FIT_MAX_SLOWDOWN < float(speed.max(initial=0.0))
-        if shared is not None:
-            shared["node_fit.candidates"] = (key, (pools, gpus, slow))
-        return pools, gpus, slow
-
-    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
-        scores: FloatArray = 100.0 * _clip(raw, 0.0, 1.0)
-        return scores
-
-
-def _broken_room(state: CycleState) -> FloatArray:
-    """Per pool, the GPUs of whole workers on its nodes in use (some but not all GPUs free,
-    schedulable). Within a cycle (``state.shared``) kept per GPUs per worker with the pool versions,
-    and recounted only for the pools that changed since."""
-    snap = state.snapshot
-    per_worker = state.per_worker
-    shared = state.shared
-    held = shared.get(("node_fit.room", per_worker)) if shared is not None else None
-    if held is not None and held[0].size == snap.pool_version.size:
-        versions: IntArray = held[0]
-        by_pool: FloatArray = held[1]
-        stale = np.flatnonzero(versions != snap.pool_version)
-        bounds = snap.pool_bounds
-        for p in stale.tolist():
-            lo, hi = int(bounds[p]), int(bounds[p + 1])
-            free = snap.free[lo:hi]
-            broken = snap.schedulable[lo:hi] & (free >= per_worker) & (free < snap.total[lo:hi])
-            # integers: the sum is exact, as bincount's float one is
-            by_pool[p] = float(int(np.add.reduce((free // per_worker)[broken])) * per_worker)
-            versions[p] = snap.pool_version[p]
-        return by_pool
-    broken = snap.schedulable & (snap.free >= per_worker) & (snap.free < snap.total)
-    room = np.where(broken, snap.free // per_worker, 0) * per_worker
-    size = snap.total_sum.size
-    by_pool = np.bincount(snap.pool_of, weights=room, minlength=size)[:size].astype(np.float64)
-    if shared is not None:
-        shared[("node_fit.room", per_worker)] = (snap.pool_version.copy(), by_pool)
-    return by_pool
-
-
 class PriorityFairShare:
     """Queue sort: priority first, then the tenant's fair share (least used first), then arrival."""
 
@@ -305,12 +238,12 @@ class PriorityFairShare:
 
 
 __all__ = [
-    "NodeFit",
     "PoolFit",
     "PriorityFairShare",
     "ScuFit",
     "Trust",
     "WaterLevel",
+    "contention_level",
     "delivered_speed",
     "min_max",
     "speed_key",

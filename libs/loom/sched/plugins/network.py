@@ -538,8 +538,22 @@ class Joint:
 # ---- JCT ---------------------------------------------------------------------------------------
 
 
+_JCT: StateKey[tuple[tuple[bytes, bytes, bytes], FloatArray] | None] = StateKey("network.predicted_jct")
+
+
 def predicted_jct_s(state: CycleState, candidates: Candidates) -> FloatArray:
-    """Per candidate: data delay + steps x (compute_s + comm_s + user round trip for inference)."""
+    """Per candidate: data delay + steps x (compute_s + comm_s + user round trip for inference).
+    Kept in the job's state for the last candidates asked (``jct`` and ``node_fit`` both read it)."""
+    signature = candidates.signature()
+    held = state.get(_JCT, None)
+    if held is not None and held[0] == signature:
+        return held[1]
+    jct = _predicted_jct_s(state, candidates)
+    state.write(_JCT, (signature, jct))
+    return jct
+
+
+def _predicted_jct_s(state: CycleState, candidates: Candidates) -> FloatArray:
     job = state.job
     speed = delivered_speed(state, candidates)
     gang = gang_links(state, candidates, speed)
