@@ -25,7 +25,7 @@ from loom.sched.snapshot import NetMatrix, QueuedShape, RunningJob, Snapshot
 from loom.sim.engine import simulate
 from loom.sim.model import Platform, SimJob, Trace
 from loom.sim.policies import FrameworkPolicy
-from loom_proto.jobs import Communication, JobSpec, Resources, Work
+from loom_proto.jobs import Affinity, Communication, JobSpec, Resources, Work
 
 NOW = 1000.0
 FAST, SLOW = "A100", "T4"
@@ -745,6 +745,28 @@ def test_node_fit_trades_no_speed_for_a_nodes_shape_on_a_quiet_platform() -> Non
     # Within the tie (4 % slower), the broken node is preferred even on a quiet platform.
     tied = snapshot(nodes, fast_speed=1.04)
     assert node_fit_scores(tied, job) == {"whole": 0.0, "broken": 100.0}
+
+
+def test_node_fit_judges_as_fast_by_the_predicted_run_not_the_gpu_alone() -> None:
+    """An inference job whose users are in r1: the broken pool has the same GPUs but sits an ocean
+    away (100 ms a step on a 50 ms step), so its predicted run is 3x longer. Node fit gives it no
+    preference, quiet or contended; near the users the same broken node is preferred."""
+    job = JobSpec(
+        job_id="j",
+        tenant="t",
+        task_type="inference",
+        resources=Resources(gpus=1),
+        work=Work(steps=10, step_time_s=0.05),
+        affinity=Affinity(prefer_regions=["r1"]),
+    )
+    far = [node("w0", "whole", "r1"), node("b0", "broken", "r2", used=3)]
+    quiet = snapshot(far, net=ocean(), fast_speed=1.0)
+    assert node_fit_scores(quiet, job) == {"whole": 0.0, "broken": 0.0}
+    busy = snapshot(far, net=ocean(), fast_speed=1.0)
+    busy.waiting.add("someone-else")
+    assert node_fit_scores(busy, job) == {"whole": 0.0, "broken": 0.0}
+    near = [node("w0", "whole", "r2"), node("b0", "broken", "r1", used=3)]
+    assert node_fit_scores(snapshot(near, net=ocean(), fast_speed=1.0), job) == {"whole": 0.0, "broken": 100.0}
 
 
 def test_node_fit_tolerance_grows_with_contention() -> None:
