@@ -766,7 +766,8 @@ def test_node_fit_judges_as_fast_by_the_predicted_run_not_the_gpu_alone() -> Non
     busy.waiting.add("someone-else")
     assert node_fit_scores(busy, job) == {"whole": 0.0, "broken": 0.0}
     near = [node("w0", "whole", "r2"), node("b0", "broken", "r1", used=3)]
-    assert node_fit_scores(snapshot(near, net=ocean(), fast_speed=1.0), job) == {"whole": 0.0, "broken": 100.0}
+    close = snapshot(near, net=ocean(), fast_speed=1.0)
+    assert node_fit_scores(close, job) == {"whole": 0.0, "broken": 100.0}
 
 
 def test_node_fit_tolerance_grows_with_contention() -> None:
