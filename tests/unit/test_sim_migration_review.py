@@ -1,6 +1,7 @@
 """A review that moves several jobs off one cluster in the simulator: each move is looked at again
 just before it starts, avoiding the job's own cluster (as the migration service's re-placement does)."""
 
+import pytest
 from test_sim_migration import platform
 
 from loom.sim.engine import simulate
@@ -26,11 +27,15 @@ def inference(job_id: str, steps: int) -> SimJob:
     return SimJob(spec=spec, arrival_s=0.0)
 
 
-def test_the_second_move_of_a_review_is_not_dropped_for_the_gpus_the_first_freed() -> None:
+@pytest.mark.parametrize("policy", ["loom", "greedy_compute"])
+def test_the_second_move_of_a_review_is_not_dropped_for_the_gpus_the_first_freed(policy: str) -> None:
     # The EU cluster (slower GPUs) is busy for 100 s, so both jobs start on the US cluster (H100,
     # full with them). At 300 s the US-EU link degrades: both are worth moving to the EU. Once the
-    # first has moved, the US cluster has room again and the framework, asked as for a new
-    # placement, would put the second back where it runs: that must not cancel its move.
+    # first has moved, the US cluster has room again and a framework asked as for a new placement
+    # may put the second back where it runs: that must not cancel its move. Loom's own framework
+    # no longer does (node fit judges by the predicted run, which the degraded link lengthens); the
+    # compute-only greedy framework still does (the fastest GPUs, whatever the link), so under it
+    # the re-look before each move is what keeps the second move.
     blocker = JobSpec(
         job_id="blk",
         tenant="t",
@@ -47,7 +52,7 @@ def test_the_second_move_of_a_review_is_not_dropped_for_the_gpus_the_first_freed
     plat = platform({"us": (US, "H100", 1), "eu": (EU, "V100", 1)})
     out = {}
     for mode in ("on", "always"):
-        result = simulate(trace, plat, POLICIES["loom"](0), truth=BELIEF, migration=MigrationPolicy(mode))  # type: ignore[arg-type]
+        result = simulate(trace, plat, POLICIES[policy](0), truth=BELIEF, migration=MigrationPolicy(mode))  # type: ignore[arg-type]
         assert result.migration is not None
         out[mode] = (result.migration, {r.job_id: r.clusters for r in result.records})
     on, placed = out["on"]
@@ -57,10 +62,11 @@ def test_the_second_move_of_a_review_is_not_dropped_for_the_gpus_the_first_freed
     ]
     assert on["migrations"] == 2
     assert placed["j1"] == ("eu",) and placed["j2"] == ("eu",)
-    # "always" moves each job to the framework's candidate, in job order, without the rule. Until
-    # 2026-12-03 the second's candidate was then where it ran (node fit held it on the US node the
-    # first had broken, against a predicted run several times longer over the degraded link), so
-    # it stayed: the behaviour the re-look avoids. Node fit now trades no more than its tolerance
-    # of the job's predicted run, so the framework itself sends the second to the EU as well.
+    # "always" moves each job to the framework's candidate, in job order, without the rule or the
+    # re-look: under greedy the second's candidate is then where it runs, so it stays (the
+    # behaviour the re-look avoids); Loom's framework sends it to the EU itself.
     always, placed_always = out["always"]
-    assert always["migrations"] == 2 and placed_always["j2"] == ("eu",)
+    if policy == "greedy_compute":
+        assert always["migrations"] == 1 and placed_always["j2"] == ("us",)
+    else:
+        assert always["migrations"] == 2 and placed_always["j2"] == ("eu",)
