@@ -129,9 +129,9 @@ POOL_FIT_SPARE = 4.0
 def contention_level(state: CycleState) -> float:
     """How contended the platform is for this job, 0-1: 1 while other jobs wait (the snapshot's
     queue, ``Snapshot.waiting``), else growing from 0 to 1 as the share of the platform's GPUs in use
-    goes from :data:`POOL_FIT_FROM` to :data:`POOL_FIT_FULL_AT`. Packing (:class:`PoolFit`,
-    :class:`~loom.sched.plugins.node_fit.NodeFit`) has its say in proportion: on a quiet platform whole pools and nodes abound,
-    and keeping them whole is worth no speed."""
+    goes from :data:`POOL_FIT_FROM` to :data:`POOL_FIT_FULL_AT`. Packing (:class:`PoolFit`, and
+    :class:`~loom.sched.plugins.node_fit.NodeFit`) has its say in proportion: on a quiet platform
+    whole pools and nodes abound, and keeping them whole is worth no speed."""
     snap = state.snapshot
     shared = state.shared
     total = shared.get("pool_fit.total") if shared is not None else None
