@@ -11,7 +11,7 @@ import numpy as np
 
 from loom.sched.framework import Candidates, CycleState
 from loom.sched.plugins.compute import FREE_FIT_TIE, POOL_FIT_MAX_SLOWDOWN, contention_level
-from loom.sched.plugins.network import predicted_jct_s
+from loom.sched.plugins.network import network_key, predicted_jct_s
 from loom.sched.snapshot import FloatArray, IntArray
 
 
@@ -61,12 +61,24 @@ class NodeFit:
 
 
 def run_slowdown(state: CycleState, candidates: Candidates) -> FloatArray:
-    """Per candidate: its predicted run over the best candidate's (1: the best; inf: no estimate)."""
+    """Per candidate: its predicted run over the best candidate's (1: the best; inf: no estimate).
+    Within a cycle (``state.shared``) kept per :func:`network_key` and candidates, as ``jct``'s raw
+    scores are: jobs alike in what the prediction reads share it."""
+    shared = state.shared
+    key = network_key(state) if shared is not None else None
+    signature = candidates.signature() if key is not None else None
+    if shared is not None and key is not None:
+        held = shared.get(("node_fit.slowdown", key))
+        if held is not None and held[0] == signature:
+            found: FloatArray = held[1]
+            return found
     jct = predicted_jct_s(state, candidates)
     ok = np.isfinite(jct) & (jct > 0)
-    if not ok.any():
-        return np.ones(jct.shape)
-    slowdown: FloatArray = np.where(ok, jct / float(jct[ok].min()), np.inf)
+    slowdown: FloatArray = (
+        np.where(ok, jct / float(jct[ok].min()), np.inf) if ok.any() else np.ones(jct.shape)
+    )
+    if shared is not None and key is not None:
+        shared[("node_fit.slowdown", key)] = (signature, slowdown)
     return slowdown
 
 
