@@ -66,9 +66,10 @@ def run_slowdown(state: CycleState, candidates: Candidates) -> FloatArray:
     scores are: jobs alike in what the prediction reads share it."""
     shared = state.shared
     key = network_key(state) if shared is not None else None
-    signature = candidates.signature() if key is not None else None
+    slot = signature = None
     if shared is not None and key is not None:
-        held = shared.get(("node_fit.slowdown", key))
+        slot, signature = ("node_fit.slowdown", key), candidates.signature()
+        held = shared.get(slot)
         if held is not None and held[0] == signature:
             found: FloatArray = held[1]
             return found
@@ -77,8 +78,8 @@ def run_slowdown(state: CycleState, candidates: Candidates) -> FloatArray:
     slowdown: FloatArray = (
         np.where(ok, jct / float(jct[ok].min()), np.inf) if ok.any() else np.ones(jct.shape)
     )
-    if shared is not None and key is not None:
-        shared[("node_fit.slowdown", key)] = (signature, slowdown)
+    if shared is not None and slot is not None:
+        shared[slot] = (signature, slowdown)
     return slowdown
 
 
