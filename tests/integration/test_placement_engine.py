@@ -333,8 +333,11 @@ async def test_a_higher_priority_job_preempts_the_cheapest_victim(client: LoomCl
     assert requeued and requeued[0]["cause"] == "preempted" and "urgent" in requeued[0]["reason"]
     assert victim is not None
     for i in (1, 2, 3):
+        # Only preemption is in question: this module's 3 s start-confirmation timeout can requeue a
+        # start a loaded host confirms late ("start_timeout"), which says nothing of the victim.
         other = await client.job(f"low-{i}")
-        assert other and not events_of(other, "requeued"), f"low-{i} should not have been preempted"
+        preempted = [e for e in events_of(other, "requeued") if e["cause"] == "preempted"] if other else []
+        assert other and not preempted, f"low-{i} should not have been preempted: {preempted}"
     assert events_of(urgent, "placed")[0]["cluster"] == "c-use2-a"
     explained = await client.explain("urgent")
     assert DecisionRecord.from_dict(explained["decisions"][-1]["record"]).victims == ["low-0"]
