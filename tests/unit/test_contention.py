@@ -12,7 +12,7 @@ from loom.model.capacity import NodeCapacity
 from loom.sched.availability import Reservation, WaitBook, expected_wait_s, queue_for_pool, room_at_s
 from loom.sched.framework import Code, CycleState, Decision, Framework
 from loom.sched.plugins.backfill import Backfill, WaitingJobs
-from loom.sched.plugins.compute import FreeFit, PoolFit, ScuFit
+from loom.sched.plugins.compute import ScuFit
 from loom.sched.plugins.network import (
     PoolOption,
     SpanGuard,
@@ -20,6 +20,7 @@ from loom.sched.plugins.network import (
     spread_cost_s,
     waits_under_queue,
 )
+from loom.sched.plugins.packing import FreeFit, PoolFit
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.snapshot import NetMatrix, QueuedShape, RunningJob, Snapshot
 from loom.sim.engine import simulate
@@ -702,7 +703,7 @@ def test_a_run_restored_from_the_store_is_timed_for_the_work_left() -> None:
 
 
 def node_fit_scores(snap: Snapshot, spec: JobSpec) -> dict[str, float]:
-    from loom.sched.plugins.node_fit import NodeFit
+    from loom.sched.plugins.packing import NodeFit
 
     framework = Framework([ResourceFit()])
     state = framework.new_state(spec, snap)
@@ -771,8 +772,7 @@ def test_node_fit_judges_as_fast_by_the_predicted_run_not_the_gpu_alone() -> Non
 
 
 def test_node_fit_tolerance_grows_with_contention() -> None:
-    from loom.sched.plugins.compute import FREE_FIT_TIE, POOL_FIT_MAX_SLOWDOWN
-    from loom.sched.plugins.node_fit import node_fit_tolerance
+    from loom.sched.plugins.packing import FREE_FIT_TIE, POOL_FIT_MAX_SLOWDOWN, node_fit_tolerance
 
     assert node_fit_tolerance(0.0) == pytest.approx(1.0 + FREE_FIT_TIE)
     assert node_fit_tolerance(1.0) == pytest.approx(POOL_FIT_MAX_SLOWDOWN)
@@ -899,3 +899,61 @@ def test_free_fit_never_prefers_a_slower_pool_for_being_fuller() -> None:
     assert scores["slow"] == pytest.approx(0.0, abs=1e-9)
     assert scores["fast"] == pytest.approx(100.0 * (1 - 7 / 23))
     assert scores["emptier"] == pytest.approx(0.0, abs=1e-9)
+
+
+def inference_near_r1() -> JobSpec:
+    """A one-GPU inference job whose users are in r1 (50 ms a step at speed 1)."""
+    return JobSpec(
+        job_id="j",
+        tenant="t",
+        task_type="inference",
+        resources=Resources(gpus=1),
+        work=Work(steps=10, step_time_s=0.05),
+        affinity=Affinity(prefer_regions=["r1"]),
+    )
+
+
+def test_free_fit_judges_as_fast_by_the_predicted_run_not_the_gpu_alone() -> None:
+    """The fuller pool has the same GPUs as the emptier one but sits an ocean from the job's users
+    (100 ms a step more on a 50 ms step: its predicted run 3x longer). It is not tied with the near
+    pool, so being fuller earns it nothing; near the users the same fuller pool is preferred."""
+    far = [node("f0", "fuller", "r2", used=7), *[node(f"n{i}", "emptier", "r1") for i in range(3)]]
+    scores = free_fit_scores(snapshot(far, net=ocean(), fast_speed=1.0), inference_near_r1())
+    assert scores == {"fuller": 0.0, "emptier": 0.0}
+    near = [node("f0", "fuller", "r1", used=7), *[node(f"n{i}", "emptier", "r2") for i in range(3)]]
+    scores = free_fit_scores(snapshot(near, net=ocean(), fast_speed=1.0), inference_near_r1())
+    assert scores == {"fuller": 100.0, "emptier": 0.0}
+
+
+def test_pool_fit_judges_as_fast_by_the_predicted_run_not_the_gpu_alone() -> None:
+    """Under contention (a job waits), a small pool of the same GPUs an ocean from the job's users
+    (predicted run 3x the near pool's, beyond the 2x bound) gets no preference for its size; near
+    the users the same small pool does."""
+    job = msgspec.structs.replace(inference_near_r1(), resources=Resources(gpus=4))
+    far = [node("s0", "small", "r2"), *[node(f"l{i}", "large", "r1") for i in range(8)]]
+    busy = snapshot(far, net=ocean(), fast_speed=1.0)
+    busy.waiting.add("someone-else")
+    assert pool_fit_scores(busy, job) == {"small": 0.0, "large": 0.0}
+    near = [node("s0", "small", "r1"), *[node(f"l{i}", "large", "r2") for i in range(8)]]
+    close = snapshot(near, net=ocean(), fast_speed=1.0)
+    close.waiting.add("someone-else")
+    assert pool_fit_scores(close, job) == {"small": pytest.approx(50.0), "large": 0.0}
+
+
+def test_free_fit_ties_only_candidates_alike_in_both_predicted_run_and_gpu_speed() -> None:
+    """Slow GPUs near the job's users give the best predicted run (50 ms a step) and fast GPUs an
+    ocean away the best GPU speed (3x): no candidate is alike on both, so being the fullest earns
+    the near slow pool nothing. (Judged by the predicted run alone it got free fit's preference:
+    on the training mix that sent inference jobs to T4s Loom believed as fast as a far G2 and that
+    truly took 1.8x as long.)"""
+    nodes = [
+        node("s0", "fuller", "r1", model=SLOW, used=7),
+        *[node(f"e{i}", "emptier", "r1", model=SLOW) for i in range(3)],
+        node("f0", "far", "r2"),
+    ]
+    speed = {(m, t): s for m, s in ((FAST, 3.0), (SLOW, 1.0)) for t in ("training_compute", "inference")}
+    snap = Snapshot(nodes, net=ocean(), speed=speed, now=NOW)
+    assert free_fit_scores(snap, inference_near_r1()) == {"fuller": 0.0, "emptier": 0.0, "far": 0.0}
+    # Slow GPUs alone, alike on both: the fuller pool is preferred.
+    slow = Snapshot(nodes[:-1], net=ocean(), speed=speed, now=NOW)
+    assert free_fit_scores(slow, inference_near_r1()) == {"fuller": 100.0, "emptier": 0.0}

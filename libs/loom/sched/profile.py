@@ -14,12 +14,12 @@ from loom.sched.framework import Framework, Registry
 from loom.sched.plugins import network, patience, queue_order
 from loom.sched.plugins.affinity import Affinity
 from loom.sched.plugins.backfill import Backfill, WaitingJobs
-from loom.sched.plugins.compute import FreeFit, PoolFit, PriorityFairShare, ScuFit, Trust, WaterLevel
+from loom.sched.plugins.compute import PriorityFairShare, ScuFit, Trust, WaterLevel
 from loom.sched.plugins.cost import CostEnergy
 from loom.sched.plugins.data import DataLocality
 from loom.sched.plugins.elastic import ElasticShrink
 from loom.sched.plugins.network import AlphaLearner, Jct, Joint, SpanGuard
-from loom.sched.plugins.node_fit import NodeFit
+from loom.sched.plugins.packing import FreeFit, NodeFit, PoolFit
 from loom.sched.plugins.patience import PipelinePatience
 from loom.sched.plugins.queue_order import ShortestServiceFirst
 from loom.sched.plugins.quota import Preempt, Quota

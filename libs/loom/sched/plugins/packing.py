@@ -1,0 +1,258 @@
+"""Packing: keep whole what big jobs need, never at the price of the job's predicted run beyond a
+tolerance.
+
+Three plugins, one rule for "as fast": a candidate is judged by the job's *predicted run* on it
+(:func:`loom.sched.plugins.network.predicted_jct_s`: compute, all-reduce over the links, an inference
+job's round trip to its users, the data delay), not by its GPUs' speed alone, since a pool whose GPUs
+are fast but far from the job's users, data or gang peers is not "as fast" (:func:`run_slowdown`).
+
+* :class:`FreeFit` (always): best fit on free GPUs among the candidates tied on the predicted run.
+* :class:`PoolFit` (under contention): pools a job does not fragment, up to a slowdown bound.
+* :class:`NodeFit` (tolerance growing with contention): nodes already in use before whole ones.
+"""
+
+import numpy as np
+
+from loom.sched.framework import Candidates, CycleState
+from loom.sched.plugins.compute import delivered_speed
+from loom.sched.plugins.network import network_key, predicted_jct_s
+from loom.sched.snapshot import FloatArray, IntArray
+
+POOL_FIT_FROM = 0.4
+"""Share of the platform's GPUs in use below which :class:`PoolFit` has no say (unless jobs wait)."""
+POOL_FIT_FULL_AT = 0.8
+"""Share of the platform's GPUs in use at which :class:`PoolFit` has its full say."""
+POOL_FIT_MAX_SLOWDOWN = 2.0
+"""Candidates whose predicted run is this many times the best's get no preference from pool fit."""
+POOL_FIT_SPARE = 4.0
+"""A pool of at least this many times the job's GPUs is not fragmented by it (no preference)."""
+FREE_FIT_TIE = 0.05
+"""Candidates whose predicted run is within this share of the best's are alike for :class:`FreeFit`."""
+
+
+def contention_level(state: CycleState) -> float:
+    """How contended the platform is for this job, 0-1: 1 while other jobs wait (the snapshot's
+    queue, ``Snapshot.waiting``), else growing from 0 to 1 as the share of the platform's GPUs in use
+    goes from :data:`POOL_FIT_FROM` to :data:`POOL_FIT_FULL_AT`. Packing (:class:`PoolFit`,
+    :class:`NodeFit`) has its say in proportion: on a quiet platform whole pools and nodes abound,
+    and keeping them whole is worth no time."""
+    snap = state.snapshot
+    shared = state.shared
+    total = shared.get("pool_fit.total") if shared is not None else None
+    if total is None:
+        total = float(snap.total_sum.sum())  # nodes' totals never change
+        if shared is not None:
+            shared["pool_fit.total"] = total
+    used = 1.0 - float(snap.free_sum.sum()) / total if total > 0 else 0.0
+    level = min(max((used - POOL_FIT_FROM) / (POOL_FIT_FULL_AT - POOL_FIT_FROM), 0.0), 1.0)
+    if snap.waiting_count(exclude=state.job.job_id) > 0:
+        level = 1.0  # a queue: contention whatever the share in use
+    return level
+
+
+def run_slowdown(state: CycleState, candidates: Candidates) -> FloatArray:
+    """Per candidate: its predicted run over the best candidate's (1: the best; inf: no estimate).
+    Within a cycle (``state.shared``) kept per :func:`network_key` and candidates, as ``jct``'s raw
+    scores are: jobs alike in what the prediction reads share it."""
+    shared = state.shared
+    key = network_key(state) if shared is not None else None
+    slot = signature = None
+    if shared is not None and key is not None:
+        slot, signature = ("packing.slowdown", key), candidates.signature()
+        held = shared.get(slot)
+        if held is not None and held[0] == signature:
+            found: FloatArray = held[1]
+            return found
+    jct = predicted_jct_s(state, candidates)
+    ok = np.isfinite(jct) & (jct > 0)
+    slowdown: FloatArray = (
+        np.where(ok, jct / float(jct[ok].min()), np.inf) if ok.any() else np.ones(jct.shape)
+    )
+    if shared is not None and slot is not None:
+        shared[slot] = (signature, slowdown)
+    return slowdown
+
+
+def gpu_slowdown(state: CycleState, candidates: Candidates) -> FloatArray:
+    """Per candidate: the fastest candidate's delivered speed for the job over its own (1: as fast
+    as the fastest GPU; inf: no speed)."""
+    speed = delivered_speed(state, candidates)
+    top = float(speed.max(initial=0.0))
+    with np.errstate(divide="ignore"):
+        slowdown: FloatArray = np.where(speed > 0, top / np.maximum(speed, 1e-300), np.inf)
+    return slowdown
+
+
+class PoolFit:
+    """Under contention, a pool the job does not fragment: large pools stay whole for large gangs.
+
+    Raw: the candidate pool's GPUs in all (busy or not) over ``POOL_FIT_SPARE x`` the job's GPUs,
+    capped at 1: every pool at least four times the job's size is alike, and among smaller ones
+    the smallest that holds the job is preferred (best fit over pools, as packing is best fit over
+    nodes); a candidate whose predicted run (:func:`run_slowdown`) is more than
+    ``POOL_FIT_MAX_SLOWDOWN`` times the best's gets no preference (a job's time is not traded for a
+    pool's shape). Normalised ``100 x (1 - level x raw)``, ``level`` being :func:`contention_level`.
+    A quiet platform lets speed and the network decide; a contended one keeps the pools only large
+    gangs fit for them. Measured with ``loom bench contention`` (thresholds chosen on its
+    truth-timed cells, 5 seeds).
+    """
+
+    name = "pool_fit"
+
+    def score_key(self, state: CycleState) -> tuple[object, ...] | None:
+        """Raw scores read what the predicted run reads (:func:`network_key`; None: not keyed), GPUs
+        per worker and pool totals (normalising reads the platform's use and the queue:
+        :meth:`normalize_key`)."""
+        key = network_key(state)
+        return None if key is None else (key, state.per_worker)
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        snap = state.snapshot
+        gpus = np.maximum(candidates.workers * state.per_worker, 1)
+        size = snap.total_sum[candidates.cluster, candidates.model].astype(np.float64)
+        share: FloatArray = np.minimum(size / (POOL_FIT_SPARE * gpus), 1.0)
+        # Much slower runs are no fit: best fit must not trade a job's time for a pool's shape.
+        slow = np.maximum(run_slowdown(state, candidates), gpu_slowdown(state, candidates))
+        return np.where(slow > POOL_FIT_MAX_SLOWDOWN, 1.0, share)
+
+    def level(self, state: CycleState) -> float:
+        """How much pool fit has its say now, 0-1: :func:`contention_level`."""
+        return contention_level(state)
+
+    def normalize_key(self, state: CycleState) -> float:
+        """Normalising reads the raw scores and :meth:`level` only."""
+        return self.level(state)
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        scores: FloatArray = 100.0 * (1.0 - self.level(state) * np.minimum(np.maximum(raw, 0.0), 1.0))
+        return scores
+
+
+class FreeFit:
+    """Best fit on free GPUs among the fastest candidates: the pool left with the fewest free GPUs.
+
+    Raw: the GPUs the candidate pool would have free once the job's are taken, over the most any
+    tied candidate would have, from 0 (the job fills the pool) to 1; candidates whose predicted run
+    (:func:`run_slowdown`) is more than :data:`FREE_FIT_TIE` longer than the best's get 1 (no
+    preference: time is never traded for packing). Normalised ``100 x (1 - raw)``. Always on,
+    unlike :class:`PoolFit` (which judges pools by their size, and only under contention): small
+    jobs fill the pool that is already fullest, so pools with many free GPUs stay whole for the
+    gangs that only they can hold, before any queue forms. This is Gavel's tie-break (Narayanan et
+    al., OSDI 2020) and kube-scheduler's MostAllocated over pools. Measured on the truth-timed
+    grid, Philly-like trace, ~64 GPUs, 20 seeds: without it 16-GPU gangs queued 2.6x longer than
+    under ``gavel_like`` at half load (553 vs 211 min).
+    """
+
+    name = "free_fit"
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        snap = state.snapshot
+        gpus = np.maximum(candidates.workers * state.per_worker, 1).astype(np.float64)
+        free = snap.free_sum[candidates.cluster, candidates.model].astype(np.float64)
+        left = np.maximum(free - gpus, 0.0)
+        slow = np.maximum(run_slowdown(state, candidates), gpu_slowdown(state, candidates))
+        tied = slow <= 1.0 + FREE_FIT_TIE
+        top = float(left[tied].max(initial=0.0))
+        share: FloatArray = np.minimum(left / top, 1.0) if top > 0 else np.zeros(left.shape)
+        return np.where(tied, share, 1.0)
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        scores: FloatArray = 100.0 * (1.0 - np.minimum(np.maximum(raw, 0.0), 1.0))
+        return scores
+
+
+class NodeFit:
+    """Fill nodes already broken before breaking a whole one: whole free nodes stay for big workers.
+
+    Raw: the share of the job's GPUs the candidate pool could place on nodes that are already in
+    use (some but not all of their GPUs free, room for a whole worker, schedulable), from 0 (every
+    worker would break a whole free node) to 1. This is the node-level half of fragmentation (as
+    Alibaba's "Beware of Fragmentation", ATC 2023, measures it); ``pool_fit`` is the pool-level
+    half. A candidate whose predicted run (:func:`predicted_jct_s`) is longer than the best
+    candidate's by more than :func:`node_fit_tolerance` gets no preference: within ``FREE_FIT_TIE``
+    on a quiet platform (whole nodes abound, so a node's shape is worth no time), up to
+    ``POOL_FIT_MAX_SLOWDOWN`` under full contention (:func:`contention_level`). Normalised
+    ``100 x raw``: absolute, so candidates that would all break whole nodes stay alike.
+    """
+
+    name = "node_fit"
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        by_pool = _broken_room(state)
+        pools, gpus = self._per_candidate(state, candidates)
+        share: FloatArray = np.minimum(by_pool[pools] / gpus, 1.0)
+        slowdown = run_slowdown(state, candidates)
+        return np.where(slowdown > node_fit_tolerance(contention_level(state)), 0.0, share)
+
+    def _per_candidate(self, state: CycleState, candidates: Candidates) -> tuple[IntArray, FloatArray]:
+        """The candidates' pools and GPUs: within a cycle, kept for the last candidates and GPUs per
+        worker seen (they read nothing else)."""
+        shared = state.shared
+        key = (candidates.signature(), state.per_worker) if shared is not None else None
+        if shared is not None:
+            held = shared.get("node_fit.candidates")
+            if held is not None and held[0] == key:
+                found: tuple[IntArray, FloatArray] = held[1]
+                return found
+        snap = state.snapshot
+        pools = candidates.cluster * snap.total_sum.shape[1] + candidates.model
+        gpus = np.maximum(candidates.workers * state.per_worker, 1).astype(np.float64)
+        if shared is not None:
+            shared["node_fit.candidates"] = (key, (pools, gpus))
+        return pools, gpus
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        scores: FloatArray = 100.0 * np.minimum(np.maximum(raw, 0.0), 1.0)
+        return scores
+
+
+def node_fit_tolerance(level: float) -> float:
+    """The most a candidate's predicted run may exceed the best's (as a factor) and still get
+    :class:`NodeFit`'s preference, at contention ``level`` (:func:`contention_level`): within
+    ``FREE_FIT_TIE`` on a quiet platform (packing breaks ties, as ``free_fit``), growing to
+    ``POOL_FIT_MAX_SLOWDOWN`` under full contention (a whole node kept for a big worker is then
+    worth some time)."""
+    tie = 1.0 + FREE_FIT_TIE
+    return tie + min(max(level, 0.0), 1.0) * (POOL_FIT_MAX_SLOWDOWN - tie)
+
+
+def _broken_room(state: CycleState) -> FloatArray:
+    """Per pool, the GPUs of whole workers on its nodes in use (some but not all GPUs free,
+    schedulable). Within a cycle (``state.shared``) kept per GPUs per worker with the pool versions,
+    and recounted only for the pools that changed since."""
+    snap = state.snapshot
+    per_worker = state.per_worker
+    shared = state.shared
+    held = shared.get(("node_fit.room", per_worker)) if shared is not None else None
+    if held is not None and held[0].size == snap.pool_version.size:
+        versions: IntArray = held[0]
+        by_pool: FloatArray = held[1]
+        stale = np.flatnonzero(versions != snap.pool_version)
+        bounds = snap.pool_bounds
+        for p in stale.tolist():
+            lo, hi = int(bounds[p]), int(bounds[p + 1])
+            free = snap.free[lo:hi]
+            broken = snap.schedulable[lo:hi] & (free >= per_worker) & (free < snap.total[lo:hi])
+            # integers: the sum is exact, as bincount's float one is
+            by_pool[p] = float(int(np.add.reduce((free // per_worker)[broken])) * per_worker)
+            versions[p] = snap.pool_version[p]
+        return by_pool
+    broken = snap.schedulable & (snap.free >= per_worker) & (snap.free < snap.total)
+    room = np.where(broken, snap.free // per_worker, 0) * per_worker
+    size = snap.total_sum.size
+    by_pool = np.bincount(snap.pool_of, weights=room, minlength=size)[:size].astype(np.float64)
+    if shared is not None:
+        shared[("node_fit.room", per_worker)] = (snap.pool_version.copy(), by_pool)
+    return by_pool
+
+
+__all__ = [
+    "FREE_FIT_TIE",
+    "POOL_FIT_MAX_SLOWDOWN",
+    "FreeFit",
+    "NodeFit",
+    "PoolFit",
+    "contention_level",
+    "node_fit_tolerance",
+    "run_slowdown",
+]
