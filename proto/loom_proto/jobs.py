@@ -246,6 +246,11 @@ class JobProgress(
     observed_step_s: Annotated[float, Meta(gt=0, le=1e9)] | None = None
     """Seconds of the job's clock one step took since the previous progress report (None: the
     first report of the run); placement compares it with its prediction (slow nodes)."""
+    compute_step_s: Annotated[float, Meta(gt=0, le=86_400)] | None = None
+    """Compute seconds per step the run measured on its GPU model with all its workers, as
+    :attr:`JobCompleted.observed_step_s` (no communication or pipeline waits); None: not measured.
+    The first report of a run that carries it teaches placement's speed learner, so a long run
+    teaches while it runs, not only when it ends (one observation per run)."""
 
 
 class JobCheckpointed(

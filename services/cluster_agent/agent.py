@@ -798,6 +798,10 @@ class Agent:
         if 0 <= job.paced_step < job.step and now > job.paced_at:
             observed_step_s = (now - job.paced_at) * self.time_scale / (job.step - job.paced_step)
         job.paced_at, job.paced_step = now, job.step
+        # What the completion reports too: the compute step on this model, for the speed learner.
+        compute_step_s = self.backend.compute_step_seconds(
+            job.step_time_s, job.gpu_model, job.task_type, job.family
+        )
         self._report(
             subjects.job_report("progress", job.tenant, self.cluster),
             JobProgress(
@@ -809,6 +813,7 @@ class Agent:
                 steps=job.steps,
                 at=now,
                 observed_step_s=observed_step_s,
+                compute_step_s=min(max(compute_step_s, 1e-9), 86_400.0),
             ),
             msg_id=f"{job.job_id}:progress:{job.attempt}:{job.step}",
             carrier=job.carrier,

@@ -81,6 +81,9 @@ class Run:
     progress_at_start: float = 0.0
     """Share of the work already done when ``started_at`` was taken (a run restored from the
     store after a restart or leader change is timed from then, for what is left)."""
+    taught: bool = False
+    """Whether a progress report of this run has been offered to the speed learner (the store keeps
+    one observation per run whatever is offered; this only spares the later reports the offer)."""
     _core: RunningJob | None = None
 
     @property

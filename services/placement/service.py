@@ -17,10 +17,12 @@ back and redelivered when the first failed. A cycle's writes are one statement
 with their acks awaited together (:meth:`loom.store.outbox.OutboxRelay.publish_now`). Where each
 batch's time goes is in the health answer's ``pipeline`` (``loom bench e2e`` reports it).
 
-Learned speeds: each completed single-part run that reports ``observed_step_s`` teaches the
-speed learner (:mod:`loom.model.learn`) what its job family really gets on its GPU model. The
-observation is stored in the same transaction as the event (``speed_observations``, keyed by the
-event's message id, so a redelivery teaches nothing twice), the learner is rebuilt from those rows
+Learned speeds: each single-part run teaches the speed learner (:mod:`loom.model.learn`) what
+its job family really gets on its GPU model, once: from its first progress report that carries the
+measured compute step (``JobProgress.compute_step_s``; the agent reports every tenth of the
+steps), else from its completion (``JobCompleted.observed_step_s``). The observation is stored in
+the same transaction as the event (``speed_observations``, keyed by the run, so a redelivery or the
+completion after a progress report teaches nothing twice), the learner is rebuilt from those rows
 when this instance starts leading, and every cycle's snapshot applies its factors
 (``Snapshot.set_learned``). With ``explore_share`` above 0, that share of cycles at most offers
 still-uncertain (family, GPU) pairs at an optimistic speed (see the learner's exploration rule).
@@ -2373,13 +2375,13 @@ class PlacementService:
                     [repo.JobEventRow(e.job_id, _kind(e), mid, encode(e), _at(e)) for e, mid in mine],
                 )
                 new = [e for e, mid in mine if mid in fresh]
-                mid_of = {id(e): mid for e, mid in mine}
                 await moves.record_checkpoints(conn, _checkpoint_rows(new))
                 await repo.confirm(conn, [(e.job_id, e.attempt) for e in new if isinstance(e, JobStarted)])
                 updates = [(e.job_id, e.attempt, e.step / e.steps) for e in new if isinstance(e, JobProgress)]
                 await repo.set_progress(conn, updates)
                 for job_id, _, fraction in updates:
                     progress[job_id] = fraction
+                result.observed += self._progress_observations(new)
                 for e in new:
                     if isinstance(e, JobCancelled):
                         await self._cancel(conn, e.job_id, e.reason or "cancelled", result, finished)
@@ -2405,7 +2407,7 @@ class PlacementService:
                     reason = e.reason if isinstance(e, JobFailed) else None
                     if isinstance(e, JobCompleted) and run is not None and run.attempt == e.attempt:
                         result.learned.append((run, e))
-                        observation = self._speed_observation(run, e, mid_of[id(e)])
+                        observation = self._speed_observation(run, e.observed_step_s)
                         if observation is not None:
                             result.observed.append(observation)
                     moved = await repo.finish(conn, e.job_id, e.attempt, state, reason)
@@ -2491,23 +2493,39 @@ class PlacementService:
         if kids:  # a DAG is "running" while its stages run, with no run of its own
             await repo.set_state(conn, [job_id], "cancelled", ["running"], reason)
 
-    def _speed_observation(
-        self, run: Run, done: JobCompleted, event_id: str
-    ) -> speeds.SpeedObservation | None:
-        """What a completed run says of its family's speed on its GPU model, or None (the rule is
-        :func:`loom.model.learn.run_speed`'s, the simulator's too)."""
+    def _progress_observations(self, events: Sequence[LifecycleEvent]) -> list[speeds.SpeedObservation]:
+        """What running work says of its families' speeds: the first progress report of a run that
+        carries its measured compute step (``JobProgress.compute_step_s``) teaches, as its completion
+        would have; the store keeps one observation per run (:func:`speeds.run_event_id`)."""
+        out: list[speeds.SpeedObservation] = []
+        for e in events:
+            if not isinstance(e, JobProgress) or e.compute_step_s is None:
+                continue
+            run = self.book.runs.get(e.job_id)
+            if run is None or run.attempt != e.attempt or run.taught:
+                continue
+            run.taught = True
+            observation = self._speed_observation(run, e.compute_step_s)
+            if observation is not None:
+                out.append(observation)
+        return out
+
+    def _speed_observation(self, run: Run, observed_step_s: float | None) -> speeds.SpeedObservation | None:
+        """What a run that measured ``observed_step_s`` (compute seconds per step) says of its
+        family's speed on its GPU model, or None (the rule is :func:`loom.model.learn.run_speed`'s,
+        the simulator's too). Keyed by the run, so its progress and its completion teach once."""
         job = run.job
         seen = run_speed(
             job,
             [model for _, model, _ in run.parts],
-            done.observed_step_s,
+            observed_step_s,
             pipeline=job.pipeline is not None,
             prior_speed=self.book.speed,
         )
         if seen is None:
             return None
         return speeds.SpeedObservation(
-            event_id=event_id,
+            event_id=speeds.run_event_id(job.job_id, run.attempt),
             job_id=job.job_id,
             family=seen.family,
             gpu_model=seen.gpu_model,

@@ -132,6 +132,44 @@ async def test_a_gpu_three_times_slower_than_its_profile_is_learned_within_ten_r
     assert service.book.learned[(FAMILY, GPU)] == pytest.approx(final["factor"])
 
 
+async def test_a_long_run_teaches_while_it_runs_and_its_completion_adds_nothing(
+    platform: Platform, client: LoomClient
+) -> None:
+    """The agent's progress reports carry the compute step it measured; placement learns from the
+    first one, so a long run's family is learned while the run is still under way (at its first
+    tenth), and the run's completion is not counted a second time."""
+    family = "gru-long"
+    job_id = "gru-long-0"
+    await client.submit(
+        JobSpec(
+            job_id=job_id,
+            tenant="t1",
+            task_type="training_memory",
+            labels={"family": family},
+            resources=Resources(gpus=1, gpu_models=[GPU]),
+            work=Work(steps=1_000, step_time_s=10.0),  # hours of job time: about 12 s here
+        )
+    )
+
+    async def taught() -> dict[str, Any] | None:
+        rows = await client.learned_speeds()
+        return next((r for r in rows if r["family"] == family and r["gpu_model"] == GPU), None)
+
+    row = await until(taught, 30, "the running job's family learned")
+    assert row["runs"] == 1
+    job = await client.job(job_id)
+    assert job is not None and job["state"] == "running", job  # learned before it ended
+    await until(completed(client, job_id), 120, f"{job_id} completed")
+    conn = await asyncpg.connect(platform.database_url)
+    try:
+        keys = await conn.fetch("SELECT event_id FROM speed_observations WHERE job_id = $1", job_id)
+    finally:
+        await conn.close()
+    assert [k["event_id"] for k in keys] == [speeds.run_event_id(job_id, 1)]
+    final = await taught()
+    assert final is not None and final["runs"] == 1
+
+
 async def test_an_observation_delivered_twice_is_stored_and_taught_once(
     fresh_database: Callable[..., Awaitable[str]],
 ) -> None:

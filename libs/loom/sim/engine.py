@@ -142,6 +142,11 @@ _ARRIVAL: Final = 2
 _CONTINUE: Final = 3
 _WAKE: Final = 4
 _SAMPLE: Final = 5
+_OBSERVE: Final = 6
+OBSERVE_AT: Final = 0.1
+"""A run teaches the speed learner once it is this share of its way through its steps: the cluster
+agent reports progress every tenth of a run's steps, and each report carries the compute seconds
+per step measured (``JobProgress.compute_step_s``), which placement learns from, once per run."""
 """Event kinds; at one instant completions are applied first, samples last. A wake retries the
 shape of a waiting job when a permit's wait (``Status.wait_s``: patience running out) ends."""
 
@@ -312,6 +317,9 @@ class _Run:
     """Sum over parts of GPUs x price per GPU-hour (at the run's start)."""
     acct_s: float
     """Accounting (GPU-hours, cost) is settled up to here."""
+    taught: bool = False
+    """Whether the run has taught the speed learner (once per run: at its first progress report, or
+    at completion when it had none)."""
 
     def progress(self, now: float) -> float:
         """Steps of the current segment done by ``now``."""
@@ -685,8 +693,14 @@ class _Simulation:
                 break
             self.t = t
             sample = False
+            observed_only = True
             while self.heap and self.heap[0][0] == t:
                 event = heapq.heappop(self.heap)[3]
+                if event.kind == _OBSERVE:
+                    self.pending -= 1
+                    self._observe(event)
+                    continue
+                observed_only = False
                 if event.kind == _SAMPLE:
                     sample = True
                     continue
@@ -701,6 +715,8 @@ class _Simulation:
                     self._scripted(event.scripted)
                 elif event.kind == _ARRIVAL:
                     self._arrive(self.jobs[event.job_id])
+            if observed_only:
+                continue  # a speed learnt: the next event's pass decides with it
             if sample:
                 self.retry_post = True
                 if self.migrator is not None:
@@ -1169,6 +1185,9 @@ class _Simulation:
             self.elastic += 1
         job.generation += 1
         self._push(_Event(run.end_s, _COMPLETE, 0, job_id=spec.job_id, generation=job.generation))
+        if self.speed_learner is not None:
+            at = run.compute_start_s + OBSERVE_AT * (run.end_s - run.compute_start_s)
+            self._push(_Event(at, _OBSERVE, 0, job_id=spec.job_id, generation=job.generation))
 
     def _true_speeds(self, job: _Job, d: Decision) -> tuple[list[float], float, str]:
         """Per part the true per-GPU speed (at the most GPUs the part holds on one node), this run's noise,
@@ -1439,13 +1458,24 @@ class _Simulation:
         learner = self.fast.learner if self.fast is not None else None
         if learner is not None and job.record.restarts == 0 and not run.pipeline:
             learner.observe(job.spec.task_type, run.compute_s, run.raw_step_s)
-        if self.speed_learner is not None:
+        if self.speed_learner is not None and not run.taught:
+            run.taught = True
             self._learn_speed(self.speed_learner, job.spec, run)
         for child in job.children:
             kid = self.jobs[child]
             kid.parents_left -= 1
             if kid.parents_left == 0 and not kid.done:
                 self._push(_Event(max(self.t, kid.sim.arrival_s), _ARRIVAL, 0, job_id=child))
+
+    def _observe(self, event: _Event) -> None:
+        """A run's first progress report with its measured compute step: it teaches the speed
+        learner now (:data:`OBSERVE_AT`), not only when it completes."""
+        job = self.jobs[event.job_id]
+        run = job.run
+        if run is None or event.generation != job.generation or run.taught or self.speed_learner is None:
+            return
+        run.taught = True
+        self._learn_speed(self.speed_learner, job.spec, run)
 
     def _learn_speed(self, learner: SpeedLearner, spec: JobSpec, run: _Run) -> None:
         """Teach the speed learner what a completed run's family got on its GPU model, and apply it.

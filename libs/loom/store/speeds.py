@@ -18,7 +18,9 @@ class SpeedObservation:
     """One completed run's speed of a job family on a GPU model (see :meth:`SpeedLearner.observe`)."""
 
     event_id: str
-    """The completion event's message id: a repeated one is not recorded again."""
+    """The run's key (:func:`run_event_id`): a run teaches once, from its first progress report
+    with a measured compute step or from its completion, however often either is delivered.
+    (Observations stored before 2026-12-03 carry the completion event's message id.)"""
     job_id: str
     family: str
     gpu_model: str
@@ -37,10 +39,20 @@ class SpeedObservation:
         )
 
 
+def run_event_id(job_id: str, attempt: int) -> str:
+    """The key of a run's one speed observation."""
+    return f"{job_id}:speed:{attempt}"
+
+
 async def record(
     conn: asyncpg.Connection, observations: Sequence[SpeedObservation]
 ) -> list[SpeedObservation]:
-    """Store observations (in order); returns those that were new (an event id seen before is skipped)."""
+    """Store observations (in order); returns those that were new (an event id seen before, or
+    earlier in ``observations``, is skipped)."""
+    first: dict[str, SpeedObservation] = {}
+    for o in observations:
+        first.setdefault(o.event_id, o)
+    observations = list(first.values())
     if not observations:
         return []
     rows = await conn.fetch(
