@@ -790,17 +790,21 @@ class Agent:
             carrier=job.carrier,
         )
 
-    def _report_progress(self, job: RunningJob) -> None:
+    def _report_progress(self, job: RunningJob, *, followed: bool = False) -> None:
         """Report the run's step (one message id per attempt and step: a repeat is a duplicate),
-        with the seconds of the job's clock each step took since the previous report."""
+        with the seconds of the job's clock each step took since the previous report, and the
+        compute step measured for the speed learner: what this agent's clock runs the job at, or,
+        for a part a real backend runs (``followed``: only its steps are seen), the seconds per step
+        since the previous report, as its completion measures the whole run (None on the first)."""
         now = time.time()
         observed_step_s = None
         if 0 <= job.paced_step < job.step and now > job.paced_at:
             observed_step_s = (now - job.paced_at) * self.time_scale / (job.step - job.paced_step)
         job.paced_at, job.paced_step = now, job.step
-        # What the completion reports too: the compute step on this model, for the speed learner.
-        compute_step_s = self.backend.compute_step_seconds(
-            job.step_time_s, job.gpu_model, job.task_type, job.family
+        compute_step_s = (
+            observed_step_s
+            if followed
+            else self.backend.compute_step_seconds(job.step_time_s, job.gpu_model, job.task_type, job.family)
         )
         self._report(
             subjects.job_report("progress", job.tenant, self.cluster),
@@ -813,7 +817,7 @@ class Agent:
                 steps=job.steps,
                 at=now,
                 observed_step_s=observed_step_s,
-                compute_step_s=min(max(compute_step_s, 1e-9), 86_400.0),
+                compute_step_s=None if compute_step_s is None else min(max(compute_step_s, 1e-9), 86_400.0),
             ),
             msg_id=f"{job.job_id}:progress:{job.attempt}:{job.step}",
             carrier=job.carrier,
@@ -1048,7 +1052,7 @@ class Agent:
             job.step = min(status.step, job.steps)
             self._record({"op": "step", "key": job.key, "step": job.step, "gpu_seconds": job.gpu_seconds})
             if job.step < job.steps:
-                self._report_progress(job)
+                self._report_progress(job, followed=True)
         for step, uri in status.checkpoints[checkpoints_seen:]:
             self._report(
                 subjects.job_report("checkpointed", job.tenant, self.cluster),

@@ -1535,6 +1535,10 @@ class PlacementService:
             for observation in applied.observed:
                 observation.teach(self.learner)
             self._adopt_learned()
+        for job_id, attempt in applied.taught:
+            run = self.book.runs.get(job_id)
+            if run is not None and run.attempt == attempt:
+                run.taught = True  # committed: its later progress reports need not offer it again
         for job_id, parts, workers in applied.shrunk + applied.grown:
             if job_id in self.book.runs:
                 self.book.resize_run(job_id, parts, workers, now=applied.at or time.time())
@@ -2381,7 +2385,9 @@ class PlacementService:
                 await repo.set_progress(conn, updates)
                 for job_id, _, fraction in updates:
                     progress[job_id] = fraction
-                result.observed += self._progress_observations(new)
+                for run_key, observation in self._progress_observations(new):
+                    result.observed.append(observation)
+                    result.taught.append(run_key)
                 for e in new:
                     if isinstance(e, JobCancelled):
                         await self._cancel(conn, e.job_id, e.reason or "cancelled", result, finished)
@@ -2493,21 +2499,23 @@ class PlacementService:
         if kids:  # a DAG is "running" while its stages run, with no run of its own
             await repo.set_state(conn, [job_id], "cancelled", ["running"], reason)
 
-    def _progress_observations(self, events: Sequence[LifecycleEvent]) -> list[speeds.SpeedObservation]:
+    def _progress_observations(
+        self, events: Sequence[LifecycleEvent]
+    ) -> list[tuple[tuple[str, int], speeds.SpeedObservation]]:
         """What running work says of its families' speeds: the first progress report of a run that
         carries its measured compute step (``JobProgress.compute_step_s``) teaches, as its completion
-        would have; the store keeps one observation per run (:func:`speeds.run_event_id`)."""
-        out: list[speeds.SpeedObservation] = []
+        would have; the store keeps one observation per run (:func:`speeds.run_event_id`). Each with
+        its run (job, attempt), marked as taught once the batch commits."""
+        out: list[tuple[tuple[str, int], speeds.SpeedObservation]] = []
         for e in events:
             if not isinstance(e, JobProgress) or e.compute_step_s is None:
                 continue
             run = self.book.runs.get(e.job_id)
             if run is None or run.attempt != e.attempt or run.taught:
                 continue
-            run.taught = True
             observation = self._speed_observation(run, e.compute_step_s)
             if observation is not None:
-                out.append(observation)
+                out.append(((e.job_id, e.attempt), observation))
         return out
 
     def _speed_observation(self, run: Run, observed_step_s: float | None) -> speeds.SpeedObservation | None:
@@ -2824,6 +2832,8 @@ class Applied:
     """Elastic runs' allocations as this transaction left them."""
     learned: list[tuple[Run, JobCompleted]] = dataclasses.field(default_factory=list)
     observed: list[speeds.SpeedObservation] = dataclasses.field(default_factory=list)
+    taught: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    """Runs (job, attempt) whose progress report offered their speed observation."""
     """Speed observations recorded in this transaction (new ones only, after the write)."""
     shrunk: list[tuple[str, list[tuple[str, str, tuple[tuple[str, int], ...]]], int]] = dataclasses.field(
         default_factory=list

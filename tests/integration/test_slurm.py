@@ -132,7 +132,11 @@ async def test_a_two_gpu_job_placed_by_loom_runs_as_a_slurm_job_on_the_node_loom
     assert ran["NodeList"] == P100_NODE
     assert ran["TresPerNode"] == "gres:gpu:p100:2"
     assert ran["ExitCode"] == "0:0"
-    assert [e["step"] for e in events(job, "progress")], "progress came from the job's file"
+    progress = events(job, "progress")
+    assert [e["step"] for e in progress], "progress came from the job's file"
+    # The speed learner is offered what Slurm's run measured (seconds a step since the last
+    # report, none on the first), never the profile's prediction as if measured.
+    assert [e.get("compute_step_s") for e in progress] == [e.get("observed_step_s") for e in progress]
     assert len(events(job, "started")) == 1 and len(events(job, "completed")) == 1
 
 

@@ -143,12 +143,13 @@ _CONTINUE: Final = 3
 _WAKE: Final = 4
 _SAMPLE: Final = 5
 _OBSERVE: Final = 6
+"""Event kinds; at one instant completions are applied first, samples and then lessons last. A wake
+retries the shape of a waiting job when a permit's wait (``Status.wait_s``: patience running out)
+ends; a lesson teaches the speed learner what a run measured (:data:`OBSERVE_AT`)."""
 OBSERVE_AT: Final = 0.1
 """A run teaches the speed learner once it is this share of its way through its steps: the cluster
 agent reports progress every tenth of a run's steps, and each report carries the compute seconds
 per step measured (``JobProgress.compute_step_s``), which placement learns from, once per run."""
-"""Event kinds; at one instant completions are applied first, samples last. A wake retries the
-shape of a waiting job when a permit's wait (``Status.wait_s``: patience running out) ends."""
 
 Pair = tuple[int, int]
 """(cluster index, model index) of the snapshot: one pool of GPUs."""
@@ -317,6 +318,8 @@ class _Run:
     """Sum over parts of GPUs x price per GPU-hour (at the run's start)."""
     acct_s: float
     """Accounting (GPU-hours, cost) is settled up to here."""
+    serial: int = 0
+    """This run's number within the simulation (its lesson event names it)."""
     taught: bool = False
     """Whether the run has taught the speed learner (once per run: at its first progress report, or
     at completion when it had none)."""
@@ -446,6 +449,8 @@ class _Simulation:
         self.heap: list[tuple[float, int, int, _Event]] = []
         self.seq = 0
         self.pending = 0
+        self.runs_started = 0
+        """Runs started so far (each run's :attr:`_Run.serial`)."""
         """Events in the heap other than samples."""
         self.t = 0.0
         self.decisions = 0
@@ -1187,7 +1192,11 @@ class _Simulation:
         self._push(_Event(run.end_s, _COMPLETE, 0, job_id=spec.job_id, generation=job.generation))
         if self.speed_learner is not None:
             at = run.compute_start_s + OBSERVE_AT * (run.end_s - run.compute_start_s)
-            self._push(_Event(at, _OBSERVE, 0, job_id=spec.job_id, generation=job.generation))
+            # Keyed to the run (``generation`` holds its serial): resizes and retimings raise the
+            # job's generation but keep the run, which still teaches at its first tenth.
+            self.runs_started += 1
+            run.serial = self.runs_started
+            self._push(_Event(at, _OBSERVE, 0, job_id=spec.job_id, generation=run.serial))
 
     def _true_speeds(self, job: _Job, d: Decision) -> tuple[list[float], float, str]:
         """Per part the true per-GPU speed (at the most GPUs the part holds on one node), this run's noise,
@@ -1472,8 +1481,8 @@ class _Simulation:
         learner now (:data:`OBSERVE_AT`), not only when it completes."""
         job = self.jobs[event.job_id]
         run = job.run
-        if run is None or event.generation != job.generation or run.taught or self.speed_learner is None:
-            return
+        if run is None or run.serial != event.generation or run.taught or self.speed_learner is None:
+            return  # another run (or none) since: a resize or retiming keeps the run, and its lesson
         run.taught = True
         self._learn_speed(self.speed_learner, job.spec, run)
 
