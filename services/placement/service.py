@@ -1536,9 +1536,9 @@ class PlacementService:
                 observation.teach(self.learner)
             self._adopt_learned()
         for job_id, attempt in applied.taught:
-            run = self.book.runs.get(job_id)
-            if run is not None and run.attempt == attempt:
-                run.taught = True  # committed: its later progress reports need not offer it again
+            taught = self.book.runs.get(job_id)
+            if taught is not None and taught.attempt == attempt:
+                taught.taught = True  # committed: its later progress reports need not offer it again
         for job_id, parts, workers in applied.shrunk + applied.grown:
             if job_id in self.book.runs:
                 self.book.resize_run(job_id, parts, workers, now=applied.at or time.time())
@@ -2413,9 +2413,9 @@ class PlacementService:
                     reason = e.reason if isinstance(e, JobFailed) else None
                     if isinstance(e, JobCompleted) and run is not None and run.attempt == e.attempt:
                         result.learned.append((run, e))
-                        observation = self._speed_observation(run, e.observed_step_s)
-                        if observation is not None:
-                            result.observed.append(observation)
+                        seen = self._speed_observation(run, e.observed_step_s)
+                        if seen is not None:
+                            result.observed.append(seen)
                     moved = await repo.finish(conn, e.job_id, e.attempt, state, reason)
                     waiting = self.queue.get(e.job_id)
                     if moved and waiting is not None and waiting.attempt == e.attempt + 1:
