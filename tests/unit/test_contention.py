@@ -752,14 +752,7 @@ def test_node_fit_judges_as_fast_by_the_predicted_run_not_the_gpu_alone() -> Non
     """An inference job whose users are in r1: the broken pool has the same GPUs but sits an ocean
     away (100 ms a step on a 50 ms step), so its predicted run is 3x longer. Node fit gives it no
     preference, quiet or contended; near the users the same broken node is preferred."""
-    job = JobSpec(
-        job_id="j",
-        tenant="t",
-        task_type="inference",
-        resources=Resources(gpus=1),
-        work=Work(steps=10, step_time_s=0.05),
-        affinity=Affinity(prefer_regions=["r1"]),
-    )
+    job = inference_near_r1()
     far = [node("w0", "whole", "r1"), node("b0", "broken", "r2", used=3)]
     quiet = snapshot(far, net=ocean(), fast_speed=1.0)
     assert node_fit_scores(quiet, job) == {"whole": 0.0, "broken": 0.0}
