@@ -38,6 +38,7 @@ Failed clusters' jobs resume from checkpoint replicas (:mod:`loom.sim.replicas`;
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -435,9 +436,20 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "on_vs_always": _margin(on, modes.get("always", {}).get("jct_mean_s")),
                 "on_vs_never_per_seed": per_seed.get("never"),
                 "on_vs_always_per_seed": per_seed.get("always"),
+                "on_vs_never_se": _standard_error(per_seed.get("never")),
+                "on_vs_always_se": _standard_error(per_seed.get("always")),
             }
         )
     return lines
+
+
+def _standard_error(margins: Sequence[float | None] | None) -> float | None:
+    """The standard error of the mean of per-seed margins (paired: each seed's ``on`` against the
+    other mode on the same jobs and events); None with fewer than two seeds."""
+    kept = [m for m in margins or () if m is not None]
+    if len(kept) < 2:
+        return None
+    return round(statistics.stdev(kept) / math.sqrt(len(kept)), 4)
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -515,6 +527,23 @@ def summary(lines: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 for line in mine
                 if line["on_vs_always"] is not None and line["on_vs_always"] < 0
             ],
+            # A loss beyond two standard errors of its per-seed margins: not the seeds' noise.
+            "on_loses_beyond_noise": [
+                f"{line['platform']}/{line['load']:g} vs {other}: {line[f'on_vs_{other}']:+.1%}"
+                f" (± {line[f'on_vs_{other}_se']:.1%})"
+                for line in mine
+                for other in ("never", "always")
+                if line.get(f"on_vs_{other}") is not None
+                and line.get(f"on_vs_{other}_se") is not None
+                and line[f"on_vs_{other}"] < -2 * line[f"on_vs_{other}_se"]
+            ],
+            "scenario_mean_jct_s": {
+                mode: round(statistics.fmean(line["modes"][mode]["jct_mean_s"] for line in mine), 1)
+                for mode in ("on", "never", "always")
+                if all(
+                    mode in line["modes"] and line["modes"][mode]["jct_mean_s"] is not None for line in mine
+                )
+            },
         }
     return out
 

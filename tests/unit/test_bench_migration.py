@@ -122,3 +122,25 @@ def test_crossings_count_spanning_gangs_and_inference_away_from_users_not_pipeli
     assert crossings(records, specs, 100.0) == {"a": 2, "b": 1, "c": 1}
     assert crossings(records, specs, 5.0) == {}  # nothing started yet
     assert crossings(records, specs, 20.0)["b"] == 2  # "done" still runs
+
+
+def test_a_loss_is_called_beyond_noise_only_past_two_standard_errors_of_its_seeds() -> None:
+    """Paired per-seed margins give each cell's noise: a loss of 1 % whose seeds swing ±10 % is
+    within it; the same loss on seeds that agree is not. The scenario's mean per mode is given too."""
+    noisy = [
+        run(1, "failure", {"on": 90.0, "never": 100.0, "always": 80.0}),
+        run(2, "failure", {"on": 112.0, "never": 100.0, "always": 120.0}),
+    ]
+    steady = [
+        run(1, "degradation", {"on": 101.0, "never": 100.0, "always": 110.0}),
+        run(2, "degradation", {"on": 101.5, "never": 100.0, "always": 110.0}),
+        run(3, "degradation", {"on": 101.2, "never": 100.0, "always": 110.0}),
+    ]
+    cells = {c["scenario"]: c for c in aggregate(noisy + steady)}
+    assert cells["failure"]["on_vs_never"] == pytest.approx(-0.01)
+    assert cells["failure"]["on_vs_never_se"] == pytest.approx(0.11, abs=1e-4)
+    out = summary(list(cells.values()))
+    assert out["failure"]["on_loses_to_never"] == ["wide16/0.5: -1.0%"]
+    assert out["failure"]["on_loses_beyond_noise"] == []
+    assert out["degradation"]["on_loses_beyond_noise"] == ["wide16/0.5 vs never: -1.2% (± 0.1%)"]
+    assert out["degradation"]["scenario_mean_jct_s"] == {"on": 101.2, "never": 100.0, "always": 110.0}
