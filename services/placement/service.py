@@ -2832,9 +2832,9 @@ class Applied:
     """Elastic runs' allocations as this transaction left them."""
     learned: list[tuple[Run, JobCompleted]] = dataclasses.field(default_factory=list)
     observed: list[speeds.SpeedObservation] = dataclasses.field(default_factory=list)
+    """Speed observations recorded in this transaction (new ones only, after the write)."""
     taught: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     """Runs (job, attempt) whose progress report offered their speed observation."""
-    """Speed observations recorded in this transaction (new ones only, after the write)."""
     shrunk: list[tuple[str, list[tuple[str, str, tuple[tuple[str, int], ...]]], int]] = dataclasses.field(
         default_factory=list
     )

@@ -15,7 +15,7 @@ from loom.model.learn import LearnSettings, SpeedLearner
 
 @dataclass(frozen=True)
 class SpeedObservation:
-    """One completed run's speed of a job family on a GPU model (see :meth:`SpeedLearner.observe`)."""
+    """One run's speed of a job family on a GPU model (see :meth:`SpeedLearner.observe`)."""
 
     event_id: str
     """The run's key (:func:`run_event_id`): a run teaches once, from its first progress report
