@@ -449,9 +449,9 @@ class _Simulation:
         self.heap: list[tuple[float, int, int, _Event]] = []
         self.seq = 0
         self.pending = 0
+        """Events in the heap other than samples."""
         self.runs_started = 0
         """Runs started so far (each run's :attr:`_Run.serial`)."""
-        """Events in the heap other than samples."""
         self.t = 0.0
         self.decisions = 0
         self.retries = 0
@@ -1487,7 +1487,7 @@ class _Simulation:
         self._learn_speed(self.speed_learner, job.spec, run)
 
     def _learn_speed(self, learner: SpeedLearner, spec: JobSpec, run: _Run) -> None:
-        """Teach the speed learner what a completed run's family got on its GPU model, and apply it.
+        """Teach the speed learner what a run's family got on its GPU model, and apply it.
 
         ``run.compute_s`` is the true compute seconds per step the run had (with every worker, at
         the slowest part's pace); which runs teach is :func:`loom.model.learn.run_speed`'s rule,
