@@ -5,8 +5,11 @@ Three plugins, one rule for "as fast": a candidate is judged by the job's *predi
 (:func:`loom.sched.plugins.network.predicted_jct_s`: compute, all-reduce over the links, an inference
 job's round trip to its users, the data delay), not by its GPUs' speed alone, since a pool whose GPUs
 are fast but far from the job's users, data or gang peers is not "as fast" (:func:`run_slowdown`).
+Pool and free fit also keep the GPU-speed test (:func:`gpu_slowdown`): a candidate must be alike on
+both (judged by the predicted run alone, slow GPUs near an inference job's users, believed as fast
+as far fast ones, took the packing preference; measured in ``libs/loom/sched/plugins/README.md``).
 
-* :class:`FreeFit` (always): best fit on free GPUs among the candidates tied on the predicted run.
+* :class:`FreeFit` (always): best fit on free GPUs among the candidates tied on both.
 * :class:`PoolFit` (under contention): pools a job does not fragment, up to a slowdown bound.
 * :class:`NodeFit` (tolerance growing with contention): nodes already in use before whole ones.
 """
@@ -23,11 +26,13 @@ POOL_FIT_FROM = 0.4
 POOL_FIT_FULL_AT = 0.8
 """Share of the platform's GPUs in use at which :class:`PoolFit` has its full say."""
 POOL_FIT_MAX_SLOWDOWN = 2.0
-"""Candidates whose predicted run is this many times the best's get no preference from pool fit."""
+"""Candidates whose predicted run or GPU speed is this many times the best's get no preference from
+pool fit."""
 POOL_FIT_SPARE = 4.0
 """A pool of at least this many times the job's GPUs is not fragmented by it (no preference)."""
 FREE_FIT_TIE = 0.05
-"""Candidates whose predicted run is within this share of the best's are alike for :class:`FreeFit`."""
+"""Candidates whose predicted run and GPU speed are both within this share of the best's are alike
+for :class:`FreeFit`."""
 
 
 def contention_level(state: CycleState) -> float:
@@ -87,14 +92,14 @@ class PoolFit:
     """Under contention, a pool the job does not fragment: large pools stay whole for large gangs.
 
     Raw: the candidate pool's GPUs in all (busy or not) over ``POOL_FIT_SPARE x`` the job's GPUs,
-    capped at 1: every pool at least four times the job's size is alike, and among smaller ones
-    the smallest that holds the job is preferred (best fit over pools, as packing is best fit over
-    nodes); a candidate whose predicted run (:func:`run_slowdown`) is more than
-    ``POOL_FIT_MAX_SLOWDOWN`` times the best's gets no preference (a job's time is not traded for a
-    pool's shape). Normalised ``100 x (1 - level x raw)``, ``level`` being :func:`contention_level`.
-    A quiet platform lets speed and the network decide; a contended one keeps the pools only large
-    gangs fit for them. Measured with ``loom bench contention`` (thresholds chosen on its
-    truth-timed cells, 5 seeds).
+    capped at 1: every pool at least four times the job's size is alike, and among smaller ones the
+    smallest that holds the job is preferred (best fit over pools, as packing is best fit over
+    nodes); a candidate whose predicted run (:func:`run_slowdown`) or GPU speed
+    (:func:`gpu_slowdown`) is more than ``POOL_FIT_MAX_SLOWDOWN`` times the best's gets no
+    preference (a job's time is not traded for a pool's shape). Normalised ``100 x (1 - level x
+    raw)``, ``level`` being :func:`contention_level`. A quiet platform lets speed and the network
+    decide; a contended one keeps the pools only large gangs fit for them. Measured with ``loom
+    bench contention`` (thresholds chosen on its truth-timed cells, 5 seeds).
     """
 
     name = "pool_fit"
@@ -132,9 +137,10 @@ class FreeFit:
     """Best fit on free GPUs among the fastest candidates: the pool left with the fewest free GPUs.
 
     Raw: the GPUs the candidate pool would have free once the job's are taken, over the most any
-    tied candidate would have, from 0 (the job fills the pool) to 1; candidates whose predicted run
-    (:func:`run_slowdown`) is more than :data:`FREE_FIT_TIE` longer than the best's get 1 (no
-    preference: time is never traded for packing). Normalised ``100 x (1 - raw)``. Always on,
+    tied candidate would have, from 0 (the job fills the pool) to 1; a candidate is tied when both
+    its predicted run (:func:`run_slowdown`) and its GPU speed (:func:`gpu_slowdown`) are within
+    :data:`FREE_FIT_TIE` of the best's; the others get 1 (no preference: time is never traded for
+    packing). Normalised ``100 x (1 - raw)``. Always on,
     unlike :class:`PoolFit` (which judges pools by their size, and only under contention): small
     jobs fill the pool that is already fullest, so pools with many free GPUs stay whole for the
     gangs that only they can hold, before any queue forms. This is Gavel's tie-break (Narayanan et
