@@ -92,7 +92,7 @@ from loom.migrate.replicas import Replica
 from loom.migrate.resume import Resume, resume_point
 from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
-from loom.model.learn import LearnSettings, SpeedLearner, run_speed
+from loom.model.learn import LearnSettings, SpeedLearner, run_speed, teaches_while_running
 from loom.model.ledger import LedgerCluster
 from loom.model.topology import Topology
 from loom.runtime.leader import Leadership, lead
@@ -2513,6 +2513,8 @@ class PlacementService:
             run = self.book.runs.get(e.job_id)
             if run is None or run.attempt != e.attempt or run.taught:
                 continue
+            if not teaches_while_running(e.compute_step_s, run.predicted_step_s):
+                continue  # as slow as the slow-node rule flags: its completion teaches
             observation = self._speed_observation(run, e.compute_step_s)
             if observation is not None:
                 out.append(((e.job_id, e.attempt), observation))

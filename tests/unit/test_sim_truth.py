@@ -400,7 +400,7 @@ def test_bench_policies_replays_with_an_operators_truth_file_and_reports_the_bel
 # ---- learning the truth in the simulator --------------------------------------------------------
 
 
-def two_pool_platform(a100_nodes: int = 1) -> Platform:
+def two_pool_platform(a100_nodes: int = 1, h100_speed: float = 2.0) -> Platform:
     """One cluster with A100 nodes the profile believes 3x the reference and an H100 node believed 2x."""
     nodes = [
         NodeCapacity(
@@ -411,7 +411,7 @@ def two_pool_platform(a100_nodes: int = 1) -> Platform:
     nodes.append(
         NodeCapacity(node="h", cluster="c", region=EU, zone=f"{EU}-a", gpu_model="H100", gpus_total=1)
     )
-    speeds = {"A100": 3.0, "H100": 2.0}
+    speeds = {"A100": 3.0, "H100": h100_speed}
     return Platform(
         name="learn-test",
         nodes=nodes,
@@ -469,43 +469,45 @@ def test_a_three_times_wrong_profile_is_learned_within_15_percent_in_ten_runs_an
 def test_a_running_job_teaches_its_speed_at_its_first_progress_report_once() -> None:
     """The agent reports progress every tenth of a run's steps with the compute step it measured,
     and placement learns from the first such report: a job arriving while the first A100 run is
-    under way (past its first tenth) already knows the A100 runs the family at 1/3 of its profile
-    and takes the H100 (truly 2x), though an A100 is free. The run teaches once: its completion
-    adds nothing."""
+    under way (past its first tenth) already knows the A100 runs the family at 2x, not the profile's
+    3x, and takes the H100 (2.5x), though an A100 is free. The run teaches once: its completion
+    adds nothing. A run more than twice as slow as predicted (what the slow-node rule flags: a slow
+    node looks the same mid-run) teaches only when it completes."""
     from loom.model.learn import SpeedLearner
 
-    truth = parse_truth(
-        tiny(
-            [c("fam", "V100M16", 10.0), c("fam", "A100", 10.0), c("fam", "H100", 20.0)],
-            families={"fam": {"task_type": "training_compute"}},
+    def scenario(a100: float, second_at: float) -> tuple[dict[str, str], SpeedLearner]:
+        truth = parse_truth(
+            tiny(
+                [c("fam", "V100M16", 10.0), c("fam", "A100", 10.0 * a100), c("fam", "H100", 25.0)],
+                families={"fam": {"task_type": "training_compute"}},
+            )
         )
-    )
-    # The first run takes 1,000 s (1,000 steps at the reference speed): its first tenth ends at 100 s.
-    jobs = [
-        SimJob(spec=fam_job("first", steps=1000, step_time_s=1.0), arrival_s=0.0),
-        SimJob(spec=fam_job("second", steps=100, step_time_s=1.0), arrival_s=150.0),
-    ]
-    learner = SpeedLearner()
-    result = simulate(
-        Trace(jobs=jobs),
-        two_pool_platform(a100_nodes=2),
-        POLICIES["loom"](0),
-        truth=truth,
-        learner=learner,
-        seed=3,
-    )
-    by_id = {r.job_id: r for r in result.records}
-    assert by_id["first"].gpu_model == "A100" and by_id["first"].end_s is not None
-    assert by_id["first"].end_s > 150.0  # still running when the second job came
-    assert by_id["second"].gpu_model == "H100"
+        jobs = [
+            SimJob(spec=fam_job("first", steps=1000, step_time_s=1.0), arrival_s=0.0),
+            SimJob(spec=fam_job("second", steps=100, step_time_s=1.0), arrival_s=second_at),
+        ]
+        learner = SpeedLearner()
+        platform = two_pool_platform(a100_nodes=2, h100_speed=2.5)
+        result = simulate(
+            Trace(jobs=jobs), platform, POLICIES["loom"](0), truth=truth, learner=learner, seed=3
+        )
+        by_id = {r.job_id: r for r in result.records}
+        first = by_id["first"]
+        assert first.gpu_model == "A100" and first.end_s is not None and first.end_s > second_at
+        return {r.job_id: r.gpu_model for r in result.records}, learner
+
+    # Truly 2x (1.5x slower than believed): 500 s, its first tenth ends at 50 s.
+    placed, learner = scenario(a100=2.0, second_at=150.0)
+    assert placed["second"] == "H100"
     assert learner.runs() == {("fam", "A100"): 1, ("fam", "H100"): 1}
-    assert learner.estimate("fam", "A100").factor == pytest.approx(1 / 3, rel=0.15)
-    # Arriving before the first tenth, it is decided with the profile alone: the free A100.
-    early = [jobs[0], SimJob(spec=fam_job("second", steps=100, step_time_s=1.0), arrival_s=50.0)]
-    before = simulate(
-        Trace(jobs=early), two_pool_platform(a100_nodes=2), POLICIES["loom"](0), truth=truth, seed=3
-    )
-    assert {r.job_id: r.gpu_model for r in before.records}["second"] == "A100"
+    assert learner.estimate("fam", "A100").factor == pytest.approx(2 / 3, rel=0.15)
+    # Arriving before that first tenth, it is decided with the profile alone: the free A100.
+    early, _ = scenario(a100=2.0, second_at=20.0)
+    assert early["second"] == "A100"
+    # Truly 1x (3x slower than believed): nothing is learned mid-run, the free A100 is taken.
+    slow, learner = scenario(a100=1.0, second_at=150.0)
+    assert slow["second"] == "A100"
+    assert learner.estimate("fam", "A100").factor == pytest.approx(1 / 3, rel=0.15)  # at completion
 
 
 def test_a_half_precision_family_learns_against_its_half_precision_profile() -> None:

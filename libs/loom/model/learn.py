@@ -79,6 +79,7 @@ __all__ = [
     "Source",
     "SpeedLearner",
     "run_speed",
+    "teaches_while_running",
 ]
 
 Source = Literal["own", "shared", "prior"]
@@ -523,3 +524,22 @@ def run_speed(
         prior_speed=prior_speed(model, job.task_type, precision_of_family(family)),
         observed_speed=job.work.step_time_s / observed_step_s,
     )
+
+
+LESSON_MAX_SLOWDOWN: Final = 2.0
+"""A running job teaches its speed at its first progress report only when its measured compute step
+is at most this many times the step placement predicted for the run (the slow-node rule's half)."""
+
+
+def teaches_while_running(observed_step_s: float, predicted_step_s: float | None) -> bool:
+    """Whether a run's first progress report may teach the speed learner (else its completion does).
+
+    One rule for placement and the simulator. A run delivering under half its predicted rate is what
+    the slow-node rule flags (:class:`loom.migrate.nodes.Pace`): mid-run a slow node and a mis-profiled
+    GPU look alike, and a lesson taught then would make every GPU of that model look as slow, so the
+    migration review would see nothing to gain by leaving the node. Such a run teaches at completion,
+    as every run did before; the others teach while they run. ``predicted_step_s`` None (unknown):
+    it teaches."""
+    if predicted_step_s is None or not predicted_step_s > 0:
+        return True
+    return observed_step_s <= LESSON_MAX_SLOWDOWN * predicted_step_s

@@ -113,7 +113,7 @@ from typing import Any, Final
 import numpy as np
 
 from loom.model.capacity import NodeCapacity
-from loom.model.learn import SpeedLearner, run_speed
+from loom.model.learn import SpeedLearner, run_speed, teaches_while_running
 from loom.model.profiles import speeds_for_model
 from loom.model.topology import Topology, load_topology
 from loom.sched import dag
@@ -1483,6 +1483,8 @@ class _Simulation:
         run = job.run
         if run is None or run.serial != event.generation or run.taught or self.speed_learner is None:
             return  # another run (or none) since: a resize or retiming keeps the run, and its lesson
+        if not teaches_while_running(run.compute_s, run.belief_step_s):
+            return  # as slow as the slow-node rule flags: its completion teaches
         run.taught = True
         self._learn_speed(self.speed_learner, job.spec, run)
 
