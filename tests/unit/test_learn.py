@@ -293,3 +293,17 @@ def test_run_speed_is_the_one_rule_of_which_completed_runs_teach() -> None:
     assert run_speed(job, ["A100"], 0.5, pipeline=True, prior_speed=prior) is None
     assert run_speed(job, ["A100"], None, pipeline=False, prior_speed=prior) is None
     assert run_speed(job, [""], 0.5, pipeline=False, prior_speed=prior) is None
+
+
+def test_a_run_teaches_while_running_only_within_twice_its_predicted_step() -> None:
+    """The slow-node rule's line: at most 2x the predicted step teaches at the first progress report;
+    beyond it (a slow node looks the same mid-run) the completion teaches. No prediction: it teaches."""
+    from loom.model.learn import LESSON_MAX_SLOWDOWN, teaches_while_running
+
+    assert LESSON_MAX_SLOWDOWN == 2.0
+    assert teaches_while_running(1.0, 1.0)
+    assert teaches_while_running(2.0, 1.0)
+    assert not teaches_while_running(2.01, 1.0)
+    assert teaches_while_running(0.3, 1.0)  # faster than predicted: learned at once
+    assert teaches_while_running(50.0, None)
+    assert teaches_while_running(50.0, 0.0)

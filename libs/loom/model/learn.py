@@ -71,6 +71,7 @@ from loom.model.scu import Precision, precision_of_family
 from loom_proto.jobs import JobSpec
 
 __all__ = [
+    "LESSON_MAX_SLOWDOWN",
     "CellState",
     "Estimate",
     "LearnSettings",

@@ -1483,7 +1483,9 @@ class _Simulation:
         run = job.run
         if run is None or run.serial != event.generation or run.taught or self.speed_learner is None:
             return  # another run (or none) since: a resize or retiming keeps the run, and its lesson
-        if not teaches_while_running(run.compute_s, run.belief_step_s):
+        # Against the step the decision bound (compute plus exchange), as placement compares with
+        # its run's ``predicted_step_s``; None (nothing bound) teaches, there as here.
+        if not teaches_while_running(run.compute_s, run.decision.predicted_step_s):
             return  # as slow as the slow-node rule flags: its completion teaches
         run.taught = True
         self._learn_speed(self.speed_learner, job.spec, run)
