@@ -382,6 +382,9 @@ class _Event:
     seq: int
     job_id: str = ""
     generation: int = 0
+    run: int = 0
+    """A lesson's run (:attr:`_Run.serial`): resizes and retimings raise the job's generation but
+    keep the run."""
     scripted: SimEvent | None = None
 
 
@@ -1192,11 +1195,9 @@ class _Simulation:
         self._push(_Event(run.end_s, _COMPLETE, 0, job_id=spec.job_id, generation=job.generation))
         if self.speed_learner is not None:
             at = run.compute_start_s + OBSERVE_AT * (run.end_s - run.compute_start_s)
-            # Keyed to the run (``generation`` holds its serial): resizes and retimings raise the
-            # job's generation but keep the run, which still teaches at its first tenth.
             self.runs_started += 1
             run.serial = self.runs_started
-            self._push(_Event(at, _OBSERVE, 0, job_id=spec.job_id, generation=run.serial))
+            self._push(_Event(at, _OBSERVE, 0, job_id=spec.job_id, run=run.serial))
 
     def _true_speeds(self, job: _Job, d: Decision) -> tuple[list[float], float, str]:
         """Per part the true per-GPU speed (at the most GPUs the part holds on one node), this run's noise,
@@ -1481,7 +1482,7 @@ class _Simulation:
         learner now (:data:`OBSERVE_AT`), not only when it completes."""
         job = self.jobs[event.job_id]
         run = job.run
-        if run is None or run.serial != event.generation or run.taught or self.speed_learner is None:
+        if run is None or run.serial != event.run or run.taught or self.speed_learner is None:
             return  # another run (or none) since: a resize or retiming keeps the run, and its lesson
         # Against the step the decision bound (compute plus exchange), as placement compares with
         # its run's ``predicted_step_s``; None (nothing bound) teaches, there as here.
