@@ -41,8 +41,8 @@ from loom_proto.jobs import JobSubmitted
 
 DEFAULT_SIZES: Final = "1000,10000"
 DEFAULT_JOBS: Final = 3000
-DEFAULT_BATCH: Final = 200
-"""The placement service's batch (``PlacementService(batch=200)``)."""
+DEFAULT_BATCH: Final = 500
+"""The placement service's batch (``PlacementService(batch=500)``)."""
 
 
 @dataclass(slots=True)

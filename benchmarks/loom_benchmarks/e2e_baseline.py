@@ -4,7 +4,7 @@ Run by the bench as its own OS process (as placement is): ``python -m loom_bench
 --nats URL --database URL``. It pulls job submissions from a stream of its own (``BENCHBASE``,
 subjects ``bench.baseline.>``, the same file storage, limits and duplicate window as Loom's
 streams, so placement never sees them) with a durable pull consumer fetched like placement's
-(a lingering pull of one, then whatever else is waiting, up to 200). Per fetched batch, one
+(a lingering pull of one, then whatever else is waiting, up to 500). Per fetched batch, one
 transaction on Loom's database (same server, same synchronous commit): claim the message ids in
 the inbox, insert the records (``bench_baseline_jobs``, idempotent on the job id) and record one
 placed-like event per record in the outbox. After the commit the batch is acknowledged and the
@@ -43,7 +43,7 @@ SUBMITTED = "bench.baseline.submitted"
 PLACED = "bench.baseline.placed"
 DURABLE = "bench-baseline"
 PRODUCER = "bench-baseline"
-BATCH = 200
+BATCH = 500
 """Placement's fetch batch."""
 
 _TABLE = """CREATE TABLE IF NOT EXISTS bench_baseline_jobs (

@@ -209,7 +209,7 @@ class Agent:
         self.progress_every = progress_every
         self.epoch = time.time_ns() // 1_000_000
         self.seq = 0
-        self.running: dict[str, RunningJob] = {}
+        self.running = _Runs()
         self.finished: set[str] = set()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self._closing = False
@@ -489,7 +489,8 @@ class Agent:
         spec = command.spec
         if spec.job_id != command.job_id:
             raise InvalidInputError(f"start command for {command.job_id} carries the spec of {spec.job_id}")
-        if any(r.job_id == command.job_id and r.attempt > command.attempt for r in self.running.values()):
+        attempts = self.running.attempts_of(command.job_id)
+        if any(r.attempt > command.attempt for r in attempts):
             # A later attempt runs here: placement gave this one up before placing that one.
             log.info("start of a superseded attempt refused", job_id=command.job_id, attempt=command.attempt)
             self.finished.add(key)
@@ -502,8 +503,8 @@ class Agent:
         # this cluster (a failed-over cross-cluster gang then waited for the failed cluster).
         halted = [
             (old, self._halt(old, f"superseded by attempt {command.attempt} (its own stop not here yet)"))
-            for old in list(self.running.values())
-            if old.job_id == command.job_id and old.attempt < command.attempt
+            for old in attempts
+            if old.attempt < command.attempt
         ]
         for old, _ in halted:
             log.warning(
@@ -1333,6 +1334,46 @@ class Agent:
         elif entry["op"] == "forget":
             self.running.pop(key, None)
             self.finished.discard(key)
+
+
+class _Runs(dict[str, "RunningJob"]):
+    """The agent's runs by key (``job:attempt``), indexed by job id as well: a start looks up its
+    job's other attempts without walking every run (thousands on a large cluster). Only item
+    assignment and ``pop`` change it (what the agent uses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._by_job: dict[str, dict[str, RunningJob]] = {}
+
+    def __setitem__(self, key: str, job: "RunningJob") -> None:
+        old = self.get(key)
+        if old is not None:
+            self._unindex(key, old)
+        super().__setitem__(key, job)
+        self._by_job.setdefault(job.job_id, {})[key] = job
+
+    def __delitem__(self, key: str) -> None:
+        job = self[key]
+        super().__delitem__(key)
+        self._unindex(key, job)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        if key not in self:
+            return super().pop(key, *default)
+        job = super().pop(key)
+        self._unindex(key, job)
+        return job
+
+    def _unindex(self, key: str, job: "RunningJob") -> None:
+        same = self._by_job.get(job.job_id)
+        if same is not None:
+            same.pop(key, None)
+            if not same:
+                del self._by_job[job.job_id]
+
+    def attempts_of(self, job_id: str) -> list["RunningJob"]:
+        """Every run of ``job_id`` here (its attempts, in the order they started)."""
+        return list(self._by_job.get(job_id, {}).values())
 
 
 def _fields(record: "RunningJob | Report") -> dict[str, Any]:

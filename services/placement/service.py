@@ -195,6 +195,15 @@ LOAD_WAIT_S = 10.0
 drains anyway (a load that fails or outlasts this is not waited for longer: the reminder heals)."""
 
 
+SUBMISSION_BATCH = 500
+"""Submissions fetched and handled as one batch at most (one transaction, one cycle, one
+statement): a burst's per-batch costs (the transaction, the fence check, the statement, the
+acks) spread over more jobs; the bench's raw path fetches as many (``e2e_baseline.BATCH``)."""
+ADMITTING = 2
+"""Submission batches that may hold a database connection, claimed and inserted, while they wait
+for the lock to decide (:meth:`PlacementService._admit`): enough for one to admit while another
+decides, and few against the pool (8), which the lock's holder needs too."""
+
 JOB_TIMINGS_KEPT = 4096
 """Admitted jobs whose path placement keeps for the ``job_timings`` debug section (``loom bench e2e``)."""
 
@@ -235,7 +244,7 @@ class PlacementService:
         self,
         ctx: ServiceContext,
         *,
-        batch: int = 200,
+        batch: int = SUBMISSION_BATCH,
         settle_s: float = 5.0,
         shard: str = "global",
         topology: Topology | None = None,
@@ -261,6 +270,9 @@ class PlacementService:
         self.book = Book(topology, economics, self.tenants)
         self.queue: dict[str, QueuedJob] = {}
         self.lock = asyncio.Lock()
+        self._admitting = asyncio.Semaphore(ADMITTING)
+        self._admit_tail: asyncio.Future[None] | None = None
+        """Set once the latest submission batch handed over has taken the lock (or given up)."""
         self.wake = asyncio.Event()
         self.capacity_changed = True
         self.batch = batch
@@ -568,8 +580,9 @@ class PlacementService:
                 batch_handler=self.on_submitted,
                 publisher=self.ctx.publisher,
                 idle_fetch_timeout_s=idle_fetch_timeout_s,
-                # The next batch is fetched and decided while this one writes (see _admit).
-                pipeline=2,
+                # The next batch is fetched, admitted and decided while this one writes, and the
+                # one after it admitted while that one decides (see _admit).
+                pipeline=3,
                 # One standing pull request: what arrives while batches are handled is the next
                 # batch at once (no fetch round trip); no linger either, as a burst gathers its
                 # batches while the ones before are handled, and a lone job goes at once.
@@ -867,30 +880,33 @@ class PlacementService:
     ) -> None:
         """One batch of submissions in one transaction: claim, insert, decide, write, commit.
 
-        Pipelined (:class:`_Batch`): the in-memory lock is held from the start until the cycle has
-        decided; then, unless the cycle preempted, shrank, grew or must rebuild the snapshot, it is
-        let go, so the next batch claims, inserts and decides on top of this one's placements
-        (listed in the snapshot, and in ``Book.pending`` should it be rebuilt) while this one
-        writes and commits. A batch writes its decisions only once the batch decided before it
-        has ended (so batches commit in the order they decided), and is rolled back (its messages
-        naked by the consumer) when that one failed.
+        Pipelined (:class:`_Batch`): the transaction begins and the batch is claimed and inserted
+        before the in-memory lock is taken (the admission reads and changes no in-memory state), so
+        a batch admits while the one before it decides. The lock is then held until the cycle has
+        decided; unless the cycle preempted, shrank, grew or must rebuild the snapshot, it is let
+        go, so the next batch decides on top of this one's placements (listed in the snapshot, and
+        in ``Book.pending`` should it be rebuilt) while this one writes and commits. A batch writes
+        its decisions only once the batch decided before it has ended (so batches commit in the
+        order they decided), and is rolled back (its messages naked by the consumer) when that one
+        failed.
 
         ``handled_at``: when the consumer handed the batch over; it and the batch's later stamps
-        (``cycle``: the lock taken, ``admitted``: claimed and inserted, ``decided``,
+        (``admitted``: claimed and inserted, ``cycle``: the lock taken, ``decided``,
         ``committed``, ``sent``: its messages handed to NATS) go to :attr:`job_timings` for every
         job of a batch that committed.
         """
         batch: _Batch | None = None
         stamps = {"handled": handled_at}
         phases = self.phases
-        t = time.perf_counter()
         with contextlib.suppress(AttributeError, TypeError):  # how long the oldest waited in the stream
             oldest = min(d.msg.metadata.timestamp.timestamp() for d, _ in accepted)
             phases.add("stream_to_handler", time.time() - oldest)
-        await self.lock.acquire()
-        t = phases.since("lock_wait", t)
-        stamps["cycle"] = time.time()
-        locked = True
+        # Territories change under the lock only; the jobs routed here are checked again once it
+        # is taken (a shard handed back meanwhile admits its jobs itself, from its own consumer).
+        accepted = [(d, job) for d, job in accepted if self._routed_here(job)]
+        if not accepted:
+            return
+        locked = False
 
         def decided(applied: "Applied", considered: list[QueuedJob]) -> None:
             nonlocal batch, locked
@@ -900,26 +916,67 @@ class PlacementService:
                 self.lock.release()
                 locked = False
 
-        try:
-            # Territories change under the lock only: a shard handed back meanwhile admits its
-            # jobs itself (they wait in its own consumer).
-            accepted = [(d, job) for d, job in accepted if self._routed_here(job)]
-            if accepted:
-                await self._admit_batch(accepted, decided, lambda: self._turn(batch), stamps)
+        async with self._admission() as take_lock:
+
+            async def lock() -> None:
+                nonlocal locked
+                await take_lock()
+                locked = True
+                stamps["cycle"] = time.time()
+                if not all(self._routed_here(job) for _, job in accepted):
+                    raise TransientError(
+                        "a territory changed hands while the batch was admitted; handled again"
+                    )
+
+            try:
+                await self._admit_batch(accepted, lock, decided, lambda: self._turn(batch), stamps)
                 if batch is not None:
                     self._close_batch(batch, ok=True)
                 self._note_timings(accepted, stamps)
-        except BaseException:
-            if batch is not None:
-                self._fail_batch(batch)
-            raise
+            except BaseException:
+                if batch is not None:
+                    self._fail_batch(batch)
+                raise
+            finally:
+                if locked:
+                    self.lock.release()
+
+    @contextlib.asynccontextmanager
+    async def _admission(self) -> AsyncIterator[Callable[[], Awaitable[None]]]:
+        """A submission batch's way to the lock, taken as it is handed over: yields the call that
+        takes the lock once every batch handed over before this one has taken it (or given up); a
+        later batch's admission may end first, but batches decide in the order they came. Until
+        it has the lock, the batch holds one of ``ADMITTING`` slots: few batches hold a database
+        connection while they wait for the lock, whose holder needs the pool too."""
+        ahead, ours = self._admit_tail, asyncio.get_running_loop().create_future()
+        self._admit_tail = ours
+        slot = False
+
+        async def take() -> None:
+            nonlocal slot
+            if ahead is not None and not ahead.done():
+                await asyncio.wait([ahead])
+            await self.lock.acquire()
+            ours.set_result(None)
+            self._admitting.release()
+            slot = False
+
+        try:
+            await self._admitting.acquire()
+            slot = True
+            yield take
         finally:
-            if locked:
-                self.lock.release()
+            if not ours.done():
+                ours.set_result(None)
+            if self._admit_tail is ours:
+                self._admit_tail = None
+            if slot:
+                self._admitting.release()
 
     async def _admit_batch(
         self,
         accepted: list[tuple[Delivery[bytes], JobSubmitted]],
+        lock: Callable[[], Awaitable[None]],
         decided: Callable[["Applied", list[QueuedJob]], None],
         turn: Callable[[], Awaitable[None]],
         stamps: dict[str, float],
@@ -932,6 +989,8 @@ class PlacementService:
             fresh_jobs, dup_rejects = await self._insert_batch(conn, accepted, now)
             t = phases.since("admit", t)
             stamps["admitted"] = time.time()
+            await lock()
+            t = phases.since("lock_wait", t)
             # One cycle over the new jobs and the queued ones whose backoff ended, in queue order
             # (a newcomer does not jump a waiting job of higher priority).
             due = self._due(besides=[q.job.job_id for q in fresh_jobs])

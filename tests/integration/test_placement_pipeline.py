@@ -230,6 +230,55 @@ async def test_pipelined_batches_decide_what_the_same_batches_decide_one_after_t
     assert pipelined.book.pending == {}
 
 
+async def test_batches_are_admitted_while_the_lock_is_held_and_take_it_in_the_order_handed_over(
+    services: Callable[[], Awaitable[PlacementService]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch claims and inserts before it waits for the lock (so it admits while another
+    decides); at most ``ADMITTING`` batches hold a connection waiting; and a batch whose admission
+    ends first still takes the lock after the batch handed over before it."""
+    from loom_services.placement import service as placement
+
+    svc = await services()
+    prefix = f"o{uuid.uuid4().hex[:6]}"
+    batches = [batch(prefix, k * BATCH) for k in range(3)]
+    inserted: list[int] = []
+    insert = svc._insert_batch
+
+    async def slow_first(conn: asyncpg.Connection, accepted: Any, now: float) -> Any:
+        which = int(accepted[0][1].job_id.rsplit("-", 1)[1]) // BATCH
+        if which == 0:
+            await asyncio.sleep(0.3)  # the first batch's admission ends after the second's
+        out = await insert(conn, accepted, now)
+        inserted.append(which)
+        return out
+
+    monkeypatch.setattr(svc, "_insert_batch", slow_first)
+    await svc.lock.acquire()  # another cycle decides meanwhile
+    tasks = []
+    for b in batches:
+        tasks.append(asyncio.create_task(svc.on_submitted(b)))
+        await asyncio.sleep(0)
+    for _ in range(100):
+        if len(inserted) == placement.ADMITTING:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)
+    assert inserted == [1, 0], "two batches admitted while the lock was held, the third waits"
+    svc.lock.release()
+    assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=30) == [[None] * BATCH] * 3
+    assert inserted == [1, 0, 2]
+
+    await asyncio.gather(*svc._sending)
+    timings = svc.job_timings_of(prefix)
+    assert len(timings) == 3 * BATCH
+    cycle = {
+        k: {timings[f"{prefix}-{i}"]["cycle"] for i in range(k * BATCH, (k + 1) * BATCH)} for k in range(3)
+    }
+    assert all(len(c) == 1 for c in cycle.values()), "one lock taken per batch"
+    assert min(cycle[0]) < min(cycle[1]) < min(cycle[2]), "the lock taken in the order handed over"
+    assert len(await placements(svc.pool)) == 3 * BATCH
+
+
 async def test_a_health_request_naming_job_timings_gets_each_admitted_jobs_path_in_order(
     services: Callable[[], Awaitable[PlacementService]],
 ) -> None:
@@ -246,8 +295,8 @@ async def test_a_health_request_naming_job_timings_gets_each_admitted_jobs_path_
 
     assert set(timings) == {f"{prefix}-{i}" for i in range(BATCH)}
     for stamps in timings.values():
-        # Handed over, the lock taken, claimed and inserted, decided, committed, sent: in that order.
-        path = [stamps[k] for k in ("handled", "cycle", "admitted", "decided", "committed", "sent")]
+        # Handed over, claimed and inserted, the lock taken, decided, committed, sent: in that order.
+        path = [stamps[k] for k in ("handled", "admitted", "cycle", "decided", "committed", "sent")]
         assert path == sorted(path)
         assert path[0] > 0
     other = await svc.ctx.nc.request(health, b"job_timings:nobody-", timeout=10)

@@ -30,3 +30,37 @@ def test_a_family_with_a_true_speed_runs_slower_and_observes_it_other_families_d
     assert step == pytest.approx(6.0)
     # The cluster's own figure (trust, decay) does not carry the family's truth.
     assert sim.delivered_speed("T4", "training_memory") == pytest.approx(2.0)
+
+
+def test_an_agents_runs_find_a_jobs_attempts_by_its_index_through_every_change() -> None:
+    from loom_services.cluster_agent.agent import RunningJob, _Runs
+
+    def run(job_id: str, attempt: int) -> RunningJob:
+        return RunningJob(
+            job_id=job_id,
+            tenant="t",
+            attempt=attempt,
+            gpu_model="T4",
+            task_type="training",
+            steps=10,
+            step_time_s=1.0,
+            checkpoint_every_steps=0,
+            allocations=[("n1", 1)],
+            carrier={},
+            step=0,
+            role="lead",
+        )
+
+    runs = _Runs()
+    runs["a:1"], runs["a:2"], runs["b:1"] = run("a", 1), run("a", 2), run("b", 1)
+    assert [r.attempt for r in runs.attempts_of("a")] == [1, 2]
+    assert runs.pop("a:1").attempt == 1
+    assert [r.attempt for r in runs.attempts_of("a")] == [2]
+    assert runs.pop("a:1", None) is None
+    del runs["a:2"]
+    assert runs.attempts_of("a") == []
+    replaced = run("b", 1)
+    runs["b:1"] = replaced  # a key set again (a journal replayed) keeps one entry
+    assert runs.attempts_of("b") == [replaced]
+    assert set(runs) == {"b:1"}
+    assert runs.attempts_of("nobody") == []
