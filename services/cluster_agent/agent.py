@@ -1338,8 +1338,8 @@ class Agent:
 
 class _Runs(dict[str, "RunningJob"]):
     """The agent's runs by key (``job:attempt``), indexed by job id as well: a start looks up its
-    job's other attempts without walking every run (thousands on a large cluster). Only item
-    assignment and ``pop`` change it (what the agent uses)."""
+    job's other attempts without walking every run (thousands on a large cluster). Every way a
+    dict changes keeps the index."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1364,6 +1364,28 @@ class _Runs(dict[str, "RunningJob"]):
         self._unindex(key, job)
         return job
 
+    def popitem(self) -> tuple[str, "RunningJob"]:
+        key, job = super().popitem()
+        self._unindex(key, job)
+        return key, job
+
+    def setdefault(self, key: str, default: "RunningJob") -> "RunningJob":
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args: Any, **kwargs: "RunningJob") -> None:
+        for key, job in dict(*args, **kwargs).items():
+            self[key] = job
+
+    def __ior__(self, other: Any) -> "_Runs":  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
+    def clear(self) -> None:
+        super().clear()
+        self._by_job.clear()
+
     def _unindex(self, key: str, job: "RunningJob") -> None:
         same = self._by_job.get(job.job_id)
         if same is not None:
@@ -1372,7 +1394,7 @@ class _Runs(dict[str, "RunningJob"]):
                 del self._by_job[job.job_id]
 
     def attempts_of(self, job_id: str) -> list["RunningJob"]:
-        """Every run of ``job_id`` here (its attempts, in the order they started)."""
+        """Every run of ``job_id`` here (its attempts)."""
         return list(self._by_job.get(job_id, {}).values())
 
 

@@ -202,7 +202,9 @@ acks) spread over more jobs; the bench's raw path fetches as many (``e2e_baselin
 ADMITTING = 2
 """Submission batches that may hold a database connection, claimed and inserted, while they wait
 for the lock to decide (:meth:`PlacementService._admit`): enough for one to admit while another
-decides, and few against the pool (8), which the lock's holder needs too."""
+decides. A holder of the lock may need a connection of the pool (8) too: the batches waiting for
+the lock must leave it some (batches that decided and are writing hold one each as well, but
+they wait for no lock, so they end)."""
 
 JOB_TIMINGS_KEPT = 4096
 """Admitted jobs whose path placement keeps for the ``job_timings`` debug section (``loom bench e2e``)."""
@@ -230,6 +232,52 @@ def rejection(job_id: str, tenant: str, code: RejectCode, reason: str, hint: str
     return JobRejected(
         job_id=job_id[:256], tenant=tenant, code=code, reason=reason[:2048], hint=hint[:2048], at=time.time()
     )
+
+
+class _Admission:
+    """One submission batch's turn (:meth:`PlacementService._admission`): ``claimed`` is set once
+    it has claimed and inserted, ``locked`` once it has taken the lock (each also when it gives
+    up); the batch handed over after it waits on them."""
+
+    def __init__(self, ahead: "_Admission | None", lock: asyncio.Lock, slots: asyncio.Semaphore) -> None:
+        loop = asyncio.get_running_loop()
+        self.ahead = ahead
+        self.claimed: asyncio.Future[None] = loop.create_future()
+        self.locked: asyncio.Future[None] = loop.create_future()
+        self.slot = False
+        """Whether it holds one of the ``ADMITTING`` slots."""
+        self._lock = lock
+        self._slots = slots
+
+    async def claim_turn(self) -> None:
+        """Wait until the batch handed over before this one has claimed and inserted."""
+        if self.ahead is not None and not self.ahead.claimed.done():
+            await asyncio.wait([self.ahead.claimed])
+
+    def mark_claimed(self) -> None:
+        """Claimed and inserted (or failed to): the batch behind may claim."""
+        if not self.claimed.done():
+            self.claimed.set_result(None)
+
+    async def take_lock(self) -> None:
+        """The lock, once the batch handed over before this one has taken it; the slot goes."""
+        if self.ahead is not None and not self.ahead.locked.done():
+            await asyncio.wait([self.ahead.locked])
+        await self._lock.acquire()
+        self.locked.set_result(None)
+        self.ahead = None  # no chain of past batches kept alive
+        self._slots.release()
+        self.slot = False
+
+    def end(self) -> None:
+        """Whatever happened: the batches behind it go on, its slot is given back."""
+        for future in (self.claimed, self.locked):
+            if not future.done():
+                future.set_result(None)
+        self.ahead = None
+        if self.slot:
+            self._slots.release()
+            self.slot = False
 
 
 class PlacementService:
@@ -271,8 +319,8 @@ class PlacementService:
         self.queue: dict[str, QueuedJob] = {}
         self.lock = asyncio.Lock()
         self._admitting = asyncio.Semaphore(ADMITTING)
-        self._admit_tail: asyncio.Future[None] | None = None
-        """Set once the latest submission batch handed over has taken the lock (or given up)."""
+        self._admit_tail: _Admission | None = None
+        """The turn of the latest submission batch handed over (see :meth:`_admission`)."""
         self.wake = asyncio.Event()
         self.capacity_changed = True
         self.batch = batch
@@ -592,16 +640,21 @@ class PlacementService:
         ]
 
     @contextlib.asynccontextmanager
-    async def _tx(self) -> AsyncIterator[asyncpg.Connection]:
-        """A transaction that first proves this instance still leads (the fence)."""
+    async def _tx(self, checked: dict[str, int] | None = None) -> AsyncIterator[asyncpg.Connection]:
+        """A transaction that first proves this instance still leads (the fence). ``checked`` is
+        given the fences proved (shard -> token), each share-locked until the transaction ends."""
         try:
             async with transaction(self.pool) as conn:
                 await fence.check(conn, self.shard, self.token)
+                if checked is not None:
+                    checked[self.shard] = self.token
                 for territory, token in list(self.held.items()):
                     if territory == self.shard:
                         continue
                     try:
                         await fence.check(conn, territory, token)
+                        if checked is not None:
+                            checked[territory] = token
                     except FencedError:
                         # Its shard is back (a newer token): the territory is not ours any more.
                         # Its watcher stops that shard's consumers first, then drops it (dropped
@@ -907,6 +960,7 @@ class PlacementService:
         if not accepted:
             return
         locked = False
+        shards = {route(job, self.shard_map) for _, job in accepted}
 
         def decided(applied: "Applied", considered: list[QueuedJob]) -> None:
             nonlocal batch, locked
@@ -916,20 +970,23 @@ class PlacementService:
                 self.lock.release()
                 locked = False
 
-        async with self._admission() as take_lock:
+        waited_from = time.perf_counter()
+        async with self._admission() as turn:
 
-            async def lock() -> None:
+            async def lock(checked: Mapping[str, int]) -> None:
                 nonlocal locked
-                await take_lock()
+                await turn.take_lock()
                 locked = True
                 stamps["cycle"] = time.time()
-                if not all(self._routed_here(job) for _, job in accepted):
-                    raise TransientError(
-                        "a territory changed hands while the batch was admitted; handled again"
-                    )
+                # Every job's shard still held under the fence token this transaction proved (and
+                # share-locks): not handed back, nor handed back and taken over again, meanwhile.
+                if any(t not in checked or self.held.get(t) != checked[t] for t in shards):
+                    raise NotLeaderError("a territory changed hands while the batch was admitted")
 
             try:
-                await self._admit_batch(accepted, lock, decided, lambda: self._turn(batch), stamps)
+                await self._admit_batch(
+                    accepted, turn, lock, decided, lambda: self._turn(batch), stamps, waited_from
+                )
                 if batch is not None:
                     self._close_batch(batch, ok=True)
                 self._note_timings(accepted, stamps)
@@ -942,54 +999,47 @@ class PlacementService:
                     self.lock.release()
 
     @contextlib.asynccontextmanager
-    async def _admission(self) -> AsyncIterator[Callable[[], Awaitable[None]]]:
-        """A submission batch's way to the lock, taken as it is handed over: yields the call that
-        takes the lock once every batch handed over before this one has taken it (or given up); a
-        later batch's admission may end first, but batches decide in the order they came. Until
-        it has the lock, the batch holds one of ``ADMITTING`` slots: few batches hold a database
-        connection while they wait for the lock, whose holder needs the pool too."""
-        ahead, ours = self._admit_tail, asyncio.get_running_loop().create_future()
+    async def _admission(self) -> AsyncIterator["_Admission"]:
+        """A submission batch's turn among the batches handed over, taken as it is handed over
+        (:class:`_Admission`): it claims and inserts after the batch before it has (so an earlier
+        batch never waits on a later one's rows: the same message or job id in both, as when the
+        global shard and a territory it holds both admit a submission), and takes the lock after
+        that batch has. Until it has the lock it holds one of ``ADMITTING`` slots."""
+        ours = _Admission(self._admit_tail, self.lock, self._admitting)
         self._admit_tail = ours
-        slot = False
-
-        async def take() -> None:
-            nonlocal slot
-            if ahead is not None and not ahead.done():
-                await asyncio.wait([ahead])
-            await self.lock.acquire()
-            ours.set_result(None)
-            self._admitting.release()
-            slot = False
-
         try:
             await self._admitting.acquire()
-            slot = True
-            yield take
+            ours.slot = True
+            yield ours
         finally:
-            if not ours.done():
-                ours.set_result(None)
+            ours.end()
             if self._admit_tail is ours:
                 self._admit_tail = None
-            if slot:
-                self._admitting.release()
 
-    async def _admit_batch(
+    async def _admit_batch(  # noqa: PLR0917
         self,
         accepted: list[tuple[Delivery[bytes], JobSubmitted]],
-        lock: Callable[[], Awaitable[None]],
+        admission: "_Admission",
+        lock: Callable[[Mapping[str, int]], Awaitable[None]],
         decided: Callable[["Applied", list[QueuedJob]], None],
         turn: Callable[[], Awaitable[None]],
         stamps: dict[str, float],
+        waited_from: float,
     ) -> None:
-        now = time.time()
         phases = self.phases
-        t = time.perf_counter()
-        async with self._tx() as conn:
+        await admission.claim_turn()  # holding no connection meanwhile
+        t = phases.since("admit_wait", waited_from)
+        now = time.time()
+        checked: dict[str, int] = {}
+        async with self._tx(checked) as conn:
             t = phases.since("begin", t)
-            fresh_jobs, dup_rejects = await self._insert_batch(conn, accepted, now)
+            try:
+                fresh_jobs, dup_rejects = await self._insert_batch(conn, accepted, now)
+            finally:
+                admission.mark_claimed()  # the batch behind may claim now (its rows cannot wait on ours)
             t = phases.since("admit", t)
             stamps["admitted"] = time.time()
-            await lock()
+            await lock(checked)
             t = phases.since("lock_wait", t)
             # One cycle over the new jobs and the queued ones whose backoff ended, in queue order
             # (a newcomer does not jump a waiting job of higher priority).
@@ -2214,8 +2264,9 @@ class PlacementService:
                     raise
             except BaseException:
                 # Whatever the cycle took in the kept snapshot was not committed (the placements
-                # of batches still writing before it stay pending).
-                if not self._batches:
+                # of batches still writing before it stay pending, and so do those of a cycle that
+                # holds the lock now: a submission batch fails before it takes it, too).
+                if not self._batches and (locked or not self.lock.locked()):
                     self.book.forget_pending(list(self.book.pending))
                 self.book.invalidate()
                 raise

@@ -1,12 +1,13 @@
 """The placement pipeline on real NATS and PostgreSQL: the next batch decides while this one writes.
 
 Two submission batches are handed to a leading :class:`PlacementService` at once, as its
-submissions consumer does with ``pipeline=2``; the first batch's write is held until the second
+submissions consumer does (``pipeline=3``); the first batch's write is held until the second
 has decided (on top of the first's placements), so the overlap is certain. When the first
 batch's write then fails, both batches must be rolled back and answered with a retryable error
 (the consumer naks them): nothing stored, nothing left in memory, and the same messages
 delivered again are each placed exactly once. When nothing fails, the pipelined batches decide
-exactly what the same batches decide one after the other.
+exactly what the same batches decide one after the other. Batches claim and insert before they
+wait for the lock, in the order they were handed over, and take the lock in that order too.
 """
 
 import asyncio
@@ -230,12 +231,12 @@ async def test_pipelined_batches_decide_what_the_same_batches_decide_one_after_t
     assert pipelined.book.pending == {}
 
 
-async def test_batches_are_admitted_while_the_lock_is_held_and_take_it_in_the_order_handed_over(
+async def test_batches_are_admitted_while_the_lock_is_held_in_the_order_handed_over(
     services: Callable[[], Awaitable[PlacementService]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch claims and inserts before it waits for the lock (so it admits while another
-    decides); at most ``ADMITTING`` batches hold a connection waiting; and a batch whose admission
-    ends first still takes the lock after the batch handed over before it."""
+    decides), after the batch handed over before it has, however slow that one's claim; at most
+    ``ADMITTING`` batches hold a connection waiting; the lock is taken in the order handed over."""
     from loom_services.placement import service as placement
 
     svc = await services()
@@ -247,7 +248,7 @@ async def test_batches_are_admitted_while_the_lock_is_held_and_take_it_in_the_or
     async def slow_first(conn: asyncpg.Connection, accepted: Any, now: float) -> Any:
         which = int(accepted[0][1].job_id.rsplit("-", 1)[1]) // BATCH
         if which == 0:
-            await asyncio.sleep(0.3)  # the first batch's admission ends after the second's
+            await asyncio.sleep(0.3)  # the first batch's claim is slow
         out = await insert(conn, accepted, now)
         inserted.append(which)
         return out
@@ -263,10 +264,10 @@ async def test_batches_are_admitted_while_the_lock_is_held_and_take_it_in_the_or
             break
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.2)
-    assert inserted == [1, 0], "two batches admitted while the lock was held, the third waits"
+    assert inserted == [0, 1], "two batches admitted, in order, while the lock was held; the third waits"
     svc.lock.release()
     assert await asyncio.wait_for(asyncio.gather(*tasks), timeout=30) == [[None] * BATCH] * 3
-    assert inserted == [1, 0, 2]
+    assert inserted == [0, 1, 2]
 
     await asyncio.gather(*svc._sending)
     timings = svc.job_timings_of(prefix)
@@ -277,6 +278,39 @@ async def test_batches_are_admitted_while_the_lock_is_held_and_take_it_in_the_or
     assert all(len(c) == 1 for c in cycle.values()), "one lock taken per batch"
     assert min(cycle[0]) < min(cycle[1]) < min(cycle[2]), "the lock taken in the order handed over"
     assert len(await placements(svc.pool)) == 3 * BATCH
+
+
+async def test_one_submission_admitted_by_two_batches_at_once_is_placed_once_without_a_stall(
+    services: Callable[[], Awaitable[PlacementService]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same messages in two batches handed over together (the global shard and a territory it
+    holds both admit a submission): the second claims after the first has, waits in the database
+    for the first to commit, and finds them handled. Were the second to claim first, the first
+    would wait in the database for the second, which waits for the first to take the lock: a stall
+    until the statement timeout (30 s)."""
+    svc = await services()
+    prefix = f"d{uuid.uuid4().hex[:6]}"
+    same = batch(prefix, 0)
+    insert = svc._insert_batch
+    calls = 0
+
+    async def slow_first(conn: asyncpg.Connection, accepted: Any, now: float) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.sleep(0.3)  # the first batch's claim comes late
+        return await insert(conn, accepted, now)
+
+    monkeypatch.setattr(svc, "_insert_batch", slow_first)
+    one = asyncio.create_task(svc.on_submitted(same))
+    await asyncio.sleep(0)
+    two = asyncio.create_task(svc.on_submitted(same))
+    assert await asyncio.wait_for(asyncio.gather(one, two), timeout=10) == [[None] * BATCH] * 2
+    assert len(await placements(svc.pool)) == BATCH
+    events = await svc.pool.fetchval(
+        "SELECT count(*) FROM job_events WHERE job_id LIKE $1 AND kind = 'placed'", f"{prefix}-%"
+    )
+    assert events == BATCH, "each job placed once"
 
 
 async def test_a_health_request_naming_job_timings_gets_each_admitted_jobs_path_in_order(

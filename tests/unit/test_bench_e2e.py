@@ -75,7 +75,8 @@ def _stamps(base: float, order: list[str], gaps_ms: list[float]) -> dict[str, fl
 
 
 def test_path_breakdown_splits_each_jobs_latency_into_segments_in_the_order_the_stamps_came() -> None:
-    # A placement that takes the lock before admitting: cycle comes before admitted.
+    # Stamps in an order other than PATH's (as placement's were when it took the lock before it
+    # admitted): the segments follow the order the stamps came in.
     order = ["stored", "received", "handled", "cycle", "admitted", "decided", "committed", "sent"]
     client, placed, timings, latency = {}, {}, {}, {}
     for i in range(100):
