@@ -270,14 +270,29 @@ class _Admission:
         self.slot = False
 
     def end(self) -> None:
-        """Whatever happened: the batches behind it go on, its slot is given back."""
-        for future in (self.claimed, self.locked):
-            if not future.done():
-                future.set_result(None)
-        self.ahead = None
+        """Whatever happened, its slot is given back; a turn not yet taken passes on to the batch
+        behind when the batch ahead has taken it (a batch that gave up early leaves the chain
+        without letting the one behind overtake the one ahead)."""
+        ahead, self.ahead = self.ahead, None
+        pairs: list[tuple[asyncio.Future[None], asyncio.Future[None] | None]] = [
+            (self.claimed, None if ahead is None else ahead.claimed),
+            (self.locked, None if ahead is None else ahead.locked),
+        ]
+        for mine, theirs in pairs:
+            if mine.done():
+                continue
+            if theirs is None or theirs.done():
+                mine.set_result(None)
+            else:
+                theirs.add_done_callback(functools.partial(_resolve, mine))
         if self.slot:
             self._slots.release()
             self.slot = False
+
+
+def _resolve(future: "asyncio.Future[None]", _: object = None) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class PlacementService:
@@ -978,8 +993,9 @@ class PlacementService:
                 await turn.take_lock()
                 locked = True
                 stamps["cycle"] = time.time()
-                # Every job's shard still held under the fence token this transaction proved (and
-                # share-locks): not handed back, nor handed back and taken over again, meanwhile.
+                # Every job's shard still held, under the fence token this transaction proved (and
+                # share-locks): not handed back since, nor dropped before the check and taken over
+                # again since (its fence then unchecked here).
                 if any(t not in checked or self.held.get(t) != checked[t] for t in shards):
                     raise NotLeaderError("a territory changed hands while the batch was admitted")
 
@@ -2966,9 +2982,13 @@ class Applied:
     def pipelinable(self) -> bool:
         """Whether the next batch may decide before this one commits: its cycle only placed,
         rejected or left waiting (preemption, shrinking and growth change running jobs, which the
-        book adopts only on commit; a stale snapshot must be rebuilt first)."""
+        book adopts only on commit; a stale snapshot must be rebuilt first), and rejected no DAG
+        stage (settling the DAG writes its other stages' rows, which the next batch may lock as
+        due queued jobs and hold while it waits for this one to end)."""
         c = self.cycle
-        return not (self.stale or c.preempted or c.shrunk or c.grown)
+        return not (
+            self.stale or c.preempted or c.shrunk or c.grown or any(r.pending.parent for r in c.rejected)
+        )
 
 
 @dataclasses.dataclass

@@ -280,6 +280,44 @@ async def test_batches_are_admitted_while_the_lock_is_held_in_the_order_handed_o
     assert len(await placements(svc.pool)) == 3 * BATCH
 
 
+async def test_a_batch_that_gives_up_before_its_claim_lets_the_next_one_claim_only_after_the_one_before(
+    services: Callable[[], Awaitable[PlacementService]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The middle of three batches is cancelled while it waits for its turn to claim: the third
+    still claims and takes the lock after the first (the chain skips the middle one, nobody
+    overtakes), and nothing of the middle one is stored."""
+    svc = await services()
+    prefix = f"m{uuid.uuid4().hex[:6]}"
+    batches = [batch(prefix, k * BATCH) for k in range(3)]
+    inserted: list[int] = []
+    insert = svc._insert_batch
+
+    async def slow_first(conn: asyncpg.Connection, accepted: Any, now: float) -> Any:
+        which = int(accepted[0][1].job_id.rsplit("-", 1)[1]) // BATCH
+        if which == 0:
+            await asyncio.sleep(0.5)
+        out = await insert(conn, accepted, now)
+        inserted.append(which)
+        return out
+
+    monkeypatch.setattr(svc, "_insert_batch", slow_first)
+    tasks = []
+    for b in batches:
+        tasks.append(asyncio.create_task(svc.on_submitted(b)))
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.1)
+    tasks[1].cancel()
+    outcomes = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=30)
+    assert isinstance(outcomes[1], asyncio.CancelledError)
+    assert outcomes[0] == outcomes[2] == [None] * BATCH
+    assert inserted == [0, 2], "the third batch claimed after the first, the middle one never"
+    await asyncio.gather(*svc._sending)
+    timings = svc.job_timings_of(prefix)
+    assert timings[f"{prefix}-0"]["cycle"] < timings[f"{prefix}-{2 * BATCH}"]["cycle"]
+    placed = await placements(svc.pool)
+    assert len(placed) == 2 * BATCH and not any(f"{prefix}-{i}" in placed for i in range(BATCH, 2 * BATCH))
+
+
 async def test_one_submission_admitted_by_two_batches_at_once_is_placed_once_without_a_stall(
     services: Callable[[], Awaitable[PlacementService]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
