@@ -231,6 +231,24 @@ async def test_pipelined_batches_decide_what_the_same_batches_decide_one_after_t
     assert pipelined.book.pending == {}
 
 
+def slow_first_claim(svc: PlacementService, monkeypatch: pytest.MonkeyPatch, delay_s: float) -> list[int]:
+    """Slow the claim of batch 0 (of batches made by :func:`batch` from 0, ``BATCH`` apart) by
+    ``delay_s``; returns the batch numbers in the order their claims and inserts ended."""
+    inserted: list[int] = []
+    insert = svc._insert_batch
+
+    async def slow(conn: asyncpg.Connection, accepted: Any, now: float) -> Any:
+        which = int(accepted[0][1].job_id.rsplit("-", 1)[1]) // BATCH
+        if which == 0:
+            await asyncio.sleep(delay_s)
+        out = await insert(conn, accepted, now)
+        inserted.append(which)
+        return out
+
+    monkeypatch.setattr(svc, "_insert_batch", slow)
+    return inserted
+
+
 async def test_batches_are_admitted_while_the_lock_is_held_in_the_order_handed_over(
     services: Callable[[], Awaitable[PlacementService]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -242,18 +260,7 @@ async def test_batches_are_admitted_while_the_lock_is_held_in_the_order_handed_o
     svc = await services()
     prefix = f"o{uuid.uuid4().hex[:6]}"
     batches = [batch(prefix, k * BATCH) for k in range(3)]
-    inserted: list[int] = []
-    insert = svc._insert_batch
-
-    async def slow_first(conn: asyncpg.Connection, accepted: Any, now: float) -> Any:
-        which = int(accepted[0][1].job_id.rsplit("-", 1)[1]) // BATCH
-        if which == 0:
-            await asyncio.sleep(0.3)  # the first batch's claim is slow
-        out = await insert(conn, accepted, now)
-        inserted.append(which)
-        return out
-
-    monkeypatch.setattr(svc, "_insert_batch", slow_first)
+    inserted = slow_first_claim(svc, monkeypatch, 0.3)
     await svc.lock.acquire()  # another cycle decides meanwhile
     tasks = []
     for b in batches:
@@ -289,18 +296,7 @@ async def test_a_batch_that_gives_up_before_its_claim_lets_the_next_one_claim_on
     svc = await services()
     prefix = f"m{uuid.uuid4().hex[:6]}"
     batches = [batch(prefix, k * BATCH) for k in range(3)]
-    inserted: list[int] = []
-    insert = svc._insert_batch
-
-    async def slow_first(conn: asyncpg.Connection, accepted: Any, now: float) -> Any:
-        which = int(accepted[0][1].job_id.rsplit("-", 1)[1]) // BATCH
-        if which == 0:
-            await asyncio.sleep(0.5)
-        out = await insert(conn, accepted, now)
-        inserted.append(which)
-        return out
-
-    monkeypatch.setattr(svc, "_insert_batch", slow_first)
+    inserted = slow_first_claim(svc, monkeypatch, 0.5)
     tasks = []
     for b in batches:
         tasks.append(asyncio.create_task(svc.on_submitted(b)))
