@@ -37,7 +37,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator, MutableMapping, ValuesView
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
@@ -1336,62 +1336,43 @@ class Agent:
             self.finished.discard(key)
 
 
-class _Runs(dict[str, "RunningJob"]):
+class _Runs(MutableMapping[str, "RunningJob"]):
     """The agent's runs by key (``job:attempt``), indexed by job id as well: a start looks up its
-    job's other attempts without walking every run (thousands on a large cluster). Every way a
-    dict changes keeps the index."""
+    job's other attempts without walking every run (thousands on a large cluster). Every change
+    goes through item assignment or deletion (the mapping mixins build the rest on them), which
+    keep the index; reads go straight to the dict."""
 
     def __init__(self) -> None:
-        super().__init__()
+        self._runs: dict[str, RunningJob] = {}
         self._by_job: dict[str, dict[str, RunningJob]] = {}
 
+    def __getitem__(self, key: str) -> "RunningJob":
+        return self._runs[key]
+
     def __setitem__(self, key: str, job: "RunningJob") -> None:
-        old = self.get(key)
-        if old is not None:
-            self._unindex(key, old)
-        super().__setitem__(key, job)
+        if key in self._runs:
+            del self[key]
+        self._runs[key] = job
         self._by_job.setdefault(job.job_id, {})[key] = job
 
     def __delitem__(self, key: str) -> None:
-        job = self[key]
-        super().__delitem__(key)
-        self._unindex(key, job)
+        job = self._runs.pop(key)
+        same = self._by_job[job.job_id]
+        del same[key]
+        if not same:
+            del self._by_job[job.job_id]
 
-    def pop(self, key: str, *default: Any) -> Any:
-        if key not in self:
-            return super().pop(key, *default)
-        job = super().pop(key)
-        self._unindex(key, job)
-        return job
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._runs)
 
-    def popitem(self) -> tuple[str, "RunningJob"]:
-        key, job = super().popitem()
-        self._unindex(key, job)
-        return key, job
+    def __len__(self) -> int:
+        return len(self._runs)
 
-    def setdefault(self, key: str, default: "RunningJob") -> "RunningJob":
-        if key not in self:
-            self[key] = default
-        return self[key]
+    def __contains__(self, key: object) -> bool:
+        return key in self._runs
 
-    def update(self, *args: Any, **kwargs: "RunningJob") -> None:
-        for key, job in dict(*args, **kwargs).items():
-            self[key] = job
-
-    def __ior__(self, other: Any) -> "_Runs":  # type: ignore[override,misc]
-        self.update(other)
-        return self
-
-    def clear(self) -> None:
-        super().clear()
-        self._by_job.clear()
-
-    def _unindex(self, key: str, job: "RunningJob") -> None:
-        same = self._by_job.get(job.job_id)
-        if same is not None:
-            same.pop(key, None)
-            if not same:
-                del self._by_job[job.job_id]
+    def values(self) -> ValuesView["RunningJob"]:
+        return self._runs.values()
 
     def attempts_of(self, job_id: str) -> list["RunningJob"]:
         """Every run of ``job_id`` here (its attempts)."""
