@@ -2,8 +2,11 @@
 
 Reads only: jobs, their events and decision records from PostgreSQL (:mod:`loom.store.console`,
 :mod:`loom.store.jobs`); the resource view from metrics and link state from network-perception
-over their bus queries; job events from one core-NATS subscription to every lifecycle subject,
-fanned out to each open event stream (filtered by the viewer's tenant).
+over their bus queries; job events from core-NATS subscriptions to every lifecycle and report
+subject, fanned out to each open event stream (filtered by the viewer's tenant). The
+subscriptions exist only while an event stream is open, and for ``UNWATCH_AFTER_S`` after the last
+one closed: with nobody watching, the console receives nothing (a placement burst would otherwise
+send it every event of every job).
 """
 
 import asyncio
@@ -22,6 +25,7 @@ import asyncpg
 import msgspec
 import structlog
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from loom.bus.dlq import parse_since
 from loom.client import LoomClient, QueryError
@@ -54,6 +58,12 @@ _KEEPALIVE_S = 15.0
 _LISTENER_BACKLOG = 1000
 _MAX_LIMIT = 1000
 _CANCEL_WAIT_S = 5.0
+EVENT_SUBJECTS = (subjects.JOBS_LIFECYCLE_ALL, subjects.JOBS_REPORTS_ALL)
+"""What the open event streams show; subscribed to while at least one is open."""
+UNWATCH_AFTER_S = 30.0
+"""How long the subscriptions outlive the last open stream: moving from page to page closes one
+stream and opens the next, and a subscription just made may miss an event published in the
+same millisecond (the server makes it visible to other connections a moment after the flush)."""
 _INCIDENTS_LISTED = 100
 _ACTION_TIMEOUT_S = 5.0
 USAGE_BY = store.USAGE_KEYS
@@ -130,9 +140,19 @@ class Console:
         self.tokens = tokens
         self.jaeger_url = jaeger_url.rstrip("/") if jaeger_url else None
         self.listeners: set[Listener] = set()
+        self._subs: list[Subscription] = []
+        self._subs_lock = asyncio.Lock()
+        self._unwatching: asyncio.Task[None] | None = None
+        self.unwatch_after_s = UNWATCH_AFTER_S
         self.regions = [(r.id, r.source_name) for r in topology.regions]
         self.placed = project(self.regions)
-        ctx.stats["console"] = {"requests": 0, "streams": 0, "events": 0, "dropped": 0}
+        ctx.stats["console"] = {
+            "requests": 0,
+            "streams": 0,
+            "events": 0,
+            "dropped": 0,
+            "subscribed": False,
+        }
 
     # ---- events ---------------------------------------------------------------------------------
 
@@ -153,10 +173,55 @@ class Console:
             except asyncio.QueueFull:
                 stats["dropped"] += 1  # a stalled reader: it reconnects and the page reloads its rows
 
-    async def _stream(self, listener: Listener) -> AsyncGenerator[bytes, None]:
+    async def watch(self) -> None:
+        """Subscribe to the job events if a stream is open and they are not yet (the server has
+        the subscriptions when this returns, so an event published after it reaches the stream)."""
+        async with self._subs_lock:
+            if self._subs or not self.listeners:
+                return
+            subs = []
+            try:
+                for subject in EVENT_SUBJECTS:
+                    subs.append(await self.ctx.nc.subscribe(subject, cb=self.on_event))
+                await self.ctx.nc.flush()
+            except BaseException:
+                for sub in subs:
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+                raise
+            self._subs = subs
+            self.ctx.stats["console"]["subscribed"] = True
+
+    def _last_closed(self) -> None:
+        """The last open stream ended: unsubscribe after :attr:`unwatch_after_s` unless one opens."""
+        if self._unwatching is not None:
+            self._unwatching.cancel()
+        self._unwatching = asyncio.get_running_loop().create_task(self._unwatch_later())
+
+    async def _unwatch_later(self) -> None:
+        await asyncio.sleep(self.unwatch_after_s)
+        await self.unwatch()
+
+    async def unwatch(self, *, closing: bool = False) -> None:
+        """Drop the job-event subscriptions if no stream is open (``closing``: in any case)."""
+        if closing and self._unwatching is not None:
+            self._unwatching.cancel()
+        async with self._subs_lock:
+            if (self.listeners and not closing) or not self._subs:
+                return
+            subs, self._subs = self._subs, []
+            self.ctx.stats["console"]["subscribed"] = False
+            for sub in subs:
+                with contextlib.suppress(Exception):  # NATS away: the connection's end drops them
+                    await sub.unsubscribe()
+
+    async def events_of(self, listener: Listener) -> AsyncGenerator[bytes, None]:
+        """An open event stream's bytes: its first line once the console is subscribed, then
+        each job event the listener wants and a comment now and then to keep it alive."""
         self.listeners.add(listener)
         self.ctx.stats["console"]["streams"] = len(self.listeners)
         try:
+            await self.watch()
             yield b"retry: 2000\n: connected\n\n"
             while True:
                 try:
@@ -166,6 +231,8 @@ class Console:
         finally:
             self.listeners.discard(listener)
             self.ctx.stats["console"]["streams"] = len(self.listeners)
+            if not self.listeners:
+                self._last_closed()
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -379,7 +446,7 @@ class Console:
         job_id = request.query.get("job") or None
         if (tenant is not None and not _is_id(tenant)) or (job_id is not None and not _is_id(job_id)):
             return _page(400, pages.error_page(400, "tenant and job must be ids", access))
-        return EventStream(self._stream(Listener(tenant=tenant, job_id=job_id)))
+        return EventStream(self.events_of(Listener(tenant=tenant, job_id=job_id)))
 
     async def map_page(self, access: Access) -> Response:
         """The world map."""
@@ -602,10 +669,6 @@ async def serve(
 ) -> None:
     """Run the console until the service stops."""
     console = Console(ctx, topology, tokens, jaeger_url=jaeger_url)
-    subs = [
-        await ctx.nc.subscribe(subject, cb=console.on_event)
-        for subject in (subjects.JOBS_LIFECYCLE_ALL, subjects.JOBS_REPORTS_ALL)
-    ]
     server = HttpServer(console.handle, host, port)
     await server.start()
     ctx.stats["console"]["url"] = f"http://{host}:{server.port}"
@@ -614,6 +677,4 @@ async def serve(
         await ctx.stopping.wait()
     finally:
         await server.stop()
-        for sub in subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        await console.unwatch(closing=True)

@@ -1,22 +1,29 @@
-"""The web console's pure parts: tokens, map, pages, event items, the HTTP server, `loom console`."""
+"""The web console's pure parts: tokens, map, pages, event items, the HTTP server, `loom console`;
+and its job-event subscriptions on a real NATS (held only while a stream is open)."""
 
 import asyncio
+import contextlib
 import json
 import os
 import stat
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
+import nats
 import pytest
 
+from loom.bus import Publisher
 from loom.cli.console import console_url
+from loom.model.topology import load_topology
 from loom.runtime import stack
+from loom.runtime.service import ServiceContext
 from loom.runtime.tokens import Access, Tokens, ensure_tokens, load_tokens, tokens_path
+from loom_proto import subjects
 from loom_services.console import pages
 from loom_services.console.geo import project
 from loom_services.console.http import EventStream, HttpServer, Request, Response
 from loom_services.console.land import LAND_PATH
-from loom_services.console.service import Listener, event_item
+from loom_services.console.service import Console, Listener, event_item
 
 # ---- tokens ---------------------------------------------------------------------------------------
 
@@ -260,6 +267,109 @@ async def test_an_event_stream_is_listening_before_its_headers_are_sent() -> Non
         assert body == b": hello\n\nevent: job\ndata: {}\n\n"
     finally:
         await server.stop()
+
+
+class _Watched:
+    """A console on the session's NATS, and another connection that publishes job events."""
+
+    def __init__(self, console: Console, nc: nats.NATS, other: nats.NATS) -> None:
+        self.console, self.nc, self.other = console, nc, other
+        self.stats = console.ctx.stats["console"]
+
+    async def publish(self, job_id: str) -> None:
+        body = {"job_id": job_id, "tenant": "alpha", "kind": "placed", "at": 1.0, "cluster": "c"}
+        await self.other.publish(subjects.job_placed("alpha"), json.dumps(body).encode())
+        await self.other.flush()
+
+    async def published_and_settled(self, job_id: str) -> None:
+        await self.publish(job_id)
+        await self.nc.flush()  # a round trip after the publish: anything delivered has arrived
+        await asyncio.sleep(0.1)
+
+    async def opened(
+        self, tenant: str | None = None, job_id: str | None = None
+    ) -> AsyncGenerator[bytes, None]:
+        stream = self.console.events_of(Listener(tenant=tenant, job_id=job_id))
+        assert (await anext(stream)).startswith(b"retry:")
+        assert self.stats["subscribed"]
+        return stream
+
+    async def shown(self, stream: AsyncGenerator[bytes, None], job_id: str) -> bytes:
+        # Published again until it shows: the server lets other connections see a subscription
+        # a moment after its flush (an event in that moment is missed: UNWATCH_AFTER_S).
+        item = asyncio.ensure_future(anext(stream))
+        for _ in range(25):
+            await self.publish(job_id)
+            done, _ = await asyncio.wait([item], timeout=0.2)
+            if done:
+                return item.result()
+        item.cancel()
+        raise AssertionError(f"{job_id} never reached the stream: {self.stats}")
+
+    async def unsubscribed(self) -> None:
+        for _ in range(100):
+            if not self.stats["subscribed"]:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("still subscribed")
+
+
+@contextlib.asynccontextmanager
+async def _watched(tmp_path: Path, nats_url: str) -> AsyncIterator[_Watched]:
+    nc = await nats.connect(nats_url)
+    other = await nats.connect(nats_url)
+    ctx = ServiceContext(name="console", nc=nc, publisher=Publisher(nc), pool=None, stopping=asyncio.Event())
+    console = Console(ctx, load_topology("small"), ensure_tokens(tmp_path), jaeger_url=None)
+    try:
+        yield _Watched(console, nc, other)
+        await console.unwatch(closing=True)
+    finally:
+        await nc.close()
+        await other.close()
+
+
+async def test_job_events_are_received_only_while_an_event_stream_is_open(
+    tmp_path: Path, nats_url: str
+) -> None:
+    async with _watched(tmp_path, nats_url) as w:
+        w.console.unwatch_after_s = 0.0
+        await w.published_and_settled("nobody-watching")
+        assert w.stats["events"] == 0 and not w.stats["subscribed"]
+
+        first = await w.opened(tenant="alpha")
+        second = await w.opened(job_id="j-2")
+        assert w.stats["streams"] == 2
+        item = await w.shown(first, "j-1")
+        assert item.startswith(b"event: job\n") and b'"job_id": "j-1"' in item
+        await first.aclose()  # one stream left open: still subscribed
+        await asyncio.sleep(0.05)
+        assert w.stats["subscribed"] and w.stats["streams"] == 1
+        assert b'"job_id": "j-2"' in await w.shown(second, "j-2")
+
+        await second.aclose()  # the last one: unsubscribed
+        await w.unsubscribed()
+        received = w.stats["events"]
+        await w.published_and_settled("after-the-last")
+        assert w.stats["events"] == received
+
+        third = await w.opened()  # and subscribed again
+        assert b'"job_id": "j-3"' in await w.shown(third, "j-3")
+        await third.aclose()
+        await w.unsubscribed()
+
+
+async def test_the_subscriptions_outlive_the_last_stream_for_a_while(tmp_path: Path, nats_url: str) -> None:
+    async with _watched(tmp_path, nats_url) as w:
+        w.console.unwatch_after_s = 0.5
+        first = await w.opened()
+        await first.aclose()  # the page is left ...
+        await asyncio.sleep(0.3)
+        assert w.stats["subscribed"] and w.stats["streams"] == 0
+        second = await w.opened()  # ... for the next one: no gap
+        await second.aclose()
+        await asyncio.sleep(0.35)  # past the first close's time, not the second's: kept
+        assert w.stats["subscribed"]
+        await w.unsubscribed()
 
 
 # ---- the stack and `loom console` -------------------------------------------------------------------
