@@ -304,16 +304,34 @@ def path_breakdown(
 
 
 async def _pipeline_stats(client: LoomClient, names: list[str]) -> dict[str, dict[str, Any]]:
-    """Each placement instance's submission-path counters (its health answer's ``pipeline``)."""
+    """Each placement instance's submission-path counters (its health answer's ``pipeline``),
+    with its collector's pauses (``gc``) under ``pipeline["gc"]``."""
     out: dict[str, dict[str, Any]] = {}
     for name in names:
         try:
             reply = await client.nc.request(subjects.service_health(name), b"", timeout=2.0)
         except Exception:  # an instance that does not answer has nothing to report
             continue
-        pipeline = json.loads(reply.data).get("pipeline")
+        answer = json.loads(reply.data)
+        pipeline = answer.get("pipeline")
         if isinstance(pipeline, dict):
-            out[name] = pipeline
+            out[name] = {**pipeline, "gc": answer.get("gc") or {}}
+    return out
+
+
+def gc_between(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The placement instances' collector pauses between two readings, per generation, summed
+    over the instances: how many and their total (ms); and the longest each had since it started."""
+    out: dict[str, dict[str, float]] = {}
+    for name, now in after.items():
+        then = before.get(name, {}).get("gc", {})
+        for gen, entry in (now.get("gc") or {}).items():
+            old = then.get(gen, {})
+            row = out.setdefault(gen, {"count": 0, "total_ms": 0.0, "max_ms_since_start": 0.0})
+            row["count"] += int(entry.get("count", 0)) - int(old.get("count", 0))
+            spent = entry.get("total_ms", 0.0) - old.get("total_ms", 0.0)
+            row["total_ms"] = round(row["total_ms"] + spent, 2)
+            row["max_ms_since_start"] = max(row["max_ms_since_start"], entry.get("max_ms", 0.0))
     return out
 
 
@@ -395,7 +413,8 @@ async def _paced_phase(
         "paced_latency_ms_p50": paced["latency_ms_p50"],
         "paced_latency_ms_p99": paced["latency_ms_p99"],
         "paced_latency_ms_mean": paced["latency_ms_mean"],
-        "placement_phases_paced": phases_between(stats0, await _pipeline_stats(client, placement)),
+        "placement_phases_paced": phases_between(stats0, stats1 := await _pipeline_stats(client, placement)),
+        "placement_gc_paced": gc_between(stats0, stats1),
         "paced_path": path_breakdown(paced["by_job"], run.wall, run.placed_wall, timings),
     }
 
@@ -445,6 +464,7 @@ async def _measure(
             "jobs": jobs,
             **{k: v for k, v in tp.items() if k != "cpu"},
             "placement_phases_burst": phases_between(stats0, stats1),
+            "placement_gc_burst": gc_between(stats0, stats1),
         }
         if paced_jobs:
             result.update(

@@ -1,9 +1,16 @@
-"""loom bench e2e: CPU bookkeeping (which processes form which group, what counts as a neighbour)
-and where a paced job's time went (its path through placement)."""
+"""loom bench e2e: CPU bookkeeping (which processes form which group, what counts as a neighbour),
+where a paced job's time went (its path through placement) and placement's collector pauses."""
 
 import os
 
-from loom_benchmarks.e2e import PATH, neighbours_pct, non_placement_pct, path_breakdown, stack_groups
+from loom_benchmarks.e2e import (
+    PATH,
+    gc_between,
+    neighbours_pct,
+    non_placement_pct,
+    path_breakdown,
+    stack_groups,
+)
 
 
 def test_stack_groups_name_every_process_and_put_the_parents_last() -> None:
@@ -121,3 +128,18 @@ def test_path_breakdown_without_any_complete_job_says_so() -> None:
     latency = {"paced-0": 5.0}
     out = path_breakdown(latency, {"paced-0": (1.0, 1.001)}, {"paced-0": 1.005}, {"paced-0": {"stored": 1.0}})
     assert out == {"jobs": 0, "missing": dict.fromkeys(PATH[1:], 1)}
+
+
+def test_collector_pauses_between_two_readings_are_summed_over_the_instances() -> None:
+    def gen(count: int, total: float, longest: float) -> dict[str, float]:
+        return {"count": count, "total_ms": total, "max_ms": longest}
+
+    before = {"placement": {"gc": {"gen0": gen(10, 20.0, 4.0), "gen2": gen(1, 30.0, 30.0)}}}
+    after = {
+        "placement": {"gc": {"gen0": gen(13, 29.5, 5.0), "gen2": gen(1, 30.0, 30.0)}},
+        "placement-standby": {"gc": {"gen0": gen(2, 1.5, 1.0)}},  # not read before: counted whole
+    }
+    assert gc_between(before, after) == {
+        "gen0": {"count": 5, "total_ms": 11.0, "max_ms_since_start": 5.0},
+        "gen2": {"count": 0, "total_ms": 0.0, "max_ms_since_start": 30.0},
+    }

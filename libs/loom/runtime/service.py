@@ -97,6 +97,42 @@ class ServiceContext:
         return self.pool
 
 
+class GcPauses:
+    """The cyclic collector's pauses in this process, per generation: how many, their total and the
+    longest (ms), from :meth:`install` on (a service's health answer shows them, ``gc``)."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+        self.by_generation: dict[int, list[float]] = {0: [0, 0.0, 0.0], 1: [0, 0.0, 0.0], 2: [0, 0.0, 0.0]}
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+            return
+        if self.started is None:
+            return
+        pause_ms = (time.perf_counter() - self.started) * 1000.0
+        self.started = None
+        entry = self.by_generation[info.get("generation", 2)]
+        entry[0] += 1
+        entry[1] += pause_ms
+        entry[2] = max(entry[2], pause_ms)
+
+    def install(self) -> None:
+        if self not in gc.callbacks:
+            gc.callbacks.append(self)
+
+    def uninstall(self) -> None:
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            f"gen{g}": {"count": int(n), "total_ms": round(total, 2), "max_ms": round(longest, 2)}
+            for g, (n, total, longest) in self.by_generation.items()
+        }
+
+
 async def open_context(
     name: str, *, nats_url: str, database_url: str | None, stopping: asyncio.Event | None = None
 ) -> ServiceContext:
@@ -174,6 +210,9 @@ def run(name: str, body: Callable[[ServiceContext], Awaitable[None]], *, needs_d
             ctx.stats["metrics_port"] = metrics_port
         gc.freeze()
         gc.set_threshold(50_000, 20, 50)
+        pauses = GcPauses()
+        pauses.install()
+        ctx.live_stats.append(lambda: {"gc": pauses.stats()})
         log.info("service started", pid=os.getpid(), metrics_port=metrics_port)
         try:
             await body(ctx)
