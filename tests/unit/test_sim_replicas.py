@@ -70,3 +70,35 @@ def test_a_checkpoint_too_big_to_copy_before_the_failure_restarts_from_step_0() 
     assert ideal["lost_steps"] < EVERY < mig["lost_steps"]
     assert mig["lost_steps"] == pytest.approx(ideal["lost_steps"] + rep["steps_behind"])
     assert end > ideal_end
+
+
+def test_a_copy_under_way_when_its_job_ends_is_stopped_and_a_failure_after_it_finds_nothing_to_lose() -> None:
+    # A job of ~460 s with a 1 TB checkpoint: its first copy (from the sample at 300 s) takes
+    # hours, and the job ends while it is under way; then its cluster fails. Before, the ended
+    # job's replica record was rewritten as finished while its copy still named the old one, and
+    # the failure's bookkeeping of copies lost raised "list.remove(x): x not in list" (held-out
+    # seed 44 of loom bench migration, wide32, load 0.5, failure).
+    plat = platform({"eu": (EU, "H100", 1), "us": (US, "H100", 1)})
+    spec = JobSpec(
+        job_id="short",
+        tenant="t",
+        resources=Resources(gpus=8),
+        work=Work(steps=10_000, step_time_s=0.5, checkpoint_every_steps=EVERY),
+        labels={"checkpoint_bytes": "1e12"},
+        affinity=Affinity(prefer_regions=[EU]),
+    )
+    result = simulate(
+        Trace(
+            jobs=[SimJob(spec=spec, arrival_s=0.0)],
+            events=[SimEvent(at_s=FAIL_S, kind="cluster_down", cluster="eu")],
+        ),
+        plat,
+        POLICIES["loom"](0),
+        truth=BELIEF,
+        migration=MigrationPolicy("never"),
+    )
+    assert result.migration is not None
+    rep = result.migration["replicas"]
+    record = result.records[0]
+    assert record.clusters == ("eu",) and record.end_s is not None and record.end_s < FAIL_S
+    assert rep["copies"] == 1 and rep["cancelled_copies"] == 1 and rep["lost_copies"] == 0

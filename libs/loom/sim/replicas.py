@@ -65,6 +65,8 @@ class _Figures:
     full_copies: int = 0
     bytes_sent: float = 0.0
     lost_copies: int = 0
+    cancelled_copies: int = 0
+    """Copies stopped under way because their job ended."""
     unplaced: int = 0
     resumed_from_replica: int = 0
     resumed_from_original: int = 0
@@ -139,6 +141,11 @@ class SimReplicas:
             and ((job := running.get(h.job_id)) is None or (job.run is None and job.record.end_s is not None))
         }
         if done:
+            # A finished job's copy still under way is of no use: it stops (its replica, not yet
+            # ready, goes), as the service stops replicating a job that ended.
+            for job_id in sorted(done & self.copying.keys()):
+                self._drop(self.copying.pop(job_id).held)
+                self.out.cancelled_copies += 1
             self.held = [replace(h, finished=True) if h.job_id in done else h for h in self.held]
         for job_id in sorted({j for jobs in self.sim.by_cluster.values() for j in jobs}):
             job = running.get(job_id)
@@ -212,7 +219,7 @@ class SimReplicas:
         self.free_s[job_id] = copy.done_s
         held = copy.held
         if held.cluster in self.down or copy.source in self.down:
-            self.held.remove(held)
+            self._drop(held)
             self.out.lost_copies += 1
             return
         ready = replace(held, ready=True, at_s=copy.done_s)
@@ -221,6 +228,10 @@ class SimReplicas:
             h for h in self.held if not (h.job_id == job_id and h.cluster == held.cluster and h is not held)
         ]
         self.held = [ready if h is held else h for h in self.held]
+
+    def _drop(self, held: Held) -> None:
+        """This replica (the very record, not an equal one) is no longer held."""
+        self.held = [h for h in self.held if h is not held]
 
     # ---- failures --------------------------------------------------------------------------------
 
@@ -231,7 +242,7 @@ class SimReplicas:
         for job_id, copy in list(self.copying.items()):
             if cluster in (copy.held.cluster, copy.source):
                 del self.copying[job_id]
-                self.held.remove(copy.held)
+                self._drop(copy.held)
                 self.free_s[job_id] = now
                 self.out.lost_copies += 1
         self.held = [h for h in self.held if h.cluster != cluster]
@@ -283,6 +294,7 @@ class SimReplicas:
             "full_copies": out.full_copies,
             "bytes_sent": out.bytes_sent,
             "lost_copies": out.lost_copies,
+            "cancelled_copies": out.cancelled_copies,
             "unplaced": out.unplaced,
             "resumed_from_replica": out.resumed_from_replica,
             "resumed_from_original": out.resumed_from_original,
