@@ -445,7 +445,7 @@ class MigrationService:
         runs = await moves.runs_on(self.pool, cluster)
         jobs = [_drain_job(r) for r in runs]
         closed = await moves.drained_clusters(self.pool)
-        refusal = drain_refusal(cluster, jobs, known, closed)
+        refusal = drain_refusal(cluster, jobs, known, closed, await moves.cluster_regions(self.pool))
         if refusal is not None and not force:
             return {"ok": False, "code": "refused", "error": refusal}
         async with transaction(self.pool) as conn:
@@ -710,7 +710,8 @@ class MigrationService:
             return
         known = await moves.known_clusters(self.pool)
         closed = await moves.drained_clusters(self.pool)
-        why = waiting_for_capacity(cluster, left, room, known, closed)
+        regions = await moves.cluster_regions(self.pool)
+        why = waiting_for_capacity(cluster, left, room, known, closed, regions=regions)
         waiting = self._drain_waiting.setdefault(cluster, {})
         now = time.time()
         kept: dict[tuple[str, int], dict[str, Any]] = {}
@@ -1579,6 +1580,7 @@ def _drain_job(row: asyncpg.Record) -> DrainJob:
     spec = json.loads(row["spec"])
     work = spec.get("work", {})
     resources = spec.get("resources", {})
+    affinity = spec.get("affinity") or {}
     steps = int(work.get("steps", 1))
     gpus = int(resources.get("gpus", 1)) * max(int(spec.get("workers", 1) or 1), 1)
     return DrainJob(
@@ -1590,4 +1592,8 @@ def _drain_job(row: asyncpg.Record) -> DrainJob:
         step=int(float(row["progress"]) * steps + 1e-6),
         step_time_s=float(work.get("step_time_s", 1.0)),
         checkpoint_every_steps=int(work.get("checkpoint_every_steps", 0)),
+        clusters=tuple(affinity.get("clusters") or ()),
+        regions=tuple(affinity.get("regions") or ()),
+        avoid_clusters=tuple(affinity.get("avoid_clusters") or ()),
+        avoid_regions=tuple(affinity.get("avoid_regions") or ()),
     )

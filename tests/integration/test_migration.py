@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import asyncpg
+import msgspec
 import pytest
 from platform_helpers import Platform
 from waiting import until
@@ -21,7 +22,7 @@ from loom.bus.connection import connect
 from loom.client import LoomClient
 from loom_proto import subjects
 from loom_proto.codec import encode
-from loom_proto.jobs import JobCheckpointed, JobSpec, Resources, Work
+from loom_proto.jobs import Affinity, JobCheckpointed, JobSpec, Resources, Work
 from loom_services.cluster_agent.agent import Agent
 
 pytestmark = pytest.mark.slow
@@ -126,6 +127,36 @@ async def _driven_drain_setup(
     )
     await until(lambda: _progressed(client, jobs, 0.1), progressed_within_s, "a checkpoint passed on c-weu-a")
     return migration, client, db
+
+
+async def test_a_drain_is_refused_for_a_job_whose_affinity_allows_no_other_open_cluster(
+    platform: Platform,
+) -> None:
+    for name in ("metrics", "placement", "migration", f"agent-{DRAINED}"):
+        await platform.start(name)
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    try:
+        await client.submit(msgspec.structs.replace(_job("pinned"), affinity=Affinity(clusters=[DRAINED])))
+        await client.submit(_job("free"))
+        await until(lambda: _running_at(client, ["pinned", "free"], DRAINED, 1), 20, "both on c-weu-a")
+        await platform.start(f"agent-{OTHER}")
+        await until(
+            lambda: db.fetchval("SELECT count(*) FROM node_allocations WHERE cluster = $1", OTHER),
+            10,
+            "c-sea1-a known",
+        )
+        # c-sea1-a has T4s, but the pinned job may not run there (before, its T4s were counted).
+        refused = await _ask(client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED})
+        assert refused["ok"] is False and refused["code"] == "refused", refused
+        assert "pinned (1 x T4: 0 on other open clusters it may use)" in refused["error"]
+        assert "1 job(s)" in refused["error"] and "free" not in refused["error"]
+        assert await db.fetchval("SELECT count(*) FROM cluster_drains") == 0  # nothing changed
+        forced = await _ask(client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED, "force": True})
+        assert forced["ok"] is True and forced["jobs"] == 2, forced
+    finally:
+        await client.close()
+        await db.close()
 
 
 async def test_a_drain_moves_every_job_from_its_checkpoint_two_at_a_time_and_undrain_reopens(

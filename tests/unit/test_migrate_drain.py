@@ -1,5 +1,7 @@
 """Drains (pure): refusal when a job has nowhere to go, largest benefit first, bounded concurrency."""
 
+from dataclasses import replace
+
 from loom.migrate.benefit import MigrationVerdict
 from loom.migrate.drain import (
     DrainJob,
@@ -7,8 +9,10 @@ from loom.migrate.drain import (
     drain_refusal,
     next_move_id,
     next_moves,
+    open_gpus,
     order_moves,
     shard_confirmation,
+    waiting_for_capacity,
 )
 
 
@@ -25,7 +29,8 @@ GPUS = {"a": {"T4": 8, "P100": 2}, "b": {"T4": 4}, "c": {"G2": 8}}
 
 def test_a_drain_is_refused_when_a_job_would_have_no_feasible_gpus_elsewhere() -> None:
     why = drain_refusal("a", [_job("t4"), _job("p100", models=("P100",))], GPUS, closed=set())
-    assert why is not None and "p100 (1 x P100: 0 on other open clusters)" in why and "--force" in why
+    assert why is not None and "--force" in why
+    assert "p100 (1 x P100: 0 on other open clusters it may use)" in why
     assert "1 job(s)" in why  # the T4 job has c-b's T4s
 
 
@@ -36,6 +41,23 @@ def test_a_drain_is_allowed_when_other_open_clusters_hold_enough() -> None:
 def test_closed_clusters_do_not_count_as_somewhere_to_go() -> None:
     assert drain_refusal("a", [_job("t4")], GPUS, closed={"b"}) is not None
     assert drain_refusal("a", [_job("big", gpus=5)], GPUS, closed=set()) is not None
+
+
+def test_only_the_clusters_a_jobs_affinity_allows_count_as_somewhere_to_go() -> None:
+    regions = {"a": "eu", "b": "us", "c": "us"}
+    pinned = replace(_job("pinned"), clusters=("a",))
+    why = drain_refusal("a", [pinned], GPUS, closed=set(), regions=regions)
+    assert why is not None and "pinned (1 x T4: 0 on other open clusters it may use)" in why
+    assert drain_refusal("a", [replace(_job("two"), clusters=("a", "b"))], GPUS, set(), regions) is None
+    anyg = replace(_job("any", models=()), avoid_regions=("us",))
+    assert drain_refusal("a", [anyg], GPUS, set(), regions) is not None
+    assert drain_refusal("a", [replace(anyg, avoid_regions=())], GPUS, set(), regions) is None
+    in_us = replace(_job("in-us", models=()), regions=("us",), avoid_clusters=("b",))
+    assert open_gpus(in_us, "a", GPUS, set(), regions) == {"c": 8}
+    # A region list cannot be checked against a cluster whose region is not known: not counted.
+    assert open_gpus(in_us, "a", GPUS, set(), {}) == {}
+    waiting = waiting_for_capacity("a", [pinned], set(), GPUS, set(), regions=regions)["pinned"]
+    assert "0 such GPU(s) on those clusters in all: none" in waiting
 
 
 def test_the_job_with_the_most_work_left_moves_first() -> None:
@@ -153,11 +175,11 @@ def test_a_job_no_placement_elsewhere_has_room_for_stays_running_until_room_appe
     waiting = waiting_for_capacity("a", jobs, room, GPUS, closed=set())
     assert set(waiting) == {"full", "stale", "unasked"}
     why = waiting["full"]
-    assert why.startswith("waits for capacity: needs 4 x T4 on another open cluster")
-    assert "4 such GPU(s) on other open clusters in all: b 4" in why and "keeps running" in why
+    assert why.startswith("waits for capacity: needs 4 x T4 on another open cluster it may use")
+    assert "4 such GPU(s) on those clusters in all: b 4" in why and "keeps running" in why
     # A closed cluster's GPUs are not counted; a job that takes any GPU counts every model.
     assert (
-        "0 such GPU(s) on other open clusters in all: none"
+        "0 such GPU(s) on those clusters in all: none"
         in waiting_for_capacity("a", [_job("x")], set(), GPUS, closed={"b"})["x"]
     )
     anyg = waiting_for_capacity("a", [_job("any", models=())], set(), GPUS, closed=set())["any"]

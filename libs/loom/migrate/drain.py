@@ -49,6 +49,21 @@ class DrainJob:
     """Steps done (from its progress)."""
     step_time_s: float
     checkpoint_every_steps: int
+    clusters: tuple[str, ...] = ()
+    """Its affinity: the only clusters it may run on (empty: any)."""
+    regions: tuple[str, ...] = ()
+    """The only regions it may run in (empty: any)."""
+    avoid_clusters: tuple[str, ...] = ()
+    avoid_regions: tuple[str, ...] = ()
+
+    def may_run_on(self, cluster: str, region: str | None) -> bool:
+        """Whether its affinity allows ``cluster`` (in ``region``; None: not known, which no
+        region list allows nor avoids)."""
+        if (self.clusters and cluster not in self.clusters) or cluster in self.avoid_clusters:
+            return False
+        if self.regions and region not in self.regions:
+            return False
+        return region is None or region not in self.avoid_regions
 
     @property
     def remaining_gpu_s(self) -> float:
@@ -56,26 +71,43 @@ class DrainJob:
         return max(self.steps - self.step, 0) * self.step_time_s * self.gpus
 
 
+def open_gpus(
+    job: DrainJob,
+    cluster: str,
+    gpus_by_cluster: Mapping[str, Mapping[str, int]],
+    closed: Collection[str],
+    regions: Mapping[str, str] | None = None,
+) -> dict[str, int]:
+    """Cluster -> the GPUs of a model ``job`` accepts on each other open cluster its affinity
+    allows (``regions``: cluster -> region, for its region lists), those with none left out."""
+    shut = set(closed) | {cluster}
+    where = (regions or {}).get
+    return {
+        c: n
+        for c, models in sorted(gpus_by_cluster.items())
+        if c not in shut
+        and job.may_run_on(c, where(c))
+        and (n := sum(k for m, k in models.items() if not job.gpu_models or m in job.gpu_models)) > 0
+    }
+
+
 def drain_refusal(
     cluster: str,
     jobs: Iterable[DrainJob],
     gpus_by_cluster: Mapping[str, Mapping[str, int]],
     closed: Collection[str],
+    regions: Mapping[str, str] | None = None,
 ) -> str | None:
-    """Why draining ``cluster`` is refused (it holds some job's only feasible GPUs), or None."""
-    shut = set(closed) | {cluster}
+    """Why draining ``cluster`` is refused (it holds some job's only feasible GPUs: of a model it
+    accepts, on an open cluster its affinity allows), or None."""
     stuck: list[str] = []
     for job in jobs:
-        open_gpus = sum(
-            n
-            for c, models in gpus_by_cluster.items()
-            if c not in shut
-            for model, n in models.items()
-            if not job.gpu_models or model in job.gpu_models
-        )
-        if open_gpus < job.gpus:
+        elsewhere = sum(open_gpus(job, cluster, gpus_by_cluster, closed, regions).values())
+        if elsewhere < job.gpus:
             wants = "/".join(job.gpu_models) or "any"
-            stuck.append(f"{job.job_id} ({job.gpus} x {wants}: {open_gpus} on other open clusters)")
+            stuck.append(
+                f"{job.job_id} ({job.gpus} x {wants}: {elsewhere} on other open clusters it may use)"
+            )
     if not stuck:
         return None
     return (
@@ -193,26 +225,23 @@ def waiting_for_capacity(
     room: Collection[str],
     gpus_by_cluster: Mapping[str, Mapping[str, int]],
     closed: Collection[str],
+    *,
+    regions: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Job id -> why it stays on ``cluster`` for now: no placement on another open cluster has
     room for it (it is not in ``room``), with what it needs and how many such GPUs the other open
-    clusters have in all (taken now: it moves as soon as some are free, or at the deadline)."""
-    shut = set(closed) | {cluster}
+    clusters its affinity allows have in all (taken now: it moves as soon as some are free, or at
+    the deadline)."""
     out: dict[str, str] = {}
     for job in jobs:
         if job.job_id in room:
             continue
-        where = {
-            c: n
-            for c, models in sorted(gpus_by_cluster.items())
-            if c not in shut
-            and (n := sum(k for m, k in models.items() if not job.gpu_models or m in job.gpu_models)) > 0
-        }
+        where = open_gpus(job, cluster, gpus_by_cluster, closed, regions)
         total = sum(where.values())
         held = ", ".join(f"{c} {n}" for c, n in where.items()) or "none"
         out[job.job_id] = (
-            f"waits for capacity: needs {needs(job)} on another open cluster; no placement has room"
-            f" for it now ({total} such GPU(s) on other open clusters in all: {held}); it keeps"
+            f"waits for capacity: needs {needs(job)} on another open cluster it may use; no placement"
+            f" has room for it now ({total} such GPU(s) on those clusters in all: {held}); it keeps"
             " running here and is asked about again until room appears"
             + (
                 ""
