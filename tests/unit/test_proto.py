@@ -1,5 +1,6 @@
 """loom_proto: ids safe as subject tokens, strict decoding, fresh generated docs, streams vs request-reply."""
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -414,6 +415,26 @@ def test_view_query_refuses_unknown_filters() -> None:
     assert msgspec.json.decode(b"{}", type=ViewQuery) == ViewQuery()
     with pytest.raises(msgspec.ValidationError):
         msgspec.json.decode(b'{"regoin": "eu"}', type=ViewQuery)
+
+
+def test_a_spec_without_an_id_gets_one_made_of_its_name_whatever_the_name_holds() -> None:
+    from loom.client.sdk import spec_from_mapping
+    from loom_proto.ids import ID_PATTERN
+
+    def made(name: object) -> str:
+        spec: dict[str, object] = {"tenant": "t", "resources": {"gpus": 1}, "work": {"steps": 1}}
+        if name is not None:
+            spec["name"] = name
+        job_id = spec_from_mapping(spec).job_id
+        assert re.fullmatch(ID_PATTERN, job_id), job_id
+        return job_id
+
+    # The README's example name: before, "ResNet-50,-2-workers-…" was refused as an id.
+    assert re.fullmatch(r"ResNet-50-2-workers-[0-9a-f]{8}", made("ResNet-50, 2 workers"))
+    assert re.fullmatch(r"a_b-c-[0-9a-f]{8}", made("  a_b / c.  "))
+    assert re.fullmatch(r"job-[0-9a-f]{8}", made("日本語"))
+    assert re.fullmatch(r"job-[0-9a-f]{8}", made(None))
+    assert len(made("x" * 200)) == 40 + 9
 
 
 def test_id_errors_name_the_rule_in_words_never_the_regular_expression() -> None:

@@ -39,7 +39,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("name")
     p.add_argument("--out", type=Path, help="also write a copy here (0600) to hand to the tenant")
     p.set_defaults(fn=cmd_tenant_add)
-    creds = sub.add_parser("credentials", help="NATS credentials of a secured stack")
+    creds = sub.add_parser("credentials", help="NATS credentials and PostgreSQL passwords of a secured stack")
     creds_sub = creds.add_subparsers(dest="credentials_command", required=True)
     p = creds_sub.add_parser(
         "rotate",

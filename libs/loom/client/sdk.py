@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -13,6 +14,7 @@ import msgspec
 import yaml
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from nats.js.api import PubAck
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
@@ -61,7 +63,8 @@ def spec_from_mapping(raw: Mapping[str, Any], *, default_tenant: str | None = No
     """Validate one job spec; a missing ``job_id`` becomes ``<name or 'job'>-<random>``."""
     data = dict(raw)
     if "job_id" not in data:
-        base = str(data.get("name") or "job").replace(" ", "-")[:40]
+        # The name as an id: every run of characters an id may not hold becomes one '-'.
+        base = re.sub(r"[^A-Za-z0-9_-]+", "-", str(data.get("name") or "")).strip("-")[:40] or "job"
         data["job_id"] = f"{base}-{secrets.token_hex(4)}"
     if "tenant" not in data and default_tenant:
         data["tenant"] = default_tenant
@@ -206,6 +209,8 @@ class LoomClient:
     async def _query(self, subject: str, request: Mapping[str, Any], timeout_s: float) -> Any:
         try:
             reply = await self.nc.request(subject, json.dumps(request).encode(), timeout=timeout_s)
+        except NoRespondersError as exc:
+            raise QueryError(f"nothing listens on {subject}: is the service running?") from exc
         except Exception as exc:
             raise QueryError(
                 f"no answer on {subject} within {timeout_s}s: is the service running? ({exc!r})"
