@@ -312,9 +312,10 @@ class AlertCorrelator:
 
     # ---- inputs --------------------------------------------------------------------------------
 
-    async def _ingest(self, alert: Alert) -> None:
+    async def _ingest(self, alert: Alert, *, own: bool = False) -> None:
+        """``own``: an alert made here from Loom's own job and migration events."""
         started = time.perf_counter()
-        notes = self.core.ingest(alert, time.time())
+        notes = self.core.ingest(alert, time.time(), own=own)
         self.latencies_ms.append((time.perf_counter() - started) * 1000)
         self._wake.set()
         await self._emit(notes)
@@ -339,13 +340,13 @@ class AlertCorrelator:
         event = d.message
         alert = from_job_failed(event) if isinstance(event, JobFailed) else from_job_requeued(event)
         if alert is not None:
-            await self._ingest(alert)
+            await self._ingest(alert, own=True)
 
     async def on_migration_event(self, d: Delivery[MigrationEvent]) -> None:
         """A job's move that did not happen (the migration service gave up on it)."""
         alert = from_migration_failed(d.message)
         if alert is not None:
-            await self._ingest(alert)
+            await self._ingest(alert, own=True)
 
     async def on_cluster_health(self, msg: Msg) -> None:
         """Placement's classification of a cluster changed (core NATS); a bad notice is logged."""

@@ -2,6 +2,7 @@
 
 import json
 
+import msgspec
 import pytest
 
 from loom.alerts import (
@@ -613,3 +614,38 @@ def test_the_condition_tracker_is_busy_while_dead_letters_are_in_its_window_or_i
     assert track.busy()
     assert [a.status for a in track.tick(40.0)] == ["resolved"]
     assert not track.busy()
+
+
+def test_an_ended_jobs_own_alert_lists_its_tenant_and_a_raw_alerts_label_never_does() -> None:
+    from loom.alerts.sources import from_migration_failed
+    from loom_proto.migrations import MigrationEvent
+
+    # A move given up because the job's run completed first: placement no longer holds the job.
+    moved = MigrationEvent(
+        migration_id="gone:1",
+        kind="failed",
+        job_id="gone",
+        tenant="vision",
+        cause="backflow",
+        from_cluster="c-euc1-a",
+        from_attempt=1,
+        why="the run ended (completed) before it moved",
+        at=0.0,
+    )
+    own = from_migration_failed(moved)
+    assert own is not None
+    c = Correlator(placements([]), CorrelatorConfig(quiet_s=10.0, weak_wait_s=2.0))
+    c.ingest(own, 0.0, own=True)
+    kinds = [n.kind for n in c.tick(3.0)]
+    [inc] = c.incidents.values()
+    change = inc.change("opened", "x")
+    assert kinds == ["opened"] and change.tenants == ["vision"]
+    assert [(j.job_id, j.tenant) for j in change.jobs] == [("gone", "vision")]
+
+    # The same labels on a raw alert (anyone may send one) name no tenant: the job is listed alone.
+    c2 = Correlator(placements([]), CorrelatorConfig(quiet_s=10.0, weak_wait_s=2.0))
+    c2.ingest(msgspec.structs.replace(own, source="alertmanager"), 0.0)
+    c2.tick(3.0)
+    [raw] = c2.incidents.values()
+    claimed = raw.change("opened", "x")
+    assert claimed.tenants == [] and [(j.job_id, j.tenant) for j in claimed.jobs] == [("gone", None)]

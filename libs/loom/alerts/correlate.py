@@ -51,7 +51,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from loom.alerts.resources import SPECIFICITY, Placements, Resource, describe, link_name
@@ -112,6 +112,9 @@ class Signal:
     firing: bool
     momentary: bool
     at: float
+    tenant: str | None = None
+    """The job's tenant as Loom's own event gave it (a job alert the correlator made itself, never
+    a label of a raw alert): listed for the job when placement no longer holds it."""
 
 
 def _resource_of(alert: Alert) -> Resource | None:
@@ -140,8 +143,9 @@ def fingerprint_of(alert: Alert) -> str:
     return hashlib.sha256(repr((named, labels)).encode()).hexdigest()[:32]
 
 
-def signal_of(alert: Alert) -> Signal:
-    """The correlator's view of a wire alert."""
+def signal_of(alert: Alert, *, own: bool = False) -> Signal:
+    """The correlator's view of a wire alert (``own``: one it made from Loom's own events, whose
+    ``tenant`` label is the job's)."""
     resource = _resource_of(alert)
     if resource is None and alert.job_id is None:
         # Names nothing: kept, grouped by source and alert name, unattributed.
@@ -156,6 +160,7 @@ def signal_of(alert: Alert) -> Signal:
         firing=alert.status == "firing",
         momentary=alert.momentary,
         at=alert.at,
+        tenant=(alert.labels.get("tenant") or None) if own and alert.job_id is not None else None,
     )
 
 
@@ -395,9 +400,10 @@ class Correlator:
             self._close_root(root)
             self._open_root(root, inc_id)
 
-    def ingest(self, alert: Alert | Signal, now: float) -> list[Notification]:
-        """Take one alert received at ``now`` (the correlator's clock)."""
-        signal = signal_of(alert) if isinstance(alert, Alert) else alert
+    def ingest(self, alert: Alert | Signal, now: float, *, own: bool = False) -> list[Notification]:
+        """Take one alert received at ``now`` (the correlator's clock); ``own``: made by the
+        correlator from Loom's own events (:func:`signal_of`)."""
+        signal = signal_of(alert, own=own) if isinstance(alert, Alert) else alert
         self.counts["received"] += 1
         skewed = abs(signal.at - now) > self.config.max_skew_s
         if skewed:
@@ -686,7 +692,7 @@ class Correlator:
         into.active |= other.active
         into.alert_count += other.alert_count
         into.distinct_alerts += other.distinct_alerts
-        self._add_jobs(into, other.jobs, now)
+        self._add_jobs(into, other.jobs, now, known=other.jobs)
         other.merged_into = into.incident_id
         self.counts["merged"] += 1
         return self._resolve(other, now, f"merged into {into.incident_id}")
@@ -708,7 +714,7 @@ class Correlator:
             inc.severity = signal.severity
             self._mark(inc, f"severity {signal.severity}", now)
         if signal.job_id is not None:
-            self._add_jobs(inc, [signal.job_id], now)
+            self._add_jobs(inc, [signal.job_id], now, known={signal.job_id: signal.tenant})
 
     def _record(self, inc: Incident, signal: Signal, now: float, skewed: bool) -> None:
         inc.alert_count += 1
@@ -725,11 +731,20 @@ class Correlator:
         inc.updated_at = now
         self._changed.add(inc.incident_id)
 
-    def _add_jobs(self, inc: Incident, jobs: Iterable[str], now: float) -> None:
+    def _add_jobs(
+        self,
+        inc: Incident,
+        jobs: Iterable[str],
+        now: float,
+        *,
+        known: Mapping[str, str | None] | None = None,
+    ) -> None:
+        """``known``: tenants already known for some of the jobs (placement may no longer hold
+        a job that ended)."""
         added = 0
         for job_id in jobs:
             if job_id not in inc.jobs:
-                inc.jobs[job_id] = self.placements.tenant_of(job_id)
+                inc.jobs[job_id] = self.placements.tenant_of(job_id) or (known or {}).get(job_id)
                 placed = self.placements.jobs.get(job_id)
                 if placed is not None and placed.parent:
                     inc.dags.add(placed.parent)
