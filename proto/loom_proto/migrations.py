@@ -36,4 +36,7 @@ class MigrationEvent(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     progress_lost_steps: Annotated[int, Meta(ge=0)] = 0
     """Steps done by the old run past ``resume_step`` (redone by the next run)."""
     why: Annotated[str, Meta(max_length=2048)] = ""
+    overtaken: bool = False
+    """``failed`` only: the run ended by itself (completed, failed, cancelled) before it moved, so
+    nothing went wrong with the move (no alert is raised for it)."""
     at: Annotated[float, Meta(ge=0)]

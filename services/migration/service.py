@@ -874,7 +874,7 @@ class MigrationService:
             else:
                 row = await moves.fail(conn, m["migration_id"], f"the run ended ({state}) before it moved")
                 if row is not None:
-                    messages.append(self._message(row, "failed"))
+                    messages.append(self._message(row, "failed", overtaken=True))
                 still_open = False
             await outbox.add(conn, PRODUCER, messages)
         await self._publish(messages)
@@ -1540,8 +1540,11 @@ class MigrationService:
             reply = {"ok": False, "error": str(exc)}
         await msg.respond(json.dumps(reply).encode())
 
-    def _message(self, row: asyncpg.Record, kind: MigrationKind) -> outbox.OutboxMessage:
-        """The migration event of ``row`` at ``kind``, in the job's trace."""
+    def _message(
+        self, row: asyncpg.Record, kind: MigrationKind, *, overtaken: bool = False
+    ) -> outbox.OutboxMessage:
+        """The migration event of ``row`` at ``kind``, in the job's trace (``overtaken``: a
+        ``failed`` move whose run ended by itself first)."""
         event = MigrationEvent(
             migration_id=row["migration_id"],
             kind=kind,
@@ -1555,6 +1558,7 @@ class MigrationService:
             steps=max(int(row["steps"]), 0),
             progress_lost_steps=max(int(row["lost_steps"]), 0),
             why=row["why"][:2048],
+            overtaken=overtaken,
             at=time.time(),
         )
         if kind in ("completed", "failed"):

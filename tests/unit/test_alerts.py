@@ -362,6 +362,8 @@ def test_only_failed_migrations_become_job_alerts_once_per_migration() -> None:
     again = from_migration_failed(event("failed"))
     assert again is not None and again.dedup_key == failed.dedup_key
     assert all(from_migration_failed(event(k)) is None for k in ("planned", "started", "completed"))
+    # The job's run ended by itself before it moved: nothing to alert (a failed job has its own).
+    assert from_migration_failed(msgspec.structs.replace(event("failed"), overtaken=True)) is None
 
 
 def test_stale_views_unhealthy_nodes_and_dead_letters_fire_once_and_resolve() -> None:
@@ -617,22 +619,13 @@ def test_the_condition_tracker_is_busy_while_dead_letters_are_in_its_window_or_i
 
 
 def test_an_ended_jobs_own_alert_lists_its_tenant_and_a_raw_alerts_label_never_does() -> None:
-    from loom.alerts.sources import from_migration_failed
-    from loom_proto.migrations import MigrationEvent
+    from loom.alerts.sources import from_job_failed
+    from loom_proto.jobs import JobFailed
 
-    # A move given up because the job's run completed first: placement no longer holds the job.
-    moved = MigrationEvent(
-        migration_id="gone:1",
-        kind="failed",
-        job_id="gone",
-        tenant="vision",
-        cause="backflow",
-        from_cluster="c-euc1-a",
-        from_attempt=1,
-        why="the run ended (completed) before it moved",
-        at=0.0,
+    # A run that failed: placement no longer holds the job when its alert is correlated.
+    own = from_job_failed(
+        JobFailed(job_id="gone", tenant="vision", cluster="c-euc1-a", reason="exit 3", at=0.0, exit_code=3)
     )
-    own = from_migration_failed(moved)
     assert own is not None
     c = Correlator(placements([]), CorrelatorConfig(quiet_s=10.0, weak_wait_s=2.0))
     c.ingest(own, 0.0, own=True)
