@@ -340,7 +340,9 @@ class AlertCorrelator:
         event = d.message
         alert = from_job_failed(event) if isinstance(event, JobFailed) else from_job_requeued(event)
         if alert is not None:
-            await self._ingest(alert, own=True)
+            # A requeue is placement's word; a failed run is mostly an agent's report, which may
+            # name any tenant: its tenant is never taken for the job's.
+            await self._ingest(alert, own=isinstance(event, JobRequeued))
 
     async def on_migration_event(self, d: Delivery[MigrationEvent]) -> None:
         """A job's move that did not happen (the migration service gave up on it)."""

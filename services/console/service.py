@@ -142,7 +142,9 @@ class Console:
         self.listeners: set[Listener] = set()
         self._subs: list[Subscription] = []
         self._subs_lock = asyncio.Lock()
-        self._unwatching: asyncio.Task[None] | None = None
+        self._unwatch_timer: asyncio.TimerHandle | None = None
+        self._unwatching: set[asyncio.Task[None]] = set()
+        """Unsubscriptions under way (never cancelled: one cut short would forget a live one)."""
         self.unwatch_after_s = UNWATCH_AFTER_S
         self.regions = [(r.id, r.source_name) for r in topology.regions]
         self.placed = project(self.regions)
@@ -174,8 +176,10 @@ class Console:
                 stats["dropped"] += 1  # a stalled reader: it reconnects and the page reloads its rows
 
     async def watch(self) -> None:
-        """Subscribe to the job events if a stream is open and they are not yet (the server has
-        the subscriptions when this returns, so an event published after it reaches the stream)."""
+        """Subscribe to the job events if a stream is open and they are not yet. The server has
+        the subscriptions when this returns, but other connections' publishes may take a moment
+        more to see them (milliseconds: an event published in that moment is missed, as one
+        published before the page opened its stream is; the page's rows come from the store)."""
         async with self._subs_lock:
             if self._subs or not self.listeners:
                 return
@@ -193,19 +197,24 @@ class Console:
             self.ctx.stats["console"]["subscribed"] = True
 
     def _last_closed(self) -> None:
-        """The last open stream ended: unsubscribe after :attr:`unwatch_after_s` unless one opens."""
-        if self._unwatching is not None:
-            self._unwatching.cancel()
-        self._unwatching = asyncio.get_running_loop().create_task(self._unwatch_later())
+        """The last open stream ended: unsubscribe after :attr:`unwatch_after_s` unless one opens
+        (a later close starts the wait again; only the timer is cancelled, never an unsubscription
+        under way)."""
+        if self._unwatch_timer is not None:
+            self._unwatch_timer.cancel()
+        self._unwatch_timer = asyncio.get_running_loop().call_later(self.unwatch_after_s, self._unwatch_now)
 
-    async def _unwatch_later(self) -> None:
-        await asyncio.sleep(self.unwatch_after_s)
-        await self.unwatch()
+    def _unwatch_now(self) -> None:
+        self._unwatch_timer = None
+        task = asyncio.get_running_loop().create_task(self.unwatch())
+        self._unwatching.add(task)
+        task.add_done_callback(self._unwatching.discard)
 
     async def unwatch(self, *, closing: bool = False) -> None:
         """Drop the job-event subscriptions if no stream is open (``closing``: in any case)."""
-        if closing and self._unwatching is not None:
-            self._unwatching.cancel()
+        if closing and self._unwatch_timer is not None:
+            self._unwatch_timer.cancel()
+            self._unwatch_timer = None
         async with self._subs_lock:
             if (self.listeners and not closing) or not self._subs:
                 return

@@ -619,12 +619,12 @@ def test_the_condition_tracker_is_busy_while_dead_letters_are_in_its_window_or_i
 
 
 def test_an_ended_jobs_own_alert_lists_its_tenant_and_a_raw_alerts_label_never_does() -> None:
-    from loom.alerts.sources import from_job_failed
-    from loom_proto.jobs import JobFailed
+    from loom.alerts.sources import from_job_requeued
+    from loom_proto.jobs import JobRequeued
 
-    # A run that failed: placement no longer holds the job when its alert is correlated.
-    own = from_job_failed(
-        JobFailed(job_id="gone", tenant="vision", cluster="c-euc1-a", reason="exit 3", at=0.0, exit_code=3)
+    # Placement requeued the job (its run lost) and no longer holds it when the alert is correlated.
+    own = from_job_requeued(
+        JobRequeued(job_id="gone", tenant="vision", attempt=2, cause="cluster_lost", at=0.0)  # type: ignore[arg-type]
     )
     assert own is not None
     c = Correlator(placements([]), CorrelatorConfig(quiet_s=10.0, weak_wait_s=2.0))
@@ -635,10 +635,13 @@ def test_an_ended_jobs_own_alert_lists_its_tenant_and_a_raw_alerts_label_never_d
     assert kinds == ["opened"] and change.tenants == ["vision"]
     assert [(j.job_id, j.tenant) for j in change.jobs] == [("gone", "vision")]
 
-    # The same labels on a raw alert (anyone may send one) name no tenant: the job is listed alone.
+    # The same labels on a raw alert (anyone may send one) name no tenant: the job is listed alone;
+    # a later alert of Loom's own about the job names it.
     c2 = Correlator(placements([]), CorrelatorConfig(quiet_s=10.0, weak_wait_s=2.0))
     c2.ingest(msgspec.structs.replace(own, source="alertmanager"), 0.0)
     c2.tick(3.0)
     [raw] = c2.incidents.values()
     claimed = raw.change("opened", "x")
     assert claimed.tenants == [] and [(j.job_id, j.tenant) for j in claimed.jobs] == [("gone", None)]
+    c2.ingest(msgspec.structs.replace(own, alert_id="again", dedup_key="again"), 4.0, own=True)
+    assert raw.change("updated", "x").tenants == ["vision"]

@@ -360,16 +360,20 @@ async def test_job_events_are_received_only_while_an_event_stream_is_open(
 
 async def test_the_subscriptions_outlive_the_last_stream_for_a_while(tmp_path: Path, nats_url: str) -> None:
     async with _watched(tmp_path, nats_url) as w:
-        w.console.unwatch_after_s = 0.5
+        w.console.unwatch_after_s = 2.0
         first = await w.opened()
         await first.aclose()  # the page is left ...
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(1.0)
         assert w.stats["subscribed"] and w.stats["streams"] == 0
         second = await w.opened()  # ... for the next one: no gap
         await second.aclose()
-        await asyncio.sleep(0.35)  # past the first close's time, not the second's: kept
+        await asyncio.sleep(1.5)  # past the first close's time (2.0 s), not the second's (3.0 s)
         assert w.stats["subscribed"]
-        await w.unsubscribed()
+        for _ in range(300):  # then the second close's time passes
+            if not w.stats["subscribed"]:
+                break
+            await asyncio.sleep(0.01)
+        assert not w.stats["subscribed"]
 
 
 # ---- the stack and `loom console` -------------------------------------------------------------------

@@ -743,12 +743,16 @@ class Correlator:
         a job that ended)."""
         added = 0
         for job_id in jobs:
-            if job_id not in inc.jobs:
-                inc.jobs[job_id] = self.placements.tenant_of(job_id) or (known or {}).get(job_id)
-                placed = self.placements.jobs.get(job_id)
-                if placed is not None and placed.parent:
-                    inc.dags.add(placed.parent)
-                added += 1
+            if job_id in inc.jobs:
+                if inc.jobs[job_id] is None and (tenant := (known or {}).get(job_id)) is not None:
+                    inc.jobs[job_id] = tenant  # named by a later alert of Loom's own
+                    self._changed.add(inc.incident_id)
+                continue
+            inc.jobs[job_id] = self.placements.tenant_of(job_id) or (known or {}).get(job_id)
+            placed = self.placements.jobs.get(job_id)
+            if placed is not None and placed.parent:
+                inc.dags.add(placed.parent)
+            added += 1
         if added and inc.opened_sent:
             self._mark(inc, f"{added} more job(s) affected ({len(inc.jobs)} in all)", now)
 

@@ -4,7 +4,7 @@ The migration service closes a drained cluster to new placements and moves its j
 time, each at a checkpoint boundary. This module holds the decisions:
 
 * :func:`drain_refusal` — a drain is refused when some job on the cluster has no feasible GPUs
-  on any other open cluster (``--force`` overrides it);
+  (of a model it accepts) on any other open cluster its affinity allows (``--force`` overrides it);
 * :func:`order_moves` — which jobs move first: the largest net benefit first, ranked like every
   other migration plan (:func:`loom.migrate.benefit.rank_key`);
 * :func:`next_moves` — how many more may start now, under the drain's concurrency;

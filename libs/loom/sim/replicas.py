@@ -133,7 +133,15 @@ class SimReplicas:
         running = self.sim.jobs
         for job_id, copy in list(self.copying.items()):
             if copy.done_s <= now:
-                self._finish(job_id, copy)
+                job = running.get(job_id)
+                ended_s = None if job is None or job.run is not None else job.record.end_s
+                if job is None or (ended_s is not None and ended_s < copy.done_s):
+                    # Its job ended before the copy did: stopped then (below), whenever this runs.
+                    del self.copying[job_id]
+                    self._drop(copy.held)
+                    self.out.cancelled_copies += 1
+                else:
+                    self._finish(job_id, copy)
         done = {
             h.job_id
             for h in self.held
