@@ -19,15 +19,15 @@ EVERY = 100
 FAIL_S = 600.0
 
 
-def run(checkpoint_bytes: float, *, replicas: bool) -> tuple[dict[str, Any], float]:
-    """One 8-GPU job on the EU cluster (the US one is busy-free but slower to reach); the EU
-    cluster fails at 600 s. Returns the migration figures and the job's end."""
+def simulated(checkpoint_bytes: float, *, steps: int, replicas: bool = True) -> Any:
+    """One 8-GPU job of ``steps`` 0.5 s steps on the EU cluster (the US one is busy-free but slower
+    to reach); the EU cluster fails at 600 s. The simulation's result."""
     plat = platform({"eu": (EU, "H100", 1), "us": (US, "H100", 1)})
     spec = JobSpec(
         job_id="j",
         tenant="t",
         resources=Resources(gpus=8),
-        work=Work(steps=20_000, step_time_s=0.5, checkpoint_every_steps=EVERY),
+        work=Work(steps=steps, step_time_s=0.5, checkpoint_every_steps=EVERY),
         labels={"checkpoint_bytes": f"{checkpoint_bytes:g}"},
         affinity=Affinity(prefer_regions=[EU]),
     )
@@ -41,6 +41,12 @@ def run(checkpoint_bytes: float, *, replicas: bool) -> tuple[dict[str, Any], flo
         migration=policy,
     )
     assert result.migration is not None
+    return result
+
+
+def run(checkpoint_bytes: float, *, replicas: bool) -> tuple[dict[str, Any], float]:
+    """A 20,000-step job, still running at the failure: the migration figures and the job's end."""
+    result = simulated(checkpoint_bytes, steps=20_000, replicas=replicas)
     record = result.records[0]
     assert record.clusters == ("us",) and record.end_s is not None
     return result.migration, record.end_s
@@ -78,26 +84,7 @@ def test_a_copy_under_way_when_its_job_ends_is_stopped_and_a_failure_after_it_fi
     # job's replica record was rewritten as finished while its copy still named the old one, and
     # the failure's bookkeeping of copies lost raised "list.remove(x): x not in list" (held-out
     # seed 44 of loom bench migration, wide32, load 0.5, failure).
-    plat = platform({"eu": (EU, "H100", 1), "us": (US, "H100", 1)})
-    spec = JobSpec(
-        job_id="short",
-        tenant="t",
-        resources=Resources(gpus=8),
-        work=Work(steps=10_000, step_time_s=0.5, checkpoint_every_steps=EVERY),
-        labels={"checkpoint_bytes": "1e12"},
-        affinity=Affinity(prefer_regions=[EU]),
-    )
-    result = simulate(
-        Trace(
-            jobs=[SimJob(spec=spec, arrival_s=0.0)],
-            events=[SimEvent(at_s=FAIL_S, kind="cluster_down", cluster="eu")],
-        ),
-        plat,
-        POLICIES["loom"](0),
-        truth=BELIEF,
-        migration=MigrationPolicy("never"),
-    )
-    assert result.migration is not None
+    result = simulated(1e12, steps=10_000)
     rep = result.migration["replicas"]
     record = result.records[0]
     assert record.clusters == ("eu",) and record.end_s is not None and record.end_s < FAIL_S
