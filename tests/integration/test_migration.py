@@ -137,6 +137,12 @@ async def test_a_drain_is_refused_for_a_job_whose_affinity_allows_no_other_open_
     client = await LoomClient.connect(platform.nats_url)
     db = await asyncpg.connect(platform.database_url)
     try:
+        # A job pinned to a cluster placement does not know yet is refused: wait for its view.
+        await until(
+            lambda: db.fetchval("SELECT count(*) FROM node_allocations WHERE cluster = $1", DRAINED),
+            20,
+            "c-weu-a known",
+        )
         await client.submit(msgspec.structs.replace(_job("pinned"), affinity=Affinity(clusters=[DRAINED])))
         await client.submit(_job("free"))
         await until(lambda: _running_at(client, ["pinned", "free"], DRAINED, 1), 20, "both on c-weu-a")
