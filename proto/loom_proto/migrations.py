@@ -36,7 +36,8 @@ class MigrationEvent(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     progress_lost_steps: Annotated[int, Meta(ge=0)] = 0
     """Steps done by the old run past ``resume_step`` (redone by the next run)."""
     why: Annotated[str, Meta(max_length=2048)] = ""
-    overtaken: bool = False
-    """``failed`` only: the run ended by itself (completed, failed, cancelled) before it moved, so
-    nothing went wrong with the move (no alert is raised for it)."""
+    moot: bool = False
+    """``failed`` only: the move no longer mattered, nothing went wrong with it (no alert is
+    raised): its run ended by itself first (completed, failed, cancelled, rejected), or the
+    operator ended the drain it served before it started."""
     at: Annotated[float, Meta(ge=0)]

@@ -416,7 +416,7 @@ class MigrationService:
                     if row["cause"] == "drain" and row["state"] == "planned":
                         failed = await moves.fail(conn, row["migration_id"], f"the drain of {cluster} ended")
                         if failed is not None:
-                            messages.append(self._message(failed, "failed"))
+                            messages.append(self._message(failed, "failed", moot=True))
                         self._start_held_at.pop(row["migration_id"], None)
                 await outbox.add(conn, PRODUCER, messages)
             await self._publish(messages)
@@ -874,7 +874,7 @@ class MigrationService:
             else:
                 row = await moves.fail(conn, m["migration_id"], f"the run ended ({state}) before it moved")
                 if row is not None:
-                    messages.append(self._message(row, "failed", overtaken=True))
+                    messages.append(self._message(row, "failed", moot=True))
                 still_open = False
             await outbox.add(conn, PRODUCER, messages)
         await self._publish(messages)
@@ -1541,10 +1541,10 @@ class MigrationService:
         await msg.respond(json.dumps(reply).encode())
 
     def _message(
-        self, row: asyncpg.Record, kind: MigrationKind, *, overtaken: bool = False
+        self, row: asyncpg.Record, kind: MigrationKind, *, moot: bool = False
     ) -> outbox.OutboxMessage:
-        """The migration event of ``row`` at ``kind``, in the job's trace (``overtaken``: a
-        ``failed`` move whose run ended by itself first)."""
+        """The migration event of ``row`` at ``kind``, in the job's trace (``moot``: a ``failed``
+        move that no longer mattered, :attr:`MigrationEvent.moot`)."""
         event = MigrationEvent(
             migration_id=row["migration_id"],
             kind=kind,
@@ -1558,7 +1558,7 @@ class MigrationService:
             steps=max(int(row["steps"]), 0),
             progress_lost_steps=max(int(row["lost_steps"]), 0),
             why=row["why"][:2048],
-            overtaken=overtaken,
+            moot=moot,
             at=time.time(),
         )
         if kind in ("completed", "failed"):

@@ -542,6 +542,12 @@ async def test_a_cluster_drained_again_after_an_undrain_failed_its_planned_moves
             ("again-a:1", "failed"),
             ("again-b:1", "failed"),
         ]
+        # Published as moves that no longer mattered (the operator ended their drain): no alert.
+        cancelled = await db.fetch(
+            "SELECT payload FROM outbox WHERE subject LIKE 'loom.migrations.failed.%' ORDER BY msg_id"
+        )
+        events = [json.loads(bytes(r["payload"])) for r in cancelled]
+        assert [(e["migration_id"], e["moot"]) for e in events] == [("again-a:1", True), ("again-b:1", True)]
         assert "again-a:1" not in migration._start_held_at  # the undrain leaves no hold behind
         assert not [k for k in migration._drain_judged_at if k[0] == DRAINED]  # nor a verdict's age
 

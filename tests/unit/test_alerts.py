@@ -363,7 +363,7 @@ def test_only_failed_migrations_become_job_alerts_once_per_migration() -> None:
     assert again is not None and again.dedup_key == failed.dedup_key
     assert all(from_migration_failed(event(k)) is None for k in ("planned", "started", "completed"))
     # The job's run ended by itself before it moved: nothing to alert (a failed job has its own).
-    assert from_migration_failed(msgspec.structs.replace(event("failed"), overtaken=True)) is None
+    assert from_migration_failed(msgspec.structs.replace(event("failed"), moot=True)) is None
 
 
 def test_stale_views_unhealthy_nodes_and_dead_letters_fire_once_and_resolve() -> None:

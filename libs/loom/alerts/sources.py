@@ -11,8 +11,8 @@ What exists today and becomes an alert here:
   ``start_timeout``; preemption and resizing are decisions, not faults): momentary job alerts;
 * dead letters growing: at least ``threshold`` in ``window_s`` (``loom.dlq.>``) fires a ``service``
   alert on ``dead-letters``, resolved when the window holds none;
-* a migration the migration service gave up on (``loom.migrations.failed.*``, unless the run's own
-  end overtook it): a momentary job alert;
+* a migration the migration service gave up on (``loom.migrations.failed.*``, unless it no longer
+  mattered: ``moot``): a momentary job alert;
 * placement's classification of a cluster (``loom.placement.cluster_health``): ``suspect`` (one of
   heartbeats and probes lost) fires a warning, ``failed`` (both) a critical alert on the cluster,
   ``healthy`` resolves it;
@@ -94,9 +94,10 @@ def from_job_failed(event: JobFailed) -> Alert | None:
 
 def from_migration_failed(event: MigrationEvent) -> Alert | None:
     """A momentary job alert for a move that did not happen (the migration service's ``failed``);
-    None for the other steps of a migration, and for a move its run's own end overtook (the job
-    completed, failed or was cancelled first: its failure, if any, has its own alert)."""
-    if event.kind != "failed" or event.overtaken:
+    None for the other steps of a migration, and for a move that no longer mattered
+    (``MigrationEvent.moot``: its run ended by itself first, whose failure if any has its own
+    alert, or the operator ended its drain)."""
+    if event.kind != "failed" or event.moot:
         return None
     return Alert(
         alert_id=alert_id("migration-failed", event.migration_id),
