@@ -445,7 +445,7 @@ class MigrationService:
         runs = await moves.runs_on(self.pool, cluster)
         jobs = [_drain_job(r) for r in runs]
         closed = await moves.drained_clusters(self.pool)
-        refusal = drain_refusal(cluster, jobs, known, closed, await moves.cluster_regions(self.pool))
+        refusal = drain_refusal(cluster, jobs, known, closed, await replica_store.cluster_regions(self.pool))
         if refusal is not None and not force:
             return {"ok": False, "code": "refused", "error": refusal}
         async with transaction(self.pool) as conn:
@@ -710,7 +710,7 @@ class MigrationService:
             return
         known = await moves.known_clusters(self.pool)
         closed = await moves.drained_clusters(self.pool)
-        regions = await moves.cluster_regions(self.pool)
+        regions = await replica_store.cluster_regions(self.pool)
         why = waiting_for_capacity(cluster, left, room, known, closed, regions=regions)
         waiting = self._drain_waiting.setdefault(cluster, {})
         now = time.time()

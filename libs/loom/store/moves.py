@@ -166,12 +166,6 @@ async def known_clusters(conn: Conn) -> dict[str, dict[str, int]]:
     return out
 
 
-async def cluster_regions(conn: Conn) -> dict[str, str]:
-    """Every cluster the capacity book knows -> its region."""
-    rows = await conn.fetch("SELECT DISTINCT cluster, region FROM node_allocations")
-    return {r["cluster"]: r["region"] for r in rows}
-
-
 async def runs_on(conn: Conn, cluster: str) -> list[asyncpg.Record]:
     """Running jobs with a live reservation on ``cluster``: job row fields and the lead cluster."""
     rows: list[asyncpg.Record] = await conn.fetch(
