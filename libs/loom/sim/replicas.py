@@ -132,28 +132,17 @@ class SimReplicas:
         """Copies finished by ``now`` become ready; the next ones start where they would have."""
         running = self.sim.jobs
         for job_id, copy in list(self.copying.items()):
-            if copy.done_s <= now:
-                job = running.get(job_id)
-                ended_s = None if job is None or job.run is not None else job.record.end_s
-                if job is None or (ended_s is not None and ended_s < copy.done_s):
-                    # Its job ended before the copy did: stopped then (below), whenever this runs.
-                    del self.copying[job_id]
-                    self._drop(copy.held)
-                    self.out.cancelled_copies += 1
-                else:
-                    self._finish(job_id, copy)
-        done = {
-            h.job_id
-            for h in self.held
-            if not h.finished
-            and ((job := running.get(h.job_id)) is None or (job.run is None and job.record.end_s is not None))
-        }
-        if done:
-            # A finished job's copy still under way is of no use: it stops (its replica, not yet
-            # ready, goes), as the service stops replicating a job that ended.
-            for job_id in sorted(done & self.copying.keys()):
-                self._drop(self.copying.pop(job_id).held)
+            ended_s = self._ended_s(job_id)
+            if ended_s is not None and ended_s < copy.done_s:
+                # Its job ended before the copy did: of no use, it stopped then (its replica, not
+                # yet ready, goes), as the service stops replicating a job that ended.
+                del self.copying[job_id]
+                self._drop(copy.held)
                 self.out.cancelled_copies += 1
+            elif copy.done_s <= now:
+                self._finish(job_id, copy)
+        done = {h.job_id for h in self.held if not h.finished and self._ended_s(h.job_id) is not None}
+        if done:
             self.held = [replace(h, finished=True) if h.job_id in done else h for h in self.held]
         for job_id in sorted({j for jobs in self.sim.by_cluster.values() for j in jobs}):
             job = running.get(job_id)
@@ -236,6 +225,14 @@ class SimReplicas:
             h for h in self.held if not (h.job_id == job_id and h.cluster == held.cluster and h is not held)
         ]
         self.held = [ready if h is held else h for h in self.held]
+
+    def _ended_s(self, job_id: str) -> float | None:
+        """When ``job_id`` ended (-inf: the simulation holds it no more), None while it is not
+        ended (running, or queued again)."""
+        job = self.sim.jobs.get(job_id)
+        if job is None:
+            return -math.inf
+        return job.record.end_s if job.run is None else None
 
     def _drop(self, held: Held) -> None:
         """This replica (the very record, not an equal one) is no longer held."""
