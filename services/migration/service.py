@@ -99,7 +99,7 @@ from loom.tasks import cancel_and_wait
 from loom_proto import subjects
 from loom_proto.clusters import CheckpointJob
 from loom_proto.codec import DecodeError, decode, encode
-from loom_proto.jobs import JobRequeued, JobSpec, JobStarted
+from loom_proto.jobs import Affinity, JobRequeued, JobSpec, JobStarted
 from loom_proto.migrations import MigrationEvent, MigrationKind
 from loom_proto.net import LinkEventMessage, LinkInUse, LinkRecovered, LinksInUse, LinkState
 
@@ -1584,7 +1584,6 @@ def _drain_job(row: asyncpg.Record) -> DrainJob:
     spec = json.loads(row["spec"])
     work = spec.get("work", {})
     resources = spec.get("resources", {})
-    affinity = spec.get("affinity") or {}
     steps = int(work.get("steps", 1))
     gpus = int(resources.get("gpus", 1)) * max(int(spec.get("workers", 1) or 1), 1)
     return DrainJob(
@@ -1596,8 +1595,5 @@ def _drain_job(row: asyncpg.Record) -> DrainJob:
         step=int(float(row["progress"]) * steps + 1e-6),
         step_time_s=float(work.get("step_time_s", 1.0)),
         checkpoint_every_steps=int(work.get("checkpoint_every_steps", 0)),
-        clusters=tuple(affinity.get("clusters") or ()),
-        regions=tuple(affinity.get("regions") or ()),
-        avoid_clusters=tuple(affinity.get("avoid_clusters") or ()),
-        avoid_regions=tuple(affinity.get("avoid_regions") or ()),
+        affinity=msgspec.convert(spec.get("affinity") or {}, Affinity),
     )

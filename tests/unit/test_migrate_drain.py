@@ -14,6 +14,7 @@ from loom.migrate.drain import (
     shard_confirmation,
     waiting_for_capacity,
 )
+from loom_proto.jobs import Affinity
 
 
 def _job(
@@ -45,14 +46,19 @@ def test_closed_clusters_do_not_count_as_somewhere_to_go() -> None:
 
 def test_only_the_clusters_a_jobs_affinity_allows_count_as_somewhere_to_go() -> None:
     regions = {"a": "eu", "b": "us", "c": "us"}
-    pinned = replace(_job("pinned"), clusters=("a",))
+    pinned = replace(_job("pinned"), affinity=Affinity(clusters=["a"]))
     why = drain_refusal("a", [pinned], GPUS, closed=set(), regions=regions)
     assert why is not None and "pinned (1 x T4: 0 on other open clusters it may use)" in why
-    assert drain_refusal("a", [replace(_job("two"), clusters=("a", "b"))], GPUS, set(), regions) is None
-    anyg = replace(_job("any", models=()), avoid_regions=("us",))
+    assert (
+        drain_refusal(
+            "a", [replace(_job("two"), affinity=Affinity(clusters=["a", "b"]))], GPUS, set(), regions
+        )
+        is None
+    )
+    anyg = replace(_job("any", models=()), affinity=Affinity(avoid_regions=["us"]))
     assert drain_refusal("a", [anyg], GPUS, set(), regions) is not None
-    assert drain_refusal("a", [replace(anyg, avoid_regions=())], GPUS, set(), regions) is None
-    in_us = replace(_job("in-us", models=()), regions=("us",), avoid_clusters=("b",))
+    assert drain_refusal("a", [replace(anyg, affinity=Affinity())], GPUS, set(), regions) is None
+    in_us = replace(_job("in-us", models=()), affinity=Affinity(regions=["us"], avoid_clusters=["b"]))
     assert open_gpus(in_us, "a", GPUS, set(), regions) == {"c": 8}
     # A region list cannot be checked against a cluster whose region is not known: not counted.
     assert open_gpus(in_us, "a", GPUS, set(), {}) == {}

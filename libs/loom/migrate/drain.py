@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loom.migrate.benefit import MigrationVerdict, rank_key
+from loom.sched.allowed import cluster_allowed
+from loom_proto.jobs import Affinity
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,21 +51,8 @@ class DrainJob:
     """Steps done (from its progress)."""
     step_time_s: float
     checkpoint_every_steps: int
-    clusters: tuple[str, ...] = ()
-    """Its affinity: the only clusters it may run on (empty: any)."""
-    regions: tuple[str, ...] = ()
-    """The only regions it may run in (empty: any)."""
-    avoid_clusters: tuple[str, ...] = ()
-    avoid_regions: tuple[str, ...] = ()
-
-    def may_run_on(self, cluster: str, region: str | None) -> bool:
-        """Whether its affinity allows ``cluster`` (in ``region``; None: not known, which no
-        region list allows nor avoids)."""
-        if (self.clusters and cluster not in self.clusters) or cluster in self.avoid_clusters:
-            return False
-        if self.regions and region not in self.regions:
-            return False
-        return region is None or region not in self.avoid_regions
+    affinity: Affinity = field(default_factory=Affinity)
+    """Where it may run (its hard rules: :func:`loom.sched.allowed.cluster_allowed`)."""
 
     @property
     def remaining_gpu_s(self) -> float:
@@ -86,7 +75,7 @@ def open_gpus(
         c: n
         for c, models in sorted(gpus_by_cluster.items())
         if c not in shut
-        and job.may_run_on(c, where(c))
+        and cluster_allowed(job.affinity, c, where(c))
         and (n := sum(k for m, k in models.items() if not job.gpu_models or m in job.gpu_models)) > 0
     }
 

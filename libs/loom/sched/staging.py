@@ -28,6 +28,7 @@ does not yet send staging copies (a follow-up: the plan carries what a :class:`S
 import math
 from dataclasses import dataclass
 
+from loom.sched.allowed import cluster_allowed
 from loom.sched.snapshot import Snapshot
 from loom_proto.jobs import JobSpec
 
@@ -58,16 +59,10 @@ def staging_plan(job: JobSpec, snap: Snapshot, *, copied: frozenset[str] = froze
     per_worker = max(job.resources.gpus, 1)
     need = max(job.min_workers or job.workers, 1) * per_worker  # an elastic job may start smaller
     speeds = snap.job_speeds(job)
-    allowed_regions = set(job.affinity.regions)
-    allowed_clusters = set(job.affinity.clusters)
-    avoid_regions = set(job.affinity.avoid_regions)
-    avoid_clusters = set(job.affinity.avoid_clusters)
     best: tuple[float, int, float, str, str] | None = None
     for c, info in enumerate(snap.clusters):
         region = info.region
-        if (allowed_regions and region not in allowed_regions) or region in avoid_regions:
-            continue
-        if (allowed_clusters and info.id not in allowed_clusters) or info.id in avoid_clusters:
+        if not cluster_allowed(job.affinity, info.id, region):
             continue
         for m in range(len(snap.models)):
             total = int(snap.total_sum[c, m])
