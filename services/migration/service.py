@@ -79,7 +79,7 @@ from loom.migrate.drain import (
     shard_confirmation,
     waiting_for_capacity,
 )
-from loom.migrate.network import candidate_of, path_between, running_state, spans
+from loom.migrate.network import DegradedLinks, candidate_of, path_between, running_state, spans
 from loom.migrate.queue import options_from_wire
 from loom.migrate.replicas import (
     Held,
@@ -194,10 +194,16 @@ class MigrationService:
         self._noticed_at = 0.0
         self.stats = ctx.stats
         self.stats.update({"planned": 0, "started": 0, "completed": 0, "failed": 0, "drains": []})
-        self.stats.update({"reviews": 0, "verdicts": {"move": 0, "stay": 0, "deferred": 0}})
+        self.stats.update({"reviews": 0, "rechecks": 0, "verdicts": {"move": 0, "stay": 0, "deferred": 0}})
         self.links: dict[tuple[str, str], LinkState] = {}
         """The latest state of every link network perception published."""
         self._link_events: asyncio.Queue[LinkEventMessage] = asyncio.Queue()
+        self.degraded = DegradedLinks(self.settings.rule.recheck_s)
+        """The links degraded now (monotonic clock): their jobs are looked at again every
+        ``rule.recheck_s`` while they stay degraded."""
+        self._link_stays: dict[str, tuple[frozenset[str], str | None]] = {}
+        """job -> (link's regions, target) of its last recorded stay on a degraded link: a recheck
+        records a stay only when its target changed (the first review's row says why it stayed)."""
         self._avoid: dict[str, list[str]] = {}
         """migration id -> clusters its re-placement avoids (a network move's source parts)."""
         self._copies: dict[tuple[str, int, int, str], asyncio.Task[None]] = {}
@@ -939,8 +945,23 @@ class MigrationService:
         self._link_events.put_nowait(event)
 
     async def _network_loop(self) -> None:
+        """Review each link event's jobs, in order; between events, the jobs of the links still
+        degraded when their recheck falls due (one loop: two reviews never plan the same job)."""
         while True:
-            event = await self._link_events.get()
+            due_at = self.degraded.next_due()
+            timeout = None if due_at is None else max(due_at - time.monotonic(), 0.0)
+            try:
+                event = await asyncio.wait_for(self._link_events.get(), timeout)
+            except TimeoutError:
+                for pair in self.degraded.due(time.monotonic()):
+                    src, dst = sorted(pair)
+                    try:
+                        await self.recheck_link(src, dst)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:
+                        log.warning("link recheck failed", src=src, dst=dst, error=repr(exc))
+                continue
             await asyncio.sleep(self.settings.review_delay_s)
             try:
                 await self.review_link(event)
@@ -986,8 +1007,25 @@ class MigrationService:
         budget allows, through the drains' path (checkpoint, give up, re-place); record every
         verdict with its numbers."""
         recovered = isinstance(event, LinkRecovered)
+        if recovered:
+            self.degraded.recovered(event.src, event.dst)
+        else:
+            self.degraded.degraded(event.src, event.dst, time.monotonic())
+        return await self._review_link(event.src, event.dst, recovered=recovered)
+
+    async def recheck_link(self, src: str, dst: str) -> list[benefit.MigrationVerdict]:
+        """A link still degraded ``rule.recheck_s`` after its last review: its jobs again, as for
+        the degradation (``link_degraded``). A job that stayed then — no room elsewhere, or a move
+        that did not pay — moves once the benefit rule says so; a stay is recorded again only
+        when its target changed."""
+        self.stats["rechecks"] += 1
+        return await self._review_link(src, dst, recovered=False, recheck=True)
+
+    async def _review_link(
+        self, src: str, dst: str, *, recovered: bool, recheck: bool = False
+    ) -> list[benefit.MigrationVerdict]:
         trigger: benefit.Trigger = "link_improved" if recovered else "link_degraded"
-        link = f"{event.src}->{event.dst}"
+        link = f"{src}->{dst}"
         rows = await moves.running_spans(self.pool)
         open_ids = {m["job_id"] for m in await moves.open_migrations(self.pool)}
         history = await moves.move_history(self.pool, [r["job_id"] for r in rows])
@@ -996,10 +1034,19 @@ class MigrationService:
             if r["job_id"] in open_ids:
                 continue
             moved_off = recovered and history.get(r["job_id"], (0, None, ""))[2] == "network"
-            if spans(set(r["regions"]), event.src, event.dst) or moved_off:
+            if spans(set(r["regions"]), src, dst) or moved_off:
                 concerned.append(r)
         self.stats["reviews"] += 1
-        plan = await self._review(concerned, trigger, about=f"link {link}", link=link, cause="network")
+        plan = await self._review(
+            concerned, trigger, about=f"link {link}", link=link, cause="network", recheck=recheck
+        )
+        # Forget the stays no recheck will compare with: the link recovered, the job moved or left it.
+        pair, still = DegradedLinks.pair(src, dst), {r["job_id"] for r in concerned}
+        for job_id, (on, _) in list(self._link_stays.items()):
+            if on == pair and (pair not in self.degraded or job_id not in still):
+                del self._link_stays[job_id]
+        for v in plan.start:
+            self._link_stays.pop(v.job_id, None)
         return [*plan.start, *(v for v, _ in plan.deferred), *plan.stay]
 
     async def _review(
@@ -1012,12 +1059,15 @@ class MigrationService:
         link: str = "",
         toward: str | None = None,
         observed_step_s: Mapping[str, float] | None = None,
+        recheck: bool = False,
     ) -> benefit.Plan:
         """Decide with the benefit rule, for each of the ``concerned`` running jobs (``running_spans``
         rows), whether it moves on ``trigger``; plan the moves the budget allows (largest net
         benefit first), record every verdict, and plan each move to start (checkpoint, give up,
         re-place). ``toward``: only a move to that cluster counts (a cluster joined or improved).
-        ``observed_step_s``: job -> its step as observed (a slow node), instead of the predicted one."""
+        ``observed_step_s``: job -> its step as observed (a slow node), instead of the predicted one.
+        ``recheck``: a degraded link's jobs looked at again; a stay is recorded only when the job's
+        last recorded stay on that link had another target."""
         empty = benefit.Plan(start=[], deferred=[], stay=[])
         if not concerned:
             return empty
@@ -1055,7 +1105,14 @@ class MigrationService:
         records += [
             self._verdict_row(v, context[v.job_id][0], "deferred", link, why) for v, why in plan.deferred
         ]
-        records += [self._verdict_row(v, context[v.job_id][0], "stay", link) for v in plan.stay]
+        stays = plan.stay
+        if link and trigger == "link_degraded":
+            pair = frozenset(link.split("->"))
+            if recheck:
+                stays = [v for v in stays if self._link_stays.get(v.job_id) != (pair, v.target)]
+            for v in stays:
+                self._link_stays[v.job_id] = (pair, v.target)
+        records += [self._verdict_row(v, context[v.job_id][0], "stay", link) for v in stays]
         async with transaction(self.pool) as conn:
             await moves.record_verdicts(conn, records)
         for record in records:

@@ -4,8 +4,10 @@ bounce back inside its cool-down."""
 
 import math
 
+import pytest
+
 from loom.migrate.benefit import LOCAL_PATH, MigrationSettings, RunningJobState, decide, link_trigger
-from loom.migrate.network import candidate_of, path_between, running_state, spans
+from loom.migrate.network import DegradedLinks, candidate_of, path_between, running_state, spans
 from loom_proto.jobs import Communication, JobSpec, Resources, Work
 from loom_proto.net import LinkState
 
@@ -138,3 +140,26 @@ def test_on_a_link_degraded_five_fold_the_long_job_moves_the_nearly_done_one_sta
         trigger="link_improved",
     )
     assert not back.move and "cool-down" in back.reason
+
+
+def test_degraded_links_are_due_for_a_recheck_every_recheck_s_until_both_directions_recover() -> None:
+    links = DegradedLinks(recheck_s=30.0)
+    assert links.next_due() is None and links.due(1_000.0) == []
+    assert links.degraded("a", "b", 100.0) is True  # a new degradation: reviewed now
+    assert links.degraded("b", "a", 110.0) is False  # the other direction of the same pair
+    assert DegradedLinks.pair("b", "a") in links and len(links) == 1
+    assert links.next_due() == 130.0
+    assert links.due(129.9) == []
+    assert links.due(130.0) == [frozenset({"a", "b"})]
+    assert links.due(140.0) == []  # counted as reviewed at 130
+    assert links.next_due() == 160.0
+    assert links.recovered("a", "b") is False  # b -> a is still degraded
+    assert links.due(160.0) == [frozenset({"a", "b"})]
+    assert links.recovered("b", "a") is True
+    assert links.recovered("b", "a") is False  # idempotent
+    assert links.due(10_000.0) == [] and links.next_due() is None and list(links) == []
+
+
+def test_degraded_links_refuse_a_recheck_period_that_is_not_positive() -> None:
+    with pytest.raises(ValueError, match="recheck_s"):
+        DegradedLinks(recheck_s=0.0)

@@ -70,3 +70,45 @@ def test_the_second_move_of_a_review_is_not_dropped_for_the_gpus_the_first_freed
         assert always["migrations"] == 1 and placed_always["j2"] == ("us",)
     else:
         assert always["migrations"] == 2 and placed_always["j2"] == ("eu",)
+
+
+def _stuck_case(mode: str, *, restore_s: float | None) -> tuple[dict[str, tuple[str, ...]], dict]:  # type: ignore[type-arg]
+    """One EU-served inference job runs in the US (the EU cluster is held by a blocker until
+    ~2,000 s). At 300 s the US-EU link degrades: the job should go to the EU, which has no room
+    yet. ``restore_s``: the link recovers then (None: it stays degraded)."""
+    blocker = JobSpec(
+        job_id="blk",
+        tenant="t",
+        resources=Resources(gpus=8),
+        work=Work(steps=200, step_time_s=10.0),
+        affinity=Affinity(clusters=["eu"]),
+    )
+    events = [SimEvent(at_s=300.0, kind="link_degrade", src=US, dst=EU, rtt_factor=5.0, bandwidth_factor=0.2)]
+    if restore_s is not None:
+        events.append(SimEvent(at_s=restore_s, kind="link_restore", src=US, dst=EU))
+    trace = Trace(jobs=[SimJob(spec=blocker, arrival_s=0.0), inference("j", 400_000)], events=events)
+    plat = platform({"us": (US, "H100", 1), "eu": (EU, "V100", 1)})
+    result = simulate(trace, plat, POLICIES["loom"](0), truth=BELIEF, migration=MigrationPolicy(mode))  # type: ignore[arg-type]
+    assert result.migration is not None
+    return {r.job_id: r.clusters for r in result.records}, result.migration
+
+
+@pytest.mark.parametrize("mode", ["on", "always"])
+def test_a_job_that_found_no_room_when_its_link_degraded_moves_once_room_appears(mode: str) -> None:
+    placed, migration = _stuck_case(mode, restore_s=None)
+    assert placed["j"] == ("eu",)
+    assert migration["migrations"] == 1
+    if mode == "on":
+        verdicts = [(v["job_id"], v["decision"], v["target"]) for v in migration["verdicts"]]
+        # First no room (the blocker holds the EU), looked at again while the link stays degraded.
+        assert verdicts[0] == ("j", "stay", None)
+        assert verdicts[-1] == ("j", "move", "eu")
+        moved_at = migration["verdicts"][-1]["at_s"]
+        assert moved_at >= 2_000.0  # not before the blocker's GPUs came free
+
+
+def test_a_recovered_link_is_not_looked_at_again() -> None:
+    placed, migration = _stuck_case("on", restore_s=1_000.0)
+    assert placed["j"] == ("us",)
+    assert migration["migrations"] == 0
+    assert all(v["at_s"] < 1_000.0 for v in migration["verdicts"])

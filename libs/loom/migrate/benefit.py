@@ -175,11 +175,15 @@ class MigrationSettings:
     improve_factor: float = 1.5
     """A link whose RTT fell by this factor (or bandwidth rose by it) against the one a job was
     placed with is a better link."""
+    recheck_s: float = 30.0
+    """While a link stays degraded, the running jobs that use it are looked at again this often
+    (:class:`loom.migrate.network.DegradedLinks`): one that stayed (no room elsewhere then, or a
+    move that did not pay) moves once room appears or a better place frees up."""
 
     def __post_init__(self) -> None:
         if self.hysteresis_factor < 1:
             raise ValueError(f"hysteresis_factor must be >= 1, got {self.hysteresis_factor}")
-        for name in ("cooldown_s", "restart_s"):
+        for name in ("cooldown_s", "restart_s", "recheck_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.save_gbps <= 0:

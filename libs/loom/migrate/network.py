@@ -12,13 +12,17 @@ inputs:
 * :func:`running_state` — a :class:`~loom.migrate.benefit.RunningJobState` from the job's row,
   the what-if's current step and its move history (cool-down, hysteresis);
 * :func:`candidate_of` — the what-if's candidate as a :class:`~loom.migrate.benefit.Candidate`;
-* :func:`path_between` — the measured path between two regions from the latest link states.
+* :func:`path_between` — the measured path between two regions from the latest link states;
+* :class:`DegradedLinks` — the links degraded now, and when their jobs are due to be looked at
+  again: a job that stayed when its link degraded (no room elsewhere then, or a move that did not
+  pay) is looked at again every ``recheck_s`` while the link stays degraded, so it moves once room
+  appears. The service and the simulator keep one each.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 from loom.migrate.benefit import (
@@ -32,7 +36,7 @@ from loom.migrate.benefit import (
 from loom_proto.jobs import JobSpec
 from loom_proto.net import LinkState
 
-__all__ = ["candidate_of", "path_between", "running_state", "spans"]
+__all__ = ["DegradedLinks", "candidate_of", "path_between", "running_state", "spans"]
 
 
 def spans(regions: Collection[str], src: str, dst: str) -> bool:
@@ -95,3 +99,69 @@ def candidate_of(answer: Mapping[str, Any] | None) -> Candidate | None:
         step_s=float(answer["step_s"]),
         start_after_s=float(answer.get("start_after_s") or 0.0),
     )
+
+
+Pair = frozenset[str]
+"""A link as the jobs see it: the two regions, either direction."""
+
+
+class DegradedLinks:
+    """The links degraded now (by region pair; a pair stays degraded while either direction is)
+    and when each was last reviewed: :meth:`due` names the pairs whose running jobs are to be
+    looked at again, every ``recheck_s`` while the pair stays degraded. Not thread-safe: one owner."""
+
+    def __init__(self, recheck_s: float) -> None:
+        if recheck_s <= 0:
+            raise ValueError(f"recheck_s must be > 0, got {recheck_s}")
+        self.recheck_s = recheck_s
+        self._directions: dict[Pair, set[tuple[str, str]]] = {}
+        self._reviewed: dict[Pair, float] = {}
+
+    @staticmethod
+    def pair(src: str, dst: str) -> Pair:
+        """The pair of a directed link."""
+        return frozenset((src, dst))
+
+    def degraded(self, src: str, dst: str, now: float) -> bool:
+        """``src`` → ``dst`` degraded (its jobs are reviewed at ``now``). True when the pair was
+        not degraded before (a new degradation: review its jobs now)."""
+        pair = self.pair(src, dst)
+        new = pair not in self._directions
+        self._directions.setdefault(pair, set()).add((src, dst))
+        if new:
+            self._reviewed[pair] = now
+        return new
+
+    def recovered(self, src: str, dst: str) -> bool:
+        """``src`` → ``dst`` recovered. True when the pair is no longer degraded at all."""
+        pair = self.pair(src, dst)
+        directions = self._directions.get(pair)
+        if directions is None:
+            return False
+        directions.discard((src, dst))
+        if directions:
+            return False
+        del self._directions[pair]
+        self._reviewed.pop(pair, None)
+        return True
+
+    def due(self, now: float) -> list[Pair]:
+        """The degraded pairs last reviewed ``recheck_s`` or more before ``now`` (by their regions,
+        sorted), each counted as reviewed at ``now``."""
+        out = [p for p, at in self._reviewed.items() if now - at >= self.recheck_s]
+        for p in out:
+            self._reviewed[p] = now
+        return sorted(out, key=sorted)
+
+    def next_due(self) -> float | None:
+        """When the earliest recheck falls due (None: nothing is degraded)."""
+        return min(self._reviewed.values()) + self.recheck_s if self._reviewed else None
+
+    def __contains__(self, pair: object) -> bool:
+        return pair in self._directions
+
+    def __iter__(self) -> Iterator[Pair]:
+        return iter(sorted(self._directions, key=sorted))
+
+    def __len__(self) -> int:
+        return len(self._directions)

@@ -29,7 +29,10 @@
   candidate on that cluster only (backflow: a candidate elsewhere, which the framework falls back
   to when that cluster is full, is none);
 * ``link_degrade`` → ``link_degraded``: data-parallel jobs with parts at both ends, and inference
-  whose users are at one end and lead at the other; candidate anywhere;
+  whose users are at one end and lead at the other; candidate anywhere. While the link stays
+  degraded, the jobs using it then are looked at again at the first sample ``recheck_s`` after the
+  last look (:class:`~loom.migrate.network.DegradedLinks`, as the migration service rechecks): one
+  that found no room, or whose move did not pay, moves once room appears;
 * ``link_restore`` → ``link_improved``: jobs that left because that link degraded; anywhere;
 * ``cluster_drain`` → ``drain`` (forced): jobs with a part there; anywhere else, looked at again at
   every sample until the cluster is empty.
@@ -70,6 +73,7 @@ from loom.migrate.benefit import (
     job_class_of,
     plan_migrations,
 )
+from loom.migrate.network import DegradedLinks
 from loom.migrate.queue import queued_options
 from loom.migrate.replicas import ReplicaSettings
 from loom.sim.replicas import SimReplicas
@@ -159,7 +163,8 @@ class Migrator:
         self.deferred: dict[str, tuple[Trigger, str | None]] = {}
         """Job -> (trigger, only this cluster) of a move the budget deferred."""
         self.drained: set[str] = set()
-        self.degraded: set[frozenset[str]] = set()
+        self.degraded = DegradedLinks(self.settings.recheck_s)
+        """The links degraded now; their jobs are looked at again every ``recheck_s`` (at samples)."""
         self.seen: set[tuple[float, str, frozenset[frozenset[str]]]] = set()
         """Link events already handled at an instant (both directions come as two events)."""
         self.out = _Figures()
@@ -198,7 +203,11 @@ class Migrator:
         elif kind in ("link_degrade", "link_restore"):
             pairs = self._pairs(event)
             for pair in pairs:
-                (self.degraded.add if kind == "link_degrade" else self.degraded.discard)(pair)
+                a, b = sorted(pair)
+                if kind == "link_degrade":
+                    self.degraded.degraded(a, b, self.sim.t)
+                else:
+                    self.degraded.recovered(a, b)
             key = (self.sim.t, kind, frozenset(pairs))
             if key in self.seen or not pairs:
                 return
@@ -269,6 +278,10 @@ class Migrator:
             for (trigger, only), jobs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
                 keep = [j for j in jobs if trigger != "link_degraded" or self._still_across(j)]
                 self._consider(keep, trigger, only=only)
+        for pair in self.degraded.due(self.sim.t):
+            # A link still degraded: its jobs again (one that stayed may move now room appeared).
+            again = [j for j in self._across(*sorted(pair)) if j not in self.deferred]
+            self._consider(again, "link_degraded")
 
     def start_delay(self, job: _Job, d: Decision, *, gpus: int) -> float:
         """Seconds before a moved or re-placed run computes (save + checkpoint transfer + restart);
