@@ -87,7 +87,7 @@ from loom.migrate.health import (
     reachability,
 )
 from loom.migrate.nodes import Pace, PaceSettings, SuspectNodes, runs_on_nodes
-from loom.migrate.queue import options_to_wire, queued_options
+from loom.migrate.queue import options_to_wire, queued_for_part
 from loom.migrate.replicas import Replica
 from loom.migrate.resume import Resume, resume_point
 from loom.model.capacity import NodeCapacity
@@ -2224,7 +2224,6 @@ class PlacementService:
         if d is None:
             return {"ok": True, "current": current, "candidate": None, "why": outcome.status.reason}
         lead = d.lead.cluster
-        taken = sum(w for _, w in d.lead.allocations) * per_worker
         candidate = {
             "cluster": lead,
             "region": snap.clusters[snap.cluster_index[lead]].region,
@@ -2233,7 +2232,7 @@ class PlacementService:
             "start_after_s": d.start_after_s,
             # The queue the move would deprive (the benefit rule's queue's loss), by the rule the
             # simulator's migrator applies to its own queue.
-            "queued": options_to_wire(queued_options(snap, spec.job_id, lead, d.lead.gpu_model, taken)),
+            "queued": options_to_wire(queued_for_part(snap, spec.job_id, d.lead)),
         }
         return {"ok": True, "current": current, "candidate": candidate}
 

@@ -259,3 +259,55 @@ def test_on_does_not_take_the_gpus_a_waiting_job_is_about_to_get_but_moves_when_
     q = next(r for r in queued.records if r.job_id == "q")
     r = next(r for r in queued.records if r.job_id == "r")
     assert q.start_s is not None and r.end_s is not None and q.start_s == pytest.approx(r.end_s)
+
+
+def test_the_queues_loss_counts_the_gpus_a_move_takes_not_gpus_times_gpus_per_worker() -> None:
+    # The H100 cluster (2 nodes of 8) returns at 100 s: ``r`` (3 workers of 4 GPUs, a minute)
+    # takes 12 of its GPUs, so ``q`` (one 8-GPU worker) waits for r's end; ``j`` (one 4-GPU worker
+    # on the A100s) could move into the 4 left. After the move q still gets its node when r ends:
+    # the move takes 4 GPUs, no room q needs, so the queue loses nothing and j moves. Counting the
+    # move as 16 GPUs (its 4 GPUs times 4 per worker) left q no room at any known release.
+    plat = platform({"slow": (EU, "A100", 1), "fast": (EU, "H100", 2)})
+
+    def pinned(job_id: str, steps: int, workers: int, gpus: int, at: float) -> SimJob:
+        spec = JobSpec(
+            job_id=job_id,
+            tenant="t",
+            workers=workers,
+            resources=Resources(gpus=gpus),
+            work=Work(steps=steps, step_time_s=0.5, checkpoint_every_steps=100),
+            affinity=Affinity(clusters=["fast"]),
+        )
+        return SimJob(spec=spec, arrival_s=at)
+
+    mover = JobSpec(
+        job_id="j",
+        tenant="t",
+        resources=Resources(gpus=4),
+        work=Work(steps=LONG_STEPS, step_time_s=0.5, checkpoint_every_steps=100),
+    )
+    jobs = [
+        SimJob(spec=mover, arrival_s=0.0),
+        pinned("r", round(60.0 / FAST_STEP_S), 3, 4, 1.0),
+        pinned("q", LONG_STEPS, 1, 8, 2.0),
+    ]
+    events = [
+        SimEvent(at_s=0.0, kind="cluster_down", cluster="fast"),
+        SimEvent(at_s=100.0, kind="cluster_up", cluster="fast"),
+    ]
+    result = simulate(
+        Trace(jobs=jobs, events=events),
+        plat,
+        POLICIES["loom"](0),
+        truth=BELIEF,
+        migration=MigrationPolicy("on"),
+    )
+    assert result.migration is not None
+    verdict = next(v for v in result.migration["verdicts"] if v["job_id"] == "j")
+    assert verdict["trigger"] == "cluster_joined" and verdict["target"] == "fast"
+    assert verdict["queue_s"] == 0.0, verdict
+    assert verdict["decision"] == "move"
+    records = {r.job_id: r for r in result.records}
+    assert records["j"].clusters == ("fast",)
+    # q started when r ended, as it would have without the move.
+    assert records["q"].start_s == pytest.approx(records["r"].end_s)

@@ -19,9 +19,10 @@ import msgspec
 
 from loom.migrate.benefit import QueuedOption
 from loom.sched.availability import expected_wait_s
+from loom.sched.framework import Part
 from loom.sched.snapshot import QueuedShape, Snapshot
 
-__all__ = ["MAX_OPTIONS", "options_from_wire", "options_to_wire", "queued_options"]
+__all__ = ["MAX_OPTIONS", "options_from_wire", "options_to_wire", "queued_for_part", "queued_options"]
 
 
 MAX_OPTIONS = 64
@@ -89,6 +90,16 @@ def queued_options(
             )
         )
     return out
+
+
+def queued_for_part(
+    snap: Snapshot, job_id: str, part: Part, *, limit: int = MAX_OPTIONS
+) -> list[QueuedOption]:
+    """:func:`queued_options` for the pool of a candidate placement's ``part`` (its lead), the move
+    taking the GPUs of its allocations ((node, GPUs) pairs): the one call of placement's what-if and
+    the simulator's migrator."""
+    taken = sum(gpus for _, gpus in part.allocations)
+    return queued_options(snap, job_id, part.cluster, part.gpu_model, taken, limit=limit)
 
 
 def _run_s(snap: Snapshot, shape: QueuedShape, c: int, m: int) -> float:

@@ -74,7 +74,7 @@ from loom.migrate.benefit import (
     plan_migrations,
 )
 from loom.migrate.network import DegradedLinks
-from loom.migrate.queue import queued_options
+from loom.migrate.queue import queued_for_part
 from loom.migrate.replicas import ReplicaSettings
 from loom.sim.replicas import SimReplicas
 
@@ -479,12 +479,10 @@ class Migrator:
 
     def _queued(self, job: _Job, d: Decision) -> list[QueuedOption]:
         """The waiting jobs the candidate's lead pool could hold, by the rule placement's what-if
-        answers the migration service with (:func:`loom.migrate.queue.queued_options`: the queue
+        answers the migration service with (:func:`loom.migrate.queue.queued_for_part`: the queue
         and its shapes as the framework recorded them). The snapshot does not hold the candidate
         (``apply=False``)."""
-        lead = d.parts[0]
-        taken = sum(w for _, w in lead.allocations) * job.spec.resources.gpus
-        return queued_options(self.sim.snap, job.spec.job_id, lead.cluster, lead.gpu_model, taken)
+        return queued_for_part(self.sim.snap, job.spec.job_id, d.parts[0])
 
     def _consider(self, job_ids: list[str], trigger: Trigger, *, only: str | None = None) -> None:
         """Look at the affected jobs for one trigger and move those the mode moves."""
