@@ -28,6 +28,7 @@ from loom.sim.truth import (
     job_batch,
     load_truth,
     parse_truth,
+    perturbed,
 )
 from loom_proto.jobs import JobSpec, Layer, Pipeline, Resources, Work
 
@@ -591,3 +592,152 @@ def test_a_perturbed_truth_scales_each_family_gpu_pair_by_one_factor_and_keeps_t
     assert perturbed(base, 0.0, seed=1)[0].cells == base.cells
     with pytest.raises(ValueError, match="sigma"):
         perturbed(base, -0.1, seed=1)
+
+
+# ---- what an operator's file may get wrong -----------------------------------------------------
+
+
+def three_families(*extra: dict[str, Any]) -> dict[str, Any]:
+    """Families ``a`` and ``b`` measured on the V100, A100 and H100 (3x and 6x the V100), plus ``extra``."""
+    cells = [
+        c(family, gpu, value, series=family)
+        for family in ("a", "b")
+        for gpu, value in (("V100M16", 10.0), ("A100", 30.0), ("H100", 60.0))
+    ]
+    return tiny([*cells, *extra], families={f: {"task_type": "training_compute"} for f in "abn"})
+
+
+def test_a_family_without_a_reference_cell_gets_a_derived_reference_and_flagged_speeds() -> None:
+    truth = parse_truth(three_families(c("n", "A100", 90.0, series="n"), c("n", "H100", 180.0, series="n")))
+    # Its reference throughput: 90 / 3 (the others' A100 speed) and 180 / 6 (H100), so 30.
+    for gpu, expected in (("A100", 3.0), ("H100", 6.0), ("V100M16", 1.0)):
+        got = truth.speed("n", gpu)
+        assert got.speed == pytest.approx(expected)
+        assert got.derived and got.rule == "derived-reference"
+    assert truth.derived_reference == {("n", "fp32")}
+    assert truth.speed("a", "A100").rule == "measured"
+
+
+def test_the_packaged_file_without_a_familys_reference_cells_derives_its_speeds_near_the_measured() -> None:
+    document = packaged_document()
+    measured = load_truth().speed("bert-large", "A100").speed
+    document["cells"] = [
+        x for x in document["cells"] if not (x["family"] == "bert-large" and x["gpu_model"] == "V100M16")
+    ]
+    got = parse_truth(document).speed("bert-large", "A100")
+    assert got.rule == "derived-reference" and got.speed != 1.0
+    assert measured / 2 < got.speed < measured * 2
+
+
+def test_a_family_with_no_reference_cell_and_no_bridge_to_it_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(three_families(c("n", "K80", 5.0, series="n"))))
+    with pytest.raises(
+        TruthError, match=r"family 'n' has no fp32 cell on the reference GPU V100M16"
+    ) as caught:
+        load_truth(path)
+    assert str(path) in str(caught.value) and "K80" in str(caught.value)
+
+
+def test_a_file_with_half_precision_cells_only_times_fp32_jobs_by_them_flagged() -> None:
+    truth = parse_truth(
+        tiny([c("f", "V100M16", 10.0, precision="fp16"), c("f", "A100", 20.0, precision="fp16")])
+    )
+    got = truth.speed("f", "A100")
+    assert got.speed == pytest.approx(2.0)
+    assert (got.derived, got.rule, got.precision) == (True, "precision-fallback", "fp16")
+    assert truth.speed("f@fp16", "A100").rule == "measured"
+
+
+@pytest.mark.parametrize("reference", ["A100", "h100", 123])
+def test_a_reference_gpu_other_than_the_schedulers_is_refused_saying_why(reference: object) -> None:
+    document = tiny([c("f", "V100M16", 10.0), c("f", "A100", 20.0)], reference_gpu=reference)
+    with pytest.raises(TruthError, match="reference_gpu") as caught:
+        parse_truth(document, "mine.json")
+    assert "mine.json" in str(caught.value)
+    if isinstance(reference, str):
+        assert "V100M16" in str(caught.value) and "step times" in str(caught.value)
+
+
+def test_gpu_names_are_case_insensitive_in_cells_and_the_reference() -> None:
+    truth = parse_truth(
+        tiny(
+            [c("f", "v100m16", 10.0), c("f", "a100", 20.0)],
+            reference_gpu="v100m16",
+            gpu_aliases={"g3": "a100"},
+        )
+    )
+    assert truth.reference_gpu == "V100M16"
+    assert {x.gpu_model for x in truth.cells} == {"V100M16", "A100"}
+    got = truth.speed("f", "A100")
+    assert (got.speed, got.rule) == (2.0, "measured")
+    assert truth.speed("f", "G3").speed == 2.0
+
+
+@pytest.mark.parametrize(
+    ("cells", "where"),
+    [
+        ([c("f", "V100M16", 1e-320), c("f", "A100", 10.0)], r"cells\[0\].throughput 1e-320 and cells\[1\]"),
+        ([c("f", "V100M16", 1e-300), c("f", "A100", 1e300)], r"cells\[0\].throughput 1e-300 and cells\[1\]"),
+    ],
+)
+def test_throughputs_whose_ratios_leave_the_floats_are_refused(
+    cells: list[dict[str, Any]], where: str
+) -> None:
+    with pytest.raises(TruthError, match=where + r".*too far apart"):
+        parse_truth(tiny(cells))
+
+
+def test_a_derived_speed_that_overflows_raises_instead_of_timing_a_job_by_infinity() -> None:
+    truth = parse_truth(
+        tiny(
+            [
+                c("f", "V100M16", 1.0, series="f"),
+                c("f", "A100", 1e200, series="f"),
+                c("p", "V100M16", 1.0, series="p"),
+                c("p", "A100", 1e-200, series="p"),
+                c("p", "H100", 1e100, series="p"),
+            ],
+            families={"f": {"task_type": "training_compute"}, "p": {"task_type": "training_compute"}},
+        ),
+        "wide.json",
+    )
+    with pytest.raises(TruthError, match=r"wide.json: the speed of f \(fp32\) on H100 .* inf"):
+        truth.speed("f", "H100")
+
+
+@pytest.mark.parametrize("gpu", ["A100", "a100"])
+def test_a_duplicate_measurement_is_refused_naming_both_cells(gpu: str) -> None:
+    document = tiny(
+        [c("f", "V100M16", 10.0), c("f", "A100", 20.0), c("f", "V100M16", 5.0, n=2), c("f", gpu, 30.0)]
+    )
+    with pytest.raises(TruthError, match=r"cells\[1\] and cells\[3\] are the same measurement"):
+        parse_truth(document)
+    document["cells"][3]["series"] = "other"  # another series: another measurement
+    parse_truth(document)
+
+
+def test_a_truth_file_with_a_byte_order_mark_is_read_and_one_not_utf8_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "bom.json"
+    path.write_text("\ufeff" + json.dumps(tiny([c("f", "V100M16", 10.0), c("f", "A100", 20.0)])), "utf-8")
+    assert load_truth(path).speed("f", "A100").speed == 2.0
+    path.write_bytes(b'{"format": "loom-truth\xff"}')
+    with pytest.raises(TruthError, match="is not UTF-8 text"):
+        load_truth(path)
+
+
+def test_perturbing_keeps_the_reference_cells_whatever_their_spelling() -> None:
+    document = tiny(
+        [c("f", "v100m16", 10.0), c("f", "A100", 20.0), c("g", "V100m16", 5.0), c("g", "A100", 5.0)],
+        reference_gpu="v100m16",
+    )
+    base = parse_truth(document)
+    truth, factors = perturbed(base, 0.5, seed=1)
+    assert set(factors) == {("f", "A100"), ("g", "A100")}
+    assert [x.throughput for x in truth.cells if x.gpu_model == "V100M16"] == [10.0, 5.0]
+
+
+@pytest.mark.parametrize("sigma", [math.inf, math.nan, -0.1, 40.0])
+def test_perturbing_refuses_a_sigma_that_cannot_give_finite_positive_factors(sigma: float) -> None:
+    with pytest.raises(ValueError, match="sigma"):
+        perturbed(load_truth(), sigma, seed=1)

@@ -28,10 +28,15 @@ one such file. :func:`load_truth` reads one; :meth:`Truth.speed` and :meth:`Trut
 Required: ``format``, ``version`` (1), ``cells`` (each with ``family``, ``gpu_model``,
 ``precision`` (``fp32`` or ``fp16``), ``gpus_per_node`` >= 1, ``throughput`` > 0 and ``series``;
 ``batch`` and ``source`` optional). ``families``' task types are needed only for the derivation
-rules; ``reference_gpu`` defaults to ``V100M16``, ``noise.cv`` to 0. Throughput is in any unit per
-second, **the same unit within a series**: only cells of one ``(family, precision, series)`` are
-compared with each other (a Gavel job type at one batch size, one Lambda benchmark run). A bad file
-raises :class:`TruthError` saying which cell and field.
+rules; ``noise.cv`` defaults to 0. ``reference_gpu`` may be left out; if given it must be the
+scheduler's reference, ``V100M16``: workloads give step times in seconds on that GPU, so speeds
+must be relative to it. GPU names are case-insensitive (``v100m16`` is ``V100M16``). Throughput is
+in any unit per second, **the same unit within a series**: only cells of one ``(family, precision,
+series)`` are compared with each other (a Gavel job type at one batch size, one Lambda benchmark
+run); within a series, every ratio of two throughputs (or per-GPU throughputs) must be a finite
+positive float. A series holds one cell per (GPU, GPUs per node): a second one is refused, not
+silently preferred. The file is UTF-8, a byte order mark allowed. A bad file raises
+:class:`TruthError` saying which cell and field, in one line.
 
 **Speed.** A job of family ``F`` and precision ``p`` on GPU model ``G`` with ``n`` of its GPUs on a
 node runs at ``speed = s1(F, p, G) x eff(F, p, G, n)`` of the reference GPU alone:
@@ -53,8 +58,15 @@ node runs at ``speed = s1(F, p, G) x eff(F, p, G, n)`` of the reference GPU alon
   their task type, or the mix's DAG preprocessing) gets one of the table's families, chosen by a
   seeded hash (BLAKE2b of ``"{seed}:{job id}"``) among the families of its task type (all families
   when none has it). So jobs keep the real spread of speed-ups instead of one average;
-- ``precision-fallback``: no cell at the job's precision for the family (Gavel measured fp32 only):
-  the fp32 cells;
+- ``derived-reference``: the family has no 1-GPU cell on the reference GPU at that precision: each
+  of its series' reference throughput is derived from its 1-GPU cells on other GPUs ``A``:
+  ``throughput(A)`` over the median ``s1(f, A)`` of the families ``f`` measured on both ``A`` and
+  the reference at that precision (those of its task type when any), the geometric mean over such
+  ``A``; its speeds then follow as if measured, flagged. A family none of whose GPUs has such a
+  bridge makes the file refused, naming the family;
+- ``precision-fallback``: no cell at the job's precision for the family (Gavel measured fp32 only;
+  a file may hold fp16 only): the other precision's cells, as they are. Unscaled: the fp32/fp16
+  speed-ups differ per GPU (the A100's fp32 is TF32), so such speeds are an estimate, flagged;
 - ``gpu-alias``: a GPU model of ``gpu_aliases`` (``V100M32`` -> ``V100M16``; the undisclosed ``G2``/
   ``G3`` -> the A100 they are assumed to be) takes that GPU's cells;
 - ``peer-ratio``: the family was not measured on ``G``: from a GPU ``A`` it was measured on, times
@@ -65,6 +77,8 @@ node runs at ``speed = s1(F, p, G) x eff(F, p, G, n)`` of the reference GPU alon
   from the measured GPU ``A`` whose datasheet SCU (:func:`loom.model.profiles.relative_speed`, the
   family's task type) is nearest ``G``'s, times ``SCU(G) / SCU(A)``;
 - ``unknown-gpu``: ``G`` has no profile either: speed 1.0 (the reference);
+- a speed that comes out infinite, zero or NaN (throughputs across series too far apart for a
+  float) raises :class:`TruthError` rather than time a job by it;
 - ``scaling-peer``: no multi-GPU cell of the family on ``G`` at or around ``n``: the median
   ``eff(n)`` over the family's other GPUs; ``scaling-table``: none either (Gavel measured one GPU
   only): the median ``eff(n)`` over every (family, GPU) of the table at that precision.
@@ -87,15 +101,16 @@ import math
 import random
 import re
 import statistics
+import sys
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
 from loom.errors import InvalidInputError
 from loom.model.family import HasLabels, fold_family, is_half_precision, job_family
-from loom.model.profiles import relative_speed
+from loom.model.profiles import DEFAULT_REFERENCE_MODEL, relative_speed
 from loom.model.scu import ScuError
 
 __all__ = [
@@ -185,6 +200,17 @@ def job_batch(job: HasLabels, name: str = "") -> int | None:
     return int(found.group(1)) if found else None
 
 
+def _gpu_name(name: str) -> str:
+    """A GPU model's canonical spelling in the table (``v100m16`` is ``V100M16``)."""
+    return name.strip().upper()
+
+
+def _common_batch(cells: Sequence[TruthCell], key: tuple[str, str, str]) -> int | None:
+    """The batch size every cell of a series shares, None if they differ or have none."""
+    batches = {c.batch for c in cells if (c.family, c.precision, c.series) == key}
+    return batches.pop() if len(batches) == 1 else None
+
+
 def _hash_unit(text: str) -> float:
     """A number in (0, 1) from a string, stable across runs and platforms."""
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
@@ -203,32 +229,137 @@ class Truth:
         gpu_aliases: Mapping[str, str] | None = None,
         noise_cv: float = 0.0,
         noise_by_family: Mapping[str, float] | None = None,
-        reference_gpu: str = "V100M16",
-        source: str = "",
+        reference_gpu: str = DEFAULT_REFERENCE_MODEL,
+        source: str = "<table>",
     ) -> None:
-        self.cells = list(cells)
-        self.reference_gpu = reference_gpu.upper()
+        self.source = source
+        self.reference_gpu = _gpu_name(reference_gpu)
+        if self.reference_gpu != DEFAULT_REFERENCE_MODEL:
+            raise _fail(
+                source,
+                f"reference_gpu {reference_gpu!r} is not supported: workload step times are seconds on"
+                f" the scheduler's reference GPU {DEFAULT_REFERENCE_MODEL}, so speeds must be relative"
+                f" to it (omit reference_gpu or set it to {DEFAULT_REFERENCE_MODEL})",
+            )
+        self.cells = [
+            c if c.gpu_model == _gpu_name(c.gpu_model) else replace(c, gpu_model=_gpu_name(c.gpu_model))
+            for c in cells
+        ]
         self.task_types: dict[str, str] = dict(families or {})
         """Table family -> task type."""
         self.aliases = {fold_family(k): v for k, v in (aliases or {}).items()}
-        self.gpu_aliases = {k.upper(): v.upper() for k, v in (gpu_aliases or {}).items()}
+        self.gpu_aliases = {_gpu_name(k): _gpu_name(v) for k, v in (gpu_aliases or {}).items()}
         self.noise_cv = float(noise_cv)
         self.noise_by_family = dict(noise_by_family or {})
-        self.source = source
         # (family, precision, series) -> gpu -> n -> throughput
         self._series: dict[tuple[str, str, str], dict[str, dict[int, float]]] = defaultdict(
             lambda: defaultdict(dict)
         )
         self._ref_batch: dict[tuple[str, str, str], int | None] = {}
-        for c in self.cells:
+        first: dict[tuple[str, str, str, str, int], int] = {}
+        for i, c in enumerate(self.cells):
             key = (c.family, c.precision, c.series)
-            self._series[key][c.gpu_model.upper()][c.gpus_per_node] = c.throughput
-            if c.gpu_model.upper() == self.reference_gpu and c.gpus_per_node == 1:
+            same = first.setdefault((*key, c.gpu_model, c.gpus_per_node), i)
+            if same != i:
+                raise _fail(
+                    source,
+                    f"cells[{same}] and cells[{i}] are the same measurement ({c.family}, {c.gpu_model},"
+                    f" {c.precision}, series {c.series!r}, {c.gpus_per_node} GPU(s) per node): keep one",
+                )
+            self._series[key][c.gpu_model][c.gpus_per_node] = c.throughput
+            if c.gpu_model == self.reference_gpu and c.gpus_per_node == 1:
                 self._ref_batch[key] = c.batch
+        self._check_ranges()
         self.families: tuple[str, ...] = tuple(sorted({c.family for c in self.cells}))
         for family in self.families:
             self.task_types.setdefault(family, "")
+        if not self._ref_batch:
+            raise _fail(
+                source,
+                f"no cell of the reference GPU {self.reference_gpu} at 1 GPU: no speed can be computed",
+            )
+        self._derived_ref: dict[tuple[str, str, str], float] = {}
+        self.derived_reference: frozenset[tuple[str, str]] = frozenset()
+        """(family, precision) pairs without a reference cell, whose reference throughput is derived."""
+        self._derive_references()
         self._cache: dict[tuple[str, str, str, int, int | None], TrueSpeed] = {}
+
+    # ---- checks and the derived reference ----------------------------------------------------------
+
+    def _check_ranges(self) -> None:
+        """Refuse a series whose throughputs (or per-GPU throughputs) are too far apart for a float:
+        every speed is a ratio of two of them, and must be finite and positive."""
+        index = {
+            (c.family, c.precision, c.series, c.gpu_model, c.gpus_per_node): i
+            for i, c in enumerate(self.cells)
+        }
+        for (family, precision, series), by_gpu in self._series.items():
+            values = [
+                (value / n if per_gpu else value, index[(family, precision, series, gpu, n)])
+                for gpu, by_n in by_gpu.items()
+                for n, value in by_n.items()
+                for per_gpu in (False, True)
+            ]
+            (low, i), (high, j) = min(values), max(values)
+            if not (low > 0 and math.isfinite(high / low) and low / high > 0):
+                raise _fail(
+                    self.source,
+                    f"cells[{i}].throughput {self.cells[i].throughput!r} and cells[{j}].throughput"
+                    f" {self.cells[j].throughput!r} ({family}, {precision}, series {series!r}) are too"
+                    " far apart: their ratio is not a finite positive number",
+                )
+
+    def _ref_of(self, key: tuple[str, str, str]) -> float | None:
+        """The reference GPU's 1-GPU throughput in a series: measured, else derived, else None."""
+        return self._one(key, self.reference_gpu)
+
+    def _one(self, key: tuple[str, str, str], gpu: str) -> float | None:
+        """A GPU's 1-GPU throughput in a series (the derived reference for the reference GPU)."""
+        here = self._series[key].get(gpu, {}).get(1)
+        if here is None and gpu == self.reference_gpu:
+            return self._derived_ref.get(key)
+        return here
+
+    def _derive_references(self) -> None:
+        """``derived-reference``: for each (family, precision) without a reference cell, each series'
+        reference throughput from its 1-GPU cells on other GPUs ``A``: ``throughput(A)`` divided by
+        the median ``s1(f, A)`` over the families ``f`` measured on both ``A`` and the reference at
+        that precision (those of the family's task type when any); the geometric mean over such
+        ``A``. Refuses a family none of whose GPUs is so bridged (its speeds cannot be derived)."""
+        measured = {(f, p) for f, p, _ in self._ref_batch}
+        missing = sorted({(f, p) for f, p, _ in self._series} - measured)
+        derived: dict[tuple[str, str, str], float] = {}
+        for family, precision in missing:
+            keys = self._series_of(family, precision)
+            task = self.task_types.get(family, "")
+            for key in keys:
+                logs = []
+                for gpu, by_n in sorted(self._series[key].items()):
+                    here = by_n.get(1)
+                    found = {
+                        f: s
+                        for f in self.families
+                        if (f, precision) in measured
+                        and (s := self._measured_single(f, precision, gpu, None)) is not None
+                    }
+                    peers = [s for f, s in found.items() if task and self.task_types.get(f) == task]
+                    ratios = peers or list(found.values())
+                    if here is not None and ratios:
+                        logs.append(math.log(here / statistics.median(ratios)))
+                if logs:
+                    derived[key] = math.exp(statistics.fmean(logs))
+                    self._ref_batch[key] = _common_batch(self.cells, key)
+            if not any(key in derived for key in keys):
+                gpus = sorted({g for key in keys for g in self._series[key]})
+                raise _fail(
+                    self.source,
+                    f"family {family!r} has no {precision} cell on the reference GPU"
+                    f" {self.reference_gpu} at 1 GPU, and no other family was measured at {precision}"
+                    f" on both {self.reference_gpu} and one of its GPUs ({', '.join(gpus)}) at 1 GPU:"
+                    f" its speeds cannot be derived (add a {self.reference_gpu} cell)",
+                )
+        self._derived_ref = derived
+        self.derived_reference = frozenset(missing)
 
     # ---- families and GPUs ------------------------------------------------------------------------
 
@@ -271,9 +402,8 @@ class Truth:
         """``s1`` from cells alone (None when no series has both the GPU and the reference)."""
         ratios: list[tuple[float, bool]] = []
         for key in self._series_of(family, precision):
-            by_gpu = self._series[key]
-            ref = by_gpu.get(self.reference_gpu, {}).get(1)
-            here = by_gpu.get(gpu, {}).get(1)
+            ref = self._ref_of(key)
+            here = self._one(key, gpu)
             if ref and here:
                 ratios.append((here / ref, batch is not None and self._ref_batch.get(key) == batch))
         if not ratios:
@@ -284,8 +414,7 @@ class Truth:
     def _gpus_of(self, family: str, precision: str) -> list[str]:
         found = set()
         for key in self._series_of(family, precision):
-            ref = self._series[key].get(self.reference_gpu, {}).get(1)
-            if ref:
+            if self._ref_of(key):
                 found |= {g for g, by_n in self._series[key].items() if 1 in by_n}
         return sorted(found)
 
@@ -383,7 +512,7 @@ class Truth:
             counts = sorted(k for k in by_n if k > 1)
             if not one or not counts:
                 continue
-            values.append(_interpolate({k: min(by_n[k] / (k * one), 1.0) for k in counts}, n))
+            values.append(_interpolate({k: min(by_n[k] / k / one, 1.0) for k in counts}, n))
         if not values:
             return None
         return math.exp(statistics.fmean(math.log(v) for v in values))
@@ -457,16 +586,26 @@ class Truth:
             rule="+".join(all_rules),
         )
 
-    def _lookup(self, family: str, precision: str, gpu_model: str, n: int, batch: int | None) -> TrueSpeed:
+    def _lookup(self, family: str, asked: str, gpu_model: str, n: int, batch: int | None) -> TrueSpeed:
         rules: list[str] = []
-        if not self._series_of(family, precision) and precision != "fp32":
-            precision = "fp32"
+        precision = asked
+        if not self._series_of(family, asked):
+            precision = next(p for p in PRECISIONS if p != asked)
             rules.append("precision-fallback")
         gpu, gpu_rules = self._gpu(gpu_model)
-        rules += gpu_rules
         single, single_rules = self._single(family, precision, gpu, batch)
+        rules += gpu_rules
+        if (family, precision) in self.derived_reference:
+            rules.append("derived-reference")
         scaling, scaling_rules = self._scaling(family, precision, gpu, n)
         rules += single_rules + scaling_rules
+        if not (single * scaling > 0 and math.isfinite(single * scaling)):
+            raise _fail(
+                self.source,
+                f"the speed of {family} ({precision}) on {gpu} at {n} GPU(s) per node comes out"
+                f" {single * scaling!r} ({'+'.join(rules) or MEASURED}):"
+                " the throughputs span too wide a range",
+            )
         return TrueSpeed(
             speed=single * scaling,
             single=single,
@@ -556,7 +695,7 @@ def _cell_of(raw: Any, i: int, where: str) -> TruthCell:
         raise _fail(where, f"cells[{i}].batch must be a positive integer or null, got {batch!r}")
     return TruthCell(
         family=fold_family(raw["family"]),
-        gpu_model=raw["gpu_model"],
+        gpu_model=_gpu_name(raw["gpu_model"]),
         precision=raw["precision"],
         gpus_per_node=n,
         throughput=float(value),
@@ -580,7 +719,9 @@ def parse_truth(document: Any, where: str = "<document>") -> Truth:
     if not isinstance(cells_raw, list) or not cells_raw:
         raise _fail(where, "'cells' must be a non-empty list")
     cells = [_cell_of(raw, i, where) for i, raw in enumerate(cells_raw)]
-    reference = str(document.get("reference_gpu", "V100M16"))
+    reference = document.get("reference_gpu", DEFAULT_REFERENCE_MODEL)
+    if not isinstance(reference, str):
+        raise _fail(where, f"'reference_gpu' must be a GPU model name, got {reference!r}")
     families_raw = document.get("families", {})
     if not isinstance(families_raw, dict):
         raise _fail(where, "'families' must be an object")
@@ -593,14 +734,6 @@ def parse_truth(document: Any, where: str = "<document>") -> Truth:
         raise _fail(where, "'aliases' must map family names to family names")
     gpu_aliases = _gpu_aliases_of(document.get("gpu_aliases", {}), where)
     cv, by_family = _noise_of(document.get("noise", {}), where)
-    ref = reference.upper()
-    have_ref = {
-        (c.family, c.precision, c.series)
-        for c in cells
-        if c.gpu_model.upper() == ref and c.gpus_per_node == 1
-    }
-    if not have_ref:
-        raise _fail(where, f"no cell of the reference GPU {reference} at 1 GPU: no speed can be computed")
     return Truth(
         cells,
         families=families,
@@ -676,19 +809,30 @@ def perturbed(truth: Truth, sigma: float, seed: int) -> tuple[Truth, dict[tuple[
     relative to it); GPUs the tables derive move with the GPUs they are derived from.
 
     A robustness check (``tools/perturb_truth.py``): a truth that disagrees with the profiles per
-    (family, GPU), as a real fleet's measurements would, which only learning can correct."""
-    if not sigma >= 0:
-        raise ValueError(f"sigma must be >= 0, got {sigma}")
+    (family, GPU), as a real fleet's measurements would, which only learning can correct. Raises
+    :class:`ValueError` for a ``sigma`` that is not finite and >= 0, or so large that a factor
+    takes a throughput out of the range of a float."""
+    if not (sigma >= 0 and math.isfinite(sigma)):
+        raise ValueError(f"sigma must be a finite number >= 0, got {sigma}")
     rng = random.Random(seed)
     factors: dict[tuple[str, str], float] = {}
-    for pair in sorted({(c.family, c.gpu_model) for c in truth.cells}):
+    for pair in sorted({(c.family, _gpu_name(c.gpu_model)) for c in truth.cells}):
         z = rng.gauss(0.0, 1.0)
         if pair[1] != truth.reference_gpu:
             factors[pair] = math.exp(sigma * z - sigma * sigma / 2.0)
     document = dump_truth(truth)
     for cell in document["cells"]:
-        cell["throughput"] *= factors.get((cell["family"], cell["gpu_model"]), 1.0)
-    rebuilt = parse_truth(document, f"(perturbed, sigma {sigma:g}, seed {seed})")
+        pair = (cell["family"], _gpu_name(cell["gpu_model"]))
+        cell["throughput"] *= factors.get(pair, 1.0)
+        if not (cell["throughput"] >= sys.float_info.min and math.isfinite(cell["throughput"])):
+            raise ValueError(
+                f"sigma {sigma:g} is too large: the factor {factors[pair]:.3g} of {pair[0]} on {pair[1]}"
+                " makes its throughput leave the range of a float"
+            )
+    try:
+        rebuilt = parse_truth(document, f"(perturbed, sigma {sigma:g}, seed {seed})")
+    except TruthError as exc:
+        raise ValueError(f"sigma {sigma:g} is too large: {exc}") from exc
     return rebuilt, factors
 
 
@@ -699,14 +843,17 @@ def _packaged() -> Truth:
 
 
 def load_truth(path: str | Path | None = None) -> Truth:
-    """The truth file at ``path``; None: the packaged tables (Gavel + Lambda; read once)."""
+    """The truth file at ``path`` (UTF-8, a byte order mark allowed); None: the packaged tables
+    (Gavel + Lambda; read once)."""
     if path is None:
         return _packaged()
     where = str(path)
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8-sig")  # a byte order mark is no error
     except OSError as exc:
         raise _fail(where, f"cannot be read ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise _fail(where, f"is not UTF-8 text (byte {exc.start})") from exc
     try:
         document = json.loads(text)
     except json.JSONDecodeError as exc:
