@@ -37,10 +37,12 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
@@ -341,14 +343,17 @@ def _mean(values: Sequence[Any]) -> Any:
 def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every cell of the grid the options name; per-cell results and the seed-averaged rows."""
     say = progress or (lambda _s: None)
-    platforms = _names(args.platforms, PLATFORMS, "platform")
-    workloads = _names(args.workloads, WORKLOADS, "workload")
-    loads = [float(x) for x in str(args.loads).split(",") if x.strip()]
-    seeds = [int(x) for x in str(args.seeds).split(",") if x.strip()]
+    platforms = parse_names(args.platforms, PLATFORMS, "platform")
+    workloads = parse_names(args.workloads, WORKLOADS, "workload")
+    loads = parse_loads(args.loads)
+    seeds = parse_seeds(args.seeds)
+    check_units(args.units)
     from loom.sim.policies import POLICIES
 
-    policies = _names(args.policies, tuple(POLICIES), "policy")
+    policies = parse_names(args.policies, tuple(POLICIES), "policy")
     grid = cells(platforms, workloads, loads, seeds)
+    if args.truth is not None and args.truth != "belief" and not Path(args.truth).is_file():
+        raise ValueError(f"--truth is a truth file or 'belief', got {args.truth!r} (no such file)")
     truth = resolve_truth(args.truth)
     started = time.perf_counter()
     results = []
@@ -378,14 +383,56 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     }
 
 
-def _names(text: str | None, known: Sequence[str], what: str) -> list[str]:
+def parse_names(text: str | None, known: Sequence[str], what: str) -> list[str]:
+    """A comma-separated list of ``known`` names (None: all of them), repeats dropped; ValueError
+    for an unknown name or an empty list."""
     if text is None:
         return list(known)
-    names = [p.strip() for p in str(text).split(",") if p.strip()]
+    names = list(dict.fromkeys(p.strip() for p in str(text).split(",") if p.strip()))
+    if not names:
+        raise ValueError(f"name at least one {what}; known: {', '.join(known)}")
     for name in names:
         if name not in known:
             raise ValueError(f"unknown {what} {name!r}; known: {', '.join(known)}")
     return names
+
+
+def _items(text: str, option: str) -> list[str]:
+    items = list(dict.fromkeys(p.strip() for p in str(text).split(",") if p.strip()))
+    if not items:
+        raise ValueError(f"{option} needs at least one value, got {text!r}")
+    return items
+
+
+def parse_loads(text: str) -> list[float]:
+    """``--loads``: comma-separated shares of capacity, each a finite number > 0 (repeats dropped);
+    ValueError naming the option otherwise."""
+    items = _items(text, "--loads")
+    try:
+        loads = [float(item) for item in items]
+    except ValueError:
+        raise ValueError(f"--loads are numbers, got {text!r}") from None
+    if not all(math.isfinite(load) and load > 0 for load in loads):
+        raise ValueError(f"--loads must be finite numbers > 0, got {text!r}")
+    return list(dict.fromkeys(loads))
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``--seeds``: comma-separated integers, each run once (repeats dropped); ValueError naming the
+    option otherwise."""
+    items = _items(text, "--seeds")
+    try:
+        seeds = [int(item) for item in items]
+    except ValueError:
+        raise ValueError(f"--seeds are integers, got {text!r}") from None
+    return list(dict.fromkeys(seeds))
+
+
+def check_units(units: int, least: int = 1, why: str = "") -> None:
+    """``--units``: workload units of the mix per run, at least ``least`` (``why``: the reason,
+    when more than one is needed); ValueError otherwise."""
+    if units < least:
+        raise ValueError(f"--units must be at least {least}{why}, got {units}")
 
 
 def _h(seconds: float | None) -> str:
@@ -444,9 +491,11 @@ def main(args: argparse.Namespace) -> int:
     """``loom bench contention``: JSON on stdout, one line per cell on stderr unless ``--json``."""
     if args.policies is None:
         args.policies = ",".join((TARGET, *BASELINES))
+    from loom.errors import InvalidInputError
+
     try:
         result = run(args, progress=lambda s: print(s, file=sys.stderr) if not args.json else None)
-    except ValueError as exc:
+    except (ValueError, InvalidInputError) as exc:  # a bad option or input file: one line, rc 2
         print(str(exc), file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2))

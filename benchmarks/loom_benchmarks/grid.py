@@ -24,8 +24,8 @@ A **cell** is one (platform, load, spanning, workload); it is run once per seed 
   A workload may also be a **file**: a public trace as published (the Alibaba 2023 pod lists,
   Philly's ``cluster_job_log``, Helios / Acme job logs, PAI's task table:
   :mod:`loom.sim.public_traces`) or the generic format, read by
-  :func:`loom.sim.workloads.load_workload` (its first :data:`FILE_JOBS` jobs of a public trace
-  unless ``--jobs`` says otherwise; the seed draws home regions and the models a public trace does
+  :func:`loom.sim.workloads.load_workload` (its first :data:`FILE_JOBS` jobs by arrival, of a
+  public trace or a generic file alike, unless ``--jobs`` says otherwise; the seed draws home regions and the models a public trace does
   not name); its cells are named by the file's stem.
 
 Per cell and policy the figures are averaged over seeds: mean / p50 / p99 JCT (the seeds' own
@@ -86,7 +86,8 @@ SPANNING: Final = (False, True)
 CELL_JOBS: Final[Mapping[str, int]] = {"alibaba": 200, "mix": 150, "philly": 200}
 """Jobs per cell and workload (the mix's DAG units are three jobs: 150 jobs is about 115 units)."""
 FILE_JOBS: Final = 200
-"""Jobs per cell of a public trace file (the first, by submission), unless ``--jobs`` says otherwise."""
+"""Jobs per cell of a file, public trace or generic (the first, by arrival), unless ``--jobs`` says
+otherwise."""
 
 
 def workload_label(workload: str) -> str:

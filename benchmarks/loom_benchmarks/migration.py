@@ -454,10 +454,7 @@ def _standard_error(margins: Sequence[float | None] | None) -> float | None:
 
 def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The whole benchmark (see the module docstring)."""
-    platforms = _names(args.platforms, tuple(PLATFORMS))
-    scenarios = _names(args.scenarios, SCENARIOS)
-    loads = [float(x) for x in args.loads.split(",")]
-    seeds = [int(x) for x in args.seeds.split(",")]
+    platforms, scenarios, loads, seeds = check_options(args)
     started = time.perf_counter()
     runs = []
     for plat in platforms:
@@ -548,14 +545,25 @@ def summary(lines: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _names(given: str | None, known: Sequence[str]) -> list[str]:
-    if given is None:
-        return list(known)
-    names = [n.strip() for n in given.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"unknown {', '.join(unknown)}; known: {', '.join(known)}")
-    return names
+MIN_UNITS: Final = 2
+"""The fewest ``--units``: the scenarios' times are shares of the arrival span, which one unit
+(its jobs arriving at once) does not have."""
+
+
+def check_options(args: argparse.Namespace) -> tuple[list[str], list[str], list[float], list[int]]:
+    """The platforms, scenarios, loads and seeds the options name, every option checked before
+    anything runs; ValueError with a one-line message naming the option otherwise."""
+    from loom_benchmarks.contention import check_units, parse_loads, parse_names, parse_seeds
+
+    platforms = parse_names(args.platforms, tuple(PLATFORMS), "platform")
+    scenarios = parse_names(args.scenarios, SCENARIOS, "scenario")
+    loads = parse_loads(args.loads)
+    seeds = parse_seeds(args.seeds)
+    check_units(args.units, MIN_UNITS, " (the scenarios' times are shares of the arrival span)")
+    degradation_s = args.degradation_s
+    if not (math.isfinite(degradation_s) and degradation_s > 0):
+        raise ValueError(f"--degradation-s must be a finite number of seconds > 0, got {degradation_s}")
+    return platforms, scenarios, loads, seeds
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -604,9 +612,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenarios", default=None, help=f"comma-separated, of {', '.join(SCENARIOS)}")
     parser.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS))
     parser.add_argument("--seeds", default=",".join(str(s) for s in SEEDS))
-    parser.add_argument("--units", type=int, default=UNITS, help="workload units of the mix per run")
     parser.add_argument(
-        "--degradation-s", type=float, default=DEGRADATION_S, help="how long the degraded links stay degraded"
+        "--units", type=int, default=UNITS, help=f"workload units of the mix per run (at least {MIN_UNITS})"
+    )
+    parser.add_argument(
+        "--degradation-s",
+        type=float,
+        default=DEGRADATION_S,
+        help="how long the degraded links stay degraded (seconds > 0)",
     )
     parser.add_argument(
         "--ideal-replicas",
@@ -618,9 +631,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """``loom bench migration``: JSON on stdout, a table on stderr unless ``--json``."""
+    from loom.errors import InvalidInputError
+
     try:
         result = run(args, progress=lambda s: print(s, file=sys.stderr) if not args.json else None)
-    except ValueError as exc:
+    except (ValueError, InvalidInputError) as exc:  # a bad option or input: one line, rc 2
         print(str(exc), file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2))

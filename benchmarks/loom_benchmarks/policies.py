@@ -23,13 +23,13 @@ Loom's improvement over every other policy; and the issue's must-shows with thei
 pass/fail: on a mix, ``net_training`` mean JCT >= 25 % below compute-only greedy with no other class
 more than 5 % worse; on the scenario, total time and cost better than the seeds' 23 % and 18 % over
 the fixed home region. The report (:func:`loom.sim.report.write_report`: PNG plots and a Markdown
-page) goes to ``--out`` (``./loom-report/``).
+page) goes to ``--out`` (``./loom-report/``), checked before anything is simulated.
 
 On the scenario, "total time" is the makespan of all its pipelines (first arrival to last end),
 the seeds' 总耗时, and cost the sum over its jobs. ``--jobs`` counts jobs on every workload (the
 mix's DAG units are three jobs each, so it is turned into units; the scenario rounds up to whole
-pipelines). The timeline is sampled every ``--sample-every`` simulated seconds (default: the
-arrival span over 400).
+pipelines; a trace file keeps its first N jobs by arrival). The timeline is sampled every
+``--sample-every`` simulated seconds (default: the arrival span over 400).
 
 **Truth.** Every job is timed by a truth the scheduler cannot see (:mod:`loom.sim.truth`): by
 default the packaged measured tables (Gavel + Lambda); ``--truth FILE`` replays with an operator's
@@ -152,7 +152,9 @@ def resolve(args: argparse.Namespace, known: Sequence[str] | None = None) -> Opt
         and not Path(workload).is_file()
     ):
         raise OptionError(
-            f"--workload is one of {', '.join(WORKLOADS)} or a .jsonl or .csv file, got {workload!r}"
+            f"--workload {workload!r}: no such file; a workload is one of {', '.join(WORKLOADS)} or a"
+            " trace file: the generic format (.jsonl, .csv) or a public trace as published (Alibaba"
+            " 2023 pod list, Philly cluster_job_log, Helios / Acme job log, PAI task table)"
         )
     scale = bool(args.scale)
     jobs = args.jobs if args.jobs is not None else (SCALE_JOBS if scale else None)
@@ -265,7 +267,9 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
     the mix's job count (the fewest workload units giving at least that many jobs, a DAG unit being
     three: :func:`mix_units`) or the number of Alibaba tasks kept (the packaged sample holds
     2,000). ``scenario`` brings its own two-region platform (``--nodes`` does not apply) and
-    ``--jobs`` is its job count rounded up to whole three-stage pipelines.
+    ``--jobs`` is its job count rounded up to whole three-stage pipelines. A trace file keeps its
+    first ``--jobs`` jobs by arrival (:func:`loom.sim.workloads.first_jobs` for the generic format;
+    its events must name the platform's clusters and the topology's regions).
     """
     from loom.sim.engine import platform_from_topology
 
@@ -319,7 +323,9 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
             f" ({fmt or 'the generic format'})"
         )
     if fmt is None:
-        trace = load_workload(Path(options.workload), regions=regions)
+        trace = load_workload(
+            Path(options.workload), regions=regions, clusters=set(built.clusters), limit=options.jobs
+        )
     else:  # told once, here: read as that format
         trace = load_public(
             Path(options.workload),
@@ -449,6 +455,10 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
 
     say = progress or (lambda _s: None)
     options = resolve(args, list(POLICIES))
+    if options.out is not None:
+        from loom.sim.report import check_report_folder
+
+        check_report_folder(options.out)  # before simulating, not after: a bad --out loses nothing
     truth = BELIEF if options.truth == BELIEF_NAME else load_truth(options.truth)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
@@ -802,11 +812,12 @@ def run_grid_command(args: argparse.Namespace) -> int:
         cells = spec.cells()
         console.print(
             f"grid: {len(cells)} cells x {len(spec.seeds)} seeds x {len(spec.policies)} policies,"
-            f" jobs per cell {dict(spec.jobs)}, {args.grid_processes} processes"
+            f" jobs per cell {dict(spec.jobs)} (a file: its first that many, or all it has),"
+            f" {args.grid_processes} processes"
         )
         result = grid.run_grid(spec, processes=args.grid_processes, progress=console.print)
     except (OptionError, InvalidInputError) as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(str(exc), style="red", markup=False, highlight=False, soft_wrap=True)
         return 2
     print(json.dumps(result, indent=2))
     sys.stdout.flush()
@@ -841,7 +852,7 @@ def main(args: argparse.Namespace) -> int:
         with console.status("policies benchmark…") as status:
             result = run(args, progress=lambda s: status.update(f"policies benchmark: {s}"))
     except (OptionError, InvalidInputError) as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(str(exc), style="red", markup=False, highlight=False, soft_wrap=True)
         return 2
     print(json.dumps(result, indent=2))
     if not args.json:

@@ -388,6 +388,117 @@ def test_csv_reads_lists_and_json_cells(tmp_path: Path) -> None:
     assert b.parents == ("a",)
 
 
+def test_csv_quoted_cell_may_span_lines_and_later_rows_keep_their_line_numbers(tmp_path: Path) -> None:
+    path = tmp_path / "w.csv"
+    rows = '0,a,100,1.0,"first\nsecond"\n\n60,b,100,1.0,x\n'
+    path.write_text(f"# source: hand\narrival_s,job_id,steps,step_time_s,name\n{rows}")
+    trace = load_csv(path)
+    assert [(j.spec.job_id, j.spec.name) for j in trace.jobs] == [("a", "first\nsecond"), ("b", "x")]
+    assert trace.source == "hand"
+    path.write_text(f"arrival_s,job_id,steps,step_time_s,name\n{rows}70,c,-1,1.0,y\n")
+    with pytest.raises(WorkloadError, match="steps") as caught:
+        load_csv(path)
+    assert caught.value.line == 6  # the header is 1, a's row 2-3, a blank 4, b's row 5
+
+
+def test_csv_round_trip_keeps_a_name_with_a_newline(tmp_path: Path) -> None:
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"arrival_s": 0, "job_id": "a", "steps": 1, "step_time_s": 1, "name": "l1\\nl2"}\n')
+    trace = load_jsonl(path)
+    assert trace.jobs[0].spec.name == "l1\nl2"
+    write_csv(trace, tmp_path / "w.csv")
+    assert load_csv(tmp_path / "w.csv") == trace
+
+
+def test_csv_unterminated_quote_is_refused_with_the_line_its_row_starts_on(tmp_path: Path) -> None:
+    path = tmp_path / "w.csv"
+    path.write_text('arrival_s,job_id,steps,step_time_s,name\n0,a,1,1,ok\n0,b,1,1,"open\n')
+    with pytest.raises(WorkloadError, match="malformed CSV") as caught:
+        load_csv(path)
+    assert caught.value.line == 3
+
+
+def test_csv_comments_come_only_before_the_header_so_no_data_row_vanishes(tmp_path: Path) -> None:
+    path = tmp_path / "w.csv"
+    path.write_text(
+        "# a comment\nname,arrival_s,job_id,steps,step_time_s\n#1 run,0,a,100,1.0\nok,60,b,100,1.0\n"
+    )
+    assert [(j.spec.job_id, j.spec.name) for j in load_csv(path).jobs] == [("a", "#1 run"), ("b", "ok")]
+    path.write_text("arrival_s,job_id,steps,step_time_s\n0,a,1,1\n# not a comment here\n")
+    with pytest.raises(WorkloadError, match="1 cells for 4 columns") as caught:
+        load_csv(path)
+    assert caught.value.line == 3
+
+
+@pytest.mark.parametrize(
+    ("event", "message"),
+    [
+        (
+            {"event": "cluster_down", "cluster": "no-such-cluster"},
+            "cluster_down at 30 s: unknown cluster 'no-such",
+        ),
+        ({"event": "cluster_drain"}, "cluster_drain at 30 s names no cluster"),
+        ({"event": "link_degrade", "src": "mars", "dst": FAST_REGION}, "unknown src 'mars'; known: aws-"),
+        ({"event": "link_restore"}, "names no link"),
+        ({"event": "price", "region": "venus", "factor": 2}, "price at 30 s: unknown region 'venus'"),
+    ],
+)
+def test_an_event_that_would_change_nothing_is_refused_with_its_line(
+    tmp_path: Path, topology: Topology, event: dict[str, object], message: str
+) -> None:
+    path = tmp_path / "w.jsonl"
+    job = '{"arrival_s": 0, "job_id": "a", "steps": 1, "step_time_s": 1}'
+    path.write_text(f"{job}\n{json.dumps({**event, 'at_s': 30})}\n")
+    with pytest.raises(WorkloadError, match=message) as caught:
+        load_workload(path, regions={r.id for r in topology.regions}, topology=topology)
+    assert caught.value.line == 2
+    from loom_benchmarks.policies import Options, build_workload
+
+    options = Options(str(path), "default", None, None, ["loom"], 0, None, False, None)
+    with pytest.raises(WorkloadError, match=message):
+        build_workload(options, topology)
+
+
+def test_events_naming_the_platforms_clusters_and_regions_are_read(
+    tmp_path: Path, topology: Topology
+) -> None:
+    path = tmp_path / "w.jsonl"
+    cluster = topology.clusters[0].id
+    path.write_text(
+        '{"arrival_s": 0, "job_id": "a", "steps": 1, "step_time_s": 1}\n'
+        f'{{"event": "cluster_down", "at_s": 5, "cluster": "{cluster}"}}\n'
+        f'{{"event": "link_degrade", "at_s": 6, "region": "{FAST_REGION}", "rtt_factor": 2}}\n'
+    )
+    trace = load_workload(path, regions={r.id for r in topology.regions}, topology=topology)
+    assert [e.kind for e in trace.events] == ["cluster_down", "link_degrade"]
+
+
+def test_a_generic_workload_file_keeps_its_first_jobs_by_arrival_under_a_limit(
+    tmp_path: Path, topology: Topology
+) -> None:
+    lines = [
+        json.dumps({"arrival_s": t, "job_id": f"j{t}", "steps": 1, "step_time_s": 1}) for t in (40, 0, 30, 10)
+    ]
+    lines.append(
+        json.dumps({"arrival_s": 5, "job_id": "child", "steps": 1, "step_time_s": 1, "parents": ["j30"]})
+    )
+    path = tmp_path / "w.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    trace = load_workload(path, limit=3)
+    # by arrival: j0, child, j10; child's parent j30 is cut, so child goes too
+    assert [j.spec.job_id for j in trace.jobs] == ["j0", "j10"]
+    assert "first 3 of 5 jobs by arrival kept (limit), 1 of them dropped: a parent was cut" in trace.source
+    assert len(load_workload(path, limit=10).jobs) == 5
+    write_csv(Trace(load_jsonl(path).jobs), tmp_path / "w.csv")
+    assert [j.spec.job_id for j in load_workload(tmp_path / "w.csv", limit=1).jobs] == ["j0"]
+    from loom_benchmarks.grid import grid_trace
+    from loom_benchmarks.policies import Options, build_workload
+
+    options = Options(str(path), "default", 2, None, ["loom"], 0, None, False, None)
+    assert [j.spec.job_id for j in build_workload(options, topology).trace.jobs] == ["j0"]
+    assert len(grid_trace(str(path), 4, 0, topology).jobs) == 4  # the grid's jobs per cell, not the file's 5
+
+
 # ---- the training mix ------------------------------------------------------------------------------
 
 

@@ -7,10 +7,12 @@ under one placement policy and returns a :class:`SimResult`: one :class:`JobReco
 timeline of samples, from which :mod:`loom.sim.metrics` computes the figures.
 """
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from loom.errors import InvalidInputError
 from loom.model.capacity import NodeCapacity
 from loom.sched.framework import Outcome, QueueItem
 from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, Snapshot
@@ -25,6 +27,12 @@ EventKind = Literal[
 ]
 """``cluster_drain`` closes a cluster to new work (its running jobs stay unless a migration policy
 moves them: :mod:`loom.sim.migration`); ``cluster_undrain`` opens it again."""
+
+
+class EventError(InvalidInputError):
+    """A scripted event the simulator cannot replay: a time that is not a finite number of seconds
+    >= 0 (a NaN or infinite time would never come up in the event queue), or a factor that is not
+    a finite number >= 0 (a link's ``rtt_factor`` > 0)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +62,18 @@ class SimEvent:
     rtt_factor: float = 1.0
     bandwidth_factor: float = 1.0
     factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.at_s) and self.at_s >= 0):
+            raise EventError(f"{self.kind} event: at_s must be a finite time >= 0, got {self.at_s}")
+        if not (math.isfinite(self.rtt_factor) and self.rtt_factor > 0):
+            raise EventError(self._bad("rtt_factor", "> 0", self.rtt_factor))
+        for name, value in (("bandwidth_factor", self.bandwidth_factor), ("factor", self.factor)):
+            if not (math.isfinite(value) and value >= 0):
+                raise EventError(self._bad(name, ">= 0", value))
+
+    def _bad(self, name: str, bound: str, value: float) -> str:
+        return f"{self.kind} event at {self.at_s:g} s: {name} must be a finite number {bound}, got {value}"
 
 
 @dataclass

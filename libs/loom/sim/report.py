@@ -12,10 +12,13 @@
 
 Plots are drawn with matplotlib's object API on the Agg canvas (no pyplot, no display, no global
 backend switched), so a report can be written from a test or a headless machine.
+:func:`check_report_folder` tells beforehand whether a folder can take the report, so that a
+caller refuses a bad one before a long simulation rather than after it.
 """
 
 import json
 import math
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -25,6 +28,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from loom.errors import InvalidInputError
 from loom.sim import metrics
 from loom.sim.model import SimResult
 
@@ -492,6 +496,30 @@ def _json_safe(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [_json_safe(v) for v in value]
     return value
+
+
+class ReportFolderError(InvalidInputError):
+    """A report folder that cannot be written: a file stands at its path or on the way to it, or
+    the place it would be made in refuses writing."""
+
+
+def check_report_folder(out_dir: str | Path) -> None:
+    """:class:`ReportFolderError` unless :func:`write_report` could write into ``out_dir``: it is
+    a folder, or could be made where its nearest existing parent is (a folder), and that place
+    accepts a new entry. Tried with a temporary folder, removed again: nothing is left behind."""
+    out = Path(out_dir)
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "exists and is not a folder" if existing == out else f"{existing} is not a folder"
+        raise ReportFolderError(f"report folder {out}: {what}")
+    try:
+        tempfile.TemporaryDirectory(dir=existing).cleanup()
+    except OSError as exc:
+        raise ReportFolderError(
+            f"report folder {out}: cannot write in {existing}: {exc.strerror or exc}"
+        ) from None
 
 
 def write_report(

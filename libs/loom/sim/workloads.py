@@ -28,6 +28,7 @@ import csv
 import dataclasses
 import functools
 import importlib.resources
+import itertools
 import json
 import math
 import random
@@ -44,7 +45,7 @@ from loom.errors import InvalidInputError
 from loom.model.profiles import DEFAULT_REFERENCE_MODEL, UnknownGpuModelError, relative_speed
 from loom.model.topology import Topology, load_topology
 from loom.sched.pipeline import DEFAULT_USABLE_FRACTION
-from loom.sim.model import EventKind, JobClass, SimEvent, SimJob, Trace
+from loom.sim.model import EventError, EventKind, JobClass, SimEvent, SimJob, Trace
 from loom.sim.truth import Truth, load_truth
 from loom_proto.ids import InvalidIdError, validate_id
 from loom_proto.jobs import (
@@ -76,8 +77,10 @@ __all__ = [
     "alibaba_sample_path",
     "apportion",
     "at_load",
+    "check_events",
     "check_regions",
     "family_step_s",
+    "first_jobs",
     "gpu_seconds",
     "job_to_row",
     "load_alibaba",
@@ -269,26 +272,55 @@ def _read_lines(path: str | Path) -> list[tuple[int, str]]:
     ]
 
 
-def _source_comment(path: str | Path) -> str:
-    """The text of the file's first ``# source:`` comment, or ''."""
+def _source_comment(path: str | Path, *, preamble_only: bool = False) -> str:
+    """The text of the file's first ``# source:`` comment, or ''. ``preamble_only`` (CSV): look only
+    at the comments before the first record (the header): after it, a line starting ``# source:``
+    may be a line of a quoted multi-line cell."""
     with Path(path).open(encoding="utf-8-sig") as handle:
         for line in handle:
             if line.lower().startswith("# source:"):
                 return line.split(":", 1)[1].strip()
+            if preamble_only and line.strip() and not line.startswith("#"):
+                break
     return ""
 
 
 def _csv_records(path: str | Path) -> tuple[list[str], list[tuple[int, dict[str, str]]], int]:
-    """The header, each record as (line, column -> cell), and the header's line number."""
-    lines = _read_lines(path)
-    if not lines:
-        raise WorkloadError("no header row", path=str(path))
-    header_line, header_text = lines[0]
-    header = next(csv.reader([header_text]))
+    """The header, each record as (line, column -> cell), and the header's line number.
+
+    Blank lines and lines starting with ``#`` before the header are skipped (comments); after the
+    header every line belongs to a record, parsed by :mod:`csv` over the rest of the file, so a
+    quoted cell may hold newlines and a first cell may start with ``#`` (a data row never vanishes
+    as a comment). Blank lines between records are skipped. A record's line is the line it starts on.
+    """
+    where = str(path)
+    try:
+        with Path(path).open(encoding="utf-8-sig", newline="") as handle:
+            header_line = 0
+            for text in handle:
+                header_line += 1
+                if text.strip() and not text.startswith("#"):
+                    break
+            else:
+                raise WorkloadError("no header row", path=where)
+            reader = csv.reader(itertools.chain([text], handle), strict=True)
+            rows: list[tuple[int, list[str]]] = []
+            end = 0  # lines the reader has consumed (the header's is the first)
+            try:
+                for cells in reader:
+                    rows.append((header_line + end, cells))
+                    end = reader.line_num
+            except csv.Error as exc:
+                raise WorkloadError(f"malformed CSV: {exc}", path=where, line=header_line + end) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"cannot read: {exc}", path=where) from exc
+    header = rows[0][1]
     records: list[tuple[int, dict[str, str]]] = []
-    for line, cells in zip((n for n, _ in lines[1:]), csv.reader(t for _, t in lines[1:]), strict=True):
+    for line, cells in rows[1:]:
+        if len(cells) <= 1 and not "".join(cells).strip():
+            continue  # a blank line
         if len(cells) != len(header):
-            raise WorkloadError(f"{len(cells)} cells for {len(header)} columns", path=str(path), line=line)
+            raise WorkloadError(f"{len(cells)} cells for {len(header)} columns", path=where, line=line)
         records.append((line, dict(zip(header, cells, strict=True))))
     return header, records, header_line
 
@@ -836,6 +868,45 @@ def _event(row: EventRow) -> SimEvent:
     )
 
 
+_LINK_EVENTS: Final = frozenset({"link_degrade", "link_restore"})
+_CLUSTER_EVENTS: Final = frozenset({"cluster_down", "cluster_up", "cluster_drain", "cluster_undrain"})
+
+
+def _event_problem(
+    event: SimEvent, regions: Collection[str] | None, clusters: Collection[str] | None
+) -> str | None:
+    """What makes ``event`` a no-op the simulator would pass over silently, or None: a cluster
+    event without a cluster, a link event naming no link or region, or (when they are known) a
+    cluster or region that is not the platform's."""
+    what = f"event {event.kind} at {event.at_s:g} s"
+    if event.kind in _CLUSTER_EVENTS:
+        if not event.cluster:
+            return f"{what} names no cluster"
+        if clusters is not None and event.cluster not in clusters:
+            return f"{what}: unknown cluster {event.cluster!r}; known: {', '.join(sorted(clusters))}"
+    if event.kind in _LINK_EVENTS and not (event.region or event.src or event.dst):
+        return f"{what} names no link (src and dst) or region"
+    if regions is not None:
+        for field_name in ("src", "dst", "region"):
+            region = getattr(event, field_name)
+            if region and region not in regions:
+                return f"{what}: unknown {field_name} {region!r}; known: {', '.join(sorted(regions))}"
+    return None
+
+
+def check_events(
+    trace: Trace, *, regions: Collection[str] | None = None, clusters: Collection[str] | None = None
+) -> None:
+    """:class:`WorkloadError` naming the first event of ``trace`` that would change nothing: a
+    cluster event without a cluster, a link event without a link or region, or a cluster or region
+    not among ``clusters`` / ``regions`` (a platform's; None: not checked). The JSON-lines loader
+    checks its events so, naming the line."""
+    for event in trace.events:
+        problem = _event_problem(event, regions, clusters)
+        if problem is not None:
+            raise WorkloadError(problem)
+
+
 def _parse(decode: Callable[[], WorkloadRow], where: str, line: int) -> SimJob:
     try:
         return row_to_job(decode())
@@ -949,6 +1020,7 @@ def load_workload(
     trace_gpu: str | None = None,
     truth: Truth | None = None,
     start_s: float = 0.0,
+    clusters: Collection[str] | None = None,
 ) -> Trace:
     """A workload file: a public trace as published, or the generic format.
 
@@ -960,12 +1032,13 @@ def load_workload(
     :class:`~loom.sim.truth.Truth`: the GPU speeds turning measured durations into work).
 
     Otherwise the generic format, read by its name: ``.csv`` with :func:`load_csv`,
-    ``.jsonl`` / ``.ndjson`` / ``.json`` with :func:`load_jsonl` (``limit`` and ``seed`` do not
-    apply: the file is the workload). Any other name is read as JSON lines only when its first
-    record is a JSON object; otherwise the format cannot be told (a CSV header is not recognisable
-    for sure) and :class:`WorkloadError` asks for a ``.jsonl`` or ``.csv`` name. A ``.csv`` whose
-    first record is a JSON object is refused too (a JSON-lines file misnamed). ``regions`` as for
-    :func:`load_jsonl`.
+    ``.jsonl`` / ``.ndjson`` / ``.json`` with :func:`load_jsonl`, keeping its first ``limit`` jobs
+    in arrival order (:func:`first_jobs`; ``seed``, ``start_s`` and ``trace_gpu`` do not apply).
+    Any other name is read as JSON lines only when its first record is a JSON object; otherwise the
+    format cannot be told (a CSV header is not recognisable for sure) and :class:`WorkloadError`
+    asks for a ``.jsonl`` or ``.csv`` name. A ``.csv`` whose first record is a JSON object is
+    refused too (a JSON-lines file misnamed). ``regions`` and ``clusters`` as for
+    :func:`load_jsonl` (``clusters`` None: the clusters of ``topology`` when given).
     """
     from loom.sim import public_traces  # noqa: PLC0415 - it imports this module
 
@@ -991,9 +1064,11 @@ def load_workload(
                 path=str(path),
                 line=first[0],
             )
-        return load_csv(path, regions=regions)
+        return first_jobs(load_csv(path, regions=regions), limit)
     if suffix in _JSONL_SUFFIXES or looks_json:
-        return load_jsonl(path, regions=regions)
+        if clusters is None and topology is not None:
+            clusters = {c.id for c in topology.clusters}
+        return first_jobs(load_jsonl(path, regions=regions, clusters=clusters), limit)
     raise WorkloadError(
         f"cannot tell the format of a {suffix or 'nameless'} file (JSON lines or CSV):"
         " name it .jsonl or .csv",
@@ -1001,14 +1076,42 @@ def load_workload(
     )
 
 
-def load_jsonl(path: str | Path, *, regions: Collection[str] | None = None) -> Trace:
+def first_jobs(trace: Trace, limit: int | None) -> Trace:
+    """``trace`` cut to its first ``limit`` jobs in arrival order (None: all), as ``--jobs`` cuts a
+    public trace. A kept job whose parent was cut goes too (it would never be submitted), and so
+    do its own children; events are kept. ``Trace.source`` says what was kept.
+    :class:`WorkloadError` for a ``limit`` below 1."""
+    if limit is not None and limit < 1:
+        raise WorkloadError(f"limit must be at least 1 job, got {limit}")
+    if limit is None or limit >= len(trace.jobs):
+        return trace
+    kept = trace.jobs[:limit]
+    while True:  # dropping a job may orphan its children in turn (a parent may arrive after a child)
+        ids = {job.spec.job_id for job in kept}
+        keep = [job for job in kept if all(p in ids for p in job.parents)]
+        if len(keep) == len(kept):
+            break
+        kept = keep
+    orphans = limit - len(kept)
+    note = f"; first {limit} of {len(trace.jobs)} jobs by arrival kept (limit)"
+    if orphans:
+        note += f", {orphans} of them dropped: a parent was cut"
+    return Trace(kept, list(trace.events), trace.source + note)
+
+
+def load_jsonl(
+    path: str | Path, *, regions: Collection[str] | None = None, clusters: Collection[str] | None = None
+) -> Trace:
     """Read a JSON-lines workload: one job (or, with an ``event`` field, one event) per line.
 
     Blank lines and lines starting with ``#`` are skipped; the first ``# source: ...`` comment
     becomes ``Trace.source``. Raises :class:`WorkloadError` naming the line for malformed JSON, an
     unknown or missing field, a value out of range (negative numbers), a duplicate job id, a
-    parent that never appears, or parents that form a cycle. With ``regions`` (the platform's
-    topology), also for a ``home_region``, ``data_region`` or ``data_replicas`` not among them.
+    parent that never appears, parents that form a cycle, or an event that would change nothing
+    (a cluster event without a cluster, a link event without a link or region). With ``regions``
+    (the platform's topology), also for a ``home_region``, ``data_region`` or ``data_replicas``, or
+    an event's ``src``, ``dst`` or ``region``, not among them; with ``clusters`` (the platform's),
+    for an event's ``cluster`` not among them.
     """
     where = str(path)
     jobs: list[tuple[int, SimJob]] = []
@@ -1022,9 +1125,13 @@ def load_jsonl(path: str | Path, *, regions: Collection[str] | None = None) -> T
             raise WorkloadError("expected a JSON object", path=where, line=line)
         if "event" in obj:
             try:
-                events.append(_event(msgspec.convert(obj, EventRow)))
-            except msgspec.ValidationError as exc:
+                event = _event(msgspec.convert(obj, EventRow))
+            except (msgspec.ValidationError, EventError) as exc:
                 raise WorkloadError(str(exc), path=where, line=line) from None
+            problem = _event_problem(event, regions, clusters)
+            if problem is not None:
+                raise WorkloadError(problem, path=where, line=line)
+            events.append(event)
             continue
         jobs.append((line, _parse(functools.partial(msgspec.convert, obj, WorkloadRow), where, line)))
     _check_graph(jobs, where)
@@ -1036,8 +1143,11 @@ def load_csv(path: str | Path, *, regions: Collection[str] | None = None) -> Tra
     """Read a CSV workload: a header of :data:`COLUMNS` (any subset, any order), one job per row.
 
     An empty cell is an absent field. ``gpu_models``, ``parents`` and ``data_replicas`` are
-    ``|``-separated; ``layers``, ``affinity`` and ``labels`` are JSON. Comments, errors and checks
-    (``regions`` included) as :func:`load_jsonl` (events are JSON-lines only).
+    ``|``-separated; ``layers``, ``affinity`` and ``labels`` are JSON. Errors and checks
+    (``regions`` included) as :func:`load_jsonl` (events are JSON-lines only). Comments (lines
+    starting with ``#``, the first ``# source: ...`` one becoming ``Trace.source``) come only
+    before the header: after it every line is part of a row, parsed by :mod:`csv` over the whole
+    file (a quoted cell may span lines; a row whose first cell starts with ``#`` is a row).
     """
     where = str(path)
     header, records, header_line = _csv_records(path)
@@ -1063,7 +1173,8 @@ def load_csv(path: str | Path, *, regions: Collection[str] | None = None) -> Tra
         jobs.append((line, _parse(decode, where, line)))
     _check_graph(jobs, where)
     _check_regions(jobs, regions, where)
-    return Trace([job for _, job in jobs], [], _source_comment(path) or f"csv: {Path(path).name}")
+    source = _source_comment(path, preamble_only=True) or f"csv: {Path(path).name}"
+    return Trace([job for _, job in jobs], [], source)
 
 
 def _source_line(trace: Trace) -> str:
