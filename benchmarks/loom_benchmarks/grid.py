@@ -25,8 +25,8 @@ A **cell** is one (platform, load, spanning, workload); it is run once per seed 
   Philly's ``cluster_job_log``, Helios / Acme job logs, PAI's task table:
   :mod:`loom.sim.public_traces`) or the generic format, read by
   :func:`loom.sim.workloads.load_workload` (its first :data:`FILE_JOBS` jobs by arrival, of a
-  public trace or a generic file alike, unless ``--jobs`` says otherwise; the seed draws home regions and the models a public trace does
-  not name); its cells are named by the file's stem.
+  public trace or a generic file alike, unless ``--jobs`` says otherwise; the seed draws home
+  regions and the models a public trace does not name); its cells are named by the file's stem.
 
 Per cell and policy the figures are averaged over seeds: mean / p50 / p99 JCT (the seeds' own
 figures averaged), mean queueing, time-weighted utilisation over the run and, in brackets on the
