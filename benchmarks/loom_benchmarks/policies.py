@@ -581,6 +581,20 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
 # ---- output -----------------------------------------------------------------------------------
 
 
+def _rules_and_rejections(summaries: list[dict[str, Any]]) -> list[str]:
+    """Per policy: how the truth timed its jobs (when not all measured), and why jobs were rejected."""
+    lines = []
+    for s in summaries:
+        rules = s["belief_error"].get("truth_rules") or {}
+        if rules and set(rules) != {"measured"}:
+            lines.append(f"{s['policy']}: jobs timed by " + ", ".join(f"{k} {v:,}" for k, v in rules.items()))
+        lines.extend(
+            f"{s['policy']}: {n:,} rejected: {why}"
+            for why, n in (s["overall"].get("rejected_reasons") or {}).items()
+        )
+    return lines
+
+
 def print_table(result: dict[str, Any]) -> None:
     """The summary table, the claims and (with ``--scale``) the scale figures, on stderr."""
     from rich import box
@@ -604,6 +618,8 @@ def print_table(result: dict[str, Any]) -> None:
     )
     columns = (
         ("done", "finished", lambda v: f"{v:,}"),
+        ("rejected", "rejected", lambda v: f"{v:,}"),
+        ("unfinished", "unfinished", lambda v: f"{v:,}"),
         ("mean JCT", "jct_mean_s", fmt_duration),
         ("p99 JCT", "jct_p99_s", fmt_duration),
         ("queue", "queue_mean_s", fmt_duration),
@@ -649,6 +665,8 @@ def print_table(result: dict[str, Any]) -> None:
             "-" if worst is None else f"{worst[1]} {fmt_share(worst[0])}",
         )
     console.print(errors)
+    for line in _rules_and_rejections(result["summaries"]):
+        console.print(line)
     claims = result.get("claims")
     if claims:
         for name, check in claims["checks"].items():

@@ -87,6 +87,36 @@ def test_rejected_and_unfinished_jobs_are_counted_but_never_enter_jct_or_queuein
     assert s["makespan_s"] == pytest.approx(15.0)
 
 
+def test_rejection_reasons_are_counted_most_frequent_first_and_truth_rules_per_job() -> None:
+    records = [
+        rec("a", rejected="no GPU model allowed exists"),
+        rec("b", rejected="quota"),
+        rec("c", rejected="no GPU model allowed exists"),
+        *(rec(f"r{i}", rejected=f"reason {i}") for i in range(6)),
+        rec("done", start_s=0.0, end_s=10.0),
+    ]
+    s = metrics.summarize(result("p", records))["overall"]
+    reasons = s["rejected_reasons"]
+    assert list(reasons.items())[:2] == [("no GPU model allowed exists", 2), ("quota", 1)]
+    assert len(reasons) == metrics.REASONS_KEPT  # the most frequent only
+    timed = [
+        JobRecord(
+            job_id=f"t{i}",
+            job_class="batch",
+            tenant="t",
+            arrival_s=0.0,
+            start_s=0.0,
+            end_s=1.0,
+            step_s=1.0,
+            belief_step_s=1.0,
+            truth_rule=rule,
+        )
+        for i, rule in enumerate(["measured", "peer-ratio", "measured", "derived-reference"])
+    ]
+    rules = metrics.belief_error(timed)["truth_rules"]
+    assert rules == {"measured": 2, "derived-reference": 1, "peer-ratio": 1}
+
+
 def test_no_finished_job_gives_none_not_zero() -> None:
     s = metrics.summarize(result("p", [rec("q"), rec("r", rejected="x")]))["overall"]
     assert s["jct_mean_s"] is None
@@ -387,6 +417,8 @@ def test_report_writes_every_plot_and_a_page_that_links_them(tmp_path: Path) -> 
     assert "| loom |" in text and "| greedy_compute |" in text
     assert "net_training_vs_greedy" in text
     assert "multi_stage_vs_home_region: not run" in text
+    assert "Rejected by loom:\n- 1 x no model" in text  # why, next to the counts
+    assert "| rejected | unfinished |" in text
     summary = json.loads((tmp_path / "out" / SUMMARY_NAME).read_text())
     assert [s["policy"] for s in summary["summaries"]] == ["loom", "greedy_compute"]
     assert (

@@ -26,6 +26,7 @@ Everything here is a pure function of :class:`~loom.sim.model.SimResult` s.
 """
 
 import itertools
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
@@ -174,14 +175,26 @@ def belief_error(records: Iterable[JobRecord]) -> dict[str, Any]:
     for r in ran:
         by_model.setdefault(r.gpu_model, []).append((r.belief_step_s, r.step_s))
     timed = [r for r in ran if r.truth_rule]
+    rules = Counter(r.truth_rule for r in timed)
     return {
         **_error_stats(pairs),
         "timed_by": "truth" if timed else ("belief" if ran else None),
         "derived_share": (sum(1 for r in timed if r.truth_rule != "measured") / len(timed))
         if timed
         else None,
+        "truth_rules": dict(sorted(rules.items(), key=lambda kv: (-kv[1], kv[0]))),
         "by_gpu_model": {m: _error_stats(by_model[m]) for m in sorted(by_model)},
     }
+
+
+REASONS_KEPT = 5
+"""Rejection reasons listed per policy (the most frequent)."""
+
+
+def rejected_reasons(records: Iterable[JobRecord], keep: int = REASONS_KEPT) -> dict[str, int]:
+    """The most frequent reasons jobs were rejected for, with how many each (most first)."""
+    counts = Counter(r.rejected for r in records if r.rejected is not None)
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:keep])
 
 
 def by_class(records: Iterable[JobRecord]) -> dict[str, list[JobRecord]]:
@@ -197,6 +210,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
     """One policy's figures, overall and per job class (see the module docstring for definitions)."""
     overall = group_stats(result.records)
     overall["gpu_utilisation_mean"] = mean_utilisation(result.timeline)
+    overall["rejected_reasons"] = rejected_reasons(result.records)
     return {
         "policy": result.policy,
         "overall": overall,

@@ -104,6 +104,7 @@ SUMMARY_COLUMNS: Final[tuple[Column, ...]] = (
     ("jobs", "jobs", lambda v: f"{v:,}"),
     ("finished", "finished", lambda v: f"{v:,}"),
     ("rejected", "rejected", lambda v: f"{v:,}"),
+    ("unfinished", "unfinished", lambda v: f"{v:,}"),
     ("mean JCT", "jct_mean_s", fmt_duration),
     ("p50 JCT", "jct_p50_s", fmt_duration),
     ("p99 JCT", "jct_p99_s", fmt_duration),
@@ -442,6 +443,26 @@ def _class_table(summaries: Sequence[Mapping[str, Any]]) -> list[str]:
     return ["## Mean JCT by job class", "", *_md_table(["policy", *classes], [counts, *rows]), ""]
 
 
+def _rejected_section(summaries: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Why jobs were rejected, per policy (the most frequent reasons), and what unfinished means."""
+    lines: list[str] = []
+    for s in summaries:
+        reasons = (s.get("overall") or {}).get("rejected_reasons") or {}
+        if reasons:
+            lines.append(f"Rejected by {s['policy']}:")
+            lines.extend(f"- {n:,} x {why}" for why, n in reasons.items())
+            lines.append("")
+    if any((s.get("overall") or {}).get("unfinished") for s in summaries):
+        lines.extend(
+            [
+                "Unfinished: jobs still queued or running when the run ended (e.g. asking for GPU models",
+                "the platform does not have, or too many GPUs for what is free).",
+                "",
+            ]
+        )
+    return lines
+
+
 def _belief_section(summaries: Sequence[Mapping[str, Any]]) -> list[str]:
     """Belief error next to the outcomes: per policy, and per GPU model."""
     errors = [(str(s["policy"]), s.get("belief_error") or {}) for s in summaries]
@@ -484,6 +505,10 @@ def _belief_section(summaries: Sequence[Mapping[str, Any]]) -> list[str]:
             for name, e in errors
         ]
         lines.extend(_md_table(["policy", *models], by_model))
+    rules = [(name, e.get("truth_rules") or {}) for name, e in errors]
+    if any(r for _, r in rules):
+        lines.extend(["", "How the truth timed each policy's jobs (`loom.sim.truth` rules; jobs):", ""])
+        lines.extend(f"- {name}: " + ", ".join(f"{k} {v:,}" for k, v in r.items()) for name, r in rules if r)
     lines.append("")
     return lines
 
@@ -579,6 +604,7 @@ def write_report(
             "",
         ]
     )
+    lines.extend(_rejected_section(summaries))
     lines.extend(_class_table(summaries))
     lines.extend(_belief_section(summaries))
     lines.extend(_comparison_section(comparison))
