@@ -2,6 +2,7 @@
 mix, the seeds' multi-stage scenario and the scripted-event helpers."""
 
 import csv
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -699,6 +700,24 @@ def test_at_load_spreads_arrivals_to_offer_the_asked_gpu_hours_per_hour(topology
             offered = sum(gpu_seconds(j) for j in shaped.jobs) / 3600 / span_h
             assert offered == pytest.approx(load * gpus)
             assert [j.spec for j in shaped.jobs] == [j.spec for j in trace.jobs]  # only arrivals move
+
+
+def test_at_load_keeps_early_events_at_the_start_and_refuses_a_trace_with_no_arrival_span(
+    topology: Topology,
+) -> None:
+    base = philly_like(20, seed=1, topology=topology)
+    first = base.jobs[0].arrival_s
+    late = base.jobs[-1].arrival_s
+    events = [
+        SimEvent(at_s=max(first - 100.0, 0.0), kind="cluster_down", cluster="c-use2-a"),
+        SimEvent(at_s=late, kind="cluster_up", cluster="c-use2-a"),
+    ]
+    shaped = at_load(Trace(base.jobs, events), 0.8, 64)
+    assert shaped.events[0].at_s == 0.0  # before the first arrival: at the start, never below 0
+    assert shaped.events[1].at_s == pytest.approx(shaped.jobs[-1].arrival_s)  # scaled like the jobs
+    at_once = Trace([dataclasses.replace(j, arrival_s=5.0) for j in base.jobs])
+    with pytest.raises(WorkloadError, match="no arrival span"):
+        at_load(at_once, 0.8, 64)
 
 
 def test_with_spanning_sets_allow_multi_cluster_on_gangs_only(topology: Topology) -> None:

@@ -1721,7 +1721,8 @@ def at_load(trace: Trace, load: float, capacity_gpus: float) -> Trace:
     """``trace`` with its arrivals spread or packed so that it offers ``load x capacity_gpus``
     reference-GPU-hours per hour: the arrival span becomes ``sum(gpu_seconds) / (load x
     capacity_gpus)`` (the trace's own work; the arrival pattern is kept, times are scaled from the
-    first arrival).
+    first arrival; an event before it comes at 0). A trace whose jobs all arrive at one instant has
+    no span to scale: refused.
 
     ``capacity_gpus`` is the platform in reference (V100) GPUs: its GPU count for a nominal load,
     or each GPU weighted by its speed for a load of its compute (the grid uses the truth's median
@@ -1733,13 +1734,19 @@ def at_load(trace: Trace, load: float, capacity_gpus: float) -> Trace:
         return trace
     first = trace.jobs[0].arrival_s
     span = trace.jobs[-1].arrival_s - first
+    if not span > 0:
+        raise WorkloadError(
+            f"all {len(trace.jobs)} jobs arrive at {first:g} s: there is no arrival span for a load to"
+            " scale (give the jobs their arrival times, or run without a load)"
+        )
     target = math.fsum(gpu_seconds(j) for j in trace.jobs) / (load * capacity_gpus)
-    scale = target / span if span > 0 else 0.0
+    scale = target / span
     jobs = [
         SimJob(j.spec, (j.arrival_s - first) * scale, j.job_class, j.home_region, j.parents)
         for j in trace.jobs
     ]
-    events = [dataclasses.replace(e, at_s=(e.at_s - first) * scale) for e in trace.events]
+    # An event before the first arrival happens at the start (in its order), not before time 0.
+    events = [dataclasses.replace(e, at_s=max((e.at_s - first) * scale, 0.0)) for e in trace.events]
     return Trace(jobs, events, f"{trace.source}; at load {load:g} of {capacity_gpus:,.0f} reference GPUs")
 
 
