@@ -201,9 +201,9 @@ class MigrationService:
         self.degraded = DegradedLinks(self.settings.rule.recheck_s)
         """The links degraded now (monotonic clock): their jobs are looked at again every
         ``rule.recheck_s`` while they stay degraded."""
-        self._link_stays: dict[str, tuple[frozenset[str], str | None]] = {}
-        """job -> (link's regions, target) of its last recorded stay on a degraded link: a recheck
-        records a stay only when its target changed (the first review's row says why it stayed)."""
+        self._link_said: dict[tuple[str, frozenset[str]], tuple[str, str | None]] = {}
+        """(job, degraded link's regions) -> (decision, target) of its last recorded verdict there: a
+        recheck records a stay or deferral only when it changed (the earlier row says why)."""
         self._avoid: dict[str, list[str]] = {}
         """migration id -> clusters its re-placement avoids (a network move's source parts)."""
         self._copies: dict[tuple[str, int, int, str], asyncio.Task[None]] = {}
@@ -951,7 +951,12 @@ class MigrationService:
             due_at = self.degraded.next_due()
             timeout = None if due_at is None else max(due_at - time.monotonic(), 0.0)
             try:
-                event = await asyncio.wait_for(self._link_events.get(), timeout)
+                # An event already queued comes before a recheck (it may be the link's recovery).
+                event = (
+                    self._link_events.get_nowait()
+                    if not self._link_events.empty()
+                    else await asyncio.wait_for(self._link_events.get(), timeout)
+                )
             except TimeoutError:
                 for pair in self.degraded.due(time.monotonic()):
                     src, dst = sorted(pair)
@@ -1016,8 +1021,8 @@ class MigrationService:
     async def recheck_link(self, src: str, dst: str) -> list[benefit.MigrationVerdict]:
         """A link still degraded ``rule.recheck_s`` after its last review: its jobs again, as for
         the degradation (``link_degraded``). A job that stayed then — no room elsewhere, or a move
-        that did not pay — moves once the benefit rule says so; a stay is recorded again only
-        when its target changed."""
+        that did not pay — moves once the benefit rule says so; a stay or deferral is recorded
+        again only when it differs from the job's last one on this link."""
         self.stats["rechecks"] += 1
         return await self._review_link(src, dst, recovered=False, recheck=True)
 
@@ -1040,13 +1045,12 @@ class MigrationService:
         plan = await self._review(
             concerned, trigger, about=f"link {link}", link=link, cause="network", recheck=recheck
         )
-        # Forget the stays no recheck will compare with: the link recovered, the job moved or left it.
+        # Forget what no recheck will compare with: the link recovered, the job moved or left it.
         pair, still = DegradedLinks.pair(src, dst), {r["job_id"] for r in concerned}
-        for job_id, (on, _) in list(self._link_stays.items()):
-            if on == pair and (pair not in self.degraded or job_id not in still):
-                del self._link_stays[job_id]
-        for v in plan.start:
-            self._link_stays.pop(v.job_id, None)
+        moving = {v.job_id for v in plan.start}
+        for job_id, on in list(self._link_said):
+            if on == pair and (pair not in self.degraded or job_id not in still or job_id in moving):
+                del self._link_said[job_id, on]
         return [*plan.start, *(v for v, _ in plan.deferred), *plan.stay]
 
     async def _review(
@@ -1066,8 +1070,8 @@ class MigrationService:
         benefit first), record every verdict, and plan each move to start (checkpoint, give up,
         re-place). ``toward``: only a move to that cluster counts (a cluster joined or improved).
         ``observed_step_s``: job -> its step as observed (a slow node), instead of the predicted one.
-        ``recheck``: a degraded link's jobs looked at again; a stay is recorded only when the job's
-        last recorded stay on that link had another target."""
+        ``recheck``: a degraded link's jobs looked at again; a stay or deferral is recorded only when
+        the job's last recorded verdict on that link differed (decision or target)."""
         empty = benefit.Plan(start=[], deferred=[], stay=[])
         if not concerned:
             return empty
@@ -1105,16 +1109,22 @@ class MigrationService:
         records += [
             self._verdict_row(v, context[v.job_id][0], "deferred", link, why) for v, why in plan.deferred
         ]
-        stays = plan.stay
-        if link and trigger == "link_degraded":
-            pair = frozenset(link.split("->"))
-            if recheck:
-                stays = [v for v in stays if self._link_stays.get(v.job_id) != (pair, v.target)]
-            for v in stays:
-                self._link_stays[v.job_id] = (pair, v.target)
-        records += [self._verdict_row(v, context[v.job_id][0], "stay", link) for v in stays]
+        records += [self._verdict_row(v, context[v.job_id][0], "stay", link) for v in plan.stay]
+        pair = frozenset(link.split("->")) if link and trigger == "link_degraded" else None
+        if pair is not None and recheck:
+            # A recheck records a stay or a deferral only when it differs from the job's last
+            # recorded verdict on this link (its numbers move a little at every look).
+            records = [
+                rec
+                for rec in records
+                if rec.decision == "move"
+                or self._link_said.get((rec.job_id, pair)) != (rec.decision, rec.target)
+            ]
         async with transaction(self.pool) as conn:
             await moves.record_verdicts(conn, records)
+        if pair is not None:
+            for rec in records:
+                self._link_said[rec.job_id, pair] = (rec.decision, rec.target)
         for record in records:
             self.stats["verdicts"][record.decision] += 1
         for v in plan.start:

@@ -112,3 +112,24 @@ def test_a_recovered_link_is_not_looked_at_again() -> None:
     assert placed["j"] == ("us",)
     assert migration["migrations"] == 0
     assert all(v["at_s"] < 1_000.0 for v in migration["verdicts"])
+
+
+def test_always_does_not_move_a_job_back_and_forth_at_every_recheck() -> None:
+    # Two US clusters: the compute-only framework's candidate for the EU-served job is always "the
+    # other US cluster" (the link still degraded either way). ``always`` has no cool-down: it moves
+    # the job off the link once, and the rechecks must not move it back and forth from then on.
+    blocker = JobSpec(
+        job_id="blk",
+        tenant="t",
+        resources=Resources(gpus=8),
+        work=Work(steps=200, step_time_s=10.0),
+        affinity=Affinity(clusters=["eu"]),
+    )
+    events = [SimEvent(at_s=300.0, kind="link_degrade", src=US, dst=EU, rtt_factor=5.0, bandwidth_factor=0.2)]
+    trace = Trace(jobs=[SimJob(spec=blocker, arrival_s=0.0), inference("j", 400_000)], events=events)
+    plat = platform({"usa": (US, "H100", 1), "usb": (US, "H100", 1), "eu": (EU, "V100", 1)})
+    result = simulate(
+        trace, plat, POLICIES["greedy_compute"](0), truth=BELIEF, migration=MigrationPolicy("always")
+    )
+    assert result.migration is not None
+    assert 1 <= result.migration["migrations"] <= 2, result.migration["migrations"]

@@ -183,9 +183,11 @@ class MigrationSettings:
     def __post_init__(self) -> None:
         if self.hysteresis_factor < 1:
             raise ValueError(f"hysteresis_factor must be >= 1, got {self.hysteresis_factor}")
-        for name in ("cooldown_s", "restart_s", "recheck_s"):
+        for name in ("cooldown_s", "restart_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.recheck_s) and self.recheck_s > 0):
+            raise ValueError(f"recheck_s must be a finite number of seconds > 0, got {self.recheck_s}")
         if self.save_gbps <= 0:
             raise ValueError(f"save_gbps must be > 0, got {self.save_gbps}")
 

@@ -111,8 +111,8 @@ class DegradedLinks:
     looked at again, every ``recheck_s`` while the pair stays degraded. Not thread-safe: one owner."""
 
     def __init__(self, recheck_s: float) -> None:
-        if recheck_s <= 0:
-            raise ValueError(f"recheck_s must be > 0, got {recheck_s}")
+        if not (math.isfinite(recheck_s) and recheck_s > 0):
+            raise ValueError(f"recheck_s must be a finite number of seconds > 0, got {recheck_s}")
         self.recheck_s = recheck_s
         self._directions: dict[Pair, set[tuple[str, str]]] = {}
         self._reviewed: dict[Pair, float] = {}

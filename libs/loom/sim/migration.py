@@ -32,7 +32,8 @@
   whose users are at one end and lead at the other; candidate anywhere. While the link stays
   degraded, the jobs using it then are looked at again at the first sample ``recheck_s`` after the
   last look (:class:`~loom.migrate.network.DegradedLinks`, as the migration service rechecks): one
-  that found no room, or whose move did not pay, moves once room appears;
+  that found no room, or whose move did not pay, moves once room appears (``always``, which has no
+  cool-down, rechecks only the jobs it has not moved off that link yet);
 * ``link_restore`` → ``link_improved``: jobs that left because that link degraded; anywhere;
 * ``cluster_drain`` → ``drain`` (forced): jobs with a part there; anywhere else, looked at again at
   every sample until the cluster is empty.
@@ -270,6 +271,7 @@ class Migrator:
     def _retry(self) -> None:
         for cluster in sorted(self.drained):
             self._consider(self._on_cluster(cluster), "drain")
+        looked: set[str] = set()
         if self.deferred:
             retry, self.deferred = self.deferred, {}
             by: dict[tuple[Trigger, str | None], list[str]] = {}
@@ -277,10 +279,19 @@ class Migrator:
                 by.setdefault(key, []).append(job_id)
             for (trigger, only), jobs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
                 keep = [j for j in jobs if trigger != "link_degraded" or self._still_across(j)]
+                looked.update(keep)
                 self._consider(keep, trigger, only=only)
         for pair in self.degraded.due(self.sim.t):
-            # A link still degraded: its jobs again (one that stayed may move now room appeared).
-            again = [j for j in self._across(*sorted(pair)) if j not in self.deferred]
+            # A link still degraded: its jobs again (one that stayed may move now room appeared),
+            # but those just looked at. ``always`` has no cool-down: a job it already moved off
+            # this link (to a place that still spans it) would otherwise move at every recheck.
+            again = [
+                j
+                for j in self._across(*sorted(pair))
+                if j not in self.deferred
+                and j not in looked
+                and not (self.policy.mode == "always" and self.left_link.get(j) == pair)
+            ]
             self._consider(again, "link_degraded")
 
     def start_delay(self, job: _Job, d: Decision, *, gpus: int) -> float:
