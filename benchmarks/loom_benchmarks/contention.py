@@ -42,7 +42,6 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
@@ -352,8 +351,6 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
 
     policies = parse_names(args.policies, tuple(POLICIES), "policy")
     grid = cells(platforms, workloads, loads, seeds)
-    if args.truth is not None and args.truth != "belief" and not Path(args.truth).is_file():
-        raise ValueError(f"--truth is a truth file or 'belief', got {args.truth!r} (no such file)")
     truth = resolve_truth(args.truth)
     started = time.perf_counter()
     results = []
@@ -388,26 +385,25 @@ def parse_names(text: str | None, known: Sequence[str], what: str) -> list[str]:
     for an unknown name or an empty list."""
     if text is None:
         return list(known)
-    names = list(dict.fromkeys(p.strip() for p in str(text).split(",") if p.strip()))
-    if not names:
-        raise ValueError(f"name at least one {what}; known: {', '.join(known)}")
+    names = _items(text, f"name at least one {what}; known: {', '.join(known)}")
     for name in names:
         if name not in known:
             raise ValueError(f"unknown {what} {name!r}; known: {', '.join(known)}")
     return names
 
 
-def _items(text: str, option: str) -> list[str]:
+def _items(text: str, empty: str) -> list[str]:
+    """The comma-separated items of ``text``, stripped, repeats dropped; ValueError(``empty``) for none."""
     items = list(dict.fromkeys(p.strip() for p in str(text).split(",") if p.strip()))
     if not items:
-        raise ValueError(f"{option} needs at least one value, got {text!r}")
+        raise ValueError(empty)
     return items
 
 
 def parse_loads(text: str) -> list[float]:
     """``--loads``: comma-separated shares of capacity, each a finite number > 0 (repeats dropped);
     ValueError naming the option otherwise."""
-    items = _items(text, "--loads")
+    items = _items(text, f"--loads needs at least one value, got {text!r}")
     try:
         loads = [float(item) for item in items]
     except ValueError:
@@ -420,7 +416,7 @@ def parse_loads(text: str) -> list[float]:
 def parse_seeds(text: str) -> list[int]:
     """``--seeds``: comma-separated integers, each run once (repeats dropped); ValueError naming the
     option otherwise."""
-    items = _items(text, "--seeds")
+    items = _items(text, f"--seeds needs at least one value, got {text!r}")
     try:
         seeds = [int(item) for item in items]
     except ValueError:

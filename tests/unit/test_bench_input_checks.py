@@ -129,7 +129,7 @@ def test_contention_refuses_a_bad_truth_file_as_policies_does(
     )
     _one_line_refusal(capsys, main(_bench(*CONTENTION, "--truth", str(bad))), "throughput must be a positive")
     missing = str(tmp_path / "none.json")
-    _one_line_refusal(capsys, main(_bench(*CONTENTION, "--truth", missing)), "(no such file)")
+    _one_line_refusal(capsys, main(_bench(*CONTENTION, "--truth", missing)), "No such file or directory")
 
 
 @pytest.mark.parametrize("units", ["0", "-2"])

@@ -14,6 +14,22 @@ from loom_proto.jobs import Affinity, JobSpec, Resources, Work
 US, EU = "aws-us-east-2", "aws-eu-central-1"
 
 
+def eu_blocker(steps: int) -> SimJob:
+    """A job pinned to the EU cluster that holds its 8 GPUs for ``steps`` x 10 s."""
+    spec = JobSpec(
+        job_id="blk",
+        tenant="t",
+        resources=Resources(gpus=8),
+        work=Work(steps=steps, step_time_s=10.0),
+        affinity=Affinity(clusters=["eu"]),
+    )
+    return SimJob(spec=spec, arrival_s=0.0)
+
+
+DEGRADE = SimEvent(at_s=300.0, kind="link_degrade", src=US, dst=EU, rtt_factor=5.0, bandwidth_factor=0.2)
+"""The US-EU link five times slower at 300 s."""
+
+
 def inference(job_id: str, steps: int) -> SimJob:
     """Served to users in the EU; placed in the US while the EU cluster is busy."""
     spec = JobSpec(
@@ -36,19 +52,7 @@ def test_the_second_move_of_a_review_is_not_dropped_for_the_gpus_the_first_freed
     # no longer does (node fit judges by the predicted run, which the degraded link lengthens); the
     # compute-only greedy framework still does (the fastest GPUs, whatever the link), so under it
     # the re-look before each move is what keeps the second move.
-    blocker = JobSpec(
-        job_id="blk",
-        tenant="t",
-        resources=Resources(gpus=8),
-        work=Work(steps=10, step_time_s=10.0),
-        affinity=Affinity(clusters=["eu"]),
-    )
-    trace = Trace(
-        jobs=[SimJob(spec=blocker, arrival_s=0.0), inference("j1", 40_000), inference("j2", 30_000)],
-        events=[
-            SimEvent(at_s=300.0, kind="link_degrade", src=US, dst=EU, rtt_factor=5.0, bandwidth_factor=0.2)
-        ],
-    )
+    trace = Trace(jobs=[eu_blocker(10), inference("j1", 40_000), inference("j2", 30_000)], events=[DEGRADE])
     plat = platform({"us": (US, "H100", 1), "eu": (EU, "V100", 1)})
     out = {}
     for mode in ("on", "always"):
@@ -72,23 +76,23 @@ def test_the_second_move_of_a_review_is_not_dropped_for_the_gpus_the_first_freed
         assert always["migrations"] == 2 and placed_always["j2"] == ("eu",)
 
 
-def _stuck_case(mode: str, *, restore_s: float | None) -> tuple[dict[str, tuple[str, ...]], dict]:  # type: ignore[type-arg]
+def _stuck_case(
+    mode: str,
+    *,
+    restore_s: float | None,
+    clusters: dict[str, tuple[str, str, int]] | None = None,
+    policy: str = "loom",
+) -> tuple[dict[str, tuple[str, ...]], dict]:  # type: ignore[type-arg]
     """One EU-served inference job runs in the US (the EU cluster is held by a blocker until
     ~2,000 s). At 300 s the US-EU link degrades: the job should go to the EU, which has no room
-    yet. ``restore_s``: the link recovers then (None: it stays degraded)."""
-    blocker = JobSpec(
-        job_id="blk",
-        tenant="t",
-        resources=Resources(gpus=8),
-        work=Work(steps=200, step_time_s=10.0),
-        affinity=Affinity(clusters=["eu"]),
-    )
-    events = [SimEvent(at_s=300.0, kind="link_degrade", src=US, dst=EU, rtt_factor=5.0, bandwidth_factor=0.2)]
+    yet. ``restore_s``: the link recovers then (None: it stays degraded). ``clusters``: the
+    platform (default one US and one EU cluster of one node each)."""
+    events = [DEGRADE]
     if restore_s is not None:
         events.append(SimEvent(at_s=restore_s, kind="link_restore", src=US, dst=EU))
-    trace = Trace(jobs=[SimJob(spec=blocker, arrival_s=0.0), inference("j", 400_000)], events=events)
-    plat = platform({"us": (US, "H100", 1), "eu": (EU, "V100", 1)})
-    result = simulate(trace, plat, POLICIES["loom"](0), truth=BELIEF, migration=MigrationPolicy(mode))  # type: ignore[arg-type]
+    trace = Trace(jobs=[eu_blocker(200), inference("j", 400_000)], events=events)
+    plat = platform(clusters or {"us": (US, "H100", 1), "eu": (EU, "V100", 1)})
+    result = simulate(trace, plat, POLICIES[policy](0), truth=BELIEF, migration=MigrationPolicy(mode))  # type: ignore[arg-type]
     assert result.migration is not None
     return {r.job_id: r.clusters for r in result.records}, result.migration
 
@@ -118,18 +122,6 @@ def test_always_does_not_move_a_job_back_and_forth_at_every_recheck() -> None:
     # Two US clusters: the compute-only framework's candidate for the EU-served job is always "the
     # other US cluster" (the link still degraded either way). ``always`` has no cool-down: it moves
     # the job off the link once, and the rechecks must not move it back and forth from then on.
-    blocker = JobSpec(
-        job_id="blk",
-        tenant="t",
-        resources=Resources(gpus=8),
-        work=Work(steps=200, step_time_s=10.0),
-        affinity=Affinity(clusters=["eu"]),
-    )
-    events = [SimEvent(at_s=300.0, kind="link_degrade", src=US, dst=EU, rtt_factor=5.0, bandwidth_factor=0.2)]
-    trace = Trace(jobs=[SimJob(spec=blocker, arrival_s=0.0), inference("j", 400_000)], events=events)
-    plat = platform({"usa": (US, "H100", 1), "usb": (US, "H100", 1), "eu": (EU, "V100", 1)})
-    result = simulate(
-        trace, plat, POLICIES["greedy_compute"](0), truth=BELIEF, migration=MigrationPolicy("always")
-    )
-    assert result.migration is not None
-    assert 1 <= result.migration["migrations"] <= 2, result.migration["migrations"]
+    two_us = {"usa": (US, "H100", 1), "usb": (US, "H100", 1), "eu": (EU, "V100", 1)}
+    _, migration = _stuck_case("always", restore_s=None, clusters=two_us, policy="greedy_compute")
+    assert 1 <= migration["migrations"] <= 2, migration["migrations"]
