@@ -6,6 +6,7 @@ They measure; they never assert. Quote their figures, not targets.
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -67,6 +68,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     scu = sub.add_parser("scu", help="SCU speed ratios to the V100 vs measured (Gavel + Lambda), held out")
     scu.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     scu.add_argument("--rows", action="store_true", help="include every predicted and measured ratio")
+    scu.add_argument(
+        "--outside",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="DIR",
+        help="also predict measurements never fitted on: AdaptDL / Pollux / Sia profiles, "
+        "DIR/<model>/placements-<cluster>.csv (repeatable; see loom_benchmarks.scu_outside)",
+    )
     from loom_benchmarks.decide import add_parser as add_decide
 
     add_decide(sub)

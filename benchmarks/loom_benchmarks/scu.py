@@ -519,6 +519,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             },
         },
     }
+    if getattr(args, "outside", None):
+        from loom_benchmarks.scu_outside import evaluate
+
+        result["outside"] = evaluate(args.outside)
     if args.rows:
         result["rows"] = [
             {
@@ -581,11 +585,35 @@ def print_table(result: Mapping[str, Any]) -> None:
         f"target {h['target_logo_median_error']:.0%}: {'met' if h['logo_meets_target'] else 'NOT met'}; "
         f"packaged weights {'equal' if h['packaged_equal_fitted'] else 'DIFFER FROM'} the fit"
     )
+    outside = result.get("outside")
+    if outside:
+        o, b = outside["largest_common_batch"], outside["all_batches"]
+        console.print(
+            f"outside (never fitted on; {', '.join(outside['folders'])}): largest common batch, "
+            f"{o['cells']} cells: median {o['median_error']:.1%} "
+            f"(peak FP32 {o['peak_fp32_median_error']:.1%}); "
+            f"every common batch, {b['cells']} cells: median {b['median_error']:.1%} "
+            f"(peak FP32 {b['peak_fp32_median_error']:.1%})"
+        )
+        for row in outside["rows"]:
+            learned = row["learned_runs_to_15pct"]
+            console.print(
+                f"  {row['model']:12s} {row['gpu']:10s} batch {row['local_batch']:>6d}: measured "
+                f"{row['measured']:.2f}x, predicted {row['predicted']:.2f}x, "
+                f"peak FP32 {row['peak_fp32']:.2f}x; "
+                f"learned within 15 % after {learned['median']} runs (worst {learned['max']})"
+            )
 
 
 def main(args: argparse.Namespace) -> int:
     """``loom bench scu``: JSON on stdout, the table on stderr unless ``--json``."""
-    result = run(args)
+    from loom_benchmarks.scu_outside import OutsideDataError
+
+    try:
+        result = run(args)
+    except OutsideDataError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     print(json.dumps(result, indent=2))
     if not args.json:
         print_table(result)

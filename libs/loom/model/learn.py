@@ -39,7 +39,16 @@ wild run moves an established estimate by at most a few percent. A first run is 
 beyond 3 x 0.51 in log space (a factor of 4.6), so a profile that is 3x wrong is learned from
 its first run; and a true change persists in every run, so it always gets through (the clip is
 relative to the moving estimate), and :attr:`LearnSettings.memory_runs` lets old runs fade so a
-changed truth is tracked.
+changed truth is tracked. A clip bounds how far one run moves the estimate, so alone it would
+take many runs to learn a cell far beyond it (a profile 14x off, as Sia's measurements show for
+NCF between a Quadro RTX 6000 and an Azure V100, took ~38 runs; 1/14 never converged in 40). So
+**two runs in a row** that are both clipped, on the same side, and within ``clip_sds`` noise sds
+of each other count unclipped, both of them, while the cell is young (less than
+:attr:`LearnSettings.confirm_within_runs` runs' weight before them): a profile far off is then the
+truth after two runs. An established cell keeps the clip (two runs of one sick node must not move a
+GPU model's estimate far; a true change still gets through, a clip at a time, and old runs fade). A
+single wild run followed by an ordinary one changes nothing more than before; two wild runs that
+disagree with each other stay clipped.
 
 **Exploration** (:meth:`SpeedLearner.factors` with ``explore=True``) is deliberate and bounded:
 a cell qualifies while its sd is above :attr:`LearnSettings.explore_sd` and it has fewer than
@@ -108,6 +117,10 @@ class LearnSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     """Alternating least squares sweeps of the shared fit."""
     clip_sds: Annotated[float, Meta(gt=0, le=100)] = 3.0
     """An observation's residual is clipped at this many predictive sds (its influence is capped)."""
+    confirm_within_runs: Annotated[float, Meta(ge=0, le=1e9)] = 3.0
+    """Two clipped runs in a row that agree count unclipped only while the cell had less than this
+    much weight before them: a profile far off is learned in two runs, while an established cell
+    (say, of a GPU model one sick node now runs 20x slower) is moved by the clip alone."""
     memory_runs: Annotated[float, Meta(ge=1, le=1e9)] = 50.0
     """A cell remembers at most this much observation weight; older runs fade proportionally."""
     explore_share: Annotated[float, Meta(ge=0, le=1)] = 0.1
@@ -133,6 +146,12 @@ class CellState(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     """Observations ever made (not faded)."""
     clipped: int = 0
     """Observations whose residual was clipped."""
+    pending: float | None = None
+    """The last run's log factor when it was clipped (a persistent shift is confirmed by the next)."""
+    pending_used: float = 0.0
+    """What that run counted as (clipped)."""
+    pending_weight: float = 0.0
+    """That run's weight."""
 
 
 class LearnerState(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -162,15 +181,26 @@ class Estimate(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Cell:
-    __slots__ = ("clipped", "runs", "weight", "weighted_sum")
+    __slots__ = ("clipped", "pending", "pending_used", "pending_weight", "runs", "weight", "weighted_sum")
 
     def __init__(
-        self, weight: float = 0.0, weighted_sum: float = 0.0, runs: int = 0, clipped: int = 0
+        self,
+        weight: float = 0.0,
+        weighted_sum: float = 0.0,
+        runs: int = 0,
+        clipped: int = 0,
+        *,
+        pending: float | None = None,
+        pending_used: float = 0.0,
+        pending_weight: float = 0.0,
     ) -> None:
         self.weight = weight
         self.weighted_sum = weighted_sum
         self.runs = runs
         self.clipped = clipped
+        self.pending = pending
+        self.pending_used = pending_used
+        self.pending_weight = pending_weight
 
 
 _SOURCES: Final[tuple[Source, ...]] = ("own", "shared", "prior")
@@ -258,6 +288,18 @@ class SpeedLearner:
         used = min(max(y, mean - spread), mean + spread)
         if used != y:
             cell.clipped += 1
+            young = cell.weight - cell.pending_weight < s.confirm_within_runs
+            if cell.pending is not None and young and _agree(cell.pending, cell.pending_weight, y, weight, s):
+                # Two runs in a row beyond the clip, on the same side and within noise of each
+                # other: not an outlier but a profile far off (or a truth that changed). Both
+                # count unclipped: the earlier one's clipped-away part is given back.
+                cell.weighted_sum += cell.pending_weight * (cell.pending - cell.pending_used)
+                cell.pending, cell.pending_used, cell.pending_weight = None, 0.0, 0.0
+                used = y
+            else:
+                cell.pending, cell.pending_used, cell.pending_weight = y, used, weight
+        else:
+            cell.pending, cell.pending_used, cell.pending_weight = None, 0.0, 0.0
         if cell.weight + weight > s.memory_runs:
             fade = max(s.memory_runs - weight, 0.0) / cell.weight
             cell.weight *= fade
@@ -378,6 +420,9 @@ class SpeedLearner:
                     weighted_sum=c.weighted_sum,
                     runs=c.runs,
                     clipped=c.clipped,
+                    pending=c.pending,
+                    pending_used=c.pending_used,
+                    pending_weight=c.pending_weight,
                 )
                 for (f, g), c in sorted(self._cells.items())
             ],
@@ -392,7 +437,15 @@ class SpeedLearner:
             raise InvalidInputError(f"learner state version {state.version} is not {_STATE_VERSION}")
         learner = cls(state.settings)
         for c in state.cells:
-            learner._cells[(c.family, c.gpu_model)] = _Cell(c.weight, c.weighted_sum, c.runs, c.clipped)
+            learner._cells[(c.family, c.gpu_model)] = _Cell(
+                c.weight,
+                c.weighted_sum,
+                c.runs,
+                c.clipped,
+                pending=c.pending,
+                pending_used=c.pending_used,
+                pending_weight=c.pending_weight,
+            )
         learner.decisions = state.decisions
         learner.explored = state.explored
         return learner
@@ -413,6 +466,12 @@ class SpeedLearner:
     def runs(self) -> Mapping[tuple[str, str], int]:
         """Runs observed per cell (cells without runs are absent)."""
         return {k: c.runs for k, c in sorted(self._cells.items())}
+
+
+def _agree(first: float, first_weight: float, second: float, second_weight: float, s: LearnSettings) -> bool:
+    """Whether two runs' log factors are within :attr:`LearnSettings.clip_sds` noise sds of each other."""
+    spread = s.clip_sds * s.noise_sd * math.sqrt(1.0 / first_weight + 1.0 / second_weight)
+    return abs(first - second) <= spread
 
 
 def _posterior(

@@ -1,0 +1,152 @@
+"""``loom bench scu --outside``: AdaptDL / Pollux / Sia profiles read, ratios taken, errors scored."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loom.model.profiles import profile_for_model
+from loom.model.scu import speed_ratio
+from loom_benchmarks.scu_outside import (
+    OutsideDataError,
+    evaluate,
+    largest_common_batch,
+    outside_cells,
+    read_single_gpu_steps,
+    read_tree,
+)
+
+HEADER = "local_bsz,step_time,sync_time,placement\n"
+
+
+def profile(rows: list[tuple[int, float, str]]) -> str:
+    return HEADER + "".join(f"{b},{s},0.001,{p}\n" for b, s, p in rows)
+
+
+def write(folder: Path, model: str, name: str, text: str) -> Path:
+    path = folder / model / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_only_one_gpu_rows_are_read_and_a_repeated_batch_keeps_its_median(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "bert",
+        "placements-azure.csv",
+        profile(
+            [(8, 0.2, "1"), (8, 0.4, "1"), (8, 0.3, "1"), (16, 0.5, "1"), (16, 0.1, "2"), (32, 0.9, "11")]
+        ),
+    )
+    assert read_single_gpu_steps(path) == {8: 0.3, 16: 0.5}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("local_bsz,step_time\n8,0.2\n", "missing column(s) placement"),
+        (profile([(8, -0.2, "1")]), "line 2"),
+        (HEADER + "8,nan,0.0,1\n", "line 2"),
+        (HEADER + "eight,0.2,0.0,1\n", "line 2"),
+        (HEADER + "0,0.2,0.0,1\n", "line 2"),
+    ],
+)
+def test_a_bad_profile_is_refused_naming_the_file_and_line(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path, "bert", "placements-azure.csv", text)
+    with pytest.raises(OutsideDataError, match=r"placements-azure\.csv") as info:
+        read_single_gpu_steps(path)
+    assert message in str(info.value)
+
+
+def test_ratios_are_to_the_v100_at_common_batches_and_the_headline_takes_the_largest(tmp_path: Path) -> None:
+    # The V100 (azure) runs batch 8 in 0.4 s and 16 in 0.8 s; the A100 (dgx) 0.2 s and 0.2 s.
+    write(
+        tmp_path, "cifar10", "placements-azure.csv", profile([(8, 0.4, "1"), (16, 0.8, "1"), (64, 1.0, "1")])
+    )
+    write(tmp_path, "cifar10", "placements-dgx.csv", profile([(8, 0.2, "1"), (16, 0.2, "1"), (32, 0.3, "1")]))
+    profiles, skipped = read_tree([tmp_path])
+    assert skipped == []
+    cells, no_reference = outside_cells(profiles)
+    assert no_reference == []
+    assert [(c.gpu, c.batch, c.measured_ratio) for c in cells] == [
+        ("A100-40G", 8, 2.0),
+        ("A100-40G", 16, 4.0),
+    ]
+    (headline,) = largest_common_batch(cells)
+    assert headline.batch == 16
+    assert (headline.task_type, headline.precision) == ("training_memory", "fp32")
+
+
+def test_the_extended_dgx_profile_wins_and_pollux_files_are_the_t4s(tmp_path: Path) -> None:
+    write(tmp_path, "bert", "placements-azure.csv", profile([(4, 0.3, "1"), (8, 0.6, "1")]))
+    write(tmp_path, "bert", "placements-dgx.csv", profile([(4, 0.3, "1")]))
+    write(tmp_path, "bert", "placements-dgx-ext.csv", profile([(4, 0.15, "1"), (8, 0.2, "1")]))
+    write(tmp_path, "bert", "placements.csv", profile([(4, 0.9, "1")]))  # Pollux: AWS g4dn, T4
+    write(tmp_path, "gpt_pmp", "placements-rtx.csv", profile([(4, 0.9, "1")]))
+    write(tmp_path, "bert", "placements-tpu.csv", profile([(4, 0.9, "1")]))
+    profiles, skipped = read_tree([tmp_path])
+    assert sorted(profiles) == [("bert", "aws"), ("bert", "azure"), ("bert", "dgx"), ("bert", "dgx-ext")]
+    assert any("gpt_pmp" in s for s in skipped) and any("'tpu'" in s for s in skipped)
+    cells, _ = outside_cells(profiles)
+    by_gpu = {(c.gpu, c.batch): c.measured_ratio for c in cells}
+    assert by_gpu == {
+        ("A100-40G", 4): 2.0,
+        ("A100-40G", 8): pytest.approx(3.0),
+        ("T4", 4): pytest.approx(1 / 3),
+    }
+
+
+def test_the_evaluation_scores_the_packaged_weights_and_hands_each_miss_to_the_learner(
+    tmp_path: Path,
+) -> None:
+    write(tmp_path, "bert", "placements-azure.csv", profile([(8, 0.9, "1")]))
+    write(tmp_path, "bert", "placements-rtx.csv", profile([(8, 0.1, "1")]))  # 9x the V100: a host effect
+    write(tmp_path, "deepspeech2", "placements-rtx.csv", profile([(8, 0.1, "1")]))  # no V100 to compare
+    result = evaluate([tmp_path])
+    predicted = speed_ratio(profile_for_model("RTX2080TI"), profile_for_model("V100M32"), "training_compute")
+    (row,) = result["rows"]
+    assert row["predicted"] == pytest.approx(predicted, abs=1e-4)
+    assert row["measured"] == pytest.approx(9.0)
+    assert result["largest_common_batch"]["median_error"] == pytest.approx(
+        abs(predicted - 9.0) / 9.0, abs=1e-4
+    )
+    assert result["models_without_reference"] == ["deepspeech2"]
+    # A profile ~14x off is learned within 15 % after two runs (the learner's confirmation rule).
+    assert 9.0 / predicted == pytest.approx(11.8, rel=0.1)
+    assert row["learned_runs_to_15pct"]["max"] == 2
+
+
+def test_no_ratio_at_all_is_a_clear_error(tmp_path: Path) -> None:
+    write(tmp_path, "bert", "placements-rtx.csv", profile([(8, 0.1, "1")]))
+    with pytest.raises(OutsideDataError, match="no ratio to V100M32"):
+        evaluate([tmp_path])
+    with pytest.raises(OutsideDataError, match="not a folder"):
+        evaluate([tmp_path / "missing"])
+
+
+def test_the_cli_reports_the_outside_figures_and_refuses_a_bad_folder(tmp_path: Path) -> None:
+    write(tmp_path, "imagenet", "placements-azure.csv", profile([(32, 0.5, "1")]))
+    write(tmp_path, "imagenet", "placements-quad.csv", profile([(32, 0.6, "1")]))
+    loom = [sys.executable, "-m", "loom.cli.main"]
+    done = subprocess.run(
+        [*loom, "bench", "scu", "--json", "--outside", str(tmp_path)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    outside = json.loads(done.stdout)["outside"]
+    assert outside["rows"][0]["precision"] == "fp16"
+    assert outside["rows"][0]["measured"] == pytest.approx(0.5 / 0.6, abs=1e-4)
+    bad = subprocess.run(
+        [*loom, "bench", "scu", "--outside", str(tmp_path / "nope")],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2
+    assert "not a folder" in bad.stderr
+    assert "Traceback" not in bad.stderr
