@@ -95,46 +95,60 @@ class OutsideCell:
     measured_ratio: float
 
 
-def read_single_gpu_steps(path: Path) -> dict[int, float]:
-    """``{local batch: step seconds}`` of a profile's one-GPU rows (``placement`` ``1``).
+def read_node_steps(path: Path) -> dict[tuple[int, int], float]:
+    """``{(GPUs, local batch): seconds per step}`` of a profile's rows on one node.
 
-    Repeated batches keep their median. Raises :class:`OutsideDataError` for a missing column, a
-    batch that is not a positive integer or a step time that is not a positive finite number.
+    A ``placement`` of one digit ``n`` is ``n`` GPUs of one node (``11`` or ``22``, more than one
+    node, are skipped: Loom's truth models one node's scaling, the network the rest). Seconds
+    are ``step_time + sync_time`` (the sync is the gradient exchange; about 0.5 ms on one GPU).
+    Repeated rows keep their median. Raises :class:`OutsideDataError` for a missing column, a
+    batch that is not a positive integer, or a time that is not a finite number (step > 0,
+    sync >= 0).
     """
     try:
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise OutsideDataError(f"{path}: cannot read: {exc}") from exc
     reader = csv.DictReader(text.splitlines())
-    needed = {"local_bsz", "step_time", "placement"}
+    needed = {"local_bsz", "step_time", "sync_time", "placement"}
     missing = needed - set(reader.fieldnames or ())
     if missing:
         raise OutsideDataError(f"{path}: missing column(s) {', '.join(sorted(missing))}")
-    steps: dict[int, list[float]] = defaultdict(list)
+    steps: dict[tuple[int, int], list[float]] = defaultdict(list)
     for line, row in enumerate(reader, start=2):
-        if (row.get("placement") or "").strip() != "1":
+        placement = (row.get("placement") or "").strip()
+        if len(placement) != 1 or not placement.isdigit() or placement == "0":
             continue
         try:
             batch = int((row["local_bsz"] or "").strip())
             step = float((row["step_time"] or "").strip())
+            sync = float((row["sync_time"] or "").strip())
         except ValueError as exc:
             raise OutsideDataError(f"{path} line {line}: {exc}") from exc
-        if batch <= 0 or not (math.isfinite(step) and step > 0):
+        if batch <= 0 or not (math.isfinite(step) and step > 0 and math.isfinite(sync) and sync >= 0):
             raise OutsideDataError(
-                f"{path} line {line}: local_bsz must be a positive integer and step_time a "
-                f"positive finite number, got {row['local_bsz']!r}, {row['step_time']!r}"
+                f"{path} line {line}: local_bsz must be a positive integer, step_time a positive "
+                f"and sync_time a non-negative finite number, got {row['local_bsz']!r}, "
+                f"{row['step_time']!r}, {row['sync_time']!r}"
             )
-        steps[batch].append(step)
-    return {b: statistics.median(v) for b, v in sorted(steps.items())}
+        steps[(int(placement), batch)].append(step + sync)
+    return {k: statistics.median(v) for k, v in sorted(steps.items())}
 
 
-def read_tree(folders: Sequence[Path]) -> tuple[dict[tuple[str, str], dict[int, float]], list[str]]:
-    """``{(model, cluster): {batch: step}}`` from every folder; a (model, cluster) read once.
+def read_single_gpu_steps(path: Path) -> dict[int, float]:
+    """``{local batch: seconds per step}`` of a profile's one-GPU rows (:func:`read_node_steps`)."""
+    return {batch: t for (gpus, batch), t in read_node_steps(path).items() if gpus == 1}
+
+
+def read_tree(
+    folders: Sequence[Path],
+) -> tuple[dict[tuple[str, str], dict[tuple[int, int], float]], list[str]]:
+    """``{(model, cluster): {(GPUs, batch): seconds}}`` from every folder; a (model, cluster) once.
 
     The first folder that has a (model, cluster) wins (the artifacts keep copies in two places).
     Returns the profiles and the files skipped, each with why.
     """
-    profiles: dict[tuple[str, str], dict[int, float]] = {}
+    profiles: dict[tuple[str, str], dict[tuple[int, int], float]] = {}
     skipped: list[str] = []
     for folder in folders:
         if not folder.is_dir():
@@ -151,36 +165,43 @@ def read_tree(folders: Sequence[Path]) -> tuple[dict[tuple[str, str], dict[int, 
                 continue
             if (model, cluster) in profiles:
                 continue
-            steps = read_single_gpu_steps(path)
-            if not steps:
+            steps = read_node_steps(path)
+            if not any(gpus == 1 for gpus, _ in steps):
                 skipped.append(f"{path}: no one-GPU row")
                 continue
             profiles[(model, cluster)] = steps
     return profiles, skipped
 
 
-def outside_cells(
-    profiles: Mapping[tuple[str, str], Mapping[int, float]],
-) -> tuple[list[OutsideCell], list[str]]:
-    """Every (model, GPU, common batch) ratio to the reference GPU; models without it are listed."""
-    cells: list[OutsideCell] = []
-    no_reference: list[str] = []
-    by_model: dict[str, dict[str, Mapping[int, float]]] = defaultdict(dict)
-    for (model, cluster), steps in profiles.items():
+def by_gpu_model(
+    profiles: Mapping[tuple[str, str], Mapping[tuple[int, int], float]],
+) -> dict[str, dict[str, Mapping[tuple[int, int], float]]]:
+    """``{model: {library GPU: profile}}``; of two clusters with the same GPUs (``dgx`` and
+    ``dgx-ext``) the one with more rows (the extended profile)."""
+    by_model: dict[str, dict[str, Mapping[tuple[int, int], float]]] = defaultdict(dict)
+    for (model, cluster), steps in sorted(profiles.items()):
         gpu = OUTSIDE_CLUSTERS[cluster]
-        # dgx and dgx-ext are the same GPUs; the extended profile (more batches) is preferred.
         if gpu in by_model[model] and len(by_model[model][gpu]) >= len(steps):
             continue
         by_model[model][gpu] = steps
-    for model in sorted(by_model):
-        gpus = by_model[model]
-        reference = gpus.get(OUTSIDE_REFERENCE)
+    return dict(by_model)
+
+
+def outside_cells(
+    profiles: Mapping[tuple[str, str], Mapping[tuple[int, int], float]],
+) -> tuple[list[OutsideCell], list[str]]:
+    """Every (model, GPU, common batch) one-GPU ratio to the reference GPU; models without it listed."""
+    cells: list[OutsideCell] = []
+    no_reference: list[str] = []
+    for model, gpus in sorted(by_gpu_model(profiles).items()):
+        one = {g: {b: t for (n, b), t in steps.items() if n == 1} for g, steps in gpus.items()}
+        reference = one.get(OUTSIDE_REFERENCE)
         if reference is None:
             no_reference.append(model)
             continue
         task_type, precision = OUTSIDE_MODELS[model]
-        for gpu in sorted(g for g in gpus if g != OUTSIDE_REFERENCE):
-            steps = gpus[gpu]
+        for gpu in sorted(g for g in one if g != OUTSIDE_REFERENCE):
+            steps = one[gpu]
             for batch in sorted(set(steps) & set(reference)):
                 # throughput ratio = (batch / step) / (batch / reference step)
                 cells.append(
@@ -282,4 +303,84 @@ def evaluate(folders: Sequence[Path]) -> dict[str, Any]:
         "profiles_read": sorted(f"{m}/{c}" for m, c in profiles),
         "models_without_reference": no_reference,
         "skipped": skipped,
+    }
+
+
+# ---- a truth file from the same profiles --------------------------------------------------------------
+
+TRUTH_FAMILIES: Final[Mapping[str, tuple[str, str]]] = {
+    "cifar10": ("resnet-18", "ResNet-18 on CIFAR-10 (AdaptDL benchmark)"),
+    "imagenet": ("resnet-50", "ResNet-50 on ImageNet, apex AMP (AdaptDL benchmark)"),
+    "yolov3": ("yolov3", "YOLOv3 on PASCAL VOC (AdaptDL benchmark)"),
+    "ncf": ("ncf", "NCF on MovieLens (AdaptDL benchmark)"),
+    "bert": ("bert-base", "BERT base fine-tuning on SQuAD (AdaptDL benchmark)"),
+    "deepspeech2": ("deepspeech2", "DeepSpeech2 (GRU) on CMU ARCTIC / VoxForge (AdaptDL benchmark)"),
+}
+"""Model folder → (truth family, what it is). Names shared with the packaged tables where the
+model is the same, so a workload's families reach them the same way."""
+
+TRUTH_GPU: Final[Mapping[str, str]] = {**OUTSIDE_CLUSTERS, "azure": "V100M16"}
+"""Cluster → GPU model in the truth file. Sia's V100s are 32 GB SXM2 (ND40rs_v2); the truth's
+reference must be the scheduler's ``V100M16``, so they stand for it (the same GV100 at the same
+clocks; at these batch sizes memory size does not bind)."""
+
+TRUTH_GPU_ALIASES: Final[Mapping[str, Mapping[str, str]]] = {
+    "V100M32": {"gpu": "V100M16", "why": "measured on V100 32 GB, which stands for the 16 GB"},
+    "A100": {"gpu": "A100-40G", "why": "an A100 80 GB SXM4: only the DGX A100 40 GB was measured"},
+    "G2": {
+        "gpu": "A100-40G",
+        "why": "undisclosed Alibaba model assumed an A100 40 GB (as the packaged truth)",
+    },
+    "G3": {"gpu": "A100-40G", "why": "undisclosed Alibaba model assumed an A100 (as the packaged truth)"},
+}
+
+
+def truth_document(folders: Sequence[Path]) -> dict[str, Any]:
+    """A ``loom-truth`` file (:mod:`loom.sim.truth`) from AdaptDL / Pollux / Sia profiles.
+
+    One series per (model, local batch): its cells are every GPU model's throughput at that local
+    batch on 1, 2, 4 or 8 GPUs of one node (``GPUs x batch / (step_time + sync_time)`` samples
+    a second), so speeds and intra-node scaling come from the same measurements. A job without a
+    batch label is timed by the geometric mean over every batch measured on both GPUs
+    (:class:`loom.sim.truth.Truth`'s rule). GPUs the profiles lack (the P100, H100, ...) are
+    derived by the truth's documented rules, flagged.
+    """
+    profiles, skipped = read_tree(folders)
+    if not profiles:
+        raise OutsideDataError(f"no profile of {', '.join(OUTSIDE_MODELS)} in {', '.join(map(str, folders))}")
+    cells: list[dict[str, Any]] = []
+    families: dict[str, dict[str, str]] = {}
+    for model, gpus in sorted(by_gpu_model(profiles).items()):
+        family, about = TRUTH_FAMILIES[model]
+        task_type, precision = OUTSIDE_MODELS[model]
+        families[family] = {"task_type": task_type, "about": about}
+        for gpu, steps in sorted(gpus.items()):
+            truth_gpu = TRUTH_GPU["azure"] if gpu == OUTSIDE_REFERENCE else gpu
+            for (n, batch), seconds in sorted(steps.items()):
+                cells.append(
+                    {
+                        "family": family,
+                        "gpu_model": truth_gpu,
+                        "precision": precision,
+                        "batch": batch,
+                        "gpus_per_node": n,
+                        "throughput": round(n * batch / seconds, 6),
+                        "series": f"{model}-b{batch}",
+                        "source": f"{model}/{gpu}",
+                    }
+                )
+    return {
+        "format": "loom-truth",
+        "version": 1,
+        "reference_gpu": "V100M16",
+        "description": "Training throughput measured by the Pollux / Sia schedulers' authors (AdaptDL "
+        "profiles), converted by loom_benchmarks.scu_outside.truth_document; never used to fit Loom.",
+        "sources": [str(f) for f in folders],
+        "units": "samples/s (local batch x GPUs / (step_time + sync_time))",
+        "gpus": dict(TRUTH_GPU),
+        "families": families,
+        "aliases": {"bert": "bert-base", "resnet50": "resnet-50", "resnet18": "resnet-18"},
+        "gpu_aliases": {k: dict(v) for k, v in TRUTH_GPU_ALIASES.items()},
+        "skipped": skipped,
+        "cells": cells,
     }

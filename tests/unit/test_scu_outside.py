@@ -9,20 +9,23 @@ import pytest
 
 from loom.model.profiles import profile_for_model
 from loom.model.scu import speed_ratio
+from loom.sim.truth import load_truth, parse_truth
 from loom_benchmarks.scu_outside import (
     OutsideDataError,
     evaluate,
     largest_common_batch,
     outside_cells,
+    read_node_steps,
     read_single_gpu_steps,
     read_tree,
+    truth_document,
 )
 
 HEADER = "local_bsz,step_time,sync_time,placement\n"
 
 
-def profile(rows: list[tuple[int, float, str]]) -> str:
-    return HEADER + "".join(f"{b},{s},0.001,{p}\n" for b, s, p in rows)
+def profile(rows: list[tuple[int, float, str]], sync: float = 0.0) -> str:
+    return HEADER + "".join(f"{b},{s},{sync},{p}\n" for b, s, p in rows)
 
 
 def write(folder: Path, model: str, name: str, text: str) -> Path:
@@ -38,10 +41,16 @@ def test_only_one_gpu_rows_are_read_and_a_repeated_batch_keeps_its_median(tmp_pa
         "bert",
         "placements-azure.csv",
         profile(
-            [(8, 0.2, "1"), (8, 0.4, "1"), (8, 0.3, "1"), (16, 0.5, "1"), (16, 0.1, "2"), (32, 0.9, "11")]
+            [(8, 0.2, "1"), (8, 0.4, "1"), (8, 0.3, "1"), (16, 0.5, "1"), (16, 0.1, "2"), (32, 0.9, "11")],
+            sync=0.001,
         ),
     )
-    assert read_single_gpu_steps(path) == {8: 0.3, 16: 0.5}
+    assert read_single_gpu_steps(path) == {8: pytest.approx(0.301), 16: pytest.approx(0.501)}
+    assert read_node_steps(path) == {
+        (1, 8): pytest.approx(0.301),
+        (1, 16): pytest.approx(0.501),
+        (2, 16): pytest.approx(0.101),
+    }
 
 
 @pytest.mark.parametrize(
@@ -150,3 +159,41 @@ def test_the_cli_reports_the_outside_figures_and_refuses_a_bad_folder(tmp_path: 
     assert bad.returncode == 2
     assert "not a folder" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_truth_file_from_the_profiles_times_jobs_by_them_with_intra_node_scaling(tmp_path: Path) -> None:
+    # V100 (azure): batch 8 in 0.4 s on one GPU; 2 GPUs of one node: 0.5 s a step (per GPU 80 %).
+    write(tmp_path, "bert", "placements-azure.csv", profile([(8, 0.4, "1"), (8, 0.5, "2"), (8, 0.9, "11")]))
+    write(tmp_path, "bert", "placements-rtx.csv", profile([(8, 0.8, "1")]))
+    write(tmp_path, "yolov3", "placements-azure.csv", profile([(4, 0.2, "1")]))
+    write(tmp_path, "yolov3", "placements-dgx.csv", profile([(4, 0.25, "1")]))
+    truth = parse_truth(truth_document([tmp_path]), "sia")
+    assert truth.speed("bert", "V100M16").speed == pytest.approx(1.0)
+    assert truth.speed("bert", "RTX2080TI").speed == pytest.approx(0.5)
+    assert truth.speed("bert", "RTX2080TI").rule == "measured"
+    assert truth.speed("bert", "V100M16", gpus_per_node=2).speed == pytest.approx(0.8)
+    # Measured slower on the A100 than on the V100: the truth says so, whatever the profile says.
+    assert truth.speed("yolov3", "A100-40G").speed == pytest.approx(0.8)
+    assert truth.speed("yolov3", "G2").speed == pytest.approx(0.8)  # Loom's G2 is an A100 here too
+    assert truth.speed("bert", "V100M32").speed == pytest.approx(1.0)
+
+
+def test_the_truth_tool_writes_a_file_the_simulator_loads_and_refuses_nonsense(tmp_path: Path) -> None:
+    import importlib.util
+
+    tool = Path(__file__).resolve().parents[2] / "tools" / "adaptdl_truth.py"
+    spec = importlib.util.spec_from_file_location("adaptdl_truth", tool)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    data = tmp_path / "traces"
+    write(data, "cifar10", "placements-azure.csv", profile([(32, 0.1, "1")]))
+    write(data, "cifar10", "placements-quad.csv", profile([(32, 0.125, "1")]))
+    out = tmp_path / "truth.json"
+    assert module.main([str(data), "-o", str(out)]) == 0
+    assert load_truth(out).speed("resnet-18", "QRTX6000").speed == pytest.approx(0.8)
+    assert module.main([str(data), "-o", str(out)]) == 2  # never overwrites
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert module.main([str(empty), "-o", str(tmp_path / "other.json")]) == 2
+    assert not (tmp_path / "other.json").exists()
