@@ -326,13 +326,15 @@ clocks; at these batch sizes memory size does not bind)."""
 
 TRUTH_GPU_ALIASES: Final[Mapping[str, Mapping[str, str]]] = {
     "V100M32": {"gpu": "V100M16", "why": "measured on V100 32 GB, which stands for the 16 GB"},
-    "A100": {"gpu": "A100-40G", "why": "an A100 80 GB SXM4: only the DGX A100 40 GB was measured"},
     "G2": {
         "gpu": "A100-40G",
         "why": "undisclosed Alibaba model assumed an A100 40 GB (as the packaged truth)",
     },
-    "G3": {"gpu": "A100-40G", "why": "undisclosed Alibaba model assumed an A100 (as the packaged truth)"},
 }
+"""Only what was measured stands for another GPU. Loom's ``G3`` (assumed an A100 80 GB) and the A100
+80 GB are not the 40 GB card measured here: the truth derives them (``profile-ratio``: the A100 40 GB
+times the profiles' ratio, 1.14-1.21x), flagged. Aliasing them to the 40 GB card instead (a first
+run, 2026-12-03) made every A100 alike in truth while Loom believes the 80 GB ones faster."""
 
 
 def truth_document(folders: Sequence[Path]) -> dict[str, Any]:
