@@ -33,7 +33,7 @@ import csv
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -88,7 +88,6 @@ class OutsideCell:
 
     model: str
     gpu: str
-    cluster: str
     batch: int
     task_type: TaskType
     precision: Precision
@@ -98,18 +97,25 @@ class OutsideCell:
 def read_node_steps(path: Path) -> dict[tuple[int, int], float]:
     """``{(GPUs, local batch): seconds per step}`` of a profile's rows on one node.
 
-    A ``placement`` of one digit ``n`` is ``n`` GPUs of one node (``11`` or ``22``, more than one
-    node, are skipped: Loom's truth models one node's scaling, the network the rest). Seconds
-    are ``step_time + sync_time`` (the sync is the gradient exchange; about 0.5 ms on one GPU).
-    Repeated rows keep their median. Raises :class:`OutsideDataError` for a missing column, a
-    batch that is not a positive integer, or a time that is not a finite number (step > 0,
-    sync >= 0).
+    A ``placement`` of one digit ``n`` (1-9) is ``n`` GPUs of one node (``11`` or ``22``, more than
+    one node, are skipped: Loom's truth models one node's scaling, the network the rest). Seconds
+    are ``step_time``, the whole iteration: it already holds ``sync_time`` (Pollux's and Sia's
+    ``applications.py`` take a step as ``step_time`` and the compute alone as ``step_time -
+    sync_time``). Repeated rows keep their median. Raises :class:`OutsideDataError` for a missing
+    column, a row that cannot be parsed, a batch that is not a positive integer, or a time that is
+    not a finite number (step > 0, sync >= 0).
     """
     try:
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise OutsideDataError(f"{path}: cannot read: {exc}") from exc
-    reader = csv.DictReader(text.splitlines())
+    try:
+        return _node_steps(path, csv.DictReader(text.splitlines()))
+    except csv.Error as exc:
+        raise OutsideDataError(f"{path}: not a CSV file as expected: {exc}") from exc
+
+
+def _node_steps(path: Path, reader: "csv.DictReader[str]") -> dict[tuple[int, int], float]:
     needed = {"local_bsz", "step_time", "sync_time", "placement"}
     missing = needed - set(reader.fieldnames or ())
     if missing:
@@ -117,7 +123,7 @@ def read_node_steps(path: Path) -> dict[tuple[int, int], float]:
     steps: dict[tuple[int, int], list[float]] = defaultdict(list)
     for line, row in enumerate(reader, start=2):
         placement = (row.get("placement") or "").strip()
-        if len(placement) != 1 or not placement.isdigit() or placement == "0":
+        if len(placement) != 1 or placement not in "123456789":
             continue
         try:
             batch = int((row["local_bsz"] or "").strip())
@@ -131,7 +137,7 @@ def read_node_steps(path: Path) -> dict[tuple[int, int], float]:
                 f"and sync_time a non-negative finite number, got {row['local_bsz']!r}, "
                 f"{row['step_time']!r}, {row['sync_time']!r}"
             )
-        steps[(int(placement), batch)].append(step + sync)
+        steps[(int(placement), batch)].append(step)
     return {k: statistics.median(v) for k, v in sorted(steps.items())}
 
 
@@ -164,6 +170,7 @@ def read_tree(
                 skipped.append(f"{path}: cluster {cluster!r} is not one of {', '.join(OUTSIDE_CLUSTERS)}")
                 continue
             if (model, cluster) in profiles:
+                skipped.append(f"{path}: {model}/{cluster} already read from another file")
                 continue
             steps = read_node_steps(path)
             if not any(gpus == 1 for gpus, _ in steps):
@@ -205,7 +212,7 @@ def outside_cells(
             for batch in sorted(set(steps) & set(reference)):
                 # throughput ratio = (batch / step) / (batch / reference step)
                 cells.append(
-                    OutsideCell(model, gpu, gpu, batch, task_type, precision, reference[batch] / steps[batch])
+                    OutsideCell(model, gpu, batch, task_type, precision, reference[batch] / steps[batch])
                 )
     return cells, no_reference
 
@@ -337,15 +344,25 @@ times the profiles' ratio, 1.14-1.21x), flagged. Aliasing them to the 40 GB card
 run, 2026-12-03) made every A100 alike in truth while Loom believes the 80 GB ones faster."""
 
 
+def large_batch_floor(profiles: Iterable[Mapping[tuple[int, int], float]]) -> int:
+    """The median of the distinct one-GPU local batches over a model's profiles (the smaller of the
+    two middle ones): the truth keeps the batches at or above it."""
+    batches = sorted({b for steps in profiles for (n, b) in steps if n == 1})
+    return batches[(len(batches) - 1) // 2] if batches else 0
+
+
 def truth_document(folders: Sequence[Path]) -> dict[str, Any]:
     """A ``loom-truth`` file (:mod:`loom.sim.truth`) from AdaptDL / Pollux / Sia profiles.
 
     One series per (model, local batch): its cells are every GPU model's throughput at that local
-    batch on 1, 2, 4 or 8 GPUs of one node (``GPUs x batch / (step_time + sync_time)`` samples
-    a second), so speeds and intra-node scaling come from the same measurements. A job without a
-    batch label is timed by the geometric mean over every batch measured on both GPUs
-    (:class:`loom.sim.truth.Truth`'s rule). GPUs the profiles lack (the P100, H100, ...) are
-    derived by the truth's documented rules, flagged.
+    batch on 1 to 8 GPUs of one node (``GPUs x batch / step_time`` samples a second), so speeds
+    and intra-node scaling come from the same measurements. Only a model's **larger batches** are
+    kept: those at or above the median of the distinct one-GPU local batches it was measured at.
+    At small batches every GPU idles on its host (CIFAR-10 at batch 32 runs 2.2x faster on a T4
+    than on the Azure V100, 0.34x at batch 725), and a job without a batch label is timed by the
+    geometric mean over every kept batch both GPUs ran (:class:`loom.sim.truth.Truth`'s rule).
+    GPUs the profiles lack (the P100, H100, ...) are derived by the truth's documented rules,
+    flagged.
     """
     profiles, skipped = read_tree(folders)
     if not profiles:
@@ -356,9 +373,12 @@ def truth_document(folders: Sequence[Path]) -> dict[str, Any]:
         family, about = TRUTH_FAMILIES[model]
         task_type, precision = OUTSIDE_MODELS[model]
         families[family] = {"task_type": task_type, "about": about}
+        least = large_batch_floor(gpus.values())
         for gpu, steps in sorted(gpus.items()):
             truth_gpu = TRUTH_GPU["azure"] if gpu == OUTSIDE_REFERENCE else gpu
             for (n, batch), seconds in sorted(steps.items()):
+                if batch < least:
+                    continue
                 cells.append(
                     {
                         "family": family,
@@ -378,7 +398,8 @@ def truth_document(folders: Sequence[Path]) -> dict[str, Any]:
         "description": "Training throughput measured by the Pollux / Sia schedulers' authors (AdaptDL "
         "profiles), converted by loom_benchmarks.scu_outside.truth_document; never used to fit Loom.",
         "sources": [str(f) for f in folders],
-        "units": "samples/s (local batch x GPUs / (step_time + sync_time))",
+        "units": "samples/s (local batch x GPUs / step_time), local batches at or above each model's "
+        "median measured one",
         "gpus": dict(TRUTH_GPU),
         "families": families,
         "aliases": {"bert": "bert-base", "resnet50": "resnet-50", "resnet18": "resnet-18"},

@@ -141,13 +141,23 @@ def test_a_profile_off_by_far_more_than_the_clip_is_learned_from_two_agreeing_ru
 
 
 def test_two_wild_runs_that_disagree_with_each_other_stay_clipped() -> None:
-    learner = SpeedLearner()
-    for _ in range(5):
-        learner.observe("gru", "A100", prior_speed=1.0, observed_speed=1.0)
+    learner = SpeedLearner()  # a young cell: the confirmation rule applies
+    learner.observe("gru", "A100", prior_speed=1.0, observed_speed=1.0)
     learner.observe("gru", "A100", prior_speed=1.0, observed_speed=0.05)
-    learner.observe("gru", "A100", prior_speed=1.0, observed_speed=20.0)
-    assert 0.85 < learner.estimate("gru", "A100").factor < 1.15
+    learner.observe("gru", "A100", prior_speed=1.0, observed_speed=5.0)
+    # Counted unclipped the two would have given ~0.63; clipped, the estimate stays near 1.
+    assert 0.8 < learner.estimate("gru", "A100").factor < 1.25
     assert learner.state().cells[0].clipped == 2
+
+
+def test_two_wild_runs_that_agree_confirm_each_other_in_a_young_cell() -> None:
+    learner = SpeedLearner()
+    learner.observe("gru", "A100", prior_speed=1.0, observed_speed=1.0)
+    learner.observe("gru", "A100", prior_speed=1.0, observed_speed=0.05)
+    learner.observe("gru", "A100", prior_speed=1.0, observed_speed=0.052)
+    # Both count unclipped next to the first run: the geometric mean of 1, 0.05, 0.052 (the prior
+    # pulls a little toward 1).
+    assert learner.estimate("gru", "A100").factor == pytest.approx((0.05 * 0.052) ** (1 / 3), rel=0.05)
 
 
 def test_an_established_cell_is_moved_by_the_clip_alone_even_by_two_agreeing_wild_runs() -> None:
@@ -166,14 +176,31 @@ def test_an_established_cell_is_moved_by_the_clip_alone_even_by_two_agreeing_wil
 
 
 def test_a_wild_run_then_a_normal_one_does_not_confirm_a_later_wild_run() -> None:
-    learner = SpeedLearner()
-    for _ in range(5):
-        learner.observe("gru", "A100", prior_speed=1.0, observed_speed=1.0)
+    learner = SpeedLearner()  # young: only the run between keeps the two wild ones apart
+    learner.observe("gru", "A100", prior_speed=1.0, observed_speed=1.0)
     learner.observe("gru", "A100", prior_speed=1.0, observed_speed=0.05)
     learner.observe("gru", "A100", prior_speed=1.0, observed_speed=1.0)
     assert learner.state().cells[0].pending is None
     learner.observe("gru", "A100", prior_speed=1.0, observed_speed=0.05)
-    assert learner.estimate("gru", "A100").factor > 0.85
+    # Each wild run is clipped (at ~0.66 here); confirmed, the two would have pulled it to ~0.22.
+    assert learner.estimate("gru", "A100").factor > 0.75
+
+
+def test_a_short_memory_does_not_keep_a_cell_young_forever() -> None:
+    learner = SpeedLearner(LearnSettings(memory_runs=2.5))
+    for _ in range(50):
+        learner.observe("gru", "A100", prior_speed=1.0, observed_speed=1.0)
+    learner.observe("gru", "A100", prior_speed=1.0, observed_speed=0.05)
+    learner.observe("gru", "A100", prior_speed=1.0, observed_speed=0.05)
+    assert learner.estimate("gru", "A100").factor > 0.6
+
+
+def test_a_stored_pending_run_without_a_weight_is_refused() -> None:
+    learner = SpeedLearner()
+    learner.observe("gru", "A100", prior_speed=1.0, observed_speed=50.0)
+    data = learner.to_bytes().replace(b'"pending_weight":1.0', b'"pending_weight":0.0')
+    with pytest.raises(InvalidInputError, match="pending run"):
+        SpeedLearner.from_bytes(data)
 
 
 def test_a_truth_that_changes_is_followed_not_resisted() -> None:

@@ -45,12 +45,23 @@ def test_only_one_gpu_rows_are_read_and_a_repeated_batch_keeps_its_median(tmp_pa
             sync=0.001,
         ),
     )
-    assert read_single_gpu_steps(path) == {8: pytest.approx(0.301), 16: pytest.approx(0.501)}
+    # step_time is the whole iteration: sync_time is part of it, never added.
+    assert read_single_gpu_steps(path) == {8: pytest.approx(0.3), 16: pytest.approx(0.5)}
     assert read_node_steps(path) == {
-        (1, 8): pytest.approx(0.301),
-        (1, 16): pytest.approx(0.501),
-        (2, 16): pytest.approx(0.101),
+        (1, 8): pytest.approx(0.3),
+        (1, 16): pytest.approx(0.5),
+        (2, 16): pytest.approx(0.1),
     }
+
+
+def test_odd_placements_are_skipped_and_an_unreadable_csv_is_a_clear_error(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, "bert", "placements-azure.csv", HEADER + "8,0.2,0,\u00b2\n8,0.3,0,1.0\n8,0.4,0,1\n"
+    )
+    assert read_node_steps(path) == {(1, 8): pytest.approx(0.4)}
+    huge = write(tmp_path, "bert", "placements-rtx.csv", HEADER + '8,0.2,0,"' + "x" * 200_000 + '"\n')
+    with pytest.raises(OutsideDataError, match="not a CSV file"):
+        read_node_steps(huge)
 
 
 @pytest.mark.parametrize(
@@ -99,6 +110,9 @@ def test_the_extended_dgx_profile_wins_and_pollux_files_are_the_t4s(tmp_path: Pa
     profiles, skipped = read_tree([tmp_path])
     assert sorted(profiles) == [("bert", "aws"), ("bert", "azure"), ("bert", "dgx"), ("bert", "dgx-ext")]
     assert any("gpt_pmp" in s for s in skipped) and any("'tpu'" in s for s in skipped)
+    write(tmp_path, "bert", "placements-aws.csv", profile([(4, 0.8, "1")]))
+    _, skipped = read_tree([tmp_path])
+    assert any("bert/aws already read" in s for s in skipped)
     cells, _ = outside_cells(profiles)
     by_gpu = {(c.gpu, c.batch): c.measured_ratio for c in cells}
     assert by_gpu == {
@@ -176,6 +190,27 @@ def test_a_truth_file_from_the_profiles_times_jobs_by_them_with_intra_node_scali
     assert truth.speed("yolov3", "A100-40G").speed == pytest.approx(0.8)
     assert truth.speed("yolov3", "G2").speed == pytest.approx(0.8)  # Loom's G2 is an A100 here too
     assert truth.speed("bert", "V100M32").speed == pytest.approx(1.0)
+    assert truth.speed("yolov3", "G3").rule == "profile-ratio"  # an A100 80 GB: not the card measured
+
+
+def test_the_truth_keeps_a_models_larger_batches_where_the_gpus_are_busy(tmp_path: Path) -> None:
+    # At batch 4 the V100's host holds it back (the RTX looks 2x faster); at 16 and 32 it is 0.5x.
+    write(
+        tmp_path,
+        "ncf",
+        "placements-azure.csv",
+        profile([(4, 0.4, "1"), (8, 0.4, "1"), (16, 0.2, "1"), (32, 0.4, "1")], sync=0.05),
+    )
+    write(
+        tmp_path,
+        "ncf",
+        "placements-rtx.csv",
+        profile([(4, 0.2, "1"), (8, 0.4, "1"), (16, 0.4, "1"), (32, 0.8, "1")]),
+    )
+    document = truth_document([tmp_path])
+    assert sorted({c["batch"] for c in document["cells"]}) == [8, 16, 32]
+    truth = parse_truth(document, "sia")
+    assert truth.speed("ncf", "RTX2080TI").speed == pytest.approx((1.0 * 0.5 * 0.5) ** (1 / 3))
 
 
 def test_the_truth_tool_writes_a_file_the_simulator_loads_and_refuses_nonsense(tmp_path: Path) -> None:

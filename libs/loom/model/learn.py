@@ -44,7 +44,7 @@ take many runs to learn a cell far beyond it (a profile 14x off, as Sia's measur
 NCF between a Quadro RTX 6000 and an Azure V100, took ~38 runs; 1/14 never converged in 40). So
 **two runs in a row** that are both clipped, on the same side, and within ``clip_sds`` noise sds
 of each other count unclipped, both of them, while the cell is young (less than
-:attr:`LearnSettings.confirm_within_runs` runs' weight before them): a profile far off is then the
+:attr:`LearnSettings.confirm_within_runs` runs before them): a profile far off is then the
 truth after two runs. An established cell keeps the clip (two runs of one sick node must not move a
 GPU model's estimate far; a true change still gets through, a clip at a time, and old runs fade). A
 single wild run followed by an ordinary one changes nothing more than before; two wild runs that
@@ -118,8 +118,8 @@ class LearnSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     clip_sds: Annotated[float, Meta(gt=0, le=100)] = 3.0
     """An observation's residual is clipped at this many predictive sds (its influence is capped)."""
     confirm_within_runs: Annotated[float, Meta(ge=0, le=1e9)] = 3.0
-    """Two clipped runs in a row that agree count unclipped only while the cell had less than this
-    much weight before them: a profile far off is learned in two runs, while an established cell
+    """Two clipped runs in a row that agree count unclipped only while the cell had fewer runs than
+    this before them (runs, never faded): a profile far off is learned in two runs, while an established cell
     (say, of a GPU model one sick node now runs 20x slower) is moved by the clip alone."""
     memory_runs: Annotated[float, Meta(ge=1, le=1e9)] = 50.0
     """A cell remembers at most this much observation weight; older runs fade proportionally."""
@@ -266,7 +266,8 @@ class SpeedLearner:
         observed_speed: float,
         weight: float = 1.0,
     ) -> float:
-        """Learn from one run of ``family`` on ``gpu_model``; returns the log factor used (clipped).
+        """Learn from one run of ``family`` on ``gpu_model``; returns the log factor counted for it
+        (clipped, or unclipped when it confirms the run before it; see the module's docstring).
 
         ``prior_speed``: the profile's speed for the job's task type (SCU, relative to the
         reference GPU, without any learned factor); ``observed_speed``: what the run delivered on
@@ -288,7 +289,7 @@ class SpeedLearner:
         used = min(max(y, mean - spread), mean + spread)
         if used != y:
             cell.clipped += 1
-            young = cell.weight - cell.pending_weight < s.confirm_within_runs
+            young = cell.runs - 1 < s.confirm_within_runs  # runs before the pending one (never faded)
             if cell.pending is not None and young and _agree(cell.pending, cell.pending_weight, y, weight, s):
                 # Two runs in a row beyond the clip, on the same side and within noise of each
                 # other: not an outlier but a profile far off (or a truth that changed). Both
@@ -437,6 +438,10 @@ class SpeedLearner:
             raise InvalidInputError(f"learner state version {state.version} is not {_STATE_VERSION}")
         learner = cls(state.settings)
         for c in state.cells:
+            if c.pending is not None and not (math.isfinite(c.pending) and c.pending_weight > 0):
+                raise InvalidInputError(
+                    f"learner state: cell {c.family}/{c.gpu_model} has a pending run without a weight"
+                )
             learner._cells[(c.family, c.gpu_model)] = _Cell(
                 c.weight,
                 c.weighted_sum,
