@@ -8,6 +8,10 @@ platform, workload, load, seed and spanning rule, every policy) simulates in sec
 - ``wide6``: the default topology sampled to 16 nodes (:func:`loom.sim.engine.platform_from_topology`
   with ``nodes=16``): 82 GPUs in 8 clusters over 6 regions; run with spanning allowed and
   forbidden (every gang's ``allow_multi_cluster``).
+- ``sia3`` (only when named, ``--platforms sia3``): Sia's simulated cluster, 64 GPUs (24 T4, 16
+  A100 40 GB, 24 RTX 2080 Ti), one GPU model per cluster in the small topology's three regions
+  (:data:`SIA_NODES`); gangs kept in one cluster. With ``--truth`` from ``tools/adaptdl_truth.py``
+  every GPU is timed by what Sia's authors measured on it.
 
 Workloads (:func:`contention_trace`) come from the training mix
 (:func:`loom.sim.workloads.training_mix`): ``mix`` is the default mix, ``net`` its
@@ -51,6 +55,18 @@ if TYPE_CHECKING:
     from loom.sim.model import Platform, SimResult, Trace
 
 PLATFORMS: Final = ("small3", "wide6")
+"""The platforms a run takes by default."""
+KNOWN_PLATFORMS: Final = (*PLATFORMS, "sia3")
+SIA_NODES: Final = (
+    # (cluster of the small topology, GPU model, nodes, GPUs a node, CPU milli, memory MiB)
+    ("c-sea1-a", "T4", 6, 4, 48_000, 196_608),
+    ("c-use2-a", "A100-40G", 2, 8, 256_000, 1_048_576),
+    ("c-weu-a", "RTX2080TI", 3, 8, 48_000, 393_216),
+)
+"""``sia3``: Sia's default simulated cluster (its ``simulator_config.py``: 6 AWS g4dn.12xlarge of 4
+T4s, 2 DGX A100 40 GB, 3 nodes of 8 RTX 2080 Ti; 64 GPUs), one GPU model per cluster in the small
+topology's three regions, for replaying with a truth built from Sia's own measurements
+(``tools/adaptdl_truth.py``). Not in the default run."""
 WORKLOADS: Final = ("mix", "net")
 LOADS: Final = (0.5, 0.8, 1.0, 1.2)
 SEEDS: Final = (1, 2, 3)
@@ -98,10 +114,40 @@ def platform_and_topology(name: str) -> tuple["Platform", "Topology"]:
         path = importlib.resources.files("loom") / "topologies" / "small.json"
         topology = load_topology(str(path))
         return platform_from_topology(topology, name="small3"), topology
+    if name == "sia3":
+        import importlib.resources
+
+        path = importlib.resources.files("loom") / "topologies" / "small.json"
+        topology = sia_topology(load_topology(str(path)))
+        return platform_from_topology(topology, name="sia3"), topology
     if name == "wide6":
         topology = load_topology()
         return platform_from_topology(topology, nodes=WIDE_NODES, seed=0, name="wide6"), topology
-    raise ValueError(f"unknown platform {name!r}; known: {', '.join(PLATFORMS)}")
+    raise ValueError(f"unknown platform {name!r}; known: {', '.join(KNOWN_PLATFORMS)}")
+
+
+def sia_topology(small: "Topology") -> "Topology":
+    """The small topology's regions and links with :data:`SIA_NODES` as its clusters' nodes."""
+    from msgspec.structs import replace
+
+    from loom.model.topology import Cluster, Node, validate_topology
+
+    by_id = {c.id: c for c in small.clusters}
+    clusters = [
+        Cluster(
+            id=cid,
+            region=by_id[cid].region,
+            zone=by_id[cid].zone,
+            nodes=[
+                Node(id=f"{cid}-n{i}", gpu_model=model, gpus=gpus, cpu_milli=cpu, memory_mib=mem)
+                for i in range(nodes)
+            ],
+        )
+        for cid, model, nodes, gpus, cpu, mem in SIA_NODES
+    ]
+    topology = replace(small, name="sia3", clusters=clusters)
+    validate_topology(topology)
+    return topology
 
 
 def capacity_reference_gpus(platform: "Platform") -> float:
@@ -291,7 +337,7 @@ def cells(
     """The grid: ``small3`` with gangs in one cluster, ``wide6`` with spanning allowed and forbidden."""
     out: list[Cell] = []
     for platform, workload, load, seed in itertools.product(platforms, workloads, loads, seeds):
-        spans = (False,) if platform == "small3" else (True, False)
+        spans = (True, False) if platform == "wide6" else (False,)
         out.extend(Cell(platform, workload, load, seed, span) for span in spans)
     return out
 
@@ -342,7 +388,11 @@ def _mean(values: Sequence[Any]) -> Any:
 def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every cell of the grid the options name; per-cell results and the seed-averaged rows."""
     say = progress or (lambda _s: None)
-    platforms = parse_names(args.platforms, PLATFORMS, "platform")
+    platforms = (
+        list(PLATFORMS)
+        if args.platforms is None
+        else parse_names(args.platforms, KNOWN_PLATFORMS, "platform")
+    )
     workloads = parse_names(args.workloads, WORKLOADS, "workload")
     loads = parse_loads(args.loads)
     seeds = parse_seeds(args.seeds)
@@ -460,7 +510,11 @@ def print_table(result: dict[str, Any]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``loom bench contention``."""
-    parser.add_argument("--platforms", default=None, help=f"comma-separated, of {', '.join(PLATFORMS)}")
+    parser.add_argument(
+        "--platforms",
+        default=None,
+        help=f"comma-separated, of {', '.join(KNOWN_PLATFORMS)} (default {','.join(PLATFORMS)})",
+    )
     parser.add_argument("--workloads", default=None, help=f"comma-separated, of {', '.join(WORKLOADS)}")
     parser.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS))
     parser.add_argument("--seeds", default=",".join(str(s) for s in SEEDS))

@@ -232,3 +232,17 @@ def test_the_truth_tool_writes_a_file_the_simulator_loads_and_refuses_nonsense(t
     empty.mkdir()
     assert module.main([str(empty), "-o", str(tmp_path / "other.json")]) == 2
     assert not (tmp_path / "other.json").exists()
+
+
+def test_the_sia3_platform_is_sias_cluster_one_gpu_model_per_cluster_and_opt_in() -> None:
+    from loom_benchmarks.contention import PLATFORMS, cells, platform_and_topology
+
+    platform, topology = platform_and_topology("sia3")
+    by_cluster: dict[str, dict[str, int]] = {}
+    for node in platform.nodes:
+        models = by_cluster.setdefault(node.cluster, {})
+        models[str(node.gpu_model)] = models.get(str(node.gpu_model), 0) + node.gpus_total
+    assert by_cluster == {"c-sea1-a": {"T4": 24}, "c-use2-a": {"A100-40G": 16}, "c-weu-a": {"RTX2080TI": 24}}
+    assert len({c.region for c in topology.clusters}) == 3
+    assert "sia3" not in PLATFORMS  # the default run is unchanged
+    assert {c.span for c in cells(["sia3"], ["mix"], [1.0], [1])} == {False}
