@@ -161,18 +161,14 @@ def test_two_wild_runs_that_agree_confirm_each_other_in_a_young_cell() -> None:
 
 
 def test_an_established_cell_is_moved_by_the_clip_alone_even_by_two_agreeing_wild_runs() -> None:
-    learner = SpeedLearner()
-    for _ in range(10):
-        learner.observe("gru", "A100", prior_speed=1.0, observed_speed=1.0)
-    learner.observe("gru", "A100", prior_speed=1.0, observed_speed=0.05)
-    learner.observe("gru", "A100", prior_speed=1.0, observed_speed=0.05)
-    assert learner.estimate("gru", "A100").factor > 0.85
-    young = SpeedLearner(LearnSettings(confirm_within_runs=100.0))
-    for _ in range(10):
-        young.observe("gru", "A100", prior_speed=1.0, observed_speed=1.0)
-    young.observe("gru", "A100", prior_speed=1.0, observed_speed=0.05)
-    young.observe("gru", "A100", prior_speed=1.0, observed_speed=0.05)
-    assert young.estimate("gru", "A100").factor < 0.7
+    def after_ten_runs_and_two_wild_ones(settings: LearnSettings) -> float:
+        learner = SpeedLearner(settings)
+        for observed in [1.0] * 10 + [0.05, 0.05]:
+            learner.observe("gru", "A100", prior_speed=1.0, observed_speed=observed)
+        return learner.estimate("gru", "A100").factor
+
+    assert after_ten_runs_and_two_wild_ones(LearnSettings()) > 0.85
+    assert after_ten_runs_and_two_wild_ones(LearnSettings(confirm_within_runs=100.0)) < 0.7
 
 
 def test_a_wild_run_then_a_normal_one_does_not_confirm_a_later_wild_run() -> None:
