@@ -407,3 +407,145 @@ def truth_document(folders: Sequence[Path]) -> dict[str, Any]:
         "skipped": skipped,
         "cells": cells,
     }
+
+
+# ---- a workload from Pollux / Sia workload files -------------------------------------------------------
+
+POLLUX_EPOCHS: Final[Mapping[str, int]] = {
+    "bert": 2,
+    "cifar10": 100,
+    "ncf": 10,
+    "imagenet": 90,
+    "deepspeech2": 80,
+    "yolov3": 50,
+}
+"""Epochs each application trains for (Pollux's and Sia's ``applications.py``: ``max_epochs``, no
+target metric, so a job completes after the last one)."""
+
+GRADIENT_BYTES: Final[Mapping[str, int]] = {
+    "cifar10": 11_700_000 * 4,  # ResNet-18: 11.7 M parameters, FP32 gradients
+    "imagenet": 25_600_000 * 4,  # ResNet-50: 25.6 M (apex AMP keeps FP32 master gradients)
+    "bert": 110_000_000 * 4,  # BERT base: 110 M
+    "yolov3": 61_900_000 * 4,  # YOLOv3 (Darknet-53): 61.9 M
+}
+"""Bytes each worker all-reduces a step, from the models' published parameter counts. DeepSpeech2
+and NCF are left out (their sizes in the AdaptDL benchmarks are not stated): their jobs carry no
+network term and count as ``training``, not network-sensitive."""
+
+
+def read_validation(folder: Path, model: str) -> dict[int, list[int]]:
+    """``{global batch: [iterations after each epoch]}`` from ``folder/<model>/validation-<batch>.csv``."""
+    curves: dict[int, list[int]] = {}
+    for path in sorted((folder / model).glob("validation-*.csv")):
+        try:
+            batch = int(path.stem.removeprefix("validation-"))
+            rows = list(csv.DictReader(path.read_text(encoding="utf-8-sig").splitlines()))
+            iterations = [int(float(r["iteration"])) for r in rows]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, csv.Error) as exc:
+            raise OutsideDataError(f"{path}: cannot read an iteration per epoch: {exc!r}") from exc
+        if batch <= 0 or not iterations or any(i <= 0 for i in iterations):
+            raise OutsideDataError(f"{path}: need a positive batch and positive iterations")
+        curves[batch] = iterations
+    return curves
+
+
+def iterations_to_complete(curves: Mapping[int, Sequence[int]], epochs: int, batch: float) -> float:
+    """Iterations a job of global ``batch`` runs to finish ``epochs`` epochs, interpolated linearly
+    between the validated batch sizes (clamped to the nearest outside them), as Pollux does."""
+    last = min(epochs, *(len(v) for v in curves.values())) - 1
+    sizes = sorted(curves)
+    if batch <= sizes[0]:
+        return float(curves[sizes[0]][last])
+    if batch >= sizes[-1]:
+        return float(curves[sizes[-1]][last])
+    upper = next(s for s in sizes if s >= batch)
+    lower = max(s for s in sizes if s <= batch)
+    if upper == lower:
+        return float(curves[lower][last])
+    low, high = curves[lower][last], curves[upper][last]
+    return ((batch - lower) * high + (upper - batch) * low) / (upper - lower)
+
+
+def step_at(steps: Mapping[int, float], local: float) -> float:
+    """Seconds a step takes at local batch ``local`` (interpolated linearly between measured batches;
+    below the smallest, the smallest's; above the largest, proportionally more, as gradient
+    accumulation would)."""
+    sizes = sorted(steps)
+    if local <= sizes[0]:
+        return steps[sizes[0]]
+    if local >= sizes[-1]:
+        return steps[sizes[-1]] * local / sizes[-1]
+    upper = next(s for s in sizes if s >= local)
+    lower = max(s for s in sizes if s <= local)
+    if upper == lower:
+        return steps[lower]
+    return steps[lower] + (local - lower) * (steps[upper] - steps[lower]) / (upper - lower)
+
+
+def workload_jobs(workload: Path, folders: Sequence[Path]) -> list[dict[str, Any]]:
+    """Loom's generic workload records (JSON lines, ``libs/loom/sim/README.md``) for a Pollux / Sia
+    workload file (``name,time,application,num_replicas,batch_size``).
+
+    Each job is a gang of ``num_replicas`` one-GPU workers (kept in one cluster) arriving at
+    ``time``; it trains ``batch_size`` a step over all workers for its application's epochs:
+    ``steps`` are the iterations that takes (the validation curves in ``folders``), ``step_time_s``
+    the reference V100's step at the local batch ``batch_size / num_replicas`` (its one-GPU
+    profile). Its ``labels`` name the truth's family and that local batch, so a truth from
+    :func:`truth_document` times it where it runs. Durations follow Pollux's rule for a fixed
+    batch size and allocation (``iterations x step time``); Pollux and Sia themselves adapt both
+    while a job runs, which Loom does not."""
+    profiles, _ = read_tree(folders)
+    by_model = by_gpu_model(profiles)
+    try:
+        rows = list(csv.DictReader(workload.read_text(encoding="utf-8-sig").splitlines()))
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        raise OutsideDataError(f"{workload}: cannot read: {exc}") from exc
+    needed = {"name", "time", "application", "num_replicas", "batch_size"}
+    if not rows or needed - set(rows[0]):
+        raise OutsideDataError(f"{workload}: need the columns {', '.join(sorted(needed))}")
+    curves: dict[str, dict[int, list[int]]] = {}
+    jobs: list[dict[str, Any]] = []
+    for line, row in enumerate(rows, start=2):
+        app = (row["application"] or "").strip()
+        if app not in OUTSIDE_MODELS:
+            raise OutsideDataError(
+                f"{workload} line {line}: application {app!r} is not one of {', '.join(OUTSIDE_MODELS)}"
+            )
+        try:
+            arrival = float(row["time"])
+            replicas = int(row["num_replicas"])
+            batch = float(row["batch_size"])
+        except (TypeError, ValueError) as exc:
+            raise OutsideDataError(f"{workload} line {line}: {exc}") from exc
+        if not (
+            math.isfinite(arrival) and arrival >= 0 and replicas >= 1 and math.isfinite(batch) and batch > 0
+        ):
+            raise OutsideDataError(f"{workload} line {line}: time >= 0, num_replicas >= 1, batch_size > 0")
+        if app not in curves:
+            curves[app] = {}
+            for folder in folders:
+                curves[app] = curves[app] or read_validation(folder, app)
+            if not curves[app]:
+                raise OutsideDataError(
+                    f"no validation-<batch>.csv for {app} in {', '.join(map(str, folders))}"
+                )
+        reference = {b: t for (n, b), t in by_model.get(app, {}).get(OUTSIDE_REFERENCE, {}).items() if n == 1}
+        if not reference:
+            raise OutsideDataError(f"no one-GPU profile of {app} on the V100 (placements-azure.csv)")
+        local = batch / replicas
+        task_type, precision = OUTSIDE_MODELS[app]
+        job: dict[str, Any] = {
+            "arrival_s": arrival,
+            "job_id": (row["name"] or f"job-{line}").strip().replace(".", "-"),
+            "class": "net_training" if app in GRADIENT_BYTES and replicas > 1 else "training",
+            "task_type": task_type,
+            "workers": replicas,
+            "gpus": 1,
+            "steps": max(1, round(iterations_to_complete(curves[app], POLLUX_EPOCHS[app], batch))),
+            "step_time_s": round(step_at(reference, local), 6),
+            "labels": {"family": TRUTH_FAMILIES[app][0], "batch": str(round(local)), "precision": precision},
+        }
+        if app in GRADIENT_BYTES and replicas > 1:
+            job["bytes_per_step"] = GRADIENT_BYTES[app]
+        jobs.append(job)
+    return jobs

@@ -19,6 +19,7 @@ from loom_benchmarks.scu_outside import (
     read_single_gpu_steps,
     read_tree,
     truth_document,
+    workload_jobs,
 )
 
 HEADER = "local_bsz,step_time,sync_time,placement\n"
@@ -246,3 +247,68 @@ def test_the_sia3_platform_is_sias_cluster_one_gpu_model_per_cluster_and_opt_in(
     assert len({c.region for c in topology.clusters}) == 3
     assert "sia3" not in PLATFORMS  # the default run is unchanged
     assert {c.span for c in cells(["sia3"], ["mix"], [1.0], [1])} == {False}
+
+
+def _validation(folder: Path, model: str, batch: int, iterations: list[int]) -> None:
+    path = folder / model / f"validation-{batch}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = "".join(f"{i},{i},0.5,1.0,1.0\n" for i in iterations)
+    path.write_text("progress,iteration,metric,grad_sqr,grad_var\n" + rows)
+
+
+def test_a_sia_workload_becomes_gangs_whose_work_follows_pollux_rule(tmp_path: Path) -> None:
+    traces = tmp_path / "traces"
+    # BERT trains 2 epochs: 1,000 iterations at global batch 12, 200 at 96 (after epoch 2).
+    _validation(traces, "bert", 12, [500, 1000, 1500])
+    _validation(traces, "bert", 96, [100, 200, 300])
+    write(traces, "bert", "placements-azure.csv", profile([(4, 0.2, "1"), (8, 0.3, "1")]))
+    workload = tmp_path / "workload-1.csv"
+    workload.write_text(
+        "name,time,application,num_replicas,batch_size\nbert-0,10,bert,6,48\nbert-1,20.5,bert,1,4\n"
+    )
+    first, second = workload_jobs(workload, [traces])
+    # batch 48: between 12 (1,000) and 96 (200): 1000 + (48 - 12) / 84 x (200 - 1000)
+    assert first["steps"] == round(1000 + 36 / 84 * (200 - 1000))
+    assert first["workers"] == 6 and first["gpus"] == 1
+    assert first["step_time_s"] == pytest.approx(0.3)  # local batch 8 on the V100
+    assert first["labels"] == {"family": "bert-base", "batch": "8", "precision": "fp32"}
+    assert first["class"] == "net_training" and first["bytes_per_step"] == 440_000_000
+    assert second["steps"] == 1000 and second["class"] == "training" and "bytes_per_step" not in second
+    assert second["arrival_s"] == 20.5
+
+
+def test_the_workload_tool_writes_jobs_loom_reads_and_refuses_what_it_cannot_time(tmp_path: Path) -> None:
+    import importlib.util
+
+    from loom.sim.workloads import load_workload
+
+    tool = Path(__file__).resolve().parents[2] / "tools" / "adaptdl_workload.py"
+    spec = importlib.util.spec_from_file_location("adaptdl_workload", tool)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    traces = tmp_path / "traces"
+    _validation(traces, "cifar10", 256, list(range(10, 1010, 10)))
+    write(traces, "cifar10", "placements-azure.csv", profile([(32, 0.1, "1"), (64, 0.15, "1")]))
+    workload = tmp_path / "w.csv"
+    workload.write_text("name,time,application,num_replicas,batch_size\ncifar10-0,0,cifar10,4,256\n")
+    out, topo = tmp_path / "w.jsonl", tmp_path / "sia3.json"
+    assert module.main([str(workload), str(traces), "-o", str(out), "--topology-out", str(topo)]) == 0
+    trace = load_workload(out)
+    (job,) = trace.jobs
+    assert (job.spec.workers, job.spec.work.steps) == (4, 1000)
+    assert job.spec.work.step_time_s == pytest.approx(0.15)
+    assert load_topology_file(topo) == 64
+    unknown = tmp_path / "u.csv"
+    unknown.write_text("name,time,application,num_replicas,batch_size\nx,0,gpt_pmp,4,256\n")
+    assert module.main([str(unknown), str(traces), "-o", str(tmp_path / "u.jsonl")]) == 2
+    no_curves = tmp_path / "n.csv"
+    no_curves.write_text("name,time,application,num_replicas,batch_size\nb,0,bert,4,256\n")
+    assert module.main([str(no_curves), str(traces), "-o", str(tmp_path / "n.jsonl")]) == 2
+    assert not (tmp_path / "u.jsonl").exists() and not (tmp_path / "n.jsonl").exists()
+
+
+def load_topology_file(path: Path) -> int:
+    from loom.model.topology import load_topology
+
+    return sum(c.total_gpus for c in load_topology(path).clusters)
