@@ -357,7 +357,8 @@ def truth_document(folders: Sequence[Path]) -> dict[str, Any]:
     One series per (model, local batch): its cells are every GPU model's throughput at that local
     batch on 1 to 8 GPUs of one node (``GPUs x batch / step_time`` samples a second), so speeds
     and intra-node scaling come from the same measurements. Only a model's **larger batches** are
-    kept: those at or above the median of the distinct one-GPU local batches it was measured at.
+    kept: those at or above the median of the distinct one-GPU local batches it was measured at
+    (a GPU that never reached it keeps its largest, with the reference GPU's cell at that batch).
     At small batches every GPU idles on its host (CIFAR-10 at batch 32 runs 2.2x faster on a T4
     than on the Azure V100, 0.34x at batch 725), and a job without a batch label is timed by the
     geometric mean over every kept batch both GPUs ran (:class:`loom.sim.truth.Truth`'s rule).
@@ -374,10 +375,18 @@ def truth_document(folders: Sequence[Path]) -> dict[str, Any]:
         task_type, precision = OUTSIDE_MODELS[model]
         families[family] = {"task_type": task_type, "about": about}
         least = large_batch_floor(gpus.values())
+        # A GPU whose memory stops below the floor (YOLOv3 on the 11 GB RTX 2080 Ti: local batch 8
+        # at most) keeps its largest batch, with the reference GPU's cell at that batch to compare
+        # with: a derived cell would guess where it was measured.
+        extra: dict[int, set[str]] = defaultdict(set)
+        for gpu, steps in gpus.items():
+            largest = max((b for n, b in steps if n == 1), default=0)
+            if 0 < largest < least:
+                extra[largest].update((gpu, OUTSIDE_REFERENCE))
         for gpu, steps in sorted(gpus.items()):
             truth_gpu = TRUTH_GPU["azure"] if gpu == OUTSIDE_REFERENCE else gpu
             for (n, batch), seconds in sorted(steps.items()):
-                if batch < least:
+                if batch < least and gpu not in extra.get(batch, ()):
                     continue
                 cells.append(
                     {

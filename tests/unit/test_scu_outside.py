@@ -312,3 +312,28 @@ def load_topology_file(path: Path) -> int:
     from loom.model.topology import load_topology
 
     return sum(c.total_gpus for c in load_topology(path).clusters)
+
+
+def test_a_gpu_whose_memory_stops_below_the_floor_keeps_its_largest_batch_measured(tmp_path: Path) -> None:
+    # The V100 runs batches 4..64; the RTX 2080 Ti stops at 8 (memory), below the floor (16).
+    write(
+        tmp_path,
+        "yolov3",
+        "placements-azure.csv",
+        profile([(4, 0.1, "1"), (8, 0.2, "1"), (16, 0.4, "1"), (32, 0.8, "1")]),
+    )
+    write(tmp_path, "yolov3", "placements-rtx.csv", profile([(4, 0.2, "1"), (8, 0.5, "1")]))
+    write(
+        tmp_path,
+        "yolov3",
+        "placements-dgx.csv",
+        profile([(8, 0.1, "1"), (16, 0.4, "1"), (32, 0.8, "1"), (64, 1.6, "1")]),
+    )
+    document = truth_document([tmp_path])
+    kept = {(c["gpu_model"], c["batch"]) for c in document["cells"]}
+    assert ("RTX2080TI", 8) in kept and ("V100M16", 8) in kept and ("RTX2080TI", 4) not in kept
+    assert ("A100-40G", 8) not in kept  # the small batch is kept only to compare the RTX with
+    truth = parse_truth(document, "sia")
+    assert truth.speed("yolov3", "RTX2080TI").speed == pytest.approx(0.4)
+    assert truth.speed("yolov3", "RTX2080TI").rule == "measured"
+    assert truth.speed("yolov3", "A100-40G").speed == pytest.approx(1.0)
