@@ -1,9 +1,11 @@
 """``loom bench scu --outside``: AdaptDL / Pollux / Sia profiles read, ratios taken, errors scored."""
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +29,16 @@ HEADER = "local_bsz,step_time,sync_time,placement\n"
 
 def profile(rows: list[tuple[int, float, str]], sync: float = 0.0) -> str:
     return HEADER + "".join(f"{b},{s},{sync},{p}\n" for b, s, p in rows)
+
+
+def _tool(name: str) -> Any:
+    """``tools/<name>.py`` as a module (the tools are scripts, not a package)."""
+    tool = Path(__file__).resolve().parents[2] / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, tool)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def write(folder: Path, model: str, name: str, text: str) -> Path:
@@ -215,13 +227,7 @@ def test_the_truth_keeps_a_models_larger_batches_where_the_gpus_are_busy(tmp_pat
 
 
 def test_the_truth_tool_writes_a_file_the_simulator_loads_and_refuses_nonsense(tmp_path: Path) -> None:
-    import importlib.util
-
-    tool = Path(__file__).resolve().parents[2] / "tools" / "adaptdl_truth.py"
-    spec = importlib.util.spec_from_file_location("adaptdl_truth", tool)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _tool("adaptdl_truth")
     data = tmp_path / "traces"
     write(data, "cifar10", "placements-azure.csv", profile([(32, 0.1, "1")]))
     write(data, "cifar10", "placements-quad.csv", profile([(32, 0.125, "1")]))
@@ -278,15 +284,9 @@ def test_a_sia_workload_becomes_gangs_whose_work_follows_pollux_rule(tmp_path: P
 
 
 def test_the_workload_tool_writes_jobs_loom_reads_and_refuses_what_it_cannot_time(tmp_path: Path) -> None:
-    import importlib.util
-
     from loom.sim.workloads import load_workload
 
-    tool = Path(__file__).resolve().parents[2] / "tools" / "adaptdl_workload.py"
-    spec = importlib.util.spec_from_file_location("adaptdl_workload", tool)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _tool("adaptdl_workload")
     traces = tmp_path / "traces"
     _validation(traces, "cifar10", 256, list(range(10, 1010, 10)))
     write(traces, "cifar10", "placements-azure.csv", profile([(32, 0.1, "1"), (64, 0.15, "1")]))
