@@ -141,9 +141,14 @@ def _node_steps(path: Path, reader: "csv.DictReader[str]") -> dict[tuple[int, in
     return {k: statistics.median(v) for k, v in sorted(steps.items())}
 
 
+def one_gpu(steps: Mapping[tuple[int, int], float]) -> dict[int, float]:
+    """``{local batch: seconds per step}`` of the one-GPU entries of :func:`read_node_steps`' map."""
+    return {batch: t for (gpus, batch), t in steps.items() if gpus == 1}
+
+
 def read_single_gpu_steps(path: Path) -> dict[int, float]:
     """``{local batch: seconds per step}`` of a profile's one-GPU rows (:func:`read_node_steps`)."""
-    return {batch: t for (gpus, batch), t in read_node_steps(path).items() if gpus == 1}
+    return one_gpu(read_node_steps(path))
 
 
 def read_tree(
@@ -201,7 +206,7 @@ def outside_cells(
     cells: list[OutsideCell] = []
     no_reference: list[str] = []
     for model, gpus in sorted(by_gpu_model(profiles).items()):
-        one = {g: {b: t for (n, b), t in steps.items() if n == 1} for g, steps in gpus.items()}
+        one = {g: one_gpu(steps) for g, steps in gpus.items()}
         reference = one.get(OUTSIDE_REFERENCE)
         if reference is None:
             no_reference.append(model)
@@ -347,7 +352,7 @@ run, 2026-12-03) made every A100 alike in truth while Loom believes the 80 GB on
 def large_batch_floor(profiles: Iterable[Mapping[tuple[int, int], float]]) -> int:
     """The median of the distinct one-GPU local batches over a model's profiles (the smaller of the
     two middle ones): the truth keeps the batches at or above it."""
-    batches = sorted({b for steps in profiles for (n, b) in steps if n == 1})
+    batches = sorted({b for steps in profiles for b in one_gpu(steps)})
     return batches[(len(batches) - 1) // 2] if batches else 0
 
 
@@ -380,7 +385,7 @@ def truth_document(folders: Sequence[Path]) -> dict[str, Any]:
         # with: a derived cell would guess where it was measured.
         extra: dict[int, set[str]] = defaultdict(set)
         for gpu, steps in gpus.items():
-            largest = max((b for n, b in steps if n == 1), default=0)
+            largest = max(one_gpu(steps), default=0)
             if 0 < largest < least:
                 extra[largest].update((gpu, OUTSIDE_REFERENCE))
         for gpu, steps in sorted(gpus.items()):
@@ -458,37 +463,32 @@ def read_validation(folder: Path, model: str) -> dict[int, list[int]]:
     return curves
 
 
+def _between(points: Mapping[int, float], x: float) -> float:
+    """``points`` interpolated linearly at ``x`` inside their range (callers clamp outside it)."""
+    sizes = sorted(points)
+    upper = next(s for s in sizes if s >= x)
+    lower = max(s for s in sizes if s <= x)
+    if upper == lower:
+        return float(points[lower])
+    return points[lower] + (x - lower) * (points[upper] - points[lower]) / (upper - lower)
+
+
 def iterations_to_complete(curves: Mapping[int, Sequence[int]], epochs: int, batch: float) -> float:
     """Iterations a job of global ``batch`` runs to finish ``epochs`` epochs, interpolated linearly
     between the validated batch sizes (clamped to the nearest outside them), as Pollux does."""
     last = min(epochs, *(len(v) for v in curves.values())) - 1
-    sizes = sorted(curves)
-    if batch <= sizes[0]:
-        return float(curves[sizes[0]][last])
-    if batch >= sizes[-1]:
-        return float(curves[sizes[-1]][last])
-    upper = next(s for s in sizes if s >= batch)
-    lower = max(s for s in sizes if s <= batch)
-    if upper == lower:
-        return float(curves[lower][last])
-    low, high = curves[lower][last], curves[upper][last]
-    return ((batch - lower) * high + (upper - batch) * low) / (upper - lower)
+    at_last = {size: float(curve[last]) for size, curve in curves.items()}
+    return _between(at_last, min(max(batch, min(at_last)), max(at_last)))
 
 
 def step_at(steps: Mapping[int, float], local: float) -> float:
     """Seconds a step takes at local batch ``local`` (interpolated linearly between measured batches;
     below the smallest, the smallest's; above the largest, proportionally more, as gradient
     accumulation would)."""
-    sizes = sorted(steps)
-    if local <= sizes[0]:
-        return steps[sizes[0]]
-    if local >= sizes[-1]:
-        return steps[sizes[-1]] * local / sizes[-1]
-    upper = next(s for s in sizes if s >= local)
-    lower = max(s for s in sizes if s <= local)
-    if upper == lower:
-        return steps[lower]
-    return steps[lower] + (local - lower) * (steps[upper] - steps[lower]) / (upper - lower)
+    smallest, largest = min(steps), max(steps)
+    if local >= largest:
+        return steps[largest] * local / largest
+    return _between(steps, max(local, smallest))
 
 
 def workload_jobs(workload: Path, folders: Sequence[Path]) -> list[dict[str, Any]]:
@@ -538,7 +538,7 @@ def workload_jobs(workload: Path, folders: Sequence[Path]) -> list[dict[str, Any
                 raise OutsideDataError(
                     f"no validation-<batch>.csv for {app} in {', '.join(map(str, folders))}"
                 )
-        reference = {b: t for (n, b), t in by_model.get(app, {}).get(OUTSIDE_REFERENCE, {}).items() if n == 1}
+        reference = one_gpu(by_model.get(app, {}).get(OUTSIDE_REFERENCE, {}))
         if not reference:
             raise OutsideDataError(f"no one-GPU profile of {app} on the V100 (placements-azure.csv)")
         local = batch / replicas
