@@ -19,7 +19,7 @@ from loom.model.family import job_family
 from loom.model.profiles import speeds_for_model
 from loom.model.scu import TASK_TYPES, UNPROFILED_SPEED, Precision
 from loom.model.topology import Topology
-from loom.sched.cycle import expected_end_s
+from loom.sched.cycle import expected_end_s, progress_end_s
 from loom.sched.elastic import resized_end_s
 from loom.sched.quota import OPEN, QuotaBook, TenantConfig
 from loom.sched.snapshot import (
@@ -84,6 +84,11 @@ class Run:
     taught: bool = False
     """Whether a progress report of this run has been offered to the speed learner (the store keeps
     one observation per run whatever is offered; this only spares the later reports the offer)."""
+    paced: tuple[float, float] | None = None
+    """The run's last known point on its agent's clock: (seconds, share of the job's steps done),
+    from ``JobStarted.started_at`` and each progress report; its pace since then re-predicts its end
+    at the next report. None until the agent says (a run restored from the store starts from its
+    first report after the restore)."""
     _core: RunningJob | None = None
 
     @property
@@ -266,15 +271,43 @@ class Book:
             self._snap.running = [r for r in self._snap.running if r.job_id != job_id]
         return run
 
-    def set_progress(self, job_id: str, fraction: float) -> None:
-        """A run reported progress (preemption prefers victims that lose least)."""
+    def set_began(self, job_id: str, attempt: int, at: float) -> None:
+        """The agent started the run's work at ``at`` (its clock): its pace is measured from then."""
         run = self.runs.get(job_id)
-        if run is None or fraction <= run.progress:
+        if run is not None and run.attempt == attempt and run.paced is None:
+            run.paced = (at, run.progress_at_start)
+
+    def set_progress(
+        self,
+        job_id: str,
+        fraction: float,
+        *,
+        attempt: int | None = None,
+        now: float | None = None,
+        at: float | None = None,
+    ) -> None:
+        """A run reported progress: preemption prefers victims that lose least. Given the service's
+        clock ``now`` and the report's ``at`` (the agent's clock), its end is re-predicted from its
+        pace since its previous report, or since it began (:func:`loom.sched.cycle.progress_end_s`),
+        so waits for its GPUs (:mod:`loom.sched.availability`) follow what it really does, not what
+        placement believed when it placed it."""
+        run = self.runs.get(job_id)
+        if run is None or fraction <= run.progress or (attempt is not None and attempt != run.attempt):
             return
         run.progress = fraction
+        end = None
+        if now is not None and at is not None:
+            if run.paced is not None:
+                then, done_then = run.paced
+                end = progress_end_s(now_s=now, done=fraction, elapsed_s=at - then, done_before=done_then)
+            run.paced = (at, fraction)
+            if end is not None:
+                run.end_s = end
         if run._core is not None:
             old = run._core
-            run._core = dataclasses.replace(old, progress=fraction)
+            run._core = dataclasses.replace(
+                old, progress=fraction, expected_end_s=end if end is not None else old.expected_end_s
+            )
             if self._snap is not None:
                 self._snap.running = [run._core if r is old else r for r in self._snap.running]
 
@@ -294,6 +327,7 @@ class Book:
         run.parts = parts
         run.workers = workers
         run.end_s = end
+        run.paced = None  # its pace changes with its size: measured afresh from its next report
         run._core = None
         self._reserve(run, +1)
         self.invalidate()

@@ -2489,7 +2489,8 @@ class PlacementService:
         async def apply() -> None:  # noqa: PLR0912, PLR0915
             result = Applied()
             finished: list[tuple[str, int]] = []
-            progress: dict[str, float] = {}
+            progress: dict[str, JobProgress] = {}
+            began: list[JobStarted] = []
             async with self._tx() as conn:
                 # Again here: a territory handed back meanwhile is not written for (its shard has
                 # these events in its own consumer).
@@ -2506,10 +2507,13 @@ class PlacementService:
                 new = [e for e, mid in mine if mid in fresh]
                 await moves.record_checkpoints(conn, _checkpoint_rows(new))
                 await repo.confirm(conn, [(e.job_id, e.attempt) for e in new if isinstance(e, JobStarted)])
-                updates = [(e.job_id, e.attempt, e.step / e.steps) for e in new if isinstance(e, JobProgress)]
-                await repo.set_progress(conn, updates)
-                for job_id, _, fraction in updates:
-                    progress[job_id] = fraction
+                reports = [e for e in new if isinstance(e, JobProgress)]
+                await repo.set_progress(conn, [(r.job_id, r.attempt, r.step / r.steps) for r in reports])
+                for report in reports:
+                    last = progress.get(report.job_id)
+                    if last is None or report.step / report.steps >= last.step / last.steps:
+                        progress[report.job_id] = report  # the furthest report of the batch re-predicts
+                began.extend(s for s in new if isinstance(s, JobStarted))
                 for run_key, observation in self._progress_observations(new):
                     result.observed.append(observation)
                     result.taught.append(run_key)
@@ -2568,8 +2572,13 @@ class PlacementService:
                 await repo.append_events(conn, result.events)
                 await outbox.add(conn, PRODUCER, result.messages)
             # Committed: adopt it (no await below).
-            for job_id, fraction in progress.items():
-                self.book.set_progress(job_id, fraction)
+            for start in began:
+                self.book.set_began(start.job_id, start.attempt, start.started_at)
+            now = time.time()
+            for job_id, report in progress.items():
+                self.book.set_progress(
+                    job_id, report.step / report.steps, attempt=report.attempt, now=now, at=report.at
+                )
             for job_id, attempt in finished:
                 if self.book.drop_run(job_id, attempt) is not None:
                     self.stats["released"] += 1

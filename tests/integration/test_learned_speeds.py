@@ -5,6 +5,7 @@ agent's ``true_speed`` knob); placement, which only knows the profile, must lear
 runs' reported step times, keep it across a restart, and show it in ``loom explain``.
 """
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -25,6 +26,8 @@ FAMILY = "gru-speech"
 GPU = "T4"
 TRUE_FACTOR = 1 / 3
 RUNS = 10
+SERVICES: dict[str, Any] = {}
+"""The module's running services by name (the placement service's book is read by a test)."""
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,7 @@ async def platform(
 ) -> AsyncIterator[Platform]:
     p = Platform(nats_url, await fresh_database("learn"), tmp_path_factory.mktemp("learn-agents"))
     await p.start("metrics")
-    await p.start("placement")
+    SERVICES["placement"] = await p.start("placement")
     await p.start("agent-c-sea1-a", true_speed={(FAMILY, GPU): TRUE_FACTOR})
     yield p
     for name in list(p.tasks):
@@ -120,7 +123,7 @@ async def test_a_gpu_three_times_slower_than_its_profile_is_learned_within_ten_r
 
     # A restarted placement knows exactly what the last one knew.
     await platform.stop("placement")
-    service = await platform.start("placement")
+    service = SERVICES["placement"] = await platform.start("placement")
 
     async def reloaded() -> bool:
         return service.leadership.is_leader and dict(service.learner.runs()).get((FAMILY, GPU)) == RUNS
@@ -204,3 +207,40 @@ async def test_an_observation_delivered_twice_is_stored_and_taught_once(
         assert learner.to_bytes() == direct.to_bytes()
     finally:
         await conn.close()
+
+
+async def test_a_running_jobs_end_follows_its_progress_reports_not_the_belief(
+    platform: Platform, client: LoomClient
+) -> None:
+    """Placement times a run from its belief when it places it (1,000 steps of the job's clock, some
+    thousands of seconds) and then from its progress reports (the agent's clock, which runs
+    ``time_scale`` x faster here): the waits other jobs compute for its GPUs follow the run."""
+    job_id = "gru-paced-0"
+    await client.submit(
+        JobSpec(
+            job_id=job_id,
+            tenant="t1",
+            task_type="training_memory",
+            labels={"family": "gru-paced"},
+            resources=Resources(gpus=1, gpu_models=[GPU]),
+            work=Work(steps=1_000, step_time_s=10.0),
+        )
+    )
+    placement = SERVICES["placement"]
+
+    async def re_predicted() -> float | None:
+        run = placement.book.runs.get(job_id)
+        if run is None or run.paced is None or run.end_s is None:
+            return None
+        return float(run.end_s)
+
+    end = await until(re_predicted, 120, "the run's end re-predicted from its progress")
+    run = placement.book.runs[job_id]
+    believed = run.predicted_step_s * 1_000
+    assert believed > 1_000  # the belief: job-clock seconds from its placement
+    now = time.time()
+    assert now - 5 < end < now + 120, (end - now, believed)  # its pace: seconds of wall clock
+    snap = placement.book.snapshot(now)
+    (core,) = [r for r in snap.running if r.job_id == job_id]
+    assert core.expected_end_s == pytest.approx(end)
+    await until(completed(client, job_id), 120, f"{job_id} completed")

@@ -212,10 +212,17 @@ def test_the_simulator_gives_running_jobs_the_end_placement_predicted() -> None:
     second = JobSpec(
         job_id="second", tenant="t", resources=Resources(gpus=4), work=Work(steps=10, step_time_s=1.0)
     )
+    third = msgspec.structs.replace(second, job_id="third")
     policy = FrameworkPolicy("probe", Framework([Probe(), ResourceFit(), ScuFit()]))
-    simulate(Trace([SimJob(first, 0.0), SimJob(second, 10.0)]), built, policy)
-    # "first" started at 0 on GPUs twice the reference: 100 steps x 0.5 s.
-    assert ("first", pytest.approx(50.0)) in seen
+    result = simulate(Trace([SimJob(first, 0.0), SimJob(second, 1.0), SimJob(third, 20.0)]), built, policy)
+    ends = {r.job_id: r.end_s for r in result.records}
+    # Before its first progress report (a tenth of its steps), "first" is what placement predicted:
+    # started at 0 on GPUs believed twice the reference, 100 steps x 0.5 s.
+    assert seen[0] == ("first", pytest.approx(50.0))
+    # The truth times it otherwise; from its report on, its end is re-predicted from its pace.
+    assert ends["first"] is not None and abs(ends["first"] - 50.0) > 1.0
+    later = [end for job_id, end in seen[1:] if job_id == "first"]
+    assert later and later[-1] == pytest.approx(ends["first"])
 
 
 # ---- spanning -------------------------------------------------------------------------------------

@@ -741,3 +741,73 @@ def test_perturbing_keeps_the_reference_cells_whatever_their_spelling() -> None:
 def test_perturbing_refuses_a_sigma_that_cannot_give_finite_positive_factors(sigma: float) -> None:
     with pytest.raises(ValueError, match="sigma"):
         perturbed(load_truth(), sigma, seed=1)
+
+
+def believed_fast_platform() -> Platform:
+    """An A100 node believed 4x the reference and a V100 node (the reference), in two clusters."""
+    nodes = [
+        NodeCapacity(node="a0", cluster="ca", region=EU, zone=f"{EU}-a", gpu_model="A100", gpus_total=8),
+        NodeCapacity(node="v0", cluster="cv", region=EU, zone=f"{EU}-b", gpu_model="V100M16", gpus_total=8),
+    ]
+    speed = {
+        (m, t): s
+        for m, s in (("A100", 4.0), ("V100M16", 1.0))
+        for t in ("training_compute", "training_memory")
+    }
+    return Platform(
+        name="two-pools",
+        nodes=nodes,
+        clusters={
+            "ca": ClusterInfo(id="ca", region=EU, zone=f"{EU}-a"),
+            "cv": ClusterInfo(id="cv", region=EU, zone=f"{EU}-b"),
+        },
+        net=NetMatrix.from_topology(load_topology()),
+        economics=default_economics(),
+        speed=speed,
+        gpu_memory_gib={"A100": 80.0, "V100M16": 16.0},
+    )
+
+
+def eight_gpu_job(job_id: str) -> JobSpec:
+    return JobSpec(
+        job_id=job_id,
+        tenant="t",
+        resources=Resources(gpus=8),
+        work=Work(steps=1000, step_time_s=0.6),
+        labels={"model": "fam"},
+    )
+
+
+@pytest.mark.parametrize(("arrival_s", "waits"), [(30.0, True), (100.0, False)])
+def test_a_job_waits_for_gpus_held_by_a_slow_run_only_until_its_progress_shows_how_slow(
+    arrival_s: float, waits: bool
+) -> None:
+    # "first" takes the A100 believed 4x the V100: predicted to end at 150 s, it truly runs at the
+    # reference speed (600 s). "second" prefers to wait for that A100 while the prediction stands
+    # (150 s, then 150 s of run, against 600 s on the V100 now); from first's progress report at a
+    # tenth of its run (60 s), its end is re-predicted from its pace, and waiting no longer pays.
+    flat = parse_truth(
+        tiny(
+            [
+                c("fam", "V100M16", 10.0),
+                c("fam", "A100", 10.0),
+                c("fam", "V100M16", 80.0, n=8),
+                c("fam", "A100", 80.0, n=8),
+            ],
+            families={"fam": {"task_type": "training_compute"}},
+        )
+    )
+    policy = POLICIES["loom"](0)
+    assert isinstance(policy, FrameworkPolicy)
+    policy.speed_learner = None  # the re-predicted end alone: no lesson about the A100 either
+    trace = Trace(jobs=[SimJob(eight_gpu_job("first"), 0.0), SimJob(eight_gpu_job("second"), arrival_s)])
+    records = {r.job_id: r for r in simulate(trace, believed_fast_platform(), policy, truth=flat).records}
+    first, second = records["first"], records["second"]
+    assert first.gpu_model == "A100" and first.end_s == pytest.approx(600.0)
+    assert second.gpu_model == "V100M16"
+    assert second.start_s is not None
+    if waits:
+        # Held back until its wait ran out (the report came meanwhile), then started on the V100.
+        assert 60.0 < second.start_s < 600.0
+    else:
+        assert second.start_s == pytest.approx(arrival_s)

@@ -27,6 +27,7 @@ start was never confirmed avoids next).
 """
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ __all__ = [
     "fair_share_of",
     "fold_within",
     "grow",
+    "progress_end_s",
     "resized_end_s",
     "retry_after_failure",
     "run_cycle",
@@ -383,6 +385,23 @@ def expected_end_s(
         return None
     scale = job.workers / workers if (job.pipeline is None and 0 < workers != job.workers) else 1.0
     return start_s + delay_s + max(steps_left, 0.0) * predicted_step_s * scale
+
+
+def progress_end_s(*, now_s: float, done: float, elapsed_s: float, done_before: float) -> float | None:
+    """A running job's end re-predicted from its own measured pace, on the caller's clock: the share
+    of its steps done went from ``done_before`` to ``done`` (0-1) in ``elapsed_s`` seconds (measured
+    on the reporting agent's clock, so no clock skew enters), and the rest goes at that pace. None
+    when the report cannot tell (nothing done in that time, or no time passed).
+
+    A run's measured pace replaces the decision's prediction, which came from beliefs: a job several
+    times slower than believed would otherwise look "about to end" for most of its run, and a gang
+    would wait for its GPUs (:mod:`loom.sched.availability`). What placement's book does at every
+    progress report (the pace since the previous one) and the simulator at its run's report
+    (``loom.sim.engine.OBSERVE_AT``: the pace since the run began)."""
+    share = done - done_before
+    if not (elapsed_s > 0 and math.isfinite(elapsed_s)) or not share > 0:
+        return None
+    return now_s + elapsed_s * max(1.0 - done, 0.0) / share
 
 
 def fold_within(result: CycleResult[P]) -> set[str]:

@@ -117,7 +117,7 @@ from loom.model.learn import SpeedLearner, run_speed, teaches_while_running
 from loom.model.profiles import speeds_for_model
 from loom.model.topology import Topology, load_topology
 from loom.sched import dag
-from loom.sched.cycle import CycleSettings, expected_end_s, fair_share_of, grow, run_cycle
+from loom.sched.cycle import CycleSettings, expected_end_s, fair_share_of, grow, progress_end_s, run_cycle
 from loom.sched.elastic import resized_end_s
 from loom.sched.framework import Decision, Outcome, QueueItem
 from loom.sched.pipeline import transfer_s
@@ -147,9 +147,10 @@ _OBSERVE: Final = 6
 retries the shape of a waiting job when a permit's wait (``Status.wait_s``: patience running out)
 ends; a lesson teaches the speed learner what a run measured (:data:`OBSERVE_AT`)."""
 OBSERVE_AT: Final = 0.1
-"""A run teaches the speed learner once it is this share of its way through its steps: the cluster
-agent reports progress every tenth of a run's steps, and each report carries the compute seconds
-per step measured (``JobProgress.compute_step_s``), which placement learns from, once per run."""
+"""A run reports progress once it is this share of its way through its steps (the cluster agent
+reports every tenth of a run's steps): its predicted end is then re-predicted from its measured pace,
+and the compute seconds per step the report carries (``JobProgress.compute_step_s``) teach the speed
+learner, once per run."""
 
 Pair = tuple[int, int]
 """(cluster index, model index) of the snapshot: one pool of GPUs."""
@@ -1193,11 +1194,12 @@ class _Simulation:
             self.elastic += 1
         job.generation += 1
         self._push(_Event(run.end_s, _COMPLETE, 0, job_id=spec.job_id, generation=job.generation))
-        if self.speed_learner is not None:
-            at = run.compute_start_s + OBSERVE_AT * (run.end_s - run.compute_start_s)
-            self.runs_started += 1
-            run.serial = self.runs_started
-            self._push(_Event(at, _OBSERVE, 0, job_id=spec.job_id, run=run.serial))
+        # Its first progress report: every run's end is re-predicted from it, and it teaches the
+        # speed learner of a policy that learns.
+        at = run.compute_start_s + OBSERVE_AT * (run.end_s - run.compute_start_s)
+        self.runs_started += 1
+        run.serial = self.runs_started
+        self._push(_Event(at, _OBSERVE, 0, job_id=spec.job_id, run=run.serial))
 
     def _true_speeds(self, job: _Job, d: Decision) -> tuple[list[float], float, str]:
         """Per part the true per-GPU speed (at the most GPUs the part holds on one node), this run's noise,
@@ -1478,18 +1480,48 @@ class _Simulation:
                 self._push(_Event(max(self.t, kid.sim.arrival_s), _ARRIVAL, 0, job_id=child))
 
     def _observe(self, event: _Event) -> None:
-        """A run's first progress report with its measured compute step: it teaches the speed
-        learner now (:data:`OBSERVE_AT`), not only when it completes."""
+        """A run's first progress report (:data:`OBSERVE_AT`): its end is re-predicted from its pace
+        (every policy: what agents report is the platform's, not a policy's), and its measured
+        compute step teaches a learning policy's speed learner now, not only when it completes."""
         job = self.jobs[event.job_id]
         run = job.run
-        if run is None or run.serial != event.run or run.taught or self.speed_learner is None:
+        if run is None or run.serial != event.run:
             return  # another run (or none) since: a resize or retiming keeps the run, and its lesson
+        self._repredict_end(job, run)
+        if run.taught or self.speed_learner is None:
+            return
         # Against the step the decision bound (compute plus exchange), as placement compares with
         # its run's ``predicted_step_s``; None (nothing bound) teaches, there as here.
         if not teaches_while_running(run.compute_s, run.decision.predicted_step_s):
             return  # as slow as the slow-node rule flags: its completion teaches
         run.taught = True
         self._learn_speed(self.speed_learner, job.spec, run)
+
+    def _repredict_end(self, job: _Job, run: _Run) -> None:
+        """The run's progress report re-predicts its end from its measured pace
+        (:func:`~loom.sched.cycle.progress_end_s`), as placement's book does at each report: the
+        share of its steps done since it began, in the time since its first step."""
+        i = self.position.get(job.spec.job_id)
+        old = self.running_list
+        if i is None or i >= len(old) or old[i].job_id != job.spec.job_id or run.seg_steps <= 0:
+            return
+        begin = max(run.seg_start_s, run.compute_start_s)
+        steps = float(job.spec.work.steps)
+        left_at_begin = job.steps_left  # settled at the segment's start
+        done_now = run.progress(self.t)
+        end = progress_end_s(
+            now_s=self.t,
+            done=1.0 - (left_at_begin - done_now) / steps,
+            elapsed_s=self.t - begin,
+            done_before=1.0 - left_at_begin / steps,
+        )
+        if end is None or end == old[i].expected_end_s:
+            return
+        new = old.copy()
+        new[i] = run.core = dataclasses.replace(old[i], expected_end_s=end)
+        self.running_list = new
+        self.snap.running = new
+        self._retire(old)
 
     def _learn_speed(self, learner: SpeedLearner, spec: JobSpec, run: _Run) -> None:
         """Teach the speed learner what a run's family got on its GPU model, and apply it.
