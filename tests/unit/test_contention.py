@@ -18,7 +18,6 @@ from loom.sched.plugins.network import (
     SpanGuard,
     gang_waits_under_queue,
     spread_cost_s,
-    waits_under_queue,
 )
 from loom.sched.plugins.packing import FreeFit, PoolFit
 from loom.sched.plugins.resources import ResourceFit
@@ -459,30 +458,28 @@ def test_a_job_nothing_fits_is_queued_with_its_shape_and_queue_key() -> None:
     assert "g" not in full.queued and "g" not in full.waiting
 
 
-def test_while_other_jobs_wait_a_single_worker_waits_only_when_the_slower_are_much_slower() -> None:
+def test_while_other_jobs_wait_a_single_worker_waits_as_a_gang_does_behind_the_queue() -> None:
     nodes = [node("a0", "ca", used=8), node("b0", "cb", model=SLOW)]
     runs = [running("busy", ("a0", 8), ends_in_s=100.0)]
-    busy = snapshot(nodes, runs)
-    busy.waiting.add("someone-else")
-    single = gang(workers=1)  # one worker of 4 GPUs: no gradient exchange, T4 takes 3x as long
-    # 3x is at the default bound: worth the wait even with a queue ...
-    waits = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())]).schedule(
-        single, busy, submitted_at=NOW
-    )
-    assert waits.decision is None and waits.status.wait_s == pytest.approx(100.0)
-    # ... and below a bound of 3.5x, the slower GPUs are taken now.
-    busy = snapshot(nodes, runs)
-    busy.waiting.add("someone-else")
-    lax = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook(), queue_slowdown=3.5)])
-    starts = lax.schedule(single, busy, submitted_at=NOW)
-    assert starts.decision is not None and starts.decision.parts[0].gpu_model == SLOW
+    single = gang(workers=1)  # one worker of 4 GPUs: no gradient exchange
+    me = (0, NOW, "g")
 
+    def decide(fast_speed: float, **kwargs: float) -> object:
+        busy = snapshot(nodes, runs, fast_speed=fast_speed)
+        busy.waiting.add("someone-else")  # queued, shape unknown: nothing ahead of the job
+        framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook(), **kwargs)])
+        return framework.schedule(single, busy, submitted_at=NOW, queue_key=me)
 
-def test_waits_under_queue_lets_only_a_single_worker_wait_beyond_the_bound() -> None:
-    assert waits_under_queue(1, 300.0, 100.0, 3.0)
-    assert not waits_under_queue(1, 299.0, 100.0, 3.0)
-    assert not waits_under_queue(2, 10_000.0, 100.0, 3.0)
-    assert not waits_under_queue(16, 10_000.0, 100.0, 1.0)
+    # 1,000 s on T4 now against 100 s of wait + 100 s on A100: at least 3x, so it waits.
+    waits = decide(10.0)
+    assert waits.decision is None and waits.status.wait_s == pytest.approx(100.0)  # type: ignore[attr-defined]
+    # T4 3x slower than A100 (333 s there): 1,000 s against 100 + 333 s is under 3x: T4 now. (The
+    # rule before 2026-12-03 compared the runs alone, 3x, and waited here.)
+    starts = decide(3.0)
+    assert starts.decision is not None and starts.decision.parts[0].gpu_model == SLOW  # type: ignore[attr-defined]
+    # A bound of 2 makes that wait pay.
+    lax = decide(3.0, queue_slowdown=2.0)
+    assert lax.decision is None  # type: ignore[attr-defined]
 
 
 def test_a_gang_waits_under_a_queue_only_when_starting_now_takes_the_bound_times_its_wait_plus_run() -> None:

@@ -646,33 +646,25 @@ WAIT_MARGIN = 0.1
 """Waiting must promise to finish at least this share sooner than starting now."""
 
 QUEUE_SLOWDOWN = 3.0
-"""While other jobs wait, a single worker waits for faster GPUs only when the slower would take at
-least this many times as long to run, and a gang only when starting now would take at least this
-many times as long as its wait behind the queue plus its run there (see :class:`SpanGuard`)."""
-
-
-def waits_under_queue(workers: int, run_now_s: float, run_better_s: float, queue_slowdown: float) -> bool:
-    """Whether a single worker in one cluster may still wait for faster GPUs while other jobs wait
-    (the snapshot's queue): only when the slower GPUs would take at least ``queue_slowdown`` times
-    as long. A gang (more than one worker) is judged by :func:`gang_waits_under_queue` instead,
-    with its queue-aware wait; here it never waits (as with ``SpanGuard(queue_aware=False)``, or
-    when its queue order is not known).
-
-    A single worker needs one release, which its expected wait prices (the Philly-like trace's long
-    single jobs). Letting single workers use the gang's queue-aware rule instead was measured (grid
-    seeds 0-4, small and medium, loads 0.8-1.2): overall margins within -0.5..+2.8 points of this
-    rule, but the network class on small/1.2/philly fell from -5.4 % to -12.0 %: not taken.
-    """
-    if workers > 1:
-        return False
-    return run_now_s >= queue_slowdown * run_better_s
+"""While other jobs wait, a job (gang or single worker) waits for faster GPUs only when starting now
+would take at least this many times as long as its wait behind the queue plus its run there (see
+:class:`SpanGuard`)."""
 
 
 def gang_waits_under_queue(busy_now_s: float, completion_behind_s: float, queue_slowdown: float) -> bool:
-    """Whether a gang in one cluster may wait for faster GPUs while other jobs wait: when starting
-    now would take at least ``queue_slowdown`` times as long as waiting behind the queue and then
-    running there (``completion_behind_s``: the pool's expected wait once the queued jobs ahead of
-    the gang have taken their room, :func:`behind_queue`, plus the run there).
+    """Whether a job in one cluster, a gang or a single worker, may wait for faster GPUs while other
+    jobs wait: when starting now would take at least ``queue_slowdown`` times as long as waiting
+    behind the queue and then running there (``completion_behind_s``: the pool's expected wait once
+    the queued jobs ahead of it have taken their room, :func:`behind_queue`, plus the run there).
+
+    A single worker followed a rule of its own until 2026-12-03: it waited whenever the slower GPUs
+    would take ``queue_slowdown`` x as long to run, whatever its wait. On a truth that disagrees
+    with the profiles (``tools/perturb_truth.py`` sigma 0.5, seeds 1 and 2) that rule started a
+    54-h single job at once on V100s 2.9x slower than a G2 about to free up (63 GPUs, Philly-like,
+    load 1.0: -6.1 % against the best baseline; -3.1 % on the 506-GPU cell of seed 2), and let
+    others wait for pools the queue ahead would take first. One rule for every job: those cells
+    -0.8 / -1.7 %; grid seeds 0-4 -0.18 % mean JCT, held-out seeds 5-9 +0.47 % (4 cells slower by
+    0.5-2.0 %, every margin still positive), ``loom bench contention`` seeds 1-3 -0.08 %.
 
     Why a wait behind a queue, and why by that factor: the gang's room in the faster pool must come
     whole, from several releases, and nothing keeps the earlier ones for it (no reservation: the
@@ -903,23 +895,22 @@ class SpanGuard:
       starts): waits for a faster option only when that option's
       wait plus run beats the run now by ``margin``, and never longer in all than the slower start
       would lose, ``steps x (step_now - step_better)`` since submission (ski rental: at most twice
-      the better of the two). While other jobs wait (the snapshot's queue), a gang (more than one
-      worker) waits only when starting now would take at least ``queue_slowdown`` times as long as
-      its wait behind the queue plus its run there (:func:`gang_waits_under_queue`): the wait lets
+      the better of the two). While other jobs wait (the snapshot's queue), a job (a gang or, since
+      2026-12-03, a single worker) waits only when starting now would take at least
+      ``queue_slowdown`` times as long as its wait behind the queue plus its run there
+      (:func:`gang_waits_under_queue`): the wait lets
       the queued jobs ahead of it in queue order (``Snapshot.queue_ahead``, by the cycle's
       ``queue_key``; each counted on the pool where its own room comes first) take their room from
       each release before it (:func:`behind_queue`, which passes them to
       :func:`~loom.sched.availability.expected_wait_s` as ``queue``), as its room must come whole
       and nothing keeps the earlier releases for it. Without a queue order (``queue_key`` None)
-      or with ``queue_aware`` False, a gang never waits under a queue. A single worker waits only
-      when the slower
-      GPUs would also take at least ``queue_slowdown`` times as long: a moderately slower start
-      costs the platform nothing then (the GPUs left free are taken by the jobs waiting, and a
-      reference-GPU second is the same on either), but a long job on GPUs several times slower
-      holds them, and ends, that many times later (on the truth-timed grid, Philly-like trace at
-      full load, single jobs of tens of hours ran 6-12x slower than under ``gavel_like`` when only
-      gangs with ``comm`` and no queue could wait). The bound was chosen on that grid and on
-      ``loom bench contention`` (plugins README). An option free now passes (the scores chose the
+      or with ``queue_aware`` False, a job never waits under a queue. A moderately slower start
+      costs the platform little (the GPUs left free are taken by the jobs waiting), but a long job
+      on GPUs several times slower holds them, and ends, that many times later (on the
+      truth-timed grid, Philly-like trace at full load, single jobs of tens of hours ran 6-12x
+      slower than under ``gavel_like`` when only gangs with ``comm`` and no queue could wait). The
+      bound was chosen on that grid and on ``loom bench contention`` (plugins README). An option
+      free now passes (the scores chose the
       slower GPUs on purpose, e.g. for the data); one whose room is expected now only because a
       running job overran its predicted end is not free: the job waits for it, within the same
       ski-rental bound (before, such a pool passed as free and single jobs of tens of hours
@@ -1047,7 +1038,7 @@ class SpanGuard:
         if best.completion_s + MIN_WAIT_S > (1.0 - self.margin) * busy_now:
             return Status()
         if snap.waiting_count(exclude=job.job_id) > 0:
-            queued = self._under_queue(state, decision.workers, options, busy_now, holders)
+            queued = self._under_queue(state, decision.workers, busy_now, holders)
             if queued is None:
                 return Status()  # a queue: waiting would not pay by queue_slowdown x (docstring)
             best = queued
@@ -1068,20 +1059,11 @@ class SpanGuard:
         )
 
     def _under_queue(
-        self,
-        state: CycleState,
-        workers: int,
-        options: Sequence[PoolOption],
-        busy_now: float,
-        holders: BoolArray,
+        self, state: CycleState, workers: int, busy_now: float, holders: BoolArray
     ) -> PoolOption | None:
-        """While other jobs wait: the option to wait for, or None (start now). A single worker
-        keeps the best option when the slower GPUs take ``queue_slowdown`` x as long
-        (:func:`waits_under_queue`); a gang, the best option behind the queue ahead of it when it
-        pays by ``queue_slowdown`` x (:func:`behind_queue`, :func:`gang_waits_under_queue`)."""
-        best = options[0]
-        if workers == 1:
-            return best if waits_under_queue(workers, busy_now, best.busy_s, self.queue_slowdown) else None
+        """While other jobs wait: the option to wait for, or None (start now): the best option
+        behind the queue ahead of the job, gang or single worker, when it pays by
+        ``queue_slowdown`` x (:func:`behind_queue`, :func:`gang_waits_under_queue`)."""
         if not self.queue_aware or state.queue_key is None:
             return None
         # Every pool that ends sooner than starting now is a candidate (a queue may lengthen the
