@@ -66,6 +66,18 @@ def completed(client: LoomClient, job_id: str) -> Callable[[], Awaitable[Any]]:
     return check
 
 
+def t4_job(job_id: str, labels: dict[str, str], *, steps: int, step_time_s: float) -> JobSpec:
+    """A one-GPU ``training_memory`` job of tenant t1 that may run only on the T4s."""
+    return JobSpec(
+        job_id=job_id,
+        tenant="t1",
+        task_type="training_memory",
+        labels=labels,
+        resources=Resources(gpus=1, gpu_models=[GPU]),
+        work=Work(steps=steps, step_time_s=step_time_s),
+    )
+
+
 async def learned(client: LoomClient) -> dict[str, Any] | None:
     rows = await client.learned_speeds()
     return next((r for r in rows if r["family"] == FAMILY and r["gpu_model"] == GPU), None)
@@ -77,16 +89,7 @@ async def test_a_gpu_three_times_slower_than_its_profile_is_learned_within_ten_r
     factors: list[float] = []
     for n in range(RUNS):
         job_id = f"gru-{n}"
-        await client.submit(
-            JobSpec(
-                job_id=job_id,
-                tenant="t1",
-                task_type="training_memory",
-                labels={"model": "GRU speech"},
-                resources=Resources(gpus=1, gpu_models=[GPU]),
-                work=Work(steps=60, step_time_s=1.0),
-            )
-        )
+        await client.submit(t4_job(job_id, {"model": "GRU speech"}, steps=60, step_time_s=1.0))
         await until(completed(client, job_id), 60, f"{job_id} completed")
 
         async def taught(runs: int = n + 1) -> dict[str, Any] | None:
@@ -143,16 +146,8 @@ async def test_a_long_run_teaches_while_it_runs_and_its_completion_adds_nothing(
     tenth), and the run's completion is not counted a second time."""
     family = "gru-long"
     job_id = "gru-long-0"
-    await client.submit(
-        JobSpec(
-            job_id=job_id,
-            tenant="t1",
-            task_type="training_memory",
-            labels={"family": family},
-            resources=Resources(gpus=1, gpu_models=[GPU]),
-            work=Work(steps=1_000, step_time_s=10.0),  # hours of job time: about 12 s here
-        )
-    )
+    # Hours of job time: about 12 s here.
+    await client.submit(t4_job(job_id, {"family": family}, steps=1_000, step_time_s=10.0))
 
     async def taught() -> dict[str, Any] | None:
         rows = await client.learned_speeds()
@@ -216,16 +211,7 @@ async def test_a_running_jobs_end_follows_its_progress_reports_not_the_belief(
     thousands of seconds) and then from its progress reports (the agent's clock, which runs
     ``time_scale`` x faster here): the waits other jobs compute for its GPUs follow the run."""
     job_id = "gru-paced-0"
-    await client.submit(
-        JobSpec(
-            job_id=job_id,
-            tenant="t1",
-            task_type="training_memory",
-            labels={"family": "gru-paced"},
-            resources=Resources(gpus=1, gpu_models=[GPU]),
-            work=Work(steps=1_000, step_time_s=10.0),
-        )
-    )
+    await client.submit(t4_job(job_id, {"family": "gru-paced"}, steps=1_000, step_time_s=10.0))
     placement = SERVICES["placement"]
 
     async def re_predicted() -> float | None:
