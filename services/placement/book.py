@@ -77,7 +77,8 @@ class Run:
     predicted_step_s: float | None = None
     """The decision's predicted seconds per step; None when placement bound none."""
     end_s: float | None = None
-    """The predicted end as a resize left it (None: from the start, :attr:`expected_end_s`)."""
+    """The predicted end as a resize or the run's progress reports left it (None: from the start,
+    :attr:`expected_end_s`)."""
     progress_at_start: float = 0.0
     """Share of the work already done when ``started_at`` was taken (a run restored from the
     store after a restart or leader change is timed from then, for what is left)."""
@@ -86,8 +87,9 @@ class Run:
     one observation per run whatever is offered; this only spares the later reports the offer)."""
     paced: tuple[float, float] | None = None
     """The run's last known point on its agent's clock: (seconds, share of the job's steps done),
-    from ``JobStarted.started_at`` and each progress report; its pace since then re-predicts its end
-    at the next report. None until the agent says (a run restored from the store starts from its
+    from ``JobStarted.started_at`` (with :attr:`progress_at_start`, the share a resumed run starts
+    from) and each progress report; its pace since then re-predicts its end at the next report.
+    None until the agent says (a run restored from the store after it started starts from its
     first report after the restore)."""
     _core: RunningJob | None = None
 
@@ -290,7 +292,11 @@ class Book:
         clock ``now`` and the report's ``at`` (the agent's clock), its end is re-predicted from its
         pace since its previous report, or since it began (:func:`loom.sched.cycle.progress_end_s`),
         so waits for its GPUs (:mod:`loom.sched.availability`) follow what it really does, not what
-        placement believed when it placed it."""
+        placement believed when it placed it. The pace is added to ``now``, when the report is
+        applied (the report's transit makes the end that much late). Both clocks are wall clocks:
+        a sim agent that runs jobs ``time_scale`` x faster than their job clock (the demo's 60)
+        makes paced ends wall seconds where ends from beliefs are job-clock seconds; with a real
+        backend (scale 1) they agree."""
         run = self.runs.get(job_id)
         if run is None or fraction <= run.progress or (attempt is not None and attempt != run.attempt):
             return

@@ -1390,14 +1390,19 @@ class PlacementService:
         def placed(q: QueuedJob, d: Decision) -> None:
             # The run as the book will hold it once committed, listed in the snapshot now so that
             # the cycle's later jobs see it running (the simulator lists each start at once too).
+            # A run resumed from a checkpoint has that share of its steps behind it: its predicted
+            # end counts the steps left, and its pace is measured from there (as the simulator's).
+            resumed = min(max(q.resume_step / max(q.job.work.steps, 1), 0.0), 1.0)
             run = Run(
                 queued=q,
                 attempt=q.attempt,
                 parts=[(part.cluster, part.gpu_model, part.allocations) for part in d.parts],
                 workers=d.workers,
+                progress=resumed,
                 labels=q.job.labels,
                 started_at=now + d.start_after_s,
                 predicted_step_s=d.predicted_step_s,
+                progress_at_start=resumed,
             )
             runs[q.job.job_id] = run
             snap.running.append(run.running_job())
@@ -2489,7 +2494,7 @@ class PlacementService:
         async def apply() -> None:  # noqa: PLR0912, PLR0915
             result = Applied()
             finished: list[tuple[str, int]] = []
-            progress: dict[str, JobProgress] = {}
+            progress: dict[tuple[str, int], JobProgress] = {}
             began: list[JobStarted] = []
             async with self._tx() as conn:
                 # Again here: a territory handed back meanwhile is not written for (its shard has
@@ -2510,9 +2515,11 @@ class PlacementService:
                 reports = [e for e in new if isinstance(e, JobProgress)]
                 await repo.set_progress(conn, [(r.job_id, r.attempt, r.step / r.steps) for r in reports])
                 for report in reports:
-                    last = progress.get(report.job_id)
+                    # The furthest report of each attempt in the batch re-predicts (the book takes
+                    # only its run's attempt: a late report of an earlier one cannot push it out).
+                    last = progress.get((report.job_id, report.attempt))
                     if last is None or report.step / report.steps >= last.step / last.steps:
-                        progress[report.job_id] = report  # the furthest report of the batch re-predicts
+                        progress[(report.job_id, report.attempt)] = report
                 began.extend(s for s in new if isinstance(s, JobStarted))
                 for run_key, observation in self._progress_observations(new):
                     result.observed.append(observation)
@@ -2575,9 +2582,9 @@ class PlacementService:
             for start in began:
                 self.book.set_began(start.job_id, start.attempt, start.started_at)
             now = time.time()
-            for job_id, report in progress.items():
+            for (job_id, attempt), report in progress.items():
                 self.book.set_progress(
-                    job_id, report.step / report.steps, attempt=report.attempt, now=now, at=report.at
+                    job_id, report.step / report.steps, attempt=attempt, now=now, at=report.at
                 )
             for job_id, attempt in finished:
                 if self.book.drop_run(job_id, attempt) is not None:

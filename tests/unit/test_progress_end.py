@@ -38,15 +38,17 @@ def test_a_report_that_cannot_tell_re_predicts_nothing(
     assert progress_end_s(now_s=NOW, done=done, elapsed_s=elapsed_s, done_before=done_before) is None
 
 
-def booked(steps: int = 1000, step_s: float = 0.5) -> tuple[Book, Run]:
+def booked(steps: int = 1000, step_s: float = 0.5, resumed: float = 0.0) -> tuple[Book, Run]:
     job = JobSubmitted(job_id="j", tenant="t", work=Work(steps=steps, step_time_s=1.0))
     run = Run(
         queued=QueuedJob(job=job, carrier={}),
         attempt=2,
         parts=[("ca", "A100", (("a0", 1),))],
         workers=1,
+        progress=resumed,
         started_at=NOW,
         predicted_step_s=step_s,
+        progress_at_start=resumed,
     )
     book = Book()
     book.add_run(run)
@@ -92,3 +94,16 @@ def test_a_report_of_another_attempt_or_without_the_clock_keeps_the_prediction()
     assert running_end(book) == pytest.approx(NOW + 500.0)
     book.set_progress("j", 0.3, attempt=2, now=NOW + 200.0, at=160.0)
     assert running_end(book) == pytest.approx(NOW + 200.0 + 350.0)
+
+
+def test_a_run_resumed_from_a_checkpoint_is_paced_from_where_it_resumed() -> None:
+    # Resumed at half its steps (what placement gives a run placed again from a checkpoint): its
+    # predicted end counts the steps left, and its first report's pace counts only what it did.
+    book, run = booked(resumed=0.5)
+    assert running_end(book) == pytest.approx(NOW + 250.0)  # 500 steps left x 0.5 s
+    book.set_began("j", 2, 10.0)
+    assert run.paced == (10.0, 0.5)
+    # From half to 60 % in 100 s: 40 % left, 400 s (not the 67 s that counting the checkpointed
+    # half as done in those 100 s would give).
+    book.set_progress("j", 0.6, attempt=2, now=NOW + 100.0, at=110.0)
+    assert running_end(book) == pytest.approx(NOW + 100.0 + 400.0)

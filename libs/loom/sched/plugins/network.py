@@ -955,8 +955,8 @@ class SpanGuard:
             raise ValueError(f"queue_slowdown must be at least 1, got {queue_slowdown}")
         self.queue_slowdown = queue_slowdown
         self.queue_aware = queue_aware
-        """False: a gang never waits for faster GPUs under a queue (the rule before the
-        queue-aware wait; kept to measure one against the other)."""
+        """False: a job (gang or single worker) never waits for faster GPUs under a queue (the
+        gangs' rule before the queue-aware wait; kept to measure one against the other)."""
 
     def pre_filter(self, state: CycleState) -> Status:
         """UNRESOLVABLE (``span_inflation``) for a gang that may span clusters, that no allowed
