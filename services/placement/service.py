@@ -2494,8 +2494,6 @@ class PlacementService:
         async def apply() -> None:  # noqa: PLR0912, PLR0915
             result = Applied()
             finished: list[tuple[str, int]] = []
-            progress: dict[tuple[str, int], JobProgress] = {}
-            began: list[JobStarted] = []
             async with self._tx() as conn:
                 # Again here: a territory handed back meanwhile is not written for (its shard has
                 # these events in its own consumer).
@@ -2514,13 +2512,6 @@ class PlacementService:
                 await repo.confirm(conn, [(e.job_id, e.attempt) for e in new if isinstance(e, JobStarted)])
                 reports = [e for e in new if isinstance(e, JobProgress)]
                 await repo.set_progress(conn, [(r.job_id, r.attempt, r.step / r.steps) for r in reports])
-                for report in reports:
-                    # The furthest report of each attempt in the batch re-predicts (the book takes
-                    # only its run's attempt: a late report of an earlier one cannot push it out).
-                    last = progress.get((report.job_id, report.attempt))
-                    if last is None or report.step / report.steps >= last.step / last.steps:
-                        progress[(report.job_id, report.attempt)] = report
-                began.extend(s for s in new if isinstance(s, JobStarted))
                 for run_key, observation in self._progress_observations(new):
                     result.observed.append(observation)
                     result.taught.append(run_key)
@@ -2579,13 +2570,14 @@ class PlacementService:
                 await repo.append_events(conn, result.events)
                 await outbox.add(conn, PRODUCER, result.messages)
             # Committed: adopt it (no await below).
-            for start in began:
-                self.book.set_began(start.job_id, start.attempt, start.started_at)
+            # In stream order: a start, then its reports (the book keeps only its run's attempt and
+            # a report beyond the last, so a late or earlier attempt's report changes nothing).
             now = time.time()
-            for (job_id, attempt), report in progress.items():
-                self.book.set_progress(
-                    job_id, report.step / report.steps, attempt=attempt, now=now, at=report.at
-                )
+            for e in new:
+                if isinstance(e, JobStarted):
+                    self.book.set_began(e.job_id, e.attempt, e.started_at)
+                elif isinstance(e, JobProgress):
+                    self.book.set_progress(e.job_id, e.step / e.steps, attempt=e.attempt, now=now, at=e.at)
             for job_id, attempt in finished:
                 if self.book.drop_run(job_id, attempt) is not None:
                     self.stats["released"] += 1

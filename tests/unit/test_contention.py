@@ -1,6 +1,6 @@
 """Decisions under contention: expected waits from running jobs' ends, spanning only when it pays
-within a GPU-hours bound, waiting for faster GPUs under a queue only behind the queued jobs ahead
-(a gang) or beyond the slowdown bound (a single worker), best fit over pools."""
+within a GPU-hours bound, waiting for faster GPUs under a queue only behind the queued jobs
+ahead (gangs and single workers alike), best fit over pools."""
 
 import math
 
@@ -16,8 +16,8 @@ from loom.sched.plugins.compute import ScuFit
 from loom.sched.plugins.network import (
     PoolOption,
     SpanGuard,
-    gang_waits_under_queue,
     spread_cost_s,
+    waits_behind_queue,
 )
 from loom.sched.plugins.packing import FreeFit, PoolFit
 from loom.sched.plugins.resources import ResourceFit
@@ -483,10 +483,10 @@ def test_while_other_jobs_wait_a_single_worker_waits_as_a_gang_does_behind_the_q
 
 
 def test_a_gang_waits_under_a_queue_only_when_starting_now_takes_the_bound_times_its_wait_plus_run() -> None:
-    assert gang_waits_under_queue(3000.0, 1000.0, 3.0)
-    assert not gang_waits_under_queue(2999.0, 1000.0, 3.0)
-    assert gang_waits_under_queue(1100.0, 1000.0, 1.0)
-    assert not gang_waits_under_queue(1000.0, math.inf, 1.0)
+    assert waits_behind_queue(3000.0, 1000.0, 3.0)
+    assert not waits_behind_queue(2999.0, 1000.0, 3.0)
+    assert waits_behind_queue(1100.0, 1000.0, 1.0)
+    assert not waits_behind_queue(1000.0, math.inf, 1.0)
 
 
 def test_without_queue_awareness_a_gang_never_waits_under_a_queue() -> None:

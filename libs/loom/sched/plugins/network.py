@@ -651,13 +651,13 @@ would take at least this many times as long as its wait behind the queue plus it
 :class:`SpanGuard`)."""
 
 
-def gang_waits_under_queue(busy_now_s: float, completion_behind_s: float, queue_slowdown: float) -> bool:
+def waits_behind_queue(busy_now_s: float, completion_behind_s: float, queue_slowdown: float) -> bool:
     """Whether a job in one cluster, a gang or a single worker, may wait for faster GPUs while other
     jobs wait: when starting now would take at least ``queue_slowdown`` times as long as waiting
     behind the queue and then running there (``completion_behind_s``: the pool's expected wait once
     the queued jobs ahead of it have taken their room, :func:`behind_queue`, plus the run there).
 
-    A single worker followed a rule of its own until 2026-12-03: it waited whenever the slower GPUs
+    A single worker followed a rule of its own until 2026-12-04: it waited whenever the slower GPUs
     would take ``queue_slowdown`` x as long to run, whatever its wait. On a truth that disagrees
     with the profiles (``tools/perturb_truth.py`` sigma 0.5, seeds 1 and 2) that rule started a
     54-h single job at once on V100s 2.9x slower than a G2 about to free up (63 GPUs, Philly-like,
@@ -896,9 +896,9 @@ class SpanGuard:
       wait plus run beats the run now by ``margin``, and never longer in all than the slower start
       would lose, ``steps x (step_now - step_better)`` since submission (ski rental: at most twice
       the better of the two). While other jobs wait (the snapshot's queue), a job (a gang or, since
-      2026-12-03, a single worker) waits only when starting now would take at least
+      2026-12-04, a single worker) waits only when starting now would take at least
       ``queue_slowdown`` times as long as its wait behind the queue plus its run there
-      (:func:`gang_waits_under_queue`): the wait lets
+      (:func:`waits_behind_queue`): the wait lets
       the queued jobs ahead of it in queue order (``Snapshot.queue_ahead``, by the cycle's
       ``queue_key``; each counted on the pool where its own room comes first) take their room from
       each release before it (:func:`behind_queue`, which passes them to
@@ -1063,7 +1063,7 @@ class SpanGuard:
     ) -> PoolOption | None:
         """While other jobs wait: the option to wait for, or None (start now): the best option
         behind the queue ahead of the job, gang or single worker, when it pays by
-        ``queue_slowdown`` x (:func:`behind_queue`, :func:`gang_waits_under_queue`)."""
+        ``queue_slowdown`` x (:func:`behind_queue`, :func:`waits_behind_queue`)."""
         if not self.queue_aware or state.queue_key is None:
             return None
         # Every pool that ends sooner than starting now is a candidate (a queue may lengthen the
@@ -1078,7 +1078,7 @@ class SpanGuard:
             return None
         if behind.wait_s < MIN_WAIT_S and _holds_now(state, behind.cluster, behind.model, workers):
             return None  # room now behind the queue too: the scores chose the slower GPUs
-        return behind if gang_waits_under_queue(busy_now, behind.completion_s, self.queue_slowdown) else None
+        return behind if waits_behind_queue(busy_now, behind.completion_s, self.queue_slowdown) else None
 
     def _spread(
         self,
