@@ -54,6 +54,7 @@ class Queued:
     avoid: frozenset[str] = frozenset()
     tries: int = 0
     fair_share: float | None = None
+    queued_s: float | None = None
 
 
 @dataclass

@@ -54,6 +54,13 @@ class QueuedJob:
     resume_step: int = 0
     """The step the next run starts from: a run lost with its cluster resumes from its checkpoint
     (:func:`loom.migrate.resume.resume_point`)."""
+    queued_at: float | None = None
+    """Wall seconds when a cycle first saw it (how long speed probes may hold it); None: not yet."""
+
+    @property
+    def queued_s(self) -> float | None:
+        """:attr:`queued_at` (the cycle's ``Pending.queued_s``)."""
+        return self.queued_at
 
     @property
     def context(self) -> Context:

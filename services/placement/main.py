@@ -3,6 +3,7 @@
 Options: ``--topology`` (the network prior before probes report), ``--shard`` (one leader per
 shard), ``--tenants FILE`` (YAML or JSON quotas; none: every tenant admitted without quota),
 ``--confirm-timeout-s`` (a start not confirmed by then is placed again elsewhere),
+``--probe-s`` (believed seconds of a speed probe, :mod:`loom.sched.probe`; 0: none),
 ``--explore-share`` (the largest share of scheduling cycles that offer still-uncertain learned
 speeds optimistically; 0, the default, never explores), ``--region-group NAME=r1,r2`` (repeatable)
 or ``--shards FILE`` (``{groups: {NAME: [region, ...]}}``): the region groups of the regional
@@ -18,6 +19,7 @@ import yaml
 from loom.model.topology import load_topology
 from loom.runtime.service import ServiceContext, run
 from loom.sched.plugins.cost import default_economics
+from loom.sched.probe import ProbeSettings
 from loom.sched.quota import OPEN, TenantConfig, load_tenants
 from loom.sched.shards import load_config, parse_group
 from loom_services.placement.service import PlacementService
@@ -43,6 +45,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.0,
         help="largest share of cycles that try uncertain (family, GPU) speeds optimistically (0: never)",
+    )
+    parser.add_argument(
+        "--probe-s",
+        type=float,
+        default=ProbeSettings().probe_s,
+        help="believed seconds a speed probe runs before a job of a family new to a GPU model"
+        " is decided (0: no probes)",
     )
     parser.add_argument(
         "--region-group",
@@ -89,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
             lease_grace_s=args.lease_grace_s,
             holder=args.name,
             explore_share=args.explore_share,
+            probe=ProbeSettings(probe_s=args.probe_s) if args.probe_s > 0 else None,
             region_groups=groups,
         ).run()
 

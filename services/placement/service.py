@@ -53,13 +53,14 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import os
 import socket
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import asyncpg
 import msgspec
@@ -102,6 +103,7 @@ from loom.sched.cycle import (
     CycleResult,
     CycleSettings,
     Grown,
+    Probing,
     admission_check,
     expiry_avoid,
     fair_share_of,
@@ -111,6 +113,7 @@ from loom.sched.cycle import (
 )
 from loom.sched.framework import Decision, Framework
 from loom.sched.plugins.network import AlphaLearner, predict_step_s
+from loom.sched.probe import PROBE_LABEL, ProbeSettings
 from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, TenantConfig
 from loom.sched.shards import GLOBAL, ShardMap, route, route_of
@@ -295,6 +298,10 @@ def _resolve(future: "asyncio.Future[None]", _: object = None) -> None:
         future.set_result(None)
 
 
+DEFAULT_PROBES: Final = ProbeSettings()
+"""Speed probes as the simulator's ``loom`` runs them (:mod:`loom.sched.probe`)."""
+
+
 class PlacementService:
     """The placement service's state and handlers; :meth:`run` is the service body."""
 
@@ -320,6 +327,7 @@ class PlacementService:
         lease_grace_s: float | None = None,
         holder: str | None = None,
         explore_share: float = 0.0,
+        probe: ProbeSettings | None = DEFAULT_PROBES,
         region_groups: Mapping[str, Sequence[str]] | None = None,
         failover_ttl_s: float = 10.0,
         failover_period_s: float = 0.5,
@@ -377,6 +385,9 @@ class PlacementService:
         self.lease_ttl_s, self.lease_grace_s = lease_ttl_s, _default_grace(lease_grace_s)
         self.learner = SpeedLearner(LearnSettings(explore_share=explore_share))
         """What each job family really gets on each GPU model (rebuilt from the store on leading)."""
+        self.probe = probe
+        """Speed probes before deciding a job whose family never ran on a GPU model it may use
+        (:mod:`loom.sched.probe`, as the simulator's ``loom``); None: none."""
         self.alpha = AlphaLearner()
         """Compute's share of each task type's step time, learned from completed runs (joint score)."""
         self.framework: Framework = build_framework(
@@ -1268,6 +1279,8 @@ class PlacementService:
                     conn, run, "preempted", f"preempted by {preempted.by}", avoid=(), result=applied
                 )
         await self._write(conn, applied, now, snap.learned)
+        if result.probes:
+            await self._insert_probes(conn, jobs, applied, now)
         return applied
 
     async def _write(
@@ -1375,6 +1388,8 @@ class PlacementService:
         for q in jobs:
             if q.fair_share is None:
                 q.fair_share = fair_share_of(snap, q.job.tenant)
+            if q.queued_at is None:
+                q.queued_at = now
         if self.learner.settings.explore_share > 0:
             # Optimistic factors for this cycle only when the exploration budget allows.
             offered = self.learner.factors(explore=True)
@@ -1407,7 +1422,18 @@ class PlacementService:
             runs[q.job.job_id] = run
             snap.running.append(run.running_job())
 
-        result = run_cycle(self.framework, jobs, snap, settings=settings, backlog=backlog, placed=placed)
+        probing = None
+        if self.probe is not None:
+            learner = self.learner
+            probing = Probing(
+                self.probe,
+                learner.known_cells(),
+                self._probes_in_flight(),
+                log_sd=lambda family, model: learner.estimate(family, model).log_sd,
+            )
+        result = run_cycle(
+            self.framework, jobs, snap, settings=settings, backlog=backlog, placed=placed, probing=probing
+        )
         if jobs:
             per_job = result.decide_ms / len(jobs)
             last = self.decide_ms_per_job
@@ -1429,6 +1455,37 @@ class PlacementService:
             prom.DECISION_LATENCY.labels(self.shard).observe(result.decide_ms / 1000.0)
         # A run taken back had its quota counted in the snapshot: rebuild it after the commit.
         return Applied(cycle=result, runs=runs, stale=bool(taken_back), at=now)
+
+    def _probes_in_flight(self) -> dict[str, int]:
+        """Family -> its speed probes that hold its jobs here: placed or running, or queued and not
+        yet decided (one that found no room queues on without holding anyone, as in the simulator)."""
+        families: Counter[str] = Counter()
+        undecided = (q.job for q in self.queue.values() if q.tries == 0)
+        for job in itertools.chain(undecided, (r.job for r in self.book.runs.values())):
+            if PROBE_LABEL in job.labels:
+                families[job_family(job)] += 1
+        return dict(families)
+
+    async def _insert_probes(
+        self, conn: asyncpg.Connection, asked: Sequence[QueuedJob], applied: "Applied", now: float
+    ) -> None:
+        """Insert the speed probes a cycle asked for (queued, with their submitted events, in the
+        trace of the job that asked): a probe id that exists already (asked before) is not a second
+        probe. Each joins the queue once the transaction commits (``released_children``)."""
+        by_id = {q.job.job_id: q for q in asked}
+        rows, queued = [], []
+        for spec in applied.cycle.probes:
+            asker = by_id.get(spec.labels[PROBE_LABEL])
+            carrier = dict(asker.carrier) if asker is not None else {}
+            job = JobSubmitted(**{f: getattr(spec, f) for f in spec.__struct_fields__}, submitted_at=now)
+            rows.append(
+                repo.NewJob(job.job_id, job.tenant, encode(job), now, carrier, "queued", None, job.priority)
+            )
+            queued.append(QueuedJob(job, carrier))
+            applied.probes_asked.append((job_family(job), spec.resources.gpu_models[0]))
+        inserted = await repo.insert_jobs(conn, rows, submitted_events=True)
+        applied.released_children += [q for q in queued if q.job.job_id in inserted]
+        self.stats["probes"] = self.stats.get("probes", 0) + len(inserted)
 
     async def _grow(self, conn: asyncpg.Connection, g: Grown, now: float, applied: "Applied") -> None:
         """Write one elastic job's growth (the cycle already took the GPUs in the snapshot)."""
@@ -1665,6 +1722,8 @@ class PlacementService:
             for observation in applied.observed:
                 observation.teach(self.learner)
             self._adopt_learned()
+        for family, gpu_model in applied.probes_asked:
+            self.learner.probe_asked(family, gpu_model)
         for job_id, attempt in applied.taught:
             taught = self.book.runs.get(job_id)
             if taught is not None and taught.attempt == attempt:
@@ -1698,6 +1757,10 @@ class PlacementService:
             q.tries += 1
             q.not_before = now + w.retry_in_s
             self.waiting_reasons[q.job.job_id] = w.record.reason
+            if q.tries == 1 and PROBE_LABEL in q.job.labels:
+                # A speed probe with no room holds no one any more (_probes_in_flight): the jobs
+                # it held are decided again now, not when their wait for it would have ended.
+                self.capacity_changed = True
         for q in applied.released_children:
             self.queue[q.job.job_id] = q
         if applied.stale:
@@ -2970,6 +3033,8 @@ class Applied:
     """Speed observations recorded in this transaction (new ones only, after the write)."""
     taught: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     """Runs (job, attempt) whose progress report offered their speed observation."""
+    probes_asked: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(family, GPU model) cells whose speed probe this transaction inserted (or found asked)."""
     shrunk: list[tuple[str, list[tuple[str, str, tuple[tuple[str, int], ...]]], int]] = dataclasses.field(
         default_factory=list
     )

@@ -39,6 +39,7 @@ class Q:
     avoid: frozenset[str] = frozenset()
     tries: int = 0
     fair_share: float | None = None
+    queued_s: float | None = None
 
 
 def test_a_cycle_places_rejects_with_a_typed_code_and_leaves_the_rest_waiting() -> None:

@@ -63,7 +63,9 @@ def traces(draw: Any) -> list[SimJob]:
 
 def service() -> PlacementService:
     ctx = SimpleNamespace(db=None, publisher=None, stats={}, nc=None, debug={})
-    svc = PlacementService(ctx, topology=TOPOLOGY, economics=PLATFORM.economics)  # type: ignore[arg-type]
+    # Timed by belief, the simulator has no speed learner and so runs no speed probes
+    # (loom.sched.probe); the service runs none either (both sides' probes: test_probe.py).
+    svc = PlacementService(ctx, topology=TOPOLOGY, economics=PLATFORM.economics, probe=None)  # type: ignore[arg-type]
     svc.book.nodes = {n.node: n for n in PLATFORM.nodes}
     svc.book.invalidate()
     svc.settled_at = float("-inf")

@@ -164,6 +164,8 @@ class LearnerState(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     """``factors(explore=True)`` calls so far."""
     explored: int = 0
     """Of those, how many got optimistic factors."""
+    probed: list[tuple[str, str]] = []
+    """(family, GPU model) cells a speed probe was asked for (:mod:`loom.sched.probe`), sorted."""
 
 
 class Estimate(msgspec.Struct, frozen=True, kw_only=True):
@@ -252,6 +254,8 @@ class SpeedLearner:
         self._cells: dict[tuple[str, str], _Cell] = {}
         self.decisions = 0
         self.explored = 0
+        self.probed: set[tuple[str, str]] = set()
+        """Cells a speed probe was asked for (:meth:`probe_asked`)."""
         self._fit: _Fit | None = None
         """The completed matrix with its posteriors; None until refitted after an observation."""
 
@@ -356,6 +360,19 @@ class SpeedLearner:
         self.explored += 1
         return plain | {fit.keys[k]: float(upper[k]) for k in np.flatnonzero(uncertain)}
 
+    # ---- speed probes --------------------------------------------------------------------------
+
+    def probe_asked(self, family: str, gpu_model: str) -> None:
+        """Remember that a speed probe of ``family`` on ``gpu_model`` was asked for: the cell is
+        never probed again (:mod:`loom.sched.probe`), whether the probe teaches or fails."""
+        if not family or not gpu_model:
+            raise InvalidInputError("family and gpu_model must not be empty")
+        self.probed.add((family, gpu_model))
+
+    def known_cells(self) -> set[tuple[str, str]]:
+        """Cells that need no probe: those with a run of their own and those probed."""
+        return {k for k, c in self._cells.items() if c.runs > 0} | self.probed
+
     # ---- the shared fit ------------------------------------------------------------------------
 
     def _shared(self) -> "_Fit":
@@ -429,6 +446,7 @@ class SpeedLearner:
             ],
             decisions=self.decisions,
             explored=self.explored,
+            probed=sorted(self.probed),
         )
 
     @classmethod
@@ -453,6 +471,8 @@ class SpeedLearner:
             )
         learner.decisions = state.decisions
         learner.explored = state.explored
+        for family, gpu_model in state.probed:
+            learner.probe_asked(family, gpu_model)
         return learner
 
     def to_bytes(self) -> bytes:

@@ -29,14 +29,16 @@ start was never confirmed avoids next).
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from loom.errors import InvalidInputError
+from loom.model.family import job_family
 from loom.sched import dag
 from loom.sched.elastic import ElasticJob, plan_grow, resized_end_s, with_sizes
 from loom.sched.framework import Code, Decision, DecisionRecord, Framework, Outcome, QueueItem
+from loom.sched.probe import ProbeSettings, probe_gate
 from loom.sched.snapshot import RunningJob, Snapshot
 from loom_proto.jobs import JobSpec, RejectCode
 
@@ -48,6 +50,7 @@ __all__ = [
     "Pending",
     "Placed",
     "Preempted",
+    "Probing",
     "Rejected",
     "Shrunk",
     "Waiting",
@@ -85,6 +88,11 @@ class Pending(Protocol):
         """The tenant's share of its quota when the job was queued (its place in the queue among
         equal priorities; see :func:`fair_share_of`); None: not taken yet (then it is now)."""
 
+    @property
+    def queued_s(self) -> float | None:
+        """When the job was first queued, on the snapshot's clock (how long speed probes may hold
+        it, :mod:`loom.sched.probe`); None: not known (then now)."""
+
 
 P = TypeVar("P", bound=Pending)
 
@@ -101,6 +109,20 @@ class CycleSettings:
     max_backoff_s: float = 30.0
     grow: bool = True
     """Let elastic jobs grow into free GPUs when nothing waits."""
+
+
+@dataclass(frozen=True, slots=True)
+class Probing:
+    """What a cycle needs to run speed probes (:func:`loom.sched.probe.probe_gate`)."""
+
+    settings: ProbeSettings
+    known: Container[tuple[str, str]]
+    """(family, GPU model) cells that need no probe (the learner's :meth:`known_cells`)."""
+    in_flight: Mapping[str, int]
+    """Family -> its probes that hold its jobs (running, or asked and not yet decided)."""
+    log_sd: Callable[[str, str], float] | None = None
+    """(family, GPU model) -> the learner's sd of its log speed (only models that could change the
+    choice are probed); None: every model not known."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,13 +199,15 @@ class CycleResult(Generic[P]):
     preempted: list[Preempted] = field(default_factory=list)
     shrunk: list[Shrunk] = field(default_factory=list)
     grown: list[Grown] = field(default_factory=list)
+    probes: list[JobSpec] = field(default_factory=list)
+    """Speed probes to submit (:mod:`loom.sched.probe`); the jobs that asked for them are waiting."""
     decide_ms: float = 0.0
     """Wall time the decisions took (a figure for the caller's stats; no decision reads it)."""
 
     @property
     def empty(self) -> bool:
         """Nothing was decided (no job considered, nothing grown)."""
-        return not (self.placed or self.rejected or self.waiting or self.grown)
+        return not (self.placed or self.rejected or self.waiting or self.grown or self.probes)
 
 
 def fair_share_of(snap: Snapshot, tenant: str) -> float:
@@ -211,6 +235,7 @@ def run_cycle(
     settings: CycleSettings = CycleSettings(),
     backlog: int = 0,
     placed: Callable[[P, Decision], None] | None = None,
+    probing: Probing | None = None,
 ) -> CycleResult[P]:
     """Decide ``queue`` on ``snap`` (which takes every decision, as the next job sees it).
 
@@ -223,10 +248,16 @@ def run_cycle(
     plugins read that list): a later job of the cycle sees the earlier ones running. A job's place
     in the queue is its ``submitted_at`` (0 without one) and, among equal priorities, its fair
     share taken when it was queued (``Pending.fair_share``), else the tenant's now.
+
+    ``probing``: run speed probes (:func:`loom.sched.probe.probe_gate`) before deciding: a job whose
+    family never ran on a GPU model it may use asks for probes (``CycleResult.probes``) and waits,
+    as does one whose family has probes in flight, up to the hold; None: no probes.
     """
     result: CycleResult[P] = CycleResult()
     by_id: dict[str, P] = {}
     items: list[QueueItem] = []
+    if probing is not None:
+        queue = _gate_probes(result, queue, snap, probing)
     for p in queue:
         job = p.job
         if job.job_id in by_id:
@@ -269,6 +300,49 @@ def run_cycle(
         result.grown = grow(snap)
     result.decide_ms = (time.perf_counter() - started) * 1000
     return result
+
+
+def _gate_probes(result: CycleResult[P], queue: Sequence[P], snap: Snapshot, probing: Probing) -> list[P]:
+    """Speed probes (:func:`~loom.sched.probe.probe_gate`) for each queued job in turn: the probes
+    it asks for join ``result.probes`` (and count as known and in flight for the later jobs), and a
+    job held for them waits. Returns the jobs to decide."""
+    asked: set[tuple[str, str]] = set()
+    cells = _Known(probing.known, asked)
+    in_flight = dict(probing.in_flight)
+    out: list[P] = []
+    for p in queue:
+        queued_s = p.queued_s if p.queued_s is not None else snap.now
+        gate = probe_gate(
+            p.job,
+            snap,
+            known=cells,
+            probing=in_flight,
+            queued_s=queued_s,
+            settings=probing.settings,
+            log_sd=probing.log_sd,
+        )
+        for spec in gate.probes:
+            family = job_family(spec)
+            asked.add((family, spec.resources.gpu_models[0]))
+            in_flight[family] = in_flight.get(family, 0) + 1
+            result.probes.append(spec)
+        if gate.hold_s is None:
+            out.append(p)
+            continue
+        record = DecisionRecord(p.job.job_id, snap.now, "waiting", gate.reason, {}, [], {}, [])
+        result.waiting.append(Waiting(p, record, gate.hold_s, gate.hold_s))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Known:
+    """Cells known before the cycle, and those its probes were asked for."""
+
+    before: Container[tuple[str, str]]
+    now: set[tuple[str, str]]
+
+    def __contains__(self, cell: object) -> bool:
+        return cell in self.now or cell in self.before
 
 
 def _classify(result: CycleResult[P], p: P, outcome: Outcome, settings: CycleSettings) -> None:

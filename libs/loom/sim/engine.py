@@ -113,6 +113,7 @@ from typing import Any, Final
 import numpy as np
 
 from loom.model.capacity import NodeCapacity
+from loom.model.family import job_family
 from loom.model.learn import SpeedLearner, run_speed, teaches_while_running
 from loom.model.profiles import speeds_for_model
 from loom.model.topology import Topology, load_topology
@@ -124,6 +125,7 @@ from loom.sched.pipeline import transfer_s
 from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s
+from loom.sched.probe import ProbeSettings, is_probe, probe_gate
 from loom.sched.quota import OPEN, QuotaBook
 from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob, Snapshot
 from loom.sched.staging import staging_plan
@@ -351,6 +353,10 @@ class _Job:
     staged: dict[str, float] = field(default_factory=dict)
     """Region -> when the dataset's staging copy there is done (``stage_data``: begun when queued)."""
     done: bool = False
+    first_s: float | None = None
+    """When it first arrived (a job held for speed probes enters the queue later)."""
+    entered: bool = False
+    """Whether it entered the queue (a held job's later arrival events are then stale)."""
 
     # What a cycle reads of a queued job (loom.sched.cycle.Pending).
     @property
@@ -372,6 +378,10 @@ class _Job:
     @property
     def fair_share(self) -> float | None:
         return self.item.fair_share
+
+    @property
+    def queued_s(self) -> float | None:
+        return self.first_s
 
 
 @dataclass(slots=True)
@@ -444,6 +454,18 @@ class _Simulation:
         one given, else the policy's own (``FrameworkPolicy.speed_learner``); none when jobs are timed
         by the belief (a run then delivers exactly what was believed: there is nothing to learn) or
         for the oracle (whose learned table is the truth, set once by its ``prepare``)."""
+        self.probe: ProbeSettings | None = (
+            getattr(self.fast, "probe", None) if self.speed_learner is not None else None
+        )
+        """Speed probes (:mod:`loom.sched.probe`) of a learning policy that probes (``loom``)."""
+        self.probing: dict[str, int] = {}
+        """Family -> its probes that hold its jobs: running, or not yet decided."""
+        self.holding: set[str] = set()
+        """Probes that hold their family's jobs (:meth:`_probe_done` lets go)."""
+        self.held: dict[str, list[_Job]] = {}
+        """Family -> jobs held out of the queue for its probes."""
+        self.probes: list[_Job] = []
+        """Probe jobs (their records are kept apart from the trace's: ``SimResult.probes``)."""
         self.sort_key = self.fast.sort_key if self.fast is not None else _default_sort_key
         self.sample_every_s = sample_every_s
         self.budget = max(int(max_decisions_per_event), 1)
@@ -746,14 +768,80 @@ class _Simulation:
     # ---- scheduling ----------------------------------------------------------------------------
 
     def _arrive(self, job: _Job) -> None:
-        if job.done or job.run is not None:
+        if job.done or job.run is not None or job.entered:
             return
-        job.record.arrival_s = self.t
+        if job.first_s is None:
+            job.first_s = self.t
+            job.record.arrival_s = self.t
+        if self.probe is not None and self._held_for_probes(job, job.first_s):
+            return
+        job.entered = True
         # Its tenant's share when it is queued, as placement takes it (cycle.fair_share_of).
         share = fair_share_of(self.snap, job.spec.tenant)
         job.item = dataclasses.replace(job.item, submitted_at=self.t, fair_share=share)
         job.key = self.sort_key(job.item)
         self.fresh.append(job)
+
+    def _held_for_probes(self, job: _Job, queued_s: float) -> bool:
+        """Speed probes (:mod:`loom.sched.probe`), by the rule placement's cycle follows: submit the
+        probes ``job`` calls for, and hold it out of the queue while its family's probes are in flight
+        (until they end, or ``hold_s`` after it arrived). True when it is held."""
+        learner, settings = self.speed_learner, self.probe
+        if learner is None or settings is None:
+            return False
+        self.snap.now = self.t
+        gate = probe_gate(
+            job.spec,
+            self.snap,
+            known=learner.known_cells(),
+            log_sd=lambda family, model: learner.estimate(family, model).log_sd,
+            probing=self.probing,
+            queued_s=queued_s,
+            settings=settings,
+        )
+        for spec in gate.probes:
+            family = job_family(spec)
+            learner.probe_asked(family, spec.resources.gpu_models[0])
+            if spec.job_id in self.jobs:
+                continue
+            sim = SimJob(spec, self.t, "probe", job.sim.home_region)
+            probe = _Job(
+                sim=sim,
+                spec=spec,
+                record=JobRecord(job_id=spec.job_id, job_class="probe", tenant=spec.tenant, arrival_s=self.t),
+                shape=self._shape_of(spec),
+                item=QueueItem(job=spec, submitted_at=self.t),
+                key=(),
+                steps_left=float(spec.work.steps),
+                index=len(self.order) + len(self.probes),
+            )
+            probe.key = self.sort_key(probe.item)
+            self.jobs[spec.job_id] = probe
+            self.probes.append(probe)
+            self.probing[family] = self.probing.get(family, 0) + 1
+            self.holding.add(spec.job_id)
+            self._push(_Event(self.t, _ARRIVAL, 0, job_id=spec.job_id))
+        if gate.hold_s is None:
+            return False
+        self.held.setdefault(job_family(job.spec), []).append(job)
+        self._push(_Event(self.t + gate.hold_s, _ARRIVAL, 0, job_id=job.spec.job_id))
+        return True
+
+    def _probe_done(self, job: _Job) -> None:
+        """A probe ended (completed or rejected), or found no room at its first decision (it queues
+        on, and no longer holds anyone): when its family has none left holding, the jobs held for
+        them are queued now."""
+        if job.spec.job_id not in self.holding:
+            return
+        self.holding.discard(job.spec.job_id)
+        family = job_family(job.spec)
+        left = self.probing.get(family, 0) - 1
+        if left > 0:
+            self.probing[family] = left
+            return
+        self.probing.pop(family, None)
+        for held in self.held.pop(family, []):
+            self._arrive(held)
 
     # PLR0912/PLR0915: one scheduling pass, its steps in order (module docstring).
     def _pass(self) -> None:  # noqa: PLR0912, PLR0915
@@ -950,6 +1038,8 @@ class _Simulation:
         shape = job.shape
         heapq.heappush(shape.heap, (job.key, job.index, job.spec.job_id))
         self.waiting[shape.key] = shape
+        if job.spec.job_id in self.holding:
+            self._probe_done(job)  # no room for it now: the jobs it held go ahead on what is known
 
     def _reject(self, job: _Job, reason: str) -> None:
         job.record.rejected = reason
@@ -960,6 +1050,8 @@ class _Simulation:
             kid = self.jobs[child]
             if not kid.done:
                 self._reject(kid, f"parent {job.spec.job_id} was rejected")
+        if is_probe(job.spec.labels):
+            self._probe_done(job)
 
     def _fits(self, shape: _Shape, pairs: Iterable[Pair] | None) -> bool:
         """Whether the free GPUs of the shape's pools hold its minimum workers (whole workers per
@@ -1468,6 +1560,7 @@ class _Simulation:
         job.done = True
         self._release(job, run, given_back=False)
         learner = self.fast.learner if self.fast is not None else None
+        probe = is_probe(job.spec.labels)
         if learner is not None and job.record.restarts == 0 and not run.pipeline:
             learner.observe(job.spec.task_type, run.compute_s, run.raw_step_s)
         if self.speed_learner is not None and not run.taught:
@@ -1478,6 +1571,8 @@ class _Simulation:
             kid.parents_left -= 1
             if kid.parents_left == 0 and not kid.done:
                 self._push(_Event(max(self.t, kid.sim.arrival_s), _ARRIVAL, 0, job_id=child))
+        if probe:
+            self._probe_done(job)
 
     def _observe(self, event: _Event) -> None:
         """A run's first progress report (:data:`OBSERVE_AT`): its end is re-predicted from its pace
@@ -1949,6 +2044,7 @@ def simulate(
     return SimResult(
         policy=policy.name,
         records=[job.record for job in sim.order],
+        probes=[job.record for job in sim.probes],
         timeline=sim.timeline,
         wall_s=wall_s,
         decisions=sim.decisions,

@@ -13,6 +13,9 @@ Everything here is a pure function of :class:`~loom.sim.model.SimResult` s.
   ``sum(used_i * dt_i) / sum(total_i * dt_i)``, so a period where a cluster is down (fewer GPUs in
   total) weighs by the GPUs that existed. The timeline is not split by class, so per class only
   ``gpu_hours`` (GPUs held from start to end) is given.
+- **Speed probes** a policy ran (``SimResult.probes``, :mod:`loom.sched.probe`) are not jobs of the
+  trace: they are left out of every job figure, their GPU-hours, SCU-hours and cost are added to the
+  overall totals (what the platform spent), and ``overall["probes"]`` counts them.
 - An **improvement** of the target over another policy is ``(other - target) / other``: 0.25 means
   25 % lower (better) than the other; negative means worse. Mean JCT is also compared *paired*:
   over the jobs that finished under both policies, so a policy cannot look fast by leaving its
@@ -209,6 +212,16 @@ def by_class(records: Iterable[JobRecord]) -> dict[str, list[JobRecord]]:
 def summarize(result: SimResult) -> dict[str, Any]:
     """One policy's figures, overall and per job class (see the module docstring for definitions)."""
     overall = group_stats(result.records)
+    if result.probes:
+        # Speed probes are the policy's own runs: out of the jobs' figures, in what the platform spent.
+        spent = group_stats(result.probes)
+        for key in ("gpu_hours", "scu_hours", "cost"):
+            overall[key] += spent[key]
+    overall["probes"] = {
+        "runs": len(result.probes),
+        "gpu_hours": gpu_hours(result.probes),
+        "cost": sum(r.cost for r in result.probes),
+    }
     overall["gpu_utilisation_mean"] = mean_utilisation(result.timeline)
     overall["rejected_reasons"] = rejected_reasons(result.records)
     return {

@@ -18,9 +18,10 @@ from loom.sched.framework import Outcome, QueueItem
 from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, Snapshot
 from loom_proto.jobs import JobSpec
 
-JobClass = Literal["net_training", "training", "inference", "pipeline", "dag", "batch"]
+JobClass = Literal["net_training", "training", "inference", "pipeline", "dag", "batch", "probe"]
 """How results are grouped: network-sensitive distributed training, other training, inference
-services, pipeline-parallel models, DAG stages, and everything else from a production trace."""
+services, pipeline-parallel models, DAG stages, everything else from a production trace, and the
+speed probes a policy runs (:mod:`loom.sched.probe`; never a trace's own jobs)."""
 
 EventKind = Literal[
     "link_degrade", "link_restore", "cluster_down", "cluster_up", "cluster_drain", "cluster_undrain", "price"
@@ -153,6 +154,9 @@ class SimResult:
     decisions: int = 0
     peak_rss_mib: float = 0.0
     notes: list[str] = field(default_factory=list)
+    probes: list[JobRecord] = field(default_factory=list)
+    """Speed probes the policy ran (:mod:`loom.sched.probe`): kept apart from :attr:`records`, so job
+    statistics and comparisons are over the trace's jobs; their GPU-hours and cost count in the totals."""
     migration: dict[str, Any] | None = None
     """The migration policy's figures (:meth:`loom.sim.migration.Migrator.figures`); None without one."""
 

@@ -65,6 +65,7 @@ from loom.sched.plugins.elastic import ElasticShrink
 from loom.sched.plugins.network import AlphaLearner
 from loom.sched.plugins.quota import Preempt, Quota
 from loom.sched.plugins.resources import ResourceFit
+from loom.sched.probe import ProbeSettings
 from loom.sched.profile import build_framework
 from loom.sched.snapshot import FloatArray, Snapshot, job_precision
 from loom.sim.model import Policy, SimJob
@@ -100,6 +101,8 @@ class FrameworkPolicy:
     the simulator teaches it and every later decision of this policy reads its factors. Only
     ``loom`` and ``gavel_like`` (Gavel estimates per-job throughputs online too) learn; the other
     baselines schedule on the profiles alone, and ``oracle`` knows the truth from the start.
+    ``loom`` alone runs speed probes (``probe``), as placement does; ``gavel_like`` takes Gavel's
+    throughput estimates without the profiling runs that feed them.
     """
 
     def __init__(
@@ -110,11 +113,15 @@ class FrameworkPolicy:
         admit: Callable[[SimJob], JobSpec] | None = None,
         learner: AlphaLearner | None = None,
         speed_learner: SpeedLearner | None = None,
+        probe: ProbeSettings | None = None,
     ) -> None:
         self.name = name
         self.framework = framework
         self.learner = learner
         self.speed_learner = speed_learner
+        self.probe = probe
+        """Speed probes (:mod:`loom.sched.probe`) before deciding a job whose family never ran on a
+        GPU model it may use (with a ``speed_learner`` and truth timing); None: none."""
         self._admit = admit
 
     def decide(self, queue: Sequence[QueueItem], snap: Snapshot) -> list[tuple[QueueItem, Outcome]]:
@@ -392,6 +399,7 @@ def _loom(_seed: int) -> FrameworkPolicy:
         build_framework(context={"alpha_learner": learner}),
         learner=learner,
         speed_learner=SpeedLearner(),
+        probe=ProbeSettings(),
     )
 
 

@@ -9,8 +9,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import asyncpg
+import msgspec
 
+from loom.model.family import job_family
 from loom.model.learn import LearnSettings, SpeedLearner
+from loom.sched.probe import PROBE_LABEL, PROBE_MODEL_LABEL
+from loom_proto.jobs import JobSubmitted
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,8 @@ async def record(
 async def load_learner(
     conn: asyncpg.Connection | asyncpg.Pool, settings: LearnSettings | None = None
 ) -> SpeedLearner:
-    """A learner that has taken every stored observation, in the order they were stored."""
+    """A learner that has taken every stored observation, in the order they were stored, and knows
+    which cells were probed (every probe job stored)."""
     learner = SpeedLearner(settings)
     rows = await conn.fetch(
         """SELECT event_id, job_id, family, gpu_model, prior_speed, observed_speed, weight
@@ -88,4 +93,13 @@ async def load_learner(
     )
     for r in rows:
         SpeedObservation(**dict(r)).teach(learner)
+    # The cells a speed probe was asked for (loom.sched.probe): each probe is a job, labelled.
+    probes = await conn.fetch(
+        """SELECT spec FROM jobs WHERE spec->'labels' ? $1 ORDER BY submitted_at, job_id""", PROBE_LABEL
+    )
+    for r in probes:
+        spec = msgspec.json.decode(r["spec"], type=JobSubmitted)
+        model = spec.labels.get(PROBE_MODEL_LABEL)
+        if model:
+            learner.probe_asked(job_family(spec), model)
     return learner
