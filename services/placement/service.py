@@ -1389,7 +1389,9 @@ class PlacementService:
             if q.fair_share is None:
                 q.fair_share = fair_share_of(snap, q.job.tenant)
             if q.queued_at is None:
-                q.queued_at = now
+                # Its submission (the client's clock, capped at now): a placement that restarts or
+                # takes over a territory does not hold a job for probes longer than the first would.
+                q.queued_at = min(q.job.submitted_at or now, now)
         if self.learner.settings.explore_share > 0:
             # Optimistic factors for this cycle only when the exploration budget allows.
             offered = self.learner.factors(explore=True)
@@ -1708,6 +1710,22 @@ class PlacementService:
             q for q in self.queue.values() if (everyone or q.not_before <= now) and q.job.job_id not in skip
         ]
 
+    def _adopt_waiting(self, cycle: CycleResult[QueuedJob]) -> None:
+        """A committed cycle's waiting jobs: their backoff, and their reason for ``loom explain``."""
+        now = time.monotonic()
+        for w in cycle.waiting:
+            q = w.pending
+            if not w.held:  # a hold for speed probes is no try: its backoff starts when decided
+                q.tries += 1
+            q.not_before = now + w.retry_in_s
+            self.waiting_reasons[q.job.job_id] = w.record.reason
+            if q.tries == 1 and not w.held and PROBE_LABEL in q.job.labels:
+                # A speed probe with no room holds no one any more (_probes_in_flight): the jobs
+                # it held are decided again now, not when their wait for it would have ended.
+                self.capacity_changed = True
+        if any(PROBE_LABEL in r.pending.job.labels for r in cycle.rejected):
+            self.capacity_changed = True  # a rejected probe holds no one: they are decided now
+
     # One flat adoption of every kind of effect, in the order the book must take them.
     def _commit(self, applied: "Applied", considered: list[QueuedJob]) -> None:  # noqa: PLR0912
         """Adopt a committed cycle's outcome in memory (no await in here)."""
@@ -1751,16 +1769,7 @@ class PlacementService:
                 self.waiting_reasons.pop(q.job.job_id, None)
             elif q.job.job_id not in self.queue or self.queue[q.job.job_id] is q:
                 self.queue[q.job.job_id] = q
-        now = time.monotonic()
-        for w in cycle.waiting:
-            q = w.pending
-            q.tries += 1
-            q.not_before = now + w.retry_in_s
-            self.waiting_reasons[q.job.job_id] = w.record.reason
-            if q.tries == 1 and PROBE_LABEL in q.job.labels:
-                # A speed probe with no room holds no one any more (_probes_in_flight): the jobs
-                # it held are decided again now, not when their wait for it would have ended.
-                self.capacity_changed = True
+        self._adopt_waiting(cycle)
         for q in applied.released_children:
             self.queue[q.job.job_id] = q
         if applied.stale:

@@ -12,10 +12,11 @@ import math
 import msgspec
 import pytest
 
+from loom.errors import InvalidInputError
 from loom.model.capacity import NodeCapacity
 from loom.model.learn import SpeedLearner
 from loom.model.topology import load_topology
-from loom.sched.cycle import Probing, run_cycle
+from loom.sched.cycle import Probing, admission_check, run_cycle
 from loom.sched.plugins.cost import default_economics
 from loom.sched.probe import (
     PROBE_LABEL,
@@ -50,7 +51,7 @@ def long_job(
         workers=workers,
         resources=Resources(gpus=gpus, **kw.pop("resources", {})),  # type: ignore[arg-type]
         work=Work(steps=30_000, step_time_s=1.0),
-        labels={"model": family},
+        labels={"model": family, **kw.pop("labels", {})},  # type: ignore[dict-item]
         **kw,  # type: ignore[arg-type]
     )
 
@@ -106,8 +107,35 @@ def test_no_probe_for_known_cells_short_jobs_probes_pipelines_or_a_single_allowe
 def test_a_probe_keeps_to_where_its_job_may_run() -> None:
     snap = two_clusters()
     job = long_job(affinity=Affinity(avoid_clusters=["cx"], regions=["r1", "r2"]))
-    for p in plan_probes(job, snap, set(), SETTINGS):
+    probes = plan_probes(job, snap, set(), SETTINGS)
+    assert len(probes) == 2
+    for p in probes:
         assert p.affinity.regions == ["r1", "r2"] and p.affinity.avoid_clusters == ["cx"]
+
+
+def test_a_probe_holds_whole_workers_with_their_cpu_and_memory_and_keeps_only_the_labels_that_matter() -> (
+    None
+):
+    snap = two_clusters()  # 8-GPU A100 nodes, 4-GPU T4 nodes
+    job = long_job(workers=3, gpus=3, resources={"cpu_milli": 4000, "memory_mib": 1000})
+    job = msgspec.structs.replace(
+        job, labels={"model": "fam", "batch": "64", "team": "vision", **{f"x{i}": "y" for i in range(62)}}
+    )
+    by_model = {p.resources.gpu_models[0]: p for p in plan_probes(job, snap, set(), SETTINGS)}
+    # Two of its 3-GPU workers fit an 8-GPU A100 node, one a 4-GPU T4 node.
+    assert by_model["A100"].resources.gpus == 6 and by_model["T4"].resources.gpus == 3
+    assert by_model["A100"].resources.cpu_milli == 8000 and by_model["A100"].resources.memory_mib == 2000
+    assert by_model["T4"].resources.cpu_milli == 4000
+    for p in by_model.values():
+        assert set(p.labels) == {"model", "batch", "team", PROBE_LABEL, PROBE_MODEL_LABEL}
+        # A valid spec: it decodes as what it says (a job with 64 labels makes no 66-label probe).
+        assert msgspec.json.decode(msgspec.json.encode(p), type=JobSpec) == p
+
+
+def test_a_submitter_may_not_set_a_probes_labels() -> None:
+    with pytest.raises(InvalidInputError, match=r"loom\.probe-of"):
+        admission_check(long_job(labels={PROBE_LABEL: "x"}))
+    admission_check(long_job())  # and an ordinary job passes
 
 
 # ---- the hold -------------------------------------------------------------------------------------
@@ -170,6 +198,8 @@ def test_the_cycle_asks_each_probe_once_and_holds_the_familys_jobs_while_others_
     assert "speed probes of fam" in waiting["b"].record.reason
     # A job of a family with its cells known is decided in the same cycle.
     assert [p.pending.job.job_id for p in result.placed] == ["c"]
+    # Held jobs are not decided: no try counts (their backoff starts when they are).
+    assert all(w.held for w in result.waiting)
     # With its cells known and no probe in flight, a job is decided as before.
     for model in ("A100", "T4"):
         learner.probe_asked("fam", model)

@@ -38,7 +38,7 @@ from loom.model.family import job_family
 from loom.sched import dag
 from loom.sched.elastic import ElasticJob, plan_grow, resized_end_s, with_sizes
 from loom.sched.framework import Code, Decision, DecisionRecord, Framework, Outcome, QueueItem
-from loom.sched.probe import ProbeSettings, probe_gate
+from loom.sched.probe import ProbeSettings, check_labels, probe_gate
 from loom.sched.snapshot import RunningJob, Snapshot
 from loom_proto.jobs import JobSpec, RejectCode
 
@@ -156,6 +156,8 @@ class Waiting(Generic[P]):
     """A permit's patience: decide again then even if no capacity changes (None: no such wait)."""
     error: bool = False
     """The verdict was a plugin's failure (a bug or bad state), not a lack of room."""
+    held: bool = False
+    """Held for its family's speed probes (:mod:`loom.sched.probe`), not decided: no try counted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,7 +298,8 @@ def run_cycle(
         _classify(result, by_id[item.job.job_id], outcome, settings)
     # Queued jobs have the first claim on free GPUs: growth waits while any job waits, and while
     # this cycle's preemption victims are about to be queued again.
-    if settings.grow and not result.waiting and not result.preempted and backlog == 0:
+    deciding = any(not w.held for w in result.waiting)  # held jobs stay out, as in the simulator
+    if settings.grow and not deciding and not result.preempted and backlog == 0:
         result.grown = grow(snap)
     result.decide_ms = (time.perf_counter() - started) * 1000
     return result
@@ -330,7 +333,7 @@ def _gate_probes(result: CycleResult[P], queue: Sequence[P], snap: Snapshot, pro
             out.append(p)
             continue
         record = DecisionRecord(p.job.job_id, snap.now, "waiting", gate.reason, {}, [], {}, [])
-        result.waiting.append(Waiting(p, record, gate.hold_s, gate.hold_s))
+        result.waiting.append(Waiting(p, record, gate.hold_s, gate.hold_s, held=True))
     return out
 
 
@@ -516,6 +519,7 @@ def admission_check(job: JobSpec) -> None:
             dag.stage_job_id(job.job_id, stage.name)
     if job.pipeline is not None and job.stages:
         raise InvalidInputError("a job is either a pipeline (layers) or a DAG (stages), not both")
+    check_labels(job.labels)
     if job.pipeline is not None and (job.min_workers is not None or job.workers != 1):
         raise InvalidInputError(
             "a pipeline job sizes its stages from its layers: leave workers and min_workers out"

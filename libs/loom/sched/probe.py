@@ -32,12 +32,16 @@ Bounded, by rule:
 * one probe per (family, GPU model) ever (its id is derived from the cell, :func:`probe_id`; the
   learner remembers which cells were probed, :meth:`~loom.model.learn.SpeedLearner.probe_asked`),
   and none for a cell that already has a run of its own;
-* a job waits only for probes that run (so at most about ``probe_s`` of their true time), and
-  never beyond :attr:`ProbeSettings.hold_s`;
+* a job waits only for probes that run, and never beyond :attr:`ProbeSettings.hold_s` (a probe
+  runs ``probe_s`` of *believed* time; truly it may take longer, as the truth may be slower);
 * only for a job believed to run at least ``probe_s / max_share`` (20 minutes by default): a probe
   is believed to take at most :attr:`ProbeSettings.max_share` of the job's run;
 * never on a model where one step of the job is believed longer than ``probe_s``;
-* never for a probe, a pipeline, a DAG job, or a job that may use only one GPU model.
+* never for a probe, a pipeline, or a job that may use only one GPU model (a DAG's stages are
+  jobs of their own and are probed for as any job).
+
+A probe keeps only the job's labels that its speed or its accounting depend on
+(:data:`KEPT_LABELS`), and its tenant and priority.
 
 Pure: the snapshot, the cells already known and the families with probes in flight in, the probes
 to submit and how long to hold the job out. The placement service and the simulator both call
@@ -51,6 +55,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from loom.errors import InvalidInputError
 from loom.model.family import job_family
 from loom.sched.snapshot import Snapshot
 from loom_proto.jobs import MAX_GPUS_PER_WORKER, Affinity, JobSpec, Resources, Work
@@ -60,6 +65,7 @@ __all__ = [
     "PROBE_MODEL_LABEL",
     "ProbeGate",
     "ProbeSettings",
+    "check_labels",
     "is_probe",
     "plan_probes",
     "probe_gate",
@@ -70,6 +76,11 @@ PROBE_LABEL = "loom.probe-of"
 """Label of a probe: the job it was asked for (a probe is known by this label)."""
 PROBE_MODEL_LABEL = "loom.probe-gpu-model"
 """Label of a probe: the GPU model it measures."""
+RESERVED_PREFIX = "loom.probe"
+"""Labels a submitter may not set (:func:`check_labels`): only placement makes probes."""
+KEPT_LABELS = frozenset({"family", "model", "precision", "batch", "batch_size", "project", "team"})
+"""The job's labels a probe keeps: its family's (:mod:`loom.model.family`), its batch (what the
+speed depends on) and what usage is accounted by (:mod:`loom.metering.usage`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +130,15 @@ def is_probe(labels: Mapping[str, str]) -> bool:
     return PROBE_LABEL in labels
 
 
+def check_labels(labels: Mapping[str, str]) -> None:
+    """Refuse a submitted job's labels that only placement may set (a probe's)."""
+    taken = sorted(k for k in labels if k.startswith(RESERVED_PREFIX))
+    if taken:
+        raise InvalidInputError(
+            f"label(s) {', '.join(taken)} are placement's own (speed probes); choose other names"
+        )
+
+
 def _allowed_clusters(snap: Snapshot, aff: Affinity) -> np.ndarray:
     return np.array(
         [
@@ -156,20 +176,21 @@ def plan_probes(
     family = job_family(job)
     if all((family, m) in known for m in snap.models):
         return []  # the common case, checked first: every cell of the family known
+    # Cheap checks first (this runs for every queued job in every cycle until its cells are known).
+    wanted = _candidate_models(job, snap)
+    speeds = {m: snap.job_gpu_speed(job, m) for m in wanted}
+    best = max(speeds.values(), default=0.0)
+    work_s = job.work.steps * job.work.step_time_s
+    if not best > 0 or work_s / best * settings.max_share < settings.probe_s:
+        return []  # too short even on the fastest model anywhere (the exact check follows)
     allowed = _allowed_clusters(snap, job.affinity)
     usable = snap.schedulable & allowed[snap.cluster_of]
-    models = [
-        m for m in _candidate_models(job, snap) if (usable & (snap.model_of == snap.model_index[m])).any()
-    ]
+    models = [m for m in wanted if (usable & (snap.model_of == snap.model_index[m])).any()]
     if len(models) < 2:
         return []  # one model it may use: nothing to choose between
-    speeds = {m: snap.job_gpu_speed(job, m) for m in models}
-    best = max(speeds.values(), default=0.0)
-    if not best > 0:
-        return []
-    run_s = job.work.steps * job.work.step_time_s / best
-    if run_s * settings.max_share < settings.probe_s:
-        return []  # too short a job to wait for a probe
+    fastest = max(speeds[m] for m in models)
+    if not fastest > 0 or work_s / fastest * settings.max_share < settings.probe_s:
+        return []  # too short a job to wait for a probe (believed on its fastest model)
     if log_sd is not None:
         # Only models that could change the choice: the believed fastest and each model that, at
         # z sds above its belief, would match the fastest at z sds below its own.
@@ -188,9 +209,11 @@ def plan_probes(
         on_model = usable & (snap.model_of == snap.model_index[m])
         # As many GPUs as the job would put on one node of the model: per-GPU speed within a node
         # falls with the GPUs sharing it, and the probe must measure what the job's run would.
-        width = int(min(per_job, int(snap.total[on_model].max()), MAX_GPUS_PER_WORKER))
-        if width < job.resources.gpus:
+        gpus = max(job.resources.gpus, 1)
+        width = int(min(per_job, int(snap.total[on_model].max()), MAX_GPUS_PER_WORKER)) // gpus * gpus
+        if width < gpus:
             continue  # no node of the model holds one of its workers
+        share = width // gpus  # the job's workers one node would hold
         speed = speeds[m]
         if job.work.step_time_s / speed > settings.probe_s:
             continue  # one step is believed longer than a probe may take
@@ -206,12 +229,16 @@ def plan_probes(
                 resources=Resources(
                     gpus=width,
                     gpu_models=[m],
-                    cpu_milli=job.resources.cpu_milli,
-                    memory_mib=job.resources.memory_mib,
+                    cpu_milli=job.resources.cpu_milli * share,
+                    memory_mib=job.resources.memory_mib * share,
                     gpu_memory_gib=job.resources.gpu_memory_gib,
                 ),
                 work=Work(steps=steps, step_time_s=job.work.step_time_s),
-                labels={**job.labels, PROBE_LABEL: job.job_id, PROBE_MODEL_LABEL: m},
+                labels={
+                    **{k: v for k, v in job.labels.items() if k in KEPT_LABELS},
+                    PROBE_LABEL: job.job_id,
+                    PROBE_MODEL_LABEL: m,
+                },
                 affinity=Affinity(
                     clusters=list(job.affinity.clusters),
                     regions=list(job.affinity.regions),

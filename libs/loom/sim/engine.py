@@ -773,13 +773,14 @@ class _Simulation:
         if job.first_s is None:
             job.first_s = self.t
             job.record.arrival_s = self.t
+            # Its tenant's share when it is queued, as placement takes it (cycle.fair_share_of); a
+            # job held for speed probes keeps its arrival's place, as placement keeps it.
+            share = fair_share_of(self.snap, job.spec.tenant)
+            job.item = dataclasses.replace(job.item, submitted_at=self.t, fair_share=share)
+            job.key = self.sort_key(job.item)
         if self.probe is not None and self._held_for_probes(job, job.first_s):
             return
         job.entered = True
-        # Its tenant's share when it is queued, as placement takes it (cycle.fair_share_of).
-        share = fair_share_of(self.snap, job.spec.tenant)
-        job.item = dataclasses.replace(job.item, submitted_at=self.t, fair_share=share)
-        job.key = self.sort_key(job.item)
         self.fresh.append(job)
 
     def _held_for_probes(self, job: _Job, queued_s: float) -> bool:

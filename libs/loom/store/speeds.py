@@ -98,7 +98,10 @@ async def load_learner(
         """SELECT spec FROM jobs WHERE spec->'labels' ? $1 ORDER BY submitted_at, job_id""", PROBE_LABEL
     )
     for r in probes:
-        spec = msgspec.json.decode(r["spec"], type=JobSubmitted)
+        try:
+            spec = msgspec.json.decode(r["spec"], type=JobSubmitted)
+        except msgspec.DecodeError:
+            continue  # not a probe placement made (it makes only valid ones): nothing to remember
         model = spec.labels.get(PROBE_MODEL_LABEL)
         if model:
             learner.probe_asked(job_family(spec), model)
