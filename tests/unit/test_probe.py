@@ -98,6 +98,9 @@ def test_no_probe_for_known_cells_short_jobs_probes_pipelines_or_a_single_allowe
     assert [p.resources.gpu_models[0] for p in plan_probes(slow_steps, snap, set(), SETTINGS)] == ["A100"]
     probe = plan_probes(long_job(), snap, set(), SETTINGS)[0]
     assert plan_probes(probe, snap, set(), SETTINGS) == []
+    # A job that names no family (its family is its task type, shared with unlike jobs).
+    unnamed = msgspec.structs.replace(long_job(), labels={"team": "x"})
+    assert plan_probes(unnamed, snap, set(), SETTINGS) == []
     only_t4 = long_job(resources={"gpu_models": ["T4"]})
     assert plan_probes(only_t4, snap, set(), SETTINGS) == []
     # A job kept to region r2 (the T4s) has one model it may use: nothing to choose between.

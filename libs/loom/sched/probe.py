@@ -37,6 +37,10 @@ Bounded, by rule:
 * only for a job believed to run at least ``probe_s / max_share`` (20 minutes by default): a probe
   is believed to take at most :attr:`ProbeSettings.max_share` of the job's run;
 * never on a model where one step of the job is believed longer than ``probe_s``;
+* only for a job that names its family (``labels.family`` or ``labels.model``): a job known by
+  its task type alone shares its "family" with unlike jobs, whose speeds one probe cannot speak
+  for (on Alibaba's trace a probe of one ``training_compute`` job sent every later one to the GPU
+  it happened to suit);
 * never for a probe, a pipeline, or a job that may use only one GPU model (a DAG's stages are
   jobs of their own and are probed for as any job).
 
@@ -173,6 +177,8 @@ def plan_probes(
     (family, GPU model) cells that need none (a run of their own, or a probe asked before)."""
     if is_probe(job.labels) or job.pipeline is not None or job.stages or job.work.steps <= 1:
         return []
+    if not (job.labels.get("family") or job.labels.get("model")):
+        return []  # its family is only its task type: one probe would speak for unlike jobs
     family = job_family(job)
     if all((family, m) in known for m in snap.models):
         return []  # the common case, checked first: every cell of the family known
