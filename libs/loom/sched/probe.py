@@ -57,11 +57,9 @@ import math
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from loom.errors import InvalidInputError
 from loom.model.family import job_family
-from loom.sched.snapshot import Snapshot
+from loom.sched.snapshot import Snapshot, allowed_pools
 from loom_proto.jobs import MAX_GPUS_PER_WORKER, Affinity, JobSpec, Resources, Work
 
 __all__ = [
@@ -143,29 +141,6 @@ def check_labels(labels: Mapping[str, str]) -> None:
         )
 
 
-def _allowed_clusters(snap: Snapshot, aff: Affinity) -> np.ndarray:
-    return np.array(
-        [
-            (not aff.clusters or c.id in aff.clusters)
-            and (not aff.regions or c.region in aff.regions)
-            and c.id not in aff.avoid_clusters
-            and c.region not in aff.avoid_regions
-            for c in snap.clusters
-        ],
-        dtype=np.bool_,
-    )
-
-
-def _candidate_models(job: JobSpec, snap: Snapshot) -> list[str]:
-    res = job.resources
-    wanted = {m.upper() for m in res.gpu_models}
-    return [
-        m
-        for m in snap.models
-        if (not wanted or m.upper() in wanted) and snap.gpu_memory_gib.get(m, 0.0) >= res.gpu_memory_gib
-    ]
-
-
 def plan_probes(
     job: JobSpec,
     snap: Snapshot,
@@ -183,13 +158,13 @@ def plan_probes(
     if all((family, m) in known for m in snap.models):
         return []  # the common case, checked first: every cell of the family known
     # Cheap checks first (this runs for every queued job in every cycle until its cells are known).
-    wanted = _candidate_models(job, snap)
+    allowed, fits = allowed_pools(snap, job)
+    wanted = [m for m, ok in zip(snap.models, fits.tolist(), strict=True) if ok]
     speeds = {m: snap.job_gpu_speed(job, m) for m in wanted}
     best = max(speeds.values(), default=0.0)
     work_s = job.work.steps * job.work.step_time_s
     if not best > 0 or work_s / best * settings.max_share < settings.probe_s:
         return []  # too short even on the fastest model anywhere (the exact check follows)
-    allowed = _allowed_clusters(snap, job.affinity)
     usable = snap.schedulable & allowed[snap.cluster_of]
     models = [m for m in wanted if (usable & (snap.model_of == snap.model_index[m])).any()]
     if len(models) < 2:

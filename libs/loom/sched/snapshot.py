@@ -22,6 +22,7 @@ from loom.model.family import HasLabels, is_half_precision, job_family
 from loom.model.scu import Precision
 from loom.model.topology import Topology
 from loom.sched.quota import QuotaBook
+from loom_proto.jobs import JobSpec
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -203,6 +204,33 @@ def job_precision(job: HasLabels) -> Precision:
     """``fp16`` for a mixed-precision job (its family ends in ``@fp16``: see
     :func:`loom.model.family.family_of`), else ``fp32``; read from the labels without folding."""
     return "fp16" if is_half_precision(job.labels.get("precision", "")) else "fp32"
+
+
+def allowed_pools(snap: "Snapshot", job: JobSpec) -> tuple[BoolArray, BoolArray]:
+    """(per cluster, per GPU model of ``snap``) whether ``job``'s rules allow it: its affinity's
+    clusters and regions (and those it avoids), and its GPU models and GPU memory. The free capacity
+    of now is not counted."""
+    res = job.resources
+    aff = job.affinity
+    wanted = {m.upper() for m in res.gpu_models}
+    models = np.array(
+        [
+            (not wanted or m.upper() in wanted) and snap.gpu_memory_gib.get(m, 0.0) >= res.gpu_memory_gib
+            for m in snap.models
+        ],
+        dtype=np.bool_,
+    )
+    clusters = np.array(
+        [
+            (not aff.clusters or c.id in aff.clusters)
+            and (not aff.regions or c.region in aff.regions)
+            and c.id not in aff.avoid_clusters
+            and c.region not in aff.avoid_regions
+            for c in snap.clusters
+        ],
+        dtype=np.bool_,
+    )
+    return clusters, models
 
 
 @dataclass(frozen=True, slots=True)

@@ -127,7 +127,15 @@ from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s
 from loom.sched.probe import ProbeSettings, is_probe, probe_gate
 from loom.sched.quota import OPEN, QuotaBook
-from loom.sched.snapshot import BoolArray, ClusterInfo, IntArray, NetMatrix, RunningJob, Snapshot
+from loom.sched.snapshot import (
+    BoolArray,
+    ClusterInfo,
+    IntArray,
+    NetMatrix,
+    RunningJob,
+    Snapshot,
+    allowed_pools,
+)
 from loom.sched.staging import staging_plan
 from loom.sim.migration import MigrationPolicy, Migrator
 from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob, SimResult, Trace
@@ -681,27 +689,7 @@ class _Simulation:
         return known
 
     def _pools(self, spec: JobSpec) -> BoolArray:
-        snap = self.snap
-        res = spec.resources
-        aff = spec.affinity
-        wanted = {m.upper() for m in res.gpu_models}
-        models = np.array(
-            [
-                (not wanted or m.upper() in wanted) and snap.gpu_memory_gib.get(m, 0.0) >= res.gpu_memory_gib
-                for m in snap.models
-            ],
-            dtype=np.bool_,
-        )
-        clusters = np.array(
-            [
-                (not aff.clusters or c.id in aff.clusters)
-                and (not aff.regions or c.region in aff.regions)
-                and c.id not in aff.avoid_clusters
-                and c.region not in aff.avoid_regions
-                for c in snap.clusters
-            ],
-            dtype=np.bool_,
-        )
+        clusters, models = allowed_pools(self.snap, spec)
         pools: BoolArray = clusters[:, None] & models[None, :]
         return pools
 
