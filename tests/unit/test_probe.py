@@ -8,6 +8,7 @@ says the T4 is twice as fast, goes to the A100 without probes and to the T4 with
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -16,7 +17,8 @@ from loom.errors import InvalidInputError
 from loom.model.capacity import NodeCapacity
 from loom.model.learn import SpeedLearner
 from loom.model.topology import load_topology
-from loom.sched.cycle import Probing, admission_check, run_cycle
+from loom.sched.cycle import CycleResult, Probing, Waiting, admission_check, run_cycle
+from loom.sched.framework import DecisionRecord
 from loom.sched.plugins.cost import default_economics
 from loom.sched.probe import (
     PROBE_LABEL,
@@ -34,7 +36,9 @@ from loom.sim.metrics import summarize
 from loom.sim.model import Platform, SimJob, Trace
 from loom.sim.policies import POLICIES
 from loom.sim.truth import parse_truth
-from loom_proto.jobs import Affinity, JobSpec, Resources, Work
+from loom_proto.jobs import Affinity, JobSpec, JobSubmitted, Resources, Work
+from loom_services.placement.book import QueuedJob
+from loom_services.placement.service import PlacementService
 from tests.unit.test_framework import two_clusters
 
 SETTINGS = ProbeSettings()
@@ -296,3 +300,26 @@ def test_probes_send_a_family_to_the_gpu_the_truth_favours_and_cost_what_they_ra
     probe_hours = (300 * 0.6 + 50 * 0.3) / 3600
     assert overall["probes"]["gpu_hours"] == pytest.approx(probe_hours)
     assert overall["gpu_hours"] == pytest.approx(30_000 / 3600 + probe_hours)
+
+
+# ---- in placement's memory (the store and the bus: tests/integration/test_learned_speeds.py) -------
+
+
+def test_placement_counts_a_probe_as_holding_until_its_first_decision_finds_no_room() -> None:
+    ctx = SimpleNamespace(db=None, publisher=None, stats={}, nc=None, debug={})
+    svc = PlacementService(ctx, topology=load_topology("small"))  # type: ignore[arg-type]
+    spec = plan_probes(long_job(), two_clusters(), set(), SETTINGS)[0]
+    probe = QueuedJob(JobSubmitted(**{f: getattr(spec, f) for f in spec.__struct_fields__}), {})
+    parent = QueuedJob(JobSubmitted(**{f: getattr(long_job(), f) for f in JobSpec.__struct_fields__}), {})
+    svc.queue = {probe.job.job_id: probe, parent.job.job_id: parent}
+    assert svc._probes_in_flight() == {"fam": 1}  # asked, not yet decided: it holds
+    record = DecisionRecord("j", 0.0, "waiting", "held", {}, [], {}, [])
+    svc.capacity_changed = False
+    # The parent held for it: no try counted, nothing to wake.
+    svc._adopt_waiting(CycleResult(waiting=[Waiting(parent, record, 60.0, 60.0, held=True)]))
+    assert parent.tries == 0 and not svc.capacity_changed
+    # The probe's first decision found no room: it queues on, holds no one, and the jobs it held
+    # are decided again at once.
+    svc._adopt_waiting(CycleResult(waiting=[Waiting(probe, record, 0.25)]))
+    assert probe.tries == 1 and svc.capacity_changed
+    assert svc._probes_in_flight() == {}
