@@ -42,7 +42,9 @@ from loom_services.placement.service import PlacementService
 from tests.unit.test_framework import two_clusters
 
 SETTINGS = ProbeSettings()
-"""60 believed seconds a probe, for jobs believed to run at least 20 minutes, held at most 10."""
+"""60 believed seconds a probe, for jobs believed to run at least 20 minutes; no job held."""
+HOLD = ProbeSettings(hold_s=600.0)
+"""The same, a job held while its family's probes run, at most 10 minutes."""
 
 
 def long_job(
@@ -151,24 +153,23 @@ def test_a_submitter_may_not_set_a_probes_labels() -> None:
 def test_a_job_is_held_while_its_familys_probes_are_in_flight_and_no_longer_than_the_hold() -> None:
     snap = two_clusters()
     now = snap.now
-    asked = probe_gate(long_job(), snap, known=set(), probing={}, queued_s=now, settings=SETTINGS)
-    assert len(asked.probes) == 2 and asked.hold_s == SETTINGS.probe_s
+    asked = probe_gate(long_job(), snap, known=set(), probing={}, queued_s=now, settings=HOLD)
+    assert len(asked.probes) == 2 and asked.hold_s == HOLD.probe_s
     assert "waiting for speed probes of fam on A100, T4" in asked.reason
     # Asked already (known), still running: held, without asking again.
     cells = {("fam", "A100"), ("fam", "T4")}
-    held = probe_gate(long_job(), snap, known=cells, probing={"fam": 2}, queued_s=now, settings=SETTINGS)
-    assert held.probes == [] and held.hold_s == SETTINGS.probe_s
+    held = probe_gate(long_job(), snap, known=cells, probing={"fam": 2}, queued_s=now, settings=HOLD)
+    assert held.probes == [] and held.hold_s == HOLD.probe_s
     # Near the end of its hold, only what is left of it.
-    late = probe_gate(
-        long_job(), snap, known=cells, probing={"fam": 2}, queued_s=now - 590, settings=SETTINGS
-    )
+    late = probe_gate(long_job(), snap, known=cells, probing={"fam": 2}, queued_s=now - 590, settings=HOLD)
     assert late.hold_s == pytest.approx(10.0)
     # Past the hold, or with its family's probes done, or another family's in flight: decided now.
     for queued_s, probing in ((now - 600, {"fam": 2}), (now, {}), (now, {"other": 1})):
-        gate = probe_gate(
-            long_job(), snap, known=cells, probing=probing, queued_s=queued_s, settings=SETTINGS
-        )
+        gate = probe_gate(long_job(), snap, known=cells, probing=probing, queued_s=queued_s, settings=HOLD)
         assert gate.hold_s is None and gate.probes == []
+    # By default no job is held: the probes are asked, and the job decided at once.
+    default = probe_gate(long_job(), snap, known=set(), probing={}, queued_s=now, settings=SETTINGS)
+    assert len(default.probes) == 2 and default.hold_s is None
 
 
 def test_settings_are_checked() -> None:
@@ -195,13 +196,13 @@ def test_the_cycle_asks_each_probe_once_and_holds_the_familys_jobs_while_others_
     learner = SpeedLearner()
     for model in ("A100", "T4"):
         learner.probe_asked("known", model)
-    probing = Probing(SETTINGS, learner.known_cells(), {})
+    probing = Probing(HOLD, learner.known_cells(), {})
     queue = [Q(long_job("a")), Q(long_job("b")), Q(long_job("c", family="known"))]
     result = run_cycle(build_framework(), queue, snap, probing=probing)
     assert sorted(p.job_id for p in result.probes) == sorted([probe_id("fam", "A100"), probe_id("fam", "T4")])
     waiting = {w.pending.job.job_id: w for w in result.waiting}
     assert sorted(waiting) == ["a", "b"]
-    assert "speed probes of fam" in waiting["a"].record.reason and waiting["a"].wake_in_s == SETTINGS.probe_s
+    assert "speed probes of fam" in waiting["a"].record.reason and waiting["a"].wake_in_s == HOLD.probe_s
     assert "speed probes of fam" in waiting["b"].record.reason
     # A job of a family with its cells known is decided in the same cycle.
     assert [p.pending.job.job_id for p in result.placed] == ["c"]
@@ -211,9 +212,19 @@ def test_the_cycle_asks_each_probe_once_and_holds_the_familys_jobs_while_others_
     for model in ("A100", "T4"):
         learner.probe_asked("fam", model)
     result = run_cycle(
-        build_framework(), [Q(long_job("a"))], snap, probing=Probing(SETTINGS, learner.known_cells(), {})
+        build_framework(), [Q(long_job("a"))], snap, probing=Probing(HOLD, learner.known_cells(), {})
     )
     assert [p.pending.job.job_id for p in result.placed] == ["a"] and not result.probes
+    # By default the probes are asked and the family's jobs decided in the same cycle.
+    fresh = SpeedLearner()
+    result = run_cycle(
+        build_framework(),
+        [Q(long_job("d", family="other")), Q(long_job("e", family="other"))],
+        two_clusters(),
+        probing=Probing(SETTINGS, fresh.known_cells(), {}),
+    )
+    assert sorted(p.job_id for p in result.probes) == sorted(probe_id("other", m) for m in ("A100", "T4"))
+    assert sorted(p.pending.job.job_id for p in result.placed) == ["d", "e"] and not result.waiting
     # Without probing, the cycle never holds a job for them.
     result = run_cycle(build_framework(), [Q(long_job("z", family="new"))], two_clusters())
     assert [p.pending.job.job_id for p in result.placed] == ["z"] and not result.probes
@@ -283,7 +294,9 @@ def test_probes_send_a_family_to_the_gpu_the_truth_favours_and_cost_what_they_ra
     without.probe = None  # type: ignore[attr-defined]
     (plain,) = simulate(trace, a100_and_t4(), without, truth=truth).records  # type: ignore[arg-type]
     assert plain.gpu_model == "A100" and plain.jct_s == pytest.approx(60_000)
-    result = simulate(trace, a100_and_t4(), POLICIES["loom"](0), truth=truth)  # type: ignore[arg-type]
+    holding = POLICIES["loom"](0)
+    holding.probe = HOLD  # type: ignore[attr-defined]
+    result = simulate(trace, a100_and_t4(), holding, truth=truth)  # type: ignore[arg-type]
     (r,) = result.records
     probes = {p.gpu_model: p for p in result.probes}
     assert sorted(probes) == ["A100", "T4"] and all(p.job_class == "probe" for p in probes.values())
@@ -323,3 +336,19 @@ def test_placement_counts_a_probe_as_holding_until_its_first_decision_finds_no_r
     svc._adopt_waiting(CycleResult(waiting=[Waiting(probe, record, 0.25)]))
     assert probe.tries == 1 and svc.capacity_changed
     assert svc._probes_in_flight() == {}
+
+
+def test_by_default_the_probes_teach_the_familys_next_job_and_the_first_goes_by_belief() -> None:
+    first = JobSpec(
+        job_id="j1", tenant="t", work=Work(steps=100_000, step_time_s=0.6), labels={"model": "fam"}
+    )
+    second = msgspec.structs.replace(first, job_id="j2")
+    trace = Trace(jobs=[SimJob(spec=first, arrival_s=0.0), SimJob(spec=second, arrival_s=1_000.0)])
+    result = simulate(trace, a100_and_t4(), POLICIES["loom"](0), truth=t4_faster_truth())  # type: ignore[arg-type]
+    records = {r.job_id: r for r in result.records}
+    assert sorted(p.gpu_model for p in result.probes) == ["A100", "T4"]
+    # The first is decided at once, on the profile (the A100); the probes end by 180 s and teach the
+    # second, which goes to the T4 the truth favours.
+    assert records["j1"].gpu_model == "A100" and records["j1"].queue_s == 0.0
+    assert records["j1"].jct_s == pytest.approx(60_000)
+    assert records["j2"].gpu_model == "T4" and records["j2"].jct_s == pytest.approx(30_000)
