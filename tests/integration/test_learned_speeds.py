@@ -233,7 +233,7 @@ async def test_a_running_jobs_end_follows_its_progress_reports_not_the_belief(
     await until(completed(client, job_id), 120, f"{job_id} completed")
 
 
-async def test_a_family_new_to_the_gpus_is_probed_on_each_and_its_next_job_goes_where_they_measured_it_fastest(
+async def test_a_family_new_to_the_gpus_is_probed_on_each_and_its_next_job_goes_where_it_is_fastest(
     platform: Platform, client: LoomClient
 ) -> None:
     """c-sea1-a has T4s and V100s. The profile believes a ``training_memory`` job 2.5x faster on a
