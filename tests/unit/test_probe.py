@@ -6,7 +6,6 @@ point of it all: a family the profile believes 6x faster on an A100 than on a T4
 says the T4 is twice as fast, goes to the A100 without probes and to the T4 with them.
 """
 
-import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -39,6 +38,7 @@ from loom.sim.truth import parse_truth
 from loom_proto.jobs import Affinity, JobSpec, JobSubmitted, Resources, Work
 from loom_services.placement.book import QueuedJob
 from loom_services.placement.service import PlacementService
+from tests.unit.test_cycle import Q
 from tests.unit.test_framework import two_clusters
 
 SETTINGS = ProbeSettings()
@@ -179,16 +179,6 @@ def test_settings_are_checked() -> None:
 
 
 # ---- in the cycle ---------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Q:
-    job: JobSpec
-    attempt: int = 1
-    avoid: frozenset[str] = frozenset()
-    tries: int = 0
-    fair_share: float | None = None
-    queued_s: float | None = None
 
 
 def test_the_cycle_asks_each_probe_once_and_holds_the_familys_jobs_while_others_are_placed() -> None:
