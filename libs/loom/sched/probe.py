@@ -40,6 +40,8 @@ Bounded, by rule:
   room at its first decision queues on like any job but holds no one;
 * only for a job believed to run at least ``probe_s / max_share`` (20 minutes by default): a probe
   is believed to take at most :attr:`ProbeSettings.max_share` of the job's run;
+* a probe runs only in room that is free: it preempts no one, shrinks no elastic job and claims no
+  pool for itself (the preemption, elastic and backfill post-filters pass it by);
 * never on a model where one step of the job is believed longer than ``probe_s``;
 * only for a job that names its family (``labels.family`` or ``labels.model``): a job known by
   its task type alone shares its "family" with unlike jobs, whose speeds one probe cannot speak

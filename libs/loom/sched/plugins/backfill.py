@@ -36,6 +36,7 @@ from loom.sched.plugins.network import (
     single_cluster_options,
     whole_gang_pools,
 )
+from loom.sched.probe import is_probe
 from loom.sched.snapshot import BoolArray, IntArray
 
 _KEPT: StateKey[frozenset[int]] = StateKey("backfill.kept_pools")
@@ -130,8 +131,8 @@ class Backfill(WaitingJobs):
     def post_filter(self, state: CycleState, framework: Framework) -> Decision | None:
         """Nothing fits now: claim the pool the job is expected to finish soonest in (its dataset's
         copy there counted, as the span guard counts it). Places nothing."""
-        if state.job.pipeline is not None:
-            return None
+        if state.job.pipeline is not None or is_probe(state.job.labels):
+            return None  # a speed probe runs only in room that is free: it claims no pool
         workers = state.min_workers
         options = single_cluster_options(
             state, whole_gang_pools(state, workers), workers, book=self.book, with_data=True

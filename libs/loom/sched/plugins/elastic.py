@@ -9,6 +9,7 @@ same transaction. Runs before preemption in the default profile: shrinking loses
 
 from loom.sched.elastic import ElasticJob, plan_shrink, with_sizes
 from loom.sched.framework import CycleState, Decision, Framework
+from loom.sched.probe import is_probe
 from loom.sched.snapshot import RunningJob
 
 
@@ -20,8 +21,8 @@ class ElasticShrink:
     def post_filter(self, state: CycleState, framework: Framework) -> Decision | None:
         snap = state.snapshot
         job = state.job
-        if job.pipeline is not None:
-            return None
+        if job.pipeline is not None or is_probe(job.labels):
+            return None  # a speed probe runs only in room that is free: it shrinks no one
         elastic = [
             r
             for r in snap.running

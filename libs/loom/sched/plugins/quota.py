@@ -21,6 +21,7 @@ import numpy as np
 
 from loom.sched import preemption
 from loom.sched.framework import SUCCESS, Code, CycleState, Decision, Framework, Status
+from loom.sched.probe import is_probe
 from loom.sched.quota import QuotaBook, QuotaVerdict, TenantConfig
 from loom.sched.snapshot import BoolArray, FloatArray, IntArray, RunningJob, Snapshot
 
@@ -165,8 +166,8 @@ class Preempt:
     def post_filter(self, state: CycleState, framework: Framework) -> Decision | None:  # noqa: PLR0915
         snap = state.snapshot
         job = state.job
-        if not snap.running or job.pipeline is not None:
-            return None
+        if not snap.running or job.pipeline is not None or is_probe(job.labels):
+            return None  # a speed probe runs only in room that is free: it stops no one
         allowed = state.policy_mask if state.policy_mask is not None else state.cluster_mask
         models = state.model_mask[: snap.total_sum.shape[1]]
         m_count = snap.total_sum.shape[1]
