@@ -1430,7 +1430,8 @@ class PlacementService:
             probing = Probing(
                 self.probe,
                 learner.known_cells(),
-                self._probes_in_flight(),
+                # Only a hold reads them (off by default): no pass over the queue each cycle for nothing.
+                self._probes_in_flight() if self.probe.hold_s > 0 else {},
                 log_sd=lambda family, model: learner.estimate(family, model).log_sd,
             )
         result = run_cycle(

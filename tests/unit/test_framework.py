@@ -499,7 +499,9 @@ def test_a_model_too_big_for_any_cluster_is_cut_into_pipeline_stages() -> None:
     assert never.status.code == Code.UNRESOLVABLE and never.status.plugin == "pipeline"
 
 
-def test_under_pressure_elastic_jobs_shrink_before_anyone_is_preempted() -> None:
+def full_of_elastic_and_rigid() -> Snapshot:
+    """Two full 8-GPU A100 nodes: an elastic job of priority 100 on 12 GPUs (it may shrink to 4) and
+    a rigid job of priority 10 on 4."""
     nodes = [node("a0", "ca", "r1", reserved=8), node("a1", "ca", "r1", reserved=8)]
     running = [
         RunningJob(
@@ -518,7 +520,11 @@ def test_under_pressure_elastic_jobs_shrink_before_anyone_is_preempted() -> None
             job_id="rigid", tenant="t", priority=10, cluster="ca", gpu_model="A100", allocations=(("a1", 4),)
         ),
     ]
-    snap = Snapshot(nodes, running=running, net=NetMatrix(["r1"]))
+    return Snapshot(nodes, running=running, net=NetMatrix(["r1"]))
+
+
+def test_under_pressure_elastic_jobs_shrink_before_anyone_is_preempted() -> None:
+    snap = full_of_elastic_and_rigid()
     outcome = build_framework().schedule(job("newcomer", gpus=4, priority=100), snap)
     assert outcome.decision is not None
     assert outcome.decision.victims == ()  # nobody stopped: the elastic job gave workers back

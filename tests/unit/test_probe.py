@@ -29,7 +29,7 @@ from loom.sched.probe import (
     probe_id,
 )
 from loom.sched.profile import build_framework
-from loom.sched.snapshot import ClusterInfo, NetMatrix, RunningJob, Snapshot
+from loom.sched.snapshot import ClusterInfo, NetMatrix
 from loom.sim.engine import simulate
 from loom.sim.metrics import summarize
 from loom.sim.model import Platform, SimJob, Trace
@@ -39,7 +39,7 @@ from loom_proto.jobs import Affinity, JobSpec, JobSubmitted, Resources, Work
 from loom_services.placement.book import QueuedJob
 from loom_services.placement.service import PlacementService
 from tests.unit.test_cycle import Q
-from tests.unit.test_framework import node, two_clusters
+from tests.unit.test_framework import full_of_elastic_and_rigid, two_clusters
 
 SETTINGS = ProbeSettings()
 """60 believed seconds a probe, for jobs believed to run at least 20 minutes; no job held."""
@@ -345,28 +345,7 @@ def test_by_default_the_probes_teach_the_familys_next_job_and_the_first_goes_by_
 
 
 def test_a_probe_runs_only_in_free_room_it_preempts_shrinks_and_claims_nothing() -> None:
-    nodes = [node("a0", "ca", "r1", reserved=8), node("a1", "ca", "r1", reserved=8)]
-    running = [
-        RunningJob(
-            job_id="elastic",
-            tenant="t",
-            priority=100,
-            cluster="ca",
-            gpu_model="A100",
-            allocations=(("a0", 8), ("a1", 4)),
-            workers=12,
-            min_workers=4,
-            max_workers=12,
-            gpus_per_worker=1,
-        ),
-        RunningJob(
-            job_id="rigid", tenant="t", priority=10, cluster="ca", gpu_model="A100", allocations=(("a1", 4),)
-        ),
-    ]
-
-    def full() -> Snapshot:
-        return Snapshot(nodes, running=list(running), net=NetMatrix(["r1"]))
-
+    full = full_of_elastic_and_rigid
     vip = long_job("vip", workers=4, priority=500)
     probe = msgspec.structs.replace(
         vip, job_id=probe_id("fam", "A100"), labels={**vip.labels, PROBE_LABEL: "x"}
