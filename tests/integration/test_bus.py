@@ -536,6 +536,47 @@ async def test_a_pipelined_consumer_fetches_the_next_batch_while_one_is_handled_
     assert runner.counts == {"acked": 2, "nacked": 0, "dead_lettered": 0}
 
 
+async def test_a_pipelined_callback_pull_has_its_next_batch_on_hand_while_every_slot_is_busy(
+    nc: Client, start_consumer: StartConsumer
+) -> None:
+    """A used-up pull request is renewed as its messages go to a handler, not at the next fetch: a
+    pipelined consumer whose every slot is busy then finds the next batch already on hand when a
+    slot frees (before, nothing was asked for until then, and a burst waited a round trip and a
+    batch's delivery each time the request ran out)."""
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    publisher = Publisher(nc)
+    for n in range(9):
+        await publisher.publish(subject, submitted(tenant, n, f"m{n}"), msg_id=f"{tenant}-{n}")
+    release = asyncio.Event()
+    batches: list[list[str]] = []
+
+    async def batch_handler(deliveries: list[Delivery[JobSubmitted]]) -> list[BaseException | None]:
+        batches.append([d.message.name for d in deliveries])
+        await asyncio.wait_for(release.wait(), WAIT_S)
+        return [None] * len(deliveries)
+
+    spec = consumer_spec([subject], batch=3)
+    runner = await start_consumer(
+        spec, JobSubmitted, batch_handler=batch_handler, callback_pull=True, linger_s=0.0, pipeline=2
+    )
+
+    async def next_batch_on_hand() -> bool:
+        return len(batches) == 2 and runner.buffered == 3
+
+    await until(next_batch_on_hand, WAIT_S, "two batches handled and the third on hand")
+    assert sum(len(b) for b in batches) == 6
+    release.set()
+
+    async def all_acked() -> bool:
+        return runner.counts["acked"] == 9
+
+    await until(all_acked, WAIT_S, "every message acked")
+    await runner.stop()
+    assert sorted(name for b in batches for name in b) == [f"m{n}" for n in range(9)]
+    assert runner.counts == {"acked": 9, "nacked": 0, "dead_lettered": 0}
+
+
 async def test_a_callback_pull_consumer_renews_its_pull_request_and_keeps_receiving(
     nc: Client, start_consumer: StartConsumer
 ) -> None:

@@ -121,3 +121,13 @@ def test_the_supervisor_command_line_carries_the_options() -> None:
     home, parsed = parse_supervisor_argv(argv[3:])
     assert home == Path("/tmp/loom-home")
     assert {n: getattr(parsed, n) for n in carried} == {n: getattr(options, n) for n in carried}
+
+
+def test_a_silent_service_is_reported_with_the_last_lines_of_its_log(tmp_path: Path) -> None:
+    """A stack whose service never answers its health check says what that service last logged
+    (the benches remove the stack's home, and with it the log)."""
+    supervisor = Supervisor(tmp_path, StackOptions())
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "migration.log").write_text("".join(f"line {i}\n" for i in range(30)))
+    assert supervisor.log_tail("migration").splitlines() == [f"line {i}" for i in range(18, 30)]
+    assert supervisor.log_tail("never-started") == ""

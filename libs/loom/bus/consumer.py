@@ -435,17 +435,7 @@ class ConsumerRunner(Generic[T]):
                 self._leader_elected.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._leader_elected.wait(), timeout=self._leaderless_backoff_s)
-            expires_s = self._idle_fetch_timeout_s
-            request = {"batch": self.spec.batch, "expires": int(expires_s * 1e9)}
-            # A client that reconnected asks again at once: the reply to a request made on the
-            # lost connection may be lost with it.
-            self._pull_reconnects = self._nc.stats["reconnects"]
-            self.pulls += 1
-            self._reply = f"{self._inbox}.{self.pulls}"
-            await self._nc.publish(self._next_subject, json.dumps(request).encode(), reply=self._reply)
-            self._pull_left = self.spec.batch
-            # Renew a little before the server's expiry, so there is never a gap without a request.
-            self._pull_expires_at = loop.time() + expires_s * 0.9
+            await self._request(loop)
         if not self._arrived:
             # Until the request is due for renewal (in slices on a client whose reconnects are not
             # announced, so a reconnect, the request lost with the connection, is noticed soon).
@@ -480,7 +470,38 @@ class ConsumerRunner(Generic[T]):
             msgs.append(msg)
             received.append(at)
         self._pull_left -= len(msgs)
+        if msgs and self._pull_left <= 0 and self._leaderless_backoff_s == 0:
+            # Used up: ask for the next batch now, so it flows in while this one is handled (asked
+            # at the next fetch, a pipelined consumer whose every slot is busy would have nothing
+            # on the way when a slot frees, and wait a round trip and a batch's delivery for it).
+            # The messages in hand go to their handler whatever happens: a request that could
+            # not be sent is asked again at the next fetch.
+            try:
+                await self._request(loop)
+            except Exception as exc:
+                self._pull_left = 0
+                log.debug("pull request failed", consumer=self.spec.durable, error=repr(exc))
         return msgs, received
+
+    @property
+    def buffered(self) -> int:
+        """Messages (and pull statuses) on hand, not yet given to a handler (callback pull)."""
+        return len(self._arrived)
+
+    async def _request(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A new standing pull request of ``batch`` messages (callback pull); the one before it is
+        used up, expired or lost with its connection."""
+        expires_s = self._idle_fetch_timeout_s
+        request = {"batch": self.spec.batch, "expires": int(expires_s * 1e9)}
+        # A client that reconnected asks again at once: the reply to a request made on the
+        # lost connection may be lost with it.
+        self._pull_reconnects = self._nc.stats["reconnects"]
+        self.pulls += 1
+        self._reply = f"{self._inbox}.{self.pulls}"
+        await self._nc.publish(self._next_subject, json.dumps(request).encode(), reply=self._reply)
+        self._pull_left = self.spec.batch
+        # Renew a little before the server's expiry, so there is never a gap without a request.
+        self._pull_expires_at = loop.time() + expires_s * 0.9
 
     async def _fetch(self) -> tuple[list[Msg], list[float]]:
         if self._callback_pull:

@@ -665,6 +665,14 @@ class Supervisor:
             return env
         return {**env, ENV_CREDS: str(self.credentials.path(identity_for_process(name)))}
 
+    def log_tail(self, name: str, lines: int = 12) -> str:
+        """The last ``lines`` lines of a service's log (empty when it wrote none)."""
+        try:
+            text = (self.home / "logs" / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
     @staticmethod
     def _ensure_streams(nats_url: str) -> None:
         """After a NATS restart: the streams come back from disk; recreate any that did not."""
@@ -809,7 +817,12 @@ class Supervisor:
             self.write_state("starting", nats_url=nats_url, database_url=database_url)
             silent = asyncio.run(wait_healthy(nats_url, list(self.services), timeout_s=HEALTHY_WITHIN_S))
             if silent:
-                raise RuntimeError(f"services never answered their health check: {', '.join(silent)}")
+                # What each silent service last said: a start that hangs is otherwise gone with
+                # the stack's home (the benches remove theirs).
+                tails = "".join(
+                    f"\n--- {name}.log (last lines) ---\n{self.log_tail(name)}" for name in silent
+                )
+                raise RuntimeError(f"services never answered their health check: {', '.join(silent)}{tails}")
             self.write_state("ready")
             backoff: dict[str, float] = {}
             while not self.stopping:
