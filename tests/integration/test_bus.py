@@ -577,6 +577,87 @@ async def test_a_pipelined_callback_pull_has_its_next_batch_on_hand_while_every_
     assert runner.counts == {"acked": 9, "nacked": 0, "dead_lettered": 0}
 
 
+@pytest.mark.parametrize("pipeline", [1, 3])
+async def test_a_callback_pull_hands_over_one_batch_at_a_time_and_keeps_what_waits_alive(
+    nc: Client, start_consumer: StartConsumer, pipeline: int
+) -> None:
+    """Handlers slower than the request's renewal (0.2 s idle fetch) and than the ack wait (1 s):
+    a renewal never counts the messages already on hand against the new request (that asked for a
+    second batch, and handed over two at once), and what waits on hand for a free slot is kept alive
+    (else the server redelivers it and it is handled twice)."""
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    publisher = Publisher(nc)
+    for n in range(30):
+        await publisher.publish(subject, submitted(tenant, n, f"m{n}"), msg_id=f"{tenant}-{n}")
+    sizes: list[int] = []
+    names: list[str] = []
+
+    async def batch_handler(deliveries: list[Delivery[JobSubmitted]]) -> list[BaseException | None]:
+        sizes.append(len(deliveries))
+        names.extend(d.message.name for d in deliveries)
+        await asyncio.sleep(1.5)
+        return [None] * len(deliveries)
+
+    spec = consumer_spec([subject], batch=5, ack_wait_s=1.0)
+    runner = await start_consumer(
+        spec,
+        JobSubmitted,
+        batch_handler=batch_handler,
+        callback_pull=True,
+        linger_s=0.0,
+        pipeline=pipeline,
+        idle_fetch_timeout_s=0.2,
+    )
+
+    async def all_acked() -> bool:
+        return runner.counts["acked"] >= 30
+
+    await until(all_acked, 60.0, "every message acked")
+    await runner.stop()
+    assert max(sizes) <= 5
+    assert sorted(names) == sorted(f"m{n}" for n in range(30)), "each message handled once"
+
+
+async def test_a_stopped_pipelined_consumer_gives_back_what_it_had_on_hand(
+    nc: Client, start_consumer: StartConsumer
+) -> None:
+    """The next batch a pipelined consumer asked for ahead, on hand when it stops, is naked at once:
+    the consumer that takes over (a new placement leader) gets it now, not after the ack wait."""
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    publisher = Publisher(nc)
+    for n in range(40):
+        await publisher.publish(subject, submitted(tenant, n, f"m{n}"), msg_id=f"{tenant}-{n}")
+    handled: set[str] = set()
+
+    async def batch_handler(deliveries: list[Delivery[JobSubmitted]]) -> list[BaseException | None]:
+        handled.update(d.message.name for d in deliveries)
+        await asyncio.sleep(0.3)
+        return [None] * len(deliveries)
+
+    spec = consumer_spec([subject], batch=5, ack_wait_s=30.0)
+    first = await start_consumer(
+        spec, JobSubmitted, batch_handler=batch_handler, callback_pull=True, linger_s=0.0, pipeline=3
+    )
+
+    async def one_ahead() -> bool:
+        return len(handled) == 15 and first.buffered == 5
+
+    await until(one_ahead, WAIT_S, "three batches in hand and the next on hand")
+    await first.stop()
+    assert first.buffered == 0
+    second = await start_consumer(
+        spec, JobSubmitted, batch_handler=batch_handler, callback_pull=True, linger_s=0.0, pipeline=3
+    )
+
+    async def all_handled() -> bool:
+        return len(handled) == 40
+
+    await until(all_handled, 10.0, "every message handled well within the 30 s ack wait")
+    await second.stop()
+
+
 async def test_a_callback_pull_consumer_renews_its_pull_request_and_keeps_receiving(
     nc: Client, start_consumer: StartConsumer
 ) -> None:

@@ -375,6 +375,13 @@ class ConsumerRunner(Generic[T]):
         with contextlib.suppress(Exception):
             if self._cb_sub is not None:
                 await self._cb_sub.unsubscribe()
+                # Messages on hand no handler will see: given back now, not after their ack wait
+                # (on a placement handover the new leader would wait that long for them).
+                on_hand, self._arrived, self._arrived_at = self._arrived, [], []
+                for msg in on_hand:
+                    if not JetStreamContext.is_status_msg(msg):
+                        with contextlib.suppress(Exception):
+                            await msg.nak()
             else:
                 await self._sub.unsubscribe()
         with contextlib.suppress(Exception):
@@ -425,12 +432,10 @@ class ConsumerRunner(Generic[T]):
         # work is cheap pays mostly for that. After the first arrival, wait ``linger_s`` once so a
         # batch gathers.
         loop = asyncio.get_running_loop()
-        reconnects = self._nc.stats["reconnects"]
-        if (
-            self._pull_left <= 0
-            or loop.time() >= self._pull_expires_at
-            or reconnects != self._pull_reconnects
-        ):
+        if not self._arrived and self._renewal_due(loop):
+            # Only with nothing on hand: what is on hand belongs to the request before, and counted
+            # against a new one it would make that one look used up (a second request would be
+            # asked for, and two batches delivered at once).
             if self._leaderless_backoff_s > 0:
                 self._leader_elected.clear()
                 with contextlib.suppress(TimeoutError):
@@ -470,18 +475,52 @@ class ConsumerRunner(Generic[T]):
             msgs.append(msg)
             received.append(at)
         self._pull_left -= len(msgs)
-        if msgs and self._pull_left <= 0 and self._leaderless_backoff_s == 0:
-            # Used up: ask for the next batch now, so it flows in while this one is handled (asked
-            # at the next fetch, a pipelined consumer whose every slot is busy would have nothing
-            # on the way when a slot frees, and wait a round trip and a batch's delivery for it).
-            # The messages in hand go to their handler whatever happens: a request that could
-            # not be sent is asked again at the next fetch.
+        if (
+            msgs
+            and self._pipeline > 1
+            and self._pull_left <= 0
+            and self._leaderless_backoff_s == 0
+            and not self._stopping.is_set()
+        ):
+            # A pipelined consumer whose request these messages used up asks for the next batch
+            # now, so that it flows in while they are handled: it fetches only when a slot frees,
+            # and asked then, with every slot busy it had nothing on the way and waited a round
+            # trip and a batch's delivery each time (what is on hand meanwhile is kept alive:
+            # _keep_buffered_alive). The messages in hand go to their handler whatever happens: a
+            # request that could not be sent is asked again at the next fetch.
             try:
                 await self._request(loop)
             except Exception as exc:
                 self._pull_left = 0
                 log.debug("pull request failed", consumer=self.spec.durable, error=repr(exc))
         return msgs, received
+
+    def _renewal_due(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """The standing request is used up, about to expire, or lost with a connection."""
+        return (
+            self._pull_left <= 0
+            or loop.time() >= self._pull_expires_at
+            or self._nc.stats["reconnects"] != self._pull_reconnects
+        )
+
+    async def _wait_for_slot(self, in_flight: set[asyncio.Task[None]]) -> None:
+        """Until fewer than ``pipeline`` batches are in hand (finished ones leave ``in_flight``);
+        meanwhile what is on hand, waiting for a slot, is kept alive."""
+        while len(in_flight) >= self._pipeline:
+            done, _ = await asyncio.wait(
+                in_flight, timeout=max(self.spec.ack_wait_s / 3, 0.05), return_when=asyncio.FIRST_COMPLETED
+            )
+            in_flight -= done
+            if not done:  # every slot still busy: what is on hand must not expire meanwhile
+                await self._keep_buffered_alive()
+
+    async def _keep_buffered_alive(self) -> None:
+        """Tell the server the messages on hand, waiting for a handler, are being worked on (their
+        ack wait starts again), as :meth:`_keep_alive` does for those being handled."""
+        for msg in list(self._arrived):
+            if not JetStreamContext.is_status_msg(msg):
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
 
     @property
     def buffered(self) -> int:
@@ -551,9 +590,7 @@ class ConsumerRunner(Generic[T]):
                 # while earlier ones are still handled; each batch is settled after its handler.
                 task = asyncio.create_task(self._process_guarded(msgs, received))
                 in_flight.add(task)
-                while len(in_flight) >= self._pipeline:
-                    done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-                    in_flight -= done
+                await self._wait_for_slot(in_flight)
         finally:
             if in_flight:
                 await asyncio.gather(*in_flight, return_exceptions=True)

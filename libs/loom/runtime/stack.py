@@ -668,7 +668,9 @@ class Supervisor:
     def log_tail(self, name: str, lines: int = 12) -> str:
         """The last ``lines`` lines of a service's log (empty when it wrote none)."""
         try:
-            text = (self.home / "logs" / f"{name}.log").read_text(errors="replace")
+            with open(self.home / "logs" / f"{name}.log", "rb") as f:
+                f.seek(max(f.seek(0, os.SEEK_END) - 65536, 0))  # the end is enough
+                text = f.read().decode(errors="replace")
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
