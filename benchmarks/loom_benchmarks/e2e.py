@@ -422,8 +422,9 @@ async def _paced_phase(
     }
 
 
-async def _baseline_after(  # noqa: PLR0917
+async def _baseline_after(
     run: "_Run",
+    *,
     jobs: int,
     sampler: cpu.CpuSampler,
     base_before: dict[str, Any],
@@ -520,8 +521,18 @@ async def _measure(
                     run, paced_jobs, rate, running=jobs + len(warm_regions or [None]), placement=placement
                 )
             )
-        if baseline and base_before is not None:
-            result.update(await _baseline_after(run, jobs, sampler, base_before, tp, paced_jobs, rate))
+        if base_before is not None:
+            result.update(
+                await _baseline_after(
+                    run,
+                    jobs=jobs,
+                    sampler=sampler,
+                    base_before=base_before,
+                    tp=tp,
+                    paced_jobs=paced_jobs,
+                    rate=rate,
+                )
+            )
         result["cpu_rest_s"] = rest_s
         result["cpu_at_rest"] = _sorted_shares(at_rest)
         result["cpu_under_load"] = _sorted_shares(tp["cpu"])

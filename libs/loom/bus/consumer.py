@@ -209,6 +209,13 @@ MessageHandler = Callable[[Delivery[T]], Awaitable[None]]
 BatchHandler = Callable[[list[Delivery[T]]], Awaitable[Sequence[BaseException | None]]]
 
 
+async def _in_progress(msgs: Iterable[Msg]) -> None:
+    """Tell the server these messages are being worked on (their ack wait starts again)."""
+    for msg in msgs:
+        with contextlib.suppress(Exception):
+            await msg.in_progress()
+
+
 class ConsumerRunner(Generic[T]):
     """Runs one durable pull consumer until :meth:`stop`.
 
@@ -375,15 +382,15 @@ class ConsumerRunner(Generic[T]):
         with contextlib.suppress(Exception):
             if self._cb_sub is not None:
                 await self._cb_sub.unsubscribe()
-                # Messages on hand no handler will see: given back now, not after their ack wait
-                # (on a placement handover the new leader would wait that long for them).
-                on_hand, self._arrived, self._arrived_at = self._arrived, [], []
-                for msg in on_hand:
-                    if not JetStreamContext.is_status_msg(msg):
-                        with contextlib.suppress(Exception):
-                            await msg.nak()
             else:
                 await self._sub.unsubscribe()
+        # Messages on hand no handler will see (callback pull): given back now, not after their
+        # ack wait (on a placement handover the new leader would wait that long for them).
+        on_hand = self._on_hand()
+        self._arrived, self._arrived_at = [], []
+        for msg in on_hand:
+            with contextlib.suppress(Exception):
+                await msg.nak()
         with contextlib.suppress(Exception):
             if self._advisory_sub is not None:
                 await self._advisory_sub.unsubscribe()
@@ -486,7 +493,7 @@ class ConsumerRunner(Generic[T]):
             # now, so that it flows in while they are handled: it fetches only when a slot frees,
             # and asked then, with every slot busy it had nothing on the way and waited a round
             # trip and a batch's delivery each time (what is on hand meanwhile is kept alive:
-            # _keep_buffered_alive). The messages in hand go to their handler whatever happens: a
+            # _wait_for_slot). The messages in hand go to their handler whatever happens: a
             # request that could not be sent is asked again at the next fetch.
             try:
                 await self._request(loop)
@@ -508,19 +515,15 @@ class ConsumerRunner(Generic[T]):
         meanwhile what is on hand, waiting for a slot, is kept alive."""
         while len(in_flight) >= self._pipeline:
             done, _ = await asyncio.wait(
-                in_flight, timeout=max(self.spec.ack_wait_s / 3, 0.05), return_when=asyncio.FIRST_COMPLETED
+                in_flight, timeout=self._keep_alive_period_s, return_when=asyncio.FIRST_COMPLETED
             )
             in_flight -= done
             if not done:  # every slot still busy: what is on hand must not expire meanwhile
-                await self._keep_buffered_alive()
+                await _in_progress(self._on_hand())
 
-    async def _keep_buffered_alive(self) -> None:
-        """Tell the server the messages on hand, waiting for a handler, are being worked on (their
-        ack wait starts again), as :meth:`_keep_alive` does for those being handled."""
-        for msg in list(self._arrived):
-            if not JetStreamContext.is_status_msg(msg):
-                with contextlib.suppress(Exception):
-                    await msg.in_progress()
+    def _on_hand(self) -> list[Msg]:
+        """The messages on hand (callback pull), pull statuses left out."""
+        return [m for m in self._arrived if not JetStreamContext.is_status_msg(m)]
 
     @property
     def buffered(self) -> int:
@@ -810,13 +813,15 @@ class ConsumerRunner(Generic[T]):
         finally:
             delivery.span.end()
 
+    @property
+    def _keep_alive_period_s(self) -> float:
+        """How often messages held past the ack wait are said to be in progress."""
+        return max(self.spec.ack_wait_s / 3, 0.05)
+
     async def _keep_alive(self, msgs: list[Msg]) -> None:
-        period = max(self.spec.ack_wait_s / 3, 0.05)
         while True:
-            await asyncio.sleep(period)
-            for msg in msgs:
-                with contextlib.suppress(Exception):
-                    await msg.in_progress()
+            await asyncio.sleep(self._keep_alive_period_s)
+            await _in_progress(msgs)
 
     async def _handle(self, deliveries: list[Delivery[T]]) -> Sequence[BaseException | None]:
         if self._batch_handler is not None:
