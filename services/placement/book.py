@@ -129,6 +129,7 @@ class Run:
             progress=self.progress,
             preemptible=job.preemptible,
             labels=job.labels,
+            task_type=job.task_type,
             workers=self.workers,
             # Only single-part, non-pipeline runs are resized (elastic growth and shrink).
             min_workers=job.min_workers if len(self.parts) == 1 and job.pipeline is None else None,
@@ -202,6 +203,8 @@ class Book:
         self.learned: dict[tuple[str, str], float] = {}
         """(job family, gpu_model) -> learned speed factor the snapshot applies (see
         :mod:`loom.model.learn`); change it with :meth:`set_learned`."""
+        self.measured: frozenset[tuple[str, str]] = frozenset()
+        """The cells of :attr:`learned` that runs of their own measured (``Snapshot.measured``)."""
 
     def clear_runs(self) -> None:
         """Forget every run (before rebuilding them from the store); pending ones are kept."""
@@ -432,13 +435,18 @@ class Book:
             return None
         return job.work.step_time_s / speed * max(job.workers, 1) / max(workers, 1)
 
-    def set_learned(self, learned: dict[tuple[str, str], float]) -> None:
-        """Adopt new learned speed factors: the kept snapshot applies them from its next cycle."""
-        if learned == self.learned:
+    def set_learned(
+        self, learned: dict[tuple[str, str], float], measured: Iterable[tuple[str, str]] = ()
+    ) -> None:
+        """Adopt new learned speed factors and the cells runs of their own measured
+        (``Snapshot.measured``): the kept snapshot applies them from its next cycle."""
+        cells = frozenset(measured)
+        if learned == self.learned and cells == self.measured:
             return
         self.learned = dict(learned)
+        self.measured = cells
         if self._snap is not None:
-            self._snap.set_learned(self.learned)
+            self._snap.set_learned(self.learned, self.measured)
 
     def close(self, clusters: Iterable[str]) -> bool:
         """Set the drained clusters; True when that changed them (the next cycle rebuilds its snapshot)."""
@@ -498,6 +506,7 @@ class Book:
             learned=self.learned,
             now=now,
         )
+        self._snap.measured = self.measured
         self._snap.quota = QuotaBook(self.tenants, self.usage_by_tenant())
         self._snap.waiting = self.waiting  # the same set: the framework keeps it across snapshots
         # The same shapes, re-indexed by this snapshot's pools (the framework adds to them).

@@ -2751,7 +2751,7 @@ class PlacementService:
 
     def _adopt_learned(self) -> None:
         """Give the book (and so every cycle's snapshot) the learner's current factors."""
-        self.book.set_learned(self.learner.factors())
+        self.book.set_learned(self.learner.factors(), self.learner.steady_cells())
         self.stats["learned_speeds"] = {
             f"{e.family}@{e.gpu_model}": {
                 "factor": round(e.factor, 4),

@@ -137,6 +137,8 @@ async def test_a_gpu_three_times_slower_than_its_profile_is_learned_within_ten_r
     assert estimate.factor == pytest.approx(final["factor"])
     assert estimate.runs == RUNS
     assert service.book.learned[(FAMILY, GPU)] == pytest.approx(final["factor"])
+    # ... and which cells runs measured (what comparative advantage trusts a ratio on).
+    assert (FAMILY, GPU) in service.book.measured
 
 
 async def test_a_long_run_teaches_while_it_runs_and_its_completion_adds_nothing(

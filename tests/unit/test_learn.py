@@ -265,6 +265,36 @@ def test_state_round_trips_through_bytes() -> None:
         SpeedLearner.from_bytes(b"not json")
 
 
+def test_a_family_whose_runs_on_one_model_disagree_has_a_spread_and_no_steady_cells() -> None:
+    learner = SpeedLearner()
+    # "yolo": runs of one network, within a few percent of each other on each model.
+    for observed in (0.80, 0.82, 0.79):
+        learner.observe("yolo", "A100", prior_speed=4.0, observed_speed=observed * 4.0)
+    learner.observe("yolo", "T4", prior_speed=1.0, observed_speed=0.70)
+    # "mixed": jobs of several networks under one label, 1x to 3x apart on the same model.
+    for observed in (1.0, 3.0, 1.5):
+        learner.observe("mixed", "A100", prior_speed=4.0, observed_speed=observed)
+    learner.observe("mixed", "T4", prior_speed=1.0, observed_speed=0.5)
+    # A family with one run per model: no spread known yet.
+    learner.observe("new", "A100", prior_speed=4.0, observed_speed=2.0)
+    yolo, mixed = learner.spread("yolo"), learner.spread("mixed")
+    assert yolo is not None and yolo < 0.05
+    assert mixed is not None and mixed > 0.4
+    assert learner.spread("new") is None and learner.spread("never") is None
+    assert learner.steady_cells() == {("yolo", "A100"), ("yolo", "T4"), ("new", "A100")}
+    assert learner.measured_cells() == learner.steady_cells() | {("mixed", "A100"), ("mixed", "T4")}
+    assert learner.steady_cells(max_spread=1.0) == learner.measured_cells()
+    # The spread is kept across a restart; a state stored before it was kept loads without one.
+    again = SpeedLearner.from_bytes(learner.to_bytes())
+    assert again.spread("mixed") == pytest.approx(mixed) and again.steady_cells() == learner.steady_cells()
+    old = msgspec.json.decode(learner.to_bytes())
+    for cell in old["cells"]:
+        for key in ("logged", "log_sum", "log_sq"):
+            cell.pop(key)
+    before = SpeedLearner.from_bytes(msgspec.json.encode(old))
+    assert before.spread("mixed") is None and before.estimates() == learner.estimates()
+
+
 def test_the_same_observations_give_the_same_state() -> None:
     def build() -> SpeedLearner:
         learner = SpeedLearner()

@@ -225,8 +225,11 @@ def test_the_learner_remembers_probed_cells_across_a_restart() -> None:
     learner.probe_asked("fam", "T4")
     learner.observe("fam", "A100", prior_speed=3.0, observed_speed=1.0)
     assert learner.known_cells() == {("fam", "T4"), ("fam", "A100")}
+    # Only the cell a run measured is measured: one asked for, with no run yet, is not.
+    assert learner.measured_cells() == {("fam", "A100")}
     again = SpeedLearner.from_bytes(learner.to_bytes())
     assert again.known_cells() == learner.known_cells() and again.probed == {("fam", "T4")}
+    assert again.measured_cells() == {("fam", "A100")}
 
 
 # ---- in the simulator -----------------------------------------------------------------------------

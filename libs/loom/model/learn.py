@@ -81,6 +81,7 @@ from loom_proto.jobs import JobSpec
 
 __all__ = [
     "LESSON_MAX_SLOWDOWN",
+    "STEADY_SPREAD",
     "CellState",
     "Estimate",
     "LearnSettings",
@@ -100,6 +101,11 @@ _STATE_VERSION: Final = 1
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+
+
+STEADY_SPREAD = 0.2
+"""Largest :meth:`SpeedLearner.spread` (sd of a family's log factors on one model) at which the
+family's measured ratios count as its jobs' (:meth:`SpeedLearner.steady_cells`)."""
 
 
 class LearnSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -152,6 +158,12 @@ class CellState(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     """What that run counted as (clipped)."""
     pending_weight: float = 0.0
     """That run's weight."""
+    logged: int = 0
+    """Runs counted in ``log_sum`` and ``log_sq`` (every run since these were kept)."""
+    log_sum: float = 0.0
+    """Sum of the runs' log factors as measured (unclipped, unfaded)."""
+    log_sq: float = 0.0
+    """Sum of their squares: how far the family's runs on one model disagree (:meth:`SpeedLearner.spread`)."""
 
 
 class LearnerState(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -183,7 +195,18 @@ class Estimate(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class _Cell:
-    __slots__ = ("clipped", "pending", "pending_used", "pending_weight", "runs", "weight", "weighted_sum")
+    __slots__ = (
+        "clipped",
+        "log_sq",
+        "log_sum",
+        "logged",
+        "pending",
+        "pending_used",
+        "pending_weight",
+        "runs",
+        "weight",
+        "weighted_sum",
+    )
 
     def __init__(
         self,
@@ -195,6 +218,9 @@ class _Cell:
         pending: float | None = None,
         pending_used: float = 0.0,
         pending_weight: float = 0.0,
+        logged: int = 0,
+        log_sum: float = 0.0,
+        log_sq: float = 0.0,
     ) -> None:
         self.weight = weight
         self.weighted_sum = weighted_sum
@@ -203,6 +229,9 @@ class _Cell:
         self.pending = pending
         self.pending_used = pending_used
         self.pending_weight = pending_weight
+        self.logged = logged
+        self.log_sum = log_sum
+        self.log_sq = log_sq
 
 
 _SOURCES: Final[tuple[Source, ...]] = ("own", "shared", "prior")
@@ -312,6 +341,9 @@ class SpeedLearner:
         cell.weight += weight
         cell.weighted_sum += weight * used
         cell.runs += 1
+        cell.logged += 1
+        cell.log_sum += y
+        cell.log_sq += y * y
         self._fit = None
         return used
 
@@ -369,9 +401,41 @@ class SpeedLearner:
             raise InvalidInputError("family and gpu_model must not be empty")
         self.probed.add((family, gpu_model))
 
+    def measured_cells(self) -> set[tuple[str, str]]:
+        """Cells with a run of their own (a speed probe that taught included)."""
+        return {k for k, c in self._cells.items() if c.runs > 0}
+
+    def spread(self, family: str) -> float | None:
+        """How far the family's runs on one GPU model disagree: the sd of their log factors within
+        each model, pooled over its models with two runs or more (None: no such model yet). Runs
+        of one model of network agree within noise; a "family" whose jobs differ (a label too
+        coarse, jobs of several models under one name) shows a large spread, and a ratio of its
+        factors between two models says little of any one job."""
+        squares, free = 0.0, 0
+        for (f, _), c in self._cells.items():
+            if f != family or c.logged < 2:
+                continue
+            squares += max(c.log_sq - c.log_sum * c.log_sum / c.logged, 0.0)
+            free += c.logged - 1
+        return math.sqrt(squares / free) if free else None
+
+    def steady_cells(self, max_spread: float = STEADY_SPREAD) -> set[tuple[str, str]]:
+        """The :meth:`measured_cells` of the families whose :meth:`spread` is not known to exceed
+        ``max_spread``: the cells whose ratios comparative advantage acts on
+        (:mod:`loom.sched.plugins.advantage`)."""
+        spreads: dict[str, float | None] = {}
+        steady: set[tuple[str, str]] = set()
+        for family, gpu_model in self.measured_cells():
+            if family not in spreads:
+                spreads[family] = self.spread(family)
+            spread = spreads[family]
+            if spread is None or spread <= max_spread:
+                steady.add((family, gpu_model))
+        return steady
+
     def known_cells(self) -> set[tuple[str, str]]:
         """Cells that need no probe: those with a run of their own and those probed."""
-        return {k for k, c in self._cells.items() if c.runs > 0} | self.probed
+        return self.measured_cells() | self.probed
 
     # ---- the shared fit ------------------------------------------------------------------------
 
@@ -441,6 +505,9 @@ class SpeedLearner:
                     pending=c.pending,
                     pending_used=c.pending_used,
                     pending_weight=c.pending_weight,
+                    logged=c.logged,
+                    log_sum=c.log_sum,
+                    log_sq=c.log_sq,
                 )
                 for (f, g), c in sorted(self._cells.items())
             ],
@@ -468,6 +535,9 @@ class SpeedLearner:
                 pending=c.pending,
                 pending_used=c.pending_used,
                 pending_weight=c.pending_weight,
+                logged=c.logged,
+                log_sum=c.log_sum,
+                log_sq=c.log_sq,
             )
         learner.decisions = state.decisions
         learner.explored = state.explored

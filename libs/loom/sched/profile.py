@@ -12,6 +12,7 @@ from loom.model.profiles import library_models
 from loom.sched.availability import WaitBook
 from loom.sched.framework import Framework, Registry
 from loom.sched.plugins import network, patience, queue_order
+from loom.sched.plugins.advantage import ComparativeAdvantage
 from loom.sched.plugins.affinity import Affinity
 from loom.sched.plugins.backfill import Backfill, WaitingJobs
 from loom.sched.plugins.compute import PriorityFairShare, ScuFit, Trust, WaterLevel
@@ -37,6 +38,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "joint",
     "jct",
     "scu_fit",
+    "comparative_advantage",
     "trust",
     "water_level",
     "cost_energy",
@@ -57,6 +59,9 @@ DEFAULT_WEIGHTS: Mapping[str, float] = {
     "data_locality": 1.0,
     "affinity": 1.0,
     "scu_fit": 1.0,
+    # Under contention, a GPU model to the jobs it speeds up most against the active jobs (Gavel's
+    # normalised throughput); nothing on a quiet platform (weight: docs/measurements.md).
+    "comparative_advantage": 8.0,
     "cost_energy": 0.5,
     "water_level": 0.5,
     "trust": 0.5,
@@ -83,6 +88,7 @@ def default_registry() -> Registry:
     )
     registry.register("resource_fit", lambda _cfg: ResourceFit(library_models()))
     registry.register("scu_fit", lambda _cfg: ScuFit())
+    registry.register("comparative_advantage", lambda _cfg: ComparativeAdvantage())
     registry.register("trust", lambda _cfg: Trust())
     registry.register("water_level", lambda _cfg: WaterLevel())
     registry.register("pool_fit", lambda _cfg: PoolFit())

@@ -61,6 +61,8 @@ class RunningJob:
     progress: float = 0.0
     preemptible: bool = True
     labels: Mapping[str, str] = field(default_factory=dict)
+    task_type: str = "training_compute"
+    """What its speeds are read for (:meth:`Snapshot.job_speeds`), as the job's spec says."""
     workers: int = 1
     min_workers: int | None = None
     max_workers: int = 1
@@ -380,6 +382,10 @@ class Snapshot:
         """(job family, gpu_model) -> learned factor on the SCU speed: what jobs of that family
         delivered on that model over what the profile predicted (see :mod:`loom.model.family`).
         Change it only through :meth:`set_learned`, which keeps the per-job speed tables true."""
+        self.measured: frozenset[tuple[str, str]] = frozenset()
+        """(family, GPU model) cells whose learned factor rests on runs of their own (a speed
+        probe's included), of a family whose runs on one model agree
+        (:meth:`~loom.model.learn.SpeedLearner.steady_cells`): :meth:`set_learned`."""
         self._speed_by_job: dict[tuple[str, str, Precision], FloatArray] = {}
         self.gpu_memory_gib = dict(gpu_memory_gib or {})
 
@@ -463,9 +469,17 @@ class Snapshot:
             self._speed_by_task[key] = table
         return table
 
-    def set_learned(self, learned: Mapping[tuple[str, str], float]) -> None:
-        """Adopt new learned factors (replacing all of them); per-job speed tables are rebuilt."""
+    def set_learned(
+        self,
+        learned: Mapping[tuple[str, str], float],
+        measured: Iterable[tuple[str, str]] | None = None,
+    ) -> None:
+        """Adopt new learned factors (replacing all of them); per-job speed tables are rebuilt.
+        ``measured``: the (family, GPU model) cells runs of their own measured (:attr:`measured`;
+        None keeps the cells adopted before)."""
         self.learned = dict(learned)
+        if measured is not None:
+            self.measured = frozenset(measured)
         self._speed_by_job.clear()
 
     def job_speeds(self, job: HasLabels) -> FloatArray:

@@ -1467,6 +1467,7 @@ class _Simulation:
             allocations=tuple(d.allocations),
             preemptible=spec.preemptible,
             labels=spec.labels,
+            task_type=spec.task_type,
             workers=d.workers,
             min_workers=spec.min_workers if len(d.parts) == 1 and not pipeline else None,
             max_workers=spec.workers,
@@ -1626,7 +1627,7 @@ class _Simulation:
         learner.observe(
             seen.family, seen.gpu_model, prior_speed=seen.prior_speed, observed_speed=seen.observed_speed
         )
-        self.snap.set_learned(learner.factors())
+        self.snap.set_learned(learner.factors(), learner.steady_cells())
 
     def _stop(self, job_id: str, *, given_back: bool) -> None:
         """Stop a run (preempted, or its cluster failed) and requeue the job from its last checkpoint."""

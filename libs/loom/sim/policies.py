@@ -162,7 +162,8 @@ class OraclePolicy(FrameworkPolicy):
 
     def prepare(self, snap: Snapshot, jobs: Sequence[JobSpec], truth: "Truth | None", seed: int) -> None:
         if truth is not None:
-            snap.set_learned(oracle_factors(truth, jobs, snap, seed=seed))
+            factors = oracle_factors(truth, jobs, snap, seed=seed)
+            snap.set_learned(factors, factors)  # the truth: every cell as if measured
 
 
 def oracle_factors(
