@@ -2912,7 +2912,17 @@ class PlacementService:
                     result: object = await self._tenant_query(db, op, {**request, "tenant": tenant})
             elif op == "learned":
                 learner = await speeds.load_learner(self.pool, self.learner.settings)
-                result = [msgspec.to_builtins(e) for e in learner.estimates()]
+                steady = learner.steady_cells()
+                result = [
+                    {
+                        **msgspec.to_builtins(e),
+                        # How far the family's runs on one model disagree, and whether comparative
+                        # advantage acts on this cell's ratios (loom.sched.plugins.advantage).
+                        "spread": learner.spread(e.family),
+                        "steady": (e.family, e.gpu_model) in steady,
+                    }
+                    for e in learner.estimates()
+                ]
             elif op == "leader":
                 result = dataclasses.asdict(self.leadership)
             else:

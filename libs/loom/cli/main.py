@@ -584,11 +584,14 @@ def _non_negative_int(text: str) -> int:
 
 
 def _learned_table(learned: list[dict[str, Any]]) -> Table:
-    """Learned speeds: per (family, GPU model), the factor on the profile's speed, its sd and runs."""
+    """Learned speeds: per (family, GPU model), the factor on the profile's speed, its sd and runs;
+    the family's spread (how far its runs on one model disagree) and whether comparative advantage
+    acts on the cell's ratios (measured by runs that agree)."""
     table = Table(title="learned speeds (x the profile's speed)")
-    for col in ("family", "GPU", "factor", "±sd", "runs", "source"):
+    for col in ("family", "GPU", "factor", "±sd", "runs", "source", "spread", "ratios used"):
         table.add_column(col)
     for e in learned:
+        spread = e.get("spread")
         table.add_row(
             e["family"],
             e["gpu_model"],
@@ -596,6 +599,8 @@ def _learned_table(learned: list[dict[str, Any]]) -> Table:
             f"±{e['log_sd']:.0%}",
             str(e["runs"]),
             e["source"],
+            "—" if spread is None else f"{spread:.0%}",
+            "yes" if e.get("steady") else "no",
         )
     return table
 
