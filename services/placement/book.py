@@ -436,11 +436,12 @@ class Book:
         return job.work.step_time_s / speed * max(job.workers, 1) / max(workers, 1)
 
     def set_learned(
-        self, learned: dict[tuple[str, str], float], measured: Iterable[tuple[str, str]] = ()
+        self, learned: dict[tuple[str, str], float], measured: Iterable[tuple[str, str]] | None = None
     ) -> None:
         """Adopt new learned speed factors and the cells runs of their own measured
-        (``Snapshot.measured``): the kept snapshot applies them from its next cycle."""
-        cells = frozenset(measured)
+        (``Snapshot.measured``; None keeps those adopted before): the kept snapshot applies them
+        from its next cycle."""
+        cells = self.measured if measured is None else frozenset(measured)
         if learned == self.learned and cells == self.measured:
             return
         self.learned = dict(learned)

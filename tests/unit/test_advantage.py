@@ -190,3 +190,44 @@ def test_the_default_profile_gives_the_fast_gpus_to_the_job_they_speed_up_most_w
     wait_for(busy_again, job("w", "cnn", gpus=16))
     cnn = framework.schedule(job("c", "cnn"), busy_again, submitted_at=NOW)
     assert cnn.decision is not None and cnn.decision.parts[0].gpu_model == FAST
+
+
+def test_a_model_no_other_job_may_use_is_scored_by_the_jobs_own_speed_there() -> None:
+    # Nothing runs; the one waiting gang may use the A100s only, so nobody else wants the T4s.
+    snap = platform()
+    spec = job("w", "cnn", gpus=16)
+    wait_for(snap, spec)
+    only_a100 = np.zeros((len(snap.clusters), len(snap.models)), dtype=bool)
+    only_a100[:, snap.model_index[FAST]] = True
+    shape = snap.queued[spec.job_id]
+    snap.queued[spec.job_id] = QueuedShape(
+        job_id=shape.job_id, key=shape.key, workers=1, per_worker=16, pools=only_a100, job=spec, work_s=1.0
+    )
+    # A cnn job loses 5x on the T4: that nobody else wants the T4s is no reason to send it there.
+    cnn = scores(snap, job("c", "cnn"))
+    assert cnn[FAST] == 100.0 and cnn[SLOW] == pytest.approx(20.0)
+
+
+def test_relative_speeds_are_against_the_jobs_fastest_allowed_model_even_when_it_is_full() -> None:
+    snap = platform([run("r", "cnn", "a0", 8)])
+    wait_for(snap, job("w", "cnn"))
+    plugin = ComparativeAdvantage()
+    spec = job("y", "yolo")
+    state = CycleState(
+        job=spec,
+        snapshot=snap,
+        cluster_mask=np.ones(len(snap.clusters), dtype=bool),
+        model_mask=np.ones(len(snap.models), dtype=bool),
+    )
+    # Only the T4s are candidates (the A100s full): the yolo job's relative speed there is still
+    # 0.8 of its A100's, not 1.
+    only_t4 = Candidates(
+        cluster=np.array([snap.cluster_index["ct"]]),
+        model=np.array([snap.model_index[SLOW]]),
+        capacity=np.ones(1, dtype=np.int64),
+        workers=np.ones(1, dtype=np.int64),
+        nodes=lambda c, m: (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)),
+    )
+    rate, _ = going_rate(snap, exclude="y")
+    raw = plugin.score(state, only_t4)
+    assert raw[0] == pytest.approx(min(0.8 / rate[snap.model_index[SLOW]], ADVANTAGE_CAP))

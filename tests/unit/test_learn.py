@@ -295,6 +295,22 @@ def test_a_family_whose_runs_on_one_model_disagree_has_a_spread_and_no_steady_ce
     assert before.spread("mixed") is None and before.estimates() == learner.estimates()
 
 
+def test_the_spread_forgets_as_the_factor_does() -> None:
+    learner = SpeedLearner(LearnSettings(memory_runs=10))
+    for _ in range(30):
+        learner.observe("fam", "A100", prior_speed=1.0, observed_speed=1.0)
+    for _ in range(5):
+        learner.observe("fam", "A100", prior_speed=1.0, observed_speed=1.6)
+    changing = learner.spread("fam")
+    assert changing is not None and changing > 0.2 and not learner.steady_cells()
+    # Once the truth has been the new one for a while, its runs agree again.
+    for _ in range(60):
+        learner.observe("fam", "A100", prior_speed=1.0, observed_speed=1.6)
+    settled = learner.spread("fam")
+    assert settled is not None and settled < 0.05
+    assert learner.steady_cells() == {("fam", "A100")}
+
+
 def test_the_same_observations_give_the_same_state() -> None:
     def build() -> SpeedLearner:
         learner = SpeedLearner()

@@ -158,10 +158,11 @@ class CellState(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     """What that run counted as (clipped)."""
     pending_weight: float = 0.0
     """That run's weight."""
-    logged: int = 0
-    """Runs counted in ``log_sum`` and ``log_sq`` (every run since these were kept)."""
+    logged: float = 0.0
+    """Runs counted in ``log_sum`` and ``log_sq``, faded as ``weight`` is (every run since these
+    were kept)."""
     log_sum: float = 0.0
-    """Sum of the runs' log factors as measured (unclipped, unfaded)."""
+    """Sum of the runs' log factors as measured (unclipped; faded with ``weight``)."""
     log_sq: float = 0.0
     """Sum of their squares: how far the family's runs on one model disagree (:meth:`SpeedLearner.spread`)."""
 
@@ -218,7 +219,7 @@ class _Cell:
         pending: float | None = None,
         pending_used: float = 0.0,
         pending_weight: float = 0.0,
-        logged: int = 0,
+        logged: float = 0.0,
         log_sum: float = 0.0,
         log_sq: float = 0.0,
     ) -> None:
@@ -338,6 +339,11 @@ class SpeedLearner:
             fade = max(s.memory_runs - weight, 0.0) / cell.weight
             cell.weight *= fade
             cell.weighted_sum *= fade
+            # The spread forgets as the factor does: a truth that changed, or one wild run, does
+            # not keep the family's runs "disagreeing" for ever.
+            cell.logged *= fade
+            cell.log_sum *= fade
+            cell.log_sq *= fade
         cell.weight += weight
         cell.weighted_sum += weight * used
         cell.runs += 1
@@ -411,18 +417,19 @@ class SpeedLearner:
         of one model of network agree within noise; a "family" whose jobs differ (a label too
         coarse, jobs of several models under one name) shows a large spread, and a ratio of its
         factors between two models says little of any one job."""
-        squares, free = 0.0, 0
-        for (f, _), c in self._cells.items():
-            if f != family or c.logged < 2:
+        squares, free = 0.0, 0.0
+        for key in sorted(self._cells):  # one order, whatever the order the cells were learned in
+            c = self._cells[key]
+            if key[0] != family or c.logged < 2 - 1e-9:
                 continue
             squares += max(c.log_sq - c.log_sum * c.log_sum / c.logged, 0.0)
             free += c.logged - 1
-        return math.sqrt(squares / free) if free else None
+        return math.sqrt(squares / free) if free > 0 else None
 
     def steady_cells(self, max_spread: float = STEADY_SPREAD) -> set[tuple[str, str]]:
         """The :meth:`measured_cells` of the families whose :meth:`spread` is not known to exceed
-        ``max_spread``: the cells whose ratios comparative advantage acts on
-        (:mod:`loom.sched.plugins.advantage`)."""
+        ``max_spread`` (a family with one run per model counts: nothing says its runs disagree):
+        the cells whose ratios comparative advantage acts on (:mod:`loom.sched.plugins.advantage`)."""
         spreads: dict[str, float | None] = {}
         steady: set[tuple[str, str]] = set()
         for family, gpu_model in self.measured_cells():

@@ -11,15 +11,17 @@ learned speeds included: :meth:`~loom.sched.snapshot.Snapshot.job_speeds`) over 
 fastest model. The *going rate* of a model is the relative speed there of the jobs that hold GPUs
 or wait for them (:func:`going_rate`), weighted by their GPUs. The raw score is the job's relative
 speed over the going rate: 1 everywhere for a job like the others, above 1 on the models the job
-loses less on than they do, capped at :data:`ADVANTAGE_CAP` (also the score of a model no active
-job may use); normalised to the best candidate.
+loses less on than they do, capped at :data:`ADVANTAGE_CAP`; normalised to the best candidate. A
+model no other active job may use has a going rate of 1, so there the job's own relative speed
+decides.
 
 It has a say only while other jobs wait (``Snapshot.waiting``: with GPUs to spare for everyone,
 every job takes what is fastest for it), and only on ratios measured for the job's family on every
-candidate's model by runs of its own whose runs agree (``Snapshot.measured``, from
-:meth:`~loom.model.learn.SpeedLearner.steady_cells`): a profile's ratio, or the average ratio of a
-"family" whose jobs differ, is no ground to send one job to slower GPUs (both cost mean JCT in the
-runs of ``docs/measurements.md``, 2026-12-04, "comparative advantage").
+candidate's model by runs of its own that are not known to disagree (``Snapshot.measured``, from
+:meth:`~loom.model.learn.SpeedLearner.steady_cells`; a family with one run per model counts). A
+profile's ratio, or the average ratio of a "family" whose jobs differ, is no ground to send one job
+to slower GPUs (both cost mean JCT in ``docs/measurements.md``, 2026-12-04, "comparative
+advantage").
 """
 
 from collections.abc import Hashable
@@ -134,8 +136,8 @@ _WAITING = "comparative_advantage.waiting"
 
 
 def _measured(state: CycleState, candidates: Candidates) -> bool:
-    """Whether runs of the job's family measured its speed on every candidate's GPU model, runs
-    that agree (``Snapshot.measured``)."""
+    """Whether runs of the job's family measured its speed on every candidate's GPU model, runs not
+    known to disagree (``Snapshot.measured``)."""
     snap = state.snapshot
     if not snap.measured:
         return False
@@ -155,18 +157,15 @@ class ComparativeAdvantage:
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         snap = state.snapshot
         speeds = snap.job_speeds(state.job)
-        mine = speeds[candidates.model]
-        top = float(mine.max(initial=0.0))
+        # Relative to the job's fastest model its rules allow, whether or not it has room now.
+        top = float(speeds[state.model_mask].max(initial=0.0)) if state.model_mask.any() else 0.0
         if top <= 0 or snap.waiting_count(exclude=state.job.job_id) == 0 or not _measured(state, candidates):
             return np.ones(len(candidates))
-        rate, demand = going_rate(snap, exclude=state.job.job_id, shared=state.shared)
-        relative = mine / top
-        going = rate[candidates.model]
-        raw: FloatArray = np.where(
-            demand[candidates.model] > 0,
-            np.minimum(relative / np.maximum(going, 1e-12), ADVANTAGE_CAP),
-            ADVANTAGE_CAP,
-        )
+        rate, _ = going_rate(snap, exclude=state.job.job_id, shared=state.shared)
+        relative = speeds[candidates.model] / top
+        # A model no other active job may use has a going rate of 1: the job's own relative
+        # speed decides there (nobody loses by its taking it, and nor should the job).
+        raw: FloatArray = np.minimum(relative / np.maximum(rate[candidates.model], 1e-12), ADVANTAGE_CAP)
         return raw
 
     def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
