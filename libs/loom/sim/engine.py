@@ -885,10 +885,18 @@ class _Simulation:
                 if job.done or job.run is not None:
                     continue
                 shape = job.shape
-                if shape.index in failed or (
-                    shape.resolvable
-                    and not (self._fits(shape, None) and self._better(shape, None, job))
-                    and not self._may_make_room(shape)
+                # A job whose shape's last one found nothing fits, where nothing changed since, is
+                # queued without a decision. Not when that one was held back by a permit's choice
+                # (waiting for faster GPUs): that choice reads the job's own place in the queue and
+                # what the jobs ahead claimed, so this one may choose otherwise, as placement's
+                # decision for it does.
+                if shape.queued and (
+                    shape.index in failed
+                    or (
+                        shape.resolvable
+                        and not (self._fits(shape, None) and self._better(shape, None, job))
+                        and not self._may_make_room(shape)
+                    )
                 ):
                     self.skipped += 1
                     if shape.index not in failed or shape.queued:
