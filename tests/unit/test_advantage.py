@@ -66,15 +66,20 @@ def platform(runs: list[RunningJob] = ()) -> Snapshot:  # type: ignore[assignmen
     return snap
 
 
-def wait_for(snap: Snapshot, spec: JobSpec) -> None:
-    """``spec`` waits in the queue for any pool (as the framework records a job nothing fits)."""
+def wait_for(snap: Snapshot, spec: JobSpec, only: str | None = None) -> None:
+    """``spec`` waits in the queue for any pool, or those of model ``only`` (as the framework records
+    a job nothing fits)."""
+    pools = np.ones((len(snap.clusters), len(snap.models)), dtype=bool)
+    if only is not None:
+        pools[:] = False
+        pools[:, snap.model_index[only]] = True
     snap.waiting.add(spec.job_id)
     snap.queued[spec.job_id] = QueuedShape(
         job_id=spec.job_id,
         key=(0,),
         workers=spec.workers,
         per_worker=spec.resources.gpus,
-        pools=np.ones((len(snap.clusters), len(snap.models)), dtype=bool),
+        pools=pools,
         job=spec,
         work_s=1000.0,
     )
@@ -96,14 +101,7 @@ def test_the_going_rate_is_the_active_jobs_relative_speed_weighted_by_their_gpus
 
 def test_a_waiting_job_counts_only_on_the_models_its_rules_allow() -> None:
     snap = platform()
-    spec = job("w", "cnn")
-    wait_for(snap, spec)
-    only_t4 = np.zeros((len(snap.clusters), len(snap.models)), dtype=bool)
-    only_t4[:, snap.model_index[SLOW]] = True
-    shape = snap.queued[spec.job_id]
-    snap.queued[spec.job_id] = QueuedShape(
-        job_id=shape.job_id, key=shape.key, workers=1, per_worker=4, pools=only_t4, job=spec, work_s=1.0
-    )
+    wait_for(snap, job("w", "cnn"), only=SLOW)
     rate, demand = going_rate(snap)
     assert demand[snap.model_index[FAST]] == 0.0 and rate[snap.model_index[FAST]] == 1.0
     # Its fastest allowed model is the T4: relative 1 there.
@@ -195,14 +193,7 @@ def test_the_default_profile_gives_the_fast_gpus_to_the_job_they_speed_up_most_w
 def test_a_model_no_other_job_may_use_is_scored_by_the_jobs_own_speed_there() -> None:
     # Nothing runs; the one waiting gang may use the A100s only, so nobody else wants the T4s.
     snap = platform()
-    spec = job("w", "cnn", gpus=16)
-    wait_for(snap, spec)
-    only_a100 = np.zeros((len(snap.clusters), len(snap.models)), dtype=bool)
-    only_a100[:, snap.model_index[FAST]] = True
-    shape = snap.queued[spec.job_id]
-    snap.queued[spec.job_id] = QueuedShape(
-        job_id=shape.job_id, key=shape.key, workers=1, per_worker=16, pools=only_a100, job=spec, work_s=1.0
-    )
+    wait_for(snap, job("w", "cnn", gpus=16), only=FAST)
     # A cnn job loses 5x on the T4: that nobody else wants the T4s is no reason to send it there.
     cnn = scores(snap, job("c", "cnn"))
     assert cnn[FAST] == 100.0 and cnn[SLOW] == pytest.approx(20.0)
