@@ -69,6 +69,9 @@ def service() -> PlacementService:
     svc.book.nodes = {n.node: n for n in PLATFORM.nodes}
     svc.book.invalidate()
     svc.settled_at = float("-inf")
+    # A service starts with one look at its loaded queue; the replay loads none (the simulator
+    # starts with no such pass either), so that look would only re-decide the first instant's jobs.
+    svc.capacity_changed = False
     return svc
 
 
@@ -203,6 +206,38 @@ def test_a_job_shaped_like_one_that_waits_for_faster_gpus_gets_a_decision_of_its
     # j002 waits for the G2s the gang holds; j003, behind it, starts at once on a V100.
     assert rec["j002"].gpu_model == "G2" and rec["j002"].start_s == rec["j001"].end_s
     assert (rec["j003"].start_s, rec["j003"].gpu_model) == (0.5, "V100M16")
+    ends = {r.job_id: r.end_s for r in sim.records if r.end_s is not None}
+    got = replay(service(), jobs, ends)
+    assert got == {r.job_id: (r.start_s, r.clusters, r.gpu_model, r.gpus) for r in sim.records}
+
+
+def test_an_elastic_run_grown_later_is_predicted_from_the_time_it_grew() -> None:
+    """The simulator grew elastic runs on a snapshot whose clock was its last decision's, so a run
+    grown at 265 s had its predicted end rescaled as if grown at 0 s (598.6 s instead of 664.9 s),
+    and a job arriving at 600 s waited for GPUs it believed already free; placement rescales from
+    the time of the growth. Real task types, as in the test above."""
+
+    def job(job_id: str, gpus: int, workers: int, steps: int, **extra: Any) -> JobSpec:
+        return JobSpec(
+            job_id=job_id,
+            tenant="a",
+            resources=Resources(gpus=gpus),
+            workers=workers,
+            work=Work(steps=steps, step_time_s=10.0),
+            **extra,
+        )
+
+    jobs = [
+        SimJob(spec=job("j000", 1, 1, 110, task_type="training_compute"), arrival_s=0.0),
+        SimJob(spec=job("j001", 8, 4, 129, task_type="inference", min_workers=1), arrival_s=0.0),
+        *(SimJob(spec=job(f"j00{i}", 1, 1, 10, task_type="training_compute"), arrival_s=0.0) for i in range(2, 7)),
+        SimJob(spec=job("j007", 1, 1, 10, task_type="training_compute"), arrival_s=600.0),
+    ]
+    policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
+    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0)
+    rec = {r.job_id: r for r in sim.records}
+    assert rec["j001"].gpus == 32 and rec["j001"].end_s is not None and rec["j001"].end_s > 600.0
+    assert (rec["j007"].start_s, rec["j007"].gpu_model) == (600.0, "V100M16")
     ends = {r.job_id: r.end_s for r in sim.records if r.end_s is not None}
     got = replay(service(), jobs, ends)
     assert got == {r.job_id: (r.start_s, r.clusters, r.gpu_model, r.gpus) for r in sim.records}

@@ -1010,6 +1010,9 @@ class _Simulation:
     def _grow(self) -> None:
         """Nothing waits and GPUs came free: elastic runs below their maximum grow into them, by the
         rule the service's cycle applies (:func:`loom.sched.cycle.grow`)."""
+        # The snapshot's clock is the pass's: a grown run's predicted end is rescaled from now
+        # (resized_end_s), not from the time of the last decision.
+        self.snap.now = self.t
         grown = grow(self.snap)
         if not grown:
             return
