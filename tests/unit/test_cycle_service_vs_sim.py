@@ -230,7 +230,10 @@ def test_an_elastic_run_grown_later_is_predicted_from_the_time_it_grew() -> None
     jobs = [
         SimJob(spec=job("j000", 1, 1, 110, task_type="training_compute"), arrival_s=0.0),
         SimJob(spec=job("j001", 8, 4, 129, task_type="inference", min_workers=1), arrival_s=0.0),
-        *(SimJob(spec=job(f"j00{i}", 1, 1, 10, task_type="training_compute"), arrival_s=0.0) for i in range(2, 7)),
+        *(
+            SimJob(spec=job(f"j00{i}", 1, 1, 10, task_type="training_compute"), arrival_s=0.0)
+            for i in range(2, 7)
+        ),
         SimJob(spec=job("j007", 1, 1, 10, task_type="training_compute"), arrival_s=600.0),
     ]
     policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
