@@ -177,22 +177,26 @@ def test_an_elastic_job_grows_back_in_the_simulator_as_in_the_service() -> None:
     assert got["el"] == (1.0, rec["el"].clusters, "V100M32", total)
 
 
+def job(job_id: str, gpus: int, workers: int, steps: int, **extra: Any) -> JobSpec:
+    """A job of tenant "a" for the real-task-type cases (a training job unless ``task_type`` says)."""
+    return JobSpec(
+        **{
+            "job_id": job_id,
+            "tenant": "a",
+            "task_type": "training_compute",
+            "resources": Resources(gpus=gpus),
+            "workers": workers,
+            "work": Work(steps=steps, step_time_s=10.0),
+            **extra,
+        }
+    )
+
+
 def test_a_job_shaped_like_one_that_waits_for_faster_gpus_gets_a_decision_of_its_own() -> None:
     """The simulator queued a job without a decision when a job of its shape had failed and no
     pool had freed since; but when that one was held back by a permit's choice (waiting for faster
     GPUs) the choice reads the job's own place in the queue, and placement decides the next one
     otherwise. Real task types (speeds differ by model), unlike the property test's."""
-
-    def job(job_id: str, gpus: int, workers: int, steps: int, priority: int = 100) -> JobSpec:
-        return JobSpec(
-            job_id=job_id,
-            tenant="a",
-            priority=priority,
-            task_type="training_compute",
-            resources=Resources(gpus=gpus),
-            workers=workers,
-            work=Work(steps=steps, step_time_s=10.0),
-        )
 
     jobs = [
         SimJob(spec=job("j000", 1, 1, 10), arrival_s=0.0),
@@ -216,16 +220,6 @@ def test_an_elastic_run_grown_later_is_predicted_from_the_time_it_grew() -> None
     grown at 265 s had its predicted end rescaled as if grown at 0 s (598.6 s instead of 664.9 s),
     and a job arriving at 600 s waited for GPUs it believed already free; placement rescales from
     the time of the growth. Real task types, as in the test above."""
-
-    def job(job_id: str, gpus: int, workers: int, steps: int, **extra: Any) -> JobSpec:
-        return JobSpec(
-            job_id=job_id,
-            tenant="a",
-            resources=Resources(gpus=gpus),
-            workers=workers,
-            work=Work(steps=steps, step_time_s=10.0),
-            **extra,
-        )
 
     jobs = [
         SimJob(spec=job("j000", 1, 1, 110, task_type="training_compute"), arrival_s=0.0),
