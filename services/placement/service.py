@@ -2912,13 +2912,13 @@ class PlacementService:
                     result: object = await self._tenant_query(db, op, {**request, "tenant": tenant})
             elif op == "learned":
                 learner = await speeds.load_learner(self.pool, self.learner.settings)
-                steady = learner.steady_cells()
+                steady, spreads = learner.steady_cells(), learner.spreads()
                 result = [
                     {
                         **msgspec.to_builtins(e),
                         # How far the family's runs on one model disagree, and whether comparative
                         # advantage acts on this cell's ratios (loom.sched.plugins.advantage).
-                        "spread": learner.spread(e.family),
+                        "spread": spreads.get(e.family),
                         "steady": (e.family, e.gpu_model) in steady,
                     }
                     for e in learner.estimates()

@@ -411,34 +411,32 @@ class SpeedLearner:
         """Cells with a run of their own (a speed probe that taught included)."""
         return {k for k, c in self._cells.items() if c.runs > 0}
 
-    def spread(self, family: str) -> float | None:
-        """How far the family's runs on one GPU model disagree: the sd of their log factors within
-        each model, pooled over its models with two runs or more (None: no such model yet). Runs
-        of one model of network agree within noise; a "family" whose jobs differ (a label too
-        coarse, jobs of several models under one name) shows a large spread, and a ratio of its
-        factors between two models says little of any one job."""
-        squares, free = 0.0, 0.0
+    def spreads(self) -> dict[str, float]:
+        """Family -> how far its runs on one GPU model disagree: the sd of their log factors within
+        each model, pooled over its models with two runs or more (a family with no such model yet
+        is absent). Runs of one model of network agree within noise; a "family" whose jobs differ
+        (a label too coarse, jobs of several models under one name) shows a large spread, and a
+        ratio of its factors between two models says little of any one job."""
+        sums: dict[str, list[float]] = {}
         for key in sorted(self._cells):  # one order, whatever the order the cells were learned in
             c = self._cells[key]
-            if key[0] != family or c.logged < 2 - 1e-9:
+            if c.logged < 2 - 1e-9:
                 continue
-            squares += max(c.log_sq - c.log_sum * c.log_sum / c.logged, 0.0)
-            free += c.logged - 1
-        return math.sqrt(squares / free) if free > 0 else None
+            acc = sums.setdefault(key[0], [0.0, 0.0])
+            acc[0] += max(c.log_sq - c.log_sum * c.log_sum / c.logged, 0.0)
+            acc[1] += c.logged - 1
+        return {f: math.sqrt(sq / free) for f, (sq, free) in sums.items() if free > 0}
+
+    def spread(self, family: str) -> float | None:
+        """One family's :meth:`spreads` entry (None: no model with two runs yet)."""
+        return self.spreads().get(family)
 
     def steady_cells(self, max_spread: float = STEADY_SPREAD) -> set[tuple[str, str]]:
         """The :meth:`measured_cells` of the families whose :meth:`spread` is not known to exceed
         ``max_spread`` (a family with one run per model counts: nothing says its runs disagree):
         the cells whose ratios comparative advantage acts on (:mod:`loom.sched.plugins.advantage`)."""
-        spreads: dict[str, float | None] = {}
-        steady: set[tuple[str, str]] = set()
-        for family, gpu_model in self.measured_cells():
-            if family not in spreads:
-                spreads[family] = self.spread(family)
-            spread = spreads[family]
-            if spread is None or spread <= max_spread:
-                steady.add((family, gpu_model))
-        return steady
+        spreads = self.spreads()
+        return {(f, g) for f, g in self.measured_cells() if spreads.get(f, 0.0) <= max_spread}
 
     def known_cells(self) -> set[tuple[str, str]]:
         """Cells that need no probe: those with a run of their own and those probed."""

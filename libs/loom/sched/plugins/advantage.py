@@ -38,11 +38,8 @@ ADVANTAGE_CAP = 4.0
 beyond it, more contrast would only let this one plugin outvote a job's own predicted run."""
 
 
-def _relative(speeds: FloatArray, allowed: BoolArray | None = None) -> FloatArray | None:
-    """Speeds over the fastest (of the ``allowed`` models), 0 where not allowed; None: no speed."""
-    if allowed is None:
-        top = float(speeds.max(initial=0.0))
-        return speeds / top if top > 0 else None
+def _relative(speeds: FloatArray, allowed: BoolArray) -> FloatArray | None:
+    """Speeds over the fastest of the ``allowed`` models, 0 where not allowed; None: no speed."""
     top = float(speeds[allowed].max(initial=0.0))
     return np.where(allowed, speeds / top, 0.0) if top > 0 else None
 
@@ -92,12 +89,12 @@ def _running_sums(snap: Snapshot, shared: dict[Hashable, Any] | None) -> _Sums:
         sums: _Sums = held[1]
     else:
         sums = _Sums(len(snap.models))
-    every = np.ones(len(snap.models))
+    every = np.ones(len(snap.models), dtype=bool)
     for run in running[sums.seen :]:
-        rel = _relative(snap.job_speeds(run))
+        rel = _relative(snap.job_speeds(run), every)
         if rel is not None:
             gpus = float(max(run.gpus, 1))
-            sums.add(run.job_id, gpus * rel, gpus * every)
+            sums.add(run.job_id, gpus * rel, np.full(len(every), gpus))
     sums.seen = len(running)
     if shared is not None:
         shared[_RUNNING] = (running, sums)
@@ -146,7 +143,7 @@ def _measured(state: CycleState, candidates: Candidates) -> bool:
 
 
 class ComparativeAdvantage:
-    """Under contention, the GPU models where the job loses least against the waiting jobs."""
+    """While jobs wait, the GPU models where the job loses least against the active jobs."""
 
     name = "comparative_advantage"
 
