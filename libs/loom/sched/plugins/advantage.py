@@ -153,10 +153,12 @@ class ComparativeAdvantage:
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         snap = state.snapshot
+        if snap.waiting_count(exclude=state.job.job_id) == 0 or not _measured(state, candidates):
+            return np.ones(len(candidates))  # the common case, at once: nobody waits
         speeds = snap.job_speeds(state.job)
         # Relative to the job's fastest model its rules allow, whether or not it has room now.
         top = float(speeds[state.model_mask].max(initial=0.0)) if state.model_mask.any() else 0.0
-        if top <= 0 or snap.waiting_count(exclude=state.job.job_id) == 0 or not _measured(state, candidates):
+        if top <= 0:
             return np.ones(len(candidates))
         rate, _ = going_rate(snap, exclude=state.job.job_id, shared=state.shared)
         relative = speeds[candidates.model] / top
