@@ -388,13 +388,21 @@ async def prepare(nats_url: str, database_url: str) -> None:
         await nc.drain()
 
 
-async def wait_healthy(nats_url: str, names: list[str], timeout_s: float) -> list[str]:
-    """Wait until every named service answers its health subject; returns those that never did."""
+async def wait_healthy(
+    nats_url: str, names: list[str], timeout_s: float, *, tick: Callable[[], None] | None = None
+) -> list[str]:
+    """Wait until every named service answers its health subject; returns those that never did.
+
+    ``tick`` runs before each round of requests: the supervisor restarts there a service that died
+    while starting (one whose ``/metrics`` port was taken between its pick and its bind, say).
+    """
     nc = await connect(nats_url, "loom-supervisor")
     pending = list(names)
     deadline = time.monotonic() + timeout_s
     try:
         while pending and time.monotonic() < deadline:
+            if tick is not None:
+                tick()
             for name in list(pending):
                 try:
                     await nc.request(subjects.service_health(name), b"", timeout=0.5)
@@ -817,7 +825,15 @@ class Supervisor:
             self.start_slurm()
             self.start_services(env)
             self.write_state("starting", nats_url=nats_url, database_url=database_url)
-            silent = asyncio.run(wait_healthy(nats_url, list(self.services), timeout_s=HEALTHY_WITHIN_S))
+            backoff: dict[str, float] = {}
+            silent = asyncio.run(
+                wait_healthy(
+                    nats_url,
+                    list(self.services),
+                    timeout_s=HEALTHY_WITHIN_S,
+                    tick=lambda: self.restart_dead(env, backoff, "starting"),
+                )
+            )
             if silent:
                 # What each silent service last said: a start that hangs is otherwise gone with
                 # the stack's home (the benches remove theirs).
@@ -826,34 +842,42 @@ class Supervisor:
                 )
                 raise RuntimeError(f"services never answered their health check: {', '.join(silent)}{tails}")
             self.write_state("ready")
-            backoff: dict[str, float] = {}
             while not self.stopping:
                 time.sleep(0.2)
                 if self.watch_servers() and not self.stopping:
                     self.write_state("ready")
-                for name, proc in list(self.procs.items()):
-                    if proc.poll() is None or self.stopping:
-                        continue
-                    svc = self.services[name]
-                    delay = min(2**svc.restarts * 0.25, 10.0)
-                    if time.time() < backoff.get(name, 0.0):
-                        continue
-                    if name not in backoff:
-                        backoff[name] = time.time() + delay
-                        svc.last_exit = describe_exit(proc.returncode)
-                        svc.pid = None
-                        self.write_state("ready")
-                        continue
-                    del backoff[name]
-                    svc.restarts += 1
-                    self.spawn(svc, self.process_env(name, env))
-                    self.write_state("ready")
+                self.restart_dead(env, backoff, "ready")
         except Exception as exc:
             self.write_state("failed", error=str(exc))
             self.shutdown()
             raise
         self.shutdown()
         return 0
+
+    def restart_dead(self, env: dict[str, str], backoff: dict[str, float], status: str) -> None:
+        """Respawn each service that exited, after a backoff doubled per restart (at most 10 s).
+
+        Runs while the stack starts as well as once it is ready: a service that dies at start-up
+        (its free ``/metrics`` port taken before it bound it) is started again, on a port
+        :meth:`spawn` picks anew, instead of holding the whole stack until the health timeout.
+        """
+        for name, proc in list(self.procs.items()):
+            if proc.poll() is None or self.stopping:
+                continue
+            svc = self.services[name]
+            delay = min(2**svc.restarts * 0.25, 10.0)
+            if time.time() < backoff.get(name, 0.0):
+                continue
+            if name not in backoff:
+                backoff[name] = time.time() + delay
+                svc.last_exit = describe_exit(proc.returncode)
+                svc.pid = None
+                self.write_state(status)
+                continue
+            del backoff[name]
+            svc.restarts += 1
+            self.spawn(svc, self.process_env(name, env))
+            self.write_state(status)
 
     def shutdown(self) -> None:
         """Stop services (SIGTERM, then SIGKILL after 10 s), then PostgreSQL and NATS."""
