@@ -1441,7 +1441,7 @@ class PlacementService:
             per_job = result.decide_ms / len(jobs)
             last = self.decide_ms_per_job
             self.decide_ms_per_job = per_job if last is None else 0.7 * last + 0.3 * per_job
-        taken_back = fold_within(result)
+        taken_back = fold_within(result, snap)
         for job_id in taken_back:
             runs.pop(job_id, None)
         for p in result.placed:

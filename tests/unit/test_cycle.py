@@ -136,11 +136,25 @@ def test_elastic_jobs_grow_only_when_nothing_waits() -> None:
     assert run_cycle(fw, [], snap, backlog=1).grown == []  # jobs queued outside this cycle: no growth
 
 
+def two_tenants(snap: Snapshot) -> QuotaBook:
+    snap.quota = QuotaBook(
+        TenantConfig(
+            tenants={t: TenantQuota(name=t, cohort=None, gpus=64) for t in ("el-tenant", "gang-tenant")},
+            open=False,
+        ),
+        {},
+    )
+    return snap.quota
+
+
 def test_a_run_shrunk_within_its_own_cycle_is_placed_at_the_smaller_size() -> None:
     snap = two_clusters()
+    quota = two_tenants(snap)
     fw = Framework([ResourceFit(), ElasticShrink(), ScuFit()])
-    first = Q(job("el", gpus=1, workers=16, min_workers=4, resources={"gpu_models": ["A100"]}))
-    second = Q(job("gang", gpus=8, resources={"gpu_models": ["A100"]}))
+    first = Q(
+        job("el", gpus=1, workers=16, min_workers=4, tenant="el-tenant", resources={"gpu_models": ["A100"]})
+    )
+    second = Q(job("gang", gpus=8, tenant="gang-tenant", resources={"gpu_models": ["A100"]}))
     placed: list[str] = []
 
     def listed(p: Q, d: object) -> None:
@@ -150,22 +164,28 @@ def test_a_run_shrunk_within_its_own_cycle_is_placed_at_the_smaller_size() -> No
     result = run_cycle(fw, [first, second], snap, placed=listed)
     assert placed == ["el", "gang"]
     assert [s.job_id for s in result.shrunk] == ["el"]
-    fold_within(result)
+    assert quota.held("el-tenant") == 16  # counted at its placement, before the shrink
+    fold_within(result, snap)
     assert result.shrunk == [] and result.preempted == []
     el = next(p for p in result.placed if p.pending.job.job_id == "el")
     assert el.decision.workers == 8 and sum(g for _, g in el.decision.parts[0].allocations) == 8
+    # The quota holds what each placement holds now (it kept the 8 the shrink took, for good).
+    assert (quota.held("el-tenant"), quota.held("gang-tenant")) == (8, 8)
 
 
 def test_a_run_preempted_within_its_own_cycle_is_taken_back_and_waits() -> None:
     # The queue goes by priority, so a cycle preempts its own placement only in odd orders; the
     # rule holds whatever the order: the victim waits, as if never placed.
     snap = two_clusters()
+    quota = two_tenants(snap)
     fw = Framework([ResourceFit(), ScuFit()])
-    result = run_cycle(fw, [Q(job("low", gpus=8)), Q(job("high", gpus=8))], snap)
+    low, high = Q(job("low", gpus=8, tenant="el-tenant")), Q(job("high", gpus=8, tenant="gang-tenant"))
+    result = run_cycle(fw, [low, high], snap)
     result.preempted.append(Preempted("low", by="high"))
     result.preempted.append(Preempted("running-before", by="high"))
-    undone = fold_within(result)
+    undone = fold_within(result, snap)
     assert undone == {"low"}
+    assert (quota.held("el-tenant"), quota.held("gang-tenant")) == (0, 8)  # the waiting job holds none
     assert [p.pending.job.job_id for p in result.placed] == ["high"]
     assert [w.pending.job.job_id for w in result.waiting] == ["low"]
     assert [p.job_id for p in result.preempted] == ["running-before"]  # still stopped for real

@@ -6,13 +6,16 @@ simulator ended the run) are then fed to a :class:`PlacementService` the way its
 a completion drops the run from the book (``on_lifecycle``), a cycle runs over the new jobs and
 every queued job after capacity changed, with growth once nothing waits (``_requeue_cycle``), and
 the result is adopted by the service's own ``_commit`` (a preempted run queued again as its next
-attempt, as ``_give_up`` does). Only the store and the bus are left out
+attempt, as ``_give_up`` does); a job a permit holds back (waiting for faster GPUs) is decided
+again when its patience ends, as the service retries it when its backoff does and the simulator at
+its wake. Only the store and the bus are left out
 (the service's ``_decide`` is the in-memory half of its ``_schedule``; what ``_shrink`` and
 ``_grow`` write is mirrored in memory). Every job must start at the same time, on the same
 clusters and GPU model, and end with the same GPUs; rejections must match.
 """
 
 import dataclasses
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from loom.model.family import family_of
 from loom.model.topology import load_topology
 from loom.sched.profile import build_framework
 from loom.sim.engine import platform_from_topology, simulate
@@ -35,8 +39,13 @@ PLATFORM = platform_from_topology(TOPOLOGY)
 TASKS = ("training", "inference", "fine_tuning")
 
 
+REAL_TASKS = ("training_compute", "training_memory", "training_comm", "inference")
+"""Task types the profiles weigh apart: GPU models differ in speed by task type, so decisions weigh
+a faster GPU (waits for one, comparative advantage)."""
+
+
 @st.composite
-def traces(draw: Any) -> list[SimJob]:
+def traces(draw: Any, tasks: tuple[str, ...] = TASKS) -> list[SimJob]:
     count = draw(st.integers(min_value=4, max_value=28))
     jobs = []
     t = 0.0
@@ -51,7 +60,7 @@ def traces(draw: Any) -> list[SimJob]:
             job_id=f"j{i:03d}",
             tenant=draw(st.sampled_from(["a", "b", "c"])),
             priority=draw(st.sampled_from([100, 100, 100, 200])),
-            task_type=draw(st.sampled_from(TASKS)),
+            task_type=draw(st.sampled_from(tasks)),
             resources=Resources(gpus=gpus),
             workers=workers,
             min_workers=1 if elastic else None,
@@ -82,7 +91,15 @@ def replay(svc: PlacementService, jobs: list[SimJob], ends: dict[str, float]) ->
     for job in jobs:
         arrivals.setdefault(job.arrival_s, []).append(job)
     times = sorted(set(arrivals) | set(ends.values()))
-    for t in times:
+    # A permit's patience (Waiting.wake_in_s): the service retries the job when its backoff ends
+    # (retry_in_s is at most the patience) even if nothing changed; the simulator decides it again
+    # then (its wake event). The earliest wake of each job counts, as the simulator keeps it.
+    wakes: dict[str, float] = {}
+    while times:
+        t = times.pop(0)
+        woken = sorted(job_id for job_id, at in wakes.items() if at == t)
+        for job_id in woken:
+            del wakes[job_id]
         finished = [job_id for job_id, end in ends.items() if end == t and job_id in svc.book.runs]
         for job_id in sorted(finished):
             run = svc.book.drop_run(job_id)
@@ -95,23 +112,22 @@ def replay(svc: PlacementService, jobs: list[SimJob], ends: dict[str, float]) ->
             for j in arrivals.get(t, [])
         ]
         changed = bool(finished)
+        fresh += [svc.queue[job_id] for job_id in woken if job_id in svc.queue]
         while True:
             considered = fresh + (list(svc.queue.values()) if changed else [])
             fresh = []
             applied = svc._decide(considered, now=t, grow=changed)
             result = applied.cycle
-            for pre in result.preempted:
-                # What _give_up does in memory: the victim is queued again as its next attempt.
-                run = svc.book.runs[pre.job_id]
-                again = dataclasses.replace(run.queued, attempt=run.attempt + 1, tries=0)
-                applied.requeued.append((run, again, "preempted"))
-            for s in result.shrunk:
-                cluster, model, _ = svc.book.runs[s.job_id].parts[0]
-                applied.shrunk.append((s.job_id, [(cluster, model, s.allocations)], s.workers))
-            for g in result.grown:
-                applied.grown.append((g.job_id, [(g.cluster, g.gpu_model, g.allocations)], g.workers))
+            for w in result.waiting:
+                at = t + w.wake_in_s if w.wake_in_s is not None else None
+                job_id = w.pending.job.job_id
+                if at is not None and at > t and at < wakes.get(job_id, float("inf")):
+                    wakes[job_id] = at
+                    times = sorted({*times, at})
+            mirror_writes(svc, applied)
             svc._commit(applied, considered)
             for p in result.placed:
+                wakes.pop(p.pending.job.job_id, None)
                 d = p.decision
                 first = got.get(p.pending.job.job_id, (t,))[0]  # a requeued job keeps its first start
                 parts = tuple(part.cluster for part in d.parts)
@@ -128,13 +144,66 @@ def replay(svc: PlacementService, jobs: list[SimJob], ends: dict[str, float]) ->
     return got
 
 
+def mirror_writes(svc: PlacementService, applied: Any) -> None:
+    """What the service's writes of a cycle's effects record in memory (``_give_up``, ``_shrink``,
+    ``_grow``), for ``_commit`` to adopt."""
+    result = applied.cycle
+    for pre in result.preempted:
+        # What _give_up does in memory: the victim is queued again as its next attempt.
+        run = svc.book.runs[pre.job_id]
+        again = dataclasses.replace(run.queued, attempt=run.attempt + 1, tries=0)
+        applied.requeued.append((run, again, "preempted"))
+    for s in result.shrunk:
+        cluster, model, _ = svc.book.runs[s.job_id].parts[0]
+        applied.shrunk.append((s.job_id, [(cluster, model, s.allocations)], s.workers))
+    for g in result.grown:
+        if g.job_id in svc.book.runs:
+            applied.grown.append((g.job_id, [(g.cluster, g.gpu_model, g.allocations)], g.workers))
+        else:
+            # What _grow does for a run placed in this very cycle (not committed yet): no growth
+            # written, the snapshot rebuilt after the commit, and capacity changed, so the next
+            # cycle, at once, grows it.
+            applied.stale = True
+
+
 # Derandomized: the same 60 cases every run (CI must not flip on a new draw); 1,200 random cases
 # passed while building it (--hypothesis-seed 11 and 12 with max_examples=600), and 400 more once
 # jobs could arrive together.
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(traces())
 def test_the_service_decides_what_the_simulator_decides(jobs: list[SimJob]) -> None:
-    policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
+    same_decisions(jobs)
+
+
+class MeasuredPolicy(FrameworkPolicy):
+    """Loom with every (family, GPU model) cell measured, as the learned-speeds query marks them:
+    comparative advantage acts on the ratios (a service adopts the same cells, ``set_learned``)."""
+
+    def prepare(self, snap: Any, jobs: Any, truth: Any, seed: int) -> None:
+        super().prepare(snap, jobs, truth, seed)
+        snap.set_learned({}, MEASURED)
+
+
+MEASURED = frozenset(
+    (family_of({}, task), model) for task in REAL_TASKS for model in {n.gpu_model for n in PLATFORM.nodes}
+)
+
+
+# Derandomized as the test above; 600 more cases passed while building it (max_examples=600).
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(traces(REAL_TASKS), st.booleans())
+def test_the_service_decides_what_the_simulator_decides_where_gpu_speeds_differ(
+    jobs: list[SimJob], measured: bool
+) -> None:
+    """Real task types: decisions wait for faster GPUs (a permit's patience, its wake included)
+    and, with every cell measured, weigh comparative advantage."""
+    same_decisions(jobs, measured=measured)
+
+
+def same_decisions(jobs: list[SimJob], *, measured: bool = False) -> None:
+    """The simulator plays ``jobs``; the service, fed the same events, decides every job alike."""
+    framework = build_framework(context={"economics": PLATFORM.economics})
+    policy = MeasuredPolicy("loom", framework) if measured else FrameworkPolicy("loom", framework)
     sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0)
     expected: dict[str, tuple[Any, ...]] = {}
     ends: dict[str, float] = {}
@@ -145,8 +214,30 @@ def test_the_service_decides_what_the_simulator_decides(jobs: list[SimJob]) -> N
             expected[rec.job_id] = (rec.start_s, rec.clusters, rec.gpu_model, rec.gpus)
             if rec.end_s is not None:
                 ends[rec.job_id] = rec.end_s
-    got = replay(service(), jobs, ends)
-    assert got == expected
+    svc = service()
+    if measured:
+        svc.book.set_learned({}, MEASURED)
+    got = replay(svc, jobs, ends)
+    assert to_the_nanosecond(got, expected) == expected
+
+
+def to_the_nanosecond(
+    got: dict[str, tuple[Any, ...]], expected: dict[str, tuple[Any, ...]]
+) -> dict[str, tuple[Any, ...]]:
+    """``got`` with each start time within 1 ns of the expected one taken as equal: a permit's wake
+    is now plus a wait computed from the running jobs' predicted ends, which the simulator and the
+    book compute by different sums (the same decision, at instants 1e-13 s apart)."""
+    out = dict(got)
+    for job_id, mine in got.items():
+        theirs = expected.get(job_id)
+        if (
+            theirs is not None
+            and isinstance(mine[0], float)
+            and isinstance(theirs[0], float)
+            and math.isclose(mine[0], theirs[0], rel_tol=0.0, abs_tol=1e-9)
+        ):
+            out[job_id] = (theirs[0], *mine[1:])
+    return out
 
 
 def test_an_elastic_job_grows_back_in_the_simulator_as_in_the_service() -> None:

@@ -43,6 +43,7 @@ from loom.sched.snapshot import RunningJob, Snapshot
 from loom_proto.jobs import JobSpec, RejectCode
 
 __all__ = [
+    "WAKE_AFTER_S",
     "CycleResult",
     "CycleSettings",
     "Decide",
@@ -95,6 +96,12 @@ class Pending(Protocol):
 
 
 P = TypeVar("P", bound=Pending)
+
+WAKE_AFTER_S = 1e-6
+"""Added to a permit's patience (:attr:`Waiting.wake_in_s`): the patience is mostly a running job's
+predicted end less now, so ``now + wait`` lands a rounding error before or after that end; a wake
+before it decided the job again at an instant its GPUs were still held (it gave up the faster
+GPU it waited for, a few ulps before they freed)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,7 +372,7 @@ def _classify(result: CycleResult[P], p: P, outcome: Outcome, settings: CycleSet
         result.rejected.append(Rejected(p, status.reject, reason, status.hint, outcome.record))
         return
     retry = backoff_s(p.tries, settings)
-    wake = status.wait_s if status.code == Code.UNSCHEDULABLE and status.wait_s > 0 else None
+    wake = status.wait_s + WAKE_AFTER_S if status.code == Code.UNSCHEDULABLE and status.wait_s > 0 else None
     if wake is not None:
         retry = min(retry, wake)  # a permit's patience ends then even if nothing changes
     result.waiting.append(Waiting(p, outcome.record, retry, wake, error=status.code == Code.ERROR))
@@ -481,11 +488,19 @@ def progress_end_s(*, now_s: float, done: float, elapsed_s: float, done_before: 
     return now_s + elapsed_s * max(1.0 - done, 0.0) / share
 
 
-def fold_within(result: CycleResult[P]) -> set[str]:
+def fold_within(result: CycleResult[P], snap: Snapshot | None = None) -> set[str]:
     """A run placed by this cycle and then shrunk or preempted by a later job of it is settled
     within the cycle, since it has not started: a shrink becomes the placement's size (its part's
     allocations and workers), a preemption takes the placement back (the job waits, as if never
-    placed). Returns the job ids taken back. Pure; ``result`` is changed in place."""
+    placed). Returns the job ids taken back. ``result`` is changed in place.
+
+    The snapshot the cycle ran on (``snap``) counted each placement in its tenant's quota, and a
+    shrink or a preemption gives GPUs back in the snapshot but not in the quota (a started run's
+    quota is given back when its run is resized or dropped); here the tenant gets back what the
+    shrink took from a placement, and a placement taken back whole. Without it a tenant whose job
+    was shrunk within its own cycle kept the difference in its quota for good (queued behind
+    others by a fair share it did not hold, refused by a quota it did not use)."""
+    quota = snap.quota if snap is not None else None
     placed = {p.pending.job.job_id: p for p in result.placed}
     undone = {pre.job_id for pre in result.preempted if pre.job_id in placed}
     for s in result.shrunk:
@@ -493,8 +508,16 @@ def fold_within(result: CycleResult[P]) -> set[str]:
         if p is None or s.job_id in undone:
             continue
         d = p.decision
+        before = sum(g for _, g in d.parts[0].allocations)
         d.parts[0] = dataclasses.replace(d.parts[0], allocations=s.allocations)
         d.workers = s.workers
+        if quota is not None:
+            quota.give(p.pending.job.tenant, max(before - sum(g for _, g in s.allocations), 0))
+    if quota is not None:
+        for job_id in sorted(undone):
+            quota.give(
+                placed[job_id].pending.job.tenant, sum(g for _, g in placed[job_id].decision.allocations)
+            )
     if undone:
         result.placed = [p for p in result.placed if p.pending.job.job_id not in undone]
         result.waiting += [

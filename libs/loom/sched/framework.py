@@ -487,6 +487,7 @@ class DecisionRecord:
         "notes",
         "outcome",
         "pruned",
+        "queued",
         "reason",
         "victims",
         "weights",
@@ -521,6 +522,10 @@ class DecisionRecord:
         self.notes: list[str] = notes if notes is not None else []
         self.considered = considered
         """How many candidates were scored (the record keeps the best of them)."""
+        self.queued = False
+        """Nothing fitted the job in one cluster, so it joined the queue (``Snapshot.waiting``); a job
+        held back by a permit's choice while a cluster holds it (waiting for faster GPUs) is not,
+        though it may still be counted there from an earlier decision."""
 
     @property
     def candidates(self) -> list[CandidateRecord]:
@@ -963,11 +968,7 @@ class Framework:
             # tried or not (placed, schedule() takes it out). A gang the span guard refuses every
             # spread thus waits exactly as with spanning forbidden; a job held back by a permit's
             # choice while a cluster holds it now (waiting for faster GPUs) is not queued.
-            snap.waiting.add(job.job_id)
-            if queue_key is not None:
-                shape = self.queued_shape(job, snap, queue_key, state=state)
-                if shape is not None:
-                    snap.queued[job.job_id] = shape
+            self._join_queue(state, record, queue_key)
         if len(candidates) == 0 and job.allow_multi_cluster and job.pipeline is None:
             partial = self.find_candidates(state, min_capacity=1)
             if len(partial):
@@ -1002,6 +1003,19 @@ class Framework:
             totals = self.score(state, candidates, record)
             decision = self.choose(state, candidates, totals)
         return self._settled(decision, self.finish(state, decision, record, apply=apply))
+
+    def _join_queue(
+        self, state: CycleState, record: DecisionRecord, queue_key: tuple[Any, ...] | None
+    ) -> None:
+        """Nothing fits the job in one cluster: it counts in the queue (``Snapshot.waiting``), with
+        its shape at its place in the queue order when it has one (``Snapshot.queued``)."""
+        job, snap = state.job, state.snapshot
+        snap.waiting.add(job.job_id)
+        record.queued = True
+        if queue_key is not None:
+            shape = self.queued_shape(job, snap, queue_key, state=state)
+            if shape is not None:
+                snap.queued[job.job_id] = shape
 
     @staticmethod
     def _settled(decision: Decision, outcome: Outcome) -> Outcome:

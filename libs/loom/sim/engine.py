@@ -27,7 +27,11 @@ then one scheduling pass runs, in queue order (the policy's queue sort):
   no pool of it holds them, as the framework spreads only then; pipelines: over all) and holds more than
   when a job of the shape last failed, or, for a job asking CPU or RAM, a released pool has room for
   it counted with them (whole-worker counts do not say which node freed); once a job of a shape
-  fails in a pass the rest of it waits.
+  finds nothing fits in a pass the rest of it waits, each counted in the queue at its place in the
+  queue order (placement decides them and finds the same). A job held back by a permit's choice
+  (waiting for faster GPUs) says nothing of the next one: the shape's next job is decided too.
+  A permit's patience ends with a wake event deciding that job again even if nothing changed (as
+  placement retries it when its backoff, at most that patience, ends).
   These are necessary conditions read from the snapshot, so a retry is skipped only where the
   decision could not have placed the job by free capacity. A pass that ran out of budget while
   still placing (or rejecting) jobs goes on at the same instant. So waiting jobs are not re-scored
@@ -501,11 +505,14 @@ class _Simulation:
         """Shapes with jobs waiting."""
         self.fresh: list[_Job] = []
         self.dirty: set[Pair] = set()
+        self.started_in_pass: set[str] = set()
+        """Jobs this pass started: a later job of it that shrinks one frees nothing for the queue
+        (placement settles a shrink of its cycle's own placement as a smaller placement,
+        :func:`~loom.sched.cycle.fold_within`, and retries no one for it)."""
         self.retry_post = False
         self.retry_all = False
         self.wakes: dict[str, float] = {}
         """Job id -> when its queued wake fires (one per job)."""
-        self.woken: set[int] = set()
         """Shapes (indices) a wake made due for the next pass."""
         """The network changed: every waiting shape is retried once (within the budget)."""
         self.by_cluster: dict[str, set[str]] = {}
@@ -838,9 +845,9 @@ class _Simulation:
         pairs, self.dirty = self.dirty, set()
         retry_post, self.retry_post = self.retry_post, False
         retry_all, self.retry_all = self.retry_all, False
-        woken, self.woken = self.woken, set()
         fresh, self.fresh = self.fresh, []
-        if not fresh and not (self.waiting and (pairs or retry_post or retry_all or woken)):
+        self.started_in_pass = set()
+        if not fresh and not (self.waiting and (pairs or retry_post or retry_all)):
             if pairs and not self.waiting and self.elastic:
                 self._grow()
             return
@@ -860,7 +867,6 @@ class _Simulation:
         def due(shape: _Shape) -> bool:
             return bool(shape.heap) and (
                 retry_all
-                or shape.index in woken
                 or chosen(shape)
                 or (bool(pairs) and self._fits(shape, pairs) and self._better(shape, pairs))
                 or room(shape)
@@ -872,14 +878,26 @@ class _Simulation:
         heap += [(s.heap[0][0], 1, s.index, s) for s in self.waiting.values() if due(s)]
         heapq.heapify(heap)
         failed: set[int] = set()
-        """Shapes a job of which failed in this pass: the rest of them wait."""
+        """Shapes a job of which found nothing fits in this pass: the rest of them wait."""
+        decided: set[str] = set()
+        set_aside: list[tuple[_Shape, tuple[Any, ...]]] = []
+        """Jobs decided in this pass taken off their shape's heap, so that its next job is decided:
+        a job held back by a permit's choice says nothing of the next one (placement decides every
+        queued job after capacity changed). Put back once the pass is over."""
+
+        def next_up(shape: _Shape) -> tuple[Any, ...] | None:
+            """The key of the shape's first job not decided yet in this pass (None: none is left)."""
+            while shape.heap and shape.heap[0][2] in decided:
+                set_aside.append((shape, heapq.heappop(shape.heap)))
+            return shape.heap[0][0] if shape.heap else None
+
         budget = self.budget
         # A job was placed or rejected in this pass: the queue moved, so shapes the budget left
         # over are owed their decision in a pass at the same instant.
         placed = False
         leftover = False
         while heap:
-            _, _, _, ref = heapq.heappop(heap)
+            popped, _, _, ref = heapq.heappop(heap)
             if isinstance(ref, _Job):
                 job = ref
                 if job.done or job.run is not None:
@@ -909,37 +927,57 @@ class _Simulation:
                     continue
             else:
                 shape = ref
-                if shape.index in failed or not due(shape):
+                if not due(shape):
+                    continue
+                head = next_up(shape)
+                if head is None:
+                    continue
+                if head != popped:
+                    # A shape can be in the heap twice (its fresh job's decision pushed it again):
+                    # its next job is decided at that job's place in the queue order, not earlier.
+                    heapq.heappush(heap, (head, 1, shape.index, shape))
+                    continue
+                if shape.index in failed:
+                    # Nothing fits the shape now. Placement decides every queued job after
+                    # capacity changed, so each of them counts in the queue from here, in its
+                    # place, as its decision would count it (one held back by a permit's choice
+                    # before was not counted); no decision is made.
+                    job = self.jobs[shape.heap[0][2]]
+                    decided.add(job.spec.job_id)
+                    self.skipped += 1
+                    if job.spec.job_id not in self.snap.waiting:
+                        self.snap.waiting.add(job.spec.job_id)
+                        self._record_queued(job)
+                    if (key := next_up(shape)) is not None:
+                        heapq.heappush(heap, (key, 1, shape.index, shape))
                     continue
                 if budget <= 0:
                     leftover = True
                     continue
                 job = self.jobs[shape.heap[0][2]]
-                if not (
-                    retry_all
-                    or shape.index in woken
-                    or chosen(shape)
-                    or room(shape)
-                    or self._holds(job, pairs)
-                ):
+                if not (retry_all or chosen(shape) or room(shape) or self._holds(job, pairs)):
                     failed.add(shape.index)
+                    heapq.heappush(heap, (shape.heap[0][0], 1, shape.index, shape))  # counted next
                     continue
                 budget -= 1
                 self.retries += 1
                 heapq.heappop(shape.heap)
                 if not shape.heap:
                     self.waiting.pop(shape.key, None)
+            decided.add(job.spec.job_id)
             if self._decide(job):
                 placed = True
                 shape.seen = None
             elif job.done:
                 placed = True  # rejected (e.g. a spread the span guard now finds too costly)
-            else:
-                failed.add(shape.index)
+            elif shape.queued:
+                failed.add(shape.index)  # nothing fitted: nor will it for the rest of the shape
                 shape.seen = self._workers(shape.per_worker).copy()
-                continue
-            if shape.heap and shape.index not in failed:
-                heapq.heappush(heap, (shape.heap[0][0], 1, shape.index, shape))
+            if (key := next_up(shape)) is not None:
+                heapq.heappush(heap, (key, 1, shape.index, shape))
+        for shape, entry in set_aside:
+            heapq.heappush(shape.heap, entry)
+            self.waiting[shape.key] = shape
         if leftover and placed:
             self.dirty |= pairs
             self.retry_post = self.retry_post or retry_post
@@ -978,7 +1016,8 @@ class _Simulation:
             self._reject(job, result.rejected[0].reason)
             return False
         job.shape.resolvable = True
-        job.shape.queued = job.spec.job_id in snap.waiting  # nothing fitted (not a permit's choice)
+        # Nothing fitted (not a permit's choice; the job may still be in the queue from before).
+        job.shape.queued = any(w.record.queued for w in result.waiting)
         if job.shape.queued:
             self._stage(job)
         for waiting in result.waiting:
@@ -1021,12 +1060,22 @@ class _Simulation:
             self._resize(g.job_id, g.workers, g.allocations)
 
     def _wake(self, event: _Event) -> None:
-        """A job's permit wait ended: its shape is decided again in this pass."""
+        """A job's permit wait ended: it is decided again in this pass, on its own (placement
+        retries the job when its backoff, at most that wait, ends), taken out of its shape's heap."""
         del self.wakes[event.job_id]
         self.pending -= 1
         job = self.jobs.get(event.job_id)
-        if job is not None and not job.done and job.run is None:
-            self.woken.add(job.shape.index)
+        if job is None or job.done or job.run is not None:
+            return
+        shape = job.shape
+        kept = [entry for entry in shape.heap if entry[2] != job.spec.job_id]
+        if len(kept) == len(shape.heap):
+            return  # not queued (still held for its speed probes)
+        heapq.heapify(kept)
+        shape.heap[:] = kept
+        if not kept:
+            self.waiting.pop(shape.key, None)
+        self.fresh.append(job)
 
     def _cancel_wake(self, job: _Job) -> None:
         """The job started: a wake queued for it would only stretch the run (it stays in the heap,
@@ -1192,6 +1241,7 @@ class _Simulation:
     # PLR0915: a start's bookkeeping across snapshot, run and timeline.
     def _start(self, job: _Job, d: Decision) -> None:  # noqa: PLR0915
         self._cancel_wake(job)
+        self.started_in_pass.add(job.spec.job_id)
         snap = self.snap
         spec = job.spec
         now = self.t
@@ -1686,8 +1736,10 @@ class _Simulation:
                 # A shrink gives GPUs back in the snapshot, not the tenant's quota (growth took it).
                 self.snap.quota.give(job.spec.tenant, old - run.gpus)
             # What the shrink freed beyond the new placement is free for the queue (placement
-            # retries every queued job after a shrink, as after any release).
-            self.dirty.update(run.pairs)
+            # retries every queued job after a shrink, as after any release), unless the run
+            # started in this pass (see started_in_pass).
+            if job_id not in self.started_in_pass:
+                self.dirty.update(run.pairs)
         self._count(run, +1)
         self._touch(run.pairs)
         self.gpus_used += run.gpus - old
