@@ -200,11 +200,23 @@ def test_the_service_decides_what_the_simulator_decides_where_gpu_speeds_differ(
     same_decisions(jobs, measured=measured)
 
 
-def same_decisions(jobs: list[SimJob], *, measured: bool = False) -> None:
-    """The simulator plays ``jobs``; the service, fed the same events, decides every job alike."""
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(traces(REAL_TASKS))
+def test_a_pass_out_of_budget_goes_on_at_the_same_instant_as_one_cycle_would(jobs: list[SimJob]) -> None:
+    """The simulator's passes decide one queued job each here: the rest are decided in passes at the
+    same instant, each once, as placement's one cycle decides them (a pass that ran out of budget
+    without placing anyone used to leave the rest to the next event)."""
+    same_decisions(jobs, budget=1)
+
+
+def same_decisions(jobs: list[SimJob], *, measured: bool = False, budget: int = 64) -> None:
+    """The simulator plays ``jobs`` (``budget``: its decisions per pass, the rest in passes at the
+    same instant); the service, fed the same events, decides every job alike."""
     framework = build_framework(context={"economics": PLATFORM.economics})
     policy = MeasuredPolicy("loom", framework) if measured else FrameworkPolicy("loom", framework)
-    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0)
+    sim = simulate(
+        Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0, max_decisions_per_event=budget
+    )
     expected: dict[str, tuple[Any, ...]] = {}
     ends: dict[str, float] = {}
     for rec in sim.records:

@@ -506,6 +506,9 @@ class _Simulation:
         self.fresh: list[_Job] = []
         self.dirty: set[Pair] = set()
         self.started_in_pass: set[str] = set()
+        self.carried: tuple[float, set[str]] | None = None
+        """The jobs a pass decided when its budget ran out (and nothing was released in it): the
+        pass that goes on at the same instant decides the others, not these again."""
         """Jobs this pass started: a later job of it that shrinks one frees nothing for the queue
         (placement settles a shrink of its cycle's own placement as a smaller placement,
         :func:`~loom.sched.cycle.fold_within`, and retries no one for it)."""
@@ -879,7 +882,8 @@ class _Simulation:
         heapq.heapify(heap)
         failed: set[int] = set()
         """Shapes a job of which found nothing fits in this pass: the rest of them wait."""
-        decided: set[str] = set()
+        carried, self.carried = self.carried, None
+        decided: set[str] = carried[1] if carried is not None and carried[0] == self.t else set()
         set_aside: list[tuple[_Shape, tuple[Any, ...]]] = []
         """Jobs decided in this pass taken off their shape's heap, so that its next job is decided:
         a job held back by a permit's choice says nothing of the next one (placement decides every
@@ -892,10 +896,8 @@ class _Simulation:
             return shape.heap[0][0] if shape.heap else None
 
         budget = self.budget
-        # A job was placed or rejected in this pass: the queue moved, so shapes the budget left
-        # over are owed their decision in a pass at the same instant.
-        placed = False
         leftover = False
+        """Shapes the budget left over: owed their decision in a pass at the same instant."""
         while heap:
             popped, _, _, ref = heapq.heappop(heap)
             if isinstance(ref, _Job):
@@ -966,10 +968,9 @@ class _Simulation:
                     self.waiting.pop(shape.key, None)
             decided.add(job.spec.job_id)
             if self._decide(job):
-                placed = True
                 shape.seen = None
             elif job.done:
-                placed = True  # rejected (e.g. a spread the span guard now finds too costly)
+                pass  # rejected (e.g. a spread the span guard now finds too costly)
             elif shape.queued:
                 failed.add(shape.index)  # nothing fitted: nor will it for the rest of the shape
                 shape.seen = self._workers(shape.per_worker).copy()
@@ -978,10 +979,16 @@ class _Simulation:
         for shape, entry in set_aside:
             heapq.heappush(shape.heap, entry)
             self.waiting[shape.key] = shape
-        if leftover and placed:
+        if leftover:
+            # The budget ran out: a pass at the same instant decides the rest, as placement's cycle
+            # decides every queued job (those this pass decided are not decided again, unless GPUs
+            # were released in it: placement then decides every job again).
+            released = bool(self.dirty or self.fresh)
             self.dirty |= pairs
             self.retry_post = self.retry_post or retry_post
             self.retry_all = self.retry_all or retry_all
+            if not released:
+                self.carried = (self.t, decided)
         if self.fresh or self.dirty or self.retry_post or self.retry_all:
             self._push(_Event(self.t, _CONTINUE, 0))
         elif pairs and not self.waiting and self.elastic:
