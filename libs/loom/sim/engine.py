@@ -506,18 +506,17 @@ class _Simulation:
         self.fresh: list[_Job] = []
         self.dirty: set[Pair] = set()
         self.started_in_pass: set[str] = set()
-        self.carried: tuple[float, set[str]] | None = None
-        """The jobs a pass decided when its budget ran out (and nothing was released in it): the
-        pass that goes on at the same instant decides the others, not these again."""
         """Jobs this pass started: a later job of it that shrinks one frees nothing for the queue
         (placement settles a shrink of its cycle's own placement as a smaller placement,
         :func:`~loom.sched.cycle.fold_within`, and retries no one for it)."""
+        self.carried: tuple[float, set[str]] | None = None
+        """The jobs a pass decided when its budget ran out (and nothing was released in it): the
+        pass that goes on at the same instant decides the others, not these again."""
         self.retry_post = False
         self.retry_all = False
+        """The network changed: every waiting shape is retried once (within the budget)."""
         self.wakes: dict[str, float] = {}
         """Job id -> when its queued wake fires (one per job)."""
-        """Shapes (indices) a wake made due for the next pass."""
-        """The network changed: every waiting shape is retried once (within the budget)."""
         self.by_cluster: dict[str, set[str]] = {}
         self.spanning: set[str] = set()
         self.serving: set[str] = set()
