@@ -53,14 +53,13 @@ def _start_dying_service(nats_url: str, tmp_path: Path) -> tuple[Supervisor, Ser
 def test_a_service_dead_at_start_up_is_restarted_while_the_stack_waits(nats_url: str, tmp_path: Path) -> None:
     supervisor, svc = _start_dying_service(nats_url, tmp_path)
     env = dict(os.environ)
-    backoff: dict[str, float] = {}
     try:
         silent = asyncio.run(
             wait_healthy(
                 nats_url,
                 [svc.name],
                 timeout_s=30,
-                tick=lambda: supervisor.restart_dead(env, backoff, "starting"),
+                tick=lambda: supervisor.restart_dead(env, "starting"),
             )
         )
         assert silent == []

@@ -565,6 +565,8 @@ class Supervisor:
         self.postgres: PostgresServer | None = None
         self.services: dict[str, ServiceProcess] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.restart_at: dict[str, float] = {}
+        """Service -> when its restart is due (:meth:`restart_dead`; absent: not noticed dead yet)."""
         self.state: dict[str, Any] = {}
         self.stopping = False
         self.watches: dict[str, ServerWatch] = {}
@@ -825,13 +827,12 @@ class Supervisor:
             self.start_slurm()
             self.start_services(env)
             self.write_state("starting", nats_url=nats_url, database_url=database_url)
-            backoff: dict[str, float] = {}
             silent = asyncio.run(
                 wait_healthy(
                     nats_url,
                     list(self.services),
                     timeout_s=HEALTHY_WITHIN_S,
-                    tick=lambda: self.restart_dead(env, backoff, "starting"),
+                    tick=lambda: self.restart_dead(env, "starting"),
                 )
             )
             if silent:
@@ -846,7 +847,7 @@ class Supervisor:
                 time.sleep(0.2)
                 if self.watch_servers() and not self.stopping:
                     self.write_state("ready")
-                self.restart_dead(env, backoff, "ready")
+                self.restart_dead(env, "ready")
         except Exception as exc:
             self.write_state("failed", error=str(exc))
             self.shutdown()
@@ -854,13 +855,14 @@ class Supervisor:
         self.shutdown()
         return 0
 
-    def restart_dead(self, env: dict[str, str], backoff: dict[str, float], status: str) -> None:
+    def restart_dead(self, env: dict[str, str], status: str) -> None:
         """Respawn each service that exited, after a backoff doubled per restart (at most 10 s).
 
         Runs while the stack starts as well as once it is ready: a service that dies at start-up
         (its free ``/metrics`` port taken before it bound it) is started again, on a port
         :meth:`spawn` picks anew, instead of holding the whole stack until the health timeout.
         """
+        backoff = self.restart_at
         for name, proc in list(self.procs.items()):
             if proc.poll() is None or self.stopping:
                 continue

@@ -958,7 +958,7 @@ class _Simulation:
                 job = self.jobs[shape.heap[0][2]]
                 if not (retry_all or chosen(shape) or room(shape) or self._holds(job, pairs)):
                     failed.add(shape.index)
-                    heapq.heappush(heap, (shape.heap[0][0], 1, shape.index, shape))  # counted next
+                    heapq.heappush(heap, (head, 1, shape.index, shape))  # counted next
                     continue
                 budget -= 1
                 self.retries += 1
@@ -968,9 +968,7 @@ class _Simulation:
             decided.add(job.spec.job_id)
             if self._decide(job):
                 shape.seen = None
-            elif job.done:
-                pass  # rejected (e.g. a spread the span guard now finds too costly)
-            elif shape.queued:
+            elif not job.done and shape.queued:  # (done: rejected, e.g. a spread now too costly)
                 failed.add(shape.index)  # nothing fitted: nor will it for the rest of the shape
                 shape.seen = self._workers(shape.per_worker).copy()
             if (key := next_up(shape)) is not None:
