@@ -15,10 +15,13 @@ clusters and GPU model, and end with the same GPUs; rejections must match.
 """
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -200,13 +203,28 @@ def test_the_service_decides_what_the_simulator_decides_where_gpu_speeds_differ(
     same_decisions(jobs, measured=measured)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-@given(traces(REAL_TASKS))
-def test_a_pass_out_of_budget_goes_on_at_the_same_instant_as_one_cycle_would(jobs: list[SimJob]) -> None:
-    """The simulator's passes decide one queued job each here: the rest are decided in passes at the
-    same instant, each once, as placement's one cycle decides them (a pass that ran out of budget
-    without placing anyone used to leave the rest to the next event)."""
-    same_decisions(jobs, budget=1)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(traces(REAL_TASKS), st.sampled_from([1, 2, 3]), st.booleans())
+def test_a_pass_out_of_budget_goes_on_where_it_stopped_as_one_cycle_would(
+    jobs: list[SimJob], budget: int, measured: bool
+) -> None:
+    """The simulator's passes make 1-3 decisions each here: a pass that runs out is taken up where
+    it stopped, at the same instant, so every job is decided once in queue order, as placement's one
+    cycle decides them. (Before: a pass out of budget left the rest to the next event; then it went
+    on from the queue's front, with jobs that arrived decided ahead of those left over; 4,500
+    random cases per seed now pass on seeds 1-3.)"""
+    same_decisions(jobs, budget=budget, measured=measured)
+
+
+CASES = json.loads((Path(__file__).parent / "data" / "service_vs_sim_cases.json").read_text())
+"""Random cases the simulator decided otherwise than placement (found by 1,500-4,500 random cases a
+seed, 2026-12-04 evening), each with what was wrong; they pass only with the fixes."""
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c["case"] for c in CASES])
+def test_cases_where_the_simulator_decided_otherwise(case: dict[str, Any]) -> None:
+    jobs = [SimJob(spec=msgspec.convert(j["spec"], JobSpec), arrival_s=j["arrival_s"]) for j in case["jobs"]]
+    same_decisions(jobs, measured=case["measured"], budget=case["budget"])
 
 
 def same_decisions(jobs: list[SimJob], *, measured: bool = False, budget: int = 64) -> None:

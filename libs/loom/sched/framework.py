@@ -489,6 +489,7 @@ class DecisionRecord:
         "pruned",
         "queued",
         "reason",
+        "refused",
         "victims",
         "weights",
     )
@@ -526,6 +527,9 @@ class DecisionRecord:
         """Nothing fitted the job in one cluster, so it joined the queue (``Snapshot.waiting``); a job
         held back by a permit's choice while a cluster holds it (waiting for faster GPUs) is not,
         though it may still be counted there from an earlier decision."""
+        self.refused = False
+        """A decision was chosen for the job and a reserve, permit or bind plugin refused it: the
+        verdict read the job itself (a job of the same shape may be placed)."""
 
     @property
     def candidates(self) -> list[CandidateRecord]:
@@ -1676,6 +1680,7 @@ class Framework:
             if not status.ok:
                 for r in reversed(done):
                     r.unreserve(state, decision)
+                record.refused = True
                 return self._fail(record, _named(status, plugin.name))
             done.append(plugin)
         for permit in self.permits:
@@ -1688,6 +1693,7 @@ class Framework:
             elif not status.ok:
                 for r in reversed(done):
                     r.unreserve(state, decision)
+                record.refused = True
                 return self._fail(record, _named(status, permit.name))
         for binder in self.binders:
             if binder.name in state.skipped:
@@ -1696,6 +1702,7 @@ class Framework:
             if not status.ok:
                 for r in reversed(done):
                     r.unreserve(state, decision)
+                record.refused = True
                 return self._fail(record, _named(status, binder.name))
         if apply:
             for part in decision.parts:

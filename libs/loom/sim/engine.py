@@ -15,7 +15,8 @@ then one scheduling pass runs, in queue order (the policy's queue sort):
 
 * jobs that arrived (or were requeued) at this instant get one decision each;
 * if GPUs were released (a completion, a cluster coming back, preemption leaving room), waiting
-  jobs that could use them are retried, at most ``max_decisions_per_event`` of them. Waiting jobs
+  jobs that could use them are retried (``max_decisions_per_event`` decisions a pass; a pass that
+  runs out goes on, where it stopped, in a pass at the same instant). Waiting jobs
   are grouped by *shape* (priority, GPUs, CPU and RAM per worker, minimum workers, whether it may
   span, allowed models and clusters, anti-affinity; for spanning gangs also task type, size and a traffic
   class; a spanning gang no pool can ever hold is a shape of its own, since whether any spread of
@@ -33,8 +34,7 @@ then one scheduling pass runs, in queue order (the policy's queue sort):
   A permit's patience ends with a wake event deciding that job again even if nothing changed (as
   placement retries it when its backoff, at most that patience, ends).
   These are necessary conditions read from the snapshot, so a retry is skipped only where the
-  decision could not have placed the job by free capacity. A pass that ran out of budget while
-  still placing (or rejecting) jobs goes on at the same instant. So waiting jobs are not re-scored
+  decision could not have placed the job by free capacity. So waiting jobs are not re-scored
   on every event;
 * an arriving job whose shape is known to be possible on this platform, that no pool could hold,
   and for which preemption or elastic shrink could not make room (free GPUs plus those of
@@ -126,6 +126,7 @@ from loom.sched.cycle import CycleSettings, expected_end_s, fair_share_of, grow,
 from loom.sched.elastic import resized_end_s
 from loom.sched.framework import Decision, Outcome, QueueItem
 from loom.sched.pipeline import transfer_s
+from loom.sched.plugins.backfill import Backfill
 from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s
@@ -290,6 +291,9 @@ class _Shape:
     queued: bool = True
     """The last job of this shape left waiting found nothing fits (so it joined the queue the
     framework counts), rather than being held back by a permit's choice."""
+    refused: bool = False
+    """The last job of this shape left waiting had a decision refused by a permit (room made by
+    preemption or a shrink, say, that its own run did not pay for): says nothing of the next job."""
 
 
 @dataclass(eq=False)
@@ -431,6 +435,29 @@ def _default_sort_key(item: QueueItem) -> tuple[Any, ...]:
     return (-item.job.priority, item.submitted_at, item.job.job_id)
 
 
+@dataclass(slots=True)
+class _PassState:
+    """One scheduling pass (:meth:`_Simulation._pass`), kept whole across a budget's end."""
+
+    pairs: set[Pair]
+    """Pools released since the pass before."""
+    retry_post: bool
+    retry_all: bool
+    heap: list[tuple[tuple[Any, ...], int, int, "_Job | _Shape"]] = field(default_factory=list)
+    """Jobs that arrived and shapes that are due, in queue order."""
+    failed: set[int] = field(default_factory=set)
+    """Shapes a job of which found nothing fits in this pass: the rest of them wait."""
+    decided: set[str] = field(default_factory=set)
+    set_aside: list[tuple["_Shape", tuple[Any, ...]]] = field(default_factory=list)
+    """Jobs decided in this pass taken off their shape's heap, so that its next job is decided:
+    a job held back by a permit's choice says nothing of the next one (placement decides every
+    queued job after capacity changed). Put back once the pass is over."""
+    started: bool = False
+    """Whether the due shapes were read (once, when the pass began)."""
+    due: set[int] = field(default_factory=set)
+    """The shapes due when the pass began (their queued jobs are those placement decides)."""
+
+
 class _Simulation:
     """The state of one run; :meth:`run` plays the events."""
 
@@ -509,9 +536,9 @@ class _Simulation:
         """Jobs this pass started: a later job of it that shrinks one frees nothing for the queue
         (placement settles a shrink of its cycle's own placement as a smaller placement,
         :func:`~loom.sched.cycle.fold_within`, and retries no one for it)."""
-        self.carried: tuple[float, set[str]] | None = None
-        """The jobs a pass decided when its budget ran out (and nothing was released in it): the
-        pass that goes on at the same instant decides the others, not these again."""
+        self.suspended: _PassState | None = None
+        """A pass whose budget ran out: the pass at the same instant takes it up where it stopped
+        (the same queue, the same jobs decided), as placement's one cycle decides every queued job."""
         self.retry_post = False
         self.retry_all = False
         """The network changed: every waiting shape is retried once (within the budget)."""
@@ -556,6 +583,10 @@ class _Simulation:
         self._expand(trace)
         self.migrator = Migrator(self, migration) if migration is not None else None
         """Moves running jobs at failures, link changes and drains (None: the engine as before)."""
+        plugins = self.fast.framework.plugins if self.fast is not None else []
+        self.keepers = [p for p in plugins if isinstance(p, Backfill)]
+        """The policy's plugins that keep free pools for waiting jobs (backfill, opt-in): while one
+        keeps any, a decision that found nothing fits says nothing of the next job of its shape."""
         if self.fast is not None:
             self.fast.prepare(self.snap, [job.spec for job in self.order], truth, seed)
         for job in self.order:
@@ -750,7 +781,7 @@ class _Simulation:
                 if self.migrator is not None:
                     self.migrator.on_sample()
             self._pass()
-            if self.migrator is not None and self.migrator.after_pass():
+            if self.migrator is not None and self.suspended is None and self.migrator.after_pass():
                 self._pass()  # the moves freed GPUs the queue may use
             if sample:
                 self._sample()
@@ -844,15 +875,12 @@ class _Simulation:
     # PLR0912/PLR0915: one scheduling pass, its steps in order (module docstring).
     def _pass(self) -> None:  # noqa: PLR0912, PLR0915
         """One scheduling pass at this instant (see the module docstring)."""
-        pairs, self.dirty = self.dirty, set()
-        retry_post, self.retry_post = self.retry_post, False
-        retry_all, self.retry_all = self.retry_all, False
-        fresh, self.fresh = self.fresh, []
-        self.started_in_pass = set()
-        if not fresh and not (self.waiting and (pairs or retry_post or retry_all)):
-            if pairs and not self.waiting and self.elastic:
-                self._grow()
-            return
+        state, self.suspended = self.suspended, None
+        if state is None:
+            state = self._new_pass()
+            if state is None:
+                return
+        pairs, retry_post, retry_all = state.pairs, state.retry_post, state.retry_all
 
         def room(shape: _Shape) -> bool:
             # Placement retries every queued job when capacity changes, post-filters included (a
@@ -874,19 +902,13 @@ class _Simulation:
                 or room(shape)
             )
 
-        heap: list[tuple[tuple[Any, ...], int, int, _Job | _Shape]] = [
-            (job.key, 0, job.index, job) for job in fresh
-        ]
-        heap += [(s.heap[0][0], 1, s.index, s) for s in self.waiting.values() if due(s)]
-        heapq.heapify(heap)
-        failed: set[int] = set()
-        """Shapes a job of which found nothing fits in this pass: the rest of them wait."""
-        carried, self.carried = self.carried, None
-        decided: set[str] = carried[1] if carried is not None and carried[0] == self.t else set()
-        set_aside: list[tuple[_Shape, tuple[Any, ...]]] = []
-        """Jobs decided in this pass taken off their shape's heap, so that its next job is decided:
-        a job held back by a permit's choice says nothing of the next one (placement decides every
-        queued job after capacity changed). Put back once the pass is over."""
+        heap, failed, decided, set_aside = state.heap, state.failed, state.decided, state.set_aside
+        if not state.started:
+            state.started = True
+            shapes = [s for s in self.waiting.values() if due(s)]
+            state.due = {s.index for s in shapes}
+            heap += [(s.heap[0][0], 1, s.index, s) for s in shapes]
+            heapq.heapify(heap)
 
         def next_up(shape: _Shape) -> tuple[Any, ...] | None:
             """The key of the shape's first job not decided yet in this pass (None: none is left)."""
@@ -895,8 +917,6 @@ class _Simulation:
             return shape.heap[0][0] if shape.heap else None
 
         budget = self.budget
-        leftover = False
-        """Shapes the budget left over: owed their decision in a pass at the same instant."""
         while heap:
             popped, _, _, ref = heapq.heappop(heap)
             if isinstance(ref, _Job):
@@ -918,17 +938,24 @@ class _Simulation:
                     )
                 ):
                     self.skipped += 1
-                    if shape.index not in failed or shape.queued:
-                        # The skipped decision would have found nothing fits: the job is queued as
-                        # the framework counts the queue (Snapshot.waiting), as placement's is.
-                        self.snap.waiting.add(job.spec.job_id)
-                        self._record_queued(job)
-                        self._stage(job)
+                    # The skipped decision would have found nothing fits: the job is queued as the
+                    # framework counts the queue (Snapshot.waiting), as placement's is, and is not
+                    # decided again in this pass (placement decides it once).
+                    decided.add(job.spec.job_id)
+                    self.snap.waiting.add(job.spec.job_id)
+                    self._record_queued(job)
+                    self._stage(job)
                     self._wait(job)
                     continue
+                if budget <= 0:
+                    heapq.heappush(heap, (popped, 0, job.index, job))
+                    self._suspend(state)
+                    return
             else:
                 shape = ref
-                if not due(shape):
+                # A shape due when the pass began, a job of which found nothing fits: its other jobs
+                # are counted in the queue below, whatever its state now (placement decided them).
+                if not (shape.index in failed and shape.index in state.due) and not due(shape):
                     continue
                 head = next_up(shape)
                 if head is None:
@@ -952,44 +979,75 @@ class _Simulation:
                     if (key := next_up(shape)) is not None:
                         heapq.heappush(heap, (key, 1, shape.index, shape))
                     continue
-                if budget <= 0:
-                    leftover = True
-                    continue
                 job = self.jobs[shape.heap[0][2]]
                 if not (retry_all or chosen(shape) or room(shape) or self._holds(job, pairs)):
                     failed.add(shape.index)
                     heapq.heappush(heap, (head, 1, shape.index, shape))  # counted next
                     continue
-                budget -= 1
+                if budget <= 0:
+                    heapq.heappush(heap, (head, 1, shape.index, shape))
+                    self._suspend(state)
+                    return
                 self.retries += 1
                 heapq.heappop(shape.heap)
                 if not shape.heap:
                     self.waiting.pop(shape.key, None)
             decided.add(job.spec.job_id)
+            budget -= 1
             if self._decide(job):
                 shape.seen = None
-            elif not job.done and shape.queued:  # (done: rejected, e.g. a spread now too costly)
-                failed.add(shape.index)  # nothing fitted: nor will it for the rest of the shape
-                shape.seen = self._workers(shape.per_worker).copy()
+            elif not job.done and shape.queued and not shape.refused:
+                if self._kept_from(shape):
+                    # Its pools had room that may be kept for a waiting job (a backfill claim): the
+                    # next job of its shape, or the one it is kept for, may take it.
+                    shape.seen = None
+                else:
+                    # Nothing fitted: nor will it for the rest of the shape. (done: rejected, e.g. a
+                    # spread now too costly; refused: a decision made room, preemption or a shrink,
+                    # and a permit refused it for this job's own sake, so the next job may take it.)
+                    failed.add(shape.index)
+                    shape.seen = self._workers(shape.per_worker).copy()
             if (key := next_up(shape)) is not None:
                 heapq.heappush(heap, (key, 1, shape.index, shape))
-        for shape, entry in set_aside:
-            heapq.heappush(shape.heap, entry)
-            self.waiting[shape.key] = shape
-        if leftover:
-            # The budget ran out: a pass at the same instant decides the rest, as placement's cycle
-            # decides every queued job (those this pass decided are not decided again, unless GPUs
-            # were released in it: placement then decides every job again).
-            released = bool(self.dirty or self.fresh)
-            self.dirty |= pairs
-            self.retry_post = self.retry_post or retry_post
-            self.retry_all = self.retry_all or retry_all
-            if not released:
-                self.carried = (self.t, decided)
+        self._put_aside_back(state)
         if self.fresh or self.dirty or self.retry_post or self.retry_all:
             self._push(_Event(self.t, _CONTINUE, 0))
         elif pairs and not self.waiting and self.elastic:
             self._grow()
+
+    def _new_pass(self) -> _PassState | None:
+        """A pass over what happened since the last one (None: nothing to decide)."""
+        pairs, self.dirty = self.dirty, set()
+        retry_post, self.retry_post = self.retry_post, False
+        retry_all, self.retry_all = self.retry_all, False
+        fresh, self.fresh = self.fresh, []
+        self.started_in_pass = set()
+        if not fresh and not (self.waiting and (pairs or retry_post or retry_all)):
+            if pairs and not self.waiting and self.elastic:
+                self._grow()
+            return None
+        state = _PassState(pairs, retry_post, retry_all)
+        state.heap += [(job.key, 0, job.index, job) for job in fresh]
+        return state
+
+    def _suspend(self, state: _PassState) -> None:
+        """The pass ran out of budget: the one at the same instant takes it up (nothing happens in
+        between: what it released or queued waits for the pass after it, as placement's next
+        cycle)."""
+        self.suspended = state
+        self._push(_Event(self.t, _CONTINUE, 0))
+
+    def _put_aside_back(self, state: _PassState) -> None:
+        """The pass is over: the jobs it decided go back to their shapes' heaps."""
+        for shape, entry in state.set_aside:
+            heapq.heappush(shape.heap, entry)
+            self.waiting[shape.key] = shape
+        state.set_aside.clear()
+
+    def _kept_from(self, shape: _Shape) -> bool:
+        """Whether the shape's pools have room now that a plugin may keep for others (a backfill
+        claim): a failure then is the job's own, not the shape's."""
+        return any(len(p.book) for p in self.keepers) and self._fits(shape, None)
 
     def _record_queued(self, job: _Job) -> None:
         """A skipped job's shape in the queue (``Snapshot.queued``), by the framework's own rule
@@ -1022,6 +1080,7 @@ class _Simulation:
         job.shape.resolvable = True
         # Nothing fitted (not a permit's choice; the job may still be in the queue from before).
         job.shape.queued = any(w.record.queued for w in result.waiting)
+        job.shape.refused = any(w.record.refused for w in result.waiting)
         if job.shape.queued:
             self._stage(job)
         for waiting in result.waiting:
