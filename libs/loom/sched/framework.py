@@ -528,8 +528,9 @@ class DecisionRecord:
         held back by a permit's choice while a cluster holds it (waiting for faster GPUs) is not,
         though it may still be counted there from an earlier decision."""
         self.refused = False
-        """A decision was chosen for the job and a reserve, permit or bind plugin refused it: the
-        verdict read the job itself (a job of the same shape may be placed)."""
+        """A decision that made room (preemption or an elastic shrink) was chosen for the job and a
+        reserve, permit or bind plugin refused it: the verdict read the job itself (its own run
+        against what the room costs), so a job of the same shape may yet be placed."""
 
     @property
     def candidates(self) -> list[CandidateRecord]:
@@ -1680,7 +1681,7 @@ class Framework:
             if not status.ok:
                 for r in reversed(done):
                     r.unreserve(state, decision)
-                record.refused = True
+                record.refused = bool(decision.victims or decision.shrunk)
                 return self._fail(record, _named(status, plugin.name))
             done.append(plugin)
         for permit in self.permits:
@@ -1693,7 +1694,7 @@ class Framework:
             elif not status.ok:
                 for r in reversed(done):
                     r.unreserve(state, decision)
-                record.refused = True
+                record.refused = bool(decision.victims or decision.shrunk)
                 return self._fail(record, _named(status, permit.name))
         for binder in self.binders:
             if binder.name in state.skipped:
@@ -1702,7 +1703,7 @@ class Framework:
             if not status.ok:
                 for r in reversed(done):
                     r.unreserve(state, decision)
-                record.refused = True
+                record.refused = bool(decision.victims or decision.shrunk)
                 return self._fail(record, _named(status, binder.name))
         if apply:
             for part in decision.parts:

@@ -126,7 +126,6 @@ from loom.sched.cycle import CycleSettings, expected_end_s, fair_share_of, grow,
 from loom.sched.elastic import resized_end_s
 from loom.sched.framework import Decision, Outcome, QueueItem
 from loom.sched.pipeline import transfer_s
-from loom.sched.plugins.backfill import Backfill
 from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s
@@ -583,10 +582,6 @@ class _Simulation:
         self._expand(trace)
         self.migrator = Migrator(self, migration) if migration is not None else None
         """Moves running jobs at failures, link changes and drains (None: the engine as before)."""
-        plugins = self.fast.framework.plugins if self.fast is not None else []
-        self.keepers = [p for p in plugins if isinstance(p, Backfill)]
-        """The policy's plugins that keep free pools for waiting jobs (backfill, opt-in): while one
-        keeps any, a decision that found nothing fits says nothing of the next job of its shape."""
         if self.fast is not None:
             self.fast.prepare(self.snap, [job.spec for job in self.order], truth, seed)
         for job in self.order:
@@ -953,9 +948,9 @@ class _Simulation:
                     return
             else:
                 shape = ref
-                # A shape due when the pass began, a job of which found nothing fits: its other jobs
-                # are counted in the queue below, whatever its state now (placement decided them).
-                if not (shape.index in failed and shape.index in state.due) and not due(shape):
+                # A shape due when the pass began stays due for the whole pass: placement decides
+                # all its queued jobs (those that find nothing fits are counted in the queue below).
+                if shape.index not in state.due and not due(shape):
                     continue
                 head = next_up(shape)
                 if head is None:
@@ -997,16 +992,11 @@ class _Simulation:
             if self._decide(job):
                 shape.seen = None
             elif not job.done and shape.queued and not shape.refused:
-                if self._kept_from(shape):
-                    # Its pools had room that may be kept for a waiting job (a backfill claim): the
-                    # next job of its shape, or the one it is kept for, may take it.
-                    shape.seen = None
-                else:
-                    # Nothing fitted: nor will it for the rest of the shape. (done: rejected, e.g. a
-                    # spread now too costly; refused: a decision made room, preemption or a shrink,
-                    # and a permit refused it for this job's own sake, so the next job may take it.)
-                    failed.add(shape.index)
-                    shape.seen = self._workers(shape.per_worker).copy()
+                # Nothing fitted: nor will it for the rest of the shape. (done: rejected, e.g. a
+                # spread now too costly; refused: a decision made room, preemption or a shrink, and
+                # a permit refused it for this job's own sake, so the next job may take it.)
+                failed.add(shape.index)
+                shape.seen = self._workers(shape.per_worker).copy()
             if (key := next_up(shape)) is not None:
                 heapq.heappush(heap, (key, 1, shape.index, shape))
         self._put_aside_back(state)
@@ -1043,11 +1033,6 @@ class _Simulation:
             heapq.heappush(shape.heap, entry)
             self.waiting[shape.key] = shape
         state.set_aside.clear()
-
-    def _kept_from(self, shape: _Shape) -> bool:
-        """Whether the shape's pools have room now that a plugin may keep for others (a backfill
-        claim): a failure then is the job's own, not the shape's."""
-        return any(len(p.book) for p in self.keepers) and self._fits(shape, None)
 
     def _record_queued(self, job: _Job) -> None:
         """A skipped job's shape in the queue (``Snapshot.queued``), by the framework's own rule
