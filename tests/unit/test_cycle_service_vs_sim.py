@@ -233,7 +233,8 @@ def test_the_service_decides_what_the_simulator_decides_for_gangs_that_may_span(
 
 CASES = json.loads((Path(__file__).parent / "data" / "service_vs_sim_cases.json").read_text())
 """Random cases the simulator decided otherwise than placement (found by 1,500-4,500 random cases a
-seed, 2026-12-04 evening), each with what was wrong; they pass only with the fixes."""
+seed, 2026-12-04 evening; the last with gangs that may span), each with what was wrong: each fails
+on the code before its fix."""
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["case"] for c in CASES])

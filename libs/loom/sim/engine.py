@@ -454,7 +454,11 @@ class _PassState:
     started: bool = False
     """Whether the due shapes were read (once, when the pass began)."""
     due: set[int] = field(default_factory=set)
-    """The shapes due when the pass began (their queued jobs are those placement decides)."""
+    """The shapes due when the pass began (their queued jobs are those placement decides), and
+    those that came due by a release in it (see ``whole``)."""
+    whole: bool = False
+    """Capacity changed before the pass (or the network did): placement's cycle decides every
+    queued job, so GPUs released by a decision in it are open to the queued jobs after it."""
 
 
 class _Simulation:
@@ -535,6 +539,8 @@ class _Simulation:
         """Jobs this pass started: a later job of it that shrinks one frees nothing for the queue
         (placement settles a shrink of its cycle's own placement as a smaller placement,
         :func:`~loom.sched.cycle.fold_within`, and retries no one for it)."""
+        self.released: set[Pair] = set()
+        """Pools a decision's preemption or shrinks released (read right after it, :meth:`_pass`)."""
         self.suspended: _PassState | None = None
         """A pass whose budget ran out: the pass at the same instant takes it up where it stopped
         (the same queue, the same jobs decided), as placement's one cycle decides every queued job."""
@@ -911,6 +917,33 @@ class _Simulation:
                 set_aside.append((shape, heapq.heappop(shape.heap)))
             return shape.heap[0][0] if shape.heap else None
 
+        def reopen(released: set[Pair], after: tuple[Any, ...]) -> None:
+            """The decision just made released GPUs (its preemption's victims, its shrinks) in a
+            pass that decides the whole queue (capacity changed before it: placement's cycle then
+            decides every queued job once, in queue order). The jobs after it that may use them
+            are decided at their places; those before it had their turn (nothing fitted then)."""
+            pairs.update(released)
+            for shape in list(self.waiting.values()):
+                if shape.pools.shape == self.snap.free_sum.shape and not any(
+                    shape.pools[c, m] for c, m in released
+                ):
+                    continue
+                failed.discard(shape.index)
+                if shape.index in state.due:
+                    continue  # its next job is in the heap already, or it has none left
+                state.due.add(shape.index)
+                for entry in sorted(shape.heap):
+                    if entry[0] >= after:
+                        break
+                    if entry[2] not in decided:
+                        # Its turn came before the release: it found nothing fits, and is counted.
+                        decided.add(entry[2])
+                        if entry[2] not in self.snap.waiting:
+                            self.snap.waiting.add(entry[2])
+                            self._record_queued(self.jobs[entry[2]])
+                if (key := next_up(shape)) is not None:
+                    heapq.heappush(heap, (key, 1, shape.index, shape))
+
         budget = self.budget
         while heap:
             popped, _, _, ref = heapq.heappop(heap)
@@ -989,8 +1022,11 @@ class _Simulation:
                     self.waiting.pop(shape.key, None)
             decided.add(job.spec.job_id)
             budget -= 1
+            self.released.clear()
             if self._decide(job):
                 shape.seen = None
+                if state.whole and self.released:
+                    reopen(set(self.released), popped)
             elif not job.done and shape.queued and not shape.refused:
                 # Nothing fitted: nor will it for the rest of the shape. (done: rejected, e.g. a
                 # spread now too costly; refused: a decision made room, preemption or a shrink, and
@@ -1016,7 +1052,7 @@ class _Simulation:
             if pairs and not self.waiting and self.elastic:
                 self._grow()
             return None
-        state = _PassState(pairs, retry_post, retry_all)
+        state = _PassState(pairs, retry_post, retry_all, whole=bool(pairs) or retry_all)
         state.heap += [(job.key, 0, job.index, job) for job in fresh]
         return state
 
@@ -1644,6 +1680,7 @@ class _Simulation:
         if run.core.min_workers is not None:
             self.elastic -= 1
         self.dirty.update(run.pairs)
+        self.released.update(run.pairs)
         self._touch(run.pairs)
         job.run = None
         job.generation += 1
@@ -1788,6 +1825,7 @@ class _Simulation:
             # started in this pass (see started_in_pass).
             if job_id not in self.started_in_pass:
                 self.dirty.update(run.pairs)
+                self.released.update(run.pairs)
         self._count(run, +1)
         self._touch(run.pairs)
         self.gpus_used += run.gpus - old
