@@ -439,7 +439,8 @@ class _PassState:
     """One scheduling pass (:meth:`_Simulation._pass`), kept whole across a budget's end."""
 
     pairs: set[Pair]
-    """Pools released since the pass before."""
+    """Pools released since the pass before, and those a decision of this pass released in a pass
+    that decides the whole queue (see ``whole``)."""
     retry_post: bool
     retry_all: bool
     heap: list[tuple[tuple[Any, ...], int, int, "_Job | _Shape"]] = field(default_factory=list)
@@ -938,6 +939,7 @@ class _Simulation:
                     if entry[2] not in decided:
                         # Its turn came before the release: it found nothing fits, and is counted.
                         decided.add(entry[2])
+                        self.skipped += 1
                         if entry[2] not in self.snap.waiting:
                             self.snap.waiting.add(entry[2])
                             self._record_queued(self.jobs[entry[2]])
