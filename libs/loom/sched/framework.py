@@ -1681,8 +1681,7 @@ class Framework:
             if not status.ok:
                 for r in reversed(done):
                     r.unreserve(state, decision)
-                record.refused = bool(decision.victims or decision.shrunk)
-                return self._fail(record, _named(status, plugin.name))
+                return self._refuse(record, decision, _named(status, plugin.name))
             done.append(plugin)
         for permit in self.permits:
             if permit.name in state.skipped:
@@ -1694,8 +1693,7 @@ class Framework:
             elif not status.ok:
                 for r in reversed(done):
                     r.unreserve(state, decision)
-                record.refused = bool(decision.victims or decision.shrunk)
-                return self._fail(record, _named(status, permit.name))
+                return self._refuse(record, decision, _named(status, permit.name))
         for binder in self.binders:
             if binder.name in state.skipped:
                 continue
@@ -1703,8 +1701,7 @@ class Framework:
             if not status.ok:
                 for r in reversed(done):
                     r.unreserve(state, decision)
-                record.refused = bool(decision.victims or decision.shrunk)
-                return self._fail(record, _named(status, binder.name))
+                return self._refuse(record, decision, _named(status, binder.name))
         if apply:
             for part in decision.parts:
                 state.snapshot.take(
@@ -1787,6 +1784,12 @@ class Framework:
             + (f" ({reasons})" if reasons else ""),
             "framework",
         )
+
+    def _refuse(self, record: DecisionRecord, decision: Decision, status: Status) -> Outcome:
+        """A reserve, permit or bind plugin refused ``decision``: noted on the record when the
+        decision made room (``DecisionRecord.refused``), then failed as :meth:`_fail`."""
+        record.refused = bool(decision.victims or decision.shrunk)
+        return self._fail(record, status)
 
     def _fail(self, record: DecisionRecord, status: Status) -> Outcome:
         record.outcome = "rejected" if status.code == Code.UNRESOLVABLE else "waiting"

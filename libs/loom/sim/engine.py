@@ -938,11 +938,7 @@ class _Simulation:
                         break
                     if entry[2] not in decided:
                         # Its turn came before the release: it found nothing fits, and is counted.
-                        decided.add(entry[2])
-                        self.skipped += 1
-                        if entry[2] not in self.snap.waiting:
-                            self.snap.waiting.add(entry[2])
-                            self._record_queued(self.jobs[entry[2]])
+                        self._count_queued(entry[2], decided)
                 if (key := next_up(shape)) is not None:
                     heapq.heappush(heap, (key, 1, shape.index, shape))
 
@@ -1000,12 +996,7 @@ class _Simulation:
                     # capacity changed, so each of them counts in the queue from here, in its
                     # place, as its decision would count it (one held back by a permit's choice
                     # before was not counted); no decision is made.
-                    job = self.jobs[shape.heap[0][2]]
-                    decided.add(job.spec.job_id)
-                    self.skipped += 1
-                    if job.spec.job_id not in self.snap.waiting:
-                        self.snap.waiting.add(job.spec.job_id)
-                        self._record_queued(job)
+                    self._count_queued(shape.heap[0][2], decided)
                     if (key := next_up(shape)) is not None:
                         heapq.heappush(heap, (key, 1, shape.index, shape))
                     continue
@@ -1071,6 +1062,15 @@ class _Simulation:
             heapq.heappush(shape.heap, entry)
             self.waiting[shape.key] = shape
         state.set_aside.clear()
+
+    def _count_queued(self, job_id: str, decided: set[str]) -> None:
+        """A queued job whose decision in this pass would find nothing fits: decided without one,
+        and counted in the queue (``Snapshot.waiting``, its queued shape) as that decision would."""
+        decided.add(job_id)
+        self.skipped += 1
+        if job_id not in self.snap.waiting:
+            self.snap.waiting.add(job_id)
+            self._record_queued(self.jobs[job_id])
 
     def _record_queued(self, job: _Job) -> None:
         """A skipped job's shape in the queue (``Snapshot.queued``), by the framework's own rule
