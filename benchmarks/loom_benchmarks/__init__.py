@@ -140,9 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     policies.add_argument(
         "--workload",
         default="mix",
-        help="mix, alibaba, scenario, or a trace file: the generic format (.jsonl, .csv) or a public"
-        " trace as published (Alibaba 2023 pod list, Philly cluster_job_log, Helios / Acme job log,"
-        " PAI task table; told by content) (default mix)",
+        help="mix, alibaba, philly (the grid's Philly-like trace), scenario, or a trace file: the"
+        " generic format (.jsonl, .csv) or a public trace as published (Alibaba 2023 pod list, Philly"
+        " cluster_job_log, Helios / Acme job log, PAI task table; told by content) (default mix)",
     )
     policies.add_argument("--topology", default="default", help="packaged topology name or JSON path")
     policies.add_argument(

@@ -11,6 +11,8 @@ Workloads:
   data-parallel training, other training, pipeline models, inference services and DAG pipelines;
 - ``alibaba``: the Alibaba GPU trace (:func:`loom.sim.workloads.load_alibaba`): arrivals, sizes and
   GPU model constraints of the openb pods;
+- ``philly``: the Philly-like synthetic trace the grid runs (:func:`loom.sim.workloads.philly_like`:
+  gangs of 1-16 GPUs, heavy-tailed durations; :data:`PHILLY_JOBS` jobs by default);
 - ``scenario``: the seeds' multi-stage scenario (seed 001 §4: preprocessing, training and
   validation across a cheap, high-latency region and a fast, expensive one;
   :mod:`loom.sim.scenarios`);
@@ -69,7 +71,9 @@ if TYPE_CHECKING:
     from loom.sim.model import Platform, SimResult, Trace
     from loom_benchmarks.grid import GridSpec
 
-WORKLOADS: Final = ("mix", "alibaba", "scenario")
+WORKLOADS: Final = ("mix", "alibaba", "philly", "scenario")
+PHILLY_JOBS: Final = 200
+"""``--workload philly``'s jobs unless ``--jobs`` says otherwise (as many as a grid cell's)."""
 TARGET: Final = "loom"
 DEFAULT_OUT: Final = Path("loom-report")
 SCALE_NODES: Final = 100_000
@@ -263,11 +267,12 @@ def mix_units(jobs: int) -> int:
 def build_workload(options: Options, topology: "Topology") -> Workload:
     """The platform and the trace ``--workload`` names.
 
-    ``mix`` and ``alibaba`` run on ``platform_from_topology(topology, nodes=--nodes)``; ``--jobs`` is
-    the mix's job count (the fewest workload units giving at least that many jobs, a DAG unit being
-    three: :func:`mix_units`) or the number of Alibaba tasks kept (the packaged sample holds
-    2,000). ``scenario`` brings its own two-region platform (``--nodes`` does not apply) and
-    ``--jobs`` is its job count rounded up to whole three-stage pipelines. A trace file keeps its
+    ``mix``, ``alibaba`` and ``philly`` run on ``platform_from_topology(topology, nodes=--nodes)``;
+    ``--jobs`` is the mix's job count (the fewest workload units giving at least that many jobs, a
+    DAG unit being three: :func:`mix_units`), the number of Alibaba tasks kept (the packaged sample
+    holds 2,000) or the Philly-like trace's jobs (:data:`PHILLY_JOBS` by default). ``scenario``
+    brings its own two-region platform (``--nodes`` does not apply) and ``--jobs`` is its job count
+    rounded up to whole three-stage pipelines. A trace file keeps its
     first ``--jobs`` jobs by arrival (:func:`loom.sim.workloads.first_jobs` for the generic format;
     its events must name the platform's clusters and the topology's regions).
     """
@@ -303,6 +308,11 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
         units = mix_units(options.jobs)
         trace = training_mix(topology=topology, jobs=units, seed=options.seed, arrival_rate_per_h=rate)
         return Workload(built, trace, {**mix_about, "mix_units": units})
+    if options.workload == "philly":
+        from loom.sim.workloads import philly_like
+
+        jobs = options.jobs if options.jobs is not None else PHILLY_JOBS
+        return Workload(built, philly_like(jobs, options.seed, topology=topology), {})
     if options.workload == "alibaba":
         from loom.sim.workloads import load_alibaba
 

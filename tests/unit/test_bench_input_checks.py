@@ -188,3 +188,23 @@ def test_policies_says_a_missing_workload_file_does_not_exist(
     _one_line_refusal(capsys, rc, "--workload 'cluster_job_log': no such file; a workload is one of mix")
     missing = str(tmp_path / "w.jsonl")
     _one_line_refusal(capsys, main(_bench("policies", "--workload", missing)), "No such file or directory")
+
+
+def test_policies_runs_the_grids_philly_like_trace_on_its_own(tmp_path: Path) -> None:
+    """``--workload philly``: the grid's Philly-like trace (gangs, heavy tails) as a single run, on a
+    platform scaled by ``--nodes``; options meant for trace files are refused for it."""
+    from loom.model.topology import load_topology
+    from loom_benchmarks.policies import OptionError, build_workload, resolve
+
+    argv = ("--workload", "philly", "--jobs", "60", "--nodes", "30", "--seed", "3")
+    options = resolve(_bench("policies", *argv))
+    workload = build_workload(options, load_topology())
+    jobs = workload.trace.jobs
+    assert len(jobs) == 60
+    assert len(workload.platform.nodes) == 30
+    assert {j.job_class for j in jobs} <= {"net_training", "training"}
+    assert any(j.spec.workers > 1 for j in jobs)  # its gangs
+    again = build_workload(options, load_topology()).trace.jobs
+    assert [(j.spec.job_id, j.arrival_s) for j in again] == [(j.spec.job_id, j.arrival_s) for j in jobs]
+    with pytest.raises(OptionError, match="--trace-gpu applies to a public trace file"):
+        resolve(_bench("policies", "--workload", "philly", "--trace-gpu", "V100"))
