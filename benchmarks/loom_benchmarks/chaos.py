@@ -59,6 +59,7 @@ from loom.client import LoomClient
 from loom.model.topology import load_topology
 from loom.runtime import stack
 from loom_benchmarks import nats_elections
+from loom_benchmarks.secured import stack_security
 from loom_benchmarks.takeover import p50_max_mean
 from loom_proto import subjects
 from loom_proto.jobs import JobSpec, Resources, Work
@@ -1065,6 +1066,7 @@ def run(
         campaign = Campaign(state, home, args, say)
         measured = asyncio.run(campaign.campaign(plan, before_final))
         services = sorted(state["services"])
+        security = stack_security(home)
     finally:
         say("stopping the stack")
         stack.down(home)
@@ -1077,6 +1079,7 @@ def run(
     return {
         "benchmark": "chaos",
         **summary,
+        "security": security,
         "not_available": not_available(args.nats_cluster),
         "final_jobs": measured["final_jobs"],
         "final_state": measured["final_state"],

@@ -34,6 +34,7 @@ from loom.runtime.tokens import load_tokens
 from loom.store import jobs as repo
 from loom.store import moves
 from loom.store.incidents import save_incidents
+from loom_benchmarks.secured import stack_security
 from loom_proto.alerts import AffectedJob, IncidentChange, TimelineEntry
 from loom_proto.jobs import JobSpec, Resources, Work
 
@@ -286,6 +287,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
                 **_measure(url, tokens.tenant_token("tenant-03"), path, args.requests),
             }
         services = len(state["services"])
+        security = stack_security(home)
     finally:
         say("stopping the stack")
         stack.down(home)
@@ -295,6 +297,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     worst = max(v["p95_ms"] for v in default_pages.values())
     return {
         "benchmark": "console",
+        "security": security,
         "topology": args.topology,
         "services": services,
         "jobs_in_store": args.jobs + len(real),

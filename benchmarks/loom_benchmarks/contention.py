@@ -521,7 +521,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policies",
         default=None,
-        help="comma-separated policy names (default all eight: loom, the six baselines, oracle)",
+        help="comma-separated policy names (default loom and its five baselines: random, first_fit, "
+        "greedy_compute, round_robin, gavel_like; oracle and home_region on request)",
     )
     parser.add_argument("--units", type=int, default=DEFAULT_UNITS, help="workload units of the mix per run")
     parser.add_argument(

@@ -8,7 +8,10 @@ until they have passed a checkpoint, then the cluster is drained through the mig
 in flight at any instant (from the migrations' planned/finished times), each move's record
 (``moves``), each job's resume step against the step it had reached, and a new job submitted
 right after the drain's answer (it must never be placed on the drained cluster, at any attempt).
-A drain that has not emptied by ``--timeout`` says why: ``outcome`` is ``drained``,
+The jobs are submitted once placement's view holds the cluster's T4 GPUs (its agent's heartbeats
+taken in); a run in which no job landed there measures nothing: ``outcome`` is
+``nothing_on_cluster`` and the exit status 1. A drain that has not emptied by ``--timeout`` says
+why: ``outcome`` is ``drained``,
 ``waiting_for_capacity`` (jobs no placement on another open cluster has room for stay running
 where they are, each listed in ``waiting_for_capacity`` with what it needs and the migration
 service's reason) or ``timeout`` (moves still in flight).
@@ -23,6 +26,7 @@ import time
 from typing import Any
 
 import asyncpg
+import msgspec
 
 from loom.client import LoomClient
 from loom.model.topology import TopologyError, load_topology
@@ -46,26 +50,64 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+async def _wait_for_cluster(db: asyncpg.Connection, cluster: str, t4_gpus: int, say: Any) -> int:
+    """Wait (up to 60 s) until placement's view holds every T4 GPU of ``cluster`` (its nodes'
+    rows in ``node_allocations``, written as its agent's heartbeats are taken in); the GPUs seen.
+    Submitted before, the jobs would all be placed on the clusters that were seen, and the drained
+    cluster would have nothing to move."""
+    say(f"waiting for {cluster}'s {t4_gpus} T4 GPUs in placement's view")
+    seen = 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        seen = int(
+            await db.fetchval(
+                """SELECT coalesce(sum(gpus_total), 0) FROM node_allocations
+                   WHERE cluster = $1 AND schedulable AND gpu_model = 'T4'""",
+                cluster,
+            )
+        )
+        if seen >= t4_gpus:
+            break
+        await asyncio.sleep(0.2)
+    return seen
+
+
+def _jobs(args: argparse.Namespace, region: str) -> list[JobSpec]:
+    """``--jobs`` one-GPU T4 jobs preferring ``region``, 4 of them gangs of 4 workers: 200 steps of
+    ``--time-scale`` seconds each (one wall second), a checkpoint every 10."""
+    work = Work(steps=200, step_time_s=float(args.time_scale), checkpoint_every_steps=10)
+    t4 = Resources(gpus=1, gpu_models=["T4"])
+    prefer = Affinity(prefer_regions=[region])
+    gangs = min(4, args.jobs)
+    jobs = [
+        JobSpec(job_id=f"dr-gang-{i}", tenant="bench", workers=4, resources=t4, work=work, affinity=prefer)
+        for i in range(gangs)
+    ]
+    jobs += [
+        JobSpec(job_id=f"dr-{i}", tenant="bench", resources=t4, work=work, affinity=prefer)
+        for i in range(args.jobs - gangs)
+    ]
+    return jobs
+
+
+def _outcome(jobs_on_cluster: bool, drained_s: float | None, waiting: bool) -> str:
+    """How the drain ended: ``nothing_on_cluster`` when no job ran there (no drain was measured),
+    then ``drained``, ``waiting_for_capacity`` or ``timeout``."""
+    if not jobs_on_cluster:
+        return "nothing_on_cluster"
+    if drained_s is not None:
+        return "drained"
+    return "waiting_for_capacity" if waiting else "timeout"
+
+
 async def _measure(state: dict[str, Any], args: argparse.Namespace, say: Any) -> dict[str, Any]:
-    region = load_topology(args.topology).cluster(args.cluster).region
+    cluster = load_topology(args.topology).cluster(args.cluster)
+    region = cluster.region
     client = await LoomClient.connect(state["nats_url"])
     db = await asyncpg.connect(state["database_url"])
     try:
-        # 200 steps of one wall second each; a checkpoint every 10.
-        work = Work(steps=200, step_time_s=float(args.time_scale), checkpoint_every_steps=10)
-        t4 = Resources(gpus=1, gpu_models=["T4"])
-        prefer = Affinity(prefer_regions=[region])
-        gangs = min(4, args.jobs)
-        jobs = [
-            JobSpec(
-                job_id=f"dr-gang-{i}", tenant="bench", workers=4, resources=t4, work=work, affinity=prefer
-            )
-            for i in range(gangs)
-        ]
-        jobs += [
-            JobSpec(job_id=f"dr-{i}", tenant="bench", resources=t4, work=work, affinity=prefer)
-            for i in range(args.jobs - gangs)
-        ]
+        t4_seen = await _wait_for_cluster(db, args.cluster, cluster.gpus_by_model().get("T4", 0), say)
+        jobs = _jobs(args, region)
         for spec in jobs:
             await client.submit(spec)
         ids = [j.job_id for j in jobs]
@@ -91,9 +133,7 @@ async def _measure(state: dict[str, Any], args: argparse.Namespace, say: Any) ->
             timeout=10,
         )
         answer = json.loads(reply.data)
-        await client.submit(
-            JobSpec(job_id="dr-late", tenant="bench", resources=t4, work=work, affinity=prefer)
-        )
+        await client.submit(msgspec.structs.replace(jobs[-1], job_id="dr-late", workers=1))
         sampled_in_flight = 0
         drained_s: float | None = None
         while time.time() - started < args.timeout:
@@ -119,7 +159,7 @@ async def _measure(state: dict[str, Any], args: argparse.Namespace, say: Any) ->
             {k: w[k] for k in ("job_id", "needs", "why")}
             for w in (mine[0].get("waiting", []) if mine else [])
         ]
-        outcome = "drained" if drained_s is not None else "waiting_for_capacity" if waiting else "timeout"
+        outcome = _outcome(bool(on), drained_s, bool(waiting))
         late = await db.fetchrow("SELECT state, cluster FROM jobs WHERE job_id = 'dr-late'")
         late_there = await db.fetchval(  # placed there at any attempt (a drain would have moved it off)
             "SELECT count(*) > 0 FROM reservations WHERE job_id = 'dr-late' AND cluster = $1", args.cluster
@@ -130,6 +170,7 @@ async def _measure(state: dict[str, Any], args: argparse.Namespace, say: Any) ->
             "outcome": outcome,
             "waiting_for_capacity": waiting,
             "jobs_on_cluster": len(on),
+            "cluster_t4_gpus_seen": t4_seen,
             "moved": sum(1 for r in rows if r["state"] == "completed"),
             "jobs_moved": len({r["job_id"] for r in rows if r["state"] == "completed"}),
             "moves": [_move_record(r, started) for r in rows],
@@ -220,9 +261,16 @@ def main(args: argparse.Namespace) -> int:
         console.print(f"--topology {args.topology}: {exc}")
         return 2
     try:
-        topology.cluster(args.cluster)
+        drained = topology.cluster(args.cluster)
     except TopologyError as exc:
         console.print(f"{exc}: name one with --cluster")
+        return 2
+    if not drained.gpus_by_model().get("T4"):
+        with_t4 = [c.id for c in topology.clusters if c.gpus_by_model().get("T4")]
+        console.print(
+            f"cluster {args.cluster} has no T4 GPUs, and the bench's jobs run on T4s: name one that has"
+            f" with --cluster ({', '.join(with_t4) or 'none in this topology'})"
+        )
         return 2
     with console.status("drain benchmark…") as status:
         result = run(args, progress=lambda s: status.update(f"drain benchmark: {s}"))
@@ -230,4 +278,7 @@ def main(args: argparse.Namespace) -> int:
     if not args.json:
         console.print(result["headline"])
     sys.stdout.flush()
+    if result["headline"]["outcome"] == "nothing_on_cluster":
+        console.print(f"no job ran on {args.cluster} when the drain was asked: nothing was measured")
+        return 1
     return 0

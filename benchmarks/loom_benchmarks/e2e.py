@@ -43,6 +43,7 @@ from loom.model.topology import load_topology
 from loom.runtime import cpu, stack
 from loom.security import ENV_CREDS
 from loom_benchmarks import e2e_baseline
+from loom_benchmarks.secured import stack_security
 from loom_proto import subjects
 from loom_proto.codec import encode
 from loom_proto.jobs import Affinity, JobSpec, JobSubmitted, Resources, Work
@@ -642,6 +643,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "nats_sync": "always",
                 "postgres_durable": True,
                 "wall_s": round(time.time() - started, 1),
+                "security": stack_security(home),
             }
         )
         if baseline_on:

@@ -48,6 +48,7 @@ from loom.client import LoomClient
 from loom.model.topology import load_topology
 from loom.runtime import stack
 from loom.runtime.config import ENV_DATABASE_URL, ENV_HOME, ENV_NATS_URL
+from loom_benchmarks.secured import stack_security
 from loom_benchmarks.takeover import p50_max_mean
 from loom_proto import subjects
 from loom_proto.jobs import Affinity, JobSpec, Layer, Pipeline, Resources, Work
@@ -428,6 +429,7 @@ def run(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
         say("starting the stack")
         state = stack.up(home, _options(args, others), progress=lambda s: say(f"stack: {s}"))
         measured = asyncio.run(_measure(state, home, args, say))
+        security = stack_security(home)
     finally:
         say("stopping the stack")
         stack.down(home)
@@ -439,6 +441,7 @@ def run(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     after = measured.get("after_return", {})
     return {
         "benchmark": "failover",
+        "security": security,
         "headline": {
             "affected_jobs": measured["workload"]["affected"],
             "detection_s": measured.get("detection_s"),

@@ -59,7 +59,8 @@ PROBES = 5
 WHATIF_S = 0.18
 """Placement's what-if and the verdict's write, measured on the real stack (decision 0.47-0.49 s
 after the event with a 0.3 s review delay)."""
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "wan" / "region_rtt_ms.csv"
+DATA = Path(__file__).resolve().parent / "data" / "region_rtt_ms.csv"
+"""Every measured link's ping spread (packaged: ``data/README.md``; the shared WAN data, verbatim)."""
 LINK = LinkConfig()
 """The loss rule network perception and the burst planner run (``--cusum-h``, ``--null-loss``)."""
 USE = UseConfig()

@@ -13,6 +13,7 @@ from typing import Any
 
 from loom.runtime import stack
 from loom.runtime.config import ENV_DATABASE_URL, ENV_NATS_URL
+from loom_benchmarks.secured import stack_security
 
 Measure = Callable[[dict[str, Any], argparse.Namespace, Any], Coroutine[Any, Any, dict[str, Any]]]
 
@@ -36,7 +37,8 @@ def measure_on_private_stack(
         options = stack.StackOptions(topology=args.topology, time_scale=args.time_scale, network=False)
         say("starting the stack")
         state = stack.up(home, options, progress=lambda s: say(f"stack: {s}"))
-        return asyncio.run(measure(state, args, say))
+        measured = asyncio.run(measure(state, args, say))
+        return {**measured, "security": stack_security(home)}
     finally:
         say("stopping the stack")
         stack.down(home)

@@ -50,6 +50,7 @@ from loom.bus.lease import LEASE_BUCKET
 from loom.client import LoomClient
 from loom.model.topology import load_topology
 from loom.runtime import stack
+from loom_benchmarks.secured import stack_security
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
 from loom_proto.jobs import JobPlaced, JobSpec, Resources, Work
@@ -452,6 +453,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         state = stack.up(home, options, progress=lambda s: say(f"stack: {s}"))
         measured = asyncio.run(_measure(state, home, args, capacity, say))
         services = len(state["services"])
+        security = stack_security(home)
     finally:
         say("stopping the stack")
         stack.down(home)
@@ -467,6 +469,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     first_ok = complete and max(first) <= TARGET_S
     return {
         "benchmark": "takeover",
+        "security": security,
         "headline": {
             "takeover_s": p50_max_mean(takeover),
             "first_placement_after_kill_s": p50_max_mean(first),

@@ -24,3 +24,15 @@ def test_an_unknown_topology_is_named_as_such(capsys: pytest.CaptureFixture[str]
     assert drain.main(parser.parse_args(["--topology", "nosuch"])) == 2
     err = capsys.readouterr().err
     assert "--topology nosuch" in err and "no packaged topology" in err and "--cluster" not in err
+
+
+def test_a_cluster_without_t4s_is_refused_with_the_clusters_that_have_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The bench's jobs run on T4s: drained, a cluster without any would have nothing to move."""
+    parser = argparse.ArgumentParser()
+    drain.add_arguments(parser)
+    assert drain.main(parser.parse_args(["--cluster", "c-euc1-a"])) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "c-euc1-a has no T4 GPUs" in err
+    assert "c-aue-a" in err and "c-use2-b" in err and "c-weu-b" not in err

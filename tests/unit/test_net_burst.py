@@ -1,8 +1,10 @@
 """Loss bursts: a collector probes a link it suspects of loss harder for a moment, sized by
 network perception's loss rule, and stops as soon as the verdict is clear either way."""
 
+import csv
 import math
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -316,3 +318,16 @@ def test_burst_counts_never_go_backwards_when_a_link_is_reset() -> None:
     planner.on_result("x", T0 + 100, True)
     planner.plan(T0 + 101, {"x": 0.5})
     assert planner.counts()["burst_episodes"] == 2
+
+
+def test_the_false_positive_model_reads_the_measured_links_packaged_with_it() -> None:
+    """``net_shift`` runs from an installed package: its measured links are package data (it read
+    ``../shared`` beside the checkout, so a copy elsewhere stopped with FileNotFoundError)."""
+    package = Path(net_shift.__file__).resolve().parent
+    assert net_shift.DATA.is_relative_to(package) and net_shift.DATA.is_file()
+    with net_shift.DATA.open() as f:
+        rows = list(csv.DictReader(f))
+    columns = ("src_region", "dst_region", "min_rtt_ms", "avg_rtt_ms", "max_rtt_ms", "mdev_rtt_ms")
+    assert len(rows) == 8010 and tuple(rows[0]) == columns
+    out = net_shift.false_positives(net_shift.AFTER, links=3, periods=20, seed=1, spikes=0.01)
+    assert out["links"] == 3

@@ -131,6 +131,18 @@ def test_each_service_publishes_only_within_its_role() -> None:
     assert not may_publish(Identity("probe-collector"), subjects.link_state("a", "b"))
 
 
+def test_the_migration_service_may_announce_the_links_in_use_to_the_collectors() -> None:
+    """``loom.net.use`` (links running jobs span: the collectors probe them harder) is published by
+    the migration service; a secured stack refused it (nats-server logged a Publish Violation every
+    5 s in ``loom bench failover``), so links in use were probed like idle ones."""
+    assert may_publish(Identity("migration"), subjects.NET_USE)
+    assert may_subscribe(Identity("probe-collector", "eu"), subjects.NET_USE)
+    for role in ("metrics", "console", "alert-correlator", "probe-collector"):
+        assert not may_publish(Identity(role), subjects.NET_USE), role  # type: ignore[arg-type]
+    assert not may_publish(Identity("tenant", "acme"), subjects.NET_USE)
+    assert not may_publish(Identity("agent", "c1"), subjects.NET_USE)
+
+
 def test_permissions_follow_the_subject_map() -> None:
     """Every kind and command of the subject map is covered by some role, none by a tenant's publish."""
     for kind in subjects.CLUSTER_COMMAND_KINDS:

@@ -147,6 +147,7 @@ def _service_publish(role: Role) -> list[str]:
             subjects.PLACEMENT_MIGRATE,
             subjects.PLACEMENT_WHATIF,
             subjects.MIGRATE_DRAINS_CHANGED,
+            subjects.NET_USE,  # the links running jobs span, for the collectors' probe intensity
             *_events("requeued", "resized", "failed"),
             *[f"{P}.clusters.*.cmd.{kind}" for kind in subjects.CLUSTER_COMMAND_KINDS],
             "$KV.loom_leases.>",
