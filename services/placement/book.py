@@ -172,6 +172,8 @@ class Book:
         """The queue as the scheduling core counts it (``Snapshot.waiting``): jobs nothing fitted,
         until placed or rejected; the service discards a job that leaves the queue otherwise
         (cancelled, finished, or its territory handed back)."""
+        self.probes: set[str] = set()
+        """Speed probes known to the queue (``Snapshot.probes``), kept across snapshots."""
         self.queued = QueuedShapes()
         """The queued jobs' shapes (``Snapshot.queued``), kept across snapshots as :attr:`waiting`
         is (a rebuilt snapshot re-indexes their pools by its clusters and models: ``_queued_order``);
@@ -510,6 +512,7 @@ class Book:
         self._snap.measured = self.measured
         self._snap.quota = QuotaBook(self.tenants, self.usage_by_tenant())
         self._snap.waiting = self.waiting  # the same set: the framework keeps it across snapshots
+        self._snap.probes = self.probes
         # The same shapes, re-indexed by this snapshot's pools (the framework adds to them).
         remap_queued(self.queued, *self._queued_order, self._snap)
         self._queued_order = ([c.id for c in self._snap.clusters], list(self._snap.models))

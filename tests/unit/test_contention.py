@@ -638,6 +638,39 @@ def test_pool_fit_keeps_large_pools_for_large_gangs_only_when_the_platform_is_bu
     assert pool_fit_scores(half, job)["large"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_a_waiting_speed_probe_is_no_queue_for_pool_fit() -> None:
+    """A probe waits for the one GPU model it measures (here T4s, all taken): the platform is half
+    idle, so pool fit keeps its quarter say, as with nobody waiting. It took the probe for a queue
+    (Philly-like trace, 60 nodes, load 1.2, seed 40: a 2x4-GPU gang sent to V100s 1.95x slower
+    than the free G2s, +18 h; Loom 4.7 % behind gavel_like there)."""
+    from loom.sched.probe import PROBE_LABEL, PROBE_MODEL_LABEL
+
+    small = [node("s0", "small")]
+    large = [node(f"l{i}", "large") for i in range(8)]
+    taken = [node(f"o{i}", "other", used=8) for i in range(9)] + [node("t0", "t4s", model=SLOW, used=8)]
+    job = JobSpec(job_id="j", tenant="t", resources=Resources(gpus=4), work=Work(steps=10, step_time_s=1.0))
+    half = snapshot([*small, *taken, *large])
+    quarter = 100.0 * (1 - (80 / 152 - 0.4) / 0.4)
+    assert pool_fit_scores(half, job)["large"] == pytest.approx(quarter)
+    labels = {PROBE_LABEL: "j0", PROBE_MODEL_LABEL: SLOW}
+    probe = JobSpec(
+        job_id="probe-0",
+        tenant="t",
+        labels=labels,
+        work=Work(steps=6, step_time_s=10.0),
+        resources=Resources(gpus=8, gpu_models=[SLOW]),
+    )
+    outcome = Framework([ResourceFit(), ScuFit()]).schedule(probe, half, submitted_at=NOW)
+    assert outcome.decision is None and "probe-0" in half.waiting and "probe-0" in half.probes
+    assert half.waiting_count(exclude="j") == 1 and half.work_waiting(exclude="j") == 0
+    assert pool_fit_scores(half, job)["large"] == pytest.approx(quarter)
+    # Work that waits is a queue: pool fit has all its say.
+    user = msgspec.structs.replace(probe, job_id="u", labels={})
+    assert Framework([ResourceFit(), ScuFit()]).schedule(user, half, submitted_at=NOW).decision is None
+    assert half.work_waiting(exclude="j") == 1 and "u" not in half.probes
+    assert pool_fit_scores(half, job)["large"] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_pool_fit_does_not_trade_a_jobs_speed_for_a_pools_shape() -> None:
     # The small pool is 3x slower for the job: no preference for it.
     nodes = [node("s0", "small", model=SLOW), *[node(f"l{i}", "large") for i in range(8)]]

@@ -29,6 +29,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 from loom.sched import pipeline
+from loom.sched.probe import is_probe
 from loom.sched.snapshot import BoolArray, FloatArray, IntArray, QueuedShape, Snapshot
 from loom_proto.jobs import JobSpec, RejectCode, SyncPlan
 
@@ -1016,6 +1017,8 @@ class Framework:
         its shape at its place in the queue order when it has one (``Snapshot.queued``)."""
         job, snap = state.job, state.snapshot
         snap.waiting.add(job.job_id)
+        if is_probe(job.labels):
+            snap.probes.add(job.job_id)
         record.queued = True
         if queue_key is not None:
             shape = self.queued_shape(job, snap, queue_key, state=state)

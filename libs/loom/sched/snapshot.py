@@ -341,6 +341,11 @@ class Snapshot:
         """The queue: jobs decided at least once and neither placed nor rejected since (kept by
         :meth:`~loom.sched.framework.Framework.schedule`; the caller removes jobs that leave the
         queue otherwise). What the plugins that price a queue read (:meth:`waiting_count`)."""
+        self.probes: set[str] = set()
+        """Jobs known to be speed probes (``loom.sched.probe``: one per (family, GPU model) cell,
+        so few), noted by the framework when one joins the queue; kept across snapshots as
+        :attr:`waiting` is. A probe waiting for the one GPU model it measures says nothing about how
+        scarce the pools are (:meth:`work_waiting`)."""
         self.queued: QueuedShapes = QueuedShapes()
         """Job id -> what a queued job needs and may use, in queue order (:class:`QueuedShape`),
         recorded by the framework when nothing fits the job; read only for jobs still in
@@ -548,6 +553,13 @@ class Snapshot:
     def waiting_count(self, exclude: str = "") -> int:
         """Jobs in the queue (:attr:`waiting`) other than ``exclude``."""
         return len(self.waiting) - (exclude in self.waiting)
+
+    def work_waiting(self, exclude: str = "") -> int:
+        """Jobs in the queue other than ``exclude`` and other than speed probes (:attr:`probes`):
+        the queue of work that wants GPUs, which packing reads as contention."""
+        waiting = self.waiting
+        probes = sum(1 for job_id in self.probes if job_id in waiting and job_id != exclude)
+        return self.waiting_count(exclude) - probes
 
     def queue_ahead(
         self,

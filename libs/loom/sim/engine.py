@@ -969,6 +969,8 @@ class _Simulation:
                     # decided again in this pass (placement decides it once).
                     decided.add(job.spec.job_id)
                     self.snap.waiting.add(job.spec.job_id)
+                    if is_probe(job.spec.labels):
+                        self.snap.probes.add(job.spec.job_id)
                     self._record_queued(job)
                     self._stage(job)
                     self._wait(job)
@@ -1070,6 +1072,8 @@ class _Simulation:
         self.skipped += 1
         if job_id not in self.snap.waiting:
             self.snap.waiting.add(job_id)
+            if is_probe(self.jobs[job_id].spec.labels):
+                self.snap.probes.add(job_id)
             self._record_queued(self.jobs[job_id])
 
     def _record_queued(self, job: _Job) -> None:

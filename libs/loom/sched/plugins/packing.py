@@ -37,10 +37,12 @@ for :class:`FreeFit`."""
 
 def contention_level(state: CycleState) -> float:
     """How contended the platform is for this job, 0-1: 1 while other jobs wait (the snapshot's
-    queue, ``Snapshot.waiting``), else growing from 0 to 1 as the share of the platform's GPUs in use
-    goes from :data:`POOL_FIT_FROM` to :data:`POOL_FIT_FULL_AT`. Packing (:class:`PoolFit`,
-    :class:`NodeFit`) has its say in proportion: on a quiet platform whole pools and nodes abound,
-    and keeping them whole is worth no time."""
+    queue, ``Snapshot.waiting``; speed probes aside, ``Snapshot.work_waiting``: a probe waiting for
+    the one GPU model it measures made a platform at 7 % use look full, and a gang then took a pool
+    half as fast to keep a larger one whole), else growing from 0 to 1 as the share of the
+    platform's GPUs in use goes from :data:`POOL_FIT_FROM` to :data:`POOL_FIT_FULL_AT`. Packing
+    (:class:`PoolFit`, :class:`NodeFit`) has its say in proportion: on a quiet platform whole pools
+    and nodes abound, and keeping them whole is worth no time."""
     snap = state.snapshot
     shared = state.shared
     total = shared.get("pool_fit.total") if shared is not None else None
@@ -50,8 +52,8 @@ def contention_level(state: CycleState) -> float:
             shared["pool_fit.total"] = total
     used = 1.0 - float(snap.free_sum.sum()) / total if total > 0 else 0.0
     level = min(max((used - POOL_FIT_FROM) / (POOL_FIT_FULL_AT - POOL_FIT_FROM), 0.0), 1.0)
-    if snap.waiting_count(exclude=state.job.job_id) > 0:
-        level = 1.0  # a queue: contention whatever the share in use
+    if snap.work_waiting(exclude=state.job.job_id) > 0:
+        level = 1.0  # a queue: contention whatever the share in use (a speed probe is no queue)
     return level
 
 
