@@ -69,6 +69,8 @@ async def _wait_for_cluster(db: asyncpg.Connection, cluster: str, t4_gpus: int, 
         if seen >= t4_gpus:
             break
         await asyncio.sleep(0.2)
+    else:
+        say(f"{cluster}: {seen} of its {t4_gpus} T4 GPUs in placement's view after 60 s; going on")
     return seen
 
 
@@ -264,6 +266,9 @@ def main(args: argparse.Namespace) -> int:
         drained = topology.cluster(args.cluster)
     except TopologyError as exc:
         console.print(f"{exc}: name one with --cluster")
+        return 2
+    if args.jobs < 1:
+        console.print(f"--jobs must be at least 1, got {args.jobs}")
         return 2
     if not drained.gpus_by_model().get("T4"):
         with_t4 = [c.id for c in topology.clusters if c.gpus_by_model().get("T4")]

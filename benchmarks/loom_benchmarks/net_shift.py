@@ -11,7 +11,7 @@ confirms a shift), then the migration service's ``review_delay_s`` and a what-if
   random phase the RTT becomes ``factor`` times the base; the first probe sent after the change
   sees it. Reported per stage in probe periods: change → first sample showing it (published),
   → degraded event, → decision.
-* **false positives**: every measured link of ``wan/region_rtt_ms.csv`` (min/avg/max/mdev of
+* **false positives**: every measured link of ``data/region_rtt_ms.csv`` (min/avg/max/mdev of
   real pings) for ``periods`` periods: RTT ~ N(avg, mdev) clipped to [min, max], plus 1 % (and
   10 %, a harsh case) of probes spiking 2-5x (the noise model of ``loom bench net``); the truth
   never degrades, so every degraded event (and every confirmed level shift) is a false positive.

@@ -36,3 +36,18 @@ def test_a_cluster_without_t4s_is_refused_with_the_clusters_that_have_them(
     err = " ".join(capsys.readouterr().err.split())
     assert "c-euc1-a has no T4 GPUs" in err
     assert "c-aue-a" in err and "c-use2-b" in err and "c-weu-b" not in err
+
+
+def test_fewer_than_one_job_is_refused_before_a_stack_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    drain.add_arguments(parser)
+    assert drain.main(parser.parse_args(["--jobs", "0"])) == 2
+    assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_the_outcome_says_when_nothing_ran_on_the_drained_cluster() -> None:
+    assert drain._outcome(False, None, False) == "nothing_on_cluster"
+    assert drain._outcome(False, 1.0, False) == "nothing_on_cluster"  # an empty cluster "drains" at once
+    assert drain._outcome(True, 4.9, False) == "drained"
+    assert drain._outcome(True, None, True) == "waiting_for_capacity"
+    assert drain._outcome(True, None, False) == "timeout"

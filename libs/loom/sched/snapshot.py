@@ -557,9 +557,10 @@ class Snapshot:
     def work_waiting(self, exclude: str = "") -> int:
         """Jobs in the queue other than ``exclude`` and other than speed probes (:attr:`probes`):
         the queue of work that wants GPUs, which packing reads as contention."""
-        waiting = self.waiting
-        probes = sum(1 for job_id in self.probes if job_id in waiting and job_id != exclude)
-        return self.waiting_count(exclude) - probes
+        waiting, count = self.waiting, self.waiting_count(exclude)
+        if not count or not self.probes:
+            return count
+        return count - sum(1 for job_id in self.probes if job_id in waiting and job_id != exclude)
 
     def queue_ahead(
         self,
