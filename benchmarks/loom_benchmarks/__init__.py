@@ -204,7 +204,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
         action="store_true",
         help="every policy over platforms x loads x spanning x workloads x seeds, timed by truth",
     )
-    policies.add_argument("--grid-platforms", default=None, help="grid: small,medium,default (default all)")
+    policies.add_argument(
+        "--grid-platforms",
+        default=None,
+        help="grid: small,medium,default (default all); NAME:GPUS sizes one (its regions, about GPUS"
+        " GPUs: medium:120,medium:1000)",
+    )
     policies.add_argument(
         "--grid-loads", default=None, help="grid: loads of capacity (default 0.5,0.8,1,1.2)"
     )

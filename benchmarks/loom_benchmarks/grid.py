@@ -194,11 +194,38 @@ def sub_topology(
     )
 
 
+MIN_PLATFORM_GPUS: Final = 16
+"""The fewest GPUs a sized grid platform (``NAME:GPUS``) may ask for."""
+
+
+def parse_platform(name: str) -> tuple[str, int | None]:
+    """A grid platform's name: ``small``, ``medium``, ``default``, or one of them sized,
+    ``NAME:GPUS`` (its regions, about ``GPUS`` GPUs sampled over their clusters as ``medium`` is:
+    ``medium:120``, ``default:2000``), for sweeping platform size. :class:`ValueError` if not one."""
+    base, sep, size = name.partition(":")
+    if base not in PLATFORMS:
+        raise ValueError(f"unknown grid platform {name!r}; known: {', '.join(PLATFORMS)}, or NAME:GPUS")
+    if not sep:
+        return base, None
+    try:
+        gpus = int(size)
+    except ValueError:
+        raise ValueError(f"grid platform {name!r}: GPUS must be a whole number, got {size!r}") from None
+    if gpus < MIN_PLATFORM_GPUS:
+        raise ValueError(f"grid platform {name!r}: at least {MIN_PLATFORM_GPUS} GPUs, got {gpus}")
+    return base, gpus
+
+
 def grid_topology(name: str, base: "Topology | None" = None) -> "Topology":
-    """The topology of a grid platform: ``small``, ``medium`` or ``default`` (see the module docstring)."""
+    """The topology of a grid platform: ``small``, ``medium`` or ``default`` (see the module
+    docstring), or one of them sized (:func:`parse_platform`)."""
     from loom.model.topology import load_topology
 
     topology = base if base is not None else load_topology()
+    kind, gpus = parse_platform(name)
+    if gpus is not None:
+        regions = SMALL_REGIONS if kind == "small" else None
+        return sub_topology(topology, regions, gpus, seed=0)
     if name == "default":
         return topology
     if name == "small":

@@ -84,11 +84,14 @@ def _penalties(results: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
     return found
 
 
-def _order(cell: str) -> tuple[int, str, float, str]:
-    """Cells by platform (small, medium, default, then others), workload, load, forbidden first."""
+def _order(cell: str) -> tuple[int, int, str, float, str]:
+    """Cells by platform (small, medium, default, then others; a sized one, ``medium:120``, after
+    its platform, smallest first), workload, load, forbidden first."""
     platform, load, span, workload = cell.split("/")
-    rank = PLATFORM_ORDER.index(platform) if platform in PLATFORM_ORDER else len(PLATFORM_ORDER)
-    return (rank, workload, float(load), "" if span == "nospan" else span)
+    base, _, size = platform.partition(":")
+    rank = PLATFORM_ORDER.index(base) if base in PLATFORM_ORDER else len(PLATFORM_ORDER)
+    sized = int(size) if size.isdigit() else -1
+    return (rank, sized, workload, float(load), "" if span == "nospan" else span)
 
 
 def summarize(

@@ -727,15 +727,20 @@ def _csv_list(text: str | None, option: str) -> list[str] | None:
     return list(dict.fromkeys(items))
 
 
-def _choices(text: str | None, option: str, known: Sequence[str]) -> tuple[str, ...] | None:
-    """A comma-separated ``option`` whose every value is one of ``known``; None when not given."""
-    values = _csv_list(text, option)
-    if values is None:
+def _grid_platforms(text: str | None) -> tuple[str, ...] | None:
+    """``--grid-platforms``: grid platforms, sized or not (:func:`loom_benchmarks.grid.parse_platform`);
+    None when not given."""
+    from loom_benchmarks import grid
+
+    platforms = _csv_list(text, "--grid-platforms")
+    if platforms is None:
         return None
-    unknown = [v for v in values if v not in known]
-    if unknown:
-        raise OptionError(f"unknown {option} {unknown}; known: {', '.join(known)}")
-    return tuple(values)
+    for name in platforms:
+        try:
+            grid.parse_platform(name)
+        except ValueError as exc:
+            raise OptionError(f"unknown --grid-platforms value: {exc}") from None
+    return tuple(platforms)
 
 
 def _grid_loads(text: str | None) -> tuple[float, ...] | None:
@@ -791,7 +796,7 @@ def grid_spec(args: argparse.Namespace, known: Sequence[str] | None = None) -> "
 
     known = list(known) if known is not None else list(grid.GRID_POLICIES)
     fields: dict[str, Any] = {}
-    platforms = _choices(args.grid_platforms, "--grid-platforms", grid.PLATFORMS)
+    platforms = _grid_platforms(args.grid_platforms)
     if platforms is not None:
         fields["platforms"] = platforms
     loads = _grid_loads(args.grid_loads)

@@ -262,3 +262,24 @@ def test_a_mix_cell_reports_network_sensitive_training_against_greedy() -> None:
     assert line["class_margin"] == pytest.approx(expected)
     assert line["class_jobs"] == len(common)
     assert "net_training" in grid.format_line(line)
+
+
+def test_a_sized_grid_platform_keeps_its_regions_and_about_the_gpus_asked() -> None:
+    """``NAME:GPUS`` sweeps platform size: ``medium:120`` is every region with about 120 GPUs,
+    ``small:32`` the small platform's three regions with about 32; bad sizes are refused."""
+    spec = grid_spec(_parse("--grid-platforms", "medium:120,small:32,medium"))
+    assert spec.platforms == ("medium:120", "small:32", "medium")
+    sized = {name: grid.grid_platform(name)[1] for name in spec.platforms}
+    assert 100 <= grid.platform_gpus(sized["medium:120"]) <= 140
+    assert 24 <= grid.platform_gpus(sized["small:32"]) <= 40
+    assert grid.platform_gpus(sized["medium"]) > 400
+    regions = {name: {c.region for c in p.clusters.values()} for name, p in sized.items()}
+    assert regions["small:32"] == set(grid.SMALL_REGIONS)
+    assert len(regions["medium:120"]) > 3
+    for argv, message in [
+        (("--grid-platforms", "huge:100"), "unknown grid platform 'huge:100'"),
+        (("--grid-platforms", "medium:ten"), "GPUS must be a whole number"),
+        (("--grid-platforms", "medium:4"), "at least 16 GPUs"),
+    ]:
+        with pytest.raises(OptionError, match=message):
+            grid_spec(_parse(*argv))
