@@ -638,12 +638,24 @@ def test_pool_fit_keeps_large_pools_for_large_gangs_only_when_the_platform_is_bu
     assert pool_fit_scores(half, job)["large"] == pytest.approx(0.0, abs=1e-9)
 
 
+def slow_probe(job_id: str) -> JobSpec:
+    """A speed probe of 8 GPUs on the slow model (``loom.sched.probe``'s labels)."""
+    from loom.sched.probe import PROBE_LABEL, PROBE_MODEL_LABEL
+
+    return JobSpec(
+        job_id=job_id,
+        tenant="t",
+        labels={PROBE_LABEL: "x", PROBE_MODEL_LABEL: SLOW},
+        work=Work(steps=6, step_time_s=10.0),
+        resources=Resources(gpus=8, gpu_models=[SLOW]),
+    )
+
+
 def test_a_waiting_speed_probe_is_no_queue_for_pool_fit() -> None:
     """A probe waits for the one GPU model it measures (here T4s, all taken): the platform is half
     idle, so pool fit keeps its quarter say, as with nobody waiting. It took the probe for a queue
     (Philly-like trace, 60 nodes, load 1.2, seed 40: a 2x4-GPU gang sent to V100s 1.95x slower
     than the free G2s, +18 h; Loom 4.7 % behind gavel_like there)."""
-    from loom.sched.probe import PROBE_LABEL, PROBE_MODEL_LABEL
 
     small = [node("s0", "small")]
     large = [node(f"l{i}", "large") for i in range(8)]
@@ -652,14 +664,7 @@ def test_a_waiting_speed_probe_is_no_queue_for_pool_fit() -> None:
     half = snapshot([*small, *taken, *large])
     quarter = 100.0 * (1 - (80 / 152 - 0.4) / 0.4)
     assert pool_fit_scores(half, job)["large"] == pytest.approx(quarter)
-    labels = {PROBE_LABEL: "j0", PROBE_MODEL_LABEL: SLOW}
-    probe = JobSpec(
-        job_id="probe-0",
-        tenant="t",
-        labels=labels,
-        work=Work(steps=6, step_time_s=10.0),
-        resources=Resources(gpus=8, gpu_models=[SLOW]),
-    )
+    probe = slow_probe("probe-0")
     outcome = Framework([ResourceFit(), ScuFit()]).schedule(probe, half, submitted_at=NOW)
     assert outcome.decision is None and "probe-0" in half.waiting and "probe-0" in half.probes
     assert half.waiting_count(exclude="j") == 1 and half.work_waiting(exclude="j") == 0
@@ -997,7 +1002,6 @@ def test_the_simulator_notes_probes_it_queues_without_a_decision() -> None:
     pool fit has its quiet-platform say (0), not all of it. Without the simulator's notes the
     Philly-like run above stayed at -4.7 %."""
     from loom.sched.plugins import packing
-    from loom.sched.probe import PROBE_LABEL, PROBE_MODEL_LABEL
 
     levels: list[tuple[str, float, int, int]] = []
 
@@ -1030,13 +1034,7 @@ def test_the_simulator_notes_probes_it_queues_without_a_decision() -> None:
         work=Work(steps=1000, step_time_s=1.0),
         resources=Resources(gpus=8, gpu_models=[SLOW]),
     )
-    labels = {PROBE_LABEL: "x", PROBE_MODEL_LABEL: SLOW}
-    probes = [
-        msgspec.structs.replace(
-            hold, job_id=f"probe-{i}", labels=labels, work=Work(steps=6, step_time_s=10.0)
-        )
-        for i in (1, 2)
-    ]
+    probes = [slow_probe(f"probe-{i}") for i in (1, 2)]
     late = JobSpec(
         job_id="late", tenant="t", resources=Resources(gpus=4), work=Work(steps=10, step_time_s=1.0)
     )
@@ -1052,20 +1050,13 @@ def test_the_simulator_notes_probes_it_queues_without_a_decision() -> None:
 def test_the_placement_book_keeps_the_probes_it_queued_across_snapshots() -> None:
     """The service's book hands each new snapshot its queue and its probes alike: a rebuilt
     snapshot (new nodes, a takeover) still reads a waiting probe as no queue of work."""
-    from loom.sched.probe import PROBE_LABEL
     from services.placement.book import Book
 
     book = Book()
     book.nodes = {n.node: n for n in [node("a0", "ca"), node("b0", "cb", model=SLOW, used=8)]}
     book.invalidate()
     snap = book.snapshot(NOW)
-    probe = JobSpec(
-        job_id="probe-1",
-        tenant="t",
-        labels={PROBE_LABEL: "x"},
-        work=Work(steps=6, step_time_s=10.0),
-        resources=Resources(gpus=8, gpu_models=[SLOW]),
-    )
+    probe = slow_probe("probe-1")
     assert Framework([ResourceFit(), ScuFit()]).schedule(probe, snap, submitted_at=NOW).decision is None
     assert snap.waiting_count() == 1 and snap.work_waiting() == 0
     book.invalidate()
