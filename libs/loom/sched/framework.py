@@ -1016,9 +1016,7 @@ class Framework:
         """Nothing fits the job in one cluster: it counts in the queue (``Snapshot.waiting``), with
         its shape at its place in the queue order when it has one (``Snapshot.queued``)."""
         job, snap = state.job, state.snapshot
-        snap.waiting.add(job.job_id)
-        if is_probe(job.labels):
-            snap.probes.add(job.job_id)
+        snap.join_queue(job.job_id, probe=is_probe(job.labels))
         record.queued = True
         if queue_key is not None:
             shape = self.queued_shape(job, snap, queue_key, state=state)

@@ -550,6 +550,13 @@ class Snapshot:
         self._running_ids = (run, len(run), ids)
         return ids
 
+    def join_queue(self, job_id: str, *, probe: bool = False) -> None:
+        """``job_id`` counts in the queue (:attr:`waiting`); ``probe``: it is a speed probe, noted in
+        :attr:`probes` (the framework's decisions and the simulator's skipped ones alike)."""
+        self.waiting.add(job_id)
+        if probe:
+            self.probes.add(job_id)
+
     def waiting_count(self, exclude: str = "") -> int:
         """Jobs in the queue (:attr:`waiting`) other than ``exclude``."""
         return len(self.waiting) - (exclude in self.waiting)

@@ -968,9 +968,7 @@ class _Simulation:
                     # framework counts the queue (Snapshot.waiting), as placement's is, and is not
                     # decided again in this pass (placement decides it once).
                     decided.add(job.spec.job_id)
-                    self.snap.waiting.add(job.spec.job_id)
-                    if is_probe(job.spec.labels):
-                        self.snap.probes.add(job.spec.job_id)
+                    self.snap.join_queue(job.spec.job_id, probe=is_probe(job.spec.labels))
                     self._record_queued(job)
                     self._stage(job)
                     self._wait(job)
@@ -1071,9 +1069,7 @@ class _Simulation:
         decided.add(job_id)
         self.skipped += 1
         if job_id not in self.snap.waiting:
-            self.snap.waiting.add(job_id)
-            if is_probe(self.jobs[job_id].spec.labels):
-                self.snap.probes.add(job_id)
+            self.snap.join_queue(job_id, probe=is_probe(self.jobs[job_id].spec.labels))
             self._record_queued(self.jobs[job_id])
 
     def _record_queued(self, job: _Job) -> None:
