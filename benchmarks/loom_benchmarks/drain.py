@@ -30,7 +30,7 @@ import msgspec
 
 from loom.client import LoomClient
 from loom.model.topology import TopologyError, load_topology
-from loom_benchmarks.private_stack import measure_on_private_stack
+from loom_benchmarks.private_stack import measure_on_private_stack, wait_for_cluster_gpus
 from loom_benchmarks.takeover import p50_max_mean
 from loom_proto import subjects
 from loom_proto.jobs import Affinity, JobSpec, Resources, Work
@@ -56,20 +56,8 @@ async def _wait_for_cluster(db: asyncpg.Connection, cluster: str, t4_gpus: int, 
     Submitted before, the jobs would all be placed on the clusters that were seen, and the drained
     cluster would have nothing to move."""
     say(f"waiting for {cluster}'s {t4_gpus} T4 GPUs in placement's view")
-    seen = 0
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        seen = int(
-            await db.fetchval(
-                """SELECT coalesce(sum(gpus_total), 0) FROM node_allocations
-                   WHERE cluster = $1 AND schedulable AND gpu_model = 'T4'""",
-                cluster,
-            )
-        )
-        if seen >= t4_gpus:
-            break
-        await asyncio.sleep(0.2)
-    else:
+    seen = await wait_for_cluster_gpus(db, cluster, t4_gpus, gpu_model="T4")
+    if seen < t4_gpus:
         say(f"{cluster}: {seen} of its {t4_gpus} T4 GPUs in placement's view after 60 s; going on")
     return seen
 

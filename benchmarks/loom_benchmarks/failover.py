@@ -48,6 +48,7 @@ from loom.client import LoomClient
 from loom.model.topology import load_topology
 from loom.runtime import stack
 from loom.runtime.config import ENV_DATABASE_URL, ENV_HOME, ENV_NATS_URL
+from loom_benchmarks.private_stack import wait_for_cluster_gpus
 from loom_benchmarks.secured import stack_security
 from loom_benchmarks.takeover import p50_max_mean
 from loom_proto import subjects
@@ -170,12 +171,7 @@ async def _measure(state: dict[str, Any], home: Path, args: argparse.Namespace, 
     result: dict[str, Any] = {}
     try:
         say("waiting for the victim's capacity")
-        for _ in range(300):
-            if await db.fetchval(
-                "SELECT count(*) FROM node_allocations WHERE cluster = $1 AND schedulable", victim.id
-            ):
-                break
-            await asyncio.sleep(0.2)
+        await wait_for_cluster_gpus(db, victim.id, 1)
         jobs = _jobs(args, region)
         for spec in jobs:
             await client.submit(spec)

@@ -7,15 +7,47 @@ import asyncio
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
+
+import asyncpg
 
 from loom.runtime import stack
 from loom.runtime.config import ENV_DATABASE_URL, ENV_NATS_URL
 from loom_benchmarks.secured import stack_security
 
 Measure = Callable[[dict[str, Any], argparse.Namespace, Any], Coroutine[Any, Any, dict[str, Any]]]
+
+
+async def wait_for_cluster_gpus(
+    db: asyncpg.Connection,
+    cluster: str,
+    at_least: int,
+    *,
+    gpu_model: str | None = None,
+    timeout_s: float = 60.0,
+) -> int:
+    """Wait until placement's view holds at least ``at_least`` schedulable GPUs of ``cluster`` (of
+    ``gpu_model`` when given): its nodes' rows in ``node_allocations``, written as its agent's
+    heartbeats are taken in. Returns the GPUs seen (fewer when ``timeout_s`` ran out). Jobs
+    submitted before would be placed on the clusters already seen."""
+    seen = 0
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        seen = int(
+            await db.fetchval(
+                """SELECT coalesce(sum(gpus_total), 0) FROM node_allocations
+                   WHERE cluster = $1 AND schedulable AND ($2::text IS NULL OR gpu_model = $2)""",
+                cluster,
+                gpu_model,
+            )
+        )
+        if seen >= at_least:
+            break
+        await asyncio.sleep(0.2)
+    return seen
 
 
 def measure_on_private_stack(
