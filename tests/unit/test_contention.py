@@ -676,6 +676,39 @@ def test_a_waiting_speed_probe_is_no_queue_for_pool_fit() -> None:
     assert pool_fit_scores(half, job)["large"] == pytest.approx(0.0, abs=1e-9)
 
 
+def test_a_job_waiting_only_for_gpus_the_deciding_job_cannot_take_is_no_queue_for_its_pool_fit() -> None:
+    """A job that waits for T4s (all taken) waits for nothing an A100-only job could take: for that
+    job the half-idle platform keeps pool fit at a quarter of its say. For a job that could take a
+    T4 the same waiting job is a queue, and so is a waiting job whose shape is not known."""
+
+    small = [node("s0", "small")]
+    large = [node(f"l{i}", "large") for i in range(8)]
+    taken = [node(f"o{i}", "other", used=8) for i in range(9)] + [node("t0", "t4s", model=SLOW, used=8)]
+    half = snapshot([*small, *taken, *large])
+    quarter = 100.0 * (1 - (80 / 152 - 0.4) / 0.4)
+    t4_only = JobSpec(
+        job_id="w",
+        tenant="t",
+        resources=Resources(gpus=8, gpu_models=[SLOW]),
+        work=Work(steps=6, step_time_s=10.0),
+    )
+    queued = Framework([ResourceFit(), ScuFit()]).schedule(
+        t4_only, half, submitted_at=NOW, queue_key=(0, NOW, "w")
+    )
+    assert queued.decision is None and half.work_waiting(exclude="j") == 1 and "w" in half.queued
+    a100_only = JobSpec(
+        job_id="j",
+        tenant="t",
+        resources=Resources(gpus=4, gpu_models=[FAST]),
+        work=Work(steps=10, step_time_s=1.0),
+    )
+    assert pool_fit_scores(half, a100_only)["large"] == pytest.approx(quarter)
+    anywhere = msgspec.structs.replace(a100_only, resources=Resources(gpus=4))
+    assert pool_fit_scores(half, anywhere)["large"] == pytest.approx(0.0, abs=1e-9)
+    half.waiting.add("unknown")  # no shape: counted as wanting anything
+    assert pool_fit_scores(half, a100_only)["large"] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_pool_fit_does_not_trade_a_jobs_speed_for_a_pools_shape() -> None:
     # The small pool is 3x slower for the job: no preference for it.
     nodes = [node("s0", "small", model=SLOW), *[node(f"l{i}", "large") for i in range(8)]]

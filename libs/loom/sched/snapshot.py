@@ -569,6 +569,24 @@ class Snapshot:
             return count
         return count - sum(1 for job_id in self.probes if job_id in waiting and job_id != exclude)
 
+    def queue_for(self, pools: BoolArray, exclude: str = "") -> bool:
+        """Whether a job of the queue other than ``exclude`` (speed probes aside:
+        :meth:`work_waiting`) could use one of ``pools`` (a job's allowed (cluster, GPU model)
+        pools, ``CycleState.allowed_pools``). A job waiting only for GPU models or clusters outside
+        them waits for nothing the job deciding could take. A queued job without a shape
+        (:attr:`queued`: a pipeline, or one its pre-filters refused) counts, as does one whose
+        shape was taken on other pools (another platform's arrays)."""
+        if not self.work_waiting(exclude):
+            return False
+        queued, probes = self.queued, self.probes
+        for job_id in self.waiting:
+            if job_id == exclude or job_id in probes:
+                continue
+            shape = queued.get(job_id)
+            if shape is None or shape.pools.shape != pools.shape or bool((shape.pools & pools).any()):
+                return True
+        return False
+
     def queue_ahead(
         self,
         key: tuple[Any, ...],

@@ -39,7 +39,9 @@ def contention_level(state: CycleState) -> float:
     """How contended the platform is for this job, 0-1: 1 while other jobs wait (the snapshot's
     queue, ``Snapshot.waiting``; speed probes aside, ``Snapshot.work_waiting``: a probe waiting for
     the one GPU model it measures made a platform at 7 % use look full, and a gang then took a pool
-    half as fast to keep a larger one whole), else growing from 0 to 1 as the share of the
+    half as fast to keep a larger one whole; only jobs that could use one of this job's allowed
+    pools, ``Snapshot.queue_for``: a job waiting for GPU models or clusters this one cannot take
+    waits for nothing its choice changes), else growing from 0 to 1 as the share of the
     platform's GPUs in use goes from :data:`POOL_FIT_FROM` to :data:`POOL_FIT_FULL_AT`. Packing
     (:class:`PoolFit`, :class:`NodeFit`) has its say in proportion: on a quiet platform whole pools
     and nodes abound, and keeping them whole is worth no time."""
@@ -52,8 +54,10 @@ def contention_level(state: CycleState) -> float:
             shared["pool_fit.total"] = total
     used = 1.0 - float(snap.free_sum.sum()) / total if total > 0 else 0.0
     level = min(max((used - POOL_FIT_FROM) / (POOL_FIT_FULL_AT - POOL_FIT_FROM), 0.0), 1.0)
-    if snap.work_waiting(exclude=state.job.job_id) > 0:
-        level = 1.0  # a queue: contention whatever the share in use (a speed probe is no queue)
+    if level < 1.0 and snap.queue_for(state.allowed_pools(), exclude=state.job.job_id):
+        # A queue for GPUs this job could take: contention whatever the share in use (a speed
+        # probe is no queue, nor a job waiting only for pools this one cannot use).
+        level = 1.0
     return level
 
 
