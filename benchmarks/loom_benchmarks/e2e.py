@@ -594,8 +594,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             network=not args.without_network,
             placement_shards=getattr(args, "shards", None) or 1,
         )
+        # The host as it was before the stack started: its single-thread speed and its load.
+        host: dict[str, Any] = {
+            "loop_ms": cpu.loop_ms(),
+            "load_average_1m_before": round(os.getloadavg()[0], 2),
+        }
         state = stack.up(home, options)
         started = time.time()
+        machine_before = cpu.read_machine()
         extra = {"bench-client": os.getpid()}
         if baseline_on:
             # Its own OS process, like placement, started before anything is measured.
@@ -630,6 +636,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 placement=[name for name in state["services"] if name.startswith("placement")],
             )
         )
+        machine_after = cpu.read_machine()
+        if machine_before is not None and machine_after is not None:
+            host["cpu_pct"] = cpu.machine_shares(machine_before, machine_after)
         result.update(
             {
                 "benchmark": "e2e",
@@ -644,6 +653,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "postgres_durable": True,
                 "wall_s": round(time.time() - started, 1),
                 "security": stack_security(home),
+                # Figures differ between hosts by more than any change measured on one: a host's
+                # speed (loop_ms: `python -m timeit "sum(range(10**6))"`, lower is faster) and the
+                # machine's CPU time over the measured phases (steal: taken by other guests).
+                "host": host,
             }
         )
         if baseline_on:

@@ -77,3 +77,50 @@ def test_a_busy_child_process_shows_up_near_one_core() -> None:
     # A spinning process uses up to one core (less when the machine is shared); this test sleeps.
     assert result["busy"] > 20.0
     assert result["me"] < result["busy"]
+
+
+PROC_STAT = """cpu  100 10 50 800 20 5 5 10 0 0
+cpu0 50 5 25 400 10 2 3 5 0 0
+intr 12345
+"""
+
+
+def test_the_machine_line_is_read_in_proc_stats_field_order() -> None:
+    ticks = cpu.parse_machine(PROC_STAT)
+    assert ticks == {
+        "user": 100,
+        "nice": 10,
+        "system": 50,
+        "idle": 800,
+        "iowait": 20,
+        "irq": 5,
+        "softirq": 5,
+        "steal": 10,
+    }
+    # An old kernel's shorter line: the missing fields read 0.
+    assert cpu.parse_machine("cpu 1 2 3 4\n")["steal"] == 0
+    with pytest.raises(ValueError):
+        cpu.parse_machine("cpu0 1 2 3 4\n")
+
+
+def test_machine_shares_split_the_time_between_two_readings() -> None:
+    before = cpu.parse_machine(PROC_STAT)
+    # +100 ticks in all: busy 40 + 10 + 5 + 2 + 3 = 60, iowait 5, steal 15, idle 20.
+    after = dict(before, user=140, nice=20, system=55, irq=7, softirq=8, iowait=25, steal=25, idle=820)
+    assert cpu.machine_shares(before, after) == {"busy": 60.0, "iowait": 5.0, "steal": 15.0, "idle": 20.0}
+    assert cpu.machine_shares(before, before) == {}
+    # This machine's own readings: the shares of a real interval add up to about 100 %.
+    first = cpu.read_machine()
+    assert first is not None
+    sum(range(10**6))
+    time.sleep(0.05)
+    second = cpu.read_machine()
+    assert second is not None
+    shares = cpu.machine_shares(first, second)
+    assert not shares or abs(sum(shares.values()) - 100.0) <= 0.5
+
+
+def test_loop_ms_times_the_quoted_loop() -> None:
+    ms = cpu.loop_ms(repeat=2)
+    # sum(range(10**6)) takes milliseconds on any host this runs on; never 0, never seconds.
+    assert 0.1 < ms < 2000.0

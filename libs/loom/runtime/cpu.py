@@ -118,3 +118,57 @@ def measure(sampler: CpuSampler, seconds: float) -> dict[str, float]:
     before = sampler.sample()
     time.sleep(seconds)
     return shares(before, sampler.sample())
+
+
+MACHINE_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+"""The first eight fields of ``/proc/stat``'s ``cpu`` line (all CPUs together), in order."""
+
+
+def parse_machine(text: str) -> dict[str, int]:
+    """Clock ticks per :data:`MACHINE_FIELDS` from ``/proc/stat``'s text (its aggregate ``cpu``
+    line); fields an old kernel lacks read 0. ValueError without that line."""
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0] == "cpu":
+            ticks = [int(p) for p in parts[1 : 1 + len(MACHINE_FIELDS)]]
+            ticks += [0] * (len(MACHINE_FIELDS) - len(ticks))
+            return dict(zip(MACHINE_FIELDS, ticks, strict=True))
+    raise ValueError("no aggregate 'cpu' line in /proc/stat")
+
+
+def read_machine(path: Path = Path("/proc/stat")) -> dict[str, int] | None:
+    """:func:`parse_machine` of the machine's ``/proc/stat``; None where it cannot be read."""
+    try:
+        return parse_machine(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def machine_shares(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, float]:
+    """The machine's CPU time between two :func:`read_machine` readings, in percent of all of it:
+    ``busy`` (user, nice, system, irq, softirq), ``iowait``, ``steal`` (taken by the hypervisor
+    for other guests: a host whose steal is high gives a benchmark less than its cores) and
+    ``idle``. Empty when no time passed."""
+    delta = {k: max(after.get(k, 0) - before.get(k, 0), 0) for k in MACHINE_FIELDS}
+    total = sum(delta.values())
+    if total <= 0:
+        return {}
+    busy = delta["user"] + delta["nice"] + delta["system"] + delta["irq"] + delta["softirq"]
+    return {
+        "busy": round(100.0 * busy / total, 1),
+        "iowait": round(100.0 * delta["iowait"] / total, 1),
+        "steal": round(100.0 * delta["steal"] / total, 1),
+        "idle": round(100.0 * delta["idle"] / total, 1),
+    }
+
+
+def loop_ms(repeat: int = 5) -> float:
+    """The host's single-thread speed as the figures in ``docs/measurements.md`` quote it: the best of
+    ``repeat`` timings of ``sum(range(10**6))``, in milliseconds (what ``python -m timeit
+    "sum(range(10**6))"`` prints; lower is faster)."""
+    best = float("inf")
+    for _ in range(max(repeat, 1)):
+        t = time.perf_counter()
+        sum(range(10**6))
+        best = min(best, time.perf_counter() - t)
+    return round(best * 1000.0, 2)
