@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import os
 import shutil
 import statistics
@@ -53,6 +54,14 @@ BURST_BATCH = 256
 
 PACED_SETTLE_S = 10.0
 """Pause between the burst's jobs all running and the paced phase (the stack's backlog drains)."""
+
+QUIET_MARGIN_PCT = 15.0
+"""After :data:`PACED_SETTLE_S`, the paced phase waits (up to :data:`QUIET_LIMIT_S`) until the
+stack's processes together use no more than their CPU at rest plus this much of one core over a
+second: on a slow host a burst's backlog (metering, migration, the agents' reports) outlasts the
+fixed pause, and the paced phase then measured that backlog, not 50 jobs/s."""
+
+QUIET_LIMIT_S = 60.0
 
 NEIGHBOUR_PREFIXES = ("probe-", "agent-", "network-perception", "metrics")
 """The non-scheduling Loom services whose CPU at rest ``neighbours_at_rest_pct`` sums."""
@@ -389,8 +398,29 @@ def non_placement_pct(shares: dict[str, float]) -> float:
     return round(sum(v for k, v in shares.items() if k.startswith(NON_PLACEMENT_PREFIXES)), 2)
 
 
+async def _until_quiet(sampler: cpu.CpuSampler, rest_pct: float) -> tuple[float, float]:
+    """Wait until the stack uses at most ``rest_pct`` + :data:`QUIET_MARGIN_PCT` of one core over a
+    second, or :data:`QUIET_LIMIT_S` passed: (seconds waited, the last second's CPU in % of one core)."""
+    start = time.perf_counter()
+    used = math.inf
+    while time.perf_counter() - start < QUIET_LIMIT_S:
+        before = sampler.sample()
+        await asyncio.sleep(1.0)
+        used = sum(cpu.shares(before, sampler.sample()).values())
+        if used <= rest_pct + QUIET_MARGIN_PCT:
+            break
+    return round(time.perf_counter() - start, 1), round(used, 1)
+
+
 async def _paced_phase(
-    run: _Run, paced_jobs: int, rate: float, *, running: int, placement: list[str]
+    run: _Run,
+    paced_jobs: int,
+    rate: float,
+    *,
+    running: int,
+    placement: list[str],
+    sampler: cpu.CpuSampler,
+    rest_pct: float,
 ) -> dict[str, Any]:
     """The paced phase, once the burst's ``running`` jobs all run: latency at ``rate`` jobs/s."""
     client = run.client
@@ -407,11 +437,19 @@ async def _paced_phase(
     # of a fast burst are still being worked off for a few seconds after it, and a paced phase
     # started 1 s later measured that backlog (p99 90-300 ms against 24 ms 10 s later).
     await asyncio.sleep(PACED_SETTLE_S)
+    quiet_s, quiet_pct = await _until_quiet(sampler, rest_pct)
     stats0 = await _pipeline_stats(client, placement)
+    machine0 = cpu.read_machine()
     paced = await run.paced("paced", paced_jobs, rate, run.submit_loom)
+    machine1 = cpu.read_machine()
     timings = await _job_timings(client, placement, "paced-")
     return {
         "settle_s": settle_s,
+        # The wait for a quiet stack after the fixed pause, and the stack's CPU (% of one core)
+        # over its last second: above its CPU at rest + QUIET_MARGIN_PCT when it gave up.
+        "paced_quiet_wait_s": quiet_s,
+        "paced_quiet_stack_cpu_pct": quiet_pct,
+        "paced_host_cpu_pct": cpu.machine_shares(machine0, machine1) if machine0 and machine1 else {},
         "paced_rate_per_s": rate,
         "paced_jobs": paced_jobs,
         "paced_latency_ms_p50": paced["latency_ms_p50"],
@@ -519,7 +557,13 @@ async def _measure(
         if paced_jobs:
             result.update(
                 await _paced_phase(
-                    run, paced_jobs, rate, running=jobs + len(warm_regions or [None]), placement=placement
+                    run,
+                    paced_jobs,
+                    rate,
+                    running=jobs + len(warm_regions or [None]),
+                    placement=placement,
+                    sampler=sampler,
+                    rest_pct=sum(at_rest.values()),
                 )
             )
         if base_before is not None:

@@ -1,8 +1,13 @@
 """loom bench e2e: CPU bookkeeping (which processes form which group, what counts as a neighbour),
 where a paced job's time went (its path through placement) and placement's collector pauses."""
 
+import asyncio
 import os
 
+import pytest
+
+from loom.runtime import cpu
+from loom_benchmarks import e2e
 from loom_benchmarks.e2e import (
     PATH,
     gc_between,
@@ -143,3 +148,38 @@ def test_collector_pauses_between_two_readings_are_summed_over_the_instances() -
         "gen0": {"count": 5, "total_ms": 11.0, "max_ms_since_start": 5.0},
         "gen2": {"count": 0, "total_ms": 0.0, "max_ms_since_start": 30.0},
     }
+
+
+class _Backlog:
+    """A sampler whose stack burns ``per_window`` CPU seconds in each successive second."""
+
+    def __init__(self, per_window: list[float]) -> None:
+        self.per_window = per_window
+        self.t = 0.0
+        self.used = 0.0
+        self.calls = 0
+        self.windows = 0
+
+    def sample(self) -> cpu.Sample:
+        # Sampled in pairs, a second apart: the CPU of a window shows at its second sample.
+        self.calls += 1
+        if self.calls % 2 == 0:
+            self.used += self.per_window[min(self.windows, len(self.per_window) - 1)]
+            self.windows += 1
+            self.t += 1.0
+        return cpu.Sample(at=self.t, cpu_s={"stack": {1: self.used}})
+
+
+def test_the_paced_phase_waits_until_the_stack_is_back_near_its_cpu_at_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # At rest the stack used 5 % of a core; a backlog keeps it at 90 %, then 60 %, then 12 %.
+    sampler = _Backlog([0.9, 0.6, 0.12, 0.05])
+    waited, used = asyncio.run(e2e._until_quiet(sampler, 5.0))  # type: ignore[arg-type]
+    assert used == pytest.approx(12.0) and sampler.windows == 3
+    assert 3.0 <= waited < 5.0
+    # A stack that never quiets: the wait gives up at the limit and says how busy it still was.
+    monkeypatch.setattr(e2e, "QUIET_LIMIT_S", 2.0)
+    busy = _Backlog([0.9] * 10)
+    waited, used = asyncio.run(e2e._until_quiet(busy, 5.0))  # type: ignore[arg-type]
+    assert used == pytest.approx(90.0) and 2.0 <= waited < 4.0
