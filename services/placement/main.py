@@ -11,16 +11,12 @@ shards (:mod:`loom.sched.shards`); every placement instance must be given the sa
 """
 
 import argparse
-import json
-from pathlib import Path
-
-import yaml
 
 from loom.model.topology import load_topology
 from loom.runtime.service import ServiceContext, run
 from loom.sched.plugins.cost import default_economics
 from loom.sched.probe import ProbeSettings
-from loom.sched.quota import OPEN, TenantConfig, load_tenants
+from loom.sched.quota import read_tenants
 from loom.sched.shards import load_config, parse_group
 from loom_services.placement.service import PlacementService
 
@@ -65,15 +61,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--name", default="placement", help="instance name (health subject, lease holder)")
     return parser.parse_args(argv)
-
-
-def read_tenants(path: str | None) -> TenantConfig:
-    """The tenant configuration from a file; open (no quotas) without one."""
-    if not path:
-        return OPEN
-    text = Path(path).read_text()
-    data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
-    return load_tenants(data or {})
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -578,6 +578,17 @@ def test_a_job_whose_only_cluster_failed_to_start_it_waits_and_is_not_rejected()
     assert outcome.decision is not None and outcome.decision.lead.cluster == "ca"
 
 
+def test_a_cluster_an_earlier_attempt_left_is_ruled_out_with_every_cause_that_leaves_one() -> None:
+    from loom.sched.framework import AVOIDED_REASON
+
+    snap = two_clusters()
+    outcome = Framework([ResourceFit(), ScuFit()]).schedule(job("moved", gpus=1), snap, avoid_clusters=["ca"])
+    assert outcome.decision is not None and outcome.decision.lead.cluster == "cb"
+    # A drain or a migration leaves a cluster as a failed start does: the reason names them all.
+    assert outcome.record.pruned["ca"] == AVOIDED_REASON
+    assert all(word in AVOIDED_REASON for word in ("failed", "drain", "migration"))
+
+
 def test_a_comm_heavy_gang_waits_for_one_cluster_rather_than_span_a_slow_link() -> None:
     from loom.sched.plugins.network import SpanGuard
     from loom_proto.jobs import Communication

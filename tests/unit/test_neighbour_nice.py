@@ -106,6 +106,7 @@ def test_the_supervisor_command_line_carries_the_options() -> None:
         secure_db=False,
         metrics_port_base=9500,
         neighbour_nice=3,
+        tenants="/etc/loom/tenants.yaml",
         slurm_clusters=["c-a"],
         services=False,
         secure=not StackOptions().secure,

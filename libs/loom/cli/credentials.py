@@ -90,10 +90,18 @@ def reload_nats(home: Path, timeout_s: float = 10.0) -> int:
     return told
 
 
+_WHERE = (
+    " (a stack's state is kept in $LOOM_HOME, else ./.loom of the directory `loom up` ran in: run"
+    " this there, or set LOOM_HOME)"
+)
+
+
 def _store(home: Path) -> CredentialStore | None:
     store = CredentialStore(home)
     if not store.registry_path.exists():
-        err.print(f"[red]no secured stack at {home}[/red]: start one with [bold]loom up --secure[/bold]")
+        err.print(
+            f"[red]no secured stack at {home}[/red]: start one with [bold]loom up --secure[/bold]{_WHERE}"
+        )
         return None
     return store
 
@@ -141,7 +149,7 @@ def cmd_rotate(_args: argparse.Namespace) -> int:
     if not store.registry_path.exists() and admin_url is None:
         err.print(
             f"[red]no secured stack at {home}[/red]: start one with [bold]loom up --secure[/bold]"
-            " (NATS) or [bold]--secure-db[/bold] (PostgreSQL)"
+            f" (NATS) or [bold]--secure-db[/bold] (PostgreSQL){_WHERE}"
         )
         return 1
     status = 0

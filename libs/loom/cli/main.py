@@ -17,8 +17,10 @@ from rich.tree import Tree
 
 from loom.bus.connection import BusError
 from loom.client import LoomClient, QueryError, SpecError, load_specs
+from loom.errors import InvalidInputError
 from loom.runtime import stack
 from loom.runtime.config import endpoints, loom_home
+from loom.sched.quota import read_tenants
 from loom.telemetry import configure_logging, setup_telemetry, shutdown_telemetry
 from loom_proto.jobs import TERMINAL_STATES
 
@@ -48,6 +50,14 @@ def cmd_up(args: argparse.Namespace) -> int:
     except ValueError as exc:
         err.print(f"[red]{escape(str(exc))}[/red]")
         return 2
+    tenants = ""
+    if args.tenants:
+        try:
+            read_tenants(args.tenants)  # refused here, not by a placement that would not start
+        except (OSError, InvalidInputError) as exc:
+            err.print(f"[red]cannot use --tenants {escape(args.tenants)}: {escape(str(exc))}[/red]")
+            return 2
+        tenants = str(Path(args.tenants).resolve())
     options = stack.StackOptions(
         topology=args.topology,
         clusters=args.cluster or [],
@@ -59,6 +69,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         secure_db=args.secure_db,
         metrics_port_base=args.metrics_port_base,
         neighbour_nice=nice,
+        tenants=tenants,
         slurm_clusters=stack.default_slurm_clusters(args.topology, args.cluster or []) if args.slurm else [],
         secure=stack.default_secure() if args.secure is None else args.secure,
         nats_host=args.nats_host,
@@ -924,6 +935,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="Prometheus /metrics ports: consecutive from this one (default: a free port each)",
+    )
+    p.add_argument(
+        "--tenants",
+        default=None,
+        metavar="FILE",
+        help="tenant quotas for placement (YAML or JSON, as deploy/tenants.example.yaml); "
+        "default: every tenant admitted with no quota",
     )
     p.add_argument(
         "--neighbour-nice",

@@ -193,6 +193,9 @@ class StackOptions:
     metrics_port_base: int = 0
     """Prometheus ``/metrics`` ports: services get ``base``, ``base + 1``, … in start order; 0 gives
     each a free port. ``loom status`` lists them; deploy/prometheus/ shows how to scrape them."""
+    tenants: str = ""
+    """Tenant quotas for placement (``loom up --tenants FILE``: YAML or JSON, as
+    ``deploy/tenants.example.yaml``; an absolute path); empty: every tenant admitted, no quota."""
     neighbour_nice: int = field(default_factory=default_neighbour_nice)
     """Niceness added to every service but placement (agents, probe collectors, network perception,
     metrics, migration, alerts, console): they leave the cores to placement when both want them, and
@@ -266,6 +269,8 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
     """The command line of every service process, by name."""
     py = sys.executable
     groups = group_options(placement_groups(options))
+    if options.tenants:
+        groups = [*groups, "--tenants", options.tenants]  # every placement instance, every shard
     argvs = {
         "metrics": [py, "-m", "loom_services.metrics"],
         # Alerts in, incidents out; its Alertmanager webhook listens on $LOOM_ALERTS_HTTP_PORT (9095).
@@ -971,6 +976,7 @@ def supervisor_argv(home: Path, options: StackOptions) -> list[str]:
     if options.metrics_port_base:
         argv += ["--metrics-port-base", str(options.metrics_port_base)]
     argv += ["--neighbour-nice", str(options.neighbour_nice)]
+    argv += ["--tenants", options.tenants] if options.tenants else []
     if not options.console:
         argv.append("--no-console")
     if options.console_port:
@@ -1117,6 +1123,7 @@ def parse_supervisor_argv(argv: list[str] | None = None) -> tuple[Path, StackOpt
     parser.add_argument("--insecure-db", dest="secure_db", action="store_false")
     parser.add_argument("--metrics-port-base", type=int, default=0)
     parser.add_argument("--neighbour-nice", type=neighbour_nice_value, default=NEIGHBOUR_NICE)
+    parser.add_argument("--tenants", default="")
     parser.add_argument("--slurm-cluster", action="append", default=[])
     parser.add_argument("--secure", action="store_true")
     parser.add_argument("--nats-host", default=StackOptions.nats_host)
@@ -1140,6 +1147,7 @@ def parse_supervisor_argv(argv: list[str] | None = None) -> tuple[Path, StackOpt
         secure_db=args.secure_db,
         metrics_port_base=args.metrics_port_base,
         neighbour_nice=args.neighbour_nice,
+        tenants=args.tenants,
         slurm_clusters=args.slurm_cluster,
         secure=args.secure,
         nats_host=args.nats_host,

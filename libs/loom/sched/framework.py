@@ -78,6 +78,11 @@ class Status:
 SUCCESS = Status()
 
 
+AVOIDED_REASON = "an earlier attempt left it (a failed or timed-out start, a drain or a migration)"
+"""Why a cluster in ``avoid_clusters`` is ruled out for the next attempt (the decision record's
+reason; the requeue event says which)."""
+
+
 class StateKey(Generic[T]):
     """A typed key for :class:`CycleState`: a plugin writes its per-job state once, reads it after."""
 
@@ -955,9 +960,11 @@ class Framework:
                 avoided[index] = True
         any_avoided = bool(state.avoid_clusters) and bool(avoided.any())
         if any_avoided:
-            # Clusters that failed to start an earlier attempt: avoided while others can take it
-            # (a preference: when nothing else fits, they are tried again below).
-            state.prune(avoided, lambda _c: "an earlier attempt failed to start there")
+            # Clusters an earlier attempt left (it failed to start or timed out there, or a drain
+            # or a migration moved it off): avoided while others can take it (a preference: when
+            # nothing else fits, they are tried again below). Which of those it was is in the
+            # job's events (`loom explain` shows them beside this reason).
+            state.prune(avoided, lambda _c: AVOIDED_REASON)
         self.prune_hierarchically(state)
         if job.pipeline is not None:
             return self.schedule_pipeline(state, record, apply=apply)

@@ -10,13 +10,16 @@ Tenants not listed are admitted without quota when the configuration is ``open``
 when no configuration is given) and refused otherwise.
 """
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Annotated, Any
 
 import msgspec
+import yaml
 from msgspec import Meta
 
 from loom.errors import InvalidInputError
@@ -281,3 +284,18 @@ class QuotaBook:
 def _check_count(gpus: int) -> None:
     if gpus < 0:
         raise QuotaError(f"a GPU count must be 0 or more, not {gpus}")
+
+
+def read_tenants(path: str | None) -> TenantConfig:
+    """The tenant configuration from a YAML or JSON file (``.json``: JSON); :data:`OPEN` (no quotas)
+    without one. :class:`QuotaError` for bad contents, OSError for a file that cannot be read."""
+    if not path:
+        return OPEN
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise QuotaError(f"{path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}: {exc}") from exc
+    if data is not None and not isinstance(data, dict):
+        raise QuotaError(f"{path}: expected a mapping with 'tenants', got {type(data).__name__}")
+    return load_tenants(data or {})
