@@ -141,6 +141,28 @@ async def test_tenant_submits_only_as_itself(
         assert query in await acme.violation()
 
 
+async def test_a_publish_the_server_refuses_fails_at_once_instead_of_being_retried(
+    secured: tuple[NatsServer, CredentialStore], as_identity
+) -> None:  # type: ignore[no-untyped-def]
+    # (as_identity: its set-up creates the streams.)
+    from loom.bus import Publisher
+    from loom.bus.connection import publish_denied
+
+    server, store = secured
+    nc = await connect(server.url, "test-acme", creds=store.path(tenant_identity("acme")))
+    try:
+        publisher = Publisher(nc, timeout_s=1.0, attempts=8)
+        ack = await publisher.publish_bytes(subjects.job_submitted("acme"), b"{}", msg_id="own-1")
+        assert ack.stream == "JOBS" and not publish_denied(nc, subjects.job_submitted("acme"))
+        with pytest.raises(BusError, match="permissions do not allow") as refused:
+            await publisher.publish_bytes(subjects.job_submitted("globex"), b"{}", msg_id="other-1")
+        # Refused after the first attempt's timeout, not after eight: retrying would not help.
+        assert refused.value.non_retryable and "attempts" not in str(refused.value)
+        assert publish_denied(nc, subjects.job_submitted("globex"))
+    finally:
+        await nc.close()
+
+
 async def test_tenant_cannot_read_another_tenants_events(as_identity) -> None:  # type: ignore[no-untyped-def]
     acme = await as_identity(tenant_identity("acme"))
     await acme.nc.subscribe(subjects.job_event("completed", "acme"))

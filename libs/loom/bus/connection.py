@@ -8,6 +8,7 @@ import asyncio
 import base64
 import contextlib
 import os
+import re
 import time
 import weakref
 from collections.abc import Callable
@@ -160,6 +161,7 @@ async def connect(
 
     async def on_error(exc: Exception) -> None:
         if client:
+            note_denial(client[0], str(exc))
             log.warning("nats error", error=str(exc), client=name)
         else:  # not connected yet: the caller waits (a service) or gives up in time (a command)
             log.info("waiting for nats", error=str(exc), client=name)
@@ -239,6 +241,31 @@ _RECONNECT_LISTENERS: "weakref.WeakKeyDictionary[Client, list[Callable[[], None]
     weakref.WeakKeyDictionary()
 )
 _ANNOUNCING: "weakref.WeakSet[Client]" = weakref.WeakSet()
+_DENIED: "weakref.WeakKeyDictionary[Client, dict[str, float]]" = weakref.WeakKeyDictionary()
+_DENIAL = re.compile(r'permissions violation for publish to "?([^"\s]+)"?', re.IGNORECASE)
+
+DENIAL_FRESH_S = 60.0
+"""How long a server's refusal to let this client publish to a subject is taken to stand."""
+
+
+def note_denial(nc: Client, error: str) -> str | None:
+    """Remember a NATS "permissions violation for publish to SUBJECT" error of ``nc`` (it comes
+    asynchronously, through the error callback): the subject refused, or None for another error."""
+    found = _DENIAL.search(error)
+    if found is None:
+        return None
+    _DENIED.setdefault(nc, {})[found.group(1)] = time.monotonic()
+    return found.group(1)
+
+
+def publish_denied(nc: Client, subject: str) -> bool:
+    """Whether the server refused ``nc`` a publish to ``subject`` in the last
+    :data:`DENIAL_FRESH_S` (:func:`note_denial`): its permissions do not allow it, and retrying
+    will not change that."""
+    at = _DENIED.get(nc, {}).get(subject)
+    return at is not None and time.monotonic() - at < DENIAL_FRESH_S
+
+
 """The clients made by :func:`connect`: the ones whose reconnects reach :func:`on_reconnected`'s listeners."""
 
 

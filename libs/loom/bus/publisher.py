@@ -30,7 +30,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
-from loom.bus.connection import BusError
+from loom.bus.connection import BusError, publish_denied
 from loom.telemetry import span_name
 from loom_proto.codec import encode
 
@@ -232,6 +232,15 @@ class Publisher:
                     continue
                 except _RETRYABLE as exc:
                     last_error = exc
+                    if publish_denied(self._nc, subject):
+                        # No ack came because the server refused the publish (an error on the
+                        # connection, not a reply): this identity may not publish there.
+                        span.record_exception(exc)
+                        raise BusError(
+                            f"publish to {subject} refused: this client's NATS permissions do not allow"
+                            " it (a tenant's credentials publish only that tenant's subjects)",
+                            non_retryable=True,
+                        ) from exc
                 except APIError as exc:
                     # 503 and similar are transient, and so is "duplicate message id is in process"
                     # (an earlier send of this id is being stored: the next one gets its ack as a
