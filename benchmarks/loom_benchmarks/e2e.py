@@ -439,9 +439,9 @@ async def _paced_phase(
     await asyncio.sleep(PACED_SETTLE_S)
     quiet_s, quiet_pct = await _until_quiet(sampler, rest_pct)
     stats0 = await _pipeline_stats(client, placement)
-    machine0 = cpu.read_machine()
+    machine0, sample0 = cpu.read_machine(), sampler.sample()
     paced = await run.paced("paced", paced_jobs, rate, run.submit_loom)
-    machine1 = cpu.read_machine()
+    machine1, sample1 = cpu.read_machine(), sampler.sample()
     timings = await _job_timings(client, placement, "paced-")
     return {
         "settle_s": settle_s,
@@ -450,6 +450,9 @@ async def _paced_phase(
         "paced_quiet_wait_s": quiet_s,
         "paced_quiet_stack_cpu_pct": quiet_pct,
         "paced_host_cpu_pct": cpu.machine_shares(machine0, machine1) if machine0 and machine1 else {},
+        # Every process's CPU over the paced phase a job (the stack's periodic work included: at
+        # a low rate each job is a batch of its own and pays every per-batch cost).
+        "cpu_ms_per_job_paced": cpu_ms_per_job(sample0, sample1, paced_jobs),
         "paced_rate_per_s": rate,
         "paced_jobs": paced_jobs,
         "paced_latency_ms_p50": paced["latency_ms_p50"],

@@ -241,32 +241,39 @@ _RECONNECT_LISTENERS: "weakref.WeakKeyDictionary[Client, list[Callable[[], None]
     weakref.WeakKeyDictionary()
 )
 _ANNOUNCING: "weakref.WeakSet[Client]" = weakref.WeakSet()
+"""The clients made by :func:`connect`: the ones whose reconnects reach :func:`on_reconnected`'s listeners."""
+
 _DENIED: "weakref.WeakKeyDictionary[Client, dict[str, float]]" = weakref.WeakKeyDictionary()
 _DENIAL = re.compile(r'permissions violation for publish to "?([^"\s]+)"?', re.IGNORECASE)
 
 DENIAL_FRESH_S = 60.0
-"""How long a server's refusal to let this client publish to a subject is taken to stand."""
+"""How long a server's refusal to let this client publish to a subject is kept."""
 
 
 def note_denial(nc: Client, error: str) -> str | None:
     """Remember a NATS "permissions violation for publish to SUBJECT" error of ``nc`` (it comes
-    asynchronously, through the error callback): the subject refused, or None for another error."""
+    asynchronously, through the error callback): the subject refused (lower-cased: nats-py lowers
+    the server's whole error text), or None for another error. Refusals older than
+    :data:`DENIAL_FRESH_S` are forgotten."""
     found = _DENIAL.search(error)
     if found is None:
         return None
-    _DENIED.setdefault(nc, {})[found.group(1)] = time.monotonic()
-    return found.group(1)
+    now = time.monotonic()
+    denied = _DENIED.setdefault(nc, {})
+    for stale in [s for s, at in denied.items() if now - at >= DENIAL_FRESH_S]:
+        del denied[stale]
+    subject = found.group(1).lower()
+    denied[subject] = now
+    return subject
 
 
-def publish_denied(nc: Client, subject: str) -> bool:
-    """Whether the server refused ``nc`` a publish to ``subject`` in the last
-    :data:`DENIAL_FRESH_S` (:func:`note_denial`): its permissions do not allow it, and retrying
-    will not change that."""
-    at = _DENIED.get(nc, {}).get(subject)
-    return at is not None and time.monotonic() - at < DENIAL_FRESH_S
-
-
-"""The clients made by :func:`connect`: the ones whose reconnects reach :func:`on_reconnected`'s listeners."""
+def publish_denied(nc: Client, subject: str, *, since: float) -> bool:
+    """Whether the server refused ``nc`` a publish to ``subject`` at or after ``since`` (a
+    ``time.monotonic()`` reading: the publish's own start, so that a refusal from before a change
+    of permissions never fails a later publish): retrying will not change that. Subjects compare
+    without case, as nats-py reports them."""
+    at = _DENIED.get(nc, {}).get(subject.lower())
+    return at is not None and at >= since
 
 
 def announces_reconnects(nc: Client) -> bool:

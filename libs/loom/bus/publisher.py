@@ -215,6 +215,7 @@ class Publisher:
             awaiting_leader_since: float | None = None
             clustered = len(self._nc.servers) > 1
             while attempt < self._attempts:
+                sent_at = time.monotonic()
                 try:
                     ack = await self._publish_once(
                         subject,
@@ -232,7 +233,7 @@ class Publisher:
                     continue
                 except _RETRYABLE as exc:
                     last_error = exc
-                    if publish_denied(self._nc, subject):
+                    if publish_denied(self._nc, subject, since=sent_at):
                         # No ack came because the server refused the publish (an error on the
                         # connection, not a reply): this identity may not publish there.
                         span.record_exception(exc)

@@ -54,7 +54,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     if args.tenants:
         try:
             read_tenants(args.tenants)  # refused here, not by a placement that would not start
-        except (OSError, InvalidInputError) as exc:
+        except (OSError, ValueError, InvalidInputError) as exc:  # ValueError: not text at all
             err.print(f"[red]cannot use --tenants {escape(args.tenants)}: {escape(str(exc))}[/red]")
             return 2
         tenants = str(Path(args.tenants).resolve())
@@ -75,6 +75,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         nats_host=args.nats_host,
         postgres_host=args.postgres_host,
     )
+    if stack.is_running(loom_home()):
+        # What runs keeps the options it was started with (its tenant quotas among them).
+        err.print(
+            "[yellow]a stack is already up here: it keeps the options it was started with"
+            " (loom down, then loom up, to change them)[/yellow]"
+        )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
     console.print(f"[green]Loom is up[/green]  NATS {state['nats_url']}  PostgreSQL {state['database_url']}")
