@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, MutableMapping, ValuesView
@@ -81,6 +82,10 @@ _tracer = trace.get_tracer("loom.cluster_agent")
 
 REPORT_BATCH = 64
 """Reports sent at once: written to the connection in order, acknowledged together."""
+
+MAX_CHECKPOINTS = 100
+"""The most checkpoints a run writes: a job that asks for one every few steps gets one every so
+many of its intervals."""
 
 RUNNER_STOP_S = 30.0
 """A stop waits at most this long for the command consumer's in-flight handlers (each Slurm
@@ -744,17 +749,22 @@ class Agent:
             left -= done
 
     async def _run_steps(self, job: RunningJob, chunk: int, wakeup: asyncio.Event) -> None:
+        # Progress is reported every ``chunk`` steps; checkpoints are written as often as the job
+        # asks (a drain or a migration resumes from the last one), at most MAX_CHECKPOINTS a run:
+        # advancing a tenth at a time, a job checkpointing every 2,000 of 30,000 steps was
+        # checkpointed every 3,000 only.
+        every = job.checkpoint_every_steps
+        stride = every * math.ceil(math.ceil(job.steps / MAX_CHECKPOINTS) / every) if every else 0
         while job.step < job.steps:
-            steps = min(chunk, job.steps - job.step)
-            await self._work(job, steps, wakeup)
+            target = min((job.step // chunk + 1) * chunk, job.steps)
+            if stride:
+                target = min(target, (job.step // stride + 1) * stride)
+            await self._work(job, target - job.step, wakeup)
             before = job.step
-            job.step += steps
-            if (
-                job.checkpoint_every_steps
-                and job.step // job.checkpoint_every_steps > before // job.checkpoint_every_steps
-            ):
+            job.step = target
+            if every and job.step // every > before // every:
                 self._checkpoint(job)
-            if job.step < job.steps:
+            if job.step < job.steps and job.step // chunk > before // chunk:
                 self._report_progress(job)
             self._record({"op": "step", "key": job.key, "step": job.step, "gpu_seconds": job.gpu_seconds})
         # Per-GPU compute speed, without slowdown or worker share: metrics compares it with the

@@ -307,6 +307,19 @@ async def test_a_run_takes_slowdown_times_longer_and_speeds_with_its_share_of_wo
         assert done["delivered_speed"] == pytest.approx(1.0)
 
 
+async def test_a_run_checkpoints_as_often_as_its_job_asks_not_only_at_each_tenth(h: Harness) -> None:
+    job_id = unique("ckpt")
+    command = start(job_id, {BIG_T4: 1}, steps=30, step_time_s=1.0)
+    spec = msgspec.structs.replace(
+        command.spec, work=Work(steps=30, step_time_s=1.0, checkpoint_every_steps=2)
+    )
+    await h.command(msgspec.structs.replace(command, spec=spec))
+    await completed(h, job_id)
+    steps = [e["step"] for kind, e in h.seen.events if kind == "checkpointed" and e["job_id"] == job_id]
+    # Every 2 steps (chunks of a tenth, 3 steps, checkpointed at 3, 6, 9, ... only).
+    assert steps == list(range(2, 31, 2))
+
+
 def test_the_sim_stretches_a_steps_time_by_slowdown_and_shrinks_it_with_workers() -> None:
     sim = SimCluster(load_topology("small").cluster(CLUSTER))
     base = sim.wall_seconds(10, 5.0, "T4", "training_compute", 100.0)
