@@ -2540,6 +2540,8 @@ class PlacementService:
         index_of: dict[str, int] = {}
         refused: dict[str, str] = {}
         """Reports refused (message id -> why): dead-lettered once the rest commits."""
+        ignored: dict[str, str] = {}
+        """Late checkpoints of runs that ended (message id -> why): acknowledged, not recorded."""
         reporter_of: dict[str, str] = {}
         """The reporting cluster named by a report's subject (message id -> cluster)."""
         for i, d in enumerate(deliveries):
@@ -2574,8 +2576,11 @@ class PlacementService:
                 refused.clear()
                 refused.update(await _foreign_reports(conn, mine, reporter_of))
                 mine = [(e, mid) for e, mid in mine if mid not in refused]
-                refused.update(await _refused_checkpoints(conn, mine))
-                mine = [(e, mid) for e, mid in mine if mid not in refused]
+                checkpoints, late = await _refused_checkpoints(conn, mine)
+                refused.update(checkpoints)
+                mine = [(e, mid) for e, mid in mine if mid not in refused and mid not in late]
+                ignored.clear()
+                ignored.update(late)
                 fresh = await repo.append_events(
                     conn,
                     [repo.JobEventRow(e.job_id, _kind(e), mid, encode(e), _at(e)) for e, mid in mine],
@@ -2668,6 +2673,9 @@ class PlacementService:
         for mid, why in refused.items():
             log.warning("report refused", msg_id=mid, reason=why)
             outcomes[index_of[mid]] = InvalidInputError(why)
+        for mid, why in ignored.items():
+            log.info("late checkpoint ignored", msg_id=mid, reason=why)
+        self.stats["late_checkpoints"] = self.stats.get("late_checkpoints", 0) + len(ignored)
         return outcomes
 
     async def _cancel(
@@ -3268,12 +3276,14 @@ async def _foreign_reports(
 
 async def _refused_checkpoints(
     conn: asyncpg.Connection, events: Sequence[tuple["LifecycleEvent", str]]
-) -> dict[str, str]:
-    """New checkpoint reports that must not be recorded (unknown job, an attempt that is not the
-    live one, a finished run): message id -> why (:func:`loom.migrate.checkpoints.report_refusal`)."""
+) -> tuple[dict[str, str], dict[str, str]]:
+    """New checkpoint reports that must not be recorded: message id -> why
+    (:func:`loom.migrate.checkpoints.report_refusal`), as (refused: an unknown job or an attempt
+    that is not the live one, dead-lettered; late: a checkpoint of the live attempt of a job that
+    has ended, as a run stopped by a cancel reports while it stops: acknowledged, not recorded)."""
     reports = [(e, mid) for e, mid in events if isinstance(e, JobCheckpointed)]
     if not reports:
-        return {}
+        return {}, {}
     known = {
         r["msg_id"]
         for r in await conn.fetch(
@@ -3283,12 +3293,13 @@ async def _refused_checkpoints(
     fresh = [(e, mid) for e, mid in reports if mid not in known]
     states = await moves.job_states(conn, sorted({e.job_id for e, _ in fresh}))
     out: dict[str, str] = {}
+    late: dict[str, str] = {}
     for e, mid in fresh:
         state, attempt = states.get(e.job_id, (None, None))
         why = report_refusal(job_state=state, current_attempt=attempt, attempt=e.attempt)
         if why is not None:
-            out[mid] = why
-    return out
+            (late if state in TERMINAL_STATES and attempt == e.attempt else out)[mid] = why
+    return out, late
 
 
 async def _parent_of(conn: asyncpg.Connection, job_id: str) -> str | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import asyncpg
 import msgspec
+import nats.errors
 import pytest
 from platform_helpers import Platform
 from waiting import until
@@ -256,6 +257,35 @@ async def test_a_drain_moves_every_job_from_its_checkpoint_two_at_a_time_and_und
         await client.close()
 
 
+async def _a_cancelled_runs_late_checkpoint_is_acknowledged_only(
+    client: LoomClient, dlq: Any, job_id: str
+) -> None:
+    """A cancelled job's live run may still report a checkpoint while it stops: acknowledged,
+    counted, neither recorded nor dead-lettered (a dead letter is for poison, not for a race)."""
+    assert await client.cancel(job_id) == "cancelled"
+    await client.nc.publish(
+        subjects.job_event("checkpointed", "t1"),
+        encode(
+            JobCheckpointed(
+                job_id=job_id,
+                tenant="t1",
+                cluster=OTHER,
+                attempt=2,
+                step=77,
+                checkpoint_uri="sim://late",
+                at=time.time(),
+            )
+        ),
+        headers={"Nats-Msg-Id": f"{job_id}:checkpointed:2:77"},
+    )
+    await until(lambda: _health(client, "placement", "late_checkpoints"), 10, "the late checkpoint seen")
+    with pytest.raises(nats.errors.TimeoutError):
+        await dlq.next_msg(timeout=1.0)
+    job = await client.job(job_id)
+    assert job is not None and job["state"] == "cancelled"
+    assert not [e for e in job["events"] if e["kind"] == "checkpointed" and e["event"].get("step") == 77]
+
+
 async def test_a_returning_agent_stops_its_orphaned_runs_and_a_fenced_checkpoint_is_dead_lettered(
     platform: Platform,
 ) -> None:
@@ -338,6 +368,8 @@ async def test_a_returning_agent_stops_its_orphaned_runs_and_a_fenced_checkpoint
             assert job is not None and job["attempt"] == 2
             late_old = [e for e in job["events"] if e["event"].get("attempt") == 1 and e["at"] >= back_at]
             assert late_old == [], "the orphaned run reported nothing after the agent returned"
+
+        await _a_cancelled_runs_late_checkpoint_is_acknowledged_only(client, dlq, jobs[1])
     finally:
         await dlq.unsubscribe()
         await client.close()
