@@ -257,27 +257,34 @@ async def test_a_drain_moves_every_job_from_its_checkpoint_two_at_a_time_and_und
         await client.close()
 
 
-async def _a_cancelled_runs_late_checkpoint_is_acknowledged_only(
-    client: LoomClient, dlq: Any, job_id: str
+async def _report_checkpoint(
+    client: LoomClient, job_id: str, cluster: str, *, attempt: int, step: int
 ) -> None:
-    """A cancelled job's live run may still report a checkpoint while it stops: acknowledged,
-    counted, neither recorded nor dead-lettered (a dead letter is for poison, not for a race)."""
-    assert await client.cancel(job_id) == "cancelled"
+    """An agent's checkpoint report of tenant t1's ``job_id``, published by hand under its usual id."""
     await client.nc.publish(
         subjects.job_event("checkpointed", "t1"),
         encode(
             JobCheckpointed(
                 job_id=job_id,
                 tenant="t1",
-                cluster=OTHER,
-                attempt=2,
-                step=77,
-                checkpoint_uri="sim://late",
+                cluster=cluster,
+                attempt=attempt,
+                step=step,
+                checkpoint_uri=f"sim://{job_id}/{step}",
                 at=time.time(),
             )
         ),
-        headers={"Nats-Msg-Id": f"{job_id}:checkpointed:2:77"},
+        headers={"Nats-Msg-Id": f"{job_id}:checkpointed:{attempt}:{step}"},
     )
+
+
+async def _a_cancelled_runs_late_checkpoint_is_acknowledged_only(
+    client: LoomClient, dlq: Any, job_id: str
+) -> None:
+    """A cancelled job's live run may still report a checkpoint while it stops: acknowledged,
+    counted, neither recorded nor dead-lettered (a dead letter is for poison, not for a race)."""
+    assert await client.cancel(job_id) == "cancelled"
+    await _report_checkpoint(client, job_id, OTHER, attempt=2, step=77)
     await until(lambda: _health(client, "placement", "late_checkpoints"), 10, "the late checkpoint seen")
     with pytest.raises(nats.errors.TimeoutError):
         await dlq.next_msg(timeout=1.0)
@@ -345,21 +352,7 @@ async def test_a_returning_agent_stops_its_orphaned_runs_and_a_fenced_checkpoint
         assert not returned.running and {f"{j}:1" for j in jobs} <= returned.finished
 
         # A checkpoint report of the fenced attempt: dead-lettered with the reason, not recorded.
-        await client.nc.publish(
-            subjects.job_event("checkpointed", "t1"),
-            encode(
-                JobCheckpointed(
-                    job_id=jobs[0],
-                    tenant="t1",
-                    cluster=DRAINED,
-                    attempt=1,
-                    step=95,
-                    checkpoint_uri="sim://x",
-                    at=time.time(),
-                )
-            ),
-            headers={"Nats-Msg-Id": f"{jobs[0]}:checkpointed:1:95"},
-        )
+        await _report_checkpoint(client, jobs[0], DRAINED, attempt=1, step=95)
         letter = await dlq.next_msg(timeout=10)
         assert "fenced attempt 1" in (letter.headers or {}).get("Loom-Error", "")
         await asyncio.sleep(1.0)
