@@ -403,12 +403,14 @@ async def _until_quiet(sampler: cpu.CpuSampler, rest_pct: float) -> tuple[float,
     second, or :data:`QUIET_LIMIT_S` passed: (seconds waited, the last second's CPU in % of one core)."""
     start = time.perf_counter()
     used = math.inf
+    before = sampler.sample()
     while time.perf_counter() - start < QUIET_LIMIT_S:
-        before = sampler.sample()
         await asyncio.sleep(1.0)
-        used = sum(cpu.shares(before, sampler.sample()).values())
+        after = sampler.sample()
+        used = sum(cpu.shares(before, after).values())
         if used <= rest_pct + QUIET_MARGIN_PCT:
             break
+        before = after
     return round(time.perf_counter() - start, 1), round(used, 1)
 
 

@@ -76,7 +76,7 @@ from opentelemetry.trace import SpanKind
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, stop_runners
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.errors import InvalidInputError, NotLeaderError, TransientError
-from loom.migrate.checkpoints import Checkpoint, choose, report_refusal
+from loom.migrate.checkpoints import Checkpoint, choose, late_report, report_refusal
 from loom.migrate.health import (
     Health,
     HealthNotices,
@@ -3298,7 +3298,8 @@ async def _refused_checkpoints(
         state, attempt = states.get(e.job_id, (None, None))
         why = report_refusal(job_state=state, current_attempt=attempt, attempt=e.attempt)
         if why is not None:
-            (late if state in TERMINAL_STATES and attempt == e.attempt else out)[mid] = why
+            late_one = late_report(job_state=state, current_attempt=attempt, attempt=e.attempt)
+            (late if late_one else out)[mid] = why
     return out, late
 
 

@@ -161,9 +161,9 @@ class _Backlog:
         self.windows = 0
 
     def sample(self) -> cpu.Sample:
-        # Sampled in pairs, a second apart: the CPU of a window shows at its second sample.
+        # Sampled once a second: the CPU of a window shows at the sample that ends it.
         self.calls += 1
-        if self.calls % 2 == 0:
+        if self.calls > 1:
             self.used += self.per_window[min(self.windows, len(self.per_window) - 1)]
             self.windows += 1
             self.t += 1.0

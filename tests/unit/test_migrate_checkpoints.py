@@ -1,6 +1,6 @@
 """Checkpoints as records: which one a resume uses, and which reports are refused (pure)."""
 
-from loom.migrate.checkpoints import Checkpoint, checksum_of, choose, report_refusal
+from loom.migrate.checkpoints import Checkpoint, checksum_of, choose, late_report, report_refusal
 
 
 def _ck(step: int, attempt: int = 1, *, good: bool = True, corrupt: bool = False) -> Checkpoint:
@@ -65,3 +65,11 @@ def test_reports_of_unknown_fenced_or_finished_runs_are_refused_with_the_reason(
     assert "given up" in (report_refusal(job_state="queued", current_attempt=2, attempt=2) or "")
     assert report_refusal(job_state="running", current_attempt=2, attempt=2) is None
     assert report_refusal(job_state="placed", current_attempt=1, attempt=1) is None
+
+
+def test_only_a_report_of_the_live_attempt_of_an_ended_job_is_late_rather_than_poison() -> None:
+    assert late_report(job_state="cancelled", current_attempt=2, attempt=2)
+    assert late_report(job_state="completed", current_attempt=1, attempt=1)
+    assert not late_report(job_state="cancelled", current_attempt=2, attempt=1)  # fenced
+    assert not late_report(job_state="queued", current_attempt=2, attempt=2)  # given up
+    assert not late_report(job_state=None, current_attempt=None, attempt=1)  # unknown job

@@ -3,7 +3,8 @@
 Agents report every checkpoint they write (job, attempt, step, cluster, where, size, checksum).
 Placement records each in the store (``checkpoints``) in the transaction that records the event,
 after :func:`report_refusal` accepted it; a report it refuses (unknown job, an attempt that is not
-the live one, a finished run) goes to the dead letters with that reason. A resume
+the live one, a run given up) goes to the dead letters with that reason, except a late one
+(:func:`late_report`: the live attempt of a job that has ended), which is acknowledged unrecorded. A resume
 (:func:`choose`) takes the latest checkpoint whose checksum verifies and whose cluster can be read
 (not failed), else its replica in another cluster (:mod:`loom.migrate.replicas`), else the
 previous one, else step 0, and says which and why (the job's history shows it).
@@ -109,7 +110,8 @@ def choose(
 
 
 def report_refusal(*, job_state: str | None, current_attempt: int | None, attempt: int) -> str | None:
-    """Why a checkpoint report must not be recorded (it goes to the dead letters), or None.
+    """Why a checkpoint report must not be recorded, or None (refused: the dead letters, unless
+    :func:`late_report`).
 
     ``job_state`` / ``current_attempt``: the job's row as the store has it (None: no such job).
     """
@@ -124,3 +126,10 @@ def report_refusal(*, job_state: str | None, current_attempt: int | None, attemp
     if job_state == "queued":
         return f"checkpoint of attempt {attempt}, which was given up (the job is queued again)"
     return None
+
+
+def late_report(*, job_state: str | None, current_attempt: int | None, attempt: int) -> bool:
+    """Whether a refused checkpoint report is merely late: one of the live attempt of a job that has
+    ended (a run stopped by a cancel reports while it stops). A race, not poison: acknowledged and
+    not recorded rather than dead-lettered."""
+    return job_state in TERMINAL_STATES and current_attempt == attempt
