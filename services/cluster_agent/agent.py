@@ -263,6 +263,9 @@ class Agent:
             publisher=self.ctx.publisher,
             # Each command changes state before its first await, so a batch's publishes can overlap.
             concurrent=True,
+            # One standing pull request, commands landing in a plain callback: the fetch path
+            # spent two tasks and a timer on each command.
+            callback_pull=True,
         )
         watchdog = self.ctx.watchdog
         watchdog.condition("reports", self.bus_problem)

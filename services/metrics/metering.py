@@ -33,6 +33,10 @@ from loom_proto.jobs import JobCancelled, JobPlaced, JobRequeued
 log = structlog.get_logger("metrics.metering")
 
 CONSUMER = "metrics-metering"
+LINGER_S = 0.1
+"""How long a fetched event waits for others to share its transaction. Usage rows and the reserved
+overlay lag by at most this; at 50 jobs/s each job's two or three events had a transaction each
+(about 4 ms of the metrics service's CPU a job, as much again in PostgreSQL)."""
 
 
 class Metering:
@@ -73,6 +77,8 @@ class Metering:
             batch_handler=self.on_events,
             publisher=self.ctx.publisher,
             callback_pull=True,
+            # Off the latency path: at a low rate a few events a transaction, not one each.
+            linger_s=LINGER_S,
         )
 
     async def on_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:

@@ -109,6 +109,9 @@ UNMEASURED_PATH = benefit.PathState(rtt_ms=250.0, bandwidth_gbps=1.0)
 """A path network perception has not measured yet (a region just joined): a slow WAN link."""
 
 PRODUCER = "migration"
+EVENTS_LINGER_S = 0.1
+"""How long a fetched job event waits for others to share its handling (at 50 jobs/s each start
+had its own round of the consumer and the store)."""
 
 VOLUNTARY_CAUSES = ("network", "backflow", "slow_node")
 """Moves the benefit rule chose (not forced): the budget counts them, the moves loop advances them."""
@@ -257,6 +260,7 @@ class MigrationService:
             batch_handler=self.on_job_events,
             publisher=self.ctx.publisher,
             callback_pull=True,
+            linger_s=EVENTS_LINGER_S,  # starts and requeues a batch at a time, not each alone
         )
         drain_sub = await self.ctx.nc.subscribe(subjects.MIGRATE_DRAIN, queue="migration", cb=self.on_drain)
         query_sub = await self.ctx.nc.subscribe(subjects.MIGRATE_QUERY, queue="migration", cb=self.on_query)

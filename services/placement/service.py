@@ -185,6 +185,8 @@ LIFECYCLE_SUBJECTS = subjects.job_events_of(
 LifecycleEvent = JobStarted | JobProgress | JobCheckpointed | JobCompleted | JobFailed | JobCancelled
 MAX_BACKOFF_S = 30.0
 ACK_WAIT_S = 5.0
+LIFECYCLE_LINGER_S = 0.05
+"""How long a fetched lifecycle event waits for others to share its transaction."""
 MIN_DECIDE_SLICE = 8
 """The fewest submissions one slice decides (see :func:`decide_slice`)."""
 WHATIF_SHARE = 0.25
@@ -640,6 +642,9 @@ class PlacementService:
                 publisher=self.ctx.publisher,
                 idle_fetch_timeout_s=idle_fetch_timeout_s,
                 callback_pull=True,
+                # A few lifecycle events a transaction at a low rate, not one each (a start
+                # confirms a reservation; an end frees GPUs a moment later, no more).
+                linger_s=LIFECYCLE_LINGER_S,
             ),
             ConsumerRunner(
                 self.ctx.nc,

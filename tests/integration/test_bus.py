@@ -501,6 +501,68 @@ async def test_a_batch_handler_settles_each_message_by_its_own_outcome(
     assert runner.counts == {"acked": 2, "nacked": 1, "dead_lettered": 2}
 
 
+async def test_a_lingering_consumer_gathers_sparse_messages_into_one_batch(
+    nc: Client, start_consumer: StartConsumer
+) -> None:
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    publisher = Publisher(nc)
+    batches: list[list[str]] = []
+    handled = asyncio.Event()
+
+    async def batch_handler(deliveries: list[Delivery[JobSubmitted]]) -> list[BaseException | None]:
+        batches.append([d.message.job_id for d in deliveries])
+        if sum(len(b) for b in batches) == 3:
+            handled.set()
+        return [None] * len(deliveries)
+
+    runner = await start_consumer(
+        consumer_spec([subject]),
+        JobSubmitted,
+        batch_handler=batch_handler,
+        callback_pull=True,
+        linger_s=2.0,
+        idle_fetch_timeout_s=10.0,
+    )
+    await asyncio.sleep(0.3)  # the standing request is out
+    for n in range(3):
+        await publisher.publish(subject, submitted(tenant, n), msg_id=f"{tenant}-{n}")
+        await asyncio.sleep(0.2)  # sparse: each alone would be a batch of its own without lingering
+    await asyncio.wait_for(handled.wait(), WAIT_S)
+    assert batches == [["job-0", "job-1", "job-2"]]
+    assert runner.counts["acked"] == 3
+
+
+async def test_a_lingering_consumer_stops_lingering_once_its_request_is_used_up(
+    nc: Client, start_consumer: StartConsumer
+) -> None:
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    publisher = Publisher(nc)
+    for n in range(3):
+        await publisher.publish(subject, submitted(tenant, n), msg_id=f"{tenant}-{n}")
+    handled = asyncio.Event()
+    batches: list[int] = []
+
+    async def batch_handler(deliveries: list[Delivery[JobSubmitted]]) -> list[BaseException | None]:
+        batches.append(len(deliveries))
+        handled.set()
+        return [None] * len(deliveries)
+
+    # A linger far past the wait below: all the request asked for is on hand at once, and nothing
+    # more can come, so the batch goes without it.
+    await start_consumer(
+        consumer_spec([subject], batch=3),
+        JobSubmitted,
+        batch_handler=batch_handler,
+        callback_pull=True,
+        linger_s=120.0,
+        idle_fetch_timeout_s=300.0,
+    )
+    await asyncio.wait_for(handled.wait(), WAIT_S)
+    assert batches == [3]
+
+
 async def test_a_pipelined_consumer_fetches_the_next_batch_while_one_is_handled_and_settles_each(
     nc: Client, start_consumer: StartConsumer
 ) -> None:

@@ -361,6 +361,7 @@ class ConsumerRunner(Generic[T]):
     async def stop(self) -> None:
         """Finish the batch in hand, then stop fetching; unacked messages are redelivered later."""
         self._stopping.set()
+        self._arrival.set()  # a callback pull waiting for messages, or lingering, stops waiting
         # A loop that died already was reported by whoever waited on it (a watchdog). A caller
         # cancelled while the batch finishes (a stop under a timeout: a handler hung on the bus)
         # ends the loop there and then, and stays cancelled; the loop's own cancellation is no
@@ -436,8 +437,8 @@ class ConsumerRunner(Generic[T]):
         # One standing pull request of ``batch`` messages, renewed when it is used up or expires;
         # messages land in a plain callback. nats-py's ``fetch`` spends two tasks and a timer on
         # every message it hands over (and a chain of event-loop rounds): a low-rate consumer whose
-        # work is cheap pays mostly for that. After the first arrival, wait ``linger_s`` once so a
-        # batch gathers.
+        # work is cheap pays mostly for that. After the first arrival, linger so a batch gathers
+        # (:meth:`_linger`).
         loop = asyncio.get_running_loop()
         if not self._arrived and self._renewal_due(loop):
             # Only with nothing on hand: what is on hand belongs to the request before, and counted
@@ -457,7 +458,7 @@ class ConsumerRunner(Generic[T]):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrival.wait(), timeout=wait_s)
         if self._arrived and self._linger_s > 0:
-            await asyncio.sleep(self._linger_s)
+            await self._linger(loop)
         self._arrival.clear()
         arrived, self._arrived = self._arrived, []
         arrived_at, self._arrived_at = self._arrived_at, []
@@ -501,6 +502,26 @@ class ConsumerRunner(Generic[T]):
                 self._pull_left = 0
                 log.debug("pull request failed", consumer=self.spec.durable, error=repr(exc))
         return msgs, received
+
+    async def _linger(self, loop: asyncio.AbstractEventLoop) -> None:
+        """After a first arrival, up to ``linger_s`` for more to gather into the batch: not past
+        the moment the standing request is used up (all it asked for is on hand) or ended (a pull
+        status arrived), as nothing more can come then, nor past a stop. A consumer off the latency path (metering,
+        say) lingers long at a low rate and so handles a few messages a transaction, not one."""
+        deadline = loop.time() + self._linger_s
+        while (
+            len(self._arrived) < self._pull_left
+            and not JetStreamContext.is_status_msg(self._arrived[-1])
+            and not self._stopping.is_set()
+        ):
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self._arrival.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrival.wait(), timeout=left)
+            if not self._arrived:  # taken by a stop or a reconnect meanwhile
+                return
 
     def _renewal_due(self, loop: asyncio.AbstractEventLoop) -> bool:
         """The standing request is used up, about to expire, or lost with a connection."""
