@@ -721,6 +721,7 @@ def bar_chart(title: str, items: Sequence[tuple[str, float]], unit: str) -> str:
 def usage_page(
     access: Access,
     groups: Sequence[UsageTotal],
+    total: UsageTotal,
     *,
     by: str,
     tenant: str | None,
@@ -728,7 +729,8 @@ def usage_page(
     until: str,
     by_choices: Sequence[str],
 ) -> str:
-    """GPU-hours, SCU-hours and cost by the chosen key over a range, charted, with a CSV link."""
+    """GPU-hours, SCU-hours and cost by the chosen key over a range, charted, with a CSV link;
+    ``total`` counts distinct runs (one spanning two groups is one run)."""
     options = "".join(f"<option{' selected' if b == by else ''}>{esc(b)}</option>" for b in by_choices)
     tenant_field = (
         f'<label>tenant <input name=tenant value="{esc(tenant or "")}"></label> '
@@ -752,12 +754,11 @@ def usage_page(
         f"<td>{amount(g.cost)}</td></tr>"
         for g in groups
     )
-    total_gpu_h = sum(g.gpu_ms for g in groups) / 3_600_000
-    total_cost = sum(g.cost for g in groups)
     table = (
         f"<table class=usage><tr><th>{esc(by)}</th><th>runs</th><th>GPU-hours</th><th>SCU-hours</th>"
-        f"<th>cost</th></tr>{rows}<tr class=total><td>total</td><td></td>"
-        f"<td>{amount(total_gpu_h)}</td><td></td><td>{amount(total_cost)}</td></tr></table>"
+        f"<th>cost</th></tr>{rows}<tr class=total><td>total</td><td>{total.runs}</td>"
+        f"<td>{amount(total.gpu_ms / 3_600_000)}</td><td>{amount(total.scu_seconds / 3600)}</td>"
+        f"<td>{amount(total.cost)}</td></tr></table>"
     )
     shown = sorted(groups, key=lambda g: -g.gpu_ms)[:25]
     charts = ""

@@ -626,7 +626,7 @@ class Console:
             until_ms = _ms(until) if until else None
             if since_ms is not None and until_ms is not None and until_ms <= since_ms:
                 raise InvalidInputError("the range is empty or inverted: until must be after since")
-            groups = await store.usage_totals(
+            groups, total = await store.usage_totals(
                 self.ctx.db, by, tenant=tenant, since_ms=since_ms, until_ms=until_ms
             )
         except InvalidInputError as exc:
@@ -640,7 +640,7 @@ class Console:
         return _page(
             200,
             pages.usage_page(
-                access, groups, by=by, tenant=tenant, since=since, until=until, by_choices=USAGE_BY
+                access, groups, total, by=by, tenant=tenant, since=since, until=until, by_choices=USAGE_BY
             ),
         )
 

@@ -171,10 +171,20 @@ def test_usage_is_charted_and_exported_by_the_chosen_key() -> None:
     groups = [
         UsageTotal(g.key, len(g.runs), g.gpu_ms, g.scu_seconds, g.cost) for g in aggregate(rows, "model")
     ]
+    total = UsageTotal("total", 3, sum(g.gpu_ms for g in groups), 17.0 * 3600, 27.0)
     html = pages.usage_page(
-        OPERATOR, groups, by="model", tenant=None, since="30d", until="", by_choices=("tenant", "model")
+        OPERATOR,
+        groups,
+        total,
+        by="model",
+        tenant=None,
+        since="30d",
+        until="",
+        by_choices=("tenant", "model"),
     )
     assert html.count("<svg class=chart") == 2 and 'data-key="A100"' in html
+    # The total row shows every column (runs as given: distinct runs, counted by the store).
+    assert "<tr class=total><td>total</td><td>3</td><td>9.00</td><td>17.00</td><td>27.00</td></tr>" in html
     assert "<td>7.00</td><td>10.50</td><td>21.00</td>" in html  # A100: 2 GPUs x 3.5 h, x 1.5 SCU, x 2/SCU-h
     assert pages.amount(0.0012345) == "0.00123" and pages.amount(1234.5) == "1,234"
     assert 'href="/usage.csv?by=model&amp;since=30d&amp;until="' in html and "name=tenant" in html
@@ -186,7 +196,14 @@ def test_usage_is_charted_and_exported_by_the_chosen_key() -> None:
     bars = pages.bar_chart("x", [("big", 4.0), ("small", 1.0)], "h")
     assert 'width="560.0"' in bars and 'width="140.0"' in bars
     tenant = pages.usage_page(
-        ALPHA, [], by="model", tenant="alpha", since="", until="", by_choices=("model",)
+        ALPHA,
+        [],
+        UsageTotal("total", 0, 0, 0.0, 0.0),
+        by="model",
+        tenant="alpha",
+        since="",
+        until="",
+        by_choices=("model",),
     )
     assert "name=tenant" not in tenant and "your own usage only" in tenant
 
@@ -354,7 +371,8 @@ async def test_the_usage_sums_of_the_database_are_those_of_metering(
                             tenant=tenant,
                             labels={"team": team} if team else {},
                             cluster=f"c-{n % 4}",
-                            region=f"r-{n % 2}",
+                            # Every seventh run spans both regions, an hour in each by turns.
+                            region=f"r-{(n + (k if n % 7 == 0 else 0)) % 2}",
                             gpu_model=("A100", "T4", "H100")[n % 3],
                             start_ms=start + k * 3_600_000,
                             end_ms=start + k * 3_600_000 + 1_000 + n * 77_777,
@@ -372,9 +390,20 @@ async def test_the_usage_sums_of_the_database_are_those_of_metering(
             for tenant, window in ((None, (None, None)), ("gamma", (since, until)), (None, (since, None))):
                 mine = [r for r in every if tenant is None or r.tenant == tenant]
                 expected = aggregate(mine, by, since_ms=window[0], until_ms=window[1])
-                got = await console_store.usage_totals(
+                got, total = await console_store.usage_totals(
                     pool, by, tenant=tenant, since_ms=window[0], until_ms=window[1]
                 )
+                whole = aggregate(mine, "tenant", since_ms=window[0], until_ms=window[1])
+                runs = set().union(*(g.runs for g in whole))
+                assert (total.key, total.runs, total.gpu_ms) == (
+                    "total",
+                    len(runs),
+                    sum(g.gpu_ms for g in whole),
+                )
+                assert total.cost == pytest.approx(sum(g.cost for g in whole), rel=1e-9)
+                assert total.scu_seconds == pytest.approx(sum(g.scu_seconds for g in whole), rel=1e-9)
+                if by == "region" and window == (None, None):  # spanning runs are in two groups, once in all
+                    assert sum(t.runs for t in got) > total.runs
                 assert [(t.key, t.runs, t.gpu_ms) for t in got] == [
                     (g.key, len(g.runs), g.gpu_ms) for g in expected
                 ]
@@ -382,5 +411,11 @@ async def test_the_usage_sums_of_the_database_are_those_of_metering(
                 assert [t.scu_seconds for t in got] == pytest.approx(
                     [g.scu_seconds for g in expected], rel=1e-9
                 )
+        # A window no row reaches: no group, and a total of nothing.
+        got, total = await console_store.usage_totals(
+            pool, "region", tenant=None, since_ms=now_ms + 3_600_000, until_ms=None
+        )
+        assert got == []
+        assert (total.runs, total.gpu_ms, total.scu_seconds, total.cost) == (0, 0, 0.0, 0.0)
     finally:
         await pool.close()

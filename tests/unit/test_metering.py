@@ -230,5 +230,31 @@ def test_a_monthly_statement_takes_only_that_months_hours_of_that_tenant() -> No
 def test_loom_usage_refuses_an_inverted_range_before_connecting(capsys: pytest.CaptureFixture[str]) -> None:
     from loom.cli.main import main
 
-    assert main(["usage", "--since", "2026-12-02T00:00", "--until", "2026-12-01T00:00"]) == 1
+    assert main(["usage", "--since", "2026-12-02T00:00", "--until", "2026-12-01T00:00"]) == 2
     assert "inverted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("by", ["bogus", "label:", "label: ", "Tenant"])
+def test_loom_usage_refuses_a_grouping_it_cannot_make_before_connecting(
+    by: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loom.cli.main import main
+
+    # No stack runs here: a refusal after connecting would say so and exit 1.
+    assert main(["usage", "--by", by]) == 2
+    assert "cannot group usage by" in capsys.readouterr().err
+
+
+def test_a_grouping_is_checked_even_with_no_rows_to_group() -> None:
+    with pytest.raises(InvalidInputError, match="cannot group"):
+        aggregate([], "bogus")
+    assert aggregate([], "label:team") == []
+
+
+def test_loom_usage_statement_refuses_a_month_it_cannot_read_with_exit_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from loom.cli.main import main
+
+    assert main(["usage", "statement", "--tenant", "acme", "--month", "2026-13"]) == 2
+    assert "YYYY-MM" in capsys.readouterr().err

@@ -506,8 +506,9 @@ class ConsumerRunner(Generic[T]):
     async def _linger(self, loop: asyncio.AbstractEventLoop) -> None:
         """After a first arrival, up to ``linger_s`` for more to gather into the batch: not past
         the moment the standing request is used up (all it asked for is on hand) or ended (a pull
-        status arrived), as nothing more can come then, nor past a stop. A consumer off the latency path (metering,
-        say) lingers long at a low rate and so handles a few messages a transaction, not one."""
+        status arrived), as nothing more can come then, nor past a stop. A consumer off the
+        latency path (metering, say) lingers long at a low rate and so handles a few messages a
+        transaction, not one."""
         deadline = loop.time() + self._linger_s
         while (
             len(self._arrived) < self._pull_left

@@ -4,6 +4,7 @@ import argparse
 import asyncio
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,29 @@ def _table(jobs: dict[str, dict[str, Any] | None], started: float) -> Table:
     return table
 
 
+async def watch_jobs(
+    job: Callable[[str], Awaitable[dict[str, Any] | None]],
+    jobs: dict[str, dict[str, Any] | None],
+    console: Console,
+    started: float,
+    timeout_s: float,
+) -> None:
+    """Show ``jobs`` (looked up with ``job``) in a live table until all ended or ``timeout_s``."""
+    with Live(_table(jobs, started), console=console, refresh_per_second=4) as live:
+        while time.time() - started < timeout_s:
+            for job_id, known in list(jobs.items()):
+                if known is None or known["state"] not in TERMINAL_STATES:
+                    jobs[job_id] = await job(job_id)
+            live.update(_table(jobs, started))
+            if all(j is not None and j["state"] in TERMINAL_STATES for j in jobs.values()):
+                break
+            await asyncio.sleep(0.5)
+    if not console.is_terminal:
+        # Written to a file or a pipe, the last table ends without a line break: what follows
+        # would join its bottom border.
+        console.line()
+
+
 async def _demo(
     args: argparse.Namespace, console: Console, nats_url: str, expected_clusters: int, database_url: str = ""
 ) -> int:
@@ -65,15 +89,7 @@ async def _demo(
         for spec in specs:
             await client.submit(spec)
         jobs: dict[str, dict[str, Any] | None] = {s.job_id: None for s in specs}
-        with Live(_table(jobs, started), console=console, refresh_per_second=4) as live:
-            while time.time() - started < args.timeout:
-                for job_id, known in list(jobs.items()):
-                    if known is None or known["state"] not in TERMINAL_STATES:
-                        jobs[job_id] = await client.job(job_id)
-                live.update(_table(jobs, started))
-                if all(j is not None and j["state"] in TERMINAL_STATES for j in jobs.values()):
-                    break
-                await asyncio.sleep(0.5)
+        await watch_jobs(client.job, jobs, console, started, args.timeout)
         done = [j for j in jobs.values() if j is not None]
         by_state: dict[str, int] = {}
         by_cluster: dict[str, int] = {}

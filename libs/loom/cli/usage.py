@@ -25,7 +25,7 @@ from rich.table import Table
 
 from loom.bus.dlq import parse_since
 from loom.errors import InvalidInputError
-from loom.metering.usage import Group, aggregate, gpu_seconds_text, month_window_ms, statement
+from loom.metering.usage import Group, aggregate, check_grouping, gpu_seconds_text, month_window_ms, statement
 from loom.runtime.config import endpoints
 from loom.store import usage as usage_store
 
@@ -97,6 +97,8 @@ async def _connect() -> asyncpg.Connection:
 def cmd_usage(args: argparse.Namespace) -> int:
     """``loom usage``."""
     try:
+        # Bad input is refused before connecting, with exit status 2.
+        check_grouping(args.by)
         since_ms, until_ms = _ms(args.since), _ms(args.until)
         if since_ms is not None and until_ms is not None and until_ms <= since_ms:
             raise InvalidInputError(
@@ -117,7 +119,10 @@ def cmd_usage(args: argparse.Namespace) -> int:
             return aggregate(rows, args.by, since_ms=since_ms, until_ms=until_ms)
 
         groups = asyncio.run(go())
-    except (InvalidInputError, RuntimeError, OSError, asyncpg.PostgresError) as exc:
+    except InvalidInputError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        return 2
+    except (RuntimeError, OSError, asyncpg.PostgresError) as exc:
         err.print(f"[red]error:[/red] {exc}")
         return 1
     records = [g.as_dict() for g in groups]
@@ -163,7 +168,10 @@ def cmd_statement(args: argparse.Namespace) -> int:
             return statement(rows, args.tenant, args.month)
 
         result = asyncio.run(go())
-    except (InvalidInputError, RuntimeError, OSError, asyncpg.PostgresError) as exc:
+    except InvalidInputError as exc:  # a month not YYYY-MM: refused before connecting
+        err.print(f"[red]error:[/red] {exc}")
+        return 2
+    except (RuntimeError, OSError, asyncpg.PostgresError) as exc:
         err.print(f"[red]error:[/red] {exc}")
         return 1
     if args.json:

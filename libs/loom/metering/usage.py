@@ -151,6 +151,20 @@ def clip(row: UsageRow, since_ms: int | None, until_ms: int | None) -> UsageRow 
     return msgspec.structs.replace(row, start_ms=start, end_ms=end)
 
 
+GROUPINGS = ("tenant", "region", "model", "cluster", "job", "outcome")
+"""What usage groups by, besides ``label:<name>``."""
+
+
+def check_grouping(by: str) -> str:
+    """``by`` if usage can be grouped by it; else :class:`InvalidInputError` (also when there is
+    nothing to group: a wrong ``--by`` is refused, not answered with an empty table)."""
+    if by in GROUPINGS or (by.startswith("label:") and by.removeprefix("label:").strip()):
+        return by
+    raise InvalidInputError(
+        f"cannot group usage by {by!r}: use tenant, label:<name>, region, model, cluster, job or outcome"
+    )
+
+
 def group_key(row: UsageRow, by: str) -> str:
     """The group a row sums into: ``tenant``, ``region``, ``model``, ``cluster``, ``job``,
     ``outcome`` or ``label:<name>`` (``(none)`` for a job without that label)."""
@@ -164,11 +178,7 @@ def group_key(row: UsageRow, by: str) -> str:
         "job": row.job_id,
         "outcome": row.outcome,
     }
-    if by not in fields:
-        raise InvalidInputError(
-            f"cannot group usage by {by!r}: use tenant, label:<name>, region, model, cluster, job or outcome"
-        )
-    return fields[by]
+    return fields[check_grouping(by)]
 
 
 @dataclass
@@ -222,6 +232,7 @@ def aggregate(
 ) -> list[Group]:
     """Rows clipped to ``[since_ms, until_ms)`` and summed by ``by`` (see :func:`group_key`),
     sorted by key."""
+    check_grouping(by)
     if since_ms is not None and until_ms is not None and until_ms <= since_ms:
         raise InvalidInputError("the usage window is empty or inverted: --until must be after --since")
     groups: dict[str, Group] = {}

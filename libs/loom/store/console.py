@@ -98,10 +98,12 @@ async def usage_totals(
     tenant: str | None,
     since_ms: int | None,
     until_ms: int | None,
-) -> list[UsageTotal]:
+) -> tuple[list[UsageTotal], UsageTotal]:
     """Usage rows of ``tenant`` (or all) clipped to ``[since_ms, until_ms)`` and summed by ``by``
     (one of :data:`USAGE_KEYS`), sorted by key: the sums of ``loom.metering.usage.aggregate``
-    (exact GPU-ms), done in the database rather than over every row in Python."""
+    (exact GPU-ms), done in the database rather than over every row in Python. With them, the
+    total (key ``total``): its runs are distinct runs, not the groups' sum (a run that spans two
+    regions, or ran on two models, is in two groups but one run)."""
     key = _USAGE_KEYS[by]  # a fixed expression, never the caller's text
     rows = await conn.fetch(
         f"""WITH clipped AS (
@@ -111,18 +113,27 @@ async def usage_totals(
                 FROM usage_rows
                 WHERE ($1::text IS NULL OR tenant = $1)
                   AND ($2::bigint IS NULL OR end_ms > $2) AND ($3::bigint IS NULL OR start_ms < $3))
-            SELECT key, count(DISTINCT (job_id, attempt)) AS runs, sum(gpus * (e - s))::bigint AS gpu_ms,
-                   sum(gpus * (e - s) * scu_per_gpu / 1000.0) AS scu_seconds,
-                   sum(gpus * (e - s) * scu_per_gpu * price_per_scu_hour / 3600000.0) AS cost
-            FROM clipped WHERE e > s GROUP BY key ORDER BY key""",
+            SELECT key, GROUPING(key) = 1 AS whole, count(DISTINCT (job_id, attempt)) AS runs,
+                   coalesce(sum(gpus * (e - s)), 0)::bigint AS gpu_ms,
+                   coalesce(sum(gpus * (e - s) * scu_per_gpu / 1000.0), 0) AS scu_seconds,
+                   coalesce(sum(gpus * (e - s) * scu_per_gpu * price_per_scu_hour / 3600000.0), 0) AS cost
+            FROM clipped WHERE e > s GROUP BY GROUPING SETS ((key), ()) ORDER BY whole, key""",
         tenant,
         since_ms,
         until_ms,
     )
-    return [
-        UsageTotal(str(r["key"]), int(r["runs"]), int(r["gpu_ms"]), float(r["scu_seconds"]), float(r["cost"]))
+    totals = [
+        UsageTotal(
+            "total" if r["whole"] else str(r["key"]),
+            int(r["runs"]),
+            int(r["gpu_ms"]),
+            float(r["scu_seconds"]),
+            float(r["cost"]),
+        )
         for r in rows
     ]
+    # The grand total's row comes last (and comes even when no row is in the window).
+    return totals[:-1], totals[-1]
 
 
 async def incident_briefs(
