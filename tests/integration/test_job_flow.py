@@ -20,6 +20,7 @@ from waiting import until
 from loom.bus.publisher import Outgoing
 from loom.client import LoomClient, QueryError
 from loom.model.profiles import relative_speed
+from loom.model.scu import TrustTracker
 from loom.runtime.servers import NatsServer
 from loom.telemetry import current_trace_id, reset_for_tests, setup_telemetry
 from loom_proto import subjects
@@ -332,6 +333,7 @@ async def test_trust_rises_as_a_cluster_delivers_its_claimed_compute_and_falls_w
 ) -> None:
     # c-use2-a is the only cluster with V100M32; it delivers exactly what its profile claims.
     ids = [f"flow-trust-{i}" for i in range(3)]
+    before = await _trust_of(client, "aws-us-east-2", "c-use2-a")  # earlier tests' runs count too
     for job_id in ids:
         await client.submit(
             JobSpec(
@@ -344,11 +346,20 @@ async def test_trust_rises_as_a_cluster_delivers_its_claimed_compute_and_falls_w
     for job_id in ids:
         await until(job_state(client, job_id, "completed"), 20, f"{job_id} completed")
 
+    # Three runs that confirm the claim, each learned once (metering may fold them in one batch or
+    # in three): the trust read below is the one after all three, not a reading on the way.
+    expected = TrustTracker(trust=before)
+    for _ in ids:
+        expected = expected.observe(1.0, 1.0)
+
     async def trust_risen() -> float | None:
         trust = await _trust_of(client, "aws-us-east-2", "c-use2-a")
-        return trust if trust > 0.5 else None
+        return trust if trust == pytest.approx(expected.trust, abs=1e-3) else None
 
-    confirmed = await until(trust_risen, 10, "c-use2-a's trust to rise from 0.3")
+    confirmed = await until(
+        trust_risen, 10, f"c-use2-a's trust to rise from {before} to {expected.trust:.4f}"
+    )
+    assert confirmed > 0.5
     # The same cluster restarted delivering half its claim: the next run is a mismatch.
     await platform.stop("agent-c-use2-a")
     await platform.start("agent-c-use2-a", efficiency=0.5)
