@@ -34,9 +34,10 @@ log = structlog.get_logger("metrics.metering")
 
 CONSUMER = "metrics-metering"
 LINGER_S = 0.1
-"""How long a fetched event waits for others to share its transaction. Usage rows and the reserved
-overlay lag by at most this; at 50 jobs/s each job's two or three events had a transaction each
-(about 4 ms of the metrics service's CPU a job, as much again in PostgreSQL)."""
+"""How long a fetched event waits for others to share its transaction: usage rows and the
+reserved overlay come up to this much later than the handling alone would make them. At 50
+jobs/s each job's two or three events had a transaction each (about 4 ms of the metrics service's
+CPU a job, as much again in PostgreSQL)."""
 
 
 class Metering:

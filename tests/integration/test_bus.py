@@ -53,6 +53,18 @@ async def next_item(queue: "asyncio.Queue[Any]") -> Any:
     return await asyncio.wait_for(queue.get(), WAIT_S)
 
 
+async def _settled_on_server(nc: Client, durable: str) -> tuple[int, int]:
+    """(ack pending, pending) of ``durable`` on ``JOBS`` once the acks sent are applied: an ack is a
+    plain publish the server applies on its own time, so read until none is pending, at most 5 s
+    (a stop no longer waits out its pull request, which gave the server that time before)."""
+    deadline = asyncio.get_running_loop().time() + 5.0
+    while True:
+        info = await nc.jetstream().consumer_info("JOBS", durable)
+        if info.num_ack_pending == 0 or asyncio.get_running_loop().time() > deadline:
+            return info.num_ack_pending, info.num_pending
+        await asyncio.sleep(0.05)
+
+
 async def subject_count(nc: Client, stream: str, subject: str) -> int:
     info = await nc.jetstream().stream_info(stream, subjects_filter=subject)
     return (info.state.subjects or {}).get(subject, 0)
@@ -315,14 +327,7 @@ async def test_consumer_decodes_handles_and_acks_good_messages(
     assert (first.subject, first.msg_id, first.num_delivered) == (subject, f"{tenant}-1", 1)
     assert first.headers["Nats-Msg-Id"] == f"{tenant}-1"
     assert runner.counts == {"acked": 5, "nacked": 0, "dead_lettered": 0}
-    # An ack is a plain publish the server applies on its own time: read until it has, at most 5 s.
-    deadline = asyncio.get_running_loop().time() + 5.0
-    while True:
-        info = await nc.jetstream().consumer_info("JOBS", runner.spec.durable)
-        if info.num_ack_pending == 0 or asyncio.get_running_loop().time() > deadline:
-            break
-        await asyncio.sleep(0.05)
-    assert (info.num_ack_pending, info.num_pending) == (0, 0)
+    assert await _settled_on_server(nc, runner.spec.durable) == (0, 0)
 
 
 async def test_consumer_with_several_filter_subjects_gets_them_all(
@@ -391,8 +396,8 @@ async def test_an_undecodable_message_is_dead_lettered_and_the_consumer_goes_on(
     stored = await nc.jetstream().get_last_msg("DLQ", s.dead_letter(subject))
     assert stored.data == payload
     assert runner.counts == {"acked": 1, "nacked": 0, "dead_lettered": 1}
-    info = await nc.jetstream().consumer_info("JOBS", runner.spec.durable)
-    assert (info.num_ack_pending, info.num_pending) == (0, 0), "the poison message is terminated, not pending"
+    settled = await _settled_on_server(nc, runner.spec.durable)
+    assert settled == (0, 0), "the poison message is terminated, not pending"
 
 
 @pytest.mark.parametrize(
@@ -561,6 +566,66 @@ async def test_a_lingering_consumer_stops_lingering_once_its_request_is_used_up(
     )
     await asyncio.wait_for(handled.wait(), WAIT_S)
     assert batches == [3]
+
+
+async def test_a_stop_does_not_wait_out_the_standing_pull_request(
+    nc: Client, start_consumer: StartConsumer
+) -> None:
+    async def handle(delivery: Delivery[JobSubmitted]) -> None:
+        raise AssertionError(f"nothing was published, yet {delivery.msg_id} came")
+
+    # A request that would stand for five minutes: a stop ends the wait for its messages at once.
+    runner = await start_consumer(
+        consumer_spec([s.job_submitted(unique("t"))]),
+        JobSubmitted,
+        handler=handle,
+        callback_pull=True,
+        idle_fetch_timeout_s=300.0,
+    )
+    await asyncio.sleep(0.3)  # the request is out and the loop waits for messages
+    await asyncio.wait_for(runner.stop(), WAIT_S)
+
+
+async def test_messages_waiting_on_hand_behind_a_long_batch_are_kept_alive(
+    nc: Client, start_consumer: StartConsumer
+) -> None:
+    """A standing pull request goes on delivering while a batch is handled: what waits on hand for
+    the next batch is said to be in progress too, or the server delivers it again past its ack
+    wait (a second copy in a later batch)."""
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    publisher = Publisher(nc)
+    first_in = asyncio.Event()
+    release = asyncio.Event()
+    seen: list[tuple[str, int]] = []
+
+    async def batch_handler(deliveries: list[Delivery[JobSubmitted]]) -> list[BaseException | None]:
+        seen.extend((d.message.job_id, d.num_delivered) for d in deliveries)
+        if not first_in.is_set():
+            first_in.set()
+            await asyncio.wait_for(release.wait(), WAIT_S)  # a batch far longer than the ack wait
+        return [None] * len(deliveries)
+
+    runner = await start_consumer(
+        consumer_spec([subject], ack_wait_s=1.0),
+        JobSubmitted,
+        batch_handler=batch_handler,
+        callback_pull=True,
+        linger_s=0.0,
+        idle_fetch_timeout_s=10.0,
+    )
+    await publisher.publish(subject, submitted(tenant, 0), msg_id=f"{tenant}-0")
+    await asyncio.wait_for(first_in.wait(), WAIT_S)
+    await publisher.publish(subject, submitted(tenant, 1), msg_id=f"{tenant}-1")  # lands on hand
+    await asyncio.sleep(3.0)  # three ack waits
+    release.set()
+
+    async def both_acked() -> bool:
+        return runner.counts["acked"] >= 2
+
+    await until(both_acked, WAIT_S, "both messages acked")
+    await asyncio.sleep(0.5)  # a second copy, were one on its way, would be handled by now
+    assert seen == [("job-0", 1), ("job-1", 1)]
 
 
 async def test_a_pipelined_consumer_fetches_the_next_batch_while_one_is_handled_and_settles_each(
@@ -745,8 +810,7 @@ async def test_a_callback_pull_consumer_renews_its_pull_request_and_keeps_receiv
     await runner.stop()
     assert sorted(seen) == [f"m{n}" for n in range(7)]
     assert runner.counts == {"acked": 7, "nacked": 0, "dead_lettered": 0}
-    info = await nc.jetstream().consumer_info("JOBS", spec.durable)
-    assert info.num_ack_pending == 0 and info.num_pending == 0
+    assert await _settled_on_server(nc, spec.durable) == (0, 0)
 
 
 async def test_an_idle_callback_pull_asks_again_only_as_its_own_request_runs_out(

@@ -18,7 +18,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from loom.bus import BusError, connect, ensure_streams
+from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, connect, ensure_streams
 from loom.bus.attempts import AttemptLog, Attempts
 from loom.cli.credentials import cmd_rotate
 from loom.runtime.servers import NatsServer
@@ -249,6 +249,38 @@ async def test_agent_consumes_its_commands_under_its_permissions(
     # Another cluster's durable is out of reach.
     await c1.nc.publish("$JS.API.CONSUMER.MSG.NEXT.CLUSTERS.agent-c2", b"{}", reply="_INBOX.agent-c1.x")
     await c1.violation()
+
+
+async def test_the_agents_command_consumer_runs_as_the_agent_runs_it_without_a_violation(
+    as_identity,  # type: ignore[no-untyped-def]
+) -> None:
+    """The agent's consumer as the agent builds it (a standing pull request, commands handled
+    concurrently) needs nothing its role lacks: its consumer leader's election advisory too."""
+    placement = await as_identity(Identity("placement"))
+    c2 = await as_identity(Identity("agent", "c2"))
+    got: asyncio.Queue[str] = asyncio.Queue()
+
+    async def handle(d: Delivery[bytes]) -> None:
+        await got.put(d.subject)
+
+    runner: ConsumerRunner[bytes] = ConsumerRunner(
+        c2.nc,
+        ConsumerSpec(
+            stream="CLUSTERS", durable="agent-c2", filter_subjects=[subjects.cluster_commands("c2")]
+        ),
+        bytes,
+        handler=handle,
+        concurrent=True,
+        callback_pull=True,
+    )
+    await runner.start()
+    try:
+        await placement.nc.jetstream().publish(subjects.cluster_command("c2", "start"), b'{"n": 1}')
+        assert await asyncio.wait_for(got.get(), 10) == subjects.cluster_command("c2", "start")
+        await c2.nc.flush()  # the server's answer to every subscription made is in
+        assert c2.errors == []
+    finally:
+        await runner.stop()
 
 
 async def test_service_publishes_only_within_its_role(

@@ -512,7 +512,7 @@ class ConsumerRunner(Generic[T]):
         deadline = loop.time() + self._linger_s
         while (
             len(self._arrived) < self._pull_left
-            and not JetStreamContext.is_status_msg(self._arrived[-1])
+            and not self._request_ended(self._arrived[-1])
             and not self._stopping.is_set()
         ):
             left = deadline - loop.time()
@@ -523,6 +523,11 @@ class ConsumerRunner(Generic[T]):
                 await asyncio.wait_for(self._arrival.wait(), timeout=left)
             if not self._arrived:  # taken by a stop or a reconnect meanwhile
                 return
+
+    def _request_ended(self, msg: Msg) -> bool:
+        """A pull status that ends the current request (a late one of a request already renewed
+        does not)."""
+        return bool(JetStreamContext.is_status_msg(msg)) and msg.subject == self._reply
 
     def _renewal_due(self, loop: asyncio.AbstractEventLoop) -> bool:
         """The standing request is used up, about to expire, or lost with a connection."""
@@ -843,7 +848,10 @@ class ConsumerRunner(Generic[T]):
     async def _keep_alive(self, msgs: list[Msg]) -> None:
         while True:
             await asyncio.sleep(self._keep_alive_period_s)
-            await _in_progress(msgs)
+            # With a callback pull the standing request goes on delivering while a batch is
+            # handled: what waits on hand for the next batch must not outlive its ack wait either
+            # (a redelivery would bring a second copy into a later batch).
+            await _in_progress(msgs + self._on_hand() if self._callback_pull else msgs)
 
     async def _handle(self, deliveries: list[Delivery[T]]) -> Sequence[BaseException | None]:
         if self._batch_handler is not None:

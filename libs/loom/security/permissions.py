@@ -218,6 +218,9 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.service_health(f"agent-{scope}"),
                 subjects.agent_alive(scope),
                 inbox,
+                # Its command consumer (a standing pull request) follows its consumer leader's
+                # election, as the services' consumers do (loom.bus.consumer asks again at once).
+                f"$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.CLUSTERS.{durable}",
             ],
         )
     return Permissions(
