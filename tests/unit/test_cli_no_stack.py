@@ -19,7 +19,18 @@ def _closed_port() -> int:
 
 @pytest.mark.parametrize(
     "argv",
-    [["jobs"], ["view"], ["job", "some-job"], ["explain", "some-job"], ["net", "links"], ["submit", "JOB"]],
+    [
+        ["jobs"],
+        ["view"],
+        ["job", "some-job"],
+        ["explain", "some-job"],
+        ["net", "links"],
+        ["submit", "JOB"],
+        # These connected on their own: ~60 tries over ~3 minutes, a traceback logged for each.
+        ["dlq", "list"],
+        ["dlq", "show", "1"],
+        ["ack", "inc-1"],
+    ],
 )
 def test_a_command_without_a_stack_says_to_start_one(argv: list[str], tmp_path: Path) -> None:
     job = tmp_path / "job.json"
@@ -50,7 +61,41 @@ def test_a_command_without_a_stack_says_to_start_one(argv: list[str], tmp_path: 
     assert done.returncode == 1, done.stderr
     assert "loom up" in done.stderr and "no NATS server answered" in done.stderr
     assert "Traceback" not in done.stderr
+    assert len(done.stderr.splitlines()) < 20, done.stderr[:2000]
     assert took < 30, f"took {took:.1f} s"  # a hang guard, not a performance figure
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["drain", "c-1", "--concurrency", "0"],
+        ["drain", "c-1", "--deadline", "-5"],
+        ["drain", "c-1", "--wait", "--timeout", "0"],
+        ["jobs", "--limit", "-1"],
+        ["migrations", "--limit", "0"],
+        ["incidents", "--limit", "-3"],
+        ["explain", "j-1", "--limit", "nan"],
+    ],
+)
+def test_a_number_out_of_its_range_is_bad_usage_before_anything_is_asked(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loom.cli.main import main
+
+    # No stack runs here: refused by a service or the database, it would exit 1.
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "must be" in err or "not a whole number" in err, err
+
+
+def test_a_time_it_cannot_read_is_bad_input_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from loom.cli.main import main
+
+    assert main(["dlq", "list", "--since", "bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "bogus" in err and "Traceback" not in err
 
 
 def test_progress_lines_give_a_rate_and_an_eta() -> None:

@@ -11,12 +11,11 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
-import nats
 from nats.aio.client import Client
 from rich.console import Console
 from rich.table import Table
 
-from loom.bus.connection import auth_options, credentials_path, server_urls
+from loom.bus.connection import BusError, connect
 from loom.bus.dlq import DeadLetter, DeadLetters, parse_since
 from loom.errors import InvalidInputError, LoomError
 from loom.runtime.config import ENV_NATS_URL, endpoints
@@ -24,7 +23,7 @@ from loom.runtime.config import ENV_NATS_URL, endpoints
 console = Console()
 err = Console(stderr=True)
 
-_CONNECT_TIMEOUT_S = 3.0
+_CONNECT_WITHIN_S = 2.5
 _ERROR_WIDTH = 60
 
 
@@ -71,15 +70,11 @@ def _with_dead_letters(work: Callable[[DeadLetters], Awaitable[int]]) -> int:
     async def go() -> int:
         url = _nats_url()
         try:
-            nc: Client = await nats.connect(
-                servers=server_urls(url),
-                name="loom-dlq",
-                connect_timeout=_CONNECT_TIMEOUT_S,
-                allow_reconnect=False,
-                **auth_options(credentials_path(url)),
-            )
-        except Exception as exc:  # nats raises several unrelated types for "could not connect"
-            err.print(f"[red]cannot reach NATS at {url}: is the Loom stack running? (loom up)[/red] ({exc})")
+            # Given up within a few seconds, quietly (a bare first connect retried ~60 times and
+            # logged a traceback each time: ~3 minutes and thousands of lines with no stack up).
+            nc: Client = await connect(url, "loom-dlq", first_within_s=_CONNECT_WITHIN_S)
+        except BusError as exc:
+            err.print(f"[red]{exc}[/red]")
             return 1
         try:
             return await work(DeadLetters(nc))

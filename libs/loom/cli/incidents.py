@@ -14,11 +14,11 @@ from typing import Any
 
 import asyncpg
 import msgspec
-import nats
 from rich.console import Console
 from rich.table import Table
 
-from loom.bus.connection import auth_options, credentials_path, server_urls
+from loom.bus.connection import BusError, connect
+from loom.cli.argtypes import positive_int
 from loom.runtime.config import endpoints
 from loom.store import incidents as store
 from loom_proto import subjects
@@ -28,6 +28,7 @@ console = Console()
 err = Console(stderr=True)
 
 _CONNECT_TIMEOUT_S = 3.0
+_CONNECT_WITHIN_S = 2.5
 _JOBS_SHOWN = 50
 
 
@@ -35,7 +36,7 @@ def add_parser(sub: Any) -> None:
     """Register ``loom incidents``, ``loom incident`` and ``loom ack``."""
     p = sub.add_parser("incidents", help="incidents from the alert correlator, newest first")
     p.add_argument("--open", action="store_true", help="only open and acknowledged ones")
-    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--limit", type=positive_int, default=50)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_incidents)
     p = sub.add_parser("incident", help="one incident: root cause, affected jobs, timeline")
@@ -180,15 +181,9 @@ def cmd_ack(args: argparse.Namespace) -> int:
     async def go() -> int:
         url = endpoints().nats_url
         try:
-            nc = await nats.connect(
-                servers=server_urls(url),
-                name="loom-ack",
-                connect_timeout=_CONNECT_TIMEOUT_S,
-                allow_reconnect=False,
-                **auth_options(credentials_path(url)),
-            )
-        except Exception as exc:  # nats raises several unrelated types for "could not connect"
-            err.print(f"[red]cannot reach NATS at {url}: is the Loom stack running? (loom up)[/red] ({exc})")
+            nc = await connect(url, "loom-ack", first_within_s=_CONNECT_WITHIN_S)  # quietly, in seconds
+        except BusError as exc:
+            err.print(f"[red]{exc}[/red]")
             return 1
         try:
             body = json.dumps({"incident_id": args.incident_id, "by": args.by or getpass.getuser()}).encode()

@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from loom.bus.connection import BusError
+from loom.cli.argtypes import non_negative_int, positive_int
 from loom.client import LoomClient, QueryError, SpecError, load_specs
 from loom.errors import InvalidInputError
 from loom.runtime import stack
@@ -589,17 +590,6 @@ def _drop_nodes(view: dict[str, Any]) -> None:
                 c["gpus_by_model"] = models
 
 
-def _non_negative_int(text: str) -> int:
-    """An argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
 def _learned_table(learned: list[dict[str, Any]]) -> Table:
     """Learned speeds: per (family, GPU model), the factor on the profile's speed, its sd and runs;
     the family's spread (how far its runs on one model disagree) and whether comparative advantage
@@ -993,7 +983,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--state",
         choices=["waiting", "queued", "placed", "running", "completed", "failed", "rejected", "cancelled"],
     )
-    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--limit", type=positive_int, default=50)
     p.add_argument("--json", action="store_true")
     p = add("job", cmd_job, "one job and its event history")
     p.add_argument("job_id")
@@ -1007,14 +997,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reason", default="", help="recorded in the job's history")
     p = add("explain", cmd_explain, "why a job runs where it does, and why not elsewhere")
     p.add_argument("job_id")
-    p.add_argument("--limit", type=int, default=10, help="candidates and ruled-out clusters to show")
+    p.add_argument("--limit", type=positive_int, default=10, help="candidates and ruled-out clusters to show")
     p.add_argument("--json", action="store_true")
     p = add("view", cmd_view, "the resource tree: region -> zone -> cluster -> node")
     p.add_argument("--region")
     p.add_argument("--zone")
     p.add_argument("--model", help="only nodes of this GPU model")
     p.add_argument(
-        "--min-free", type=_non_negative_int, default=0, help="only nodes with at least this many free GPUs"
+        "--min-free", type=non_negative_int, default=0, help="only nodes with at least this many free GPUs"
     )
     p.add_argument("--fresh", action="store_true", help="leave out stale clusters")
     p.add_argument("--nodes", action="store_true", help="list nodes too")
@@ -1094,6 +1084,9 @@ def main(argv: list[str] | None = None) -> int:
         # The reader went away (``loom view --json | head``): no traceback, nothing more to write.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
+    except InvalidInputError as exc:  # bad input a command did not catch itself: still exit 2
+        err.print(f"[red]{escape(str(exc))}[/red]")
+        code = 2
     except (QueryError, BusError) as exc:
         err.print(f"[red]{escape(str(exc))}[/red]")
         code = 1

@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from loom.cli.argtypes import non_negative_float, positive_float, positive_int
 from loom.client import LoomClient
 from loom.runtime.config import endpoints
 from loom_proto import subjects
@@ -67,15 +68,18 @@ def add_parser(sub: Any) -> None:
     p = add("drain", cmd_drain, "close a cluster to new work and move its jobs off at checkpoint boundaries")
     p.add_argument("cluster")
     p.add_argument(
-        "--deadline", type=float, default=0.0, help="seconds; past it every job left moves at once (0: none)"
+        "--deadline",
+        type=non_negative_float,
+        default=0.0,
+        help="seconds; past it every job left moves at once (0: none)",
     )
-    p.add_argument("--concurrency", type=int, default=2, help="moves in flight at once")
+    p.add_argument("--concurrency", type=positive_int, default=2, help="moves in flight at once")
     p.add_argument(
         "--force", action="store_true", help="drain even where a job has no feasible GPUs on other clusters"
     )
     p.add_argument("--wait", action="store_true", help="follow the drain until the cluster is empty")
     p.add_argument(
-        "--timeout", type=float, default=600.0, help="with --wait: give up after this many seconds"
+        "--timeout", type=positive_float, default=600.0, help="with --wait: give up after this many seconds"
     )
     p.add_argument("--json", action="store_true")
     p = add("undrain", cmd_undrain, "open a drained cluster to new work again")
@@ -88,7 +92,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--job", help="only this job's")
     p.add_argument("--cluster", help="only those off this cluster")
-    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--limit", type=positive_int, default=100)
     p.add_argument(
         "--verdicts", action="store_true", help="every job looked at (moved or not), with gain, cost and why"
     )
