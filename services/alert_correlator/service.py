@@ -77,6 +77,8 @@ TICK_S = 0.05
 IDLE_TICK_S = 0.5
 """The tick period with nothing near to do (:meth:`Correlator.busy`): every input wakes the loop at
 once, and the slow tick only resolves long-quiet incidents and refreshes the stats."""
+LISTEN_RETRY_S = 5.0
+"""While the webhook port is taken, how often the receiver tries to listen again."""
 PATH_TTL_S = 30.0
 PERSIST_EVERY_S = 1.0
 MAX_PATH_QUERIES = 20
@@ -244,15 +246,14 @@ class AlertCorrelator:
             await nc.subscribe(subjects.PLACEMENT_CLUSTER_HEALTH, cb=self.on_cluster_health),
             await nc.subscribe(subjects.PLACEMENT_SLOW, cb=self.on_slow_run),
         ]
-        if self.http_port is not None:
-            try:
-                port = await self.receiver.start(self.http_host, self.http_port)
-                log.info("alertmanager webhook receiver listening", host=self.http_host, port=port)
-            except OSError as exc:  # another stack holds the port: correlate the bus, report it
-                self.http_error = f"cannot listen on {self.http_host}:{self.http_port}: {exc}"
-                log.warning("webhook receiver not started", error=self.http_error)
         watchdog = self.ctx.watchdog
         loops = [watchdog.watch_consumer(name, r) for name, r in runners.items()]
+        if self.http_port is not None:
+            # Degraded, not ok, while Alertmanager cannot reach it (another stack holds the port).
+            watchdog.condition("webhook", lambda: self.http_error)
+            await self._listen(retry=False)
+            if self.http_error is not None:
+                loops.append(watchdog.supervise("webhook", self._listen, finishes=True))
         loops.append(watchdog.supervise("tick", self._tick_loop))
         loops.append(watchdog.supervise("placements", self._refresh_loop))
         if self.watch_health:
@@ -273,6 +274,26 @@ class AlertCorrelator:
                 await self.flush()
             if self._sending:
                 await asyncio.wait(self._sending, timeout=5)
+
+    async def _listen(self, *, retry: bool = True) -> None:
+        """Listen for Alertmanager's webhook; with ``retry``, try again every ``LISTEN_RETRY_S``
+        until the port is free (the bus is correlated meanwhile; health says why it is degraded)."""
+        assert self.http_port is not None
+        while True:
+            try:
+                port = await self.receiver.start(self.http_host, self.http_port)
+            except OSError as exc:
+                error = f"webhook receiver cannot listen on {self.http_host}:{self.http_port}: {exc}"
+                if error != self.http_error:
+                    log.warning("webhook receiver not started", error=error)
+                self.http_error = error
+                if not retry:
+                    return
+                await asyncio.sleep(LISTEN_RETRY_S)
+                continue
+            self.http_error = None
+            log.info("alertmanager webhook receiver listening", host=self.http_host, port=port)
+            return
 
     def busy(self) -> bool:
         """Whether the next ticks have work (else the loop ticks every ``IDLE_TICK_S``)."""

@@ -2278,7 +2278,12 @@ class PlacementService:
         snap.give_back(allocations, per_worker)
         snap.running = [r for r in running if r.job_id != spec.job_id]
         try:
-            outcome = self.framework.schedule(spec, snap, avoid_clusters=avoid, apply=False)
+            # What its next attempt would really avoid: the clusters asked, and those its earlier
+            # attempts left (a drain, a failed start), which a move keeps avoiding. Without them
+            # the verdict named a target the move would never get.
+            outcome = self.framework.schedule(
+                spec, snap, avoid_clusters=sorted(set(avoid) | set(run.queued.avoid)), apply=False
+            )
             regions = [
                 snap.clusters[snap.cluster_index[c]].region
                 for c, _, _ in run.parts
