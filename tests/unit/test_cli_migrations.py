@@ -1,5 +1,10 @@
 """``loom drain`` / ``undrain`` / ``migrations``: the command line and the table (no stack)."""
 
+import argparse
+import asyncio
+from typing import Any
+
+import pytest
 from rich.console import Console
 
 from loom.cli.main import build_parser
@@ -110,3 +115,46 @@ def test_loom_drain_prints_which_placement_shards_confirmed_and_which_did_not() 
     assert "no placement leader is running" in down
     unknown = confirmation_line({"shards": {"confirmed": ["global"], "known": False}})
     assert "could not be read" in unknown and "nothing is confirmed" in unknown
+
+
+def _drain_answers(monkeypatch: pytest.MonkeyPatch, states: list[str], moves: list[dict[str, Any]]) -> None:
+    """`loom drain --wait`'s questions answered from ``states`` (one a poll) and ``moves``."""
+    from loom.cli import migrations as cli_migrations
+
+    polls = iter(states)
+    state = {"now": states[0]}
+
+    async def ask(client: Any, subject: str, request: dict[str, Any]) -> dict[str, Any]:
+        if request["op"] == "drains":
+            state["now"] = next(polls, state["now"])
+            return {"ok": True, "result": [{"cluster": "c-1", "state": state["now"], "started_at": 100.0}]}
+        return {"ok": True, "result": moves}
+
+    monkeypatch.setattr(cli_migrations, "ask", ask)
+
+
+def test_drain_wait_counts_this_drains_moves_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loom.cli import migrations as cli_migrations
+
+    earlier = {"cause": "drain", "state": "completed", "planned_at": 50.0}  # a drain undrained since
+    ours = {"cause": "drain", "state": "completed", "planned_at": 150.0}
+    _drain_answers(monkeypatch, ["drained"], [earlier, earlier, ours])
+    args = argparse.Namespace(cluster="c-1", timeout=30.0, json=False)
+    assert asyncio.run(cli_migrations._follow(None, args, {"jobs": 1, "placement_confirmed": True})) == 0  # type: ignore[arg-type]
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps at the terminal's width
+    assert "1 moved, 0 in flight" in out and "(of 1 at the start)" in out
+
+
+def test_drain_wait_says_when_it_stops_following_a_drain_still_under_way(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loom.cli import migrations as cli_migrations
+
+    moving = {"cause": "drain", "state": "started", "planned_at": 150.0}
+    _drain_answers(monkeypatch, ["draining"], [moving])
+    args = argparse.Namespace(cluster="c-1", timeout=0.01, json=False)
+    assert asyncio.run(cli_migrations._follow(None, args, {"jobs": 1, "placement_confirmed": True})) == 1  # type: ignore[arg-type]
+    err = " ".join(capsys.readouterr().err.split())
+    assert "stopped following after 0.01 s" in err and "still draining, 1 move(s) in flight" in err

@@ -973,3 +973,18 @@ def test_pruning_names_the_models_the_job_allows_and_explain_says_each_reason_on
     lines = render(outcome.record)
     assert sum("region r1 has 0 free V100 GPUs" in line for line in lines) == 2  # once per cluster
     assert "(ct:" not in lines[0]  # the headline does not repeat them
+
+
+def test_a_region_without_any_of_the_models_is_said_to_have_none_not_none_free() -> None:
+    nodes = [
+        NodeCapacity(node="t0", cluster="ct", region="r1", zone="r1-a", gpu_model="T4", gpus_total=8),
+        NodeCapacity(node="v0", cluster="cv", region="r2", zone="r2-a", gpu_model="V100", gpus_total=8),
+    ]
+    speed = {("T4", "training_compute"): 1.0, ("V100", "training_compute"): 2.0}
+    snap = Snapshot(nodes, net=NetMatrix(["r1", "r2"]), speed=speed, now=1000.0)
+    spec = JobSpec(
+        job_id="v", tenant="t", resources=Resources(gpus=8, gpu_models=["V100"]), work=Work(steps=1)
+    )
+    outcome = Framework([ResourceFit(), ScuFit()]).schedule(spec, snap)
+    assert outcome.decision is not None and outcome.decision.lead.cluster == "cv"
+    assert outcome.record.pruned["ct"] == "region r1 has no V100 GPUs; the job needs 8"

@@ -403,6 +403,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
                 " dependencies end. Explain a stage: "
                 + ", ".join(f"loom explain {stage_job_id(job['job_id'], st['name'])}" for st in stages)
             )
+        elif not answer["decisions"] and job["state"] in TERMINAL_STATES:
+            console.print(f"no decision was recorded: the job ended ({job['state']}) before it was decided")
         elif not answer["decisions"]:
             console.print("no decision recorded yet (the job has not had a scheduling cycle)")
         for d in answer["decisions"]:

@@ -184,7 +184,13 @@ async def _follow(client: LoomClient, args: argparse.Namespace, answer: dict[str
         drains = await ask(client, subjects.MIGRATE_QUERY, {"op": "drains"})
         listed = await ask(client, subjects.MIGRATE_QUERY, {"op": "list", "cluster": args.cluster})
         mine = [d for d in drains.get("result", []) if d["cluster"] == args.cluster]
-        moves = [m for m in listed.get("result", []) if m["cause"] == "drain"]
+        # This drain's moves only: an earlier drain of the cluster (undrained since) moved others.
+        since = float(mine[0]["started_at"]) if mine and mine[0].get("started_at") else None
+        moves = [
+            m
+            for m in listed.get("result", [])
+            if m["cause"] == "drain" and (since is None or float(m["planned_at"]) >= since)
+        ]
         state = mine[0]["state"] if mine else "undrained"
         waiting = mine[0].get("waiting", []) if mine else []
         done = sum(1 for m in moves if m["state"] == "completed")
@@ -204,11 +210,18 @@ async def _follow(client: LoomClient, args: argparse.Namespace, answer: dict[str
         await asyncio.sleep(1.0)
     if args.json:
         print(json.dumps({**answer, "state": state, "moves": moves, "waiting_for_capacity": waiting}))
-    elif waiting and state == "draining":
+    elif state == "draining":
+        moving = sum(1 for m in moves if m["state"] in ("planned", "started"))
         err.print(
-            f"{args.cluster} not empty: {len(waiting)} job(s) wait for capacity elsewhere (they keep"
-            " running here and move when room appears; --deadline moves them anyway)"
+            f"stopped following after {args.timeout:g} s (--timeout): {args.cluster} is still draining,"
+            f" {moving} move(s) in flight; `loom migrations --cluster {args.cluster}` shows them"
         )
+        if waiting:
+            err.print(
+                f"{args.cluster} not empty: {len(waiting)} job(s) wait for capacity elsewhere (they keep"
+                " running here and move when room appears; a --deadline gives them up when it passes,"
+                " room or not, and they then wait queued)"
+            )
     return 0 if state == "drained" else 1
 
 

@@ -1264,13 +1264,20 @@ class Framework:
         region_free = np.bincount(snap.cluster_region, weights=free, minlength=len(snap.regions))
         region_free = region_free.astype(np.int64)
         poor_regions = region_free[snap.cluster_region] < need
-        state.prune(
-            poor_regions,
-            lambda c: (
-                f"region {snap.region_of(c)} has {region_free[snap.cluster_region[c]]} free {kind};"
-                f" the job needs {need}"
-            ),
-        )
+
+        def region_reason(c: int) -> str:
+            # "0 free" read as all busy where the region has none of those GPUs at all.
+            if not region_free[snap.cluster_region[c]]:
+                held = (
+                    (snap.total_sum * models).sum(axis=1) if not models.all() else snap.total_sum.sum(axis=1)
+                )
+                in_region = snap.cluster_region == snap.cluster_region[c]
+                if not int(held[in_region].sum()):
+                    return f"region {snap.region_of(c)} has no {kind}; the job needs {need}"
+            free_here = region_free[snap.cluster_region[c]]
+            return f"region {snap.region_of(c)} has {free_here} free {kind}; the job needs {need}"
+
+        state.prune(poor_regions, region_reason)
         zone_free = np.bincount(snap.cluster_zone, weights=free, minlength=snap.zone_count).astype(np.int64)
         poor_zones = zone_free[snap.cluster_zone] < need
         state.prune(
