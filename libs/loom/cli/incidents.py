@@ -34,16 +34,28 @@ _JOBS_SHOWN = 50
 
 def add_parser(sub: Any) -> None:
     """Register ``loom incidents``, ``loom incident`` and ``loom ack``."""
-    p = sub.add_parser("incidents", help="incidents from the alert correlator, newest first")
+    p = sub.add_parser(
+        "incidents",
+        help="incidents from the alert correlator, newest first",
+        description="incidents from the alert correlator, newest first",
+    )
     p.add_argument("--open", action="store_true", help="only open and acknowledged ones")
     p.add_argument("--limit", type=positive_int, default=50)
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_incidents)
-    p = sub.add_parser("incident", help="one incident: root cause, affected jobs, timeline")
+    p = sub.add_parser(
+        "incident",
+        help="one incident: root cause, affected jobs, timeline",
+        description="one incident: root cause, affected jobs, timeline",
+    )
     p.add_argument("incident_id")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_incident)
-    p = sub.add_parser("ack", help="acknowledge an incident (the correlator announces it)")
+    p = sub.add_parser(
+        "ack",
+        help="acknowledge an incident (the correlator announces it)",
+        description="acknowledge an incident (the correlator announces it)",
+    )
     p.add_argument("incident_id")
     p.add_argument("--by", default=None, help="who acknowledges (default: your user name)")
     p.set_defaults(fn=cmd_ack)

@@ -180,6 +180,7 @@ async def _follow(client: LoomClient, args: argparse.Namespace, answer: dict[str
     moves: list[dict[str, Any]] = []
     waiting: list[dict[str, Any]] = []
     told: set[str] = set()
+    last: tuple[str, int, int, int] | None = None
     while time.monotonic() - start < args.timeout:
         drains = await ask(client, subjects.MIGRATE_QUERY, {"op": "drains"})
         listed = await ask(client, subjects.MIGRATE_QUERY, {"op": "list", "cluster": args.cluster})
@@ -195,7 +196,9 @@ async def _follow(client: LoomClient, args: argparse.Namespace, answer: dict[str
         waiting = mine[0].get("waiting", []) if mine else []
         done = sum(1 for m in moves if m["state"] == "completed")
         moving = sum(1 for m in moves if m["state"] in ("planned", "started"))
-        if not args.json:
+        progress = (state, done, moving, len(waiting))
+        if not args.json and progress != last:  # a line when something changed, not every second
+            last = progress
             console.print(
                 f"[{time.monotonic() - start:6.1f}s] {args.cluster} {state}:"
                 f" {done} moved, {moving} in flight, {len(waiting)} waiting for capacity"
@@ -309,8 +312,9 @@ def migrations_table(rows: list[dict[str, Any]], title: str = "migrations") -> T
 
 def verdicts_table(rows: list[dict[str, Any]], title: str = "migration verdicts") -> Table:
     """A table of migration verdicts (``loom migrations --verdicts``, ``loom job ID``, ``loom
-    explain ID``): moved or not, the trigger, gain, cost, threshold (cost + margin), the margin
-    left (gain − threshold) and why — a cool-down or a rate-limit refusal says so."""
+    explain ID``): moved or not, the trigger, gain, cost, threshold (cost + margin), the net
+    (gain − threshold: what is left over the threshold; the why's "margin" is the rule's margin in
+    the threshold) and why — a cool-down or a rate-limit refusal says so."""
     table = Table(title=title)
     for col in (
         "at",
@@ -323,7 +327,7 @@ def verdicts_table(rows: list[dict[str, Any]], title: str = "migration verdicts"
         "gain s",
         "cost s",
         "threshold s",
-        "margin s",
+        "net s",
         "why",
     ):
         table.add_column(col)
