@@ -406,7 +406,9 @@ class Console:
         answer = await self._request(subjects.MIGRATE_DRAIN, ask, "the migration service")
         if not answer.get("ok"):
             verb = "undrain" if undrain else "drain"
-            return _page(409, pages.error_page(409, f"{verb} refused: {answer.get('error')}", access))
+            # The service words it for the command line; on this form the switch is a box.
+            error = str(answer.get("error")).replace("use --force", "tick force")
+            return _page(409, pages.error_page(409, f"{verb} refused: {error}", access))
         return _see_other(f"{where}?done={'undrain' if undrain else 'drain'}")
 
     async def ack(self, access: Access, incident_id: str) -> Response:

@@ -218,7 +218,8 @@ def parse_since(text: str, *, now: datetime | None = None) -> datetime:
         at = datetime.fromisoformat(text)
     except ValueError:
         raise InvalidInputError(
-            f"--since {text!r}: give a duration like 30s, 15m, 2h, 1d or an ISO time like 2026-12-01T10:00"
+            f"cannot read the time {text!r}: give a duration back like 30s, 15m, 2h, 1d or an ISO time"
+            " like 2026-12-01T10:00"
         ) from None
     return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 

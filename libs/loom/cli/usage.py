@@ -75,10 +75,7 @@ def add_parser(sub: Any) -> None:
 def _ms(text: str | None) -> int | None:
     if text is None:
         return None
-    try:
-        moment = parse_since(text)
-    except Exception as exc:
-        raise InvalidInputError(f"cannot read the time {text!r}: {exc}") from exc
+    moment = parse_since(text)  # InvalidInputError: what it cannot read and what it takes
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return round(moment.timestamp() * 1000)
