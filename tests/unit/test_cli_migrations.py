@@ -158,3 +158,23 @@ def test_drain_wait_says_when_it_stops_following_a_drain_still_under_way(
     assert asyncio.run(cli_migrations._follow(None, args, {"jobs": 1, "placement_confirmed": True})) == 1  # type: ignore[arg-type]
     err = " ".join(capsys.readouterr().err.split())
     assert "stopped following after 0.01 s" in err and "still draining, 1 move(s) in flight" in err
+
+
+def test_a_moved_jobs_history_says_why_on_the_requeued_row_and_the_stopped_run_is_not_a_failure() -> None:
+    from loom.cli.main import _event_detail
+
+    requeued = {
+        "attempt": 2,
+        "cause": "migrated",
+        "reason": "drain of c-weu-a",
+        "from_cluster": "c-weu-a",
+        "avoid_clusters": ["c-weu-a"],
+    }
+    assert _event_detail("requeued", requeued) == (
+        "attempt 1 given up (migrated) off c-weu-a: drain of c-weu-a; attempt 2 next; avoids c-weu-a"
+    )
+    stopped = {"attempt": 1, "reason": "drain of c-weu-a: resumes from its checkpoint", "stopped": True}
+    assert _event_detail("failed", stopped) == (
+        "attempt 1 stopped by Loom: drain of c-weu-a: resumes from its checkpoint"
+    )
+    assert _event_detail("failed", {"reason": "exit code 3"}) == "exit code 3"

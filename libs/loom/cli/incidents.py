@@ -103,8 +103,9 @@ def cmd_incidents(args: argparse.Namespace) -> int:
             print(json.dumps([_brief(i) for i in rows], indent=2))
             return 0
         table = Table(title=f"{len(rows)} incident(s)" + (" open" if args.open else ""))
+        # Ids whole on one line, however narrow the terminal: `loom incident` / `loom ack` take them.
+        table.add_column("id", no_wrap=True, min_width=max((len(i.incident_id) for i in rows), default=2))
         for col in (
-            "id",
             "state",
             "severity",
             "root cause",

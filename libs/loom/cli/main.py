@@ -327,7 +327,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             print(json.dumps(rows, indent=2))
             return 0
         table = Table(title=f"{len(rows)} job(s)")
-        for col in ("job", "tenant", "state", "cluster", "progress"):
+        # Ids whole on one line, however narrow the terminal: the next command takes them.
+        table.add_column("job", no_wrap=True, min_width=max((len(r["job_id"]) for r in rows), default=3))
+        for col in ("tenant", "state", "cluster", "progress"):
             table.add_column(col)
         table.add_column("reason", overflow="fold")  # wrapped at words, never cut
         for r in rows:
@@ -518,6 +520,15 @@ def _event_detail(kind: str, ev: dict[str, Any]) -> str:
         return f"{ev['cluster']} ({ev['gpu_model']}) nodes {nodes}"
     if kind in ("progress", "checkpointed"):
         return f"step {ev['step']}" + (f"/{ev['steps']}" if "steps" in ev else "")
+    if kind == "requeued":
+        # The cause on this row: the given-up attempt's own report comes after it.
+        off = f" off {ev['from_cluster']}" if ev.get("from_cluster") else ""
+        avoid = f"; avoids {', '.join(ev['avoid_clusters'])}" if ev.get("avoid_clusters") else ""
+        why = f": {ev['reason']}" if ev.get("reason") else ""
+        given_up, cause = ev["attempt"] - 1, ev["cause"]
+        return f"attempt {given_up} given up ({cause}){off}{why}; attempt {ev['attempt']} next{avoid}"
+    if kind == "failed" and ev.get("stopped"):
+        return f"attempt {ev.get('attempt', 1)} stopped by Loom: {ev['reason']}"
     if kind in ("failed", "rejected"):
         return str(ev["reason"])
     if kind == "completed":
