@@ -1607,6 +1607,12 @@ class PlacementService:
         ``resume_step``: the step the next run resumes from.
         """
         job = run.job
+        # A move (a drain, a network or slow-node move, backflow) avoids what it asks, for the next
+        # attempt only: the clusters earlier attempts left are not carried, as the migration
+        # service's what-if does not count them (it named a target the job then avoided, and a
+        # job moved off by a drain never flowed back after the undrain). A failure's avoids carry.
+        voluntary = cause == "migrated"
+        next_avoid = set(avoid) if voluntary else set(avoid) | set(run.queued.avoid)
         released = await repo.requeue(
             conn,
             job.job_id,
@@ -1614,6 +1620,7 @@ class PlacementService:
             avoid,
             unstarted_only=cause == "start_timeout",
             resume_step=resume_step,
+            replace_avoid=voluntary,
         )
         if released is None:
             result.vanished.append(job.job_id)
@@ -1624,7 +1631,7 @@ class PlacementService:
             attempt=run.attempt + 1,
             cause=cause,
             reason=reason[:2048],
-            avoid_clusters=sorted(set(avoid) | set(run.queued.avoid)),
+            avoid_clusters=sorted(next_avoid),
             from_cluster=from_cluster,
             at=time.time(),
         )
@@ -1648,7 +1655,7 @@ class PlacementService:
         again = dataclasses.replace(
             run.queued,
             attempt=run.attempt + 1,
-            avoid=frozenset(set(avoid) | set(run.queued.avoid)),
+            avoid=frozenset(next_avoid),
             tries=0,
             resume_step=resume_step,
         )
@@ -2278,12 +2285,9 @@ class PlacementService:
         snap.give_back(allocations, per_worker)
         snap.running = [r for r in running if r.job_id != spec.job_id]
         try:
-            # What its next attempt would really avoid: the clusters asked, and those its earlier
-            # attempts left (a drain, a failed start), which a move keeps avoiding. Without them
-            # the verdict named a target the move would never get.
-            outcome = self.framework.schedule(
-                spec, snap, avoid_clusters=sorted(set(avoid) | set(run.queued.avoid)), apply=False
-            )
+            # What a move's next attempt avoids: the clusters asked, no more (a move carries no
+            # earlier attempt's avoids: _give_up), so the verdict names where the move goes.
+            outcome = self.framework.schedule(spec, snap, avoid_clusters=avoid, apply=False)
             regions = [
                 snap.clusters[snap.cluster_index[c]].region
                 for c, _, _ in run.parts

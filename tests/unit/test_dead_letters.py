@@ -79,3 +79,9 @@ def test_since_takes_an_iso_time_utc_when_it_names_no_zone() -> None:
 def test_since_refuses_anything_else_with_the_accepted_forms(text: str) -> None:
     with pytest.raises(InvalidInputError, match="15m"):
         parse_since(text, now=NOW)
+
+
+@pytest.mark.parametrize("text", ["800000d", "9" * 400 + "s"])
+def test_since_refuses_a_duration_back_past_any_date(text: str) -> None:
+    with pytest.raises(InvalidInputError, match="further back than any date"):
+        parse_since(text, now=NOW)

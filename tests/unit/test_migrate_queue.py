@@ -115,23 +115,6 @@ def test_placements_what_if_answers_the_queue_the_candidate_would_deprive() -> N
     assert [o.wait_free_s for o in same] == pytest.approx([o.wait_free_s for o in queued], abs=5.0)
 
 
-def test_placements_what_if_avoids_what_the_runs_next_attempt_would_avoid() -> None:
-    """A cluster an earlier attempt left (a drain, a failed start) stays avoided by the move's
-    placement, so the what-if does not name it as the candidate (a verdict named c-weu-a and the
-    job went to c-aue-a)."""
-    svc = service()
-    now = time.time()
-    considered = [_queued_job(spec("r", 1), now)]
-    svc._commit(svc._decide(considered, now=now, grow=False), considered)
-    run = svc.book.runs["r"]
-    before = svc._whatif(run, [])["candidate"]
-    assert before is not None
-    run.queued.avoid = frozenset({before["cluster"]})
-    after = svc._whatif(run, [])["candidate"]
-    # Avoided while another cluster can take it (here others can: a one-GPU job).
-    assert after is not None and after["cluster"] != before["cluster"]
-
-
 def test_the_first_waiting_jobs_in_queue_order_are_counted_up_to_the_limit() -> None:
     """The GPUs a move takes would go to the first waiting job that fits: the front of the queue
     (its keys' order, not the ids'), at most ``limit`` of it."""

@@ -213,7 +213,10 @@ def parse_since(text: str, *, now: datetime | None = None) -> datetime:
     now = now or datetime.now(UTC)
     if re.fullmatch(r"(\d+(?:\.\d+)?[smhdw])+", text):
         seconds = sum(float(n) * _UNIT_S[unit] for n, unit in _DURATION.findall(text))
-        return now - timedelta(seconds=seconds)
+        try:
+            return now - timedelta(seconds=seconds)
+        except OverflowError:  # further back than a date goes (800000d)
+            raise InvalidInputError(f"cannot read the time {text!r}: further back than any date") from None
     try:
         at = datetime.fromisoformat(text)
     except ValueError:

@@ -13,6 +13,7 @@ from typing import Any
 
 from nats.aio.client import Client
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from loom.bus.connection import BusError, connect
@@ -74,7 +75,7 @@ def _with_dead_letters(work: Callable[[DeadLetters], Awaitable[int]]) -> int:
             # logged a traceback each time: ~3 minutes and thousands of lines with no stack up).
             nc: Client = await connect(url, "loom-dlq", first_within_s=_CONNECT_WITHIN_S)
         except BusError as exc:
-            err.print(f"[red]{exc}[/red]")
+            err.print(f"[red]{escape(str(exc))}[/red]")
             return 1
         try:
             return await work(DeadLetters(nc))

@@ -15,6 +15,7 @@ from typing import Any
 import asyncpg
 import msgspec
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from loom.bus.connection import BusError, connect
@@ -103,8 +104,7 @@ def cmd_incidents(args: argparse.Namespace) -> int:
             print(json.dumps([_brief(i) for i in rows], indent=2))
             return 0
         table = Table(title=f"{len(rows)} incident(s)" + (" open" if args.open else ""))
-        # Ids whole on one line, however narrow the terminal: `loom incident` / `loom ack` take them.
-        table.add_column("id", no_wrap=True, min_width=max((len(i.incident_id) for i in rows), default=2))
+        table.add_column("id", overflow="fold")  # whole, folded when narrow: `loom incident` takes it
         for col in (
             "state",
             "severity",
@@ -196,7 +196,7 @@ def cmd_ack(args: argparse.Namespace) -> int:
         try:
             nc = await connect(url, "loom-ack", first_within_s=_CONNECT_WITHIN_S)  # quietly, in seconds
         except BusError as exc:
-            err.print(f"[red]{exc}[/red]")
+            err.print(f"[red]{escape(str(exc))}[/red]")
             return 1
         try:
             body = json.dumps({"incident_id": args.incident_id, "by": args.by or getpass.getuser()}).encode()

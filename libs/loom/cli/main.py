@@ -327,8 +327,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             print(json.dumps(rows, indent=2))
             return 0
         table = Table(title=f"{len(rows)} job(s)")
-        # Ids whole on one line, however narrow the terminal: the next command takes them.
-        table.add_column("job", no_wrap=True, min_width=max((len(r["job_id"]) for r in rows), default=3))
+        table.add_column("job", overflow="fold")  # whole, folded when narrow: the next command takes it
         for col in ("tenant", "state", "cluster", "progress"):
             table.add_column(col)
         table.add_column("reason", overflow="fold")  # wrapped at words, never cut

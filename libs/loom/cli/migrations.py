@@ -180,7 +180,7 @@ async def _follow(client: LoomClient, args: argparse.Namespace, answer: dict[str
     moves: list[dict[str, Any]] = []
     waiting: list[dict[str, Any]] = []
     told: set[str] = set()
-    last: tuple[str, int, int, int] | None = None
+    last: tuple[str, int, int, frozenset[str]] | None = None
     while time.monotonic() - start < args.timeout:
         drains = await ask(client, subjects.MIGRATE_QUERY, {"op": "drains"})
         listed = await ask(client, subjects.MIGRATE_QUERY, {"op": "list", "cluster": args.cluster})
@@ -196,7 +196,7 @@ async def _follow(client: LoomClient, args: argparse.Namespace, answer: dict[str
         waiting = mine[0].get("waiting", []) if mine else []
         done = sum(1 for m in moves if m["state"] == "completed")
         moving = sum(1 for m in moves if m["state"] in ("planned", "started"))
-        progress = (state, done, moving, len(waiting))
+        progress = (state, done, moving, frozenset(w["job_id"] for w in waiting))
         if not args.json and progress != last:  # a line when something changed, not every second
             last = progress
             console.print(

@@ -1265,16 +1265,19 @@ class Framework:
         region_free = region_free.astype(np.int64)
         poor_regions = region_free[snap.cluster_region] < need
 
+        held_by_region: list[np.ndarray] = []  # the regions' GPUs of those models, once if asked
+
         def region_reason(c: int) -> str:
-            # "0 free" read as all busy where the region has none of those GPUs at all.
-            if not region_free[snap.cluster_region[c]]:
-                held = (
-                    (snap.total_sum * models).sum(axis=1) if not models.all() else snap.total_sum.sum(axis=1)
-                )
-                in_region = snap.cluster_region == snap.cluster_region[c]
-                if not int(held[in_region].sum()):
+            region, free_here = snap.cluster_region[c], region_free[snap.cluster_region[c]]
+            # "0 free" reads as all busy where the region has none of those GPUs at all.
+            if not free_here:
+                if not held_by_region:
+                    held = (snap.total_sum * models).sum(axis=1)
+                    held_by_region.append(
+                        np.bincount(snap.cluster_region, weights=held, minlength=len(snap.regions))
+                    )
+                if not held_by_region[0][region]:
                     return f"region {snap.region_of(c)} has no {kind}; the job needs {need}"
-            free_here = region_free[snap.cluster_region[c]]
             return f"region {snap.region_of(c)} has {free_here} free {kind}; the job needs {need}"
 
         state.prune(poor_regions, region_reason)
