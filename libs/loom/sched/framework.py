@@ -1265,20 +1265,17 @@ class Framework:
         region_free = region_free.astype(np.int64)
         poor_regions = region_free[snap.cluster_region] < need
 
-        held_by_region: list[np.ndarray] = []  # the regions' GPUs of those models, once if asked
+        # "0 free" reads as all busy: a region with none of those GPUs at all is said to have none.
+        held_by_region = None
+        if (region_free[snap.cluster_region[poor_regions]] == 0).any():
+            held = (snap.total_sum * models).sum(axis=1)
+            held_by_region = np.bincount(snap.cluster_region, weights=held, minlength=len(snap.regions))
 
         def region_reason(c: int) -> str:
-            region, free_here = snap.cluster_region[c], region_free[snap.cluster_region[c]]
-            # "0 free" reads as all busy where the region has none of those GPUs at all.
-            if not free_here:
-                if not held_by_region:
-                    held = (snap.total_sum * models).sum(axis=1)
-                    held_by_region.append(
-                        np.bincount(snap.cluster_region, weights=held, minlength=len(snap.regions))
-                    )
-                if not held_by_region[0][region]:
-                    return f"region {snap.region_of(c)} has no {kind}; the job needs {need}"
-            return f"region {snap.region_of(c)} has {free_here} free {kind}; the job needs {need}"
+            region = snap.cluster_region[c]
+            if held_by_region is not None and not held_by_region[region]:
+                return f"region {snap.region_of(c)} has no {kind}; the job needs {need}"
+            return f"region {snap.region_of(c)} has {region_free[region]} free {kind}; the job needs {need}"
 
         state.prune(poor_regions, region_reason)
         zone_free = np.bincount(snap.cluster_zone, weights=free, minlength=snap.zone_count).astype(np.int64)
