@@ -108,6 +108,7 @@ from loom.sched.cycle import (
     expiry_avoid,
     fair_share_of,
     fold_within,
+    requeue_avoid,
     retry_after_failure,
     run_cycle,
 )
@@ -1607,20 +1608,14 @@ class PlacementService:
         ``resume_step``: the step the next run resumes from.
         """
         job = run.job
-        # A move (a drain, a network or slow-node move, backflow) avoids what it asks, for the next
-        # attempt only: the clusters earlier attempts left are not carried, as the migration
-        # service's what-if does not count them (it named a target the job then avoided, and a
-        # job moved off by a drain never flowed back after the undrain). A failure's avoids carry.
-        voluntary = cause == "migrated"
-        next_avoid = set(avoid) if voluntary else set(avoid) | set(run.queued.avoid)
+        next_avoid = requeue_avoid(cause, avoid, run.queued.avoid)
         released = await repo.requeue(
             conn,
             job.job_id,
             run.attempt,
-            avoid,
+            sorted(next_avoid),
             unstarted_only=cause == "start_timeout",
             resume_step=resume_step,
-            replace_avoid=voluntary,
         )
         if released is None:
             result.vanished.append(job.job_id)
@@ -1655,7 +1650,7 @@ class PlacementService:
         again = dataclasses.replace(
             run.queued,
             attempt=run.attempt + 1,
-            avoid=frozenset(next_avoid),
+            avoid=next_avoid,
             tries=0,
             resume_step=resume_step,
         )
@@ -2285,8 +2280,8 @@ class PlacementService:
         snap.give_back(allocations, per_worker)
         snap.running = [r for r in running if r.job_id != spec.job_id]
         try:
-            # What a move's next attempt avoids: the clusters asked, no more (a move carries no
-            # earlier attempt's avoids: _give_up), so the verdict names where the move goes.
+            # What a move's next attempt avoids: the clusters asked, no more
+            # (loom.sched.cycle.requeue_avoid), so the verdict names where the move goes.
             outcome = self.framework.schedule(spec, snap, avoid_clusters=avoid, apply=False)
             regions = [
                 snap.clusters[snap.cluster_index[c]].region

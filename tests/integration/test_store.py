@@ -639,35 +639,12 @@ def test_redact_hides_the_password() -> None:
     assert redact("postgresql://db/loom") == "postgresql://db/loom"
 
 
-async def test_a_moves_requeue_avoids_what_it_asks_and_a_failures_adds_to_what_was_avoided(
-    pool: asyncpg.Pool,
-) -> None:
-    """A move's next attempt avoids only the clusters the move names (what the migration service's
-    what-if priced); a failure's next attempt also keeps avoiding where earlier attempts failed."""
-
-    async def place_again(job_id: str, node: str, attempt: int) -> None:
-        async with transaction(pool) as conn:
-            await jobs.apply_cycle(
-                conn,
-                reservations=[(job_id, attempt, "c1", [(node, 1)])],
-                confirm_by=[1_700_000_100.0],
-                placed=[(job_id, "c1", attempt, 1_700_000_001.0, 1)],
-                rejected=[],
-                decisions=[],
-                events=[],
-                outbox_rows=("apply-test", []),
-            )
-
-    async def avoided(job_id: str) -> list[str]:
-        return sorted(await pool.fetchval("SELECT avoid_clusters FROM jobs WHERE job_id = $1", job_id))
-
+async def test_a_requeue_stores_the_next_attempts_avoids_as_given(pool: asyncpg.Pool) -> None:
+    """The store writes what the next attempt avoids (loom.sched.cycle.requeue_avoid decides it)."""
     node = await add_node(pool, 8)
-    for replace, expected in ((False, ["c-failed", "c-left"]), (True, ["c-left"])):
-        job_id = unique("job")
-        await apply_one_placement(pool, job_id, node, 1)
-        async with transaction(pool) as conn:
-            assert await jobs.requeue(conn, job_id, 1, ["c-failed"]) is not None  # a failed start
-        await place_again(job_id, node, 2)
-        async with transaction(pool) as conn:
-            assert await jobs.requeue(conn, job_id, 2, ["c-left"], replace_avoid=replace) is not None
-        assert await avoided(job_id) == expected
+    job_id = unique("job")
+    await apply_one_placement(pool, job_id, node, 1)
+    async with transaction(pool) as conn:
+        assert await jobs.requeue(conn, job_id, 1, ["c-b", "c-a"]) is not None
+    row = await pool.fetchrow("SELECT state, avoid_clusters FROM jobs WHERE job_id = $1", job_id)
+    assert (row["state"], sorted(row["avoid_clusters"])) == ("queued", ["c-a", "c-b"])

@@ -132,3 +132,12 @@ def test_the_first_waiting_jobs_in_queue_order_are_counted_up_to_the_limit() -> 
         "z-first",
         "m-second",
     ]
+
+
+def test_a_moves_next_attempt_avoids_what_it_asks_and_a_failures_adds_to_what_was_avoided() -> None:
+    from loom.sched.cycle import requeue_avoid
+
+    carried = frozenset({"c-failed"})  # an earlier start failed there
+    assert requeue_avoid("migrated", ["c-left"], carried) == {"c-left"}
+    assert requeue_avoid("start_failed", ["c-left"], carried) == {"c-left", "c-failed"}
+    assert requeue_avoid("start_timeout", [], carried) == {"c-failed"}

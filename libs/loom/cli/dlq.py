@@ -18,13 +18,13 @@ from rich.table import Table
 
 from loom.bus.connection import BusError, connect
 from loom.bus.dlq import DeadLetter, DeadLetters, parse_since
+from loom.cli import CONNECT_WITHIN_S
 from loom.errors import InvalidInputError, LoomError
 from loom.runtime.config import ENV_NATS_URL, endpoints
 
 console = Console()
 err = Console(stderr=True)
 
-_CONNECT_WITHIN_S = 2.5
 _ERROR_WIDTH = 60
 
 
@@ -73,7 +73,7 @@ def _with_dead_letters(work: Callable[[DeadLetters], Awaitable[int]]) -> int:
         try:
             # Given up within a few seconds, quietly (a bare first connect retried ~60 times and
             # logged a traceback each time: ~3 minutes and thousands of lines with no stack up).
-            nc: Client = await connect(url, "loom-dlq", first_within_s=_CONNECT_WITHIN_S)
+            nc: Client = await connect(url, "loom-dlq", first_within_s=CONNECT_WITHIN_S)
         except BusError as exc:
             err.print(f"[red]{escape(str(exc))}[/red]")
             return 1

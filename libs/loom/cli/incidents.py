@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from loom.bus.connection import BusError, connect
+from loom.cli import CONNECT_WITHIN_S
 from loom.cli.argtypes import positive_int
 from loom.runtime.config import endpoints
 from loom.store import incidents as store
@@ -29,7 +30,6 @@ console = Console()
 err = Console(stderr=True)
 
 _CONNECT_TIMEOUT_S = 3.0
-_CONNECT_WITHIN_S = 2.5
 _JOBS_SHOWN = 50
 
 
@@ -194,7 +194,7 @@ def cmd_ack(args: argparse.Namespace) -> int:
     async def go() -> int:
         url = endpoints().nats_url
         try:
-            nc = await connect(url, "loom-ack", first_within_s=_CONNECT_WITHIN_S)  # quietly, in seconds
+            nc = await connect(url, "loom-ack", first_within_s=CONNECT_WITHIN_S)  # quietly, in seconds
         except BusError as exc:
             err.print(f"[red]{escape(str(exc))}[/red]")
             return 1

@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from loom.bus.connection import BusError
+from loom.cli import CONNECT_WITHIN_S
 from loom.cli.argtypes import non_negative_int, positive_int
 from loom.client import LoomClient, QueryError, SpecError, load_specs
 from loom.errors import InvalidInputError
@@ -31,10 +32,6 @@ err = Console(stderr=True)
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
     return asyncio.run(coro)
-
-
-CONNECT_WITHIN_S = 2.5
-"""A command that finds no NATS server by then says so (exit 1) instead of waiting."""
 
 
 async def _client() -> LoomClient:

@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from loom.cli import CONNECT_WITHIN_S
 from loom.cli.argtypes import non_negative_float, positive_float, positive_int
 from loom.client import LoomClient
 from loom.runtime.config import endpoints
@@ -23,7 +24,6 @@ from loom_proto import subjects
 console = Console()
 err = Console(stderr=True)
 
-_CONNECT_WITHIN_S = 2.5
 _TIMEOUT_S = 10.0
 
 
@@ -121,7 +121,7 @@ async def ask(client: LoomClient, subject: str, request: dict[str, Any]) -> dict
 def _with_client(work: Callable[[LoomClient], Any]) -> int:
     async def go() -> int:
         try:
-            client = await LoomClient.connect(endpoints().nats_url, first_within_s=_CONNECT_WITHIN_S)
+            client = await LoomClient.connect(endpoints().nats_url, first_within_s=CONNECT_WITHIN_S)
         except Exception as exc:  # no server: say so, exit 1
             err.print(f"cannot reach NATS: {exc}")
             return 1

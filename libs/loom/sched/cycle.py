@@ -40,7 +40,7 @@ from loom.sched.elastic import ElasticJob, plan_grow, resized_end_s, with_sizes
 from loom.sched.framework import Code, Decision, DecisionRecord, Framework, Outcome, QueueItem
 from loom.sched.probe import ProbeSettings, check_labels, probe_gate
 from loom.sched.snapshot import RunningJob, Snapshot
-from loom_proto.jobs import JobSpec, RejectCode
+from loom_proto.jobs import JobSpec, RejectCode, RequeueReason
 
 __all__ = [
     "WAKE_AFTER_S",
@@ -449,6 +449,15 @@ def expiry_avoid(clusters: Iterable[str], *, attempt: int, max_attempts: int) ->
     that did not confirm, while attempts are left (then any cluster may take it again, as a
     preference the framework drops when nothing else fits)."""
     return tuple(sorted(set(clusters))) if attempt < max_attempts else ()
+
+
+def requeue_avoid(cause: RequeueReason, asked: Iterable[str], carried: Iterable[str]) -> frozenset[str]:
+    """Clusters a requeued job's next attempt avoids. A move (cause ``migrated``: a drain, a
+    network or slow-node move, backflow) avoids what it asks, for that attempt only, as the
+    migration service's what-if priced it (carrying earlier attempts' avoids named a target the
+    job then avoided, and a job a drain moved off never flowed back after the undrain); a failure
+    adds what it asks to what earlier attempts avoided."""
+    return frozenset(asked) if cause == "migrated" else frozenset(asked) | frozenset(carried)
 
 
 def expected_end_s(

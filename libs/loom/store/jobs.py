@@ -418,20 +418,17 @@ async def requeue(
     *,
     unstarted_only: bool = False,
     resume_step: int = 0,
-    replace_avoid: bool = False,
 ) -> list[tuple[str, int]] | None:
     """Give up a placed or running attempt: release its GPUs, queue the job again.
 
     Returns the (node, gpus) released, or None when the attempt had moved on (finished, or already
     given up) and nothing changed. ``unstarted_only``: only if the agent never confirmed the start.
-    ``replace_avoid``: the next attempt avoids ``avoid`` only (a move), not also what earlier
-    attempts avoided (a failure adds to those).
+    ``avoid``: every cluster the next attempt avoids (:func:`loom.sched.cycle.requeue_avoid`).
     ``resume_step``: the step the next run resumes from (0: from the start).
     """
     row = await conn.fetchrow(
         """UPDATE jobs SET state = 'queued', updated_at = now(), resume_step = $5,
-                  avoid_clusters = CASE WHEN $6 THEN $3::text[]
-                                        ELSE ARRAY(SELECT DISTINCT unnest(avoid_clusters || $3::text[])) END
+                  avoid_clusters = $3::text[]
            WHERE job_id = $1 AND attempt = $2
              AND state = ANY(CASE WHEN $4 THEN ARRAY['placed'] ELSE ARRAY['placed', 'running'] END)
              AND NOT ($4 AND EXISTS (SELECT 1 FROM reservations r WHERE r.job_id = $1 AND r.attempt = $2
@@ -442,7 +439,6 @@ async def requeue(
         list(avoid),
         unstarted_only,
         max(resume_step, 0),
-        replace_avoid,
     )
     if row is None:
         return None
