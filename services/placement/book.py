@@ -198,8 +198,9 @@ class Book:
         while the next one decides): a rebuilt snapshot lists them too, so no later cycle offers
         their GPUs again. :meth:`add_run` adopts one on commit; :meth:`forget_pending` drops those
         of a batch whose write failed."""
-        self.closed: frozenset[str] = frozenset()
-        """Drained clusters (``loom drain``): their nodes take no new work; change with :meth:`close`."""
+        self.closed: dict[str, str] = {}
+        """Clusters closed to new work (drained by ``loom drain``, or failed) -> why: their nodes
+        take no new work; change with :meth:`close`."""
         self.suspect_nodes: frozenset[str] = frozenset()
         """Nodes a slow run made suspect: no new work there for a while; change with :meth:`suspect`."""
         self.learned: dict[tuple[str, str], float] = {}
@@ -451,9 +452,10 @@ class Book:
         if self._snap is not None:
             self._snap.set_learned(self.learned, self.measured)
 
-    def close(self, clusters: Iterable[str]) -> bool:
-        """Set the drained clusters; True when that changed them (the next cycle rebuilds its snapshot)."""
-        closed = frozenset(clusters)
+    def close(self, clusters: Mapping[str, str]) -> bool:
+        """Set the closed clusters (cluster -> why: ``"drained"``, ``"failed"``); True when that
+        changed them (the next cycle rebuilds its snapshot)."""
+        closed = dict(clusters)
         if closed == self.closed:
             return False
         self.closed = closed
@@ -510,6 +512,7 @@ class Book:
             now=now,
         )
         self._snap.measured = self.measured
+        self._snap.closed = dict(self.closed)
         self._snap.quota = QuotaBook(self.tenants, self.usage_by_tenant())
         self._snap.waiting = self.waiting  # the same set: the framework keeps it across snapshots
         self._snap.probes = self.probes

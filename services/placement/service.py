@@ -476,7 +476,7 @@ class PlacementService:
         for c in recorded:
             reason = self.failover.failed[c.cluster].reason
             self.stats["failover"]["failed"][c.cluster] = {"at": c.failed_at, "reason": reason}
-        self.book.close(self.failover.closed())
+        self.book.close(self.failover.closed_why())
         # Jobs queued under an earlier lead may have been placed or cancelled by another leader
         # meanwhile: the queue, what waits and the queued shapes all come from the store again.
         self.book.leave_queue([*self.book.waiting, *self.book.queued])
@@ -2007,7 +2007,7 @@ class PlacementService:
                 await self._persist_failed()
                 # A failed cluster takes no new work (the view closes it only once stale); nor
                 # does a suspect node until its time runs out.
-                changed = self.book.close(self.failover.closed())
+                changed = self.book.close(self.failover.closed_why())
                 changed |= self.book.suspect(self.failover.nodes.suspects.active(time.time()))
                 if changed:
                     self.stats["nodes"]["suspect"] = dict(self.failover.nodes.suspects.why)
@@ -2155,7 +2155,7 @@ class PlacementService:
             log.warning("drained clusters not reloaded", error=repr(exc))
             return
         self.failover.drained = frozenset(closed)
-        if self.book.close(self.failover.closed()):
+        if self.book.close(self.failover.closed_why()):
             log.info("drained clusters changed", closed=sorted(closed))
             self.stats["drained"] = sorted(closed)
             self.capacity_changed = True
@@ -3131,6 +3131,10 @@ class _Failover:
     def closed(self) -> frozenset[str]:
         """Clusters that take no new work: drained or failed."""
         return self.drained | frozenset(self.failed)
+
+    def closed_why(self) -> dict[str, str]:
+        """:meth:`closed` with why each takes no new work (what explanations name)."""
+        return {**dict.fromkeys(self.drained, "drained"), **dict.fromkeys(self.failed, "failed")}
 
     def returned(self, answered_at: Mapping[str, float]) -> None:
         """A cluster failed on its agent's connection alone (the view never marked it stale) whose

@@ -457,6 +457,12 @@ def test_loom_view_says_when_nothing_matches_and_keeps_json_small(home: Path) ->
         for z in r["zones"].values()
         for c in z["clusters"].values()
     )
+    # Each cluster says whether it is drained (the migration service answers: none is here).
+    assert all(c["drain"] is None for c in clusters)
+    # A GPU model written otherwise than the platform's names the models there.
+    lower = _loom(home, "view", "--model", "t4")
+    assert lower.returncode == 1 and "no cluster matches --model t4" in lower.stderr
+    assert "GPU models on the platform (names as written):" in lower.stderr and "T4" in lower.stderr
     # The text view shows each cluster's trust.
     assert "trust 1.00" in _loom(home, "view").stdout or "trust 0." in _loom(home, "view").stdout
     # A reader that goes away early (`| head`) ends the command quietly.

@@ -69,7 +69,7 @@ async def test_cancel_stops_a_running_job_frees_its_gpus_and_drops_a_queued_one(
             return job if job and job["state"] == "running" else None
 
         await until(running, 30, "cx-run running")
-        assert await client.cancel("cx-run", reason="wrong data") == "cancelled"
+        assert await client.cancel_outcome("cx-run", reason="wrong data") == ("cancelled", False)
 
         async def stopped() -> bool:
             return "cx-run:1" in agent.finished and "cx-run:1" not in agent.running
@@ -88,6 +88,7 @@ async def test_cancel_stops_a_running_job_frees_its_gpus_and_drops_a_queued_one(
         assert not agent.running
         # A cancelled job stays cancelled; an unknown one is an error.
         assert await client.cancel("cx-run") == "cancelled"
+        assert await client.cancel_outcome("cx-run") == ("cancelled", True)  # `loom cancel`: "already"
         with pytest.raises(QueryError, match="no job"):
             await client.cancel("cx-nowhere")
     finally:

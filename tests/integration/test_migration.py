@@ -8,6 +8,9 @@ process (tests/platform_helpers.py). Only c-weu-a and c-sea1-a have T4 GPUs (8 a
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -401,6 +404,15 @@ async def test_a_drain_job_with_no_room_elsewhere_keeps_running_says_so_and_move
         listed = await until(waiting, 5, "the drain to say the job waits for capacity")
         assert [(w["job_id"], w["needs"]) for w in listed] == [("stuck", "1 x T4")]
         assert "waits for capacity" in listed[0]["why"] and f"{OTHER} 4" in listed[0]["why"]
+        # `loom drains` lists the drain, still draining, with the job waiting to move and why.
+        shown = await asyncio.to_thread(_loom, "drains", platform=platform)
+        assert shown.returncode == 0, shown.stderr
+        assert DRAINED in shown.stdout and "draining" in shown.stdout
+        assert f"drain of {DRAINED}: stuck not moved, waits for capacity" in shown.stdout
+        as_json = await asyncio.to_thread(_loom, "drains", "--json", platform=platform)
+        assert [(d["cluster"], d["state"], len(d["waiting"])) for d in json.loads(as_json.stdout)] == [
+            (DRAINED, "draining", 1)
+        ]
         await asyncio.sleep(1.0)  # a few drain passes: it stays put, nothing given up
         assert await _running_at(client, ["stuck"], DRAINED, 1)
         assert await db.fetchval("SELECT count(*) FROM migrations") == 0
@@ -416,9 +428,24 @@ async def test_a_drain_job_with_no_room_elsewhere_keeps_running_says_so_and_move
         row = await db.fetchrow("SELECT * FROM migrations WHERE job_id = 'stuck'")
         assert row["state"] == "completed" and row["to_cluster"] == OTHER and row["resume_step"] >= 10
         assert await waiting() is None
+        shown = await asyncio.to_thread(_loom, "drains", platform=platform)
+        assert shown.returncode == 0 and "drained" in shown.stdout and "not moved" not in shown.stdout
     finally:
         await db.close()
         await client.close()
+
+
+def _loom(*args: str, platform: Platform) -> subprocess.CompletedProcess[str]:
+    """The ``loom`` CLI as a user runs it, against this test's stack."""
+    env = dict(os.environ, LOOM_NATS_URL=platform.nats_url, LOOM_DATABASE_URL=platform.database_url)
+    return subprocess.run(
+        [sys.executable, "-m", "loom.cli.main", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 async def test_a_drain_job_whose_room_was_taken_while_it_waited_for_its_turn_stays_and_waits_for_capacity(

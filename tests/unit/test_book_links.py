@@ -42,3 +42,20 @@ def test_a_stale_link_is_taken_at_twice_its_median_and_marked_degraded() -> None
     book.on_link(link(forecast=60.0, stale=True))
     assert rtt_ms(book) == 160.0
     assert bool(book.net.degraded[book.net.index["eu"], book.net.index["us"]])
+
+
+def test_closed_clusters_reach_the_snapshot_with_why_and_their_nodes_take_no_work() -> None:
+    from loom.model.capacity import NodeCapacity
+
+    book = Book()
+    book.nodes = {
+        n: NodeCapacity(node=n, cluster=c, region="eu", zone="eu-a", gpu_model="A100", gpus_total=8)
+        for n, c in (("a0", "ca"), ("b0", "cb"))
+    }
+    assert book.close({"ca": "drained"}) is True
+    assert book.close({"ca": "drained"}) is False  # unchanged: the snapshot is kept
+    snap = book.snapshot(1000.0)
+    assert snap.closed == {"ca": "drained"}
+    assert [bool(s) for s in snap.schedulable] == [False, True]  # sorted by cluster: ca, cb
+    assert book.close({"ca": "failed"}) is True  # the why changing is a change
+    assert book.snapshot(1000.0).closed == {"ca": "failed"}

@@ -178,3 +178,52 @@ def test_a_moved_jobs_history_says_why_on_the_requeued_row_and_the_stopped_run_i
         "attempt 1 stopped by Loom: drain of c-weu-a: resumes from its checkpoint"
     )
     assert _event_detail("failed", {"reason": "exit code 3"}) == "exit code 3"
+
+
+def test_the_drains_table_and_the_view_tree_say_which_clusters_take_no_new_work() -> None:
+    from loom.cli.main import _mark_drains, _view_tree
+    from loom.cli.migrations import drains_table
+
+    row = {
+        "cluster": "c-weu-a",
+        "state": "drained",
+        "started_at": 1_700_000_000.0,
+        "concurrency": 2,
+        "deadline_s": 0.0,
+        "forced": False,
+        "waiting": [],
+    }
+    console = Console(record=True, width=400)
+    console.print(
+        drains_table([row, {**row, "cluster": "c-aue-a", "state": "draining", "deadline_s": 600.0}])
+    )
+    text = console.export_text()
+    assert "c-weu-a" in text and "drained" in text and "none" in text
+    assert "c-aue-a" in text and "draining" in text and "600" in text
+    assert build_parser().parse_args(["drains", "--json"]).json is True
+
+    def cluster() -> dict[str, Any]:
+        level = {"gpus_free": 8, "gpus_total": 8, "gpus_used": 0, "gpus_reserved": 0}
+        return {**level, "stale": False, "age_s": 1.0, "ttl_s": 15.0, "nodes": []}
+
+    view = {
+        "regions": {
+            "eu": {
+                "gpus_free": 16, "gpus_total": 16, "gpus_used": 0, "gpus_reserved": 0,
+                "zones": {
+                    "eu-a": {
+                        "gpus_free": 16, "gpus_total": 16, "gpus_used": 0, "gpus_reserved": 0,
+                        "clusters": {"c-weu-a": cluster(), "c-weu-b": cluster()},
+                    }
+                },
+            }
+        }
+    }  # fmt: skip
+    _mark_drains(view, {"c-weu-a": "drained"})
+    clusters = view["regions"]["eu"]["zones"]["eu-a"]["clusters"]
+    assert (clusters["c-weu-a"]["drain"], clusters["c-weu-b"]["drain"]) == ("drained", None)
+    console = Console(record=True, width=400)
+    console.print(_view_tree(view, with_nodes=False))
+    lines = console.export_text().splitlines()
+    assert any("c-weu-a" in line and "DRAINED" in line for line in lines)
+    assert not any("c-weu-b" in line and "DRAIN" in line for line in lines)

@@ -988,3 +988,35 @@ def test_a_region_without_any_of_the_models_is_said_to_have_none_not_none_free()
     outcome = Framework([ResourceFit(), ScuFit()]).schedule(spec, snap)
     assert outcome.decision is not None and outcome.decision.lead.cluster == "cv"
     assert outcome.record.pruned["ct"] == "region r1 has no V100 GPUs; the job needs 8"
+
+
+def test_a_job_that_only_a_closed_cluster_could_hold_is_said_to_wait_for_it_not_for_gpus_taken() -> None:
+    # ca (drained) is the only cluster with an 8-GPU node; cb's nodes hold 4. Before, the job
+    # waited "would fit but the GPUs are taken now" though no GPU was taken anywhere.
+    nodes = [
+        NodeCapacity(
+            node="a0",
+            cluster="ca",
+            region="r1",
+            zone="r1-a",
+            gpu_model="A100",
+            gpus_total=8,
+            schedulable=False,
+        ),
+        NodeCapacity(node="b0", cluster="cb", region="r1", zone="r1-a", gpu_model="A100", gpus_total=4),
+    ]
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]))
+    snap.closed = {"ca": "drained"}
+    framework = Framework([ResourceFit()])
+    outcome = framework.schedule(job("big", gpus=8), snap)
+    assert outcome.status.code == Code.UNSCHEDULABLE
+    assert "only with nodes that take no new work now (ca drained)" in outcome.status.reason
+    # Without a known why, the nodes are still named as what the job waits for.
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]))
+    outcome = framework.schedule(job("big", gpus=8), snap)
+    assert "(ca nodes unschedulable)" in outcome.status.reason
+    # A job the open cluster holds when its GPUs free waits for GPUs taken, as before.
+    busy = [node("b0", "cb", "r1", gpus=4, reserved=4), nodes[0]]
+    outcome = framework.schedule(job("small", gpus=4), Snapshot(busy, net=NetMatrix(["r1"])))
+    assert outcome.status.code == Code.UNSCHEDULABLE
+    assert "GPUs are taken now" in outcome.status.reason

@@ -352,15 +352,17 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         try:
             for job_id in args.job_ids:
                 try:
-                    state = await client.cancel(job_id, reason=args.reason)
+                    state, already = await client.cancel_outcome(job_id, reason=args.reason)
                 except QueryError as exc:
                     err.print(f"[red]{escape(str(exc))}[/red]")
                     code = 1
                     continue
-                if state == "cancelled":
-                    console.print(f"{escape(job_id)}: cancelled")
-                else:
+                if already:
                     console.print(f"{escape(job_id)}: already {state}; nothing to cancel")
+                elif state == "cancelled":
+                    console.print(f"{escape(job_id)}: cancelled")
+                else:  # it ended another way while the cancellation was on its way
+                    console.print(f"{escape(job_id)}: {state} before the cancellation took effect")
         finally:
             await client.close()
         return code
@@ -551,14 +553,26 @@ def cmd_view(args: argparse.Namespace) -> int:
             except QueryError as exc:
                 learned = None
                 err.print(f"learned speeds unavailable: {exc}")
+            try:
+                drains = {d["cluster"]: d["state"] for d in await client.drains(timeout_s=2.0)}
+            except QueryError as exc:
+                drains = None
+                err.print(f"drain states unavailable: {exc}")
+            filters = _view_filters(args)
+            models_here = (
+                _models(await client.view(nodes=True)) if not view["regions"] and args.model else set()
+            )
         finally:
             await client.close()
         if args.model and learned:
             learned = [e for e in learned if e["gpu_model"] == args.model]
-        filters = _view_filters(args)
         if not view["regions"] and filters:
             err.print(f"[red]no cluster matches {escape(filters)}[/red]")
+            if args.model and args.model not in models_here:
+                known = ", ".join(sorted(models_here)) or "none yet"
+                err.print(f"GPU models on the platform (names as written): {escape(known)}")
             return 1
+        _mark_drains(view, drains)
         if args.json:
             if not args.nodes:
                 _drop_nodes(view)
@@ -584,6 +598,29 @@ def _view_filters(args: argparse.Namespace) -> str:
     return " ".join(
         flag if value is True else f"{flag} {value}" for flag, value in given if value is not None
     )
+
+
+def _models(view: dict[str, Any]) -> set[str]:
+    """The GPU models of a view's nodes."""
+    return {
+        n["gpu_model"]
+        for r in view["regions"].values()
+        for z in r["zones"].values()
+        for c in z["clusters"].values()
+        for n in c.get("nodes", [])
+        if n["gpu_model"]
+    }
+
+
+def _mark_drains(view: dict[str, Any], drains: dict[str, str] | None) -> None:
+    """Each cluster's ``drain`` state (``draining`` / ``drained``; None: open to new work; the key
+    is left out when the migration service did not answer)."""
+    if drains is None:
+        return
+    for r in view["regions"].values():
+        for z in r["zones"].values():
+            for cluster, c in z["clusters"].items():
+                c["drain"] = drains.get(cluster)
 
 
 def _drop_nodes(view: dict[str, Any]) -> None:
@@ -645,7 +682,12 @@ def _view_tree(view: dict[str, Any], *, with_nodes: bool) -> Tree:
                     models[n["gpu_model"] or "cpu"] = models.get(n["gpu_model"] or "cpu", 0) + n["gpus_total"]
                 mix = ", ".join(f"{m} {g}" for m, g in sorted(models.items()))
                 trust = f"trust {c['trust']:.2f}" if "trust" in c else ""
-                ct = zt.add(f"{cluster}  {_capacity(c)}  {escape(f'[{mix}]')}  {trust}  {fresh}")
+                drain = (
+                    f"  [yellow]{c['drain'].upper()}[/yellow] (no new work; `loom drains`)"
+                    if c.get("drain")
+                    else ""
+                )
+                ct = zt.add(f"{cluster}  {_capacity(c)}  {escape(f'[{mix}]')}  {trust}  {fresh}{drain}")
                 if with_nodes:
                     for n in c["nodes"]:
                         ct.add(

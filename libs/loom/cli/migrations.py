@@ -85,6 +85,8 @@ def add_parser(sub: Any) -> None:
     p = add("undrain", cmd_undrain, "open a drained cluster to new work again")
     p.add_argument("cluster")
     p.add_argument("--json", action="store_true")
+    p = add("drains", cmd_drains, "drained and draining clusters: since when, settings, jobs waiting to move")
+    p.add_argument("--json", action="store_true")
     p = add(
         "migrations",
         cmd_migrations,
@@ -245,6 +247,49 @@ def cmd_undrain(args: argparse.Namespace) -> int:
         return 0
 
     return _with_client(work)
+
+
+def cmd_drains(args: argparse.Namespace) -> int:
+    """Every drain the migration service holds (a cluster closed to new work until undrained)."""
+
+    async def work(client: LoomClient) -> int:
+        answer = await ask(client, subjects.MIGRATE_QUERY, {"op": "drains"})
+        if not answer.get("ok"):
+            err.print(str(answer.get("error")))
+            return 1
+        rows: list[dict[str, Any]] = answer["result"]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        if not rows:
+            console.print("no cluster is drained: every cluster takes new work")
+            return 0
+        console.print(drains_table(rows))
+        for d in rows:
+            for w in d.get("waiting", []):
+                console.print(f"drain of {d['cluster']}: {w['job_id']} not moved, {w['why']}")
+        return 0
+
+    return _with_client(work)
+
+
+def drains_table(rows: list[dict[str, Any]]) -> Table:
+    """A table of drains (``loom drains``): state (``draining``: jobs still to move; ``drained``:
+    empty, closed until ``loom undrain``), since when, the drain's settings and jobs waiting."""
+    table = Table(title="drains (closed to new work until `loom undrain CLUSTER`)")
+    for col in ("cluster", "state", "since", "moves at once", "deadline s", "forced", "waiting to move"):
+        table.add_column(col)
+    for d in rows:
+        table.add_row(
+            d["cluster"],
+            d["state"],
+            datetime.fromtimestamp(d["started_at"]).strftime("%Y-%m-%d %H:%M:%S"),
+            str(d["concurrency"]),
+            f"{float(d['deadline_s']):g}" if d["deadline_s"] else "none",
+            "yes" if d["forced"] else "no",
+            str(len(d.get("waiting", []))),
+        )
+    return table
 
 
 def cmd_migrations(args: argparse.Namespace) -> int:

@@ -235,11 +235,19 @@ class LoomClient:
         Returns the job's state afterwards (``cancelled``, or how it had already ended). Raises
         :class:`QueryError` for an unknown job or when placement does not record it in time.
         """
+        state, _ = await self.cancel_outcome(job_id, reason=reason, wait_s=wait_s)
+        return state
+
+    async def cancel_outcome(
+        self, job_id: str, *, reason: str = "", wait_s: float = 10.0
+    ) -> tuple[str, bool]:
+        """:meth:`cancel`, and whether the job had already ended before this request (then
+        nothing was sent: a job cancelled earlier is ``("cancelled", True)``)."""
         job = await self.job(job_id)
         if job is None:
             raise QueryError(f"no job {job_id!r}")
         if job["state"] in TERMINAL_STATES:
-            return str(job["state"])
+            return str(job["state"]), True
         event = JobCancelled(
             job_id=job_id,
             tenant=str(job["tenant"]),
@@ -255,7 +263,7 @@ class LoomClient:
         while time.monotonic() < deadline:
             now = await self.job(job_id)
             if now is not None and now["state"] in TERMINAL_STATES:
-                return str(now["state"])
+                return str(now["state"]), False
             await asyncio.sleep(0.2)
         raise QueryError(f"placement did not record the cancellation of {job_id} within {wait_s:g} s")
 
@@ -279,6 +287,13 @@ class LoomClient:
         """What placement learned of each (job family, GPU model)'s speed: ``family``, ``gpu_model``,
         ``factor`` (times the profile's speed), ``log_sd``, ``runs`` and ``source``."""
         result: list[dict[str, Any]] = await self._query(self._jobs_query, {"op": "learned"}, timeout_s)
+        return result
+
+    async def drains(self, *, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        """Clusters closed to new work by ``loom drain`` (the migration service's drains):
+        ``cluster``, ``state`` (``draining`` / ``drained``), ``started_at``, the drain's settings
+        and the jobs ``waiting`` to move."""
+        result: list[dict[str, Any]] = await self._query(subjects.MIGRATE_QUERY, {"op": "drains"}, timeout_s)
         return result
 
     async def counts(self, *, timeout_s: float = 5.0) -> dict[str, int]:

@@ -1792,6 +1792,14 @@ class Framework:
                 " ask for fewer workers or allow the gang to span clusters (allow_multi_cluster)"
             )
             return Status(Code.UNRESOLVABLE, f"{base} can never fit; {hint}", "framework", hint=hint)
+        closed = self._closed_holders(state, in_scope, split=split, m_count=m_count)
+        if closed:
+            return Status(
+                Code.UNSCHEDULABLE,
+                f"{base} would fit, but only with nodes that take no new work now ({closed});"
+                " waiting until they do",
+                "framework",
+            )
         reasons = "; ".join(f"{k}: {v}" for k, v in sorted(state.pruned.items())[:6])
         return Status(
             Code.UNSCHEDULABLE,
@@ -1799,6 +1807,34 @@ class Framework:
             + (f" ({reasons})" if reasons else ""),
             "framework",
         )
+
+    def _closed_holders(self, state: CycleState, in_scope: BoolArray, *, split: bool, m_count: int) -> str:
+        """When the job fits an empty platform only by counting nodes that take no new work (a
+        drained or failed cluster, a cordoned or suspect node): those nodes' clusters with why
+        (:attr:`Snapshot.closed`), e.g. ``"c-weu-a drained"``; empty when the schedulable nodes
+        alone could hold it (then it waits for GPUs taken now)."""
+        snap = state.snapshot
+        g, need = state.per_worker, state.min_workers
+        up_workers = np.where(snap.schedulable, snap.total // g, 0)[in_scope]
+        per_pair = np.bincount(
+            snap.pool_of[in_scope], weights=up_workers, minlength=len(snap.clusters) * m_count
+        ).astype(np.int64)
+        if split and state.job.pipeline is None:
+            fits = int(per_pair.reshape(len(snap.clusters), m_count).max(axis=1, initial=0).sum()) >= need
+        elif split:
+            fits = int(per_pair.sum()) >= need
+        else:
+            fits = int(per_pair.max(initial=0)) >= need
+        if fits:
+            return ""
+        down = in_scope & ~snap.schedulable & (snap.total >= g)
+        clusters = sorted({int(p) // m_count for p in snap.pool_of[down]})
+        names = []
+        for c in clusters[:6]:
+            cid = snap.clusters[c].id
+            names.append(f"{cid} {snap.closed.get(cid, 'nodes unschedulable')}")
+        more = f" and {len(clusters) - 6} more" if len(clusters) > 6 else ""
+        return ", ".join(names) + more
 
     def _refuse(self, record: DecisionRecord, decision: Decision, status: Status) -> Outcome:
         """A reserve, permit or bind plugin refused ``decision``: noted on the record when the

@@ -341,6 +341,9 @@ class Snapshot:
         """The queue: jobs decided at least once and neither placed nor rejected since (kept by
         :meth:`~loom.sched.framework.Framework.schedule`; the caller removes jobs that leave the
         queue otherwise). What the plugins that price a queue read (:meth:`waiting_count`)."""
+        self.closed: dict[str, str] = {}
+        """Cluster id -> why its nodes take no new work now (``"drained"``, ``"failed"``), as the
+        caller that marked them unschedulable knows it; what explanations name (empty: unknown)."""
         self.probes: set[str] = set()
         """Jobs known to be speed probes (``loom.sched.probe``: one per (family, GPU model) cell,
         so few), noted by the framework when one joins the queue; kept across snapshots as
