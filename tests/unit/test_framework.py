@@ -1011,6 +1011,7 @@ def test_a_job_that_only_a_closed_cluster_could_hold_is_said_to_wait_for_it_not_
     outcome = framework.schedule(job("big", gpus=8), snap)
     assert outcome.status.code == Code.UNSCHEDULABLE
     assert "only with nodes that take no new work now (ca drained)" in outcome.status.reason
+    assert outcome.record.pruned["ca"] == "drained: it takes no new work now"
     # Without a known why, the nodes are still named as what the job waits for.
     snap = Snapshot(nodes, net=NetMatrix(["r1"]))
     outcome = framework.schedule(job("big", gpus=8), snap)

@@ -1254,6 +1254,10 @@ class Framework:
             biggest = (snap.max_free * models).max(axis=1)
         if int(_min(free)) >= need and int(_min(biggest)) >= state.per_worker:
             return  # every cluster (so every zone and region) has the GPUs: nothing to prune
+        if snap.closed:  # said as what they are, not as "0 free" (their nodes are unschedulable)
+            shut = np.zeros(len(snap.clusters), np.bool_)
+            shut[[snap.cluster_index[c] for c in snap.closed if c in snap.cluster_index]] = True
+            state.prune(shut, lambda c: f"{snap.closed[snap.clusters[c].id]}: it takes no new work now")
         # Named by model when the job restricts them: a zone full of free T4s is not "short of
         # GPUs" for a job that needs V100s, it has none of those free.
         kind = (
