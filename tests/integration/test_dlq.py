@@ -9,15 +9,14 @@ not held back by the two minutes of Loom's streams.
 
 import asyncio
 import json
-import os
 import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
 import asyncpg
 import pytest
+from cli_helpers import loom_cli
 from nats.aio.client import Client
 from nats.js.api import StreamConfig
 from waiting import until
@@ -210,15 +209,7 @@ async def test_unknown_sequences_are_refused_before_anything_is_purged(nc: Clien
 
 
 def _loom(*args: str, nats_url: str, database_url: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, LOOM_NATS_URL=nats_url, LOOM_DATABASE_URL=database_url)
-    return subprocess.run(
-        [sys.executable, "-m", "loom.cli.main", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return loom_cli(*args, nats_url=nats_url, database_url=database_url)
 
 
 async def test_the_dlq_commands_list_show_and_refuse_a_purge_without_reason(

@@ -8,9 +8,7 @@ process (tests/platform_helpers.py). Only c-weu-a and c-sea1-a have T4 GPUs (8 a
 
 import asyncio
 import json
-import os
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
@@ -19,6 +17,7 @@ import asyncpg
 import msgspec
 import nats.errors
 import pytest
+from cli_helpers import loom_cli
 from platform_helpers import Platform
 from waiting import until
 
@@ -437,15 +436,7 @@ async def test_a_drain_job_with_no_room_elsewhere_keeps_running_says_so_and_move
 
 def _loom(*args: str, platform: Platform) -> subprocess.CompletedProcess[str]:
     """The ``loom`` CLI as a user runs it, against this test's stack."""
-    env = dict(os.environ, LOOM_NATS_URL=platform.nats_url, LOOM_DATABASE_URL=platform.database_url)
-    return subprocess.run(
-        [sys.executable, "-m", "loom.cli.main", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return loom_cli(*args, nats_url=platform.nats_url, database_url=platform.database_url)
 
 
 async def test_a_drain_job_whose_room_was_taken_while_it_waited_for_its_turn_stays_and_waits_for_capacity(

@@ -253,24 +253,38 @@ def cmd_drains(args: argparse.Namespace) -> int:
     """Every drain the migration service holds (a cluster closed to new work until undrained)."""
 
     async def work(client: LoomClient) -> int:
-        answer = await ask(client, subjects.MIGRATE_QUERY, {"op": "drains"})
-        if not answer.get("ok"):
-            err.print(str(answer.get("error")))
-            return 1
-        rows: list[dict[str, Any]] = answer["result"]
-        if args.json:
-            print(json.dumps(rows, indent=2))
-            return 0
+        rows = await _rows(client, {"op": "drains"}, as_json=args.json)
+        if rows is None or args.json:
+            return 1 if rows is None else 0
         if not rows:
             console.print("no cluster is drained: every cluster takes new work")
             return 0
         console.print(drains_table(rows))
-        for d in rows:
-            for w in d.get("waiting", []):
-                console.print(f"drain of {d['cluster']}: {w['job_id']} not moved, {w['why']}")
+        _print_waiting(rows)
         return 0
 
     return _with_client(work)
+
+
+async def _rows(client: LoomClient, request: dict[str, Any], *, as_json: bool) -> list[dict[str, Any]] | None:
+    """The rows the migration service answers ``request`` with (printed as JSON with
+    ``as_json``); None when it refused, said on stderr."""
+    answer = await ask(client, subjects.MIGRATE_QUERY, request)
+    if not answer.get("ok"):
+        err.print(str(answer.get("error")))
+        return None
+    rows: list[dict[str, Any]] = answer["result"]
+    if as_json:
+        print(json.dumps(rows, indent=2))
+    return rows
+
+
+def _print_waiting(drains: list[dict[str, Any]], cluster: str | None = None, job: str | None = None) -> None:
+    """Each drain's jobs that have not moved yet, and why (of ``cluster``'s drain, ``job`` only)."""
+    for d in drains:
+        for w in d.get("waiting", []):
+            if cluster in (None, d["cluster"]) and job in (None, w["job_id"]):
+                console.print(f"drain of {d['cluster']}: {w['job_id']} not moved, {w['why']}")
 
 
 def drains_table(rows: list[dict[str, Any]]) -> Table:
@@ -298,26 +312,15 @@ def cmd_migrations(args: argparse.Namespace) -> int:
     async def work(client: LoomClient) -> int:
         op = "verdicts" if getattr(args, "verdicts", False) else "list"
         op = "replicas" if getattr(args, "replicas", False) else op
-        answer = await ask(
-            client,
-            subjects.MIGRATE_QUERY,
-            {"op": op, "job_id": args.job, "cluster": args.cluster, "limit": args.limit},
-        )
-        if not answer.get("ok"):
-            err.print(str(answer.get("error")))
-            return 1
-        rows: list[dict[str, Any]] = answer["result"]
-        if args.json:
-            print(json.dumps(rows, indent=2))
-            return 0
+        request = {"op": op, "job_id": args.job, "cluster": args.cluster, "limit": args.limit}
+        rows = await _rows(client, request, as_json=args.json)
+        if rows is None or args.json:
+            return 1 if rows is None else 0
         tables = {"verdicts": verdicts_table, "replicas": replicas_table}
         console.print(tables.get(op, migrations_table)(rows))
         if op == "list":  # a drain's jobs that have not moved yet, and why
             drains = await ask(client, subjects.MIGRATE_QUERY, {"op": "drains"})
-            for d in drains.get("result", []) if drains.get("ok") else []:
-                for w in d.get("waiting", []):
-                    if args.cluster in (None, d["cluster"]) and args.job in (None, w["job_id"]):
-                        console.print(f"drain of {d['cluster']}: {w['job_id']} not moved, {w['why']}")
+            _print_waiting(drains.get("result", []) if drains.get("ok") else [], args.cluster, args.job)
         return 0
 
     return _with_client(work)
