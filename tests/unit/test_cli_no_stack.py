@@ -30,6 +30,7 @@ def _closed_port() -> int:
         ["dlq", "list"],
         ["dlq", "show", "1"],
         ["ack", "inc-1"],
+        ["drains"],
     ],
 )
 def test_a_command_without_a_stack_says_to_start_one(argv: list[str], tmp_path: Path) -> None:
