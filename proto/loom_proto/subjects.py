@@ -113,6 +113,14 @@ def report_cluster(subject: str) -> str | None:
     return None
 
 
+def event_tenant(subject: str) -> str | None:
+    """The tenant named by a job event's subject (its fourth token), or None for another subject."""
+    tokens = subject.split(".")
+    if len(tokens) in (4, 5) and tokens[0] == PREFIX and tokens[1] == "jobs" and tokens[2] in JOB_EVENT_KINDS:
+        return tokens[3]
+    return None
+
+
 def job_events_of(*kinds: JobEventKind) -> list[str]:
     """A consumer's filter for every event of those kinds, whatever the tenant: ``loom.jobs.<kind>.*``,
     or ``loom.jobs.<kind>.>`` for a kind agents report (with and without the cluster token)."""

@@ -97,6 +97,12 @@ class Metering:
             except DecodeError as exc:
                 outcomes[i] = InvalidInputError(f"not a metered job event: {exc}")
                 continue
+            if isinstance(event, JobCancelled) and subjects.event_tenant(d.subject) != event.tenant:
+                # Placement refuses it too (a tenant publishes cancellations on its own subject).
+                outcomes[i] = InvalidInputError(
+                    f"a cancellation on {d.subject!r} names tenant {event.tenant!r}"
+                )
+                continue
             decoded.append((d.msg_id or f"seq-{d.stream_seq}", event))
         if decoded:
             metered, fresh = await self._apply(decoded)
@@ -174,7 +180,12 @@ class Metering:
         if isinstance(event, JobCancelled):
             for record in await usage_store.open_runs(conn, event.job_id):
                 records.setdefault((record.job_id, record.attempt), record)
-            return sorted(k for k, r in records.items() if k[0] == event.job_id and r.ended_ms is None)
+            # Another tenant's cancellation of this job ends nothing (placement refuses it).
+            return sorted(
+                k
+                for k, r in records.items()
+                if k[0] == event.job_id and r.ended_ms is None and r.tenant in ("", event.tenant)
+            )
         key = _run_key(event)
         if key is None:
             return []

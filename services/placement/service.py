@@ -2564,6 +2564,8 @@ class PlacementService:
                 continue  # acked: the holder of the event's cluster records it (or refuses it)
             reporter = subjects.report_cluster(d.subject)
             why = foreign_report(reporter, getattr(event, "cluster", None))
+            if isinstance(event, JobCancelled) and subjects.event_tenant(d.subject) != event.tenant:
+                why = f"a cancellation on {d.subject!r} names tenant {event.tenant!r}"
             if why is not None:
                 log.warning("report refused", subject=d.subject, job_id=event.job_id, reason=why)
                 outcomes[i] = InvalidInputError(why)
@@ -2584,6 +2586,7 @@ class PlacementService:
                 mine = [(e, mid) for e, mid in events if self._handles(e)]
                 refused.clear()
                 refused.update(await _foreign_reports(conn, mine, reporter_of))
+                refused.update(await _foreign_cancels(conn, mine))
                 mine = [(e, mid) for e, mid in mine if mid not in refused]
                 checkpoints, late = await _refused_checkpoints(conn, mine)
                 refused.update(checkpoints)
@@ -3285,6 +3288,23 @@ async def _foreign_reports(
         if why is not None:
             out[mid] = why
     return out
+
+
+async def _foreign_cancels(
+    conn: asyncpg.Connection, events: Sequence[tuple["LifecycleEvent", str]]
+) -> dict[str, str]:
+    """Cancellations naming a job of another tenant (message id -> why): a tenant's credentials
+    publish cancellations on its own subject only (the event's tenant is checked against it), so
+    this is where another tenant's job is told apart. A job not known is no one's: nothing to do."""
+    cancels = [(e, mid) for e, mid in events if isinstance(e, JobCancelled)]
+    if not cancels:
+        return {}
+    owners = await repo.tenants_of(conn, sorted({e.job_id for e, _ in cancels}))
+    return {
+        mid: f"tenant {e.tenant!r} may not cancel job {e.job_id}: it is another tenant's"
+        for e, mid in cancels
+        if owners.get(e.job_id, e.tenant) != e.tenant
+    }
 
 
 async def _refused_checkpoints(

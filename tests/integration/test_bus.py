@@ -346,6 +346,29 @@ async def test_consumer_with_several_filter_subjects_gets_them_all(
     assert {await next_item(seen), await next_item(seen)} == set(subjects)
 
 
+async def test_a_message_two_consumers_refuse_leaves_a_dead_letter_for_each(
+    nc: Client, start_consumer: StartConsumer, watch: Callable[[str], Awaitable["asyncio.Queue[Msg]"]]
+) -> None:
+    # Before, both dead letters had one message id, so the DLQ stream kept the first and dropped
+    # the second as a duplicate: the second consumer's error was lost.
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    dead = await watch(s.dead_letter(subject))
+    await Publisher(nc).publish_bytes(subject, b"not json", msg_id=f"{tenant}-bad")
+
+    async def handler(delivery: Delivery[JobSubmitted]) -> None:
+        raise AssertionError("never called for an undecodable message")
+
+    first = await start_consumer(consumer_spec([subject]), JobSubmitted, handler=handler)
+    second = await start_consumer(consumer_spec([subject]), JobSubmitted, handler=handler)
+    letters = [await next_item(dead), await next_item(dead)]
+    assert sorted((m.headers or {})["Loom-Consumer"] for m in letters) == sorted(
+        [first.spec.durable, second.spec.durable]
+    )
+    stored = await nc.jetstream().stream_info("DLQ", subjects_filter=s.dead_letter(subject))
+    assert (stored.state.subjects or {}).get(s.dead_letter(subject)) == 2
+
+
 @pytest.mark.parametrize(
     "payload",
     [
@@ -392,7 +415,7 @@ async def test_an_undecodable_message_is_dead_lettered_and_the_consumer_goes_on(
     assert headers["Loom-Deliveries"] == "1"
     assert headers["Loom-Consumer"] == runner.spec.durable
     assert headers["X-Origin"] == "test", "the original headers travel with the dead letter"
-    assert headers["Nats-Msg-Id"] == f"dlq-JOBS-{bad_ack.seq}"
+    assert headers["Nats-Msg-Id"] == f"dlq-JOBS-{bad_ack.seq}-{runner.spec.durable}"
     stored = await nc.jetstream().get_last_msg("DLQ", s.dead_letter(subject))
     assert stored.data == payload
     assert runner.counts == {"acked": 1, "nacked": 0, "dead_lettered": 1}

@@ -99,3 +99,54 @@ async def test_cancel_stops_a_running_job_frees_its_gpus_and_drops_a_queued_one(
 async def _state(client: LoomClient, job_id: str, wanted: str) -> bool:
     job = await client.job(job_id)
     return bool(job and job["state"] == wanted)
+
+
+async def test_a_cancellation_of_another_tenants_job_changes_nothing_and_is_dead_lettered(
+    platform: Platform,
+) -> None:
+    # A tenant publishes cancellations on its own subject (its credentials allow that one): one
+    # naming another tenant's job, or another tenant than its subject, must stop nothing. Before,
+    # placement cancelled any job a cancellation named.
+    import time
+
+    from loom.bus import Publisher
+    from loom.bus.dlq import DeadLetters
+    from loom_proto import subjects
+    from loom_proto.jobs import JobCancelled
+
+    await platform.start("metrics")
+    await platform.start("placement")
+    # Not CLUSTER: this module's tests share one NATS server and each has a fresh database, so
+    # the view deltas of the cluster another test used (ids by ledger version) would be dropped
+    # by JetStream as duplicates of that test's within its 2-minute window.
+    await platform.start("agent-c-sea1-a")
+    client = await LoomClient.connect(platform.nats_url)
+    try:
+        await client.submit(_spec("cx-t1", 1))
+        await until(lambda: _state(client, "cx-t1", "running"), 30, "cx-t1 running")
+        publisher = Publisher(client.nc)
+        forged = [
+            ("t2", JobCancelled(job_id="cx-t1", tenant="t2", reason="not mine", at=time.time())),
+            ("t2", JobCancelled(job_id="cx-t1", tenant="t1", reason="not my subject", at=time.time())),
+        ]
+        for i, (subject_tenant, event) in enumerate(forged):
+            await publisher.publish(
+                subjects.job_event("cancelled", subject_tenant), event, msg_id=f"forged-{i}"
+            )
+        dlq = DeadLetters(client.nc)
+
+        async def refused() -> list[str] | None:
+            letters = await dlq.entries(subject=subjects.job_event("cancelled", "t2"))
+            mine = [x.error or "" for x in letters if x.consumer == "placement-lifecycle"]
+            return mine if len(mine) == 2 else None
+
+        errors = await until(refused, 15, "both forged cancellations dead-lettered by placement")
+        assert any("may not cancel job cx-t1: it is another tenant's" in e for e in errors), errors
+        assert any("names tenant 't1'" in e for e in errors), errors
+        job = await client.job("cx-t1")
+        assert job is not None and job["state"] == "running"
+        assert "cancelled" not in [e["kind"] for e in job["events"]]
+        # The job's own tenant still cancels it.
+        assert await client.cancel_outcome("cx-t1") == ("cancelled", False)
+    finally:
+        await client.close()

@@ -302,6 +302,46 @@ async def test_the_metering_consumer_counts_each_event_once_in_any_order(
     assert metering.counts["duplicates"] == len(events)
 
 
+async def test_another_tenants_cancellation_ends_no_run_of_the_job(
+    fresh_database: Callable[..., Awaitable[str]],
+) -> None:
+    # Placement refuses a cancellation naming another tenant's job; metering must not end the
+    # run on it either (before, any cancellation ended every open run of the job it named).
+    from types import SimpleNamespace
+
+    from loom.store.pool import create_pool
+    from loom_proto.jobs import JobCancelled, JobCompleted, JobPlaced, JobStarted, NodeAllocation
+    from loom_services.metrics.metering import Metering
+
+    t0 = 1_780_000_000.0
+    placed = JobPlaced(
+        job_id="y",
+        tenant="acme",
+        cluster="c1",
+        region="r1",
+        gpu_model="A100",
+        allocations=[NodeAllocation("n1", 2)],
+        attempt=1,
+        placed_at=t0,
+    )
+    events = [
+        ("y:placed:1", placed),
+        ("y:started:1", JobStarted(job_id="y", tenant="acme", cluster="c1", attempt=1, started_at=t0 + 1)),
+        ("forged", JobCancelled(job_id="y", tenant="globex", reason="not mine", at=t0 + 5)),
+    ]
+    pool = await create_pool(await fresh_database("metering-foreign-cancel"), max_size=2)
+    try:
+        metering = Metering(SimpleNamespace(db=pool), lambda _r, _t: 2.0)  # type: ignore[arg-type]
+        await metering._apply(events)
+        assert await pool.fetchval("SELECT count(*) FROM usage_rows") == 0  # still running
+        done = JobCompleted(job_id="y", tenant="acme", cluster="c1", attempt=1, at=t0 + 21)
+        await metering._apply([("y:completed:1", done)])
+        rows = await pool.fetch("SELECT outcome, sum(gpu_ms)::bigint AS gpu_ms FROM usage_rows GROUP BY 1")
+    finally:
+        await pool.close()
+    assert [(r["outcome"], r["gpu_ms"]) for r in rows] == [("completed", 2 * 20_000)]
+
+
 async def test_a_metering_batch_with_one_poison_message_meters_the_others_with_a_fixed_number_of_statements(
     fresh_database: Callable[..., Awaitable[str]],
 ) -> None:

@@ -135,6 +135,14 @@ async def test_tenant_submits_only_as_itself(
     await acme.nc.publish(subjects.job_submitted("globex"), b"{}")
     assert "loom.jobs.submitted.globex" in await acme.violation()
     assert await _last_on(server, store, "JOBS", subjects.job_submitted("globex")) == before
+    # It cancels its own jobs (placement checks the job is acme's), not on another tenant's subject.
+    ack = await acme.nc.jetstream().publish(subjects.job_event("cancelled", "acme"), b"{}")
+    assert ack.stream == "JOBS"
+    acme.errors.clear()
+    before = await _last_on(server, store, "JOBS", subjects.job_event("cancelled", "globex"))
+    await acme.nc.publish(subjects.job_event("cancelled", "globex"), b"{}")
+    assert "loom.jobs.cancelled.globex" in await acme.violation()
+    assert await _last_on(server, store, "JOBS", subjects.job_event("cancelled", "globex")) == before
     for query in (subjects.JOBS_QUERY, subjects.jobs_query("globex")):  # every tenant's jobs, globex's
         acme.errors.clear()
         await acme.nc.publish(query, b'{"op": "list"}', reply="_INBOX.tenant-acme.q")

@@ -456,3 +456,24 @@ def test_id_errors_name_the_rule_in_words_never_the_regular_expression() -> None
     with pytest.raises(DecodeError) as undecodable:
         decode(b'{"job_id": "x y"}', JobSubmitted)
     assert ID_RULE in str(undecodable.value) and "regex" not in str(undecodable.value)
+
+
+def test_the_sdk_checks_a_spec_built_in_code_as_strictly_as_one_read_from_a_file() -> None:
+    # A Struct built in code skips its constraints (Work(steps=0) constructs): before, the SDK sent
+    # it and placement rejected it; a dict was not taken at all (AttributeError).
+    from loom.client.sdk import SpecError, checked_spec
+    from loom_proto.jobs import JobSpec, JobSubmitted, Resources, Work
+
+    with pytest.raises(SpecError, match=r"\$\.work\.steps"):
+        checked_spec(JobSpec(job_id="j", tenant="t", work=Work(steps=0)))
+    with pytest.raises(SpecError, match=r"\$\.job_id"):
+        checked_spec(JobSpec(job_id="sdk bad id", tenant="t", work=Work(steps=1)))
+    good = JobSpec(job_id="j", tenant="t", resources=Resources(gpus=2), work=Work(steps=5))
+    assert checked_spec(good) == good
+    assert (
+        checked_spec({"job_id": "j", "tenant": "t", "resources": {"gpus": 2}, "work": {"steps": 5}}) == good
+    )
+    submitted = JobSubmitted(**{f: getattr(good, f) for f in JobSpec.__struct_fields__}, submitted_at=1.0)
+    assert checked_spec(submitted) == good  # its own fields (kind, submitted_at) are not a spec's
+    with pytest.raises(SpecError, match="not list"):
+        checked_spec([good])  # type: ignore[arg-type]

@@ -57,7 +57,9 @@ def test_tenant_submits_and_reads_only_its_own() -> None:
     acme = tenant_identity("acme")
     assert may_publish(acme, subjects.job_submitted("acme"))
     assert may_publish(acme, subjects.jobs_query("acme"))
+    assert may_publish(acme, subjects.job_event("cancelled", "acme"))  # its own jobs (placement checks)
     for forged in (
+        subjects.job_event("cancelled", "globex"),
         subjects.job_submitted("globex"),
         subjects.jobs_query("globex"),
         subjects.JOBS_QUERY,  # every tenant's jobs

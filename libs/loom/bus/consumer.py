@@ -1009,7 +1009,8 @@ class ConsumerRunner(Generic[T]):
             await self._publisher.publish_bytes(
                 dead_letter(msg.subject),
                 msg.data,
-                msg_id=f"dlq-{meta.stream}-{meta.sequence.stream}",
+                # One per consumer: two consumers refusing one message leave two dead letters.
+                msg_id=f"dlq-{meta.stream}-{meta.sequence.stream}-{self.spec.durable}",
                 headers=headers,
                 parent=trace.set_span_in_context(span),
             )

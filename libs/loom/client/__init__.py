@@ -4,6 +4,22 @@ Any NATS client can do the same with raw JSON (see proto/asyncapi.json); this SD
 validation before anything is sent, so a bad spec fails at the caller with a clear message.
 """
 
-from loom.client.sdk import Admission, LoomClient, QueryError, SpecError, load_specs, spec_from_mapping
+from loom.client.sdk import (
+    Admission,
+    LoomClient,
+    QueryError,
+    SpecError,
+    checked_spec,
+    load_specs,
+    spec_from_mapping,
+)
 
-__all__ = ["Admission", "LoomClient", "QueryError", "SpecError", "load_specs", "spec_from_mapping"]
+__all__ = [
+    "Admission",
+    "LoomClient",
+    "QueryError",
+    "SpecError",
+    "checked_spec",
+    "load_specs",
+    "spec_from_mapping",
+]

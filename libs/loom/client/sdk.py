@@ -74,6 +74,18 @@ def spec_from_mapping(raw: Mapping[str, Any], *, default_tenant: str | None = No
         raise SpecError(f"job spec {data.get('job_id')!r}: {plain_words(str(exc))}") from exc
 
 
+def checked_spec(spec: JobSpec | Mapping[str, Any]) -> JobSpec:
+    """``spec`` checked against every constraint of :class:`JobSpec` (a Struct built in code is
+    not: ``Work(steps=0)`` constructs), or a mapping read by :func:`spec_from_mapping`; raises
+    :class:`SpecError` naming the field."""
+    if isinstance(spec, JobSpec):  # a JobSubmitted too: its own fields are not a spec's
+        fields = msgspec.to_builtins(spec)
+        return spec_from_mapping({f: fields[f] for f in JobSpec.__struct_fields__ if f in fields})
+    if isinstance(spec, Mapping):
+        return spec_from_mapping(spec)
+    raise SpecError(f"a job spec is a JobSpec or a mapping of its fields, not {type(spec).__name__}")
+
+
 def load_specs(path: str | Path, *, default_tenant: str | None = None) -> list[JobSpec]:
     """Read a YAML or JSON file holding one job, a list of jobs, or ``{jobs: [...]}``."""
     text = Path(path).read_text()
@@ -122,8 +134,11 @@ class LoomClient:
         """Flush and close the connection."""
         await self.nc.drain()
 
-    async def submit(self, spec: JobSpec) -> str:
-        """Submit a job; resubmitting the same ``job_id`` within two minutes is a no-op."""
+    async def submit(self, spec: JobSpec | Mapping[str, Any]) -> str:
+        """Submit a job (a :class:`JobSpec` or a mapping of its fields, checked as
+        :func:`spec_from_mapping` checks it: a :class:`SpecError` and nothing sent when it is not
+        valid); resubmitting the same ``job_id`` within two minutes is a no-op."""
+        spec = checked_spec(spec)
         await self._publish_submission(spec)
         return spec.job_id
 
@@ -141,11 +156,12 @@ class LoomClient:
             ctx = span.get_span_context()
         return ack, (format(ctx.trace_id, "032x") if ctx.is_valid else None)
 
-    async def submit_checked(self, spec: JobSpec, *, wait_s: float = 3.0) -> Admission:
+    async def submit_checked(self, spec: JobSpec | Mapping[str, Any], *, wait_s: float = 3.0) -> Admission:
         """Submit a job and say what became of it within ``wait_s``: accepted, rejected (with the
         code, reason and hint placement gave), a duplicate of the same spec, or a conflict (the id
         is taken by another spec). The bus stays the contract: this is :meth:`submit` plus a look
         at the job's record and its ``rejected`` event."""
+        spec = checked_spec(spec)
         try:
             existing = await self.job(spec.job_id, timeout_s=min(wait_s, 2.0))
         except QueryError:

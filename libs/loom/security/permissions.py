@@ -11,7 +11,8 @@ What nats-server enforces with it (and what it cannot):
   status}`` and its reports ``loom.jobs.<kind>.<tenant>.<c>``), never a command, and consumes
   only its own durable on ``CLUSTERS``; placement records a report only when ``<c>`` is a
   cluster of that attempt's run (else it is dead-lettered with the reason, the job unchanged);
-* a tenant publishes only ``loom.jobs.submitted.<its tenant>`` and reads only
+* a tenant publishes only ``loom.jobs.submitted.<its tenant>`` and ``loom.jobs.cancelled.<its
+  tenant>`` (placement checks that the job cancelled is the tenant's) and reads only
   ``loom.jobs.<kind>.<its tenant>`` (plus its replies);
 * a service publishes only its role's subjects (metrics cannot command an agent, the console
   cannot place a job, a probe collector cannot report a heartbeat), and calls only the JetStream
@@ -180,6 +181,7 @@ def permissions(identity: Identity) -> Permissions:
         return Permissions(
             publish=[
                 subjects.job_submitted(scope),
+                subjects.job_event("cancelled", scope),  # placement cancels only its own jobs
                 subjects.jobs_query(scope),
                 *(q for q in _QUERIES if q != subjects.JOBS_QUERY),
             ],

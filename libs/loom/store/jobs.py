@@ -616,6 +616,12 @@ async def set_state(
     return [r["job_id"] for r in rows]
 
 
+async def tenants_of(conn: asyncpg.Connection | asyncpg.Pool, job_ids: Sequence[str]) -> dict[str, str]:
+    """Job id -> its tenant, for those of ``job_ids`` that exist."""
+    rows = await conn.fetch("SELECT job_id, tenant FROM jobs WHERE job_id = ANY($1::text[])", list(job_ids))
+    return {r["job_id"]: r["tenant"] for r in rows}
+
+
 async def job_row(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> asyncpg.Record | None:
     """One job's row."""
     row: asyncpg.Record | None = await conn.fetchrow("SELECT * FROM jobs WHERE job_id = $1", job_id)
