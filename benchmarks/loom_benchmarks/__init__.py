@@ -214,7 +214,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
         "--grid-loads", default=None, help="grid: loads of capacity (default 0.5,0.8,1,1.2)"
     )
     policies.add_argument(
-        "--grid-seeds", default=None, help="grid: seeds, e.g. 0,1 or a count like 5 (default 5)"
+        "--grid-seeds",
+        default=None,
+        help="grid: one number is how many seeds to run (5: seeds 0 to 4; default 5), a comma-separated"
+        " list which seeds (0,1: seeds 0 and 1; '7,': seed 7 alone)",
     )
     policies.add_argument(
         "--grid-workloads",
@@ -225,11 +228,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
     policies.add_argument("--grid-processes", type=int, default=2, help="grid: worker processes (default 2)")
     policies.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
     learn = sub.add_parser("learn", help="speed learner: runs until a profile 3x wrong is learned, sharing")
-    learn.add_argument("--truth", type=float, default=1 / 3, help="true factor on the profile's speed")
-    learn.add_argument("--noise-cv", type=float, default=0.05, help="run-to-run noise (log sd)")
-    learn.add_argument("--runs", type=int, default=10, help="runs per seed")
-    learn.add_argument("--seeds", type=int, default=200)
-    learn.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
+    from loom_benchmarks.learn import add_arguments as learn_arguments
+
+    learn_arguments(learn)
     contention = sub.add_parser(
         "contention",
         help="decisions under contention: small platforms, loads 0.5-1.2, spanning allowed and forbidden",

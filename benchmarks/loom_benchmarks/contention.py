@@ -28,7 +28,9 @@ asked for (0.5, 0.8, 1.0, 1.2 by default).
 
 Per policy and cell: mean, p50 and p99 JCT, mean queueing, time-weighted GPU utilisation,
 GPU-hours, cross-region bytes, gangs placed over more than one cluster (and more than one
-region), finished/unfinished counts and the network-sensitive class's mean JCT; per cell, Loom's
+region), finished/unfinished counts, the network-sensitive class's mean JCT and the belief error
+(:func:`loom.sim.metrics.belief_error`, as ``loom bench policies`` reports it: per job that ran,
+``|predicted step / true step - 1|``, median and p90; 0 when timed by belief); per cell, Loom's
 margin over the best baseline (``(best - loom) / best``: positive means Loom is better) and over
 compute-only greedy on ``net_training``; with spanning allowed, Loom against itself with
 spanning forbidden.
@@ -247,6 +249,8 @@ def figures(result: "SimResult", gangs: set[str]) -> dict[str, Any]:
         "rejected": overall["rejected"],
         "jobs": overall["jobs"],
         "net_training_jct_mean_s": net.get("jct_mean_s"),
+        "belief_error_median": summary["belief_error"]["median"],
+        "belief_error_p90": summary["belief_error"]["p90"],
         "wall_s": round(result.wall_s, 3),
     }
 
@@ -489,6 +493,10 @@ def _pct(share: float | None) -> str:
     return "-" if share is None else f"{share * 100:+.1f}%"
 
 
+def _share(share: float | None) -> str:
+    return "-" if share is None else f"{share:.1%}"
+
+
 def print_table(result: dict[str, Any]) -> None:
     """One line per seed-averaged cell, on stderr."""
     for row in result["rows"]:
@@ -502,6 +510,7 @@ def print_table(result: dict[str, Any]) -> None:
             f" q={_h(loom.get('queue_mean_s'))} util={loom.get('utilisation') or 0:.2f}"
             f" spans={loom.get('gangs_spanning_clusters')}/{loom.get('gangs')}"
             f" xr={(loom.get('cross_region_bytes') or 0) / 1e12:.2f}TB"
+            f" belief-err={_share(loom.get('belief_error_median'))}"
             f" | best {row.get('best_baseline')} margin {_pct(row.get('margin_vs_best'))}"
             f" net-vs-greedy {_pct(row.get('net_margin_vs_greedy'))}{extra} | {base}",
             file=sys.stderr,
@@ -516,8 +525,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated, of {', '.join(KNOWN_PLATFORMS)} (default {','.join(PLATFORMS)})",
     )
     parser.add_argument("--workloads", default=None, help=f"comma-separated, of {', '.join(WORKLOADS)}")
-    parser.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS))
-    parser.add_argument("--seeds", default=",".join(str(s) for s in SEEDS))
+    parser.add_argument(
+        "--loads",
+        default=",".join(f"{x:g}" for x in LOADS),
+        help="offered loads, comma-separated: work offered over the platform's capacity, each a number"
+        f" > 0 (1: as much as it can do; default {','.join(f'{x:g}' for x in LOADS)})",
+    )
+    parser.add_argument(
+        "--seeds",
+        default=",".join(str(s) for s in SEEDS),
+        help="which seeds to run, comma-separated seed numbers, not a count (5 runs seed 5 alone;"
+        f" default {','.join(str(s) for s in SEEDS)})",
+    )
     parser.add_argument(
         "--policies",
         default=None,

@@ -2,11 +2,14 @@
 
 Reads the JSON of one or more ``loom bench policies --grid --json`` runs (a grid split by platform
 or workload into several runs reads as one) and prints a Markdown table: per cell Loom's mean JCT,
-its margin over the best baseline (positive: Loom faster) and which baseline, the margin's range
-over the seeds, and, for a cell with spanning allowed, Loom's spanning penalty against itself with
-spanning forbidden (the same jobs, paired over every file's seeds; positive: slower when
-allowed), and Loom's margin over compute-only greedy on network-sensitive training (the
-``mix``'s class; :func:`loom_benchmarks.grid.class_margin`). A cell is **flagged** when Loom is
+its margin over the best baseline (positive: Loom faster; on each policy's mean JCT over the seeds,
+against the baseline best on that mean) and which baseline, the range over the seeds of each
+seed's own margin (against *that seed's* best baseline, which may differ from seed to seed: the
+overall margin can lie outside this range) and the standard error of those per-seed margins, and,
+for a cell with spanning allowed, Loom's spanning penalty against itself with spanning forbidden
+(the same jobs, paired over every file's seeds; positive: slower when allowed), and Loom's margin
+over compute-only greedy on network-sensitive training (the ``mix``'s class;
+:func:`loom_benchmarks.grid.class_margin`). A cell is **flagged** when Loom is
 more than ``--threshold`` (3 %) worse than the best baseline, when Loom finished fewer jobs than a
 baseline (no mean-JCT margin: the margin on the jobs both finished is shown instead), when its
 spanning penalty is above the threshold, or, in a contended cell (:func:`loom_benchmarks.grid.contended`:
@@ -18,6 +21,8 @@ when that class's margin is below ``--class-target`` (25 %).
 
 import argparse
 import json
+import math
+import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -51,6 +56,9 @@ class CellVerdict:
     class_margin_min: float | None = None
     class_margin_max: float | None = None
     contended: bool = False
+    margin_per_seed_se: float | None = None
+    """The standard error of the mean of the per-seed margins (each seed against its own best
+    baseline); None under two seeds."""
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form (``--json``)."""
@@ -63,6 +71,13 @@ class CellVerdict:
 
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:+.1%}"
+
+
+def _standard_error(values: Sequence[float]) -> float | None:
+    """The standard error of the mean of ``values``; None under two."""
+    if len(values) < 2:
+        return None
+    return statistics.stdev(values) / math.sqrt(len(values))
 
 
 def _penalties(results: Sequence[Mapping[str, Any]]) -> dict[str, float | None]:
@@ -151,21 +166,34 @@ def summarize(
                 class_margin_min=min(class_seeds) if class_seeds else None,
                 class_margin_max=max(class_seeds) if class_seeds else None,
                 contended=busy,
+                margin_per_seed_se=_standard_error(per_seed),
             )
         )
     return verdicts
 
 
+LEGEND: Final = (
+    "Margin vs best baseline (overall): (best - Loom) / best on each policy's mean JCT over the seeds,"
+    " against the baseline best on that mean (positive: Loom faster). Per seed (vs that seed's best):"
+    " the range of each seed's margin against that seed's own best baseline, which may be another"
+    " one, so the overall margin can lie outside this range. Per-seed SE: the standard error of the"
+    " mean of the per-seed margins (none under two seeds)."
+)
+"""The line under the table that says what its margin columns compare."""
+
+
 def markdown(verdicts: Sequence[CellVerdict], threshold: float = THRESHOLD) -> str:
     """The table: one row per cell, flagged cells marked, then a count."""
     rows = [
-        "| cell | seeds | Loom mean JCT | margin vs best baseline | best baseline | per seed | "
+        "| cell | seeds | Loom mean JCT | margin vs best baseline (overall) | best baseline | "
+        "per seed (vs that seed's best) | per-seed SE | "
         "on jobs both finished (closest baseline) | spanning penalty | "
         "net-training vs greedy (per seed) | flag |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for v in verdicts:
         seeds = "" if v.margin_min is None else f"{_pct(v.margin_min)} .. {_pct(v.margin_max)}"
+        se = "" if v.margin_per_seed_se is None else f"±{v.margin_per_seed_se:.1%}"
         common = "" if v.common_margin is None else f"{_pct(v.common_margin)} vs {v.common_baseline}"
         jct = "n/a" if v.loom_jct_s is None else f"{v.loom_jct_s:,.0f} s"
         flag = ("**FLAG**: " + "; ".join(v.flags)) if v.flags else ""
@@ -177,9 +205,11 @@ def markdown(verdicts: Sequence[CellVerdict], threshold: float = THRESHOLD) -> s
             else f"{_pct(v.class_margin)} ({_pct(v.class_margin_min)} .. {_pct(v.class_margin_max)})"
             + (" contended" if v.contended else "")
         )
-        cells = (v.cell, str(v.seeds), jct, _pct(v.margin), best, seeds, common, penalty, klass, flag)
+        cells = (v.cell, str(v.seeds), jct, _pct(v.margin), best, seeds, se, common, penalty, klass, flag)
         rows.append("| " + " | ".join(cells) + " |")
     flagged = [v for v in verdicts if v.flags]
+    rows.append("")
+    rows.append(LEGEND)
     rows.append("")
     rows.append(
         f"{len(verdicts)} cells, {len(flagged)} flagged (threshold {threshold:.0%}): "

@@ -20,11 +20,15 @@ import math
 import random
 import statistics
 import sys
-from typing import Any
+from typing import Any, Final
 
+from loom.cli.argtypes import non_negative_float_below, positive_float, positive_int
 from loom.model.learn import SpeedLearner
 
 TOLERANCE = 0.15
+NOISE_CV_LIMIT: Final = 1.0
+"""``--noise-cv`` is below this: the bound a truth file puts on its run-to-run noise
+(:mod:`loom.sim.truth`, ``noise.cv`` in [0, 1))."""
 
 
 def _noisy(rng: random.Random, truth: float, cv: float) -> float:
@@ -101,6 +105,31 @@ def outlier(truth: float, noise_cv: float, seeds: int) -> dict[str, Any]:
         learner.observe("family", "gpu", prior_speed=1.0, observed_speed=truth / 20)
         moves.append(abs(learner.estimate("family", "gpu").factor / before - 1))
     return {"median_move": round(statistics.median(moves), 4), "max_move": round(max(moves), 4)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``loom bench learn``; a value out of range is bad usage (exit 2)."""
+    parser.add_argument(
+        "--truth",
+        type=positive_float,
+        default=1 / 3,
+        help="true factor on the profile's speed, a number > 0 (default 1/3: the profile is 3x too fast)",
+    )
+    parser.add_argument(
+        "--noise-cv",
+        type=non_negative_float_below(NOISE_CV_LIMIT),
+        default=0.05,
+        help=f"run-to-run noise (log sd), in [0, {NOISE_CV_LIMIT:g}) as a truth file's noise.cv"
+        " (default 0.05)",
+    )
+    parser.add_argument("--runs", type=positive_int, default=10, help="runs per seed, 1 or more (default 10)")
+    parser.add_argument(
+        "--seeds",
+        type=positive_int,
+        default=200,
+        help="how many seeds to run (a count, N: seeds 0 to N-1), 1 or more (default 200)",
+    )
+    parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

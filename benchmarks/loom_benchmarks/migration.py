@@ -27,9 +27,12 @@ checkpointing every ``CHECKPOINT_REFERENCE_S`` of reference-GPU work. **Loads** 
 - ``drain``: that cluster is drained at 0.25 S and opened again at 0.75 S.
 
 Per run: mean JCT (of the jobs every mode finished), finished jobs, GPU-hours, GPU-hours lost,
-bytes moved, migrations and forced restarts. Per cell and scenario: each mode's mean over seeds,
-and ``on``'s margin against ``never`` and ``always`` (positive: ``on`` is faster), and the paired
-split of each margin (:func:`paired_difference`: the jobs either mode moved vs the knock-on rest).
+bytes moved, migrations, forced restarts and the belief error
+(:func:`loom.sim.metrics.belief_error`, as ``loom bench policies`` reports it: per job that ran,
+``|predicted step / true step - 1|``, median and p90). Per cell and scenario: each mode's mean
+over seeds (the belief error's too; the table shows ``on``'s), and ``on``'s margin against
+``never`` and ``always`` (positive: ``on`` is faster), and the paired split of each margin
+(:func:`paired_difference`: the jobs either mode moved vs the knock-on rest).
 Failed clusters' jobs resume from checkpoint replicas (:mod:`loom.sim.replicas`;
 ``--ideal-replicas``: from their latest checkpoint, the model before). The JSON
 (stdout) holds every run; the table (stderr) every cell. Wins and losses are both listed.
@@ -298,6 +301,7 @@ def run_cell(
             "finished": sum(1 for r in result.records if r.end_s is not None),
             "jobs": len(result.records),
             "gpu_hours": _gpu_hours(result),
+            **_belief_error(result),
             **mig,
             "verdicts_moved": sum(1 for v in verdicts if v["decision"] == "move"),
             "verdicts_stayed": sum(1 for v in verdicts if v["decision"] == "stay"),
@@ -349,6 +353,14 @@ def _gpu_hours(result: Any) -> float:
     return round(metrics.gpu_hours(result.records), 2)
 
 
+def _belief_error(result: Any) -> dict[str, float | None]:
+    """How far the scheduler's predicted step times were from the true ones, median and p90."""
+    from loom.sim import metrics
+
+    error = metrics.belief_error(result.records)
+    return {"belief_error_median": error["median"], "belief_error_p90": error["p90"]}
+
+
 def _margin(on: float | None, other: float | None) -> float | None:
     """(other - on) / other: positive when ``on`` is faster."""
     if on is None or other is None or other <= 0:
@@ -382,6 +394,8 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     "forced_restarts",
                     "deferred_by_budget",
                     "held_by_queue",
+                    "belief_error_median",
+                    "belief_error_p90",
                 )
             }
         on = modes.get("on", {}).get("jct_mean_s")
@@ -575,7 +589,8 @@ def print_table(result: dict[str, Any]) -> None:
         + f" {'on vs never':>12} {'on vs always':>12} {'touched: vs never/always':>25}"
         + f" {'moves on/always':>16}"
         + f" {'GPU-h lost on/never/always':>28}"
-        + f" {'paired vs never/always: moved s, knock-on s':>44}",
+        + f" {'paired vs never/always: moved s, knock-on s':>44}"
+        + f" {'belief err on':>13}",
         file=sys.stderr,
     )
     for line in result["cells"]:
@@ -589,13 +604,18 @@ def print_table(result: dict[str, Any]) -> None:
         lost = "/".join(f"{modes.get(m, {}).get('gpu_hours_lost') or 0:.2f}" for m in MODES)
         own = line.get("moved_jobs", {}).get("on")
         mine = f"{own['jobs']}, {pct(own['vs_never'])}" if own else "-"
+        belief = _share(modes.get("on", {}).get("belief_error_median"))
         print(
             f"{line['platform']:<8} {line['load']:>4g} {line['scenario']:<12} {mine:>25} {jct} "
             f"{pct(line['on_vs_never']):>12} {pct(line['on_vs_always']):>12} "
             f"{pct(line['on_vs_never_touched']) + ' / ' + pct(line['on_vs_always_touched']):>25} "
-            f"{moves:>16} {lost:>28} {_paired(line):>44}",
+            f"{moves:>16} {lost:>28} {_paired(line):>44} {belief:>13}",
             file=sys.stderr,
         )
+
+
+def _share(share: float | None) -> str:
+    return "-" if share is None else f"{share:.1%}"
 
 
 def _paired(line: dict[str, Any]) -> str:
@@ -610,8 +630,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``loom bench migration``."""
     parser.add_argument("--platforms", default=None, help=f"comma-separated, of {', '.join(PLATFORMS)}")
     parser.add_argument("--scenarios", default=None, help=f"comma-separated, of {', '.join(SCENARIOS)}")
-    parser.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS))
-    parser.add_argument("--seeds", default=",".join(str(s) for s in SEEDS))
+    parser.add_argument(
+        "--loads",
+        default=",".join(f"{x:g}" for x in LOADS),
+        help="offered loads, comma-separated shares of the platform's capacity, each > 0"
+        f" (default {','.join(f'{x:g}' for x in LOADS)})",
+    )
+    parser.add_argument(
+        "--seeds",
+        default=",".join(str(s) for s in SEEDS),
+        help="which seeds to run, comma-separated seed numbers, not a count (5 runs seed 5 alone;"
+        f" default {','.join(str(s) for s in SEEDS)})",
+    )
     parser.add_argument(
         "--units", type=int, default=UNITS, help=f"workload units of the mix per run (at least {MIN_UNITS})"
     )

@@ -296,7 +296,7 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
         if options.nodes is not None:
             about["nodes_ignored"] = "the scenario brings its own two-region platform"
         return Workload(scenario.platform, scenario.trace, about)
-    built = platform_from_topology(topology, nodes=options.nodes, seed=options.seed)
+    built = _with_gpus(platform_from_topology(topology, nodes=options.nodes, seed=options.seed), options)
     if options.workload == "mix":
         from loom.sim.workloads import DEFAULT_ARRIVAL_RATE_PER_H, training_mix
 
@@ -319,7 +319,7 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
         return Workload(built, load_alibaba(topology=topology, limit=options.jobs, seed=options.seed), {})
     from loom.sim.public_traces import load_public, sniff_format
     from loom.sim.truth import load_truth
-    from loom.sim.workloads import load_workload
+    from loom.sim.workloads import check_trace, load_workload
 
     regions = {r.id for r in topology.regions}
     fmt = sniff_format(options.workload)
@@ -347,7 +347,21 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
             trace_gpu=options.trace_gpu,
             truth=None if options.truth in (None, BELIEF_NAME) else load_truth(options.truth),
         )
+    check_trace(
+        trace,
+        where=str(options.workload),
+        regions=regions,
+        clusters=set(built.clusters),
+        models={n.gpu_model for n in built.nodes if n.gpu_model},
+    )
     return Workload(built, trace, {"path": options.workload, "format": fmt or "generic"})
+
+
+def _with_gpus(built: "Platform", options: Options) -> "Platform":
+    """``built``, refused when it has no GPU (every job would end "unfinished", exit 0)."""
+    if not any(n.gpu_model and n.gpus_total for n in built.nodes):
+        raise OptionError(f"the topology {options.topology} has no GPUs: nothing could run on it")
+    return built
 
 
 def at_option_load(workload: Workload, options: Options, truth: object) -> Workload:
@@ -478,6 +492,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     built, trace = workload.platform, workload.trace
     build_s = time.perf_counter() - started
     every_s = sample_every_s(trace, options)
+    unused = unknown_truth_gpus(truth, built, warn=True)
     results: list[SimResult] = []
     runs: list[dict[str, Any]] = []
     for i, name in enumerate(options.policies):
@@ -507,8 +522,10 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         claims = None
     elif options.workload == "scenario":
         claims = metrics.check_claims(scenario=results, target=TARGET)
-    else:
+    elif options.workload == "mix":  # the claim is about the training mix, not any workload's classes
         claims = metrics.check_claims(mix=results, target=TARGET)
+    else:
+        claims = metrics.check_claims(target=TARGET)
     out: dict[str, Any] = {
         "benchmark": "policies",
         "mode": "scale" if options.scale else "compare",
@@ -536,6 +553,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
             "nodes_asked": options.nodes,
             "jobs_asked": options.jobs,
             "sample_every_s": every_s,
+            "truth_unknown_gpus": unused,
             "truth": (
                 "belief: jobs timed by the scheduler's own belief (profiles x what it learned)"
                 if options.truth == BELIEF_NAME
@@ -586,6 +604,27 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         )
         out["report"] = str(page)
     return out
+
+
+def unknown_truth_gpus(truth: object, built: "Platform", *, warn: bool = False) -> list[str]:
+    """GPU models the truth file measured that neither the platform nor the profile library has
+    (so no job is ever timed by them): a misspelt name, whose cells would otherwise be dropped
+    without a word. With ``warn``, also said on stderr whatever the output format."""
+    from loom.model.profiles import library_models
+    from loom.sim.truth import Truth
+
+    if not isinstance(truth, Truth):
+        return []
+    known = {m.upper() for m in library_models()} | {n.gpu_model.upper() for n in built.nodes if n.gpu_model}
+    known |= {k.upper() for k in truth.gpu_aliases}
+    unused = sorted({c.gpu_model for c in truth.cells} - known)
+    if unused and warn:
+        print(
+            f"warning: the truth file's cells for GPU model(s) {', '.join(unused)} match no GPU of the"
+            " platform or of the profile library: they time nothing (a typo?)",
+            file=sys.stderr,
+        )
+    return unused
 
 
 # ---- output -----------------------------------------------------------------------------------
@@ -707,9 +746,15 @@ def _claim_line(name: str, check: dict[str, Any]) -> str:
     detail = check.get("reason", "")
     if "net_training_improvement" in check:
         worst = check["worst_other_class"]
-        detail = f"net_training {fmt_share(check['net_training_improvement'], signed=True)}" + (
-            f", worst other {worst['class']} {fmt_share(worst['improvement'], signed=True)}" if worst else ""
+        # Improvements: + is a lower mean JCT under Loom (faster), - a higher one.
+        detail = f"net_training {fmt_share(check['net_training_improvement'], signed=True)} faster" + (
+            f", worst other class {worst['class']} {fmt_share(worst['improvement'], signed=True)} faster"
+            if worst
+            else ""
         )
+        failed = [c for c, v in check["classes"].items() if not v["passed"]]
+        if failed:
+            detail += f"; failed by {', '.join(failed)}"
     elif "time_improvement" in check:
         detail = (
             f"time {fmt_share(check['time_improvement'], signed=True)}, "

@@ -93,7 +93,7 @@ from loom.migrate.replicas import Replica
 from loom.migrate.resume import Resume, resume_point
 from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
-from loom.model.learn import LearnSettings, SpeedLearner, run_speed, teaches_while_running
+from loom.model.learn import HeldLessons, LearnSettings, SpeedLearner, run_speed, teaches_while_running
 from loom.model.ledger import LedgerCluster
 from loom.model.topology import Topology
 from loom.runtime.leader import Leadership, lead
@@ -387,6 +387,8 @@ class PlacementService:
         # test_placement_shards).
         self.lease_ttl_s, self.lease_grace_s = lease_ttl_s, _default_grace(lease_grace_s)
         self.learner = SpeedLearner(LearnSettings(explore_share=explore_share))
+        self.held_lessons: HeldLessons[tuple[tuple[str, int], speeds.SpeedObservation]] = HeldLessons()
+        """Slow runs' mid-run lessons waiting for another node to agree (:class:`HeldLessons`)."""
         """What each job family really gets on each GPU model (rebuilt from the store on leading)."""
         self.probe = probe
         """Speed probes before deciding a job whose family never ran on a GPU model it may use
@@ -2739,11 +2741,19 @@ class PlacementService:
             run = self.book.runs.get(e.job_id)
             if run is None or run.attempt != e.attempt or run.taught:
                 continue
-            if not teaches_while_running(e.compute_step_s, run.predicted_step_s):
-                continue  # as slow as the slow-node rule flags: its completion teaches
             observation = self._speed_observation(run, e.compute_step_s)
-            if observation is not None:
+            if observation is None:
+                continue
+            if teaches_while_running(e.compute_step_s, run.predicted_step_s):
                 out.append(((e.job_id, e.attempt), observation))
+                continue
+            # As slow as the slow-node rule flags: held until runs on other nodes of the model
+            # agree (then it is the model, taught now), else its completion teaches.
+            cell, node = (observation.family, observation.gpu_model), run.parts[0][2][0][0]
+            for key, held in self.held_lessons.hold(cell, node, ((e.job_id, e.attempt), observation)):
+                current = self.book.runs.get(key[0])
+                if current is not None and current.attempt == key[1] and not current.taught:
+                    out.append((key, held))
         return out
 
     def _speed_observation(self, run: Run, observed_step_s: float | None) -> speeds.SpeedObservation | None:

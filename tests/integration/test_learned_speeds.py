@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import asyncpg
+import msgspec
 import pytest
 from platform_helpers import Platform
 from waiting import until
@@ -288,3 +289,32 @@ async def test_a_family_new_to_the_gpus_is_probed_on_each_and_its_next_job_goes_
         return service.leadership.is_leader and {(family, GPU), (family, "V100M16")} <= service.learner.probed
 
     await until(reloaded, 30, "restarted placement remembers the probed cells", retry_on=(QueryError,))
+
+
+async def test_a_model_slow_on_two_nodes_is_learned_while_its_runs_are_under_way(
+    platform: Platform, client: LoomClient
+) -> None:
+    """Runs over twice as slow as predicted teach only at completion (a slow node looks the same
+    mid-run), unless runs on two nodes of the model agree: then it is the model, learned at their
+    first progress reports. Each 2-GPU job here takes a whole T4 node of c-sea1-a."""
+    family = "gru-two-nodes"
+    agent = SERVICES["agent"]
+    agent.backend.true_speed[(family, GPU)] = 0.1  # ten times slower than the T4's profile
+    jobs = [f"{family}-{i}" for i in range(2)]
+    for job_id in jobs:
+        spec = t4_job(job_id, {"family": family}, steps=1_000, step_time_s=10.0)  # ~50 s at 0.1
+        await client.submit(msgspec.structs.replace(spec, resources=Resources(gpus=2, gpu_models=[GPU])))
+
+    async def taught() -> dict[str, Any] | None:
+        rows = await client.learned_speeds()
+        return next((r for r in rows if r["family"] == family and r["gpu_model"] == GPU), None)
+
+    row = await until(taught, 60, "the family learned from two nodes' progress reports")
+    assert row["runs"] == 2 and row["factor"] == pytest.approx(0.1, rel=0.2)
+    for job_id in jobs:  # both still under way: learned from their progress, not their end
+        job = await client.job(job_id)
+        assert job is not None and job["state"] == "running", job
+    nodes = {SERVICES["placement"].book.runs[j].parts[0][2][0][0] for j in jobs}
+    assert len(nodes) == 2
+    for job_id in jobs:
+        await client.cancel(job_id)

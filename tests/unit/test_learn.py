@@ -422,3 +422,20 @@ def test_a_run_teaches_while_running_only_within_twice_its_predicted_step() -> N
     assert teaches_while_running(0.3, 1.0)  # faster than predicted: learned at once
     assert teaches_while_running(50.0, None)
     assert teaches_while_running(50.0, 0.0)
+
+
+def test_slow_runs_lessons_are_held_until_another_node_of_the_model_agrees() -> None:
+    # One slow node is a node (the migration review moves its jobs off); the same slowdown on two
+    # nodes of the model is the model, and is taught at once instead of at each run's completion.
+    from loom.model.learn import SLOW_NODES_AGREE, HeldLessons
+
+    assert SLOW_NODES_AGREE == 2
+    held: HeldLessons[str] = HeldLessons()
+    cell = ("resnet-50", "A100")
+    assert held.hold(cell, "a0", "run-1") == []
+    assert held.hold(cell, "a0", "run-2") == []  # the same node again: still a node
+    assert held.hold(("bert", "A100"), "a1", "other-family") == []  # another cell agrees on nothing
+    assert held.held(cell) == 2
+    assert sorted(held.hold(cell, "a1", "run-3")) == ["run-1", "run-2", "run-3"]
+    assert held.held(cell) == 0  # taught: the cell starts over
+    assert held.hold(cell, "a1", "run-4") == []

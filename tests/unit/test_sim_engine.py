@@ -581,3 +581,30 @@ def test_a_job_needing_a_rare_big_node_does_not_hold_back_one_of_its_gpus_that_n
     starts = {r.job_id: r.start_s for r in result.records}
     assert starts["filler"] == pytest.approx(20.0, abs=1.0)
     assert starts["big-cpu"] == pytest.approx(100_000.0, abs=5.0)
+
+
+def test_a_run_far_longer_than_its_sampling_keeps_a_bounded_timeline(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two jobs at t = 0 running ~3 days, sampled every second: before, 259,200 samples (and for a
+    # job of years, memory without bound). Past the cap the timeline is thinned, the interval
+    # doubled; utilisation stays what it was (one job, then both, on a platform of 16 GPUs).
+    from loom.sim import engine
+    from loom.sim.metrics import mean_utilisation
+
+    monkeypatch.setattr(engine, "MAX_SAMPLES", 1_000)
+    plat = platform({"c-eu": (EU, "V100M32", 2)})
+    trace = Trace(
+        jobs=[
+            SimJob(spec=spec("long", steps=250_000, step_time_s=1.0), arrival_s=0.0),
+            SimJob(spec=spec("short", steps=50_000, step_time_s=1.0), arrival_s=0.0),
+        ]
+    )
+    thinned = simulate(trace, plat, POLICIES["loom"](0), truth=BELIEF, sample_every_s=1.0)
+    assert len(thinned.timeline) < 1_000
+    assert all(r.end_s is not None for r in thinned.records)
+    step = 1.0 / relative_speed("V100M32", "training_compute")
+    long_end, short_end = 250_000 * step, 50_000 * step
+    expected = (short_end * 16 + (long_end - short_end) * 8) / (long_end * 16)
+    assert mean_utilisation(thinned.timeline) == pytest.approx(expected, rel=0.02)
+    # Below the cap nothing changes: the same run sampled coarsely from the start.
+    coarse = simulate(trace, plat, POLICIES["loom"](0), truth=BELIEF, sample_every_s=600.0)
+    assert [r.end_s for r in coarse.records] == [r.end_s for r in thinned.records]

@@ -812,3 +812,128 @@ def test_a_job_waits_for_gpus_held_by_a_slow_run_only_until_its_progress_shows_h
         assert second.start_s == pytest.approx(150.0)
     else:
         assert second.start_s == pytest.approx(arrival_s)
+
+
+def test_a_gpu_measured_only_on_several_gpus_a_node_is_timed_from_that_cell_not_by_its_profile(
+    tmp_path: Path,
+) -> None:
+    # The A100 measured only at 2 GPUs a node, 6x slower than the reference there. Before, that
+    # cell was dropped without a word and the A100 was timed by its profile (4.7x faster).
+    document = tiny(
+        [
+            c("resnet-50", "V100M16", 400.0),
+            c("resnet-50", "V100M16", 760.0, n=2),
+            c("resnet-50", "A100", 133.0, n=2),
+        ],
+        families={"resnet-50": {"task_type": "training_compute"}},
+    )
+    truth = parse_truth(document)
+    speed = truth.speed("resnet-50", "A100")
+    # s1 = 133 / (2 x eff(2)) / 400 with the reference's own eff(2) = 760 / (2 x 400) = 0.95.
+    assert speed.rule == "from-multi-gpu" and speed.derived
+    assert speed.speed == pytest.approx(133.0 / (2 * 0.95) / 400.0)
+    assert truth.speed("resnet-50", "A100", gpus_per_node=2).speed == pytest.approx(133.0 / 2 / 400.0)
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        (
+            tiny([{**c("resnet-50", "V100M16", 400.0), "extra": 1}]),
+            r"cells\[0\] has unknown field\(s\) 'extra'",
+        ),
+        (
+            tiny(
+                [c("resnet-50", "V100M16", 400.0)], families={"resnet-50": {"task_type": "training_computee"}}
+            ),
+            r"families\['resnet-50'\]\.task_type must be one of training_compute, .*got 'training_computee'",
+        ),
+    ],
+)
+def test_a_truth_file_with_an_unknown_cell_field_or_task_type_is_refused(document: Any, message: str) -> None:
+    # Both were accepted and ignored before: a typo changed the timings without a word.
+    with pytest.raises(TruthError, match=message):
+        parse_truth(document)
+
+
+def test_truth_cells_of_a_gpu_no_one_has_are_named_and_the_report_warns(tmp_path: Path) -> None:
+    from loom_benchmarks import policies
+
+    truth = parse_truth(tiny([c("resnet-50", "V100M16", 400.0), c("resnet-50", "H900", 100.0)]))
+    platform = one_gpu_platform("A100", 4.0)
+    assert policies.unknown_truth_gpus(truth, platform) == ["H900"]
+    assert policies.unknown_truth_gpus(load_truth(), platform) == []  # the packaged tables: all known
+
+
+def test_bench_policies_checks_the_mix_claim_on_the_mix_only_and_refuses_a_platform_without_gpus(
+    tmp_path: Path,
+) -> None:
+    # Before, a user's own workload was graded against the training mix's claim (FAIL on a
+    # three-job file), and a topology without clusters ran every job "unfinished" with exit 0.
+    from loom_benchmarks import policies
+
+    path = tmp_path / "w.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps(
+                {"job_id": f"j{i}", "arrival_s": i, "steps": 10, "step_time_s": 1, "class": "net_training"}
+            )
+            + "\n"
+            for i in range(3)
+        )
+    )
+    common = ("--workload", str(path), "--policies", "loom,greedy_compute", "--out", str(tmp_path / "r"))
+    result = policies.run(_bench(*common))
+    net = result["claims"]["checks"]["net_training_vs_greedy"]
+    assert net["passed"] is None and "no training-mix run" in net["reason"]
+    empty = tmp_path / "topo.json"
+    empty.write_text(
+        json.dumps(
+            {
+                "name": "empty",
+                "source": "test",
+                "regions": [{"id": "r1", "source_name": "t:r1", "provider": "aws", "zones": ["r1-a"]}],
+                "links": [],
+                "clusters": [],
+            }
+        )
+    )
+    with pytest.raises(policies.OptionError, match="has no GPUs: nothing could run on it"):
+        policies.run(_bench(*common, "--topology", str(empty)))
+
+
+def test_a_model_slow_on_two_nodes_is_learned_mid_run_and_one_slow_node_is_not() -> None:
+    # The A100 truly delivers a tenth of the reference (believed 3x): 30x slower than believed,
+    # beyond the slow-node rule's 2x, so one run's mid-run report teaches nothing (it could be its
+    # node). Before, two A100 nodes reporting the same waited for a completion (10,000 s) too.
+    from loom.model.learn import SpeedLearner
+
+    truth = parse_truth(
+        tiny(
+            [c("fam", "V100M16", 10.0), c("fam", "A100", 1.0), c("fam", "H100", 20.0)],
+            families={"fam": {"task_type": "training_compute"}},
+        )
+    )
+
+    def learned_by(a100_nodes: int, jobs: int) -> SpeedLearner:
+        learner = SpeedLearner()
+        trace = Trace(
+            jobs=[
+                SimJob(spec=fam_job(f"j{i}", steps=1000, step_time_s=1.0), arrival_s=float(i))
+                for i in range(jobs)
+            ]
+        )
+        simulate(
+            trace,
+            two_pool_platform(a100_nodes),
+            POLICIES["loom"](0),
+            truth=truth,
+            learner=learner,
+            horizon_s=2_000,
+        )
+        return learner
+
+    two = learned_by(2, 2).estimate("fam", "A100")  # both reported by t ~ 1,000 s
+    assert two.runs == 2 and two.factor == pytest.approx(0.1 / 3, rel=0.1)
+    one = learned_by(1, 1).estimate("fam", "A100")  # one node: its completion will teach
+    assert one.runs == 0 and one.factor == pytest.approx(1.0)

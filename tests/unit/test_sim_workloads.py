@@ -727,3 +727,59 @@ def test_with_spanning_sets_allow_multi_cluster_on_gangs_only(topology: Topology
             gang = before.spec.workers > 1 and before.spec.pipeline is None
             expected = allowed if gang else before.spec.allow_multi_cluster
             assert after.spec.allow_multi_cluster == expected
+
+
+def test_a_job_the_service_would_refuse_or_one_of_years_is_refused_at_load_with_its_line(
+    tmp_path: Path,
+) -> None:
+    # Before, the simulator ran what placement rejects as invalid, and a job of 114,000 years
+    # (milliseconds read as seconds) kept the simulator sampling until memory ran out.
+    cases = {
+        '"workers": 2, "min_workers": 4': r"w\.jsonl:1: min_workers \(4\) is more than workers \(2\)",
+        '"labels": {"loom.probe-of": "x"}': r"w\.jsonl:1: label\(s\) loom\.probe-of are placement's own",
+        '"steps": 1000000000, "step_time_s": 3600': r"w\.jsonl:1: job 'a' runs 41,666,667 days .* mistake",
+    }
+    for fields, message in cases.items():
+        body = {"steps": 10, "step_time_s": 1} if "steps" not in fields else {}
+        path = tmp_path / "w.jsonl"
+        extra = ", ".join(f'"{k}": {json.dumps(v)}' for k, v in body.items())
+        path.write_text(
+            '{"job_id": "a", "arrival_s": 0, ' + ", ".join(x for x in (fields, extra) if x) + "}\n"
+        )
+        with pytest.raises(WorkloadError, match=message):
+            load_jsonl(path)
+
+
+def test_a_workload_with_no_jobs_or_a_name_the_platform_lacks_is_refused_by_the_benchmark(
+    tmp_path: Path, topology: Topology
+) -> None:
+    from loom_benchmarks.policies import Options, build_workload
+
+    def refused(text: str, message: str, name: str = "w.jsonl") -> None:
+        path = tmp_path / name
+        path.write_text(text)
+        options = Options(str(path), "default", None, None, ["loom"], 0, None, False, None)
+        with pytest.raises(WorkloadError, match=message):
+            build_workload(options, topology)
+
+    job = '{"job_id": "a", "arrival_s": 0, "steps": 10, "step_time_s": 1'
+    refused("", "w.jsonl: no jobs to simulate")
+    refused("# nothing but a comment\n", "no jobs to simulate")
+    refused("job_id,arrival_s,steps,step_time_s\n", "no jobs to simulate", "w.csv")
+    refused(
+        '{"event": "cluster_down", "at_s": 5, "cluster": "c-weu-a"}\n',
+        r"no jobs to simulate \(1 event\(s\) only\)",
+    )
+    # Before, each of these was only counted rejected: a typo quietly shrank the workload.
+    refused(
+        job + ', "gpu_models": ["H900"]}\n', r"job 'a': unknown GPU model\(s\) 'H900' in gpu_models; known: "
+    )
+    refused(
+        job + ', "affinity": {"regions": ["mars-1"]}}\n',
+        r"affinity regions names 'mars-1', not on the platform",
+    )
+    refused(job + ', "affinity": {"avoid_clusters": ["c-x"]}}\n', r"affinity avoid_clusters names 'c-x'")
+    path = tmp_path / "ok.jsonl"
+    path.write_text(job + ', "gpu_models": ["B200"], "affinity": {"regions": ["aws-us-east-2"]}}\n')
+    ok = build_workload(Options(str(path), "default", None, None, ["loom"], 0, None, False, None), topology)
+    assert [j.spec.job_id for j in ok.trace.jobs] == ["a"]  # a model the library knows, not the platform

@@ -3,6 +3,7 @@ connection), not a refusal from a service or a database error."""
 
 import argparse
 import math
+from collections.abc import Callable
 
 
 def _number(text: str, kind: type[int] | type[float]) -> float:
@@ -46,3 +47,15 @@ def positive_float(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be more than 0, got {value:g}")
     return value
+
+
+def non_negative_float_below(limit: float) -> Callable[[str], float]:
+    """The type of a finite number >= 0 and below ``limit`` (a noise level whose bound is open)."""
+
+    def parse(text: str) -> float:
+        value = _number(text, float)
+        if not 0 <= value < limit:
+            raise argparse.ArgumentTypeError(f"must be 0 or more and below {limit:g}, got {value:g}")
+        return value
+
+    return parse

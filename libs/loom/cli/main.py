@@ -914,7 +914,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         with err.status("calibrating…") as status:
             report = calibrate(options, progress=lambda s: status.update(f"calibrating… {s}"))
     except CalibrationError as exc:
-        err.print(f"[red]{exc}[/red]")
+        err.print(f"[red]{escape(str(exc))}[/red]")
         return 2
     if args.json:
         print(msgspec.json.encode(report).decode())

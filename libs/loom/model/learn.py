@@ -67,7 +67,7 @@ the whole state with msgspec.
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Generic, Literal, TypeVar
 
 import msgspec
 import numpy as np
@@ -703,3 +703,43 @@ def teaches_while_running(observed_step_s: float, predicted_step_s: float | None
     if predicted_step_s is None or not predicted_step_s > 0:
         return True
     return observed_step_s <= LESSON_MAX_SLOWDOWN * predicted_step_s
+
+
+SLOW_NODES_AGREE: Final = 2
+"""Distinct nodes whose runs of one (family, GPU model) must all be as slow as the slow-node rule
+flags, mid-run, before it is the model rather than a node (:class:`HeldLessons`)."""
+
+HELD_PER_NODE: Final = 32
+"""The most lessons :class:`HeldLessons` keeps of one node (its latest runs)."""
+
+T = TypeVar("T")
+
+
+class HeldLessons(Generic[T]):
+    """Mid-run lessons :func:`teaches_while_running` holds back (a run under half its predicted
+    rate: a slow node and a mis-profiled GPU look alike in one run), per (family, GPU model) and
+    node. Once runs on :data:`SLOW_NODES_AGREE` distinct nodes of that model agree, it is the model:
+    the held lessons are taught at once instead of at each run's completion. Before, a GPU model
+    14x slower than its profile took new jobs until its first run completed. One rule for
+    placement and the simulator; soft state (a restart only delays the lessons to the runs'
+    completions, as before)."""
+
+    def __init__(self, agree: int = SLOW_NODES_AGREE) -> None:
+        self.agree = agree
+        self._held: dict[tuple[str, str], dict[str, list[T]]] = {}
+
+    def hold(self, cell: tuple[str, str], node: str, lesson: T) -> list[T]:
+        """Hold ``lesson`` of a run on ``node``; every lesson of ``cell`` to teach now (the cell is
+        then cleared) when its runs span enough nodes, else none."""
+        by_node = self._held.setdefault(cell, {})
+        lessons = by_node.setdefault(node, [])
+        lessons.append(lesson)
+        del lessons[:-HELD_PER_NODE]  # a node that alone is ever slow keeps only its latest
+        if len(by_node) < self.agree:
+            return []
+        del self._held[cell]
+        return [held for lessons in by_node.values() for held in lessons]
+
+    def held(self, cell: tuple[str, str]) -> int:
+        """How many lessons of ``cell`` are held."""
+        return sum(len(v) for v in self._held.get(cell, {}).values())

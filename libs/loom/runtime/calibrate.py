@@ -36,6 +36,7 @@ from rich.table import Table
 
 from loom.model.profiles import DEFAULT_NETWORK_GBPS
 from loom.model.scu import DeviceProfile
+from loom_proto.jobs import GpuModel
 
 __all__ = [
     "CalibrationError",
@@ -43,6 +44,7 @@ __all__ = [
     "CalibrationReport",
     "KernelResult",
     "calibrate",
+    "check_model",
     "render_table",
 ]
 
@@ -53,6 +55,21 @@ FloatArray = npt.NDArray[np.floating[Any]]
 
 class CalibrationError(RuntimeError):
     """The benchmark cannot run as asked (e.g. ``--device cuda`` without a usable GPU)."""
+
+
+GPU_MODEL_RULE = "1-32 characters of letters, digits, '_', '.', '+' or '-'"
+"""What a GPU model name (:data:`loom_proto.jobs.GpuModel`) allows, in words."""
+
+
+def check_model(model: str) -> str:
+    """``model`` unchanged if it is a GPU model name as the wire contract has it
+    (:data:`loom_proto.jobs.GpuModel`: the profile's ``model``), else :class:`CalibrationError`."""
+    try:
+        return msgspec.convert(model, GpuModel)
+    except msgspec.ValidationError:
+        raise CalibrationError(
+            f"--model {model!r} is not a GPU model name: use {GPU_MODEL_RULE} (e.g. H100-80GB)"
+        ) from None
 
 
 class KernelResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -559,6 +576,8 @@ def calibrate(
 ) -> CalibrationReport:
     """Run the benchmark set on the chosen device and derive its profile."""
     say = progress or (lambda _message: None)
+    if options.model is not None:
+        check_model(options.model)  # before minutes of measuring, not in the profile written after
     started = time.perf_counter()
     torch = None if options.device == "cpu" else _torch_cuda()
     if options.device == "cuda" and torch is None:

@@ -118,7 +118,7 @@ import numpy as np
 
 from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
-from loom.model.learn import SpeedLearner, run_speed, teaches_while_running
+from loom.model.learn import HeldLessons, SpeedLearner, run_speed, teaches_while_running
 from loom.model.profiles import speeds_for_model
 from loom.model.topology import Topology, load_topology
 from loom.sched import dag
@@ -165,6 +165,9 @@ OBSERVE_AT: Final = 0.1
 reports every tenth of a run's steps): its predicted end is then re-predicted from its measured pace,
 and the compute seconds per step the report carries (``JobProgress.compute_step_s``) teach the speed
 learner, once per run."""
+
+MAX_SAMPLES: Final = 100_000
+"""The most points a run's timeline keeps (:meth:`_Simulation._thin_timeline`)."""
 
 Pair = tuple[int, int]
 """(cluster index, model index) of the snapshot: one pool of GPUs."""
@@ -490,6 +493,8 @@ class _Simulation:
         self.fast = policy if isinstance(policy, FrameworkPolicy) else None
         own = self.fast.speed_learner if self.fast is not None else None
         knows = isinstance(policy, OraclePolicy)  # the truth is its learned table: nothing to learn
+        self.held_lessons: HeldLessons[tuple[str, _Run]] = HeldLessons()
+        """Slow runs' mid-run lessons waiting for another node to agree (:class:`HeldLessons`)."""
         self.speed_learner = (
             (learner if learner is not None else own) if truth is not None and not knows else None
         )
@@ -572,6 +577,8 @@ class _Simulation:
         self.cross_bytes = 0.0
         self.staged_copies = 0
         self.timeline: list[Sample] = []
+        self.samples_thinned = 0
+        """How many times the timeline was thinned (:meth:`_thin_timeline`)."""
         first = min([j.arrival_s for j in trace.jobs] + [e.at_s for e in trace.events], default=0.0)
         self.t = first
         self.snap = platform.snapshot(now=first)
@@ -787,6 +794,8 @@ class _Simulation:
                 self._pass()  # the moves freed GPUs the queue may use
             if sample:
                 self._sample()
+                if len(self.timeline) >= MAX_SAMPLES:
+                    self._thin_timeline()
                 nxt = t + self.sample_every_s
                 if self.pending > 0 or (horizon is not None and nxt <= horizon):
                     self._push(_Event(nxt, _SAMPLE, 0))
@@ -1725,10 +1734,31 @@ class _Simulation:
             return
         # Against the step the decision bound (compute plus exchange), as placement compares with
         # its run's ``predicted_step_s``; None (nothing bound) teaches, there as here.
-        if not teaches_while_running(run.compute_s, run.decision.predicted_step_s):
-            return  # as slow as the slow-node rule flags: its completion teaches
-        run.taught = True
-        self._learn_speed(self.speed_learner, job.spec, run)
+        if teaches_while_running(run.compute_s, run.decision.predicted_step_s):
+            run.taught = True
+            self._learn_speed(self.speed_learner, job.spec, run)
+            return
+        # As slow as the slow-node rule flags: held until runs on other nodes of the model agree
+        # (then it is the model, taught now), else its completion teaches.
+        cell = self._cell(job.spec, run)
+        if cell is None:
+            return
+        node = run.decision.parts[0].allocations[0][0]
+        for held_id, held in self.held_lessons.hold(cell, node, (job.spec.job_id, run)):
+            if not held.taught and self.jobs[held_id].run is held:
+                held.taught = True
+                self._learn_speed(self.speed_learner, self.jobs[held_id].spec, held)
+
+    def _cell(self, spec: JobSpec, run: _Run) -> tuple[str, str] | None:
+        """The (family, GPU model) a run's lesson is about (None: it teaches nothing)."""
+        seen = run_speed(
+            spec,
+            [p.gpu_model for p in run.decision.parts],
+            run.compute_s,
+            pipeline=run.pipeline,
+            prior_speed=self.snap.gpu_speed,
+        )
+        return None if seen is None else (seen.family, seen.gpu_model)
 
     def _repredict_end(self, job: _Job, run: _Run) -> None:
         """The run's progress report re-predicts its end from its measured pace
@@ -2098,6 +2128,16 @@ class _Simulation:
         snap.economics = dataclasses.replace(snap.economics, price_per_gpu_hour=prices)
 
     # ---- results ---------------------------------------------------------------------------------
+
+    def _thin_timeline(self) -> None:
+        """A run far longer than its arrival span (a job of years, say, or every job at t = 0 for
+        days) would sample every ``sample_every_s`` until its end, without bound in time and
+        memory: past :data:`MAX_SAMPLES` every other sample is dropped and the interval doubles,
+        so the timeline stays within that many points (utilisation is then time-weighted over the
+        coarser points). Only such runs are touched: below the cap, nothing changes."""
+        self.timeline = self.timeline[::2]
+        self.sample_every_s *= 2
+        self.samples_thinned += 1
 
     def _sample(self) -> None:
         snap = self.snap

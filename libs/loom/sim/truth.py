@@ -106,12 +106,13 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, get_args
 
 from loom.errors import InvalidInputError
 from loom.model.family import HasLabels, fold_family, is_half_precision, job_family
 from loom.model.profiles import DEFAULT_REFERENCE_MODEL, relative_speed
 from loom.model.scu import ScuError
+from loom_proto.jobs import TaskType
 
 __all__ = [
     "BELIEF",
@@ -411,6 +412,22 @@ class Truth:
         chosen = [r for r, same in ratios if same] or [r for r, _ in ratios]
         return math.exp(statistics.fmean(math.log(r) for r in chosen))
 
+    def _from_multi(self, family: str, precision: str, gpu: str) -> float | None:
+        """``from-multi-gpu``: the family was measured on ``gpu`` only with several GPUs per node:
+        ``s1`` from its smallest such count ``n``, ``throughput(gpu, n) / (n x eff(n)) /
+        throughput(reference, 1)`` with ``eff(n)`` the peers' (:meth:`_scaling` on a GPU measured
+        at one GPU too); the geometric mean over series. None when no series has such a cell."""
+        logs: list[float] = []
+        for key in self._series_of(family, precision):
+            ref = self._ref_of(key)
+            by_n = self._series[key].get(gpu, {})
+            if not ref or not by_n or 1 in by_n:
+                continue
+            n = min(by_n)
+            eff, _ = self._scaling(family, precision, self.reference_gpu, n)
+            logs.append(math.log(by_n[n] / (n * eff) / ref))
+        return math.exp(statistics.fmean(logs)) if logs else None
+
     def _gpus_of(self, family: str, precision: str) -> list[str]:
         found = set()
         for key in self._series_of(family, precision):
@@ -425,6 +442,9 @@ class Truth:
         measured = self._measured_single(family, precision, gpu, batch)
         if measured is not None:
             return measured, []
+        multi = self._from_multi(family, precision, gpu)
+        if multi is not None:
+            return multi, ["from-multi-gpu"]
         task = self.task_types.get(family, "")
         peers = [f for f in self.families if f != family and task and self.task_types.get(f) == task]
         logs: list[float] = []
@@ -670,9 +690,21 @@ def _fail(where: str, what: str) -> TruthError:
     return TruthError(f"truth file {where}: {what}")
 
 
+_CELL_FIELDS: Final = frozenset(
+    {"family", "gpu_model", "precision", "gpus_per_node", "throughput", "series", "batch", "source"}
+)
+
+
 def _cell_of(raw: Any, i: int, where: str) -> TruthCell:
     if not isinstance(raw, dict):
         raise _fail(where, f"cells[{i}] is not an object")
+    unknown = sorted(set(raw) - _CELL_FIELDS)
+    if unknown:
+        raise _fail(
+            where,
+            f"cells[{i}] has unknown field(s) {', '.join(map(repr, unknown))};"
+            f" a cell has {', '.join(sorted(_CELL_FIELDS))}",
+        )
     for name in ("family", "gpu_model", "precision", "series"):
         if not isinstance(raw.get(name), str) or not raw[name]:
             raise _fail(where, f"cells[{i}].{name} must be a non-empty string")
@@ -729,6 +761,12 @@ def parse_truth(document: Any, where: str = "<document>") -> Truth:
         fold_family(k): str(v.get("task_type", "")) if isinstance(v, dict) else ""
         for k, v in families_raw.items()
     }
+    task_types = get_args(TaskType)
+    for name, task in families.items():
+        if task and task not in task_types:
+            raise _fail(
+                where, f"families[{name!r}].task_type must be one of {', '.join(task_types)}, got {task!r}"
+            )
     aliases_raw = document.get("aliases", {})
     if not isinstance(aliases_raw, dict) or not all(isinstance(v, str) for v in aliases_raw.values()):
         raise _fail(where, "'aliases' must map family names to family names")

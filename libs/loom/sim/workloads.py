@@ -42,7 +42,7 @@ import msgspec
 from msgspec import Meta
 
 from loom.errors import InvalidInputError
-from loom.model.profiles import DEFAULT_REFERENCE_MODEL, UnknownGpuModelError, relative_speed
+from loom.model.profiles import DEFAULT_REFERENCE_MODEL, UnknownGpuModelError, library_models, relative_speed
 from loom.model.topology import Topology, load_topology
 from loom.sched.pipeline import DEFAULT_USABLE_FRACTION
 from loom.sim.model import EventError, EventKind, JobClass, SimEvent, SimJob, Trace
@@ -907,11 +907,35 @@ def check_events(
             raise WorkloadError(problem)
 
 
+MAX_JOB_S: Final = 365 * 86_400.0
+"""The longest job a workload may hold (at its reference speed): one of years is a unit mistake
+(milliseconds read as seconds), and the simulator would play it out for ever."""
+
+
 def _parse(decode: Callable[[], WorkloadRow], where: str, line: int) -> SimJob:
     try:
-        return row_to_job(decode())
-    except (msgspec.ValidationError, ValueError) as exc:
+        job = row_to_job(decode())
+        _admissible(job)
+    except (msgspec.ValidationError, ValueError, InvalidInputError) as exc:
         raise WorkloadError(str(exc), path=where, line=line) from None
+    return job
+
+
+def _admissible(job: SimJob) -> None:
+    """What placement refuses at admission (:func:`loom.sched.cycle.admission_check`: elastic
+    bounds, a pipeline with workers, a reserved label, a bad DAG) and a job longer than
+    :data:`MAX_JOB_S` raise :class:`InvalidInputError`: the simulator would otherwise run jobs the
+    service rejects, or play one job out for ever."""
+    from loom.sched.cycle import admission_check  # noqa: PLC0415 - the scheduling core, on use
+
+    admission_check(job.spec)
+    work = job.spec.work
+    days = work.steps * work.step_time_s / 86_400.0
+    if work.steps * work.step_time_s > MAX_JOB_S:
+        raise InvalidInputError(
+            f"job {job.spec.job_id!r} runs {days:,.0f} days at the reference speed ({work.steps} steps of"
+            f" {work.step_time_s:g} s); at most {MAX_JOB_S / 86_400:.0f}: a unit mistake (ms as s)?"
+        )
 
 
 def _check_graph(jobs: Sequence[tuple[int, SimJob]], where: str) -> None:
@@ -993,6 +1017,55 @@ def check_regions(trace: Trace, regions: Collection[str]) -> None:
         problem = _unknown_region(job, known)
         if problem is not None:
             raise WorkloadError(problem)
+
+
+def check_trace(
+    trace: Trace,
+    *,
+    where: str,
+    regions: Collection[str] | None = None,
+    clusters: Collection[str] | None = None,
+    models: Collection[str] | None = None,
+) -> None:
+    """:class:`WorkloadError` for a workload that would simulate nothing or something other than
+    what was meant: no job at all (an empty file, a header or comments only, events only, a public
+    trace none of whose jobs can be replayed); a job the service would refuse at admission or one
+    of years (:func:`_admissible`); a ``gpu_models`` name that neither the profile library nor the
+    platform knows (``models``: the platform's), or an affinity naming a region or cluster the
+    platform does not have (``regions`` / ``clusters``). Before, such a job was only counted
+    rejected, so a typo quietly shrank the workload."""
+    if not trace.jobs:
+        events = f" ({len(trace.events)} event(s) only)" if trace.events else ""
+        raise WorkloadError(f"no jobs to simulate{events}", path=where)
+    known_models = set(library_models()) | set(models or ())
+    for job in trace.jobs:
+        try:
+            _admissible(job)
+        except InvalidInputError as exc:
+            raise WorkloadError(str(exc), path=where) from None
+        spec, name = job.spec, repr(job.spec.job_id)
+        unknown = [m for m in spec.resources.gpu_models if m not in known_models]
+        if unknown:
+            raise WorkloadError(
+                f"job {name}: unknown GPU model(s) {', '.join(map(repr, unknown))} in gpu_models;"
+                f" known: {', '.join(sorted(known_models))}",
+                path=where,
+            )
+        affinity = spec.affinity
+        for field_name, named, known in (
+            ("regions", affinity.regions, regions),
+            ("avoid_regions", affinity.avoid_regions, regions),
+            ("prefer_regions", affinity.prefer_regions, regions),
+            ("clusters", affinity.clusters, clusters),
+            ("avoid_clusters", affinity.avoid_clusters, clusters),
+        ):
+            missing = [n for n in named if known is not None and n not in known]
+            if missing:
+                raise WorkloadError(
+                    f"job {name}: affinity {field_name} names {', '.join(map(repr, missing))}, not on"
+                    f" the platform; known: {', '.join(sorted(known or ()))}",
+                    path=where,
+                )
 
 
 _JSONL_SUFFIXES: Final = frozenset({".jsonl", ".ndjson", ".json"})

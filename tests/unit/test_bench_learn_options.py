@@ -1,0 +1,70 @@
+"""``loom bench learn``: a value out of range is bad usage, refused at argument parsing (exit 2, a
+message naming the option), never a traceback, an empty result or a figure of the noise."""
+
+import argparse
+import json
+
+import pytest
+
+from loom.cli.argtypes import non_negative_float_below
+
+
+def _parser() -> argparse.ArgumentParser:
+    from loom_benchmarks import add_arguments
+
+    parser = argparse.ArgumentParser(prog="loom bench")
+    add_arguments(parser)
+    return parser
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--seeds", "0", "argument --seeds: must be 1 or more, got 0"),
+        ("--seeds", "-3", "argument --seeds: must be 1 or more, got -3"),
+        ("--seeds", "2.5", "argument --seeds: not a whole number: '2.5'"),
+        ("--runs", "0", "argument --runs: must be 1 or more, got 0"),
+        ("--noise-cv", "-1", "argument --noise-cv: must be 0 or more and below 1, got -1"),
+        ("--noise-cv", "5", "argument --noise-cv: must be 0 or more and below 1, got 5"),
+        ("--noise-cv", "1", "argument --noise-cv: must be 0 or more and below 1, got 1"),
+        ("--noise-cv", "nan", "argument --noise-cv: not a finite number: 'nan'"),
+        ("--truth", "0", "argument --truth: must be more than 0, got 0"),
+        ("--truth", "-1", "argument --truth: must be more than 0, got -1"),
+        ("--truth", "inf", "argument --truth: not a finite number: 'inf'"),
+    ],
+)
+def test_learn_refuses_an_option_out_of_range_at_parsing_naming_it(
+    option: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["learn", f"{option}={value}"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_learn_runs_at_the_edges_of_its_ranges(capsys: pytest.CaptureFixture[str]) -> None:
+    from loom_benchmarks import run_benchmark
+
+    args = _parser().parse_args(
+        ["learn", "--seeds", "1", "--runs", "1", "--noise-cv", "0", "--truth", "0.5", "--json"]
+    )
+    assert run_benchmark(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["seeds"] == 1 and result["noise_cv"] == 0.0 and result["truth"] == 0.5
+    assert [row["runs"] for row in result["convergence"]["per_run"]] == [1]
+
+
+def test_learn_keeps_its_defaults() -> None:
+    args = _parser().parse_args(["learn"])
+    assert (args.truth, args.noise_cv, args.runs, args.seeds) == (pytest.approx(1 / 3), 0.05, 10, 200)
+
+
+def test_a_number_below_a_limit_takes_zero_and_refuses_the_limit_itself() -> None:
+    below_one = non_negative_float_below(1.0)
+    assert below_one("0") == 0.0
+    assert below_one("0.999") == pytest.approx(0.999)
+    for bad in ("1", "-0.001", "x", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            below_one(bad)
