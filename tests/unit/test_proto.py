@@ -477,3 +477,22 @@ def test_the_sdk_checks_a_spec_built_in_code_as_strictly_as_one_read_from_a_file
     assert checked_spec(submitted) == good  # its own fields (kind, submitted_at) are not a spec's
     with pytest.raises(SpecError, match="not list"):
         checked_spec([good])  # type: ignore[arg-type]
+
+
+def test_the_sdks_watch_reads_a_submission_without_kind_by_its_subject() -> None:
+    # Placement accepts a raw client's submission without "kind"; LoomClient.watch skipped it.
+    from types import SimpleNamespace
+
+    from loom.client.sdk import _event_of
+    from loom_proto.jobs import JobCompleted, JobSubmitted
+
+    body = b'{"job_id": "j1", "tenant": "acme", "work": {"steps": 100}}'
+    found = _event_of(SimpleNamespace(subject="loom.jobs.submitted.acme", data=body))  # type: ignore[arg-type]
+    assert isinstance(found, JobSubmitted) and found.job_id == "j1"
+    tagged = (
+        b'{"kind": "completed", "job_id": "j1", "tenant": "acme", "cluster": "c", "attempt": 1, "at": 1.0}'
+    )
+    done = _event_of(SimpleNamespace(subject="loom.jobs.completed.acme.c", data=tagged))  # type: ignore[arg-type]
+    assert isinstance(done, JobCompleted)
+    for subject, data in (("loom.jobs.submitted.acme", b"{}"), ("loom.view.query", body), ("x", b"nope")):
+        assert _event_of(SimpleNamespace(subject=subject, data=data)) is None  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 import yaml
@@ -72,6 +72,28 @@ def spec_from_mapping(raw: Mapping[str, Any], *, default_tenant: str | None = No
         return msgspec.convert(data, JobSpec)
     except msgspec.ValidationError as exc:
         raise SpecError(f"job spec {data.get('job_id')!r}: {plain_words(str(exc))}") from exc
+
+
+_EVENT_TYPES: dict[str, type] = {t.__struct_config__.tag: t for t in get_args(JobEvent)}
+"""Each job event's type by its kind (the ``kind`` tag, and the subject's third token)."""
+
+
+def _event_of(msg: Msg) -> JobEvent | None:
+    """A job event off the bus, or None for what is not one. A payload without ``kind`` (placement
+    accepts a submission so) is read as the kind its subject names."""
+    try:
+        event: JobEvent = decode(msg.data, JobEvent)  # type: ignore[arg-type]
+        return event
+    except DecodeError:
+        kind = msg.subject.split(".")[2] if msg.subject.count(".") >= 3 else ""
+        typed = _EVENT_TYPES.get(kind)
+        if typed is None:
+            return None
+        try:
+            found: JobEvent = decode(msg.data, typed)
+            return found
+        except DecodeError:
+            return None
 
 
 def checked_spec(spec: JobSpec | Mapping[str, Any]) -> JobSpec:
@@ -410,9 +432,8 @@ class LoomClient:
         try:
             while True:
                 msg = await queue.get()
-                try:
-                    event: JobEvent = decode(msg.data, JobEvent)  # type: ignore[arg-type]
-                except DecodeError:
+                event = _event_of(msg)
+                if event is None:
                     continue
                 if tenant is not None and event.tenant != tenant:
                     continue
