@@ -71,7 +71,7 @@ from nats.errors import NoRespondersError
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, stop_runners
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
@@ -950,6 +950,8 @@ class PlacementService:
         job_id = d.msg_id or _payload_job_id(d.message) or f"seq-{d.stream_seq}"
         event = rejection(job_id, tenant, code, f"invalid job submission: {reason}")
         log.warning("submission rejected", job_id=job_id, tenant=tenant, reason=reason)
+        # The submitter's trace shows the refusal as an error, not as a message handled.
+        d.span.set_status(Status(StatusCode.ERROR, f"rejected ({code}): {reason}"[:512]))
         try:
             await self.ctx.publisher.publish(
                 subjects.job_event("rejected", tenant),

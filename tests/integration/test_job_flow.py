@@ -14,6 +14,7 @@ import pytest
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 from platform_helpers import Platform
 from waiting import until
 
@@ -109,6 +110,30 @@ async def test_a_job_is_one_trace_from_submission_to_completion(
     } <= names()
     # Heartbeats are not part of any job's trace.
     assert not any("heartbeat" in n for n in names())
+
+
+async def test_an_unreadable_submission_is_an_error_in_its_trace(
+    client: LoomClient, exporter: InMemorySpanExporter
+) -> None:
+    # Before, placement's span for a submission it rejected as invalid ended "unset", like one
+    # it handled: the submitter's trace did not show the refusal.
+    with trace.get_tracer("test").start_as_current_span("client submits garbage"):
+        trace_id = current_trace_id()
+        await client.publisher.publish_bytes(
+            subjects.job_submitted("t1"), b'{"job_id": "flow-bad", "tenant": "t1"}', msg_id="flow-bad"
+        )
+
+    def processed() -> list[Any]:
+        return [
+            s
+            for s in exporter.get_finished_spans()
+            if format(s.context.trace_id, "032x") == trace_id and s.name == "process loom.jobs.submitted"
+        ]
+
+    await until(lambda: _true(bool(processed())), 10, "placement's span of the rejected submission")
+    (span,) = processed()
+    assert span.status.status_code == StatusCode.ERROR
+    assert "rejected (invalid)" in (span.status.description or "")
 
 
 async def _true(value: bool) -> bool:
