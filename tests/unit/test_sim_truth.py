@@ -886,6 +886,10 @@ def test_bench_policies_checks_the_mix_claim_on_the_mix_only_and_refuses_a_platf
     result = policies.run(_bench(*common))
     net = result["claims"]["checks"]["net_training_vs_greedy"]
     assert net["passed"] is None and "no training-mix run" in net["reason"]
+    # Utilisation while the jobs arrive is reported beside the whole run's.
+    for summary in result["summaries"]:
+        overall = summary["overall"]
+        assert 0 < overall["gpu_utilisation_arrivals"] <= 1 and 0 < overall["gpu_utilisation_mean"] <= 1
     empty = tmp_path / "topo.json"
     empty.write_text(
         json.dumps(
