@@ -515,14 +515,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         )
     total_s = time.perf_counter() - started
     say("summarising")
-    summaries = [metrics.summarize(r) for r in results]
-    # Utilisation while jobs arrive too (the grid's figure): over the whole run a finite trace of
-    # long jobs drains for hours after its last arrival, so "load 1.0" can read 7 % busy.
-    first = min((j.arrival_s for j in trace.jobs), default=0.0)
-    last = max((j.arrival_s for j in trace.jobs), default=0.0)
-    for summary, r in zip(summaries, results, strict=True):
-        window = [x for x in r.timeline if first <= x.t_s <= last]
-        summary["overall"]["gpu_utilisation_arrivals"] = metrics.mean_utilisation(window)
+    summaries = _with_arrival_utilisation([metrics.summarize(r) for r in results], results, trace)
     baseline = comparison_baseline(options)
     comparison = metrics.compare(results, baseline=baseline, target=TARGET) if baseline else None
     if TARGET not in options.policies:
@@ -611,6 +604,21 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
         )
         out["report"] = str(page)
     return out
+
+
+def _with_arrival_utilisation(
+    summaries: list[dict[str, Any]], results: "list[SimResult]", trace: "Trace"
+) -> list[dict[str, Any]]:
+    """``summaries`` with utilisation while jobs arrive too (the grid's figure): over the whole run
+    a finite trace of long jobs drains for hours after its last arrival, so "load 1.0" read 7 %."""
+    from loom.sim import metrics
+
+    first = min((j.arrival_s for j in trace.jobs), default=0.0)
+    last = max((j.arrival_s for j in trace.jobs), default=0.0)
+    for summary, r in zip(summaries, results, strict=True):
+        window = [x for x in r.timeline if first <= x.t_s <= last]
+        summary["overall"]["gpu_utilisation_arrivals"] = metrics.mean_utilisation(window)
+    return summaries
 
 
 def unknown_truth_gpus(truth: object, built: "Platform", *, warn: bool = False) -> list[str]:
