@@ -310,6 +310,15 @@ def grid_trace(
                 seed=seed,
                 truth=truth,
             )
+            # As `loom bench policies` checks a file: nothing to run, or names the platform lacks,
+            # refuse it rather than quietly shrink every cell.
+            workloads.check_trace(
+                trace,
+                where=str(workload),
+                regions={r.id for r in topology.regions},
+                clusters={c.id for c in topology.clusters},
+                models={n.gpu_model for c in topology.clusters for n in c.nodes if n.gpu_model},
+            )
         return trace
     raise ValueError(f"unknown grid workload {workload!r}; known: {', '.join(WORKLOADS)}")
 

@@ -17,6 +17,7 @@ import msgspec
 import structlog
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
+from loom.bus.consumer import stored_at
 from loom.errors import InvalidInputError
 from loom.metering import RunRecord, fold, meter
 from loom.metering.run import MeteredEvent
@@ -97,27 +98,38 @@ class Metering:
             except DecodeError as exc:
                 outcomes[i] = InvalidInputError(f"not a metered job event: {exc}")
                 continue
-            if isinstance(event, JobCancelled) and subjects.event_tenant(d.subject) != event.tenant:
-                # Placement refuses it too (a tenant publishes cancellations on its own subject).
-                outcomes[i] = InvalidInputError(
-                    f"a cancellation on {d.subject!r} names tenant {event.tenant!r}"
-                )
-                continue
+            if isinstance(event, JobCancelled):
+                if subjects.event_tenant(d.subject) != event.tenant:
+                    # Placement refuses it too (a tenant publishes cancellations on its own subject).
+                    outcomes[i] = InvalidInputError(
+                        f"a cancellation on {d.subject!r} names tenant {event.tenant!r}"
+                    )
+                    continue
+                # The server's time, not the one a tenant claims: an early `at` would end the
+                # run, and bill it, back then (placement records the same time).
+                event = msgspec.structs.replace(event, at=stored_at(d))
             decoded.append((d.msg_id or f"seq-{d.stream_seq}", event))
         if decoded:
-            metered, fresh = await self._apply(decoded)
+            metered, fresh, foreign = await self._apply(decoded)
             self.counts["runs_metered"] += len(metered)
             for tenant in metered:
                 METERED_RUNS.labels(tenant).inc()
             if metered and self.on_metered is not None:
                 self.on_metered(metered)
             if self.on_folded is not None:
-                await self.on_folded([event for _, event in decoded], fresh)
+                await self.on_folded([event for mid, event in decoded if mid not in foreign], fresh)
+            ids = [d.msg_id or f"seq-{d.stream_seq}" for d in deliveries]
+            for i, mid in enumerate(ids):
+                if mid in foreign:
+                    outcomes[i] = InvalidInputError(foreign[mid])
         return outcomes
 
-    async def _apply(self, decoded: list[tuple[str, MeteredEvent]]) -> tuple[list[str], list[MeteredEvent]]:
-        """Claim, fold, save and meter; returns the tenant of each run metered (afresh) and the
-        events that were new.
+    async def _apply(
+        self, decoded: list[tuple[str, MeteredEvent]]
+    ) -> tuple[list[str], list[MeteredEvent], dict[str, str]]:
+        """Claim, fold, save and meter; returns the tenant of each run metered (afresh), the
+        events that were new, and the cancellations of another tenant's job (message id -> why:
+        they end nothing and are refused; placement refuses them too).
 
         A fixed number of statements per batch, whatever its size: the claim, the run records
         and the job specs the batch needs (each read in one statement), the records written back
@@ -145,9 +157,19 @@ class Metering:
             specs = await usage_store.job_specs(conn, sorted(wanted))
             records: dict[tuple[str, int], RunRecord] = {}
             changed: list[tuple[str, int]] = []
+            foreign: dict[str, str] = {}
+            ids = {id(event): msg_id for msg_id, event in decoded}
             for event in fresh:
                 self.counts["events"] += 1
-                for key in await self._runs_of(conn, event, records, loaded):
+                runs = await self._runs_of(conn, event, records, loaded)
+                if isinstance(event, JobCancelled):
+                    owners = {r.tenant for k, r in records.items() if k[0] == event.job_id}
+                    if owners - {"", event.tenant}:
+                        foreign[ids[id(event)]] = (
+                            f"tenant {event.tenant!r} may not cancel job {event.job_id}:"
+                            " it is another tenant's"
+                        )
+                for key in runs:
                     updated = fold(records[key], event)
                     if isinstance(event, JobPlaced) or not updated.labels:
                         if event.job_id not in specs:
@@ -165,7 +187,7 @@ class Metering:
                     rows = meter(record, self.price, self.scu)
                     await usage_store.replace_rows(conn, record.job_id, record.attempt, rows)
                     metered.append(record.tenant)
-        return metered, fresh
+        return metered, fresh, foreign
 
     async def _runs_of(
         self,

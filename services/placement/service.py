@@ -74,6 +74,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, stop_runners
+from loom.bus.consumer import stored_at
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.errors import InvalidInputError, NotLeaderError, TransientError
 from loom.migrate.checkpoints import Checkpoint, choose, late_report, report_refusal
@@ -387,7 +388,7 @@ class PlacementService:
         # test_placement_shards).
         self.lease_ttl_s, self.lease_grace_s = lease_ttl_s, _default_grace(lease_grace_s)
         self.learner = SpeedLearner(LearnSettings(explore_share=explore_share))
-        self.held_lessons: HeldLessons[tuple[tuple[str, int], speeds.SpeedObservation]] = HeldLessons()
+        self.held_lessons: HeldLessons[tuple[str, int], speeds.SpeedObservation] = HeldLessons()
         """Slow runs' mid-run lessons waiting for another node to agree (:class:`HeldLessons`)."""
         """What each job family really gets on each GPU model (rebuilt from the store on leading)."""
         self.probe = probe
@@ -2568,8 +2569,12 @@ class PlacementService:
                 continue  # acked: the holder of the event's cluster records it (or refuses it)
             reporter = subjects.report_cluster(d.subject)
             why = foreign_report(reporter, getattr(event, "cluster", None))
-            if isinstance(event, JobCancelled) and subjects.event_tenant(d.subject) != event.tenant:
-                why = f"a cancellation on {d.subject!r} names tenant {event.tenant!r}"
+            if isinstance(event, JobCancelled):
+                if subjects.event_tenant(d.subject) != event.tenant:
+                    why = f"a cancellation on {d.subject!r} names tenant {event.tenant!r}"
+                # A tenant publishes cancellations: its `at` is a claim, the server's time is
+                # not (a forged early `at` would end the run, and its metering, back then).
+                event = msgspec.structs.replace(event, at=stored_at(d))
             if why is not None:
                 log.warning("report refused", subject=d.subject, job_id=event.job_id, reason=why)
                 outcomes[i] = InvalidInputError(why)
@@ -2701,13 +2706,19 @@ class PlacementService:
         reason: str,
         result: "Applied",
         finished: list[tuple[str, int]],
+        *,
+        settle: bool = True,
     ) -> None:
         """End a job on a ``cancelled`` event: a queued job leaves the queue; a running one is told
         to stop on every cluster it runs on (its attempt fenced) and gives its GPUs back; a DAG's
-        unfinished stages are cancelled with it. A finished job stays as it ended."""
+        unfinished stages are cancelled with it. A finished job stays as it ended. A DAG stage
+        cancelled on its own settles its DAG (``settle``; not when its DAG's cancellation cascades):
+        before, a queued stage cancelled so left its DAG "running" for ever."""
         run = self.book.runs.get(job_id)
+        parent = run.queued.parent if run is not None else None
+        ended = False
         if run is not None:
-            if await repo.finish(conn, job_id, run.attempt, "cancelled", reason):
+            if ended := await repo.finish(conn, job_id, run.attempt, "cancelled", reason):
                 await repo.release(conn, job_id, run.attempt)
                 for cluster in dict.fromkeys(part[0] for part in run.parts):
                     stop = StopJob(job_id=job_id, attempt=run.attempt, reason=f"cancelled: {reason}"[:1024])
@@ -2721,13 +2732,19 @@ class PlacementService:
                     )
                 finished.append((job_id, run.attempt))
         elif await repo.set_state(conn, [job_id], "cancelled", ["queued", "waiting"], reason):
+            ended = True
             result.vanished.append(job_id)
         kids = await repo.children(conn, job_id)
         for kid in kids:
             if kid["state"] not in TERMINAL_STATES:
-                await self._cancel(conn, kid["job_id"], f"the DAG {job_id} was cancelled", result, finished)
+                why = f"the DAG {job_id} was cancelled"
+                await self._cancel(conn, kid["job_id"], why, result, finished, settle=False)
         if kids:  # a DAG is "running" while its stages run, with no run of its own
             await repo.set_state(conn, [job_id], "cancelled", ["running"], reason)
+        if settle and ended:
+            parent = parent or await _parent_of(conn, job_id)
+            if parent:
+                result.messages.extend(await self._settle_dag(conn, parent, result))
 
     def _progress_observations(
         self, events: Sequence[LifecycleEvent]
@@ -2752,11 +2769,17 @@ class PlacementService:
             # As slow as the slow-node rule flags: held until runs on other nodes of the model
             # agree (then it is the model, taught now), else its completion teaches.
             cell, node = (observation.family, observation.gpu_model), run.parts[0][2][0][0]
-            for key, held in self.held_lessons.hold(cell, node, ((e.job_id, e.attempt), observation)):
-                current = self.book.runs.get(key[0])
-                if current is not None and current.attempt == key[1] and not current.taught:
-                    out.append((key, held))
+            key = (e.job_id, e.attempt)
+            for held_key, held in self.held_lessons.hold(cell, node, key, observation, live=self._run_live):
+                current = self.book.runs.get(held_key[0])
+                if current is not None and not current.taught and held_key not in [k for k, _ in out]:
+                    out.append((held_key, held))
         return out
+
+    def _run_live(self, key: tuple[str, int]) -> bool:
+        """Whether ``(job id, attempt)`` is a run the book holds now."""
+        run = self.book.runs.get(key[0])
+        return run is not None and run.attempt == key[1]
 
     def _speed_observation(self, run: Run, observed_step_s: float | None) -> speeds.SpeedObservation | None:
         """What a run that measured ``observed_step_s`` (compute seconds per step) says of its
@@ -3305,18 +3328,23 @@ async def _foreign_reports(
 async def _foreign_cancels(
     conn: asyncpg.Connection, events: Sequence[tuple["LifecycleEvent", str]]
 ) -> dict[str, str]:
-    """Cancellations naming a job of another tenant (message id -> why): a tenant's credentials
-    publish cancellations on its own subject only (the event's tenant is checked against it), so
-    this is where another tenant's job is told apart. A job not known is no one's: nothing to do."""
+    """Cancellations naming a job of another tenant, or no job at all (message id -> why): a
+    tenant's credentials publish cancellations on its own subject only (the event's tenant is
+    checked against it), so this is where another tenant's job is told apart."""
     cancels = [(e, mid) for e, mid in events if isinstance(e, JobCancelled)]
     if not cancels:
         return {}
-    owners = await repo.tenants_of(conn, sorted({e.job_id for e, _ in cancels}))
-    return {
-        mid: f"tenant {e.tenant!r} may not cancel job {e.job_id}: it is another tenant's"
-        for e, mid in cancels
-        if owners.get(e.job_id, e.tenant) != e.tenant
-    }
+    # Locked to the transaction's end: a job another tenant submits meanwhile cannot be the one
+    # this cancels (it is not there yet, so the cancellation is of no job and refused).
+    owners = await repo.tenants_of(conn, sorted({e.job_id for e, _ in cancels}), lock=True)
+    refused: dict[str, str] = {}
+    for e, mid in cancels:
+        owner = owners.get(e.job_id)
+        if owner is None:  # stored, it would name a job someone may submit later
+            refused[mid] = f"no job {e.job_id} to cancel"
+        elif owner != e.tenant:
+            refused[mid] = f"tenant {e.tenant!r} may not cancel job {e.job_id}: it is another tenant's"
+    return refused
 
 
 async def _refused_checkpoints(

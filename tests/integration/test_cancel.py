@@ -128,6 +128,8 @@ async def test_a_cancellation_of_another_tenants_job_changes_nothing_and_is_dead
         forged = [
             ("t2", JobCancelled(job_id="cx-t1", tenant="t2", reason="not mine", at=time.time())),
             ("t2", JobCancelled(job_id="cx-t1", tenant="t1", reason="not my subject", at=time.time())),
+            # A job nobody submitted yet: stored, it would land in the history of whoever does.
+            ("t2", JobCancelled(job_id="cx-later", tenant="t2", reason="ahead of time", at=time.time())),
         ]
         for i, (subject_tenant, event) in enumerate(forged):
             await publisher.publish(
@@ -138,15 +140,24 @@ async def test_a_cancellation_of_another_tenants_job_changes_nothing_and_is_dead
         async def refused() -> list[str] | None:
             letters = await dlq.entries(subject=subjects.job_event("cancelled", "t2"))
             mine = [x.error or "" for x in letters if x.consumer == "placement-lifecycle"]
-            return mine if len(mine) == 2 else None
+            return mine if len(mine) == 3 else None
 
-        errors = await until(refused, 15, "both forged cancellations dead-lettered by placement")
+        errors = await until(refused, 15, "the forged cancellations dead-lettered by placement")
         assert any("may not cancel job cx-t1: it is another tenant's" in e for e in errors), errors
         assert any("names tenant 't1'" in e for e in errors), errors
+        assert any("no job cx-later to cancel" in e for e in errors), errors
         job = await client.job("cx-t1")
         assert job is not None and job["state"] == "running"
         assert "cancelled" not in [e["kind"] for e in job["events"]]
-        # The job's own tenant still cancels it.
-        assert await client.cancel_outcome("cx-t1") == ("cancelled", False)
+        # The job's own tenant cancels it; the time recorded is the server's, not the one claimed
+        # (an early `at` would have ended the run, and its metering, back then).
+        began = time.time()
+        claimed = JobCancelled(job_id="cx-t1", tenant="t1", reason="mine", at=began - 3600.0)
+        await publisher.publish(subjects.job_event("cancelled", "t1"), claimed, msg_id="own-cancel")
+        await until(lambda: _state(client, "cx-t1", "cancelled"), 15, "cx-t1 cancelled")
+        done = await client.job("cx-t1")
+        assert done is not None
+        (cancelled,) = [e for e in done["events"] if e["kind"] == "cancelled"]
+        assert cancelled["at"] >= began - 5.0 and cancelled["event"]["at"] >= began - 5.0
     finally:
         await client.close()

@@ -309,7 +309,9 @@ async def test_another_tenants_cancellation_ends_no_run_of_the_job(
     # run on it either (before, any cancellation ended every open run of the job it named).
     from types import SimpleNamespace
 
+    from loom.errors import InvalidInputError
     from loom.store.pool import create_pool
+    from loom_proto.codec import encode
     from loom_proto.jobs import JobCancelled, JobCompleted, JobPlaced, JobStarted, NodeAllocation
     from loom_services.metrics.metering import Metering
 
@@ -332,7 +334,29 @@ async def test_another_tenants_cancellation_ends_no_run_of_the_job(
     pool = await create_pool(await fresh_database("metering-foreign-cancel"), max_size=2)
     try:
         metering = Metering(SimpleNamespace(db=pool), lambda _r, _t: 2.0)  # type: ignore[arg-type]
-        await metering._apply(events)
+        folded: list[object] = []
+
+        async def on_folded(seen: list[object], _fresh: list[object]) -> None:
+            folded.extend(seen)
+
+        metering.on_folded = on_folded  # type: ignore[assignment]
+        # As the consumer delivers them (the forged one on globex's own subject, as its
+        # credentials allow): refused, and kept from the reservations overlay too.
+        deliveries = [
+            SimpleNamespace(
+                subject=f"loom.jobs.{kind}.{event.tenant}" + (".c1" if kind == "started" else ""),
+                message=encode(event),
+                msg_id=mid,
+                stream_seq=i,
+                msg=None,
+            )
+            for i, (mid, event) in enumerate(events)
+            for kind in [mid.split(":")[1] if ":" in mid else "cancelled"]
+        ]
+        outcomes = await metering.on_events(deliveries)  # type: ignore[arg-type]
+        assert outcomes[:2] == [None, None]
+        assert isinstance(outcomes[2], InvalidInputError) and "another tenant's" in str(outcomes[2])
+        assert [type(e).__name__ for e in folded] == ["JobPlaced", "JobStarted"]
         assert await pool.fetchval("SELECT count(*) FROM usage_rows") == 0  # still running
         done = JobCompleted(job_id="y", tenant="acme", cluster="c1", attempt=1, at=t0 + 21)
         await metering._apply([("y:completed:1", done)])

@@ -385,3 +385,25 @@ async def test_a_new_leader_counts_running_jobs_once(platform: Platform, client:
         in_state(client, "second", "running", "completed"), 30, "second placed beside the holders"
     )
     assert events_of(job, "placed")[0]["cluster"] == "c-sea1-a"
+
+
+async def test_a_dag_whose_waiting_stage_is_cancelled_ends_with_it(client: LoomClient) -> None:
+    # Before, cancelling a queued stage left its DAG "running" for ever (only a run's end, or a
+    # parent's completion, settled a DAG). B200s are known to Loom but on no cluster: it waits.
+    await client.submit(
+        JobSpec(
+            job_id="dagq",
+            tenant="t1",
+            work=Work(steps=1),
+            stages=[
+                Stage(name="only", work=Work(steps=5), resources=Resources(gpus=1, gpu_models=["B200"])),
+                Stage(name="after", depends_on=["only"], work=Work(steps=5)),
+            ],
+        )
+    )
+    await until(in_state(client, "dagq--only", "queued", "waiting"), 30, "the stage queued")
+    assert await client.cancel("dagq--only") == "cancelled"
+    parent = await until(in_state(client, "dagq", "failed", "cancelled"), 15, "the DAG ended")
+    after = await client.job("dagq--after")
+    assert after is None or after["state"] in ("cancelled", "failed"), after
+    assert parent["state"] in ("failed", "cancelled")

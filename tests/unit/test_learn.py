@@ -425,17 +425,25 @@ def test_a_run_teaches_while_running_only_within_twice_its_predicted_step() -> N
 
 
 def test_slow_runs_lessons_are_held_until_another_node_of_the_model_agrees() -> None:
-    # One slow node is a node (the migration review moves its jobs off); the same slowdown on two
-    # nodes of the model is the model, and is taught at once instead of at each run's completion.
+    # One slow node is a node (the migration review moves its jobs off); live runs on two nodes of
+    # the model that are as slow are the model, taught at once instead of at each completion.
     from loom.model.learn import SLOW_NODES_AGREE, HeldLessons
 
     assert SLOW_NODES_AGREE == 2
-    held: HeldLessons[str] = HeldLessons()
+    live = {"r1", "r2", "r3", "r4", "x"}
+    held: HeldLessons[str, str] = HeldLessons()
+
+    def hold(cell: tuple[str, str], node: str, run: str) -> list[str]:
+        return sorted(k for k, _ in held.hold(cell, node, run, f"lesson-{run}", live=live.__contains__))
+
     cell = ("resnet-50", "A100")
-    assert held.hold(cell, "a0", "run-1") == []
-    assert held.hold(cell, "a0", "run-2") == []  # the same node again: still a node
-    assert held.hold(("bert", "A100"), "a1", "other-family") == []  # another cell agrees on nothing
+    assert hold(cell, "a0", "r1") == []
+    assert hold(cell, "a0", "r2") == []  # the same node again: still a node
+    assert hold(cell, "a0", "r2") == []  # a run holds one lesson, however often it reports
+    assert hold(("bert", "A100"), "a1", "x") == []  # another cell agrees on nothing
     assert held.held(cell) == 2
-    assert sorted(held.hold(cell, "a1", "run-3")) == ["run-1", "run-2", "run-3"]
-    assert held.held(cell) == 0  # taught: the cell starts over
-    assert held.hold(cell, "a1", "run-4") == []
+    assert hold(cell, "a1", "r3") == ["r1", "r2", "r3"]
+    assert hold(cell, "a1", "r3") == ["r1", "r2", "r3"]  # again (a retried batch): the same
+    # Runs that ended no longer count: a node's slow run of weeks ago agrees with nothing.
+    live -= {"r1", "r2", "r3"}
+    assert hold(cell, "a1", "r4") == [] and held.held(cell) == 1

@@ -475,6 +475,10 @@ def test_the_sdk_checks_a_spec_built_in_code_as_strictly_as_one_read_from_a_file
     )
     submitted = JobSubmitted(**{f: getattr(good, f) for f in JobSpec.__struct_fields__}, submitted_at=1.0)
     assert checked_spec(submitted) == good  # its own fields (kind, submitted_at) are not a spec's
+    raw = {"kind": "submitted", "job_id": "j", "tenant": "t", "resources": {"gpus": 2}, "work": {"steps": 5}}
+    assert checked_spec(raw) == good  # the README's raw event, as it is
+    with pytest.raises(SpecError, match="kind"):
+        checked_spec({**raw, "kind": "cancelled"})
     with pytest.raises(SpecError, match="not list"):
         checked_spec([good])  # type: ignore[arg-type]
 

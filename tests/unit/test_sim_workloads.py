@@ -780,6 +780,7 @@ def test_a_workload_with_no_jobs_or_a_name_the_platform_lacks_is_refused_by_the_
     )
     refused(job + ', "affinity": {"avoid_clusters": ["c-x"]}}\n', r"affinity avoid_clusters names 'c-x'")
     path = tmp_path / "ok.jsonl"
-    path.write_text(job + ', "gpu_models": ["B200"], "affinity": {"regions": ["aws-us-east-2"]}}\n')
+    # A model the library knows but not the platform; a name in another case, as placement matches.
+    path.write_text(job + ', "gpu_models": ["B200", "t4"], "affinity": {"regions": ["aws-us-east-2"]}}\n')
     ok = build_workload(Options(str(path), "default", None, None, ["loom"], 0, None, False, None), topology)
     assert [j.spec.job_id for j in ok.trace.jobs] == ["a"]  # a model the library knows, not the platform

@@ -209,6 +209,17 @@ MessageHandler = Callable[[Delivery[T]], Awaitable[None]]
 BatchHandler = Callable[[list[Delivery[T]]], Awaitable[Sequence[BaseException | None]]]
 
 
+def stored_at(d: "Delivery[Any]") -> float:
+    """When the server stored the delivered message (wall seconds; JetStream's own clock, which no
+    publisher sets): the time to trust over a time the payload claims. Now, when the message
+    carries no stream metadata."""
+    try:
+        stamp = d.msg.metadata.timestamp
+    except Exception:  # not a JetStream message (a test's), or metadata nats-py cannot read
+        return time.time()
+    return stamp.timestamp() if stamp is not None else time.time()
+
+
 async def _in_progress(msgs: Iterable[Msg]) -> None:
     """Tell the server these messages are being worked on (their ack wait starts again)."""
     for msg in msgs:

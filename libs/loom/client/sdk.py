@@ -103,8 +103,8 @@ def checked_spec(spec: JobSpec | Mapping[str, Any]) -> JobSpec:
     if isinstance(spec, JobSpec):  # a JobSubmitted too: its own fields are not a spec's
         fields = msgspec.to_builtins(spec)
         return spec_from_mapping({f: fields[f] for f in JobSpec.__struct_fields__ if f in fields})
-    if isinstance(spec, Mapping):
-        return spec_from_mapping(spec)
+    if isinstance(spec, Mapping):  # the raw event's "kind" (the README's example) is no spec field
+        return spec_from_mapping({k: v for k, v in spec.items() if not (k == "kind" and v == "submitted")})
     raise SpecError(f"a job spec is a JobSpec or a mapping of its fields, not {type(spec).__name__}")
 
 

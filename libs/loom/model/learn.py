@@ -65,7 +65,7 @@ the whole state with msgspec.
 """
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Final, Generic, Literal, TypeVar
 
@@ -706,40 +706,54 @@ def teaches_while_running(observed_step_s: float, predicted_step_s: float | None
 
 
 SLOW_NODES_AGREE: Final = 2
-"""Distinct nodes whose runs of one (family, GPU model) must all be as slow as the slow-node rule
-flags, mid-run, before it is the model rather than a node (:class:`HeldLessons`)."""
+"""Distinct nodes whose live runs of one (family, GPU model) must all be as slow as the slow-node
+rule flags, mid-run, before it is the model rather than a node (:class:`HeldLessons`)."""
 
-HELD_PER_NODE: Final = 32
-"""The most lessons :class:`HeldLessons` keeps of one node (its latest runs)."""
+HELD_MAX: Final = 10_000
+"""Held lessons past which every cell is pruned of runs no longer live (:meth:`HeldLessons.hold`)."""
 
+K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
 
-class HeldLessons(Generic[T]):
+class HeldLessons(Generic[K, T]):
     """Mid-run lessons :func:`teaches_while_running` holds back (a run under half its predicted
-    rate: a slow node and a mis-profiled GPU look alike in one run), per (family, GPU model) and
-    node. Once runs on :data:`SLOW_NODES_AGREE` distinct nodes of that model agree, it is the model:
-    the held lessons are taught at once instead of at each run's completion. Before, a GPU model
-    14x slower than its profile took new jobs until its first run completed. One rule for
-    placement and the simulator; soft state (a restart only delays the lessons to the runs'
-    completions, as before)."""
+    rate: a slow node and a mis-profiled GPU look alike in one run), one per run, by (family, GPU
+    model) and node. Once live runs on :data:`SLOW_NODES_AGREE` distinct nodes of that model hold
+    lessons, it is the model: :meth:`hold` returns them all to teach at once instead of at each
+    run's completion. Before, a GPU model 14x slower than its profile took new jobs until its first
+    run completed. One rule for placement and the simulator; soft state (a restart only delays the
+    lessons to the runs' completions, as before). Holding again is harmless (a retried
+    transaction): the caller teaches only runs not taught yet."""
 
     def __init__(self, agree: int = SLOW_NODES_AGREE) -> None:
         self.agree = agree
-        self._held: dict[tuple[str, str], dict[str, list[T]]] = {}
+        self._cells: dict[tuple[str, str], dict[K, tuple[str, T]]] = {}
 
-    def hold(self, cell: tuple[str, str], node: str, lesson: T) -> list[T]:
-        """Hold ``lesson`` of a run on ``node``; every lesson of ``cell`` to teach now (the cell is
-        then cleared) when its runs span enough nodes, else none."""
-        by_node = self._held.setdefault(cell, {})
-        lessons = by_node.setdefault(node, [])
-        lessons.append(lesson)
-        del lessons[:-HELD_PER_NODE]  # a node that alone is ever slow keeps only its latest
-        if len(by_node) < self.agree:
+    def hold(
+        self, cell: tuple[str, str], node: str, run: K, lesson: T, *, live: Callable[[K], bool]
+    ) -> list[tuple[K, T]]:
+        """Hold ``run``'s ``lesson`` (its node ``node``), forgetting the cell's runs no longer
+        ``live``; every held ``(run, lesson)`` of ``cell`` when its live runs span enough nodes,
+        else none."""
+        if sum(len(v) for v in self._cells.values()) >= HELD_MAX:
+            for key in list(self._cells):
+                self._prune(key, live)
+        held = self._cells.setdefault(cell, {})
+        held[run] = (node, lesson)
+        self._prune(cell, live)
+        held = self._cells.get(cell, {})
+        if len({n for n, _ in held.values()}) < self.agree:
             return []
-        del self._held[cell]
-        return [held for lessons in by_node.values() for held in lessons]
+        return [(k, lesson_) for k, (_, lesson_) in held.items()]
+
+    def _prune(self, cell: tuple[str, str], live: Callable[[K], bool]) -> None:
+        held = self._cells.get(cell, {})
+        for key in [k for k in held if not live(k)]:
+            del held[key]
+        if not held:
+            self._cells.pop(cell, None)
 
     def held(self, cell: tuple[str, str]) -> int:
         """How many lessons of ``cell`` are held."""
-        return sum(len(v) for v in self._held.get(cell, {}).values())
+        return len(self._cells.get(cell, {}))

@@ -493,7 +493,7 @@ class _Simulation:
         self.fast = policy if isinstance(policy, FrameworkPolicy) else None
         own = self.fast.speed_learner if self.fast is not None else None
         knows = isinstance(policy, OraclePolicy)  # the truth is its learned table: nothing to learn
-        self.held_lessons: HeldLessons[tuple[str, _Run]] = HeldLessons()
+        self.held_lessons: HeldLessons[tuple[str, int], _Run] = HeldLessons()
         """Slow runs' mid-run lessons waiting for another node to agree (:class:`HeldLessons`)."""
         self.speed_learner = (
             (learner if learner is not None else own) if truth is not None and not knows else None
@@ -1744,10 +1744,17 @@ class _Simulation:
         if cell is None:
             return
         node = run.decision.parts[0].allocations[0][0]
-        for held_id, held in self.held_lessons.hold(cell, node, (job.spec.job_id, run)):
-            if not held.taught and self.jobs[held_id].run is held:
+        for (held_id, _), held in self.held_lessons.hold(
+            cell, node, (job.spec.job_id, run.serial), run, live=self._run_live
+        ):
+            if not held.taught:
                 held.taught = True
                 self._learn_speed(self.speed_learner, self.jobs[held_id].spec, held)
+
+    def _run_live(self, key: tuple[str, int]) -> bool:
+        """Whether the run ``(job id, serial)`` is the job's current run."""
+        run = self.jobs[key[0]].run
+        return run is not None and run.serial == key[1]
 
     def _cell(self, spec: JobSpec, run: _Run) -> tuple[str, str] | None:
         """The (family, GPU model) a run's lesson is about (None: it teaches nothing)."""

@@ -916,6 +916,7 @@ def _parse(decode: Callable[[], WorkloadRow], where: str, line: int) -> SimJob:
     try:
         job = row_to_job(decode())
         _admissible(job)
+        _not_years(job)
     except (msgspec.ValidationError, ValueError, InvalidInputError) as exc:
         raise WorkloadError(str(exc), path=where, line=line) from None
     return job
@@ -923,12 +924,17 @@ def _parse(decode: Callable[[], WorkloadRow], where: str, line: int) -> SimJob:
 
 def _admissible(job: SimJob) -> None:
     """What placement refuses at admission (:func:`loom.sched.cycle.admission_check`: elastic
-    bounds, a pipeline with workers, a reserved label, a bad DAG) and a job longer than
-    :data:`MAX_JOB_S` raise :class:`InvalidInputError`: the simulator would otherwise run jobs the
-    service rejects, or play one job out for ever."""
+    bounds, a pipeline with workers, a reserved label, a bad DAG) raises
+    :class:`InvalidInputError`: the simulator would otherwise run jobs the service rejects."""
     from loom.sched.cycle import admission_check  # noqa: PLC0415 - the scheduling core, on use
 
     admission_check(job.spec)
+
+
+def _not_years(job: SimJob) -> None:
+    """A generic-format job longer than :data:`MAX_JOB_S` raises :class:`InvalidInputError` (a unit
+    mistake, and the simulator would play it out for ever). Not applied to a public trace: its
+    durations are measured, and one long job must not refuse the whole trace."""
     work = job.spec.work
     days = work.steps * work.step_time_s / 86_400.0
     if work.steps * work.step_time_s > MAX_JOB_S:
@@ -1029,22 +1035,22 @@ def check_trace(
 ) -> None:
     """:class:`WorkloadError` for a workload that would simulate nothing or something other than
     what was meant: no job at all (an empty file, a header or comments only, events only, a public
-    trace none of whose jobs can be replayed); a job the service would refuse at admission or one
-    of years (:func:`_admissible`); a ``gpu_models`` name that neither the profile library nor the
-    platform knows (``models``: the platform's), or an affinity naming a region or cluster the
-    platform does not have (``regions`` / ``clusters``). Before, such a job was only counted
-    rejected, so a typo quietly shrank the workload."""
+    trace none of whose jobs can be replayed); a job the service would refuse at admission
+    (:func:`_admissible`); a ``gpu_models`` name (in any case, as placement matches them) that
+    neither the profile library nor the platform knows (``models``: the platform's), or an
+    affinity naming a region or cluster the platform does not have (``regions`` / ``clusters``).
+    Before, such a job was only counted rejected, so a typo quietly shrank the workload."""
     if not trace.jobs:
         events = f" ({len(trace.events)} event(s) only)" if trace.events else ""
         raise WorkloadError(f"no jobs to simulate{events}", path=where)
-    known_models = set(library_models()) | set(models or ())
+    known_models = {m.upper() for m in (*library_models(), *(models or ()))}  # matched as placement does
     for job in trace.jobs:
         try:
             _admissible(job)
         except InvalidInputError as exc:
             raise WorkloadError(str(exc), path=where) from None
         spec, name = job.spec, repr(job.spec.job_id)
-        unknown = [m for m in spec.resources.gpu_models if m not in known_models]
+        unknown = [m for m in spec.resources.gpu_models if m.upper() not in known_models]
         if unknown:
             raise WorkloadError(
                 f"job {name}: unknown GPU model(s) {', '.join(map(repr, unknown))} in gpu_models;"

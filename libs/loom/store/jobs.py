@@ -616,9 +616,16 @@ async def set_state(
     return [r["job_id"] for r in rows]
 
 
-async def tenants_of(conn: asyncpg.Connection | asyncpg.Pool, job_ids: Sequence[str]) -> dict[str, str]:
-    """Job id -> its tenant, for those of ``job_ids`` that exist."""
-    rows = await conn.fetch("SELECT job_id, tenant FROM jobs WHERE job_id = ANY($1::text[])", list(job_ids))
+async def tenants_of(
+    conn: asyncpg.Connection | asyncpg.Pool, job_ids: Sequence[str], *, lock: bool = False
+) -> dict[str, str]:
+    """Job id -> its tenant, for those of ``job_ids`` that exist (``lock``: their rows locked for
+    update until the transaction ends)."""
+    rows = await conn.fetch(
+        "SELECT job_id, tenant FROM jobs WHERE job_id = ANY($1::text[]) ORDER BY job_id"
+        + (" FOR UPDATE" if lock else ""),
+        list(job_ids),
+    )
     return {r["job_id"]: r["tenant"] for r in rows}
 
 
