@@ -99,7 +99,7 @@ from loom.tasks import cancel_and_wait
 from loom_proto import subjects
 from loom_proto.clusters import CheckpointJob
 from loom_proto.codec import DecodeError, decode, encode
-from loom_proto.jobs import Affinity, JobRequeued, JobSpec, JobStarted
+from loom_proto.jobs import Affinity, JobCancelled, JobCompleted, JobFailed, JobRequeued, JobSpec, JobStarted
 from loom_proto.migrations import MigrationEvent, MigrationKind
 from loom_proto.net import LinkEventMessage, LinkInUse, LinkRecovered, LinksInUse, LinkState
 
@@ -253,7 +253,9 @@ class MigrationService:
             ConsumerSpec(
                 stream="JOBS",
                 durable="migration-jobs",
-                filter_subjects=subjects.job_events_of("requeued", "started"),
+                filter_subjects=subjects.job_events_of(
+                    "requeued", "started", "completed", "failed", "cancelled"
+                ),
                 batch=200,
             ),
             bytes,
@@ -306,8 +308,10 @@ class MigrationService:
 
     async def on_job_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
         """A run lost with its cluster starts a failover migration; a next attempt's start ends
-        every open migration of the job's earlier attempts."""
+        every open migration of the job's earlier attempts; a job that ended (a late completion of
+        the given-up attempt, a cancellation) fails its open migrations as moot."""
         decoded: list[JobEvent] = []
+        ended: list[str] = []
         for d in deliveries:
             try:
                 event: JobEvent = decode(d.message, JobEvent)  # type: ignore[arg-type]
@@ -319,11 +323,16 @@ class MigrationService:
             # later one: migrations.from_attempt >= 1): most starts need no transaction at all.
             if isinstance(event, JobStarted) and event.attempt <= 1:
                 continue
+            if isinstance(event, JobCompleted | JobFailed | JobCancelled):
+                ended.append(event.job_id)  # a job that ended has no move left to make
+                continue
             decoded.append(event)
-        if not decoded:
+        if not decoded and not ended:
             return [None] * len(deliveries)
         messages: list[outbox.OutboxMessage] = []
         async with transaction(self.pool) as conn:
+            for row in await moves.end_moot(conn, sorted(set(ended))):
+                messages.append(self._message(row, "failed", moot=True))
             # Consecutive starts end their migrations in one statement per round (a job's second
             # start in the run is in the next round), in event order; a failover between them is
             # recorded in its place.

@@ -648,3 +648,37 @@ async def test_a_requeue_stores_the_next_attempts_avoids_as_given(pool: asyncpg.
         assert await jobs.requeue(conn, job_id, 1, ["c-b", "c-a"]) is not None
     row = await pool.fetchrow("SELECT state, avoid_clusters FROM jobs WHERE job_id = $1", job_id)
     assert (row["state"], sorted(row["avoid_clusters"])) == ("queued", ["c-a", "c-b"])
+
+
+async def test_a_move_of_a_job_that_ended_meanwhile_is_failed_as_moot(pool: asyncpg.Pool) -> None:
+    # A failed-over run's late completion finished the job before its next attempt started:
+    # before, the failover migration stayed "started" for good.
+    from loom.store import moves
+
+    done, running = unique("ended"), unique("running")
+    async with transaction(pool) as conn:
+        await jobs.insert_jobs(
+            conn, [jobs.NewJob(j, "acme", b"{}", 1_700_000_000.0, {}) for j in (done, running)]
+        )
+        for job_id in (done, running):
+            assert await moves.plan(
+                conn,
+                migration_id=f"m-{job_id}",
+                job_id=job_id,
+                tenant="acme",
+                cause="failover",
+                state="started",
+                from_cluster="c1",
+                from_attempt=1,
+                steps=100,
+                why="cluster c1 lost",
+                trace_context={},
+            )
+        await jobs.set_state(conn, [done], "completed", ["queued"])
+        ended = await moves.end_moot(conn, [done, running])
+    assert [(r["job_id"], r["state"]) for r in ended] == [(done, "failed")]
+    assert ended[0]["why"].startswith("the job completed (attempt 0) before the move: cluster c1 lost")
+    states = {r["job_id"]: r["state"] for r in await pool.fetch("SELECT job_id, state FROM migrations")}
+    assert states[running] == "started"
+    async with transaction(pool) as conn:
+        assert await moves.end_moot(conn, [done]) == []  # once

@@ -160,6 +160,34 @@ def test_drain_wait_says_when_it_stops_following_a_drain_still_under_way(
     assert "stopped following after 0.01 s" in err and "still draining, 1 move(s) in flight" in err
 
 
+def test_drain_wait_keeps_following_while_the_migration_service_does_not_answer(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: a restarting migration service's silence read as "undrained" and the wait ended,
+    # exit 1, while the drain was still in force.
+    from loom.cli import migrations as cli_migrations
+
+    answers = iter([False, False, True])
+
+    async def ask(client: Any, subject: str, request: dict[str, Any]) -> dict[str, Any]:
+        if request["op"] == "drains":
+            if not next(answers):
+                return {"ok": False, "code": "unavailable", "error": "the migration service did not answer"}
+            return {"ok": True, "result": [{"cluster": "c-1", "state": "drained", "started_at": 100.0}]}
+        return {"ok": True, "result": [{"cause": "drain", "state": "completed", "planned_at": 150.0}]}
+
+    async def no_wait(_s: float) -> None:
+        return None
+
+    monkeypatch.setattr(cli_migrations, "ask", ask)
+    monkeypatch.setattr(cli_migrations.asyncio, "sleep", no_wait)
+    args = argparse.Namespace(cluster="c-1", timeout=30.0, json=False)
+    assert asyncio.run(cli_migrations._follow(None, args, {"jobs": 1, "placement_confirmed": True})) == 0  # type: ignore[arg-type]
+    captured = capsys.readouterr()
+    assert " ".join(captured.err.split()).count("does not answer") == 1  # said once, not every poll
+    assert "undrained" not in captured.out and "drained: 1 moved" in " ".join(captured.out.split())
+
+
 def test_a_moved_jobs_history_says_why_on_the_requeued_row_and_the_stopped_run_is_not_a_failure() -> None:
     from loom.cli.main import _event_detail
 

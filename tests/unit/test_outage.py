@@ -211,3 +211,53 @@ def test_loom_status_json_says_down_for_a_server_that_is_gone_as_the_table_does(
     assert cli.cmd_status(argparse.Namespace(json=True)) == 1
     shown = {p["name"]: p["server_status"] for p in json.loads(capsys.readouterr().out)["processes"]}
     assert shown == {"nats": "down", "postgres": "up"}
+
+
+def test_loom_status_shows_the_processes_when_nats_does_not_answer_and_fails_on_a_degraded_service(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: with NATS frozen, `loom status` printed only "start it with loom up" (a stack was
+    # up); with PostgreSQL down it said "ready", postgres "up", and exited 0.
+    import argparse
+    import json
+
+    from loom.bus.connection import BusError
+    from loom.cli import main as cli
+
+    rows = [
+        {"name": "supervisor", "pid": 1, "alive": True, "restarts": 0},
+        {"name": "nats", "pid": 2, "alive": True, "server_status": "up", "restarts": 0},
+        {"name": "postgres", "pid": 3, "alive": True, "server_status": "up", "restarts": 0},
+        {"name": "placement", "pid": 4, "alive": True, "restarts": 0},
+    ]
+    monkeypatch.setattr(cli.stack, "read_state", lambda _home: {"status": "ready", "nats_url": "nats://x"})
+    monkeypatch.setattr(cli.stack, "process_table", lambda _home: [dict(r) for r in rows])
+
+    def frozen(_url: str, _names: list[str]) -> dict[str, dict[str, object]]:
+        raise BusError("no NATS server answered at nats://x within 2.5 s")
+
+    monkeypatch.setattr(cli, "_run_health", frozen)
+    assert cli.cmd_status(argparse.Namespace(json=True)) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["status"] == "ready, degraded" and [p["name"] for p in report["processes"]] == [
+        r["name"] for r in rows
+    ]
+    assert {p["name"]: p.get("server_status") for p in report["processes"]}["nats"] == "not answering"
+    assert report["problems"] == ["NATS does not answer: no NATS server answered at nats://x within 2.5 s"]
+
+    def degraded(_url: str, _names: list[str]) -> dict[str, dict[str, object]]:
+        return {"placement": {"status": "degraded: postgres unavailable", "pid": 4, "uptime_s": 9.0}}
+
+    monkeypatch.setattr(cli, "_run_health", degraded)
+    assert cli.cmd_status(argparse.Namespace(json=True)) == 1
+    report = json.loads(capsys.readouterr().out)
+    shown = {p["name"]: p.get("server_status") for p in report["processes"]}
+    assert shown["postgres"].startswith("not answering") and shown["nats"] == "up"
+    assert "placement: degraded: postgres unavailable" in report["problems"]
+
+    def healthy(_url: str, _names: list[str]) -> dict[str, dict[str, object]]:
+        return {"placement": {"status": "ok", "pid": 4, "uptime_s": 9.0}}
+
+    monkeypatch.setattr(cli, "_run_health", healthy)
+    assert cli.cmd_status(argparse.Namespace(json=False)) == 0
+    assert "Loom stack: ready" in capsys.readouterr().out

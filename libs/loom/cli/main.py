@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -108,16 +108,24 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 1
     rows = stack.process_table(loom_home())
     health: dict[str, dict[str, Any]] = {}
+    nats_down: str | None = None
     if state.get("status") == "ready" and state.get("nats_url"):
-        health = _run_health(state["nats_url"], [r["name"] for r in rows])
+        try:
+            health = _run_health(state["nats_url"], [r["name"] for r in rows])
+        except BusError as exc:  # the processes are still worth showing: NATS is what is down
+            nats_down = str(exc)
     for r in rows:
         r["health"] = health.get(r["name"])
         if stack.is_server(r["name"]):
-            r["server_status"] = _server_status(r)  # the table and --json say the same
+            r["server_status"] = _server_status(r, health, nats_down)  # the table and --json agree
+    problems = _stack_problems(rows, nats_down)
+    status = state.get("status")
+    if problems and status == "ready":
+        status = "ready, degraded"
     if args.json:
-        print(json.dumps({"status": state.get("status"), "processes": rows}, indent=2))
+        print(json.dumps({"status": status, "problems": problems, "processes": rows}, indent=2))
     else:
-        table = Table(title=f"Loom stack: {state.get('status')}")
+        table = Table(title=f"Loom stack: {status}")
         for col in ("process", "pid", "alive", "restarts", "last exit", "health"):
             table.add_column(col)
         for r in rows:
@@ -142,26 +150,57 @@ def cmd_status(args: argparse.Namespace) -> int:
             console.print("Prometheus /metrics:")
             for name, url in metrics_endpoints:
                 console.print(f"  {name:<28} {url}", highlight=False, soft_wrap=True)
-    ok = all(r["alive"] for r in rows) and all(
-        r["health"] for r in rows if r["name"] != "supervisor" and not stack.is_server(r["name"])
-    )
-    return 0 if ok else 1
+        for problem in problems:
+            err.print(f"[red]{escape(problem)}[/red]")
+    return 1 if problems else 0
 
 
-def _server_status(row: dict[str, Any]) -> str:
+def _stack_problems(rows: list[dict[str, Any]], nats_down: str | None) -> list[str]:
+    """What keeps the stack from being healthy, one line each (none: exit 0): a process not
+    alive, a server not up or not answering, a service with no answer or not ``ok``."""
+    problems = [f"NATS does not answer: {nats_down}"] if nats_down else []
+    for r in rows:
+        name = r["name"]
+        if not r["alive"]:
+            problems.append(f"{name} is not running")
+        elif stack.is_server(name):
+            if r["server_status"] != "up" and not (name == "nats" and nats_down):
+                problems.append(f"{name}: {r['server_status']}")
+        elif name != "supervisor" and not nats_down:
+            status = (r["health"] or {}).get("status")
+            if status is None:
+                problems.append(f"{name} does not answer its health check")
+            elif status != "ok":
+                problems.append(f"{name}: {status}")
+    return problems
+
+
+def _server_status(
+    row: dict[str, Any], health: Mapping[str, Mapping[str, Any]] | None = None, nats_down: str | None = None
+) -> str:
     """A server's state: the supervisor's word for it (``up``, ``restarting``, ``crash-looping``),
     but ``down`` for a process that is gone while that word still says ``up`` (after ``loom down``,
-    or before the supervisor noticed)."""
+    or before the supervisor noticed), and ``not answering`` for one that is alive but refuses its
+    work: NATS when the health check cannot connect, PostgreSQL when a service reports it
+    unavailable (a frozen or recovering server: before, it showed ``up``)."""
     server_status = str(row.get("server_status", "up"))
     if server_status == "up" and not row.get("alive"):
         server_status = "down"
+    elif server_status == "up" and row.get("name") == "nats" and nats_down:
+        server_status = "not answering"
+    elif (
+        server_status == "up"
+        and row.get("name") == "postgres"
+        and any("postgres" in str(h.get("status", "")) for h in (health or {}).values())
+    ):
+        server_status = "not answering (services report it unavailable)"
     return server_status
 
 
 def _server_health_text(row: dict[str, Any]) -> str:
     """A server's health cell (:func:`_server_status`, in red unless up)."""
     server_status = _server_status(row)
-    return "up" if server_status == "up" else f"[red]{server_status}[/red]"
+    return "up" if server_status == "up" else f"[red]{escape(server_status)}[/red]"
 
 
 def _health_text(health: dict[str, Any] | None) -> str:

@@ -183,9 +183,22 @@ async def _follow(client: LoomClient, args: argparse.Namespace, answer: dict[str
     waiting: list[dict[str, Any]] = []
     told: set[str] = set()
     last: tuple[str, int, int, frozenset[str]] | None = None
+    unanswered = False
     while time.monotonic() - start < args.timeout:
         drains = await ask(client, subjects.MIGRATE_QUERY, {"op": "drains"})
         listed = await ask(client, subjects.MIGRATE_QUERY, {"op": "list", "cluster": args.cluster})
+        if not drains.get("ok") or not listed.get("ok"):
+            # The migration service restarting, say: the drain is still in force (it is a row in
+            # the store), so keep following; before, this read as "undrained" and the wait ended.
+            if not unanswered and not args.json:
+                err.print(
+                    f"the migration service does not answer ({drains.get('error') or listed.get('error')});"
+                    " still following"
+                )
+            unanswered = True
+            await asyncio.sleep(1.0)
+            continue
+        unanswered = False
         mine = [d for d in drains.get("result", []) if d["cluster"] == args.cluster]
         # This drain's moves only: an earlier drain of the cluster (undrained since) moved others.
         since = float(mine[0]["started_at"]) if mine and mine[0].get("started_at") else None
