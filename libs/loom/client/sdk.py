@@ -251,7 +251,8 @@ class LoomClient:
             raise QueryError(f"nothing listens on {subject}: is the service running?") from exc
         except Exception as exc:
             raise QueryError(
-                f"no answer on {subject} within {timeout_s}s: is the service running? ({exc!r})"
+                f"no answer on {subject} within {timeout_s:g} s: the service is not running, or cannot"
+                f" reach its database (`loom status` says which) ({exc!r})"
             ) from exc
         body = json.loads(reply.data)
         if not body.get("ok"):
