@@ -117,8 +117,10 @@ def test_quick_campaign_reports_every_fault_and_finds_planted_defects() -> None:
         assert fault["dead_letters"]["count"] == fault["dead_letters"]["injected"]
     assert faults[0]["done"]["pids_stopped"] >= 2  # the postmaster and its backends
     assert faults[0]["fault_s"] >= chaos.QUICK_HOLD_S
-    # Placement dead-letters lifecycle events it can never decode: the four injected, named so.
-    assert faults[1]["dead_letters"] == {"count": 4, "injected": 4, "not_injected": []}
+    # The two consumers of agents' reports (placement's lifecycle events and metering) each
+    # dead-letter the four injected events they can never decode, named so: eight dead letters
+    # (before, the second consumer's was dropped as a duplicate of the first's message id).
+    assert faults[1]["dead_letters"] == {"count": 8, "injected": 8, "not_injected": []}
     assert faults[2]["done"]["service"] == "agent-c-sea1-a"
     assert set(result["by_kind"]) == {"sigkill agent", "poison", "postgres-outage 2s"}
 
