@@ -517,6 +517,25 @@ def print_table(result: dict[str, Any]) -> None:
         )
 
 
+def add_loads_and_seeds(
+    parser: argparse.ArgumentParser, loads: Sequence[float], seeds: Sequence[int]
+) -> None:
+    """``--loads`` and ``--seeds`` (seed numbers, not a count), as ``contention`` and ``migration``
+    take them, with their defaults."""
+    parser.add_argument(
+        "--loads",
+        default=",".join(f"{x:g}" for x in loads),
+        help="offered loads, comma-separated: work offered over the platform's capacity, each a number"
+        f" > 0 (1: as much as it can do; default {','.join(f'{x:g}' for x in loads)})",
+    )
+    parser.add_argument(
+        "--seeds",
+        default=",".join(str(s) for s in seeds),
+        help="which seeds to run, comma-separated seed numbers, not a count (5 runs seed 5 alone;"
+        f" default {','.join(str(s) for s in seeds)})",
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``loom bench contention``."""
     parser.add_argument(
@@ -525,18 +544,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated, of {', '.join(KNOWN_PLATFORMS)} (default {','.join(PLATFORMS)})",
     )
     parser.add_argument("--workloads", default=None, help=f"comma-separated, of {', '.join(WORKLOADS)}")
-    parser.add_argument(
-        "--loads",
-        default=",".join(f"{x:g}" for x in LOADS),
-        help="offered loads, comma-separated: work offered over the platform's capacity, each a number"
-        f" > 0 (1: as much as it can do; default {','.join(f'{x:g}' for x in LOADS)})",
-    )
-    parser.add_argument(
-        "--seeds",
-        default=",".join(str(s) for s in SEEDS),
-        help="which seeds to run, comma-separated seed numbers, not a count (5 runs seed 5 alone;"
-        f" default {','.join(str(s) for s in SEEDS)})",
-    )
+    add_loads_and_seeds(parser, LOADS, SEEDS)
     parser.add_argument(
         "--policies",
         default=None,

@@ -630,18 +630,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``loom bench migration``."""
     parser.add_argument("--platforms", default=None, help=f"comma-separated, of {', '.join(PLATFORMS)}")
     parser.add_argument("--scenarios", default=None, help=f"comma-separated, of {', '.join(SCENARIOS)}")
-    parser.add_argument(
-        "--loads",
-        default=",".join(f"{x:g}" for x in LOADS),
-        help="offered loads, comma-separated shares of the platform's capacity, each > 0"
-        f" (default {','.join(f'{x:g}' for x in LOADS)})",
-    )
-    parser.add_argument(
-        "--seeds",
-        default=",".join(str(s) for s in SEEDS),
-        help="which seeds to run, comma-separated seed numbers, not a count (5 runs seed 5 alone;"
-        f" default {','.join(str(s) for s in SEEDS)})",
-    )
+    from loom_benchmarks.contention import add_loads_and_seeds
+
+    add_loads_and_seeds(parser, LOADS, SEEDS)
     parser.add_argument(
         "--units", type=int, default=UNITS, help=f"workload units of the mix per run (at least {MIN_UNITS})"
     )

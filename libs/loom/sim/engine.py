@@ -118,7 +118,7 @@ import numpy as np
 
 from loom.model.capacity import NodeCapacity
 from loom.model.family import job_family
-from loom.model.learn import HeldLessons, SpeedLearner, run_speed, teaches_while_running
+from loom.model.learn import HeldLessons, RunSpeed, SpeedLearner, run_speed, teaches_while_running
 from loom.model.profiles import speeds_for_model
 from loom.model.topology import Topology, load_topology
 from loom.sched import dag
@@ -1758,14 +1758,18 @@ class _Simulation:
 
     def _cell(self, spec: JobSpec, run: _Run) -> tuple[str, str] | None:
         """The (family, GPU model) a run's lesson is about (None: it teaches nothing)."""
-        seen = run_speed(
+        seen = self._run_speed(spec, run)
+        return None if seen is None else (seen.family, seen.gpu_model)
+
+    def _run_speed(self, spec: JobSpec, run: _Run) -> RunSpeed | None:
+        """What a run says of its family's speed (:func:`loom.model.learn.run_speed`)."""
+        return run_speed(
             spec,
             [p.gpu_model for p in run.decision.parts],
             run.compute_s,
             pipeline=run.pipeline,
             prior_speed=self.snap.gpu_speed,
         )
-        return None if seen is None else (seen.family, seen.gpu_model)
 
     def _repredict_end(self, job: _Job, run: _Run) -> None:
         """The run's progress report re-predicts its end from its measured pace
@@ -1800,13 +1804,7 @@ class _Simulation:
         the slowest part's pace); which runs teach is :func:`loom.model.learn.run_speed`'s rule,
         the one placement follows.
         """
-        seen = run_speed(
-            spec,
-            [p.gpu_model for p in run.decision.parts],
-            run.compute_s,
-            pipeline=run.pipeline,
-            prior_speed=self.snap.gpu_speed,
-        )
+        seen = self._run_speed(spec, run)
         if seen is None:
             return
         learner.observe(
