@@ -105,3 +105,21 @@ def test_progress_lines_give_a_rate_and_an_eta() -> None:
     assert _progress_line(0.5, (0.1, 1000.0), 1060.0) == "50% done, 40.0%/min, about 75 s left"
     assert _progress_line(0.2, (0.0, 1000.0), 1002.0) == "20% done, 600.0%/min, about 8 s left"
     assert _progress_line(0.3, (0.3, 1000.0), 1030.0) == "30% done"  # no progress seen yet: no rate
+
+
+def test_loom_up_on_a_stack_whose_nats_does_not_answer_says_so_instead_of_up(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: with the stack's NATS frozen, `loom up` printed "a stack is already up" and then
+    # "Loom is up", exit 0.
+    from loom.cli import main as cli
+
+    port = _closed_port()
+    state = {"nats_url": f"nats://127.0.0.1:{port}", "database_url": "postgresql://x", "services": ["p"]}
+    monkeypatch.setenv("LOOM_HOME", str(tmp_path))
+    monkeypatch.setattr(cli.stack, "is_running", lambda _home: True)
+    monkeypatch.setattr(cli.stack, "up", lambda _home, _options, progress=None: state)
+    assert cli.main(["up"]) == 1
+    captured = capsys.readouterr()
+    assert "Loom is up" not in captured.out
+    assert "the stack's processes run, but no NATS server answered" in " ".join(captured.err.split())

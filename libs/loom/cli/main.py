@@ -73,7 +73,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         nats_host=args.nats_host,
         postgres_host=args.postgres_host,
     )
-    if stack.is_running(loom_home()):
+    running = stack.is_running(loom_home())
+    if running:
         # What runs keeps the options it was started with (its tenant quotas among them).
         err.print(
             "[yellow]a stack is already up here: it keeps the options it was started with"
@@ -81,6 +82,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
+    silent = _nats_silent(state["nats_url"]) if running and options.services else None
+    if silent is not None:  # the processes are there, but it is not up: say so, not "Loom is up"
+        err.print(f"[red]the stack's processes run, but {escape(silent)}; `loom status` says more[/red]")
+        return 1
     console.print(f"[green]Loom is up[/green]  NATS {state['nats_url']}  PostgreSQL {state['database_url']}")
     console.print(
         f"{len(state['services'])} services; logs in {loom_home() / 'logs'}; stop with [bold]loom down[/bold]"
@@ -90,6 +95,20 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"web console at {state['console_url']}: [bold]loom console[/bold] prints its URL with a token"
         )
     return 0
+
+
+def _nats_silent(nats_url: str) -> str | None:
+    """Why the stack's NATS does not answer within the CLI's connect budget, or None when it does."""
+
+    async def ask() -> None:
+        client = await LoomClient.connect(nats_url, name="loom-up", first_within_s=CONNECT_WITHIN_S)
+        await client.close()
+
+    try:
+        asyncio.run(ask())
+    except BusError as exc:
+        return str(exc)
+    return None
 
 
 def cmd_down(_args: argparse.Namespace) -> int:
