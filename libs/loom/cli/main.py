@@ -107,8 +107,14 @@ def _nats_silent(nats_url: str) -> str | None:
     try:
         asyncio.run(ask())
     except BusError as exc:
-        return str(exc)
+        return _without_start_hint(str(exc))
     return None
+
+
+def _without_start_hint(message: str) -> str:
+    """A connect error without its "start it with `loom up`" advice (a stack is up: NATS is what
+    does not answer)."""
+    return message.split(": is the Loom stack running?", 1)[0]
 
 
 def cmd_down(_args: argparse.Namespace) -> int:
@@ -132,7 +138,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             health = _run_health(state["nats_url"], [r["name"] for r in rows])
         except BusError as exc:  # the processes are still worth showing: NATS is what is down
-            nats_down = str(exc)
+            nats_down = _without_start_hint(str(exc))
     for r in rows:
         r["health"] = health.get(r["name"])
         if stack.is_server(r["name"]):
