@@ -1434,7 +1434,7 @@ class MigrationService:
             self._time_copy(key, plan.transfer_s, source.region, regions.get(plan.target, ""))
             self.stats["replicas"]["started"] += 1
             self.stats["replicas"]["bytes_sent"] += round(plan.transfer_bytes)
-            log.info("replica copy started", job_id=c.job_id, step=c.step, to=plan.target, why=plan.why)
+            log.debug("replica copy started", job_id=c.job_id, step=c.step, to=plan.target, why=plan.why)
             started += 1
         self.stats["replicas"]["unplaced"] = unplaced
         return started
