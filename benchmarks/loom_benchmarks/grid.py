@@ -302,7 +302,7 @@ def grid_trace(
         )
         trace = _FILE_TRACES.get(key)
         if trace is None:
-            trace = _FILE_TRACES[key] = workloads.load_workload(
+            trace = workloads.load_workload(
                 workload,
                 regions={r.id for r in topology.regions},
                 topology=topology,
@@ -319,6 +319,7 @@ def grid_trace(
                 clusters={c.id for c in topology.clusters},
                 models={n.gpu_model for c in topology.clusters for n in c.nodes if n.gpu_model},
             )
+            _FILE_TRACES[key] = trace  # only a trace that passed
         return trace
     raise ValueError(f"unknown grid workload {workload!r}; known: {', '.join(WORKLOADS)}")
 

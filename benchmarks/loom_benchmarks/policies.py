@@ -617,7 +617,11 @@ def _with_arrival_utilisation(
     last = max((j.arrival_s for j in trace.jobs), default=0.0)
     for summary, r in zip(summaries, results, strict=True):
         window = [x for x in r.timeline if first <= x.t_s <= last]
-        summary["overall"]["gpu_utilisation_arrivals"] = metrics.mean_utilisation(window)
+        # Jobs that all arrive at once have no arrival window: the run's figure stands for it.
+        busy = metrics.mean_utilisation(window) if last > first else None
+        summary["overall"]["gpu_utilisation_arrivals"] = (
+            busy if busy is not None else summary["overall"].get("gpu_utilisation_mean")
+        )
     return summaries
 
 

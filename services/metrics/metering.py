@@ -117,7 +117,15 @@ class Metering:
             if metered and self.on_metered is not None:
                 self.on_metered(metered)
             if self.on_folded is not None:
-                await self.on_folded([event for mid, event in decoded if mid not in foreign], fresh)
+                # A cancellation delivered again (its first delivery was folded, or refused) is
+                # not offered again: only a fresh one was checked against the job's tenant.
+                new = {id(e) for e in fresh}
+                folded = [
+                    event
+                    for mid, event in decoded
+                    if mid not in foreign and (id(event) in new or not isinstance(event, JobCancelled))
+                ]
+                await self.on_folded(folded, fresh)
             ids = [d.msg_id or f"seq-{d.stream_seq}" for d in deliveries]
             for i, mid in enumerate(ids):
                 if mid in foreign:

@@ -333,6 +333,7 @@ class MigrationService:
         async with transaction(self.pool) as conn:
             for row in await moves.end_moot(conn, sorted(set(ended))):
                 messages.append(self._message(row, "failed", moot=True))
+                self._start_held_at.pop(row["migration_id"], None)
             # Consecutive starts end their migrations in one statement per round (a job's second
             # start in the run is in the next round), in event order; a failover between them is
             # recorded in its place.
@@ -349,6 +350,20 @@ class MigrationService:
                 await outbox.add(conn, PRODUCER, messages)
         await self._publish(messages)
         return [None] * len(deliveries)
+
+    async def _end_moot(self) -> None:
+        """Fail the open migrations of every job that has ended (a sweep every few seconds: the
+        end event may reach this service before placement has recorded the end, or before the
+        failover it ends was recorded)."""
+        async with transaction(self.pool) as conn:
+            rows = await moves.end_moot(conn, None)
+            messages = [self._message(row, "failed", moot=True) for row in rows]
+            if messages:
+                await outbox.add(conn, PRODUCER, messages)
+        for row in rows:
+            self._start_held_at.pop(row["migration_id"], None)
+        if messages:
+            await self._publish(messages)
 
     async def _complete_moves(
         self, conn: asyncpg.Connection, starts: list[JobStarted]
@@ -1480,6 +1495,7 @@ class MigrationService:
             if seen is not None:
                 await asyncio.sleep(self.settings.clusters_every_s)
             try:
+                await self._end_moot()
                 known = await moves.known_clusters(self.pool)
                 gpus = {cluster: sum(models.values()) for cluster, models in known.items()}
                 if seen is not None and self.settings.review_clusters:

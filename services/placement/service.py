@@ -2777,9 +2777,10 @@ class PlacementService:
         return out
 
     def _run_live(self, key: tuple[str, int]) -> bool:
-        """Whether ``(job id, attempt)`` is a run the book holds now."""
+        """Whether ``(job id, attempt)`` is a run the book holds now, not taught yet (a taught
+        run's lesson was measured against the old belief: it agrees with nothing new)."""
         run = self.book.runs.get(key[0])
-        return run is not None and run.attempt == key[1]
+        return run is not None and run.attempt == key[1] and not run.taught
 
     def _speed_observation(self, run: Run, observed_step_s: float | None) -> speeds.SpeedObservation | None:
         """What a run that measured ``observed_step_s`` (compute seconds per step) says of its

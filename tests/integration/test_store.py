@@ -682,3 +682,7 @@ async def test_a_move_of_a_job_that_ended_meanwhile_is_failed_as_moot(pool: asyn
     assert states[running] == "started"
     async with transaction(pool) as conn:
         assert await moves.end_moot(conn, [done]) == []  # once
+        # The sweep (every job: the end may be recorded after its event reached migration).
+        await jobs.set_state(conn, [running], "cancelled", ["queued"])
+        swept = await moves.end_moot(conn, None)
+    assert [(r["job_id"], r["state"]) for r in swept] == [(running, "failed")]

@@ -1752,9 +1752,10 @@ class _Simulation:
                 self._learn_speed(self.speed_learner, self.jobs[held_id].spec, held)
 
     def _run_live(self, key: tuple[str, int]) -> bool:
-        """Whether the run ``(job id, serial)`` is the job's current run."""
+        """Whether the run ``(job id, serial)`` is the job's current run, not taught yet (a taught
+        run's lesson was measured against the old belief: it agrees with nothing new)."""
         run = self.jobs[key[0]].run
-        return run is not None and run.serial == key[1]
+        return run is not None and run.serial == key[1] and not run.taught
 
     def _cell(self, spec: JobSpec, run: _Run) -> tuple[str, str] | None:
         """The (family, GPU model) a run's lesson is about (None: it teaches nothing)."""

@@ -456,7 +456,8 @@ async def lock_queued(conn: asyncpg.Connection, job_ids: Sequence[str]) -> set[s
     if not job_ids:
         return set()
     rows = await conn.fetch(
-        "SELECT job_id FROM jobs WHERE job_id = ANY($1::text[]) AND state = 'queued' FOR UPDATE",
+        "SELECT job_id FROM jobs WHERE job_id = ANY($1::text[]) AND state = 'queued'"
+        " ORDER BY job_id FOR UPDATE",  # in one order: another transaction locking jobs waits, not deadlocks
         list(job_ids),
     )
     return {r["job_id"] for r in rows}
