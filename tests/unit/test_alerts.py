@@ -645,3 +645,31 @@ def test_an_ended_jobs_own_alert_lists_its_tenant_and_a_raw_alerts_label_never_d
     assert claimed.tenants == [] and [(j.job_id, j.tenant) for j in claimed.jobs] == [("gone", None)]
     c2.ingest(msgspec.structs.replace(own, alert_id="again", dedup_key="again"), 4.0, own=True)
     assert raw.change("updated", "x").tenants == ["vision"]
+
+
+def test_services_silent_together_are_one_nats_incident_and_one_silent_service_is_its_own() -> None:
+    # A 40 s NATS freeze opened one critical incident per service (12), none naming NATS; a
+    # PostgreSQL outage, whose services answer "degraded: postgres unavailable", likewise.
+    from loom.alerts.sources import HealthWatch
+
+    services = ["placement", "metrics", "migration", "network-perception", "alert-correlator"]
+    watch = HealthWatch(misses=1, startup_grace_s=0.0)
+    silent = [a for name in services for a in watch.missed(name, 0.0, 2.0)]
+    c = Correlator(placements([job("a", ("c-use2-a", 0))]))
+    run(c, [(0.1 * i, a) for i, a in enumerate(silent)], 40.0)
+    [inc] = c.incidents.values()
+    assert inc.root == ("server", "nats") and inc.severity == "critical"
+
+    watch = HealthWatch(misses=1, startup_grace_s=0.0)
+    degraded = [a for name in services for a in watch.answered(name, "degraded: postgres unavailable", 0.0)]
+    c = Correlator(placements([job("a", ("c-use2-a", 0))]))
+    run(c, [(0.1 * i, a) for i, a in enumerate(degraded)], 40.0)
+    [inc] = c.incidents.values()
+    assert inc.root == ("server", "postgres")
+
+    # One service dying alone is that service, not NATS (the more specific root of equals).
+    c = Correlator(placements([job("a", ("c-use2-a", 0))]))
+    [alone] = HealthWatch(misses=1, startup_grace_s=0.0).missed("migration", 0.0, 2.0)
+    run(c, [(0.0, alone)], 40.0)
+    [inc] = c.incidents.values()
+    assert inc.root == ("service", "migration")

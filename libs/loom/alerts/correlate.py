@@ -69,6 +69,8 @@ from loom_proto.alerts import (
 
 _SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
 OVERFLOW: Resource = ("service", "overflow")
+SERVERS: frozenset[str] = frozenset({"nats", "postgres"})
+"""The servers an alert may say it stands on (:attr:`Signal.stands_on`)."""
 """The root of the incident that takes groups past ``max_open`` open incidents."""
 
 
@@ -115,6 +117,10 @@ class Signal:
     tenant: str | None = None
     """The job's tenant as Loom's own event gave it (a job alert the correlator made itself, never
     a label of a raw alert): listed for the job when placement no longer holds it."""
+    stands_on: Resource | None = None
+    """A server the alert's resource depends on and that would explain it (label ``stands_on``:
+    ``nats`` for a service missing its health answers, ``postgres`` for one reporting it
+    unavailable): many services alerting at once group under that server, not one incident each."""
 
 
 def _resource_of(alert: Alert) -> Resource | None:
@@ -161,6 +167,7 @@ def signal_of(alert: Alert, *, own: bool = False) -> Signal:
         momentary=alert.momentary,
         at=alert.at,
         tenant=(alert.labels.get("tenant") or None) if own and alert.job_id is not None else None,
+        stands_on=("server", alert.labels["stands_on"]) if alert.labels.get("stands_on") in SERVERS else None,
     )
 
 
@@ -418,6 +425,8 @@ class Correlator:
                 self._record(inc, signal, now, skewed)
                 return []
         implicated = self.placements.implicated(signal.resource, signal.job_id)
+        if signal.stands_on is not None:
+            implicated = implicated | {signal.stands_on}
         inc = self._open_incident_over(implicated)
         if inc is not None:
             self.counts["attached"] += 1

@@ -1,9 +1,11 @@
 """What an alert names and which jobs stand on it: resources, the inventory, the placements snapshot.
 
 A **resource** is ``(kind, name)``: a ``region``, ``zone``, ``cluster``, ``node``, an undirected
-``link`` between two regions (named ``a~b`` with ``a < b``), a ``job``, or a ``service`` of Loom
-itself (the bus, the dead-letter queue). Links are undirected because a degraded hop hurts the
-traffic both ways and perception reports each direction on its own.
+``link`` between two regions (named ``a~b`` with ``a < b``), a ``job``, a ``service`` of Loom
+itself (the bus, the dead-letter queue), or a ``server`` every service stands on (``nats``,
+``postgres``: named by the alerts that depend on it, :attr:`Signal.stands_on`). Links are
+undirected because a degraded hop hurts the traffic both ways and perception reports each
+direction on its own.
 
 :meth:`Inventory.implicated` is the heart of correlation: every resource that, if it failed,
 would explain an alert — the resource the alert names and everything it stands on (a node: its
@@ -21,7 +23,7 @@ from typing import Literal
 
 from loom.model.topology import Topology
 
-ResourceKind = Literal["job", "node", "cluster", "link", "zone", "region", "service"]
+ResourceKind = Literal["job", "node", "cluster", "link", "zone", "region", "service", "server"]
 Resource = tuple[ResourceKind, str]
 
 SPECIFICITY: dict[str, int] = {
@@ -32,6 +34,7 @@ SPECIFICITY: dict[str, int] = {
     "zone": 4,
     "region": 5,
     "service": 6,
+    "server": 7,
 }
 """Most specific first: the tie-break between root-cause candidates that explain equally well."""
 

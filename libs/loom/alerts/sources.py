@@ -210,7 +210,12 @@ class HealthWatch:
         if self.firing.get(instance) == status:
             return []
         self.firing[instance] = status
-        return [self._alert(instance, f"answers {status}", now, firing=True, severity="warning")]
+        # A dependency down (the runtime's "postgres unavailable"): the server would explain it.
+        stands_on = next((s for s in ("postgres", "nats") if f"{s} unavailable" in status), None)
+        alert = self._alert(
+            instance, f"answers {status}", now, firing=True, severity="warning", stands_on=stands_on
+        )
+        return [alert]
 
     def missed(self, instance: str, now: float, timeout_s: float) -> list[Alert]:
         """No answer within ``timeout_s``."""
@@ -223,18 +228,24 @@ class HealthWatch:
             return []
         self.firing[instance] = "missing"
         summary = f"no health answer {count} times in a row (each within {timeout_s:g} s)"
-        return [self._alert(instance, summary, now, firing=True, severity="critical")]
+        # Health questions travel over NATS: many services silent at once is NATS.
+        return [self._alert(instance, summary, now, firing=True, severity="critical", stands_on="nats")]
 
     @staticmethod
-    def _alert(instance: str, what: str, now: float, *, firing: bool, severity: str) -> Alert:
+    def _alert(
+        instance: str, what: str, now: float, *, firing: bool, severity: str, stands_on: str | None = None
+    ) -> Alert:
         cluster = instance.removeprefix(AGENT_PREFIX) if instance.startswith(AGENT_PREFIX) else None
+        labels = {"instance": instance} if cluster else {"service": instance, "instance": instance}
+        if stands_on is not None:
+            labels["stands_on"] = stands_on
         return Alert(
             alert_id=alert_id("health", instance, int(now * 1000)),
             source=SOURCE,
             severity="critical" if severity == "critical" else "warning",
             summary=f"Loom service {instance}: {what}"[:1024],
             cluster=cluster,
-            labels={"instance": instance} if cluster else {"service": instance, "instance": instance},
+            labels=labels,
             dedup_key=alert_id("loom-svc", instance),
             at=now,
             status="firing" if firing else "resolved",
