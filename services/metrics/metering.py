@@ -23,6 +23,7 @@ from loom.metering import RunRecord, fold, meter
 from loom.metering.run import MeteredEvent
 from loom.metering.usage import PriceFn, ScuFn, scu_of
 from loom.runtime.service import ServiceContext
+from loom.security import foreign_cancellation, received_cancellation
 from loom.store import inbox
 from loom.store import usage as usage_store
 from loom.store.pool import transaction
@@ -91,6 +92,7 @@ class Metering:
         """
         outcomes: list[BaseException | None] = [None] * len(deliveries)
         decoded: list[tuple[str, MeteredEvent]] = []
+        index_of: dict[str, int] = {}
         for i, d in enumerate(deliveries):
             try:
                 # A union is not a ``type[T]`` to mypy; decode takes it (msgspec decodes tagged unions).
@@ -98,17 +100,14 @@ class Metering:
             except DecodeError as exc:
                 outcomes[i] = InvalidInputError(f"not a metered job event: {exc}")
                 continue
-            if isinstance(event, JobCancelled):
-                if subjects.event_tenant(d.subject) != event.tenant:
-                    # Placement refuses it too (a tenant publishes cancellations on its own subject).
-                    outcomes[i] = InvalidInputError(
-                        f"a cancellation on {d.subject!r} names tenant {event.tenant!r}"
-                    )
+            if isinstance(event, JobCancelled):  # as placement takes it
+                event, refusal = received_cancellation(d.subject, event, stored_at(d))
+                if refusal is not None:
+                    outcomes[i] = InvalidInputError(refusal)
                     continue
-                # The server's time, not the one a tenant claims: an early `at` would end the
-                # run, and bill it, back then (placement records the same time).
-                event = msgspec.structs.replace(event, at=stored_at(d))
-            decoded.append((d.msg_id or f"seq-{d.stream_seq}", event))
+            mid = d.msg_id or f"seq-{d.stream_seq}"
+            index_of[mid] = i
+            decoded.append((mid, event))
         if decoded:
             metered, fresh, foreign = await self._apply(decoded)
             self.counts["runs_metered"] += len(metered)
@@ -126,10 +125,8 @@ class Metering:
                     if mid not in foreign and (id(event) in new or not isinstance(event, JobCancelled))
                 ]
                 await self.on_folded(folded, fresh)
-            ids = [d.msg_id or f"seq-{d.stream_seq}" for d in deliveries]
-            for i, mid in enumerate(ids):
-                if mid in foreign:
-                    outcomes[i] = InvalidInputError(foreign[mid])
+            for mid, why in foreign.items():
+                outcomes[index_of[mid]] = InvalidInputError(why)
         return outcomes
 
     async def _apply(
@@ -170,13 +167,14 @@ class Metering:
             for event in fresh:
                 self.counts["events"] += 1
                 runs = await self._runs_of(conn, event, records, loaded)
-                if isinstance(event, JobCancelled):
-                    owners = {r.tenant for k, r in records.items() if k[0] == event.job_id}
-                    if owners - {"", event.tenant}:
-                        foreign[ids[id(event)]] = (
-                            f"tenant {event.tenant!r} may not cancel job {event.job_id}:"
-                            " it is another tenant's"
-                        )
+                if isinstance(event, JobCancelled):  # only runs it knows say whose job it is
+                    others = {r.tenant for k, r in records.items() if k[0] == event.job_id} - {
+                        "",
+                        event.tenant,
+                    }
+                    why = foreign_cancellation(event.tenant, event.job_id, min(others)) if others else None
+                    if why is not None:
+                        foreign[ids[id(event)]] = why
                 for key in runs:
                     updated = fold(records[key], event)
                     if isinstance(event, JobPlaced) or not updated.labels:

@@ -99,7 +99,7 @@ from loom.tasks import cancel_and_wait
 from loom_proto import subjects
 from loom_proto.clusters import CheckpointJob
 from loom_proto.codec import DecodeError, decode, encode
-from loom_proto.jobs import Affinity, JobCancelled, JobCompleted, JobFailed, JobRequeued, JobSpec, JobStarted
+from loom_proto.jobs import Affinity, JobRequeued, JobSpec, JobStarted
 from loom_proto.migrations import MigrationEvent, MigrationKind
 from loom_proto.net import LinkEventMessage, LinkInUse, LinkRecovered, LinksInUse, LinkState
 
@@ -253,9 +253,7 @@ class MigrationService:
             ConsumerSpec(
                 stream="JOBS",
                 durable="migration-jobs",
-                filter_subjects=subjects.job_events_of(
-                    "requeued", "started", "completed", "failed", "cancelled"
-                ),
+                filter_subjects=subjects.job_events_of("requeued", "started"),
                 batch=200,
             ),
             bytes,
@@ -308,10 +306,9 @@ class MigrationService:
 
     async def on_job_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
         """A run lost with its cluster starts a failover migration; a next attempt's start ends
-        every open migration of the job's earlier attempts; a job that ended (a late completion of
-        the given-up attempt, a cancellation) fails its open migrations as moot."""
+        every open migration of the job's earlier attempts (a job that ended meanwhile: the sweep,
+        :meth:`_end_moot`)."""
         decoded: list[JobEvent] = []
-        ended: list[str] = []
         for d in deliveries:
             try:
                 event: JobEvent = decode(d.message, JobEvent)  # type: ignore[arg-type]
@@ -323,17 +320,11 @@ class MigrationService:
             # later one: migrations.from_attempt >= 1): most starts need no transaction at all.
             if isinstance(event, JobStarted) and event.attempt <= 1:
                 continue
-            if isinstance(event, JobCompleted | JobFailed | JobCancelled):
-                ended.append(event.job_id)  # a job that ended has no move left to make
-                continue
             decoded.append(event)
-        if not decoded and not ended:
+        if not decoded:
             return [None] * len(deliveries)
         messages: list[outbox.OutboxMessage] = []
         async with transaction(self.pool) as conn:
-            for row in await moves.end_moot(conn, sorted(set(ended))):
-                messages.append(self._message(row, "failed", moot=True))
-                self._start_held_at.pop(row["migration_id"], None)
             # Consecutive starts end their migrations in one statement per round (a job's second
             # start in the run is in the next round), in event order; a failover between them is
             # recorded in its place.
@@ -352,11 +343,13 @@ class MigrationService:
         return [None] * len(deliveries)
 
     async def _end_moot(self) -> None:
-        """Fail the open migrations of every job that has ended (a sweep every few seconds: the
-        end event may reach this service before placement has recorded the end, or before the
-        failover it ends was recorded)."""
+        """Fail the open migrations of every job that has ended (a failed-over run's late
+        completion finished it, a cancellation): a sweep every few seconds, read from the store,
+        since a job's end event may reach this service before placement has recorded the end (or
+        before the failover it ends was recorded), and reading every job's end would cost each job
+        a round here."""
         async with transaction(self.pool) as conn:
-            rows = await moves.end_moot(conn, None)
+            rows = await moves.end_moot(conn)
             messages = [self._message(row, "failed", moot=True) for row in rows]
             if messages:
                 await outbox.add(conn, PRODUCER, messages)

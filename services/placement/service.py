@@ -120,7 +120,7 @@ from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, TenantConfig
 from loom.sched.shards import GLOBAL, ShardMap, route, route_of
 from loom.sched.snapshot import Economics
-from loom.security import foreign_report
+from loom.security import foreign_cancellation, foreign_report, received_cancellation
 from loom.store import failed as failed_store
 from loom.store import fence, inbox, moves, outbox, speeds
 from loom.store import jobs as repo
@@ -388,9 +388,9 @@ class PlacementService:
         # test_placement_shards).
         self.lease_ttl_s, self.lease_grace_s = lease_ttl_s, _default_grace(lease_grace_s)
         self.learner = SpeedLearner(LearnSettings(explore_share=explore_share))
+        """What each job family really gets on each GPU model (rebuilt from the store on leading)."""
         self.held_lessons: HeldLessons[tuple[str, int], speeds.SpeedObservation] = HeldLessons()
         """Slow runs' mid-run lessons waiting for another node to agree (:class:`HeldLessons`)."""
-        """What each job family really gets on each GPU model (rebuilt from the store on leading)."""
         self.probe = probe
         """Speed probes before deciding a job whose family never ran on a GPU model it may use
         (:mod:`loom.sched.probe`, as the simulator's ``loom``); None: none."""
@@ -2570,11 +2570,8 @@ class PlacementService:
             reporter = subjects.report_cluster(d.subject)
             why = foreign_report(reporter, getattr(event, "cluster", None))
             if isinstance(event, JobCancelled):
-                if subjects.event_tenant(d.subject) != event.tenant:
-                    why = f"a cancellation on {d.subject!r} names tenant {event.tenant!r}"
-                # A tenant publishes cancellations: its `at` is a claim, the server's time is
-                # not (a forged early `at` would end the run, and its metering, back then).
-                event = msgspec.structs.replace(event, at=stored_at(d))
+                event, refusal = received_cancellation(d.subject, event, stored_at(d))
+                why = why or refusal
             if why is not None:
                 log.warning("report refused", subject=d.subject, job_id=event.job_id, reason=why)
                 outcomes[i] = InvalidInputError(why)
@@ -2769,11 +2766,11 @@ class PlacementService:
             # As slow as the slow-node rule flags: held until runs on other nodes of the model
             # agree (then it is the model, taught now), else its completion teaches.
             cell, node = (observation.family, observation.gpu_model), run.parts[0][2][0][0]
-            key = (e.job_id, e.attempt)
-            for held_key, held in self.held_lessons.hold(cell, node, key, observation, live=self._run_live):
-                current = self.book.runs.get(held_key[0])
-                if current is not None and not current.taught and held_key not in [k for k, _ in out]:
-                    out.append((held_key, held))
+            released = self.held_lessons.hold(
+                cell, node, (e.job_id, e.attempt), observation, live=self._run_live
+            )
+            taught = {k for k, _ in out}  # another report of this batch may have released them already
+            out += [(k, held) for k, held in released if k not in taught]
         return out
 
     def _run_live(self, key: tuple[str, int]) -> bool:
@@ -3338,14 +3335,13 @@ async def _foreign_cancels(
     # Locked to the transaction's end: a job another tenant submits meanwhile cannot be the one
     # this cancels (it is not there yet, so the cancellation is of no job and refused).
     owners = await repo.tenants_of(conn, sorted({e.job_id for e, _ in cancels}), lock=True)
-    refused: dict[str, str] = {}
-    for e, mid in cancels:
-        owner = owners.get(e.job_id)
-        if owner is None:  # stored, it would name a job someone may submit later
-            refused[mid] = f"no job {e.job_id} to cancel"
-        elif owner != e.tenant:
-            refused[mid] = f"tenant {e.tenant!r} may not cancel job {e.job_id}: it is another tenant's"
-    return refused
+    # A job not stored is refused too: stored, the cancellation would name a job someone may
+    # submit later.
+    return {
+        mid: why
+        for e, mid in cancels
+        if (why := foreign_cancellation(e.tenant, e.job_id, owners.get(e.job_id))) is not None
+    }
 
 
 async def _refused_checkpoints(

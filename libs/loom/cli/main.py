@@ -192,15 +192,11 @@ def _stack_problems(rows: list[dict[str, Any]], nats_down: str | None) -> list[s
             if r["server_status"] != "up" and not (name == "nats" and nats_down):
                 problems.append(f"{name}: {r['server_status']}")
         elif name != "supervisor" and not nats_down:
-            health = r["health"] or {}
-            if not health:
+            status = (r["health"] or {}).get("status")
+            if status is None:
                 problems.append(f"{name} does not answer its health check")
-                continue
-            # A taken webhook port degrades the correlator (it retries) but not the stack: shown
-            # in the table, not a reason to fail.
-            found = [p for p in health.get("problems", []) if not str(p).startswith("webhook receiver")]
-            if health.get("status", "ok") != "ok" and (found or "problems" not in health):
-                problems.append(f"{name}: {'; '.join(map(str, found)) or health['status']}")
+            elif status != "ok":
+                problems.append(f"{name}: {status}")
     return problems
 
 

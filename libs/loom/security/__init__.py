@@ -17,10 +17,12 @@ from loom.security.permissions import (
     SERVICE_ROLES,
     Identity,
     Permissions,
+    foreign_cancellation,
     foreign_report,
     identity_for_process,
     may_manage_streams,
     permissions,
+    received_cancellation,
 )
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "Identity",
     "Permissions",
     "admin_identity",
+    "foreign_cancellation",
     "foreign_report",
     "identity_for_process",
     "may_manage_streams",
@@ -39,6 +42,7 @@ __all__ = [
     "parse",
     "permissions",
     "read",
+    "received_cancellation",
     "tenant_identity",
     "users_config",
     "write_secret",

@@ -30,8 +30,11 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
+import msgspec
+
 from loom_proto import subjects
 from loom_proto.ids import validate_id
+from loom_proto.jobs import JobCancelled
 
 Role = Literal[
     "admin",
@@ -332,3 +335,26 @@ def foreign_report(
 def may_manage_streams(identity: str) -> bool:
     """Whether the identity (by name) creates / updates streams at start (agents and tenants do not)."""
     return not identity.startswith(("agent-", "tenant-"))
+
+
+def received_cancellation(
+    subject: str, event: JobCancelled, stored_at_s: float
+) -> tuple[JobCancelled, str | None]:
+    """A cancellation as placement and metering both take it: at the time the server stored it
+    (``stored_at_s``), not the ``at`` its publisher claims (a tenant publishes cancellations: an
+    early ``at`` would end a run, and bill it, back then); and why it must be refused, or None (the
+    tenant it names is not its subject's: a tenant's credentials publish on their own subject)."""
+    why = None
+    if subjects.event_tenant(subject) != event.tenant:
+        why = f"a cancellation on {subject!r} names tenant {event.tenant!r}"
+    return msgspec.structs.replace(event, at=stored_at_s), why
+
+
+def foreign_cancellation(tenant: str, job_id: str, owner: str | None) -> str | None:
+    """Why tenant ``tenant`` may not cancel ``job_id``, whose tenant is ``owner`` (None: no such
+    job), or None when it may."""
+    if owner is None:
+        return f"no job {job_id} to cancel"
+    if owner != tenant:
+        return f"tenant {tenant!r} may not cancel job {job_id}: it is another tenant's"
+    return None

@@ -1746,10 +1746,9 @@ class _Simulation:
         node = run.decision.parts[0].allocations[0][0]
         for (held_id, _), held in self.held_lessons.hold(
             cell, node, (job.spec.job_id, run.serial), run, live=self._run_live
-        ):
-            if not held.taught:
-                held.taught = True
-                self._learn_speed(self.speed_learner, self.jobs[held_id].spec, held)
+        ):  # live ones only: none taught yet
+            held.taught = True
+            self._learn_speed(self.speed_learner, self.jobs[held_id].spec, held)
 
     def _run_live(self, key: tuple[str, int]) -> bool:
         """Whether the run ``(job id, serial)`` is the job's current run, not taught yet (a taught

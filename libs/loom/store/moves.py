@@ -303,21 +303,18 @@ async def fail(conn: asyncpg.Connection, migration_id: str, why: str) -> asyncpg
     return row
 
 
-async def end_moot(conn: asyncpg.Connection, job_ids: Sequence[str] | None) -> list[asyncpg.Record]:
-    """Open migrations of those jobs (None: of any job) that have ended meanwhile (a failed-over
-    run's late completion finished the job before its next attempt started, say): failed, with
-    why. Before, such a failover stayed "started" for good."""
-    if job_ids is not None and not job_ids:
-        return []
+async def end_moot(conn: asyncpg.Connection) -> list[asyncpg.Record]:
+    """Open migrations of jobs that have ended meanwhile (a failed-over run's late completion
+    finished the job before its next attempt started, say): failed, with why. Before, such a
+    failover stayed "started" for good."""
     rows: list[asyncpg.Record] = await conn.fetch(
         """UPDATE migrations m SET state = 'failed', finished_at = now(),
                   why = left('the job ' || j.state || ' (attempt ' || j.attempt || ') before the move: '
                              || m.why, 2048)
            FROM jobs j
-           WHERE ($1::text[] IS NULL OR m.job_id = ANY($1::text[])) AND m.state IN ('planned', 'started')
+           WHERE m.state IN ('planned', 'started')
              AND j.job_id = m.job_id AND j.state IN ('completed', 'failed', 'cancelled', 'rejected')
-           RETURNING m.*""",
-        None if job_ids is None else list(job_ids),
+           RETURNING m.*"""
     )
     return rows
 
