@@ -202,11 +202,19 @@ class ClusterProfiles(
 
 ClusterHealthState = Literal["healthy", "suspect", "failed"]
 
+CLUSTER_HEALTH_RETELL_S = 30.0
+"""Placement tells a cluster's unhealthy state again this often while it lasts: the notice is core
+NATS, so one missed by a restarting alert correlator is told again, and a classification nobody
+re-tells (placement restarted, the healthy notice lost) lapses (``CLUSTER_HEALTH_LEASE_S``)."""
+CLUSTER_HEALTH_LEASE_S = 3 * CLUSTER_HEALTH_RETELL_S + 5.0
+"""How long the alert correlator holds a cluster's unhealthy state without hearing it again."""
+
 
 class ClusterHealthChanged(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """Placement's classification of a cluster changed (core NATS, ``loom.placement.cluster_health``):
     ``suspect`` when one signal is lost (heartbeats past the TTL, or its region's probes), ``failed``
-    when both are (its work is re-placed), ``healthy`` again when neither is."""
+    when both are (its work is re-placed), ``healthy`` again when neither is. An unhealthy state is
+    told again every ``CLUSTER_HEALTH_RETELL_S`` while it lasts."""
 
     cluster: Id
     state: ClusterHealthState

@@ -19,7 +19,10 @@ In:
 
 Out: every incident change on ``loom.incidents.{opened,updated,resolved}`` (message id
 ``<incident>-v<version>``), to each ``--webhook`` URL (JSON POST, in the core's rate limit), and
-into the ``incidents`` table (restored on start, so open incidents survive a restart).
+into the ``incidents`` table with the stateful alerts each still has firing (restored on start, so
+open incidents survive a restart and resolve when those alerts recover, even if they recovered
+while the correlator was down: the event consumers are durable, the sources' conditions are
+restored, and placement's cluster health is a lease it renews, :class:`ClusterHealthLeases`).
 ``loom.incidents.ack`` (request-reply) acknowledges one.
 
 Which jobs run where is a snapshot of the placements table, refreshed every ``refresh_s``.
@@ -44,9 +47,9 @@ from loom.alerts.alertmanager import SOURCE as ALERTMANAGER
 from loom.alerts.alertmanager import MalformedPayloadError, parse_payload
 from loom.alerts.correlate import Incident
 from loom.alerts.sources import (
+    ClusterHealthLeases,
     ConditionTracker,
     HealthWatch,
-    from_cluster_health,
     from_job_failed,
     from_job_requeued,
     from_link_event,
@@ -63,7 +66,7 @@ from loom.store.pool import transaction
 from loom.telemetry.metrics import INCIDENTS_OPEN
 from loom_proto import subjects
 from loom_proto.alerts import Alert
-from loom_proto.clusters import ClusterHealthChanged, SlowRun
+from loom_proto.clusters import CLUSTER_HEALTH_LEASE_S, ClusterHealthChanged, SlowRun
 from loom_proto.codec import MAX_PAYLOAD_BYTES
 from loom_proto.jobs import JobFailed, JobRequeued
 from loom_proto.migrations import MigrationEvent
@@ -108,6 +111,7 @@ class AlertCorrelator:
         health_period_s: float = 5.0,
         health_timeout_s: float = 2.0,
         health_misses: int = 3,
+        cluster_health_lease_s: float = CLUSTER_HEALTH_LEASE_S,
     ) -> None:
         self.ctx = ctx
         self.inventory = Inventory.from_topology(topology)
@@ -115,6 +119,7 @@ class AlertCorrelator:
         self.conditions = ConditionTracker(dlq_threshold=dlq_threshold)
         self.watch_health = sorted(set(watch_health or []) - {ctx.name})
         self.health = HealthWatch(misses=health_misses)
+        self.cluster_health = ClusterHealthLeases(lease_s=cluster_health_lease_s)
         self.health_period_s = health_period_s
         self.health_timeout_s = health_timeout_s
         self.http_host = http_host
@@ -138,8 +143,15 @@ class AlertCorrelator:
     async def restore(self) -> int:
         """Open incidents, and those resolved within the re-open window, back into the core."""
         rows = await store.restorable(self.ctx.db, resolved_since_s=self.core.config.reopen_s)
-        for change in rows:
-            self.core.restore(Incident.from_change(change))
+        firing: set[str] = set()
+        for change, held in rows:
+            incident = Incident.from_change(change, held)
+            self.core.restore(incident)
+            firing |= incident.active
+        # The sources resolve what was firing as if this run had seen it start.
+        self.conditions.restore(firing)
+        self.health.restore(firing, self.watch_health)
+        self.cluster_health.restore(firing, time.time())
         return len(rows)
 
     async def refresh_placements(self) -> None:
@@ -308,7 +320,7 @@ class AlertCorrelator:
                     await asyncio.wait_for(self._wake.wait(), IDLE_TICK_S)
             self._wake.clear()
             now = time.time()
-            for alert in self.conditions.tick(now):
+            for alert in self.conditions.tick(now) + self.cluster_health.tick(now):
                 await self._emit(self.core.ingest(alert, now))
             await self._emit(self.core.tick(now))
             # Persist at once after a notification, else once a second: a storm's alert counts do
@@ -378,7 +390,8 @@ class AlertCorrelator:
         except msgspec.ValidationError as exc:
             log.info("bad cluster health notice ignored", error=str(exc))
             return
-        await self._ingest(from_cluster_health(event))
+        for alert in self.cluster_health.notice(event, time.time()):
+            await self._ingest(alert)
 
     async def on_slow_run(self, msg: Msg) -> None:
         """A run delivering under half its predicted rate (core NATS); a bad notice is logged."""
@@ -517,5 +530,6 @@ class AlertCorrelator:
         records = [
             inc.change("resolved" if inc.state == "resolved" else "updated", "persisted") for inc in changed
         ]
+        held = {inc.incident_id: inc.held() for inc in changed if inc.is_open}
         async with transaction(self.ctx.db) as conn:
-            await store.save_incidents(conn, records)
+            await store.save_incidents(conn, records, held)

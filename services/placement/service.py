@@ -2047,7 +2047,7 @@ class PlacementService:
             except Exception as exc:  # retried next cycle: the state is not recorded as told
                 log.info("cluster health notice not sent", cluster=h.cluster, error=repr(exc))
                 continue
-            self.failover.notices.told(h)
+            self.failover.notices.told(h, now)
 
     async def _persist_failed(self) -> None:
         """Record the clusters newly classified failed, forget those that returned (for the next

@@ -673,3 +673,81 @@ def test_services_silent_together_are_one_nats_incident_and_one_silent_service_i
     run(c, [(0.0, alone)], 40.0)
     [inc] = c.incidents.values()
     assert inc.root == ("service", "migration")
+
+
+def test_a_restored_incident_holds_its_firing_alerts_and_resolves_when_they_recover() -> None:
+    """A region incident of two link alerts, persisted and restored: the recovery of one keeps it
+    open, of both resolves it (before, a restored incident knew none of its alerts and waited
+    ``quiet_s`` whatever the links did)."""
+    from loom.alerts import Incident
+
+    p = placements([])
+    first = Correlator(p)
+    links = [alert(n, link=(src, SEA), dedup_key=f"l-{src}") for n, src in ((1, USE), (2, WEU))]
+    run(first, [(0.0, a) for a in links], 1.0)
+    [inc] = first.incidents.values()
+    assert inc.root == ("region", SEA) and inc.held().firing == [
+        ("l-aws-us-east-2", False),
+        ("l-azure-westeurope", False),
+    ]
+    assert inc.held().last_momentary_at is None
+
+    again = Correlator(p)
+    again.restore(Incident.from_change(inc.change("updated", "persisted"), inc.held()))
+    resolved = [alert(3, link=(USE, SEA), dedup_key="l-aws-us-east-2", status="resolved")]
+    assert again.ingest(resolved[0], 20.0) == [] and again.incidents[inc.incident_id].is_open
+    [note] = again.ingest(alert(4, link=(WEU, SEA), dedup_key="l-azure-westeurope", status="resolved"), 21.0)
+    assert note.kind == "resolved" and note.incident.incident_id == inc.incident_id
+
+    # A record an older version wrote (nothing held): the quiet period resolves it, as before.
+    old = Correlator(p)
+    old.restore(Incident.from_change(inc.change("updated", "persisted")))
+    assert old.tick(inc.updated_at + 1.0) == []
+    [quiet] = old.tick(inc.updated_at + CorrelatorConfig().quiet_s)
+    assert quiet.kind == "resolved"
+
+
+def test_the_sources_resolve_what_was_firing_before_a_restart() -> None:
+    from loom.alerts.sources import ConditionTracker, HealthWatch, health_key
+    from loom_proto.view import NodeView, ViewDelta
+
+    track = ConditionTracker()
+    track.restore(["loom-stale-c1", "loom-node-n1", "loom-dead-letters", "something-else"])
+    node = NodeView(node="n1", zone="z", healthy=True, updated_at=1.0)
+    fresh = ViewDelta(region="r", cluster="c1", version=9, nodes=[node], stale=False, at=9.0)
+    assert [(a.dedup_key, a.status) for a in track.view_delta(fresh)] == [
+        ("loom-stale-c1", "resolved"),
+        ("loom-node-n1", "resolved"),
+    ]
+    assert [(a.dedup_key, a.status) for a in track.tick(10.0)] == [("loom-dead-letters", "resolved")]
+
+    watch = HealthWatch()
+    watch.restore([health_key("placement"), health_key("agent-c1")], ["placement", "metrics", "agent-c1"])
+    assert watch.answered("metrics", "ok", 1.0) == []  # was not firing
+    [ok] = watch.answered("placement", "ok", 1.0)
+    assert ok.status == "resolved" and ok.dedup_key == health_key("placement")
+    assert watch.missed("agent-c1", 1.0, 2.0) == []  # still missing after the restart: one miss is no news
+
+
+def test_placements_cluster_health_is_a_lease_it_renews_by_telling_it_again() -> None:
+    from loom.alerts.sources import ClusterHealthLeases
+    from loom_proto.clusters import ClusterHealthChanged
+
+    leases = ClusterHealthLeases(lease_s=90.0)
+
+    def told(state: str, at: float) -> list[Alert]:
+        return leases.notice(ClusterHealthChanged(cluster="c1", state=state, region="r", at=at), at)  # type: ignore[arg-type]
+
+    assert [a.status for a in told("suspect", 0.0)] == ["firing"]
+    assert told("suspect", 30.0) == []  # told again: renewed, no new alert
+    assert [a.severity for a in told("failed", 40.0)] == ["critical"]  # a change is an alert
+    assert leases.tick(129.0) == []
+    [lapsed] = leases.tick(130.0)
+    assert lapsed.status == "resolved" and lapsed.dedup_key == "loom-health-c1"
+    assert "not reported it unhealthy for 90 s" in lapsed.summary
+    assert leases.tick(400.0) == []
+    assert [a.status for a in told("healthy", 401.0)] == ["resolved"]  # harmless when nothing fires
+
+    leases.restore(["loom-health-c2", "loom-stale-c3"], 500.0)
+    assert leases.held == {"c2": ("restored", 500.0)}
+    assert [a.cluster for a in leases.tick(590.0)] == ["c2"]

@@ -176,16 +176,16 @@ def test_notices_tell_failed_at_once_suspect_only_when_it_lasts_and_healthy_only
     assert notices.due(suspect, 4.9, settled=True) == []  # a brief blip: nobody paged
     [told] = notices.due(suspect, 5.0, settled=True)
     assert told.state == "suspect"
-    notices.told(told)
+    notices.told(told, 5.0)
     assert notices.due(suspect, 6.0, settled=True) == []  # told once
     [failed] = notices.due(
         {"a": Health("a", "failed", "both lost"), "b": Health("b", "failed", "x")}, 6.5, settled=True
     )[:1]
     assert (failed.cluster, failed.state) == ("a", "failed")
-    notices.told(failed)
+    notices.told(failed, 6.5)
     [back] = notices.due({}, 7.0, settled=True)
     assert (back.cluster, back.state) == ("a", "healthy")
-    notices.told(back)
+    notices.told(back, 7.0)
     assert notices.due({}, 8.0, settled=True) == []
     # A cluster suspect for a moment, never told, is never told healthy either; a new spell restarts.
     assert notices.due({"c": Health("c", "suspect", "late")}, 9.0, settled=True) == []
@@ -194,3 +194,26 @@ def test_notices_tell_failed_at_once_suspect_only_when_it_lasts_and_healthy_only
     # Not sent (publish failed): due again next cycle.
     [again] = notices.due({"c": Health("c", "suspect", "late")}, 18.0, settled=True)
     assert notices.due({"c": Health("c", "suspect", "late")}, 19.0, settled=True) == [again]
+
+
+def test_notices_tell_an_unhealthy_state_again_while_it_lasts() -> None:
+    """The notice is core NATS: a correlator restarting when it went out hears it again, and the
+    correlator lets a state nobody re-tells lapse (CLUSTER_HEALTH_LEASE_S)."""
+    from loom.migrate.health import Health, HealthNotices
+    from loom_proto.clusters import CLUSTER_HEALTH_LEASE_S, CLUSTER_HEALTH_RETELL_S
+
+    assert CLUSTER_HEALTH_LEASE_S > 2 * CLUSTER_HEALTH_RETELL_S
+    notices = HealthNotices(suspect_after_s=5.0, retell_s=30.0)
+    failed = {"a": Health("a", "failed", "both lost")}
+    [first] = notices.due(failed, 100.0, settled=True)
+    notices.told(first, 100.0)
+    assert notices.due(failed, 129.9, settled=True) == []
+    [again] = notices.due(failed, 130.0, settled=True)
+    assert (again.cluster, again.state) == ("a", "failed")
+    assert notices.due(failed, 131.0, settled=True) == [again]  # not sent yet: due until told
+    notices.told(again, 131.0)
+    assert notices.due(failed, 160.0, settled=True) == []
+    [back] = notices.due({}, 161.0, settled=True)
+    assert back.state == "healthy"
+    notices.told(back, 161.0)
+    assert notices.due({}, 300.0, settled=True) == []  # healthy is told once, not again

@@ -54,6 +54,8 @@ from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import msgspec
+
 from loom.alerts.resources import SPECIFICITY, Placements, Resource, describe, link_name
 from loom_proto.alerts import (
     MAX_JOBS_LISTED,
@@ -99,6 +101,15 @@ class CorrelatorConfig:
     max_timeline: int = 100
     max_fingerprints: int = 200_000
     max_resolved_kept: int = 1_000
+
+
+class Held(msgspec.Struct, frozen=True, kw_only=True):
+    """What an open incident holds beyond its published record, persisted with it so a restarted
+    correlator resolves it as this one would have: the stateful alerts still firing (fingerprint,
+    whether it names the root) and when its last momentary alert came."""
+
+    firing: list[tuple[str, bool]] = []
+    last_momentary_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,11 +234,21 @@ class Incident:
         """Open or acknowledged (alerts still attach)."""
         return self.state != "resolved"
 
+    def held(self) -> Held:
+        """What to persist beside the record (:class:`Held`)."""
+        return Held(
+            firing=sorted((fp, fp in self.active_root) for fp in self.active),
+            last_momentary_at=self.last_momentary_at,
+        )
+
     @classmethod
-    def from_change(cls, change: IncidentChange) -> Incident:
-        """An incident back from its persisted record (alerts still firing are learned again as they
-        repeat; until then only a recovery, or ``quiet_s`` without alerts, resolves it)."""
+    def from_change(cls, change: IncidentChange, held: Held | None = None) -> Incident:
+        """An incident back from its persisted record and what it held (:meth:`held`): the
+        recovery of the alerts still firing resolves it, as it would have before the restart.
+        Without ``held`` (a record an older version wrote) nothing is known to fire, and
+        ``quiet_s`` without alerts resolves it."""
         root: Resource = (change.root_kind, change.root)  # type: ignore[assignment]  # kinds are ours
+        firing = held.firing if held is not None and change.state != "resolved" else []
         return cls(
             incident_id=change.incident_id,
             root=root,
@@ -244,9 +265,11 @@ class Incident:
             acked_by=change.acked_by,
             jobs={j.job_id: j.tenant for j in change.jobs},
             dags=set(change.dags),
+            active={fp for fp, _ in firing},
+            active_root={fp for fp, root_named in firing if root_named},
             alert_count=change.alerts,
             distinct_alerts=change.distinct_alerts,
-            last_momentary_at=change.updated_at,
+            last_momentary_at=held.last_momentary_at if held is not None else change.updated_at,
             timeline=deque(change.timeline),
             reopened=change.reopened,
             version=change.version,
@@ -866,6 +889,8 @@ class Correlator:
         incident.opened_sent = True
         if incident.is_open:
             self._open_root(incident.root, incident.incident_id)
+            for fp in sorted(incident.active):
+                self._remember(fp, incident.incident_id)
         elif incident.merged_into is None:
             self.resolved_by_root[incident.root] = incident.incident_id
 

@@ -15,24 +15,29 @@ What exists today and becomes an alert here:
   mattered: ``moot``): a momentary job alert;
 * placement's classification of a cluster (``loom.placement.cluster_health``): ``suspect`` (one of
   heartbeats and probes lost) fires a warning, ``failed`` (both) a critical alert on the cluster,
-  ``healthy`` resolves it;
+  ``healthy`` resolves it, and so does a state placement has not told again for
+  ``CLUSTER_HEALTH_LEASE_S`` (:class:`ClusterHealthLeases`);
 * a run delivering under half its predicted step rate (``loom.placement.slow``): a momentary job
   alert naming its nodes;
 * a Loom service missing its health answer (:class:`HealthWatch`, the correlator asks each watched
   instance on ``loom.health.<instance>``): after ``misses`` answers missed in a row a critical alert
   (an agent's on its cluster, any other on the ``service`` resource of its name), a warning while it
   answers ``degraded: ...``, resolved when it answers ``ok`` again.
+
+What was firing when the correlator stopped is restored with its incidents (``restore`` on each
+tracker), so the recovery resolves it.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from loom.alerts.resources import link_name
 from loom_proto.alerts import Alert
-from loom_proto.clusters import ClusterHealthChanged, SlowRun
+from loom_proto.clusters import CLUSTER_HEALTH_LEASE_S, ClusterHealthChanged, SlowRun
 from loom_proto.jobs import JobFailed, JobRequeued
 from loom_proto.migrations import MigrationEvent
 from loom_proto.net import LinkDegraded, LinkRecovered
@@ -155,6 +160,55 @@ def from_slow_run(event: SlowRun, now: float) -> Alert:
     )
 
 
+@dataclass(slots=True)
+class ClusterHealthLeases:
+    """Placement's cluster classification held as a lease.
+
+    Placement tells an unhealthy state again every ``CLUSTER_HEALTH_RETELL_S`` while it lasts (core
+    NATS): a re-told state renews the lease and makes no new alert; a state not heard for
+    ``lease_s`` resolves its alert. So neither a correlator restarting when the ``healthy`` notice
+    went out, nor a placement restarting while a cluster recovered, leaves the incident open.
+    """
+
+    lease_s: float = CLUSTER_HEALTH_LEASE_S
+    held: dict[str, tuple[str, float]] = field(default_factory=dict)
+    """Cluster -> the unhealthy state last heard and when (``restored``: firing when the correlator
+    started, not heard since)."""
+
+    def notice(self, event: ClusterHealthChanged, now: float) -> list[Alert]:
+        """The alert a notice makes: none for an unhealthy state re-told."""
+        last = self.held.pop(event.cluster, None)
+        if event.state != "healthy":
+            self.held[event.cluster] = (event.state, now)
+            if last is not None and last[0] == event.state:
+                return []
+        return [from_cluster_health(event)]
+
+    def restore(self, fingerprints: Iterable[str], now: float) -> None:
+        """The clusters whose health alerts were firing when the correlator stopped, held from ``now``."""
+        for fp in fingerprints:
+            if fp.startswith(HEALTH_KEY):
+                self.held.setdefault(fp.removeprefix(HEALTH_KEY), ("restored", now))
+
+    def tick(self, now: float) -> list[Alert]:
+        """Resolve the states not heard for ``lease_s``."""
+        lapsed = sorted(c for c, (_, at) in self.held.items() if now - at >= self.lease_s)
+        out = []
+        for cluster in lapsed:
+            del self.held[cluster]
+            reason = f"placement has not reported it unhealthy for {self.lease_s:g} s"
+            out.append(
+                from_cluster_health(
+                    ClusterHealthChanged(cluster=cluster, state="healthy", reason=reason, at=now)
+                )
+            )
+        return out
+
+
+HEALTH_KEY = "loom-health-"
+"""The fingerprint of a cluster's health alert is this and the cluster."""
+
+
 def from_cluster_health(event: ClusterHealthChanged) -> Alert:
     """A cluster alert from placement's classification: suspect (warning), failed (critical),
     healthy (resolved); one fingerprint per cluster, so failed after suspect raises its severity."""
@@ -167,13 +221,18 @@ def from_cluster_health(event: ClusterHealthChanged) -> Alert:
         region=event.region,
         cluster=event.cluster,
         labels={"state": event.state},
-        dedup_key=f"loom-health-{event.cluster}",
+        dedup_key=f"{HEALTH_KEY}{event.cluster}",
         at=event.at,
         status="resolved" if healthy else "firing",
     )
 
 
 AGENT_PREFIX = "agent-"
+
+
+def health_key(instance: str) -> str:
+    """The fingerprint of a Loom service's health alert."""
+    return alert_id("loom-svc", instance)
 
 
 @dataclass(slots=True)
@@ -197,6 +256,15 @@ class HealthWatch:
     first_asked: dict[str, float] = field(default_factory=dict)
     seen: set[str] = field(default_factory=set)
     """Instances that answered at least once."""
+
+    def restore(self, fingerprints: Iterable[str], instances: Iterable[str]) -> None:
+        """Of ``instances``, those whose health alert was firing when the correlator stopped: the
+        first ``ok`` answer resolves it, as if this run had seen it fire."""
+        firing = set(fingerprints)
+        for instance in instances:
+            if health_key(instance) in firing:
+                self.firing.setdefault(instance, "restored")
+                self.seen.add(instance)
 
     def answered(self, instance: str, status: str, now: float) -> list[Alert]:
         """An answer: ``ok`` resolves, anything else (``degraded: postgres unavailable``) fires."""
@@ -246,10 +314,15 @@ class HealthWatch:
             summary=f"Loom service {instance}: {what}"[:1024],
             cluster=cluster,
             labels=labels,
-            dedup_key=alert_id("loom-svc", instance),
+            dedup_key=health_key(instance),
             at=now,
             status="firing" if firing else "resolved",
         )
+
+
+STALE_KEY = "loom-stale-"
+NODE_KEY = "loom-node-"
+DLQ_KEY = "loom-dead-letters"
 
 
 @dataclass(slots=True)
@@ -262,6 +335,19 @@ class ConditionTracker:
     unhealthy: set[str] = field(default_factory=set)
     dead_letters: deque[float] = field(default_factory=deque)
     dlq_firing: bool = False
+
+    def restore(self, fingerprints: Iterable[str]) -> None:
+        """The conditions firing when the correlator stopped (from the incidents' stored
+        fingerprints): the view delta or quiet window that ends one resolves it, as if this run had
+        seen it start. (The view's consumer is durable: a change made while the correlator was
+        down is delivered when it starts.)"""
+        for fp in fingerprints:
+            if fp.startswith(STALE_KEY):
+                self.stale.add(fp.removeprefix(STALE_KEY))
+            elif fp.startswith(NODE_KEY):
+                self.unhealthy.add(fp.removeprefix(NODE_KEY))
+            elif fp == DLQ_KEY:
+                self.dlq_firing = True
 
     def view_delta(self, delta: ViewDelta) -> list[Alert]:
         """Alerts for a cluster turning stale or fresh, and for nodes turning unhealthy or healthy."""
@@ -281,7 +367,7 @@ class ConditionTracker:
                     + ("no heartbeat within its TTL" if delta.stale else "heartbeats back"),
                     region=delta.region,
                     cluster=cluster,
-                    dedup_key=f"loom-stale-{cluster}",
+                    dedup_key=f"{STALE_KEY}{cluster}",
                     at=delta.at,
                     status="firing" if delta.stale else "resolved",
                 )
@@ -303,7 +389,7 @@ class ConditionTracker:
                     region=delta.region,
                     cluster=cluster,
                     node=node.node,
-                    dedup_key=f"loom-node-{node.node}",
+                    dedup_key=f"{NODE_KEY}{node.node}",
                     at=delta.at,
                     status="resolved" if node.healthy else "firing",
                 )
@@ -343,7 +429,7 @@ class ConditionTracker:
             severity="warning",
             summary=summary,
             labels={"service": "dead-letters"},
-            dedup_key="loom-dead-letters",
+            dedup_key=DLQ_KEY,
             at=now,
             status="firing" if status == "firing" else "resolved",
         )

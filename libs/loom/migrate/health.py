@@ -41,6 +41,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from loom_proto.clusters import CLUSTER_HEALTH_RETELL_S
+
 HealthState = Literal["healthy", "suspect", "failed"]
 
 PingOutcome = Literal["answered", "no_responders", "timeout"]
@@ -223,13 +225,19 @@ class HealthNotices:
     not measured yet at start-up, a late heartbeat under load: placement copes, nobody needs
     paging); nothing before placement has ``settled`` after taking the lead; ``healthy`` only for a
     cluster told unhealthy before. A notice counts as told only once :meth:`told` says it went out.
+    An unhealthy state already told is told again every ``retell_s`` while it lasts (the notice is
+    core NATS: a correlator that was restarting hears it then, and one that hears nothing for a
+    while lets the state lapse, :data:`~loom_proto.clusters.CLUSTER_HEALTH_LEASE_S`).
     """
 
     suspect_after_s: float = SUSPECT_ANNOUNCE_S
+    retell_s: float = CLUSTER_HEALTH_RETELL_S
     unhealthy_since: dict[str, float] = field(default_factory=dict)
     """Cluster -> since when it has been suspect or failed without a break (wall s)."""
     announced: dict[str, HealthState] = field(default_factory=dict)
     """Cluster -> the unhealthy state last told."""
+    told_at: dict[str, float] = field(default_factory=dict)
+    """Cluster -> when its unhealthy state was last told (wall s)."""
 
     def due(self, health: Mapping[str, Health], now: float, *, settled: bool) -> list[Health]:
         """The notices to send now: changed unhealthy states, then clusters healthy again."""
@@ -241,9 +249,11 @@ class HealthNotices:
         out = [
             h
             for c, h in sorted(health.items())
-            if self.announced.get(c) != h.state
-            and settled
-            and (h.failed or now - since[c] >= self.suspect_after_s)
+            if settled
+            and (
+                (self.announced.get(c) != h.state and (h.failed or now - since[c] >= self.suspect_after_s))
+                or (self.announced.get(c) == h.state and now - self.told_at.get(c, now) >= self.retell_s)
+            )
         ]
         out += [
             Health(c, "healthy", "heartbeats and probes back")
@@ -251,9 +261,11 @@ class HealthNotices:
         ]
         return out
 
-    def told(self, notice: Health) -> None:
-        """``notice`` went out."""
+    def told(self, notice: Health, now: float) -> None:
+        """``notice`` went out at ``now``."""
         if notice.state == "healthy":
             self.announced.pop(notice.cluster, None)
+            self.told_at.pop(notice.cluster, None)
         else:
             self.announced[notice.cluster] = notice.state
+            self.told_at[notice.cluster] = now

@@ -1,29 +1,37 @@
 """The alert correlator's incidents: the latest state of each, for `loom incidents` and restarts."""
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import asyncpg
 import msgspec
 import structlog
 
+from loom.alerts.correlate import Held
 from loom.store.jobs import ts
 from loom_proto.alerts import IncidentChange
 
 log = structlog.get_logger("loom.store")
 
 
-async def save_incidents(conn: asyncpg.Connection, incidents: Sequence[IncidentChange]) -> None:
-    """Insert or replace each incident; a write older than the stored one (``updated_at``) is ignored."""
+async def save_incidents(
+    conn: asyncpg.Connection,
+    incidents: Sequence[IncidentChange],
+    held: Mapping[str, Held] | None = None,
+) -> None:
+    """Insert or replace each incident with what it holds (:class:`~loom.alerts.correlate.Held`,
+    by incident id; NULL where absent); a write older than the stored one (``updated_at``) is
+    ignored."""
+    kept = held or {}
     await conn.executemany(
         """INSERT INTO incidents (incident_id, state, root_kind, root, severity, summary, jobs_total,
-                                  alerts, opened_at, updated_at, resolved_at, record)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12::jsonb)
+                                  alerts, opened_at, updated_at, resolved_at, record, held)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12::jsonb, $13::jsonb)
            ON CONFLICT (incident_id) DO UPDATE
            SET state = EXCLUDED.state, root_kind = EXCLUDED.root_kind, root = EXCLUDED.root,
                severity = EXCLUDED.severity, summary = EXCLUDED.summary,
                jobs_total = EXCLUDED.jobs_total, alerts = EXCLUDED.alerts,
                updated_at = EXCLUDED.updated_at, resolved_at = EXCLUDED.resolved_at,
-               record = EXCLUDED.record
+               record = EXCLUDED.record, held = EXCLUDED.held
            WHERE incidents.updated_at <= EXCLUDED.updated_at""",
         [
             (
@@ -39,6 +47,7 @@ async def save_incidents(conn: asyncpg.Connection, incidents: Sequence[IncidentC
                 ts(i.updated_at),
                 ts(i.resolved_at) if i.resolved_at is not None else None,
                 msgspec.json.encode(i).decode(),
+                msgspec.json.encode(h).decode() if (h := kept.get(i.incident_id)) is not None else None,
             )
             for i in incidents
         ],
@@ -74,15 +83,28 @@ async def get_incident(conn: asyncpg.Connection | asyncpg.Pool, incident_id: str
 
 async def restorable(
     conn: asyncpg.Connection | asyncpg.Pool, *, resolved_since_s: float
-) -> list[IncidentChange]:
-    """Open incidents and those resolved within ``resolved_since_s`` (so a relapse re-opens them)."""
+) -> list[tuple[IncidentChange, Held | None]]:
+    """Open incidents, with what each holds, and those resolved within ``resolved_since_s`` (so a
+    relapse re-opens them)."""
     rows = await conn.fetch(
-        """SELECT record FROM incidents
+        """SELECT record, held FROM incidents
            WHERE state <> 'resolved' OR resolved_at > now() - make_interval(secs => $1)
            ORDER BY opened_at""",
         resolved_since_s,
     )
-    return [i for i in (_decode(r["record"]) for r in rows) if i is not None]
+    out = []
+    for r in rows:
+        change = _decode(r["record"])
+        if change is None:
+            continue
+        held = None
+        if r["held"] is not None:
+            try:
+                held = msgspec.json.decode(r["held"], type=Held)
+            except msgspec.ValidationError as exc:  # written by another version: nothing held
+                log.warning("incident's held alerts skipped", error=str(exc))
+        out.append((change, held))
+    return out
 
 
 async def placed_parts(conn: asyncpg.Connection | asyncpg.Pool) -> list[asyncpg.Record]:
