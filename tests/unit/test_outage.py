@@ -2,6 +2,7 @@
 are plain coroutines that fail until told otherwise."""
 
 import asyncio
+from pathlib import Path
 
 import asyncpg
 import pytest
@@ -264,3 +265,84 @@ def test_loom_status_shows_the_processes_when_nats_does_not_answer_and_fails_on_
     monkeypatch.setattr(cli, "_run_health", healthy)
     assert cli.cmd_status(argparse.Namespace(json=False)) == 0
     assert "Loom stack: ready" in capsys.readouterr().out
+
+
+def test_loom_status_while_the_stack_starts_and_with_a_service_crash_looping(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: while the stack started, every service read "no answer" and was listed as a problem
+    # ("does not answer its health check"); a service restarting again and again was not flagged.
+    import argparse
+    import json
+
+    from loom.cli import main as cli
+
+    rows = [
+        {"name": "supervisor", "pid": 1, "alive": True, "restarts": 0},
+        {"name": "nats", "pid": 2, "alive": True, "server_status": "up", "restarts": 0},
+        {"name": "placement", "pid": 4, "alive": True, "restarts": 0},
+    ]
+    state: dict[str, object] = {"status": "starting", "nats_url": "nats://x"}
+    monkeypatch.setattr(cli.stack, "read_state", lambda _home: state)
+    monkeypatch.setattr(cli.stack, "process_table", lambda _home: [dict(r) for r in rows])
+    asked: list[list[str]] = []
+
+    def health(_url: str, names: list[str]) -> dict[str, dict[str, object]]:
+        asked.append(names)
+        return {"placement": {"status": "ok", "pid": 4, "uptime_s": 9.0}}
+
+    monkeypatch.setattr(cli, "_run_health", health)
+    assert cli.cmd_status(argparse.Namespace(json=False)) == 1
+    out = capsys.readouterr()
+    assert "not asked (stack starting)" in out.out and "no answer" not in out.out and not asked
+    assert "not ready" in out.err and "does not answer" not in out.err
+
+    state["status"] = "ready"
+    rows[2] = {**rows[2], "crash_loop": True, "restarts": 7, "last_exit": "exit status 1"}
+    assert cli.cmd_status(argparse.Namespace(json=True)) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["problems"] == ["placement: crash-looping (7 restarts in all, last exit exit status 1)"]
+    assert cli.cmd_status(argparse.Namespace(json=False)) == 1
+    assert "crash-looping" in capsys.readouterr().out
+
+
+def test_a_service_restarted_again_and_again_is_flagged_until_it_stays_up(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from loom.runtime import stack
+
+    sup = stack.Supervisor(tmp_path, stack.StackOptions())
+    svc = stack.ServiceProcess("metrics", ["x"], str(tmp_path / "m.log"))
+    sup.services["metrics"] = svc
+    now = [1000.0]
+    monkeypatch.setattr(stack.time, "time", lambda: now[0])
+
+    class Proc:
+        def __init__(self) -> None:
+            self.returncode: int | None = 1
+
+        def poll(self) -> int | None:
+            return self.returncode
+
+    proc = Proc()
+    sup.procs["metrics"] = proc  # type: ignore[assignment]
+
+    def spawn(s: stack.ServiceProcess, _env: dict[str, str]) -> None:
+        s.started_at = now[0]
+        proc.returncode = None
+
+    monkeypatch.setattr(sup, "spawn", spawn)
+    monkeypatch.setattr(sup, "process_env", lambda _name, env: env)
+    monkeypatch.setattr(sup, "write_state", lambda *_a, **_k: None)
+    for _ in range(stack.CRASH_LOOP_RESTARTS):
+        proc.returncode = 1
+        sup.restart_dead({}, "ready")  # noticed dead
+        now[0] += 11.0
+        sup.restart_dead({}, "ready")  # restarted after its backoff
+    assert svc.restarts == stack.CRASH_LOOP_RESTARTS and svc.crash_loop
+    now[0] += stack.STABLE_S - 1
+    sup.restart_dead({}, "ready")
+    assert svc.crash_loop
+    now[0] += 1
+    sup.restart_dead({}, "ready")
+    assert not svc.crash_loop

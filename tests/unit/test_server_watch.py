@@ -103,6 +103,24 @@ def test_a_server_that_keeps_dying_is_flagged_crash_looping_and_still_restarted(
     assert watch.state.restarts == 3
 
 
+def test_a_crash_loop_flag_clears_once_the_server_stays_up_long_enough() -> None:
+    server, clock = FakeServer(), Clock()
+    watch = _watch(server, clock, crash_loop_restarts=2, crash_loop_window_s=100.0, stable_s=30.0)
+    for _ in range(2):
+        server.die()
+        watch.check()
+        clock.now += 5.0
+        watch.check()
+    assert watch.state.crash_loop
+    up_at = clock.now
+    clock.now = up_at + 29.0
+    assert not watch.check() and watch.state.crash_loop  # not stable yet
+    clock.now = up_at + 30.0
+    assert watch.check()  # changed: stack.json is rewritten
+    assert not watch.state.crash_loop and watch.state.status == "up"
+    assert not watch.check()
+
+
 def test_a_server_that_stayed_up_long_enough_restarts_after_the_first_delay_again() -> None:
     server, clock = FakeServer(), Clock()
     watch = _watch(server, clock, stable_s=10.0)

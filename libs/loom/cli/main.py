@@ -143,8 +143,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         r["health"] = health.get(r["name"])
         if stack.is_server(r["name"]):
             r["server_status"] = _server_status(r, health, nats_down)  # the table and --json agree
-    problems = _stack_problems(rows, nats_down)
     status = state.get("status")
+    problems = _stack_problems(rows, nats_down, asked=status == "ready")
     if problems and status == "ready":
         status = "ready, degraded"
     if args.json:
@@ -159,8 +159,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                 text = "-"
             elif stack.is_server(r["name"]):
                 text = _server_health_text(r)
+            elif status != "ready" and not h:
+                text = f"not asked (stack {escape(str(status))})"
             else:
                 text = _health_text(h) if h else "[red]no answer[/red]"
+            if r.get("crash_loop"):
+                text = f"[red]crash-looping[/red], {text}"
             table.add_row(
                 r["name"],
                 str(r["pid"]),
@@ -180,18 +184,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
-def _stack_problems(rows: list[dict[str, Any]], nats_down: str | None) -> list[str]:
+def _stack_problems(rows: list[dict[str, Any]], nats_down: str | None, *, asked: bool = True) -> list[str]:
     """What keeps the stack from being healthy, one line each (none: exit 0): a process not
-    alive, a server not up or not answering, a service with no answer or not ``ok``."""
+    alive, a server not up or not answering, a service crash-looping, with no answer or not
+    ``ok``; ``asked``: whether the services were asked (not while the stack starts or stops)."""
     problems = [f"NATS does not answer: {nats_down}"] if nats_down else []
+    if not asked:
+        problems.append("the stack is not ready: its services were not asked")
     for r in rows:
         name = r["name"]
+        if r.get("crash_loop"):
+            problems.append(
+                f"{name}: crash-looping ({r['restarts']} restarts in all, last exit {r.get('last_exit')})"
+            )
         if not r["alive"]:
             problems.append(f"{name} is not running")
         elif stack.is_server(name):
             if r["server_status"] != "up" and not (name == "nats" and nats_down):
                 problems.append(f"{name}: {r['server_status']}")
-        elif name != "supervisor" and not nats_down:
+        elif name != "supervisor" and not nats_down and asked:
             status = (r["health"] or {}).get("status")
             if status is None:
                 problems.append(f"{name} does not answer its health check")

@@ -103,6 +103,19 @@ def _child_preexec(nice: int = 0) -> Callable[[], None] | None:
     return preexec
 
 
+CRASH_LOOP_RESTARTS = 5
+CRASH_LOOP_WINDOW_S = 120.0
+STABLE_S = 60.0
+"""A server or service restarted ``CRASH_LOOP_RESTARTS`` times within ``CRASH_LOOP_WINDOW_S`` is
+flagged crash-looping until it has stayed up ``STABLE_S``."""
+
+
+def crash_looping(restarts_at: list[float], now: float) -> tuple[list[float], bool]:
+    """The restart times still within the window (``now`` added) and whether they make a loop."""
+    kept = [t for t in restarts_at if now - t < CRASH_LOOP_WINDOW_S] + [now]
+    return kept, len(kept) >= CRASH_LOOP_RESTARTS
+
+
 @dataclass
 class ServiceProcess:
     """A service the supervisor runs, and how it is doing."""
@@ -120,6 +133,9 @@ class ServiceProcess:
     port picked for it that another listener has taken since (then a new one)."""
     nice: int = 0
     """Added to its niceness at start (:func:`service_nice`)."""
+    crash_loop: bool = False
+    """It was restarted ``SERVICE_CRASH_LOOP_RESTARTS`` times within ``CRASH_LOOP_WINDOW_S`` and
+    has not stayed up ``STABLE_S`` since (still restarted, at the backoff's delay)."""
 
 
 def check_neighbour_nice(value: int) -> int:
@@ -433,7 +449,8 @@ class ServerState:
     restarts: int = 0
     last_exit: str | None = None
     crash_loop: bool = False
-    """It restarted ``crash_loop_restarts`` times within ``crash_loop_window_s``."""
+    """It restarted ``crash_loop_restarts`` times within ``crash_loop_window_s`` and has not stayed
+    up ``stable_s`` since."""
 
 
 class Server(Protocol):
@@ -473,7 +490,8 @@ class ServerWatch:
     (Postgres recovers from its WAL, JetStream reloads its streams). Restart attempts wait
     ``first_delay_s`` doubled per consecutive failure, at most ``max_delay_s``; the count resets
     once the server has stayed up ``stable_s``. A server that keeps dying is flagged
-    ``crash_loop`` (and logged) but still restarted, at the capped delay.
+    ``crash_loop`` (and logged) but still restarted, at the capped delay; the flag clears once it
+    has stayed up ``stable_s``.
     """
 
     def __init__(
@@ -483,9 +501,9 @@ class ServerWatch:
         *,
         first_delay_s: float = 0.25,
         max_delay_s: float = 30.0,
-        stable_s: float = 60.0,
-        crash_loop_restarts: int = 5,
-        crash_loop_window_s: float = 120.0,
+        stable_s: float = STABLE_S,
+        crash_loop_restarts: int = CRASH_LOOP_RESTARTS,
+        crash_loop_window_s: float = CRASH_LOOP_WINDOW_S,
         on_restart: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -515,6 +533,12 @@ class ServerWatch:
             if code is None:
                 if self._failures and now - self._up_since >= self.stable_s:
                     self._failures = 0
+                if self.state.crash_loop and now - self._up_since >= self.stable_s:
+                    self.state.crash_loop = False  # up long enough again: no longer looping
+                    log.info(
+                        "server stable again", server=self.state.name, up_s=round(now - self._up_since, 1)
+                    )
+                    return True
                 return False
             self._failures += 1
             self.state.status = "restarting"
@@ -572,6 +596,8 @@ class Supervisor:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.restart_at: dict[str, float] = {}
         """Service -> when its restart is due (:meth:`restart_dead`; absent: not noticed dead yet)."""
+        self.restarted_at: dict[str, list[float]] = {}
+        """Service -> its restarts within the crash-loop window (wall s)."""
         self.state: dict[str, Any] = {}
         self.stopping = False
         self.watches: dict[str, ServerWatch] = {}
@@ -869,9 +895,13 @@ class Supervisor:
         """
         backoff = self.restart_at
         for name, proc in list(self.procs.items()):
+            svc = self.services[name]
+            if proc.poll() is None and svc.crash_loop and time.time() - svc.started_at >= STABLE_S:
+                svc.crash_loop = False  # up long enough again
+                log.info("service stable again", service=name)
+                self.write_state(status)
             if proc.poll() is None or self.stopping:
                 continue
-            svc = self.services[name]
             delay = min(2**svc.restarts * 0.25, 10.0)
             if time.time() < backoff.get(name, 0.0):
                 continue
@@ -883,6 +913,12 @@ class Supervisor:
                 continue
             del backoff[name]
             svc.restarts += 1
+            was_looping = svc.crash_loop
+            self.restarted_at[name], svc.crash_loop = crash_looping(
+                self.restarted_at.get(name, []), time.time()
+            )
+            if svc.crash_loop and not was_looping:
+                log.error("service is crash-looping", service=name, last_exit=svc.last_exit)
             self.spawn(svc, self.process_env(name, env))
             self.write_state(status)
 
@@ -1093,6 +1129,7 @@ def process_table(home: Path | None = None) -> list[dict[str, Any]]:
                 "alive": _alive(svc["pid"]),
                 "restarts": svc["restarts"],
                 "last_exit": svc.get("last_exit"),
+                "crash_loop": bool(svc.get("crash_loop")),
                 "metrics_url": f"http://127.0.0.1:{svc['metrics_port']}/metrics"
                 if svc.get("metrics_port")
                 else None,
