@@ -123,7 +123,10 @@ async def test_a_cancellation_of_another_tenants_job_changes_nothing_and_is_dead
     client = await LoomClient.connect(platform.nats_url)
     try:
         await client.submit(_spec("cx-t1", 1))
+        await client.submit(_spec("cx-t1b", 1))
         await until(lambda: _state(client, "cx-t1", "running"), 30, "cx-t1 running")
+        await until(lambda: _state(client, "cx-t1b", "running"), 30, "cx-t1b running")
+        attempt = (await client.job("cx-t1") or {})["attempt"]
         publisher = Publisher(client.nc)
         forged = [
             ("t2", JobCancelled(job_id="cx-t1", tenant="t2", reason="not mine", at=time.time())),
@@ -135,12 +138,18 @@ async def test_a_cancellation_of_another_tenants_job_changes_nothing_and_is_dead
             await publisher.publish(
                 subjects.job_event("cancelled", subject_tenant), event, msg_id=f"forged-{i}"
             )
+        # The message id the SDK's cancellation of cx-t1 once had, taken first: JetStream's
+        # duplicate window would drop the owner's real cancellation (before, ids were predictable).
+        squat = JobCancelled(job_id="cx-t1", tenant="t2", reason="squatting", at=time.time())
+        await publisher.publish(
+            subjects.job_event("cancelled", "t2"), squat, msg_id=f"cx-t1:cancelled:{attempt}"
+        )
         dlq = DeadLetters(client.nc)
 
         async def refused() -> list[str] | None:
             letters = await dlq.entries(subject=subjects.job_event("cancelled", "t2"))
             mine = [x.error or "" for x in letters if x.consumer == "placement-lifecycle"]
-            return mine if len(mine) == 3 else None
+            return mine if len(mine) == 4 else None
 
         errors = await until(refused, 15, "the forged cancellations dead-lettered by placement")
         assert any("may not cancel job cx-t1: it is another tenant's" in e for e in errors), errors
@@ -149,13 +158,15 @@ async def test_a_cancellation_of_another_tenants_job_changes_nothing_and_is_dead
         job = await client.job("cx-t1")
         assert job is not None and job["state"] == "running"
         assert "cancelled" not in [e["kind"] for e in job["events"]]
-        # The job's own tenant cancels it; the time recorded is the server's, not the one claimed
-        # (an early `at` would have ended the run, and its metering, back then).
+        # The job's own tenant cancels it with the SDK, whatever ids were taken before.
+        assert await client.cancel("cx-t1") == "cancelled"
+        # A cancellation's time recorded is the server's, not the one claimed (an early `at` would
+        # have ended the run, and its metering, back then).
         began = time.time()
-        claimed = JobCancelled(job_id="cx-t1", tenant="t1", reason="mine", at=began - 3600.0)
+        claimed = JobCancelled(job_id="cx-t1b", tenant="t1", reason="mine", at=began - 3600.0)
         await publisher.publish(subjects.job_event("cancelled", "t1"), claimed, msg_id="own-cancel")
-        await until(lambda: _state(client, "cx-t1", "cancelled"), 15, "cx-t1 cancelled")
-        done = await client.job("cx-t1")
+        await until(lambda: _state(client, "cx-t1b", "cancelled"), 15, "cx-t1b cancelled")
+        done = await client.job("cx-t1b")
         assert done is not None
         (cancelled,) = [e for e in done["events"] if e["kind"] == "cancelled"]
         assert cancelled["at"] >= began - 5.0 and cancelled["event"]["at"] >= began - 5.0

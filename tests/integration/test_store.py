@@ -648,6 +648,9 @@ async def test_a_requeue_stores_the_next_attempts_avoids_as_given(pool: asyncpg.
         assert await jobs.requeue(conn, job_id, 1, ["c-b", "c-a"]) is not None
     row = await pool.fetchrow("SELECT state, avoid_clusters FROM jobs WHERE job_id = $1", job_id)
     assert (row["state"], sorted(row["avoid_clusters"])) == ("queued", ["c-a", "c-b"])
+    # Queued again, it runs nowhere: `loom jobs` and `loom job` show no cluster, and where it ran.
+    shown = await jobs.get_job(pool, job_id)
+    assert shown is not None and (shown["cluster"], shown["last_cluster"]) == (None, "c1")
 
 
 async def test_a_move_of_a_job_that_ended_meanwhile_is_failed_as_moot(pool: asyncpg.Pool) -> None:

@@ -386,6 +386,13 @@ def _progress_line(progress: float, start: tuple[float, float], now: float) -> s
     return f"{progress:.0%} done, {rate * 60:.1%}/min, about {left} left"
 
 
+def _where(job: dict[str, Any]) -> str:
+    """A job's cluster, or where its last attempt ran while it waits to be placed again."""
+    if job.get("cluster"):
+        return str(job["cluster"])
+    return f"- (last ran on {job['last_cluster']})" if job.get("last_cluster") else "-"
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     """List jobs, newest first."""
 
@@ -466,8 +473,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
             return 0
         job = answer["job"]
         console.print(
-            f"[bold]{job['job_id']}[/bold]  state [bold]{job['state']}[/bold]"
-            f"  cluster {job['cluster'] or '-'}"
+            f"[bold]{job['job_id']}[/bold]  state [bold]{job['state']}[/bold]  cluster {_where(job)}"
         )
         stages = (job.get("spec") or {}).get("stages") or []
         if not answer["decisions"] and stages:
@@ -521,7 +527,7 @@ def cmd_job(args: argparse.Namespace) -> int:
             return 0
         console.print(
             f"[bold]{job['job_id']}[/bold]  tenant {job['tenant']}  state [bold]{job['state']}[/bold]"
-            f"  cluster {job['cluster'] or '-'}  progress {job['progress']:.0%}"
+            f"  cluster {_where(job)}  progress {job['progress']:.0%}"
         )
         if job.get("reason"):
             console.print(f"reason: {job['reason']}")

@@ -293,10 +293,13 @@ class LoomClient:
             reason=(reason or "cancelled by request")[:1024],
             at=time.time(),
         )
+        # A message id nobody can guess: a predictable one could be taken first by any tenant (its
+        # cancellation refused, the id still counted in JetStream's duplicate window), and this one
+        # dropped as its duplicate. Retries of this publish reuse it; a second request sends anew.
         await self.publisher.publish(
             subjects.job_event("cancelled", event.tenant),
             event,
-            msg_id=f"{job_id}:cancelled:{job['attempt']}",
+            msg_id=f"{job_id}:cancelled:{job['attempt']}:{secrets.token_hex(8)}",
         )
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:

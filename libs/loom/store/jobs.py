@@ -636,12 +636,19 @@ async def job_row(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> async
     return row
 
 
+WAITING_STATES = ("queued", "waiting")
+
+
 def _job_dict(row: asyncpg.Record) -> dict[str, Any]:
+    """A job as the queries show it: a job waiting to be placed (again) runs nowhere, so its
+    ``cluster`` is None and the cluster its last attempt ran on is ``last_cluster``."""
+    waiting = row["state"] in WAITING_STATES
     return {
         "job_id": row["job_id"],
         "tenant": row["tenant"],
         "state": row["state"],
-        "cluster": row["cluster"],
+        "cluster": None if waiting else row["cluster"],
+        "last_cluster": row["cluster"] if waiting else None,
         "attempt": row["attempt"],
         "progress": round(float(row["progress"]), 4),
         "reason": row["reason"],
