@@ -17,6 +17,10 @@ MigrationKind = Literal["planned", "started", "completed", "failed"]
 MigrationCause = Literal["drain", "failover", "network", "backflow"]
 
 
+MAX_DRAIN_CONCURRENCY = 64
+"""The most moves one drain keeps in flight (``loom drain --concurrency``, the console's form)."""
+
+
 class MigrationEvent(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """One step of one job's migration, with the numbers behind it."""
 

@@ -22,6 +22,7 @@ from loom.runtime.tokens import Access
 from loom.store.console import UsageTotal
 from loom_proto.alerts import IncidentChange
 from loom_proto.jobs import TERMINAL_STATES
+from loom_proto.migrations import MAX_DRAIN_CONCURRENCY
 from loom_services.console.geo import Placed
 from loom_services.console.land import LAND_PATH
 
@@ -348,7 +349,8 @@ def confirm_drain(
             " unless forced."
         )
         options = (
-            "<label>moves at a time <input name=concurrency type=number min=1 max=64 value=2></label> "
+            "<label>moves at a time <input name=concurrency type=number min=1"
+            f" max={MAX_DRAIN_CONCURRENCY} value=2></label> "
             "<label><input name=force type=checkbox> force</label> "
         )
     return layout(

@@ -45,6 +45,7 @@ from loom.telemetry.jaeger import jaeger_link
 from loom_proto import subjects
 from loom_proto.ids import ID_PATTERN
 from loom_proto.jobs import TERMINAL_STATES
+from loom_proto.migrations import MAX_DRAIN_CONCURRENCY
 from loom_services.console import pages
 from loom_services.console.assets import CSS, JS
 from loom_services.console.geo import project
@@ -402,6 +403,9 @@ class Console:
                 ask["concurrency"] = int(request.form.get("concurrency") or 2)
             except ValueError:
                 return _page(400, pages.error_page(400, "concurrency must be a number", access))
+            if not 1 <= ask["concurrency"] <= MAX_DRAIN_CONCURRENCY:
+                error = f"concurrency must be within 1-{MAX_DRAIN_CONCURRENCY}"
+                return _page(400, pages.error_page(400, error, access))
             ask["force"] = request.form.get("force") == "on"
         answer = await self._request(subjects.MIGRATE_DRAIN, ask, "the migration service")
         if not answer.get("ok"):

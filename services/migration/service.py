@@ -49,6 +49,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -100,7 +101,7 @@ from loom_proto import subjects
 from loom_proto.clusters import CheckpointJob
 from loom_proto.codec import DecodeError, decode, encode
 from loom_proto.jobs import Affinity, JobRequeued, JobSpec, JobStarted
-from loom_proto.migrations import MigrationEvent, MigrationKind
+from loom_proto.migrations import MAX_DRAIN_CONCURRENCY, MigrationEvent, MigrationKind
 from loom_proto.net import LinkEventMessage, LinkInUse, LinkRecovered, LinksInUse, LinkState
 
 log = structlog.get_logger("migration")
@@ -464,11 +465,21 @@ class MigrationService:
             }
         if op != "drain":
             return {"ok": False, "code": "bad_request", "error": f"unknown op {op!r}"}
-        concurrency = int(request.get("concurrency", 2))
-        deadline_s = float(request.get("deadline_s", 0.0))
+        try:
+            concurrency = int(request.get("concurrency", 2))
+            deadline_s = float(request.get("deadline_s", 0.0))
+        except (TypeError, ValueError):
+            return {"ok": False, "code": "bad_request", "error": "concurrency and deadline_s must be numbers"}
         force = bool(request.get("force", False))
-        if concurrency < 1 or deadline_s < 0:
-            return {"ok": False, "code": "bad_request", "error": "concurrency must be >= 1 and deadline >= 0"}
+        if not 1 <= concurrency <= MAX_DRAIN_CONCURRENCY:
+            error = f"concurrency must be within 1-{MAX_DRAIN_CONCURRENCY}, got {concurrency}"
+            return {"ok": False, "code": "bad_request", "error": error}
+        if not 0 <= deadline_s < math.inf:
+            return {
+                "ok": False,
+                "code": "bad_request",
+                "error": f"deadline_s must be a finite number >= 0, got {deadline_s}",
+            }
         runs = await moves.runs_on(self.pool, cluster)
         jobs = [_drain_job(r) for r in runs]
         closed = await moves.drained_clusters(self.pool)

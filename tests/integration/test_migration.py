@@ -651,6 +651,9 @@ async def test_a_drain_asked_while_the_bus_connection_is_closed_is_committed_and
         )
         migration.ctx.nc = closed
         try:
+            for bad in ({"concurrency": 65}, {"concurrency": 99_999_999_999}, {"deadline_s": float("inf")}):
+                refused = await migration._drain_request({"op": "drain", "cluster": DRAINED, **bad})
+                assert refused["code"] == "bad_request" and "must be" in refused["error"], refused
             answer = await migration._drain_request({"op": "drain", "cluster": DRAINED})
         finally:
             migration.ctx.nc = live

@@ -405,6 +405,21 @@ def test_compose_runs_the_alert_correlator_with_arguments_its_parser_accepts() -
     assert parse_args(service_argvs(StackOptions())["alert-correlator"][3:]).topology == "default"
 
 
+def test_each_embedded_stack_takes_its_own_webhook_port_unless_one_is_fixed() -> None:
+    # Before, every `loom up` took 9095: on a shared machine one stack's webhook answered alerts
+    # meant for another (the README's curl reached the wrong stack, 200 and all).
+    from loom.runtime.stack import StackOptions, choose_alerts_port, service_argvs
+    from loom_services.alert_correlator.main import parse_args
+
+    fixed = choose_alerts_port({"LOOM_ALERTS_HTTP_PORT": "19095"})
+    assert fixed == 19095
+    free = choose_alerts_port({})
+    assert 0 < free < 65536 and free != 9095
+    assert choose_alerts_port({"LOOM_ALERTS_HTTP_PORT": "nope"}) not in (0, 9095)
+    argv = service_argvs(StackOptions(alerts_port=free))["alert-correlator"]
+    assert parse_args(argv[3:]).http_port == free
+
+
 def test_the_root_recovers_only_when_every_alert_naming_it_has_resolved() -> None:
     c = Correlator(placements([job("a", ("c-use2-a", 0))]))
     run(

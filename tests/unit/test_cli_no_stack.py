@@ -70,6 +70,8 @@ def test_a_command_without_a_stack_says_to_start_one(argv: list[str], tmp_path: 
     "argv",
     [
         ["drain", "c-1", "--concurrency", "0"],
+        ["drain", "c-1", "--concurrency", "65"],
+        ["drain", "c-1", "--concurrency", "99999999999"],  # was the database's int32 error, exit 1
         ["drain", "c-1", "--deadline", "-5"],
         ["drain", "c-1", "--wait", "--timeout", "0"],
         ["jobs", "--limit", "-1"],
@@ -89,6 +91,24 @@ def test_a_number_out_of_its_range_is_bad_usage_before_anything_is_asked(
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "must be" in err or "not a whole number" in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["usage", "statement", "--tenant", "acme", "--month", "0000-01"], "1970-9998"),  # was a traceback
+        (["usage", "statement", "--tenant", "acme", "--month", "9999-12"], "1970-9998"),
+        (["console", "--tenant", ""], "--tenant is empty"),  # was the operator's URL, exit 0
+    ],
+)
+def test_input_of_the_right_shape_but_unusable_is_refused_with_exit_2(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loom.cli.main import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
 
 
 def test_a_time_it_cannot_read_is_bad_input_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

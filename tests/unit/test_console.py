@@ -396,6 +396,14 @@ def test_loom_console_prints_the_url_with_the_operator_or_a_tenant_token(tmp_pat
     assert url.startswith("http://127.0.0.1:9/?token=")
     assert tokens.check(url.split("token=")[1]) == Access("operator")
     assert tokens.check(console_url(tmp_path, "alpha").split("token=")[1]) == Access("tenant", "alpha")
+    # An empty tenant (an unset variable in a script) is refused: before, it printed the operator's.
+    for empty in ("", "  "):
+        with pytest.raises(ValueError, match="--tenant is empty"):
+            console_url(tmp_path, empty)
+    # The token file deleted (every token revoked): a clear way out, not a traceback.
+    (tmp_path / "console-tokens.json").unlink()
+    with pytest.raises(LookupError, match="loom down"):
+        console_url(tmp_path)
 
 
 def _land_rings() -> list[list[tuple[float, float]]]:

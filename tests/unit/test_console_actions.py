@@ -257,6 +257,20 @@ async def test_an_operator_form_without_this_sessions_key_is_refused(tmp_path: P
     await nc.close()
 
 
+async def test_a_drain_form_outside_the_concurrency_range_is_refused_before_asking(
+    tmp_path: Path, nats_url: str
+) -> None:
+    # Before: 65 was taken (the form says max 64), 0 answered 409, 99999999999 the database's int32 error.
+    console, tokens, nc = await _console(tmp_path, nats_url)
+    op = tokens.operator
+    for value in ("0", "-1", "65", "99999999999"):
+        form = {"form_key": tokens.form_key(op), "concurrency": value}
+        answer = await console.handle(_request("POST", "/clusters/c-use2-a/drain", op, form=form))
+        assert isinstance(answer, Response) and answer.status == 400, value
+        assert b"concurrency must be within 1-64" in answer.body
+    await nc.close()
+
+
 # ---- on the real store and bus ----------------------------------------------------------------------
 
 

@@ -225,6 +225,9 @@ def test_a_monthly_statement_takes_only_that_months_hours_of_that_tenant() -> No
     assert month_window_ms("2026-12")[1] == round(new_year * 1000)
     with pytest.raises(InvalidInputError):
         month_window_ms("2026-13")
+    for month in ("0000-01", "9999-12"):  # the right shape, out of datetime's years: was a traceback
+        with pytest.raises(InvalidInputError, match="1970-9998"):
+            month_window_ms(month)
 
 
 def test_loom_usage_refuses_an_inverted_range_before_connecting(capsys: pytest.CaptureFixture[str]) -> None:

@@ -33,6 +33,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer within ``low``-``high``."""
+
+    def parse(text: str) -> int:
+        value = int(_number(text, int))
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be within {low}-{high}, got {value}")
+        return value
+
+    return parse
+
+
 def non_negative_float(text: str) -> float:
     """A finite number >= 0."""
     value = _number(text, float)

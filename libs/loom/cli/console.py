@@ -35,12 +35,21 @@ def add_parser(sub: Any) -> None:
 
 def console_url(home: Any = None, tenant: str | None = None) -> str:
     """The console's URL with a token; raises LookupError when no console is running here."""
+    if tenant is not None and not tenant.strip():
+        # An empty variable in a script must not hand out the operator's token.
+        raise ValueError("--tenant is empty: name a tenant, or leave the option out for the operator's URL")
     home = home or loom_home()
     state = stack.read_state(home)
     if not state or not stack.is_running(home) or not state.get("console_url"):
         raise LookupError("no Loom stack with a console is running here: start one with `loom up`")
-    tokens = load_tokens(home)
-    token = tokens.tenant_token(tenant) if tenant else tokens.operator
+    try:
+        tokens = load_tokens(home)
+    except FileNotFoundError as exc:
+        raise LookupError(
+            f"the console's token file {tokens_path(home)} is gone (deleting it revokes every token):"
+            " run `loom down` and `loom up` to write new ones"
+        ) from exc
+    token = tokens.tenant_token(tenant) if tenant is not None else tokens.operator
     return f"{state['console_url']}/?{urlencode({'token': token})}"
 
 
@@ -55,7 +64,7 @@ def cmd_console(args: argparse.Namespace) -> int:
     except ValueError as exc:
         err.print(f"[red]{exc}[/red]")
         return 2
-    role = "tenant" if args.tenant else "operator"
+    role = "tenant" if args.tenant is not None else "operator"
     if args.json:
         print(json.dumps({"url": url, "role": role, "tenant": args.tenant}))
         return 0

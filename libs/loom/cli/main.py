@@ -90,6 +90,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     console.print(
         f"{len(state['services'])} services; logs in {loom_home() / 'logs'}; stop with [bold]loom down[/bold]"
     )
+    if state.get("alerts_webhook_url"):
+        console.print(f"Alertmanager webhook at {state['alerts_webhook_url']}", highlight=False)
     if state.get("console_url"):
         console.print(
             f"web console at {state['console_url']}: [bold]loom console[/bold] prints its URL with a token"
@@ -148,7 +150,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if problems and status == "ready":
         status = "ready, degraded"
     if args.json:
-        print(json.dumps({"status": status, "problems": problems, "processes": rows}, indent=2))
+        report = {"status": status, "problems": problems, "processes": rows}
+        if state.get("alerts_webhook_url"):
+            report["alerts_webhook_url"] = state["alerts_webhook_url"]
+        print(json.dumps(report, indent=2))
     else:
         table = Table(title=f"Loom stack: {status}")
         for col in ("process", "pid", "alive", "restarts", "last exit", "health"):
@@ -179,6 +184,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             console.print("Prometheus /metrics:")
             for name, url in metrics_endpoints:
                 console.print(f"  {name:<28} {url}", highlight=False, soft_wrap=True)
+        if state.get("alerts_webhook_url"):
+            console.print(
+                f"Alertmanager webhook: {state['alerts_webhook_url']}", highlight=False, soft_wrap=True
+            )
         for problem in problems:
             err.print(f"[red]{escape(problem)}[/red]")
     return 1 if problems else 0

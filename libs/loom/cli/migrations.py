@@ -16,10 +16,11 @@ from rich.console import Console
 from rich.table import Table
 
 from loom.cli import CONNECT_WITHIN_S
-from loom.cli.argtypes import non_negative_float, positive_float, positive_int
+from loom.cli.argtypes import bounded_int, non_negative_float, positive_float, positive_int
 from loom.client import LoomClient
 from loom.runtime.config import endpoints
 from loom_proto import subjects
+from loom_proto.migrations import MAX_DRAIN_CONCURRENCY
 
 console = Console()
 err = Console(stderr=True)
@@ -73,7 +74,12 @@ def add_parser(sub: Any) -> None:
         default=0.0,
         help="seconds; past it every job left moves at once (0: none)",
     )
-    p.add_argument("--concurrency", type=positive_int, default=2, help="moves in flight at once")
+    p.add_argument(
+        "--concurrency",
+        type=bounded_int(1, MAX_DRAIN_CONCURRENCY),
+        default=2,
+        help=f"moves in flight at once (1-{MAX_DRAIN_CONCURRENCY})",
+    )
     p.add_argument(
         "--force", action="store_true", help="drain even where a job has no feasible GPUs on other clusters"
     )

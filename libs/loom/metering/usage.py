@@ -254,6 +254,8 @@ def month_window_ms(month: str) -> tuple[int, int]:
     if not match or not 1 <= int(match.group(2)) <= 12:
         raise InvalidInputError(f"month {month!r} is not YYYY-MM")
     year, mon = int(match.group(1)), int(match.group(2))
+    if not 1970 <= year <= 9998:  # datetime's years, and none before metering could have been
+        raise InvalidInputError(f"month {month!r}: the year must be within 1970-9998")
     start = datetime(year, mon, 1, tzinfo=UTC)
     end = datetime(year + (mon == 12), mon % 12 + 1, 1, tzinfo=UTC)
     return int(start.timestamp()) * 1000, int(end.timestamp()) * 1000

@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -202,6 +202,10 @@ class StackOptions:
     """Run the web console (services/console); ``loom console`` prints its URL with a token."""
     console_port: int = 0
     """The console's port on 127.0.0.1; 0: a free port chosen when the stack starts."""
+    alerts_port: int = 0
+    """The alert correlator's Alertmanager webhook port on 127.0.0.1; 0: ``$LOOM_ALERTS_HTTP_PORT``
+    if set (a port fixed in Alertmanager's configuration), else a free port chosen when the stack
+    starts (a fixed default would reach another stack on the same machine)."""
     secure_db: bool = SECURE_DB_DEFAULT
     """The embedded PostgreSQL demands SCRAM passwords (no trust), generated here into 0600 files
     under ``<home>/secrets/``, and each service logs in as its own least-privilege role
@@ -281,6 +285,21 @@ def placement_groups(options: StackOptions) -> dict[str, list[str]]:
     return groups
 
 
+ENV_ALERTS_HTTP_PORT = "LOOM_ALERTS_HTTP_PORT"
+"""A fixed port for the alert correlator's webhook (Alertmanager's configuration names it)."""
+
+
+def choose_alerts_port(environ: Mapping[str, str]) -> int:
+    """The webhook port of a stack: ``$LOOM_ALERTS_HTTP_PORT`` when it is a port number (one that is
+    not is logged and ignored), else a free port."""
+    fixed = environ.get(ENV_ALERTS_HTTP_PORT, "").strip()
+    if fixed.isdigit() and 0 < int(fixed) < 65536:
+        return int(fixed)
+    if fixed:
+        log.warning("not a port number: a free port is used", variable=ENV_ALERTS_HTTP_PORT, value=fixed)
+    return find_free_port()
+
+
 def service_argvs(options: StackOptions) -> dict[str, list[str]]:
     """The command line of every service process, by name."""
     py = sys.executable
@@ -289,8 +308,15 @@ def service_argvs(options: StackOptions) -> dict[str, list[str]]:
         groups = [*groups, "--tenants", options.tenants]  # every placement instance, every shard
     argvs = {
         "metrics": [py, "-m", "loom_services.metrics"],
-        # Alerts in, incidents out; its Alertmanager webhook listens on $LOOM_ALERTS_HTTP_PORT (9095).
-        "alert-correlator": [py, "-m", "loom_services.alert_correlator", "--topology", options.topology],
+        # Alerts in, incidents out; its Alertmanager webhook listens on the stack's alerts port.
+        "alert-correlator": [
+            py,
+            "-m",
+            "loom_services.alert_correlator",
+            "--topology",
+            options.topology,
+            *(["--http-port", str(options.alerts_port)] if options.alerts_port else []),
+        ],
         # Replica copies are timed on the agents' clock.
         "migration": [py, "-m", "loom_services.migration", "--time-scale", str(options.time_scale)],
         "placement": [py, "-m", "loom_services.placement", "--topology", options.topology, *groups],
@@ -855,6 +881,10 @@ class Supervisor:
                 if not self.options.console_port:
                     self.options.console_port = find_free_port()
                 self.state["console_url"] = f"http://127.0.0.1:{self.options.console_port}"
+            if self.options.services:
+                if not self.options.alerts_port:
+                    self.options.alerts_port = choose_alerts_port(os.environ)
+                self.state["alerts_webhook_url"] = f"http://127.0.0.1:{self.options.alerts_port}/alertmanager"
             self.start_slurm()
             self.start_services(env)
             self.write_state("starting", nats_url=nats_url, database_url=database_url)
