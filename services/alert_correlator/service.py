@@ -58,6 +58,7 @@ from loom.alerts.sources import (
 )
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.connection import BusError
+from loom.bus.dlq import NOT_REPLAYABLE_HEADER
 from loom.errors import InvalidInputError
 from loom.model.topology import Topology
 from loom.runtime.service import ServiceContext
@@ -461,6 +462,8 @@ class AlertCorrelator:
             "Loom-Original-Subject": original,
             "Loom-Consumer": "alert-correlator-http",
             "Loom-Failures": "1",
+            NOT_REPLAYABLE_HEADER: "Alertmanager's HTTP payload, not a bus message: the bus takes Loom's"
+            " alerts only; fix the payload (or Alertmanager) and POST it to the webhook again",
         }
         try:
             await self.ctx.publisher.publish_bytes(

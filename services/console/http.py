@@ -92,11 +92,19 @@ async def _read_request(reader: asyncio.StreamReader) -> Request | None:
         headers[name.strip().lower()] = value.strip()
     url = urlsplit(target)
     form: dict[str, str] = {}
-    length = int(headers.get("content-length") or 0)
+    if "chunked" in headers.get("transfer-encoding", "").lower():
+        raise BadRequest("send a Content-Length, not chunks")
+    declared = headers.get("content-length") or "0"
+    if not declared.isdigit():  # "-5", "abc": before, the connection closed with no answer
+        raise BadRequest(f"bad Content-Length {declared[:40]!r}")
+    length = int(declared)
     if length > _MAX_BODY_BYTES:
         raise BadRequest("body too long")
     if length:
-        body = await reader.readexactly(length)
+        try:
+            body = await asyncio.wait_for(reader.readexactly(length), _IDLE_S)
+        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
+            return None  # the client went away, or sent less than it declared
         if headers.get("content-type", "").startswith("application/x-www-form-urlencoded"):
             form = dict(parse_qsl(body.decode(), keep_blank_values=True))
     return Request(

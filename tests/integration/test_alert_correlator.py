@@ -299,6 +299,10 @@ async def test_a_malformed_payload_is_answered_400_and_dead_lettered(correlator:
     assert {letter.consumer for letter in found} == {"alert-correlator-http"}
     assert any("RFC 3339" in (letter.error or "") for letter in found)
     assert any(letter.data == b"{not json" for letter in found)
+    # Replaying one cannot work (the bus takes Loom's alerts, not Alertmanager's payload): refused,
+    # nothing published. Before, it was "replayed" into a new dead letter of the raw consumer.
+    [refused] = await DeadLetters(correlator.ctx.nc).replay(found[:1])
+    assert refused.outcome == "not_replayable" and "POST it to the webhook again" in (refused.why or "")
 
 
 async def test_the_cli_lists_shows_and_acknowledges_incidents(

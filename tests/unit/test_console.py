@@ -242,6 +242,15 @@ async def test_the_server_answers_requests_on_one_connection_and_reads_forms() -
         assert boom.startswith(b"HTTP/1.1 500")
         bad = await _exchange(server.port, b"nonsense\r\n\r\n", b"bad request line")
         assert bad.startswith(b"HTTP/1.1 400")
+        # Before: no answer at all (the connection closed on an exception in the server's callback).
+        for length in (b"-5", b"abc", b"1e3"):
+            head = b"POST /b HTTP/1.1\r\nContent-Length: " + length + b"\r\n\r\n"
+            answer = await _exchange(server.port, head, b"Content-Length")
+            assert answer.startswith(b"HTTP/1.1 400") and b"bad Content-Length" in answer, answer
+        chunked = await _exchange(
+            server.port, b"POST /b HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", b"chunks"
+        )
+        assert chunked.startswith(b"HTTP/1.1 400")
     finally:
         await server.stop()
 

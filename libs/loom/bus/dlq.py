@@ -61,6 +61,10 @@ MARKS_BUCKET = "LOOM_DLQ"
 
 DLQ_SUBJECTS = DEAD_LETTERS
 
+NOT_REPLAYABLE_HEADER = "Loom-Not-Replayable"
+"""Set on a dead letter that was never a bus message (an HTTP payload refused at the door): why
+replaying it cannot work, and what to do instead. :meth:`DeadLetters.replay` refuses it."""
+
 # Headers the consumer adds when it dead-letters; a replay leaves them (and the DLQ's own id) out.
 _DEAD_LETTER_HEADERS = frozenset(
     {
@@ -72,6 +76,8 @@ _DEAD_LETTER_HEADERS = frozenset(
         "Loom-Stream-Seq",
         "Loom-Deliveries",
         "Loom-Consumer",
+        "Loom-Failures",
+        NOT_REPLAYABLE_HEADER,
         "Nats-Msg-Id",
     }
 )
@@ -167,7 +173,7 @@ class DeadLetter:
         }
 
 
-ReplayOutcome = Literal["replayed", "duplicate", "skipped"]
+ReplayOutcome = Literal["replayed", "duplicate", "skipped", "not_replayable"]
 
 
 @dataclass(frozen=True)
@@ -177,7 +183,8 @@ class ReplayResult:
     ``replayed``: published (``stream_seq`` is where); ``duplicate``: the stream still remembers
     the original message id (its duplicate window has not passed since the original was
     published) and dropped the copy, nothing was delivered; ``skipped``: replayed before, and
-    ``again`` was not asked.
+    ``again`` was not asked; ``not_replayable``: it was never a bus message (``why`` says what to
+    do instead), nothing was published.
     """
 
     seq: int
@@ -185,6 +192,7 @@ class ReplayResult:
     subject: str
     msg_id: str
     stream_seq: int | None = None
+    why: str | None = None
 
 
 @dataclass(frozen=True)
@@ -350,6 +358,11 @@ class DeadLetters:
         results: list[ReplayResult] = []
         for letter in letters:
             msg_id = replay_msg_id(letter)
+            if refusal := letter.headers.get(NOT_REPLAYABLE_HEADER):
+                results.append(
+                    ReplayResult(letter.seq, "not_replayable", letter.original_subject, msg_id, why=refusal)
+                )
+                continue
             if letter.replay is not None and not again:
                 results.append(ReplayResult(letter.seq, "skipped", letter.original_subject, msg_id))
                 continue

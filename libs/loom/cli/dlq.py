@@ -197,10 +197,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
         results = await dlq.replay(letters, again=args.again)
         if args.json:
             print(json.dumps([r.__dict__ for r in results], indent=2))
-            return 0
+            return 1 if any(r.outcome == "not_replayable" for r in results) else 0
         for r in results:
             if r.outcome == "replayed":
                 console.print(f"#{r.seq}: replayed to {r.subject} (id {r.msg_id}, stream seq {r.stream_seq})")
+            elif r.outcome == "not_replayable":
+                console.print(f"#{r.seq}: [red]not replayable[/red]: {escape(r.why or '')}")
             elif r.outcome == "skipped":
                 console.print(
                     f"#{r.seq}: [yellow]skipped[/yellow], replayed before (--again to replay it anyway)"
@@ -211,7 +213,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     "duplicate window (the original was published moments ago); replay again later"
                 )
         console.print(f"{sum(r.outcome == 'replayed' for r in results)} of {len(results)} replayed")
-        return 0
+        return 1 if any(r.outcome == "not_replayable" for r in results) else 0
 
     return _with_dead_letters(work)
 
