@@ -718,6 +718,7 @@ class MigrationService:
                     history=history.get(r["job_id"], (0, None, "")),
                     now=now,
                     step_s=None,
+                    off=cluster,
                 )
                 key = (r["job_id"], int(r["attempt"]))
                 if found is not None:
@@ -1181,13 +1182,21 @@ class MigrationService:
         history: tuple[int, float | None, str],
         now: float,
         step_s: float | None,
+        off: str | None = None,
     ) -> tuple[benefit.MigrationVerdict, list[str], int, dict[str, str]] | None:
         """One job's verdict from placement's what-if (None: no answer, looked at next time), with
-        the clusters its re-placement avoids, the step it is at and cluster -> region of both ends."""
+        the clusters its re-placement avoids, the step it is at and cluster -> region of both ends.
+        ``off``: a cluster the job must leave (a drain): a candidate with any part on it is no room
+        (a gang spanning it re-placed where it is, its member part still there), so the verdict
+        is to stay, waiting for capacity elsewhere."""
         answer = await self._whatif(r["job_id"])
         if answer is None:
             return None
         current, candidate = answer["current"], candidate_of(answer.get("candidate"))
+        if off is not None and candidate is not None:
+            parts = (answer.get("candidate") or {}).get("clusters") or [candidate.cluster]
+            if not room_off(off, parts):
+                candidate = None
         lead = (current.get("clusters") or [r["lead"]])[0]
         lead_region = (current.get("regions") or [""])[0]
         fields = {k: v for k, v in json.loads(r["spec"]).items() if k in JobSpec.__struct_fields__}

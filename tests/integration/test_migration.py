@@ -434,6 +434,83 @@ async def test_a_drain_job_with_no_room_elsewhere_keeps_running_says_so_and_move
         await client.close()
 
 
+async def test_draining_the_cluster_of_a_spanning_gangs_member_part_waits_for_capacity_not_a_move_in_place(
+    platform: Platform,
+) -> None:
+    # A gang of 6 x 2 T4 spans both clusters (it needs T4s of both). A what-if answered before
+    # placement heard of the drain re-places it where it is, a part still on the drained cluster
+    # (the race is made certain here: the service's what-if answers as if placement had not heard
+    # of the drain). Before, a candidate led from the other cluster counted as room off the drained
+    # one: a move "c-sea1-a -> c-sea1-a" was planned that could never start, held a slot of the
+    # drain's concurrency, and the gang was not listed as waiting for capacity.
+    await platform.start("metrics")
+    await platform.start("placement")
+    migration = await platform.start("migration")
+    await platform.start(f"agent-{OTHER}")
+    await platform.start(f"agent-{DRAINED}")
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    try:
+        await until(
+            lambda: db.fetchval("SELECT count(DISTINCT cluster) = 2 FROM node_allocations"),
+            10,
+            "both clusters",
+        )
+        gang = JobSpec(
+            job_id="gang",
+            tenant="t1",
+            workers=6,
+            allow_multi_cluster=True,
+            resources=Resources(gpus=2, gpu_models=["T4"]),
+            work=Work(steps=100, step_time_s=600.0, checkpoint_every_steps=10),
+        )
+        await client.submit(gang)
+
+        async def running() -> dict[str, Any] | None:
+            job = await client.job("gang")
+            return job if job and job["state"] == "running" else None
+
+        lead = (await until(running, 15, "the gang running"))["cluster"]
+        member = OTHER if lead == DRAINED else DRAINED
+        await until(lambda: _progressed(client, ["gang"], 0.1), 20, "a checkpoint passed")
+        asked = migration._whatif
+
+        async def before_the_drain_was_heard(job_id: str) -> dict[str, Any] | None:
+            answer = await asked(job_id)
+            if answer is None or job_id != "gang":
+                return answer
+            current = answer["current"]
+            in_place = {
+                "cluster": lead,
+                "region": current["regions"][0],
+                "clusters": current["clusters"],
+                "step_s": current["step_s"],
+            }
+            return {**answer, "candidate": in_place}
+
+        migration._whatif = before_the_drain_was_heard
+        accepted = await _ask(
+            client, subjects.MIGRATE_DRAIN, {"cluster": member, "concurrency": 2, "force": True}
+        )
+        assert accepted["ok"] is True and accepted["jobs"] == 1, accepted
+
+        async def waiting() -> list[dict[str, Any]] | None:
+            drains = await _ask(client, subjects.MIGRATE_QUERY, {"op": "drains"})
+            mine = [d for d in drains["result"] if d["cluster"] == member]
+            return mine[0]["waiting"] or None if mine else None
+
+        listed = await until(waiting, 10, "the drain to say the gang waits for capacity")
+        assert [(w["job_id"], w["needs"]) for w in listed] == [("gang", "12 x T4")]
+        for _ in range(3):
+            await migration.drain_pass()
+        assert await db.fetchval("SELECT count(*) FROM migrations WHERE job_id = 'gang'") == 0
+        job = await client.job("gang")
+        assert job is not None and (job["state"], job["attempt"]) == ("running", 1)
+    finally:
+        await db.close()
+        await client.close()
+
+
 def _loom(*args: str, platform: Platform) -> subprocess.CompletedProcess[str]:
     """The ``loom`` CLI as a user runs it, against this test's stack."""
     return loom_cli(*args, nats_url=platform.nats_url, database_url=platform.database_url)
