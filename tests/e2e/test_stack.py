@@ -491,6 +491,9 @@ def test_loom_net_degrade_names_an_unknown_link_and_shows_gbps_like_net_links(ho
         assert "Gbps" in degraded.stdout and "0.50" in degraded.stdout and "Mbps" not in degraded.stdout
     finally:
         assert _loom(home, "net", "restore", src, dst).returncode == 0
+    # Restoring an unknown link names it, as degrading one does (it said "is the service running?").
+    unknown = _loom(home, "net", "restore", "nowhere", "elsewhere")
+    assert unknown.returncode == 2 and "no emulated link nowhere -> elsewhere" in unknown.stderr
 
 
 def test_loom_net_links_and_path_show_percentiles_forecast_and_bottleneck(home: Path) -> None:

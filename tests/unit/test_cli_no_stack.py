@@ -71,6 +71,10 @@ def test_a_command_without_a_stack_says_to_start_one(argv: list[str], tmp_path: 
     [
         ["drain", "c-1", "--concurrency", "0"],
         ["drain", "c-1", "--concurrency", "65"],
+        ["net", "degrade", "a", "b", "--loss", "1.5"],  # said "no emulated link a -> b" of a known link
+        ["net", "degrade", "a", "b", "--rtt-factor", "-1"],
+        ["net", "degrade", "a", "b", "--gbps", "0"],
+        ["net", "degrade", "a", "b", "--rtt-ms", "0"],
         ["drain", "c-1", "--concurrency", "99999999999"],  # was the database's int32 error, exit 1
         ["drain", "c-1", "--deadline", "-5"],
         ["drain", "c-1", "--wait", "--timeout", "0"],

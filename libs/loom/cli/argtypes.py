@@ -71,3 +71,11 @@ def non_negative_float_below(limit: float) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+def share(text: str) -> float:
+    """A number within 0-1 (a share: of probes lost, say)."""
+    value = _number(text, float)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be within 0-1, got {value:g}")
+    return value

@@ -17,7 +17,7 @@ from rich.tree import Tree
 
 from loom.bus.connection import BusError
 from loom.cli import CONNECT_WITHIN_S
-from loom.cli.argtypes import non_negative_int, positive_int
+from loom.cli.argtypes import non_negative_int, positive_float, positive_int, share
 from loom.client import LoomClient, QueryError, SpecError, load_specs
 from loom.errors import InvalidInputError
 from loom.runtime import stack
@@ -934,23 +934,32 @@ def cmd_net_degrade(args: argparse.Namespace) -> int:
         try:
             try:
                 links = await client.net_emulate(args.src, args.dst, request)
-            except QueryError:
-                # No collector answered: an unknown link, or the stack's collectors are gone.
-                known = await client.net_emulate_all({"op": "show"})
-                if not known:
-                    raise
-                pairs = sorted({(k["src"], k["dst"]) for k in known})
-                err.print(
-                    f"[red]no emulated link {escape(args.src)} -> {escape(args.dst)}[/red]; known: "
-                    + ", ".join(f"{a} -> {b}" for a, b in pairs)
-                )
-                return 2
+            except QueryError as exc:
+                return await _emulation_refused(client, args.src, args.dst, exc)
         finally:
             await client.close()
         _print_emulated(links)
         return 0
 
     return _run(go())
+
+
+async def _emulation_refused(client: LoomClient, src: str, dst: str, exc: QueryError) -> int:
+    """Why a request about one emulated link failed: the collector's own refusal of a known link
+    (a value out of range), or no such link (the known ones listed); exit 2 either way. No
+    collector at all: the error is raised."""
+    known = await client.net_emulate_all({"op": "show"})
+    if not known:
+        raise exc
+    pairs = sorted({(k["src"], k["dst"]) for k in known})
+    if (src, dst) in pairs:
+        err.print(f"[red]{escape(src)} -> {escape(dst)}: {escape(str(exc))}[/red]")
+    else:
+        err.print(
+            f"[red]no emulated link {escape(src)} -> {escape(dst)}[/red]; known: "
+            + ", ".join(f"{a} -> {b}" for a, b in pairs)
+        )
+    return 2
 
 
 def cmd_net_restore(args: argparse.Namespace) -> int:
@@ -963,7 +972,10 @@ def cmd_net_restore(args: argparse.Namespace) -> int:
         client = await _client()
         try:
             if args.src is not None:
-                links = await client.net_emulate(args.src, args.dst, {"op": "restore"})
+                try:
+                    links = await client.net_emulate(args.src, args.dst, {"op": "restore"})
+                except QueryError as exc:
+                    return await _emulation_refused(client, args.src, args.dst, exc)
             else:
                 links = await client.net_emulate_all({"op": "restore"})
         finally:
@@ -1170,10 +1182,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src")
     p.add_argument("dst")
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--rtt-ms", type=float, help="round-trip time to emulate")
-    how.add_argument("--rtt-factor", type=float, help="multiply the measured round-trip time")
-    p.add_argument("--loss", type=float, help="share of probes lost per round trip (0..1)")
-    p.add_argument("--gbps", type=float, help="bandwidth to emulate, in WAN Gbps")
+    how.add_argument("--rtt-ms", type=positive_float, help="round-trip time to emulate")
+    how.add_argument("--rtt-factor", type=positive_float, help="multiply the measured round-trip time")
+    p.add_argument("--loss", type=share, help="share of probes lost per round trip (0..1)")
+    p.add_argument("--gbps", type=positive_float, help="bandwidth to emulate, in WAN Gbps")
     p = add_net("restore", cmd_net_restore, "restore one emulated link (or every link) as measured")
     p.add_argument("src", nargs="?")
     p.add_argument("dst", nargs="?")
