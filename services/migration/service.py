@@ -634,7 +634,12 @@ class MigrationService:
         candidates = [
             _drain_job(r) for r in runs.values() if r["state"] == "running" and r["job_id"] not in moving
         ]
-        if not runs and not open_rows:
+        # Drained once nothing runs there and every move has completed (its job started
+        # elsewhere); past the deadline, once nothing runs there and no move is still to leave:
+        # a job given up then may wait in the queue for room elsewhere for long, which is the
+        # job's wait, not the cluster's (its move completes when it starts elsewhere).
+        leaving = [m for m in open_rows if m["state"] == "planned" or not past_deadline]
+        if not runs and not leaving:
             async with transaction(self.pool) as conn:
                 await moves.mark_drained(conn, cluster)
             log.info("cluster drained", cluster=cluster)

@@ -556,6 +556,11 @@ def test_loom_submit_says_what_became_of_each_job(home: Path, tmp_path: Path) ->
     assert len(reason) > 80 and last not in reason[:80], reason  # the old cut lost its last word
     table = _loom(home, "jobs", "--state", "rejected", "--limit", "500").stdout
     assert last in table, table
+    # Submitted again: still a rejection (it exited 0 as "already submitted").
+    again = _loom(home, "submit", str(path))
+    assert again.returncode == 1 and "already submitted (rejected)" in again.stdout, (
+        again.stdout + again.stderr
+    )
 
 
 def test_loom_submit_wait_shows_progress_while_the_job_runs(home: Path, tmp_path: Path) -> None:

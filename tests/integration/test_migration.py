@@ -511,6 +511,48 @@ async def test_draining_the_cluster_of_a_spanning_gangs_member_part_waits_for_ca
         await client.close()
 
 
+async def test_a_drain_past_its_deadline_is_drained_once_the_cluster_is_empty_though_its_job_still_waits(
+    platform: Platform,
+) -> None:
+    # c-sea1-a is full: past the deadline the job is given up and waits in the queue for room,
+    # nothing left on c-weu-a. Before, its started move kept the drain "draining" (and
+    # `loom drain --wait` waiting) until the job found room somewhere, which might be never.
+    await platform.start("metrics")
+    await platform.start("placement")
+    await platform.start("migration")
+    await platform.start(f"agent-{OTHER}")
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    try:
+        blockers = [f"blk-{i}" for i in range(4)]
+        for job_id in blockers:
+            await client.submit(_job(job_id, step_time_s=2400.0))
+        await until(lambda: _running_at(client, blockers, OTHER, 1), 10, "c-sea1-a full")
+        await platform.start(f"agent-{DRAINED}")
+        await client.submit(_job("late"))
+        await until(lambda: _running_at(client, ["late"], DRAINED, 1), 10, "the job on c-weu-a")
+        await until(lambda: _progressed(client, ["late"], 0.1), 15, "a checkpoint passed")
+        accepted = await _ask(
+            client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED, "concurrency": 2, "deadline_s": 1.0}
+        )
+        assert accepted["ok"] is True, accepted
+        await _drained(db)
+        job = await client.job("late")
+        assert job is not None and job["state"] == "queued" and job["attempt"] == 1
+        row = await db.fetchrow("SELECT state, to_cluster FROM migrations WHERE job_id = 'late'")
+        assert row["state"] == "started"  # completed when the job starts elsewhere
+        await client.cancel("blk-0")  # room: the job starts on c-sea1-a, its move completes
+        await until(lambda: _running_at(client, ["late"], OTHER, 2), 15, "the job running on c-sea1-a")
+
+        async def completed() -> bool:
+            return await db.fetchval("SELECT state FROM migrations WHERE job_id = 'late'") == "completed"
+
+        await until(completed, 10, "the move completed")
+    finally:
+        await db.close()
+        await client.close()
+
+
 def _loom(*args: str, platform: Platform) -> subprocess.CompletedProcess[str]:
     """The ``loom`` CLI as a user runs it, against this test's stack."""
     return loom_cli(*args, nats_url=platform.nats_url, database_url=platform.database_url)

@@ -339,6 +339,8 @@ def _print_admission(spec: Any, admission: Any) -> bool:
         console.print(
             f"{name}: already submitted ({escape(admission.state or admission.reason)}); nothing sent again"
         )
+        # Submitted before and rejected then: still a rejection (exit 1), as the first time.
+        return bool(admission.state == "rejected")
     elif admission.outcome == "unanswered":
         console.print(f"submitted {name}: [yellow]{escape(admission.reason)}[/yellow]; it waits on the bus")
     elif admission.outcome == "conflict":
