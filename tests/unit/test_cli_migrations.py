@@ -206,6 +206,16 @@ def test_a_moved_jobs_history_says_why_on_the_requeued_row_and_the_stopped_run_i
         "attempt 1 stopped by Loom: drain of c-weu-a: resumes from its checkpoint"
     )
     assert _event_detail("failed", {"reason": "exit code 3"}) == "exit code 3"
+    # A gang across clusters: every part, the lead first (before: the lead's only).
+    lead = {"cluster": "c-sea1-a", "gpu_model": "T4", "allocations": [{"node": "n1", "gpus": 2}]}
+    member = {
+        "cluster": "c-weu-a",
+        "gpu_model": "T4",
+        "allocations": [{"node": "n7", "gpus": 2}, {"node": "n8", "gpus": 2}],
+    }
+    placed = {**lead, "parts": [lead, member]}
+    assert _event_detail("placed", placed) == "c-sea1-a (T4) nodes n1x2; c-weu-a (T4) nodes n7x2, n8x2"
+    assert _event_detail("placed", lead) == "c-sea1-a (T4) nodes n1x2"
 
 
 def test_the_drains_table_and_the_view_tree_say_which_clusters_take_no_new_work() -> None:
@@ -255,3 +265,28 @@ def test_the_drains_table_and_the_view_tree_say_which_clusters_take_no_new_work(
     lines = console.export_text().splitlines()
     assert any("c-weu-a" in line and "DRAINED" in line for line in lines)
     assert not any("c-weu-b" in line and "DRAIN" in line for line in lines)
+
+
+def test_a_repeated_drain_says_it_updated_the_drains_settings(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: draining a draining cluster again changed its concurrency without a word.
+    from loom.cli import migrations as cli_migrations
+
+    answer = {"ok": True, "jobs": 2, "new": False, "concurrency": 5, "shards": {"confirmed": ["global"]}}
+
+    async def ask(client: Any, subject: str, request: dict[str, Any]) -> dict[str, Any]:
+        return answer
+
+    async def run(work: Any) -> int:
+        return int(await work(None))
+
+    monkeypatch.setattr(cli_migrations, "ask", ask)
+    monkeypatch.setattr(cli_migrations, "_with_client", lambda work: asyncio.run(run(work)))
+    args = argparse.Namespace(cluster="c-1", concurrency=5, deadline=0.0, force=True, wait=False, json=False)
+    assert cli_migrations.cmd_drain(args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "c-1 was already drained or draining: its settings are updated" in out and "5 at a time" in out
+    answer["new"] = True
+    assert cli_migrations.cmd_drain(args) == 0
+    assert "already" not in capsys.readouterr().out

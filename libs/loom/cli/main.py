@@ -606,8 +606,13 @@ def _print_stages(stages: list[dict[str, Any]]) -> None:
 def _event_detail(kind: str, ev: dict[str, Any]) -> str:
     """One line about an event for the history table."""
     if kind == "placed":
-        nodes = ", ".join(f"{a['node']}x{a['gpus']}" for a in ev["allocations"])
-        return f"{ev['cluster']} ({ev['gpu_model']}) nodes {nodes}"
+        # Every part of a job placed on several clusters, the lead first (it showed the lead only).
+        parts = ev.get("parts") or [ev]
+        return "; ".join(
+            f"{p['cluster']} ({p['gpu_model']}) nodes "
+            + ", ".join(f"{a['node']}x{a['gpus']}" for a in p["allocations"])
+            for p in parts
+        )
     if kind in ("progress", "checkpointed"):
         return f"step {ev['step']}" + (f"/{ev['steps']}" if "steps" in ev else "")
     if kind == "requeued":

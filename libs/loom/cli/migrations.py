@@ -166,6 +166,8 @@ def cmd_drain(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(answer))
             else:
+                if answer.get("new") is False:  # a repeated drain updates its settings
+                    console.print(f"{args.cluster} was already drained or draining: its settings are updated")
                 console.print(
                     f"{args.cluster} draining: {answer['jobs']} job(s) to move,"
                     f" {answer['concurrency']} at a time (`loom migrations --cluster {args.cluster}`"
