@@ -97,9 +97,23 @@ NOTICES = {
 }
 
 
-def notice_of(done: str | None) -> str | None:
-    """The sentence an action's redirect asks for (``?done=``): only these, never the query's text."""
-    return NOTICES.get(done or "")
+NOTICE_PAGES = {
+    "cancel": "job",
+    "cancel-pending": "job",
+    "cancel-live": "job",
+    "drain": "cluster",
+    "undrain": "cluster",
+    "ack": "incident",
+}
+"""The page each action redirects to: a notice is shown there only."""
+
+
+def notice_of(done: str | None, page: str, *, holds: bool = True) -> str | None:
+    """The sentence an action's redirect asks for (``?done=``): only these, never the query's
+    text, only on the kind of ``page`` the action redirects to, and only while what it says
+    ``holds`` (a crafted link to a completed job's page does not say it was cancelled)."""
+    key = done or ""
+    return NOTICES.get(key) if NOTICE_PAGES.get(key) == page and holds else None
 
 
 def _notice(notice: str | None) -> str:

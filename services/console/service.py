@@ -499,7 +499,11 @@ class Console:
                 path,
                 drains=drains,
                 form_key=self.form_key(request),
-                notice=pages.notice_of(request.query.get("done")),
+                notice=pages.notice_of(
+                    request.query.get("done"),
+                    "cluster",
+                    holds=len(path) == 3 and (path[-1] in drains) == (request.query.get("done") == "drain"),
+                ),
             )
         except KeyError:
             return _page(404, pages.error_page(404, f"nothing at {'/'.join(path)} in the view", access))
@@ -516,6 +520,8 @@ class Console:
             yield conn
 
     def _tenant_filter(self, request: Request, access: Access) -> str | None:
+        """The tenant a page shows: a tenant's own; the operator's ``?tenant=`` (checked by
+        :meth:`jobs_page` and the usage page as an id)."""
         if not access.is_operator:
             return access.tenant
         return request.query.get("tenant") or None
@@ -526,10 +532,14 @@ class Console:
         state = request.query.get("state") or None
         if state is not None and state not in pages.STATES:
             return _page(400, pages.error_page(400, f"no state {state!r}", access))
+        if tenant is not None and not _is_id(tenant):
+            return _page(400, pages.error_page(400, "tenant must be an id", access))
         try:
-            limit = min(max(int(request.query.get("limit") or 100), 1), _MAX_LIMIT)
+            limit = min(int(request.query.get("limit") or 100), _MAX_LIMIT)
         except ValueError:
             return _page(400, pages.error_page(400, "limit must be a number", access))
+        if limit < 1:  # 0 and -1 showed one row
+            return _page(400, pages.error_page(400, "limit must be 1 or more", access))
         async with self._reader(access) as db:
             jobs = await repo.list_jobs(db, tenant=tenant, state=state, limit=limit)
             counts = await store.counts_of(db, tenant)
@@ -573,7 +583,11 @@ class Console:
                 job,
                 explanation,
                 trace_url=trace_url,
-                notice=pages.notice_of(request.query.get("done")),
+                notice=pages.notice_of(
+                    request.query.get("done"),
+                    "job",
+                    holds=request.query.get("done") != "cancel" or job["state"] == "cancelled",
+                ),
                 form_key=self.form_key(request) if access.is_operator else "",
             ),
         )
@@ -588,7 +602,10 @@ class Console:
 
     async def incidents_page(self, request: Request, access: Access) -> Response:
         """Incidents, newest first; a tenant's: those that touch its jobs."""
-        open_only = request.query.get("open") == "1"
+        flag = request.query.get("open", "")
+        if flag not in ("", "0", "1"):
+            return _page(400, pages.error_page(400, "open must be 1 or 0", access))
+        open_only = flag == "1"
         tenant = None if access.is_operator else access.tenant
         if tenant is None:
             found = await store.incident_briefs(self.ctx.db, open_only=open_only, limit=_INCIDENTS_LISTED)
@@ -613,7 +630,9 @@ class Console:
                 access,
                 shown,
                 form_key=self.form_key(request),
-                notice=pages.notice_of(request.query.get("done")),
+                notice=pages.notice_of(
+                    request.query.get("done"), "incident", holds=shown.acked_at is not None
+                ),
             ),
         )
 

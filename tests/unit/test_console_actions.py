@@ -96,7 +96,9 @@ def test_a_tenant_sees_only_its_own_jobs_of_an_incident_and_no_text_naming_other
 
 
 def test_the_operator_acknowledges_an_open_incident_with_the_sessions_form_key() -> None:
-    html = pages.incident_page(OPERATOR, _incident(), form_key="key-1", notice=pages.notice_of("ack"))
+    html = pages.incident_page(
+        OPERATOR, _incident(), form_key="key-1", notice=pages.notice_of("ack", "incident")
+    )
     assert 'action="/incidents/inc-1/ack"' in html and 'name=form_key value="key-1"' in html
     assert "Acknowledged." in html and "b-dag" in html and 'href="/jobs/b-1"' in html
     acked = pages.incident_page(OPERATOR, _incident(state="acknowledged", acked_by="op"), form_key="k")
@@ -107,8 +109,14 @@ def test_the_operator_acknowledges_an_open_incident_with_the_sessions_form_key()
 
 
 def test_a_notice_comes_only_from_the_fixed_list_never_from_the_query() -> None:
-    assert pages.notice_of("cancel") == pages.NOTICES["cancel"]
-    assert pages.notice_of("<script>alert(1)</script>") is None and pages.notice_of(None) is None
+    assert pages.notice_of("cancel", "job") == pages.NOTICES["cancel"]
+    assert (
+        pages.notice_of("<script>alert(1)</script>", "job") is None and pages.notice_of(None, "job") is None
+    )
+    # Only on the page the action redirects to, and only while it holds (a crafted link showed
+    # "Cancelled" on a completed job's page, "Draining" on a job's).
+    assert pages.notice_of("drain", "job") is None and pages.notice_of("ack", "cluster") is None
+    assert pages.notice_of("cancel", "job", holds=False) is None
 
 
 def test_the_job_page_leads_the_operator_to_a_confirmation_and_lists_migrations() -> None:
@@ -133,7 +141,7 @@ def test_the_job_page_leads_the_operator_to_a_confirmation_and_lists_migrations(
             }
         ],
     }
-    html = pages.job_page(OPERATOR, job, [], trace_url=None, notice=pages.notice_of("cancel-pending"))
+    html = pages.job_page(OPERATOR, job, [], trace_url=None, notice=pages.notice_of("cancel-pending", "job"))
     assert 'href="/jobs/j-1/cancel"' in html and "<form method=post" not in html  # a confirmation first
     assert 'data-migration="m-1"' in html and "c-a → c-b" in html and "c-a draining" in html
     assert "has not recorded it yet" in html
@@ -268,6 +276,23 @@ async def test_a_drain_form_outside_the_concurrency_range_is_refused_before_aski
         answer = await console.handle(_request("POST", "/clusters/c-use2-a/drain", op, form=form))
         assert isinstance(answer, Response) and answer.status == 400, value
         assert b"concurrency must be within 1-64" in answer.body
+    await nc.close()
+
+
+async def test_list_pages_refuse_query_values_they_cannot_use(tmp_path: Path, nats_url: str) -> None:
+    # Before: limit 0 and -1 showed one row, ?tenant=';-- an empty list and ?open=abc every incident.
+    console, tokens, nc = await _console(tmp_path, nats_url)
+    op = tokens.operator
+    for path, query, said in (
+        ("/jobs", {"limit": "0"}, b"limit must be 1 or more"),
+        ("/jobs", {"limit": "-1"}, b"limit must be 1 or more"),
+        ("/jobs", {"tenant": "';--"}, b"tenant must be an id"),
+        ("/incidents", {"open": "abc"}, b"open must be 1 or 0"),
+    ):
+        request = Request(method="GET", path=path, query=query, headers={"cookie": f"{COOKIE}={op}"}, form={})
+        answer = await console.handle(request)
+        assert isinstance(answer, Response) and answer.status == 400, (path, query)
+        assert said in answer.body
     await nc.close()
 
 

@@ -990,6 +990,25 @@ def test_a_region_without_any_of_the_models_is_said_to_have_none_not_none_free()
     assert outcome.record.pruned["ct"] == "region r1 has no V100 GPUs; the job needs 8"
 
 
+def test_a_zone_or_cluster_without_any_of_the_models_is_said_to_have_none_not_none_free() -> None:
+    # r1's V100s are all in zone r1-b: zone r1-a has none (it read "0 free V100 GPUs" there), and
+    # a cluster of r1-b with no V100s says so too.
+    nodes = [
+        NodeCapacity(node="t0", cluster="ct", region="r1", zone="r1-a", gpu_model="T4", gpus_total=8),
+        NodeCapacity(node="v0", cluster="cv", region="r1", zone="r1-b", gpu_model="V100", gpus_total=8),
+        NodeCapacity(node="t1", cluster="cu", region="r1", zone="r1-b", gpu_model="T4", gpus_total=8),
+    ]
+    speed = {("T4", "training_compute"): 1.0, ("V100", "training_compute"): 2.0}
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=1000.0)
+    spec = JobSpec(
+        job_id="v", tenant="t", resources=Resources(gpus=8, gpu_models=["V100"]), work=Work(steps=1)
+    )
+    outcome = Framework([ResourceFit(), ScuFit()]).schedule(spec, snap)
+    assert outcome.decision is not None and outcome.decision.lead.cluster == "cv"
+    assert outcome.record.pruned["ct"] == "zone r1-a has no V100 GPUs; the job needs 8"
+    assert outcome.record.pruned["cu"] == "no V100 GPUs here; the job needs 8"
+
+
 def test_a_job_that_only_a_closed_cluster_could_hold_is_said_to_wait_for_it_not_for_gpus_taken() -> None:
     # ca (drained) is the only cluster with an 8-GPU node; cb's nodes hold 4. Before, the job
     # waited "would fit but the GPUs are taken now" though no GPU was taken anywhere.

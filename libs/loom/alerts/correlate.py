@@ -707,7 +707,7 @@ class Correlator:
     def _reason(self, root: Resource, candidates: list[tuple[Resource, float]], group: list[_Waiting]) -> str:
         jobs = {w.signal.job_id for w in group if w.signal.job_id is not None}
         named = sum(1 for w in group if w.signal.resource == root)
-        parts = [f"explains {len(group)} alert(s)"]
+        parts = [f"when it opened, it explained the {len(group)} alert(s) grouped then"]
         if named:
             parts.append(f"{named} name it")
         if jobs:

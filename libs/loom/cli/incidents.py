@@ -166,7 +166,7 @@ def cmd_incident(args: argparse.Namespace) -> int:
             )
         console.print(f"alerts: {i.alerts} ({i.distinct_alerts} distinct)  re-opened: {i.reopened}")
         if i.unattributed:
-            console.print("affected jobs: none known (unattributed)")
+            console.print("affected jobs: none (no job placed here uses what it names)")
         else:
             console.print(f"affected jobs: {i.jobs_total}; tenants: {', '.join(i.tenants)}")
             if i.dags:

@@ -1269,11 +1269,14 @@ class Framework:
         region_free = region_free.astype(np.int64)
         poor_regions = region_free[snap.cluster_region] < need
 
-        # "0 free" reads as all busy: a region with none of those GPUs at all is said to have none.
-        held_by_region = None
-        if (region_free[snap.cluster_region[poor_regions]] == 0).any():
+        # "0 free" reads as all busy: a region, zone or cluster with none of those GPUs at all is
+        # said to have none.
+        held_by_region = held_by_zone = held = None
+        zone_free = np.bincount(snap.cluster_zone, weights=free, minlength=snap.zone_count).astype(np.int64)
+        if (free == 0).any():
             held = (snap.total_sum * models).sum(axis=1)
             held_by_region = np.bincount(snap.cluster_region, weights=held, minlength=len(snap.regions))
+            held_by_zone = np.bincount(snap.cluster_zone, weights=held, minlength=snap.zone_count)
 
         def region_reason(c: int) -> str:
             region = snap.cluster_region[c]
@@ -1282,16 +1285,23 @@ class Framework:
             return f"region {snap.region_of(c)} has {region_free[region]} free {kind}; the job needs {need}"
 
         state.prune(poor_regions, region_reason)
-        zone_free = np.bincount(snap.cluster_zone, weights=free, minlength=snap.zone_count).astype(np.int64)
         poor_zones = zone_free[snap.cluster_zone] < need
+
+        def zone_reason(c: int) -> str:
+            zone = snap.cluster_zone[c]
+            if held_by_zone is not None and not held_by_zone[zone]:
+                return f"zone {snap.clusters[c].zone} has no {kind}; the job needs {need}"
+            return f"zone {snap.clusters[c].zone} has {zone_free[zone]} free {kind}; the job needs {need}"
+
+        state.prune(poor_zones, zone_reason)
         state.prune(
-            poor_zones,
+            free < need,
             lambda c: (
-                f"zone {snap.clusters[c].zone} has {zone_free[snap.cluster_zone[c]]} free {kind};"
-                f" the job needs {need}"
+                f"no {kind} here; the job needs {need}"
+                if held is not None and not held[c]
+                else f"{free[c]} free {kind}; the job needs {need}"
             ),
         )
-        state.prune(free < need, lambda c: f"{free[c]} free {kind}; the job needs {need}")
         state.prune(
             biggest < state.per_worker,
             lambda c: (
