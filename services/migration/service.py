@@ -375,7 +375,12 @@ class MigrationService:
         messages: list[outbox.OutboxMessage] = []
         for taken in rounds:
             rows = await moves.complete_many(conn, [(e.job_id, e.attempt, e.cluster) for e in taken.values()])
-            messages += [self._message(row, "completed") for row in rows]
+            messages += [
+                self._message(row, "completed")
+                if row["state"] == "completed"
+                else self._message(row, "failed", moot=True)
+                for row in rows
+            ]
         return messages
 
     async def _record_failover(self, conn: asyncpg.Connection, e: JobRequeued) -> list[outbox.OutboxMessage]:

@@ -48,6 +48,37 @@ async def test_a_batch_of_starts_ends_each_migration_at_the_first_start_that_fol
     ]
 
 
+async def test_a_drain_move_whose_job_starts_on_the_drained_cluster_again_is_failed_not_completed(
+    fresh_database: Callable[..., Awaitable[str]],
+) -> None:
+    # Undrained before the job moved, it started on the same cluster: the move did not happen
+    # (before: "completed c-sea1-a -> c-sea1-a"). A failover's restart in place still completes.
+    pool = await create_pool(await fresh_database("migration-back"), max_size=1)
+    try:
+        async with transaction(pool) as conn:
+            for job, cause in (("d", "drain"), ("f", "failover")):
+                await moves.plan(
+                    conn,
+                    migration_id=f"{job}:1",
+                    job_id=job,
+                    tenant="acme",
+                    cause=cause,
+                    state="started",
+                    from_cluster="c-sea1-a",
+                    from_attempt=1,
+                    steps=10,
+                    why="drain of c-sea1-a past its deadline",
+                    trace_context={},
+                )
+            done = await moves.complete_many(conn, [("d", 2, "c-sea1-a"), ("f", 2, "c-sea1-a")])
+    finally:
+        await pool.close()
+    by_id = {r["migration_id"]: r for r in done}
+    assert (by_id["d:1"]["state"], by_id["d:1"]["to_cluster"]) == ("failed", None)
+    assert by_id["d:1"]["why"].startswith("the drain of c-sea1-a ended before the job moved")
+    assert (by_id["f:1"]["state"], by_id["f:1"]["to_cluster"]) == ("completed", "c-sea1-a")
+
+
 async def test_first_attempt_starts_cost_migration_no_statement_and_a_later_start_still_ends_its_move(
     fresh_database: Callable[..., Awaitable[str]],
 ) -> None:

@@ -283,7 +283,9 @@ def test_a_repeated_drain_says_it_updated_the_drains_settings(
 
     monkeypatch.setattr(cli_migrations, "ask", ask)
     monkeypatch.setattr(cli_migrations, "_with_client", lambda work: asyncio.run(run(work)))
-    args = argparse.Namespace(cluster="c-1", concurrency=5, deadline=0.0, force=True, wait=False, json=False)
+    args = argparse.Namespace(
+        cluster="c-1", concurrency=5, deadline=0.0, force=True, wait=False, json=False, timeout=None
+    )
     assert cli_migrations.cmd_drain(args) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "c-1 was already drained or draining: its settings are updated" in out and "5 at a time" in out

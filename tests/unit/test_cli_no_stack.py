@@ -103,6 +103,7 @@ def test_a_number_out_of_its_range_is_bad_usage_before_anything_is_asked(
         (["usage", "statement", "--tenant", "acme", "--month", "0000-01"], "1970-9998"),  # was a traceback
         (["usage", "statement", "--tenant", "acme", "--month", "9999-12"], "1970-9998"),
         (["console", "--tenant", ""], "--tenant is empty"),  # was the operator's URL, exit 0
+        (["drain", "c-1", "--timeout", "5"], "give --wait too"),  # was ignored
     ],
 )
 def test_input_of_the_right_shape_but_unusable_is_refused_with_exit_2(
@@ -149,3 +150,11 @@ def test_loom_up_on_a_stack_whose_nats_does_not_answer_says_so_instead_of_up(
     said = " ".join(captured.err.split())
     assert "the stack's processes run, but no NATS server answered" in said
     assert "Start it with" not in said  # it is started: NATS is what does not answer
+
+
+def test_options_that_cannot_go_together_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    from loom.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:  # --replicas alone was shown, --verdicts dropped
+        main(["migrations", "--verdicts", "--replicas"])
+    assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err

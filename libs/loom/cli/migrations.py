@@ -28,6 +28,10 @@ err = Console(stderr=True)
 _TIMEOUT_S = 10.0
 
 
+DRAIN_WAIT_S = 600.0
+"""How long ``loom drain --wait`` follows a drain by default."""
+
+
 def confirmation_line(answer: dict[str, Any]) -> str:
     """What ``loom drain`` / ``loom undrain`` print of the placement shards' confirmation in the
     answer: which shards confirmed, which did not answer in time, which have no leader (truthful:
@@ -85,7 +89,10 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--wait", action="store_true", help="follow the drain until the cluster is empty")
     p.add_argument(
-        "--timeout", type=positive_float, default=600.0, help="with --wait: give up after this many seconds"
+        "--timeout",
+        type=positive_float,
+        default=None,
+        help=f"with --wait: give up after this many seconds (default {DRAIN_WAIT_S:g})",
     )
     p.add_argument("--json", action="store_true")
     p = add("undrain", cmd_undrain, "open a drained cluster to new work again")
@@ -101,10 +108,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--job", help="only this job's")
     p.add_argument("--cluster", help="only those off this cluster")
     p.add_argument("--limit", type=positive_int, default=100)
-    p.add_argument(
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument(
         "--verdicts", action="store_true", help="every job looked at (moved or not), with gain, cost and why"
     )
-    p.add_argument(
+    shown.add_argument(
         "--replicas",
         action="store_true",
         help="checkpoint replicas (where, step, bytes; --cluster: those held there)",
@@ -144,6 +152,12 @@ def _with_client(work: Callable[[LoomClient], Any]) -> int:
 
 def cmd_drain(args: argparse.Namespace) -> int:
     """Drain a cluster (refused with the reason for an unknown cluster or a job with nowhere to go)."""
+
+    if args.timeout is not None and not args.wait:
+        err.print("--timeout is how long --wait follows the drain: give --wait too")
+        return 2
+    if args.wait and args.timeout is None:
+        args.timeout = DRAIN_WAIT_S
 
     async def work(client: LoomClient) -> int:
         answer = await ask(

@@ -268,7 +268,8 @@ async def complete_many(
     conn: asyncpg.Connection, starts: Sequence[tuple[str, int, str]]
 ) -> list[asyncpg.Record]:
     """:func:`complete` of several ``(job, attempt, cluster)`` starts, of distinct jobs, in one
-    statement; the rows in the order of ``starts``."""
+    statement; the rows in the order of ``starts``. A drain move whose job starts on the drained
+    cluster again (it was undrained meanwhile) is failed instead, with why."""
     if len({job_id for job_id, _, _ in starts}) != len(starts):
         raise ValueError("complete_many takes one start per job")
     if not starts:
@@ -278,7 +279,18 @@ async def complete_many(
                SELECT * FROM unnest($1::text[], $2::int[], $3::text[]) WITH ORDINALITY
                  AS s(job_id, attempt, cluster, pos)
            ), done AS (
-               UPDATE migrations m SET state = 'completed', to_cluster = s.cluster, finished_at = now()
+               -- A drain move whose job starts on the drained cluster again (undrained meanwhile)
+               -- did not happen: failed, not "completed c-x -> c-x".
+               UPDATE migrations m
+               SET state = CASE WHEN m.cause = 'drain' AND m.from_cluster = s.cluster
+                                THEN 'failed' ELSE 'completed' END,
+                   why = CASE WHEN m.cause = 'drain' AND m.from_cluster = s.cluster
+                              THEN left('the drain of ' || s.cluster || ' ended before the job moved:'
+                                        || ' it runs there again; ' || m.why, 2048)
+                              ELSE m.why END,
+                   to_cluster = CASE WHEN m.cause = 'drain' AND m.from_cluster = s.cluster
+                                     THEN m.to_cluster ELSE s.cluster END,
+                   finished_at = now()
                FROM s
                WHERE m.job_id = s.job_id AND m.from_attempt < s.attempt
                  AND m.state IN ('planned', 'started')
