@@ -179,12 +179,15 @@ def cmd_status(args: argparse.Namespace) -> int:
                 text,
             )
         console.print(table)
-        metrics_endpoints = [(r["name"], r["metrics_url"]) for r in rows if r.get("metrics_url")]
+        # Only of live processes: a stopped stack's ports serve nothing (or another stack now).
+        metrics_endpoints = [
+            (r["name"], r["metrics_url"]) for r in rows if r.get("metrics_url") and r["alive"]
+        ]
         if metrics_endpoints:
             console.print("Prometheus /metrics:")
             for name, url in metrics_endpoints:
                 console.print(f"  {name:<28} {url}", highlight=False, soft_wrap=True)
-        if state.get("alerts_webhook_url"):
+        if state.get("alerts_webhook_url") and status not in ("stopped", "stopping"):
             console.print(
                 f"Alertmanager webhook: {state['alerts_webhook_url']}", highlight=False, soft_wrap=True
             )
