@@ -1047,6 +1047,8 @@ def supervisor_argv(home: Path, options: StackOptions) -> list[str]:
         argv.append("--no-console")
     if options.console_port:
         argv += ["--console-port", str(options.console_port)]
+    if options.alerts_port:
+        argv += ["--alerts-port", str(options.alerts_port)]
     argv.append("--secure-db" if options.secure_db else "--insecure-db")
     for cluster in options.slurm_clusters:
         argv += ["--slurm-cluster", cluster]
@@ -1186,6 +1188,7 @@ def parse_supervisor_argv(argv: list[str] | None = None) -> tuple[Path, StackOpt
     parser.add_argument("--nats-cluster", type=int, choices=(1, 3), default=1)
     parser.add_argument("--no-console", action="store_true")
     parser.add_argument("--console-port", type=int, default=0)
+    parser.add_argument("--alerts-port", type=int, default=0)
     parser.add_argument("--secure-db", action=argparse.BooleanOptionalAction, default=SECURE_DB_DEFAULT)
     parser.add_argument("--insecure-db", dest="secure_db", action="store_false")
     parser.add_argument("--metrics-port-base", type=int, default=0)
@@ -1211,6 +1214,7 @@ def parse_supervisor_argv(argv: list[str] | None = None) -> tuple[Path, StackOpt
         nats_cluster=args.nats_cluster,
         console=not args.no_console,
         console_port=args.console_port,
+        alerts_port=args.alerts_port,
         secure_db=args.secure_db,
         metrics_port_base=args.metrics_port_base,
         neighbour_nice=args.neighbour_nice,
