@@ -1045,10 +1045,8 @@ def supervisor_argv(home: Path, options: StackOptions) -> list[str]:
     argv += ["--tenants", options.tenants] if options.tenants else []
     if not options.console:
         argv.append("--no-console")
-    if options.console_port:
-        argv += ["--console-port", str(options.console_port)]
-    if options.alerts_port:
-        argv += ["--alerts-port", str(options.alerts_port)]
+    for flag, port in (("--console-port", options.console_port), ("--alerts-port", options.alerts_port)):
+        argv += [flag, str(port)] if port else []
     argv.append("--secure-db" if options.secure_db else "--insecure-db")
     for cluster in options.slurm_clusters:
         argv += ["--slurm-cluster", cluster]
