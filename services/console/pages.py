@@ -17,7 +17,7 @@ from urllib.parse import quote, urlencode
 
 import msgspec
 
-from loom.metering.usage import gpu_seconds_text
+from loom.metering.usage import USAGE_FIELDS, usage_fields
 from loom.runtime.tokens import Access
 from loom.store.console import UsageTotal
 from loom_proto.alerts import IncidentChange
@@ -684,21 +684,20 @@ def incident_page(access: Access, i: IncidentChange, *, form_key: str, notice: s
 
 
 def usage_csv(groups: Sequence[UsageTotal], by: str) -> str:
-    """The usage table as CSV: exact GPU-seconds, SCU-hours, cost."""
+    """The usage table as CSV, the columns of ``loom usage --csv`` (:data:`USAGE_FIELDS`)."""
     out = io.StringIO()
     writer = csv.writer(out)
-    writer.writerow([by.replace(":", "_"), "runs", "gpu_seconds", "gpu_hours", "scu_hours", "cost"])
+    writer.writerow([by.replace(":", "_"), *USAGE_FIELDS])
     for g in groups:
-        writer.writerow(
-            [
-                g.key,
-                g.runs,
-                gpu_seconds_text(g.gpu_ms),
-                f"{g.gpu_ms / 3_600_000:.6f}",
-                f"{g.scu_seconds / 3600:.6f}",
-                round(g.cost, 6),
-            ]
+        fields = usage_fields(
+            g.runs,
+            g.gpu_ms,
+            g.scu_seconds,
+            g.cost,
+            preempted_gpu_ms=g.preempted_gpu_ms,
+            failed_gpu_ms=g.failed_gpu_ms,
         )
+        writer.writerow([g.key, *(fields[c] for c in USAGE_FIELDS)])
     return out.getvalue()
 
 

@@ -26,6 +26,7 @@ from waiting import until
 from loom.bus import Delivery
 from loom.cli.main import main as loom_main
 from loom.client import LoomClient
+from loom.metering.usage import USAGE_FIELDS
 from loom.runtime.config import ENV_DATABASE_URL, ENV_NATS_URL
 from loom.runtime.servers import NatsServer
 from loom.telemetry.metrics import serve_metrics
@@ -202,6 +203,7 @@ async def test_loom_usage_shows_the_same_figures_and_refuses_an_inverted_range(
     with contextlib.redirect_stdout(out):
         assert await asyncio.to_thread(loom_main, ["usage", "--by", "tenant", "--csv"]) == 0
     rows = list(csv.DictReader(io.StringIO(printed(out))))
+    assert list(rows[0]) == ["tenant", *USAGE_FIELDS]  # as the console's /usage.csv
     assert {r["tenant"]: r["gpu_seconds"] for r in rows} == {
         t: f"{ms // 1000}.{ms % 1000:03d}" for t, ms in expected["tenant"].items()
     }

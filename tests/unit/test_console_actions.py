@@ -15,7 +15,7 @@ import nats
 import pytest
 
 from loom.bus import Publisher
-from loom.metering.usage import UsageRow, aggregate
+from loom.metering.usage import USAGE_FIELDS, UsageRow, aggregate
 from loom.model.topology import load_topology
 from loom.runtime.service import ServiceContext
 from loom.runtime.tokens import Access, Tokens, ensure_tokens
@@ -197,6 +197,7 @@ def test_usage_is_charted_and_exported_by_the_chosen_key() -> None:
     assert pages.amount(0.0012345) == "0.00123" and pages.amount(1234.5) == "1,234"
     assert 'href="/usage.csv?by=model&amp;since=30d&amp;until="' in html and "name=tenant" in html
     parsed = list(csv.DictReader(io.StringIO(pages.usage_csv(groups, "model"))))
+    assert list(parsed[0]) == ["model", *USAGE_FIELDS]  # as `loom usage --csv`
     assert [(r["model"], r["gpu_hours"], r["cost"]) for r in parsed] == [
         ("A100", "7.000000", "21.0"),
         ("T4", "2.000000", "6.0"),
@@ -299,6 +300,15 @@ async def test_list_pages_refuse_query_values_they_cannot_use(tmp_path: Path, na
 # ---- on the real store and bus ----------------------------------------------------------------------
 
 
+def _check_exported(body: bytes) -> None:
+    """The console's CSV by team of the usage below: the columns of `loom usage --csv` (they
+    differed: no preempted or failed GPU time there)."""
+    rows = list(csv.DictReader(io.StringIO(body.decode())))
+    assert [r["label_team"] for r in rows] == ["cv", "nlp"]
+    assert list(rows[0]) == ["label_team", *USAGE_FIELDS]
+    assert [r["preempted_gpu_ms"] for r in rows] == ["0", str(2 * 3_600_001)]
+
+
 async def test_incidents_and_usage_pages_show_a_tenant_its_own_only(
     fresh_database: Callable[..., Awaitable[str]], nats_url: str, tmp_path: Path
 ) -> None:
@@ -324,11 +334,14 @@ async def test_incidents_and_usage_pages_show_a_tenant_its_own_only(
                 ],
             )
             now_ms = round(time.time() * 1000)
-            for n, (tenant, team) in enumerate((("alpha", "cv"), ("beta", "nlp"))):
+            for n, (tenant, team, outcome) in enumerate(
+                (("alpha", "cv", "completed"), ("beta", "nlp", "preempted"))
+            ):
                 row = msgspec.structs.replace(
                     _row(f"{tenant}-j", tenant, team=team, model="A100", hours=1.0),
                     start_ms=now_ms - 7_200_000,
                     end_ms=now_ms - 3_600_000 + n,
+                    outcome=outcome,
                 )
                 await usage_store.replace_rows(conn, row.job_id, 1, [row])
         assert [i.incident_id for i in await console_store.incidents_of(pool, "alpha")] == ["inc-1"]
@@ -362,7 +375,7 @@ async def test_incidents_and_usage_pages_show_a_tenant_its_own_only(
         assert usage.status == 200 and b'data-key="alpha"' in usage.body and b"beta" not in usage.body
         exported = await get("/usage.csv", tokens.operator, {"by": "label:team", "since": "1d"})
         assert exported.content_type.startswith("text/csv")
-        assert [r["label_team"] for r in csv.DictReader(io.StringIO(exported.body.decode()))] == ["cv", "nlp"]
+        _check_exported(exported.body)
         assert (await get("/usage", alpha, {"since": "yesterday-ish"})).status == 400
 
         op = tokens.operator

@@ -25,14 +25,20 @@ from rich.table import Table
 
 from loom.bus.dlq import parse_since
 from loom.errors import InvalidInputError
-from loom.metering.usage import Group, aggregate, check_grouping, gpu_seconds_text, month_window_ms, statement
+from loom.metering.usage import (
+    USAGE_FIELDS,
+    Group,
+    aggregate,
+    check_grouping,
+    gpu_seconds_text,
+    month_window_ms,
+    statement,
+)
 from loom.runtime.config import endpoints
 from loom.store import usage as usage_store
 
 console = Console()
 err = Console(stderr=True)
-
-COLUMNS = ("key", "runs", "gpu_seconds", "scu_seconds", "cost", "preempted_gpu_ms", "failed_gpu_ms")
 
 
 def add_parser(sub: Any) -> None:
@@ -124,10 +130,11 @@ def cmd_usage(args: argparse.Namespace) -> int:
         return 1
     records = [g.as_dict() for g in groups]
     if args.csv:
-        writer = csv.DictWriter(sys.stdout, fieldnames=[args.by.replace(":", "_"), *COLUMNS[1:]])
+        # The console's /usage.csv has the same columns.
+        writer = csv.DictWriter(sys.stdout, fieldnames=[args.by.replace(":", "_"), *USAGE_FIELDS])
         writer.writeheader()
         for rec in records:
-            writer.writerow({args.by.replace(":", "_"): rec["key"], **{c: rec[c] for c in COLUMNS[1:]}})
+            writer.writerow({args.by.replace(":", "_"): rec["key"], **{c: rec[c] for c in USAGE_FIELDS}})
         return 0
     if args.json:
         print(json.dumps({"by": args.by, "groups": records}, indent=2))

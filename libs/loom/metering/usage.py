@@ -203,17 +203,49 @@ class Group:
             self.marked_gpu_ms[row.outcome] = self.marked_gpu_ms.get(row.outcome, 0) + row.gpu_ms
 
     def as_dict(self) -> dict[str, object]:
-        """JSON/CSV form: exact GPU-seconds as text, cost rounded to 1e-6."""
+        """JSON form (:func:`usage_fields` and the exact ``gpu_ms``)."""
         return {
             "key": self.key,
-            "runs": len(self.runs),
             "gpu_ms": self.gpu_ms,
-            "gpu_seconds": gpu_seconds_text(self.gpu_ms),
-            "scu_seconds": round(self.scu_seconds, 3),
-            "cost": round(self.cost, 6),
-            "preempted_gpu_ms": self.marked_gpu_ms.get("preempted", 0),
-            "failed_gpu_ms": self.marked_gpu_ms.get("failed", 0),
+            **usage_fields(
+                len(self.runs),
+                self.gpu_ms,
+                self.scu_seconds,
+                self.cost,
+                preempted_gpu_ms=self.marked_gpu_ms.get("preempted", 0),
+                failed_gpu_ms=self.marked_gpu_ms.get("failed", 0),
+            ),
         }
+
+
+USAGE_FIELDS = (
+    "runs",
+    "gpu_seconds",
+    "gpu_hours",
+    "scu_seconds",
+    "scu_hours",
+    "cost",
+    "preempted_gpu_ms",
+    "failed_gpu_ms",
+)
+"""The columns of a usage group in every export (``loom usage --csv`` / ``--json``, the console's
+``/usage.csv``), after its key."""
+
+
+def usage_fields(
+    runs: int, gpu_ms: int, scu_seconds: float, cost: float, *, preempted_gpu_ms: int, failed_gpu_ms: int
+) -> dict[str, object]:
+    """One group's :data:`USAGE_FIELDS`: exact GPU-seconds as text, hours to 1e-6, cost to 1e-6."""
+    return {
+        "runs": runs,
+        "gpu_seconds": gpu_seconds_text(gpu_ms),
+        "gpu_hours": f"{gpu_ms / 3_600_000:.6f}",
+        "scu_seconds": round(scu_seconds, 3),
+        "scu_hours": f"{scu_seconds / 3600:.6f}",
+        "cost": round(cost, 6),
+        "preempted_gpu_ms": preempted_gpu_ms,
+        "failed_gpu_ms": failed_gpu_ms,
+    }
 
 
 def gpu_seconds_text(gpu_ms: int) -> str:

@@ -78,6 +78,8 @@ class UsageTotal:
     gpu_ms: int
     scu_seconds: float
     cost: float
+    preempted_gpu_ms: int = 0
+    failed_gpu_ms: int = 0
 
 
 _USAGE_KEYS = {
@@ -107,7 +109,8 @@ async def usage_totals(
     key = _USAGE_KEYS[by]  # a fixed expression, never the caller's text
     rows = await conn.fetch(
         f"""WITH clipped AS (
-                SELECT {key} AS key, job_id, attempt, gpus::bigint AS gpus, scu_per_gpu, price_per_scu_hour,
+                SELECT {key} AS key, job_id, attempt, outcome, gpus::bigint AS gpus, scu_per_gpu,
+                       price_per_scu_hour,
                        greatest(start_ms, coalesce($2::bigint, start_ms)) AS s,
                        least(end_ms, coalesce($3::bigint, end_ms)) AS e
                 FROM usage_rows
@@ -116,7 +119,9 @@ async def usage_totals(
             SELECT key, GROUPING(key) = 1 AS whole, count(DISTINCT (job_id, attempt)) AS runs,
                    coalesce(sum(gpus * (e - s)), 0)::bigint AS gpu_ms,
                    coalesce(sum(gpus * (e - s) * scu_per_gpu / 1000.0), 0) AS scu_seconds,
-                   coalesce(sum(gpus * (e - s) * scu_per_gpu * price_per_scu_hour / 3600000.0), 0) AS cost
+                   coalesce(sum(gpus * (e - s) * scu_per_gpu * price_per_scu_hour / 3600000.0), 0) AS cost,
+                   coalesce(sum(gpus * (e - s)) FILTER (WHERE outcome = 'preempted'), 0)::bigint AS preempted,
+                   coalesce(sum(gpus * (e - s)) FILTER (WHERE outcome = 'failed'), 0)::bigint AS failed
             FROM clipped WHERE e > s GROUP BY GROUPING SETS ((key), ()) ORDER BY whole, key""",
         tenant,
         since_ms,
@@ -129,6 +134,8 @@ async def usage_totals(
             int(r["gpu_ms"]),
             float(r["scu_seconds"]),
             float(r["cost"]),
+            int(r["preempted"]),
+            int(r["failed"]),
         )
         for r in rows
     ]
