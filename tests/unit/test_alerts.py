@@ -766,3 +766,43 @@ def test_placements_cluster_health_is_a_lease_it_renews_by_telling_it_again() ->
     leases.restore(["loom-health-c2", "loom-stale-c3"], 500.0)
     assert leases.held == {"c2": ("restored", 500.0)}
     assert [a.cluster for a in leases.tick(590.0)] == ["c2"]
+
+
+def test_a_regions_links_degrading_seconds_apart_make_one_region_incident() -> None:
+    # Two links of one region alerting together point at the region (2 of its 2 links here);
+    # seconds apart, each opened its own link incident (a region cut off live: 5 link incidents).
+    # The earlier link's open incident is now evidence: the region takes it over.
+    c = Correlator(placements([]))
+    kinds = run(
+        c,
+        [
+            (0.0, alert(1, link=(USE, SEA), dedup_key="l-1")),
+            (5.0, alert(2, link=(WEU, SEA), dedup_key="l-2")),
+        ],
+        40.0,
+    )
+    [inc] = [i for i in c.incidents.values() if i.is_open]
+    assert inc.root == ("region", SEA) and inc.active == {"l-1", "l-2"}
+    assert kinds == ["opened", "updated"]
+    # Together, the same incident at once (as before).
+    together = Correlator(placements([]))
+    run(together, [(0.0, alert(1, link=(USE, SEA))), (0.1, alert(2, link=(WEU, SEA)))], 5.0)
+    assert [i.root for i in together.incidents.values()] == [("region", SEA)]
+    # Two link incidents (far apart), both resolved; half an hour later the region is cut off,
+    # link by link: the first link's incident re-opens (a relapse) and, re-opened now, is
+    # evidence for the second (live, 5 links re-opened 5 link incidents).
+    again = Correlator(placements([]))
+    for t, n, src in ((0.0, 1, USE), (100.0, 2, WEU)):
+        again.ingest(alert(n, link=(src, SEA), dedup_key=f"l-{n}"), t)
+        again.tick(t + 0.6)
+        again.ingest(alert(n + 10, link=(src, SEA), dedup_key=f"l-{n}", status="resolved"), t + 10.0)
+    assert sorted(i.root[0] for i in again.incidents.values()) == ["link", "link"]
+    for t, n, src in ((1800.0, 3, USE), (1805.0, 4, WEU)):
+        again.ingest(alert(n, link=(src, SEA), dedup_key=f"l-{n}"), t)
+        again.tick(t + 0.6)
+    [relapsed] = [i for i in again.incidents.values() if i.is_open]
+    assert relapsed.root == ("region", SEA) and relapsed.reopened == 1
+    # A link alone stays a link incident, and a link far apart in time is its own.
+    apart = Correlator(placements([]))
+    run(apart, [(0.0, alert(1, link=(USE, SEA))), (100.0, alert(2, link=(WEU, SEA)))], 110.0)
+    assert sorted(i.root[0] for i in apart.incidents.values()) == ["link", "link"]

@@ -222,6 +222,8 @@ class Incident:
     last_momentary_at: float | None = None
     timeline: deque[TimelineEntry] = field(default_factory=deque)
     reopened: int = 0
+    open_since: float | None = None
+    """When it last became open (its opening, or its last re-opening; None: ``opened_at``)."""
     version: int = 0
     merged_into: str | None = None
     dirty: str = ""
@@ -553,7 +555,12 @@ class Correlator:
             part = component
             while part:
                 touched = frozenset().union(*(w.implicated for w in part))
-                near = [c for c in context if c[1] & touched]
+                # A link incident is evidence for link alerts only: a region whose links fail one
+                # by one is the region; a cluster failing in a region with a link down is the cluster.
+                links_only = all(
+                    w.signal.resource is not None and w.signal.resource[0] == "link" for w in part
+                )
+                near = [c for c in context if c[1] & touched and (links_only or c[0].resource is None)]
                 ranked = rank([(w.signal, w.implicated) for w in part] + near, self.placements)
                 # The best root that explains a waiting alert (context alone forms nothing).
                 root, score = next((r, sc) for r, sc in ranked if any(r in w.implicated for w in part))
@@ -574,16 +581,25 @@ class Correlator:
         return out
 
     def _context(self, now: float) -> list[tuple[Signal, frozenset[Resource]]]:
-        """Open single-job incidents of the last ``context_s``, as evidence for grouping: jobs that
-        alerted further apart than ``weak_wait_s`` still point at the link or node they share."""
+        """Open incidents of the last ``context_s`` rooted at one job or one link, as evidence for
+        grouping: jobs that alerted further apart than ``weak_wait_s`` still point at the link or
+        node they share, and a region's links failing a few seconds apart at the region, as they
+        would had they alerted together (its link incidents are then taken over). (Not a cluster's
+        incident: a region of one cluster would take every later alert of that region.)"""
         out: list[tuple[Signal, frozenset[Resource]]] = []
         for root, inc_id in self.open_by_root.items():
-            if root[0] != "job":
+            if root[0] not in ("job", "link"):
                 continue
             inc = self.incidents[inc_id]
-            if now - inc.opened_at <= self.config.context_s:
+            since = inc.open_since if inc.open_since is not None else inc.opened_at
+            if now - since > self.config.context_s:
+                continue
+            if root[0] == "job":
                 signal = Signal(inc.incident_id, "context", inc.severity, "", None, root[1], True, True, now)
                 out.append((signal, self.placements.implicated(None, root[1])))
+            else:
+                signal = Signal(inc.incident_id, "context", inc.severity, "", root, None, True, True, now)
+                out.append((signal, self.placements.implicated(root, None)))
         return out
 
     def _form(
@@ -694,6 +710,7 @@ class Correlator:
         del self.resolved_by_root[root]
         inc.state, inc.resolved_at, inc.acked_at, inc.acked_by = "open", None, None, None
         inc.reopened += 1
+        inc.open_since = now
         inc.root_reason, inc.candidates = reason, candidates
         self._open_root(root, inc.incident_id)
         self._timeline(inc, now, f"re-opened: {describe(root)} relapsed")
