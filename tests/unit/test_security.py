@@ -267,3 +267,22 @@ def test_services_call_only_the_jetstream_api_of_their_streams() -> None:
     assert not may_publish(placement, "$JS.API.STREAM.DELETE.KV_loom_leases")
     assert may_subscribe(placement, "$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.JOBS.placement-submitted")
     assert not may_subscribe(console, "$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.JOBS.placement-submitted")
+
+
+def test_loom_tenant_add_warns_when_the_stacks_tenants_file_will_refuse_the_tenant(tmp_path: Path) -> None:
+    # Before: credentials were issued without a word, and every job of the tenant was then
+    # rejected as unknown_tenant by a stack started with a closed tenants file.
+    import json
+
+    from loom.cli.credentials import _closed_to
+
+    tenants = tmp_path / "tenants.yaml"
+    tenants.write_text("open: false\ntenants:\n  acme: {gpus: 8}\n")
+    (tmp_path / "stack.json").write_text(json.dumps({"status": "ready", "tenants_file": str(tenants)}))
+    refusal = _closed_to(tmp_path, "beta")
+    assert refusal is not None and "does not list beta" in refusal and "unknown_tenant" in refusal
+    assert _closed_to(tmp_path, "acme") is None
+    tenants.write_text("open: true\ntenants:\n  acme: {gpus: 8}\n")
+    assert _closed_to(tmp_path, "beta") is None
+    (tmp_path / "stack.json").write_text(json.dumps({"status": "ready"}))  # no tenants file: all admitted
+    assert _closed_to(tmp_path, "beta") is None

@@ -24,6 +24,7 @@ from loom.runtime import dbcreds
 from loom.runtime.config import loom_home
 from loom.runtime.servers import NatsServer, reload_nats_server
 from loom.runtime.stack import read_state
+from loom.sched.quota import QuotaError, read_tenants
 from loom.security import CredentialStore, tenant_identity, write_secret
 from loom_proto.ids import InvalidIdError
 
@@ -125,9 +126,29 @@ def cmd_tenant_add(args: argparse.Namespace) -> int:
         path = args.out
     console.print(f"tenant [bold]{args.name}[/bold]: credentials in {path} (0600)")
     console.print(f"use them with: export LOOM_CREDS={path}")
+    if (refusal := _closed_to(home, args.name)) is not None:
+        err.print(f"[yellow]{refusal}[/yellow]")
     if not reloaded:
         console.print("[yellow]NATS is not running: the tenant can connect once the stack is up[/yellow]")
     return 0
+
+
+def _closed_to(home: Path, tenant: str) -> str | None:
+    """Why the stack's placement will refuse ``tenant``'s jobs: a closed tenants file (``loom up
+    --tenants``) that does not list it; None when it admits them (or cannot be read here)."""
+    path = (read_state(home) or {}).get("tenants_file")
+    if not path:
+        return None
+    try:
+        config = read_tenants(str(path))
+    except (OSError, QuotaError):
+        return None
+    if config.open or tenant in config.tenants:
+        return None
+    return (
+        f"but the stack's tenants file {path} is closed and does not list {tenant}: its jobs are"
+        f" rejected (unknown_tenant) until the file lists it and the stack restarts (loom down, loom up)"
+    )
 
 
 def database_admin_url(home: Path) -> str | None:

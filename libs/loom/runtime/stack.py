@@ -867,6 +867,8 @@ class Supervisor:
             # so we can make sure they are gone and reap them, instead of leaving them to init.
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         (self.home / "logs").mkdir(parents=True, exist_ok=True)
+        if self.options.tenants:
+            self.state["tenants_file"] = str(Path(self.options.tenants).resolve())
         self.write_state("starting")
         try:
             nats_url, database_url = self.start_servers()
