@@ -9,14 +9,10 @@ import json
 from typing import Any
 from urllib.parse import urlencode
 
-from rich.console import Console
-
+from loom.cli.output import console, err
 from loom.runtime import stack
 from loom.runtime.config import loom_home
 from loom.runtime.tokens import load_tokens, tokens_path
-
-console = Console()
-err = Console(stderr=True)
 
 
 def add_parser(sub: Any) -> None:

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-from rich.console import Console
 
+from loom.cli.output import console, err
 from loom.runtime import dbcreds
 from loom.runtime.config import loom_home
 from loom.runtime.servers import NatsServer, reload_nats_server
@@ -27,9 +27,6 @@ from loom.runtime.stack import read_state
 from loom.sched.quota import QuotaError, read_tenants
 from loom.security import CredentialStore, tenant_identity, write_secret
 from loom_proto.ids import InvalidIdError
-
-console = Console()
-err = Console(stderr=True)
 
 
 def add_parser(sub: Any) -> None:

@@ -12,18 +12,15 @@ from datetime import datetime
 from typing import Any
 
 from nats.aio.client import Client
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from loom.bus.connection import BusError, connect
 from loom.bus.dlq import DeadLetter, DeadLetters, parse_since
 from loom.cli import CONNECT_WITHIN_S
+from loom.cli.output import console, err
 from loom.errors import InvalidInputError, LoomError
 from loom.runtime.config import ENV_NATS_URL, endpoints
-
-console = Console()
-err = Console(stderr=True)
 
 _ERROR_WIDTH = 60
 

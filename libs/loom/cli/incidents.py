@@ -14,20 +14,17 @@ from typing import Any
 
 import asyncpg
 import msgspec
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from loom.bus.connection import BusError, connect
 from loom.cli import CONNECT_WITHIN_S
 from loom.cli.argtypes import positive_int
+from loom.cli.output import console, err
 from loom.runtime.config import endpoints
 from loom.store import incidents as store
 from loom_proto import subjects
 from loom_proto.alerts import IncidentChange
-
-console = Console()
-err = Console(stderr=True)
 
 _CONNECT_TIMEOUT_S = 3.0
 _JOBS_SHOWN = 50

@@ -10,7 +10,6 @@ from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
@@ -18,6 +17,7 @@ from rich.tree import Tree
 from loom.bus.connection import BusError
 from loom.cli import CONNECT_WITHIN_S
 from loom.cli.argtypes import non_negative_int, positive_float, positive_int, share
+from loom.cli.output import console, err
 from loom.client import LoomClient, QueryError, SpecError, load_specs
 from loom.errors import InvalidInputError
 from loom.runtime import stack
@@ -25,9 +25,6 @@ from loom.runtime.config import endpoints, loom_home
 from loom.sched.quota import read_tenants
 from loom.telemetry import configure_logging, setup_telemetry, shutdown_telemetry
 from loom_proto.jobs import TERMINAL_STATES
-
-console = Console()
-err = Console(stderr=True)
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:

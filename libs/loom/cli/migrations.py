@@ -12,18 +12,15 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from loom.cli import CONNECT_WITHIN_S
 from loom.cli.argtypes import bounded_int, non_negative_float, positive_float, positive_int
+from loom.cli.output import console, err
 from loom.client import LoomClient
 from loom.runtime.config import endpoints
 from loom_proto import subjects
 from loom_proto.migrations import MAX_DRAIN_CONCURRENCY
-
-console = Console()
-err = Console(stderr=True)
 
 _TIMEOUT_S = 10.0
 

@@ -9,9 +9,9 @@ import asyncio
 import os
 from typing import Any
 
-from rich.console import Console
 from rich.markup import escape
 
+from loom.cli.output import console, err
 from loom.client import LoomClient, QueryError
 from loom.telemetry.jaeger import (
     DEFAULT_JAEGER_URL,
@@ -21,9 +21,6 @@ from loom.telemetry.jaeger import (
     parse_jaeger_trace,
     render_tree,
 )
-
-console = Console()
-err = Console(stderr=True)
 
 
 def add_parser(sub: Any) -> None:

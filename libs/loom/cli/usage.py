@@ -20,10 +20,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
-from rich.console import Console
 from rich.table import Table
 
 from loom.bus.dlq import parse_since
+from loom.cli.output import console, err
 from loom.errors import InvalidInputError
 from loom.metering.usage import (
     USAGE_FIELDS,
@@ -36,9 +36,6 @@ from loom.metering.usage import (
 )
 from loom.runtime.config import endpoints
 from loom.store import usage as usage_store
-
-console = Console()
-err = Console(stderr=True)
 
 
 def add_parser(sub: Any) -> None:
