@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from loom.model.capacity import NodeCapacity
+from loom.model.egress import ring_price_per_gb, transfer_price_per_gb
 from loom.model.profiles import relative_speed
 from loom.model.topology import load_topology
 from loom.sched.framework import Outcome, QueueItem
@@ -294,6 +295,11 @@ def test_a_cross_region_gang_is_slower_than_the_same_gang_in_one_cluster() -> No
     assert far.step_s > near.step_s + 0.05
     assert far.cross_region_bytes == pytest.approx(1000 * 2 * LIGHT_BYTES * 2)
     assert near.cross_region_bytes == 0.0
+    # The bytes are charged at the clouds' transfer price: a ring over two regions, each boundary
+    # priced (loom.model.egress); nothing in one cluster.
+    price = ring_price_per_gb([EU, WEU])
+    assert price > 0 and far.transfer_cost == pytest.approx(far.cross_region_bytes / 1e9 * price)
+    assert near.transfer_cost == 0.0
     # The heavy gang (1 GB per step) would cost 13x the GPU-hours of one cluster spread over
     # Europe: Loom rejects it with that figure; a baseline without the span guard runs it.
     heavy = SimJob(spec=gang("heavy"), arrival_s=0.0)
@@ -329,6 +335,7 @@ def test_a_dataset_in_another_region_is_copied_before_an_after_sync_job_starts()
     sync_s = plat.net.transfer_s(EU, USE, 50.0)
     assert r.end_s == pytest.approx(sync_s + 100 * r.step_s)
     assert r.cross_region_bytes == pytest.approx(50e9)
+    assert r.transfer_cost == pytest.approx(50 * transfer_price_per_gb(EU, USE))  # the copy is billed
 
 
 # ---- scripted events ----------------------------------------------------------------------------
@@ -608,3 +615,18 @@ def test_a_run_far_longer_than_its_sampling_keeps_a_bounded_timeline(monkeypatch
     # Below the cap nothing changes: the same run sampled coarsely from the start.
     coarse = simulate(trace, plat, POLICIES["loom"](0), truth=BELIEF, sample_every_s=600.0)
     assert [r.end_s for r in coarse.records] == [r.end_s for r in thinned.records]
+
+
+def test_data_transfer_prices_follow_the_clouds_list_prices() -> None:
+    from loom.model.egress import INTER_REGION_PER_GB, INTERNET_EGRESS_PER_GB, provider_of
+
+    assert transfer_price_per_gb("aws-us-east-2", "aws-us-east-2") == 0.0
+    assert transfer_price_per_gb("aws-us-east-2", "aws-eu-central-1") == INTER_REGION_PER_GB == 0.02
+    assert transfer_price_per_gb("gcp-asia-southeast1", "aws-us-east-2") == INTERNET_EGRESS_PER_GB["gcp"]
+    assert transfer_price_per_gb("azure-westeurope", "gcp-asia-southeast1") == 0.087  # the source's
+    assert transfer_price_per_gb("r1", "r2") == INTER_REGION_PER_GB  # providers unknown
+    assert provider_of("azure-westeurope") == "azure" and provider_of("mars-1") is None
+    # A ring's mean over its boundaries: aws -> aws 0.02, aws -> gcp 0.09, gcp -> aws 0.12.
+    ring = ring_price_per_gb(["aws-a", "aws-b", "gcp-c"])
+    assert ring == pytest.approx((0.02 + 0.09 + 0.12) / 3)
+    assert ring_price_per_gb(["aws-a"]) == 0.0

@@ -92,7 +92,9 @@ completed). ``step_s`` is the simulated (true) seconds per step where it last ra
 included) and ``compute_step_s`` its compute part; ``belief_step_s`` and ``belief_compute_step_s``
 what the scheduler expected them to be, ``truth_rule`` how the slowest part's true speed was found.
 ``scu_hours`` sums GPUs x delivered speed (true speed / noise; by belief: SCU x trust) x hours held,
-``cost`` GPUs x the region's price (at the run's start) x hours held, over every run.
+``cost`` GPUs x the region's price (at the run's start) x hours held, over every run;
+``transfer_cost`` the bytes moved between regions (below) at the clouds' list prices for data
+transfer (:mod:`loom.model.egress`): a policy's total cost is both.
 ``cross_region_bytes``: per step of a data-parallel job whose parts span ``k`` > 1 regions,
 ``2 x bytes_per_step x k`` (a ring all-reduce crosses a region boundary ``k`` times, each
 carrying about twice the gradient); per step of a pipeline, the activations of each stage boundary
@@ -117,6 +119,7 @@ from typing import Any, Final
 import numpy as np
 
 from loom.model.capacity import NodeCapacity
+from loom.model.egress import ring_price_per_gb, transfer_price_per_gb
 from loom.model.family import job_family
 from loom.model.learn import HeldLessons, RunSpeed, SpeedLearner, run_speed, teaches_while_running
 from loom.model.profiles import speeds_for_model
@@ -333,6 +336,8 @@ class _Run:
     regions: list[str]
     pipeline: bool
     cross_bytes_per_step: float
+    cross_cost_per_step: float
+    """USD the bytes a step moves between regions cost (:mod:`loom.model.egress`)."""
     scu_rate: float
     """Sum over parts of GPUs x delivered speed (true speed / noise; SCU x trust by belief)."""
     cost_rate: float
@@ -1395,6 +1400,7 @@ class _Simulation:
             regions=regions,
             pipeline=pipeline,
             cross_bytes_per_step=self._cross_bytes_per_step(spec, d, distinct, pipeline),
+            cross_cost_per_step=self._cross_bytes_per_step(spec, d, distinct, pipeline, priced=True),
             scu_rate=sum(g * s / noise for g, s in zip(gpus_by_part, true_speeds, strict=True)),
             cost_rate=sum(g * econ.price(p.region, now) for g, p in zip(gpus_by_part, parts, strict=True)),
             acct_s=now,
@@ -1415,6 +1421,8 @@ class _Simulation:
         if copy_bytes:
             rec.cross_region_bytes += copy_bytes
             self.cross_bytes += copy_bytes
+            assert spec.data is not None  # only a dataset is copied
+            rec.transfer_cost += copy_bytes / 1e9 * transfer_price_per_gb(spec.data.region, parts[0].region)
         self.running_list.append(run.core)
         self.position[spec.job_id] = len(self.running_list) - 1
         for p in parts:
@@ -1553,6 +1561,7 @@ class _Simulation:
         self.snap.staged[job.spec.job_id] = job.staged  # the data plugin's copy times read it
         copied = plan.size_gb * 1e9
         job.record.cross_region_bytes += copied
+        job.record.transfer_cost += plan.size_gb * transfer_price_per_gb(plan.src, plan.dst)
         self.cross_bytes += copied
         self.staged_copies += 1
 
@@ -1584,16 +1593,22 @@ class _Simulation:
         return 0.0, extra, copied, believed
 
     @staticmethod
-    def _cross_bytes_per_step(spec: JobSpec, d: Decision, regions: Sequence[str], pipeline: bool) -> float:
+    def _cross_bytes_per_step(
+        spec: JobSpec, d: Decision, regions: Sequence[str], pipeline: bool, *, priced: bool = False
+    ) -> float:
+        """Bytes a step moves between regions (module docstring); ``priced``: what they cost, USD
+        (each boundary at its price, :func:`loom.model.egress.transfer_price_per_gb`)."""
         if pipeline and spec.pipeline is not None:
             layers = spec.pipeline.layers
             total = 0.0
             for a, b in zip(d.parts, d.parts[1:], strict=False):
                 if a.region != b.region and a.layers is not None:
-                    total += layers[min(a.layers[1], len(layers) - 1)].activation_mb * 1e6
+                    moved = layers[min(a.layers[1], len(layers) - 1)].activation_mb * 1e6
+                    total += moved * transfer_price_per_gb(a.region, b.region) / 1e9 if priced else moved
             return total
         if len(regions) > 1 and spec.comm is not None:
-            return 2.0 * spec.comm.bytes_per_step * len(regions)
+            moved = 2.0 * spec.comm.bytes_per_step * len(regions)
+            return moved * ring_price_per_gb(list(regions)) / 1e9 if priced else moved
         return 0.0
 
     def _core(self, job: _Job, d: Decision, pipeline: bool, *, step_s: float, delay_s: float) -> RunningJob:
@@ -1663,6 +1678,7 @@ class _Simulation:
         done = run.progress(now)
         moved = done * run.cross_bytes_per_step
         rec.cross_region_bytes += moved
+        rec.transfer_cost += done * run.cross_cost_per_step
         self.cross_bytes += moved
         job.steps_left = max(job.steps_left - done, 0.0)
         run.seg_start_s = now

@@ -117,7 +117,11 @@ def group_stats(records: Sequence[JobRecord]) -> dict[str, Any]:
         "makespan_s": makespan_s(records),
         "gpu_hours": gpu_hours(records),
         "scu_hours": sum(r.scu_hours for r in records),
-        "cost": sum(r.cost for r in records),
+        # What the platform's bill would say: GPU-hours at the regions' prices, plus the bytes moved
+        # between regions at the clouds' transfer prices (loom.model.egress), each also apart.
+        "cost": sum(r.cost + r.transfer_cost for r in records),
+        "gpu_cost": sum(r.cost for r in records),
+        "transfer_cost": sum(r.transfer_cost for r in records),
         "cross_region_bytes": sum(r.cross_region_bytes for r in records),
         "restarts": sum(r.restarts for r in records),
     }
@@ -215,12 +219,12 @@ def summarize(result: SimResult) -> dict[str, Any]:
     if result.probes:
         # Speed probes are the policy's own runs: out of the jobs' figures, in what the platform spent.
         spent = group_stats(result.probes)
-        for key in ("gpu_hours", "scu_hours", "cost"):
+        for key in ("gpu_hours", "scu_hours", "cost", "gpu_cost", "transfer_cost"):
             overall[key] += spent[key]
     overall["probes"] = {
         "runs": len(result.probes),
         "gpu_hours": gpu_hours(result.probes),
-        "cost": sum(r.cost for r in result.probes),
+        "cost": sum(r.cost + r.transfer_cost for r in result.probes),
     }
     overall["gpu_utilisation_mean"] = mean_utilisation(result.timeline)
     overall["rejected_reasons"] = rejected_reasons(result.records)

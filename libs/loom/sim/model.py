@@ -118,6 +118,9 @@ class JobRecord:
     ``measured`` or the derivation rules); empty when timed by belief."""
     scu_hours: float = 0.0
     cost: float = 0.0
+    """GPU-hours at the regions' prices."""
+    transfer_cost: float = 0.0
+    """Bytes moved between regions at the clouds' data-transfer prices (:mod:`loom.model.egress`)."""
     cross_region_bytes: float = 0.0
     restarts: int = 0
     rejected: str | None = None
