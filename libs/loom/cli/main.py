@@ -627,7 +627,9 @@ def _event_detail(kind: str, ev: dict[str, Any]) -> str:
     if kind in ("failed", "rejected"):
         return str(ev["reason"])
     if kind == "completed":
-        return f"{ev['gpu_seconds']:.0f} GPU-seconds"
+        # The agent's count on the job's own clock (a simulated cluster runs it time-scaled);
+        # what is billed is metered in wall time: `loom usage --by job`.
+        return f"{ev['gpu_seconds']:.0f} GPU-seconds on the job's clock (billed: loom usage --by job)"
     return ""
 
 
