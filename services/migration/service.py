@@ -120,6 +120,24 @@ VOLUNTARY_CAUSES = ("network", "backflow", "slow_node")
 JobEvent = JobRequeued | JobStarted
 
 
+Said = dict[tuple[str, Any], tuple[str, str | None]]
+"""(job, what it was reviewed about) -> its last recorded verdict there: (decision, target)."""
+
+
+def _news(records: list[moves.VerdictRow], said: Said, key: object) -> list[moves.VerdictRow]:
+    """The verdicts worth recording again about ``key``: every move, and a stay or a deferral
+    that differs from the job's last recorded verdict there (None: every verdict)."""
+    if key is None:
+        return records
+    return [r for r in records if r.decision == "move" or said.get((r.job_id, key)) != (r.decision, r.target)]
+
+
+def _remember(records: Sequence[moves.VerdictRow], said: Said, key: object) -> None:
+    """Note the verdicts recorded about ``key`` (None: nothing to note)."""
+    if key is not None:
+        said.update(((r.job_id, key), (r.decision, r.target)) for r in records)
+
+
 @dataclass(frozen=True)
 class MigrationSettings:
     """How the service paces drains."""
@@ -205,7 +223,11 @@ class MigrationService:
         self.degraded = DegradedLinks(self.settings.rule.recheck_s)
         """The links degraded now (monotonic clock): their jobs are looked at again every
         ``rule.recheck_s`` while they stay degraded."""
-        self._link_said: dict[tuple[str, frozenset[str]], tuple[str, str | None]] = {}
+        self._link_said: Said = {}
+        """(job, degraded region pair) -> the job's last recorded verdict (decision, target) on it."""
+        self._cluster_said: Said = {}
+        """(job, cluster reviewed) -> the job's last recorded verdict (decision, target) in that
+        cluster's reviews: a recheck of a joined cluster records only what changed."""
         """(job, degraded link's regions) -> (decision, target) of its last recorded verdict there: a
         recheck records a stay or deferral only when it changed (the earlier row says why)."""
         self._avoid: dict[str, list[str]] = {}
@@ -1154,20 +1176,15 @@ class MigrationService:
         ]
         records += [self._verdict_row(v, context[v.job_id][0], "stay", link) for v in plan.stay]
         pair = frozenset(link.split("->")) if link and trigger == "link_degraded" else None
-        if pair is not None and recheck:
-            # A recheck records a stay or a deferral only when it differs from the job's last
-            # recorded verdict on this link (its numbers move a little at every look).
-            records = [
-                rec
-                for rec in records
-                if rec.decision == "move"
-                or self._link_said.get((rec.job_id, pair)) != (rec.decision, rec.target)
-            ]
+        # A link's recheck, and a cluster's reviews (a joined one is looked at again every few
+        # seconds while it settles), record a stay or a deferral only when it differs from the
+        # job's last recorded verdict there (the numbers move a little at every look).
+        records = _news(records, self._link_said, pair if recheck else None)
+        records = _news(records, self._cluster_said, toward)
         async with transaction(self.pool) as conn:
             await moves.record_verdicts(conn, records)
-        if pair is not None:
-            for rec in records:
-                self._link_said[rec.job_id, pair] = (rec.decision, rec.target)
+        _remember(records, self._link_said, pair)
+        _remember(records, self._cluster_said, toward)
         for record in records:
             self.stats["verdicts"][record.decision] += 1
         for v in plan.start:
@@ -1549,18 +1566,26 @@ class MigrationService:
                         settle_s=self.settings.join_settle_s,
                         recheck_s=self.settings.join_recheck_s,
                     )
-                    if plan.deferred or held is not None or recheck is not None:
+                    again = bool(plan.deferred) or held is not None or recheck is not None
+                    if again:
                         # Deferred by the budget: again at the next reading; held by a cool-down
                         # (a job that just failed over or drained off): again when it ends; a
                         # cluster just back that placement may not have reopened yet: again soon.
                         self._cluster_reviews.setdefault(cluster, (trigger, about))
                         if not plan.deferred:
                             self._review_after[cluster] = min(t for t in (held, recheck) if t is not None)
+                    self._reviews_of(cluster, ended=not again)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 log.warning("cluster review failed", error=repr(exc))
                 await asyncio.sleep(self.settings.clusters_every_s)
+
+    def _reviews_of(self, cluster: str, *, ended: bool) -> None:
+        """A cluster's reviews ``ended`` (none is due again): the next one records every verdict
+        afresh (what was said in these is forgotten)."""
+        for key in [k for k in self._cluster_said if k[1] == cluster] if ended else []:
+            del self._cluster_said[key]
 
     async def review_cluster(self, cluster: str, trigger: benefit.Trigger, about: str) -> benefit.Plan:
         """Decide, for every running job with no part on ``cluster`` (and no move open), whether it

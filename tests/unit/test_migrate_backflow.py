@@ -113,3 +113,22 @@ def test_a_cluster_just_back_is_rechecked_while_it_settles_only_if_the_framework
     assert settling_recheck(elsewhere, "b", joined_at=None, **kw) is None  # not a join
     moved_there = decide(_running(2.0), Candidate("b", "r-b", 1.0), PATH, now_s=0.0, trigger="cluster_joined")
     assert settling_recheck([moved_there], "b", joined_at=100.0, **kw) is None
+
+
+def test_a_settling_clusters_rechecks_record_only_verdicts_that_changed() -> None:
+    # A joined cluster is reviewed again every few seconds while it settles: every review wrote a
+    # stay for every running job (about 20 near-identical rows a job in `--verdicts`).
+    from loom.store.moves import VerdictRow
+    from loom_services.migration.service import Said, _news, _remember
+
+    def row(job: str, decision: str, target: str | None, gain: float) -> VerdictRow:
+        return VerdictRow(job, 1, "cluster_joined", decision, "c-a", target, "why", gain, 1.0, 2.0, 0.5, "")
+
+    said: Said = {}
+    first = [row("j1", "stay", None, 10.0), row("j2", "stay", "c-b", 5.0)]
+    assert _news(first, said, "c-new") == first  # nothing said yet: all recorded
+    _remember(first, said, "c-new")
+    again = [row("j1", "stay", None, 11.0), row("j2", "move", "c-new", 9.0), row("j3", "stay", None, 1.0)]
+    assert [r.job_id for r in _news(again, said, "c-new")] == ["j2", "j3"]  # j1 said the same before
+    assert _news(again, said, None) == again  # no key: every verdict
+    assert [r.job_id for r in _news(again, said, "c-other")] == ["j1", "j2", "j3"]  # another cluster's
