@@ -370,28 +370,35 @@ async def test_a_returning_agent_stops_its_orphaned_runs_and_a_fenced_checkpoint
         await client.close()
 
 
-async def test_a_drain_job_with_no_room_elsewhere_keeps_running_says_so_and_moves_when_room_appears(
-    platform: Platform,
-) -> None:
-    # c-sea1-a's 4 T4 GPUs are taken: c-weu-a's job has feasible GPUs elsewhere (the drain is not
-    # refused) but no room there now. It must keep running, say it waits for capacity and what it
-    # needs, and move once a blocker ends (before: its run was given up and it sat queued).
+async def _stuck_on_drained(platform: Platform, job_id: str) -> tuple[LoomClient, asyncpg.Connection]:
+    """Metrics, placement and migration; c-sea1-a's 4 T4 GPUs taken by long blockers ``blk-0..3``;
+    ``job_id`` running on c-weu-a past a checkpoint: it has feasible GPUs elsewhere (a drain of
+    c-weu-a is not refused) but no room there now. The caller closes the client and connection."""
     await platform.start("metrics")
     await platform.start("placement")
     await platform.start("migration")
     await platform.start(f"agent-{OTHER}")
     client = await LoomClient.connect(platform.nats_url)
     db = await asyncpg.connect(platform.database_url)
-    try:
-        blockers = [f"blk-{i}" for i in range(4)]
-        for job_id in blockers:
-            await client.submit(_job(job_id, step_time_s=2400.0))
-        await until(lambda: _running_at(client, blockers, OTHER, 1), 10, "c-sea1-a full")
-        await platform.start(f"agent-{DRAINED}")
-        await client.submit(_job("stuck"))
-        await until(lambda: _running_at(client, ["stuck"], DRAINED, 1), 10, "the job on c-weu-a")
-        await until(lambda: _progressed(client, ["stuck"], 0.1), 15, "a checkpoint passed")
+    blockers = [f"blk-{i}" for i in range(4)]
+    for blocker in blockers:
+        await client.submit(_job(blocker, step_time_s=2400.0))
+    await until(lambda: _running_at(client, blockers, OTHER, 1), 10, "c-sea1-a full")
+    await platform.start(f"agent-{DRAINED}")
+    await client.submit(_job(job_id))
+    await until(lambda: _running_at(client, [job_id], DRAINED, 1), 10, "the job on c-weu-a")
+    await until(lambda: _progressed(client, [job_id], 0.1), 15, "a checkpoint passed")
+    return client, db
 
+
+async def test_a_drain_job_with_no_room_elsewhere_keeps_running_says_so_and_moves_when_room_appears(
+    platform: Platform,
+) -> None:
+    # c-sea1-a's 4 T4 GPUs are taken: c-weu-a's job has feasible GPUs elsewhere (the drain is not
+    # refused) but no room there now. It must keep running, say it waits for capacity and what it
+    # needs, and move once a blocker ends (before: its run was given up and it sat queued).
+    client, db = await _stuck_on_drained(platform, "stuck")
+    try:
         accepted = await _ask(client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED, "concurrency": 2})
         assert accepted["ok"] is True and accepted["jobs"] == 1, accepted
 
@@ -517,21 +524,8 @@ async def test_a_drain_past_its_deadline_is_drained_once_the_cluster_is_empty_th
     # c-sea1-a is full: past the deadline the job is given up and waits in the queue for room,
     # nothing left on c-weu-a. Before, its started move kept the drain "draining" (and
     # `loom drain --wait` waiting) until the job found room somewhere, which might be never.
-    await platform.start("metrics")
-    await platform.start("placement")
-    await platform.start("migration")
-    await platform.start(f"agent-{OTHER}")
-    client = await LoomClient.connect(platform.nats_url)
-    db = await asyncpg.connect(platform.database_url)
+    client, db = await _stuck_on_drained(platform, "late")
     try:
-        blockers = [f"blk-{i}" for i in range(4)]
-        for job_id in blockers:
-            await client.submit(_job(job_id, step_time_s=2400.0))
-        await until(lambda: _running_at(client, blockers, OTHER, 1), 10, "c-sea1-a full")
-        await platform.start(f"agent-{DRAINED}")
-        await client.submit(_job("late"))
-        await until(lambda: _running_at(client, ["late"], DRAINED, 1), 10, "the job on c-weu-a")
-        await until(lambda: _progressed(client, ["late"], 0.1), 15, "a checkpoint passed")
         accepted = await _ask(
             client, subjects.MIGRATE_DRAIN, {"cluster": DRAINED, "concurrency": 2, "deadline_s": 1.0}
         )

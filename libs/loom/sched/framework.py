@@ -1278,22 +1278,21 @@ class Framework:
             held_by_region = np.bincount(snap.cluster_region, weights=held, minlength=len(snap.regions))
             held_by_zone = np.bincount(snap.cluster_zone, weights=held, minlength=snap.zone_count)
 
-        def region_reason(c: int) -> str:
-            region = snap.cluster_region[c]
-            if held_by_region is not None and not held_by_region[region]:
-                return f"region {snap.region_of(c)} has no {kind}; the job needs {need}"
-            return f"region {snap.region_of(c)} has {region_free[region]} free {kind}; the job needs {need}"
+        def reason(level: str, name: str, index: int, free_at: IntArray, held_at: IntArray | None) -> str:
+            if held_at is not None and not held_at[index]:
+                return f"{level} {name} has no {kind}; the job needs {need}"
+            return f"{level} {name} has {free_at[index]} free {kind}; the job needs {need}"
 
-        state.prune(poor_regions, region_reason)
-        poor_zones = zone_free[snap.cluster_zone] < need
-
-        def zone_reason(c: int) -> str:
-            zone = snap.cluster_zone[c]
-            if held_by_zone is not None and not held_by_zone[zone]:
-                return f"zone {snap.clusters[c].zone} has no {kind}; the job needs {need}"
-            return f"zone {snap.clusters[c].zone} has {zone_free[zone]} free {kind}; the job needs {need}"
-
-        state.prune(poor_zones, zone_reason)
+        state.prune(
+            poor_regions,
+            lambda c: reason(
+                "region", snap.region_of(c), snap.cluster_region[c], region_free, held_by_region
+            ),
+        )
+        state.prune(
+            zone_free[snap.cluster_zone] < need,
+            lambda c: reason("zone", snap.clusters[c].zone, snap.cluster_zone[c], zone_free, held_by_zone),
+        )
         state.prune(
             free < need,
             lambda c: (
