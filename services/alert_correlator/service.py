@@ -150,7 +150,7 @@ class AlertCorrelator:
             self.core.restore(incident)
             firing |= incident.active
         # The sources resolve what was firing as if this run had seen it start.
-        self.conditions.restore(firing)
+        self.conditions.restore(firing, time.time())
         self.health.restore(firing, self.watch_health)
         self.cluster_health.restore(firing, time.time())
         return len(rows)

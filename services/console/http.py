@@ -95,7 +95,9 @@ async def _read_request(reader: asyncio.StreamReader) -> Request | None:
     if "chunked" in headers.get("transfer-encoding", "").lower():
         raise BadRequest("send a Content-Length, not chunks")
     declared = headers.get("content-length") or "0"
-    if not declared.isdigit():  # "-5", "abc": before, the connection closed with no answer
+    if not (
+        declared.isascii() and declared.isdigit()
+    ):  # "-5", "abc": before, the connection closed with no answer
         raise BadRequest(f"bad Content-Length {declared[:40]!r}")
     length = int(declared)
     if length > _MAX_BODY_BYTES:

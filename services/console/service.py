@@ -586,7 +586,9 @@ class Console:
                 notice=pages.notice_of(
                     request.query.get("done"),
                     "job",
-                    holds=request.query.get("done") != "cancel" or job["state"] == "cancelled",
+                    # "Cancelled" once it is; "requested" while it is not ended otherwise.
+                    holds=job["state"] == "cancelled"
+                    or (request.query.get("done") != "cancel" and job["state"] not in TERMINAL_STATES),
                 ),
                 form_key=self.form_key(request) if access.is_operator else "",
             ),

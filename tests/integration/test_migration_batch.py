@@ -5,7 +5,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from loom.store import moves
+from loom.model.capacity import NodeCapacity
+from loom.store import jobs, moves
 from loom.store.pool import create_pool, transaction
 
 
@@ -70,13 +71,34 @@ async def test_a_drain_move_whose_job_starts_on_the_drained_cluster_again_is_fai
                     why="drain of c-sea1-a past its deadline",
                     trace_context={},
                 )
-            done = await moves.complete_many(conn, [("d", 2, "c-sea1-a"), ("f", 2, "c-sea1-a")])
+            # A gang ("g") drained off its member cluster c-weu-a whose new attempt starts with a part
+            # there again, its lead's start report (c-sea1-a) first: the move did not happen either.
+            await moves.plan(
+                conn,
+                migration_id="g:1",
+                job_id="g",
+                tenant="acme",
+                cause="drain",
+                state="started",
+                from_cluster="c-weu-a",
+                from_attempt=1,
+                steps=10,
+                why="drain of c-weu-a",
+                trace_context={},
+            )
+            await jobs.upsert_nodes(conn, 1, [NodeCapacity("n-w", "c-weu-a", "r", "z", "T4", 4)])
+            await jobs.insert_jobs(conn, [jobs.NewJob("g", "acme", b"{}", 0.0, {})])
+            await jobs.reserve(conn, [("g", 2, "c-weu-a", [("n-w", 2)])])
+            done = await moves.complete_many(
+                conn, [("d", 2, "c-sea1-a"), ("f", 2, "c-sea1-a"), ("g", 2, "c-sea1-a")]
+            )
     finally:
         await pool.close()
     by_id = {r["migration_id"]: r for r in done}
     assert (by_id["d:1"]["state"], by_id["d:1"]["to_cluster"]) == ("failed", None)
     assert by_id["d:1"]["why"].startswith("the drain of c-sea1-a ended before the job moved")
     assert (by_id["f:1"]["state"], by_id["f:1"]["to_cluster"]) == ("completed", "c-sea1-a")
+    assert by_id["g:1"]["state"] == "failed" and by_id["g:1"]["why"].startswith("the drain of c-weu-a ended")
 
 
 async def test_first_attempt_starts_cost_migration_no_statement_and_a_later_start_still_ends_its_move(

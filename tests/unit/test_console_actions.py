@@ -199,8 +199,8 @@ def test_usage_is_charted_and_exported_by_the_chosen_key() -> None:
     parsed = list(csv.DictReader(io.StringIO(pages.usage_csv(groups, "model"))))
     assert list(parsed[0]) == ["model", *USAGE_FIELDS]  # as `loom usage --csv`
     assert [(r["model"], r["gpu_hours"], r["cost"]) for r in parsed] == [
-        ("A100", "7.000000", "21.0"),
-        ("T4", "2.000000", "6.0"),
+        ("A100", "7.0", "21.0"),
+        ("T4", "2.0", "6.0"),
     ]
     bars = pages.bar_chart("x", [("big", 4.0), ("small", 1.0)], "h")
     assert 'width="560.0"' in bars and 'width="140.0"' in bars

@@ -216,6 +216,11 @@ class Incident:
     """Fingerprints of stateful alerts still firing."""
     active_root: set[str] = field(default_factory=set)
     """Those of them naming the root itself: the root has recovered when the last one resolves."""
+    unheard: set[str] = field(default_factory=set)
+    """Of :attr:`active`, those restored from the persisted record and not heard firing since: an
+    incident held only by them resolves after ``quiet_s`` without an alert, as before they were
+    kept (their recovery may never come: a stream's retention passed, a service no longer
+    watched), unless it comes first."""
     alerts: dict[str, SeenAlert] = field(default_factory=dict)
     alert_count: int = 0
     distinct_alerts: int = 0
@@ -269,6 +274,7 @@ class Incident:
             dags=set(change.dags),
             active={fp for fp, _ in firing},
             active_root={fp for fp, root_named in firing if root_named},
+            unheard={fp for fp, _ in firing},
             alert_count=change.alerts,
             distinct_alerts=change.distinct_alerts,
             last_momentary_at=held.last_momentary_at if held is not None else change.updated_at,
@@ -499,6 +505,10 @@ class Correlator:
                 and now - inc.last_momentary_at >= self.config.quiet_s
             ):
                 out.extend(self._resolve(inc, now, f"no alert for {self.config.quiet_s:g} s"))
+            elif inc.active and inc.active <= inc.unheard and now - inc.updated_at >= self.config.quiet_s:
+                # Held only by alerts restored at start and not heard since: the quiet rule.
+                why = f"no alert for {self.config.quiet_s:g} s (none heard since the correlator restarted)"
+                out.extend(self._resolve(inc, now, why))
         self._refill(now)
         while self._queued_opens and self._tokens >= 1:
             queued = self.incidents.get(self._queued_opens.popleft())
@@ -573,7 +583,10 @@ class Correlator:
                 ):
                     held.extend(group)  # a lone job's alerts wait for company a while longer
                     continue
-                out.extend(self._form(root, ranked[:5], score, group, now))
+                links_only = all(
+                    w.signal.resource is not None and w.signal.resource[0] == "link" for w in group
+                )
+                out.extend(self._form(root, ranked[:5], score, group, now, links_only=links_only))
         held.sort(key=lambda w: w.received_at)
         self.waiting = held + self.waiting
         self._held = len(held)
@@ -609,10 +622,19 @@ class Correlator:
         score: float,
         group: list[_Waiting],
         now: float,
+        *,
+        links_only: bool = False,
     ) -> list[Notification]:
         reason = self._reason(root, candidates, group)
-        # An open incident this root stands above (a node's, when the root is its cluster): take it over.
-        below = [self.incidents[self.open_by_root[r]] for r in self._under.get(root, ())]
+        # An open incident this root stands above (a node's, when the root is its cluster): take it
+        # over. Links' alerts that found a region (through its open link incidents) take over its
+        # link incidents only, not a node's or a cluster's of the region that alerted before.
+        narrow = links_only and root[0] in ("region", "zone")
+        below = [
+            self.incidents[self.open_by_root[r]]
+            for r in self._under.get(root, ())
+            if not narrow or r[0] == "link"
+        ]
         if below:
             below.sort(key=lambda inc: (inc.opened_at, inc.incident_id))
             return self._take_over(
@@ -739,6 +761,7 @@ class Correlator:
         for fp in other.alerts:
             self.fingerprints[fp] = into.incident_id
         into.active |= other.active
+        into.unheard |= other.unheard
         into.alert_count += other.alert_count
         into.distinct_alerts += other.distinct_alerts
         self._add_jobs(into, other.jobs, now, known=other.jobs)
@@ -774,6 +797,7 @@ class Correlator:
         if signal.momentary:
             inc.last_momentary_at = now
         else:
+            inc.unheard.discard(signal.fingerprint)
             inc.active.add(signal.fingerprint)
             if signal.resource == inc.root:
                 inc.active_root.add(signal.fingerprint)
@@ -838,6 +862,7 @@ class Correlator:
         inc.state, inc.resolved_at, inc.dirty = "resolved", now, ""
         inc.active.clear()
         inc.active_root.clear()
+        inc.unheard.clear()
         if inc.merged_into is None:
             self.resolved_by_root[inc.root] = inc.incident_id
         self._timeline(inc, now, f"resolved: {why}")

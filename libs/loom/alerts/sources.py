@@ -335,8 +335,11 @@ class ConditionTracker:
     unhealthy: set[str] = field(default_factory=set)
     dead_letters: deque[float] = field(default_factory=deque)
     dlq_firing: bool = False
+    dlq_restored_at: float | None = None
+    """When a firing dead-letter alert was restored: it does not resolve before a whole window
+    has passed since (the consumer's backlog may not have been delivered yet)."""
 
-    def restore(self, fingerprints: Iterable[str]) -> None:
+    def restore(self, fingerprints: Iterable[str], now: float = 0.0) -> None:
         """The conditions firing when the correlator stopped (from the incidents' stored
         fingerprints): the view delta or quiet window that ends one resolves it, as if this run had
         seen it start. (The view's consumer is durable: a change made while the correlator was
@@ -348,6 +351,7 @@ class ConditionTracker:
                 self.unhealthy.add(fp.removeprefix(NODE_KEY))
             elif fp == DLQ_KEY:
                 self.dlq_firing = True
+                self.dlq_restored_at = now
 
     def view_delta(self, delta: ViewDelta) -> list[Alert]:
         """Alerts for a cluster turning stale or fresh, and for nodes turning unhealthy or healthy."""
@@ -416,8 +420,9 @@ class ConditionTracker:
         if not self.dlq_firing and count >= self.dlq_threshold:
             self.dlq_firing = True
             return [self._dlq_alert(now, f"{count} dead letters in {self.dlq_window_s:g} s", "firing")]
-        if self.dlq_firing and count == 0:
-            self.dlq_firing = False
+        restored = self.dlq_restored_at
+        if self.dlq_firing and count == 0 and (restored is None or now - restored >= self.dlq_window_s):
+            self.dlq_firing, self.dlq_restored_at = False, None
             return [self._dlq_alert(now, f"no dead letter for {self.dlq_window_s:g} s", "resolved")]
         return []
 

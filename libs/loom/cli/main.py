@@ -184,7 +184,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             console.print("Prometheus /metrics:")
             for name, url in metrics_endpoints:
                 console.print(f"  {name:<28} {url}", highlight=False, soft_wrap=True)
-        if state.get("alerts_webhook_url") and status not in ("stopped", "stopping"):
+        if state.get("alerts_webhook_url") and status not in ("stopped", "stopping", "failed"):
             console.print(
                 f"Alertmanager webhook: {state['alerts_webhook_url']}", highlight=False, soft_wrap=True
             )

@@ -235,13 +235,13 @@ USAGE_FIELDS = (
 def usage_fields(
     runs: int, gpu_ms: int, scu_seconds: float, cost: float, *, preempted_gpu_ms: int, failed_gpu_ms: int
 ) -> dict[str, object]:
-    """One group's :data:`USAGE_FIELDS`: exact GPU-seconds as text, hours to 1e-6, cost to 1e-6."""
+    """One group's :data:`USAGE_FIELDS`: exact GPU-seconds as text, hours and cost rounded to 1e-6."""
     return {
         "runs": runs,
         "gpu_seconds": gpu_seconds_text(gpu_ms),
-        "gpu_hours": f"{gpu_ms / 3_600_000:.6f}",
+        "gpu_hours": round(gpu_ms / 3_600_000, 6),
         "scu_seconds": round(scu_seconds, 3),
-        "scu_hours": f"{scu_seconds / 3600:.6f}",
+        "scu_hours": round(scu_seconds / 3600, 6),
         "cost": round(cost, 6),
         "preempted_gpu_ms": preempted_gpu_ms,
         "failed_gpu_ms": failed_gpu_ms,

@@ -134,7 +134,7 @@ class ServiceProcess:
     nice: int = 0
     """Added to its niceness at start (:func:`service_nice`)."""
     crash_loop: bool = False
-    """It was restarted ``SERVICE_CRASH_LOOP_RESTARTS`` times within ``CRASH_LOOP_WINDOW_S`` and
+    """It was restarted ``CRASH_LOOP_RESTARTS`` times within ``CRASH_LOOP_WINDOW_S`` and
     has not stayed up ``STABLE_S`` since (still restarted, at the backoff's delay)."""
 
 
@@ -293,7 +293,7 @@ def choose_alerts_port(environ: Mapping[str, str]) -> int:
     """The webhook port of a stack: ``$LOOM_ALERTS_HTTP_PORT`` when it is a port number (one that is
     not is logged and ignored), else a free port."""
     fixed = environ.get(ENV_ALERTS_HTTP_PORT, "").strip()
-    if fixed.isdigit() and 0 < int(fixed) < 65536:
+    if fixed.isascii() and fixed.isdigit() and 0 < int(fixed) < 65536:
         return int(fixed)
     if fixed:
         log.warning("not a port number: a free port is used", variable=ENV_ALERTS_HTTP_PORT, value=fixed)

@@ -149,7 +149,7 @@ from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob
 from loom.sim.policies import FrameworkPolicy, OraclePolicy
 from loom.sim.truth import BELIEF, BeliefTiming, Truth, load_truth
 from loom.sim.workloads import check_regions
-from loom_proto.jobs import JobSpec, JobSubmitted
+from loom_proto.jobs import DataSpec, JobSpec, JobSubmitted
 
 __all__ = ["platform_from_topology", "simulate"]
 
@@ -1422,7 +1422,7 @@ class _Simulation:
             rec.cross_region_bytes += copy_bytes
             self.cross_bytes += copy_bytes
             assert spec.data is not None  # only a dataset is copied
-            rec.transfer_cost += copy_bytes / 1e9 * transfer_price_per_gb(spec.data.region, parts[0].region)
+            rec.transfer_cost += copy_bytes / 1e9 * self._copy_price(spec.data, parts[0].region)
         self.running_list.append(run.core)
         self.position[spec.job_id] = len(self.running_list) - 1
         for p in parts:
@@ -1591,6 +1591,13 @@ class _Simulation:
         extra = float(data_delay_s(run_s, np.array(sync_s), "while_syncing"))
         believed = float(data_delay_s(belief_run_s, np.array(sync_s), "while_syncing"))
         return 0.0, extra, copied, believed
+
+    def _copy_price(self, data: DataSpec, region: str) -> float:
+        """USD per GB of a dataset's copy to ``region``: from the holder it is copied from, the one
+        nearest in transfer time (as :meth:`_data` times it)."""
+        holders = [data.region, *data.replicas]
+        source = min(holders, key=lambda h: self.snap.net.transfer_s(h, region, data.size_gb))
+        return transfer_price_per_gb(source, region)
 
     @staticmethod
     def _cross_bytes_per_step(

@@ -278,23 +278,29 @@ async def complete_many(
         """WITH s AS (
                SELECT * FROM unnest($1::text[], $2::int[], $3::text[]) WITH ORDINALITY
                  AS s(job_id, attempt, cluster, pos)
+           ), ending AS (
+               -- Each open move the start ends; ``back``: a drain move whose job's new attempt has
+               -- a part on the drained cluster again (undrained meanwhile), whichever of its
+               -- clusters' start reports came first.
+               SELECT m.migration_id, s.cluster, s.pos,
+                      m.cause = 'drain' AND (m.from_cluster = s.cluster OR EXISTS (
+                          SELECT 1 FROM reservations r WHERE r.job_id = s.job_id AND r.attempt = s.attempt
+                            AND r.cluster = m.from_cluster)) AS back
+               FROM migrations m JOIN s ON m.job_id = s.job_id
+               WHERE m.from_attempt < s.attempt AND m.state IN ('planned', 'started')
            ), done AS (
-               -- A drain move whose job starts on the drained cluster again (undrained meanwhile)
-               -- did not happen: failed, not "completed c-x -> c-x".
+               -- A drain move that did not happen: failed, not "completed c-x -> c-x".
                UPDATE migrations m
-               SET state = CASE WHEN m.cause = 'drain' AND m.from_cluster = s.cluster
-                                THEN 'failed' ELSE 'completed' END,
-                   why = CASE WHEN m.cause = 'drain' AND m.from_cluster = s.cluster
-                              THEN left('the drain of ' || s.cluster || ' ended before the job moved:'
+               SET state = CASE WHEN e.back THEN 'failed' ELSE 'completed' END,
+                   why = CASE WHEN e.back
+                              THEN left('the drain of ' || m.from_cluster || ' ended before the job moved:'
                                         || ' it runs there again; ' || m.why, 2048)
                               ELSE m.why END,
-                   to_cluster = CASE WHEN m.cause = 'drain' AND m.from_cluster = s.cluster
-                                     THEN m.to_cluster ELSE s.cluster END,
+                   to_cluster = CASE WHEN e.back THEN m.to_cluster ELSE e.cluster END,
                    finished_at = now()
-               FROM s
-               WHERE m.job_id = s.job_id AND m.from_attempt < s.attempt
-                 AND m.state IN ('planned', 'started')
-               RETURNING m.*, s.pos
+               FROM ending e
+               WHERE m.migration_id = e.migration_id
+               RETURNING m.*, e.pos
            )
            SELECT * FROM done ORDER BY pos, migration_id""",
         [j for j, _, _ in starts],
