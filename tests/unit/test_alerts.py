@@ -416,6 +416,16 @@ def test_each_embedded_stack_takes_its_own_webhook_port_unless_one_is_fixed() ->
     free = choose_alerts_port({})
     assert 0 < free < 65536
     assert choose_alerts_port({"LOOM_ALERTS_HTTP_PORT": "nope"}) not in (0, 9095)
+    # The port this home's stack had last time, kept while nothing else listens there (an
+    # Alertmanager pointed at it keeps reaching it across `loom down` / `loom up`).
+    assert choose_alerts_port({}, previous=free) == free
+    assert choose_alerts_port({"LOOM_ALERTS_HTTP_PORT": "19095"}, previous=free) == 19095
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert choose_alerts_port({}, previous=taken.getsockname()[1]) != taken.getsockname()[1]
     argv = service_argvs(StackOptions(alerts_port=free))["alert-correlator"]
     assert parse_args(argv[3:]).http_port == free
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import structlog
 
@@ -289,15 +290,25 @@ ENV_ALERTS_HTTP_PORT = "LOOM_ALERTS_HTTP_PORT"
 """A fixed port for the alert correlator's webhook (Alertmanager's configuration names it)."""
 
 
-def choose_alerts_port(environ: Mapping[str, str]) -> int:
+def choose_alerts_port(environ: Mapping[str, str], previous: int | None = None) -> int:
     """The webhook port of a stack: ``$LOOM_ALERTS_HTTP_PORT`` when it is a port number (one that is
-    not is logged and ignored), else a free port."""
+    not is logged and ignored); else the one this home's stack had last time (``previous``) when
+    nothing listens there now, so an Alertmanager pointed at it keeps reaching it across ``loom
+    down`` / ``loom up``; else a free port."""
     fixed = environ.get(ENV_ALERTS_HTTP_PORT, "").strip()
     if fixed.isascii() and fixed.isdigit() and 0 < int(fixed) < 65536:
         return int(fixed)
     if fixed:
         log.warning("not a port number: a free port is used", variable=ENV_ALERTS_HTTP_PORT, value=fixed)
+    if previous is not None and 0 < previous < 65536 and port_bindable(previous):
+        return previous
     return find_free_port()
+
+
+def _port_of(url: object) -> int | None:
+    """The port of a ``http://host:port/...`` URL kept in the state file (None when there is none)."""
+    port = urlsplit(url).port if isinstance(url, str) else None
+    return port if isinstance(port, int) else None
 
 
 def service_argvs(options: StackOptions) -> dict[str, list[str]]:
@@ -615,6 +626,8 @@ class Supervisor:
     def __init__(self, home: Path, options: StackOptions) -> None:
         self.home = home
         self.options = options
+        self.previous_alerts_port: int | None = None
+        """The webhook port this home's stack had last time (kept when still free)."""
         self.nats: NatsServer | None = None
         self.nats_cluster: NatsCluster | None = None
         self.postgres: PostgresServer | None = None
@@ -867,6 +880,7 @@ class Supervisor:
             # so we can make sure they are gone and reap them, instead of leaving them to init.
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         (self.home / "logs").mkdir(parents=True, exist_ok=True)
+        self.previous_alerts_port = _port_of((read_state(self.home) or {}).get("alerts_webhook_url"))
         if self.options.tenants:
             self.state["tenants_file"] = str(Path(self.options.tenants).resolve())
         self.write_state("starting")
@@ -885,7 +899,7 @@ class Supervisor:
                 self.state["console_url"] = f"http://127.0.0.1:{self.options.console_port}"
             if self.options.services:
                 if not self.options.alerts_port:
-                    self.options.alerts_port = choose_alerts_port(os.environ)
+                    self.options.alerts_port = choose_alerts_port(os.environ, self.previous_alerts_port)
                 self.state["alerts_webhook_url"] = f"http://127.0.0.1:{self.options.alerts_port}/alertmanager"
             self.start_slurm()
             self.start_services(env)
