@@ -321,7 +321,11 @@ class AlertCorrelator:
                     await asyncio.wait_for(self._wake.wait(), IDLE_TICK_S)
             self._wake.clear()
             now = time.time()
-            for alert in self.conditions.tick(now) + self.cluster_health.tick(now):
+            # Placement silent (every instance of it watched misses its health answers): the
+            # clusters' states it told are not lapsing.
+            tellers = [i for i in self.watch_health if i.startswith("placement")]
+            silent = bool(tellers) and all(self.health.firing.get(i) == "missing" for i in tellers)
+            for alert in self.conditions.tick(now) + self.cluster_health.tick(now, teller_silent=silent):
                 await self._emit(self.core.ingest(alert, now))
             await self._emit(self.core.tick(now))
             # Persist at once after a notification, else once a second: a storm's alert counts do

@@ -790,6 +790,12 @@ def test_placements_cluster_health_is_a_lease_it_renews_by_telling_it_again() ->
     assert leases.tick(400.0) == []
     assert [a.status for a in told("healthy", 401.0)] == ["resolved"]  # harmless when nothing fires
 
+    # Placement itself silent (its health answers missed): its silence lapses nothing, and the
+    # lease restarts when it answers again.
+    told("failed", 450.0)
+    assert leases.tick(600.0, teller_silent=True) == []
+    assert leases.tick(689.0) == []
+    assert [a.status for a in leases.tick(690.0)] == ["resolved"]
     leases.restore(["loom-health-c2", "loom-stale-c3"], 500.0)
     assert leases.held == {"c2": ("restored", 500.0)}
     assert [a.cluster for a in leases.tick(590.0)] == ["c2"]

@@ -190,8 +190,13 @@ class ClusterHealthLeases:
             if fp.startswith(HEALTH_KEY):
                 self.held.setdefault(fp.removeprefix(HEALTH_KEY), ("restored", now))
 
-    def tick(self, now: float) -> list[Alert]:
-        """Resolve the states not heard for ``lease_s``."""
+    def tick(self, now: float, *, teller_silent: bool = False) -> list[Alert]:
+        """Resolve the states not heard for ``lease_s``; none while ``teller_silent`` (placement
+        itself misses its health answers: its silence says nothing of the clusters, and the
+        leases restart when it answers again)."""
+        if teller_silent:
+            self.held = {c: (state, now) for c, (state, _) in self.held.items()}
+            return []
         lapsed = sorted(c for c, (_, at) in self.held.items() if now - at >= self.lease_s)
         out = []
         for cluster in lapsed:
