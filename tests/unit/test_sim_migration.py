@@ -18,6 +18,7 @@ from loom.sim.truth import BELIEF
 from loom_proto.jobs import Affinity, JobSpec, Resources, Work
 
 EU = "aws-eu-central-1"
+USE = "aws-us-east-2"
 TASKS = ("training_compute", "training_memory", "training_comm", "inference")
 RETURN_S = 1_000.0
 
@@ -311,3 +312,22 @@ def test_the_queues_loss_counts_the_gpus_a_move_takes_not_gpus_times_gpus_per_wo
     assert records["j"].clusters == ("fast",)
     # q started when r ended, as it would have without the move.
     assert records["q"].start_s == pytest.approx(records["r"].end_s)
+
+
+def test_a_checkpoint_moved_to_another_region_is_in_the_jobs_traffic_and_bill() -> None:
+    # The migrator's checkpoint copies were counted in its own figures only: a policy that moves
+    # jobs across regions looked as if it moved no bytes and paid nothing for them.
+    from loom.model.egress import transfer_price_per_gb
+
+    plat = platform({"a": (EU, "H100", 1), "b": (USE, "H100", 1)})
+    first = simulate(Trace(jobs=[job("j", 5_000)]), plat, POLICIES["loom"](0), truth=BELIEF)
+    home = first.records[0].clusters[0]
+    trace = Trace(jobs=[job("j", 5_000)], events=drain_events(home, at_s=50.0, duration_s=500.0))
+    result = simulate(trace, plat, POLICIES["loom"](0), truth=BELIEF, migration=MigrationPolicy("on"))
+    assert result.migration is not None
+    moved = result.migration["bytes_moved"]
+    replicated = result.migration["replicas"]["bytes_sent"]  # each copy to the other region here
+    (rec,) = result.records
+    assert moved > 0 and replicated > 0
+    assert rec.cross_region_bytes == pytest.approx(moved + replicated)
+    assert rec.transfer_cost == pytest.approx((moved + replicated) / 1e9 * transfer_price_per_gb(EU, USE))

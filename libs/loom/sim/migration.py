@@ -77,6 +77,7 @@ from loom.migrate.benefit import (
 from loom.migrate.network import DegradedLinks
 from loom.migrate.queue import queued_for_part
 from loom.migrate.replicas import ReplicaSettings
+from loom.model.egress import transfer_price_per_gb
 from loom.sim.replicas import SimReplicas
 
 if TYPE_CHECKING:
@@ -309,6 +310,12 @@ class Migrator:
         delay = pending.save_s + transfer_s + self.settings.restart_s
         if pending.source_region != target_region:
             self.out.bytes_moved += pending.nbytes
+            # The checkpoint crosses regions: in the job's traffic and on its bill.
+            job.record.cross_region_bytes += pending.nbytes
+            job.record.transfer_cost += (
+                pending.nbytes / 1e9 * transfer_price_per_gb(pending.source_region, target_region)
+            )
+            self.sim.cross_bytes += pending.nbytes
         self.out.gpu_hours_lost += delay * gpus / 3600.0
         if pending.budgeted:
             self.in_flight.append(

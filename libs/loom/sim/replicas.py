@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from loom.migrate.benefit import PathState, checkpoint_bytes_of
 from loom.migrate.checkpoints import Checkpoint, choose
 from loom.migrate.replicas import Held, Replica, ReplicaSettings, Site, changed_fraction_of, plan_copy
+from loom.model.egress import transfer_price_per_gb
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -204,6 +205,15 @@ class SimReplicas:
             self.out.copies += 1
             self.out.full_copies += int(plan.full)
             self.out.bytes_sent += plan.transfer_bytes
+            target_region = next(
+                (c.region for c in self.sim.snap.clusters if c.id == plan.target), lead.region
+            )
+            if target_region != lead.region:  # a copy to another region: in the job's traffic and bill
+                job.record.cross_region_bytes += plan.transfer_bytes
+                job.record.transfer_cost += (
+                    plan.transfer_bytes / 1e9 * transfer_price_per_gb(lead.region, target_region)
+                )
+                self.sim.cross_bytes += plan.transfer_bytes
 
     def _path(self, src: str, dst: str) -> PathState | None:
         path = self.path(src, dst)
