@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -626,8 +626,6 @@ class Supervisor:
     def __init__(self, home: Path, options: StackOptions) -> None:
         self.home = home
         self.options = options
-        self.previous_alerts_port: int | None = None
-        """The webhook port this home's stack had last time (kept when still free)."""
         self.nats: NatsServer | None = None
         self.nats_cluster: NatsCluster | None = None
         self.postgres: PostgresServer | None = None
@@ -880,7 +878,6 @@ class Supervisor:
             # so we can make sure they are gone and reap them, instead of leaving them to init.
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         (self.home / "logs").mkdir(parents=True, exist_ok=True)
-        self.previous_alerts_port = _port_of((read_state(self.home) or {}).get("alerts_webhook_url"))
         if self.options.tenants:
             self.state["tenants_file"] = str(Path(self.options.tenants).resolve())
         self.write_state("starting")
@@ -899,7 +896,7 @@ class Supervisor:
                 self.state["console_url"] = f"http://127.0.0.1:{self.options.console_port}"
             if self.options.services:
                 if not self.options.alerts_port:
-                    self.options.alerts_port = choose_alerts_port(os.environ, self.previous_alerts_port)
+                    self.options.alerts_port = choose_alerts_port(os.environ)  # `up` chose none
                 self.state["alerts_webhook_url"] = f"http://127.0.0.1:{self.options.alerts_port}/alertmanager"
             self.start_slurm()
             self.start_services(env)
@@ -1091,6 +1088,10 @@ def up(
         state = read_state(home)
         assert state is not None
         return _operator_of(home, state)
+    if options.services and not options.alerts_port:
+        # The webhook port this home's stack had last time, while free: read before the state goes.
+        previous = _port_of((read_state(home) or {}).get("alerts_webhook_url"))
+        options = replace(options, alerts_port=choose_alerts_port(os.environ, previous))
     argv = supervisor_argv(home, options)
     stack_file(home).unlink(missing_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
