@@ -2607,7 +2607,20 @@ class PlacementService:
                 await moves.record_checkpoints(conn, _checkpoint_rows(new))
                 await repo.confirm(conn, [(e.job_id, e.attempt) for e in new if isinstance(e, JobStarted)])
                 reports = [e for e in new if isinstance(e, JobProgress)]
-                await repo.set_progress(conn, [(r.job_id, r.attempt, r.step / r.steps) for r in reports])
+                # A checkpoint at a step is progress too (agents report progress every tenth of a
+                # run, checkpoints often come between: the jobs list lagged the checkpoints).
+                await repo.set_progress(
+                    conn,
+                    [(r.job_id, r.attempt, r.step / r.steps) for r in reports]
+                    + [
+                        (e.job_id, e.attempt, e.step / run.job.work.steps)
+                        for e in new
+                        if isinstance(e, JobCheckpointed)
+                        and (run := self.book.runs.get(e.job_id)) is not None
+                        and run.attempt == e.attempt
+                        and run.job.work.steps > 0
+                    ],
+                )
                 for run_key, observation in self._progress_observations(new):
                     result.observed.append(observation)
                     result.taught.append(run_key)

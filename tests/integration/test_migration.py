@@ -777,3 +777,32 @@ async def test_a_drain_asked_while_the_bus_connection_is_closed_is_committed_and
     finally:
         migration.ctx.nc = live
         await db.close()
+
+
+async def test_a_checkpoint_moves_the_jobs_progress_forward(platform: Platform) -> None:
+    # The agent reports progress every tenth of a run; checkpoints every 2 % here came between,
+    # and `loom jobs` showed 0 % while checkpoints at steps 20, 40, ... were already recorded.
+    await platform.start("metrics")
+    await platform.start("placement")
+    await platform.start(f"agent-{DRAINED}")
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    try:
+        spec = JobSpec(
+            job_id="often",
+            tenant="t1",
+            resources=Resources(gpus=1, gpu_models=["T4"]),
+            work=Work(steps=1000, step_time_s=600.0, checkpoint_every_steps=20),
+        )
+        await client.submit(spec)
+
+        async def early_checkpoint() -> int | None:
+            step = await db.fetchval("SELECT max(step) FROM checkpoints WHERE job_id = 'often'")
+            return int(step) if step is not None and 0 < step < 100 else None
+
+        step = await until(early_checkpoint, 30, "a checkpoint before the first progress report")
+        progress = await db.fetchval("SELECT progress FROM jobs WHERE job_id = 'often'")
+        assert progress >= step / 1000 - 1e-6, (progress, step)
+    finally:
+        await db.close()
+        await client.close()
