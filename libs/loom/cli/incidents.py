@@ -101,7 +101,8 @@ def cmd_incidents(args: argparse.Namespace) -> int:
             print(json.dumps([_brief(i) for i in rows], indent=2))
             return 0
         table = Table(title=f"{len(rows)} incident(s)" + (" open" if args.open else ""))
-        table.add_column("id", overflow="fold")  # whole, folded when narrow: `loom incident` takes it
+        # Whole on one line (the other columns give way): `loom incident` takes it, copied.
+        table.add_column("id", no_wrap=True, min_width=max((len(i.incident_id) for i in rows), default=2))
         for col in (
             "state",
             "severity",

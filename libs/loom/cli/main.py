@@ -417,7 +417,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             print(json.dumps(rows, indent=2))
             return 0
         table = Table(title=f"{len(rows)} job(s)")
-        table.add_column("job", overflow="fold")  # whole, folded when narrow: the next command takes it
+        # Whole on one line (the other columns give way): the next command takes it, copied.
+        table.add_column("job", no_wrap=True, min_width=max((len(str(r["job_id"])) for r in rows), default=3))
         for col in ("tenant", "state", "cluster", "progress"):
             table.add_column(col)
         table.add_column("reason", overflow="fold")  # wrapped at words, never cut
