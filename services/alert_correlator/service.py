@@ -119,6 +119,8 @@ class AlertCorrelator:
         self.core = Correlator(Placements(self.inventory), config)
         self.conditions = ConditionTracker(dlq_threshold=dlq_threshold)
         self.watch_health = sorted(set(watch_health or []) - {ctx.name})
+        self.placement_instances = [i for i in self.watch_health if i.startswith("placement")]
+        """The watched instances that tell cluster health (:class:`ClusterHealthLeases`)."""
         self.health = HealthWatch(misses=health_misses)
         self.cluster_health = ClusterHealthLeases(lease_s=cluster_health_lease_s)
         self.health_period_s = health_period_s
@@ -323,7 +325,7 @@ class AlertCorrelator:
             now = time.time()
             # Placement silent (every instance of it watched misses its health answers): the
             # clusters' states it told are not lapsing.
-            tellers = [i for i in self.watch_health if i.startswith("placement")]
+            tellers = self.placement_instances
             silent = bool(tellers) and all(self.health.firing.get(i) == "missing" for i in tellers)
             for alert in self.conditions.tick(now) + self.cluster_health.tick(now, teller_silent=silent):
                 await self._emit(self.core.ingest(alert, now))

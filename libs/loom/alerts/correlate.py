@@ -567,10 +567,8 @@ class Correlator:
                 touched = frozenset().union(*(w.implicated for w in part))
                 # A link incident is evidence for link alerts only: a region whose links fail one
                 # by one is the region; a cluster failing in a region with a link down is the cluster.
-                links_only = all(
-                    w.signal.resource is not None and w.signal.resource[0] == "link" for w in part
-                )
-                near = [c for c in context if c[1] & touched and (links_only or c[0].resource is None)]
+                linked = _links_only(part)
+                near = [c for c in context if c[1] & touched and (linked or c[0].resource is None)]
                 ranked = rank([(w.signal, w.implicated) for w in part] + near, self.placements)
                 # The best root that explains a waiting alert (context alone forms nothing).
                 root, score = next((r, sc) for r, sc in ranked if any(r in w.implicated for w in part))
@@ -583,10 +581,7 @@ class Correlator:
                 ):
                     held.extend(group)  # a lone job's alerts wait for company a while longer
                     continue
-                links_only = all(
-                    w.signal.resource is not None and w.signal.resource[0] == "link" for w in group
-                )
-                out.extend(self._form(root, ranked[:5], score, group, now, links_only=links_only))
+                out.extend(self._form(root, ranked[:5], score, group, now, links_only=_links_only(group)))
         held.sort(key=lambda w: w.received_at)
         self.waiting = held + self.waiting
         self._held = len(held)
@@ -935,6 +930,11 @@ class Correlator:
                 self._remember(fp, incident.incident_id)
         elif incident.merged_into is None:
             self.resolved_by_root[incident.root] = incident.incident_id
+
+
+def _links_only(waiting: Iterable[_Waiting]) -> bool:
+    """Whether every one of these alerts names a link."""
+    return all(w.signal.resource is not None and w.signal.resource[0] == "link" for w in waiting)
 
 
 def _components(waiting: list[_Waiting]) -> list[list[_Waiting]]:

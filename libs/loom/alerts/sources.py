@@ -344,7 +344,7 @@ class ConditionTracker:
     """When a firing dead-letter alert was restored: it does not resolve before a whole window
     has passed since (the consumer's backlog may not have been delivered yet)."""
 
-    def restore(self, fingerprints: Iterable[str], now: float = 0.0) -> None:
+    def restore(self, fingerprints: Iterable[str], now: float) -> None:
         """The conditions firing when the correlator stopped (from the incidents' stored
         fingerprints): the view delta or quiet window that ends one resolves it, as if this run had
         seen it start. (The view's consumer is durable: a change made while the correlator was

@@ -111,10 +111,17 @@ STABLE_S = 60.0
 flagged crash-looping until it has stayed up ``STABLE_S``."""
 
 
-def crash_looping(restarts_at: list[float], now: float) -> tuple[list[float], bool]:
-    """The restart times still within the window (``now`` added) and whether they make a loop."""
-    kept = [t for t in restarts_at if now - t < CRASH_LOOP_WINDOW_S] + [now]
-    return kept, len(kept) >= CRASH_LOOP_RESTARTS
+def crash_looping(
+    restarts_at: list[float],
+    now: float,
+    *,
+    restarts: int = CRASH_LOOP_RESTARTS,
+    window_s: float = CRASH_LOOP_WINDOW_S,
+) -> tuple[list[float], bool]:
+    """The restart times still within ``window_s`` (``now`` added) and whether they are ``restarts``
+    or more: a crash loop (servers and services alike)."""
+    kept = [t for t in restarts_at if now - t < window_s] + [now]
+    return kept, len(kept) >= restarts
 
 
 @dataclass
@@ -604,9 +611,10 @@ class ServerWatch:
         self.state.status = "up"
         self.state.pid = self.server.pid
         self.state.restarts += 1
-        self._restart_times = [t for t in self._restart_times if now - t < self.crash_loop_window_s] + [now]
         was_looping = self.state.crash_loop
-        self.state.crash_loop = len(self._restart_times) >= self.crash_loop_restarts
+        self._restart_times, self.state.crash_loop = crash_looping(
+            self._restart_times, now, restarts=self.crash_loop_restarts, window_s=self.crash_loop_window_s
+        )
         if self.state.crash_loop and not was_looping:
             log.error(
                 "server is crash-looping",

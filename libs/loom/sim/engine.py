@@ -1574,11 +1574,10 @@ class _Simulation:
         data = job.spec.data
         if data is None:
             return 0.0, 0.0, 0.0, 0.0
-        holders = [data.region, *data.replicas]
-        if lead in holders or lead in job.data_regions:
+        if lead in (data.region, *data.replicas) or lead in job.data_regions:
             return 0.0, 0.0, 0.0, 0.0
         job.data_regions.add(lead)
-        sync_s = min(self.snap.net.transfer_s(h, lead, data.size_gb) for h in holders)
+        sync_s = self._nearest_holder(data, lead)[1]
         copied = data.size_gb * 1e9
         if lead in job.staged:  # staged while it queued: what is left of that copy (counted then)
             left = max(job.staged[lead] - self.t, 0.0)
@@ -1592,12 +1591,17 @@ class _Simulation:
         believed = float(data_delay_s(belief_run_s, np.array(sync_s), "while_syncing"))
         return 0.0, extra, copied, believed
 
+    def _nearest_holder(self, data: DataSpec, region: str) -> tuple[str, float]:
+        """Where a copy of the dataset to ``region`` comes from: the holder (its home region or a
+        replica) nearest in transfer time, and that time (seconds). Timed and billed from it."""
+        return min(
+            ((h, self.snap.net.transfer_s(h, region, data.size_gb)) for h in (data.region, *data.replicas)),
+            key=lambda held: held[1],
+        )
+
     def _copy_price(self, data: DataSpec, region: str) -> float:
-        """USD per GB of a dataset's copy to ``region``: from the holder it is copied from, the one
-        nearest in transfer time (as :meth:`_data` times it)."""
-        holders = [data.region, *data.replicas]
-        source = min(holders, key=lambda h: self.snap.net.transfer_s(h, region, data.size_gb))
-        return transfer_price_per_gb(source, region)
+        """USD per GB of a dataset's copy to ``region``, from the holder it comes from."""
+        return transfer_price_per_gb(self._nearest_holder(data, region)[0], region)
 
     @staticmethod
     def _cross_bytes_per_step(
@@ -2115,12 +2119,11 @@ class _Simulation:
         data = job.spec.data
         if data is None or data.start != "after_sync":
             return 0.0
-        holders = [data.region, *data.replicas]
-        if region in holders or region in job.data_regions:
+        if region in (data.region, *data.replicas) or region in job.data_regions:
             return 0.0
         if region in job.staged:
             return max(job.staged[region] - self.t, 0.0)
-        return min(self.snap.net.transfer_s(h, region, data.size_gb) for h in holders)
+        return self._nearest_holder(data, region)[1]
 
     def move(self, job_id: str, d: Decision, *, keep_progress: bool) -> None:
         """Move a running job to ``d`` (a decision taken without applying it): its run stops, the
