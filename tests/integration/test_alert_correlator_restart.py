@@ -71,6 +71,16 @@ async def _stop(service: AlertCorrelator, task: asyncio.Task[None]) -> None:
     await close_context(service.ctx)
 
 
+async def _links_held(database_url: str, root: str) -> bool:
+    """Whether the incident rooted at ``root`` persisted both its link alerts as firing."""
+    pool = await create_pool(database_url)
+    try:
+        held = await pool.fetchval("SELECT held FROM incidents WHERE root = $1", root)
+    finally:
+        await pool.close()
+    return held is not None and held.count("loom-link-") == 2
+
+
 async def _stored(database_url: str) -> dict[str, IncidentChange]:
     pool = await create_pool(database_url)
     try:
@@ -108,7 +118,8 @@ async def test_incidents_whose_alerts_recovered_while_the_correlator_was_down_re
         await until(
             both_open_and_stored, WAIT_S, "the region's and the cluster's incidents open and persisted"
         )
-        await asyncio.sleep(1.5)  # one more flush: the firing alerts are in the rows
+
+        await until(lambda: _links_held(database_url, SEA), WAIT_S, "the region's firing alerts persisted")
         teller.cancel()
         await _stop(first, task)
 
@@ -177,7 +188,6 @@ async def test_a_cluster_state_placement_keeps_telling_holds_its_incident_open(
             await nc.publish(subjects.PLACEMENT_CLUSTER_HEALTH, msgspec.json.encode(failed))
         assert (await _stored(database_url))["c-sea1-a"].state == "open"
         assert service.core.counts["received"] == 1  # re-tells renew the lease, they are not alerts
-        await asyncio.sleep(LEASE_S + 1.0)
 
         async def lapsed() -> bool:
             return (await _stored(database_url))["c-sea1-a"].state == "resolved"
