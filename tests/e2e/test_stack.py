@@ -1,7 +1,9 @@
 """The whole stack as a user runs it: `loom up` processes, real NATS and PostgreSQL, OTLP export.
 
-One stack serves the module (small topology: three clusters, 71 GPUs, simulated time 2000x).
-Every service exports its spans to a real OTLP/HTTP receiver run by the test.
+One stack serves the module (small topology: three clusters, 71 GPUs, simulated time 2000x),
+started with ``--traces``: every service exports its spans over OTLP/HTTP to the stack's own trace
+store (:mod:`loom.telemetry.spanstore`), which the tests read back from its files and through the
+Jaeger query API it answers, as `loom trace` does.
 """
 
 import asyncio
@@ -21,12 +23,12 @@ import asyncpg
 import nats
 import pytest
 from nats.aio.client import Client
-from otlp_receiver import OtlpReceiver
 from waiting import until
 
 from loom.bus.connection import auth_options, credentials_path
 from loom.client import LoomClient, QueryError
 from loom.runtime import stack
+from loom.telemetry.spanstore import ReceivedSpan, SpanFile
 from loom_proto import subjects
 from loom_proto.jobs import JobSpec, Resources, Work
 
@@ -36,14 +38,39 @@ PLACEMENT_INSTANCES = ("placement", "placement-standby")
 """The two placement processes of the stack; either may hold the lease."""
 
 
-@pytest.fixture(scope="module")
-def receiver() -> Iterator[OtlpReceiver]:
-    with OtlpReceiver() as rec:
-        yield rec
+class StoredSpans:
+    """The stack's trace store as the tests read it: its span files, polled."""
+
+    def __init__(self, home: Path, url: str) -> None:
+        self.file = SpanFile(home / "traces")
+        self.url = url
+
+    def trace(self, trace_id: str) -> list[ReceivedSpan]:
+        return self.file.trace(trace_id)
+
+    def wait_for(
+        self, trace_id: str, predicate: Callable[[list[ReceivedSpan]], bool], timeout_s: float
+    ) -> list[ReceivedSpan]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            spans = self.trace(trace_id)
+            if predicate(spans):
+                return spans
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no match within {timeout_s} s: {[(s['service_name'], s['name']) for s in spans]}"
+                )
+            time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
-def home(receiver: OtlpReceiver) -> Iterator[Path]:
+def store(state: dict[str, Any], home: Path) -> StoredSpans:
+    assert state.get("traces_url"), "the stack was started with --traces"
+    return StoredSpans(home, state["traces_url"])
+
+
+@pytest.fixture(scope="module")
+def home() -> Iterator[Path]:
     path = Path(tempfile.mkdtemp(prefix="loom-e2e-", dir="/tmp"))
     path.chmod(0o755)  # PostgreSQL runs as an unprivileged user when tests run as root
     saved = {
@@ -55,7 +82,7 @@ def home(receiver: OtlpReceiver) -> Iterator[Path]:
             "LOOM_DATABASE_URL",
         )
     }
-    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.url
+    os.environ.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)  # the stack's own store (--traces)
     os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
     os.environ.pop("LOOM_NATS_URL", None)
     os.environ.pop("LOOM_DATABASE_URL", None)
@@ -63,7 +90,12 @@ def home(receiver: OtlpReceiver) -> Iterator[Path]:
         stack.up(
             path,
             stack.StackOptions(
-                topology="small", time_scale=2000.0, heartbeat_s=0.5, max_heartbeat_s=2.0, durable=False
+                topology="small",
+                time_scale=2000.0,
+                heartbeat_s=0.5,
+                max_heartbeat_s=2.0,
+                durable=False,
+                traces=True,
             ),
         )
         yield path
@@ -149,13 +181,14 @@ async def _is(c: LoomClient, job_id: str, wanted: str) -> bool:
 
 
 async def test_every_job_is_one_trace_from_client_publish_to_completion(
-    client: LoomClient, receiver: OtlpReceiver
+    client: LoomClient, store: StoredSpans, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from opentelemetry import trace
 
     from loom.telemetry import current_trace_id, reset_for_tests, setup_telemetry
 
-    provider = setup_telemetry("e2e-client", log_level=None)  # exports to the receiver, like the services
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", store.url)
+    provider = setup_telemetry("e2e-client", log_level=None)  # exports to the store, like the services
     try:
         with trace.get_tracer("e2e").start_as_current_span("submit traced-1"):
             trace_id = current_trace_id()
@@ -175,7 +208,7 @@ async def test_every_job_is_one_trace_from_client_publish_to_completion(
         return "placement" if span["service_name"] in PLACEMENT_INSTANCES else str(span["service_name"])
 
     def services_of(spans: list[Any]) -> set[tuple[str, str]]:
-        return {(service(s), s["name"]) for s in spans if s["trace_id"] == trace_id}
+        return {(service(s), s["name"]) for s in spans}
 
     needed = {
         ("e2e-client", "publish loom.jobs.submitted"),
@@ -187,8 +220,8 @@ async def test_every_job_is_one_trace_from_client_publish_to_completion(
         (agent, "publish loom.jobs.completed"),
         ("placement", "process loom.jobs.completed"),
     }
-    spans = await receiver.wait_for_async(lambda s: needed <= services_of(s), timeout_s=20)
-    mine = [s for s in spans if s["trace_id"] == trace_id]
+    mine = await asyncio.to_thread(store.wait_for, trace_id, lambda s: needed <= services_of(s), 20)
+    assert {s["trace_id"] for s in mine} == {trace_id}
     by_id = {s["span_id"]: s for s in mine}
     consumer = next(s for s in mine if s["name"] == "process loom.jobs.submitted")
     producer = by_id[consumer["parent_span_id"]]
@@ -287,7 +320,7 @@ async def _leading(nc: Client, name: str) -> dict[str, Any] | None:
 
 # PLR0915: one end-to-end scenario, its steps in order.
 async def test_sigkill_of_placement_with_queued_jobs_places_every_job_exactly_once(  # noqa: PLR0915
-    client: LoomClient, state: dict[str, Any], home: Path, receiver: OtlpReceiver
+    client: LoomClient, state: dict[str, Any], home: Path, store: StoredSpans
 ) -> None:
     async def sole_leader() -> tuple[str, dict[str, Any]] | None:
         """The one instance that leads, once both answer (None while that is not so)."""
@@ -373,7 +406,7 @@ async def test_sigkill_of_placement_with_queued_jobs_places_every_job_exactly_on
     # Each job is one trace across the leader change, though this client sends no trace context:
     # a redelivery to the new leader used to start a second trace for the same job.
     traces: dict[str, set[str]] = {job_id: set() for job_id in ids}
-    for span in receiver.spans:
+    for span in store.file.spans():
         msg_id = str(span["attributes"].get("messaging.message.id", ""))
         job_id = msg_id.split(":", 1)[0]
         if job_id in traces:
@@ -582,7 +615,7 @@ def test_loom_submit_wait_shows_progress_while_the_job_runs(home: Path, tmp_path
 
 
 def test_loom_job_and_explain_of_a_dag_point_to_its_stage_jobs(
-    home: Path, tmp_path: Path, receiver: OtlpReceiver
+    home: Path, tmp_path: Path, store: StoredSpans
 ) -> None:
     dag_id = f"dag-{uuid.uuid4().hex[:8]}"
     stage = {"resources": {"gpus": 1}, "work": {"steps": 5, "step_time_s": 1.0}}
@@ -606,14 +639,13 @@ def test_loom_job_and_explain_of_a_dag_point_to_its_stage_jobs(
     assert f"loom explain {dag_id}--train" in explained.stdout, explained.stdout
     # One trace from `loom submit` to the DAG's own completion: the DAG's `completed` used to
     # start a new root trace, and `loom submit` emitted no span at all.
-    traced = _loom(home, "trace", dag_id)
-    assert traced.returncode == 0, traced.stderr
+    traced = _loom(home, "trace", dag_id, "--jaeger", "http://127.0.0.1:9")  # nothing listens there
+    assert traced.returncode == 1 and "Jaeger at http://127.0.0.1:9 cannot be reached" in traced.stderr
     trace_id = traced.stdout.split()[1]
     assert f"/trace/{trace_id}" in traced.stdout
     assert f"trace: {trace_id}" in shown.stdout
 
-    def done_and_whole(spans: list[Any]) -> bool:
-        mine = [s for s in spans if s["trace_id"] == trace_id]
+    def done_and_whole(mine: list[Any]) -> bool:
         ids = {s["span_id"] for s in mine}
         completed = any(
             s["name"] == "publish loom.jobs.completed"
@@ -623,16 +655,16 @@ def test_loom_job_and_explain_of_a_dag_point_to_its_stage_jobs(
         # Every span hangs from one root (none orphaned), once the parents are exported too.
         return completed and sum(1 for s in mine if s["parent_span_id"] not in ids) == 1
 
-    receiver.wait_for(done_and_whole, timeout_s=15)
-    mine = receiver.trace(trace_id)
+    mine = store.wait_for(trace_id, done_and_whole, timeout_s=15)
     roots = [s for s in mine if s["parent_span_id"] is None]
     assert [(r["service_name"], r["name"]) for r in roots] == [("loom-cli", "loom submit")], roots
     stage_cluster = as_json["stage_jobs"][0]["cluster"]
     assert {s["service_name"] for s in mine} >= {"loom-cli", f"agent-{stage_cluster}"}
-    # With Jaeger's query API configured, `loom trace` prints the tree from it.
-    tree = _loom(home, "trace", dag_id, "--jaeger", receiver.url)
+    # With no Jaeger given, `loom trace` prints the tree from the stack's store (its Jaeger API).
+    tree = _loom(home, "trace", dag_id)
     assert tree.returncode == 0, tree.stderr
     lines = tree.stdout.splitlines()
+    assert lines[1] == f"trace store {store.url} (loom up --traces)"
     assert "loom-cli: loom submit" in lines[2] and lines[2].split("loom-cli")[0].strip().startswith("0.000s")
     assert any("placement" in line and "publish loom.jobs.completed" in line for line in lines[3:])
     assert len(lines) - 2 >= len(mine)  # every span received is in the tree

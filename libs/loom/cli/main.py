@@ -24,6 +24,7 @@ from loom.runtime import stack
 from loom.runtime.config import endpoints, loom_home
 from loom.sched.quota import read_tenants
 from loom.telemetry import configure_logging, setup_telemetry, shutdown_telemetry
+from loom.telemetry.tracing import OTLP_ENDPOINT_ENV
 from loom_proto.jobs import TERMINAL_STATES
 
 
@@ -53,6 +54,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             err.print(f"[red]cannot use --tenants {escape(args.tenants)}: {escape(str(exc))}[/red]")
             return 2
         tenants = str(Path(args.tenants).resolve())
+    if args.traces and os.environ.get(OTLP_ENDPOINT_ENV):
+        err.print(
+            f"[red]--traces keeps the spans in the stack, but {OTLP_ENDPOINT_ENV} sends them to"
+            f" {escape(os.environ[OTLP_ENDPOINT_ENV])}: unset one of the two[/red]"
+        )
+        return 2
     options = stack.StackOptions(
         topology=args.topology,
         clusters=args.cluster or [],
@@ -65,6 +72,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         metrics_port_base=args.metrics_port_base,
         neighbour_nice=nice,
         tenants=tenants,
+        traces=args.traces,
         slurm_clusters=stack.default_slurm_clusters(args.topology, args.cluster or []) if args.slurm else [],
         secure=stack.default_secure() if args.secure is None else args.secure,
         nats_host=args.nats_host,
@@ -89,6 +97,16 @@ def cmd_up(args: argparse.Namespace) -> int:
     )
     if state.get("alerts_webhook_url"):
         console.print(f"Alertmanager webhook at {state['alerts_webhook_url']}", highlight=False)
+    if state.get("traces_url"):
+        console.print(
+            f"trace store at {state['traces_url']} (spans in {state.get('traces_dir')}):"
+            " [bold]loom trace JOB[/bold] prints a job's span tree",
+            highlight=False,
+        )
+    elif running and args.traces:
+        err.print(
+            "[yellow]--traces is not on for the stack already up (loom down, then loom up --traces)[/yellow]"
+        )
     if state.get("console_url"):
         console.print(
             f"web console at {state['console_url']}: [bold]loom console[/bold] prints its URL with a token"
@@ -148,8 +166,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         status = "ready, degraded"
     if args.json:
         report = {"status": status, "problems": problems, "processes": rows}
-        if state.get("alerts_webhook_url"):
-            report["alerts_webhook_url"] = state["alerts_webhook_url"]
+        for key in ("alerts_webhook_url", "traces_url"):
+            if state.get(key):
+                report[key] = state[key]
         print(json.dumps(report, indent=2))
     else:
         table = Table(title=f"Loom stack: {status}")
@@ -188,6 +207,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             console.print(
                 f"Alertmanager webhook: {state['alerts_webhook_url']}", highlight=False, soft_wrap=True
             )
+        if state.get("traces_url") and status not in ("stopped", "stopping", "failed"):
+            console.print(f"trace store: {state['traces_url']}", highlight=False, soft_wrap=True)
         for problem in problems:
             err.print(f"[red]{escape(problem)}[/red]")
     return 1 if problems else 0
@@ -309,7 +330,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
         refused = False
         follow: set[str] = set()
         # The submission's span is the root of the job's trace: record it (exported when
-        # OTEL_EXPORTER_OTLP_ENDPOINT is set) so the traceparent says "sampled" downstream.
+        # OTEL_EXPORTER_OTLP_ENDPOINT is set, else to the stack's trace store when it keeps one)
+        # so the traceparent says "sampled" downstream.
+        store = (stack.read_state(loom_home()) or {}).get("traces_url")
+        if store and not os.environ.get(OTLP_ENDPOINT_ENV):
+            os.environ[OTLP_ENDPOINT_ENV] = store
         setup_telemetry("loom-cli", log_level=None, always_identify=True)
         try:
             for spec in specs:
@@ -1102,6 +1127,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="tenant quotas for placement (YAML or JSON, as deploy/tenants.example.yaml); "
         "default: every tenant admitted with no quota",
+    )
+    p.add_argument(
+        "--traces",
+        action="store_true",
+        help="keep every service's spans in a trace store of the stack (files under LOOM_HOME/traces),"
+        " which `loom trace JOB` reads: job traces without Jaeger (it costs the services some CPU)",
     )
     p.add_argument(
         "--neighbour-nice",

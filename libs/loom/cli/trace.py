@@ -1,4 +1,5 @@
-"""``loom trace JOB``: the job's trace id, its Jaeger link, and its span tree when Jaeger answers.
+"""``loom trace JOB``: the job's trace id, its Jaeger link, and its span tree when Jaeger answers,
+or the stack's own trace store (``loom up --traces``, which answers Jaeger's query API).
 
 The parsing lives in :mod:`loom.telemetry.jaeger`; this module asks placement for the job's
 record (its stored trace context) and prints.
@@ -25,13 +26,17 @@ from loom.telemetry.jaeger import (
 
 def add_parser(sub: Any) -> None:
     """Register ``loom trace`` on the top-level subparsers."""
-    help_ = "a job's trace: id, Jaeger link, and the span tree from Jaeger's query API"
+    help_ = (
+        "a job's trace: id, Jaeger link, and the span tree from Jaeger's query API"
+        " or from the stack's trace store (loom up --traces)"
+    )
     p: argparse.ArgumentParser = sub.add_parser("trace", help=help_, description=help_)
     p.add_argument("job_id")
     p.add_argument(
         "--jaeger",
         default=os.environ.get(JAEGER_URL_ENV),
-        help=f"Jaeger's base URL (default: ${JAEGER_URL_ENV}; without one only the id and link print)",
+        help=f"Jaeger's base URL (default: ${JAEGER_URL_ENV}, else the stack's trace store when it was"
+        " started with --traces; without either only the id and link print)",
     )
     p.set_defaults(fn=cmd_trace)
 
@@ -56,14 +61,25 @@ def cmd_trace(args: argparse.Namespace) -> int:
         err.print(f"[red]{escape(args.job_id)} has no trace context (submitted without one)[/red]")
         return 1
     console.print(f"trace {trace_id}")
-    console.print(f"jaeger {jaeger_link(trace_id, args.jaeger)}")
-    if not args.jaeger:
-        console.print(
-            f"(set {JAEGER_URL_ENV} or --jaeger, e.g. {DEFAULT_JAEGER_URL}, to print the span tree)"
-        )
-        return 0
+    source, name = args.jaeger, "Jaeger"
+    if source:
+        console.print(f"jaeger {jaeger_link(trace_id, source)}")
+    else:
+        from loom.runtime import stack
+        from loom.runtime.config import loom_home
+
+        source = (stack.read_state(loom_home()) or {}).get("traces_url")
+        if not source:
+            console.print(f"jaeger {jaeger_link(trace_id, None)}")
+            console.print(
+                f"(set {JAEGER_URL_ENV} or --jaeger, e.g. {DEFAULT_JAEGER_URL}, or start the stack with"
+                " `loom up --traces`, to print the span tree)"
+            )
+            return 0
+        name = "the stack's trace store"
+        console.print(f"trace store {source} (loom up --traces)", highlight=False)
     try:
-        roots = parse_jaeger_trace(fetch_trace(args.jaeger, trace_id), trace_id)
+        roots = parse_jaeger_trace(fetch_trace(source, trace_id, name=name), trace_id)
     except (OSError, LookupError, ValueError, QueryError) as exc:
         err.print(f"[red]{escape(str(exc))}[/red]")
         return 1

@@ -57,6 +57,8 @@ from loom.security.tls import TlsFiles, ensure_tls, is_loopback
 from loom.store.migrations import migrate_url
 from loom.store.roles import role_of
 from loom.telemetry.metrics import ENV_METRICS_PORT
+from loom.telemetry.spanstore import SpanFile, TraceServer
+from loom.telemetry.tracing import OTLP_ENDPOINT_ENV
 from loom_proto import subjects
 
 _PR_SET_PDEATHSIG = 1
@@ -214,6 +216,10 @@ class StackOptions:
     """The alert correlator's Alertmanager webhook port on 127.0.0.1; 0: ``$LOOM_ALERTS_HTTP_PORT``
     if set (a port fixed in Alertmanager's configuration), else a free port chosen when the stack
     starts (a fixed default would reach another stack on the same machine)."""
+    traces: bool = False
+    """Keep every service's spans in a trace store the supervisor runs (``loom up --traces``:
+    :mod:`loom.telemetry.spanstore`, files under ``<home>/traces/``), which ``loom trace`` reads
+    as it reads Jaeger; off: spans go where ``OTEL_EXPORTER_OTLP_ENDPOINT`` says, or nowhere."""
     secure_db: bool = SECURE_DB_DEFAULT
     """The embedded PostgreSQL demands SCRAM passwords (no trust), generated here into 0600 files
     under ``<home>/secrets/``, and each service logs in as its own least-privilege role
@@ -647,6 +653,8 @@ class Supervisor:
         self.stopping = False
         self.watches: dict[str, ServerWatch] = {}
         self.slurm: LocalSlurms | None = None
+        self.traces: TraceServer | None = None
+        """The trace store (:meth:`start_traces`) when the stack keeps its own spans."""
         self._checks = 0
         self._reaping_until = 0.0
         self.credentials: CredentialStore | None = None
@@ -906,6 +914,8 @@ class Supervisor:
                 if not self.options.alerts_port:
                     self.options.alerts_port = choose_alerts_port(os.environ)  # `up` chose none
                 self.state["alerts_webhook_url"] = f"http://127.0.0.1:{self.options.alerts_port}/alertmanager"
+            if self.options.services and self.options.traces:
+                env.update(self.start_traces())
             self.start_slurm()
             self.start_services(env)
             self.write_state("starting", nats_url=nats_url, database_url=database_url)
@@ -973,6 +983,21 @@ class Supervisor:
             self.spawn(svc, self.process_env(name, env))
             self.write_state(status)
 
+    def start_traces(self) -> dict[str, str]:
+        """The trace store (``--traces``), served from this process on a free port of 127.0.0.1
+        (``traces_url`` in the state file); the spans stay in ``<home>/traces/`` across restarts.
+        Returns the services' exporter settings."""
+        store = SpanFile(self.home / "traces")
+        self.traces = TraceServer(store.append, store.trace).start()
+        self.state["traces_url"] = self.traces.url
+        self.state["traces_dir"] = str(store.directory)
+        log.info("trace store", url=self.traces.url, directory=str(store.directory))
+        return {
+            OTLP_ENDPOINT_ENV: self.traces.url,
+            # Spans reach the store within a second of ending (the SDK's default waits 5 s).
+            "OTEL_BSP_SCHEDULE_DELAY": os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "1000"),
+        }
+
     def shutdown(self) -> None:
         """Stop services (SIGTERM, then SIGKILL after 10 s), then PostgreSQL and NATS."""
         self.write_state("stopping")
@@ -986,6 +1011,8 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.traces is not None:
+            self.traces.stop()  # after the services: their last spans were flushed as they stopped
         if self.slurm is not None:
             self.slurm.stop()  # every slurmd, then every slurmctld, then munged
         if self.postgres is not None:
@@ -1048,12 +1075,14 @@ def supervisor_argv(home: Path, options: StackOptions) -> list[str]:
     ]
     for cluster in options.clusters:
         argv += ["--cluster", cluster]
-    if not options.durable:
-        argv.append("--no-durable")
-    if not options.network:
-        argv.append("--no-network")
-    if not options.placement_standby:
-        argv.append("--no-placement-standby")
+    # Flags that turn something off, or on.
+    for flag, given in (
+        ("--no-durable", not options.durable),
+        ("--no-network", not options.network),
+        ("--no-placement-standby", not options.placement_standby),
+        ("--traces", options.traces),
+    ):
+        argv += [flag] if given else []
     argv += ["--placement-shards", str(options.placement_shards)]
     argv += ["--probe-period-s", str(options.probe_period_s)]
     if not options.services:
@@ -1212,6 +1241,7 @@ def parse_supervisor_argv(argv: list[str] | None = None) -> tuple[Path, StackOpt
     parser.add_argument("--no-console", action="store_true")
     parser.add_argument("--console-port", type=int, default=0)
     parser.add_argument("--alerts-port", type=int, default=0)
+    parser.add_argument("--traces", action="store_true")
     parser.add_argument("--secure-db", action=argparse.BooleanOptionalAction, default=SECURE_DB_DEFAULT)
     parser.add_argument("--insecure-db", dest="secure_db", action="store_false")
     parser.add_argument("--metrics-port-base", type=int, default=0)
@@ -1238,6 +1268,7 @@ def parse_supervisor_argv(argv: list[str] | None = None) -> tuple[Path, StackOpt
         console=not args.no_console,
         console_port=args.console_port,
         alerts_port=args.alerts_port,
+        traces=args.traces,
         secure_db=args.secure_db,
         metrics_port_base=args.metrics_port_base,
         neighbour_nice=args.neighbour_nice,

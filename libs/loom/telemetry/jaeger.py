@@ -137,11 +137,14 @@ def render_tree(roots: list[TraceSpan]) -> list[str]:
     return lines
 
 
-def fetch_trace(base_url: str, trace_id: str, *, timeout_s: float = 5.0) -> dict[str, Any]:
-    """``GET <base_url>/api/traces/<trace_id>`` from Jaeger's query API, decoded.
+def fetch_trace(
+    base_url: str, trace_id: str, *, timeout_s: float = 5.0, name: str = "Jaeger"
+) -> dict[str, Any]:
+    """``GET <base_url>/api/traces/<trace_id>`` from Jaeger's query API (or a store answering it:
+    ``name`` says which in errors), decoded.
 
-    Raises ValueError for an answer that is not JSON, OSError when Jaeger cannot be reached, and
-    LookupError when Jaeger does not know the trace (404).
+    Raises ValueError for an answer that is not JSON, OSError when it cannot be reached, and
+    LookupError when it does not know the trace (404).
     """
     url = f"{base_url.rstrip('/')}/api/traces/{trace_id}"
     try:
@@ -149,10 +152,12 @@ def fetch_trace(base_url: str, trace_id: str, *, timeout_s: float = 5.0) -> dict
             raw = answer.read()
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
-            raise LookupError(f"Jaeger at {base_url} has no trace {trace_id} (yet)") from exc
-        raise OSError(f"Jaeger at {base_url} answered {exc.code}") from exc
+            raise LookupError(f"{name} at {base_url} has no trace {trace_id} (yet)") from exc
+        raise OSError(f"{name} at {base_url} answered {exc.code}") from exc
+    except urllib.error.URLError as exc:
+        raise OSError(f"{name} at {base_url} cannot be reached: {exc.reason}") from exc
     try:
         body: dict[str, Any] = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"Jaeger at {base_url} did not answer JSON") from exc
+        raise ValueError(f"{name} at {base_url} did not answer JSON") from exc
     return body
