@@ -22,12 +22,31 @@ Id = Annotated[str, Meta(pattern=ID_PATTERN, description="[A-Za-z0-9_-]{1,64}; s
 ID_RULE = "1-64 characters of letters, digits, '_' or '-'"
 """What :data:`ID_PATTERN` allows, in words (error messages never show the expression)."""
 
-_PATTERN_TEXT = re.compile(r"Expected `str` matching regex '(?:[^'\\]|\\.)*'")
+GPU_MODEL_PATTERN = r"^[A-Za-z0-9_.+-]{1,32}(?![\s\S])"
+GPU_MODEL_RULE = "a GPU model name of 1-32 letters, digits, '_', '.', '+' or '-'"
+STAGE_NAME_PATTERN = r"^[A-Za-z0-9_]{1,24}(?![\s\S])"
+STAGE_NAME_RULE = "a stage name of 1-24 letters, digits or '_'"
+
+_RULES = {
+    ID_PATTERN: f"an id of {ID_RULE}",
+    GPU_MODEL_PATTERN: GPU_MODEL_RULE,
+    STAGE_NAME_PATTERN: STAGE_NAME_RULE,
+}
+"""Each pattern a wire struct uses, in words."""
+
+_PATTERN_TEXT = re.compile(r"Expected `str` matching regex '((?:[^'\\]|\\.)*)'")
 
 
 def plain_words(message: str) -> str:
-    """A validation message with the id pattern's regular expression replaced by :data:`ID_RULE`."""
-    return _PATTERN_TEXT.sub(f"Expected an id of {ID_RULE}", message)
+    """A validation message with each pattern's regular expression replaced by its rule in words
+    (a pattern not listed is said as "text of the allowed form", never as the expression)."""
+
+    def words(match: re.Match[str]) -> str:
+        # msgspec shows the pattern as a Python literal would (backslashes doubled).
+        pattern = match.group(1).replace("\\\\", "\\")
+        return f"Expected {_RULES.get(pattern, 'text of the allowed form')}"
+
+    return _PATTERN_TEXT.sub(words, message)
 
 
 class InvalidIdError(ValueError):

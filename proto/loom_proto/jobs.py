@@ -14,14 +14,12 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from loom_proto.ids import Id
+from loom_proto.ids import GPU_MODEL_PATTERN, STAGE_NAME_PATTERN, Id
 
 TaskType = Literal["training_compute", "training_memory", "training_comm", "inference"]
 """What dominates a job's speed: dense compute, memory bandwidth, communication, or serving."""
 
-GpuModel = Annotated[
-    str, Meta(pattern=r"^[A-Za-z0-9_.+-]{1,32}(?![\s\S])", description="e.g. V100M32, A100, T4")
-]
+GpuModel = Annotated[str, Meta(pattern=GPU_MODEL_PATTERN, description="e.g. V100M32, A100, T4")]
 Label = Annotated[str, Meta(max_length=128)]
 Reason = Annotated[str, Meta(max_length=2048)]
 UnixSeconds = Annotated[float, Meta(ge=0, le=1e11, description="seconds since the Unix epoch")]
@@ -117,7 +115,7 @@ class Pipeline(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=
 class Stage(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """One stage of a DAG job; it starts when every stage it depends on has completed."""
 
-    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9_]{1,24}(?![\s\S])")]
+    name: Annotated[str, Meta(pattern=STAGE_NAME_PATTERN)]
     depends_on: Annotated[list[str], Meta(max_length=64)] = []
     task_type: TaskType = "training_compute"
     workers: Annotated[int, Meta(ge=1, le=MAX_WORKERS)] = 1
@@ -410,3 +408,26 @@ JobEvent = (
 """Any job lifecycle event, discriminated by ``kind``."""
 
 TERMINAL_KINDS = frozenset({"completed", "failed", "rejected", "cancelled"})
+
+
+def nul_text(spec: msgspec.Struct) -> str | None:
+    """Where a spec holds a NUL character (``\\u0000``) in a text or a key, as ``$.labels.team``;
+    None when it holds none. JSON allows one, but PostgreSQL's text and jsonb cannot store it: a
+    submission with one failed at its insert and was never answered (a newcomer's walk)."""
+
+    def walk(value: object, path: str) -> str | None:
+        if isinstance(value, str):
+            return path if "\x00" in value else None
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if "\x00" in str(key):
+                    return f"{path} (a key)"
+                if (found := walk(item, f"{path}.{key}")) is not None:
+                    return found
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                if (found := walk(item, f"{path}[{i}]")) is not None:
+                    return found
+        return None
+
+    return walk(msgspec.to_builtins(spec), "$")

@@ -137,6 +137,9 @@ class RunningJob:
     """The job's family (:func:`loom.model.family.job_family`): picks a sim true speed."""
     labels: dict[str, str] = field(default_factory=dict)
     """The job's labels (a backend that runs real work passes them on)."""
+    gpus_per_worker: int = 0
+    """GPUs each worker of the job holds (0: a pipeline, whose stages differ, or a state file from
+    before): the lead part counts the whole job's GPU-seconds, every part's, by it."""
     backend_ref: str = ""
     """The backend's id of this part (a Slurm job id); empty until launched (or for ``sim``)."""
     backend_phase: str = ""
@@ -165,6 +168,12 @@ class RunningJob:
     def gpus(self) -> int:
         """GPUs the run holds now."""
         return sum(g for _, g in self.allocations)
+
+    @property
+    def job_gpus(self) -> int:
+        """GPUs the whole job holds now, every part's (a lead's count; its own when not known): a
+        gang over two clusters counted only the lead's part (a newcomer's walk: 9.9 M of ~18.8 M)."""
+        return max(self.workers * self.gpus_per_worker, self.gpus)
 
     @property
     def worker_share(self) -> float:
@@ -543,6 +552,7 @@ class Agent:
             slowdown=command.slowdown,
             workers=command.workers or spec.workers,
             spec_workers=spec.workers,
+            gpus_per_worker=spec.resources.gpus if spec.pipeline is None else 0,
             start_at=time.time() + wait_s if wait_s > 0 else 0.0,
             family=job_family(spec),
             labels=dict(spec.labels),
@@ -739,7 +749,7 @@ class Agent:
         left = float(steps)
         while left > 0:
             step_s = self.step_seconds(job)
-            gpus = job.gpus
+            gpus = job.job_gpus
             wakeup.clear()
             began = loop.time()
             try:
@@ -1087,7 +1097,7 @@ class Agent:
     def _part_completed(self, job: RunningJob) -> None:
         """A followed lead part ended well: report it completed with what it really took."""
         elapsed_s = max(time.time() - job.started_at, 1e-6) * self.time_scale
-        job.gpu_seconds = elapsed_s * job.gpus
+        job.gpu_seconds = elapsed_s * job.job_gpus
         observed_step_s = elapsed_s / max(job.steps, 1)
         self._report_completed(
             job, self.backend.delivered_speed(job.gpu_model, job.task_type), observed_step_s

@@ -2,11 +2,12 @@
 
 import argparse
 import functools
+import sys
 from pathlib import Path
 
 from loom.model.profiles import profile_for_model, relative_speed, wire_profile
 from loom.model.scu import ScuError
-from loom.model.topology import load_topology
+from loom.model.topology import TopologyError, load_topology
 from loom.runtime.config import loom_home
 from loom.runtime.service import ServiceContext, run
 from loom_proto.clusters import AcceleratorProfile
@@ -118,8 +119,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
     args = parse_args(argv)
-    topology = load_topology(args.topology)
-    cluster = topology.cluster(args.cluster)
+    # Every option checked before anything connects: a bad one is a line and exit 2, not a
+    # traceback, nor a service waiting for NATS with a value it would refuse only then.
+    try:
+        topology = load_topology(args.topology)
+        cluster = topology.cluster(args.cluster)
+        true_speed = parse_true_speeds(args.true_speed)
+        for option, value in (
+            ("--time-scale", args.time_scale),
+            ("--heartbeat-s", args.heartbeat_s),
+            ("--max-heartbeat-s", args.max_heartbeat_s),
+            ("--efficiency", args.efficiency),
+            ("--slurm-command-timeout-s", args.slurm_command_timeout_s),
+        ):
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{option} must be a positive number, got {value}")
+        if args.max_heartbeat_s < args.heartbeat_s:
+            raise ValueError("--max-heartbeat-s must be at least --heartbeat-s")
+    except (TopologyError, ValueError) as exc:
+        print(f"loom-cluster-agent: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     state_dir = args.state_dir or loom_home() / "agents"
     state_dir.mkdir(parents=True, exist_ok=True)
 
@@ -152,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
                 cluster,
                 speed=model_speed,
                 efficiency=args.efficiency,
-                true_speed=parse_true_speeds(args.true_speed),
+                true_speed=true_speed,
             )
         agent = Agent(
             ctx,

@@ -23,7 +23,7 @@ from loom.metering import RunRecord, fold, meter
 from loom.metering.run import MeteredEvent
 from loom.metering.usage import PriceFn, ScuFn, scu_of
 from loom.runtime.service import ServiceContext
-from loom.security import foreign_cancellation, received_cancellation
+from loom.security import foreign_cancellation, received_cancellation, tenant_claim_id
 from loom.store import inbox
 from loom.store import usage as usage_store
 from loom.store.pool import transaction
@@ -106,6 +106,8 @@ class Metering:
                     outcomes[i] = InvalidInputError(refusal)
                     continue
             mid = d.msg_id or f"seq-{d.stream_seq}"
+            if isinstance(event, JobCancelled):  # a tenant's message id: within its tenant
+                mid = tenant_claim_id(d.subject, mid)
             index_of[mid] = i
             decoded.append((mid, event))
         if decoded:

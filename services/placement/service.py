@@ -120,7 +120,7 @@ from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, TenantConfig
 from loom.sched.shards import GLOBAL, ShardMap, route, route_of
 from loom.sched.snapshot import Economics
-from loom.security import foreign_cancellation, foreign_report, received_cancellation
+from loom.security import foreign_cancellation, foreign_report, received_cancellation, tenant_claim_id
 from loom.store import failed as failed_store
 from loom.store import fence, inbox, moves, outbox, speeds
 from loom.store import jobs as repo
@@ -948,7 +948,9 @@ class PlacementService:
         self, d: Delivery[bytes], tenant: str, reason: str, code: RejectCode
     ) -> BaseException | None:
         """Tell the submitter why the payload is unusable; nothing is stored."""
-        job_id = d.msg_id or _payload_job_id(d.message) or f"seq-{d.stream_seq}"
+        # The payload's job id first: the message id is the submitter's to choose (the SDK's has a
+        # random part), and the submitter waits for a rejection of its job id.
+        job_id = _payload_job_id(d.message) or d.msg_id or f"seq-{d.stream_seq}"
         event = rejection(job_id, tenant, code, f"invalid job submission: {reason}")
         log.warning("submission rejected", job_id=job_id, tenant=tenant, reason=reason)
         # The submitter's trace shows the refusal as an error, not as a message handled.
@@ -1118,7 +1120,7 @@ class PlacementService:
         messages, insert the new jobs with their submitted events and a DAG's stages. Returns the
         jobs to decide (new plain jobs, ready stages) and the rejections of duplicate job ids."""
         queued_children: list[QueuedJob] = []
-        msg_ids = [d.msg_id or f"JOBS-{d.stream_seq}" for d, _ in accepted]
+        msg_ids = [tenant_claim_id(d.subject, d.msg_id or f"JOBS-{d.stream_seq}") for d, _ in accepted]
         fresh = await inbox.claim_many(conn, PRODUCER, msg_ids)
         candidates: list[QueuedJob] = []
         dup_rejects: list[outbox.OutboxMessage] = []
@@ -2576,7 +2578,10 @@ class PlacementService:
                 log.warning("report refused", subject=d.subject, job_id=event.job_id, reason=why)
                 outcomes[i] = InvalidInputError(why)
                 continue
-            events.append((event, d.msg_id or f"JOBS-{d.stream_seq}"))
+            mid = d.msg_id or f"JOBS-{d.stream_seq}"
+            if isinstance(event, JobCancelled):  # a tenant's message id: within its tenant
+                mid = tenant_claim_id(d.subject, mid)
+            events.append((event, mid))
             index_of[events[-1][1]] = i
             if reporter is not None:
                 reporter_of[events[-1][1]] = reporter
@@ -3473,7 +3478,12 @@ def _payload_job_id(payload: bytes) -> str | None:
     except (ValueError, RecursionError):
         return None
     job_id = value.get("job_id") if isinstance(value, dict) else None
-    return job_id if isinstance(job_id, str) else None
+    if not isinstance(job_id, str):
+        return None
+    try:
+        return validate_id(job_id, "job id")  # what a rejection can name (a subject token)
+    except InvalidIdError:
+        return None
 
 
 def hash_carrier(q: QueuedJob) -> str:

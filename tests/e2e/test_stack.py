@@ -628,6 +628,17 @@ def test_loom_job_and_explain_of_a_dag_point_to_its_stage_jobs(
     path = tmp_path / "dag.json"
     path.write_text(json.dumps(spec))
     assert _loom(home, "submit", str(path), "--wait", "--timeout", "40").returncode == 0
+    # A DAG whose stage's job id is taken is accepted, then rejected at once: a refusal all the
+    # same (it exited 0, "accepted, rejected").
+    clash = tmp_path / "clash.json"
+    clash.write_text(json.dumps({**spec, "job_id": f"c{dag_id}", "stages": spec["stages"][:1]}))
+    taken = tmp_path / "taken.json"
+    taken.write_text(json.dumps({**stage, "job_id": f"c{dag_id}--prep", "tenant": "acme"}))
+    assert _loom(home, "submit", str(taken)).returncode == 0
+    refused = _loom(home, "submit", str(clash))
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    # (whichever placement's answer the CLI sees first: the rejected event, or the job's record)
+    assert "already exist" in refused.stderr, refused.stderr
     # The DAG's own record used to be empty, with no pointer to its stage jobs.
     shown = _loom(home, "job", dag_id)
     assert shown.returncode == 0, shown.stderr

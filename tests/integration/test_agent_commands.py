@@ -33,7 +33,7 @@ from loom.runtime.service import ServiceContext, close_context, open_context
 from loom_proto import subjects
 from loom_proto.clusters import ClusterCommand, ClusterHeartbeat, ResizeJob, StartJob, StartJobs, StopJob
 from loom_proto.codec import encode
-from loom_proto.jobs import JobCompleted, JobSpec, NodeAllocation, Work
+from loom_proto.jobs import JobCompleted, JobSpec, NodeAllocation, Resources, Work
 from loom_proto.subjects import ClusterCommandKind
 from loom_services.cluster_agent.agent import Agent
 from loom_services.cluster_agent.backend import PartLaunch, PartStatus, Phase
@@ -284,7 +284,8 @@ async def test_a_stopped_lead_frees_its_gpus_and_reports_failed_once_and_nothing
 async def test_a_run_takes_slowdown_times_longer_and_speeds_with_its_share_of_workers(h: Harness) -> None:
     steps, step_time_s, gpus = 10, 20.0, 2
     # (slowdown, workers given, workers asked for, how many times the compute time the run takes)
-    cases = [(1.0, None, 1, 1.0), (2.0, None, 1, 2.0), (1.0, 1, 2, 2.0), (3.0, 2, 4, 6.0), (1.0, 4, 2, 0.5)]
+    # (each run's GPUs are its workers' here, one a worker: an elastic job grown to 2 of 1 asked)
+    cases = [(1.0, None, 1, 1.0), (2.0, None, 1, 2.0), (1.0, 1, 2, 2.0), (3.0, 2, 4, 6.0), (1.0, 2, 1, 0.5)]
     nodes = [{BIG_T4: gpus}, {BIG_T4: gpus}, {T4_A: gpus}, {T4_B: gpus}, {T4_C: gpus}]
     job_ids = [unique("timed") for _ in cases]
     for job_id, (slowdown, workers, spec_workers, _), allocations in zip(job_ids, cases, nodes, strict=True):
@@ -869,3 +870,27 @@ async def test_a_batch_starts_every_run_before_it_waits_for_the_attempts_one_of_
     for job_id in (old, other):
         await h.command(StopJob(job_id=job_id, attempt=2 if job_id == old else 1))
     await h.heartbeat_shows({T4_A: 0, T4_B: 0}, running=set(), absent={old, other})
+
+
+async def test_the_lead_part_of_a_gang_over_clusters_counts_every_parts_gpus(h: Harness) -> None:
+    # A gang of 4 workers x 2 GPUs with one worker here (the lead) and three elsewhere: its
+    # completion counted the lead's 2 GPUs only, so `loom job` showed a quarter of the GPU-seconds.
+    job_id = unique("span-lead")
+    steps, step_time_s = 10, 20.0
+    spec = JobSpec(
+        job_id=job_id,
+        tenant="t1",
+        workers=4,
+        resources=Resources(gpus=2),
+        work=Work(steps=steps, step_time_s=step_time_s),
+    )
+    command = StartJob(
+        job_id=job_id,
+        spec=spec,
+        gpu_model="T4",
+        allocations=[NodeAllocation(node=T4_A, gpus=2)],
+        role="lead",
+    )
+    await h.handled(await h.command(command))
+    done = await completed(h, job_id)
+    assert done["gpu_seconds"] == pytest.approx(steps * step_time_s * 4 * 2, rel=1e-6)

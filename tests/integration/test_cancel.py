@@ -7,6 +7,7 @@ showed its GPUs free, and a queued job could still be placed.
 """
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -170,5 +171,53 @@ async def test_a_cancellation_of_another_tenants_job_changes_nothing_and_is_dead
         assert done is not None
         (cancelled,) = [e for e in done["events"] if e["kind"] == "cancelled"]
         assert cancelled["at"] >= began - 5.0 and cancelled["event"]["at"] >= began - 5.0
+    finally:
+        await client.close()
+
+
+async def test_a_submission_id_another_tenant_took_first_does_not_drop_the_owners_job(
+    platform: Platform,
+) -> None:
+    # JetStream drops a message whose id it saw within two minutes, whoever sent it. The SDK used
+    # the job id as the message id, so another tenant publishing its own submission under that id
+    # first made the owner's `loom submit` answer "already submitted" while no job existed (a
+    # newcomer's walk); beyond the window, placement's inbox (ids claimed across tenants) dropped it
+    # for good. Now the SDK's id has a random part and placement claims ids within their tenant.
+    from loom.bus import Publisher
+    from loom_proto import subjects
+    from loom_proto.jobs import JobSubmitted
+
+    await platform.start("placement")
+    client = await LoomClient.connect(platform.nats_url)
+    try:
+        publisher = Publisher(client.nc)
+        squat = JobSubmitted(job_id="sq-other", tenant="t2", work=Work(steps=1))
+        ack = await publisher.publish(subjects.job_submitted("t2"), squat, msg_id="sq-victim")
+        assert not ack.duplicate
+        await until(lambda: _state(client, "sq-other", "queued"), 15, "t2's own job queued")
+        admission = await client.submit_checked(_spec("sq-victim", 1), wait_s=10.0)
+        assert admission.outcome == "accepted", admission
+        job = await client.job("sq-victim")
+        assert job is not None and job["tenant"] == "t1"
+        # A submission it cannot decode is refused naming the job id in its payload (the SDK's
+        # message id is not the job id, and the submitter waits for its job id's rejection).
+        rejected = await client.nc.subscribe(subjects.job_event("rejected", "t1"))
+        body = b'{"job_id": "sq-bad", "tenant": "t1", "work": {"steps": "many"}}'
+        await client.nc.jetstream().publish(
+            subjects.job_submitted("t1"), body, headers={"Nats-Msg-Id": "sq-bad:0123abcd"}
+        )
+        msg = await rejected.next_msg(timeout=10)
+        event = json.loads(msg.data)
+        assert (event["job_id"], event["code"]) == ("sq-bad", "invalid"), event
+        # A NUL character decodes, but no text column can store it: the insert failed, the batch
+        # went one by one, the message was dead-lettered and the submitter never answered.
+        body = b'{"job_id": "sq-nul", "tenant": "t1", "work": {"steps": 1}, "name": "a\\u0000b"}'
+        await client.nc.jetstream().publish(
+            subjects.job_submitted("t1"), body, headers={"Nats-Msg-Id": "sq-nul"}
+        )
+        event = json.loads((await rejected.next_msg(timeout=10)).data)
+        assert (event["job_id"], event["code"]) == ("sq-nul", "invalid"), event
+        assert "$.name holds a NUL character" in event["reason"]
+        assert await client.job("sq-nul") is None
     finally:
         await client.close()

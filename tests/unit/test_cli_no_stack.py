@@ -158,3 +158,31 @@ def test_options_that_cannot_go_together_are_refused(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit) as exit_:  # --replicas alone was shown, --verdicts dropped
         main(["migrations", "--verdicts", "--replicas"])
     assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", [None, "not a credential file\n"])
+def test_a_missing_or_malformed_credentials_file_is_named_without_a_traceback(
+    content: str | None, tmp_path: Path
+) -> None:
+    creds = tmp_path / "tenant.creds"
+    if content is not None:
+        creds.write_text(content)
+    env = dict(
+        os.environ,
+        LOOM_HOME=str(tmp_path),
+        LOOM_NATS_URL=f"nats://127.0.0.1:{_closed_port()}",
+        LOOM_DATABASE_URL="postgresql://127.0.0.1:1/loom",
+        LOOM_CREDS=str(creds),
+        COLUMNS="400",  # the whole path on one line
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "loom.cli.main", "jobs"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"cannot use the NATS credentials {creds}" in out.stderr
+    assert "Traceback" not in out.stderr

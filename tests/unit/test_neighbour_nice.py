@@ -104,6 +104,7 @@ def test_the_supervisor_command_line_carries_the_options() -> None:
         console=False,
         console_port=9999,
         alerts_port=9998,
+        traces=True,
         secure_db=False,
         metrics_port_base=9500,
         neighbour_nice=3,

@@ -458,6 +458,40 @@ def test_id_errors_name_the_rule_in_words_never_the_regular_expression() -> None
     assert ID_RULE in str(undecodable.value) and "regex" not in str(undecodable.value)
 
 
+def test_each_pattern_error_states_its_own_rule_not_the_id_rule() -> None:
+    # Every pattern used to be reported as the id rule: a stage named "a-b" was told "1-64
+    # characters of letters, digits, '_' or '-'", which "a-b" is (a newcomer's walk).
+    from loom.client.sdk import SpecError, spec_from_mapping
+    from loom_proto.ids import GPU_MODEL_RULE, ID_RULE, STAGE_NAME_RULE
+
+    base = {"job_id": "j", "tenant": "t", "work": {"steps": 1}}
+    with pytest.raises(SpecError) as stage:
+        spec_from_mapping({**base, "stages": [{"name": "a-b", "work": {"steps": 1}}]})
+    assert STAGE_NAME_RULE in str(stage.value) and ID_RULE not in str(stage.value)
+    with pytest.raises(SpecError) as model:
+        spec_from_mapping({**base, "resources": {"gpus": 1, "gpu_models": ["V100 M32"]}})
+    assert GPU_MODEL_RULE in str(model.value) and "regex" not in str(model.value)
+
+
+def test_a_nul_character_in_any_text_of_a_spec_is_refused_naming_where() -> None:
+    # JSON allows "\u0000", PostgreSQL's text does not: the job was never stored nor answered.
+    from loom.client.sdk import SpecError, spec_from_mapping
+    from loom.errors import InvalidInputError
+    from loom.sched.cycle import admission_check
+    from loom_proto.jobs import JobSpec, Work, nul_text
+
+    base = {"job_id": "j", "tenant": "t", "work": {"steps": 1}}
+    with pytest.raises(SpecError, match=r"\$\.labels\.team holds a NUL character"):
+        spec_from_mapping({**base, "labels": {"team": "a\x00b"}})
+    with pytest.raises(InvalidInputError, match=r"\$\.name holds a NUL character"):
+        admission_check(JobSpec(job_id="j", tenant="t", work=Work(steps=1), name="x\x00"))
+    assert nul_text(JobSpec(job_id="j", tenant="t", work=Work(steps=1), name="plain")) is None
+    assert (
+        nul_text(JobSpec(job_id="j", tenant="t", work=Work(steps=1), labels={"k\x00": "v"}))
+        == "$.labels (a key)"
+    )
+
+
 def test_the_sdk_checks_a_spec_built_in_code_as_strictly_as_one_read_from_a_file() -> None:
     # A Struct built in code skips its constraints (Work(steps=0) constructs): before, the SDK sent
     # it and placement rejected it; a dict was not taken at all (AttributeError).

@@ -166,3 +166,24 @@ def test_the_contention_bench_stages_for_loom_alone() -> None:
     # Loom staged (its runs changed); whether a 12-job cell is faster is the benchmark's question.
     assert figures(plain, "loom")["jct_mean_s"] != figures(staged, "loom")["jct_mean_s"]
     assert staged["policies"]["loom"]["finished"] == plain["policies"]["loom"]["finished"] == 12
+
+
+def test_a_dataset_in_a_region_loom_does_not_know_is_refused_as_unresolvable() -> None:
+    # A typo ("mars-1") was placed with a copy priced over made-up links ("waits 800 s").
+    from loom.sched.framework import Code
+    from loom.sched.profile import build_framework
+
+    framework = build_framework()
+    outcome = framework.schedule(job("typo", 1, region="mars-1"), snapshot(), apply=False)
+    assert outcome.decision is None and outcome.status.code == Code.UNRESOLVABLE
+    assert "region(s) mars-1, which Loom does not know" in outcome.status.reason
+    assert "r-data" in outcome.status.reason
+    replica = JobSpec(
+        job_id="rep",
+        tenant="t",
+        work=Work(steps=1),
+        data=DataSpec(dataset="ds", region="r-data", size_gb=1.0, replicas=["nowhere"]),
+    )
+    refused = framework.schedule(replica, snapshot(), apply=False)
+    assert refused.status.code == Code.UNRESOLVABLE and "nowhere" in refused.status.reason
+    assert framework.schedule(job("fine", 1), snapshot(), apply=False).decision is not None

@@ -359,6 +359,12 @@ def _print_admission(spec: Any, admission: Any) -> bool:
     name = f"[bold]{escape(spec.job_id)}[/bold] (tenant {escape(spec.tenant)})"
     if admission.outcome == "accepted":
         trace = f"; trace {admission.trace_id}" if admission.trace_id else ""
+        if admission.state in ("rejected", "failed"):
+            # Accepted, then refused or failed before the first look (a DAG whose stage id is
+            # taken, a stage that failed at once): a refusal all the same, exit 1.
+            why = f": {escape(admission.reason)}" if admission.reason else ""
+            err.print(f"[red]submitted {name}: accepted, then {admission.state}{why}[/red]{trace}")
+            return True
         console.print(f"submitted {name}: accepted, {admission.state}{trace}")
     elif admission.outcome == "duplicate":
         console.print(

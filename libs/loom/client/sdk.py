@@ -21,12 +21,20 @@ from opentelemetry.trace import SpanKind
 
 from loom import security
 from loom.bus import Publisher, connect
-from loom.bus.connection import credentials_path
+from loom.bus.connection import BusError, credentials_path
 from loom.errors import InvalidInputError, LoomError
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
 from loom_proto.ids import plain_words
-from loom_proto.jobs import TERMINAL_STATES, JobCancelled, JobEvent, JobRejected, JobSpec, JobSubmitted
+from loom_proto.jobs import (
+    TERMINAL_STATES,
+    JobCancelled,
+    JobEvent,
+    JobRejected,
+    JobSpec,
+    JobSubmitted,
+    nul_text,
+)
 from loom_proto.view import ViewQuery
 
 _tracer = trace.get_tracer("loom.client")
@@ -69,9 +77,14 @@ def spec_from_mapping(raw: Mapping[str, Any], *, default_tenant: str | None = No
     if "tenant" not in data and default_tenant:
         data["tenant"] = default_tenant
     try:
-        return msgspec.convert(data, JobSpec)
+        spec = msgspec.convert(data, JobSpec)
     except msgspec.ValidationError as exc:
         raise SpecError(f"job spec {data.get('job_id')!r}: {plain_words(str(exc))}") from exc
+    if (where := nul_text(spec)) is not None:
+        raise SpecError(
+            f"job spec {spec.job_id!r}: {where} holds a NUL character, which stored text cannot hold"
+        )
+    return spec
 
 
 _EVENT_TYPES: dict[str, type] = {t.__struct_config__.tag: t for t in get_args(JobEvent)}
@@ -140,7 +153,10 @@ class LoomClient:
         :class:`~loom.bus.connection.BusError` (saying to start the stack) when no server answers
         by then, instead of waiting for one."""
         creds = credentials_path(nats_url)
-        identity = security.read(creds).identity if creds is not None else None
+        try:
+            identity = security.read(creds).identity if creds is not None else None
+        except (OSError, ValueError) as exc:  # missing, unreadable or not a credential file
+            raise BusError(f"cannot use the NATS credentials {creds}: {exc}") from exc
         return cls(
             await connect(nats_url, name, first_within_s=first_within_s, creds=creds), identity=identity
         )
@@ -159,7 +175,9 @@ class LoomClient:
     async def submit(self, spec: JobSpec | Mapping[str, Any]) -> str:
         """Submit a job (a :class:`JobSpec` or a mapping of its fields, checked as
         :func:`spec_from_mapping` checks it: a :class:`SpecError` and nothing sent when it is not
-        valid); resubmitting the same ``job_id`` within two minutes is a no-op."""
+        valid). Resubmitting a ``job_id`` placement holds changes nothing: placement answers it
+        ``rejected`` with code ``duplicate`` and keeps the job (:meth:`submit_checked` looks first
+        and sends nothing)."""
         spec = checked_spec(spec)
         await self._publish_submission(spec)
         return spec.job_id
@@ -174,7 +192,12 @@ class LoomClient:
             kind=SpanKind.CLIENT,
             attributes={"loom.job_id": spec.job_id, "loom.tenant": spec.tenant},
         ) as span:
-            ack = await self.publisher.publish(subjects.job_submitted(spec.tenant), job, msg_id=spec.job_id)
+            # A message id nobody can guess: JetStream drops a message whose id it saw in the last
+            # two minutes, whoever sent it, so a predictable id (the job id) could be taken first by
+            # another tenant and this submission dropped as its duplicate. Retries of this publish
+            # reuse it; a second submission is a new message (placement knows the job id).
+            msg_id = f"{spec.job_id}:{secrets.token_hex(8)}"
+            ack = await self.publisher.publish(subjects.job_submitted(spec.tenant), job, msg_id=msg_id)
             ctx = span.get_span_context()
         return ack, (format(ctx.trace_id, "032x") if ctx.is_valid else None)
 
@@ -206,7 +229,11 @@ class LoomClient:
                         continue
                     if found is not None:
                         return Admission(
-                            spec.job_id, "accepted", state=str(found["state"]), trace_id=trace_id
+                            spec.job_id,
+                            "accepted",
+                            state=str(found["state"]),
+                            trace_id=trace_id,
+                            reason=str(found.get("reason") or ""),  # why it ended, if it did
                         )
                     continue
                 try:

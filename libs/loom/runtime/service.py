@@ -197,12 +197,26 @@ def run(name: str, body: Callable[[ServiceContext], Awaitable[None]], *, needs_d
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
         urls = endpoints()
-        ctx = await open_context(
-            name,
-            nats_url=urls.nats_url,
-            database_url=urls.database_url if needs_db else None,
-            stopping=stopping,
+        # A SIGTERM or Ctrl-C while NATS (or PostgreSQL) cannot be reached yet stops the process:
+        # the connect retries for ever otherwise, and only SIGKILL ended it.
+        opening = asyncio.ensure_future(
+            open_context(
+                name,
+                nats_url=urls.nats_url,
+                database_url=urls.database_url if needs_db else None,
+                stopping=stopping,
+            )
         )
+        stopped = asyncio.ensure_future(stopping.wait())
+        await asyncio.wait([opening, stopped], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not opening.done():
+            opening.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await opening
+            log.info("service stopped before it connected")
+            return
+        ctx = opening.result()
         # Everything loaded so far lives as long as the process: keep it out of the collector's
         # scans, and collect young objects less often, so a busy service does not stall for a
         # full collection in the middle of a decision.

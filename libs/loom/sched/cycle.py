@@ -40,7 +40,7 @@ from loom.sched.elastic import ElasticJob, plan_grow, resized_end_s, with_sizes
 from loom.sched.framework import Code, Decision, DecisionRecord, Framework, Outcome, QueueItem
 from loom.sched.probe import ProbeSettings, check_labels, probe_gate
 from loom.sched.snapshot import RunningJob, Snapshot
-from loom_proto.jobs import JobSpec, RejectCode, RequeueReason
+from loom_proto.jobs import JobSpec, RejectCode, RequeueReason, nul_text
 
 __all__ = [
     "WAKE_AFTER_S",
@@ -541,6 +541,8 @@ def admission_check(job: JobSpec) -> None:
     """Refuse at admission what no cluster state could fix: bad DAGs (a cycle is
     :class:`~loom.sched.dag.DagCycleError`), elastic bounds, pipelines with gangs;
     :class:`~loom.errors.InvalidInputError` says what to change."""
+    if (where := nul_text(job)) is not None:
+        raise InvalidInputError(f"{where} holds a NUL character (\\u0000), which stored text cannot hold")
     if job.min_workers is not None and job.min_workers > job.workers:
         raise InvalidInputError(
             f"min_workers ({job.min_workers}) is more than workers ({job.workers}); workers is the maximum"

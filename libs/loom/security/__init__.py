@@ -23,6 +23,7 @@ from loom.security.permissions import (
     may_manage_streams,
     permissions,
     received_cancellation,
+    tenant_claim_id,
 )
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "permissions",
     "read",
     "received_cancellation",
+    "tenant_claim_id",
     "tenant_identity",
     "users_config",
     "write_secret",

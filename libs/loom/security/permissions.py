@@ -350,6 +350,14 @@ def received_cancellation(
     return msgspec.structs.replace(event, at=stored_at_s), why
 
 
+def tenant_claim_id(subject: str, msg_id: str) -> str:
+    """The inbox key of a message a tenant may publish (a submission, a cancellation): its message
+    id within its subject's tenant. A tenant chooses its message ids, so a bare id could be taken
+    first by another tenant's message, and the owner's, claimed as done, dropped as its duplicate
+    (a squatted id, found by a newcomer's walk); scoped, a tenant's ids collide only with its own."""
+    return f"{msg_id}@{subjects.event_tenant(subject) or '?'}"
+
+
 def foreign_cancellation(tenant: str, job_id: str, owner: str | None) -> str | None:
     """Why tenant ``tenant`` may not cancel ``job_id``, whose tenant is ``owner`` (None: no such
     job), or None when it may."""

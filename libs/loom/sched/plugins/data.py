@@ -144,8 +144,19 @@ class DataLocality:
         return (data_key(state.job), work.steps, work.step_time_s, tuple(sorted(staged.items())))
 
     def pre_filter(self, state: CycleState) -> Status:
-        if state.job.data is None:
+        data = state.job.data
+        if data is None:
             return Status(Code.SKIP)
+        snap = state.snapshot
+        unknown = [r for r in (data.region, *data.replicas) if r not in snap.region_index]
+        if unknown:
+            # As the simulator refuses it: a copy from a region nobody measured would be priced
+            # with made-up links (a typo, "mars-1", got "waits 800 s for the copy").
+            return Status(
+                Code.UNRESOLVABLE,
+                f"dataset {data.dataset} is said to be in region(s) {', '.join(unknown)}, which Loom does not"
+                f" know; known regions: {', '.join(snap.regions) or 'none'}",
+            )
         return SUCCESS
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
