@@ -111,6 +111,7 @@ from loom.sched.cycle import (
     fold_within,
     requeue_avoid,
     retry_after_failure,
+    room_taker,
     run_cycle,
 )
 from loom.sched.framework import Decision, Framework
@@ -1276,6 +1277,7 @@ class PlacementService:
         now = wall
         # Shrunk elastic jobs and preempted victims first: their GPUs are what the new
         # reservations take.
+        tenant_of = {q.job.job_id: q.job.tenant for q in jobs}
         for shrunk in result.shrunk:
             await self._shrink(
                 conn,
@@ -1283,14 +1285,14 @@ class PlacementService:
                 workers=shrunk.workers,
                 allocations=shrunk.allocations,
                 by=shrunk.by,
+                by_tenant=tenant_of.get(shrunk.by),
                 result=applied,
             )
         for preempted in result.preempted:
             run = self.book.runs.get(preempted.job_id)
             if run is not None:
-                await self._give_up(
-                    conn, run, "preempted", f"preempted by {preempted.by}", avoid=(), result=applied
-                )
+                by = room_taker(preempted.by, tenant_of.get(preempted.by), run.job.tenant)
+                await self._give_up(conn, run, "preempted", f"preempted by {by}", avoid=(), result=applied)
         await self._write(conn, applied, now, snap.learned)
         if result.probes:
             await self._insert_probes(conn, jobs, applied, now)
@@ -1671,10 +1673,12 @@ class PlacementService:
         workers: int,
         allocations: tuple[tuple[str, int], ...],
         by: str,
+        by_tenant: str | None = None,
         result: "Applied",
     ) -> None:
         """Give back an elastic run's surplus workers and tell its agent (the decision counts them)."""
         run = self.book.runs[job_id]
+        by = room_taker(by, by_tenant, run.job.tenant)
         cluster, model, held = run.parts[0]
         if not await repo.lock_active(conn, job_id, run.attempt):
             raise ConflictError(f"{job_id} ended while it was being shrunk")
@@ -2953,7 +2957,7 @@ class PlacementService:
                 db,
                 tenant=request.get("tenant"),
                 state=request.get("state"),
-                limit=min(int(request.get("limit", 100)), 10_000),
+                limit=int(request.get("limit", 100)),
             )
         if op == "counts":
             return await repo.count_by_state(db)
@@ -2971,8 +2975,8 @@ class PlacementService:
             else None
         )
         try:
-            request = json.loads(msg.data or b"{}")
-            op = request.get("op", "list")
+            request = _query_request(msg.data or b"{}")
+            op = request["op"]
             tenant = scope if scope is not None else request.get("tenant")
             if scope is not None and op not in ("get", "list", "explain"):
                 raise ValueError(f"{op!r} is not open to a tenant")
@@ -3002,6 +3006,35 @@ class PlacementService:
         except Exception as exc:  # any bad request gets an answer, never a crash
             reply = {"ok": False, "error": str(exc)}
         await msg.respond(json.dumps(reply).encode())
+
+
+QUERY_OPS = ("get", "list", "counts", "explain", "learned", "leader")
+MAX_QUERY_LIMIT = 10_000
+
+
+def _query_request(data: bytes) -> dict[str, Any]:
+    """A job query's request, checked: ValueError says what is wrong in the asker's terms (they got
+    Python's and PostgreSQL's own words: "'list' object has no attribute 'get'", "LIMIT must not be
+    negative")."""
+    try:
+        request = json.loads(data)
+    except ValueError as exc:
+        raise ValueError(f'a query is a JSON object, e.g. {{"op": "get", "job_id": "j-1"}}: {exc}') from exc
+    if not isinstance(request, dict):
+        raise ValueError('a query is a JSON object, e.g. {"op": "get", "job_id": "j-1"}')
+    op = request.setdefault("op", "list")
+    if op not in QUERY_OPS:
+        raise ValueError(f"unknown op {op!r}; one of {', '.join(QUERY_OPS)}")
+    if op in ("get", "explain") and not isinstance(request.get("job_id"), str):
+        raise ValueError(f"op {op!r} needs a job_id (a string)")
+    for key in ("tenant", "state"):
+        if request.get(key) is not None and not isinstance(request[key], str):
+            raise ValueError(f"{key} must be a string")
+    limit = request.get("limit", 100)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"limit must be a whole number of at least 1, got {limit!r}")
+    request["limit"] = min(limit, MAX_QUERY_LIMIT)  # the newest that many, as before
+    return request
 
 
 @dataclasses.dataclass(frozen=True)

@@ -186,3 +186,21 @@ def test_a_missing_or_malformed_credentials_file_is_named_without_a_traceback(
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"cannot use the NATS credentials {creds}" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_command_that_needs_only_nats_does_not_ask_for_a_database_url(tmp_path: Path) -> None:
+    # A tenant has a NATS URL and credentials, no database: every command demanded LOOM_DATABASE_URL.
+    env = {k: v for k, v in os.environ.items() if k not in ("LOOM_DATABASE_URL", "LOOM_CREDS")}
+    port = _closed_port()
+    env.update(LOOM_HOME=str(tmp_path), LOOM_NATS_URL=f"nats://127.0.0.1:{port}", COLUMNS="400")
+    out = subprocess.run(
+        [sys.executable, "-m", "loom.cli.main", "jobs"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"no NATS server answered at nats://127.0.0.1:{port}" in out.stderr
+    assert "LOOM_DATABASE_URL" not in out.stderr

@@ -270,3 +270,11 @@ def test_running_ids_follow_appends_and_new_lists() -> None:
     assert snap.running_ids() == {"c"}
     snap.running.clear()  # shorter in place: counted afresh
     assert snap.running_ids() == set()
+
+
+def test_a_victim_is_told_who_took_its_room_only_when_it_is_its_own_tenants_job() -> None:
+    from loom.sched.cycle import room_taker
+
+    assert room_taker("vip", "acme", "acme") == "vip"
+    assert room_taker("vip", "beta", "acme") == "a job of another tenant"
+    assert room_taker("vip", None, "acme") == "a job of another tenant"  # not known: not named

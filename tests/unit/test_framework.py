@@ -302,6 +302,14 @@ def test_preemption_stops_the_lowest_priority_least_progressed_job() -> None:
         job("peer", gpus=4, priority=10), Snapshot(nodes, running=running, net=NetMatrix(["r1"]))
     )
     assert equal.decision is None  # equal priority never preempts
+    # The record is the preempting job's tenant's to read: another tenant's victim is counted,
+    # not named (its id told one tenant what another runs).
+    other = Framework([ResourceFit(), ScuFit(), Preempt()]).schedule(
+        job("vip2", gpus=4, priority=500, tenant="u"), Snapshot(nodes, running=running, net=NetMatrix(["r1"]))
+    )
+    assert other.decision is not None and other.decision.victims == ("new",)  # still stopped
+    assert other.record.victims == ["1 job(s) of other tenants"]
+    assert not any("new" in note for note in other.record.notes), other.record.notes
 
 
 def test_quota_makes_a_tenant_wait_or_rejects_what_could_never_fit() -> None:

@@ -1,5 +1,6 @@
 """Network, data, cost and affinity plugins: each decides as the measured network and the job say."""
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from functools import cache
@@ -371,6 +372,22 @@ def test_anti_affinity_keeps_the_job_off_clusters_running_labelled_jobs() -> Non
     blocked = build_framework().schedule(spec, everywhere)
     assert blocked.status.code == Code.UNSCHEDULABLE
     assert "apart_from_jobs" in blocked.status.reason
+
+
+def test_job_selectors_match_the_tenants_own_jobs_and_never_name_another_tenants() -> None:
+    # Matched against every tenant's jobs, beta's `apart_from_jobs: {team: red}` was explained as
+    # "runs acme-secret-run labelled team=red", and `near_jobs` put it beside acme's job on purpose.
+    other = dataclasses.replace(running("acme-secret-run", "a", team="red"), tenant="beta")
+
+    def snap() -> Snapshot:
+        return snapshot(AFF_SITES, AFF_LINKS, running=[other, running("own-db", "b", app="db")])
+
+    fw = build_framework()
+    apart = fw.schedule(job(affinity=Affinity(clusters=["a"], apart_from_jobs={"team": "red"})), snap())
+    assert placed(apart) == ["a"] and "acme-secret-run" not in repr(apart.record.to_dict())
+    state = fw.new_state(job(affinity=Affinity(near_jobs={"team": "red"})), snap())
+    assert fw.run_pre_filters(state).ok and "affinity" in state.skipped  # nothing of its own to be near
+    assert placed(fw.schedule(job(affinity=Affinity(near_jobs={"app": "db"})), snap())) == ["b"]
 
 
 def test_unknown_required_region_is_unresolvable_but_one_known_name_is_enough() -> None:

@@ -6,7 +6,6 @@ The logic lives in :mod:`loom.bus.dlq`; this module parses arguments and prints.
 import argparse
 import asyncio
 import json
-import os
 from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
@@ -20,7 +19,7 @@ from loom.bus.dlq import DeadLetter, DeadLetters, parse_since
 from loom.cli import CONNECT_WITHIN_S
 from loom.cli.output import console, err
 from loom.errors import InvalidInputError, LoomError
-from loom.runtime.config import ENV_NATS_URL, endpoints
+from loom.runtime.config import nats_endpoint
 
 _ERROR_WIDTH = 60
 
@@ -61,7 +60,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _nats_url() -> str:
-    return os.environ.get(ENV_NATS_URL) or endpoints().nats_url
+    return nats_endpoint()
 
 
 def _with_dead_letters(work: Callable[[DeadLetters], Awaitable[int]]) -> int:

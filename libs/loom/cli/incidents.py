@@ -21,7 +21,7 @@ from loom.bus.connection import BusError, connect
 from loom.cli import CONNECT_WITHIN_S
 from loom.cli.argtypes import positive_int
 from loom.cli.output import console, err
-from loom.runtime.config import endpoints
+from loom.runtime.config import endpoints, nats_endpoint
 from loom.store import incidents as store
 from loom_proto import subjects
 from loom_proto.alerts import IncidentChange
@@ -190,7 +190,7 @@ def cmd_ack(args: argparse.Namespace) -> int:
     """Acknowledge an incident through the correlator."""
 
     async def go() -> int:
-        url = endpoints().nats_url
+        url = nats_endpoint()
         try:
             nc = await connect(url, "loom-ack", first_within_s=CONNECT_WITHIN_S)  # quietly, in seconds
         except BusError as exc:

@@ -21,7 +21,7 @@ from loom.cli.output import console, err
 from loom.client import LoomClient, QueryError, SpecError, load_specs
 from loom.errors import InvalidInputError
 from loom.runtime import stack
-from loom.runtime.config import endpoints, loom_home
+from loom.runtime.config import endpoints, loom_home, nats_endpoint
 from loom.sched.quota import read_tenants
 from loom.telemetry import configure_logging, setup_telemetry, shutdown_telemetry
 from loom.telemetry.tracing import OTLP_ENDPOINT_ENV
@@ -33,7 +33,7 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
 
 
 async def _client() -> LoomClient:
-    return await LoomClient.connect(endpoints().nats_url, first_within_s=CONNECT_WITHIN_S)
+    return await LoomClient.connect(nats_endpoint(), first_within_s=CONNECT_WITHIN_S)
 
 
 # ---- stack ----------------------------------------------------------------------------------------

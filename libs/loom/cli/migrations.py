@@ -18,7 +18,7 @@ from loom.cli import CONNECT_WITHIN_S
 from loom.cli.argtypes import bounded_int, non_negative_float, positive_float, positive_int
 from loom.cli.output import console, err
 from loom.client import LoomClient
-from loom.runtime.config import endpoints
+from loom.runtime.config import nats_endpoint
 from loom_proto import subjects
 from loom_proto.migrations import MAX_DRAIN_CONCURRENCY
 
@@ -134,7 +134,7 @@ async def ask(client: LoomClient, subject: str, request: dict[str, Any]) -> dict
 def _with_client(work: Callable[[LoomClient], Any]) -> int:
     async def go() -> int:
         try:
-            client = await LoomClient.connect(endpoints().nats_url, first_within_s=CONNECT_WITHIN_S)
+            client = await LoomClient.connect(nats_endpoint(), first_within_s=CONNECT_WITHIN_S)
         except Exception as exc:  # no server: say so, exit 1
             err.print(f"cannot reach NATS: {exc}")
             return 1

@@ -28,6 +28,22 @@ class Endpoints:
     database_url: str
 
 
+def nats_endpoint(home: Path | None = None) -> str:
+    """The NATS URL alone, for what needs no database (a tenant's CLI, an agent): ``LOOM_NATS_URL``,
+    else the stack's. A tenant has NATS credentials and no database URL: every command asked for
+    both (a newcomer's walk)."""
+    nats_url = os.environ.get(ENV_NATS_URL)
+    if nats_url:
+        return nats_url
+    path = stack_file(home)
+    state: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
+    if not state.get("nats_url"):
+        raise RuntimeError(
+            f"no Loom stack found: run `loom up` (state file {path} is missing) or set {ENV_NATS_URL}"
+        )
+    return state["nats_url"]
+
+
 def endpoints(home: Path | None = None) -> Endpoints:
     """Environment variables win; otherwise the URLs of the stack `loom up` started."""
     nats_url = os.environ.get(ENV_NATS_URL)

@@ -34,7 +34,7 @@ from loom import security
 from loom.bus import Publisher, connect, ensure_streams
 from loom.bus.connection import credentials_path
 from loom.bus.outage import Dependencies, Dependency, of_connection
-from loom.runtime.config import endpoints
+from loom.runtime.config import endpoints, nats_endpoint
 from loom.runtime.watchdog import Watchdog
 from loom.security import may_manage_streams
 from loom.store import pool as store_pool
@@ -196,16 +196,12 @@ def run(name: str, body: Callable[[ServiceContext], Awaitable[None]], *, needs_d
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopping.set)
-        urls = endpoints()
+        nats_url = nats_endpoint()
+        database_url = endpoints().database_url if needs_db else None
         # A SIGTERM or Ctrl-C while NATS (or PostgreSQL) cannot be reached yet stops the process:
         # the connect retries for ever otherwise, and only SIGKILL ended it.
         opening = asyncio.ensure_future(
-            open_context(
-                name,
-                nats_url=urls.nats_url,
-                database_url=urls.database_url if needs_db else None,
-                stopping=stopping,
-            )
+            open_context(name, nats_url=nats_url, database_url=database_url, stopping=stopping)
         )
         stopped = asyncio.ensure_future(stopping.wait())
         await asyncio.wait([opening, stopped], return_when=asyncio.FIRST_COMPLETED)

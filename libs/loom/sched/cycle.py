@@ -175,6 +175,13 @@ class Preempted:
     by: str
 
 
+def room_taker(by: str, by_tenant: str | None, victim_tenant: str) -> str:
+    """Who a preempted or shrunk job made room for, as its tenant may read it (its history): the
+    job's id when it is the same tenant's, else "a job of another tenant" (the id told one tenant
+    what another runs)."""
+    return by if by_tenant == victim_tenant else "a job of another tenant"
+
+
 @dataclass(frozen=True, slots=True)
 class Shrunk:
     """An elastic running job shrunk to ``workers`` on ``allocations`` to make room for ``by``."""

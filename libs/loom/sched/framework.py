@@ -1205,6 +1205,8 @@ class Framework:
 
     def run_post_filters(self, state: CycleState, record: DecisionRecord) -> Decision | None:
         """Post-filters in order (preemption) until one makes room."""
+        # The running jobs as they were: a post-filter that stops some lists the rest anew.
+        before = state.snapshot.running
         for post in self.post_filters:
             if post.name in state.skipped:
                 continue
@@ -1214,13 +1216,20 @@ class Framework:
                 record.notes.append(f"{post.name} failed: {type(exc).__name__}: {exc}")
                 continue
             if decision is not None:
+                # The record is the job's tenant's to read (`loom explain`): another tenant's job is
+                # counted, never named (its id told one tenant what another runs).
+                mine = state.job.tenant
+                named_ids = {*decision.victims, *(j for j, _, _ in decision.shrunk)}
+                tenant_of = {r.job_id: r.tenant for r in before if r.job_id in named_ids} if named_ids else {}
                 if decision.victims:
-                    record.notes.append(f"{post.name}: made room by stopping {', '.join(decision.victims)}")
-                    record.victims = list(decision.victims)
+                    own = [v for v in decision.victims if tenant_of.get(v) == mine]
+                    others = len(decision.victims) - len(own)
+                    named = own + ([f"{others} job(s) of other tenants"] if others else [])
+                    record.notes.append(f"{post.name}: made room by stopping {', '.join(named)}")
+                    record.victims = named
                 for job_id, workers, _ in decision.shrunk:
-                    record.notes.append(
-                        f"{post.name}: made room by shrinking {job_id} to {workers} worker(s)"
-                    )
+                    who = job_id if tenant_of.get(job_id) == mine else "a job of another tenant"
+                    record.notes.append(f"{post.name}: made room by shrinking {who} to {workers} worker(s)")
                 return decision
         return None
 

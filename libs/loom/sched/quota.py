@@ -195,12 +195,13 @@ class QuotaBook:
                 return QuotaVerdict(
                     ok=True, borrowed=0, never=False, reason=f"tenant {tenant} has no quota (open platform)"
                 )
-            listed = ", ".join(sorted(self.config.tenants)) or "none"
+            # The other tenants are not named: this reason goes to the tenant who submitted.
             return QuotaVerdict(
                 ok=False,
                 borrowed=0,
                 never=True,
-                reason=f"tenant {tenant} has no quota and only listed tenants are admitted; listed: {listed}",
+                reason=f"tenant {tenant} has no quota and only the tenants in the platform's tenants file"
+                " are admitted: ask its operator to add it",
                 unknown_tenant=True,
             )
         held = self.held(tenant)

@@ -6,6 +6,9 @@ Pre-filter (hard rules) narrows ``state.cluster_mask``, recording each cluster's
 * ``affinity.avoid_clusters`` / ``avoid_regions``: never these;
 * ``affinity.apart_from_jobs``: never a cluster running a job that carries all those labels.
 
+Job selectors (``apart_from_jobs``, ``near_jobs``) match the job's own tenant's running jobs only
+(:func:`~loom.sched.plugins.network.jobs_labelled`).
+
 A required id the snapshot does not know is ignored while the job names at least one that exists;
 when it names none, the job is UNRESOLVABLE (a typo waits forever otherwise). A known region with
 no cluster yet, or rules that leave nothing only because of running jobs, are UNSCHEDULABLE (that
@@ -119,7 +122,10 @@ class Affinity:
         status = self._apart(state, allowed)
         if not status.ok:
             return status
-        if not (aff.prefer_regions or jobs_labelled(snap, aff.near_jobs, exclude_job=state.job.job_id)):
+        if not (
+            aff.prefer_regions
+            or jobs_labelled(snap, aff.near_jobs, tenant=state.job.tenant, exclude_job=state.job.job_id)
+        ):
             # The hard rules are applied; with nothing to prefer, the score would only dilute the others.
             return Status(Code.SKIP)
         return SUCCESS
@@ -127,7 +133,9 @@ class Affinity:
     def _apart(self, state: CycleState, allowed: BoolArray) -> Status:
         aff = state.job.affinity
         snap = state.snapshot
-        apart = jobs_labelled(snap, aff.apart_from_jobs, exclude_job=state.job.job_id)
+        apart = jobs_labelled(
+            snap, aff.apart_from_jobs, tenant=state.job.tenant, exclude_job=state.job.job_id
+        )
         if not apart:
             return SUCCESS
         by_cluster: dict[int, list[str]] = {}

@@ -166,14 +166,20 @@ def link_health(links: RegionLinks) -> FloatArray:
 # ---- jobs near which a job should run -------------------------------------------------------
 
 
-def jobs_labelled(snap: Snapshot, selector: Mapping[str, str], *, exclude_job: str = "") -> list[RunningJob]:
-    """Running jobs carrying every label of ``selector`` (an empty selector matches none)."""
+def jobs_labelled(
+    snap: Snapshot, selector: Mapping[str, str], *, tenant: str, exclude_job: str = ""
+) -> list[RunningJob]:
+    """Running jobs of ``tenant`` carrying every label of ``selector`` (an empty selector matches
+    none). A tenant's affinity reads its own jobs only: matched against every tenant's, a job could
+    be put beside another tenant's on purpose, and ``loom explain`` named that tenant's job and
+    labels (a newcomer's walk)."""
     if not selector:
         return []
     return [
         job
         for job in snap.running
         if job.job_id != exclude_job
+        and job.tenant == tenant
         and job.cluster in snap.cluster_index
         and all(job.labels.get(k) == v for k, v in selector.items())
     ]
@@ -191,7 +197,9 @@ class NearJobs:
 def near_jobs(state: CycleState, clusters: IntArray) -> NearJobs | None:
     """The nearest running job matching ``affinity.near_jobs`` per cluster; None when none runs."""
     snap = state.snapshot
-    near = jobs_labelled(snap, state.job.affinity.near_jobs, exclude_job=state.job.job_id)
+    near = jobs_labelled(
+        snap, state.job.affinity.near_jobs, tenant=state.job.tenant, exclude_job=state.job.job_id
+    )
     if not near:
         return None
     job_clusters = np.array(sorted({snap.cluster_index[j.cluster] for j in near}), dtype=np.int64)
