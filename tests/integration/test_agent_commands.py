@@ -891,6 +891,6 @@ async def test_the_lead_part_of_a_gang_over_clusters_counts_every_parts_gpus(h: 
         allocations=[NodeAllocation(node=T4_A, gpus=2)],
         role="lead",
     )
-    await h.handled(await h.command(command))
+    await h.command(command)
     done = await completed(h, job_id)
     assert done["gpu_seconds"] == pytest.approx(steps * step_time_s * 4 * 2, rel=1e-6)

@@ -169,6 +169,7 @@ def test_each_directory_holds_that_container_s_identity_and_role_only_and_is_pri
     generated: tuple[Path, int, int],
 ) -> None:
     root, _, _ = generated
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700, "the secrets' own directory (it was 0755)"
     for name in RUNNING:
         directory = root / name
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700, name

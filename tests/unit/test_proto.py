@@ -2,6 +2,7 @@
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -456,6 +457,18 @@ def test_id_errors_name_the_rule_in_words_never_the_regular_expression() -> None
     with pytest.raises(DecodeError) as undecodable:
         decode(b'{"job_id": "x y"}', JobSubmitted)
     assert ID_RULE in str(undecodable.value) and "regex" not in str(undecodable.value)
+
+
+def test_a_file_giving_one_job_id_twice_is_refused_before_anything_is_sent(tmp_path: Path) -> None:
+    from loom.client.sdk import SpecError, load_specs
+
+    path = tmp_path / "jobs.yaml"
+    path.write_text(
+        "- {job_id: a, tenant: t, work: {steps: 1}}\n- {job_id: b, tenant: t, work: {steps: 1}}\n"
+        "- {job_id: a, tenant: t, work: {steps: 2}}\n"
+    )
+    with pytest.raises(SpecError, match="job id 'a' is given twice"):
+        load_specs(path)
 
 
 def test_each_pattern_error_states_its_own_rule_not_the_id_rule() -> None:

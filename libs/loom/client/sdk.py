@@ -133,7 +133,13 @@ def load_specs(path: str | Path, *, default_tenant: str | None = None) -> list[J
     items = raw if isinstance(raw, list) else [raw]
     if not items or not all(isinstance(i, dict) for i in items):
         raise SpecError(f"{path}: expected a job mapping, a list of them, or {{jobs: [...]}}")
-    return [spec_from_mapping(i, default_tenant=default_tenant) for i in items]
+    specs = [spec_from_mapping(i, default_tenant=default_tenant) for i in items]
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.job_id in seen:  # the second would be refused as "taken by a different spec"
+            raise SpecError(f"{path}: job id {spec.job_id!r} is given twice; each job needs its own")
+        seen.add(spec.job_id)
+    return specs
 
 
 class LoomClient:
