@@ -160,6 +160,18 @@ def test_options_that_cannot_go_together_are_refused(capsys: pytest.CaptureFixtu
     assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
 
 
+def _loom_jobs(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`loom jobs` in ``env`` (wide: a path stays on one line)."""
+    return subprocess.run(
+        [sys.executable, "-m", "loom.cli.main", "jobs"],
+        env={**env, "COLUMNS": "400"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 @pytest.mark.parametrize("content", [None, "not a credential file\n"])
 def test_a_missing_or_malformed_credentials_file_is_named_without_a_traceback(
     content: str | None, tmp_path: Path
@@ -167,21 +179,14 @@ def test_a_missing_or_malformed_credentials_file_is_named_without_a_traceback(
     creds = tmp_path / "tenant.creds"
     if content is not None:
         creds.write_text(content)
-    env = dict(
-        os.environ,
-        LOOM_HOME=str(tmp_path),
-        LOOM_NATS_URL=f"nats://127.0.0.1:{_closed_port()}",
-        LOOM_DATABASE_URL="postgresql://127.0.0.1:1/loom",
-        LOOM_CREDS=str(creds),
-        COLUMNS="400",  # the whole path on one line
-    )
-    out = subprocess.run(
-        [sys.executable, "-m", "loom.cli.main", "jobs"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    out = _loom_jobs(
+        dict(
+            os.environ,
+            LOOM_HOME=str(tmp_path),
+            LOOM_NATS_URL=f"nats://127.0.0.1:{_closed_port()}",
+            LOOM_DATABASE_URL="postgresql://127.0.0.1:1/loom",
+            LOOM_CREDS=str(creds),
+        )
     )
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"cannot use the NATS credentials {creds}" in out.stderr
@@ -192,15 +197,7 @@ def test_a_command_that_needs_only_nats_does_not_ask_for_a_database_url(tmp_path
     # A tenant has a NATS URL and credentials, no database: every command demanded LOOM_DATABASE_URL.
     env = {k: v for k, v in os.environ.items() if k not in ("LOOM_DATABASE_URL", "LOOM_CREDS")}
     port = _closed_port()
-    env.update(LOOM_HOME=str(tmp_path), LOOM_NATS_URL=f"nats://127.0.0.1:{port}", COLUMNS="400")
-    out = subprocess.run(
-        [sys.executable, "-m", "loom.cli.main", "jobs"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    out = _loom_jobs({**env, "LOOM_HOME": str(tmp_path), "LOOM_NATS_URL": f"nats://127.0.0.1:{port}"})
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"no NATS server answered at nats://127.0.0.1:{port}" in out.stderr
     assert "LOOM_DATABASE_URL" not in out.stderr
