@@ -933,7 +933,7 @@ def cmd_net_path(args: argparse.Namespace) -> int:
                 if path.get("bottleneck_gbps") is not None
                 else "  bottleneck unknown"
             )
-            + f"  ({answer['reason']}; {answer['changes']} changes)"
+            + f"  ({answer['reason']}; the route changed {answer['changes']} time(s) so far)"
         )
         best = answer["best"]
         if best is not None and best["nodes"] != path["nodes"]:
