@@ -199,6 +199,24 @@ async def test_a_submission_id_another_tenant_took_first_does_not_drop_the_owner
         assert admission.outcome == "accepted", admission
         job = await client.job("sq-victim")
         assert job is not None and job["tenant"] == "t1"
+        # The same spec submitted twice at once (two `loom submit` of one file): each message has
+        # its own id, so placement admits one and refuses the other as a duplicate; the refused
+        # one's submitter is told the job exists ("already submitted"), not "rejected".
+        both = await asyncio.gather(
+            client.submit_checked(_spec("sq-twice", 1), wait_s=10.0),
+            client.submit_checked(_spec("sq-twice", 1), wait_s=10.0),
+        )
+        assert {a.outcome for a in both} <= {"accepted", "duplicate"}, both
+        # Past JetStream's window, placement's own memory of message ids (its inbox) is what drops
+        # a message again: it keeps a tenant's ids within its tenant, so t2's "sq-victim" is
+        # t2's alone and cannot stand for t1's message under the same id (it was kept bare).
+        db = await asyncpg.connect(platform.database_url)
+        try:
+            claimed = await db.fetchval("SELECT count(*) FROM inbox WHERE msg_id = 'sq-victim@t2'")
+            bare = await db.fetchval("SELECT count(*) FROM inbox WHERE msg_id = 'sq-victim'")
+        finally:
+            await db.close()
+        assert (claimed, bare) == (1, 0)
         # A submission it cannot decode is refused naming the job id in its payload (the SDK's
         # message id is not the job id, and the submitter waits for its job id's rejection).
         rejected = await client.nc.subscribe(subjects.job_event("rejected", "t1"))

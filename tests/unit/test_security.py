@@ -286,3 +286,25 @@ def test_loom_tenant_add_warns_when_the_stacks_tenants_file_will_refuse_the_tena
     assert _closed_to(tmp_path, "beta") is None
     (tmp_path / "stack.json").write_text(json.dumps({"status": "ready"}))  # no tenants file: all admitted
     assert _closed_to(tmp_path, "beta") is None
+
+
+def test_a_cancellation_is_taken_at_the_servers_time_and_refused_for_a_nul_or_a_foreign_tenant() -> None:
+    from loom.security import received_cancellation, tenant_claim_id
+    from loom_proto.jobs import JobCancelled
+
+    event = JobCancelled(job_id="j", tenant="acme", reason="done", at=1.0)
+    taken, why = received_cancellation("loom.jobs.cancelled.acme", event, 50.0)
+    assert (taken.at, why) == (50.0, None)
+    _, why = received_cancellation("loom.jobs.cancelled.beta", event, 50.0)
+    assert why is not None and "names tenant 'acme'" in why
+    # A NUL decodes but no text column stores it: it failed the whole lifecycle batch's write.
+    nul = JobCancelled(job_id="j", tenant="acme", reason="a\x00b", at=1.0)
+    _, why = received_cancellation("loom.jobs.cancelled.acme", nul, 50.0)
+    assert why is not None and "NUL" in why
+    # A tenant's message ids are claimed within its tenant: another's same id is another claim.
+    assert tenant_claim_id("loom.jobs.submitted.acme", "x") != tenant_claim_id(
+        "loom.jobs.submitted.beta", "x"
+    )
+    assert tenant_claim_id("loom.jobs.cancelled.acme", "x") == tenant_claim_id(
+        "loom.jobs.submitted.acme", "x"
+    )

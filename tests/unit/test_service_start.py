@@ -1,11 +1,14 @@
 """A service process started by hand: bad options refused before it connects, and stoppable while
 NATS cannot be reached (a newcomer's walk: it ignored SIGTERM and Ctrl-C for 11 minutes)."""
 
+import contextlib
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -59,15 +62,22 @@ def test_a_service_waiting_for_nats_stops_on_sigterm(tmp_path: Path) -> None:
         stderr=subprocess.STDOUT,
         text=True,
     )
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout or ()], daemon=True).start()
+    said: list[str] = []
     try:
         deadline = time.monotonic() + 30
-        assert proc.stdout is not None
-        for line in proc.stdout:  # until it says it waits for NATS
-            if "waiting for nats" in line or time.monotonic() > deadline:
-                break
+        while not any("waiting for nats" in line for line in said):  # bounded: never a hang
+            assert time.monotonic() < deadline, f"it never said it waits for NATS: {said}"
+            with contextlib.suppress(queue.Empty):
+                said.append(lines.get(timeout=1.0))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
-        assert "service stopped before it connected" in proc.stdout.read()
+        time.sleep(0.2)  # the reader takes the last lines
+        while not lines.empty():
+            said.append(lines.get_nowait())
+        assert any("service stopped before it connected" in line for line in said), said
     finally:
         if proc.poll() is None:
             proc.kill()

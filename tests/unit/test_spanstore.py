@@ -3,6 +3,7 @@
 import gzip
 import http.client
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,9 @@ def test_span_file_keeps_traces_apart_and_sets_the_old_file_aside_past_its_size(
     assert store.trace(batches[-1][0]["trace_id"]) == batches[-1]
     assert store.trace(first[0]["trace_id"]) == []
     assert len(store.spans()) < 2 * (len(batches) + 2)
+    # Every tenant's job ids are in there: the home's owner's alone.
+    assert stat.S_IMODE(store.directory.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in (store.current, store.previous)} == {0o600}
 
 
 def _post(url: str, body: bytes, headers: dict[str, str], path: str = "/v1/traces") -> tuple[int, bytes]:

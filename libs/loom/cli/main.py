@@ -167,9 +167,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         status = "ready, degraded"
     if args.json:
         report = {"status": status, "problems": problems, "processes": rows}
-        for key in ("alerts_webhook_url", "traces_url"):
-            if state.get(key):
-                report[key] = state[key]
+        if state.get("alerts_webhook_url"):
+            report["alerts_webhook_url"] = state["alerts_webhook_url"]
+        if stack.trace_store_url(loom_home()):  # not a stopped stack's, gone with it
+            report["traces_url"] = state["traces_url"]
         print(json.dumps(report, indent=2))
     else:
         table = Table(title=f"Loom stack: {status}")
@@ -333,7 +334,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         # The submission's span is the root of the job's trace: record it (exported when
         # OTEL_EXPORTER_OTLP_ENDPOINT is set, else to the stack's trace store when it keeps one)
         # so the traceparent says "sampled" downstream.
-        store = (stack.read_state(loom_home()) or {}).get("traces_url")
+        store = stack.trace_store_url(loom_home())
         if store and not os.environ.get(OTLP_ENDPOINT_ENV):
             os.environ[OTLP_ENDPOINT_ENV] = store
         setup_telemetry("loom-cli", log_level=None, always_identify=True)

@@ -67,9 +67,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     else:
         from loom.runtime import stack
         from loom.runtime.config import loom_home
+        from loom.telemetry.spanstore import SpanFile, jaeger_answer
 
-        source = (stack.read_state(loom_home()) or {}).get("traces_url")
-        if not source:
+        source = stack.trace_store_url(loom_home())
+        stored = SpanFile(loom_home() / "traces")
+        if not source and not stored.current.exists():
             console.print(f"jaeger {jaeger_link(trace_id, None)}")
             console.print(
                 f"(set {JAEGER_URL_ENV} or --jaeger, e.g. {DEFAULT_JAEGER_URL}, or start the stack with"
@@ -77,6 +79,15 @@ def cmd_trace(args: argparse.Namespace) -> int:
             )
             return 0
         name = "the stack's trace store"
+        if not source:  # its store is gone with the stack (or another is asked): its files remain
+            console.print(f"trace store {stored.directory} (its files)", highlight=False)
+            answer = jaeger_answer(trace_id, stored.trace(trace_id))
+            if answer is None:
+                err.print(f"[red]no span of trace {trace_id} in {stored.directory}[/red]")
+                return 1
+            for line in render_tree(parse_jaeger_trace(answer, trace_id)):
+                console.print(escape(line), highlight=False)
+            return 0
         console.print(f"trace store {source} (loom up --traces)", highlight=False)
     try:
         roots = parse_jaeger_trace(fetch_trace(source, trace_id, name=name), trace_id)

@@ -1,6 +1,7 @@
 """Client of a running Loom: submit, watch, query."""
 
 import asyncio
+import contextlib
 import json
 import re
 import secrets
@@ -221,9 +222,9 @@ class LoomClient:
             return self._known(spec, existing)
         rejected = await self.nc.subscribe(subjects.job_event("rejected", spec.tenant))
         try:
-            ack, trace_id = await self._publish_submission(spec)
-            if ack.duplicate:
-                return Admission(spec.job_id, "duplicate", reason="the same job id was submitted moments ago")
+            # A duplicate ack can only be this call's own publish retried after a lost ack (the id
+            # has a random part): it was stored, so what placement makes of it is still the answer.
+            _, trace_id = await self._publish_submission(spec)
             deadline = time.monotonic() + wait_s
             while (left := deadline - time.monotonic()) > 0:
                 try:
@@ -247,6 +248,13 @@ class LoomClient:
                 except DecodeError:
                     continue
                 if event.job_id == spec.job_id:
+                    if event.code == "duplicate":
+                        # Its id was stored meanwhile (another `loom submit` of the same file, a
+                        # retry after "unanswered"): the job itself is the answer, if it is ours.
+                        with contextlib.suppress(QueryError):
+                            held = await self.job(spec.job_id, timeout_s=max(min(left, 1.0), 0.1))
+                            if held is not None:
+                                return self._known(spec, held)
                     return Admission(
                         spec.job_id, "rejected", code=event.code, reason=event.reason, hint=event.hint
                     )
@@ -315,6 +323,8 @@ class LoomClient:
     ) -> tuple[str, bool]:
         """:meth:`cancel`, and whether the job had already ended before this request (then
         nothing was sent: a job cancelled earlier is ``("cancelled", True)``)."""
+        if "\x00" in reason:
+            raise ValueError("a cancellation's reason cannot hold a NUL character")
         job = await self.job(job_id)
         if job is None:
             raise QueryError(f"no job {job_id!r}")

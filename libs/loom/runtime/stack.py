@@ -1056,6 +1056,19 @@ def is_running(home: Path | None = None) -> bool:
     return state.get("status") in ("starting", "ready") and _alive(state.get("supervisor_pid"))
 
 
+def trace_store_url(home: Path | None = None) -> str | None:
+    """The trace store of the stack running here (``loom up --traces``), or None: none kept, the
+    stack is down (its state file keeps the URL of a store that is gone), or ``LOOM_NATS_URL``
+    names another deployment, whose spans are not these."""
+    state = read_state(home)
+    if not state or not state.get("traces_url") or not is_running(home):
+        return None
+    other = os.environ.get(ENV_NATS_URL)
+    if other and other != state.get("nats_url"):
+        return None
+    return str(state["traces_url"])
+
+
 def supervisor_argv(home: Path, options: StackOptions) -> list[str]:
     """The supervisor's command line for ``options``."""
     argv = [

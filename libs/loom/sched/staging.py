@@ -55,7 +55,8 @@ def staging_plan(job: JobSpec, snap: Snapshot, *, copied: frozenset[str] = froze
     data = job.data
     if data is None or job.pipeline is not None or not snap.clusters:
         return None
-    holders = [data.region, *(r for r in data.replicas if r != data.region)]
+    # A replica in a region Loom does not know is left out (no measured link to copy over).
+    holders = [data.region, *(r for r in data.replicas if r != data.region and r in snap.region_index)]
     per_worker = max(job.resources.gpus, 1)
     need = max(job.min_workers or job.workers, 1) * per_worker  # an elastic job may start smaller
     speeds = snap.job_speeds(job)

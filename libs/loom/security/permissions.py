@@ -347,6 +347,8 @@ def received_cancellation(
     why = None
     if subjects.event_tenant(subject) != event.tenant:
         why = f"a cancellation on {subject!r} names tenant {event.tenant!r}"
+    elif "\x00" in event.reason:  # no text column stores it: the whole batch's write failed
+        why = "a cancellation's reason holds a NUL character (\\u0000), which stored text cannot hold"
     return msgspec.structs.replace(event, at=stored_at_s), why
 
 

@@ -705,6 +705,9 @@ class _Simulation:
             tuple(aff.avoid_clusters),
             tuple(aff.avoid_regions),
             tuple(sorted(aff.apart_from_jobs.items())),
+            # A tenant keeps apart from its own jobs only (`jobs_labelled`): the same rule leaves
+            # two tenants' jobs different clusters, so their failures stand for each other's no more.
+            spec.tenant if aff.apart_from_jobs else None,
         )
         if spans and spec.pipeline is None and self._beyond_every_pool(key, spec, res.gpus, min_workers):
             # No pool can ever hold the gang: whether any spread keeps within the span guard's

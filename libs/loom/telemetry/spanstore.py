@@ -6,7 +6,9 @@ on disk and answers Jaeger's query API for one trace (``GET /api/traces/<trace i
 would from Jaeger, and ``loom submit`` exports its own span there. Spans are JSON lines in
 ``<home>/traces/spans.jsonl`` (:class:`SpanFile`), the file before it kept as ``spans.1.jsonl`` once
 it passes :data:`ROTATE_BYTES`, so the store holds between one and two files' worth of the newest
-spans whatever the stack runs for.
+spans whatever the stack runs for: at 300-600 bytes a span, some 100,000-400,000 spans (hours of an
+ordinary stack; under a burst of hundreds of jobs a second, less than a minute of it). The files
+are the home owner's alone (0600 in a 0700 directory): they name every tenant's jobs.
 
 Only protobuf bodies (what ``opentelemetry-exporter-otlp-proto-http`` sends, gzip or deflate
 allowed) are understood; a body that does not decode gets 400 and is counted in ``errors``. Logs
@@ -188,14 +190,16 @@ class SpanFile:
             return
         data = "".join(json.dumps(span, separators=(",", ":")) + "\n" for span in spans).encode()
         with self._lock:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            # Every tenant's job and tenant ids are in there: the home's owner's alone.
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             try:
                 size = self.current.stat().st_size
             except FileNotFoundError:
                 size = 0
             if size and size + len(data) > self.rotate_bytes:
                 os.replace(self.current, self.previous)
-            with open(self.current, "ab") as f:
+            fd = os.open(self.current, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "ab") as f:
                 f.write(data)
 
     def trace(self, trace_id: str) -> list[ReceivedSpan]:

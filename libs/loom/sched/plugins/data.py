@@ -93,7 +93,8 @@ def _place(state: CycleState) -> DataPlacement | None:
     if data is None:
         return None
     snap = state.snapshot
-    holders = [data.region, *(r for r in data.replicas if r != data.region)]
+    # A replica in a region Loom does not know is left out (no measured link to copy over).
+    holders = [data.region, *(r for r in data.replicas if r != data.region and r in snap.region_index)]
     staged = snap.staged.get(state.job.job_id, {})
     sync_s = np.zeros(len(snap.regions))
     source: list[str] = []
@@ -148,14 +149,14 @@ class DataLocality:
         if data is None:
             return Status(Code.SKIP)
         snap = state.snapshot
-        unknown = [r for r in (data.region, *data.replicas) if r not in snap.region_index]
-        if unknown:
-            # As the simulator refuses it: a copy from a region nobody measured would be priced
-            # with made-up links (a typo, "mars-1", got "waits 800 s for the copy").
+        if data.region not in snap.region_index:
+            # A copy from a region nobody measured would be priced with made-up links (a typo,
+            # "mars-1", got "waits 800 s for the copy"). A replica elsewhere is only one more place
+            # to copy from: one Loom does not know is left out, as affinity leaves out unknown names.
             return Status(
                 Code.UNRESOLVABLE,
-                f"dataset {data.dataset} is said to be in region(s) {', '.join(unknown)}, which Loom does not"
-                f" know; known regions: {', '.join(snap.regions) or 'none'}",
+                f"dataset {data.dataset} is said to be in region {data.region}, which Loom does not know;"
+                f" known regions: {', '.join(snap.regions) or 'none'}",
             )
         return SUCCESS
 
