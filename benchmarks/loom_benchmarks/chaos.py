@@ -37,6 +37,7 @@ import os
 import platform
 import random
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -352,9 +353,10 @@ class Campaign:
                 resources=Resources(gpus=1),
                 work=Work(steps=self.args.job_steps, step_time_s=60.0),
             )
+            msg_id = f"{spec.job_id}:{secrets.token_hex(8)}"  # one per job, kept across its retries
             while True:
                 try:
-                    await asyncio.wait_for(self.client.submit(spec), 30)
+                    await asyncio.wait_for(self.client.submit(spec, msg_id=msg_id), 30)
                     self.acked[spec.job_id] = time.time()
                     break
                 except (BusError, TimeoutError, nats.errors.Error):

@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import platform
+import secrets
 import shutil
 import signal
 import statistics
@@ -108,9 +109,10 @@ class Submitter:
                 work=Work(steps=1, step_time_s=86_400.0),
             )
             self.sent[spec.job_id] = time.perf_counter()
+            msg_id = f"{spec.job_id}:{secrets.token_hex(8)}"  # one per job, kept across its retries
             while True:
                 try:
-                    await self.client.submit(spec)
+                    await self.client.submit(spec, msg_id=msg_id)
                     break
                 except BusError:
                     if stop.is_set():  # never acknowledged: not counted as submitted
@@ -299,6 +301,24 @@ async def _placed_rows(database_url: str, job_ids: list[str]) -> dict[str, int]:
     return {str(r["job_id"]): int(r["n"]) for r in rows}
 
 
+async def _histories(database_url: str, job_ids: list[str]) -> dict[str, list[str]]:
+    """Each job's placed and requeued events as ``placed a1``, ``requeued a2 (start_timeout)``."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = await conn.fetch(
+            "SELECT job_id, kind, event->>'attempt' AS attempt, event->>'cause' AS cause FROM job_events"
+            " WHERE kind IN ('placed', 'requeued') AND job_id = ANY($1::text[]) ORDER BY id",
+            job_ids,
+        )
+    finally:
+        await conn.close()
+    out: dict[str, list[str]] = {}
+    for r in rows:
+        why = f" ({r['cause']})" if r["cause"] else ""
+        out.setdefault(str(r["job_id"]), []).append(f"{r['kind']} a{r['attempt']}{why}")
+    return out
+
+
 async def _unpublished(database_url: str) -> int:
     """Outbox rows committed and not yet published (the relays publish after the commit)."""
     conn = await asyncpg.connect(database_url)
@@ -362,6 +382,10 @@ async def _verify(
         "doubled": len(doubled),
         "lost_examples": lost[:10],
         "doubled_examples": doubled[:10],
+        # What each doubled job's history says: the attempts placed and why any was given up (a
+        # later attempt's placement counts as doubled too; one run in ten on a host at load 6 had
+        # four, and nothing said which kind).
+        "doubled_detail": await _histories(database_url, doubled[:10]) if doubled else {},
         "strangers_on_bus": len(set(on_bus) - wanted),
         "drain_s": round(drain_s, 2),
     }

@@ -179,17 +179,21 @@ class LoomClient:
         """Flush and close the connection."""
         await self.nc.drain()
 
-    async def submit(self, spec: JobSpec | Mapping[str, Any]) -> str:
+    async def submit(self, spec: JobSpec | Mapping[str, Any], *, msg_id: str | None = None) -> str:
         """Submit a job (a :class:`JobSpec` or a mapping of its fields, checked as
         :func:`spec_from_mapping` checks it: a :class:`SpecError` and nothing sent when it is not
         valid). Resubmitting a ``job_id`` placement holds changes nothing: placement answers it
         ``rejected`` with code ``duplicate`` and keeps the job (:meth:`submit_checked` looks first
-        and sends nothing)."""
+        and sends nothing). ``msg_id``: the message id to send it under, for a caller that retries a
+        submission it is not sure landed (the same id again: JetStream keeps one copy); by default
+        one nobody can guess, new at each call."""
         spec = checked_spec(spec)
-        await self._publish_submission(spec)
+        await self._publish_submission(spec, msg_id=msg_id)
         return spec.job_id
 
-    async def _publish_submission(self, spec: JobSpec) -> tuple[PubAck, str | None]:
+    async def _publish_submission(
+        self, spec: JobSpec, *, msg_id: str | None = None
+    ) -> tuple[PubAck, str | None]:
         """Publish one submission under a ``loom submit`` span, the root of the job's trace when
         the caller set up telemetry (the CLI does); returns the ack and the trace id."""
         fields = {f: getattr(spec, f) for f in JobSpec.__struct_fields__}
@@ -203,7 +207,7 @@ class LoomClient:
             # two minutes, whoever sent it, so a predictable id (the job id) could be taken first by
             # another tenant and this submission dropped as its duplicate. Retries of this publish
             # reuse it; a second submission is a new message (placement knows the job id).
-            msg_id = f"{spec.job_id}:{secrets.token_hex(8)}"
+            msg_id = msg_id or f"{spec.job_id}:{secrets.token_hex(8)}"
             ack = await self.publisher.publish(subjects.job_submitted(spec.tenant), job, msg_id=msg_id)
             ctx = span.get_span_context()
         return ack, (format(ctx.trace_id, "032x") if ctx.is_valid else None)
