@@ -113,6 +113,7 @@ from loom.sched.cycle import (
     retry_after_failure,
     room_taker,
     run_cycle,
+    stage_beyond_quota,
 )
 from loom.sched.framework import Decision, Framework
 from loom.sched.plugins.network import AlphaLearner, predict_step_s
@@ -1186,14 +1187,21 @@ class PlacementService:
         deps = dag.dependencies(q.job.stages)
         by_stage = {c.labels[dag.STAGE_LABEL]: c for c in children}
         taken = await repo.existing_jobs(conn, [c.job_id for c in children])
-        if taken:
+        # A stage more than its tenant's quota could ever hold: refused whole, now.
+        beyond = stage_beyond_quota(by_stage, self.book.tenants)
+        if taken or beyond:
             # A stage's job id is someone else's job already: refuse the DAG rather than run it
             # without that stage.
+            code: RejectCode = "invalid"
             reason = (
                 f"stage job id(s) {', '.join(sorted(taken))} already exist; choose another job id for the DAG"
             )
+            if beyond is not None and not taken:
+                stage, verdict = beyond
+                code = "unknown_tenant" if verdict.unknown_tenant else "quota"
+                reason = f"stage {stage}: {verdict.reason}"
             await repo.set_state(conn, [q.job.job_id], "rejected", ["running"], reason)
-            event = rejection(q.job.job_id, q.job.tenant, "invalid", reason)
+            event = rejection(q.job.job_id, q.job.tenant, code, reason)
             msg_id = f"{q.job.job_id}:rejected"
             await repo.append_events(
                 conn, [repo.JobEventRow(q.job.job_id, "rejected", msg_id, encode(event), event.at)]

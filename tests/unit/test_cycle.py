@@ -278,3 +278,27 @@ def test_a_victim_is_told_who_took_its_room_only_when_it_is_its_own_tenants_job(
     assert room_taker("vip", "acme", "acme") == "vip"
     assert room_taker("vip", "beta", "acme") == "a job of another tenant"
     assert room_taker("vip", None, "acme") == "a job of another tenant"  # not known: not named
+
+
+def test_a_dag_stage_its_tenants_quota_could_never_hold_is_found_at_admission() -> None:
+    # It was accepted, ran its first stages and failed at that one (a newcomer's walk).
+    from loom.sched.cycle import stage_beyond_quota
+    from loom.sched.quota import OPEN, TenantConfig, TenantQuota
+    from loom_proto.jobs import JobSpec, Resources, Work
+
+    def stage(gpus: int, workers: int = 1, tenant: str = "acme") -> JobSpec:
+        return JobSpec(
+            job_id=f"d--s{gpus}",
+            tenant=tenant,
+            workers=workers,
+            resources=Resources(gpus=gpus),
+            work=Work(steps=1),
+        )
+
+    closed = TenantConfig(tenants={"acme": TenantQuota(name="acme", cohort=None, gpus=32)}, open=False)
+    assert stage_beyond_quota({"a": stage(8), "b": stage(8, workers=4)}, closed) is None
+    found = stage_beyond_quota({"a": stage(8), "big": stage(64)}, closed)
+    assert found is not None and found[0] == "big" and found[1].never
+    stranger = stage_beyond_quota({"a": stage(1, tenant="ghost")}, closed)
+    assert stranger is not None and stranger[1].unknown_tenant
+    assert stage_beyond_quota({"big": stage(64)}, OPEN) is None

@@ -39,6 +39,7 @@ from loom.sched import dag
 from loom.sched.elastic import ElasticJob, plan_grow, resized_end_s, with_sizes
 from loom.sched.framework import Code, Decision, DecisionRecord, Framework, Outcome, QueueItem
 from loom.sched.probe import ProbeSettings, check_labels, probe_gate
+from loom.sched.quota import QuotaBook, QuotaVerdict, TenantConfig
 from loom.sched.snapshot import RunningJob, Snapshot
 from loom_proto.jobs import JobSpec, RejectCode, RequeueReason, nul_text
 
@@ -173,6 +174,20 @@ class Preempted:
 
     job_id: str
     by: str
+
+
+def stage_beyond_quota(
+    stages: Mapping[str, JobSpec], tenants: TenantConfig
+) -> tuple[str, QuotaVerdict] | None:
+    """The first of a DAG's stages (name -> its job) that its tenant's quota could never hold, with
+    the quota's verdict; None when each could run. Refused at the DAG's admission: it ran its first
+    stages and failed at that one (a newcomer's walk)."""
+    quota = QuotaBook(tenants, {})
+    for name, job in stages.items():
+        verdict = quota.check(job.tenant, max(job.min_workers or job.workers, 1) * job.resources.gpus)
+        if verdict.never:
+            return name, verdict
+    return None
 
 
 def room_taker(by: str, by_tenant: str | None, victim_tenant: str) -> str:
