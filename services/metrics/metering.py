@@ -93,6 +93,8 @@ class Metering:
         outcomes: list[BaseException | None] = [None] * len(deliveries)
         decoded: list[tuple[str, MeteredEvent]] = []
         index_of: dict[str, int] = {}
+        legacy: dict[str, str] = {}
+        """A cancellation's scoped claim id -> its bare message id (claimed so before the scoping)."""
         for i, d in enumerate(deliveries):
             try:
                 # A union is not a ``type[T]`` to mypy; decode takes it (msgspec decodes tagged unions).
@@ -107,11 +109,12 @@ class Metering:
                     continue
             mid = d.msg_id or f"seq-{d.stream_seq}"
             if isinstance(event, JobCancelled):  # a tenant's message id: within its tenant
+                legacy[tenant_claim_id(d.subject, mid)] = mid
                 mid = tenant_claim_id(d.subject, mid)
             index_of[mid] = i
             decoded.append((mid, event))
         if decoded:
-            metered, fresh, foreign = await self._apply(decoded)
+            metered, fresh, foreign = await self._apply(decoded, legacy)
             self.counts["runs_metered"] += len(metered)
             for tenant in metered:
                 METERED_RUNS.labels(tenant).inc()
@@ -132,7 +135,7 @@ class Metering:
         return outcomes
 
     async def _apply(
-        self, decoded: list[tuple[str, MeteredEvent]]
+        self, decoded: list[tuple[str, MeteredEvent]], legacy: dict[str, str] | None = None
     ) -> tuple[list[str], list[MeteredEvent], dict[str, str]]:
         """Claim, fold, save and meter; returns the tenant of each run metered (afresh), the
         events that were new, and the cancellations of another tenant's job (message id -> why:
@@ -145,7 +148,8 @@ class Metering:
         """
         metered: list[str] = []
         async with transaction(self.ctx.db) as conn:
-            new = await inbox.claim_many(conn, CONSUMER, [msg_id for msg_id, _ in decoded])
+            ids = [msg_id for msg_id, _ in decoded]
+            new = await inbox.claim_scoped(conn, CONSUMER, ids, [(legacy or {}).get(m, m) for m in ids])
             fresh: list[MeteredEvent] = []
             for msg_id, event in decoded:
                 if msg_id not in new:

@@ -1122,8 +1122,9 @@ class PlacementService:
         messages, insert the new jobs with their submitted events and a DAG's stages. Returns the
         jobs to decide (new plain jobs, ready stages) and the rejections of duplicate job ids."""
         queued_children: list[QueuedJob] = []
-        msg_ids = [tenant_claim_id(d.subject, d.msg_id or f"JOBS-{d.stream_seq}") for d, _ in accepted]
-        fresh = await inbox.claim_many(conn, PRODUCER, msg_ids)
+        bare = [d.msg_id or f"JOBS-{d.stream_seq}" for d, _ in accepted]
+        msg_ids = [tenant_claim_id(d.subject, mid) for (d, _), mid in zip(accepted, bare, strict=True)]
+        fresh = await inbox.claim_scoped(conn, PRODUCER, msg_ids, bare)
         candidates: list[QueuedJob] = []
         dup_rejects: list[outbox.OutboxMessage] = []
         new_rows: list[repo.NewJob] = []

@@ -239,3 +239,30 @@ async def test_a_submission_id_another_tenant_took_first_does_not_drop_the_owner
         assert await client.job("sq-nul") is None
     finally:
         await client.close()
+
+
+async def test_a_submission_claimed_under_its_bare_id_before_the_scoping_is_not_handled_again(
+    platform: Platform,
+) -> None:
+    # Claims were bare message ids before they were kept within their tenant: a message claimed so
+    # and delivered again after the upgrade has a new scoped id, but was done (a review's finding).
+    from loom_proto import subjects
+
+    await platform.start("placement")
+    client = await LoomClient.connect(platform.nats_url)
+    try:
+        # A message claimed before ids were scoped (a bare row) and delivered again after the
+        # upgrade is not handled twice: its scoped id is new, its bare one was done.
+        db = await asyncpg.connect(platform.database_url)
+        try:
+            await db.execute("INSERT INTO inbox (consumer, msg_id) VALUES ('placement', 'sq-legacy')")
+        finally:
+            await db.close()
+        js = client.nc.jetstream()
+        for job_id, msg_id in (("sq-legacy-job", "sq-legacy"), ("sq-after-legacy", "sq-after")):
+            body = f'{{"job_id": "{job_id}", "tenant": "t1", "work": {{"steps": 1}}}}'.encode()
+            await js.publish(subjects.job_submitted("t1"), body, headers={"Nats-Msg-Id": msg_id})
+        await until(lambda: _state(client, "sq-after-legacy", "queued"), 15, "the job sent after it")
+        assert await client.job("sq-legacy-job") is None
+    finally:
+        await client.close()

@@ -29,3 +29,24 @@ async def claim_many(conn: asyncpg.Connection, consumer: str, msg_ids: Sequence[
         list(msg_ids),
     )
     return {r["msg_id"] for r in rows}
+
+
+async def claim_scoped(
+    conn: asyncpg.Connection, consumer: str, scoped: Sequence[str], legacy: Sequence[str]
+) -> set[str]:
+    """:func:`claim_many` of ``scoped`` ids (a tenant's message ids within its tenant), less those
+    whose ``legacy`` id (the bare message id, pair by pair) was claimed before ids were scoped: a
+    message in flight across that upgrade is not handled twice."""
+    fresh = await claim_many(conn, consumer, scoped)
+    older = [old for new, old in zip(scoped, legacy, strict=True) if new in fresh and old != new]
+    if not older:
+        return fresh
+    rows = await conn.fetch(
+        "SELECT msg_id FROM inbox WHERE consumer = $1 AND msg_id = ANY($2::text[])", consumer, older
+    )
+    done_before = {r["msg_id"] for r in rows}
+    return {
+        new
+        for new, old in zip(scoped, legacy, strict=True)
+        if new in fresh and (old == new or old not in done_before)
+    }
