@@ -148,8 +148,8 @@ class Metering:
         """
         metered: list[str] = []
         async with transaction(self.ctx.db) as conn:
-            ids = [msg_id for msg_id, _ in decoded]
-            new = await inbox.claim_scoped(conn, CONSUMER, ids, [(legacy or {}).get(m, m) for m in ids])
+            claims = [msg_id for msg_id, _ in decoded]
+            new = await inbox.claim_scoped(conn, CONSUMER, claims, [(legacy or {}).get(m, m) for m in claims])
             fresh: list[MeteredEvent] = []
             for msg_id, event in decoded:
                 if msg_id not in new:
