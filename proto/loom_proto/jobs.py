@@ -415,6 +415,9 @@ def nul_text(spec: msgspec.Struct) -> str | None:
     None when it holds none. JSON allows one, but PostgreSQL's text and jsonb cannot store it: a
     submission with one failed at its insert and was never answered (a newcomer's walk)."""
 
+    if b"\\u0000" not in msgspec.json.encode(spec):  # how JSON writes a NUL: none, the common case
+        return None
+
     def walk(value: object, path: str) -> str | None:
         if isinstance(value, str):
             return path if "\x00" in value else None

@@ -109,8 +109,8 @@ class Metering:
                     continue
             mid = d.msg_id or f"seq-{d.stream_seq}"
             if isinstance(event, JobCancelled):  # a tenant's message id: within its tenant
-                legacy[tenant_claim_id(d.subject, mid)] = mid
-                mid = tenant_claim_id(d.subject, mid)
+                bare, mid = mid, tenant_claim_id(d.subject, mid)
+                legacy[mid] = bare
             index_of[mid] = i
             decoded.append((mid, event))
         if decoded:

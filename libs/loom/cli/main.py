@@ -682,13 +682,13 @@ def cmd_view(args: argparse.Namespace) -> int:
                 nodes=True,
             )
             learned: list[dict[str, Any]] | None = None
-            if not (client.identity or "").startswith("tenant-"):  # operators' (a tenant was told no)
+            drains: dict[str, str] | None = None
+            # Learned speeds and drains are the operators': a tenant may ask neither.
+            if not (client.identity or "").startswith("tenant-"):
                 try:
                     learned = await client.learned_speeds(timeout_s=2.0)
                 except QueryError as exc:
                     err.print(f"learned speeds unavailable: {exc}")
-            drains: dict[str, str] | None = None
-            if not (client.identity or "").startswith("tenant-"):  # a tenant may not ask migration
                 try:
                     drains = {d["cluster"]: d["state"] for d in await client.drains(timeout_s=2.0)}
                 except QueryError as exc:

@@ -28,37 +28,36 @@ class Endpoints:
     database_url: str
 
 
+def _env_or_stack(env: str, key: str, home: Path | None) -> str | None:
+    """An environment variable, else the same URL from the state file of the stack `loom up` started."""
+    value = os.environ.get(env)
+    if value:
+        return value
+    path = stack_file(home)
+    state: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
+    return state.get(key) or None
+
+
 def nats_endpoint(home: Path | None = None) -> str:
     """The NATS URL alone, for what needs no database (a tenant's CLI, an agent): ``LOOM_NATS_URL``,
     else the stack's. A tenant has NATS credentials and no database URL: every command asked for
     both (a newcomer's walk)."""
-    nats_url = os.environ.get(ENV_NATS_URL)
-    if nats_url:
-        return nats_url
-    path = stack_file(home)
-    state: dict[str, str] = json.loads(path.read_text()) if path.exists() else {}
-    if not state.get("nats_url"):
+    nats_url = _env_or_stack(ENV_NATS_URL, "nats_url", home)
+    if not nats_url:
         raise RuntimeError(
-            f"no Loom stack found: run `loom up` (state file {path} is missing) or set {ENV_NATS_URL}"
+            f"no Loom stack found: run `loom up` (state file {stack_file(home)} is missing)"
+            f" or set {ENV_NATS_URL}"
         )
-    return state["nats_url"]
+    return nats_url
 
 
 def endpoints(home: Path | None = None) -> Endpoints:
     """Environment variables win; otherwise the URLs of the stack `loom up` started."""
-    nats_url = os.environ.get(ENV_NATS_URL)
-    database_url = os.environ.get(ENV_DATABASE_URL)
-    if nats_url and database_url:
-        return Endpoints(nats_url, database_url)
-    path = stack_file(home)
-    state: dict[str, str] = {}
-    if path.exists():
-        state = json.loads(path.read_text())
-    nats_url = nats_url or state.get("nats_url")
-    database_url = database_url or state.get("database_url")
+    nats_url = _env_or_stack(ENV_NATS_URL, "nats_url", home)
+    database_url = _env_or_stack(ENV_DATABASE_URL, "database_url", home)
     if not nats_url or not database_url:
         raise RuntimeError(
-            f"no Loom stack found: run `loom up` (state file {path} is missing) "
+            f"no Loom stack found: run `loom up` (state file {stack_file(home)} is missing) "
             f"or set {ENV_NATS_URL} and {ENV_DATABASE_URL}"
         )
     return Endpoints(nats_url, database_url)
