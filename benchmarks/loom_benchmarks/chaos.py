@@ -93,13 +93,13 @@ POISON_KINDS: Final = ("nested", "duplicate-keys", "oversized", "garbage")
 REDELIVERY_KINDS: Final = ("same-ids", "new-ids", "out-of-order")
 CONTROLS: Final = 3
 CLUSTER_TARGETS: Final = ("stream-leader", "lease-leader", "meta-leader", "follower")
-"""Which node of a 3-node NATS cluster a ``nats-node-sigkill`` kills: the JOBS stream's leader, the
+"""Which node of a 3-node NATS cluster a ``nats-node-sigkill`` kills: the REQUESTS stream's leader, the
 placement leases bucket's leader, the JetStream meta leader, or one leading none of them."""
 PLACEMENT_PATH: Final = (
-    nats_elections.stream_group("JOBS"),
-    nats_elections.consumer_group("JOBS", "placement-submitted"),
+    nats_elections.stream_group("REQUESTS"),
+    nats_elections.consumer_group("REQUESTS", "placement-submitted"),
 )
-"""The Raft groups a job submitted after a node kill needs before placement sees it: the JOBS stream
+"""The Raft groups a job submitted after a node kill needs before placement sees it: the REQUESTS stream
 (its publish is acknowledged) and placement's submissions consumer (it is delivered)."""
 CATCH_UP_TIMEOUT_S: Final = 60.0
 """Rounds with no fault at all: what recovery_s measures on a healthy stack (placement's own pace)."""
@@ -481,7 +481,7 @@ class Campaign:
     async def cluster_node(self, target: str) -> str:
         """The NATS cluster node (``nats-N``) holding ``target`` (see :data:`CLUSTER_TARGETS`)."""
         js = self.nc.jetstream(timeout=5.0)
-        stream = (await js.stream_info("JOBS")).cluster
+        stream = (await js.stream_info("REQUESTS")).cluster
         leases = (await js.stream_info(f"KV_{LEASE_BUCKET}")).cluster
         leaders = {
             "stream-leader": stream.leader if stream else None,
@@ -514,14 +514,14 @@ class Campaign:
         return None
 
     async def cluster_caught_up(self, timeout_s: float) -> bool:
-        """Whether every replica of JOBS and the leases bucket is current (a killed node restarted
+        """Whether every replica of REQUESTS and the leases bucket is current (a killed node restarted
         by the supervisor has rejoined), waiting up to ``timeout_s``: the next kill must not take
         a second node of a majority."""
         js = self.nc.jetstream(timeout=2.0)
         deadline = time.perf_counter() + timeout_s
         while time.perf_counter() < deadline:
             with contextlib.suppress(nats.errors.Error, TimeoutError):
-                infos = [await js.stream_info(name) for name in ("JOBS", f"KV_{LEASE_BUCKET}")]
+                infos = [await js.stream_info(name) for name in ("REQUESTS", f"KV_{LEASE_BUCKET}")]
                 if all(
                     i.cluster
                     and i.cluster.leader
@@ -558,7 +558,7 @@ class Campaign:
     @staticmethod
     def election_split(result: dict[str, Any], events: list[nats_elections.LeaderEvent]) -> dict[str, Any]:
         """A node kill's placement stall split into the server's part (the Raft elections of the
-        groups a new job needs, JOBS and placement's submissions consumer, that the dead node led,
+        groups a new job needs, REQUESTS and placement's submissions consumer, that the dead node led,
         from the nodes' logs) and Loom's part after them; plus every group the node led."""
         victim, killed_at = result["done"]["node"], float(result["done"]["killed_at"])
         elections = nats_elections.elections_after(events, victim, killed_at)
@@ -1095,7 +1095,7 @@ def run(
             "placement_stall_s": "from the fault's start (a node kill: the kill) until the first placement "
             "of a job acknowledged after it (placed_at in PostgreSQL): what the fault cost placement, holds "
             "included",
-            "path_election_s": "nats-node-sigkill: from the kill until the last of the JOBS stream and "
+            "path_election_s": "nats-node-sigkill: from the kill until the last of the REQUESTS stream and "
             "placement's submissions consumer that the dead node led had a new leader (the nodes' logs); 0 "
             "when it led neither: the server's Raft election, 4-9 s after the last heartbeat",
             "loom_part_s": "nats-node-sigkill: placement stall (counted from the kill) minus "
@@ -1116,7 +1116,7 @@ def run(
             "used > total, or an agent's nodes_over_capacity",
             "postgres-outage": "the postmaster and every backend SIGSTOPped, SIGCONT after hold_s",
             "nats-outage": "nats-server SIGSTOPped, SIGCONT after hold_s",
-            "nats-node-sigkill": "with --nats-cluster 3: the node leading JOBS, the leases bucket, the "
+            "nats-node-sigkill": "with --nats-cluster 3: the node leading REQUESTS, the leases bucket, the "
             "JetStream meta group, or none of them SIGKILLed once every replica is current; the supervisor "
             "restarts it",
             "poison": f"{', '.join(POISON_KINDS)} on the subject, ids {INJECTED}poison-*",

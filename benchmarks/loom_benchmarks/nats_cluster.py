@@ -3,13 +3,13 @@ time where the stall goes.
 
 Three real ``nats-server`` nodes (:class:`loom.runtime.servers.NatsCluster`, what ``loom up
 --nats-cluster 3`` runs), Loom's streams at R3, and Loom's own client pieces shaped like
-placement's: a :class:`~loom.bus.Publisher` submitting on ``JOBS`` at a steady rate, a
+placement's: a :class:`~loom.bus.Publisher` submitting on ``REQUESTS`` at a steady rate, a
 callback-pull :class:`~loom.bus.ConsumerRunner` consuming them (placement's submissions consumer),
 and a :class:`~loom.bus.LeaderLease` with placement's TTL. Each trial kills the node holding one
 role and records a timeline from the kill:
 
 * ``disconnect_s`` / ``reconnect_s``: a client on the dead node saw its connection go / come back;
-* ``stream_leader_s`` / ``consumer_leader_s``: the ``LEADER_ELECTED`` advisory of JOBS / of the
+* ``stream_leader_s`` / ``consumer_leader_s``: the ``LEADER_ELECTED`` advisory of REQUESTS / of the
   consumer arrived (else a survivor first answered ``$JS.API.STREAM.INFO`` / ``CONSUMER.INFO``
   with a live leader, polled every 50 ms);
 * ``first_ack_s``: the first publish sent after the kill was acknowledged;
@@ -23,7 +23,7 @@ role and records a timeline from the kill:
   again; ``lease_recreated``: times it kept the lease by re-creating the key after a leaderless
   spell of the bucket (``--lease-grace``, placement's 10 s; see :mod:`loom.bus.lease`, "Grace").
 
-Roles: ``stream-leader`` (of JOBS), ``consumer-leader`` (of the durable consumer), ``lease-leader``
+Roles: ``stream-leader`` (of REQUESTS), ``consumer-leader`` (of the durable consumer), ``lease-leader``
 (of the ``loom_leases`` bucket's stream), ``meta-leader``
 (the JetStream meta group) and ``follower`` (none of them, when some node holds none). A node often
 holds several roles: each trial lists what its victim held. The victim is restarted on its port
@@ -75,8 +75,8 @@ def _meta_leader(node: NatsServer) -> str | None:
 
 async def _roles(cluster: NatsCluster, nc: Client, durable: str) -> dict[str, str | None]:
     js = nc.jetstream(timeout=2.0)
-    stream = await js.stream_info("JOBS")
-    consumer = await js.consumer_info("JOBS", durable)
+    stream = await js.stream_info("REQUESTS")
+    consumer = await js.consumer_info("REQUESTS", durable)
     leases = await js.stream_info(f"KV_{LEASE_BUCKET}")
     meta = next((m for n in cluster.nodes if n.running and (m := _meta_leader(n))), None)
     return {
@@ -94,8 +94,8 @@ async def _leader_back(nc: Client, durable: str, victim: str, t0: float) -> dict
     deadline = t0 + 30.0
     while time.monotonic() < deadline and None in found.values():
         for key, ask in (
-            ("stream_leader_s", lambda: js.stream_info("JOBS")),
-            ("consumer_leader_s", lambda: js.consumer_info("JOBS", durable)),
+            ("stream_leader_s", lambda: js.stream_info("REQUESTS")),
+            ("consumer_leader_s", lambda: js.consumer_info("REQUESTS", durable)),
         ):
             if found[key] is not None:
                 continue
@@ -164,7 +164,7 @@ async def _trial(  # noqa: PLR0912, PLR0915
             received[delivery.msg_id] = now
             received_times.append(now)
 
-    spec = ConsumerSpec(stream="JOBS", durable=durable, filter_subjects=[subject], ack_wait_s=5.0)
+    spec = ConsumerSpec(stream="REQUESTS", durable=durable, filter_subjects=[subject], ack_wait_s=5.0)
     runner: ConsumerRunner[JobSubmitted] = ConsumerRunner(
         con_nc, spec, JobSubmitted, handler=handle, callback_pull=True, linger_s=0.0
     )
@@ -240,9 +240,9 @@ async def _trial(  # noqa: PLR0912, PLR0915
             elected.setdefault(kind, time.monotonic())
 
         advisories = [
-            await observer.subscribe("$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.JOBS", cb=on_elected),
+            await observer.subscribe("$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.REQUESTS", cb=on_elected),
             await observer.subscribe(
-                f"$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.JOBS.{durable}", cb=on_elected
+                f"$JS.EVENT.ADVISORY.CONSUMER.LEADER_ELECTED.REQUESTS.{durable}", cb=on_elected
             ),
         ]
         assert victim.pid is not None
@@ -308,7 +308,7 @@ async def _trial(  # noqa: PLR0912, PLR0915
 
 
 async def _restore(cluster: NatsCluster, nc: Client) -> None:
-    """Restart a killed node on its port and wait until every JOBS replica is current again."""
+    """Restart a killed node on its port and wait until every REQUESTS replica is current again."""
     for node in cluster.nodes:
         if node.pid is not None and node.poll_exit() is None:
             continue
@@ -321,7 +321,7 @@ async def _restore(cluster: NatsCluster, nc: Client) -> None:
     deadline = time.monotonic() + 60.0
     while time.monotonic() < deadline:
         try:
-            info = await nc.jetstream(timeout=1.0).stream_info("JOBS")
+            info = await nc.jetstream(timeout=1.0).stream_info("REQUESTS")
             peers = info.cluster.replicas if info.cluster else None
             if (
                 info.cluster

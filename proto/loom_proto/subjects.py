@@ -311,6 +311,7 @@ def dead_letter(original_subject: str) -> str:
 
 
 JOBS_SUBMITTED_ALL = f"{PREFIX}.jobs.submitted.*"
+JOBS_CANCELLED_ALL = f"{PREFIX}.jobs.cancelled.*"
 JOBS_LIFECYCLE_ALL = f"{PREFIX}.jobs.*.*"
 """Every job event published by a client or a service (four tokens)."""
 JOBS_REPORTS_ALL = f"{PREFIX}.jobs.*.*.*"
@@ -355,13 +356,29 @@ class StreamSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_msg_bytes: int = 1 << 20
 
 
+REQUEST_KINDS: tuple[JobEventKind, ...] = ("submitted", "cancelled")
+"""What clients publish of a job (tenants, the console, the CLI): held by the REQUESTS stream."""
+REQUESTS_ALL = job_events_of(*REQUEST_KINDS)
+"""``loom.jobs.submitted.*`` and ``loom.jobs.cancelled.*``: the REQUESTS stream's subjects."""
+
 STREAMS: tuple[StreamSpec, ...] = (
+    # JOBS before REQUESTS: a deployment of the time when JOBS held the requests too has its
+    # subjects narrowed first, or REQUESTS could not be created beside it (streams may not overlap).
     StreamSpec(
         name="JOBS",
         # Each kind listed, not ``loom.jobs.>``: the request-reply subject ``loom.jobs.query`` must
         # not be captured by the stream (JetStream would answer the request with a PubAck).
-        subjects=job_events_of(*JOB_EVENT_KINDS),
-        description="job submissions (placement's work queue) and the whole job lifecycle log",
+        subjects=job_events_of(*(kind for kind in JOB_EVENT_KINDS if kind not in REQUEST_KINDS)),
+        description="the job lifecycle log: what services decide and agents report",
+        max_age_s=7 * 86_400,
+    ),
+    StreamSpec(
+        name="REQUESTS",
+        # Apart from JOBS because JetStream's duplicate window is per stream: a message id a tenant
+        # chose (any id: nats-server cannot restrict headers) would otherwise drop a service's
+        # event carrying the same deterministic id, such as another tenant's ``<job>:completed:1``.
+        subjects=REQUESTS_ALL,
+        description="what clients ask of jobs: submissions (placement's work queue) and cancellations",
         max_age_s=7 * 86_400,
     ),
     StreamSpec(

@@ -1,8 +1,9 @@
 """Metering inside the metrics service: job lifecycle events -> run records -> priced usage rows.
 
-One durable consumer (``metrics-metering``) reads ``placed``, ``started``, ``resized``,
-``completed``, ``failed``, ``cancelled`` and ``requeued`` (the metrics service's reservation
-overlay and its learning are fed from the same deliveries: :attr:`Metering.on_folded`).
+Two durable consumers named ``metrics-metering`` read ``placed``, ``started``, ``resized``,
+``completed``, ``failed`` and ``requeued`` (the JOBS stream) and clients' ``cancelled`` (the
+REQUESTS stream), one batch at a time between them (the metrics service's reservation overlay
+and its learning are fed from the same deliveries: :attr:`Metering.on_folded`).
 Each fetched batch is handled in one PostgreSQL transaction that claims the message ids in the
 inbox (a redelivery changes nothing), folds each event into its attempt's run record
 (:func:`loom.metering.fold`) and, for every record that is complete, replaces the attempt's
@@ -10,6 +11,7 @@ usage rows with :func:`loom.metering.meter`'s. Folding is order-free, so events 
 of order (a redelivered ``started`` after its ``completed``) meter the same rows.
 """
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
 import asyncpg
@@ -43,7 +45,7 @@ CPU a job, as much again in PostgreSQL)."""
 
 
 class Metering:
-    """The metering consumer; :meth:`runner` builds its :class:`ConsumerRunner`."""
+    """The metering consumers; :meth:`runners` builds them."""
 
     def __init__(
         self,
@@ -63,19 +65,23 @@ class Metering:
         keeps its reservation overlay from the same deliveries (no second consumer of the same
         messages). A redelivery of an event already folded is in the first list only."""
         self.counts = {"events": 0, "duplicates": 0, "runs_metered": 0}
+        self._lock = asyncio.Lock()
+        """One batch at a time, whichever consumer fetched it (:meth:`on_events`)."""
 
-    def runner(self) -> ConsumerRunner[bytes]:
-        """The durable consumer of the metered lifecycle events."""
+    def runners(self) -> list[ConsumerRunner[bytes]]:
+        """The durable consumers of the metered events: the lifecycle log's and the cancellations'."""
+        return [
+            self._runner(
+                "JOBS",
+                subjects.job_events_of("placed", "started", "resized", "completed", "failed", "requeued"),
+            ),
+            self._runner("REQUESTS", [subjects.JOBS_CANCELLED_ALL]),
+        ]
+
+    def _runner(self, stream: str, filters: list[str]) -> ConsumerRunner[bytes]:
         return ConsumerRunner(
             self.ctx.nc,
-            ConsumerSpec(
-                stream="JOBS",
-                durable=CONSUMER,
-                filter_subjects=subjects.job_events_of(
-                    "placed", "started", "resized", "completed", "failed", "cancelled", "requeued"
-                ),
-                batch=200,
-            ),
+            ConsumerSpec(stream=stream, durable=CONSUMER, filter_subjects=filters, batch=200),
             bytes,
             batch_handler=self.on_events,
             publisher=self.ctx.publisher,
@@ -88,8 +94,13 @@ class Metering:
         """Fold a fetched batch into run records in one transaction, each message exactly once.
 
         An event that does not decode is refused alone (dead-lettered); if the transaction fails,
-        the runner retries the messages one by one.
+        the runner retries the messages one by one. The two consumers' batches are handled one at
+        a time: both read and write the same run records.
         """
+        async with self._lock:
+            return await self._on_events(deliveries)
+
+    async def _on_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
         outcomes: list[BaseException | None] = [None] * len(deliveries)
         decoded: list[tuple[str, MeteredEvent]] = []
         index_of: dict[str, int] = {}
@@ -107,10 +118,12 @@ class Metering:
                 if refusal is not None:
                     outcomes[i] = InvalidInputError(refusal)
                     continue
-            mid = d.msg_id or f"seq-{d.stream_seq}"
             if isinstance(event, JobCancelled):  # a tenant's message id: within its tenant
-                bare, mid = mid, tenant_claim_id(d.subject, mid)
+                bare = d.msg_id or f"requests-seq-{d.stream_seq}"
+                mid = tenant_claim_id(d.subject, bare)
                 legacy[mid] = bare
+            else:
+                mid = d.msg_id or f"seq-{d.stream_seq}"
             index_of[mid] = i
             decoded.append((mid, event))
         if decoded:

@@ -157,16 +157,18 @@ class MetricsService:
             handler=self.on_profiles,
             publisher=self.ctx.publisher,
         )
-        metering = self.metering.runner()
+        metering = self.metering.runners()
         query_sub = await self.ctx.nc.subscribe(subjects.VIEW_QUERY, cb=self.on_query)
         await runner.start()
         await profiles.start()
-        await metering.start()
+        for runner_ in metering:
+            await runner_.start()
         watchdog = self.ctx.watchdog
         loops = [
             watchdog.watch_consumer("heartbeats", runner),
             watchdog.watch_consumer("profiles", profiles),
-            watchdog.watch_consumer("metering", metering),
+            watchdog.watch_consumer("metering", metering[0]),
+            watchdog.watch_consumer("metering-cancelled", metering[1]),
             watchdog.supervise("gauges", self._gauge_loop),
             watchdog.supervise("expire", self._expire_loop),
             watchdog.supervise("summaries", self._summary_loop),
@@ -176,7 +178,7 @@ class MetricsService:
         finally:
             await cancel_and_wait(loops)
             await query_sub.unsubscribe()
-            await stop_runners([metering, profiles, runner])
+            await stop_runners([*metering, profiles, runner])
 
     async def _gauge_loop(self) -> None:
         """Refresh the capacity gauges every ``gauges_every_s``, the usage gauges every

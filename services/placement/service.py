@@ -76,6 +76,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, stop_runners
 from loom.bus.consumer import stored_at
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
+from loom.bus.requests_move import replay_left_requests
 from loom.errors import InvalidInputError, NotLeaderError, TransientError
 from loom.migrate.checkpoints import Checkpoint, choose, late_report, report_refusal
 from loom.migrate.health import (
@@ -183,9 +184,8 @@ def _default_grace(grace_s: float | None) -> float:
 
 
 PRODUCER = "placement"
-LIFECYCLE_SUBJECTS = subjects.job_events_of(
-    "started", "progress", "checkpointed", "completed", "failed", "cancelled"
-)
+LIFECYCLE_SUBJECTS = subjects.job_events_of("started", "progress", "checkpointed", "completed", "failed")
+"""What placement hears of runs on the JOBS stream; cancellations come from REQUESTS (clients')."""
 LifecycleEvent = JobStarted | JobProgress | JobCheckpointed | JobCompleted | JobFailed | JobCancelled
 MAX_BACKOFF_S = 30.0
 ACK_WAIT_S = 5.0
@@ -411,6 +411,8 @@ class PlacementService:
         )
         self.waiting_reasons: dict[str, str] = {}
         self._sending: set[asyncio.Task[int]] = set()
+        self._lifecycle_lock = asyncio.Lock()
+        """One lifecycle batch at a time (:meth:`on_lifecycle`: two consumers feed it)."""
         self._batches: dict[int, _Batch] = {}
         """Submission batches decided and still writing, by sequence (see :meth:`_admit`)."""
         self._tail: _Batch | None = None
@@ -573,6 +575,12 @@ class PlacementService:
 
     async def _lead_loaded(self) -> None:
         """The leader's work once its state is loaded: its consumers and loops until cancelled."""
+        # Before its consumers move to REQUESTS: what an older layout left unread in JOBS.
+        await replay_left_requests(
+            self.ctx.nc.jetstream(),
+            submitted_durable=self._durable("placement-submitted", self.shard),
+            lifecycle_durable=self._durable("placement-lifecycle", self.shard),
+        )
         runners = self._consumers(self.shard)
         # Together: on a NATS cluster a consumer whose Raft leader just died cannot be updated
         # until its group elects another (4-9 s); the others need not wait for it.
@@ -655,7 +663,24 @@ class PlacementService:
             ConsumerRunner(
                 self.ctx.nc,
                 ConsumerSpec(
-                    stream="JOBS",
+                    stream="REQUESTS",
+                    durable=self._durable("placement-cancelled", shard),
+                    filter_subjects=[subjects.JOBS_CANCELLED_ALL],
+                    batch=self.batch,
+                    ack_wait_s=ACK_WAIT_S,
+                ),
+                bytes,
+                # The lifecycle handler, one batch at a time with the JOBS stream's (its lock).
+                batch_handler=self.on_lifecycle,
+                publisher=self.ctx.publisher,
+                idle_fetch_timeout_s=idle_fetch_timeout_s,
+                callback_pull=True,
+                linger_s=LIFECYCLE_LINGER_S,
+            ),
+            ConsumerRunner(
+                self.ctx.nc,
+                ConsumerSpec(
+                    stream="REQUESTS",
                     durable=self._durable("placement-submitted", shard),
                     filter_subjects=[subjects.JOBS_SUBMITTED_ALL],
                     batch=self.batch,
@@ -1122,7 +1147,7 @@ class PlacementService:
         messages, insert the new jobs with their submitted events and a DAG's stages. Returns the
         jobs to decide (new plain jobs, ready stages) and the rejections of duplicate job ids."""
         queued_children: list[QueuedJob] = []
-        bare = [d.msg_id or f"JOBS-{d.stream_seq}" for d, _ in accepted]
+        bare = [d.msg_id or f"REQUESTS-{d.stream_seq}" for d, _ in accepted]
         msg_ids = [tenant_claim_id(d.subject, mid) for (d, _), mid in zip(accepted, bare, strict=True)]
         fresh = await inbox.claim_scoped(conn, PRODUCER, msg_ids, bare)
         candidates: list[QueuedJob] = []
@@ -2560,10 +2585,16 @@ class PlacementService:
     # ---- lifecycle -----------------------------------------------------------------------------
 
     # Every lifecycle kind's write in one transaction; split, the transaction would be spread thin.
-    async def on_lifecycle(  # noqa: PLR0915
+    async def on_lifecycle(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
+        """Record what agents report and clients cancel; a finished run gives its GPUs back; a
+        retryable failure is re-placed. Two consumers feed it (runs' events on JOBS, cancellations
+        on REQUESTS): their batches are handled one at a time, as one consumer's were."""
+        async with self._lifecycle_lock:
+            return await self._on_lifecycle(deliveries)
+
+    async def _on_lifecycle(  # noqa: PLR0915
         self, deliveries: list[Delivery[bytes]]
     ) -> Sequence[BaseException | None]:
-        """Record what agents report; a finished run gives its GPUs back; a retryable failure is re-placed."""
         outcomes: list[BaseException | None] = [None] * len(deliveries)
         events: list[tuple[LifecycleEvent, str]] = []
         index_of: dict[str, int] = {}
@@ -2591,9 +2622,10 @@ class PlacementService:
                 log.warning("report refused", subject=d.subject, job_id=event.job_id, reason=why)
                 outcomes[i] = InvalidInputError(why)
                 continue
-            mid = d.msg_id or f"JOBS-{d.stream_seq}"
             if isinstance(event, JobCancelled):  # a tenant's message id: within its tenant
-                mid = tenant_claim_id(d.subject, mid)
+                mid = tenant_claim_id(d.subject, d.msg_id or f"REQUESTS-{d.stream_seq}")
+            else:
+                mid = d.msg_id or f"JOBS-{d.stream_seq}"
             events.append((event, mid))
             index_of[events[-1][1]] = i
             if reporter is not None:

@@ -163,7 +163,7 @@ async def test_a_raw_json_job_from_any_nats_client_is_placed_and_completes(
         }
     ).encode()
     ack = await js.publish("loom.jobs.submitted.rawtenant", payload, headers={"Nats-Msg-Id": "raw-json-1"})
-    assert ack.stream == "JOBS"
+    assert ack.stream == "REQUESTS"
     await nc.close()
 
     await _wait(lambda: _is(client, "raw-json-1", "completed"), timeout_s=30, what="raw-json-1 completed")

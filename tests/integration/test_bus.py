@@ -46,7 +46,10 @@ def submitted(tenant: str, n: int = 1, name: str = "") -> JobSubmitted:
 
 
 def consumer_spec(subjects: Sequence[str], **overrides: Any) -> ConsumerSpec:
-    return ConsumerSpec(stream="JOBS", durable=unique("test"), filter_subjects=list(subjects), **overrides)
+    """A test consumer on the stream holding ``subjects``: submissions are in REQUESTS (most tests
+    here use them), runs' events in JOBS."""
+    stream = "REQUESTS" if all(".submitted." in x or ".cancelled." in x for x in subjects) else "JOBS"
+    return ConsumerSpec(stream=stream, durable=unique("test"), filter_subjects=list(subjects), **overrides)
 
 
 async def next_item(queue: "asyncio.Queue[Any]") -> Any:
@@ -54,12 +57,12 @@ async def next_item(queue: "asyncio.Queue[Any]") -> Any:
 
 
 async def _settled_on_server(nc: Client, durable: str) -> tuple[int, int]:
-    """(ack pending, pending) of ``durable`` on ``JOBS`` once the acks sent are applied: an ack is a
+    """(ack pending, pending) of ``durable`` on ``REQUESTS`` once the acks sent are applied: an ack is a
     plain publish the server applies on its own time, so read until none is pending, at most 5 s
     (a stop no longer waits out its pull request, which gave the server that time before)."""
     deadline = asyncio.get_running_loop().time() + 5.0
     while True:
-        info = await nc.jetstream().consumer_info("JOBS", durable)
+        info = await nc.jetstream().consumer_info("REQUESTS", durable)
         if info.num_ack_pending == 0 or asyncio.get_running_loop().time() > deadline:
             return info.num_ack_pending, info.num_pending
         await asyncio.sleep(0.05)
@@ -156,7 +159,7 @@ async def test_ensure_streams_is_idempotent_and_sets_file_storage_and_dedup_wind
         assert info.config.max_age == pytest.approx(spec.max_age_s)
         assert info.config.max_msg_size == spec.max_msg_bytes
         assert sorted(info.config.subjects or []) == sorted(spec.subjects)
-    assert await subject_count(nc, "JOBS", subject) == 1, "updating a stream keeps its messages"
+    assert await subject_count(nc, "REQUESTS", subject) == 1, "updating a stream keeps its messages"
 
 
 # -- publish -----------------------------------------------------------------------------------------
@@ -173,16 +176,16 @@ async def test_publishing_one_msg_id_twice_stores_the_message_once(nc: Client) -
     assert not first.duplicate
     assert again.duplicate
     assert again.seq == first.seq
-    assert first.stream == "JOBS"
-    assert await subject_count(nc, "JOBS", subject) == 1
+    assert first.stream == "REQUESTS"
+    assert await subject_count(nc, "REQUESTS", subject) == 1
     await publisher.publish(subject, message, msg_id="job-1-resubmitted")
-    assert await subject_count(nc, "JOBS", subject) == 2, "another id is another message"
+    assert await subject_count(nc, "REQUESTS", subject) == 2, "another id is another message"
 
 
 async def test_publish_sends_the_msg_id_and_the_callers_headers(nc: Client) -> None:
     subject = s.job_submitted(unique("t"))
     await Publisher(nc).publish(subject, submitted("t"), msg_id="id-7", headers={"X-Loom-Test": "yes"})
-    stored = await nc.jetstream().get_last_msg("JOBS", subject)
+    stored = await nc.jetstream().get_last_msg("REQUESTS", subject)
     assert stored.headers is not None
     assert stored.headers["Nats-Msg-Id"] == "id-7"
     assert stored.headers["X-Loom-Test"] == "yes"
@@ -207,8 +210,8 @@ async def test_publish_batch_stores_each_message_once_and_reports_each_failure(n
     assert outcomes[:3] == [None, None, None]
     assert outcomes[3] is not None, "no stream holds that subject: reported, not raised"
     assert outcomes[4] is None, "a repeated id is acknowledged (as a duplicate)"
-    assert await subject_count(nc, "JOBS", subject) == 3
-    stored = await nc.jetstream().get_last_msg("JOBS", subject)
+    assert await subject_count(nc, "REQUESTS", subject) == 3
+    stored = await nc.jetstream().get_last_msg("REQUESTS", subject)
     assert stored.headers is not None
     assert stored.headers["Nats-Msg-Id"] == "b-2"
     assert stored.headers["X-Loom-Test"] == "2"
@@ -244,7 +247,7 @@ async def test_send_batch_puts_a_whole_batch_on_the_wire_without_yielding_betwee
 
     assert during == 0, f"another task ran {during} times while the batch was being sent"
     assert outcomes == [None] * 50
-    assert await subject_count(nc, "JOBS", subject) == 51
+    assert await subject_count(nc, "REQUESTS", subject) == 51
 
 
 async def test_send_batch_beyond_the_pending_limit_stalls_and_reports_the_rest(nc: Client) -> None:
@@ -258,7 +261,7 @@ async def test_send_batch_beyond_the_pending_limit_stalls_and_reports_the_rest(n
     outcomes = await publisher.publish_batch([Outgoing(subject, payload, unique("m"), {}) for _ in range(5)])
 
     assert outcomes[:3] == [None, None, None]
-    assert sum(o is None for o in outcomes) == await subject_count(nc, "JOBS", subject)
+    assert sum(o is None for o in outcomes) == await subject_count(nc, "REQUESTS", subject)
 
 
 # -- consumer spec -----------------------------------------------------------------------------------
@@ -410,12 +413,12 @@ async def test_an_undecodable_message_is_dead_lettered_and_the_consumer_goes_on(
     assert headers["Loom-Error-Type"] == "DecodeError"
     assert headers["Loom-Error"]
     assert headers["Loom-Original-Subject"] == subject
-    assert headers["Loom-Stream"] == "JOBS"
+    assert headers["Loom-Stream"] == "REQUESTS"
     assert headers["Loom-Stream-Seq"] == str(bad_ack.seq)
     assert headers["Loom-Deliveries"] == "1"
     assert headers["Loom-Consumer"] == runner.spec.durable
     assert headers["X-Origin"] == "test", "the original headers travel with the dead letter"
-    assert headers["Nats-Msg-Id"] == f"dlq-JOBS-{bad_ack.seq}-{runner.spec.durable}"
+    assert headers["Nats-Msg-Id"] == f"dlq-REQUESTS-{bad_ack.seq}-{runner.spec.durable}"
     stored = await nc.jetstream().get_last_msg("DLQ", s.dead_letter(subject))
     assert stored.data == payload
     assert runner.counts == {"acked": 1, "nacked": 0, "dead_lettered": 1}

@@ -149,7 +149,7 @@ async def test_a_cancellation_of_another_tenants_job_changes_nothing_and_is_dead
 
         async def refused() -> list[str] | None:
             letters = await dlq.entries(subject=subjects.job_event("cancelled", "t2"))
-            mine = [x.error or "" for x in letters if x.consumer == "placement-lifecycle"]
+            mine = [x.error or "" for x in letters if x.consumer == "placement-cancelled"]
             return mine if len(mine) == 4 else None
 
         errors = await until(refused, 15, "the forged cancellations dead-lettered by placement")

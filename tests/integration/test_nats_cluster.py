@@ -85,7 +85,7 @@ async def test_connect_takes_every_node_and_streams_and_consumers_get_three_repl
         assert peers == {"nats-1", "nats-2", "nats-3"}, spec.name
 
     tenant = unique("t")
-    spec = ConsumerSpec(stream="JOBS", durable=unique("test"), filter_subjects=[s.job_submitted(tenant)])
+    spec = ConsumerSpec(stream="REQUESTS", durable=unique("test"), filter_subjects=[s.job_submitted(tenant)])
     got: asyncio.Queue[str] = asyncio.Queue()
 
     async def handle(delivery: Delivery[JobSubmitted]) -> None:
@@ -97,7 +97,7 @@ async def test_connect_takes_every_node_and_streams_and_consumers_get_three_repl
     await runner.start()
     try:
         # The consumer leaves num_replicas unset and so takes the stream's three.
-        consumer = await js.consumer_info("JOBS", spec.durable)
+        consumer = await js.consumer_info("REQUESTS", spec.durable)
         assert consumer.cluster is not None
         consumer_peers = {consumer.cluster.leader, *(p.name for p in consumer.cluster.replicas or [])}
         assert consumer_peers == {"nats-1", "nats-2", "nats-3"}
@@ -140,7 +140,7 @@ async def test_killing_one_node_loses_no_acknowledged_message(
     nats_cluster: NatsCluster, bus: Client, role: str
 ) -> None:
     js = bus.jetstream()
-    info = await js.stream_info("JOBS")
+    info = await js.stream_info("REQUESTS")
     assert info.cluster is not None and info.cluster.leader
     leader = info.cluster.leader
     pub_nc = await connection_off_the_leader(nats_cluster, leader, "test-publisher")
@@ -156,7 +156,7 @@ async def test_killing_one_node_loses_no_acknowledged_message(
     subject = s.job_submitted(tenant)
     # Placement's consumers' ack wait (ConsumerSpec's default is 30 s): what was in flight to a
     # consumer whose node died is redelivered after it.
-    spec = ConsumerSpec(stream="JOBS", durable=unique("test"), filter_subjects=[subject], ack_wait_s=5.0)
+    spec = ConsumerSpec(stream="REQUESTS", durable=unique("test"), filter_subjects=[subject], ack_wait_s=5.0)
     received: list[str] = []
     received_at: list[float] = []
 
@@ -194,7 +194,7 @@ async def test_killing_one_node_loses_no_acknowledged_message(
     # Every acknowledged message arrived, each once after dedupe by id, and was stored once.
     assert len(acked) == MESSAGES
     assert sorted(set(received)) == sorted(acked)
-    stored = await js.stream_info("JOBS", subjects_filter=subject)
+    stored = await js.stream_info("REQUESTS", subjects_filter=subject)
     assert (stored.state.subjects or {}).get(subject) == MESSAGES
 
     publish_stall_s = float(max(np.diff(acked_at[KILL_AFTER - 1 :])))
@@ -234,9 +234,9 @@ async def test_a_killed_node_restarted_on_its_port_rejoins_and_catches_up(
         caught_up, HANG_S, "every stream's replicas to be current again", retry_on=(NatsTimeoutError,)
     )
     # The restarted node's own copy holds what was written while it was down.
-    leader_messages = (await bus.jetstream().stream_info("JOBS")).state.messages
+    leader_messages = (await bus.jetstream().stream_info("REQUESTS")).state.messages
     assert leader_messages >= 20
-    assert await asyncio.to_thread(local_stream_messages, victim, "JOBS") == leader_messages
+    assert await asyncio.to_thread(local_stream_messages, victim, "REQUESTS") == leader_messages
 
 
 def local_stream_messages(node: NatsServer, stream: str) -> int:
@@ -266,7 +266,7 @@ async def test_a_callback_pull_waits_out_its_consumer_leaders_election_without_a
     per election before), and asks the new leader as soon as its election advisory arrives."""
     tenant = unique("t")
     subject = s.job_submitted(tenant)
-    spec = ConsumerSpec(stream="JOBS", durable=unique("test"), filter_subjects=[subject], ack_wait_s=5.0)
+    spec = ConsumerSpec(stream="REQUESTS", durable=unique("test"), filter_subjects=[subject], ack_wait_s=5.0)
     received: set[str] = set()
 
     async def handle(delivery: Delivery[JobSubmitted]) -> None:
@@ -293,7 +293,7 @@ async def test_a_callback_pull_waits_out_its_consumer_leaders_election_without_a
         for n in range(10):
             await publish(n)
         await until(all_received, HANG_S, "the first messages to be consumed")
-        info = await bus.jetstream().consumer_info("JOBS", spec.durable)
+        info = await bus.jetstream().consumer_info("REQUESTS", spec.durable)
         assert info.cluster is not None and info.cluster.leader
         victim = node_by_name(nats_cluster, info.cluster.leader)
         assert victim.pid is not None
@@ -382,7 +382,7 @@ async def test_a_consumer_starts_while_the_meta_leader_is_being_elected(
     as it is) instead of failing, which made placement exit and wait for the supervisor's restart."""
     tenant = unique("t")
     subject = s.job_submitted(tenant)
-    spec = ConsumerSpec(stream="JOBS", durable=unique("test"), filter_subjects=[subject], ack_wait_s=5.0)
+    spec = ConsumerSpec(stream="REQUESTS", durable=unique("test"), filter_subjects=[subject], ack_wait_s=5.0)
     received: set[str] = set()
 
     async def handle(delivery: Delivery[JobSubmitted]) -> None:
@@ -430,8 +430,8 @@ async def test_a_batch_on_a_cluster_is_not_held_for_the_ack_timeout_by_a_silent_
     as soon as the client is back. Sent again under the same ids, each message is stored once."""
     # Settled first: an earlier test of the module killed nodes, and a leader read mid-election
     # (stale a moment later) would be the wrong one to stop (seen once in CI).
-    await until(lambda: all_replicas_current(bus, "JOBS"), HANG_S, "JOBS to settle")
-    info = await bus.jetstream().stream_info("JOBS")
+    await until(lambda: all_replicas_current(bus, "REQUESTS"), HANG_S, "REQUESTS to settle")
+    info = await bus.jetstream().stream_info("REQUESTS")
     assert info.cluster is not None and info.cluster.leader
     leader = node_by_name(nats_cluster, info.cluster.leader)
     pub_nc = await connection_off_the_leader(nats_cluster, info.cluster.leader, "test-batch")
@@ -460,7 +460,7 @@ async def test_a_batch_on_a_cluster_is_not_held_for_the_ack_timeout_by_a_silent_
         # the ids before it stopped. Under load (the stop outlasting an election) a staged id has
         # stayed so 30 s and more in CI. It is given the stream's duplicate window (how long the
         # server keeps any id) and more: eventually stored, once, is what counts.
-        window_s = next(spec.duplicate_window_s for spec in STREAMS if spec.name == "JOBS")
+        window_s = next(spec.duplicate_window_s for spec in STREAMS if spec.name == "REQUESTS")
         t_resend = time.monotonic()
         await until(all_acked, window_s + HANG_S, "the batch to be acked once the leader answers again")
         resent_s = time.monotonic() - t_resend
@@ -479,7 +479,7 @@ async def test_a_batch_on_a_cluster_is_not_held_for_the_ack_timeout_by_a_silent_
         # Not one of them waited out the ack timeout (nor the silence bound: the client was back).
         assert not any(isinstance(o, NatsTimeoutError) for o in outcomes), outcomes
         await until(lambda: _acked(publisher, lost), HANG_S, "the lost batch to be acked once sent again")
-        stored = await bus.jetstream().stream_info("JOBS", subjects_filter=subject)
+        stored = await bus.jetstream().stream_info("REQUESTS", subjects_filter=subject)
         assert stored.state.messages == len(silent) + len(lost)
     finally:
         await pub_nc.close()

@@ -130,19 +130,19 @@ async def test_tenant_submits_only_as_itself(
     server, store = secured
     acme = await as_identity(tenant_identity("acme"))
     ack = await acme.nc.jetstream().publish(subjects.job_submitted("acme"), b"{}")
-    assert ack.stream == "JOBS"
-    before = await _last_on(server, store, "JOBS", subjects.job_submitted("globex"))
+    assert ack.stream == "REQUESTS"
+    before = await _last_on(server, store, "REQUESTS", subjects.job_submitted("globex"))
     await acme.nc.publish(subjects.job_submitted("globex"), b"{}")
     assert "loom.jobs.submitted.globex" in await acme.violation()
-    assert await _last_on(server, store, "JOBS", subjects.job_submitted("globex")) == before
+    assert await _last_on(server, store, "REQUESTS", subjects.job_submitted("globex")) == before
     # It cancels its own jobs (placement checks the job is acme's), not on another tenant's subject.
     ack = await acme.nc.jetstream().publish(subjects.job_event("cancelled", "acme"), b"{}")
-    assert ack.stream == "JOBS"
+    assert ack.stream == "REQUESTS"
     acme.errors.clear()
-    before = await _last_on(server, store, "JOBS", subjects.job_event("cancelled", "globex"))
+    before = await _last_on(server, store, "REQUESTS", subjects.job_event("cancelled", "globex"))
     await acme.nc.publish(subjects.job_event("cancelled", "globex"), b"{}")
     assert "loom.jobs.cancelled.globex" in await acme.violation()
-    assert await _last_on(server, store, "JOBS", subjects.job_event("cancelled", "globex")) == before
+    assert await _last_on(server, store, "REQUESTS", subjects.job_event("cancelled", "globex")) == before
     for query in (subjects.JOBS_QUERY, subjects.jobs_query("globex")):  # every tenant's jobs, globex's
         acme.errors.clear()
         await acme.nc.publish(query, b'{"op": "list"}', reply="_INBOX.tenant-acme.q")
@@ -161,7 +161,7 @@ async def test_a_publish_the_server_refuses_fails_at_once_instead_of_being_retri
     try:
         publisher = Publisher(nc, timeout_s=1.0, attempts=8)
         ack = await publisher.publish_bytes(subjects.job_submitted("acme"), b"{}", msg_id="own-1")
-        assert ack.stream == "JOBS" and not publish_denied(nc, subjects.job_submitted("acme"), since=0.0)
+        assert ack.stream == "REQUESTS" and not publish_denied(nc, subjects.job_submitted("acme"), since=0.0)
         with pytest.raises(BusError, match="permissions do not allow") as refused:
             await publisher.publish_bytes(subjects.job_submitted("globex"), b"{}", msg_id="other-1")
         # Refused after the first attempt's timeout, not after eight: retrying would not help.
@@ -221,11 +221,14 @@ async def test_agent_speaks_only_for_its_cluster(
         subjects.cluster_command("c1", "start"),  # not even a command to itself
         subjects.job_submitted("acme"),
     ):
-        before = await _last_on(server, store, "CLUSTERS" if "clusters" in forged else "JOBS", forged)
+        before = await _last_on(server, store, "CLUSTERS" if "clusters" in forged else "REQUESTS", forged)
         c1.errors.clear()
         await c1.nc.publish(forged, b"{}")
         assert forged in await c1.violation()
-        assert await _last_on(server, store, "CLUSTERS" if "clusters" in forged else "JOBS", forged) == before
+        assert (
+            await _last_on(server, store, "CLUSTERS" if "clusters" in forged else "REQUESTS", forged)
+            == before
+        )
     c1.errors.clear()
     await c1.nc.subscribe(subjects.net_endpoints("c2"))  # cannot answer probes for another cluster
     await c1.violation()

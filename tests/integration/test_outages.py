@@ -76,7 +76,7 @@ async def test_a_postgres_outage_longer_than_the_retry_budget_dead_letters_nothi
             )
 
     spec = ConsumerSpec(
-        stream="JOBS",
+        stream="REQUESTS",
         durable=f"outage-{tenant}",
         filter_subjects=[subject],
         max_deliver=3,

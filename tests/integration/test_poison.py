@@ -57,7 +57,7 @@ async def runners(nc: Client) -> AsyncIterator[list[ConsumerRunner[Any]]]:
 async def start(
     nc: Client, runners: list[ConsumerRunner[Any]], subject: str, message_type: Any, **kwargs: Any
 ) -> ConsumerRunner[Any]:
-    stream = "CLUSTERS" if subject.startswith("loom.clusters") else "JOBS"
+    stream = "CLUSTERS" if subject.startswith("loom.clusters") else "REQUESTS"  # commands, submissions
     spec = ConsumerSpec(
         stream=stream,
         durable=unique("poison"),

@@ -100,7 +100,7 @@ async def placed(client: LoomClient, job_ids: list[str]) -> bool:
 async def all_settled(client: LoomClient) -> bool:
     """Every durable consumer of the services has nothing pending nor unacknowledged."""
     js = client.nc.jetstream()
-    for stream in ("JOBS", "CLUSTERS", "NET"):
+    for stream in ("JOBS", "REQUESTS", "CLUSTERS", "NET"):
         for info in await js.consumers_info(stream):
             if info.name.startswith(("placement", "metrics", "agent", "network-perception")) and (
                 info.num_pending or info.num_ack_pending

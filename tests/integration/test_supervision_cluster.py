@@ -82,7 +82,7 @@ async def test_a_killed_cluster_node_is_restarted_by_the_supervisor_and_rejoins(
         js = nc.jetstream()
         for spec in STREAMS:  # the supervisor created them with the replicas it set
             assert (await js.stream_info(spec.name)).config.num_replicas == 3, spec.name
-        info = await js.stream_info("JOBS")
+        info = await js.stream_info("REQUESTS")  # where the submissions below go
         assert info.cluster is not None and info.cluster.leader in NODES
         victim = info.cluster.leader
         before = state["servers"][victim]
@@ -110,7 +110,7 @@ async def test_a_killed_cluster_node_is_restarted_by_the_supervisor_and_rejoins(
         assert after["last_exit"] == "killed by SIGKILL"
 
         async def rejoined() -> bool:
-            stream = await js.stream_info("JOBS")
+            stream = await js.stream_info("REQUESTS")
             peers = stream.cluster.replicas if stream.cluster is not None else None
             return (
                 bool(peers)
@@ -123,9 +123,9 @@ async def test_a_killed_cluster_node_is_restarted_by_the_supervisor_and_rejoins(
             )
 
         await until(
-            rejoined, 30, f"{victim} to rejoin JOBS as a current replica", retry_on=(NatsTimeoutError,)
+            rejoined, 30, f"{victim} to rejoin REQUESTS as a current replica", retry_on=(NatsTimeoutError,)
         )
-        stored = await js.stream_info("JOBS", subjects_filter=s.job_submitted(tenant))
+        stored = await js.stream_info("REQUESTS", subjects_filter=s.job_submitted(tenant))
         assert (stored.state.subjects or {}).get(s.job_submitted(tenant)) == 40
     finally:
         await nc.close()

@@ -355,8 +355,10 @@ def test_stream_subjects_do_not_overlap() -> None:
 
 def test_built_subjects_land_in_the_expected_streams() -> None:
     expected = {
-        s.job_submitted("t"): "JOBS",
+        s.job_submitted("t"): "REQUESTS",
+        s.job_event("cancelled", "t"): "REQUESTS",
         s.job_placed("c"): "JOBS",
+        s.job_event("completed", "t"): "JOBS",
         s.job_event("progress", "t"): "JOBS",
         s.job_report("progress", "t", "c"): "JOBS",
         s.cluster_heartbeat("c"): "CLUSTERS",
@@ -376,7 +378,8 @@ def test_built_subjects_land_in_the_expected_streams() -> None:
 
 def test_consumer_filters_are_held_by_their_stream() -> None:
     filters = {
-        **dict.fromkeys(s.job_events_of("placed", "started", "cancelled"), "JOBS"),
+        **dict.fromkeys(s.job_events_of("placed", "started", "completed"), "JOBS"),
+        **dict.fromkeys(s.job_events_of("submitted", "cancelled"), "REQUESTS"),
         s.JOBS_PLACED_ALL: "JOBS",
         s.PROBE_SAMPLES_ALL: "NET",
         s.LINK_STATES_ALL: "NET",

@@ -138,6 +138,9 @@ def _service_publish(role: Role) -> list[str]:
     if role == "placement":
         return [
             *_events("placed", "rejected", "resized", "requeued", "failed", "completed"),
+            # Only to republish, on an upgrade, the requests an older layout left in JOBS
+            # (loom.bus.requests_move); placement decides every job's fate in any case.
+            *subjects.REQUESTS_ALL,
             *[f"{P}.clusters.*.cmd.{kind}" for kind in subjects.CLUSTER_COMMAND_KINDS],
             "$KV.loom_leases.>",
             f"{P}.alive.*",  # the leader's liveness ping of each agent (core NATS)
@@ -249,8 +252,8 @@ def permissions(identity: Identity) -> Permissions:
 
 
 CONSUMED_STREAMS: dict[Role, tuple[str, ...]] = {
-    "placement": ("VIEW", "JOBS"),
-    "metrics": ("CLUSTERS", "JOBS"),
+    "placement": ("VIEW", "JOBS", "REQUESTS"),
+    "metrics": ("CLUSTERS", "JOBS", "REQUESTS"),
     "network-perception": ("NET",),
     "migration": ("JOBS",),
     "alert-correlator": ("ALERTS", "DLQ", "JOBS", "MIGRATIONS", "NET", "VIEW"),
@@ -302,6 +305,10 @@ def service_jetstream_api(role: Role) -> list[str]:
         f"{JS_API}.DIRECT.GET.{attempts}.>",
         f"{JS_API}.DIRECT.GET.{attempts}",
     ]
+    if role == "placement":
+        # An upgrade's move of clients' requests left in JOBS (loom.bus.requests_move): read them
+        # by sequence, then delete the old submissions consumer there.
+        allowed += [f"{JS_API}.STREAM.MSG.GET.JOBS", f"{JS_API}.CONSUMER.DELETE.JOBS.*"]
     if role in LEASE_HOLDERS:
         allowed += [
             f"{JS_API}.STREAM.INFO.{LEASE_STREAM}",

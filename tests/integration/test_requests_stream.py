@@ -1,0 +1,217 @@
+"""Clients' requests live in their own stream (REQUESTS), apart from the lifecycle log (JOBS).
+
+JetStream's duplicate window is per stream, and nats-server cannot restrict the message id a
+client sets. While submissions and cancellations shared JOBS with the events services publish
+under deterministic ids (``<job>:placed:<attempt>``, ``<job>:completed:<attempt>``), a tenant
+that published a cancellation of its own under such an id made the service's event a
+"duplicate": dropped, on a secured server, by a tenant allowed to publish nothing but its own
+requests. A deployment of that layout is moved on upgrade: the streams are narrowed and split,
+and placement republishes what it had not read (:mod:`loom.bus.requests_move`).
+"""
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import nats
+import nats.js.errors
+import pytest
+from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
+from platform_helpers import Platform
+from waiting import until
+
+from loom.bus import ensure_streams
+from loom.bus.connection import remember_credentials
+from loom.bus.requests_move import replay_left_requests
+from loom.client import LoomClient
+from loom.runtime.servers import NatsServer
+from loom.security import CredentialStore, Identity, admin_identity, read, tenant_identity
+from loom_proto import subjects
+from loom_proto.codec import encode
+from loom_proto.jobs import JobSpec, JobSubmitted, Resources, Work
+
+pytestmark = pytest.mark.security
+
+SERVICES = {"metrics": Identity("metrics"), "placement": Identity("placement")}
+IDENTITIES = [admin_identity(), *SERVICES.values(), tenant_identity("t1"), tenant_identity("t2")]
+OLD_JOBS = StreamConfig(
+    # The layout before REQUESTS: JOBS held every job event, clients' requests included.
+    name="JOBS",
+    subjects=subjects.job_events_of(*subjects.JOB_EVENT_KINDS),
+    duplicate_window=120.0,
+)
+
+
+@pytest.fixture
+def secured(tmp_path: Path) -> Iterator[tuple[NatsServer, CredentialStore]]:
+    """A fresh secured server for each test (one of them builds the old layout)."""
+    store = CredentialStore(tmp_path / "home")
+    store.ensure_all(IDENTITIES)
+    with NatsServer(tmp_path / "nats", authorization=store.auth_path) as server:
+        remember_credentials(server.url, store.path(admin_identity()))
+        yield server, store
+
+
+async def _connect(server: NatsServer, store: CredentialStore, identity: Identity) -> nats.NATS:
+    credential = read(store.path(identity))
+    return await nats.connect(
+        server.url,
+        nkeys_seed_str=credential.seed,
+        inbox_prefix=f"_INBOX.{credential.identity}",
+        allow_reconnect=False,
+    )
+
+
+async def test_a_tenants_message_id_cannot_drop_a_services_event(
+    secured: tuple[NatsServer, CredentialStore],
+) -> None:
+    server, store = secured
+    admin = await _connect(server, store, admin_identity())
+    tenant = await _connect(server, store, tenant_identity("t2"))
+    placement = await _connect(server, store, SERVICES["placement"])
+    try:
+        await ensure_streams(admin.jetstream())
+        # t2 guesses the id placement will give t1's job's placement and takes it first, on the
+        # one subject it may publish a cancellation on.
+        taken = await tenant.jetstream().publish(
+            subjects.job_event("cancelled", "t2"), b"{}", headers={"Nats-Msg-Id": "victim:placed:1"}
+        )
+        assert taken.stream == "REQUESTS"
+        ack = await placement.jetstream().publish(
+            subjects.job_placed("t1"), b"{}", headers={"Nats-Msg-Id": "victim:placed:1"}
+        )
+        # In one stream this was a "duplicate": the event never stored, t1's job never placed.
+        assert ack.stream == "JOBS" and not ack.duplicate
+        stored = await admin.jetstream().get_last_msg("JOBS", subjects.job_placed("t1"))
+        assert (stored.headers or {})["Nats-Msg-Id"] == "victim:placed:1"
+        # The requests' own window still drops a client's retry of the same request.
+        again = await tenant.jetstream().publish(
+            subjects.job_event("cancelled", "t2"), b"{}", headers={"Nats-Msg-Id": "victim:placed:1"}
+        )
+        assert again.duplicate
+    finally:
+        for nc in (admin, tenant, placement):
+            await nc.close()
+
+
+def _submission(job_id: str) -> bytes:
+    return encode(JobSubmitted(job_id=job_id, tenant="t1", name="", work=Work(steps=1)))
+
+
+async def _old_layout(admin: nats.NATS) -> list[int]:
+    """JOBS as it was, with placement's old submissions consumer that acknowledged the first of
+    four submissions (the last without a message id), and one cancellation never read. Returns
+    the stream sequences of the four submissions."""
+    js = admin.jetstream()
+    await js.add_stream(OLD_JOBS)
+    for durable, filters in (
+        ("placement-submitted", [subjects.JOBS_SUBMITTED_ALL]),
+        ("placement-lifecycle", [*subjects.job_events_of("started", "completed", "cancelled")]),
+    ):
+        await js.add_consumer(
+            "JOBS",
+            ConsumerConfig(durable_name=durable, filter_subjects=filters, ack_policy=AckPolicy.EXPLICIT),
+        )
+    seqs = []
+    for n in range(4):
+        headers = {"Nats-Msg-Id": f"sub-{n}"} if n < 3 else None
+        seqs.append(
+            (await js.publish(subjects.job_submitted("t1"), _submission(f"old-{n}"), headers=headers)).seq
+        )
+    await js.publish(subjects.job_event("cancelled", "t1"), b'{"x": 1}', headers={"Nats-Msg-Id": "can-1"})
+    old = await js.pull_subscribe_bind("placement-submitted", "JOBS")
+    first = await old.fetch(1, timeout=2)
+    await first[0].ack_sync()
+    return seqs
+
+
+async def test_the_move_republishes_what_placement_had_not_read_once(
+    secured: tuple[NatsServer, CredentialStore],
+) -> None:
+    server, store = secured
+    admin = await _connect(server, store, admin_identity())
+    placement = await _connect(server, store, SERVICES["placement"])
+    try:
+        seqs = await _old_layout(admin)
+        await ensure_streams(placement.jetstream())  # as every service does at start, JOBS first
+        jobs = await admin.jetstream().stream_info("JOBS")
+        assert subjects.JOBS_SUBMITTED_ALL not in jobs.config.subjects
+        assert jobs.state.messages == 5, "JOBS keeps what it held"
+        # Placement's own identity is enough (its narrowed JetStream API and subjects).
+        moved = await replay_left_requests(
+            placement.jetstream(),
+            submitted_durable="placement-submitted",
+            lifecycle_durable="placement-lifecycle",
+        )
+        assert (moved.submitted, moved.cancelled) == (3, 1), "all but the acknowledged submission"
+        js = admin.jetstream()
+        info = await js.stream_info("REQUESTS", subjects_filter=subjects.JOBS_SUBMITTED_ALL)
+        assert sum((info.state.subjects or {}).values()) == 3
+        ids = []
+        for seq in range(1, 5):
+            msg = await js.get_msg("REQUESTS", seq)
+            ids.append((msg.headers or {}).get("Nats-Msg-Id"))
+        # The one without an id gets the id placement claimed it under before (its inbox knows).
+        assert ids == ["sub-1", "sub-2", f"JOBS-{seqs[3]}", "can-1"]
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await js.consumer_info("JOBS", "placement-submitted")
+        # Done once: the old consumer is gone, so a second start finds nothing to move.
+        again = await replay_left_requests(
+            placement.jetstream(),
+            submitted_durable="placement-submitted",
+            lifecycle_durable="placement-lifecycle",
+        )
+        assert (again.submitted, again.cancelled) == (0, 0)
+        assert (await js.stream_info("REQUESTS")).state.messages == 4
+    finally:
+        await admin.close()
+        await placement.close()
+
+
+@pytest.fixture
+async def platform(
+    secured: tuple[NatsServer, CredentialStore],
+    fresh_database: Callable[..., Awaitable[str]],
+    tmp_path: Path,
+) -> AsyncIterator[Platform]:
+    server, store = secured
+    (tmp_path / "agents").mkdir()
+    p = Platform(server.url, await fresh_database("requests_stream"), tmp_path / "agents")
+    p.creds = {name: store.path(identity) for name, identity in SERVICES.items()}
+    yield p
+    for name in list(p.tasks):
+        await p.stop(name)
+
+
+async def test_placement_started_on_the_old_layout_admits_the_submissions_left_in_jobs(
+    secured: tuple[NatsServer, CredentialStore], platform: Platform
+) -> None:
+    server, store = secured
+    admin = await _connect(server, store, admin_identity())
+    try:
+        await _old_layout(admin)
+        await platform.start("placement")  # its start narrows the streams and moves the rest
+        client = await LoomClient.connect(server.url)
+        try:
+
+            async def known() -> list[str] | None:
+                found = [j for n in range(4) if (j := await client.job(f"old-{n}")) is not None]
+                return sorted(j["job_id"] for j in found) if len(found) == 3 else None
+
+            # old-0 was acknowledged by the old consumer: handled then, not again.
+            assert await until(known, 15, "the three unread submissions admitted") == [
+                "old-1",
+                "old-2",
+                "old-3",
+            ]
+            # A new submission goes to REQUESTS and is admitted as any other.
+            await client.submit(
+                JobSpec(job_id="new-1", tenant="t1", resources=Resources(gpus=1), work=Work(steps=1))
+            )
+            await until(lambda: client.job("new-1"), 15, "new-1 admitted")
+            await asyncio.sleep(0.5)
+            assert await client.job("old-0") is None
+        finally:
+            await client.close()
+    finally:
+        await admin.close()
