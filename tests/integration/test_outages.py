@@ -202,9 +202,11 @@ async def test_submissions_and_completions_acknowledged_during_a_postgres_outage
             tenant=tenant,
             task_type="inference",
             resources=Resources(gpus=1),
-            work=Work(steps=200),
+            work=Work(steps=400),
         )
-        await client.submit(running)  # runs about 4 s: completes while the database is down
+        # Runs about 8 s: completes while the database is down (at least 9 s). Not shorter: under
+        # load the look below can come seconds after the start, and at 4 s the job was once over.
+        await client.submit(running)
         await until(lambda: _state(client, "during-run", "running"), 20, "a job running before the outage")
         assert await _state(client, "during-run", "running")
 
