@@ -427,8 +427,8 @@ class NetworkPerception:
             else:
                 result = [p.point_link(s, d, now, horizon_s) for s, d in sorted(p.links)]
             reply = msgspec.json.encode({"ok": True, "result": result})
-        except (NetError, ValueError, TypeError) as exc:
-            reply = json.dumps({"ok": False, "error": str(exc)}).encode()
+        except (NetError, ValueError, TypeError) as exc:  # the request's fault (an unknown region)
+            reply = json.dumps({"ok": False, "error": str(exc), "invalid": True}).encode()
         await msg.respond(reply)
 
     async def on_path(self, msg: Msg) -> None:
@@ -442,8 +442,8 @@ class NetworkPerception:
                 raise ValueError("src and dst are the same region")
             answer, track = self.select(src, dst, time.time())
             reply = msgspec.json.encode({"ok": True, "result": path_json(answer, track)})
-        except (NetError, ValueError, TypeError) as exc:
-            reply = json.dumps({"ok": False, "error": str(exc)}).encode()
+        except (NetError, ValueError, TypeError) as exc:  # the request's fault (an unknown region)
+            reply = json.dumps({"ok": False, "error": str(exc), "invalid": True}).encode()
         await msg.respond(reply)
 
 

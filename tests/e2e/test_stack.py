@@ -539,6 +539,10 @@ def test_loom_net_links_and_path_show_percentiles_forecast_and_bottleneck(home: 
     path = _loom(home, "net", "path", src, dst)
     assert path.returncode == 0, path.stderr
     assert "bottleneck" in path.stdout
+    # A region Loom does not know is bad input, as in `net degrade` (they exited 1, as an outage).
+    for argv in (("path", src, "nowhere"), ("links", "--region", "nowhere")):
+        unknown = _loom(home, "net", *argv)
+        assert unknown.returncode == 2 and "unknown region 'nowhere'" in unknown.stderr, unknown.stderr
 
 
 def test_loom_submit_says_what_became_of_each_job(home: Path, tmp_path: Path) -> None:

@@ -68,6 +68,11 @@ class QueryError(LoomError):
     """A query the service could not answer."""
 
 
+class RefusedQueryError(QueryError, InvalidInputError):
+    """A query the service refused as the asker's fault (``"invalid": true`` in its answer: an
+    unknown region, a malformed request); the CLI exits 2 for it, as for other bad input."""
+
+
 def spec_from_mapping(raw: Mapping[str, Any], *, default_tenant: str | None = None) -> JobSpec:
     """Validate one job spec; a missing ``job_id`` becomes ``<name or 'job'>-<random>``."""
     data = dict(raw)
@@ -301,7 +306,7 @@ class LoomClient:
             ) from exc
         body = json.loads(reply.data)
         if not body.get("ok"):
-            raise QueryError(str(body.get("error")))
+            raise (RefusedQueryError if body.get("invalid") else QueryError)(str(body.get("error")))
         return body["result"]
 
     async def job(self, job_id: str, *, timeout_s: float = 5.0) -> dict[str, Any] | None:
