@@ -642,40 +642,12 @@ class PlacementService:
                 publisher=self.ctx.publisher,
                 idle_fetch_timeout_s=idle_fetch_timeout_s,
             ),
-            ConsumerRunner(
-                self.ctx.nc,
-                ConsumerSpec(
-                    stream="JOBS",
-                    durable=self._durable("placement-lifecycle", shard),
-                    filter_subjects=LIFECYCLE_SUBJECTS,
-                    batch=self.batch,
-                    ack_wait_s=ACK_WAIT_S,
-                ),
-                bytes,
-                batch_handler=self.on_lifecycle,
-                publisher=self.ctx.publisher,
-                idle_fetch_timeout_s=idle_fetch_timeout_s,
-                callback_pull=True,
-                # A few lifecycle events a transaction at a low rate, not one each (a start
-                # confirms a reservation; an end frees GPUs a moment later, no more).
-                linger_s=LIFECYCLE_LINGER_S,
+            # Runs' events, and clients' cancellations: one handler, one batch at a time (its lock).
+            self._lifecycle_runner(
+                "JOBS", "placement-lifecycle", LIFECYCLE_SUBJECTS, shard, idle_fetch_timeout_s
             ),
-            ConsumerRunner(
-                self.ctx.nc,
-                ConsumerSpec(
-                    stream="REQUESTS",
-                    durable=self._durable("placement-cancelled", shard),
-                    filter_subjects=[subjects.JOBS_CANCELLED_ALL],
-                    batch=self.batch,
-                    ack_wait_s=ACK_WAIT_S,
-                ),
-                bytes,
-                # The lifecycle handler, one batch at a time with the JOBS stream's (its lock).
-                batch_handler=self.on_lifecycle,
-                publisher=self.ctx.publisher,
-                idle_fetch_timeout_s=idle_fetch_timeout_s,
-                callback_pull=True,
-                linger_s=LIFECYCLE_LINGER_S,
+            self._lifecycle_runner(
+                "REQUESTS", "placement-cancelled", [subjects.JOBS_CANCELLED_ALL], shard, idle_fetch_timeout_s
             ),
             ConsumerRunner(
                 self.ctx.nc,
@@ -700,6 +672,28 @@ class PlacementService:
                 linger_s=0.0,
             ),
         ]
+
+    def _lifecycle_runner(
+        self, stream: str, name: str, filters: list[str], shard: str, idle_fetch_timeout_s: float
+    ) -> ConsumerRunner[bytes]:
+        return ConsumerRunner(
+            self.ctx.nc,
+            ConsumerSpec(
+                stream=stream,
+                durable=self._durable(name, shard),
+                filter_subjects=filters,
+                batch=self.batch,
+                ack_wait_s=ACK_WAIT_S,
+            ),
+            bytes,
+            batch_handler=self.on_lifecycle,
+            publisher=self.ctx.publisher,
+            idle_fetch_timeout_s=idle_fetch_timeout_s,
+            callback_pull=True,
+            # A few lifecycle events a transaction at a low rate, not one each (a start confirms
+            # a reservation; an end frees GPUs a moment later, no more).
+            linger_s=LIFECYCLE_LINGER_S,
+        )
 
     @contextlib.asynccontextmanager
     async def _tx(self, checked: dict[str, int] | None = None) -> AsyncIterator[asyncpg.Connection]:
