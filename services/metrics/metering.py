@@ -1,9 +1,9 @@
 """Metering inside the metrics service: job lifecycle events -> run records -> priced usage rows.
 
-Two durable consumers named ``metrics-metering`` read ``placed``, ``started``, ``resized``,
-``completed``, ``failed`` and ``requeued`` (the JOBS stream) and clients' ``cancelled`` (the
-REQUESTS stream), one batch at a time between them (the metrics service's reservation overlay
-and its learning are fed from the same deliveries: :attr:`Metering.on_folded`).
+Two durable consumers, ``metrics-metering`` and ``metrics-metering-cancelled``, read ``placed``,
+``started``, ``resized``, ``completed``, ``failed`` and ``requeued`` (the JOBS stream) and clients'
+``cancelled`` (the REQUESTS stream), one batch at a time between them (the metrics service's
+reservation overlay and its learning are fed from the same deliveries: :attr:`Metering.on_folded`).
 Each fetched batch is handled in one PostgreSQL transaction that claims the message ids in the
 inbox (a redelivery changes nothing), folds each event into its attempt's run record
 (:func:`loom.metering.fold`) and, for every record that is complete, replaces the attempt's
@@ -75,13 +75,14 @@ class Metering:
                 "JOBS",
                 subjects.job_events_of("placed", "started", "resized", "completed", "failed", "requeued"),
             ),
-            self._runner("REQUESTS", [subjects.JOBS_CANCELLED_ALL]),
+            # Its own name (the lag gauge and dead letters say which), the inbox's producer the same.
+            self._runner("REQUESTS", [subjects.JOBS_CANCELLED_ALL], f"{CONSUMER}-cancelled"),
         ]
 
-    def _runner(self, stream: str, filters: list[str]) -> ConsumerRunner[bytes]:
+    def _runner(self, stream: str, filters: list[str], durable: str = CONSUMER) -> ConsumerRunner[bytes]:
         return ConsumerRunner(
             self.ctx.nc,
-            ConsumerSpec(stream=stream, durable=CONSUMER, filter_subjects=filters, batch=200),
+            ConsumerSpec(stream=stream, durable=durable, filter_subjects=filters, batch=200),
             bytes,
             batch_handler=self.on_events,
             publisher=self.ctx.publisher,
