@@ -1316,11 +1316,30 @@ class PlacementService:
                 by_tenant=tenant_of.get(shrunk.by),
                 result=applied,
             )
+        victims = sorted(p.job_id for p in result.preempted if p.job_id in self.book.runs)
+        # A victim resumes from its newest checkpoint, as a run lost with its cluster does (and as
+        # the simulator times it); it restarted from step 0, its checkpoints unread.
+        recorded = await moves.checkpoints_of(conn, victims) if victims else {}
+        copies = await replica_store.ready_replicas(conn, victims) if victims else {}
         for preempted in result.preempted:
             run = self.book.runs.get(preempted.job_id)
             if run is not None:
                 by = room_taker(preempted.by, tenant_of.get(preempted.by), run.job.tenant)
-                await self._give_up(conn, run, "preempted", f"preempted by {by}", avoid=(), result=applied)
+                resume = _resume_of(
+                    run,
+                    recorded.get(run.job.job_id, []),
+                    copies.get(run.job.job_id, []),
+                    unreachable=self.failover.failed,
+                )
+                await self._give_up(
+                    conn,
+                    run,
+                    "preempted",
+                    f"preempted by {by}; {resume.why}",
+                    avoid=(),
+                    result=applied,
+                    resume_step=resume.step,
+                )
         await self._write(conn, applied, now, snap.learned)
         if result.probes:
             await self._insert_probes(conn, jobs, applied, now)

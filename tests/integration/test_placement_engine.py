@@ -315,11 +315,18 @@ async def test_a_model_no_cluster_can_hold_runs_as_a_pipeline_over_two(client: L
 
 async def test_a_higher_priority_job_preempts_the_cheapest_victim(client: LoomClient) -> None:
     g2 = Resources(gpus=8, gpu_models=["G2"])
-    long = Work(steps=1_000_000, step_time_s=10.0)
+    long = Work(steps=1_000_000, step_time_s=10.0, checkpoint_every_steps=100)
     for i, prio in enumerate((10, 20, 30, 40)):
         await client.submit(JobSpec(job_id=f"low-{i}", tenant="t2", priority=prio, resources=g2, work=long))
     for i in range(4):
         await until(in_state(client, f"low-{i}", "running"), 30, f"low-{i} running")
+
+    async def checkpointed() -> int | None:
+        job = await client.job("low-0")
+        steps = [e["step"] for e in events_of(job, "checkpointed")] if job else []
+        return max(steps) if steps else None
+
+    saved = await until(checkpointed, 30, "low-0 to record a checkpoint")
     await client.submit(
         JobSpec(
             job_id="urgent", tenant="t1", priority=900, resources=g2, work=Work(steps=10, step_time_s=5.0)
@@ -332,7 +339,11 @@ async def test_a_higher_priority_job_preempts_the_cheapest_victim(client: LoomCl
     requeued = events_of(history, "requeued")
     # Another tenant's job: named as such, not by id (its id told t2 what t1 runs).
     assert requeued and requeued[0]["cause"] == "preempted"
-    assert requeued[0]["reason"] == "preempted by a job of another tenant"
+    reason = requeued[0]["reason"]
+    assert reason.startswith("preempted by a job of another tenant; resumes from its checkpoint at step ")
+    # From its newest checkpoint (it restarted from step 0): at or after the one seen before.
+    resumed = int(reason.split("at step ")[1].split()[0])
+    assert resumed >= saved > 0
     assert victim is not None
     for i in (1, 2, 3):
         # Only preemption is in question: this module's 3 s start-confirmation timeout can requeue a
