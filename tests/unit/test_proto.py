@@ -1,5 +1,6 @@
 """loom_proto: ids safe as subject tokens, strict decoding, fresh generated docs, streams vs request-reply."""
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -471,6 +472,24 @@ def test_a_file_giving_one_job_id_twice_is_refused_before_anything_is_sent(tmp_p
         "- {job_id: a, tenant: t, work: {steps: 2}}\n"
     )
     with pytest.raises(SpecError, match="job id 'a' is given twice"):
+        load_specs(path)
+
+
+def test_a_json_file_with_an_escaped_emoji_is_read_as_the_character_and_a_lone_half_refused(
+    tmp_path: Path,
+) -> None:
+    # What Python's json.dump writes for an emoji: YAML read it as two surrogates, and `loom submit`
+    # failed with a UnicodeEncodeError traceback (a newcomer's walk).
+    from loom.client.sdk import SpecError, load_specs
+
+    path = tmp_path / "job.json"
+    spec = {"job_id": "emoji-1", "tenant": "t", "name": "rocket \U0001f680", "labels": {"\U0001f680": "x"}}
+    path.write_text(json.dumps({**spec, "work": {"steps": 1}}))
+    assert "\\ud83d\\ude80" in path.read_text()
+    (loaded,) = load_specs(path)
+    assert loaded.name == "rocket \U0001f680" and loaded.labels == {"\U0001f680": "x"}
+    path.write_text(json.dumps({**spec, "name": "half \ud83d", "work": {"steps": 1}}))
+    with pytest.raises(SpecError, match=r"job spec 'emoji-1': \$\.name holds a lone UTF-16 surrogate"):
         load_specs(path)
 
 

@@ -73,9 +73,31 @@ class RefusedQueryError(QueryError, InvalidInputError):
     unknown region, a malformed request); the CLI exits 2 for it, as for other bad input."""
 
 
+def _whole_characters(value: Any, path: str = "$") -> Any:
+    """``value`` with each UTF-16 surrogate pair in its texts (keys too) made the one character it
+    stands for; a lone surrogate is refused (:class:`SpecError`, naming where). YAML reads the JSON
+    escape ``"\\ud83d\\ude80"`` (how Python's ``json.dump`` writes an emoji) as two surrogates,
+    which cannot be encoded: ``loom submit`` failed with a traceback on such a file."""
+    if isinstance(value, str):
+        if not any("\ud800" <= ch <= "\udfff" for ch in value):
+            return value
+        try:
+            return value.encode("utf-16", "surrogatepass").decode("utf-16")
+        except UnicodeDecodeError:
+            raise SpecError(f"{path} holds a lone UTF-16 surrogate (half of a character)") from None
+    if isinstance(value, dict):
+        return {_whole_characters(k, path): _whole_characters(v, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_characters(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
 def spec_from_mapping(raw: Mapping[str, Any], *, default_tenant: str | None = None) -> JobSpec:
     """Validate one job spec; a missing ``job_id`` becomes ``<name or 'job'>-<random>``."""
-    data = dict(raw)
+    try:
+        data = dict(_whole_characters(dict(raw)))
+    except SpecError as exc:
+        raise SpecError(f"job spec {raw.get('job_id')!r}: {exc}") from None
     if "job_id" not in data:
         # The name as an id: every run of characters an id may not hold becomes one '-'.
         base = re.sub(r"[^A-Za-z0-9_-]+", "-", str(data.get("name") or "")).strip("-")[:40] or "job"
