@@ -1814,7 +1814,9 @@ class PlacementService:
                 taught.taught = True  # committed: its later progress reports need not offer it again
         for job_id, parts, workers in applied.shrunk + applied.grown:
             if job_id in self.book.runs:
-                self.book.resize_run(job_id, parts, workers, now=applied.at or time.time())
+                resized_at = applied.at or time.time()
+                self.book.resize_run(job_id, parts, workers, now=resized_at)
+                self.failover.nodes.pace.resized(job_id, resized_at)  # its pace starts again
                 self.stats["resized"] += 1
         for run, again, cause in applied.requeued:
             if self.book.drop_run(run.job.job_id, run.attempt, in_snapshot=cause == "preempted") is not None:

@@ -56,6 +56,27 @@ def test_a_new_attempt_drops_the_old_ones_reports_and_late_old_reports_are_ignor
     assert pace.slow("j", 2, 1.0, now_s=25.0) is None
 
 
+def test_a_resized_run_is_judged_on_reports_at_its_new_size_only() -> None:
+    # An elastic job grown from 2 to 8 workers: 0.965 s a step before (its prediction at 2
+    # workers), a report straddling the resize, then exactly the 8-worker prediction. Judged on
+    # the mean of all three against the new prediction it "delivered 41 %", and its nodes (a whole
+    # pool) were closed to new work (a newcomer's walk).
+    pace = _pace()
+    for at in range(0, 12, 2):
+        pace.record("j", 1, float(at), observed_step_s=0.965)
+    pace.resized("j", 11.0)
+    pace.record("j", 1, 10.5, observed_step_s=0.965)  # measured before it: dropped
+    pace.record("j", 1, 12.0, observed_step_s=0.572)  # the first after it: straddles, passed over
+    assert pace.slow("j", 1, predicted_step_s=0.2415, now_s=12.0) is None
+    for at in range(13, 25, 2):
+        pace.record("j", 1, float(at), observed_step_s=0.2415)
+    assert pace.slow("j", 1, predicted_step_s=0.2415, now_s=24.0) is None
+    # Still judged: slow at the new size is slow.
+    for at in range(25, 37, 2):
+        pace.record("j", 1, float(at), observed_step_s=0.7)
+    assert pace.slow("j", 1, predicted_step_s=0.2415, now_s=36.0) is not None
+
+
 def test_suspect_nodes_expire_and_marking_again_extends_never_shortens() -> None:
     suspect = SuspectNodes()
     assert suspect.mark(["n1", "n2"], until_s=100.0, why="slow") == ["n1", "n2"]

@@ -90,11 +90,21 @@ class Pace:
 
     settings: PaceSettings = field(default_factory=PaceSettings)
     _reports: dict[tuple[str, int], deque[tuple[float, float]]] = field(default_factory=dict)
+    _resized: dict[str, float] = field(default_factory=dict)
+    """Job -> when its workers last changed: reports up to the first one after it are passed over."""
 
     def record(self, job_id: str, attempt: int, at_s: float, observed_step_s: float) -> None:
         """One progress report's observed step (reports of an earlier attempt are dropped, a report
         not newer than the run's latest is a repeat)."""
         if observed_step_s <= 0:
+            return
+        resized = self._resized.get(job_id)
+        if resized is not None:
+            if at_s <= resized:
+                return  # measured at the old worker count
+            # The first report after the change averages steps from both sides of it: passed over,
+            # the next ones are all at the new count.
+            del self._resized[job_id]
             return
         for key in [k for k in self._reports if k[0] == job_id and k[1] != attempt]:
             if key[1] < attempt:
@@ -129,6 +139,17 @@ class Pace:
         """The run ended or moved: drop its reports."""
         for key in [k for k in self._reports if k[0] == job_id]:
             del self._reports[key]
+        self._resized.pop(job_id, None)
+
+    def resized(self, job_id: str, at_s: float) -> None:
+        """The run's workers changed at ``at_s`` (an elastic job grown or shrunk): its step time
+        changes with them, so the reports before are dropped and the window starts again. The
+        verdict compared a mean over both worker counts with the new count's prediction: a job
+        grown from 2 to 8 workers "delivered 41 %" at exactly its predicted step, and its nodes
+        (a whole pool) were closed to new work for 10 minutes (a newcomer's walk)."""
+        for key in [k for k in self._reports if k[0] == job_id]:
+            del self._reports[key]
+        self._resized[job_id] = at_s
 
 
 @dataclass
