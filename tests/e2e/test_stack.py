@@ -643,6 +643,11 @@ def test_loom_job_and_explain_of_a_dag_point_to_its_stage_jobs(
     assert refused.returncode == 1, refused.stdout + refused.stderr
     # (whichever placement's answer the CLI sees first: the rejected event, or the job's record)
     assert "already exist" in refused.stderr, refused.stderr
+    # The rejected DAG used to list that other job, completed on its cluster, as its stage.
+    rejected = json.loads(_loom(home, "job", f"c{dag_id}", "--json").stdout)
+    assert [(s["job_id"], s["state"]) for s in rejected["stage_jobs"]] == [
+        (f"c{dag_id}--prep", "not created (the id is another job's)")
+    ]
     # The DAG's own record used to be empty, with no pointer to its stage jobs.
     shown = _loom(home, "job", dag_id)
     assert shown.returncode == 0, shown.stderr

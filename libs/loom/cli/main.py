@@ -614,13 +614,19 @@ async def _stage_jobs(client: LoomClient, job: dict[str, Any]) -> list[dict[str,
     for stage in (job.get("spec") or {}).get("stages") or []:
         stage_id = stage_job_id(job["job_id"], stage["name"])
         found = await client.job(stage_id)
+        if found is None:
+            state, cluster = "not yet created", None
+        elif found.get("parent") != job["job_id"]:  # another job's id (why a DAG was rejected)
+            state, cluster = "not created (the id is another job's)", None
+        else:
+            state, cluster = found["state"], found.get("cluster")
         out.append(
             {
                 "stage": stage["name"],
                 "job_id": stage_id,
                 "depends_on": stage.get("depends_on", []),
-                "state": found["state"] if found else "not yet created",
-                "cluster": found.get("cluster") if found else None,
+                "state": state,
+                "cluster": cluster,
             }
         )
     return out

@@ -664,6 +664,7 @@ async def get_job(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> dict[
     if row is None:
         return None
     out = _job_dict(row)
+    out["parent"] = row["parent"]  # the DAG a stage's job belongs to (None for any other job)
     out["spec"] = json.loads(row["spec"])
     out["trace_id"] = trace_id_of(json.loads(row["trace_context"] or "{}"))
     events = await conn.fetch(
