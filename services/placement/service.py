@@ -117,6 +117,7 @@ from loom.sched.cycle import (
     stage_beyond_quota,
 )
 from loom.sched.framework import Decision, Framework
+from loom.sched.framework import Status as Verdict
 from loom.sched.plugins.network import AlphaLearner, predict_step_s
 from loom.sched.probe import PROBE_LABEL, ProbeSettings
 from loom.sched.profile import build_framework
@@ -1201,15 +1202,31 @@ class PlacementService:
         fresh_jobs = plain + queued_children
         return fresh_jobs, dup_rejects
 
+    def _stage_never_fits(self, stages: Mapping[str, JobSpec]) -> tuple[str, Verdict] | None:
+        """The first of a DAG's stages (name -> its job) that could never run as asked on this
+        platform, with why (:meth:`Framework.never_fits`); None when each could, or while the
+        clusters have not settled (an agent not yet heard from may hold what a stage needs: the
+        cycle rejects nothing then either)."""
+        if time.monotonic() < self.settled_at:
+            return None
+        snap = self.book.snapshot(time.time())
+        for name, job in stages.items():
+            status = self.framework.never_fits(job, snap)
+            if status is not None:
+                return name, status
+        return None
+
     async def _expand_dag(self, conn: asyncpg.Connection, q: QueuedJob) -> list[QueuedJob]:
         """Insert a DAG job's stages: those without dependencies are queued, the rest wait."""
         children = dag.expand(q.job)  # validated at admission (cycle.admission_check)
         deps = dag.dependencies(q.job.stages)
         by_stage = {c.labels[dag.STAGE_LABEL]: c for c in children}
         taken = await repo.existing_jobs(conn, [c.job_id for c in children])
-        # A stage more than its tenant's quota could ever hold: refused whole, now.
+        # A stage more than its tenant's quota could ever hold, or that no cluster could ever
+        # hold as asked: refused whole, now, rather than after the stages before it ran.
         beyond = stage_beyond_quota(by_stage, self.book.tenants)
-        if taken or beyond:
+        never = None if taken or beyond else self._stage_never_fits(by_stage)
+        if taken or beyond or never:
             # A stage's job id is someone else's job already: refuse the DAG rather than run it
             # without that stage.
             code: RejectCode = "invalid"
@@ -1220,6 +1237,9 @@ class PlacementService:
                 stage, verdict = beyond
                 code = "unknown_tenant" if verdict.unknown_tenant else "quota"
                 reason = f"stage {stage}: {verdict.reason}"
+            elif never is not None:
+                stage, status = never
+                code, reason = status.reject, f"stage {stage}: {status.reason}"
             await repo.set_state(conn, [q.job.job_id], "rejected", ["running"], reason)
             event = rejection(q.job.job_id, q.job.tenant, code, reason)
             msg_id = f"{q.job.job_id}:rejected"

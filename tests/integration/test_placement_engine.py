@@ -136,6 +136,29 @@ async def test_a_cyclic_dag_is_rejected_at_once_and_stores_nothing(
     assert await client.job("cyc1--a") is None
 
 
+async def test_a_dag_with_a_stage_no_cluster_could_ever_hold_is_rejected_before_any_stage_runs(
+    client: LoomClient,
+) -> None:
+    # Its first stage ran to completion, then the second was rejected and the DAG failed (a
+    # newcomer's walk): what could be known at once is said at once, nothing run for it.
+    await client.submit(
+        JobSpec(
+            job_id="dag-never",
+            tenant="t1",
+            work=Work(steps=1),
+            stages=[
+                Stage(name="a", work=Work(steps=20, step_time_s=20.0), resources=Resources(gpus=1)),
+                Stage(name="b", depends_on=["a"], work=Work(steps=10), resources=Resources(gpus=32)),
+            ],
+        )
+    )
+    job = await until(in_state(client, "dag-never", "rejected"), 15, "dag-never rejected")
+    (rejected,) = events_of(job, "rejected")
+    assert rejected["code"] == "impossible", rejected
+    assert rejected["reason"].startswith("stage b: ") and "can never fit" in rejected["reason"]
+    assert await client.job("dag-never--a") is None, "no stage was created, none ran"
+
+
 async def test_a_gang_too_big_for_one_cluster_spans_two_and_frees_every_part(
     client: LoomClient, db: asyncpg.Connection
 ) -> None:

@@ -1755,6 +1755,22 @@ class Framework:
         record.reason = _placed_reason(decision)
         return Outcome(SUCCESS, decision, record)
 
+    def never_fits(self, job: JobSpec, snap: Snapshot) -> Status | None:
+        """The UNRESOLVABLE status when ``job`` could not run as asked even on an empty platform
+        (a pre-filter's refusal, or no allowed cluster ever holding it: :meth:`why_nothing_fits`),
+        else None. Reads ``snap``, changes nothing. A pipeline is planned when it runs: None.
+        Placement asks it of a DAG's stages at admission: a stage that could never run was found
+        only when its turn came, after the stages before it had run (a newcomer's walk)."""
+        if job.pipeline is not None:
+            return None
+        state = self.new_state(job, snap)
+        status = self.run_pre_filters(state)
+        if not status.ok:
+            return status if status.code == Code.UNRESOLVABLE else None
+        state.policy_mask = state.cluster_mask.copy()  # what the job allows, whatever is free now
+        why = self.why_nothing_fits(state)
+        return why if why.code == Code.UNRESOLVABLE else None
+
     def why_nothing_fits(self, state: CycleState) -> Status:
         """UNRESOLVABLE when the job could not fit even on an empty platform, else UNSCHEDULABLE."""
         snap = state.snapshot
