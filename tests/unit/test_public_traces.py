@@ -148,9 +148,13 @@ def test_philly_jobs_become_gangs_of_their_servers_and_attempts_add_up(philly: P
     ran_s = (74.0) + (_utc("2017-10-09 06:53:12") - _utc("2017-10-07 01:13:30"))
     family = single.spec.labels["family"]
     work_s = single.spec.work.steps * single.spec.work.step_time_s
-    assert work_s == pytest.approx(ran_s * truth.speed(family, "P100").speed, rel=1e-9)
+    # Per GPU with its 8 GPUs in one node, as the trace ran it and the simulator times it (at one
+    # GPU's speed, which the 8 do not each reach, it replayed far longer than recorded).
+    eight = truth.speed(family, "P100", gpus_per_node=8).speed
+    assert eight < truth.speed(family, "P100").speed
+    assert work_s == pytest.approx(ran_s * eight, rel=1e-9)
     # On a P100 the truth runs it exactly as long as the trace says.
-    assert work_s / truth.speed(family, "P100").speed == pytest.approx(ran_s, rel=1e-9)
+    assert work_s / eight == pytest.approx(ran_s, rel=1e-9)
     # Arrivals from the first submission; tenants are the virtual clusters.
     assert single.arrival_s == 0.0
     assert gang.arrival_s == pytest.approx(_utc("2017-10-07 01:30:00") - _utc("2017-10-07 01:11:39"))
@@ -206,7 +210,8 @@ def test_acme_times_with_offsets_and_its_a100_default(tmp_path: Path) -> None:
     assert (third.spec.workers, third.spec.resources.gpus) == (4, 8)
     family = second.spec.labels["family"]
     work = second.spec.work.steps * second.spec.work.step_time_s
-    assert work == pytest.approx(2693.0 * truth.speed(family, "A100").speed, rel=1e-9)
+    per_node = second.spec.resources.gpus  # a worker's GPUs in one node, as the trace ran it
+    assert work == pytest.approx(2693.0 * truth.speed(family, "A100", gpus_per_node=per_node).speed, rel=1e-9)
 
 
 def test_a_helios_log_without_duration_uses_start_and_end(tmp_path: Path) -> None:
@@ -215,7 +220,9 @@ def test_a_helios_log_without_duration_uses_start_and_end(tmp_path: Path) -> Non
         "7,u1,2,1,2020-06-09 18:00:00,2020-06-09 18:10:00,2020-06-09 19:10:00\n"
     )
     (job,) = load_public(_write(tmp_path, "log.csv", text)).jobs
-    assert job.spec.work.steps * job.spec.work.step_time_s == pytest.approx(3600.0)
+    speed = load_truth().speed(job.spec.labels["family"], "V100M16", gpus_per_node=2).speed
+    # An hour of its two V100s in one node (Helios' GPU): the simulator times it back to an hour.
+    assert job.spec.work.steps * job.spec.work.step_time_s == pytest.approx(3600.0 * speed)
 
 
 def test_limit_start_and_seed(philly: Path, tmp_path: Path) -> None:
@@ -391,12 +398,14 @@ def test_pai_tasks_run_on_the_gpu_type_the_trace_names(tmp_path: Path) -> None:
     ):
         job = by_id[job_id]
         work = job.spec.work.steps * job.spec.work.step_time_s
-        assert work == pytest.approx(ran_s * truth.speed(job.spec.labels["family"], model).speed, rel=1e-9)
+        speed = truth.speed(job.spec.labels["family"], model, gpus_per_node=job.spec.resources.gpus).speed
+        assert work == pytest.approx(ran_s * speed, rel=1e-9)
     # --trace-gpu puts every task on one GPU instead
     forced = {j.spec.job_id: j for j in load_public(path, seed=1, trace_gpu="A100").jobs}
     t4 = forced["b2-worker"]
     work = t4.spec.work.steps * t4.spec.work.step_time_s
-    assert work == pytest.approx(4000.0 * truth.speed(t4.spec.labels["family"], "A100").speed, rel=1e-9)
+    speed = truth.speed(t4.spec.labels["family"], "A100", gpus_per_node=t4.spec.resources.gpus).speed
+    assert work == pytest.approx(4000.0 * speed, rel=1e-9)
     bad = _write(tmp_path, "bad.csv", PAI_ROWS[1].replace("V100", "Z80") + "\n")
     with pytest.raises(WorkloadError, match="unknown gpu_type 'Z80'") as caught:
         load_public(bad, "pai")

@@ -41,7 +41,8 @@ what was skipped or assumed goes to ``Trace.source``):
   ``family``; its V100 step time is Gavel's, or Transformer's scaled by parameters, as in
   :func:`loom.sim.workloads.philly_like`.
 - **Work.** The trace measured how long the job ran on *its* GPUs; the rule is that work in
-  reference-GPU seconds is ``duration x the truth's speed of the job's family on trace_gpu`` (so
+  reference-GPU seconds is ``duration x the truth's speed of the job's family on trace_gpu`` with
+  a worker's GPUs in one node, as the trace ran it (so
   on ``trace_gpu`` the simulator, timed by the same truth, computes it exactly as long as the trace
   says; a gang's all-reduce over the links it gets comes on top, as the trace's duration already
   held its own: a gang replays somewhat longer than recorded). Philly: the sum of its attempts
@@ -569,7 +570,10 @@ def _trace(
         family = rng.choice(chosen)
         params, step_s = family_step_s(family)
         ran_on = trace_gpu if forced_gpu or job.gpu_model is None else job.gpu_model
-        true = truth.speed(family, ran_on)
+        # Per GPU, with the worker's GPUs in one node as the trace ran it (and as the simulator
+        # times it): at one GPU's speed an 8-GPU job replayed 2.3x longer than recorded, on the
+        # very GPU it was measured on (a newcomer's walk).
+        true = truth.speed(family, ran_on, gpus_per_node=max(job.gpus, 1))
         if true.rule == "unknown-gpu":
             raise WorkloadError(f"GPU {ran_on!r} is not known to the truth tables", path=where, line=job.line)
         speed = true.speed
