@@ -508,3 +508,68 @@ def test_trace_start_skips_the_first_seconds_of_a_public_trace(tmp_path: Path) -
     generic = resolve(_policies_args("--workload", str(tmp_path / "mix.jsonl"), "--trace-start", "5"))
     with pytest.raises(OptionError, match="the generic format"):
         build_workload(generic, load_topology())
+
+
+def test_a_philly_attempt_whose_servers_or_gpus_are_not_lists_is_refused_in_one_line(tmp_path: Path) -> None:
+    # "detail": 5 failed with a TypeError traceback; "gpus": "gpu0,gpu1" was read as 9 GPUs.
+    for detail, said in (
+        (5, "detail is not a list of servers"),
+        ([{"ip": "m1", "gpus": "gpu0,gpu1"}], "gpus is not a list of GPU names"),
+    ):
+        jobs = _philly_jobs()[:1]
+        jobs[0]["attempts"][-1]["detail"] = detail  # type: ignore[index]
+        path = _write(tmp_path, "cluster_job_log", json.dumps(jobs))
+        with pytest.raises(WorkloadError, match=said):
+            load_public(path)
+
+
+def test_a_job_recorded_as_running_over_a_year_is_left_out_and_counted(tmp_path: Path) -> None:
+    # 1e300 s played out for minutes; 1.7e308 s overflowed (duration x speed) with a traceback.
+    text = (
+        "job_id,gpu_num,node_num,submit_time,duration\n"
+        "1,1,1,2020-04-01 00:00:00,3600\n"
+        "2,1,1,2020-04-01 00:01:00,1.7e308\n"
+        "3,1,1,2020-04-01 00:02:00,1e300\n"
+        f"4,1,1,2020-04-01 00:03:00,{366 * 86_400}\n"
+    )
+    trace = load_public(_write(tmp_path, "cluster_log.csv", text), trace_gpu="A100")
+    assert [j.spec.job_id for j in trace.jobs] == ["1"]
+    assert "3 over a year" in trace.source
+
+
+def test_a_generic_row_of_infinite_or_years_of_work_is_refused_in_its_own_terms(tmp_path: Path) -> None:
+    # inf failed with an OverflowError traceback; 1e20 was told of `$.work.steps`, a field the row
+    # did not give.
+    for value, said in (
+        ("inf", "gpu_seconds must be a finite number"),
+        ("1e20", r"job 'a' runs .* days at the reference speed \(gpu_seconds 1e\+20 over 1 GPU"),
+    ):
+        path = _write(tmp_path, "w.csv", f"arrival_s,job_id,gpu_seconds\n0,a,{value}\n")
+        with pytest.raises(WorkloadError, match=said) as refused:
+            load_workload(path)
+        assert "$." not in str(refused.value) and ":2:" in str(refused.value)
+    path = _write(tmp_path, "s.csv", "arrival_s,job_id,steps,step_time_s\n0,a,1000000000000,1\n")
+    with pytest.raises(
+        WorkloadError, match=r"runs .* days at the reference speed \(1000000000000 steps of 1 s\)"
+    ):
+        load_workload(path)
+
+
+def test_an_alibaba_pod_out_of_bounds_is_refused_by_its_column_and_one_running_for_years_left_out(
+    tmp_path: Path,
+) -> None:
+    header = (
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,"
+        "creation_time,deletion_time,scheduled_time\n"
+    )
+    ok = "openb-pod-0000,1000,1024,1,1000,,LS,Running,0,3600,10\n"
+    # num_gpu 1000 failed with a msgspec traceback naming $.resources.gpus.
+    with pytest.raises(WorkloadError, match=r"num_gpu") as refused:
+        load_alibaba(
+            _write(tmp_path, "p.csv", header + ok + ok.replace("0000,1000,1024,1,", "0001,1000,1024,1000,"))
+        )
+    assert "$." not in str(refused.value) and ":3" in str(refused.value)
+    forever = ok.replace("0000", "0002").replace(",3600,", ",1e300,")
+    trace = load_alibaba(_write(tmp_path, "q.csv", header + ok + forever))
+    assert [j.spec.job_id for j in trace.jobs] == ["openb-pod-0000"]
+    assert "1 running over a year" in trace.source

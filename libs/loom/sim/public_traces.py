@@ -120,6 +120,9 @@ the ``helios`` format with a ``type`` column)."""
 MAX_GPUS_PER_WORKER: Final = 8
 """The most GPUs one worker (one node) takes when a trace's job must be cut into workers."""
 
+MAX_RECORDED_S: Final = 365 * 86_400.0
+"""The longest run a trace's job may be recorded with: one over a year is left out (counted)."""
+
 _SNIFF_BYTES: Final = 65_536
 _ABSENT: Final = frozenset({"", "none", "null", "nan", "nat"})
 _SECONDS: Final = re.compile(r"\d+(\.\d*)?")
@@ -334,7 +337,7 @@ def _philly_job(entry: Mapping[str, Any], line: int, where: str, counts: Counter
         if start is not None and end is not None and end > start:
             total += end - start
         if attempt.get("detail"):
-            servers = list(attempt["detail"])
+            servers = _servers(attempt["detail"], job_id, where)
     last_end = attempts[-1].get("end_time") if isinstance(attempts[-1], dict) else None
     if _time(last_end, "end_time", where, None) is None and attempts[-1].get("start_time"):
         counts["still_running"] += 1
@@ -355,6 +358,26 @@ def _philly_job(entry: Mapping[str, Any], line: int, where: str, counts: Counter
         counts["reshaped"] += 1
     tenant = _owner(entry.get("vc"), entry.get("user"))
     return _Job(line, job_id, tenant, submitted, workers, per_worker, total, str(entry.get("status") or ""))
+
+
+def _recorded_sanely(jobs: list[_Job], counts: Counter[str]) -> list[_Job]:
+    """A job recorded as running over a year is a broken row (or a unit mistake), not a measurement:
+    left out and counted (one row must not refuse the whole trace; played out, a duration of
+    1e300 s ran for minutes, and 1.7e308 s overflowed)."""
+    sane = [j for j in jobs if j.duration_s <= MAX_RECORDED_S]
+    counts["over_a_year"] = len(jobs) - len(sane)
+    return sane
+
+
+def _servers(detail: Any, job_id: str, where: str) -> list[Any]:
+    """An attempt's ``detail``: its servers, each a list of GPU names (a string's length counted
+    its characters as GPUs, "gpu0,gpu1" as 9; a number failed with a TypeError)."""
+    if not isinstance(detail, list):
+        raise WorkloadError(f"job {job_id}: an attempt's detail is not a list of servers", path=where)
+    for server in detail:
+        if isinstance(server, dict) and not isinstance(server.get("gpus") or [], list):
+            raise WorkloadError(f"job {job_id}: a server's gpus is not a list of GPU names", path=where)
+    return detail
 
 
 def _read_helios(path: str | Path) -> _Read:
@@ -553,7 +576,7 @@ def _trace(
     topology = topology if topology is not None else load_topology()
     regions = sorted(r.id for r in topology.regions)
     rng = random.Random(seed)
-    jobs = sorted(jobs, key=lambda j: (j.submit_s, j.line))
+    jobs = sorted(_recorded_sanely(jobs, counts), key=lambda j: (j.submit_s, j.line))
     first = jobs[0].submit_s if jobs else 0.0
     kept = [j for j in jobs if j.submit_s - first >= start_s]
     counts["before_start"] = len(jobs) - len(kept)
@@ -608,6 +631,7 @@ def _trace(
         f"{MAX_GPUS_PER_WORKER} GPUs; {counts['fractional']} fractional-GPU tasks given whole GPUs;"
         f" {counts['renamed']} job ids renamed (repeated, or not letters, digits, _ and -);"
         f" end states {dict(sorted(states.items()))}; family drawn per job from "
-        f"{', '.join(chosen)}; work = duration x truth speed {ran_on_text}; seed={seed}"
+        f"{', '.join(chosen)}; work = duration x truth speed {ran_on_text}"
+        f" (per GPU, a worker's GPUs in one node); seed={seed}"
     )
     return Trace(out, [], source)

@@ -47,7 +47,7 @@ from loom.model.topology import Topology, load_topology
 from loom.sched.pipeline import DEFAULT_USABLE_FRACTION
 from loom.sim.model import EventError, EventKind, JobClass, SimEvent, SimJob, Trace
 from loom.sim.truth import Truth, load_truth
-from loom_proto.ids import InvalidIdError, validate_id
+from loom_proto.ids import InvalidIdError, plain_words, validate_id
 from loom_proto.jobs import (
     Affinity,
     Communication,
@@ -586,38 +586,65 @@ def load_alibaba(
         fractional = task.num_gpu == 0 or (task.num_gpu == 1 and 0 < task.gpu_milli < 1000)
         counts["fractional"] += fractional
         task_type: TaskType = "inference" if task.qos in inference else "training_compute"
+        if not duration * time_scale <= MAX_JOB_S:
+            counts["over_a_year"] += 1  # a broken row, not a measurement (1e300 s overflowed)
+            continue
         work_s = duration * time_scale * _slowest_speed(task.gpu_models, task_type)
         steps = max(1, round(work_s / ALIBABA_STEP_S))
         labels = {"qos": task.qos, "phase": task.phase, "gpu_milli": str(task.gpu_milli)}
-        spec = msgspec.convert(
-            {
-                "job_id": task.name,
-                "tenant": ALIBABA_TENANT,
-                "task_type": task_type,
-                "resources": {
-                    "gpus": max(task.num_gpu, 1),
-                    "gpu_models": list(task.gpu_models),
-                    "cpu_milli": task.cpu_milli,
-                    "memory_mib": task.memory_mib,
-                },
-                "work": {"steps": steps, "step_time_s": work_s / steps},
-                "labels": {k: v for k, v in labels.items() if v},
-            },
-            JobSpec,
-        )
+        try:
+            spec = _pod_spec(task, task_type, steps, work_s, labels)
+        except msgspec.ValidationError as exc:
+            raise WorkloadError(_pod_words(str(exc)), path=str(path), line=task.line) from None
         arrival = ((task.creation_s or 0.0) - first) * time_scale * arrival_scale
         jobs.append(SimJob(spec, arrival, "batch", rng.choice(regions)))
 
     source = (
         f"{path.name}: {ALIBABA_CITATION}; {len(tasks)} rows, {len(jobs)} GPU tasks kept; skipped "
         f"{counts['cpu_only']} CPU-only, {counts['never_scheduled']} never scheduled, "
-        f"{counts['no_duration']} without a valid duration, {counts['before_start']} created before "
+        f"{counts['no_duration']} without a valid duration, {counts['over_a_year']} running over a year, "
+        f"{counts['before_start']} created before "
         f"start_s={start_s}, {counts['beyond_limit']} beyond the limit; "
         f"{counts['fractional']} fractional-GPU tasks given a whole GPU; {resampled} tasks' times "
         "resampled; work = duration x SCU of the slowest allowed model (V100M16 when unconstrained); "
         f"time_scale={time_scale}, arrival_scale={arrival_scale}, seed={seed}"
     )
     return Trace(jobs, source=source)
+
+
+_POD_FIELDS: Final = {
+    "$.resources.gpus": "num_gpu",
+    "$.resources.cpu_milli": "cpu_milli",
+    "$.resources.memory_mib": "memory_mib",
+    "$.resources.gpu_models": "gpu_spec",
+    "$.work.steps": "the run (deletion_time - scheduled_time)",
+}
+
+
+def _pod_words(error: str) -> str:
+    """A pod's validation error in the pod list's own column names (it named ``$.resources.gpus``)."""
+    for internal, column in _POD_FIELDS.items():
+        error = error.replace(f"`{internal}`", column).replace(internal, column)
+    return plain_words(error)
+
+
+def _pod_spec(task: _Task, task_type: TaskType, steps: int, work_s: float, labels: dict[str, str]) -> JobSpec:
+    return msgspec.convert(
+        {
+            "job_id": task.name,
+            "tenant": ALIBABA_TENANT,
+            "task_type": task_type,
+            "resources": {
+                "gpus": max(task.num_gpu, 1),
+                "gpu_models": list(task.gpu_models),
+                "cpu_milli": task.cpu_milli,
+                "memory_mib": task.memory_mib,
+            },
+            "work": {"steps": steps, "step_time_s": work_s / steps},
+            "labels": {k: v for k, v in labels.items() if v},
+        },
+        JobSpec,
+    )
 
 
 # ---- the generic format --------------------------------------------------------------------------
@@ -698,19 +725,44 @@ COLUMNS: Final[tuple[str, ...]] = tuple(f.encode_name for f in msgspec.structs.f
 
 
 def _work(row: WorkloadRow) -> tuple[int, float]:
+    """(steps, seconds a step); a job over :data:`MAX_JOB_S` at the reference speed is refused
+    here, in the row's own terms (an infinite ``gpu_seconds`` failed with an OverflowError, a huge
+    one was told of ``$.work.steps``, a field the row did not give)."""
     if row.gpu_seconds is not None:
         if row.step_time_s is not None:
             raise ValueError("give either step_time_s (with steps) or gpu_seconds, not both")
+        if not math.isfinite(row.gpu_seconds):
+            raise ValueError(f"gpu_seconds must be a finite number of seconds, got {row.gpu_seconds}")
         wall_s = row.gpu_seconds / (row.gpus * row.workers)
+        if not wall_s <= MAX_JOB_S:
+            raise ValueError(
+                _years(
+                    row.job_id,
+                    wall_s,
+                    f"gpu_seconds {row.gpu_seconds:g} over {row.gpus * row.workers} GPU(s)",
+                )
+            )
         steps = row.steps or max(1, round(wall_s / DEFAULT_STEP_S))
         return steps, wall_s / steps
     if row.step_time_s is not None:
         if row.steps is None:
             raise ValueError("missing field `steps` (step_time_s is per step)")
+        if not row.steps * row.step_time_s <= MAX_JOB_S:
+            raise ValueError(
+                _years(row.job_id, row.steps * row.step_time_s, f"{row.steps} steps of {row.step_time_s:g} s")
+            )
         return row.steps, row.step_time_s
     if row.layers and row.steps is not None:
         return row.steps, sum(layer.compute_s for layer in row.layers)
     raise ValueError("missing work: give `steps` and `step_time_s`, or `gpu_seconds`")
+
+
+def _years(job_id: str, seconds: float, work: str) -> str:
+    """Why a job of ``seconds`` at the reference speed is refused (:data:`MAX_JOB_S`)."""
+    return (
+        f"job {job_id!r} runs {seconds / 86_400:,.0f} days at the reference speed ({work});"
+        f" at most {MAX_JOB_S / 86_400:.0f}: a unit mistake (ms as s)?"
+    )
 
 
 def row_to_job(row: WorkloadRow) -> SimJob:
@@ -936,11 +988,13 @@ def _not_years(job: SimJob) -> None:
     mistake, and the simulator would play it out for ever). Not applied to a public trace: its
     durations are measured, and one long job must not refuse the whole trace."""
     work = job.spec.work
-    days = work.steps * work.step_time_s / 86_400.0
     if work.steps * work.step_time_s > MAX_JOB_S:
         raise InvalidInputError(
-            f"job {job.spec.job_id!r} runs {days:,.0f} days at the reference speed ({work.steps} steps of"
-            f" {work.step_time_s:g} s); at most {MAX_JOB_S / 86_400:.0f}: a unit mistake (ms as s)?"
+            _years(
+                job.spec.job_id,
+                work.steps * work.step_time_s,
+                f"{work.steps} steps of {work.step_time_s:g} s",
+            )
         )
 
 
