@@ -779,6 +779,12 @@ def test_a_workload_with_no_jobs_or_a_name_the_platform_lacks_is_refused_by_the_
         r"affinity regions names 'mars-1', not on the platform",
     )
     refused(job + ', "affinity": {"avoid_clusters": ["c-x"]}}\n', r"affinity avoid_clusters names 'c-x'")
+    # Only models the library knows but the platform lacks: it stayed "unfinished", unexplained.
+    refused(
+        job + ', "gpu_models": ["A100", "h100"]}\n',
+        r"job 'a': no cluster of the platform has GPU model\(s\) 'A100', 'h100' .* could never run;"
+        r" the platform's: .*G2",
+    )
     path = tmp_path / "ok.jsonl"
     # A model the library knows but not the platform; a name in another case, as placement matches.
     path.write_text(job + ', "gpu_models": ["B200", "t4"], "affinity": {"regions": ["aws-us-east-2"]}}\n')

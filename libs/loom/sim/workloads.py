@@ -1091,7 +1091,8 @@ def check_trace(
     what was meant: no job at all (an empty file, a header or comments only, events only, a public
     trace none of whose jobs can be replayed); a job the service would refuse at admission
     (:func:`_admissible`); a ``gpu_models`` name (in any case, as placement matches them) that
-    neither the profile library nor the platform knows (``models``: the platform's), or an
+    neither the profile library nor the platform knows (``models``: the platform's), or that
+    names only models the platform lacks (it could never run there), or an
     affinity naming a region or cluster the platform does not have (``regions`` / ``clusters``).
     Before, such a job was only counted rejected, so a typo quietly shrank the workload."""
     if not trace.jobs:
@@ -1109,6 +1110,17 @@ def check_trace(
             raise WorkloadError(
                 f"job {name}: unknown GPU model(s) {', '.join(map(repr, unknown))} in gpu_models;"
                 f" known: {', '.join(sorted(known_models))}",
+                path=where,
+            )
+        on_platform = {m.upper() for m in models} if models is not None else None
+        wanted = spec.resources.gpu_models
+        if on_platform is not None and wanted and not any(m.upper() in on_platform for m in wanted):
+            # Placement waits for a cluster of those GPUs to join; the simulated platform never
+            # changes, so the job stayed "unfinished" without a word (a newcomer's "A100", where
+            # the packaged topologies name their A100s G2 and G3).
+            raise WorkloadError(
+                f"job {name}: no cluster of the platform has GPU model(s) {', '.join(map(repr, wanted))}"
+                f" in gpu_models, so it could never run; the platform's: {', '.join(sorted(models or ()))}",
                 path=where,
             )
         affinity = spec.affinity
