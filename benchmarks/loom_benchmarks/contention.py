@@ -406,6 +406,11 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     policies = parse_names(args.policies, tuple(POLICIES), "policy")
     grid = cells(platforms, workloads, loads, seeds)
     truth = resolve_truth(args.truth)
+    from loom_benchmarks.policies import dangling_aliases, unknown_truth_gpus
+
+    built = [platform_and_topology(name)[0] for name in platforms]
+    # Said before the cells run, as `loom bench policies` says it (the grid too).
+    unknown_gpus = unknown_truth_gpus(truth, *built, warn=True)
     started = time.perf_counter()
     results = []
     for i, cell in enumerate(grid):
@@ -424,6 +429,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
             "units": args.units,
             "duration_scale": DURATION_SCALE,
             "timed_by": args.truth or "truth (packaged Gavel + Lambda tables)",
+            "truth_unknown_gpus": unknown_gpus,
+            "truth_dangling_gpu_aliases": dangling_aliases(truth, *built),
             "gang_workers": GANG_WORKERS,
             "stage_data": bool(args.stage_data),
             "margin": "(best baseline - loom) / best baseline on mean JCT: positive, Loom is better",

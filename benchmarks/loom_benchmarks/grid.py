@@ -615,6 +615,7 @@ def run_grid(
     """Run every cell and seed of ``spec`` (over ``processes`` worker processes when above 1) and
     aggregate: ``{"lines": [...], "seeds": [...], "spanning_penalty": [...], ...}``."""
     say = progress or (lambda _s: None)
+    truth_notes = _truth_notes(spec)
     cells = set(spec.cells())
     tasks = [
         (p, load, span, w, seed, tuple(spec.policies), int(spec.jobs.get(w, FILE_JOBS)), spec.truth_path)
@@ -667,7 +668,25 @@ def run_grid(
             " oracle is a bound, not a baseline",
             "load": "offered reference-GPU-hours per hour / the platform's reference capacity (GPUs x the"
             " model's median true speed), from the trace's own work",
+            **truth_notes,
         },
+    }
+
+
+def _truth_notes(spec: GridSpec) -> dict[str, Any]:
+    """What of a ``--truth`` file times nothing on the grid's platforms, warned on stderr before the
+    cells run (as a single ``loom bench policies`` run warns): cells of GPU models no platform or
+    profile has, and the platforms' GPU models aliased to a GPU no cell measures."""
+    if spec.truth_path in (None, "belief"):
+        return {}
+    from loom.sim.truth import load_truth
+    from loom_benchmarks.policies import dangling_aliases, unknown_truth_gpus
+
+    truth = load_truth(spec.truth_path)
+    built = [_platform_cached(name)[1] for name in dict.fromkeys(spec.platforms)]
+    return {
+        "truth_unknown_gpus": unknown_truth_gpus(truth, *built, warn=True),
+        "truth_dangling_gpu_aliases": dangling_aliases(truth, *built),
     }
 
 

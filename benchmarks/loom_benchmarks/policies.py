@@ -554,6 +554,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
             "jobs_asked": options.jobs,
             "sample_every_s": every_s,
             "truth_unknown_gpus": unused,
+            "truth_dangling_gpu_aliases": dangling_aliases(truth, built),
             "truth": (
                 "belief: jobs timed by the scheduler's own belief (profiles x what it learned)"
                 if options.truth == BELIEF_NAME
@@ -625,17 +626,18 @@ def _with_arrival_utilisation(
     return summaries
 
 
-def unknown_truth_gpus(truth: object, built: "Platform", *, warn: bool = False) -> list[str]:
-    """GPU models the truth file measured that neither the platform nor the profile library has
+def unknown_truth_gpus(truth: object, *platforms: "Platform", warn: bool = False) -> list[str]:
+    """GPU models the truth file measured that neither the platforms nor the profile library has
     (so no job is ever timed by them): a misspelt name, whose cells would otherwise be dropped
-    without a word. With ``warn``, also said on stderr whatever the output format."""
+    without a word. With ``warn``, also said on stderr whatever the output format, with the
+    platforms' GPU models the file aliases to a GPU no cell measures (:func:`dangling_aliases`)."""
     from loom.model.profiles import library_models
     from loom.sim.truth import Truth
 
     if not isinstance(truth, Truth):
         return []
-    known = {m.upper() for m in library_models()} | {n.gpu_model.upper() for n in built.nodes if n.gpu_model}
-    known |= {k.upper() for k in truth.gpu_aliases}
+    on_platforms = {n.gpu_model.upper() for built in platforms for n in built.nodes if n.gpu_model}
+    known = {m.upper() for m in library_models()} | on_platforms | {k.upper() for k in truth.gpu_aliases}
     unused = sorted({c.gpu_model for c in truth.cells} - known)
     if unused and warn:
         print(
@@ -643,7 +645,26 @@ def unknown_truth_gpus(truth: object, built: "Platform", *, warn: bool = False) 
             " platform or of the profile library: they time nothing (a typo?)",
             file=sys.stderr,
         )
+    dangling = dangling_aliases(truth, *platforms)
+    if dangling and warn:
+        named = ", ".join(f"{k} -> {v}" for k, v in dangling.items())
+        print(
+            f"warning: the truth file aliases the platform's GPU model(s) {named}, which no cell"
+            " measures: those GPUs are timed by the derivation rules as unknown ones (a typo?)",
+            file=sys.stderr,
+        )
     return unused
+
+
+def dangling_aliases(truth: object, *platforms: "Platform") -> dict[str, str]:
+    """The platforms' GPU models the truth file's ``gpu_aliases`` send to a GPU no cell measures
+    (alias -> target): a typo there ("A1000") timed every job on them at the reference speed."""
+    from loom.sim.truth import Truth
+
+    if not isinstance(truth, Truth):
+        return {}
+    on_platforms = {n.gpu_model.upper() for built in platforms for n in built.nodes if n.gpu_model}
+    return {k: v for k, v in truth.dangling_gpu_aliases().items() if k.upper() in on_platforms}
 
 
 # ---- output -----------------------------------------------------------------------------------

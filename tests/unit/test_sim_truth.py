@@ -848,6 +848,13 @@ def test_a_gpu_measured_only_on_several_gpus_a_node_is_timed_from_that_cell_not_
             ),
             r"families\['resnet-50'\]\.task_type must be one of training_compute, .*got 'training_computee'",
         ),
+        (
+            # A field's name misspelt: the family went without its task type, silently.
+            tiny(
+                [c("resnet-50", "V100M16", 400.0)], families={"resnet-50": {"tasktype": "training_compute"}}
+            ),
+            r"families\['resnet-50'\] must be an object of about, task_type; it has 'tasktype'",
+        ),
     ],
 )
 def test_a_truth_file_with_an_unknown_cell_field_or_task_type_is_refused(document: Any, message: str) -> None:
@@ -863,6 +870,26 @@ def test_truth_cells_of_a_gpu_no_one_has_are_named_and_the_report_warns(tmp_path
     platform = one_gpu_platform("A100", 4.0)
     assert policies.unknown_truth_gpus(truth, platform) == ["H900"]
     assert policies.unknown_truth_gpus(load_truth(), platform) == []  # the packaged tables: all known
+
+
+def test_a_platform_gpu_aliased_to_a_gpu_no_cell_measures_is_named_and_warned_of(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # "G2" -> "A1000" (a typo): every G2 job was timed at the reference speed, with no warning.
+    from loom_benchmarks import policies
+
+    doc = tiny([c("resnet-50", "V100M16", 400.0), c("resnet-50", "A100", 1200.0)])
+    platform = one_gpu_platform("G2", 3.0)
+    typo = parse_truth({**doc, "gpu_aliases": {"G2": {"gpu": "A1000"}}})
+    assert typo.dangling_gpu_aliases() == {"G2": "A1000"}
+    assert policies.dangling_aliases(typo, platform) == {"G2": "A1000"}
+    assert policies.unknown_truth_gpus(typo, platform, warn=True) == []
+    assert (
+        "aliases the platform's GPU model(s) G2 -> A1000, which no cell measures" in capsys.readouterr().err
+    )
+    right = parse_truth({**doc, "gpu_aliases": {"G2": {"gpu": "A100"}}})
+    assert right.dangling_gpu_aliases() == {} and policies.dangling_aliases(right, platform) == {}
+    assert right.speed("resnet-50", "G2").speed == pytest.approx(3.0)
 
 
 def test_bench_policies_checks_the_mix_claim_on_the_mix_only_and_refuses_a_platform_without_gpus(

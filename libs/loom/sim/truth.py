@@ -364,6 +364,13 @@ class Truth:
 
     # ---- families and GPUs ------------------------------------------------------------------------
 
+    def dangling_gpu_aliases(self) -> dict[str, str]:
+        """``gpu_aliases`` whose target no cell measures (alias -> target): a GPU so named is timed
+        by the derivation rules as an unknown one (``gpu-alias+unknown-gpu``), which a typo
+        ("A1000") made the reference speed without a word (the benches warn of them)."""
+        measured = {c.gpu_model for c in self.cells}
+        return {k: v for k, v in sorted(self.gpu_aliases.items()) if v not in measured}
+
     def resolve_family(
         self, family: str, *, task_type: str = "", job_id: str = "", seed: int = 0
     ) -> tuple[str, str, list[str]]:
@@ -737,6 +744,10 @@ def _cell_of(raw: Any, i: int, where: str) -> TruthCell:
     )
 
 
+FAMILY_FIELDS: Final = frozenset({"task_type", "about"})
+"""What a ``families`` entry may hold."""
+
+
 def parse_truth(document: Any, where: str = "<document>") -> Truth:
     """A :class:`Truth` from a decoded truth file (see the module docstring for the format)."""
     if not isinstance(document, dict):
@@ -757,6 +768,15 @@ def parse_truth(document: Any, where: str = "<document>") -> Truth:
     families_raw = document.get("families", {})
     if not isinstance(families_raw, dict):
         raise _fail(where, "'families' must be an object")
+    for name, entry in families_raw.items():
+        extra = sorted(set(entry) - FAMILY_FIELDS) if isinstance(entry, dict) else None
+        if extra is None or extra:
+            # A typo ("tasktype") left the family without its task type, silently.
+            raise _fail(
+                where,
+                f"families[{name!r}] must be an object of {', '.join(sorted(FAMILY_FIELDS))}"
+                + (f"; it has {', '.join(map(repr, extra))}" if extra else ""),
+            )
     families = {
         fold_family(k): str(v.get("task_type", "")) if isinstance(v, dict) else ""
         for k, v in families_raw.items()
@@ -770,12 +790,15 @@ def parse_truth(document: Any, where: str = "<document>") -> Truth:
     aliases_raw = document.get("aliases", {})
     if not isinstance(aliases_raw, dict) or not all(isinstance(v, str) for v in aliases_raw.values()):
         raise _fail(where, "'aliases' must map family names to family names")
+    # An alias to a family no cell measures is not used (its jobs get a stand-in, rule
+    # family-by-hash): files derived from the packaged one keep its whole alias table.
+    aliases = {fold_family(k): fold_family(v) for k, v in aliases_raw.items()}
     gpu_aliases = _gpu_aliases_of(document.get("gpu_aliases", {}), where)
     cv, by_family = _noise_of(document.get("noise", {}), where)
     return Truth(
         cells,
         families=families,
-        aliases={fold_family(k): fold_family(v) for k, v in aliases_raw.items()},
+        aliases=aliases,
         gpu_aliases=gpu_aliases,
         noise_cv=cv,
         noise_by_family=by_family,
