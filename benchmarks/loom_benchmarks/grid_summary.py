@@ -114,7 +114,8 @@ def summarize(
     threshold: float = THRESHOLD,
     class_target: float = CLASS_TARGET,
 ) -> list[CellVerdict]:
-    """Every cell of ``results`` (grid JSONs; a cell in several keeps its last), judged against
+    """Every cell of ``results`` (grid JSONs; a cell in several keeps its last, which ``main`` says),
+    judged against
     ``threshold``: Loom's margin worse than ``-threshold``, Loom finishing fewer jobs than a
     baseline, or a spanning penalty above ``threshold`` flag the cell; so does, in a contended
     cell (:func:`loom_benchmarks.grid.contended`), a network-sensitive-training margin over greedy
@@ -246,6 +247,20 @@ def main(args: argparse.Namespace) -> int:
             print(f"{name}: not the JSON of `loom bench policies --grid --json`", file=sys.stderr)
             return 2
         results.append(data)
+    held: dict[str, str] = {}
+    for name, data in zip(args.files, results, strict=True):
+        for line in data.get("lines") or []:
+            cell = str(line.get("cell"))
+            if cell in held and held[cell] != name:
+                # The last file's run replaces the earlier (a re-run of some cells over an older
+                # grid), but it did so silently: the same cell read -9.5 % (flagged) or +0.5 % by the
+                # order the files were given in, and nothing said which.
+                print(
+                    f"note: {cell} is in both {held[cell]} and {name}: {name}'s run is used (the later"
+                    " file given; seeds are not merged)",
+                    file=sys.stderr,
+                )
+            held[cell] = name
     threshold = float(args.threshold) / 100.0
     verdicts = summarize(results, threshold, float(args.class_target) / 100.0)
     if args.json:

@@ -86,6 +86,15 @@ def test_the_command_reads_grid_json_files_and_refuses_others(
         == 0
     )
     assert json.loads(capsys.readouterr().out)[0]["flags"] == []
+    # A cell in two files: the later file's run is used, and said (it was silent: the order of the
+    # files decided a flag).
+    again = tmp_path / "rerun.json"
+    again.write_text(json.dumps(_result([_line("medium/0.8/nospan/mix", 0.05, [0.05])])))
+    args = argparse.Namespace(files=[str(good), str(again)], threshold=3.0, class_target=25.0, json=True)
+    assert grid_summary.main(args) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)[0]["flags"] == []
+    assert f"medium/0.8/nospan/mix is in both {good} and {again}: {again}'s run is used" in captured.err
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"benchmark": "scu"}))
     assert (
