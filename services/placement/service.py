@@ -1284,7 +1284,7 @@ class PlacementService:
         conn: asyncpg.Connection,
         jobs: list[QueuedJob],
         *,
-        backlog: int = 0,
+        backlog: int | Sequence[JobSpec] = 0,
         grow: bool = True,
         decided: Callable[["Applied"], None] = lambda _: None,
         turn: Callable[[], Awaitable[None]] = lambda: asyncio.sleep(0),
@@ -1293,7 +1293,8 @@ class PlacementService:
         """One cycle (:func:`loom.sched.cycle.run_cycle`) over ``jobs`` on the kept snapshot, and all
         it implies written in this transaction: batched statements for jobs, reservations, decision
         records, events and the outbox. The book itself changes only after the commit
-        (:meth:`_commit`). ``backlog``: jobs queued but not in this cycle (growth waits for them).
+        (:meth:`_commit`). ``backlog``: jobs queued but not in this cycle, or their number
+        (growth leaves them the pools they could use; given a number, it waits for them).
         ``decided`` is told the cycle's outcome as soon as it is decided; then ``turn`` is awaited
         before anything is written (a pipelined batch waits there for the batch before it to end:
         written earlier, this batch's row locks, on nodes both reserve, could block that batch's
@@ -1461,7 +1462,9 @@ class PlacementService:
         for g in result.grown:
             await self._grow(conn, g, now, applied)
 
-    def _decide(self, jobs: list[QueuedJob], *, now: float, backlog: int = 0, grow: bool = True) -> "Applied":
+    def _decide(
+        self, jobs: list[QueuedJob], *, now: float, backlog: int | Sequence[JobSpec] = 0, grow: bool = True
+    ) -> "Applied":
         """The cycle itself, in memory: the kept snapshot at ``now`` (wall seconds), the learned
         speeds (optimistic ones on an exploring cycle), and :func:`~loom.sched.cycle.run_cycle`.
         Returns what the store must then write: the cycle, the runs it placed (built and listed in
@@ -1817,7 +1820,11 @@ class PlacementService:
         """Adopt a committed cycle's outcome in memory (no await in here)."""
         gone = set(applied.vanished)
         for job_id in gone:
-            self.queue.pop(job_id, None)
+            if self.queue.pop(job_id, None) is not None:
+                # A queued job left (cancelled): what it could have used may go to others, or to
+                # elastic jobs' growth, at the next cycle over everyone (it waited for a completion).
+                self.capacity_changed = True
+                self.wake.set()
             self.book.leave_queue((job_id,))
         considered = [q for q in considered if q.job.job_id not in gone]
         for run, done in applied.learned:
@@ -2001,7 +2008,10 @@ class PlacementService:
         if not due and not (grow and not self.queue):
             return
         async with self._tx() as conn:
-            applied = await self._schedule(conn, due, backlog=len(self.queue) - len(due), grow=grow)
+            # The queued jobs not due yet, by name: growth leaves the pools they could use to them.
+            due_ids = {q.job.job_id for q in due}
+            backlog = [q.job for q in self.queue.values() if q.job.job_id not in due_ids]
+            applied = await self._schedule(conn, due, backlog=backlog, grow=grow)
         self._commit(applied, due)
         self._send(applied.messages)
 

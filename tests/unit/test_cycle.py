@@ -136,6 +136,35 @@ def test_elastic_jobs_grow_only_when_nothing_waits() -> None:
     assert run_cycle(fw, [], snap, backlog=1).grown == []  # jobs queued outside this cycle: no growth
 
 
+def test_elastic_jobs_grow_past_waiting_jobs_that_could_never_use_their_pool() -> None:
+    # Any waiting job kept every elastic job small, even one no cluster could ever hold (an H100
+    # job here, where none have joined) or one only for another cluster's GPUs (a newcomer's walk).
+    def platform() -> Snapshot:
+        snap = two_clusters()  # 2 x 8 A100 on ca, 3 x 4 T4 on cb
+        snap.now = 1000.0
+        snap.running = [elastic_running("el", 2)]
+        snap.take([("a0", 2), ("b0", 4), ("b1", 4)])  # el's two A100s; eight of the T4s busy
+        return snap
+
+    fw = Framework([ResourceFit(known_models=["H100"]), ScuFit()])  # a model the profiles know
+    t4_gang = job("t4-gang", gpus=4, workers=2, resources={"gpu_models": ["T4"]})  # 4 T4s free: waits
+    h100 = job("h100", gpus=1, resources={"gpu_models": ["H100"]})  # none has joined: waits
+    a100_gang = job("a100-gang", gpus=8, workers=2)  # a0 has 6 free: waits, and wants ca's A100s
+    for queued, backlog, grows in (
+        ([t4_gang, h100], [], True),
+        ([], [t4_gang, h100], True),  # queued outside this cycle, named: the same
+        ([t4_gang], [a100_gang], False),
+        ([a100_gang], [], False),
+    ):
+        snap = platform()
+        result = run_cycle(fw, [Q(j) for j in queued], snap, backlog=backlog)
+        assert {w.pending.job.job_id for w in result.waiting} == {j.job_id for j in queued}
+        assert [(g.job_id, g.workers) for g in result.grown] == ([("el", 8)] if grows else []), (
+            queued,
+            backlog,
+        )
+
+
 def two_tenants(snap: Snapshot) -> QuotaBook:
     snap.quota = QuotaBook(
         TenantConfig(

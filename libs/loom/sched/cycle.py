@@ -29,7 +29,7 @@ start was never confirmed avoids next).
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -264,7 +264,7 @@ def run_cycle(
     snap: Snapshot,
     *,
     settings: CycleSettings = CycleSettings(),
-    backlog: int = 0,
+    backlog: int | Sequence[JobSpec] = 0,
     placed: Callable[[P, Decision], None] | None = None,
     probing: Probing | None = None,
 ) -> CycleResult[P]:
@@ -274,8 +274,10 @@ def run_cycle(
     :data:`Decide` (the simulator's baselines, which decide one job at a time).
 
     ``backlog``: jobs still queued that this cycle does not consider (their backoff has not
-    ended): growth waits for them too. ``placed``: called after each placement before the next
-    job's turn, to list the new run in ``snap.running`` (the affinity, availability and preemption
+    ended), or only their number: growth leaves the pools they or this cycle's waiting jobs
+    could use to them (:meth:`Framework.wanted_pools`; given a number, it waits for them all).
+    ``placed``: called after each placement before the next job's turn,
+    to list the new run in ``snap.running`` (the affinity, availability and preemption
     plugins read that list): a later job of the cycle sees the earlier ones running. A job's place
     in the queue is its ``submitted_at`` (0 without one) and, among equal priorities, its fair
     share taken when it was queued (``Pending.fair_share``), else the tenant's now.
@@ -325,11 +327,11 @@ def run_cycle(
                     placed(by_id[item.job.job_id], outcome.decision)
     for item, outcome in outcomes:
         _classify(result, by_id[item.job.job_id], outcome, settings)
-    # Queued jobs have the first claim on free GPUs: growth waits while any job waits, and while
-    # this cycle's preemption victims are about to be queued again.
-    deciding = any(not w.held for w in result.waiting)  # held jobs stay out, as in the simulator
-    if settings.grow and not deciding and not result.preempted and backlog == 0:
-        result.grown = grow(snap)
+    # Queued jobs have the first claim on free GPUs: growth leaves every pool a waiting job could
+    # use to it (it waited for all while any job waited: an H100 job that no cluster could hold
+    # kept every elastic job small), and waits while this cycle's victims are to be queued again.
+    if settings.grow and not result.preempted and growable(snap):
+        result.grown = _grow_around(framework, result, snap, backlog)
     result.decide_ms = (time.perf_counter() - started) * 1000
     return result
 
@@ -400,16 +402,40 @@ def _classify(result: CycleResult[P], p: P, outcome: Outcome, settings: CycleSet
     result.waiting.append(Waiting(p, outcome.record, retry, wake, error=status.code == Code.ERROR))
 
 
-def grow(snap: Snapshot) -> list[Grown]:
+def growable(snap: Snapshot) -> bool:
+    """Whether any running elastic job is below its maximum (growth has something to do)."""
+    return any(r.min_workers is not None and r.workers < r.max_workers for r in snap.running)
+
+
+def _grow_around(
+    framework: Framework | Decide, result: CycleResult[P], snap: Snapshot, backlog: int | Sequence[JobSpec]
+) -> list[Grown]:
+    """:func:`grow` outside the pools the cycle's waiting jobs and the ``backlog`` could use
+    (nothing while any waits, when only the backlog's number is known or the policy cannot say
+    which pools a job could use: a simulator baseline)."""
+    waiting = [w.pending.job for w in result.waiting if not w.held]  # held: as in the simulator
+    jobs = waiting if isinstance(backlog, int) else [*waiting, *backlog]
+    if not jobs and not backlog:
+        return grow(snap)
+    if (isinstance(backlog, int) and backlog) or not isinstance(framework, Framework):
+        return []
+    wanted: set[tuple[str, str]] = set()
+    for job in jobs:
+        wanted |= framework.wanted_pools(job, snap)
+    return grow(snap, leave=wanted)
+
+
+def grow(snap: Snapshot, *, leave: Collection[tuple[str, str]] = ()) -> list[Grown]:
     """Elastic running jobs below their maximum take free GPUs on their own cluster and GPU model
     (:func:`loom.sched.elastic.plan_grow`: higher priority first, peers in turn), as far as their
-    tenant's quota allows. The snapshot takes the GPUs, the quota book counts them, and its running
-    list shows the new sizes."""
+    tenant's quota allows, except in the pools of ``leave`` (cluster, GPU model: those a queued job
+    could use). The snapshot takes the GPUs, the quota book counts them, and its running list shows
+    the new sizes."""
     book = snap.quota
     groups: dict[tuple[str, str], list[ElasticJob]] = {}
     by_id: dict[str, RunningJob] = {}
     for r in snap.running:
-        if r.min_workers is None or r.workers >= r.max_workers:
+        if r.min_workers is None or r.workers >= r.max_workers or (r.cluster, r.gpu_model) in leave:
             continue
         g = max(r.gpus_per_worker, 1)
         room = r.max_workers - r.workers

@@ -1755,6 +1755,20 @@ class Framework:
         record.reason = _placed_reason(decision)
         return Outcome(SUCCESS, decision, record)
 
+    def wanted_pools(self, job: JobSpec, snap: Snapshot) -> set[tuple[str, str]]:
+        """The pools (cluster id, GPU model) holding GPUs ``job`` could use as its pre-filters
+        allow (its affinity, GPU models, memory...), whatever is free now; none when it could
+        never run. Where a pre-filter stops short (a job over its quota now), the pools as far as
+        the filters before it narrowed them: more, never fewer. Elastic growth leaves these to
+        the queued job (:func:`loom.sched.cycle.grow`)."""
+        state = self.new_state(job, snap)
+        if self.run_pre_filters(state).code == Code.UNRESOLVABLE:
+            return set()
+        m_count = snap.total_sum.shape[1]
+        held = (snap.total_sum > 0) & state.cluster_mask[:, None] & state.model_mask[None, :m_count]
+        found = zip(*np.nonzero(held), strict=True)
+        return {(snap.clusters[int(c)].id, snap.models[int(m)]) for c, m in found}
+
     def never_fits(self, job: JobSpec, snap: Snapshot) -> Status | None:
         """The UNRESOLVABLE status when ``job`` could not run as asked even on an empty platform
         (a pre-filter's refusal, or no allowed cluster ever holding it: :meth:`why_nothing_fits`),
