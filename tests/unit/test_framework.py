@@ -354,6 +354,51 @@ def test_the_record_round_trips_and_renders_why_here_and_why_not_there() -> None
     assert any(line.startswith("Why not") for line in lines)
 
 
+def test_explain_after_a_preemption_or_a_spread_says_nothing_it_contradicts() -> None:
+    from loom.sched.framework import CandidateRecord
+
+    def cand(cluster: str, total: float, **scores: float) -> CandidateRecord:
+        return CandidateRecord(cluster, "r1", "V100", 4, scores, {}, total)
+
+    weights = {"scu_fit": 4.0, "water_level": 1.0}
+    preempted = DecisionRecord(
+        "high-1",
+        0.0,
+        "placed",
+        "placed 1 worker(s) x 1 GPU(s) on c-sea1-a with score 90.0",
+        weights,
+        [
+            cand("c-sea1-a", 90.0, scu_fit=100.0, water_level=50.0),
+            cand("c-x", 60.0, scu_fit=100.0, water_level=10.0),
+        ],
+        {"c-sea1-a": "region r1 has 1 free V100 GPUs"},
+        ["c-sea1-a"],
+        victims=["1 job(s) of other tenants"],
+    )
+    lines = render(preempted)
+    # It said "Why not c-sea1-a: ruled out" under "placed on c-sea1-a" (the pruning from before).
+    assert not any(line.startswith("Why not c-sea1-a") for line in lines), lines
+    assert "c-sea1-a had no room at first (region r1 has 1 free V100 GPUs); the preemption made it." in lines
+    # scu_fit scored both alike (100): not a reason; water_level set it apart.
+    (why,) = [line for line in lines if line.startswith("Why c-sea1-a")]
+    assert "load balance 50/100" in why and "100/100" not in why, why
+    spread = DecisionRecord(
+        "span-yes",
+        0.0,
+        "placed",
+        "placed 7 worker(s) across c-sea1-a, c-weu-a with score 80.9",
+        weights,
+        [cand("c-sea1-a", 86.9, scu_fit=100.0, water_level=60.0), cand("c-weu-a", 70.0, scu_fit=90.0)],
+        {},
+        ["c-sea1-a", "c-weu-a"],
+    )
+    # "score 80.9" then "Why c-sea1-a: total 86.9" read as a contradiction: the lead cluster's own.
+    assert any(
+        line.startswith("Its lead part, c-sea1-a (V100), scored total 86.9 as a cluster of its own")
+        for line in render(spread)
+    )
+
+
 def test_the_stored_record_without_raw_values_explains_the_same_and_is_smaller() -> None:
     outcome = build_framework().schedule(job("j", gpus=2), two_clusters())
     full, stored = outcome.record.to_dict(), outcome.record.to_dict(raw=False)

@@ -52,6 +52,13 @@ def render(record: DecisionRecord, *, limit: int = 10) -> list[str]:
         lines.append(f"Note: {note}.")
     if record.victims:
         lines.append(f"Preempted to make room: {', '.join(record.victims)}.")
+        for cluster in record.chosen:
+            if cluster in record.pruned:
+                # Said as "Why not <it>: ruled out" under "placed on <it>" before: the pruning from
+                # before the preemption made room there.
+                lines.append(
+                    f"{cluster} had no room at first ({record.pruned[cluster]}); the preemption made it."
+                )
     lines += _why_not_there(record, ranked, winner or (ranked[0] if ranked else None), limit)
     lines += _ruled_out(record, limit)
     return lines
@@ -72,14 +79,29 @@ def _why_here(record: DecisionRecord, winner: CandidateRecord | None) -> list[st
     """Where a placed job went, and the plugins that carried the chosen candidate."""
     lines = [f"Job {record.job_id}: {record.reason}."]
     if winner is not None:
-        best = sorted(winner.scores.items(), key=lambda kv: -record.weights.get(kv[0], 1.0) * kv[1])[:3]
+        # The plugins that set it apart: one that scored every candidate alike (100 each) decided
+        # nothing, though it was cited as a reason.
+        telling = {
+            p: s
+            for p, s in winner.scores.items()
+            if len({round(c.scores.get(p, 0.0), 6) for c in record.candidates}) > 1
+        } or dict(winner.scores)
+        best = sorted(telling.items(), key=lambda kv: -record.weights.get(kv[0], 1.0) * kv[1])[:3]
         carried = ", ".join(
             f"{_words(p)} {s:.0f}/100 (weight {record.weights.get(p, 1.0):g})" for p, s in best
         )
-        lines.append(
-            f"Why {winner.cluster} ({winner.gpu_model}): total {winner.total:.1f}, the best of"
-            f" {len(record.candidates)} candidate(s); it scored {carried}."
-        )
+        if len(record.chosen) > 1:
+            # A spread's own score is the one in its reason; this is its lead cluster's alone.
+            lines.append(
+                f"Its lead part, {winner.cluster} ({winner.gpu_model}), scored total {winner.total:.1f} as a"
+                f" cluster of its own, the best of {len(record.candidates)} candidate(s);"
+                f" it scored {carried}."
+            )
+        else:
+            lines.append(
+                f"Why {winner.cluster} ({winner.gpu_model}): total {winner.total:.1f}, the best of"
+                f" {len(record.candidates)} candidate(s); it scored {carried}."
+            )
     if len(record.chosen) > 1:
         lines.append(f"The job spans {len(record.chosen)} clusters: {', '.join(record.chosen)}.")
     return lines
@@ -123,7 +145,7 @@ def _why_not_there(
 def _ruled_out(record: DecisionRecord, limit: int) -> list[str]:
     """Clusters pruned before scoring (at most ``limit``) that are not also candidates, and why."""
     candidates = {c.cluster for c in record.candidates}
-    pruned = sorted(record.pruned.items())
+    pruned = sorted((c, r) for c, r in record.pruned.items() if c not in record.chosen)
     lines = [
         f"Why not {cluster}: ruled out; {reason}."
         for cluster, reason in pruned[:limit]
