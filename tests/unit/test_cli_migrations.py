@@ -206,6 +206,15 @@ def test_a_moved_jobs_history_says_why_on_the_requeued_row_and_the_stopped_run_i
         "attempt 1 stopped by Loom: drain of c-weu-a: resumes from its checkpoint"
     )
     assert _event_detail("failed", {"reason": "exit code 3"}) == "exit code 3"
+    # A resize and a cancellation said nothing on their rows.
+    resized = {
+        "cluster": "c-use2-a",
+        "workers": 8,
+        "allocations": [{"node": "n1", "gpus": 16}, {"node": "n2", "gpus": 16}],
+        "reason": "grew into freed capacity",
+    }
+    assert _event_detail("resized", resized) == "8 worker(s), 32 GPU(s) on c-use2-a: grew into freed capacity"
+    assert _event_detail("cancelled", {"reason": "not needed"}) == "not needed"
     # A gang across clusters: every part, the lead first (before: the lead's only).
     lead = {"cluster": "c-sea1-a", "gpu_model": "T4", "allocations": [{"node": "n1", "gpus": 2}]}
     member = {

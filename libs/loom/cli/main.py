@@ -662,6 +662,12 @@ def _event_detail(kind: str, ev: dict[str, Any]) -> str:
         why = f": {ev['reason']}" if ev.get("reason") else ""
         given_up, cause = ev["attempt"] - 1, ev["cause"]
         return f"attempt {given_up} given up ({cause}){off}{why}; attempt {ev['attempt']} next{avoid}"
+    if kind == "resized":  # its row was empty
+        gpus = sum(int(a.get("gpus", 0)) for a in ev.get("allocations") or [])
+        why = f": {ev['reason']}" if ev.get("reason") else ""
+        return f"{ev['workers']} worker(s), {gpus} GPU(s) on {ev['cluster']}{why}"
+    if kind == "cancelled" and ev.get("reason"):
+        return str(ev["reason"])
     if kind == "failed" and ev.get("stopped"):
         return f"attempt {ev.get('attempt', 1)} stopped by Loom: {ev['reason']}"
     if kind in ("failed", "rejected"):
