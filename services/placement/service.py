@@ -425,6 +425,7 @@ class PlacementService:
         """The path of the last admitted jobs: (job id, stored in the stream, received by the
         consumer, its batch's stamps), wall-clock seconds; the ``job_timings`` debug section."""
         ctx.debug["job_timings"] = self.job_timings_of
+        ctx.live_stats.append(self._suspect_nodes)
         self.stats.update(
             {
                 "placed": 0,
@@ -727,6 +728,20 @@ class PlacementService:
             # died that used up messages' delivery budgets.
             self.stats["fenced"] = self.stats.get("fenced", 0) + 1
             raise NotLeaderError(f"fenced: {exc}") from exc
+
+    def _suspect_nodes(self) -> dict[str, Any]:
+        """``suspect_nodes`` for the health answer: each node closed to new work now after a slow
+        run, with why and until when (``loom status`` lists them: a pool closed for ten minutes
+        showed nowhere but in explain's "nodes unschedulable")."""
+        suspects = self.failover.nodes.suspects
+        now = time.time()
+        return {
+            "suspect_nodes": {
+                node: {"why": suspects.why.get(node, ""), "until": round(until, 1)}
+                for node, until in sorted(suspects.until.items())
+                if until > now
+            }
+        }
 
     # ---- shards and territories ------------------------------------------------------------------
 

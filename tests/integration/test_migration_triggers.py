@@ -10,6 +10,7 @@ c-sea1-a (three nodes), G2s only in c-use2-a (ten times a T4).
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from waiting import until
 
 from loom.client import LoomClient
 from loom.migrate.nodes import PaceSettings
+from loom_proto import subjects
 from loom_proto.jobs import JobSpec, Resources, Work
 from loom_services.cluster_agent.sim import SimCluster
 
@@ -129,6 +131,12 @@ async def test_a_failed_node_loses_its_run_which_resumes_elsewhere_and_a_slow_ru
         )
         assert slow_node in placement.stats["nodes"]["suspect"]
         assert "of its predicted step rate" in placement.stats["nodes"]["suspect"][slow_node]
+        # What `loom status` lists: the health answer names it, why, and until when.
+        health = json.loads(
+            (await client.nc.request(subjects.service_health("placement"), b"", timeout=5)).data
+        )
+        shown = health["suspect_nodes"][slow_node]
+        assert "of its predicted step rate" in shown["why"] and shown["until"] > time.time()
         # Remaining here at the observed pace vs on another V100M16 at the predicted one: the
         # gain (thousands of seconds) beats moving a 1 GB checkpoint inside the cluster.
         assert verdict["decision"] == "move", dict(verdict)

@@ -1087,7 +1087,7 @@ def test_a_job_that_only_a_closed_cluster_could_hold_is_said_to_wait_for_it_not_
     # Without a known why, the nodes are still named as what the job waits for.
     snap = Snapshot(nodes, net=NetMatrix(["r1"]))
     outcome = framework.schedule(job("big", gpus=8), snap)
-    assert "(ca nodes unschedulable)" in outcome.status.reason
+    assert "(ca nodes unschedulable: `loom status` says which and why)" in outcome.status.reason
     # A job the open cluster holds when its GPUs free waits for GPUs taken, as before.
     busy = [node("b0", "cb", "r1", gpus=4, reserved=4), nodes[0]]
     outcome = framework.schedule(job("small", gpus=4), Snapshot(busy, net=NetMatrix(["r1"])))

@@ -346,3 +346,23 @@ def test_a_service_restarted_again_and_again_is_flagged_until_it_stays_up(
     now[0] += 1
     sup.restart_dead({}, "ready")
     assert not svc.crash_loop
+
+
+def test_loom_status_lists_the_nodes_a_slow_run_made_suspect_with_why_and_for_how_long() -> None:
+    # A grown job's false slow verdict closed a whole pool for ten minutes and nothing but explain's
+    # "nodes unschedulable" said so (a newcomer's walk).
+    from loom.cli.main import _suspect_lines
+
+    rows = [
+        {
+            "name": "placement",
+            "health": {"suspect_nodes": {"n2": {"why": "j: delivers 41%", "until": 1600.0}}},
+        },
+        {"name": "placement-standby", "health": {"suspect_nodes": {}}},
+        {"name": "metrics", "health": None},
+    ]
+    assert _suspect_lines(rows, now=1000.0) == [
+        "1 node(s) take no new work for now (suspect after a slow run):",
+        "  n2: j: delivers 41% (600 s more)",
+    ]
+    assert _suspect_lines(rows[1:], now=1000.0) == []

@@ -197,6 +197,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 text,
             )
         console.print(table)
+        for line in _suspect_lines(rows):
+            console.print(line, highlight=False, soft_wrap=True)
         # Only of live processes: a stopped stack's ports serve nothing (or another stack now).
         metrics_endpoints = [
             (r["name"], r["metrics_url"]) for r in rows if r.get("metrics_url") and r["alive"]
@@ -214,6 +216,23 @@ def cmd_status(args: argparse.Namespace) -> int:
         for problem in problems:
             err.print(f"[red]{escape(problem)}[/red]")
     return 1 if problems else 0
+
+
+def _suspect_lines(rows: list[dict[str, Any]], now: float | None = None) -> list[str]:
+    """Nodes a placement leader closed to new work after a slow run, with why and for how long
+    (its health's ``suspect_nodes``): by design, not a problem, but a pool closed for minutes
+    showed nowhere else."""
+    now = time.time() if now is None else now
+    seen: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        seen.update((r.get("health") or {}).get("suspect_nodes") or {})
+    if not seen:
+        return []
+    lines = [f"{len(seen)} node(s) take no new work for now (suspect after a slow run):"]
+    for node, about in sorted(seen.items()):
+        left = max(float(about.get("until", now)) - now, 0.0)
+        lines.append(f"  {node}: {escape(str(about.get('why', '')))} ({left:.0f} s more)")
+    return lines
 
 
 def _stack_problems(rows: list[dict[str, Any]], nats_down: str | None, *, asked: bool = True) -> list[str]:

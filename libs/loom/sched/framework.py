@@ -1884,7 +1884,8 @@ class Framework:
         names = []
         for c in clusters[:6]:
             cid = snap.clusters[c].id
-            names.append(f"{cid} {snap.closed.get(cid, 'nodes unschedulable')}")
+            why = snap.closed.get(cid, "nodes unschedulable: `loom status` says which and why")
+            names.append(f"{cid} {why}")
         more = f" and {len(clusters) - 6} more" if len(clusters) > 6 else ""
         return ", ".join(names) + more
 
