@@ -569,7 +569,21 @@ def test_an_alibaba_pod_out_of_bounds_is_refused_by_its_column_and_one_running_f
             _write(tmp_path, "p.csv", header + ok + ok.replace("0000,1000,1024,1,", "0001,1000,1024,1000,"))
         )
     assert "$." not in str(refused.value) and ":3" in str(refused.value)
+    with pytest.raises(WorkloadError, match=r"pod name 'openb-pod-0000' is given twice \(first on line 2\)"):
+        load_alibaba(_write(tmp_path, "d.csv", header + ok + ok))
     forever = ok.replace("0000", "0002").replace(",3600,", ",1e300,")
     trace = load_alibaba(_write(tmp_path, "q.csv", header + ok + forever))
     assert [j.spec.job_id for j in trace.jobs] == ["openb-pod-0000"]
     assert "1 running over a year" in trace.source
+
+
+def test_a_helios_log_without_any_duration_is_told_so_not_that_its_columns_are_unknown(
+    tmp_path: Path,
+) -> None:
+    path = _write(
+        tmp_path, "log.csv", "job_id,user,gpu_num,node_num,submit_time\n1,u,1,1,2020-01-01 00:00:00\n"
+    )
+    with pytest.raises(
+        WorkloadError, match=r"it needs gpu_num, submit_time and duration .*; missing duration"
+    ):
+        load_workload(path)

@@ -153,7 +153,9 @@ def sniff_format(path: str | Path) -> PublicFormat | None:
         return "openb"
     if cells == list(PAI_COLUMNS) or _pai_row(cells):
         return "pai"
-    if header >= _HELIOS_COLUMNS and ("duration" in header or {"start_time", "end_time"} <= header):
+    if header >= _HELIOS_COLUMNS:
+        # Its reader says what is missing (a duration, or start and end times); taken for the
+        # generic format, such a file was told its columns were unknown.
         return "helios"
     return None
 

@@ -415,7 +415,7 @@ def _join_times(
     if not source.is_file():
         raise WorkloadError(
             f"the file has no creation/deletion/scheduled times, and no times file {str(source)!r} "
-            "to take them from (pass times_path=)",
+            f"to take them from: put Alibaba's {ALIBABA_DEFAULT_FILE} beside it",
             path=str(path),
         )
     timed, has_times = _read_tasks(source)
@@ -578,11 +578,21 @@ def load_alibaba(
 
     jobs: list[SimJob] = []
     first = usable[0][0].creation_s or 0.0 if usable else 0.0
+    first_line: dict[str, int] = {}
     for task, duration in usable:
         try:
             validate_id(task.name, "task name")
         except InvalidIdError as exc:
             raise WorkloadError(str(exc), path=str(path), line=task.line) from None
+        if task.name in first_line:
+            # Read on, the second was only rejected while the run went on; the generic format
+            # refuses the same: each job needs its own id.
+            raise WorkloadError(
+                f"pod name {task.name!r} is given twice (first on line {first_line[task.name]})",
+                path=str(path),
+                line=task.line,
+            )
+        first_line[task.name] = task.line
         fractional = task.num_gpu == 0 or (task.num_gpu == 1 and 0 < task.gpu_milli < 1000)
         counts["fractional"] += fractional
         task_type: TaskType = "inference" if task.qos in inference else "training_compute"
