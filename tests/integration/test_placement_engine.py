@@ -136,6 +136,27 @@ async def test_a_cyclic_dag_is_rejected_at_once_and_stores_nothing(
     assert await client.job("cyc1--a") is None
 
 
+async def test_loom_jobs_says_why_a_queued_job_waits(client: LoomClient) -> None:
+    # The reason column was empty for queued jobs; only `loom explain` said why.
+    await client.submit(
+        JobSpec(
+            job_id="waits-h100",
+            tenant="t1",
+            resources=Resources(gpus=1, gpu_models=["H100"]),
+            work=Work(steps=1),
+        )
+    )
+
+    async def listed() -> dict[str, Any] | None:
+        rows = [j for j in await client.jobs(tenant="t1", limit=500) if j["job_id"] == "waits-h100"]
+        return rows[0] if rows and rows[0]["reason"] else None
+
+    row = await until(listed, 15, "waits-h100 listed with a reason")
+    assert row["state"] == "queued" and "H100" in row["reason"], row
+    assert (await client.job("waits-h100") or {})["reason"] == row["reason"]
+    await client.cancel("waits-h100")
+
+
 async def test_a_dag_with_a_stage_no_cluster_could_ever_hold_is_rejected_before_any_stage_runs(
     client: LoomClient,
 ) -> None:

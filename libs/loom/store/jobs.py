@@ -3,11 +3,12 @@
 Functions take a connection so callers compose them inside one transaction.
 """
 
+import contextlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
 import asyncpg
 import msgspec
@@ -639,10 +640,23 @@ async def job_row(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> async
 WAITING_STATES = ("queued", "waiting")
 
 
+_JOB_COLUMNS: Final = """j.*, CASE WHEN j.state IN ('queued', 'waiting') AND COALESCE(j.reason, '') = ''
+    THEN (SELECT d.record FROM decisions d  -- a job never placed is at attempt 0, its decision at 1
+          WHERE d.job_id = j.job_id AND d.attempt >= j.attempt AND d.outcome = 'waiting'
+          ORDER BY d.attempt DESC LIMIT 1)
+    END AS waiting_record"""
+"""A job's row, and for one that waits without a reason of its own the decision record that says why."""
+
+
 def _job_dict(row: asyncpg.Record) -> dict[str, Any]:
     """A job as the queries show it: a job waiting to be placed (again) runs nowhere, so its
     ``cluster`` is None and the cluster its last attempt ran on is ``last_cluster``."""
     waiting = row["state"] in WAITING_STATES
+    reason = row["reason"]
+    if waiting and not reason and "waiting_record" in row and row["waiting_record"]:
+        # Why it waits, from its latest decision (`loom jobs` showed nothing for queued jobs).
+        with contextlib.suppress(ValueError, AttributeError):
+            reason = json.loads(row["waiting_record"]).get("reason") or reason
     return {
         "job_id": row["job_id"],
         "tenant": row["tenant"],
@@ -651,7 +665,7 @@ def _job_dict(row: asyncpg.Record) -> dict[str, Any]:
         "last_cluster": row["cluster"] if waiting else None,
         "attempt": row["attempt"],
         "progress": round(float(row["progress"]), 4),
-        "reason": row["reason"],
+        "reason": reason,
         "submitted_at": row["submitted_at"].timestamp(),
         "placed_at": row["placed_at"].timestamp() if row["placed_at"] else None,
         "finished_at": row["finished_at"].timestamp() if row["finished_at"] else None,
@@ -660,7 +674,7 @@ def _job_dict(row: asyncpg.Record) -> dict[str, Any]:
 
 async def get_job(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> dict[str, Any] | None:
     """A job and its full event history, for `loom job ID`."""
-    row = await conn.fetchrow("SELECT * FROM jobs WHERE job_id = $1", job_id)
+    row = await conn.fetchrow(f"SELECT {_JOB_COLUMNS} FROM jobs j WHERE job_id = $1", job_id)
     if row is None:
         return None
     out = _job_dict(row)
@@ -693,7 +707,8 @@ async def list_jobs(
 ) -> list[dict[str, Any]]:
     """Newest jobs first, optionally of one tenant or state."""
     rows = await conn.fetch(
-        """SELECT * FROM jobs WHERE ($1::text IS NULL OR tenant = $1) AND ($2::text IS NULL OR state = $2)
+        f"""SELECT {_JOB_COLUMNS} FROM jobs j
+           WHERE ($1::text IS NULL OR tenant = $1) AND ($2::text IS NULL OR state = $2)
            ORDER BY submitted_at DESC, job_id LIMIT $3""",
         tenant,
         state,
