@@ -390,6 +390,17 @@ class JobCancelled(
 
 TERMINAL_STATES: frozenset[str] = frozenset({"completed", "failed", "rejected", "cancelled"})
 """A job's states it never leaves (the store's ``jobs.state``)."""
+JOB_STATES: tuple[str, ...] = (
+    "waiting",
+    "queued",
+    "placed",
+    "running",
+    "completed",
+    "failed",
+    "rejected",
+    "cancelled",
+)
+"""Every state a job's record may be in (the store's ``jobs.state``)."""
 
 
 JobEvent = (

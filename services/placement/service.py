@@ -2705,6 +2705,7 @@ class PlacementService:
                 refused.update(await _foreign_cancels(conn, mine))
                 mine = [(e, mid) for e, mid in mine if mid not in refused]
                 checkpoints, late = await _refused_checkpoints(conn, mine)
+                late.update(await _late_cancels(conn, [(e, mid) for e, mid in mine if mid not in refused]))
                 refused.update(checkpoints)
                 mine = [(e, mid) for e, mid in mine if mid not in refused and mid not in late]
                 ignored.clear()
@@ -3081,6 +3082,11 @@ class PlacementService:
             tenant = scope if scope is not None else request.get("tenant")
             if scope is not None and op not in ("get", "list", "explain"):
                 raise ValueError(f"{op!r} is not open to a tenant")
+            if scope is not None and request.get("tenant") not in (None, scope):
+                # Another tenant's list asked on a tenant's subject: it answered with the asker's
+                # own jobs (`loom jobs --tenant nobody` listed them all); now nothing, as for the
+                # operator's list of a tenant without jobs.
+                request = {**request, "limit": 0}
             if op in ("get", "list", "counts", "explain"):
                 # For a tenant (its own query subject, or a request naming one): row-level
                 # security shows that tenant's rows only, another tenant's job is not found.
@@ -3493,6 +3499,22 @@ async def _foreign_cancels(
         mid: why
         for e, mid in cancels
         if (why := foreign_cancellation(e.tenant, e.job_id, owners.get(e.job_id))) is not None
+    }
+
+
+async def _late_cancels(
+    conn: asyncpg.Connection, events: Sequence[tuple["LifecycleEvent", str]]
+) -> dict[str, str]:
+    """Cancellations of jobs that had already ended (message id -> why): acknowledged, not
+    recorded (a "cancelled" row after "rejected" or "completed" read as though it took effect)."""
+    cancels = [(e, mid) for e, mid in events if isinstance(e, JobCancelled)]
+    if not cancels:
+        return {}
+    states = await moves.job_states(conn, sorted({e.job_id for e, _ in cancels}))
+    return {
+        mid: f"job {e.job_id} had already ended ({state}): nothing to cancel"
+        for e, mid in cancels
+        if (state := states.get(e.job_id, ("", 0))[0]) in TERMINAL_STATES
     }
 
 

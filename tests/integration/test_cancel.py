@@ -8,6 +8,7 @@ showed its GPUs free, and a queued job could still be placed.
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -17,7 +18,8 @@ from platform_helpers import Platform
 from waiting import until
 
 from loom.client import LoomClient, QueryError
-from loom_proto.jobs import JobSpec, Resources, Work
+from loom_proto import subjects
+from loom_proto.jobs import JobCancelled, JobSpec, Resources, Work
 from loom_services.cluster_agent.agent import Agent
 
 CLUSTER = "c-weu-a"
@@ -92,6 +94,21 @@ async def test_cancel_stops_a_running_job_frees_its_gpus_and_drops_a_queued_one(
         assert await client.cancel_outcome("cx-run") == ("cancelled", True)  # `loom cancel`: "already"
         with pytest.raises(QueryError, match="no job"):
             await client.cancel("cx-nowhere")
+        # A raw client's cancellation of a job that had ended: acknowledged, not written into its
+        # history (a "cancelled" row after the end read as though it took effect).
+        before = [e["kind"] for e in (await client.job("cx-run") or {})["events"]]
+        requests = subjects.job_event("cancelled", "t1")
+        dead = await client.nc.subscribe(subjects.dead_letter(requests))
+        for job_id, msg_id in (("cx-run", "cx-run-late"), ("cx-nowhere", "cx-nowhere-1")):
+            event = JobCancelled(job_id=job_id, tenant="t1", reason="too late", at=time.time())
+            await client.publisher.publish(requests, event, msg_id=msg_id)
+        # The second, of no job, is dead-lettered after the first was handled (one consumer, in order).
+        letter = await dead.next_msg(timeout=15)
+        assert (letter.headers or {}).get("Nats-Msg-Id", "").startswith(
+            "dlq-"
+        ) and b"cx-nowhere" in letter.data
+        after = [e["kind"] for e in (await client.job("cx-run") or {})["events"]]
+        assert after == before and (await client.job("cx-run") or {})["state"] == "cancelled"
     finally:
         await db.close()
         await client.close()

@@ -215,3 +215,46 @@ async def test_placement_started_on_the_old_layout_admits_the_submissions_left_i
             await client.close()
     finally:
         await admin.close()
+
+
+async def test_a_tenants_sdk_acts_as_its_tenant_and_refuses_what_it_cannot_do(
+    secured: tuple[NatsServer, CredentialStore], platform: Platform, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loom.client import QueryError, SpecError
+    from loom.security import ENV_CREDS
+
+    server, store = secured
+    await platform.start("placement")
+    with monkeypatch.context() as patch:
+        patch.setenv(ENV_CREDS, str(store.path(tenant_identity("t1"))))
+        t1 = await LoomClient.connect(server.url, name="t1")
+    try:
+        # The tenant comes from the identity ("missing required field `tenant`" before).
+        job_id = await t1.submit({"job_id": "own-1", "resources": {"gpus": 1}, "work": {"steps": 1}})
+        job = await until(lambda: t1.job(job_id), 15, "own-1 admitted")
+        assert job["tenant"] == "t1"
+        # Another tenant's list: nothing (it listed the asker's own jobs).
+        assert await t1.jobs(tenant="t2") == []
+        assert [j["job_id"] for j in await t1.jobs(tenant="t1")] == ["own-1"]
+        with pytest.raises(SpecError, match="unknown job state 'bogus'"):
+            await t1.jobs(state="bogus")
+        # Watching another tenant raises at once (it waited for ever, the refusal only logged).
+        with pytest.raises(QueryError, match="may watch its own jobs only"):
+            async for _ in t1.watch("t2"):
+                break
+        with pytest.raises(SpecError, match="NUL"):
+            await t1.cancel("own-1", reason="a\x00b")
+        # Its own watch, by default: the events of its jobs.
+        seen: asyncio.Queue[str] = asyncio.Queue()
+
+        async def follow() -> None:
+            async for _subject, event in t1.watch():
+                await seen.put(event.job_id)
+
+        watcher = asyncio.create_task(follow())
+        await asyncio.sleep(0.5)
+        await t1.submit({"job_id": "own-2", "resources": {"gpus": 1}, "work": {"steps": 1}})
+        assert await asyncio.wait_for(seen.get(), 15) == "own-2"
+        watcher.cancel()
+    finally:
+        await t1.close()

@@ -20,13 +20,13 @@ from loom.cli import CONNECT_WITHIN_S
 from loom.cli.argtypes import non_negative_int, positive_float, positive_int, share
 from loom.cli.output import console, err
 from loom.client import LoomClient, QueryError, SpecError, load_specs
-from loom.errors import InvalidInputError
+from loom.errors import InvalidInputError, LoomError
 from loom.runtime import stack
 from loom.runtime.config import endpoints, loom_home, nats_endpoint
 from loom.sched.quota import read_tenants
 from loom.telemetry import configure_logging, setup_telemetry, shutdown_telemetry
 from loom.telemetry.tracing import OTLP_ENDPOINT_ENV
-from loom_proto.jobs import TERMINAL_STATES
+from loom_proto.jobs import JOB_STATES, TERMINAL_STATES
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
@@ -338,10 +338,24 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 # ---- jobs -----------------------------------------------------------------------------------------
 
 
+def _own_tenant() -> str | None:
+    """The tenant the CLI's NATS credentials are (``LOOM_CREDS`` of ``tenant-acme``: ``acme``), the
+    tenant of specs that name none; None for the operator or an open stack."""
+    from loom import security
+    from loom.bus.connection import credentials_path
+
+    try:
+        creds = credentials_path(nats_endpoint())
+        identity = security.read(creds).identity if creds is not None else ""
+    except (OSError, ValueError, RuntimeError, LoomError):  # no stack: the submission says so
+        return None
+    return identity.removeprefix("tenant-") if identity.startswith("tenant-") else None
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     """Validate and submit every job in FILE."""
     try:
-        specs = load_specs(args.file, default_tenant=args.tenant)
+        specs = load_specs(args.file, default_tenant=args.tenant or _own_tenant())
     except (SpecError, OSError) as exc:
         err.print(f"[red]cannot submit:[/red] {exc}")
         return 2
@@ -1216,7 +1230,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tenant")
     p.add_argument(
         "--state",
-        choices=["waiting", "queued", "placed", "running", "completed", "failed", "rejected", "cancelled"],
+        choices=JOB_STATES,
     )
     p.add_argument("--limit", type=positive_int, default=50)
     p.add_argument("--json", action="store_true")

@@ -28,6 +28,7 @@ from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
 from loom_proto.ids import plain_words
 from loom_proto.jobs import (
+    JOB_STATES,
     TERMINAL_STATES,
     JobCancelled,
     JobEvent,
@@ -137,7 +138,7 @@ def _event_of(msg: Msg) -> JobEvent | None:
             return None
 
 
-def checked_spec(spec: JobSpec | Mapping[str, Any]) -> JobSpec:
+def checked_spec(spec: JobSpec | Mapping[str, Any], *, default_tenant: str | None = None) -> JobSpec:
     """``spec`` checked against every constraint of :class:`JobSpec` (a Struct built in code is
     not: ``Work(steps=0)`` constructs), or a mapping read by :func:`spec_from_mapping`; raises
     :class:`SpecError` naming the field."""
@@ -145,7 +146,8 @@ def checked_spec(spec: JobSpec | Mapping[str, Any]) -> JobSpec:
         fields = msgspec.to_builtins(spec)
         return spec_from_mapping({f: fields[f] for f in JobSpec.__struct_fields__ if f in fields})
     if isinstance(spec, Mapping):  # the raw event's "kind" (the README's example) is no spec field
-        return spec_from_mapping({k: v for k, v in spec.items() if not (k == "kind" and v == "submitted")})
+        fields = {k: v for k, v in spec.items() if not (k == "kind" and v == "submitted")}
+        return spec_from_mapping(fields, default_tenant=default_tenant)
     raise SpecError(f"a job spec is a JobSpec or a mapping of its fields, not {type(spec).__name__}")
 
 
@@ -214,7 +216,7 @@ class LoomClient:
         and sends nothing). ``msg_id``: the message id to send it under, for a caller that retries a
         submission it is not sure landed (the same id again: JetStream keeps one copy); by default
         one nobody can guess, new at each call."""
-        spec = checked_spec(spec)
+        spec = checked_spec(spec, default_tenant=self._own_tenant())  # a tenant's own, unless given
         await self._publish_submission(spec, msg_id=msg_id)
         return spec.job_id
 
@@ -244,7 +246,7 @@ class LoomClient:
         code, reason and hint placement gave), a duplicate of the same spec, or a conflict (the id
         is taken by another spec). The bus stays the contract: this is :meth:`submit` plus a look
         at the job's record and its ``rejected`` event."""
-        spec = checked_spec(spec)
+        spec = checked_spec(spec, default_tenant=self._own_tenant())
         try:
             existing = await self.job(spec.job_id, timeout_s=min(wait_s, 2.0))
         except QueryError:
@@ -355,7 +357,7 @@ class LoomClient:
         """:meth:`cancel`, and whether the job had already ended before this request (then
         nothing was sent: a job cancelled earlier is ``("cancelled", True)``)."""
         if "\x00" in reason:
-            raise ValueError("a cancellation's reason cannot hold a NUL character")
+            raise SpecError("a cancellation's reason cannot hold a NUL character")
         job = await self.job(job_id)
         if job is None:
             raise QueryError(f"no job {job_id!r}")
@@ -383,10 +385,17 @@ class LoomClient:
             await asyncio.sleep(0.2)
         raise QueryError(f"placement did not record the cancellation of {job_id} within {wait_s:g} s")
 
+    def _own_tenant(self) -> str | None:
+        """The tenant this client's identity is (``tenant-acme`` is ``acme``), None for any other."""
+        identity = self.identity or ""
+        return identity.removeprefix("tenant-") if identity.startswith("tenant-") else None
+
     async def jobs(
         self, *, tenant: str | None = None, state: str | None = None, limit: int = 100, timeout_s: float = 5.0
     ) -> list[dict[str, Any]]:
-        """Newest jobs first."""
+        """Newest jobs first (a ``state`` not a job state is refused: :class:`SpecError`)."""
+        if state is not None and state not in JOB_STATES:
+            raise SpecError(f"unknown job state {state!r}; one of {', '.join(JOB_STATES)}")
         result: list[dict[str, Any]] = await self._query(
             self._jobs_query, {"op": "list", "tenant": tenant, "state": state, "limit": limit}, timeout_s
         )
@@ -494,7 +503,14 @@ class LoomClient:
         return sorted(links, key=lambda link: (link["src"], link["dst"]))
 
     async def watch(self, tenant: str | None = None) -> AsyncIterator[tuple[str, JobEvent]]:
-        """Yield (subject, event) for every job event from now on, of one tenant or all."""
+        """Yield (subject, event) for every job event from now on, of one tenant or all. A tenant's
+        identity watches its own tenant (the default for it); another's raises :class:`QueryError`
+        (nats-server refuses the subscription: the loop waited for ever, the refusal only logged)."""
+        mine = self._own_tenant()
+        if mine is not None:
+            if tenant not in (None, mine):
+                raise QueryError(f"tenant {mine!r} may watch its own jobs only, not tenant {tenant!r}'s")
+            tenant = mine
         if tenant is not None:
             subjects.job_submitted(tenant)  # validates the id
         # A tenant's identity may read only its own tenant's events; two subscriptions into one
