@@ -40,6 +40,7 @@ from loom_proto.jobs import (
 )
 from loom_proto.migrations import MigrationEvent
 from loom_proto.net import LinkDegraded, LinkRecovered, LinkState, ProbeSample, TransferObserved
+from loom_proto.subjects import REQUEST_KINDS
 from loom_proto.view import RegionSummary, ViewDelta
 
 # The generated files live in the top-level proto/ folder, beside this package, for other languages.
@@ -47,7 +48,14 @@ HERE = Path(__file__).resolve().parent.parent
 
 # channel address -> (parameters, message type, description)
 CHANNELS: dict[str, tuple[tuple[str, ...], type[msgspec.Struct], str]] = {
-    "loom.jobs.submitted.{tenant}": (("tenant",), JobSubmitted, "Submit a job; set Nats-Msg-Id to job_id."),
+    "loom.jobs.submitted.{tenant}": (
+        ("tenant",),
+        JobSubmitted,
+        "Submit a job (a client's request, held by the REQUESTS stream). Set Nats-Msg-Id to"
+        " `<job_id>:<random>`, an id nobody can guess, and reuse it only to retry this submission:"
+        " JetStream drops a second message with an id it saw in the last 2 minutes, so a guessable"
+        " id (the job id alone) can be taken first by another tenant and this submission dropped.",
+    ),
     "loom.jobs.placed.{tenant}": (("tenant",), JobPlaced, "Placement reserved capacity on a cluster."),
     # Agents' reports name the reporting cluster last: only its agent may publish there.
     "loom.jobs.started.{tenant}.{cluster}": (("tenant", "cluster"), JobStarted, "A job's run started."),
@@ -62,7 +70,13 @@ CHANNELS: dict[str, tuple[tuple[str, ...], type[msgspec.Struct], str]] = {
     "loom.jobs.completed.{tenant}": (("tenant",), JobCompleted, "A service recorded a job as finished."),
     "loom.jobs.failed.{tenant}": (("tenant",), JobFailed, "A service gave a job up as failed."),
     "loom.jobs.rejected.{tenant}": (("tenant",), JobRejected, "Loom will not run the job, and why."),
-    "loom.jobs.cancelled.{tenant}": (("tenant",), JobCancelled, "A job was cancelled."),
+    "loom.jobs.cancelled.{tenant}": (
+        ("tenant",),
+        JobCancelled,
+        "Ask placement to cancel a job (a client's request, held by the REQUESTS stream; an id as for"
+        " a submission). Its outcome is the job's state (ask `loom.jobs.query.{tenant}`): a running"
+        " job's run reports `failed` with `stopped`; a refused request is dead-lettered.",
+    ),
     "loom.jobs.requeued.{tenant}": (("tenant",), JobRequeued, "A placed job went back to the queue."),
     "loom.jobs.resized.{tenant}": (("tenant",), JobResized, "An elastic job grew or shrank."),
     "loom.clusters.{cluster}.heartbeat": (("cluster",), ClusterHeartbeat, "An agent's heartbeat."),
@@ -142,7 +156,12 @@ def document() -> dict[str, Any]:
             "headers": {
                 "type": "object",
                 "properties": {
-                    "Nats-Msg-Id": {"type": "string", "description": "deterministic id for deduplication"},
+                    "Nats-Msg-Id": {
+                        "type": "string",
+                        "description": "the id JetStream deduplicates on (2 minutes, per stream): a"
+                        " service's is deterministic (retries are one message); a client's must be"
+                        " one nobody can guess",
+                    },
                     "traceparent": {"type": "string", "description": "W3C trace context"},
                 },
             },
@@ -153,8 +172,10 @@ def document() -> dict[str, Any]:
             "parameters": {p: {"description": "[A-Za-z0-9_-]{1,64}"} for p in params},
             "messages": {name: {"$ref": f"#/components/messages/{name}"}},
         }
-        operations[f"publish_{channel_id}"] = {
-            "action": "send",
+        # A client's view: it sends requests (submissions, cancellations) and receives the rest.
+        sends = address.split(".")[2] in REQUEST_KINDS if address.startswith("loom.jobs.") else False
+        operations[f"{'publish' if sends else 'receive'}_{channel_id}"] = {
+            "action": "send" if sends else "receive",
             "channel": {"$ref": f"#/channels/{channel_id}"},
         }
     return {
@@ -162,7 +183,11 @@ def document() -> dict[str, Any]:
         "info": {
             "title": "Loom events",
             "version": "0.1.0",
-            "description": "Every event Loom's services exchange over NATS JetStream, JSON-encoded.",
+            "description": "Every event Loom's services exchange over NATS JetStream, JSON-encoded;"
+            " the operations are a client's: it sends requests (submissions, cancellations) and"
+            " receives the rest. Request-reply queries (`loom.jobs.query.{tenant}`, `loom.view.query`,"
+            ' `loom.net.query.*`) answer `{"ok": true, "result": ...}` or `{"ok": false,'
+            ' "error": ...}` and are described in the README, as are tenants\' credentials.',
         },
         "defaultContentType": "application/json",
         "channels": channels,
