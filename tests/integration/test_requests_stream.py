@@ -244,6 +244,9 @@ async def test_a_tenants_sdk_acts_as_its_tenant_and_refuses_what_it_cannot_do(
                 break
         with pytest.raises(SpecError, match="NUL"):
             await t1.cancel("own-1", reason="a\x00b")
+        # An operator's query: refused by nats-server, said so (it said "the service is not running").
+        with pytest.raises(QueryError, match="refused: this client's NATS permissions do not allow asking"):
+            await t1.drains(timeout_s=1.0)
         # Its own watch, by default: the events of its jobs.
         seen: asyncio.Queue[str] = asyncio.Queue()
 
@@ -258,3 +261,33 @@ async def test_a_tenants_sdk_acts_as_its_tenant_and_refuses_what_it_cannot_do(
         watcher.cancel()
     finally:
         await t1.close()
+
+
+def test_loom_dlq_as_a_tenant_is_refused_in_one_line(
+    secured: tuple[NatsServer, CredentialStore], tmp_path: Path
+) -> None:
+    # It printed a nats TimeoutError traceback (a client developer's walk).
+    import os
+    import subprocess
+    import sys
+
+    from loom.security import ENV_CREDS
+
+    server, store = secured
+    env = {
+        **os.environ,
+        "LOOM_NATS_URL": server.url,
+        ENV_CREDS: str(store.path(tenant_identity("t1"))),
+        "LOOM_HOME": str(tmp_path / "home"),
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "loom.cli.main", "dlq", "list"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert "refused: dead letters are the operator's, and this is tenant-t1" in done.stderr

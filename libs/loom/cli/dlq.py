@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
+import nats.errors
 from nats.aio.client import Client
 from rich.markup import escape
 from rich.table import Table
@@ -63,6 +64,18 @@ def _nats_url() -> str:
     return nats_endpoint()
 
 
+def _identity(url: str) -> str:
+    """The identity of the client's NATS credentials ("" when open or unreadable)."""
+    from loom import security
+    from loom.bus.connection import credentials_path
+
+    try:
+        creds = credentials_path(url)
+        return security.read(creds).identity if creds is not None else ""
+    except (OSError, ValueError, LoomError):
+        return ""
+
+
 def _with_dead_letters(work: Callable[[DeadLetters], Awaitable[int]]) -> int:
     async def go() -> int:
         url = _nats_url()
@@ -75,6 +88,14 @@ def _with_dead_letters(work: Callable[[DeadLetters], Awaitable[int]]) -> int:
             return 1
         try:
             return await work(DeadLetters(nc))
+        except (nats.errors.Error, TimeoutError) as exc:
+            # A tenant's credentials may not read the DLQ: a traceback said nothing of why.
+            who = _identity(url)
+            if who.startswith("tenant-"):
+                err.print(f"[red]refused: dead letters are the operator's, and this is {escape(who)}[/red]")
+            else:
+                err.print(f"[red]the dead letters could not be read: {escape(repr(exc))}[/red]")
+            return 1
         finally:
             await nc.close()
 

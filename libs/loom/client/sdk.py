@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanKind
 
 from loom import security
 from loom.bus import Publisher, connect
-from loom.bus.connection import BusError, credentials_path
+from loom.bus.connection import BusError, credentials_path, publish_denied
 from loom.errors import InvalidInputError, LoomError
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
@@ -319,11 +319,18 @@ class LoomClient:
         )
 
     async def _query(self, subject: str, request: Mapping[str, Any], timeout_s: float) -> Any:
+        asked = time.monotonic()
         try:
             reply = await self.nc.request(subject, json.dumps(request).encode(), timeout=timeout_s)
         except NoRespondersError as exc:
             raise QueryError(f"nothing listens on {subject}: is the service running?") from exc
         except Exception as exc:
+            if publish_denied(self.nc, subject, since=asked):
+                # Told "the service is not running, or cannot reach its database" before.
+                raise QueryError(
+                    f"refused: this client's NATS permissions do not allow asking {subject}"
+                    f" (identity {self.identity or 'unknown'})"
+                ) from exc
             raise QueryError(
                 f"no answer on {subject} within {timeout_s:g} s: the service is not running, or cannot"
                 f" reach its database (`loom status` says which) ({exc!r})"
