@@ -261,6 +261,9 @@ async def test_a_tenants_sdk_acts_as_its_tenant_and_refuses_what_it_cannot_do(
         watcher.cancel()
     finally:
         await t1.close()
+    await t1.close()  # twice: nothing (it raised ConnectionClosedError)
+    with pytest.raises(QueryError, match="this client is closed"):
+        await t1.jobs()
 
 
 def test_loom_dlq_as_a_tenant_is_refused_in_one_line(

@@ -205,7 +205,9 @@ class LoomClient:
         return subjects.JOBS_QUERY
 
     async def close(self) -> None:
-        """Flush and close the connection."""
+        """Flush and close the connection; closing again does nothing (it raised)."""
+        if self.nc.is_closed or self.nc.is_draining:
+            return
         await self.nc.drain()
 
     async def submit(self, spec: JobSpec | Mapping[str, Any], *, msg_id: str | None = None) -> str:
@@ -319,6 +321,8 @@ class LoomClient:
         )
 
     async def _query(self, subject: str, request: Mapping[str, Any], timeout_s: float) -> Any:
+        if self.nc.is_closed:
+            raise QueryError("this client is closed: connect again")  # not "the service is not running"
         asked = time.monotonic()
         try:
             reply = await self.nc.request(subject, json.dumps(request).encode(), timeout=timeout_s)
