@@ -9,7 +9,7 @@ All events share the tag field ``kind`` so a consumer of the whole lifecycle can
 :data:`JobEvent`; a consumer of one event type may leave ``kind`` out.
 """
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import msgspec
 from msgspec import Meta
@@ -417,6 +417,15 @@ JobEvent = (
     | JobResized
 )
 """Any job lifecycle event, discriminated by ``kind``."""
+
+
+def _kind(event: msgspec.Struct) -> str:
+    return str(type(event).__struct_config__.tag)
+
+
+for _event_type in get_args(JobEvent):
+    # ``event.kind``, as on the wire (the tag is no field of the struct: it raised AttributeError).
+    _event_type.kind = property(_kind)
 
 TERMINAL_KINDS = frozenset({"completed", "failed", "rejected", "cancelled"})
 

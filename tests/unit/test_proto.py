@@ -569,3 +569,17 @@ def test_the_sdks_watch_reads_a_submission_without_kind_by_its_subject() -> None
     assert isinstance(done, JobCompleted)
     for subject, data in (("loom.jobs.submitted.acme", b"{}"), ("loom.view.query", body), ("x", b"nope")):
         assert _event_of(SimpleNamespace(subject=subject, data=data)) is None  # type: ignore[arg-type]
+
+
+def test_every_job_event_says_its_kind_as_the_wire_does() -> None:
+    # `event.kind` raised AttributeError: the tag is no field (a client developer's walk).
+    from typing import get_args
+
+    from loom_proto.jobs import JobEvent
+
+    for event_type in get_args(JobEvent):
+        assert isinstance(event_type.kind, property)  # on every event type, not a field
+    event = msgspec.json.decode(
+        b'{"kind": "cancelled", "job_id": "j", "tenant": "t", "at": 1}', type=JobEvent
+    )
+    assert event.kind == "cancelled" and b'"kind":"cancelled"' in msgspec.json.encode(event)
