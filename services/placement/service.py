@@ -425,7 +425,9 @@ class PlacementService:
         """The path of the last admitted jobs: (job id, stored in the stream, received by the
         consumer, its batch's stamps), wall-clock seconds; the ``job_timings`` debug section."""
         ctx.debug["job_timings"] = self.job_timings_of
-        ctx.live_stats.append(self._suspect_nodes)
+        live = getattr(ctx, "live_stats", None)  # the pure tests' stand-in context has none
+        if live is not None:
+            live.append(self._suspect_nodes)
         self.stats.update(
             {
                 "placed": 0,
