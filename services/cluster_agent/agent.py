@@ -77,6 +77,10 @@ from loom_proto.codec import encode
 from loom_proto.jobs import JobCheckpointed, JobCompleted, JobFailed, JobProgress, JobStarted, NodeAllocation
 from loom_services.cluster_agent.backend import BackendError, ClusterBackend, PartLaunch, PartStatus, Phase
 
+STALL_S = 5.0
+"""A simulated chunk of steps ending this much later than its time: the agent stalled (its
+progress report then carries no step time: the node was not slow)."""
+
 log = structlog.get_logger("cluster_agent")
 _tracer = trace.get_tracer("loom.cluster_agent")
 
@@ -755,10 +759,16 @@ class Agent:
             gpus = job.job_gpus
             wakeup.clear()
             began = loop.time()
+            wait_s = left * step_s / self.time_scale
             try:
-                await asyncio.wait_for(wakeup.wait(), timeout=left * step_s / self.time_scale)
+                await asyncio.wait_for(wakeup.wait(), timeout=wait_s)
             except TimeoutError:
                 done = left
+                if loop.time() - began - wait_s > STALL_S:
+                    # This process did not run for a while (stopped, or starved): the steps were
+                    # not slow, the agent was. The next report says no step time (a 20 s SIGSTOP
+                    # of an agent made 7 runs "slow", moved them and closed 3 nodes for 10 min).
+                    job.paced_step = -1
             else:  # resized: count what was done at the old speed, go on at the new one
                 done = min((loop.time() - began) * self.time_scale / step_s, left)
             job.gpu_seconds += done * step_s * gpus

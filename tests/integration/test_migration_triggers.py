@@ -210,3 +210,32 @@ async def _joined_verdicts(db: asyncpg.Connection) -> dict[str, asyncpg.Record] 
     rows = await db.fetch("SELECT * FROM migration_verdicts WHERE trigger = 'cluster_joined' ORDER BY id")
     found = {r["job_id"]: r for r in rows}
     return found if {"long", "short"} <= set(found) else None
+
+
+async def test_an_agent_that_stops_for_a_while_does_not_make_its_runs_slow(platform: Platform) -> None:
+    # A 20 s SIGSTOP of an agent made 7 runs "slow" (3 % of their rate), moved them and closed 3
+    # healthy nodes for 10 minutes (a hostile walk): the steps were not slow, the agent was.
+    await platform.start("metrics")
+    placement = await platform.start("placement")
+    await platform.start("agent-c-weu-a")
+    client = await LoomClient.connect(platform.nats_url)
+    try:
+        # 4000 steps of 1.44 s on a P100 at 50x: ~115 s of wall time, a report every 8 steps.
+        await client.submit(_job("frozen", ["P100"], steps=4000))
+        await until(lambda: _running(client, "frozen"), 20, "frozen running")
+        await until(lambda: _progressed(client, "frozen", 0.02), 20, "frozen reporting its pace")
+        # The whole event loop stops, as the agent's process does under SIGSTOP (placement's too:
+        # it sees the reports after, as it would).
+        time.sleep(8.0)
+        await asyncio.sleep(4.0)  # past the 2 s window, reports on both sides of the stall
+        await until(lambda: _progressed(client, "frozen", 0.1), 30, "frozen going on")
+        assert placement.stats["nodes"]["slow"] == 0, placement.stats["nodes"]
+        assert placement.stats["nodes"]["suspect"] == {}
+        job = await client.job("frozen")
+        assert (
+            job is not None
+            and job["attempt"] == 1
+            and not [e for e in job["events"] if e["kind"] == "requeued"]
+        )
+    finally:
+        await client.close()
