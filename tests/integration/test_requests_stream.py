@@ -294,3 +294,40 @@ def test_loom_dlq_as_a_tenant_is_refused_in_one_line(
     assert done.returncode == 1, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
     assert "refused: dead letters are the operator's, and this is tenant-t1" in done.stderr
+
+
+async def test_a_submission_without_an_ack_says_it_may_be_stored_and_the_id_to_retry_under(
+    tmp_path: Path,
+) -> None:
+    # After a NATS outage the SDK raised "failed after 8 attempts" for submissions that had been
+    # stored and ran; retried under a new id they came back "duplicate" (a hostile walk).
+    import os
+    import signal
+
+    from loom.bus import Publisher
+    from loom.client import SubmissionUnsure
+
+    with NatsServer(tmp_path / "nats") as server:
+        client = await LoomClient.connect(server.url)
+        try:
+            await ensure_streams(client.nc.jetstream())
+            client.publisher = Publisher(client.nc, timeout_s=0.3, attempts=2)
+            spec = JobSpec(job_id="unsure-1", tenant="t1", resources=Resources(gpus=1), work=Work(steps=1))
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(SubmissionUnsure) as unsure:
+                    await client.submit(spec)
+            finally:
+                os.kill(server.pid, signal.SIGCONT)
+            msg_id = unsure.value.msg_id
+            assert msg_id.startswith("unsure-1:") and f"msg_id={msg_id!r}" in str(unsure.value)
+            # Retried under that id: one copy, whether or not the first was stored.
+            client.publisher = Publisher(client.nc)
+            await client.submit(spec, msg_id=msg_id)
+            info = await client.nc.jetstream().stream_info(
+                "REQUESTS", subjects_filter=subjects.JOBS_SUBMITTED_ALL
+            )
+            assert sum((info.state.subjects or {}).values()) == 1
+        finally:
+            await client.close()

@@ -69,6 +69,16 @@ class QueryError(LoomError):
     """A query the service could not answer."""
 
 
+class SubmissionUnsure(BusError):
+    """A submission whose publish got no ack: it may have been stored. Retry it under
+    :attr:`msg_id` (``submit(spec, msg_id=...)``): JetStream keeps one copy; under a new id a stored
+    one comes back ``rejected`` as a duplicate."""
+
+    def __init__(self, message: str, *, msg_id: str) -> None:
+        super().__init__(message)
+        self.msg_id = msg_id
+
+
 class RefusedQueryError(QueryError, InvalidInputError):
     """A query the service refused as the asker's fault (``"invalid": true`` in its answer: an
     unknown region, a malformed request); the CLI exits 2 for it, as for other bad input."""
@@ -239,7 +249,20 @@ class LoomClient:
             # another tenant and this submission dropped as its duplicate. Retries of this publish
             # reuse it; a second submission is a new message (placement knows the job id).
             msg_id = msg_id or f"{spec.job_id}:{secrets.token_hex(8)}"
-            ack = await self.publisher.publish(subjects.job_submitted(spec.tenant), job, msg_id=msg_id)
+            try:
+                ack = await self.publisher.publish(subjects.job_submitted(spec.tenant), job, msg_id=msg_id)
+            except SubmissionUnsure:
+                raise
+            except BusError as exc:
+                if exc.non_retryable:  # refused (permissions): it was not stored
+                    raise
+                # No ack is no "not stored": after a 65 s NATS outage 20 submissions told "failed"
+                # had been stored and ran; retried under a new id they came back "duplicate".
+                raise SubmissionUnsure(
+                    f"{exc}; the submission may have been stored: retry it with"
+                    f" submit(spec, msg_id={msg_id!r}) (JetStream keeps one copy)",
+                    msg_id=msg_id,
+                ) from exc
             ctx = span.get_span_context()
         return ack, (format(ctx.trace_id, "032x") if ctx.is_valid else None)
 
