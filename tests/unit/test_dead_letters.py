@@ -85,3 +85,17 @@ def test_since_refuses_anything_else_with_the_accepted_forms(text: str) -> None:
 def test_since_refuses_a_duration_back_past_any_date(text: str) -> None:
     with pytest.raises(InvalidInputError, match="further back than any date"):
         parse_since(text, now=NOW)
+
+
+def test_loom_dlq_replay_exits_1_when_an_entry_was_not_replayed_or_not_delivered() -> None:
+    # "0 of 2 replayed" (one skipped, one inside the stream's duplicate window) exited 0.
+    from types import SimpleNamespace
+
+    from loom.cli.dlq import _replay_code
+
+    def results(*outcomes: str) -> list[object]:
+        return [SimpleNamespace(outcome=o) for o in outcomes]
+
+    assert _replay_code(results("replayed", "skipped")) == 0
+    assert _replay_code(results("skipped", "duplicate")) == 1
+    assert _replay_code(results("replayed", "not_replayable")) == 1

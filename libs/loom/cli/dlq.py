@@ -214,7 +214,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         results = await dlq.replay(letters, again=args.again)
         if args.json:
             print(json.dumps([r.__dict__ for r in results], indent=2))
-            return 1 if any(r.outcome == "not_replayable" for r in results) else 0
+            return _replay_code(results)
         for r in results:
             if r.outcome == "replayed":
                 console.print(f"#{r.seq}: replayed to {r.subject} (id {r.msg_id}, stream seq {r.stream_seq})")
@@ -230,9 +230,15 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     "duplicate window (the original was published moments ago); replay again later"
                 )
         console.print(f"{sum(r.outcome == 'replayed' for r in results)} of {len(results)} replayed")
-        return 1 if any(r.outcome == "not_replayable" for r in results) else 0
+        return _replay_code(results)
 
     return _with_dead_letters(work)
+
+
+def _replay_code(results: list[Any]) -> int:
+    """1 when an entry could not be replayed or was not delivered (its id still in the stream's
+    duplicate window): "0 of 2 replayed" exited 0. An entry skipped as replayed before is no failure."""
+    return 1 if any(r.outcome not in ("replayed", "skipped") for r in results) else 0
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
