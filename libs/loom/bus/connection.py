@@ -222,8 +222,9 @@ async def connect(
                         non_retryable=True,
                     )
                 raise BusError(
-                    f"no NATS server answered at {url} within {first_within_s:g} s:"
-                    " is the Loom stack running? Start it with `loom up` (or set LOOM_NATS_URL)"
+                    f"no NATS server answered at {url} within {first_within_s:g} s: if the stack is"
+                    " down, start it with `loom up` (or set LOOM_NATS_URL); if it is up, its NATS"
+                    " server is not answering (`loom status` says)"
                 )
             nc = opened.result()
     except BusError:
