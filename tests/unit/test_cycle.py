@@ -165,6 +165,27 @@ def test_elastic_jobs_grow_past_waiting_jobs_that_could_never_use_their_pool() -
         )
 
 
+def test_elastic_growth_leaves_a_waiting_jobs_tenant_its_quota() -> None:
+    # Growth elsewhere took the tenant's whole quota (8 GPUs): its T4 job, waiting for T4s, was
+    # then refused for quota once they freed (a review).
+    snap = two_clusters()
+    snap.now = 1000.0
+    snap.running = [elastic_running("el", 2)]
+    snap.take([("a0", 2), ("b0", 4), ("b1", 4)])
+    snap.quota = QuotaBook(
+        TenantConfig(tenants={"t": TenantQuota(name="t", cohort=None, gpus=8)}, open=True), {"t": 2}
+    )
+    fw = Framework([ResourceFit(), ScuFit()])
+    t4_gang = job("t4-gang", gpus=3, workers=2, resources={"gpu_models": ["T4"]})  # 4 T4s free: waits
+    result = run_cycle(fw, [Q(t4_gang)], snap)
+    assert [w.pending.job.job_id for w in result.waiting] == ["t4-gang"]
+    assert result.grown == [] and snap.quota.held("t") == 2
+    # Another tenant's waiting job leaves "t"'s growth alone.
+    other = job("t4-other", gpus=3, workers=2, tenant="u", resources={"gpu_models": ["T4"]})
+    grown = run_cycle(fw, [Q(other)], snap)
+    assert [(g.job_id, g.workers) for g in grown.grown] == [("el", 8)]
+
+
 def two_tenants(snap: Snapshot) -> QuotaBook:
     snap.quota = QuotaBook(
         TenantConfig(

@@ -422,20 +422,39 @@ def _grow_around(
     wanted: set[tuple[str, str]] = set()
     for job in jobs:
         wanted |= framework.wanted_pools(job, snap)
-    return grow(snap, leave=wanted)
+    return grow(snap, leave=wanted, hold=_quota_sharers(snap, jobs))
 
 
-def grow(snap: Snapshot, *, leave: Collection[tuple[str, str]] = ()) -> list[Grown]:
+def _quota_sharers(snap: Snapshot, jobs: Sequence[JobSpec]) -> set[str]:
+    """The tenants whose quota a waiting job of ``jobs`` needs: their own, and their cohorts'
+    members' (growth elsewhere would take it: an elastic job grew to its tenant's whole quota and
+    the tenant's waiting T4 job was then refused for quota)."""
+    book = snap.quota
+    if book is None:
+        return set()
+    tenants = {job.tenant for job in jobs}
+    cohorts = {q.cohort for t in tenants if (q := book.config.tenants.get(t)) is not None and q.cohort}
+    return tenants | {name for name, q in book.config.tenants.items() if q.cohort in cohorts}
+
+
+def grow(
+    snap: Snapshot, *, leave: Collection[tuple[str, str]] = (), hold: Collection[str] = ()
+) -> list[Grown]:
     """Elastic running jobs below their maximum take free GPUs on their own cluster and GPU model
     (:func:`loom.sched.elastic.plan_grow`: higher priority first, peers in turn), as far as their
     tenant's quota allows, except in the pools of ``leave`` (cluster, GPU model: those a queued job
-    could use). The snapshot takes the GPUs, the quota book counts them, and its running list shows
-    the new sizes."""
+    could use), and not for the tenants of ``hold`` (a queued job needs their quota). The snapshot
+    takes the GPUs, the quota book counts them, and its running list shows the new sizes."""
     book = snap.quota
     groups: dict[tuple[str, str], list[ElasticJob]] = {}
     by_id: dict[str, RunningJob] = {}
     for r in snap.running:
-        if r.min_workers is None or r.workers >= r.max_workers or (r.cluster, r.gpu_model) in leave:
+        if (
+            r.min_workers is None
+            or r.workers >= r.max_workers
+            or (r.cluster, r.gpu_model) in leave
+            or r.tenant in hold
+        ):
             continue
         g = max(r.gpus_per_worker, 1)
         room = r.max_workers - r.workers
