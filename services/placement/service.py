@@ -190,6 +190,9 @@ LIFECYCLE_SUBJECTS = subjects.job_events_of("started", "progress", "checkpointed
 LifecycleEvent = JobStarted | JobProgress | JobCheckpointed | JobCompleted | JobFailed | JobCancelled
 MAX_BACKOFF_S = 30.0
 ACK_WAIT_S = 5.0
+CANCELLED_PREFIX = subjects.JOBS_CANCELLED_ALL.removesuffix("*")
+CANCEL_WAIT_S = 2.0
+"""How long a batch of cancellations waits for the runs' events before it to be handled."""
 LIFECYCLE_LINGER_S = 0.05
 """How long a fetched lifecycle event waits for others to share its transaction."""
 MIN_DECIDE_SLICE = 8
@@ -2651,8 +2654,27 @@ class PlacementService:
         """Record what agents report and clients cancel; a finished run gives its GPUs back; a
         retryable failure is re-placed. Two consumers feed it (runs' events on JOBS, cancellations
         on REQUESTS): their batches are handled one at a time, as one consumer's were."""
+        if deliveries and all(d.subject.startswith(CANCELLED_PREFIX) for d in deliveries):
+            await self._runs_caught_up()
         async with self._lifecycle_lock:
             return await self._on_lifecycle(deliveries)
+
+    async def _runs_caught_up(self, within_s: float = CANCEL_WAIT_S) -> None:
+        """Before a batch of cancellations: wait (at most ``within_s``) until the runs' events
+        stored before it are handled. From another stream, a cancellation could otherwise be
+        handled before a completion reported earlier, and a job that completed be recorded as
+        cancelled (one stream kept them in order before the REQUESTS stream)."""
+        js = self.ctx.nc.jetstream()
+        durable = self._durable("placement-lifecycle", self.shard)
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            try:
+                info = await js.consumer_info("JOBS", durable, timeout=1.0)
+            except Exception:  # not known: go on as before the wait existed
+                return
+            if not info.num_pending and not info.num_ack_pending:
+                return
+            await asyncio.sleep(0.05)
 
     async def _on_lifecycle(  # noqa: PLR0915
         self, deliveries: list[Delivery[bytes]]
