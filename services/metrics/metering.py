@@ -12,6 +12,7 @@ of order (a redelivered ``started`` after its ``completed``) meter the same rows
 """
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import asyncpg
@@ -37,6 +38,7 @@ from loom_proto.jobs import JobCancelled, JobPlaced, JobRequeued
 log = structlog.get_logger("metrics.metering")
 
 CONSUMER = "metrics-metering"
+_CANCELLED_PREFIX = subjects.JOBS_CANCELLED_ALL.removesuffix("*")
 LINGER_S = 0.1
 """How long a fetched event waits for others to share its transaction: usage rows and the
 reserved overlay come up to this much later than the handling alone would make them. At 50
@@ -98,8 +100,25 @@ class Metering:
         the runner retries the messages one by one. The two consumers' batches are handled one at
         a time: both read and write the same run records.
         """
+        if deliveries and all(d.subject.startswith(_CANCELLED_PREFIX) for d in deliveries):
+            await self._events_caught_up()
         async with self._lock:
             return await self._on_events(deliveries)
+
+    async def _events_caught_up(self, within_s: float = 2.0) -> None:
+        """Before a batch of cancellations: wait (at most ``within_s``) until the lifecycle events
+        stored before it are folded (a cancellation folded before its job's ``placed`` left that
+        placement's GPUs reserved in the overlay: the two consumers read two streams)."""
+        js = self.ctx.nc.jetstream()
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            try:
+                info = await js.consumer_info("JOBS", CONSUMER, timeout=1.0)
+            except Exception:  # not known: go on as before the wait existed
+                return
+            if not info.num_pending and not info.num_ack_pending:
+                return
+            await asyncio.sleep(0.05)
 
     async def _on_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
         outcomes: list[BaseException | None] = [None] * len(deliveries)
