@@ -582,12 +582,7 @@ class PlacementService:
 
     async def _lead_loaded(self) -> None:
         """The leader's work once its state is loaded: its consumers and loops until cancelled."""
-        # Before its consumers move to REQUESTS: what an older layout left unread in JOBS.
-        await replay_left_requests(
-            self.ctx.nc.jetstream(),
-            submitted_durable=self._durable("placement-submitted", self.shard),
-            lifecycle_durable=self._durable("placement-lifecycle", self.shard),
-        )
+        await self._replay_left_requests(self.shard)
         runners = self._consumers(self.shard)
         # Together: on a NATS cluster a consumer whose Raft leader just died cannot be updated
         # until its group elects another (4-9 s); the others need not wait for it.
@@ -679,6 +674,15 @@ class PlacementService:
                 linger_s=0.0,
             ),
         ]
+
+    async def _replay_left_requests(self, shard: str) -> None:
+        """Before ``shard``'s consumers move to REQUESTS: the requests an older layout left unread
+        in JOBS (:func:`loom.bus.requests_move.replay_left_requests`; nothing once moved)."""
+        await replay_left_requests(
+            self.ctx.nc.jetstream(),
+            submitted_durable=self._durable("placement-submitted", shard),
+            lifecycle_durable=self._durable("placement-lifecycle", shard),
+        )
 
     def _lifecycle_runner(
         self, stream: str, name: str, filters: list[str], shard: str, idle_fetch_timeout_s: float
@@ -858,7 +862,8 @@ class PlacementService:
                     await self._drain()
                     await self._adopt_territory(territory, token)
                 # Its shard's consumers too: its submissions and the events no one recorded since
-                # it died wait there.
+                # it died wait there (and, first, what an older layout left unread in JOBS).
+                await self._replay_left_requests(territory)
                 runners = self._consumers(territory, idle_fetch_timeout_s=poll_s)
                 watchers: list[asyncio.Task[None]] = []
                 try:
