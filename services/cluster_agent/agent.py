@@ -684,9 +684,10 @@ class Agent:
         self.backend.free(job.node_allocations())
         job.allocations = sorted(wanted.items())
         job.workers = command.workers
-        # The next progress report's step time is measured at the new size only (placement
-        # compares it with the new size's prediction; a mean over both read as a slow node).
-        job.paced_at, job.paced_step = time.time(), job.step
+        # The next progress report carries no step time, the one after it is measured at the new
+        # size only (placement compares it with the new size's prediction; a mean over both sizes
+        # read as a slow node).
+        job.paced_step = -1  # mid-chunk, its step is the chunk's start: the next report says none
         self.backend.allocate(job.node_allocations())
         self._changed.set()
         self._record({"op": "resize", "key": key, "workers": job.workers, "allocations": job.allocations})

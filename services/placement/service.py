@@ -1265,8 +1265,9 @@ class PlacementService:
             elif never is not None:
                 stage, status = never
                 code, reason = status.reject, f"stage {stage}: {status.reason}"
+            hint = never[1].hint if never is not None and not taken and beyond is None else ""
             await repo.set_state(conn, [q.job.job_id], "rejected", ["running"], reason)
-            event = rejection(q.job.job_id, q.job.tenant, code, reason)
+            event = rejection(q.job.job_id, q.job.tenant, code, reason, hint)
             msg_id = f"{q.job.job_id}:rejected"
             await repo.append_events(
                 conn, [repo.JobEventRow(q.job.job_id, "rejected", msg_id, encode(event), event.at)]

@@ -177,6 +177,7 @@ async def test_a_dag_with_a_stage_no_cluster_could_ever_hold_is_rejected_before_
     (rejected,) = events_of(job, "rejected")
     assert rejected["code"] == "impossible", rejected
     assert rejected["reason"].startswith("stage b: ") and "can never fit" in rejected["reason"]
+    assert "ask for at most" in rejected["hint"], rejected  # what to change, as for any job
     assert await client.job("dag-never--a") is None, "no stage was created, none ran"
 
 
