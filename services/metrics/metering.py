@@ -12,7 +12,6 @@ of order (a redelivered ``started`` after its ``completed``) meter the same rows
 """
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import asyncpg
@@ -20,7 +19,7 @@ import msgspec
 import structlog
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
-from loom.bus.consumer import stored_at
+from loom.bus.consumer import caught_up, stored_at
 from loom.errors import InvalidInputError
 from loom.metering import RunRecord, fold, meter
 from loom.metering.run import MeteredEvent
@@ -105,20 +104,11 @@ class Metering:
         async with self._lock:
             return await self._on_events(deliveries)
 
-    async def _events_caught_up(self, within_s: float = 2.0) -> None:
-        """Before a batch of cancellations: wait (at most ``within_s``) until the lifecycle events
-        stored before it are folded (a cancellation folded before its job's ``placed`` left that
+    async def _events_caught_up(self) -> None:
+        """Before a batch of cancellations: wait (at most 2 s) until the lifecycle events stored
+        before it are folded (a cancellation folded before its job's ``placed`` left that
         placement's GPUs reserved in the overlay: the two consumers read two streams)."""
-        js = self.ctx.nc.jetstream()
-        deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
-            try:
-                info = await js.consumer_info("JOBS", CONSUMER, timeout=1.0)
-            except Exception:  # not known: go on as before the wait existed
-                return
-            if not info.num_pending and not info.num_ack_pending:
-                return
-            await asyncio.sleep(0.05)
+        await caught_up(self.ctx.nc.jetstream(), "JOBS", CONSUMER)
 
     async def _on_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
         outcomes: list[BaseException | None] = [None] * len(deliveries)

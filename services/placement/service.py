@@ -74,7 +74,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, stop_runners
-from loom.bus.consumer import stored_at
+from loom.bus.consumer import caught_up, stored_at
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.bus.requests_move import replay_left_requests
 from loom.errors import InvalidInputError, NotLeaderError, TransientError
@@ -2665,22 +2665,13 @@ class PlacementService:
         async with self._lifecycle_lock:
             return await self._on_lifecycle(deliveries)
 
-    async def _runs_caught_up(self, within_s: float = CANCEL_WAIT_S) -> None:
-        """Before a batch of cancellations: wait (at most ``within_s``) until the runs' events
-        stored before it are handled. From another stream, a cancellation could otherwise be
+    async def _runs_caught_up(self) -> None:
+        """Before a batch of cancellations: wait (at most :data:`CANCEL_WAIT_S`) until the runs'
+        events stored before it are handled. From another stream, a cancellation could otherwise be
         handled before a completion reported earlier, and a job that completed be recorded as
         cancelled (one stream kept them in order before the REQUESTS stream)."""
-        js = self.ctx.nc.jetstream()
         durable = self._durable("placement-lifecycle", self.shard)
-        deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
-            try:
-                info = await js.consumer_info("JOBS", durable, timeout=1.0)
-            except Exception:  # not known: go on as before the wait existed
-                return
-            if not info.num_pending and not info.num_ack_pending:
-                return
-            await asyncio.sleep(0.05)
+        await caught_up(self.ctx.nc.jetstream(), "JOBS", durable, within_s=CANCEL_WAIT_S)
 
     async def _on_lifecycle(  # noqa: PLR0915
         self, deliveries: list[Delivery[bytes]]

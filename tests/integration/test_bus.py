@@ -1061,3 +1061,24 @@ async def test_a_message_given_back_by_a_fenced_instance_is_not_counted_toward_d
     await runner.stop()
     assert dead.empty()
     assert runner.counts["not_ours"] == 4 and runner.counts["dead_lettered"] == 0
+
+
+async def test_caught_up_waits_for_a_consumer_to_have_nothing_pending(nc: Client) -> None:
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    from loom.bus.consumer import caught_up
+
+    js = nc.jetstream()
+    subject = s.job_event("started", unique("t"))
+    durable = unique("behind")
+    await js.add_consumer(
+        "JOBS", ConsumerConfig(durable_name=durable, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT)
+    )
+    await Publisher(nc).publish_bytes(subject, b"{}", msg_id=unique("m"))
+    assert not await caught_up(js, "JOBS", durable, within_s=0.3)  # one message not handled yet
+    sub = await js.pull_subscribe_bind(durable, "JOBS")
+    (msg,) = await sub.fetch(1, timeout=2)
+    assert not await caught_up(js, "JOBS", durable, within_s=0.3)  # delivered, not acknowledged
+    await msg.ack_sync()
+    assert await caught_up(js, "JOBS", durable, within_s=2.0)
+    assert not await caught_up(js, "JOBS", unique("nobody"), within_s=0.3)  # unknown: no waiting

@@ -220,6 +220,24 @@ def stored_at(d: "Delivery[Any]") -> float:
     return stamp.timestamp() if stamp is not None else time.time()
 
 
+async def caught_up(js: JetStreamContext, stream: str, durable: str, *, within_s: float = 2.0) -> bool:
+    """Wait (at most ``within_s``) until ``durable`` on ``stream`` has nothing pending nor
+    unacknowledged: what was stored before now is handled. Whether it got there (False also when
+    the consumer cannot be looked up: the caller goes on as it would without waiting). A handler of
+    one stream waits so for another's before acting on a message the other's may precede (a
+    cancellation on REQUESTS after a completion on JOBS)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            info = await js.consumer_info(stream, durable, timeout=1.0)
+        except Exception:  # not known: as if caught up (nothing to wait for that can be seen)
+            return False
+        if not info.num_pending and not info.num_ack_pending:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
 async def _in_progress(msgs: Iterable[Msg]) -> None:
     """Tell the server these messages are being worked on (their ack wait starts again)."""
     for msg in msgs:
