@@ -126,8 +126,13 @@ async def test_two_shards_never_place_on_the_same_cluster(
     assert g.held.keys() == {"global"} and eu.held.keys() == {"eu"}
     assert eu.stats["shard"]["routed_elsewhere"] >= len(global_ids)
     assert g.stats["shard"]["routed_elsewhere"] >= len(eu_ids)
-    # Each shard's lifecycle consumer acked the other's events (the agents' starts) unrecorded.
-    assert g.stats["shard"]["foreign_events"] > 0 and eu.stats["shard"]["foreign_events"] > 0
+    # Each shard's lifecycle consumer acked the other's events (the agents' starts) unrecorded:
+    # waited for, as the starts come after the placements the wait above saw (CI once looked first).
+
+    async def both_saw_foreign() -> bool:
+        return g.stats["shard"]["foreign_events"] > 0 and eu.stats["shard"]["foreign_events"] > 0
+
+    await until(both_saw_foreign, 30, "each shard to ack the other's events")
 
 
 async def test_a_dead_regional_shards_clusters_go_to_global_within_the_ttl_and_come_back(
