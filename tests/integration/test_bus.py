@@ -1075,6 +1075,11 @@ async def test_caught_up_waits_for_a_consumer_to_have_nothing_pending(nc: Client
         "JOBS", ConsumerConfig(durable_name=durable, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT)
     )
     await Publisher(nc).publish_bytes(subject, b"{}", msg_id=unique("m"))
+
+    async def pending() -> bool:  # as the server counts it (under CI load, a moment after the ack)
+        return (await js.consumer_info("JOBS", durable)).num_pending == 1
+
+    await until(pending, 10, "the message pending")
     assert not await caught_up(js, "JOBS", durable, within_s=0.3)  # one message not handled yet
     sub = await js.pull_subscribe_bind(durable, "JOBS")
     (msg,) = await sub.fetch(1, timeout=2)
