@@ -331,3 +331,42 @@ async def test_a_submission_without_an_ack_says_it_may_be_stored_and_the_id_to_r
             assert sum((info.state.subjects or {}).values()) == 1
         finally:
             await client.close()
+
+
+async def test_the_move_replays_a_cancellation_metering_had_not_read_though_placement_had(
+    secured: tuple[NatsServer, CredentialStore],
+) -> None:
+    # From placement's floor alone, a cancellation metering had not folded yet was never replayed
+    # (metering's new consumer reads REQUESTS only): its run ended "failed", not "cancelled".
+    server, store = secured
+    admin = await _connect(server, store, admin_identity())
+    placement = await _connect(server, store, SERVICES["placement"])
+    try:
+        js = admin.jetstream()
+        await js.add_stream(OLD_JOBS)
+        lifecycle = [*subjects.job_events_of("started", "completed", "cancelled")]
+        for durable, filters in (
+            ("placement-submitted", [subjects.JOBS_SUBMITTED_ALL]),
+            ("placement-lifecycle", lifecycle),
+            ("metrics-metering", lifecycle),
+        ):
+            await js.add_consumer(
+                "JOBS",
+                ConsumerConfig(durable_name=durable, filter_subjects=filters, ack_policy=AckPolicy.EXPLICIT),
+            )
+        await js.publish(subjects.job_event("cancelled", "t1"), b'{"x": 1}', headers={"Nats-Msg-Id": "can-2"})
+        read = await js.pull_subscribe_bind("placement-lifecycle", "JOBS")
+        (msg,) = await read.fetch(1, timeout=2)
+        await msg.ack_sync()  # placement handled it; metering had not
+        await ensure_streams(placement.jetstream())
+        moved = await replay_left_requests(
+            placement.jetstream(),
+            submitted_durable="placement-submitted",
+            lifecycle_durable="placement-lifecycle",
+        )
+        assert moved.cancelled == 1, moved
+        stored = await js.get_msg("REQUESTS", 1)
+        assert (stored.headers or {})["Nats-Msg-Id"] == "can-2"
+    finally:
+        await admin.close()
+        await placement.close()

@@ -42,8 +42,17 @@ class MoveError(RuntimeError):
     """A republished request did not land in REQUESTS (the streams are still in the old layout)."""
 
 
+OTHER_READERS: tuple[str, ...] = ("metrics-metering",)
+"""Durables of other services that read cancellations in JOBS in the old layout (metering's): a
+cancellation one of them had not read yet is replayed too (REQUESTS' consumers of it start empty)."""
+
+
 async def replay_left_requests(
-    js: JetStreamContext, *, submitted_durable: str, lifecycle_durable: str
+    js: JetStreamContext,
+    *,
+    submitted_durable: str,
+    lifecycle_durable: str,
+    other_readers: tuple[str, ...] = OTHER_READERS,
 ) -> Replayed:
     """Republish the submissions and cancellations the old layout left in JOBS after the
     acknowledgement floor of the consumers that read them there (placement's ``submitted_durable``
@@ -65,6 +74,16 @@ async def replay_left_requests(
         starts[subjects.JOBS_CANCELLED_ALL] = _after_floor(lifecycle_info)
     # else: that consumer was moved already (cancellations read from REQUESTS) by an instance cut
     # short before it deleted the submissions consumer; the first one replayed the cancellations.
+    if subjects.JOBS_CANCELLED_ALL in starts:
+        for durable in other_readers:  # one behind placement: from its floor (the inboxes dedupe)
+            try:
+                info = await js.consumer_info(OLD_STREAM, durable)
+            except nats.js.errors.NotFoundError:
+                continue
+            if subjects.JOBS_CANCELLED_ALL in _filters(info):
+                starts[subjects.JOBS_CANCELLED_ALL] = min(
+                    starts[subjects.JOBS_CANCELLED_ALL], _after_floor(info)
+                )
     counts: dict[str, int] = {}
     for pattern, start in starts.items():
         counts[pattern] = await _republish(js, pattern, start)
