@@ -92,6 +92,17 @@ def credentials_path(url: str | None = None) -> Path | None:
     return default if default.exists() else None
 
 
+def identity_at(url: str | None = None) -> str | None:
+    """The identity (``tenant-acme``, ``admin``) of the credentials a client of ``url`` connects
+    with (:func:`credentials_path`), None without any; :class:`BusError` for a file that cannot be
+    read as credentials."""
+    creds = credentials_path(url)
+    try:
+        return security.read(creds).identity if creds is not None else None
+    except (OSError, ValueError) as exc:  # missing, unreadable or not a credential file
+        raise BusError(f"cannot use the NATS credentials {creds}: {exc}") from exc
+
+
 def auth_options(creds: Path | None) -> dict[str, str]:
     """``nats.connect`` keyword arguments for the identity of ``creds`` (none when None): its NKEY
     seed and its own reply-inbox prefix, the only one its permissions let it read."""

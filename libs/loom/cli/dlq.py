@@ -21,6 +21,7 @@ from loom.cli import CONNECT_WITHIN_S
 from loom.cli.output import console, err
 from loom.errors import InvalidInputError, LoomError
 from loom.runtime.config import nats_endpoint
+from loom.security import tenant_of
 
 _ERROR_WIDTH = 60
 
@@ -66,13 +67,11 @@ def _nats_url() -> str:
 
 def _identity(url: str) -> str:
     """The identity of the client's NATS credentials ("" when open or unreadable)."""
-    from loom import security
-    from loom.bus.connection import credentials_path
+    from loom.bus.connection import identity_at
 
     try:
-        creds = credentials_path(url)
-        return security.read(creds).identity if creds is not None else ""
-    except (OSError, ValueError, LoomError):
+        return identity_at(url) or ""
+    except LoomError:
         return ""
 
 
@@ -91,7 +90,7 @@ def _with_dead_letters(work: Callable[[DeadLetters], Awaitable[int]]) -> int:
         except (nats.errors.Error, TimeoutError) as exc:
             # A tenant's credentials may not read the DLQ: a traceback said nothing of why.
             who = _identity(url)
-            if who.startswith("tenant-"):
+            if tenant_of(who) is not None:
                 err.print(f"[red]refused: dead letters are the operator's, and this is {escape(who)}[/red]")
             else:
                 err.print(f"[red]the dead letters could not be read: {escape(repr(exc))}[/red]")

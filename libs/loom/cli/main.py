@@ -24,6 +24,7 @@ from loom.errors import InvalidInputError, LoomError
 from loom.runtime import stack
 from loom.runtime.config import endpoints, loom_home, nats_endpoint
 from loom.sched.quota import read_tenants
+from loom.security import tenant_of
 from loom.telemetry import configure_logging, setup_telemetry, shutdown_telemetry
 from loom.telemetry.tracing import OTLP_ENDPOINT_ENV
 from loom_proto.jobs import JOB_STATES, TERMINAL_STATES
@@ -341,15 +342,12 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def _own_tenant() -> str | None:
     """The tenant the CLI's NATS credentials are (``LOOM_CREDS`` of ``tenant-acme``: ``acme``), the
     tenant of specs that name none; None for the operator or an open stack."""
-    from loom import security
-    from loom.bus.connection import credentials_path
+    from loom.bus.connection import identity_at
 
     try:
-        creds = credentials_path(nats_endpoint())
-        identity = security.read(creds).identity if creds is not None else ""
-    except (OSError, ValueError, RuntimeError, LoomError):  # no stack: the submission says so
+        return tenant_of(identity_at(nats_endpoint()))
+    except (RuntimeError, LoomError):  # no stack, or unreadable credentials: the submission says so
         return None
-    return identity.removeprefix("tenant-") if identity.startswith("tenant-") else None
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -729,7 +727,7 @@ def cmd_view(args: argparse.Namespace) -> int:
             learned: list[dict[str, Any]] | None = None
             drains: dict[str, str] | None = None
             # Learned speeds and drains are the operators': a tenant may ask neither.
-            if not (client.identity or "").startswith("tenant-"):
+            if tenant_of(client.identity) is None:
                 try:
                     learned = await client.learned_speeds(timeout_s=2.0)
                 except QueryError as exc:

@@ -22,7 +22,7 @@ from opentelemetry.trace import SpanKind
 
 from loom import security
 from loom.bus import Publisher, connect
-from loom.bus.connection import BusError, credentials_path, publish_denied
+from loom.bus.connection import BusError, credentials_path, identity_at, publish_denied
 from loom.errors import InvalidInputError, LoomError
 from loom_proto import subjects
 from loom_proto.codec import DecodeError, decode
@@ -198,11 +198,8 @@ class LoomClient:
         """Connect to the NATS server of a Loom deployment; with ``first_within_s``, raise
         :class:`~loom.bus.connection.BusError` (saying to start the stack) when no server answers
         by then, instead of waiting for one."""
+        identity = identity_at(nats_url)
         creds = credentials_path(nats_url)
-        try:
-            identity = security.read(creds).identity if creds is not None else None
-        except (OSError, ValueError) as exc:  # missing, unreadable or not a credential file
-            raise BusError(f"cannot use the NATS credentials {creds}: {exc}") from exc
         return cls(
             await connect(nats_url, name, first_within_s=first_within_s, creds=creds), identity=identity
         )
@@ -210,9 +207,8 @@ class LoomClient:
     @property
     def _jobs_query(self) -> str:
         """Where job queries go: a tenant's identity asks on its own subject (its jobs only)."""
-        if self.identity is not None and self.identity.startswith("tenant-"):
-            return subjects.jobs_query(self.identity.removeprefix("tenant-"))
-        return subjects.JOBS_QUERY
+        tenant = security.tenant_of(self.identity)
+        return subjects.JOBS_QUERY if tenant is None else subjects.jobs_query(tenant)
 
     async def close(self) -> None:
         """Flush and close the connection; closing again does nothing (it raised)."""
@@ -421,8 +417,7 @@ class LoomClient:
 
     def _own_tenant(self) -> str | None:
         """The tenant this client's identity is (``tenant-acme`` is ``acme``), None for any other."""
-        identity = self.identity or ""
-        return identity.removeprefix("tenant-") if identity.startswith("tenant-") else None
+        return security.tenant_of(self.identity)
 
     async def jobs(
         self, *, tenant: str | None = None, state: str | None = None, limit: int = 100, timeout_s: float = 5.0

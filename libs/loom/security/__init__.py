@@ -24,6 +24,7 @@ from loom.security.permissions import (
     permissions,
     received_cancellation,
     tenant_claim_id,
+    tenant_of,
 )
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "received_cancellation",
     "tenant_claim_id",
     "tenant_identity",
+    "tenant_of",
     "users_config",
     "write_secret",
 ]

@@ -91,6 +91,12 @@ class Identity:
         return f"_INBOX.{self.name}"
 
 
+def tenant_of(identity: str | None) -> str | None:
+    """The tenant an identity's name speaks for (``tenant-acme`` is ``acme``), None for any other
+    identity or none (an unsecured connection)."""
+    return identity.removeprefix("tenant-") if identity and identity.startswith("tenant-") else None
+
+
 @dataclass(frozen=True)
 class Permissions:
     """Publish / subscribe allow lists (and publish denies) of one identity."""
