@@ -12,6 +12,7 @@ and placement republishes what it had not read (:mod:`loom.bus.requests_move`).
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any, Final
 
 import nats
 import nats.js.errors
@@ -98,20 +99,32 @@ def _submission(job_id: str) -> bytes:
     return encode(JobSubmitted(job_id=job_id, tenant="t1", name="", work=Work(steps=1)))
 
 
-async def _old_layout(admin: nats.NATS) -> list[int]:
-    """JOBS as it was, with placement's old submissions consumer that acknowledged the first of
-    four submissions (the last without a message id), and one cancellation never read. Returns
-    the stream sequences of the four submissions."""
+OLD_LIFECYCLE: Final = subjects.job_events_of("started", "completed", "cancelled")
+"""What the old lifecycle consumers read in JOBS, cancellations among it."""
+
+
+async def _old_stream(admin: nats.NATS, *readers: str) -> Any:
+    """JOBS as it was, with placement's old submissions and lifecycle consumers and ``readers``
+    (other durables reading the lifecycle there, as metering's); its JetStream context."""
     js = admin.jetstream()
     await js.add_stream(OLD_JOBS)
-    for durable, filters in (
+    consumers = [
         ("placement-submitted", [subjects.JOBS_SUBMITTED_ALL]),
-        ("placement-lifecycle", [*subjects.job_events_of("started", "completed", "cancelled")]),
-    ):
+        ("placement-lifecycle", OLD_LIFECYCLE),
+    ]
+    for durable, filters in consumers + [(r, OLD_LIFECYCLE) for r in readers]:
         await js.add_consumer(
             "JOBS",
             ConsumerConfig(durable_name=durable, filter_subjects=filters, ack_policy=AckPolicy.EXPLICIT),
         )
+    return js
+
+
+async def _old_layout(admin: nats.NATS) -> list[int]:
+    """JOBS as it was, with placement's old submissions consumer that acknowledged the first of
+    four submissions (the last without a message id), and one cancellation never read. Returns
+    the stream sequences of the four submissions."""
+    js = await _old_stream(admin)
     seqs = []
     for n in range(4):
         headers = {"Nats-Msg-Id": f"sub-{n}"} if n < 3 else None
@@ -342,18 +355,7 @@ async def test_the_move_replays_a_cancellation_metering_had_not_read_though_plac
     admin = await _connect(server, store, admin_identity())
     placement = await _connect(server, store, SERVICES["placement"])
     try:
-        js = admin.jetstream()
-        await js.add_stream(OLD_JOBS)
-        lifecycle = [*subjects.job_events_of("started", "completed", "cancelled")]
-        for durable, filters in (
-            ("placement-submitted", [subjects.JOBS_SUBMITTED_ALL]),
-            ("placement-lifecycle", lifecycle),
-            ("metrics-metering", lifecycle),
-        ):
-            await js.add_consumer(
-                "JOBS",
-                ConsumerConfig(durable_name=durable, filter_subjects=filters, ack_policy=AckPolicy.EXPLICIT),
-            )
+        js = await _old_stream(admin, "metrics-metering")
         await js.publish(subjects.job_event("cancelled", "t1"), b'{"x": 1}', headers={"Nats-Msg-Id": "can-2"})
         read = await js.pull_subscribe_bind("placement-lifecycle", "JOBS")
         (msg,) = await read.fetch(1, timeout=2)
