@@ -1760,13 +1760,17 @@ class Framework:
         allow (its affinity, GPU models, memory...), whatever is free now; none when it could
         never run. Where a pre-filter stops short (a job over its quota now), the pools as far as
         the filters before it narrowed them: more, never fewer. Elastic growth leaves these to
-        the queued job (:func:`loom.sched.cycle.grow`)."""
-        state = self.new_state(job, snap)
-        if self.run_pre_filters(state).code == Code.UNRESOLVABLE:
-            return set()
-        m_count = snap.total_sum.shape[1]
-        held = (snap.total_sum > 0) & state.cluster_mask[:, None] & state.model_mask[None, :m_count]
-        found = zip(*np.nonzero(held), strict=True)
+        the queued job (:func:`loom.sched.cycle.grow`). A job queued with its shape
+        (``Snapshot.queued``) has its allowed pools there already: its pre-filters are not run again."""
+        shape = snap.queued.get(job.job_id)
+        if shape is not None:
+            allowed = shape.pools
+        else:
+            state = self.new_state(job, snap)
+            if self.run_pre_filters(state).code == Code.UNRESOLVABLE:
+                return set()
+            allowed = state.allowed_pools()
+        found = zip(*np.nonzero(allowed & (snap.total_sum > 0)), strict=True)
         return {(snap.clusters[int(c)].id, snap.models[int(m)]) for c, m in found}
 
     def never_fits(self, job: JobSpec, snap: Snapshot) -> Status | None:
