@@ -159,8 +159,10 @@ def document() -> dict[str, Any]:
                     "Nats-Msg-Id": {
                         "type": "string",
                         "description": "the id JetStream deduplicates on (2 minutes, per stream): a"
-                        " service's is deterministic (retries are one message); a client's must be"
-                        " one nobody can guess",
+                        " service's or an agent's is deterministic (retries are one message) and, on a"
+                        " secured stack, ends in `~` and 16 hex digits, a tag keyed with its own"
+                        " identity's secret (read the id without it); a client's must be one nobody"
+                        " can guess",
                     },
                     "traceparent": {"type": "string", "description": "W3C trace context"},
                 },

@@ -25,7 +25,7 @@ from loom.metering import RunRecord, fold, meter
 from loom.metering.run import MeteredEvent
 from loom.metering.usage import PriceFn, ScuFn, scu_of
 from loom.runtime.service import ServiceContext
-from loom.security import foreign_cancellation, received_cancellation, tenant_claim_id
+from loom.security import foreign_cancellation, foreign_report, received_cancellation, tenant_claim_id
 from loom.store import inbox
 from loom.store import usage as usage_store
 from loom.store.pool import transaction
@@ -116,6 +116,8 @@ class Metering:
         index_of: dict[str, int] = {}
         legacy: dict[str, str] = {}
         """A cancellation's scoped claim id -> its bare message id (claimed so before the scoping)."""
+        reporters: dict[str, str] = {}
+        """A report's message id -> the cluster its subject names (only that agent publishes there)."""
         for i, d in enumerate(deliveries):
             try:
                 # A union is not a ``type[T]`` to mypy; decode takes it (msgspec decodes tagged unions).
@@ -136,8 +138,10 @@ class Metering:
                 mid = d.msg_id or f"seq-{d.stream_seq}"
             index_of[mid] = i
             decoded.append((mid, event))
+            if (reporter := subjects.report_cluster(d.subject)) is not None:
+                reporters[mid] = reporter
         if decoded:
-            metered, fresh, foreign = await self._apply(decoded, legacy)
+            metered, fresh, foreign = await self._apply(decoded, legacy, reporters)
             self.counts["runs_metered"] += len(metered)
             for tenant in metered:
                 METERED_RUNS.labels(tenant).inc()
@@ -158,11 +162,17 @@ class Metering:
         return outcomes
 
     async def _apply(
-        self, decoded: list[tuple[str, MeteredEvent]], legacy: dict[str, str] | None = None
+        self,
+        decoded: list[tuple[str, MeteredEvent]],
+        legacy: dict[str, str] | None = None,
+        reporters: dict[str, str] | None = None,
     ) -> tuple[list[str], list[MeteredEvent], dict[str, str]]:
         """Claim, fold, save and meter; returns the tenant of each run metered (afresh), the
-        events that were new, and the cancellations of another tenant's job (message id -> why:
-        they end nothing and are refused; placement refuses them too).
+        events that were new, and those refused (message id -> why): the cancellations of another
+        tenant's job (they end nothing; placement refuses them too), and the reports of an agent
+        whose cluster holds no part of the run (``reporters``: message id -> the cluster its
+        subject names), refused before they are claimed, so that the run's own agent's report
+        under the same id still counts.
 
         A fixed number of statements per batch, whatever its size: the claim, the run records
         and the job specs the batch needs (each read in one statement), the records written back
@@ -171,16 +181,20 @@ class Metering:
         """
         metered: list[str] = []
         async with transaction(self.ctx.db) as conn:
-            claims = [msg_id for msg_id, _ in decoded]
+            loaded = await usage_store.load_runs(
+                conn, [k for _, e in decoded if (k := _run_key(e)) is not None]
+            )
+            foreign = _foreign_reports(decoded, loaded, reporters or {})
+            own = [(msg_id, event) for msg_id, event in decoded if msg_id not in foreign]
+            claims = [msg_id for msg_id, _ in own]
             new = await inbox.claim_scoped(conn, CONSUMER, claims, [(legacy or {}).get(m, m) for m in claims])
             fresh: list[MeteredEvent] = []
-            for msg_id, event in decoded:
+            for msg_id, event in own:
                 if msg_id not in new:
                     self.counts["duplicates"] += 1
                     continue
                 new.discard(msg_id)  # the same message twice in one batch counts once
                 fresh.append(event)
-            loaded = await usage_store.load_runs(conn, [k for e in fresh if (k := _run_key(e)) is not None])
             # The specs folding will ask for: a placement's job, and a job whose record has no labels.
             wanted = {
                 e.job_id
@@ -191,7 +205,6 @@ class Metering:
             specs = await usage_store.job_specs(conn, sorted(wanted))
             records: dict[tuple[str, int], RunRecord] = {}
             changed: list[tuple[str, int]] = []
-            foreign: dict[str, str] = {}
             ids = {id(event): msg_id for msg_id, event in decoded}
             for event in fresh:
                 self.counts["events"] += 1
@@ -250,6 +263,32 @@ class Metering:
             found = loaded.get(key)
             records[key] = found or RunRecord(job_id=event.job_id, attempt=key[1], tenant=event.tenant)
         return [key]
+
+
+def _foreign_reports(
+    decoded: list[tuple[str, MeteredEvent]],
+    loaded: dict[tuple[str, int], RunRecord],
+    reporters: dict[str, str],
+) -> dict[str, str]:
+    """The reports (message id -> why) that name another cluster than their subject's, or whose
+    cluster holds no part of the run, as its stored record or a ``placed`` earlier in the batch
+    tells the run's clusters (:func:`loom.security.foreign_report`). Without this an agent's
+    credentials could end, and so bill, another cluster's run early, and take the id its own
+    agent's report would be claimed under."""
+    clusters = {key: {p.cluster for p in r.parts} for key, r in loaded.items() if r.parts}
+    refused: dict[str, str] = {}
+    for msg_id, event in decoded:
+        key = _run_key(event)
+        if key is None:
+            continue
+        if isinstance(event, JobPlaced):
+            placed = fold(RunRecord(job_id=event.job_id, attempt=key[1]), event)
+            clusters[key] = {p.cluster for p in placed.parts}
+        elif msg_id in reporters:
+            why = foreign_report(reporters[msg_id], getattr(event, "cluster", None), clusters.get(key))
+            if why is not None:
+                refused[msg_id] = why
+    return refused
 
 
 def _run_key(event: MeteredEvent) -> tuple[str, int] | None:

@@ -368,6 +368,103 @@ async def test_another_tenants_cancellation_ends_no_run_of_the_job(
     assert [(r["outcome"], r["gpu_ms"]) for r in rows] == [("completed", 2 * 20_000)]
 
 
+async def test_an_agents_report_of_a_run_its_cluster_holds_no_part_of_ends_and_claims_nothing(
+    fresh_database: Callable[..., Awaitable[str]],
+) -> None:
+    # Agent c2's credentials publish only on c2's report subjects, but metering folded whatever
+    # came: c2 could end (and so bill short) a run on c1, and take the id c1's own completion is
+    # claimed under, so the real end counted as a duplicate. Placement refuses such reports too.
+    from types import SimpleNamespace
+
+    from loom.errors import InvalidInputError
+    from loom.store.pool import create_pool
+    from loom_proto.codec import encode
+    from loom_proto.jobs import JobCompleted, JobFailed, JobPlaced, JobStarted, NodeAllocation
+    from loom_services.metrics.metering import Metering
+
+    t0 = 1_780_000_000.0
+    placed = JobPlaced(
+        job_id="z",
+        tenant="acme",
+        cluster="c1",
+        region="r1",
+        gpu_model="A100",
+        allocations=[NodeAllocation("n1", 2)],
+        attempt=1,
+        placed_at=t0,
+    )
+
+    def delivery(seq: int, subject: str, mid: str, event: object) -> object:
+        return SimpleNamespace(subject=subject, message=encode(event), msg_id=mid, stream_seq=seq, msg=None)
+
+    pool = await create_pool(await fresh_database("metering-foreign-report"), max_size=2)
+    try:
+        metering = Metering(SimpleNamespace(db=pool), lambda _r, _t: 2.0)  # type: ignore[arg-type]
+        folded: list[object] = []
+
+        async def on_folded(seen: list[object], _fresh: list[object]) -> None:
+            folded.extend(seen)
+
+        metering.on_folded = on_folded  # type: ignore[assignment]
+        outcomes = await metering.on_events(
+            [  # type: ignore[list-item]
+                delivery(1, "loom.jobs.placed.acme", "z:placed:1", placed),
+                delivery(
+                    2,
+                    "loom.jobs.started.acme.c1",
+                    "z:started:1",
+                    JobStarted(job_id="z", tenant="acme", cluster="c1", attempt=1, started_at=t0 + 1),
+                ),
+                # c2 about the run on c1, first naming its own cluster, then c1 (on c2's subject).
+                delivery(
+                    3,
+                    "loom.jobs.completed.acme.c2",
+                    "z:completed:1",
+                    JobCompleted(job_id="z", tenant="acme", cluster="c2", attempt=1, at=t0 + 3),
+                ),
+                delivery(
+                    4,
+                    "loom.jobs.failed.acme.c2",
+                    "z:failed:1",
+                    JobFailed(job_id="z", tenant="acme", cluster="c1", attempt=1, reason="x", at=t0 + 4),
+                ),
+            ]
+        )
+        assert outcomes[:2] == [None, None]
+        assert isinstance(outcomes[2], InvalidInputError) and "holds no part" in str(outcomes[2])
+        assert isinstance(outcomes[3], InvalidInputError) and "about a run on c1" in str(outcomes[3])
+        assert [type(e).__name__ for e in folded] == ["JobPlaced", "JobStarted"]
+        assert await pool.fetchval("SELECT count(*) FROM usage_rows") == 0  # still running
+        # A batch of its own this time (the run's clusters read from the stored record).
+        late = await metering.on_events(
+            [  # type: ignore[list-item]
+                delivery(
+                    5,
+                    "loom.jobs.completed.acme.c2",
+                    "z:completed:1",
+                    JobCompleted(job_id="z", tenant="acme", cluster="c2", attempt=1, at=t0 + 5),
+                )
+            ]
+        )
+        assert isinstance(late[0], InvalidInputError)
+        # c1's own completion, under the id c2 tried to take: counted, not a duplicate.
+        real = await metering.on_events(
+            [  # type: ignore[list-item]
+                delivery(
+                    6,
+                    "loom.jobs.completed.acme.c1",
+                    "z:completed:1",
+                    JobCompleted(job_id="z", tenant="acme", cluster="c1", attempt=1, at=t0 + 21),
+                )
+            ]
+        )
+        rows = await pool.fetch("SELECT outcome, sum(gpu_ms)::bigint AS gpu_ms FROM usage_rows GROUP BY 1")
+    finally:
+        await pool.close()
+    assert real == [None] and metering.counts["duplicates"] == 0
+    assert [(r["outcome"], r["gpu_ms"]) for r in rows] == [("completed", 2 * 20_000)]
+
+
 async def test_a_metering_batch_with_one_poison_message_meters_the_others_with_a_fixed_number_of_statements(
     fresh_database: Callable[..., Awaitable[str]],
 ) -> None:

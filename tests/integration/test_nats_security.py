@@ -18,11 +18,12 @@ import pytest
 from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, connect, ensure_streams
+from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
 from loom.bus.attempts import AttemptLog, Attempts
 from loom.cli.credentials import cmd_rotate
 from loom.runtime.servers import NatsServer
-from loom.security import CredentialStore, Identity, admin_identity, tenant_identity
+from loom.security import CredentialStore, Identity, admin_identity, read, tenant_identity
+from loom.security.message_ids import id_key, keyed
 from loom_proto import subjects
 
 pytestmark = pytest.mark.security
@@ -77,8 +78,6 @@ async def as_identity(
 
         async def on_error(exc: Exception) -> None:
             errors.append(str(exc))
-
-        from loom.security import read
 
         credential = read(store.path(identity))
         nc = await nats.connect(
@@ -356,3 +355,99 @@ async def test_an_agent_keeps_its_own_consumers_attempt_records_and_no_one_elses
     with pytest.raises((nats.errors.Error, TimeoutError)):  # refused: the client gets no ack
         await other.put(7, Attempts(open=1))
     assert "loom_attempts.clusters.agent-c2" in (await agent.violation()).lower()
+
+
+async def test_an_agent_cannot_take_first_the_message_id_of_another_identitys_message(
+    secured: tuple[NatsServer, CredentialStore],
+    as_identity,  # type: ignore[no-untyped-def]
+) -> None:
+    """nats-server lets a client set any ``Nats-Msg-Id``, and a stream drops an id it saw in the
+    last two minutes: with plain deterministic ids, agent c2's credentials could publish first,
+    on the one report subject of its own cluster, under the id placement gives a ``placed`` event,
+    a command to another cluster, or agent c1's ``completed`` of its job, and have each dropped as
+    a duplicate. Services' and agents' ids go out tagged with a key of their own identity."""
+    _, store = secured
+
+    def publisher(session: Session, identity: Identity) -> Publisher:
+        return Publisher(session.nc, id_key=id_key(read(store.path(identity))), attempts=1)
+
+    c2 = await as_identity(Identity("agent", "c2"))
+    squatted = {
+        "JOBS": ["victim:placed:1", "victim:completed:1"],
+        "CLUSTERS": ["victim:start:1"],
+    }
+    for stream, guessed in squatted.items():
+        # The reports and heartbeats c2 may publish, under the ids it guessed.
+        subject = (
+            subjects.job_report("completed", "acme", "c2")
+            if stream == "JOBS"
+            else subjects.cluster_heartbeat("c2")
+        )
+        for msg_id in guessed:
+            taken = await c2.nc.jetstream().publish(subject, b"{}", headers={"Nats-Msg-Id": msg_id})
+            assert taken.stream == stream and not taken.duplicate
+    # Even a tag c2 computes with its own key is not the owner's.
+    own_tag = keyed("victim:completed:1", id_key(read(store.path(Identity("agent", "c2")))))
+    await c2.nc.jetstream().publish(
+        subjects.job_report("completed", "acme", "c2"), b"{}", headers={"Nats-Msg-Id": own_tag}
+    )
+
+    placement = publisher(await as_identity(Identity("placement")), Identity("placement"))
+    c1 = publisher(await as_identity(Identity("agent", "c1")), Identity("agent", "c1"))
+    sent = [
+        await placement.publish_bytes(subjects.job_placed("acme"), b"{}", msg_id="victim:placed:1"),
+        await placement.publish_bytes(
+            subjects.cluster_command("c1", "start"), b"{}", msg_id="victim:start:1"
+        ),
+        await c1.publish_bytes(
+            subjects.job_report("completed", "acme", "c1"), b"{}", msg_id="victim:completed:1"
+        ),
+    ]
+    assert [(a.stream, bool(a.duplicate)) for a in sent] == [
+        ("JOBS", False),
+        ("CLUSTERS", False),
+        ("JOBS", False),
+    ]
+    # As deterministic as the plain id: another process of the same identity (placement's standby
+    # taking over) sending the same message is its duplicate.
+    standby = publisher(await as_identity(Identity("placement")), Identity("placement"))
+    again = await standby.publish_bytes(subjects.job_placed("acme"), b"{}", msg_id="victim:placed:1")
+    assert again.duplicate and again.seq == sent[0].seq
+
+
+async def test_a_consumer_reads_a_tagged_id_as_the_plain_id(
+    secured: tuple[NatsServer, CredentialStore],
+    as_identity,  # type: ignore[no-untyped-def]
+) -> None:
+    """Inbox claims, job histories and spans keep the plain id: the tag is for the stream only."""
+    server, store = secured
+    c1 = await as_identity(Identity("agent", "c1"))
+    key = id_key(read(store.path(Identity("agent", "c1"))))
+    assert key is not None
+    await Publisher(c1.nc, id_key=key).publish_bytes(
+        subjects.job_report("started", "acme", "c1"), b"{}", msg_id="tagged:started:1"
+    )
+    admin = await connect(server.url, "test-admin", creds=store.path(admin_identity()))
+    got: asyncio.Queue[tuple[str | None, str]] = asyncio.Queue()
+
+    async def handle(d: Delivery[bytes]) -> None:
+        await got.put((d.msg_id, d.headers["Nats-Msg-Id"]))
+
+    runner: ConsumerRunner[bytes] = ConsumerRunner(
+        admin,
+        ConsumerSpec(
+            stream="JOBS",
+            durable="tag-reader",
+            filter_subjects=[subjects.job_report("started", "acme", "c1")],
+        ),
+        bytes,
+        handler=handle,
+    )
+    await runner.start()
+    try:
+        plain, sent = await asyncio.wait_for(got.get(), 10)
+    finally:
+        await runner.stop()
+        await admin.close()
+    assert plain == "tagged:started:1"
+    assert sent == keyed("tagged:started:1", key) and sent != plain

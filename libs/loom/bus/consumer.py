@@ -62,6 +62,7 @@ from loom.bus.connection import BusError, announces_reconnects, on_reconnected
 from loom.bus.outage import Dependencies, of_connection
 from loom.bus.publisher import Publisher
 from loom.errors import LoomError, NotLeaderError, UnavailableError
+from loom.security.message_ids import logical
 from loom.tasks import cancel_and_wait
 from loom.telemetry import message_context, span_name
 from loom.telemetry.metrics import CONSUMER_LAG, CONSUMER_MESSAGES, CONSUMER_REDELIVERIES, DEAD_LETTERS
@@ -670,9 +671,10 @@ class ConsumerRunner(Generic[T]):
         for msg, received_at in zip(msgs, received, strict=True):
             headers = dict(msg.headers or {})
             meta = msg.metadata
-            parent = message_context(
-                headers, msg.subject, headers.get("Nats-Msg-Id") or f"{meta.stream}:{meta.sequence.stream}"
-            )
+            # The id without its publisher's tag: what was claimed and recorded before it had one
+            # (loom.security.message_ids).
+            msg_id = logical(sent) if (sent := headers.get("Nats-Msg-Id")) else None
+            parent = message_context(headers, msg.subject, msg_id or f"{meta.stream}:{meta.sequence.stream}")
             if meta.num_delivered > 1:
                 CONSUMER_REDELIVERIES.labels(durable).inc()
             # Only what the sampler reads goes in at the start; the rest only into a span that
@@ -689,7 +691,7 @@ class ConsumerRunner(Generic[T]):
                         "messaging.system": "nats",
                         "messaging.operation.type": "process",
                         "messaging.consumer.group.name": self.spec.durable,
-                        "messaging.message.id": headers.get("Nats-Msg-Id", ""),
+                        "messaging.message.id": msg_id or "",
                         "messaging.nats.stream_sequence": meta.sequence.stream,
                         "messaging.nats.delivery_count": meta.num_delivered,
                     }
@@ -707,7 +709,7 @@ class ConsumerRunner(Generic[T]):
                     subject=msg.subject,
                     message=message,
                     headers=headers,
-                    msg_id=headers.get("Nats-Msg-Id"),
+                    msg_id=msg_id,
                     num_delivered=meta.num_delivered,
                     stream_seq=meta.sequence.stream,
                     span=span,

@@ -1,7 +1,9 @@
 """Publishing to JetStream with a deterministic message id, trace headers and retry.
 
 The id goes in ``Nats-Msg-Id`` so the stream drops a repeat inside its duplicate window: a retry
-after a timeout (when the first attempt may have landed) never doubles the message.
+after a timeout (when the first attempt may have landed) never doubles the message. A service's
+or an agent's id goes there tagged with a key of its own identity, so that nobody else can take it
+first (:mod:`loom.security.message_ids`); spans and consumers see the plain id.
 
 On a NATS cluster two failures of a node are waited out rather than counted as failed attempts:
 a stream whose leader died answers "no responders", or nothing at all (its followers, and the old
@@ -31,6 +33,7 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind
 
 from loom.bus.connection import BusError, publish_denied
+from loom.security.message_ids import keyed
 from loom.telemetry import span_name
 from loom_proto.codec import encode
 
@@ -117,8 +120,12 @@ class Publisher:
         leader_poll_s: float = 0.025,
         cluster_timeout_s: float = 2.0,
         leaderless_timeout_s: float = 0.5,
+        id_key: bytes | None = None,
     ) -> None:
         self._nc = nc
+        self._id_key = id_key
+        """The key this identity tags its message ids with on the wire (None: plain ids), so
+        that no other identity can take an id first (:mod:`loom.security.message_ids`)."""
         # publish_batch sends whole batches before their acks come back: room for many of them.
         self._js: JetStreamContext = nc.jetstream(timeout=timeout_s, publish_async_max_pending=50_000)
         self._timeout_s = timeout_s
@@ -207,7 +214,7 @@ class Publisher:
             },
         ) as span:
             all_headers = dict(headers or {})
-            all_headers["Nats-Msg-Id"] = msg_id
+            all_headers["Nats-Msg-Id"] = keyed(msg_id, self._id_key)
             propagate.inject(all_headers)
             backoff_s = self._first_backoff_s
             last_error: Exception | None = None
@@ -318,7 +325,7 @@ class Publisher:
                 )
             spans.append(span)
             headers = dict(m.headers)
-            headers["Nats-Msg-Id"] = m.msg_id
+            headers["Nats-Msg-Id"] = keyed(m.msg_id, self._id_key)
             propagate.inject(headers, context=trace.set_span_in_context(span, m.parent))
             stall = None if free > 0 else self._timeout_s
             free -= 1

@@ -37,6 +37,7 @@ from loom.bus.outage import Dependencies, Dependency, of_connection
 from loom.runtime.config import endpoints, nats_endpoint
 from loom.runtime.watchdog import Watchdog
 from loom.security import may_manage_streams
+from loom.security.message_ids import id_key
 from loom.store import pool as store_pool
 from loom.store.pool import create_pool
 from loom.telemetry import setup_telemetry, shutdown_telemetry
@@ -139,7 +140,8 @@ async def open_context(
     """Connect to NATS (and PostgreSQL), ensure streams, answer health requests."""
     nc = await connect(nats_url, name)
     creds = credentials_path(nats_url)
-    if creds is None or may_manage_streams(security.read(creds).identity):
+    credential = security.read(creds) if creds is not None else None
+    if credential is None or may_manage_streams(credential.identity):
         # An agent's or tenant's identity may not touch streams: the supervisor made them.
         await ensure_streams(nc.jetstream())
     pool = await create_pool(database_url, max_size=8) if database_url else None
@@ -151,7 +153,7 @@ async def open_context(
     ctx = ServiceContext(
         name=name,
         nc=nc,
-        publisher=Publisher(nc),
+        publisher=Publisher(nc, id_key=id_key(credential)),
         pool=pool,
         stopping=stopping or asyncio.Event(),
         dependencies=dependencies,
