@@ -22,10 +22,16 @@ from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.consumer import caught_up, stored_at
 from loom.errors import InvalidInputError
 from loom.metering import RunRecord, fold, meter
-from loom.metering.run import MeteredEvent
+from loom.metering.run import MeteredEvent, bounded
 from loom.metering.usage import PriceFn, ScuFn, scu_of
 from loom.runtime.service import ServiceContext
-from loom.security import foreign_cancellation, foreign_report, received_cancellation, tenant_claim_id
+from loom.security import (
+    foreign_cancellation,
+    foreign_report,
+    received_cancellation,
+    report_claim_id,
+    tenant_claim_id,
+)
 from loom.store import inbox
 from loom.store import usage as usage_store
 from loom.store.pool import transaction
@@ -130,16 +136,19 @@ class Metering:
                 if refusal is not None:
                     outcomes[i] = InvalidInputError(refusal)
                     continue
+            reporter = subjects.report_cluster(d.subject)
             if isinstance(event, JobCancelled):  # a tenant's message id: within its tenant
                 bare = d.msg_id or f"requests-seq-{d.stream_seq}"
                 mid = tenant_claim_id(d.subject, bare)
                 legacy[mid] = bare
+            elif reporter is not None:  # an agent's: bound to what it reports, its times bounded
+                mid = report_claim_id(d.subject, event, d.msg_id)
+                reporters[mid] = reporter
+                event = bounded(event, stored_at(d))
             else:
                 mid = d.msg_id or f"seq-{d.stream_seq}"
             index_of[mid] = i
             decoded.append((mid, event))
-            if (reporter := subjects.report_cluster(d.subject)) is not None:
-                reporters[mid] = reporter
         if decoded:
             metered, fresh, foreign = await self._apply(decoded, legacy, reporters)
             self.counts["runs_metered"] += len(metered)
@@ -270,11 +279,12 @@ def _foreign_reports(
     loaded: dict[tuple[str, int], RunRecord],
     reporters: dict[str, str],
 ) -> dict[str, str]:
-    """The reports (message id -> why) that name another cluster than their subject's, or whose
+    """The reports (message id -> why) that name another cluster than their subject's, whose
     cluster holds no part of the run, as its stored record or a ``placed`` earlier in the batch
-    tells the run's clusters (:func:`loom.security.foreign_report`). Without this an agent's
-    credentials could end, and so bill, another cluster's run early, and take the id its own
-    agent's report would be claimed under."""
+    tells the run's clusters (:func:`loom.security.foreign_report`), or of an attempt no
+    ``placed`` was folded for. Without this an agent's credentials could end, and so bill short,
+    another cluster's run, or end a run before it was placed (a job submitted later then ran
+    unbilled)."""
     clusters = {key: {p.cluster for p in r.parts} for key, r in loaded.items() if r.parts}
     refused: dict[str, str] = {}
     for msg_id, event in decoded:
@@ -285,7 +295,13 @@ def _foreign_reports(
             placed = fold(RunRecord(job_id=event.job_id, attempt=key[1]), event)
             clusters[key] = {p.cluster for p in placed.parts}
         elif msg_id in reporters:
-            why = foreign_report(reporters[msg_id], getattr(event, "cluster", None), clusters.get(key))
+            known = clusters.get(key)
+            why = foreign_report(reporters[msg_id], getattr(event, "cluster", None), known or set())
+            if known is None:
+                # Placement's ``placed`` comes before any report of the attempt (the agent starts
+                # on its command): a report of an attempt with none is of no run (yet). Once one
+                # comes, `loom dlq replay` folds it.
+                why = f"no placement of attempt {key[1]} of job {event.job_id} is known: no run to report"
             if why is not None:
                 refused[msg_id] = why
     return refused

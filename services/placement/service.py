@@ -124,7 +124,13 @@ from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, TenantConfig
 from loom.sched.shards import GLOBAL, ShardMap, route, route_of
 from loom.sched.snapshot import Economics
-from loom.security import foreign_cancellation, foreign_report, received_cancellation, tenant_claim_id
+from loom.security import (
+    foreign_cancellation,
+    foreign_report,
+    received_cancellation,
+    report_claim_id,
+    tenant_claim_id,
+)
 from loom.store import failed as failed_store
 from loom.store import fence, inbox, moves, outbox, speeds
 from loom.store import jobs as repo
@@ -2703,10 +2709,7 @@ class PlacementService:
                 log.warning("report refused", subject=d.subject, job_id=event.job_id, reason=why)
                 outcomes[i] = InvalidInputError(why)
                 continue
-            if isinstance(event, JobCancelled):  # a tenant's message id: within its tenant
-                mid = tenant_claim_id(d.subject, d.msg_id or f"REQUESTS-{d.stream_seq}")
-            else:
-                mid = d.msg_id or f"JOBS-{d.stream_seq}"
+            mid = _lifecycle_claim_id(d, event, reporter)
             events.append((event, mid))
             index_of[events[-1][1]] = i
             if reporter is not None:
@@ -3474,6 +3477,17 @@ def _resume_of(
         progress=run.progress,
         checkpoint_step=None,
     )
+
+
+def _lifecycle_claim_id(d: Delivery[bytes], event: "LifecycleEvent", reporter: str | None) -> str:
+    """The id a lifecycle message is claimed and recorded under: a tenant's cancellation's within
+    its tenant (:func:`loom.security.tenant_claim_id`), an agent's report's bound to what it
+    reports (:func:`loom.security.report_claim_id`), a service's event's as it was sent."""
+    if isinstance(event, JobCancelled):
+        return tenant_claim_id(d.subject, d.msg_id or f"REQUESTS-{d.stream_seq}")
+    if reporter is not None:
+        return report_claim_id(d.subject, event, d.msg_id)
+    return d.msg_id or f"JOBS-{d.stream_seq}"
 
 
 async def _foreign_reports(

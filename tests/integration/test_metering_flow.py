@@ -376,6 +376,8 @@ async def test_an_agents_report_of_a_run_its_cluster_holds_no_part_of_ends_and_c
     # claimed under, so the real end counted as a duplicate. Placement refuses such reports too.
     from types import SimpleNamespace
 
+    import msgspec
+
     from loom.errors import InvalidInputError
     from loom.store.pool import create_pool
     from loom_proto.codec import encode
@@ -447,6 +449,35 @@ async def test_an_agents_report_of_a_run_its_cluster_holds_no_part_of_ends_and_c
             ]
         )
         assert isinstance(late[0], InvalidInputError)
+        # c2's genuine report of its own run, under the id c1's completion of z will have: claimed
+        # under its own job's id (an agent's id is bound to its payload). And a report of a job
+        # not placed yet (so of no run its cluster could hold) is refused, claiming nothing.
+        own = msgspec.structs.replace(placed, job_id="own", cluster="c2")
+        squats = await metering.on_events(
+            [  # type: ignore[list-item]
+                delivery(7, "loom.jobs.placed.acme", "own:placed:1", own),
+                delivery(
+                    8,
+                    "loom.jobs.completed.acme.c2",
+                    "z:completed:1",
+                    JobCompleted(job_id="own", tenant="acme", cluster="c2", attempt=1, at=t0 + 6),
+                ),
+                delivery(
+                    9,
+                    "loom.jobs.completed.acme.c2",
+                    "later:completed:1",
+                    JobCompleted(job_id="later", tenant="acme", cluster="c2", attempt=1, at=t0 + 6),
+                ),
+            ]
+        )
+        assert squats[:2] == [None, None]
+        assert isinstance(squats[2], InvalidInputError) and "no placement" in str(squats[2])
+        claimed = {
+            r["msg_id"]
+            for r in await pool.fetch("SELECT msg_id FROM inbox WHERE consumer = 'metrics-metering'")
+        }
+        assert "own:completed:1" in claimed and "z:completed:1" not in claimed
+        assert not any(m.startswith("later:") for m in claimed)
         # c1's own completion, under the id c2 tried to take: counted, not a duplicate.
         real = await metering.on_events(
             [  # type: ignore[list-item]

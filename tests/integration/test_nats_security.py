@@ -244,6 +244,7 @@ async def test_agent_consumes_its_commands_under_its_permissions(
         "CLUSTERS",
         ConsumerConfig(
             durable_name="agent-c1",
+            name="agent-c1",
             ack_policy=AckPolicy.EXPLICIT,
             filter_subject=subjects.cluster_commands("c1"),
         ),
@@ -451,3 +452,43 @@ async def test_a_consumer_reads_a_tagged_id_as_the_plain_id(
         await admin.close()
     assert plain == "tagged:started:1"
     assert sent == keyed("tagged:started:1", key) and sent != plain
+
+
+async def test_an_agents_durable_takes_no_filter_but_its_own_commands(
+    as_identity,  # type: ignore[no-untyped-def]
+) -> None:
+    """An agent may create its durable, but not point it at another cluster's commands: before,
+    the creation subjects that do not name a filter (which nats-server then does not check) let
+    c1's durable read c2's start commands, other tenants' job specs in them."""
+    c1 = await as_identity(Identity("agent", "c1"))
+    js = c1.nc.jetstream()
+    other = subjects.cluster_commands("c2")
+    for config in (
+        ConsumerConfig(durable_name="agent-c1", ack_policy=AckPolicy.EXPLICIT, filter_subject=other),
+        ConsumerConfig(
+            durable_name="agent-c1", name="agent-c1", ack_policy=AckPolicy.EXPLICIT, filter_subject=other
+        ),
+        ConsumerConfig(name="agent-c1", ack_policy=AckPolicy.EXPLICIT, filter_subjects=[other, "loom.>"]),
+    ):
+        c1.errors.clear()
+        with pytest.raises(Exception):  # noqa: B017 (no answer: the request was refused)
+            await js.add_consumer("CLUSTERS", config, timeout=1)
+        await c1.violation()
+    # The request naming the filter in its subject must carry that same filter.
+    c1.errors.clear()
+    body = {
+        "stream_name": "CLUSTERS",
+        "config": {
+            "durable_name": "agent-c1",
+            "name": "agent-c1",
+            "filter_subject": other,
+            "ack_policy": "explicit",
+        },
+        "action": "",
+    }
+    answer = await c1.nc.request(
+        f"$JS.API.CONSUMER.CREATE.CLUSTERS.agent-c1.{subjects.cluster_commands('c1')}",
+        json.dumps(body).encode(),
+        timeout=5,
+    )
+    assert "error" in json.loads(answer.data), answer.data

@@ -4,7 +4,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from loom.bus.dlq import DeadLetter, parse_since, replay_headers, replay_msg_id
+from loom.bus.dlq import NOT_REPLAYABLE_HEADER, DeadLetter, parse_since, replay_headers, replay_msg_id
 from loom.errors import InvalidInputError
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
@@ -43,6 +43,25 @@ def test_without_headers_the_original_subject_comes_from_the_dead_letter_subject
     assert letter.deliveries is None
     assert letter.original_msg_id is None
     assert replay_msg_id(letter) == "dlq-replay-1"
+
+
+def test_a_dead_letter_whose_header_names_another_subject_than_its_own_is_not_replayable() -> None:
+    # An agent may publish dead letters of its own commands only; the headers are its to set. A
+    # forged entry on its subject naming another tenant's completion was replayed, as the operator,
+    # to that subject: the job ended at 20 % while it ran on, and its GPUs were given to others.
+    forged = {**HEADERS, "Loom-Original-Subject": "loom.jobs.completed.victim.c-use2-a"}
+    letter = DeadLetter.from_message(4, "loom.dlq.loom.clusters.c-weu-a.cmd.start", forged, b"{}", NOW)
+    assert letter.original_subject == "loom.clusters.c-weu-a.cmd.start"
+    why = letter.headers[NOT_REPLAYABLE_HEADER]
+    assert "loom.jobs.completed.victim.c-use2-a" in why and "not replayed" in why
+    # The consumer's own entries name their DLQ subject's original, and a dead letter's dead letter
+    # (which stays on its subject) its own: both replayable as before.
+    for subject, claimed, original in [
+        ("loom.dlq.loom.jobs.submitted.acme", "loom.jobs.submitted.acme", "loom.jobs.submitted.acme"),
+        ("loom.dlq.loom.jobs.x.acme", "loom.dlq.loom.jobs.x.acme", "loom.dlq.loom.jobs.x.acme"),
+    ]:
+        own = DeadLetter.from_message(5, subject, {**HEADERS, "Loom-Original-Subject": claimed}, b"{}", NOW)
+        assert own.original_subject == original and NOT_REPLAYABLE_HEADER not in own.headers
 
 
 def test_a_replay_keeps_the_original_headers_and_id_and_drops_the_dead_letters() -> None:

@@ -261,3 +261,29 @@ def test_loom_usage_statement_refuses_a_month_it_cannot_read_with_exit_2(
 
     assert main(["usage", "statement", "--tenant", "acme", "--month", "2026-13"]) == 2
     assert "YYYY-MM" in capsys.readouterr().err
+
+
+def test_a_start_is_counted_from_no_earlier_than_the_skew_before_its_placement_in_any_order() -> None:
+    # An agent's credentials sent a start a year before the run existed: 126 million GPU-s billed.
+    from loom.metering.run import CLOCK_SKEW_S
+
+    year_ago = T0 - 365 * 86_400
+    for order in ((placed(), started(year_ago)), (started(year_ago), placed())):
+        record = run_of(*order, completed(T0 + 60))
+        assert record.started_ms == round((T0 - 5 - CLOCK_SKEW_S) * 1000)
+    # A start within the skew of the placement (an agent's clock a little behind) counts as sent.
+    assert run_of(placed(), started(T0 - 30)).started_ms == round((T0 - 30) * 1000)
+    # A record kept before placements were recorded in it is folded as before.
+    legacy = RunRecord(job_id="j1", attempt=1, tenant="acme")
+    assert fold(legacy, started(year_ago)).started_ms == round(year_ago * 1000)
+
+
+def test_an_agents_report_is_counted_no_later_than_the_skew_after_the_server_stored_it() -> None:
+    from loom.metering.run import CLOCK_SKEW_S, bounded
+
+    stored = T0 + 100
+    far = T0 + 10 * 365 * 86_400
+    assert bounded(completed(far), stored).at == stored + CLOCK_SKEW_S  # type: ignore[union-attr]
+    assert bounded(started(far), stored).started_at == stored + CLOCK_SKEW_S  # type: ignore[union-attr]
+    on_time = completed(T0 + 90)
+    assert bounded(on_time, stored) is on_time

@@ -308,3 +308,27 @@ def test_a_cancellation_is_taken_at_the_servers_time_and_refused_for_a_nul_or_a_
     assert tenant_claim_id("loom.jobs.cancelled.acme", "x") == tenant_claim_id(
         "loom.jobs.submitted.acme", "x"
     )
+
+
+def test_an_agents_report_is_claimed_under_an_id_its_own_payload_makes() -> None:
+    from loom.security import report_claim_id
+    from loom_proto.jobs import JobCheckpointed, JobCompleted, JobFailed
+
+    done = JobCompleted(job_id="mine", tenant="t", cluster="c2", attempt=2, at=1.0)
+    on = "loom.jobs.completed.t.c2"
+    assert report_claim_id(on, done, "mine:completed:2") == "mine:completed:2"
+    # Another job's id (taken first, the other job's real report was dropped as its duplicate),
+    # another attempt's, or none at all: the payload's own.
+    for sent in ("victim:completed:1", "mine:completed:3", "mine:placed:2", None):
+        assert report_claim_id(on, done, sent) == "mine:completed:2"
+    failed = JobFailed(job_id="mine", tenant="t", cluster="c2", attempt=1, reason="x", at=1.0)
+    on = "loom.jobs.failed.t.c2"
+    for sent in ("mine:failed:1", "mine:failed:1:c2"):  # a lead's, a member part's
+        assert report_claim_id(on, failed, sent) == sent
+    assert report_claim_id(on, failed, "mine:failed:1:c9") == "mine:failed:1"
+    point = JobCheckpointed(
+        job_id="mine", tenant="t", cluster="c2", attempt=1, step=40, checkpoint_uri="s3://x", at=1.0
+    )
+    on = "loom.jobs.checkpointed.t.c2"
+    assert report_claim_id(on, point, "mine:checkpointed:1:40") == "mine:checkpointed:1:40"
+    assert report_claim_id(on, point, "mine:checkpointed:1:80") == "mine:checkpointed:1:40"

@@ -172,6 +172,10 @@ class ConsumerSpec:
         subjects = list(self.filter_subjects)
         return ConsumerConfig(
             durable_name=self.durable,
+            # Named too: the client then creates it on ``CONSUMER.CREATE.<stream>.<name>.<filter>``
+            # (one filter), whose filter nats-server checks against the request's, so an agent's
+            # permissions can allow its own commands' filter only (loom.security.permissions).
+            name=self.durable,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.NEW if self.deliver_new_only else DeliverPolicy.ALL,
             ack_wait=self.ack_wait_s,

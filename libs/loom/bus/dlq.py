@@ -133,9 +133,22 @@ class DeadLetter:
     def from_message(
         cls, seq: int, subject: str, headers: Mapping[str, str], data: bytes, at: datetime | None
     ) -> "DeadLetter":
-        """Read a DLQ message; the original subject falls back to the DLQ subject minus its prefix."""
+        """Read a DLQ message. The original subject is the DLQ subject minus its prefix, which
+        nats-server let its publisher use: its ``Loom-*`` headers are whatever that publisher set.
+        An entry whose ``Loom-Original-Subject`` names another subject is not replayable (an
+        agent may dead-letter its own commands only: replayed as the operator, such an entry
+        published a completion of another cluster's job, or a submission billed to another
+        tenant)."""
         prefix = f"{PREFIX}.dlq."
-        original = headers.get("Loom-Original-Subject") or subject.removeprefix(prefix)
+        claimed = headers.get("Loom-Original-Subject")
+        # A dead letter of a dead letter stays on its subject (subjects.dead_letter), and says so.
+        original = claimed if claimed == subject else subject.removeprefix(prefix)
+        kept = dict(headers)
+        if claimed is not None and claimed != original:
+            kept[NOT_REPLAYABLE_HEADER] = (
+                f"its Loom-Original-Subject header names {claimed[:256]!r}, but it was dead-lettered on"
+                f" {subject!r}: whoever published it set that header; not replayed"
+            )
         return cls(
             seq=seq,
             time=at,
@@ -148,7 +161,7 @@ class DeadLetter:
             stream=headers.get("Loom-Stream"),
             stream_seq=_int_or_none(headers.get("Loom-Stream-Seq")),
             original_msg_id=headers.get("Loom-Original-Msg-Id") or None,
-            headers=dict(headers),
+            headers=kept,
             data=data,
         )
 

@@ -22,7 +22,18 @@ from loom_proto.jobs import (
     JobStarted,
 )
 
-__all__ = ["END_OUTCOMES", "MeteredEvent", "Outcome", "Part", "Resize", "RunRecord", "fold", "to_ms"]
+__all__ = [
+    "CLOCK_SKEW_S",
+    "END_OUTCOMES",
+    "MeteredEvent",
+    "Outcome",
+    "Part",
+    "Resize",
+    "RunRecord",
+    "bounded",
+    "fold",
+    "to_ms",
+]
 
 Outcome = Literal["failed", "preempted", "requeued", "cancelled", "completed"]
 END_OUTCOMES: tuple[Outcome, ...] = ("failed", "preempted", "requeued", "cancelled", "completed")
@@ -30,6 +41,13 @@ END_OUTCOMES: tuple[Outcome, ...] = ("failed", "preempted", "requeued", "cancell
 
 MeteredEvent = JobPlaced | JobStarted | JobCompleted | JobFailed | JobCancelled | JobRequeued | JobResized
 """The lifecycle events a run record is folded from."""
+
+
+CLOCK_SKEW_S = 300.0
+"""How far an agent's clock may be from the servers': a run's start is counted from no earlier than
+this before its placement (an agent's credentials could otherwise bill a run from a year before it
+existed), and metering counts an agent's report's times no later than this after the server stored
+the report (:func:`bounded`)."""
 
 
 def to_ms(unix_s: float) -> int:
@@ -66,6 +84,8 @@ class RunRecord(msgspec.Struct, frozen=True, kw_only=True):
     resizes: tuple[Resize, ...] = ()
     started_ms: int | None = None
     ended_ms: int | None = None
+    placed_ms: int | None = None
+    """When placement placed the attempt (None in records written before it was kept)."""
     outcome: Outcome | None = None
     reason: str = ""
 
@@ -91,6 +111,24 @@ def _ended(record: RunRecord, at_s: float, outcome: Outcome, reason: str) -> Run
     return msgspec.structs.replace(record, ended_ms=at_ms, outcome=outcome, reason=reason[:256])
 
 
+def _not_before(started_ms: int | None, placed_ms: int | None) -> int | None:
+    """A start counted from no earlier than :data:`CLOCK_SKEW_S` before the placement."""
+    if started_ms is None or placed_ms is None:
+        return started_ms
+    return max(started_ms, placed_ms - to_ms(CLOCK_SKEW_S))
+
+
+def bounded(event: MeteredEvent, stored_at_s: float) -> MeteredEvent:
+    """An agent's report with its times no later than :data:`CLOCK_SKEW_S` after ``stored_at_s``,
+    when the server stored it (a far-future end would bill at once for time that never passed)."""
+    latest = stored_at_s + CLOCK_SKEW_S
+    if isinstance(event, JobStarted) and event.started_at > latest:
+        return msgspec.structs.replace(event, started_at=latest)
+    if isinstance(event, JobCompleted | JobFailed) and event.at > latest:
+        return msgspec.structs.replace(event, at=latest)
+    return event
+
+
 def _gpus(allocations: list[object]) -> int:
     return sum(int(getattr(a, "gpus", 0)) for a in allocations)
 
@@ -102,10 +140,19 @@ def fold(record: RunRecord, event: MeteredEvent) -> RunRecord:
         parts = tuple(
             Part(p.cluster, p.region, p.gpu_model, _gpus(list(p.allocations))) for p in event.parts
         ) or (Part(event.cluster, event.region, event.gpu_model, _gpus(list(event.allocations))),)
-        return msgspec.structs.replace(record, tenant=record.tenant or event.tenant, parts=parts)
+        placed_ms = to_ms(event.placed_at)
+        return msgspec.structs.replace(
+            record,
+            tenant=record.tenant or event.tenant,
+            parts=parts,
+            placed_ms=placed_ms,
+            started_ms=_not_before(record.started_ms, placed_ms),
+        )
     if isinstance(event, JobStarted):
         return msgspec.structs.replace(
-            record, tenant=record.tenant or event.tenant, started_ms=to_ms(event.started_at)
+            record,
+            tenant=record.tenant or event.tenant,
+            started_ms=_not_before(to_ms(event.started_at), record.placed_ms),
         )
     if isinstance(event, JobResized):
         resize = Resize(to_ms(event.at), event.cluster, _gpus(list(event.allocations)))

@@ -23,6 +23,7 @@ from loom.security.permissions import (
     may_manage_streams,
     permissions,
     received_cancellation,
+    report_claim_id,
     tenant_claim_id,
     tenant_of,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "permissions",
     "read",
     "received_cancellation",
+    "report_claim_id",
     "tenant_claim_id",
     "tenant_identity",
     "tenant_of",

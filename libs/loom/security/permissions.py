@@ -216,8 +216,10 @@ def permissions(identity: Identity) -> Permissions:
                 subjects.PLACEMENT_ATTEMPTS,  # after a restart: which of its runs are still current
                 f"{JS_API}.INFO",
                 f"{JS_API}.STREAM.INFO.CLUSTERS",
-                f"{JS_API}.CONSUMER.DURABLE.CREATE.CLUSTERS.{durable}",
-                f"{JS_API}.CONSUMER.CREATE.CLUSTERS.{durable}",
+                # Its durable, created (or updated) only with its own commands' filter: the
+                # server checks the filter named in this subject against the request's; the
+                # other creation subjects do not, and with them its durable read another
+                # cluster's start commands, other tenants' job specs in them.
                 f"{JS_API}.CONSUMER.CREATE.CLUSTERS.{durable}.{own}.cmd.*",
                 f"{JS_API}.CONSUMER.INFO.CLUSTERS.{durable}",
                 f"{JS_API}.CONSUMER.MSG.NEXT.CLUSTERS.{durable}",
@@ -343,6 +345,24 @@ def foreign_report(
     if run_clusters is not None and reporter not in run_clusters:
         return f"cluster {reporter} holds no part of that attempt's run: only its own agent may report it"
     return None
+
+
+def report_claim_id(subject: str, event: object, msg_id: str | None) -> str:
+    """The id an agent's report (on ``subject``) is claimed and recorded under: the id it came
+    with when that is one its own payload makes (``<job>:<kind>:<attempt>``, with ``:<step>`` for
+    progress and checkpoints, a failure's also with ``:<cluster>``), else the payload's own.
+
+    An agent's credentials set any message id, and consumers keep one record per id: a report of
+    the agent's own job sent under ``<another job>:completed:1`` took that id first, and the other
+    job's real completion was then dropped as its duplicate. Bound to the payload, an id names the
+    job, kind and attempt the report is about, which :func:`foreign_report` checks against the
+    reporter; the same event reported by two clusters of one run still counts once."""
+    kind = subject.split(".")[2]
+    base = f"{getattr(event, 'job_id', '')}:{kind}:{getattr(event, 'attempt', '')}"
+    if kind in ("progress", "checkpointed"):
+        base = f"{base}:{getattr(event, 'step', '')}"
+    allowed = {base, f"{base}:{getattr(event, 'cluster', '')}"} if kind == "failed" else {base}
+    return msg_id if msg_id in allowed else base
 
 
 def may_manage_streams(identity: str) -> bool:
