@@ -19,7 +19,7 @@ EVERY = 100
 FAIL_S = 600.0
 
 
-def simulated(checkpoint_bytes: float, *, steps: int, replicas: bool = True) -> Any:
+def simulated(checkpoint_bytes: float, *, steps: int, replicas: bool = True, every: int = EVERY) -> Any:
     """One 8-GPU job of ``steps`` 0.5 s steps on the EU cluster (the US one is busy-free but slower
     to reach); the EU cluster fails at 600 s. The simulation's result."""
     plat = platform({"eu": (EU, "H100", 1), "us": (US, "H100", 1)})
@@ -27,7 +27,7 @@ def simulated(checkpoint_bytes: float, *, steps: int, replicas: bool = True) -> 
         job_id="j",
         tenant="t",
         resources=Resources(gpus=8),
-        work=Work(steps=steps, step_time_s=0.5, checkpoint_every_steps=EVERY),
+        work=Work(steps=steps, step_time_s=0.5, checkpoint_every_steps=every),
         labels={"checkpoint_bytes": f"{checkpoint_bytes:g}"},
         affinity=Affinity(prefer_regions=[EU]),
     )
@@ -62,6 +62,15 @@ def test_a_small_checkpoint_is_replicated_in_time_and_resumed_from_another_regio
     assert ideal["replicas"] is None
     assert mig["lost_steps"] == pytest.approx(ideal["lost_steps"] + rep["steps_behind"])
     assert end >= ideal_end
+
+
+def test_a_run_that_writes_no_checkpoints_restarts_from_step_0_when_its_cluster_fails() -> None:
+    # The simulator's own speed probes write none: `loom bench migration` stopped with a
+    # ZeroDivisionError when a failed cluster ran one.
+    result = simulated(1e6, steps=20_000, every=0)
+    rep = result.migration["replicas"]
+    assert rep["resumed_from_zero"] == 1 and rep["copies"] == 0
+    assert result.records[0].clusters == ("us",) and result.records[0].end_s is not None
 
 
 def test_a_checkpoint_too_big_to_copy_before_the_failure_restarts_from_step_0() -> None:

@@ -110,10 +110,13 @@ class SimReplicas:
         return [Site(c.id, c.region) for c in self.sim.snap.clusters]
 
     def _checkpoint_at(self, job: _Job, at_s: float) -> int:
-        """The newest checkpoint the current run has written by ``at_s`` (0: none yet)."""
+        """The newest checkpoint the current run has written by ``at_s`` (0: none yet, or a run
+        that writes none, as the simulator's own speed probes)."""
         run = job.run
         assert run is not None
         every = job.spec.work.checkpoint_every_steps
+        if every <= 0:
+            return 0
         start = self.start_step.get((job.spec.job_id, job.record.restarts + 1), 0.0)
         done = job.spec.work.steps - job.steps_left + run.progress(max(at_s, run.seg_start_s))
         step = math.floor(done / every + 1e-9) * every
