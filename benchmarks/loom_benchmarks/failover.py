@@ -356,9 +356,28 @@ async def _measure(state: dict[str, Any], home: Path, args: argparse.Namespace, 
         result["final_states"] = {
             s: sum(1 for v in states.values() if v == s) for s in sorted(set(states.values()))
         }
+        failed_over = {
+            r["job_id"]
+            for r in await db.fetch(
+                "SELECT DISTINCT job_id FROM migrations WHERE cause = 'failover' AND from_cluster = $1",
+                victim.id,
+            )
+        }
         result["migrations_recorded"] = await db.fetchval(
             "SELECT count(*) FROM migrations WHERE cause = 'failover' AND from_cluster = $1", victim.id
         )
+        # The README says one failover migration per affected job: which had none, and what it has.
+        result["affected_without_migration"] = {
+            j: [
+                dict(r)
+                for r in await db.fetch(
+                    "SELECT migration_id, cause, state, from_cluster, to_cluster FROM migrations"
+                    " WHERE job_id = $1",
+                    j,
+                )
+            ]
+            for j in sorted(set(affected) - failed_over)
+        }
         result["per_job"] = lost
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -482,6 +482,9 @@ class MigrationService:
             self._drain_waiting.pop(cluster, None)
             if was:  # work may flow back, gradually and where the benefit rule says so
                 self._cluster_reviews[cluster] = ("cluster_joined", f"drain of {cluster} ended")
+                # Reviewed now: a cool-down of one job, held back in an earlier review, postponed
+                # the whole cluster's next review (up to 30 min), every later undrain's with it.
+                self._review_after.pop(cluster, None)
             log.info("cluster undrained", cluster=cluster, was_drained=was)
             return {
                 "ok": True,

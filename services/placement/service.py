@@ -2415,7 +2415,14 @@ class PlacementService:
                 for c, model, _ in run.parts
                 if c in snap.cluster_index
             ]
-            here = predict_step_s(spec, speeds=speeds, regions=regions, net=snap.net, workers=run.workers)
+            here = predict_step_s(
+                spec, speeds=speeds, regions=regions, net=snap.net, workers=run.workers
+            ).step_s
+            if spec.pipeline is not None:
+                # A pipeline's step is its slowest stage or hop, as its candidates are timed (timed
+                # as one data-parallel gang it was 60x too slow here, so every move looked a gain).
+                # Its own GPUs were given back above: the planner gets exactly those.
+                here = self.framework.pipeline_step_now(spec, run.parts, snap) or run.predicted_step_s or here
         finally:
             snap.running = running
             snap.take(allocations, per_worker)
@@ -2423,7 +2430,7 @@ class PlacementService:
             "clusters": [c for c, _, _ in run.parts],
             "regions": regions,
             "attempt": run.attempt,
-            "step_s": here.step_s,
+            "step_s": here,
             "placed_step_s": run.predicted_step_s,
         }
         d = outcome.decision

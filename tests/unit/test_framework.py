@@ -552,6 +552,32 @@ def test_a_model_too_big_for_any_cluster_is_cut_into_pipeline_stages() -> None:
     assert never.status.code == Code.UNRESOLVABLE and never.status.plugin == "pipeline"
 
 
+def test_a_running_pipeline_is_timed_now_as_its_candidates_are_on_its_own_gpus() -> None:
+    # Placement's what-if timed a running pipeline as one data-parallel gang over its parts (a
+    # 131 ms step judged 7.8 s here, 60x too slow), so every move of a pipeline looked a gain.
+    from loom_proto.jobs import Layer, Pipeline
+
+    nodes = [node(f"a{i}", "ca", "r1") for i in range(2)] + [node(f"b{i}", "cb", "r2") for i in range(2)]
+    snap = Snapshot(nodes, net=NetMatrix(["r1", "r2"]), gpu_memory_gib={"A100": 80.0}, now=0.0)
+    for a, b in (("r1", "r2"), ("r2", "r1")):
+        snap.net.set_link(a, b, rtt_ms=20.0, bandwidth_gbps=10.0)
+    layers = [Layer(compute_s=1.0, memory_gib=150.0, activation_mb=10.0) for _ in range(8)]
+    spec = job("llm", pipeline=Pipeline(layers=layers, max_stages=4))
+    decision = build_framework().schedule(spec, snap).decision
+    assert decision is not None and decision.predicted_step_s is not None
+    parts = [(p.cluster, p.gpu_model, list(p.allocations)) for p in decision.parts]
+    # Its own GPUs, taken now in the snapshot: timed as placed, whatever else is free.
+    now = Framework.pipeline_step_now(spec, parts, snap)
+    assert now == pytest.approx(decision.predicted_step_s)
+    # The link between its stages slows: its step now is the slower hop's.
+    for a, b in (("r1", "r2"), ("r2", "r1")):
+        snap.net.set_link(a, b, rtt_ms=2_000.0, bandwidth_gbps=0.001)
+    slowed = Framework.pipeline_step_now(spec, parts, snap)
+    assert slowed is not None and slowed > 10 * decision.predicted_step_s
+    assert slowed == pytest.approx(pipeline.transfer_s(10.0, 2_000.0, 0.001), rel=0.01)
+    assert Framework.pipeline_step_now(spec, [("nowhere", "A100", [("x", 1)])], snap) is None
+
+
 def full_of_elastic_and_rigid() -> Snapshot:
     """Two full 8-GPU A100 nodes: an elastic job of priority 100 on 12 GPUs (it may shrink to 4) and
     a rigid job of priority 10 on 4."""

@@ -1130,6 +1130,36 @@ class Framework:
             for c in clusters.tolist()
         ]
 
+    @staticmethod
+    def pipeline_step_now(
+        job: JobSpec, parts: Sequence[tuple[str, str, Sequence[tuple[str, int]]]], snap: Snapshot
+    ) -> float | None:
+        """Seconds a step of a running pipeline takes now on its own stages' GPUs ``parts``
+        ((cluster, GPU model, allocations) per stage), with the speeds and links of ``snap``: the
+        planner over exactly those GPUs (a site per part holding only the run's own), as
+        :meth:`schedule_pipeline` timed the candidates. The split it finds is the best over those
+        GPUs, so never slower than the run's own: a move is judged against the run at its best.
+        None when they hold no plan (a part's cluster or model unknown to the snapshot)."""
+        assert job.pipeline is not None
+        speeds = snap.job_speeds(job)
+        sites = []
+        for cluster, model, allocations in parts:
+            c, m = snap.cluster_index.get(cluster), snap.model_index.get(model)
+            if c is None or m is None:
+                return None
+            memory = snap.gpu_memory_gib.get(model, 0.0) or 16.0
+            speed = float(speeds[m]) * float(snap.trust[c])
+            if not (math.isfinite(speed) and speed > 0):
+                return None
+            free = tuple(sorted((node, int(g)) for node, g in allocations))
+            sites.append(pipeline.Site(cluster, snap.clusters[c].region, model, speed, memory, free))
+
+        def net(src: str, dst: str) -> tuple[float, float]:
+            return snap.net.link(src, dst)
+
+        plan = pipeline.plan(job.pipeline.layers, sites, net, max_stages=job.pipeline.max_stages)
+        return None if plan is None else plan.step_s
+
     def schedule_pipeline(self, state: CycleState, record: DecisionRecord, *, apply: bool) -> Outcome:
         """A model declared as layers: contiguous stages over clusters, the slowest stage fastest."""
         snap = state.snapshot
