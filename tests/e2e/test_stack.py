@@ -635,7 +635,7 @@ def test_loom_job_and_explain_of_a_dag_point_to_its_stage_jobs(
     # A DAG whose stage's job id is taken is accepted, then rejected at once: a refusal all the
     # same (it exited 0, "accepted, rejected").
     clash = tmp_path / "clash.json"
-    clash.write_text(json.dumps({**spec, "job_id": f"c{dag_id}", "stages": spec["stages"][:1]}))
+    clash.write_text(json.dumps({**spec, "job_id": f"c{dag_id}"}))
     taken = tmp_path / "taken.json"
     taken.write_text(json.dumps({**stage, "job_id": f"c{dag_id}--prep", "tenant": "acme"}))
     assert _loom(home, "submit", str(taken)).returncode == 0
@@ -646,7 +646,9 @@ def test_loom_job_and_explain_of_a_dag_point_to_its_stage_jobs(
     # The rejected DAG used to list that other job, completed on its cluster, as its stage.
     rejected = json.loads(_loom(home, "job", f"c{dag_id}", "--json").stdout)
     assert [(s["job_id"], s["state"]) for s in rejected["stage_jobs"]] == [
-        (f"c{dag_id}--prep", "not created (the id is another job's)")
+        (f"c{dag_id}--prep", "not created (the id is another job's)"),
+        # It said "not yet created", as though it would be.
+        (f"c{dag_id}--train", "not created (the DAG is rejected)"),
     ]
     # The DAG's own record used to be empty, with no pointer to its stage jobs.
     shown = _loom(home, "job", dag_id)

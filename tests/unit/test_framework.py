@@ -550,6 +550,8 @@ def test_a_model_too_big_for_any_cluster_is_cut_into_pipeline_stages() -> None:
         huge, Snapshot(nodes, net=NetMatrix(["r1", "r2"]), gpu_memory_gib={"A100": 80.0})
     )
     assert never.status.code == Code.UNRESOLVABLE and never.status.plugin == "pipeline"
+    # Judged on every GPU, busy or not: the reason does not call them free.
+    assert "the largest total is" in never.status.reason and "free" not in never.status.reason
 
 
 def test_a_running_pipeline_is_timed_now_as_its_candidates_are_on_its_own_gpus() -> None:

@@ -583,3 +583,21 @@ def test_every_job_event_says_its_kind_as_the_wire_does() -> None:
         b'{"kind": "cancelled", "job_id": "j", "tenant": "t", "at": 1}', type=JobEvent
     )
     assert event.kind == "cancelled" and b'"kind":"cancelled"' in msgspec.json.encode(event)
+
+
+def test_a_pipeline_asking_for_gpus_per_worker_is_refused_not_silently_resized() -> None:
+    # Its stages' GPUs come from its layers' memory: a newcomer's resources.gpus 4 got 12 GPUs.
+    from loom.errors import InvalidInputError
+    from loom.sched.cycle import admission_check
+    from loom_proto.jobs import JobSpec, Layer, Pipeline, Resources, Work
+
+    layers = [Layer(compute_s=1.0, memory_gib=10.0, activation_mb=1.0)]
+
+    def spec(resources: Resources) -> JobSpec:
+        return JobSpec(
+            job_id="p", tenant="t", work=Work(steps=1), pipeline=Pipeline(layers=layers), resources=resources
+        )
+
+    with pytest.raises(InvalidInputError, match=r"leave resources\.gpus out \(it is 4\)"):
+        admission_check(spec(Resources(gpus=4)))
+    admission_check(spec(Resources(gpu_models=["T4"])))  # choosing the models stays allowed

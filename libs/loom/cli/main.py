@@ -646,7 +646,12 @@ async def _stage_jobs(client: LoomClient, job: dict[str, Any]) -> list[dict[str,
         stage_id = stage_job_id(job["job_id"], stage["name"])
         found = await client.job(stage_id)
         if found is None:
-            state, cluster = "not yet created", None
+            # A DAG that ended (rejected, failed, cancelled) creates no more stages.
+            ended = job.get("state") in ("rejected", "failed", "cancelled", "completed")
+            state, cluster = (
+                (f"not created (the DAG is {job['state']})" if ended else "not yet created"),
+                None,
+            )
         elif found.get("parent") != job["job_id"]:  # another job's id (why a DAG was rejected)
             state, cluster = "not created (the id is another job's)", None
         else:

@@ -625,3 +625,9 @@ def admission_check(job: JobSpec) -> None:
         raise InvalidInputError(
             "a pipeline job sizes its stages from its layers: leave workers and min_workers out"
         )
+    if job.pipeline is not None and job.resources.gpus != 1:
+        # Accepted before, and silently ignored: a newcomer's 4 got 12 GPUs.
+        raise InvalidInputError(
+            f"a pipeline job sizes each stage's GPUs from its layers' memory: leave resources.gpus out"
+            f" (it is {job.resources.gpus}); resources.gpu_models still chooses the GPU models"
+        )

@@ -1185,7 +1185,8 @@ class Framework:
                 )
             every = self.pipeline_sites(state, idle=True)
             why = (
-                pipeline.infeasible_reason(layers, every, net, max_stages=max_stages) or "no cluster has GPUs"
+                pipeline.infeasible_reason(layers, every, net, max_stages=max_stages, capacity=True)
+                or "no cluster has GPUs"
             )
             return self._fail(record, Status(Code.UNRESOLVABLE, why, "pipeline"))
 

@@ -875,8 +875,11 @@ def infeasible_reason(
     usable_fraction: float = DEFAULT_USABLE_FRACTION,
     max_sites: int = DEFAULT_MAX_SITES,
     max_layers: int = DEFAULT_MAX_LAYERS,
+    capacity: bool = False,
 ) -> str | None:
     """Why :func:`plan` finds nothing, in words the submitter can act on; None when a plan exists.
+    ``capacity``: the sites list every GPU, busy or not (the reason then speaks of the platform's
+    GPUs, not of those free now).
 
     It speaks of the GPUs free now: waiting for capacity may help where the total GPUs would suffice.
     """
@@ -894,7 +897,8 @@ def infeasible_reason(
     _, memory_gib = whole_model(layers)
     considered = _considered(sites, max_sites, memory_gib, usable_fraction)
     if not considered:
-        return f"none of the {len(sites)} site(s) offered has free GPUs with a positive speed for this job"
+        held = "GPUs" if capacity else "free GPUs"
+        return f"none of the {len(sites)} site(s) offered has {held} with a positive speed for this job"
 
     def holds_gib(site: Site) -> float:
         return site.stage_gpu_cap * site.gpu_memory_gib * usable_fraction
@@ -913,7 +917,8 @@ def infeasible_reason(
     free_gib = math.fsum(holds_gib(s) for s in largest)
     if need_gib > free_gib * (1 + _CEIL_SLACK):
         return (
-            f"the model needs {need_gib:.0f} GiB; the largest free total is {free_gib:.0f} GiB across"
+            f"the model needs {need_gib:.0f} GiB; the largest {'' if capacity else 'free '}total is"
+            f" {free_gib:.0f} GiB across"
             f" {len(largest)} site(s) ({', '.join(_label(s) for s in largest)}) with at most {max_stages}"
             f" stage(s) and {usable_fraction:.0%} of each GPU's memory usable"
         )
