@@ -1733,6 +1733,9 @@ def _drain_job(row: asyncpg.Record) -> DrainJob:
     resources = spec.get("resources", {})
     steps = int(work.get("steps", 1))
     gpus = int(resources.get("gpus", 1)) * max(int(spec.get("workers", 1) or 1), 1)
+    pipeline = bool(spec.get("pipeline"))
+    if pipeline:  # its stages' GPUs come from its layers, not from resources
+        gpus = max(int(row.get("gpus_held") or 0), 1)
     return DrainJob(
         job_id=row["job_id"],
         attempt=int(row["attempt"]),
@@ -1743,4 +1746,5 @@ def _drain_job(row: asyncpg.Record) -> DrainJob:
         step_time_s=float(work.get("step_time_s", 1.0)),
         checkpoint_every_steps=int(work.get("checkpoint_every_steps", 0)),
         affinity=msgspec.convert(spec.get("affinity") or {}, Affinity),
+        pipeline=pipeline,
     )

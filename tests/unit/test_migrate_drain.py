@@ -323,3 +323,14 @@ def test_a_reply_without_territories_counts_for_nothing() -> None:
     assert ShardReply.parse({"ok": True, "territories": {"eu": "x"}}) is None
     parsed = ShardReply.parse({"ok": True, "shard": "global", "holder": "h", "territories": {"global": 3}})
     assert parsed == ShardReply(shard="global", holder="h", territories={"global": 3})
+
+
+def test_a_pipeline_waiting_in_a_drain_is_said_to_need_its_stages_gpus() -> None:
+    # "pipe3 waits for capacity: needs 1 x any GPU": its resources, not the 7 GPUs its stage held.
+    from loom.migrate.drain import needs
+
+    assert needs(_job("gang", gpus=4)) == "4 x T4"
+    pipe = replace(_job("pipe", gpus=12, models=()), pipeline=True)
+    assert needs(pipe) == "12 GPUs in all for its pipeline's stages (any GPU model)"
+    waits = waiting_for_capacity("a", [pipe], set(), GPUS, set())
+    assert "needs 12 GPUs in all for its pipeline's stages" in str(waits)

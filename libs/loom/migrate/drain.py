@@ -53,6 +53,8 @@ class DrainJob:
     checkpoint_every_steps: int
     affinity: Affinity = field(default_factory=Affinity)
     """Where it may run (its hard rules: :func:`loom.sched.allowed.cluster_allowed`)."""
+    pipeline: bool = False
+    """A pipeline: ``gpus`` are its stages' GPUs in all, sized from its layers."""
 
     @property
     def remaining_gpu_s(self) -> float:
@@ -204,8 +206,12 @@ def pick_moves(
 
 
 def needs(job: DrainJob) -> str:
-    """What a job needs elsewhere, in words: ``4 x T4`` (``4 x any GPU`` when it accepts any)."""
-    return f"{job.gpus} x {'/'.join(job.gpu_models) or 'any GPU'}"
+    """What a job needs elsewhere, in words: ``4 x T4`` (``4 x any GPU`` when it accepts any); a
+    pipeline's GPUs as its stages hold them (it said ``1 x any GPU`` of a pipeline on 12 GPUs)."""
+    models = "/".join(job.gpu_models)
+    if job.pipeline:
+        return f"{job.gpus} GPUs in all for its pipeline's stages ({models or 'any GPU model'})"
+    return f"{job.gpus} x {models or 'any GPU'}"
 
 
 def waiting_for_capacity(

@@ -167,10 +167,13 @@ async def known_clusters(conn: Conn) -> dict[str, dict[str, int]]:
 
 
 async def runs_on(conn: Conn, cluster: str) -> list[asyncpg.Record]:
-    """Running jobs with a live reservation on ``cluster``: job row fields and the lead cluster."""
+    """Running jobs with a live reservation on ``cluster``: job row fields, the lead cluster and
+    the GPUs the attempt holds in all (``gpus_held``)."""
     rows: list[asyncpg.Record] = await conn.fetch(
         """SELECT j.job_id, j.tenant, j.spec, j.attempt, j.progress, j.cluster AS lead, j.state,
-                  j.trace_context
+                  j.trace_context,
+                  (SELECT COALESCE(sum(h.gpus), 0) FROM reservations h WHERE h.job_id = j.job_id
+                     AND h.attempt = j.attempt AND h.state <> 'released') AS gpus_held
            FROM jobs j
            WHERE j.state IN ('placed', 'running')
              AND EXISTS (SELECT 1 FROM reservations r WHERE r.job_id = j.job_id AND r.attempt = j.attempt
