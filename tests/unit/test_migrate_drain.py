@@ -63,7 +63,7 @@ def test_only_the_clusters_a_jobs_affinity_allows_count_as_somewhere_to_go() -> 
     # A region list cannot be checked against a cluster whose region is not known: not counted.
     assert open_gpus(in_us, "a", GPUS, set(), {}) == {}
     waiting = waiting_for_capacity("a", [pinned], set(), GPUS, set(), regions=regions)["pinned"]
-    assert "0 such GPU(s) on those clusters in all: none" in waiting
+    assert "no other open cluster it may use has any" in waiting
 
 
 def test_the_job_with_the_most_work_left_moves_first() -> None:
@@ -185,7 +185,7 @@ def test_a_job_no_placement_elsewhere_has_room_for_stays_running_until_room_appe
     assert "4 such GPU(s) on those clusters in all: b 4" in why and "keeps running" in why
     # A closed cluster's GPUs are not counted; a job that takes any GPU counts every model.
     assert (
-        "0 such GPU(s) on those clusters in all: none"
+        "no other open cluster it may use has any"
         in waiting_for_capacity("a", [_job("x")], set(), GPUS, closed={"b"})["x"]
     )
     anyg = waiting_for_capacity("a", [_job("any", models=())], set(), GPUS, closed=set())["any"]
@@ -334,3 +334,11 @@ def test_a_pipeline_waiting_in_a_drain_is_said_to_need_its_stages_gpus() -> None
     assert needs(pipe) == "12 GPUs in all for its pipeline's stages (any GPU model)"
     waits = waiting_for_capacity("a", [pipe], set(), GPUS, set())
     assert "needs 12 GPUs in all for its pipeline's stages" in str(waits)
+
+
+def test_a_job_no_other_open_cluster_can_hold_is_not_told_room_may_appear() -> None:
+    # A forced drain of a P100 job (no other cluster has P100s) said "asked about again until room
+    # appears": it never could.
+    why = waiting_for_capacity("a", [_job("p100", models=("P100",))], set(), GPUS, set())["p100"]
+    assert why.startswith("stays: needs 1 x P100, and no other open cluster it may use has any")
+    assert "until room appears" not in why and "deadline" in why

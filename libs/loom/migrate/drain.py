@@ -234,6 +234,14 @@ def waiting_for_capacity(
         where = open_gpus(job, cluster, gpus_by_cluster, closed, regions)
         total = sum(where.values())
         held = ", ".join(f"{c} {n}" for c, n in where.items()) or "none"
+        if total == 0:
+            # A forced drain's job no other open cluster can ever hold: room cannot appear.
+            out[job.job_id] = (
+                f"stays: needs {needs(job)}, and no other open cluster it may use has any; it keeps"
+                " running here until the drain's deadline (then it is stopped and queued) or an"
+                " undrain, or until such a cluster opens"
+            )
+            continue
         out[job.job_id] = (
             f"waits for capacity: needs {needs(job)} on another open cluster it may use; no placement"
             f" has room for it now ({total} such GPU(s) on those clusters in all: {held}); it keeps"
