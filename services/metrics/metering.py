@@ -119,11 +119,14 @@ class Metering:
     async def _on_events(self, deliveries: list[Delivery[bytes]]) -> Sequence[BaseException | None]:
         outcomes: list[BaseException | None] = [None] * len(deliveries)
         decoded: list[tuple[str, MeteredEvent]] = []
-        index_of: dict[str, int] = {}
+        delivery_of: list[int] = []
+        """Position in ``decoded`` -> the delivery's index (two deliveries may share a claim id)."""
         legacy: dict[str, str] = {}
         """A cancellation's scoped claim id -> its bare message id (claimed so before the scoping)."""
-        reporters: dict[str, str] = {}
-        """A report's message id -> the cluster its subject names (only that agent publishes there)."""
+        reporters: dict[int, str] = {}
+        """Position in ``decoded`` of a report -> the cluster its subject names (only that agent
+        publishes there): judged per delivery, as a forged report and the genuine one it copies
+        share their claim id."""
         for i, d in enumerate(deliveries):
             try:
                 # A union is not a ``type[T]`` to mypy; decode takes it (msgspec decodes tagged unions).
@@ -143,14 +146,14 @@ class Metering:
                 legacy[mid] = bare
             elif reporter is not None:  # an agent's: bound to what it reports, its times bounded
                 mid = report_claim_id(d.subject, event, d.msg_id)
-                reporters[mid] = reporter
+                reporters[len(decoded)] = reporter
                 event = bounded(event, stored_at(d))
             else:
                 mid = d.msg_id or f"seq-{d.stream_seq}"
-            index_of[mid] = i
+            delivery_of.append(i)
             decoded.append((mid, event))
         if decoded:
-            metered, fresh, foreign = await self._apply(decoded, legacy, reporters)
+            metered, fresh, refused = await self._apply(decoded, legacy, reporters)
             self.counts["runs_metered"] += len(metered)
             for tenant in metered:
                 METERED_RUNS.labels(tenant).inc()
@@ -162,26 +165,26 @@ class Metering:
                 new = {id(e) for e in fresh}
                 folded = [
                     event
-                    for mid, event in decoded
-                    if mid not in foreign and (id(event) in new or not isinstance(event, JobCancelled))
+                    for pos, (_, event) in enumerate(decoded)
+                    if pos not in refused and (id(event) in new or not isinstance(event, JobCancelled))
                 ]
                 await self.on_folded(folded, fresh)
-            for mid, why in foreign.items():
-                outcomes[index_of[mid]] = InvalidInputError(why)
+            for pos, why in refused.items():
+                outcomes[delivery_of[pos]] = InvalidInputError(why)
         return outcomes
 
     async def _apply(
         self,
         decoded: list[tuple[str, MeteredEvent]],
         legacy: dict[str, str] | None = None,
-        reporters: dict[str, str] | None = None,
-    ) -> tuple[list[str], list[MeteredEvent], dict[str, str]]:
+        reporters: dict[int, str] | None = None,
+    ) -> tuple[list[str], list[MeteredEvent], dict[int, str]]:
         """Claim, fold, save and meter; returns the tenant of each run metered (afresh), the
-        events that were new, and those refused (message id -> why): the cancellations of another
-        tenant's job (they end nothing; placement refuses them too), and the reports of an agent
-        whose cluster holds no part of the run (``reporters``: message id -> the cluster its
-        subject names), refused before they are claimed, so that the run's own agent's report
-        under the same id still counts.
+        events that were new, and those refused (position in ``decoded`` -> why): the cancellations
+        of another tenant's job (they end nothing; placement refuses them too), and the reports of
+        an agent whose cluster holds no part of the run (``reporters``: position of a report -> the
+        cluster its subject names), refused before they are claimed, so that the run's own agent's
+        report under the same id still counts, in the same batch too.
 
         A fixed number of statements per batch, whatever its size: the claim, the run records
         and the job specs the batch needs (each read in one statement), the records written back
@@ -193,8 +196,9 @@ class Metering:
             loaded = await usage_store.load_runs(
                 conn, [k for _, e in decoded if (k := _run_key(e)) is not None]
             )
-            foreign = _foreign_reports(decoded, loaded, reporters or {})
-            own = [(msg_id, event) for msg_id, event in decoded if msg_id not in foreign]
+            refused = _foreign_reports(decoded, loaded, reporters or {})
+            own = [entry for pos, entry in enumerate(decoded) if pos not in refused]
+            position = {id(event): pos for pos, (_, event) in enumerate(decoded)}
             claims = [msg_id for msg_id, _ in own]
             new = await inbox.claim_scoped(conn, CONSUMER, claims, [(legacy or {}).get(m, m) for m in claims])
             fresh: list[MeteredEvent] = []
@@ -214,7 +218,6 @@ class Metering:
             specs = await usage_store.job_specs(conn, sorted(wanted))
             records: dict[tuple[str, int], RunRecord] = {}
             changed: list[tuple[str, int]] = []
-            ids = {id(event): msg_id for msg_id, event in decoded}
             for event in fresh:
                 self.counts["events"] += 1
                 runs = await self._runs_of(conn, event, records, loaded)
@@ -225,7 +228,7 @@ class Metering:
                     }
                     why = foreign_cancellation(event.tenant, event.job_id, min(others)) if others else None
                     if why is not None:
-                        foreign[ids[id(event)]] = why
+                        refused[position[id(event)]] = why
                 for key in runs:
                     updated = fold(records[key], event)
                     if isinstance(event, JobPlaced) or not updated.labels:
@@ -244,7 +247,7 @@ class Metering:
                     rows = meter(record, self.price, self.scu)
                     await usage_store.replace_rows(conn, record.job_id, record.attempt, rows)
                     metered.append(record.tenant)
-        return metered, fresh, foreign
+        return metered, fresh, refused
 
     async def _runs_of(
         self,
@@ -277,33 +280,34 @@ class Metering:
 def _foreign_reports(
     decoded: list[tuple[str, MeteredEvent]],
     loaded: dict[tuple[str, int], RunRecord],
-    reporters: dict[str, str],
-) -> dict[str, str]:
-    """The reports (message id -> why) that name another cluster than their subject's, whose
-    cluster holds no part of the run, as its stored record or a ``placed`` earlier in the batch
-    tells the run's clusters (:func:`loom.security.foreign_report`), or of an attempt no
-    ``placed`` was folded for. Without this an agent's credentials could end, and so bill short,
-    another cluster's run, or end a run before it was placed (a job submitted later then ran
-    unbilled)."""
+    reporters: dict[int, str],
+) -> dict[int, str]:
+    """The reports (position in ``decoded`` -> why) that name another cluster than their
+    subject's, whose cluster holds no part of the run, as its stored record or a ``placed``
+    earlier in the batch tells the run's clusters (:func:`loom.security.foreign_report`), or of an
+    attempt no ``placed`` was folded for. Without this an agent's credentials could end, and so
+    bill short, another cluster's run, or end a run before it was placed (a job submitted later
+    then ran unbilled). Judged per delivery: a forged report shares its claim id with the genuine
+    one it copies, and in one batch the genuine one was refused, or acknowledged unfolded."""
     clusters = {key: {p.cluster for p in r.parts} for key, r in loaded.items() if r.parts}
-    refused: dict[str, str] = {}
-    for msg_id, event in decoded:
+    refused: dict[int, str] = {}
+    for pos, (_, event) in enumerate(decoded):
         key = _run_key(event)
         if key is None:
             continue
         if isinstance(event, JobPlaced):
             placed = fold(RunRecord(job_id=event.job_id, attempt=key[1]), event)
             clusters[key] = {p.cluster for p in placed.parts}
-        elif msg_id in reporters:
+        elif pos in reporters:
             known = clusters.get(key)
-            why = foreign_report(reporters[msg_id], getattr(event, "cluster", None), known or set())
+            why = foreign_report(reporters[pos], getattr(event, "cluster", None), known or set())
             if known is None:
                 # Placement's ``placed`` comes before any report of the attempt (the agent starts
                 # on its command): a report of an attempt with none is of no run (yet). Once one
                 # comes, `loom dlq replay` folds it.
                 why = f"no placement of attempt {key[1]} of job {event.job_id} is known: no run to report"
             if why is not None:
-                refused[msg_id] = why
+                refused[pos] = why
     return refused
 
 

@@ -2696,8 +2696,13 @@ class PlacementService:
         """Reports refused (message id -> why): dead-lettered once the rest commits."""
         ignored: dict[str, str] = {}
         """Late checkpoints of runs that ended (message id -> why): acknowledged, not recorded."""
-        reporter_of: dict[str, str] = {}
-        """The reporting cluster named by a report's subject (message id -> cluster)."""
+        reporter_at: dict[int, str] = {}
+        """Position in ``events`` of a report -> the reporting cluster its subject names: judged
+        per delivery (a forged report shares its claim id with the genuine one it copies)."""
+        delivery_of: list[int] = []
+        """Position in ``events`` -> the delivery's index."""
+        foreign_at: dict[int, str] = {}
+        """Reports of another cluster's run (position in ``events`` -> why): dead-lettered."""
         for i, d in enumerate(deliveries):
             try:
                 event: LifecycleEvent = decode(d.message, LifecycleEvent)  # type: ignore[arg-type]
@@ -2717,10 +2722,10 @@ class PlacementService:
                 outcomes[i] = InvalidInputError(why)
                 continue
             mid = _lifecycle_claim_id(d, event, reporter)
-            events.append((event, mid))
-            index_of[events[-1][1]] = i
             if reporter is not None:
-                reporter_of[events[-1][1]] = reporter
+                reporter_at[len(events)] = reporter
+            delivery_of.append(i)
+            events.append((event, mid))
         if not events:
             return outcomes
 
@@ -2730,9 +2735,18 @@ class PlacementService:
             async with self._tx() as conn:
                 # Again here: a territory handed back meanwhile is not written for (its shard has
                 # these events in its own consumer).
-                mine = [(e, mid) for e, mid in events if self._handles(e)]
+                handled = [p for p, (e, _) in enumerate(events) if self._handles(e)]
+                foreign_at.clear()
+                foreign_at.update(
+                    await _foreign_reports(
+                        conn, [(p, events[p][0], reporter_at[p]) for p in handled if p in reporter_at]
+                    )
+                )
+                kept = [p for p in handled if p not in foreign_at]
+                index_of.clear()
+                index_of.update({events[p][1]: delivery_of[p] for p in kept})
+                mine = [events[p] for p in kept]
                 refused.clear()
-                refused.update(await _foreign_reports(conn, mine, reporter_of))
                 refused.update(await _foreign_cancels(conn, mine))
                 mine = [(e, mid) for e, mid in mine if mid not in refused]
                 checkpoints, late = await _refused_checkpoints(conn, mine)
@@ -2843,6 +2857,9 @@ class PlacementService:
         except Exception as exc:
             return [o if o is not None else exc for o in outcomes]
         await self._watch_pace([e for e, _ in events])
+        for position, why in foreign_at.items():
+            log.warning("report refused", msg_id=events[position][1], reason=why)
+            outcomes[delivery_of[position]] = InvalidInputError(why)
         for mid, why in refused.items():
             log.warning("report refused", msg_id=mid, reason=why)
             outcomes[index_of[mid]] = InvalidInputError(why)
@@ -3498,28 +3515,30 @@ def _lifecycle_claim_id(d: Delivery[bytes], event: "LifecycleEvent", reporter: s
 
 
 async def _foreign_reports(
-    conn: asyncpg.Connection, events: Sequence[tuple["LifecycleEvent", str]], reporter_of: Mapping[str, str]
-) -> dict[str, str]:
-    """Agent reports whose subject's cluster holds no part of that attempt's run (issue 18: an
-    agent's credentials may report only on its own cluster's subjects, so this is where another
-    cluster's job is told apart): message id -> why (:func:`loom.security.foreign_report`)."""
-    reports = [(e, mid) for e, mid in events if mid in reporter_of]
+    conn: asyncpg.Connection, reports: Sequence[tuple[int, "LifecycleEvent", str]]
+) -> dict[int, str]:
+    """Agent reports ``(key, event, reporting cluster)`` whose subject's cluster holds no part of
+    that attempt's run (issue 18: an agent's credentials may report only on its own cluster's
+    subjects, so this is where another cluster's job is told apart): key -> why
+    (:func:`loom.security.foreign_report`). Keyed per delivery, not by claim id: a forged report
+    shares its id with the genuine one it copies, and in one batch the later one decided for both
+    (a forged completion after the genuine one left the job running, its GPUs held)."""
     if not reports:
         return {}
     rows = await conn.fetch(
         """SELECT job_id, attempt, array_agg(DISTINCT cluster) AS clusters FROM reservations
            WHERE job_id = ANY($1::text[]) GROUP BY job_id, attempt""",
-        sorted({e.job_id for e, _ in reports}),
+        sorted({e.job_id for _, e, _ in reports}),
     )
     run_clusters = {(r["job_id"], r["attempt"]): set(r["clusters"]) for r in rows}
-    out: dict[str, str] = {}
-    for e, mid in reports:
+    out: dict[int, str] = {}
+    for key, e, reporter in reports:
         attempt = getattr(e, "attempt", None)
         why = foreign_report(
-            reporter_of[mid], getattr(e, "cluster", None), run_clusters.get((e.job_id, attempt), set())
+            reporter, getattr(e, "cluster", None), run_clusters.get((e.job_id, attempt), set())
         )
         if why is not None:
-            out[mid] = why
+            out[key] = why
     return out
 
 

@@ -478,7 +478,9 @@ async def test_an_agents_report_of_a_run_its_cluster_holds_no_part_of_ends_and_c
         }
         assert "own:completed:1" in claimed and "z:completed:1" not in claimed
         assert not any(m.startswith("later:") for m in claimed)
-        # c1's own completion, under the id c2 tried to take: counted, not a duplicate.
+        # c1's own completion, under the id c2 tried to take: counted, not a duplicate, even with
+        # a forgery of it in the same batch, after it (both share the claim id: the forgery's
+        # cluster was the one checked, and the genuine completion was acknowledged unfolded).
         real = await metering.on_events(
             [  # type: ignore[list-item]
                 delivery(
@@ -486,9 +488,17 @@ async def test_an_agents_report_of_a_run_its_cluster_holds_no_part_of_ends_and_c
                     "loom.jobs.completed.acme.c1",
                     "z:completed:1",
                     JobCompleted(job_id="z", tenant="acme", cluster="c1", attempt=1, at=t0 + 21),
-                )
+                ),
+                delivery(
+                    10,
+                    "loom.jobs.completed.acme.c2",
+                    "z:completed:1",
+                    JobCompleted(job_id="z", tenant="acme", cluster="c2", attempt=1, at=t0 + 7),
+                ),
             ]
         )
+        assert isinstance(real[1], InvalidInputError) and "holds no part" in str(real[1])
+        real = real[:1]
         rows = await pool.fetch("SELECT outcome, sum(gpu_ms)::bigint AS gpu_ms FROM usage_rows GROUP BY 1")
     finally:
         await pool.close()
@@ -630,3 +640,39 @@ async def test_the_reservation_overlay_follows_the_metering_deliveries_and_a_red
     assert (reserved_after_placed, reserved_after_started, reserved_after_redelivery) == (3, 0, 0)
     assert reserved_after_restart == 0
     assert service.metering.counts["duplicates"] == 2
+
+
+async def test_placement_judges_each_report_alone_when_a_forgery_shares_its_claim_id(
+    fresh_database: Callable[..., Awaitable[str]],
+) -> None:
+    # A forged completion and the genuine one share the claim id `<job>:completed:<attempt>`;
+    # keyed by it, the later of the two in a batch decided for both (forged last: the genuine
+    # completion was dropped with it, the job stayed running with its GPUs held).
+    from loom.store.pool import create_pool
+    from loom_proto.jobs import JobCompleted
+    from loom_services.placement.service import _foreign_reports
+
+    pool = await create_pool(await fresh_database("placement-foreign-batch"), max_size=1)
+    try:
+        await pool.execute(
+            "INSERT INTO node_allocations (node, cluster, region, zone, gpu_model, gpus_total)"
+            " VALUES ('n1', 'c1', 'r1', 'z1', 'A100', 8)"
+        )
+        await pool.execute(
+            "INSERT INTO reservations (job_id, attempt, node, cluster, gpus, state)"
+            " VALUES ('r1', 1, 'n1', 'c1', 2, 'confirmed')"
+        )
+
+        def done(cluster: str) -> JobCompleted:
+            return JobCompleted(job_id="r1", tenant="acme", cluster=cluster, attempt=1, at=1.0)
+
+        async with pool.acquire() as conn:
+            for reports in (
+                [(0, done("c1"), "c1"), (1, done("c2"), "c2")],
+                [(0, done("c2"), "c2"), (1, done("c1"), "c1")],
+            ):
+                refused = await _foreign_reports(conn, reports)
+                forged = next(k for k, _, r in reports if r == "c2")
+                assert set(refused) == {forged} and "holds no part" in refused[forged]
+    finally:
+        await pool.close()
