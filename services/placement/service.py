@@ -125,6 +125,7 @@ from loom.sched.quota import OPEN, TenantConfig
 from loom.sched.shards import GLOBAL, ShardMap, route, route_of
 from loom.sched.snapshot import Economics
 from loom.security import (
+    agent_of_inbox,
     foreign_cancellation,
     foreign_report,
     received_cancellation,
@@ -2297,10 +2298,14 @@ class PlacementService:
 
     async def on_attempts(self, msg: Msg) -> None:
         """``loom.placement.attempts``: job -> [state, current attempt], from the store (a returning
-        agent fences its old runs with it)."""
+        agent fences its old runs with it). An agent is told of its own cluster's runs only: its
+        answer comes to its own inbox (``_INBOX.agent-<cluster>.``, the only one its credentials
+        read), and before, it could ask about any job of any tenant."""
         try:
             request = json.loads(msg.data or b"{}")
-            states = await moves.job_states(self.pool, [str(j) for j in request["job_ids"]][:10_000])
+            states = await moves.job_states(
+                self.pool, [str(j) for j in request["job_ids"]][:10_000], held_on=agent_of_inbox(msg.reply)
+            )
             reply = {"ok": True, "result": {j: [state, attempt] for j, (state, attempt) in states.items()}}
         except Exception as exc:  # any bad request gets an answer, never a crash
             reply = {"ok": False, "error": str(exc)}

@@ -676,3 +676,48 @@ async def test_placement_judges_each_report_alone_when_a_forgery_shares_its_clai
                 assert set(refused) == {forged} and "holds no part" in refused[forged]
     finally:
         await pool.close()
+
+
+async def test_an_agent_is_told_the_attempts_of_its_own_clusters_runs_only(
+    fresh_database: Callable[..., Awaitable[str]],
+) -> None:
+    # `loom.placement.attempts` answered any job's state and attempt to any agent (which attempt
+    # of another cluster's job to forge a report for). The answer goes to the asker's own inbox.
+    from loom.security import agent_of_inbox
+    from loom.store import moves
+    from loom.store.pool import create_pool
+
+    assert agent_of_inbox("_INBOX.agent-c-weu-a.Xyz.1") == "c-weu-a"
+    assert [agent_of_inbox(r) for r in ("_INBOX.placement.x", "_INBOX.abc", None, "_INBOX.agent-")] == [
+        None
+    ] * 4
+    pool = await create_pool(await fresh_database("attempts-query"), max_size=1)
+    try:
+        await pool.execute(
+            "INSERT INTO node_allocations (node, cluster, region, zone, gpu_model, gpus_total)"
+            " VALUES ('n1', 'c1', 'r1', 'z1', 'A100', 8), ('n2', 'c2', 'r1', 'z1', 'A100', 8)"
+        )
+        for job, attempt in (("moved", 2), ("other", 1)):
+            await pool.execute(
+                "INSERT INTO jobs (job_id, tenant, state, spec, attempt, submitted_at)"
+                " VALUES ($1, 't', 'running', '{}', $2, now())",
+                job,
+                attempt,
+            )
+        # "moved" ran on c1 (attempt 1, released) and runs on c2 now; "other" only ever on c2.
+        await pool.execute(
+            "INSERT INTO reservations (job_id, attempt, node, cluster, gpus, state) VALUES"
+            " ('moved', 1, 'n1', 'c1', 1, 'released'), ('moved', 2, 'n2', 'c2', 1, 'confirmed'),"
+            " ('other', 1, 'n2', 'c2', 1, 'confirmed')"
+        )
+        ids = ["moved", "other", "nothing"]
+        async with pool.acquire() as conn:
+            everyone = await moves.job_states(conn, ids)
+            c1 = await moves.job_states(conn, ids, held_on="c1")
+            c2 = await moves.job_states(conn, ids, held_on="c2")
+    finally:
+        await pool.close()
+    assert everyone == {"moved": ("running", 2), "other": ("running", 1)}
+    # c1's agent still learns its old run's job moved on (and stops the orphan), nothing else.
+    assert c1 == {"moved": ("running", 2)}
+    assert c2 == everyone

@@ -365,6 +365,17 @@ def report_claim_id(subject: str, event: object, msg_id: str | None) -> str:
     return msg_id if msg_id in allowed else base
 
 
+def agent_of_inbox(reply: str | None) -> str | None:
+    """The cluster of the agent a request's answer goes to (``_INBOX.agent-<cluster>.<token>``),
+    None for anyone else. An identity reads only its own inbox, so a request naming an agent's
+    inbox is answered to that agent alone, whoever sent it."""
+    prefix = "_INBOX.agent-"
+    if not reply or not reply.startswith(prefix):
+        return None
+    cluster = reply[len(prefix) :].split(".", 1)[0]
+    return cluster or None
+
+
 def may_manage_streams(identity: str) -> bool:
     """Whether the identity (by name) creates / updates streams at start (agents and tenants do not)."""
     return not identity.startswith(("agent-", "tenant-"))

@@ -86,12 +86,19 @@ async def checkpoint_since(conn: Conn, job_id: str, attempt: int, since: float) 
     return step
 
 
-async def job_states(conn: Conn, job_ids: Sequence[str]) -> dict[str, tuple[str, int]]:
-    """Job -> (state, attempt) as the store has it."""
+async def job_states(
+    conn: Conn, job_ids: Sequence[str], *, held_on: str | None = None
+) -> dict[str, tuple[str, int]]:
+    """Job -> (state, attempt) as the store has it; with ``held_on``, only the jobs some attempt
+    of which held GPUs on that cluster (what its agent may ask about: its own runs)."""
     if not job_ids:
         return {}
     rows = await conn.fetch(
-        "SELECT job_id, state, attempt FROM jobs WHERE job_id = ANY($1::text[])", list(job_ids)
+        """SELECT job_id, state, attempt FROM jobs j WHERE job_id = ANY($1::text[])
+             AND ($2::text IS NULL OR EXISTS (
+                 SELECT 1 FROM reservations r WHERE r.job_id = j.job_id AND r.cluster = $2))""",
+        list(job_ids),
+        held_on,
     )
     return {r["job_id"]: (r["state"], r["attempt"]) for r in rows}
 
