@@ -78,6 +78,7 @@ from loom.bus.consumer import caught_up, stored_at
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
 from loom.bus.requests_move import replay_left_requests
 from loom.errors import InvalidInputError, NotLeaderError, TransientError
+from loom.metering.run import bounded
 from loom.migrate.checkpoints import Checkpoint, choose, late_report, report_refusal
 from loom.migrate.health import (
     Health,
@@ -2729,6 +2730,7 @@ class PlacementService:
             mid = _lifecycle_claim_id(d, event, reporter)
             if reporter is not None:
                 reporter_at[len(events)] = reporter
+                event = bounded(event, stored_at(d))  # as metering counts it
             delivery_of.append(i)
             events.append((event, mid))
         if not events:

@@ -8,7 +8,7 @@ up), so a run both failed and requeued ends, and is marked, at whichever happene
 to the first outcome of :data:`END_OUTCOMES`.
 """
 
-from typing import Literal
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -118,9 +118,14 @@ def _not_before(started_ms: int | None, placed_ms: int | None) -> int | None:
     return max(started_ms, placed_ms - to_ms(CLOCK_SKEW_S))
 
 
-def bounded(event: MeteredEvent, stored_at_s: float) -> MeteredEvent:
+_Event = TypeVar("_Event")
+
+
+def bounded(event: _Event, stored_at_s: float) -> _Event:
     """An agent's report with its times no later than :data:`CLOCK_SKEW_S` after ``stored_at_s``,
-    when the server stored it (a far-future end would bill at once for time that never passed)."""
+    when the server stored it (a far-future end would bill at once for time that never passed);
+    placement records the reports so bounded too, so that `loom usage reconcile`, which folds
+    placement's history, agrees with metering. Other events as they are."""
     latest = stored_at_s + CLOCK_SKEW_S
     if isinstance(event, JobStarted) and event.started_at > latest:
         return msgspec.structs.replace(event, started_at=latest)
