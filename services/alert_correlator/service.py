@@ -378,6 +378,21 @@ class AlertCorrelator:
     async def on_job_event(self, d: Delivery[JobFailed | JobRequeued]) -> None:
         """A job's run failed or was lost."""
         event = d.message
+        reporter = subjects.report_cluster(d.subject)
+        placed = self.core.placements.jobs.get(event.job_id)
+        if (
+            isinstance(event, JobFailed)
+            and reporter is not None
+            and (
+                reporter != event.cluster
+                or (placed is not None and reporter not in {p.cluster for p in placed.parts})
+            )
+        ):
+            # An agent's report of a run on another cluster (as its subject or the placements it
+            # knows tell): placement refuses it, and it raised a "job failed" alert (taking the
+            # run's alert key first) for a job that agent does not run.
+            log.warning("foreign failure report ignored", subject=d.subject, job_id=event.job_id)
+            return
         alert = from_job_failed(event) if isinstance(event, JobFailed) else from_job_requeued(event)
         if alert is not None:
             # A requeue is placement's word; a failed run is mostly an agent's report, which may

@@ -20,7 +20,7 @@ import structlog
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.consumer import caught_up, stored_at
-from loom.errors import InvalidInputError
+from loom.errors import InvalidInputError, LoomError, TransientError
 from loom.metering import RunRecord, fold, meter
 from loom.metering.run import MeteredEvent, bounded
 from loom.metering.usage import PriceFn, ScuFn, scu_of
@@ -169,8 +169,8 @@ class Metering:
                     if pos not in refused and (id(event) in new or not isinstance(event, JobCancelled))
                 ]
                 await self.on_folded(folded, fresh)
-            for pos, why in refused.items():
-                outcomes[delivery_of[pos]] = InvalidInputError(why)
+            for pos, error in refused.items():
+                outcomes[delivery_of[pos]] = error
         return outcomes
 
     async def _apply(
@@ -178,7 +178,7 @@ class Metering:
         decoded: list[tuple[str, MeteredEvent]],
         legacy: dict[str, str] | None = None,
         reporters: dict[int, str] | None = None,
-    ) -> tuple[list[str], list[MeteredEvent], dict[int, str]]:
+    ) -> tuple[list[str], list[MeteredEvent], dict[int, LoomError]]:
         """Claim, fold, save and meter; returns the tenant of each run metered (afresh), the
         events that were new, and those refused (position in ``decoded`` -> why): the cancellations
         of another tenant's job (they end nothing; placement refuses them too), and the reports of
@@ -228,7 +228,7 @@ class Metering:
                     }
                     why = foreign_cancellation(event.tenant, event.job_id, min(others)) if others else None
                     if why is not None:
-                        refused[position[id(event)]] = why
+                        refused[position[id(event)]] = InvalidInputError(why)
                 for key in runs:
                     updated = fold(records[key], event)
                     if isinstance(event, JobPlaced) or not updated.labels:
@@ -281,33 +281,37 @@ def _foreign_reports(
     decoded: list[tuple[str, MeteredEvent]],
     loaded: dict[tuple[str, int], RunRecord],
     reporters: dict[int, str],
-) -> dict[int, str]:
+) -> dict[int, LoomError]:
     """The reports (position in ``decoded`` -> why) that name another cluster than their
-    subject's, whose cluster holds no part of the run, as its stored record or a ``placed``
-    earlier in the batch tells the run's clusters (:func:`loom.security.foreign_report`), or of an
-    attempt no ``placed`` was folded for. Without this an agent's credentials could end, and so
-    bill short, another cluster's run, or end a run before it was placed (a job submitted later
-    then ran unbilled). Judged per delivery: a forged report shares its claim id with the genuine
-    one it copies, and in one batch the genuine one was refused, or acknowledged unfolded."""
+    subject's, or whose cluster holds no part of the run, as its stored record or a ``placed`` of
+    the batch tells the run's clusters (:func:`loom.security.foreign_report`): refused. Without
+    this an agent's credentials could end, and so bill short, another cluster's run. Judged per
+    delivery: a forged report shares its claim id with the genuine one it copies, and in one batch
+    the genuine one was refused, or acknowledged unfolded.
+
+    A report of an attempt no ``placed`` was folded for is not claimed either, but handed back
+    (:class:`~loom.errors.TransientError`: redelivered with a growing delay, dead-lettered after
+    the consumer's attempts): placement's ``placed`` precedes the agent's reports in the stream,
+    but a redelivery may bring a report first; a report of a run never placed (an agent's about a
+    job submitted later, whose real run then went unbilled) ends in the dead letters."""
     clusters = {key: {p.cluster for p in r.parts} for key, r in loaded.items() if r.parts}
-    refused: dict[int, str] = {}
-    for pos, (_, event) in enumerate(decoded):
-        key = _run_key(event)
-        if key is None:
-            continue
-        if isinstance(event, JobPlaced):
+    for _, event in decoded:
+        if isinstance(event, JobPlaced) and (key := _run_key(event)) is not None:
             placed = fold(RunRecord(job_id=event.job_id, attempt=key[1]), event)
             clusters[key] = {p.cluster for p in placed.parts}
-        elif pos in reporters:
-            known = clusters.get(key)
-            why = foreign_report(reporters[pos], getattr(event, "cluster", None), known or set())
-            if known is None:
-                # Placement's ``placed`` comes before any report of the attempt (the agent starts
-                # on its command): a report of an attempt with none is of no run (yet). Once one
-                # comes, `loom dlq replay` folds it.
-                why = f"no placement of attempt {key[1]} of job {event.job_id} is known: no run to report"
-            if why is not None:
-                refused[pos] = why
+    refused: dict[int, LoomError] = {}
+    for pos, (_, event) in enumerate(decoded):
+        key = _run_key(event)
+        if key is None or pos not in reporters:
+            continue
+        known = clusters.get(key)
+        why = foreign_report(reporters[pos], getattr(event, "cluster", None), known or set())
+        if why is not None and known is None and reporters[pos] == getattr(event, "cluster", None):
+            refused[pos] = TransientError(
+                f"no placement of attempt {key[1]} of job {event.job_id} is folded yet: asked again"
+            )
+        elif why is not None:
+            refused[pos] = InvalidInputError(why)
     return refused
 
 

@@ -337,6 +337,11 @@ class MigrationService:
                 event: JobEvent = decode(d.message, JobEvent)  # type: ignore[arg-type]
             except DecodeError:
                 continue  # placement dead-letters bad lifecycle events; nothing to record here
+            if isinstance(event, JobStarted) and subjects.report_cluster(d.subject) not in (
+                None,
+                event.cluster,
+            ):
+                continue  # an agent's start of a run on another cluster (placement refuses it too)
             if isinstance(event, JobStarted):
                 self._wake_use.set()  # a job may span a link now: announce it
             # A first attempt's start ends no migration (a migration leaves an attempt >= 1 for a

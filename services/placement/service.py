@@ -126,7 +126,7 @@ from loom.sched.quota import OPEN, TenantConfig
 from loom.sched.shards import GLOBAL, ShardMap, route, route_of
 from loom.sched.snapshot import Economics
 from loom.security import (
-    agent_of_inbox,
+    attempts_scope,
     foreign_cancellation,
     foreign_report,
     received_cancellation,
@@ -2299,13 +2299,16 @@ class PlacementService:
 
     async def on_attempts(self, msg: Msg) -> None:
         """``loom.placement.attempts``: job -> [state, current attempt], from the store (a returning
-        agent fences its old runs with it). An agent is told of its own cluster's runs only: its
-        answer comes to its own inbox (``_INBOX.agent-<cluster>.``, the only one its credentials
-        read), and before, it could ask about any job of any tenant."""
+        agent fences its old runs with it). An agent is told of its own cluster's runs only, and an
+        answer goes only to an inbox (:func:`loom.security.attempts_scope`): before, an agent could
+        ask about any job of any tenant."""
+        answer, held_on = attempts_scope(msg.reply)
+        if not answer:
+            return
         try:
             request = json.loads(msg.data or b"{}")
             states = await moves.job_states(
-                self.pool, [str(j) for j in request["job_ids"]][:10_000], held_on=agent_of_inbox(msg.reply)
+                self.pool, [str(j) for j in request["job_ids"]][:10_000], held_on=held_on
             )
             reply = {"ok": True, "result": {j: [state, attempt] for j, (state, attempt) in states.items()}}
         except Exception as exc:  # any bad request gets an answer, never a crash
@@ -2863,7 +2866,11 @@ class PlacementService:
             await with_retry(apply)
         except Exception as exc:
             return [o if o is not None else exc for o in outcomes]
-        await self._watch_pace([e for e, _ in events])
+        # Only what was recorded: a forged report of another cluster's run (refused) marked that
+        # run's nodes suspect and its run slow.
+        await self._watch_pace(
+            [e for p, (e, mid) in enumerate(events) if p not in foreign_at and mid not in refused]
+        )
         for position, why in foreign_at.items():
             log.warning("report refused", msg_id=events[position][1], reason=why)
             outcomes[delivery_of[position]] = InvalidInputError(why)

@@ -378,7 +378,7 @@ async def test_an_agents_report_of_a_run_its_cluster_holds_no_part_of_ends_and_c
 
     import msgspec
 
-    from loom.errors import InvalidInputError
+    from loom.errors import InvalidInputError, TransientError
     from loom.store.pool import create_pool
     from loom_proto.codec import encode
     from loom_proto.jobs import JobCompleted, JobFailed, JobPlaced, JobStarted, NodeAllocation
@@ -471,7 +471,8 @@ async def test_an_agents_report_of_a_run_its_cluster_holds_no_part_of_ends_and_c
             ]
         )
         assert squats[:2] == [None, None]
-        assert isinstance(squats[2], InvalidInputError) and "no placement" in str(squats[2])
+        # Handed back (redelivered later, dead-lettered after the consumer's attempts), unclaimed.
+        assert isinstance(squats[2], TransientError) and "no placement" in str(squats[2])
         claimed = {
             r["msg_id"]
             for r in await pool.fetch("SELECT msg_id FROM inbox WHERE consumer = 'metrics-metering'")
@@ -500,6 +501,20 @@ async def test_an_agents_report_of_a_run_its_cluster_holds_no_part_of_ends_and_c
         assert isinstance(real[1], InvalidInputError) and "holds no part" in str(real[1])
         real = real[:1]
         rows = await pool.fetch("SELECT outcome, sum(gpu_ms)::bigint AS gpu_ms FROM usage_rows GROUP BY 1")
+        # A start before its placement in one batch (a redelivery's order): the placement counts.
+        early = msgspec.structs.replace(placed, job_id="early")
+        order = await metering.on_events(
+            [  # type: ignore[list-item]
+                delivery(
+                    11,
+                    "loom.jobs.started.acme.c1",
+                    "early:started:1",
+                    JobStarted(job_id="early", tenant="acme", cluster="c1", attempt=1, started_at=t0 + 1),
+                ),
+                delivery(12, "loom.jobs.placed.acme", "early:placed:1", early),
+            ]
+        )
+        assert order == [None, None]
     finally:
         await pool.close()
     assert real == [None] and metering.counts["duplicates"] == 0
@@ -683,14 +698,17 @@ async def test_an_agent_is_told_the_attempts_of_its_own_clusters_runs_only(
 ) -> None:
     # `loom.placement.attempts` answered any job's state and attempt to any agent (which attempt
     # of another cluster's job to forge a report for). The answer goes to the asker's own inbox.
-    from loom.security import agent_of_inbox
+    from loom.security import attempts_scope
     from loom.store import moves
     from loom.store.pool import create_pool
 
-    assert agent_of_inbox("_INBOX.agent-c-weu-a.Xyz.1") == "c-weu-a"
-    assert [agent_of_inbox(r) for r in ("_INBOX.placement.x", "_INBOX.abc", None, "_INBOX.agent-")] == [
-        None
-    ] * 4
+    assert attempts_scope("_INBOX.agent-c-weu-a.Xyz.1") == (True, "c-weu-a")
+    assert attempts_scope("_INBOX.placement.x") == (True, None)
+    assert attempts_scope("_INBOX.Rand0m.1") == (True, None)  # an unsecured server's client
+    # Subjects an agent reads besides its inbox (an agent's reply there got any job's attempt), a
+    # tenant's inbox, none.
+    for reply in ("loom.health.agent-c2", "loom.alive.c2", "_INBOX.tenant-acme.x", "_INBOX.agent-", None):
+        assert attempts_scope(reply)[0] is False, reply
     pool = await create_pool(await fresh_database("attempts-query"), max_size=1)
     try:
         await pool.execute(
@@ -721,3 +739,51 @@ async def test_an_agent_is_told_the_attempts_of_its_own_clusters_runs_only(
     # c1's agent still learns its old run's job moved on (and stops the orphan), nothing else.
     assert c1 == {"moved": ("running", 2)}
     assert c2 == everyone
+
+
+async def test_reconcile_counts_a_start_from_no_earlier_than_metering_does(
+    fresh_database: Callable[..., Awaitable[str]],
+) -> None:
+    # A start a year before its placement: metering counts it from 5 minutes before the placement;
+    # reconcile, reading placement's history, counted the year and reported a difference.
+    import json
+
+    from loom.metering import RunRecord, fold
+    from loom.metering.run import CLOCK_SKEW_S
+    from loom.store.pool import create_pool
+    from loom.store.usage import recorded_runs
+    from loom_proto.codec import encode
+    from loom_proto.jobs import JobCompleted, JobPlaced, JobStarted, NodeAllocation
+
+    t0 = 1_780_000_000.0
+    events = [
+        JobPlaced(
+            job_id="y1",
+            tenant="acme",
+            cluster="c1",
+            region="r1",
+            gpu_model="A100",
+            allocations=[NodeAllocation("n1", 2)],
+            attempt=1,
+            placed_at=t0,
+        ),
+        JobStarted(job_id="y1", tenant="acme", cluster="c1", attempt=1, started_at=t0 - 365 * 86_400),
+        JobCompleted(job_id="y1", tenant="acme", cluster="c1", attempt=1, at=t0 + 60),
+    ]
+    pool = await create_pool(await fresh_database("reconcile-bounded"), max_size=1)
+    try:
+        for i, (kind, event) in enumerate(zip(("placed", "started", "completed"), events, strict=True)):
+            await pool.execute(
+                "INSERT INTO job_events (job_id, kind, msg_id, event) VALUES ('y1', $1, $2, $3::jsonb)",
+                kind,
+                f"y1:{kind}:{i}",
+                json.dumps(json.loads(encode(event))),
+            )
+        recorded = await recorded_runs(pool)
+    finally:
+        await pool.close()
+    record = RunRecord(job_id="y1", attempt=1, tenant="acme")
+    for event in events:
+        record = fold(record, event)  # type: ignore[arg-type]
+    assert record.started_ms == round((t0 - CLOCK_SKEW_S) * 1000)
+    assert recorded[("y1", 1)] == ("acme", 2 * round((60 + CLOCK_SKEW_S) * 1000))

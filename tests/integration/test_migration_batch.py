@@ -10,6 +10,18 @@ from loom.store import jobs, moves
 from loom.store.pool import create_pool, transaction
 
 
+async def _placed(conn: object, *runs: tuple[str, int, str], version: int = 2) -> None:
+    """Reservations for each (job, attempt, cluster): where those attempts were placed (a start
+    ends a move only there; an agent's forged start of another cluster's job ended it)."""
+    clusters = sorted({c for _, _, c in runs})
+    await jobs.upsert_nodes(conn, version, [NodeCapacity(f"n-{c}", c, "r", "z", "T4", 64) for c in clusters])  # type: ignore[arg-type]
+    await jobs.insert_jobs(
+        conn, [jobs.NewJob(j, "acme", b"{}", 0.0, {}) for j in sorted({j for j, _, _ in runs})]
+    )  # type: ignore[arg-type]
+    for job, attempt, cluster in runs:
+        await jobs.reserve(conn, [(job, attempt, cluster, [(f"n-{cluster}", 1)])])  # type: ignore[arg-type]
+
+
 async def test_a_batch_of_starts_ends_each_migration_at_the_first_start_that_follows_it(
     fresh_database: Callable[..., Awaitable[str]],
 ) -> None:
@@ -30,6 +42,9 @@ async def test_a_batch_of_starts_ends_each_migration_at_the_first_start_that_fol
                     why="cluster lost",
                     trace_context={},
                 )
+            await _placed(conn, ("a", 2, "x"), ("b", 2, "z"), ("c", 3, "w"), ("a", 3, "y"))
+            # A start where its attempt was not placed (an agent's forgery) ends nothing.
+            assert await moves.complete_many(conn, [("a", 2, "forger")]) == []
             with pytest.raises(ValueError, match="one start per job"):
                 await moves.complete_many(conn, [("a", 2, "x"), ("a", 3, "y")])
             # a's attempt 2 starts on x (ends a:1), b's attempt 2 on z, c's attempt 3 (ends nothing).
@@ -89,6 +104,7 @@ async def test_a_drain_move_whose_job_starts_on_the_drained_cluster_again_is_fai
             await jobs.upsert_nodes(conn, 1, [NodeCapacity("n-w", "c-weu-a", "r", "z", "T4", 4)])
             await jobs.insert_jobs(conn, [jobs.NewJob("g", "acme", b"{}", 0.0, {})])
             await jobs.reserve(conn, [("g", 2, "c-weu-a", [("n-w", 2)])])
+            await _placed(conn, ("d", 2, "c-sea1-a"), ("f", 2, "c-sea1-a"), ("g", 2, "c-sea1-a"))
             done = await moves.complete_many(
                 conn, [("d", 2, "c-sea1-a"), ("f", 2, "c-sea1-a"), ("g", 2, "c-sea1-a")]
             )
@@ -149,6 +165,7 @@ async def test_first_attempt_starts_cost_migration_no_statement_and_a_later_star
                 why="drained",
                 trace_context={},
             )
+            await _placed(conn, ("m", 2, "c2"))
         service = MigrationService(SimpleNamespace(db=pool, publisher=None, stats={}))  # type: ignore[arg-type]
 
         def logged(q: Any) -> None:

@@ -43,3 +43,37 @@ def test_a_taken_port_is_a_health_problem_and_the_receiver_listens_once_it_is_fr
         asyncio.run(scenario())
     finally:
         holder.close()
+
+
+def test_an_agents_failure_report_of_another_clusters_run_raises_no_alert() -> None:
+    # Placement refuses such a report; the correlator turned it into a "job failed" alert of the
+    # job (its text the forger's, its alert key taken first: the real failure merged into it).
+    from types import SimpleNamespace
+
+    from loom.alerts.resources import JobPlacement, Part, Placements
+    from loom.model.topology import load_topology
+    from loom_proto.jobs import JobFailed
+
+    svc = AlertCorrelator(SimpleNamespace(name="alert-correlator"), load_topology("small"), http_port=None)  # type: ignore[arg-type]
+    svc.core.set_placements(
+        Placements(svc.inventory, [JobPlacement("x", "acme", (Part("c-use2-a", ("n1",)),))])
+    )
+    ingested: list[object] = []
+
+    async def ingest(alert: object, *, own: bool = False) -> None:
+        ingested.append(alert)
+
+    svc._ingest = ingest  # type: ignore[method-assign]
+
+    def report(on: str, cluster: str) -> object:
+        event = JobFailed(job_id="x", tenant="acme", cluster=cluster, attempt=1, reason="boom", at=1.0)
+        return SimpleNamespace(subject=f"loom.jobs.failed.acme.{on}", message=event)
+
+    async def scenario() -> None:
+        await svc.on_job_event(report("c-sea1-a", "c-use2-a"))  # type: ignore[arg-type]
+        await svc.on_job_event(report("c-sea1-a", "c-sea1-a"))  # type: ignore[arg-type]
+        assert ingested == []
+        await svc.on_job_event(report("c-use2-a", "c-use2-a"))  # type: ignore[arg-type]
+        assert len(ingested) == 1
+
+    asyncio.run(scenario())

@@ -365,15 +365,21 @@ def report_claim_id(subject: str, event: object, msg_id: str | None) -> str:
     return msg_id if msg_id in allowed else base
 
 
-def agent_of_inbox(reply: str | None) -> str | None:
-    """The cluster of the agent a request's answer goes to (``_INBOX.agent-<cluster>.<token>``),
-    None for anyone else. An identity reads only its own inbox, so a request naming an agent's
-    inbox is answered to that agent alone, whoever sent it."""
-    prefix = "_INBOX.agent-"
-    if not reply or not reply.startswith(prefix):
-        return None
-    cluster = reply[len(prefix) :].split(".", 1)[0]
-    return cluster or None
+def attempts_scope(reply: str | None) -> tuple[bool, str | None]:
+    """Whom a ``loom.placement.attempts`` answer sent to ``reply`` reaches, as (answer at all, only
+    about this agent's cluster's runs). An identity reads only its own inbox
+    (``_INBOX.<identity>.``): an agent's is answered about its own cluster's jobs, a service's or
+    the operator's (or any client's on an unsecured server) about any; a reply anywhere else is
+    not answered (an agent named a subject it reads, ``loom.health.agent-<C>``, and got any job's
+    attempt), nor is a tenant's."""
+    if not reply or not reply.startswith("_INBOX."):
+        return False, None
+    if reply.startswith("_INBOX.tenant-"):
+        return False, None
+    if reply.startswith("_INBOX.agent-"):
+        cluster = reply.removeprefix("_INBOX.agent-").split(".", 1)[0]
+        return bool(cluster), cluster or None
+    return True, None
 
 
 def may_manage_streams(identity: str) -> bool:

@@ -298,6 +298,10 @@ async def complete_many(
                             AND r.cluster = m.from_cluster)) AS back
                FROM migrations m JOIN s ON m.job_id = s.job_id
                WHERE m.from_attempt < s.attempt AND m.state IN ('planned', 'started')
+                 -- Only a start where that attempt was placed (its reservations stay, released
+                 -- or not): an agent's forged start of another cluster's job ended its move.
+                 AND EXISTS (SELECT 1 FROM reservations r WHERE r.job_id = s.job_id
+                             AND r.attempt = s.attempt AND r.cluster = s.cluster)
            ), done AS (
                -- A drain move that did not happen: failed, not "completed c-x -> c-x".
                UPDATE migrations m
