@@ -238,8 +238,8 @@ def waiting_for_capacity(
             # A forced drain's job no other open cluster can ever hold: room cannot appear.
             out[job.job_id] = (
                 f"stays: needs {needs(job)}, and no other open cluster it may use has any; it keeps"
-                " running here until the drain's deadline (then it is stopped and queued) or an"
-                " undrain, or until such a cluster opens"
+                " running here until the drain's deadline, if it has one (then it is stopped and"
+                " queued), an undrain, or until such a cluster opens"
             )
             continue
         out[job.job_id] = (
