@@ -115,3 +115,28 @@ def test_a_service_serves_metrics_on_the_port_its_environment_names(monkeypatch:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert 'loom_service_info{service="loud"} 1.0' in body
     assert "# TYPE loom_decision_latency_seconds histogram" in body
+
+
+def test_the_consoles_picked_port_another_listener_took_is_picked_again_at_spawn(tmp_path: Path) -> None:
+    # A parallel test run's server took the port picked for the console before it bound it: the
+    # console crash-looped on "address already in use" and the stack never started.
+    _print_argv = "import sys; print(sys.argv[sys.argv.index('--port') + 1])"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        supervisor = Supervisor(tmp_path, StackOptions(console_port=port))
+        supervisor._console_port_chosen = True  # as the stack's start picked it
+        log = tmp_path / "console.log"
+        svc = ServiceProcess("console", [sys.executable, "-c", _print_argv, "--port", str(port)], str(log))
+        supervisor.spawn(svc, dict(os.environ))
+        assert supervisor.procs["console"].wait(timeout=30) == 0
+        moved = supervisor.options.console_port
+        assert moved != port and log.read_text().strip() == str(moved)
+        assert supervisor.state["console_url"] == f"http://127.0.0.1:{moved}"
+        # A port the operator asked for (--console-port) stays, taken or not.
+        fixed = Supervisor(tmp_path, StackOptions(console_port=port))
+        kept = ServiceProcess("console", [sys.executable, "-c", _print_argv, "--port", str(port)], str(log))
+        fixed.spawn(kept, dict(os.environ))
+        assert fixed.procs["console"].wait(timeout=30) == 0
+        assert fixed.options.console_port == port and kept.argv[-1] == str(port)

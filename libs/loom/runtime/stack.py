@@ -660,6 +660,8 @@ class Supervisor:
         self.credentials: CredentialStore | None = None
         """The stack's NATS credentials when it is secured."""
         self.role_urls: dict[str, str] = {}
+        self._console_port_chosen = False
+        """Whether the console's port was picked here (not asked for): then it may move."""
         """Each service role's database URL when PostgreSQL is secured (:attr:`StackOptions.secure_db`)."""
 
     def write_state(self, status: str, **extra: Any) -> None:
@@ -858,6 +860,8 @@ class Supervisor:
             svc.metrics_port = find_free_port()
         if svc.metrics_port is not None:
             env = {**env, ENV_METRICS_PORT: str(svc.metrics_port)}
+        if svc.name == "console" and self._console_port_chosen:
+            self._console_port_free(svc)
         with open(svc.log, "ab") as log:
             proc = subprocess.Popen(
                 svc.argv,
@@ -870,6 +874,20 @@ class Supervisor:
         self.procs[svc.name] = proc
         svc.pid = proc.pid
         svc.started_at = time.time()
+
+    def _console_port_free(self, svc: "ServiceProcess") -> None:
+        """The console keeps its port across its restarts, unless the port was chosen here and
+        another listener took it since (a parallel test run's server: the console crash-looped on
+        "address already in use" until the stack's start timed out): then it gets a new one, in
+        its argv and the state's ``console_url``."""
+        port = self.options.console_port
+        if port_bindable(port):
+            return
+        port = find_free_port()
+        self.options.console_port = port
+        at = svc.argv.index("--port") + 1
+        svc.argv = [*svc.argv[:at], str(port), *svc.argv[at + 1 :]]
+        self.state["console_url"] = f"http://127.0.0.1:{port}"
 
     def start_services(self, env: dict[str, str]) -> None:
         """Spawn every service of the options, each with its own ``/metrics`` port."""
@@ -909,6 +927,7 @@ class Supervisor:
                 ensure_tokens(self.home)
                 if not self.options.console_port:
                     self.options.console_port = find_free_port()
+                    self._console_port_chosen = True
                 self.state["console_url"] = f"http://127.0.0.1:{self.options.console_port}"
             if self.options.services:
                 if not self.options.alerts_port:
