@@ -329,6 +329,10 @@ async def test_a_submission_without_an_ack_says_it_may_be_stored_and_the_id_to_r
             assert server.pid is not None
             os.kill(server.pid, signal.SIGSTOP)
             try:
+                # Every thread of it stopped before the submission is sent (a group stop takes
+                # each thread as it next runs: under a loaded parallel run one of nats-server's
+                # threads stored and acknowledged the submission first, once in a CI run).
+                await until(lambda: _all_stopped(server.pid), 5, "nats-server's threads to stop")
                 with pytest.raises(SubmissionUnsure) as unsure:
                     await client.submit(spec)
             finally:
@@ -372,3 +376,19 @@ async def test_the_move_replays_a_cancellation_metering_had_not_read_though_plac
     finally:
         await admin.close()
         await placement.close()
+
+
+async def _all_stopped(pid: int | None) -> bool:
+    """Whether every thread of process ``pid`` is stopped (state ``T`` in ``/proc``)."""
+    assert pid is not None
+    return _threads_stopped(pid)
+
+
+def _threads_stopped(pid: int) -> bool:
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return bool(states) and all(state in ("T", "t") for state in states)
