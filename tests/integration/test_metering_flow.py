@@ -137,6 +137,22 @@ async def expected(stack: tuple[Platform, Any], nats_url: str) -> dict[str, dict
     return by
 
 
+def _placed(job_id: str, placed_at: float, *, gpus: int = 2) -> Any:
+    """Placement's ``placed`` of attempt 1 of ``job_id``: ``gpus`` A100s of node n1 on cluster c1."""
+    from loom_proto.jobs import JobPlaced, NodeAllocation
+
+    return JobPlaced(
+        job_id=job_id,
+        tenant="acme",
+        cluster="c1",
+        region="r1",
+        gpu_model="A100",
+        allocations=[NodeAllocation("n1", gpus)],
+        attempt=1,
+        placed_at=placed_at,
+    )
+
+
 def _delivery(seq: int, mid: str, body: bytes) -> Delivery[bytes]:
     """A delivery of ``body`` as the consumer would hand it to a handler (no NATS message needed)."""
     return Delivery(
@@ -314,20 +330,11 @@ async def test_another_tenants_cancellation_ends_no_run_of_the_job(
     from loom.errors import InvalidInputError
     from loom.store.pool import create_pool
     from loom_proto.codec import encode
-    from loom_proto.jobs import JobCancelled, JobCompleted, JobPlaced, JobStarted, NodeAllocation
+    from loom_proto.jobs import JobCancelled, JobCompleted, JobStarted
     from loom_services.metrics.metering import Metering
 
     t0 = 1_780_000_000.0
-    placed = JobPlaced(
-        job_id="y",
-        tenant="acme",
-        cluster="c1",
-        region="r1",
-        gpu_model="A100",
-        allocations=[NodeAllocation("n1", 2)],
-        attempt=1,
-        placed_at=t0,
-    )
+    placed = _placed("y", t0)
     events = [
         ("y:placed:1", placed),
         ("y:started:1", JobStarted(job_id="y", tenant="acme", cluster="c1", attempt=1, started_at=t0 + 1)),
@@ -381,20 +388,11 @@ async def test_an_agents_report_of_a_run_its_cluster_holds_no_part_of_ends_and_c
     from loom.errors import InvalidInputError, TransientError
     from loom.store.pool import create_pool
     from loom_proto.codec import encode
-    from loom_proto.jobs import JobCompleted, JobFailed, JobPlaced, JobStarted, NodeAllocation
+    from loom_proto.jobs import JobCompleted, JobFailed, JobStarted
     from loom_services.metrics.metering import Metering
 
     t0 = 1_780_000_000.0
-    placed = JobPlaced(
-        job_id="z",
-        tenant="acme",
-        cluster="c1",
-        region="r1",
-        gpu_model="A100",
-        allocations=[NodeAllocation("n1", 2)],
-        attempt=1,
-        placed_at=t0,
-    )
+    placed = _placed("z", t0)
 
     def delivery(seq: int, subject: str, mid: str, event: object) -> object:
         return SimpleNamespace(subject=subject, message=encode(event), msg_id=mid, stream_seq=seq, msg=None)
@@ -615,20 +613,11 @@ async def test_the_reservation_overlay_follows_the_metering_deliveries_and_a_red
     from loom.model.ledger import LedgerCluster, LedgerNode
     from loom.store.pool import create_pool
     from loom_proto.codec import encode
-    from loom_proto.jobs import JobPlaced, JobStarted, NodeAllocation
+    from loom_proto.jobs import JobStarted
     from loom_services.metrics.service import MetricsService
 
     t0 = 1_780_000_000.0
-    placed = JobPlaced(
-        job_id="r",
-        tenant="acme",
-        cluster="c1",
-        region="r1",
-        gpu_model="A100",
-        allocations=[NodeAllocation("n1", 3)],
-        attempt=1,
-        placed_at=t0,
-    )
+    placed = _placed("r", t0, gpus=3)
     started = JobStarted(job_id="r", tenant="acme", cluster="c1", attempt=1, started_at=t0 + 1)
 
     pool = await create_pool(await fresh_database("metering-overlay"), max_size=2)
@@ -753,20 +742,11 @@ async def test_reconcile_counts_a_start_from_no_earlier_than_metering_does(
     from loom.store.pool import create_pool
     from loom.store.usage import recorded_runs
     from loom_proto.codec import encode
-    from loom_proto.jobs import JobCompleted, JobPlaced, JobStarted, NodeAllocation
+    from loom_proto.jobs import JobCompleted, JobStarted
 
     t0 = 1_780_000_000.0
     events = [
-        JobPlaced(
-            job_id="y1",
-            tenant="acme",
-            cluster="c1",
-            region="r1",
-            gpu_model="A100",
-            allocations=[NodeAllocation("n1", 2)],
-            attempt=1,
-            placed_at=t0,
-        ),
+        _placed("y1", t0),
         JobStarted(job_id="y1", tenant="acme", cluster="c1", attempt=1, started_at=t0 - 365 * 86_400),
         JobCompleted(job_id="y1", tenant="acme", cluster="c1", attempt=1, at=t0 + 60),
     ]

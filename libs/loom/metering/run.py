@@ -32,6 +32,7 @@ __all__ = [
     "RunRecord",
     "bounded",
     "fold",
+    "not_before_placement",
     "to_ms",
 ]
 
@@ -111,8 +112,9 @@ def _ended(record: RunRecord, at_s: float, outcome: Outcome, reason: str) -> Run
     return msgspec.structs.replace(record, ended_ms=at_ms, outcome=outcome, reason=reason[:256])
 
 
-def _not_before(started_ms: int | None, placed_ms: int | None) -> int | None:
-    """A start counted from no earlier than :data:`CLOCK_SKEW_S` before the placement."""
+def not_before_placement(started_ms: int | None, placed_ms: int | None) -> int | None:
+    """A start counted from no earlier than :data:`CLOCK_SKEW_S` before the placement (metering's
+    fold and `loom usage reconcile` alike)."""
     if started_ms is None or placed_ms is None:
         return started_ms
     return max(started_ms, placed_ms - to_ms(CLOCK_SKEW_S))
@@ -151,13 +153,13 @@ def fold(record: RunRecord, event: MeteredEvent) -> RunRecord:
             tenant=record.tenant or event.tenant,
             parts=parts,
             placed_ms=placed_ms,
-            started_ms=_not_before(record.started_ms, placed_ms),
+            started_ms=not_before_placement(record.started_ms, placed_ms),
         )
     if isinstance(event, JobStarted):
         return msgspec.structs.replace(
             record,
             tenant=record.tenant or event.tenant,
-            started_ms=_not_before(to_ms(event.started_at), record.placed_ms),
+            started_ms=not_before_placement(to_ms(event.started_at), record.placed_ms),
         )
     if isinstance(event, JobResized):
         resize = Resize(to_ms(event.at), event.cluster, _gpus(list(event.allocations)))

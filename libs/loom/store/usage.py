@@ -11,7 +11,7 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from loom.metering.run import CLOCK_SKEW_S, RunRecord
+from loom.metering.run import RunRecord, not_before_placement
 from loom.metering.usage import UsageRow
 from loom.store.roles import tenant_scope
 
@@ -203,12 +203,6 @@ async def usage_totals(conn: asyncpg.Connection | asyncpg.Pool) -> list[asyncpg.
     )
 
 
-def _not_before_placed(start_ms: int, placed_ms: int | None) -> int:
-    """A start counted as metering counts it: no earlier than :data:`CLOCK_SKEW_S` before the
-    placement (an agent's credentials could send one a year back)."""
-    return start_ms if placed_ms is None else max(start_ms, placed_ms - round(CLOCK_SKEW_S * 1000))
-
-
 async def recorded_runs(conn: asyncpg.Connection | asyncpg.Pool) -> dict[tuple[str, int], tuple[str, int]]:
     """``(job, attempt) -> (tenant, GPU-ms)`` of every attempt that ran, computed from placement's
     own job history (``job_events``), not from metering's records: what ``loom usage reconcile``
@@ -260,7 +254,8 @@ async def recorded_runs(conn: asyncpg.Connection | asyncpg.Pool) -> dict[tuple[s
             end = cancels[job_id] if end is None else min(end, cancels[job_id])
         if r["start"] is None or end is None or not r["parts"]:
             continue
-        start = _not_before_placed(r["start"], r.get("placed"))
+        start = not_before_placement(r["start"], r.get("placed"))  # as metering counts it
+        assert start is not None
         end = max(end, start)
         gpu_ms = 0
         for cluster, gpus in r["parts"].items():
