@@ -31,8 +31,9 @@ class MigrationEvent(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     tenant: Id
     cause: MigrationCause
     from_cluster: Id
-    to_cluster: Annotated[str, Meta(max_length=128)] = ""
-    """Where the next attempt runs (known once ``completed``)."""
+    to_cluster: Annotated[str, Meta(max_length=2048)] = ""
+    """Where the next attempt runs (known once ``completed``): every cluster it holds GPUs on,
+    comma-separated and sorted (more than one for a pipeline or a gang spanning clusters)."""
     from_attempt: Annotated[int, Meta(ge=1)]
     resume_step: Annotated[int, Meta(ge=0)] = 0
     """The step the next run starts from (its checkpoint)."""

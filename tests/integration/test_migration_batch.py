@@ -64,6 +64,37 @@ async def test_a_batch_of_starts_ends_each_migration_at_the_first_start_that_fol
     ]
 
 
+async def test_a_completed_move_names_every_cluster_its_new_attempt_holds(
+    fresh_database: Callable[..., Awaitable[str]],
+) -> None:
+    # A pipeline drained off its second stage's cluster: its new attempt keeps the first stage on
+    # c-a and puts the second on c-c. The lead's start (c-a) ends the move; the move went to c-a
+    # and c-c, not "c-b -> c-a" (before: only the reporting cluster was named).
+    pool = await create_pool(await fresh_database("migration-to-all"), max_size=1)
+    try:
+        async with transaction(pool) as conn:
+            await moves.plan(
+                conn,
+                migration_id="p:1",
+                job_id="p",
+                tenant="acme",
+                cause="drain",
+                state="started",
+                from_cluster="c-b",
+                from_attempt=1,
+                steps=10,
+                why="drain of c-b",
+                trace_context={},
+            )
+            await _placed(conn, ("p", 2, "c-c"), ("p", 2, "c-a"))
+            done = await moves.complete_many(conn, [("p", 2, "c-a")])
+    finally:
+        await pool.close()
+    assert [(r["migration_id"], r["state"], r["to_cluster"]) for r in done] == [
+        ("p:1", "completed", "c-a,c-c")
+    ]
+
+
 async def test_a_drain_move_whose_job_starts_on_the_drained_cluster_again_is_failed_not_completed(
     fresh_database: Callable[..., Awaitable[str]],
 ) -> None:

@@ -262,18 +262,6 @@ async def mark_started(
     return row
 
 
-async def complete(conn: asyncpg.Connection, job_id: str, attempt: int, cluster: str) -> list[asyncpg.Record]:
-    """The job's run ``attempt`` started on ``cluster``: its open migrations from earlier attempts end."""
-    rows: list[asyncpg.Record] = await conn.fetch(
-        """UPDATE migrations SET state = 'completed', to_cluster = $3, finished_at = now()
-           WHERE job_id = $1 AND from_attempt < $2 AND state IN ('planned', 'started') RETURNING *""",
-        job_id,
-        attempt,
-        cluster,
-    )
-    return rows
-
-
 async def complete_many(
     conn: asyncpg.Connection, starts: Sequence[tuple[str, int, str]]
 ) -> list[asyncpg.Record]:
@@ -292,7 +280,7 @@ async def complete_many(
                -- Each open move the start ends; ``back``: a drain move whose job's new attempt has
                -- a part on the drained cluster again (undrained meanwhile), whichever of its
                -- clusters' start reports came first.
-               SELECT m.migration_id, s.cluster, s.pos,
+               SELECT m.migration_id, s.job_id, s.attempt, s.pos,
                       m.cause = 'drain' AND (m.from_cluster = s.cluster OR EXISTS (
                           SELECT 1 FROM reservations r WHERE r.job_id = s.job_id AND r.attempt = s.attempt
                             AND r.cluster = m.from_cluster)) AS back
@@ -310,7 +298,11 @@ async def complete_many(
                               THEN left('the drain of ' || m.from_cluster || ' ended before the job moved:'
                                         || ' it runs there again; ' || m.why, 2048)
                               ELSE m.why END,
-                   to_cluster = CASE WHEN e.back THEN m.to_cluster ELSE e.cluster END,
+                   -- Every cluster the new attempt holds GPUs on (a pipeline's or a spanning
+                   -- gang's too, not only the one whose start report came first), sorted.
+                   to_cluster = CASE WHEN e.back THEN m.to_cluster ELSE (
+                       SELECT string_agg(DISTINCT r.cluster, ',' ORDER BY r.cluster) FROM reservations r
+                       WHERE r.job_id = e.job_id AND r.attempt = e.attempt) END,
                    finished_at = now()
                FROM ending e
                WHERE m.migration_id = e.migration_id
