@@ -8,6 +8,7 @@ On a server without authorization (today's default) each of these forgeries is a
 
 import argparse
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
-from loom.bus.attempts import AttemptLog, Attempts
+from loom.bus.attempts import AttemptLog, Attempts, ensure_bucket
 from loom.cli.credentials import cmd_rotate
 from loom.runtime.servers import NatsServer
 from loom.security import CredentialStore, Identity, admin_identity, read, tenant_identity
@@ -356,6 +357,40 @@ async def test_an_agent_keeps_its_own_consumers_attempt_records_and_no_one_elses
     with pytest.raises((nats.errors.Error, TimeoutError)):  # refused: the client gets no ack
         await other.put(7, Attempts(open=1))
     assert "loom_attempts.clusters.agent-c2" in (await agent.violation()).lower()
+
+
+async def test_an_agent_reads_no_other_consumers_attempt_records(as_identity: object) -> None:
+    # A record's error names the message's job (and its tenant). Read through the stream's
+    # message-get API, whose request carries the key, an agent read every consumer's records.
+    assert callable(as_identity)
+    service: Session = await as_identity(Identity("placement"))
+    theirs = AttemptLog(service.nc.jetstream(timeout=2.0), "JOBS", "placement-submissions")
+    await theirs.put(11, Attempts(open=1, error="acme-secret-job failed"))
+    agent: Session = await as_identity(Identity("agent", "c1"))
+    js = agent.nc.jetstream(timeout=1.0)
+    with pytest.raises((nats.errors.Error, TimeoutError)):
+        await AttemptLog(js, "JOBS", "placement-submissions").get(11)
+    with pytest.raises((nats.errors.Error, TimeoutError)):  # nor by asking the stream's API itself
+        await js.get_last_msg("KV_LOOM_ATTEMPTS", "$KV.LOOM_ATTEMPTS.JOBS.placement-submissions.11")
+    assert (await theirs.get(11)).error == "acme-secret-job failed"  # there, and the service reads it
+
+
+async def test_a_bucket_made_before_direct_gets_is_updated_to_serve_them(
+    secured: tuple[NatsServer, CredentialStore],
+) -> None:
+    server, store = secured
+    nc = await connect(server.url, "test-admin", creds=store.path(admin_identity()))
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info("KV_LOOM_ATTEMPTS")
+        await js.update_stream(dataclasses.replace(info.config, allow_direct=False))
+        assert not (await js.stream_info("KV_LOOM_ATTEMPTS")).config.allow_direct
+        kv = await ensure_bucket(js)
+        assert (await js.stream_info("KV_LOOM_ATTEMPTS")).config.allow_direct
+        await kv.put("JOBS.x.1", b"{}")
+        assert (await kv.get("JOBS.x.1")).value == b"{}"
+    finally:
+        await nc.close()
 
 
 async def test_an_agent_cannot_take_first_the_message_id_of_another_identitys_message(

@@ -21,6 +21,7 @@ once the message is settled for good, expired after 7 days otherwise). Only susp
 for it (one get and two puts); a message delivered once or twice never touches the bucket.
 """
 
+import dataclasses
 import os
 
 import msgspec
@@ -95,11 +96,24 @@ class AttemptLog:
 
 async def ensure_bucket(js: JetStreamContext) -> KeyValue:
     """Create ``LOOM_ATTEMPTS`` if absent (with :func:`loom.bus.ensure_streams`, by whoever may
-    manage streams, so an agent, which may not, finds it there)."""
-    return await js.create_key_value(
-        bucket=ATTEMPTS_BUCKET,
-        description="unfinished attempts and failures of redelivered messages (crash loops)",
-        history=1,
-        ttl=_KEEP_S,
-        replicas=int(os.environ.get("LOOM_STREAM_REPLICAS", "1")),
-    )
+    manage streams, so an agent, which may not, finds it there).
+
+    Its records are read by direct get, whose request subject names the key: an agent's
+    permissions then allow reads of its own consumer's records only (``loom.security.permissions``),
+    where the stream's message-get API takes the key in the request and would read anyone's. A
+    bucket made before (no direct get) is updated to serve it."""
+    try:
+        return await js.create_key_value(
+            bucket=ATTEMPTS_BUCKET,
+            description="unfinished attempts and failures of redelivered messages (crash loops)",
+            history=1,
+            ttl=_KEEP_S,
+            replicas=int(os.environ.get("LOOM_STREAM_REPLICAS", "1")),
+            direct=True,
+        )
+    except BadRequestError:  # there already, with another configuration
+        info = await js.stream_info(f"KV_{ATTEMPTS_BUCKET}")
+        if not info.config.allow_direct:
+            await js.update_stream(dataclasses.replace(info.config, allow_direct=True))
+            log.info("attempts bucket now serves direct gets", bucket=ATTEMPTS_BUCKET)
+        return await js.key_value(ATTEMPTS_BUCKET)

@@ -225,8 +225,10 @@ def permissions(identity: Identity) -> Permissions:
                 f"{JS_API}.CONSUMER.MSG.NEXT.CLUSTERS.{durable}",
                 f"$JS.ACK.CLUSTERS.{durable}.>",
                 # Its consumer's attempt records (crash-loop detection, loom.bus.attempts) only.
+                # Read by direct get, whose subject names the key (the stream's message-get API
+                # takes the key in the request, and read every consumer's records).
                 f"{JS_API}.STREAM.INFO.KV_{ATTEMPTS_BUCKET}",
-                f"{JS_API}.STREAM.MSG.GET.KV_{ATTEMPTS_BUCKET}",  # read from the stream's leader
+                f"{JS_API}.DIRECT.GET.KV_{ATTEMPTS_BUCKET}.$KV.{ATTEMPTS_BUCKET}.CLUSTERS.{durable}.>",
                 f"$KV.{ATTEMPTS_BUCKET}.CLUSTERS.{durable}.>",
             ],
             subscribe=[
@@ -309,6 +311,7 @@ def service_jetstream_api(role: Role) -> list[str]:
     allowed += [
         f"{JS_API}.STREAM.INFO.{attempts}",
         f"{JS_API}.STREAM.CREATE.{attempts}",
+        f"{JS_API}.STREAM.UPDATE.{attempts}",  # a bucket made before direct gets: updated to serve them
         f"{JS_API}.STREAM.MSG.GET.{attempts}",
         f"{JS_API}.DIRECT.GET.{attempts}.>",
         f"{JS_API}.DIRECT.GET.{attempts}",
