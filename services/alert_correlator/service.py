@@ -59,6 +59,7 @@ from loom.alerts.sources import (
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.connection import BusError
 from loom.bus.dlq import NOT_REPLAYABLE_HEADER
+from loom.bus.reply import respond
 from loom.errors import InvalidInputError
 from loom.model.topology import Topology
 from loom.runtime.service import ServiceContext
@@ -511,7 +512,7 @@ class AlertCorrelator:
             reply = {"ok": False, "error": "no such incident in the correlator (resolved long ago?)"}
         except (json.JSONDecodeError, TypeError, ValueError) as exc:
             reply = {"ok": False, "error": f"bad request: {exc}"}
-        await msg.respond(json.dumps(reply).encode())
+        await respond(msg, json.dumps(reply).encode())
 
     # ---- outputs -------------------------------------------------------------------------------
 

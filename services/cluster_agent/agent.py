@@ -52,6 +52,7 @@ from opentelemetry.trace import Link, SpanKind
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.publisher import Outgoing, refused
+from loom.bus.reply import respond
 from loom.errors import InvalidInputError, LoomError
 from loom.migrate.checkpoints import checksum_of
 from loom.model.family import job_family
@@ -1456,4 +1457,4 @@ async def _complete(work: Awaitable[None]) -> None:
 
 async def _answer_alive(msg: Msg) -> None:
     """Answer a liveness ping (empty): this agent's connection is up."""
-    await msg.respond(b"")
+    await respond(msg, b"")

@@ -10,6 +10,7 @@ import socket
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from loom.bus.reply import respond
 from loom.netemu import TcpProbeServer, UdpEchoServer
 from loom.runtime.service import ServiceContext
 from loom_proto import subjects
@@ -61,7 +62,7 @@ class ProbeResponder:
         return self
 
     async def _on_request(self, msg: Msg) -> None:
-        await msg.respond(encode(self.endpoints))
+        await respond(msg, encode(self.endpoints))
 
     async def close(self) -> None:
         """Stop answering and close both endpoints."""

@@ -18,6 +18,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery, stop_runners
+from loom.bus.reply import answerable, respond
 from loom.errors import InvalidInputError, LoomError
 from loom.metering.run import MeteredEvent
 from loom.model.ledger import Change, Ledger, LedgerNode
@@ -413,6 +414,8 @@ class MetricsService:
         Request (all optional): ``region``, ``zone``, ``gpu_model``, ``min_free_gpus``,
         ``fresh_only``, ``nodes`` (false leaves node lists out).
         """
+        if not answerable(msg):  # a reply that is no inbox: dropped (loom.bus.reply)
+            return
         try:
             request = msgspec.json.decode(msg.data or b"{}", type=ViewQuery)
             reply = {
@@ -429,7 +432,7 @@ class MetricsService:
             }
         except Exception as exc:
             reply = {"ok": False, "error": str(exc)}
-        await msg.respond(json.dumps(reply).encode())
+        await respond(msg, json.dumps(reply).encode())
 
 
 _NODE_FIELDS = (

@@ -65,6 +65,7 @@ from opentelemetry import propagate
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.lease import lease_holders
+from loom.bus.reply import answerable, respond
 from loom.migrate import backflow, benefit
 from loom.migrate.checkpoints import Checkpoint, choose
 from loom.migrate.drain import (
@@ -456,7 +457,7 @@ class MigrationService:
             reply = await self._drain_request(request)
         except Exception as exc:  # any bad request gets an answer, never a crash
             reply = {"ok": False, "code": "error", "error": repr(exc)}
-        await msg.respond(json.dumps(reply).encode())
+        await respond(msg, json.dumps(reply).encode())
 
     async def _drain_request(self, request: Mapping[str, Any]) -> dict[str, Any]:
         op = request.get("op", "drain")
@@ -1659,6 +1660,8 @@ class MigrationService:
 
     async def on_query(self, msg: Msg) -> None:
         """``loom.migrate.query``: ``list`` (migrations, of a job or from a cluster) or ``drains``."""
+        if not answerable(msg):  # a reply that is no inbox: dropped (loom.bus.reply)
+            return
         try:
             request = json.loads(msg.data or b"{}")
             op = request.get("op", "list")
@@ -1690,7 +1693,7 @@ class MigrationService:
             reply = {"ok": True, "result": result}
         except Exception as exc:  # any bad request gets an answer, never a crash
             reply = {"ok": False, "error": str(exc)}
-        await msg.respond(json.dumps(reply).encode())
+        await respond(msg, json.dumps(reply).encode())
 
     def _message(
         self, row: asyncpg.Record, kind: MigrationKind, *, moot: bool = False

@@ -34,6 +34,7 @@ from nats.aio.msg import Msg
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery
 from loom.bus.publisher import Outgoing
+from loom.bus.reply import answerable, respond
 from loom.model.topology import Topology
 from loom.net import (
     LinkConfig,
@@ -414,6 +415,8 @@ class NetworkPerception:
 
         ``horizon_s`` (default 300) sets how far ahead the RTT forecast looks.
         """
+        if not answerable(msg):  # a reply that is no inbox: dropped (loom.bus.reply)
+            return
         try:
             body = _request(msg)
             now = time.time()
@@ -429,10 +432,12 @@ class NetworkPerception:
             reply = msgspec.json.encode({"ok": True, "result": result})
         except (NetError, ValueError, TypeError) as exc:  # the request's fault (an unknown region)
             reply = json.dumps({"ok": False, "error": str(exc), "invalid": True}).encode()
-        await msg.respond(reply)
+        await respond(msg, reply)
 
     async def on_path(self, msg: Msg) -> None:
         """``loom.net.query.path``: ``{src, dst}`` -> the chosen path, the momentary best, and why."""
+        if not answerable(msg):  # a reply that is no inbox: dropped (loom.bus.reply)
+            return
         try:
             body = _request(msg)
             src, dst = body.get("src"), body.get("dst")
@@ -444,7 +449,7 @@ class NetworkPerception:
             reply = msgspec.json.encode({"ok": True, "result": path_json(answer, track)})
         except (NetError, ValueError, TypeError) as exc:  # the request's fault (an unknown region)
             reply = json.dumps({"ok": False, "error": str(exc), "invalid": True}).encode()
-        await msg.respond(reply)
+        await respond(msg, reply)
 
 
 def _request(msg: Msg) -> dict[str, Any]:

@@ -76,6 +76,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, stop_runners
 from loom.bus.consumer import caught_up, stored_at
 from loom.bus.lease import LEASE_BUCKET, LeaderLease
+from loom.bus.reply import answerable, respond
 from loom.bus.requests_move import replay_left_requests
 from loom.errors import InvalidInputError, NotLeaderError, TransientError
 from loom.metering.run import bounded
@@ -2295,7 +2296,7 @@ class PlacementService:
                 "territories": held,
                 "drained": sorted(closed),
             }
-            await msg.respond(json.dumps(answer).encode())
+            await respond(msg, json.dumps(answer).encode())
 
     async def on_attempts(self, msg: Msg) -> None:
         """``loom.placement.attempts``: job -> [state, current attempt], from the store (a returning
@@ -2313,7 +2314,7 @@ class PlacementService:
             reply = {"ok": True, "result": {j: [state, attempt] for j, (state, attempt) in states.items()}}
         except Exception as exc:  # any bad request gets an answer, never a crash
             reply = {"ok": False, "error": str(exc)}
-        await msg.respond(json.dumps(reply).encode())
+        await respond(msg, json.dumps(reply).encode())
 
     async def on_migrate(self, msg: Msg) -> None:
         """``loom.placement.migrate``: give a run up so that its job is placed again elsewhere, from
@@ -2328,7 +2329,7 @@ class PlacementService:
             avoid = [str(c) for c in request.get("avoid", [])]
             from_cluster = str(request.get("from_cluster", ""))
         except (ValueError, KeyError, TypeError) as exc:
-            await msg.respond(json.dumps({"ok": False, "error": f"bad request: {exc}"}).encode())
+            await respond(msg, json.dumps({"ok": False, "error": f"bad request: {exc}"}).encode())
             return
         run = self.book.runs.get(job_id)
         if not self.held or run is None or run.attempt != attempt:
@@ -2366,10 +2367,10 @@ class PlacementService:
                 await self._drain()
                 await self._retrying(move)
         except Exception as exc:
-            await msg.respond(json.dumps({"ok": False, "error": repr(exc)}).encode())
+            await respond(msg, json.dumps({"ok": False, "error": repr(exc)}).encode())
             return
         self.stats["migrated"] = self.stats.get("migrated", 0) + sum(moved)
-        await msg.respond(json.dumps({"ok": True, "requeued": bool(moved and moved[0])}).encode())
+        await respond(msg, json.dumps({"ok": True, "requeued": bool(moved and moved[0])}).encode())
 
     async def on_whatif(self, msg: Msg) -> None:
         """``loom.placement.whatif``: where the framework would place a running job now, as a new
@@ -2382,7 +2383,7 @@ class PlacementService:
             job_id = str(request["job_id"])
             avoid = [str(c) for c in request.get("avoid", [])]
         except (ValueError, KeyError, TypeError) as exc:
-            await msg.respond(json.dumps({"ok": False, "error": f"bad request: {exc}"}).encode())
+            await respond(msg, json.dumps({"ok": False, "error": f"bad request: {exc}"}).encode())
             return
         run = self.book.runs.get(job_id)
         if not self.held or run is None:
@@ -2395,7 +2396,7 @@ class PlacementService:
                 spent = time.perf_counter() - t
         except Exception as exc:  # any question gets an answer, never a crash
             reply = {"ok": False, "error": repr(exc)}
-        await msg.respond(json.dumps(reply).encode())
+        await respond(msg, json.dumps(reply).encode())
         # Paced: what-ifs come one at a time (one subscription) and a review asks them back to
         # back, each a framework run in this event loop; without a pause they took most of it and
         # every await of a submission's path waited behind one (p50 placement latency 17 -> 100 ms
@@ -3133,6 +3134,8 @@ class PlacementService:
 
         On ``loom.jobs.query.<tenant>`` (the only one a tenant's credentials reach) the answer
         holds that tenant's jobs only: another tenant's job is not found, counts are refused."""
+        if not answerable(msg):  # a reply that is no inbox: dropped (loom.bus.reply)
+            return
         scope = (
             msg.subject.removeprefix(f"{subjects.JOBS_QUERY}.")
             if msg.subject != subjects.JOBS_QUERY
@@ -3174,7 +3177,7 @@ class PlacementService:
             reply = {"ok": True, "result": result}
         except Exception as exc:  # any bad request gets an answer, never a crash
             reply = {"ok": False, "error": str(exc)}
-        await msg.respond(json.dumps(reply).encode())
+        await respond(msg, json.dumps(reply).encode())
 
 
 QUERY_OPS = ("get", "list", "counts", "explain", "learned", "leader")

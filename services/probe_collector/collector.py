@@ -34,6 +34,7 @@ import structlog
 from nats.aio.msg import Msg
 
 from loom.bus.publisher import Outgoing
+from loom.bus.reply import respond
 from loom.model.topology import Topology
 from loom.net.burst import BURST_PROBE, BurstConfig, BurstPlanner
 from loom.net.intensity import UseConfig, dense_overdue_s, dense_plan
@@ -1003,7 +1004,7 @@ class ProbeCollector:
             }
         except (ValueError, json.JSONDecodeError) as exc:
             reply = {"ok": False, "error": str(exc)}
-        await msg.respond(json.dumps(reply).encode())
+        await respond(msg, json.dumps(reply).encode())
 
     def _refresh_stats(self) -> None:
         self.ctx.stats["links"] = {

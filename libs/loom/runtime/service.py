@@ -34,6 +34,7 @@ from loom import security
 from loom.bus import Publisher, connect, ensure_streams
 from loom.bus.connection import credentials_path
 from loom.bus.outage import Dependencies, Dependency, of_connection
+from loom.bus.reply import answerable, respond
 from loom.runtime.config import endpoints, nats_endpoint
 from loom.runtime.watchdog import Watchdog
 from loom.security import may_manage_streams
@@ -160,6 +161,8 @@ async def open_context(
     )
 
     async def on_health(msg: Msg) -> None:
+        if not answerable(msg):  # a reply that is no inbox: dropped (loom.bus.reply)
+            return
         # Probe the dependencies (in the background, at most once a second): an idle service meets
         # no error that would reveal an outage; the next health answer shows what the probes found.
         dependencies.check_soon()
@@ -169,7 +172,7 @@ async def open_context(
             section = ctx.debug.get(name)
             if section is not None:
                 answer[name] = section(argument)
-        await msg.respond(msgspec.json.encode(answer))
+        await respond(msg, msgspec.json.encode(answer))
 
     await nc.subscribe(subjects.service_health(name), cb=on_health)
     return ctx

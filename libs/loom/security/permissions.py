@@ -368,6 +368,14 @@ def report_claim_id(subject: str, event: object, msg_id: str | None) -> str:
     return msg_id if msg_id in allowed else base
 
 
+def is_inbox(reply: str | None) -> bool:
+    """Whether a request's reply subject is an inbox (``_INBOX.``, ``_INBOX.<identity>.`` secured):
+    the only place a service answers (:mod:`loom.bus.reply`)."""
+    if not reply:
+        return False
+    return reply.startswith("_INBOX.") and len(reply) > len("_INBOX.")
+
+
 def attempts_scope(reply: str | None) -> tuple[bool, str | None]:
     """Whom a ``loom.placement.attempts`` answer sent to ``reply`` reaches, as (answer at all, only
     about this agent's cluster's runs). An identity reads only its own inbox
@@ -375,8 +383,9 @@ def attempts_scope(reply: str | None) -> tuple[bool, str | None]:
     the operator's (or any client's on an unsecured server) about any; a reply anywhere else is
     not answered (an agent named a subject it reads, ``loom.health.agent-<C>``, and got any job's
     attempt), nor is a tenant's."""
-    if not reply or not reply.startswith("_INBOX."):
+    if not is_inbox(reply):
         return False, None
+    assert reply is not None
     if reply.startswith("_INBOX.tenant-"):
         return False, None
     if reply.startswith("_INBOX.agent-"):
