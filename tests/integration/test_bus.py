@@ -25,8 +25,9 @@ from waiting import until
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
 from loom.bus.connection import stream_config
+from loom.bus.outage import Dependencies, Dependency
 from loom.bus.publisher import Outgoing
-from loom.errors import InvalidInputError, LoomError, NotLeaderError, TransientError
+from loom.errors import InvalidInputError, LoomError, NotLeaderError, TransientError, UnavailableError
 from loom.telemetry import reset_for_tests, setup_telemetry
 from loom_proto import JobSubmitted, Work
 from loom_proto import subjects as s
@@ -652,6 +653,108 @@ async def test_messages_waiting_on_hand_behind_a_long_batch_are_kept_alive(
     await until(both_acked, WAIT_S, "both messages acked")
     await asyncio.sleep(0.5)  # a second copy, were one on its way, would be handled by now
     assert seen == [("job-0", 1), ("job-1", 1)]
+
+
+async def test_what_arrives_on_hand_while_a_consumer_waits_out_an_outage_is_handled_once(
+    nc: Client, start_consumer: StartConsumer
+) -> None:
+    """A pipelined callback pull has its next batch on hand when the batch in a slot meets an
+    outage. Before, the loop waited the outage out with that batch on hand and nothing keeping it
+    alive: past its ack wait the server redelivered it, and after the resume the stale copies went
+    to a handler beside the redelivered ones (a review: m0 and m1 handled three times)."""
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    state = {"down": False}
+
+    async def probe() -> None:
+        if state["down"]:
+            raise OSError("the database refused the connection")
+
+    dependencies = Dependencies(
+        Dependency("db", probe, lambda exc: isinstance(exc, UnavailableError)), first_backoff_s=0.05
+    )
+    handled: list[tuple[str, int]] = []
+    succeeded: list[str] = []
+
+    async def batch_handler(deliveries: list[Delivery[JobSubmitted]]) -> list[BaseException | None]:
+        handled.extend((d.message.job_id, d.num_delivered) for d in deliveries)
+        if deliveries[0].message.job_id == "job-0" and deliveries[0].num_delivered == 1:
+            await asyncio.sleep(0.3)  # the next batch lands on hand meanwhile
+            state["down"] = True
+            return [UnavailableError("database down", dependency="db")] * len(deliveries)
+        await asyncio.sleep(0.5)
+        succeeded.extend(d.message.job_id for d in deliveries)
+        return [None] * len(deliveries)
+
+    publisher = Publisher(nc)
+    for n in range(4):
+        await publisher.publish(subject, submitted(tenant, n), msg_id=f"{tenant}-{n}")
+    runner = await start_consumer(
+        consumer_spec([subject], ack_wait_s=1.0, batch=2, first_nak_delay_s=0.05),
+        JobSubmitted,
+        batch_handler=batch_handler,
+        callback_pull=True,
+        pipeline=2,
+        linger_s=0.0,
+        idle_fetch_timeout_s=0.5,
+        dependencies=dependencies,
+    )
+    try:
+
+        async def paused() -> bool:
+            return runner.waiting_for == ["db"]
+
+        await until(paused, WAIT_S, "the consumer paused for the outage")
+        await asyncio.sleep(3.0)  # three ack waits
+        state["down"] = False
+
+        async def all_acked() -> bool:
+            return runner.counts["acked"] >= 4
+
+        await until(all_acked, WAIT_S, "every message acked")
+        await asyncio.sleep(2.0)  # a stale copy, or a redelivery of an acked one, would be handled by now
+    finally:
+        await dependencies.close()
+    assert sorted(succeeded) == ["job-0", "job-1", "job-2", "job-3"], handled
+
+
+@pytest.mark.parametrize("callback_pull", [True, False])
+async def test_suspects_waiting_their_turn_are_kept_alive_and_handled_once(
+    nc: Client, start_consumer: StartConsumer, callback_pull: bool
+) -> None:
+    """Much-redelivered messages (suspects) are handled one by one after the rest of their batch;
+    before, only the one being handled was said to be in progress, and the others, past their ack
+    wait, were redelivered and handled a second time (a review)."""
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+    handled: list[tuple[str, int]] = []
+
+    async def handler(d: Delivery[JobSubmitted]) -> None:
+        handled.append((d.message.job_id, d.num_delivered))
+        if d.num_delivered == 1:
+            raise TransientError("fails once")  # comes back as a suspect (suspect_after=1)
+        await asyncio.sleep(1.5)  # longer than the ack wait
+
+    publisher = Publisher(nc)
+    for n in range(3):
+        await publisher.publish(subject, submitted(tenant, n), msg_id=f"{tenant}-{n}")
+    runner = await start_consumer(
+        consumer_spec(
+            [subject], ack_wait_s=1.0, batch=10, first_nak_delay_s=0.3, max_nak_delay_s=0.3, suspect_after=1
+        ),
+        JobSubmitted,
+        handler=handler,
+        callback_pull=callback_pull,
+        linger_s=0.2,
+        idle_fetch_timeout_s=2.0,
+    )
+
+    async def all_acked() -> bool:
+        return runner.counts["acked"] >= 3
+
+    await until(all_acked, 3 * WAIT_S, "every message acked")
+    await asyncio.sleep(3.0)  # a redelivered copy would be handled by now
+    assert sorted(job for job, n in handled if n > 1) == ["job-0", "job-1", "job-2"], handled
 
 
 async def test_a_pipelined_consumer_fetches_the_next_batch_while_one_is_handled_and_settles_each(

@@ -255,6 +255,37 @@ async def test_outbox_keeps_the_first_message_of_an_id_and_flushes_only_its_prod
     assert await subject_count(nc, subject) == 1, "the other producer's row waits for its own relay"
 
 
+async def test_outbox_rows_the_bus_refuses_for_good_are_set_aside_and_hold_back_nothing(
+    pool: asyncpg.Pool, nc: Client
+) -> None:
+    # Two rows no resend can publish (over the server's 1 MiB limit) ahead of a good one, in chunks
+    # of two: before, each flush read the same head chunk, failed it, and stopped (a review).
+    producer, tenant = unique("producer"), unique("t")
+    subject = s.job_event("started", tenant)
+    big = [outbox.OutboxMessage(f"{tenant}:big-{n}", subject, b"x" * (2 << 20), {}) for n in range(2)]
+    good = outbox.message(subject, started(tenant, 1), f"{tenant}:good")
+    async with transaction(pool) as conn:
+        await outbox.add(conn, producer, big)
+        await outbox.add(conn, producer, [good])
+    relay = outbox.OutboxRelay(pool, Publisher(nc, timeout_s=1.0), producer, batch=2)
+    assert await relay.flush() == 1
+    assert relay.set_aside == 2 and relay.published == 1
+    assert await subject_count(nc, subject) == 1
+    rows = await pool.fetch(
+        """SELECT msg_id, published_at IS NOT NULL AS settled, refused FROM outbox
+           WHERE producer = $1 ORDER BY id""",
+        producer,
+    )
+    assert [(r["msg_id"], r["settled"]) for r in rows] == [
+        (f"{tenant}:big-0", True),
+        (f"{tenant}:big-1", True),
+        (f"{tenant}:good", True),
+    ]
+    assert [bool(r["refused"]) for r in rows] == [True, True, False]
+    assert "MaxPayload" in rows[0]["refused"]
+    assert await relay.flush() == 0  # nothing is pending any more
+
+
 async def test_an_outbox_message_continues_the_trace_it_was_added_in(pool: asyncpg.Pool, nc: Client) -> None:
     exporter = InMemorySpanExporter()
     setup_telemetry("test-store", exporter=exporter, log_level=None)

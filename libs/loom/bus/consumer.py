@@ -295,6 +295,7 @@ class ConsumerRunner(Generic[T]):
         self._create_wait_s = create_wait_s
         self.created_without_update = 0
         """Starts that found the consumer but could not update it (no JetStream meta leader)."""
+        self._paused = False  # waiting out an outage: what the standing request delivers is given back
         self._arrived: list[Msg] = []
         self._arrived_at: list[float] = []
         """Wall-clock seconds each of ``_arrived`` landed (:attr:`Delivery.received_at`)."""
@@ -421,11 +422,7 @@ class ConsumerRunner(Generic[T]):
                 await self._sub.unsubscribe()
         # Messages on hand no handler will see (callback pull): given back now, not after their
         # ack wait (on a placement handover the new leader would wait that long for them).
-        on_hand = self._on_hand()
-        self._arrived, self._arrived_at = [], []
-        for msg in on_hand:
-            with contextlib.suppress(Exception):
-                await msg.nak()
+        await self._give_back()
         with contextlib.suppress(Exception):
             if self._advisory_sub is not None:
                 await self._advisory_sub.unsubscribe()
@@ -454,6 +451,15 @@ class ConsumerRunner(Generic[T]):
         await self.start()
 
     async def _on_pulled(self, msg: Msg) -> None:
+        if self._paused:
+            # The standing request goes on delivering while the loop waits out an outage: nothing
+            # would handle this or keep it alive, and a copy kept past its ack wait would be
+            # handled beside the server's redelivery (a review). Given back until the request is
+            # over, so it does not come straight back to it.
+            if not JetStreamContext.is_status_msg(msg):
+                with contextlib.suppress(Exception):
+                    await msg.nak(delay=self._paused_nak_delay_s)
+            return
         self._arrived.append(msg)
         self._arrived_at.append(time.time())
         self._arrival.set()
@@ -582,6 +588,21 @@ class ConsumerRunner(Generic[T]):
             if not done:  # every slot still busy: what is on hand must not expire meanwhile
                 await _in_progress(self._on_hand())
 
+    async def _give_back(self, delay_s: float | None = None) -> None:
+        """Nak what is on hand (callback pull), uncounted, and forget it; the standing request
+        counts as used up (the next fetch asks anew)."""
+        on_hand = self._on_hand()
+        self._arrived, self._arrived_at = [], []
+        self._pull_left = 0
+        for msg in on_hand:
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=delay_s)
+
+    @property
+    def _paused_nak_delay_s(self) -> float:
+        """Redelivery delay of what arrives while paused: past the standing request's expiry."""
+        return self._idle_fetch_timeout_s + self.spec.first_nak_delay_s
+
     def _on_hand(self) -> list[Msg]:
         """The messages on hand (callback pull), pull statuses left out."""
         return [m for m in self._arrived if not JetStreamContext.is_status_msg(m)]
@@ -630,8 +651,16 @@ class ConsumerRunner(Generic[T]):
                         await asyncio.gather(*in_flight, return_exceptions=True)
                         in_flight.clear()
                     log.warning("consumer paused", consumer=self.spec.durable, waiting_for=self.waiting_for)
-                    if not await self.dependencies.wait_until_up(self.waiting_for, self._stopping):
-                        break
+                    # What is on hand (and arrives meanwhile) goes back: nothing keeps it alive
+                    # through the wait, and past its ack wait a copy handled after the resume
+                    # would be the server's redelivery's twin.
+                    self._paused = True
+                    await self._give_back(self._paused_nak_delay_s)
+                    try:
+                        if not await self.dependencies.wait_until_up(self.waiting_for, self._stopping):
+                            break
+                    finally:
+                        self._paused = False
                     log.info("consumer resumed", consumer=self.spec.durable, waited_for=self.waiting_for)
                     self.waiting_for = []
                 try:
@@ -724,39 +753,56 @@ class ConsumerRunner(Generic[T]):
         # Delivered many times: maybe a message that kills its process. Each is handled alone,
         # after the others, with its attempt written down first.
         suspects = [d for d in deliveries if d.num_delivered > self.spec.suspect_after]
-        if suspects:
-            deliveries = [d for d in deliveries if d.num_delivered <= self.spec.suspect_after]
-        if deliveries:
-            await self._process_decoded(deliveries)
-        for d in suspects:
-            await self._process_suspect(d)
+        if not suspects:
+            if deliveries:
+                await self._process_decoded(deliveries)
+            return
+        deliveries = [d for d in deliveries if d.num_delivered <= self.spec.suspect_after]
+        # The suspects wait their turn (the rest of the batch, then each other): kept alive
+        # meanwhile, or past their ack wait the server would redeliver them to be handled twice
+        # (a review). Each leaves the list as its turn comes (an in-progress would hold back the
+        # redelivery of one given back).
+        turn = {id(d.msg): d.msg for d in suspects}
+        waiting = asyncio.create_task(self._keep_alive(turn.values()))
+        try:
+            if deliveries:
+                await self._process_decoded(deliveries)
+            for d in suspects:
+                del turn[id(d.msg)]
+                await self._process_suspect(d)
+        finally:
+            waiting.cancel()
 
     async def _process_decoded(self, deliveries: list[Delivery[T]]) -> None:
         # While the handler works, tell the server the batch is in progress, so a short ack wait
         # (quick redelivery after a crash) never redelivers a batch that is merely slow.
-        keepalive = asyncio.create_task(self._keep_alive([d.msg for d in deliveries]))
+        # Kept alive through the settling too: probing an outage, or a dead letter's publish,
+        # may outlast the ack wait (an in-progress after the ack is ignored).
+        alive = {id(d.msg): d.msg for d in deliveries}
+        keepalive = asyncio.create_task(self._keep_alive(alive.values()))
         try:
             outcomes = await self._handle(deliveries)
+            down = await self._outages(outcomes)
+            # An ack is a publish without a reply (it never waits on the server): acknowledge in
+            # line, and give only failures (a dead letter waits for its stream's ack) a task each.
+            failed = []
+            acked = 0
+            for d, o in zip(deliveries, outcomes, strict=True):
+                del alive[id(d.msg)]  # settled now (an in-progress would hold back a nak's redelivery)
+                if o is None:
+                    await self._ack(d)
+                    acked += 1
+                elif (suspects := self._outage_of(o, down)) is not None:
+                    failed.append(self._hold(d, o, suspects))
+                else:
+                    failed.append(self._settle(d, o))
+            if acked:
+                self.counts["acked"] += acked
+                self._acked_metric.inc(acked)
+            if failed:
+                await asyncio.gather(*failed)
         finally:
             keepalive.cancel()
-        down = await self._outages(outcomes)
-        # An ack is a publish without a reply (it never waits on the server): acknowledge in line,
-        # and give only failures (a dead letter waits for its stream's ack) a task each.
-        failed = []
-        acked = 0
-        for d, o in zip(deliveries, outcomes, strict=True):
-            if o is None:
-                await self._ack(d)
-                acked += 1
-            elif (suspects := self._outage_of(o, down)) is not None:
-                failed.append(self._hold(d, o, suspects))
-            else:
-                failed.append(self._settle(d, o))
-        if acked:
-            self.counts["acked"] += acked
-            self._acked_metric.inc(acked)
-        if failed:
-            await asyncio.gather(*failed)
         if down:
             self.waiting_for = down
 
@@ -880,13 +926,15 @@ class ConsumerRunner(Generic[T]):
         """How often messages held past the ack wait are said to be in progress."""
         return max(self.spec.ack_wait_s / 3, 0.05)
 
-    async def _keep_alive(self, msgs: list[Msg]) -> None:
+    async def _keep_alive(self, msgs: Iterable[Msg]) -> None:
+        """Every third of the ack wait, say ``msgs`` are in progress (read afresh each time: a live
+        view leaves out what was settled meanwhile), and what waits on hand."""
         while True:
             await asyncio.sleep(self._keep_alive_period_s)
             # With a callback pull the standing request goes on delivering while a batch is
             # handled: what waits on hand for the next batch must not outlive its ack wait either
             # (a redelivery would bring a second copy into a later batch).
-            await _in_progress(msgs + self._on_hand() if self._callback_pull else msgs)
+            await _in_progress([*msgs, *self._on_hand()] if self._callback_pull else list(msgs))
 
     async def _handle(self, deliveries: list[Delivery[T]]) -> Sequence[BaseException | None]:
         if self._batch_handler is not None:

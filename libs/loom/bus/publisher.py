@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import msgspec
 from nats.aio.client import Client
-from nats.errors import ConnectionClosedError, NoRespondersError, OutboundBufferLimitError
+from nats.errors import ConnectionClosedError, MaxPayloadError, NoRespondersError, OutboundBufferLimitError
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
@@ -86,9 +86,12 @@ def _in_process(error: BaseException | None) -> bool:
 def refused(error: BaseException) -> bool:
     """An outcome of :meth:`Publisher.publish_batch` that no resend can change: the stream refused
     the message (no stream for the subject, too large), as :meth:`Publisher.publish_bytes` raises
-    a non-retryable :class:`BusError` for; 5xx answers and "id in process" are transient."""
+    a non-retryable :class:`BusError` for, larger than the server takes); 5xx answers and "id in
+    process" are transient."""
     if isinstance(error, BusError):
         return error.non_retryable
+    if isinstance(error, MaxPayloadError):  # larger than the server takes: the same next time
+        return True
     if isinstance(error, _RETRYABLE):
         return False
     return isinstance(error, APIError) and not (

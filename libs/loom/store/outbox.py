@@ -20,7 +20,7 @@ from opentelemetry import propagate
 from opentelemetry.context import Context
 
 from loom.bus import Publisher
-from loom.bus.publisher import Outgoing, SentBatch
+from loom.bus.publisher import Outgoing, SentBatch, refused
 from loom_proto.codec import encode
 
 log = structlog.get_logger("loom.store")
@@ -81,6 +81,8 @@ class OutboxRelay:
         self._sending: set[str] = set()
         """Ids publish_now has sent and not yet marked (flush leaves them to it)."""
         self.published = 0
+        self.set_aside = 0
+        """Rows the bus refused for good, set aside (``outbox.refused`` says why)."""
 
     def kick(self) -> None:
         """Ask the background loop (:meth:`run`) to flush soon; returns at once."""
@@ -122,8 +124,8 @@ class OutboxRelay:
             sent = await self._claim_and_send(messages)
         if on_sent is not None:
             on_sent()
-        done = await self._settle(messages, sent)
-        if len(done) < len(messages):
+        done, settled = await self._settle(messages, sent)
+        if settled < len(messages):
             self.kick()
         return len(done)
 
@@ -163,9 +165,9 @@ class OutboxRelay:
                 if not pending:
                     return total
                 sent = await self._claim_and_send(pending)
-            done = await self._settle(pending, sent)
+            done, settled = await self._settle(pending, sent)
             total += len(done)
-            if len(done) < len(rows):
+            if settled < len(rows):
                 return total  # some failed (or were in hand): the next flush tries again
 
     async def _claim_and_send(self, messages: Sequence[OutboxMessage]) -> SentBatch:
@@ -179,21 +181,31 @@ class OutboxRelay:
             self._sending.difference_update(ids)
             raise
 
-    async def _settle(self, messages: Sequence[OutboxMessage], sent: SentBatch) -> list[str]:
-        """Await the acks, mark what made it published, and let go of the messages; returns the
-        ids published."""
+    async def _settle(self, messages: Sequence[OutboxMessage], sent: SentBatch) -> tuple[list[str], int]:
+        """Await the acks, mark what made it published (and set aside what the bus refused for
+        good), and let go of the messages; returns the ids published, and how many were settled
+        either way."""
         try:
-            done = self._acked(messages, await sent.acks())
+            done, set_aside = self._acked(messages, await sent.acks())
             if done:
                 await self._pool.execute(
                     """UPDATE outbox SET published_at = now()
                        WHERE msg_id = ANY($1::text[]) AND published_at IS NULL""",
                     done,
                 )
+            if set_aside:
+                await self._pool.execute(
+                    """UPDATE outbox SET published_at = now(), refused = u.why
+                       FROM unnest($1::text[], $2::text[]) AS u(id, why)
+                       WHERE msg_id = u.id AND published_at IS NULL""",
+                    list(set_aside),
+                    list(set_aside.values()),
+                )
         finally:
             self._sending.difference_update(m.msg_id for m in messages)
         self.published += len(done)
-        return done
+        self.set_aside += len(set_aside)
+        return done, len(done) + len(set_aside)
 
     async def _send(self, messages: Sequence[OutboxMessage]) -> SentBatch:
         """Send at once, each continuing its stored trace (see :meth:`Publisher.send_batch`)."""
@@ -215,12 +227,26 @@ class OutboxRelay:
             )
         return await self._publisher.send_batch(batch)
 
-    @staticmethod
-    def _acked(messages: Sequence[OutboxMessage], outcomes: Sequence[BaseException | None]) -> list[str]:
-        done = []
+    def _acked(
+        self, messages: Sequence[OutboxMessage], outcomes: Sequence[BaseException | None]
+    ) -> tuple[list[str], dict[str, str]]:
+        """The ids published, and those refused for good (:func:`loom.bus.publisher.refused`) with
+        why; the others are retried."""
+        done: list[str] = []
+        set_aside: dict[str, str] = {}
         for m, error in zip(messages, outcomes, strict=True):
             if error is None:
                 done.append(m.msg_id)
+            elif refused(error):
+                set_aside[m.msg_id] = (repr(error) or type(error).__name__)[:1024]
+                log.error(
+                    "outbox message refused by the bus for good; set aside (outbox.refused)",
+                    producer=self._producer,
+                    msg_id=m.msg_id,
+                    subject=m.subject,
+                    bytes=len(m.payload),
+                    error=repr(error),
+                )
             else:
                 log.warning("outbox publish failed; will retry", msg_id=m.msg_id, error=repr(error))
-        return done
+        return done, set_aside
