@@ -393,8 +393,13 @@ async def test_an_undecodable_message_is_dead_lettered_and_the_consumer_goes_on(
     subject = s.job_submitted(tenant)
     dead = await watch(s.dead_letter(subject))
     publisher = Publisher(nc)
+    # A publisher's own JetStream header (checked by the stream it reaches) would have the DLQ
+    # stream refuse the dead letter, and the message go round for ever: it travels renamed.
     bad_ack = await publisher.publish_bytes(
-        subject, payload, msg_id=f"{tenant}-bad", headers={"X-Origin": "test"}
+        subject,
+        payload,
+        msg_id=f"{tenant}-bad",
+        headers={"X-Origin": "test", "Nats-Expected-Stream": "REQUESTS"},
     )
     await publisher.publish(subject, submitted(tenant, 2), msg_id=f"{tenant}-good")
     handled: asyncio.Queue[Delivery[JobSubmitted]] = asyncio.Queue()
@@ -419,6 +424,7 @@ async def test_an_undecodable_message_is_dead_lettered_and_the_consumer_goes_on(
     assert headers["Loom-Deliveries"] == "1"
     assert headers["Loom-Consumer"] == runner.spec.durable
     assert headers["X-Origin"] == "test", "the original headers travel with the dead letter"
+    assert headers["Loom-Original-Expected-Stream"] == "REQUESTS" and "Nats-Expected-Stream" not in headers
     assert headers["Nats-Msg-Id"] == f"dlq-REQUESTS-{bad_ack.seq}-{runner.spec.durable}"
     stored = await nc.jetstream().get_last_msg("DLQ", s.dead_letter(subject))
     assert stored.data == payload

@@ -1063,8 +1063,12 @@ class ConsumerRunner(Generic[T]):
 
     async def _dead_letter(self, msg: Msg, error: BaseException, span: Span, *, failures: int = 1) -> None:
         meta = msg.metadata
+        # JetStream's own headers travel renamed (``Nats-Msg-Id`` as ``Loom-Original-Msg-Id``): the
+        # DLQ stream would act on them (a ``Nats-Expected-Stream`` of the original's stream has
+        # the dead letter refused, and the message went round for ever).
         headers = {
-            ("Loom-Original-Msg-Id" if k == "Nats-Msg-Id" else k): v for k, v in (msg.headers or {}).items()
+            (f"Loom-Original-{k[5:]}" if k.startswith("Nats-") else k): v
+            for k, v in (msg.headers or {}).items()
         }
         headers.update(
             {
