@@ -17,6 +17,7 @@ clusters and GPU model, and end with the same GPUs; rejections must match.
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -28,12 +29,13 @@ from hypothesis import strategies as st
 
 from loom.model.family import family_of
 from loom.model.topology import load_topology
+from loom.sched import dag
 from loom.sched.profile import build_framework
 from loom.sim.engine import platform_from_topology, simulate
-from loom.sim.model import SimJob, Trace
+from loom.sim.model import ProgressReport, SimJob, Trace
 from loom.sim.policies import FrameworkPolicy
 from loom.sim.truth import BELIEF
-from loom_proto.jobs import JobSpec, JobSubmitted, Resources, Work
+from loom_proto.jobs import JobSpec, JobSubmitted, Resources, Stage, Work
 from loom_services.placement.book import QueuedJob
 from loom_services.placement.service import PlacementService
 
@@ -91,13 +93,22 @@ def service() -> PlacementService:
     return svc
 
 
-def replay(svc: PlacementService, jobs: list[SimJob], ends: dict[str, float]) -> dict[str, tuple[Any, ...]]:
-    """Feed arrivals and completions to the service in time order; what each job got."""
+def replay(
+    svc: PlacementService,
+    jobs: list[SimJob],
+    ends: dict[str, float],
+    reports: Sequence[ProgressReport] = (),
+) -> dict[str, tuple[Any, ...]]:
+    """Feed arrivals, completions and the runs' progress reports to the service in time order;
+    what each job got."""
     got: dict[str, tuple[Any, ...]] = {}
     arrivals: dict[float, list[SimJob]] = {}
     for job in jobs:
         arrivals.setdefault(job.arrival_s, []).append(job)
-    times = sorted(set(arrivals) | set(ends.values()))
+    reported: dict[float, list[ProgressReport]] = {}
+    for report in reports:
+        reported.setdefault(report.t, []).append(report)
+    times = sorted(set(arrivals) | set(ends.values()) | set(reported))
     # A permit's patience (Waiting.wake_in_s): the service retries the job when its backoff ends
     # (retry_in_s is at most the patience) even if nothing changed; the simulator decides it again
     # then (its wake event). The earliest wake of each job counts, as the simulator keeps it.
@@ -112,6 +123,7 @@ def replay(svc: PlacementService, jobs: list[SimJob], ends: dict[str, float]) ->
             run = svc.book.drop_run(job_id)
             assert run is not None
             got[job_id] = (*got[job_id][:3], run.gpus)
+        apply_reports(svc, reported.get(t, []))
         fresh = [
             QueuedJob(
                 JobSubmitted(**{f: getattr(j.spec, f) for f in JobSpec.__struct_fields__}, submitted_at=t), {}
@@ -135,6 +147,7 @@ def replay(svc: PlacementService, jobs: list[SimJob], ends: dict[str, float]) ->
             svc._commit(applied, considered)
             for p in result.placed:
                 wakes.pop(p.pending.job.job_id, None)
+                apply_start(svc, p.pending, reports, t)
                 d = p.decision
                 first = got.get(p.pending.job.job_id, (t,))[0]  # a requeued job keeps its first start
                 parts = tuple(part.cluster for part in d.parts)
@@ -149,6 +162,22 @@ def replay(svc: PlacementService, jobs: list[SimJob], ends: dict[str, float]) ->
     for job_id, run in svc.book.runs.items():
         got[job_id] = (*got[job_id][:3], run.gpus)
     return got
+
+
+def apply_reports(svc: PlacementService, reports: Sequence[ProgressReport]) -> None:
+    """Progress reports, as ``on_lifecycle`` applies a ``JobProgress``: each run's progress
+    (preemption prefers victims that lose least) and its end re-predicted from its pace."""
+    for report in reports:
+        if report.job_id in svc.book.runs:
+            svc.book.set_progress(report.job_id, report.fraction, now=report.t, at=report.t)
+
+
+def apply_start(svc: PlacementService, q: QueuedJob, reports: Sequence[ProgressReport], t: float) -> None:
+    """A run placed at ``t`` starts, as ``on_lifecycle`` applies a ``JobStarted``: its pace is
+    measured from its first step (its next report says when that was)."""
+    began = next((r.began_s for r in reports if r.job_id == q.job.job_id and r.t >= t), None)
+    if began is not None:
+        svc.book.set_began(q.job.job_id, q.attempt, began)
 
 
 def mirror_writes(svc: PlacementService, applied: Any) -> None:
@@ -263,7 +292,7 @@ def same_decisions(jobs: list[SimJob], *, measured: bool = False, budget: int = 
     svc = service()
     if measured:
         svc.book.set_learned({}, MEASURED)
-    got = replay(svc, jobs, ends)
+    got = replay(svc, jobs, ends, sim.reports)
     assert to_the_nanosecond(got, expected) == expected
 
 
@@ -415,3 +444,103 @@ def test_two_tenants_alike_but_for_whom_they_keep_apart_from_are_decided_each_on
         SimJob(spec=spec("jb", "b", steps=100, affinity=apart), arrival_s=5.0),
     ]
     same_decisions(jobs)
+
+
+def _spec2(job_id: str, priority: int = 100, steps: int = 1000) -> JobSpec:
+    return JobSpec(
+        job_id=job_id,
+        tenant="a",
+        priority=priority,
+        resources=Resources(gpus=2, gpu_models=["P100"]),
+        work=Work(steps=steps, step_time_s=10.0),
+    )
+
+
+def test_preemption_takes_the_run_that_reported_least_progress_in_both() -> None:
+    # The P100 pool holds two 2-GPU runs. lo-a has reported a tenth of its steps when hi arrives,
+    # lo-b (started at 2,000 s) nothing yet: preemption takes lo-b, which loses least. Before, the
+    # simulator never set a run's progress and took lo-a (the first by id), and the service, fed no
+    # reports by this test, did too.
+    jobs = [
+        SimJob(_spec2("lo-a"), 0.0),
+        SimJob(_spec2("lo-b"), 2000.0),
+        SimJob(_spec2("hi", 200, 10), 3000.0),
+    ]
+    policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
+    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0)
+    restarts = {r.job_id: r.restarts for r in sim.records}
+    assert restarts == {"lo-a": 0, "lo-b": 1, "hi": 0}
+    assert [(r.job_id, round(r.fraction, 6)) for r in sim.reports if r.t < 3000.0] == [("lo-a", 0.1)]
+    same_decisions(jobs)
+
+
+P100 = Resources(gpus=2, gpu_models=["P100"])
+
+
+def _submitted(spec: JobSpec, t: float) -> JobSubmitted:
+    return JobSubmitted(**{f: getattr(spec, f) for f in JobSpec.__struct_fields__}, submitted_at=t)
+
+
+def test_a_released_dag_stage_keeps_its_dags_place_in_the_queue_in_both() -> None:
+    # A stage released when its parent ends (~24 s) competes with a job queued at 5 s for the
+    # same freed P100s: placement queues the stage at its DAG's submission (dag.expand), so it goes
+    # first; the simulator queued it at its release, behind the other job.
+    hog = JobSpec(job_id="hog", tenant="a", resources=P100, work=Work(steps=1000, step_time_s=10.0))
+    dag_job = JobSpec(
+        job_id="d",
+        tenant="a",
+        work=Work(steps=1),
+        stages=[
+            Stage(name="s1", resources=P100, work=Work(steps=10, step_time_s=10.0)),
+            Stage(name="s2", depends_on=["s1"], resources=P100, work=Work(steps=50, step_time_s=10.0)),
+        ],
+    )
+    other = JobSpec(job_id="x", tenant="a", resources=P100, work=Work(steps=50, step_time_s=10.0))
+    jobs = [SimJob(hog, 0.0), SimJob(dag_job, 0.0), SimJob(other, 5.0)]
+    policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
+    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0)
+    rec = {r.job_id: r for r in sim.records}
+    s1, s2 = dag.stage_job_id("d", "s1"), dag.stage_job_id("d", "s2")
+    end = rec[s1].end_s
+    assert end is not None and rec[s2].start_s == end and rec["x"].start_s != end
+
+    svc = service()  # fed the same events: hog and the DAG's first stage at 0, x at 5, s1's end
+    stages = {c.job_id: c for c in dag.expand(_submitted(dag_job, 0.0))}
+    for queued, t in (
+        ([QueuedJob(_submitted(hog, 0.0), {}), QueuedJob(stages[s1], {}, parent="d")], 0.0),
+        ([QueuedJob(_submitted(other, 5.0), {})], 5.0),
+    ):
+        svc._commit(svc._decide(queued, now=t), queued)
+    assert set(svc.book.runs) == {"hog", s1} and "x" in svc.queue
+    svc.book.drop_run(s1)
+    considered = [QueuedJob(stages[s2], {}, parent="d"), *svc.queue.values()]
+    applied = svc._decide(considered, now=end, grow=True)
+    assert [p.pending.job.job_id for p in applied.cycle.placed] == [s2]
+
+
+def test_a_dag_with_a_stage_that_could_never_run_is_refused_whole_in_both() -> None:
+    # Placement refuses it at admission, before any stage runs; the simulator ran s1 and rejected
+    # only s2 when its turn came.
+    dag_job = JobSpec(
+        job_id="d",
+        tenant="a",
+        work=Work(steps=1),
+        stages=[
+            Stage(name="s1", resources=P100, work=Work(steps=10, step_time_s=10.0)),
+            Stage(
+                name="s2",
+                depends_on=["s1"],
+                resources=Resources(gpus=16),
+                work=Work(steps=5, step_time_s=10.0),
+            ),
+        ],
+    )
+    policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
+    sim = simulate(Trace([SimJob(dag_job, 0.0)]), PLATFORM, policy, truth=BELIEF, sample_every_s=0)
+    never = service()._stage_never_fits(
+        {c.labels[dag.STAGE_LABEL]: c for c in dag.expand(_submitted(dag_job, 0.0))}
+    )
+    assert never is not None
+    assert [(r.job_id, r.start_s, r.rejected) for r in sim.records] == [
+        ("d", None, f"stage {never[0]}: {never[1].reason}")
+    ]

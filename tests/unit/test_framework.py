@@ -554,6 +554,32 @@ def test_a_model_too_big_for_any_cluster_is_cut_into_pipeline_stages() -> None:
     assert "the largest total is" in never.status.reason and "free" not in never.status.reason
 
 
+def test_a_pipeline_stage_takes_no_more_gpus_of_a_node_than_its_cpu_allows() -> None:
+    # Each node has 64 cores; each stage GPU asks 30: at most 2 GPUs of a node. Before, the planner
+    # counted GPUs only and put more on a node than its CPU held; the snapshot clamped the take at
+    # 0 and gave the whole request back at the end (a node with more cores free than it has).
+    nodes = [node(f"a{i}", "ca", "r1") for i in range(4)]
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]), gpu_memory_gib={"A100": 80.0}, now=0.0)
+    layers = [Layer(compute_s=1.0, memory_gib=100.0, activation_mb=10.0) for _ in range(4)]  # 6 GPUs
+    spec = job("llm", pipeline=Pipeline(layers=layers, max_stages=4), resources={"cpu_milli": 30_000})
+    outcome = build_framework().schedule(spec, snap)
+    assert outcome.decision is not None, outcome.status
+    per_node: dict[str, int] = {}
+    for part in outcome.decision.parts:
+        for name, gpus in part.allocations:
+            per_node[name] = per_node.get(name, 0) + gpus
+    assert per_node and max(per_node.values()) <= 2, per_node
+    assert (snap.cpu_free >= 0).all() and (snap.cpu_free <= snap.cpu_cap).all()
+
+
+def test_cpu_given_back_never_exceeds_what_a_node_has() -> None:
+    snap = Snapshot([node("a0", "ca", "r1")], net=NetMatrix(["r1"]), now=0.0)
+    snap.take((("a0", 3),), 1, cpu_milli=30_000)  # 90 cores asked of 64: clamped at 0
+    assert snap.cpu_free[0] == 0
+    snap.give_back((("a0", 3),), 1, cpu_milli=30_000)
+    assert snap.cpu_free[0] == 64_000 and snap.free[0] == 8
+
+
 def test_a_running_pipeline_is_timed_now_as_its_candidates_are_on_its_own_gpus() -> None:
     # Placement's what-if timed a running pipeline as one data-parallel gang over its parts (a
     # 131 ms step judged 7.8 s here, 60x too slow), so every move of a pipeline looked a gain.

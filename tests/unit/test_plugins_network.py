@@ -374,6 +374,22 @@ def test_anti_affinity_keeps_the_job_off_clusters_running_labelled_jobs() -> Non
     assert "apart_from_jobs" in blocked.status.reason
 
 
+def test_a_gang_kept_apart_from_the_job_on_the_only_cluster_it_fits_waits_rather_than_is_rejected() -> None:
+    # Only "big" has 8-GPU nodes; the team=x job running there bars it for as long as it runs.
+    # Before, the gang was rejected as "can never fit: the largest node has 4 GPUs".
+    sites: list[Site] = [("small", "A", "V100M16", 4), ("big", "C", "V100M16", 8)]
+    snap = snapshot(sites, AFF_LINKS, running=[running("db", "big", team="x")])
+    spec = job(gpus=8, affinity=Affinity(apart_from_jobs={"team": "x"}))
+    outcome = build_framework().schedule(spec, snap)
+    assert outcome.decision is None
+    assert outcome.status.code == Code.UNSCHEDULABLE, outcome.status.reason
+    assert "team=x" in outcome.record.pruned["big"]
+    assert build_framework().never_fits(spec, snap) is None
+    # Without the job running there, it is placed on "big".
+    free = snapshot(sites, AFF_LINKS)
+    assert placed(build_framework().schedule(spec, free))[0] == "big"
+
+
 def test_job_selectors_match_the_tenants_own_jobs_and_never_name_another_tenants() -> None:
     # Matched against every tenant's jobs, beta's `apart_from_jobs: {team: red}` was explained as
     # "runs acme-secret-run labelled team=red", and `near_jobs` put it beside acme's job on purpose.

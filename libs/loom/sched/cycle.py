@@ -415,14 +415,26 @@ def _grow_around(
     which pools a job could use: a simulator baseline)."""
     waiting = [w.pending.job for w in result.waiting if not w.held]  # held: as in the simulator
     jobs = waiting if isinstance(backlog, int) else [*waiting, *backlog]
-    if not jobs and not backlog:
+    if isinstance(backlog, int) and backlog:
+        return []
+    return grow_around(framework, jobs, snap)
+
+
+def grow_around(
+    framework: Framework | Decide | None, waiting: Sequence[JobSpec], snap: Snapshot
+) -> list[Grown]:
+    """:func:`grow` outside the pools ``waiting`` jobs could use, and not for the tenants whose
+    quota they need; with jobs waiting and a policy that cannot say which pools a job could use
+    (a simulator baseline), nothing grows. The service's cycle and the simulator's passes both
+    grow by this rule."""
+    if not waiting:
         return grow(snap)
-    if (isinstance(backlog, int) and backlog) or not isinstance(framework, Framework):
+    if not isinstance(framework, Framework):
         return []
     wanted: set[tuple[str, str]] = set()
-    for job in jobs:
+    for job in waiting:
         wanted |= framework.wanted_pools(job, snap)
-    return grow(snap, leave=wanted, hold=_quota_sharers(snap, jobs))
+    return grow(snap, leave=wanted, hold=_quota_sharers(snap, waiting))
 
 
 def _quota_sharers(snap: Snapshot, jobs: Sequence[JobSpec]) -> set[str]:

@@ -169,6 +169,9 @@ class CycleState:
     queue_key: tuple[Any, ...] | None = None
     """The job's key in the framework's queue order (:meth:`Framework.queue_key`; lower first);
     None: not known (the jobs queued ahead of it are then not known either)."""
+    held_off: BoolArray | None = None
+    """Clusters a pre-filter ruled out for now only (a running job the job keeps apart from):
+    what the job could never fit is judged with them (:meth:`Framework.why_nothing_fits`)."""
     shared: dict[Hashable, Any] | None = None
     """Within :meth:`Framework.schedule_many`: one store shared by every job of the cycle (None
     outside one), for figures a plugin can reuse from job to job of the cycle. What is kept must be
@@ -1125,6 +1128,8 @@ class Framework:
                 mode,
                 speed_per_gpu=float(speed[c, best[c]]),
                 memory_gib=memory[int(best[c])],
+                cpu_milli=state.job.resources.cpu_milli,
+                memory_mib=state.job.resources.memory_mib,
                 cache=cache,
             )
             for c in clusters.tolist()
@@ -1831,6 +1836,11 @@ class Framework:
                 Code.UNSCHEDULABLE, "no cluster has joined yet; the job waits for capacity", "framework"
             )
         allowed = state.policy_mask if state.policy_mask is not None else state.cluster_mask
+        if state.held_off is not None:
+            # Ruled out only while a job runs there: a gang kept apart from a job on the one
+            # cluster with nodes large enough was rejected as "can never fit" (a review of the
+            # service against the simulator).
+            allowed = allowed | state.held_off
         # Capacity with every node empty (unschedulable nodes may come back), allowed clusters only.
         m_count = snap.total_sum.shape[1]
         split = self._may_split(state)
@@ -2013,9 +2023,14 @@ def _site(
     *,
     speed_per_gpu: float,
     memory_gib: float,
+    cpu_milli: int = 0,
+    memory_mib: int = 0,
     cache: _SiteCache | None = None,
 ) -> pipeline.Site:
-    """Pool (c, m) as a pipeline site: its nodes that have GPUs to give in ``mode``."""
+    """Pool (c, m) as a pipeline site: its nodes that have GPUs to give in ``mode``, each as many
+    as its CPU and RAM allow a stage's GPUs of ``cpu_milli`` / ``memory_mib`` each (free ones, or
+    all of them when idle). Before, a stage of three GPUs asking 30 cores each went to a node of
+    32 cores."""
     pool = snap.pool(c, m)
     if mode is _SiteMode.IDLE:
         gpus = snap.total[pool]
@@ -2025,6 +2040,12 @@ def _site(
             snap.total[pool] if mode is _SiteMode.IDLE_SCHEDULABLE else snap.free[pool],
             0,
         )
+    if cpu_milli:
+        cpu = snap.cpu_free[pool] if mode is _SiteMode.FREE else snap.cpu_cap[pool]
+        gpus = np.where(snap.cpu_known[pool], np.minimum(gpus, cpu // cpu_milli), gpus)
+    if memory_mib:
+        mem = snap.mem_free[pool] if mode is _SiteMode.FREE else snap.mem_cap[pool]
+        gpus = np.where(snap.mem_known[pool], np.minimum(gpus, mem // memory_mib), gpus)
     held = cache.get((mode, c, m)) if cache is not None else None
     if (
         held is not None

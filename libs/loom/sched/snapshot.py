@@ -406,6 +406,9 @@ class Snapshot:
         self.free = np.fromiter((c.gpus_free for c in caps), np.int64, n)
         self.cpu_free = np.fromiter((max(c.cpu_milli - c.cpu_reserved, 0) for c in caps), np.int64, n)
         self.mem_free = np.fromiter((max(c.memory_mib - c.memory_reserved, 0) for c in caps), np.int64, n)
+        self.cpu_cap = np.fromiter((c.cpu_milli for c in caps), np.int64, n)
+        """Each node's CPU (milli-cores): what is given back never raises its free CPU above it."""
+        self.mem_cap = np.fromiter((c.memory_mib for c in caps), np.int64, n)
         self.cpu_known = np.fromiter((c.cpu_milli > 0 for c in caps), np.bool_, n)
         self.mem_known = np.fromiter((c.memory_mib > 0 for c in caps), np.bool_, n)
         self.schedulable = np.fromiter((c.schedulable for c in caps), np.bool_, n)
@@ -699,10 +702,13 @@ class Snapshot:
                 continue
             self.free[i] = min(max(self.free[i] + sign * gpus, 0), self.total[i])
             workers = math.ceil(gpus / max(per_worker, 1))
+            # Capped both ways: a take clamped at 0 (a node given more than it had) gives back no
+            # more than the node has (a simulator's snapshot, kept across a run, showed a node with
+            # 90 cores free of 32 after a pipeline stage asked three times what it had).
             if cpu:
-                self.cpu_free[i] = max(self.cpu_free[i] + sign * cpu * workers, 0)
+                self.cpu_free[i] = min(max(self.cpu_free[i] + sign * cpu * workers, 0), self.cpu_cap[i])
             if mem:
-                self.mem_free[i] = max(self.mem_free[i] + sign * mem * workers, 0)
+                self.mem_free[i] = min(max(self.mem_free[i] + sign * mem * workers, 0), self.mem_cap[i])
             touched.add((int(self.cluster_of[i]), int(self.model_of[i])))
         for c, m in touched:
             self._refresh(c, m)

@@ -125,7 +125,14 @@ from loom.model.learn import HeldLessons, RunSpeed, SpeedLearner, run_speed, tea
 from loom.model.profiles import speeds_for_model
 from loom.model.topology import Topology, load_topology
 from loom.sched import dag
-from loom.sched.cycle import CycleSettings, expected_end_s, fair_share_of, grow, progress_end_s, run_cycle
+from loom.sched.cycle import (
+    CycleSettings,
+    expected_end_s,
+    fair_share_of,
+    grow_around,
+    progress_end_s,
+    run_cycle,
+)
 from loom.sched.elastic import resized_end_s
 from loom.sched.framework import Decision, Outcome, QueueItem
 from loom.sched.pipeline import transfer_s
@@ -145,7 +152,17 @@ from loom.sched.snapshot import (
 )
 from loom.sched.staging import staging_plan
 from loom.sim.migration import MigrationPolicy, Migrator
-from loom.sim.model import JobRecord, Platform, Policy, Sample, SimEvent, SimJob, SimResult, Trace
+from loom.sim.model import (
+    JobRecord,
+    Platform,
+    Policy,
+    ProgressReport,
+    Sample,
+    SimEvent,
+    SimJob,
+    SimResult,
+    Trace,
+)
 from loom.sim.policies import FrameworkPolicy, OraclePolicy
 from loom.sim.truth import BELIEF, BeliefTiming, Truth, load_truth
 from loom.sim.workloads import check_regions
@@ -287,6 +304,11 @@ class _Shape:
     pipeline: bool
     priority: int
     index: int
+    apart: bool = False
+    """Its jobs keep apart from running jobs (``affinity.apart_from_jobs``): a failure may be that
+    rule's, which lifts when such a job ends without any pool gaining workers, so none is taken as
+    final (it is retried whenever capacity changes and a pool of it holds it, as placement
+    retries every queued job)."""
     heap: list[tuple[tuple[Any, ...], int, str]] = field(default_factory=list)
     seen: IntArray | None = None
     """Workers each pool held when a job of this shape last failed: it is retried only once a
@@ -344,6 +366,10 @@ class _Run:
     """Sum over parts of GPUs x price per GPU-hour (at the run's start)."""
     acct_s: float
     """Accounting (GPU-hours, cost) is settled up to here."""
+    paced: tuple[float, float] | None = None
+    """(when, share of the job's steps done) its pace is measured from, as placement's book keeps
+    it (``Run.paced``): its first step at start, its report after; None after a resize (measured
+    afresh from its next report)."""
     serial: int = 0
     """This run's number within the simulation (its lesson event names it)."""
     taught: bool = False
@@ -560,6 +586,11 @@ class _Simulation:
         """The network changed: every waiting shape is retried once (within the budget)."""
         self.wakes: dict[str, float] = {}
         """Job id -> when its queued wake fires (one per job)."""
+        self.reports: list[ProgressReport] = []
+        """Each run's progress report (:attr:`SimResult.reports`)."""
+        self.woken: set[str] = set()
+        """Jobs whose permit wait ended, to be decided in this pass whatever changed (never
+        skipped as "nothing fits its shape": the wait was the choice, placement decides it)."""
         self.by_cluster: dict[str, set[str]] = {}
         self.spanning: set[str] = set()
         self.serving: set[str] = set()
@@ -616,25 +647,16 @@ class _Simulation:
     def _expand(self, trace: Trace) -> None:
         """Jobs of the trace (DAG jobs split into stages), their records and dependencies."""
         expanded: list[SimJob] = []
-        invalid: dict[str, str] = {}
+        refused: dict[str, str] = {}  # DAG job id -> why it is refused whole (no stage runs)
         for sim in trace.jobs:
             if not sim.spec.stages:
                 expanded.append(sim)
                 continue
-            try:
-                submitted = JobSubmitted(**{f: getattr(sim.spec, f) for f in sim.spec.__struct_fields__})
-                children = dag.expand(submitted)
-            except dag.DagError as exc:
+            stages, why = self._stages(sim)
+            if why is not None:
                 expanded.append(sim)
-                invalid[sim.spec.job_id] = str(exc)
-                continue
-            deps = dag.dependencies(sim.spec.stages)
-            for child in children:
-                stage = child.labels[dag.STAGE_LABEL]
-                parents = tuple(dag.stage_job_id(sim.spec.job_id, d) for d in deps[stage])
-                expanded.append(
-                    dataclasses.replace(sim, spec=child, job_class="dag", parents=sim.parents + parents)
-                )
+                refused[sim.spec.job_id] = why
+            expanded += stages
         for sim in expanded:
             spec = self.fast.admit(sim) if self.fast is not None else sim.spec
             record = JobRecord(
@@ -657,7 +679,7 @@ class _Simulation:
                 job.done = True
                 continue
             if spec.stages:
-                record.rejected = f"not a valid DAG job: {invalid.get(spec.job_id, 'it has stages')}"
+                record.rejected = refused.get(spec.job_id, "not a valid DAG job: it has stages")
                 job.done = True
             self.jobs[spec.job_id] = job
         for job in self.order:
@@ -669,6 +691,43 @@ class _Simulation:
                     job.parents_left += 1
                 else:
                     self.notes.append(f"{job.spec.job_id}: unknown parent {parent} ignored")
+
+    def _stages(self, sim: SimJob) -> tuple[list[SimJob], str | None]:
+        """A DAG job's stages (:func:`loom.sched.dag.expand`), each with the stages it waits for;
+        or none, and why the DAG is refused whole: not a valid DAG, or a stage that could never
+        run here (as placement refuses it at admission, before any stage runs; the simulator ran
+        the stages before it, and rejected only it when its turn came)."""
+        try:
+            submitted = JobSubmitted(**{f: getattr(sim.spec, f) for f in sim.spec.__struct_fields__})
+            children = dag.expand(submitted)
+        except dag.DagError as exc:
+            return [], f"not a valid DAG job: {exc}"
+        never = self._stage_never_fits(children)
+        if never is not None:
+            return [], never
+        deps = dag.dependencies(sim.spec.stages)
+        return [
+            dataclasses.replace(
+                sim,
+                spec=child,
+                job_class="dag",
+                parents=sim.parents
+                + tuple(dag.stage_job_id(sim.spec.job_id, d) for d in deps[child.labels[dag.STAGE_LABEL]]),
+            )
+            for child in children
+        ], None
+
+    def _stage_never_fits(self, children: Sequence[JobSubmitted]) -> str | None:
+        """Why a DAG is refused whole because one of its stages could never run as asked on this
+        platform (placement's admission rule, :meth:`Framework.never_fits`), or None; only for a
+        policy that is a scheduling framework (a baseline runs what it can)."""
+        if self.fast is None:
+            return None
+        for child in children:
+            status = self.fast.framework.never_fits(child, self.snap)
+            if status is not None:
+                return f"stage {child.labels[dag.STAGE_LABEL]}: {status.reason}"
+        return None
 
     def _shape_of(self, spec: JobSpec) -> _Shape:
         res = spec.resources
@@ -726,6 +785,7 @@ class _Simulation:
                 pipeline=spec.pipeline is not None,
                 priority=spec.priority,
                 index=len(self.shapes),
+                apart=bool(aff.apart_from_jobs),
             )
             self.shapes[key] = shape
         return shape
@@ -823,9 +883,12 @@ class _Simulation:
             # Its tenant's share when it is queued, as placement takes it (cycle.fair_share_of); a
             # job held for speed probes keeps its arrival's place, as placement keeps it.
             share = fair_share_of(self.snap, job.spec.tenant)
-            job.item = dataclasses.replace(job.item, submitted_at=self.t, fair_share=share)
+            # Its place in the queue is its submission's: a DAG's stage, released when its parents
+            # end, keeps its DAG's (placement's rule: dag.expand copies the DAG's submitted_at).
+            submitted = min(job.sim.arrival_s, self.t)
+            job.item = dataclasses.replace(job.item, submitted_at=submitted, fair_share=share)
             job.key = self.sort_key(job.item)
-        if self.probe is not None and self._held_for_probes(job, job.first_s):
+        if self.probe is not None and self._held_for_probes(job, job.item.submitted_at):
             return
         job.entered = True
         self.fresh.append(job)
@@ -918,6 +981,7 @@ class _Simulation:
                 retry_all
                 or chosen(shape)
                 or (bool(pairs) and self._fits(shape, pairs) and self._better(shape, pairs))
+                or (bool(pairs) and shape.apart and self._fits(shape, None))
                 or room(shape)
             )
 
@@ -967,17 +1031,25 @@ class _Simulation:
                 if job.done or job.run is not None:
                     continue
                 shape = job.shape
+                woken = job.spec.job_id in self.woken
+                self.woken.discard(job.spec.job_id)
                 # A job whose shape's last one found nothing fits, where nothing changed since, is
                 # queued without a decision. Not when that one was held back by a permit's choice
                 # (waiting for faster GPUs): that choice reads the job's own place in the queue and
                 # what the jobs ahead claimed, so this one may choose otherwise, as placement's
-                # decision for it does.
-                if shape.queued and (
-                    shape.index in failed
-                    or (
-                        shape.resolvable
-                        and not (self._fits(shape, None) and self._better(shape, None, job))
-                        and not self._may_make_room(shape)
+                # decision for it does. Nor a job whose permit wait just ended: placement decides
+                # it then (a spanning gang told to wait for one cluster, woken, was skipped as
+                # "fits no one cluster" and never started).
+                if (
+                    not woken
+                    and shape.queued
+                    and (
+                        shape.index in failed
+                        or (
+                            shape.resolvable
+                            and not (self._fits(shape, None) and self._better(shape, None, job))
+                            and not self._may_make_room(shape)
+                        )
                     )
                 ):
                     self.skipped += 1
@@ -1018,7 +1090,7 @@ class _Simulation:
                         heapq.heappush(heap, (key, 1, shape.index, shape))
                     continue
                 job = self.jobs[shape.heap[0][2]]
-                if not (retry_all or chosen(shape) or room(shape) or self._holds(job, pairs)):
+                if not (retry_all or chosen(shape) or room(shape) or shape.apart or self._holds(job, pairs)):
                     failed.add(shape.index)
                     heapq.heappush(heap, (head, 1, shape.index, shape))  # counted next
                     continue
@@ -1042,13 +1114,13 @@ class _Simulation:
                 # spread now too costly; refused: a decision made room, preemption or a shrink, and
                 # a permit refused it for this job's own sake, so the next job may take it.)
                 failed.add(shape.index)
-                shape.seen = self._workers(shape.per_worker).copy()
+                shape.seen = None if shape.apart else self._workers(shape.per_worker).copy()
             if (key := next_up(shape)) is not None:
                 heapq.heappush(heap, (key, 1, shape.index, shape))
         self._put_aside_back(state)
         if self.fresh or self.dirty or self.retry_post or self.retry_all:
             self._push(_Event(self.t, _CONTINUE, 0))
-        elif pairs and not self.waiting and self.elastic:
+        elif pairs and self.elastic:
             self._grow()
 
     def _new_pass(self) -> _PassState | None:
@@ -1150,12 +1222,20 @@ class _Simulation:
         return out
 
     def _grow(self) -> None:
-        """Nothing waits and GPUs came free: elastic runs below their maximum grow into them, by the
-        rule the service's cycle applies (:func:`loom.sched.cycle.grow`)."""
+        """GPUs came free: elastic runs below their maximum grow into them outside the pools a
+        waiting job could use, by the rule the service's cycle applies
+        (:func:`loom.sched.cycle.grow_around`; before, the simulator grew only once nothing
+        waited, and the service around the waiting jobs, so a run could be larger in one)."""
         # The snapshot's clock is the pass's: a grown run's predicted end is rescaled from now
         # (resized_end_s), not from the time of the last decision.
         self.snap.now = self.t
-        grown = grow(self.snap)
+        waiting = [
+            job.spec
+            for shape in self.waiting.values()
+            for _, _, job_id in shape.heap
+            if (job := self.jobs[job_id]).run is None and not job.done
+        ]
+        grown = grow_around(self.fast.framework if self.fast is not None else None, waiting, self.snap)
         if not grown:
             return
         self._adopt_running_list(None)
@@ -1178,6 +1258,7 @@ class _Simulation:
         shape.heap[:] = kept
         if not kept:
             self.waiting.pop(shape.key, None)
+        self.woken.add(job.spec.job_id)
         self.fresh.append(job)
 
     def _cancel_wake(self, job: _Job) -> None:
@@ -1407,6 +1488,7 @@ class _Simulation:
             scu_rate=sum(g * s / noise for g, s in zip(gpus_by_part, true_speeds, strict=True)),
             cost_rate=sum(g * econ.price(p.region, now) for g, p in zip(gpus_by_part, parts, strict=True)),
             acct_s=now,
+            paced=(now + wait_s, 1.0 - job.steps_left / max(spec.work.steps, 1)),
         )
         job.run = run
         rec = job.record
@@ -1759,7 +1841,9 @@ class _Simulation:
         run = job.run
         if run is None or run.serial != event.run:
             return  # another run (or none) since: a resize or retiming keeps the run, and its lesson
-        self._repredict_end(job, run)
+        report = self._repredict_end(job, run)
+        if report is not None:
+            self.reports.append(report)
         if run.taught or self.speed_learner is None:
             return
         # Against the step the decision bound (compute plus exchange), as placement compares with
@@ -1801,31 +1885,37 @@ class _Simulation:
             prior_speed=self.snap.gpu_speed,
         )
 
-    def _repredict_end(self, job: _Job, run: _Run) -> None:
-        """The run's progress report re-predicts its end from its measured pace
-        (:func:`~loom.sched.cycle.progress_end_s`), as placement's book does at each report: the
-        share of its steps done since it began, in the time since its first step."""
+    def _repredict_end(self, job: _Job, run: _Run) -> ProgressReport | None:
+        """The run's progress report, taken as placement's book takes it
+        (``PlacementBook.set_progress``): its progress, and its end re-predicted from its pace since
+        it was last measured (its first step, or an earlier report; nothing after a resize, which
+        measures it afresh from this report) by :func:`~loom.sched.cycle.progress_end_s`. Before,
+        the simulator measured the pace since its own last re-timing, which placement cannot know,
+        and kept progress at 0 (preemption, which prefers victims that lose least, chose others).
+        Returns the report (None: the run is not listed, or has no steps to make)."""
         i = self.position.get(job.spec.job_id)
         old = self.running_list
         if i is None or i >= len(old) or old[i].job_id != job.spec.job_id or run.seg_steps <= 0:
-            return
-        begin = max(run.seg_start_s, run.compute_start_s)
+            return None
         steps = float(job.spec.work.steps)
-        left_at_begin = job.steps_left  # settled at the segment's start
-        done_now = run.progress(self.t)
-        end = progress_end_s(
-            now_s=self.t,
-            done=1.0 - (left_at_begin - done_now) / steps,
-            elapsed_s=self.t - begin,
-            done_before=1.0 - left_at_begin / steps,
-        )
-        if end is None or end == old[i].expected_end_s:
-            return
+        done = 1.0 - (job.steps_left - run.progress(self.t)) / steps  # steps_left: at the segment's start
+        end = None
+        if run.paced is not None:
+            then, done_then = run.paced
+            end = progress_end_s(now_s=self.t, done=done, elapsed_s=self.t - then, done_before=done_then)
+        run.paced = (self.t, done)
+        report = ProgressReport(self.t, job.spec.job_id, done, run.compute_start_s)
+        progress = max(old[i].progress, done)
+        if (end is None or end == old[i].expected_end_s) and progress == old[i].progress:
+            return report
         new = old.copy()
-        new[i] = run.core = dataclasses.replace(old[i], expected_end_s=end)
+        new[i] = run.core = dataclasses.replace(
+            old[i], expected_end_s=end if end is not None else old[i].expected_end_s, progress=progress
+        )
         self.running_list = new
         self.snap.running = new
         self._retire(old)
+        return report
 
     def _learn_speed(self, learner: SpeedLearner, spec: JobSpec, run: _Run) -> None:
         """Teach the speed learner what a run's family got on its GPU model, and apply it.
@@ -1867,6 +1957,7 @@ class _Simulation:
             return
         run = job.run
         self._settle(job, run, self.t)
+        run.paced = None  # its pace changes with its size: measured afresh from its next report
         self._count(run, -1)
         i = self.position.get(job_id)
         if i is not None and self.running_list[i].job_id == job_id:
@@ -2275,4 +2366,5 @@ def simulate(
             *sim.notes,
         ],
         migration=sim.migrator.figures() if sim.migrator is not None else None,
+        reports=sim.reports,
     )

@@ -146,6 +146,20 @@ class Sample:
     cross_region_bytes: float
 
 
+@dataclass(frozen=True, slots=True)
+class ProgressReport:
+    """A run's progress report as the simulated agent makes it (the first, a tenth of the way in:
+    ``engine.OBSERVE_AT``): what placement's book takes from a ``JobProgress``."""
+
+    t: float
+    job_id: str
+    fraction: float
+    """Share of the job's steps done (its checkpoint's included)."""
+    began_s: float
+    """When the run's first step began (``JobStarted.started_at``: placement's book measures its
+    pace from then)."""
+
+
 @dataclass
 class SimResult:
     """One policy's run over one trace."""
@@ -162,6 +176,8 @@ class SimResult:
     statistics and comparisons are over the trace's jobs; their GPU-hours and cost count in the totals."""
     migration: dict[str, Any] | None = None
     """The migration policy's figures (:meth:`loom.sim.migration.Migrator.figures`); None without one."""
+    reports: list[ProgressReport] = field(default_factory=list)
+    """Every run's progress report, in time order (a replay feeds them to placement's book)."""
 
     def finished(self) -> Sequence[JobRecord]:
         """Jobs that completed."""

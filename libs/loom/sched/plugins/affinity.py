@@ -144,6 +144,8 @@ class Affinity:
         taken = np.zeros(len(snap.clusters), dtype=np.bool_)
         taken[list(by_cluster)] = True
         labels = ", ".join(f"{k}={v}" for k, v in sorted(aff.apart_from_jobs.items()))
+        held_off = taken & state.cluster_mask  # for as long as those jobs run, not for ever
+        state.held_off = held_off if state.held_off is None else state.held_off | held_off
         state.prune(
             taken,
             lambda c: (
