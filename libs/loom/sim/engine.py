@@ -1057,8 +1057,9 @@ class _Simulation:
                     # framework counts the queue (Snapshot.waiting), as placement's is, and is not
                     # decided again in this pass (placement decides it once).
                     decided.add(job.spec.job_id)
-                    self.snap.join_queue(job.spec.job_id, probe=is_probe(job.spec.labels))
-                    self._record_queued(job)
+                    if job.spec.pipeline is None:  # a pipeline is never counted (_join_queue)
+                        self.snap.join_queue(job.spec.job_id, probe=is_probe(job.spec.labels))
+                        self._record_queued(job)
                     self._stage(job)
                     self._wait(job)
                     continue
@@ -1157,9 +1158,17 @@ class _Simulation:
         and counted in the queue (``Snapshot.waiting``, its queued shape) as that decision would."""
         decided.add(job_id)
         self.skipped += 1
-        if job_id not in self.snap.waiting:
-            self.snap.join_queue(job_id, probe=is_probe(self.jobs[job_id].spec.labels))
-            self._record_queued(self.jobs[job_id])
+        self._join_queue(self.jobs[job_id])
+
+    def _join_queue(self, job: _Job) -> None:
+        """``job`` counts in the queue (``Snapshot.waiting``, its queued shape), as the framework's
+        decision that found nothing fits counts it: a pipeline never (``schedule_pipeline`` queues
+        none; the simulator counted skipped ones, and jobs decided behind them saw a queue placement
+        did not)."""
+        if job.spec.pipeline is not None or job.spec.job_id in self.snap.waiting:
+            return
+        self.snap.join_queue(job.spec.job_id, probe=is_probe(job.spec.labels))
+        self._record_queued(job)
 
     def _record_queued(self, job: _Job) -> None:
         """A skipped job's shape in the queue (``Snapshot.queued``), by the framework's own rule
