@@ -393,6 +393,29 @@ async def test_a_bucket_made_before_direct_gets_is_updated_to_serve_them(
         await nc.close()
 
 
+async def test_an_agent_that_opened_the_bucket_before_it_served_direct_gets_reads_once_it_does(
+    secured: tuple[NatsServer, CredentialStore], as_identity: object
+) -> None:
+    # nats-py decides when it opens a bucket whether to read by direct get: an agent that opened it
+    # before a service updated it kept the message-get API, which its permissions no longer allow.
+    server, store = secured
+    assert callable(as_identity)
+    admin = await connect(server.url, "test-admin", creds=store.path(admin_identity()))
+    agent: Session = await as_identity(Identity("agent", "c1"))
+    try:
+        js = admin.jetstream()
+        info = await js.stream_info("KV_LOOM_ATTEMPTS")
+        await js.update_stream(dataclasses.replace(info.config, allow_direct=False))
+        own = AttemptLog(agent.nc.jetstream(timeout=1.0), "CLUSTERS", "agent-c1")
+        with pytest.raises((nats.errors.Error, TimeoutError)):
+            await own.get(3)  # by the message-get API: refused
+        await ensure_bucket(js)  # a service starting: the bucket serves direct gets again
+        await own.put(3, Attempts(open=2))
+        assert (await own.get(3)).open == 2
+    finally:
+        await admin.close()
+
+
 async def test_an_agent_cannot_take_first_the_message_id_of_another_identitys_message(
     secured: tuple[NatsServer, CredentialStore],
     as_identity,  # type: ignore[no-untyped-def]

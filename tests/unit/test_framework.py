@@ -572,6 +572,38 @@ def test_a_pipeline_stage_takes_no_more_gpus_of_a_node_than_its_cpu_allows() -> 
     assert (snap.cpu_free >= 0).all() and (snap.cpu_free <= snap.cpu_cap).all()
 
 
+def test_a_pipeline_goes_to_the_pool_whose_nodes_have_the_cpu_it_asks() -> None:
+    # The A100 nodes have 16 cores, the T4 nodes 256; each stage GPU asks 32. The cluster's pool
+    # was chosen by GPUs alone (A100), its nodes then offered nothing, and the job was rejected
+    # ("none of the 1 site(s) offered has GPUs...") though the T4s hold it (a review).
+    def cap(name: str, model: str, gpus: int, cpu: int) -> NodeCapacity:
+        return NodeCapacity(
+            node=name,
+            cluster="ca",
+            region="r1",
+            zone="r1-a",
+            gpu_model=model,
+            gpus_total=gpus,
+            cpu_milli=cpu,
+            memory_mib=512 * 1024,
+        )
+
+    nodes = [cap(f"a{i}", "A100", 8, 16_000) for i in range(2)] + [
+        cap(f"t{i}", "T4", 4, 256_000) for i in range(2)
+    ]
+    speed = {
+        (model, t): v for model, v in (("A100", 3.0), ("T4", 0.5)) for t in ("training_compute", "inference")
+    }
+    snap = Snapshot(
+        nodes, net=NetMatrix(["r1"]), speed=speed, gpu_memory_gib={"A100": 80.0, "T4": 16.0}, now=0.0
+    )
+    layers = [Layer(compute_s=1.0, memory_gib=4.0, activation_mb=10.0) for _ in range(2)]
+    spec = job("p", pipeline=Pipeline(layers=layers, max_stages=2), resources={"cpu_milli": 32_000})
+    outcome = build_framework().schedule(spec, snap)
+    assert outcome.decision is not None, outcome.status
+    assert {p.gpu_model for p in outcome.decision.parts} == {"T4"}
+
+
 def test_cpu_given_back_never_exceeds_what_a_node_has() -> None:
     snap = Snapshot([node("a0", "ca", "r1")], net=NetMatrix(["r1"]), now=0.0)
     snap.take((("a0", 3),), 1, cpu_milli=30_000)  # 90 cores asked of 64: clamped at 0

@@ -61,12 +61,18 @@ class AttemptLog:
         return f"{self._prefix}.{stream_seq}"
 
     async def get(self, stream_seq: int) -> Attempts:
-        """The record of a message; an empty one when there is none."""
+        """The record of a message; an empty one when there is none. A read that fails drops the
+        bucket's handle, so the next opens it afresh: nats-py decides when it opens a bucket
+        whether to read by direct get, and an agent that opened it before a service updated it to
+        serve them read by the message-get API, which its permissions no longer allow."""
         kv = await self._bucket()
         try:
             entry = await kv.get(self.key(stream_seq))
         except KeyNotFoundError:
             return Attempts()
+        except Exception:
+            self._kv = None
+            raise
         if not entry.value:
             return Attempts()
         try:
@@ -111,9 +117,11 @@ async def ensure_bucket(js: JetStreamContext) -> KeyValue:
             replicas=int(os.environ.get("LOOM_STREAM_REPLICAS", "1")),
             direct=True,
         )
-    except BadRequestError:  # there already, with another configuration
+    except BadRequestError as exc:  # there already, with another configuration
         info = await js.stream_info(f"KV_{ATTEMPTS_BUCKET}")
         if not info.config.allow_direct:
             await js.update_stream(dataclasses.replace(info.config, allow_direct=True))
             log.info("attempts bucket now serves direct gets", bucket=ATTEMPTS_BUCKET)
+        else:  # it differs otherwise (its replicas, say): kept as it is, and said
+            log.warning("attempts bucket kept with its own configuration", error=repr(exc))
         return await js.key_value(ATTEMPTS_BUCKET)

@@ -788,14 +788,14 @@ class ConsumerRunner(Generic[T]):
             failed = []
             acked = 0
             for d, o in zip(deliveries, outcomes, strict=True):
-                del alive[id(d.msg)]  # settled now (an in-progress would hold back a nak's redelivery)
                 if o is None:
+                    del alive[id(d.msg)]  # settled (an in-progress would hold back a redelivery)
                     await self._ack(d)
                     acked += 1
                 elif (suspects := self._outage_of(o, down)) is not None:
-                    failed.append(self._hold(d, o, suspects))
+                    failed.append(self._then_forget(alive, d, self._hold(d, o, suspects)))
                 else:
-                    failed.append(self._settle(d, o))
+                    failed.append(self._then_forget(alive, d, self._settle(d, o)))
             if acked:
                 self.counts["acked"] += acked
                 self._acked_metric.inc(acked)
@@ -805,6 +805,15 @@ class ConsumerRunner(Generic[T]):
             keepalive.cancel()
         if down:
             self.waiting_for = down
+
+    @staticmethod
+    async def _then_forget(alive: dict[int, Msg], delivery: Delivery[T], settling: Awaitable[None]) -> None:
+        """Settle a failed delivery (a nak, or a dead letter's publish, which may outlast the ack
+        wait: a review), kept alive until it is settled, then out of the keep-alive."""
+        try:
+            await settling
+        finally:
+            alive.pop(id(delivery.msg), None)
 
     async def _process_suspect(self, delivery: Delivery[T]) -> None:
         """Handle a much-redelivered message alone, its attempt recorded before and closed after.

@@ -83,6 +83,19 @@ def _in_process(error: BaseException | None) -> bool:
     return isinstance(error, APIError) and error.err_code == _MSG_ID_IN_PROCESS
 
 
+_TOO_LARGE = 10054
+"""nats-server's error code for a message larger than the stream's ``max_msg_size``."""
+
+
+def too_large(error: BaseException) -> bool:
+    """An outcome no resend can change and that no change of load clears: the message is larger
+    than the server (``max_payload``) or its stream takes. The outbox sets such rows aside
+    (``outbox.refused``); an account's limits (10002) and other refusals clear, and are retried."""
+    return isinstance(error, MaxPayloadError) or (
+        isinstance(error, APIError) and error.err_code == _TOO_LARGE
+    )
+
+
 def refused(error: BaseException) -> bool:
     """An outcome of :meth:`Publisher.publish_batch` that no resend can change: the stream refused
     the message (no stream for the subject, too large), as :meth:`Publisher.publish_bytes` raises

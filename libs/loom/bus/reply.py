@@ -5,7 +5,8 @@ reply is ``loom.jobs.completed.acme`` or ``$KV.loom_leases.placement.global`` ha
 publish its answer there with the *service's* permissions (a red-team walk stopped every
 placement with a tenant's credentials by naming the placement lease as the reply of tenant
 queries). A request-reply client's reply is always an inbox (``_INBOX.`` or, secured,
-``_INBOX.<identity>.``): any other is not answered, and the request is dropped.
+``_INBOX.<identity>.``): any other is not answered, and a query is not even run (an operator's
+action on a subject only operators may publish still runs; its answer is not sent).
 """
 
 import time
@@ -26,8 +27,8 @@ _unlogged = 0
 
 def answerable(msg: Msg) -> bool:
     """Whether ``msg`` asks for an answer on an inbox; a request naming any other reply is logged
-    (at most once every 10 s, with the count since) and should be dropped unanswered (one naming
-    none is not logged: there is nothing to answer)."""
+    (at most once every 10 s, with the count since) and is not answered (one naming none is not
+    logged: there is nothing to answer)."""
     global _last_logged, _unlogged  # noqa: PLW0603 - one process-wide rate limit on the log line
     if is_inbox(msg.reply):
         return True

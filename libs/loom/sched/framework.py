@@ -1075,7 +1075,14 @@ class Framework:
             if idle
             else _SiteMode.FREE
         )
-        if mode is _SiteMode.FREE:
+        cpu_milli, memory_mib = state.job.resources.cpu_milli, state.job.resources.memory_mib
+        if cpu_milli or memory_mib:
+            # A stage's GPUs each ask CPU and RAM: a pool counts what its nodes can give them (its
+            # GPUs alone chose a pool whose nodes have too few cores, and left the one that fits).
+            per_node = _stage_gpus(snap, slice(None), mode, cpu_milli, memory_mib)
+            gpus = np.bincount(snap.pool_of, weights=per_node, minlength=c_count * m_count)
+            gpus = gpus.astype(np.int64).reshape(c_count, m_count)
+        elif mode is _SiteMode.FREE:
             gpus = snap.free_sum
         elif mode is _SiteMode.IDLE:
             gpus = snap.total_sum
@@ -2015,6 +2022,29 @@ pipeline jobs come one after another while most pools stay as they were, and a s
 of its pool with GPUs, so one equal to the last is not built again."""
 
 
+def _stage_gpus(
+    snap: Snapshot, nodes: "IntArray | slice", mode: _SiteMode, cpu_milli: int, memory_mib: int
+) -> IntArray:
+    """GPUs each of ``nodes`` can give pipeline stages in ``mode`` (free ones, or all of them when
+    idle; schedulable nodes only unless ``IDLE``), each GPU asking ``cpu_milli`` / ``memory_mib``
+    of the node's (free, or all when idle; a node whose CPU or RAM is unknown is limited by GPUs)."""
+    if mode is _SiteMode.IDLE:
+        gpus = snap.total[nodes]
+    else:
+        gpus = np.where(
+            snap.schedulable[nodes],
+            snap.total[nodes] if mode is _SiteMode.IDLE_SCHEDULABLE else snap.free[nodes],
+            0,
+        )
+    if cpu_milli:
+        cpu = snap.cpu_free[nodes] if mode is _SiteMode.FREE else snap.cpu_cap[nodes]
+        gpus = np.where(snap.cpu_known[nodes], np.minimum(gpus, cpu // cpu_milli), gpus)
+    if memory_mib:
+        mem = snap.mem_free[nodes] if mode is _SiteMode.FREE else snap.mem_cap[nodes]
+        gpus = np.where(snap.mem_known[nodes], np.minimum(gpus, mem // memory_mib), gpus)
+    return np.asarray(gpus, dtype=np.int64)
+
+
 def _site(
     snap: Snapshot,
     c: int,
@@ -2032,20 +2062,7 @@ def _site(
     all of them when idle). Before, a stage of three GPUs asking 30 cores each went to a node of
     32 cores."""
     pool = snap.pool(c, m)
-    if mode is _SiteMode.IDLE:
-        gpus = snap.total[pool]
-    else:
-        gpus = np.where(
-            snap.schedulable[pool],
-            snap.total[pool] if mode is _SiteMode.IDLE_SCHEDULABLE else snap.free[pool],
-            0,
-        )
-    if cpu_milli:
-        cpu = snap.cpu_free[pool] if mode is _SiteMode.FREE else snap.cpu_cap[pool]
-        gpus = np.where(snap.cpu_known[pool], np.minimum(gpus, cpu // cpu_milli), gpus)
-    if memory_mib:
-        mem = snap.mem_free[pool] if mode is _SiteMode.FREE else snap.mem_cap[pool]
-        gpus = np.where(snap.mem_known[pool], np.minimum(gpus, mem // memory_mib), gpus)
+    gpus = _stage_gpus(snap, pool, mode, cpu_milli, memory_mib)
     held = cache.get((mode, c, m)) if cache is not None else None
     if (
         held is not None

@@ -20,7 +20,7 @@ from opentelemetry import propagate
 from opentelemetry.context import Context
 
 from loom.bus import Publisher
-from loom.bus.publisher import Outgoing, SentBatch, refused
+from loom.bus.publisher import Outgoing, SentBatch, too_large
 from loom_proto.codec import encode
 
 log = structlog.get_logger("loom.store")
@@ -230,14 +230,14 @@ class OutboxRelay:
     def _acked(
         self, messages: Sequence[OutboxMessage], outcomes: Sequence[BaseException | None]
     ) -> tuple[list[str], dict[str, str]]:
-        """The ids published, and those refused for good (:func:`loom.bus.publisher.refused`) with
-        why; the others are retried."""
+        """The ids published, and those too large for any resend (:func:`loom.bus.publisher.too_large`)
+        with why; the others are retried."""
         done: list[str] = []
         set_aside: dict[str, str] = {}
         for m, error in zip(messages, outcomes, strict=True):
             if error is None:
                 done.append(m.msg_id)
-            elif refused(error):
+            elif too_large(error):
                 set_aside[m.msg_id] = (repr(error) or type(error).__name__)[:1024]
                 log.error(
                     "outbox message refused by the bus for good; set aside (outbox.refused)",
