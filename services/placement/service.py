@@ -1243,12 +1243,7 @@ class PlacementService:
         cycle rejects nothing then either)."""
         if time.monotonic() < self.settled_at:
             return None
-        snap = self.book.snapshot(time.time())
-        for name, job in stages.items():
-            status = self.framework.never_fits(job, snap)
-            if status is not None:
-                return name, status
-        return None
+        return self.framework.stage_never_fits(stages, self.book.snapshot(time.time()))
 
     async def _expand_dag(self, conn: asyncpg.Connection, q: QueuedJob) -> list[QueuedJob]:
         """Insert a DAG job's stages: those without dependencies are queued, the rest wait."""

@@ -582,20 +582,30 @@ def _submitted(spec: JobSpec, t: float) -> JobSubmitted:
     return JobSubmitted(**{f: getattr(spec, f) for f in JobSpec.__struct_fields__}, submitted_at=t)
 
 
-def test_a_released_dag_stage_keeps_its_dags_place_in_the_queue_in_both() -> None:
-    # A stage released when its parent ends (~24 s) competes with a job queued at 5 s for the
-    # same freed P100s: placement queues the stage at its DAG's submission (dag.expand), so it goes
-    # first; the simulator queued it at its release, behind the other job.
-    hog = JobSpec(job_id="hog", tenant="a", resources=P100, work=Work(steps=1000, step_time_s=10.0))
-    dag_job = JobSpec(
+def _two_stage_dag(second: Resources, second_steps: int) -> JobSpec:
+    """DAG ``d``: stage s1 (2 P100s, 10 steps), then s2 of ``second`` after it."""
+    return JobSpec(
         job_id="d",
         tenant="a",
         work=Work(steps=1),
         stages=[
             Stage(name="s1", resources=P100, work=Work(steps=10, step_time_s=10.0)),
-            Stage(name="s2", depends_on=["s1"], resources=P100, work=Work(steps=50, step_time_s=10.0)),
+            Stage(
+                name="s2",
+                depends_on=["s1"],
+                resources=second,
+                work=Work(steps=second_steps, step_time_s=10.0),
+            ),
         ],
     )
+
+
+def test_a_released_dag_stage_keeps_its_dags_place_in_the_queue_in_both() -> None:
+    # A stage released when its parent ends (~24 s) competes with a job queued at 5 s for the
+    # same freed P100s: placement queues the stage at its DAG's submission (dag.expand), so it goes
+    # first; the simulator queued it at its release, behind the other job.
+    hog = JobSpec(job_id="hog", tenant="a", resources=P100, work=Work(steps=1000, step_time_s=10.0))
+    dag_job = _two_stage_dag(P100, 50)
     other = JobSpec(job_id="x", tenant="a", resources=P100, work=Work(steps=50, step_time_s=10.0))
     jobs = [SimJob(hog, 0.0), SimJob(dag_job, 0.0), SimJob(other, 5.0)]
     policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
@@ -622,20 +632,7 @@ def test_a_released_dag_stage_keeps_its_dags_place_in_the_queue_in_both() -> Non
 def test_a_dag_with_a_stage_that_could_never_run_is_refused_whole_in_both() -> None:
     # Placement refuses it at admission, before any stage runs; the simulator ran s1 and rejected
     # only s2 when its turn came.
-    dag_job = JobSpec(
-        job_id="d",
-        tenant="a",
-        work=Work(steps=1),
-        stages=[
-            Stage(name="s1", resources=P100, work=Work(steps=10, step_time_s=10.0)),
-            Stage(
-                name="s2",
-                depends_on=["s1"],
-                resources=Resources(gpus=16),
-                work=Work(steps=5, step_time_s=10.0),
-            ),
-        ],
-    )
+    dag_job = _two_stage_dag(Resources(gpus=16), 5)
     policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
     sim = simulate(Trace([SimJob(dag_job, 0.0)]), PLATFORM, policy, truth=BELIEF, sample_every_s=0)
     never = service()._stage_never_fits(

@@ -1816,6 +1816,16 @@ class Framework:
         found = zip(*np.nonzero(allowed & (snap.total_sum > 0)), strict=True)
         return {(snap.clusters[int(c)].id, snap.models[int(m)]) for c, m in found}
 
+    def stage_never_fits(self, stages: Mapping[str, JobSpec], snap: Snapshot) -> tuple[str, Status] | None:
+        """The first of a DAG's stages (name -> its job, in order) that could never run as asked on
+        ``snap`` (:meth:`never_fits`), with why; None when each could. Placement refuses such a DAG
+        whole at admission, and the simulator by the same rule."""
+        for name, job in stages.items():
+            status = self.never_fits(job, snap)
+            if status is not None:
+                return name, status
+        return None
+
     def never_fits(self, job: JobSpec, snap: Snapshot) -> Status | None:
         """The UNRESOLVABLE status when ``job`` could not run as asked even on an empty platform
         (a pre-filter's refusal, or no allowed cluster ever holding it: :meth:`why_nothing_fits`),

@@ -723,11 +723,9 @@ class _Simulation:
         policy that is a scheduling framework (a baseline runs what it can)."""
         if self.fast is None:
             return None
-        for child in children:
-            status = self.fast.framework.never_fits(child, self.snap)
-            if status is not None:
-                return f"stage {child.labels[dag.STAGE_LABEL]}: {status.reason}"
-        return None
+        stages = {child.labels[dag.STAGE_LABEL]: child for child in children}
+        found = self.fast.framework.stage_never_fits(stages, self.snap)
+        return None if found is None else f"stage {found[0]}: {found[1].reason}"
 
     def _shape_of(self, spec: JobSpec) -> _Shape:
         res = spec.resources
