@@ -41,6 +41,7 @@ from loom.alerts import Correlator, Inventory, JobPlacement, Part, Placements, l
 from loom.alerts.resources import Resource
 from loom.model.topology import Topology, load_topology
 from loom.runtime.servers import find_free_port
+from loom.security.http_token import bearer_header
 from loom_benchmarks.secured import stack_security
 from loom_proto.alerts import Alert
 
@@ -351,8 +352,9 @@ def _percentile(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
 
 
-def _post_probe(http_port: int, node: str, now: float) -> int:
-    """An Alertmanager v4 payload with one alert naming ``node``, posted to the webhook."""
+def _post_probe(http_port: int, node: str, now: float, token: str | None) -> int:
+    """An Alertmanager v4 payload with one alert naming ``node``, posted to the webhook (with the
+    stack's bearer token when it asks for one)."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now))
     alert = {
         "status": "firing",
@@ -362,14 +364,16 @@ def _post_probe(http_port: int, node: str, now: float) -> int:
     }
     body = json.dumps({"version": "4", "status": "firing", "receiver": "loom", "alerts": [alert]}).encode()
     request = urllib.request.Request(
-        f"http://127.0.0.1:{http_port}/alertmanager", data=body, headers={"Content-Type": "application/json"}
+        f"http://127.0.0.1:{http_port}/alertmanager",
+        data=body,
+        headers={"Content-Type": "application/json", **bearer_header(token)},
     )
     with urllib.request.urlopen(request, timeout=10) as response:
         return int(response.status)
 
 
 async def _measure(
-    nats_url: str, http_port: int, probes: int, probe_hz: float, background_hz: float
+    nats_url: str, http_port: int, probes: int, probe_hz: float, background_hz: float, *, token: str | None
 ) -> dict[str, Any]:
     import msgspec
 
@@ -415,7 +419,7 @@ async def _measure(
         now = time.time()
         if i % 2:
             sent[node] = (now, "webhook")
-            await asyncio.to_thread(_post_probe, http_port, node, now)
+            await asyncio.to_thread(_post_probe, http_port, node, now, token)
         else:
             sent[node] = (now, "bus")
             await pub.publish(
@@ -465,7 +469,10 @@ def latency(args: argparse.Namespace) -> dict[str, Any]:
         _say("stack: starting (small topology)")
         state = stack.up(home, stack.StackOptions(topology="small", placement_standby=False))
         _say("stack: ready; measuring")
-        out = asyncio.run(_measure(state["nats_url"], port, args.probes, args.probe_hz, args.background_hz))
+        token = stack.local_http_token(home)
+        out = asyncio.run(
+            _measure(state["nats_url"], port, args.probes, args.probe_hz, args.background_hz, token=token)
+        )
         return {**out, "security": stack_security(home)}
     finally:
         stack.down(home)

@@ -7,6 +7,7 @@ from urllib.parse import urlsplit
 from loom.alerts import CorrelatorConfig
 from loom.model.topology import load_topology
 from loom.runtime.service import ServiceContext, run
+from loom.security.http_token import http_token_from_env
 from loom_services.alert_correlator.service import AlertCorrelator
 
 ENV_HTTP_PORT = "LOOM_ALERTS_HTTP_PORT"
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
         max_notifications_per_min=args.max_notifications_per_min,
     )
 
+    http_token = http_token_from_env()  # a secured stack's: the webhook answers only it
+
     async def body(ctx: ServiceContext) -> None:
         await AlertCorrelator(
             ctx,
@@ -84,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             health_period_s=args.health_period_s,
             health_timeout_s=args.health_timeout_s,
             health_misses=args.health_misses,
+            http_token=http_token,
         ).run()
 
     run("alert-correlator", body)

@@ -8,6 +8,11 @@ and headers are bounded (16 KiB), the body by ``max_body_bytes``.
   the handler's answer — 200 with ``{"accepted": n}``, 400 with ``{"error": why}`` for a malformed
   payload, 503 when Loom's bus cannot take it;
 * ``GET /healthz``: 200.
+
+With a ``token`` (a secured stack's, :mod:`loom.security.http_token`) a POST without
+``Authorization: Bearer <token>`` gets 401 and raises nothing: on a shared host another user could
+otherwise raise (or resolve) incidents. Alertmanager sends it with ``http_config: authorization:
+credentials_file: <the token file>``.
 """
 
 import asyncio
@@ -18,6 +23,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from loom.security.http_token import authorized
+
 log = structlog.get_logger("alert-correlator")
 
 MAX_HEAD_BYTES = 16 * 1024
@@ -25,6 +32,7 @@ POST_PATHS = frozenset({"/", "/alertmanager", "/api/v1/alerts"})
 _REASONS = {
     200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
     404: "Not Found",
     405: "Method Not Allowed",
     411: "Length Required",
@@ -46,9 +54,11 @@ PostHandler = Callable[[bytes], Awaitable[Answer]]
 
 def _response(answer: Answer) -> bytes:
     body = json.dumps(answer.body).encode()
+    challenge = 'WWW-Authenticate: Bearer realm="loom"\r\n' if answer.status == 401 else ""
     head = (
         f"HTTP/1.1 {answer.status} {_REASONS.get(answer.status, 'Error')}\r\n"
         "Content-Type: application/json\r\n"
+        f"{challenge}"
         f"Content-Length: {len(body)}\r\n"
         "Connection: close\r\n\r\n"
     )
@@ -58,8 +68,12 @@ def _response(answer: Answer) -> bytes:
 class Receiver:
     """Serves :data:`POST_PATHS` with ``on_post`` until :meth:`close`."""
 
-    def __init__(self, on_post: PostHandler, *, max_body_bytes: int, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, on_post: PostHandler, *, max_body_bytes: int, timeout_s: float = 10.0, token: str | None = None
+    ) -> None:
         self.on_post = on_post
+        self.token = token
+        """The bearer token a POST must carry (None: none asked for)."""
         self.max_body_bytes = max_body_bytes
         self.timeout_s = timeout_s
         self.server: asyncio.Server | None = None
@@ -114,6 +128,8 @@ class Receiver:
             return Answer(404, {"error": f"no such path {path[:100]!r}"})
         if method != "POST":
             return Answer(405, {"error": "POST the webhook payload"})
+        if not authorized(headers.get("authorization"), self.token):
+            return Answer(401, {"error": "a bearer token is needed (the stack's http.token)"})
         if "chunked" in headers.get("transfer-encoding", "").lower():
             return Answer(411, {"error": "send a Content-Length, not chunks"})
         try:

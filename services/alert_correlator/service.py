@@ -114,6 +114,7 @@ class AlertCorrelator:
         health_timeout_s: float = 2.0,
         health_misses: int = 3,
         cluster_health_lease_s: float = CLUSTER_HEALTH_LEASE_S,
+        http_token: str | None = None,
     ) -> None:
         self.ctx = ctx
         self.inventory = Inventory.from_topology(topology)
@@ -130,7 +131,7 @@ class AlertCorrelator:
         self.http_port = http_port
         self.webhooks = list(webhooks or [])
         self.refresh_s = refresh_s
-        self.receiver = Receiver(self.on_webhook, max_body_bytes=MAX_PAYLOAD_BYTES)
+        self.receiver = Receiver(self.on_webhook, max_body_bytes=MAX_PAYLOAD_BYTES, token=http_token)
         self.latencies_ms: deque[float] = deque(maxlen=_LATENCIES_KEPT)
         self.counts: dict[str, int] = {"published": 0, "webhooks_sent": 0, "webhooks_failed": 0}
         self.http_error: str | None = None

@@ -28,6 +28,7 @@ from waiting import until
 from loom.bus.connection import auth_options, credentials_path
 from loom.client import LoomClient, QueryError
 from loom.runtime import stack
+from loom.security.http_token import bearer_header, otlp_headers
 from loom.telemetry.spanstore import ReceivedSpan, SpanFile
 from loom_proto import subjects
 from loom_proto.jobs import JobSpec, Resources, Work
@@ -188,6 +189,10 @@ async def test_every_job_is_one_trace_from_client_publish_to_completion(
     from loom.telemetry import current_trace_id, reset_for_tests, setup_telemetry
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", store.url)
+    token = stack.local_http_token(store.file.directory.parent)
+    assert token  # the store of a secured stack asks for it
+    for key, value in otlp_headers(token).items():
+        monkeypatch.setenv(key, value)
     provider = setup_telemetry("e2e-client", log_level=None)  # exports to the store, like the services
     try:
         with trace.get_tracer("e2e").start_as_current_span("submit traced-1"):
@@ -437,16 +442,23 @@ def test_loom_status_reports_every_process_healthy(home: Path) -> None:
 
 
 def test_every_service_serves_prometheus_metrics_at_the_url_status_lists(home: Path) -> None:
-    from urllib.request import urlopen
+    from urllib.error import HTTPError
+    from urllib.request import Request, urlopen
 
     from prometheus_client.parser import text_string_to_metric_families
 
     services = [p for p in stack.process_table(home) if p["name"] not in ("supervisor", "nats", "postgres")]
     assert services
+    # A secured stack's endpoints answer only its bearer token (`loom status` names its file).
+    token = stack.local_http_token(home)
+    assert token
     for process in services:
         url = process["metrics_url"]
         assert url, f"{process['name']} has no /metrics URL"
-        with urlopen(url, timeout=10) as answer:
+        with pytest.raises(HTTPError) as refused:
+            urlopen(url, timeout=10)
+        assert refused.value.code == 401, process["name"]
+        with urlopen(Request(url, headers=bearer_header(token)), timeout=10) as answer:
             families = {f.name: f for f in text_string_to_metric_families(answer.read().decode())}
         (info,) = families["loom_service_info"].samples
         assert info.labels["service"] == process["name"]

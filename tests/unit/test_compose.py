@@ -475,6 +475,11 @@ def test_prometheus_scrapes_every_loom_service_on_its_metrics_port() -> None:
         port = _env(svc).get("LOOM_METRICS_PORT")
         assert port, f"{name}: no LOOM_METRICS_PORT, so no /metrics endpoint"
         assert targets[name] == f"{name}:{port}", name
+        # /metrics listens on 127.0.0.1 unless told: another container could not scrape it.
+        assert _env(svc).get("LOOM_METRICS_ADDR") == "0.0.0.0", name
+        assert not any(str(p).endswith(f":{port}") for p in svc.get("ports") or []), (
+            f"{name} publishes /metrics"
+        )
 
 
 def test_prometheus_and_grafana_run_the_mounted_config() -> None:

@@ -135,3 +135,41 @@ def test_loom_up_traces_refuses_an_otlp_endpoint_set_elsewhere(tmp_path: Path) -
     assert out.returncode == 2, out.stdout + out.stderr
     assert "unset one of the two" in out.stderr
     assert not (tmp_path / "stack.json").exists()  # nothing started
+
+
+def test_a_trace_store_with_a_token_answers_only_requests_that_carry_it(tmp_path: Path) -> None:
+    """A secured stack's store: another user of the host can neither read the spans (they name
+    every tenant's jobs) nor post false ones; an SDK exporter given the token's header by the
+    environment the stack sets (`otlp_headers`) is let in."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    from loom.security.http_token import bearer_header, otlp_headers
+
+    store = SpanFile(tmp_path / "traces")
+    server = TraceServer(store.append, store.trace, token="s3cret-token").start()
+    try:
+        sdk = _spans("placement")
+        trace_id = format(sdk[0].context.trace_id, "032x")
+        protobuf = {"Content-Type": "application/x-protobuf"}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret-token"}):
+            status, _ = _post(server.url, _body(sdk), {**protobuf, **headers})
+            assert status == 401
+        assert store.spans() == [] and len(server.errors) == 3 and "bearer token" in server.errors[-1]
+        with pytest.raises(OSError, match="bearer token"):
+            fetch_trace(server.url, trace_id)
+        # The exporter the services run, configured only by the environment `loom up` gives them.
+        saved = os.environ.copy()
+        os.environ.update(otlp_headers("s3cret-token"))
+        try:
+            exporter = OTLPSpanExporter(endpoint=f"{server.url}/v1/traces")
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        assert exporter.export(sdk) == SpanExportResult.SUCCESS
+        assert {s["name"] for s in store.trace(trace_id)} == {"parent", "publish x"}
+        roots = parse_jaeger_trace(
+            fetch_trace(server.url, trace_id, headers=bearer_header("s3cret-token")), trace_id
+        )
+        assert [r.name for r in roots] == ["parent"]
+    finally:
+        server.stop()

@@ -25,6 +25,7 @@ from loom.runtime import stack
 from loom.runtime.config import endpoints, loom_home, nats_endpoint
 from loom.sched.quota import read_tenants
 from loom.security import tenant_of
+from loom.security.http_token import otlp_headers
 from loom.telemetry import configure_logging, setup_telemetry, shutdown_telemetry
 from loom.telemetry.tracing import OTLP_ENDPOINT_ENV
 from loom_proto.jobs import JOB_STATES, TERMINAL_STATES
@@ -172,6 +173,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             report["alerts_webhook_url"] = state["alerts_webhook_url"]
         if stack.trace_store_url(loom_home()):  # not a stopped stack's, gone with it
             report["traces_url"] = state["traces_url"]
+        if state.get("http_token_file"):
+            report["http_token_file"] = state["http_token_file"]
         print(json.dumps(report, indent=2))
     else:
         table = Table(title=f"Loom stack: {status}")
@@ -214,6 +217,13 @@ def cmd_status(args: argparse.Namespace) -> int:
             )
         if state.get("traces_url") and status not in ("stopped", "stopping", "failed"):
             console.print(f"trace store: {state['traces_url']}", highlight=False, soft_wrap=True)
+        if state.get("http_token_file") and status not in ("stopped", "stopping", "failed"):
+            console.print(
+                f"these HTTP endpoints answer only the bearer token in {state['http_token_file']}"
+                " (Prometheus / Alertmanager: authorization: credentials_file)",
+                highlight=False,
+                soft_wrap=True,
+            )
         for problem in problems:
             err.print(f"[red]{escape(problem)}[/red]")
     return 1 if problems else 0
@@ -368,6 +378,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
         store = stack.trace_store_url(loom_home())
         if store and not os.environ.get(OTLP_ENDPOINT_ENV):
             os.environ[OTLP_ENDPOINT_ENV] = store
+            token = stack.local_http_token(loom_home())
+            if token:
+                os.environ.update(otlp_headers(token))
         setup_telemetry("loom-cli", log_level=None, always_identify=True)
         try:
             for spec in specs:

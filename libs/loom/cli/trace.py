@@ -14,6 +14,7 @@ from rich.markup import escape
 
 from loom.cli.output import console, err
 from loom.client import LoomClient, QueryError
+from loom.security.http_token import bearer_header
 from loom.telemetry.jaeger import (
     DEFAULT_JAEGER_URL,
     JAEGER_URL_ENV,
@@ -62,6 +63,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         return 1
     console.print(f"trace {trace_id}")
     source, name = args.jaeger, "Jaeger"
+    headers: dict[str, str] = {}
     if source:
         console.print(f"jaeger {jaeger_link(trace_id, source)}")
     else:
@@ -89,8 +91,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
                 console.print(escape(line), highlight=False)
             return 0
         console.print(f"trace store {source} (loom up --traces)", highlight=False)
+        headers = bearer_header(stack.local_http_token(loom_home()))
     try:
-        roots = parse_jaeger_trace(fetch_trace(source, trace_id, name=name), trace_id)
+        roots = parse_jaeger_trace(fetch_trace(source, trace_id, name=name, headers=headers), trace_id)
     except (OSError, LookupError, ValueError, QueryError) as exc:
         err.print(f"[red]{escape(str(exc))}[/red]")
         return 1

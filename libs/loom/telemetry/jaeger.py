@@ -138,21 +138,33 @@ def render_tree(roots: list[TraceSpan]) -> list[str]:
 
 
 def fetch_trace(
-    base_url: str, trace_id: str, *, timeout_s: float = 5.0, name: str = "Jaeger"
+    base_url: str,
+    trace_id: str,
+    *,
+    timeout_s: float = 5.0,
+    name: str = "Jaeger",
+    headers: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """``GET <base_url>/api/traces/<trace_id>`` from Jaeger's query API (or a store answering it:
-    ``name`` says which in errors), decoded.
+    ``name`` says which in errors), decoded; ``headers`` go with the request (a secured trace
+    store's bearer token).
 
     Raises ValueError for an answer that is not JSON, OSError when it cannot be reached, and
     LookupError when it does not know the trace (404).
     """
     url = f"{base_url.rstrip('/')}/api/traces/{trace_id}"
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as answer:
+        with urllib.request.urlopen(
+            urllib.request.Request(url, headers=headers or {}), timeout=timeout_s
+        ) as answer:
             raw = answer.read()
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
             raise LookupError(f"{name} at {base_url} has no trace {trace_id} (yet)") from exc
+        if exc.code == 401:
+            raise OSError(
+                f"{name} at {base_url} refused the request: it needs the stack's bearer token"
+            ) from exc
         raise OSError(f"{name} at {base_url} answered {exc.code}") from exc
     except urllib.error.URLError as exc:
         raise OSError(f"{name} at {base_url} cannot be reached: {exc.reason}") from exc

@@ -10,14 +10,32 @@ A service process serves ``/metrics`` when ``LOOM_METRICS_PORT`` is set (``loom 
 service its own port and lists them in ``loom status``; compose sets 9464): :func:`serve_metrics`,
 called by :func:`loom.runtime.service.run`. Labels name regions, clusters, links, consumers,
 tenants and teams, never jobs, so the number of series stays bounded.
+
+The endpoint shows every tenant's usage and cost, so it listens on 127.0.0.1 unless
+``LOOM_METRICS_ADDR`` says otherwise (compose: 0.0.0.0, inside its own network; before, every
+service listened on every interface, prometheus-client's default), and on a secured stack it
+answers only the stack's bearer token (:mod:`loom.security.http_token`).
 """
 
 import os
+import threading
 from collections.abc import Iterable
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.process_collector import ProcessCollector
+
+from loom.security.http_token import authorized, http_token_from_env
 
 __all__ = [
     "CLUSTER_FREE_GPUS",
@@ -30,6 +48,7 @@ __all__ = [
     "DEAD_LETTERS",
     "DECISIONS",
     "DECISION_LATENCY",
+    "ENV_METRICS_ADDR",
     "ENV_METRICS_PORT",
     "LINK_COST",
     "LINK_LOSS",
@@ -48,6 +67,8 @@ __all__ = [
 
 ENV_METRICS_PORT = "LOOM_METRICS_PORT"
 """The port a service serves ``/metrics`` on (0: any free port); unset: no endpoint."""
+ENV_METRICS_ADDR = "LOOM_METRICS_ADDR"
+"""The address ``/metrics`` listens on (default 127.0.0.1; compose sets 0.0.0.0)."""
 
 REGISTRY = CollectorRegistry()
 """Every Loom metric (and the process's CPU, memory and file descriptors)."""
@@ -185,15 +206,51 @@ def exported_names() -> frozenset[str]:
     return frozenset(names)
 
 
-def serve_metrics(service: str, port: int | None = None) -> int | None:
-    """Serve ``/metrics`` on ``port`` (default ``$LOOM_METRICS_PORT``); returns the port, or None
-    when no port is configured. The server runs in a daemon thread."""
+def serve_metrics(
+    service: str, port: int | None = None, *, addr: str | None = None, token: str | None = None
+) -> int | None:
+    """Serve ``/metrics`` on ``port`` (default ``$LOOM_METRICS_PORT``) of ``addr`` (default
+    ``$LOOM_METRICS_ADDR``, else 127.0.0.1); returns the port, or None when no port is configured.
+    ``token`` (default: the stack's, from ``$LOOM_HTTP_TOKEN_FILE``; None: open) is the bearer
+    token a scrape must carry. The server runs in a daemon thread."""
     if port is None:
         text = os.environ.get(ENV_METRICS_PORT, "").strip()
         if not text:
             SERVICE_INFO.labels(service).set(1)
             return None
         port = int(text)
-    server, _thread = start_http_server(port, registry=REGISTRY)
+    if addr is None:
+        addr = os.environ.get(ENV_METRICS_ADDR, "").strip() or "127.0.0.1"
+    if token is None:
+        token = http_token_from_env()
+    server = ThreadingHTTPServer((addr, port), _metrics_handler(token))
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     SERVICE_INFO.labels(service).set(1)
-    return int(server.server_port)
+    return int(server.server_address[1])
+
+
+def _metrics_handler(token: str | None) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if not authorized(self.headers.get("Authorization"), token):
+                self._reply(HTTPStatus.UNAUTHORIZED, b"a bearer token is needed\n", "text/plain")
+                return
+            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                self._reply(HTTPStatus.NOT_FOUND, b"only /metrics is served\n", "text/plain")
+                return
+            self._reply(HTTPStatus.OK, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
+
+        def _reply(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            if status == HTTPStatus.UNAUTHORIZED:
+                self.send_header("WWW-Authenticate", 'Bearer realm="loom"')
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # a scrape every few seconds is not news
+
+    return Handler

@@ -8,7 +8,10 @@ would from Jaeger, and ``loom submit`` exports its own span there. Spans are JSO
 it passes :data:`ROTATE_BYTES`, so the store holds between one and two files' worth of the newest
 spans whatever the stack runs for: at 300-600 bytes a span, some 100,000-400,000 spans (hours of an
 ordinary stack; under a burst of hundreds of jobs a second, less than a minute of it). The files
-are the home owner's alone (0600 in a 0700 directory): they name every tenant's jobs.
+are the home owner's alone (0600 in a 0700 directory): they name every tenant's jobs. For the same
+reason a store given a ``token`` (a secured stack's, :mod:`loom.security.http_token`) answers
+only requests that carry it as a bearer token, exports and queries alike (401 otherwise): another
+user of the host can neither read the spans nor post false ones.
 
 Only protobuf bodies (what ``opentelemetry-exporter-otlp-proto-http`` sends, gzip or deflate
 allowed) are understood; a body that does not decode gets 400 and is counted in ``errors``. Logs
@@ -27,6 +30,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypedDict
+
+from loom.security.http_token import authorized
 
 __all__ = [
     "JAEGER_TRACES_PATH",
@@ -228,7 +233,8 @@ class SpanFile:
 class TraceServer:
     """An OTLP/HTTP receiver and Jaeger query endpoint on ``host``, port ``port`` (0: a free one),
     served from a background thread: received spans go to ``sink``, and ``GET
-    /api/traces/<id>`` answers what ``lookup(id)`` returns."""
+    /api/traces/<id>`` answers what ``lookup(id)`` returns. With a ``token`` only requests that carry
+    ``Authorization: Bearer <token>`` are served (the others get 401 and count in ``errors``)."""
 
     def __init__(
         self,
@@ -237,8 +243,10 @@ class TraceServer:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
+        token: str | None = None,
     ) -> None:
         self._sink = sink
+        self._token = token
         self._lookup = lookup
         self._address = (host, port)
         self._server: ThreadingHTTPServer | None = None
@@ -266,7 +274,17 @@ class TraceServer:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive, as the exporter's session expects
 
+            def _allowed(self) -> bool:
+                if authorized(self.headers.get("Authorization"), owner._token):
+                    return True
+                owner._refused(f"{self.command} {self.path.split('?')[0]}: no or a wrong bearer token")
+                self.close_connection = True  # the body, if any, is left unread
+                self._reply(HTTPStatus.UNAUTHORIZED, b"a bearer token is needed\n", "text/plain")
+                return False
+
             def do_POST(self) -> None:
+                if not self._allowed():
+                    return
                 try:
                     length = int(self.headers.get("Content-Length") or 0)
                 except ValueError:
@@ -296,6 +314,8 @@ class TraceServer:
                 self._reply(HTTPStatus.OK, b"")  # an empty ExportTraceServiceResponse
 
             def do_GET(self) -> None:
+                if not self._allowed():
+                    return
                 path = self.path.split("?")[0]
                 if not path.startswith(JAEGER_TRACES_PATH):
                     self._reply(HTTPStatus.NOT_FOUND, b"", "application/json")
@@ -314,6 +334,8 @@ class TraceServer:
                 self, status: HTTPStatus, payload: bytes, content_type: str = "application/x-protobuf"
             ) -> None:
                 self.send_response(status)
+                if status == HTTPStatus.UNAUTHORIZED:
+                    self.send_header("WWW-Authenticate", 'Bearer realm="loom"')
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()

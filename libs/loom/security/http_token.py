@@ -1,0 +1,99 @@
+"""One bearer token for a stack's local HTTP endpoints: ``/metrics``, the trace store, the webhook.
+
+A secured stack (``loom up``, the default) keeps ``<home>/secrets/http.token`` (mode 0600 in a
+0700 directory) and gives its path to every process it starts in ``$LOOM_HTTP_TOKEN_FILE``. Each
+service's Prometheus ``/metrics``, the trace store (``loom up --traces``) and the alert
+correlator's Alertmanager webhook then answer only a request that carries
+``Authorization: Bearer <token>`` (401 otherwise, with ``WWW-Authenticate: Bearer``): they show
+every tenant's usage, cost and jobs, and the webhook raises incidents, so another user of the
+host must not reach them. Loom's own readers (``loom trace``, ``loom submit``'s span, the OTLP
+exporters of the services) send it; Prometheus and Alertmanager take it as
+``authorization: {credentials_file: <home>/secrets/http.token}``.
+
+Without ``$LOOM_HTTP_TOKEN_FILE`` (``loom up --no-secure``, a service started by hand, tests) the
+endpoints are open, as NATS is then. A variable naming a file that cannot be read, or an empty
+one, is an error at the process's start, never an open endpoint.
+"""
+
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+from loom.security.credentials import write_secret
+
+__all__ = [
+    "ENV_HTTP_TOKEN_FILE",
+    "HTTP_TOKEN_FILE",
+    "authorized",
+    "bearer_header",
+    "ensure_http_token",
+    "http_token_from_env",
+    "otlp_headers",
+    "read_http_token",
+]
+
+ENV_HTTP_TOKEN_FILE = "LOOM_HTTP_TOKEN_FILE"
+"""Path of the file holding the bearer token the local HTTP endpoints ask for (unset: open)."""
+HTTP_TOKEN_FILE = Path("secrets") / "http.token"
+"""Where a stack's token lives under its home."""
+OTLP_HEADERS_ENV = "OTEL_EXPORTER_OTLP_TRACES_HEADERS"
+"""The OpenTelemetry exporter's headers for spans (``key=value``, the value URL-encoded)."""
+
+
+def ensure_http_token(home: Path) -> Path:
+    """The token file of the stack at ``home``, written (0600) with a fresh token on first use;
+    kept across restarts so a Prometheus configured with it keeps scraping."""
+    path = home / HTTP_TOKEN_FILE
+    try:
+        if read_http_token(path):
+            return path
+    except (OSError, ValueError):
+        pass
+    write_secret(path, secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+def read_http_token(path: Path) -> str:
+    """The token in ``path`` (ValueError for an empty file; OSError when it cannot be read)."""
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"{path} holds no token")
+    return token
+
+
+def http_token_from_env(environ: "os._Environ[str] | dict[str, str] | None" = None) -> str | None:
+    """The token this process's endpoints ask for: from ``$LOOM_HTTP_TOKEN_FILE``, or None (open)
+    when the variable is unset or empty. Raises ValueError naming the variable when the file it
+    names cannot be read or is empty: an endpoint never falls open by mistake."""
+    env = os.environ if environ is None else environ
+    name = env.get(ENV_HTTP_TOKEN_FILE, "").strip()
+    if not name:
+        return None
+    try:
+        return read_http_token(Path(name))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"${ENV_HTTP_TOKEN_FILE} names {name!r}, which gives no token: {exc}") from exc
+
+
+def authorized(header: str | None, token: str | None) -> bool:
+    """Whether a request whose ``Authorization`` header is ``header`` may be answered: always
+    when no token is asked for, else only ``Bearer <token>`` (compared in constant time)."""
+    if token is None:
+        return True
+    if not header:
+        return False
+    scheme, _, given = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def bearer_header(token: str | None) -> dict[str, str]:
+    """The header a reader sends (none without a token)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def otlp_headers(token: str) -> dict[str, str]:
+    """The environment an OTLP/HTTP span exporter needs to send ``token`` with every export."""
+    return {OTLP_HEADERS_ENV: f"Authorization=Bearer%20{token}"}
