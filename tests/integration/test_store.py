@@ -10,8 +10,10 @@ import asyncpg
 import msgspec
 import pytest
 from nats.aio.client import Client
+from nats.js.api import StreamConfig
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from waiting import until
 
 from loom.bus import Publisher, connect, ensure_streams
 from loom.model.capacity import NodeCapacity
@@ -253,6 +255,76 @@ async def test_outbox_keeps_the_first_message_of_an_id_and_flushes_only_its_prod
     stored = await nc.jetstream().get_last_msg("JOBS", subject)
     assert stored.data == first.payload
     assert await subject_count(nc, subject) == 1, "the other producer's row waits for its own relay"
+
+
+async def stream_msg_ids(nc: Client, stream: str) -> list[str]:
+    """The ids of a stream's messages, in the order it stored them."""
+    js = nc.jetstream()
+    count = (await js.stream_info(stream)).state.messages
+    return [((await js.get_msg(stream, seq)).headers or {})["Nats-Msg-Id"] for seq in range(1, count + 1)]
+
+
+async def commit(
+    pool: asyncpg.Pool, producer: str, message: outbox.OutboxMessage
+) -> list[outbox.OutboxMessage]:
+    async with transaction(pool) as conn:
+        await outbox.add(conn, producer, [message])
+    return [message]
+
+
+async def test_after_a_failed_fast_path_later_commits_wait_for_the_relay_to_send_it_first(
+    pool: asyncpg.Pool, nc: Client
+) -> None:
+    # A job's placed event failed on its fast path (no stream took it: a leader election, say);
+    # the job's next event, committed after, went out on its own fast path before the relay sent
+    # the placed one, so consumers saw the job's events out of order (a review).
+    producer, token = unique("producer"), uuid.uuid4().hex[:10]
+    stream, subject = f"ORDER_{token}", f"ordertest.{token}.job-1"
+    relay = outbox.OutboxRelay(pool, Publisher(nc, timeout_s=2.0), producer)
+    assert await relay.flush() == 0  # start-up: nothing left over, the fast path may go
+    placed = outbox.message(subject, started(token, 1), f"{token}:placed")
+    assert await relay.publish_now(await commit(pool, producer, placed)) == 0, "no stream yet"
+    await nc.jetstream().add_stream(StreamConfig(name=stream, subjects=[f"ordertest.{token}.>"]))
+    try:
+        finished = outbox.message(subject, started(token, 2), f"{token}:finished")
+        await relay.publish_now(await commit(pool, producer, finished))
+        await relay.flush()  # the relay's round
+        assert await stream_msg_ids(nc, stream) == [placed.msg_id, finished.msg_id]
+        # Caught up: the fast path sends the next commit itself again.
+        later = outbox.message(subject, started(token, 3), f"{token}:later")
+        assert await relay.publish_now(await commit(pool, producer, later)) == 1
+        assert await stream_msg_ids(nc, stream) == [placed.msg_id, finished.msg_id, later.msg_id]
+    finally:
+        await nc.jetstream().delete_stream(stream)
+
+
+async def test_the_background_relay_sends_what_the_fast_path_left_it_without_waiting_for_its_age(
+    pool: asyncpg.Pool, nc: Client
+) -> None:
+    producer, token = unique("producer"), uuid.uuid4().hex[:10]
+    stream, subject = f"ORDER_{token}", f"ordertest.{token}.job-1"
+    relay = outbox.OutboxRelay(pool, Publisher(nc, timeout_s=2.0), producer)
+    assert await relay.flush() == 0
+    placed = outbox.message(subject, started(token, 1), f"{token}:placed")
+    assert await relay.publish_now(await commit(pool, producer, placed)) == 0, "no stream yet"
+    await nc.jetstream().add_stream(StreamConfig(name=stream, subjects=[f"ordertest.{token}.>"]))
+    stopping = asyncio.Event()
+    # Rounds of old rows only (a minute): what the fast path left must not wait that long.
+    background = asyncio.create_task(relay.run(stopping, idle_s=0.2, min_age_s=60.0))
+    try:
+        finished = outbox.message(subject, started(token, 2), f"{token}:finished")
+        await relay.publish_now(await commit(pool, producer, finished))
+
+        async def both() -> bool:
+            return bool((await nc.jetstream().stream_info(stream)).state.messages >= 2)
+
+        await until(both, 10, "the relay to send both rows")
+        assert await stream_msg_ids(nc, stream) == [placed.msg_id, finished.msg_id]
+    finally:
+        stopping.set()
+        relay.kick()
+        await asyncio.wait_for(background, timeout=10)
+        await nc.jetstream().delete_stream(stream)
 
 
 async def test_outbox_rows_the_bus_refuses_for_good_are_set_aside_and_hold_back_nothing(

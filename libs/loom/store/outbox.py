@@ -5,6 +5,10 @@ the commit the service calls :meth:`OutboxRelay.flush`, which publishes pending 
 their deterministic ids and marks them published. If the process dies in between, the next flush
 (at start-up, or after the next commit) publishes them; JetStream's duplicate window absorbs a
 message published twice because the mark did not commit.
+
+A producer's rows go out in commit order (``outbox.id``): a consumer must not see a job's later
+event before its ``placed``. So once a fast-path publish fails, the fast path stands aside and the
+relay publishes every row in order until it finds none pending (:attr:`OutboxRelay.behind`).
 """
 
 import asyncio
@@ -80,6 +84,13 @@ class OutboxRelay:
         self._kick = asyncio.Event()
         self._sending: set[str] = set()
         """Ids publish_now has sent and not yet marked (flush leaves them to it)."""
+        self.behind = True
+        """Rows older than the next commit's may be pending: the fast path (:meth:`publish_now`)
+        leaves its rows to the relay, which sends them after the older ones. Set when a send
+        fails; cleared by a flush of every age that finds nothing pending, under the lock the
+        fast path sends under, so no commit slips between that look and the fast path's next send.
+        True at first: the rows a dead process left are not known until the first such flush (the
+        services run one at start-up)."""
         self.published = 0
         self.set_aside = 0
         """Rows the bus refused for good, set aside (``outbox.refused`` says why)."""
@@ -94,14 +105,15 @@ class OutboxRelay:
         Publishing off the handler's path lets the next batch's transaction overlap this batch's
         publishes; the outbox row, not the handler, is what guarantees the message goes out.
         These rounds take only rows at least ``min_age_s`` old: younger ones are the fast path's
-        (:meth:`publish_now`), which a flush would only publish twice, acks and all.
+        (:meth:`publish_now`), which a flush would only publish twice, acks and all. While the
+        relay is :attr:`behind` they take every row: the fast path has left its rows to them.
         """
         while not stopping.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), timeout=idle_s)
             self._kick.clear()
             try:
-                await self.flush(min_age_s=min_age_s)
+                await self.flush(min_age_s=0.0 if self.behind else min_age_s)
             except Exception as exc:  # rows stay pending; the next round retries them
                 log.warning("outbox flush failed", producer=self._producer, error=repr(exc))
                 await asyncio.sleep(0.5)
@@ -113,19 +125,30 @@ class OutboxRelay:
     ) -> int:
         """Publish messages just committed to the outbox, without reading them back, and mark them.
 
-        The fast path after a commit; whatever fails here stays pending for :meth:`flush`.
-        ``on_sent`` is called once they are handed to NATS, before their acks are awaited.
+        The fast path after a commit; whatever fails here stays pending for :meth:`flush`, and so
+        do later commits' messages until the relay has caught up (:attr:`behind`): sent now, they
+        would overtake the ones that failed. ``on_sent`` is called once they are handed to NATS,
+        before their acks are awaited (not when they are left to the relay).
         """
         if not messages:
             return 0
         # Sent in commit order, one batch after the other; the acks are awaited outside the lock,
         # so the next commit's messages go out while this batch's are being stored.
         async with self._lock:
-            sent = await self._claim_and_send(messages)
+            if self.behind:
+                self.kick()  # committed, so the relay's next round sends them after the older ones
+                return 0
+            try:
+                sent = await self._claim_and_send(messages)
+            except BaseException:
+                self.behind = True
+                self.kick()
+                raise
         if on_sent is not None:
             on_sent()
         done, settled = await self._settle(messages, sent)
         if settled < len(messages):
+            self.behind = True
             self.kick()
         return len(done)
 
@@ -136,7 +159,10 @@ class OutboxRelay:
         come back. A round for old rows only (``min_age_s`` above 0, the background rounds) first
         looks without the lock whether there is any: the usual round finds none, and holding the
         lock over that query held up the fast path (:meth:`publish_now` sends under it) after
-        every commit that fell in it."""
+        every commit that fell in it.
+
+        A flush of every age that finds nothing pending lets the fast path go again (:attr:`behind`);
+        one that leaves rows pending (failed, or still in the fast path's hand) holds it back."""
         total = 0
         if min_age_s > 0 and not await self._pool.fetchval(
             """SELECT EXISTS (SELECT 1 FROM outbox
@@ -162,12 +188,20 @@ class OutboxRelay:
                     for r in rows
                     if r["msg_id"] not in self._sending  # publish_now has it in hand
                 ]
+                if not rows and min_age_s <= 0:
+                    self.behind = False  # caught up: the next commit is the oldest pending
                 if not pending:
                     return total
-                sent = await self._claim_and_send(pending)
+                try:
+                    sent = await self._claim_and_send(pending)
+                except BaseException:
+                    self.behind = True
+                    raise
             done, settled = await self._settle(pending, sent)
             total += len(done)
             if settled < len(rows):
+                if settled < len(pending):
+                    self.behind = True
                 return total  # some failed (or were in hand): the next flush tries again
 
     async def _claim_and_send(self, messages: Sequence[OutboxMessage]) -> SentBatch:
