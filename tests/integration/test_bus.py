@@ -763,6 +763,55 @@ async def test_suspects_waiting_their_turn_are_kept_alive_and_handled_once(
     assert sorted(job for job, n in handled if n > 1) == ["job-0", "job-1", "job-2"], handled
 
 
+async def test_a_suspect_handled_alone_is_kept_alive_until_it_is_settled(
+    nc: Client, start_consumer: StartConsumer
+) -> None:
+    """A suspect is handled alone; before, it was said to be in progress only while its handler
+    ran, and a settling that outlasted the ack wait (here: the probe of a slow database its
+    failure pointed at) had the server redeliver it: the copy was handled after the message had
+    been dead-lettered (a review)."""
+    tenant = unique("t")
+    subject = s.job_submitted(tenant)
+
+    async def probe() -> None:
+        await asyncio.sleep(1.5)  # slow, but it answers: no outage; longer than the ack wait
+
+    dependencies = Dependencies(Dependency("db", probe, lambda exc: isinstance(exc, UnavailableError)))
+    handled: list[int] = []
+
+    async def handler(d: Delivery[JobSubmitted]) -> None:
+        handled.append(d.num_delivered)
+        if d.num_delivered == 1:
+            raise TransientError("fails once")  # comes back as a suspect (suspect_after=1)
+        if d.num_delivered == 2:
+            raise UnavailableError("database slow", dependency="db")  # its second failure: dead-lettered
+
+    await Publisher(nc).publish(subject, submitted(tenant, 0), msg_id=f"{tenant}-0")
+    spec = consumer_spec(
+        [subject], ack_wait_s=1.0, first_nak_delay_s=0.3, max_nak_delay_s=0.3, suspect_after=1, max_deliver=2
+    )
+    runner = await start_consumer(
+        spec,
+        JobSubmitted,
+        handler=handler,
+        callback_pull=True,
+        linger_s=0.0,
+        idle_fetch_timeout_s=2.0,
+        dependencies=dependencies,
+    )
+    try:
+
+        async def dead_lettered() -> bool:
+            return runner.counts["dead_lettered"] >= 1
+
+        await until(dead_lettered, 3 * WAIT_S, "the message dead-lettered")
+        await asyncio.sleep(3.0)  # a redelivered copy would be handled by now
+    finally:
+        await dependencies.close()
+    assert handled == [1, 2], "handled again after its dead letter"
+    assert runner.counts["acked"] == 0
+
+
 async def test_a_pipelined_consumer_fetches_the_next_batch_while_one_is_handled_and_settles_each(
     nc: Client, start_consumer: StartConsumer
 ) -> None:

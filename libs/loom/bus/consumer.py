@@ -819,15 +819,32 @@ class ConsumerRunner(Generic[T]):
         """Handle a much-redelivered message alone, its attempt recorded before and closed after.
 
         Without the record (NATS does not answer the bucket) it is handled as any other message.
+        Kept alive from its turn until it is settled: the record's reads and writes, the handler,
+        probing an outage its failure points at and a dead letter's publish may each outlast the
+        ack wait, and past it the server redelivers it, to be handled beside (or after) this
+        settling; before, only the handler was covered (a review). Out of the keep-alive once
+        settled (an in-progress would hold back the redelivery of one given back).
         """
+        alive = {id(delivery.msg): delivery.msg}
+        keepalive = asyncio.create_task(self._keep_alive(alive.values()))
+        try:
+            await self._attempt_suspect(delivery, alive)
+        finally:
+            keepalive.cancel()
+
+    async def _attempt_suspect(self, delivery: Delivery[T], alive: dict[int, Msg]) -> None:
+        """The body of :meth:`_process_suspect`; empties ``alive`` as the delivery is settled (or
+        handed to :meth:`_process_decoded`, which keeps it alive itself)."""
         seq = delivery.stream_seq
         if self.waiting_for:  # an earlier message of the batch met an outage: give this one back
+            alive.clear()
             await self._hold(delivery, UnavailableError(",".join(self.waiting_for)), self.waiting_for)
             return
         if self._attempts is None:
             self._attempts = AttemptLog(self._js, self.spec.stream, self.spec.durable)
         loop = asyncio.get_running_loop()
         if loop.time() < self._attempts_off_until:
+            alive.clear()
             await self._process_decoded([delivery])
             return
         try:
@@ -839,6 +856,7 @@ class ConsumerRunner(Generic[T]):
                 down = await self.dependencies.confirm(self.dependencies.names)
                 if down:
                     self.waiting_for = down
+                    alive.clear()
                     await self._hold(delivery, UnavailableError(",".join(down)), down)
                     return
                 crash = CrashLoopError(
@@ -847,6 +865,7 @@ class ConsumerRunner(Generic[T]):
                     + (f"; last error: {before.error}" if before.error else "")
                 )
                 await self._dead_letter(delivery.msg, crash, delivery.span, failures=before.failures)
+                alive.clear()
                 await self._forget(seq)
                 return
             async with asyncio.timeout(_ATTEMPTS_TIMEOUT_S):
@@ -861,28 +880,33 @@ class ConsumerRunner(Generic[T]):
                 error=repr(exc),
                 off_s=_ATTEMPTS_OFF_S,
             )
+            alive.clear()
             await self._process_decoded([delivery])
             return
         if before.failures > self._failures.get(seq, 0):
             self._failures[seq] = before.failures
-        keepalive = asyncio.create_task(self._keep_alive([delivery.msg]))
-        try:
-            outcome = (await self._handle([delivery]))[0]
-        finally:
-            keepalive.cancel()
+        outcome = (await self._handle([delivery]))[0]
         down = await self._outages([outcome])
         if outcome is not None and (suspects := self._outage_of(outcome, down)) is not None:
+            alive.clear()  # a nak: no in-progress after it
             await self._hold(delivery, outcome, suspects)
             self.waiting_for = down
             settled = False
         else:
             await self._settle(delivery, outcome)
+            alive.clear()
             settled = (
                 outcome is None
                 or _never_succeeds(outcome)
                 or (not _not_ours(outcome) and seq not in self._failures)
             )
-        # The attempt came back: close it (the record goes once the message is settled for good).
+        await self._close_attempt(seq, before, outcome, settled=settled)
+
+    async def _close_attempt(
+        self, seq: int, before: Attempts, outcome: BaseException | None, *, settled: bool
+    ) -> None:
+        """The attempt came back: close it (the record goes once the message is settled for good)."""
+        assert self._attempts is not None
         if settled:
             await self._forget(seq)
             return
