@@ -7,6 +7,7 @@ the message, which JetStream redelivers after the ack wait, as after a SIGKILL.
 """
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,10 +15,12 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from waiting import until
 
 from loom.bus import ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
+from loom.bus.attempts import AttemptLog, Attempts
 from loom.bus.outage import Dependencies, Dependency
-from loom.errors import UnavailableError
+from loom.errors import TransientError, UnavailableError
 from loom_proto import subjects as s
 
 ACK_WAIT_S = 0.6
@@ -196,3 +199,53 @@ async def test_a_handler_that_fails_once_per_process_life_is_dead_lettered_after
         assert deliveries == [1, 2, 3], "failed in lives 1 (not yet a suspect) and 2, dead-lettered in 3"
     finally:
         await nc.jetstream().delete_consumer(spec.stream, spec.durable)
+
+
+async def test_two_overlapping_attempts_at_a_suspect_keep_each_others_open_attempt(
+    nc: Client, nats_url: str
+) -> None:
+    """Two consumers of a durable work the same suspect at once (the first one's keep-alive too
+    slow for the ack wait: here another instance shortened it). Before, each wrote the record it
+    had read, changed: the first one's close wrote ``open`` back to what it had read, and the
+    second one's attempt, still running, was no longer on record, so its process dying would not
+    count as a crash (a review)."""
+    subject = s.cluster_command(unique("c"), "stop")
+    # Suspects from the first delivery on; the first instance's nak holds the message a while.
+    quick = spec_for(subject, suspect_after=0, max_crashes=5, first_nak_delay_s=30.0, max_nak_delay_s=30.0)
+    slow = dataclasses.replace(quick, ack_wait_s=30.0)  # kept alive every 10 s
+    a_in, b_in, release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    seqs: list[int] = []
+
+    async def first(d: Delivery[bytes]) -> None:
+        seqs.append(d.stream_seq)
+        a_in.set()
+        await asyncio.wait_for(b_in.wait(), 10.0)  # the second instance has it too
+        raise TransientError("the first attempt fails")
+
+    async def second(d: Delivery[bytes]) -> None:
+        b_in.set()
+        await asyncio.wait_for(release.wait(), 20.0)
+
+    other = await connect(nats_url, "test-crash-overlap")
+    a: ConsumerRunner[bytes] = ConsumerRunner(nc, slow, bytes, handler=first, idle_fetch_timeout_s=0.2)
+    b: ConsumerRunner[bytes] = ConsumerRunner(other, quick, bytes, handler=second, idle_fetch_timeout_s=0.2)
+    await a.start()
+    try:
+        await Publisher(nc).publish_bytes(subject, b"{}", msg_id=unique("m"))
+        await asyncio.wait_for(a_in.wait(), 10.0)
+        await b.start()  # the server's ack wait is now short: the message goes to b as well
+        await asyncio.wait_for(b_in.wait(), 10.0)
+        log = AttemptLog(nc.jetstream(), slow.stream, slow.durable)
+
+        async def first_closed() -> Attempts | None:
+            record = await log.get(seqs[0])
+            return record if record.failures == 1 else None  # its failure is written as it closes
+
+        record = await until(first_closed, 10.0, "the first attempt closed")
+        assert record.open == 1, f"the second attempt, still running, is on record: {record}"
+    finally:
+        release.set()
+        await b.stop()
+        await a.stop()
+        await other.close()
+        await nc.jetstream().delete_consumer(slow.stream, slow.durable)

@@ -20,7 +20,7 @@ from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from loom.bus import BusError, ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect, ensure_streams
-from loom.bus.attempts import AttemptLog, Attempts, ensure_bucket
+from loom.bus.attempts import AttemptLog, Attempts, ensure_bucket, opened
 from loom.cli.credentials import cmd_rotate
 from loom.runtime.servers import NatsServer
 from loom.security import CredentialStore, Identity, admin_identity, read, tenant_identity
@@ -353,6 +353,9 @@ async def test_an_agent_keeps_its_own_consumers_attempt_records_and_no_one_elses
     assert (await own.get(7)).open == 1
     await own.forget(7)
     assert (await own.get(7)).open == 0
+    # Opened as a consumer opens it: written at the revision read (the removal's marker here).
+    assert await own.change(7, lambda r: opened(r, 3)) == (Attempts(), Attempts(open=1))
+    assert (await own.get(7)).open == 1
     other = AttemptLog(agent.nc.jetstream(timeout=1.0), "CLUSTERS", "agent-c2")
     with pytest.raises((nats.errors.Error, TimeoutError)):  # refused: the client gets no ack
         await other.put(7, Attempts(open=1))

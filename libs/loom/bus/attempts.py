@@ -18,17 +18,23 @@ down what it is about to do before doing it:
 
 Records live in the KV bucket ``LOOM_ATTEMPTS`` (key ``<stream>.<durable>.<stream seq>``, removed
 once the message is settled for good, expired after 7 days otherwise). Only suspect deliveries pay
-for it (one get and two puts); a message delivered once or twice never touches the bucket.
+for it (two gets and two writes); a message delivered once or twice never touches the bucket.
+
+Two attempts at one message can overlap (two consumers of a durable, a redelivery while the first
+copy is still handled), so a record is changed only at the revision it was read at, and read
+again when another attempt wrote it meanwhile (:meth:`AttemptLog.change`): a plain put of what
+one attempt read lost the other's change (its attempt left open, or closed for it).
 """
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 import msgspec
 import nats.errors
 import structlog
 from nats.js import JetStreamContext
-from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
+from nats.js.errors import BadRequestError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 
 ATTEMPTS_BUCKET = "LOOM_ATTEMPTS"
@@ -39,6 +45,13 @@ log = structlog.get_logger("loom.bus")
 TRANSIENT = (nats.errors.Error, TimeoutError, OSError)
 """What the bucket raises when NATS does not answer this time."""
 
+_CHANGE_TRIES = 16
+"""Tries of one change that other attempts keep writing first (each a read and a write)."""
+
+
+class AttemptConflictError(nats.errors.Error):
+    """Other attempts wrote the record before every try of a change (one of :data:`TRANSIENT`)."""
+
 
 class Attempts(msgspec.Struct, frozen=True):
     """What is known of the earlier attempts at one message."""
@@ -46,6 +59,25 @@ class Attempts(msgspec.Struct, frozen=True):
     open: int = 0
     failures: int = 0
     error: str = ""
+
+
+def opened(record: Attempts, max_crashes: int) -> Attempts | None:
+    """The record with one more attempt open; None when ``max_crashes`` attempts never came back
+    (a crash loop: the message is dead-lettered, not tried again)."""
+    if record.open >= max_crashes:
+        return None
+    return msgspec.structs.replace(record, open=record.open + 1)
+
+
+def closed(record: Attempts, before: Attempts, failures: int, error: str) -> Attempts:
+    """The record with one attempt closed, as it is now (``record``): the attempt opened on
+    ``before`` and knows ``failures`` in all; the failures it added beyond ``before`` are added
+    to what other attempts wrote meanwhile."""
+    return Attempts(
+        open=max(record.open - 1, 0),
+        failures=record.failures + max(failures - before.failures, 0),
+        error=error,
+    )
 
 
 class AttemptLog:
@@ -61,25 +93,55 @@ class AttemptLog:
         return f"{self._prefix}.{stream_seq}"
 
     async def get(self, stream_seq: int) -> Attempts:
-        """The record of a message; an empty one when there is none. A read that fails drops the
-        bucket's handle, so the next opens it afresh: nats-py decides when it opens a bucket
-        whether to read by direct get, and an agent that opened it before a service updated it to
-        serve them read by the message-get API, which its permissions no longer allow."""
+        """The record of a message; an empty one when there is none."""
+        return (await self.read(stream_seq))[0]
+
+    async def read(self, stream_seq: int) -> tuple[Attempts, int]:
+        """The record of a message (an empty one when there is none) and the revision to change it
+        at (:meth:`write`). A read that fails drops the bucket's handle, so the next opens it
+        afresh: nats-py decides when it opens a bucket whether to read by direct get, and an agent
+        that opened it before a service updated it to serve them read by the message-get API,
+        which its permissions no longer allow."""
         kv = await self._bucket()
         try:
             entry = await kv.get(self.key(stream_seq))
-        except KeyNotFoundError:
-            return Attempts()
+        except KeyNotFoundError as exc:
+            # Removed (the purge marker's revision is the one to write at) or never written (0).
+            marker = getattr(exc, "entry", None)
+            return Attempts(), int(getattr(marker, "revision", 0) or 0)
         except Exception:
             self._kv = None
             raise
+        revision = int(entry.revision or 0)
         if not entry.value:
-            return Attempts()
+            return Attempts(), revision
         try:
-            return msgspec.json.decode(entry.value, type=Attempts)
+            return msgspec.json.decode(entry.value, type=Attempts), revision
         except msgspec.DecodeError:
             log.warning("unreadable attempt record, starting afresh", key=self.key(stream_seq))
-            return Attempts()
+            return Attempts(), revision
+
+    async def write(self, stream_seq: int, attempts: Attempts, revision: int) -> bool:
+        """Write the record if it is still at ``revision`` (0: there is none); False when another
+        attempt wrote it since. Returns once the stream has stored it."""
+        kv = await self._bucket()
+        try:
+            await kv.update(self.key(stream_seq), msgspec.json.encode(attempts), last=revision)
+        except KeyWrongLastSequenceError:
+            return False
+        return True
+
+    async def change(
+        self, stream_seq: int, change: Callable[[Attempts], Attempts | None]
+    ) -> tuple[Attempts, Attempts | None]:
+        """Apply ``change`` to the record as it is now (None: leave it), again on what another
+        attempt wrote meanwhile; the record it was applied to, and the one written."""
+        for _ in range(_CHANGE_TRIES):
+            before, revision = await self.read(stream_seq)
+            after = change(before)
+            if after is None or await self.write(stream_seq, after, revision):
+                return before, after
+        raise AttemptConflictError(f"attempt record {self.key(stream_seq)} changed under every try")
 
     async def put(self, stream_seq: int, attempts: Attempts) -> None:
         """Write the record; returns once the stream has stored it."""

@@ -36,13 +36,13 @@ stream sequence so a redelivered poison message is dead-lettered once.
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-import msgspec
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -58,6 +58,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from loom.bus.attempts import TRANSIENT as ATTEMPTS_TRANSIENT
 from loom.bus.attempts import AttemptLog, Attempts
+from loom.bus.attempts import closed as attempt_closed
+from loom.bus.attempts import opened as attempt_opened
 from loom.bus.connection import BusError, announces_reconnects, on_reconnected
 from loom.bus.outage import Dependencies, of_connection
 from loom.bus.publisher import Publisher
@@ -848,9 +850,12 @@ class ConsumerRunner(Generic[T]):
             await self._process_decoded([delivery])
             return
         try:
+            # Opened at the revision read, read again when another attempt wrote it meanwhile.
             async with asyncio.timeout(_ATTEMPTS_TIMEOUT_S):
-                before = await self._attempts.get(seq)
-            if before.open >= self.spec.max_crashes:
+                before, now = await self._attempts.change(
+                    seq, functools.partial(attempt_opened, max_crashes=self.spec.max_crashes)
+                )
+            if now is None:
                 # Only when every dependency answers: a process killed while it waited on one
                 # that was down did not die of the message.
                 down = await self.dependencies.confirm(self.dependencies.names)
@@ -868,8 +873,6 @@ class ConsumerRunner(Generic[T]):
                 alive.clear()
                 await self._forget(seq)
                 return
-            async with asyncio.timeout(_ATTEMPTS_TIMEOUT_S):
-                await self._attempts.put(seq, msgspec.structs.replace(before, open=before.open + 1))
         except ATTEMPTS_TRANSIENT as exc:
             # Not per message: a bucket that does not answer (or that permissions keep from us)
             # would cost every suspect its timeout.
@@ -914,7 +917,8 @@ class ConsumerRunner(Generic[T]):
         last = repr(outcome)[:512] if outcome is not None else before.error
         with contextlib.suppress(*ATTEMPTS_TRANSIENT):
             async with asyncio.timeout(_ATTEMPTS_TIMEOUT_S):
-                await self._attempts.put(seq, Attempts(open=before.open, failures=failures, error=last))
+                # Closed on the record as it is now: another attempt may be open meanwhile.
+                await self._attempts.change(seq, lambda now: attempt_closed(now, before, failures, last))
 
     async def _forget(self, seq: int) -> None:
         assert self._attempts is not None
