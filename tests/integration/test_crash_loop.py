@@ -249,3 +249,49 @@ async def test_two_overlapping_attempts_at_a_suspect_keep_each_others_open_attem
         await a.stop()
         await other.close()
         await nc.jetstream().delete_consumer(slow.stream, slow.durable)
+
+
+async def test_a_message_given_back_at_outages_in_a_row_is_not_made_a_suspect_by_them(
+    nc: Client,
+) -> None:
+    """Each give-back at an outage is a delivery to JetStream; before, three outages in a row
+    made the message a suspect (suspect_after=3), handled alone with its attempt written down."""
+    subject = s.cluster_command(unique("c"), "stop")
+    spec = spec_for(subject)  # suspect_after=3
+    state = {"down": False, "outages_left": 3}
+
+    async def probe() -> None:
+        if state["down"]:
+            state["down"] = False  # back at the next probe
+            raise OSError("fake database refused the connection")
+
+    dependencies = Dependencies(
+        Dependency("fakedb", probe, lambda exc: isinstance(exc, UnavailableError)), first_backoff_s=0.05
+    )
+    log = AttemptLog(nc.jetstream(), spec.stream, spec.durable)
+    recorded: list[tuple[int, int]] = []  # (delivery, attempts open on record as it is handled)
+
+    async def handler(d: Delivery[bytes]) -> None:
+        recorded.append((d.num_delivered, (await log.get(d.stream_seq)).open))
+        if state["outages_left"] > 0:
+            state["outages_left"] -= 1
+            state["down"] = True
+            raise UnavailableError("fake database down", dependency="fakedb")
+
+    runner: ConsumerRunner[bytes] = ConsumerRunner(
+        nc, spec, bytes, handler=handler, idle_fetch_timeout_s=0.2, dependencies=dependencies
+    )
+    await runner.start()
+    try:
+        await Publisher(nc).publish_bytes(subject, b"{}", msg_id=unique("m"))
+
+        async def acked() -> bool:
+            return runner.counts["acked"] >= 1
+
+        await until(acked, 15.0, "the message acked")
+        assert runner.held_for_outage == 3
+        assert recorded == [(1, 0), (2, 0), (3, 0), (4, 0)], "its 4th delivery was handled as a suspect"
+    finally:
+        await runner.stop()
+        await dependencies.close()
+        await nc.jetstream().delete_consumer(spec.stream, spec.durable)

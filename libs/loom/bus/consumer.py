@@ -263,7 +263,8 @@ class ConsumerRunner(Generic[T]):
     after its own handler returns): the handler orders its own effects.
     """
 
-    def __init__(
+    # PLR0915: one statement per piece of the loop's state, each documented.
+    def __init__(  # noqa: PLR0915
         self,
         nc: Client,
         spec: ConsumerSpec,
@@ -322,15 +323,20 @@ class ConsumerRunner(Generic[T]):
         self._attempts_off_until = float("-inf")
         self._failures: dict[int, int] = {}
         """Stream sequence -> failures so far (outages not counted), while the message is unsettled."""
+        self._given_back: dict[int, int] = {}
+        """Stream sequence -> deliveries this process gave back at an outage, while the message is
+        unsettled. JetStream counts each, but they are no sign of a message that kills its process,
+        so they do not make it a suspect (before, three outages in a row did). Memory only: a new
+        process counts them, erring towards a suspect."""
         self.waiting_for: list[str] = []
         """The dependencies this consumer waits for (it fetches nothing meanwhile)."""
         self.counts: dict[str, int] = {"acked": 0, "nacked": 0, "dead_lettered": 0}
         self._acked_metric = CONSUMER_MESSAGES.labels(spec.durable, "acked")
         """The acked counter's child, looked up once rather than per message."""
         self.held_for_outage = 0
+        """Deliveries nakked, uncounted, because a dependency was down."""
         self.pulls = 0
         """Pull requests sent (callback pull)."""
-        """Deliveries nakked, uncounted, because a dependency was down."""
 
     async def start(self) -> None:
         """Create or update the durable consumer and start the loop in a task."""
@@ -598,6 +604,8 @@ class ConsumerRunner(Generic[T]):
         self._pull_left = 0
         for msg in on_hand:
             with contextlib.suppress(Exception):
+                self._gave_back(msg.metadata.sequence.stream)
+            with contextlib.suppress(Exception):
                 await msg.nak(delay=delay_s)
 
     @property
@@ -754,12 +762,12 @@ class ConsumerRunner(Generic[T]):
             )
         # Delivered many times: maybe a message that kills its process. Each is handled alone,
         # after the others, with its attempt written down first.
-        suspects = [d for d in deliveries if d.num_delivered > self.spec.suspect_after]
+        suspects = [d for d in deliveries if self._suspect(d)]
         if not suspects:
             if deliveries:
                 await self._process_decoded(deliveries)
             return
-        deliveries = [d for d in deliveries if d.num_delivered <= self.spec.suspect_after]
+        deliveries = [d for d in deliveries if not self._suspect(d)]
         # The suspects wait their turn (the rest of the batch, then each other): kept alive
         # meanwhile, or past their ack wait the server would redeliver them to be handled twice
         # (a review). Each leaves the list as its turn comes (an in-progress would hold back the
@@ -774,6 +782,24 @@ class ConsumerRunner(Generic[T]):
                 await self._process_suspect(d)
         finally:
             waiting.cancel()
+
+    def _suspect(self, delivery: Delivery[T]) -> bool:
+        """Delivered more than ``suspect_after`` times, those given back at an outage not counted."""
+        given_back = self._given_back.get(delivery.stream_seq, 0) if self._given_back else 0
+        return delivery.num_delivered - given_back > self.spec.suspect_after
+
+    def _gave_back(self, stream_seq: int) -> None:
+        """Remember a delivery given back at an outage (see ``_given_back``)."""
+        self._given_back[stream_seq] = self._given_back.pop(stream_seq, 0) + 1
+        if len(self._given_back) > _MAX_TRACKED:  # forget the oldest (settled elsewhere, most likely)
+            del self._given_back[next(iter(self._given_back))]
+
+    def _settled_for_good(self, stream_seq: int) -> None:
+        """Forget what was counted of a message acked or dead-lettered."""
+        if self._failures:
+            self._failures.pop(stream_seq, None)
+        if self._given_back:
+            self._given_back.pop(stream_seq, None)
 
     async def _process_decoded(self, deliveries: list[Delivery[T]]) -> None:
         # While the handler works, tell the server the batch is in progress, so a short ack wait
@@ -945,6 +971,7 @@ class ConsumerRunner(Generic[T]):
     async def _hold(self, delivery: Delivery[T], outcome: BaseException, down: list[str]) -> None:
         """Give a delivery back, uncounted, while a dependency it needs is down."""
         self.held_for_outage += 1
+        self._gave_back(delivery.stream_seq)
         delivery.span.set_attribute("loom.outage", ",".join(down))
         delivery.span.record_exception(outcome)
         try:
@@ -1043,8 +1070,7 @@ class ConsumerRunner(Generic[T]):
 
     async def _ack(self, delivery: Delivery[T]) -> None:
         """Acknowledge a delivery its handler succeeded with (the caller counts it)."""
-        if self._failures:
-            self._failures.pop(delivery.stream_seq, None)
+        self._settled_for_good(delivery.stream_seq)
         try:
             await delivery.msg.ack()
         finally:
@@ -1145,6 +1171,7 @@ class ConsumerRunner(Generic[T]):
                 await msg.nak(delay=self.spec.max_nak_delay_s)
             span.end()
             return
+        self._settled_for_good(meta.sequence.stream)
         try:
             await msg.term()
             self.counts["dead_lettered"] += 1
