@@ -694,8 +694,8 @@ def _truth_notes(spec: GridSpec) -> dict[str, Any]:
 
 
 def format_line(line: Mapping[str, Any]) -> str:
-    """One cell as one text line: each policy's mean/p50/p99 JCT, queue, util, GPU-h, x-region, cost;
-    Loom's margin."""
+    """One cell as one text line: each policy's mean/p50/p99 JCT, queue, util, GPU-h, x-region, cost,
+    rejected / unfinished jobs, belief error (``be``: median |predicted / true step - 1|); Loom's margin."""
     from loom.sim.report import fmt_bytes, fmt_duration
 
     parts = [f"{line['cell']:<34}"]
@@ -710,6 +710,7 @@ def format_line(line: Mapping[str, Any]) -> str:
             f" ${f['cost'] or 0.0:,.0f}"
             + (f" rej {f['rejected']:.0f}" if f.get("rejected") else "")
             + (f" unf {f['unfinished']:.0f}" if f.get("unfinished") else "")
+            + (f" be {be:.0%}" if (be := f.get("belief_error_median")) is not None else "")
         )
     m = line.get("margin")
     parts.append(

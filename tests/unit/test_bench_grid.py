@@ -54,7 +54,11 @@ def test_a_tiny_grid_gives_one_line_per_cell_with_margins_computed_from_its_figu
     (seed,) = result["seeds"]
     assert seed["policies"]["loom"]["jct_mean_s"] == loom  # one seed: its figures are the line's
     assert line["margin_per_seed"] == [pytest.approx(line["margin"])]
-    assert "small/1.2/span/philly" in grid.format_line(line)
+    text = grid.format_line(line)
+    assert "small/1.2/span/philly" in text
+    # The belief error is on the line, as the simulator's README says (it was only in the JSON).
+    belief = line["policies"]["loom"]["belief_error_median"]
+    assert belief is not None and f"be {belief:.0%}" in text
 
 
 def test_the_margin_is_over_the_best_comparable_baseline_and_never_over_the_oracle() -> None:
