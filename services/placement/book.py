@@ -89,6 +89,10 @@ class Run:
     progress_at_start: float = 0.0
     """Share of the work already done when ``started_at`` was taken (a run restored from the
     store after a restart or leader change is timed from then, for what is left)."""
+    delay_s: float = 0.0
+    """Seconds before its end beyond its steps (a ``while_syncing`` run's slow reading,
+    :func:`loom.sched.cycle.reading_delay_s`); not kept in the store (a restored run is timed from
+    its progress reports)."""
     taught: bool = False
     """Whether a progress report of this run has been offered to the speed learner (the store keeps
     one observation per run whatever is offered; this only spares the later reports the offer)."""
@@ -155,6 +159,7 @@ class Run:
             steps_left=max(1.0 - self.progress_at_start, 0.0) * self.job.work.steps,
             predicted_step_s=self.predicted_step_s,
             workers=self.workers,
+            delay_s=self.delay_s,
         )
 
 
@@ -389,6 +394,14 @@ class Book:
             loss=link.loss_rate,
             degraded=link.degraded or link.stale,
         )
+
+    def link_degraded(self, src: str, dst: str) -> bool | None:
+        """Whether the book holds the link from ``src`` to ``dst`` degraded (or stale); None for a
+        region it does not know."""
+        i, j = self.net.index.get(src), self.net.index.get(dst)
+        if i is None or j is None:
+            return None
+        return bool(self.net.degraded[i, j])
 
     def _add_region(self, region: str) -> None:
         self.invalidate()

@@ -112,6 +112,7 @@ from loom.sched.cycle import (
     expiry_avoid,
     fair_share_of,
     fold_within,
+    reading_delay_s,
     requeue_avoid,
     retry_after_failure,
     room_taker,
@@ -1525,6 +1526,7 @@ class PlacementService:
             # A run resumed from a checkpoint has that share of its steps behind it: its predicted
             # end counts the steps left, and its pace is measured from there (as the simulator's).
             resumed = min(max(q.resume_step / max(q.job.work.steps, 1), 0.0), 1.0)
+            steps_left = (1.0 - resumed) * q.job.work.steps
             run = Run(
                 queued=q,
                 attempt=q.attempt,
@@ -1535,6 +1537,7 @@ class PlacementService:
                 started_at=now + d.start_after_s,
                 predicted_step_s=d.predicted_step_s,
                 progress_at_start=resumed,
+                delay_s=reading_delay_s(q.job, d, steps_left=steps_left, workers=d.workers),
             )
             runs[q.job.job_id] = run
             snap.running.append(run.running_job())
@@ -2665,10 +2668,19 @@ class PlacementService:
         except DecodeError as exc:
             log.warning("bad link state ignored", subject=msg.subject, error=str(exc))
             return
+        before = (
+            self.book.link_degraded(link.src, link.dst),
+            self.failover.link_down.get((link.src, link.dst)),
+        )
         self.book.on_link(link)
         self.failover.link_down[(link.src, link.dst)] = link_unreachable(
             stale=link.stale, loss_rate=link.loss_rate, lost_run=link.lost_run
         )
+        after = (self.book.link_degraded(link.src, link.dst), self.failover.link_down[(link.src, link.dst)])
+        if after != before:
+            # A link degraded, recovered, lost or found: every waiting job is decided again, as the
+            # simulator does at a link's change (each window's small moves of the figures do not).
+            self.capacity_changed = True
         self.stats["links"] = self.stats.get("links", 0) + 1
 
     # ---- lifecycle -----------------------------------------------------------------------------

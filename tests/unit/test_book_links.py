@@ -1,5 +1,7 @@
 """Placement's book adopts link-state events: forecast first, else the median RTT; a stale link doubles it."""
 
+from types import SimpleNamespace
+
 from loom_proto.net import LinkState
 from loom_services.placement.book import Book
 
@@ -59,3 +61,35 @@ def test_closed_clusters_reach_the_snapshot_with_why_and_their_nodes_take_no_wor
     assert [bool(s) for s in snap.schedulable] == [False, True]  # sorted by cluster: ca, cb
     assert book.close({"ca": "failed"}) is True  # the why changing is a change
     assert book.snapshot(1000.0).closed == {"ca": "failed"}
+
+
+async def test_a_link_that_degrades_or_recovers_has_every_waiting_job_decided_again() -> None:
+    """As the simulator retries every waiting shape at a link's change (placement weighs the
+    network): before, the service retried only on each job's backoff, up to 30 s later."""
+    import msgspec
+
+    from loom.model.topology import load_topology
+    from loom_services.placement.service import PlacementService
+
+    ctx = SimpleNamespace(db=None, publisher=None, stats={}, nc=None, debug={})
+    svc = PlacementService(ctx, topology=load_topology("small"))  # type: ignore[arg-type]
+    regions = list(svc.book.net.regions)[:2]
+
+    def event(**changes: object) -> SimpleNamespace:
+        state = msgspec.structs.replace(link(), src=regions[0], dst=regions[1], **changes)
+        return SimpleNamespace(data=msgspec.json.encode(state), subject="loom.net.link.x")
+
+    await svc.on_link(event())  # the first word on a link: what the book assumed may change
+    svc.capacity_changed = False
+    await svc.on_link(event(rtt_ms_p50=81.0))  # a window's small move: nothing to retry
+    assert not svc.capacity_changed
+    await svc.on_link(event(degraded=True))
+    assert svc.capacity_changed
+    svc.capacity_changed = False
+    await svc.on_link(event(degraded=True, rtt_ms_p50=200.0))
+    assert not svc.capacity_changed
+    await svc.on_link(event())  # recovered
+    assert svc.capacity_changed
+    svc.capacity_changed = False
+    await svc.on_link(event(loss_rate=1.0, lost_run=50))  # unreachable, though not marked degraded
+    assert svc.capacity_changed

@@ -33,11 +33,14 @@ from collections.abc import Callable, Collection, Container, Iterable, Mapping, 
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+import numpy as np
+
 from loom.errors import InvalidInputError
 from loom.model.family import job_family
 from loom.sched import dag
 from loom.sched.elastic import ElasticJob, plan_grow, resized_end_s, with_sizes
 from loom.sched.framework import Code, Decision, DecisionRecord, Framework, Outcome, QueueItem
+from loom.sched.plugins.data import data_delay_s
 from loom.sched.probe import ProbeSettings, check_labels, probe_gate
 from loom.sched.quota import QuotaBook, QuotaVerdict, TenantConfig
 from loom.sched.snapshot import RunningJob, Snapshot
@@ -64,6 +67,7 @@ __all__ = [
     "fold_within",
     "grow",
     "progress_end_s",
+    "reading_delay_s",
     "resized_end_s",
     "retry_after_failure",
     "run_cycle",
@@ -557,6 +561,22 @@ def expected_end_s(
         return None
     scale = job.workers / workers if (job.pipeline is None and 0 < workers != job.workers) else 1.0
     return start_s + delay_s + max(steps_left, 0.0) * predicted_step_s * scale
+
+
+def reading_delay_s(job: JobSpec, decision: Decision, *, steps_left: float, workers: int) -> float:
+    """Seconds a ``while_syncing`` run's slow reading adds before it ends, as believed at its
+    decision: :func:`loom.sched.plugins.data.data_delay_s` of the steps left at the decision's
+    predicted step (an elastic job given fewer workers slower in proportion, as
+    :func:`expected_end_s`) and the plan's first copy. 0 for any other run (an ``after_sync``
+    run's copy is its decision's ``start_after_s``). Placement's book adds it to a run's predicted
+    end as the simulator does (its belief of the same delay), so a job waiting on that run's GPUs
+    is woken at the same time on both sides (a hunt found the book 1.7 s early)."""
+    sync = decision.sync
+    if sync is None or sync.start != "while_syncing" or not decision.predicted_step_s:
+        return 0.0
+    scale = job.workers / workers if (job.pipeline is None and 0 < workers != job.workers) else 1.0
+    run_s = max(steps_left, 0.0) * decision.predicted_step_s * scale
+    return float(data_delay_s(run_s, np.asarray(sync.initial_s, dtype=np.float64), "while_syncing"))
 
 
 def progress_end_s(*, now_s: float, done: float, elapsed_s: float, done_before: float) -> float | None:
