@@ -684,6 +684,20 @@ def _rules_and_rejections(summaries: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _rejections_by_reason(summaries: list[dict[str, Any]]) -> list[str]:
+    """Each rejection reason once, with the policies that rejected for it (one line for a job every
+    policy rejected, rather than one per policy)."""
+    by_reason: dict[tuple[str, int], list[str]] = {}
+    for s in summaries:
+        for why, n in (s["overall"].get("rejected_reasons") or {}).items():
+            by_reason.setdefault((why, n), []).append(s["policy"])
+    every = len(summaries)
+    return [
+        f"{'every policy' if len(names) == every else ', '.join(names)}: {n:,} rejected: {why}"
+        for (why, n), names in by_reason.items()
+    ]
+
+
 def print_table(result: dict[str, Any]) -> None:
     """The summary table, the claims and (with ``--scale``) the scale figures, on stderr."""
     from rich import box
@@ -976,5 +990,10 @@ def main(args: argparse.Namespace) -> int:
     print(json.dumps(result, indent=2))
     if not args.json:
         print_table(result)
+    else:
+        # Quiet otherwise, but a workload that shrank (jobs no cluster of the platform can hold,
+        # rejected by every policy) is said: the figures are over fewer jobs than the file has.
+        for line in _rejections_by_reason(result["summaries"]):
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     sys.stdout.flush()
     return 0

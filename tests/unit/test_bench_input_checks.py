@@ -208,3 +208,25 @@ def test_policies_runs_the_grids_philly_like_trace_on_its_own(tmp_path: Path) ->
     assert [(j.spec.job_id, j.arrival_s) for j in again] == [(j.spec.job_id, j.arrival_s) for j in jobs]
     with pytest.raises(OptionError, match="--trace-gpu applies to a public trace file"):
         resolve(_bench("policies", "--workload", "philly", "--trace-gpu", "V100"))
+
+
+def test_a_workload_that_shrank_is_said_on_stderr_even_with_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A job no cluster of the platform can hold is rejected by every policy: the figures are over
+    fewer jobs than the file has, so `--json` says so once (it said nothing: an outside walk)."""
+    from loom_benchmarks import policies
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"arrival_s": 0, "job_id": "huge", "steps": 10, "step_time_s": 1, "workers": 50, "gpus": 8}\n'
+        '{"arrival_s": 0, "job_id": "fine", "steps": 10, "step_time_s": 1}\n'
+    )
+    args = _bench(
+        "policies", "--workload", str(trace), "--topology", "small", "--policies", "loom,first_fit", "--json"
+    )
+    assert policies.main(args) == 0
+    out, err = capsys.readouterr()
+    assert '"rejected": 1' in out
+    (line,) = err.strip().splitlines()
+    assert line.startswith("every policy: 1 rejected:") and "can never fit" in line
