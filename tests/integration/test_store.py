@@ -298,6 +298,37 @@ async def test_after_a_failed_fast_path_later_commits_wait_for_the_relay_to_send
         await nc.jetstream().delete_stream(stream)
 
 
+async def test_a_row_that_keeps_failing_holds_the_fast_path_back_only_for_a_few_rounds(
+    pool: asyncpg.Pool, nc: Client
+) -> None:
+    # A row no stream takes failed at every round; the relay's "caught up" needed none pending at
+    # all, so the fast path stood aside for good and every later commit waited for a relay round
+    # (a review). After STUCK_ROUNDS failures in a row it no longer counts; it is still retried.
+    producer, token = unique("producer"), uuid.uuid4().hex[:10]
+    stream, subject = f"ORDER_{token}", f"ordertest.{token}.job-1"
+    await nc.jetstream().add_stream(StreamConfig(name=stream, subjects=[f"ordertest.{token}.>"]))
+    relay = outbox.OutboxRelay(pool, Publisher(nc, timeout_s=2.0), producer)
+    try:
+        assert await relay.flush() == 0
+        poison = outbox.message(f"nostream.{token}", started(token, 0), f"{token}:poison")
+        assert await relay.publish_now(await commit(pool, producer, poison)) == 0
+        sent_fast, good = [], []
+        for n in range(1, 7):
+            m = outbox.message(subject, started(token, n), f"{token}:{n}")
+            good.append(m.msg_id)
+            sent_fast.append(await relay.publish_now(await commit(pool, producer, m)))
+            await relay.flush()
+        assert sent_fast[:2] == [0, 0]  # behind the failed row, through the relay, in order
+        assert sent_fast[-2:] == [1, 1]  # the failing row stuck: the fast path goes again
+        assert await stream_msg_ids(nc, stream) == good
+        pending = await pool.fetchval(
+            "SELECT count(*) FROM outbox WHERE producer = $1 AND published_at IS NULL", producer
+        )
+        assert pending == 1  # the failing row is kept, not dropped
+    finally:
+        await nc.jetstream().delete_stream(stream)
+
+
 async def test_the_background_relay_sends_what_the_fast_path_left_it_without_waiting_for_its_age(
     pool: asyncpg.Pool, nc: Client
 ) -> None:

@@ -177,6 +177,16 @@ def test_noisy_runs_far_beyond_the_estimate_confirm_each_other_though_further_ap
     assert learner.estimate("gru", "A100").factor == pytest.approx(truth, rel=0.15)
 
 
+def test_two_slow_runs_further_apart_than_any_noise_do_not_confirm_each_other() -> None:
+    # Both far below the estimate and nearer each other than to it, but 5x apart: no run-to-run
+    # noise does that (a review: the first version of the rule took 10x and 50x slower as 0.215).
+    learner = SpeedLearner()
+    for observed in (1.0, 1.0, 0.1, 0.02):
+        learner.observe("gru", "A100", prior_speed=1.0, observed_speed=observed)
+    assert learner.state().cells[0].clipped == 2
+    assert learner.estimate("gru", "A100").factor > 0.7
+
+
 def test_two_wild_runs_on_one_side_but_far_apart_stay_clipped() -> None:
     learner = SpeedLearner()  # young
     learner.observe("gru", "A100", prior_speed=1.0, observed_speed=1.0)

@@ -104,6 +104,11 @@ FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
 
+NOISIEST_SD = 0.3
+"""The noisiest runs (sd of one run's log factor: a run-to-run cv of about 30 %) for which two
+clipped runs further apart than :attr:`LearnSettings.noise_sd` allows may still confirm each other
+(:func:`_agree`): two runs 4x apart may, 10x and 50x slower than the profile may not."""
+
 STEADY_SPREAD = 0.2
 """Largest :meth:`SpeedLearner.spread` (sd of a family's log factors on one model) at which the
 family's measured ratios count as its jobs' (:meth:`SpeedLearner.steady_cells`)."""
@@ -588,9 +593,14 @@ def _agree(
     the estimate and close to each other disagree with the estimate, not with each other; two wild
     runs on opposite sides, or one far and one near, still stay clipped."""
     gap = abs(first - second)
-    if gap <= s.clip_sds * s.noise_sd * math.sqrt(1.0 / first_weight + 1.0 / second_weight):
+    root = math.sqrt(1.0 / first_weight + 1.0 / second_weight)
+    if gap <= s.clip_sds * s.noise_sd * root:
         return True
-    return (first - mean) * (second - mean) > 0 and gap < min(abs(first - mean), abs(second - mean))
+    return (
+        (first - mean) * (second - mean) > 0
+        and gap < min(abs(first - mean), abs(second - mean))
+        and gap <= s.clip_sds * NOISIEST_SD * root  # no noise puts runs 5x apart (a review)
+    )
 
 
 def _posterior(

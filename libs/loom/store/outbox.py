@@ -6,9 +6,14 @@ their deterministic ids and marks them published. If the process dies in between
 (at start-up, or after the next commit) publishes them; JetStream's duplicate window absorbs a
 message published twice because the mark did not commit.
 
-A producer's rows go out in commit order (``outbox.id``): a consumer must not see a job's later
-event before its ``placed``. So once a fast-path publish fails, the fast path stands aside and the
-relay publishes every row in order until it finds none pending (:attr:`OutboxRelay.behind`).
+A producer's rows go out in commit order (``outbox.id``) as far as a failure is known in time: a
+consumer should not see a job's later event before its ``placed``. Once a fast-path publish fails,
+the fast path stands aside and the relay publishes every row in order until it finds none pending
+(:attr:`OutboxRelay.behind`), bar rows that failed :data:`STUCK_ROUNDS` rounds in a row (a subject
+no stream takes, say), which no longer hold the others back. Not covered: the fast path sends a
+commit's batch while the previous batch's acks are still awaited, so a batch whose acks fail only
+after the next was sent (a reconnect, a stream leader's election) can still land after it (a
+review reproduced it); consumers of events from several producers tolerate such order anyway.
 """
 
 import asyncio
@@ -28,6 +33,11 @@ from loom.bus.publisher import Outgoing, SentBatch, too_large
 from loom_proto.codec import encode
 
 log = structlog.get_logger("loom.store")
+
+STUCK_ROUNDS = 3
+"""Failed sends in a row after which a row no longer holds the fast path back (it is still retried)."""
+_FAILURES_KEPT = 10_000
+"""Rows whose failures are counted at most (the oldest forgotten first)."""
 
 
 @dataclass(frozen=True)
@@ -87,10 +97,14 @@ class OutboxRelay:
         self.behind = True
         """Rows older than the next commit's may be pending: the fast path (:meth:`publish_now`)
         leaves its rows to the relay, which sends them after the older ones. Set when a send
-        fails; cleared by a flush of every age that finds nothing pending, under the lock the
-        fast path sends under, so no commit slips between that look and the fast path's next send.
+        fails; cleared by a flush of every age that finds nothing pending but rows that failed
+        :data:`STUCK_ROUNDS` sends in a row, under the lock the fast path sends under, so no commit
+        slips between that look and the fast path's next send.
         True at first: the rows a dead process left are not known until the first such flush (the
         services run one at start-up)."""
+        self._failures: dict[str, int] = {}
+        """Failed sends in a row per pending row (memory only): a row at :data:`STUCK_ROUNDS`
+        no longer keeps :attr:`behind` set."""
         self.published = 0
         self.set_aside = 0
         """Rows the bus refused for good, set aside (``outbox.refused`` says why)."""
@@ -172,6 +186,8 @@ class OutboxRelay:
             min_age_s,
         ):
             return 0
+        tried: set[str] = set()
+        """Stuck rows this flush has sent once already (not sent again in its later chunks)."""
         while True:
             async with self._lock:
                 rows = await self._pool.fetch(
@@ -183,13 +199,16 @@ class OutboxRelay:
                     self._batch,
                     min_age_s,
                 )
+                in_hand = any(r["msg_id"] in self._sending for r in rows)  # publish_now's
+                if min_age_s <= 0 and not in_hand and all(self._stuck(r["msg_id"]) for r in rows):
+                    # Caught up, under the lock the fast path sends under: the next commit is the
+                    # oldest pending, bar rows that keep failing.
+                    self.behind = False
                 pending = [
                     OutboxMessage(r["msg_id"], r["subject"], bytes(r["payload"]), json.loads(r["headers"]))
                     for r in rows
-                    if r["msg_id"] not in self._sending  # publish_now has it in hand
+                    if r["msg_id"] not in self._sending and r["msg_id"] not in tried
                 ]
-                if not rows and min_age_s <= 0:
-                    self.behind = False  # caught up: the next commit is the oldest pending
                 if not pending:
                     return total
                 try:
@@ -199,10 +218,14 @@ class OutboxRelay:
                     raise
             done, settled = await self._settle(pending, sent)
             total += len(done)
-            if settled < len(rows):
-                if settled < len(pending):
-                    self.behind = True
-                return total  # some failed (or were in hand): the next flush tries again
+            if settled < len(pending):
+                failed = [m.msg_id for m in pending if m.msg_id in self._failures]
+                if any(not self._stuck(msg_id) for msg_id in failed):
+                    self.behind = True  # a row failed that may go through soon: the others wait
+                    return total  # the next flush tries again
+                tried.update(failed)  # only stuck rows failed: look again (under the lock)
+            elif in_hand:
+                return total  # the fast path settles its own
 
     async def _claim_and_send(self, messages: Sequence[OutboxMessage]) -> SentBatch:
         """Send (under the caller's lock), the messages marked in hand so no other path sends them
@@ -237,9 +260,27 @@ class OutboxRelay:
                 )
         finally:
             self._sending.difference_update(m.msg_id for m in messages)
+        self._count_failures(messages, done, set_aside)
         self.published += len(done)
         self.set_aside += len(set_aside)
         return done, len(done) + len(set_aside)
+
+    def _stuck(self, msg_id: str) -> bool:
+        """Whether a pending row failed :data:`STUCK_ROUNDS` sends in a row."""
+        return self._failures.get(msg_id, 0) >= STUCK_ROUNDS
+
+    def _count_failures(
+        self, messages: Sequence[OutboxMessage], done: Sequence[str], set_aside: Mapping[str, str]
+    ) -> None:
+        """Count a failed send of each message neither published nor set aside; forget the rest."""
+        gone = {*done, *set_aside}
+        for m in messages:
+            if m.msg_id in gone:
+                self._failures.pop(m.msg_id, None)
+            else:
+                self._failures[m.msg_id] = self._failures.pop(m.msg_id, 0) + 1
+        while len(self._failures) > _FAILURES_KEPT:
+            del self._failures[next(iter(self._failures))]
 
     async def _send(self, messages: Sequence[OutboxMessage]) -> SentBatch:
         """Send at once, each continuing its stored trace (see :meth:`Publisher.send_batch`)."""
