@@ -146,3 +146,14 @@ def test_the_listening_check_sees_a_listener_on_every_interface() -> None:
         s.bind(("0.0.0.0", 0))
         s.listen()
         assert _listening_addresses(s.getsockname()[1]) == {"00000000"}
+
+
+def test_metrics_listen_on_the_ipv6_loopback_when_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An IPv6 address works as it did with prometheus-client (a review: AF_INET only refused it)."""
+    if not socket.has_ipv6:
+        pytest.fail("this host has no IPv6: the test cannot check the IPv6 listener")
+    monkeypatch.setenv(ENV_METRICS_ADDR, "::1")
+    port = serve_metrics("six", find_free_port(), token="t6")
+    assert port is not None
+    status, body, _ = _get(f"http://[::1]:{port}/metrics", bearer_header("t6"))
+    assert status == 200 and b'loom_service_info{service="six"} 1.0' in body

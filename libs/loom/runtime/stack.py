@@ -851,8 +851,8 @@ class Supervisor:
         if (
             svc.metrics_port is not None
             and not self.options.metrics_port_base
-            # As the service binds it (prometheus_client: every address, SO_REUSEADDR): the
-            # TIME_WAIT of its own answered scrapes does not move it.
+            # Checked on every address (stricter than the 127.0.0.1 the service binds, with
+            # SO_REUSEADDR): the TIME_WAIT of its own answered scrapes does not move it.
             and not port_bindable(svc.metrics_port, "0.0.0.0", reuse=True)
         ):
             # A free port picked for it, taken since by another listener: a restart on the same

@@ -18,6 +18,7 @@ answers only the stack's bearer token (:mod:`loom.security.http_token`).
 """
 
 import os
+import socket
 import threading
 from collections.abc import Iterable
 from http import HTTPStatus
@@ -223,11 +224,16 @@ def serve_metrics(
         addr = os.environ.get(ENV_METRICS_ADDR, "").strip() or "127.0.0.1"
     if token is None:
         token = http_token_from_env()
-    server = ThreadingHTTPServer((addr, port), _metrics_handler(token))
+    server_class = _IPv6Server if ":" in addr else ThreadingHTTPServer  # "::" as prometheus-client took it
+    server = server_class((addr, port), _metrics_handler(token))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     SERVICE_INFO.labels(service).set(1)
     return int(server.server_address[1])
+
+
+class _IPv6Server(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
 
 
 def _metrics_handler(token: str | None) -> type[BaseHTTPRequestHandler]:
