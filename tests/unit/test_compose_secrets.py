@@ -32,9 +32,11 @@ from loom.security import CredentialStore, admin_identity, identity_for_process,
 from loom.security.compose import (
     CA_FILE,
     CREDS_FILE,
+    HTTP_TOKEN_FILE,
     MOUNT,
     PGPASS_FILE,
     SUPERUSER,
+    WEBHOOK_SERVICE,
     init_compose,
 )
 from loom.security.tls import client_context, ensure_tls
@@ -189,6 +191,15 @@ def test_each_directory_holds_that_container_s_identity_and_role_only_and_is_pri
     assert pgpass_password(root / "migrate" / PGPASS_FILE) == (
         (root / "postgres" / "superuser-password").read_text().strip()
     )
+    # The webhook, the one Loom endpoint compose publishes to the host, asks for a token the
+    # operator has too; no other container holds it.
+    token = (root / "operator" / HTTP_TOKEN_FILE).read_text().strip()
+    assert len(token) >= 32 and stat.S_IMODE((root / "operator" / HTTP_TOKEN_FILE).stat().st_mode) == 0o600
+    holders = {name for name in RUNNING if (root / name / HTTP_TOKEN_FILE).exists()}
+    assert holders == {WEBHOOK_SERVICE}
+    assert (root / WEBHOOK_SERVICE / HTTP_TOKEN_FILE).read_text().strip() == token
+    env = _env(SERVICES[WEBHOOK_SERVICE])
+    assert env["LOOM_HTTP_TOKEN_FILE"] == f"{MOUNT}/{HTTP_TOKEN_FILE}"
 
 
 @pytest.mark.security
@@ -384,3 +395,15 @@ def test_nats_conf_is_what_loom_up_writes_for_the_same_listener_tls_and_users(tm
     # mapping, JetStream on the nats-data volume.
     compose = compose_nats_config(http="127.0.0.1:8222", store_dir=str(tmp_path)).splitlines()[1:]
     assert compose == loom_up
+
+
+@pytest.mark.security
+def test_the_webhook_token_is_kept_across_inits_and_renewed_by_rotate(tmp_path: Path) -> None:
+    processes = [WEBHOOK_SERVICE, "placement"]
+    init_compose(tmp_path, processes)
+    first = (tmp_path / "operator" / HTTP_TOKEN_FILE).read_text()
+    init_compose(tmp_path, processes)
+    assert (tmp_path / "operator" / HTTP_TOKEN_FILE).read_text() == first  # Alertmanager keeps posting
+    init_compose(tmp_path, processes, rotate=True)
+    renewed = (tmp_path / "operator" / HTTP_TOKEN_FILE).read_text()
+    assert renewed != first and (tmp_path / WEBHOOK_SERVICE / HTTP_TOKEN_FILE).read_text() == renewed

@@ -18,8 +18,11 @@ its own directory of that volume, read-only (compose's ``volume.subpath``):
 * ``<service>/``: that container's identity, ``nats.creds`` (:func:`identity_for_process` of its
   name: the identity ``loom up`` gives the same process), ``db.pgpass`` of its own role when it
   uses the database (:func:`loom.store.roles.role_of`), and ``ca.pem``;
-* ``operator/``: the operator's ``admin.creds`` and ``ca.pem``, for a ``loom`` CLI on the host;
-  ``tenants/<tenant>.creds`` for each ``--tenant``.
+* ``operator/``: the operator's ``admin.creds`` and ``ca.pem``, for a ``loom`` CLI on the host,
+  and ``http.token``, the bearer token the alert correlator's webhook asks for (the compose file
+  points only the correlator at its copy, ``alert-correlator/http.token``: the webhook is the one
+  Loom endpoint compose publishes to the host; the services' ``/metrics`` stay inside the compose
+  network for its Prometheus); ``tenants/<tenant>.creds`` for each ``--tenant``.
 
 Every file is 0600 and every directory 0700, owned by the image's user (uid 10001: the Loom
 services run as it; nats-server and the postgres entrypoint run as root and read theirs). Running
@@ -35,6 +38,8 @@ from pathlib import Path
 from loom.runtime.pgsecrets import generate_password, pgpass_password, write_pgpass
 from loom.runtime.servers import nats_config
 from loom.security.credentials import CredentialStore, admin_identity, tenant_identity, write_secret
+from loom.security.http_token import HTTP_TOKEN_FILE as HTTP_TOKEN_PATH
+from loom.security.http_token import ensure_http_token
 from loom.security.permissions import Identity, identity_for_process
 from loom.security.tls import TlsFiles, ensure_tls
 from loom.store.roles import SERVICE_ROLES, role_of
@@ -46,6 +51,11 @@ NATS_MOUNT = "/etc/nats/loom"
 CREDS_FILE = "nats.creds"
 PGPASS_FILE = "db.pgpass"
 CA_FILE = "ca.pem"
+HTTP_TOKEN_FILE = "http.token"
+"""The bearer token file the webhook asks for (:mod:`loom.security.http_token`)."""
+WEBHOOK_SERVICE = "alert-correlator"
+"""The compose service whose endpoint (the Alertmanager webhook) the host can reach."""
+
 SUPERUSER = "postgres"
 """The compose PostgreSQL's superuser: ``migrate`` alone logs in as it; no service does."""
 SUPERUSER_PASSWORD_FILE = "superuser-password"
@@ -184,6 +194,14 @@ def init_compose(
 
     _copy(store.path(admin_identity()), root / "operator" / "admin.creds")
     _copy(ca_dir / CA_FILE, root / "operator" / CA_FILE)
+    # One token for the local HTTP endpoints, kept across runs (--rotate renews it).
+    if rotate:
+        (root / "store" / HTTP_TOKEN_PATH).unlink(missing_ok=True)
+    token = ensure_http_token(root / "store")
+    _copy(token, root / "operator" / HTTP_TOKEN_FILE)
+    for name in identities:
+        if name == WEBHOOK_SERVICE:
+            _copy(token, root / name / HTTP_TOKEN_FILE)
     for tenant in tenants:
         _copy(store.path(tenant_identity(tenant)), root / "tenants" / f"{tenant}.creds")
     return ComposeSecrets(root, identities, db_roles)
