@@ -303,11 +303,12 @@ async def test_a_row_that_keeps_failing_holds_the_fast_path_back_only_for_a_few_
 ) -> None:
     # A row no stream takes failed at every round; the relay's "caught up" needed none pending at
     # all, so the fast path stood aside for good and every later commit waited for a relay round
-    # (a review). After STUCK_ROUNDS failures in a row it no longer counts; it is still retried.
+    # (a review). Refused STUCK_ROUNDS times while other rows went through (and for stuck_after_s,
+    # 0 here) it no longer counts; it is still retried.
     producer, token = unique("producer"), uuid.uuid4().hex[:10]
     stream, subject = f"ORDER_{token}", f"ordertest.{token}.job-1"
     await nc.jetstream().add_stream(StreamConfig(name=stream, subjects=[f"ordertest.{token}.>"]))
-    relay = outbox.OutboxRelay(pool, Publisher(nc, timeout_s=2.0), producer)
+    relay = outbox.OutboxRelay(pool, Publisher(nc, timeout_s=2.0), producer, stuck_after_s=0.0)
     try:
         assert await relay.flush() == 0
         poison = outbox.message(f"nostream.{token}", started(token, 0), f"{token}:poison")
@@ -325,6 +326,59 @@ async def test_a_row_that_keeps_failing_holds_the_fast_path_back_only_for_a_few_
             "SELECT count(*) FROM outbox WHERE producer = $1 AND published_at IS NULL", producer
         )
         assert pending == 1  # the failing row is kept, not dropped
+    finally:
+        await nc.jetstream().delete_stream(stream)
+
+
+async def test_an_outage_never_makes_a_row_stuck_so_later_commits_never_overtake_it(
+    pool: asyncpg.Pool, nc: Client
+) -> None:
+    # A review: with "stuck" meaning three failed sends in a row, a few relay rounds of an outage
+    # (no stream for the subject, as in a leader election) made the pending row stuck, the fast
+    # path went again and the first commit after the recovery overtook it. A row refused while no
+    # other row goes through says nothing of itself.
+    producer, token = unique("producer"), uuid.uuid4().hex[:10]
+    stream, subject = f"ORDER_{token}", f"ordertest.{token}.job-1"
+    relay = outbox.OutboxRelay(pool, Publisher(nc, timeout_s=2.0), producer, stuck_after_s=0.0)
+    assert await relay.flush() == 0
+    placed = outbox.message(subject, started(token, 1), f"{token}:placed")
+    assert await relay.publish_now(await commit(pool, producer, placed)) == 0  # the outage
+    for _ in range(4):
+        await relay.flush()
+    assert relay.behind
+    await nc.jetstream().add_stream(StreamConfig(name=stream, subjects=[f"ordertest.{token}.>"]))
+    try:
+        finished = outbox.message(subject, started(token, 2), f"{token}:finished")
+        assert await relay.publish_now(await commit(pool, producer, finished)) == 0  # left to the relay
+        await relay.flush()
+        assert await stream_msg_ids(nc, stream) == [placed.msg_id, finished.msg_id]
+    finally:
+        await nc.jetstream().delete_stream(stream)
+
+
+async def test_a_chunk_of_failing_rows_does_not_keep_the_rows_behind_it_from_the_bus(
+    pool: asyncpg.Pool, nc: Client
+) -> None:
+    # A review: a flush read the oldest `batch` rows only; with that many failing rows at the head
+    # the rows behind them were never sent, yet the fast path was let go again.
+    producer, token = unique("producer"), uuid.uuid4().hex[:10]
+    stream, subject = f"ORDER_{token}", f"ordertest.{token}.job-1"
+    relay = outbox.OutboxRelay(pool, Publisher(nc, timeout_s=2.0), producer, batch=2, stuck_after_s=0.0)
+    await nc.jetstream().add_stream(StreamConfig(name=stream, subjects=[f"ordertest.{token}.>"]))
+    try:
+        assert await relay.flush() == 0
+        for n in range(2):
+            poison = outbox.message(f"nostream.{token}", started(token, n), f"{token}:poison{n}")
+            await relay.publish_now(await commit(pool, producer, poison))
+        for _ in range(3):
+            await relay.flush()
+        good = []
+        for n in range(10, 13):
+            m = outbox.message(subject, started(token, n), f"{token}:{n}")
+            good.append(m.msg_id)
+            await relay.publish_now(await commit(pool, producer, m))
+            await relay.flush()
+        assert await stream_msg_ids(nc, stream) == good
     finally:
         await nc.jetstream().delete_stream(stream)
 

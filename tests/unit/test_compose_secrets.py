@@ -199,7 +199,9 @@ def test_each_directory_holds_that_container_s_identity_and_role_only_and_is_pri
     assert holders == {WEBHOOK_SERVICE}
     assert (root / WEBHOOK_SERVICE / HTTP_TOKEN_FILE).read_text().strip() == token
     env = _env(SERVICES[WEBHOOK_SERVICE])
-    assert env["LOOM_HTTP_TOKEN_FILE"] == f"{MOUNT}/{HTTP_TOKEN_FILE}"
+    assert env["LOOM_WEBHOOK_TOKEN_FILE"] == f"{MOUNT}/{HTTP_TOKEN_FILE}"
+    # Not the variable that guards /metrics too: compose's Prometheus scrapes it with no token.
+    assert not any("LOOM_HTTP_TOKEN_FILE" in _env(svc) for svc in RUNNING.values())
 
 
 @pytest.mark.security

@@ -157,3 +157,16 @@ def test_metrics_listen_on_the_ipv6_loopback_when_told(monkeypatch: pytest.Monke
     assert port is not None
     status, body, _ = _get(f"http://[::1]:{port}/metrics", bearer_header("t6"))
     assert status == 200 and b'loom_service_info{service="six"} 1.0' in body
+
+
+def test_the_webhook_token_may_come_from_its_own_variable(tmp_path: Path) -> None:
+    """compose guards the webhook it publishes to the host, not /metrics (its Prometheus scrapes
+    them with no token): the correlator reads LOOM_WEBHOOK_TOKEN_FILE first."""
+    from loom.security.http_token import ENV_WEBHOOK_TOKEN_FILE
+
+    (tmp_path / "w").write_text("hook\n")
+    env = {ENV_WEBHOOK_TOKEN_FILE: str(tmp_path / "w")}
+    assert http_token_from_env(env, variable=ENV_WEBHOOK_TOKEN_FILE) == "hook"
+    assert http_token_from_env(env) is None  # /metrics stays open there
+    with pytest.raises(ValueError, match=ENV_WEBHOOK_TOKEN_FILE):
+        http_token_from_env({ENV_WEBHOOK_TOKEN_FILE: str(tmp_path / "gone")}, variable=ENV_WEBHOOK_TOKEN_FILE)

@@ -107,7 +107,9 @@ IntArray = npt.NDArray[np.int64]
 NOISIEST_SD = 0.3
 """The noisiest runs (sd of one run's log factor: a run-to-run cv of about 30 %) for which two
 clipped runs further apart than :attr:`LearnSettings.noise_sd` allows may still confirm each other
-(:func:`_agree`): two runs 4x apart may, 10x and 50x slower than the profile may not."""
+(:func:`_agree`): two whole runs up to ``exp(clip_sds * 0.3 * sqrt(2))``, about 3.6x, apart may;
+4x apart (10x and 50x slower than the profile, say) may not. Partial runs (weight below 1) widen
+it as their noise does."""
 
 STEADY_SPREAD = 0.2
 """Largest :meth:`SpeedLearner.spread` (sd of a family's log factors on one model) at which the
@@ -599,7 +601,7 @@ def _agree(
     return (
         (first - mean) * (second - mean) > 0
         and gap < min(abs(first - mean), abs(second - mean))
-        and gap <= s.clip_sds * NOISIEST_SD * root  # no noise puts runs 5x apart (a review)
+        and gap <= s.clip_sds * NOISIEST_SD * root  # no such noise puts two whole runs 4x apart
     )
 
 

@@ -24,6 +24,7 @@ from loom.security.credentials import write_secret
 
 __all__ = [
     "ENV_HTTP_TOKEN_FILE",
+    "ENV_WEBHOOK_TOKEN_FILE",
     "HTTP_TOKEN_FILE",
     "authorized",
     "bearer_header",
@@ -35,6 +36,9 @@ __all__ = [
 
 ENV_HTTP_TOKEN_FILE = "LOOM_HTTP_TOKEN_FILE"
 """Path of the file holding the bearer token the local HTTP endpoints ask for (unset: open)."""
+ENV_WEBHOOK_TOKEN_FILE = "LOOM_WEBHOOK_TOKEN_FILE"
+"""The webhook's own token file, before ``$LOOM_HTTP_TOKEN_FILE``: compose protects the webhook it
+publishes to the host and leaves ``/metrics`` open to its Prometheus inside its network."""
 HTTP_TOKEN_FILE = Path("secrets") / "http.token"
 """Where a stack's token lives under its home."""
 OTLP_HEADERS_ENV = "OTEL_EXPORTER_OTLP_TRACES_HEADERS"
@@ -62,18 +66,21 @@ def read_http_token(path: Path) -> str:
     return token
 
 
-def http_token_from_env(environ: "os._Environ[str] | dict[str, str] | None" = None) -> str | None:
-    """The token this process's endpoints ask for: from ``$LOOM_HTTP_TOKEN_FILE``, or None (open)
-    when the variable is unset or empty. Raises ValueError naming the variable when the file it
-    names cannot be read or is empty: an endpoint never falls open by mistake."""
+def http_token_from_env(
+    environ: "os._Environ[str] | dict[str, str] | None" = None, *, variable: str = ENV_HTTP_TOKEN_FILE
+) -> str | None:
+    """The token this process's endpoints ask for: from the file ``$LOOM_HTTP_TOKEN_FILE`` (or
+    ``variable``) names, or None (open) when the variable is unset or empty. Raises ValueError
+    naming the variable when the file it names cannot be read or is empty: an endpoint never falls
+    open by mistake."""
     env = os.environ if environ is None else environ
-    name = env.get(ENV_HTTP_TOKEN_FILE, "").strip()
+    name = env.get(variable, "").strip()
     if not name:
         return None
     try:
         return read_http_token(Path(name))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"${ENV_HTTP_TOKEN_FILE} names {name!r}, which gives no token: {exc}") from exc
+        raise ValueError(f"${variable} names {name!r}, which gives no token: {exc}") from exc
 
 
 def authorized(header: str | None, token: str | None) -> bool:

@@ -9,8 +9,13 @@ message published twice because the mark did not commit.
 A producer's rows go out in commit order (``outbox.id``) as far as a failure is known in time: a
 consumer should not see a job's later event before its ``placed``. Once a fast-path publish fails,
 the fast path stands aside and the relay publishes every row in order until it finds none pending
-(:attr:`OutboxRelay.behind`), bar rows that failed :data:`STUCK_ROUNDS` rounds in a row (a subject
-no stream takes, say), which no longer hold the others back. Not covered: the fast path sends a
+(:attr:`OutboxRelay.behind`), bar rows that are stuck: refused :data:`STUCK_ROUNDS` times in a row
+while other rows of the same sends went through, over at least ``stuck_after_s`` (a subject no
+stream takes, say; an outage or a stream's leader election fails every row, so it never makes one
+stuck). Stuck rows no longer hold the others back; they are still retried. A row that fails in a
+relay round is sent again at the next round, after the rows behind it that went through (a chunk
+of failing rows must not keep the rest from the bus); rows of one stream fail together in an
+outage, so their order holds. Not covered: the fast path sends a
 commit's batch while the previous batch's acks are still awaited, so a batch whose acks fail only
 after the next was sent (a reconnect, a stream leader's election) can still land after it (a
 review reproduced it); consumers of events from several producers tolerate such order anyway.
@@ -19,6 +24,7 @@ review reproduced it); consumers of events from several producers tolerate such 
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +41,10 @@ from loom_proto.codec import encode
 log = structlog.get_logger("loom.store")
 
 STUCK_ROUNDS = 3
-"""Failed sends in a row after which a row no longer holds the fast path back (it is still retried)."""
+"""Sends in a row a row must fail while others of the same send go through to be stuck."""
+STUCK_AFTER_S = 60.0
+"""Seconds a row must have been failing to be stuck: longer than a stream leader's election (the
+publisher waits up to 20 s for one)."""
 _FAILURES_KEPT = 10_000
 """Rows whose failures are counted at most (the oldest forgotten first)."""
 
@@ -85,8 +94,17 @@ async def add(conn: asyncpg.Connection, producer: str, messages: Sequence[Outbox
 class OutboxRelay:
     """Publishes one producer's pending outbox rows; one flush at a time."""
 
-    def __init__(self, pool: asyncpg.Pool, publisher: Publisher, producer: str, *, batch: int = 500) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        publisher: Publisher,
+        producer: str,
+        *,
+        batch: int = 500,
+        stuck_after_s: float = STUCK_AFTER_S,
+    ) -> None:
         self._pool = pool
+        self._stuck_after_s = stuck_after_s
         self._publisher = publisher
         self._producer = producer
         self._batch = batch
@@ -97,14 +115,14 @@ class OutboxRelay:
         self.behind = True
         """Rows older than the next commit's may be pending: the fast path (:meth:`publish_now`)
         leaves its rows to the relay, which sends them after the older ones. Set when a send
-        fails; cleared by a flush of every age that finds nothing pending but rows that failed
-        :data:`STUCK_ROUNDS` sends in a row, under the lock the fast path sends under, so no commit
-        slips between that look and the fast path's next send.
+        fails; cleared by a flush of every age that finds nothing pending but stuck rows, under
+        the lock the fast path sends under, so no commit slips between that look and the fast
+        path's next send.
         True at first: the rows a dead process left are not known until the first such flush (the
         services run one at start-up)."""
-        self._failures: dict[str, int] = {}
-        """Failed sends in a row per pending row (memory only): a row at :data:`STUCK_ROUNDS`
-        no longer keeps :attr:`behind` set."""
+        self._failures: dict[str, tuple[int, float]] = {}
+        """Per failing row (memory only): its failed sends in a row while others of the same send
+        went through, and when it first failed (``time.monotonic()``)."""
         self.published = 0
         self.set_aside = 0
         """Rows the bus refused for good, set aside (``outbox.refused`` says why)."""
@@ -186,28 +204,38 @@ class OutboxRelay:
             min_age_s,
         ):
             return 0
-        tried: set[str] = set()
-        """Stuck rows this flush has sent once already (not sent again in its later chunks)."""
+        tried: list[str] = []
+        """Rows this flush sent and saw fail (left out of its later chunks: sent once a flush)."""
+        held = False
+        """Whether a row failed this flush that may go through soon (not stuck)."""
         while True:
             async with self._lock:
                 rows = await self._pool.fetch(
                     """SELECT msg_id, subject, payload, headers FROM outbox
                        WHERE producer = $1 AND published_at IS NULL
                          AND created_at <= now() - make_interval(secs => $3)
+                         AND NOT (msg_id = ANY($4::text[]))
                        ORDER BY id LIMIT $2""",
                     self._producer,
                     self._batch,
                     min_age_s,
+                    tried,
                 )
                 in_hand = any(r["msg_id"] in self._sending for r in rows)  # publish_now's
-                if min_age_s <= 0 and not in_hand and all(self._stuck(r["msg_id"]) for r in rows):
+                if (
+                    min_age_s <= 0
+                    and not held
+                    and len(rows) < self._batch  # every pending row is in sight
+                    and not in_hand
+                    and all(self._stuck(r["msg_id"]) for r in rows)
+                ):
                     # Caught up, under the lock the fast path sends under: the next commit is the
                     # oldest pending, bar rows that keep failing.
                     self.behind = False
                 pending = [
                     OutboxMessage(r["msg_id"], r["subject"], bytes(r["payload"]), json.loads(r["headers"]))
                     for r in rows
-                    if r["msg_id"] not in self._sending and r["msg_id"] not in tried
+                    if r["msg_id"] not in self._sending
                 ]
                 if not pending:
                     return total
@@ -221,9 +249,10 @@ class OutboxRelay:
             if settled < len(pending):
                 failed = [m.msg_id for m in pending if m.msg_id in self._failures]
                 if any(not self._stuck(msg_id) for msg_id in failed):
-                    self.behind = True  # a row failed that may go through soon: the others wait
-                    return total  # the next flush tries again
-                tried.update(failed)  # only stuck rows failed: look again (under the lock)
+                    self.behind = held = True  # a row that may go through soon: the fast path waits
+                # The rows after the failed ones still go (a full chunk of failing rows must not
+                # keep the rows behind it from the bus), the failed ones again at the next flush.
+                tried.extend(failed)
             elif in_hand:
                 return total  # the fast path settles its own
 
@@ -266,19 +295,26 @@ class OutboxRelay:
         return done, len(done) + len(set_aside)
 
     def _stuck(self, msg_id: str) -> bool:
-        """Whether a pending row failed :data:`STUCK_ROUNDS` sends in a row."""
-        return self._failures.get(msg_id, 0) >= STUCK_ROUNDS
+        """Whether a pending row is stuck: refused :data:`STUCK_ROUNDS` sends in a row while others
+        went through, failing for ``stuck_after_s`` at least."""
+        count, since = self._failures.get(msg_id, (0, 0.0))
+        return count >= STUCK_ROUNDS and time.monotonic() - since >= self._stuck_after_s
 
     def _count_failures(
         self, messages: Sequence[OutboxMessage], done: Sequence[str], set_aside: Mapping[str, str]
     ) -> None:
-        """Count a failed send of each message neither published nor set aside; forget the rest."""
+        """Count a failed send of each message neither published nor set aside, as a refusal of
+        that row only when another of the same send went through (else the bus was down: it says
+        nothing of the row); forget the rest."""
         gone = {*done, *set_aside}
+        specific = bool(done)
+        now = time.monotonic()
         for m in messages:
             if m.msg_id in gone:
                 self._failures.pop(m.msg_id, None)
             else:
-                self._failures[m.msg_id] = self._failures.pop(m.msg_id, 0) + 1
+                count, since = self._failures.pop(m.msg_id, (0, now))
+                self._failures[m.msg_id] = (count + 1 if specific else count, since)
         while len(self._failures) > _FAILURES_KEPT:
             del self._failures[next(iter(self._failures))]
 
