@@ -331,3 +331,39 @@ def test_a_checkpoint_moved_to_another_region_is_in_the_jobs_traffic_and_bill() 
     assert moved > 0 and replicated > 0
     assert rec.cross_region_bytes == pytest.approx(moved + replicated)
     assert rec.transfer_cost == pytest.approx((moved + replicated) / 1e9 * transfer_price_per_gb(EU, USE))
+
+
+def _back_and_forth(events: list[SimEvent], mode: str = "on") -> tuple[dict[str, Any], dict[str, Any]]:
+    plat = platform({"fast": (EU, "H100", 1), "slow": (EU, "P100", 1)})
+    trace = Trace(jobs=[job("j", 200_000)], events=events)
+    result = simulate(trace, plat, POLICIES["loom"](0), truth=BELIEF, migration=MigrationPolicy(mode))  # type: ignore[arg-type]
+    assert result.migration is not None
+    return {r.job_id: r for r in result.records}, result.migration
+
+
+def test_a_failover_starts_the_cool_down_as_the_services_move_history_counts_it() -> None:
+    """A job failed over to the slow cluster does not move straight back when the fast one
+    returns 200 s later: the migration service counts the failover in its move history (its
+    cool-down, 1,800 s); the simulator did not, and moved it back at once."""
+    records, figures = _back_and_forth(
+        [
+            SimEvent(at_s=100.0, kind="cluster_down", cluster="fast"),
+            SimEvent(at_s=300.0, kind="cluster_up", cluster="fast"),
+        ]
+    )
+    assert figures["by_trigger"].get("cluster_joined", 0) == 0
+    assert records["j"].restarts == 1  # the failover only, nothing at the return
+
+
+def test_an_undrained_cluster_is_offered_to_the_jobs_that_left_it_as_a_joining_one() -> None:
+    """The migration service reviews an undrained cluster as a joining one (backflow); the
+    simulator only forgot the drain, so a job drained off the fast cluster never went back."""
+    records, figures = _back_and_forth(
+        [
+            SimEvent(at_s=100.0, kind="cluster_drain", cluster="fast"),
+            SimEvent(at_s=4_000.0, kind="cluster_undrain", cluster="fast"),  # past the drain's cool-down
+        ]
+    )
+    assert figures["by_trigger"].get("drain", 0) == 1
+    assert figures["by_trigger"].get("cluster_joined", 0) == 1
+    assert records["j"].clusters[-1:] == ("fast",)

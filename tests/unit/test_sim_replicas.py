@@ -98,3 +98,32 @@ def test_a_copy_under_way_when_its_job_ends_is_stopped_and_a_failure_after_it_fi
     record = result.records[0]
     assert record.clusters == ("eu",) and record.end_s is not None and record.end_s < FAIL_S
     assert rep["copies"] == 1 and rep["cancelled_copies"] == 1 and rep["lost_copies"] == 0
+
+
+@pytest.mark.parametrize(("checkpoint_bytes", "abroad"), [(1e9, True), (20e9, False)])
+def test_a_replica_goes_abroad_only_where_its_copies_keep_up_with_the_checkpoints(
+    checkpoint_bytes: float, abroad: bool
+) -> None:
+    """The migration service judges a target by the job's checkpoint interval and keeps replicas
+    in the region when another region's copies would lag behind; the simulator passed no interval,
+    so a 20 GB checkpoint every ~8 s was copied to the US (23 copies, 460 GB across regions) where
+    the service keeps it in the EU (192 copies, none across regions)."""
+    plat = platform({"eu": (EU, "H100", 1), "eu2": (EU, "H100", 1), "us": (US, "H100", 1)})
+    spec = JobSpec(
+        job_id="j",
+        tenant="t",
+        resources=Resources(gpus=8),
+        work=Work(steps=20_000, step_time_s=0.5, checkpoint_every_steps=EVERY),
+        labels={"checkpoint_bytes": f"{checkpoint_bytes:g}"},
+        affinity=Affinity(clusters=["eu"]),
+    )
+    result = simulate(
+        Trace(jobs=[SimJob(spec=spec, arrival_s=0.0)], events=[]),
+        plat,
+        POLICIES["loom"](0),
+        truth=BELIEF,
+        migration=MigrationPolicy("never"),
+    )
+    assert result.migration is not None
+    assert (result.records[0].cross_region_bytes > 0) is abroad
+    assert result.migration["replicas"]["copies"] > 100  # every checkpoint's copy, or nearly

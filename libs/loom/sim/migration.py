@@ -216,6 +216,7 @@ class Migrator:
             self.seen.add(key)
         if self.policy.mode != "never" and kind in (
             "cluster_up",
+            "cluster_undrain",
             "cluster_drain",
             "link_degrade",
             "link_restore",
@@ -254,7 +255,8 @@ class Migrator:
 
     def _trigger(self, event: SimEvent) -> None:
         kind = event.kind
-        if kind == "cluster_up":
+        if kind in ("cluster_up", "cluster_undrain"):
+            # An undrained cluster is offered as a joining one, as the migration service does.
             self._consider(self._allowed_on(event.cluster), "cluster_joined", only=event.cluster)
         elif kind == "cluster_drain":
             if event.cluster in self.drained:
@@ -623,6 +625,11 @@ class Migrator:
             self.out.forced_restarts += 1
             self.out.touched.add(job_id)
             self.out.by_trigger["cluster_failed"] += 1
+            # A failover is a move to the rule, as the service's move history counts it: its
+            # cool-down and hysteresis start now (before, a job could move straight back when the
+            # cluster returned, which the service refuses).
+            self.moves[job_id] += 1
+            self.last_moved[job_id] = sim.t
             self.pending[job_id] = _Pending(
                 source_region=source,
                 save_s=0.0,

@@ -193,6 +193,9 @@ class SimReplicas:
                 held=self.held,
                 unreachable=self.down,
                 settings=self.settings,
+                # What the service measures between two checkpoints: a target that could not keep
+                # up with them is judged lagging (without it, a far region was chosen).
+                interval_s=every * run.step_s,
             )
             if plan is None:
                 self.out.unplaced += 1
