@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from loom.security.http_token import authorized
+from loom.security.http_token import CHALLENGE, authorized
 
 log = structlog.get_logger("alert-correlator")
 
@@ -54,7 +54,7 @@ PostHandler = Callable[[bytes], Awaitable[Answer]]
 
 def _response(answer: Answer) -> bytes:
     body = json.dumps(answer.body).encode()
-    challenge = 'WWW-Authenticate: Bearer realm="loom"\r\n' if answer.status == 401 else ""
+    challenge = f"WWW-Authenticate: {CHALLENGE}\r\n" if answer.status == 401 else ""
     head = (
         f"HTTP/1.1 {answer.status} {_REASONS.get(answer.status, 'Error')}\r\n"
         "Content-Type: application/json\r\n"

@@ -762,12 +762,15 @@ class ConsumerRunner(Generic[T]):
             )
         # Delivered many times: maybe a message that kills its process. Each is handled alone,
         # after the others, with its attempt written down first.
-        suspects = [d for d in deliveries if self._suspect(d)]
+        suspects: list[Delivery[T]] = []
+        ordinary: list[Delivery[T]] = []
+        for d in deliveries:
+            (suspects if self._suspect(d) else ordinary).append(d)
         if not suspects:
-            if deliveries:
-                await self._process_decoded(deliveries)
+            if ordinary:
+                await self._process_decoded(ordinary)
             return
-        deliveries = [d for d in deliveries if not self._suspect(d)]
+        deliveries = ordinary
         # The suspects wait their turn (the rest of the batch, then each other): kept alive
         # meanwhile, or past their ack wait the server would redeliver them to be handled twice
         # (a review). Each leaves the list as its turn comes (an in-progress would hold back the

@@ -559,8 +559,13 @@ def expected_end_s(
     ``RunningJob.expected_end_s`` (read by :mod:`loom.sched.availability`)."""
     if not predicted_step_s:
         return None
-    scale = job.workers / workers if (job.pipeline is None and 0 < workers != job.workers) else 1.0
-    return start_s + delay_s + max(steps_left, 0.0) * predicted_step_s * scale
+    return start_s + delay_s + max(steps_left, 0.0) * predicted_step_s * _pace_scale(job, workers)
+
+
+def _pace_scale(job: JobSpec, workers: int) -> float:
+    """How much slower than predicted an elastic job given ``workers`` of the workers it asked for
+    steps (the prediction is for the gang as asked; a pipeline's is for its stages as planned)."""
+    return job.workers / workers if (job.pipeline is None and 0 < workers != job.workers) else 1.0
 
 
 def reading_delay_s(job: JobSpec, decision: Decision, *, steps_left: float, workers: int) -> float:
@@ -574,8 +579,7 @@ def reading_delay_s(job: JobSpec, decision: Decision, *, steps_left: float, work
     sync = decision.sync
     if sync is None or sync.start != "while_syncing" or not decision.predicted_step_s:
         return 0.0
-    scale = job.workers / workers if (job.pipeline is None and 0 < workers != job.workers) else 1.0
-    run_s = max(steps_left, 0.0) * decision.predicted_step_s * scale
+    run_s = max(steps_left, 0.0) * decision.predicted_step_s * _pace_scale(job, workers)
     return float(data_delay_s(run_s, np.asarray(sync.initial_s, dtype=np.float64), "while_syncing"))
 
 

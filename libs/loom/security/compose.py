@@ -199,9 +199,8 @@ def init_compose(
         (root / "store" / HTTP_TOKEN_PATH).unlink(missing_ok=True)
     token = ensure_http_token(root / "store")
     _copy(token, root / "operator" / HTTP_TOKEN_FILE)
-    for name in identities:
-        if name == WEBHOOK_SERVICE:
-            _copy(token, root / name / HTTP_TOKEN_FILE)
+    if WEBHOOK_SERVICE in identities:
+        _copy(token, root / WEBHOOK_SERVICE / HTTP_TOKEN_FILE)
     for tenant in tenants:
         _copy(store.path(tenant_identity(tenant)), root / "tenants" / f"{tenant}.creds")
     return ComposeSecrets(root, identities, db_roles)

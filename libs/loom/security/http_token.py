@@ -18,11 +18,14 @@ one, is an error at the process's start, never an open endpoint.
 import hmac
 import os
 import secrets
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 from loom.security.credentials import write_secret
 
 __all__ = [
+    "CHALLENGE",
     "ENV_HTTP_TOKEN_FILE",
     "ENV_WEBHOOK_TOKEN_FILE",
     "HTTP_TOKEN_FILE",
@@ -32,6 +35,7 @@ __all__ = [
     "http_token_from_env",
     "otlp_headers",
     "read_http_token",
+    "reply",
 ]
 
 ENV_HTTP_TOKEN_FILE = "LOOM_HTTP_TOKEN_FILE"
@@ -41,6 +45,8 @@ ENV_WEBHOOK_TOKEN_FILE = "LOOM_WEBHOOK_TOKEN_FILE"
 publishes to the host and leaves ``/metrics`` open to its Prometheus inside its network."""
 HTTP_TOKEN_FILE = Path("secrets") / "http.token"
 """Where a stack's token lives under its home."""
+CHALLENGE = 'Bearer realm="loom"'
+"""The ``WWW-Authenticate`` header of a 401."""
 OTLP_HEADERS_ENV = "OTEL_EXPORTER_OTLP_TRACES_HEADERS"
 """The OpenTelemetry exporter's headers for spans (``key=value``, the value URL-encoded)."""
 
@@ -104,3 +110,15 @@ def bearer_header(token: str | None) -> dict[str, str]:
 def otlp_headers(token: str) -> dict[str, str]:
     """The environment an OTLP/HTTP span exporter needs to send ``token`` with every export."""
     return {OTLP_HEADERS_ENV: f"Authorization=Bearer%20{token}"}
+
+
+def reply(handler: BaseHTTPRequestHandler, status: HTTPStatus, body: bytes, content_type: str) -> None:
+    """Answer a request of a ``http.server`` handler (``/metrics``, the trace store): the body with
+    its type and length, and the bearer challenge on a 401."""
+    handler.send_response(status)
+    if status == HTTPStatus.UNAUTHORIZED:
+        handler.send_header("WWW-Authenticate", CHALLENGE)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)

@@ -193,8 +193,10 @@ class OutboxRelay:
         lock over that query held up the fast path (:meth:`publish_now` sends under it) after
         every commit that fell in it.
 
-        A flush of every age that finds nothing pending lets the fast path go again (:attr:`behind`);
-        one that leaves rows pending (failed, or still in the fast path's hand) holds it back."""
+        A flush of every age that finds nothing pending but stuck rows lets the fast path go again
+        (:attr:`behind`); one that leaves other rows pending (failed, or still in the fast path's
+        hand) holds it back. A row that fails is left out of the flush's later chunks, so the rows
+        behind it still go."""
         total = 0
         if min_age_s > 0 and not await self._pool.fetchval(
             """SELECT EXISTS (SELECT 1 FROM outbox

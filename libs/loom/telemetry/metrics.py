@@ -36,7 +36,7 @@ from prometheus_client import (
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.process_collector import ProcessCollector
 
-from loom.security.http_token import authorized, http_token_from_env
+from loom.security.http_token import authorized, http_token_from_env, reply
 
 __all__ = [
     "CLUSTER_FREE_GPUS",
@@ -248,13 +248,7 @@ def _metrics_handler(token: str | None) -> type[BaseHTTPRequestHandler]:
             self._reply(HTTPStatus.OK, generate_latest(REGISTRY), CONTENT_TYPE_LATEST)
 
         def _reply(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
-            self.send_response(status)
-            if status == HTTPStatus.UNAUTHORIZED:
-                self.send_header("WWW-Authenticate", 'Bearer realm="loom"')
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            reply(self, status, body, content_type)
 
         def log_message(self, format: str, *args: Any) -> None:
             pass  # a scrape every few seconds is not news

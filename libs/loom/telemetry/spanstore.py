@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypedDict
 
-from loom.security.http_token import authorized
+from loom.security.http_token import authorized, reply
 
 __all__ = [
     "JAEGER_TRACES_PATH",
@@ -333,13 +333,7 @@ class TraceServer:
             def _reply(
                 self, status: HTTPStatus, payload: bytes, content_type: str = "application/x-protobuf"
             ) -> None:
-                self.send_response(status)
-                if status == HTTPStatus.UNAUTHORIZED:
-                    self.send_header("WWW-Authenticate", 'Bearer realm="loom"')
-                self.send_header("Content-Type", content_type)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                reply(self, status, payload, content_type)
 
             def log_message(self, format: str, *args: Any) -> None:
                 """Quiet: one line per export would drown the supervisor's log."""
