@@ -272,19 +272,29 @@ async def commit(
     return [message]
 
 
+def _order_case() -> tuple[str, str, str, str]:
+    """A producer of its own, a token, the stream its rows go to (made by :func:`_order_stream`,
+    when the test says) and one job's subject in it."""
+    token = uuid.uuid4().hex[:10]
+    return unique("producer"), token, f"ORDER_{token}", f"ordertest.{token}.job-1"
+
+
+async def _order_stream(nc: Client, token: str) -> None:
+    await nc.jetstream().add_stream(StreamConfig(name=f"ORDER_{token}", subjects=[f"ordertest.{token}.>"]))
+
+
 async def test_after_a_failed_fast_path_later_commits_wait_for_the_relay_to_send_it_first(
     pool: asyncpg.Pool, nc: Client
 ) -> None:
     # A job's placed event failed on its fast path (no stream took it: a leader election, say);
     # the job's next event, committed after, went out on its own fast path before the relay sent
     # the placed one, so consumers saw the job's events out of order (a review).
-    producer, token = unique("producer"), uuid.uuid4().hex[:10]
-    stream, subject = f"ORDER_{token}", f"ordertest.{token}.job-1"
+    producer, token, stream, subject = _order_case()
     relay = outbox.OutboxRelay(pool, Publisher(nc, timeout_s=2.0), producer)
     assert await relay.flush() == 0  # start-up: nothing left over, the fast path may go
     placed = outbox.message(subject, started(token, 1), f"{token}:placed")
     assert await relay.publish_now(await commit(pool, producer, placed)) == 0, "no stream yet"
-    await nc.jetstream().add_stream(StreamConfig(name=stream, subjects=[f"ordertest.{token}.>"]))
+    await _order_stream(nc, token)
     try:
         finished = outbox.message(subject, started(token, 2), f"{token}:finished")
         await relay.publish_now(await commit(pool, producer, finished))
@@ -305,9 +315,8 @@ async def test_a_row_that_keeps_failing_holds_the_fast_path_back_only_for_a_few_
     # all, so the fast path stood aside for good and every later commit waited for a relay round
     # (a review). Refused STUCK_ROUNDS times while other rows went through (and for stuck_after_s,
     # 0 here) it no longer counts; it is still retried.
-    producer, token = unique("producer"), uuid.uuid4().hex[:10]
-    stream, subject = f"ORDER_{token}", f"ordertest.{token}.job-1"
-    await nc.jetstream().add_stream(StreamConfig(name=stream, subjects=[f"ordertest.{token}.>"]))
+    producer, token, stream, subject = _order_case()
+    await _order_stream(nc, token)
     relay = outbox.OutboxRelay(pool, Publisher(nc, timeout_s=2.0), producer, stuck_after_s=0.0)
     try:
         assert await relay.flush() == 0
@@ -337,8 +346,7 @@ async def test_an_outage_never_makes_a_row_stuck_so_later_commits_never_overtake
     # (no stream for the subject, as in a leader election) made the pending row stuck, the fast
     # path went again and the first commit after the recovery overtook it. A row refused while no
     # other row goes through says nothing of itself.
-    producer, token = unique("producer"), uuid.uuid4().hex[:10]
-    stream, subject = f"ORDER_{token}", f"ordertest.{token}.job-1"
+    producer, token, stream, subject = _order_case()
     relay = outbox.OutboxRelay(pool, Publisher(nc, timeout_s=2.0), producer, stuck_after_s=0.0)
     assert await relay.flush() == 0
     placed = outbox.message(subject, started(token, 1), f"{token}:placed")
@@ -346,7 +354,7 @@ async def test_an_outage_never_makes_a_row_stuck_so_later_commits_never_overtake
     for _ in range(4):
         await relay.flush()
     assert relay.behind
-    await nc.jetstream().add_stream(StreamConfig(name=stream, subjects=[f"ordertest.{token}.>"]))
+    await _order_stream(nc, token)
     try:
         finished = outbox.message(subject, started(token, 2), f"{token}:finished")
         assert await relay.publish_now(await commit(pool, producer, finished)) == 0  # left to the relay
@@ -361,10 +369,9 @@ async def test_a_chunk_of_failing_rows_does_not_keep_the_rows_behind_it_from_the
 ) -> None:
     # A review: a flush read the oldest `batch` rows only; with that many failing rows at the head
     # the rows behind them were never sent, yet the fast path was let go again.
-    producer, token = unique("producer"), uuid.uuid4().hex[:10]
-    stream, subject = f"ORDER_{token}", f"ordertest.{token}.job-1"
+    producer, token, stream, subject = _order_case()
     relay = outbox.OutboxRelay(pool, Publisher(nc, timeout_s=2.0), producer, batch=2, stuck_after_s=0.0)
-    await nc.jetstream().add_stream(StreamConfig(name=stream, subjects=[f"ordertest.{token}.>"]))
+    await _order_stream(nc, token)
     try:
         assert await relay.flush() == 0
         for n in range(2):
@@ -386,13 +393,12 @@ async def test_a_chunk_of_failing_rows_does_not_keep_the_rows_behind_it_from_the
 async def test_the_background_relay_sends_what_the_fast_path_left_it_without_waiting_for_its_age(
     pool: asyncpg.Pool, nc: Client
 ) -> None:
-    producer, token = unique("producer"), uuid.uuid4().hex[:10]
-    stream, subject = f"ORDER_{token}", f"ordertest.{token}.job-1"
+    producer, token, stream, subject = _order_case()
     relay = outbox.OutboxRelay(pool, Publisher(nc, timeout_s=2.0), producer)
     assert await relay.flush() == 0
     placed = outbox.message(subject, started(token, 1), f"{token}:placed")
     assert await relay.publish_now(await commit(pool, producer, placed)) == 0, "no stream yet"
-    await nc.jetstream().add_stream(StreamConfig(name=stream, subjects=[f"ordertest.{token}.>"]))
+    await _order_stream(nc, token)
     stopping = asyncio.Event()
     # Rounds of old rows only (a minute): what the fast path left must not wait that long.
     background = asyncio.create_task(relay.run(stopping, idle_s=0.2, min_age_s=60.0))
