@@ -303,6 +303,8 @@ def run_cell(
             "gpu_hours": _gpu_hours(result),
             **_belief_error(result),
             **mig,
+            # A drain's purpose: how long after it began the cluster held no job (None: not while drained).
+            "drain_emptied_after_s": (mig.get("drains") or [{}])[0].get("emptied_after_s"),
             "verdicts_moved": sum(1 for v in verdicts if v["decision"] == "move"),
             "verdicts_stayed": sum(1 for v in verdicts if v["decision"] == "stay"),
             "example_verdicts": verdicts[:3],
@@ -396,8 +398,13 @@ def aggregate(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                     "held_by_queue",
                     "belief_error_median",
                     "belief_error_p90",
+                    "drain_emptied_after_s",
                 )
             }
+            if scenario == "drain":
+                modes[mode]["drains_emptied"] = sum(
+                    1 for g in group if g["modes"][mode].get("drain_emptied_after_s") is not None
+                )
         on = modes.get("on", {}).get("jct_mean_s")
         per_seed = {
             other: [_margin(g["modes"]["on"]["jct_mean_s"], g["modes"][other]["jct_mean_s"]) for g in group]
@@ -590,7 +597,8 @@ def print_table(result: dict[str, Any]) -> None:
         + f" {'moves on/always':>16}"
         + f" {'GPU-h lost on/never/always':>28}"
         + f" {'paired vs never/always: moved s, knock-on s':>44}"
-        + f" {'belief err on':>13}",
+        + f" {'belief err on':>13}"
+        + f" {'drain emptied after s (seeds) on/never/always':>48}",
         file=sys.stderr,
     )
     for line in result["cells"]:
@@ -605,13 +613,22 @@ def print_table(result: dict[str, Any]) -> None:
         own = line.get("moved_jobs", {}).get("on")
         mine = f"{own['jobs']}, {pct(own['vs_never'])}" if own else "-"
         belief = _share(modes.get("on", {}).get("belief_error_median"))
+        emptied = " / ".join(_emptied(modes.get(m, {}), len(line["seeds"])) for m in MODES)
         print(
             f"{line['platform']:<8} {line['load']:>4g} {line['scenario']:<12} {mine:>25} {jct} "
             f"{pct(line['on_vs_never']):>12} {pct(line['on_vs_always']):>12} "
             f"{pct(line['on_vs_never_touched']) + ' / ' + pct(line['on_vs_always_touched']):>25} "
-            f"{moves:>16} {lost:>28} {_paired(line):>44} {belief:>13}",
+            f"{moves:>16} {lost:>28} {_paired(line):>44} {belief:>13} {emptied:>48}",
             file=sys.stderr,
         )
+
+
+def _emptied(mode: dict[str, Any], seeds: int) -> str:
+    """A drain's mean time to empty over the seeds it emptied in, and how many (``-``: no drain)."""
+    if "drains_emptied" not in mode:
+        return "-"
+    after = mode.get("drain_emptied_after_s")
+    return f"{'-' if after is None else f'{after:.0f}'} ({mode['drains_emptied']}/{seeds})"
 
 
 def _share(share: float | None) -> str:

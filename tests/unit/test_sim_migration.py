@@ -150,31 +150,111 @@ def test_a_failed_clusters_jobs_pay_the_checkpoint_copy_and_restart_in_every_mod
     assert ends.pop() >= plain.records[0].end_s + MigrationPolicy().settings.restart_s
 
 
-def test_a_drain_under_on_moves_at_most_the_budgets_concurrency_and_defers_the_rest() -> None:
-    plat = platform({"a": (EU, "H100", 2), "b": (EU, "H100", 2)})
-    events = [
-        SimEvent(at_s=0.0, kind="cluster_down", cluster="b"),
-        SimEvent(at_s=10.0, kind="cluster_up", cluster="b"),
-        *drain_events("a", at_s=50.0),
-    ]
-    trace = Trace(jobs=[job("j1", 20_000), job("j2", 20_000)], events=events)
-    result = simulate(
+DRAIN_DELAY_S = 16e9 * 8 / 4e9 + (0.5 / 1000 + 16e9 * 8 / 100e9) + 60.0
+"""An on-demand save, an in-region copy and a restart: how long a drain's move is in flight."""
+
+
+def drained(events: list[SimEvent], jobs: list[SimJob], *, mode: str = "on", clusters: int = 2) -> SimResult:
+    """``a`` holds the jobs (``b`` is down until 10 s); ``b`` has ``clusters`` nodes."""
+    plat = platform({"a": (EU, "H100", 2), "b": (EU, "H100", clusters)})
+    trace = Trace(
+        jobs=jobs,
+        events=[
+            SimEvent(at_s=0.0, kind="cluster_down", cluster="b"),
+            SimEvent(at_s=10.0, kind="cluster_up", cluster="b"),
+            *events,
+        ],
+    )
+    return simulate(
         trace,
         plat,
         POLICIES["loom"](0),
         truth=BELIEF,
         sample_every_s=60.0,
-        migration=MigrationPolicy("on", per_cluster=1),
+        migration=MigrationPolicy(mode, per_cluster=1),  # type: ignore[arg-type]
     )
+
+
+def test_a_drain_moves_at_most_its_concurrency_at_once_outside_the_voluntary_budget() -> None:
+    """As ``loom drain --concurrency 1``: the second job moves once the first's new run computes,
+    not at the next sample; the migration budget (1 per cluster here) neither holds nor counts it."""
+    result = drained(drain_events("a", at_s=50.0, concurrency=1), [job("j1", 20_000), job("j2", 20_000)])
     assert result.migration is not None
     assert result.migration["by_trigger"] == {"drain": 2}
-    assert result.migration["deferred_by_budget"] >= 1
+    assert result.migration["deferred_by_budget"] == 0
     assert all(r.clusters == ("b",) and r.restarts == 1 for r in result.records)
     moved_at = sorted(v["at_s"] for v in result.migration["verdicts"] if v["decision"] == "move")
-    delay = 16e9 * 8 / 4e9 + (0.5 / 1000 + 16e9 * 8 / 100e9) + 60.0
-    # One in flight at a time: the second starts only after the first's checkpoint is in.
     assert moved_at[0] == pytest.approx(50.0)
-    assert moved_at[-1] >= 50.0 + delay
+    # At the instant the first lands (not at the sample after it, 180 s).
+    assert moved_at[-1] == pytest.approx(50.0 + DRAIN_DELAY_S, abs=0.05)
+    (figures,) = result.migration["drains"]
+    assert figures == {
+        "cluster": "a",
+        "at_s": 50.0,
+        "concurrency": 1,
+        "deadline_s": 0.0,
+        "emptied_after_s": pytest.approx(moved_at[-1] - 50.0, abs=0.05),
+        "moved": 2,
+        "given_up": 0,
+    }
+
+
+def test_a_drain_moves_two_at_once_by_default_as_loom_drain_does() -> None:
+    result = drained(drain_events("a", at_s=50.0), [job("j1", 20_000), job("j2", 20_000)], clusters=3)
+    assert result.migration is not None
+    moved_at = [v["at_s"] for v in result.migration["verdicts"] if v["decision"] == "move"]
+    assert moved_at == [pytest.approx(50.0), pytest.approx(50.0)]
+    # The same with room for both but one in flight at a time: the second waits for the first.
+    one = drained(
+        drain_events("a", at_s=50.0, concurrency=1), [job("j1", 20_000), job("j2", 20_000)], clusters=3
+    )
+    assert one.migration is not None
+    assert sorted(v["at_s"] for v in one.migration["verdicts"] if v["decision"] == "move")[-1] > 50.0
+
+
+def test_a_drained_job_without_checkpoints_stays_until_the_deadline_and_one_without_room_is_given_up() -> (
+    None
+):
+    """The service's gate: a job that declares no checkpoints would restart from step 0, so it
+    moves only at the drain's deadline; past it every job goes, given up to the queue where no
+    cluster has room (``b`` has one node, taken by the other job)."""
+    bare = SimJob(
+        spec=JobSpec(
+            job_id="bare", tenant="t", resources=Resources(gpus=8), work=Work(steps=20_000, step_time_s=0.5)
+        ),
+        arrival_s=0.0,
+    )
+    events = drain_events("a", at_s=50.0, deadline_s=500.0)
+    result = drained(events, [job("j", 20_000), bare], clusters=1)
+    assert result.migration is not None
+    records = {r.job_id: r for r in result.records}
+    (figures,) = result.migration["drains"]
+    assert figures["moved"] == 1 and figures["given_up"] == 1
+    assert records["j"].clusters == ("b",)
+    assert records["bare"].restarts == 1  # given up at 550 s: queued, it restarts from step 0
+    # It ran on a until the deadline, then waited for b (no checkpoint: from step 0 there).
+    assert records["bare"].end_s is not None and records[
+        "bare"
+    ].end_s > 550.0 + 20_000 * 0.5 / relative_speed("H100", "training_compute")
+    assert figures["emptied_after_s"] == pytest.approx(500.0)
+    # Without a deadline it finishes in place: the drain empties only then.
+    kept = drained(drain_events("a", at_s=50.0), [job("j", 20_000), bare], clusters=1)
+    assert kept.migration is not None
+    (figures,) = kept.migration["drains"]
+    bare_record = next(r for r in kept.records if r.job_id == "bare")
+    assert bare_record.restarts == 0 and bare_record.clusters == ("a",)
+    assert figures["given_up"] == 0 and figures["moved"] == 1
+    assert bare_record.end_s is not None
+    assert figures["emptied_after_s"] == pytest.approx(bare_record.end_s - 50.0, abs=0.05)
+
+
+def test_never_moves_nothing_off_a_drain_but_says_when_it_emptied() -> None:
+    result = drained(drain_events("a", at_s=50.0), [job("j1", 2_000)], mode="never")
+    assert result.migration is not None
+    (figures,) = result.migration["drains"]
+    end = result.records[0].end_s
+    assert figures["moved"] == 0 and end is not None
+    assert figures["emptied_after_s"] == pytest.approx(end - 50.0, abs=0.05)
 
 
 def test_backflow_moves_a_job_only_onto_the_returning_cluster_never_elsewhere() -> None:
@@ -367,3 +447,12 @@ def test_an_undrained_cluster_is_offered_to_the_jobs_that_left_it_as_a_joining_o
     assert figures["by_trigger"].get("drain", 0) == 1
     assert figures["by_trigger"].get("cluster_joined", 0) == 1
     assert records["j"].clusters[-1:] == ("fast",)
+
+
+def test_a_drain_scenario_refuses_a_concurrency_or_deadline_loom_drain_would() -> None:
+    from loom.sim.scenarios import ScenarioError
+
+    with pytest.raises(ScenarioError, match="concurrency must be an integer within 1-64, got 0"):
+        drain_events("a", at_s=1.0, concurrency=0)
+    with pytest.raises(ScenarioError, match="deadline_s must be a finite number >= 0, got inf"):
+        drain_events("a", at_s=1.0, deadline_s=float("inf"))

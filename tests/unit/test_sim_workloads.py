@@ -442,6 +442,13 @@ def test_csv_comments_come_only_before_the_header_so_no_data_row_vanishes(tmp_pa
         ({"event": "link_degrade", "src": "mars", "dst": FAST_REGION}, "unknown src 'mars'; known: aws-"),
         ({"event": "link_restore"}, "names no link"),
         ({"event": "price", "region": "venus", "factor": 2}, "price at 30 s: unknown region 'venus'"),
+        (
+            {"event": "cluster_down", "cluster": "CLUSTER", "deadline_s": 60},
+            "cluster_down at 30 s: concurrency and deadline_s are a cluster_drain's",
+        ),
+        ({"event": "cluster_drain", "cluster": "CLUSTER", "concurrency": 0}, r"Expected `int` >= 1"),
+        ({"event": "cluster_drain", "cluster": "CLUSTER", "concurrency": 65}, r"Expected `int` <= 64"),
+        ({"event": "cluster_drain", "cluster": "CLUSTER", "deadline_s": -1}, r"Expected `float` >= 0"),
     ],
 )
 def test_an_event_that_would_change_nothing_is_refused_with_its_line(
@@ -449,6 +456,8 @@ def test_an_event_that_would_change_nothing_is_refused_with_its_line(
 ) -> None:
     path = tmp_path / "w.jsonl"
     job = '{"arrival_s": 0, "job_id": "a", "steps": 1, "step_time_s": 1}'
+    if event.get("cluster") == "CLUSTER":
+        event = {**event, "cluster": topology.clusters[0].id}
     path.write_text(f"{job}\n{json.dumps({**event, 'at_s': 30})}\n")
     with pytest.raises(WorkloadError, match=message) as caught:
         load_workload(path, regions={r.id for r in topology.regions}, topology=topology)
@@ -469,9 +478,16 @@ def test_events_naming_the_platforms_clusters_and_regions_are_read(
         '{"arrival_s": 0, "job_id": "a", "steps": 1, "step_time_s": 1}\n'
         f'{{"event": "cluster_down", "at_s": 5, "cluster": "{cluster}"}}\n'
         f'{{"event": "link_degrade", "at_s": 6, "region": "{FAST_REGION}", "rtt_factor": 2}}\n'
+        f'{{"event": "cluster_drain", "at_s": 7, "cluster": "{cluster}",'
+        ' "concurrency": 3, "deadline_s": 600}\n'
     )
     trace = load_workload(path, regions={r.id for r in topology.regions}, topology=topology)
-    assert [e.kind for e in trace.events] == ["cluster_down", "link_degrade"]
+    assert [e.kind for e in trace.events] == ["cluster_down", "link_degrade", "cluster_drain"]
+    drain = trace.events[-1]
+    assert (drain.concurrency, drain.deadline_s) == (3, 600.0)
+    assert trace.events[0].concurrency == 2  # loom drain's default
+    write_jsonl(trace, tmp_path / "again.jsonl")
+    assert load_jsonl(tmp_path / "again.jsonl").events == trace.events
 
 
 def test_a_generic_workload_file_keeps_its_first_jobs_by_arrival_under_a_limit(

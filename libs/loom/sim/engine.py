@@ -1939,18 +1939,31 @@ class _Simulation:
         )
         self.snap.set_learned(learner.factors(), learner.steady_cells())
 
-    def _stop(self, job_id: str, *, given_back: bool) -> None:
-        """Stop a run (preempted, or its cluster failed) and requeue the job from its last checkpoint."""
+    def wake_at(self, t: float) -> None:
+        """An instant at ``t`` (a pass, then the migration policy's look) even if nothing else
+        happens then: a drain's move in flight lands, and the drain may start the next."""
+        self._push(_Event(t, _CONTINUE, 0))
+
+    def requeue(self, job_id: str, *, keep_progress: bool) -> None:
+        """Give a running job's run up and queue the job again (a drain past its deadline with no
+        room anywhere): from the step it reached with ``keep_progress`` (an on-demand save), else
+        from its last checkpoint."""
+        self._stop(job_id, given_back=False, keep_progress=keep_progress)
+
+    def _stop(self, job_id: str, *, given_back: bool, keep_progress: bool = False) -> None:
+        """Stop a run (preempted, or its cluster failed) and requeue the job from its last checkpoint
+        (``keep_progress``: from where it is)."""
         job = self.jobs.get(job_id)
         if job is None or job.run is None:
             return
         run = job.run
         self._settle(job, run, self.t)
-        steps = job.spec.work.steps
-        every = job.spec.work.checkpoint_every_steps
-        done = steps - job.steps_left
-        kept = math.floor(done / every) * every if every > 0 else 0
-        job.steps_left = float(steps - min(kept, steps))
+        if not keep_progress:
+            steps = job.spec.work.steps
+            every = job.spec.work.checkpoint_every_steps
+            done = steps - job.steps_left
+            kept = math.floor(done / every) * every if every > 0 else 0
+            job.steps_left = float(steps - min(kept, steps))
         self._release(job, run, given_back=given_back)
         job.record.restarts += 1
         job.item = dataclasses.replace(job.item, attempts=job.record.restarts)

@@ -35,8 +35,15 @@
   that found no room, or whose move did not pay, moves once room appears (``always``, which has no
   cool-down, rechecks only the jobs it has not moved off that link yet);
 * ``link_restore`` → ``link_improved``: jobs that left because that link degraded; anywhere;
-* ``cluster_drain`` → ``drain`` (forced): jobs with a part there; anywhere else, looked at again at
-  every sample until the cluster is empty.
+* ``cluster_drain`` → ``drain`` (forced): jobs with a part there, moved as the migration service
+  moves a drain's jobs (:func:`loom.migrate.drain.pick_moves`): largest benefit first, at most the
+  event's ``concurrency`` in flight (a move is in flight until its new run computes), each only on
+  room found now (a job without room keeps running there), a job that declares no checkpoints
+  only at the deadline; past the event's ``deadline_s`` every job left moves at once, given up to
+  the queue when no room exists. Drain moves are outside the voluntary budget, as in the service.
+  A drain looks again when one of its moves lands, at every sample, and past its deadline.
+  ``SimResult.migration["drains"]`` says when each drained cluster was empty (in every mode:
+  ``never`` shows how long its jobs take to finish in place).
 
 **What a move costs, by the simulator's truth.** A moved job's run stops; with checkpoints
 (``work.checkpoint_every_steps`` > 0) and ``save_on_demand`` it saves one first and loses nothing,
@@ -74,6 +81,7 @@ from loom.migrate.benefit import (
     job_class_of,
     plan_migrations,
 )
+from loom.migrate.drain import DrainJob, pick_moves
 from loom.migrate.network import DegradedLinks
 from loom.migrate.queue import queued_for_part
 from loom.migrate.replicas import ReplicaSettings
@@ -123,6 +131,41 @@ class _Pending:
     nbytes: float
     source_cluster: str
     budgeted: bool = False
+    drain: str = ""
+    """A drain's move: the drained cluster (in flight under its concurrency until the new run computes)."""
+
+
+@dataclass
+class _Drain:
+    """A drained cluster, as the migration service keeps a drain (``cluster_drains``)."""
+
+    cluster: str
+    started_s: float
+    concurrency: int
+    deadline_s: float
+    moving: dict[str, float] = field(default_factory=dict)
+    """Job -> when its moved run computes: a move in flight until then (the service: until the
+    job's next attempt starts)."""
+    look: bool = True
+    """Whether the next pass looks again: the drain began, a sample came, or a move landed."""
+    emptied_s: float | None = None
+    moved: int = 0
+    given_up: int = 0
+    """Moves past the deadline with no room anywhere: the run given up, the job queued."""
+
+    def past_deadline(self, now: float) -> bool:
+        return self.deadline_s > 0 and now >= self.started_s + self.deadline_s
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "cluster": self.cluster,
+            "at_s": round(self.started_s, 1),
+            "concurrency": self.concurrency,
+            "deadline_s": self.deadline_s,
+            "emptied_after_s": None if self.emptied_s is None else round(self.emptied_s - self.started_s, 1),
+            "moved": self.moved,
+            "given_up": self.given_up,
+        }
 
 
 @dataclass
@@ -164,7 +207,10 @@ class Migrator:
         """Job -> the link (region pair) it left when that link degraded."""
         self.deferred: dict[str, tuple[Trigger, str | None]] = {}
         """Job -> (trigger, only this cluster) of a move the budget deferred."""
-        self.drained: set[str] = set()
+        self.drains: dict[str, _Drain] = {}
+        """Clusters drained now."""
+        self.drain_log: list[_Drain] = []
+        """Every drain of the run, in order (for the figures)."""
         self.degraded = DegradedLinks(self.settings.recheck_s)
         """The links degraded now; their jobs are looked at again every ``recheck_s`` (at samples)."""
         self.seen: set[tuple[float, str, frozenset[frozenset[str]]]] = set()
@@ -198,10 +244,8 @@ class Migrator:
             self.resume_steps.clear()
         elif kind == "cluster_up" and self.replicas is not None:
             self.replicas.cluster_up(event.cluster)
-        if kind == "cluster_drain":
-            self.drained.add(event.cluster)
-        elif kind == "cluster_undrain":
-            self.drained.discard(event.cluster)
+        if kind in ("cluster_drain", "cluster_undrain"):
+            self._drain_event(event)
         elif kind in ("link_degrade", "link_restore"):
             pairs = self._pairs(event)
             for pair in pairs:
@@ -223,6 +267,16 @@ class Migrator:
         ):
             self.triggered.append(event)
 
+    def _drain_event(self, event: SimEvent) -> None:
+        if event.kind == "cluster_undrain":
+            self.drains.pop(event.cluster, None)
+        elif event.cluster not in self.drains:  # drained again while draining: the first holds
+            drain = _Drain(event.cluster, self.sim.t, event.concurrency, event.deadline_s)
+            self.drains[event.cluster] = drain
+            self.drain_log.append(drain)
+            if drain.deadline_s > 0:
+                self.sim.wake_at(self.sim.t + drain.deadline_s)  # every job left goes then
+
     def on_sample(self) -> None:
         """Periodically: finished migrations free the budget; deferred moves and drains go on
         (after the pass)."""
@@ -235,6 +289,8 @@ class Migrator:
                 still.append(entry)
         self.in_flight = still
         self.sampled = True
+        for drain in self.drains.values():
+            drain.look = True
         if self.replicas is not None:
             self.replicas.advance(now)
 
@@ -245,12 +301,17 @@ class Migrator:
         before = self.out.migrations
         triggered, self.triggered = self.triggered, []
         sampled, self.sampled = self.sampled, False
-        if self.policy.mode == "never":
-            return False
-        for event in triggered:
-            self._trigger(event)
-        if sampled:
-            self._retry()
+        if self.policy.mode != "never":
+            for event in triggered:
+                self._trigger(event)
+            for cluster in sorted(self.drains):
+                self._drain_pass(self.drains[cluster])
+            if sampled:
+                self._retry()
+        by_cluster = self.sim.by_cluster
+        for drain in self.drains.values():
+            if drain.emptied_s is None and not by_cluster.get(drain.cluster):
+                drain.emptied_s = self.sim.t
         return self.out.migrations > before
 
     def _trigger(self, event: SimEvent) -> None:
@@ -258,9 +319,6 @@ class Migrator:
         if kind in ("cluster_up", "cluster_undrain"):
             # An undrained cluster is offered as a joining one, as the migration service does.
             self._consider(self._allowed_on(event.cluster), "cluster_joined", only=event.cluster)
-        elif kind == "cluster_drain":
-            if event.cluster in self.drained:
-                self._consider(self._on_cluster(event.cluster), "drain")
         elif kind == "link_degrade":
             hit = {
                 j for pair in self._pairs(event) for j in self._across(*sorted(pair)) if pair in self.degraded
@@ -272,8 +330,6 @@ class Migrator:
             self._consider(left, "link_improved")
 
     def _retry(self) -> None:
-        for cluster in sorted(self.drained):
-            self._consider(self._on_cluster(cluster), "drain")
         looked: set[str] = set()
         if self.deferred:
             retry, self.deferred = self.deferred, {}
@@ -319,6 +375,10 @@ class Migrator:
             )
             self.sim.cross_bytes += pending.nbytes
         self.out.gpu_hours_lost += delay * gpus / 3600.0
+        drain = self.drains.get(pending.drain)
+        if drain is not None:
+            drain.moving[job.spec.job_id] = self.sim.t + delay
+            self.sim.wake_at(self.sim.t + delay)
         if pending.budgeted:
             self.in_flight.append(
                 (
@@ -350,6 +410,7 @@ class Migrator:
             "touched_jobs": sorted(out.touched),
             "moved_jobs": sorted(out.moved),
             "replicas": self.replicas.figures() if self.replicas is not None else None,
+            "drains": [drain.figures() for drain in self.drain_log],
         }
 
     # ---- affected jobs ---------------------------------------------------------------------------
@@ -558,7 +619,84 @@ class Migrator:
             if d is not None:
                 self._move(job, d, trigger, budgeted=False)
 
-    def _move(self, job: _Job, d: Decision, trigger: Trigger, *, budgeted: bool) -> None:
+    def _drain_pass(self, drain: _Drain) -> None:
+        """One pass of a drain, as the migration service's drain loop makes one
+        (:func:`loom.migrate.drain.pick_moves`): every job left on the cluster judged (placement's
+        candidate off it now, the ``drain`` verdict), then the largest benefit first up to the
+        concurrency, each moved only where room is found again just before it moves; past the
+        deadline every job goes, given up to the queue where no room exists."""
+        now = self.sim.t
+        landed = [job_id for job_id, at in drain.moving.items() if at <= now]
+        for job_id in landed:
+            del drain.moving[job_id]
+        past = drain.past_deadline(now)
+        if not (drain.look or landed or past):
+            return
+        drain.look = False
+        if not past and len(drain.moving) >= drain.concurrency:
+            return
+        jobs = self.sim.jobs
+        ids = [j for j in self._on_cluster(drain.cluster) if j not in drain.moving]
+        if not ids:
+            return
+        verdicts: dict[str, MigrationVerdict] = {}
+        for job_id in ids:
+            verdict, d = self._verdict(jobs[job_id], "drain", None)
+            if d is not None and d.undo is not None:
+                d.undo()
+            verdicts[job_id] = verdict
+        pick = pick_moves(
+            drain.cluster,
+            [self._drain_job(jobs[j]) for j in ids],
+            verdicts,
+            fresh=ids,
+            in_flight=len(drain.moving),
+            concurrency=drain.concurrency,
+            past_deadline=past,
+        )
+        for chosen in pick.move:
+            job = jobs[chosen.job_id]
+            if job.run is None:
+                continue
+            target = verdicts[chosen.job_id].target
+            d = None
+            if target is not None and target != drain.cluster:
+                # Asked again as the move starts (the moves before it took room), as the service's
+                # ``_room_elsewhere`` asks once the checkpoint is written.
+                _, d = self._verdict(job, "drain", None, again=target)
+            if d is not None and all(p.cluster != drain.cluster for p in d.parts):
+                drain.moved += 1
+                self._move(job, d, "drain", budgeted=False, drain=drain.cluster)
+            elif past:
+                drain.given_up += 1
+                keep = self._leave(job, "drain", budgeted=False, drain=drain.cluster)
+                self.sim.requeue(job.spec.job_id, keep_progress=keep)
+
+    def _drain_job(self, job: _Job) -> DrainJob:
+        """A running job as a drain candidate (the service reads the same from its run's row)."""
+        run = job.run
+        assert run is not None
+        spec = job.spec
+        return DrainJob(
+            job_id=spec.job_id,
+            attempt=job.record.restarts + 1,
+            gpus=run.gpus,
+            gpu_models=tuple(spec.resources.gpu_models),
+            steps=spec.work.steps,
+            step=int(self._state(job).steps_done + 1e-6),
+            step_time_s=spec.work.step_time_s,
+            checkpoint_every_steps=spec.work.checkpoint_every_steps,
+            affinity=spec.affinity,
+        )
+
+    def _move(self, job: _Job, d: Decision, trigger: Trigger, *, budgeted: bool, drain: str = "") -> None:
+        keep = self._leave(job, trigger, budgeted=budgeted, drain=drain)
+        self.sim.move(job.spec.job_id, d, keep_progress=keep)
+
+    def _leave(self, job: _Job, trigger: Trigger, *, budgeted: bool, drain: str = "") -> bool:
+        """What a move of ``job`` off its run costs and counts (the checkpoint it saves or the steps
+        it loses, the transfer its next run waits for, the move history); returns whether it keeps
+        its progress (an on-demand save)."""
         run = job.run
         assert run is not None
         spec = job.spec
@@ -576,6 +714,7 @@ class Migrator:
             nbytes=nbytes,
             source_cluster=run.decision.parts[0].cluster,
             budgeted=budgeted,
+            drain=drain,
         )
         if trigger == "link_degraded":
             for pair in self.degraded:
@@ -589,7 +728,7 @@ class Migrator:
         self.out.moved.add(spec.job_id)
         self.out.by_trigger[trigger] += 1
         self.deferred.pop(spec.job_id, None)
-        self.sim.move(spec.job_id, d, keep_progress=keep)
+        return keep
 
     def _failing(self, cluster: str) -> None:
         """A cluster fails: its jobs' runs are lost; each restarts (wherever the scheduler puts it)

@@ -17,6 +17,7 @@ from loom.model.capacity import NodeCapacity
 from loom.sched.framework import Outcome, QueueItem
 from loom.sched.snapshot import ClusterInfo, Economics, NetMatrix, Snapshot
 from loom_proto.jobs import JobSpec
+from loom_proto.migrations import MAX_DRAIN_CONCURRENCY
 
 JobClass = Literal["net_training", "training", "inference", "pipeline", "dag", "batch", "probe"]
 """How results are grouped: network-sensitive distributed training, other training, inference
@@ -27,7 +28,11 @@ EventKind = Literal[
     "link_degrade", "link_restore", "cluster_down", "cluster_up", "cluster_drain", "cluster_undrain", "price"
 ]
 """``cluster_drain`` closes a cluster to new work (its running jobs stay unless a migration policy
-moves them: :mod:`loom.sim.migration`); ``cluster_undrain`` opens it again."""
+moves them: :mod:`loom.sim.migration`, at most ``concurrency`` at a time, every one left at once
+past ``deadline_s``, as ``loom drain`` does); ``cluster_undrain`` opens it again."""
+
+DRAIN_CONCURRENCY = 2
+"""Moves of a drain in flight at once unless the event says otherwise (``loom drain``'s default)."""
 
 
 class EventError(InvalidInputError):
@@ -63,10 +68,18 @@ class SimEvent:
     rtt_factor: float = 1.0
     bandwidth_factor: float = 1.0
     factor: float = 1.0
+    concurrency: int = DRAIN_CONCURRENCY
+    """``cluster_drain``: its moves in flight at once (1 to ``MAX_DRAIN_CONCURRENCY``)."""
+    deadline_s: float = 0.0
+    """``cluster_drain``: seconds after which every job left moves at once, room or not (0: none)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.at_s) and self.at_s >= 0):
             raise EventError(f"{self.kind} event: at_s must be a finite time >= 0, got {self.at_s}")
+        if not 1 <= self.concurrency <= MAX_DRAIN_CONCURRENCY:
+            raise EventError(self._bad("concurrency", f"within 1-{MAX_DRAIN_CONCURRENCY}", self.concurrency))
+        if not (math.isfinite(self.deadline_s) and self.deadline_s >= 0):
+            raise EventError(self._bad("deadline_s", ">= 0", self.deadline_s))
         if not (math.isfinite(self.rtt_factor) and self.rtt_factor > 0):
             raise EventError(self._bad("rtt_factor", "> 0", self.rtt_factor))
         for name, value in (("bandwidth_factor", self.bandwidth_factor), ("factor", self.factor)):
@@ -74,7 +87,8 @@ class SimEvent:
                 raise EventError(self._bad(name, ">= 0", value))
 
     def _bad(self, name: str, bound: str, value: float) -> str:
-        return f"{self.kind} event at {self.at_s:g} s: {name} must be a finite number {bound}, got {value}"
+        what = "an integer" if name == "concurrency" else "a finite number"
+        return f"{self.kind} event at {self.at_s:g} s: {name} must be {what} {bound}, got {value}"
 
 
 @dataclass

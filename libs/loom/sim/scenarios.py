@@ -22,7 +22,7 @@ from loom.model.topology import Topology, TopologyError, load_topology
 from loom.sched.plugins.cost import PRICE_PER_GPU_HOUR, default_economics
 from loom.sched.snapshot import Economics
 from loom.sim.engine import platform_from_topology
-from loom.sim.model import EventKind, Platform, SimEvent, SimJob, Trace
+from loom.sim.model import DRAIN_CONCURRENCY, EventError, EventKind, Platform, SimEvent, SimJob, Trace
 from loom.sim.workloads import ALLREDUCE_ROUNDS, BYTES_PER_PARAM_FP16, FORWARD_SHARE, net_model
 from loom_proto.jobs import Affinity, Communication, DataSpec, JobSpec, Resources, Work
 
@@ -308,12 +308,24 @@ def cluster_failure_events(
 
 
 def drain_events(
-    cluster: str, *, at_s: float, duration_s: float | None = None, topology: Topology | None = None
+    cluster: str,
+    *,
+    at_s: float,
+    duration_s: float | None = None,
+    topology: Topology | None = None,
+    concurrency: int = DRAIN_CONCURRENCY,
+    deadline_s: float = 0.0,
 ) -> list[SimEvent]:
     """``cluster`` is drained at ``at_s`` (closed to new work; a migration policy decides whether
-    its jobs move: :mod:`loom.sim.migration`) and opened again after ``duration_s`` (None: never).
-    Checked against ``topology`` when given."""
-    return _cluster_window(cluster, ("cluster_drain", "cluster_undrain"), at_s, duration_s, topology)
+    its jobs move, at most ``concurrency`` at a time and every one left at once past
+    ``deadline_s``, 0: none, as ``loom drain`` does: :mod:`loom.sim.migration`) and opened again
+    after ``duration_s`` (None: never). Checked against ``topology`` when given."""
+    events = _cluster_window(cluster, ("cluster_drain", "cluster_undrain"), at_s, duration_s, topology)
+    try:
+        events[0] = dataclasses.replace(events[0], concurrency=concurrency, deadline_s=deadline_s)
+    except EventError as exc:
+        raise ScenarioError(str(exc)) from None
+    return events
 
 
 def _cluster_window(

@@ -45,7 +45,7 @@ from loom.errors import InvalidInputError
 from loom.model.profiles import DEFAULT_REFERENCE_MODEL, UnknownGpuModelError, library_models, relative_speed
 from loom.model.topology import Topology, load_topology
 from loom.sched.pipeline import DEFAULT_USABLE_FRACTION
-from loom.sim.model import EventError, EventKind, JobClass, SimEvent, SimJob, Trace
+from loom.sim.model import DRAIN_CONCURRENCY, EventError, EventKind, JobClass, SimEvent, SimJob, Trace
 from loom.sim.truth import Truth, load_truth
 from loom_proto.ids import InvalidIdError, plain_words, validate_id
 from loom_proto.jobs import (
@@ -59,6 +59,7 @@ from loom_proto.jobs import (
     TaskType,
     Work,
 )
+from loom_proto.migrations import MAX_DRAIN_CONCURRENCY
 
 __all__ = [
     "ALIBABA_SAMPLE",
@@ -725,6 +726,8 @@ class EventRow(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_de
     rtt_factor: PosFloat = 1.0
     bandwidth_factor: NonNegFloat = 1.0
     factor: NonNegFloat = 1.0
+    concurrency: Annotated[int, Meta(ge=1, le=MAX_DRAIN_CONCURRENCY)] = DRAIN_CONCURRENCY
+    deadline_s: Annotated[float, Meta(ge=0, le=1e10)] = 0.0
 
 
 _S = TypeVar("_S", bound=msgspec.Struct)
@@ -912,6 +915,8 @@ def _event_row(event: SimEvent) -> EventRow:
         rtt_factor=event.rtt_factor,
         bandwidth_factor=event.bandwidth_factor,
         factor=event.factor,
+        concurrency=event.concurrency,
+        deadline_s=event.deadline_s,
     )
     return _with_defaults(row)
 
@@ -927,6 +932,8 @@ def _event(row: EventRow) -> SimEvent:
         rtt_factor=row.rtt_factor,
         bandwidth_factor=row.bandwidth_factor,
         factor=row.factor,
+        concurrency=row.concurrency,
+        deadline_s=row.deadline_s,
     )
 
 
@@ -946,6 +953,8 @@ def _event_problem(
             return f"{what} names no cluster"
         if clusters is not None and event.cluster not in clusters:
             return f"{what}: unknown cluster {event.cluster!r}; known: {', '.join(sorted(clusters))}"
+    if event.kind != "cluster_drain" and (event.concurrency != DRAIN_CONCURRENCY or event.deadline_s):
+        return f"{what}: concurrency and deadline_s are a cluster_drain's"
     if event.kind in _LINK_EVENTS and not (event.region or event.src or event.dst):
         return f"{what} names no link (src and dst) or region"
     if regions is not None:
