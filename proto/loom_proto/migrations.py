@@ -43,6 +43,7 @@ class MigrationEvent(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw
     why: Annotated[str, Meta(max_length=2048)] = ""
     moot: bool = False
     """``failed`` only: the move no longer mattered, nothing went wrong with it (no alert is
-    raised): its run ended by itself first (completed, failed, cancelled, rejected), or the
-    operator ended the drain it served before it started."""
+    raised): its run ended by itself first (completed, failed, cancelled, rejected), the
+    operator ended the drain it served before it started, or, judged again as it was to start, a
+    voluntary move no longer paid (the job keeps running where it is)."""
     at: Annotated[float, Meta(ge=0)]

@@ -28,6 +28,8 @@ Thin around the pure core (:mod:`loom.migrate.drain`, :mod:`loom.migrate.checkpo
   from a failure, grew, or its drain ended (``backflow``: only moves *to* it count,
   :mod:`loom.migrate.backflow`); a run placement reports slow (``slow_node``: its observed step
   where it is). The budget bounds them per cluster and link; cool-down and hysteresis apply.
+  Each is judged again as it is to start (its checkpoint written, :meth:`_still_pays`): one that
+  no longer pays (its room taken meanwhile, its gain shrunk) fails as moot and the job stays.
 
 * **Checkpoint replicas** (:mod:`loom.migrate.replicas`): each running job's latest checkpoint
   is copied, in the background and at most ``replica_concurrency`` copies at once, to another
@@ -892,12 +894,16 @@ class MigrationService:
         if chosen is not None and chosen.checkpoint is not None and chosen.step >= wanted:
             if m["cause"] == "drain" and not past_deadline and not await self._room_elsewhere(m, cluster):
                 return True  # its room went while its checkpoint was taken: it keeps running, and waits
+            if m["cause"] in VOLUNTARY_CAUSES and not await self._still_pays(m):
+                return False  # judged again as it is to start: it no longer pays, the job stays
             why = (
                 f"drain of {cluster}: {chosen.why}" if m["cause"] == "drain" else f"{m['why']}; {chosen.why}"
             )
             await self._ask_move(m, cluster, chosen.step, why, avoid=avoid)
         elif wanted == 0 and m["cause"] in VOLUNTARY_CAUSES:
             # No step done yet: nothing to save, it restarts from step 0 losing nothing.
+            if not await self._still_pays(m):
+                return False
             await self._ask_move(m, cluster, 0, f"{m['why']}; no step done yet", avoid=avoid)
         elif past_deadline:
             step = chosen.step if chosen is not None else 0
@@ -914,6 +920,54 @@ class MigrationService:
                     msg_id=f"{m['migration_id']}:checkpoint:{n}",
                 )
         return True
+
+    async def _still_pays(self, m: asyncpg.Record) -> bool:
+        """Whether a planned voluntary move still pays as it is about to start (its checkpoint
+        written): the benefit rule again, on the trigger it was decided on, with placement's what-if
+        now. Between the verdict and the checkpoint other work may take the room it was to use (the
+        run would be given up and the job queued without GPUs) or the gain may shrink; then the move
+        fails (``moot``: nothing went wrong, no alert) with why, a ``stay`` verdict is recorded and
+        the job keeps running. The simulator takes the same second look (:mod:`loom.sim.migration`).
+        A ``node_slow`` move (its observed step is not kept) and a move whose verdict or what-if
+        cannot be read are carried out as planned."""
+        job_id, attempt = m["job_id"], int(m["from_attempt"])
+        said = await moves.move_verdict(self.pool, job_id, attempt)
+        if said is None or said["trigger"] == "node_slow":
+            return True
+        runs = await moves.running_spans(self.pool, [job_id])
+        if not runs:
+            return True  # not running now: the caller settles it
+        run = runs[0]
+        judged = await self._judge(
+            run,
+            said["trigger"],
+            checkpoints=(await moves.checkpoints_of(self.pool, [job_id])).get(job_id, []),
+            history=(await moves.move_history(self.pool, [job_id])).get(job_id, (0, None, "")),
+            now=time.time(),
+            step_s=None,
+        )
+        if judged is None:
+            return True
+        verdict = judged[0]
+        if m["cause"] == "backflow" and said["target"]:
+            verdict = backflow.toward(verdict, said["target"])
+        if verdict.move:
+            return True
+        why = f"not started: judged again at its start, it no longer pays ({verdict.reason})"
+        async with transaction(self.pool) as conn:
+            row = await moves.fail(conn, m["migration_id"], why)
+            if row is None:
+                return False  # settled meanwhile
+            await moves.record_verdicts(conn, [self._verdict_row(verdict, run, "stay", said["link"])])
+            messages = [self._message(row, "failed", moot=True)]
+            await outbox.add(conn, PRODUCER, messages)
+        self._avoid.pop(m["migration_id"], None)
+        self.stats["dropped_at_start"] = self.stats.get("dropped_at_start", 0) + 1
+        log.info(
+            "move dropped at its start", job_id=job_id, migration_id=m["migration_id"], why=verdict.reason
+        )
+        await self._publish(messages)
+        return False
 
     async def _room_elsewhere(self, m: asyncpg.Record, cluster: str) -> bool:
         """Whether placement's what-if places a drain move's job off ``cluster`` now, asked as the

@@ -206,6 +206,61 @@ async def test_a_joining_cluster_draws_back_only_the_job_whose_gain_beats_its_co
         await client.close()
 
 
+async def test_a_planned_move_whose_room_went_before_its_checkpoint_is_dropped_and_the_job_keeps_running(
+    platform: Platform,
+) -> None:
+    # "long" is to move to the G2s that joined (as above). Between that verdict and its checkpoint
+    # other work takes the room: placement's what-if finds none now. Before, the move was carried
+    # out on its old verdict: the run given up, the job queued without GPUs. The simulator judges
+    # a move again as it starts; the service now does too.
+    await platform.start("metrics")
+    await platform.start("placement")
+    migration = await platform.start("migration")
+    await platform.start("agent-c-weu-a")
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    try:
+        await client.submit(_job("long", ["T4", "G2"], steps=4000, gpus=2))
+        await until(lambda: _running(client, "long"), 20, "long running")
+        asked = migration._whatif
+        answers: list[str] = []
+
+        async def room_gone_after_the_verdict(job_id: str) -> dict[str, Any] | None:
+            answer = await asked(job_id)
+            if answer is None or job_id != "long":
+                return answer
+            answers.append(job_id)  # the first answer (the review's) as placement gives it
+            return {**answer, "candidate": None} if len(answers) > 1 else answer
+
+        migration._whatif = room_gone_after_the_verdict
+        await platform.start("agent-c-use2-a")  # G2s join
+        row = await until(
+            lambda: db.fetchrow("SELECT * FROM migrations WHERE job_id = 'long' AND state = 'failed'"),
+            20,
+            "the move dropped at its start",
+        )
+        assert row["cause"] == "backflow" and "no longer pays" in row["why"], dict(row)
+        verdicts = await db.fetch(
+            "SELECT trigger, decision, target FROM migration_verdicts WHERE job_id = 'long' ORDER BY id"
+        )
+        decided = [(v["trigger"], v["decision"]) for v in verdicts]
+        assert decided[0] == ("cluster_joined", "move") and verdicts[0]["target"] == "c-use2-a"
+        assert ("cluster_joined", "stay") in decided[1:]
+        await asyncio.sleep(1.0)
+        job = await client.job("long")
+        assert job is not None and (job["state"], job["attempt"]) == ("running", 1), job
+        assert migration.stats["dropped_at_start"] == 1
+        # Its failed event says moot (no alert: nothing went wrong).
+        sent = await db.fetchrow(
+            "SELECT subject, payload FROM outbox WHERE msg_id = $1", f"{row['migration_id']}:failed"
+        )
+        assert sent is not None and sent["subject"].startswith("loom.migrations.failed.")
+        assert json.loads(bytes(sent["payload"]))["moot"] is True
+    finally:
+        await db.close()
+        await client.close()
+
+
 async def _joined_verdicts(db: asyncpg.Connection) -> dict[str, asyncpg.Record] | None:
     rows = await db.fetch("SELECT * FROM migration_verdicts WHERE trigger = 'cluster_joined' ORDER BY id")
     found = {r["job_id"]: r for r in rows}

@@ -383,19 +383,33 @@ def _plain(row: asyncpg.Record) -> dict[str, Any]:
 # ---- network-driven moves (migration 012) ------------------------------------------------------
 
 
-async def running_spans(conn: Conn) -> list[asyncpg.Record]:
-    """Every running job with the clusters and regions its live reservations hold (lead first in
-    ``lead``), for the network review: which jobs a link's change concerns."""
+async def running_spans(conn: Conn, job_ids: Sequence[str] | None = None) -> list[asyncpg.Record]:
+    """Every running job (of ``job_ids``, None: all) with the clusters and regions its live
+    reservations hold (lead first in ``lead``), for the network review: which jobs a link's change
+    concerns."""
     rows: list[asyncpg.Record] = await conn.fetch(
         """SELECT j.job_id, j.tenant, j.spec, j.attempt, j.progress, j.cluster AS lead, j.trace_context,
                   array_agg(DISTINCT r.cluster) AS clusters, array_agg(DISTINCT n.region) AS regions
            FROM jobs j
            JOIN reservations r ON r.job_id = j.job_id AND r.attempt = j.attempt AND r.state <> 'released'
            JOIN node_allocations n ON n.node = r.node
-           WHERE j.state = 'running'
-           GROUP BY j.job_id ORDER BY j.job_id"""
+           WHERE j.state = 'running' AND ($1::text[] IS NULL OR j.job_id = ANY($1::text[]))
+           GROUP BY j.job_id ORDER BY j.job_id""",
+        None if job_ids is None else list(job_ids),
     )
     return rows
+
+
+async def move_verdict(conn: Conn, job_id: str, attempt: int) -> asyncpg.Record | None:
+    """The latest ``move`` verdict of a job's run (its trigger, target and link): what a planned
+    voluntary move was decided on."""
+    row: asyncpg.Record | None = await conn.fetchrow(
+        """SELECT trigger, target, link FROM migration_verdicts
+           WHERE job_id = $1 AND attempt = $2 AND decision = 'move' ORDER BY id DESC LIMIT 1""",
+        job_id,
+        attempt,
+    )
+    return row
 
 
 async def spanned_regions(conn: Conn) -> list[list[str]]:
