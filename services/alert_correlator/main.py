@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 from loom.alerts import CorrelatorConfig
 from loom.model.topology import load_topology
 from loom.runtime.service import ServiceContext, run
-from loom.security.http_token import ENV_WEBHOOK_TOKEN_FILE, http_token_from_env
+from loom.security.http_token import ENV_WEBHOOK_TOKEN_FILE, token_file_from_env
 from loom_services.alert_correlator.service import AlertCorrelator
 
 ENV_HTTP_PORT = "LOOM_ALERTS_HTTP_PORT"
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     # The webhook answers only a secured stack's token (compose names the webhook's own file).
-    http_token = http_token_from_env(variable=ENV_WEBHOOK_TOKEN_FILE) or http_token_from_env()
+    http_token = token_file_from_env(variable=ENV_WEBHOOK_TOKEN_FILE) or token_file_from_env()
 
     async def body(ctx: ServiceContext) -> None:
         await AlertCorrelator(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from loom.security.http_token import CHALLENGE, authorized
+from loom.security.http_token import CHALLENGE, Token, authorized
 
 log = structlog.get_logger("alert-correlator")
 
@@ -69,7 +69,7 @@ class Receiver:
     """Serves :data:`POST_PATHS` with ``on_post`` until :meth:`close`."""
 
     def __init__(
-        self, on_post: PostHandler, *, max_body_bytes: int, timeout_s: float = 10.0, token: str | None = None
+        self, on_post: PostHandler, *, max_body_bytes: int, timeout_s: float = 10.0, token: Token = None
     ) -> None:
         self.on_post = on_post
         self.token = token

@@ -63,6 +63,7 @@ from loom.bus.reply import respond
 from loom.errors import InvalidInputError
 from loom.model.topology import Topology
 from loom.runtime.service import ServiceContext
+from loom.security.http_token import Token
 from loom.store import incidents as store
 from loom.store.pool import transaction
 from loom.telemetry.metrics import INCIDENTS_OPEN
@@ -114,7 +115,7 @@ class AlertCorrelator:
         health_timeout_s: float = 2.0,
         health_misses: int = 3,
         cluster_health_lease_s: float = CLUSTER_HEALTH_LEASE_S,
-        http_token: str | None = None,
+        http_token: Token = None,
     ) -> None:
         self.ctx = ctx
         self.inventory = Inventory.from_topology(topology)

@@ -467,6 +467,57 @@ def test_every_service_serves_prometheus_metrics_at_the_url_status_lists(home: P
             assert families["loom_cluster_free_gpus"].samples
         if process["name"] == "placement":
             assert families["loom_queue_depth"].samples
+    # `loom credentials rotate` writes a new token: every endpoint asks for it from its next
+    # request, with no restart, and refuses the old one.
+    from loom.security.http_token import rotate_http_token
+
+    assert rotate_http_token(home) is not None
+    new = stack.local_http_token(home)
+    assert new and new != token
+    for process in services:
+        url = process["metrics_url"]
+        with pytest.raises(HTTPError) as refused:
+            urlopen(Request(url, headers=bearer_header(token)), timeout=10)
+        assert refused.value.code == 401, process["name"]
+        with urlopen(Request(url, headers=bearer_header(new)), timeout=10) as answer:
+            assert answer.status == 200, process["name"]
+
+
+async def test_the_services_spans_reach_the_store_after_its_token_is_rotated(
+    client: LoomClient, store: StoredSpans, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The services' exporters read the token file at each export: after a rotation the store
+    # refuses the old token, and the spans still arrive (before, the token was fixed in their
+    # environment at start: every span after a rotation was refused until a restart).
+    from opentelemetry import trace
+
+    from loom.security.http_token import rotate_http_token
+    from loom.telemetry import current_trace_id, reset_for_tests, setup_telemetry
+
+    home = store.file.directory.parent
+    assert rotate_http_token(home) is not None
+    token = stack.local_http_token(home)
+    assert token
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", store.url)
+    for key, value in otlp_headers(token).items():
+        monkeypatch.setenv(key, value)
+    provider = setup_telemetry("e2e-client", log_level=None)
+    try:
+        with trace.get_tracer("e2e").start_as_current_span("submit rotated-1"):
+            trace_id = current_trace_id()
+            await client.submit(_job("rotated-1", steps=5))
+        provider.force_flush()
+    finally:
+        reset_for_tests()
+    assert trace_id is not None
+
+    def placed(spans: list[Any]) -> bool:
+        return any(
+            s["service_name"] in PLACEMENT_INSTANCES and s["name"] == "process loom.jobs.submitted"
+            for s in spans
+        )
+
+    await asyncio.to_thread(store.wait_for, trace_id, placed, 20)
 
 
 def _loom(home: Path, *argv: str) -> subprocess.CompletedProcess[str]:

@@ -16,10 +16,12 @@ import pytest
 from loom.runtime.servers import find_free_port
 from loom.security.http_token import (
     ENV_HTTP_TOKEN_FILE,
+    TokenFile,
     authorized,
     bearer_header,
     ensure_http_token,
     http_token_from_env,
+    rotate_http_token,
 )
 from loom.telemetry.metrics import ENV_METRICS_ADDR, serve_metrics
 from loom_services.alert_correlator.receiver import Answer, Receiver
@@ -105,6 +107,64 @@ def test_metrics_take_their_token_from_the_stacks_file(
     monkeypatch.setenv(ENV_HTTP_TOKEN_FILE, str(tmp_path / "gone"))
     with pytest.raises(ValueError, match="gives no token"):
         serve_metrics("broken", find_free_port())
+
+
+def test_a_rotated_token_is_asked_for_at_once_and_the_old_one_refused_without_a_restart(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    token_file = ensure_http_token(tmp_path)
+    old = token_file.read_text().strip()
+    monkeypatch.setenv(ENV_HTTP_TOKEN_FILE, str(token_file))
+    port = serve_metrics("rotated", find_free_port())
+    assert port is not None
+    url = f"http://127.0.0.1:{port}/metrics"
+    assert _get(url, bearer_header(old))[0] == 200
+    assert rotate_http_token(tmp_path) == token_file
+    new = token_file.read_text().strip()
+    assert new != old and stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert _get(url, bearer_header(old))[0] == 401
+    assert _get(url, bearer_header(new))[0] == 200
+    assert rotate_http_token(tmp_path / "not-secured") is None  # no token file: nothing to rotate
+
+
+def test_a_token_file_that_later_gives_no_token_keeps_the_last_one_never_open(tmp_path: Path) -> None:
+    path = tmp_path / "t"
+    path.write_text("first\n")
+    source = TokenFile(path)
+    assert source() == "first" and authorized("Bearer first", source)
+    path.write_text("")  # emptied: the last token holds
+    assert source() == "first" and not authorized(None, source)
+    path.unlink()
+    assert source() == "first"
+    path.write_text("second\n")
+    assert source() == "second" and not authorized("Bearer first", source)
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(ValueError, match="holds no token"):  # at the start it is an error
+        TokenFile(tmp_path / "empty")
+
+
+def test_a_services_span_exporter_sends_the_token_the_file_holds_now(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import requests
+
+    from loom.telemetry.tracing import _token_session
+
+    monkeypatch.delenv(ENV_HTTP_TOKEN_FILE, raising=False)
+    assert _token_session() is None  # not secured: the exporter's own session
+    token_file = ensure_http_token(tmp_path)
+    monkeypatch.setenv(ENV_HTTP_TOKEN_FILE, str(token_file))
+    session = _token_session()
+    request = requests.Request(
+        "POST", "http://127.0.0.1:1/v1/traces", headers={"Authorization": "Bearer stale"}
+    )
+    sent = session.prepare_request(request)
+    assert sent.headers["Authorization"] == f"Bearer {token_file.read_text().strip()}"
+    rotate_http_token(tmp_path)
+    assert (
+        session.prepare_request(request).headers["Authorization"]
+        == f"Bearer {token_file.read_text().strip()}"
+    )
 
 
 async def _post(port: int, headers: dict[str, str]) -> tuple[int, dict[str, object]]:

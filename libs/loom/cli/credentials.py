@@ -26,6 +26,7 @@ from loom.runtime.servers import NatsServer, reload_nats_server
 from loom.runtime.stack import read_state
 from loom.sched.quota import QuotaError, read_tenants
 from loom.security import CredentialStore, tenant_identity, write_secret
+from loom.security.http_token import HTTP_TOKEN_FILE, rotate_http_token
 from loom_proto.ids import InvalidIdError
 
 
@@ -41,7 +42,7 @@ def add_parser(sub: Any) -> None:
     creds_sub = creds.add_subparsers(dest="credentials_command", required=True)
     p = creds_sub.add_parser(
         "rotate",
-        help="new NATS seeds and PostgreSQL passwords for every identity and role; old ones refused",
+        help="new NATS seeds, PostgreSQL passwords and HTTP bearer token; old ones refused",
     )
     p.set_defaults(fn=cmd_rotate)
     p = creds_sub.add_parser(
@@ -159,12 +160,12 @@ def database_admin_url(home: Path) -> str | None:
 
 
 def cmd_rotate(_args: argparse.Namespace) -> int:
-    """New seeds for every NATS identity (NATS reloads its users) and new passwords for every
-    PostgreSQL role of the stack (the old ones refused at once)."""
+    """New seeds for every NATS identity (NATS reloads its users), new passwords for every
+    PostgreSQL role of the stack and a new HTTP bearer token (the old ones refused at once)."""
     home = loom_home()
     store = CredentialStore(home)
     admin_url = database_admin_url(home)
-    if not store.registry_path.exists() and admin_url is None:
+    if not store.registry_path.exists() and admin_url is None and not (home / HTTP_TOKEN_FILE).exists():
         err.print(
             f"[red]no secured stack at {home}[/red]: start one with [bold]loom up --secure[/bold]"
             f" (NATS) or [bold]--secure-db[/bold] (PostgreSQL){_WHERE}"
@@ -185,6 +186,12 @@ def cmd_rotate(_args: argparse.Namespace) -> int:
         console.print("Loom's processes reconnect with their new seeds; old seeds are refused from now on.")
         if tenants:
             console.print(f"hand the tenants their new files again: {', '.join(str(t) for t in tenants)}")
+    token_file = rotate_http_token(home)
+    if token_file is not None:
+        console.print(
+            f"rotated the HTTP bearer token in {token_file}: /metrics, the trace store, the webhook and"
+            " the services' span exporters use it from their next request; the old one is refused"
+        )
     if admin_url is not None:
         try:
             roles = asyncio.run(dbcreds.rotate_passwords(admin_url, home / "secrets"))

@@ -53,7 +53,13 @@ from loom.runtime.slurmlocal import LocalSlurmError, LocalSlurms, slurm_nodes
 from loom.runtime.tokens import ensure_tokens
 from loom.sched.shards import group_options, split_regions
 from loom.security import ENV_CREDS, ENV_NATS_CA, CredentialStore, admin_identity, identity_for_process
-from loom.security.http_token import ENV_HTTP_TOKEN_FILE, ensure_http_token, otlp_headers, read_http_token
+from loom.security.http_token import (
+    ENV_HTTP_TOKEN_FILE,
+    TokenFile,
+    ensure_http_token,
+    otlp_headers,
+    read_http_token,
+)
 from loom.security.tls import TlsFiles, ensure_tls, is_loopback
 from loom.store.migrations import migrate_url
 from loom.store.roles import role_of
@@ -934,15 +940,14 @@ class Supervisor:
                 if not self.options.alerts_port:
                     self.options.alerts_port = choose_alerts_port(os.environ)  # `up` chose none
                 self.state["alerts_webhook_url"] = f"http://127.0.0.1:{self.options.alerts_port}/alertmanager"
-            token = None
+            token_file = None
             if self.options.services and self.options.secure:
                 # /metrics, the trace store and the webhook answer only this stack's bearer token.
                 token_file = ensure_http_token(self.home)
-                token = read_http_token(token_file)
                 env[ENV_HTTP_TOKEN_FILE] = str(token_file)
                 self.state["http_token_file"] = str(token_file)
             if self.options.services and self.options.traces:
-                env.update(self.start_traces(token))
+                env.update(self.start_traces(token_file))
             self.start_slurm()
             self.start_services(env)
             self.write_state("starting", nats_url=nats_url, database_url=database_url)
@@ -1010,12 +1015,13 @@ class Supervisor:
             self.spawn(svc, self.process_env(name, env))
             self.write_state(status)
 
-    def start_traces(self, token: str | None = None) -> dict[str, str]:
+    def start_traces(self, token_file: Path | None = None) -> dict[str, str]:
         """The trace store (``--traces``), served from this process on a free port of 127.0.0.1
         (``traces_url`` in the state file); the spans stay in ``<home>/traces/`` across restarts.
-        ``token``: the bearer token it asks for (a secured stack's). Returns the services' exporter
-        settings."""
+        ``token_file``: the bearer token it asks for (a secured stack's; read again when
+        ``loom credentials rotate`` changes it). Returns the services' exporter settings."""
         store = SpanFile(self.home / "traces")
+        token = TokenFile(token_file) if token_file is not None else None
         self.traces = TraceServer(store.append, store.trace, token=token).start()
         self.state["traces_url"] = self.traces.url
         self.state["traces_dir"] = str(store.directory)
@@ -1024,7 +1030,7 @@ class Supervisor:
             OTLP_ENDPOINT_ENV: self.traces.url,
             # Spans reach the store within a second of ending (the SDK's default waits 5 s).
             "OTEL_BSP_SCHEDULE_DELAY": os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "1000"),
-            **(otlp_headers(token) if token else {}),
+            **(otlp_headers(token()) if token else {}),
         }
 
     def shutdown(self) -> None:

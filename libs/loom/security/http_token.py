@@ -13,11 +13,18 @@ exporters of the services) send it; Prometheus and Alertmanager take it as
 Without ``$LOOM_HTTP_TOKEN_FILE`` (``loom up --no-secure``, a service started by hand, tests) the
 endpoints are open, as NATS is then. A variable naming a file that cannot be read, or an empty
 one, is an error at the process's start, never an open endpoint.
+
+The endpoints and the services' span exporters hold a :class:`TokenFile`: the file is read again
+whenever it changes, so ``loom credentials rotate`` (which writes a new token) takes effect at
+the next request without a restart, and the old token is refused from then on. A file that later
+cannot be read or is emptied keeps the last token (never open).
 """
 
 import hmac
 import os
 import secrets
+import threading
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -29,6 +36,8 @@ __all__ = [
     "ENV_HTTP_TOKEN_FILE",
     "ENV_WEBHOOK_TOKEN_FILE",
     "HTTP_TOKEN_FILE",
+    "Token",
+    "TokenFile",
     "authorized",
     "bearer_header",
     "ensure_http_token",
@@ -36,6 +45,8 @@ __all__ = [
     "otlp_headers",
     "read_http_token",
     "reply",
+    "rotate_http_token",
+    "token_file_from_env",
 ]
 
 ENV_HTTP_TOKEN_FILE = "LOOM_HTTP_TOKEN_FILE"
@@ -64,6 +75,68 @@ def ensure_http_token(home: Path) -> Path:
     return path
 
 
+def rotate_http_token(home: Path) -> Path | None:
+    """A new token in the stack's file at ``home`` (None: the stack has none, it is not secured).
+    Every endpoint and exporter holding a :class:`TokenFile` of it uses the new one from its next
+    request; the old one is refused."""
+    path = home / HTTP_TOKEN_FILE
+    if not path.exists():
+        return None
+    write_secret(path, secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+class TokenFile:
+    """The token in a file, read again when the file changes (its inode, size or modification
+    time): a rotated token is used from the next call, with no restart. Raises at construction
+    when the file gives no token; a later change that gives none keeps the last token. Calling it
+    stats the file (microseconds): fine for an endpoint scraped every few seconds."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._stamp = self._stat()
+        self._token = read_http_token(self.path)
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def __call__(self) -> str:
+        stamp = self._stat()
+        if stamp is not None and stamp != self._stamp:
+            with self._lock:
+                try:
+                    self._token = read_http_token(self.path)
+                    self._stamp = stamp
+                except (OSError, ValueError):
+                    pass  # keep the last token: an endpoint never falls open
+        return self._token
+
+
+Token = str | Callable[[], str] | None
+"""What an endpoint asks for: a fixed token, one read when asked (:class:`TokenFile`), or None (open)."""
+
+
+def token_file_from_env(
+    environ: "os._Environ[str] | dict[str, str] | None" = None, *, variable: str = ENV_HTTP_TOKEN_FILE
+) -> TokenFile | None:
+    """The :class:`TokenFile` that ``$LOOM_HTTP_TOKEN_FILE`` (or ``variable``) names, or None (open)
+    when the variable is unset or empty; ValueError naming the variable when the file gives no
+    token (as :func:`http_token_from_env`)."""
+    env = os.environ if environ is None else environ
+    name = env.get(variable, "").strip()
+    if not name:
+        return None
+    try:
+        return TokenFile(Path(name))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"${variable} names {name!r}, which gives no token: {exc}") from exc
+
+
 def read_http_token(path: Path) -> str:
     """The token in ``path`` (ValueError for an empty file; OSError when it cannot be read)."""
     token = Path(path).read_text().strip()
@@ -89,11 +162,14 @@ def http_token_from_env(
         raise ValueError(f"${variable} names {name!r}, which gives no token: {exc}") from exc
 
 
-def authorized(header: str | None, token: str | None) -> bool:
+def authorized(header: str | None, token: Token) -> bool:
     """Whether a request whose ``Authorization`` header is ``header`` may be answered: always
-    when no token is asked for, else only ``Bearer <token>`` (compared in constant time)."""
+    when no token is asked for, else only ``Bearer <token>`` (compared in constant time; a
+    :class:`TokenFile` gives its current token)."""
     if token is None:
         return True
+    if callable(token):
+        token = token()
     if not header:
         return False
     scheme, _, given = header.strip().partition(" ")

@@ -36,7 +36,7 @@ from prometheus_client import (
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.process_collector import ProcessCollector
 
-from loom.security.http_token import authorized, http_token_from_env, reply
+from loom.security.http_token import Token, authorized, reply, token_file_from_env
 
 __all__ = [
     "CLUSTER_FREE_GPUS",
@@ -208,7 +208,7 @@ def exported_names() -> frozenset[str]:
 
 
 def serve_metrics(
-    service: str, port: int | None = None, *, addr: str | None = None, token: str | None = None
+    service: str, port: int | None = None, *, addr: str | None = None, token: Token = None
 ) -> int | None:
     """Serve ``/metrics`` on ``port`` (default ``$LOOM_METRICS_PORT``) of ``addr`` (default
     ``$LOOM_METRICS_ADDR``, else 127.0.0.1); returns the port, or None when no port is configured.
@@ -223,7 +223,7 @@ def serve_metrics(
     if addr is None:
         addr = os.environ.get(ENV_METRICS_ADDR, "").strip() or "127.0.0.1"
     if token is None:
-        token = http_token_from_env()
+        token = token_file_from_env()
     server_class = _IPv6Server if ":" in addr else ThreadingHTTPServer  # "::" as prometheus-client took it
     server = server_class((addr, port), _metrics_handler(token))
     server.daemon_threads = True
@@ -236,7 +236,7 @@ class _IPv6Server(ThreadingHTTPServer):
     address_family = socket.AF_INET6
 
 
-def _metrics_handler(token: str | None) -> type[BaseHTTPRequestHandler]:
+def _metrics_handler(token: Token) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             if not authorized(self.headers.get("Authorization"), token):

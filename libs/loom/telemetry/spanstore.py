@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypedDict
 
-from loom.security.http_token import authorized, reply
+from loom.security.http_token import Token, authorized, reply
 
 __all__ = [
     "JAEGER_TRACES_PATH",
@@ -243,7 +243,7 @@ class TraceServer:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        token: str | None = None,
+        token: Token = None,
     ) -> None:
         self._sink = sink
         self._token = token

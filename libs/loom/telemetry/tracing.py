@@ -20,6 +20,7 @@ import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -313,7 +314,7 @@ def setup_telemetry(
             OTLPSpanExporter,
         )
 
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(session=_token_session())))
 
     with _lock:
         previous, _provider = _provider, provider
@@ -537,3 +538,26 @@ def span_with_parent(
             yield span
     finally:
         otel_context.detach(token)
+
+
+def _token_session() -> Any:
+    """The exporter's HTTP session: on a secured stack (``$LOOM_HTTP_TOKEN_FILE``) every export
+    carries the token as the file holds it *now*, so a token ``loom credentials rotate`` renews
+    keeps the spans flowing without a restart (the header fixed in the environment at start would
+    be refused from then on); None elsewhere (the exporter's own session)."""
+    from loom.security.http_token import token_file_from_env  # noqa: PLC0415 - only when exporting
+
+    found = token_file_from_env()
+    if found is None:
+        return None
+    source = found  # narrowed for the class below
+    import requests  # noqa: PLC0415 - the exporter's own dependency, loaded with it
+
+    class Bearer(requests.auth.AuthBase):
+        def __call__(self, request: requests.PreparedRequest) -> requests.PreparedRequest:
+            request.headers["Authorization"] = f"Bearer {source()}"
+            return request
+
+    session = requests.Session()
+    session.auth = Bearer()
+    return session
