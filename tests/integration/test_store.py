@@ -5,6 +5,7 @@ import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
+from typing import Any
 
 import asyncpg
 import msgspec
@@ -335,6 +336,59 @@ async def test_a_row_that_keeps_failing_holds_the_fast_path_back_only_for_a_few_
             "SELECT count(*) FROM outbox WHERE producer = $1 AND published_at IS NULL", producer
         )
         assert pending == 1  # the failing row is kept, not dropped
+    finally:
+        await nc.jetstream().delete_stream(stream)
+
+
+async def test_a_stuck_row_is_retried_at_growing_intervals_not_at_every_round(
+    pool: asyncpg.Pool, nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before, every relay round (each second) sent a stuck row again and logged its failure.
+    producer, token, stream, subject = _order_case()
+    await _order_stream(nc, token)
+    relay = outbox.OutboxRelay(pool, Publisher(nc, timeout_s=2.0), producer, stuck_after_s=0.0)
+    clock = [1_000.0]
+    monkeypatch.setattr(outbox.time, "monotonic", lambda: clock[0])
+    try:
+        poison = outbox.message(f"nostream.{token}", started(token, 0), f"{token}:poison")
+        await relay.publish_now(await commit(pool, producer, poison))
+        for n in range(1, 4):  # refused while the rows beside it go through: stuck after 3
+            m = outbox.message(subject, started(token, n), f"{token}:{n}")
+            await relay.publish_now(await commit(pool, producer, m))
+            await relay.flush()
+        assert relay._stuck(poison.msg_id)
+
+        sent: list[str] = []
+        send = relay._send
+
+        async def counted(messages: Any) -> Any:
+            sent.extend(m.msg_id for m in messages)
+            return await send(messages)
+
+        monkeypatch.setattr(relay, "_send", counted)
+        await relay.flush()
+        await relay.flush()
+        assert poison.msg_id not in sent  # not due: left out of both flushes
+        waits = []
+        for n in range(1, 5):
+            due, wait = relay._retry_at[poison.msg_id]
+            assert due - clock[0] == wait
+            waits.append(wait)
+            clock[0] = due - 0.01
+            await relay.flush()
+            assert sent.count(poison.msg_id) == n - 1  # not yet
+            clock[0] = due
+            await relay.flush()
+            assert sent.count(poison.msg_id) == n  # due: sent once more, refused again
+        assert waits == [1.0, 2.0, 4.0, 8.0]
+        m = outbox.message(subject, started(token, 9), f"{token}:after")
+        assert await relay.publish_now(await commit(pool, producer, m)) == 1  # the fast path goes
+        assert (
+            await pool.fetchval(
+                "SELECT count(*) FROM outbox WHERE producer = $1 AND published_at IS NULL", producer
+            )
+            == 1
+        )  # kept, still retried
     finally:
         await nc.jetstream().delete_stream(stream)
 

@@ -12,7 +12,9 @@ the fast path stands aside and the relay publishes every row in order until it f
 (:attr:`OutboxRelay.behind`), bar rows that are stuck: refused :data:`STUCK_ROUNDS` times in a row
 while other rows of the same sends went through, over at least ``stuck_after_s`` (a subject no
 stream takes, say; an outage or a stream's leader election fails every row, so it never makes one
-stuck). Stuck rows no longer hold the others back; they are still retried. A row that fails in a
+stuck). Stuck rows no longer hold the others back; they are still retried, at growing intervals
+(:data:`STUCK_RETRY_S`, doubling at each refusal, up to :data:`STUCK_RETRY_MAX_S`: before, every
+relay round sent each again and logged its failure). A row that fails in a
 relay round is sent again at the next round, after the rows behind it that went through (a chunk
 of failing rows must not keep the rest from the bus); rows of one stream fail together in an
 outage, so their order holds. Not covered: the fast path sends a
@@ -45,6 +47,10 @@ STUCK_ROUNDS = 3
 STUCK_AFTER_S = 60.0
 """Seconds a row must have been failing to be stuck: longer than a stream leader's election (the
 publisher waits up to 20 s for one)."""
+STUCK_RETRY_S = 1.0
+"""Seconds before a stuck row is sent again after its first refusal as stuck; doubled each time."""
+STUCK_RETRY_MAX_S = 300.0
+"""The longest a stuck row waits between sends."""
 _FAILURES_KEPT = 10_000
 """Rows whose failures are counted at most (the oldest forgotten first)."""
 
@@ -123,6 +129,9 @@ class OutboxRelay:
         self._failures: dict[str, tuple[int, float]] = {}
         """Per failing row (memory only): its failed sends in a row while others of the same send
         went through, and when it first failed (``time.monotonic()``)."""
+        self._retry_at: dict[str, tuple[float, float]] = {}
+        """Stuck rows -> (when a flush sends them again, ``time.monotonic()``; the wait before
+        that): before it, no flush sends the row; each refusal after it doubles the wait."""
         self.published = 0
         self.set_aside = 0
         """Rows the bus refused for good, set aside (``outbox.refused`` says why)."""
@@ -206,8 +215,10 @@ class OutboxRelay:
             min_age_s,
         ):
             return 0
-        tried: list[str] = []
-        """Rows this flush sent and saw fail (left out of its later chunks: sent once a flush)."""
+        now = time.monotonic()
+        tried = [msg_id for msg_id, (at, _) in self._retry_at.items() if at > now]
+        """Rows this flush sent and saw fail (left out of its later chunks: sent once a flush), and
+        stuck rows not due again yet."""
         held = False
         """Whether a row failed this flush that may go through soon (not stuck)."""
         while True:
@@ -314,11 +325,19 @@ class OutboxRelay:
         for m in messages:
             if m.msg_id in gone:
                 self._failures.pop(m.msg_id, None)
+                self._retry_at.pop(m.msg_id, None)
             else:
                 count, since = self._failures.pop(m.msg_id, (0, now))
-                self._failures[m.msg_id] = (count + 1 if specific else count, since)
+                count += specific
+                self._failures[m.msg_id] = (count, since)
+                if self._stuck(m.msg_id):
+                    _, waited = self._retry_at.get(m.msg_id, (0.0, 0.0))
+                    wait = min(2.0 * waited, STUCK_RETRY_MAX_S) if waited else STUCK_RETRY_S
+                    self._retry_at[m.msg_id] = (now + wait, wait)
         while len(self._failures) > _FAILURES_KEPT:
-            del self._failures[next(iter(self._failures))]
+            oldest = next(iter(self._failures))
+            del self._failures[oldest]
+            self._retry_at.pop(oldest, None)
 
     async def _send(self, messages: Sequence[OutboxMessage]) -> SentBatch:
         """Send at once, each continuing its stored trace (see :meth:`Publisher.send_batch`)."""
