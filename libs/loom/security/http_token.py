@@ -152,14 +152,8 @@ def http_token_from_env(
     ``variable``) names, or None (open) when the variable is unset or empty. Raises ValueError
     naming the variable when the file it names cannot be read or is empty: an endpoint never falls
     open by mistake."""
-    env = os.environ if environ is None else environ
-    name = env.get(variable, "").strip()
-    if not name:
-        return None
-    try:
-        return read_http_token(Path(name))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"${variable} names {name!r}, which gives no token: {exc}") from exc
+    source = token_file_from_env(environ, variable=variable)
+    return source() if source is not None else None
 
 
 def authorized(header: str | None, token: Token) -> bool:

@@ -1956,7 +1956,12 @@ class _Simulation:
         job = self.jobs.get(job_id)
         if job is None or job.run is None:
             return
-        run = job.run
+        self._end_run(job, job.run, keep_progress=keep_progress, given_back=given_back)
+        self.fresh.append(job)
+
+    def _end_run(self, job: _Job, run: _Run, *, keep_progress: bool, given_back: bool) -> None:
+        """A run given up before its end: settled now, back to its last checkpoint unless
+        ``keep_progress``, its GPUs released, one restart more."""
         self._settle(job, run, self.t)
         if not keep_progress:
             steps = job.spec.work.steps
@@ -1967,7 +1972,6 @@ class _Simulation:
         self._release(job, run, given_back=given_back)
         job.record.restarts += 1
         job.item = dataclasses.replace(job.item, attempts=job.record.restarts)
-        self.fresh.append(job)
 
     def _resize(self, job_id: str, workers: int, allocations: tuple[tuple[str, int], ...]) -> None:
         """An elastic run shrunk to make room or grown into free GPUs (the snapshot already gave its
@@ -2247,16 +2251,7 @@ class _Simulation:
         run = job.run
         if run is None:
             return
-        self._settle(job, run, self.t)
-        if not keep_progress:
-            steps = job.spec.work.steps
-            every = job.spec.work.checkpoint_every_steps
-            done = steps - job.steps_left
-            kept = math.floor(done / every) * every if every > 0 else 0
-            job.steps_left = float(steps - min(kept, steps))
-        self._release(job, run, given_back=False)
-        job.record.restarts += 1
-        job.item = dataclasses.replace(job.item, attempts=job.record.restarts)
+        self._end_run(job, run, keep_progress=keep_progress, given_back=False)
         res = job.spec.resources
         for part in d.parts:
             self.snap.take(part.allocations, res.gpus, res.cpu_milli, res.memory_mib)
