@@ -83,7 +83,14 @@ from loom.migrate.drain import (
     shard_confirmation,
     waiting_for_capacity,
 )
-from loom.migrate.network import DegradedLinks, candidate_of, path_between, running_state, spans
+from loom.migrate.network import (
+    DegradedLinks,
+    candidate_of,
+    concerned_by_link,
+    path_between,
+    running_state,
+    users_of,
+)
 from loom.migrate.queue import options_from_wire
 from loom.migrate.replicas import (
     Held,
@@ -1167,7 +1174,8 @@ class MigrationService:
             if r["job_id"] in open_ids:
                 continue
             moved_off = recovered and history.get(r["job_id"], (0, None, ""))[2] == "network"
-            if spans(set(r["regions"]), src, dst) or moved_off:
+            users = users_of(_spec(r))
+            if concerned_by_link(set(r["regions"]), src, dst, users=users) or moved_off:
                 concerned.append(r)
         self.stats["reviews"] += 1
         plan = await self._review(
@@ -1289,8 +1297,7 @@ class MigrationService:
                 candidate = None
         lead = (current.get("clusters") or [r["lead"]])[0]
         lead_region = (current.get("regions") or [""])[0]
-        fields = {k: v for k, v in json.loads(r["spec"]).items() if k in JobSpec.__struct_fields__}
-        spec = msgspec.convert(fields, JobSpec)
+        spec = _spec(r)
         chosen = choose([c for c in checkpoints if c.attempt == r["attempt"]])
         n_moves, last_moved, _ = history
         job = running_state(
@@ -1786,6 +1793,12 @@ class MigrationService:
         if messages:
             with contextlib.suppress(Exception):  # the relay sends what did not go now
                 await self.relay.publish_now(messages)
+
+
+def _spec(row: asyncpg.Record) -> JobSpec:
+    """The job spec a run's row holds (its stored fields a spec knows)."""
+    fields = {k: v for k, v in json.loads(row["spec"]).items() if k in JobSpec.__struct_fields__}
+    return msgspec.convert(fields, JobSpec)
 
 
 def _drain_job(row: asyncpg.Record) -> DrainJob:

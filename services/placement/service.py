@@ -121,7 +121,7 @@ from loom.sched.cycle import (
 )
 from loom.sched.framework import Decision, Framework
 from loom.sched.framework import Status as Verdict
-from loom.sched.plugins.network import AlphaLearner, predict_step_s
+from loom.sched.plugins.network import AlphaLearner, predict_step_s, users_wait_s
 from loom.sched.probe import PROBE_LABEL, ProbeSettings
 from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, TenantConfig
@@ -2431,6 +2431,9 @@ class PlacementService:
                 # as one data-parallel gang it was 60x too slow here, so every move looked a gain).
                 # Its own GPUs were given back above: the planner gets exactly those.
                 here = self.framework.pipeline_step_now(spec, run.parts, snap) or run.predicted_step_s or here
+            # An inference step waits for its users (as the simulator times it, and the jct plugin
+            # scores it): a degraded link to them slows it here, and a candidate near them gains.
+            here += users_wait_s(spec, regions[0], snap.net) if regions else 0.0
         finally:
             snap.running = running
             snap.take(allocations, per_worker)
@@ -2448,11 +2451,13 @@ class PlacementService:
         if d is None:
             return {"ok": True, "current": current, "candidate": None, "why": outcome.status.reason}
         lead = d.lead.cluster
+        lead_region = snap.clusters[snap.cluster_index[lead]].region
+        there = d.predicted_step_s
         candidate = {
             "cluster": lead,
-            "region": snap.clusters[snap.cluster_index[lead]].region,
+            "region": lead_region,
             "clusters": [p.cluster for p in d.parts],
-            "step_s": d.predicted_step_s,
+            "step_s": there + users_wait_s(spec, lead_region, snap.net) if there is not None else None,
             "start_after_s": d.start_after_s,
             # The queue the move would deprive (the benefit rule's queue's loss), by the rule the
             # simulator's migrator applies to its own queue.

@@ -22,10 +22,13 @@ from waiting import until
 from loom.client import LoomClient
 from loom.migrate.nodes import PaceSettings
 from loom_proto import subjects
-from loom_proto.jobs import JobSpec, Resources, Work
+from loom_proto.jobs import Affinity, JobSpec, Resources, Work
+from loom_proto.net import LinkDegraded
 from loom_services.cluster_agent.sim import SimCluster
 
 pytestmark = pytest.mark.slow
+
+WEU, SEA1 = "azure-westeurope", "gcp-asia-southeast1"
 
 
 @pytest.fixture
@@ -256,6 +259,54 @@ async def test_a_planned_move_whose_room_went_before_its_checkpoint_is_dropped_a
         )
         assert sent is not None and sent["subject"].startswith("loom.migrations.failed.")
         assert json.loads(bytes(sent["payload"]))["moot"] is True
+    finally:
+        await db.close()
+        await client.close()
+
+
+async def test_a_degraded_link_to_an_inference_jobs_users_reviews_it_and_it_moves_next_to_them(
+    platform: Platform,
+) -> None:
+    # An inference job whose users are in asia-southeast1, served from westeurope (the only
+    # cluster up when it started). The link between them degrades: it answers its users over it
+    # every step. Before, only jobs with parts at both ends were reviewed (the simulator looked at
+    # this one too), and placement's what-if left the users' round trip out of both ends.
+    platform.migration = {"review_clusters": False}  # only the link's review moves it
+    await platform.start("metrics")
+    await platform.start("placement")
+    migration = await platform.start("migration")
+    await platform.start("agent-c-weu-a")
+    client = await LoomClient.connect(platform.nats_url)
+    db = await asyncpg.connect(platform.database_url)
+    try:
+        serve = JobSpec(
+            job_id="serve",
+            tenant="t1",
+            task_type="inference",
+            affinity=Affinity(prefer_regions=[SEA1]),
+            resources=Resources(gpus=1),
+            work=Work(steps=100_000, step_time_s=0.05, checkpoint_every_steps=1_000),
+        )
+        await client.submit(serve)
+        assert (await until(lambda: _running(client, "serve"), 20, "serve running"))["cluster"] == "c-weu-a"
+        await platform.start("agent-c-sea1-a")
+        await until(
+            lambda: db.fetchval("SELECT count(DISTINCT cluster) = 2 FROM node_allocations"), 20, "sea1 known"
+        )
+        event = LinkDegraded(
+            src=WEU,
+            dst=SEA1,
+            at=time.time(),
+            reason="rtt 5x",
+            rtt_ms=800.0,
+            baseline_rtt_ms=160.0,
+            loss_rate=0.0,
+        )
+        verdicts = await migration.review_link(event)
+        (verdict,) = [v for v in verdicts if v.job_id == "serve"]
+        assert verdict.trigger == "link_degraded" and verdict.move and verdict.target == "c-sea1-a", verdict
+        moved = await until(lambda: _running(client, "serve", attempt=2), 30, "serve moved next to its users")
+        assert moved["cluster"] == "c-sea1-a"
     finally:
         await db.close()
         await client.close()

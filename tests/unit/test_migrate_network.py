@@ -4,11 +4,20 @@ bounce back inside its cool-down."""
 
 import math
 
+import msgspec
 import pytest
 
 from loom.migrate.benefit import LOCAL_PATH, MigrationSettings, RunningJobState, decide, link_trigger
-from loom.migrate.network import DegradedLinks, candidate_of, path_between, running_state, spans
-from loom_proto.jobs import Communication, JobSpec, Resources, Work
+from loom.migrate.network import (
+    DegradedLinks,
+    candidate_of,
+    concerned_by_link,
+    path_between,
+    running_state,
+    spans,
+    users_of,
+)
+from loom_proto.jobs import Affinity, Communication, JobSpec, Resources, Work
 from loom_proto.net import LinkState
 
 WEU, SEA1, USE2 = "azure-westeurope", "gcp-asia-southeast1", "aws-us-east-2"
@@ -46,6 +55,25 @@ def test_a_job_spans_a_link_when_it_has_parts_at_both_ends_either_way() -> None:
     assert not spans({WEU}, WEU, SEA1)
     assert not spans({WEU, USE2}, WEU, SEA1)
     assert not spans({WEU}, WEU, WEU)
+
+
+def test_a_link_concerns_the_jobs_over_it_and_inference_served_across_it_from_its_users() -> None:
+    assert concerned_by_link({WEU, SEA1}, WEU, SEA1)  # talks over it
+    assert concerned_by_link({WEU}, WEU, SEA1, users=[SEA1])  # serves SEA1's users from WEU
+    assert concerned_by_link({WEU}, SEA1, WEU, users=[SEA1, USE2])
+    assert not concerned_by_link({WEU}, WEU, SEA1, users=[WEU])  # its users are where it runs
+    assert not concerned_by_link({WEU}, WEU, USE2, users=[SEA1])  # another link
+    assert not concerned_by_link({USE2}, WEU, SEA1, users=[SEA1])  # neither end is where it runs
+    assert not concerned_by_link({WEU}, WEU, WEU, users=[WEU])
+    inference = JobSpec(
+        job_id="i",
+        tenant="t",
+        task_type="inference",
+        affinity=Affinity(prefer_regions=[SEA1]),
+        work=Work(steps=1),
+    )
+    training = msgspec.structs.replace(inference, task_type="training")
+    assert users_of(inference) == (SEA1,) and users_of(training) == ()
 
 
 def test_the_path_is_local_in_one_region_else_the_measured_link_either_direction() -> None:

@@ -5,6 +5,7 @@ import json
 import math
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -141,3 +142,45 @@ def test_a_moves_next_attempt_avoids_what_it_asks_and_a_failures_adds_to_what_wa
     assert requeue_avoid("migrated", ["c-left"], carried) == {"c-left"}
     assert requeue_avoid("start_failed", ["c-left"], carried) == {"c-left", "c-failed"}
     assert requeue_avoid("start_timeout", [], carried) == {"c-failed"}
+
+
+def test_placements_what_if_times_an_inference_step_with_its_users_round_trip_at_both_ends() -> None:
+    """An inference job answers its users each step (the simulator times it so, the jct plugin
+    scores it so): the what-if's step here and there include the mean round trip from its users,
+    so a degraded link to them is a reason to move it, in the service as in the simulator (before,
+    the migration service saw no difference and never moved such a job)."""
+    from loom.sched.plugins.network import predict_step_s, users_wait_s
+    from loom_proto.jobs import Affinity
+
+    svc = service()
+    now = time.time()
+    users = "gcp-asia-southeast1"
+    job = JobSpec(
+        job_id="serve",
+        tenant="a",
+        task_type="inference",
+        resources=Resources(gpus=1),
+        affinity=Affinity(prefer_regions=[users]),
+        work=Work(steps=1000, step_time_s=0.05),
+    )
+    considered = [_queued_job(job, now)]
+    svc._commit(svc._decide(considered, now=now, grow=False), considered)
+    run = svc.book.runs["serve"]
+    here_cluster = run.parts[0][0]
+    answer = svc._whatif(run, [here_cluster])
+    snap = svc.book.snapshot(time.time())
+    region = answer["current"]["regions"][0]
+    wait = users_wait_s(job, region, snap.net)
+    assert wait == pytest.approx(snap.net.link(users, region)[0] / 1000.0)
+    speed = snap.job_gpu_speed(job, run.parts[0][1]) * float(snap.trust[snap.cluster_index[here_cluster]])
+    bare = predict_step_s(job, speeds=[speed], regions=[region], net=snap.net, workers=run.workers).step_s
+    assert answer["current"]["step_s"] == pytest.approx(bare + wait)
+    candidate = answer["candidate"]
+    assert candidate is not None and candidate["cluster"] != here_cluster
+    there_wait = users_wait_s(job, candidate["region"], snap.net)
+    assert there_wait == pytest.approx(snap.net.link(users, candidate["region"])[0] / 1000.0)
+    # Placed next to its users; the candidate away from them pays their round trip on every step.
+    assert region == users and there_wait > 100 * wait
+    assert candidate["step_s"] > there_wait
+    training = msgspec.structs.replace(job, task_type="training")
+    assert users_wait_s(training, region, snap.net) == 0.0

@@ -44,6 +44,23 @@ def spans(regions: Collection[str], src: str, dst: str) -> bool:
     return src != dst and src in regions and dst in regions
 
 
+def concerned_by_link(regions: Collection[str], src: str, dst: str, *, users: Collection[str] = ()) -> bool:
+    """Whether a running job with parts in ``regions`` is concerned when the link ``src``–``dst``
+    changes: it talks over it (:func:`spans`), or it serves ``users`` (an inference job's
+    ``affinity.prefer_regions``) at one end from the other. The migration service reviews these
+    jobs and the simulator's migrator looks at the same ones."""
+    if spans(regions, src, dst):
+        return True
+    ends = {src, dst}
+    here = ends & set(regions)
+    return src != dst and bool(here) and bool((ends - here) & set(users))
+
+
+def users_of(spec: JobSpec) -> tuple[str, ...]:
+    """Where an inference job's users are (its ``affinity.prefer_regions``); none for other jobs."""
+    return tuple(spec.affinity.prefer_regions) if spec.task_type == "inference" else ()
+
+
 def path_between(
     links: Mapping[tuple[str, str], LinkState], src: str, dst: str, *, default_bandwidth_gbps: float = 1.0
 ) -> PathState | None:

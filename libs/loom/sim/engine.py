@@ -138,7 +138,7 @@ from loom.sched.framework import Decision, Outcome, QueueItem
 from loom.sched.pipeline import transfer_s
 from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.data import data_delay_s
-from loom.sched.plugins.network import predict_step_s
+from loom.sched.plugins.network import predict_step_s, users_wait_s
 from loom.sched.probe import ProbeSettings, is_probe, probe_gate
 from loom.sched.quota import OPEN, QuotaBook
 from loom.sched.snapshot import (
@@ -1633,11 +1633,10 @@ class _Simulation:
         estimate = predict_step_s(spec, speeds=speeds, regions=regions, net=self.snap.net, workers=d.workers)
         compute, comm = estimate.compute_s * noise, estimate.comm_s
         wall = max(compute, comm) if _overlaps(spec) else compute + comm
-        users = spec.affinity.prefer_regions
-        if spec.task_type == "inference" and users and regions:
+        if regions:
             # An inference step answers its users: the mean round trip from where they are counts
             # per step (the same model the jct plugin scores with), whatever policy placed it.
-            wall += sum(self.snap.net.link(u, regions[0])[0] for u in users) / len(users) / 1000.0
+            wall += users_wait_s(spec, regions[0], self.snap.net)
         return compute, wall
 
     def _stage(self, job: _Job) -> None:

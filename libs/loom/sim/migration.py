@@ -82,7 +82,7 @@ from loom.migrate.benefit import (
     plan_migrations,
 )
 from loom.migrate.drain import DrainJob, pick_moves
-from loom.migrate.network import DegradedLinks
+from loom.migrate.network import DegradedLinks, concerned_by_link, users_of
 from loom.migrate.queue import queued_for_part
 from loom.migrate.replicas import ReplicaSettings
 from loom.model.egress import transfer_price_per_gb
@@ -449,9 +449,7 @@ class Migrator:
             run = job.run
             if run is None or run.pipeline:
                 continue
-            regions = set(run.regions)
-            users = set(job.spec.affinity.prefer_regions) if job.spec.task_type == "inference" else set()
-            if {a, b} <= regions or (regions & {a, b} and users & ({a, b} - regions)):
+            if concerned_by_link(run.regions, a, b, users=users_of(job.spec)):
                 out.append(job_id)
         return sorted(out)
 

@@ -287,6 +287,18 @@ def predict_step_s(
     return StepEstimate(compute_s=compute, comm_s=comm)
 
 
+def users_wait_s(job: JobSpec, lead_region: str, net: NetMatrix) -> float:
+    """Seconds an inference step waits for its users: the mean round trip from its known
+    ``affinity.prefer_regions`` (where its users are) to ``lead_region``, as :func:`user_rtt_ms`
+    scores it; 0 for other jobs or when no user region is known. The simulator times an inference
+    step with it and placement's what-if adds it to both ends of a move, so a degraded link
+    between an inference job and its users is a reason to move it, alike in both."""
+    users = [u for u in job.affinity.prefer_regions if u in net.index]
+    if job.task_type != "inference" or not users:
+        return 0.0
+    return sum(net.link(u, lead_region)[0] for u in users) / len(users) / 1000.0
+
+
 def _allreduce_one(
     bytes_per_step: float, rounds_per_step: float, rtt_ms: float, bandwidth_gbps: float, workers: int
 ) -> float:
