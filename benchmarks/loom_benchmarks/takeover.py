@@ -58,8 +58,9 @@ from loom_proto.jobs import JobPlaced, JobSpec, Resources, Work
 
 T = TypeVar("T")
 
-TARGET_S: Final = 5.0
-"""The issue's target: a standby leads, and placement resumes, within 5 s of the leader's death."""
+TARGET_S: Final = 3.0
+"""The target (issue 13, and the README's claims): a standby leads, and placement resumes, within
+3 s of the leader's death (an earlier issue's 5 s was what this bench judged by until 2026-12-05)."""
 INSTANCES: Final = ("placement", "placement-standby")
 HEALTH_POLL_S: Final = 0.02
 SETTLE_S: Final = 2.0
@@ -515,7 +516,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
             "first_placement_after_kill_s_max": TARGET_S,
             "lost": 0,
             "doubled": 0,
-            "source": "the issue: a standby takes over within 5 s of the leader's death; no job is lost "
+            "source": "issue 13: a standby takes over within 3 s of the leader's death; no job is lost "
             "or placed twice",
         },
         "lease_ttl_s": measured["lease_ttl_s"],

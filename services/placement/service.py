@@ -160,6 +160,7 @@ from loom_proto.clusters import (
 from loom_proto.codec import DecodeError, check_payload, decode, encode
 from loom_proto.ids import InvalidIdError, validate_id
 from loom_proto.jobs import (
+    JOB_STATES,
     TERMINAL_STATES,
     Affinity,
     JobCancelled,
@@ -3214,6 +3215,9 @@ def _query_request(data: bytes) -> dict[str, Any]:
     for key in ("tenant", "state"):
         if request.get(key) is not None and not isinstance(request[key], str):
             raise ValueError(f"{key} must be a string")
+    if request.get("state") is not None and request["state"] not in JOB_STATES:
+        # It answered an empty list: as if no job were in that state.
+        raise ValueError(f"unknown job state {request['state']!r}; one of {', '.join(JOB_STATES)}")
     limit = request.get("limit", 100)
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
         raise ValueError(f"limit must be a whole number of at least 1, got {limit!r}")

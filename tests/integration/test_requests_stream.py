@@ -279,6 +279,34 @@ async def test_a_tenants_sdk_acts_as_its_tenant_and_refuses_what_it_cannot_do(
         await t1.jobs()
 
 
+async def test_a_watch_closed_after_its_client_closed_raises_nothing(
+    secured: tuple[NatsServer, CredentialStore], platform: Platform, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The README's example leaves `async for ... in client.watch()` with `break`, then awaits
+    # `client.close()`: the generator is closed afterwards, from the event loop, and its
+    # unsubscribe on the draining or closed connection raised ("Task exception was never
+    # retrieved ... ConnectionDrainingError" after the example's output).
+    from loom.security import ENV_CREDS
+
+    server, store = secured
+    await platform.start("placement")
+    with monkeypatch.context() as patch:
+        patch.setenv(ENV_CREDS, str(store.path(tenant_identity("t1"))))
+        client = await LoomClient.connect(server.url, name="t1")
+    watch = client.watch()
+
+    async def submit_soon() -> None:
+        await asyncio.sleep(0.5)
+        await client.submit({"job_id": "watched-1", "resources": {"gpus": 1}, "work": {"steps": 1}})
+
+    submitting = asyncio.create_task(submit_soon())
+    _subject, event = await asyncio.wait_for(anext(watch), 15)
+    assert event.job_id == "watched-1"
+    await submitting
+    await client.close()
+    await watch.aclose()  # what the loop's finalizer does later: nothing raised
+
+
 def test_loom_dlq_as_a_tenant_is_refused_in_one_line(
     secured: tuple[NatsServer, CredentialStore], tmp_path: Path
 ) -> None:

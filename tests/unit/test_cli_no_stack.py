@@ -201,3 +201,55 @@ def test_a_command_that_needs_only_nats_does_not_ask_for_a_database_url(tmp_path
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"no NATS server answered at nats://127.0.0.1:{port}" in out.stderr
     assert "LOOM_DATABASE_URL" not in out.stderr
+
+
+def test_loom_trace_of_a_job_reads_the_stacks_trace_files_when_the_stack_is_down(tmp_path: Path) -> None:
+    # The README: "prints the job's span tree from it (from its files when the stack is down)".
+    # It asked placement for the job's trace id first and failed with "no NATS server answered".
+    from loom.telemetry.spanstore import SpanFile
+
+    trace_id = "ab" * 16
+
+    def span(span_id: str, parent: str | None, name: str, job: str | None) -> dict[str, object]:
+        return {
+            "trace_id": trace_id,
+            "span_id": span_id,
+            "parent_span_id": parent,
+            "name": name,
+            "kind": "CONSUMER",
+            "status": "UNSET",
+            "service_name": "placement",
+            "scope_name": "loom",
+            "attributes": {"loom.job.id": job} if job else {},
+            "start_time_unix_nano": 1_000,
+            "end_time_unix_nano": 2_000,
+        }
+
+    SpanFile(tmp_path / "traces").append(
+        [
+            span("01" * 8, None, "publish loom.jobs.submitted", None),
+            span("02" * 8, "01" * 8, "process loom.jobs.submitted", "j-1"),
+        ]
+    )
+    port = _closed_port()
+    (tmp_path / "stack.json").write_text(json.dumps({"nats_url": f"nats://127.0.0.1:{port}"}))
+    env = {k: v for k, v in os.environ.items() if k not in ("LOOM_NATS_URL", "LOOM_JAEGER_URL")}
+    env["LOOM_HOME"] = str(tmp_path)
+
+    def trace(job: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "loom.cli.main", "trace", job],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    done = trace("j-1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"trace {trace_id}" in done.stdout
+    assert "process loom.jobs.submitted" in done.stdout and "publish loom.jobs.submitted" in done.stdout
+    assert "the trace store's files name the job" in done.stderr
+    unknown = trace("j-2")  # no span names it: the question's own error, exit 1
+    assert unknown.returncode == 1 and "no NATS server answered" in unknown.stderr

@@ -409,3 +409,11 @@ def test_the_webhook_token_is_kept_across_inits_and_renewed_by_rotate(tmp_path: 
     init_compose(tmp_path, processes, rotate=True)
     renewed = (tmp_path / "operator" / HTTP_TOKEN_FILE).read_text()
     assert renewed != first and (tmp_path / WEBHOOK_SERVICE / HTTP_TOKEN_FILE).read_text() == renewed
+
+
+def test_an_unknown_process_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    # It exited 2 naming the process but left the secrets directory behind, empty.
+    target = tmp_path / "secrets"
+    with pytest.raises(ValueError, match="bogus-service"):
+        init_compose(target, ["placement", "bogus-service"])
+    assert not target.exists()

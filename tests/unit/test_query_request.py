@@ -17,6 +17,7 @@ from loom_services.placement.service import _query_request
         (b'{"op": "explain", "job_id": 7}', "op 'explain' needs a job_id"),
         (b'{"op": "list", "state": ["queued"]}', "state must be a string"),
         (b'{"op": "drop"}', "unknown op 'drop'"),
+        (b'{"op": "list", "state": "weird"}', "unknown job state 'weird'; one of"),  # was ok, []
     ],
 )
 def test_a_bad_query_is_refused_saying_what_is_wrong(body: bytes, said: str) -> None:
@@ -28,3 +29,4 @@ def test_a_good_query_is_taken_with_its_defaults_and_a_capped_limit() -> None:
     assert _query_request(b"{}") == {"op": "list", "limit": 100}
     assert _query_request(b'{"op": "list", "limit": 50000}')["limit"] == 10_000
     assert _query_request(b'{"op": "get", "job_id": "j-1"}')["job_id"] == "j-1"
+    assert _query_request(b'{"op": "list", "state": "running"}')["state"] == "running"

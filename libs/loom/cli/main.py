@@ -1206,7 +1206,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--neighbour-nice",
-        type=stack.neighbour_nice_value,
+        type=stack.neighbour_nice_arg,
         default=None,
         help="niceness added to every service but placement, so that placement gets the cores when"
         f" both want them (default {stack.NEIGHBOUR_NICE}, or $LOOM_NEIGHBOUR_NICE; 0: all alike)",

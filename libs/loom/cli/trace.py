@@ -12,6 +12,7 @@ from typing import Any
 
 from rich.markup import escape
 
+from loom.bus.connection import BusError
 from loom.cli.output import console, err
 from loom.client import LoomClient, QueryError
 from loom.security.http_token import bearer_header
@@ -42,6 +43,21 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(fn=cmd_trace)
 
 
+def _from_files(job_id: str, exc: Exception) -> dict[str, Any] | None:
+    """The job's trace id from the stack's trace files when placement cannot be asked (printed
+    why), or None when they do not name it (the question's error printed)."""
+    from loom.runtime.config import loom_home
+    from loom.telemetry.spanstore import SpanFile
+
+    stored = SpanFile(loom_home() / "traces")
+    trace_id = stored.trace_of_job(job_id) if stored.current.exists() else None
+    if trace_id is None:
+        err.print(f"[red]{escape(str(exc))}[/red]")
+        return None
+    err.print(f"placement did not answer ({escape(str(exc))}); the trace store's files name the job")
+    return {"trace_id": trace_id}
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     """Print the job's trace id and link; with Jaeger configured, its span tree."""
     from loom.cli.main import _client
@@ -53,7 +69,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
         finally:
             await client.close()
 
-    job = asyncio.run(get())
+    try:
+        job = asyncio.run(get())
+    except (QueryError, BusError) as exc:
+        # No service answers (the stack is down): its trace store's files may still name the job.
+        job = _from_files(args.job_id, exc)
+        if job is None:
+            return 1
     if job is None:
         err.print(f"[red]no job {escape(args.job_id)}[/red]")
         return 1

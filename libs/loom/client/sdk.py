@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 import msgspec
+import nats.errors
 import yaml
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -562,5 +563,9 @@ class LoomClient:
                     continue
                 yield msg.subject, event
         finally:
+            # A loop left with ``break`` closes this generator later, from the event loop: by then
+            # the client may be closing (``await client.close()`` right after the loop, as the
+            # README's example does) and the connection draining, which unsubscribes for us.
             for sub in subs:
-                await sub.unsubscribe()
+                with contextlib.suppress(nats.errors.Error):
+                    await sub.unsubscribe()

@@ -172,6 +172,14 @@ def neighbour_nice_value(text: str) -> int:
     return check_neighbour_nice(value)
 
 
+def neighbour_nice_arg(text: str) -> int:
+    """:func:`neighbour_nice_value` for argparse: its message, not "invalid … value"."""
+    try:
+        return neighbour_nice_value(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def default_secure() -> bool:
     """Whether stacks are secured unless their options say: yes, unless ``$LOOM_SECURE`` is 0."""
     return os.environ.get(ENV_SECURE, "1") != "0"
@@ -1305,7 +1313,7 @@ def parse_supervisor_argv(argv: list[str] | None = None) -> tuple[Path, StackOpt
     parser.add_argument("--secure-db", action=argparse.BooleanOptionalAction, default=SECURE_DB_DEFAULT)
     parser.add_argument("--insecure-db", dest="secure_db", action="store_false")
     parser.add_argument("--metrics-port-base", type=int, default=0)
-    parser.add_argument("--neighbour-nice", type=neighbour_nice_value, default=NEIGHBOUR_NICE)
+    parser.add_argument("--neighbour-nice", type=neighbour_nice_arg, default=NEIGHBOUR_NICE)
     parser.add_argument("--tenants", default="")
     parser.add_argument("--slurm-cluster", action="append", default=[])
     parser.add_argument("--secure", action="store_true")

@@ -140,13 +140,14 @@ def init_compose(
     process of that name. ``nats_mount``, ``nats_listen``, ``nats_http`` and ``nats_store`` are for
     tests that run the generated config outside a container."""
     root = Path(root)
+    # Every name checked before anything is written (a bad one left an empty directory behind).
+    identities = {name: identity_for_process(name) for name in processes}
+    issued = [admin_identity(), *identities.values(), *(tenant_identity(t) for t in tenants)]
     # Secrets live below: the directory itself is the operator's alone (it was created 0755).
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     root.chmod(0o700)
     store = CredentialStore(root / "store")
     store.dir = root / "store" / "nats"
-    identities = {name: identity_for_process(name) for name in processes}
-    issued = [admin_identity(), *identities.values(), *(tenant_identity(t) for t in tenants)]
     if rotate:
         store.ensure_all(issued)
         store.rotate()

@@ -212,6 +212,19 @@ class SpanFile:
         # Most lines are other traces': a byte search spares decoding them.
         return self._read(f'"trace_id":"{trace_id.lower()}"'.encode())
 
+    def trace_of_job(self, job_id: str) -> str | None:
+        """The trace of the job ``job_id`` as its stored spans name it (the ``loom.job.id``
+        attribute the services set, :func:`loom.telemetry.logs.bind_job`): the newest span's, or
+        None. What ``loom trace JOB`` falls back on when no service can answer (the stack down)."""
+        from loom.telemetry.logs import JOB_ID_ATTRIBUTE  # noqa: PLC0415 - structlog, on use
+
+        needle = json.dumps(job_id).encode()
+        found = None
+        for span in self._read(needle):
+            if span.get("attributes", {}).get(JOB_ID_ATTRIBUTE) == job_id:
+                found = span["trace_id"]
+        return found
+
     def spans(self) -> list[ReceivedSpan]:
         """Every stored span, oldest file first, in write order."""
         return self._read(b"")
