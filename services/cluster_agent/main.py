@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
                 raise ValueError(f"{option} must be a positive number, got {value}")
         if args.max_heartbeat_s < args.heartbeat_s:
             raise ValueError("--max-heartbeat-s must be at least --heartbeat-s")
+        if args.slurm_conf is not None and not args.slurm_conf.is_file():
+            # scontrol would retry it for 60 s and the agent said only "slurm unreachable".
+            raise ValueError(f"--slurm-conf {args.slurm_conf}: no such file")
     except (TopologyError, ValueError) as exc:
         print(f"loom-cluster-agent: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -253,3 +253,109 @@ def test_loom_trace_of_a_job_reads_the_stacks_trace_files_when_the_stack_is_down
     assert "the trace store's files name the job" in done.stderr
     unknown = trace("j-2")  # no span names it: the question's own error, exit 1
     assert unknown.returncode == 1 and "no NATS server answered" in unknown.stderr
+
+
+def test_a_bare_loom_up_starts_a_home_with_the_options_it_was_started_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # After its supervisor died, `loom up` brought a `--topology small --tenants FILE` home back
+    # with the default topology and no tenant admission (an outside walk).
+    from loom.cli import main
+
+    monkeypatch.setenv("LOOM_HOME", str(tmp_path))
+    tenants = tmp_path / "tenants.yaml"
+    (tmp_path / main.UP_OPTIONS_FILE).write_text(
+        json.dumps({"topology": "small", "tenants": str(tenants), "cluster": ["c-weu-a"], "traces": True})
+    )
+    parser = main.build_parser()
+    bare = parser.parse_args(["up"])
+    main._same_options_as_before(bare)
+    assert (bare.topology, bare.tenants, bare.cluster, bare.traces) == (
+        "small",
+        str(tenants),
+        ["c-weu-a"],
+        True,
+    )
+    told = parser.parse_args(["up", "--topology", "default"])  # an option given: as given
+    told.given = ["--topology"]  # main() notes what the command line said
+    main._same_options_as_before(told)
+    assert (told.topology, told.tenants, told.traces) == ("default", None, False)
+    (tmp_path / main.UP_OPTIONS_FILE).write_text("not json")  # unreadable: the defaults
+    again = parser.parse_args(["up"])
+    main._same_options_as_before(again)
+    assert again.topology == "default"
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["up", "--topology", "nope"], "no packaged topology named 'nope'"),
+        (["up", "--topology", "small", "--cluster", "c-nope"], "not a cluster of topology small"),
+        (["up", "--time-scale", "0"], "--time-scale: must be more than 0"),
+        (["up", "--heartbeat-s", "-1"], "--heartbeat-s: must be more than 0"),
+        (["up", "--metrics-port-base", "70000"], "--metrics-port-base: must be within 0-65000"),
+        (["up", "--neighbour-nice", "25"], "must be within 0-19, got 25"),
+    ],
+)
+def test_loom_up_refuses_a_bad_option_before_starting_anything(
+    argv: list[str], said: str, tmp_path: Path
+) -> None:
+    # They started every service, which crash-looped for two minutes before `loom up` gave up (1).
+    env = dict(os.environ, LOOM_HOME=str(tmp_path / "home"))
+    done = subprocess.run(
+        [sys.executable, "-m", "loom.cli.main", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert said in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "home" / "stack.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [("postgresql://postgres:sekret@127.0.0.1:PORT/loom", "Connect call failed"), ("notaurl", "invalid DSN")],
+)
+def test_loom_migrate_says_why_it_cannot_reach_the_database_without_a_traceback(url: str, said: str) -> None:
+    url = url.replace("PORT", str(_closed_port()))
+    env = dict(os.environ, LOOM_NATS_URL=f"nats://127.0.0.1:{_closed_port()}", LOOM_DATABASE_URL=url)
+    done = subprocess.run(
+        [sys.executable, "-m", "loom.cli.main", "migrate"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1 and "cannot migrate the database at" in done.stderr and said in done.stderr
+    assert "Traceback" not in done.stderr and "sekret" not in done.stderr
+
+
+def test_a_slurm_agent_with_a_missing_slurm_conf_is_refused_at_its_start(tmp_path: Path) -> None:
+    # scontrol retried the missing file for 60 s, the agent said only "slurm unreachable".
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "loom_services.cluster_agent",
+            "--cluster",
+            "c-weu-a",
+            "--topology",
+            "small",
+            "--backend",
+            "slurm",
+            "--slurm-conf",
+            str(tmp_path / "nonexistent.conf"),
+        ],
+        env=dict(os.environ, LOOM_HOME=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--slurm-conf" in done.stderr and "no such file" in done.stderr

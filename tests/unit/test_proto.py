@@ -601,3 +601,22 @@ def test_a_pipeline_asking_for_gpus_per_worker_is_refused_not_silently_resized()
     with pytest.raises(InvalidInputError, match=r"leave resources\.gpus out \(it is 4\)"):
         admission_check(spec(Resources(gpus=4)))
     admission_check(spec(Resources(gpu_models=["T4"])))  # choosing the models stays allowed
+
+
+def test_a_bad_spec_in_a_file_names_the_file_and_which_of_its_jobs(tmp_path: Path) -> None:
+    # "cannot submit: job spec 'unk-1': Object contains unknown field `colour`" named no file, and
+    # YAML's own errors said `in "<unicode string>"` (an outside walk).
+    from loom.client.sdk import SpecError, load_specs
+
+    path = tmp_path / "jobs.yaml"
+    path.write_text(
+        "- {job_id: a, tenant: t, work: {steps: 1}}\n"
+        "- {job_id: b, tenant: t, colour: red, work: {steps: 1}}\n"
+    )
+    with pytest.raises(SpecError, match=rf"^{path}: job 2 of 2: job spec 'b': .*unknown field `colour`"):
+        load_specs(path)
+    path.write_text("job_id: a\n  bad: [\n")
+    with pytest.raises(SpecError) as caught:
+        load_specs(path)
+    assert str(caught.value).startswith(f"{path}: not valid YAML or JSON") and "line 2" in str(caught.value)
+    assert "<unicode string>" not in str(caught.value)

@@ -17,14 +17,15 @@ from rich.tree import Tree
 
 from loom.bus.connection import BusError
 from loom.cli import CONNECT_WITHIN_S
-from loom.cli.argtypes import non_negative_int, positive_float, positive_int, share
+from loom.cli.argtypes import bounded_int, non_negative_int, positive_float, positive_int, share
 from loom.cli.output import console, err
 from loom.client import LoomClient, QueryError, SpecError, load_specs
 from loom.errors import InvalidInputError, LoomError
+from loom.model.topology import TopologyError, load_topology
 from loom.runtime import stack
 from loom.runtime.config import endpoints, loom_home, nats_endpoint
 from loom.sched.quota import read_tenants
-from loom.security import tenant_of
+from loom.security import tenant_of, write_secret
 from loom.security.http_token import otlp_headers
 from loom.telemetry import configure_logging, setup_telemetry, shutdown_telemetry
 from loom.telemetry.tracing import OTLP_ENDPOINT_ENV
@@ -42,8 +43,84 @@ async def _client() -> LoomClient:
 # ---- stack ----------------------------------------------------------------------------------------
 
 
+UP_OPTIONS_FILE = "up-options.json"
+"""The options a home's stack was last started with (``<home>/up-options.json``): a bare ``loom
+up`` starts it with them again (after a crash of its supervisor, or a ``loom down``)."""
+UP_OPTIONS = (
+    "slurm",
+    "topology",
+    "cluster",
+    "time_scale",
+    "heartbeat_s",
+    "placement_shards",
+    "servers_only",
+    "nats_cluster",
+    "secure_db",
+    "metrics_port_base",
+    "tenants",
+    "traces",
+    "neighbour_nice",
+    "secure",
+    "nats_host",
+    "postgres_host",
+)
+"""The ``loom up`` options that shape a stack, kept per home."""
+
+
+def _same_options_as_before(args: argparse.Namespace) -> None:
+    """A bare ``loom up`` (every option at its default) on a home started before with options
+    takes those options again, and says so: the stack's data (its topology's clusters, tenant
+    quotas) was made with them. Restarting with the defaults silently dropped tenant admission and
+    started another topology's agents (an outside walk, after a supervisor crash)."""
+    path = loom_home() / UP_OPTIONS_FILE
+    defaults = vars(build_parser().parse_args(["up"]))
+    given = getattr(args, "given", None)
+    said = bool(given) if given is not None else any(getattr(args, k) != defaults[k] for k in UP_OPTIONS)
+    if said or not path.exists():
+        return
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    changed = {k: v for k, v in saved.items() if k in UP_OPTIONS and v != defaults[k]}
+    if not changed:
+        return
+    for key, value in changed.items():
+        setattr(args, key, value)
+    shown = " ".join(_flag(k, v) for k, v in sorted(changed.items()))
+    err.print(
+        f"[yellow]this home's stack was started with {escape(shown)}: starting it so again"
+        " (give options to start it otherwise)[/yellow]"
+    )
+
+
+def _flag(key: str, value: Any) -> str:
+    flag = "--" + key.replace("_", "-")
+    if value is True:
+        return flag
+    if value is False:
+        return f"--no-{key.replace('_', '-')}"
+    if isinstance(value, list):
+        return " ".join(f"{flag} {v}" for v in value)
+    return f"{flag} {value}"
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """Start the embedded stack in the background."""
+    if not stack.is_running(loom_home()):
+        _same_options_as_before(args)
+    try:
+        topology = load_topology(args.topology)
+    except (OSError, ValueError, TopologyError) as exc:
+        err.print(f"[red]--topology {escape(args.topology)}: {escape(str(exc))}[/red]")
+        return 2
+    unknown = sorted(set(args.cluster or []) - {c.id for c in topology.clusters})
+    if unknown:
+        err.print(
+            f"[red]--cluster {escape(', '.join(unknown))}: not a cluster of topology {escape(args.topology)};"
+            f" its clusters: {escape(', '.join(c.id for c in topology.clusters))}[/red]"
+        )
+        return 2
     try:
         nice = stack.default_neighbour_nice() if args.neighbour_nice is None else args.neighbour_nice
     except ValueError as exc:
@@ -90,6 +167,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
     with console.status("starting Loom…") as status:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
+    if not running:
+        kept = {k: getattr(args, k) for k in UP_OPTIONS}
+        write_secret(loom_home() / UP_OPTIONS_FILE, json.dumps(kept, indent=2) + "\n")
     silent = _nats_silent(state["nats_url"]) if running and options.services else None
     if silent is not None:  # the processes are there, but it is not up: say so, not "Loom is up"
         err.print(f"[red]the stack's processes run, but {escape(silent)}; `loom status` says more[/red]")
@@ -333,16 +413,25 @@ def _run_health(nats_url: str, names: list[str]) -> dict[str, dict[str, Any]]:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     """Apply pending database migrations to LOOM_DATABASE_URL (or the running stack's)."""
+    import asyncpg
+
     from loom.store.migrations import migrate_url
 
     url = endpoints().database_url
-    applied = asyncio.run(migrate_url(url))
-    console.print(f"applied migrations: {applied}" if applied else "database is up to date")
-    if args.role_passwords is not None:
-        from loom.runtime.dbcreds import apply_role_passwords
+    try:
+        applied = asyncio.run(migrate_url(url))
+        console.print(f"applied migrations: {applied}" if applied else "database is up to date")
+        if args.role_passwords is not None:
+            from loom.runtime.dbcreds import apply_role_passwords
 
-        roles = asyncio.run(apply_role_passwords(url, args.role_passwords))
-        console.print(f"passwords set for {len(roles)} roles: {', '.join(roles)}")
+            roles = asyncio.run(apply_role_passwords(url, args.role_passwords))
+            console.print(f"passwords set for {len(roles)} roles: {', '.join(roles)}")
+    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        # A traceback ended in ConnectionRefusedError or "invalid DSN".
+        where = url.split("@")[-1]  # no password in the message
+        why = str(exc) or type(exc).__name__
+        err.print(f"[red]cannot migrate the database at {escape(where)}: {escape(why)}[/red]")
+        return 1
     return 0
 
 
@@ -1158,11 +1247,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--topology", default="default", help="packaged topology name or file")
     p.add_argument("--cluster", action="append", help="run only these cluster agents (repeatable)")
-    p.add_argument("--time-scale", type=float, default=60.0, help="simulated seconds per wall second")
-    p.add_argument("--heartbeat-s", type=float, default=2.0)
+    p.add_argument(
+        "--time-scale", type=positive_float, default=60.0, help="simulated seconds per wall second"
+    )
+    p.add_argument("--heartbeat-s", type=positive_float, default=2.0)
     p.add_argument(
         "--placement-shards",
-        type=int,
+        type=bounded_int(1, 64),
         default=1,
         help="placement shards over a GPU-balanced split of the regions",
     )
@@ -1187,7 +1278,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--metrics-port-base",
-        type=int,
+        type=bounded_int(0, 65_000),
         default=0,
         help="Prometheus /metrics ports: consecutive from this one (default: a free port each)",
     )
@@ -1340,7 +1431,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(words)
+    args.given = [w.split("=", 1)[0] for w in words if w.startswith("--")]  # what was said, not defaulted
     # Library warnings go to stderr, so `--json` output on stdout stays parseable.
     configure_logging("loom-cli", level="WARNING", json=False, stream=sys.stderr)
     # asyncio's note on every TLS connection nats-py closes (its protocol's eof_received returns

@@ -167,14 +167,21 @@ def load_specs(path: str | Path, *, default_tenant: str | None = None) -> list[J
     text = Path(path).read_text()
     try:
         raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SpecError(f"{path}: not valid YAML or JSON: {exc}") from exc
+    except yaml.YAMLError as exc:  # its own words name '<unicode string>': the file is named here
+        said = str(exc).replace('in "<unicode string>", ', "at ")
+        raise SpecError(f"{path}: not valid YAML or JSON: {said}") from exc
     if isinstance(raw, dict) and "jobs" in raw:
         raw = raw["jobs"]
     items = raw if isinstance(raw, list) else [raw]
     if not items or not all(isinstance(i, dict) for i in items):
         raise SpecError(f"{path}: expected a job mapping, a list of them, or {{jobs: [...]}}")
-    specs = [spec_from_mapping(i, default_tenant=default_tenant) for i in items]
+    specs = []
+    for n, item in enumerate(items, 1):
+        try:
+            specs.append(spec_from_mapping(item, default_tenant=default_tenant))
+        except SpecError as exc:  # which file, and which of its jobs
+            where = f"{path}: job {n} of {len(items)}" if len(items) > 1 else str(path)
+            raise SpecError(f"{where}: {exc}") from None
     seen: set[str] = set()
     for spec in specs:
         if spec.job_id in seen:  # the second would be refused as "taken by a different spec"

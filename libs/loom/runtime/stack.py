@@ -1201,6 +1201,7 @@ def up(
     stack_file(home).unlink(missing_ok=True)
     (home / "logs").mkdir(parents=True, exist_ok=True)
     with open(home / "logs" / "supervisor.log", "ab") as log:
+        ours = log.tell()  # the log is appended to: a failure shows this start's lines only
         proc = subprocess.Popen(
             argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
@@ -1216,7 +1217,9 @@ def up(
             assert state is not None
             return _operator_of(home, state)
         if status == "failed" or proc.poll() is not None:
-            log_tail = (home / "logs" / "supervisor.log").read_text()[-3000:]
+            with open(home / "logs" / "supervisor.log", "rb") as f:
+                f.seek(ours)
+                log_tail = f.read().decode(errors="replace")[-3000:]
             raise RuntimeError(
                 f"the stack failed to start: {state.get('error') if state else ''}\n{log_tail}"
             )
