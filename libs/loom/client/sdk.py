@@ -351,8 +351,18 @@ class LoomClient:
         if self.nc.is_closed:
             raise QueryError("this client is closed: connect again")  # not "the service is not running"
         asked = time.monotonic()
+        data = json.dumps(request).encode()
         try:
-            reply = await self.nc.request(subject, json.dumps(request).encode(), timeout=timeout_s)
+            try:
+                # Queries only read: asked again once at half the budget, since a queue group
+                # member that hangs (a stopped standby) takes its share of the requests and answers
+                # none; the second ask likely reaches another (an outside walk: half of the CLI's
+                # queries timed out with one of two placement instances frozen).
+                reply = await self.nc.request(subject, data, timeout=timeout_s / 2)
+            except nats.errors.TimeoutError:
+                if self.nc.is_closed:
+                    raise
+                reply = await self.nc.request(subject, data, timeout=timeout_s / 2)
         except NoRespondersError as exc:
             raise QueryError(f"nothing listens on {subject}: is the service running?") from exc
         except Exception as exc:

@@ -1,0 +1,45 @@
+"""The SDK's queries on real NATS: a query is asked again once when its first ask goes unanswered,
+so a queue group member that hangs (a stopped placement standby) does not fail every other
+`loom job` / `loom jobs` (an outside walk: about half did, with one of two instances frozen)."""
+
+import json
+
+import nats
+import pytest
+from nats.aio.msg import Msg
+
+from loom.client import LoomClient, QueryError
+
+pytestmark = pytest.mark.slow
+
+
+async def test_a_query_whose_first_ask_is_lost_is_answered_by_the_second(nats_url: str) -> None:
+    responder = await nats.connect(nats_url)
+    asks: list[bytes] = []
+
+    async def first_lost(msg: Msg) -> None:
+        asks.append(msg.data)
+        if len(asks) > 1:  # the first ask went to a member that hangs: no answer
+            await msg.respond(json.dumps({"ok": True, "result": {"job_id": "j-1"}}).encode())
+
+    sub = await responder.subscribe("loom.jobs.query", queue="placement", cb=first_lost)
+    await responder.flush()
+    client = await LoomClient.connect(nats_url)
+    try:
+        assert await client.job("j-1", timeout_s=2.0) == {"job_id": "j-1"}
+        assert len(asks) == 2 and asks[0] == asks[1]  # the same question, asked again
+        # Nobody answers at all: one error after the whole budget, as before.
+        asks.clear()
+        await sub.unsubscribe()
+
+        async def hangs(msg: Msg) -> None:
+            asks.append(msg.data)
+
+        await responder.subscribe("loom.jobs.query", queue="placement", cb=hangs)
+        await responder.flush()  # the server has the unsubscription and the new one
+        with pytest.raises(QueryError, match=r"no answer on loom\.jobs\.query within 2 s"):
+            await client.job("j-1", timeout_s=2.0)
+        assert len(asks) == 2
+    finally:
+        await client.close()
+        await responder.close()
