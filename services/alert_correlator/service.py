@@ -511,7 +511,11 @@ class AlertCorrelator:
             inc = self.core.incidents[incident_id]
             reply: dict[str, Any] = {"ok": True, "changed": note is not None, "state": inc.state}
         except KeyError:
-            reply = {"ok": False, "error": "no such incident in the correlator (resolved long ago?)"}
+            reply = {
+                "ok": False,
+                "code": "unknown",
+                "error": "no such incident in the correlator (resolved long ago?)",
+            }
         except (json.JSONDecodeError, TypeError, ValueError) as exc:
             reply = {"ok": False, "error": f"bad request: {exc}"}
         await respond(msg, json.dumps(reply).encode())

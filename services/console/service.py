@@ -423,7 +423,8 @@ class Console:
             "the alert correlator",
         )
         if not answer.get("ok"):
-            return _page(409, pages.error_page(409, f"ack refused: {answer.get('error')}", access))
+            status = 404 if answer.get("code") == "unknown" else 409  # as GET /incidents/<unknown>
+            return _page(status, pages.error_page(status, f"ack refused: {answer.get('error')}", access))
         return _see_other(f"/incidents/{quote(incident_id)}?done=ack")
 
     async def _request(self, subject: str, body: Mapping[str, Any], who: str) -> dict[str, Any]:

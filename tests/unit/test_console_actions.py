@@ -4,6 +4,7 @@ access rules (tenant read-only, forms keyed per session), and the store queries 
 import asyncio
 import csv
 import io
+import json
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -471,3 +472,29 @@ async def test_the_usage_sums_of_the_database_are_those_of_metering(
         assert (total.runs, total.gpu_ms, total.scu_seconds, total.cost) == (0, 0, 0.0, 0.0)
     finally:
         await pool.close()
+
+
+async def test_acknowledging_an_unknown_incident_is_404_as_its_page_is(tmp_path: Path, nats_url: str) -> None:
+    # It answered 409 ("ack refused: no such incident") where GET /incidents/<unknown> is 404.
+    console, tokens, nc = await _console(tmp_path, nats_url)
+    op = tokens.operator
+    correlator = await nats.connect(nats_url)
+    answers = iter(
+        [
+            {"ok": False, "code": "unknown", "error": "no such incident in the correlator"},
+            {"ok": False, "error": "bad request: nope"},
+        ]
+    )
+
+    async def reply(msg: Any) -> None:
+        await msg.respond(json.dumps(next(answers)).encode())
+
+    await correlator.subscribe(subjects.INCIDENTS_ACK, cb=reply)
+    await correlator.flush()
+    form = {"form_key": tokens.form_key(op)}
+    unknown = await console.handle(_request("POST", "/incidents/nope/ack", op, form=form))
+    assert isinstance(unknown, Response) and unknown.status == 404 and b"no such incident" in unknown.body
+    refused = await console.handle(_request("POST", "/incidents/nope/ack", op, form=form))
+    assert isinstance(refused, Response) and refused.status == 409
+    await correlator.close()
+    await nc.close()

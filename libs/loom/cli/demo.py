@@ -84,10 +84,21 @@ async def _demo(
                 if clusters >= expected_clusters:
                     break
                 await asyncio.sleep(0.5)
-        console.print(f"{clusters} clusters reporting; submitting {len(specs)} jobs")
         started = time.time()
+        before = [s.job_id for s in specs if await client.job(s.job_id) is not None]
+        if before:
+            # The example's job ids are taken in this home: a second submission would be refused
+            # as duplicates and the run below is the first one's, which said nothing of it.
+            console.print(
+                f"[yellow]{len(before)} of the example's {len(specs)} jobs were submitted in this home"
+                f" before (a demo ran here): showing that run. To run it afresh: `loom down`, remove"
+                f" {loom_home()}, then `make demo`.[/yellow]"
+            )
+        else:
+            console.print(f"{clusters} clusters reporting; submitting {len(specs)} jobs")
         for spec in specs:
-            await client.submit(spec)
+            if spec.job_id not in before:
+                await client.submit(spec)
         jobs: dict[str, dict[str, Any] | None] = {s.job_id: None for s in specs}
         await watch_jobs(client.job, jobs, console, started, args.timeout)
         done = [j for j in jobs.values() if j is not None]
