@@ -1168,21 +1168,33 @@ class MigrationService:
         link = f"{src}->{dst}"
         rows = await moves.running_spans(self.pool)
         open_ids = {m["job_id"] for m in await moves.open_migrations(self.pool)}
-        history = await moves.move_history(self.pool, [r["job_id"] for r in rows])
+        pair = DegradedLinks.pair(src, dst)
         concerned = []
-        for r in rows:
-            if r["job_id"] in open_ids:
-                continue
-            moved_off = recovered and history.get(r["job_id"], (0, None, ""))[2] == "network"
-            users = users_of(_spec(r))
-            if concerned_by_link(set(r["regions"]), src, dst, users=users) or moved_off:
-                concerned.append(r)
+        if recovered:
+            # The jobs that left this link when it degraded (their last move a network one, off
+            # it): the recovery may draw them back. The jobs still over it only gain; the
+            # simulator's migrator looks at the same ones (before, every job whose last move was
+            # a network one, off any link, and every job over this one, were reviewed).
+            history = await moves.move_history(self.pool, [r["job_id"] for r in rows])
+            left = await moves.links_left(self.pool, [r["job_id"] for r in rows])
+            for r in rows:
+                last = history.get(r["job_id"], (0, None, ""))[2]
+                off = frozenset(left.get(r["job_id"], "").split("->", 1))
+                if r["job_id"] not in open_ids and last == "network" and off == pair:
+                    concerned.append(r)
+        else:
+            for r in rows:
+                users = users_of(_spec(r))
+                if r["job_id"] not in open_ids and concerned_by_link(
+                    set(r["regions"]), src, dst, users=users
+                ):
+                    concerned.append(r)
         self.stats["reviews"] += 1
         plan = await self._review(
             concerned, trigger, about=f"link {link}", link=link, cause="network", recheck=recheck
         )
         # Forget what no recheck will compare with: the link recovered, the job moved or left it.
-        pair, still = DegradedLinks.pair(src, dst), {r["job_id"] for r in concerned}
+        still = {r["job_id"] for r in concerned}
         moving = {v.job_id for v in plan.start}
         for job_id, on in list(self._link_said):
             if on == pair and (pair not in self.degraded or job_id not in still or job_id in moving):

@@ -23,7 +23,7 @@ from loom.client import LoomClient
 from loom.migrate.nodes import PaceSettings
 from loom_proto import subjects
 from loom_proto.jobs import Affinity, JobSpec, Resources, Work
-from loom_proto.net import LinkDegraded
+from loom_proto.net import LinkDegraded, LinkRecovered
 from loom_services.cluster_agent.sim import SimCluster
 
 pytestmark = pytest.mark.slow
@@ -307,6 +307,27 @@ async def test_a_degraded_link_to_an_inference_jobs_users_reviews_it_and_it_move
         assert verdict.trigger == "link_degraded" and verdict.move and verdict.target == "c-sea1-a", verdict
         moved = await until(lambda: _running(client, "serve", attempt=2), 30, "serve moved next to its users")
         assert moved["cluster"] == "c-sea1-a"
+        await until(
+            lambda: db.fetchval("SELECT count(*) FROM migrations WHERE state = 'completed'"), 10, "move done"
+        )
+
+        # Another link's recovery does not concern it (before: every job whose last move was a
+        # network one was reviewed at any recovery); its own link's does, either direction.
+        def recovered(src: str, dst: str) -> LinkRecovered:
+            return LinkRecovered(
+                src=src,
+                dst=dst,
+                at=time.time(),
+                reason="ok",
+                rtt_ms=160.0,
+                baseline_rtt_ms=160.0,
+                loss_rate=0.0,
+            )
+
+        other = await migration.review_link(recovered(WEU, "aws-us-east-2"))
+        assert [v.job_id for v in other] == []
+        back = await migration.review_link(recovered(SEA1, WEU))
+        assert [(v.job_id, v.trigger, v.move) for v in back] == [("serve", "link_improved", False)]
     finally:
         await db.close()
         await client.close()

@@ -400,6 +400,20 @@ async def running_spans(conn: Conn, job_ids: Sequence[str] | None = None) -> lis
     return rows
 
 
+async def links_left(conn: Conn, job_ids: Sequence[str]) -> dict[str, str]:
+    """Job -> the link (``src->dst``) of its latest move off a degraded link (its newest ``move``
+    verdict on ``link_degraded``): which jobs a link's recovery concerns."""
+    if not job_ids:
+        return {}
+    rows = await conn.fetch(
+        """SELECT DISTINCT ON (job_id) job_id, link FROM migration_verdicts
+           WHERE job_id = ANY($1::text[]) AND decision = 'move' AND trigger = 'link_degraded'
+           ORDER BY job_id, id DESC""",
+        list(job_ids),
+    )
+    return {r["job_id"]: r["link"] for r in rows}
+
+
 async def move_verdict(conn: Conn, job_id: str, attempt: int) -> asyncpg.Record | None:
     """The latest ``move`` verdict of a job's run (its trigger, target and link): what a planned
     voluntary move was decided on."""
