@@ -93,6 +93,7 @@ from loom.migrate.network import (
 )
 from loom.migrate.queue import options_from_wire
 from loom.migrate.replicas import (
+    REPLICA_CONCURRENCY,
     Held,
     ReplicaSettings,
     Site,
@@ -192,7 +193,7 @@ class MigrationSettings:
     """Network moves and backflow in flight over one region pair at most."""
     replica_poll_s: float = 0.5
     """Checkpoint replica loop period."""
-    replica_concurrency: int = 8
+    replica_concurrency: int = REPLICA_CONCURRENCY
     """Replica copies in flight at most."""
     replicas: ReplicaSettings = field(default_factory=ReplicaSettings)
     """Where replicas go (byte budgets) and the incremental rule."""
@@ -943,7 +944,7 @@ class MigrationService:
             return True
         runs = await moves.running_spans(self.pool, [job_id])
         if not runs:
-            return True  # not running now: the caller settles it
+            return True  # placed, not yet running (no live reservation to judge from): as planned
         run = runs[0]
         judged = await self._judge(
             run,

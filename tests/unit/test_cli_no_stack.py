@@ -318,11 +318,18 @@ def test_loom_up_refuses_a_bad_option_before_starting_anything(
 
 @pytest.mark.parametrize(
     ("url", "said"),
-    [("postgresql://postgres:sekret@127.0.0.1:PORT/loom", "Connect call failed"), ("notaurl", "invalid DSN")],
+    [
+        ("postgresql://postgres:sekret@127.0.0.1:PORT/loom", "Connect call failed"),
+        ("postgresql://postgres@127.0.0.1:PORT/loom?password=sekret", "Connect call failed"),
+        ("postgresql://postgres:sekret@[::1/loom", "cannot be read"),  # a ValueError: a traceback
+        ("notaurl", "invalid DSN"),
+    ],
 )
 def test_loom_migrate_says_why_it_cannot_reach_the_database_without_a_traceback(url: str, said: str) -> None:
     url = url.replace("PORT", str(_closed_port()))
-    env = dict(os.environ, LOOM_NATS_URL=f"nats://127.0.0.1:{_closed_port()}", LOOM_DATABASE_URL=url)
+    env = dict(
+        os.environ, LOOM_NATS_URL=f"nats://127.0.0.1:{_closed_port()}", LOOM_DATABASE_URL=url, COLUMNS="200"
+    )
     done = subprocess.run(
         [sys.executable, "-m", "loom.cli.main", "migrate"],
         env=env,

@@ -16,6 +16,7 @@ import pytest
 from loom.runtime.servers import find_free_port
 from loom.security.http_token import (
     ENV_HTTP_TOKEN_FILE,
+    ENV_TRACES_TOKEN_FILE,
     TokenFile,
     authorized,
     bearer_header,
@@ -150,10 +151,15 @@ def test_a_services_span_exporter_sends_the_token_the_file_holds_now(
 
     from loom.telemetry.tracing import _token_session
 
-    monkeypatch.delenv(ENV_HTTP_TOKEN_FILE, raising=False)
+    monkeypatch.delenv(ENV_TRACES_TOKEN_FILE, raising=False)
     assert _token_session() is None  # not secured: the exporter's own session
     token_file = ensure_http_token(tmp_path)
+    # A secured stack's service exporting to a collector of the operator's (no --traces): the
+    # token of the stack's endpoints is not sent there (a review: it was, replacing the
+    # collector's own Authorization).
     monkeypatch.setenv(ENV_HTTP_TOKEN_FILE, str(token_file))
+    assert _token_session() is None
+    monkeypatch.setenv(ENV_TRACES_TOKEN_FILE, str(token_file))  # exporting to the stack's own store
     session = _token_session()
     request = requests.Request(
         "POST", "http://127.0.0.1:1/v1/traces", headers={"Authorization": "Bearer stale"}

@@ -184,6 +184,7 @@ def test_a_drain_moves_at_most_its_concurrency_at_once_outside_the_voluntary_bud
     assert result.migration["deferred_by_budget"] == 0
     assert all(r.clusters == ("b",) and r.restarts == 1 for r in result.records)
     moved_at = sorted(v["at_s"] for v in result.migration["verdicts"] if v["decision"] == "move")
+    assert len(moved_at) == 2  # a verdict per move (a review: the waiting one was recorded each pass)
     assert moved_at[0] == pytest.approx(50.0)
     # At the instant the first lands (not at the sample after it, 180 s).
     assert moved_at[-1] == pytest.approx(50.0 + DRAIN_DELAY_S, abs=0.05)
@@ -456,3 +457,13 @@ def test_a_drain_scenario_refuses_a_concurrency_or_deadline_loom_drain_would() -
         drain_events("a", at_s=1.0, concurrency=0)
     with pytest.raises(ScenarioError, match="deadline_s must be a finite number >= 0, got inf"):
         drain_events("a", at_s=1.0, deadline_s=float("inf"))
+
+
+def test_a_far_drain_deadline_does_not_keep_the_simulation_going_after_the_jobs_end() -> None:
+    # A review: the deadline's instant was asked for whatever happened, so a drain with a deadline
+    # of a million seconds sampled until then (16,669 samples, utilisation 0.00012).
+    for mode in ("on", "never"):
+        result = drained(drain_events("a", at_s=50.0, deadline_s=1e6), [job("j1", 2_000)], mode=mode)
+        end = result.records[0].end_s
+        assert end is not None and end < 5_000
+        assert result.timeline[-1].t_s < end + 2 * 60.0, mode  # sampled up to the end, not the deadline

@@ -127,3 +127,49 @@ def test_a_replica_goes_abroad_only_where_its_copies_keep_up_with_the_checkpoint
     assert result.migration is not None
     assert (result.records[0].cross_region_bytes > 0) is abroad
     assert result.migration["replicas"]["copies"] > 100  # every checkpoint's copy, or nearly
+
+
+def test_copies_in_flight_never_pass_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The migration service copies at most `replica_concurrency` (8) at once, jobs with no replica
+    # first; the simulator started one per job at once, without a cap.
+    from loom.migrate.replicas import ReplicaSettings
+    from loom.sim.replicas import SimReplicas
+
+    plat = platform({"eu": (EU, "H100", 2), "us": (US, "H100", 2)})
+    jobs = [
+        SimJob(
+            spec=JobSpec(
+                job_id=f"j{n:02d}",
+                tenant="t",
+                resources=Resources(gpus=1),
+                work=Work(steps=20_000, step_time_s=0.5, checkpoint_every_steps=EVERY),
+                labels={"checkpoint_bytes": "5e10"},  # 50 GB: a copy to another region takes minutes
+                affinity=Affinity(prefer_regions=[EU]),
+            ),
+            arrival_s=0.0,
+        )
+        for n in range(12)
+    ]
+    most: list[int] = []
+    advance = SimReplicas.advance
+
+    def counted(self: SimReplicas, now: float) -> None:
+        advance(self, now)
+        most.append(len(self.copying))
+
+    monkeypatch.setattr(SimReplicas, "advance", counted)
+    copies = {}
+    for cap in (3, 8, 1_000):
+        most.clear()
+        result = simulate(
+            Trace(jobs=jobs, events=[SimEvent(at_s=3_000.0, kind="cluster_down", cluster="eu")]),
+            plat,
+            POLICIES["loom"](0),
+            truth=BELIEF,
+            migration=MigrationPolicy("never", replicas=ReplicaSettings(concurrency=cap)),
+        )
+        assert result.migration is not None
+        copies[cap] = result.migration["replicas"]["copies"]
+        assert max(most) == min(cap, 12)  # the cap reached, never passed (12 jobs: one copy each)
+    assert copies[3] < copies[8] <= copies[1_000]
+    assert ReplicaSettings().concurrency == 8  # the service's default

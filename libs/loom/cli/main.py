@@ -169,6 +169,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         state = stack.up(loom_home(), options, progress=lambda s: status.update(f"starting Loom… {s}"))
     if not running:
         kept = {k: getattr(args, k) for k in UP_OPTIONS}
+        # Files as absolute paths: a bare `loom up` from another directory reads the same ones.
+        kept["tenants"] = tenants or None
+        if Path(args.topology).is_file():
+            kept["topology"] = str(Path(args.topology).resolve())
         write_secret(loom_home() / UP_OPTIONS_FILE, json.dumps(kept, indent=2) + "\n")
     silent = _nats_silent(state["nats_url"]) if running and options.services else None
     if silent is not None:  # the processes are there, but it is not up: say so, not "Loom is up"
@@ -426,13 +430,26 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
             roles = asyncio.run(apply_role_passwords(url, args.role_passwords))
             console.print(f"passwords set for {len(roles)} roles: {', '.join(roles)}")
-    except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+    except (OSError, ValueError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
         # A traceback ended in ConnectionRefusedError or "invalid DSN".
-        where = url.split("@")[-1]  # no password in the message
+        where = _redacted(url)
         why = str(exc) or type(exc).__name__
         err.print(f"[red]cannot migrate the database at {escape(where)}: {escape(why)}[/red]")
         return 1
     return 0
+
+
+def _redacted(url: str) -> str:
+    """A database URL without what may hold a secret: its user and password, and its query
+    (``?password=…``); host, port and database only."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        host = parts.netloc.rpartition("@")[2]
+    except ValueError:
+        return "(a URL that cannot be read)"
+    return f"{host}{parts.path}" if host else "(a URL naming no host)"
 
 
 # ---- jobs -----------------------------------------------------------------------------------------

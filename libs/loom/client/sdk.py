@@ -353,16 +353,7 @@ class LoomClient:
         asked = time.monotonic()
         data = json.dumps(request).encode()
         try:
-            try:
-                # Queries only read: asked again once at half the budget, since a queue group
-                # member that hangs (a stopped standby) takes its share of the requests and answers
-                # none; the second ask likely reaches another (an outside walk: half of the CLI's
-                # queries timed out with one of two placement instances frozen).
-                reply = await self.nc.request(subject, data, timeout=timeout_s / 2)
-            except nats.errors.TimeoutError:
-                if self.nc.is_closed:
-                    raise
-                reply = await self.nc.request(subject, data, timeout=timeout_s / 2)
+            reply = await self._hedged(subject, data, timeout_s)
         except NoRespondersError as exc:
             raise QueryError(f"nothing listens on {subject}: is the service running?") from exc
         except Exception as exc:
@@ -380,6 +371,33 @@ class LoomClient:
         if not body.get("ok"):
             raise (RefusedQueryError if body.get("invalid") else QueryError)(str(body.get("error")))
         return body["result"]
+
+    async def _hedged(self, subject: str, data: bytes, timeout_s: float) -> Msg:
+        """A query's answer within ``timeout_s``: asked once, and asked again at half the budget
+        while the first ask waits on, whichever answers first taken. A queue group member that
+        hangs (a stopped standby) takes its share of the requests and answers none: the second ask
+        likely reaches another (an outside walk: half of the CLI's queries timed out with one of
+        two placement instances frozen); a service that is only slow still answers the first
+        (queries only read, so asking twice changes nothing)."""
+        first = asyncio.ensure_future(self.nc.request(subject, data, timeout=timeout_s))
+        asks = {first}
+        try:
+            done, _ = await asyncio.wait(asks, timeout=timeout_s / 2)
+            if not done:
+                asks.add(asyncio.ensure_future(self.nc.request(subject, data, timeout=timeout_s / 2)))
+            error: BaseException | None = None
+            while asks:
+                done, asks = await asyncio.wait(asks, return_when=asyncio.FIRST_COMPLETED)
+                for ask in done:
+                    if ask.exception() is None:
+                        return ask.result()
+                    if error is None or not isinstance(ask.exception(), nats.errors.TimeoutError):
+                        error = ask.exception()  # a refusal says more than a timeout
+            assert error is not None
+            raise error
+        finally:
+            for ask in asks:
+                ask.cancel()
 
     async def job(self, job_id: str, *, timeout_s: float = 5.0) -> dict[str, Any] | None:
         """A job with its event history, or None when placement never accepted it."""

@@ -74,6 +74,10 @@ UNMEASURED_PATH = PathState(rtt_ms=250.0, bandwidth_gbps=1.0)
 """A path network perception has not measured yet: priced as a slow WAN link."""
 
 
+REPLICA_CONCURRENCY = 8
+"""Replica copies in flight at most, by default (the migration service's and the simulator's)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaSettings:
     """How replicas are placed and sized."""
@@ -84,6 +88,9 @@ class ReplicaSettings:
     """Per-cluster byte budgets overriding :attr:`budget_bytes`."""
     changed_fraction: float = DEFAULT_CHANGED_FRACTION
     """Incremental rule: share of the checkpoint that changes per checkpoint interval."""
+    concurrency: int = REPLICA_CONCURRENCY
+    """Copies in flight at most, over every job (the simulator's; the migration service's
+    ``replica_concurrency`` defaults to the same)."""
 
     def budget_of(self, cluster: str) -> float:
         """The byte budget of ``cluster``."""

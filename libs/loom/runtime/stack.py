@@ -55,6 +55,7 @@ from loom.sched.shards import group_options, split_regions
 from loom.security import ENV_CREDS, ENV_NATS_CA, CredentialStore, admin_identity, identity_for_process
 from loom.security.http_token import (
     ENV_HTTP_TOKEN_FILE,
+    ENV_TRACES_TOKEN_FILE,
     TokenFile,
     ensure_http_token,
     otlp_headers,
@@ -1036,6 +1037,9 @@ class Supervisor:
         log.info("trace store", url=self.traces.url, directory=str(store.directory))
         return {
             OTLP_ENDPOINT_ENV: self.traces.url,
+            # The exporters send the token as the file holds it at each export, to this store only
+            # (loom.telemetry.tracing: a collector of the operator's never gets it).
+            **({ENV_TRACES_TOKEN_FILE: str(token_file)} if token_file is not None else {}),
             # Spans reach the store within a second of ending (the SDK's default waits 5 s).
             "OTEL_BSP_SCHEDULE_DELAY": os.environ.get("OTEL_BSP_SCHEDULE_DELAY", "1000"),
             **(otlp_headers(token()) if token else {}),

@@ -34,6 +34,7 @@ from loom.security.credentials import write_secret
 __all__ = [
     "CHALLENGE",
     "ENV_HTTP_TOKEN_FILE",
+    "ENV_TRACES_TOKEN_FILE",
     "ENV_WEBHOOK_TOKEN_FILE",
     "HTTP_TOKEN_FILE",
     "Token",
@@ -54,6 +55,9 @@ ENV_HTTP_TOKEN_FILE = "LOOM_HTTP_TOKEN_FILE"
 ENV_WEBHOOK_TOKEN_FILE = "LOOM_WEBHOOK_TOKEN_FILE"
 """The webhook's own token file, before ``$LOOM_HTTP_TOKEN_FILE``: compose protects the webhook it
 publishes to the host and leaves ``/metrics`` open to its Prometheus inside its network."""
+ENV_TRACES_TOKEN_FILE = "LOOM_TRACES_TOKEN_FILE"
+"""Set by a stack started with ``--traces`` for its processes: the token file their span exporters
+send to *its* trace store (never to an endpoint of the operator's, which gets no Loom secret)."""
 HTTP_TOKEN_FILE = Path("secrets") / "http.token"
 """Where a stack's token lives under its home."""
 CHALLENGE = 'Bearer realm="loom"'

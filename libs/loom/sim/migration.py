@@ -148,6 +148,11 @@ class _Drain:
     job's next attempt starts)."""
     look: bool = True
     """Whether the next pass looks again: the drain began, a sample came, or a move landed."""
+    deadline_woken: bool = False
+    """Whether the engine was asked for an instant at the deadline (only while a job left there
+    would outlive it: a far deadline otherwise kept the simulation sampling until then)."""
+    said_waiting: set[str] = field(default_factory=set)
+    """Jobs whose wait for capacity was recorded as a ``stay`` verdict (once a run, as the service)."""
     emptied_s: float | None = None
     moved: int = 0
     given_up: int = 0
@@ -274,8 +279,6 @@ class Migrator:
             drain = _Drain(event.cluster, self.sim.t, event.concurrency, event.deadline_s)
             self.drains[event.cluster] = drain
             self.drain_log.append(drain)
-            if drain.deadline_s > 0:
-                self.sim.wake_at(self.sim.t + drain.deadline_s)  # every job left goes then
 
     def on_sample(self) -> None:
         """Periodically: finished migrations free the budget; deferred moves and drains go on
@@ -523,7 +526,7 @@ class Migrator:
         )
 
     def _verdict(
-        self, job: _Job, trigger: Trigger, only: str | None, *, again: str | None = None
+        self, job: _Job, trigger: Trigger, only: str | None, *, again: str | None = None, record: bool = True
     ) -> tuple[MigrationVerdict, Decision | None]:
         """The verdict on moving ``job`` now, with the framework's candidate. ``again``: the look
         just before moving it, toward this target (the job's own clusters are avoided, as the
@@ -546,15 +549,19 @@ class Migrator:
         verdict = decide(
             state, target, path, now_s=self.sim.t, trigger=trigger, settings=self.settings, queued=queued
         )
-        if again is not None:  # the same look again just before moving (the snapshot may have changed)
+        if again is not None or not record:  # the same look again just before moving, or kept back
             return verdict, d
+        self._record(verdict, job.spec.job_id)
+        return verdict, d
+
+    def _record(self, verdict: MigrationVerdict, job_id: str) -> None:
+        """Count a verdict and keep it for the report (the first :data:`_VERDICTS_KEPT`)."""
         self.out.evaluated += 1
         if _held_by_queue(verdict):
             self.out.held_by_queue += 1
-        self.out.touched.add(job.spec.job_id)
+        self.out.touched.add(job_id)
         if len(self.out.verdicts) < _VERDICTS_KEPT:
             self.out.verdicts.append(_summary(verdict, self.sim.t))
-        return verdict, d
 
     def _queued(self, job: _Job, d: Decision) -> list[QueuedOption]:
         """The waiting jobs the candidate's lead pool could hold, by the rule placement's what-if
@@ -637,9 +644,12 @@ class Migrator:
         ids = [j for j in self._on_cluster(drain.cluster) if j not in drain.moving]
         if not ids:
             return
+        if not past:
+            self._wake_at_deadline(drain, ids)
         verdicts: dict[str, MigrationVerdict] = {}
         for job_id in ids:
-            verdict, d = self._verdict(jobs[job_id], "drain", None)
+            # Recorded below for the jobs that move, and once for a job that waits for capacity.
+            verdict, d = self._verdict(jobs[job_id], "drain", None, record=False)
             if d is not None and d.undo is not None:
                 d.undo()
             verdicts[job_id] = verdict
@@ -652,6 +662,7 @@ class Migrator:
             concurrency=drain.concurrency,
             past_deadline=past,
         )
+        self._record_drain(drain, verdicts, {c.job_id for c in pick.move})
         for chosen in pick.move:
             job = jobs[chosen.job_id]
             if job.run is None:
@@ -669,6 +680,27 @@ class Migrator:
                 drain.given_up += 1
                 keep = self._leave(job, "drain", budgeted=False, drain=drain.cluster)
                 self.sim.requeue(job.spec.job_id, keep_progress=keep)
+
+    def _wake_at_deadline(self, drain: _Drain, ids: list[str]) -> None:
+        """Ask the engine for an instant at the drain's deadline, once, while a job left there
+        would outlive it (a far deadline otherwise kept the simulation sampling until then)."""
+        deadline_at = drain.started_s + drain.deadline_s
+        if drain.deadline_s <= 0 or drain.deadline_woken:
+            return
+        jobs = self.sim.jobs
+        if max((run.end_s for j in ids if (run := jobs[j].run) is not None), default=0.0) > deadline_at:
+            drain.deadline_woken = True
+            self.sim.wake_at(deadline_at)
+
+    def _record_drain(self, drain: _Drain, verdicts: dict[str, MigrationVerdict], moving: set[str]) -> None:
+        """A drain pass's verdicts as the service records them: of the jobs that move, and once a
+        run of a job that waits for capacity (every job every pass inflated the bench's moves)."""
+        for job_id, verdict in verdicts.items():
+            waits = verdict.target is None or verdict.target == drain.cluster
+            if job_id in moving or (waits and job_id not in drain.said_waiting):
+                self._record(verdict, job_id)
+                if waits and job_id not in moving:
+                    drain.said_waiting.add(job_id)
 
     def _drain_job(self, job: _Job) -> DrainJob:
         """A running job as a drain candidate (the service reads the same from its run's row)."""

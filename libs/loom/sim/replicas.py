@@ -148,7 +148,12 @@ class SimReplicas:
         done = {h.job_id for h in self.held if not h.finished and self._ended_s(h.job_id) is not None}
         if done:
             self.held = [replace(h, finished=True) if h.job_id in done else h for h in self.held]
-        for job_id in sorted({j for jobs in self.sim.by_cluster.values() for j in jobs}):
+        # Jobs with no replica yet first, then by id, as the service's replica loop takes them
+        # (its copies in flight are capped: ReplicaSettings.concurrency).
+        replicated = {h.job_id for h in self.held}
+        for job_id in sorted(
+            {j for jobs in self.sim.by_cluster.values() for j in jobs}, key=lambda j: (j in replicated, j)
+        ):
             job = running.get(job_id)
             if job is None or job.run is None or job.spec.work.checkpoint_every_steps <= 0:
                 continue
@@ -167,6 +172,8 @@ class SimReplicas:
                 if copy.done_s > now:
                     return
                 self._finish(job_id, copy)
+            if len(self.copying) >= self.settings.concurrency:
+                return  # every copy slot taken: looked at again at the next call
             mine = [h.step for h in self.held if h.job_id == job_id and h.attempt == attempt]
             have = max(mine, default=0)
             if self._checkpoint_at(job, now) <= have:

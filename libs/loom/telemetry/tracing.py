@@ -541,13 +541,15 @@ def span_with_parent(
 
 
 def _token_session() -> Any:
-    """The exporter's HTTP session: on a secured stack (``$LOOM_HTTP_TOKEN_FILE``) every export
-    carries the token as the file holds it *now*, so a token ``loom credentials rotate`` renews
-    keeps the spans flowing without a restart (the header fixed in the environment at start would
-    be refused from then on); None elsewhere (the exporter's own session)."""
-    from loom.security.http_token import token_file_from_env  # noqa: PLC0415 - only when exporting
+    """The exporter's HTTP session: exporting to a secured stack's own trace store
+    (``$LOOM_TRACES_TOKEN_FILE``, which only such a stack sets, beside the store's endpoint) every
+    export carries the token as the file holds it *now*, so a token ``loom credentials rotate``
+    renews keeps the spans flowing without a restart (the header fixed in the environment at start
+    would be refused from then on); None elsewhere (the exporter's own session, with the headers
+    the environment gives: a collector of the operator's never gets Loom's token)."""
+    from loom.security.http_token import ENV_TRACES_TOKEN_FILE, token_file_from_env  # noqa: PLC0415
 
-    found = token_file_from_env()
+    found = token_file_from_env(variable=ENV_TRACES_TOKEN_FILE)
     if found is None:
         return None
     source = found  # narrowed for the class below
