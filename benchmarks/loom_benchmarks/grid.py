@@ -225,7 +225,19 @@ def grid_topology(name: str, base: "Topology | None" = None) -> "Topology":
     kind, gpus = parse_platform(name)
     if gpus is not None:
         regions = SMALL_REGIONS if kind == "small" else None
-        return sub_topology(topology, regions, gpus, seed=0)
+        whole = sub_topology(topology, regions, None, seed=0)
+        have = sum(c.total_gpus for c in whole.clusters)
+        if gpus > have:
+            # It ran the whole platform under the asked-for size's name (medium:7000: 6,212 GPUs).
+            raise ValueError(f"grid platform {name!r}: its regions hold {have:,} GPUs; ask for at most that")
+        sized = sub_topology(topology, regions, gpus, seed=0)
+        got = sum(c.total_gpus for c in sized.clusters)
+        if got < MIN_PLATFORM_GPUS:
+            raise ValueError(
+                f"grid platform {name!r}: sampling its clusters' nodes keeps {got} GPUs, under the"
+                f" {MIN_PLATFORM_GPUS} a platform needs; ask for more"
+            )
+        return sized
     if name == "default":
         return topology
     if name == "small":

@@ -22,7 +22,7 @@ import statistics
 import sys
 from typing import Any, Final
 
-from loom.cli.argtypes import non_negative_float_below, positive_float, positive_int
+from loom.cli.argtypes import non_negative_float_below, non_negative_int, positive_float, positive_int
 from loom.model.learn import SpeedLearner
 
 TOLERANCE = 0.15
@@ -35,11 +35,11 @@ def _noisy(rng: random.Random, truth: float, cv: float) -> float:
     return truth * math.exp(rng.gauss(0.0, cv))
 
 
-def convergence(truth: float, noise_cv: float, runs: int, seeds: int) -> dict[str, Any]:
+def convergence(truth: float, noise_cv: float, runs: int, seeds: int, first_seed: int = 0) -> dict[str, Any]:
     """Per run count, the learned factor's relative error over seeds."""
     errors: list[list[float]] = [[] for _ in range(runs)]
     needed: list[int | None] = []
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         rng = random.Random(seed)
         learner = SpeedLearner()
         first: int | None = None
@@ -71,11 +71,11 @@ def convergence(truth: float, noise_cv: float, runs: int, seeds: int) -> dict[st
     }
 
 
-def sharing(truth: float, noise_cv: float, seeds: int) -> dict[str, Any]:
+def sharing(truth: float, noise_cv: float, seeds: int, first: int = 0) -> dict[str, Any]:
     """A family never run on a GPU, estimated from other families' runs there."""
     errors = []
     factors = []
-    for seed in range(seeds):
+    for seed in range(first, first + seeds):
         rng = random.Random(10_000 + seed)
         learner = SpeedLearner()
         for _ in range(5):
@@ -93,10 +93,10 @@ def sharing(truth: float, noise_cv: float, seeds: int) -> dict[str, Any]:
     }
 
 
-def outlier(truth: float, noise_cv: float, seeds: int) -> dict[str, Any]:
+def outlier(truth: float, noise_cv: float, seeds: int, first: int = 0) -> dict[str, Any]:
     """How far one run 20x too slow moves an estimate made of five good runs."""
     moves = []
-    for seed in range(seeds):
+    for seed in range(first, first + seeds):
         rng = random.Random(20_000 + seed)
         learner = SpeedLearner()
         for _ in range(5):
@@ -107,13 +107,27 @@ def outlier(truth: float, noise_cv: float, seeds: int) -> dict[str, Any]:
     return {"median_move": round(statistics.median(moves), 4), "max_move": round(max(moves), 4)}
 
 
+TRUTH_MIN = 1e-4
+TRUTH_MAX = 1e4
+"""``--truth`` bounds: a GPU 10,000x off its profile is a unit mistake (1e-300 was taken, and the
+sharing error read 1.4e297)."""
+
+
+def _truth_factor(text: str) -> float:
+    value = positive_float(text)
+    if not TRUTH_MIN <= value <= TRUTH_MAX:
+        raise argparse.ArgumentTypeError(f"must be within {TRUTH_MIN:g}-{TRUTH_MAX:g}, got {value:g}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``loom bench learn``; a value out of range is bad usage (exit 2)."""
     parser.add_argument(
         "--truth",
-        type=positive_float,
+        type=_truth_factor,
         default=1 / 3,
-        help="true factor on the profile's speed, a number > 0 (default 1/3: the profile is 3x too fast)",
+        help=f"true factor on the profile's speed, within {TRUTH_MIN:g}-{TRUTH_MAX:g}"
+        " (default 1/3: the profile is 3x too fast)",
     )
     parser.add_argument(
         "--noise-cv",
@@ -127,7 +141,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seeds",
         type=positive_int,
         default=200,
-        help="how many seeds to run (a count, N: seeds 0 to N-1), 1 or more (default 200)",
+        help="how many seeds to run (a count, N: seeds FIRST to FIRST+N-1), 1 or more (default 200)",
+    )
+    parser.add_argument(
+        "--first-seed",
+        type=non_negative_int,
+        default=0,
+        help="the first seed (default 0): seeds never run before, for a held-out check",
     )
     parser.add_argument("--json", action="store_true", help="print only the JSON result on stdout")
 
@@ -135,13 +155,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The benchmark's result (see the module's docstring)."""
     truth, cv, seeds = args.truth, args.noise_cv, args.seeds
+    first = getattr(args, "first_seed", 0)
     result = {
         "truth": truth,
         "noise_cv": cv,
         "seeds": seeds,
-        "convergence": convergence(truth, cv, args.runs, seeds),
-        "sharing": sharing(truth, cv, seeds),
-        "outlier": outlier(truth, cv, seeds),
+        "first_seed": first,
+        "convergence": convergence(truth, cv, args.runs, seeds, first),
+        "sharing": sharing(truth, cv, seeds, first),
+        "outlier": outlier(truth, cv, seeds, first),
     }
     if not args.json:
         for row in result["convergence"]["per_run"]:

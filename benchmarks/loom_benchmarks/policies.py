@@ -840,6 +840,11 @@ def _grid_platforms(text: str | None) -> tuple[str, ...] | None:
             grid.parse_platform(name)
         except ValueError as exc:
             raise OptionError(f"unknown --grid-platforms value: {exc}") from None
+        if ":" in name:
+            try:
+                grid.grid_topology(name)  # a size its regions cannot give, before any cell runs
+            except ValueError as exc:
+                raise OptionError(f"--grid-platforms: {exc}") from None
     return tuple(platforms)
 
 
@@ -895,6 +900,27 @@ def grid_spec(args: argparse.Namespace, known: Sequence[str] | None = None) -> "
     from loom_benchmarks import grid
 
     known = list(known) if known is not None else list(grid.GRID_POLICIES)
+    # The single run's options: the grid takes its own (--grid-*). They were ignored in silence
+    # (`--grid --topology mine.json` ran the packaged platforms; an outside walk).
+    ignored = [
+        flag
+        for flag, value, default in (
+            ("--workload", getattr(args, "workload", "mix"), "mix"),
+            ("--topology", getattr(args, "topology", "default"), "default"),
+            ("--nodes", getattr(args, "nodes", None), None),
+            ("--seed", getattr(args, "seed", 7), 7),
+            ("--rate", getattr(args, "rate", None), None),
+            ("--load", getattr(args, "load", None), None),
+            ("--trace-start", getattr(args, "trace_start", None), None),
+            ("--trace-gpu", getattr(args, "trace_gpu", None), None),
+        )
+        if value != default
+    ]
+    if ignored:
+        raise OptionError(
+            f"--grid does not take {', '.join(ignored)}: it runs --grid-platforms (NAME or NAME:GPUS)"
+            " x --grid-loads x --grid-seeds x --grid-workloads (names or trace files)"
+        )
     fields: dict[str, Any] = {}
     platforms = _grid_platforms(args.grid_platforms)
     if platforms is not None:

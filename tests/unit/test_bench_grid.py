@@ -284,6 +284,28 @@ def test_a_sized_grid_platform_keeps_its_regions_and_about_the_gpus_asked() -> N
         (("--grid-platforms", "huge:100"), "unknown grid platform 'huge:100'"),
         (("--grid-platforms", "medium:ten"), "GPUS must be a whole number"),
         (("--grid-platforms", "medium:4"), "at least 16 GPUs"),
+        # An outside walk: these ran the whole platform under the asked-for size's name, or
+        # fewer GPUs than a platform needs.
+        (("--grid-platforms", "medium:7000"), "its regions hold 6,212 GPUs"),
+        (("--grid-platforms", "default:16"), "keeps 15 GPUs, under the 16"),
     ]:
         with pytest.raises(OptionError, match=message):
             grid_spec(_parse(*argv))
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (("--topology", "/nonexistent.json"), "--topology"),
+        (("--seed", "3"), "--seed"),
+        (("--load", "0.8", "--workload", "philly"), "--workload, --load"),
+        (("--nodes", "30"), "--nodes"),
+        (("--trace-start", "5000"), "--trace-start"),
+    ],
+)
+def test_the_grid_refuses_the_single_runs_options_instead_of_ignoring_them(
+    argv: tuple[str, ...], named: str
+) -> None:
+    # `--grid --topology mine.json` ran the packaged platforms, exit 0 (an outside walk).
+    with pytest.raises(OptionError, match=f"--grid does not take {named}"):
+        grid_spec(_parse(*argv))

@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
         ("--truth", "0", "argument --truth: must be more than 0, got 0"),
         ("--truth", "-1", "argument --truth: must be more than 0, got -1"),
         ("--truth", "inf", "argument --truth: not a finite number: 'inf'"),
+        ("--truth", "1e-300", "argument --truth: must be within 0.0001-10000, got 1e-300"),  # was taken
+        ("--truth", "1e5", "argument --truth: must be within 0.0001-10000, got 100000"),
+        ("--first-seed", "-1", "argument --first-seed"),
     ],
 )
 def test_learn_refuses_an_option_out_of_range_at_parsing_naming_it(
@@ -54,6 +57,22 @@ def test_learn_runs_at_the_edges_of_its_ranges(capsys: pytest.CaptureFixture[str
     result = json.loads(capsys.readouterr().out)
     assert result["seeds"] == 1 and result["noise_cv"] == 0.0 and result["truth"] == 0.5
     assert [row["runs"] for row in result["convergence"]["per_run"]] == [1]
+
+
+def test_learn_runs_seeds_from_the_first_seed_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    # `--seeds N` always meant seeds 0..N-1, which the README's 200-seed run covers: no held-out check.
+    from loom_benchmarks import run_benchmark
+
+    def errors(*extra: str) -> list[float]:
+        args = _parser().parse_args(
+            ["learn", "--seeds", "3", "--runs", "1", "--noise-cv", "0.2", "--json", *extra]
+        )
+        assert run_benchmark(args) == 0
+        result = json.loads(capsys.readouterr().out)
+        return [result["first_seed"], *(row["median_error"] for row in result["convergence"]["per_run"])]
+
+    assert errors()[0] == 0 and errors("--first-seed", "500")[0] == 500
+    assert errors()[1:] != errors("--first-seed", "500")[1:]  # other seeds, other runs
 
 
 def test_learn_keeps_its_defaults() -> None:
