@@ -209,6 +209,20 @@ async def test_a_joining_cluster_draws_back_only_the_job_whose_gain_beats_its_co
         await client.close()
 
 
+async def _services_and_weu(platform: Platform) -> tuple[Any, LoomClient, asyncpg.Connection]:
+    """Metrics, placement, the migration service and c-weu-a's agent, with a client and a database
+    connection: the migration service's instance, the client and the connection."""
+    await platform.start("metrics")
+    await platform.start("placement")
+    migration = await platform.start("migration")
+    await platform.start("agent-c-weu-a")
+    return (
+        migration,
+        await LoomClient.connect(platform.nats_url),
+        await asyncpg.connect(platform.database_url),
+    )
+
+
 async def test_a_planned_move_whose_room_went_before_its_checkpoint_is_dropped_and_the_job_keeps_running(
     platform: Platform,
 ) -> None:
@@ -216,12 +230,7 @@ async def test_a_planned_move_whose_room_went_before_its_checkpoint_is_dropped_a
     # other work takes the room: placement's what-if finds none now. Before, the move was carried
     # out on its old verdict: the run given up, the job queued without GPUs. The simulator judges
     # a move again as it starts; the service now does too.
-    await platform.start("metrics")
-    await platform.start("placement")
-    migration = await platform.start("migration")
-    await platform.start("agent-c-weu-a")
-    client = await LoomClient.connect(platform.nats_url)
-    db = await asyncpg.connect(platform.database_url)
+    migration, client, db = await _services_and_weu(platform)
     try:
         await client.submit(_job("long", ["T4", "G2"], steps=4000, gpus=2))
         await until(lambda: _running(client, "long"), 20, "long running")
@@ -272,12 +281,7 @@ async def test_a_degraded_link_to_an_inference_jobs_users_reviews_it_and_it_move
     # every step. Before, only jobs with parts at both ends were reviewed (the simulator looked at
     # this one too), and placement's what-if left the users' round trip out of both ends.
     platform.migration = {"review_clusters": False}  # only the link's review moves it
-    await platform.start("metrics")
-    await platform.start("placement")
-    migration = await platform.start("migration")
-    await platform.start("agent-c-weu-a")
-    client = await LoomClient.connect(platform.nats_url)
-    db = await asyncpg.connect(platform.database_url)
+    migration, client, db = await _services_and_weu(platform)
     try:
         serve = JobSpec(
             job_id="serve",
