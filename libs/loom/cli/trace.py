@@ -84,12 +84,6 @@ def cmd_trace(args: argparse.Namespace) -> int:
         err.print(f"[red]{escape(args.job_id)} has no trace context (submitted without one)[/red]")
         return 1
     console.print(f"trace {trace_id}")
-    if job.get("trace_sampled") is False:
-        # The store said it had "no trace ... (yet)": none will ever come.
-        console.print(
-            "its trace is not sampled (the submission's traceparent flags are 00): no spans are recorded"
-        )
-        return 0
     source, name = args.jaeger, "Jaeger"
     headers: dict[str, str] = {}
     if source:

@@ -17,7 +17,7 @@ from loom.model.capacity import NodeCapacity
 from loom.store.moves import list_migrations, list_verdicts
 from loom.store.pool import ConflictError
 from loom.store.replicas import list_replicas
-from loom.telemetry.jaeger import trace_id_of, trace_sampled_of
+from loom.telemetry.jaeger import trace_id_of
 from loom_proto.jobs import TERMINAL_STATES
 
 
@@ -680,9 +680,7 @@ async def get_job(conn: asyncpg.Connection | asyncpg.Pool, job_id: str) -> dict[
     out = _job_dict(row)
     out["parent"] = row["parent"]  # the DAG a stage's job belongs to (None for any other job)
     out["spec"] = json.loads(row["spec"])
-    carrier = json.loads(row["trace_context"] or "{}")
-    out["trace_id"] = trace_id_of(carrier)
-    out["trace_sampled"] = trace_sampled_of(carrier)
+    out["trace_id"] = trace_id_of(json.loads(row["trace_context"] or "{}"))
     events = await conn.fetch(
         # In the order things happened: reports can be stored after later ones (a journalled report
         # sent when the bus returns), so the insertion order is only the tie-break.

@@ -49,19 +49,6 @@ def trace_id_of(carrier: Mapping[str, str] | None) -> str | None:
     return trace_id
 
 
-def trace_sampled_of(carrier: Mapping[str, str] | None) -> bool | None:
-    """Whether a W3C ``traceparent`` carrier says its trace is sampled (flags ``01``): spans are
-    recorded for it; False for flags ``00`` (none ever will be); None when it cannot be read."""
-    if trace_id_of(carrier) is None:
-        return None
-    assert carrier is not None
-    flags = str(carrier.get("traceparent", "")).strip().lower().split("-")[3][:2]
-    try:
-        return bool(int(flags, 16) & 1)
-    except ValueError:
-        return None
-
-
 def jaeger_link(trace_id: str, base_url: str | None = None) -> str:
     """The Jaeger UI page of a trace."""
     return f"{(base_url or DEFAULT_JAEGER_URL).rstrip('/')}/trace/{trace_id}"
