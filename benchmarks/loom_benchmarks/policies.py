@@ -902,6 +902,9 @@ def grid_spec(args: argparse.Namespace, known: Sequence[str] | None = None) -> "
     known = list(known) if known is not None else list(grid.GRID_POLICIES)
     # The single run's options: the grid takes its own (--grid-*). They were ignored in silence
     # (`--grid --topology mine.json` ran the packaged platforms; an outside walk).
+    # Given on the command line (`loom` notes what it said: `--seed 7` too), or differing from
+    # the default where that is not known (a parser of its own, as the tests build).
+    given = set(getattr(args, "given", None) or ())
     ignored = [
         flag
         for flag, value, default in (
@@ -913,8 +916,11 @@ def grid_spec(args: argparse.Namespace, known: Sequence[str] | None = None) -> "
             ("--load", getattr(args, "load", None), None),
             ("--trace-start", getattr(args, "trace_start", None), None),
             ("--trace-gpu", getattr(args, "trace_gpu", None), None),
+            ("--scale", getattr(args, "scale", False), False),
+            ("--out", getattr(args, "out", None), None),
+            ("--sample-every", getattr(args, "sample_every", None), None),
         )
-        if value != default
+        if flag in given or value != default
     ]
     if ignored:
         raise OptionError(

@@ -301,6 +301,9 @@ def test_a_sized_grid_platform_keeps_its_regions_and_about_the_gpus_asked() -> N
         (("--load", "0.8", "--workload", "philly"), "--workload, --load"),
         (("--nodes", "30"), "--nodes"),
         (("--trace-start", "5000"), "--trace-start"),
+        (("--scale",), "--scale"),
+        (("--out", "/tmp/x"), "--out"),
+        (("--sample-every", "5"), "--sample-every"),
     ],
 )
 def test_the_grid_refuses_the_single_runs_options_instead_of_ignoring_them(
@@ -309,3 +312,12 @@ def test_the_grid_refuses_the_single_runs_options_instead_of_ignoring_them(
     # `--grid --topology mine.json` ran the packaged platforms, exit 0 (an outside walk).
     with pytest.raises(OptionError, match=f"--grid does not take {named}"):
         grid_spec(_parse(*argv))
+
+
+def test_the_grid_refuses_a_single_run_option_given_at_its_default_value_too() -> None:
+    # `--grid --seed 7` (the single run's default) still ran seeds 0-4 without a word (a review).
+    args = _parse("--seed", "7")
+    assert grid_spec(args).seeds == grid.SEEDS  # a parser of its own: not known to be given
+    args.given = ["--grid", "--seed"]  # what `loom` notes of its command line
+    with pytest.raises(OptionError, match="--grid does not take --seed"):
+        grid_spec(args)

@@ -160,7 +160,10 @@ def fetch_trace(
             raw = answer.read()
     except urllib.error.HTTPError as exc:
         if exc.code == 404:
-            raise LookupError(f"{name} at {base_url} has no trace {trace_id} (yet)") from exc
+            raise LookupError(
+                f"{name} at {base_url} has no trace {trace_id} (yet: spans arrive within seconds of"
+                " ending; none ever do for a job submitted with an unsampled traceparent, flags 00)"
+            ) from exc
         if exc.code == 401:
             raise OSError(
                 f"{name} at {base_url} refused the request: it needs the stack's bearer token"
