@@ -989,6 +989,7 @@ class ProbeCollector:
                 targets = [self.links[dst]]
             if not self.config.emulate and request.op != "show":
                 raise ValueError("this collector probes directly: there is no emulator to change")
+            changed_at = time.time()
             for link in targets:
                 if request.op == "restore":
                     link.set_params(link.base_forward, link.base_reverse)
@@ -998,9 +999,14 @@ class ProbeCollector:
                 if request.op != "show":
                     log.info("emulated link changed", op=request.op, src=link.src, dst=link.dst)
             self._refresh_stats()
+            # Each link says when the change took effect here: what follows it is timed from it,
+            # not from when the asker sent it (the request's own trip counted against detection).
             reply: dict[str, Any] = {
                 "ok": True,
-                "result": [link.describe(self.config.bandwidth_scale) for link in targets],
+                "result": [
+                    {**link.describe(self.config.bandwidth_scale), "changed_at": changed_at}
+                    for link in targets
+                ],
             }
         except (ValueError, json.JSONDecodeError) as exc:
             reply = {"ok": False, "error": str(exc)}

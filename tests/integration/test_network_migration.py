@@ -171,6 +171,10 @@ async def test_a_degraded_link_moves_only_the_job_that_gains_more_than_it_costs_
         change: dict[str, Any] = {"loss": LOSS} if LOSS else {"rtt_factor": RTT_FACTOR}
         changed = await client.net_emulate(WEU, SEA1, {"op": "degrade", **change})
         assert changed[0]["degraded"]
+        # Timed from when the emulator changed the link, not from the request's sending (its trip
+        # through NATS counted against the detection: 2.21 periods on a loaded CI run).
+        assert degraded_at <= changed[0]["changed_at"] <= time.time()
+        degraded_at = changed[0]["changed_at"]
         event_at = await until(
             lambda: _event_at(events, LinkDegraded, WEU, SEA1),
             60 * PERIOD_S + 10,
