@@ -806,3 +806,21 @@ def test_a_workload_with_no_jobs_or_a_name_the_platform_lacks_is_refused_by_the_
     path.write_text(job + ', "gpu_models": ["B200", "t4"], "affinity": {"regions": ["aws-us-east-2"]}}\n')
     ok = build_workload(Options(str(path), "default", None, None, ["loom"], 0, None, False, None), topology)
     assert [j.spec.job_id for j in ok.trace.jobs] == ["a"]  # a model the library knows, not the platform
+
+
+@pytest.mark.parametrize("precision", ["int4", "fp61"])
+def test_a_precision_no_speed_table_knows_is_refused_with_its_line(tmp_path: Path, precision: str) -> None:
+    # It was timed as fp32 without a word (an outside evaluator).
+    path = tmp_path / "w.jsonl"
+    ok = '{"arrival_s": 0, "job_id": "a", "steps": 1, "step_time_s": 1, "labels": {"precision": "BF16"}}'
+    bad = json.dumps(
+        {"arrival_s": 1, "job_id": "b", "steps": 1, "step_time_s": 1, "labels": {"precision": precision}}
+    )
+    path.write_text(f"{ok}\n{bad}\n")
+    with pytest.raises(
+        WorkloadError, match=f"labels.precision '{precision}' is none the speed tables know"
+    ) as caught:
+        load_workload(path)
+    assert caught.value.line == 2
+    path.write_text(f"{ok}\n")
+    assert [j.spec.labels["precision"] for j in load_workload(path).jobs] == ["BF16"]

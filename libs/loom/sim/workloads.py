@@ -988,6 +988,7 @@ def _parse(decode: Callable[[], WorkloadRow], where: str, line: int) -> SimJob:
         job = row_to_job(decode())
         _admissible(job)
         _not_years(job)
+        _known_precision(job)
     except (msgspec.ValidationError, ValueError, InvalidInputError) as exc:
         raise WorkloadError(str(exc), path=where, line=line) from None
     return job
@@ -1000,6 +1001,25 @@ def _admissible(job: SimJob) -> None:
     from loom.sched.cycle import admission_check  # noqa: PLC0415 - the scheduling core, on use
 
     admission_check(job.spec)
+
+
+FULL_PRECISIONS: Final = frozenset({"fp32", "tf32", "float32", "full"})
+"""``labels.precision`` values a generic-format job may give for full precision (the half ones:
+:data:`loom.model.family.HALF_PRECISIONS`)."""
+
+
+def _known_precision(job: SimJob) -> None:
+    """A generic-format job whose ``labels.precision`` names no precision the speed tables know
+    raises :class:`InvalidInputError`: ``int4`` or a typo was timed as fp32 without a word (an
+    outside evaluator)."""
+    from loom.model.family import HALF_PRECISIONS  # noqa: PLC0415 - beside the family rules
+
+    value = job.spec.labels.get("precision")
+    if value is not None and value.casefold() not in FULL_PRECISIONS | HALF_PRECISIONS:
+        known = ", ".join(sorted(FULL_PRECISIONS | HALF_PRECISIONS))
+        raise InvalidInputError(
+            f"job {job.spec.job_id}: labels.precision {value!r} is none the speed tables know ({known})"
+        )
 
 
 def _not_years(job: SimJob) -> None:
@@ -1121,6 +1141,7 @@ def check_trace(
     for job in trace.jobs:
         try:
             _admissible(job)
+            _known_precision(job)
         except InvalidInputError as exc:
             raise WorkloadError(str(exc), path=where) from None
         spec, name = job.spec, repr(job.spec.job_id)
