@@ -230,17 +230,25 @@ async def test_placement_started_on_the_old_layout_admits_the_submissions_left_i
         await admin.close()
 
 
+async def _tenant_client(
+    server: NatsServer, store: CredentialStore, monkeypatch: pytest.MonkeyPatch, tenant: str
+) -> LoomClient:
+    """An SDK client connected as ``tenant``'s identity (its credentials file in ``$LOOM_CREDS``)."""
+    from loom.security import ENV_CREDS
+
+    with monkeypatch.context() as patch:
+        patch.setenv(ENV_CREDS, str(store.path(tenant_identity(tenant))))
+        return await LoomClient.connect(server.url, name=tenant)
+
+
 async def test_a_tenants_sdk_acts_as_its_tenant_and_refuses_what_it_cannot_do(
     secured: tuple[NatsServer, CredentialStore], platform: Platform, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from loom.client import QueryError, SpecError
-    from loom.security import ENV_CREDS
 
     server, store = secured
     await platform.start("placement")
-    with monkeypatch.context() as patch:
-        patch.setenv(ENV_CREDS, str(store.path(tenant_identity("t1"))))
-        t1 = await LoomClient.connect(server.url, name="t1")
+    t1 = await _tenant_client(server, store, monkeypatch, "t1")
     try:
         # The tenant comes from the identity ("missing required field `tenant`" before).
         job_id = await t1.submit({"job_id": "own-1", "resources": {"gpus": 1}, "work": {"steps": 1}})
@@ -286,13 +294,10 @@ async def test_a_watch_closed_after_its_client_closed_raises_nothing(
     # `client.close()`: the generator is closed afterwards, from the event loop, and its
     # unsubscribe on the draining or closed connection raised ("Task exception was never
     # retrieved ... ConnectionDrainingError" after the example's output).
-    from loom.security import ENV_CREDS
 
     server, store = secured
     await platform.start("placement")
-    with monkeypatch.context() as patch:
-        patch.setenv(ENV_CREDS, str(store.path(tenant_identity("t1"))))
-        client = await LoomClient.connect(server.url, name="t1")
+    client = await _tenant_client(server, store, monkeypatch, "t1")
     watch = client.watch()
 
     async def submit_soon() -> None:

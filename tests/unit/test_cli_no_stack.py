@@ -160,16 +160,22 @@ def test_options_that_cannot_go_together_are_refused(capsys: pytest.CaptureFixtu
     assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
 
 
-def _loom_jobs(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """`loom jobs` in ``env`` (wide: a path stays on one line)."""
+def _run(*argv: str, env: dict[str, str], module: str = "loom.cli.main") -> subprocess.CompletedProcess[str]:
+    """``python -m module argv`` (the CLI by default) in ``env``, as a user runs it (wide: a path
+    or a message stays on one line)."""
     return subprocess.run(
-        [sys.executable, "-m", "loom.cli.main", "jobs"],
+        [sys.executable, "-m", module, *argv],
         env={**env, "COLUMNS": "400"},
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
+
+
+def _loom_jobs(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`loom jobs` in ``env``."""
+    return _run("jobs", env=env)
 
 
 @pytest.mark.parametrize("content", [None, "not a credential file\n"])
@@ -236,22 +242,12 @@ def test_loom_trace_of_a_job_reads_the_stacks_trace_files_when_the_stack_is_down
     env = {k: v for k, v in os.environ.items() if k not in ("LOOM_NATS_URL", "LOOM_JAEGER_URL")}
     env["LOOM_HOME"] = str(tmp_path)
 
-    def trace(job: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "loom.cli.main", "trace", job],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-
-    done = trace("j-1")
+    done = _run("trace", "j-1", env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"trace {trace_id}" in done.stdout
     assert "process loom.jobs.submitted" in done.stdout and "publish loom.jobs.submitted" in done.stdout
     assert "the trace store's files name the job" in done.stderr
-    unknown = trace("j-2")  # no span names it: the question's own error, exit 1
+    unknown = _run("trace", "j-2", env=env)  # no span names it: the question's own error, exit 1
     assert unknown.returncode == 1 and "no NATS server answered" in unknown.stderr
 
 
@@ -301,15 +297,7 @@ def test_loom_up_refuses_a_bad_option_before_starting_anything(
     argv: list[str], said: str, tmp_path: Path
 ) -> None:
     # They started every service, which crash-looped for two minutes before `loom up` gave up (1).
-    env = dict(os.environ, LOOM_HOME=str(tmp_path / "home"))
-    done = subprocess.run(
-        [sys.executable, "-m", "loom.cli.main", *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = _run(*argv, env=dict(os.environ, LOOM_HOME=str(tmp_path / "home")))
     assert done.returncode == 2, done.stdout + done.stderr
     assert said in done.stderr
     assert "Traceback" not in done.stderr
@@ -327,42 +315,25 @@ def test_loom_up_refuses_a_bad_option_before_starting_anything(
 )
 def test_loom_migrate_says_why_it_cannot_reach_the_database_without_a_traceback(url: str, said: str) -> None:
     url = url.replace("PORT", str(_closed_port()))
-    env = dict(
-        os.environ, LOOM_NATS_URL=f"nats://127.0.0.1:{_closed_port()}", LOOM_DATABASE_URL=url, COLUMNS="200"
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "loom.cli.main", "migrate"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    env = dict(os.environ, LOOM_NATS_URL=f"nats://127.0.0.1:{_closed_port()}", LOOM_DATABASE_URL=url)
+    done = _run("migrate", env=env)
     assert done.returncode == 1 and "cannot migrate the database at" in done.stderr and said in done.stderr
     assert "Traceback" not in done.stderr and "sekret" not in done.stderr
 
 
 def test_a_slurm_agent_with_a_missing_slurm_conf_is_refused_at_its_start(tmp_path: Path) -> None:
     # scontrol retried the missing file for 60 s, the agent said only "slurm unreachable".
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "loom_services.cluster_agent",
-            "--cluster",
-            "c-weu-a",
-            "--topology",
-            "small",
-            "--backend",
-            "slurm",
-            "--slurm-conf",
-            str(tmp_path / "nonexistent.conf"),
-        ],
+    done = _run(
+        "--cluster",
+        "c-weu-a",
+        "--topology",
+        "small",
+        "--backend",
+        "slurm",
+        "--slurm-conf",
+        str(tmp_path / "nonexistent.conf"),
         env=dict(os.environ, LOOM_HOME=str(tmp_path)),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+        module="loom_services.cluster_agent",
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "--slurm-conf" in done.stderr and "no such file" in done.stderr

@@ -19,10 +19,23 @@ import re
 from collections.abc import Mapping
 from typing import Final, Protocol
 
-__all__ = ["HALF_PRECISIONS", "HasLabels", "family_of", "fold_family", "is_half_precision", "job_family"]
+__all__ = [
+    "FULL_PRECISIONS",
+    "HALF_PRECISIONS",
+    "PRECISIONS",
+    "HasLabels",
+    "family_of",
+    "fold_family",
+    "is_half_precision",
+    "job_family",
+]
 
 HALF_PRECISIONS: Final = frozenset({"fp16", "bf16", "amp", "mixed"})
 """``labels["precision"]`` values that mean half (mixed) precision training."""
+FULL_PRECISIONS: Final = frozenset({"fp32", "tf32", "float32", "full"})
+"""``labels["precision"]`` values that mean full precision (what no label means too)."""
+PRECISIONS: Final = HALF_PRECISIONS | FULL_PRECISIONS
+"""Every ``labels["precision"]`` value the speed tables know (any case)."""
 
 _SEPARATORS: Final = re.compile(r"[^a-z0-9]+")
 

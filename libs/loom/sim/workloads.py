@@ -42,6 +42,7 @@ import msgspec
 from msgspec import Meta
 
 from loom.errors import InvalidInputError
+from loom.model.family import PRECISIONS
 from loom.model.profiles import DEFAULT_REFERENCE_MODEL, UnknownGpuModelError, library_models, relative_speed
 from loom.model.topology import Topology, load_topology
 from loom.sched.pipeline import DEFAULT_USABLE_FRACTION
@@ -1003,20 +1004,13 @@ def _admissible(job: SimJob) -> None:
     admission_check(job.spec)
 
 
-FULL_PRECISIONS: Final = frozenset({"fp32", "tf32", "float32", "full"})
-"""``labels.precision`` values a generic-format job may give for full precision (the half ones:
-:data:`loom.model.family.HALF_PRECISIONS`)."""
-
-
 def _known_precision(job: SimJob) -> None:
     """A generic-format job whose ``labels.precision`` names no precision the speed tables know
     raises :class:`InvalidInputError`: ``int4`` or a typo was timed as fp32 without a word (an
     outside evaluator)."""
-    from loom.model.family import HALF_PRECISIONS  # noqa: PLC0415 - beside the family rules
-
     value = job.spec.labels.get("precision")
-    if value is not None and value.casefold() not in FULL_PRECISIONS | HALF_PRECISIONS:
-        known = ", ".join(sorted(FULL_PRECISIONS | HALF_PRECISIONS))
+    if value is not None and value.casefold() not in PRECISIONS:
+        known = ", ".join(sorted(PRECISIONS))
         raise InvalidInputError(
             f"job {job.spec.job_id}: labels.precision {value!r} is none the speed tables know ({known})"
         )
