@@ -109,7 +109,7 @@ from loom.store import replicas as replica_store
 from loom.store.pool import transaction
 from loom.tasks import cancel_and_wait
 from loom_proto import subjects
-from loom_proto.clusters import CheckpointJob
+from loom_proto.clusters import CheckpointJob, ClusterHealthChanged
 from loom_proto.codec import DecodeError, decode, encode
 from loom_proto.jobs import Affinity, JobRequeued, JobSpec, JobStarted
 from loom_proto.migrations import MAX_DRAIN_CONCURRENCY, MigrationEvent, MigrationKind
@@ -226,8 +226,21 @@ class MigrationService:
         self.relay = outbox.OutboxRelay(self.pool, ctx.publisher, PRODUCER)
         self._noticed_at = 0.0
         self.stats = ctx.stats
-        self.stats.update({"planned": 0, "started": 0, "completed": 0, "failed": 0, "drains": []})
-        self.stats.update({"reviews": 0, "rechecks": 0, "verdicts": {"move": 0, "stay": 0, "deferred": 0}})
+        self.stats.update(
+            {
+                "planned": 0,
+                "started": 0,
+                "completed": 0,
+                "failed": 0,
+                "drains": [],
+                "reviews": 0,
+                "rechecks": 0,
+                "verdicts": {"move": 0, "stay": 0, "deferred": 0},
+                "replicas": {"started": 0, "ready": 0, "failed": 0, "bytes_sent": 0, "unplaced": {}},
+                "cluster_reviews": 0,
+                "slow_reviews": 0,
+            }
+        )
         self.links: dict[tuple[str, str], LinkState] = {}
         """The latest state of every link network perception published."""
         self._link_events: asyncio.Queue[LinkEventMessage] = asyncio.Queue()
@@ -239,13 +252,10 @@ class MigrationService:
         self._cluster_said: Said = {}
         """(job, cluster reviewed) -> the job's last recorded verdict (decision, target) in that
         cluster's reviews: a recheck of a joined cluster records only what changed."""
-        """(job, degraded link's regions) -> (decision, target) of its last recorded verdict there: a
-        recheck records a stay or deferral only when it changed (the earlier row says why)."""
         self._avoid: dict[str, list[str]] = {}
         """migration id -> clusters its re-placement avoids (a network move's source parts)."""
         self._copies: dict[tuple[str, int, int, str], asyncio.Task[None]] = {}
         """Replica copies in flight: (job, attempt, step, target cluster) -> its timed task."""
-        self.stats["replicas"] = {"started": 0, "ready": 0, "failed": 0, "bytes_sent": 0, "unplaced": {}}
         self._drain_judged: dict[str, dict[tuple[str, int], benefit.MigrationVerdict]] = {}
         """drained cluster -> (job, attempt) -> its ``drain`` verdict (the drain's order)."""
         self._drain_judged_at: dict[tuple[str, str, int], float] = {}
@@ -258,13 +268,14 @@ class MigrationService:
         """drained cluster -> (job, attempt) -> why it waits for capacity (``loom drain``,
         ``drains`` query): job_id, needs, why, since."""
         self._cluster_reviews: dict[str, tuple[benefit.Trigger, str]] = {}
+        """cluster -> (trigger, what happened) still to review: joined, returned, improved, undrained."""
+        self._failed: set[str] = set()
+        """Clusters placement last said failed (``loom.placement.cluster_health``)."""
         self._review_after: dict[str, float] = {}
         """cluster -> when its pending review is due (a cool-down holding back a move there ends)."""
         self._joined_at: dict[str, float] = {}
         """cluster -> when it was last seen joining or returning (wall s): rechecked while settling."""
-        """cluster -> (trigger, what happened) still to review: joined, returned, improved, undrained."""
         self._slow: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self.stats.update({"cluster_reviews": 0, "slow_reviews": 0})
         self._wake_drains = asyncio.Event()
         """Set when this process opens or ends a drain: the idle drain loop looks at once."""
         self._replicas_idle = False
@@ -301,6 +312,7 @@ class MigrationService:
         link_sub = await self.ctx.nc.subscribe(subjects.LINK_STATES_ALL, cb=self.on_link)
         net_sub = await self.ctx.nc.subscribe(subjects.NET_EVENTS_ALL, cb=self.on_net_event)
         slow_sub = await self.ctx.nc.subscribe(subjects.PLACEMENT_SLOW, cb=self.on_slow)
+        health_sub = await self.ctx.nc.subscribe(subjects.PLACEMENT_CLUSTER_HEALTH, cb=self.on_cluster_health)
         checkpoint_subs = [
             await self.ctx.nc.subscribe(subject, cb=self.on_checkpointed)
             for subject in subjects.job_events_of("checkpointed")
@@ -332,6 +344,7 @@ class MigrationService:
             await link_sub.unsubscribe()
             await net_sub.unsubscribe()
             await slow_sub.unsubscribe()
+            await health_sub.unsubscribe()
             for sub in checkpoint_subs:
                 await sub.unsubscribe()
             await events.stop()
@@ -1683,6 +1696,25 @@ class MigrationService:
         return await self._review(concerned, trigger, about=about, cause="backflow", toward=cluster)
 
     # ---- slow nodes (placement tells) -----------------------------------------------------------
+
+    async def on_cluster_health(self, msg: Msg) -> None:
+        """``loom.placement.cluster_health``: a cluster placement found failed and now healthy again
+        is reviewed as a returning one (``cluster_joined``), as a reading of its schedulable GPUs
+        would find it back from none. A failure shorter than the readings' period was seen by no
+        reading, and the jobs it moved never flowed back (a CI run: failed and back within 1 s)."""
+        try:
+            change = msgspec.json.decode(msg.data, type=ClusterHealthChanged)
+        except msgspec.DecodeError as exc:
+            log.info("bad cluster health ignored", error=repr(exc))
+            return
+        if change.state == "failed":
+            self._failed.add(change.cluster)
+        elif change.state == "healthy" and change.cluster in self._failed:
+            self._failed.discard(change.cluster)
+            if self.settings.review_clusters:
+                about = f"cluster {change.cluster} returned from a failure"
+                self._cluster_reviews.setdefault(change.cluster, ("cluster_joined", about))
+                self._joined_at[change.cluster] = time.time()
 
     async def on_slow(self, msg: Msg) -> None:
         """``loom.placement.slow``: a run delivers under half its predicted step rate; review it."""
