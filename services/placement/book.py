@@ -28,6 +28,7 @@ from loom.sched.snapshot import (
     NetMatrix,
     QueuedShapes,
     RunningJob,
+    SeenShapes,
     Snapshot,
     job_precision,
     remap_queued,
@@ -179,6 +180,9 @@ class Book:
         (cancelled, finished, or its territory handed back)."""
         self.probes: set[str] = set()
         """Speed probes known to the queue (``Snapshot.probes``), kept across snapshots."""
+        self.seen = SeenShapes()
+        """The latest jobs' worker shapes (``Snapshot.seen``), kept across snapshots as :attr:`waiting`
+        is (lost on a restart: the next jobs fill it again)."""
         self.queued = QueuedShapes()
         """The queued jobs' shapes (``Snapshot.queued``), kept across snapshots as :attr:`waiting`
         is (a rebuilt snapshot re-indexes their pools by its clusters and models: ``_queued_order``);
@@ -529,6 +533,7 @@ class Book:
         self._snap.quota = QuotaBook(self.tenants, self.usage_by_tenant())
         self._snap.waiting = self.waiting  # the same set: the framework keeps it across snapshots
         self._snap.probes = self.probes
+        self._snap.seen = self.seen
         # The same shapes, re-indexed by this snapshot's pools (the framework adds to them).
         remap_queued(self.queued, *self._queued_order, self._snap)
         self._queued_order = ([c.id for c in self._snap.clusters], list(self._snap.models))

@@ -30,7 +30,7 @@ import numpy as np
 
 from loom.sched import pipeline
 from loom.sched.probe import is_probe
-from loom.sched.snapshot import BoolArray, FloatArray, IntArray, QueuedShape, Snapshot
+from loom.sched.snapshot import BoolArray, FloatArray, IntArray, QueuedShape, Snapshot, WorkerShape
 from loom_proto.jobs import JobSpec, RejectCode, SyncPlan
 
 T = TypeVar("T")
@@ -923,7 +923,10 @@ class Framework:
         """One scheduling cycle for ``job``; with ``apply`` the snapshot takes the decision's GPUs,
         and its queue (``Snapshot.waiting``) counts the job from when nothing fits it until it is
         placed or rejected, with its shape and ``queue_key`` (``Snapshot.queued``: the jobs
-        behind it count it ahead of them)."""
+        behind it count it ahead of them). Applied, the job's worker shape is noted as seen
+        (``Snapshot.seen``: what ``rare_fit`` keeps room for)."""
+        if apply and job.pipeline is None:
+            snap.seen.note(job.job_id, WorkerShape.of(job), snap.now)
         outcome = self._schedule_one(job, snap, avoid_clusters, apply, submitted_at, queue_key=queue_key)
         if apply and (outcome.decision is not None or outcome.status.code == Code.UNRESOLVABLE):
             snap.waiting.discard(job.job_id)

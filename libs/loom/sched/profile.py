@@ -24,6 +24,7 @@ from loom.sched.plugins.packing import FreeFit, NodeFit, PoolFit
 from loom.sched.plugins.patience import PipelinePatience
 from loom.sched.plugins.queue_order import ShortestServiceFirst
 from loom.sched.plugins.quota import Preempt, Quota
+from loom.sched.plugins.rare import RARE_FIT_WEIGHT, RareFit
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.snapshot import Economics
 
@@ -46,6 +47,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "pool_fit",
     "free_fit",
     "node_fit",
+    "rare_fit",
     "waiting_jobs",
     "preemption",
     "span_guard",
@@ -71,6 +73,8 @@ DEFAULT_WEIGHTS: Mapping[str, float] = {
     "free_fit": 2.0,
     # Fill nodes already in use before breaking whole ones (node-level fragmentation).
     "node_fit": 2.0,
+    # Keep the last node with room for a rare shape seen lately when that pays (decides alone).
+    "rare_fit": RARE_FIT_WEIGHT,
 }
 
 
@@ -94,6 +98,7 @@ def default_registry() -> Registry:
     registry.register("pool_fit", lambda _cfg: PoolFit())
     registry.register("free_fit", lambda _cfg: FreeFit())
     registry.register("node_fit", lambda _cfg: NodeFit())
+    registry.register("rare_fit", lambda _cfg: RareFit())
     registry.register("affinity", lambda _cfg: Affinity())
     registry.register("data_locality", lambda _cfg: DataLocality())
     registry.register("joint", lambda cfg: Joint(_learner(cfg)))

@@ -10,7 +10,7 @@ decision so the next job of the same cycle sees the GPUs as used; aggregates are
 import bisect
 import dataclasses
 import math
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Container, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,6 +235,68 @@ def allowed_pools(snap: "Snapshot", job: JobSpec) -> tuple[BoolArray, BoolArray]
     return clusters, models
 
 
+SEEN_JOBS = 256
+"""How many of the latest jobs :class:`SeenShapes` remembers (what ``rare_fit`` reads)."""
+SEEN_MIN_SPAN_S = 3600.0
+"""The shortest span :meth:`SeenShapes.span_s` gives: a shape seen twice within a minute is not
+taken as arriving every thirty seconds."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerShape:
+    """What one worker of a job takes on its node: GPUs, CPU (milli-cores) and RAM (MiB; 0: not
+    asked)."""
+
+    gpus: int
+    cpu_milli: int = 0
+    memory_mib: int = 0
+
+    @classmethod
+    def of(cls, job: JobSpec) -> "WorkerShape":
+        res = job.resources
+        return cls(int(res.gpus), int(res.cpu_milli), int(res.memory_mib))
+
+
+class SeenShapes:
+    """The worker shapes of the latest :data:`SEEN_JOBS` jobs decided, each with when it was first
+    seen: how many of them had each shape (:attr:`counts`), over what span (:meth:`span_s`). Kept
+    across snapshots by the caller (the placement service's book, the simulator's one snapshot);
+    the framework notes every job it decides (:meth:`note`), the simulator the jobs it skips too.
+    What ``rare_fit`` reads to keep the last node with room for a shape only few nodes hold."""
+
+    def __init__(self, limit: int = SEEN_JOBS) -> None:
+        self.limit = max(int(limit), 1)
+        self._jobs: dict[str, tuple[WorkerShape, float]] = {}
+        self.counts: dict[WorkerShape, int] = {}
+        """Shape -> how many of the remembered jobs have it."""
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def note(self, job_id: str, shape: WorkerShape, now: float) -> None:
+        """``job_id`` was seen with ``shape`` at ``now``; once per job (the first sight counts),
+        the oldest forgotten beyond :attr:`limit`."""
+        if job_id in self._jobs:
+            return
+        self._jobs[job_id] = (shape, float(now))
+        self.counts[shape] = self.counts.get(shape, 0) + 1
+        while len(self._jobs) > self.limit:
+            _old, (gone, _at) = next(iter(self._jobs.items()))
+            del self._jobs[_old]
+            left = self.counts[gone] - 1
+            if left:
+                self.counts[gone] = left
+            else:
+                del self.counts[gone]
+
+    def span_s(self, now: float) -> float:
+        """Seconds from the oldest job remembered to ``now``, at least :data:`SEEN_MIN_SPAN_S`."""
+        if not self._jobs:
+            return SEEN_MIN_SPAN_S
+        oldest = next(iter(self._jobs.values()))[1]
+        return max(float(now) - oldest, SEEN_MIN_SPAN_S)
+
+
 @dataclass(frozen=True, slots=True)
 class QueuedShape:
     """A queued job as the jobs behind it see it: its queue key (the framework's queue order, lower
@@ -357,6 +419,9 @@ class Snapshot:
             tuple[Mapping[str, QueuedShape], int, tuple[list[tuple[Any, ...]], list[QueuedShape]] | None]
             | None
         ) = None
+        self.seen = SeenShapes()
+        """The worker shapes of the latest jobs decided (:class:`SeenShapes`), kept across snapshots
+        by the caller as :attr:`waiting` is."""
         self.staged: dict[str, dict[str, float]] = {}
         """Job id -> region -> when a copy of its dataset begun while it queued is there (the data
         plugin counts only what is left of it: :mod:`loom.sched.staging`). Kept by the caller."""
@@ -412,6 +477,13 @@ class Snapshot:
         self.cpu_known = np.fromiter((c.cpu_milli > 0 for c in caps), np.bool_, n)
         self.mem_known = np.fromiter((c.memory_mib > 0 for c in caps), np.bool_, n)
         self.schedulable = np.fromiter((c.schedulable for c in caps), np.bool_, n)
+        self.schedulable_version = 0
+        """How many times :meth:`set_schedulable` changed :attr:`schedulable` (caches of figures over
+        nodes' totals read it)."""
+        self.kept: dict[Hashable, Any] = {}
+        """Figures a plugin keeps with the snapshot (``rare_fit``'s nodes per worker shape, while no
+        node's schedulability changes: :attr:`schedulable_version`); each checks its own entries
+        are still true before reuse."""
         c_count = len(self.clusters)
         self.slices: list[tuple[int, int]] = [(0, 0)] * c_count
         if n:
@@ -718,6 +790,7 @@ class Snapshot:
         node in node order); its pools' aggregates follow."""
         start, stop = self.slices[cluster]
         self.schedulable[start:stop] = schedulable
+        self.schedulable_version += 1
         for m in range(self.free_sum.shape[1]):
             self._refresh(cluster, m)
 

@@ -148,6 +148,7 @@ from loom.sched.snapshot import (
     NetMatrix,
     RunningJob,
     Snapshot,
+    WorkerShape,
     allowed_pools,
 )
 from loom.sched.staging import staging_plan
@@ -1165,6 +1166,8 @@ class _Simulation:
         did not)."""
         if job.spec.pipeline is not None or job.spec.job_id in self.snap.waiting:
             return
+        # Seen, as the framework notes every job it decides (``rare_fit`` reads how often shapes come).
+        self.snap.seen.note(job.spec.job_id, WorkerShape.of(job.spec), self.t)
         self.snap.join_queue(job.spec.job_id, probe=is_probe(job.spec.labels))
         self._record_queued(job)
 

@@ -1,0 +1,306 @@
+"""Rare fit: keep the last node with room for a shape only few nodes hold, when that pays.
+
+Packing (:mod:`loom.sched.plugins.packing`) keeps whole the GPUs big gangs need; it does not see a
+node's CPU and RAM. On Alibaba's GPU trace (``openb_pod_list_default.csv``, the trace of "Beware of
+Fragmentation", Weng et al., ATC 2023) workers asking 120 cores and 720 GiB fit only the two
+128-core nodes of the 506-GPU platform; Loom put 88-core workers there for their faster GPUs, and
+each 120-core worker arriving after waited for one of them for days, on a platform 4 % busy
+(``docs/measurements.md``, 2026-12-05).
+
+A shape ``s`` is *rare* for a job when at most :data:`RARE_SHARE` of the nodes that could ever hold
+one of the job's workers could ever hold one of ``s`` (so an 8-GPU worker is not rare beside a
+one-GPU one on platforms of 8-GPU nodes; node fit keeps those). Shapes are the ones recently seen
+(:class:`~loom.sched.snapshot.SeenShapes`: the latest jobs, in the placement service and the
+simulator alike), each with its arrival rate ``λ`` (its first sight not counted: a shape seen once
+is not known to come again) over the span ``H`` remembered.
+
+Whether keeping room pays is a trade in job-seconds. For each rare shape, ``A`` is how soon a node
+could hold one of its workers (0 when one has room now; else when every job on such a node has
+ended, by their predicted ends). A candidate whose workers would take that room, or hold it past
+``A``, moves it to ``A'`` (its predicted run ``T`` on the nodes it takes, as the framework packs
+them); jobs of ``s`` arriving ``t`` seconds from now, within ``H``, wait ``max(A' − t, 0)`` instead
+of ``max(A − t, 0)``: the harm, ``λ·∫(…)dt``. Sent to the fastest candidate that harms nothing, the
+job itself runs ``T_alt − T`` longer (:func:`~loom.sched.plugins.network.predicted_jct_s`). A
+candidate is marked when its harm exceeds that loss and ``T_alt`` is at most
+:data:`RARE_MAX_SLOWDOWN` ``x T``; marked candidates score 0, the others 100 (weight
+:data:`RARE_FIT_WEIGHT`: the mark decides between them). Nothing is marked when every candidate
+harms, so a job is never held back by this plugin.
+
+Approximations, stated: arrivals of ``s`` are served one at a time (they do not queue behind each
+other); a node holds ``s`` again only when every job on it has ended.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from loom.sched.availability import releases
+from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, StateKey, Status
+from loom.sched.plugins.network import predicted_jct_s
+from loom.sched.snapshot import BoolArray, FloatArray, IntArray, Snapshot, WorkerShape
+
+RARE_SHARE = 0.25
+"""A shape is rare for a job when at most this share of the nodes that could ever hold one of the
+job's workers could ever hold one of the shape's."""
+RARE_MAX_SLOWDOWN = 2.0
+"""The most a job's predicted run may grow (as a factor) for the room it keeps."""
+RARE_FIT_WEIGHT = 20.0
+"""The profile weight: as much as the other scores together, so that a marked candidate loses to
+the best one that spends nothing (measured: ``tests/unit/test_rare_fit.py``)."""
+
+_RARE: StateKey[list["RareShape"]] = StateKey("rare_fit.shapes")
+
+
+def holds(snap: Snapshot, shape: WorkerShape, *, now: bool) -> BoolArray:
+    """Per node: whether it holds one worker of ``shape``: by what it has in all (``now`` False;
+    schedulable nodes only) or by what is free on it now (``now`` True). A node that does not
+    report CPU or RAM is not checked on it (as ``resource_fit`` does)."""
+    if now:
+        ok = snap.schedulable & (snap.free >= shape.gpus)
+        cpu, mem = snap.cpu_free, snap.mem_free
+    else:
+        ok = snap.schedulable & (snap.total >= shape.gpus)
+        cpu, mem = snap.cpu_cap, snap.mem_cap
+    if shape.cpu_milli:
+        ok = ok & (~snap.cpu_known | (cpu >= shape.cpu_milli))
+    if shape.memory_mib:
+        ok = ok & (~snap.mem_known | (mem >= shape.memory_mib))
+    return ok
+
+
+@dataclass(frozen=True, slots=True)
+class RareShape:
+    """Seen shapes held by the same nodes, as one: the most each of them asks of every resource, how
+    many jobs of them were seen, and how many nodes could ever hold one."""
+
+    shape: WorkerShape
+    count: int
+    holders: int
+    nodes: IntArray = field(default_factory=lambda: np.zeros(0, np.int64), compare=False, repr=False)
+    """The nodes that could ever hold one of them (schedulable)."""
+
+
+def _holder_class(snap: Snapshot, shape: WorkerShape) -> tuple[bytes, int, IntArray]:
+    """Which schedulable nodes could ever hold one worker of ``shape`` (as bytes: shapes held by the
+    same nodes are one class, so 120 and 120.2 cores count together), how many, and their indices;
+    kept on the snapshot per shape while no node's schedulability changes."""
+    kept = snap.kept
+    version = snap.schedulable_version
+    held = kept.get(("rare_fit.holders", shape))
+    if held is not None and held[0] == version:
+        return held[1], held[2], held[3]
+    mask = holds(snap, shape, now=False)
+    nodes = np.flatnonzero(mask)
+    key, count = mask.tobytes(), int(nodes.size)
+    kept[("rare_fit.holders", shape)] = (version, key, count, nodes)
+    return key, count, nodes
+
+
+def rare_shapes(snap: Snapshot, own: WorkerShape) -> list[RareShape]:
+    """The shapes seen lately (``snap.seen``) that are rare for a job of worker shape ``own``,
+    grouped by the nodes that hold them, each group seen at least twice (a shape seen once is not
+    known to come again: one 120-core task among 200 of Alibaba's 2023 trace kept one-GPU tasks of
+    weeks off the only nodes that held it, for no one)."""
+    counts = snap.seen.counts
+    if not counts or (len(counts) == 1 and own in counts):
+        return []
+    own_key, mine, _ = _holder_class(snap, own)
+    groups: dict[bytes, tuple[list[int], IntArray]] = {}
+    for shape, count in counts.items():
+        key, holders, nodes = _holder_class(snap, shape)
+        if key == own_key or holders == 0 or holders > RARE_SHARE * mine:
+            continue
+        group = groups.get(key)
+        if group is None:
+            groups[key] = ([count, shape.gpus, shape.cpu_milli, shape.memory_mib, holders], nodes)
+        else:
+            most = group[0]
+            most[0] += count
+            most[1] = max(most[1], shape.gpus)
+            most[2] = max(most[2], shape.cpu_milli)
+            most[3] = max(most[3], shape.memory_mib)
+    return [
+        RareShape(WorkerShape(gpus, cpu, mem), count, holders, nodes)
+        for (count, gpus, cpu, mem, holders), nodes in groups.values()
+        if count >= 2
+    ]
+
+
+def arrival_rate(count: int, span_s: float) -> float:
+    """Jobs per second of a shape seen ``count`` times over ``span_s`` seconds, its first sight not
+    counted (the clock starts there): 0 for a shape seen once."""
+    return max(count - 1, 0) / span_s if span_s > 0 else 0.0
+
+
+class RareFit:
+    """Score: 0 for a candidate that would take the last room for a rare shape seen lately when that
+    costs the jobs of that shape more waiting than it saves this job, 100 otherwise (see the
+    module)."""
+
+    name = "rare_fit"
+
+    def pre_filter(self, state: CycleState) -> Status:
+        """SKIP unless a shape seen lately is rare for this job (most platforms and workloads: no
+        job asks more CPU or RAM than most nodes have)."""
+        if state.job.pipeline is not None:
+            return Status(Code.SKIP)
+        rare = rare_shapes(state.snapshot, WorkerShape.of(state.job))
+        if not rare:
+            return Status(Code.SKIP)
+        state.write(_RARE, rare)
+        return SUCCESS
+
+    def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
+        return self.marked(state, candidates).astype(np.float64)
+
+    def marked(self, state: CycleState, candidates: Candidates) -> BoolArray:
+        """Per candidate: whether it is marked (it delays room for a rare shape, and the jobs of
+        that shape would wait longer for it than the job loses elsewhere)."""
+        k = len(candidates)
+        none = np.zeros(k, dtype=np.bool_)
+        rare = state.get(_RARE, [])
+        if not k or not rare:
+            return none
+        snap = state.snapshot
+        jct = predicted_jct_s(state, candidates)
+        ok = np.isfinite(jct) & (jct > 0)
+        own = WorkerShape.of(state.job)
+        harm = np.zeros(k, dtype=np.float64)
+        ends: FloatArray | None = None
+        lands: dict[int, tuple[IntArray, IntArray]] = {}
+        pools = candidates.cluster * snap.total_sum.shape[1] + candidates.model
+        horizon = snap.seen.span_s(snap.now)
+        for group in rare:
+            shape = group.shape
+            rate = arrival_rate(group.count, horizon)
+            could = group.nodes
+            if rate <= 0 or not could.size:
+                continue
+            if ends is None:
+                ends = _node_ends(snap)
+            room = _room_now(snap, shape, could)
+            back = np.where(room, 0.0, np.maximum(ends[could] - snap.now, 0.0))  # room again after
+            soonest = float(back.min())
+            near = np.flatnonzero(ok & np.isin(pools, snap.pool_of[could]))
+            for i in near.tolist():
+                if i not in lands:
+                    lands[i] = _lands_on(candidates, i)
+                nodes, workers = lands[i]
+                after: FloatArray | None = None
+                where = np.minimum(np.searchsorted(could, nodes), could.size - 1)  # could ascends
+                for node, n, j in zip(nodes.tolist(), workers.tolist(), where.tolist(), strict=True):
+                    if int(could[j]) != node or (back[j] == 0.0 and _left_holds(snap, node, shape, n, own)):
+                        continue
+                    if after is None:
+                        after = back.copy()
+                    after[j] = max(after[j], float(jct[i]))
+                if after is not None:
+                    harm[i] += _wait_caused(rate, soonest, float(after.min()), horizon)
+        spends = harm > 0
+        alt = ok & ~spends
+        if not spends.any() or not alt.any():
+            return none  # nothing to keep, or nowhere else to go: never held back
+        best_alt = float(jct[alt].min())
+        safe = np.where(ok, jct, 1.0)
+        loss = np.maximum(best_alt - safe, 0.0)
+        marked: BoolArray = spends & ok & (best_alt <= RARE_MAX_SLOWDOWN * safe) & (harm > loss)
+        return marked
+
+    def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
+        scores: FloatArray = 100.0 * (1.0 - np.minimum(np.maximum(raw, 0.0), 1.0))
+        return scores
+
+
+def _room_now(snap: Snapshot, shape: WorkerShape, nodes: IntArray) -> BoolArray:
+    """Of ``nodes``, which have room for one worker of ``shape`` now (as :func:`holds` ``now``)."""
+    ok = snap.schedulable[nodes] & (snap.free[nodes] >= shape.gpus)
+    if shape.cpu_milli:
+        ok &= ~snap.cpu_known[nodes] | (snap.cpu_free[nodes] >= shape.cpu_milli)
+    if shape.memory_mib:
+        ok &= ~snap.mem_known[nodes] | (snap.mem_free[nodes] >= shape.memory_mib)
+    return ok
+
+
+def _left_holds(snap: Snapshot, node: int, shape: WorkerShape, workers: int, job: WorkerShape) -> bool:
+    """Whether ``node`` still holds one worker of ``shape`` once ``workers`` workers of ``job``'s
+    shape are on it."""
+    if int(snap.free[node]) - workers * job.gpus < shape.gpus:
+        return False
+    if (
+        shape.cpu_milli
+        and snap.cpu_known[node]
+        and int(snap.cpu_free[node]) - workers * job.cpu_milli < shape.cpu_milli
+    ):
+        return False
+    return not (
+        shape.memory_mib
+        and snap.mem_known[node]
+        and int(snap.mem_free[node]) - workers * job.memory_mib < shape.memory_mib
+    )
+
+
+def _wait_caused(rate: float, before_s: float, after_s: float, horizon_s: float) -> float:
+    """Expected job-seconds jobs of a shape arriving at ``rate`` per second over the next
+    ``horizon_s`` seconds wait longer for room once the soonest room for them is ``after_s``
+    seconds away instead of ``before_s``: a job arriving ``t`` seconds from now waits
+    ``max(room - t, 0)`` (one arrival at a time, as rare shapes come). The horizon is the span the
+    rate was measured over: no more arrivals are foreseen than were seen."""
+    if after_s <= before_s or rate <= 0 or horizon_s <= 0:
+        return 0.0
+    if math.isinf(after_s):
+        return math.inf
+    return rate * (_waited(after_s, horizon_s) - _waited(before_s, horizon_s))
+
+
+def _waited(room_s: float, horizon_s: float) -> float:
+    """``∫ max(room_s - t, 0) dt`` over ``t`` in ``[0, horizon_s]``."""
+    m = min(room_s, horizon_s)
+    return room_s * m - m * m / 2.0
+
+
+def _lands_on(candidates: Candidates, i: int) -> tuple[IntArray, IntArray]:
+    """The nodes candidate ``i``'s workers would take and how many on each, as the framework packs
+    them (``Framework.pack``): all on the tightest node that holds them, else most room first."""
+    nodes, room = candidates.nodes_of(i)
+    workers = int(candidates.workers[i])
+    if not room.size or workers <= 0:
+        return nodes[:0], room[:0]
+    if int(room.max()) >= workers:
+        fits = np.flatnonzero(room >= workers)
+        j = int(fits[np.argmin(room[fits])])
+        return nodes[j : j + 1], np.array([workers], dtype=np.int64)
+    order = np.lexsort((nodes, -room))
+    taken = np.minimum(np.cumsum(room[order]), workers)
+    counts = np.diff(np.concatenate(([0], taken)))
+    keep = counts > 0
+    return nodes[order][keep], counts[keep].astype(np.int64)
+
+
+def _node_ends(snap: Snapshot) -> FloatArray:
+    """Per node: the latest predicted end (on the snapshot's clock) of the jobs running on it, -inf
+    for a node nothing runs on, from the running jobs' releases (:func:`releases`, kept per running
+    list; a job whose end is not known is not in them, so its node counts as freeing up when its
+    other jobs end: the harm is then under-, never over-counted)."""
+    rel = releases(snap)
+    held = snap.kept.get("rare_fit.ends")
+    if held is not None and held[0] is rel:
+        found: FloatArray = held[1]
+        return found
+    ends = np.full(len(snap.node_ids), -math.inf, dtype=np.float64)
+    if rel.node.size:
+        np.maximum.at(ends, rel.node, rel.at_s)
+    snap.kept["rare_fit.ends"] = (rel, ends)
+    return ends
+
+
+__all__ = [
+    "RARE_FIT_WEIGHT",
+    "RARE_MAX_SLOWDOWN",
+    "RARE_SHARE",
+    "RareFit",
+    "RareShape",
+    "arrival_rate",
+    "holds",
+    "rare_shapes",
+]
