@@ -24,7 +24,11 @@ job itself runs ``T_alt − T`` longer (:func:`~loom.sched.plugins.network.predi
 candidate is marked when its harm exceeds that loss and ``T_alt`` is at most
 :data:`RARE_MAX_SLOWDOWN` ``x T``; marked candidates score 0, the others 100 (weight
 :data:`RARE_FIT_WEIGHT`: the mark decides between them). Nothing is marked when every candidate
-harms, so a job is never held back by this plugin.
+harms; then the permit weighs a *wait* instead: for the pool with no node of the shape's that
+would end the job soonest (its expected room, :func:`~loom.sched.availability.expected_wait_s`,
+plus its run there), the job waits when that ends less than the harm later than starting now, and
+only while it has waited less than the harm (ski rental). Without it, keeping a node by filling the
+others handed it, at saturation, to whichever job then found it the only room.
 
 Approximations, stated: arrivals of ``s`` are served one at a time (they do not queue behind each
 other); a node holds ``s`` again only when every job on it has ended.
@@ -36,8 +40,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loom.sched.availability import releases
-from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, StateKey, Status
-from loom.sched.plugins.network import predicted_jct_s
+from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, Decision, StateKey, Status
+from loom.sched.plugins.network import MIN_WAIT_S, predicted_jct_s, single_cluster_options, whole_gang_pools
 from loom.sched.snapshot import BoolArray, FloatArray, IntArray, Snapshot, WorkerShape
 
 RARE_SHARE = 0.25
@@ -50,6 +54,23 @@ RARE_FIT_WEIGHT = 20.0
 the best one that spends nothing (measured: ``tests/unit/test_rare_fit.py``)."""
 
 _RARE: StateKey[list["RareShape"]] = StateKey("rare_fit.shapes")
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    """What the score found for the job's candidates, for the permit."""
+
+    cluster: IntArray
+    model: IntArray
+    harm: FloatArray
+    jct: FloatArray
+    any_alternative: bool
+    """Some candidate harms nothing (the score chose between them)."""
+    holders: tuple[IntArray, ...]
+    """The rare groups' nodes."""
+
+
+_VERDICT: StateKey[_Verdict | None] = StateKey("rare_fit.verdict")
 
 
 def holds(snap: Snapshot, shape: WorkerShape, *, now: bool) -> BoolArray:
@@ -135,7 +156,8 @@ def arrival_rate(count: int, span_s: float) -> float:
 
 class RareFit:
     """Score: 0 for a candidate that would take the last room for a rare shape seen lately when that
-    costs the jobs of that shape more waiting than it saves this job, 100 otherwise (see the
+    costs the jobs of that shape more waiting than it saves this job, 100 otherwise; permit: when
+    every candidate would, wait for a pool that would not if that costs the job less (see the
     module)."""
 
     name = "rare_fit"
@@ -199,13 +221,61 @@ class RareFit:
                     harm[i] += _wait_caused(rate, soonest, float(after.min()), horizon)
         spends = harm > 0
         alt = ok & ~spends
+        state.write(
+            _VERDICT,
+            _Verdict(
+                candidates.cluster, candidates.model, harm, jct, bool(alt.any()), tuple(g.nodes for g in rare)
+            ),
+        )
         if not spends.any() or not alt.any():
-            return none  # nothing to keep, or nowhere else to go: never held back
+            return none  # nothing to keep now, or nowhere else to go now (the permit weighs a wait)
         best_alt = float(jct[alt].min())
         safe = np.where(ok, jct, 1.0)
         loss = np.maximum(best_alt - safe, 0.0)
         marked: BoolArray = spends & ok & (best_alt <= RARE_MAX_SLOWDOWN * safe) & (harm > loss)
         return marked
+
+    def permit(self, state: CycleState, decision: Decision) -> Status:
+        """When every candidate now would take the last room for a rare shape (so none was marked),
+        the job may wait for a pool with no node of that shape's: it waits when that pool's expected
+        room plus its run there ends less than the harm later than starting now, and while it has
+        waited less than the harm (ski rental: a wait never costs more than the start it avoids).
+        Keeping a node by filling every other one otherwise hands it, at saturation, to whichever
+        job finds it the only room: the longest of a batch under shortest-first (an outside
+        evaluator: a 64-core job of 120 h took the one kept 128-core node and five 120-core jobs
+        waited 56-64 h more each)."""
+        verdict = state.get(_VERDICT, None)
+        if verdict is None or verdict.any_alternative or len(decision.parts) != 1:
+            return SUCCESS
+        snap = state.snapshot
+        part = decision.parts[0]
+        c, m = snap.cluster_index.get(part.cluster), snap.model_index.get(part.gpu_model)
+        at = np.flatnonzero((verdict.cluster == c) & (verdict.model == m))
+        if c is None or m is None or not at.size:
+            return SUCCESS
+        i = int(at[0])
+        harm, run = float(verdict.harm[i]), float(verdict.jct[i])
+        waited = 0.0 if state.submitted_at is None else max(snap.now - state.submitted_at, 0.0)
+        if not harm > 0 or not math.isfinite(run) or waited >= harm:
+            return SUCCESS
+        pools = whole_gang_pools(state, decision.workers)
+        for nodes in verdict.holders:
+            pools[snap.cluster_of[nodes], snap.model_of[nodes]] = False
+        options = single_cluster_options(state, pools, decision.workers, within_s=RARE_MAX_SLOWDOWN * run)
+        if not options:
+            return SUCCESS
+        best = min(options, key=lambda o: o.completion_s)
+        loss = best.completion_s - run
+        if loss >= harm or best.wait_s < MIN_WAIT_S:
+            return SUCCESS
+        wait = min(best.wait_s, harm - waited)
+        return Status(
+            Code.UNSCHEDULABLE,
+            f"keeping the last node with room for a rarer worker shape: its jobs would wait"
+            f" {harm:.0f} s more in all; waiting for {snap.models[best.model]} in"
+            f" {snap.clusters[best.cluster].id} (room expected in {best.wait_s:.0f} s)",
+            wait_s=wait,
+        )
 
     def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
         scores: FloatArray = 100.0 * (1.0 - np.minimum(np.maximum(raw, 0.0), 1.0))
