@@ -361,6 +361,43 @@ def test_the_service_decides_what_the_simulator_decides_for_every_kind_of_job(
     same_decisions(jobs, measured=measured, budget=budget)
 
 
+@st.composite
+def rare_shapes(draw: Any) -> list[SimJob]:
+    """Random traces where ``rare_fit`` has its say: workers of one, two or eight GPUs and 4 cores,
+    and of eight GPUs and 700 GiB, which only one node of the small platform holds (a rare shape
+    once seen twice), of runs long and short."""
+    count = draw(st.integers(min_value=6, max_value=26))
+    jobs = []
+    t = 0.0
+    for i in range(count):
+        t += draw(st.sampled_from([0.0, 5.0, 60.0, 600.0]))
+        big = draw(st.integers(0, 3)) == 0
+        resources = (
+            Resources(gpus=8, cpu_milli=8000, memory_mib=700 * 1024)
+            if big
+            else Resources(gpus=draw(st.sampled_from([1, 2, 8])), cpu_milli=4000)
+        )
+        spec = JobSpec(
+            job_id=f"r{i:03d}",
+            tenant="a",
+            task_type=draw(st.sampled_from(REAL_TASKS)),
+            resources=resources,
+            work=Work(steps=draw(st.sampled_from([10, 100, 2_000, 20_000])), step_time_s=10.0),
+        )
+        jobs.append(SimJob(spec=spec, arrival_s=t))
+    return jobs
+
+
+# rare_fit's score and permit read the shapes seen (the simulator notes the jobs it skips, the
+# framework every job it decides) and wait for other pools: both sides must see the same.
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(rare_shapes(), st.sampled_from([1, 64]))
+def test_the_service_decides_what_the_simulator_decides_where_a_worker_shape_is_rare(
+    jobs: list[SimJob], budget: int
+) -> None:
+    same_decisions(jobs, budget=budget)
+
+
 CASES = json.loads((Path(__file__).parent / "data" / "service_vs_sim_cases.json").read_text())
 """Random cases the simulator decided otherwise than placement (found by 1,500-4,500 random cases a
 seed, 2026-12-04 evening; the last with gangs that may span), each with what was wrong: each fails
