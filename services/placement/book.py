@@ -182,7 +182,7 @@ class Book:
         """Speed probes known to the queue (``Snapshot.probes``), kept across snapshots."""
         self.seen = SeenShapes()
         """The latest jobs' worker shapes (``Snapshot.seen``), kept across snapshots as :attr:`waiting`
-        is (lost on a restart: the next jobs fill it again)."""
+        is; a new leader's ``load`` fills it from the jobs table."""
         self.queued = QueuedShapes()
         """The queued jobs' shapes (``Snapshot.queued``), kept across snapshots as :attr:`waiting`
         is (a rebuilt snapshot re-indexes their pools by its clusters and models: ``_queued_order``);
@@ -497,6 +497,7 @@ class Book:
         if self._snap is not None:
             self._snap.now = now
             self._snap.net = self.net
+            self._snap.seen = self.seen  # a new leader's load replaces it
             return self._snap
         clusters: dict[str, ClusterInfo] = {}
         models: set[str] = set()

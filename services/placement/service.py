@@ -126,7 +126,7 @@ from loom.sched.probe import PROBE_LABEL, ProbeSettings
 from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, TenantConfig
 from loom.sched.shards import GLOBAL, ShardMap, route, route_of
-from loom.sched.snapshot import Economics
+from loom.sched.snapshot import SEEN_JOBS, Economics, SeenShapes, WorkerShape
 from loom.security import (
     attempts_scope,
     foreign_cancellation,
@@ -510,6 +510,13 @@ class PlacementService:
             q = queued_from_row(row)
             if self._routed_here(q.job):
                 self.queue[q.job.job_id] = q
+        # The shapes seen lately (rare_fit keeps room for the rare ones): the latest jobs this
+        # shard routes, as an earlier leader saw them arrive.
+        self.book.seen = SeenShapes()
+        for row in await repo.recent_jobs(self.pool, SEEN_JOBS):
+            job = msgspec.json.decode(row["spec"], type=JobSubmitted)
+            if job.pipeline is None and self._routed_here(job):
+                self.book.seen.note(job.job_id, WorkerShape.of(job), float(row["at"]))
         await self.relay.flush()
         self.capacity_changed = True
         self.stats["queued"] = len(self.queue)

@@ -396,6 +396,20 @@ async def queued_jobs(conn: asyncpg.Connection | asyncpg.Pool) -> list[asyncpg.R
     return rows
 
 
+async def recent_jobs(conn: asyncpg.Connection | asyncpg.Pool, limit: int) -> list[asyncpg.Record]:
+    """The ``limit`` latest jobs submitted, in any state, oldest first: their spec and when they
+    were submitted (epoch seconds, ``at``). What a new placement leader notes as the shapes seen
+    lately (``Snapshot.seen``), so keeping room for rare shapes survives a restart."""
+    rows: list[asyncpg.Record] = await conn.fetch(
+        """SELECT job_id, spec, extract(epoch FROM submitted_at)::float8 AS at FROM (
+               SELECT job_id, spec, submitted_at FROM jobs
+               ORDER BY submitted_at DESC, job_id DESC LIMIT $1) latest
+           ORDER BY submitted_at, job_id""",
+        max(int(limit), 0),
+    )
+    return rows
+
+
 async def active_runs(conn: asyncpg.Connection | asyncpg.Pool) -> list[asyncpg.Record]:
     """Placed and running jobs with their live reservations: (job row, [(node, cluster, gpus)])."""
     rows: list[asyncpg.Record] = await conn.fetch(
