@@ -32,17 +32,19 @@ def node(name: str, model: str, cpu_cores: int, mem_gib: int) -> NodeCapacity:
     )  # fmt: skip
 
 
-def alibaba_like() -> Platform:
-    """One 128-core G3 node (the faster GPUs) and three 96-core G2 nodes (G3 is 1.15x G2)."""
+def alibaba_like(*, t4: int = 0) -> Platform:
+    """One 128-core G3 node (the faster GPUs) and three 96-core G2 nodes (G3 is 1.15x G2); ``t4``
+    96-core T4 nodes besides (10x slower)."""
     nodes = [node("a-big", "G3", 128, 768)] + [node(f"a-n{i}", "G2", 96, 384) for i in range(3)]
+    nodes += [node(f"a-t{i}", "T4", 96, 384) for i in range(t4)]
     return Platform(
         name="rare",
         nodes=nodes,
         clusters={"a": ClusterInfo(id="a", region=EU, zone=f"{EU}-a")},
         net=NetMatrix.from_topology(load_topology()),
         economics=default_economics(),
-        speed={(m, t): relative_speed(m, t) for m in ("G2", "G3") for t in TASKS},
-        gpu_memory_gib={"G2": 32.0, "G3": 32.0},
+        speed={(m, t): relative_speed(m, t) for m in ("G2", "G3", "T4") for t in TASKS},
+        gpu_memory_gib={"G2": 32.0, "G3": 32.0, "T4": 16.0},
     )
 
 
@@ -138,6 +140,30 @@ def test_a_long_job_whose_only_room_is_the_kept_node_waits_for_another_when_that
     trace = Trace([*trace.jobs[:2], *slow, *trace.jobs[5:]])
     got = {r.job_id: r for r in simulate(trace, alibaba_like(), POLICIES["loom"](0), truth=BELIEF).records}
     assert got["long"].gpu_model == "G3" and got["long"].start_s == pytest.approx(1_000.0, abs=1.0)
+
+
+def test_room_only_far_slower_now_does_not_let_a_long_job_take_the_kept_node_unweighed() -> None:
+    # As above, with a free T4 node besides: the T4 takes nothing from the 120-core jobs but runs
+    # the long job 10x slower (no mark: beyond 2x). A second outside evaluation found the permit
+    # then passed the job at once onto the kept node (a 75-hour job; three 120-core jobs waited
+    # 78 h more each); it weighs the wait for a G2 as when nothing else had room.
+    fillers = [SimJob(job(f"fill-{i}", 88, 320, 10_000), 600.0 + i) for i in range(3)]
+    trace = Trace(
+        [
+            SimJob(job("big-0", 120, 720, 100), 0.0),
+            SimJob(job("big-1", 120, 720, 100), 500.0),
+            *fillers,
+            SimJob(job("long", 64, 200, 100_000), 1_000.0),
+            SimJob(job("big-2", 120, 720, 100), 2_000.0),
+        ]
+    )
+    got = {
+        r.job_id: r for r in simulate(trace, alibaba_like(t4=1), POLICIES["loom"](0), truth=BELIEF).records
+    }
+    assert {got[f"fill-{i}"].gpu_model for i in range(3)} == {"G2"}
+    filler_end = min(got[f"fill-{i}"].end_s or math.inf for i in range(3))
+    assert got["long"].gpu_model == "G2" and got["long"].start_s == pytest.approx(filler_end, abs=2.0)
+    assert got["big-2"].start_s == pytest.approx(2_000.0, abs=1.0)
 
 
 def test_a_shape_seen_once_is_not_kept_for() -> None:

@@ -64,8 +64,6 @@ class _Verdict:
     model: IntArray
     harm: FloatArray
     jct: FloatArray
-    any_alternative: bool
-    """Some candidate harms nothing (the score chose between them)."""
     holders: tuple[IntArray, ...]
     """The rare groups' nodes."""
 
@@ -223,9 +221,7 @@ class RareFit:
         alt = ok & ~spends
         state.write(
             _VERDICT,
-            _Verdict(
-                candidates.cluster, candidates.model, harm, jct, bool(alt.any()), tuple(g.nodes for g in rare)
-            ),
+            _Verdict(candidates.cluster, candidates.model, harm, jct, tuple(g.nodes for g in rare)),
         )
         if not spends.any() or not alt.any():
             return none  # nothing to keep now, or nowhere else to go now (the permit weighs a wait)
@@ -236,16 +232,20 @@ class RareFit:
         return marked
 
     def permit(self, state: CycleState, decision: Decision) -> Status:
-        """When every candidate now would take the last room for a rare shape (so none was marked),
-        the job may wait for a pool with no node of that shape's: it waits when that pool's expected
-        room plus its run there ends less than the harm later than starting now, and while it has
-        waited less than the harm (ski rental: a wait never costs more than the start it avoids).
+        """When the chosen candidate would take the last room for a rare shape (nothing else has room
+        now, or nothing within :data:`RARE_MAX_SLOWDOWN` of its run, or its harm was less than the
+        loss elsewhere now), the job may wait for a pool with no node of that shape's: it waits when
+        that pool's expected room plus its run there ends less than the harm later than starting
+        now, and while it has waited less than the harm (ski rental: a wait never costs more than the
+        start it avoids); a pool with room now passes (the score chose). A second outside
+        evaluation found the candidates more than 2x slower counted as "somewhere else", so a
+        75-hour job took the last 128-core node with nothing weighed.
         Keeping a node by filling every other one otherwise hands it, at saturation, to whichever
         job finds it the only room: the longest of a batch under shortest-first (an outside
         evaluator: a 64-core job of 120 h took the one kept 128-core node and five 120-core jobs
         waited 56-64 h more each)."""
         verdict = state.get(_VERDICT, None)
-        if verdict is None or verdict.any_alternative or len(decision.parts) != 1:
+        if verdict is None or len(decision.parts) != 1:
             return SUCCESS
         snap = state.snapshot
         part = decision.parts[0]
@@ -256,7 +256,7 @@ class RareFit:
         i = int(at[0])
         harm, run = float(verdict.harm[i]), float(verdict.jct[i])
         waited = 0.0 if state.submitted_at is None else max(snap.now - state.submitted_at, 0.0)
-        if not harm > 0 or not math.isfinite(run) or waited >= harm:
+        if not harm > 0 or not math.isfinite(run) or harm - waited < MIN_WAIT_S:
             return SUCCESS
         pools = whole_gang_pools(state, decision.workers)
         for nodes in verdict.holders:
