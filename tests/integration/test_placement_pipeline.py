@@ -83,20 +83,23 @@ def batch(prefix: str, first: int) -> list[Delivery[bytes]]:
             work=Work(steps=100, step_time_s=3600.0),
             submitted_at=1.0 + i,
         )
-        out.append(
-            Delivery(
-                msg=None,  # type: ignore[arg-type]  # the handler never touches the raw message
-                subject=subjects.job_submitted(job.tenant),
-                message=encode(job),
-                headers={},
-                msg_id=f"{job.job_id}:submit",
-                num_delivered=1,
-                stream_seq=i + 1,
-                span=trace.INVALID_SPAN,
-                context=Context(),
-            )
-        )
+        out.append(submission(job, i + 1))
     return out
+
+
+def submission(job: JobSubmitted, seq: int) -> Delivery[bytes]:
+    """``job``'s submission as the consumer hands it over (stream sequence ``seq``)."""
+    return Delivery(
+        msg=None,  # type: ignore[arg-type]  # the handler never touches the raw message
+        subject=subjects.job_submitted(job.tenant),
+        message=encode(job),
+        headers={},
+        msg_id=f"{job.job_id}:submit",
+        num_delivered=1,
+        stream_seq=seq,
+        span=trace.INVALID_SPAN,
+        context=Context(),
+    )
 
 
 def hold_first_write(svc: PlacementService, monkeypatch: pytest.MonkeyPatch, *, fail: bool) -> dict[str, int]:

@@ -10,48 +10,34 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from opentelemetry import trace
-from opentelemetry.context import Context
 
 from loom.bus import Delivery
 from loom.runtime.service import ServiceContext, close_context, open_context
 from loom.sched.plugins.rare import rare_shapes
 from loom.sched.snapshot import WorkerShape
 from loom.store import fence
-from loom_proto import subjects
-from loom_proto.codec import encode
 from loom_proto.jobs import JobSubmitted, Resources, Work
 from loom_services.placement.service import PlacementService
-from tests.integration.test_placement_pipeline import PLATFORM, TOPOLOGY, leading_service
+from tests.integration.test_placement_pipeline import PLATFORM, TOPOLOGY, leading_service, submission
 
 BIG = Resources(gpus=8, cpu_milli=8_000, memory_mib=700 * 1024)
 """Eight GPUs and 700 GiB: one node of the small platform holds it (8 GPUs, 768 GiB)."""
 
 
 def submissions(jobs: list[tuple[str, Resources]]) -> list[Delivery[bytes]]:
-    out = []
-    for i, (job_id, resources) in enumerate(jobs):
-        job = JobSubmitted(
-            job_id=job_id,
-            tenant="t1",
-            resources=resources,
-            work=Work(steps=10, step_time_s=60.0),
-            submitted_at=time.time(),
+    return [
+        submission(
+            JobSubmitted(
+                job_id=job_id,
+                tenant="t1",
+                resources=resources,
+                work=Work(steps=10, step_time_s=60.0),
+                submitted_at=time.time(),
+            ),
+            i + 1,
         )
-        out.append(
-            Delivery(
-                msg=None,  # type: ignore[arg-type]  # the handler never touches the raw message
-                subject=subjects.job_submitted(job.tenant),
-                message=encode(job),
-                headers={},
-                msg_id=f"{job.job_id}:submit",
-                num_delivered=1,
-                stream_seq=i + 1,
-                span=trace.INVALID_SPAN,
-                context=Context(),
-            )
-        )
-    return out
+        for i, (job_id, resources) in enumerate(jobs)
+    ]
 
 
 @pytest.fixture

@@ -113,14 +113,11 @@ def test_a_job_is_not_held_back_when_waiting_for_other_room_costs_it_more_than_i
     assert got["medium"].gpu_model == "G3" and got["medium"].start_s == pytest.approx(1_000.0, abs=1.0)
 
 
-def test_a_long_job_whose_only_room_is_the_kept_node_waits_for_another_when_that_costs_less() -> None:
-    # Three 88-core jobs fill the G2 nodes (kept off the G3 one), ending ~2,400 s after they start.
-    # A long 64-core job then finds only the G3 node: taking it would make 120-core jobs (one an
-    # hour) wait ~19,000 s in all; waiting ~2,000 s for a G2 loses it ~5,000 s. It waits, and the
-    # next 120-core job starts on arrival (an outside evaluator: the kept node went to the longest
-    # job of a batch, and five 120-core jobs waited 56-64 h more each).
-    fillers = [SimJob(job(f"fill-{i}", 88, 320, 10_000), 600.0 + i) for i in range(3)]
-    trace = Trace(
+def long_job_trace(filler_steps: int = 10_000) -> Trace:
+    """Two 120-core jobs (the G3 node only), three 88-core fillers on the G2 nodes (kept off the G3
+    one) of ``filler_steps`` each, a long 64-core job at 1,000 s, a third 120-core job at 2,000 s."""
+    fillers = [SimJob(job(f"fill-{i}", 88, 320, filler_steps), 600.0 + i) for i in range(3)]
+    return Trace(
         [
             SimJob(job("big-0", 120, 720, 100), 0.0),
             SimJob(job("big-1", 120, 720, 100), 500.0),
@@ -129,16 +126,29 @@ def test_a_long_job_whose_only_room_is_the_kept_node_waits_for_another_when_that
             SimJob(job("big-2", 120, 720, 100), 2_000.0),
         ]
     )
-    got = {r.job_id: r for r in simulate(trace, alibaba_like(), POLICIES["loom"](0), truth=BELIEF).records}
+
+
+def assert_long_job_waited_for_a_g2(plat: Platform) -> None:
+    """The long job waits for the first filler to end and starts on its G2; the third 120-core job
+    starts on arrival."""
+    got = {r.job_id: r for r in simulate(long_job_trace(), plat, POLICIES["loom"](0), truth=BELIEF).records}
     assert {got[f"fill-{i}"].gpu_model for i in range(3)} == {"G2"}
     filler_end = min(got[f"fill-{i}"].end_s or math.inf for i in range(3))
     assert got["long"].gpu_model == "G2" and got["long"].start_s == pytest.approx(filler_end, abs=2.0)
     assert got["big-2"].start_s == pytest.approx(2_000.0, abs=1.0)
+
+
+def test_a_long_job_whose_only_room_is_the_kept_node_waits_for_another_when_that_costs_less() -> None:
+    # The fillers end ~2,400 s after they start. The long job then finds only the G3 node: taking
+    # it would make 120-core jobs (one an hour) wait ~19,000 s in all; waiting ~2,000 s for a G2
+    # loses it ~5,000 s. It waits, and the next 120-core job starts on arrival (an outside
+    # evaluator: the kept node went to the longest job of a batch, and five 120-core jobs waited
+    # 56-64 h more each).
+    assert_long_job_waited_for_a_g2(alibaba_like())
     # A wait that would cost the long job more than it spares the others is not taken: with the
     # G2 nodes held for 100,000 s, it starts on the G3 node at once.
-    slow = [SimJob(job(f"fill-{i}", 88, 320, 400_000), 600.0 + i) for i in range(3)]
-    trace = Trace([*trace.jobs[:2], *slow, *trace.jobs[5:]])
-    got = {r.job_id: r for r in simulate(trace, alibaba_like(), POLICIES["loom"](0), truth=BELIEF).records}
+    slow = long_job_trace(filler_steps=400_000)
+    got = {r.job_id: r for r in simulate(slow, alibaba_like(), POLICIES["loom"](0), truth=BELIEF).records}
     assert got["long"].gpu_model == "G3" and got["long"].start_s == pytest.approx(1_000.0, abs=1.0)
 
 
@@ -147,23 +157,7 @@ def test_room_only_far_slower_now_does_not_let_a_long_job_take_the_kept_node_unw
     # the long job 10x slower (no mark: beyond 2x). A second outside evaluation found the permit
     # then passed the job at once onto the kept node (a 75-hour job; three 120-core jobs waited
     # 78 h more each); it weighs the wait for a G2 as when nothing else had room.
-    fillers = [SimJob(job(f"fill-{i}", 88, 320, 10_000), 600.0 + i) for i in range(3)]
-    trace = Trace(
-        [
-            SimJob(job("big-0", 120, 720, 100), 0.0),
-            SimJob(job("big-1", 120, 720, 100), 500.0),
-            *fillers,
-            SimJob(job("long", 64, 200, 100_000), 1_000.0),
-            SimJob(job("big-2", 120, 720, 100), 2_000.0),
-        ]
-    )
-    got = {
-        r.job_id: r for r in simulate(trace, alibaba_like(t4=1), POLICIES["loom"](0), truth=BELIEF).records
-    }
-    assert {got[f"fill-{i}"].gpu_model for i in range(3)} == {"G2"}
-    filler_end = min(got[f"fill-{i}"].end_s or math.inf for i in range(3))
-    assert got["long"].gpu_model == "G2" and got["long"].start_s == pytest.approx(filler_end, abs=2.0)
-    assert got["big-2"].start_s == pytest.approx(2_000.0, abs=1.0)
+    assert_long_job_waited_for_a_g2(alibaba_like(t4=1))
 
 
 def test_a_shape_seen_once_is_not_kept_for() -> None:
