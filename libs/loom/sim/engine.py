@@ -1057,6 +1057,8 @@ class _Simulation:
                     # decided again in this pass (placement decides it once).
                     decided.add(job.spec.job_id)
                     if job.spec.pipeline is None:  # a pipeline is never counted (_join_queue)
+                        # Seen now, as placement's decision of it would note it (rare_fit).
+                        self.snap.seen.note(job.spec.job_id, WorkerShape.of(job.spec), self.t)
                         self.snap.join_queue(job.spec.job_id, probe=is_probe(job.spec.labels))
                         self._record_queued(job)
                     self._stage(job)
