@@ -3,6 +3,7 @@
 On Alibaba's multi-GPU tasks (506 GPUs) 88-core workers took the only two 128-core nodes for their
 faster GPUs, and each 120-core worker arriving after waited days for one (docs/measurements.md)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -256,3 +257,43 @@ def test_the_placement_book_keeps_the_shapes_seen_across_rebuilt_snapshots() -> 
     # A what-if (not applied) is not a job seen.
     framework.schedule(job("what-if", 64, 200, 100), second, apply=False)
     assert len(second.seen) == 2
+
+
+def test_the_harm_is_read_on_the_nodes_the_framework_packs_a_gang_onto() -> None:
+    # One G2 pool (and a T4 node): a 128-core node with 4 GPUs free (the last room for a 4-GPU,
+    # 120-core worker, seen twice) and two 96-core nodes with 8 free. A gang of 12 one-GPU workers
+    # is packed 8 on a 96-core node and the last 4 on the tightest node that holds them: the
+    # 128-core one. The harm must be read there (a review: most-room-first alone put them on the
+    # other 96-core node, and neither the score nor the permit weighed the room taken).
+    from loom.sched.plugins.rare import _VERDICT, _lands_on
+
+    nodes = [node("a-big", "G2", 128, 768), node("a-n1", "G2", 96, 384), node("a-n2", "G2", 96, 384)]
+    nodes.append(node("a-t0", "T4", 96, 384))  # 1 of 4 nodes holds the rare shape: rare
+    plat = dataclasses.replace(alibaba_like(t4=1), nodes=nodes)
+    snap = snapshot_of(plat)
+    snap.now = 10_000.0
+    snap.take([("a-big", 4)], 1, 1_000, 1_024)
+    rare = WorkerShape(4, 120_000, 0)
+    snap.seen.note("r1", rare, 0.0)
+    snap.seen.note("r2", rare, 5_000.0)
+    framework = build_framework()
+    gang = JobSpec(
+        job_id="g",
+        tenant="t",
+        workers=12,
+        resources=Resources(gpus=1, cpu_milli=4_000),
+        work=Work(steps=5_000, step_time_s=1.0),
+    )
+    state = framework.new_state(gang, snap)
+    assert framework.run_pre_filters(state).ok and "rare_fit" not in state.skipped
+    candidates = framework.find_candidates(state)
+    (i,) = [k for k in range(len(candidates)) if snap.models[int(candidates.model[k])] == "G2"]
+    packed = framework.pack(state, candidates, i, int(candidates.workers[i])).allocations
+    lands, counts = _lands_on(candidates, i)
+    assert [(snap.node_ids[n], c) for n, c in zip(lands.tolist(), counts.tolist(), strict=True)] == list(
+        packed
+    )
+    assert ("a-big", 4) in packed
+    RareFit().marked(state, candidates)
+    verdict = state.get(_VERDICT, None)
+    assert verdict is not None and verdict.harm[i] > 0

@@ -1722,27 +1722,10 @@ class Framework:
         whole-node workers (most room first alone would put every small job on an empty node)."""
         snap = state.snapshot
         nodes, room = candidates.nodes_of(i)
-        allocations: list[tuple[str, int]] = []
-        left = workers
-        if workers > 0 and room.size and int(_max(room)) >= workers:
-            # one node holds them all: the tightest that does (nodes ascend: the first of equals),
-            # which is what the loop below picks at its first step
-            holds = (room >= workers).nonzero()[0]
-            j = int(holds[np.argmin(room[holds])])
-            allocations.append((snap.node_ids[int(nodes[j])], workers * state.per_worker))
-            left = 0
-        order: list[int] = np.lexsort((nodes, -room)).tolist() if left > 0 else []
-        for pos, most in enumerate(order):
-            if left <= 0:
-                break
-            j = most
-            if room[most] >= left:
-                rest = np.asarray(order[pos:], dtype=np.int64)
-                holds = rest[room[rest] >= left]
-                j = int(holds[np.lexsort((nodes[holds], room[holds]))[0]])
-            fit = min(int(room[j]), left)
-            allocations.append((snap.node_ids[int(nodes[j])], fit * state.per_worker))
-            left -= fit
+        allocations = [
+            (snap.node_ids[node], count * state.per_worker)
+            for node, count in pack_workers(nodes, room, workers)
+        ]
         c, m = int(candidates.cluster[i]), int(candidates.model[i])
         return Part(
             cluster=snap.clusters[c].id,
@@ -2098,6 +2081,35 @@ def _site(
     if cache is not None:
         cache[(mode, c, m)] = (gpus.copy(), site)
     return site
+
+
+def pack_workers(nodes: IntArray, room: IntArray, workers: int) -> list[tuple[int, int]]:
+    """Where :meth:`Framework.pack` puts ``workers`` workers on ``nodes`` (ascending, each with room
+    for ``room`` workers): (node index, workers) in the order taken. One node that holds them all:
+    the tightest that does (the first of equals); else nodes with most room first while the workers
+    left need more than one, and the rest on the tightest node that holds it. ``rare_fit`` reads the
+    same choice."""
+    taken: list[tuple[int, int]] = []
+    left = workers
+    if workers > 0 and room.size and int(_max(room)) >= workers:
+        # one node holds them all: the tightest that does (nodes ascend: the first of equals),
+        # which is what the loop below picks at its first step
+        holds = (room >= workers).nonzero()[0]
+        j = int(holds[np.argmin(room[holds])])
+        return [(int(nodes[j]), workers)]
+    order: list[int] = np.lexsort((nodes, -room)).tolist() if left > 0 else []
+    for pos, most in enumerate(order):
+        if left <= 0:
+            break
+        j = most
+        if room[most] >= left:
+            rest = np.asarray(order[pos:], dtype=np.int64)
+            holds = rest[room[rest] >= left]
+            j = int(holds[np.lexsort((nodes[holds], room[holds]))[0]])
+        fit = min(int(room[j]), left)
+        taken.append((int(nodes[j]), fit))
+        left -= fit
+    return taken
 
 
 def _filter_reason(model: str, fit: int, need: int, what: str) -> str:

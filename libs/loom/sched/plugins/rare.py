@@ -40,7 +40,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loom.sched.availability import releases
-from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, Decision, StateKey, Status
+from loom.sched.framework import (
+    SUCCESS,
+    Candidates,
+    Code,
+    CycleState,
+    Decision,
+    StateKey,
+    Status,
+    pack_workers,
+)
 from loom.sched.plugins.network import MIN_WAIT_S, predicted_jct_s, single_cluster_options, whole_gang_pools
 from loom.sched.snapshot import BoolArray, FloatArray, IntArray, Snapshot, WorkerShape
 
@@ -330,21 +339,14 @@ def _waited(room_s: float, horizon_s: float) -> float:
 
 
 def _lands_on(candidates: Candidates, i: int) -> tuple[IntArray, IntArray]:
-    """The nodes candidate ``i``'s workers would take and how many on each, as the framework packs
-    them (``Framework.pack``): all on the tightest node that holds them, else most room first."""
+    """The nodes candidate ``i``'s workers would take and how many on each: the framework's own
+    choice (:func:`~loom.sched.framework.pack_workers`, what ``Framework.pack`` does)."""
     nodes, room = candidates.nodes_of(i)
-    workers = int(candidates.workers[i])
-    if not room.size or workers <= 0:
-        return nodes[:0], room[:0]
-    if int(room.max()) >= workers:
-        fits = np.flatnonzero(room >= workers)
-        j = int(fits[np.argmin(room[fits])])
-        return nodes[j : j + 1], np.array([workers], dtype=np.int64)
-    order = np.lexsort((nodes, -room))
-    taken = np.minimum(np.cumsum(room[order]), workers)
-    counts = np.diff(np.concatenate(([0], taken)))
-    keep = counts > 0
-    return nodes[order][keep], counts[keep].astype(np.int64)
+    taken = pack_workers(nodes, room, int(candidates.workers[i]))
+    return (
+        np.array([n for n, _ in taken], dtype=np.int64),
+        np.array([w for _, w in taken], dtype=np.int64),
+    )
 
 
 def _node_ends(snap: Snapshot) -> FloatArray:
