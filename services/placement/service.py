@@ -60,6 +60,7 @@ import socket
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any, Final
 
 import asyncpg
@@ -323,6 +324,13 @@ DEFAULT_PROBES: Final = ProbeSettings()
 """Speed probes as the simulator's ``loom`` runs them (:mod:`loom.sched.probe`)."""
 
 
+SEEN_PAGE_ROWS = 1024
+"""Rows a new leader reads at a time for the shapes seen lately (:meth:`PlacementService._load_seen`)."""
+SEEN_PAGES = 8
+"""At most this many pages: with many shards, a leader remembers fewer of its own jobs rather than
+read the whole jobs table at a takeover."""
+
+
 class PlacementService:
     """The placement service's state and handlers; :meth:`run` is the service body."""
 
@@ -512,17 +520,33 @@ class PlacementService:
                 self.queue[q.job.job_id] = q
         # The shapes seen lately (rare_fit keeps room for the rare ones): the latest jobs this
         # shard routes, as an earlier leader saw them arrive.
-        self.book.seen = SeenShapes()
-        for row in await repo.recent_jobs(self.pool, SEEN_JOBS):
-            job = msgspec.json.decode(row["spec"], type=JobSubmitted)
-            if job.pipeline is None and self._routed_here(job):
-                self.book.seen.note(job.job_id, WorkerShape.of(job), float(row["at"]))
+        await self._load_seen()
         await self.relay.flush()
         self.capacity_changed = True
         self.stats["queued"] = len(self.queue)
         log.info(
             "state rebuilt", nodes=len(self.book.nodes), runs=len(self.book.runs), queued=len(self.queue)
         )
+
+    async def _load_seen(self) -> None:
+        """The shapes seen lately (``Book.seen``): the latest :data:`SEEN_JOBS` jobs this instance's
+        shards decide, as an earlier leader saw them arrive, read a page at a time (other shards'
+        jobs skipped) and at most :data:`SEEN_PAGES` pages (a takeover reads no more)."""
+        found: list[tuple[str, WorkerShape, float]] = []
+        before: tuple[datetime, str] | None = None
+        for _ in range(SEEN_PAGES):
+            rows = await repo.recent_jobs(self.pool, SEEN_PAGE_ROWS, before=before)
+            for row in rows:
+                job = msgspec.json.decode(row["spec"], type=JobSubmitted)
+                if job.pipeline is None and self._routed_here(job):
+                    found.append((job.job_id, WorkerShape.of(job), float(row["at"])))
+            if len(found) >= SEEN_JOBS or len(rows) < SEEN_PAGE_ROWS:
+                break
+            before = (rows[-1]["submitted_at"], str(rows[-1]["job_id"]))
+        seen = SeenShapes()
+        for job_id, shape, at in reversed(found[:SEEN_JOBS]):  # oldest first, as they came
+            seen.note(job_id, shape, at)
+        self.book.seen = seen
 
     def _register_gauges(self) -> None:
         """The queue's Prometheus gauges, read at scrape time only (nothing spent between scrapes)."""

@@ -70,3 +70,22 @@ async def test_a_new_leader_remembers_the_shapes_the_last_one_saw(ctx: ServiceCo
     assert snap.seen is second.book.seen
     groups = rare_shapes(snap, eight_gpus)
     assert [(g.shape, g.count, g.holders) for g in groups] == [(big, 2, 1)]
+
+
+async def test_a_new_leader_reads_the_store_a_page_at_a_time_and_no_more_than_its_pages(
+    ctx: ServiceContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loom_services.placement import service as placement
+
+    first = await leading_service(ctx)
+    small = Resources(gpus=1, cpu_milli=4_000)
+    jobs = [("big-1", BIG), ("small-1", small), ("big-2", BIG), ("small-2", small)]
+    assert all(a is None for a in await first.on_submitted(submissions(jobs)))
+    big, one_gpu = WorkerShape(8, 8_000, 700 * 1024), WorkerShape(1, 4_000, 0)
+    monkeypatch.setattr(placement, "SEEN_PAGE_ROWS", 1)
+    await first.load()  # pages of one row: every job read, none twice
+    assert first.book.seen.counts == {big: 2, one_gpu: 2}
+    monkeypatch.setattr(placement, "SEEN_PAGES", 2)
+    await first.load()  # two pages: the two latest only
+    assert first.book.seen.counts == {big: 1, one_gpu: 1}
+    assert len(first.book.seen) == 2

@@ -297,3 +297,22 @@ def test_the_harm_is_read_on_the_nodes_the_framework_packs_a_gang_onto() -> None
     RareFit().marked(state, candidates)
     verdict = state.get(_VERDICT, None)
     assert verdict is not None and verdict.harm[i] > 0
+
+
+def test_what_the_plugin_keeps_on_the_snapshot_stays_bounded_by_the_shapes_seen() -> None:
+    # A simulation keeps one snapshot for its whole trace, and Alibaba's has hundreds of CPU / RAM
+    # combinations: the table of nodes per shape must not grow with every shape ever seen (a review
+    # measured 75 MB at 50,000 nodes).
+    from loom.sched.plugins.rare import _HOLDERS
+
+    snap = snapshot_of(alibaba_like())
+    snap.seen = SeenShapes(limit=8)
+    medium = WorkerShape(8, 88_000, 320 * GIB)
+    for i in range(2_000):
+        snap.seen.note(f"j{i}", WorkerShape(1, 1_000 + i, 0), float(i))
+        rare_shapes(snap, medium)
+    assert len(snap.kept[_HOLDERS]) <= 2 * len(snap.seen.counts) + 64 + 1
+    # What it keeps follows what is seen: the big shape, seen twice, is rare at once.
+    snap.seen.note("b1", WorkerShape(8, 120_000, 720 * GIB), 2_000.0)
+    snap.seen.note("b2", WorkerShape(8, 120_000, 720 * GIB), 2_001.0)
+    assert [g.shape for g in rare_shapes(snap, medium)] == [WorkerShape(8, 120_000, 720 * GIB)]

@@ -269,6 +269,8 @@ class SeenShapes:
         self._jobs: dict[str, tuple[WorkerShape, float]] = {}
         self.counts: dict[WorkerShape, int] = {}
         """Shape -> how many of the remembered jobs have it."""
+        self.version = 0
+        """How many times what is remembered changed (caches of figures over it read it)."""
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -280,6 +282,7 @@ class SeenShapes:
             return
         self._jobs[job_id] = (shape, float(now))
         self.counts[shape] = self.counts.get(shape, 0) + 1
+        self.version += 1
         while len(self._jobs) > self.limit:
             _old, (gone, _at) = next(iter(self._jobs.items()))
             del self._jobs[_old]
@@ -482,8 +485,9 @@ class Snapshot:
         nodes' totals read it)."""
         self.kept: dict[Hashable, Any] = {}
         """Figures a plugin keeps with the snapshot (``rare_fit``'s nodes per worker shape, while no
-        node's schedulability changes: :attr:`schedulable_version`); each checks its own entries
-        are still true before reuse."""
+        node's schedulability changes: :attr:`schedulable_version`, and its rare shapes per job
+        shape, while :attr:`seen` does not change either); each checks its own entries are still
+        true before reuse."""
         c_count = len(self.clusters)
         self.slices: list[tuple[int, int]] = [(0, 0)] * c_count
         if n:

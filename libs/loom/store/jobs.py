@@ -396,16 +396,24 @@ async def queued_jobs(conn: asyncpg.Connection | asyncpg.Pool) -> list[asyncpg.R
     return rows
 
 
-async def recent_jobs(conn: asyncpg.Connection | asyncpg.Pool, limit: int) -> list[asyncpg.Record]:
-    """The ``limit`` latest jobs submitted, in any state, oldest first: their spec and when they
-    were submitted (epoch seconds, ``at``). What a new placement leader notes as the shapes seen
-    lately (``Snapshot.seen``), so keeping room for rare shapes survives a restart."""
+async def recent_jobs(
+    conn: asyncpg.Connection | asyncpg.Pool, limit: int, *, before: tuple[datetime, str] | None = None
+) -> list[asyncpg.Record]:
+    """Up to ``limit`` of the latest jobs submitted that placement decides, newest first, before
+    ``before`` ((``submitted_at``, job id) of the last row of the page before): their spec and
+    when they were submitted (``submitted_at``, and as epoch seconds ``at``). DAG jobs (placement
+    decides their stages) and stages still waiting for their dependencies (not decided yet) are
+    left out. What a new placement leader notes as the shapes seen lately (``Snapshot.seen``), a
+    page at a time until it has enough of its own shards' jobs."""
     rows: list[asyncpg.Record] = await conn.fetch(
-        """SELECT job_id, spec, extract(epoch FROM submitted_at)::float8 AS at FROM (
-               SELECT job_id, spec, submitted_at FROM jobs
-               ORDER BY submitted_at DESC, job_id DESC LIMIT $1) latest
-           ORDER BY submitted_at, job_id""",
+        """SELECT job_id, spec, submitted_at, extract(epoch FROM submitted_at)::float8 AS at FROM jobs
+           WHERE state <> 'waiting'
+             AND jsonb_array_length(coalesce(spec->'stages', '[]'::jsonb)) = 0
+             AND ($2::timestamptz IS NULL OR (submitted_at, job_id) < ($2::timestamptz, $3::text))
+           ORDER BY submitted_at DESC, job_id DESC LIMIT $1""",
         max(int(limit), 0),
+        None if before is None else before[0],
+        None if before is None else before[1],
     )
     return rows
 

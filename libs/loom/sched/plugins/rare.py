@@ -34,6 +34,7 @@ Approximations, stated: arrivals of ``s`` are served one at a time (they do not 
 other); a node holds ``s`` again only when every job on it has ended.
 """
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 
@@ -109,50 +110,69 @@ class RareShape:
     """The nodes that could ever hold one of them (schedulable)."""
 
 
-def _holder_class(snap: Snapshot, shape: WorkerShape) -> tuple[bytes, int, IntArray]:
-    """Which schedulable nodes could ever hold one worker of ``shape`` (as bytes: shapes held by the
-    same nodes are one class, so 120 and 120.2 cores count together), how many, and their indices;
-    kept on the snapshot per shape while no node's schedulability changes."""
-    kept = snap.kept
+_HOLDERS = "rare_fit.holders"
+_RARE_FOR = "rare_fit.rare"
+
+
+def _holder_class(snap: Snapshot, shape: WorkerShape) -> tuple[bytes, int]:
+    """Which schedulable nodes could ever hold one worker of ``shape`` (a digest of the mask: shapes
+    held by the same nodes are one class, so 120 and 120.2 cores count together) and how many;
+    kept on the snapshot per shape while no node's schedulability changes, and only for shapes
+    still seen (``snap.seen``) once the table outgrows them."""
+    table: dict[WorkerShape, tuple[int, bytes, int]] = snap.kept.setdefault(_HOLDERS, {})
     version = snap.schedulable_version
-    held = kept.get(("rare_fit.holders", shape))
+    held = table.get(shape)
     if held is not None and held[0] == version:
-        return held[1], held[2], held[3]
+        return held[1], held[2]
     mask = holds(snap, shape, now=False)
-    nodes = np.flatnonzero(mask)
-    key, count = mask.tobytes(), int(nodes.size)
-    kept[("rare_fit.holders", shape)] = (version, key, count, nodes)
-    return key, count, nodes
+    key, count = hashlib.blake2b(mask.tobytes(), digest_size=16).digest(), int(np.count_nonzero(mask))
+    if len(table) > 2 * len(snap.seen.counts) + 64:
+        for gone in [s for s in table if s not in snap.seen.counts]:
+            del table[gone]
+    table[shape] = (version, key, count)
+    return key, count
 
 
 def rare_shapes(snap: Snapshot, own: WorkerShape) -> list[RareShape]:
     """The shapes seen lately (``snap.seen``) that are rare for a job of worker shape ``own``,
     grouped by the nodes that hold them, each group seen at least twice (a shape seen once is not
     known to come again: one 120-core task among 200 of Alibaba's 2023 trace kept one-GPU tasks of
-    weeks off the only nodes that held it, for no one)."""
+    weeks off the only nodes that held it, for no one). Kept on the snapshot per ``own`` until the
+    shapes seen or the nodes' schedulability change (a cycle over a long queue asks once a shape)."""
     counts = snap.seen.counts
     if not counts or (len(counts) == 1 and own in counts):
         return []
-    own_key, mine, _ = _holder_class(snap, own)
-    groups: dict[bytes, tuple[list[int], IntArray]] = {}
+    cache: dict[WorkerShape, tuple[tuple[int, int, int], list[RareShape]]] = snap.kept.setdefault(
+        _RARE_FOR, {}
+    )
+    stamp = (id(snap.seen), snap.seen.version, snap.schedulable_version)  # a new leader's is another
+    held = cache.get(own)
+    if held is not None and held[0] == stamp:
+        return held[1]
+    if len(cache) > 2 * len(counts) + 64:
+        cache.clear()
+    own_key, mine = _holder_class(snap, own)
+    groups: dict[bytes, tuple[list[int], WorkerShape]] = {}
     for shape, count in counts.items():
-        key, holders, nodes = _holder_class(snap, shape)
+        key, holders = _holder_class(snap, shape)
         if key == own_key or holders == 0 or holders > RARE_SHARE * mine:
             continue
         group = groups.get(key)
         if group is None:
-            groups[key] = ([count, shape.gpus, shape.cpu_milli, shape.memory_mib, holders], nodes)
+            groups[key] = ([count, shape.gpus, shape.cpu_milli, shape.memory_mib, holders], shape)
         else:
             most = group[0]
             most[0] += count
             most[1] = max(most[1], shape.gpus)
             most[2] = max(most[2], shape.cpu_milli)
             most[3] = max(most[3], shape.memory_mib)
-    return [
-        RareShape(WorkerShape(gpus, cpu, mem), count, holders, nodes)
-        for (count, gpus, cpu, mem, holders), nodes in groups.values()
+    found = [
+        RareShape(WorkerShape(gpus, cpu, mem), count, holders, np.flatnonzero(holds(snap, first, now=False)))
+        for (count, gpus, cpu, mem, holders), first in groups.values()
         if count >= 2
     ]
+    cache[own] = (stamp, found)
+    return found
 
 
 def arrival_rate(count: int, span_s: float) -> float:
