@@ -531,14 +531,19 @@ class PlacementService:
     async def _load_seen(self) -> None:
         """The shapes seen lately (``Book.seen``): the latest :data:`SEEN_JOBS` jobs this instance's
         shards decide, as an earlier leader saw them arrive, read a page at a time (other shards'
-        jobs skipped) and at most :data:`SEEN_PAGES` pages (a takeover reads no more)."""
+        jobs, DAG jobs, whose stages placement decides, and stages waiting or cancelled before they
+        were decided are skipped) and at most :data:`SEEN_PAGES` pages (a takeover reads no more)."""
         found: list[tuple[str, WorkerShape, float]] = []
         before: tuple[datetime, str] | None = None
         for _ in range(SEEN_PAGES):
             rows = await repo.recent_jobs(self.pool, SEEN_PAGE_ROWS, before=before)
             for row in rows:
+                if row["state"] == "waiting" or (
+                    row["parent"] is not None and row["state"] == "cancelled" and row["never_placed"]
+                ):
+                    continue  # a DAG stage not decided yet, or never (its DAG failed first)
                 job = msgspec.json.decode(row["spec"], type=JobSubmitted)
-                if job.pipeline is None and self._routed_here(job):
+                if job.pipeline is None and not job.stages and self._routed_here(job):
                     found.append((job.job_id, WorkerShape.of(job), float(row["at"])))
             if len(found) >= SEEN_JOBS or len(rows) < SEEN_PAGE_ROWS:
                 break

@@ -316,3 +316,21 @@ def test_what_the_plugin_keeps_on_the_snapshot_stays_bounded_by_the_shapes_seen(
     snap.seen.note("b1", WorkerShape(8, 120_000, 720 * GIB), 2_000.0)
     snap.seen.note("b2", WorkerShape(8, 120_000, 720 * GIB), 2_001.0)
     assert [g.shape for g in rare_shapes(snap, medium)] == [WorkerShape(8, 120_000, 720 * GIB)]
+
+
+def test_a_job_decided_again_while_it_waits_is_not_seen_again() -> None:
+    # Placement decides a queued job on every cycle; once a queue longer than the memory pushed it
+    # out, noting it again at each decision made the shapes' rates follow the queue, not arrivals,
+    # and bumped the memory's version every job (a review). Seen once, on arrival, as the
+    # simulator does.
+    snap = snapshot_of(alibaba_like())
+    snap.seen = SeenShapes(limit=2)
+    framework = build_framework()
+    framework.schedule(job("first", 88, 320, 100), snap)
+    version = snap.seen.version
+    snap.waiting.add("queued")  # decided before, nothing fitted it: it waits
+    framework.schedule(job("queued", 88, 320, 100), snap)
+    assert len(snap.seen) == 1 and snap.seen.version == version
+    # A job not waiting (on arrival) is seen.
+    framework.schedule(job("new", 88, 320, 100), snap)
+    assert len(snap.seen) == 2 and snap.seen.version == version + 1

@@ -925,7 +925,9 @@ class Framework:
         placed or rejected, with its shape and ``queue_key`` (``Snapshot.queued``: the jobs
         behind it count it ahead of them). Applied, the job's worker shape is noted as seen
         (``Snapshot.seen``: what ``rare_fit`` keeps room for)."""
-        if apply and job.pipeline is None:
+        if apply and job.pipeline is None and job.job_id not in snap.waiting:
+            # Once, when it arrives (as the simulator notes it): a job decided again while it
+            # waits is not seen again, though a queue longer than the memory has forgotten it.
             snap.seen.note(job.job_id, WorkerShape.of(job), snap.now)
         outcome = self._schedule_one(job, snap, avoid_clusters, apply, submitted_at, queue_key=queue_key)
         if apply and (outcome.decision is not None or outcome.status.code == Code.UNRESOLVABLE):

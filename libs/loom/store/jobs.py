@@ -399,17 +399,16 @@ async def queued_jobs(conn: asyncpg.Connection | asyncpg.Pool) -> list[asyncpg.R
 async def recent_jobs(
     conn: asyncpg.Connection | asyncpg.Pool, limit: int, *, before: tuple[datetime, str] | None = None
 ) -> list[asyncpg.Record]:
-    """Up to ``limit`` of the latest jobs submitted that placement decides, newest first, before
-    ``before`` ((``submitted_at``, job id) of the last row of the page before): their spec and
-    when they were submitted (``submitted_at``, and as epoch seconds ``at``). DAG jobs (placement
-    decides their stages) and stages still waiting for their dependencies (not decided yet) are
-    left out. What a new placement leader notes as the shapes seen lately (``Snapshot.seen``), a
-    page at a time until it has enough of its own shards' jobs."""
+    """Up to ``limit`` of the latest jobs submitted, newest first, before ``before``
+    ((``submitted_at``, job id) of the last row of the page before): their spec, when they were
+    submitted (``submitted_at``, and as epoch seconds ``at``), their state, DAG parent and whether
+    they were ever placed (``never_placed``), for the caller to leave out what placement never
+    decided (a filter on the spec here would keep the planner off the index). What a new placement
+    leader notes as the shapes seen lately (``Snapshot.seen``), a page at a time."""
     rows: list[asyncpg.Record] = await conn.fetch(
-        """SELECT job_id, spec, submitted_at, extract(epoch FROM submitted_at)::float8 AS at FROM jobs
-           WHERE state <> 'waiting'
-             AND jsonb_array_length(coalesce(spec->'stages', '[]'::jsonb)) = 0
-             AND ($2::timestamptz IS NULL OR (submitted_at, job_id) < ($2::timestamptz, $3::text))
+        """SELECT job_id, spec, submitted_at, extract(epoch FROM submitted_at)::float8 AS at, state,
+                  parent, placed_at IS NULL AS never_placed FROM jobs
+           WHERE ($2::timestamptz IS NULL OR (submitted_at, job_id) < ($2::timestamptz, $3::text))
            ORDER BY submitted_at DESC, job_id DESC LIMIT $1""",
         max(int(limit), 0),
         None if before is None else before[0],

@@ -142,13 +142,13 @@ def rare_shapes(snap: Snapshot, own: WorkerShape) -> list[RareShape]:
     counts = snap.seen.counts
     if not counts or (len(counts) == 1 and own in counts):
         return []
-    cache: dict[WorkerShape, tuple[tuple[int, int, int], list[RareShape]]] = snap.kept.setdefault(
+    cache: dict[WorkerShape, tuple[object, tuple[int, int], list[RareShape]]] = snap.kept.setdefault(
         _RARE_FOR, {}
     )
-    stamp = (id(snap.seen), snap.seen.version, snap.schedulable_version)  # a new leader's is another
+    stamp = (snap.seen.version, snap.schedulable_version)
     held = cache.get(own)
-    if held is not None and held[0] == stamp:
-        return held[1]
+    if held is not None and held[0] is snap.seen and held[1] == stamp:  # a new leader's is another
+        return held[2]
     if len(cache) > 2 * len(counts) + 64:
         cache.clear()
     own_key, mine = _holder_class(snap, own)
@@ -171,7 +171,7 @@ def rare_shapes(snap: Snapshot, own: WorkerShape) -> list[RareShape]:
         for (count, gpus, cpu, mem, holders), first in groups.values()
         if count >= 2
     ]
-    cache[own] = (stamp, found)
+    cache[own] = (snap.seen, stamp, found)
     return found
 
 
