@@ -127,7 +127,7 @@ from loom.sched.probe import PROBE_LABEL, ProbeSettings
 from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, TenantConfig
 from loom.sched.shards import GLOBAL, ShardMap, route, route_of
-from loom.sched.snapshot import SEEN_JOBS, Economics, SeenShapes, WorkerShape
+from loom.sched.snapshot import SEEN_JOBS, Economics, SeenShapes
 from loom.security import (
     attempts_scope,
     foreign_cancellation,
@@ -533,7 +533,7 @@ class PlacementService:
         shards decide, as an earlier leader saw them arrive, read a page at a time (other shards'
         jobs, DAG jobs, whose stages placement decides, and stages waiting or cancelled before they
         were decided are skipped) and at most :data:`SEEN_PAGES` pages (a takeover reads no more)."""
-        found: list[tuple[str, WorkerShape, float]] = []
+        found: list[tuple[JobSubmitted, float]] = []
         before: tuple[datetime, str] | None = None
         for _ in range(SEEN_PAGES):
             rows = await repo.recent_jobs(self.pool, SEEN_PAGE_ROWS, before=before)
@@ -544,13 +544,13 @@ class PlacementService:
                     continue  # a DAG stage not decided yet, or never (its DAG failed first)
                 job = msgspec.json.decode(row["spec"], type=JobSubmitted)
                 if job.pipeline is None and not job.stages and self._routed_here(job):
-                    found.append((job.job_id, WorkerShape.of(job), float(row["at"])))
+                    found.append((job, float(row["at"])))
             if len(found) >= SEEN_JOBS or len(rows) < SEEN_PAGE_ROWS:
                 break
             before = (rows[-1]["submitted_at"], str(rows[-1]["job_id"]))
         seen = SeenShapes()
-        for job_id, shape, at in reversed(found[:SEEN_JOBS]):  # oldest first, as they came
-            seen.note(job_id, shape, at)
+        for job, at in reversed(found[:SEEN_JOBS]):  # oldest first, as they came
+            seen.note_job(job, at)
         self.book.seen = seen
 
     def _register_gauges(self) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 
 from loom.sched import pipeline
 from loom.sched.probe import is_probe
-from loom.sched.snapshot import BoolArray, FloatArray, IntArray, QueuedShape, Snapshot, WorkerShape
+from loom.sched.snapshot import BoolArray, FloatArray, IntArray, QueuedShape, Snapshot
 from loom_proto.jobs import JobSpec, RejectCode, SyncPlan
 
 T = TypeVar("T")
@@ -928,7 +928,7 @@ class Framework:
         if apply and job.pipeline is None and job.job_id not in snap.waiting:
             # Once, when it arrives (as the simulator notes it): a job decided again while it
             # waits is not seen again, though a queue longer than the memory has forgotten it.
-            snap.seen.note(job.job_id, WorkerShape.of(job), snap.now)
+            snap.seen.note_job(job, snap.now)
         outcome = self._schedule_one(job, snap, avoid_clusters, apply, submitted_at, queue_key=queue_key)
         if apply and (outcome.decision is not None or outcome.status.code == Code.UNRESOLVABLE):
             snap.waiting.discard(job.job_id)

@@ -292,6 +292,10 @@ class SeenShapes:
             else:
                 del self.counts[gone]
 
+    def note_job(self, job: JobSpec, now: float) -> None:
+        """:meth:`note` of ``job`` with its worker shape (:meth:`WorkerShape.of`)."""
+        self.note(job.job_id, WorkerShape.of(job), now)
+
     def span_s(self, now: float) -> float:
         """Seconds from the oldest job remembered to ``now``, at least :data:`SEEN_MIN_SPAN_S`."""
         if not self._jobs:

@@ -148,7 +148,6 @@ from loom.sched.snapshot import (
     NetMatrix,
     RunningJob,
     Snapshot,
-    WorkerShape,
     allowed_pools,
 )
 from loom.sched.staging import staging_plan
@@ -1058,7 +1057,7 @@ class _Simulation:
                     decided.add(job.spec.job_id)
                     if job.spec.pipeline is None:  # a pipeline is never counted (_join_queue)
                         # Seen now, as placement's decision of it would note it (rare_fit).
-                        self.snap.seen.note(job.spec.job_id, WorkerShape.of(job.spec), self.t)
+                        self.snap.seen.note_job(job.spec, self.t)
                         self.snap.join_queue(job.spec.job_id, probe=is_probe(job.spec.labels))
                         self._record_queued(job)
                     self._stage(job)
@@ -1169,7 +1168,7 @@ class _Simulation:
         if job.spec.pipeline is not None or job.spec.job_id in self.snap.waiting:
             return
         # Seen, as the framework notes every job it decides (``rare_fit`` reads how often shapes come).
-        self.snap.seen.note(job.spec.job_id, WorkerShape.of(job.spec), self.t)
+        self.snap.seen.note_job(job.spec, self.t)
         self.snap.join_queue(job.spec.job_id, probe=is_probe(job.spec.labels))
         self._record_queued(job)
 

@@ -74,27 +74,20 @@ class _Verdict:
     model: IntArray
     harm: FloatArray
     jct: FloatArray
-    holders: tuple[IntArray, ...]
-    """The rare groups' nodes."""
 
 
 _VERDICT: StateKey[_Verdict | None] = StateKey("rare_fit.verdict")
 
 
-def holds(snap: Snapshot, shape: WorkerShape, *, now: bool) -> BoolArray:
-    """Per node: whether it holds one worker of ``shape``: by what it has in all (``now`` False;
-    schedulable nodes only) or by what is free on it now (``now`` True). A node that does not
-    report CPU or RAM is not checked on it (as ``resource_fit`` does)."""
-    if now:
-        ok = snap.schedulable & (snap.free >= shape.gpus)
-        cpu, mem = snap.cpu_free, snap.mem_free
-    else:
-        ok = snap.schedulable & (snap.total >= shape.gpus)
-        cpu, mem = snap.cpu_cap, snap.mem_cap
+def holds(snap: Snapshot, shape: WorkerShape) -> BoolArray:
+    """Per node: whether it is schedulable and could ever hold one worker of ``shape`` (by what it
+    has in all; a node that does not report CPU or RAM is not checked on it, as ``resource_fit``
+    does). Whether it has room now is :meth:`Snapshot.room`'s."""
+    ok = snap.schedulable & (snap.total >= shape.gpus)
     if shape.cpu_milli:
-        ok = ok & (~snap.cpu_known | (cpu >= shape.cpu_milli))
+        ok = ok & (~snap.cpu_known | (snap.cpu_cap >= shape.cpu_milli))
     if shape.memory_mib:
-        ok = ok & (~snap.mem_known | (mem >= shape.memory_mib))
+        ok = ok & (~snap.mem_known | (snap.mem_cap >= shape.memory_mib))
     return ok
 
 
@@ -124,7 +117,7 @@ def _holder_class(snap: Snapshot, shape: WorkerShape) -> tuple[bytes, int]:
     held = table.get(shape)
     if held is not None and held[0] == version:
         return held[1], held[2]
-    mask = holds(snap, shape, now=False)
+    mask = holds(snap, shape)
     key, count = hashlib.blake2b(mask.tobytes(), digest_size=16).digest(), int(np.count_nonzero(mask))
     if len(table) > 2 * len(snap.seen.counts) + 64:
         for gone in [s for s in table if s not in snap.seen.counts]:
@@ -167,7 +160,7 @@ def rare_shapes(snap: Snapshot, own: WorkerShape) -> list[RareShape]:
             most[2] = max(most[2], shape.cpu_milli)
             most[3] = max(most[3], shape.memory_mib)
     found = [
-        RareShape(WorkerShape(gpus, cpu, mem), count, holders, np.flatnonzero(holds(snap, first, now=False)))
+        RareShape(WorkerShape(gpus, cpu, mem), count, holders, np.flatnonzero(holds(snap, first)))
         for (count, gpus, cpu, mem, holders), first in groups.values()
         if count >= 2
     ]
@@ -228,7 +221,9 @@ class RareFit:
                 continue
             if ends is None:
                 ends = _node_ends(snap)
-            room = _room_now(snap, shape, could)
+            room = snap.schedulable[could] & (
+                snap.room(could, shape.gpus, shape.cpu_milli, shape.memory_mib) > 0
+            )
             back = np.where(room, 0.0, np.maximum(ends[could] - snap.now, 0.0))  # room again after
             soonest = float(back.min())
             near = np.flatnonzero(ok & np.isin(pools, snap.pool_of[could]))
@@ -250,7 +245,7 @@ class RareFit:
         alt = ok & ~spends
         state.write(
             _VERDICT,
-            _Verdict(candidates.cluster, candidates.model, harm, jct, tuple(g.nodes for g in rare)),
+            _Verdict(candidates.cluster, candidates.model, harm, jct),
         )
         if not spends.any() or not alt.any():
             return none  # nothing to keep now, or nowhere else to go now (the permit weighs a wait)
@@ -288,8 +283,8 @@ class RareFit:
         if not harm > 0 or not math.isfinite(run) or harm - waited < MIN_WAIT_S:
             return SUCCESS
         pools = whole_gang_pools(state, decision.workers)
-        for nodes in verdict.holders:
-            pools[snap.cluster_of[nodes], snap.model_of[nodes]] = False
+        for group in state.get(_RARE, []):
+            pools[snap.cluster_of[group.nodes], snap.model_of[group.nodes]] = False
         options = single_cluster_options(state, pools, decision.workers, within_s=RARE_MAX_SLOWDOWN * run)
         if not options:
             return SUCCESS
@@ -309,16 +304,6 @@ class RareFit:
     def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
         scores: FloatArray = 100.0 * (1.0 - np.minimum(np.maximum(raw, 0.0), 1.0))
         return scores
-
-
-def _room_now(snap: Snapshot, shape: WorkerShape, nodes: IntArray) -> BoolArray:
-    """Of ``nodes``, which have room for one worker of ``shape`` now (as :func:`holds` ``now``)."""
-    ok = snap.schedulable[nodes] & (snap.free[nodes] >= shape.gpus)
-    if shape.cpu_milli:
-        ok &= ~snap.cpu_known[nodes] | (snap.cpu_free[nodes] >= shape.cpu_milli)
-    if shape.memory_mib:
-        ok &= ~snap.mem_known[nodes] | (snap.mem_free[nodes] >= shape.memory_mib)
-    return ok
 
 
 def _left_holds(snap: Snapshot, node: int, shape: WorkerShape, workers: int, job: WorkerShape) -> bool:
