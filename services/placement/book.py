@@ -144,6 +144,7 @@ class Run:
             memory_mib=job.resources.memory_mib,
             attempt=self.attempt,
             expected_end_s=self.expected_end_s,
+            spec=job,
         )
 
     @property

@@ -1420,11 +1420,17 @@ class PlacementService:
                     copies.get(run.job.job_id, []),
                     unreachable=self.failover.failed,
                 )
+                why = (
+                    f"stopped to make room for {by}, whose worker only its node holds, as it has room"
+                    f" elsewhere now; {resume.why}"
+                    if preempted.plugin == "rare_room"
+                    else f"preempted by {by}; {resume.why}"
+                )
                 await self._give_up(
                     conn,
                     run,
                     "preempted",
-                    f"preempted by {by}; {resume.why}",
+                    why,
                     avoid=(),
                     result=applied,
                     resume_step=resume.step,

@@ -430,6 +430,52 @@ def test_a_job_the_simulator_skips_on_arrival_counts_as_seen_as_placement_counts
     same_decisions(jobs)
 
 
+@pytest.mark.parametrize(("budget", "halves"), [(1, False), (64, False), (1, True), (64, True)])
+def test_jobs_moved_to_make_room_for_a_rare_shape_are_moved_alike_in_the_service(
+    budget: int, halves: bool
+) -> None:
+    # rare_room: "s" (8 GPUs, any model) takes the V100M32 node, the only one a 700-GiB worker fits,
+    # while four long jobs hold the G2 nodes; "big" arrives and waits. When the G2 jobs end, s is
+    # stopped and placed again on a G2 (its run there is about what it had left), and big starts.
+    # ``halves``: two 4-GPU, 380-GiB jobs share the node instead (no other node has the memory for
+    # one but the G2 ones): both are moved.
+    g2 = Resources(gpus=8, cpu_milli=4000, gpu_models=["G2"])
+    jobs = [
+        SimJob(
+            JobSpec(job_id=f"f{i}", tenant="a", resources=g2, work=Work(steps=70_000, step_time_s=10.0)), 0.0
+        )
+        for i in range(4)
+    ]
+    movers = ["h0", "h1"] if halves else ["s"]
+    size = (
+        Resources(gpus=4, cpu_milli=4000, memory_mib=380 * 1024)
+        if halves
+        else Resources(gpus=8, cpu_milli=4000)
+    )
+    for k, job_id in enumerate(movers):
+        # Two to move: each must have less left to redo (the move pays for both together only
+        # when each loses little on a G2), yet still start on the V100M32 rather than wait.
+        work = Work(steps=21_500 if halves else 20_000, step_time_s=10.0)
+        jobs.append(SimJob(JobSpec(job_id=job_id, tenant="a", resources=size, work=work), 1.0 + k))
+    rare_big = Resources(gpus=8, cpu_milli=8000, memory_mib=700 * 1024)
+    jobs.append(
+        SimJob(
+            JobSpec(job_id="big", tenant="a", resources=rare_big, work=Work(steps=2_000, step_time_s=10.0)),
+            5_000.0,
+        )
+    )
+    framework = build_framework(context={"economics": PLATFORM.economics})
+    sim = simulate(
+        Trace(list(jobs)), PLATFORM, FrameworkPolicy("loom", framework), truth=BELIEF, sample_every_s=0
+    )
+    got = {r.job_id: r for r in sim.records}
+    fillers_end = got["f0"].end_s
+    for job_id in movers:
+        assert got[job_id].restarts == 1 and got[job_id].gpu_model == "G2", got[job_id]
+    assert got["big"].gpu_model == "V100M32" and got["big"].start_s == pytest.approx(fillers_end)
+    same_decisions(jobs, budget=budget)
+
+
 CASES = json.loads((Path(__file__).parent / "data" / "service_vs_sim_cases.json").read_text())
 """Random cases the simulator decided otherwise than placement (found by 1,500-4,500 random cases a
 seed, 2026-12-04 evening; the last with gangs that may span), each with what was wrong: each fails

@@ -59,7 +59,8 @@ def job(job_id: str, cpu_cores: int, mem_gib: int, steps: int) -> JobSpec:
 
 
 def without_rare_fit(_seed: int) -> FrameworkPolicy:
-    profile = {"plugins": [p for p in DEFAULT_PLUGINS if p != "rare_fit"]}
+    # rare_room out too: it would move the medium job off the G3 node once a big one waits.
+    profile = {"plugins": [p for p in DEFAULT_PLUGINS if p not in ("rare_fit", "rare_room")]}
     return FrameworkPolicy("loom", build_framework(profile))
 
 

@@ -178,6 +178,9 @@ class Preempted:
 
     job_id: str
     by: str
+    plugin: str = "preemption"
+    """What stopped it: ``preemption`` (``by`` has a higher priority) or ``rare_room`` (only the
+    node it ran on holds ``by``'s worker, and it has room elsewhere: it runs again there)."""
 
 
 def stage_beyond_quota(
@@ -389,7 +392,9 @@ def _classify(result: CycleResult[P], p: P, outcome: Outcome, settings: CycleSet
     if decision is not None:
         result.placed.append(Placed(p, decision, outcome.record))
         by = p.job.job_id
-        result.preempted += [Preempted(victim, by) for victim in decision.victims]
+        result.preempted += [
+            Preempted(victim, by, decision.room_by or "preemption") for victim in decision.victims
+        ]
         result.shrunk += [Shrunk(job_id, w, allocs, by) for job_id, w, allocs in decision.shrunk]
         return
     # Only the quota's verdict is final before the clusters settled: it does not depend on them.

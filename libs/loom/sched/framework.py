@@ -380,6 +380,9 @@ class Decision:
     sync: SyncPlan | None = None
     victims: tuple[str, ...] = ()
     """Jobs preempted to make room (their GPUs are already given back in the snapshot)."""
+    room_by: str = ""
+    """The post-filter that made room (``preemption``, ``rare_room``, ``elastic_shrink``); "" when
+    the decision needed none."""
     undo: Callable[[], None] | None = field(default=None, repr=False, compare=False)
     """Set by a post-filter that changed the snapshot (gave victims' GPUs back): reverses that
     when the decision is refused later in the cycle (reserve, permit or bind)."""
@@ -1264,6 +1267,7 @@ class Framework:
                 record.notes.append(f"{post.name} failed: {type(exc).__name__}: {exc}")
                 continue
             if decision is not None:
+                decision.room_by = post.name
                 # The record is the job's tenant's to read (`loom explain`): another tenant's job is
                 # counted, never named (its id told one tenant what another runs).
                 mine = state.job.tenant

@@ -24,7 +24,7 @@ from loom.sched.plugins.packing import FreeFit, NodeFit, PoolFit
 from loom.sched.plugins.patience import PipelinePatience
 from loom.sched.plugins.queue_order import ShortestServiceFirst
 from loom.sched.plugins.quota import Preempt, Quota
-from loom.sched.plugins.rare import RARE_FIT_WEIGHT, RareFit
+from loom.sched.plugins.rare import RARE_FIT_WEIGHT, RareFit, RareRoom
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.snapshot import Economics
 
@@ -50,6 +50,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "rare_fit",
     "waiting_jobs",
     "preemption",
+    "rare_room",
     "span_guard",
     "pipeline_patience",
 )
@@ -99,6 +100,7 @@ def default_registry() -> Registry:
     registry.register("free_fit", lambda _cfg: FreeFit())
     registry.register("node_fit", lambda _cfg: NodeFit())
     registry.register("rare_fit", lambda _cfg: RareFit())
+    registry.register("rare_room", lambda _cfg: RareRoom())
     registry.register("affinity", lambda _cfg: Affinity())
     registry.register("data_locality", lambda _cfg: DataLocality())
     registry.register("joint", lambda cfg: Joint(_learner(cfg)))

@@ -75,6 +75,9 @@ class RunningJob:
     expected_end_s: float | None = None
     """When the run is predicted to end, in seconds on the snapshot's clock (``Snapshot.now``);
     None when not known. What :mod:`loom.sched.availability` reads to tell when GPUs free up."""
+    spec: JobSpec | None = field(default=None, compare=False, repr=False)
+    """The job as submitted (its work, checkpoints and hard rules: what moving it to make room
+    weighs, :class:`~loom.sched.plugins.rare.RareRoom`); None when not known."""
 
     @property
     def gpus(self) -> int:

@@ -39,10 +39,13 @@ then one scheduling pass runs, in queue order (the policy's queue sort):
 * an arriving job whose shape is known to be possible on this platform, that no pool could hold,
   and for which preemption or elastic shrink could not make room (free GPUs plus those of
   lower-priority preemptible jobs and of shrinkable elastic jobs, per pool: the bound both
-  post-filters start from) is queued without a decision;
-* when GPUs were released and at each sample, shapes for which preemption or elastic shrink could
-  make room get one retry (placement retries every queued job when capacity changes, and on its
-  backoff); after a link changes every waiting shape gets one (placement weighs the network).
+  post-filters start from), nor ``rare_room`` move a job (one worker of a rare shape, a
+  preemptible job of no higher priority running in one of its pools:
+  :func:`~loom.sched.plugins.rare.room_possible`), is queued without a decision;
+* when GPUs were released and at each sample, shapes for which preemption, elastic shrink or
+  ``rare_room`` could make room get one retry (placement retries every queued job when capacity
+  changes, and on its backoff); after a link changes every waiting shape gets one (placement weighs
+  the network).
 
 :attr:`SimResult.notes` say how many decisions were made for arrivals and for retries.
 Rejected jobs (UNRESOLVABLE) are recorded with the reason and dropped; a DAG stage of a rejected
@@ -81,10 +84,11 @@ duration of a run is ``wait + steps_left x step_s`` (+ the reading delay).
 **Changes during a run.** A degraded or restored link re-times the running data-parallel jobs whose
 parts span it, and the running inference jobs served from another region than their users (their
 step waits the users' round trip); work done so far is kept; pipelines keep their planned step. A
-shrunk elastic job is re-timed for its new worker count. A job stopped by preemption or by its
-cluster failing is requeued (``restarts`` + 1) and resumes from its last checkpoint when
-``work.checkpoint_every_steps`` is set, else from scratch. Progress of running jobs is not
-reported to preemption (it sees 0), and elastic jobs are not grown back (only shrunk).
+shrunk elastic job is re-timed for its new worker count. A job stopped by preemption (or by
+``rare_room``, to make room for a rare worker shape) or by its cluster failing is requeued
+(``restarts`` + 1) and resumes from its last checkpoint when ``work.checkpoint_every_steps`` is set,
+else from scratch. Progress of running jobs is not reported to preemption (it sees 0), and elastic
+jobs are not grown back (only shrunk).
 
 **Records.** ``start_s`` is the first placement (the GPUs are held from then, also while a dataset
 is copied); ``arrival_s`` the time the job entered the queue (a DAG stage: when its last parent
@@ -139,6 +143,7 @@ from loom.sched.pipeline import transfer_s
 from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s, users_wait_s
+from loom.sched.plugins.rare import RareRoom, room_possible
 from loom.sched.probe import ProbeSettings, is_probe, probe_gate
 from loom.sched.quota import OPEN, QuotaBook
 from loom.sched.snapshot import (
@@ -148,6 +153,7 @@ from loom.sched.snapshot import (
     NetMatrix,
     RunningJob,
     Snapshot,
+    WorkerShape,
     allowed_pools,
 )
 from loom.sched.staging import staging_plan
@@ -304,6 +310,9 @@ class _Shape:
     pipeline: bool
     priority: int
     index: int
+    worker: WorkerShape | None = None
+    """One worker's GPUs, CPU and RAM when its jobs start with one worker (what ``rare_room`` may
+    make room for); None otherwise."""
     apart: bool = False
     """Its jobs keep apart from running jobs (``affinity.apart_from_jobs``): a failure may be that
     rule's, which lifts when such a job ends without any pool gaining workers, so none is taken as
@@ -607,6 +616,11 @@ class _Simulation:
         """Workers of that many GPUs the free GPUs of each pool hold (see :meth:`_workers`)."""
         self.holders = Counter[tuple[str, int]]()
         """("freeable" or "spare", priority) -> running jobs counted there."""
+        self.rare_room = self.fast is not None and any(
+            isinstance(post, RareRoom) for post in self.fast.framework.post_filters
+        )
+        """The policy may move a running job to make room for a rare worker shape (``rare_room``):
+        a waiting job of such a shape is then decided, not skipped, while one could."""
         self.gpus_used = 0
         self.elastic = 0
         """Elastic runs holding GPUs (growth is looked for only when there are some)."""
@@ -783,6 +797,11 @@ class _Simulation:
                 pipeline=spec.pipeline is not None,
                 priority=spec.priority,
                 index=len(self.shapes),
+                worker=(
+                    WorkerShape(res.gpus, res.cpu_milli, res.memory_mib)
+                    if min_workers == 1 and spec.pipeline is None
+                    else None
+                ),
                 apart=bool(aff.apart_from_jobs),
             )
             self.shapes[key] = shape
@@ -1424,12 +1443,28 @@ class _Simulation:
                 continue
             more = (self.freeable if kind == "freeable" else self.spare)[q]
             extra = more.copy() if extra is None else extra + more
-        if extra is None:
-            return False
         free = self.snap.free_sum
-        if extra.shape != free.shape or shape.pools.shape != free.shape:
-            return True
-        return bool((shape.pools & (free + extra >= shape.need)).any())
+        if extra is not None:
+            if extra.shape != free.shape or shape.pools.shape != free.shape:
+                return True
+            if bool((shape.pools & (free + extra >= shape.need)).any()):
+                return True
+        return self._may_move_for(shape)
+
+    def _may_move_for(self, shape: _Shape) -> bool:
+        """Whether ``rare_room`` (:class:`~loom.sched.plugins.rare.RareRoom`) could move a running
+        job to make room for the shape: the policy has it, the shape is one worker of a rare shape
+        (:func:`~loom.sched.plugins.rare.room_possible`), and a preemptible job of no higher
+        priority runs in one of its pools (the bound the post-filter starts from)."""
+        if not self.rare_room or shape.worker is None or shape.pools.shape != self.snap.free_sum.shape:
+            return False
+        p = shape.priority
+        if not any(
+            count > 0 and kind == "freeable" and q <= p and bool((self.freeable[q] > 0)[shape.pools].any())
+            for (kind, q), count in self.holders.items()
+        ):
+            return False
+        return room_possible(self.snap, shape.worker)
 
     # ---- runs ----------------------------------------------------------------------------------
 
@@ -1753,6 +1788,7 @@ class _Simulation:
             memory_mib=spec.resources.memory_mib,
             attempt=job.record.restarts + 1,
             expected_end_s=end_s if end_s is not None else self.t + delay_s + job.steps_left * step_s,
+            spec=spec,
         )
 
     def _count(self, run: _Run, sign: int) -> None:

@@ -36,10 +36,12 @@ other); a node holds ``s`` again only when every job on it has ended.
 
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from loom.sched.allowed import cluster_allowed
 from loom.sched.availability import releases
 from loom.sched.framework import (
     SUCCESS,
@@ -47,12 +49,15 @@ from loom.sched.framework import (
     Code,
     CycleState,
     Decision,
+    Framework,
     StateKey,
     Status,
     pack_workers,
 )
 from loom.sched.plugins.network import MIN_WAIT_S, predicted_jct_s, single_cluster_options, whole_gang_pools
-from loom.sched.snapshot import BoolArray, FloatArray, IntArray, Snapshot, WorkerShape
+from loom.sched.probe import is_probe
+from loom.sched.snapshot import BoolArray, FloatArray, IntArray, RunningJob, Snapshot, WorkerShape
+from loom_proto.jobs import JobSpec
 
 RARE_SHARE = 0.25
 """A shape is rare for a job when at most this share of the nodes that could ever hold one of the
@@ -306,6 +311,303 @@ class RareFit:
         return scores
 
 
+ROOM_MARGIN_S = 1800.0
+"""A move to make room must save at least this many job-seconds more than it costs: the beliefs it
+is weighed by (speeds, predicted ends) err, and a stop is not undone."""
+
+
+def room_possible(snap: Snapshot, worker: WorkerShape) -> bool:
+    """A bound :class:`RareRoom` starts from (a necessary condition, read by the simulator before it
+    skips a waiting job's decision): the job's worker is rare beside some shape, that is, at most
+    :data:`RARE_SHARE` of the schedulable nodes with GPUs could ever hold one. Whether a stoppable
+    job runs where it would fit is the caller's to check."""
+    _, holders = _holder_class(snap, worker)
+    if holders == 0:
+        return False
+    nodes = int(np.count_nonzero(snap.schedulable & (snap.total > 0)))
+    return holders <= RARE_SHARE * nodes
+
+
+ROOM_MAX_MOVED = 4
+"""The most jobs ``rare_room`` moves off one node for one job."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Move:
+    """Running jobs, on one node, that could make room there for the deciding one by running
+    elsewhere now, and the job-seconds that saves."""
+
+    net_s: float
+    positions: tuple[int, ...]
+    node: int
+
+
+class RareRoom:
+    """Post-filter: when nothing has room for a job of a rare worker shape, move a job of a common
+    shape off a node that would then hold it, if that job has room elsewhere now and the move saves
+    more job-seconds than it costs.
+
+    ``rare_fit`` keeps such a node only for shapes seen at least twice; the first job of a rare
+    shape, or one arriving after the node was taken for a run of days, waits for that run to end
+    (an outside evaluator: on a 120-GPU platform with one 128-core node, Loom was 126-177 % behind
+    compute-only greedy on Alibaba's multi-GPU tasks, a 120-core task waiting 5.5 days behind an
+    88-core one that ran there). The job deciding is *rare* beside a running job when at most
+    :data:`RARE_SHARE` of the nodes that could ever hold the running job's worker could ever hold
+    its own (:func:`holds`, every schedulable node, whatever either job allows: the same rule as
+    ``rare_fit``). A running job qualifies when it is preemptible, of no higher priority, one
+    worker on one node, its node could hold the deciding job's worker once it leaves, and a node
+    that could never hold the deciding job's worker (other than its own) has room for it now in a
+    pool its rules allow, where no other queued job waits.
+
+    The trade, in job-seconds by the scheduler's beliefs: the deciding job starts now instead of
+    when the soonest node that could hold it empties (the latest predicted end of the jobs on it);
+    the moved job, restarted from its last checkpoint (from its start when it keeps none) on the
+    fastest such node, ends ``(share left + share redone) x its run there`` from now instead of at
+    its predicted end. The move is made when the first exceeds the second by more than
+    :data:`ROOM_MARGIN_S`; the largest saving first. The moved job is stopped as preemption stops
+    one (the cycle requeues it) and placed again by its own decision."""
+
+    name = "rare_room"
+
+    def post_filter(self, state: CycleState, framework: Framework) -> Decision | None:
+        snap = state.snapshot
+        job = state.job
+        if not snap.running or job.pipeline is not None or is_probe(job.labels) or state.min_workers != 1:
+            return None
+        own = WorkerShape.of(job)
+        if not room_possible(snap, own):
+            return None
+        _, mine = _holder_class(snap, own)
+        could = holds(snap, own)
+        pools = state.allowed_pools()
+        here = could & pools[snap.cluster_of, snap.model_of]
+        if not here.any():
+            return None
+        ends = _node_ends(snap)
+        soonest = float(ends[here].min())
+        gain = soonest - snap.now
+        if not math.isfinite(gain) or gain <= ROOM_MARGIN_S:
+            return None
+        on_node = _runs_on_nodes(snap)
+        best: _Move | None = None
+        for node in np.flatnonzero(here).tolist():
+            positions = on_node.get(snap.node_ids[node], ())
+            move = self._node_move(state, node, positions, own=own, mine=mine, could=could, gain=gain)
+            if move is not None and (best is None or move.net_s > best.net_s):
+                best = move
+        if best is None:
+            return None
+        return self._decide(state, framework, best)
+
+    def _node_move(
+        self,
+        state: CycleState,
+        node: int,
+        positions: Sequence[int],
+        *,
+        own: WorkerShape,
+        mine: int,
+        could: BoolArray,
+        gain: float,
+    ) -> _Move | None:
+        """The jobs to move off ``node`` so that it holds the deciding job, cheapest first, and what
+        that saves (None: it does not pay, or no set of them qualifies)."""
+        snap, job = state.snapshot, state.job
+        options: list[tuple[float, int]] = []
+        for position in positions:
+            run = snap.running[position]
+            if not _movable(snap, run, job, mine):
+                continue
+            target = _room_elsewhere(snap, run, could=could, node=node, deciding=job.job_id)
+            if target is not None:
+                options.append((_move_loss_s(snap, run, node, target), position))
+        options.sort()
+        chosen: list[int] = []
+        freed = WorkerShape(0, 0, 0)
+        for _, position in options[:ROOM_MAX_MOVED]:
+            run = snap.running[position]
+            chosen.append(position)
+            freed = WorkerShape(
+                freed.gpus + run.gpus_per_worker,
+                freed.cpu_milli + run.cpu_milli,
+                freed.memory_mib + run.memory_mib,
+            )
+            if _holds_after(snap, node, freed, own):
+                break
+        else:
+            return None
+        # Each moved job's room elsewhere, the ones before it placed there first.
+        taken: list[tuple[int, RunningJob]] = []
+        loss = 0.0
+        left = 0.0
+        try:
+            for position in chosen:
+                run = snap.running[position]
+                target = _room_elsewhere(snap, run, could=could, node=node, deciding=job.job_id)
+                if target is None:
+                    return None
+                loss += max(_move_loss_s(snap, run, node, target), 0.0)
+                left = max(left, (run.expected_end_s or 0.0) - snap.now, 0.0)
+                snap.take([(snap.node_ids[target], run.gpus_per_worker)], *_per_worker(run))
+                taken.append((target, run))
+        finally:
+            for target, run in taken:
+                snap.give_back([(snap.node_ids[target], run.gpus_per_worker)], *_per_worker(run))
+        # The deciding job waits at most until these jobs have ended (the node holds it then).
+        net = min(gain, left) - loss
+        if net <= ROOM_MARGIN_S:
+            return None
+        return _Move(net_s=net, positions=tuple(chosen), node=node)
+
+    def _decide(self, state: CycleState, framework: Framework, move: _Move) -> Decision | None:
+        """Stop the chosen jobs (their GPUs, CPU and RAM back in the snapshot) and place the
+        deciding job on their node's pool; undone if that does not hold it after all."""
+        snap = state.snapshot
+        before = snap.running
+        runs = [before[p] for p in move.positions]
+        for run in runs:
+            snap.give_back(run.allocations, run.gpus_per_worker, run.cpu_milli, run.memory_mib)
+        gone = set(move.positions)
+        snap.running = [r for i, r in enumerate(before) if i not in gone]
+        c, m = int(snap.cluster_of[move.node]), int(snap.model_of[move.node])
+        saved, model_saved = state.cluster_mask, state.model_mask.copy()
+        mask = np.zeros_like(saved)
+        mask[c] = True
+        state.cluster_mask = mask
+        state.model_mask[:] = False
+        state.model_mask[m] = True
+        try:
+            candidates = framework.find_candidates(state)
+        finally:
+            state.cluster_mask, state.model_mask = saved, model_saved
+
+        def undo() -> None:
+            for run in runs:
+                snap.take(run.allocations, run.gpus_per_worker, run.cpu_milli, run.memory_mib)
+            snap.running = before
+
+        if len(candidates) == 0:
+            undo()
+            return None
+        totals = framework.score(state, candidates)
+        decision = framework.choose(state, candidates, totals)
+        decision.victims = tuple(sorted(r.job_id for r in runs))
+        decision.undo = undo
+        return decision
+
+
+def _per_worker(run: RunningJob) -> tuple[int, int, int]:
+    return run.gpus_per_worker, run.cpu_milli, run.memory_mib
+
+
+def _movable(snap: Snapshot, run: RunningJob, job: JobSpec, mine: int) -> bool:
+    """Whether ``rare_room`` may move ``run`` for ``job`` (of ``mine`` holder nodes): known,
+    preemptible, of no higher priority, one worker on one node, its end predicted, and ``job`` rare
+    beside it."""
+    spec = run.spec
+    if (
+        spec is None
+        or not run.preemptible
+        or run.priority > job.priority
+        or run.workers != 1
+        or len(run.allocations) != 1
+        or run.expected_end_s is None
+        or spec.pipeline is not None
+    ):
+        return False
+    _, holders = _holder_class(snap, WorkerShape(run.gpus_per_worker, run.cpu_milli, run.memory_mib))
+    return mine <= RARE_SHARE * holders
+
+
+def _move_loss_s(snap: Snapshot, run: RunningJob, node: int, target: int) -> float:
+    """How much later ``run`` ends if it is stopped now on ``node`` and run again on ``target``
+    (negative: sooner), by the scheduler's speeds: from its last checkpoint (from its start when it
+    keeps none), the share of its run left and the share redone at the target's speed."""
+    spec = run.spec
+    assert spec is not None
+    speeds = snap.job_speeds(spec)
+    here = float(speeds[snap.model_of[node]] * snap.trust[snap.cluster_of[node]])
+    there = float(speeds[snap.model_of[target]] * snap.trust[snap.cluster_of[target]])
+    left_s = max((run.expected_end_s or snap.now) - snap.now, 0.0)
+    if here <= 0 or there <= 0:
+        return math.inf
+    work_s = spec.work.steps * spec.work.step_time_s
+    share_left = min(left_s * here / work_s, 1.0)
+    every = spec.work.checkpoint_every_steps
+    redone = 1.0 - share_left if every <= 0 else min(every / spec.work.steps, 1.0 - share_left)
+    return (share_left + redone) * work_s / there - left_s
+
+
+def _runs_on_nodes(snap: Snapshot) -> dict[str, list[int]]:
+    """Node id -> positions in ``snap.running`` of the runs of one allocation there (what
+    :class:`RareRoom` may move), kept per running list (the same object at the same length)."""
+    running = snap.running
+    held = snap.kept.get("rare_room.on_node")
+    if held is not None and held[0] is running and held[1] == len(running):
+        found: dict[str, list[int]] = held[2]
+        return found
+    table: dict[str, list[int]] = {}
+    for position, run in enumerate(running):
+        if len(run.allocations) == 1:
+            table.setdefault(run.allocations[0][0], []).append(position)
+    snap.kept["rare_room.on_node"] = (running, len(running), table)
+    return table
+
+
+def _holds_after(snap: Snapshot, node: int, freed: WorkerShape, own: WorkerShape) -> bool:
+    """Whether ``node`` holds one worker of ``own`` once jobs holding ``freed`` there have left."""
+    if int(snap.free[node]) + freed.gpus < own.gpus:
+        return False
+    if own.cpu_milli and snap.cpu_known[node] and int(snap.cpu_free[node]) + freed.cpu_milli < own.cpu_milli:
+        return False
+    return not (
+        own.memory_mib
+        and snap.mem_known[node]
+        and int(snap.mem_free[node]) + freed.memory_mib < own.memory_mib
+    )
+
+
+def _room_elsewhere(
+    snap: Snapshot, run: RunningJob, *, could: BoolArray, node: int, deciding: str
+) -> int | None:
+    """The fastest node for ``run``'s job (by its speeds and the cluster's trust) with room for one
+    of its workers now, that could never hold the deciding job's worker (``could``), is not
+    ``node``, lies in a pool the job's hard rules allow (clusters and regions, GPU models and device
+    memory), and whose pool no queued job other than ``deciding`` could use (it would come first);
+    None when there is none."""
+    spec = run.spec
+    assert spec is not None
+    res = spec.resources
+    wanted = {m.upper() for m in res.gpu_models}
+    models = np.array(
+        [
+            (not wanted or m.upper() in wanted)
+            and (res.gpu_memory_gib <= 0 or snap.gpu_memory_gib.get(m, 0.0) >= res.gpu_memory_gib)
+            for m in snap.models
+        ],
+        dtype=np.bool_,
+    )
+    clusters = np.array(
+        [cluster_allowed(spec.affinity, c.id, c.region) for c in snap.clusters], dtype=np.bool_
+    )
+    if not models.any() or not clusters.any():
+        return None
+    ok = snap.schedulable & ~could & clusters[snap.cluster_of] & models[snap.model_of]
+    ok[node] = False
+    nodes = np.flatnonzero(ok)
+    if not nodes.size:
+        return None
+    nodes = nodes[snap.room(nodes, *_per_worker(run)) > 0]
+    if not nodes.size:
+        return None
+    pools = np.zeros_like(snap.free_sum, dtype=np.bool_)
+    pools[snap.cluster_of[nodes], snap.model_of[nodes]] = True
+    if snap.queue_for(pools, exclude=deciding):
+        return None
+    speed = snap.job_speeds(spec)[snap.model_of[nodes]] * snap.trust[snap.cluster_of[nodes]]
+    return int(nodes[int(np.argmax(speed))])
+
+
 def _left_holds(snap: Snapshot, node: int, shape: WorkerShape, workers: int, job: WorkerShape) -> bool:
     """Whether ``node`` still holds one worker of ``shape`` once ``workers`` workers of ``job``'s
     shape are on it."""
@@ -375,9 +677,12 @@ __all__ = [
     "RARE_FIT_WEIGHT",
     "RARE_MAX_SLOWDOWN",
     "RARE_SHARE",
+    "ROOM_MARGIN_S",
     "RareFit",
+    "RareRoom",
     "RareShape",
     "arrival_rate",
     "holds",
     "rare_shapes",
+    "room_possible",
 ]
