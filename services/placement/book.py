@@ -144,6 +144,8 @@ class Run:
             memory_mib=job.resources.memory_mib,
             attempt=self.attempt,
             expected_end_s=self.expected_end_s,
+            started_s=self.started_at,
+            done_at_start=self.progress_at_start,
             spec=job,
         )
 

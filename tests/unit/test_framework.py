@@ -378,7 +378,7 @@ def test_explain_after_a_preemption_or_a_spread_says_nothing_it_contradicts() ->
     lines = render(preempted)
     # It said "Why not c-sea1-a: ruled out" under "placed on c-sea1-a" (the pruning from before).
     assert not any(line.startswith("Why not c-sea1-a") for line in lines), lines
-    assert "c-sea1-a had no room at first (region r1 has 1 free V100 GPUs); the preemption made it." in lines
+    assert "c-sea1-a had no room at first (region r1 has 1 free V100 GPUs); stopping them made it." in lines
     # scu_fit scored both alike (100): not a reason; water_level set it apart.
     (why,) = [line for line in lines if line.startswith("Why c-sea1-a")]
     assert "load balance 50/100" in why and "100/100" not in why, why

@@ -51,13 +51,14 @@ def render(record: DecisionRecord, *, limit: int = 10) -> list[str]:
     for note in record.notes:
         lines.append(f"Note: {note}.")
     if record.victims:
-        lines.append(f"Preempted to make room: {', '.join(record.victims)}.")
+        # Stopped by priority preemption, or moved by rare_room: the notes above say which.
+        lines.append(f"Stopped to make room: {', '.join(record.victims)}.")
         for cluster in record.chosen:
             if cluster in record.pruned:
                 # Said as "Why not <it>: ruled out" under "placed on <it>" before: the pruning from
                 # before the preemption made room there.
                 lines.append(
-                    f"{cluster} had no room at first ({record.pruned[cluster]}); the preemption made it."
+                    f"{cluster} had no room at first ({record.pruned[cluster]}); stopping them made it."
                 )
     lines += _why_not_there(record, ranked, winner or (ranked[0] if ranked else None), limit)
     lines += _ruled_out(record, limit)

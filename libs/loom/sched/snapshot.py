@@ -75,6 +75,11 @@ class RunningJob:
     expected_end_s: float | None = None
     """When the run is predicted to end, in seconds on the snapshot's clock (``Snapshot.now``);
     None when not known. What :mod:`loom.sched.availability` reads to tell when GPUs free up."""
+    started_s: float | None = None
+    """When the run began, on the snapshot's clock (None: not known); with :attr:`done_at_start`
+    and :attr:`expected_end_s`, its pace so far."""
+    done_at_start: float = 0.0
+    """Share of the job's steps done when the run began (a run resumed from a checkpoint)."""
     spec: JobSpec | None = field(default=None, compare=False, repr=False)
     """The job as submitted (its work, checkpoints and hard rules: what moving it to make room
     weighs, :class:`~loom.sched.plugins.rare.RareRoom`); None when not known."""

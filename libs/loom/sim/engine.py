@@ -1129,10 +1129,12 @@ class _Simulation:
                 shape.seen = None
                 if state.whole and self.released:
                     reopen(set(self.released), popped)
-            elif not job.done and shape.queued and not shape.refused:
+            elif not job.done and shape.queued and not shape.refused and not self._may_move_for(shape):
                 # Nothing fitted: nor will it for the rest of the shape. (done: rejected, e.g. a
                 # spread now too costly; refused: a decision made room, preemption or a shrink, and
-                # a permit refused it for this job's own sake, so the next job may take it.)
+                # a permit refused it for this job's own sake, so the next job may take it; one
+                # rare_room may move jobs for: its verdict reads the queue, which the jobs between
+                # them in the queue order change.)
                 failed.add(shape.index)
                 shape.seen = None if shape.apart else self._workers(shape.per_worker).copy()
             if (key := next_up(shape)) is not None:
@@ -1788,6 +1790,8 @@ class _Simulation:
             memory_mib=spec.resources.memory_mib,
             attempt=job.record.restarts + 1,
             expected_end_s=end_s if end_s is not None else self.t + delay_s + job.steps_left * step_s,
+            started_s=self.t,
+            done_at_start=max(1.0 - job.steps_left / spec.work.steps, 0.0),
             spec=spec,
         )
 

@@ -314,6 +314,11 @@ class RareFit:
 ROOM_MARGIN_S = 1800.0
 """A move to make room must save at least this many job-seconds more than it costs: the beliefs it
 is weighed by (speeds, predicted ends) err, and a stop is not undone."""
+ROOM_MAX_MOVED = 4
+"""The most jobs ``rare_room`` moves off one node for one job."""
+ROOM_MAX_NODES = 8
+"""The most nodes ``rare_room`` looks at for one job (those with the most free GPUs first): a
+decision's cost is bounded however many nodes could hold the job."""
 
 
 def room_possible(snap: Snapshot, worker: WorkerShape) -> bool:
@@ -328,10 +333,6 @@ def room_possible(snap: Snapshot, worker: WorkerShape) -> bool:
     return holders <= RARE_SHARE * nodes
 
 
-ROOM_MAX_MOVED = 4
-"""The most jobs ``rare_room`` moves off one node for one job."""
-
-
 @dataclass(frozen=True, slots=True)
 class _Move:
     """Running jobs, on one node, that could make room there for the deciding one by running
@@ -342,10 +343,21 @@ class _Move:
     node: int
 
 
+@dataclass(slots=True)
+class _Look:
+    """What one ``rare_room`` decision reads once: the nodes no other queued job could use (None
+    until asked), and per job rules the nodes they allow."""
+
+    could: BoolArray
+    deciding: str
+    free_of_queue: BoolArray | None = None
+    allowed: dict[tuple[object, ...], BoolArray] = field(default_factory=dict)
+
+
 class RareRoom:
-    """Post-filter: when nothing has room for a job of a rare worker shape, move a job of a common
-    shape off a node that would then hold it, if that job has room elsewhere now and the move saves
-    more job-seconds than it costs.
+    """Post-filter: when nothing has room for a job of a rare worker shape, move the jobs of a
+    common shape off a node that would then hold it, if they have room elsewhere now and the moves
+    save more job-seconds than they cost.
 
     ``rare_fit`` keeps such a node only for shapes seen at least twice; the first job of a rare
     shape, or one arriving after the node was taken for a run of days, waits for that run to end
@@ -354,18 +366,23 @@ class RareRoom:
     88-core one that ran there). The job deciding is *rare* beside a running job when at most
     :data:`RARE_SHARE` of the nodes that could ever hold the running job's worker could ever hold
     its own (:func:`holds`, every schedulable node, whatever either job allows: the same rule as
-    ``rare_fit``). A running job qualifies when it is preemptible, of no higher priority, one
-    worker on one node, its node could hold the deciding job's worker once it leaves, and a node
-    that could never hold the deciding job's worker (other than its own) has room for it now in a
-    pool its rules allow, where no other queued job waits.
+    ``rare_fit``). A running job may be moved when it is preemptible, of no higher priority, one
+    worker on one node, and a node that could never hold the deciding job's worker has room for it
+    now in a pool its rules allow, a node no other queued job could use (a queued job whose shape
+    is not known could use any: a job moved in this cycle is one, so one cycle moves for one job).
+    On each node that could hold the deciding job (at most :data:`ROOM_MAX_NODES`, most free GPUs
+    first), the cheapest such jobs are taken, at most :data:`ROOM_MAX_MOVED`, until the node would
+    hold it.
 
     The trade, in job-seconds by the scheduler's beliefs: the deciding job starts now instead of
-    when the soonest node that could hold it empties (the latest predicted end of the jobs on it);
-    the moved job, restarted from its last checkpoint (from its start when it keeps none) on the
-    fastest such node, ends ``(share left + share redone) x its run there`` from now instead of at
-    its predicted end. The move is made when the first exceeds the second by more than
-    :data:`ROOM_MARGIN_S`; the largest saving first. The moved job is stopped as preemption stops
-    one (the cycle requeues it) and placed again by its own decision."""
+    when the soonest node that could hold it empties (the latest predicted end of the jobs on it),
+    at most when the moved jobs would have ended; each moved job, restarted from its last
+    checkpoint (from its start when it keeps none) on the fastest such node, ends
+    ``(share left + share redone) x its run there`` from now instead of at its predicted end (its
+    run there: its own pace so far, scaled by the two GPUs' speeds for it). The move is made when
+    the first exceeds the second by more than :data:`ROOM_MARGIN_S`; the node that saves most. The
+    moved jobs are stopped as preemption stops one (the cycle requeues them; they count in the
+    queue from then) and placed again by their own decisions."""
 
     name = "rare_room"
 
@@ -389,10 +406,14 @@ class RareRoom:
         if not math.isfinite(gain) or gain <= ROOM_MARGIN_S:
             return None
         on_node = _runs_on_nodes(snap)
+        nodes = [n for n in np.flatnonzero(here).tolist() if snap.node_ids[n] in on_node]
+        nodes.sort(key=lambda n: (-int(snap.free[n]), n))
+        look = _Look(could=could, deciding=job.job_id)
         best: _Move | None = None
-        for node in np.flatnonzero(here).tolist():
-            positions = on_node.get(snap.node_ids[node], ())
-            move = self._node_move(state, node, positions, own=own, mine=mine, could=could, gain=gain)
+        for node in nodes[:ROOM_MAX_NODES]:
+            move = self._node_move(
+                state, node, on_node[snap.node_ids[node]], own=own, mine=mine, look=look, gain=gain
+            )
             if move is not None and (best is None or move.net_s > best.net_s):
                 best = move
         if best is None:
@@ -407,7 +428,7 @@ class RareRoom:
         *,
         own: WorkerShape,
         mine: int,
-        could: BoolArray,
+        look: _Look,
         gain: float,
     ) -> _Move | None:
         """The jobs to move off ``node`` so that it holds the deciding job, cheapest first, and what
@@ -418,7 +439,7 @@ class RareRoom:
             run = snap.running[position]
             if not _movable(snap, run, job, mine):
                 continue
-            target = _room_elsewhere(snap, run, could=could, node=node, deciding=job.job_id)
+            target = _room_elsewhere(snap, run, look, node)
             if target is not None:
                 options.append((_move_loss_s(snap, run, node, target), position))
         options.sort()
@@ -436,32 +457,36 @@ class RareRoom:
                 break
         else:
             return None
+        left = max([(snap.running[p].expected_end_s or 0.0) - snap.now for p in chosen] + [0.0])
+        # The deciding job waits at most until these jobs have ended (the node holds it then).
+        saved = min(gain, left)
+        cost = {p: max(loss, 0.0) for loss, p in options}
+        if saved - sum(cost[p] for p in chosen) <= ROOM_MARGIN_S:
+            return None  # not even with each job's room as if the others took none
         # Each moved job's room elsewhere, the ones before it placed there first.
         taken: list[tuple[int, RunningJob]] = []
         loss = 0.0
-        left = 0.0
         try:
             for position in chosen:
                 run = snap.running[position]
-                target = _room_elsewhere(snap, run, could=could, node=node, deciding=job.job_id)
+                target = _room_elsewhere(snap, run, look, node)
                 if target is None:
                     return None
                 loss += max(_move_loss_s(snap, run, node, target), 0.0)
-                left = max(left, (run.expected_end_s or 0.0) - snap.now, 0.0)
                 snap.take([(snap.node_ids[target], run.gpus_per_worker)], *_per_worker(run))
                 taken.append((target, run))
         finally:
             for target, run in taken:
                 snap.give_back([(snap.node_ids[target], run.gpus_per_worker)], *_per_worker(run))
-        # The deciding job waits at most until these jobs have ended (the node holds it then).
-        net = min(gain, left) - loss
+        net = saved - loss
         if net <= ROOM_MARGIN_S:
             return None
         return _Move(net_s=net, positions=tuple(chosen), node=node)
 
     def _decide(self, state: CycleState, framework: Framework, move: _Move) -> Decision | None:
-        """Stop the chosen jobs (their GPUs, CPU and RAM back in the snapshot) and place the
-        deciding job on their node's pool; undone if that does not hold it after all."""
+        """Stop the chosen jobs (their GPUs, CPU and RAM back in the snapshot; each counts in the
+        queue from now, as it will once requeued) and place the deciding job on their node's pool;
+        undone if that does not hold it after all."""
         snap = state.snapshot
         before = snap.running
         runs = [before[p] for p in move.positions]
@@ -480,17 +505,22 @@ class RareRoom:
             candidates = framework.find_candidates(state)
         finally:
             state.cluster_mask, state.model_mask = saved, model_saved
+        joined = [r.job_id for r in runs if r.job_id not in snap.waiting]
 
         def undo() -> None:
             for run in runs:
                 snap.take(run.allocations, run.gpus_per_worker, run.cpu_milli, run.memory_mib)
             snap.running = before
+            for job_id in joined:
+                snap.waiting.discard(job_id)
 
         if len(candidates) == 0:
             undo()
             return None
         totals = framework.score(state, candidates)
         decision = framework.choose(state, candidates, totals)
+        for job_id in joined:
+            snap.join_queue(job_id)
         decision.victims = tuple(sorted(r.job_id for r in runs))
         decision.undo = undo
         return decision
@@ -521,21 +551,27 @@ def _movable(snap: Snapshot, run: RunningJob, job: JobSpec, mine: int) -> bool:
 
 def _move_loss_s(snap: Snapshot, run: RunningJob, node: int, target: int) -> float:
     """How much later ``run`` ends if it is stopped now on ``node`` and run again on ``target``
-    (negative: sooner), by the scheduler's speeds: from its last checkpoint (from its start when it
-    keeps none), the share of its run left and the share redone at the target's speed."""
+    (negative: sooner): from its last checkpoint (from its start when it keeps none), the share of
+    its work left and the share redone, at its own pace so far (its predicted end since it began;
+    the scheduler's speeds when its start is not known) scaled by the two GPUs' speeds for it."""
     spec = run.spec
     assert spec is not None
     speeds = snap.job_speeds(spec)
     here = float(speeds[snap.model_of[node]] * snap.trust[snap.cluster_of[node]])
     there = float(speeds[snap.model_of[target]] * snap.trust[snap.cluster_of[target]])
-    left_s = max((run.expected_end_s or snap.now) - snap.now, 0.0)
     if here <= 0 or there <= 0:
         return math.inf
-    work_s = spec.work.steps * spec.work.step_time_s
-    share_left = min(left_s * here / work_s, 1.0)
+    end = run.expected_end_s if run.expected_end_s is not None else snap.now
+    left_s = max(end - snap.now, 0.0)
+    if run.started_s is not None and end > run.started_s and run.done_at_start < 1.0:
+        per_share = (end - run.started_s) / (1.0 - run.done_at_start)
+    else:
+        per_share = spec.work.steps * spec.work.step_time_s / here
+    share_left = min(left_s / per_share, 1.0) if per_share > 0 else 1.0
+    done = 1.0 - share_left
     every = spec.work.checkpoint_every_steps
-    redone = 1.0 - share_left if every <= 0 else min(every / spec.work.steps, 1.0 - share_left)
-    return (share_left + redone) * work_s / there - left_s
+    redone = done if every <= 0 else min(every / spec.work.steps, done)
+    return (share_left + redone) * per_share * here / there - left_s
 
 
 def _runs_on_nodes(snap: Snapshot) -> dict[str, list[int]]:
@@ -567,42 +603,86 @@ def _holds_after(snap: Snapshot, node: int, freed: WorkerShape, own: WorkerShape
     )
 
 
-def _room_elsewhere(
-    snap: Snapshot, run: RunningJob, *, could: BoolArray, node: int, deciding: str
-) -> int | None:
+def _holds_mask(snap: Snapshot, shape: WorkerShape) -> BoolArray:
+    """:func:`holds` of ``shape``, kept per shape while no node's schedulability changes (a pure
+    function of the nodes: what is kept changes no answer)."""
+    table: dict[WorkerShape, tuple[int, BoolArray]] = snap.kept.setdefault("rare_room.holds", {})
+    held = table.get(shape)
+    if held is not None and held[0] == snap.schedulable_version:
+        return held[1]
+    if len(table) > 64:
+        table.clear()
+    mask = holds(snap, shape)
+    table[shape] = (snap.schedulable_version, mask)
+    return mask
+
+
+def _free_of_queue(snap: Snapshot, deciding: str) -> BoolArray:
+    """Per node: whether no queued job other than ``deciding`` (speed probes aside) could use it:
+    its rules allow the node's pool and the node could ever hold its worker. A queued job whose
+    shape is not known (a job just stopped to be moved, one its pre-filters refused) could use
+    any node."""
+    used = np.zeros(len(snap.node_ids), dtype=np.bool_)
+    groups: dict[tuple[WorkerShape, bytes], BoolArray] = {}
+    for job_id in snap.waiting:
+        if job_id == deciding or job_id in snap.probes:
+            continue
+        queued = snap.queued.get(job_id)
+        res = getattr(queued.job, "resources", None) if queued is not None else None
+        if queued is None or res is None or queued.pools.shape != snap.free_sum.shape:
+            return np.zeros(len(snap.node_ids), dtype=np.bool_)
+        shape = WorkerShape(int(res.gpus), int(res.cpu_milli), int(res.memory_mib))
+        groups.setdefault((shape, queued.pools.tobytes()), queued.pools)
+    for (shape, _), pools in groups.items():
+        used |= _holds_mask(snap, shape) & pools[snap.cluster_of, snap.model_of]
+    free: BoolArray = ~used
+    return free
+
+
+def _room_elsewhere(snap: Snapshot, run: RunningJob, look: _Look, node: int) -> int | None:
     """The fastest node for ``run``'s job (by its speeds and the cluster's trust) with room for one
-    of its workers now, that could never hold the deciding job's worker (``could``), is not
-    ``node``, lies in a pool the job's hard rules allow (clusters and regions, GPU models and device
-    memory), and whose pool no queued job other than ``deciding`` could use (it would come first);
-    None when there is none."""
+    of its workers now, that could never hold the deciding job's worker, is not ``node``, lies in a
+    pool the job's hard rules allow (clusters and regions, GPU models and device memory), and that
+    no other queued job could use (:func:`_free_of_queue`); None when there is none."""
     spec = run.spec
     assert spec is not None
-    res = spec.resources
-    wanted = {m.upper() for m in res.gpu_models}
-    models = np.array(
-        [
-            (not wanted or m.upper() in wanted)
-            and (res.gpu_memory_gib <= 0 or snap.gpu_memory_gib.get(m, 0.0) >= res.gpu_memory_gib)
-            for m in snap.models
-        ],
-        dtype=np.bool_,
+    res, aff = spec.resources, spec.affinity
+    rules = (
+        tuple(sorted(m.upper() for m in res.gpu_models)),
+        res.gpu_memory_gib,
+        tuple(aff.clusters),
+        tuple(aff.regions),
+        tuple(aff.avoid_clusters),
+        tuple(aff.avoid_regions),
     )
-    clusters = np.array(
-        [cluster_allowed(spec.affinity, c.id, c.region) for c in snap.clusters], dtype=np.bool_
-    )
-    if not models.any() or not clusters.any():
-        return None
-    ok = snap.schedulable & ~could & clusters[snap.cluster_of] & models[snap.model_of]
-    ok[node] = False
-    nodes = np.flatnonzero(ok)
+    allowed = look.allowed.get(rules)
+    if allowed is None:
+        wanted = {m.upper() for m in res.gpu_models}
+        models = np.array(
+            [
+                (not wanted or m.upper() in wanted)
+                and (res.gpu_memory_gib <= 0 or snap.gpu_memory_gib.get(m, 0.0) >= res.gpu_memory_gib)
+                for m in snap.models
+            ],
+            dtype=np.bool_,
+        )
+        clusters = np.array([cluster_allowed(aff, c.id, c.region) for c in snap.clusters], dtype=np.bool_)
+        if look.free_of_queue is None:
+            look.free_of_queue = _free_of_queue(snap, look.deciding)
+        allowed = (
+            snap.schedulable
+            & ~look.could
+            & look.free_of_queue
+            & clusters[snap.cluster_of]
+            & models[snap.model_of]
+        )
+        look.allowed[rules] = allowed
+    nodes = np.flatnonzero(allowed)
+    nodes = nodes[nodes != node]
     if not nodes.size:
         return None
     nodes = nodes[snap.room(nodes, *_per_worker(run)) > 0]
     if not nodes.size:
-        return None
-    pools = np.zeros_like(snap.free_sum, dtype=np.bool_)
-    pools[snap.cluster_of[nodes], snap.model_of[nodes]] = True
-    if snap.queue_for(pools, exclude=deciding):
         return None
     speed = snap.job_speeds(spec)[snap.model_of[nodes]] * snap.trust[snap.cluster_of[nodes]]
     return int(nodes[int(np.argmax(speed))])
