@@ -117,32 +117,21 @@ def test_a_shape_most_nodes_hold_is_not_rare_and_moves_no_one() -> None:
     assert room_possible(snap, WorkerShape(8, 120_000, 720 * GIB))
 
 
-def test_the_move_is_the_largest_saving_and_the_decision_record_names_the_stopped_job() -> None:
+def test_the_decision_names_the_stopped_job_gives_its_room_back_and_queues_it() -> None:
     snap = snapshot_of(alibaba_like())
     snap.now = 1_000.0
     medium = job("medium", 88, 320, 100_000)
     snap.take([("a-big", 8)], 8, 88_000, 320 * GIB)
-    snap.running = [
-        RunningJob(
-            job_id="medium",
-            tenant="t",
-            priority=100,
-            cluster="a",
-            gpu_model="G3",
-            allocations=(("a-big", 8),),
-            gpus_per_worker=8,
-            cpu_milli=88_000,
-            memory_mib=320 * GIB,
-            expected_end_s=G3_RUN_S,
-            spec=medium,
-        )
-    ]
+    snap.running = [_run(medium)]
     framework = build_framework()
     outcome = framework.schedule(job("big", 120, 720, 100), snap, submitted_at=1_000.0)
     assert outcome.decision is not None and outcome.decision.victims == ("medium",)
     assert [p.allocations for p in outcome.decision.parts] == [(("a-big", 8),)]
     assert any("rare_room: made room by stopping medium" in n for n in outcome.record.notes)
     assert snap.running == [] and int(snap.free[snap.node_index["a-big"]]) == 0
+    # It counts in the queue from now, as it will once requeued: a second move in this cycle cannot
+    # send another job to the room it is to take.
+    assert "medium" in snap.waiting
     # A running job whose spec is not known is not weighed (nothing is stopped on a guess).
     snap2 = snapshot_of(alibaba_like())
     snap2.now = 1_000.0
