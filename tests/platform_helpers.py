@@ -29,6 +29,8 @@ class Platform:
     database_url: str
     state_dir: Path
     tasks: dict[str, tuple[asyncio.Task[None], ServiceContext]] = field(default_factory=dict)
+    services: dict[str, Any] = field(default_factory=dict)
+    """Name -> the service object :meth:`start` started (for a test to read its state)."""
     placement: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for PlacementService."""
     migration: dict[str, Any] = field(default_factory=dict)
@@ -94,6 +96,7 @@ class Platform:
                 state_dir=self.state_dir,
             )
         self.tasks[name] = (asyncio.create_task(service.run()), ctx)
+        self.services[name] = service
         return service
 
     async def stop(self, name: str, timeout_s: float = 15.0) -> None:

@@ -15,6 +15,7 @@ from loom.client import LoomClient
 from loom.runtime.servers import NatsServer
 from loom.sched.framework import DecisionRecord
 from loom_proto.jobs import Affinity, JobSpec, Resources, Work
+from tests.integration.test_placement_engine import events_of, in_state
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,8 @@ async def platform(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[Platform]:
     p = Platform(nats_url, await fresh_database("rareroom"), tmp_path_factory.mktemp("rare-room-agents"))
-    p.services = {}  # type: ignore[attr-defined]
     for name in ("metrics", "placement", "agent-c-use2-a"):
-        p.services[name] = await p.start(name)  # type: ignore[attr-defined]
+        await p.start(name)
     yield p
     for name in list(p.tasks):
         await p.stop(name)
@@ -45,14 +45,6 @@ async def client(platform: Platform) -> AsyncIterator[LoomClient]:
     await c.close()
 
 
-def in_state(client: LoomClient, job_id: str, *wanted: str) -> Callable[[], Awaitable[Any]]:
-    async def check() -> Any:
-        job = await client.job(job_id)
-        return job if job and job["state"] in wanted else None
-
-    return check
-
-
 def _async(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
     async def wrapped() -> bool:
         return check()
@@ -60,14 +52,10 @@ def _async(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
     return wrapped
 
 
-def events_of(job: dict[str, Any], kind: str) -> list[dict[str, Any]]:
-    return [e["event"] for e in job["events"] if e["kind"] == kind]
-
-
 async def test_a_job_with_room_elsewhere_is_stopped_for_a_worker_only_its_node_holds(
     client: LoomClient, platform: Platform
 ) -> None:
-    placement = platform.services["placement"]  # type: ignore[attr-defined]
+    placement = platform.services["placement"]
 
     def joined() -> bool:
         # A job asking for a cluster placement does not know yet is rejected (once its book has

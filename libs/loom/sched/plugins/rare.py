@@ -395,7 +395,7 @@ class RareRoom:
         if not room_possible(snap, own):
             return None
         _, mine = _holder_class(snap, own)
-        could = holds(snap, own)
+        could = _holds_mask(snap, own)
         pools = state.allowed_pools()
         here = could & pools[snap.cluster_of, snap.model_of]
         if not here.any():
