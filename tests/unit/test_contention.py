@@ -1096,3 +1096,83 @@ def test_the_placement_book_keeps_the_probes_it_queued_across_snapshots() -> Non
     rebuilt = book.snapshot(NOW + 1.0)
     assert rebuilt is not snap
     assert rebuilt.waiting_count() == 1 and rebuilt.work_waiting() == 0
+
+
+# ---- spreads of like GPUs (2026-12-06) ------------------------------------------------------------
+
+
+def guard_framework() -> Framework:
+    return Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())])
+
+
+def test_a_gang_only_fast_and_much_slower_gpus_hold_together_is_rejected_as_inflated() -> None:
+    """One region, no link to pay: the gang needs the 8 fast GPUs (3x) and the 8 slow ones. Any
+    spread runs at the slow GPUs' pace while the fast ones idle two thirds of each step (3x the
+    GPU-hours of the gang on the fast GPUs alone): rejected at once, as spanning forbidden would.
+    The floor used to price every pool at the slowest speed on both sides (only the link counted),
+    and let such a gang wait for a spread "within the bound" that could not exist."""
+    snap = snapshot([node("a0", "ca"), node("b0", "cb", model=SLOW)])
+    outcome = guard_framework().schedule(gang(span=True, workers=4), snap, submitted_at=NOW)
+    assert outcome.decision is None and outcome.status.code == Code.UNRESOLVABLE
+    assert outcome.status.reject == "span_inflation"
+    # GPUs of like speed spread alike (no link to pay): it runs.
+    alike = snapshot([node("a0", "ca"), node("b0", "cb")])
+    placed = guard_framework().schedule(gang(span=True, workers=4), alike, submitted_at=NOW)
+    assert placed.decision is not None
+
+
+def test_a_spread_needing_three_regions_is_priced_at_the_link_joining_the_third() -> None:
+    """r1 and r2 are near each other, r3 is over the ocean from both, each holds a third of the
+    gang: every spread must cross to r3, so the gang is rejected as inflated. The floor used to
+    take the best link between any two regions when no two held the gang (r1-r2 here)."""
+    net = NetMatrix(["r1", "r2", "r3"])
+    for a, b, rtt, bw in (("r1", "r2", 1.0, 100.0), ("r1", "r3", 100.0, 1.0), ("r2", "r3", 100.0, 1.0)):
+        net.set_link(a, b, rtt_ms=rtt, bandwidth_gbps=bw)
+        net.set_link(b, a, rtt_ms=rtt, bandwidth_gbps=bw)
+    nodes = [node("a0", "ca", "r1", gpus=4), node("b0", "cb", "r2", gpus=4), node("c0", "cc", "r3", gpus=4)]
+    far = snapshot(nodes, net=net)
+    outcome = guard_framework().schedule(gang(span=True, workers=3), far, submitted_at=NOW)
+    assert outcome.decision is None and outcome.status.reject == "span_inflation"
+    # Two of them near each other hold it: the r1-r2 spread keeps within the bound and runs.
+    near = [node("a0", "ca", "r1", gpus=8), node("b0", "cb", "r2", gpus=4), node("c0", "cc", "r3", gpus=4)]
+    placed = guard_framework().schedule(gang(span=True, workers=3), snapshot(near, net=net), submitted_at=NOW)
+    assert placed.decision is not None
+    assert {p.region for p in placed.decision.parts} == {"r1", "r2"}
+
+
+def test_when_the_best_scored_spread_mixes_gpus_a_spread_of_like_gpus_with_room_runs_instead() -> None:
+    """The fast cluster holds half the gang; two slow clusters hold it together. The best-scored
+    spread takes the fast GPUs and fills up with slow ones (3x their GPU-hours): refused, and the
+    framework tries the like-GPU spread over the two slow clusters, which keeps within the bound."""
+    nodes = [node("a0", "ca"), node("s0", "sa", model=SLOW), node("s1", "sb", model=SLOW)]
+    snap = snapshot(nodes)
+    outcome = guard_framework().schedule(gang(span=True, workers=4), snap, submitted_at=NOW)
+    assert outcome.decision is not None, outcome.status
+    assert sorted(p.cluster for p in outcome.decision.parts) == ["sa", "sb"]
+    assert any("of like GPUs instead" in n for n in outcome.record.notes)
+    # Without the span guard (no plugin proposes spreads) the best-scored mixed spread stands.
+    plain = Framework([ResourceFit(), ScuFit()]).schedule(gang(span=True, workers=4), snapshot(nodes))
+    assert plain.decision is not None and "ca" in {p.cluster for p in plain.decision.parts}
+
+
+def test_a_gang_waits_for_like_gpus_busy_now_and_longer_while_others_wait() -> None:
+    """The like-GPU spread's second slow cluster is busy: the mixed spread is refused and the gang
+    waits for the like one, at most LIKE_WAIT_FACTOR x what the mixed spread loses (ski rental),
+    QUEUED_LIKE_WAIT_FACTOR x while another job waits; then it takes the mixed spread."""
+    from loom.sched.plugins.network import LIKE_WAIT_FACTOR, QUEUED_LIKE_WAIT_FACTOR
+
+    nodes = [node("a0", "ca"), node("s0", "sa", model=SLOW), node("s1", "sb", model=SLOW, used=8)]
+    runs = [running("busy", ("s1", 8), ends_in_s=100.0)]
+    alone = guard_framework().schedule(gang(span=True, workers=4), snapshot(nodes, runs), submitted_at=NOW)
+    assert alone.decision is None and alone.status.code == Code.UNSCHEDULABLE
+    assert "possible when their GPUs free" in alone.status.reason
+    queued = snapshot(nodes, runs)
+    queued.join_queue("other")
+    behind = guard_framework().schedule(gang(span=True, workers=4), queued, submitted_at=NOW)
+    assert behind.decision is None
+    ratio = behind.status.wait_s / alone.status.wait_s
+    assert ratio == pytest.approx(QUEUED_LIKE_WAIT_FACTOR / LIKE_WAIT_FACTOR)
+    late = guard_framework().schedule(
+        gang(span=True, workers=4), snapshot(nodes, runs), submitted_at=NOW - 2 * alone.status.wait_s
+    )
+    assert late.decision is not None and "ca" in {p.cluster for p in late.decision.parts}

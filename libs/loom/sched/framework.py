@@ -321,6 +321,16 @@ class PermitPlugin(Protocol):
 
 
 @runtime_checkable
+class SpreadPlugin(Protocol):
+    """Proposes subsets of a gang's candidates to spread it over, best first, for when the
+    best-scored spread was refused (:meth:`Framework.banded_spreads`)."""
+
+    name: str
+
+    def spread_subsets(self, state: CycleState, candidates: "Candidates") -> list[BoolArray]: ...
+
+
+@runtime_checkable
 class BindPlugin(Protocol):
     """Fills in what the start commands need (predicted step time, slowdown); pure: sends nothing."""
 
@@ -693,6 +703,10 @@ class DecisionRecord:
 PRUNED_KEPT = 32
 """Ruled-out clusters whose reasons a stored record keeps (the count of all is kept too)."""
 
+MAX_BANDED_SPREADS = 4
+"""At most this many proposed spreads are tried after the best-scored spread is refused
+(:meth:`Framework.banded_spreads`): each costs a reserve and the permits."""
+
 
 @dataclass
 class Outcome:
@@ -787,6 +801,8 @@ class Framework:
                 raise RegistryError(f"weight of {name!r} must be a finite number >= 0, got {w!r}")
         self.weights = {p.name: float(given.get(p.name, 1.0)) for p in self.scorers}
         self.record_top = 16
+        self.spreaders = [p for p in plugins if isinstance(p, SpreadPlugin)]
+        """Plugins proposing spreads to try when the best-scored one is refused (:meth:`banded_spreads`)."""
         self.cycle_caches = True
         """Whether :meth:`schedule_many` reuses per-job work between jobs of one cycle (plugins'
         ``score_key``); False decides every job from scratch (the reference the tests compare with)."""
@@ -993,6 +1009,8 @@ class Framework:
             # spread thus waits exactly as with spanning forbidden; a job held back by a permit's
             # choice while a cluster holds it now (waiting for faster GPUs) is not queued.
             self._join_queue(state, record, queue_key)
+        partial: Candidates | None = None
+        totals = np.zeros(0)
         if len(candidates) == 0 and job.allow_multi_cluster and job.pipeline is None:
             partial = self.find_candidates(state, min_capacity=1)
             if len(partial):
@@ -1011,9 +1029,13 @@ class Framework:
             if outcome.decision is not None or outcome.status.code != Code.UNSCHEDULABLE:
                 return self._settled(decision, outcome)
             # Refused for now (the span guard: waiting for one cluster ends sooner, or the spread
-            # holds too many GPU-hours): the gang goes on as it would with spanning forbidden
-            # (preemption, a backfill claim), keeping the refusal's reason and wait if nothing else.
+            # holds too many GPU-hours): spreads over GPUs of like speed are tried next, then the
+            # gang goes on as it would with spanning forbidden (preemption, a backfill claim),
+            # keeping the first refusal's reason and wait if nothing else.
             self._settled(decision, outcome)
+            banded = self._banded_spread(state, partial, totals, decision, record, apply=apply)
+            if banded is not None:
+                return banded
             refused, decision = outcome, None
         if decision is None and len(candidates) == 0:
             why = self.why_nothing_fits(state)
@@ -1691,6 +1713,74 @@ class Framework:
             decision = self._spread_in_order(state, candidates, totals, by_room)
         return decision
 
+    def banded_spreads(
+        self, state: CycleState, candidates: Candidates, totals: FloatArray, tried: Decision
+    ) -> list[Decision]:
+        """Spreads to try when the best-scored spread (``tried``) was refused: one per subset of
+        the candidates that a plugin proposes (``spread_subsets(state, candidates)``, best first;
+        the span guard proposes GPUs of like speed in regions with a good link), each
+        best-scored first (:meth:`_spread_in_order`, then largest first as :meth:`spread` does).
+        At most ``MAX_BANDED_SPREADS``, none on the same pools as ``tried`` or each other.
+
+        Synchronous data parallelism runs at its slowest part's pace, so a spread that mixes GPUs
+        of different speeds holds the fast ones idle part of each step, and one over a slow link
+        holds all of them: the span guard bounds both. The best-scored spread takes the
+        best-scored pools first and fills up with whatever is left (an evaluator's platform:
+        16 G2 GPUs beside P100s 7x slower for the job, held 11 h), while a spread of like GPUs
+        within the bound had room."""
+        if not self.spreaders or len(candidates) == 0:
+            return []
+        snap = state.snapshot
+        by_score = sorted(
+            range(len(candidates)),
+            key=lambda i: (-round(float(totals[i]), 9), snap.clusters[int(candidates.cluster[i])].id),
+        )
+        seen = {_pools_of(tried)}
+        found: list[Decision] = []
+        for plugin in self.spreaders:
+            for inside in plugin.spread_subsets(state, candidates):
+                order = [i for i in by_score if inside[i]]
+                decision = self._spread_in_order(state, candidates, totals, order)
+                if decision is None:
+                    by_room = sorted(order, key=lambda i: -int(candidates.capacity[i]))
+                    decision = self._spread_in_order(state, candidates, totals, by_room)
+                if decision is None or _pools_of(decision) in seen:
+                    continue
+                seen.add(_pools_of(decision))
+                found.append(decision)
+                if len(found) >= MAX_BANDED_SPREADS:
+                    return found
+        return found
+
+    def _banded_spread(
+        self,
+        state: CycleState,
+        candidates: Candidates | None,
+        totals: FloatArray,
+        tried: Decision,
+        record: DecisionRecord,
+        *,
+        apply: bool,
+    ) -> Outcome | None:
+        """The first of :meth:`banded_spreads` that reserve, permit and bind accept, as its
+        outcome; None (the record as the refusal of ``tried`` left it) when none is."""
+        if candidates is None:
+            return None
+        reason, was_refused, outcome_word = record.reason, record.refused, record.outcome
+        for decision in self.banded_spreads(state, candidates, totals, tried):
+            for part in decision.parts:
+                state.pruned.pop(part.cluster, None)
+            outcome = self.finish(state, decision, record, apply=apply)
+            if outcome.decision is not None:
+                record.notes.append(
+                    f"the best-scored spread was refused; spread over {len(decision.parts)} clusters"
+                    " of like GPUs instead"
+                )
+                return self._settled(decision, outcome)
+            self._settled(decision, outcome)
+        record.reason, record.refused, record.outcome = reason, was_refused, outcome_word
+        return None
+
     def _spread_in_order(
         self, state: CycleState, candidates: Candidates, totals: FloatArray, order: Sequence[int]
     ) -> Decision | None:
@@ -1953,6 +2043,11 @@ class Framework:
         record.outcome = "rejected" if status.code == Code.UNRESOLVABLE else "waiting"
         record.reason = f"{status.plugin}: {status.reason}" if status.plugin else status.reason
         return Outcome(status, None, record)
+
+
+def _pools_of(decision: Decision) -> tuple[tuple[str, str, int], ...]:
+    """A spread's pools and the workers' GPUs on each, to tell spreads apart."""
+    return tuple(sorted((p.cluster, p.gpu_model, sum(g for _, g in p.allocations)) for p in decision.parts))
 
 
 @dataclass(frozen=True, slots=True)

@@ -908,9 +908,13 @@ class SpanGuard:
       clusters could keep within the bound even on an idle platform
       (:func:`idle_spread_floor`), :meth:`pre_filter` rejects the gang at its first cycle, busy
       platform or not (UNRESOLVABLE, ``span_inflation``, with the factor: it would hold its GPUs
-      far longer than its work needs, slowing every job behind it); otherwise the permit (which
-      never rejects) makes it wait for a spread within the bound at most what this one would lose
-      (the ski-rental bound below), then spreads.
+      far longer than its work needs, slowing every job behind it). The floor prices GPUs of
+      different speeds as it prices a slow link (a spread runs at its slowest part's pace).
+      Otherwise a spread beyond the bound is refused while a spread of like GPUs within it has
+      room now (the framework then tries those, :meth:`spread_subsets`) or could have once their
+      GPUs free, at most ``LIKE_WAIT_FACTOR`` x what this one would lose (``QUEUED_LIKE_WAIT_FACTOR``
+      x while other jobs wait; once where no like spread could ever hold it: the ski-rental bound
+      below); then it spreads.
     - *Slower GPUs* (any batch job in one cluster; not inference, which serves from when it
       starts): waits for a faster option only when that option's
       wait plus run beats the run now by ``margin``, and never longer in all than the slower start
@@ -977,6 +981,17 @@ class SpanGuard:
         self.queue_aware = queue_aware
         """False: a job (gang or single worker) never waits for faster GPUs under a queue (the
         gangs' rule before the queue-aware wait; kept to measure one against the other)."""
+
+    def spread_subsets(self, state: CycleState, candidates: Candidates) -> list[BoolArray]:
+        """Subsets of a gang's candidates to spread it over when the best-scored spread was
+        refused, best first (``Framework.banded_spreads``): GPUs of like speed in regions with a
+        good link, predicted within the GPU-hours bound (:func:`like_spreads`)."""
+        if state.job.pipeline is not None:
+            return []
+        found = like_spreads(
+            state, candidates.cluster, candidates.model, candidates.capacity, bound=self.gpu_hours_bound
+        )
+        return [mask for _step, mask, _where in found]
 
     def pre_filter(self, state: CycleState) -> Status:
         """UNRESOLVABLE (``span_inflation``) for a gang that may span clusters, that no allowed
@@ -1129,22 +1144,36 @@ class SpanGuard:
             if chosen.step_s <= self.gpu_hours_bound * ideal.step_s:
                 return Status()
             # Never rejected here (the pre-filter did that, from the idle platform alone): a
-            # verdict that hung on which GPUs are free now would not be final. The gang waits for
-            # a spread within the bound when one is possible on the schedulable nodes, else at
-            # most what this one would lose against one cluster (ski rental), then spreads.
+            # verdict that hung on which GPUs are free now would not be final. When a spread of like
+            # GPUs within the bound has room now (:func:`free_like_spreads`), this one is refused
+            # and the framework tries those next (``Framework.banded_spreads``); when the
+            # schedulable nodes could hold one idle, the gang waits for one. Either wait lasts at
+            # most ``LIKE_WAIT_FACTOR`` x what spreading now loses against one cluster (ski
+            # rental), and a gang no such spread could hold waits at most that once: the filters
+            # may rule out pools these count, and a gang that waited without end would never run.
+            bound = self.gpu_hours_bound
+            now = free_like_spreads(state, bound=bound)
+            idle = now or free_like_spreads(state, bound=bound, idle=True)
+            queued = snap.waiting_count(exclude=job.job_id) > 0
             floor = idle_spread_floor(state, decision.workers)
-            better = floor if floor is not None and floor.inflation <= self.gpu_hours_bound else None
+            better = floor if floor is not None and floor.inflation <= bound else None
+            why = (
+                f" of like GPUs within it has room now ({now})"
+                if now
+                else f" of like GPUs within it is possible when their GPUs free ({idle}); waiting for one"
+                if idle
+                else ""
+                if better is None
+                else f" within it may be possible ({better.where}); waiting for one"
+            )
             return wait_unless_lost(
                 state,
                 chosen.step_s,
-                ideal.step_s if better is None else max(better.best_step_s, ideal.step_s),
+                ideal.step_s,
                 f"spread over {where} a step would take {chosen.step_s:.2f} s against"
-                f" {ideal.step_s:.2f} s in one cluster, more than {self.gpu_hours_bound:g}x its GPU-hours"
-                + (
-                    ""
-                    if better is None
-                    else f"; a spread within it is possible ({better.where}); waiting for one"
-                ),
+                f" {ideal.step_s:.2f} s in one cluster, more than {bound:g}x its GPU-hours"
+                + (f"; a spread{why}" if why else ""),
+                factor=(QUEUED_LIKE_WAIT_FACTOR if queued else LIKE_WAIT_FACTOR) if idle else 1.0,
             )
         options = single_cluster_options(state, holders, decision.workers, book=self.book)
         fastest = float(np.min([o.run_s for o in options])) if options else math.inf
@@ -1212,11 +1241,13 @@ MIN_WAIT_S = 1.0
 """A wait shorter than this is not worth another decision: the job starts now."""
 
 
-def wait_unless_lost(state: CycleState, step_now: float, step_better: float, why: str) -> Status:
+def wait_unless_lost(
+    state: CycleState, step_now: float, step_better: float, why: str, *, factor: float = 1.0
+) -> Status:
     """UNSCHEDULABLE (``wait_s`` = what is left) while the job has waited, since submission, less
-    than ``steps x (step_now - step_better)``: the ski-rental bound both guards use."""
+    than ``factor x steps x (step_now - step_better)``: the ski-rental bound both guards use."""
     waited = _waited_s(state)
-    left = state.job.work.steps * (step_now - step_better) - waited
+    left = factor * state.job.work.steps * (step_now - step_better) - waited
     if left < MIN_WAIT_S:
         return Status()
     return Status(Code.UNSCHEDULABLE, f"{why} (at most {left:.0f} s more)", wait_s=left)
@@ -1235,12 +1266,10 @@ class SpreadFloor:
     """What the best spread of a gang over the allowed clusters could reach on an idle platform."""
 
     inflation: float
-    """A lower bound of any spread's step over the gang's step in one cluster at the same speed
-    (the GPU-hours ratio the span guard bounds)."""
-    best_step_s: float
-    """A lower bound of any spread's step (the fastest pool's compute and the best link)."""
+    """A lower bound of any spread's step over the gang's step in one cluster at its fastest
+    part's speed (the GPU-hours ratio the span guard bounds)."""
     where: str
-    """The regions the best link joins, in words."""
+    """The regions the best link of the least inflated spread joins, in words."""
 
 
 def idle_spread_floor(state: CycleState, workers: int, *, every_node: bool = False) -> SpreadFloor | None:
@@ -1250,46 +1279,247 @@ def idle_spread_floor(state: CycleState, workers: int, *, every_node: bool = Fal
     every node whatever its state (unschedulable ones may come back) and avoided clusters count
     (avoiding is a preference): what no later cycle can improve on.
 
-    The link: the best of the links a spread must use, i.e. within one region when one region's
-    clusters hold the gang, else between the best pair of regions that together hold it, else the
-    best link between any two regions. The compute: the slowest allowed pool's speed for the
-    inflation (a slower step dilutes the network's share, so this bounds every spread's inflation
-    from below), the fastest pool's for the step."""
+    A spread's step is its slowest part's compute plus the all-reduce over its slowest link, and
+    the span guard weighs it against the gang in one cluster at its fastest part's speed
+    (:meth:`SpanGuard._spread`), so mixing GPUs of different speeds inflates GPU-hours as a slow
+    link does. Every *band* of the job's speeds among the pools that hold workers (slowest ``a``
+    to fastest ``b``) whose pools together hold the gang is a candidate: a spread whose GPUs' speeds
+    span exactly that band takes at least ``step / a`` to compute against at most ``step / b`` in
+    one cluster (with the band's highest and lowest trust where trusts differ). The link of a band:
+    the best of the links a spread over its pools must use, i.e. within one region when one
+    region's clusters hold the gang, else between the best pair of regions that together hold it,
+    else the best link between any two of its regions. The floor is the least inflated band.
+    (Before 2026-12-06 the floor took every pool at the slowest speed on both sides, counting only
+    the link: on an evaluator's platform a 16 x 2-GPU gang that only G2 GPUs and GPUs 1.8x slower
+    could hold waited for a spread "within the bound" that could not exist, then spread at 1.77x.)"""
+    counts = _idle_workers(state, every_node=every_node) * _allowed_pools(state, avoided=not every_node)
+    return _spread_floor(state, counts, workers)
+
+
+LIKE_WAIT_FACTOR = 4.0
+"""A gang no cluster holds, whose spread now is beyond the span guard's bound while a spread of
+like GPUs within it has room now or could once their GPUs free, waits at most this many times
+what spreading now loses against one cluster (:func:`wait_unless_lost`)."""
+
+QUEUED_LIKE_WAIT_FACTOR = 16.0
+""":data:`LIKE_WAIT_FACTOR` while other jobs wait: a spread beyond the bound then holds GPUs a
+waiting job could use, so the gang waits longer for a spread of like GPUs."""
+
+
+def free_like_spreads(state: CycleState, *, bound: float, idle: bool = False) -> str | None:
+    """Where (in words) :func:`like_spreads` finds the fastest spread of ``state``'s gang within
+    ``bound`` over the GPUs free now on the schedulable nodes of the allowed, not avoided clusters
+    (with ``idle``, all their GPUs: once they free); None when it finds none."""
+    snap = state.snapshot
+    free: FloatArray
+    if idle:
+        free = _idle_workers(state) * _allowed_pools(state)
+    else:
+        c_count, m_count = snap.total_sum.shape
+        counts = np.bincount(
+            snap.pool_of,
+            weights=np.where(snap.schedulable, snap.free // state.per_worker, 0),
+            minlength=c_count * m_count,
+        ).astype(np.float64)
+        free = counts.reshape(c_count, m_count) * _allowed_pools(state)
+    c_idx, m_idx = np.nonzero(free > 0)
+    capacity = free[c_idx, m_idx].astype(np.int64)
+    found = like_spreads(state, c_idx, m_idx, capacity, bound=bound, first=True)
+    return found[0][2] if found else None
+
+
+LIKE_SPREAD_REGIONS = 8
+"""Pairs of regions are tried among at most this many (those with the most workers' room in the
+speed band): :func:`like_spreads` stays cheap on platforms of many regions."""
+
+
+def like_spreads(
+    state: CycleState,
+    cluster: IntArray,
+    model: IntArray,
+    capacity: IntArray,
+    *,
+    bound: float,
+    first: bool = False,
+) -> list[tuple[float, BoolArray, str]]:
+    """Subsets of the pools (parallel arrays: cluster, model, workers' room) that could hold
+    ``state``'s gang spread over them within ``bound`` x the GPU-hours of it in one cluster, as
+    (predicted step, mask, where in words), fastest first; with ``first``, at most one.
+
+    Each subset is a *speed band* (the pools no faster than one pool's delivered speed for the
+    job and at most ``bound`` x slower) within one region, two regions, or every region of the
+    band. Predicted from the band's slowest and fastest pools and the regions' slowest link
+    (:func:`predict_step_s`'s rule), against the gang in one cluster at the band's fastest
+    speed; one GPU model per cluster as :meth:`~loom.sched.framework.Framework.spread` takes them.
+    The spread built from a subset may pick fewer pools, so the span guard judges it again."""
+    if cluster.size == 0:
+        return []
+    snap, job = state.snapshot, state.job
+    low, workers = state.min_workers, state.target_workers
+    speed = snap.job_speeds(job)[model] * snap.trust[cluster]
+    region_of, names = _region_indices(snap)
+    region = region_of[cluster]
+    comm = _region_comm(snap, job, names, workers)
+    intra = _allreduce_one(*_comm_of(job), INTRA_CLUSTER_RTT_MS, INTRA_CLUSTER_GBPS, workers)
+    step = job.work.step_time_s
+    found: list[tuple[float, BoolArray, str]] = []
+    seen: set[bytes] = set()
+    for anchor in sorted(set(speed.tolist()), reverse=True):
+        band = (speed <= anchor) & (speed >= anchor / bound)
+        if _room(cluster, capacity, band) < low:
+            continue
+        present = np.unique(region[band])
+        room = np.array([_room(cluster, capacity, band & (region == r)) for r in present.tolist()])
+        top = present[np.argsort(-room, kind="stable")[:LIKE_SPREAD_REGIONS]].tolist()
+        sets = [[r] for r in top] + [[a, b] for i, a in enumerate(top) for b in top[i + 1 :]]
+        sets.append(present.tolist())
+        for members in sets:
+            mask = band & np.isin(region, members)
+            key = mask.tobytes()
+            if key in seen or _room(cluster, capacity, mask) < low:
+                continue
+            seen.add(key)
+            pair = comm[np.ix_(members, members)]
+            link = float(pair.max()) if len(members) > 1 else float(comm[members[0], members[0]])
+            predicted = step / max(float(speed[mask].min()), 1e-9) + link
+            ideal = step / max(float(speed[mask].max()), 1e-9) + intra
+            if predicted <= bound * ideal:
+                words = [names[r] for r in members]
+                where = f"within {words[0]}" if len(words) == 1 else "over " + ", ".join(words)
+                found.append((predicted, mask, where))
+                if first:
+                    return found
+    found.sort(key=lambda f: f[0])
+    return found
+
+
+def _room(cluster: IntArray, capacity: IntArray, mask: BoolArray) -> int:
+    """Workers the pools in ``mask`` hold, one pool per cluster (each cluster's largest)."""
+    if not mask.any():
+        return 0
+    best: dict[int, int] = {}
+    for c, k in zip(cluster[mask].tolist(), capacity[mask].tolist(), strict=True):
+        if k > best.get(c, 0):
+            best[c] = k
+    return sum(best.values())
+
+
+def _spread_floor(state: CycleState, counts: FloatArray, workers: int) -> SpreadFloor | None:
+    """The floor (:func:`idle_spread_floor`) of spreads over pools holding ``counts`` workers."""
     snap = state.snapshot
     job = state.job
-    counts = _idle_workers(state, every_node=every_node) * _allowed_pools(state, avoided=not every_node)
-    per_cluster = counts.max(axis=1, initial=0.0)
-    if float(per_cluster.sum()) < workers:
+    if float(counts.max(axis=1, initial=0.0).sum()) < workers:
         return None
-    c_idx, m_idx = np.nonzero(counts > 0)
-    speed = snap.job_speeds(job)[m_idx] * snap.trust[c_idx]
-    s_min, s_max = max(float(speed.min()), 1e-9), max(float(speed.max()), 1e-9)
-    region_workers: dict[str, float] = {}
-    for c in np.nonzero(per_cluster > 0)[0].tolist():
-        region = snap.clusters[c].region
-        region_workers[region] = region_workers.get(region, 0.0) + float(per_cluster[c])
-    regions = sorted(region_workers)
+    raw = snap.job_speeds(job)[: counts.shape[1]]
+    held = counts > 0
+    speeds = np.unique(raw[held.any(axis=0)])
+    trust = snap.trust
+    region_of = _region_indices(snap)
+    regions = sorted(set(region_of[1]))
+    link_comm = _region_comm(snap, job, region_of[1], workers)
+    intra = _allreduce_one(*_comm_of(job), INTRA_CLUSTER_RTT_MS, INTRA_CLUSTER_GBPS, workers)
+    step = job.work.step_time_s
+    least: tuple[float, str] | None = None
+    for i, a in enumerate(speeds.tolist()):
+        for b in speeds[i:].tolist():
+            models = (raw >= a) & (raw <= b)
+            band = np.where(models[None, :], counts, 0.0)
+            per_cluster = band.max(axis=1)
+            if float(per_cluster.sum()) < workers:
+                continue
+            in_band = held & models[None, :]
+            trusts = trust[np.nonzero(in_band.any(axis=1))[0]]
+            t_hi, t_lo = max(float(trusts.max()), 1e-9), max(float(trusts.min()), 1e-9)
+            region_workers: FloatArray = np.bincount(
+                region_of[0], weights=per_cluster, minlength=len(regions)
+            ).astype(np.float64)
+            comm, where = _best_band_link(link_comm, region_workers, regions, workers)
+            if not math.isfinite(comm):
+                continue
+            slow = step / max(a * t_hi, 1e-9)
+            inflation = (slow + comm) / max(step / max(b * t_lo, 1e-9) + intra, 1e-12)
+            if least is None or inflation < least[0]:
+                least = (inflation, where)
+    if least is None:
+        return None
+    return SpreadFloor(inflation=least[0], where=least[1])
+
+
+_REGIONS: "weakref.WeakKeyDictionary[Snapshot, tuple[IntArray, list[str]]]" = weakref.WeakKeyDictionary()
+"""Per snapshot: each cluster's region index and the regions' ids, sorted."""
+
+
+def _region_indices(snap: Snapshot) -> tuple[IntArray, list[str]]:
+    cached = _REGIONS.get(snap)
+    if cached is None:
+        names = sorted({c.region for c in snap.clusters})
+        index = {r: i for i, r in enumerate(names)}
+        of = np.array([index[c.region] for c in snap.clusters], dtype=np.int64)
+        cached = _REGIONS[snap] = (of, names)
+    return cached
+
+
+_REGION_COMM: "weakref.WeakKeyDictionary[Snapshot, dict[tuple[float, float, int], FloatArray]]" = (
+    weakref.WeakKeyDictionary()
+)
+"""Per snapshot and (bytes per step, rounds per step, workers): :func:`_region_comm`'s matrix."""
+
+
+def _region_comm(snap: Snapshot, job: JobSpec, regions: Sequence[str], workers: int) -> FloatArray:
+    """The all-reduce time of one step of ``job`` between every two of ``regions`` (the
+    snapshot's regions, sorted; the diagonal: within one region, between its clusters)."""
     bytes_per_step, rounds = _comm_of(job)
-    sets = [[r, r] for r in regions if region_workers[r] >= workers]
-    if not sets:
-        pairs = [[a, b] for i, a in enumerate(regions) for b in regions[i + 1 :]]
-        sets = [p for p in pairs if region_workers[p[0]] + region_workers[p[1]] >= workers] or pairs
-    best_comm, best_set = math.inf, regions[:1]
-    for members in sets:
-        rtt, bw = slowest_link(snap.net, members)
-        comm = _allreduce_one(bytes_per_step, rounds, rtt, bw, workers)
-        if comm < best_comm:
-            best_comm, best_set = comm, members
-    if not math.isfinite(best_comm):
-        return None
-    intra = _allreduce_one(bytes_per_step, rounds, INTRA_CLUSTER_RTT_MS, INTRA_CLUSTER_GBPS, workers)
-    slow = job.work.step_time_s / s_min
-    where = f"within {best_set[0]}" if best_set[0] == best_set[-1] else f"{best_set[0]} with {best_set[-1]}"
-    return SpreadFloor(
-        inflation=(slow + best_comm) / max(slow + intra, 1e-12),
-        best_step_s=job.work.step_time_s / s_max + best_comm,
-        where=where,
-    )
+    per_snap = _REGION_COMM.setdefault(snap, {})
+    key = (float(bytes_per_step), float(rounds), int(workers))
+    cached = per_snap.get(key)
+    if cached is not None:
+        return cached
+    n = len(regions)
+    comm = np.empty((n, n), dtype=np.float64)
+    for i, a in enumerate(regions):
+        for j in range(i, n):
+            rtt, bw = slowest_link(snap.net, [a, regions[j]])
+            comm[i, j] = comm[j, i] = _allreduce_one(bytes_per_step, rounds, rtt, bw, workers)
+    per_snap[key] = comm
+    return comm
+
+
+def _best_band_link(
+    comm: FloatArray, region_workers: FloatArray, regions: Sequence[str], workers: int
+) -> tuple[float, str]:
+    """A lower bound of the all-reduce time any spread over regions holding ``region_workers``
+    must pay, and the regions it joins in words (see :func:`idle_spread_floor`): within one
+    region when one holds the gang, else the least link ``T`` at which the regions joined by links
+    no slower than ``T`` hold it together (a spread's regions, every two joined by a link no
+    slower than its slowest, lie in one such group; before 2026-12-06 the best link between any
+    two regions, when no two held the gang, let a 4-region spread pass as a 2-region one)."""
+    present = np.nonzero(region_workers > 0)[0].tolist()
+    if not present:
+        return math.inf, ""
+    alone = [r for r in present if region_workers[r] >= workers]
+    if alone:
+        best = min(alone, key=lambda r: float(comm[r, r]))
+        return float(comm[best, best]), f"within {regions[best]}"
+    parent = {r: r for r in present}
+    held = {r: float(region_workers[r]) for r in present}
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    links = sorted((float(comm[a, b]), a, b) for i, a in enumerate(present) for b in present[i + 1 :])
+    for link, a, b in links:
+        ra, rb = root(a), root(b)
+        if ra == rb:
+            continue
+        parent[rb] = ra
+        held[ra] += held.pop(rb)
+        if held[ra] >= workers:
+            members = sorted(regions[r] for r in present if root(r) == ra)
+            return link, " with ".join(members) if len(members) == 2 else "over " + ", ".join(members)
+    return math.inf, ""
 
 
 def _idle_workers(state: CycleState, *, every_node: bool = False) -> FloatArray:
