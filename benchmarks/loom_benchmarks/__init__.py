@@ -208,7 +208,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
         "--grid-platforms",
         default=None,
         help="grid: small,medium,default (default all); NAME:GPUS sizes one (its regions, about GPUS"
-        " GPUs: medium:120,medium:1000)",
+        " GPUs: medium:120,medium:1000); a path ending in .json is a topology file of your own",
     )
     policies.add_argument(
         "--grid-loads", default=None, help="grid: loads of capacity (default 0.5,0.8,1,1.2)"

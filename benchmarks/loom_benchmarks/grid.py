@@ -198,10 +198,29 @@ MIN_PLATFORM_GPUS: Final = 16
 """The fewest GPUs a sized grid platform (``NAME:GPUS``) may ask for."""
 
 
+def is_platform_file(name: str) -> bool:
+    """Whether a grid platform's name is a topology file (a path ending in ``.json``) rather than
+    one of the packaged platforms."""
+    return name.endswith(".json")
+
+
+def platform_label(name: str) -> str:
+    """A platform's name in cell keys: a packaged platform as is, a topology file by its stem (no
+    ``/``; ``file-<stem>`` where the stem is a packaged platform's name)."""
+    if not is_platform_file(name):
+        return name
+    stem = (Path(name).stem or "file").replace("/", "_").replace(":", "_")
+    return f"file-{stem}" if stem in PLATFORMS else stem
+
+
 def parse_platform(name: str) -> tuple[str, int | None]:
     """A grid platform's name: ``small``, ``medium``, ``default``, or one of them sized,
     ``NAME:GPUS`` (its regions, about ``GPUS`` GPUs sampled over their clusters as ``medium`` is:
-    ``medium:120``, ``default:2000``), for sweeping platform size. :class:`ValueError` if not one."""
+    ``medium:120``, ``default:2000``), for sweeping platform size; or a topology file of one's own
+    (``path/to/platform.json``, read by :func:`loom.model.topology.load_topology`): ``("file",
+    None)``. :class:`ValueError` if not one."""
+    if is_platform_file(name):
+        return "file", None
     base, sep, size = name.partition(":")
     if base not in PLATFORMS:
         raise ValueError(f"unknown grid platform {name!r}; known: {', '.join(PLATFORMS)}, or NAME:GPUS")
@@ -218,9 +237,14 @@ def parse_platform(name: str) -> tuple[str, int | None]:
 
 def grid_topology(name: str, base: "Topology | None" = None) -> "Topology":
     """The topology of a grid platform: ``small``, ``medium`` or ``default`` (see the module
-    docstring), or one of them sized (:func:`parse_platform`)."""
-    from loom.model.topology import load_topology
+    docstring), one of them sized, or a topology file (:func:`parse_platform`)."""
+    from loom.model.topology import TopologyError, load_topology
 
+    if is_platform_file(name):
+        try:
+            return load_topology(Path(name))
+        except TopologyError as exc:
+            raise ValueError(f"grid platform {name!r}: {exc}") from None
     topology = base if base is not None else load_topology()
     kind, gpus = parse_platform(name)
     if gpus is not None:
@@ -252,7 +276,7 @@ def grid_platform(name: str) -> tuple["Topology", "Platform"]:
     from loom.sim.engine import platform_from_topology
 
     topology = grid_topology(name)
-    return topology, platform_from_topology(topology, name=name)
+    return topology, platform_from_topology(topology, name=platform_label(name))
 
 
 def platform_gpus(platform: "Platform") -> int:
@@ -413,8 +437,10 @@ def _platform_cached(name: str) -> tuple["Topology", "Platform"]:
 
 
 def cell_key(platform: str, load: float, spanning: bool, workload: str) -> str:
-    """A cell's name: ``small/0.8/span/philly`` (``nospan`` when spanning is forbidden)."""
-    return f"{platform}/{load:g}/{'span' if spanning else 'nospan'}/{workload_label(workload)}"
+    """A cell's name: ``small/0.8/span/philly`` (``nospan`` when spanning is forbidden; a
+    topology file's platform and a workload file by their stems)."""
+    span = "span" if spanning else "nospan"
+    return f"{platform_label(platform)}/{load:g}/{span}/{workload_label(workload)}"
 
 
 # ---- aggregation --------------------------------------------------------------------------------

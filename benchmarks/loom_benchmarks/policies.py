@@ -840,11 +840,15 @@ def _grid_platforms(text: str | None) -> tuple[str, ...] | None:
             grid.parse_platform(name)
         except ValueError as exc:
             raise OptionError(f"unknown --grid-platforms value: {exc}") from None
-        if ":" in name:
+        if ":" in name or grid.is_platform_file(name):
             try:
-                grid.grid_topology(name)  # a size its regions cannot give, before any cell runs
+                # A size its regions cannot give, or a file that is not a topology: before any cell runs.
+                grid.grid_topology(name)
             except ValueError as exc:
                 raise OptionError(f"--grid-platforms: {exc}") from None
+    labels = [grid.platform_label(name) for name in platforms]
+    if len(set(labels)) < len(labels):
+        raise OptionError(f"--grid-platforms: two platforms would share a cell name: {', '.join(platforms)}")
     return tuple(platforms)
 
 
