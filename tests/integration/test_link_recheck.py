@@ -82,6 +82,12 @@ async def test_a_gang_with_nowhere_better_when_its_link_degraded_moves_at_a_rech
         await asyncio.sleep(3 * RECHECK_S)
         assert migration.stats["rechecks"] > rechecks  # looked at again while degraded
         assert await db.fetchval("SELECT count(*) FROM migrations") == 0
+        # The other direction degrades too (each end measures it; the emulated delay reached it
+        # only at times): the same episode, reviewed again, records no second alike stay (it did,
+        # when that event came after the first review).
+        await client.net_emulate(SEA1, WEU, {"op": "degrade", "rtt_factor": 5.0})
+        await until(lambda: _event_at(events, LinkDegraded, SEA1, WEU), 30, "the other direction degraded")
+        await asyncio.sleep(2 * RECHECK_S)
         # A stay is recorded again only when it differs (its target) from the last one recorded.
         rows = await db.fetch(
             "SELECT decision, target FROM migration_verdicts WHERE job_id = 'long' ORDER BY id"
@@ -106,6 +112,7 @@ async def test_a_gang_with_nowhere_better_when_its_link_degraded_moves_at_a_rech
 
         # Recovered: the link is no longer looked at.
         await client.net_emulate(WEU, SEA1, {"op": "restore"})
+        await client.net_emulate(SEA1, WEU, {"op": "restore"})
         await until(lambda: _event_at(events, LinkRecovered, WEU, SEA1), 30, "the link's recovered event")
 
         async def nothing_degraded() -> bool:

@@ -1176,3 +1176,75 @@ def test_a_gang_waits_for_like_gpus_busy_now_and_longer_while_others_wait() -> N
         gang(span=True, workers=4), snapshot(nodes, runs), submitted_at=NOW - 2 * alone.status.wait_s
     )
     assert late.decision is not None and "ca" in {p.cluster for p in late.decision.parts}
+
+
+def test_a_link_restored_in_place_is_read_afresh_by_the_span_guard() -> None:
+    """The simulator and the service change a snapshot's links in place: a gang rejected while the
+    link was degraded, decided again on the same snapshot once it recovered, spreads (a cache of
+    the links per snapshot, in the first version of the like-GPU floor, kept the degraded link and
+    rejected it for good)."""
+    net = NetMatrix(["r1", "r2"])
+
+    def link(rtt: float, bw: float) -> None:
+        net.set_link("r1", "r2", rtt_ms=rtt, bandwidth_gbps=bw)
+        net.set_link("r2", "r1", rtt_ms=rtt, bandwidth_gbps=bw)
+
+    link(100.0, 1.0)
+    snap = snapshot([node("a0", "ca", "r1", gpus=4), node("b0", "cb", "r2", gpus=4)], net=net)
+    degraded = guard_framework().schedule(gang(span=True, workers=2), snap, apply=False, submitted_at=NOW)
+    assert degraded.status.reject == "span_inflation"
+    link(1.0, 100.0)
+    restored = guard_framework().schedule(gang(span=True, workers=2), snap, apply=False, submitted_at=NOW)
+    assert restored.decision is not None and {p.cluster for p in restored.decision.parts} == {"ca", "cb"}
+
+
+def test_a_cluster_held_off_by_a_running_job_still_counts_for_the_span_floor() -> None:
+    """The gang keeps apart from a labelled job running on sb, one of the two slow clusters that
+    together hold it: kept off only while that job runs, sb still counts for whether a spread of
+    like GPUs could ever keep within the bound, so the gang waits instead of being rejected (it
+    was rejected for good, the floor seeing only the fast cluster beside one slow one)."""
+    from loom.sched.plugins.affinity import Affinity as AffinityPlugin
+
+    job = msgspec.structs.replace(
+        gang(span=True, workers=4), affinity=Affinity(apart_from_jobs={"team": "x"})
+    )
+    nodes = [node("a0", "ca"), node("s0", "sa", model=SLOW), node("s1", "sb", model=SLOW, used=1)]
+    other = RunningJob(
+        job_id="x1",
+        tenant="t",
+        priority=100,
+        cluster="sb",
+        gpu_model=SLOW,
+        allocations=(("s1", 1),),
+        labels={"team": "x"},
+        expected_end_s=NOW + 60.0,
+    )
+    framework = Framework([ResourceFit(), AffinityPlugin(), ScuFit(), SpanGuard(book=WaitBook())])
+    outcome = framework.schedule(job, snapshot(nodes, [other]), submitted_at=NOW)
+    assert outcome.decision is None and outcome.status.code == Code.UNSCHEDULABLE, outcome.status
+
+
+def test_a_like_spread_the_cpu_rules_out_makes_no_gang_wait_longer() -> None:
+    """sb's nodes lack the CPU for the gang's workers: the like-GPU spread sa+sb can never run, so
+    the mixed spread waits only the plain ski-rental time, as if sb were not there (it waited
+    LIKE_WAIT_FACTOR x that, the like spread counted by GPUs alone)."""
+    import dataclasses
+
+    def cpu_node(name: str, cluster: str, model: str, cpu: int) -> NodeCapacity:
+        return dataclasses.replace(node(name, cluster, model=model), cpu_milli=cpu)
+
+    job = msgspec.structs.replace(gang(span=True, workers=4), resources=Resources(gpus=4, cpu_milli=4000))
+    lacking = [
+        cpu_node("a0", "ca", FAST, 64000),
+        cpu_node("s0", "sa", SLOW, 64000),
+        cpu_node("s1", "sb", SLOW, 2000),
+    ]
+    roomy = [
+        cpu_node("a0", "ca", FAST, 64000),
+        cpu_node("s0", "sa", SLOW, 64000),
+        cpu_node("s1", "sb", SLOW, 64000),
+    ]
+    waits = guard_framework().schedule(job, snapshot(lacking), submitted_at=NOW)
+    assert waits.decision is None and "of like GPUs" not in waits.status.reason
+    placed = guard_framework().schedule(job, snapshot(roomy), submitted_at=NOW)
+    assert placed.decision is not None and {p.cluster for p in placed.decision.parts} == {"sa", "sb"}

@@ -1738,6 +1738,8 @@ class Framework:
         seen = {_pools_of(tried)}
         found: list[Decision] = []
         for plugin in self.spreaders:
+            if plugin.name in state.skipped:
+                continue
             for inside in plugin.spread_subsets(state, candidates):
                 order = [i for i in by_score if inside[i]]
                 decision = self._spread_in_order(state, candidates, totals, order)
@@ -1763,10 +1765,12 @@ class Framework:
         apply: bool,
     ) -> Outcome | None:
         """The first of :meth:`banded_spreads` that reserve, permit and bind accept, as its
-        outcome; None (the record as the refusal of ``tried`` left it) when none is."""
+        outcome; None when none is, with the record (reason, notes) and the clusters ruled out as
+        the refusal of ``tried`` left them."""
         if candidates is None:
             return None
         reason, was_refused, outcome_word = record.reason, record.refused, record.outcome
+        pruned, notes = dict(state.pruned), list(record.notes)
         for decision in self.banded_spreads(state, candidates, totals, tried):
             for part in decision.parts:
                 state.pruned.pop(part.cluster, None)
@@ -1778,6 +1782,9 @@ class Framework:
                 )
                 return self._settled(decision, outcome)
             self._settled(decision, outcome)
+            state.pruned.clear()  # the record holds this very dict
+            state.pruned.update(pruned)
+            record.notes[:] = notes
         record.reason, record.refused, record.outcome = reason, was_refused, outcome_word
         return None
 

@@ -1006,14 +1006,14 @@ class SpanGuard:
         if not job.allow_multi_cluster or job.pipeline is not None:
             return SUCCESS
         holders = _idle_workers(state, every_node=True) * _allowed_pools(state, avoided=False)
-        low, high = state.min_workers, state.target_workers
+        low = state.min_workers
         if float(holders.max(initial=0.0)) >= low:
             return SUCCESS  # a cluster could hold it (the permit decides whether to wait for one)
-        floors = [idle_spread_floor(state, w, every_node=True) for w in range(low, high + 1)]
-        known = [f for f in floors if f is not None]
-        if not known or min(f.inflation for f in known) <= self.gpu_hours_bound:
+        # The floor only rises with the workers (fewer bands and regions hold more; the all-reduce
+        # of 2+ workers does not depend on how many): the least is at the gang's minimum.
+        best = idle_spread_floor(state, low, every_node=True)
+        if best is None or best.inflation <= self.gpu_hours_bound:
             return SUCCESS  # cannot fit at all (the framework says so), or a spread keeps within it
-        best = min(known, key=lambda f: f.inflation)
         cost = f"{best.inflation:.1f}x the GPU-hours of one cluster"
         most = int(holders.max(initial=0.0))
         hint = (
@@ -1308,20 +1308,26 @@ waiting job could use, so the gang waits longer for a spread of like GPUs."""
 
 def free_like_spreads(state: CycleState, *, bound: float, idle: bool = False) -> str | None:
     """Where (in words) :func:`like_spreads` finds the fastest spread of ``state``'s gang within
-    ``bound`` over the GPUs free now on the schedulable nodes of the allowed, not avoided clusters
-    (with ``idle``, all their GPUs: once they free); None when it finds none."""
+    ``bound`` over the workers' room now on the schedulable nodes of the allowed, not avoided
+    clusters (with ``idle``, their whole room: once their jobs end); None when it finds none. Room
+    is counted by GPUs, CPU and RAM, as the filters count it (a node whose CPU or RAM is not known
+    by its GPUs only)."""
     snap = state.snapshot
-    free: FloatArray
+    g = state.per_worker
+    cpu, mem = state.job.resources.cpu_milli, state.job.resources.memory_mib
     if idle:
-        free = _idle_workers(state) * _allowed_pools(state)
+        workers = snap.total // g
+        if cpu:
+            workers = np.where(snap.cpu_known, np.minimum(workers, snap.cpu_cap // cpu), workers)
+        if mem:
+            workers = np.where(snap.mem_known, np.minimum(workers, snap.mem_cap // mem), workers)
     else:
-        c_count, m_count = snap.total_sum.shape
-        counts = np.bincount(
-            snap.pool_of,
-            weights=np.where(snap.schedulable, snap.free // state.per_worker, 0),
-            minlength=c_count * m_count,
-        ).astype(np.float64)
-        free = counts.reshape(c_count, m_count) * _allowed_pools(state)
+        workers = snap.room(slice(None), g, cpu, mem)
+    c_count, m_count = snap.total_sum.shape
+    counts = np.bincount(
+        snap.pool_of, weights=np.where(snap.schedulable, workers, 0), minlength=c_count * m_count
+    ).astype(np.float64)
+    free = counts.reshape(c_count, m_count) * _allowed_pools(state)
     c_idx, m_idx = np.nonzero(free > 0)
     capacity = free[c_idx, m_idx].astype(np.int64)
     found = like_spreads(state, c_idx, m_idx, capacity, bound=bound, first=True)
@@ -1347,61 +1353,107 @@ def like_spreads(
     (predicted step, mask, where in words), fastest first; with ``first``, at most one.
 
     Each subset is a *speed band* (the pools no faster than one pool's delivered speed for the
-    job and at most ``bound`` x slower) within one region, two regions, or every region of the
-    band. Predicted from the band's slowest and fastest pools and the regions' slowest link
-    (:func:`predict_step_s`'s rule), against the gang in one cluster at the band's fastest
-    speed; one GPU model per cluster as :meth:`~loom.sched.framework.Framework.spread` takes them.
-    The spread built from a subset may pick fewer pools, so the span guard judges it again."""
+    job and at most ``bound`` x slower; one band per set of pools it takes) within one region, two
+    regions (among the ``LIKE_SPREAD_REGIONS`` with the most room in the band), or every region of
+    the band. Predicted from the slowest and fastest pools of the band in those regions and their
+    slowest link, each region's own link included (:func:`predict_step_s`'s rule), against the
+    gang in one cluster at the fastest speed; one GPU model per cluster as
+    :meth:`~loom.sched.framework.Framework.spread` takes them. A spread built from a subset takes
+    no slower pools and no slower link than predicted, so the span guard never judges it beyond
+    the bound (it may pick fewer pools)."""
     if cluster.size == 0:
         return []
     snap, job = state.snapshot, state.job
     low, workers = state.min_workers, state.target_workers
     speed = snap.job_speeds(job)[model] * snap.trust[cluster]
     region_of, names = _region_indices(snap)
+    r_count, c_count = len(names), len(snap.clusters)
     region = region_of[cluster]
     comm = _region_comm(snap, job, names, workers)
     intra = _allreduce_one(*_comm_of(job), INTRA_CLUSTER_RTT_MS, INTRA_CLUSTER_GBPS, workers)
     step = job.work.step_time_s
-    found: list[tuple[float, BoolArray, str]] = []
+    room = capacity.astype(np.float64)
+    kept: list[tuple[float, float, list[int]]] = []
     seen: set[bytes] = set()
-    for anchor in sorted(set(speed.tolist()), reverse=True):
+    # One anchor per 2 % of speed (the fastest pool in it): trust differs per cluster, and a band
+    # per pool's own speed costs hundreds of bands on a platform of hundreds of clusters.
+    bucket = np.round(np.log(np.maximum(speed, 1e-12)) / math.log(1.02))
+    anchors = sorted({float(speed[bucket == q].max()) for q in np.unique(bucket).tolist()}, reverse=True)
+    for anchor in anchors:
         band = (speed <= anchor) & (speed >= anchor / bound)
-        if _room(cluster, capacity, band) < low:
+        key = band.tobytes()
+        if key in seen:
             continue
-        present = np.unique(region[band])
-        room = np.array([_room(cluster, capacity, band & (region == r)) for r in present.tolist()])
-        top = present[np.argsort(-room, kind="stable")[:LIKE_SPREAD_REGIONS]].tolist()
-        sets = [[r] for r in top] + [[a, b] for i, a in enumerate(top) for b in top[i + 1 :]]
-        sets.append(present.tolist())
-        for members in sets:
-            mask = band & np.isin(region, members)
-            key = mask.tobytes()
-            if key in seen or _room(cluster, capacity, mask) < low:
-                continue
-            seen.add(key)
-            pair = comm[np.ix_(members, members)]
-            link = float(pair.max()) if len(members) > 1 else float(comm[members[0], members[0]])
-            predicted = step / max(float(speed[mask].min()), 1e-9) + link
-            ideal = step / max(float(speed[mask].max()), 1e-9) + intra
-            if predicted <= bound * ideal:
-                words = [names[r] for r in members]
-                where = f"within {words[0]}" if len(words) == 1 else "over " + ", ".join(words)
-                found.append((predicted, mask, where))
-                if first:
-                    return found
-    found.sort(key=lambda f: f[0])
+        seen.add(key)
+        per_cluster = np.zeros(c_count, dtype=np.float64)
+        np.maximum.at(per_cluster, cluster[band], room[band])  # one pool per cluster: its largest
+        region_room: FloatArray = np.bincount(region_of, weights=per_cluster, minlength=r_count).astype(
+            np.float64
+        )
+        if float(region_room.sum()) < low:
+            continue
+        slowest = np.full(r_count, np.inf)
+        fastest = np.zeros(r_count, dtype=np.float64)
+        np.minimum.at(slowest, region[band], speed[band])
+        np.maximum.at(fastest, region[band], speed[band])
+        sets = _band_sets(region_room, slowest, fastest, comm, low=low, step=step, intra=intra, bound=bound)
+        for predicted, members in sets:
+            kept.append((predicted, anchor, members))
+            if first:
+                break
+        if first and kept:
+            break
+    kept.sort(key=lambda k: k[0])
+    found: list[tuple[float, BoolArray, str]] = []
+    masks: set[bytes] = set()
+    for predicted, anchor, members in kept:
+        mask = (speed <= anchor) & (speed >= anchor / bound) & np.isin(region, members)
+        if mask.tobytes() in masks:
+            continue
+        masks.add(mask.tobytes())
+        words = [names[r] for r in members]
+        found.append(
+            (predicted, mask, f"within {words[0]}" if len(words) == 1 else "over " + ", ".join(words))
+        )
     return found
 
 
-def _room(cluster: IntArray, capacity: IntArray, mask: BoolArray) -> int:
-    """Workers the pools in ``mask`` hold, one pool per cluster (each cluster's largest)."""
-    if not mask.any():
-        return 0
-    best: dict[int, int] = {}
-    for c, k in zip(cluster[mask].tolist(), capacity[mask].tolist(), strict=True):
-        if k > best.get(c, 0):
-            best[c] = k
-    return sum(best.values())
+def _band_sets(
+    region_room: FloatArray,
+    slowest: FloatArray,
+    fastest: FloatArray,
+    comm: FloatArray,
+    *,
+    low: int,
+    step: float,
+    intra: float,
+    bound: float,
+) -> list[tuple[float, list[int]]]:
+    """For one speed band (:func:`like_spreads`): the region sets that hold ``low`` workers and
+    whose predicted step keeps within ``bound``, as (predicted step, region indices), in the
+    order tried: each region alone, two of the ``LIKE_SPREAD_REGIONS`` with the most room, all."""
+    present = np.nonzero(region_room > 0)[0]
+    top = present[np.argsort(-region_room[present], kind="stable")[:LIKE_SPREAD_REGIONS]]
+    iu, ju = np.triu_indices(top.size, k=1)
+    a, b = top[iu], top[ju]
+    diag = np.diagonal(comm)
+    # Each region alone, then every two of the top ones (each region's own link counts: two
+    # clusters of one region may be parts), as arrays.
+    room = np.concatenate([region_room[top], region_room[a] + region_room[b]])
+    link = np.concatenate([diag[top], np.maximum(comm[a, b], np.maximum(diag[a], diag[b]))])
+    slow = np.concatenate([slowest[top], np.minimum(slowest[a], slowest[b])])
+    fast = np.concatenate([fastest[top], np.maximum(fastest[a], fastest[b])])
+    predicted = step / np.maximum(slow, 1e-9) + link
+    ok = (room >= low) & (predicted <= bound * (step / np.maximum(fast, 1e-9) + intra))
+    members = [[int(r)] for r in top] + [[int(x), int(y)] for x, y in zip(a, b, strict=True)]
+    found = [(float(predicted[i]), members[i]) for i in np.nonzero(ok)[0].tolist()]
+    every = present.tolist()
+    if float(region_room[present].sum()) >= low and len(every) > 2:
+        whole = float(comm[np.ix_(present, present)].max())
+        step_all = step / max(float(slowest[present].min()), 1e-9) + whole
+        if step_all <= bound * (step / max(float(fastest[present].max()), 1e-9) + intra):
+            found.append((step_all, every))
+    return found
 
 
 def _spread_floor(state: CycleState, counts: FloatArray, workers: int) -> SpreadFloor | None:
@@ -1459,28 +1511,32 @@ def _region_indices(snap: Snapshot) -> tuple[IntArray, list[str]]:
     return cached
 
 
-_REGION_COMM: "weakref.WeakKeyDictionary[Snapshot, dict[tuple[float, float, int], FloatArray]]" = (
-    weakref.WeakKeyDictionary()
-)
-"""Per snapshot and (bytes per step, rounds per step, workers): :func:`_region_comm`'s matrix."""
-
-
 def _region_comm(snap: Snapshot, job: JobSpec, regions: Sequence[str], workers: int) -> FloatArray:
-    """The all-reduce time of one step of ``job`` between every two of ``regions`` (the
-    snapshot's regions, sorted; the diagonal: within one region, between its clusters)."""
-    bytes_per_step, rounds = _comm_of(job)
-    per_snap = _REGION_COMM.setdefault(snap, {})
-    key = (float(bytes_per_step), float(rounds), int(workers))
-    cached = per_snap.get(key)
-    if cached is not None:
-        return cached
+    """The all-reduce time of one step of ``job`` between every two of ``regions`` (the diagonal:
+    within one region, between its clusters), as :func:`slowest_link` reads the links (the slower
+    direction; unknown regions as :meth:`NetMatrix.link` takes them). Read afresh each call: the
+    service and the simulator change a snapshot's links in place."""
     n = len(regions)
-    comm = np.empty((n, n), dtype=np.float64)
-    for i, a in enumerate(regions):
-        for j in range(i, n):
-            rtt, bw = slowest_link(snap.net, [a, regions[j]])
-            comm[i, j] = comm[j, i] = _allreduce_one(bytes_per_step, rounds, rtt, bw, workers)
-    per_snap[key] = comm
+    if not workers > 1:
+        return np.zeros((n, n), dtype=np.float64)
+    bytes_per_step, rounds = _comm_of(job)
+    net = snap.net
+    idx = np.array([net.index.get(r, -1) for r in regions], dtype=np.int64)
+    known = idx >= 0
+    safe = np.where(known, idx, 0)
+    if len(net.regions):
+        rtt = net.rtt_ms[np.ix_(safe, safe)]
+        bw = net.bandwidth_gbps[np.ix_(safe, safe)]
+    else:
+        rtt = np.zeros((n, n))
+        bw = np.ones((n, n))
+    both = known[:, None] & known[None, :]
+    same = np.eye(n, dtype=np.bool_)
+    rtt = np.where(both, rtt, np.where(same, INTRA_REGION_RTT_MS, UNKNOWN_LINK_RTT_MS))
+    bw = np.where(both, bw, np.where(same, INTRA_REGION_GBPS, UNKNOWN_LINK_GBPS))
+    rtt = np.maximum(rtt, rtt.T)
+    bw = np.minimum(bw, bw.T)
+    comm: FloatArray = 2.0 * bytes_per_step * 8.0 / (np.maximum(bw, 1e-9) * 1e9) + rounds * rtt / 1000.0
     return comm
 
 
@@ -1488,20 +1544,24 @@ def _best_band_link(
     comm: FloatArray, region_workers: FloatArray, regions: Sequence[str], workers: int
 ) -> tuple[float, str]:
     """A lower bound of the all-reduce time any spread over regions holding ``region_workers``
-    must pay, and the regions it joins in words (see :func:`idle_spread_floor`): within one
-    region when one holds the gang, else the least link ``T`` at which the regions joined by links
-    no slower than ``T`` hold it together (a spread's regions, every two joined by a link no
-    slower than its slowest, lie in one such group; before 2026-12-06 the best link between any
-    two regions, when no two held the gang, let a 4-region spread pass as a 2-region one)."""
-    present = np.nonzero(region_workers > 0)[0].tolist()
-    if not present:
+    must pay, and the regions it joins in words (see :func:`idle_spread_floor`): the least of a
+    region's own link, where one region holds the gang, and the least link ``T`` at which the
+    regions joined by links no faster than ``T`` hold it together (a spread's regions, every two
+    joined by a link no slower than its slowest, lie in one such group). Before 2026-12-06 the best
+    link between any two regions, when no two held the gang, let a 4-region spread pass as a
+    2-region one; and a region that held the gang alone hid a measured link between two others
+    faster than a region's default own link."""
+    present = np.nonzero(region_workers > 0)[0]
+    if present.size == 0:
         return math.inf, ""
-    alone = [r for r in present if region_workers[r] >= workers]
-    if alone:
-        best = min(alone, key=lambda r: float(comm[r, r]))
-        return float(comm[best, best]), f"within {regions[best]}"
-    parent = {r: r for r in present}
-    held = {r: float(region_workers[r]) for r in present}
+    best: tuple[float, str] = (math.inf, "")
+    alone = present[region_workers[present] >= workers]
+    if alone.size:
+        own = comm[alone, alone]
+        r = int(alone[int(np.argmin(own))])
+        best = (float(comm[r, r]), f"within {regions[r]}")
+    parent = {int(r): int(r) for r in present}
+    held = {int(r): float(region_workers[r]) for r in present}
 
     def root(r: int) -> int:
         while parent[r] != r:
@@ -1509,17 +1569,21 @@ def _best_band_link(
             r = parent[r]
         return r
 
-    links = sorted((float(comm[a, b]), a, b) for i, a in enumerate(present) for b in present[i + 1 :])
-    for link, a, b in links:
-        ra, rb = root(a), root(b)
+    iu, ju = np.triu_indices(present.size, k=1)
+    values = comm[present[iu], present[ju]]
+    for k in np.argsort(values, kind="stable").tolist():
+        link = float(values[k])
+        if link >= best[0]:
+            break
+        ra, rb = root(int(present[iu[k]])), root(int(present[ju[k]]))
         if ra == rb:
             continue
         parent[rb] = ra
         held[ra] += held.pop(rb)
         if held[ra] >= workers:
-            members = sorted(regions[r] for r in present if root(r) == ra)
+            members = sorted(regions[int(r)] for r in present if root(int(r)) == ra)
             return link, " with ".join(members) if len(members) == 2 else "over " + ", ".join(members)
-    return math.inf, ""
+    return best
 
 
 def _idle_workers(state: CycleState, *, every_node: bool = False) -> FloatArray:
@@ -1547,6 +1611,9 @@ def _allowed_pools(state: CycleState, *, avoided: bool = True) -> BoolArray:
     snap = state.snapshot
     m_count = snap.total_sum.shape[1]
     allowed = (state.policy_mask if state.policy_mask is not None else state.cluster_mask).copy()
+    if not avoided and state.held_off is not None:
+        # Kept apart from a labelled job only while it runs there (as why_nothing_fits counts).
+        allowed |= state.held_off
     for cid in state.avoid_clusters if avoided else ():
         index = snap.cluster_index.get(cid)
         if index is not None:
