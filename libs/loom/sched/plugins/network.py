@@ -1018,7 +1018,8 @@ class SpanGuard:
         most = int(holders.max(initial=0.0))
         hint = (
             f"a spread would cost at least {cost}: ask for fewer or smaller workers (one cluster"
-            f" holds at most {most} of {state.per_worker} GPU(s)), or less traffic per step"
+            f" holds at most {most} of {state.per_worker} GPU(s)), or less traffic per step; a spread"
+            " runs at its slowest GPUs' pace, so GPUs of different speeds count too"
         )
         return Status(
             Code.UNRESOLVABLE,
@@ -1269,7 +1270,8 @@ class SpreadFloor:
     """A lower bound of any spread's step over the gang's step in one cluster at its fastest
     part's speed (the GPU-hours ratio the span guard bounds)."""
     where: str
-    """The regions the best link of the least inflated spread joins, in words."""
+    """The regions the least inflated spread joins and its GPU models, in words ("within r1, on
+    T4"; "r1 with r2, on A100 and T4": GPUs of different speeds inflate it too)."""
 
 
 def idle_spread_floor(state: CycleState, workers: int, *, every_node: bool = False) -> SpreadFloor | None:
@@ -1491,7 +1493,8 @@ def _spread_floor(state: CycleState, counts: FloatArray, workers: int) -> Spread
             slow = step / max(a * t_hi, 1e-9)
             inflation = (slow + comm) / max(step / max(b * t_lo, 1e-9) + intra, 1e-12)
             if least is None or inflation < least[0]:
-                least = (inflation, where)
+                names = sorted({snap.models[int(m)] for m in np.nonzero(in_band.any(axis=0))[0]})
+                least = (inflation, f"{where}, on {' and '.join(names)}")
     if least is None:
         return None
     return SpreadFloor(inflation=least[0], where=least[1])
