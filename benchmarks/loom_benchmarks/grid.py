@@ -205,11 +205,11 @@ def is_platform_file(name: str) -> bool:
 
 
 def platform_label(name: str) -> str:
-    """A platform's name in cell keys: a packaged platform as is, a topology file by its stem (no
-    ``/``; ``file-<stem>`` where the stem is a packaged platform's name)."""
+    """A platform's name in cell keys: a packaged platform as is, a topology file by its stem
+    (``file-<stem>`` where the stem is a packaged platform's name; no ``:``, which sizes one)."""
     if not is_platform_file(name):
         return name
-    stem = (Path(name).stem or "file").replace("/", "_").replace(":", "_")
+    stem = (Path(name).stem or "file").replace(":", "_")
     return f"file-{stem}" if stem in PLATFORMS else stem
 
 

@@ -1161,15 +1161,15 @@ class MigrationService:
         budget allows, through the drains' path (checkpoint, give up, re-place); record every
         verdict with its numbers."""
         recovered = isinstance(event, LinkRecovered)
-        # The other direction of a pair already degraded (each direction is measured and reported
-        # on its own): the same episode, so a stay or deferral is recorded again only when it
-        # differs, as at a recheck (it was recorded twice over, alike, when the second direction's
-        # event came after the first review).
-        again = not recovered and DegradedLinks.pair(event.src, event.dst) in self.degraded
+        again = False
         if recovered:
             self.degraded.recovered(event.src, event.dst)
         else:
-            self.degraded.degraded(event.src, event.dst, time.monotonic())
+            # The other direction of a pair already degraded (each direction is measured and
+            # reported on its own) is the same episode: a stay or deferral is recorded again only
+            # when it differs, as at a recheck (it was recorded twice over, alike, when the second
+            # direction's event came after the first review).
+            again = not self.degraded.degraded(event.src, event.dst, time.monotonic())
         return await self._review_link(event.src, event.dst, recovered=recovered, recheck=again)
 
     async def recheck_link(self, src: str, dst: str) -> list[benefit.MigrationVerdict]:

@@ -1699,17 +1699,19 @@ class Framework:
     def spread(self, state: CycleState, candidates: Candidates, totals: FloatArray) -> Decision | None:
         """A gang over several clusters (one GPU model per cluster): best-scored candidates first,
         until every worker has room; None when even all of them cannot hold the gang."""
-        snap = state.snapshot
-        by_score = sorted(
-            range(len(candidates)),
-            key=lambda i: (-round(float(totals[i]), 9), snap.clusters[int(candidates.cluster[i])].id),
-        )
-        decision = self._spread_in_order(state, candidates, totals, by_score)
+        return self._spread_from(state, candidates, totals, _by_score(state, candidates, totals))
+
+    def _spread_from(
+        self, state: CycleState, candidates: Candidates, totals: FloatArray, order: Sequence[int]
+    ) -> Decision | None:
+        """The spread taking candidates in ``order`` (:meth:`_spread_in_order`); where that leaves
+        the gang short, each cluster's largest pool first."""
+        decision = self._spread_in_order(state, candidates, totals, order)
         if decision is None:
             # One GPU model per cluster: the best-scored pool of a cluster may be too small where
             # another of its pools would have completed the gang. Then take each cluster's largest
             # pool first (what why_nothing_fits counts), so a gang that fits is never left waiting.
-            by_room = sorted(by_score, key=lambda i: -int(candidates.capacity[i]))
+            by_room = sorted(order, key=lambda i: -int(candidates.capacity[i]))
             decision = self._spread_in_order(state, candidates, totals, by_room)
         return decision
 
@@ -1718,8 +1720,8 @@ class Framework:
     ) -> list[Decision]:
         """Spreads to try when the best-scored spread (``tried``) was refused: one per subset of
         the candidates that a plugin proposes (``spread_subsets(state, candidates)``, best first;
-        the span guard proposes GPUs of like speed in regions with a good link), each
-        best-scored first (:meth:`_spread_in_order`, then largest first as :meth:`spread` does).
+        the span guard proposes GPUs of like speed in regions with a good link), each built as
+        :meth:`spread` builds one (:meth:`_spread_from`) from the subset's candidates.
         At most ``MAX_BANDED_SPREADS``, none on the same pools as ``tried`` or each other.
 
         Synchronous data parallelism runs at its slowest part's pace, so a spread that mixes GPUs
@@ -1730,22 +1732,14 @@ class Framework:
         within the bound had room."""
         if not self.spreaders or len(candidates) == 0:
             return []
-        snap = state.snapshot
-        by_score = sorted(
-            range(len(candidates)),
-            key=lambda i: (-round(float(totals[i]), 9), snap.clusters[int(candidates.cluster[i])].id),
-        )
+        by_score = _by_score(state, candidates, totals)
         seen = {_pools_of(tried)}
         found: list[Decision] = []
         for plugin in self.spreaders:
             if plugin.name in state.skipped:
                 continue
             for inside in plugin.spread_subsets(state, candidates):
-                order = [i for i in by_score if inside[i]]
-                decision = self._spread_in_order(state, candidates, totals, order)
-                if decision is None:
-                    by_room = sorted(order, key=lambda i: -int(candidates.capacity[i]))
-                    decision = self._spread_in_order(state, candidates, totals, by_room)
+                decision = self._spread_from(state, candidates, totals, [i for i in by_score if inside[i]])
                 if decision is None or _pools_of(decision) in seen:
                     continue
                 seen.add(_pools_of(decision))
@@ -2050,6 +2044,15 @@ class Framework:
         record.outcome = "rejected" if status.code == Code.UNRESOLVABLE else "waiting"
         record.reason = f"{status.plugin}: {status.reason}" if status.plugin else status.reason
         return Outcome(status, None, record)
+
+
+def _by_score(state: CycleState, candidates: Candidates, totals: FloatArray) -> list[int]:
+    """Candidate positions, best total score first (ties by cluster id)."""
+    clusters = state.snapshot.clusters
+    return sorted(
+        range(len(candidates)),
+        key=lambda i: (-round(float(totals[i]), 9), clusters[int(candidates.cluster[i])].id),
+    )
 
 
 def _pools_of(decision: Decision) -> tuple[tuple[str, str, int], ...]:

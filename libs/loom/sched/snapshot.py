@@ -611,16 +611,25 @@ class Snapshot:
         return float(self.job_speeds(job)[index])
 
     def room(
-        self, nodes: "IntArray | slice", per_worker: int, cpu_milli: int = 0, memory_mib: int = 0
+        self,
+        nodes: "IntArray | slice",
+        per_worker: int,
+        cpu_milli: int = 0,
+        memory_mib: int = 0,
+        *,
+        idle: bool = False,
     ) -> IntArray:
-        """Workers of a shape each of ``nodes`` could take by its free GPUs, CPU and RAM (a node
-        whose CPU or RAM is not known is limited by its GPUs only); schedulability aside."""
-        workers = self.free[nodes] // per_worker
+        """Workers of a shape each of ``nodes`` could take by its free GPUs, CPU and RAM (with
+        ``idle``, all of them: once its jobs end; a node whose CPU or RAM is not known is limited
+        by its GPUs only); schedulability aside."""
+        workers = (self.total if idle else self.free)[nodes] // per_worker
         if cpu_milli:
-            known, cpu = self.cpu_known[nodes], self.cpu_free[nodes] // cpu_milli
+            known = self.cpu_known[nodes]
+            cpu = (self.cpu_cap if idle else self.cpu_free)[nodes] // cpu_milli
             workers = np.where(known, np.minimum(workers, cpu), workers)
         if memory_mib:
-            known, mem = self.mem_known[nodes], self.mem_free[nodes] // memory_mib
+            known = self.mem_known[nodes]
+            mem = (self.mem_cap if idle else self.mem_free)[nodes] // memory_mib
             workers = np.where(known, np.minimum(workers, mem), workers)
         return workers
 

@@ -1315,16 +1315,8 @@ def free_like_spreads(state: CycleState, *, bound: float, idle: bool = False) ->
     is counted by GPUs, CPU and RAM, as the filters count it (a node whose CPU or RAM is not known
     by its GPUs only)."""
     snap = state.snapshot
-    g = state.per_worker
-    cpu, mem = state.job.resources.cpu_milli, state.job.resources.memory_mib
-    if idle:
-        workers = snap.total // g
-        if cpu:
-            workers = np.where(snap.cpu_known, np.minimum(workers, snap.cpu_cap // cpu), workers)
-        if mem:
-            workers = np.where(snap.mem_known, np.minimum(workers, snap.mem_cap // mem), workers)
-    else:
-        workers = snap.room(slice(None), g, cpu, mem)
+    resources = state.job.resources
+    workers = snap.room(slice(None), state.per_worker, resources.cpu_milli, resources.memory_mib, idle=idle)
     c_count, m_count = snap.total_sum.shape
     counts = np.bincount(
         snap.pool_of, weights=np.where(snap.schedulable, workers, 0), minlength=c_count * m_count
@@ -1468,9 +1460,8 @@ def _spread_floor(state: CycleState, counts: FloatArray, workers: int) -> Spread
     held = counts > 0
     speeds = np.unique(raw[held.any(axis=0)])
     trust = snap.trust
-    region_of = _region_indices(snap)
-    regions = sorted(set(region_of[1]))
-    link_comm = _region_comm(snap, job, region_of[1], workers)
+    region_of, regions = _region_indices(snap)
+    link_comm = _region_comm(snap, job, regions, workers)
     intra = _allreduce_one(*_comm_of(job), INTRA_CLUSTER_RTT_MS, INTRA_CLUSTER_GBPS, workers)
     step = job.work.step_time_s
     least: tuple[float, str] | None = None
@@ -1485,7 +1476,7 @@ def _spread_floor(state: CycleState, counts: FloatArray, workers: int) -> Spread
             trusts = trust[np.nonzero(in_band.any(axis=1))[0]]
             t_hi, t_lo = max(float(trusts.max()), 1e-9), max(float(trusts.min()), 1e-9)
             region_workers: FloatArray = np.bincount(
-                region_of[0], weights=per_cluster, minlength=len(regions)
+                region_of, weights=per_cluster, minlength=len(regions)
             ).astype(np.float64)
             comm, where = _best_band_link(link_comm, region_workers, regions, workers)
             if not math.isfinite(comm):
@@ -1520,9 +1511,6 @@ def _region_comm(snap: Snapshot, job: JobSpec, regions: Sequence[str], workers: 
     direction; unknown regions as :meth:`NetMatrix.link` takes them). Read afresh each call: the
     service and the simulator change a snapshot's links in place."""
     n = len(regions)
-    if not workers > 1:
-        return np.zeros((n, n), dtype=np.float64)
-    bytes_per_step, rounds = _comm_of(job)
     net = snap.net
     idx = np.array([net.index.get(r, -1) for r in regions], dtype=np.int64)
     known = idx >= 0
@@ -1537,10 +1525,7 @@ def _region_comm(snap: Snapshot, job: JobSpec, regions: Sequence[str], workers: 
     same = np.eye(n, dtype=np.bool_)
     rtt = np.where(both, rtt, np.where(same, INTRA_REGION_RTT_MS, UNKNOWN_LINK_RTT_MS))
     bw = np.where(both, bw, np.where(same, INTRA_REGION_GBPS, UNKNOWN_LINK_GBPS))
-    rtt = np.maximum(rtt, rtt.T)
-    bw = np.minimum(bw, bw.T)
-    comm: FloatArray = 2.0 * bytes_per_step * 8.0 / (np.maximum(bw, 1e-9) * 1e9) + rounds * rtt / 1000.0
-    return comm
+    return allreduce_s(*_comm_of(job), np.maximum(rtt, rtt.T), np.minimum(bw, bw.T), workers)
 
 
 def _best_band_link(
