@@ -2,6 +2,7 @@
 within a GPU-hours bound, waiting for faster GPUs under a queue only behind the queued jobs
 ahead (gangs and single workers alike), best fit over pools."""
 
+import dataclasses
 import math
 
 import msgspec
@@ -19,7 +20,7 @@ from loom.sched.plugins.network import (
     spread_cost_s,
     waits_behind_queue,
 )
-from loom.sched.plugins.packing import FreeFit, PoolFit
+from loom.sched.plugins.packing import FreeFit, HoleFit, PoolFit
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.snapshot import NetMatrix, QueuedShape, RunningJob, Snapshot
 from loom.sim.engine import simulate
@@ -967,6 +968,118 @@ def test_free_fit_never_prefers_a_slower_pool_for_being_fuller() -> None:
     assert scores["slow"] == pytest.approx(0.0, abs=1e-9)
     assert scores["fast"] == pytest.approx(100.0 * (1 - 7 / 23))
     assert scores["emptier"] == pytest.approx(0.0, abs=1e-9)
+
+
+def hole_fit_scores(snap: Snapshot, spec: JobSpec) -> dict[str, float]:
+    return fit_scores(HoleFit(), snap, spec)
+
+
+def sixteen_gpu_jobs_seen(snap: Snapshot, count: int = 4) -> Snapshot:
+    """``snap`` having seen ``count`` 2 x 8-GPU gangs and as many one-GPU jobs lately."""
+    for i in range(count):
+        snap.seen.note_job(gang(f"big{i}", workers=2, gpus=8), NOW - 100.0 * i)
+        snap.seen.note_job(
+            JobSpec(
+                job_id=f"one{i}", tenant="t", resources=Resources(gpus=1), work=Work(steps=1, step_time_s=1.0)
+            ),
+            NOW - 100.0 * i,
+        )
+    return snap
+
+
+def two_pools() -> list[NodeCapacity]:
+    """Pools of the same GPUs with 24 ("big") and 16 ("mid") free: two holes for 16-GPU gangs."""
+    return [*[node(f"b{i}", "big") for i in range(3)], *[node(f"m{i}", "mid") for i in range(2)]]
+
+
+def test_hole_fit_keeps_the_holes_larger_jobs_seen_lately_need_where_best_fit_breaks_them() -> None:
+    """An 8-GPU job best-fits the 16-GPU pool (8 left) rather than the 24 (16 left); with 16-GPU
+    gangs arriving that leaves one hole for them instead of two. Hole fit scores the pool that keeps
+    both holes best, and the default profile places the job there; before any larger job was seen
+    hole fit has no say and best fit decides (an outside evaluator's long-tailed gangs on the 63-GPU
+    grid platform: 10 % behind first fit at half load, now 1.7 % ahead)."""
+    from loom.sched.profile import build_framework
+
+    job = gang("eight", workers=2, gpus=4)
+    fresh = snapshot(two_pools())
+    assert hole_fit_scores(fresh, job) == {"big": 100.0, "mid": 100.0}
+    assert free_fit_scores(fresh, job)["mid"] > free_fit_scores(fresh, job)["big"]
+    chosen = build_framework().schedule(job, snapshot(two_pools()), submitted_at=NOW).decision
+    assert chosen is not None and chosen.lead.cluster == "mid"
+
+    seen = sixteen_gpu_jobs_seen(snapshot(two_pools()))
+    scores = hole_fit_scores(seen, job)
+    assert scores["big"] == 100.0 and scores["mid"] < 50.0
+    chosen = (
+        build_framework()
+        .schedule(job, sixteen_gpu_jobs_seen(snapshot(two_pools())), submitted_at=NOW)
+        .decision
+    )
+    assert chosen is not None and chosen.lead.cluster == "big"
+
+
+def test_hole_fit_counts_the_gpus_of_a_running_speed_probe_as_free() -> None:
+    """A probe holds 8 of the big pool's 24 GPUs for minutes: the pool's 16-GPU hole is still
+    there for an 8-GPU job to keep (24 - 8 leaves 16), while the 16-GPU pool's would break."""
+    from loom.sched.probe import PROBE_LABEL
+
+    nodes = [
+        node("b0", "big", used=8),
+        node("b1", "big"),
+        node("b2", "big"),
+        node("m0", "mid"),
+        node("m1", "mid"),
+    ]
+    labelled = RunningJob(
+        job_id="probe-x",
+        tenant="t",
+        priority=100,
+        cluster="big",
+        gpu_model=FAST,
+        allocations=(("b0", 8),),
+        labels={PROBE_LABEL: "fam"},
+        expected_end_s=NOW + 300.0,
+    )
+    seen = sixteen_gpu_jobs_seen(snapshot(nodes, [labelled]))
+    scores = hole_fit_scores(seen, gang("eight", workers=2, gpus=4))
+    assert scores["big"] == 100.0 and scores["mid"] < 50.0
+    # The same 8 GPUs held by an ordinary job: the big pool has 16 free, one hole like the other.
+    plain = dataclasses.replace(labelled, labels={})
+    scores = hole_fit_scores(
+        sixteen_gpu_jobs_seen(snapshot(nodes, [plain])), gang("eight", workers=2, gpus=4)
+    )
+    assert scores["big"] == scores["mid"] < 50.0
+
+
+def test_hole_fit_weighs_little_a_hole_of_which_many_are_left() -> None:
+    """Ten 16-GPU pools and one of 24: breaking one of the ten 16-GPU holes hardly matters (each
+    other hole of the size halves its weight), so best fit decides again."""
+    nodes = [*[node(f"b{i}", "big") for i in range(3)]]
+    for p in range(10):
+        nodes += [node(f"m{p}{i}", f"mid{p}") for i in range(2)]
+    scores = hole_fit_scores(sixteen_gpu_jobs_seen(snapshot(nodes)), gang("eight", workers=2, gpus=4))
+    assert scores["big"] == 100.0
+    assert all(scores[f"mid{p}"] > 97.0 for p in range(10))
+
+
+def test_hole_fit_never_sends_a_job_to_slower_gpus_to_keep_a_hole() -> None:
+    """The slow pool breaks no hole, but it is slower: it scores as if it broke every hole, never
+    above the fast pools (keeping a hole is a tie-break among candidates alike in speed)."""
+    nodes = [*two_pools(), node("s0", "slow", model=SLOW)]
+    scores = hole_fit_scores(sixteen_gpu_jobs_seen(snapshot(nodes)), gang("eight", workers=2, gpus=4))
+    assert scores["slow"] == 0.0 and scores["big"] == 100.0
+
+
+def test_seen_shapes_count_each_jobs_gpus_in_all_and_forget_the_oldest() -> None:
+    from loom.sched.snapshot import SeenShapes
+
+    seen = SeenShapes(limit=2)
+    seen.note_job(gang("a", workers=2, gpus=8), NOW)
+    seen.note_job(gang("a", workers=2, gpus=8), NOW)  # the first sight counts
+    seen.note_job(gang("b", workers=4, gpus=1), NOW)
+    assert seen.gangs == {16: 1, 4: 1}
+    seen.note_job(gang("c", workers=1, gpus=2), NOW)  # "a" is forgotten
+    assert seen.gangs == {4: 1, 2: 1} and len(seen) == 2
 
 
 def inference_near_r1() -> JobSpec:

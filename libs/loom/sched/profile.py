@@ -20,7 +20,7 @@ from loom.sched.plugins.cost import CostEnergy
 from loom.sched.plugins.data import DataLocality
 from loom.sched.plugins.elastic import ElasticShrink
 from loom.sched.plugins.network import AlphaLearner, Jct, Joint, SpanGuard
-from loom.sched.plugins.packing import FreeFit, NodeFit, PoolFit
+from loom.sched.plugins.packing import FreeFit, HoleFit, NodeFit, PoolFit
 from loom.sched.plugins.patience import PipelinePatience
 from loom.sched.plugins.queue_order import ShortestServiceFirst
 from loom.sched.plugins.quota import Preempt, Quota
@@ -46,6 +46,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "elastic_shrink",
     "pool_fit",
     "free_fit",
+    "hole_fit",
     "node_fit",
     "rare_fit",
     "waiting_jobs",
@@ -72,6 +73,8 @@ DEFAULT_WEIGHTS: Mapping[str, float] = {
     "pool_fit": 6.0,
     # Always: among the fastest candidates, the pool left fullest (large free pools stay whole).
     "free_fit": 2.0,
+    # Always: among the fastest candidates, one that breaks no hole larger jobs seen lately need.
+    "hole_fit": 3.0,
     # Fill nodes already in use before breaking whole ones (node-level fragmentation).
     "node_fit": 2.0,
     # Keep the last node with room for a rare shape seen lately when that pays (decides alone).
@@ -98,6 +101,7 @@ def default_registry() -> Registry:
     registry.register("water_level", lambda _cfg: WaterLevel())
     registry.register("pool_fit", lambda _cfg: PoolFit())
     registry.register("free_fit", lambda _cfg: FreeFit())
+    registry.register("hole_fit", lambda _cfg: HoleFit())
     registry.register("node_fit", lambda _cfg: NodeFit())
     registry.register("rare_fit", lambda _cfg: RareFit())
     registry.register("rare_room", lambda _cfg: RareRoom())

@@ -274,35 +274,40 @@ class SeenShapes:
 
     def __init__(self, limit: int = SEEN_JOBS) -> None:
         self.limit = max(int(limit), 1)
-        self._jobs: dict[str, tuple[WorkerShape, float]] = {}
+        self._jobs: dict[str, tuple[WorkerShape, float, int]] = {}
         self.counts: dict[WorkerShape, int] = {}
         """Shape -> how many of the remembered jobs have it."""
+        self.gangs: dict[int, int] = {}
+        """A job's GPUs in all (workers x GPUs per worker) -> how many of the remembered jobs ask
+        that many (what ``free_fit`` keeps holes for)."""
         self.version = 0
         """How many times what is remembered changed (caches of figures over it read it)."""
 
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def note(self, job_id: str, shape: WorkerShape, now: float) -> None:
-        """``job_id`` was seen with ``shape`` at ``now``; once per job (the first sight counts),
-        the oldest forgotten beyond :attr:`limit`."""
+    def note(self, job_id: str, shape: WorkerShape, now: float, gpus: int = 0) -> None:
+        """``job_id`` was seen with ``shape`` at ``now``, asking ``gpus`` GPUs in all (0: the
+        shape's); once per job (the first sight counts), the oldest forgotten beyond :attr:`limit`."""
         if job_id in self._jobs:
             return
-        self._jobs[job_id] = (shape, float(now))
+        gang = int(gpus) if gpus > 0 else shape.gpus
+        self._jobs[job_id] = (shape, float(now), gang)
         self.counts[shape] = self.counts.get(shape, 0) + 1
+        self.gangs[gang] = self.gangs.get(gang, 0) + 1
         self.version += 1
         while len(self._jobs) > self.limit:
-            _old, (gone, _at) = next(iter(self._jobs.items()))
+            _old, (gone, _at, size) = next(iter(self._jobs.items()))
             del self._jobs[_old]
-            left = self.counts[gone] - 1
-            if left:
-                self.counts[gone] = left
-            else:
-                del self.counts[gone]
+            _forget(self.counts, gone)
+            _forget(self.gangs, size)
 
     def note_job(self, job: JobSpec, now: float) -> None:
-        """:meth:`note` of ``job`` with its worker shape (:meth:`WorkerShape.of`)."""
-        self.note(job.job_id, WorkerShape.of(job), now)
+        """:meth:`note` of ``job`` with its worker shape (:meth:`WorkerShape.of`) and its GPUs in
+        all."""
+        self.note(
+            job.job_id, WorkerShape.of(job), now, gpus=max(int(job.workers), 1) * int(job.resources.gpus)
+        )
 
     def span_s(self, now: float) -> float:
         """Seconds from the oldest job remembered to ``now``, at least :data:`SEEN_MIN_SPAN_S`."""
@@ -310,6 +315,15 @@ class SeenShapes:
             return SEEN_MIN_SPAN_S
         oldest = next(iter(self._jobs.values()))[1]
         return max(float(now) - oldest, SEEN_MIN_SPAN_S)
+
+
+def _forget(counts: dict[Any, int], key: Any) -> None:
+    """One fewer of ``key`` in ``counts`` (gone at 0)."""
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
 
 
 @dataclass(frozen=True, slots=True)
