@@ -492,7 +492,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
     built, trace = workload.platform, workload.trace
     build_s = time.perf_counter() - started
     every_s = sample_every_s(trace, options)
-    unused = unknown_truth_gpus(truth, built, warn=True)
+    unused = _warn_of_unknowns(truth, built, trace, options.workload)
     results: list[SimResult] = []
     runs: list[dict[str, Any]] = []
     for i, name in enumerate(options.policies):
@@ -654,6 +654,46 @@ def unknown_truth_gpus(truth: object, *platforms: "Platform", warn: bool = False
             file=sys.stderr,
         )
     return unused
+
+
+def _warn_of_unknowns(truth: object, built: "Platform", trace: "Trace", workload: str) -> list[str]:
+    """Warn on stderr of the truth file's GPU models nothing has (returned) and, for a trace file,
+    of its jobs' model labels the truth does not know."""
+    unused = unknown_truth_gpus(truth, built, warn=True)
+    if workload not in {"mix", "alibaba", "philly", "scenario"}:
+        unknown_model_labels(truth, trace, warn=True)
+    return unused
+
+
+def unknown_model_labels(truth: object, trace: "Trace", warn: bool = False) -> dict[str, int]:
+    """The ``labels.family`` / ``labels.model`` values of a trace's jobs that the truth file does not
+    know (nor alias), with how many jobs name each: such a job is timed as one of the file's
+    families chosen by a seeded hash (rule ``family-by-hash``), so a misspelt model ("resnet-5O")
+    gets some other model's speeds. With ``warn``, said on stderr whatever the output format
+    (before, only the JSON's ``truth_rules`` counted them; an outside evaluator's typo went
+    unnoticed)."""
+    from loom.model.family import fold_family
+    from loom.sim.truth import Truth
+
+    if not isinstance(truth, Truth):
+        return {}
+    known = set(truth.families) | set(truth.aliases)
+    named: dict[str, int] = {}
+    for job in trace.jobs:
+        labels = job.spec.labels
+        name = labels.get("family") or labels.get("model") or ""
+        if name and fold_family(name) not in known:
+            named[name] = named.get(name, 0) + 1
+    if named and warn:
+        listed = ", ".join(
+            f"{name!r} ({count} job{'s' if count > 1 else ''})" for name, count in sorted(named.items())
+        )
+        print(
+            f"warning: the trace names model(s) the truth file does not know: {listed}; each such job is"
+            " timed as one of its families chosen by hash (truth rule family-by-hash): a typo?",
+            file=sys.stderr,
+        )
+    return named
 
 
 def dangling_aliases(truth: object, *platforms: "Platform") -> dict[str, str]:
@@ -839,7 +879,7 @@ def _grid_platforms(text: str | None) -> tuple[str, ...] | None:
         try:
             grid.parse_platform(name)
         except ValueError as exc:
-            raise OptionError(f"unknown --grid-platforms value: {exc}") from None
+            raise OptionError(f"--grid-platforms: {exc}") from None
         if ":" in name or grid.is_platform_file(name):
             try:
                 # A size its regions cannot give, or a file that is not a topology: before any cell runs.

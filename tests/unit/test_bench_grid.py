@@ -134,7 +134,7 @@ def test_grid_options_select_a_subset_and_refuse_unknown_values() -> None:
     default = grid_spec(_parse())
     assert len(default.cells()) == 72 and len(default.seeds) >= 5 and "oracle" in default.policies
     for argv, message in [
-        (("--grid-platforms", "huge"), "unknown --grid-platforms"),
+        (("--grid-platforms", "huge"), "--grid-platforms: unknown grid platform 'huge'"),
         (("--grid-loads", "0"), "--grid-loads must be positive"),
         (("--grid-workloads", "cats"), "unknown --grid-workloads"),
         (("--grid-seeds", "0"), "--grid-seeds must be a positive count"),
@@ -284,6 +284,8 @@ def test_a_sized_grid_platform_keeps_its_regions_and_about_the_gpus_asked() -> N
         (("--grid-platforms", "huge:100"), "unknown grid platform 'huge:100'"),
         (("--grid-platforms", "medium:ten"), "GPUS must be a whole number"),
         (("--grid-platforms", "medium:4"), "at least 16 GPUs"),
+        # A known platform too small is not called unknown (an outside evaluator's "small:1").
+        (("--grid-platforms", "small:1"), r"^--grid-platforms: grid platform 'small:1': at least 16"),
         # An outside walk: these ran the whole platform under the asked-for size's name, or
         # fewer GPUs than a platform needs.
         (("--grid-platforms", "medium:7000"), "its regions hold 6,212 GPUs"),

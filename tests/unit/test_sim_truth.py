@@ -892,6 +892,42 @@ def test_a_platform_gpu_aliased_to_a_gpu_no_cell_measures_is_named_and_warned_of
     assert right.speed("resnet-50", "G2").speed == pytest.approx(3.0)
 
 
+def test_a_trace_naming_a_model_the_truth_does_not_know_is_warned_of(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A misspelt ``labels.model`` ("resnet-5O") was timed as some other family chosen by hash,
+    with nothing on stderr (an outside evaluator's file); a known name or alias is not named."""
+    from loom.sim.model import SimJob, Trace
+    from loom_benchmarks import policies
+    from loom_proto.jobs import JobSpec, Resources, Work
+
+    def job(job_id: str, labels: dict[str, str]) -> SimJob:
+        spec = JobSpec(
+            job_id=job_id,
+            tenant="t",
+            resources=Resources(gpus=1),
+            work=Work(steps=1, step_time_s=1.0),
+            labels=labels,
+        )
+        return SimJob(spec, 0.0, "training", "r1")
+
+    trace = Trace(
+        [
+            job("a", {"model": "resnet-50"}),
+            job("b", {"model": "resnet-5O"}),
+            job("c", {"model": "resnet-5O"}),
+            job("d", {}),
+        ]
+    )
+    assert policies.unknown_model_labels(load_truth(), trace, warn=True) == {"resnet-5O": 2}
+    assert "'resnet-5O' (2 jobs)" in capsys.readouterr().err
+    assert (
+        policies.unknown_model_labels(load_truth(), Trace([job("a", {"model": "resnet-50"})]), warn=True)
+        == {}
+    )
+    assert capsys.readouterr().err == ""
+
+
 def test_bench_policies_checks_the_mix_claim_on_the_mix_only_and_refuses_a_platform_without_gpus(
     tmp_path: Path,
 ) -> None:
