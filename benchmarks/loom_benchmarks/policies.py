@@ -677,7 +677,8 @@ def unknown_model_labels(truth: object, trace: "Trace", warn: bool = False) -> d
 
     if not isinstance(truth, Truth):
         return {}
-    known = set(truth.families) | set(truth.aliases)
+    # An alias counts only when it names a family of the table (as ``Truth.resolve_family`` follows it).
+    known = set(truth.families) | {k for k, v in truth.aliases.items() if v in truth.families}
     named: dict[str, int] = {}
     for job in trace.jobs:
         labels = job.spec.labels

@@ -1070,6 +1070,51 @@ def test_hole_fit_never_sends_a_job_to_slower_gpus_to_keep_a_hole() -> None:
     assert scores["slow"] == 0.0 and scores["big"] == 100.0
 
 
+def test_hole_fit_charges_each_candidate_only_for_sizes_above_its_own_gpus() -> None:
+    """An elastic job's candidates take different numbers of GPUs: the one taking 16 is not
+    charged for 12-GPU holes (a fixed 16-GPU job never is), the one taking 4 is (a review: before,
+    every candidate was charged for the sizes above the smallest candidate's)."""
+    from loom.sched.plugins.packing import holes_broken
+
+    snap = snapshot([*[node(f"a{i}", "a") for i in range(2)], *[node(f"b{i}", "b") for i in range(3)]])
+    for i in range(3):
+        snap.seen.note_job(gang(f"twelve{i}", workers=3, gpus=4), NOW)
+    free, gpus = np.array([16.0, 24.0]), np.array([16.0, 4.0])
+    broken = holes_broken(snap, free, np.maximum(free - gpus, 0.0), gpus)
+    assert broken is not None
+    assert broken[0] == 0.0 and broken[1] > 0.0
+
+
+def test_hole_fit_keeps_probe_gpus_across_a_cycle_as_runs_are_appended() -> None:
+    """The probes' GPUs are kept per running list; a run appended to the same list (as a cycle
+    places jobs) is counted without a pass over the others, and a list replaced is read afresh."""
+    from loom.sched.plugins.packing import _probe_gpus
+    from loom.sched.probe import PROBE_LABEL
+
+    def probe(job_id: str, node_id: str, cluster: str) -> RunningJob:
+        return RunningJob(
+            job_id=job_id,
+            tenant="t",
+            priority=100,
+            cluster=cluster,
+            gpu_model=FAST,
+            allocations=((node_id, 4),),
+            labels={PROBE_LABEL: "fam"},
+        )
+
+    snap = snapshot([node("b0", "big", used=4), node("m0", "mid", used=4)], [probe("p1", "b0", "big")])
+    big, mid = snap.cluster_index["big"], snap.cluster_index["mid"]
+    first = _probe_gpus(snap)
+    assert first is not None and first[big].sum() == 4 and first[mid].sum() == 0
+    snap.running.append(probe("p2", "m0", "mid"))
+    second = _probe_gpus(snap)
+    assert second is not None and second[big].sum() == 4 and second[mid].sum() == 4
+    assert first[mid].sum() == 0  # the array handed out before is not changed under its holder
+    snap.running = [r for r in snap.running if r.job_id != "p1"]
+    third = _probe_gpus(snap)
+    assert third is not None and third[big].sum() == 0 and third[mid].sum() == 4
+
+
 def test_seen_shapes_count_each_jobs_gpus_in_all_and_forget_the_oldest() -> None:
     from loom.sched.snapshot import SeenShapes
 

@@ -926,6 +926,10 @@ def test_a_trace_naming_a_model_the_truth_does_not_know_is_warned_of(
         == {}
     )
     assert capsys.readouterr().err == ""
+    # An alias whose target is no family of the table is followed by nothing: named too (a review).
+    dangling = load_truth()
+    dangling.aliases["my-net"] = "no-such-family"
+    assert policies.unknown_model_labels(dangling, Trace([job("e", {"model": "my-net"})])) == {"my-net": 1}
 
 
 def test_bench_policies_checks_the_mix_claim_on_the_mix_only_and_refuses_a_platform_without_gpus(

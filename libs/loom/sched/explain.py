@@ -18,6 +18,7 @@ PLUGIN_WORDS = {
     "trust": "trust in the cluster's claimed compute",
     "pool_fit": "keeping large pools whole",
     "free_fit": "packing (fullest of the fastest pools)",
+    "hole_fit": "keeping the holes larger jobs need",
     "node_fit": "filling nodes already in use",
 }
 

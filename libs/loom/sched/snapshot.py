@@ -279,7 +279,7 @@ class SeenShapes:
         """Shape -> how many of the remembered jobs have it."""
         self.gangs: dict[int, int] = {}
         """A job's GPUs in all (workers x GPUs per worker) -> how many of the remembered jobs ask
-        that many (what ``free_fit`` keeps holes for)."""
+        that many (what ``hole_fit`` keeps holes for)."""
         self.version = 0
         """How many times what is remembered changed (caches of figures over it read it)."""
 

@@ -1,7 +1,7 @@
 """Packing: keep whole what big jobs need, never at the price of the job's predicted run beyond a
 tolerance.
 
-Three plugins, one rule for "as fast": a candidate is judged by the job's *predicted run* on it
+Four plugins, one rule for "as fast": a candidate is judged by the job's *predicted run* on it
 (:func:`loom.sched.plugins.network.predicted_jct_s`: compute, all-reduce over the links, an inference
 job's round trip to its users, the data delay), not by its GPUs' speed alone, since a pool whose GPUs
 are fast but far from the job's users, data or gang peers is not "as fast" (:func:`run_slowdown`).
@@ -10,9 +10,13 @@ both (judged by the predicted run alone, slow GPUs near an inference job's users
 as far fast ones, took the packing preference; measured in ``libs/loom/sched/plugins/README.md``).
 
 * :class:`FreeFit` (always): best fit on free GPUs among the candidates tied on both.
+* :class:`HoleFit` (always, once a larger job was seen): among the same candidates, one that keeps
+  the holes larger jobs need.
 * :class:`PoolFit` (under contention): pools a job does not fragment, up to a slowdown bound.
 * :class:`NodeFit` (tolerance growing with contention): nodes already in use before whole ones.
 """
+
+from typing import Any
 
 import numpy as np
 
@@ -202,21 +206,20 @@ class HoleFit:
         snap = state.snapshot
         k = len(candidates)
         gpus = np.maximum(candidates.workers * state.per_worker, 1).astype(np.float64)
-        seen = snap.seen.gangs
-        if not k or not any(size > float(gpus.min()) for size in seen):
+        if not k or not any(size > float(gpus.min()) for size in snap.seen.gangs):
             return np.zeros(k)
-        slow = np.maximum(run_slowdown(state, candidates), gpu_slowdown(state, candidates))
-        tied = slow <= 1.0 + FREE_FIT_TIE
         # A probe's GPUs are back within minutes: its pool's hole is there. (Counting every GPU
         # that running jobs give back within the job's predicted run instead was tried: an
         # outside evaluator's cells came out worse, 63-GPU Philly-like 0.3 -2.8 -> -5.6 %.)
-        probing = _probe_gpus(state)
+        probing = _probe_gpus(snap)
         pools = snap.free_sum.astype(np.float64) + (probing if probing is not None else 0.0)
         free = pools[candidates.cluster, candidates.model]
         left = np.maximum(free - gpus, 0.0)
-        broken = holes_broken(snap, free, left, int(gpus.min()), pools)
+        broken = holes_broken(snap, free, left, gpus, pools)
         if broken is None:
             return np.zeros(k)
+        slow = np.maximum(run_slowdown(state, candidates), gpu_slowdown(state, candidates))
+        tied = slow <= 1.0 + FREE_FIT_TIE
         return np.where(tied, np.minimum(HOLE_WEIGHT * broken, 1.0), 1.0)
 
     def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
@@ -225,18 +228,21 @@ class HoleFit:
 
 
 def holes_broken(
-    snap: Snapshot, free: FloatArray, left: FloatArray, gpus: int, pools: FloatArray | None = None
+    snap: Snapshot, free: FloatArray, left: FloatArray, gpus: FloatArray, pools: FloatArray | None = None
 ) -> FloatArray | None:
     """Per candidate pool (``free`` GPUs now, ``left`` once the job's ``gpus`` are taken): the
     holes it breaks for the larger jobs seen lately (:attr:`SeenShapes.gangs`, every job's GPUs in
     all), each size weighted by its share of the GPUs those jobs asked and by how scarce its holes
     are in the platform's pools now: ``sum_s share_s x (free // s - left // s) x
     HOLE_SCARCITY ** (holes_s - 1)``. A size whose last hole this is weighs in full, one with a
-    second hole elsewhere half, one with ten holes nothing to speak of. None when
-    no larger job was seen (or none fits any pool now). ``probing``: GPUs per pool that running
-    speed probes hold (counted free: a probe ends within minutes)."""
+    second hole elsewhere half, one with ten holes nothing to speak of. ``gpus`` per candidate
+    (an elastic job's candidates may differ): a candidate is charged only for sizes above its own.
+    ``pools``: free GPUs per (cluster, model) pool to count holes in (default the snapshot's; the
+    plugin adds what running speed probes hold). None when no larger job was seen (or none fits any
+    pool now)."""
     seen = snap.seen
-    larger = [(size, count) for size, count in seen.gangs.items() if size > gpus]
+    least = float(gpus.min()) if gpus.size else 0.0
+    larger = [(size, count) for size, count in seen.gangs.items() if size > least]
     if not larger or not len(seen):
         return None
     pools = (snap.free_sum.astype(np.float64) if pools is None else pools).ravel()
@@ -246,39 +252,42 @@ def holes_broken(
         holes = float(np.floor_divide(pools, size).sum())
         if holes <= 0:
             continue
-        lost = np.floor_divide(free, size) - np.floor_divide(left, size)
+        # Only sizes larger than the candidate's own GPUs (an elastic job's candidates differ).
+        lost = (np.floor_divide(free, size) - np.floor_divide(left, size)) * (size > gpus)
         # The last hole of a size matters; one of many hardly: that all the others are taken
         # before one frees grows unlikely fast with their number.
         broken += (size * count / demand) * lost * HOLE_SCARCITY ** (holes - 1.0)
     return broken if broken.any() else None
 
 
-_PROBES = "free_fit.probes"
+_PROBES = "hole_fit.probes"
 
 
-def _probe_gpus(state: CycleState) -> FloatArray | None:
-    """GPUs per (cluster, model) pool held by running speed probes (:func:`loom.sched.probe.is_probe`),
-    None when none runs. Within a cycle kept per running list and its length (a list that loses a
-    run is replaced by every writer of ``snap.running``, never changed in place)."""
-    snap = state.snapshot
+def _probe_gpus(snap: Snapshot) -> FloatArray | None:
+    """GPUs per (cluster, model) pool that running speed probes (:func:`loom.sched.probe.is_probe`)
+    hold on schedulable nodes, None when none does. Kept on the snapshot per running list: a list
+    that only grew since (a cycle appends each run it places) is scanned from where it was left
+    (a list that loses a run is replaced, never changed in place, by every writer of
+    ``snap.running``), so a decision costs no pass over every running job."""
     running = snap.running
-    shared = state.shared
-    held = shared.get(_PROBES) if shared is not None else None
-    if held is not None and held[0] is running and held[1] == len(running):
-        found: FloatArray | None = held[2]
-        return found
-    by_pool: FloatArray | None = None
-    for run in running:
+    held: tuple[list[Any], int, FloatArray | None, int] | None = snap.kept.get(_PROBES)
+    start, by_pool = 0, None
+    if held is not None and held[0] is running and held[3] == snap.schedulable_version:
+        if held[1] == len(running):
+            return held[2]
+        if held[1] < len(running):
+            start, by_pool = held[1], (None if held[2] is None else held[2].copy())
+    for run in running[start:]:
         if not is_probe(run.labels):
             continue
-        c, m = snap.cluster_index.get(run.cluster), snap.model_index.get(run.gpu_model)
-        if c is None or m is None:
-            continue
-        if by_pool is None:
-            by_pool = np.zeros(snap.free_sum.shape, dtype=np.float64)
-        by_pool[c, m] += run.gpus
-    if shared is not None:
-        shared[_PROBES] = (running, len(running), by_pool)
+        for node, gpus in run.allocations:
+            i = snap.node_index.get(node)
+            if i is None or not snap.schedulable[i]:
+                continue
+            if by_pool is None:
+                by_pool = np.zeros(snap.free_sum.shape, dtype=np.float64)
+            by_pool[snap.cluster_of[i], snap.model_of[i]] += gpus
+    snap.kept[_PROBES] = (running, len(running), by_pool, snap.schedulable_version)
     return by_pool
 
 
@@ -376,6 +385,7 @@ __all__ = [
     "NodeFit",
     "PoolFit",
     "contention_level",
+    "holes_broken",
     "node_fit_tolerance",
     "run_slowdown",
 ]
