@@ -246,17 +246,25 @@ def holes_broken(
     if not larger or not len(seen):
         return None
     pools = (snap.free_sum.astype(np.float64) if pools is None else pools).ravel()
-    broken = np.zeros(free.shape, dtype=np.float64)
+    # Only pools that hold a hole of some larger size, and sizes some pool holds, can count.
+    pools = pools[pools >= min(size for size, _ in larger)]
+    top = float(pools.max(initial=0.0))
+    larger = [(size, count) for size, count in larger if size <= top]
+    if not larger:
+        return None
     demand = float(sum(size * count for size, count in seen.gangs.items()))
-    for size, count in sorted(larger):
-        holes = float(np.floor_divide(pools, size).sum())
-        if holes <= 0:
-            continue
-        # Only sizes larger than the candidate's own GPUs (an elastic job's candidates differ).
-        lost = (np.floor_divide(free, size) - np.floor_divide(left, size)) * (size > gpus)
-        # The last hole of a size matters; one of many hardly: that all the others are taken
-        # before one frees grows unlikely fast with their number.
-        broken += (size * count / demand) * lost * HOLE_SCARCITY ** (holes - 1.0)
+    larger.sort()
+    sizes = np.array([size for size, _ in larger], dtype=np.float64)[:, None]
+    share = np.array([size * count for size, count in larger], dtype=np.float64) / demand
+    holes = np.floor_divide(pools[None, :], sizes).sum(axis=1)
+    # Only sizes larger than the candidate's own GPUs (an elastic job's candidates differ). The
+    # last hole of a size matters; one of many hardly: that all the others are taken before one
+    # frees grows unlikely fast with their number.
+    lost = (np.floor_divide(free[None, :], sizes) - np.floor_divide(left[None, :], sizes)) * (
+        sizes > gpus[None, :]
+    )
+    weight = np.where(holes > 0, share * HOLE_SCARCITY ** np.maximum(holes - 1.0, 0.0), 0.0)
+    broken: FloatArray = (weight[:, None] * lost).sum(axis=0)
     return broken if broken.any() else None
 
 
