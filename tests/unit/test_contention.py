@@ -58,6 +58,28 @@ def running(job_id: str, *allocations: tuple[str, int], ends_in_s: float | None)
     )
 
 
+def labelled_run(
+    job_id: str,
+    cluster: str,
+    allocations: tuple[tuple[str, int], ...],
+    labels: dict[str, str],
+    *,
+    model: str = FAST,
+    ends_in_s: float | None = None,
+) -> RunningJob:
+    """A running job with labels (a speed probe, a job others keep apart from)."""
+    return RunningJob(
+        job_id=job_id,
+        tenant="t",
+        priority=100,
+        cluster=cluster,
+        gpu_model=model,
+        allocations=allocations,
+        labels=labels,
+        expected_end_s=None if ends_in_s is None else NOW + ends_in_s,
+    )
+
+
 def snapshot(
     nodes: list[NodeCapacity],
     runs: list[RunningJob] = (),  # type: ignore[assignment]
@@ -1030,16 +1052,7 @@ def test_hole_fit_counts_the_gpus_of_a_running_speed_probe_as_free() -> None:
         node("m0", "mid"),
         node("m1", "mid"),
     ]
-    labelled = RunningJob(
-        job_id="probe-x",
-        tenant="t",
-        priority=100,
-        cluster="big",
-        gpu_model=FAST,
-        allocations=(("b0", 8),),
-        labels={PROBE_LABEL: "fam"},
-        expected_end_s=NOW + 300.0,
-    )
+    labelled = labelled_run("probe-x", "big", (("b0", 8),), {PROBE_LABEL: "fam"}, ends_in_s=300.0)
     seen = sixteen_gpu_jobs_seen(snapshot(nodes, [labelled]))
     scores = hole_fit_scores(seen, gang("eight", workers=2, gpus=4))
     assert scores["big"] == 100.0 and scores["mid"] < 50.0
@@ -1092,15 +1105,7 @@ def test_hole_fit_keeps_probe_gpus_across_a_cycle_as_runs_are_appended() -> None
     from loom.sched.probe import PROBE_LABEL
 
     def probe(job_id: str, node_id: str, cluster: str) -> RunningJob:
-        return RunningJob(
-            job_id=job_id,
-            tenant="t",
-            priority=100,
-            cluster=cluster,
-            gpu_model=FAST,
-            allocations=((node_id, 4),),
-            labels={PROBE_LABEL: "fam"},
-        )
+        return labelled_run(job_id, cluster, ((node_id, 4),), {PROBE_LABEL: "fam"})
 
     snap = snapshot([node("b0", "big", used=4), node("m0", "mid", used=4)], [probe("p1", "b0", "big")])
     big, mid = snap.cluster_index["big"], snap.cluster_index["mid"]
@@ -1367,16 +1372,7 @@ def test_a_cluster_held_off_by_a_running_job_still_counts_for_the_span_floor() -
         gang(span=True, workers=4), affinity=Affinity(apart_from_jobs={"team": "x"})
     )
     nodes = [node("a0", "ca"), node("s0", "sa", model=SLOW), node("s1", "sb", model=SLOW, used=1)]
-    other = RunningJob(
-        job_id="x1",
-        tenant="t",
-        priority=100,
-        cluster="sb",
-        gpu_model=SLOW,
-        allocations=(("s1", 1),),
-        labels={"team": "x"},
-        expected_end_s=NOW + 60.0,
-    )
+    other = labelled_run("x1", "sb", (("s1", 1),), {"team": "x"}, model=SLOW, ends_in_s=60.0)
     framework = Framework([ResourceFit(), AffinityPlugin(), ScuFit(), SpanGuard(book=WaitBook())])
     outcome = framework.schedule(job, snapshot(nodes, [other]), submitted_at=NOW)
     assert outcome.decision is None and outcome.status.code == Code.UNSCHEDULABLE, outcome.status
