@@ -660,7 +660,7 @@ def _warn_of_unknowns(truth: object, built: "Platform", trace: "Trace", workload
     """Warn on stderr of the truth file's GPU models nothing has (returned) and, for a trace file,
     of its jobs' model labels the truth does not know."""
     unused = unknown_truth_gpus(truth, built, warn=True)
-    if workload not in {"mix", "alibaba", "philly", "scenario"}:
+    if workload not in WORKLOADS:
         unknown_model_labels(truth, trace, warn=True)
     return unused
 
@@ -672,18 +672,17 @@ def unknown_model_labels(truth: object, trace: "Trace", warn: bool = False) -> d
     gets some other model's speeds. With ``warn``, said on stderr whatever the output format
     (before, only the JSON's ``truth_rules`` counted them; an outside evaluator's typo went
     unnoticed)."""
-    from loom.model.family import fold_family
+    from loom.model.family import job_family
     from loom.sim.truth import Truth
 
     if not isinstance(truth, Truth):
         return {}
-    # An alias counts only when it names a family of the table (as ``Truth.resolve_family`` follows it).
-    known = set(truth.families) | {k for k, v in truth.aliases.items() if v in truth.families}
     named: dict[str, int] = {}
     for job in trace.jobs:
-        labels = job.spec.labels
-        name = labels.get("family") or labels.get("model") or ""
-        if name and fold_family(name) not in known:
+        spec = job.spec
+        name = spec.labels.get("family") or spec.labels.get("model") or ""
+        # As the simulator resolves it (an alias counts only when it names a family of the table).
+        if name and "family-by-hash" in truth.resolve_family(job_family(spec), task_type=spec.task_type)[2]:
             named[name] = named.get(name, 0) + 1
     if named and warn:
         listed = ", ".join(

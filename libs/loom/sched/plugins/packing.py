@@ -24,7 +24,7 @@ from loom.sched.framework import Candidates, CycleState
 from loom.sched.plugins.compute import delivered_speed
 from loom.sched.plugins.network import network_key, predicted_jct_s
 from loom.sched.probe import is_probe
-from loom.sched.snapshot import FloatArray, IntArray, Snapshot
+from loom.sched.snapshot import BoolArray, FloatArray, IntArray, Snapshot
 
 POOL_FIT_FROM = 0.4
 """Share of the platform's GPUs in use below which :class:`PoolFit` has no say (unless jobs wait)."""
@@ -105,6 +105,15 @@ def gpu_slowdown(state: CycleState, candidates: Candidates) -> FloatArray:
     return slowdown
 
 
+def alike_in_speed(state: CycleState, candidates: Candidates) -> BoolArray:
+    """Per candidate: tied with the best for :class:`FreeFit` and :class:`HoleFit`, its predicted
+    run (:func:`run_slowdown`) and its GPU speed (:func:`gpu_slowdown`) both within
+    :data:`FREE_FIT_TIE` of the best's."""
+    slow = np.maximum(run_slowdown(state, candidates), gpu_slowdown(state, candidates))
+    tied: BoolArray = slow <= 1.0 + FREE_FIT_TIE
+    return tied
+
+
 class PoolFit:
     """Under contention, a pool the job does not fragment: large pools stay whole for large gangs.
 
@@ -173,8 +182,7 @@ class FreeFit:
         gpus = np.maximum(candidates.workers * state.per_worker, 1).astype(np.float64)
         free = snap.free_sum[candidates.cluster, candidates.model].astype(np.float64)
         left = np.maximum(free - gpus, 0.0)
-        slow = np.maximum(run_slowdown(state, candidates), gpu_slowdown(state, candidates))
-        tied = slow <= 1.0 + FREE_FIT_TIE
+        tied = alike_in_speed(state, candidates)
         top = float(left[tied].max(initial=0.0))
         share: FloatArray = np.minimum(left / top, 1.0) if top > 0 else np.zeros(left.shape)
         return np.where(tied, share, 1.0)
@@ -218,9 +226,7 @@ class HoleFit:
         broken = holes_broken(snap, free, left, gpus, pools)
         if broken is None:
             return np.zeros(k)
-        slow = np.maximum(run_slowdown(state, candidates), gpu_slowdown(state, candidates))
-        tied = slow <= 1.0 + FREE_FIT_TIE
-        return np.where(tied, np.minimum(HOLE_WEIGHT * broken, 1.0), 1.0)
+        return np.where(alike_in_speed(state, candidates), np.minimum(HOLE_WEIGHT * broken, 1.0), 1.0)
 
     def normalize(self, state: CycleState, raw: FloatArray) -> FloatArray:
         scores: FloatArray = 100.0 * (1.0 - np.minimum(np.maximum(raw, 0.0), 1.0))
@@ -243,7 +249,7 @@ def holes_broken(
     seen = snap.seen
     least = float(gpus.min()) if gpus.size else 0.0
     larger = [(size, count) for size, count in seen.gangs.items() if size > least]
-    if not larger or not len(seen):
+    if not larger:
         return None
     pools = (snap.free_sum.astype(np.float64) if pools is None else pools).ravel()
     # Only pools that hold a hole of some larger size, and sizes some pool holds, can count.
