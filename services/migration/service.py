@@ -1213,10 +1213,14 @@ class MigrationService:
             concerned, trigger, about=f"link {link}", link=link, cause="network", recheck=recheck
         )
         # Forget what no recheck will compare with: the link recovered, the job moved or left it.
+        # A recovered direction of a pair still degraded looks at the jobs moved off the link, not
+        # the ones still on it: what those were told stands (forgetting it there recorded a
+        # second alike stay when that direction degraded again).
         still = {r["job_id"] for r in concerned}
         moving = {v.job_id for v in plan.start}
         for job_id, on in list(self._link_said):
-            if on == pair and (pair not in self.degraded or job_id not in still or job_id in moving):
+            gone = not recovered and job_id not in still
+            if on == pair and (pair not in self.degraded or gone or job_id in moving):
                 del self._link_said[job_id, on]
         return [*plan.start, *(v for v, _ in plan.deferred), *plan.stay]
 
