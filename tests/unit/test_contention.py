@@ -540,6 +540,38 @@ def test_a_job_without_communication_waits_for_faster_gpus_too() -> None:
     assert late.decision is not None and late.decision.parts[0].gpu_model == SLOW
 
 
+def test_an_inference_job_waits_for_room_near_its_users_when_that_ends_it_sooner() -> None:
+    # Its users are in r1, whose GPUs are busy for another 100 s; r2's are free, an ocean away:
+    # 10,000 steps of 50 ms take 500 s in r1 and 1,500 s in r2 (each step waits the 100 ms round
+    # trip). It waits for r1 (100 + 500 s < 1,500 s).
+    nodes = [node("a0", "ca", "r1", used=8), node("b0", "cb", "r2")]
+    runs = [running("busy", ("a0", 8), ends_in_s=100.0)]
+    job = msgspec.structs.replace(inference_near_r1(), work=Work(steps=10_000, step_time_s=0.05))
+    framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())])
+    waits = framework.schedule(job, snapshot(nodes, runs, net=ocean()), submitted_at=NOW)
+    assert waits.decision is None and waits.status.wait_s == pytest.approx(100.0)
+    # Having waited what the far start would lose (1,500 - 500 s), it starts in r2.
+    late = framework.schedule(job, snapshot(nodes, runs, net=ocean()), submitted_at=NOW - 1_001.0)
+    assert late.decision is not None and late.decision.parts[0].cluster == "cb"
+    # A service with no known users serves from when it starts: it starts in r2 at once.
+    anywhere = msgspec.structs.replace(job, affinity=Affinity())
+    now = framework.schedule(anywhere, snapshot(nodes, runs, net=ocean()), submitted_at=NOW)
+    assert now.decision is not None and now.decision.parts[0].cluster == "cb"
+    # Steps of 1 s (at speed 1) on r1's GPUs, 4x slower than r2's: 100 + 10,000 s near the users
+    # against 10,000 x (0.25 + 0.1) = 3,500 s in r2, round trip included: it starts in r2 at once.
+    slow_near = [node("a0", "ca", "r1", model=SLOW, used=8), node("b0", "cb", "r2")]
+    slow_snap = Snapshot(
+        slow_near,
+        net=ocean(),
+        speed={(FAST, "inference"): 4.0, (SLOW, "inference"): 1.0},
+        now=NOW,
+        running=[dataclasses.replace(runs[0], gpu_model=SLOW)],
+    )
+    heavy = msgspec.structs.replace(job, work=Work(steps=10_000, step_time_s=1.0))
+    far = framework.schedule(heavy, slow_snap, submitted_at=NOW)
+    assert far.decision is not None and far.decision.parts[0].cluster == "cb"
+
+
 def test_a_job_waits_for_gpus_where_its_data_is_when_the_copy_elsewhere_would_take_longer() -> None:
     from loom.sched.plugins.data import DataLocality
     from loom_proto.jobs import DataSpec

@@ -31,13 +31,16 @@ DEGRADE = SimEvent(at_s=300.0, kind="link_degrade", src=US, dst=EU, rtt_factor=5
 
 
 def inference(job_id: str, steps: int) -> SimJob:
-    """Served to users in the EU; placed in the US while the EU cluster is busy."""
+    """Served to users in the EU; placed in the US while the EU cluster is busy. Its 0.3-s step
+    (at V100 speed) makes the US's H100s end it sooner than waiting for the EU's V100s near its
+    users, round trip included, until the link degrades (a job that ends sooner near its users
+    waits for them, and would not start in the US at all)."""
     spec = JobSpec(
         job_id=job_id,
         tenant="t",
         task_type="inference",
         resources=Resources(gpus=4),
-        work=Work(steps=steps, step_time_s=0.05, checkpoint_every_steps=1000),
+        work=Work(steps=steps, step_time_s=0.3, checkpoint_every_steps=1000),
         affinity=Affinity(prefer_regions=[EU]),
     )
     return SimJob(spec=spec, arrival_s=0.0)

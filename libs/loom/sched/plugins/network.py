@@ -589,6 +589,17 @@ def _predicted_jct_s(state: CycleState, candidates: Candidates) -> FloatArray:
     return jct
 
 
+def _has_users(state: CycleState) -> bool:
+    """Whether the job is an inference job with a known user region (``user_rtt_ms`` counts)."""
+    index = state.snapshot.region_index
+    return state.job.task_type == "inference" and any(r in index for r in state.job.affinity.prefer_regions)
+
+
+def _users_s(state: CycleState, region: str) -> float:
+    """Seconds an inference step led from ``region`` waits for its users (:func:`user_rtt_ms`)."""
+    return float(user_rtt_ms(state, np.array([state.snapshot.region_index[region]]))[0]) / 1000.0
+
+
 def user_rtt_ms(state: CycleState, region: IntArray) -> FloatArray:
     """Per region index given: mean round trip from the users (an inference job's known
     ``affinity.prefer_regions``); 0 for other jobs or when no such region is known."""
@@ -755,7 +766,9 @@ def single_cluster_options(
     speed = snap.job_speeds(job)[m_idx] * snap.trust[c_idx]
     bytes_per_step, rounds = _comm_of(job)
     comm = float(allreduce_s(bytes_per_step, rounds, INTRA_CLUSTER_RTT_MS, INTRA_CLUSTER_GBPS, workers))
-    step = job.work.step_time_s / np.maximum(speed, 1e-9) + comm
+    # An inference job's step also waits its users' round trip from the pool's region (0 else).
+    users = user_rtt_ms(state, snap.cluster_region[c_idx]) / 1000.0
+    step = job.work.step_time_s / np.maximum(speed, 1e-9) + comm + users
     run = job.work.steps * step
     data = np.zeros(run.shape)
     placement = data_placement(state) if with_data else None
@@ -915,8 +928,11 @@ class SpanGuard:
       GPUs free, at most ``LIKE_WAIT_FACTOR`` x what this one would lose (``QUEUED_LIKE_WAIT_FACTOR``
       x while other jobs wait; once where no like spread could ever hold it: the ski-rental bound
       below); then it spreads.
-    - *Slower GPUs* (any batch job in one cluster; not inference, which serves from when it
-      starts): waits for a faster option only when that option's
+    - *Slower GPUs, or GPUs far from its users* (any job in one cluster; inference only when
+      its users are known, ``affinity.prefer_regions``: a service with none serves from when it
+      starts, so faster GPUs would not end it sooner; an inference step also waits its users'
+      round trip from the pool's region, :func:`user_rtt_ms`, on both sides of the comparison):
+      waits for a faster option only when that option's
       wait plus run beats the run now by ``margin``, and never longer in all than the slower start
       would lose, ``steps x (step_now - step_better)`` since submission (ski rental: at most twice
       the better of the two). While other jobs wait (the snapshot's queue), a job (a gang or, since
@@ -1035,11 +1051,13 @@ class SpanGuard:
         spread = len(decision.parts) > 1
         if any(p.layers is not None for p in decision.parts):
             return Status()
-        if not spread and job.task_type == "inference":
-            # A service serves from when it starts: faster GPUs do not end it sooner (decided
-            # before the step-time prediction and the pools, which only the cases below read).
-            return Status()
         snap = state.snapshot
+        if not spread and job.task_type == "inference" and not _has_users(state):
+            # A service with no known users serves from when it starts: faster GPUs do not end it
+            # sooner (decided before the step-time prediction and the pools, which only the cases
+            # below read). One with users waits, like a batch job, for GPUs where its steps end
+            # sooner: each step answers its users, so a pool near them may end it far sooner.
+            return Status()
         speeds = part_speeds(state, decision)
         chosen = predict_step_s(
             job,
@@ -1049,7 +1067,7 @@ class SpanGuard:
             workers=decision.workers,
         )
         steps = job.work.steps
-        run_now = steps * chosen.step_s
+        run_now = steps * (chosen.step_s + _users_s(state, decision.lead.region))
         holders = whole_gang_pools(state, decision.workers)
         if spread:
             return self._spread(state, decision, chosen, holders, speeds)
@@ -1126,7 +1144,7 @@ class SpanGuard:
     ) -> Status:
         job, snap = state.job, state.snapshot
         steps = job.work.steps
-        run_now = steps * chosen.step_s
+        run_now = steps * (chosen.step_s + _users_s(state, decision.lead.region))
         where = ", ".join(p.cluster for p in decision.parts)
         if not holders.any():
             # No pool could ever hold the gang: judged against it in one cluster at its fastest
