@@ -858,6 +858,14 @@ def _claim_line(name: str, check: dict[str, Any]) -> str:
     return f"{name}: {mark} ({check['claim']}): {detail}"
 
 
+def _seed_list(seeds: Sequence[int]) -> str:
+    """The seeds as the grid's header names them: a run of consecutive seeds as ``first-last``
+    (``--grid-seeds 60`` is sixty seeds, 0-59, not seed 60: the header says so)."""
+    if len(seeds) > 2 and list(seeds) == list(range(seeds[0], seeds[0] + len(seeds))):
+        return f"seeds {seeds[0]}-{seeds[-1]}"
+    return "seeds " + ", ".join(str(s) for s in seeds)
+
+
 def _csv_list(text: str | None, option: str) -> list[str] | None:
     if text is None:
         return None
@@ -1020,7 +1028,8 @@ def run_grid_command(args: argparse.Namespace) -> int:
         spec = grid_spec(args)
         cells = spec.cells()
         console.print(
-            f"grid: {len(cells)} cells x {len(spec.seeds)} seeds x {len(spec.policies)} policies,"
+            f"grid: {len(cells)} cells x {len(spec.seeds)} seeds ({_seed_list(spec.seeds)})"
+            f" x {len(spec.policies)} policies,"
             f" jobs per cell {dict(spec.jobs)} (a file: its first that many, or all it has),"
             f" {args.grid_processes} processes"
         )

@@ -21,6 +21,7 @@ from loom.bus import ConsumerRunner, ConsumerSpec, Delivery, Publisher, connect,
 from loom.bus.attempts import AttemptLog, Attempts
 from loom.bus.outage import Dependencies, Dependency
 from loom.errors import TransientError, UnavailableError
+from loom.tasks import cancel_and_wait
 from loom_proto import subjects as s
 
 ACK_WAIT_S = 0.6
@@ -99,9 +100,12 @@ async def test_a_message_that_kills_its_process_every_time_is_dead_lettered_afte
                 dead_wait.cancel()
             assert done, f"life {lives}: neither handled nor dead-lettered within 10 s"
             # Killed: the loop is cancelled mid-handler, the connection dropped, nothing settled.
+            # Cancelled again while it runs on: on Python 3.11 ``asyncio.wait_for`` (in the NATS
+            # client's requests) drops a cancellation that arrives as the awaited reply does, and
+            # one cancel left the loop fetching and the test hung for its whole timeout (once, in
+            # ``make test``).
             assert runner._task is not None
-            runner._task.cancel()
-            await asyncio.gather(runner._task, return_exceptions=True)
+            await cancel_and_wait([runner._task])
             await client.close()
         assert not dead.empty(), f"still redelivered after {lives} process lives (deliveries {deliveries})"
         letter = dead.get_nowait()

@@ -131,6 +131,12 @@ def test_grid_options_select_a_subset_and_refuse_unknown_values() -> None:
     assert spec.workloads == ("mix", "philly") and spec.spanning == (False,)
     assert len(spec.cells()) == 4
     assert grid_spec(_parse("--grid-seeds", "3,7")).seeds == (3, 7)
+    # The header names the seeds: "--grid-seeds 60" is sixty seeds, not seed 60.
+    from loom_benchmarks.policies import _seed_list
+
+    assert _seed_list(grid_spec(_parse("--grid-seeds", "60")).seeds) == "seeds 0-59"
+    assert _seed_list(grid_spec(_parse("--grid-seeds", "60,")).seeds) == "seeds 60"
+    assert _seed_list((3, 7)) == "seeds 3, 7"
     default = grid_spec(_parse())
     assert len(default.cells()) == 72 and len(default.seeds) >= 5 and "oracle" in default.policies
     for argv, message in [

@@ -47,7 +47,13 @@ def test_an_event_at_a_time_that_is_not_finite_and_non_negative_is_refused(at_s:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("rtt_factor", 0.0), ("rtt_factor", math.nan), ("bandwidth_factor", -1.0), ("factor", math.inf)],
+    [
+        ("rtt_factor", 0.0),
+        ("rtt_factor", math.nan),
+        ("bandwidth_factor", -1.0),
+        ("bandwidth_factor", 0.0),
+        ("factor", math.inf),
+    ],
 )
 def test_an_event_with_a_factor_out_of_range_is_refused(field: str, value: float) -> None:
     with pytest.raises(EventError, match=field):

@@ -449,6 +449,11 @@ def test_csv_comments_come_only_before_the_header_so_no_data_row_vanishes(tmp_pa
         ({"event": "cluster_drain", "cluster": "CLUSTER", "concurrency": 0}, r"Expected `int` >= 1"),
         ({"event": "cluster_drain", "cluster": "CLUSTER", "concurrency": 65}, r"Expected `int` <= 64"),
         ({"event": "cluster_drain", "cluster": "CLUSTER", "deadline_s": -1}, r"Expected `float` >= 0"),
+        # A link cut to no bandwidth is not modelled: 0 was read and left the bandwidth as it was.
+        (
+            {"event": "link_degrade", "src": FAST_REGION, "dst": CHEAP_REGION, "bandwidth_factor": 0},
+            r"Expected `float` > 0\.0 - at `\$.bandwidth_factor`",
+        ),
     ],
 )
 def test_an_event_that_would_change_nothing_is_refused_with_its_line(

@@ -80,11 +80,13 @@ class SimEvent:
             raise EventError(self._bad("concurrency", f"within 1-{MAX_DRAIN_CONCURRENCY}", self.concurrency))
         if not (math.isfinite(self.deadline_s) and self.deadline_s >= 0):
             raise EventError(self._bad("deadline_s", ">= 0", self.deadline_s))
-        if not (math.isfinite(self.rtt_factor) and self.rtt_factor > 0):
-            raise EventError(self._bad("rtt_factor", "> 0", self.rtt_factor))
-        for name, value in (("bandwidth_factor", self.bandwidth_factor), ("factor", self.factor)):
-            if not (math.isfinite(value) and value >= 0):
-                raise EventError(self._bad(name, ">= 0", value))
+        # A link's bandwidth is never 0 in the model (a link cut off is a cluster down, or a tiny
+        # factor): a factor of 0 was accepted and left the bandwidth as it was.
+        for name, value in (("rtt_factor", self.rtt_factor), ("bandwidth_factor", self.bandwidth_factor)):
+            if not (math.isfinite(value) and value > 0):
+                raise EventError(self._bad(name, "> 0", value))
+        if not (math.isfinite(self.factor) and self.factor >= 0):
+            raise EventError(self._bad("factor", ">= 0", self.factor))
 
     def _bad(self, name: str, bound: str, value: float) -> str:
         what = "an integer" if name == "concurrency" else "a finite number"

@@ -725,7 +725,7 @@ class EventRow(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_de
     cluster: str = ""
     region: str = ""
     rtt_factor: PosFloat = 1.0
-    bandwidth_factor: NonNegFloat = 1.0
+    bandwidth_factor: PosFloat = 1.0
     factor: NonNegFloat = 1.0
     concurrency: Annotated[int, Meta(ge=1, le=MAX_DRAIN_CONCURRENCY)] = DRAIN_CONCURRENCY
     deadline_s: Annotated[float, Meta(ge=0, le=1e10)] = 0.0
