@@ -540,6 +540,31 @@ def test_a_job_without_communication_waits_for_faster_gpus_too() -> None:
     assert late.decision is not None and late.decision.parts[0].gpu_model == SLOW
 
 
+def test_an_elastic_job_weighs_starting_with_few_workers_against_waiting_for_all_of_them() -> None:
+    # One free GPU in cb; ca's 4 GPUs (the same model) are busy for another 500 s. The job asks for
+    # 4 workers of 1 GPU and may start with 1: 1,000 steps of 1 s take 1,000 s with all 4 and
+    # 4,000 s with 1 (each worker steps a quarter of the work). It waits for ca (500 + 1,000 s).
+    # Before 2026-12-06 its run with 1 worker counted as 1,000 s, weighed against 1 worker in ca
+    # (500 + 1,000 s): it started with 1.
+    nodes = [node("a0", "ca", model=SLOW, gpus=4, used=4), node("b0", "cb", model=SLOW, gpus=1)]
+    runs = [dataclasses.replace(running("busy", ("a0", 4), ends_in_s=500.0), gpu_model=SLOW)]
+    job = msgspec.structs.replace(gang(workers=4, gpus=1), min_workers=1, comm=None)
+    framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())])
+    waits = framework.schedule(job, snapshot(nodes, runs), submitted_at=NOW)
+    assert waits.decision is None and waits.status.wait_s == pytest.approx(500.0)
+    reason = waits.status.reason
+    assert "with 1 of its 4 workers" in reason and "room for all 4 workers" in reason
+    # Having waited what the narrow start would lose (4,000 - 1,000 s), it starts with 1.
+    late = framework.schedule(job, snapshot(nodes, runs), submitted_at=NOW - 3_001.0)
+    assert late.decision is not None and late.decision.workers == 1 and late.decision.parts[0].cluster == "cb"
+    # Room for 2 of its workers now, ca's 4 busy for 5,000 s: 2,000 s with 2 now beats 5,000 +
+    # 1,000 s, so it starts with 2.
+    two = [node("a0", "ca", model=SLOW, gpus=4, used=4), node("b0", "cb", model=SLOW, gpus=2)]
+    long_busy = [dataclasses.replace(running("busy", ("a0", 4), ends_in_s=5_000.0), gpu_model=SLOW)]
+    now = framework.schedule(job, snapshot(two, long_busy), submitted_at=NOW)
+    assert now.decision is not None and now.decision.workers == 2
+
+
 def test_an_inference_job_waits_for_room_near_its_users_when_that_ends_it_sooner() -> None:
     # Its users are in r1, whose GPUs are busy for another 100 s; r2's are free, an ocean away:
     # 10,000 steps of 50 ms take 500 s in r1 and 1,500 s in r2 (each step waits the 100 ms round

@@ -17,7 +17,9 @@ from loom_proto.jobs import JobSpec
 
 
 def test_a_job_held_back_by_choice_is_decided_again_at_the_next_release() -> None:
-    # Gangs that may span, waiting for faster GPUs while other pools hold them (a permit's choice,
+    # Gangs that may span, waiting for faster GPUs (or, elastic, for room for all their workers:
+    # since 2026-12-06 the span guard weighs a narrow start against that) while other pools hold
+    # them (a permit's choice,
     # no wake: "expected to have room in 0 s" when the GPUs they wait for overran their predicted
     # end). When GPUs come free, placement retries every queued job; the simulator once left them
     # queued until a pool that holds them whole was released again, never re-decided. (The seeds'
@@ -35,7 +37,7 @@ def test_a_job_held_back_by_choice_is_decided_again_at_the_next_release() -> Non
     def decide_one(item: QueueItem, snap: Snapshot) -> Outcome:
         outcome = inner(item, snap)
         chosen = outcome.decision is None and item.job.job_id not in snap.waiting
-        decided.append((snap.now, item.job.job_id, chosen and "faster GPUs" in outcome.status.reason))
+        decided.append((snap.now, item.job.job_id, chosen and "; waiting for " in outcome.status.reason))
         return outcome
 
     policy.decide_one = decide_one  # type: ignore[method-assign]

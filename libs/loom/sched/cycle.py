@@ -38,7 +38,7 @@ import numpy as np
 from loom.errors import InvalidInputError
 from loom.model.family import job_family
 from loom.sched import dag
-from loom.sched.elastic import ElasticJob, plan_grow, resized_end_s, with_sizes
+from loom.sched.elastic import ElasticJob, pace_scale, plan_grow, resized_end_s, with_sizes
 from loom.sched.framework import Code, Decision, DecisionRecord, Framework, Outcome, QueueItem
 from loom.sched.plugins.data import data_delay_s
 from loom.sched.probe import ProbeSettings, check_labels, probe_gate
@@ -564,13 +564,7 @@ def expected_end_s(
     ``RunningJob.expected_end_s`` (read by :mod:`loom.sched.availability`)."""
     if not predicted_step_s:
         return None
-    return start_s + delay_s + max(steps_left, 0.0) * predicted_step_s * _pace_scale(job, workers)
-
-
-def _pace_scale(job: JobSpec, workers: int) -> float:
-    """How much slower than predicted an elastic job given ``workers`` of the workers it asked for
-    steps (the prediction is for the gang as asked; a pipeline's is for its stages as planned)."""
-    return job.workers / workers if (job.pipeline is None and 0 < workers != job.workers) else 1.0
+    return start_s + delay_s + max(steps_left, 0.0) * predicted_step_s * pace_scale(job, workers)
 
 
 def reading_delay_s(job: JobSpec, decision: Decision, *, steps_left: float, workers: int) -> float:
@@ -584,7 +578,7 @@ def reading_delay_s(job: JobSpec, decision: Decision, *, steps_left: float, work
     sync = decision.sync
     if sync is None or sync.start != "while_syncing" or not decision.predicted_step_s:
         return 0.0
-    run_s = max(steps_left, 0.0) * decision.predicted_step_s * _pace_scale(job, workers)
+    run_s = max(steps_left, 0.0) * decision.predicted_step_s * pace_scale(job, workers)
     return float(data_delay_s(run_s, np.asarray(sync.initial_s, dtype=np.float64), "while_syncing"))
 
 

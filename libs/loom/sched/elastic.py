@@ -12,12 +12,14 @@ from dataclasses import dataclass
 from loom.errors import InvalidInputError
 from loom.sched.firstfit import pack_workers
 from loom.sched.snapshot import RunningJob
+from loom_proto.jobs import JobSpec
 
 __all__ = [
     "ElasticError",
     "ElasticJob",
     "Resize",
     "initial_workers",
+    "pace_scale",
     "plan_grow",
     "plan_shrink",
     "resized_end_s",
@@ -198,6 +200,14 @@ def plan_shrink(
         if freed < need:
             return []
     return [_resize(job, held[job.job_id]) for job in changed]
+
+
+def pace_scale(job: JobSpec, workers: int) -> float:
+    """How much slower than predicted an elastic job given ``workers`` of the workers it asked for
+    steps (the prediction is for the gang as asked; a pipeline's is for its stages as planned):
+    synchronous data-parallel workers share its steps' work, so half of them take twice as long.
+    The rule of placement's book, the simulator's clock and the span guard's runs alike."""
+    return job.workers / workers if (job.pipeline is None and 0 < workers != job.workers) else 1.0
 
 
 def resized_end_s(run: RunningJob, workers: int, now: float) -> float | None:

@@ -28,6 +28,7 @@ import numpy as np
 
 from loom.net.linkstate import CostWeights
 from loom.sched.availability import MIN_RESERVATION_S, Reservation, WaitBook, expected_wait_s, queue_for_pool
+from loom.sched.elastic import pace_scale
 from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, Decision, StateKey, Status
 from loom.sched.plugins.compute import delivered_speed, speed_key
 from loom.sched.plugins.data import data_delay_s, data_key, data_placement
@@ -748,6 +749,7 @@ def single_cluster_options(
     with_data: bool = False,
     claims: Mapping[tuple[str, str], int] | None = None,
     prune: bool = True,
+    pace: float = 1.0,
 ) -> list[PoolOption]:
     """The gang alone in each of ``pools``, sooner completion first; only pools whose run alone is
     shorter than ``within_s`` are looked at, and a pool's wait is computed only while it can still
@@ -757,7 +759,9 @@ def single_cluster_options(
     (:func:`~loom.sched.plugins.data.data_delay_s`; ``within_s`` then bounds run plus delay).
     ``claims``: the GPUs claimed ahead per (cluster id, GPU model), instead of ``book``'s
     (:func:`claimed_ahead`). ``prune=False``: every pool within ``within_s`` is an option, not only
-    those that can beat the best completion found (for a wait that a queue may lengthen)."""
+    those that can beat the best completion found (for a wait that a queue may lengthen). ``pace``:
+    how much slower than its step the job goes with ``workers`` (an elastic job given fewer than it
+    asked for: :func:`~loom.sched.elastic.pace_scale`); it multiplies each run."""
     snap = state.snapshot
     job = state.job
     c_idx, m_idx = np.nonzero(pools)
@@ -769,7 +773,7 @@ def single_cluster_options(
     # An inference job's step also waits its users' round trip from the pool's region (0 else).
     users = user_rtt_ms(state, snap.cluster_region[c_idx]) / 1000.0
     step = job.work.step_time_s / np.maximum(speed, 1e-9) + comm + users
-    run = job.work.steps * step
+    run = job.work.steps * step * pace
     data = np.zeros(run.shape)
     placement = data_placement(state) if with_data else None
     if placement is not None:
@@ -1067,16 +1071,36 @@ class SpanGuard:
             workers=decision.workers,
         )
         steps = job.work.steps
-        run_now = steps * (chosen.step_s + _users_s(state, decision.lead.region))
+        # An elastic job given fewer workers than it asked for steps that much slower (pace_scale).
+        run_now = (
+            steps
+            * (chosen.step_s + _users_s(state, decision.lead.region))
+            * pace_scale(job, decision.workers)
+        )
         holders = whole_gang_pools(state, decision.workers)
         if spread:
             return self._spread(state, decision, chosen, holders, speeds)
+        # An elastic job started with fewer workers than it may have weighs starting so against
+        # waiting for room for them all (before 2026-12-06 it was weighed against waiting for the
+        # same few workers elsewhere, and its run now counted at full pace: a transformer started
+        # with 1 of its 4 workers on a V100 ran 55 h, against 6.4 h with all 4 on G2 an hour later).
+        # A narrow start grows back when its own pool has room (the cycle's growth, in the service
+        # and the simulator alike), so its run counts that growth (:func:`grown_run_s`); but no job
+        # grows in a pool a queued job could use (``cycle.grow_around``), so while other jobs
+        # wait its run is the narrow one.
+        want = decision.workers
+        if job.min_workers is not None and job.pipeline is None and want < state.target_workers:
+            want = state.target_workers
+            holders = whole_gang_pools(state, want)
+            if snap.waiting_count(exclude=job.job_id) == 0:
+                run_now = grown_run_s(state, decision, want, run_now, self.book)
+        pace = pace_scale(job, want)
         # Here and in every option: the run plus what the dataset's first copy to the region adds
         # (a pool where the data is may end sooner after a wait than one far from it now).
         data_now = _data_delay_s(state, decision.lead.region, run_now)
         busy_now = run_now + data_now
         options = single_cluster_options(
-            state, holders, decision.workers, book=self.book, within_s=busy_now, with_data=True
+            state, holders, want, book=self.book, within_s=busy_now, with_data=True, pace=pace
         )
         if not options:
             return Status()
@@ -1084,36 +1108,37 @@ class SpanGuard:
         # A pool "free now" by the running jobs' predicted ends may not be: a job that overran its
         # prediction counts as released at once (expected_wait_s), yet holds its GPUs. Its wait
         # is unknown, not nothing: the job is held back for it as for any wait (ski rental below).
-        overdue = best.wait_s < MIN_WAIT_S and not _holds_now(
-            state, best.cluster, best.model, decision.workers
-        )
+        overdue = best.wait_s < MIN_WAIT_S and not _holds_now(state, best.cluster, best.model, want)
         if (best.wait_s < MIN_WAIT_S and not overdue) or best.busy_s >= busy_now:
             return Status()
         if best.completion_s + MIN_WAIT_S > (1.0 - self.margin) * busy_now:
             return Status()
         if snap.waiting_count(exclude=job.job_id) > 0:
-            queued = self._under_queue(state, decision.workers, busy_now, holders)
+            queued = self._under_queue(state, want, busy_now, holders, pace)
             if queued is None:
                 return Status()  # a queue: waiting would not pay by queue_slowdown x (docstring)
             best = queued
         waited = _waited_s(state)
         if waited >= busy_now - best.busy_s:
             return Status()
-        claim(state, self.book, best, decision.workers)
+        claim(state, self.book, best, want)
         models = ", ".join(sorted({p.gpu_model for p in decision.parts}))
         c, m = best.cluster, best.model
         data = f" (with {data_now:.0f} s for its dataset's copy)" if data_now > 0 else ""
         why = "faster GPUs" if best.run_s < run_now else "GPUs nearer its data"
+        if want > decision.workers:
+            why = f"room for all {want} workers"
+        few = f" with {decision.workers} of its {want} workers" if want > decision.workers else ""
         return Status(
             Code.UNSCHEDULABLE,
-            f"on {models} it would end in {busy_now:.0f} s{data}; {snap.models[m]} in"
+            f"on {models}{few} it would end in {busy_now:.0f} s{data}; {snap.models[m]} in"
             f" {snap.clusters[c].id} is expected to have room in {best.wait_s:.0f} s and end it"
             f" {best.completion_s:.0f} s from now; waiting for {why}",
             wait_s=best.wait_s,
         )
 
     def _under_queue(
-        self, state: CycleState, workers: int, busy_now: float, holders: BoolArray
+        self, state: CycleState, workers: int, busy_now: float, holders: BoolArray, pace: float = 1.0
     ) -> PoolOption | None:
         """While other jobs wait: the option to wait for, or None (start now): the best option
         behind the queue ahead of the job, gang or single worker, when it pays by
@@ -1125,7 +1150,14 @@ class SpanGuard:
         # ahead in the queue's order.
         claims = queue_claims(state, self.book)
         options = single_cluster_options(
-            state, holders, workers, within_s=busy_now, with_data=True, claims=claims[0], prune=False
+            state,
+            holders,
+            workers,
+            within_s=busy_now,
+            with_data=True,
+            claims=claims[0],
+            prune=False,
+            pace=pace,
         )
         behind = behind_queue(state, options, workers, self.book, claims=claims)
         if behind is None or behind.busy_s >= busy_now:
@@ -1627,6 +1659,29 @@ def _allowed_pools(state: CycleState, *, avoided: bool = True) -> BoolArray:
     models = state.model_mask[:m_count]
     result: BoolArray = allowed[:, None] & models[None, :]
     return result
+
+
+def grown_run_s(
+    state: CycleState, decision: Decision, want: int, run_s: float, book: WaitBook | None
+) -> float:
+    """The run of an elastic job started with ``decision.workers`` (``run_s`` at that pace,
+    :func:`~loom.sched.elastic.pace_scale`) that grows to ``want`` workers once its own pool has
+    room for them (:func:`~loom.sched.availability.expected_wait_s`, behind the GPUs claimed ahead
+    in ``book``): the work done narrow until then, the rest at full pace. ``run_s`` when the pool
+    could never hold ``want`` or no room is expected."""
+    snap = state.snapshot
+    lead = decision.lead
+    c, m = snap.cluster_index.get(lead.cluster), snap.model_index.get(lead.gpu_model)
+    if c is None or m is None or not bool(whole_gang_pools(state, want)[c, m]):
+        return run_s
+    ahead = claimed_ahead(state, book).get((lead.cluster, lead.gpu_model), 0)
+    wait = expected_wait_s(snap, c, m, want, state.per_worker, ahead_gpus=ahead)
+    if not math.isfinite(wait):
+        return run_s
+    # Time per unit of work: narrow 1, full width f (< 1). After ``wait`` the work left,
+    # (run_s - wait) narrow, takes f x that.
+    f = pace_scale(state.job, want) / pace_scale(state.job, decision.workers)
+    return min(run_s, wait + (run_s - wait) * f) if wait < run_s else run_s
 
 
 def whole_gang_pools(state: CycleState, workers: int) -> BoolArray:
