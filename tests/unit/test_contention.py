@@ -553,7 +553,7 @@ def test_an_elastic_job_weighs_starting_with_few_workers_against_waiting_for_all
     waits = framework.schedule(job, snapshot(nodes, runs), submitted_at=NOW)
     assert waits.decision is None and waits.status.wait_s == pytest.approx(500.0)
     reason = waits.status.reason
-    assert "with 1 of its 4 workers" in reason and "room for all 4 workers" in reason
+    assert "with 1 of the 4 workers it may have" in reason and "room for all 4 workers" in reason
     # Having waited what the narrow start would lose (4,000 - 1,000 s), it starts with 1.
     late = framework.schedule(job, snapshot(nodes, runs), submitted_at=NOW - 3_001.0)
     assert late.decision is not None and late.decision.workers == 1 and late.decision.parts[0].cluster == "cb"
@@ -563,6 +563,23 @@ def test_an_elastic_job_weighs_starting_with_few_workers_against_waiting_for_all
     long_busy = [dataclasses.replace(running("busy", ("a0", 4), ends_in_s=5_000.0), gpu_model=SLOW)]
     now = framework.schedule(job, snapshot(two, long_busy), submitted_at=NOW)
     assert now.decision is not None and now.decision.workers == 2
+
+
+def test_a_narrow_start_that_its_own_pool_will_grow_soon_goes_ahead() -> None:
+    # One pool of 5 GPUs: 4 busy for another 100 s, 1 free. Started with 1 worker now, the job grows
+    # to 4 once the 4 free (the cycle's growth): 100 s narrow, then the rest at full pace, 100 +
+    # 3,900 / 4 = 1,075 s, against 100 + 1,000 s waiting for all 4. It starts now.
+    nodes = [node("a0", "ca", model=SLOW, gpus=4, used=4), node("a1", "ca", model=SLOW, gpus=1)]
+    runs = [dataclasses.replace(running("busy", ("a0", 4), ends_in_s=100.0), gpu_model=SLOW)]
+    job = msgspec.structs.replace(gang(workers=4, gpus=1), min_workers=1, comm=None)
+    framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())])
+    now = framework.schedule(job, snapshot(nodes, runs), submitted_at=NOW)
+    assert now.decision is not None and now.decision.workers == 1
+    # The same pool busy for 2,000 s: 2,000 + 2,000 / 4 = 2,500 s narrow-then-grown against 3,000
+    # s waiting, so it starts now too; with the 4 busy for 3,500 s it would be 3,625 s against
+    # 4,500 s: still now. Never waiting for its own pool is the growth's point.
+    later = [dataclasses.replace(runs[0], expected_end_s=NOW + 2_000.0)]
+    assert framework.schedule(job, snapshot(nodes, later), submitted_at=NOW).decision is not None
 
 
 def test_an_inference_job_waits_for_room_near_its_users_when_that_ends_it_sooner() -> None:
@@ -575,6 +592,7 @@ def test_an_inference_job_waits_for_room_near_its_users_when_that_ends_it_sooner
     framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())])
     waits = framework.schedule(job, snapshot(nodes, runs, net=ocean()), submitted_at=NOW)
     assert waits.decision is None and waits.status.wait_s == pytest.approx(100.0)
+    assert "waiting for GPUs nearer its users" in waits.status.reason
     # Having waited what the far start would lose (1,500 - 500 s), it starts in r2.
     late = framework.schedule(job, snapshot(nodes, runs, net=ocean()), submitted_at=NOW - 1_001.0)
     assert late.decision is not None and late.decision.parts[0].cluster == "cb"

@@ -274,8 +274,7 @@ def degraded_link_events(
     ``duration_s`` (None: never). Regions are checked against ``topology`` when given."""
     _check_time(at_s, "at_s")
     _check_factor(rtt_factor, "rtt_factor")
-    if not (bandwidth_factor >= 0 and math.isfinite(bandwidth_factor)):
-        raise ScenarioError(f"bandwidth_factor must be a finite number >= 0, got {bandwidth_factor}")
+    _check_factor(bandwidth_factor, "bandwidth_factor")
     if src == dst:
         raise ScenarioError(f"a link joins two different regions, got {src!r} twice")
     if topology is not None:

@@ -583,6 +583,11 @@ def _predicted_jct_s(state: CycleState, candidates: Candidates) -> FloatArray:
     comm_s = allreduce_s(bytes_per_step, rounds, gang.rtt_ms, gang.bandwidth_gbps, job.workers)
     region = state.snapshot.cluster_region[candidates.cluster]
     run_s = job.work.steps * (compute_s + comm_s + user_rtt_ms(state, region) / 1000.0)
+    if job.min_workers is not None and job.pipeline is None:
+        # An elastic job on a candidate with room for fewer workers than it asked for steps that
+        # much slower (pace_scale; a part of a spread counts as the whole gang's width).
+        width = np.clip(candidates.workers, state.min_workers, job.workers)
+        run_s = run_s * (job.workers / np.maximum(width, 1))
     placement = data_placement(state)
     if placement is None:
         return run_s
@@ -936,6 +941,11 @@ class SpanGuard:
       its users are known, ``affinity.prefer_regions``: a service with none serves from when it
       starts, so faster GPUs would not end it sooner; an inference step also waits its users'
       round trip from the pool's region, :func:`user_rtt_ms`, on both sides of the comparison):
+      an elastic job the framework would start with fewer workers than it may have is weighed
+      against waiting for room for all of them (its run now at the narrow pace,
+      :func:`~loom.sched.elastic.pace_scale`; while no other job waits, counting the growth its
+      own pool gives it, :func:`grown_run_s`), but an option with room for all of them *now* passes
+      like any free option (the scores' choice; plugins README). It
       waits for a faster option only when that option's
       wait plus run beats the run now by ``margin``, and never longer in all than the slower start
       would lose, ``steps x (step_now - step_better)`` since submission (ski rental: at most twice
@@ -1057,10 +1067,12 @@ class SpanGuard:
             return Status()
         snap = state.snapshot
         if not spread and job.task_type == "inference" and not _has_users(state):
-            # A service with no known users serves from when it starts: faster GPUs do not end it
-            # sooner (decided before the step-time prediction and the pools, which only the cases
-            # below read). One with users waits, like a batch job, for GPUs where its steps end
-            # sooner: each step answers its users, so a pool near them may end it far sooner.
+            # A service with no known users starts at once: a policy choice (a service serves
+            # from when it starts; the simulator still ends it after its steps, so faster GPUs
+            # would end it sooner there), kept for day-long services that never wait (decided
+            # before the step-time prediction and the pools, which only the cases below read).
+            # One with users waits, like a batch job, for GPUs where its steps end sooner: each
+            # step answers its users, so a pool near them may end it far sooner.
             return Status()
         speeds = part_speeds(state, decision)
         chosen = predict_step_s(
@@ -1125,10 +1137,8 @@ class SpanGuard:
         models = ", ".join(sorted({p.gpu_model for p in decision.parts}))
         c, m = best.cluster, best.model
         data = f" (with {data_now:.0f} s for its dataset's copy)" if data_now > 0 else ""
-        why = "faster GPUs" if best.run_s < run_now else "GPUs nearer its data"
-        if want > decision.workers:
-            why = f"room for all {want} workers"
-        few = f" with {decision.workers} of its {want} workers" if want > decision.workers else ""
+        why = _waiting_for(state, decision, best, want, run_now)
+        few = f" with {decision.workers} of the {want} workers it may have" if want > decision.workers else ""
         return Status(
             Code.UNSCHEDULABLE,
             f"on {models}{few} it would end in {busy_now:.0f} s{data}; {snap.models[m]} in"
@@ -1659,6 +1669,17 @@ def _allowed_pools(state: CycleState, *, avoided: bool = True) -> BoolArray:
     models = state.model_mask[:m_count]
     result: BoolArray = allowed[:, None] & models[None, :]
     return result
+
+
+def _waiting_for(state: CycleState, decision: Decision, best: PoolOption, want: int, run_now: float) -> str:
+    """What a job held back by the span guard waits for, in words (its status's reason)."""
+    if want > decision.workers:
+        return f"room for all {want} workers"
+    snap = state.snapshot
+    best_region = snap.regions[int(snap.cluster_region[best.cluster])]
+    if _has_users(state) and _users_s(state, best_region) < _users_s(state, decision.lead.region):
+        return "GPUs nearer its users"
+    return "faster GPUs" if best.run_s < run_now else "GPUs nearer its data"
 
 
 def grown_run_s(
