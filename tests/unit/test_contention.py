@@ -540,6 +540,20 @@ def test_a_job_without_communication_waits_for_faster_gpus_too() -> None:
     assert late.decision is not None and late.decision.parts[0].gpu_model == SLOW
 
 
+def slow_four_busy(ends_in_s: float) -> RunningJob:
+    """A job holding node a0's 4 slow GPUs for another ``ends_in_s``."""
+    return dataclasses.replace(running("busy", ("a0", 4), ends_in_s=ends_in_s), gpu_model=SLOW)
+
+
+def elastic_four() -> JobSpec:
+    """4 workers of 1 GPU that may start with 1; 1,000 steps of 1 s at speed 1, no traffic."""
+    return msgspec.structs.replace(gang(workers=4, gpus=1), min_workers=1, comm=None)
+
+
+def guard_only() -> Framework:
+    return Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())])
+
+
 def test_an_elastic_job_weighs_starting_with_few_workers_against_waiting_for_all_of_them() -> None:
     # One free GPU in cb; ca's 4 GPUs (the same model) are busy for another 500 s. The job asks for
     # 4 workers of 1 GPU and may start with 1: 1,000 steps of 1 s take 1,000 s with all 4 and
@@ -547,9 +561,7 @@ def test_an_elastic_job_weighs_starting_with_few_workers_against_waiting_for_all
     # Before 2026-12-06 its run with 1 worker counted as 1,000 s, weighed against 1 worker in ca
     # (500 + 1,000 s): it started with 1.
     nodes = [node("a0", "ca", model=SLOW, gpus=4, used=4), node("b0", "cb", model=SLOW, gpus=1)]
-    runs = [dataclasses.replace(running("busy", ("a0", 4), ends_in_s=500.0), gpu_model=SLOW)]
-    job = msgspec.structs.replace(gang(workers=4, gpus=1), min_workers=1, comm=None)
-    framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())])
+    runs, job, framework = [slow_four_busy(500.0)], elastic_four(), guard_only()
     waits = framework.schedule(job, snapshot(nodes, runs), submitted_at=NOW)
     assert waits.decision is None and waits.status.wait_s == pytest.approx(500.0)
     reason = waits.status.reason
@@ -560,8 +572,7 @@ def test_an_elastic_job_weighs_starting_with_few_workers_against_waiting_for_all
     # Room for 2 of its workers now, ca's 4 busy for 5,000 s: 2,000 s with 2 now beats 5,000 +
     # 1,000 s, so it starts with 2.
     two = [node("a0", "ca", model=SLOW, gpus=4, used=4), node("b0", "cb", model=SLOW, gpus=2)]
-    long_busy = [dataclasses.replace(running("busy", ("a0", 4), ends_in_s=5_000.0), gpu_model=SLOW)]
-    now = framework.schedule(job, snapshot(two, long_busy), submitted_at=NOW)
+    now = framework.schedule(job, snapshot(two, [slow_four_busy(5_000.0)]), submitted_at=NOW)
     assert now.decision is not None and now.decision.workers == 2
 
 
@@ -570,16 +581,16 @@ def test_a_narrow_start_that_its_own_pool_will_grow_soon_goes_ahead() -> None:
     # to 4 once the 4 free (the cycle's growth): 100 s narrow, then the rest at full pace, 100 +
     # 3,900 / 4 = 1,075 s, against 100 + 1,000 s waiting for all 4. It starts now.
     nodes = [node("a0", "ca", model=SLOW, gpus=4, used=4), node("a1", "ca", model=SLOW, gpus=1)]
-    runs = [dataclasses.replace(running("busy", ("a0", 4), ends_in_s=100.0), gpu_model=SLOW)]
-    job = msgspec.structs.replace(gang(workers=4, gpus=1), min_workers=1, comm=None)
-    framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())])
-    now = framework.schedule(job, snapshot(nodes, runs), submitted_at=NOW)
+    job, framework = elastic_four(), guard_only()
+    now = framework.schedule(job, snapshot(nodes, [slow_four_busy(100.0)]), submitted_at=NOW)
     assert now.decision is not None and now.decision.workers == 1
     # The same pool busy for 2,000 s: 2,000 + 2,000 / 4 = 2,500 s narrow-then-grown against 3,000
     # s waiting, so it starts now too; with the 4 busy for 3,500 s it would be 3,625 s against
     # 4,500 s: still now. Never waiting for its own pool is the growth's point.
-    later = [dataclasses.replace(runs[0], expected_end_s=NOW + 2_000.0)]
-    assert framework.schedule(job, snapshot(nodes, later), submitted_at=NOW).decision is not None
+    assert (
+        framework.schedule(job, snapshot(nodes, [slow_four_busy(2_000.0)]), submitted_at=NOW).decision
+        is not None
+    )
 
 
 def test_an_inference_job_waits_for_room_near_its_users_when_that_ends_it_sooner() -> None:
