@@ -595,10 +595,18 @@ def _predicted_jct_s(state: CycleState, candidates: Candidates) -> FloatArray:
     return jct
 
 
+def _user_regions(state: CycleState) -> list[int]:
+    """An inference job's known user regions (``affinity.prefer_regions`` on the platform), as
+    region indices; none for other jobs."""
+    if state.job.task_type != "inference":
+        return []
+    index = state.snapshot.region_index
+    return [index[r] for r in state.job.affinity.prefer_regions if r in index]
+
+
 def _has_users(state: CycleState) -> bool:
     """Whether the job is an inference job with a known user region (``user_rtt_ms`` counts)."""
-    index = state.snapshot.region_index
-    return state.job.task_type == "inference" and any(r in index for r in state.job.affinity.prefer_regions)
+    return bool(_user_regions(state))
 
 
 def _users_s(state: CycleState, region: str) -> float:
@@ -609,9 +617,8 @@ def _users_s(state: CycleState, region: str) -> float:
 def user_rtt_ms(state: CycleState, region: IntArray) -> FloatArray:
     """Per region index given: mean round trip from the users (an inference job's known
     ``affinity.prefer_regions``); 0 for other jobs or when no such region is known."""
-    snap = state.snapshot
-    users = [snap.region_index[r] for r in state.job.affinity.prefer_regions if r in snap.region_index]
-    if state.job.task_type != "inference" or not users:
+    users = _user_regions(state)
+    if not users:
         return np.zeros(region.size)
     rtt: FloatArray = region_links(state).rtt_ms[np.array(users)][:, region].mean(axis=0)
     return rtt
@@ -1702,7 +1709,7 @@ def grown_run_s(
     # Time per unit of work: narrow 1, full width f (< 1). After ``wait`` the work left,
     # (run_s - wait) narrow, takes f x that.
     f = pace_scale(state.job, want) / pace_scale(state.job, decision.workers)
-    return min(run_s, wait + (run_s - wait) * f) if wait < run_s else run_s
+    return wait + (run_s - wait) * f if wait < run_s else run_s
 
 
 def whole_gang_pools(state: CycleState, workers: int) -> BoolArray:
