@@ -12,7 +12,7 @@ from loom.model.capacity import NodeCapacity
 from loom.model.profiles import relative_speed
 from loom.model.topology import load_topology
 from loom.sched.plugins.cost import default_economics
-from loom.sched.plugins.rare import RareFit, _wait_caused, arrival_rate, rare_shapes
+from loom.sched.plugins.rare import RareFit, arrival_rate, rare_shapes, wait_caused
 from loom.sched.profile import DEFAULT_PLUGINS, build_framework
 from loom.sched.snapshot import SEEN_MIN_SPAN_S, ClusterInfo, NetMatrix, SeenShapes, Snapshot, WorkerShape
 from loom.sim.engine import simulate
@@ -198,14 +198,14 @@ def test_shapes_held_by_the_same_nodes_count_as_one() -> None:
 
 def test_the_wait_caused_is_what_arrivals_within_the_horizon_wait_for_the_room_now_further_away() -> None:
     # Room now (0 s away) taken for 1,000 s: an arrival t seconds from now waits 1,000 - t.
-    assert _wait_caused(0.001, 0.0, 1_000.0, 5_000.0) == pytest.approx(0.001 * 1_000.0**2 / 2)
+    assert wait_caused(0.001, 0.0, 1_000.0, 5_000.0) == pytest.approx(0.001 * 1_000.0**2 / 2)
     # Room was 200 s away anyway: only the difference counts.
-    assert _wait_caused(0.001, 200.0, 1_000.0, 5_000.0) == pytest.approx(0.001 * (1_000.0**2 - 200.0**2) / 2)
+    assert wait_caused(0.001, 200.0, 1_000.0, 5_000.0) == pytest.approx(0.001 * (1_000.0**2 - 200.0**2) / 2)
     # Arrivals only within the horizon (the span the rate was measured over): 400 s of them.
-    assert _wait_caused(0.001, 0.0, 1_000.0, 400.0) == pytest.approx(0.001 * (1_000.0 * 400.0 - 400.0**2 / 2))
-    assert _wait_caused(0.001, 1_000.0, 1_000.0, 5_000.0) == 0.0
-    assert _wait_caused(0.0, 0.0, 1_000.0, 5_000.0) == 0.0
-    assert _wait_caused(0.001, 0.0, math.inf, 5_000.0) == math.inf
+    assert wait_caused(0.001, 0.0, 1_000.0, 400.0) == pytest.approx(0.001 * (1_000.0 * 400.0 - 400.0**2 / 2))
+    assert wait_caused(0.001, 1_000.0, 1_000.0, 5_000.0) == 0.0
+    assert wait_caused(0.0, 0.0, 1_000.0, 5_000.0) == 0.0
+    assert wait_caused(0.001, 0.0, math.inf, 5_000.0) == math.inf
 
 
 def snapshot_of(plat: Platform) -> Snapshot:
@@ -266,7 +266,7 @@ def test_the_harm_is_read_on_the_nodes_the_framework_packs_a_gang_onto() -> None
     # is packed 8 on a 96-core node and the last 4 on the tightest node that holds them: the
     # 128-core one. The harm must be read there (a review: most-room-first alone put them on the
     # other 96-core node, and neither the score nor the permit weighed the room taken).
-    from loom.sched.plugins.rare import _VERDICT, _lands_on
+    from loom.sched.plugins.rare import _VERDICT, lands_on
 
     nodes = [node("a-big", "G2", 128, 768), node("a-n1", "G2", 96, 384), node("a-n2", "G2", 96, 384)]
     nodes.append(node("a-t0", "T4", 96, 384))  # 1 of 4 nodes holds the rare shape: rare
@@ -290,7 +290,7 @@ def test_the_harm_is_read_on_the_nodes_the_framework_packs_a_gang_onto() -> None
     candidates = framework.find_candidates(state)
     (i,) = [k for k in range(len(candidates)) if snap.models[int(candidates.model[k])] == "G2"]
     packed = framework.pack(state, candidates, i, int(candidates.workers[i])).allocations
-    lands, counts = _lands_on(candidates, i)
+    lands, counts = lands_on(candidates, i)
     assert [(snap.node_ids[n], c) for n, c in zip(lands.tolist(), counts.tolist(), strict=True)] == list(
         packed
     )

@@ -19,6 +19,7 @@ from loom.sched.plugins.compute import PriorityFairShare, ScuFit, Trust, WaterLe
 from loom.sched.plugins.cost import CostEnergy
 from loom.sched.plugins.data import DataLocality
 from loom.sched.plugins.elastic import ElasticShrink
+from loom.sched.plugins.gang_room import GANG_FIT_WEIGHT, GangFit
 from loom.sched.plugins.network import AlphaLearner, Jct, Joint, SpanGuard
 from loom.sched.plugins.packing import FreeFit, HoleFit, NodeFit, PoolFit
 from loom.sched.plugins.patience import PipelinePatience
@@ -49,6 +50,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "hole_fit",
     "node_fit",
     "rare_fit",
+    "gang_fit",
     "waiting_jobs",
     "preemption",
     "rare_room",
@@ -79,6 +81,8 @@ DEFAULT_WEIGHTS: Mapping[str, float] = {
     "node_fit": 2.0,
     # Keep the last node with room for a rare shape seen lately when that pays (decides alone).
     "rare_fit": RARE_FIT_WEIGHT,
+    # A long job does not pin the nodes a gang of several nodes needs when elsewhere does as well.
+    "gang_fit": GANG_FIT_WEIGHT,
 }
 
 
@@ -105,6 +109,7 @@ def default_registry() -> Registry:
     registry.register("node_fit", lambda _cfg: NodeFit())
     registry.register("rare_fit", lambda _cfg: RareFit())
     registry.register("rare_room", lambda _cfg: RareRoom())
+    registry.register("gang_fit", lambda _cfg: GangFit())
     registry.register("affinity", lambda _cfg: Affinity())
     registry.register("data_locality", lambda _cfg: DataLocality())
     registry.register("joint", lambda cfg: Joint(_learner(cfg)))

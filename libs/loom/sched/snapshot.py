@@ -274,39 +274,49 @@ class SeenShapes:
 
     def __init__(self, limit: int = SEEN_JOBS) -> None:
         self.limit = max(int(limit), 1)
-        self._jobs: dict[str, tuple[WorkerShape, float, int]] = {}
+        self._jobs: dict[str, tuple[WorkerShape, float, int, int]] = {}
         self.counts: dict[WorkerShape, int] = {}
         """Shape -> how many of the remembered jobs have it."""
         self.gangs: dict[int, int] = {}
         """A job's GPUs in all (workers x GPUs per worker) -> how many of the remembered jobs ask
         that many (what ``hole_fit`` keeps holes for)."""
+        self.teams: dict[tuple[WorkerShape, int], int] = {}
+        """(worker shape, workers) of the remembered jobs of two workers or more -> how many (what
+        ``gang_fit`` keeps node room for)."""
         self.version = 0
         """How many times what is remembered changed (caches of figures over it read it)."""
 
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def note(self, job_id: str, shape: WorkerShape, now: float, gpus: int = 0) -> None:
+    def note(self, job_id: str, shape: WorkerShape, now: float, gpus: int = 0, workers: int = 1) -> None:
         """``job_id`` was seen with ``shape`` at ``now``, asking ``gpus`` GPUs in all (0: the
-        shape's); once per job (the first sight counts), the oldest forgotten beyond :attr:`limit`."""
+        shape's) over ``workers`` workers; once per job (the first sight counts), the oldest
+        forgotten beyond :attr:`limit`."""
         if job_id in self._jobs:
             return
         gang = int(gpus) if gpus > 0 else shape.gpus
-        self._jobs[job_id] = (shape, float(now), gang)
+        team = max(int(workers), 1)
+        self._jobs[job_id] = (shape, float(now), gang, team)
         self.counts[shape] = self.counts.get(shape, 0) + 1
         self.gangs[gang] = self.gangs.get(gang, 0) + 1
+        if team > 1:
+            self.teams[shape, team] = self.teams.get((shape, team), 0) + 1
         self.version += 1
         while len(self._jobs) > self.limit:
-            _old, (gone, _at, size) = next(iter(self._jobs.items()))
+            _old, (gone, _at, size, many) = next(iter(self._jobs.items()))
             del self._jobs[_old]
             _forget(self.counts, gone)
             _forget(self.gangs, size)
+            if many > 1:
+                _forget(self.teams, (gone, many))
 
     def note_job(self, job: JobSpec, now: float) -> None:
-        """:meth:`note` of ``job`` with its worker shape (:meth:`WorkerShape.of`) and its GPUs in
-        all."""
+        """:meth:`note` of ``job`` with its worker shape (:meth:`WorkerShape.of`), its GPUs in all
+        and its workers."""
+        workers = max(int(job.workers), 1)
         self.note(
-            job.job_id, WorkerShape.of(job), now, gpus=max(int(job.workers), 1) * int(job.resources.gpus)
+            job.job_id, WorkerShape.of(job), now, gpus=workers * int(job.resources.gpus), workers=workers
         )
 
     def span_s(self, now: float) -> float:

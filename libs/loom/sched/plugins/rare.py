@@ -225,7 +225,7 @@ class RareFit:
             if rate <= 0 or not could.size:
                 continue
             if ends is None:
-                ends = _node_ends(snap)
+                ends = node_ends(snap)
             room = snap.schedulable[could] & (
                 snap.room(could, shape.gpus, shape.cpu_milli, shape.memory_mib) > 0
             )
@@ -234,7 +234,7 @@ class RareFit:
             near = np.flatnonzero(ok & np.isin(pools, snap.pool_of[could]))
             for i in near.tolist():
                 if i not in lands:
-                    lands[i] = _lands_on(candidates, i)
+                    lands[i] = lands_on(candidates, i)
                 nodes, workers = lands[i]
                 after: FloatArray | None = None
                 where = np.minimum(np.searchsorted(could, nodes), could.size - 1)  # could ascends
@@ -245,7 +245,7 @@ class RareFit:
                         after = back.copy()
                     after[j] = max(after[j], float(jct[i]))
                 if after is not None:
-                    harm[i] += _wait_caused(rate, soonest, float(after.min()), horizon)
+                    harm[i] += wait_caused(rate, soonest, float(after.min()), horizon)
         spends = harm > 0
         alt = ok & ~spends
         state.write(
@@ -400,7 +400,7 @@ class RareRoom:
         here = could & pools[snap.cluster_of, snap.model_of]
         if not here.any():
             return None
-        ends = _node_ends(snap)
+        ends = node_ends(snap)
         soonest = float(ends[here].min())
         gain = soonest - snap.now
         if not math.isfinite(gain) or gain <= ROOM_MARGIN_S:
@@ -706,7 +706,7 @@ def _left_holds(snap: Snapshot, node: int, shape: WorkerShape, workers: int, job
     )
 
 
-def _wait_caused(rate: float, before_s: float, after_s: float, horizon_s: float) -> float:
+def wait_caused(rate: float, before_s: float, after_s: float, horizon_s: float) -> float:
     """Expected job-seconds jobs of a shape arriving at ``rate`` per second over the next
     ``horizon_s`` seconds wait longer for room once the soonest room for them is ``after_s``
     seconds away instead of ``before_s``: a job arriving ``t`` seconds from now waits
@@ -725,7 +725,7 @@ def _waited(room_s: float, horizon_s: float) -> float:
     return room_s * m - m * m / 2.0
 
 
-def _lands_on(candidates: Candidates, i: int) -> tuple[IntArray, IntArray]:
+def lands_on(candidates: Candidates, i: int) -> tuple[IntArray, IntArray]:
     """The nodes candidate ``i``'s workers would take and how many on each: the framework's own
     choice (:func:`~loom.sched.framework.pack_workers`, what ``Framework.pack`` does)."""
     nodes, room = candidates.nodes_of(i)
@@ -736,7 +736,7 @@ def _lands_on(candidates: Candidates, i: int) -> tuple[IntArray, IntArray]:
     )
 
 
-def _node_ends(snap: Snapshot) -> FloatArray:
+def node_ends(snap: Snapshot) -> FloatArray:
     """Per node: the latest predicted end (on the snapshot's clock) of the jobs running on it, -inf
     for a node nothing runs on, from the running jobs' releases (:func:`releases`, kept per running
     list; a job whose end is not known is not in them, so its node counts as freeing up when its
@@ -763,6 +763,9 @@ __all__ = [
     "RareShape",
     "arrival_rate",
     "holds",
+    "lands_on",
+    "node_ends",
     "rare_shapes",
     "room_possible",
+    "wait_caused",
 ]

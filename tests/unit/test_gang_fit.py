@@ -1,0 +1,160 @@
+"""gang_fit: a long job does not pin the nodes a gang of several nodes needs, where another place
+does as well for it.
+
+On the 63-GPU grid platform (Philly-like, load 1.2) a one-GPU job of 57 h filled a node a short job
+had broken in a cluster of two 8-GPU nodes, and 2 x 8 gangs waited 40-45 h each for that cluster."""
+
+import numpy as np
+import pytest
+
+from loom.model.capacity import NodeCapacity
+from loom.sched.framework import Framework
+from loom.sched.plugins.gang_room import GangFit, gang_shapes
+from loom.sched.plugins.network import predicted_jct_s
+from loom.sched.plugins.rare import wait_caused
+from loom.sched.profile import DEFAULT_PLUGINS, build_framework
+from loom.sched.snapshot import SEEN_MIN_SPAN_S, NetMatrix, RunningJob, SeenShapes, Snapshot, WorkerShape
+from loom_proto.jobs import JobSpec, Resources, Work
+
+NOW = 10_000.0
+MODEL = "A100"
+
+
+def node(name: str, cluster: str, used: int = 0, *, model: str = MODEL) -> NodeCapacity:
+    return NodeCapacity(
+        node=name,
+        cluster=cluster,
+        region="r1",
+        zone="r1-a",
+        gpu_model=model,
+        gpus_total=8,
+        gpus_reserved=used,
+    )
+
+
+def running(
+    job_id: str, cluster: str, node_name: str, gpus: int, ends_in_s: float, *, model: str = MODEL
+) -> RunningJob:
+    return RunningJob(
+        job_id=job_id, tenant="t", priority=100, cluster=cluster, gpu_model=model,
+        allocations=((node_name, gpus),), expected_end_s=NOW + ends_in_s,
+    )  # fmt: skip
+
+
+def spec(job_id: str, *, workers: int = 1, gpus: int = 1, steps: int = 1000) -> JobSpec:
+    return JobSpec(
+        job_id=job_id, tenant="t", workers=workers, resources=Resources(gpus=gpus),
+        work=Work(steps=steps, step_time_s=1.0),
+    )  # fmt: skip
+
+
+def platform(
+    *, gangs: int = 2, workers: int = 2, per_worker: int = 8, cb_model: str = MODEL, cb_speed: float = 1.0
+) -> Snapshot:
+    """Cluster ``ca``: two 8-GPU nodes, one broken by a short job (3 GPUs for 600 s more). Cluster
+    ``cb``: three, one free and two busy for 7,200 s. ``gangs`` gangs of ``workers`` x
+    ``per_worker`` were seen lately, within the last hour. ``cb_model``: cb's GPUs, at ``cb_speed``."""
+    nodes = [
+        node("a0", "ca", used=3),
+        node("a1", "ca"),
+        node("b0", "cb", model=cb_model),
+        node("b1", "cb", 8, model=cb_model),
+        node("b2", "cb", 8, model=cb_model),
+    ]
+    runs = [
+        running("short", "ca", "a0", 3, 600.0),
+        running("busy-1", "cb", "b1", 8, 7_200.0, model=cb_model),
+        running("busy-2", "cb", "b2", 8, 7_200.0, model=cb_model),
+    ]
+    speed = {(MODEL, "training_compute"): 1.0, (cb_model, "training_compute"): cb_speed}
+    if cb_model == MODEL:
+        speed = {(MODEL, "training_compute"): 1.0}
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=NOW, running=runs)
+    for i in range(gangs):
+        at = NOW - 3_000.0 + 1_500.0 * i if gangs <= 2 else NOW - 3_500.0 + 3_500.0 * i / gangs
+        snap.seen.note_job(spec(f"gang-{i}", workers=workers, gpus=per_worker), at)
+    return snap
+
+
+def without_gang_fit() -> Framework:
+    return build_framework({"plugins": [p for p in DEFAULT_PLUGINS if p != "gang_fit"]})
+
+
+def test_a_long_job_leaves_the_cluster_of_two_nodes_whole_for_the_gangs_seen_to_need_both() -> None:
+    long_job = spec("long", steps=60_000)  # 60,000 s on either cluster's GPUs
+    placed = build_framework().schedule(long_job, platform(), submitted_at=NOW)
+    assert placed.decision is not None
+    assert [(p.cluster, p.allocations) for p in placed.decision.parts] == [("cb", (("b0", 1),))]
+    # Without the plugin it fills the node the short job broke (node fit), and no 2 x 8 gang fits
+    # cluster ca for its 60,000 s: the next one waits for cb's busy nodes (7,200 s).
+    before = without_gang_fit().schedule(long_job, platform(), submitted_at=NOW)
+    assert before.decision is not None and before.decision.parts[0].cluster == "ca"
+
+
+def test_the_harm_is_the_gangs_longer_wait_for_their_soonest_room() -> None:
+    snap = platform()
+    framework = build_framework()
+    state = framework.new_state(spec("long", steps=60_000), snap)
+    assert framework.run_pre_filters(state).ok and "gang_fit" not in state.skipped
+    candidates = framework.find_candidates(state)
+    harm = GangFit().harm(state, candidates, np.full(len(candidates), 60_000.0))
+    by_cluster = {snap.clusters[int(c)].id: float(h) for c, h in zip(candidates.cluster, harm, strict=True)}
+    # Gangs of 2 x 8 seen twice over the last 1,500 s (a span of at least SEEN_MIN_SPAN_S): one an
+    # hour. ca would hold one at 600 s; pinned, the soonest room is cb's at 7,200 s. cb taken moves
+    # nothing: ca's 600 s stays the soonest.
+    rate = 1.0 / SEEN_MIN_SPAN_S
+    assert by_cluster["ca"] == pytest.approx(wait_caused(rate, 600.0, 7_200.0, SEEN_MIN_SPAN_S))
+    assert by_cluster["ca"] > 1_000.0
+    assert by_cluster["cb"] == 0.0
+
+
+def test_a_short_job_still_fills_the_broken_node() -> None:
+    # 300 s: it ends before the short job does, so ca's room for a gang comes back when it would.
+    placed = build_framework().schedule(spec("quick", steps=300), platform(), submitted_at=NOW)
+    assert placed.decision is not None
+    assert [(p.cluster, p.allocations) for p in placed.decision.parts] == [("ca", (("a0", 1),))]
+
+
+def test_only_gangs_seen_twice_that_need_several_nodes_are_kept_room_for() -> None:
+    assert [(g.shape.gpus, g.workers, g.count) for g in gang_shapes(platform())] == [(8, 2, 2)]
+    assert gang_shapes(platform(gangs=1)) == []  # seen once: not known to come again
+    assert gang_shapes(platform(per_worker=4)) == []  # 2 x 4 fits one node: node and hole fit keep it
+    assert gang_shapes(platform(workers=4)) == []  # 4 x 8: no cluster could ever hold one
+    # Seen once, the long job goes where node fit sends it.
+    placed = build_framework().schedule(spec("long", steps=60_000), platform(gangs=1), submitted_at=NOW)
+    assert placed.decision is not None and placed.decision.parts[0].cluster == "ca"
+
+
+@pytest.mark.parametrize(("slower", "moves"), [(1.5, True), (3.0, False)])
+def test_a_place_more_than_twice_as_slow_is_no_alternative(slower: float, moves: bool) -> None:
+    # Gangs of 2 x 8 seen 40 times within the hour: pinning ca's broken node costs them ~200,000 s
+    # of waiting, more than the long job loses on cb's GPUs 1.5x or 3x slower (30,000 / 120,000 s).
+    # Beyond 2x its run, cb is no alternative.
+    snap = platform(gangs=40, cb_model="T4", cb_speed=1.0 / slower)
+    framework = build_framework()
+    state = framework.new_state(spec("long", steps=60_000), snap)
+    assert framework.run_pre_filters(state).ok
+    candidates = framework.find_candidates(state)
+    plugin = GangFit()
+    marked = plugin.marked(state, candidates)
+    jct = predicted_jct_s(state, candidates)
+    harm = plugin.harm(state, candidates, jct)
+    (ca,) = [k for k in range(len(candidates)) if snap.clusters[int(candidates.cluster[k])].id == "ca"]
+    (cb,) = [k for k in range(len(candidates)) if snap.clusters[int(candidates.cluster[k])].id == "cb"]
+    assert jct[cb] == pytest.approx(slower * jct[ca])
+    assert harm[ca] > jct[cb] - jct[ca] and harm[cb] == 0.0
+    assert bool(marked[ca]) is moves and not marked[cb]
+
+
+def test_seen_gangs_count_by_worker_shape_and_workers_and_are_forgotten_with_their_job() -> None:
+    seen = SeenShapes(limit=2)
+    eight = WorkerShape(8)
+    seen.note_job(spec("g1", workers=2, gpus=8), 0.0)
+    seen.note_job(spec("one", gpus=8), 10.0)  # one worker: no gang
+    assert seen.teams == {(eight, 2): 1} and seen.gangs == {16: 1, 8: 1}
+    seen.note_job(spec("g2", workers=2, gpus=8), 20.0)  # "g1" forgotten
+    seen.note_job(spec("g2", workers=4, gpus=8), 30.0)  # a job's first sight counts
+    assert seen.teams == {(eight, 2): 1} and len(seen) == 2
+    seen.note_job(spec("g3", workers=4, gpus=8), 40.0)  # "one" forgotten
+    seen.note_job(spec("solo", gpus=1), 50.0)  # "g2" forgotten
+    assert seen.teams == {(eight, 4): 1}
