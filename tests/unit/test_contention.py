@@ -715,6 +715,35 @@ def test_backfill_keeps_a_claimed_pool_from_a_job_behind_that_would_delay_the_cl
 # ---- best fit over pools --------------------------------------------------------------------------
 
 
+def test_under_backfill_the_simulator_retries_a_job_kept_out_of_a_pool_with_room() -> None:
+    # A job that backfill keeps out of a claimed pool fails with room there. The simulator took the
+    # failure as "nothing fits this shape until a pool holds more workers than it did", so a gang
+    # of that shape was never decided again: on the Philly-like trace, 37 GPUs, load 0.5, seed 37,
+    # four gangs never ran (the platform idle for the rest of the run). Placement retries every
+    # queued job when capacity changes; so does the simulator now, under backfill.
+    from loom.sched.plugins.network import AlphaLearner
+    from loom.sched.profile import DEFAULT_PLUGINS, build_framework
+    from loom.sim.policies import ProbeSettings, SpeedLearner
+    from loom.sim.truth import load_truth
+    from loom.sim.workloads import at_load, with_spanning
+    from loom_benchmarks.grid import grid_platform, grid_trace, reference_capacity
+
+    topology, platform = grid_platform("small:30")
+    truth = load_truth(None)
+    base = grid_trace("philly", 200, 37, topology, truth)
+    trace = with_spanning(at_load(base, 0.5, reference_capacity(platform, truth)), False)
+    learner = AlphaLearner()
+    profile = {"plugins": [*DEFAULT_PLUGINS[:-2], "backfill", *DEFAULT_PLUGINS[-2:]]}
+    framework = build_framework(profile, context={"alpha_learner": learner})
+    policy = FrameworkPolicy(
+        "loom", framework, learner=learner, speed_learner=SpeedLearner(), probe=ProbeSettings()
+    )
+    result = simulate(trace, platform, policy, seed=37, sample_every_s=600, truth=truth)
+    gangs = [r for r in result.records if r.job_class == "net_training"]
+    assert len(gangs) >= 5
+    assert [r.job_id for r in result.records if r.jct_s is None] == []
+
+
 def fit_scores(plugin: "PoolFit | FreeFit", snap: Snapshot, spec: JobSpec) -> dict[str, float]:
     """Per candidate cluster: ``plugin``'s normalised score for ``spec`` on ``snap``."""
     framework = Framework([ResourceFit(), plugin])

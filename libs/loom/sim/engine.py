@@ -140,6 +140,7 @@ from loom.sched.cycle import (
 from loom.sched.elastic import resized_end_s
 from loom.sched.framework import Decision, Outcome, QueueItem
 from loom.sched.pipeline import transfer_s
+from loom.sched.plugins.backfill import Backfill
 from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s, users_wait_s
@@ -314,10 +315,11 @@ class _Shape:
     """One worker's GPUs, CPU and RAM when its jobs start with one worker (what ``rare_room`` may
     make room for); None otherwise."""
     apart: bool = False
-    """Its jobs keep apart from running jobs (``affinity.apart_from_jobs``): a failure may be that
-    rule's, which lifts when such a job ends without any pool gaining workers, so none is taken as
-    final (it is retried whenever capacity changes and a pool of it holds it, as placement
-    retries every queued job)."""
+    """Its jobs keep apart from running jobs (``affinity.apart_from_jobs``), or the policy keeps
+    pools for waiting gangs (``backfill``): a failure may be that rule's, which lifts when such a
+    job ends (or a claim is given up) without any pool gaining workers, so none is taken as final
+    (it is retried whenever capacity changes and a pool of it holds it, as placement retries every
+    queued job)."""
     heap: list[tuple[tuple[Any, ...], int, str]] = field(default_factory=list)
     seen: IntArray | None = None
     """Workers each pool held when a job of this shape last failed: it is retried only once a
@@ -621,6 +623,11 @@ class _Simulation:
         )
         """The policy may move a running job to make room for a rare worker shape (``rare_room``):
         a waiting job of such a shape is then decided, not skipped, while one could."""
+        self.kept_pools = self.fast is not None and any(
+            isinstance(f, Backfill) for f in self.fast.framework.filters
+        )
+        """The policy keeps pools for waiting gangs (``backfill``): a job may fail with room there
+        (see :attr:`_Shape.apart`)."""
         self.gpus_used = 0
         self.elastic = 0
         """Elastic runs holding GPUs (growth is looked for only when there are some)."""
@@ -802,7 +809,7 @@ class _Simulation:
                     if min_workers == 1 and spec.pipeline is None
                     else None
                 ),
-                apart=bool(aff.apart_from_jobs),
+                apart=bool(aff.apart_from_jobs) or self.kept_pools,
             )
             self.shapes[key] = shape
         return shape
