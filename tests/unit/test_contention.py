@@ -22,6 +22,7 @@ from loom.sched.plugins.network import (
 )
 from loom.sched.plugins.packing import FreeFit, HoleFit, PoolFit
 from loom.sched.plugins.resources import ResourceFit
+from loom.sched.profile import build_framework
 from loom.sched.snapshot import NetMatrix, QueuedShape, RunningJob, Snapshot
 from loom.sim.engine import simulate
 from loom.sim.model import Platform, SimJob, Trace
@@ -591,6 +592,20 @@ def test_a_narrow_start_that_its_own_pool_will_grow_soon_goes_ahead() -> None:
         framework.schedule(job, snapshot(nodes, [slow_four_busy(2_000.0)]), submitted_at=NOW).decision
         is not None
     )
+
+
+def test_an_elastic_job_takes_all_its_workers_on_slower_gpus_over_one_on_gpus_not_fast_enough() -> None:
+    # Room now for 1 worker on FAST GPUs (3x the SLOW ones) in ca and for all 4 on SLOW ones in cb:
+    # 1 worker steps 4x slower, so 1,000 / 3 x 4 = 1,333 s in ca against 1,000 s in cb. The joint
+    # score read the GPUs' speed alone (ca 100, cb 33) and outweighed jct: it started with 1 in ca.
+    nodes = [node("a0", "ca", gpus=4, used=3), node("b0", "cb", model=SLOW, gpus=4)]
+    placed = build_framework().schedule(elastic_four(), snapshot(nodes), submitted_at=NOW)
+    assert placed.decision is not None
+    assert (placed.decision.parts[0].cluster, placed.decision.workers) == ("cb", 4)
+    # GPUs 5x faster: 1 worker there takes 800 s, sooner than all 4 in cb: it starts there.
+    fast = build_framework().schedule(elastic_four(), snapshot(nodes, fast_speed=5.0), submitted_at=NOW)
+    assert fast.decision is not None
+    assert (fast.decision.parts[0].cluster, fast.decision.workers) == ("ca", 1)
 
 
 def test_an_inference_job_waits_for_room_near_its_users_when_that_ends_it_sooner() -> None:

@@ -486,6 +486,18 @@ _NETWORK_KEY: StateKey[tuple[object, ...] | None] = StateKey("network.key")
 _NOT_YET: tuple[object, ...] = ("not computed yet",)
 
 
+def elastic_width_share(state: CycleState, candidates: Candidates) -> FloatArray | None:
+    """Per candidate of an elastic job: the share of the workers it asked for that the candidate
+    holds (its steps go that much slower there: :func:`~loom.sched.elastic.pace_scale`); None for
+    any other job (every candidate holds them all)."""
+    job = state.job
+    if job.min_workers is None or job.pipeline is not None or job.workers <= 0:
+        return None
+    width = np.clip(candidates.workers, state.min_workers, job.workers).astype(np.float64)
+    share: FloatArray = width / float(job.workers)
+    return share
+
+
 def network_key(state: CycleState) -> tuple[object, ...] | None:
     """Everything :func:`network_factors` and :func:`predicted_jct_s` read of the job, hashable;
     None when they read more than that: the running jobs (``affinity.near_jobs``) or other
@@ -514,7 +526,9 @@ def network_key(state: CycleState) -> tuple[object, ...] | None:
 class Joint:
     """Joint score: ``alpha x compute + (1 - alpha) x network``, both 0-100.
 
-    * compute: the candidate's delivered speed per GPU (SCU x trust) over the best candidate's;
+    * compute: the candidate's delivered speed per GPU (SCU x trust) over the best candidate's; for
+      an elastic job, times the share of its workers the candidate holds (1 of 4 workers on GPUs
+      3x faster delivers 3/4 of all 4 on the slower ones: :func:`elastic_width_share`);
     * network: ``100 x comm x data x near x users x health``, each factor 0-1:
 
       - comm = c / (c + comm_s): c the step's compute on the best candidate, comm_s the all-reduce
@@ -545,8 +559,10 @@ class Joint:
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         speed = delivered_speed(state, candidates)
-        top = float(speed.max(initial=0.0))
-        compute = speed / top * 100.0 if top > 0 else np.full(speed.shape, 100.0)
+        pace = elastic_width_share(state, candidates)
+        delivered = speed if pace is None else speed * pace
+        top = float(delivered.max(initial=0.0))
+        compute = delivered / top * 100.0 if top > 0 else np.full(speed.shape, 100.0)
         network = network_factors(state, candidates, speed).score
         alpha = self.learner.alpha(state.job.task_type)
         joint: FloatArray = alpha * compute + (1.0 - alpha) * network
@@ -583,11 +599,11 @@ def _predicted_jct_s(state: CycleState, candidates: Candidates) -> FloatArray:
     comm_s = allreduce_s(bytes_per_step, rounds, gang.rtt_ms, gang.bandwidth_gbps, job.workers)
     region = state.snapshot.cluster_region[candidates.cluster]
     run_s = job.work.steps * (compute_s + comm_s + user_rtt_ms(state, region) / 1000.0)
-    if job.min_workers is not None and job.pipeline is None:
+    share = elastic_width_share(state, candidates)
+    if share is not None:
         # An elastic job on a candidate with room for fewer workers than it asked for steps that
         # much slower (pace_scale; a part of a spread counts as the whole gang's width).
-        width = np.clip(candidates.workers, state.min_workers, job.workers)
-        run_s = run_s * (job.workers / np.maximum(width, 1))
+        run_s = run_s / np.maximum(share, 1e-9)
     placement = data_placement(state)
     if placement is None:
         return run_s
@@ -1709,7 +1725,9 @@ def grown_run_s(
     # Time per unit of work: narrow 1, full width f (< 1). After ``wait`` the work left,
     # (run_s - wait) narrow, takes f x that.
     f = pace_scale(state.job, want) / pace_scale(state.job, decision.workers)
-    return wait + (run_s - wait) * f if wait < run_s else run_s
+    # The min binds only by rounding (f <= 1): a job that grows nothing (f 1) keeps its run exactly,
+    # so that a comparison with another option's run is not decided by the last bit.
+    return min(run_s, wait + (run_s - wait) * f) if wait < run_s else run_s
 
 
 def whole_gang_pools(state: CycleState, workers: int) -> BoolArray:
