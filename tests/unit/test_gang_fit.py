@@ -4,6 +4,9 @@ does as well for it.
 On the 63-GPU grid platform (Philly-like, load 1.2) a one-GPU job of 57 h filled a node a short job
 had broken in a cluster of two 8-GPU nodes, and 2 x 8 gangs waited 40-45 h each for that cluster."""
 
+import dataclasses
+
+import msgspec
 import numpy as np
 import pytest
 
@@ -158,3 +161,79 @@ def test_seen_gangs_count_by_worker_shape_and_workers_and_are_forgotten_with_the
     seen.note_job(spec("g3", workers=4, gpus=8), 40.0)  # "one" forgotten
     seen.note_job(spec("solo", gpus=1), 50.0)  # "g2" forgotten
     assert seen.teams == {(eight, 4): 1}
+
+
+def test_an_elastic_job_is_seen_as_the_gang_of_its_fewest_workers() -> None:
+    seen = SeenShapes()
+    elastic = msgspec.structs.replace(spec("e", workers=4, gpus=8), min_workers=1)
+    seen.note_job(elastic, 0.0)
+    seen.note_job(msgspec.structs.replace(spec("f", workers=4, gpus=8), min_workers=2), 1.0)
+    assert seen.teams == {(WorkerShape(8), 2): 1} and seen.gangs == {32: 2}
+
+
+def four_gpu_gangs(*, a0_end_s: float | None) -> Snapshot:
+    """Gangs of 3 x 4 GPUs (two 8-GPU nodes) seen twice. ca: a0 half busy (4 GPUs, ending in
+    ``a0_end_s``; None: not known), a1 free. cb (GPUs 1.5x slower): b0 free, b1 and b2 busy for
+    7,200 s."""
+    nodes = [
+        node("a0", "ca", used=4),
+        node("a1", "ca"),
+        node("b0", "cb", model="T4"),
+        node("b1", "cb", 8, model="T4"),
+        node("b2", "cb", 8, model="T4"),
+    ]
+    half = running("half", "ca", "a0", 4, 0.0)
+    runs = [
+        dataclasses.replace(half, expected_end_s=None if a0_end_s is None else NOW + a0_end_s),
+        running("busy-1", "cb", "b1", 8, 7_200.0, model="T4"),
+        running("busy-2", "cb", "b2", 8, 7_200.0, model="T4"),
+    ]
+    speed = {(MODEL, "training_compute"): 1.0, ("T4", "training_compute"): 1 / 1.5}
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=NOW, running=runs)
+    snap.seen.note_job(spec("g0", workers=3, gpus=4), NOW - 3_000.0)
+    snap.seen.note_job(spec("g1", workers=3, gpus=4), NOW - 1_500.0)
+    return snap
+
+
+def harm_by_cluster(snap: Snapshot, job: JobSpec) -> dict[str, float]:
+    framework = build_framework()
+    state = framework.new_state(job, snap)
+    assert framework.run_pre_filters(state).ok
+    candidates = framework.find_candidates(state)
+    harm = GangFit().harm(state, candidates, predicted_jct_s(state, candidates))
+    return {snap.clusters[int(c)].id: float(h) for c, h in zip(candidates.cluster, harm, strict=True)}
+
+
+def test_a_job_ending_before_its_nodes_other_jobs_delays_the_gangs_room_only_for_its_own_run() -> None:
+    # ca holds a 3 x 4 gang now (a0's 4 free GPUs and a1's 8). A one-GPU job of 300 s on a0 takes
+    # that room for its 300 s, not until a0's other job ends (10 h): it delays the gangs by 300 s
+    # (at one an hour: 12.5 s expected), less than the 150 s it would lose on cb's GPUs.
+    snap = four_gpu_gangs(a0_end_s=36_000.0)
+    quick = spec("quick", steps=300)
+    harm = harm_by_cluster(snap, quick)
+    rate = 1.0 / SEEN_MIN_SPAN_S
+    assert harm["ca"] == pytest.approx(wait_caused(rate, 0.0, 300.0, SEEN_MIN_SPAN_S)) and harm["cb"] == 0.0
+    placed = build_framework().schedule(quick, four_gpu_gangs(a0_end_s=36_000.0), submitted_at=NOW)
+    assert placed.decision is not None and placed.decision.parts[0].cluster == "ca"
+
+
+def test_a_busy_node_whose_jobs_end_is_not_known_is_never_counted_as_free_soon() -> None:
+    # a0 is full with a job of no predicted end: ca's room for a 2 x 8 gang is a1 alone, never both
+    # nodes in known time; cb's comes in 7,200 s and a job in ca moves nothing. (Counted as free
+    # now, a0 made ca's room look ready and a job on a1 harmful: it was sent to slower GPUs.)
+    snap = platform()
+    nodes = [node("a0", "ca", used=8)] + [n for n in _nodes(snap) if n.node != "a0"]
+    runs = [
+        dataclasses.replace(r, allocations=(("a0", 8),), expected_end_s=None) if r.job_id == "short" else r
+        for r in snap.running
+    ]
+    unknown = Snapshot(nodes, net=NetMatrix(["r1"]), speed=dict(snap.speed), now=NOW, running=runs)
+    unknown.seen = snap.seen
+    assert harm_by_cluster(unknown, spec("long", steps=20_000)) == {"ca": 0.0, "cb": 0.0}
+
+
+def _nodes(snap: Snapshot) -> list[NodeCapacity]:
+    return [
+        node(n, snap.clusters[int(snap.cluster_of[i])].id, int(snap.total[i] - snap.free[i]))
+        for i, n in enumerate(snap.node_ids)
+    ]

@@ -270,7 +270,8 @@ class SeenShapes:
     seen: how many of them had each shape (:attr:`counts`), over what span (:meth:`span_s`). Kept
     across snapshots by the caller (the placement service's book, the simulator's one snapshot);
     the framework notes every job it decides (:meth:`note`), the simulator the jobs it skips too.
-    What ``rare_fit`` reads to keep the last node with room for a shape only few nodes hold."""
+    What ``rare_fit`` reads to keep the last node with room for a shape only few nodes hold,
+    ``hole_fit`` the holes larger jobs need, ``gang_fit`` room for gangs of several nodes."""
 
     def __init__(self, limit: int = SEEN_JOBS) -> None:
         self.limit = max(int(limit), 1)
@@ -281,8 +282,8 @@ class SeenShapes:
         """A job's GPUs in all (workers x GPUs per worker) -> how many of the remembered jobs ask
         that many (what ``hole_fit`` keeps holes for)."""
         self.teams: dict[tuple[WorkerShape, int], int] = {}
-        """(worker shape, workers) of the remembered jobs of two workers or more -> how many (what
-        ``gang_fit`` keeps node room for)."""
+        """(worker shape, workers needed at once) of the remembered jobs that need two workers or
+        more at once -> how many (what ``gang_fit`` keeps node room for)."""
         self.version = 0
         """How many times what is remembered changed (caches of figures over it read it)."""
 
@@ -313,10 +314,15 @@ class SeenShapes:
 
     def note_job(self, job: JobSpec, now: float) -> None:
         """:meth:`note` of ``job`` with its worker shape (:meth:`WorkerShape.of`), its GPUs in all
-        and its workers."""
+        and the workers it needs at once (an elastic job's fewest: it may start with them)."""
         workers = max(int(job.workers), 1)
+        least = min(int(job.min_workers), workers) if job.min_workers is not None else workers
         self.note(
-            job.job_id, WorkerShape.of(job), now, gpus=workers * int(job.resources.gpus), workers=workers
+            job.job_id,
+            WorkerShape.of(job),
+            now,
+            gpus=workers * int(job.resources.gpus),
+            workers=max(least, 1),
         )
 
     def span_s(self, now: float) -> float:

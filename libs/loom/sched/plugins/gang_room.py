@@ -11,23 +11,33 @@ rather than a whole node in the cluster of three, where it would have run as fas
 hold no 2 x 8 gang for the next 57 hours, and those gangs waited 40-45 hours each (Loom's mean JCT
 20 % behind ``gavel_like``'s, which had put the long jobs in the cluster of three).
 
-For each gang shape seen lately (:attr:`~loom.sched.snapshot.SeenShapes.teams`: two workers or more,
-seen at least twice, whose workers no one node could all hold), ``A`` is how soon some pool could
-hold one: per pool, the time when its nodes' room for the shape's workers first adds up to the
-gang's, a node counted with the workers it has room for now until its last running job's predicted
-end and with all it holds after (as ``rare_fit`` counts a node's room: its jobs' ends by their
-predicted ends). A candidate that takes room on a node, or holds the node past that end, moves its
-pool's time, and so perhaps ``A`` to ``A'``; the harm is the job-seconds that gangs of the shape,
-arriving at the rate they were seen at, would wait the more (``rare_fit``'s :func:`wait_caused`).
+For each gang shape seen lately (:attr:`~loom.sched.snapshot.SeenShapes.teams`: jobs needing two
+workers or more at once, an elastic one its fewest; seen at least twice; whose workers no one node
+could all hold, by GPUs, CPU and RAM: :meth:`~loom.sched.snapshot.Snapshot.room`), ``A`` is how soon
+some pool (cluster, GPU model) could hold one: per pool, the time when its nodes' room for the
+shape's workers first adds up to the gang's, a node counted with the room it has now until its last
+running job's predicted end and with all it holds after (as ``rare_fit`` counts a node's room); a
+busy node none of whose jobs has a predicted end is not counted as coming back. The candidate's
+workers land on nodes as ``Framework.pack`` puts them: such a node has the room left beside the job
+until the first of the job's predicted run ``T`` and the node's own end, then the room beside
+whichever is still there, then all of it. Room only shrinks or comes back later, so only candidates
+in the pool that alone holds the soonest room can move ``A``, and to no later than the next pool's;
+``A'`` is the soonest after. The harm is the job-seconds that gangs of the shape, arriving at the
+rate they were seen at, would wait the more (``rare_fit``'s :func:`wait_caused`), summed over the
+shapes.
 
 A candidate is **marked** when another, whose predicted run is at most :data:`GANG_MAX_SLOWDOWN`
 times its own, costs less in its run plus its harm (each in job-seconds: the job's own and the
 gangs'). Marked candidates score 0, the others 100, at :data:`GANG_FIT_WEIGHT` (as ``rare_fit``'s:
-the mark decides). Score only: no job is told to wait (nothing else is placed than would be).
+the mark decides; where ``rare_fit`` marks one candidate and this plugin another, the other scores
+decide between them). Score only: it never tells a job to wait (a different pool chosen may still
+change what other plugins' permits find, and what later jobs find).
 
 Approximations, stated: gangs are served one at a time; a node's room comes back in one go when its
-last job ends (releases before that are not counted, so ``A`` is late, never early); the shape's
-workers are counted by GPUs, as the node's CPU and RAM allow (:func:`~loom.sched.plugins.rare.holds`).
+last job with a predicted end ends (a job without one on a node that has others with one is not
+counted: there ``A`` may be early); a spread is judged part by part, each against the pools as they
+were. Cost: the pools' times per shape are kept on the snapshot until a pool's free resources, the
+running jobs or the clock change (measured in ``docs/measurements.md``, 2026-12-06, "gang_fit").
 """
 
 import math
@@ -35,6 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from loom.sched.availability import releases
 from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, StateKey, Status
 from loom.sched.plugins.network import predicted_jct_s
 from loom.sched.plugins.rare import arrival_rate, holds, lands_on, node_ends, wait_caused
@@ -60,6 +71,7 @@ class GangShape:
 
 _GANGS: StateKey[list[GangShape]] = StateKey("gang_fit.shapes")
 _KEPT = "gang_fit.shapes"
+_POOLS = "gang_fit.pools"
 
 
 def gang_shapes(snap: Snapshot) -> list[GangShape]:
@@ -81,7 +93,7 @@ def gang_shapes(snap: Snapshot) -> list[GangShape]:
         could = np.flatnonzero(holds(snap, shape))
         if not could.size:
             continue
-        per_node = snap.total[could] // shape.gpus
+        per_node = snap.room(could, shape.gpus, shape.cpu_milli, shape.memory_mib, idle=True)
         if int(per_node.max()) >= workers:
             continue  # one node holds the whole gang: node and hole fit keep that room
         by_pool = np.bincount(snap.pool_of[could], weights=per_node, minlength=snap.total_sum.size)
@@ -92,16 +104,130 @@ def gang_shapes(snap: Snapshot) -> list[GangShape]:
     return found
 
 
-def _soonest(back: FloatArray, now_room: FloatArray, full_room: FloatArray, workers: int) -> float:
-    """Seconds until nodes with room ``now_room`` now and ``full_room`` once ``back`` seconds have
-    passed hold ``workers`` workers together (inf: never)."""
-    have = float(now_room.sum())
+def _soonest(at: FloatArray, grows: FloatArray, have: float, workers: int) -> float:
+    """Seconds until room for ``have`` workers now, growing by ``grows`` at ``at`` seconds, holds
+    ``workers`` (inf: never)."""
     if have >= workers:
         return 0.0
-    order = np.argsort(back, kind="stable")
-    grown = have + np.cumsum((full_room - now_room)[order])
+    order = np.argsort(at, kind="stable")
+    grown = have + np.cumsum(grows[order])
     reached = np.flatnonzero(grown >= workers)
-    return float(back[order[reached[0]]]) if reached.size else math.inf
+    return float(at[order[reached[0]]]) if reached.size else math.inf
+
+
+def _fit(
+    shape: WorkerShape, gpus: IntArray, cpu: IntArray, mem: IntArray, known: tuple[BoolArray, BoolArray]
+) -> IntArray:
+    """Workers of ``shape`` that free ``gpus``, ``cpu`` and ``mem`` hold (as :meth:`Snapshot.room`
+    counts them: a node whose CPU or RAM is not known, by its GPUs only)."""
+    workers = np.maximum(gpus, 0) // shape.gpus
+    if shape.cpu_milli:
+        workers = np.where(known[0], np.minimum(workers, np.maximum(cpu, 0) // shape.cpu_milli), workers)
+    if shape.memory_mib:
+        workers = np.where(known[1], np.minimum(workers, np.maximum(mem, 0) // shape.memory_mib), workers)
+    result: IntArray = workers
+    return result
+
+
+@dataclass(slots=True)
+class _Pools:
+    """One gang shape's room per pool: each node's room now and once idle, when it is idle (``back``,
+    seconds from now; inf for a busy node none of whose jobs has a known end), and per pool the
+    soonest time its nodes hold the gang."""
+
+    now: IntArray
+    full: IntArray
+    back: FloatArray
+    bounds: IntArray
+    """Pool ``p``'s nodes (of the shape's ``could``) are ``bounds[p]:bounds[p + 1]``."""
+    soon: FloatArray
+
+
+def _pools(snap: Snapshot, gang: GangShape) -> _Pools:
+    """The gang shape's room per pool (:class:`_Pools`), all pools at once; kept on the snapshot
+    until the running jobs, a pool's free resources, the nodes' schedulability or the clock change
+    (the decisions of a cycle that places nothing share it)."""
+    rel = releases(snap)
+    stamp = (snap.now, snap.schedulable_version, snap.pool_version.tobytes())
+    table: dict[tuple[WorkerShape, int], tuple[object, tuple[object, ...], _Pools]] = snap.kept.setdefault(
+        _POOLS, {}
+    )
+    key = (gang.shape, gang.workers)
+    held = table.get(key)
+    if held is not None and held[0] is rel and held[1] == stamp:
+        return held[2]
+    could, shape = gang.nodes, gang.shape
+    ends = node_ends(snap)[could]
+    now = snap.room(could, shape.gpus, shape.cpu_milli, shape.memory_mib)
+    full = snap.room(could, shape.gpus, shape.cpu_milli, shape.memory_mib, idle=True)
+    back = np.where(np.isfinite(ends), np.maximum(ends - snap.now, 0.0), math.inf)
+    busy = snap.total[could] > snap.free[could]
+    # A node with nothing on it is idle now; a busy one whose jobs' ends are not known is not
+    # counted as coming back (its room is late, never early).
+    back = np.where(busy & (now < full), back, 0.0)
+    bounds = np.searchsorted(could, snap.pool_bounds)  # could ascends; pools are node ranges
+    count = bounds.size - 1
+    pool = np.repeat(np.arange(count), np.diff(bounds))
+    have = np.bincount(pool, weights=now, minlength=count)
+    # Per pool, its nodes by when they are idle; the room reached after each is the pool's room now
+    # plus what the nodes idle by then add.
+    order = np.lexsort((back, pool))
+    grown = np.cumsum((full - now)[order].astype(np.float64))
+    before = np.concatenate(([0.0], grown))[bounds[:-1]]
+    reached = grown + (have - before)[pool] >= gang.workers
+    at = np.where(reached, back[order], math.inf)
+    soon = np.full(count, math.inf)
+    filled = np.flatnonzero(np.diff(bounds) > 0)
+    if filled.size:
+        soon[filled] = np.minimum.reduceat(at, bounds[filled])
+    soon[have >= gang.workers] = 0.0
+    found = _Pools(now, full, back, bounds, soon)
+    if len(table) > 4 * len(snap.seen.teams) + 16:
+        table.clear()
+    table[key] = (rel, stamp, found)
+    return found
+
+
+def _delayed(
+    snap: Snapshot,
+    gang: GangShape,
+    room: _Pools,
+    span: tuple[int, int],
+    *,
+    at: IntArray,
+    workers: IntArray,
+    own: WorkerShape,
+    run_s: float,
+) -> float:
+    """The pool's soonest room for the gang once the job's ``workers`` are on its nodes ``at``
+    (offsets into the pool's slice) for ``run_s`` seconds: such a node has the room left beside
+    the job until the first of the job's end and its own jobs' ends, then the room beside the
+    one still there, then all of it."""
+    shape = gang.shape
+    lo, hi = span
+    nodes = gang.nodes[lo:hi][at]
+    known = (snap.cpu_known[nodes], snap.mem_known[nodes])
+    g, c, m = workers * own.gpus, workers * own.cpu_milli, workers * own.memory_mib
+    taken_now = _fit(shape, snap.free[nodes] - g, snap.cpu_free[nodes] - c, snap.mem_free[nodes] - m, known)
+    taken_idle = _fit(shape, snap.total[nodes] - g, snap.cpu_cap[nodes] - c, snap.mem_cap[nodes] - m, known)
+    now, full, back = room.now[lo:hi], room.full[lo:hi], room.back[lo:hi]
+    keep = np.ones(hi - lo, dtype=np.bool_)
+    keep[at] = False
+    # Untouched nodes: one step, at their back. Touched ones: two, at min(T, back) and max(T, back).
+    own_back = back[at]
+    early = np.minimum(own_back, run_s)
+    late = np.maximum(own_back, run_s)
+    mid = np.where(run_s < own_back, now[at], taken_idle)  # room after the first of the two ends
+    times = np.concatenate([back[keep], early, late])
+    grows = np.concatenate(
+        [
+            (full[keep] - now[keep]).astype(np.float64),
+            (mid - taken_now).astype(np.float64),
+            (full[at] - mid).astype(np.float64),
+        ]
+    )
+    have = float(now[keep].sum() + taken_now.sum())
+    return _soonest(times, grows, have, gang.workers)
 
 
 class GangFit:
@@ -134,49 +260,43 @@ class GangFit:
         if not k or not gangs:
             return harm
         ok = np.isfinite(jct) & (jct > 0)
-        own = WorkerShape.of(state.job)
-        ends = node_ends(snap)
+        job = state.job
+        own = WorkerShape.of(job)
         horizon = snap.seen.span_s(snap.now)
         pools = candidates.cluster * snap.total_sum.shape[1] + candidates.model
-        lands: dict[int, tuple[IntArray, IntArray]] = {}
         for gang in gangs:
             rate = arrival_rate(gang.count, horizon)
             if rate <= 0:
                 continue
-            could = gang.nodes
-            g = gang.shape.gpus
-            free = snap.free[could]
-            now_room = (free // g).astype(np.float64)
-            full_room = (snap.total[could] // g).astype(np.float64)
-            back = np.maximum(ends[could] - snap.now, 0.0)
-            back = np.where(now_room >= full_room, 0.0, back)
-            pool_of = snap.pool_of[could]
-            soon: dict[int, float] = {}
-            for p in np.unique(pool_of).tolist():
-                at = pool_of == p
-                soon[p] = _soonest(back[at], now_room[at], full_room[at], gang.workers)
-            soonest = min(soon.values(), default=math.inf)
-            if not math.isfinite(soonest):
-                continue
-            for i in np.flatnonzero(ok & np.isin(pools, pool_of)).tolist():
-                if i not in lands:
-                    lands[i] = lands_on(candidates, i)
-                nodes, workers = lands[i]
-                p = int(pools[i])
-                at = np.flatnonzero(pool_of == p)
-                where = np.searchsorted(could, nodes)  # could ascends
-                inside = (where < could.size) & (could[np.minimum(where, could.size - 1)] == nodes)
+            room = _pools(snap, gang)
+            order = np.argsort(room.soon, kind="stable")
+            soonest = float(room.soon[order[0]])
+            second = float(room.soon[order[1]]) if order.size > 1 else math.inf
+            if not math.isfinite(soonest) or second <= soonest:
+                continue  # no pool can hold it in known time, or two tie: one taking moves nothing
+            # Room only shrinks and comes back later for a job placed: only the soonest pool's
+            # candidates can delay the soonest room, and by no more than to the second's.
+            first = int(order[0])
+            lo, hi = int(room.bounds[first]), int(room.bounds[first + 1])
+            nodes_p = gang.nodes[lo:hi]
+            for i in np.flatnonzero(ok & (pools == first)).tolist():
+                nodes, workers = lands_on(candidates, i)
+                where = np.searchsorted(nodes_p, nodes)
+                inside = (where < nodes_p.size) & (nodes_p[np.minimum(where, nodes_p.size - 1)] == nodes)
                 if not inside.any():
                     continue
-                idx = where[inside]
-                taken = workers[inside] * own.gpus
-                after_room = now_room.copy()
-                after_back = back.copy()
-                after_room[idx] = np.maximum(free[idx] - taken, 0) // g
-                after_back[idx] = np.maximum(back[idx], float(jct[i]))
-                mine = _soonest(after_back[at], after_room[at], full_room[at], gang.workers)
-                others = min((t for q, t in soon.items() if q != p), default=math.inf)
-                harm[i] += wait_caused(rate, soonest, min(mine, others), horizon)
+                landed = where[inside]
+                mine = _delayed(
+                    snap,
+                    gang,
+                    room,
+                    (lo, hi),
+                    at=landed,
+                    workers=workers[inside],
+                    own=own,
+                    run_s=float(jct[i]),
+                )
+                harm[i] += wait_caused(rate, soonest, min(mine, second), horizon)
         return harm
 
     def marked(self, state: CycleState, candidates: Candidates) -> BoolArray:
@@ -190,13 +310,13 @@ class GangFit:
         harm = self.harm(state, candidates, jct)
         if not harm.any():
             return none
-        ok = np.isfinite(jct) & (jct > 0) & np.isfinite(harm)
+        ok = np.isfinite(jct) & (jct > 0)
         if not ok.any():
             return none
         cost = np.where(ok, jct + harm, math.inf)
         marked = np.zeros(k, dtype=np.bool_)
-        for i in np.flatnonzero(harm > 0).tolist():
-            near = ok & (jct <= GANG_MAX_SLOWDOWN * jct[i]) if ok[i] else ok
+        for i in np.flatnonzero((harm > 0) & np.isfinite(jct) & (jct > 0)).tolist():
+            near = ok & (jct <= GANG_MAX_SLOWDOWN * jct[i])
             marked[i] = bool(near.any()) and float(cost[near].min()) < float(cost[i])
         return marked
 
