@@ -16,7 +16,15 @@ from loom.sched.plugins.gang_room import GangFit, gang_shapes
 from loom.sched.plugins.network import predicted_jct_s
 from loom.sched.plugins.rare import wait_caused
 from loom.sched.profile import DEFAULT_PLUGINS, build_framework
-from loom.sched.snapshot import SEEN_MIN_SPAN_S, NetMatrix, RunningJob, SeenShapes, Snapshot, WorkerShape
+from loom.sched.snapshot import (
+    SEEN_MIN_SPAN_S,
+    NetMatrix,
+    QueuedShape,
+    RunningJob,
+    SeenShapes,
+    Snapshot,
+    WorkerShape,
+)
 from loom_proto.jobs import JobSpec, Resources, Work
 
 NOW = 10_000.0
@@ -237,3 +245,22 @@ def _nodes(snap: Snapshot) -> list[NodeCapacity]:
         node(n, snap.clusters[int(snap.cluster_of[i])].id, int(snap.total[i] - snap.free[i]))
         for i, n in enumerate(snap.node_ids)
     ]
+
+
+def test_gangs_already_queued_take_the_soonest_rooms_and_the_next_pool_counts_too() -> None:
+    # Two 2 x 8 gangs queue: the first waits for ca's room (600 s), the second for cb's (7,200 s).
+    # The long job in ca delays the first to cb's 7,200 s and the second to ca's 60,000 s: 6,600 +
+    # 52,800 s, against the one-hour arrivals' 5,350 s counted when nothing queues.
+    snap = platform()
+    for i in range(2):
+        snap.queued[f"q{i}"] = QueuedShape(
+            f"q{i}", (0, i), 2, 8, np.ones(snap.free_sum.shape, dtype=np.bool_)
+        )
+    harm = harm_by_cluster(snap, spec("long", steps=60_000))
+    assert harm["ca"] == pytest.approx(6_600.0 + 52_800.0) and harm["cb"] == 0.0
+    # Queued gangs of another shape are no one's room.
+    other = platform()
+    other.queued["q"] = QueuedShape("q", (0,), 4, 4, np.ones(other.free_sum.shape, dtype=np.bool_))
+    rate = 1.0 / SEEN_MIN_SPAN_S
+    expected = wait_caused(rate, 600.0, 7_200.0, SEEN_MIN_SPAN_S)
+    assert harm_by_cluster(other, spec("long", steps=60_000))["ca"] == pytest.approx(expected)

@@ -21,10 +21,12 @@ busy node none of whose jobs has a predicted end is not counted as coming back. 
 workers land on nodes as ``Framework.pack`` puts them: such a node has the room left beside the job
 until the first of the job's predicted run ``T`` and the node's own end, then the room beside
 whichever is still there, then all of it. Room only shrinks or comes back later, so only candidates
-in the pool that alone holds the soonest room can move ``A``, and to no later than the next pool's;
-``A'`` is the soonest after. The harm is the job-seconds that gangs of the shape, arriving at the
-rate they were seen at, would wait the more (``rare_fit``'s :func:`wait_caused`), summed over the
-shapes.
+in a pool among the rooms gangs wait for can delay one. Gangs of the shape already queued take the
+soonest rooms, one a pool (the ``i``-th the ``i``-th soonest), and each waits as much longer as its
+room moves; the gangs arriving at the rate they were seen at wait for the room after theirs
+(``rare_fit``'s :func:`wait_caused`). The harm is those job-seconds, summed over the shapes (an
+outside evaluator: counting the soonest room alone made a second pool look free to fill while seven
+gangs queued, and funnelled them all into the first).
 
 A candidate is **marked** when another, whose predicted run is at most :data:`GANG_MAX_SLOWDOWN`
 times its own, costs less in its run plus its harm (each in job-seconds: the job's own and the
@@ -33,7 +35,8 @@ the mark decides; where ``rare_fit`` marks one candidate and this plugin another
 decide between them). Score only: it never tells a job to wait (a different pool chosen may still
 change what other plugins' permits find, and what later jobs find).
 
-Approximations, stated: gangs are served one at a time; a node's room comes back in one go when its
+Approximations, stated: a pool serves one gang of the shape (the next queued one takes the next
+pool, not the same pool once the first ends); a node's room comes back in one go when its
 last job with a predicted end ends (a job without one on a node that has others with one is not
 counted: there ``A`` may be early); a spread is judged part by part, each against the pools as they
 were. Cost: the pools' times per shape are kept on the snapshot until a pool's free resources, the
@@ -230,6 +233,26 @@ def _delayed(
     return _soonest(times, grows, have, gang.workers)
 
 
+def _queued(snap: Snapshot, gang: GangShape, own: str) -> int:
+    """Jobs of the gang's workers and GPUs per worker in the snapshot's queue, ``own`` aside."""
+    g, w = gang.shape.gpus, gang.workers
+    return sum(1 for q in snap.queued.values() if q.per_worker == g and q.workers == w and q.job_id != own)
+
+
+def _rooms_delay(before: FloatArray, after: FloatArray, queued: int, rate: float, horizon: float) -> float:
+    """Job-seconds the gangs wait the more once the pools' soonest rooms, ascending, are ``after``
+    instead of ``before``: each of the ``queued`` gangs waits for its room (the i-th for the i-th
+    soonest), and those arriving at ``rate`` over ``horizon`` seconds for the room after theirs
+    (:func:`wait_caused`)."""
+    harm = 0.0
+    for j in range(min(queued, before.size)):
+        if after[j] > before[j]:
+            harm += math.inf if math.isinf(after[j]) else float(after[j] - before[j])
+    if queued < before.size and rate > 0:
+        harm += wait_caused(rate, float(before[queued]), float(after[queued]), horizon)
+    return harm
+
+
 class GangFit:
     """Score: 0 for a candidate that delays room for a gang of several nodes seen lately by more than
     another candidate costs, run and harm together; 100 otherwise (see the module)."""
@@ -266,37 +289,39 @@ class GangFit:
         pools = candidates.cluster * snap.total_sum.shape[1] + candidates.model
         for gang in gangs:
             rate = arrival_rate(gang.count, horizon)
-            if rate <= 0:
+            queued = _queued(snap, gang, job.job_id)
+            if rate <= 0 and not queued:
                 continue
             room = _pools(snap, gang)
-            order = np.argsort(room.soon, kind="stable")
-            soonest = float(room.soon[order[0]])
-            second = float(room.soon[order[1]]) if order.size > 1 else math.inf
-            if not math.isfinite(soonest) or second <= soonest:
-                continue  # no pool can hold it in known time, or two tie: one taking moves nothing
-            # Room only shrinks and comes back later for a job placed: only the soonest pool's
-            # candidates can delay the soonest room, and by no more than to the second's.
-            first = int(order[0])
-            lo, hi = int(room.bounds[first]), int(room.bounds[first + 1])
-            nodes_p = gang.nodes[lo:hi]
-            for i in np.flatnonzero(ok & (pools == first)).tolist():
-                nodes, workers = lands_on(candidates, i)
-                where = np.searchsorted(nodes_p, nodes)
-                inside = (where < nodes_p.size) & (nodes_p[np.minimum(where, nodes_p.size - 1)] == nodes)
-                if not inside.any():
-                    continue
-                landed = where[inside]
-                mine = _delayed(
-                    snap,
-                    gang,
-                    room,
-                    (lo, hi),
-                    at=landed,
-                    workers=workers[inside],
-                    own=own,
-                    run_s=float(jct[i]),
-                )
-                harm[i] += wait_caused(rate, soonest, min(mine, second), horizon)
+            ranked = np.sort(room.soon)
+            # The queued gangs of the shape take the soonest rooms, one a pool; the next arrival the
+            # one after. Room only shrinks or comes back later for a job placed, so only a candidate
+            # in a pool among those rooms can delay one.
+            last = float(ranked[min(queued, ranked.size - 1)])
+            if not math.isfinite(float(ranked[0])):
+                continue  # no pool holds it in known time
+            for p in np.flatnonzero(room.soon <= last).tolist():
+                lo, hi = int(room.bounds[p]), int(room.bounds[p + 1])
+                nodes_p = gang.nodes[lo:hi]
+                for i in np.flatnonzero(ok & (pools == p)).tolist():
+                    nodes, workers = lands_on(candidates, i)
+                    where = np.searchsorted(nodes_p, nodes)
+                    inside = (where < nodes_p.size) & (nodes_p[np.minimum(where, nodes_p.size - 1)] == nodes)
+                    if not inside.any():
+                        continue
+                    mine = _delayed(
+                        snap,
+                        gang,
+                        room,
+                        (lo, hi),
+                        at=where[inside],
+                        workers=workers[inside],
+                        own=own,
+                        run_s=float(jct[i]),
+                    )
+                    after = room.soon.copy()
+                    after[p] = max(mine, float(after[p]))
+                    harm[i] += _rooms_delay(ranked, np.sort(after), queued, rate, horizon)
         return harm
 
     def marked(self, state: CycleState, candidates: Candidates) -> BoolArray:
