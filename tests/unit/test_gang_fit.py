@@ -264,3 +264,25 @@ def test_gangs_already_queued_take_the_soonest_rooms_and_the_next_pool_counts_to
     rate = 1.0 / SEEN_MIN_SPAN_S
     expected = wait_caused(rate, 600.0, 7_200.0, SEEN_MIN_SPAN_S)
     assert harm_by_cluster(other, spec("long", steps=60_000))["ca"] == pytest.approx(expected)
+
+
+def test_more_gangs_queued_than_pools_hold_them_wait_for_every_pool() -> None:
+    # Five 3 x 4 gangs queue; ca holds one now, cb (T4) in 7,200 s, and the platform's two other
+    # pools (ca's T4, cb's A100) have no node at all. The long job (20,000 s) on a0 delays the
+    # first gang to cb's 7,200 s and the second to a0's 20,000 s; on cb's free node it leaves room
+    # for one worker beside it, and cb's room in 7,200 s stands.
+    snap = four_gpu_gangs(a0_end_s=36_000.0)
+    anywhere = np.ones(snap.free_sum.shape, dtype=np.bool_)
+    for i in range(5):
+        snap.queued[f"q{i}"] = QueuedShape(f"q{i}", (0, i), 3, 4, anywhere)
+    assert harm_by_cluster(snap, spec("long", steps=20_000)) == {"ca": 7_200.0 + 12_800.0, "cb": 0.0}
+    # A candidate in a pool none of whose nodes could hold a gang's worker (4-GPU nodes for 2 x 8
+    # gangs) is no one's room either, however many gangs queue.
+    small = platform()
+    nodes = [*_nodes(small), dataclasses.replace(node("c0", "cc"), gpus_total=4)]
+    cc = Snapshot(nodes, net=NetMatrix(["r1"]), speed=dict(small.speed), now=NOW, running=list(small.running))
+    cc.seen = small.seen
+    for i in range(5):
+        cc.queued[f"q{i}"] = QueuedShape(f"q{i}", (0, i), 2, 8, np.ones(cc.free_sum.shape, dtype=np.bool_))
+    harm = harm_by_cluster(cc, spec("long", steps=60_000))
+    assert harm == {"ca": pytest.approx(6_600.0 + 52_800.0), "cb": 0.0, "cc": 0.0}

@@ -300,7 +300,7 @@ class GangFit:
             last = float(ranked[min(queued, ranked.size - 1)])
             if not math.isfinite(float(ranked[0])):
                 continue  # no pool holds it in known time
-            for p in np.flatnonzero(room.soon <= last).tolist():
+            for p in np.flatnonzero((room.soon <= last) & np.isfinite(room.soon)).tolist():
                 lo, hi = int(room.bounds[p]), int(room.bounds[p + 1])
                 nodes_p = gang.nodes[lo:hi]
                 for i in np.flatnonzero(ok & (pools == p)).tolist():
