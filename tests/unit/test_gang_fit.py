@@ -286,3 +286,27 @@ def test_more_gangs_queued_than_pools_hold_them_wait_for_every_pool() -> None:
         cc.queued[f"q{i}"] = QueuedShape(f"q{i}", (0, i), 2, 8, np.ones(cc.free_sum.shape, dtype=np.bool_))
     harm = harm_by_cluster(cc, spec("long", steps=60_000))
     assert harm == {"ca": pytest.approx(6_600.0 + 52_800.0), "cb": 0.0, "cc": 0.0}
+
+
+def test_a_long_job_whose_only_room_now_is_the_gangs_waits_for_a_pool_where_it_delays_no_one() -> None:
+    # ca's free node is the only room now (cb's three nodes are busy: b0 for another 1,000 s), and
+    # two 2 x 8 gangs queue for ca's and cb's rooms. The long job waits 1,000 s for b0 rather than
+    # delay the first gang by ~60,000 s; once it has waited the harm, it would start anyway.
+    snap = platform()
+    nodes = [n if n.node != "b0" else node("b0", "cb", 8) for n in _nodes(snap)]
+    runs = [*snap.running, running("busy-0", "cb", "b0", 8, 1_000.0)]
+    busy = Snapshot(nodes, net=NetMatrix(["r1"]), speed=dict(snap.speed), now=NOW, running=runs)
+    busy.seen = snap.seen
+    anywhere = np.ones(busy.free_sum.shape, dtype=np.bool_)
+    for i in range(2):
+        busy.queued[f"q{i}"] = QueuedShape(f"q{i}", (0, i), 2, 8, anywhere)
+    long_job = spec("long", steps=60_000)
+    waits = build_framework().schedule(long_job, busy, submitted_at=NOW)
+    assert waits.decision is None and waits.status.wait_s == pytest.approx(1_000.0)
+    assert "keeping room for gangs of several nodes" in waits.status.reason
+    late = build_framework().schedule(long_job, busy, submitted_at=NOW - 200_000.0)
+    assert late.decision is not None and late.decision.parts[0].cluster == "ca"
+    # Without gangs queued or seen, it starts in ca at once.
+    alone = Snapshot(nodes, net=NetMatrix(["r1"]), speed=dict(snap.speed), now=NOW, running=runs)
+    now = build_framework().schedule(long_job, alone, submitted_at=NOW)
+    assert now.decision is not None and now.decision.parts[0].cluster == "ca"
