@@ -310,3 +310,14 @@ def test_a_long_job_whose_only_room_now_is_the_gangs_waits_for_a_pool_where_it_d
     alone = Snapshot(nodes, net=NetMatrix(["r1"]), speed=dict(snap.speed), now=NOW, running=runs)
     now = build_framework().schedule(long_job, alone, submitted_at=NOW)
     assert now.decision is not None and now.decision.parts[0].cluster == "ca"
+
+
+def test_a_gang_of_several_nodes_itself_is_what_the_room_is_kept_for() -> None:
+    # A 2 x 8 gang deciding is one of the gangs: which of them goes first is the queue's order.
+    # (Judged like a long job, a 4 x 4 gang of 64 h waited 34 h for another pool on the 63-GPU
+    # Philly-like grid cell at load 0.5.) A 2 x 4 gang, which one node holds, is judged.
+    framework = build_framework()
+    for workers, gpus, skipped in ((2, 8, True), (2, 4, False), (1, 8, False)):
+        state = framework.new_state(spec("j", workers=workers, gpus=gpus, steps=60_000), platform())
+        assert framework.run_pre_filters(state).ok
+        assert ("gang_fit" in state.skipped) is skipped

@@ -89,6 +89,7 @@ _VERDICT: StateKey[_Verdict | None] = StateKey("gang_fit.verdict")
 _GANGS: StateKey[list[GangShape]] = StateKey("gang_fit.shapes")
 _KEPT = "gang_fit.shapes"
 _POOLS = "gang_fit.pools"
+_SEVERAL = "gang_fit.several"
 
 
 def gang_shapes(snap: Snapshot) -> list[GangShape]:
@@ -119,6 +120,24 @@ def gang_shapes(snap: Snapshot) -> list[GangShape]:
         found.append(GangShape(shape, int(workers), int(count), could))
     snap.kept[_KEPT] = (snap.seen, stamp, found)
     return found
+
+
+def _several_nodes(snap: Snapshot, shape: WorkerShape, workers: int) -> bool:
+    """Whether ``workers`` of ``shape`` need more than one node: no schedulable node could ever hold
+    them all (kept on the snapshot per shape and workers until the nodes' schedulability changes)."""
+    if workers < 2 or shape.gpus <= 0:
+        return False
+    table: dict[tuple[WorkerShape, int], tuple[int, bool]] = snap.kept.setdefault(_SEVERAL, {})
+    held = table.get((shape, workers))
+    if held is not None and held[0] == snap.schedulable_version:
+        return held[1]
+    could = np.flatnonzero(holds(snap, shape))
+    most = int(snap.room(could, shape.gpus, shape.cpu_milli, shape.memory_mib, idle=True).max(initial=0))
+    several = 0 < most < workers
+    if len(table) > 256:
+        table.clear()
+    table[shape, workers] = (snap.schedulable_version, several)
+    return several
 
 
 def _soonest(at: FloatArray, grows: FloatArray, have: float, workers: int) -> float:
@@ -278,10 +297,13 @@ class GangFit:
     def pre_filter(self, state: CycleState) -> Status:
         """SKIP unless some gang shape seen lately needs several nodes (a pipeline or a speed probe
         is packed by its own rules)."""
-        if state.job.pipeline is not None or is_probe(state.job.labels):
+        job = state.job
+        if job.pipeline is not None or is_probe(job.labels):
             return Status(Code.SKIP)
         gangs = gang_shapes(state.snapshot)
-        if not gangs:
+        if not gangs or _several_nodes(state.snapshot, WorkerShape.of(job), state.min_workers):
+            # A gang of several nodes itself is what the room is kept for: which gang goes first
+            # is the queue's order, not this plugin's (it made a 4 x 4 gang of 64 h wait 34 h).
             return Status(Code.SKIP)
         state.write(_GANGS, gangs)
         return SUCCESS
