@@ -54,7 +54,7 @@ import numpy as np
 from loom.sched.availability import releases
 from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, Decision, StateKey, Status
 from loom.sched.plugins.network import MIN_WAIT_S, predicted_jct_s, single_cluster_options, whole_gang_pools
-from loom.sched.plugins.rare import arrival_rate, holds, lands_on, node_ends, wait_caused
+from loom.sched.plugins.rare import Verdict, arrival_rate, holds, lands_on, node_ends, wait_caused
 from loom.sched.probe import is_probe
 from loom.sched.snapshot import BoolArray, FloatArray, IntArray, Snapshot, WorkerShape
 
@@ -75,17 +75,7 @@ class GangShape:
     nodes: IntArray
 
 
-@dataclass(frozen=True, slots=True)
-class _Verdict:
-    """What the score found for the job's candidates, for the permit."""
-
-    cluster: IntArray
-    model: IntArray
-    harm: FloatArray
-    jct: FloatArray
-
-
-_VERDICT: StateKey[_Verdict | None] = StateKey("gang_fit.verdict")
+_VERDICT: StateKey[Verdict | None] = StateKey("gang_fit.verdict")
 _GANGS: StateKey[list[GangShape]] = StateKey("gang_fit.shapes")
 _KEPT = "gang_fit.shapes"
 _POOLS = "gang_fit.pools"
@@ -372,7 +362,7 @@ class GangFit:
         jct = predicted_jct_s(state, candidates)
         harm = self.harm(state, candidates, jct)
         state.write(
-            _VERDICT, _Verdict(candidates.cluster, candidates.model, harm, jct) if harm.any() else None
+            _VERDICT, Verdict(candidates.cluster, candidates.model, harm, jct) if harm.any() else None
         )
         if not harm.any():
             return none
@@ -395,19 +385,11 @@ class GangFit:
         gang had one node free, and a one-GPU job of 26 h took it while 16 gangs waited; a G2 node
         elsewhere freed 4.5 h later (Loom 37 % behind gavel_like)."""
         verdict = state.get(_VERDICT, None)
-        if verdict is None or len(decision.parts) != 1:
+        weighed = verdict.chosen(state, decision) if verdict is not None else None
+        if verdict is None or weighed is None:
             return SUCCESS
         snap = state.snapshot
-        part = decision.parts[0]
-        c, m = snap.cluster_index.get(part.cluster), snap.model_index.get(part.gpu_model)
-        at = np.flatnonzero((verdict.cluster == c) & (verdict.model == m))
-        if c is None or m is None or not at.size:
-            return SUCCESS
-        i = int(at[0])
-        harm, run = float(verdict.harm[i]), float(verdict.jct[i])
-        waited = 0.0 if state.submitted_at is None else max(snap.now - state.submitted_at, 0.0)
-        if not harm > 0 or not math.isfinite(run) or harm - waited < MIN_WAIT_S:
-            return SUCCESS
+        harm, run, waited = weighed
         pools = whole_gang_pools(state, decision.workers)
         pools[verdict.cluster[verdict.harm > 0], verdict.model[verdict.harm > 0]] = False
         options = single_cluster_options(state, pools, decision.workers, within_s=GANG_MAX_SLOWDOWN * run)

@@ -72,16 +72,36 @@ _RARE: StateKey[list["RareShape"]] = StateKey("rare_fit.shapes")
 
 
 @dataclass(frozen=True, slots=True)
-class _Verdict:
-    """What the score found for the job's candidates, for the permit."""
+class Verdict:
+    """What a keeping score (``rare_fit``, ``gang_fit``) found for the job's candidates: the harm
+    each does to the jobs room is kept for and the job's predicted run there, for its permit."""
 
     cluster: IntArray
     model: IntArray
     harm: FloatArray
     jct: FloatArray
 
+    def chosen(self, state: CycleState, decision: Decision) -> tuple[float, float, float] | None:
+        """(harm, run, waited) of the decision's one pool when it still harms and the job has
+        waited less than that harm (by :data:`MIN_WAIT_S`); None when there is nothing to weigh (a
+        spread, a pool not scored, no harm, an unknown run, a harm waited out)."""
+        if len(decision.parts) != 1:
+            return None
+        snap = state.snapshot
+        part = decision.parts[0]
+        c, m = snap.cluster_index.get(part.cluster), snap.model_index.get(part.gpu_model)
+        at = np.flatnonzero((self.cluster == c) & (self.model == m))
+        if c is None or m is None or not at.size:
+            return None
+        i = int(at[0])
+        harm, run = float(self.harm[i]), float(self.jct[i])
+        waited = 0.0 if state.submitted_at is None else max(snap.now - state.submitted_at, 0.0)
+        if not harm > 0 or not math.isfinite(run) or harm - waited < MIN_WAIT_S:
+            return None
+        return harm, run, waited
 
-_VERDICT: StateKey[_Verdict | None] = StateKey("rare_fit.verdict")
+
+_VERDICT: StateKey[Verdict | None] = StateKey("rare_fit.verdict")
 
 
 def holds(snap: Snapshot, shape: WorkerShape) -> BoolArray:
@@ -250,7 +270,7 @@ class RareFit:
         alt = ok & ~spends
         state.write(
             _VERDICT,
-            _Verdict(candidates.cluster, candidates.model, harm, jct),
+            Verdict(candidates.cluster, candidates.model, harm, jct),
         )
         if not spends.any() or not alt.any():
             return none  # nothing to keep now, or nowhere else to go now (the permit weighs a wait)
@@ -274,19 +294,11 @@ class RareFit:
         evaluator: a 64-core job of 120 h took the one kept 128-core node and five 120-core jobs
         waited 56-64 h more each)."""
         verdict = state.get(_VERDICT, None)
-        if verdict is None or len(decision.parts) != 1:
+        weighed = verdict.chosen(state, decision) if verdict is not None else None
+        if weighed is None:
             return SUCCESS
         snap = state.snapshot
-        part = decision.parts[0]
-        c, m = snap.cluster_index.get(part.cluster), snap.model_index.get(part.gpu_model)
-        at = np.flatnonzero((verdict.cluster == c) & (verdict.model == m))
-        if c is None or m is None or not at.size:
-            return SUCCESS
-        i = int(at[0])
-        harm, run = float(verdict.harm[i]), float(verdict.jct[i])
-        waited = 0.0 if state.submitted_at is None else max(snap.now - state.submitted_at, 0.0)
-        if not harm > 0 or not math.isfinite(run) or harm - waited < MIN_WAIT_S:
-            return SUCCESS
+        harm, run, waited = weighed
         pools = whole_gang_pools(state, decision.workers)
         for group in state.get(_RARE, []):
             pools[snap.cluster_of[group.nodes], snap.model_of[group.nodes]] = False
@@ -761,6 +773,7 @@ __all__ = [
     "RareFit",
     "RareRoom",
     "RareShape",
+    "Verdict",
     "arrival_rate",
     "holds",
     "lands_on",
