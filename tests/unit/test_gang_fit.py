@@ -26,21 +26,10 @@ from loom.sched.snapshot import (
     WorkerShape,
 )
 from loom_proto.jobs import JobSpec, Resources, Work
+from tests.unit.test_contention import FAST, node
 
 NOW = 10_000.0
-MODEL = "A100"
-
-
-def node(name: str, cluster: str, used: int = 0, *, model: str = MODEL) -> NodeCapacity:
-    return NodeCapacity(
-        node=name,
-        cluster=cluster,
-        region="r1",
-        zone="r1-a",
-        gpu_model=model,
-        gpus_total=8,
-        gpus_reserved=used,
-    )
+MODEL = FAST
 
 
 def running(
@@ -69,8 +58,8 @@ def platform(
         node("a0", "ca", used=3),
         node("a1", "ca"),
         node("b0", "cb", model=cb_model),
-        node("b1", "cb", 8, model=cb_model),
-        node("b2", "cb", 8, model=cb_model),
+        node("b1", "cb", used=8, model=cb_model),
+        node("b2", "cb", used=8, model=cb_model),
     ]
     runs = [
         running("short", "ca", "a0", 3, 600.0),
@@ -187,8 +176,8 @@ def four_gpu_gangs(*, a0_end_s: float | None) -> Snapshot:
         node("a0", "ca", used=4),
         node("a1", "ca"),
         node("b0", "cb", model="T4"),
-        node("b1", "cb", 8, model="T4"),
-        node("b2", "cb", 8, model="T4"),
+        node("b1", "cb", used=8, model="T4"),
+        node("b2", "cb", used=8, model="T4"),
     ]
     half = running("half", "ca", "a0", 4, 0.0)
     runs = [
@@ -242,7 +231,7 @@ def test_a_busy_node_whose_jobs_end_is_not_known_is_never_counted_as_free_soon()
 
 def _nodes(snap: Snapshot) -> list[NodeCapacity]:
     return [
-        node(n, snap.clusters[int(snap.cluster_of[i])].id, int(snap.total[i] - snap.free[i]))
+        node(n, snap.clusters[int(snap.cluster_of[i])].id, used=int(snap.total[i] - snap.free[i]))
         for i, n in enumerate(snap.node_ids)
     ]
 
@@ -279,7 +268,7 @@ def test_more_gangs_queued_than_pools_hold_them_wait_for_every_pool() -> None:
     # A candidate in a pool none of whose nodes could hold a gang's worker (4-GPU nodes for 2 x 8
     # gangs) is no one's room either, however many gangs queue.
     small = platform()
-    nodes = [*_nodes(small), dataclasses.replace(node("c0", "cc"), gpus_total=4)]
+    nodes = [*_nodes(small), node("c0", "cc", gpus=4)]
     cc = Snapshot(nodes, net=NetMatrix(["r1"]), speed=dict(small.speed), now=NOW, running=list(small.running))
     cc.seen = small.seen
     for i in range(5):
@@ -293,7 +282,7 @@ def test_a_long_job_whose_only_room_now_is_the_gangs_waits_for_a_pool_where_it_d
     # two 2 x 8 gangs queue for ca's and cb's rooms. The long job waits 1,000 s for b0 rather than
     # delay the first gang by ~60,000 s; once it has waited the harm, it would start anyway.
     snap = platform()
-    nodes = [n if n.node != "b0" else node("b0", "cb", 8) for n in _nodes(snap)]
+    nodes = [n if n.node != "b0" else node("b0", "cb", used=8) for n in _nodes(snap)]
     runs = [*snap.running, running("busy-0", "cb", "b0", 8, 1_000.0)]
     busy = Snapshot(nodes, net=NetMatrix(["r1"]), speed=dict(snap.speed), now=NOW, running=runs)
     busy.seen = snap.seen

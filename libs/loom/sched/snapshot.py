@@ -265,6 +265,24 @@ class WorkerShape:
         return cls(int(res.gpus), int(res.cpu_milli), int(res.memory_mib))
 
 
+def workers_fit(
+    shape: WorkerShape,
+    gpus: IntArray,
+    *,
+    cpu: tuple[IntArray, BoolArray] | None = None,
+    mem: tuple[IntArray, BoolArray] | None = None,
+) -> IntArray:
+    """Workers of ``shape`` that nodes with these free ``gpus``, and (free, known) ``cpu`` and
+    ``mem``, each hold: by GPUs, then by CPU and RAM where the node reports them (None: not
+    limited). :meth:`Snapshot.room`'s rule, for room now, once idle or after a job took some."""
+    workers: IntArray = gpus // shape.gpus
+    if cpu is not None and shape.cpu_milli:
+        workers = np.where(cpu[1], np.minimum(workers, cpu[0] // shape.cpu_milli), workers)
+    if mem is not None and shape.memory_mib:
+        workers = np.where(mem[1], np.minimum(workers, mem[0] // shape.memory_mib), workers)
+    return workers
+
+
 class SeenShapes:
     """The worker shapes of the latest :data:`SEEN_JOBS` jobs decided, each with when it was first
     seen: how many of them had each shape (:attr:`counts`), over what span (:meth:`span_s`). Kept
@@ -652,16 +670,12 @@ class Snapshot:
         """Workers of a shape each of ``nodes`` could take by its free GPUs, CPU and RAM (with
         ``idle``, all of them: once its jobs end; a node whose CPU or RAM is not known is limited
         by its GPUs only); schedulability aside."""
-        workers = (self.total if idle else self.free)[nodes] // per_worker
-        if cpu_milli:
-            known = self.cpu_known[nodes]
-            cpu = (self.cpu_cap if idle else self.cpu_free)[nodes] // cpu_milli
-            workers = np.where(known, np.minimum(workers, cpu), workers)
-        if memory_mib:
-            known = self.mem_known[nodes]
-            mem = (self.mem_cap if idle else self.mem_free)[nodes] // memory_mib
-            workers = np.where(known, np.minimum(workers, mem), workers)
-        return workers
+        cpu = ((self.cpu_cap if idle else self.cpu_free)[nodes], self.cpu_known[nodes]) if cpu_milli else None
+        mem = (
+            ((self.mem_cap if idle else self.mem_free)[nodes], self.mem_known[nodes]) if memory_mib else None
+        )
+        gpus = (self.total if idle else self.free)[nodes]
+        return workers_fit(WorkerShape(per_worker, cpu_milli, memory_mib), gpus, cpu=cpu, mem=mem)
 
     def region_of(self, cluster: int) -> str:
         """The region id of cluster index ``cluster``."""

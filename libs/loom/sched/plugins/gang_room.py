@@ -61,7 +61,7 @@ from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, Decision
 from loom.sched.plugins.network import MIN_WAIT_S, predicted_jct_s, single_cluster_options, whole_gang_pools
 from loom.sched.plugins.rare import Verdict, arrival_rate, holds, lands_on, node_ends, wait_caused
 from loom.sched.probe import is_probe
-from loom.sched.snapshot import BoolArray, FloatArray, IntArray, Snapshot, WorkerShape
+from loom.sched.snapshot import BoolArray, FloatArray, IntArray, Snapshot, WorkerShape, workers_fit
 
 GANG_MAX_SLOWDOWN = 2.0
 """The most a job's predicted run may grow (as a factor) for the gang room it keeps."""
@@ -146,20 +146,6 @@ def _soonest(at: FloatArray, grows: FloatArray, have: float, workers: int) -> fl
     return float(at[order[reached[0]]]) if reached.size else math.inf
 
 
-def _fit(
-    shape: WorkerShape, gpus: IntArray, cpu: IntArray, mem: IntArray, known: tuple[BoolArray, BoolArray]
-) -> IntArray:
-    """Workers of ``shape`` that free ``gpus``, ``cpu`` and ``mem`` hold (as :meth:`Snapshot.room`
-    counts them: a node whose CPU or RAM is not known, by its GPUs only)."""
-    workers = np.maximum(gpus, 0) // shape.gpus
-    if shape.cpu_milli:
-        workers = np.where(known[0], np.minimum(workers, np.maximum(cpu, 0) // shape.cpu_milli), workers)
-    if shape.memory_mib:
-        workers = np.where(known[1], np.minimum(workers, np.maximum(mem, 0) // shape.memory_mib), workers)
-    result: IntArray = workers
-    return result
-
-
 @dataclass(slots=True)
 class _Pools:
     """One gang shape's room per pool: each node's room now and once idle, when it is idle (``back``,
@@ -237,10 +223,20 @@ def _delayed(
     shape = gang.shape
     lo, hi = span
     nodes = gang.nodes[lo:hi][at]
-    known = (snap.cpu_known[nodes], snap.mem_known[nodes])
     g, c, m = workers * own.gpus, workers * own.cpu_milli, workers * own.memory_mib
-    taken_now = _fit(shape, snap.free[nodes] - g, snap.cpu_free[nodes] - c, snap.mem_free[nodes] - m, known)
-    taken_idle = _fit(shape, snap.total[nodes] - g, snap.cpu_cap[nodes] - c, snap.mem_cap[nodes] - m, known)
+    cpu_known, mem_known = snap.cpu_known[nodes], snap.mem_known[nodes]
+    taken_now = workers_fit(
+        shape,
+        np.maximum(snap.free[nodes] - g, 0),
+        cpu=(np.maximum(snap.cpu_free[nodes] - c, 0), cpu_known),
+        mem=(np.maximum(snap.mem_free[nodes] - m, 0), mem_known),
+    )
+    taken_idle = workers_fit(
+        shape,
+        np.maximum(snap.total[nodes] - g, 0),
+        cpu=(np.maximum(snap.cpu_cap[nodes] - c, 0), cpu_known),
+        mem=(np.maximum(snap.mem_cap[nodes] - m, 0), mem_known),
+    )
     now, full, back = room.now[lo:hi], room.full[lo:hi], room.back[lo:hi]
     keep = np.ones(hi - lo, dtype=np.bool_)
     keep[at] = False
