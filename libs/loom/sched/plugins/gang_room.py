@@ -101,14 +101,10 @@ def gang_shapes(snap: Snapshot) -> list[GangShape]:
         return found
     found = []
     for (shape, workers), count in teams.items():
-        if count < 2 or shape.gpus <= 0:
-            continue
+        if count < 2 or not _several_nodes(snap, shape, workers):
+            continue  # one node holds the whole gang (node and hole fit keep that room), or none
         could = np.flatnonzero(holds(snap, shape))
-        if not could.size:
-            continue
         per_node = snap.room(could, shape.gpus, shape.cpu_milli, shape.memory_mib, idle=True)
-        if int(per_node.max()) >= workers:
-            continue  # one node holds the whole gang: node and hole fit keep that room
         by_pool = np.bincount(snap.pool_of[could], weights=per_node, minlength=snap.total_sum.size)
         if float(by_pool.max(initial=0.0)) < workers:
             continue  # no pool could ever hold it: nothing to keep
