@@ -125,6 +125,26 @@ def test_only_gangs_seen_twice_that_need_several_nodes_are_kept_room_for() -> No
     assert placed.decision is not None and placed.decision.parts[0].cluster == "ca"
 
 
+def test_a_gang_seen_once_is_kept_room_for_while_it_waits() -> None:
+    # An outside evaluator (37 GPUs, Philly-like, load 0.3): the first 2 x 8 gang waited 47 h for
+    # the only pool that holds it while one-GPU jobs of up to 35 h kept filling it (17 % behind
+    # gavel_like). Seen once and queued, the gang is what the room is for.
+    snap = platform(gangs=1)
+    anywhere = np.ones(snap.free_sum.shape, dtype=np.bool_)
+    snap.queued["gang-0"] = QueuedShape("gang-0", (0,), 2, 8, anywhere)
+    assert [(g.shape.gpus, g.workers, g.count) for g in gang_shapes(snap)] == [(8, 2, 1)]
+    placed = build_framework().schedule(spec("long", steps=60_000), snap, submitted_at=NOW)
+    assert placed.decision is not None and placed.decision.parts[0].cluster == "cb"
+    # A queued job of other workers or GPUs per worker does not count for the shape.
+    other = platform(gangs=1)
+    other.queued["q"] = QueuedShape("q", (0,), 2, 4, anywhere)
+    other.queued["r"] = QueuedShape("r", (0,), 4, 8, anywhere)
+    assert gang_shapes(other) == []
+    # The queue read is kept until it changes: the gang leaving the queue ends the room kept.
+    del snap.queued["gang-0"]
+    assert gang_shapes(snap) == []
+
+
 @pytest.mark.parametrize(("slower", "moves"), [(1.5, True), (3.0, False)])
 def test_a_place_more_than_twice_as_slow_is_no_alternative(slower: float, moves: bool) -> None:
     # Gangs of 2 x 8 seen 40 times within the hour: pinning ca's broken node costs them ~200,000 s
@@ -239,32 +259,43 @@ def _nodes(snap: Snapshot) -> list[NodeCapacity]:
 def test_gangs_already_queued_take_the_soonest_rooms_and_the_next_pool_counts_too() -> None:
     # Two 2 x 8 gangs queue: the first waits for ca's room (600 s), the second for cb's (7,200 s).
     # The long job in ca delays the first to cb's 7,200 s and the second to ca's 60,000 s: 6,600 +
-    # 52,800 s, against the one-hour arrivals' 5,350 s counted when nothing queues.
+    # 52,800 s; the one-hour arrivals after them wait for the first pool again, as when nothing
+    # queues (5,350 s).
     snap = platform()
     for i in range(2):
         snap.queued[f"q{i}"] = QueuedShape(
             f"q{i}", (0, i), 2, 8, np.ones(snap.free_sum.shape, dtype=np.bool_)
         )
     harm = harm_by_cluster(snap, spec("long", steps=60_000))
-    assert harm["ca"] == pytest.approx(6_600.0 + 52_800.0) and harm["cb"] == 0.0
+    rate = 1.0 / SEEN_MIN_SPAN_S
+    arrivals = wait_caused(rate, 600.0, 7_200.0, SEEN_MIN_SPAN_S)
+    assert harm["ca"] == pytest.approx(6_600.0 + 52_800.0 + arrivals) and harm["cb"] == 0.0
     # Queued gangs of another shape are no one's room.
     other = platform()
     other.queued["q"] = QueuedShape("q", (0,), 4, 4, np.ones(other.free_sum.shape, dtype=np.bool_))
-    rate = 1.0 / SEEN_MIN_SPAN_S
-    expected = wait_caused(rate, 600.0, 7_200.0, SEEN_MIN_SPAN_S)
-    assert harm_by_cluster(other, spec("long", steps=60_000))["ca"] == pytest.approx(expected)
+    assert harm_by_cluster(other, spec("long", steps=60_000))["ca"] == pytest.approx(arrivals)
 
 
-def test_more_gangs_queued_than_pools_hold_them_wait_for_every_pool() -> None:
+def test_more_gangs_queued_than_pools_hold_them_wait_for_every_pool_in_turn() -> None:
     # Five 3 x 4 gangs queue; ca holds one now, cb (T4) in 7,200 s, and the platform's two other
-    # pools (ca's T4, cb's A100) have no node at all. The long job (20,000 s) on a0 delays the
-    # first gang to cb's 7,200 s and the second to a0's 20,000 s; on cb's free node it leaves room
-    # for one worker beside it, and cb's room in 7,200 s stands.
+    # pools (ca's T4, cb's A100) have no node at all. The long job (20,000 s) on a0 moves the
+    # soonest room to cb's 7,200 s and the next to a0's 20,000 s. The gangs take the two rooms in
+    # turn (three the first, two the second), and a room that moves moves every gang waiting for
+    # it: 3 x 7,200 + 2 x 12,800 s; the arrivals (one an hour) after them, the second room's
+    # 12,800 s. On cb's free node it leaves room for one worker beside it, and cb's room in
+    # 7,200 s stands. (Counting one gang a pool, nine 16 x 8 gangs queued for the only pool that
+    # holds one were counted as one: an 8 x 8 gang of 10.6 h took it, and they all waited 8.5 h
+    # more; long-tailed gangs on 506 GPUs at load 1.2, 17 % slower than without the plugin.)
     snap = four_gpu_gangs(a0_end_s=36_000.0)
     anywhere = np.ones(snap.free_sum.shape, dtype=np.bool_)
     for i in range(5):
         snap.queued[f"q{i}"] = QueuedShape(f"q{i}", (0, i), 3, 4, anywhere)
-    assert harm_by_cluster(snap, spec("long", steps=20_000)) == {"ca": 7_200.0 + 12_800.0, "cb": 0.0}
+    arrivals = wait_caused(1.0 / SEEN_MIN_SPAN_S, 7_200.0, 20_000.0, SEEN_MIN_SPAN_S)
+    assert arrivals == pytest.approx(12_800.0)
+    assert harm_by_cluster(snap, spec("long", steps=20_000)) == {
+        "ca": pytest.approx(3 * 7_200.0 + 2 * 12_800.0 + arrivals),
+        "cb": 0.0,
+    }
     # A candidate in a pool none of whose nodes could hold a gang's worker (4-GPU nodes for 2 x 8
     # gangs) is no one's room either, however many gangs queue.
     small = platform()
@@ -274,7 +305,8 @@ def test_more_gangs_queued_than_pools_hold_them_wait_for_every_pool() -> None:
     for i in range(5):
         cc.queued[f"q{i}"] = QueuedShape(f"q{i}", (0, i), 2, 8, np.ones(cc.free_sum.shape, dtype=np.bool_))
     harm = harm_by_cluster(cc, spec("long", steps=60_000))
-    assert harm == {"ca": pytest.approx(6_600.0 + 52_800.0), "cb": 0.0, "cc": 0.0}
+    arrivals = wait_caused(1.0 / SEEN_MIN_SPAN_S, 7_200.0, 60_000.0, SEEN_MIN_SPAN_S)
+    assert harm == {"ca": pytest.approx(3 * 6_600.0 + 2 * 52_800.0 + arrivals), "cb": 0.0, "cc": 0.0}
 
 
 def test_a_long_job_whose_only_room_now_is_the_gangs_waits_for_a_pool_where_it_delays_no_one() -> None:
@@ -308,5 +340,44 @@ def test_a_gang_of_several_nodes_itself_is_what_the_room_is_kept_for() -> None:
     framework = build_framework()
     for workers, gpus, skipped in ((2, 8, True), (2, 4, False), (1, 8, False)):
         state = framework.new_state(spec("j", workers=workers, gpus=gpus, steps=60_000), platform())
+        assert framework.run_pre_filters(state).ok
+        assert ("gang_fit" in state.skipped) is skipped
+
+
+def bigger_gang_waiting(*, queued: bool, mid_speed: float = 1.0 / 1.5) -> Snapshot:
+    """Cluster ``big``: four 8-GPU nodes, one busy for 1,000 s more; cluster ``mid``: two free
+    8-GPU nodes of GPUs ``mid_speed`` as fast. A 4 x 8 gang (only ``big`` holds one) seen three
+    times over the last hour, the last of them queued for ``big`` (``queued``)."""
+    nodes = [node(f"g{i}", "big", used=8 if i == 0 else 0) for i in range(4)]
+    nodes += [node("m0", "mid", model="T4"), node("m1", "mid", model="T4")]
+    runs = [dataclasses.replace(running("busy", "big", "g0", 8, 1_000.0))]
+    speed = {(MODEL, "training_compute"): 1.0, ("T4", "training_compute"): mid_speed}
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=NOW, running=runs)
+    for i in range(3):
+        snap.seen.note_job(spec(f"wide-{i}", workers=4, gpus=8), NOW - 3_000.0 + 1_400.0 * i)
+    if queued:
+        anywhere = np.ones(snap.free_sum.shape, dtype=np.bool_)
+        snap.queued["wide-2"] = QueuedShape("wide-2", (0,), 4, 8, anywhere)
+    return snap
+
+
+def test_a_smaller_gang_leaves_a_bigger_queued_gang_its_only_pool() -> None:
+    # Long-tailed gangs on 506 GPUs, load 1.2: an 8 x 8 gang of 10.6 h took the only pool that
+    # holds a 16 x 8 gang while nine of them queued (17 % slower than without the plugin). A gang of
+    # several nodes is judged for the bigger gangs queued: the 2 x 8 gang of 20,000 s would keep
+    # the queued 4 x 8 out of ``big`` for 19,000 s more, and loses 10,000 s on ``mid``'s slower GPUs.
+    gang = spec("pair", workers=2, gpus=8, steps=20_000)
+    placed = build_framework().schedule(gang, bigger_gang_waiting(queued=True), submitted_at=NOW)
+    assert placed.decision is not None and placed.decision.parts[0].cluster == "mid"
+    before = without_gang_fit().schedule(gang, bigger_gang_waiting(queued=True), submitted_at=NOW)
+    assert before.decision is not None and before.decision.parts[0].cluster == "big"
+    # Only queued gangs count for a gang (it is not held back for arrivals foreseen): with none
+    # queued, it takes the faster GPUs.
+    alone = build_framework().schedule(gang, bigger_gang_waiting(queued=False), submitted_at=NOW)
+    assert alone.decision is not None and alone.decision.parts[0].cluster == "big"
+    # A gang as big as those queued is their peer: which goes first is the queue's order.
+    framework = build_framework()
+    for workers, skipped in ((4, True), (2, False)):
+        state = framework.new_state(spec("j", workers=workers, gpus=8), bigger_gang_waiting(queued=True))
         assert framework.run_pre_filters(state).ok
         assert ("gang_fit" in state.skipped) is skipped

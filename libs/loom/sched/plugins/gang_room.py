@@ -12,21 +12,24 @@ hold no 2 x 8 gang for the next 57 hours, and those gangs waited 40-45 hours eac
 20 % behind ``gavel_like``'s, which had put the long jobs in the cluster of three).
 
 For each gang shape seen lately (:attr:`~loom.sched.snapshot.SeenShapes.teams`: jobs needing two
-workers or more at once, an elastic one its fewest; seen at least twice; whose workers no one node
-could all hold, by GPUs, CPU and RAM: :meth:`~loom.sched.snapshot.Snapshot.room`), ``A`` is how soon
-some pool (cluster, GPU model) could hold one: per pool, the time when its nodes' room for the
-shape's workers first adds up to the gang's, a node counted with the room it has now until its last
-running job's predicted end and with all it holds after (as ``rare_fit`` counts a node's room); a
-busy node none of whose jobs has a predicted end is not counted as coming back. The candidate's
-workers land on nodes as ``Framework.pack`` puts them: such a node has the room left beside the job
-until the first of the job's predicted run ``T`` and the node's own end, then the room beside
-whichever is still there, then all of it. Room only shrinks or comes back later, so only candidates
-in a pool among the rooms gangs wait for can delay one. Gangs of the shape already queued take the
-soonest rooms, one a pool (the ``i``-th the ``i``-th soonest), and each waits as much longer as its
-room moves; the gangs arriving at the rate they were seen at wait for the room after theirs
-(``rare_fit``'s :func:`wait_caused`). The harm is those job-seconds, summed over the shapes (an
-outside evaluator: counting the soonest room alone made a second pool look free to fill while seven
-gangs queued, and funnelled them all into the first).
+workers or more at once, an elastic one its fewest; seen at least twice, or once while a job of its
+workers and GPUs per worker is queued; whose workers no one node could all hold, by GPUs, CPU and
+RAM: :meth:`~loom.sched.snapshot.Snapshot.room`), ``A`` is how soon some pool (cluster, GPU model)
+could hold one: per pool, the time when its nodes' room for the shape's workers first adds up to the
+gang's, a node counted with the room it has now until its last running job's predicted end and with
+all it holds after (as ``rare_fit`` counts a node's room); a busy node none of whose jobs has a
+predicted end is not counted as coming back. The candidate's workers land on nodes as
+``Framework.pack`` puts them: such a node has the room left beside the job until the first of the
+job's predicted run ``T`` and the node's own end, then the room beside whichever is still there,
+then all of it. Room only shrinks or comes back later, so only candidates in a pool among the rooms
+gangs wait for can delay one. Gangs of the shape already queued take the ``P`` rooms that ever come
+in turn (the ``i``-th the ``(i mod P)``-th soonest), and each waits as much longer as its room
+moves: a pool serves the gangs waiting for it one after another, so a room that moves moves them all
+(counted one a pool, nine 16 x 8 gangs queued for the only pool that holds one counted as one, and
+an 8 x 8 gang of 10.6 h took it); the gangs arriving at the rate they were seen at wait for the room
+after the queued ones' (``rare_fit``'s :func:`wait_caused`). The harm is those job-seconds, summed
+over the shapes (an outside evaluator: counting the soonest room alone made a second pool look free
+to fill while seven gangs queued, and funnelled them all into the first).
 
 A candidate is **marked** when another, whose predicted run is at most :data:`GANG_MAX_SLOWDOWN`
 times its own, costs less in its run plus its harm (each in job-seconds: the job's own and the
@@ -38,17 +41,21 @@ would delay no one that ends it soonest (expected room plus its run there, withi
 the job waits when that ends less than the harm later than starting now, and only while it has
 waited less than the harm (ski rental). "Where it delays no one" is judged among the pools it had a
 candidate in now: a pool with no room now is not judged until the job, woken, decides again. A job
-that needs several nodes itself is one of the gangs the room is kept for and is not judged at all
-(which gang goes first is the queue's order).
+that needs several nodes itself is one of the gangs the room is kept for: it is judged only for the
+gangs of more GPUs in all that are queued now (not for its peers: which of them goes first is the
+queue's order, and judged like a long job, a 4 x 4 gang of 64 h waited 34 h; nor for arrivals
+foreseen: held back for those, the smaller gangs of long-tailed work on 506 GPUs at load 0.5 lost
+more than the big ones gained).
 
-Approximations, stated: a pool serves one gang of the shape (the next queued one takes the next
-pool, not the same pool once the first ends; queued jobs are matched by workers and GPUs per
-worker, their allowed pools not read; the permit's runs elsewhere carry no dataset copy nor an
-elastic job's pace, which ``jct``'s run here does); a node's room comes back in one go when its
-last job with a predicted end ends (a job without one on a node that has others with one is not
-counted: there ``A`` may be early); a spread is judged part by part, each against the pools as they
-were. Cost: the pools' times per shape are kept on the snapshot until a pool's free resources, the
-running jobs or the clock change (measured in ``docs/measurements.md``, 2026-12-06, "gang_fit").
+Approximations, stated: a pool holds one gang of the shape at a time, and each gang waiting for it
+moves as much as its first room (a pool that could hold two at once is counted as serving them in
+turn; queued jobs are matched by workers and GPUs per worker, their allowed pools not read; the
+permit's runs elsewhere carry no dataset copy nor an elastic job's pace, which ``jct``'s run here
+does); a node's room comes back in one go when its last job with a predicted end ends (a job without
+one on a node that has others with one is not counted: there ``A`` may be early); a spread is judged
+part by part, each against the pools as they were. Cost: the pools' times per shape are kept on the
+snapshot until a pool's free resources, the running jobs or the clock change (measured in
+``docs/measurements.md``, 2026-12-06, "gang_fit").
 """
 
 import math
@@ -82,15 +89,28 @@ class GangShape:
 
 _VERDICT: StateKey[Verdict | None] = StateKey("gang_fit.verdict")
 _GANGS: StateKey[list[GangShape]] = StateKey("gang_fit.shapes")
+_QUEUED_ONLY: StateKey[bool] = StateKey("gang_fit.queued_only")
 _KEPT = "gang_fit.shapes"
 _POOLS = "gang_fit.pools"
 _SEVERAL = "gang_fit.several"
+_WAITING = "gang_fit.waiting"
 
 
 def gang_shapes(snap: Snapshot) -> list[GangShape]:
     """The gang shapes seen lately (``snap.seen.teams``) that no one node could hold and some pool
-    could, each seen at least twice; kept on the snapshot until the shapes seen or the nodes'
-    schedulability change."""
+    could, each seen at least twice or, seen once, with a job of its workers and GPUs per worker
+    queued now (the gang waiting is what the room is for; seen once and gone, it is not known to
+    come again)."""
+    every = _several_node_gangs(snap)
+    if not every:
+        return []
+    waiting = _waiting_teams(snap)
+    return [g for g in every if g.count >= 2 or (g.shape.gpus, g.workers) in waiting]
+
+
+def _several_node_gangs(snap: Snapshot) -> list[GangShape]:
+    """Every gang shape seen lately that no one node could hold and some pool could, however often
+    seen; kept on the snapshot until the shapes seen or the nodes' schedulability change."""
     teams = snap.seen.teams
     if not teams:
         return []
@@ -101,7 +121,7 @@ def gang_shapes(snap: Snapshot) -> list[GangShape]:
         return found
     found = []
     for (shape, workers), count in teams.items():
-        if count < 2 or not _several_nodes(snap, shape, workers):
+        if not _several_nodes(snap, shape, workers):
             continue  # one node holds the whole gang (node and hole fit keep that room), or none
         could = np.flatnonzero(holds(snap, shape))
         per_node = snap.room(could, shape.gpus, shape.cpu_milli, shape.memory_mib, idle=True)
@@ -110,6 +130,20 @@ def gang_shapes(snap: Snapshot) -> list[GangShape]:
             continue  # no pool could ever hold it: nothing to keep
         found.append(GangShape(shape, int(workers), int(count), could))
     snap.kept[_KEPT] = (snap.seen, stamp, found)
+    return found
+
+
+def _waiting_teams(snap: Snapshot) -> frozenset[tuple[int, int]]:
+    """(GPUs per worker, workers) of the jobs in the snapshot's queue (as :func:`_queued` matches
+    them); kept until the queue changes."""
+    queued = snap.queued
+    version = getattr(queued, "version", -1)  # a plain dict (assigned by a caller): never kept
+    held = snap.kept.get(_WAITING)
+    if held is not None and held[0] is queued and held[1] == version >= 0:
+        kept: frozenset[tuple[int, int]] = held[2]
+        return kept
+    found = frozenset((q.per_worker, q.workers) for q in queued.values())
+    snap.kept[_WAITING] = (queued, version, found)
     return found
 
 
@@ -261,15 +295,25 @@ def _queued(snap: Snapshot, gang: GangShape, own: str) -> int:
 
 def _rooms_delay(before: FloatArray, after: FloatArray, queued: int, rate: float, horizon: float) -> float:
     """Job-seconds the gangs wait the more once the pools' soonest rooms, ascending, are ``after``
-    instead of ``before``: each of the ``queued`` gangs waits for its room (the i-th for the i-th
-    soonest), and those arriving at ``rate`` over ``horizon`` seconds for the room after theirs
-    (:func:`wait_caused`)."""
+    instead of ``before``: the ``queued`` gangs take the ``P`` rooms that ever come in turn (the
+    ``i``-th the ``(i mod P)``-th soonest), and a room that moves moves every gang that waits for
+    it, as a pool that holds one gang at a time serves them one after another; those arriving at
+    ``rate`` over ``horizon`` seconds wait for the room after the queued ones' (:func:`wait_caused`)."""
+    pools = int(np.isfinite(before).sum())
+    if pools == 0:
+        return 0.0
+    rounds, extra = divmod(queued, pools)
+    served = np.full(pools, rounds, dtype=np.float64)
+    served[:extra] += 1.0
+    moved = after[:pools] > before[:pools]
     harm = 0.0
-    for j in range(min(queued, before.size)):
-        if after[j] > before[j]:
-            harm += math.inf if math.isinf(after[j]) else float(after[j] - before[j])
-    if queued < before.size and rate > 0:
-        harm += wait_caused(rate, float(before[queued]), float(after[queued]), horizon)
+    if bool((moved & (served > 0)).any()):
+        if bool(np.isinf(after[:pools][moved & (served > 0)]).any()):
+            return math.inf
+        harm = float((served * np.where(moved, after[:pools] - before[:pools], 0.0)).sum())
+    if rate > 0:
+        nxt = queued % pools
+        harm += wait_caused(rate, float(before[nxt]), float(after[nxt]), horizon)
     return harm
 
 
@@ -288,9 +332,16 @@ class GangFit:
         if job.pipeline is not None or is_probe(job.labels):
             return Status(Code.SKIP)
         gangs = gang_shapes(state.snapshot)
-        if not gangs or _several_nodes(state.snapshot, WorkerShape.of(job), state.min_workers):
-            # A gang of several nodes itself is what the room is kept for: which gang goes first
-            # is the queue's order, not this plugin's (it made a 4 x 4 gang of 64 h wait 34 h).
+        if gangs and _several_nodes(state.snapshot, WorkerShape.of(job), state.min_workers):
+            # A gang of several nodes itself is one of those the room is kept for: which of them
+            # goes first is the queue's order, not this plugin's (judged like a long job, a 4 x 4
+            # gang of 64 h waited 34 h). It is judged only for the gangs of more GPUs, whose room it
+            # can take without being their peer (an 8 x 8 gang of 10.6 h took the only pool that
+            # holds a 16 x 8 gang while nine of them queued).
+            mine = state.min_workers * WorkerShape.of(job).gpus
+            gangs = [g for g in gangs if g.workers * g.shape.gpus > mine]
+            state.write(_QUEUED_ONLY, True)
+        if not gangs:
             return Status(Code.SKIP)
         state.write(_GANGS, gangs)
         return SUCCESS
@@ -312,16 +363,17 @@ class GangFit:
         own = WorkerShape.of(job)
         horizon = snap.seen.span_s(snap.now)
         pools = candidates.cluster * snap.total_sum.shape[1] + candidates.model
+        queued_only = state.get(_QUEUED_ONLY, False)
         for gang in gangs:
-            rate = arrival_rate(gang.count, horizon)
+            rate = 0.0 if queued_only else arrival_rate(gang.count, horizon)
             queued = _queued(snap, gang, job.job_id)
             if rate <= 0 and not queued:
                 continue
             room = _pools(snap, gang)
             ranked = np.sort(room.soon)
-            # The queued gangs of the shape take the soonest rooms, one a pool; the next arrival the
-            # one after. Room only shrinks or comes back later for a job placed, so only a candidate
-            # in a pool among those rooms can delay one.
+            # The queued gangs of the shape take the soonest rooms, one a pool in turn; the next
+            # arrival the one after. Room only shrinks or comes back later for a job placed, so only
+            # a candidate in a pool among those rooms can delay one.
             last = float(ranked[min(queued, ranked.size - 1)])
             if not math.isfinite(float(ranked[0])):
                 continue  # no pool holds it in known time
