@@ -5,6 +5,8 @@ On the 63-GPU grid platform (Philly-like, load 1.2) a one-GPU job of 57 h filled
 had broken in a cluster of two 8-GPU nodes, and 2 x 8 gangs waited 40-45 h each for that cluster."""
 
 import dataclasses
+import math
+import pickle
 
 import msgspec
 import numpy as np
@@ -12,14 +14,16 @@ import pytest
 
 from loom.model.capacity import NodeCapacity
 from loom.sched.framework import Framework
-from loom.sched.plugins.gang_room import GangFit, gang_shapes
+from loom.sched.plugins.gang_room import GangFit, _rooms_delay, gang_shapes
 from loom.sched.plugins.network import predicted_jct_s
 from loom.sched.plugins.rare import wait_caused
 from loom.sched.profile import DEFAULT_PLUGINS, build_framework
 from loom.sched.snapshot import (
+    SEEN_JOBS,
     SEEN_MIN_SPAN_S,
     NetMatrix,
     QueuedShape,
+    QueuedShapes,
     RunningJob,
     SeenShapes,
     Snapshot,
@@ -375,9 +379,53 @@ def test_a_smaller_gang_leaves_a_bigger_queued_gang_its_only_pool() -> None:
     # queued, it takes the faster GPUs.
     alone = build_framework().schedule(gang, bigger_gang_waiting(queued=False), submitted_at=NOW)
     assert alone.decision is not None and alone.decision.parts[0].cluster == "big"
-    # A gang as big as those queued is their peer: which goes first is the queue's order.
+    # A gang as big as those queued is their peer: which goes first is the queue's order; with no
+    # bigger gang queued, a gang is not judged at all.
     framework = build_framework()
-    for workers, skipped in ((4, True), (2, False)):
-        state = framework.new_state(spec("j", workers=workers, gpus=8), bigger_gang_waiting(queued=True))
+    for workers, queued, skipped in ((4, True, True), (2, True, False), (2, False, True)):
+        state = framework.new_state(spec("j", workers=workers, gpus=8), bigger_gang_waiting(queued=queued))
         assert framework.run_pre_filters(state).ok
         assert ("gang_fit" in state.skipped) is skipped
+
+
+def test_a_queued_gang_the_shapes_seen_have_forgotten_is_still_kept_room_for() -> None:
+    # SeenShapes remembers the latest 256 jobs: a gang that waits while more are decided is still
+    # waiting (a review found it lost its room then).
+    snap = platform(gangs=1)
+    anywhere = np.ones(snap.free_sum.shape, dtype=np.bool_)
+    snap.queued["gang-0"] = QueuedShape("gang-0", (0,), 2, 8, anywhere, spec("gang-0", workers=2, gpus=8))
+    for i in range(SEEN_JOBS):
+        snap.seen.note_job(spec(f"small-{i}"), NOW - 100.0 + i * 0.1)
+    assert not snap.seen.teams  # the gang seen is forgotten
+    assert [(g.shape.gpus, g.workers, g.count) for g in gang_shapes(snap)] == [(8, 2, 0)]
+    placed = build_framework().schedule(spec("long", steps=60_000), snap, submitted_at=NOW)
+    assert placed.decision is not None and placed.decision.parts[0].cluster == "cb"
+
+
+def test_the_queue_counts_its_gangs_as_entries_come_and_go() -> None:
+    queued = QueuedShapes()
+    anywhere = np.ones((1, 1), dtype=np.bool_)
+    queued["a"] = QueuedShape("a", (0,), 2, 8, anywhere)
+    queued["b"] = QueuedShape("b", (1,), 1, 8, anywhere)  # one worker: no gang
+    queued.setdefault("c", QueuedShape("c", (2,), 2, 8, anywhere))
+    assert queued.teams == {(8, 2): 2}
+    queued["a"] = QueuedShape("a", (0,), 3, 4, anywhere)  # replaced: its old shape leaves
+    assert queued.teams == {(8, 2): 1, (4, 3): 1}
+    queued.pop("c")
+    queued.pop("missing", None)
+    del queued["a"]
+    assert queued.teams == {}
+    queued.update({"d": QueuedShape("d", (3,), 2, 2, anywhere)})
+    assert queued.teams == {(2, 2): 1}
+    assert pickle.loads(pickle.dumps(queued)).teams == {(2, 2): 1}
+    queued.clear()
+    assert queued.teams == {} and not queued
+
+
+def test_a_room_that_moves_to_never_for_a_gang_that_waits_for_it_is_infinite_harm() -> None:
+    # Only the rooms a queued gang waits for count; a room no one waits for moving to never is no
+    # harm (0 x inf was NaN).
+    before, after = np.array([0.0, 100.0]), np.array([100.0, math.inf])
+    assert _rooms_delay(before, after, queued=1, rate=0.0, horizon=3_600.0) == 100.0
+    assert _rooms_delay(before, after, queued=2, rate=0.0, horizon=3_600.0) == math.inf
+    assert _rooms_delay(before, after, queued=1, rate=1e-3, horizon=3_600.0) == math.inf

@@ -381,37 +381,77 @@ class QueuedShape:
 class QueuedShapes(dict[str, QueuedShape]):
     """``Snapshot.queued``: job id -> :class:`QueuedShape`, with a counter of its changes (``version``)
     so that its queue order is sorted once per change, not once per reader
-    (:meth:`Snapshot.queue_ahead`)."""
+    (:meth:`Snapshot.queue_ahead`), and how many queued jobs need each (GPUs per worker, workers) of
+    two workers or more (:attr:`teams`, kept as entries come and go: what ``gang_fit`` reads of the
+    queue without a pass over it)."""
 
     version: int = 0
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        self.teams: dict[tuple[int, int], int] = {}
+        """(GPUs per worker, workers) of the entries with two workers or more -> how many."""
+        if args or kwargs:
+            self.update(*args, **kwargs)
+
+    def _count(self, shape: QueuedShape, step: int) -> None:
+        if shape.workers < 2:
+            return
+        # Read through __dict__: unpickling sets the items before the attributes.
+        teams: dict[tuple[int, int], int] = self.__dict__.setdefault("teams", {})
+        key = (shape.per_worker, shape.workers)
+        left = teams.get(key, 0) + step
+        if left > 0:
+            teams[key] = left
+        else:
+            teams.pop(key, None)
+
     def __setitem__(self, key: str, value: QueuedShape) -> None:
         self.version += 1
+        old = super().get(key)
+        if old is not None:
+            self._count(old, -1)
+        self._count(value, 1)
         super().__setitem__(key, value)
 
     def __delitem__(self, key: str) -> None:
         self.version += 1
+        self._count(super().__getitem__(key), -1)
         super().__delitem__(key)
 
     def pop(self, key: str, *default: Any) -> Any:
         self.version += 1
+        if key in self:
+            shape = super().pop(key)
+            self._count(shape, -1)
+            return shape
         return super().pop(key, *default)
 
     def popitem(self) -> tuple[str, QueuedShape]:
         self.version += 1
-        return super().popitem()
+        key, shape = super().popitem()
+        self._count(shape, -1)
+        return key, shape
 
     def clear(self) -> None:
         self.version += 1
+        self.__dict__["teams"] = {}
         super().clear()
 
     def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
         self.version += 1
-        super().update(*args, **kwargs)
 
     def setdefault(self, key: str, default: QueuedShape) -> QueuedShape:
+        if key not in self:
+            self[key] = default
         self.version += 1
-        return super().setdefault(key, default)
+        return super().__getitem__(key)
+
+    def __ior__(self, other: Any) -> "QueuedShapes":  # type: ignore[override,misc]
+        self.update(other)
+        return self
 
 
 def remap_queued(

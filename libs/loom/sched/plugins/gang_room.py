@@ -68,7 +68,15 @@ from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, Decision
 from loom.sched.plugins.network import MIN_WAIT_S, predicted_jct_s, single_cluster_options, whole_gang_pools
 from loom.sched.plugins.rare import Verdict, arrival_rate, holds, lands_on, node_ends, wait_caused
 from loom.sched.probe import is_probe
-from loom.sched.snapshot import BoolArray, FloatArray, IntArray, Snapshot, WorkerShape, workers_fit
+from loom.sched.snapshot import (
+    BoolArray,
+    FloatArray,
+    IntArray,
+    QueuedShape,
+    Snapshot,
+    WorkerShape,
+    workers_fit,
+)
 
 GANG_MAX_SLOWDOWN = 2.0
 """The most a job's predicted run may grow (as a factor) for the gang room it keeps."""
@@ -93,57 +101,86 @@ _QUEUED_ONLY: StateKey[bool] = StateKey("gang_fit.queued_only")
 _KEPT = "gang_fit.shapes"
 _POOLS = "gang_fit.pools"
 _SEVERAL = "gang_fit.several"
-_WAITING = "gang_fit.waiting"
+_FORGOTTEN = "gang_fit.forgotten"
 
 
 def gang_shapes(snap: Snapshot) -> list[GangShape]:
     """The gang shapes seen lately (``snap.seen.teams``) that no one node could hold and some pool
     could, each seen at least twice or, seen once, with a job of its workers and GPUs per worker
     queued now (the gang waiting is what the room is for; seen once and gone, it is not known to
-    come again)."""
-    every = _several_node_gangs(snap)
-    if not every:
+    come again); and those of the gangs queued now that the shapes seen have forgotten (a gang that
+    waits while more jobs than ``SeenShapes`` remembers are decided is still waiting)."""
+    teams = queued_teams(snap.queued)
+    every, seen = _several_node_gangs(snap)
+    if not every and not teams:
         return []
-    waiting = _waiting_teams(snap)
-    return [g for g in every if g.count >= 2 or (g.shape.gpus, g.workers) in waiting]
-
-
-def _several_node_gangs(snap: Snapshot) -> list[GangShape]:
-    """Every gang shape seen lately that no one node could hold and some pool could, however often
-    seen; kept on the snapshot until the shapes seen or the nodes' schedulability change."""
-    teams = snap.seen.teams
-    if not teams:
-        return []
-    stamp = (snap.seen.version, snap.schedulable_version)
-    held = snap.kept.get(_KEPT)
-    if held is not None and held[0] is snap.seen and held[1] == stamp:
-        found: list[GangShape] = held[2]
-        return found
-    found = []
-    for (shape, workers), count in teams.items():
-        if not _several_nodes(snap, shape, workers):
-            continue  # one node holds the whole gang (node and hole fit keep that room), or none
-        could = np.flatnonzero(holds(snap, shape))
-        per_node = snap.room(could, shape.gpus, shape.cpu_milli, shape.memory_mib, idle=True)
-        by_pool = np.bincount(snap.pool_of[could], weights=per_node, minlength=snap.total_sum.size)
-        if float(by_pool.max(initial=0.0)) < workers:
-            continue  # no pool could ever hold it: nothing to keep
-        found.append(GangShape(shape, int(workers), int(count), could))
-    snap.kept[_KEPT] = (snap.seen, stamp, found)
+    found = [g for g in every if g.count >= 2 or (g.shape.gpus, g.workers) in teams]
+    if any(team not in seen for team in teams):
+        found += _forgotten(snap, seen)
     return found
 
 
-def _waiting_teams(snap: Snapshot) -> frozenset[tuple[int, int]]:
-    """(GPUs per worker, workers) of the jobs in the snapshot's queue (as :func:`_queued` matches
-    them); kept until the queue changes."""
-    queued = snap.queued
-    version = getattr(queued, "version", -1)  # a plain dict (assigned by a caller): never kept
-    held = snap.kept.get(_WAITING)
-    if held is not None and held[0] is queued and held[1] == version >= 0:
-        kept: frozenset[tuple[int, int]] = held[2]
+def queued_teams(queued: dict[str, QueuedShape]) -> dict[tuple[int, int], int]:
+    """(GPUs per worker, workers) -> how many queued jobs need that many workers at once, two or
+    more (:attr:`QueuedShapes.teams`, kept as the queue changes; counted here for a plain dict)."""
+    teams: dict[tuple[int, int], int] | None = getattr(queued, "teams", None)
+    if teams is not None:
+        return teams
+    counted: dict[tuple[int, int], int] = {}
+    for q in queued.values():
+        if q.workers >= 2:
+            counted[q.per_worker, q.workers] = counted.get((q.per_worker, q.workers), 0) + 1
+    return counted
+
+
+def _gang_shape(snap: Snapshot, shape: WorkerShape, workers: int, count: int) -> GangShape | None:
+    """The gang shape of ``workers`` of ``shape``, when no one node could hold them and some pool
+    could (None otherwise)."""
+    if not _several_nodes(snap, shape, workers):
+        return None  # one node holds the whole gang (node and hole fit keep that room), or none
+    could = np.flatnonzero(holds(snap, shape))
+    per_node = snap.room(could, shape.gpus, shape.cpu_milli, shape.memory_mib, idle=True)
+    by_pool = np.bincount(snap.pool_of[could], weights=per_node, minlength=snap.total_sum.size)
+    if float(by_pool.max(initial=0.0)) < workers:
+        return None  # no pool could ever hold it: nothing to keep
+    return GangShape(shape, int(workers), int(count), could)
+
+
+def _several_node_gangs(snap: Snapshot) -> tuple[list[GangShape], frozenset[tuple[int, int]]]:
+    """Every gang shape seen lately that no one node could hold and some pool could, however often
+    seen, and the (GPUs per worker, workers) of every gang seen; kept on the snapshot until the
+    shapes seen or the nodes' schedulability change."""
+    teams = snap.seen.teams
+    if not teams:
+        return [], frozenset()
+    stamp = (snap.seen.version, snap.schedulable_version)
+    held = snap.kept.get(_KEPT)
+    if held is not None and held[0] is snap.seen and held[1] == stamp:
+        kept: tuple[list[GangShape], frozenset[tuple[int, int]]] = held[2]
         return kept
-    found = frozenset((q.per_worker, q.workers) for q in queued.values())
-    snap.kept[_WAITING] = (queued, version, found)
+    found = [g for (shape, many), count in teams.items() if (g := _gang_shape(snap, shape, many, count))]
+    result = (found, frozenset((shape.gpus, workers) for shape, workers in teams))
+    snap.kept[_KEPT] = (snap.seen, stamp, result)
+    return result
+
+
+def _forgotten(snap: Snapshot, seen: frozenset[tuple[int, int]]) -> list[GangShape]:
+    """The gang shapes of the queued jobs whose (GPUs per worker, workers) the shapes seen no longer
+    hold (counted as never arriving again: seen 0 times); kept until the queue, the shapes seen or
+    the nodes' schedulability change."""
+    queued = snap.queued
+    stamp = (getattr(queued, "version", -1), snap.seen.version, snap.schedulable_version)
+    held = snap.kept.get(_FORGOTTEN)
+    if held is not None and held[0] is queued and held[1] == stamp and stamp[0] >= 0:
+        kept: list[GangShape] = held[2]
+        return kept
+    shapes: set[tuple[WorkerShape, int]] = set()
+    for q in queued.values():
+        res = getattr(q.job, "resources", None)
+        if q.workers >= 2 and (q.per_worker, q.workers) not in seen and res is not None:
+            shapes.add((WorkerShape(q.per_worker, int(res.cpu_milli), int(res.memory_mib)), q.workers))
+    found = [g for shape, workers in shapes if (g := _gang_shape(snap, shape, workers, 0))]
+    snap.kept[_FORGOTTEN] = (queued, stamp, found)
     return found
 
 
@@ -289,8 +326,12 @@ def _delayed(
 
 def _queued(snap: Snapshot, gang: GangShape, own: str) -> int:
     """Jobs of the gang's workers and GPUs per worker in the snapshot's queue, ``own`` aside."""
-    g, w = gang.shape.gpus, gang.workers
-    return sum(1 for q in snap.queued.values() if q.per_worker == g and q.workers == w and q.job_id != own)
+    key = (gang.shape.gpus, gang.workers)
+    count = queued_teams(snap.queued).get(key, 0)
+    mine = snap.queued.get(own)
+    if mine is not None and (mine.per_worker, mine.workers) == key:
+        count -= 1
+    return count
 
 
 def _rooms_delay(before: FloatArray, after: FloatArray, queued: int, rate: float, horizon: float) -> float:
@@ -305,10 +346,10 @@ def _rooms_delay(before: FloatArray, after: FloatArray, queued: int, rate: float
     rounds, extra = divmod(queued, pools)
     served = np.full(pools, rounds, dtype=np.float64)
     served[:extra] += 1.0
-    moved = after[:pools] > before[:pools]
+    moved = (after[:pools] > before[:pools]) & (served > 0)
     harm = 0.0
-    if bool((moved & (served > 0)).any()):
-        if bool(np.isinf(after[:pools][moved & (served > 0)]).any()):
+    if bool(moved.any()):
+        if bool(np.isinf(after[:pools][moved]).any()):
             return math.inf
         harm = float((served * np.where(moved, after[:pools] - before[:pools], 0.0)).sum())
     if rate > 0:
@@ -327,7 +368,8 @@ class GangFit:
 
     def pre_filter(self, state: CycleState) -> Status:
         """SKIP unless some gang shape seen lately needs several nodes (a pipeline or a speed probe
-        is packed by its own rules)."""
+        is packed by its own rules); for a job that needs several nodes itself, unless a gang of
+        more GPUs in all is queued."""
         job = state.job
         if job.pipeline is not None or is_probe(job.labels):
             return Status(Code.SKIP)
@@ -339,7 +381,10 @@ class GangFit:
             # can take without being their peer (an 8 x 8 gang of 10.6 h took the only pool that
             # holds a 16 x 8 gang while nine of them queued).
             mine = state.min_workers * WorkerShape.of(job).gpus
-            gangs = [g for g in gangs if g.workers * g.shape.gpus > mine]
+            teams = queued_teams(state.snapshot.queued)
+            gangs = [
+                g for g in gangs if g.workers * g.shape.gpus > mine and (g.shape.gpus, g.workers) in teams
+            ]
             state.write(_QUEUED_ONLY, True)
         if not gangs:
             return Status(Code.SKIP)
