@@ -449,6 +449,8 @@ class QueuedShapes(dict[str, QueuedShape]):
         self.version += 1
         return super().__getitem__(key)
 
+    # dict's own |= would bypass __setitem__ (and so the version and the gang counts); typeshed's
+    # overloaded dict.__or__ admits no plain override, hence the ignore.
     def __ior__(self, other: Any) -> "QueuedShapes":  # type: ignore[override,misc]
         self.update(other)
         return self

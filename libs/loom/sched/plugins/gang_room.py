@@ -72,7 +72,6 @@ from loom.sched.snapshot import (
     BoolArray,
     FloatArray,
     IntArray,
-    QueuedShape,
     Snapshot,
     WorkerShape,
     workers_fit,
@@ -110,7 +109,7 @@ def gang_shapes(snap: Snapshot) -> list[GangShape]:
     queued now (the gang waiting is what the room is for; seen once and gone, it is not known to
     come again); and those of the gangs queued now that the shapes seen have forgotten (a gang that
     waits while more jobs than ``SeenShapes`` remembers are decided is still waiting)."""
-    teams = queued_teams(snap.queued)
+    teams = snap.queued.teams
     every, seen = _several_node_gangs(snap)
     if not every and not teams:
         return []
@@ -118,19 +117,6 @@ def gang_shapes(snap: Snapshot) -> list[GangShape]:
     if any(team not in seen for team in teams):
         found += _forgotten(snap, seen)
     return found
-
-
-def queued_teams(queued: dict[str, QueuedShape]) -> dict[tuple[int, int], int]:
-    """(GPUs per worker, workers) -> how many queued jobs need that many workers at once, two or
-    more (:attr:`QueuedShapes.teams`, kept as the queue changes; counted here for a plain dict)."""
-    teams: dict[tuple[int, int], int] | None = getattr(queued, "teams", None)
-    if teams is not None:
-        return teams
-    counted: dict[tuple[int, int], int] = {}
-    for q in queued.values():
-        if q.workers >= 2:
-            counted[q.per_worker, q.workers] = counted.get((q.per_worker, q.workers), 0) + 1
-    return counted
 
 
 def _gang_shape(snap: Snapshot, shape: WorkerShape, workers: int, count: int) -> GangShape | None:
@@ -169,9 +155,9 @@ def _forgotten(snap: Snapshot, seen: frozenset[tuple[int, int]]) -> list[GangSha
     hold (counted as never arriving again: seen 0 times); kept until the queue, the shapes seen or
     the nodes' schedulability change."""
     queued = snap.queued
-    stamp = (getattr(queued, "version", -1), snap.seen.version, snap.schedulable_version)
+    stamp = (queued.version, snap.seen.version, snap.schedulable_version)
     held = snap.kept.get(_FORGOTTEN)
-    if held is not None and held[0] is queued and held[1] == stamp and stamp[0] >= 0:
+    if held is not None and held[0] is queued and held[1] == stamp:
         kept: list[GangShape] = held[2]
         return kept
     shapes: set[tuple[WorkerShape, int]] = set()
@@ -327,7 +313,7 @@ def _delayed(
 def _queued(snap: Snapshot, gang: GangShape, own: str) -> int:
     """Jobs of the gang's workers and GPUs per worker in the snapshot's queue, ``own`` aside."""
     key = (gang.shape.gpus, gang.workers)
-    count = queued_teams(snap.queued).get(key, 0)
+    count = snap.queued.teams.get(key, 0)
     mine = snap.queued.get(own)
     if mine is not None and (mine.per_worker, mine.workers) == key:
         count -= 1
@@ -381,7 +367,7 @@ class GangFit:
             # can take without being their peer (an 8 x 8 gang of 10.6 h took the only pool that
             # holds a 16 x 8 gang while nine of them queued).
             mine = state.min_workers * WorkerShape.of(job).gpus
-            teams = queued_teams(state.snapshot.queued)
+            teams = state.snapshot.queued.teams
             gangs = [
                 g for g in gangs if g.workers * g.shape.gpus > mine and (g.shape.gpus, g.workers) in teams
             ]
