@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
 
+import msgspec
 import structlog
 from msgspec import Struct
 from nats.aio.msg import Msg
@@ -236,7 +237,7 @@ class Agent:
         self._resized: dict[str, asyncio.Event] = {}
         """Per run: set when a resize changes its speed, so the sleeping run recomputes it."""
         self.state_file = (state_dir / f"agent-{self.cluster}.jsonl") if state_dir else None
-        self._journal: IO[str] | None = None
+        self._journal: IO[bytes] | None = None
         self._journal_lines = 0
         self.compact_after_lines = 100_000
         """The journal is rewritten with only what still matters after this many appends."""
@@ -1296,7 +1297,7 @@ class Agent:
 
     def _record(self, entry: dict[str, Any]) -> None:
         if self._journal is not None:
-            self._journal.write(json.dumps(entry) + "\n")
+            self._journal.write(_journal_line(entry))
             self._journal.flush()
             self._journal_lines += 1
             if self._journal_lines >= self.compact_after_lines:
@@ -1328,15 +1329,15 @@ class Agent:
         if self._journal is not None:
             self._journal.close()
         tmp = self.state_file.with_suffix(".tmp")
-        with open(tmp, "w") as out:
+        with open(tmp, "wb") as out:
             for key in sorted(self.finished)[-10_000:]:
-                out.write(json.dumps({"op": "finish", "key": key}) + "\n")
+                out.write(_journal_line({"op": "finish", "key": key}))
             for job in self.running.values():
-                out.write(json.dumps({"op": "start", "key": job.key, "job": _fields(job)}) + "\n")
+                out.write(_journal_line({"op": "start", "key": job.key, "job": _fields(job)}))
             for report in self.reports.values():
-                out.write(json.dumps({"op": "report", **_fields(report)}) + "\n")
+                out.write(_journal_line({"op": "report", **_fields(report)}))
         os.replace(tmp, self.state_file)
-        self._journal = open(self.state_file, "a")  # noqa: SIM115 - held for the agent's lifetime
+        self._journal = open(self.state_file, "ab")  # noqa: SIM115 - held for the agent's lifetime
         self._journal_lines = 0
 
     def _replay(self, entry: dict[str, Any]) -> None:
@@ -1417,9 +1418,21 @@ class _Runs(MutableMapping[str, "RunningJob"]):
         return list(self._by_job.get(job_id, {}).values())
 
 
+_JOURNAL_ENCODER = msgspec.json.Encoder()
+
+
+def _journal_line(entry: dict[str, Any]) -> bytes:
+    """One journal line: the entry as compact JSON (``json.loads`` reads it back), newline ended.
+    msgspec's encoder, not ``json.dumps``: an agent writes ~4 lines a job it starts (start, began,
+    report, sent), the report's with the whole event as an escaped string, 5-10x slower through
+    ``json.dumps``. Every value is finite (the protocol bounds steps, step times and slowdowns),
+    so msgspec's ``null`` for a non-finite float never applies."""
+    return _JOURNAL_ENCODER.encode(entry) + b"\n"
+
+
 def _fields(record: "RunningJob | Report") -> dict[str, Any]:
-    """A journal record's fields, for ``json.dumps`` (which walks the lists and dicts itself: no
-    deep copy first, as :func:`dataclasses.asdict` makes)."""
+    """A journal record's fields, for :func:`_journal_line` (which walks the lists and dicts
+    itself: no deep copy first, as :func:`dataclasses.asdict` makes)."""
     return {name: getattr(record, name) for name in _FIELD_NAMES[type(record)]}
 
 
