@@ -65,8 +65,8 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="loom-rowcost-", dir="/tmp"))
     os.chmod(home, 0o755)
     server = PostgresServer(home / "pg", durable=True)
-    server.start()
     try:
+        server.start()
         sizes = [int(s) for s in args.sizes.split(",") if s]
         for line in asyncio.run(_measure(server.url, sizes, args.batches, args.rows)):
             print(json.dumps(line))

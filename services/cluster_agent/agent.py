@@ -1297,7 +1297,7 @@ class Agent:
 
     def _record(self, entry: dict[str, Any]) -> None:
         if self._journal is not None:
-            self._journal.write(_journal_line(entry))
+            self._journal.write(journal_line(entry))
             self._journal.flush()
             self._journal_lines += 1
             if self._journal_lines >= self.compact_after_lines:
@@ -1307,11 +1307,7 @@ class Agent:
         if self.state_file is None:
             return
         if self.state_file.exists():
-            for line in self.state_file.read_text().splitlines():
-                try:
-                    entry = json.loads(line)
-                except ValueError:
-                    continue  # a torn last line from a crash
+            for entry in read_journal(self.state_file):
                 self._replay(entry)
             for job in self.running.values():
                 self.backend.allocate(job.node_allocations())
@@ -1331,11 +1327,11 @@ class Agent:
         tmp = self.state_file.with_suffix(".tmp")
         with open(tmp, "wb") as out:
             for key in sorted(self.finished)[-10_000:]:
-                out.write(_journal_line({"op": "finish", "key": key}))
+                out.write(journal_line({"op": "finish", "key": key}))
             for job in self.running.values():
-                out.write(_journal_line({"op": "start", "key": job.key, "job": _fields(job)}))
+                out.write(journal_line({"op": "start", "key": job.key, "job": _fields(job)}))
             for report in self.reports.values():
-                out.write(_journal_line({"op": "report", **_fields(report)}))
+                out.write(journal_line({"op": "report", **_fields(report)}))
         os.replace(tmp, self.state_file)
         self._journal = open(self.state_file, "ab")  # noqa: SIM115 - held for the agent's lifetime
         self._journal_lines = 0
@@ -1421,13 +1417,32 @@ class _Runs(MutableMapping[str, "RunningJob"]):
 _JOURNAL_ENCODER = msgspec.json.Encoder()
 
 
-def _journal_line(entry: dict[str, Any]) -> bytes:
-    """One journal line: the entry as compact JSON (``json.loads`` reads it back), newline ended.
-    msgspec's encoder, not ``json.dumps``: an agent writes ~4 lines a job it starts (start, began,
-    report, sent), the report's with the whole event as an escaped string, 5-10x slower through
-    ``json.dumps``. Every value is finite (the protocol bounds steps, step times and slowdowns),
-    so msgspec's ``null`` for a non-finite float never applies."""
+def journal_line(entry: dict[str, Any]) -> bytes:
+    """One journal line: the entry as compact JSON in UTF-8 (:func:`read_journal` reads it back),
+    newline ended. msgspec's encoder, not ``json.dumps``: an agent writes ~4 lines a job it starts
+    (start, began, report, sent), the report's with the whole event as an escaped string, 5-10x
+    slower through ``json.dumps``. Every value is finite (the protocol bounds steps, step times and
+    slowdowns), so msgspec's ``null`` for a non-finite float never applies. Unlike ``json.dumps``'s,
+    the text is not escaped to ASCII: a label may hold U+2028 or any other character, so a reader
+    must split on newline bytes only (:func:`read_journal`)."""
     return _JOURNAL_ENCODER.encode(entry) + b"\n"
+
+
+def read_journal(path: Path) -> Iterator[dict[str, Any]]:
+    """The entries of a journal written by :func:`journal_line` (or, before 2026-12-06, by
+    ``json.dumps``), in order. Lines are split on newline bytes alone (``str.splitlines`` also
+    splits at U+2028, U+2029 and U+0085, which a label may hold), and each is decoded on its own:
+    a line that is not a JSON object (a torn last line from a crash, cut even inside a character)
+    is skipped."""
+    for line in path.read_bytes().split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:  # UnicodeDecodeError is one
+            continue
+        if isinstance(entry, dict):
+            yield entry
 
 
 def _fields(record: "RunningJob | Report") -> dict[str, Any]:

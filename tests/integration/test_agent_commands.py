@@ -35,7 +35,7 @@ from loom_proto.clusters import ClusterCommand, ClusterHeartbeat, ResizeJob, Sta
 from loom_proto.codec import encode
 from loom_proto.jobs import JobCompleted, JobSpec, NodeAllocation, Resources, Work
 from loom_proto.subjects import ClusterCommandKind
-from loom_services.cluster_agent.agent import Agent
+from loom_services.cluster_agent.agent import Agent, read_journal
 from loom_services.cluster_agent.backend import PartLaunch, PartStatus, Phase
 from loom_services.cluster_agent.sim import SimCluster
 
@@ -150,8 +150,7 @@ class Harness:
         await until(check, 10, f"a heartbeat with {used}, running {running}, not running {absent}")
 
     def journal(self) -> list[dict[str, Any]]:
-        path = self.state_dir / f"agent-{CLUSTER}.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()]
+        return list(read_journal(self.state_dir / f"agent-{CLUSTER}.jsonl"))
 
 
 @pytest.fixture
