@@ -1446,7 +1446,7 @@ def read_journal(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def _fields(record: "RunningJob | Report") -> dict[str, Any]:
-    """A journal record's fields, for :func:`_journal_line` (which walks the lists and dicts
+    """A journal record's fields, for :func:`journal_line` (which walks the lists and dicts
     itself: no deep copy first, as :func:`dataclasses.asdict` makes)."""
     return {name: getattr(record, name) for name in _FIELD_NAMES[type(record)]}
 
