@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,9 @@ from loom_proto.jobs import Affinity, JobSpec, JobSubmitted, Resources, Work
 
 BURST_BATCH = 256
 """Submissions the burst publishes at once (their acks awaited together)."""
+NATS_QUIET_MSGS = 200
+"""Fewer messages than this in a second: the burst's consequences are through (the periodic
+traffic of the default stack, heartbeats and probes, is a few dozen a second)."""
 
 PACED_SETTLE_S = 10.0
 """Pause between the burst's jobs all running and the paced phase (the stack's backlog drains)."""
@@ -508,6 +512,33 @@ async def _baseline_after(
     return out
 
 
+def nats_counts(monitor_url: str) -> dict[str, int]:
+    """The server's message counters (``/varz``): messages in (published) and out (delivered),
+    every subject, JetStream's own API traffic and acks included."""
+    with urllib.request.urlopen(f"{monitor_url}/varz", timeout=5) as reply:
+        varz = json.loads(reply.read())
+    return {"in": int(varz["in_msgs"]), "out": int(varz["out_msgs"])}
+
+
+async def _nats_settled(monitor_url: str, quiet_s: float = 1.0, limit_s: float = 30.0) -> dict[str, int]:
+    """The counters once the burst's last consequences are through: no message published for
+    ``quiet_s`` beyond the periodic traffic's few (heartbeats, probes), or ``limit_s`` passed."""
+    last = await asyncio.to_thread(nats_counts, monitor_url)
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(quiet_s)
+        now = await asyncio.to_thread(nats_counts, monitor_url)
+        if now["in"] - last["in"] < NATS_QUIET_MSGS:
+            return now
+        last = now
+    return last
+
+
+def msgs_per_job(before: dict[str, int], after: dict[str, int], jobs: int) -> dict[str, float]:
+    """NATS messages in and out per placed job between two counter readings."""
+    return {k: round((after[k] - before[k]) / max(jobs, 1), 2) for k in ("in", "out")}
+
+
 async def _measure(
     nats_url: str,
     jobs: int,
@@ -519,6 +550,7 @@ async def _measure(
     baseline: bool,
     regions: list[str] | None = None,
     placement: list[str] | None = None,
+    monitor_url: str | None = None,
 ) -> dict[str, Any]:
     client = await LoomClient.connect(nats_url, name="loom-bench")
     placement = placement or []
@@ -551,6 +583,7 @@ async def _measure(
             base_before = await run.burst("btq", jobs, sampler, baseline=True)
             await asyncio.sleep(1.0)
         stats0 = await _pipeline_stats(client, placement)
+        msgs0 = await asyncio.to_thread(nats_counts, monitor_url) if monitor_url else None
         tp = await run.burst("tp", jobs, sampler)
         stats1 = await _pipeline_stats(client, placement)
         result: dict[str, Any] = {
@@ -559,6 +592,9 @@ async def _measure(
             "placement_phases_burst": phases_between(stats0, stats1),
             "placement_gc_burst": gc_between(stats0, stats1),
         }
+        if monitor_url and msgs0 is not None:
+            # The whole burst's traffic, the agents' starts and the consumers' folds included.
+            result["nats_msgs_per_job"] = msgs_per_job(msgs0, await _nats_settled(monitor_url), jobs)
         if paced_jobs:
             result.update(
                 await _paced_phase(
@@ -683,6 +719,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 baseline=baseline_on,
                 regions=_regions(args.topology) if getattr(args, "shards", None) else None,
                 placement=[name for name in state["services"] if name.startswith("placement")],
+                monitor_url=state.get("nats_monitor_url"),
             )
         )
         machine_after = cpu.read_machine()

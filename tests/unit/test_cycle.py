@@ -15,6 +15,7 @@ from loom.sched.cycle import (
     expiry_avoid,
     fair_share_of,
     fold_within,
+    quotas_listed,
     retry_after_failure,
     run_cycle,
 )
@@ -24,9 +25,9 @@ from loom.sched.plugins.compute import ScuFit
 from loom.sched.plugins.elastic import ElasticShrink
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.profile import build_framework
-from loom.sched.quota import QuotaBook, TenantConfig, TenantQuota
+from loom.sched.quota import OPEN, QuotaBook, TenantConfig, TenantQuota
 from loom.sched.snapshot import RunningJob, Snapshot
-from loom_proto.jobs import Communication, JobSpec, Layer, Pipeline, Stage, Work
+from loom_proto.jobs import Communication, JobSpec, JobSubmitted, Layer, Pipeline, Stage, Work
 from tests.unit.test_framework import job, two_clusters
 
 
@@ -281,6 +282,39 @@ def test_fair_share_is_taken_from_the_snapshot_book() -> None:
     assert fair_share_of(snap, "t") == 0.0
     snap.quota = QuotaBook(TenantConfig(tenants={"t": TenantQuota(name="t", cohort=None, gpus=8)}), {"t": 4})
     assert fair_share_of(snap, "t") == 0.5
+
+
+def _submitted(spec: JobSpec, at: float) -> JobSubmitted:
+    fields = {f: getattr(spec, f) for f in JobSpec.__struct_fields__}
+    return JobSubmitted(**fields, submitted_at=at)
+
+
+@pytest.mark.parametrize(
+    ("book", "first"),
+    [
+        (None, "busy"),
+        (OPEN, "busy"),
+        (TenantConfig(tenants={"busy": TenantQuota(name="busy", cohort=None, gpus=16)}), "idle"),
+    ],
+)
+def test_only_a_tenant_over_a_listed_quota_queues_behind_the_others(
+    book: TenantConfig | None, first: str
+) -> None:
+    """A tenant holding GPUs in an open book does not borrow: its job keeps its place by its age,
+    its service and the GPUs it holds (``share_s``), not behind every job of a tenant holding none
+    (contention seed 7: a 16-GPU gang of a tenant holding 16 GPUs waited 7,800 s while 16-GPU gangs
+    of idle tenants queued long after it went first). Over a quota the book lists, it does."""
+    snap = two_clusters()  # one 2 x 8 gang fits, on ca's two nodes
+    if book is not None:
+        snap.quota = QuotaBook(book, {})
+    now = snap.now
+    busy = _submitted(job("busy", gpus=8, workers=2, tenant="busy"), now - 2000.0)
+    idle = _submitted(job("idle", gpus=8, workers=2, tenant="idle"), now - 1000.0)
+    # Shares as taken when each was queued: the busy tenant held 8 GPUs (8 x 60 s of virtual start).
+    result = run_cycle(build_framework(), [Q(idle, fair_share=0.0), Q(busy, fair_share=8.0)], snap)
+    assert [p.pending.job.job_id for p in result.placed] == [first]
+    assert [w.pending.job.job_id for w in result.waiting] == [({"busy", "idle"} - {first}).pop()]
+    assert quotas_listed(snap) is (first == "idle")
 
 
 def test_admission_refuses_what_no_cluster_state_could_fix() -> None:

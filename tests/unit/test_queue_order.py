@@ -28,8 +28,8 @@ def spec(job_id: str, *, steps: int, workers: int = 1, gpus: int = 1, priority: 
     )
 
 
-def item(job: JobSpec, at: float, share: float = 0.0) -> QueueItem:
-    return QueueItem(job=job, submitted_at=at, fair_share=share)
+def item(job: JobSpec, at: float, share: float = 0.0, *, quotas: bool = True) -> QueueItem:
+    return QueueItem(job=job, submitted_at=at, fair_share=share, quotas=quotas)
 
 
 def test_service_is_steps_times_step_time_times_gpus() -> None:
@@ -55,6 +55,10 @@ def test_priority_and_the_quota_band_come_before_service() -> None:
     within = item(spec("within", steps=36_000, workers=16), 100.0, share=0.9)
     borrowing = item(spec("borrowing", steps=60), 0.0, share=1.5)
     assert order.sort_key(within) < order.sort_key(borrowing)
+    # In an open book (no quota listed) a share is the GPUs held, not borrowing: no band.
+    holding = item(spec("holding", steps=60), 0.0, share=1.5, quotas=False)
+    assert order.sort_key(holding) < order.sort_key(within)
+    assert order.sort_key(holding)[1] == 0.0
 
 
 def test_a_tenant_using_more_is_pushed_back_by_share_s_per_unit_of_share() -> None:

@@ -728,6 +728,7 @@ class Supervisor:
             self.nats.start()
             nats_url = self.nats.url
             self.state["nats_pid"] = self.nats.pid
+            self.state["nats_monitor_url"] = self.nats.monitor_url
             url = nats_url
             self.watches["nats"] = ServerWatch(
                 "nats", self.nats, on_restart=lambda: self._ensure_streams(url)

@@ -67,6 +67,7 @@ __all__ = [
     "fold_within",
     "grow",
     "progress_end_s",
+    "quotas_listed",
     "reading_delay_s",
     "resized_end_s",
     "retry_after_failure",
@@ -255,6 +256,12 @@ def fair_share_of(snap: Snapshot, tenant: str) -> float:
     return snap.quota.fair_share(tenant) if snap.quota is not None else 0.0
 
 
+def quotas_listed(snap: Snapshot) -> bool:
+    """Whether the quota book lists some tenant's quota (:attr:`QueueItem.quotas`): then a tenant
+    at or over its quota borrows (one without a quota has a nominal 0); in an open book none does."""
+    return snap.quota is not None and bool(snap.quota.config.tenants)
+
+
 def backoff_s(tries: int, settings: CycleSettings) -> float:
     """How long a job that has waited through ``tries`` cycles waits before the next one."""
     return float(min(settings.backoff_s * 2.0 ** min(tries, 16), settings.max_backoff_s))
@@ -298,6 +305,7 @@ def run_cycle(
     items: list[QueueItem] = []
     if probing is not None:
         queue = _gate_probes(result, queue, snap, probing)
+    quotas = quotas_listed(snap)
     for p in queue:
         job = p.job
         if job.job_id in by_id:
@@ -309,6 +317,7 @@ def run_cycle(
                 submitted_at=float(getattr(job, "submitted_at", 0.0) or 0.0),
                 fair_share=p.fair_share if p.fair_share is not None else fair_share_of(snap, job.tenant),
                 attempts=p.attempt,
+                quotas=quotas,
             )
         )
     avoid = {job_id: p.avoid for job_id, p in by_id.items() if p.avoid}

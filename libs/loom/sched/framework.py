@@ -731,6 +731,11 @@ class QueueItem:
     fair_share: float = 0.0
     """The tenant's current share of its quota (lower goes first among equal priorities)."""
     attempts: int = 0
+    quotas: bool = False
+    """Whether the shares are measured against quotas (the quota book lists some,
+    :func:`loom.sched.cycle.quotas_listed`): only then does a share of a whole quota or more mean
+    the tenant borrows. In an open book no tenant has a quota, so none borrows: its share is the
+    GPUs it holds, which orders it among equals, not behind every tenant holding none."""
 
 
 # ---- registry --------------------------------------------------------------------------------

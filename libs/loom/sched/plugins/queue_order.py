@@ -13,7 +13,11 @@ The key of a queued job, taken once when it is queued (lower goes first):
 1. ``-priority``: a higher priority always goes first, as with ``priority_fair_share``;
 2. the tenant's **quota band**: 0 while its fair share (:func:`loom.sched.cycle.fair_share_of`,
    GPUs held over its weighted nominal quota) is under :attr:`ShortestServiceFirst.band` (default
-   1: within its quota), else 1 (borrowing). A tenant within its quota goes before one borrowing;
+   1: within its quota), else 1 (borrowing). A tenant within its quota goes before one borrowing.
+   Only when the quota book lists quotas (:attr:`QueueItem.quotas`): in an open book no tenant
+   has a quota, so none borrows and every job is in band 0 (counted against a nominal of 1, a
+   tenant holding one GPU was "borrowing", and its jobs went behind every job of a tenant holding
+   none, queued however much later);
 3. the **virtual start** ``submitted_at + aging_s x service_gpu_h + share_s x fair_share``: when
    the job was queued, plus ``aging_s`` seconds per GPU-hour of predicted service
    (:func:`service_gpu_s`: steps x reference step time x GPUs), plus ``share_s`` seconds per unit
@@ -105,7 +109,7 @@ class ShortestServiceFirst:
     def sort_key(self, item: QueueItem) -> tuple[float, float, float, str]:
         return (
             -item.job.priority,
-            0.0 if item.fair_share < self.band else 1.0,
+            1.0 if item.quotas and item.fair_share >= self.band else 0.0,
             virtual_start_s(item, self.aging_s) + self.share_s * max(item.fair_share, 0.0),
             item.job.job_id,
         )
