@@ -520,18 +520,31 @@ def nats_counts(monitor_url: str) -> dict[str, int]:
     return {"in": int(varz["in_msgs"]), "out": int(varz["out_msgs"])}
 
 
-async def _nats_settled(monitor_url: str, quiet_s: float = 1.0, limit_s: float = 30.0) -> dict[str, int]:
-    """The counters once the burst's last consequences are through: no message published for
-    ``quiet_s`` beyond the periodic traffic's few (heartbeats, probes), or ``limit_s`` passed."""
+async def _nats_settled(
+    monitor_url: str, quiet_s: float = 1.0, limit_s: float = 30.0
+) -> tuple[dict[str, int], bool]:
+    """The counters once the burst's last consequences are through (fewer messages published in
+    ``quiet_s`` than :data:`NATS_QUIET_MSGS`, the periodic traffic's few), and whether they were:
+    False when ``limit_s`` passed first."""
     last = await asyncio.to_thread(nats_counts, monitor_url)
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
         await asyncio.sleep(quiet_s)
         now = await asyncio.to_thread(nats_counts, monitor_url)
         if now["in"] - last["in"] < NATS_QUIET_MSGS:
-            return now
+            return now, True
         last = now
-    return last
+    return last, False
+
+
+async def _nats_figures(monitor_url: str, before: dict[str, int], jobs: int) -> dict[str, Any]:
+    """``nats_msgs_per_job`` (with ``settled``), or nothing when the monitor does not answer: a
+    counter is a figure, not worth the run it ends."""
+    try:
+        after, settled = await _nats_settled(monitor_url)
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {"nats_msgs_per_job": {**msgs_per_job(before, after, jobs), "settled": settled}}
 
 
 def msgs_per_job(before: dict[str, int], after: dict[str, int], jobs: int) -> dict[str, float]:
@@ -583,7 +596,10 @@ async def _measure(
             base_before = await run.burst("btq", jobs, sampler, baseline=True)
             await asyncio.sleep(1.0)
         stats0 = await _pipeline_stats(client, placement)
-        msgs0 = await asyncio.to_thread(nats_counts, monitor_url) if monitor_url else None
+        try:
+            msgs0 = await asyncio.to_thread(nats_counts, monitor_url) if monitor_url else None
+        except (OSError, ValueError, KeyError):
+            msgs0 = None
         tp = await run.burst("tp", jobs, sampler)
         stats1 = await _pipeline_stats(client, placement)
         result: dict[str, Any] = {
@@ -594,7 +610,7 @@ async def _measure(
         }
         if monitor_url and msgs0 is not None:
             # The whole burst's traffic, the agents' starts and the consumers' folds included.
-            result["nats_msgs_per_job"] = msgs_per_job(msgs0, await _nats_settled(monitor_url), jobs)
+            result.update(await _nats_figures(monitor_url, msgs0, jobs))
         if paced_jobs:
             result.update(
                 await _paced_phase(

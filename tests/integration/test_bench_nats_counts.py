@@ -4,8 +4,8 @@ import asyncio
 
 import nats
 
-from loom.runtime.servers import NatsServer
-from loom_benchmarks.e2e import msgs_per_job, nats_counts
+from loom.runtime.servers import NatsServer, find_free_port
+from loom_benchmarks.e2e import _nats_figures, _nats_settled, msgs_per_job, nats_counts
 
 
 async def test_the_counts_follow_what_was_published_and_delivered(nats_server: NatsServer) -> None:
@@ -37,3 +37,44 @@ async def test_the_counts_follow_what_was_published_and_delivered(nats_server: N
     per_job = msgs_per_job(before, {"in": before["in"] + 50, "out": before["out"] + 100}, 25)
     assert per_job == {"in": 2.0, "out": 4.0}
     assert msgs_per_job(before, before, 0) == {"in": 0.0, "out": 0.0}
+
+
+async def test_the_counts_are_read_once_the_traffic_is_quiet(nats_server: NatsServer) -> None:
+    nc = await nats.connect(nats_server.url)
+    try:
+        before = await asyncio.to_thread(nats_counts, nats_server.monitor_url)
+        for i in range(30):
+            await nc.publish("bench.count.quiet", str(i).encode())
+        await nc.flush()
+        figures = await _nats_figures(nats_server.monitor_url, before, 10)
+    finally:
+        await nc.close()
+    per_job = figures["nats_msgs_per_job"]
+    assert per_job["settled"] is True  # nothing else publishes 200 messages a second here
+    assert per_job["in"] >= 3.0
+
+
+async def test_a_monitor_that_does_not_answer_leaves_the_figure_out() -> None:
+    # A port nothing listens on: the run goes on without the figure.
+    assert await _nats_figures(f"http://127.0.0.1:{find_free_port()}", {"in": 0, "out": 0}, 10) == {}
+
+
+async def test_traffic_that_never_quiets_is_said_to_be_unsettled(nats_server: NatsServer) -> None:
+    nc = await nats.connect(nats_server.url)
+    stop = asyncio.Event()
+
+    async def chatter() -> None:
+        while not stop.is_set():
+            for _ in range(1000):  # far above the 200 a window that count as quiet, however slow
+                await nc.publish("bench.count.busy", b"x")
+            await nc.flush()
+            await asyncio.sleep(0.02)
+
+    task = asyncio.create_task(chatter())
+    try:
+        _, settled = await _nats_settled(nats_server.monitor_url, quiet_s=0.5, limit_s=1.6)
+    finally:
+        stop.set()
+        await task
+        await nc.close()
+    assert settled is False

@@ -15,7 +15,7 @@ from loom.sched.cycle import (
     expiry_avoid,
     fair_share_of,
     fold_within,
-    quotas_listed,
+    quota_standing,
     retry_after_failure,
     run_cycle,
 )
@@ -290,15 +290,20 @@ def _submitted(spec: JobSpec, at: float) -> JobSubmitted:
 
 
 @pytest.mark.parametrize(
-    ("book", "first"),
+    ("book", "busy_share", "first"),
     [
-        (None, "busy"),
-        (OPEN, "busy"),
-        (TenantConfig(tenants={"busy": TenantQuota(name="busy", cohort=None, gpus=16)}), "idle"),
+        (None, 8.0, "busy"),
+        (OPEN, 8.0, "busy"),
+        # 24 GPUs held of a quota of 16: borrowing.
+        (
+            TenantConfig(tenants={t: TenantQuota(name=t, cohort=None, gpus=16) for t in ("busy", "idle")}),
+            1.5,
+            "idle",
+        ),
     ],
 )
 def test_only_a_tenant_over_a_listed_quota_queues_behind_the_others(
-    book: TenantConfig | None, first: str
+    book: TenantConfig | None, busy_share: float, first: str
 ) -> None:
     """A tenant holding GPUs in an open book does not borrow: its job keeps its place by its age,
     its service and the GPUs it holds (``share_s``), not behind every job of a tenant holding none
@@ -310,11 +315,37 @@ def test_only_a_tenant_over_a_listed_quota_queues_behind_the_others(
     now = snap.now
     busy = _submitted(job("busy", gpus=8, workers=2, tenant="busy"), now - 2000.0)
     idle = _submitted(job("idle", gpus=8, workers=2, tenant="idle"), now - 1000.0)
-    # Shares as taken when each was queued: the busy tenant held 8 GPUs (8 x 60 s of virtual start).
-    result = run_cycle(build_framework(), [Q(idle, fair_share=0.0), Q(busy, fair_share=8.0)], snap)
+    # Shares as taken when each was queued (open book: 8 GPUs held, 8 x 60 s of virtual start).
+    result = run_cycle(build_framework(), [Q(idle, fair_share=0.0), Q(busy, fair_share=busy_share)], snap)
     assert [p.pending.job.job_id for p in result.placed] == [first]
     assert [w.pending.job.job_id for w in result.waiting] == [({"busy", "idle"} - {first}).pop()]
-    assert quotas_listed(snap) is (first == "idle")
+    assert quota_standing(snap, "busy") == ((True, True) if first == "idle" else (False, False))
+
+
+def test_tenants_without_a_quota_where_others_have_one_queue_among_themselves_by_age() -> None:
+    """A book listing one tenant's quota on an open platform: the tenants it does not list have no
+    guarantee, so both are behind the listed tenant within its quota, and among themselves the
+    one holding a GPU keeps its earlier place (no band between them)."""
+    snap = two_clusters()
+    snap.quota = QuotaBook(
+        TenantConfig(tenants={"owner": TenantQuota(name="owner", cohort=None, gpus=16)}), {}
+    )
+    now = snap.now
+    holding = _submitted(job("holding", gpus=8, workers=2, tenant="u1"), now - 2000.0)
+    empty = _submitted(job("empty", gpus=8, workers=2, tenant="u2"), now - 1000.0)
+    result = run_cycle(build_framework(), [Q(empty, fair_share=0.0), Q(holding, fair_share=1.0)], snap)
+    assert [p.pending.job.job_id for p in result.placed] == ["holding"]
+    assert quota_standing(snap, "u1") == (True, False)
+    # The listed tenant within its quota goes first, though queued last.
+    owner = _submitted(job("owner", gpus=8, workers=2, tenant="owner"), now - 10.0)
+    snap2 = two_clusters()
+    snap2.quota = snap.quota
+    result = run_cycle(
+        build_framework(),
+        [Q(empty, fair_share=0.0), Q(holding, fair_share=1.0), Q(owner, fair_share=0.0)],
+        snap2,
+    )
+    assert [p.pending.job.job_id for p in result.placed] == ["owner"]
 
 
 def test_admission_refuses_what_no_cluster_state_could_fix() -> None:

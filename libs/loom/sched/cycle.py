@@ -67,7 +67,7 @@ __all__ = [
     "fold_within",
     "grow",
     "progress_end_s",
-    "quotas_listed",
+    "quota_standing",
     "reading_delay_s",
     "resized_end_s",
     "retry_after_failure",
@@ -256,10 +256,14 @@ def fair_share_of(snap: Snapshot, tenant: str) -> float:
     return snap.quota.fair_share(tenant) if snap.quota is not None else 0.0
 
 
-def quotas_listed(snap: Snapshot) -> bool:
-    """Whether the quota book lists some tenant's quota (:attr:`QueueItem.quotas`): then a tenant
-    at or over its quota borrows (one without a quota has a nominal 0); in an open book none does."""
-    return snap.quota is not None and bool(snap.quota.config.tenants)
+def quota_standing(snap: Snapshot, tenant: str) -> tuple[bool, bool]:
+    """Whether the quota book lists quotas, and whether ``tenant`` has one of its own
+    (:attr:`QueueItem.quotas`, :attr:`QueueItem.listed`): with quotas listed, a tenant at or over
+    its quota borrows, and so does one without a quota, whatever it holds; in an open book none
+    does."""
+    if snap.quota is None or not snap.quota.config.tenants:
+        return False, False
+    return True, tenant in snap.quota.config.tenants
 
 
 def backoff_s(tries: int, settings: CycleSettings) -> float:
@@ -305,12 +309,12 @@ def run_cycle(
     items: list[QueueItem] = []
     if probing is not None:
         queue = _gate_probes(result, queue, snap, probing)
-    quotas = quotas_listed(snap)
     for p in queue:
         job = p.job
         if job.job_id in by_id:
             continue
         by_id[job.job_id] = p
+        quotas, listed = quota_standing(snap, job.tenant)
         items.append(
             QueueItem(
                 job=job,
@@ -318,6 +322,7 @@ def run_cycle(
                 fair_share=p.fair_share if p.fair_share is not None else fair_share_of(snap, job.tenant),
                 attempts=p.attempt,
                 quotas=quotas,
+                listed=listed,
             )
         )
     avoid = {job_id: p.avoid for job_id, p in by_id.items() if p.avoid}

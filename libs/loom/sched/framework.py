@@ -732,10 +732,14 @@ class QueueItem:
     """The tenant's current share of its quota (lower goes first among equal priorities)."""
     attempts: int = 0
     quotas: bool = False
-    """Whether the shares are measured against quotas (the quota book lists some,
-    :func:`loom.sched.cycle.quotas_listed`): only then does a share of a whole quota or more mean
-    the tenant borrows. In an open book no tenant has a quota, so none borrows: its share is the
-    GPUs it holds, which orders it among equals, not behind every tenant holding none."""
+    """Whether the quota book lists quotas (:func:`loom.sched.cycle.quota_standing`): only then is
+    a tenant ever "borrowing" (the queue's quota band). In an open book no tenant has a quota, so
+    none borrows: its share is the GPUs it holds, which orders it among equals, not behind every
+    tenant holding none. Built outside ``run_cycle`` and the simulator, set it (and ``listed``)
+    from the book, or the band is off."""
+    listed: bool = False
+    """Whether the tenant has a quota of its own in the book: one that has not, where the book lists
+    others, has no guarantee and is in the borrowing band whatever it holds."""
 
 
 # ---- registry --------------------------------------------------------------------------------

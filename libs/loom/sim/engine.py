@@ -135,7 +135,7 @@ from loom.sched.cycle import (
     fair_share_of,
     grow_around,
     progress_end_s,
-    quotas_listed,
+    quota_standing,
     run_cycle,
 )
 from loom.sched.elastic import resized_end_s
@@ -911,8 +911,9 @@ class _Simulation:
             # Its place in the queue is its submission's: a DAG's stage, released when its parents
             # end, keeps its DAG's (placement's rule: dag.expand copies the DAG's submitted_at).
             submitted = min(job.sim.arrival_s, self.t)
+            quotas, listed = quota_standing(self.snap, job.spec.tenant)
             job.item = dataclasses.replace(
-                job.item, submitted_at=submitted, fair_share=share, quotas=quotas_listed(self.snap)
+                job.item, submitted_at=submitted, fair_share=share, quotas=quotas, listed=listed
             )
             job.key = self.sort_key(job.item)
         if self.probe is not None and self._held_for_probes(job, job.item.submitted_at):

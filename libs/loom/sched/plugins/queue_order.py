@@ -17,7 +17,9 @@ The key of a queued job, taken once when it is queued (lower goes first):
    Only when the quota book lists quotas (:attr:`QueueItem.quotas`): in an open book no tenant
    has a quota, so none borrows and every job is in band 0 (counted against a nominal of 1, a
    tenant holding one GPU was "borrowing", and its jobs went behind every job of a tenant holding
-   none, queued however much later);
+   none, queued however much later). Where the book lists quotas, a tenant without one of its own
+   (admitted by an open platform) has no guarantee: it is always in band 1, so tenants without a
+   quota are ordered among themselves by their virtual start, not by which holds nothing;
 3. the **virtual start** ``submitted_at + aging_s x service_gpu_h + share_s x fair_share``: when
    the job was queued, plus ``aging_s`` seconds per GPU-hour of predicted service
    (:func:`service_gpu_s`: steps x reference step time x GPUs), plus ``share_s`` seconds per unit
@@ -89,6 +91,14 @@ def overtake_window_s(
     return aging_s * service_gpu_s(job) / 3600.0 + share_s * max(share, 0.0)
 
 
+def _band(item: QueueItem, band: float) -> float:
+    """The quota band: 1 for a tenant borrowing (at or over ``band`` of its quota, or without a
+    quota where the book lists others), 0 otherwise; always 0 in an open book."""
+    if not item.quotas:
+        return 0.0
+    return 1.0 if not item.listed or item.fair_share >= band else 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class ShortestServiceFirst:
     """Queue sort: priority, fair-share band, virtual start (see the module docstring)."""
@@ -109,7 +119,7 @@ class ShortestServiceFirst:
     def sort_key(self, item: QueueItem) -> tuple[float, float, float, str]:
         return (
             -item.job.priority,
-            1.0 if item.quotas and item.fair_share >= self.band else 0.0,
+            _band(item, self.band),
             virtual_start_s(item, self.aging_s) + self.share_s * max(item.fair_share, 0.0),
             item.job.job_id,
         )
