@@ -52,9 +52,10 @@ from loom_proto.jobs import Affinity, JobSpec, JobSubmitted, Resources, Work
 
 BURST_BATCH = 256
 """Submissions the burst publishes at once (their acks awaited together)."""
-NATS_QUIET_MSGS = 200
-"""Fewer messages than this in a second: the burst's consequences are through (the periodic
-traffic of the default stack, heartbeats and probes, is a few dozen a second)."""
+JOB_STREAMS = ("REQUESTS", "JOBS", "CLUSTERS")
+"""The streams a job's path goes through: once every consumer of theirs has nothing pending,
+the burst's consequences are through (the running jobs' periodic reports are consumed as they
+come; a rate threshold was not enough: 3,000 running jobs report over 200 messages a second)."""
 
 PACED_SETTLE_S = 10.0
 """Pause between the burst's jobs all running and the paced phase (the stack's backlog drains)."""
@@ -520,28 +521,43 @@ def nats_counts(monitor_url: str) -> dict[str, int]:
     return {"in": int(varz["in_msgs"]), "out": int(varz["out_msgs"])}
 
 
+def consumers_pending(monitor_url: str, streams: tuple[str, ...] = JOB_STREAMS) -> int:
+    """Messages the consumers of ``streams`` have not been delivered or have not acked, summed
+    (``/jsz?consumers=true``)."""
+    with urllib.request.urlopen(f"{monitor_url}/jsz?consumers=true", timeout=5) as reply:
+        jsz = json.loads(reply.read())
+    return sum(
+        int(c.get("num_pending", 0)) + int(c.get("num_ack_pending", 0))
+        for account in jsz.get("account_details") or []
+        for stream in account.get("stream_detail") or []
+        if stream.get("name") in streams
+        for c in stream.get("consumer_detail") or []
+    )
+
+
 async def _nats_settled(
-    monitor_url: str, quiet_s: float = 1.0, limit_s: float = 30.0
+    monitor_url: str, quiet_s: float = 0.5, limit_s: float = 30.0, streams: tuple[str, ...] = JOB_STREAMS
 ) -> tuple[dict[str, int], bool]:
-    """The counters once the burst's last consequences are through (fewer messages published in
-    ``quiet_s`` than :data:`NATS_QUIET_MSGS`, the periodic traffic's few), and whether they were:
-    False when ``limit_s`` passed first."""
-    last = await asyncio.to_thread(nats_counts, monitor_url)
+    """The counters once the burst's last consequences are through: every consumer of the job
+    streams caught up at two readings ``quiet_s`` apart; and whether that happened (False: the
+    counters when ``limit_s`` passed)."""
     deadline = time.monotonic() + limit_s
+    idle = 0
     while time.monotonic() < deadline:
+        idle = idle + 1 if await asyncio.to_thread(consumers_pending, monitor_url, streams) == 0 else 0
+        if idle >= 2:
+            return await asyncio.to_thread(nats_counts, monitor_url), True
         await asyncio.sleep(quiet_s)
-        now = await asyncio.to_thread(nats_counts, monitor_url)
-        if now["in"] - last["in"] < NATS_QUIET_MSGS:
-            return now, True
-        last = now
-    return last, False
+    return await asyncio.to_thread(nats_counts, monitor_url), False
 
 
-async def _nats_figures(monitor_url: str, before: dict[str, int], jobs: int) -> dict[str, Any]:
+async def _nats_figures(
+    monitor_url: str, before: dict[str, int], jobs: int, streams: tuple[str, ...] = JOB_STREAMS
+) -> dict[str, Any]:
     """``nats_msgs_per_job`` (with ``settled``), or nothing when the monitor does not answer: a
     counter is a figure, not worth the run it ends."""
     try:
-        after, settled = await _nats_settled(monitor_url)
+        after, settled = await _nats_settled(monitor_url, streams=streams)
     except (OSError, ValueError, KeyError):
         return {}
     return {"nats_msgs_per_job": {**msgs_per_job(before, after, jobs), "settled": settled}}
