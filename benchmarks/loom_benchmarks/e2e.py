@@ -624,7 +624,7 @@ async def _measure(
             "placement_phases_burst": phases_between(stats0, stats1),
             "placement_gc_burst": gc_between(stats0, stats1),
         }
-        if monitor_url and msgs0 is not None:
+        if monitor_url is not None and msgs0 is not None:
             # The whole burst's traffic, the agents' starts and the consumers' folds included.
             result.update(await _nats_figures(monitor_url, msgs0, jobs))
         if paced_jobs:

@@ -3,6 +3,7 @@
 import asyncio
 
 import nats
+from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, StreamConfig
 
 from loom.runtime.servers import NatsServer, find_free_port
@@ -14,8 +15,8 @@ async def test_the_counts_follow_what_was_published_and_delivered(nats_server: N
     try:
         got: list[bytes] = []
 
-        async def on(msg: object) -> None:
-            got.append(msg.data)  # type: ignore[attr-defined]
+        async def on(msg: Msg) -> None:
+            got.append(msg.data)
 
         await nc.subscribe("bench.count.test", cb=on)
         await nc.flush()

@@ -29,7 +29,7 @@ def spec(job_id: str, *, steps: int, workers: int = 1, gpus: int = 1, priority: 
 
 
 def item(job: JobSpec, at: float, share: float = 0.0, *, quotas: bool = True) -> QueueItem:
-    return QueueItem(job=job, submitted_at=at, fair_share=share, quotas=quotas, listed=quotas)
+    return QueueItem(job=job, submitted_at=at, fair_share=share, own_quota=True if quotas else None)
 
 
 def test_service_is_steps_times_step_time_times_gpus() -> None:
@@ -60,7 +60,7 @@ def test_priority_and_the_quota_band_come_before_service() -> None:
     assert order.sort_key(holding) < order.sort_key(within)
     assert order.sort_key(holding)[1] == 0.0
     # A tenant without a quota where the book lists others: borrowing, whatever it holds.
-    unlisted = QueueItem(job=spec("unlisted", steps=60), submitted_at=0.0, fair_share=0.0, quotas=True)
+    unlisted = QueueItem(job=spec("unlisted", steps=60), submitted_at=0.0, fair_share=0.0, own_quota=False)
     assert order.sort_key(unlisted)[1] == 1.0
     assert order.sort_key(within) < order.sort_key(unlisted)
 

@@ -108,10 +108,11 @@ def spec_from_mapping(raw: Mapping[str, Any], *, default_tenant: str | None = No
     """Validate one job spec; a missing ``job_id`` becomes ``<name or 'job'>-<random>``."""
     try:
         # Fast: a text holding a surrogate is refused by the encoder (~1 us a spec, the walk
-        # below ~40 us); anything it cannot encode goes the walk's way too.
+        # below ~40 us); anything it cannot encode (a surrogate, a key or value of another type)
+        # goes the walk's way, which raises as before for what is not a spec.
         msgspec.json.encode(raw)
         data = dict(raw)
-    except Exception:
+    except (ValueError, TypeError, OverflowError, msgspec.EncodeError):
         try:
             data = dict(_whole_characters(dict(raw)))
         except SpecError as exc:

@@ -256,14 +256,13 @@ def fair_share_of(snap: Snapshot, tenant: str) -> float:
     return snap.quota.fair_share(tenant) if snap.quota is not None else 0.0
 
 
-def quota_standing(snap: Snapshot, tenant: str) -> tuple[bool, bool]:
-    """Whether the quota book lists quotas, and whether ``tenant`` has one of its own
-    (:attr:`QueueItem.quotas`, :attr:`QueueItem.listed`): with quotas listed, a tenant at or over
-    its quota borrows, and so does one without a quota, whatever it holds; in an open book none
-    does."""
+def quota_standing(snap: Snapshot, tenant: str) -> bool | None:
+    """:attr:`QueueItem.own_quota`: None when the quota book lists no quota (no tenant borrows),
+    else whether ``tenant`` has one of its own (with quotas listed, a tenant at or over its quota
+    borrows, and so does one without a quota, whatever it holds)."""
     if snap.quota is None or not snap.quota.config.tenants:
-        return False, False
-    return True, tenant in snap.quota.config.tenants
+        return None
+    return tenant in snap.quota.config.tenants
 
 
 def backoff_s(tries: int, settings: CycleSettings) -> float:
@@ -314,15 +313,13 @@ def run_cycle(
         if job.job_id in by_id:
             continue
         by_id[job.job_id] = p
-        quotas, listed = quota_standing(snap, job.tenant)
         items.append(
             QueueItem(
                 job=job,
                 submitted_at=float(getattr(job, "submitted_at", 0.0) or 0.0),
                 fair_share=p.fair_share if p.fair_share is not None else fair_share_of(snap, job.tenant),
                 attempts=p.attempt,
-                quotas=quotas,
-                listed=listed,
+                own_quota=quota_standing(snap, job.tenant),
             )
         )
     avoid = {job_id: p.avoid for job_id, p in by_id.items() if p.avoid}

@@ -731,15 +731,13 @@ class QueueItem:
     fair_share: float = 0.0
     """The tenant's current share of its quota (lower goes first among equal priorities)."""
     attempts: int = 0
-    quotas: bool = False
-    """Whether the quota book lists quotas (:func:`loom.sched.cycle.quota_standing`): only then is
-    a tenant ever "borrowing" (the queue's quota band). In an open book no tenant has a quota, so
-    none borrows: its share is the GPUs it holds, which orders it among equals, not behind every
-    tenant holding none. Built outside ``run_cycle`` and the simulator, set it (and ``listed``)
-    from the book, or the band is off."""
-    listed: bool = False
-    """Whether the tenant has a quota of its own in the book: one that has not, where the book lists
-    others, has no guarantee and is in the borrowing band whatever it holds."""
+    own_quota: bool | None = None
+    """The tenant's standing in the quota book (:func:`loom.sched.cycle.quota_standing`): None
+    when the book lists no quota (an open book: no tenant borrows, and its share is the GPUs it
+    holds, which orders it among equals, not behind every tenant holding none); True when the
+    tenant has a quota of its own (it borrows at or over it); False when the book lists others' but
+    not its (no guarantee: it is in the borrowing band whatever it holds). Built outside
+    ``run_cycle`` and the simulator, set it from the book, or the quota band is off."""
 
 
 # ---- registry --------------------------------------------------------------------------------

@@ -911,9 +911,11 @@ class _Simulation:
             # Its place in the queue is its submission's: a DAG's stage, released when its parents
             # end, keeps its DAG's (placement's rule: dag.expand copies the DAG's submitted_at).
             submitted = min(job.sim.arrival_s, self.t)
-            quotas, listed = quota_standing(self.snap, job.spec.tenant)
             job.item = dataclasses.replace(
-                job.item, submitted_at=submitted, fair_share=share, quotas=quotas, listed=listed
+                job.item,
+                submitted_at=submitted,
+                fair_share=share,
+                own_quota=quota_standing(self.snap, job.spec.tenant),
             )
             job.key = self.sort_key(job.item)
         if self.probe is not None and self._held_for_probes(job, job.item.submitted_at):

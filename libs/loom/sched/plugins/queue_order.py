@@ -14,7 +14,7 @@ The key of a queued job, taken once when it is queued (lower goes first):
 2. the tenant's **quota band**: 0 while its fair share (:func:`loom.sched.cycle.fair_share_of`,
    GPUs held over its weighted nominal quota) is under :attr:`ShortestServiceFirst.band` (default
    1: within its quota), else 1 (borrowing). A tenant within its quota goes before one borrowing.
-   Only when the quota book lists quotas (:attr:`QueueItem.quotas`): in an open book no tenant
+   Only when the quota book lists quotas (:attr:`QueueItem.own_quota`): in an open book no tenant
    has a quota, so none borrows and every job is in band 0 (counted against a nominal of 1, a
    tenant holding one GPU was "borrowing", and its jobs went behind every job of a tenant holding
    none, queued however much later). Where the book lists quotas, a tenant without one of its own
@@ -94,9 +94,9 @@ def overtake_window_s(
 def _band(item: QueueItem, band: float) -> float:
     """The quota band: 1 for a tenant borrowing (at or over ``band`` of its quota, or without a
     quota where the book lists others), 0 otherwise; always 0 in an open book."""
-    if not item.quotas:
+    if item.own_quota is None:
         return 0.0
-    return 1.0 if not item.listed or item.fair_share >= band else 0.0
+    return 1.0 if not item.own_quota or item.fair_share >= band else 0.0
 
 
 @dataclass(frozen=True, slots=True)
