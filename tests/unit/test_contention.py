@@ -19,6 +19,7 @@ from loom.sched.plugins.network import (
     SpanGuard,
     spread_cost_s,
     waits_behind_queue,
+    waits_for_pool_alone,
 )
 from loom.sched.plugins.packing import FreeFit, HoleFit, PoolFit
 from loom.sched.plugins.resources import ResourceFit
@@ -497,13 +498,50 @@ def test_while_other_jobs_wait_a_single_worker_waits_as_a_gang_does_behind_the_q
     # 1,000 s on T4 now against 100 s of wait + 100 s on A100: at least 3x, so it waits.
     waits = decide(10.0)
     assert waits.decision is None and waits.status.wait_s == pytest.approx(100.0)  # type: ignore[attr-defined]
-    # T4 3x slower than A100 (333 s there): 1,000 s against 100 + 333 s is under 3x: T4 now. (The
-    # rule before 2026-12-03 compared the runs alone, 3x, and waited here.)
-    starts = decide(3.0)
+    # T4 1.5x slower than A100 (667 s there): 1,000 s against 100 + 667 s is under 3x, and 0.9 x
+    # 1,000 s is under 3 x 100 + 667 s: T4 now.
+    starts = decide(1.5)
     assert starts.decision is not None and starts.decision.parts[0].gpu_model == SLOW  # type: ignore[attr-defined]
-    # A bound of 2 makes that wait pay.
-    lax = decide(3.0, queue_slowdown=2.0)
+    # A bound of 1.2 on the wait alone makes that wait pay (900 >= 120 + 667).
+    lax = decide(1.5, queue_slowdown=1.2)
     assert lax.decision is None  # type: ignore[attr-defined]
+
+
+def test_under_a_queue_a_job_waits_by_its_wait_alone_unless_the_pool_is_a_queued_jobs_only_one() -> None:
+    nodes = [node("a0", "ca", used=8), node("b0", "cb", model=SLOW)]
+    runs = [running("busy", ("a0", 8), ends_in_s=100.0)]
+    single = gang(workers=1)  # one worker of 4 GPUs
+    me = (0, NOW, "g")
+
+    def decide(queued_pools: tuple[str, ...]) -> object:
+        busy = snapshot(nodes, runs, fast_speed=3.0)  # 333 s on A100, 1,000 s on T4
+        pools = np.zeros((len(busy.clusters), len(busy.models)), dtype=np.bool_)
+        for cluster, model in (("ca", FAST), ("cb", SLOW)):
+            if cluster in queued_pools:
+                pools[busy.cluster_index[cluster], busy.model_index[model]] = True
+        # A queued 8-GPU job behind this one (its key comes later), allowed the pools named.
+        busy.queued["big"] = QueuedShape("big", (0, NOW + 10.0, "big"), 1, 8, pools, gang("big", 1, 8), 10**4)
+        busy.waiting.add("big")
+        framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())])
+        return framework.schedule(single, busy, submitted_at=NOW, queue_key=me)
+
+    # 1,000 s now against 100 s of wait + 333 s on A100: under 3x the two together (the first bar),
+    # but 0.9 x 1,000 s >= 3 x 100 + 333 s (the wait alone): it waits, as the queued job may use T4 too.
+    both = decide(("ca", "cb"))
+    assert both.decision is None and both.status.wait_s == pytest.approx(100.0)  # type: ignore[attr-defined]
+    # The queued job can use only the A100 pool: taking that pool from it needs the first bar; T4 now.
+    only = decide(("ca",))
+    assert only.decision is not None and only.decision.parts[0].gpu_model == SLOW  # type: ignore[attr-defined]
+    # The queued job can use only T4: the A100 pool is nobody's only one, so the job waits for it.
+    other = decide(("cb",))
+    assert other.decision is None  # type: ignore[attr-defined]
+
+
+def test_a_job_may_wait_by_its_wait_alone_only_where_that_pays_by_the_factor() -> None:
+    assert waits_for_pool_alone(1000.0, 100.0, 600.0, 3.0)  # 900 >= 300 + 600
+    assert not waits_for_pool_alone(1000.0, 100.0, 601.0, 3.0)
+    assert waits_for_pool_alone(1000.0, 100.0, 700.0, 3.0, margin=0.0)
+    assert not waits_for_pool_alone(1000.0, math.inf, 1.0, 1.0)
 
 
 def test_a_gang_waits_under_a_queue_only_when_starting_now_takes_the_bound_times_its_wait_plus_run() -> None:

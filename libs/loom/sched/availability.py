@@ -42,6 +42,7 @@ __all__ = [
     "queue_for_pool",
     "releases",
     "room_at_s",
+    "sole_pool_of_queued",
 ]
 
 
@@ -285,6 +286,23 @@ def _soonest_alone(snap: Snapshot, shape: QueuedShape) -> tuple[FloatArray, floa
     best = float(waits[pools].min()) if pools.any() else math.inf
     table.best[shape.job_id] = (table.stamp, raw, best)
     return waits, best
+
+
+def sole_pool_of_queued(snap: Snapshot, cluster: int, model: int, *, exclude: str = "") -> bool:
+    """Whether some queued job (``Snapshot.queued``, other than ``exclude``) has pool (``cluster``,
+    ``model``) as the only pool its rules allow that could ever hold it (:func:`expected_wait_s`
+    alone finite there and nowhere else)."""
+    for shape in snap.queued.values():
+        if shape.job_id == exclude or shape.pools.shape != snap.free_sum.shape:
+            continue
+        if not shape.pools[cluster, model]:
+            continue
+        waits, _ = _soonest_alone(snap, shape)
+        if not math.isfinite(float(waits[cluster, model])):
+            continue
+        if int(np.isfinite(waits[shape.pools]).sum()) == 1:
+            return True
+    return False
 
 
 def queue_for_pool(
