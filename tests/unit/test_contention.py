@@ -502,7 +502,7 @@ def test_while_other_jobs_wait_a_single_worker_waits_as_a_gang_does_behind_the_q
     # 1,000 s is under 3 x 100 + 667 s: T4 now.
     starts = decide(1.5)
     assert starts.decision is not None and starts.decision.parts[0].gpu_model == SLOW  # type: ignore[attr-defined]
-    # A bound of 1.2 on the wait alone makes that wait pay (900 >= 120 + 667).
+    # A bound of 1.2 makes that wait pay by the first bar (1,000 >= 1.2 x 767).
     lax = decide(1.5, queue_slowdown=1.2)
     assert lax.decision is None  # type: ignore[attr-defined]
 
@@ -513,7 +513,7 @@ def test_under_a_queue_a_job_waits_by_its_wait_alone_unless_the_pool_is_a_queued
     single = gang(workers=1)  # one worker of 4 GPUs
     me = (0, NOW, "g")
 
-    def decide(queued_pools: tuple[str, ...]) -> object:
+    def decide(queued_pools: tuple[str, ...], *, still_waiting: bool = True, probe: bool = False) -> object:
         busy = snapshot(nodes, runs, fast_speed=3.0)  # 333 s on A100, 1,000 s on T4
         pools = np.zeros((len(busy.clusters), len(busy.models)), dtype=np.bool_)
         for cluster, model in (("ca", FAST), ("cb", SLOW)):
@@ -521,7 +521,14 @@ def test_under_a_queue_a_job_waits_by_its_wait_alone_unless_the_pool_is_a_queued
                 pools[busy.cluster_index[cluster], busy.model_index[model]] = True
         # A queued 8-GPU job behind this one (its key comes later), allowed the pools named.
         busy.queued["big"] = QueuedShape("big", (0, NOW + 10.0, "big"), 1, 8, pools, gang("big", 1, 8), 10**4)
-        busy.waiting.add("big")
+        busy.waiting.add("big" if still_waiting else "someone-else")
+        if probe:
+            busy.probes.add("big")
+        # The job itself queued for A100 alone: its own shape never counts against it.
+        own = np.zeros_like(pools)
+        own[busy.cluster_index["ca"], busy.model_index[FAST]] = True
+        busy.queued["g"] = QueuedShape("g", me, 1, 4, own, single, 1000.0)
+        busy.waiting.add("g")
         framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=WaitBook())])
         return framework.schedule(single, busy, submitted_at=NOW, queue_key=me)
 
@@ -535,6 +542,11 @@ def test_under_a_queue_a_job_waits_by_its_wait_alone_unless_the_pool_is_a_queued
     # The queued job can use only T4: the A100 pool is nobody's only one, so the job waits for it.
     other = decide(("cb",))
     assert other.decision is None  # type: ignore[attr-defined]
+    # A shape left behind by a job no longer waiting, or a speed probe's, does not count.
+    stale = decide(("ca",), still_waiting=False)
+    assert stale.decision is None  # type: ignore[attr-defined]
+    probe = decide(("ca",), probe=True)
+    assert probe.decision is None  # type: ignore[attr-defined]
 
 
 def test_a_job_may_wait_by_its_wait_alone_only_where_that_pays_by_the_factor() -> None:

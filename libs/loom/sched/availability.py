@@ -288,21 +288,69 @@ def _soonest_alone(snap: Snapshot, shape: QueuedShape) -> tuple[FloatArray, floa
     return waits, best
 
 
-def sole_pool_of_queued(snap: Snapshot, cluster: int, model: int, *, exclude: str = "") -> bool:
-    """Whether some queued job (``Snapshot.queued``, other than ``exclude``) has pool (``cluster``,
-    ``model``) as the only pool its rules allow that could ever hold it (:func:`expected_wait_s`
-    alone finite there and nowhere else)."""
+@dataclass(slots=True)
+class _SoleTable:
+    """Per snapshot: how many queued jobs have each pool as their only one, and which pool each has."""
+
+    key: tuple[object, ...]
+    counts: IntArray
+    pool_of: dict[str, int]
+    """Job id -> the flat index of its only pool (jobs with one)."""
+
+
+_SOLE: "weakref.WeakKeyDictionary[Snapshot, _SoleTable]" = weakref.WeakKeyDictionary()
+
+
+def _sole_table(snap: Snapshot) -> _SoleTable:
+    """:class:`_SoleTable` of ``snap``, rebuilt when the queue, the clock, the releases or the pools
+    changed (shapes of one (workers, GPUs per worker, allowed pools) are judged once)."""
+    rel = releases(snap)
+    key = (
+        snap.queued.version,
+        len(snap.waiting),
+        len(snap.probes),
+        snap.now,
+        id(rel),
+        snap.pool_version.tobytes(),
+    )
+    table = _SOLE.get(snap)
+    if table is not None and table.key == key:
+        return table
+    counts = np.zeros(snap.free_sum.size, dtype=np.int64)
+    pool_of: dict[str, int] = {}
+    judged: dict[tuple[int, int, bytes], int] = {}
     for shape in snap.queued.values():
-        if shape.job_id == exclude or shape.pools.shape != snap.free_sum.shape:
+        # As the queue is read elsewhere: only jobs still waiting (an entry may outlive its job),
+        # no speed probes (one waits for the one GPU model it measures, by design).
+        if shape.job_id not in snap.waiting or shape.job_id in snap.probes:
             continue
-        if not shape.pools[cluster, model]:
+        if shape.pools.shape != snap.free_sum.shape:
             continue
-        waits, _ = _soonest_alone(snap, shape)
-        if not math.isfinite(float(waits[cluster, model])):
-            continue
-        if int(np.isfinite(waits[shape.pools]).sum()) == 1:
-            return True
-    return False
+        group = (shape.workers, shape.per_worker, shape.pools.tobytes())
+        sole = judged.get(group)
+        if sole is None:
+            waits, _ = _soonest_alone(snap, shape)
+            usable = np.flatnonzero(np.isfinite(waits) & shape.pools)
+            sole = judged[group] = int(usable[0]) if usable.size == 1 else -1
+        if sole >= 0:
+            counts[sole] += 1
+            pool_of[shape.job_id] = sole
+    table = _SOLE[snap] = _SoleTable(key, counts, pool_of)
+    return table
+
+
+def sole_pool_of_queued(snap: Snapshot, cluster: int, model: int, *, exclude: str = "") -> bool:
+    """Whether some job still queued (``Snapshot.queued`` and ``waiting``; not a speed probe; other
+    than ``exclude``) has pool (``cluster``, ``model``) as the only pool its rules allow where the
+    known releases ever make room for it (:func:`expected_wait_s` alone finite there and nowhere
+    else; a pool held by jobs with no predicted end reads as never, so such a job may have another
+    pool in fact). Kept per snapshot (:class:`_SoleTable`)."""
+    table = _sole_table(snap)
+    flat = cluster * snap.free_sum.shape[1] + model
+    count = int(table.counts[flat])
+    if exclude and table.pool_of.get(exclude) == flat:
+        count -= 1
+    return count > 0
 
 
 def queue_for_pool(

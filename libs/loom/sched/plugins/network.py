@@ -715,16 +715,18 @@ WAIT_MARGIN = 0.1
 QUEUE_SLOWDOWN = 3.0
 """While other jobs wait, a job (gang or single worker) waits for faster GPUs when starting now
 would take at least this many times as long as its wait behind the queue plus its run there; or,
-where no queued job has that pool as its only one, when starting now (less ``WAIT_MARGIN``) would
-take at least this many times its wait plus its run there (:func:`waits_for_pool_alone`; see
-:class:`SpanGuard`)."""
+where no queued job has that pool as its only one, when starting now (less the guard's ``margin``,
+``WAIT_MARGIN`` by default) would take at least this many times its wait plus its run there
+(:func:`waits_for_pool_alone`; see :class:`SpanGuard`)."""
 
 
 def waits_behind_queue(busy_now_s: float, completion_behind_s: float, queue_slowdown: float) -> bool:
-    """Whether a job in one cluster, a gang or a single worker, may wait for faster GPUs while other
-    jobs wait: when starting now would take at least ``queue_slowdown`` times as long as waiting
-    behind the queue and then running there (``completion_behind_s``: the pool's expected wait once
-    the queued jobs ahead of it have taken their room, :func:`behind_queue`, plus the run there).
+    """The first way a job in one cluster, a gang or a single worker, may wait for faster GPUs while
+    other jobs wait (the second, looser one: :func:`waits_for_pool_alone`, for pools no queued job
+    has as its only one): when starting now would take at least ``queue_slowdown`` times as long as
+    waiting behind the queue and then running there (``completion_behind_s``: the pool's expected
+    wait once the queued jobs ahead of it have taken their room, :func:`behind_queue`, plus the run
+    there).
 
     A single worker followed a rule of its own until 2026-12-04: it waited whenever the slower GPUs
     would take ``queue_slowdown`` x as long to run, whatever its wait. On a truth that disagrees
@@ -740,9 +742,11 @@ def waits_behind_queue(busy_now_s: float, completion_behind_s: float, queue_slow
     opt-in backfill plugin, which keeps them, loses), so they go to the queue's jobs ahead of it
     (measured on ``loom bench contention`` ``small3`` net at loads 1.0 and 1.2, seeds 1-3, 108
     gangs held back when the wait left the queue out: predicted wait 251 s on average, actual 686
-    s, 28 % never got the pool). The queue-aware wait counts the jobs ahead; the factor covers what
-    it still cannot see (jobs behind that fit a partial release, arrivals that the queue order puts
-    ahead). Chosen on grid seeds 0-4 and contention seeds 1-3 (margins against greedy_compute,
+    s, 28 % never got the pool). The queue-aware wait counts the jobs ahead; the factor was to cover
+    what it still cannot see (jobs behind that fit a partial release, arrivals that the queue order
+    puts ahead). Measured again on 2026-12-06 (late night), the jobs that wait now get room sooner
+    than predicted (:func:`waits_for_pool_alone`): the factor works as a bar on giving up idle
+    slower GPUs. Chosen on grid seeds 0-4 and contention seeds 1-3 (margins against greedy_compute,
     gavel_like and first_fit): with the plain margin (wait plus run 10 % sooner) the contention
     bench lost 2.8 points on average (-27 on small3/net/0.5), with 2x 0.7, with 3x it gained 0.2
     (worst cell -4.6, wide6/net/1.0) and kept most of the grid's gain. Held out (contention seeds
@@ -1208,7 +1212,9 @@ class SpanGuard:
     ) -> PoolOption | None:
         """While other jobs wait: the option to wait for, or None (start now): the best option
         behind the queue ahead of the job, gang or single worker, when it pays by
-        ``queue_slowdown`` x (:func:`behind_queue`, :func:`waits_behind_queue`)."""
+        ``queue_slowdown`` x its wait plus run (:func:`behind_queue`, :func:`waits_behind_queue`),
+        or by that factor on its wait alone where no queued job has that pool as its only one
+        (:func:`waits_for_pool_alone`, :func:`~loom.sched.availability.sole_pool_of_queued`)."""
         if not self.queue_aware or state.queue_key is None:
             return None
         # Every pool that ends sooner than starting now is a candidate (a queue may lengthen the
@@ -1235,7 +1241,7 @@ class SpanGuard:
         if not waits_for_pool_alone(busy_now, behind.wait_s, behind.busy_s, self.queue_slowdown, self.margin):
             return None
         if sole_pool_of_queued(state.snapshot, behind.cluster, behind.model, exclude=state.job.job_id):
-            return None  # a queued job can go nowhere else: the stricter bar (waits_for_pool_alone)
+            return None  # a queued job can go nowhere else: only the stricter waits_behind_queue
         return behind
 
     def _spread(
