@@ -290,40 +290,28 @@ def _soonest_alone(snap: Snapshot, shape: QueuedShape) -> tuple[FloatArray, floa
 
 @dataclass(slots=True)
 class _SoleTable:
-    """Per snapshot: how many queued jobs have each pool as their only one, and which pool each has."""
+    """Per snapshot: the queued jobs that have each pool as their only one."""
 
     key: tuple[object, ...]
-    counts: IntArray
-    pool_of: dict[str, int]
-    """Job id -> the flat index of its only pool (jobs with one)."""
+    jobs_of: dict[int, list[str]]
+    """The flat index of a pool -> the ids of the queued jobs whose only pool it is."""
 
 
 _SOLE: "weakref.WeakKeyDictionary[Snapshot, _SoleTable]" = weakref.WeakKeyDictionary()
 
 
 def _sole_table(snap: Snapshot) -> _SoleTable:
-    """:class:`_SoleTable` of ``snap``, rebuilt when the queue, the clock, the releases or the pools
-    changed (shapes of one (workers, GPUs per worker, allowed pools) are judged once)."""
+    """:class:`_SoleTable` of ``snap``, rebuilt when the queued shapes, the clock, the releases or
+    the pools changed (shapes of one (workers, GPUs per worker, allowed pools) are judged once).
+    Which of those jobs still wait, and which are probes, is read when asked."""
     rel = releases(snap)
-    key = (
-        snap.queued.version,
-        len(snap.waiting),
-        len(snap.probes),
-        snap.now,
-        id(rel),
-        snap.pool_version.tobytes(),
-    )
+    key = (snap.queued.version, snap.now, id(rel), snap.pool_version.tobytes())
     table = _SOLE.get(snap)
     if table is not None and table.key == key:
         return table
-    counts = np.zeros(snap.free_sum.size, dtype=np.int64)
-    pool_of: dict[str, int] = {}
+    jobs_of: dict[int, list[str]] = {}
     judged: dict[tuple[int, int, bytes], int] = {}
     for shape in snap.queued.values():
-        # As the queue is read elsewhere: only jobs still waiting (an entry may outlive its job),
-        # no speed probes (one waits for the one GPU model it measures, by design).
-        if shape.job_id not in snap.waiting or shape.job_id in snap.probes:
-            continue
         if shape.pools.shape != snap.free_sum.shape:
             continue
         group = (shape.workers, shape.per_worker, shape.pools.tobytes())
@@ -333,9 +321,8 @@ def _sole_table(snap: Snapshot) -> _SoleTable:
             usable = np.flatnonzero(np.isfinite(waits) & shape.pools)
             sole = judged[group] = int(usable[0]) if usable.size == 1 else -1
         if sole >= 0:
-            counts[sole] += 1
-            pool_of[shape.job_id] = sole
-    table = _SOLE[snap] = _SoleTable(key, counts, pool_of)
+            jobs_of.setdefault(sole, []).append(shape.job_id)
+    table = _SOLE[snap] = _SoleTable(key, jobs_of)
     return table
 
 
@@ -345,12 +332,13 @@ def sole_pool_of_queued(snap: Snapshot, cluster: int, model: int, *, exclude: st
     known releases ever make room for it (:func:`expected_wait_s` alone finite there and nowhere
     else; a pool held by jobs with no predicted end reads as never, so such a job may have another
     pool in fact). Kept per snapshot (:class:`_SoleTable`)."""
-    table = _sole_table(snap)
     flat = cluster * snap.free_sum.shape[1] + model
-    count = int(table.counts[flat])
-    if exclude and table.pool_of.get(exclude) == flat:
-        count -= 1
-    return count > 0
+    # As the queue is read elsewhere: only jobs still waiting (a shape may outlive its job), no
+    # speed probes (one waits for the one GPU model it measures, by design).
+    return any(
+        job_id != exclude and job_id in snap.waiting and job_id not in snap.probes
+        for job_id in _sole_table(snap).jobs_of.get(flat, ())
+    )
 
 
 def queue_for_pool(
