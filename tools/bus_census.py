@@ -61,7 +61,7 @@ def _monitor_url(home: Path) -> str:
     raise SystemExit("no nats.conf with a monitoring port")
 
 
-async def _census(nats_url: str, monitor: str, jobs: int, settle_s: float) -> dict[str, Any]:
+async def _census(nats_url: str, monitor: str, jobs: int, settle_s: float, rate: float = 0.0) -> dict[str, Any]:
     client = await LoomClient.connect(nats_url, name="census-client")
     spy = await LoomClient.connect(nats_url, name="census-spy")
     run = _Run(client)
@@ -81,10 +81,14 @@ async def _census(nats_url: str, monitor: str, jobs: int, settle_s: float) -> di
     before = await asyncio.to_thread(_connz, monitor)
     counting = True
     t0 = time.perf_counter()
-    done = run.expect("tp", jobs)
-    for first in range(0, jobs, 256):
-        await run.submit_batch([_job("tp", i) for i in range(first, min(first + 256, jobs))])
-    await asyncio.wait_for(done.wait(), timeout=600)
+    if rate > 0:
+        # One by one at ``rate`` a second, each ack awaited (the bench's paced phase).
+        await run.paced("tp", jobs, rate, run.submit_loom)
+    else:
+        done = run.expect("tp", jobs)
+        for first in range(0, jobs, 256):
+            await run.submit_batch([_job("tp", i) for i in range(first, min(first + 256, jobs))])
+        await asyncio.wait_for(done.wait(), timeout=600)
     t_placed = time.perf_counter() - t0
     while (await client.counts()).get("running", 0) < jobs + 1:  # noqa: ASYNC110 - polls a query
         await asyncio.sleep(0.25)
@@ -127,6 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--settle-s", type=float, default=5.0)
+    parser.add_argument("--rate", type=float, default=0.0, help="jobs a second, one by one (0: all at once)")
     parser.add_argument("--topology", default="default")
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="loom-census-", dir="/tmp"))
@@ -136,7 +141,7 @@ def main() -> None:
     try:
         options = stack.StackOptions(topology=args.topology, time_scale=1.0, heartbeat_s=2.0, durable=True)
         state = stack.up(home, options)
-        result = asyncio.run(_census(state["nats_url"], _monitor_url(home), args.jobs, args.settle_s))
+        result = asyncio.run(_census(state["nats_url"], _monitor_url(home), args.jobs, args.settle_s, args.rate))
         print(json.dumps(result, indent=1))
     finally:
         stack.down(home)
