@@ -61,7 +61,9 @@ def _monitor_url(home: Path) -> str:
     raise SystemExit("no nats.conf with a monitoring port")
 
 
-async def _census(nats_url: str, monitor: str, jobs: int, settle_s: float, rate: float = 0.0) -> dict[str, Any]:
+async def _census(
+    nats_url: str, monitor: str, jobs: int, settle_s: float, rate: float = 0.0
+) -> dict[str, Any]:
     client = await LoomClient.connect(nats_url, name="census-client")
     spy = await LoomClient.connect(nats_url, name="census-spy")
     run = _Run(client)
@@ -141,7 +143,9 @@ def main() -> None:
     try:
         options = stack.StackOptions(topology=args.topology, time_scale=1.0, heartbeat_s=2.0, durable=True)
         state = stack.up(home, options)
-        result = asyncio.run(_census(state["nats_url"], _monitor_url(home), args.jobs, args.settle_s, args.rate))
+        result = asyncio.run(
+            _census(state["nats_url"], _monitor_url(home), args.jobs, args.settle_s, args.rate)
+        )
         print(json.dumps(result, indent=1))
     finally:
         stack.down(home)

@@ -591,6 +591,62 @@ def test_a_job_without_communication_waits_for_faster_gpus_too() -> None:
     assert late.decision is not None and late.decision.parts[0].gpu_model == SLOW
 
 
+def test_claims_ahead_that_fill_a_pool_are_served_in_turn_not_read_as_never() -> None:
+    # An outside evaluator (docs/measurements.md, 2026-12-07): sixteen short jobs waiting by choice
+    # for a pool's 32 H100s claimed all of them, and the next one read that pool's room as "never"
+    # (its own GPUs beside every claim at once) and ran 40x slower on K80s, for hours. Each
+    # claimant holds its GPUs for its run there and gives them back.
+    nodes = [node("a0", "ca", used=8), node("b0", "cb", model=SLOW)]
+    runs = [running("busy", ("a0", 8), ends_in_s=100.0)]
+    single = msgspec.structs.replace(gang(workers=1, gpus=1), comm=None)  # 333 s on A100, 1,000 on T4
+
+    def book_of(run_s: float) -> WaitBook:
+        book = WaitBook()
+        for i in range(4):  # 4 x 2 GPUs: all of a0, each from 100 s for run_s
+            book.reserve(
+                Reservation(
+                    job_id=f"w{i}",
+                    priority=100,
+                    submitted_at=0.0,
+                    cluster="ca",
+                    gpu_model=FAST,
+                    workers=1,
+                    per_worker=2,
+                    start_s=NOW + 100.0,
+                    expires_s=NOW + 10_000.0,
+                    run_s=run_s,
+                )
+            )
+        return book
+
+    # A100 10x a T4 here: 100 s there after 150 s of waiting, against 1,000 s on the T4 now.
+    framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book_of(50.0))])
+    waits = framework.schedule(single, snapshot(nodes, runs, fast_speed=10.0), submitted_at=NOW)
+    assert waits.decision is None and waits.status.wait_s == pytest.approx(150.0)
+    # The claimants are a queue, and their wait is judged as one's (queue_slowdown: 3x): with
+    # A100 3x a T4 (150 + 333 s against 1,000 s) the job starts now.
+    framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book_of(50.0))])
+    starts = framework.schedule(single, snapshot(nodes, runs), submitted_at=NOW)
+    assert starts.decision is not None and starts.decision.parts[0].gpu_model == SLOW
+    # Claimants whose runs are not known never give their GPUs back: no room is known there.
+    framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book_of(math.inf))])
+    starts = framework.schedule(single, snapshot(nodes, runs, fast_speed=10.0), submitted_at=NOW)
+    assert starts.decision is not None and starts.decision.parts[0].gpu_model == SLOW
+
+
+def test_a_claim_records_the_claimants_run_in_the_pool_it_waits_for() -> None:
+    nodes = [node("a0", "ca", used=8), node("b0", "cb", model=SLOW)]
+    runs = [running("busy", ("a0", 8), ends_in_s=100.0)]
+    book = WaitBook()
+    single = msgspec.structs.replace(gang(workers=1, gpus=1), comm=None)
+    Framework([ResourceFit(), ScuFit(), SpanGuard(book=book)]).schedule(
+        single, snapshot(nodes, runs), submitted_at=NOW
+    )
+    held = book.claims["g"]
+    assert (held.cluster, held.gpu_model) == ("ca", FAST)
+    assert held.run_s == pytest.approx(1000.0 / 3.0)
+
+
 def slow_four_busy(ends_in_s: float) -> RunningJob:
     """A job holding node a0's 4 slow GPUs for another ``ends_in_s``."""
     return dataclasses.replace(running("busy", ("a0", 4), ends_in_s=ends_in_s), gpu_model=SLOW)

@@ -418,7 +418,10 @@ def test_the_simulator_lets_a_pipeline_wait_for_a_better_plan_that_frees_soon() 
 def test_the_simulator_does_not_hold_a_job_back_behind_a_refused_gang_of_the_same_size() -> None:
     built = sim_platform({"ca": (FAST, 1), "cb": (SLOW, 2)})
     comm = SimJob(spec=msgspec.structs.replace(gang(), job_id="comm"), arrival_s=1.0)
-    plain = SimJob(spec=msgspec.structs.replace(gang(comm=False), job_id="plain"), arrival_s=2.0)
+    # A short job without communication: starting now on the T4s ends it before the fast pool
+    # would (behind the gang's claim there, served in turn since 2026-12-07), so it starts at once.
+    short = msgspec.structs.replace(gang(comm=False), job_id="plain", work=Work(steps=50, step_time_s=1.0))
+    plain = SimJob(spec=short, arrival_s=2.0)
     # The fast pool frees at 200 s: the gang waits for it (its run there is a third of the T4's).
     result = simulate(
         Trace([blocker("ca", steps=200), comm, plain]), built, POLICIES["loom"](0), seed=0, truth=BELIEF

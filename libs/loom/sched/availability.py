@@ -404,6 +404,9 @@ class Reservation:
     """When the pool is expected to have room for it (the snapshot's clock)."""
     expires_s: float
     """Dropped after this unless renewed (the job was decided again and still waits)."""
+    run_s: float = math.inf
+    """Its predicted run there once started (with its dataset's copy): how long it holds the GPUs
+    it claims (``inf``: not known)."""
 
     @property
     def gpus(self) -> int:

@@ -19,9 +19,10 @@ The step-time model is plain functions so the simulator predicts with the same n
 """
 
 import dataclasses
+import functools
 import math
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -790,6 +791,9 @@ class PoolOption:
     wait_s: float
     run_s: float
     data_s: float = 0.0
+    behind_claims: bool = False
+    """Its wait is a queue's: the claims ahead on the pool fill it, and it is their turn first
+    (:func:`wait_with_claims`), so the wait is judged as one behind a queue is."""
 
     @property
     def busy_s(self) -> float:
@@ -852,11 +856,30 @@ def single_cluster_options(
         c, m = int(c_idx[k]), int(m_idx[k])
         ahead = claims.get((snap.clusters[c].id, snap.models[m]), 0)
         wait = expected_wait_s(snap, c, m, workers, state.per_worker, ahead_gpus=ahead)
-        option = PoolOption(c, m, float(step[k]), wait, float(run[k]), float(data[k]))
+        in_turn = False
+        if math.isinf(wait) and ahead > 0:
+            # The claims ahead alone fill the pool: their jobs served in turn (wait_with_claims).
+            served = _claims_ahead(state, book, c, m)
+            if served:
+                wait = expected_wait_s(snap, c, m, workers, state.per_worker, queue=served)
+                in_turn = math.isfinite(wait)
+        option = PoolOption(c, m, float(step[k]), wait, float(run[k]), float(data[k]), behind_claims=in_turn)
         options.append(option)
         best = min(best, option.completion_s)
     options.sort(key=lambda o: (o.completion_s, o.busy_s))
     return options
+
+
+def _claims_ahead(state: CycleState, book: WaitBook | None, c: int, m: int) -> list[tuple[int, int, float]]:
+    """The claims on pool (``c``, ``m``) of the jobs ahead of this one in the book's order (those
+    :func:`claimed_ahead` sums), as :func:`claimants` gives them."""
+    snap, job = state.snapshot, state.job
+    return claimants(
+        book,
+        snap.clusters[c].id,
+        snap.models[m],
+        lambda r: r.ahead_of(job.priority, state.submitted_at, job.job_id),
+    )
 
 
 def claimed_ahead(state: CycleState, book: WaitBook | None) -> dict[tuple[str, str], int]:
@@ -869,6 +892,45 @@ def claimed_ahead(state: CycleState, book: WaitBook | None) -> dict[tuple[str, s
             key = (held.cluster, held.gpu_model)
             claims[key] = claims.get(key, 0) + held.gpus
     return claims
+
+
+def claimants(
+    book: WaitBook | None, cluster: str, model: str, ahead: Callable[[Reservation], bool]
+) -> list[tuple[int, int, float]]:
+    """The claims on pool (``cluster``, ``model``) in ``book`` that ``ahead`` says come first, in
+    the order they expect room, each as (workers, GPUs per worker, its run there) for
+    ``expected_wait_s(queue=...)``."""
+    if book is None:
+        return []
+    held = sorted(
+        (r for r in book.claims.values() if r.cluster == cluster and r.gpu_model == model and ahead(r)),
+        key=lambda r: (r.start_s, r.submitted_at, r.job_id),
+    )
+    return [(r.workers, r.per_worker, r.run_s) for r in held]
+
+
+def wait_with_claims(
+    snap: Snapshot,
+    cluster: int,
+    model: int,
+    workers: int,
+    per_worker: int,
+    *,
+    ahead_gpus: int,
+    claimed: Callable[[], list[tuple[int, int, float]]],
+    queue: Sequence[tuple[int, int, float]] = (),
+) -> float:
+    """:func:`~loom.sched.availability.expected_wait_s` with ``ahead_gpus`` claimed ahead, as room
+    for this job beside all of them at once; where that never comes (the claims ahead alone fill
+    the pool: sixteen short jobs waiting by choice for the 32 GPUs of a pool made its wait "never",
+    and the seventeenth started on GPUs 40x slower), the claimants (``claimed()``) are served in
+    turn, each holding its GPUs for its run there, before the queue."""
+    wait = expected_wait_s(snap, cluster, model, workers, per_worker, ahead_gpus=ahead_gpus, queue=queue)
+    if math.isinf(wait) and ahead_gpus > 0:
+        served = claimed()
+        if served:
+            wait = expected_wait_s(snap, cluster, model, workers, per_worker, queue=[*served, *queue])
+    return wait
 
 
 MAX_QUEUE_AHEAD = 64
@@ -928,15 +990,28 @@ def behind_queue(
         else []
     )
     best: PoolOption | None = None
+
+    def is_claimed(held: Reservation) -> bool:
+        return held.job_id in claimed
+
     for option in options:
         if best is not None and option.completion_s >= best.completion_s:
             break
         c, m = option.cluster, option.model
         queue = queue_for_pool(snap, ahead, c, m)
         seen = option
-        if queue or claims is None:
+        if queue or claims is None or math.isinf(option.wait_s):
             ahead_gpus = by_pool.get((snap.clusters[c].id, snap.models[m]), 0)
-            wait = expected_wait_s(snap, c, m, workers, state.per_worker, ahead_gpus=ahead_gpus, queue=queue)
+            wait = wait_with_claims(
+                snap,
+                c,
+                m,
+                workers,
+                state.per_worker,
+                ahead_gpus=ahead_gpus,
+                claimed=functools.partial(claimants, book, snap.clusters[c].id, snap.models[m], is_claimed),
+                queue=queue,
+            )
             seen = dataclasses.replace(option, wait_s=wait)
         if best is None or seen.completion_s < best.completion_s:
             best = seen
@@ -962,6 +1037,7 @@ def claim(state: CycleState, book: WaitBook, option: PoolOption, workers: int) -
             per_worker=state.per_worker,
             start_s=now + option.wait_s,
             expires_s=now + 2.0 * option.wait_s + MIN_RESERVATION_S,
+            run_s=option.busy_s,
         )
     )
 
@@ -1190,6 +1266,8 @@ class SpanGuard:
             if queued is None:
                 return Status()  # a queue: waiting would not pay by queue_slowdown x (docstring)
             best = queued
+        elif best.behind_claims and not waits_behind_queue(busy_now, best.completion_s, self.queue_slowdown):
+            return Status()  # the jobs waiting by choice for the pool are a queue, judged as one
         waited = _waited_s(state)
         if waited >= busy_now - best.busy_s:
             return Status()

@@ -30,8 +30,24 @@ plus its run there), the job waits when that ends less than the harm later than 
 only while it has waited less than the harm (ski rental). Without it, keeping a node by filling the
 others handed it, at saturation, to whichever job then found it the only room.
 
+**Hold** (the filter, :func:`kept_for_queued`): the marking above counts the arrivals of a shape,
+not the jobs of it already queued, and weighs only candidates within :data:`RARE_MAX_SLOWDOWN`.
+Where every other place was far slower for the small jobs, one small job after another, none
+ending with the next, kept the only node an 8-GPU worker fits from ever being whole while the
+8-GPU jobs queued (an outside evaluator: one 8 x H100 node among 120 old GPUs, Loom's mean JCT
+22.7 % behind gavel_like's; ``docs/measurements.md``, 2026-12-07). So a node of a rare shape's
+holder class, in the pools ``Q`` queued jobs of that shape may use, is kept from this job when
+those ``Q``, served there in turn, would each wait the more for its run there past the node's own
+last predicted end (``Q x max(T - (A - now), 0)``) than the job loses by running where it harms no
+one now (its fastest run in a pool it may use with room for it now and none of those nodes, less
+``T``); a node that still holds the shape beside one of the job's workers is never kept, and a job
+of the rare shape itself is not kept (which of those goes first is the queue's order).
+
 Approximations, stated: arrivals of ``s`` are served one at a time (they do not queue behind each
-other); a node holds ``s`` again only when every job on it has ended.
+other); a node holds ``s`` again only when every job on it has ended; the hold reads the job's runs from
+its work and the GPUs' speed and trust alone (no communication, no dataset), judges "room now" for
+the alternative by a pool's free GPUs, and counts each queued job of the shape once per node it may
+use.
 """
 
 import hashlib
@@ -69,6 +85,8 @@ RARE_FIT_WEIGHT = 20.0
 the best one that spends nothing (measured: ``tests/unit/test_rare_fit.py``)."""
 
 _RARE: StateKey[list["RareShape"]] = StateKey("rare_fit.shapes")
+_KEPT: StateKey[IntArray | None] = StateKey("rare_fit.kept_nodes")
+_QUEUED_TABLE = "rare_fit.queued"
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +144,8 @@ class RareShape:
     holders: int
     nodes: IntArray = field(default_factory=lambda: np.zeros(0, np.int64), compare=False, repr=False)
     """The nodes that could ever hold one of them (schedulable)."""
+    key: bytes = field(default=b"", compare=False, repr=False)
+    """The holder class (which nodes could ever hold one: :func:`_holder_class`)."""
 
 
 _HOLDERS = "rare_fit.holders"
@@ -185,12 +205,122 @@ def rare_shapes(snap: Snapshot, own: WorkerShape) -> list[RareShape]:
             most[2] = max(most[2], shape.cpu_milli)
             most[3] = max(most[3], shape.memory_mib)
     found = [
-        RareShape(WorkerShape(gpus, cpu, mem), count, holders, np.flatnonzero(holds(snap, first)))
-        for (count, gpus, cpu, mem, holders), first in groups.values()
+        RareShape(WorkerShape(gpus, cpu, mem), count, holders, np.flatnonzero(holds(snap, first)), key)
+        for key, ((count, gpus, cpu, mem, holders), first) in groups.items()
         if count >= 2
     ]
     cache[own] = (snap.seen, stamp, found)
     return found
+
+
+def _queued_classes(snap: Snapshot) -> dict[bytes, list[tuple[str, IntArray]]]:
+    """The queued jobs by the holder class of their worker shape (:func:`_holder_class`): for each,
+    its id and the nodes of that class in the pools its rules allow. Kept on the snapshot until
+    the queue's shapes (``Snapshot.queued``'s version) or the nodes' schedulability change; each
+    job's entry is kept as long as its shape and pools are (a queue changes one job at a time).
+    Which of them still wait is read when asked."""
+    stamp = (snap.queued.version, snap.schedulable_version)
+    held = snap.kept.get(_QUEUED_TABLE)
+    if held is not None and held[0] == stamp:
+        table: dict[bytes, list[tuple[str, IntArray]]] = held[1]
+        return table
+    entries: dict[str, tuple[int, bytes, bytes, IntArray]] = held[2] if held is not None else {}
+    fresh: dict[str, tuple[int, bytes, bytes, IntArray]] = {}
+    table = {}
+    shape_of = snap.free_sum.shape
+    for job_id, q in snap.queued.items():
+        job = q.job
+        if not isinstance(job, JobSpec) or q.pools.shape != shape_of:
+            continue
+        pools = q.pools.tobytes()
+        entry = entries.get(job_id)
+        if entry is None or entry[0] != snap.schedulable_version or entry[1] != pools:
+            shape = WorkerShape.of(job)
+            key, count = _holder_class(snap, shape)
+            if not count:
+                continue
+            nodes = np.flatnonzero(holds(snap, shape))
+            nodes = nodes[q.pools[snap.cluster_of[nodes], snap.model_of[nodes]]]
+            entry = (snap.schedulable_version, pools, key, nodes)
+        fresh[job_id] = entry
+        if entry[3].size:
+            table.setdefault(entry[2], []).append((job_id, entry[3]))
+    snap.kept[_QUEUED_TABLE] = (stamp, table, fresh)
+    return table
+
+
+def kept_for_queued(state: CycleState, rare: Sequence["RareShape"]) -> IntArray:
+    """The nodes kept from this job for the queued jobs of a worker shape rare for it, in job-seconds:
+    a node of the shape's holder class, in the pools ``Q`` such queued jobs may use (speed probes
+    aside), is kept when the ``Q`` of them, served there in turn, would each wait the more for the
+    job's run there past the node's own last predicted end (``Q x max(T - (A - now), 0)``, ``A`` =
+    now for an idle node) than the job loses by running where it harms no one now (its fastest run
+    in a pool it may use with room for it now and no such node, less ``T``; nothing is kept when
+    there is none). A node that still holds the shape beside one of the job's workers is never kept.
+    Empty when no such job waits."""
+    snap, job = state.snapshot, state.job
+    none = np.zeros(0, dtype=np.int64)
+    if not snap.waiting_count(exclude=job.job_id):
+        return none
+    table = _queued_classes(snap)
+    waiting, probes = snap.waiting, snap.probes
+    own = WorkerShape.of(job)
+    harm: dict[int, float] = {}
+    run_of: dict[int, float] = {}
+    work_s = float(job.work.steps) * float(job.work.step_time_s)
+    speeds: FloatArray | None = None
+    ends: FloatArray | None = None
+    for group in rare:
+        nodes_of = [
+            nodes
+            for job_id, nodes in table.get(group.key, ())
+            if job_id != job.job_id and job_id in waiting and job_id not in probes
+        ]
+        if not nodes_of:
+            continue
+        nodes, queued = np.unique(np.concatenate(nodes_of), return_counts=True)
+        shape = group.shape
+        # Room for the shape beside one of this job's workers now: taking it delays no one.
+        room = snap.room(nodes, shape.gpus, shape.cpu_milli, shape.memory_mib)
+        beside = snap.schedulable[nodes] & (room > 0)
+        if beside.any():
+            left = np.array(
+                [_left_holds(snap, int(n), shape, 1, own) for n in nodes[beside].tolist()], dtype=np.bool_
+            )
+            beside[np.flatnonzero(beside)[~left]] = False
+        nodes, queued = nodes[~beside], queued[~beside]
+        if not nodes.size:
+            continue
+        if ends is None:
+            ends = node_ends(snap)
+            speeds = snap.job_speeds(job)
+        assert speeds is not None
+        speed = speeds[snap.model_of[nodes]] * snap.trust[snap.cluster_of[nodes]]
+        run_s = np.where(speed > 0, work_s / np.maximum(speed, 1e-12), math.inf)
+        free_at = np.maximum(ends[nodes], snap.now)
+        later = np.maximum(snap.now + run_s - free_at, 0.0)
+        for n, q, extra, run in zip(
+            nodes.tolist(), queued.tolist(), later.tolist(), run_s.tolist(), strict=True
+        ):
+            if extra > 0 and math.isfinite(run):
+                harm[n] = harm.get(n, 0.0) + q * extra
+                run_of[n] = run
+    if not harm:
+        return none
+    held = np.fromiter(harm, np.int64, len(harm))
+    # Where the job harms no one now: a pool it may use with room for it and none of those nodes.
+    pools = state.allowed_pools() & (snap.free_sum >= state.min_workers * state.per_worker)
+    pools[snap.cluster_of[held], snap.model_of[held]] = False
+    c_idx, m_idx = np.nonzero(pools)
+    if not c_idx.size:
+        return none
+    assert speeds is not None
+    alt_speed = speeds[m_idx] * snap.trust[c_idx]
+    alt = float(np.min(np.where(alt_speed > 0, work_s / np.maximum(alt_speed, 1e-12), math.inf)))
+    if not math.isfinite(alt):
+        return none
+    kept = [n for n in harm if harm[n] > alt - run_of[n]]
+    return np.array(sorted(kept), dtype=np.int64) if kept else none
 
 
 def arrival_rate(count: int, span_s: float) -> float:
@@ -216,7 +346,26 @@ class RareFit:
         if not rare:
             return Status(Code.SKIP)
         state.write(_RARE, rare)
+        state.write(_KEPT, kept_for_queued(state, rare))
         return SUCCESS
+
+    def filter(self, state: CycleState, nodes: IntArray) -> BoolArray:
+        """Not a node kept for a queued job of a rarer worker shape (:func:`kept_for_queued`)."""
+        kept = state.get(_KEPT, None)
+        if kept is None or not kept.size:
+            return np.ones(nodes.size, dtype=np.bool_)
+        return ~np.isin(nodes, kept)
+
+    def filter_key(self, state: CycleState) -> bytes:
+        """The nodes kept: the filter's answer depends on nothing else of the job."""
+        kept = state.get(_KEPT, None)
+        return b"" if kept is None else kept.tobytes()
+
+    def describe(self, state: CycleState) -> str:
+        kept = state.get(_KEPT, None)
+        if kept is None or not kept.size:
+            return ""
+        return f"not a node kept for a queued job of a rarer worker shape ({kept.size} kept)"
 
     def score(self, state: CycleState, candidates: Candidates) -> FloatArray:
         return self.marked(state, candidates).astype(np.float64)
