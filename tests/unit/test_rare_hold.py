@@ -7,6 +7,8 @@ node for its speed, and the 8-GPU stages of the DAGs queued 32,476 s on average 
 s): Loom's mean JCT 22.7 % behind gavel_like's. Each small job kept the node from ever being whole,
 one after another, while the jobs that could run nowhere else waited."""
 
+import dataclasses
+
 import numpy as np
 
 from loom.model.capacity import NodeCapacity
@@ -145,3 +147,29 @@ def test_room_for_the_rare_shape_beside_the_job_is_no_reason_to_keep_it_off() ->
     queue(wide, job("big", 8))
     queue(wide, job("big-2", 8))
     assert where(wide, job("mid", 4)) == FAST
+
+
+def test_free_gpus_scattered_over_nodes_are_no_room_elsewhere() -> None:
+    # The T4s have four GPUs free, one a node: no room for a 4-GPU worker. The job is not kept off
+    # the A100's free half for a place it could not start in (a review: it then fitted nowhere).
+    snap = platform(busy_for_s=200.0)
+    queue(snap, job("big", 8))
+    queue(snap, job("big-2", 8))
+    scattered = Snapshot(
+        [node("h0", "ca", FAST, 8, used=4)] + [node(f"t{i}", "cb", SLOW, 4, used=3) for i in range(4)],
+        net=NetMatrix(["r1"]), speed=snap.speed, now=NOW, running=list(snap.running),
+    )  # fmt: skip
+    for i in range(2):
+        scattered.seen.note_job(job(f"seen-{i}", 8), NOW - 1000.0 * (i + 1))
+    queue(scattered, job("big", 8))
+    queue(scattered, job("big-2", 8))
+    assert where(scattered, job("mid", 4)) == FAST
+
+
+def test_a_node_held_by_a_job_with_no_predicted_end_is_not_kept() -> None:
+    # Its room for the 8-GPU shape is not expected whatever the job does: nothing to keep.
+    snap = platform(busy_for_s=200.0)
+    snap.running[0] = dataclasses.replace(snap.running[0], expected_end_s=None)
+    queue(snap, job("big", 8))
+    queue(snap, job("big-2", 8))
+    assert where(snap, job("mid", 4)) == FAST

@@ -145,7 +145,7 @@ from loom.sched.plugins.backfill import Backfill
 from loom.sched.plugins.cost import default_economics
 from loom.sched.plugins.data import data_delay_s
 from loom.sched.plugins.network import predict_step_s, users_wait_s
-from loom.sched.plugins.rare import RareRoom, room_possible
+from loom.sched.plugins.rare import RareFit, RareRoom, hold_possible, room_possible
 from loom.sched.probe import ProbeSettings, is_probe, probe_gate
 from loom.sched.quota import OPEN, QuotaBook
 from loom.sched.snapshot import (
@@ -624,6 +624,12 @@ class _Simulation:
         )
         """The policy may move a running job to make room for a rare worker shape (``rare_room``):
         a waiting job of such a shape is then decided, not skipped, while one could."""
+        self.rare_hold = self.fast is not None and any(
+            isinstance(f, RareFit) for f in self.fast.framework.filters
+        )
+        """The policy may keep a node from a job for queued jobs of a rarer worker shape (``rare_fit``'s
+        hold): whether it does reads the job's own run, so while one could, a job of a shape that
+        found nothing fits is not taken for every job of that shape (:meth:`_may_be_held`)."""
         self.kept_pools = self.fast is not None and any(
             isinstance(f, Backfill) for f in self.fast.framework.filters
         )
@@ -1079,6 +1085,7 @@ class _Simulation:
                             shape.resolvable
                             and not (self._fits(shape, None) and self._better(shape, None, job))
                             and not self._may_make_room(shape)
+                            and not self._may_be_held(shape)
                         )
                     )
                 ):
@@ -1142,7 +1149,13 @@ class _Simulation:
                 shape.seen = None
                 if state.whole and self.released:
                     reopen(set(self.released), popped)
-            elif not job.done and shape.queued and not shape.refused and not self._may_move_for(shape):
+            elif (
+                not job.done
+                and shape.queued
+                and not shape.refused
+                and not self._may_move_for(shape)
+                and not self._may_be_held(shape)
+            ):
                 # Nothing fitted: nor will it for the rest of the shape. (done: rejected, e.g. a
                 # spread now too costly; refused: a decision made room, preemption or a shrink, and
                 # a permit refused it for this job's own sake, so the next job may take it; one
@@ -1465,6 +1478,17 @@ class _Simulation:
             if bool((shape.pools & (free + extra >= shape.need)).any()):
                 return True
         return self._may_move_for(shape)
+
+    def _may_be_held(self, shape: _Shape) -> bool:
+        """Whether ``rare_fit``'s hold could keep a node from a job of the shape now (a job of a
+        worker shape rare for it waits: :func:`~loom.sched.plugins.rare.hold_possible`): the next
+        job of the shape, of another run, may then find room where this one did not (a review: a
+        four-GPU job of 1,000 steps kept off the only 8-GPU node found nothing, and one of 150
+        steps, which ends before that node frees, was counted queued though placement places it)."""
+        if not self.rare_hold:
+            return False
+        worker = shape.worker or WorkerShape(max(shape.per_worker, 1))
+        return hold_possible(self.snap, worker)
 
     def _may_move_for(self, shape: _Shape) -> bool:
         """Whether ``rare_room`` (:class:`~loom.sched.plugins.rare.RareRoom`) could move a running

@@ -1250,6 +1250,15 @@ class SpanGuard:
         options = single_cluster_options(
             state, holders, want, book=self.book, within_s=busy_now, with_data=True, pace=pace
         )
+        if snap.waiting_count(exclude=job.job_id) == 0:
+            # A pool the claims ahead fill is a queue's wait: one that fails the queue's bar is no
+            # option, and the best of the others is judged (a review: it started the job now on
+            # T4s when another A100 pool would have ended it sooner).
+            options = [
+                o
+                for o in options
+                if not o.behind_claims or waits_behind_queue(busy_now, o.completion_s, self.queue_slowdown)
+            ]
         if not options:
             return Status()
         best = options[0]
@@ -1266,8 +1275,6 @@ class SpanGuard:
             if queued is None:
                 return Status()  # a queue: waiting would not pay by queue_slowdown x (docstring)
             best = queued
-        elif best.behind_claims and not waits_behind_queue(busy_now, best.completion_s, self.queue_slowdown):
-            return Status()  # the jobs waiting by choice for the pool are a queue, judged as one
         waited = _waited_s(state)
         if waited >= busy_now - best.busy_s:
             return Status()

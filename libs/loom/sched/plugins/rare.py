@@ -297,8 +297,11 @@ def kept_for_queued(state: CycleState, rare: Sequence["RareShape"]) -> IntArray:
         assert speeds is not None
         speed = speeds[snap.model_of[nodes]] * snap.trust[snap.cluster_of[nodes]]
         run_s = np.where(speed > 0, work_s / np.maximum(speed, 1e-12), math.inf)
+        # A busy node none of whose jobs has a predicted end never frees in this count: no harm
+        # there (its room for the shape is not expected, whatever this job does).
+        unknown = np.isneginf(ends[nodes]) & (snap.free[nodes] < snap.total[nodes])
         free_at = np.maximum(ends[nodes], snap.now)
-        later = np.maximum(snap.now + run_s - free_at, 0.0)
+        later = np.where(unknown, 0.0, np.maximum(snap.now + run_s - free_at, 0.0))
         for n, q, extra, run in zip(
             nodes.tolist(), queued.tolist(), later.tolist(), run_s.tolist(), strict=True
         ):
@@ -307,20 +310,44 @@ def kept_for_queued(state: CycleState, rare: Sequence["RareShape"]) -> IntArray:
                 run_of[n] = run
     if not harm:
         return none
-    held = np.fromiter(harm, np.int64, len(harm))
-    # Where the job harms no one now: a pool it may use with room for it and none of those nodes.
-    pools = state.allowed_pools() & (snap.free_sum >= state.min_workers * state.per_worker)
-    pools[snap.cluster_of[held], snap.model_of[held]] = False
-    c_idx, m_idx = np.nonzero(pools)
-    if not c_idx.size:
-        return none
     assert speeds is not None
-    alt_speed = speeds[m_idx] * snap.trust[c_idx]
-    alt = float(np.min(np.where(alt_speed > 0, work_s / np.maximum(alt_speed, 1e-12), math.inf)))
+    alt = _run_elsewhere_s(state, np.fromiter(harm, np.int64, len(harm)), speeds, work_s)
     if not math.isfinite(alt):
         return none
     kept = [n for n in harm if harm[n] > alt - run_of[n]]
     return np.array(sorted(kept), dtype=np.int64) if kept else none
+
+
+def _run_elsewhere_s(state: CycleState, held: IntArray, speeds: FloatArray, work_s: float) -> float:
+    """The job's fastest run where it harms no one now: a pool its rules allow with room now for
+    its workers, whole on its nodes, and none of the ``held`` nodes; ``inf`` when there is none."""
+    snap, own = state.snapshot, WorkerShape.of(state.job)
+    pools = state.allowed_pools() & (snap.free_sum >= state.min_workers * state.per_worker)
+    pools[snap.cluster_of[held], snap.model_of[held]] = False
+    best = math.inf
+    for c, m in zip(*np.nonzero(pools), strict=True):
+        nodes, _ = snap.node_slice(int(c), int(m))
+        nodes = nodes[snap.schedulable[nodes]]
+        if int(snap.room(nodes, own.gpus, own.cpu_milli, own.memory_mib).sum()) < state.min_workers:
+            continue
+        speed = float(speeds[m] * snap.trust[c])
+        if speed > 0:
+            best = min(best, work_s / speed)
+    return best
+
+
+def hold_possible(snap: Snapshot, own: WorkerShape) -> bool:
+    """Whether :func:`kept_for_queued` could keep a node from a job of worker shape ``own`` now:
+    a job of a shape rare for it waits (speed probes aside). Whether it then does depends on the
+    job's own run, so two jobs of one shape may find different room (the simulator decides each)."""
+    rare = rare_shapes(snap, own)
+    if not rare or not snap.waiting:
+        return False
+    table = _queued_classes(snap)
+    waiting, probes = snap.waiting, snap.probes
+    return any(
+        job_id in waiting and job_id not in probes for group in rare for job_id, _ in table.get(group.key, ())
+    )
 
 
 def arrival_rate(count: int, span_s: float) -> float:
@@ -924,6 +951,7 @@ __all__ = [
     "RareShape",
     "Verdict",
     "arrival_rate",
+    "hold_possible",
     "holds",
     "lands_on",
     "node_ends",
