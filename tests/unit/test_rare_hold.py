@@ -135,35 +135,30 @@ def test_a_job_of_the_rare_shape_itself_is_not_kept_off() -> None:
     assert where(snap, job("big-2", 8)) == FAST
 
 
+def two_queued_on(h0_gpus: int, t4_used: int) -> Snapshot:
+    """:func:`platform`'s half-busy A100 node (``h0_gpus`` GPUs, 4 held for 200 s) and four 4-GPU T4
+    nodes with ``t4_used`` GPUs each in use; two 8-GPU jobs queued."""
+    base = platform(busy_for_s=200.0)
+    nodes = [node("h0", "ca", FAST, h0_gpus, used=4)]
+    nodes += [node(f"t{i}", "cb", SLOW, 4, used=t4_used) for i in range(4)]
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=base.speed, now=NOW, running=list(base.running))
+    for i in range(2):
+        snap.seen.note_job(job(f"seen-{i}", 8), NOW - 1000.0 * (i + 1))
+    queue(snap, job("big", 8))
+    queue(snap, job("big-2", 8))
+    return snap
+
+
 def test_room_for_the_rare_shape_beside_the_job_is_no_reason_to_keep_it_off() -> None:
     # A 16-GPU node: after a 4-GPU job it still holds an 8-GPU worker.
-    snap = platform(busy_for_s=200.0)
-    wide = Snapshot(
-        [node("h0", "ca", FAST, 16, used=4)] + [node(f"t{i}", "cb", SLOW, 4) for i in range(4)],
-        net=NetMatrix(["r1"]), speed=snap.speed, now=NOW, running=list(snap.running),
-    )  # fmt: skip
-    for i in range(2):
-        wide.seen.note_job(job(f"seen-{i}", 8), NOW - 1000.0 * (i + 1))
-    queue(wide, job("big", 8))
-    queue(wide, job("big-2", 8))
-    assert where(wide, job("mid", 4)) == FAST
+    assert where(two_queued_on(h0_gpus=16, t4_used=0), job("mid", 4)) == FAST
 
 
 def test_free_gpus_scattered_over_nodes_are_no_room_elsewhere() -> None:
     # The T4s have four GPUs free, one a node: no room for a 4-GPU worker. The job is not kept off
     # the A100's free half for a place it could not start in (a review: it then fitted nowhere).
-    snap = platform(busy_for_s=200.0)
-    queue(snap, job("big", 8))
-    queue(snap, job("big-2", 8))
-    scattered = Snapshot(
-        [node("h0", "ca", FAST, 8, used=4)] + [node(f"t{i}", "cb", SLOW, 4, used=3) for i in range(4)],
-        net=NetMatrix(["r1"]), speed=snap.speed, now=NOW, running=list(snap.running),
-    )  # fmt: skip
-    for i in range(2):
-        scattered.seen.note_job(job(f"seen-{i}", 8), NOW - 1000.0 * (i + 1))
-    queue(scattered, job("big", 8))
-    queue(scattered, job("big-2", 8))
-    assert where(scattered, job("mid", 4)) == FAST
+    assert where(two_queued_on(h0_gpus=8, t4_used=3), job("mid", 4)) == FAST
+    assert where(two_queued_on(h0_gpus=8, t4_used=0), job("mid", 4)) == SLOW  # room there: kept
 
 
 def test_a_node_held_by_a_job_with_no_predicted_end_is_not_kept() -> None:
