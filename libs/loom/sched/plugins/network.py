@@ -855,14 +855,15 @@ def single_cluster_options(
             break
         c, m = int(c_idx[k]), int(m_idx[k])
         ahead = claims.get((snap.clusters[c].id, snap.models[m]), 0)
-        wait = expected_wait_s(snap, c, m, workers, state.per_worker, ahead_gpus=ahead)
-        in_turn = False
-        if math.isinf(wait) and ahead > 0:
-            # The claims ahead alone fill the pool: their jobs served in turn (wait_with_claims).
-            served = _claims_ahead(state, book, c, m)
-            if served:
-                wait = expected_wait_s(snap, c, m, workers, state.per_worker, queue=served)
-                in_turn = math.isfinite(wait)
+        wait, in_turn = wait_with_claims(
+            snap,
+            c,
+            m,
+            workers,
+            state.per_worker,
+            ahead_gpus=ahead,
+            claimed=functools.partial(_claims_ahead, state, book, c, m),
+        )
         option = PoolOption(c, m, float(step[k]), wait, float(run[k]), float(data[k]), behind_claims=in_turn)
         options.append(option)
         best = min(best, option.completion_s)
@@ -919,18 +920,20 @@ def wait_with_claims(
     ahead_gpus: int,
     claimed: Callable[[], list[tuple[int, int, float]]],
     queue: Sequence[tuple[int, int, float]] = (),
-) -> float:
+) -> tuple[float, bool]:
     """:func:`~loom.sched.availability.expected_wait_s` with ``ahead_gpus`` claimed ahead, as room
     for this job beside all of them at once; where that never comes (the claims ahead alone fill
     the pool: sixteen short jobs waiting by choice for the 32 GPUs of a pool made its wait "never",
     and the seventeenth started on GPUs 40x slower), the claimants (``claimed()``) are served in
-    turn, each holding its GPUs for its run there, before the queue."""
+    turn, each holding its GPUs for its run there, before the queue. Also whether the wait is that
+    of the claimants served in turn (a queue's: :attr:`PoolOption.behind_claims`)."""
     wait = expected_wait_s(snap, cluster, model, workers, per_worker, ahead_gpus=ahead_gpus, queue=queue)
     if math.isinf(wait) and ahead_gpus > 0:
         served = claimed()
         if served:
             wait = expected_wait_s(snap, cluster, model, workers, per_worker, queue=[*served, *queue])
-    return wait
+            return wait, math.isfinite(wait)
+    return wait, False
 
 
 MAX_QUEUE_AHEAD = 64
@@ -1002,7 +1005,7 @@ def behind_queue(
         seen = option
         if queue or claims is None or math.isinf(option.wait_s):
             ahead_gpus = by_pool.get((snap.clusters[c].id, snap.models[m]), 0)
-            wait = wait_with_claims(
+            wait, in_turn = wait_with_claims(
                 snap,
                 c,
                 m,
@@ -1012,7 +1015,7 @@ def behind_queue(
                 claimed=functools.partial(claimants, book, snap.clusters[c].id, snap.models[m], is_claimed),
                 queue=queue,
             )
-            seen = dataclasses.replace(option, wait_s=wait)
+            seen = dataclasses.replace(option, wait_s=wait, behind_claims=in_turn)
         if best is None or seen.completion_s < best.completion_s:
             best = seen
     return best

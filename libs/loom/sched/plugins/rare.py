@@ -262,8 +262,6 @@ def kept_for_queued(state: CycleState, rare: Sequence["RareShape"]) -> IntArray:
     none = np.zeros(0, dtype=np.int64)
     if not snap.waiting_count(exclude=job.job_id):
         return none
-    table = _queued_classes(snap)
-    waiting, probes = snap.waiting, snap.probes
     own = WorkerShape.of(job)
     harm: dict[int, float] = {}
     run_of: dict[int, float] = {}
@@ -271,11 +269,7 @@ def kept_for_queued(state: CycleState, rare: Sequence["RareShape"]) -> IntArray:
     speeds: FloatArray | None = None
     ends: FloatArray | None = None
     for group in rare:
-        nodes_of = [
-            nodes
-            for job_id, nodes in table.get(group.key, ())
-            if job_id != job.job_id and job_id in waiting and job_id not in probes
-        ]
+        nodes_of = _waiting_nodes(snap, group, exclude=job.job_id)
         if not nodes_of:
             continue
         nodes, queued = np.unique(np.concatenate(nodes_of), return_counts=True)
@@ -336,18 +330,23 @@ def _run_elsewhere_s(state: CycleState, held: IntArray, speeds: FloatArray, work
     return best
 
 
+def _waiting_nodes(snap: Snapshot, group: "RareShape", exclude: str = "") -> list[IntArray]:
+    """Per queued job of ``group``'s holder class still waiting (not a speed probe, not
+    ``exclude``): the nodes of that class in the pools it may use (:func:`_queued_classes`)."""
+    waiting, probes = snap.waiting, snap.probes
+    return [
+        nodes
+        for job_id, nodes in _queued_classes(snap).get(group.key, ())
+        if job_id != exclude and job_id in waiting and job_id not in probes
+    ]
+
+
 def hold_possible(snap: Snapshot, own: WorkerShape) -> bool:
     """Whether :func:`kept_for_queued` could keep a node from a job of worker shape ``own`` now:
     a job of a shape rare for it waits (speed probes aside). Whether it then does depends on the
     job's own run, so two jobs of one shape may find different room (the simulator decides each)."""
     rare = rare_shapes(snap, own)
-    if not rare or not snap.waiting:
-        return False
-    table = _queued_classes(snap)
-    waiting, probes = snap.waiting, snap.probes
-    return any(
-        job_id in waiting and job_id not in probes for group in rare for job_id, _ in table.get(group.key, ())
-    )
+    return bool(rare and snap.waiting) and any(_waiting_nodes(snap, group) for group in rare)
 
 
 def arrival_rate(count: int, span_s: float) -> float:
