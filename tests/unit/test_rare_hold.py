@@ -14,13 +14,16 @@ import numpy as np
 from loom.model.capacity import NodeCapacity
 from loom.sched.framework import Framework
 from loom.sched.plugins.compute import ScuFit
-from loom.sched.plugins.rare import RareFit
+from loom.sched.plugins.rare import RareFit, Turns, _delays, _waits
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.probe import PROBE_LABEL
 from loom.sched.snapshot import NetMatrix, QueuedShape, RunningJob, Snapshot
 from loom_proto.jobs import JobSpec, Resources, Work
 
-NOW = 10_000.0
+NOW = 1_000_000.0
+SELDOM_S = 100_000.0
+"""How far apart the 8-GPU jobs seen before came: so seldom that their own arrivals take next to none
+of the A100 node's time (the hold weighs the queued jobs alone)."""
 FAST, SLOW = "A100", "T4"
 
 
@@ -62,8 +65,8 @@ def platform(busy_for_s: float | None, slow_speed: float = 2.0) -> Snapshot:
         )
     speed = {(FAST, "training_compute"): 3.0, (SLOW, "training_compute"): slow_speed}
     snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=NOW, running=runs)
-    for i in range(2):  # 8-GPU jobs seen before: expected to come again
-        snap.seen.note_job(job(f"seen-{i}", 8), NOW - 1000.0 * (i + 1))
+    for i in range(2):  # 8-GPU jobs seen before, seldom: expected to come again
+        snap.seen.note_job(job(f"seen-{i}", 8), NOW - SELDOM_S * (i + 1))
     return snap
 
 
@@ -143,7 +146,7 @@ def two_queued_on(h0_gpus: int, t4_used: int) -> Snapshot:
     nodes += [node(f"t{i}", "cb", SLOW, 4, used=t4_used) for i in range(4)]
     snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=base.speed, now=NOW, running=list(base.running))
     for i in range(2):
-        snap.seen.note_job(job(f"seen-{i}", 8), NOW - 1000.0 * (i + 1))
+        snap.seen.note_job(job(f"seen-{i}", 8), NOW - SELDOM_S * (i + 1))
     queue(snap, job("big", 8))
     queue(snap, job("big-2", 8))
     return snap
@@ -168,3 +171,74 @@ def test_a_node_held_by_a_job_with_no_predicted_end_is_not_kept() -> None:
     queue(snap, job("big", 8))
     queue(snap, job("big-2", 8))
     assert where(snap, job("mid", 4)) == FAST
+
+
+def often(seen: int, every_s: float, slow_speed: float = 2.0) -> Snapshot:
+    """:func:`platform`'s half-busy A100 node (its half held for 200 s), with ``seen`` 8-GPU jobs
+    seen before, one every ``every_s`` seconds, and one 8-GPU job queued."""
+    snap = platform(busy_for_s=200.0, slow_speed=slow_speed)
+    snap.seen = type(snap.seen)()
+    for i in range(seen):
+        snap.seen.note_job(job(f"seen-{i}", 8), NOW - every_s * (i + 1))
+    queue(snap, job("big", 8))
+    return snap
+
+
+def test_a_delay_reaches_the_rare_jobs_that_come_while_their_queue_empties() -> None:
+    # One 8-GPU job queued; on the A100's free half the job keeps the node from being whole 133 s
+    # longer (its other half frees in 200 s), and loses 167 s on a T4. Seen seldom, the one queued
+    # job alone counts: 133 s < 167 s.
+    assert where(often(seen=6, every_s=100_000.0), job("mid", 4)) == FAST
+    # Six seen in the last hour: one more is foreseen every 600 s, each 333 s on the node. The one
+    # coming in 600 s finds it busy until 666 s instead of 533 s: 133 + 66 s > 167 s.
+    assert where(often(seen=6, every_s=500.0), job("mid", 4)) == SLOW
+
+
+def test_the_rare_jobs_foreseen_are_no_more_than_were_seen() -> None:
+    # 8-GPU jobs come faster than the node serves them (13 in the last hour, 333 s each), so every
+    # one foreseen waits the 133 s too: 14 x 133 s = 1,867 s, more than the job's loss on a T4 at
+    # 0.75 (1,000 s) but less than at 0.35 (2,524 s): the count stops at the 13 seen.
+    assert where(often(seen=13, every_s=300.0, slow_speed=0.75), job("mid", 4)) == SLOW
+    assert where(often(seen=13, every_s=300.0, slow_speed=0.35), job("mid", 4)) == FAST
+
+
+def test_queued_rare_jobs_served_on_several_nodes_count_where_they_would_be_served() -> None:
+    # Four A100 nodes hold an 8-GPU worker; only h0 has a free half (its other half ends in 200 s),
+    # the others are full until 250 / 300 / 350 s. Of two 8-GPU jobs queued, h0 serves one and h1
+    # the other: the job on h0's half delays one of them 133 s (< 167 s), not both.
+    nodes = [node(f"h{i}", "ca", FAST, 8, used=4 if i == 0 else 8) for i in range(4)]
+    nodes += [node(f"t{i}", "cb", SLOW, 4) for i in range(16)]
+    runs = [
+        RunningJob(
+            job_id=f"on-h{i}",
+            tenant="t",
+            priority=100,
+            cluster="ca",
+            gpu_model=FAST,
+            allocations=((f"h{i}", 4 if i == 0 else 8),),
+            expected_end_s=NOW + 200.0 + 50.0 * i,
+        )
+        for i in range(4)
+    ]
+    base = platform(busy_for_s=None)
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=base.speed, now=NOW, running=runs)
+    for i in range(2):
+        snap.seen.note_job(job(f"seen-{i}", 8), NOW - SELDOM_S * (i + 1))
+    queue(snap, job("big", 8))
+    queue(snap, job("big-2", 8))
+    assert where(snap, job("mid", 4)) == FAST
+
+
+def test_a_delay_reaches_the_foreseen_jobs_only_while_the_queue_lasts() -> None:
+    # One node, free in 100 s; one queued job of 300 s. Arrivals every 1,000 s find it free: a delay
+    # of 200 s reaches the queued job alone.
+    frees, later = np.array([100.0]), np.array([200.0])
+    assert _waits(frees, Turns(1, 300.0, rate=1 / 1000, foreseen=5))[0] == 100.0
+    assert _delays(frees, later, Turns(1, 300.0, rate=1 / 1000, foreseen=5)).tolist() == [200.0]
+    # Every 250 s (faster than it serves them): each of the five foreseen waits 150, 200, ... 350 s,
+    # and each the 200 s more.
+    assert _waits(frees, Turns(1, 300.0, rate=1 / 250, foreseen=5))[0] == 1350.0
+    assert _delays(frees, later, Turns(1, 300.0, rate=1 / 250, foreseen=5)).tolist() == [1200.0]
+    # A second node free now takes the queued job: the first one serves no one, delays no one.
+    two = np.array([100.0, 0.0])
+    assert _delays(two, np.array([200.0, 0.0]), Turns(1, 300.0)).tolist() == [0.0, 0.0]
