@@ -10,6 +10,7 @@ one after another, while the jobs that could run nowhere else waited."""
 import dataclasses
 
 import numpy as np
+import pytest
 
 from loom.model.capacity import NodeCapacity
 from loom.sched.framework import Framework
@@ -205,7 +206,8 @@ def test_the_rare_jobs_foreseen_are_no_more_than_were_seen() -> None:
 def test_queued_rare_jobs_served_on_several_nodes_count_where_they_would_be_served() -> None:
     # Four A100 nodes hold an 8-GPU worker; only h0 has a free half (its other half ends in 200 s),
     # the others are full until 250 / 300 / 350 s. Of two 8-GPU jobs queued, h0 serves one and h1
-    # the other: the job on h0's half delays one of them 133 s (< 167 s), not both.
+    # the other: with the job on h0's half (to 333 s) the first goes to h2 at 300 s instead, 100 s
+    # later (< 167 s); counted on both, 266 s.
     nodes = [node(f"h{i}", "ca", FAST, 8, used=4 if i == 0 else 8) for i in range(4)]
     nodes += [node(f"t{i}", "cb", SLOW, 4) for i in range(16)]
     runs = [
@@ -242,3 +244,48 @@ def test_a_delay_reaches_the_foreseen_jobs_only_while_the_queue_lasts() -> None:
     # A second node free now takes the queued job: the first one serves no one, delays no one.
     two = np.array([100.0, 0.0])
     assert _delays(two, np.array([200.0, 0.0]), Turns(1, 300.0)).tolist() == [0.0, 0.0]
+
+
+def test_a_node_with_room_for_the_rare_shape_now_is_charged_the_whole_run() -> None:
+    # A 12-GPU A100 node, 4 GPUs held for 10,000 s: it holds an 8-GPU worker now, not after a 4-GPU
+    # job (333 s) takes 4 of its 8 free. The queued 8-GPU jobs would start now; with it, in 333 s:
+    # two of them wait 2 x 333 s > 167 s. (Read by its last predicted end, it looked free only at
+    # 10,000 s, and the job's run delayed no one.)
+    snap = two_queued_on(h0_gpus=12, t4_used=0)
+    snap.running[0] = dataclasses.replace(snap.running[0], expected_end_s=NOW + 10_000.0)
+    assert where(snap, job("mid", 4)) == SLOW
+
+
+def test_a_gang_of_the_rare_shape_waits_for_all_its_nodes() -> None:
+    # Two nodes, free now and in 100 s; one queued job of two workers (300 s): it starts at 100 s.
+    # The first node 500 s later holds it back 400 s more; the second 500 s later, 500 s.
+    frees = np.array([0.0, 100.0])
+    turns = Turns(1, 300.0, workers=2)
+    assert _waits(frees, turns)[0] == 100.0
+    assert _delays(frees, np.array([500.0, 500.0]), turns).tolist() == [400.0, 500.0]
+
+
+def test_an_arrival_waits_only_from_when_it_comes() -> None:
+    # One node, free now; one queued job of 400 s; arrivals every 600 s find it free: no wait. The
+    # node 300 s later: the queued job waits 300 s, the first arrival 100 s.
+    frees = np.array([0.0])
+    turns = Turns(1, 400.0, rate=1 / 600, foreseen=2)
+    assert _waits(frees, turns)[0] == 0.0
+    assert _delays(frees, np.array([300.0]), turns).tolist() == [400.0]
+
+
+def test_the_schedule_on_the_nodes_that_free_first_is_the_schedule_on_them_all() -> None:
+    # _delays serves the jobs on the nodes that free first, as many as they could use and one more:
+    # the same delays as serving them on all 100.
+    rng = np.random.default_rng(5)
+    frees = rng.uniform(0.0, 5000.0, 100)
+    later = rng.uniform(0.0, 1500.0, 100)
+    turns = Turns(30, 2000.0, rate=1 / 300, foreseen=20, workers=2)
+    base = _waits(frees, turns)[0]
+    whole = []
+    for i in range(100):
+        moved = frees.copy()
+        moved[i] += later[i]
+        whole.append(max(_waits(moved, turns)[0] - base, 0.0))
+    assert _delays(frees, later, turns).tolist() == pytest.approx(whole)
+    assert sum(d > 0 for d in whole) >= 10  # the case is not trivial

@@ -36,18 +36,23 @@ Where every other place was far slower for the small jobs, one small job after a
 ending with the next, kept the only node an 8-GPU worker fits from ever being whole while the
 8-GPU jobs queued (an outside evaluator: one 8 x H100 node among 120 old GPUs, Loom's mean JCT
 22.7 % behind gavel_like's; ``docs/measurements.md``, 2026-12-07). So a node of a rare shape's
-holder class, in the pools ``Q`` queued jobs of that shape may use, is kept from this job when
-those ``Q``, served there in turn, would each wait the more for its run there past the node's own
-last predicted end (``Q x max(T - (A - now), 0)``) than the job loses by running where it harms no
-one now (its fastest run in a pool it may use with room for it now and none of those nodes, less
-``T``); a node that still holds the shape beside one of the job's workers is never kept, and a job
-of the rare shape itself is not kept (which of those goes first is the queue's order).
+holder class, in the pools queued jobs of that shape may use, where one of this job's workers has
+room now, is kept from this job when the wait its run there adds to the jobs of the shape exceeds
+what the job loses by running where it harms no one now (its fastest run in a pool it may use with
+room for it now and none of those nodes, less ``T``). The wait added (:func:`_delays`): the node
+frees ``max(T - (A - now), 0)`` later (``A``: now when it has room for the shape now, else its last
+predicted end), and the shape's jobs are served in turn on its nodes as they free
+(:func:`_waits`): the ``Q`` queued now, then those foreseen at its arrival rate, no more than were
+seen; an arrival that finds a node free waits nothing, so the count ends with the queue. A node
+that still holds the shape beside one of the job's workers is never kept, and a job of the rare
+shape itself is not kept (which of those goes first is the queue's order).
 
-Approximations, stated: arrivals of ``s`` are served one at a time (they do not queue behind each
-other); a node holds ``s`` again only when every job on it has ended; the hold reads the job's runs from
-its work and the GPUs' speed and trust alone (no communication, no dataset), judges "room now" for
-the alternative by a pool's free GPUs, and counts each queued job of the shape once per node it may
-use.
+Approximations, stated: the marking serves arrivals of ``s`` one at a time (they do not queue
+behind each other); a node holds ``s`` again only when every job on it has ended; the hold reads
+the job's runs from its work and the GPUs' speed and trust alone (no communication, no dataset),
+judges "room now" for the alternative by a pool's free GPUs, and serves the queued jobs of a shape
+on all the nodes any of them may use (not each on its own pools), each for their mean run and
+width, a node of room for several of their workers as one.
 """
 
 import hashlib
@@ -252,13 +257,14 @@ def _queued_classes(snap: Snapshot) -> dict[bytes, list[tuple[str, IntArray]]]:
 
 def kept_for_queued(state: CycleState, rare: Sequence["RareShape"]) -> IntArray:
     """The nodes kept from this job for the queued jobs of a worker shape rare for it, in job-seconds:
-    a node of the shape's holder class, in the pools ``Q`` such queued jobs may use (speed probes
-    aside), is kept when the ``Q`` of them, served there in turn, would each wait the more for the
-    job's run there past the node's own last predicted end (``Q x max(T - (A - now), 0)``, ``A`` =
-    now for an idle node) than the job loses by running where it harms no one now (its fastest run
-    in a pool it may use with room for it now and no such node, less ``T``; nothing is kept when
-    there is none). A node that still holds the shape beside one of the job's workers is never kept.
-    Empty when no such job waits."""
+    a node of the shape's holder class, in the pools such queued jobs may use (speed probes aside),
+    where one of this job's workers has room now, is kept when the wait the job's run ``T`` there
+    adds to the shape's jobs (:func:`_delays`: the node frees ``max(T - (A - now), 0)`` later, ``A``
+    now when it has room for the shape now, else its last predicted end; the jobs queued and those
+    foreseen served in turn on the nodes as they free) exceeds what the job loses by running where
+    it harms no one now (its fastest run in a pool it may use with room for it now and no such
+    node, less ``T``; nothing is kept when there is none). A node that still holds the shape beside
+    one of the job's workers is never kept. Empty when no such job waits."""
     snap, job = state.snapshot, state.job
     none = np.zeros(0, dtype=np.int64)
     if not snap.waiting_count(exclude=job.job_id):
@@ -274,41 +280,45 @@ def kept_for_queued(state: CycleState, rare: Sequence["RareShape"]) -> IntArray:
         entries = _waiting_entries(snap, group, exclude=job.job_id)
         if not entries:
             continue
-        nodes_of = [mine for _, mine in entries]
-        nodes, counts = np.unique(np.concatenate(nodes_of), return_counts=True)
-        queued = counts.astype(np.float64)
+        nodes = np.unique(np.concatenate([mine for _, mine in entries]))
         shape = group.shape
-        shape_run = _shape_run(snap, entries)
-        if ends is None:
-            ends = node_ends(snap)
-            speeds = snap.job_speeds(job)
-        # Room for the shape beside one of this job's workers now: taking it delays no one.
-        room = snap.room(nodes, shape.gpus, shape.cpu_milli, shape.memory_mib)
-        beside = snap.schedulable[nodes] & (room > 0)
-        frees = np.where(
-            beside,
-            0.0,
-            np.where(_never_frees(snap, ends, nodes), math.inf, np.maximum(ends[nodes] - snap.now, 0.0)),
+        # Room for the shape now (the node frees now), and still beside one of this job's workers:
+        # taking such a node delays no one.
+        room_now = snap.schedulable[nodes] & (
+            snap.room(nodes, shape.gpus, shape.cpu_milli, shape.memory_mib) > 0
         )
+        beside = room_now.copy()
         if beside.any():
             left = np.array(
                 [_left_holds(snap, int(n), shape, 1, own) for n in nodes[beside].tolist()], dtype=np.bool_
             )
             beside[np.flatnonzero(beside)[~left]] = False
-        if not (~beside).any():
+        # Only where one of this job's workers has room now can it delay anyone.
+        lands = snap.schedulable[nodes] & (snap.room(nodes, own.gpus, own.cpu_milli, own.memory_mib) > 0)
+        if not (lands & ~beside).any():
             continue
+        shape_run = _shape_run(snap, entries)
+        if shape_run is None:
+            continue  # none of them can run on these nodes: no wait for them to add to
+        if ends is None:
+            ends = node_ends(snap)
+            speeds = snap.job_speeds(job)
+        frees = np.where(
+            room_now,
+            0.0,
+            np.where(_never_frees(snap, ends, nodes), math.inf, np.maximum(ends[nodes] - snap.now, 0.0)),
+        )
         assert speeds is not None
         speed = speeds[snap.model_of[nodes]] * snap.trust[snap.cluster_of[nodes]]
         run_s = np.where(speed > 0, work_s / np.maximum(speed, 1e-12), math.inf)
         # A busy node none of whose jobs has a predicted end never frees in this count: no harm
         # there (its room for the shape is not expected, whatever this job does).
-        later = np.where(~np.isfinite(frees) | beside, 0.0, np.maximum(run_s - frees, 0.0))
+        later = np.where(~np.isfinite(frees) | beside | ~lands, 0.0, np.maximum(run_s - frees, 0.0))
         later = np.where(np.isfinite(run_s), later, 0.0)
-        if shape_run is None:
-            delays = queued * later
-        else:
-            rate = arrival_rate(group.count, horizon)
-            delays = _delays(frees, later, Turns(len(entries), shape_run, rate, group.count - 1))
+        turns = Turns(
+            len(entries), shape_run[0], arrival_rate(group.count, horizon), group.count - 1, shape_run[1]
+        )
+        delays = _delays(frees, later, turns)
         for n, delay, run in zip(nodes.tolist(), delays.tolist(), run_s.tolist(), strict=True):
             if delay > 0:
                 harm[n] = harm.get(n, 0.0) + delay
@@ -358,11 +368,11 @@ def _waiting_nodes(snap: Snapshot, group: "RareShape", exclude: str = "") -> lis
     return [nodes for _, nodes in _waiting_entries(snap, group, exclude)]
 
 
-SERVED_SAMPLE = 64
+SERVED_SAMPLE = 256
 """The most queued jobs, and the most foreseen, :func:`_waits` serves one by one (more queued are
 counted in proportion)."""
 RUN_SAMPLE = 16
-"""How many of a rare shape's queued jobs give its mean run on its holders (:func:`_shape_run`)."""
+"""How many of a rare shape's queued jobs give its mean run and workers (:func:`_shape_run`)."""
 
 
 def _never_frees(snap: Snapshot, ends: FloatArray, nodes: IntArray) -> BoolArray:
@@ -371,11 +381,12 @@ def _never_frees(snap: Snapshot, ends: FloatArray, nodes: IntArray) -> BoolArray
     return never
 
 
-def _shape_run(snap: Snapshot, entries: Sequence[tuple[str, IntArray]]) -> float | None:
+def _shape_run(snap: Snapshot, entries: Sequence[tuple[str, IntArray]]) -> tuple[float, int] | None:
     """The mean run of a rare shape's queued jobs (``entries``: :func:`_waiting_entries`, the first
-    :data:`RUN_SAMPLE`) on the fastest of the nodes each may use, times its workers; None when
-    none can run there."""
-    runs = []
+    :data:`RUN_SAMPLE`) on the fastest of the nodes each may use, and their mean workers (rounded);
+    None when none of them can run there."""
+    runs: list[float] = []
+    workers: list[int] = []
     for job_id, mine in entries[:RUN_SAMPLE]:
         q = snap.queued.get(job_id)
         job = q.job if q is not None else None
@@ -384,66 +395,79 @@ def _shape_run(snap: Snapshot, entries: Sequence[tuple[str, IntArray]]) -> float
         speed = snap.job_speeds(job)[snap.model_of[mine]] * snap.trust[snap.cluster_of[mine]]
         fastest = float(speed.max())
         if fastest > 0:
-            runs.append(float(job.work.steps) * float(job.work.step_time_s) / fastest * max(job.workers, 1))
-    return sum(runs) / len(runs) if runs else None
+            runs.append(float(job.work.steps) * float(job.work.step_time_s) / fastest)
+            workers.append(max(job.workers, 1))
+    if not runs:
+        return None
+    return sum(runs) / len(runs), max(round(sum(workers) / len(workers)), 1)
 
 
 @dataclass(frozen=True, slots=True)
 class Turns:
-    """A rare shape's jobs served in turn on its nodes (:func:`_waits`): ``queued`` now, each for
-    ``run_s``, then ``foreseen`` more arriving ``1 / rate`` seconds apart (none when ``rate`` is 0).
-    A job of several workers counts as one taking one node for its run times its workers."""
+    """A rare shape's jobs served in turn on its nodes (:func:`_waits`): ``queued`` now, each
+    ``workers`` nodes at once for ``run_s``, then ``foreseen`` more arriving ``1 / rate`` seconds
+    apart (none when ``rate`` is 0)."""
 
     queued: int
     run_s: float
     rate: float = 0.0
     foreseen: int = 0
+    workers: int = 1
+
+    def jobs(self) -> int:
+        """How many jobs :func:`_waits` serves one by one."""
+        return min(self.queued, SERVED_SAMPLE) + (min(self.foreseen, SERVED_SAMPLE) if self.rate > 0 else 0)
 
 
 def _waits(frees: FloatArray, turns: Turns) -> tuple[float, FloatArray]:
-    """``turns``' jobs served in turn, each taking the node that frees first (``frees``: seconds
-    from now, ``inf`` never; an arrival that finds a node free waits nothing, so the count ends
-    with the queue): their waits in all, in seconds (the queued sampled to :data:`SERVED_SAMPLE`
-    and counted in proportion), and how many each node serves."""
+    """``turns``' jobs served in turn, each taking the ``workers`` nodes that free first (``frees``:
+    seconds from now, ``inf`` never) and starting when the last of them frees (an arrival not
+    before it comes: one that finds nodes free waits nothing, so the count ends with the queue).
+    Their waits in all, in seconds (beyond :data:`SERVED_SAMPLE` queued, the first served and
+    counted in proportion), and how many each node serves."""
     served = np.zeros(frees.size, dtype=np.float64)
+    width = turns.workers
     heap = [(f, i) for i, f in enumerate(frees.tolist()) if math.isfinite(f)]
-    if not heap:
+    if len(heap) < width:
         return math.inf, served
     heapq.heapify(heap)
     run_s = turns.run_s
     placed = min(turns.queued, SERVED_SAMPLE)
     scale = turns.queued / placed if placed else 0.0
-    total = 0.0
-    for _ in range(placed):
-        at, i = heapq.heappop(heap)
-        served[i] += scale
-        total += at * scale
-        heapq.heappush(heap, (at + run_s, i))
+    arrivals = [0.0] * placed
     if turns.rate > 0:
-        for k in range(1, min(turns.foreseen, SERVED_SAMPLE) + 1):
-            arrives = k / turns.rate
-            at, i = heapq.heappop(heap)
-            served[i] += 1.0
-            total += max(at - arrives, 0.0)
-            heapq.heappush(heap, (max(at, arrives) + run_s, i))
+        arrivals += [k / turns.rate for k in range(1, min(turns.foreseen, SERVED_SAMPLE) + 1)]
+    total = 0.0
+    for n, arrives in enumerate(arrivals):
+        taken = [heapq.heappop(heap) for _ in range(width)]
+        start = max(taken[-1][0], arrives)
+        weight = scale if n < placed else 1.0
+        total += (start - arrives) * weight
+        for _, i in taken:
+            served[i] += weight
+            heapq.heappush(heap, (start + run_s, i))
     return total, served
 
 
 def _delays(frees: FloatArray, later: FloatArray, turns: Turns) -> FloatArray:
-    """Per node, how much longer in all ``turns``' jobs wait (:func:`_waits`) when that node frees
-    ``later`` seconds after it would: the queued ones and those foreseen while the queue empties,
-    served in turn on the nodes as they free (an outside evaluator's 8-GPU trains, whose own
-    arrivals took 83 % of their only node, waited 5.5 h each while 4-GPU jobs took its halves, each
-    weighed against the trains queued at the time alone). Only a node that serves one of them can
-    delay them; a delay there may move them to other nodes (the schedule is served again)."""
-    base, served = _waits(frees, turns)
+    """Per node with ``later`` > 0, how much longer in all ``turns``' jobs wait (:func:`_waits`)
+    when that node frees ``later`` seconds after it would: the queued ones and those foreseen while
+    the queue empties, served in turn on the nodes as they free (an outside evaluator's 8-GPU
+    trains, whose own arrivals took 83 % of their only node, waited 5.5 h each while 4-GPU jobs took
+    its halves, each weighed against the trains queued at the time alone). Only a node that serves
+    one of them can delay them; a delay there may move them to other nodes (the schedule is served
+    again). Only the nodes that free first can serve any: the schedule runs on those."""
     out = np.zeros(frees.size, dtype=np.float64)
+    order = np.argsort(frees, kind="stable")
+    keep = order[: turns.jobs() * turns.workers + 1]  # a delayed node may leave them: one more
+    near, near_later = frees[keep], later[keep]
+    base, served = _waits(near, turns)
     if not math.isfinite(base):
         return out
-    for i in np.flatnonzero((served > 0) & (later > 0)).tolist():
-        moved = frees.copy()
-        moved[i] += later[i]
-        out[i] = max(_waits(moved, turns)[0] - base, 0.0)
+    for i in np.flatnonzero((served > 0) & (near_later > 0)).tolist():
+        moved = near.copy()
+        moved[i] += near_later[i]
+        out[keep[i]] = max(_waits(moved, turns)[0] - base, 0.0)
     return out
 
 
