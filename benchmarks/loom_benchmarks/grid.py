@@ -124,8 +124,9 @@ FIGURES: Final = (
     "unfinished",
     "belief_error_median",
     "gpu_utilisation_arrivals",
+    "plugin_errors",
 )
-_OWN_FIGURES: Final = frozenset({"belief_error_median", "gpu_utilisation_arrivals"})
+_OWN_FIGURES: Final = frozenset({"belief_error_median", "gpu_utilisation_arrivals", "plugin_errors"})
 """Figures computed here rather than read from :func:`loom.sim.metrics.summarize`."""
 
 
@@ -373,6 +374,7 @@ def figures(result: "SimResult", arrivals: tuple[float, float] | None = None) ->
     out["belief_error_median"] = metrics.belief_error(result.records)["median"]
     window = [s for s in result.timeline if arrivals is None or arrivals[0] <= s.t_s <= arrivals[1]]
     out["gpu_utilisation_arrivals"] = metrics.mean_utilisation(window)
+    out["plugin_errors"] = result.plugin_errors
     return out
 
 
@@ -749,6 +751,7 @@ def format_line(line: Mapping[str, Any]) -> str:
             + (f" rej {f['rejected']:.0f}" if f.get("rejected") else "")
             + (f" unf {f['unfinished']:.0f}" if f.get("unfinished") else "")
             + (f" be {be:.0%}" if (be := f.get("belief_error_median")) is not None else "")
+            + (f" PLUGIN ERRORS {f['plugin_errors']:.0f}" if f.get("plugin_errors") else "")
         )
     m = line.get("margin")
     parts.append(

@@ -510,6 +510,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] | None = None)
                 "engine_wall_s": round(result.wall_s, 3),
                 "decisions": result.decisions,
                 "peak_rss_mib": result.peak_rss_mib,
+                "plugin_errors": result.plugin_errors,
                 "notes": list(result.notes),
             }
         )

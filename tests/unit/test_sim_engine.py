@@ -630,3 +630,33 @@ def test_data_transfer_prices_follow_the_clouds_list_prices() -> None:
     ring = ring_price_per_gb(["aws-a", "aws-b", "gcp-c"])
     assert ring == pytest.approx((0.02 + 0.09 + 0.12) / 3)
     assert ring_price_per_gb(["aws-a"]) == 0.0
+
+
+def test_a_plugin_that_fails_is_counted_not_hidden() -> None:
+    # A plugin bug keeps the job queued (as placement keeps it) rather than failing the run; the
+    # result counts it and says which job, so a benchmark of a broken plugin cannot pass unseen.
+    from loom.sched.framework import SUCCESS, CycleState, Framework, Status
+    from loom.sched.plugins.compute import ScuFit
+    from loom.sched.plugins.resources import ResourceFit
+
+    class Boom:
+        name = "boom"
+
+        def pre_filter(self, state: CycleState) -> Status:
+            if state.job.job_id == "bad":
+                raise TypeError("a plugin bug")
+            return SUCCESS
+
+    plat = platform({"c-eu": (EU, "A100", 1)})
+    jobs = [
+        SimJob(spec=spec("good", steps=100), arrival_s=0.0),
+        SimJob(spec=spec("bad", steps=100), arrival_s=1.0),
+    ]
+    result = simulate(
+        Trace(jobs=jobs), plat, FrameworkPolicy("boom", Framework([Boom(), ResourceFit(), ScuFit()]))
+    )
+    done = by_id(result)
+    assert done["good"].end_s is not None and done["bad"].end_s is None
+    assert result.plugin_errors >= 1
+    assert any("bad" in note and "a plugin bug" in note for note in result.notes)
+    assert simulate(Trace(jobs=jobs[:1]), plat, POLICIES["loom"](0)).plugin_errors == 0

@@ -563,6 +563,7 @@ class _Simulation:
         self.horizon_s = horizon_s
         self.platform = platform
         self.notes: list[str] = []
+        self.plugin_errors = 0
         self.heap: list[tuple[float, int, int, _Event]] = []
         self.seq = 0
         self.pending = 0
@@ -1255,6 +1256,7 @@ class _Simulation:
             self._stage(job)
         for waiting in result.waiting:
             if waiting.error:
+                self.plugin_errors += 1
                 self.notes.append(f"{job.spec.job_id}: {waiting.record.reason}")
             if waiting.wake_in_s is not None:
                 # A permit's patience ends then even if no capacity changes: decide again at that time.
@@ -2462,4 +2464,5 @@ def simulate(
         ],
         migration=sim.migrator.figures() if sim.migrator is not None else None,
         reports=sim.reports,
+        plugin_errors=sim.plugin_errors,
     )

@@ -194,6 +194,9 @@ class SimResult:
     """The migration policy's figures (:meth:`loom.sim.migration.Migrator.figures`); None without one."""
     reports: list[ProgressReport] = field(default_factory=list)
     """Every run's progress report, in time order (a replay feeds them to placement's book)."""
+    plugin_errors: int = 0
+    """Decisions a scheduling plugin failed in (an exception: the job stayed queued, as placement
+    keeps it, and :attr:`notes` say which): a benchmark whose runs had any is not to be believed."""
 
     def finished(self) -> Sequence[JobRecord]:
         """Jobs that completed."""
