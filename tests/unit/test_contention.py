@@ -634,6 +634,55 @@ def test_claims_ahead_that_fill_a_pool_are_served_in_turn_not_read_as_never() ->
     assert starts.decision is not None and starts.decision.parts[0].gpu_model == SLOW
 
 
+def test_a_pool_past_the_claims_is_still_an_option_when_the_claimed_one_fails_the_bar() -> None:
+    # An outside evaluator (docs/measurements.md, 2026-12-07, later): an 8-GPU job waiting for T4s
+    # that would end it 35 h sooner than K80s saw them pruned behind a claimed P100 (its run alone
+    # was longer than the P100's completion), the P100 then failed the queue's bar, and with no
+    # option left it ran 76 h on K80s. Here: 1,000 s on the T4 now; the A100 pool (100 s a run) has
+    # room in 300 s behind four claims (400 s: fails 3x); V100s (2.2x a T4: 455 s) in 100 s.
+    nodes = [node("a0", "ca", used=8), node("v0", "cm", model="V100", used=8), node("b0", "cb", model=SLOW)]
+    runs = [
+        running("busy", ("a0", 8), ends_in_s=100.0),
+        RunningJob(
+            job_id="v-busy",
+            tenant="t",
+            priority=100,
+            cluster="cm",
+            gpu_model="V100",
+            allocations=(("v0", 8),),
+            expected_end_s=NOW + 100.0,
+        ),
+    ]
+    speed = {
+        (FAST, "training_compute"): 10.0,
+        ("V100", "training_compute"): 2.2,
+        (SLOW, "training_compute"): 1.0,
+    }
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=NOW, running=runs)
+    book = WaitBook()
+    for i in range(4):  # all of a0, each from 100 s for 200 s
+        book.reserve(
+            Reservation(
+                job_id=f"w{i}",
+                priority=100,
+                submitted_at=0.0,
+                cluster="ca",
+                gpu_model=FAST,
+                workers=1,
+                per_worker=2,
+                start_s=NOW + 100.0,
+                expires_s=NOW + 10_000.0,
+                run_s=200.0,
+            )
+        )
+    single = msgspec.structs.replace(gang(workers=1, gpus=1), comm=None)
+    outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book)]).schedule(
+        single, snap, submitted_at=NOW
+    )
+    assert outcome.decision is None and outcome.status.wait_s == pytest.approx(100.0)
+    assert "V100" in outcome.status.reason
+
+
 def test_a_claim_records_the_claimants_run_in_the_pool_it_waits_for() -> None:
     nodes = [node("a0", "ca", used=8), node("b0", "cb", model=SLOW)]
     runs = [running("busy", ("a0", 8), ends_in_s=100.0)]

@@ -1254,14 +1254,9 @@ class SpanGuard:
             state, holders, want, book=self.book, within_s=busy_now, with_data=True, pace=pace
         )
         if snap.waiting_count(exclude=job.job_id) == 0:
-            # A pool the claims ahead fill is a queue's wait: one that fails the queue's bar is no
-            # option, and the best of the others is judged (a review: it started the job now on
-            # T4s when another A100 pool would have ended it sooner).
-            options = [
-                o
-                for o in options
-                if not o.behind_claims or waits_behind_queue(busy_now, o.completion_s, self.queue_slowdown)
-            ]
+            options = self._past_claims(
+                state, options, holders=holders, want=want, busy_now=busy_now, pace=pace
+            )
         if not options:
             return Status()
         best = options[0]
@@ -1294,6 +1289,36 @@ class SpanGuard:
             f" {best.completion_s:.0f} s from now; waiting for {why}",
             wait_s=best.wait_s,
         )
+
+    def _past_claims(
+        self,
+        state: CycleState,
+        options: list[PoolOption],
+        *,
+        holders: BoolArray,
+        want: int,
+        busy_now: float,
+        pace: float,
+    ) -> list[PoolOption]:
+        """``options`` less the pools the claims ahead fill where waiting in turn fails the queue's
+        bar (such a wait is a queue's: a review found the job started now on T4s when another A100
+        pool would have ended it sooner), the others looked for again without them: the first
+        search stopped at pools that could not beat their completion (an outside evaluator: an
+        8-GPU job waiting 5.7 h for T4s to end 35 h sooner saw them pruned behind a claimed P100,
+        which then failed the bar, and ran 76 h on K80s)."""
+        pools = holders
+        while dropped := [
+            o
+            for o in options
+            if o.behind_claims and not waits_behind_queue(busy_now, o.completion_s, self.queue_slowdown)
+        ]:
+            pools = pools.copy()
+            for o in dropped:
+                pools[o.cluster, o.model] = False
+            options = single_cluster_options(
+                state, pools, want, book=self.book, within_s=busy_now, with_data=True, pace=pace
+            )
+        return options
 
     def _under_queue(
         self, state: CycleState, workers: int, busy_now: float, holders: BoolArray, pace: float = 1.0
