@@ -591,6 +591,27 @@ def test_a_job_without_communication_waits_for_faster_gpus_too() -> None:
     assert late.decision is not None and late.decision.parts[0].gpu_model == SLOW
 
 
+def book_of(run_s: float) -> WaitBook:
+    """Four claims of 2 GPUs each on the A100 pool "ca" (all of ``a0``), each from 100 s for ``run_s``."""
+    book = WaitBook()
+    for i in range(4):
+        book.reserve(
+            Reservation(
+                job_id=f"w{i}",
+                priority=100,
+                submitted_at=0.0,
+                cluster="ca",
+                gpu_model=FAST,
+                workers=1,
+                per_worker=2,
+                start_s=NOW + 100.0,
+                expires_s=NOW + 10_000.0,
+                run_s=run_s,
+            )
+        )
+    return book
+
+
 def test_claims_ahead_that_fill_a_pool_are_served_in_turn_not_read_as_never() -> None:
     # An outside evaluator (docs/measurements.md, 2026-12-07): sixteen short jobs waiting by choice
     # for a pool's 32 H100s claimed all of them, and the next one read that pool's room as "never"
@@ -599,25 +620,6 @@ def test_claims_ahead_that_fill_a_pool_are_served_in_turn_not_read_as_never() ->
     nodes = [node("a0", "ca", used=8), node("b0", "cb", model=SLOW)]
     runs = [running("busy", ("a0", 8), ends_in_s=100.0)]
     single = msgspec.structs.replace(gang(workers=1, gpus=1), comm=None)  # 333 s on A100, 1,000 on T4
-
-    def book_of(run_s: float) -> WaitBook:
-        book = WaitBook()
-        for i in range(4):  # 4 x 2 GPUs: all of a0, each from 100 s for run_s
-            book.reserve(
-                Reservation(
-                    job_id=f"w{i}",
-                    priority=100,
-                    submitted_at=0.0,
-                    cluster="ca",
-                    gpu_model=FAST,
-                    workers=1,
-                    per_worker=2,
-                    start_s=NOW + 100.0,
-                    expires_s=NOW + 10_000.0,
-                    run_s=run_s,
-                )
-            )
-        return book
 
     # A100 10x a T4 here: 100 s there after 150 s of waiting, against 1,000 s on the T4 now.
     framework = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book_of(50.0))])
@@ -659,22 +661,7 @@ def test_a_pool_past_the_claims_is_still_an_option_when_the_claimed_one_fails_th
         (SLOW, "training_compute"): 1.0,
     }
     snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=NOW, running=runs)
-    book = WaitBook()
-    for i in range(4):  # all of a0, each from 100 s for 200 s
-        book.reserve(
-            Reservation(
-                job_id=f"w{i}",
-                priority=100,
-                submitted_at=0.0,
-                cluster="ca",
-                gpu_model=FAST,
-                workers=1,
-                per_worker=2,
-                start_s=NOW + 100.0,
-                expires_s=NOW + 10_000.0,
-                run_s=200.0,
-            )
-        )
+    book = book_of(200.0)  # all of a0, each from 100 s for 200 s
     single = msgspec.structs.replace(gang(workers=1, gpus=1), comm=None)
     outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book)]).schedule(
         single, snap, submitted_at=NOW
