@@ -42,3 +42,20 @@ async def test_on_a_cluster_an_unanswered_send_is_repeated_with_short_ack_timeou
     # Never longer than the publisher's own timeout.
     short = Publisher(Client(), timeout_s=0.3)
     assert short._attempt_timeout_s(clustered=True, awaiting_leader=False) == 0.3
+
+
+def test_a_stream_the_cluster_cannot_place_yet_is_not_taken_for_one_that_exists() -> None:
+    # A CI run of the supervised 3-node stack failed at start: JetStream answered "no suitable peers
+    # for placement" while a node had not joined, that was taken for "another service created it",
+    # and the update that followed found no stream. Now it is retried as a cluster not ready yet.
+    from nats.js.errors import BadRequestError
+
+    from loom.bus.connection import _JETSTREAM_NOT_READY, PeersNotReadyError, placement_refused
+
+    peers = BadRequestError(
+        code=400, err_code=10005, description="no suitable peers for placement, peer offline"
+    )
+    exists = BadRequestError(code=400, err_code=10058, description="stream name already in use")
+    assert placement_refused(peers)
+    assert not placement_refused(exists)
+    assert issubclass(PeersNotReadyError, _JETSTREAM_NOT_READY)

@@ -330,8 +330,32 @@ def stream_config(spec: StreamSpec) -> StreamConfig:
     )
 
 
-_JETSTREAM_NOT_READY = (ServiceUnavailableError, NoRespondersError, NatsTimeoutError, asyncio.TimeoutError)
-"""What JetStream answers while a cluster has no meta leader yet (at start, or after losing it)."""
+NO_SUITABLE_PEERS = 10005
+"""JetStream's error code when it cannot place a stream's replicas: "no suitable peers for
+placement, peer offline", while a starting cluster's nodes have not all joined its meta group."""
+
+
+def placement_refused(exc: BadRequestError) -> bool:
+    """Whether JetStream refused to create a stream because it cannot place its replicas yet (not
+    because the stream exists)."""
+    return exc.err_code == NO_SUITABLE_PEERS
+
+
+class PeersNotReadyError(Exception):
+    """A cluster cannot place a stream yet: not all its nodes have joined (retried like a missing
+    meta leader). A CI run of the supervised 3-node stack failed on it: the refusal was taken for
+    "another service created it", and the update that followed found no stream."""
+
+
+_JETSTREAM_NOT_READY = (
+    ServiceUnavailableError,
+    NoRespondersError,
+    NatsTimeoutError,
+    asyncio.TimeoutError,
+    PeersNotReadyError,
+)
+"""What JetStream answers while a cluster has no meta leader yet (at start, or after losing it), or
+not yet the peers a stream's replicas need."""
 
 
 async def ensure_streams(
@@ -370,7 +394,9 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     except NotFoundError:
         try:
             await js.add_stream(config)
-        except BadRequestError:
+        except BadRequestError as exc:
+            if placement_refused(exc):
+                raise PeersNotReadyError(str(exc)) from exc
             # Another service created it between our look-up and our add.
             await js.update_stream(config)
     else:
