@@ -313,8 +313,8 @@ def kept_for_queued(state: CycleState, rare: Sequence["RareShape"]) -> IntArray:
         run_s = np.where(speed > 0, work_s / np.maximum(speed, 1e-12), math.inf)
         # A busy node none of whose jobs has a predicted end never frees in this count: no harm
         # there (its room for the shape is not expected, whatever this job does).
-        later = np.where(~np.isfinite(frees) | beside | ~lands, 0.0, np.maximum(run_s - frees, 0.0))
-        later = np.where(np.isfinite(run_s), later, 0.0)
+        never = ~np.isfinite(frees) | ~np.isfinite(run_s) | beside | ~lands
+        later = np.where(never, 0.0, np.maximum(run_s - frees, 0.0))
         turns = Turns(
             len(entries), shape_run[0], arrival_rate(group.count, horizon), group.count - 1, shape_run[1]
         )
@@ -361,11 +361,6 @@ def _waiting_entries(snap: Snapshot, group: "RareShape", exclude: str = "") -> l
         for job_id, nodes in _queued_classes(snap).get(group.key, ())
         if job_id != exclude and job_id in waiting and job_id not in probes
     ]
-
-
-def _waiting_nodes(snap: Snapshot, group: "RareShape", exclude: str = "") -> list[IntArray]:
-    """:func:`_waiting_entries`' nodes."""
-    return [nodes for _, nodes in _waiting_entries(snap, group, exclude)]
 
 
 SERVED_SAMPLE = 256
@@ -476,7 +471,7 @@ def hold_possible(snap: Snapshot, own: WorkerShape) -> bool:
     a job of a shape rare for it waits (speed probes aside). Whether it then does depends on the
     job's own run, so two jobs of one shape may find different room (the simulator decides each)."""
     rare = rare_shapes(snap, own)
-    return bool(rare and snap.waiting) and any(_waiting_nodes(snap, group) for group in rare)
+    return bool(rare and snap.waiting) and any(_waiting_entries(snap, group) for group in rare)
 
 
 def arrival_rate(count: int, span_s: float) -> float:
