@@ -636,12 +636,9 @@ def test_claims_ahead_that_fill_a_pool_are_served_in_turn_not_read_as_never() ->
     assert starts.decision is not None and starts.decision.parts[0].gpu_model == SLOW
 
 
-def test_a_pool_past_the_claims_is_still_an_option_when_the_claimed_one_fails_the_bar() -> None:
-    # An outside evaluator (docs/measurements.md, 2026-12-07, later): an 8-GPU job waiting for T4s
-    # that would end it 35 h sooner than K80s saw them pruned behind a claimed P100 (its run alone
-    # was longer than the P100's completion), the P100 then failed the queue's bar, and with no
-    # option left it ran 76 h on K80s. Here: 1,000 s on the T4 now; the A100 pool (100 s a run) has
-    # room in 300 s behind four claims (400 s: fails 3x); V100s (2.2x a T4: 455 s) in 100 s.
+def three_pools(v100_speed: float) -> Snapshot:
+    """A100 node a0 (ca, 10x a T4) and V100 node v0 (cm, ``v100_speed`` x) full for another 100 s,
+    a free T4 node b0 (cb)."""
     nodes = [node("a0", "ca", used=8), node("v0", "cm", model="V100", used=8), node("b0", "cb", model=SLOW)]
     runs = [
         running("busy", ("a0", 8), ends_in_s=100.0),
@@ -657,14 +654,56 @@ def test_a_pool_past_the_claims_is_still_an_option_when_the_claimed_one_fails_th
     ]
     speed = {
         (FAST, "training_compute"): 10.0,
-        ("V100", "training_compute"): 2.2,
+        ("V100", "training_compute"): v100_speed,
         (SLOW, "training_compute"): 1.0,
     }
-    snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=NOW, running=runs)
+    return Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=NOW, running=runs)
+
+
+def test_a_pool_past_the_claims_is_still_an_option_when_the_claimed_one_fails_the_bar() -> None:
+    # An outside evaluator (docs/measurements.md, 2026-12-07, later): an 8-GPU job waiting for T4s
+    # that would end it 35 h sooner than K80s saw them pruned behind a claimed P100 (its run alone
+    # was longer than the P100's completion), the P100 then failed the queue's bar, and with no
+    # option left it ran 76 h on K80s. Here: 1,000 s on the T4 now; the A100 pool (100 s a run) has
+    # room in 300 s behind four claims (400 s: fails 3x); V100s (2.2x a T4: 455 s) in 100 s.
+    snap = three_pools(2.2)
     book = book_of(200.0)  # all of a0, each from 100 s for 200 s
     single = msgspec.structs.replace(gang(workers=1, gpus=1), comm=None)
     outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book)]).schedule(
         single, snap, submitted_at=NOW
+    )
+    assert outcome.decision is None and outcome.status.wait_s == pytest.approx(100.0)
+    assert "V100" in outcome.status.reason
+
+
+def test_under_a_queue_a_pool_the_claims_fill_is_still_weighed_with_its_claimants_in_turn() -> None:
+    # A second outside evaluator (docs/measurements.md, 2026-12-07, night): an 8-GPU train queued
+    # behind other trains read the H100 its claimants fill as "never" in the queue's count (the
+    # first pass has no book to serve them in turn, and the walk stopped at the first pool it could
+    # not beat, so the H100 was never looked at again), and ran 48.8 h on a T4 instead of 2.4 h on
+    # the H100 after hours. Here: 1,000 s on the T4 now; V100s (1.5x) in 100 s end it at 767 s,
+    # which fails the queue's bar; the A100 (10x) has room at 150 s once its four claimants (all
+    # of a0, from 100 s for 50 s) are served, and ends it at 250 s: it waits for the A100.
+    snap = three_pools(1.5)
+    snap.waiting.add("someone-else")  # a queue (its shape unknown: nothing of it ahead of the job)
+    single = msgspec.structs.replace(gang(workers=1, gpus=1), comm=None)
+    outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book_of(50.0))]).schedule(
+        single, snap, submitted_at=NOW, queue_key=(0, NOW, "g")
+    )
+    assert outcome.decision is None and outcome.status.wait_s == pytest.approx(150.0)
+    assert FAST in outcome.status.reason
+
+
+def test_a_pool_served_in_turn_that_fails_the_queues_bars_hides_no_other_pool() -> None:
+    # The same queue, claimants of 200 s each: the A100 in turn ends the job at 400 s, sooner than
+    # the V100s (2.2x a T4: 100 + 455 s), but fails both bars (1,000 s < 3 x 400 s; 3 x 300 s +
+    # 100 s > 0.9 x 1,000 s). The V100s pass the bar on their wait alone, as they did before the
+    # A100 counted at all: the job still waits for them rather than start on the T4.
+    snap = three_pools(2.2)
+    snap.waiting.add("someone-else")
+    single = msgspec.structs.replace(gang(workers=1, gpus=1), comm=None)
+    outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book_of(200.0))]).schedule(
+        single, snap, submitted_at=NOW, queue_key=(0, NOW, "g")
     )
     assert outcome.decision is None and outcome.status.wait_s == pytest.approx(100.0)
     assert "V100" in outcome.status.reason

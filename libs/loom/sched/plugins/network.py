@@ -984,7 +984,12 @@ def behind_queue(
     (:func:`~loom.sched.availability.expected_wait_s` with ``queue``); None without options.
     ``options`` sorted by completion (:func:`single_cluster_options`, best with the same claims:
     ``claims``, as :func:`queue_claims` gives them): a queue only lengthens a wait, so the walk
-    stops at the first option whose wait without it cannot beat the best."""
+    skips the options whose wait without it cannot beat the best. An option whose wait read
+    "never" there (its claimants fill the pool; that count has no book to serve them in turn) is
+    weighed with them served in turn, while its run alone could beat the best: the walk stopped at
+    the first finite one before, so a pool a queue of claims filled was never looked at (an outside
+    evaluator's 8-GPU train ran 48.8 h on a T4 instead of 2.4 h on the H100 its claimants held;
+    another's 4 x 2-GPU job 29.5 h on L4s instead of ~3 h on H200s)."""
     snap, job = state.snapshot, state.job
     by_pool, claimed = claims if claims is not None else queue_claims(state, book)
     ahead = (
@@ -999,7 +1004,10 @@ def behind_queue(
 
     for option in options:
         if best is not None and option.completion_s >= best.completion_s:
-            break
+            if math.isfinite(option.wait_s):
+                continue
+            if option.busy_s >= best.completion_s:
+                break  # the rest never free in this count and could not beat the best anyway
         c, m = option.cluster, option.model
         queue = queue_for_pool(snap, ahead, c, m)
         seen = option
@@ -1327,7 +1335,9 @@ class SpanGuard:
         behind the queue ahead of the job, gang or single worker, when it pays by
         ``queue_slowdown`` x its wait plus run (:func:`behind_queue`, :func:`waits_behind_queue`),
         or by that factor on its wait alone where no queued job has that pool as its only one
-        (:func:`waits_for_pool_alone`, :func:`~loom.sched.availability.sole_pool_of_queued`)."""
+        (:func:`waits_for_pool_alone`, :func:`~loom.sched.availability.sole_pool_of_queued`). A
+        pool its claimants fill, served in turn, is one option more: when it is the best and fails
+        those bars, the best of the others is judged, as it was before such pools counted."""
         if not self.queue_aware or state.queue_key is None:
             return None
         # Every pool that ends sooner than starting now is a candidate (a queue may lengthen the
@@ -1345,6 +1355,20 @@ class SpanGuard:
             pace=pace,
         )
         behind = behind_queue(state, options, workers, self.book, claims=claims)
+        waits = self._worth_waiting(state, behind, workers, busy_now)
+        if waits is None and behind is not None and behind.behind_claims:
+            # A pool whose claimants fill it, served in turn (its first count was "never"): an
+            # option more, not one that hides the others when it fails the bars.
+            known = [o for o in options if math.isfinite(o.wait_s)]
+            behind = behind_queue(state, known, workers, self.book, claims=claims)
+            waits = self._worth_waiting(state, behind, workers, busy_now)
+        return waits
+
+    def _worth_waiting(
+        self, state: CycleState, behind: PoolOption | None, workers: int, busy_now: float
+    ) -> PoolOption | None:
+        """``behind`` (:func:`behind_queue`'s choice) when waiting for it pays by the queue's bars
+        (:meth:`_under_queue`), else None."""
         if behind is None or behind.busy_s >= busy_now:
             return None
         if behind.wait_s < MIN_WAIT_S and _holds_now(state, behind.cluster, behind.model, workers):
