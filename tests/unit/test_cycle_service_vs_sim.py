@@ -8,7 +8,9 @@ every queued job after capacity changed, with growth once nothing waits (``_requ
 the result is adopted by the service's own ``_commit`` (a preempted run queued again as its next
 attempt, as ``_give_up`` does); a job a permit holds back (waiting for faster GPUs) is decided
 again when its patience ends, as the service retries it when its backoff does and the simulator at
-its wake. Only the store and the bus are left out
+its wake. The simulator's clock-driven retries (``retry_every_s``, placement's backoff for jobs
+post-filters could make room for) are switched off, as its samples are: the replay feeds no such
+ticks. Only the store and the bus are left out
 (the service's ``_decide`` is the in-memory half of its ``_schedule``; what ``_shrink`` and
 ``_grow`` write is mirrored in memory). Every job must start at the same time, on the same
 clusters and GPU model, and end with the same GPUs; rejections must match.
@@ -519,7 +521,13 @@ def same_decisions(jobs: list[SimJob], *, measured: bool = False, budget: int = 
     framework = build_framework(context={"economics": PLATFORM.economics})
     policy = MeasuredPolicy("loom", framework) if measured else FrameworkPolicy("loom", framework)
     sim = simulate(
-        Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0, max_decisions_per_event=budget
+        Trace(list(jobs)),
+        PLATFORM,
+        policy,
+        truth=BELIEF,
+        sample_every_s=0,
+        retry_every_s=0,
+        max_decisions_per_event=budget,
     )
     expected: dict[str, tuple[Any, ...]] = {}
     ends: dict[str, float] = {}
@@ -575,7 +583,7 @@ def test_an_elastic_job_grows_back_in_the_simulator_as_in_the_service() -> None:
     )
     jobs = [SimJob(spec=hog, arrival_s=0.0), SimJob(spec=elastic, arrival_s=1.0)]
     policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
-    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0)
+    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0, retry_every_s=0)
     rec = {r.job_id: r for r in sim.records}
     assert rec["hog"].end_s is not None and rec["el"].start_s == 1.0
     # It started on the 2 GPUs the hog left and grew to the whole pool once the hog ended.
@@ -612,7 +620,7 @@ def test_a_job_shaped_like_one_that_waits_for_faster_gpus_gets_a_decision_of_its
         SimJob(spec=job("j003", 1, 1, 10), arrival_s=0.5),
     ]
     policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
-    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0)
+    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0, retry_every_s=0)
     rec = {r.job_id: r for r in sim.records}
     # j002 waits for the G2s the gang holds; j003, behind it, starts at once on a V100.
     assert rec["j002"].gpu_model == "G2" and rec["j002"].start_s == rec["j001"].end_s
@@ -638,7 +646,7 @@ def test_an_elastic_run_grown_later_is_predicted_from_the_time_it_grew() -> None
         SimJob(spec=job("j007", 1, 1, 10, task_type="training_compute"), arrival_s=600.0),
     ]
     policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
-    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0)
+    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0, retry_every_s=0)
     rec = {r.job_id: r for r in sim.records}
     assert rec["j001"].gpus == 32 and rec["j001"].end_s is not None and rec["j001"].end_s > 600.0
     assert (rec["j007"].start_s, rec["j007"].gpu_model) == (600.0, "V100M16")
@@ -708,7 +716,7 @@ def test_preemption_takes_the_run_that_reported_least_progress_in_both() -> None
         SimJob(_spec2("hi", 200, 10), 3000.0),
     ]
     policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
-    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0)
+    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0, retry_every_s=0)
     restarts = {r.job_id: r.restarts for r in sim.records}
     assert restarts == {"lo-a": 0, "lo-b": 1, "hi": 0}
     assert [(r.job_id, round(r.fraction, 6)) for r in sim.reports if r.t < 3000.0] == [("lo-a", 0.1)]
@@ -749,7 +757,7 @@ def test_a_released_dag_stage_keeps_its_dags_place_in_the_queue_in_both() -> Non
     other = JobSpec(job_id="x", tenant="a", resources=P100, work=Work(steps=50, step_time_s=10.0))
     jobs = [SimJob(hog, 0.0), SimJob(dag_job, 0.0), SimJob(other, 5.0)]
     policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
-    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0)
+    sim = simulate(Trace(list(jobs)), PLATFORM, policy, truth=BELIEF, sample_every_s=0, retry_every_s=0)
     rec = {r.job_id: r for r in sim.records}
     s1, s2 = dag.stage_job_id("d", "s1"), dag.stage_job_id("d", "s2")
     end = rec[s1].end_s
@@ -774,7 +782,9 @@ def test_a_dag_with_a_stage_that_could_never_run_is_refused_whole_in_both() -> N
     # only s2 when its turn came.
     dag_job = _two_stage_dag(Resources(gpus=16), 5)
     policy = FrameworkPolicy("loom", build_framework(context={"economics": PLATFORM.economics}))
-    sim = simulate(Trace([SimJob(dag_job, 0.0)]), PLATFORM, policy, truth=BELIEF, sample_every_s=0)
+    sim = simulate(
+        Trace([SimJob(dag_job, 0.0)]), PLATFORM, policy, truth=BELIEF, sample_every_s=0, retry_every_s=0
+    )
     never = service()._stage_never_fits(
         {c.labels[dag.STAGE_LABEL]: c for c in dag.expand(_submitted(dag_job, 0.0))}
     )

@@ -42,10 +42,10 @@ then one scheduling pass runs, in queue order (the policy's queue sort):
   post-filters start from), nor ``rare_room`` move a job (one worker of a rare shape, a
   preemptible job of no higher priority running in one of its pools:
   :func:`~loom.sched.plugins.rare.room_possible`), is queued without a decision;
-* when GPUs were released and at each sample, shapes for which preemption, elastic shrink or
-  ``rare_room`` could make room get one retry (placement retries every queued job when capacity
-  changes, and on its backoff); after a link changes every waiting shape gets one (placement weighs
-  the network).
+* when GPUs were released and every ``retry_every_s`` (placement's longest backoff, 30 s), shapes
+  for which preemption, elastic shrink or ``rare_room`` could make room get one retry (placement
+  retries every queued job when capacity changes, and on its backoff); after a link changes every
+  waiting shape gets one (placement weighs the network).
 
 :attr:`SimResult.notes` say how many decisions were made for arrivals and for retries.
 Rejected jobs (UNRESOLVABLE) are recorded with the reason and dropped; a DAG stage of a rejected
@@ -185,6 +185,10 @@ _CONTINUE: Final = 3
 _WAKE: Final = 4
 _SAMPLE: Final = 5
 _OBSERVE: Final = 6
+_RETRY: Final = 7
+RETRY_EVERY_S: Final = 30.0
+"""How often queued jobs that preemption, an elastic shrink or ``rare_room`` could make room for are
+retried when nothing else happens: placement's longest backoff (``MAX_BACKOFF_S``)."""
 """Event kinds; at one instant completions are applied first, samples and then lessons last. A wake
 retries the shape of a waiting job when a permit's wait (``Status.wait_s``: patience running out)
 ends; a lesson teaches the speed learner what a run measured (:data:`OBSERVE_AT`)."""
@@ -519,6 +523,7 @@ class _Simulation:
         policy: Policy,
         *,
         sample_every_s: float,
+        retry_every_s: float,
         max_decisions_per_event: int,
         horizon_s: float | None,
         learner: SpeedLearner | None = None,
@@ -559,6 +564,9 @@ class _Simulation:
         """Probe jobs (their records are kept apart from the trace's: ``SimResult.probes``)."""
         self.sort_key = self.fast.sort_key if self.fast is not None else _default_sort_key
         self.sample_every_s = sample_every_s
+        self.retry_every_s = retry_every_s
+        """How often queued jobs that post-filters could make room for are retried (0: never by
+        the clock; see :data:`RETRY_EVERY_S`)."""
         self.budget = max(int(max_decisions_per_event), 1)
         self.horizon_s = horizon_s
         self.platform = platform
@@ -670,6 +678,8 @@ class _Simulation:
             self._push(_Event(event.at_s, _SCRIPTED, 0, scripted=event))
         if sample_every_s > 0:
             self._push(_Event(first, _SAMPLE, 0))
+        if retry_every_s > 0:
+            self._push(_Event(first + retry_every_s, _RETRY, 0))
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -847,12 +857,12 @@ class _Simulation:
     def _push(self, event: _Event) -> None:
         self.seq += 1
         event.seq = self.seq
-        if event.kind != _SAMPLE:
+        if event.kind not in (_SAMPLE, _RETRY):
             self.pending += 1
         heapq.heappush(self.heap, (event.t, event.kind, self.seq, event))
 
-    # PLR0912: the event loop: one branch per event kind.
-    def run(self) -> None:  # noqa: PLR0912
+    # PLR0912, PLR0915: the event loop: one branch per event kind.
+    def run(self) -> None:  # noqa: PLR0912, PLR0915
         """Play every event up to the horizon (or until nothing is left to happen)."""
         horizon = self.horizon_s
         while self.heap:
@@ -872,6 +882,11 @@ class _Simulation:
                 if event.kind == _SAMPLE:
                     sample = True
                     continue
+                if event.kind == _RETRY:
+                    self.retry_post = True
+                    if self.pending > 0:
+                        self._push(_Event(t + self.retry_every_s, _RETRY, 0))
+                    continue
                 if event.kind == _WAKE:
                     if self.wakes.get(event.job_id) == event.t:  # not cancelled or replaced
                         self._wake(event)
@@ -885,10 +900,8 @@ class _Simulation:
                     self._arrive(self.jobs[event.job_id])
             if observed_only:
                 continue  # a speed learnt: the next event's pass decides with it
-            if sample:
-                self.retry_post = True
-                if self.migrator is not None:
-                    self.migrator.on_sample()
+            if sample and self.migrator is not None:
+                self.migrator.on_sample()
             self._pass()
             if self.migrator is not None and self.suspended is None and self.migrator.after_pass():
                 self._pass()  # the moves freed GPUs the queue may use
@@ -2385,6 +2398,7 @@ def simulate(
     *,
     seed: int = 0,
     sample_every_s: float = 300.0,
+    retry_every_s: float = RETRY_EVERY_S,
     max_decisions_per_event: int = 64,
     horizon_s: float | None = None,
     learner: SpeedLearner | None = None,
@@ -2421,6 +2435,13 @@ def simulate(
     :mod:`loom.migrate.benefit`; ``never``; ``always``); its figures are in ``SimResult.migration``.
     None: the engine as before (a failed cluster's jobs are requeued and restart at once).
 
+    ``retry_every_s``: how often, when nothing else happens, the queued jobs that preemption, an
+    elastic shrink or ``rare_room`` could make room for are decided again (placement's backoff,
+    :data:`RETRY_EVERY_S`); 0: only when something happens. Until 2026-12-07 this retry came with
+    each sample of GPU use, so a grid cell's results hung on its sampling interval (its arrival
+    span / 200): one cell of an outside evaluator moved 13 % between sampling every 600 s and every
+    704 s.
+
     ``stage_data``: a job queued with its dataset elsewhere has it copied, from then, to the region
     :func:`loom.sched.staging.staging_plan` names; a start there waits only for what is left of the
     copy (the placement service does not stage yet: off by default, so runs measure what it does).
@@ -2432,6 +2453,7 @@ def simulate(
         platform,
         policy,
         sample_every_s=sample_every_s,
+        retry_every_s=retry_every_s,
         max_decisions_per_event=max_decisions_per_event,
         horizon_s=horizon_s,
         learner=learner,
