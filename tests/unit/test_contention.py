@@ -636,27 +636,34 @@ def test_claims_ahead_that_fill_a_pool_are_served_in_turn_not_read_as_never() ->
     assert starts.decision is not None and starts.decision.parts[0].gpu_model == SLOW
 
 
-def three_pools(v100_speed: float) -> Snapshot:
+def three_pools(v100_speed: float, p100_speed: float | None = None) -> Snapshot:
     """A100 node a0 (ca, 10x a T4) and V100 node v0 (cm, ``v100_speed`` x) full for another 100 s,
-    a free T4 node b0 (cb)."""
-    nodes = [node("a0", "ca", used=8), node("v0", "cm", model="V100", used=8), node("b0", "cb", model=SLOW)]
+    a free T4 node b0 (cb); with ``p100_speed``, a P100 node p0 (cp) full for 100 s too."""
+    slow = {"V100": ("v0", "cm", v100_speed)}
+    if p100_speed is not None:
+        slow["P100"] = ("p0", "cp", p100_speed)
+    nodes = [
+        node("a0", "ca", used=8),
+        *(node(n, c, model=m, used=8) for m, (n, c, _) in slow.items()),
+        node("b0", "cb", model=SLOW),
+    ]
     runs = [
         running("busy", ("a0", 8), ends_in_s=100.0),
-        RunningJob(
-            job_id="v-busy",
-            tenant="t",
-            priority=100,
-            cluster="cm",
-            gpu_model="V100",
-            allocations=(("v0", 8),),
-            expected_end_s=NOW + 100.0,
+        *(
+            RunningJob(
+                job_id=f"{m}-busy",
+                tenant="t",
+                priority=100,
+                cluster=c,
+                gpu_model=m,
+                allocations=((n, 8),),
+                expected_end_s=NOW + 100.0,
+            )
+            for m, (n, c, _) in slow.items()
         ),
     ]
-    speed = {
-        (FAST, "training_compute"): 10.0,
-        ("V100", "training_compute"): v100_speed,
-        (SLOW, "training_compute"): 1.0,
-    }
+    speed = {(FAST, "training_compute"): 10.0, (SLOW, "training_compute"): 1.0}
+    speed |= {(m, "training_compute"): v for m, (_, _, v) in slow.items()}
     return Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=NOW, running=runs)
 
 
@@ -686,6 +693,20 @@ def test_under_a_queue_a_pool_the_claims_fill_is_still_weighed_with_its_claimant
     # of a0, from 100 s for 50 s) are served, and ends it at 250 s: it waits for the A100.
     snap = three_pools(1.5)
     snap.waiting.add("someone-else")  # a queue (its shape unknown: nothing of it ahead of the job)
+    single = msgspec.structs.replace(gang(workers=1, gpus=1), comm=None)
+    outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book_of(50.0))]).schedule(
+        single, snap, submitted_at=NOW, queue_key=(0, NOW, "g")
+    )
+    assert outcome.decision is None and outcome.status.wait_s == pytest.approx(150.0)
+    assert FAST in outcome.status.reason
+
+
+def test_under_a_queue_the_walk_reaches_the_claimed_pool_past_options_it_cannot_beat() -> None:
+    # Options by completion: V100s (1.5x) at 767 s, P100s (1.2x) at 933 s, the claimed A100 last
+    # ("never" in the first count). The walk skips the P100s, which cannot beat the V100s, and
+    # still weighs the A100 with its claimants in turn (250 s): before, it stopped at the P100s.
+    snap = three_pools(1.5, p100_speed=1.2)
+    snap.waiting.add("someone-else")
     single = msgspec.structs.replace(gang(workers=1, gpus=1), comm=None)
     outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book_of(50.0))]).schedule(
         single, snap, submitted_at=NOW, queue_key=(0, NOW, "g")

@@ -186,12 +186,14 @@ _WAKE: Final = 4
 _SAMPLE: Final = 5
 _OBSERVE: Final = 6
 _RETRY: Final = 7
+"""Event kinds; at one instant completions are applied first, then samples, lessons and retries. A
+wake retries the shape of a waiting job when a permit's wait (``Status.wait_s``: patience running
+out) ends; a lesson teaches the speed learner what a run measured (:data:`OBSERVE_AT`); a retry
+decides again the queued jobs post-filters could make room for (:data:`RETRY_EVERY_S`)."""
 RETRY_EVERY_S: Final = 30.0
-"""How often queued jobs that preemption, an elastic shrink or ``rare_room`` could make room for are
-retried when nothing else happens: placement's longest backoff (``MAX_BACKOFF_S``)."""
-"""Event kinds; at one instant completions are applied first, samples and then lessons last. A wake
-retries the shape of a waiting job when a permit's wait (``Status.wait_s``: patience running out)
-ends; a lesson teaches the speed learner what a run measured (:data:`OBSERVE_AT`)."""
+"""The clock of those retries (placement's longest backoff, ``MAX_BACKOFF_S``): a tick every this
+many seconds from the first event, whatever else happens, while such jobs wait (none is kept
+otherwise: a run of months would tick for nothing)."""
 OBSERVE_AT: Final = 0.1
 """A run reports progress once it is this share of its way through its steps (the cluster agent
 reports every tenth of a run's steps): its predicted end is then re-predicted from its measured pace,
@@ -565,8 +567,8 @@ class _Simulation:
         self.sort_key = self.fast.sort_key if self.fast is not None else _default_sort_key
         self.sample_every_s = sample_every_s
         self.retry_every_s = retry_every_s
-        """How often queued jobs that post-filters could make room for are retried (0: never by
-        the clock; see :data:`RETRY_EVERY_S`)."""
+        """The clock of the retries of queued jobs that post-filters could make room for (0: none;
+        see :data:`RETRY_EVERY_S`)."""
         self.budget = max(int(max_decisions_per_event), 1)
         self.horizon_s = horizon_s
         self.platform = platform
@@ -678,8 +680,10 @@ class _Simulation:
             self._push(_Event(event.at_s, _SCRIPTED, 0, scripted=event))
         if sample_every_s > 0:
             self._push(_Event(first, _SAMPLE, 0))
-        if retry_every_s > 0:
-            self._push(_Event(first + retry_every_s, _RETRY, 0))
+        self.retry_origin = first
+        """Where the retry clock's ticks count from (``retry_origin + k x retry_every_s``)."""
+        self.retry_due: float | None = None
+        """The retry tick scheduled (None: none, as nothing waited after the last pass)."""
 
     # ---- setup ---------------------------------------------------------------------------------
 
@@ -883,9 +887,8 @@ class _Simulation:
                     sample = True
                     continue
                 if event.kind == _RETRY:
+                    self.retry_due = None
                     self.retry_post = True
-                    if self.pending > 0:
-                        self._push(_Event(t + self.retry_every_s, _RETRY, 0))
                     continue
                 if event.kind == _WAKE:
                     if self.wakes.get(event.job_id) == event.t:  # not cancelled or replaced
@@ -912,10 +915,27 @@ class _Simulation:
                 nxt = t + self.sample_every_s
                 if self.pending > 0 or (horizon is not None and nxt <= horizon):
                     self._push(_Event(nxt, _SAMPLE, 0))
+            self._arm_retry()
         end = self.t if horizon is None else max(self.t, horizon)
         for job in self.order:
             if job.run is not None:
                 self._settle(job, job.run, end)
+
+    def _arm_retry(self) -> None:
+        """After a pass: while jobs wait that post-filters could make room for (what a tick retries:
+        :meth:`_may_make_room`), the retry clock's next tick is scheduled (one at a time)."""
+        if self.retry_every_s <= 0 or self.retry_due is not None or not self.waiting:
+            return
+        if not any(shape.heap and self._may_make_room(shape) for shape in self.waiting.values()):
+            return
+        every = self.retry_every_s
+        due = self.retry_origin + (math.floor((self.t - self.retry_origin) / every) + 1) * every
+        if due <= self.t:  # at a tick, rounding may give that tick again: never the same instant
+            due += every
+        if self.pending <= 0 and (self.horizon_s is None or due > self.horizon_s):
+            return  # nothing else will happen: the last pass's verdict stands (no tick without end)
+        self.retry_due = due
+        self._push(_Event(due, _RETRY, 0))
 
     # ---- scheduling ----------------------------------------------------------------------------
 
@@ -2435,9 +2455,9 @@ def simulate(
     :mod:`loom.migrate.benefit`; ``never``; ``always``); its figures are in ``SimResult.migration``.
     None: the engine as before (a failed cluster's jobs are requeued and restart at once).
 
-    ``retry_every_s``: how often, when nothing else happens, the queued jobs that preemption, an
-    elastic shrink or ``rare_room`` could make room for are decided again (placement's backoff,
-    :data:`RETRY_EVERY_S`); 0: only when something happens. Until 2026-12-07 this retry came with
+    ``retry_every_s``: the clock on which the queued jobs that preemption, an elastic shrink or
+    ``rare_room`` could make room for are decided again, whatever else happens (placement's
+    backoff, :data:`RETRY_EVERY_S`); 0: only when something happens. Until 2026-12-07 this retry came with
     each sample of GPU use, so a grid cell's results hung on its sampling interval (its arrival
     span / 200): one cell of an outside evaluator moved 13 % between sampling every 600 s and every
     704 s.

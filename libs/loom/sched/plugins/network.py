@@ -1336,8 +1336,10 @@ class SpanGuard:
         ``queue_slowdown`` x its wait plus run (:func:`behind_queue`, :func:`waits_behind_queue`),
         or by that factor on its wait alone where no queued job has that pool as its only one
         (:func:`waits_for_pool_alone`, :func:`~loom.sched.availability.sole_pool_of_queued`). A
-        pool its claimants fill, served in turn, is one option more: when it is the best and fails
-        those bars, the best of the others is judged, as it was before such pools counted."""
+        pool whose first count read "never" (its claimants fill it), served in turn, is one option
+        more: when it is the best and fails those bars, the best of the others is judged, as it was
+        before such pools counted. (A pool whose first count was finite and that the queue ahead
+        then fills is served in turn too, and failing the bars it starts the job now, as before.)"""
         if not self.queue_aware or state.queue_key is None:
             return None
         # Every pool that ends sooner than starting now is a candidate (a queue may lengthen the
@@ -1358,7 +1360,8 @@ class SpanGuard:
         waits = self._worth_waiting(state, behind, workers, busy_now)
         if waits is None and behind is not None and behind.behind_claims:
             # A pool whose claimants fill it, served in turn (its first count was "never"): an
-            # option more, not one that hides the others when it fails the bars.
+            # option more, not one that hides the others when it fails the bars (those options
+            # walked again: the first walk's best among them is what it had before reaching it).
             known = [o for o in options if math.isfinite(o.wait_s)]
             behind = behind_queue(state, known, workers, self.book, claims=claims)
             waits = self._worth_waiting(state, behind, workers, busy_now)
