@@ -11,7 +11,7 @@ import pytest
 
 from loom.model.capacity import NodeCapacity
 from loom.sched.availability import Reservation, WaitBook, expected_wait_s, queue_for_pool, room_at_s
-from loom.sched.framework import Code, CycleState, Decision, Framework
+from loom.sched.framework import Code, CycleState, Decision, Framework, Outcome
 from loom.sched.plugins.backfill import Backfill, WaitingJobs
 from loom.sched.plugins.compute import ScuFit
 from loom.sched.plugins.network import (
@@ -683,6 +683,16 @@ def test_a_pool_past_the_claims_is_still_an_option_when_the_claimed_one_fails_th
     assert "V100" in outcome.status.reason
 
 
+def under_a_queue(snap: Snapshot, *, claims_run_s: float) -> Outcome:
+    """A one-GPU job of 1,000 s on a T4 decided under a queue (another job waits, its shape unknown:
+    nothing of it ahead) with the four claims of :func:`book_of` on the A100 pool."""
+    snap.waiting.add("someone-else")
+    single = msgspec.structs.replace(gang(workers=1, gpus=1), comm=None)
+    return Framework([ResourceFit(), ScuFit(), SpanGuard(book=book_of(claims_run_s))]).schedule(
+        single, snap, submitted_at=NOW, queue_key=(0, NOW, "g")
+    )
+
+
 def test_under_a_queue_a_pool_the_claims_fill_is_still_weighed_with_its_claimants_in_turn() -> None:
     # A second outside evaluator (docs/measurements.md, 2026-12-07, night): an 8-GPU train queued
     # behind other trains read the H100 its claimants fill as "never" in the queue's count (the
@@ -691,12 +701,7 @@ def test_under_a_queue_a_pool_the_claims_fill_is_still_weighed_with_its_claimant
     # the H100 after hours. Here: 1,000 s on the T4 now; V100s (1.5x) in 100 s end it at 767 s,
     # which fails the queue's bar; the A100 (10x) has room at 150 s once its four claimants (all
     # of a0, from 100 s for 50 s) are served, and ends it at 250 s: it waits for the A100.
-    snap = three_pools(1.5)
-    snap.waiting.add("someone-else")  # a queue (its shape unknown: nothing of it ahead of the job)
-    single = msgspec.structs.replace(gang(workers=1, gpus=1), comm=None)
-    outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book_of(50.0))]).schedule(
-        single, snap, submitted_at=NOW, queue_key=(0, NOW, "g")
-    )
+    outcome = under_a_queue(three_pools(1.5), claims_run_s=50.0)
     assert outcome.decision is None and outcome.status.wait_s == pytest.approx(150.0)
     assert FAST in outcome.status.reason
 
@@ -705,12 +710,7 @@ def test_under_a_queue_the_walk_reaches_the_claimed_pool_past_options_it_cannot_
     # Options by completion: V100s (1.5x) at 767 s, P100s (1.2x) at 933 s, the claimed A100 last
     # ("never" in the first count). The walk skips the P100s, which cannot beat the V100s, and
     # still weighs the A100 with its claimants in turn (250 s): before, it stopped at the P100s.
-    snap = three_pools(1.5, p100_speed=1.2)
-    snap.waiting.add("someone-else")
-    single = msgspec.structs.replace(gang(workers=1, gpus=1), comm=None)
-    outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book_of(50.0))]).schedule(
-        single, snap, submitted_at=NOW, queue_key=(0, NOW, "g")
-    )
+    outcome = under_a_queue(three_pools(1.5, p100_speed=1.2), claims_run_s=50.0)
     assert outcome.decision is None and outcome.status.wait_s == pytest.approx(150.0)
     assert FAST in outcome.status.reason
 
@@ -720,12 +720,7 @@ def test_a_pool_served_in_turn_that_fails_the_queues_bars_hides_no_other_pool() 
     # the V100s (2.2x a T4: 100 + 455 s), but fails both bars (1,000 s < 3 x 400 s; 3 x 300 s +
     # 100 s > 0.9 x 1,000 s). The V100s pass the bar on their wait alone, as they did before the
     # A100 counted at all: the job still waits for them rather than start on the T4.
-    snap = three_pools(2.2)
-    snap.waiting.add("someone-else")
-    single = msgspec.structs.replace(gang(workers=1, gpus=1), comm=None)
-    outcome = Framework([ResourceFit(), ScuFit(), SpanGuard(book=book_of(200.0))]).schedule(
-        single, snap, submitted_at=NOW, queue_key=(0, NOW, "g")
-    )
+    outcome = under_a_queue(three_pools(2.2), claims_run_s=200.0)
     assert outcome.decision is None and outcome.status.wait_s == pytest.approx(100.0)
     assert "V100" in outcome.status.reason
 
