@@ -187,13 +187,30 @@ def test_seen_shapes_count_each_job_once_and_forget_the_oldest() -> None:
     assert arrival_rate(3, 3_800.0) == pytest.approx(2 / 3_800.0)
 
 
+def test_seen_shapes_keep_the_work_of_the_jobs_they_remember() -> None:
+    seen = SeenShapes(limit=3)
+    small, big = WorkerShape(1), WorkerShape(8)
+    seen.note("a", big, 0.0, work_s=500.0)
+    seen.note("b", small, 1.0, work_s=20.0)
+    seen.note("c", big, 2.0)  # work not known: not counted
+    seen.note("d", big, 3.0, work_s=90.0)  # "a" forgotten
+    assert seen.works({big}) == [90.0]
+    assert seen.works({big, small}) == [20.0, 90.0]
+    seen.note_job(
+        JobSpec(job_id="e", tenant="t", resources=Resources(gpus=8), work=Work(steps=10, step_time_s=3.0)),
+        4.0,
+    )
+    assert seen.works({big}) == [90.0, 30.0]
+
+
 def test_shapes_held_by_the_same_nodes_count_as_one() -> None:
     # 120 and 120.2 cores (both in Alibaba's trace) fit the same nodes: seen once each is seen twice.
     snap = snapshot_of(alibaba_like())
-    snap.seen.note("x", WorkerShape(8, 120_000, 720 * GIB), 0.0)
-    snap.seen.note("y", WorkerShape(8, 120_200, 700 * GIB), 0.0)
+    snap.seen.note("x", WorkerShape(8, 120_000, 720 * GIB), 0.0, work_s=100.0)
+    snap.seen.note("y", WorkerShape(8, 120_200, 700 * GIB), 0.0, work_s=300.0)
     (group,) = rare_shapes(snap, WorkerShape(8, 88_000, 320 * GIB))
     assert group.shape == WorkerShape(8, 120_200, 720 * GIB) and group.count == 2 and group.holders == 1
+    assert group.works == (100.0, 300.0)  # the work of both, as they came
 
 
 def test_the_wait_caused_is_what_arrivals_within_the_horizon_wait_for_the_room_now_further_away() -> None:

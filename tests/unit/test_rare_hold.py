@@ -15,10 +15,10 @@ import pytest
 from loom.model.capacity import NodeCapacity
 from loom.sched.framework import Framework
 from loom.sched.plugins.compute import ScuFit
-from loom.sched.plugins.rare import RareFit, Turns, _delays, _waits
+from loom.sched.plugins.rare import RareFit, RareShape, Turns, _delays, _foreseen_sizes, _waits
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.probe import PROBE_LABEL
-from loom.sched.snapshot import NetMatrix, QueuedShape, RunningJob, Snapshot
+from loom.sched.snapshot import NetMatrix, QueuedShape, RunningJob, Snapshot, WorkerShape
 from loom_proto.jobs import JobSpec, Resources, Work
 
 NOW = 1_000_000.0
@@ -289,3 +289,66 @@ def test_the_schedule_on_the_nodes_that_free_first_is_the_schedule_on_them_all()
         whole.append(max(_waits(moved, turns)[0] - base, 0.0))
     assert _delays(frees, later, turns).tolist() == pytest.approx(whole)
     assert sum(d > 0 for d in whole) >= 10  # the case is not trivial
+
+
+def test_the_schedule_on_the_nodes_that_free_first_of_each_run_is_the_schedule_on_them_all() -> None:
+    # Nodes of three speeds: the jobs take the nodes of a run that end them soonest, so the nodes that
+    # free first of each run are all the schedule reaches (and a node that never frees, none).
+    rng = np.random.default_rng(7)
+    frees = rng.uniform(0.0, 5000.0, 120)
+    frees[::17] = np.inf
+    runs = rng.choice([2000.0, 2600.0, 9000.0], 120)
+    later = rng.uniform(0.0, 1500.0, 120)
+    turns = Turns(30, 2000.0, rate=1 / 300, foreseen=20, workers=2)
+    base = _waits(frees, turns, runs)[0]
+    whole = []
+    for i in range(120):
+        moved = frees.copy()
+        moved[i] += later[i]
+        whole.append(max(_waits(moved, turns, runs)[0] - base, 0.0))
+    assert _delays(frees, later, turns, runs).tolist() == pytest.approx(whole)
+    assert sum(d > 0 for d in whole) >= 10  # the case is not trivial
+    assert len({runs[i] for i, d in enumerate(whole) if d > 0}) >= 2  # served on nodes of two runs
+
+
+def test_a_slow_node_that_holds_the_rare_shape_does_not_serve_its_queue_as_if_it_were_fast() -> None:
+    # Beside the A100 node, an 8-GPU K80 node is free: it holds the queued 8-GPU jobs too, at a tenth
+    # of the A100's speed (3,333 s against 333 s). Counted as alike, it took them at once and a 4-GPU
+    # job on the A100's half delayed no one; served by what ends each soonest, both wait for the
+    # A100, and the 4-GPU job's 333 s there keeps it 133 s longer from each: 266 s > 167 s on a T4.
+    def with_k80(queued: int) -> Snapshot:
+        base = platform(busy_for_s=200.0)
+        nodes = [node("h0", "ca", FAST, 8, used=4), node("k0", "cc", "K80", 8)]
+        nodes += [node(f"t{i}", "cb", SLOW, 4) for i in range(8)]  # the 8-GPU shape stays rare
+        speed = {**base.speed, ("K80", "training_compute"): 0.3}
+        snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=NOW, running=list(base.running))
+        for i in range(2):
+            snap.seen.note_job(job(f"seen-{i}", 8), NOW - SELDOM_S * (i + 1))
+        for i in range(queued):
+            queue(snap, job(f"big-{i}", 8))
+        return snap
+
+    assert where(with_k80(queued=0), job("mid", 4)) == FAST
+    assert where(with_k80(queued=2), job("mid", 4)) == SLOW
+    # The waits the schedule counts: the K80 serves no one while the A100 ends them sooner.
+    frees, runs = np.array([200.0, 0.0]), np.array([333.0, 3333.0])
+    total, served = _waits(frees, Turns(2, 333.0), runs)
+    assert served.tolist() == [2.0, 0.0]
+    assert total == pytest.approx(200.0 + 533.0)
+
+
+def test_the_jobs_to_come_are_sized_as_those_seen_not_as_the_one_queued() -> None:
+    # One node, free in 100 s; one queued job of 1,000 s; two more foreseen, at 500 and 1,000 s.
+    # Sized as the queued one, they wait 600 s and 1,100 s; sized as the short jobs seen (100 s),
+    # 600 s and 200 s. (A long job queued, taken for every arrival of a burst of short ones, kept
+    # 1-GPU jobs of 3 h off an H100 that the 8-GPU jobs to come would hold for minutes.)
+    frees = np.array([100.0])
+    alike = Turns(1, 1000.0, rate=1 / 500, foreseen=2)
+    assert _waits(frees, alike)[0] == pytest.approx(100.0 + 600.0 + 1100.0)
+    sized = dataclasses.replace(alike, foreseen_sizes=(0.1, 0.1))
+    assert _waits(frees, sized)[0] == pytest.approx(100.0 + 600.0 + 200.0)
+    # The sizes come from the work of the jobs of the shape seen, the last ones, over the queued's.
+    group = RareShape(WorkerShape(8), 5, 1, works=(4000.0, 100.0, 100.0, 300.0))
+    assert _foreseen_sizes(group, 3, 1000.0) == (0.1, 0.1, 0.3)
+    assert _foreseen_sizes(group, 0, 1000.0) == ()
+    assert _foreseen_sizes(RareShape(WorkerShape(8), 5, 1), 3, 1000.0) == ()  # no work known: alike

@@ -293,7 +293,7 @@ class SeenShapes:
 
     def __init__(self, limit: int = SEEN_JOBS) -> None:
         self.limit = max(int(limit), 1)
-        self._jobs: dict[str, tuple[WorkerShape, float, int, int]] = {}
+        self._jobs: dict[str, tuple[WorkerShape, float, int, int, float]] = {}
         self.counts: dict[WorkerShape, int] = {}
         """Shape -> how many of the remembered jobs have it."""
         self.gangs: dict[int, int] = {}
@@ -308,22 +308,32 @@ class SeenShapes:
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def note(self, job_id: str, shape: WorkerShape, now: float, gpus: int = 0, workers: int = 1) -> None:
+    def note(
+        self,
+        job_id: str,
+        shape: WorkerShape,
+        now: float,
+        *,
+        gpus: int = 0,
+        workers: int = 1,
+        work_s: float = math.nan,
+    ) -> None:
         """``job_id`` was seen with ``shape`` at ``now``, asking ``gpus`` GPUs in all (0: the
-        shape's) over ``workers`` workers; once per job (the first sight counts), the oldest
-        forgotten beyond :attr:`limit`."""
+        shape's) over ``workers`` workers and ``work_s`` of work (NaN: not known); once per job
+        (the first sight counts), the oldest forgotten beyond :attr:`limit`."""
         if job_id in self._jobs:
             return
         gang = int(gpus) if gpus > 0 else shape.gpus
         team = max(int(workers), 1)
-        self._jobs[job_id] = (shape, float(now), gang, team)
+        work = float(work_s) if math.isfinite(work_s) and work_s >= 0 else math.nan
+        self._jobs[job_id] = (shape, float(now), gang, team, work)
         self.counts[shape] = self.counts.get(shape, 0) + 1
         self.gangs[gang] = self.gangs.get(gang, 0) + 1
         if team > 1:
             self.teams[shape, team] = self.teams.get((shape, team), 0) + 1
         self.version += 1
         while len(self._jobs) > self.limit:
-            _old, (gone, _at, size, many) = next(iter(self._jobs.items()))
+            _old, (gone, _at, size, many, _work) = next(iter(self._jobs.items()))
             del self._jobs[_old]
             _forget(self.counts, gone)
             _forget(self.gangs, size)
@@ -341,7 +351,18 @@ class SeenShapes:
             now,
             gpus=workers * int(job.resources.gpus),
             workers=max(least, 1),
+            work_s=float(job.work.steps) * float(job.work.step_time_s),
         )
+
+    def works(self, shapes: Container[WorkerShape]) -> list[float]:
+        """The work (steps x reference step time, seconds) of the remembered jobs of ``shapes`` whose
+        work is known, oldest first: what the jobs of those shapes still to come are expected to ask
+        (``rare_fit``)."""
+        return [
+            work
+            for shape, _at, _gang, _team, work in self._jobs.values()
+            if shape in shapes and not math.isnan(work)
+        ]
 
     def span_s(self, now: float) -> float:
         """Seconds from the oldest job remembered to ``now``, at least :data:`SEEN_MIN_SPAN_S`."""

@@ -43,7 +43,10 @@ room for it now and none of those nodes, less ``T``). The wait added (:func:`_de
 frees ``max(T - (A - now), 0)`` later (``A``: now when it has room for the shape now, else its last
 predicted end), and the shape's jobs are served in turn on its nodes as they free
 (:func:`_waits`): the ``Q`` queued now, then those foreseen at its arrival rate, no more than were
-seen; an arrival that finds a node free waits nothing, so the count ends with the queue. A node
+seen; an arrival that finds a node free waits nothing, so the count ends with the queue. Each takes
+the nodes that end it soonest, by the queued jobs' run on each (a free node far slower for them is
+not room they would take); a job foreseen is one of the last seen again, its run the queued jobs'
+scaled by its work over theirs. A node
 that still holds the shape beside one of the job's workers is never kept, and a job of the rare
 shape itself is not kept (which of those goes first is the queue's order).
 
@@ -51,8 +54,8 @@ Approximations, stated: the marking serves arrivals of ``s`` one at a time (they
 behind each other); a node holds ``s`` again only when every job on it has ended; the hold reads
 the job's runs from its work and the GPUs' speed and trust alone (no communication, no dataset),
 judges "room now" for the alternative by a pool's free GPUs, and serves the queued jobs of a shape
-on all the nodes any of them may use (not each on its own pools), each for their mean run and
-width, a node of room for several of their workers as one.
+on all the nodes any of them may use (not each on its own pools), each for their mean run on a node
+and their mean width, a node of room for several of their workers as one.
 """
 
 import hashlib
@@ -152,6 +155,8 @@ class RareShape:
     """The nodes that could ever hold one of them (schedulable)."""
     key: bytes = field(default=b"", compare=False, repr=False)
     """The holder class (which nodes could ever hold one: :func:`_holder_class`)."""
+    works: tuple[float, ...] = field(default=(), compare=False, repr=False)
+    """The work of the jobs of them seen whose work is known, oldest first (``SeenShapes.works``)."""
 
 
 _HOLDERS = "rare_fit.holders"
@@ -196,23 +201,31 @@ def rare_shapes(snap: Snapshot, own: WorkerShape) -> list[RareShape]:
     if len(cache) > 2 * len(counts) + 64:
         cache.clear()
     own_key, mine = _holder_class(snap, own)
-    groups: dict[bytes, tuple[list[int], WorkerShape]] = {}
+    groups: dict[bytes, tuple[list[int], WorkerShape, set[WorkerShape]]] = {}
     for shape, count in counts.items():
         key, holders = _holder_class(snap, shape)
         if key == own_key or holders == 0 or holders > RARE_SHARE * mine:
             continue
         group = groups.get(key)
         if group is None:
-            groups[key] = ([count, shape.gpus, shape.cpu_milli, shape.memory_mib, holders], shape)
+            groups[key] = ([count, shape.gpus, shape.cpu_milli, shape.memory_mib, holders], shape, {shape})
         else:
             most = group[0]
             most[0] += count
             most[1] = max(most[1], shape.gpus)
             most[2] = max(most[2], shape.cpu_milli)
             most[3] = max(most[3], shape.memory_mib)
+            group[2].add(shape)
     found = [
-        RareShape(WorkerShape(gpus, cpu, mem), count, holders, np.flatnonzero(holds(snap, first)), key)
-        for key, ((count, gpus, cpu, mem, holders), first) in groups.items()
+        RareShape(
+            WorkerShape(gpus, cpu, mem),
+            count,
+            holders,
+            np.flatnonzero(holds(snap, first)),
+            key,
+            tuple(snap.seen.works(shapes)),
+        )
+        for key, ((count, gpus, cpu, mem, holders), first, shapes) in groups.items()
         if count >= 2
     ]
     cache[own] = (snap.seen, stamp, found)
@@ -297,7 +310,7 @@ def kept_for_queued(state: CycleState, rare: Sequence["RareShape"]) -> IntArray:
         lands = snap.schedulable[nodes] & (snap.room(nodes, own.gpus, own.cpu_milli, own.memory_mib) > 0)
         if not (lands & ~beside).any():
             continue
-        shape_run = _shape_run(snap, entries)
+        shape_run = _shape_run(snap, entries, nodes)
         if shape_run is None:
             continue  # none of them can run on these nodes: no wait for them to add to
         if ends is None:
@@ -316,9 +329,14 @@ def kept_for_queued(state: CycleState, rare: Sequence["RareShape"]) -> IntArray:
         never = ~np.isfinite(frees) | ~np.isfinite(run_s) | beside | ~lands
         later = np.where(never, 0.0, np.maximum(run_s - frees, 0.0))
         turns = Turns(
-            len(entries), shape_run[0], arrival_rate(group.count, horizon), group.count - 1, shape_run[1]
+            len(entries),
+            shape_run[0],
+            arrival_rate(group.count, horizon),
+            group.count - 1,
+            shape_run[1],
+            _foreseen_sizes(group, group.count - 1, shape_run[3]),
         )
-        delays = _delays(frees, later, turns)
+        delays = _delays(frees, later, turns, shape_run[2])
         for n, delay, run in zip(nodes.tolist(), delays.tolist(), run_s.tolist(), strict=True):
             if delay > 0:
                 harm[n] = harm.get(n, 0.0) + delay
@@ -376,25 +394,51 @@ def _never_frees(snap: Snapshot, ends: FloatArray, nodes: IntArray) -> BoolArray
     return never
 
 
-def _shape_run(snap: Snapshot, entries: Sequence[tuple[str, IntArray]]) -> tuple[float, int] | None:
+def _shape_run(
+    snap: Snapshot, entries: Sequence[tuple[str, IntArray]], nodes: IntArray
+) -> tuple[float, int, FloatArray, float] | None:
     """The mean run of a rare shape's queued jobs (``entries``: :func:`_waiting_entries`, the first
-    :data:`RUN_SAMPLE`) on the fastest of the nodes each may use, and their mean workers (rounded);
-    None when none of them can run there."""
+    :data:`RUN_SAMPLE`) on the fastest of the nodes each may use, their mean workers (rounded), per
+    node of ``nodes`` their mean run there (over those that may use it; ``inf`` where none may),
+    and their mean work; None when none of them can run there."""
+    works: list[float] = []
     runs: list[float] = []
     workers: list[int] = []
+    total = np.zeros(nodes.size, dtype=np.float64)
+    users = np.zeros(nodes.size, dtype=np.int64)
     for job_id, mine in entries[:RUN_SAMPLE]:
         q = snap.queued.get(job_id)
         job = q.job if q is not None else None
         if not isinstance(job, JobSpec) or not mine.size:
             continue
-        speed = snap.job_speeds(job)[snap.model_of[mine]] * snap.trust[snap.cluster_of[mine]]
-        fastest = float(speed.max())
-        if fastest > 0:
-            runs.append(float(job.work.steps) * float(job.work.step_time_s) / fastest)
-            workers.append(max(job.workers, 1))
+        speed = snap.job_speeds(job)[snap.model_of[nodes]] * snap.trust[snap.cluster_of[nodes]]
+        usable = np.isin(nodes, mine) & (speed > 0)
+        if not usable.any():
+            continue
+        work = float(job.work.steps) * float(job.work.step_time_s)
+        works.append(work)
+        runs.append(work / float(speed[usable].max()))
+        workers.append(max(job.workers, 1))
+        total[usable] += work / speed[usable]
+        users[usable] += 1
     if not runs:
         return None
-    return sum(runs) / len(runs), max(round(sum(workers) / len(workers)), 1)
+    per_node = np.where(users > 0, total / np.maximum(users, 1), math.inf)
+    mean = len(runs)
+    return sum(runs) / mean, max(round(sum(workers) / mean), 1), per_node, sum(works) / mean
+
+
+def _foreseen_sizes(group: RareShape, foreseen: int, queued_work_s: float) -> tuple[float, ...]:
+    """The runs of ``group``'s jobs still to come as multiples of the queued ones' (sampled): the
+    last ``foreseen`` of those seen, again, in the order they came (none when the work of either is
+    not known). The queued jobs give how the runs spread over the nodes, those seen the sizes: one
+    long job queued taken for every arrival of a burst of short ones kept 1-GPU jobs of 3 h off an
+    H100 that the 8-GPU jobs to come would take for minutes (an outside evaluator's `bigtiny`,
+    bursts, load 1.5), and a mean work, its heavy tail, did likewise."""
+    works = group.works[-foreseen:] if foreseen > 0 else ()
+    if not works or not (math.isfinite(queued_work_s) and queued_work_s > 0):
+        return ()
+    return tuple(work / queued_work_s for work in works)
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,43 +452,80 @@ class Turns:
     rate: float = 0.0
     foreseen: int = 0
     workers: int = 1
+    foreseen_sizes: tuple[float, ...] = ()
+    """The runs of the jobs foreseen, in turn, as multiples of a queued one's (:func:`_foreseen_sizes`;
+    none: alike)."""
 
     def jobs(self) -> int:
         """How many jobs :func:`_waits` serves one by one."""
         return min(self.queued, SERVED_SAMPLE) + (min(self.foreseen, SERVED_SAMPLE) if self.rate > 0 else 0)
 
 
-def _waits(frees: FloatArray, turns: Turns) -> tuple[float, FloatArray]:
+def _waits(frees: FloatArray, turns: Turns, runs: FloatArray | None = None) -> tuple[float, FloatArray]:
     """``turns``' jobs served in turn, each taking the ``workers`` nodes that free first (``frees``:
     seconds from now, ``inf`` never) and starting when the last of them frees (an arrival not
     before it comes: one that finds nodes free waits nothing, so the count ends with the queue).
-    Their waits in all, in seconds (beyond :data:`SERVED_SAMPLE` queued, the first served and
-    counted in proportion), and how many each node serves."""
+    With ``runs`` (per node, the jobs' run there) the nodes are not alike: a job takes the
+    ``workers`` nodes of one run that end it soonest, and what it loses is its wait plus its run
+    beyond the fastest nodes' (a queued 8-GPU job does not take a T4 node that frees now for a run
+    17x its H100 run an hour away; counted as alike, free T4 nodes made every wait for the H100
+    nothing). Their losses in all, in seconds (beyond :data:`SERVED_SAMPLE` queued, the first
+    served and counted in proportion), and how many each node serves."""
     served = np.zeros(frees.size, dtype=np.float64)
     width = turns.workers
-    heap = [(f, i) for i, f in enumerate(frees.tolist()) if math.isfinite(f)]
-    if len(heap) < width:
+    if runs is None:
+        runs = np.full(frees.size, turns.run_s)
+    fastest = float(runs.min()) if runs.size else math.inf
+    heaps: dict[float, list[tuple[float, int]]] = {}
+    for i, (f, r) in enumerate(zip(frees.tolist(), runs.tolist(), strict=True)):
+        if math.isfinite(f) and math.isfinite(r):
+            heaps.setdefault(r, []).append((f, i))
+    heaps = {r: heap for r, heap in heaps.items() if len(heap) >= width}
+    if not heaps:
         return math.inf, served
-    heapq.heapify(heap)
-    run_s = turns.run_s
+    for heap in heaps.values():
+        heapq.heapify(heap)
     placed = min(turns.queued, SERVED_SAMPLE)
     scale = turns.queued / placed if placed else 0.0
     arrivals = [0.0] * placed
     if turns.rate > 0:
         arrivals += [k / turns.rate for k in range(1, min(turns.foreseen, SERVED_SAMPLE) + 1)]
     total = 0.0
+    sizes = turns.foreseen_sizes
     for n, arrives in enumerate(arrivals):
-        taken = [heapq.heappop(heap) for _ in range(width)]
+        size = 1.0 if n < placed or not sizes else sizes[(n - placed) % len(sizes)]
+        run_s, taken = _soonest_end(heaps, width, arrives, size)
         start = max(taken[-1][0], arrives)
         weight = scale if n < placed else 1.0
-        total += (start - arrives) * weight
+        total += (start - arrives + (run_s - fastest) * size) * weight
         for _, i in taken:
             served[i] += weight
-            heapq.heappush(heap, (start + run_s, i))
+            heapq.heappush(heaps[run_s], (start + run_s * size, i))
     return total, served
 
 
-def _delays(frees: FloatArray, later: FloatArray, turns: Turns) -> FloatArray:
+def _soonest_end(
+    heaps: dict[float, list[tuple[float, int]]], width: int, arrives: float, size: float
+) -> tuple[float, list[tuple[float, int]]]:
+    """For a job arriving at ``arrives`` whose run is ``size`` x a node's run: the run of the nodes
+    that end it soonest (``heaps``: per run, its nodes by when they free) and the ``width`` of them
+    it takes, taken off their heap."""
+    best_run, best_end = math.inf, math.inf
+    first: dict[float, list[tuple[float, int]]] = {}  # a gang's nodes that free first, per run
+    for run_s, heap in heaps.items():
+        if width > 1:
+            first[run_s] = [heapq.heappop(heap) for _ in range(width)]
+        end = max(first[run_s][-1][0] if width > 1 else heap[0][0], arrives) + run_s * size
+        if end < best_end:
+            best_run, best_end = run_s, end
+    for run_s, top in first.items():
+        if run_s != best_run:
+            for item in top:
+                heapq.heappush(heaps[run_s], item)
+    return best_run, first[best_run] if width > 1 else [heapq.heappop(heaps[best_run])]
+
+
+def _delays(frees: FloatArray, later: FloatArray, turns: Turns, runs: FloatArray | None = None) -> FloatArray:
     """Per node with ``later`` > 0, how much longer in all ``turns``' jobs wait (:func:`_waits`)
     when that node frees ``later`` seconds after it would: the queued ones and those foreseen while
     the queue empties, served in turn on the nodes as they free (an outside evaluator's 8-GPU
@@ -453,17 +534,30 @@ def _delays(frees: FloatArray, later: FloatArray, turns: Turns) -> FloatArray:
     one of them can delay them; a delay there may move them to other nodes (the schedule is served
     again). Only the nodes that free first can serve any: the schedule runs on those."""
     out = np.zeros(frees.size, dtype=np.float64)
-    order = np.argsort(frees, kind="stable")
-    keep = order[: turns.jobs() * turns.workers + 1]  # a delayed node may leave them: one more
-    near, near_later = frees[keep], later[keep]
-    base, served = _waits(near, turns)
+    if runs is None:
+        runs = np.full(frees.size, turns.run_s)
+    keep = _first_to_free(frees, runs, turns.jobs() * turns.workers + 1)  # a delayed node: one more
+    near, near_later, near_runs = frees[keep], later[keep], runs[keep]
+    base, served = _waits(near, turns, near_runs)
     if not math.isfinite(base):
         return out
     for i in np.flatnonzero((served > 0) & (near_later > 0)).tolist():
         moved = near.copy()
         moved[i] += near_later[i]
-        out[keep[i]] = max(_waits(moved, turns)[0] - base, 0.0)
+        out[keep[i]] = max(_waits(moved, turns, near_runs)[0] - base, 0.0)
     return out
+
+
+def _first_to_free(frees: FloatArray, runs: FloatArray, count: int) -> IntArray:
+    """The ``count`` nodes that free first among the nodes of each run (the only ones a schedule in
+    turn can reach: a job takes the soonest of a run before any later one), by when they free."""
+    ok = np.flatnonzero(np.isfinite(frees) & np.isfinite(runs))
+    order = ok[np.lexsort((frees[ok], runs[ok]))]
+    by_run = runs[order]
+    starts = np.flatnonzero(np.r_[True, by_run[1:] != by_run[:-1]])
+    rank = np.arange(order.size) - np.repeat(starts, np.diff(np.r_[starts, order.size]))
+    kept = np.sort(order[rank < count])
+    return kept[np.argsort(frees[kept], kind="stable")]
 
 
 def hold_possible(snap: Snapshot, own: WorkerShape) -> bool:
