@@ -8,6 +8,7 @@ s): Loom's mean JCT 22.7 % behind gavel_like's. Each small job kept the node fro
 one after another, while the jobs that could run nowhere else waited."""
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from loom.model.capacity import NodeCapacity
 from loom.sched.framework import Framework
 from loom.sched.plugins.compute import ScuFit
-from loom.sched.plugins.rare import RareFit, RareShape, Turns, _delays, _foreseen_sizes, _waits
+from loom.sched.plugins.rare import RareFit, RareShape, Turns, _delays, _foreseen_sizes, _shape_run, _waits
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.probe import PROBE_LABEL
 from loom.sched.snapshot import NetMatrix, QueuedShape, RunningJob, Snapshot, WorkerShape
@@ -352,3 +353,52 @@ def test_the_jobs_to_come_are_sized_as_those_seen_not_as_the_one_queued() -> Non
     assert _foreseen_sizes(group, 3, 1000.0) == (0.1, 0.1, 0.3)
     assert _foreseen_sizes(group, 0, 1000.0) == ()
     assert _foreseen_sizes(RareShape(WorkerShape(8), 5, 1), 3, 1000.0) == ()  # no work known: alike
+
+
+def test_nodes_of_two_runs_that_end_a_job_alike_are_served_alike_whatever_their_order() -> None:
+    # A tie between runs (10 + 20 = 0 + 30) goes to the slower run, leaving the faster nodes for the
+    # next job, whatever order the nodes come in (a review found 30 s in one order, 40 s in the other).
+    turns = Turns(2, 50.0, rate=0.05, foreseen=2)
+    frees, runs = np.array([10.0, 0.0]), np.array([20.0, 30.0])
+    assert _waits(frees, turns, runs)[0] == _waits(frees[::-1].copy(), turns, runs[::-1].copy())[0]
+    # And with ties everywhere (nodes free now, frees on a coarse grid), the schedule on the nodes
+    # that free first of each run is still the schedule on them all.
+    rng = np.random.default_rng(11)
+    for _ in range(300):
+        n = int(rng.integers(2, 12))
+        frees = np.round(rng.uniform(0.0, 40.0, n), -1)
+        runs = rng.choice([10.0, 20.0, 30.0], n)
+        later = np.round(rng.uniform(0.0, 30.0, n), -1)
+        turns = Turns(int(rng.integers(1, 4)), 10.0, rate=0.05, foreseen=int(rng.integers(0, 3)))
+        base = _waits(frees, turns, runs)[0]
+        whole = []
+        for i in range(n):
+            moved = frees.copy()
+            moved[i] += later[i]
+            whole.append(max(_waits(moved, turns, runs)[0] - base, 0.0) if math.isfinite(base) else 0.0)
+        assert _delays(frees, later, turns, runs).tolist() == pytest.approx(whole)
+
+
+def test_a_job_to_come_of_no_finite_size_leaves_the_schedule_unserved_not_broken() -> None:
+    # A spec's work may be tiny (1 step of 1e-300 s): the sizes of the jobs to come over it are not
+    # finite, and are not used; a schedule that cannot end a job counts no delay.
+    group = RareShape(WorkerShape(8), 3, 1, works=(100.0, 1e10))
+    assert _foreseen_sizes(group, 2, 1e-300) == ()
+    turns = Turns(1, 10.0, rate=0.01, foreseen=2, foreseen_sizes=(math.inf, math.inf))
+    assert _delays(np.array([0.0, 5.0]), np.array([3.0, 0.0]), turns, np.array([10.0, 20.0])).tolist() == [0.0, 0.0]
+
+
+def test_a_node_only_jobs_past_the_sample_may_use_is_served_at_the_sampled_jobs_run_there() -> None:
+    # The first 16 queued 8-GPU jobs may use the A100 node alone; the 17th the K80 node alone. The
+    # K80 node is timed by the sampled jobs' run there (1,000 s of work at 0.3: 3,333 s), not dropped
+    # as a node that never serves.
+    nodes = [node("h0", "ca", FAST, 8), node("k0", "cc", "K80", 8)]
+    speed = {(FAST, "training_compute"): 3.0, ("K80", "training_compute"): 0.3}
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=NOW)
+    for i in range(17):
+        queue(snap, job(f"big-{i}", 8))
+    a100, k80 = (int(np.flatnonzero(snap.model_of == snap.model_index[m])[0]) for m in (FAST, "K80"))
+    entries = [(f"big-{i}", np.array([a100])) for i in range(16)] + [("big-16", np.array([k80]))]
+    shape_run = _shape_run(snap, entries, np.array([a100, k80]))
+    assert shape_run is not None
+    assert shape_run[2].tolist() == pytest.approx([1000.0 / 3.0, 1000.0 / 0.3])

@@ -399,13 +399,17 @@ def _shape_run(
 ) -> tuple[float, int, FloatArray, float] | None:
     """The mean run of a rare shape's queued jobs (``entries``: :func:`_waiting_entries`, the first
     :data:`RUN_SAMPLE`) on the fastest of the nodes each may use, their mean workers (rounded), per
-    node of ``nodes`` their mean run there (over those that may use it; ``inf`` where none may),
-    and their mean work; None when none of them can run there."""
+    node of ``nodes`` their mean run there, and their mean work; None when none of them can run
+    there. A node's run is the mean over the sampled jobs that may use it (a node only a short one
+    may use looks fast for all), or over all sampled where none may (only a job past the sample
+    may: it is served there all the same); ``inf`` where no sampled job has a speed there."""
     works: list[float] = []
     runs: list[float] = []
     workers: list[int] = []
     total = np.zeros(nodes.size, dtype=np.float64)
     users = np.zeros(nodes.size, dtype=np.int64)
+    anyone = np.zeros(nodes.size, dtype=np.float64)
+    timed = np.zeros(nodes.size, dtype=np.int64)
     for job_id, mine in entries[:RUN_SAMPLE]:
         q = snap.queued.get(job_id)
         job = q.job if q is not None else None
@@ -421,9 +425,16 @@ def _shape_run(
         workers.append(max(job.workers, 1))
         total[usable] += work / speed[usable]
         users[usable] += 1
+        fast = speed > 0
+        anyone[fast] += work / speed[fast]
+        timed[fast] += 1
     if not runs:
         return None
-    per_node = np.where(users > 0, total / np.maximum(users, 1), math.inf)
+    per_node = np.where(
+        users > 0,
+        total / np.maximum(users, 1),
+        np.where(timed > 0, anyone / np.maximum(timed, 1), math.inf),
+    )
     mean = len(runs)
     return sum(runs) / mean, max(round(sum(workers) / mean), 1), per_node, sum(works) / mean
 
@@ -438,7 +449,8 @@ def _foreseen_sizes(group: RareShape, foreseen: int, queued_work_s: float) -> tu
     works = group.works[-foreseen:] if foreseen > 0 else ()
     if not works or not (math.isfinite(queued_work_s) and queued_work_s > 0):
         return ()
-    return tuple(work / queued_work_s for work in works)
+    sizes = tuple(work / queued_work_s for work in works)
+    return sizes if all(math.isfinite(size) for size in sizes) else ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -475,7 +487,6 @@ def _waits(frees: FloatArray, turns: Turns, runs: FloatArray | None = None) -> t
     width = turns.workers
     if runs is None:
         runs = np.full(frees.size, turns.run_s)
-    fastest = float(runs.min()) if runs.size else math.inf
     heaps: dict[float, list[tuple[float, int]]] = {}
     for i, (f, r) in enumerate(zip(frees.tolist(), runs.tolist(), strict=True)):
         if math.isfinite(f) and math.isfinite(r):
@@ -483,6 +494,7 @@ def _waits(frees: FloatArray, turns: Turns, runs: FloatArray | None = None) -> t
     heaps = {r: heap for r, heap in heaps.items() if len(heap) >= width}
     if not heaps:
         return math.inf, served
+    fastest = min(heaps)
     for heap in heaps.values():
         heapq.heapify(heap)
     placed = min(turns.queued, SERVED_SAMPLE)
@@ -492,37 +504,45 @@ def _waits(frees: FloatArray, turns: Turns, runs: FloatArray | None = None) -> t
         arrivals += [k / turns.rate for k in range(1, min(turns.foreseen, SERVED_SAMPLE) + 1)]
     total = 0.0
     sizes = turns.foreseen_sizes
+    ready = {run_s: _gang_ready(heap, width) for run_s, heap in heaps.items()}
     for n, arrives in enumerate(arrivals):
         size = 1.0 if n < placed or not sizes else sizes[(n - placed) % len(sizes)]
-        run_s, taken = _soonest_end(heaps, width, arrives, size)
+        run_s = _soonest_end(ready, arrives, size)
+        if run_s is None:
+            return math.inf, served
+        heap = heaps[run_s]
+        taken = [heapq.heappop(heap) for _ in range(width)]
         start = max(taken[-1][0], arrives)
         weight = scale if n < placed else 1.0
         total += (start - arrives + (run_s - fastest) * size) * weight
         for _, i in taken:
             served[i] += weight
-            heapq.heappush(heaps[run_s], (start + run_s * size, i))
+            heapq.heappush(heap, (start + run_s * size, i))
+        ready[run_s] = _gang_ready(heap, width)
     return total, served
 
 
-def _soonest_end(
-    heaps: dict[float, list[tuple[float, int]]], width: int, arrives: float, size: float
-) -> tuple[float, list[tuple[float, int]]]:
-    """For a job arriving at ``arrives`` whose run is ``size`` x a node's run: the run of the nodes
-    that end it soonest (``heaps``: per run, its nodes by when they free) and the ``width`` of them
-    it takes, taken off their heap."""
-    best_run, best_end = math.inf, math.inf
-    first: dict[float, list[tuple[float, int]]] = {}  # a gang's nodes that free first, per run
-    for run_s, heap in heaps.items():
-        if width > 1:
-            first[run_s] = [heapq.heappop(heap) for _ in range(width)]
-        end = max(first[run_s][-1][0] if width > 1 else heap[0][0], arrives) + run_s * size
-        if end < best_end:
+def _gang_ready(heap: list[tuple[float, int]], width: int) -> float:
+    """When the ``width`` nodes of a run's heap that free first have all freed (the heap unchanged)."""
+    if width == 1:
+        return heap[0][0]
+    first = [heapq.heappop(heap) for _ in range(width)]
+    for item in first:
+        heapq.heappush(heap, item)
+    return first[-1][0]
+
+
+def _soonest_end(ready: dict[float, float], arrives: float, size: float) -> float | None:
+    """The run of the nodes that end a job arriving at ``arrives``, whose run is ``size`` x a node's,
+    soonest (``ready``: per run, when a gang's nodes of it have freed); on a tie the slower run (the
+    faster nodes are left for the next, and the choice is the same whatever the nodes' order).
+    None when none ends it."""
+    best_run, best_end = None, math.inf
+    for run_s, free_at in ready.items():
+        end = max(free_at, arrives) + run_s * size
+        if end < best_end or (end == best_end and best_run is not None and run_s > best_run):
             best_run, best_end = run_s, end
-    for run_s, top in first.items():
-        if run_s != best_run:
-            for item in top:
-                heapq.heappush(heaps[run_s], item)
-    return best_run, first[best_run] if width > 1 else [heapq.heappop(heaps[best_run])]
+    return best_run
 
 
 def _delays(frees: FloatArray, later: FloatArray, turns: Turns, runs: FloatArray | None = None) -> FloatArray:
