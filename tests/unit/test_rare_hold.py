@@ -385,7 +385,10 @@ def test_a_job_to_come_of_no_finite_size_leaves_the_schedule_unserved_not_broken
     group = RareShape(WorkerShape(8), 3, 1, works=(100.0, 1e10))
     assert _foreseen_sizes(group, 2, 1e-300) == ()
     turns = Turns(1, 10.0, rate=0.01, foreseen=2, foreseen_sizes=(math.inf, math.inf))
-    assert _delays(np.array([0.0, 5.0]), np.array([3.0, 0.0]), turns, np.array([10.0, 20.0])).tolist() == [0.0, 0.0]
+    assert _delays(np.array([0.0, 5.0]), np.array([3.0, 0.0]), turns, np.array([10.0, 20.0])).tolist() == [
+        0.0,
+        0.0,
+    ]
 
 
 def test_a_node_only_jobs_past_the_sample_may_use_is_served_at_the_sampled_jobs_run_there() -> None:
