@@ -105,6 +105,7 @@ from loom.runtime.leader import Leadership, lead
 from loom.runtime.service import ServiceContext
 from loom.sched import dag
 from loom.sched.cycle import (
+    MAX_BACKOFF_S,
     CycleResult,
     CycleSettings,
     Grown,
@@ -200,7 +201,6 @@ PRODUCER = "placement"
 LIFECYCLE_SUBJECTS = subjects.job_events_of("started", "progress", "checkpointed", "completed", "failed")
 """What placement hears of runs on the JOBS stream; cancellations come from REQUESTS (clients')."""
 LifecycleEvent = JobStarted | JobProgress | JobCheckpointed | JobCompleted | JobFailed | JobCancelled
-MAX_BACKOFF_S = 30.0
 ACK_WAIT_S = 5.0
 CANCELLED_PREFIX = subjects.JOBS_CANCELLED_ALL.removesuffix("*")
 CANCEL_WAIT_S = 2.0

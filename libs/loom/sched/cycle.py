@@ -31,7 +31,7 @@ import math
 import time
 from collections.abc import Callable, Collection, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Final, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -47,6 +47,7 @@ from loom.sched.snapshot import RunningJob, Snapshot
 from loom_proto.jobs import JobSpec, RejectCode, RequeueReason, nul_text
 
 __all__ = [
+    "MAX_BACKOFF_S",
     "WAKE_AFTER_S",
     "CycleResult",
     "CycleSettings",
@@ -110,6 +111,11 @@ before it decided the job again at an instant its GPUs were still held (it gave 
 GPU it waited for, a few ulps before they freed)."""
 
 
+MAX_BACKOFF_S: Final = 30.0
+"""The longest a waiting job goes without being decided again (its backoff's cap): placement's, and
+the simulator's clock for the jobs a post-filter could make room for (``simulate(retry_every_s)``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class CycleSettings:
     """The policy knobs of a cycle."""
@@ -119,7 +125,7 @@ class CycleSettings:
     after a start, the cluster that fits may not have reported yet)."""
     backoff_s: float = 0.25
     """A waiting job's first retry delay; doubled per cycle it waited."""
-    max_backoff_s: float = 30.0
+    max_backoff_s: float = MAX_BACKOFF_S
     grow: bool = True
     """Let elastic jobs grow into free GPUs when nothing waits."""
 

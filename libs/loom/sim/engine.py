@@ -130,6 +130,7 @@ from loom.model.profiles import speeds_for_model
 from loom.model.topology import Topology, load_topology
 from loom.sched import dag
 from loom.sched.cycle import (
+    MAX_BACKOFF_S,
     CycleSettings,
     expected_end_s,
     fair_share_of,
@@ -190,10 +191,10 @@ _RETRY: Final = 7
 wake retries the shape of a waiting job when a permit's wait (``Status.wait_s``: patience running
 out) ends; a lesson teaches the speed learner what a run measured (:data:`OBSERVE_AT`); a retry
 decides again the queued jobs post-filters could make room for (:data:`RETRY_EVERY_S`)."""
-RETRY_EVERY_S: Final = 30.0
-"""The clock of those retries (placement's longest backoff, ``MAX_BACKOFF_S``): a tick every this
-many seconds from the first event, whatever else happens, while such jobs wait (none is kept
-otherwise: a run of months would tick for nothing)."""
+RETRY_EVERY_S: Final = MAX_BACKOFF_S
+"""The clock of those retries (placement's longest backoff, :data:`~loom.sched.cycle.MAX_BACKOFF_S`):
+a tick every this many seconds from the first event, whatever else happens, while such jobs wait
+(none is kept otherwise: a run of months would tick for nothing)."""
 OBSERVE_AT: Final = 0.1
 """A run reports progress once it is this share of its way through its steps (the cluster agent
 reports every tenth of a run's steps): its predicted end is then re-predicted from its measured pace,
