@@ -402,6 +402,6 @@ def test_a_node_only_jobs_past_the_sample_may_use_is_served_at_the_sampled_jobs_
         queue(snap, job(f"big-{i}", 8))
     a100, k80 = (int(np.flatnonzero(snap.model_of == snap.model_index[m])[0]) for m in (FAST, "K80"))
     entries = [(f"big-{i}", np.array([a100])) for i in range(16)] + [("big-16", np.array([k80]))]
-    shape_run = _shape_run(snap, entries, np.array([a100, k80]))
-    assert shape_run is not None
-    assert shape_run[2].tolist() == pytest.approx([1000.0 / 3.0, 1000.0 / 0.3])
+    queued_runs = _shape_run(snap, entries, np.array([a100, k80]))
+    assert queued_runs is not None
+    assert queued_runs.per_node.tolist() == pytest.approx([1000.0 / 3.0, 1000.0 / 0.3])

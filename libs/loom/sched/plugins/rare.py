@@ -63,6 +63,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -310,8 +311,8 @@ def kept_for_queued(state: CycleState, rare: Sequence["RareShape"]) -> IntArray:
         lands = snap.schedulable[nodes] & (snap.room(nodes, own.gpus, own.cpu_milli, own.memory_mib) > 0)
         if not (lands & ~beside).any():
             continue
-        shape_run = _shape_run(snap, entries, nodes)
-        if shape_run is None:
+        queued_runs = _shape_run(snap, entries, nodes)
+        if queued_runs is None:
             continue  # none of them can run on these nodes: no wait for them to add to
         if ends is None:
             ends = node_ends(snap)
@@ -330,13 +331,13 @@ def kept_for_queued(state: CycleState, rare: Sequence["RareShape"]) -> IntArray:
         later = np.where(never, 0.0, np.maximum(run_s - frees, 0.0))
         turns = Turns(
             len(entries),
-            shape_run[0],
+            float(queued_runs.per_node.min()),
             arrival_rate(group.count, horizon),
             group.count - 1,
-            shape_run[1],
-            _foreseen_sizes(group, group.count - 1, shape_run[3]),
+            queued_runs.workers,
+            _foreseen_sizes(group, group.count - 1, queued_runs.work_s),
         )
-        delays = _delays(frees, later, turns, shape_run[2])
+        delays = _delays(frees, later, turns, queued_runs.per_node)
         for n, delay, run in zip(nodes.tolist(), delays.tolist(), run_s.tolist(), strict=True):
             if delay > 0:
                 harm[n] = harm.get(n, 0.0) + delay
@@ -385,7 +386,7 @@ SERVED_SAMPLE = 256
 """The most queued jobs, and the most foreseen, :func:`_waits` serves one by one (more queued are
 counted in proportion)."""
 RUN_SAMPLE = 16
-"""How many of a rare shape's queued jobs give its mean run and workers (:func:`_shape_run`)."""
+"""How many of a rare shape's queued jobs give its runs per node and workers (:func:`_shape_run`)."""
 
 
 def _never_frees(snap: Snapshot, ends: FloatArray, nodes: IntArray) -> BoolArray:
@@ -394,17 +395,24 @@ def _never_frees(snap: Snapshot, ends: FloatArray, nodes: IntArray) -> BoolArray
     return never
 
 
-def _shape_run(
-    snap: Snapshot, entries: Sequence[tuple[str, IntArray]], nodes: IntArray
-) -> tuple[float, int, FloatArray, float] | None:
-    """The mean run of a rare shape's queued jobs (``entries``: :func:`_waiting_entries`, the first
-    :data:`RUN_SAMPLE`) on the fastest of the nodes each may use, their mean workers (rounded), per
-    node of ``nodes`` their mean run there, and their mean work; None when none of them can run
-    there. A node's run is the mean over the sampled jobs that may use it (a node only a short one
-    may use looks fast for all), or over all sampled where none may (only a job past the sample
-    may: it is served there all the same); ``inf`` where no sampled job has a speed there."""
+class QueuedRuns(NamedTuple):
+    """A rare shape's queued jobs as :func:`_waits` serves them (:func:`_shape_run`)."""
+
+    workers: int
+    """Their mean workers (rounded)."""
+    per_node: FloatArray
+    """Per node, their mean run there (``inf`` where none of them has a speed)."""
+    work_s: float
+    """Their mean work (steps x reference step time)."""
+
+
+def _shape_run(snap: Snapshot, entries: Sequence[tuple[str, IntArray]], nodes: IntArray) -> QueuedRuns | None:
+    """A rare shape's queued jobs (``entries``: :func:`_waiting_entries`, the first
+    :data:`RUN_SAMPLE`) on ``nodes``; None when none of them can run there. A node's run is the mean
+    over the sampled jobs that may use it (a node only a short one may use looks fast for all), or
+    over all sampled where none may (only a job past the sample may: it is served there all the
+    same); ``inf`` where no sampled job has a speed there."""
     works: list[float] = []
-    runs: list[float] = []
     workers: list[int] = []
     total = np.zeros(nodes.size, dtype=np.float64)
     users = np.zeros(nodes.size, dtype=np.int64)
@@ -421,22 +429,20 @@ def _shape_run(
             continue
         work = float(job.work.steps) * float(job.work.step_time_s)
         works.append(work)
-        runs.append(work / float(speed[usable].max()))
         workers.append(max(job.workers, 1))
         total[usable] += work / speed[usable]
         users[usable] += 1
         fast = speed > 0
         anyone[fast] += work / speed[fast]
         timed[fast] += 1
-    if not runs:
+    if not works:
         return None
     per_node = np.where(
         users > 0,
         total / np.maximum(users, 1),
         np.where(timed > 0, anyone / np.maximum(timed, 1), math.inf),
     )
-    mean = len(runs)
-    return sum(runs) / mean, max(round(sum(workers) / mean), 1), per_node, sum(works) / mean
+    return QueuedRuns(max(round(sum(workers) / len(works)), 1), per_node, sum(works) / len(works))
 
 
 def _foreseen_sizes(group: RareShape, foreseen: int, queued_work_s: float) -> tuple[float, ...]:
