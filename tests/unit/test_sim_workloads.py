@@ -8,6 +8,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from loom.model.profiles import relative_speed
@@ -29,6 +30,7 @@ from loom.sim.workloads import (
     alibaba_sample_path,
     apportion,
     at_load,
+    check_trace,
     gpu_seconds,
     load_alibaba,
     load_csv,
@@ -160,6 +162,40 @@ def test_alibaba_constrained_task_is_assumed_to_have_run_on_its_slowest_allowed_
     assert shared.arrival_s == 100.0
     assert "1 CPU-only" in trace.source
     assert "1 without a valid duration" in trace.source
+
+
+def test_alibaba_task_needing_only_models_the_platform_lacks_is_skipped_and_counted(
+    tmp_path: Path, topology: Topology
+) -> None:
+    # A gpuspec file of the trace run on a platform without its G3 nodes (the grid's small one).
+    without_g3 = msgspec.structs.replace(
+        topology,
+        name="no-g3",
+        clusters=[
+            msgspec.structs.replace(c, nodes=[n for n in c.nodes if n.gpu_model != "G3"])
+            for c in topology.clusters
+        ],
+    )
+    path = _write_pods(
+        tmp_path / "pods.csv",
+        HEADER,
+        [
+            "p-0,1000,1024,1,1000,G3,BE,Succeeded,100,1100,100",
+            "p-1,1000,1024,1,1000,G3|T4,BE,Succeeded,110,1100,110",  # T4 is there
+            "p-2,1000,1024,8,1000,g3,BE,Succeeded,120,1100,120",  # matched in any case
+            "p-3,1000,1024,1,1000,,BE,Succeeded,130,1100,130",
+        ],
+    )
+    trace = load_alibaba(path, topology=without_g3, limit=2)
+    assert [j.spec.job_id for j in trace.jobs] == ["p-1", "p-3"]  # the limit counts only runnable tasks
+    assert "2 needing GPU models the platform lacks (G3 x1, g3 x1)" in trace.source
+    assert [j.spec.job_id for j in load_alibaba(path, topology=topology).jobs] == ["p-0", "p-1", "p-2", "p-3"]
+
+    # A name no profile knows is a typo, not a model of another platform: kept, for check_trace.
+    typo = _write_pods(tmp_path / "typo.csv", HEADER, ["p-0,1000,1024,1,1000,G33,BE,Succeeded,0,10,0"])
+    (kept,) = load_alibaba(typo, topology=without_g3).jobs
+    with pytest.raises(WorkloadError, match="unknown GPU model"):
+        check_trace(Trace([kept], source="t"), where="typo.csv", models={"T4"})
 
 
 def test_alibaba_file_without_times_joins_them_by_name_and_draws_the_rest(

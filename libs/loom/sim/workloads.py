@@ -488,13 +488,28 @@ def _slowest_speed(models: Sequence[str], task_type: TaskType) -> float:
     return min(speeds) if speeds else relative_speed(DEFAULT_REFERENCE_MODEL, task_type)
 
 
-def _usable_tasks(tasks: Iterable[_Task], start_s: float, counts: Counter[str]) -> list[tuple[_Task, float]]:
+def _usable_tasks(
+    tasks: Iterable[_Task],
+    start_s: float,
+    counts: Counter[str],
+    absent: Counter[str],
+    platform: frozenset[str],
+) -> list[tuple[_Task, float]]:
     """The GPU tasks that ran and were created from ``start_s`` on, with their durations; ``counts``
-    takes one count per skipped task, under its reason."""
+    takes one count per skipped task, under its reason, and ``absent`` one per ``gpu_spec`` of a
+    task skipped because it names only profiled models that ``platform`` (upper-case) lacks."""
     usable: list[tuple[_Task, float]] = []
+    known = {m.upper() for m in library_models()}
     for task in tasks:
+        wanted = [m.upper() for m in task.gpu_models]
         if task.num_gpu == 0 and task.gpu_milli == 0:
             counts["cpu_only"] += 1
+        elif wanted and platform.isdisjoint(wanted) and known.issuperset(wanted):
+            # A published trace run on a platform other than its own (the 64-GPU grid platform has
+            # no G3): the task could never run there. A name no profile knows is left to
+            # check_trace, which refuses it as a typo.
+            counts["models_absent"] += 1
+            absent["|".join(task.gpu_models)] += 1
         elif task.scheduled_s is None:
             counts["never_scheduled"] += 1
         elif (duration := _duration(task)) is None or task.creation_s is None:
@@ -527,7 +542,10 @@ def load_alibaba(
     - **Which rows.** CPU-only tasks (``num_gpu == 0`` and ``gpu_milli == 0``) are skipped. A task
       that was never scheduled (no ``scheduled_time``: it was deleted while pending) is skipped: it
       never ran, so the trace does not say how much work it was. So is one whose ``deletion_time``
-      is missing or not after its ``scheduled_time``. ``limit`` keeps the first ``limit`` GPU tasks
+      is missing or not after its ``scheduled_time``. So is one whose ``gpu_spec`` names only
+      profiled models that ``topology`` has none of (``gpuspec`` files run on a platform without
+      their ``G3``: it could never run there; a name no profile knows is refused later, by
+      :func:`check_trace`, as a typo). ``limit`` keeps the first ``limit`` GPU tasks
       (by arrival) that remain; ``start_s`` (trace seconds) skips tasks created before it (the
       trace's first tasks are long-running services created months before the rest). Every count
       is reported in ``Trace.source``.
@@ -572,7 +590,9 @@ def load_alibaba(
     if not timed:
         tasks, resampled = _join_times(tasks, times_path, path, rng)
     counts: Counter[str] = Counter()
-    usable = _usable_tasks(tasks, start_s, counts)
+    absent: Counter[str] = Counter()
+    platform = frozenset(n.gpu_model.upper() for c in topology.clusters for n in c.nodes if n.gpu_model)
+    usable = _usable_tasks(tasks, start_s, counts, absent, platform)
     usable.sort(key=lambda td: (td[0].creation_s or 0.0, td[0].line))
     if limit is not None:
         counts["beyond_limit"] = max(len(usable) - limit, 0)
@@ -615,6 +635,8 @@ def load_alibaba(
         f"{path.name}: {ALIBABA_CITATION}; {len(tasks)} rows, {len(jobs)} GPU tasks kept; skipped "
         f"{counts['cpu_only']} CPU-only, {counts['never_scheduled']} never scheduled, "
         f"{counts['no_duration']} without a valid duration, {counts['over_a_year']} running over a year, "
+        f"{counts['models_absent']} needing GPU models the platform lacks"
+        f"{' (' + ', '.join(f'{k} x{v}' for k, v in sorted(absent.items())) + ')' if absent else ''}, "
         f"{counts['before_start']} created before "
         f"start_s={start_s}, {counts['beyond_limit']} beyond the limit; "
         f"{counts['fractional']} fractional-GPU tasks given a whole GPU; {resampled} tasks' times "
