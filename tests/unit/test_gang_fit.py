@@ -337,6 +337,67 @@ def test_a_long_job_whose_only_room_now_is_the_gangs_waits_for_a_pool_where_it_d
     assert now.decision is not None and now.decision.parts[0].cluster == "ca"
 
 
+def _cb_busy(b0_ends_in_s: float) -> Snapshot:
+    """``platform()`` with cb's free node b0 busy too (8 GPUs, ending in ``b0_ends_in_s``): ca's
+    nodes are the only room now."""
+    snap = platform()
+    nodes = [n if n.node != "b0" else node("b0", "cb", used=8) for n in _nodes(snap)]
+    runs = [*snap.running, running("busy-0", "cb", "b0", 8, b0_ends_in_s)]
+    busy = Snapshot(nodes, net=NetMatrix(["r1"]), speed=dict(snap.speed), now=NOW, running=runs)
+    busy.seen = snap.seen
+    return busy
+
+
+def test_a_job_held_for_gangs_does_not_wait_for_a_pool_the_gangs_take_first() -> None:
+    # ca's nodes are the only room now; two 2 x 8 gangs queue, for ca's room (600 s) and cb's
+    # (7,200 s, when b1 and b2 end; b0 ends at 8,000 s). A job of 20,000 s in ca delays them, and
+    # cb has room for it at 7,200 s -- the moment the second gang takes cb. Gangs of unknown run:
+    # it waits for cb. Gangs that each run 50,000 s: its room in cb comes only after 57,200 s, far
+    # more than the gangs lose, and it starts in ca now. (An outside evaluator: 1 x 8 jobs of
+    # 0.5-1.3 h held for 2 x 8 gangs waited for "room expected" in the other cluster; the gangs
+    # took it and ran 4-15 h before them.)
+    job = spec("mid", steps=20_000)
+    unknown = _cb_busy(8_000.0)
+    anywhere = np.ones(unknown.free_sum.shape, dtype=np.bool_)
+    for i in range(2):
+        unknown.queued[f"q{i}"] = QueuedShape(f"q{i}", (0, i), 2, 8, anywhere)
+    waits = build_framework().schedule(job, unknown, submitted_at=NOW)
+    assert waits.decision is None and "waiting for" in waits.status.reason
+    assert waits.status.wait_s == pytest.approx(7_200.0)
+
+    known = _cb_busy(8_000.0)
+    for i in range(2):
+        gang = spec(f"q{i}", workers=2, gpus=8, steps=50_000)
+        known.queued[f"q{i}"] = QueuedShape(f"q{i}", (0, i), 2, 8, anywhere, gang, 50_000.0)
+    starts = build_framework().schedule(job, known, submitted_at=NOW)
+    assert starts.decision is not None and starts.decision.parts[0].cluster == "ca"
+
+
+def test_a_job_held_for_gangs_counts_the_queued_jobs_ahead_on_the_pool_it_waits_for() -> None:
+    # As above, with b0 ending at 1,000 s (the long job's room in cb, while a 2 x 8 gang still
+    # waits for b1 and b2 there). A 1 x 8 job of 30,000 s queued ahead of it, that only cb may
+    # hold, takes b0 first: the long job's room in cb is then b1's, at 7,200 s -- not 1,000 s, as
+    # if it were alone.
+    long_job = spec("long", steps=60_000)
+    alone = _cb_busy(1_000.0)
+    anywhere = np.ones(alone.free_sum.shape, dtype=np.bool_)
+    for i in range(2):
+        alone.queued[f"q{i}"] = QueuedShape(f"q{i}", (1, i), 2, 8, anywhere)
+    waits = build_framework().schedule(long_job, alone, submitted_at=NOW, queue_key=(0, 9))
+    assert waits.decision is None and waits.status.wait_s == pytest.approx(1_000.0)
+
+    behind = _cb_busy(1_000.0)
+    for i in range(2):
+        behind.queued[f"q{i}"] = QueuedShape(f"q{i}", (1, i), 2, 8, anywhere)
+    ahead = spec("ahead", gpus=8, steps=30_000)
+    only_cb = np.zeros(behind.free_sum.shape, dtype=np.bool_)
+    only_cb[behind.cluster_index["cb"], :] = True
+    behind.queued["ahead"] = QueuedShape("ahead", (0, 0), 1, 8, only_cb, ahead, 30_000.0)
+    behind.join_queue("ahead")
+    later = build_framework().schedule(long_job, behind, submitted_at=NOW, queue_key=(0, 9))
+    assert later.decision is None and later.status.wait_s == pytest.approx(7_200.0)
+
+
 def test_a_gang_of_several_nodes_itself_is_what_the_room_is_kept_for() -> None:
     # A 2 x 8 gang deciding is one of the gangs: which of them goes first is the queue's order.
     # (Judged like a long job, a 4 x 4 gang of 64 h waited 34 h for another pool on the 63-GPU

@@ -40,7 +40,11 @@ had room now), the **permit** weighs a wait, as ``rare_fit``'s does: for the poo
 would delay no one that ends it soonest (expected room plus its run there, within 2x of its run),
 the job waits when that ends less than the harm later than starting now, and only while it has
 waited less than the harm (ski rental). "Where it delays no one" is judged among the pools it had a
-candidate in now: a pool with no room now is not judged until the job, woken, decides again. A job
+candidate in now: a pool with no room now is not judged until the job, woken, decides again. The
+expected room there lets the queued jobs ahead of it take theirs first (``behind_queue``), and in a
+pool the queued gangs wait for, it comes only once the gangs that pool serves have run there, one
+after another, at their mean believed run -- the gangs it is held for go first -- unless the job's
+room there comes before theirs and the pool, once idle, holds all of them beside the job. A job
 that needs several nodes itself is one of the gangs the room is kept for: it is judged only for the
 gangs of more GPUs in all that are queued now (not for its peers: which of them goes first is the
 queue's order, and judged like a long job, a 4 x 4 gang of 64 h waited 34 h; nor for arrivals
@@ -58,14 +62,23 @@ snapshot until a pool's free resources, the running jobs or the clock change (me
 ``docs/measurements.md``, 2026-12-06, "gang_fit").
 """
 
+import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from loom.sched.availability import releases
 from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, Decision, StateKey, Status
-from loom.sched.plugins.network import MIN_WAIT_S, predicted_jct_s, single_cluster_options, whole_gang_pools
+from loom.sched.plugins.network import (
+    MIN_WAIT_S,
+    PoolOption,
+    behind_queue,
+    predicted_jct_s,
+    single_cluster_options,
+    whole_gang_pools,
+)
 from loom.sched.plugins.rare import Verdict, arrival_rate, holds, lands_on, node_ends, wait_caused
 from loom.sched.probe import is_probe
 from loom.sched.snapshot import (
@@ -97,6 +110,10 @@ class GangShape:
 _VERDICT: StateKey[Verdict | None] = StateKey("gang_fit.verdict")
 _GANGS: StateKey[list[GangShape]] = StateKey("gang_fit.shapes")
 _QUEUED_ONLY: StateKey[bool] = StateKey("gang_fit.queued_only")
+_GANGS_FIRST: StateKey[dict[int, list[tuple[float, bool, float]]]] = StateKey("gang_fit.gangs_first")
+"""Per pool (``cluster * models + model``) that queued gangs wait for, per gang shape: (seconds
+until the gangs' room there, whether the pool once idle holds a gang beside the job, seconds until
+the gangs it serves in turn have run there: :func:`_served_first`)."""
 _KEPT = "gang_fit.shapes"
 _POOLS = "gang_fit.pools"
 _SEVERAL = "gang_fit.several"
@@ -320,6 +337,50 @@ def _queued(snap: Snapshot, gang: GangShape, own: str) -> int:
     return count
 
 
+def _queued_runs(snap: Snapshot, gang: GangShape, own: str) -> FloatArray:
+    """Per GPU model: the mean predicted run of the queued jobs of the gang's workers and GPUs per
+    worker (``own`` aside) on it, at the believed speeds; 0 where none has a known run."""
+    key = (gang.shape.gpus, gang.workers)
+    runs = np.zeros(len(snap.models), dtype=np.float64)
+    count = 0
+    for q in snap.queued.values():
+        if (q.per_worker, q.workers) != key or q.job_id == own or q.job is None:
+            continue
+        if not math.isfinite(q.work_s) or q.work_s <= 0:
+            continue
+        runs += q.work_s / np.maximum(snap.job_speeds(q.job), 1e-9)
+        count += 1
+    return runs / count if count else runs
+
+
+def _served_first(room: _Pools, queued: int, runs: FloatArray, models: int) -> dict[int, tuple[int, float]]:
+    """Per pool that serves queued gangs (the ``i``-th of ``queued`` the ``(i mod P)``-th soonest
+    room, as :func:`_rooms_delay` counts them): how many it serves, and when it has run them all,
+    its room's time plus their runs there one after another (``runs`` per GPU model)."""
+    pools = int(np.isfinite(room.soon).sum())
+    if pools == 0 or queued <= 0:
+        return {}
+    order = np.argsort(room.soon, kind="stable")[:pools]
+    rounds, extra = divmod(queued, pools)
+    done: dict[int, tuple[int, float]] = {}
+    for j, p in enumerate(order.tolist()):
+        served = rounds + (1 if j < extra else 0)
+        if served:
+            done[p] = (served, float(room.soon[p]) + served * float(runs[p % models]))
+    return done
+
+
+def _after_gangs(option: PoolOption, gangs: Iterable[tuple[float, bool, float]]) -> PoolOption:
+    """``option`` with its wait no shorter than the queued gangs' turn in its pool (``gangs``: per
+    shape, (their room, whether the pool holds one beside the job, when they have run)), except
+    where the job's room comes before theirs and the pool holds one beside it."""
+    wait = option.wait_s
+    for soon, beside, done in gangs:
+        if not (option.wait_s < soon and beside):
+            wait = max(wait, done)
+    return option if wait == option.wait_s else dataclasses.replace(option, wait_s=wait)
+
+
 def _rooms_delay(before: FloatArray, after: FloatArray, queued: int, rate: float, horizon: float) -> float:
     """Job-seconds the gangs wait the more once the pools' soonest rooms, ascending, are ``after``
     instead of ``before``: the ``queued`` gangs take the ``P`` rooms that ever come in turn (the
@@ -395,6 +456,7 @@ class GangFit:
         horizon = snap.seen.span_s(snap.now)
         pools = candidates.cluster * snap.total_sum.shape[1] + candidates.model
         queued_only = state.get(_QUEUED_ONLY, False)
+        first: dict[int, list[tuple[float, bool, float]]] = {}
         for gang in gangs:
             rate = 0.0 if queued_only else arrival_rate(gang.count, horizon)
             queued = _queued(snap, gang, job.job_id)
@@ -408,6 +470,16 @@ class GangFit:
             last = float(ranked[min(queued, ranked.size - 1)])
             if not math.isfinite(float(ranked[0])):
                 continue  # no pool holds it in known time
+            if queued:
+                runs = _queued_runs(snap, gang, job.job_id)
+                # The nodes the job's workers would spoil for a gang's, at least one each.
+                spoils = state.min_workers * max(1, math.ceil(own.gpus / max(gang.shape.gpus, 1)))
+                for p, (served, done) in _served_first(room, queued, runs, snap.total_sum.shape[1]).items():
+                    # Beside all the gangs it serves: counted in turn for their waits, they may as
+                    # well run at once, and the job must then leave them room together.
+                    whole = int(room.full[int(room.bounds[p]) : int(room.bounds[p + 1])].sum())
+                    beside = whole - spoils >= gang.workers * served
+                    first.setdefault(p, []).append((float(room.soon[p]), beside, done))
             for p in np.flatnonzero((room.soon <= last) & np.isfinite(room.soon)).tolist():
                 lo, hi = int(room.bounds[p]), int(room.bounds[p + 1])
                 nodes_p = gang.nodes[lo:hi]
@@ -430,6 +502,7 @@ class GangFit:
                     after = room.soon.copy()
                     after[p] = max(mine, float(after[p]))
                     harm[i] += _rooms_delay(ranked, np.sort(after), queued, rate, horizon)
+        state.write(_GANGS_FIRST, first)
         return harm
 
     def marked(self, state: CycleState, candidates: Candidates) -> BoolArray:
@@ -472,10 +545,27 @@ class GangFit:
         harm, run, waited = weighed
         pools = whole_gang_pools(state, decision.workers)
         pools[verdict.cluster[verdict.harm > 0], verdict.model[verdict.harm > 0]] = False
-        options = single_cluster_options(state, pools, decision.workers, within_s=GANG_MAX_SLOWDOWN * run)
-        if not options:
+        options = single_cluster_options(
+            state, pools, decision.workers, within_s=GANG_MAX_SLOWDOWN * run, prune=False
+        )
+        # Each pool's wait also lets the queued jobs ahead of it take their room there first (three
+        # 1 x 8 jobs held at once each counted on the same node "expected in 27 s", as one job
+        # would), and a pool the queued gangs wait for has room for the job only once they have
+        # run there: the gangs it is held for go first (an outside evaluator: three 1 x 8 jobs of
+        # 0.5-1.3 h held for 2 x 8 gangs on ten 8 x A100 nodes in two clusters waited for "room
+        # expected in 1,871 s" in the other cluster; the gangs took it and ran 4-15 h before
+        # them) -- unless the job's room there comes before the gangs' and the pool holds them
+        # beside it (a third node frees before the two a 2 x 8 gang waits for: no one is delayed).
+        first = state.get(_GANGS_FIRST, {})
+        models = snap.total_sum.shape[1]
+        waits = [
+            _after_gangs(queued, first.get(o.cluster * models + o.model, ()))
+            for o in options
+            if (queued := behind_queue(state, [o], decision.workers, None)) is not None
+        ]
+        if not waits:
             return SUCCESS
-        best = min(options, key=lambda o: o.completion_s)
+        best = min(waits, key=lambda o: o.completion_s)
         if best.completion_s - run >= harm or best.wait_s < MIN_WAIT_S:
             return SUCCESS
         return Status(
