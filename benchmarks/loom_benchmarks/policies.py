@@ -346,6 +346,7 @@ def build_workload(options: Options, topology: "Topology") -> Workload:
             start_s=options.trace_start_s,
             trace_gpu=options.trace_gpu,
             truth=None if options.truth in (None, BELIEF_NAME) else load_truth(options.truth),
+            models={n.gpu_model for n in built.nodes if n.gpu_model},  # --nodes may sample some out
         )
     check_trace(
         trace,

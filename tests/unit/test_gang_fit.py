@@ -373,6 +373,29 @@ def test_a_job_held_for_gangs_does_not_wait_for_a_pool_the_gangs_take_first() ->
     assert starts.decision is not None and starts.decision.parts[0].cluster == "ca"
 
 
+def test_a_job_that_ends_before_the_gangs_room_may_wait_for_it() -> None:
+    # cb's two nodes end at 1,000 s and 7,200 s; two 2 x 8 gangs of 50,000 s queue, for ca's room
+    # and cb's (7,200 s). A job of 3,000 s has room in cb at 1,000 s and is done there at 4,000 s,
+    # before the gangs need the pool: it delays no one there, so it waits for it rather than start
+    # now in ca (though cb, once idle, holds no gang beside it).
+    nodes = [node("a0", "ca", used=3), node("a1", "ca"), node("b1", "cb", used=8), node("b2", "cb", used=8)]
+    runs = [
+        running("short", "ca", "a0", 3, 600.0),
+        running("busy-1", "cb", "b1", 8, 1_000.0),
+        running("busy-2", "cb", "b2", 8, 7_200.0),
+    ]
+    speed = {(MODEL, "training_compute"): 1.0}
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=NOW, running=runs)
+    for i in range(2):
+        snap.seen.note_job(spec(f"gang-{i}", workers=2, gpus=8), NOW - 3_000.0 + 1_500.0 * i)
+    anywhere = np.ones(snap.free_sum.shape, dtype=np.bool_)
+    for i in range(2):
+        gang = spec(f"q{i}", workers=2, gpus=8, steps=50_000)
+        snap.queued[f"q{i}"] = QueuedShape(f"q{i}", (0, i), 2, 8, anywhere, gang, 50_000.0)
+    waits = build_framework().schedule(spec("mid", steps=3_000), snap, submitted_at=NOW, queue_key=(0, 9))
+    assert waits.decision is None and waits.status.wait_s == pytest.approx(1_000.0)
+
+
 def test_a_job_held_for_gangs_counts_the_queued_jobs_ahead_on_the_pool_it_waits_for() -> None:
     # As above, with b0 ending at 1,000 s (the long job's room in cb, while a 2 x 8 gang still
     # waits for b1 and b2 there). A 1 x 8 job of 30,000 s queued ahead of it, that only cb may

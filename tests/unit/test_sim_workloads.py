@@ -188,8 +188,15 @@ def test_alibaba_task_needing_only_models_the_platform_lacks_is_skipped_and_coun
     )
     trace = load_alibaba(path, topology=without_g3, limit=2)
     assert [j.spec.job_id for j in trace.jobs] == ["p-1", "p-3"]  # the limit counts only runnable tasks
-    assert "2 needing GPU models the platform lacks (G3 x1, g3 x1)" in trace.source
+    assert "2 needing GPU models the platform lacks (G3: 2)" in trace.source
     assert [j.spec.job_id for j in load_alibaba(path, topology=topology).jobs] == ["p-0", "p-1", "p-2", "p-3"]
+    # The platform's models given apart from the topology (`--nodes` samples some models out).
+    only_t4 = load_alibaba(path, topology=topology, models={"T4"})
+    assert [j.spec.job_id for j in only_t4.jobs] == ["p-1", "p-3"]
+    # A task that never ran is counted as such, not as one the platform lacks.
+    never = _write_pods(tmp_path / "never.csv", HEADER, ["p-0,1000,1024,1,1000,G3,BE,Pending,100,110,"])
+    with_never = load_alibaba(never, topology=without_g3)
+    assert "1 never scheduled" in with_never.source and "0 needing GPU models" in with_never.source
 
     # A name no profile knows is a typo, not a model of another platform: kept, for check_trace.
     typo = _write_pods(tmp_path / "typo.csv", HEADER, ["p-0,1000,1024,1,1000,G33,BE,Succeeded,0,10,0"])

@@ -62,7 +62,7 @@ import math
 import random
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -203,13 +203,15 @@ def load_public(
     trace_gpu: str | None = None,
     families: Sequence[str] | None = None,
     truth: Truth | None = None,
+    models: Collection[str] | None = None,
 ) -> Trace:
     """A public trace (``fmt``, or sniffed) as a :class:`Trace`; :class:`WorkloadError` when the file
     holds none of :data:`FORMATS`. ``trace_gpu``, ``families`` and ``truth`` do not apply to
-    ``openb`` (its own rule: :func:`loom.sim.workloads.load_alibaba`)."""
+    ``openb`` (its own rule: :func:`loom.sim.workloads.load_alibaba`); ``models`` (the platform's
+    GPU models, default the topology's) applies to it alone."""
     fmt = fmt or sniff_format(path)
     if fmt == "openb":
-        return load_alibaba(path, topology=topology, limit=limit, seed=seed, start_s=start_s)
+        return load_alibaba(path, topology=topology, limit=limit, seed=seed, start_s=start_s, models=models)
     reader = {"philly": _read_philly, "pai": _read_pai, "helios": _read_helios}.get(fmt or "")
     if reader is not None:
         return _trace(

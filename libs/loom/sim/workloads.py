@@ -504,21 +504,28 @@ def _usable_tasks(
         wanted = [m.upper() for m in task.gpu_models]
         if task.num_gpu == 0 and task.gpu_milli == 0:
             counts["cpu_only"] += 1
-        elif wanted and platform.isdisjoint(wanted) and known.issuperset(wanted):
-            # A published trace run on a platform other than its own (the 64-GPU grid platform has
-            # no G3): the task could never run there. A name no profile knows is left to
-            # check_trace, which refuses it as a typo.
-            counts["models_absent"] += 1
-            absent["|".join(task.gpu_models)] += 1
         elif task.scheduled_s is None:
             counts["never_scheduled"] += 1
         elif (duration := _duration(task)) is None or task.creation_s is None:
             counts["no_duration"] += 1
         elif task.creation_s < start_s:
             counts["before_start"] += 1
+        elif wanted and platform.isdisjoint(wanted) and known.issuperset(wanted):
+            # A published trace run on a platform other than its own (the 63-GPU grid platform has
+            # no G3): the task could never run there. A name no profile knows is left to
+            # check_trace, which refuses it as a typo.
+            counts["models_absent"] += 1
+            absent["|".join(sorted({m.upper() for m in task.gpu_models}))] += 1
         else:
             usable.append((task, duration))
     return usable
+
+
+def _platform_models(topology: Topology, models: Collection[str] | None) -> frozenset[str]:
+    """The platform's GPU models, upper-case: ``models`` when given, else the topology's."""
+    if models is None:
+        models = {n.gpu_model for c in topology.clusters for n in c.nodes if n.gpu_model}
+    return frozenset(m.upper() for m in models)
 
 
 def load_alibaba(
@@ -532,6 +539,7 @@ def load_alibaba(
     times_path: str | Path | None = None,
     inference_qos: Iterable[str] = ("LS",),
     start_s: float = 0.0,
+    models: Collection[str] | None = None,
 ) -> Trace:
     """The Alibaba GPU trace as a :class:`Trace` of ``batch`` jobs, in arrival order.
 
@@ -543,12 +551,12 @@ def load_alibaba(
       that was never scheduled (no ``scheduled_time``: it was deleted while pending) is skipped: it
       never ran, so the trace does not say how much work it was. So is one whose ``deletion_time``
       is missing or not after its ``scheduled_time``. So is one whose ``gpu_spec`` names only
-      profiled models that ``topology`` has none of (``gpuspec`` files run on a platform without
-      their ``G3``: it could never run there; a name no profile knows is refused later, by
-      :func:`check_trace`, as a typo). ``limit`` keeps the first ``limit`` GPU tasks
-      (by arrival) that remain; ``start_s`` (trace seconds) skips tasks created before it (the
-      trace's first tasks are long-running services created months before the rest). Every count
-      is reported in ``Trace.source``.
+      profiled models the platform has none of (``models``, default ``topology``'s: a ``gpuspec``
+      file run on a platform without its ``G3``; such a task could never run there; a name no
+      profile knows is refused later, by :func:`check_trace`, as a typo). ``limit`` keeps the
+      first ``limit`` GPU tasks (by arrival) that remain; ``start_s`` (trace seconds) skips tasks
+      created before it (the trace's first tasks are long-running services created months before
+      the rest). Every count is reported in ``Trace.source``.
     - **Arrival** = ``creation_time`` minus the first kept task's, times ``time_scale`` and
       ``arrival_scale`` (``arrival_scale`` < 1 packs arrivals closer: more load).
     - **GPUs.** ``num_gpu`` GPUs on one node (one worker). A task with ``num_gpu == 0`` but
@@ -591,8 +599,7 @@ def load_alibaba(
         tasks, resampled = _join_times(tasks, times_path, path, rng)
     counts: Counter[str] = Counter()
     absent: Counter[str] = Counter()
-    platform = frozenset(n.gpu_model.upper() for c in topology.clusters for n in c.nodes if n.gpu_model)
-    usable = _usable_tasks(tasks, start_s, counts, absent, platform)
+    usable = _usable_tasks(tasks, start_s, counts, absent, _platform_models(topology, models))
     usable.sort(key=lambda td: (td[0].creation_s or 0.0, td[0].line))
     if limit is not None:
         counts["beyond_limit"] = max(len(usable) - limit, 0)
@@ -636,7 +643,7 @@ def load_alibaba(
         f"{counts['cpu_only']} CPU-only, {counts['never_scheduled']} never scheduled, "
         f"{counts['no_duration']} without a valid duration, {counts['over_a_year']} running over a year, "
         f"{counts['models_absent']} needing GPU models the platform lacks"
-        f"{' (' + ', '.join(f'{k} x{v}' for k, v in sorted(absent.items())) + ')' if absent else ''}, "
+        f"{' (' + ', '.join(f'{k}: {v}' for k, v in sorted(absent.items())) + ')' if absent else ''}, "
         f"{counts['before_start']} created before "
         f"start_s={start_s}, {counts['beyond_limit']} beyond the limit; "
         f"{counts['fractional']} fractional-GPU tasks given a whole GPU; {resampled} tasks' times "

@@ -44,14 +44,18 @@ candidate in now: a pool with no room now is not judged until the job, woken, de
 expected room there lets the queued jobs ahead of it take theirs first (``behind_queue``), and in a
 pool the queued gangs wait for, it comes only once the gangs that pool serves have run there, one
 after another, at their mean believed run -- the gangs it is held for go first -- unless the job's
-room there comes before theirs and the pool, once idle, holds all of them beside the job. A job
+room there comes before theirs and either the job ends there before their room or the pool, once
+idle, holds all of them beside the job. Queued gangs whose run is not known count as running 0 s
+there (their room alone), and a job held back by a permit is not queued, so two jobs held at once
+still count on the same room. A job
 that needs several nodes itself is one of the gangs the room is kept for: it is judged only for the
 gangs of more GPUs in all that are queued now (not for its peers: which of them goes first is the
 queue's order, and judged like a long job, a 4 x 4 gang of 64 h waited 34 h; nor for arrivals
 foreseen: held back for those, the smaller gangs of long-tailed work on 506 GPUs at load 0.5 lost
 more than the big ones gained).
 
-Approximations, stated: a pool holds one gang of the shape at a time, and each gang waiting for it
+Approximations, stated: a pool holds one gang of the shape at a time (for the harm; the permit's
+"beside" asks whether the pool could hold all the gangs it serves at once), and each gang waiting for it
 moves as much as its first room (a pool that could hold two at once is counted as serving them in
 turn; queued jobs are matched by workers and GPUs per worker, their allowed pools not read; the
 permit's runs elsewhere carry no dataset copy nor an elastic job's pace, which ``jct``'s run here
@@ -85,6 +89,7 @@ from loom.sched.snapshot import (
     BoolArray,
     FloatArray,
     IntArray,
+    QueuedShape,
     Snapshot,
     WorkerShape,
     workers_fit,
@@ -112,8 +117,8 @@ _GANGS: StateKey[list[GangShape]] = StateKey("gang_fit.shapes")
 _QUEUED_ONLY: StateKey[bool] = StateKey("gang_fit.queued_only")
 _GANGS_FIRST: StateKey[dict[int, list[tuple[float, bool, float]]]] = StateKey("gang_fit.gangs_first")
 """Per pool (``cluster * models + model``) that queued gangs wait for, per gang shape: (seconds
-until the gangs' room there, whether the pool once idle holds a gang beside the job, seconds until
-the gangs it serves in turn have run there: :func:`_served_first`)."""
+until the gangs' room there, whether the pool once idle holds all the gangs it serves beside the
+job, seconds until those gangs have run there one after another: :func:`_served_first`)."""
 _KEPT = "gang_fit.shapes"
 _POOLS = "gang_fit.pools"
 _SEVERAL = "gang_fit.several"
@@ -337,20 +342,43 @@ def _queued(snap: Snapshot, gang: GangShape, own: str) -> int:
     return count
 
 
+_RUNS = "gang_fit.queued_runs"
+
+
+def _run_of(snap: Snapshot, q: QueuedShape) -> FloatArray | None:
+    """A queued job's predicted run on each GPU model at the believed speeds; None when not known."""
+    if q.job is None or not math.isfinite(q.work_s) or q.work_s <= 0:
+        return None
+    runs: FloatArray = q.work_s / np.maximum(snap.job_speeds(q.job), 1e-9)
+    return runs
+
+
 def _queued_runs(snap: Snapshot, gang: GangShape, own: str) -> FloatArray:
     """Per GPU model: the mean predicted run of the queued jobs of the gang's workers and GPUs per
-    worker (``own`` aside) on it, at the believed speeds; 0 where none has a known run."""
+    worker (``own`` aside) on it, at the believed speeds; 0 where none has a known run. The sums per
+    (GPUs per worker, workers) are kept on the snapshot until the queue or the clock changes (one
+    pass over the queue a cycle, not one a decision)."""
+    queued = snap.queued
+    stamp = (queued.version, snap.now)
+    held = snap.kept.get(_RUNS)
+    table: dict[tuple[int, int], tuple[FloatArray, int]]
+    if held is not None and held[0] is queued and held[1] == stamp:
+        table = held[2]
+    else:
+        table = {}
+        for q in queued.values():
+            if q.workers < 2 or (run := _run_of(snap, q)) is None:
+                continue
+            total, count = table.get((q.per_worker, q.workers), (np.zeros(len(snap.models)), 0))
+            table[q.per_worker, q.workers] = (total + run, count + 1)
+        snap.kept[_RUNS] = (queued, stamp, table)
     key = (gang.shape.gpus, gang.workers)
-    runs = np.zeros(len(snap.models), dtype=np.float64)
-    count = 0
-    for q in snap.queued.values():
-        if (q.per_worker, q.workers) != key or q.job_id == own or q.job is None:
-            continue
-        if not math.isfinite(q.work_s) or q.work_s <= 0:
-            continue
-        runs += q.work_s / np.maximum(snap.job_speeds(q.job), 1e-9)
-        count += 1
-    return runs / count if count else runs
+    total, count = table.get(key, (np.zeros(len(snap.models)), 0))
+    mine = queued.get(own)
+    run = _run_of(snap, mine) if mine is not None and (mine.per_worker, mine.workers) == key else None
+    if run is not None:
+        total, count = total - run, count - 1
+    return total / count if count > 0 else np.zeros(len(snap.models))
 
 
 def _served_first(room: _Pools, queued: int, runs: FloatArray, models: int) -> dict[int, tuple[int, float]]:
@@ -372,11 +400,12 @@ def _served_first(room: _Pools, queued: int, runs: FloatArray, models: int) -> d
 
 def _after_gangs(option: PoolOption, gangs: Iterable[tuple[float, bool, float]]) -> PoolOption:
     """``option`` with its wait no shorter than the queued gangs' turn in its pool (``gangs``: per
-    shape, (their room, whether the pool holds one beside the job, when they have run)), except
-    where the job's room comes before theirs and the pool holds one beside it."""
+    shape, (their room, whether the pool once idle holds all the gangs it serves beside the job,
+    when they have run)), except where the job's room comes before theirs and either it ends there
+    before their room or the pool holds them beside it: it delays no one."""
     wait = option.wait_s
     for soon, beside, done in gangs:
-        if not (option.wait_s < soon and beside):
+        if not (option.wait_s < soon and (beside or option.completion_s <= soon)):
             wait = max(wait, done)
     return option if wait == option.wait_s else dataclasses.replace(option, wait_s=wait)
 
@@ -472,7 +501,7 @@ class GangFit:
                 continue  # no pool holds it in known time
             if queued:
                 runs = _queued_runs(snap, gang, job.job_id)
-                # The nodes the job's workers would spoil for a gang's, at least one each.
+                # The gang workers' room the job's workers would spoil, at least one each.
                 spoils = state.min_workers * max(1, math.ceil(own.gpus / max(gang.shape.gpus, 1)))
                 for p, (served, done) in _served_first(room, queued, runs, snap.total_sum.shape[1]).items():
                     # Beside all the gangs it serves: counted in turn for their waits, they may as
@@ -534,7 +563,9 @@ class GangFit:
         :data:`GANG_MAX_SLOWDOWN` of its run had room now), the job may wait for a pool where it
         delays no one: it waits when that pool's expected room plus its run there ends less than
         the harm later than starting now, and while it has waited less than the harm (ski rental,
-        as ``rare_fit``'s permit). An outside evaluator: on 37 GPUs, the only pool that holds a 2 x 8
+        as ``rare_fit``'s permit). That pool's room comes after the queued jobs ahead take theirs
+        and, in a pool the queued gangs wait for, after those gangs have run there (see the
+        module). An outside evaluator: on 37 GPUs, the only pool that holds a 2 x 8
         gang had one node free, and a one-GPU job of 26 h took it while 16 gangs waited; a G2 node
         elsewhere freed 4.5 h later (Loom 42 % behind gavel_like)."""
         verdict = state.get(_VERDICT, None)
@@ -548,14 +579,15 @@ class GangFit:
         options = single_cluster_options(
             state, pools, decision.workers, within_s=GANG_MAX_SLOWDOWN * run, prune=False
         )
-        # Each pool's wait also lets the queued jobs ahead of it take their room there first (three
-        # 1 x 8 jobs held at once each counted on the same node "expected in 27 s", as one job
-        # would), and a pool the queued gangs wait for has room for the job only once they have
-        # run there: the gangs it is held for go first (an outside evaluator: three 1 x 8 jobs of
-        # 0.5-1.3 h held for 2 x 8 gangs on ten 8 x A100 nodes in two clusters waited for "room
-        # expected in 1,871 s" in the other cluster; the gangs took it and ran 4-15 h before
-        # them) -- unless the job's room there comes before the gangs' and the pool holds them
-        # beside it (a third node frees before the two a 2 x 8 gang waits for: no one is delayed).
+        # Each pool's wait also lets the queued jobs ahead of it take their room there first (those
+        # queued for want of room: a job a permit holds back is not queued, so two jobs held at once
+        # still count on the same room), and a pool the queued gangs wait for has room for the job
+        # only once they have run there: the gangs it is held for go first (an outside evaluator:
+        # three 1 x 8 jobs of 0.5-1.3 h held for 2 x 8 gangs on ten 8 x A100 nodes in two clusters
+        # waited for "room expected in 1,871 s" in the other cluster; the gangs took it and ran
+        # 4-15 h before them) -- unless the job's room there comes before the gangs' and either it
+        # ends there before their room or the pool holds them beside it (a third node frees before
+        # the two a 2 x 8 gang waits for): no one is delayed.
         first = state.get(_GANGS_FIRST, {})
         models = snap.total_sum.shape[1]
         waits = [
