@@ -348,6 +348,18 @@ def _cb_busy(b0_ends_in_s: float) -> Snapshot:
     return busy
 
 
+def queue_gangs(snap: Snapshot, *, first: int = 0, run_s: float | None = None) -> None:
+    """Two 2 x 8 gangs queued anywhere (keys ``(first, 0)``, ``(first, 1)``), each of ``run_s``
+    (None: run not known)."""
+    anywhere = np.ones(snap.free_sum.shape, dtype=np.bool_)
+    for i in range(2):
+        if run_s is None:
+            snap.queued[f"q{i}"] = QueuedShape(f"q{i}", (first, i), 2, 8, anywhere)
+        else:
+            gang = spec(f"q{i}", workers=2, gpus=8, steps=int(run_s))
+            snap.queued[f"q{i}"] = QueuedShape(f"q{i}", (first, i), 2, 8, anywhere, gang, run_s)
+
+
 def test_a_job_held_for_gangs_does_not_wait_for_a_pool_the_gangs_take_first() -> None:
     # ca's nodes are the only room now; two 2 x 8 gangs queue, for ca's room (600 s) and cb's
     # (7,200 s, when b1 and b2 end; b0 ends at 8,000 s). A job of 20,000 s in ca delays them, and
@@ -358,17 +370,13 @@ def test_a_job_held_for_gangs_does_not_wait_for_a_pool_the_gangs_take_first() ->
     # took it and ran 4-15 h before them.)
     job = spec("mid", steps=20_000)
     unknown = _cb_busy(8_000.0)
-    anywhere = np.ones(unknown.free_sum.shape, dtype=np.bool_)
-    for i in range(2):
-        unknown.queued[f"q{i}"] = QueuedShape(f"q{i}", (0, i), 2, 8, anywhere)
+    queue_gangs(unknown)
     waits = build_framework().schedule(job, unknown, submitted_at=NOW)
     assert waits.decision is None and "waiting for" in waits.status.reason
     assert waits.status.wait_s == pytest.approx(7_200.0)
 
     known = _cb_busy(8_000.0)
-    for i in range(2):
-        gang = spec(f"q{i}", workers=2, gpus=8, steps=50_000)
-        known.queued[f"q{i}"] = QueuedShape(f"q{i}", (0, i), 2, 8, anywhere, gang, 50_000.0)
+    queue_gangs(known, run_s=50_000.0)
     starts = build_framework().schedule(job, known, submitted_at=NOW)
     assert starts.decision is not None and starts.decision.parts[0].cluster == "ca"
 
@@ -388,10 +396,7 @@ def test_a_job_that_ends_before_the_gangs_room_may_wait_for_it() -> None:
     snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=NOW, running=runs)
     for i in range(2):
         snap.seen.note_job(spec(f"gang-{i}", workers=2, gpus=8), NOW - 3_000.0 + 1_500.0 * i)
-    anywhere = np.ones(snap.free_sum.shape, dtype=np.bool_)
-    for i in range(2):
-        gang = spec(f"q{i}", workers=2, gpus=8, steps=50_000)
-        snap.queued[f"q{i}"] = QueuedShape(f"q{i}", (0, i), 2, 8, anywhere, gang, 50_000.0)
+    queue_gangs(snap, run_s=50_000.0)
     waits = build_framework().schedule(spec("mid", steps=3_000), snap, submitted_at=NOW, queue_key=(0, 9))
     assert waits.decision is None and waits.status.wait_s == pytest.approx(1_000.0)
 
@@ -403,15 +408,12 @@ def test_a_job_held_for_gangs_counts_the_queued_jobs_ahead_on_the_pool_it_waits_
     # if it were alone.
     long_job = spec("long", steps=60_000)
     alone = _cb_busy(1_000.0)
-    anywhere = np.ones(alone.free_sum.shape, dtype=np.bool_)
-    for i in range(2):
-        alone.queued[f"q{i}"] = QueuedShape(f"q{i}", (1, i), 2, 8, anywhere)
+    queue_gangs(alone, first=1)
     waits = build_framework().schedule(long_job, alone, submitted_at=NOW, queue_key=(0, 9))
     assert waits.decision is None and waits.status.wait_s == pytest.approx(1_000.0)
 
     behind = _cb_busy(1_000.0)
-    for i in range(2):
-        behind.queued[f"q{i}"] = QueuedShape(f"q{i}", (1, i), 2, 8, anywhere)
+    queue_gangs(behind, first=1)
     ahead = spec("ahead", gpus=8, steps=30_000)
     only_cb = np.zeros(behind.free_sum.shape, dtype=np.bool_)
     only_cb[behind.cluster_index["cb"], :] = True
