@@ -188,7 +188,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:  # noqa: PLR0915
         type=float,
         default=None,
         help="a public trace file: skip the jobs submitted in its first this many seconds (Alibaba"
-        " pod lists: by the trace's own creation_time)",
+        " pod lists: by the trace's own creation_time); with --grid, every trace file of"
+        " --grid-workloads",
     )
     policies.add_argument(
         "--trace-gpu",

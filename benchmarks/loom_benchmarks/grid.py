@@ -142,6 +142,9 @@ class GridSpec:
     policies: tuple[str, ...] = GRID_POLICIES
     jobs: Mapping[str, int] = field(default_factory=lambda: dict(CELL_JOBS))
     truth_path: str | None = None
+    trace_start_s: float = 0.0
+    """A public trace file's tasks submitted in its first this many seconds are skipped (the Alibaba
+    pod lists open with services created months before the rest); named workloads take none."""
 
     def cells(self) -> list[tuple[str, float, bool, str]]:
         """(platform, load, spanning, workload), in the order lines are printed."""
@@ -309,13 +312,21 @@ _FILE_TRACES: dict[tuple[Any, ...], "Trace"] = {}
 
 
 def grid_trace(
-    workload: str, jobs: int, seed: int, topology: "Topology", truth: "Truth | None" = None
+    workload: str,
+    jobs: int,
+    seed: int,
+    topology: "Topology",
+    truth: "Truth | None" = None,
+    *,
+    start_s: float = 0.0,
 ) -> "Trace":
     """A workload's trace for the grid (before load and spanning are applied): a named workload, or
     a file (:func:`loom.sim.workloads.load_workload`; ``truth`` turns a public trace's measured
-    durations into work)."""
+    durations into work, ``start_s`` skips its tasks submitted before then)."""
     from loom.sim import workloads
 
+    if start_s and workload in WORKLOADS:
+        raise ValueError(f"a trace start applies to a trace file, not to the named workload {workload!r}")
     if workload == "alibaba":
         return workloads.load_alibaba(topology=topology, limit=jobs, seed=seed)
     if workload == "mix":
@@ -336,6 +347,7 @@ def grid_trace(
             seed,
             topology.name,
             None if truth is None else truth.source,
+            start_s,
         )
         trace = _FILE_TRACES.get(key)
         if trace is None:
@@ -346,6 +358,7 @@ def grid_trace(
                 limit=jobs,
                 seed=seed,
                 truth=truth,
+                start_s=start_s,
             )
             # As `loom bench policies` checks a file: nothing to run, or names the platform lacks,
             # refuse it rather than quietly shrink every cell.
@@ -378,7 +391,9 @@ def figures(result: "SimResult", arrivals: tuple[float, float] | None = None) ->
     return out
 
 
-def run_seed(task: tuple[str, float, bool, str, int, tuple[str, ...], int, str | None]) -> dict[str, Any]:
+def run_seed(
+    task: tuple[str, float, bool, str, int, tuple[str, ...], int, str | None, float],
+) -> dict[str, Any]:
     """Every policy over one cell and seed: ``{"cell": ..., "seed": s, "policies": {name: figures}}``
     (a top-level function taking one tuple, for ``multiprocessing``)."""
     from loom.sim.engine import simulate
@@ -386,13 +401,16 @@ def run_seed(task: tuple[str, float, bool, str, int, tuple[str, ...], int, str |
     from loom.sim.truth import BELIEF, Truth, load_truth
     from loom.sim.workloads import at_load, with_spanning
 
-    platform_name, load, spanning, workload, seed, policies, jobs, truth_path = task
+    platform_name, load, spanning, workload, seed, policies, jobs, truth_path, start_s = task
     started = time.perf_counter()
     topology, built = _platform_cached(platform_name)
     gpus = platform_gpus(built)
     truth = BELIEF if truth_path == "belief" else load_truth(truth_path)
     capacity = reference_capacity(built, truth if isinstance(truth, Truth) else None)
-    base = grid_trace(workload, jobs, seed, topology, truth if isinstance(truth, Truth) else None)
+    start = start_s if workload not in WORKLOADS else 0.0
+    base = grid_trace(
+        workload, jobs, seed, topology, truth if isinstance(truth, Truth) else None, start_s=start
+    )
     if workload in WITHOUT_GANGS and any(j.spec.workers > 1 for j in base.jobs):
         raise ValueError(f"{workload} was taken to have no gangs (its spanning cells are copies)")
     trace = with_spanning(at_load(base, load, capacity), spanning)
@@ -658,7 +676,17 @@ def run_grid(
     truth_notes = _truth_notes(spec)
     cells = set(spec.cells())
     tasks = [
-        (p, load, span, w, seed, tuple(spec.policies), int(spec.jobs.get(w, FILE_JOBS)), spec.truth_path)
+        (
+            p,
+            load,
+            span,
+            w,
+            seed,
+            tuple(spec.policies),
+            int(spec.jobs.get(w, FILE_JOBS)),
+            spec.truth_path,
+            spec.trace_start_s,
+        )
         for p, load, span, w in spec.cells()
         for seed in spec.seeds
         # A trace without gangs is the same with spanning allowed: its run is copied, not repeated.

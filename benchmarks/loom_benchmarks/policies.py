@@ -949,6 +949,25 @@ def _grid_workloads(text: str | None) -> tuple[str, ...] | None:
     return tuple(workloads)
 
 
+def _grid_inputs(args: argparse.Namespace, workloads: Sequence[str]) -> dict[str, Any]:
+    """The grid's ``truth_path`` (``--truth``) and ``trace_start_s`` (``--trace-start``: seconds
+    >= 0, and some workload must be a trace file), where given."""
+    from loom_benchmarks import grid
+
+    fields: dict[str, Any] = {}
+    truth = getattr(args, "truth", None)
+    if truth is not None:
+        fields["truth_path"] = str(truth)
+    seconds = getattr(args, "trace_start", None)
+    if seconds:
+        if not (seconds >= 0 and np.isfinite(seconds)):
+            raise OptionError(f"--trace-start must be seconds >= 0, got {seconds}")
+        if all(w in grid.WORKLOADS for w in workloads):
+            raise OptionError("--trace-start applies to a trace file in --grid-workloads, and none is given")
+        fields["trace_start_s"] = float(seconds)
+    return fields
+
+
 def grid_spec(args: argparse.Namespace, known: Sequence[str] | None = None) -> "GridSpec":
     """The grid ``--grid-*`` (and ``--policies``, ``--jobs``) ask for; :class:`OptionError` if not valid."""
     from loom_benchmarks import grid
@@ -968,7 +987,6 @@ def grid_spec(args: argparse.Namespace, known: Sequence[str] | None = None) -> "
             ("--seed", getattr(args, "seed", 7), 7),
             ("--rate", getattr(args, "rate", None), None),
             ("--load", getattr(args, "load", None), None),
-            ("--trace-start", getattr(args, "trace_start", None), None),
             ("--trace-gpu", getattr(args, "trace_gpu", None), None),
             ("--scale", getattr(args, "scale", False), False),
             ("--out", getattr(args, "out", None), None),
@@ -1010,9 +1028,7 @@ def grid_spec(args: argparse.Namespace, known: Sequence[str] | None = None) -> "
         if args.jobs < 1:
             raise OptionError(f"--jobs must be at least 1, got {args.jobs}")
         fields["jobs"] = dict.fromkeys((*grid.WORKLOADS, *fields.get("workloads", ())), int(args.jobs))
-    truth = getattr(args, "truth", None)
-    if truth is not None:
-        fields["truth_path"] = str(truth)
+    fields.update(_grid_inputs(args, fields.get("workloads", grid.WORKLOADS)))
     if getattr(args, "grid_processes", 2) < 1:
         raise OptionError("--grid-processes must be at least 1")
     return grid.GridSpec(**fields)
