@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from loom.model.capacity import NodeCapacity
+from loom.sched.availability import WaitBook
 from loom.sched.framework import Framework
 from loom.sched.plugins.gang_room import GangFit, _rooms_delay, gang_shapes
 from loom.sched.plugins.network import predicted_jct_s
@@ -421,6 +422,29 @@ def test_a_job_held_for_gangs_counts_the_queued_jobs_ahead_on_the_pool_it_waits_
     behind.join_queue("ahead")
     later = build_framework().schedule(long_job, behind, submitted_at=NOW, queue_key=(0, 9))
     assert later.decision is None and later.status.wait_s == pytest.approx(7_200.0)
+
+
+def test_jobs_held_for_gangs_claim_their_room_and_count_each_others_claims() -> None:
+    # As above, alone: a 1 x 8 long job waits 1,000 s for b0. Held, it claims b0's room in the wait
+    # book; a second long job decided next counts that claim ahead of it, so its room in cb is b1's,
+    # at 7,200 s, not the same 1,000 s. (An outside evaluator: three 1 x 8 jobs held for a 2 x 8
+    # gang all waited for one node "expected in 27 s".) Placed, the first gives its claim up.
+    book = WaitBook()
+    framework = build_framework(context={"wait_book": book})
+    snap = _cb_busy(1_000.0)
+    queue_gangs(snap, first=1)
+    long_job, long_2 = spec("long", gpus=8, steps=60_000), spec("long-2", gpus=8, steps=60_000)
+    first = framework.schedule(long_job, snap, submitted_at=NOW - 10.0, queue_key=(0, 8))
+    assert first.decision is None and first.status.wait_s == pytest.approx(1_000.0)
+    held = book.claims["long"]
+    assert (held.cluster, held.gpu_model, held.gpus, held.start_s) == ("cb", MODEL, 8, NOW + 1_000.0)
+    second = framework.schedule(long_2, snap, submitted_at=NOW, queue_key=(0, 9))
+    assert second.decision is None and second.status.wait_s == pytest.approx(7_200.0)
+    # Without the claim (a framework of its own), the second would wait for the same 1,000 s.
+    alone = build_framework().schedule(long_2, snap, submitted_at=NOW, queue_key=(0, 9))
+    assert alone.decision is None and alone.status.wait_s == pytest.approx(1_000.0)
+    placed = framework.schedule(long_job, snap, submitted_at=NOW - 200_000.0)
+    assert placed.decision is not None and "long" not in book.claims
 
 
 def test_a_gang_of_several_nodes_itself_is_what_the_room_is_kept_for() -> None:

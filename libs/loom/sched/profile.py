@@ -109,7 +109,7 @@ def default_registry() -> Registry:
     registry.register("node_fit", lambda _cfg: NodeFit())
     registry.register("rare_fit", lambda _cfg: RareFit())
     registry.register("rare_room", lambda _cfg: RareRoom())
-    registry.register("gang_fit", lambda _cfg: GangFit())
+    registry.register("gang_fit", lambda cfg: GangFit(_wait_book(cfg)))
     registry.register("affinity", lambda _cfg: Affinity())
     registry.register("data_locality", lambda _cfg: DataLocality())
     registry.register("joint", lambda cfg: Joint(_learner(cfg)))
@@ -137,7 +137,8 @@ def default_registry() -> Registry:
 
 
 def _wait_book(config: Mapping[str, Any]) -> WaitBook:
-    """The wait book shared by the span guard and backfill (context "wait_book"), or a fresh one."""
+    """The wait book shared by the span guard, gang_fit and backfill (context "wait_book"), or a
+    fresh one."""
     book = config.get("wait_book")
     if book is None:
         return WaitBook()
@@ -180,7 +181,7 @@ def build_framework(
     names = list(profile.get("plugins", DEFAULT_PLUGINS))
     weights = {**DEFAULT_WEIGHTS, **dict(profile.get("weights", {}))}
     config = dict(context or {})
-    # One wait book per framework: the span guard's and backfill's claims must be the same.
+    # One wait book per framework: the span guard's, gang_fit's and backfill's claims are the same.
     config.setdefault("wait_book", WaitBook())
     plugins = [
         registry.build(name, {**config, **dict(profile.get("config", {}).get(name, {}))}) for name in names

@@ -46,8 +46,10 @@ pool the queued gangs wait for, it comes only once the gangs that pool serves ha
 after another, at their mean believed run -- the gangs it is held for go first -- unless the job's
 room there comes before theirs and either the job ends there before their room or the pool, once
 idle, holds all of them beside the job. Queued gangs whose run is not known count as running 0 s
-there (their room alone), and a job held back by a permit is not queued, so two jobs held at once
-still count on the same room. A job
+there (their room alone). A job held back claims the room it waits for in the shared wait book (as
+the span guard's waits do; given up once it is placed), and a job held after it counts the claims of
+those ahead of it in queue order there: an outside evaluator's three 1 x 8 jobs, held for one 2 x 8
+gang, had all waited for the same node "expected in 27 s". A job
 that needs several nodes itself is one of the gangs the room is kept for: it is judged only for the
 gangs of more GPUs in all that are queued now (not for its peers: which of them goes first is the
 queue's order, and judged like a long job, a 4 x 4 gang of 64 h waited 34 h; nor for arrivals
@@ -73,13 +75,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loom.sched.availability import releases
+from loom.sched.availability import WaitBook, releases
 from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, Decision, StateKey, Status
 from loom.sched.plugins.network import (
     MIN_WAIT_S,
     PoolOption,
     behind_queue,
+    claim,
     predicted_jct_s,
+    queue_claims,
     single_cluster_options,
     whole_gang_pools,
 )
@@ -442,6 +446,9 @@ class GangFit:
 
     name = "gang_fit"
 
+    def __init__(self, book: WaitBook | None = None) -> None:
+        self.book = book if book is not None else WaitBook()
+
     def pre_filter(self, state: CycleState) -> Status:
         """SKIP unless some gang shape seen lately needs several nodes (a pipeline or a speed probe
         is packed by its own rules); for a job that needs several nodes itself, unless a gang of
@@ -576,12 +583,13 @@ class GangFit:
         harm, run, waited = weighed
         pools = whole_gang_pools(state, decision.workers)
         pools[verdict.cluster[verdict.harm > 0], verdict.model[verdict.harm > 0]] = False
+        claims = queue_claims(state, self.book)
         options = single_cluster_options(
-            state, pools, decision.workers, within_s=GANG_MAX_SLOWDOWN * run, prune=False
+            state, pools, decision.workers, within_s=GANG_MAX_SLOWDOWN * run, claims=claims[0], prune=False
         )
         # Each pool's wait also lets the queued jobs ahead of it take their room there first (those
-        # queued for want of room: a job a permit holds back is not queued, so two jobs held at once
-        # still count on the same room), and a pool the queued gangs wait for has room for the job
+        # queued for want of room, and the claims of the jobs held back ahead of it: each held job
+        # claims its room below), and a pool the queued gangs wait for has room for the job
         # only once they have run there: the gangs it is held for go first (an outside evaluator:
         # three 1 x 8 jobs of 0.5-1.3 h held for 2 x 8 gangs on ten 8 x A100 nodes in two clusters
         # waited for "room expected in 1,871 s" in the other cluster; the gangs took it and ran
@@ -593,13 +601,14 @@ class GangFit:
         waits = [
             _after_gangs(queued, first.get(o.cluster * models + o.model, ()))
             for o in options
-            if (queued := behind_queue(state, [o], decision.workers, None)) is not None
+            if (queued := behind_queue(state, [o], decision.workers, self.book, claims=claims)) is not None
         ]
         if not waits:
             return SUCCESS
         best = min(waits, key=lambda o: o.completion_s)
         if best.completion_s - run >= harm or best.wait_s < MIN_WAIT_S:
             return SUCCESS
+        claim(state, self.book, best, decision.workers)
         return Status(
             Code.UNSCHEDULABLE,
             f"keeping room for gangs of several nodes: they would wait {harm:.0f} s more in all;"
