@@ -424,15 +424,21 @@ def test_a_job_held_for_gangs_counts_the_queued_jobs_ahead_on_the_pool_it_waits_
     assert later.decision is None and later.status.wait_s == pytest.approx(7_200.0)
 
 
-def test_jobs_held_for_gangs_claim_their_room_and_count_each_others_claims() -> None:
+def _claims_setup() -> tuple[WaitBook, Framework, Snapshot]:
+    """A framework with its wait book, and ``_cb_busy(1_000.0)`` with two 2 x 8 gangs queued (keys
+    ``(1, 0)``, ``(1, 1)``): a 1 x 8 long job is held for b0's room at 1,000 s."""
+    book = WaitBook()
+    snap = _cb_busy(1_000.0)
+    queue_gangs(snap, first=1)
+    return book, build_framework(context={"wait_book": book}), snap
+
+
+def test_jobs_held_for_gangs_claim_their_room_and_a_job_held_later_counts_the_claims_ahead() -> None:
     # As above, alone: a 1 x 8 long job waits 1,000 s for b0. Held, it claims b0's room in the wait
     # book; a second long job decided next counts that claim ahead of it, so its room in cb is b1's,
     # at 7,200 s, not the same 1,000 s. (An outside evaluator: three 1 x 8 jobs held for a 2 x 8
     # gang all waited for one node "expected in 27 s".) Placed, the first gives its claim up.
-    book = WaitBook()
-    framework = build_framework(context={"wait_book": book})
-    snap = _cb_busy(1_000.0)
-    queue_gangs(snap, first=1)
+    book, framework, snap = _claims_setup()
     long_job, long_2 = spec("long", gpus=8, steps=60_000), spec("long-2", gpus=8, steps=60_000)
     first = framework.schedule(long_job, snap, submitted_at=NOW - 10.0, queue_key=(0, 8))
     assert first.decision is None and first.status.wait_s == pytest.approx(1_000.0)
@@ -445,6 +451,38 @@ def test_jobs_held_for_gangs_claim_their_room_and_count_each_others_claims() -> 
     assert alone.decision is None and alone.status.wait_s == pytest.approx(1_000.0)
     placed = framework.schedule(long_job, snap, submitted_at=NOW - 200_000.0)
     assert placed.decision is not None and "long" not in book.claims
+
+
+def test_a_what_if_leaves_the_claims_as_they_are_and_stale_claims_expire() -> None:
+    # A what-if (apply=False: the service's what-if, the migrator's "where would it go") of a job
+    # the permit holds claims nothing, and one of a held job does not give its claim up; a claim
+    # not renewed in time (the job was cancelled or placed elsewhere) is forgotten at the next
+    # decision. (A review: such claims stayed for good and shrank the pool for every later job.)
+    book, framework, snap = _claims_setup()
+    long_job = spec("long", gpus=8, steps=60_000)
+    asked = framework.schedule(long_job, snap, submitted_at=NOW, queue_key=(0, 8), apply=False)
+    assert asked.decision is None and "keeping room for gangs" in asked.status.reason
+    assert not book.claims
+    framework.schedule(long_job, snap, submitted_at=NOW, queue_key=(0, 8))
+    assert "long" in book.claims
+    placeable = framework.schedule(long_job, snap, submitted_at=NOW - 200_000.0, apply=False)
+    assert placeable.decision is not None and "long" in book.claims
+    later = _cb_busy(1_000.0)
+    later.now = book.claims["long"].expires_s + 1.0
+    framework.schedule(spec("small", steps=100), later, submitted_at=later.now)
+    assert not book.claims
+
+
+def test_of_two_held_jobs_submitted_together_only_the_second_counts_the_firsts_claim() -> None:
+    # Jobs submitted at the same moment (a burst, a DAG's stages) come in job-id order: before,
+    # each counted the other's claim, so both waited for the later room.
+    book, framework, snap = _claims_setup()
+    first, second = spec("a-long", gpus=8, steps=60_000), spec("b-long", gpus=8, steps=60_000)
+    assert framework.schedule(first, snap, submitted_at=NOW).status.wait_s == pytest.approx(1_000.0)
+    assert framework.schedule(second, snap, submitted_at=NOW).status.wait_s == pytest.approx(7_200.0)
+    assert book.claims["b-long"].start_s == pytest.approx(NOW + 7_200.0)
+    again = framework.schedule(first, snap, submitted_at=NOW)
+    assert again.decision is None and again.status.wait_s == pytest.approx(1_000.0)
 
 
 def test_a_gang_of_several_nodes_itself_is_what_the_room_is_kept_for() -> None:

@@ -415,12 +415,15 @@ class Reservation:
 
     def ahead_of(self, priority: int, submitted_at: float | None, job_id: str) -> bool:
         """Whether the reserving job comes before a job of this priority and submission time in
-        the queue (higher priority, or equal and submitted earlier; not the job itself)."""
+        the queue (higher priority, or equal and submitted earlier, or at the same time with a
+        smaller job id: of two jobs, one comes first; not the job itself)."""
         if job_id == self.job_id:
             return False
         if self.priority != priority:
             return self.priority > priority
-        return submitted_at is None or self.submitted_at <= submitted_at
+        if submitted_at is None:
+            return True
+        return (self.submitted_at, self.job_id) < (submitted_at, job_id)
 
 
 MIN_RESERVATION_S = 600.0

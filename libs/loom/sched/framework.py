@@ -178,6 +178,9 @@ class CycleState:
     checked before reuse against what can change within the cycle: nodes change only through the
     snapshot's ``take``/``give_back``/``set_schedulable``, which bump ``pool_version``; the running
     jobs and books can change too."""
+    applying: bool = True
+    """False for a what-if (``Framework.schedule(apply=False)``): plugins leave their books (the
+    wait book's claims) as they are."""
     _data: dict[StateKey[Any], Any] = field(default_factory=dict)
 
     @property
@@ -892,8 +895,11 @@ class Framework:
         snap: Snapshot,
         avoid_clusters: Iterable[str] = (),
         submitted_at: float | None = None,
+        *,
+        applying: bool = True,
     ) -> CycleState:
-        """A fresh cycle state with every cluster and model allowed."""
+        """A fresh cycle state with every cluster and model allowed (``applying``: false for a
+        what-if)."""
         return CycleState(
             job=job,
             snapshot=snap,
@@ -902,6 +908,7 @@ class Framework:
             avoid_clusters=frozenset(avoid_clusters),
             submitted_at=submitted_at,
             shared=self._shared,
+            applying=applying,
         )
 
     def queued_shape(
@@ -971,7 +978,7 @@ class Framework:
         *,
         queue_key: tuple[Any, ...] | None = None,
     ) -> Outcome:
-        state = self.new_state(job, snap, avoid_clusters, submitted_at)
+        state = self.new_state(job, snap, avoid_clusters, submitted_at, applying=apply)
         state.queue_key = queue_key
         record = DecisionRecord(
             job_id=job.job_id,

@@ -53,8 +53,15 @@ class WaitingJobs:
     def __init__(self, book: WaitBook | None = None) -> None:
         self.book = book if book is not None else WaitBook()
 
+    def pre_filter(self, state: CycleState) -> Status:
+        """Forget the claims not renewed in time (a job cancelled, rejected or placed elsewhere
+        while held back: nothing else drops its claim). Filters nothing."""
+        self.book.expire(state.snapshot.now)
+        return Status()
+
     def reserve(self, state: CycleState, decision: Decision) -> Status:
-        state.write(_GIVEN_UP, self.book.placed(state.job.job_id))
+        # A what-if places nothing: the job's claim stays.
+        state.write(_GIVEN_UP, self.book.placed(state.job.job_id) if state.applying else None)
         return Status()
 
     def unreserve(self, state: CycleState, decision: Decision) -> None:

@@ -47,9 +47,11 @@ after another, at their mean believed run -- the gangs it is held for go first -
 room there comes before theirs and either the job ends there before their room or the pool, once
 idle, holds all of them beside the job. Queued gangs whose run is not known count as running 0 s
 there (their room alone). A job held back claims the room it waits for in the shared wait book (as
-the span guard's waits do; given up once it is placed), and a job held after it counts the claims of
-those ahead of it in queue order there: an outside evaluator's three 1 x 8 jobs, held for one 2 x 8
-gang, had all waited for the same node "expected in 27 s". A job
+the span guard's waits do; given up once it is placed, forgotten when not renewed in time, never
+made by a what-if), and the wait counts the claims of the jobs ahead there: a queued one by the
+queue's order, one held back (not queued) by priority, then submission, then job id: an outside
+evaluator's three 1 x 8 jobs, held for one 2 x 8 gang, had all waited for the same node "expected in
+27 s". A job
 that needs several nodes itself is one of the gangs the room is kept for: it is judged only for the
 gangs of more GPUs in all that are queued now (not for its peers: which of them goes first is the
 queue's order, and judged like a long job, a 4 x 4 gang of 64 h waited 34 h; nor for arrivals

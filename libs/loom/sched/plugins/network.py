@@ -1032,10 +1032,11 @@ def behind_queue(
 def claim(state: CycleState, book: WaitBook, option: PoolOption, workers: int) -> None:
     """Record that the job waits for ``option``'s pool (a claim in the
     :class:`~loom.sched.availability.WaitBook`); none when its wait is not known. A job held back by
-    choice is not counted as queued (the queue is the jobs nothing fits: ``waiting_jobs``)."""
+    choice is not counted as queued (the queue is the jobs nothing fits: ``waiting_jobs``). A
+    what-if (``state.applying`` false) claims nothing."""
     snap = state.snapshot
     now = snap.now
-    if not math.isfinite(option.wait_s):
+    if not math.isfinite(option.wait_s) or not state.applying:
         return
     book.reserve(
         Reservation(
