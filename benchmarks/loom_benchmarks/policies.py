@@ -130,17 +130,22 @@ def parse_policies(text: str | None, known: Sequence[str]) -> list[str]:
     return names
 
 
+def _trace_start_s(args: argparse.Namespace) -> float:
+    """``--trace-start`` in seconds (0 when not given); :class:`OptionError` unless >= 0 and finite."""
+    seconds = float(getattr(args, "trace_start", None) or 0.0)
+    if not (seconds >= 0 and np.isfinite(seconds)):
+        raise OptionError(f"--trace-start must be seconds >= 0, got {seconds}")
+    return seconds
+
+
 def _trace_options(args: argparse.Namespace, workload: str) -> tuple[str | None, float]:
     """``--trace-gpu`` and ``--trace-start``, which apply to a trace file only."""
     trace_gpu = getattr(args, "trace_gpu", None)
     if trace_gpu is not None and workload in WORKLOADS:
         raise OptionError(f"--trace-gpu applies to a public trace file, not --workload {workload}")
-    trace_start = float(getattr(args, "trace_start", None) or 0.0)
-    if trace_start and workload in WORKLOADS:
+    if getattr(args, "trace_start", None) and workload in WORKLOADS:
         raise OptionError(f"--trace-start applies to a public trace file, not --workload {workload}")
-    if not (trace_start >= 0 and np.isfinite(trace_start)):
-        raise OptionError(f"--trace-start must be seconds >= 0, got {trace_start}")
-    return (None if trace_gpu is None else str(trace_gpu)), trace_start
+    return (None if trace_gpu is None else str(trace_gpu)), _trace_start_s(args)
 
 
 def resolve(args: argparse.Namespace, known: Sequence[str] | None = None) -> Options:
@@ -958,13 +963,11 @@ def _grid_inputs(args: argparse.Namespace, workloads: Sequence[str]) -> dict[str
     truth = getattr(args, "truth", None)
     if truth is not None:
         fields["truth_path"] = str(truth)
-    seconds = getattr(args, "trace_start", None)
+    seconds = _trace_start_s(args)
     if seconds:
-        if not (seconds >= 0 and np.isfinite(seconds)):
-            raise OptionError(f"--trace-start must be seconds >= 0, got {seconds}")
         if all(w in grid.WORKLOADS for w in workloads):
             raise OptionError("--trace-start applies to a trace file in --grid-workloads, and none is given")
-        fields["trace_start_s"] = float(seconds)
+        fields["trace_start_s"] = seconds
     return fields
 
 
