@@ -439,6 +439,9 @@ class WaitBook:
 
     def __init__(self) -> None:
         self.claims: dict[str, Reservation] = {}
+        self._soonest = math.inf
+        """No claim expires before this (a claim renewed or dropped since may leave it early):
+        :meth:`expire`, run on every decision, looks at the claims only once it has passed."""
 
     def placed(self, job_id: str) -> Reservation | None:
         """The job was placed: its claim (now given up), or None. (Which jobs wait at all is the
@@ -448,6 +451,7 @@ class WaitBook:
     def reserve(self, reservation: Reservation) -> None:
         """Record (or renew) a job's claim."""
         self.claims[reservation.job_id] = reservation
+        self._soonest = min(self._soonest, reservation.expires_s)
 
     def drop(self, job_id: str) -> Reservation | None:
         """Forget a job's claim (it was placed, or gave up); the claim, or None."""
@@ -455,9 +459,12 @@ class WaitBook:
 
     def expire(self, now: float) -> None:
         """Forget claims not renewed in time (their job left the queue, or is decided no more)."""
+        if not now > self._soonest:
+            return
         stale = [job_id for job_id, held in self.claims.items() if held.expires_s < now]
         for job_id in stale:
             del self.claims[job_id]
+        self._soonest = min((held.expires_s for held in self.claims.values()), default=math.inf)
 
     def ahead(self, priority: int, submitted_at: float | None, job_id: str) -> list[Reservation]:
         """Claims of jobs ahead of this one in queue order."""
