@@ -3,6 +3,7 @@
 import argparse
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -321,7 +322,7 @@ def test_the_grid_refuses_the_single_runs_options_instead_of_ignoring_them(
         grid_spec(_parse(*argv))
 
 
-def test_the_grid_skips_a_trace_files_first_seconds_and_refuses_a_start_without_a_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_the_grid_skips_a_trace_files_first_seconds_and_refuses_a_start_without_one(tmp_path: Path) -> None:
     # Alibaba's pod lists open with services created months before the rest: the grid's first 200
     # tasks of `openb_pod_list_gpuspec33.csv` were those (mean JCT 68 h), and the file had to be cut
     # by hand, since `--trace-start` was refused with --grid.
@@ -358,7 +359,7 @@ def test_the_grid_refuses_a_single_run_option_given_at_its_default_value_too() -
         grid_spec(args)
 
 
-def test_a_topology_file_of_ones_own_is_a_grid_platform_named_by_its_stem(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_a_topology_file_of_ones_own_is_a_grid_platform_named_by_its_stem(tmp_path: Path) -> None:
     """``--grid-platforms path/to/x.json`` runs the grid on an operator's own topology (before,
     only the packaged platforms could be: an outside evaluator patched the grid's platform cache to
     run its WAN platforms). Cells are named by the file's stem; a file that is not a topology, or two
