@@ -9,7 +9,15 @@ log-normal noise of ``--noise-cv``. Reported, over ``--seeds`` seeds:
   after which the estimate stays within 15 % up to the last run (median and worst);
 - ``sharing``: a family run on GPUs X and Y and another family run on X only (Y delivers
   ``--truth`` for every family): the second family's factor on Y, never run there, and its error;
-- ``outlier``: five runs at the truth, then one run 20x too slow: how far the estimate moves.
+- ``outlier``: five runs at the truth, then one run 20x too slow: how far the estimate moves;
+- ``held_out_cells``: real deviations, not synthetic ones. Every (model, precision, GPU) cell of
+  Gavel + Lambda (``loom bench scu``'s data) deviates from its fitted profile by its measured
+  ratio; per seed, a share of the cells (5, 15 or 30 %) is run 1-3 times each (noise
+  ``--noise-cv``), and every cell never run whose family or GPU was (the learner's ``shared``
+  estimate) is predicted. Reported: the mean and median absolute error of the predicted log
+  factor, the share predicted more than 2x too fast or too slow, for the learner's settings, for
+  the main effects' priors before 2026-12-07 (sd 0.5, as a cell's plain prior: ``loose_priors``)
+  and for the profile alone (no learning).
 
 The learner is :class:`loom.model.learn.SpeedLearner` with its default settings, the one placement
 and the simulator use.
@@ -23,7 +31,8 @@ import sys
 from typing import Any, Final
 
 from loom.cli.argtypes import non_negative_float_below, non_negative_int, positive_float, positive_int
-from loom.model.learn import SpeedLearner
+from loom.model.learn import LearnSettings, SpeedLearner
+from loom_benchmarks.scu import fitted_weights, load_cells, predict
 
 TOLERANCE = 0.15
 NOISE_CV_LIMIT: Final = 1.0
@@ -107,6 +116,71 @@ def outlier(truth: float, noise_cv: float, seeds: int, first: int = 0) -> dict[s
     return {"median_move": round(statistics.median(moves), 4), "max_move": round(max(moves), 4)}
 
 
+HELD_OUT_SHARES: Final = (0.05, 0.15, 0.3)
+"""Shares of the measured cells run per seed in ``held_out_cells``."""
+HELD_OUT_SEEDS: Final = 50
+"""At most this many of ``--seeds`` for ``held_out_cells`` (each refits the learner per run)."""
+LOOSE_PRIORS: Final = LearnSettings(gpu_effect_sd=None, family_effect_sd=None)
+"""The shared fit's main-effect priors before 2026-12-07: the cell's plain prior, sd 0.5."""
+
+
+def measured_deviations() -> dict[tuple[str, str], float]:
+    """Per (``model@precision``, GPU model), the log of Gavel + Lambda's measured ratio over the
+    fitted profile's (the mean where both sources measured it)."""
+    cells = load_cells()
+    weights = fitted_weights(cells)
+    logs: dict[tuple[str, str], list[float]] = {}
+    for cell in cells:
+        key = (f"{cell.model}@{cell.precision}", cell.gpu)
+        logs.setdefault(key, []).append(math.log(cell.measured_ratio / predict(cell, weights)))
+    return {key: statistics.fmean(values) for key, values in logs.items()}
+
+
+def _errors_summary(errors: list[float], without: list[float]) -> dict[str, Any]:
+    absolute = [abs(e) for e in errors]
+    two = math.log(2.0)
+    return {
+        "mean_abs_log_error": round(statistics.fmean(absolute), 4),
+        "median_abs_log_error": round(statistics.median(absolute), 4),
+        "share_2x_too_fast": round(sum(e > two for e in errors) / len(errors), 4),
+        "share_2x_too_slow": round(sum(e < -two for e in errors) / len(errors), 4),
+        "profile_alone_mean_abs_log_error": round(statistics.fmean(abs(d) for d in without), 4),
+    }
+
+
+def held_out_cells(noise_cv: float, seeds: int, first: int = 0) -> dict[str, Any]:
+    """How well the shared fit predicts measured cells it never saw (see the module's docstring)."""
+    truth = measured_deviations()
+    keys = sorted(truth)
+    out: dict[str, Any] = {"cells": len(keys), "shares": {}}
+    for share in HELD_OUT_SHARES:
+        errors: dict[str, list[float]] = {"learner": [], "loose_priors": []}
+        deviations: list[float] = []
+        for seed in range(first, first + seeds):
+            rng = random.Random(f"held-out {share} {seed}")
+            runs = {
+                key: [truth[key] + rng.gauss(0.0, noise_cv) for _ in range(rng.randint(1, 3))]
+                for key in keys
+                if rng.random() < share
+            }
+            learners = {"learner": SpeedLearner(), "loose_priors": SpeedLearner(LOOSE_PRIORS)}
+            for learner in learners.values():
+                for (family, gpu), ys in runs.items():
+                    for y in ys:
+                        learner.observe(family, gpu, prior_speed=1.0, observed_speed=math.exp(y))
+            for key in keys:
+                if key in runs or learners["learner"].estimate(*key).source != "shared":
+                    continue
+                deviations.append(truth[key])
+                for name, learner in learners.items():
+                    errors[name].append(math.log(learner.estimate(*key).factor) - truth[key])
+        if deviations:
+            out["shares"][str(share)] = {"predicted": len(deviations)} | {
+                name: _errors_summary(values, deviations) for name, values in errors.items()
+            }
+    return out
+
+
 TRUTH_MIN = 1e-4
 TRUTH_MAX = 1e4
 """``--truth`` bounds: a GPU 10,000x off its profile is a unit mistake (1e-300 was taken, and the
@@ -164,6 +238,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "convergence": convergence(truth, cv, args.runs, seeds, first),
         "sharing": sharing(truth, cv, seeds, first),
         "outlier": outlier(truth, cv, seeds, first),
+        "held_out_cells": held_out_cells(cv, min(seeds, HELD_OUT_SEEDS), first),
     }
     if not args.json:
         for row in result["convergence"]["per_run"]:

@@ -25,7 +25,14 @@ that delivers a third of its profile is learned as 0.33.
 alternating least squares, to ``y(f, g) ≈ a_g + b_f + u_f · v_g``: a GPU effect (the GPU is off
 for every family), a family effect (the family is off everywhere, e.g. its declared reference
 step time is) and a low-rank (rank :attr:`LearnSettings.rank`) interaction, as Gavel and Sia
-complete the throughput matrix. Each cell's prior mean is the fit's prediction, with sd
+complete the throughput matrix. The main effects' ridge priors are narrower than a cell's plain
+prior: sd :attr:`LearnSettings.gpu_effect_sd` (0.25) for a GPU effect and
+:attr:`LearnSettings.family_effect_sd` (0.25) for a family effect. On the measured Gavel + Lambda
+cells, against the fitted profiles, GPU effects vary with sd 0.14, family effects with 0.24 and the
+rest (the interaction) with 0.18: one family's deviation on a GPU is mostly its own, so one family's
+runs move another family's estimate on that GPU by a part of their deviation (a family 3.3x its
+profile on a K80 lends another about 1.4x, not 2.7x as with 0.5), while several families that
+agree move it further. Each cell's prior mean is the fit's prediction, with sd
 ``sqrt(interaction_sd² + prior_sd² / (1 + k))`` (capped at ``prior_sd``), where ``k`` counts the
 *other* cells with data in its row and column: a cell never run borrows from its family's runs on
 other GPUs and its GPU's runs of other families; with no such support it keeps the plain prior.
@@ -125,6 +132,13 @@ class LearnSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     """Sd of one run's log factor around the cell's true one (run-to-run noise, measurement)."""
     interaction_sd: Annotated[float, Meta(gt=0, le=5)] = 0.2
     """How far a cell may sit from what its GPU and family effects (and the low-rank term) say."""
+    gpu_effect_sd: Annotated[float, Meta(gt=0, le=5)] | None = 0.25
+    """Prior sd of a GPU model's effect (off for every family) in the shared fit; None: ``prior_sd``.
+    Measured GPU effects vary with sd 0.14 (Gavel + Lambda against the profiles); 0.25 leaves room
+    for a GPU model that several families find off together (an unprofiled one, say)."""
+    family_effect_sd: Annotated[float, Meta(gt=0, le=5)] | None = 0.25
+    """Prior sd of a family's effect (off on every GPU) in the shared fit; None: ``prior_sd``
+    (measured: sd 0.24)."""
     rank: Annotated[int, Meta(ge=0, le=8)] = 1
     """Rank of the family x GPU interaction in the shared fit (0: main effects only)."""
     iterations: Annotated[int, Meta(ge=1, le=1000)] = 30
@@ -628,11 +642,13 @@ def _als(
 ) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
     """Weighted ridge fit of ``y ≈ a[col] + b[row] + u[row]·v[col]`` by alternating least squares.
 
-    Ridge penalties are the priors' precisions: ``1/prior_sd²`` on the main effects, and
+    Ridge penalties are the priors' precisions: ``1/gpu_effect_sd²`` and ``1/family_effect_sd²``
+    on the main effects (``prior_sd`` where None), and
     ``1/interaction_sd`` on each factor of the product (so that the product's scale is about
     ``interaction_sd``). ``v`` starts at a fixed small pattern (never random): deterministic.
     """
-    lam_main = 1.0 / s.prior_sd**2
+    lam_gpu = 1.0 / (s.gpu_effect_sd or s.prior_sd) ** 2
+    lam_family = 1.0 / (s.family_effect_sd or s.prior_sd) ** 2
     lam_factor = 1.0 / s.interaction_sd
     a = np.zeros(n_gpus)
     b = np.zeros(n_families)
@@ -643,8 +659,8 @@ def _als(
     wsum_f = np.bincount(rows, weights=w, minlength=n_families)
     for _ in range(s.iterations):
         inter = np.einsum("ij,ij->i", u[rows], v[cols]) if r else np.zeros_like(y)
-        a = np.bincount(cols, weights=w * (y - b[rows] - inter), minlength=n_gpus) / (wsum_g + lam_main)
-        b = np.bincount(rows, weights=w * (y - a[cols] - inter), minlength=n_families) / (wsum_f + lam_main)
+        a = np.bincount(cols, weights=w * (y - b[rows] - inter), minlength=n_gpus) / (wsum_g + lam_gpu)
+        b = np.bincount(rows, weights=w * (y - a[cols] - inter), minlength=n_families) / (wsum_f + lam_family)
         if not r:
             continue
         resid = y - a[cols] - b[rows]
