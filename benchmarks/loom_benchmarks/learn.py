@@ -13,8 +13,9 @@ log-normal noise of ``--noise-cv``. Reported, over ``--seeds`` seeds:
 - ``held_out_cells``: real deviations, not synthetic ones. Every (model, precision, GPU) cell of
   Gavel + Lambda (``loom bench scu``'s data) deviates from its fitted profile by its measured
   ratio; per seed, a share of the cells (5, 15 or 30 %) is run 1-3 times each (noise
-  ``--noise-cv``), and every cell never run whose family or GPU was (the learner's ``shared``
-  estimate) is predicted. Reported: the mean and median absolute error of the predicted log
+  ``--noise-cv``), and every cell never run whose family ran on some GPU and whose GPU ran some
+  family (the learner's ``shared`` estimate; the others stay at the profile) is predicted
+  (``predicted`` counts them). Reported: the mean and median absolute error of the predicted log
   factor, the share predicted more than 2x too fast or too slow, for the learner's settings, for
   the main effects' priors before 2026-12-07 (sd 0.5, as a cell's plain prior: ``loose_priors``)
   and for the profile alone (no learning).
@@ -126,7 +127,7 @@ LOOSE_PRIORS: Final = LearnSettings(gpu_effect_sd=None, family_effect_sd=None)
 
 def measured_deviations() -> dict[tuple[str, str], float]:
     """Per (``model@precision``, GPU model), the log of Gavel + Lambda's measured ratio over the
-    fitted profile's (the mean where both sources measured it)."""
+    fitted profile's (the mean over Gavel's batch sizes of one model; the sources share no cell)."""
     cells = load_cells()
     weights = fitted_weights(cells)
     logs: dict[tuple[str, str], list[float]] = {}

@@ -94,18 +94,13 @@ def test_learn_predicts_measured_cells_it_never_saw_better_than_the_profile_alon
 
     deviations = measured_deviations()
     assert len(deviations) > 200  # Gavel + Lambda: (model@precision, GPU) cells
-    result = held_out_cells(0.05, seeds=4)
+    result = held_out_cells(0.05, seeds=12)
     assert set(result["shares"]) == {"0.05", "0.15", "0.3"}
     for name, share in result["shares"].items():
         assert share["predicted"] > 0
         learner, profile_alone = share["learner"], share["learner"]["profile_alone_mean_abs_log_error"]
         loose = share["loose_priors"]["mean_abs_log_error"]
         # the learner's estimates of cells it never ran are nearer the measured truth than the
-        # profile alone; nearer than with the main effects' loose priors of before while few
-        # cells ran, and about as near once many did
-        assert learner["mean_abs_log_error"] < profile_alone
-        if name == "0.3":
-            assert learner["mean_abs_log_error"] < 1.05 * loose
-        else:
-            assert learner["mean_abs_log_error"] < loose
-        assert 0 <= learner["share_2x_too_fast"] < 0.05
+        # profile alone, and nearer than with the main effects' loose priors of before
+        assert learner["mean_abs_log_error"] < profile_alone, name
+        assert learner["mean_abs_log_error"] < loose, name

@@ -520,3 +520,15 @@ def test_slow_runs_lessons_are_held_until_another_node_of_the_model_agrees() -> 
     # Runs that ended no longer count: a node's slow run of weeks ago agrees with nothing.
     live -= {"r1", "r2", "r3"}
     assert hold(cell, "a1", "r4") == [] and held.held(cell) == 1
+
+
+def test_a_state_saved_before_the_main_effects_priors_loads_with_their_defaults() -> None:
+    learner = SpeedLearner()
+    learner.observe("gru", "A100", prior_speed=1.0, observed_speed=0.5)
+    data = msgspec.json.decode(learner.to_bytes())
+    for key in ("gpu_effect_sd", "family_effect_sd"):
+        del data["settings"][key]  # what a learner of before 2026-12-07 stored
+    loaded = SpeedLearner.from_bytes(msgspec.json.encode(data))
+    assert loaded.settings.gpu_effect_sd == 0.25
+    assert loaded.settings.family_effect_sd == 0.25
+    assert loaded.estimate("gru", "A100") == learner.estimate("gru", "A100")

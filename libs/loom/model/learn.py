@@ -647,8 +647,10 @@ def _als(
     ``1/interaction_sd`` on each factor of the product (so that the product's scale is about
     ``interaction_sd``). ``v`` starts at a fixed small pattern (never random): deterministic.
     """
-    lam_gpu = 1.0 / (s.gpu_effect_sd or s.prior_sd) ** 2
-    lam_family = 1.0 / (s.family_effect_sd or s.prior_sd) ** 2
+    gpu_sd = s.gpu_effect_sd if s.gpu_effect_sd is not None else s.prior_sd
+    family_sd = s.family_effect_sd if s.family_effect_sd is not None else s.prior_sd
+    lam_gpu = 1.0 / gpu_sd**2
+    lam_family = 1.0 / family_sd**2
     lam_factor = 1.0 / s.interaction_sd
     a = np.zeros(n_gpus)
     b = np.zeros(n_families)
