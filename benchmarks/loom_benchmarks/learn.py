@@ -18,7 +18,8 @@ log-normal noise of ``--noise-cv``. Reported, over ``--seeds`` seeds:
   (``predicted`` counts them). Reported: the mean and median absolute error of the predicted log
   factor, the share predicted more than 2x too fast or too slow, for the learner's settings, for
   the main effects' priors before 2026-12-07 (sd 0.5, as a cell's plain prior: ``loose_priors``)
-  and for the profile alone (no learning).
+  and for the profile alone (no learning); and how honest each estimate's own sd is (the share of
+  errors within it, 68 % for a normal error; speed probes and exploration choose cells by it).
 
 The learner is :class:`loom.model.learn.SpeedLearner` with its default settings, the one placement
 and the simulator use.
@@ -137,10 +138,14 @@ def measured_deviations() -> dict[tuple[str, str], float]:
     return {key: statistics.fmean(values) for key, values in logs.items()}
 
 
-def _errors_summary(errors: list[float], without: list[float]) -> dict[str, Any]:
+def _errors_summary(errors: list[float], sds: list[float], without: list[float]) -> dict[str, Any]:
     absolute = [abs(e) for e in errors]
     two = math.log(2.0)
     return {
+        # how honest the estimate's own sd is (a normal error is within 1 sd 68 % of the time):
+        # speed probes and exploration pick cells by it
+        "share_within_1_sd": round(statistics.fmean(a <= sd for a, sd in zip(absolute, sds, strict=True)), 4),
+        "median_sd": round(statistics.median(sds), 4),
         "mean_abs_log_error": round(statistics.fmean(absolute), 4),
         "median_abs_log_error": round(statistics.median(absolute), 4),
         "share_2x_too_fast": round(sum(e > two for e in errors) / len(errors), 4),
@@ -156,6 +161,7 @@ def held_out_cells(noise_cv: float, seeds: int, first: int = 0) -> dict[str, Any
     out: dict[str, Any] = {"cells": len(keys), "shares": {}}
     for share in HELD_OUT_SHARES:
         errors: dict[str, list[float]] = {"learner": [], "loose_priors": []}
+        sds: dict[str, list[float]] = {"learner": [], "loose_priors": []}
         deviations: list[float] = []
         for seed in range(first, first + seeds):
             rng = random.Random(f"held-out {share} {seed}")
@@ -174,10 +180,12 @@ def held_out_cells(noise_cv: float, seeds: int, first: int = 0) -> dict[str, Any
                     continue
                 deviations.append(truth[key])
                 for name, learner in learners.items():
-                    errors[name].append(math.log(learner.estimate(*key).factor) - truth[key])
+                    estimate = learner.estimate(*key)
+                    errors[name].append(math.log(estimate.factor) - truth[key])
+                    sds[name].append(estimate.log_sd)
         if deviations:
             out["shares"][str(share)] = {"predicted": len(deviations)} | {
-                name: _errors_summary(values, deviations) for name, values in errors.items()
+                name: _errors_summary(values, sds[name], deviations) for name, values in errors.items()
             }
     return out
 

@@ -104,3 +104,6 @@ def test_learn_predicts_measured_cells_it_never_saw_better_than_the_profile_alon
         # profile alone, and nearer than with the main effects' loose priors of before
         assert learner["mean_abs_log_error"] < profile_alone, name
         assert learner["mean_abs_log_error"] < loose, name
+        # the estimate's own sd is not overconfident on real deviations (a normal error is within
+        # 1 sd 68 % of the time; it is wider than that, so probes ask more than they must)
+        assert learner["share_within_1_sd"] >= 0.68, name
