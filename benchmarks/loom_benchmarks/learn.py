@@ -34,7 +34,7 @@ from typing import Any, Final
 
 from loom.cli.argtypes import non_negative_float_below, non_negative_int, positive_float, positive_int
 from loom.model.learn import LearnSettings, SpeedLearner
-from loom_benchmarks.scu import fitted_weights, load_cells, predict
+from loom_benchmarks.scu import in_sample, load_cells
 
 TOLERANCE = 0.15
 NOISE_CV_LIMIT: Final = 1.0
@@ -122,23 +122,21 @@ HELD_OUT_SHARES: Final = (0.05, 0.15, 0.3)
 """Shares of the measured cells run per seed in ``held_out_cells``."""
 HELD_OUT_SEEDS: Final = 50
 """At most this many of ``--seeds`` for ``held_out_cells`` (each refits the learner per run)."""
-LOOSE_PRIORS: Final = LearnSettings(gpu_effect_sd=None, family_effect_sd=None)
+LOOSE_PRIORS: Final = LearnSettings(gpu_effect_sd=0.5, family_effect_sd=0.5)
 """The shared fit's main-effect priors before 2026-12-07: the cell's plain prior, sd 0.5."""
 
 
 def measured_deviations() -> dict[tuple[str, str], float]:
     """Per (``model@precision``, GPU model), the log of Gavel + Lambda's measured ratio over the
     fitted profile's (the mean over Gavel's batch sizes of one model; the sources share no cell)."""
-    cells = load_cells()
-    weights = fitted_weights(cells)
     logs: dict[tuple[str, str], list[float]] = {}
-    for cell in cells:
+    for cell, predicted in in_sample(load_cells()):
         key = (f"{cell.model}@{cell.precision}", cell.gpu)
-        logs.setdefault(key, []).append(math.log(cell.measured_ratio / predict(cell, weights)))
+        logs.setdefault(key, []).append(math.log(cell.measured_ratio / predicted))
     return {key: statistics.fmean(values) for key, values in logs.items()}
 
 
-def _errors_summary(errors: list[float], sds: list[float], without: list[float]) -> dict[str, Any]:
+def _errors_summary(errors: list[float], sds: list[float]) -> dict[str, Any]:
     absolute = [abs(e) for e in errors]
     two = math.log(2.0)
     return {
@@ -150,7 +148,6 @@ def _errors_summary(errors: list[float], sds: list[float], without: list[float])
         "median_abs_log_error": round(statistics.median(absolute), 4),
         "share_2x_too_fast": round(sum(e > two for e in errors) / len(errors), 4),
         "share_2x_too_slow": round(sum(e < -two for e in errors) / len(errors), 4),
-        "profile_alone_mean_abs_log_error": round(statistics.fmean(abs(d) for d in without), 4),
     }
 
 
@@ -184,9 +181,10 @@ def held_out_cells(noise_cv: float, seeds: int, first: int = 0) -> dict[str, Any
                     errors[name].append(math.log(estimate.factor) - truth[key])
                     sds[name].append(estimate.log_sd)
         if deviations:
-            out["shares"][str(share)] = {"predicted": len(deviations)} | {
-                name: _errors_summary(values, sds[name], deviations) for name, values in errors.items()
-            }
+            out["shares"][str(share)] = {
+                "predicted": len(deviations),
+                "profile_alone_mean_abs_log_error": round(statistics.fmean(abs(d) for d in deviations), 4),
+            } | {name: _errors_summary(values, sds[name]) for name, values in errors.items()}
     return out
 
 

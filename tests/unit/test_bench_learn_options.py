@@ -98,7 +98,7 @@ def test_learn_predicts_measured_cells_it_never_saw_better_than_the_profile_alon
     assert set(result["shares"]) == {"0.05", "0.15", "0.3"}
     for name, share in result["shares"].items():
         assert share["predicted"] > 0
-        learner, profile_alone = share["learner"], share["learner"]["profile_alone_mean_abs_log_error"]
+        learner, profile_alone = share["learner"], share["profile_alone_mean_abs_log_error"]
         loose = share["loose_priors"]["mean_abs_log_error"]
         # the learner's estimates of cells it never ran are nearer the measured truth than the
         # profile alone, and nearer than with the main effects' loose priors of before

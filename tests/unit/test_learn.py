@@ -114,7 +114,7 @@ def test_one_familys_speed_up_on_a_gpu_is_not_lent_to_a_family_that_never_ran_th
     ran on a K80 must not be believed several times faster there (a long gang was sent to K80s
     believed 10x faster than they were). Measured on Gavel + Lambda's cells, GPU effects vary
     with sd 0.14, family effects 0.24 and the rest 0.18: one family's deviation is mostly its own."""
-    loose = SpeedLearner(LearnSettings(gpu_effect_sd=None, family_effect_sd=None))
+    loose = SpeedLearner(LearnSettings(gpu_effect_sd=0.5, family_effect_sd=0.5))
     learner = SpeedLearner()
     for each in (loose, learner):
         for _ in range(3):

@@ -132,13 +132,13 @@ class LearnSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     """Sd of one run's log factor around the cell's true one (run-to-run noise, measurement)."""
     interaction_sd: Annotated[float, Meta(gt=0, le=5)] = 0.2
     """How far a cell may sit from what its GPU and family effects (and the low-rank term) say."""
-    gpu_effect_sd: Annotated[float, Meta(gt=0, le=5)] | None = 0.25
-    """Prior sd of a GPU model's effect (off for every family) in the shared fit; None: ``prior_sd``.
+    gpu_effect_sd: Annotated[float, Meta(gt=0, le=5)] = 0.25
+    """Prior sd of a GPU model's effect (off for every family) in the shared fit (0.5 until 2026-12-07).
     Measured GPU effects vary with sd 0.14 (Gavel + Lambda against the profiles); 0.25 leaves room
     for a GPU model that several families find off together (an unprofiled one, say)."""
-    family_effect_sd: Annotated[float, Meta(gt=0, le=5)] | None = 0.25
-    """Prior sd of a family's effect (off on every GPU) in the shared fit; None: ``prior_sd``
-    (measured: sd 0.24)."""
+    family_effect_sd: Annotated[float, Meta(gt=0, le=5)] = 0.25
+    """Prior sd of a family's effect (off on every GPU) in the shared fit (measured: sd 0.24; 0.5
+    until 2026-12-07)."""
     rank: Annotated[int, Meta(ge=0, le=8)] = 1
     """Rank of the family x GPU interaction in the shared fit (0: main effects only)."""
     iterations: Annotated[int, Meta(ge=1, le=1000)] = 30
@@ -643,14 +643,12 @@ def _als(
     """Weighted ridge fit of ``y ≈ a[col] + b[row] + u[row]·v[col]`` by alternating least squares.
 
     Ridge penalties are the priors' precisions: ``1/gpu_effect_sd²`` and ``1/family_effect_sd²``
-    on the main effects (``prior_sd`` where None), and
+    on the main effects, and
     ``1/interaction_sd`` on each factor of the product (so that the product's scale is about
     ``interaction_sd``). ``v`` starts at a fixed small pattern (never random): deterministic.
     """
-    gpu_sd = s.gpu_effect_sd if s.gpu_effect_sd is not None else s.prior_sd
-    family_sd = s.family_effect_sd if s.family_effect_sd is not None else s.prior_sd
-    lam_gpu = 1.0 / gpu_sd**2
-    lam_family = 1.0 / family_sd**2
+    lam_gpu = 1.0 / s.gpu_effect_sd**2
+    lam_family = 1.0 / s.family_effect_sd**2
     lam_factor = 1.0 / s.interaction_sd
     a = np.zeros(n_gpus)
     b = np.zeros(n_families)
