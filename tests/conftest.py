@@ -6,15 +6,12 @@ embedded 3-node JetStream cluster (``loom up --nats-cluster 3``), a fresh one pe
 tests kill its nodes.
 """
 
-import contextlib
-import gc
 import os
 import shutil
 import tempfile
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
-import asyncpg
 import pytest
 
 from loom.runtime.servers import NatsCluster, NatsServer, PostgresServer
@@ -84,21 +81,6 @@ def postgres_server(postgres_dir_factory: Callable[[str], Path]) -> Iterator[Pos
     """A Postgres with an empty ``loom`` database; not durable (no fsync), which tests do not need."""
     with PostgresServer(postgres_dir_factory("postgres"), durable=False) as server:
         yield server
-        _terminate_pools_left_open()
-
-
-def _terminate_pools_left_open() -> None:
-    """Pools a test left open are terminated before the server stops.
-
-    Otherwise such a pool, once the server is gone, keeps reconnecting to restore its minimum size
-    (asyncpg 0.32's pool maintenance, retried every few seconds), and where the session's event
-    loop outlives this fixture (an async test ran on that worker before the first that needed
-    Postgres), closing the loop at the end waits on it until pytest-timeout fails the last test's
-    teardown (seen once in CI: a unit test's teardown "Timeout (>300.0s)")."""
-    for pool in [o for o in gc.get_objects() if isinstance(o, asyncpg.Pool)]:
-        if not pool.is_closing():
-            with contextlib.suppress(RuntimeError):  # its event loop is already closed
-                pool.terminate()
 
 
 @pytest.fixture(scope="session")
