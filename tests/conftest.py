@@ -6,15 +6,55 @@ embedded 3-node JetStream cluster (``loom up --nats-cluster 3``), a fresh one pe
 tests kill its nodes.
 """
 
+import asyncio
 import os
 import shutil
 import tempfile
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 
 from loom.runtime.servers import NatsCluster, NatsServer, PostgresServer
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session", autouse=True)
+async def _tasks_left_running_are_ended() -> AsyncIterator[None]:
+    """Tasks still running when a worker's session ends are ended here, each cancelled again until
+    it stops (:func:`loom.tasks.cancel_and_wait`), before the session's event loop closes.
+
+    The loop's own close cancels every task once and waits for all of them with no bound. Python
+    3.11 loses a cancel that lands as an ``asyncio.wait_for`` completes (the NATS client's requests
+    go through it), and a loop that lost its cancel goes on: CI hung in that wait until
+    pytest-timeout failed the teardown of whichever test ran last on the worker. A task that never
+    ends even so is a real fault: its stack is printed and the session fails here, at once."""
+    import sys
+    import warnings
+
+    from loom.tasks import cancel_and_wait
+
+    yield
+    current = asyncio.current_task()
+    left = [task for task in asyncio.all_tasks() if task is not current and not task.done()]
+    if not left:
+        return
+    names = sorted({task.get_name() + " " + _coroutine_name(task) for task in left})
+    # A warning reaches the run's summary, from an xdist worker too (a print to stderr does not).
+    warnings.warn(f"{len(left)} task(s) left running at session end: {names[:20]}", stacklevel=1)
+    try:
+        async with asyncio.timeout(60):
+            await cancel_and_wait(left)
+    except TimeoutError:
+        stuck = [task for task in left if not task.done()]
+        for task in stuck:
+            task.print_stack(file=sys.__stderr__)
+        raise RuntimeError(f"{len(stuck)} task(s) never ended though cancelled again and again") from None
+
+
+def _coroutine_name(task: asyncio.Task[object]) -> str:
+    coro = task.get_coro()
+    return getattr(coro, "__qualname__", type(coro).__name__)
 
 
 @pytest.fixture(autouse=True)

@@ -2,6 +2,7 @@
 so a queue group member that hangs (a stopped placement standby) does not fail every other
 `loom job` / `loom jobs` (an outside walk: about half did, with one of two instances frozen)."""
 
+import asyncio
 import json
 
 import nats
@@ -39,6 +40,13 @@ async def test_a_query_whose_first_ask_is_lost_is_answered_by_the_second(nats_ur
         await responder.flush()  # the server has the unsubscription and the new one
         with pytest.raises(QueryError, match=r"no answer on loom\.jobs\.query within 2 s"):
             await client.job("j-1", timeout_s=2.0)
+        # The second ask left the client at half the budget; on a loaded host its delivery to the
+        # responder's callback can lag past the client's give-up (CI once saw 1 of 2 here).
+        await responder.flush()
+        for _ in range(50):
+            if len(asks) >= 2:
+                break
+            await asyncio.sleep(0.05)
         assert len(asks) == 2
     finally:
         await client.close()
@@ -48,7 +56,6 @@ async def test_a_query_whose_first_ask_is_lost_is_answered_by_the_second(nats_ur
 async def test_a_slow_answer_to_the_first_ask_is_still_taken(nats_url: str) -> None:
     # A review: asked again at half the budget with the first ask dropped, a service answering in
     # 1.2 s of a 2 s budget failed every time; the first ask now waits on beside the second.
-    import asyncio
 
     responder = await nats.connect(nats_url)
     asks: list[float] = []

@@ -366,3 +366,21 @@ def test_loom_status_lists_the_nodes_a_slow_run_made_suspect_with_why_and_for_ho
         "  n2: j: delivers 41% (600 s more)",
     ]
     assert _suspect_lines(rows[1:], now=1000.0) == []
+
+
+async def test_a_probe_loop_cancelled_once_ends_though_wait_for_lost_the_cancel() -> None:
+    # The cancel lands as the probe completes (the probe itself cancels the loop, then fails):
+    # Python 3.11's wait_for then returns the probe's end instead of the cancel. The loop must end
+    # all the same, on that one cancel (an event loop's close cancels each task once and waits on
+    # all of them: CI hung there until pytest-timeout).
+    d: Dependencies
+
+    async def fails_as_it_is_cancelled() -> None:
+        d._probing["nats"].cancel()
+        raise ConnectionRefusedError("refused")
+
+    d = Dependencies(Dependency("nats", fails_as_it_is_cancelled, is_bus_outage), first_backoff_s=0.01)
+    d.mark_down("nats", BusError("gone"))
+    loop_task = d._probing["nats"]
+    done, _ = await asyncio.wait([loop_task], timeout=2.0)
+    assert loop_task in done and loop_task.cancelled()

@@ -235,8 +235,17 @@ class Dependencies:
         try:
             await asyncio.wait_for(self._deps[name].probe(), timeout=timeout_s or self.probe_timeout_s)
         except Exception as exc:  # any failure to answer is "down"
-            return exc
-        return None
+            outcome: BaseException | None = exc
+        else:
+            outcome = None
+        # Python 3.11's wait_for hands back the probe's end when a cancel lands just as the probe
+        # completes; the cancel is honoured here. Otherwise a probe loop cancelled once (an event
+        # loop's close cancels every task once, then waits for all) went on probing a server that
+        # was gone, for ever: a test worker's teardown hung until pytest-timeout failed it (CI).
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError
+        return outcome
 
     async def _probe_until_up(self, name: str) -> None:
         backoff_s = self.first_backoff_s
