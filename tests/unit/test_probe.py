@@ -293,9 +293,13 @@ def test_probes_send_a_family_to_the_gpu_the_truth_favours_and_cost_what_they_ra
     (r,) = result.records
     probes = {p.gpu_model: p for p in result.probes}
     assert sorted(probes) == ["A100", "T4"] and all(p.job_class == "probe" for p in probes.values())
-    # The A100 probe: 300 steps (60 believed s at speed 3, of 0.6 s each) of 0.6 true s; the T4: 50 of 0.3 s.
-    assert probes["A100"].end_s - probes["A100"].start_s == pytest.approx(300 * 0.6)
-    assert probes["T4"].end_s - probes["T4"].start_s == pytest.approx(50 * 0.3)
+    # The A100 probe: 60 believed s at speed 3 (times a never-run cell's expected-time factor,
+    # 0.88) of 0.6 s steps: 265 steps of 0.6 true s; the T4: 45 of 0.3 s.
+    unknown = SpeedLearner().default_factor()
+    a100_steps, t4_steps = math.ceil(60 * 3 * unknown / 0.6), math.ceil(60 * 0.5 * unknown / 0.6)
+    assert (a100_steps, t4_steps) == (265, 45)
+    assert probes["A100"].end_s - probes["A100"].start_s == pytest.approx(a100_steps * 0.6)
+    assert probes["T4"].end_s - probes["T4"].start_s == pytest.approx(t4_steps * 0.3)
     # Held until the last probe ended, then sent where the probes measured it faster.
     assert r.gpu_model == "T4" and r.start_s == pytest.approx(probes["A100"].end_s)
     assert r.jct_s == pytest.approx(probes["A100"].end_s + 30_000)
@@ -303,7 +307,7 @@ def test_probes_send_a_family_to_the_gpu_the_truth_favours_and_cost_what_they_ra
     # The probes are not jobs of the trace; the platform paid for them.
     overall = summarize(result)["overall"]
     assert overall["jobs"] == 1 and overall["probes"]["runs"] == 2
-    probe_hours = (300 * 0.6 + 50 * 0.3) / 3600
+    probe_hours = (a100_steps * 0.6 + t4_steps * 0.3) / 3600
     assert overall["probes"]["gpu_hours"] == pytest.approx(probe_hours)
     assert overall["gpu_hours"] == pytest.approx(30_000 / 3600 + probe_hours)
 

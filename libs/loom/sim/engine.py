@@ -674,6 +674,9 @@ class _Simulation:
         """Moves running jobs at failures, link changes and drains (None: the engine as before)."""
         if self.fast is not None:
             self.fast.prepare(self.snap, [job.spec for job in self.order], truth, seed)
+        if self.speed_learner is not None:  # what it knows from the start, as placement's load does
+            learner = self.speed_learner
+            self.snap.set_learned(learner.factors(), learner.steady_cells(), learner.default_factor())
         for job in self.order:
             if job.parents_left == 0 and not job.done:
                 self._push(_Event(job.sim.arrival_s, _ARRIVAL, 0, job_id=job.sim.spec.job_id))
@@ -2053,7 +2056,7 @@ class _Simulation:
         learner.observe(
             seen.family, seen.gpu_model, prior_speed=seen.prior_speed, observed_speed=seen.observed_speed
         )
-        self.snap.set_learned(learner.factors(), learner.steady_cells())
+        self.snap.set_learned(learner.factors(), learner.steady_cells(), learner.default_factor())
 
     def wake_at(self, t: float) -> None:
         """An instant at ``t`` (a pass, then the migration policy's look) even if nothing else
