@@ -28,7 +28,8 @@ async def _tasks_left_running_are_ended() -> AsyncIterator[None]:
     3.11 loses a cancel that lands as an ``asyncio.wait_for`` completes (the NATS client's requests
     go through it), and a loop that lost its cancel goes on: CI hung in that wait until
     pytest-timeout failed the teardown of whichever test ran last on the worker. A task that never
-    ends even so is a real fault: its stack is printed and the session fails here, at once."""
+    ends even so is a real fault: its stack is printed and the session fails (after pytest-timeout,
+    since the loop's close still waits on it)."""
     import sys
     import warnings
 
@@ -40,8 +41,6 @@ async def _tasks_left_running_are_ended() -> AsyncIterator[None]:
     if not left:
         return
     names = sorted({task.get_name() + " " + _coroutine_name(task) for task in left})
-    # A warning reaches the run's summary, from an xdist worker too (a print to stderr does not).
-    warnings.warn(f"{len(left)} task(s) left running at session end: {names[:20]}", stacklevel=1)
     try:
         async with asyncio.timeout(60):
             await cancel_and_wait(left)
@@ -49,7 +48,13 @@ async def _tasks_left_running_are_ended() -> AsyncIterator[None]:
         stuck = [task for task in left if not task.done()]
         for task in stuck:
             task.print_stack(file=sys.__stderr__)
+        # The loop's close then waits on them until pytest-timeout ends the worker; the stacks
+        # above say where they hang.
         raise RuntimeError(f"{len(stuck)} task(s) never ended though cancelled again and again") from None
+    finally:
+        # After the cleanup (a warning filtered into an error must not skip it). A warning reaches
+        # the run's summary, from an xdist worker too (a print to stderr does not).
+        warnings.warn(f"{len(left)} task(s) left running at session end: {names[:20]}", stacklevel=1)
 
 
 def _coroutine_name(task: asyncio.Task[object]) -> str:

@@ -1595,6 +1595,7 @@ class PlacementService:
                 # Only a hold reads them (off by default): no pass over the queue each cycle for nothing.
                 self._probes_in_flight() if self.probe.hold_s > 0 else {},
                 log_sd=lambda family, model: learner.estimate(family, model).log_sd,
+                expected_time=learner.settings.expected_time,
             )
         result = run_cycle(
             self.framework, jobs, snap, settings=settings, backlog=backlog, placed=placed, probing=probing

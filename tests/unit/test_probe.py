@@ -87,6 +87,27 @@ def test_a_long_job_of_a_new_family_asks_one_probe_per_gpu_model_sized_as_its_no
     assert probe_id("fam", "T4") != probe_id("fam", "A100") != probe_id("other", "A100")
 
 
+def test_rivals_are_weighed_on_the_believed_medians_when_the_speeds_are_expected_run_times() -> None:
+    # The A100 (3.0) is measured (sd 0.1); the T4's cell is believed at 1.92x its profile (0.5), a
+    # median of 0.96, with sd 0.5. Scheduling applies expected run times, exp(-sd²/2) below the
+    # medians: 0.995 and 0.8825 of them. The rival rule's intervals are the medians': the T4 at
+    # 2 sds above (0.96 e) reaches the A100 at 2 sds below (3 e^-0.2); on the discounted speed
+    # (0.85 e) it would not, and would never be probed.
+    snap = two_clusters()
+    a100, t4 = math.exp(-(0.1**2) / 2), 1.92 * math.exp(-(0.5**2) / 2)
+    snap.set_learned({("fam", "A100"): a100, ("fam", "T4"): t4}, default=math.exp(-(0.5**2) / 2))
+    sds = {"A100": 0.1, "T4": 0.5}
+
+    def planned(expected_time: bool) -> list[str]:
+        probes = plan_probes(
+            long_job(), snap, {("fam", "A100")}, SETTINGS, lambda f, m: sds[m], expected_time=expected_time
+        )
+        return [p.resources.gpu_models[0] for p in probes]
+
+    assert planned(expected_time=True) == ["T4"]
+    assert planned(expected_time=False) == []
+
+
 def test_no_probe_for_known_cells_short_jobs_probes_pipelines_or_a_single_allowed_model() -> None:
     snap = two_clusters()
     assert [

@@ -232,6 +232,8 @@ class Dependencies:
         self._probing.clear()
 
     async def _probe(self, name: str, timeout_s: float | None = None) -> BaseException | None:
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
         try:
             await asyncio.wait_for(self._deps[name].probe(), timeout=timeout_s or self.probe_timeout_s)
         except Exception as exc:  # any failure to answer is "down"
@@ -242,8 +244,7 @@ class Dependencies:
         # completes; the cancel is honoured here. Otherwise a probe loop cancelled once (an event
         # loop's close cancels every task once, then waits for all) went on probing a server that
         # was gone, for ever: a test worker's teardown hung until pytest-timeout failed it (CI).
-        task = asyncio.current_task()
-        if task is not None and task.cancelling():
+        if task is not None and task.cancelling() > cancels:  # a cancel since it began (as asyncio.timeout)
             raise asyncio.CancelledError
         return outcome
 

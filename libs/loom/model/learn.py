@@ -10,7 +10,9 @@ estimate of the **log speed factor**::
 
 where both speeds are relative to the reference accelerator: ``prior_speed`` is the profile's
 SCU for the job's task type, ``observed_speed = work.step_time_s / observed compute seconds per
-step``. Scheduling multiplies the SCU speed by ``exp(y)`` (``Snapshot.set_learned``). The model:
+step``. Scheduling multiplies the SCU speed by a factor from the belief about ``y``
+(:meth:`SpeedLearner.factors`: its expected run time's, ``exp(mean - sd² / 2)``, by default;
+``Snapshot.set_learned``). The model:
 
 **Each cell's own posterior.** Observations of one cell are normal around its true log factor
 with a known noise sd (:attr:`LearnSettings.noise_sd`, 0.1: run-to-run noise and measurement
@@ -414,9 +416,11 @@ class SpeedLearner:
     def factors(self, *, explore: bool = False) -> dict[tuple[str, str], float]:
         """(family, gpu_model) -> factor for scheduling, for every cell of the completed matrix.
 
-        Without ``explore``: posterior medians. With it, this call counts as one decision and, if
-        the exploration budget allows (see the module's docstring), cells still uncertain are
-        offered at their optimistic factor; the call is then counted as explored.
+        Without ``explore``: each cell's expected run time's factor, ``exp(mean - sd² / 2)`` (the
+        posterior median ``exp(mean)`` when :attr:`LearnSettings.expected_time` is off). With it,
+        this call counts as one decision and, if the exploration budget allows (see the module's
+        docstring), cells still uncertain are offered at their optimistic factor; the call is then
+        counted as explored.
         """
         s = self.settings
         fit = self._shared()

@@ -578,8 +578,9 @@ class Snapshot:
         with the fp16 weights); where a key is missing, :attr:`speed`'s."""
         self._speed_by_task: dict[tuple[str, Precision], FloatArray] = {}
         self.learned: dict[tuple[str, str], float] = dict(learned or {})
-        """(job family, gpu_model) -> learned factor on the SCU speed: what jobs of that family
-        delivered on that model over what the profile predicted (see :mod:`loom.model.family`).
+        """(job family, gpu_model) -> learned factor on the SCU speed: what jobs of that family are
+        believed to deliver on that model over what the profile predicts (see
+        :mod:`loom.model.family`; a learner's ``factors``: by default its expected run time's).
         Change it only through :meth:`set_learned`, which keeps the per-job speed tables true."""
         self.learned_default = 1.0
         """The factor of a (family, model) cell :attr:`learned` lacks (a learner's
