@@ -290,7 +290,7 @@ def test_a_gpu_believed_three_times_faster_than_truth_times_the_job_by_truth() -
     assert summarize(result)["belief_error"]["median"] == pytest.approx(1 - ratio)
     # Timed by belief, the same job takes what the scheduler expected, and the error is nil.
     (b,) = simulate(trace, plat, POLICIES["loom"](0), truth=BELIEF).records
-    assert b.jct_s == pytest.approx(1000 * 0.2)
+    assert b.jct_s == pytest.approx(1000 * believed)  # its learner's factors adopted, as with a truth
     assert belief_error([b])["median"] == 0.0 and b.truth_rule == ""
 
 
