@@ -218,8 +218,6 @@ class Book:
         self.learned: dict[tuple[str, str], float] = {}
         """(job family, gpu_model) -> learned speed factor the snapshot applies (see
         :mod:`loom.model.learn`); change it with :meth:`set_learned`."""
-        self.learned_default = 1.0
-        """The factor of a cell :attr:`learned` lacks (``Snapshot.learned_default``)."""
         self.measured: frozenset[tuple[str, str]] = frozenset()
         """The cells of :attr:`learned` that runs of their own measured (``Snapshot.measured``)."""
 
@@ -455,30 +453,24 @@ class Book:
         if not model:
             return None
         speed = self.speed(model, job.task_type, job_precision(job))
-        speed *= self.learned.get((job_family(job), model), self.learned_default)
+        speed *= self.learned.get((job_family(job), model), 1.0)
         if speed <= 0:
             return None
         return job.work.step_time_s / speed * max(job.workers, 1) / max(workers, 1)
 
     def set_learned(
-        self,
-        learned: dict[tuple[str, str], float],
-        measured: Iterable[tuple[str, str]] | None = None,
-        default: float | None = None,
+        self, learned: dict[tuple[str, str], float], measured: Iterable[tuple[str, str]] | None = None
     ) -> None:
-        """Adopt new learned speed factors, the cells runs of their own measured
-        (``Snapshot.measured``; None keeps those adopted before) and the factor of a cell with
-        neither (``Snapshot.learned_default``; None keeps it): the kept snapshot applies them from
-        its next cycle."""
+        """Adopt new learned speed factors and the cells runs of their own measured
+        (``Snapshot.measured``; None keeps those adopted before): the kept snapshot applies them
+        from its next cycle."""
         cells = self.measured if measured is None else frozenset(measured)
-        fallback = self.learned_default if default is None else default
-        if learned == self.learned and cells == self.measured and fallback == self.learned_default:
+        if learned == self.learned and cells == self.measured:
             return
         self.learned = dict(learned)
         self.measured = cells
-        self.learned_default = fallback
         if self._snap is not None:
-            self._snap.set_learned(self.learned, self.measured, self.learned_default)
+            self._snap.set_learned(self.learned, self.measured)
 
     def close(self, clusters: Mapping[str, str]) -> bool:
         """Set the closed clusters (cluster -> why: ``"drained"``, ``"failed"``); True when that
@@ -541,7 +533,6 @@ class Book:
             now=now,
         )
         self._snap.measured = self.measured
-        self._snap.learned_default = self.learned_default
         self._snap.closed = dict(self.closed)
         self._snap.quota = QuotaBook(self.tenants, self.usage_by_tenant())
         self._snap.waiting = self.waiting  # the same set: the framework keeps it across snapshots

@@ -55,7 +55,6 @@ import functools
 import hashlib
 import itertools
 import json
-import math
 import os
 import socket
 import time
@@ -1595,7 +1594,6 @@ class PlacementService:
                 # Only a hold reads them (off by default): no pass over the queue each cycle for nothing.
                 self._probes_in_flight() if self.probe.hold_s > 0 else {},
                 log_sd=lambda family, model: learner.estimate(family, model).log_sd,
-                expected_time=learner.settings.expected_time,
             )
         result = run_cycle(
             self.framework, jobs, snap, settings=settings, backlog=backlog, placed=placed, probing=probing
@@ -3048,9 +3046,7 @@ class PlacementService:
 
     def _adopt_learned(self) -> None:
         """Give the book (and so every cycle's snapshot) the learner's current factors."""
-        self.book.set_learned(
-            self.learner.factors(), self.learner.steady_cells(), self.learner.default_factor()
-        )
+        self.book.set_learned(self.learner.factors(), self.learner.steady_cells())
         self.stats["learned_speeds"] = {
             f"{e.family}@{e.gpu_model}": {
                 "factor": round(e.factor, 4),
@@ -3064,28 +3060,16 @@ class PlacementService:
         """The speed factor this decision used for the job on its chosen model, for ``loom explain``."""
         family = job_family(job)
         estimate = self.learner.estimate(family, gpu_model)
-        default = self.learner.default_factor()
-        used = offered.get((family, gpu_model), default)
-        head = f"speed of family {family} on {gpu_model}:"
-        if estimate.source == "prior" and used == default:
-            if default == 1.0:
-                return f"{head} the profile's (nothing learned yet)"
-            return (
-                f"{head} x{used:.3g} the profile's (nothing learned yet: its expected run time"
-                f" at the profile's uncertainty, ±{estimate.log_sd:.0%})"
-            )
+        used = offered.get((family, gpu_model), 1.0)
+        if estimate.source == "prior" and used == 1.0:
+            return f"speed of family {family} on {gpu_model}: the profile's (nothing learned yet)"
         text = (
-            f"{head} x{used:.3g} the profile's"
+            f"speed of family {family} on {gpu_model}: x{used:.3g} the profile's"
             f" (learned x{estimate.factor:.3g} ±{estimate.log_sd:.0%},"
             f" {estimate.runs} run(s), {estimate.source})"
         )
-        plain = estimate.factor * (
-            math.exp(-(estimate.log_sd**2) / 2) if self.learner.settings.expected_time else 1.0
-        )  # its factor in SpeedLearner.factors(), without building them all
-        if used > plain * (1 + 1e-9):
+        if abs(used - estimate.factor) > 1e-9 * max(used, 1.0):
             text += "; explored: offered optimistically while uncertain"
-        elif used < estimate.factor * (1 - 1e-3):
-            text += "; its expected run time under that uncertainty"
         return text
 
     def _learn_alpha(self, run: Run, done: JobCompleted) -> None:

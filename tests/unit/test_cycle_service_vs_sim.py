@@ -30,7 +30,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loom.model.family import family_of
-from loom.model.learn import SpeedLearner
 from loom.model.topology import load_topology
 from loom.sched import dag
 from loom.sched.profile import build_framework
@@ -513,20 +512,14 @@ on the code before its fix."""
 @pytest.mark.parametrize("case", CASES, ids=[c["case"] for c in CASES])
 def test_cases_where_the_simulator_decided_otherwise(case: dict[str, Any]) -> None:
     jobs = [SimJob(spec=msgspec.convert(j["spec"], JobSpec), arrival_s=j["arrival_s"]) for j in case["jobs"]]
-    same_decisions(jobs, measured=case["measured"], budget=case["budget"], learner=case.get("learner", False))
+    same_decisions(jobs, measured=case["measured"], budget=case["budget"])
 
 
-def same_decisions(
-    jobs: list[SimJob], *, measured: bool = False, budget: int = 64, learner: bool = False
-) -> None:
+def same_decisions(jobs: list[SimJob], *, measured: bool = False, budget: int = 64) -> None:
     """The simulator plays ``jobs`` (``budget``: its decisions per pass, the rest in passes at the
-    same instant); the service, fed the same events, decides every job alike. ``learner``: both
-    sides apply a fresh speed learner's factors, as a service that loaded them does (every cell at
-    ``default_factor``, the expected run time of a cell nobody ran)."""
+    same instant); the service, fed the same events, decides every job alike."""
     framework = build_framework(context={"economics": PLATFORM.economics})
     policy = MeasuredPolicy("loom", framework) if measured else FrameworkPolicy("loom", framework)
-    if learner:
-        policy.speed_learner = SpeedLearner()
     sim = simulate(
         Trace(list(jobs)),
         PLATFORM,
@@ -546,9 +539,6 @@ def same_decisions(
             if rec.end_s is not None:
                 ends[rec.job_id] = rec.end_s
     svc = service()
-    if learner:
-        svc._adopt_learned()  # what load() does with the (empty) learner it loaded
-        assert svc.book.learned_default < 1.0
     if measured:
         svc.book.set_learned({}, MEASURED)
     got = replay(svc, jobs, ends, sim.reports)
@@ -802,16 +792,3 @@ def test_a_dag_with_a_stage_that_could_never_run_is_refused_whole_in_both() -> N
     assert [(r.job_id, r.start_s, r.rejected) for r in sim.records] == [
         ("d", None, f"stage {never[0]}: {never[1].reason}")
     ]
-
-
-# Derandomized as the tests above. The simulator not adopting its learner's factors when timed by
-# belief decided otherwise in 2 of a review's 15 random cases (2026-12-07; kept in CASES): these
-# 30 do not happen to catch it, the pinned cases do.
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-@given(varied(), st.booleans())
-def test_the_service_decides_what_the_simulator_decides_with_a_learners_factors(
-    jobs: list[SimJob], measured: bool
-) -> None:
-    """A service applies its learner's factors from its first cycle (a cell nobody ran at the
-    expected run time's 0.88 of its profile); the simulator's learning policy does the same."""
-    same_decisions(jobs, measured=measured, learner=True)

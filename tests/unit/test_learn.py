@@ -532,25 +532,3 @@ def test_a_state_saved_before_the_main_effects_priors_loads_with_their_defaults(
     assert loaded.settings.gpu_effect_sd == 0.25
     assert loaded.settings.family_effect_sd == 0.25
     assert loaded.estimate("gru", "A100") == learner.estimate("gru", "A100")
-
-
-def test_scheduling_factors_are_the_expected_run_times_of_the_belief_medians_without() -> None:
-    learner = SpeedLearner()
-    for _ in range(5):
-        learner.observe("resnet", "A", prior_speed=1.0, observed_speed=1.0)
-        learner.observe("resnet", "B", prior_speed=1.0, observed_speed=0.5)
-    learner.observe("bert", "A", prior_speed=1.0, observed_speed=1.0)
-    factors = learner.factors()
-    for e in learner.estimates():
-        # A job's time goes as 1 / factor: the mean of a lognormal 1 / factor is exp(-m + sd²/2).
-        assert factors[(e.family, e.gpu_model)] == pytest.approx(e.factor * math.exp(-(e.log_sd**2) / 2))
-    shared = learner.estimate("bert", "B")
-    assert shared.source == "shared" and factors[("bert", "B")] < 0.95 * shared.factor
-    own = learner.estimate("resnet", "B")
-    assert factors[("resnet", "B")] == pytest.approx(own.factor, rel=0.01)  # runs of its own: ~the median
-    assert learner.default_factor() == pytest.approx(math.exp(-(0.5**2) / 2))
-    medians = SpeedLearner(LearnSettings(expected_time=False))
-    for family, gpu, speed in (("resnet", "A", 1.0), ("resnet", "B", 0.5), ("bert", "A", 1.0)):
-        medians.observe(family, gpu, prior_speed=1.0, observed_speed=speed)
-    assert medians.default_factor() == 1.0
-    assert all(medians.factors()[(e.family, e.gpu_model)] == e.factor for e in medians.estimates())

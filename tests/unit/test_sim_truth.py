@@ -12,7 +12,6 @@ import msgspec
 import pytest
 
 from loom.model.capacity import NodeCapacity
-from loom.model.learn import SpeedLearner
 from loom.model.topology import load_topology
 from loom.sched.plugins.cost import default_economics
 from loom.sched.snapshot import ClusterInfo, NetMatrix
@@ -275,22 +274,17 @@ def test_a_gpu_believed_three_times_faster_than_truth_times_the_job_by_truth() -
     (r,) = result.records
     assert r.jct_s == pytest.approx(1000 * 0.6)  # the truth: the A100 runs it at reference speed
     assert r.step_s == pytest.approx(0.6) and r.compute_step_s == pytest.approx(0.6)
-    # Believed 3x faster, at the expected run time of a cell never run (its profile's uncertainty
-    # counted: LearnSettings.expected_time): 0.2 s / default_factor.
-    believed = 0.2 / SpeedLearner().default_factor()
-    assert believed > 0.2
-    assert r.belief_step_s == pytest.approx(believed) and r.belief_compute_step_s == pytest.approx(believed)
+    assert r.belief_step_s == pytest.approx(0.2) and r.belief_compute_step_s == pytest.approx(0.2)
     assert r.truth_rule == "measured"
     error = belief_error(result.records)
-    ratio = believed / 0.6
-    assert error["median"] == pytest.approx(1 - ratio) and error["p90"] == pytest.approx(1 - ratio)
-    assert error["by_gpu_model"]["A100"]["median"] == pytest.approx(1 - ratio)
-    assert error["bias"] == pytest.approx(ratio)
+    assert error["median"] == pytest.approx(2 / 3) and error["p90"] == pytest.approx(2 / 3)
+    assert error["by_gpu_model"]["A100"]["median"] == pytest.approx(2 / 3)
+    assert error["bias"] == pytest.approx(1 / 3)
     assert r.scu_hours == pytest.approx(1.0 * 600 / 3600)  # delivered: one reference GPU's worth
-    assert summarize(result)["belief_error"]["median"] == pytest.approx(1 - ratio)
+    assert summarize(result)["belief_error"]["median"] == pytest.approx(2 / 3)
     # Timed by belief, the same job takes what the scheduler expected, and the error is nil.
     (b,) = simulate(trace, plat, POLICIES["loom"](0), truth=BELIEF).records
-    assert b.jct_s == pytest.approx(1000 * believed)  # its learner's factors adopted, as with a truth
+    assert b.jct_s == pytest.approx(1000 * 0.2)
     assert belief_error([b])["median"] == 0.0 and b.truth_rule == ""
 
 
@@ -348,9 +342,9 @@ def test_a_pipeline_is_timed_by_its_bottleneck_under_the_truth() -> None:
         truth=truth_where_a100_is_the_reference(),
     ).records
     assert r.end_s is not None
-    # Compute-bound on one site: 3x slower than the profile's median (believed at a never-run
-    # cell's expected run time, 1 / default_factor of that).
-    assert r.step_s == pytest.approx(3 * r.belief_step_s * SpeedLearner().default_factor())
+    assert r.step_s == pytest.approx(
+        3 * r.belief_step_s
+    )  # compute-bound on one site: 3x slower than believed
 
 
 # ---- loom bench policies --truth ------------------------------------------------------------------
@@ -545,9 +539,7 @@ def test_a_half_precision_family_learns_against_its_half_precision_profile() -> 
     records = simulate(
         Trace(jobs=jobs), plat, POLICIES["loom"](0), truth=truth, learner=learner, seed=1
     ).records
-    # The first run: the fp16 profile's 6x, at a never-run cell's expected run time.
-    assert records[0].gpu_model == "A100"
-    assert records[0].belief_step_s == pytest.approx(1 / 6 / learner.default_factor())
+    assert records[0].gpu_model == "A100" and records[0].belief_step_s == pytest.approx(1 / 6)
     estimate = learner.estimate("fam@fp16", "A100")
     assert estimate.factor == pytest.approx(2.0 / 6.0, rel=0.05)  # true 2x over the fp16 profile's 6x
     # Once learned, what the scheduler expects of the next runs is what they deliver.
@@ -1016,36 +1008,3 @@ def test_a_model_slow_on_two_nodes_is_learned_mid_run_and_one_slow_node_is_not()
     assert two.runs == 2 and two.factor == pytest.approx(0.1 / 3, rel=0.1)
     one = learned_by(1, 1).estimate("fam", "A100")  # one node: its completion will teach
     assert one.runs == 0 and one.factor == pytest.approx(1.0)
-
-
-@pytest.mark.parametrize("expected_time", [True, False])
-def test_a_gpu_never_run_wins_a_near_tie_only_on_the_median_not_on_the_expected_run_time(
-    expected_time: bool,
-) -> None:
-    # fam ran three times on the A100, exactly as its profile (3x) says; the H100's profile says
-    # 3.1x and nobody ever ran there. Its expected run time counts the profile's uncertainty
-    # (sd 0.5: 0.88 of its median), so the measured A100 wins; on medians the H100 did.
-    from loom.model.learn import LearnSettings
-
-    learner = SpeedLearner(LearnSettings(expected_time=expected_time))
-    for _ in range(3):
-        learner.observe("fam", "A100", prior_speed=3.0, observed_speed=3.0)
-    truth = parse_truth(
-        tiny(
-            [c("fam", "V100M16", 10.0), c("fam", "A100", 30.0), c("fam", "H100", 31.0)],
-            families={"fam": {"task_type": "training_compute"}},
-        )
-    )
-    policy = POLICIES["loom"](0)
-    policy.probe = None  # type: ignore[attr-defined]  # no speed probe: the decision alone
-    (r,) = simulate(
-        Trace(jobs=[SimJob(spec=fam_job(), arrival_s=0.0)]),
-        two_pool_platform(h100_speed=3.1),
-        policy,
-        truth=truth,
-        learner=learner,
-    ).records
-    assert r.gpu_model == ("A100" if expected_time else "H100")
-    factors = learner.factors()
-    assert factors[("fam", "A100")] == pytest.approx(1.0, abs=0.01)  # its own runs: ~the median
-    assert learner.default_factor() == (pytest.approx(math.exp(-(0.5**2) / 2)) if expected_time else 1.0)

@@ -10,9 +10,7 @@ estimate of the **log speed factor**::
 
 where both speeds are relative to the reference accelerator: ``prior_speed`` is the profile's
 SCU for the job's task type, ``observed_speed = work.step_time_s / observed compute seconds per
-step``. Scheduling multiplies the SCU speed by a factor from the belief about ``y``
-(:meth:`SpeedLearner.factors`: its expected run time's, ``exp(mean - sd² / 2)``, by default;
-``Snapshot.set_learned``). The model:
+step``. Scheduling multiplies the SCU speed by ``exp(y)`` (``Snapshot.set_learned``). The model:
 
 **Each cell's own posterior.** Observations of one cell are normal around its true log factor
 with a known noise sd (:attr:`LearnSettings.noise_sd`, 0.1: run-to-run noise and measurement
@@ -66,10 +64,8 @@ a cell qualifies while its sd is above :attr:`LearnSettings.explore_sd` and it h
 ``exp(mean + explore_z · sd)`` (an upper confidence bound) so that a job may be sent to learn it.
 Only a share :attr:`LearnSettings.explore_share` of the calls (each a scheduling decision or
 cycle) gets optimistic factors: call ``n`` explores only while the explored calls stay within
-``floor(explore_share · n)``. Without ``explore``, a cell's factor gives its expected run time
-under the belief, ``exp(mean - sd² / 2)`` (:attr:`LearnSettings.expected_time`; the posterior
-median ``exp(mean)`` without it), and a cell outside the completed matrix gets
-:meth:`SpeedLearner.default_factor`: an uncertain GPU is not preferred on its median alone.
+``floor(explore_share · n)``. Without ``explore``, factors are the posterior medians
+``exp(mean)``.
 
 Pure and deterministic: no clock, no randomness, no I/O; the same observations in the same order
 give the same state. :meth:`SpeedLearner.to_bytes` / :meth:`SpeedLearner.from_bytes` round-trip
@@ -163,13 +159,6 @@ class LearnSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     """Optimism: an explored cell is offered at ``exp(mean + explore_z * sd)``."""
     explore_max_runs: Annotated[int, Meta(ge=0)] = 3
     """A cell with this many runs of its own is never explored."""
-    expected_time: bool = True
-    """Scheduling factors give each cell's *expected* run time under its belief, not its median:
-    ``exp(mean - sd² / 2)``, since a job's time goes as ``1 / factor`` and the mean of a lognormal
-    ``1 / factor`` is ``exp(-mean + sd² / 2)``. A cell known from runs of its own keeps its median
-    (sd ~0.1: 0.5 % off it); one never run is believed ``exp(-prior_sd² / 2)`` (0.88 at sd 0.5) of
-    its profile. So an uncertain GPU wins a near tie only when its median is faster by more than
-    its uncertainty costs in expectation (False: medians, as until 2026-12-07)."""
 
 
 class CellState(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -416,16 +405,13 @@ class SpeedLearner:
     def factors(self, *, explore: bool = False) -> dict[tuple[str, str], float]:
         """(family, gpu_model) -> factor for scheduling, for every cell of the completed matrix.
 
-        Without ``explore``: each cell's expected run time's factor, ``exp(mean - sd² / 2)`` (the
-        posterior median ``exp(mean)`` when :attr:`LearnSettings.expected_time` is off). With it,
-        this call counts as one decision and, if the exploration budget allows (see the module's
-        docstring), cells still uncertain are offered at their optimistic factor; the call is then
-        counted as explored.
+        Without ``explore``: posterior medians. With it, this call counts as one decision and, if
+        the exploration budget allows (see the module's docstring), cells still uncertain are
+        offered at their optimistic factor; the call is then counted as explored.
         """
         s = self.settings
         fit = self._shared()
-        central = fit.mean - fit.sd**2 / 2 if s.expected_time else fit.mean
-        plain = dict(zip(fit.keys, np.exp(central).ravel().tolist(), strict=True))
+        plain = dict(zip(fit.keys, np.exp(fit.mean).ravel().tolist(), strict=True))
         if not explore:
             return plain
         self.decisions += 1
@@ -437,13 +423,6 @@ class SpeedLearner:
         upper = np.exp(fit.mean + s.explore_z * fit.sd).ravel()
         self.explored += 1
         return plain | {fit.keys[k]: float(upper[k]) for k in np.flatnonzero(uncertain)}
-
-    def default_factor(self) -> float:
-        """The scheduling factor of a cell outside the completed matrix (its family or its GPU
-        never ran): 1.0 (the profile's median), or its expected run time's factor at the plain
-        prior, ``exp(-prior_sd² / 2)``, under :attr:`LearnSettings.expected_time`."""
-        s = self.settings
-        return math.exp(-(s.prior_sd**2) / 2) if s.expected_time else 1.0
 
     # ---- speed probes --------------------------------------------------------------------------
 

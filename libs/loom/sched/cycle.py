@@ -142,9 +142,6 @@ class Probing:
     log_sd: Callable[[str, str], float] | None = None
     """(family, GPU model) -> the learner's sd of its log speed (only models that could change the
     choice are probed); None: every model not known."""
-    expected_time: bool = False
-    """The snapshot's speeds are expected run times' (``LearnSettings.expected_time``): the rival
-    rule undoes that discount, ``exp(-sd² / 2)``, to compare medians."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,7 +378,6 @@ def _gate_probes(result: CycleResult[P], queue: Sequence[P], snap: Snapshot, pro
             queued_s=queued_s,
             settings=probing.settings,
             log_sd=probing.log_sd,
-            expected_time=probing.expected_time,
         )
         for spec in gate.probes:
             family = job_family(spec)

@@ -153,13 +153,9 @@ def plan_probes(
     known: Container[tuple[str, str]],
     settings: ProbeSettings,
     log_sd: Callable[[str, str], float] | None = None,
-    *,
-    expected_time: bool = False,
 ) -> list[JobSpec]:
     """The probes ``job`` calls for now (see the module's docstring for the rules); ``known``: the
-    (family, GPU model) cells that need none (a run of their own, or a probe asked before);
-    ``expected_time``: the snapshot's speeds carry the learner's ``exp(-sd² / 2)`` (the rival rule
-    compares medians)."""
+    (family, GPU model) cells that need none (a run of their own, or a probe asked before)."""
     if is_probe(job.labels) or job.pipeline is not None or job.stages or job.work.steps <= 1:
         return []
     if not (job.labels.get("family") or job.labels.get("model")):
@@ -186,11 +182,9 @@ def plan_probes(
         # Only models that could change the choice: the believed fastest and each model that, at
         # z sds above its belief, would match the fastest at z sds below its own.
         sd = {m: log_sd(family, m) for m in models}
-        # The believed medians (an expected run time's discount undone): the intervals are theirs.
-        median = {m: speeds[m] * math.exp(sd[m] ** 2 / 2) if expected_time else speeds[m] for m in models}
-        best_model = max(models, key=lambda m: median[m])
-        floor = median[best_model] * math.exp(-settings.z * sd[best_model])
-        rivals = [m for m in models if m != best_model and median[m] * math.exp(settings.z * sd[m]) >= floor]
+        best_model = max(models, key=lambda m: speeds[m])
+        floor = speeds[best_model] * math.exp(-settings.z * sd[best_model])
+        rivals = [m for m in models if m != best_model and speeds[m] * math.exp(settings.z * sd[m]) >= floor]
         if not rivals:
             return []
         models = [best_model, *rivals]
@@ -252,7 +246,6 @@ def probe_gate(
     queued_s: float,
     settings: ProbeSettings,
     log_sd: Callable[[str, str], float] | None = None,
-    expected_time: bool = False,
 ) -> ProbeGate:
     """Whether ``job`` (queued since ``queued_s`` on the snapshot's clock) is probed for, held out
     while its family's probes run, or decided now.
@@ -264,7 +257,7 @@ def probe_gate(
     """
     if is_probe(job.labels):
         return ProbeGate()
-    probes = plan_probes(job, snap, known, settings, log_sd, expected_time=expected_time)
+    probes = plan_probes(job, snap, known, settings, log_sd)
     left = queued_s + settings.hold_s - snap.now
     if left <= 0:
         return ProbeGate(probes)  # asked (they teach the family's later jobs), not waited for

@@ -578,13 +578,9 @@ class Snapshot:
         with the fp16 weights); where a key is missing, :attr:`speed`'s."""
         self._speed_by_task: dict[tuple[str, Precision], FloatArray] = {}
         self.learned: dict[tuple[str, str], float] = dict(learned or {})
-        """(job family, gpu_model) -> learned factor on the SCU speed: what jobs of that family are
-        believed to deliver on that model over what the profile predicts (see
-        :mod:`loom.model.family`; a learner's ``factors``: by default its expected run time's).
+        """(job family, gpu_model) -> learned factor on the SCU speed: what jobs of that family
+        delivered on that model over what the profile predicted (see :mod:`loom.model.family`).
         Change it only through :meth:`set_learned`, which keeps the per-job speed tables true."""
-        self.learned_default = 1.0
-        """The factor of a (family, model) cell :attr:`learned` lacks (a learner's
-        ``default_factor``: below 1 where the run estimate counts the profile's uncertainty)."""
         self.measured: frozenset[tuple[str, str]] = frozenset()
         """(family, GPU model) cells whose learned factor rests on runs of their own (a speed
         probe's included), of a family whose runs on one model agree
@@ -687,35 +683,32 @@ class Snapshot:
         self,
         learned: Mapping[tuple[str, str], float],
         measured: Iterable[tuple[str, str]] | None = None,
-        default: float | None = None,
     ) -> None:
         """Adopt new learned factors (replacing all of them); per-job speed tables are rebuilt.
         ``measured``: the (family, GPU model) cells runs of their own measured (:attr:`measured`;
-        None keeps the cells adopted before); ``default``: :attr:`learned_default` (None keeps it)."""
+        None keeps the cells adopted before)."""
         self.learned = dict(learned)
         if measured is not None:
             self.measured = frozenset(measured)
-        if default is not None:
-            self.learned_default = default
         self._speed_by_job.clear()
 
     def job_speeds(self, job: HasLabels) -> FloatArray:
         """Every model's per-GPU speed *for this job*, indexed like :attr:`models` (cached per family).
 
         The task type's SCU speed (:meth:`speeds`, with the fp16 weights for a mixed-precision job:
-        family ``…@fp16``) times what was learned for the job's family on each model
-        (:attr:`learned_default` where nothing was). Every decision that weighs a GPU's speed for a
-        job reads this, so a learned speed reaches scoring, patience and the span guard alike.
+        family ``…@fp16``) times what was learned for the job's family on each model (1.0 where
+        nothing was). Every decision that weighs a GPU's speed for a job reads this, so a learned
+        speed reaches scoring, patience and the span guard alike.
         """
         task_type = job.task_type
         precision = job_precision(job)
-        family = job_family(job) if self.learned or self.learned_default != 1.0 else ""
+        family = job_family(job) if self.learned else ""
         key = (family, task_type, precision)
         table = self._speed_by_job.get(key)
         if table is None:
             table = self.speeds(task_type, precision)
             if family:
-                factors = [self.learned.get((family, m), self.learned_default) for m in self.models]
+                factors = [self.learned.get((family, m), 1.0) for m in self.models]
                 table = table * np.asarray(factors, dtype=np.float64)
             self._speed_by_job[key] = table
         return table

@@ -674,12 +674,6 @@ class _Simulation:
         """Moves running jobs at failures, link changes and drains (None: the engine as before)."""
         if self.fast is not None:
             self.fast.prepare(self.snap, [job.spec for job in self.order], truth, seed)
-        # What a learning policy knows from the start, as placement's load adopts it: timed by
-        # belief too (its learner then learns nothing, but its factors, the default for a cell
-        # nobody ran included, are what a service would apply).
-        adopted = self.speed_learner if self.speed_learner is not None else (None if knows else own)
-        if adopted is not None:
-            self.snap.set_learned(adopted.factors(), adopted.steady_cells(), adopted.default_factor())
         for job in self.order:
             if job.parents_left == 0 and not job.done:
                 self._push(_Event(job.sim.arrival_s, _ARRIVAL, 0, job_id=job.sim.spec.job_id))
@@ -983,7 +977,6 @@ class _Simulation:
             self.snap,
             known=learner.known_cells(),
             log_sd=lambda family, model: learner.estimate(family, model).log_sd,
-            expected_time=learner.settings.expected_time,
             probing=self.probing,
             queued_s=queued_s,
             settings=settings,
@@ -2060,7 +2053,7 @@ class _Simulation:
         learner.observe(
             seen.family, seen.gpu_model, prior_speed=seen.prior_speed, observed_speed=seen.observed_speed
         )
-        self.snap.set_learned(learner.factors(), learner.steady_cells(), learner.default_factor())
+        self.snap.set_learned(learner.factors(), learner.steady_cells())
 
     def wake_at(self, t: float) -> None:
         """An instant at ``t`` (a pass, then the migration policy's look) even if nothing else

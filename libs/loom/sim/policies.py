@@ -42,7 +42,7 @@ import msgspec
 import numpy as np
 
 from loom.model.family import job_family
-from loom.model.learn import LearnSettings, SpeedLearner
+from loom.model.learn import SpeedLearner
 from loom.model.profiles import library_models
 from loom.sched.framework import (
     SUCCESS,
@@ -430,12 +430,8 @@ def _oracle(_seed: int) -> FrameworkPolicy:
 
 
 def _gavel_like(_seed: int) -> FrameworkPolicy:
-    # Gavel schedules on its completed matrix's point estimates: medians, not Loom's expected run
-    # times (LearnSettings.expected_time), so the baseline stays what Gavel does.
     return FrameworkPolicy(
-        "gavel_like",
-        baseline_framework([GavelThroughput()]),
-        speed_learner=SpeedLearner(LearnSettings(expected_time=False)),
+        "gavel_like", baseline_framework([GavelThroughput()]), speed_learner=SpeedLearner()
     )
 
 
