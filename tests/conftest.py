@@ -9,7 +9,9 @@ tests kill its nodes.
 import asyncio
 import os
 import shutil
+import sys
 import tempfile
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 import pytest_asyncio
 
 from loom.runtime.servers import NatsCluster, NatsServer, PostgresServer
+from loom.tasks import cancel_and_wait
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session", autouse=True)
@@ -30,11 +33,6 @@ async def _tasks_left_running_are_ended() -> AsyncIterator[None]:
     pytest-timeout failed the teardown of whichever test ran last on the worker. A task that never
     ends even so is a real fault: its stack is printed and the session fails (after pytest-timeout,
     since the loop's close still waits on it)."""
-    import sys
-    import warnings
-
-    from loom.tasks import cancel_and_wait
-
     yield
     current = asyncio.current_task()
     left = [task for task in asyncio.all_tasks() if task is not current and not task.done()]
