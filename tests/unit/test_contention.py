@@ -21,7 +21,7 @@ from loom.sched.plugins.network import (
     waits_behind_queue,
     waits_for_pool_alone,
 )
-from loom.sched.plugins.packing import FreeFit, HoleFit, PoolFit
+from loom.sched.plugins.packing import FreeFit, HoleFit, PoolFit, contention_level
 from loom.sched.plugins.resources import ResourceFit
 from loom.sched.profile import build_framework
 from loom.sched.snapshot import NetMatrix, QueuedShape, RunningJob, Snapshot
@@ -1729,3 +1729,23 @@ def test_a_like_spread_the_cpu_rules_out_makes_no_gang_wait_longer() -> None:
     assert waits.decision is None and "of like GPUs" not in waits.status.reason
     placed = guard_framework().schedule(job, snapshot(roomy), submitted_at=NOW)
     assert placed.decision is not None and {p.cluster for p in placed.decision.parts} == {"sa", "sb"}
+
+
+# ---- the contention level a job's state keeps ------------------------------------------------------
+
+
+def test_a_jobs_contention_level_is_read_again_once_gpus_move_or_the_queue_changes() -> None:
+    # Kept in the job's state while nothing it reads changed (a job's scorers ask several times):
+    # a decision taking GPUs, or a job joining the queue, makes it read afresh.
+    snap = snapshot([node(f"n{i}", "ca") for i in range(4)])  # 32 GPUs, none used
+    state = Framework([]).new_state(gang("a", workers=1, gpus=1), snap)
+    state.policy_mask = state.cluster_mask.copy()  # the pre-filters are done: the level is kept
+    assert contention_level(state) == 0.0
+    snap.take([("n0", 8), ("n1", 8), ("n2", 4)])  # 20 of 32 GPUs in use: 0.5625
+    busy = contention_level(state)
+    assert 0.0 < busy < 1.0
+    assert busy == contention_level(Framework([]).new_state(gang("b", workers=1, gpus=1), snap))
+    snap.join_queue("someone-else")  # a job of the queue that could use the pool
+    assert contention_level(state) == 1.0
+    snap.waiting.discard("someone-else")
+    assert contention_level(state) == busy

@@ -632,6 +632,9 @@ class Snapshot:
         """Per pool, how many times its nodes' free resources or schedulability changed: caches of
         per-pool figures (the framework's workers per job shape) recompute only the pools that moved.
         Change nodes only through :meth:`take`, :meth:`give_back` and :meth:`set_schedulable`."""
+        self.moves = 0
+        """How many times any pool's free resources or schedulability changed (the sum of
+        :attr:`pool_version`, as one number: figures read off every pool check it)."""
         self.free_sum = np.zeros((c_count, m_count), np.int64)
         self.total_sum = np.zeros((c_count, m_count), np.int64)
         self.max_free = np.zeros((c_count, m_count), np.int64)
@@ -933,3 +936,4 @@ class Snapshot:
         self.free_sum[c, m] = int(usable.sum())
         self.max_free[c, m] = int(usable.max()) if usable.size else 0
         self.pool_version[c * self.free_sum.shape[1] + m] += 1
+        self.moves += 1

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from loom.sched.framework import Candidates, CycleState
+from loom.sched.framework import Candidates, CycleState, StateKey
 from loom.sched.plugins.compute import delivered_speed
 from loom.sched.plugins.network import network_key, predicted_jct_s
 from loom.sched.probe import is_probe
@@ -45,6 +45,9 @@ HOLE_SCARCITY = 0.5
 """Each other hole of the same size in the platform halves what breaking one weighs
 (:func:`holes_broken`)."""
 
+_LEVEL: StateKey[tuple[tuple[int, int, int], float]] = StateKey("packing.contention_level")
+""":func:`contention_level` of a job's state, with the snapshot's moves and queue it was read at."""
+
 
 def contention_level(state: CycleState) -> float:
     """How contended the platform is for this job, 0-1: 1 while other jobs wait (the snapshot's
@@ -57,6 +60,14 @@ def contention_level(state: CycleState) -> float:
     (:class:`PoolFit`, :class:`NodeFit`) has its say in proportion: on a quiet platform whole pools
     and nodes abound, and keeping them whole is worth no time."""
     snap = state.snapshot
+    # Kept in the job's state once its pre-filters have fixed the pools it may use
+    # (``policy_mask``), while the pools' free GPUs (``Snapshot.moves``) and the queue stand as
+    # they were: a job's scorers and permits ask several times.
+    version = (snap.moves, len(snap.waiting), len(snap.queued)) if state.policy_mask is not None else None
+    if version is not None:
+        held = state.get(_LEVEL, ((-1, -1, -1), 0.0))
+        if held[0] == version:
+            return held[1]
     shared = state.shared
     total = shared.get("pool_fit.total") if shared is not None else None
     if total is None:
@@ -69,7 +80,10 @@ def contention_level(state: CycleState) -> float:
         # A queue for GPUs this job could take: contention whatever the share in use (a speed
         # probe is no queue, nor a job waiting only for pools this one cannot use).
         level = 1.0
+    if version is not None:
+        state.write(_LEVEL, (version, level))
     return level
+
 
 
 def run_slowdown(state: CycleState, candidates: Candidates) -> FloatArray:
@@ -109,9 +123,27 @@ def alike_in_speed(state: CycleState, candidates: Candidates) -> BoolArray:
     """Per candidate: tied with the best for :class:`FreeFit` and :class:`HoleFit`, its predicted
     run (:func:`run_slowdown`) and its GPU speed (:func:`gpu_slowdown`) both within
     :data:`FREE_FIT_TIE` of the best's."""
-    slow = np.maximum(run_slowdown(state, candidates), gpu_slowdown(state, candidates))
-    tied: BoolArray = slow <= 1.0 + FREE_FIT_TIE
+    tied: BoolArray = speed_slowdown(state, candidates) <= 1.0 + FREE_FIT_TIE
     return tied
+
+
+def speed_slowdown(state: CycleState, candidates: Candidates) -> FloatArray:
+    """Per candidate: the larger of its :func:`run_slowdown` and its :func:`gpu_slowdown`. Within a
+    cycle kept as :func:`run_slowdown` is (per :func:`network_key` and candidates: the key holds
+    the job's speeds, and clusters' trust is fixed for a cycle); do not change the array."""
+    shared = state.shared
+    key = network_key(state) if shared is not None else None
+    slot = signature = None
+    if shared is not None and key is not None:
+        slot, signature = ("packing.speed_slowdown", key), candidates.signature()
+        held = shared.get(slot)
+        if held is not None and held[0] == signature:
+            found: FloatArray = held[1]
+            return found
+    slow: FloatArray = np.maximum(run_slowdown(state, candidates), gpu_slowdown(state, candidates))
+    if shared is not None and slot is not None:
+        shared[slot] = (signature, slow)
+    return slow
 
 
 class PoolFit:
@@ -143,8 +175,7 @@ class PoolFit:
         size = snap.total_sum[candidates.cluster, candidates.model].astype(np.float64)
         share: FloatArray = np.minimum(size / (POOL_FIT_SPARE * gpus), 1.0)
         # Much slower runs are no fit: best fit must not trade a job's time for a pool's shape.
-        slow = np.maximum(run_slowdown(state, candidates), gpu_slowdown(state, candidates))
-        return np.where(slow > POOL_FIT_MAX_SLOWDOWN, 1.0, share)
+        return np.where(speed_slowdown(state, candidates) > POOL_FIT_MAX_SLOWDOWN, 1.0, share)
 
     def level(self, state: CycleState) -> float:
         """How much pool fit has its say now, 0-1: :func:`contention_level`."""
