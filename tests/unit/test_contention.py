@@ -1745,7 +1745,14 @@ def test_a_jobs_contention_level_is_read_again_once_gpus_move_or_the_queue_chang
     busy = contention_level(state)
     assert 0.0 < busy < 1.0
     assert busy == contention_level(Framework([]).new_state(gang("b", workers=1, gpus=1), snap))
-    snap.join_queue("someone-else")  # a job of the queue that could use the pool
+    snap.join_queue("someone-else")  # a job of the queue with no shape yet: it counts
+    assert contention_level(state) == 1.0
+    # Its shape says it waits only for pools this job cannot use: no contention for this job.
+    snap.queued["someone-else"] = QueuedShape(
+        "someone-else", (0,), 1, 1, np.zeros_like(snap.free_sum, dtype=np.bool_)
+    )
+    assert contention_level(state) == busy
+    del snap.queued["someone-else"]
     assert contention_level(state) == 1.0
     snap.waiting.discard("someone-else")
     assert contention_level(state) == busy

@@ -62,7 +62,10 @@ def contention_level(state: CycleState) -> float:
     snap = state.snapshot
     # Kept in the job's state once its pre-filters have fixed the pools it may use
     # (``policy_mask``), while the pools' free GPUs (``Snapshot.moves``) and the queue stand as
-    # they were: a job's scorers and permits ask several times.
+    # they were: a job's scorers ask several times. The queue is known by its sizes: within one
+    # job's state only the job itself joins it, and shapes are written for the job alone. The
+    # post-filters that narrow ``model_mask`` in place put it back before scoring; a plugin that
+    # asks while it is narrowed would need it in the key.
     version = (snap.moves, len(snap.waiting), len(snap.queued)) if state.policy_mask is not None else None
     if version is not None:
         held = state.get(_LEVEL, ((-1, -1, -1), 0.0))
@@ -83,7 +86,6 @@ def contention_level(state: CycleState) -> float:
     if version is not None:
         state.write(_LEVEL, (version, level))
     return level
-
 
 
 def run_slowdown(state: CycleState, candidates: Candidates) -> FloatArray:
