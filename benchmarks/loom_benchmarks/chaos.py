@@ -452,15 +452,18 @@ class Campaign:
                     children.append(int(entry.name))
         return [pid, *children]
 
-    async def hold(self, pids: list[int], hold_s: float) -> None:
-        """SIGSTOP ``pids`` (in order), wait, SIGCONT them (in reverse order), whatever happens."""
+    async def hold(self, pids: list[int], hold_s: float) -> float:
+        """SIGSTOP ``pids`` (in order), wait, SIGCONT them (in reverse order), whatever happens; when
+        the last was stopped (wall clock): the fault's true start, a placement stall's origin."""
         stopped = []
         try:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGSTOP)
                     stopped.append(pid)
+            stopped_at = time.time()
             await asyncio.sleep(hold_s)
+            return stopped_at
         finally:
             for pid in reversed(stopped):
                 with contextlib.suppress(ProcessLookupError):
@@ -534,9 +537,12 @@ class Campaign:
         return False
 
     async def placement_stall(self, result: dict[str, Any], start: float) -> float | None:
-        """From the fault's start (a node kill: the kill itself, a few look-ups later) until the
-        first placement of a job acknowledged after it."""
-        since = float(result["done"].get("killed_at", start))
+        """From the fault's start (a node kill: the kill itself, a few look-ups later; a SIGSTOP: when
+        the last process was stopped, after finding them: a job acknowledged meanwhile could still be
+        placed, and a database outage then showed no stall) until the first placement of a job
+        acknowledged after it."""
+        done = result["done"]
+        since = float(done.get("killed_at", done.get("stopped_at", start)))
         first = await self.db(
             "SELECT min(placed_at) AS at FROM jobs WHERE job_id = ANY($1::text[])",
             [j for j, at in self.acked.items() if at >= since],
@@ -583,17 +589,14 @@ class Campaign:
             name, pid = await self.service_pid(fault)
             if fault.kind == "sigkill":
                 os.kill(pid, signal.SIGKILL)
-            else:
-                await self.hold([pid], fault.hold_s)
-            return {"service": name, "pid": pid}
+                return {"service": name, "pid": pid}
+            return {"service": name, "pid": pid, "stopped_at": await self.hold([pid], fault.hold_s)}
         if fault.kind == "postgres-outage":
             pids = self._tree(self.server_pid("postgres"))
-            await self.hold(pids, fault.hold_s)
-            return {"pids_stopped": len(pids)}
+            return {"pids_stopped": len(pids), "stopped_at": await self.hold(pids, fault.hold_s)}
         if fault.kind == "nats-outage":
             pid = self.server_pid("nats")
-            await self.hold([pid], fault.hold_s)
-            return {"pid": pid}
+            return {"pid": pid, "stopped_at": await self.hold([pid], fault.hold_s)}
         if fault.kind in ("postgres-sigkill", "nats-sigkill"):
             server = fault.kind.split("-")[0]
             pid = self.server_pid(server)
