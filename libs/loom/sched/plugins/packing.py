@@ -16,6 +16,7 @@ as far fast ones, took the packing preference; measured in ``libs/loom/sched/plu
 * :class:`NodeFit` (tolerance growing with contention): nodes already in use before whole ones.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -92,23 +93,36 @@ def run_slowdown(state: CycleState, candidates: Candidates) -> FloatArray:
     """Per candidate: its predicted run over the best candidate's (1: the best; inf: no estimate).
     Within a cycle (``state.shared``) kept per :func:`network_key` and candidates, as ``jct``'s raw
     scores are: jobs alike in what the prediction reads share it."""
+
+    def compute() -> FloatArray:
+        jct = predicted_jct_s(state, candidates)
+        ok = np.isfinite(jct) & (jct > 0)
+        slowdown: FloatArray = (
+            np.where(ok, jct / float(jct[ok].min()), np.inf) if ok.any() else np.ones(jct.shape)
+        )
+        return slowdown
+
+    return _kept_per_network(state, candidates, "packing.slowdown", compute)
+
+
+def _kept_per_network(
+    state: CycleState, candidates: Candidates, name: str, compute: Callable[[], FloatArray]
+) -> FloatArray:
+    """``compute()``, kept within a cycle (``state.shared``) under ``name`` per :func:`network_key`
+    and the candidates (computed afresh outside a cycle, or for a job with no such key); the array
+    kept is shared: do not change it."""
     shared = state.shared
     key = network_key(state) if shared is not None else None
-    slot = signature = None
-    if shared is not None and key is not None:
-        slot, signature = ("packing.slowdown", key), candidates.signature()
-        held = shared.get(slot)
-        if held is not None and held[0] == signature:
-            found: FloatArray = held[1]
-            return found
-    jct = predicted_jct_s(state, candidates)
-    ok = np.isfinite(jct) & (jct > 0)
-    slowdown: FloatArray = (
-        np.where(ok, jct / float(jct[ok].min()), np.inf) if ok.any() else np.ones(jct.shape)
-    )
-    if shared is not None and slot is not None:
-        shared[slot] = (signature, slowdown)
-    return slowdown
+    if shared is None or key is None:
+        return compute()
+    slot, signature = (name, key), candidates.signature()
+    held = shared.get(slot)
+    if held is not None and held[0] == signature:
+        found: FloatArray = held[1]
+        return found
+    value = compute()
+    shared[slot] = (signature, value)
+    return value
 
 
 def gpu_slowdown(state: CycleState, candidates: Candidates) -> FloatArray:
@@ -133,19 +147,12 @@ def speed_slowdown(state: CycleState, candidates: Candidates) -> FloatArray:
     """Per candidate: the larger of its :func:`run_slowdown` and its :func:`gpu_slowdown`. Within a
     cycle kept as :func:`run_slowdown` is (per :func:`network_key` and candidates: the key holds
     the job's speeds, and clusters' trust is fixed for a cycle); do not change the array."""
-    shared = state.shared
-    key = network_key(state) if shared is not None else None
-    slot = signature = None
-    if shared is not None and key is not None:
-        slot, signature = ("packing.speed_slowdown", key), candidates.signature()
-        held = shared.get(slot)
-        if held is not None and held[0] == signature:
-            found: FloatArray = held[1]
-            return found
-    slow: FloatArray = np.maximum(run_slowdown(state, candidates), gpu_slowdown(state, candidates))
-    if shared is not None and slot is not None:
-        shared[slot] = (signature, slow)
-    return slow
+    return _kept_per_network(
+        state,
+        candidates,
+        "packing.speed_slowdown",
+        lambda: np.maximum(run_slowdown(state, candidates), gpu_slowdown(state, candidates)),
+    )
 
 
 class PoolFit:
