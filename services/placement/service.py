@@ -128,7 +128,7 @@ from loom.sched.probe import PROBE_LABEL, ProbeSettings
 from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, TenantConfig
 from loom.sched.shards import GLOBAL, ShardMap, route, route_of
-from loom.sched.snapshot import SEEN_JOBS, Economics, SeenShapes, Snapshot
+from loom.sched.snapshot import SEEN_JOBS, Economics, SeenShapes
 from loom.security import (
     attempts_scope,
     foreign_cancellation,
@@ -414,8 +414,6 @@ class PlacementService:
         self.lease_ttl_s, self.lease_grace_s = lease_ttl_s, _default_grace(lease_grace_s)
         self.learner = SpeedLearner(LearnSettings(explore_share=explore_share))
         """What each job family really gets on each GPU model (rebuilt from the store on leading)."""
-        # A big job's bet on GPU models its family never ran on, as the simulator weighs it.
-        self.book.risk = (self.learner.settings.risk_gpu_hours, self.learner.settings.risk_factor)
         self.held_lessons: HeldLessons[tuple[str, int], speeds.SpeedObservation] = HeldLessons()
         """Slow runs' mid-run lessons waiting for another node to agree (:class:`HeldLessons`)."""
         self.probe = probe
@@ -1437,7 +1435,7 @@ class PlacementService:
                     result=applied,
                     resume_step=resume.step,
                 )
-        await self._write(conn, applied, now, snap)
+        await self._write(conn, applied, now, snap.learned)
         if result.probes:
             await self._insert_probes(conn, jobs, applied, now)
         return applied
@@ -1447,7 +1445,7 @@ class PlacementService:
         conn: asyncpg.Connection,
         applied: "Applied",
         now: float,
-        snap: Snapshot,
+        learned: Mapping[tuple[str, str], float],
     ) -> None:
         """What a cycle placed, rejected, left waiting and grew: reservations, jobs, decision
         records, events and the outbox (timed in ``phases``): one statement in all
@@ -1463,7 +1461,7 @@ class PlacementService:
                 reservations.append((q.job.job_id, q.attempt, part.cluster, part.allocations))
                 deadlines.append(now + self.confirm_timeout_s + d.start_after_s)
             placed_rows.append((q.job.job_id, d.lead.cluster, q.attempt, now, d.workers))
-            p.record.notes.append(self._speed_note(q.job, d.lead.gpu_model, snap))
+            p.record.notes.append(self._speed_note(q.job, d.lead.gpu_model, learned))
         self._check_owned(cluster for _, _, cluster, _ in reservations)
         phases = self.phases
         t = time.perf_counter()
@@ -3058,11 +3056,11 @@ class PlacementService:
             for e in self.learner.estimates()
         }
 
-    def _speed_note(self, job: JobSubmitted, gpu_model: str, snap: Snapshot) -> str:
+    def _speed_note(self, job: JobSubmitted, gpu_model: str, offered: Mapping[tuple[str, str], float]) -> str:
         """The speed factor this decision used for the job on its chosen model, for ``loom explain``."""
         family = job_family(job)
         estimate = self.learner.estimate(family, gpu_model)
-        used = snap.learned.get((family, gpu_model), 1.0)
+        used = offered.get((family, gpu_model), 1.0)
         if estimate.source == "prior" and used == 1.0:
             return f"speed of family {family} on {gpu_model}: the profile's (nothing learned yet)"
         text = (
@@ -3072,12 +3070,6 @@ class PlacementService:
         )
         if abs(used - estimate.factor) > 1e-9 * max(used, 1.0):
             text += "; explored: offered optimistically while uncertain"
-        if snap.risk is not None and snap.at_risk(job, family):
-            text += (
-                f"; a job of {snap.risk[0]:g}+ GPU-hours: GPU models its family has no steady runs on"
-                f" counted at x{snap.risk[1]:g}"
-                + (" (this one among them)" if (family, gpu_model) not in snap.measured else "")
-            )
         return text
 
     def _learn_alpha(self, run: Run, done: JobCompleted) -> None:

@@ -93,20 +93,3 @@ async def test_a_link_that_degrades_or_recovers_has_every_waiting_job_decided_ag
     svc.capacity_changed = False
     await svc.on_link(event(loss_rate=1.0, lost_run=50))  # unreachable, though not marked degraded
     assert svc.capacity_changed
-
-
-def test_the_service_gives_its_snapshots_the_learners_rule_for_a_big_jobs_untried_gpus() -> None:
-    """As the simulator's engine does for Loom (``Snapshot.set_risk`` from ``LearnSettings``)."""
-    from loom.model.capacity import NodeCapacity
-    from loom.model.topology import load_topology
-    from loom_services.placement.service import PlacementService
-
-    ctx = SimpleNamespace(db=None, publisher=None, stats={}, nc=None, debug={})
-    svc = PlacementService(ctx, topology=load_topology("small"))  # type: ignore[arg-type]
-    settings = svc.learner.settings
-    assert svc.book.risk == (settings.risk_gpu_hours, settings.risk_factor) == (16.0, 0.8)
-    svc.book.nodes = {
-        "a0": NodeCapacity(node="a0", cluster="ca", region="eu", zone="eu-a", gpu_model="A100", gpus_total=8)
-    }
-    assert svc.book.snapshot(1000.0).risk == (16.0, 0.8)
-    assert Book().snapshot(1000.0).risk is None  # a book nobody set: off

@@ -585,11 +585,7 @@ class Snapshot:
         """(family, GPU model) cells whose learned factor rests on runs of their own (a speed
         probe's included), of a family whose runs on one model agree
         (:meth:`~loom.model.learn.SpeedLearner.steady_cells`): :meth:`set_learned`."""
-        self.risk: tuple[float, float] | None = None
-        """(GPU-hours, factor): a job of at least that many reference GPU-hours weighs the GPU models
-        its family has no :attr:`measured` cell on at that factor of their speed, once it has one
-        (:meth:`set_risk`; ``LearnSettings.risk_gpu_hours``); None: off."""
-        self._speed_by_job: dict[tuple[str, str, Precision, bool], FloatArray] = {}
+        self._speed_by_job: dict[tuple[str, str, Precision], FloatArray] = {}
         self.gpu_memory_gib = dict(gpu_memory_gib or {})
 
         n = len(caps)
@@ -699,49 +695,23 @@ class Snapshot:
             self.measured = frozenset(measured)
         self._speed_by_job.clear()
 
-    def set_risk(self, gpu_hours: float, factor: float) -> None:
-        """Set :attr:`risk` (off when ``gpu_hours`` is 0 or ``factor`` 1); per-job speed tables are
-        rebuilt."""
-        self.risk = (gpu_hours, factor) if gpu_hours > 0 and factor < 1 else None
-        self._speed_by_job.clear()
-
-    def at_risk(self, job: HasLabels, family: str) -> bool:
-        """Whether :attr:`risk` weighs on ``job``'s speeds: a job of at least its GPU-hours at the
-        reference speed (a job spec; a running job's record has no work) whose family has a
-        :attr:`measured` cell on some GPU model of this snapshot."""
-        if self.risk is None or not family or not self.measured:
-            return False
-        work, resources = getattr(job, "work", None), getattr(job, "resources", None)
-        if work is None or resources is None:
-            return False
-        gpu_h = work.steps * work.step_time_s * max(getattr(job, "workers", 1), 1) * resources.gpus / 3600.0
-        return gpu_h >= self.risk[0] and any((family, m) in self.measured for m in self.models)
-
     def job_speeds(self, job: HasLabels) -> FloatArray:
         """Every model's per-GPU speed *for this job*, indexed like :attr:`models` (cached per family).
 
         The task type's SCU speed (:meth:`speeds`, with the fp16 weights for a mixed-precision job:
         family ``…@fp16``) times what was learned for the job's family on each model (1.0 where
         nothing was). Every decision that weighs a GPU's speed for a job reads this, so a learned
-        speed reaches scoring, patience and the span guard alike. A big job's speeds on the models
-        its family never ran on steadily are weighed down by :attr:`risk`.
+        speed reaches scoring, patience and the span guard alike.
         """
         task_type = job.task_type
         precision = job_precision(job)
         family = job_family(job) if self.learned else ""
-        risky = self.at_risk(job, family)
-        key = (family, task_type, precision, risky)
+        key = (family, task_type, precision)
         table = self._speed_by_job.get(key)
         if table is None:
             table = self.speeds(task_type, precision)
             if family:
                 factors = [self.learned.get((family, m), 1.0) for m in self.models]
-                if risky and self.risk is not None:
-                    handicap = self.risk[1]
-                    factors = [
-                        f if (family, m) in self.measured else f * handicap
-                        for f, m in zip(factors, self.models, strict=True)
-                    ]
                 table = table * np.asarray(factors, dtype=np.float64)
             self._speed_by_job[key] = table
         return table
