@@ -220,6 +220,9 @@ class Book:
         :mod:`loom.model.learn`); change it with :meth:`set_learned`."""
         self.measured: frozenset[tuple[str, str]] = frozenset()
         """The cells of :attr:`learned` that runs of their own measured (``Snapshot.measured``)."""
+        self.risk: tuple[float, float] = (0.0, 1.0)
+        """``Snapshot.set_risk``'s GPU-hours and factor (the learner's settings; the service sets
+        them): off until set."""
 
     def clear_runs(self) -> None:
         """Forget every run (before rebuilding them from the store); pending ones are kept."""
@@ -533,6 +536,7 @@ class Book:
             now=now,
         )
         self._snap.measured = self.measured
+        self._snap.set_risk(*self.risk)
         self._snap.closed = dict(self.closed)
         self._snap.quota = QuotaBook(self.tenants, self.usage_by_tenant())
         self._snap.waiting = self.waiting  # the same set: the framework keeps it across snapshots

@@ -128,7 +128,7 @@ from loom.sched.probe import PROBE_LABEL, ProbeSettings
 from loom.sched.profile import build_framework
 from loom.sched.quota import OPEN, TenantConfig
 from loom.sched.shards import GLOBAL, ShardMap, route, route_of
-from loom.sched.snapshot import SEEN_JOBS, Economics, SeenShapes
+from loom.sched.snapshot import SEEN_JOBS, Economics, SeenShapes, Snapshot
 from loom.security import (
     attempts_scope,
     foreign_cancellation,
@@ -414,6 +414,8 @@ class PlacementService:
         self.lease_ttl_s, self.lease_grace_s = lease_ttl_s, _default_grace(lease_grace_s)
         self.learner = SpeedLearner(LearnSettings(explore_share=explore_share))
         """What each job family really gets on each GPU model (rebuilt from the store on leading)."""
+        # A big job's bet on GPU models its family never ran on, as the simulator weighs it.
+        self.book.risk = (self.learner.settings.risk_gpu_hours, self.learner.settings.risk_factor)
         self.held_lessons: HeldLessons[tuple[str, int], speeds.SpeedObservation] = HeldLessons()
         """Slow runs' mid-run lessons waiting for another node to agree (:class:`HeldLessons`)."""
         self.probe = probe
@@ -1435,7 +1437,7 @@ class PlacementService:
                     result=applied,
                     resume_step=resume.step,
                 )
-        await self._write(conn, applied, now, snap.learned)
+        await self._write(conn, applied, now, snap)
         if result.probes:
             await self._insert_probes(conn, jobs, applied, now)
         return applied
@@ -1445,7 +1447,7 @@ class PlacementService:
         conn: asyncpg.Connection,
         applied: "Applied",
         now: float,
-        learned: Mapping[tuple[str, str], float],
+        snap: Snapshot,
     ) -> None:
         """What a cycle placed, rejected, left waiting and grew: reservations, jobs, decision
         records, events and the outbox (timed in ``phases``): one statement in all
@@ -1461,7 +1463,7 @@ class PlacementService:
                 reservations.append((q.job.job_id, q.attempt, part.cluster, part.allocations))
                 deadlines.append(now + self.confirm_timeout_s + d.start_after_s)
             placed_rows.append((q.job.job_id, d.lead.cluster, q.attempt, now, d.workers))
-            p.record.notes.append(self._speed_note(q.job, d.lead.gpu_model, learned))
+            p.record.notes.append(self._speed_note(q.job, d.lead.gpu_model, snap))
         self._check_owned(cluster for _, _, cluster, _ in reservations)
         phases = self.phases
         t = time.perf_counter()
@@ -3056,13 +3058,20 @@ class PlacementService:
             for e in self.learner.estimates()
         }
 
-    def _speed_note(self, job: JobSubmitted, gpu_model: str, offered: Mapping[tuple[str, str], float]) -> str:
+    def _speed_note(self, job: JobSubmitted, gpu_model: str, snap: Snapshot) -> str:
         """The speed factor this decision used for the job on its chosen model, for ``loom explain``."""
         family = job_family(job)
         estimate = self.learner.estimate(family, gpu_model)
-        used = offered.get((family, gpu_model), 1.0)
+        used = snap.learned.get((family, gpu_model), 1.0)
+        risk = ""
+        if snap.risk is not None and snap.at_risk(job, family):
+            risk = (
+                f"; a job of {snap.risk[0]:g}+ GPU-hours: GPU models its family has no steady runs on"
+                f" counted at x{snap.risk[1]:g} in the choice"
+                + (" (this one among them)" if (family, gpu_model) not in snap.measured else "")
+            )
         if estimate.source == "prior" and used == 1.0:
-            return f"speed of family {family} on {gpu_model}: the profile's (nothing learned yet)"
+            return f"speed of family {family} on {gpu_model}: the profile's (nothing learned yet){risk}"
         text = (
             f"speed of family {family} on {gpu_model}: x{used:.3g} the profile's"
             f" (learned x{estimate.factor:.3g} ±{estimate.log_sd:.0%},"
@@ -3070,7 +3079,7 @@ class PlacementService:
         )
         if abs(used - estimate.factor) > 1e-9 * max(used, 1.0):
             text += "; explored: offered optimistically while uncertain"
-        return text
+        return text + risk
 
     def _learn_alpha(self, run: Run, done: JobCompleted) -> None:
         """Teach the joint score how much of this task type's step time is compute."""

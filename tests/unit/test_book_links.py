@@ -93,3 +93,50 @@ async def test_a_link_that_degrades_or_recovers_has_every_waiting_job_decided_ag
     svc.capacity_changed = False
     await svc.on_link(event(loss_rate=1.0, lost_run=50))  # unreachable, though not marked degraded
     assert svc.capacity_changed
+
+
+def test_the_service_gives_its_snapshots_the_learners_rule_for_a_big_jobs_untried_gpus() -> None:
+    """As the simulator's engine does for Loom (``Snapshot.set_risk`` from ``LearnSettings``)."""
+    from loom.model.capacity import NodeCapacity
+    from loom.model.topology import load_topology
+    from loom_services.placement.service import PlacementService
+
+    ctx = SimpleNamespace(db=None, publisher=None, stats={}, nc=None, debug={})
+    svc = PlacementService(ctx, topology=load_topology("small"))  # type: ignore[arg-type]
+    settings = svc.learner.settings
+    assert svc.book.risk == (settings.risk_gpu_hours, settings.risk_factor) == (16.0, 0.8)
+    svc.book.nodes = {
+        "a0": NodeCapacity(node="a0", cluster="ca", region="eu", zone="eu-a", gpu_model="A100", gpus_total=8)
+    }
+    assert svc.book.snapshot(1000.0).risk == (16.0, 0.8)
+    assert Book().snapshot(1000.0).risk is None  # a book nobody set: off
+
+
+def test_loom_explain_notes_the_big_job_handicap_even_where_nothing_was_learned_yet() -> None:
+    """The speed note a decision record carries says when a big job weighed its chosen model, one
+    its family never ran on, at the handicap, also on a model with no learned factor at all."""
+    from loom.model.capacity import NodeCapacity
+    from loom.model.topology import load_topology
+    from loom_proto.jobs import JobSubmitted, Work
+    from loom_services.placement.service import PlacementService
+
+    ctx = SimpleNamespace(db=None, publisher=None, stats={}, nc=None, debug={})
+    svc = PlacementService(ctx, topology=load_topology("small"))  # type: ignore[arg-type]
+    svc.book.nodes = {
+        n: NodeCapacity(node=n, cluster="ca", region="eu", zone="eu-a", gpu_model=m, gpus_total=8)
+        for n, m in (("a0", "A100"), ("v0", "V100M16"))
+    }
+    svc.book.set_learned({("bert", "V100M16"): 1.0}, [("bert", "V100M16")])
+    snap = svc.book.snapshot(1000.0)
+
+    def bert(hours: float) -> JobSubmitted:
+        return JobSubmitted(
+            job_id="j", tenant="t", work=Work(steps=3600, step_time_s=hours), labels={"model": "BERT"}
+        )
+
+    note = svc._speed_note(bert(20.0), "A100", snap)
+    assert note.startswith("speed of family bert on A100: the profile's (nothing learned yet)")
+    assert "counted at x0.8 in the choice (this one among them)" in note
+    assert "counted at x0.8 in the choice" in svc._speed_note(bert(20.0), "V100M16", snap)
+    assert "(this one among them)" not in svc._speed_note(bert(20.0), "V100M16", snap)
+    assert svc._speed_note(bert(1.0), "A100", snap).endswith("(nothing learned yet)")  # a small job

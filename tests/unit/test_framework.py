@@ -1179,3 +1179,92 @@ def test_a_job_that_only_a_closed_cluster_could_hold_is_said_to_wait_for_it_not_
     outcome = framework.schedule(job("small", gpus=4), Snapshot(busy, net=NetMatrix(["r1"])))
     assert outcome.status.code == Code.UNSCHEDULABLE
     assert "GPUs are taken now" in outcome.status.reason
+
+
+def test_a_big_job_weighs_the_gpu_models_its_family_never_ran_on_at_the_risk_factor() -> None:
+    """Once a family has steady runs on one model, a job of at least ``risk_gpu_hours`` (reference
+    GPU-hours) counts every other model at ``risk_factor`` of its estimate; a small job, a family
+    with no steady cell, and a snapshot without the rule keep the estimates as they are."""
+    from loom.model.capacity import NodeCapacity
+    from loom.sched.snapshot import Snapshot
+    from loom_proto.jobs import JobSpec, Work
+
+    nodes = [
+        NodeCapacity(node=f"n{m}", cluster="c1", region="r", zone="z", gpu_model=m, gpus_total=8)
+        for m in ("K80", "T4", "V100M16")
+    ]
+    speeds = {
+        ("K80", "training_compute"): 0.3,
+        ("T4", "training_compute"): 0.5,
+        ("V100M16", "training_compute"): 1.0,
+    }
+    snap = Snapshot(nodes, speed=speeds)
+
+    def job(job_id: str, hours: float, model: str = "BERT") -> JobSpec:
+        return JobSpec(
+            job_id=job_id, tenant="t", work=Work(steps=3600, step_time_s=hours), labels={"model": model}
+        )
+
+    big, small, other = job("big", 16.0), job("small", 15.9), job("other", 40.0, "resnet")
+    snap.set_learned({("bert", "V100M16"): 0.9, ("bert", "K80"): 2.0}, [("bert", "V100M16")])
+    assert list(snap.job_speeds(big)) == pytest.approx([0.6, 0.5, 0.9])  # no rule yet
+    snap.set_risk(16.0, 0.8)
+    assert list(snap.job_speeds(big)) == pytest.approx([0.48, 0.4, 0.9])  # K80 and T4 at 0.8
+    assert list(snap.job_speeds(small)) == pytest.approx([0.6, 0.5, 0.9])
+    assert list(snap.job_speeds(other)) == [0.3, 0.5, 1.0]  # resnet has no steady cell
+    assert snap.at_risk(big, "bert") and not snap.at_risk(small, "bert")
+    snap.set_learned({("bert", "V100M16"): 0.9, ("bert", "K80"): 2.0}, [("bert", "V100M16"), ("bert", "K80")])
+    assert list(snap.job_speeds(big)) == pytest.approx([0.6, 0.4, 0.9])  # K80 now steady
+    snap.set_risk(0.0, 0.8)  # off
+    assert list(snap.job_speeds(big)) == pytest.approx([0.6, 0.5, 0.9])
+
+
+def test_the_big_job_handicap_steers_the_choice_and_never_a_prediction() -> None:
+    """``job_speeds`` (what a choice weighs) carries the handicap; ``believed_speeds`` and
+    ``job_gpu_speed`` (a predicted step, a running job's move, a speed probe) do not; a pipeline,
+    whose plan is timed with the speeds it is chosen by, is never at risk; and the cells the book
+    assigns straight to ``measured`` are read again."""
+    nodes = [node("a0", "ca", "r1", model="A100"), node("v0", "cv", "r1", model="V100M16")]
+    speed = {("A100", "training_compute"): 2.0, ("V100M16", "training_compute"): 1.0}
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=1_700_000_000.0)
+    snap.set_learned({("bert", "V100M16"): 1.0}, [("bert", "V100M16")])
+    snap.set_risk(16.0, 0.4)  # the A100, untried by bert, counts at 0.8 for a big job: below the V100
+
+    def bert(job_id: str, step_s: float, pipeline: Pipeline | None = None) -> JobSpec:
+        work = Work(steps=3600, step_time_s=step_s)
+        return JobSpec(job_id=job_id, tenant="t", work=work, labels={"model": "BERT"}, pipeline=pipeline)
+
+    big, small = bert("big", 20.0), bert("small", 1.0)
+    assert list(snap.job_speeds(big)) == pytest.approx([0.8, 1.0])
+    assert list(snap.believed_speeds(big)) == pytest.approx([2.0, 1.0])
+    assert snap.job_gpu_speed(big, "A100") == pytest.approx(2.0)
+    framework = build_framework()
+    chosen = framework.schedule(big, snap, apply=False).decision
+    assert chosen is not None and chosen.lead.gpu_model == "V100M16"  # no bet on the untried A100
+    assert chosen.predicted_step_s == pytest.approx(20.0)
+    quick = framework.schedule(small, snap, apply=False).decision
+    assert quick is not None and quick.lead.gpu_model == "A100"  # a small job goes and finds out
+    # With only the A100 free, the big job runs there, predicted at the A100's believed speed.
+    v100 = snap.node_index["v0"]
+    snap.take([("v0", 8)])
+    assert snap.free[v100] == 0
+    there = framework.schedule(big, snap, apply=False).decision
+    assert there is not None and there.lead.gpu_model == "A100"
+    assert there.predicted_step_s == pytest.approx(10.0)
+    # A pipeline is never at risk; the book's straight assignment of measured cells is read again.
+    layers = [Layer(compute_s=5.0, activation_mb=1.0) for _ in range(4)]
+    assert not snap.at_risk(bert("pipe", 20.0, Pipeline(layers=layers)), "bert")
+    snap.measured = frozenset({("bert", "A100"), ("bert", "V100M16")})
+    assert snap.at_risk(big, "bert")  # still a steady family
+    snap.measured = frozenset()
+    assert not snap.at_risk(big, "bert")
+
+
+def test_loom_weighs_a_big_jobs_untried_gpus_in_the_simulator_and_gavel_like_does_not() -> None:
+    from loom.model.learn import LearnSettings
+    from loom.sim.policies import POLICIES
+
+    assert LearnSettings().risk_gpu_hours == 16.0 and LearnSettings().risk_factor == 0.8
+    loom, gavel = POLICIES["loom"](0), POLICIES["gavel_like"](0)
+    assert loom.speed_learner is not None and loom.speed_learner.settings.risk_gpu_hours == 16.0
+    assert gavel.speed_learner is not None and gavel.speed_learner.settings.risk_gpu_hours == 0.0

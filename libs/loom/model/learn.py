@@ -159,6 +159,18 @@ class LearnSettings(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_
     """Optimism: an explored cell is offered at ``exp(mean + explore_z * sd)``."""
     explore_max_runs: Annotated[int, Meta(ge=0)] = 3
     """A cell with this many runs of its own is never explored."""
+    risk_gpu_hours: Annotated[float, Meta(ge=0, le=1e9)] = 16.0
+    """A job of at least this many GPU-hours at the reference speed (steps x reference step time x
+    GPUs) weighs each GPU model its family has no steady cell on (``steady_cells``) at
+    :attr:`risk_factor` of its estimate, once the family has one somewhere (``Snapshot.set_risk``):
+    a big job does not bet its hours on a GPU its family never ran on unless that GPU looks faster
+    by more than the handicap, while smaller jobs still go there and find out. It weighs the choice
+    only (``Snapshot.job_speeds``): predicted steps, running jobs and speed probes read the
+    estimate as it is (``Snapshot.believed_speeds``). 0: off. (A handicap
+    for every job, ``exp(mean - sd² / 2)``, was tried on 2026-12-07 and did not hold: it also gave
+    up the small runs that find a GPU faster than believed.)"""
+    risk_factor: Annotated[float, Meta(gt=0, le=1)] = 0.8
+    """What a big job counts of an estimate its family's runs do not back (:attr:`risk_gpu_hours`)."""
 
 
 class CellState(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):

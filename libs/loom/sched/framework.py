@@ -1197,7 +1197,7 @@ class Framework:
         GPUs, so never slower than the run's own: a move is judged against the run at its best.
         None when they hold no plan (a part's cluster or model unknown to the snapshot)."""
         assert job.pipeline is not None
-        speeds = snap.job_speeds(job)
+        speeds = snap.believed_speeds(job)  # a running pipeline: as believed
         sites = []
         for cluster, model, allocations in parts:
             c, m = snap.cluster_index.get(cluster), snap.model_index.get(model)

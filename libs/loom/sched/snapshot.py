@@ -585,7 +585,12 @@ class Snapshot:
         """(family, GPU model) cells whose learned factor rests on runs of their own (a speed
         probe's included), of a family whose runs on one model agree
         (:meth:`~loom.model.learn.SpeedLearner.steady_cells`): :meth:`set_learned`."""
-        self._speed_by_job: dict[tuple[str, str, Precision], FloatArray] = {}
+        self.risk: tuple[float, float] | None = None
+        """(GPU-hours, factor): a job of at least that many reference GPU-hours weighs the GPU models
+        its family has no :attr:`measured` cell on at that factor of their speed, once it has one
+        (:meth:`set_risk`; ``LearnSettings.risk_gpu_hours``); None: off."""
+        self._speed_by_job: dict[tuple[str, str, Precision, bool], FloatArray] = {}
+        self._steady: tuple[frozenset[tuple[str, str]], frozenset[str]] | None = None
         self.gpu_memory_gib = dict(gpu_memory_gib or {})
 
         n = len(caps)
@@ -695,34 +700,83 @@ class Snapshot:
             self.measured = frozenset(measured)
         self._speed_by_job.clear()
 
-    def job_speeds(self, job: HasLabels) -> FloatArray:
-        """Every model's per-GPU speed *for this job*, indexed like :attr:`models` (cached per family).
+    def set_risk(self, gpu_hours: float, factor: float) -> None:
+        """Set :attr:`risk` (off when ``gpu_hours`` is 0 or ``factor`` 1); per-job speed tables are
+        rebuilt."""
+        self.risk = (gpu_hours, factor) if gpu_hours > 0 and factor < 1 else None
+        self._speed_by_job.clear()
 
-        The task type's SCU speed (:meth:`speeds`, with the fp16 weights for a mixed-precision job:
-        family ``…@fp16``) times what was learned for the job's family on each model (1.0 where
-        nothing was). Every decision that weighs a GPU's speed for a job reads this, so a learned
-        speed reaches scoring, patience and the span guard alike.
+    def at_risk(self, job: HasLabels, family: str) -> bool:
+        """Whether :attr:`risk` weighs on ``job``'s :meth:`job_speeds`: a job spec (a running job's
+        record has no work) of at least its GPU-hours at the reference speed, not a pipeline (whose
+        plan is timed with the speeds it is chosen by), whose family has a :attr:`measured` cell on
+        some GPU model of this snapshot."""
+        if self.risk is None or not family or family not in self._steady_families():
+            return False
+        work, resources = getattr(job, "work", None), getattr(job, "resources", None)
+        if work is None or resources is None or getattr(job, "pipeline", None) is not None:
+            return False
+        gpu_h = (
+            float(work.steps * work.step_time_s * max(getattr(job, "workers", 1), 1) * resources.gpus)
+            / 3600.0
+        )
+        return gpu_h >= self.risk[0]
+
+    def _steady_families(self) -> frozenset[str]:
+        """The families with a :attr:`measured` cell on a GPU model of this snapshot (kept while
+        :attr:`measured` is the same set)."""
+        if self._steady is None or self._steady[0] is not self.measured:
+            models = set(self.models)
+            self._steady = (self.measured, frozenset(f for f, m in self.measured if m in models))
+        return self._steady[1]
+
+    def job_speeds(self, job: HasLabels) -> FloatArray:
+        """Every model's per-GPU speed *for choosing this job's GPUs*, indexed like :attr:`models`
+        (cached per family).
+
+        :meth:`believed_speeds`, except that a big job's speeds on the models its family never ran
+        on steadily are weighed down by :attr:`risk` (:meth:`at_risk`). Every decision that weighs
+        one GPU against another for a job (scoring, patience, the span guard, queued jobs' holds)
+        reads this; what a job is predicted to take where it runs or is placed (its predicted step,
+        a running job's move, speed probes) reads :meth:`believed_speeds`, so the handicap steers
+        the choice without making any prediction longer.
         """
+        family = job_family(job) if self.learned else ""
+        return self._job_table(job, family, self.at_risk(job, family))
+
+    def believed_speeds(self, job: HasLabels) -> FloatArray:
+        """Every model's per-GPU speed *for this job* as believed, indexed like :attr:`models`
+        (cached per family): the task type's SCU speed (:meth:`speeds`, with the fp16 weights for a
+        mixed-precision job: family ``…@fp16``) times what was learned for the job's family on each
+        model (1.0 where nothing was)."""
+        return self._job_table(job, job_family(job) if self.learned else "", False)
+
+    def _job_table(self, job: HasLabels, family: str, risky: bool) -> FloatArray:
         task_type = job.task_type
         precision = job_precision(job)
-        family = job_family(job) if self.learned else ""
-        key = (family, task_type, precision)
+        key = (family, task_type, precision, risky)
         table = self._speed_by_job.get(key)
         if table is None:
             table = self.speeds(task_type, precision)
             if family:
                 factors = [self.learned.get((family, m), 1.0) for m in self.models]
+                if risky and self.risk is not None:
+                    handicap = self.risk[1]
+                    factors = [
+                        f if (family, m) in self.measured else f * handicap
+                        for f, m in zip(factors, self.models, strict=True)
+                    ]
                 table = table * np.asarray(factors, dtype=np.float64)
             self._speed_by_job[key] = table
         return table
 
     def job_gpu_speed(self, job: HasLabels, model: str) -> float:
-        """One GPU's speed for this job (:meth:`job_speeds` of one model; :meth:`gpu_speed` for a
-        model no node of the snapshot has)."""
+        """One GPU's believed speed for this job (:meth:`believed_speeds` of one model;
+        :meth:`gpu_speed` for a model no node of the snapshot has): what its predicted step reads."""
         index = self.model_index.get(model)
         if index is None:
             return self.gpu_speed(model, job.task_type, job_precision(job))
-        return float(self.job_speeds(job)[index])
+        return float(self.believed_speeds(job)[index])
 
     def room(
         self,

@@ -658,6 +658,10 @@ class _Simulation:
         first = min([j.arrival_s for j in trace.jobs] + [e.at_s for e in trace.events], default=0.0)
         self.t = first
         self.snap = platform.snapshot(now=first)
+        if self.speed_learner is not None:
+            # A big job's bet on GPU models its family never ran on, as placement weighs it.
+            settings = self.speed_learner.settings
+            self.snap.set_risk(settings.risk_gpu_hours, settings.risk_factor)
         self.snap.quota = QuotaBook(OPEN, {})
         """What each tenant holds (an open platform: no quotas), as placement's book keeps it: the
         tenants' fair shares, which order the queue, are read from it."""

@@ -42,7 +42,7 @@ import msgspec
 import numpy as np
 
 from loom.model.family import job_family
-from loom.model.learn import SpeedLearner
+from loom.model.learn import LearnSettings, SpeedLearner
 from loom.model.profiles import library_models
 from loom.sched.framework import (
     SUCCESS,
@@ -431,7 +431,11 @@ def _oracle(_seed: int) -> FrameworkPolicy:
 
 def _gavel_like(_seed: int) -> FrameworkPolicy:
     return FrameworkPolicy(
-        "gavel_like", baseline_framework([GavelThroughput()]), speed_learner=SpeedLearner()
+        "gavel_like",
+        baseline_framework([GavelThroughput()]),
+        # Gavel schedules on its completed matrix's estimates as they are: no handicap for a big
+        # job on a GPU its family never ran on (Loom's LearnSettings.risk_gpu_hours).
+        speed_learner=SpeedLearner(LearnSettings(risk_gpu_hours=0.0)),
     )
 
 

@@ -988,7 +988,7 @@ def _move_loss_s(snap: Snapshot, run: RunningJob, node: int, target: int) -> flo
     the scheduler's speeds when its start is not known) scaled by the two GPUs' speeds for it."""
     spec = run.spec
     assert spec is not None
-    speeds = snap.job_speeds(spec)
+    speeds = snap.believed_speeds(spec)  # a running job: as believed (no big-job handicap)
     here = float(speeds[snap.model_of[node]] * snap.trust[snap.cluster_of[node]])
     there = float(speeds[snap.model_of[target]] * snap.trust[snap.cluster_of[target]])
     if here <= 0 or there <= 0:
@@ -1116,7 +1116,7 @@ def _room_elsewhere(snap: Snapshot, run: RunningJob, look: _Look, node: int) -> 
     nodes = nodes[snap.room(nodes, *_per_worker(run)) > 0]
     if not nodes.size:
         return None
-    speed = snap.job_speeds(spec)[snap.model_of[nodes]] * snap.trust[snap.cluster_of[nodes]]
+    speed = snap.believed_speeds(spec)[snap.model_of[nodes]] * snap.trust[snap.cluster_of[nodes]]
     return int(nodes[int(np.argmax(speed))])
 
 
