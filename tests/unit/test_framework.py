@@ -1256,6 +1256,7 @@ def test_the_big_job_handicap_steers_the_choice_and_never_a_prediction() -> None
     assert not snap.at_risk(bert("pipe", 20.0, Pipeline(layers=layers)), "bert")
     snap.measured = frozenset({("bert", "A100"), ("bert", "V100M16")})
     assert snap.at_risk(big, "bert")  # still a steady family
+    assert list(snap.job_speeds(big)) == pytest.approx([2.0, 1.0])  # the A100 now steady: no handicap
     snap.measured = frozenset()
     assert not snap.at_risk(big, "bert")
 
@@ -1268,3 +1269,27 @@ def test_loom_weighs_a_big_jobs_untried_gpus_in_the_simulator_and_gavel_like_doe
     loom, gavel = POLICIES["loom"](0), POLICIES["gavel_like"](0)
     assert loom.speed_learner is not None and loom.speed_learner.settings.risk_gpu_hours == 16.0
     assert gavel.speed_learner is not None and gavel.speed_learner.settings.risk_gpu_hours == 0.0
+
+
+def test_the_big_job_handicap_never_makes_a_spread_look_more_wasteful_than_believed() -> None:
+    """The span guard's GPU-hours bound is a prediction, read at the believed speeds: a gang that
+    only a spread over a measured V100 and an untried T4 can run (believed 1.11x the GPU-hours of
+    one cluster) is placed, not refused for good as the handicapped 0.72 T4 (1.39x) would have it."""
+    nodes = [node("v0", "cv", "r1", model="V100M16"), node("t0", "ct", "r1", model="T4")]
+    speed = {("V100M16", "training_compute"): 1.0, ("T4", "training_compute"): 0.9}
+    snap = Snapshot(nodes, net=NetMatrix(["r1"]), speed=speed, now=1_700_000_000.0)
+    snap.set_learned({("bert", "V100M16"): 1.0}, [("bert", "V100M16")])
+    snap.set_risk(16.0, 0.8)
+    gang = JobSpec(
+        job_id="gang",
+        tenant="t",
+        workers=2,
+        resources=Resources(gpus=8),
+        work=Work(steps=3600, step_time_s=20.0),
+        labels={"model": "BERT"},
+        allow_multi_cluster=True,
+    )
+    assert snap.at_risk(gang, "bert") and snap.job_speeds(gang)[snap.model_index["T4"]] == pytest.approx(0.72)
+    outcome = build_framework().schedule(gang, snap, apply=False)
+    assert outcome.decision is not None, outcome.status.reason
+    assert sorted(p.gpu_model for p in outcome.decision.parts) == ["T4", "V100M16"]

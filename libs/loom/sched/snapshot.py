@@ -728,18 +728,23 @@ class Snapshot:
         if self._steady is None or self._steady[0] is not self.measured:
             models = set(self.models)
             self._steady = (self.measured, frozenset(f for f, m in self.measured if m in models))
+            self._speed_by_job.clear()  # handicapped tables read the cells
         return self._steady[1]
 
     def job_speeds(self, job: HasLabels) -> FloatArray:
-        """Every model's per-GPU speed *for choosing this job's GPUs*, indexed like :attr:`models`
-        (cached per family).
+        """Every model's per-GPU speed *for ranking this job's candidate GPUs*, indexed like
+        :attr:`models` (cached per family).
 
         :meth:`believed_speeds`, except that a big job's speeds on the models its family never ran
-        on steadily are weighed down by :attr:`risk` (:meth:`at_risk`). Every decision that weighs
-        one GPU against another for a job (scoring, patience, the span guard, queued jobs' holds)
-        reads this; what a job is predicted to take where it runs or is placed (its predicted step,
-        a running job's move, speed probes) reads :meth:`believed_speeds`, so the handicap steers
-        the choice without making any prediction longer.
+        on steadily are weighed down by :attr:`risk` (:meth:`at_risk`). The scores read this
+        (``compute.delivered_speed``: SCU fit, the joint and JCT scores, cost, the packing
+        slowdowns, the rare and gang holds' choice between candidates), and so do the relative
+        speeds ``advantage`` weighs and where a dataset is staged. Everything that predicts how long
+        a run takes reads :meth:`believed_speeds`: the job's predicted step, whether waiting for
+        another pool ends it sooner (``single_cluster_options``), the span guard's GPU-hours bound,
+        queued and running jobs' runs, backfill, moves and speed probes. So the handicap tilts which
+        GPUs a big job takes among those it may start on, never whether it waits, a bound or a
+        prediction.
         """
         family = job_family(job) if self.learned else ""
         return self._job_table(job, family, self.at_risk(job, family))

@@ -119,7 +119,7 @@ class Backfill(WaitingJobs):
     def _run_s(self, state: CycleState, c: int, m: int) -> float:
         """The job's run alone in pool (c, m): steps x (compute there + all-reduce in the cluster)."""
         job, snap = state.job, state.snapshot
-        speed = float(snap.job_speeds(job)[m] * snap.trust[c])
+        speed = float(snap.believed_speeds(job)[m] * snap.trust[c])
         comm = 0.0
         if job.comm is not None:
             comm = float(

@@ -355,7 +355,7 @@ def _run_of(snap: Snapshot, q: QueuedShape) -> FloatArray | None:
     """A queued job's predicted run on each GPU model at the believed speeds; None when not known."""
     if q.job is None or not math.isfinite(q.work_s) or q.work_s <= 0:
         return None
-    runs: FloatArray = q.work_s / np.maximum(snap.job_speeds(q.job), 1e-9)
+    runs: FloatArray = q.work_s / np.maximum(snap.believed_speeds(q.job), 1e-9)
     return runs
 
 

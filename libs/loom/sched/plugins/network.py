@@ -834,7 +834,7 @@ def single_cluster_options(
     c_idx, m_idx = np.nonzero(pools)
     if c_idx.size == 0:
         return []
-    speed = snap.job_speeds(job)[m_idx] * snap.trust[c_idx]
+    speed = snap.believed_speeds(job)[m_idx] * snap.trust[c_idx]
     bytes_per_step, rounds = _comm_of(job)
     comm = float(allreduce_s(bytes_per_step, rounds, INTRA_CLUSTER_RTT_MS, INTRA_CLUSTER_GBPS, workers))
     # An inference job's step also waits its users' round trip from the pool's region (0 else).
@@ -1628,7 +1628,7 @@ def like_spreads(
         return []
     snap, job = state.snapshot, state.job
     low, workers = state.min_workers, state.target_workers
-    speed = snap.job_speeds(job)[model] * snap.trust[cluster]
+    speed = snap.believed_speeds(job)[model] * snap.trust[cluster]
     region_of, names = _region_indices(snap)
     r_count, c_count = len(names), len(snap.clusters)
     region = region_of[cluster]
@@ -1725,7 +1725,7 @@ def _spread_floor(state: CycleState, counts: FloatArray, workers: int) -> Spread
     job = state.job
     if float(counts.max(axis=1, initial=0.0).sum()) < workers:
         return None
-    raw = snap.job_speeds(job)[: counts.shape[1]]
+    raw = snap.believed_speeds(job)[: counts.shape[1]]
     held = counts > 0
     speeds = np.unique(raw[held.any(axis=0)])
     trust = snap.trust

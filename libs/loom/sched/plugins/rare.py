@@ -316,7 +316,7 @@ def kept_for_queued(state: CycleState, rare: Sequence["RareShape"]) -> IntArray:
             continue  # none of them can run on these nodes: no wait for them to add to
         if ends is None:
             ends = node_ends(snap)
-            speeds = snap.job_speeds(job)
+            speeds = snap.believed_speeds(job)
         frees = np.where(
             room_now,
             0.0,
@@ -423,7 +423,7 @@ def _shape_run(snap: Snapshot, entries: Sequence[tuple[str, IntArray]], nodes: I
         job = q.job if q is not None else None
         if not isinstance(job, JobSpec) or not mine.size:
             continue
-        speed = snap.job_speeds(job)[snap.model_of[nodes]] * snap.trust[snap.cluster_of[nodes]]
+        speed = snap.believed_speeds(job)[snap.model_of[nodes]] * snap.trust[snap.cluster_of[nodes]]
         usable = np.isin(nodes, mine) & (speed > 0)
         if not usable.any():
             continue
