@@ -236,6 +236,26 @@ MEASURED = frozenset(
     (family_of({}, task), model) for task in REAL_TASKS for model in {n.gpu_model for n in PLATFORM.nodes}
 )
 
+STEADY_ON = ("P100", "V100M16")
+"""The models each family has steady runs on in :class:`RiskyPolicy`; the others are untried."""
+RISKY_LEARNED = {(family, model): (1.0 if model in STEADY_ON else 1.15) for family, model in MEASURED}
+RISKY_MEASURED = frozenset((family, model) for family, model in MEASURED if model in STEADY_ON)
+RISK = (2.0, 0.8)
+"""The big-job handicap at 2 reference GPU-hours (a job of 180+ steps x 4 GPUs here), so that this
+trace's jobs meet it: placement's default is 16."""
+
+
+class RiskyPolicy(FrameworkPolicy):
+    """Loom with learned factors, each family steady on two models only, and the big-job handicap
+    on (``Snapshot.set_risk``): a big job weighs the untried models at 0.8 of their (higher)
+    estimate in its choice, and its predictions and waits keep the estimate (a service adopts the
+    same cells and risk)."""
+
+    def prepare(self, snap: Any, jobs: Any, truth: Any, seed: int) -> None:
+        super().prepare(snap, jobs, truth, seed)
+        snap.set_learned(RISKY_LEARNED, RISKY_MEASURED)
+        snap.set_risk(*RISK)
+
 
 # Derandomized as the test above; 600 random cases per seed passed on 8 seeds while building it.
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
@@ -246,6 +266,15 @@ def test_the_service_decides_what_the_simulator_decides_where_gpu_speeds_differ(
     """Real task types: decisions wait for faster GPUs (a permit's patience, its wake included)
     and, with every cell measured, weigh comparative advantage."""
     same_decisions(jobs, measured=measured)
+
+
+# Derandomized as above; 600 random cases passed while building it.
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(traces(REAL_TASKS))
+def test_the_service_decides_what_the_simulator_decides_with_the_big_job_handicap(jobs: list[SimJob]) -> None:
+    """Learned factors, cells steady on some models only, and the big-job handicap on: both sides
+    weigh a big job's untried models alike in the choice and predict its run alike."""
+    same_decisions(jobs, risky=True)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
@@ -515,11 +544,14 @@ def test_cases_where_the_simulator_decided_otherwise(case: dict[str, Any]) -> No
     same_decisions(jobs, measured=case["measured"], budget=case["budget"])
 
 
-def same_decisions(jobs: list[SimJob], *, measured: bool = False, budget: int = 64) -> None:
+def same_decisions(
+    jobs: list[SimJob], *, measured: bool = False, budget: int = 64, risky: bool = False
+) -> None:
     """The simulator plays ``jobs`` (``budget``: its decisions per pass, the rest in passes at the
     same instant); the service, fed the same events, decides every job alike."""
     framework = build_framework(context={"economics": PLATFORM.economics})
-    policy = MeasuredPolicy("loom", framework) if measured else FrameworkPolicy("loom", framework)
+    kind = RiskyPolicy if risky else MeasuredPolicy if measured else FrameworkPolicy
+    policy = kind("loom", framework)
     sim = simulate(
         Trace(list(jobs)),
         PLATFORM,
@@ -541,6 +573,9 @@ def same_decisions(jobs: list[SimJob], *, measured: bool = False, budget: int = 
     svc = service()
     if measured:
         svc.book.set_learned({}, MEASURED)
+    if risky:
+        svc.book.set_learned(RISKY_LEARNED, RISKY_MEASURED)
+        svc.book.risk = RISK
     got = replay(svc, jobs, ends, sim.reports)
     assert to_the_nanosecond(got, expected) == expected
 
