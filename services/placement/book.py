@@ -441,7 +441,7 @@ class Book:
     def speed(self, model: str, task_type: str, precision: Precision = "fp32") -> float:
         """One GPU's SCU for a task type at a precision (:data:`~loom.model.scu.UNPROFILED_SPEED` for
         a model the library does not know): what a job's learned factor multiplies, as the snapshot's
-        :meth:`~loom.sched.snapshot.Snapshot.job_speeds` does."""
+        :meth:`~loom.sched.snapshot.Snapshot.believed_speeds` does."""
         table = self._speeds([model])
         fp32 = table.get((model, task_type), UNPROFILED_SPEED)
         if precision == "fp16":

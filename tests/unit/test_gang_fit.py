@@ -577,3 +577,33 @@ def test_a_room_that_moves_to_never_for_a_gang_that_waits_for_it_is_infinite_har
     assert _rooms_delay(before, after, queued=1, rate=0.0, horizon=3_600.0) == 100.0
     assert _rooms_delay(before, after, queued=2, rate=0.0, horizon=3_600.0) == math.inf
     assert _rooms_delay(before, after, queued=1, rate=1e-3, horizon=3_600.0) == math.inf
+
+
+def test_the_big_job_handicap_leaves_the_gang_hold_at_the_believed_runs() -> None:
+    """A big job's handicap ranks candidates only: the hold weighs its run and harm at the believed
+    speeds (``believed_jct_s``). Handicapped at 0.5, cb's untried T4 (believed 1.5x slower) would
+    look 3x slower, beyond the 2x within which a place counts as an alternative, and the hold
+    would let the job take the gangs' cluster; at the believed runs it is marked as unhandicapped."""
+    from loom.sched.plugins.network import believed_jct_s
+
+    snap = platform(gangs=40, cb_model="T4", cb_speed=1.0 / 1.5)
+    snap.set_learned({("bert", MODEL): 1.0, ("bert", "T4"): 1.0}, [("bert", MODEL)])
+    snap.set_risk(16.0, 0.5)
+    big = JobSpec(
+        job_id="long", tenant="t", resources=Resources(gpus=1), work=Work(steps=60_000, step_time_s=1.0),
+        labels={"model": "BERT"},
+    )  # fmt: skip
+    assert snap.job_at_risk(big)
+    framework = build_framework()
+    state = framework.new_state(big, snap)
+    assert framework.run_pre_filters(state).ok
+    candidates = framework.find_candidates(state)
+    (ca,) = [k for k in range(len(candidates)) if snap.clusters[int(candidates.cluster[k])].id == "ca"]
+    (cb,) = [k for k in range(len(candidates)) if snap.clusters[int(candidates.cluster[k])].id == "cb"]
+    ranked, believed = predicted_jct_s(state, candidates), believed_jct_s(state, candidates)
+    assert ranked[cb] == pytest.approx(3.0 * ranked[ca])  # what the scores see
+    assert believed[cb] == pytest.approx(1.5 * believed[ca])  # what the hold weighs
+    assert bool(GangFit().marked(state, candidates)[ca]) and not GangFit().marked(state, candidates)[cb]
+    small = framework.new_state(spec("short", steps=600), snap)
+    assert not snap.job_at_risk(small.job)
+    assert believed_jct_s(small, candidates) is predicted_jct_s(small, candidates)  # the same array

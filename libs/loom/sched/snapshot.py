@@ -394,7 +394,8 @@ class QueuedShape:
     per_worker: int
     pools: BoolArray
     job: HasLabels | None = None
-    """The job (its speeds per GPU model: :meth:`Snapshot.job_speeds`); None: its run is not known."""
+    """The job (its believed speeds per GPU model: :meth:`Snapshot.believed_speeds`); None: its run
+    is not known."""
     work_s: float = math.inf
     """Its steps x reference step time: a run of ``work_s / speed`` on GPUs of that speed."""
 
@@ -722,6 +723,10 @@ class Snapshot:
         )
         return gpu_h >= self.risk[0]
 
+    def job_at_risk(self, job: HasLabels) -> bool:
+        """:meth:`at_risk` with the family :meth:`job_speeds` reads (none while nothing is learned)."""
+        return self.risk is not None and self.at_risk(job, job_family(job) if self.learned else "")
+
     def _steady_families(self) -> frozenset[str]:
         """The families with a :attr:`measured` cell on a GPU model of this snapshot (kept while
         :attr:`measured` is the same set)."""
@@ -738,13 +743,13 @@ class Snapshot:
         :meth:`believed_speeds`, except that a big job's speeds on the models its family never ran
         on steadily are weighed down by :attr:`risk` (:meth:`at_risk`). The scores read this
         (``compute.delivered_speed``: SCU fit, the joint and JCT scores, cost, the packing
-        slowdowns, the rare and gang holds' choice between candidates), and so do the relative
-        speeds ``advantage`` weighs and where a dataset is staged. Everything that predicts how long
-        a run takes reads :meth:`believed_speeds`: the job's predicted step, whether waiting for
-        another pool ends it sooner (``single_cluster_options``), the span guard's GPU-hours bound,
-        queued and running jobs' runs, backfill, moves and speed probes. So the handicap tilts which
-        GPUs a big job takes among those it may start on, never whether it waits, a bound or a
-        prediction.
+        slowdowns), and so do the relative speeds ``advantage`` weighs and where a dataset is
+        staged. Everything that predicts how long a run takes reads :meth:`believed_speeds`: the
+        job's predicted step, whether waiting for another pool ends it sooner
+        (``single_cluster_options``), the span guard's GPU-hours bound, the rare and gang holds
+        (``network.believed_jct_s``), queued and running jobs' runs, backfill, moves and speed
+        probes. So the handicap tilts which GPUs a big job takes among those it may start on,
+        never whether it waits, a hold, a bound or a prediction.
         """
         family = job_family(job) if self.learned else ""
         return self._job_table(job, family, self.at_risk(job, family))

@@ -55,7 +55,8 @@ parent is rejected too.
 tables the scheduler cannot see; the packaged Gavel + Lambda tables unless ``simulate(...,
 truth=...)`` says otherwise), and the scheduler's *belief* is recorded next to it. The belief is
 :func:`loom.sched.plugins.network.predict_step_s` on the decision's parts with the speeds placement
-scored with (``Snapshot.job_gpu_speed``: SCU x what was learned, x the cluster's trust):
+believes (``Snapshot.job_gpu_speed``: SCU x what was learned, x the cluster's trust; a big job's
+handicap on untried models ranks candidates only and is not in it):
 ``compute = step_time_s / speed`` of the slowest part, plus a ring all-reduce over the slowest link
 between the parts' regions; exactly what the ``jct`` plugin binds as ``predicted_step_s`` for Loom,
 computed here for every policy. The truth is the same network model on the parts' *true* speeds

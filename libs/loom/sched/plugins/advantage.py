@@ -7,7 +7,8 @@ in all. Gavel (Narayanan et al., OSDI 2020) allocates by throughput *normalised*
 reason; :class:`ComparativeAdvantage` is the same idea as one score among the framework's.
 
 For the job and each GPU model, its *relative speed* is its per-GPU speed there (what it believes,
-learned speeds included: :meth:`~loom.sched.snapshot.Snapshot.job_speeds`) over its speed on its
+learned speeds included, as a choice weighs it: :meth:`~loom.sched.snapshot.Snapshot.job_speeds`,
+with a big job's handicap on untried models) over its speed on its
 fastest model. The *going rate* of a model is the relative speed there of the jobs that hold GPUs
 or wait for them (:func:`going_rate`), weighted by their GPUs. The raw score is the job's relative
 speed over the going rate: 1 everywhere for a job like the others, above 1 on the models the job

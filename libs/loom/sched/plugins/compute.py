@@ -20,6 +20,14 @@ def delivered_speed(state: CycleState, candidates: Candidates) -> FloatArray:
     return speed
 
 
+def believed_speed(state: CycleState, candidates: Candidates) -> FloatArray:
+    """:func:`delivered_speed` at the believed speeds (``Snapshot.believed_speeds``: without the
+    big-job handicap, which only ranks candidates): for what predicts a run's length."""
+    snap = state.snapshot
+    speed: FloatArray = snap.believed_speeds(state.job)[candidates.model] * snap.trust[candidates.cluster]
+    return speed
+
+
 _SPEED_KEY: StateKey[bytes] = StateKey("compute.speed_key")
 
 
@@ -125,6 +133,7 @@ __all__ = [
     "ScuFit",
     "Trust",
     "WaterLevel",
+    "believed_speed",
     "delivered_speed",
     "min_max",
     "speed_key",

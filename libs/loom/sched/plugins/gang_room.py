@@ -83,8 +83,8 @@ from loom.sched.plugins.network import (
     MIN_WAIT_S,
     PoolOption,
     behind_queue,
+    believed_jct_s,
     claim,
-    predicted_jct_s,
     queue_claims,
     single_cluster_options,
     whole_gang_pools,
@@ -550,7 +550,7 @@ class GangFit:
         none = np.zeros(k, dtype=np.bool_)
         if not k or not state.get(_GANGS, []):
             return none
-        jct = predicted_jct_s(state, candidates)
+        jct = believed_jct_s(state, candidates)  # believed: a hold predicts runs and harm
         harm = self.harm(state, candidates, jct)
         state.write(
             _VERDICT, Verdict(candidates.cluster, candidates.model, harm, jct) if harm.any() else None

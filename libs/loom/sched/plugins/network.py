@@ -38,7 +38,7 @@ from loom.sched.availability import (
 )
 from loom.sched.elastic import pace_scale
 from loom.sched.framework import SUCCESS, Candidates, Code, CycleState, Decision, StateKey, Status
-from loom.sched.plugins.compute import delivered_speed, speed_key
+from loom.sched.plugins.compute import believed_speed, delivered_speed, speed_key
 from loom.sched.plugins.data import data_delay_s, data_key, data_placement
 from loom.sched.snapshot import (
     INTRA_REGION_GBPS,
@@ -68,6 +68,7 @@ __all__ = [
     "RegionLinks",
     "StepEstimate",
     "allreduce_s",
+    "believed_jct_s",
     "gang_links",
     "jobs_labelled",
     "latency_quality",
@@ -598,9 +599,21 @@ def predicted_jct_s(state: CycleState, candidates: Candidates) -> FloatArray:
     return jct
 
 
-def _predicted_jct_s(state: CycleState, candidates: Candidates) -> FloatArray:
+def believed_jct_s(state: CycleState, candidates: Candidates) -> FloatArray:
+    """:func:`predicted_jct_s` at the believed speeds (``compute.believed_speed``): the same array
+    unless the job is at risk (``Snapshot.job_at_risk``), whose handicap only ranks candidates.
+    What a hold weighs a run's length and its harm to others by (``rare_fit``, ``gang_fit``)."""
+    if not state.snapshot.job_at_risk(state.job):
+        return predicted_jct_s(state, candidates)
+    return _predicted_jct_s(state, candidates, believed_speed(state, candidates))
+
+
+def _predicted_jct_s(
+    state: CycleState, candidates: Candidates, speed: FloatArray | None = None
+) -> FloatArray:
     job = state.job
-    speed = delivered_speed(state, candidates)
+    if speed is None:
+        speed = delivered_speed(state, candidates)
     gang = gang_links(state, candidates, speed)
     bytes_per_step, rounds = _comm_of(job)
     compute_s = job.work.step_time_s / np.maximum(gang.speed, 1e-9)

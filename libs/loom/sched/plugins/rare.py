@@ -20,7 +20,7 @@ ended, by their predicted ends). A candidate whose workers would take that room,
 ``A``, moves it to ``A'`` (its predicted run ``T`` on the nodes it takes, as the framework packs
 them); jobs of ``s`` arriving ``t`` seconds from now, within ``H``, wait ``max(A' − t, 0)`` instead
 of ``max(A − t, 0)``: the harm, ``λ·∫(…)dt``. Sent to the fastest candidate that harms nothing, the
-job itself runs ``T_alt − T`` longer (:func:`~loom.sched.plugins.network.predicted_jct_s`). A
+job itself runs ``T_alt − T`` longer (:func:`~loom.sched.plugins.network.believed_jct_s`). A
 candidate is marked when its harm exceeds that loss and ``T_alt`` is at most
 :data:`RARE_MAX_SLOWDOWN` ``x T``; marked candidates score 0, the others 100 (weight
 :data:`RARE_FIT_WEIGHT`: the mark decides between them). Nothing is marked when every candidate
@@ -80,7 +80,7 @@ from loom.sched.framework import (
     Status,
     pack_workers,
 )
-from loom.sched.plugins.network import MIN_WAIT_S, predicted_jct_s, single_cluster_options, whole_gang_pools
+from loom.sched.plugins.network import MIN_WAIT_S, believed_jct_s, single_cluster_options, whole_gang_pools
 from loom.sched.probe import is_probe
 from loom.sched.snapshot import BoolArray, FloatArray, IntArray, RunningJob, Snapshot, WorkerShape
 from loom_proto.jobs import JobSpec
@@ -650,7 +650,7 @@ class RareFit:
         if not k or not rare:
             return none
         snap = state.snapshot
-        jct = predicted_jct_s(state, candidates)
+        jct = believed_jct_s(state, candidates)  # believed: a hold predicts runs and harm
         ok = np.isfinite(jct) & (jct > 0)
         own = WorkerShape.of(state.job)
         harm = np.zeros(k, dtype=np.float64)
