@@ -3064,7 +3064,7 @@ class PlacementService:
         estimate = self.learner.estimate(family, gpu_model)
         used = snap.learned.get((family, gpu_model), 1.0)
         risk = ""
-        if snap.risk is not None and snap.at_risk(job, family if snap.learned else ""):
+        if snap.risk is not None and snap.job_at_risk(job):
             risk = (
                 f"; a job of {snap.risk[0]:g}+ GPU-hours: GPU models its family has no steady runs on"
                 f" counted at x{snap.risk[1]:g} in the choice"

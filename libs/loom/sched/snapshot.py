@@ -725,7 +725,7 @@ class Snapshot:
 
     def job_at_risk(self, job: HasLabels) -> bool:
         """:meth:`at_risk` with the family :meth:`job_speeds` reads (none while nothing is learned)."""
-        return self.risk is not None and self.at_risk(job, job_family(job) if self.learned else "")
+        return self.at_risk(job, job_family(job) if self.learned else "")
 
     def _steady_families(self) -> frozenset[str]:
         """The families with a :attr:`measured` cell on a GPU model of this snapshot (kept while
